@@ -1,0 +1,105 @@
+"""The backend interface: data structures that cross into ops, and the ops' signatures.
+
+Activations are 2-D ``[num_tokens, features]`` arrays of the backend's activation dtype
+(fp32 on numpy, bf16-as-uint16 on cuda). A step's tokens are flattened over sequences
+(varlen layout)::
+
+    token_ids     [ a0 a1 a2 a3 | b0 | c0 c1 ]      T = 7 tokens this step
+    query_start   [ 0,           4,   5,    7 ]     B + 1 offsets
+    context_lens  [ 4,           9,   2     ]       KV length of each sequence after this step
+    block_tables  [[3, 0, 0], [5, 6, 0], [8, 0, 0]] padded with the null block 0
+    slot_mapping  [ 48 49 50 51 | 104 | 128 129 ]   block * block_size + offset of each new token
+    logits_rows   [ 3, 4, 6 ]                       rows whose logits are sampled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from openinfer.rope import RotaryEmbedding
+
+
+@dataclass
+class ForwardBatch:
+    """One step's input, built by the runner on the host (NumPy int32 arrays)."""
+
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    query_start: np.ndarray  # [B+1]
+    context_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max_blocks_per_seq]
+    slot_mapping: np.ndarray  # [T]
+    logits_rows: np.ndarray  # [R] rows of T to compute logits for
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+DeviceBatch = Any  # a ForwardBatch whose arrays live on the backend's device
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention layer, for ``ops.attention``."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RotaryEmbedding | None
+    scale: float
+    q_norm: Any = None  # per-head RMSNorm weight [head_dim] applied before RoPE (Qwen3), or None
+    k_norm: Any = None
+    norm_eps: float = 1e-6
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
+class KVLayer:
+    """One layer's paged KV: ``k``/``v`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    k: Any
+    v: Any
+
+
+class Backend(Protocol):
+    name: str
+    xp: Any  # numpy or cupy
+
+    # --- placing data ---
+    def upload(self, array: np.ndarray) -> Any: ...                  # activations/small tensors
+    def weight(self, array: np.ndarray) -> Any: ...                  # norms, embeddings
+    def linear_weight(self, weight: np.ndarray, bias: np.ndarray | None = None) -> Any: ...
+    def prepare_batch(self, batch: ForwardBatch) -> DeviceBatch: ...
+    def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer: ...
+    def to_host(self, x: Any) -> np.ndarray: ...                     # float32 on the host
+
+    # --- ops ---
+    def embedding(self, table: Any, token_ids: Any) -> Any: ...
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
+    def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]: ...
+    def linear(self, x: Any, weight: Any) -> Any: ...
+    def silu_mul(self, gate_up: Any) -> Any: ...
+    def attention(self, qkv: Any, spec: AttentionSpec, kv: KVLayer, batch: DeviceBatch) -> Any: ...
+    def gather_rows(self, x: Any, rows: Any) -> Any: ...
+    def add(self, a: Any, b: Any) -> Any: ...

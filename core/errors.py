@@ -1,0 +1,89 @@
+"""Every error openinfer raises on purpose, as one small hierarchy.
+
+Messages say what was wrong and what to change. Frontends map the classes to wire codes:
+``InvalidRequestError`` → HTTP 400 / gRPC INVALID_ARGUMENT, ``QueueFullError`` → HTTP 503 /
+gRPC RESOURCE_EXHAUSTED, ``ModelSelectionError`` and its subclasses → start-up failures.
+"""
+
+from __future__ import annotations
+
+
+class OpenInferError(Exception):
+    """Base class of every error openinfer raises on purpose."""
+
+
+# --- choosing a model and a plugin -------------------------------------------------------------
+
+
+class ModelSelectionError(OpenInferError):
+    """The model directory could not be matched to an installed plugin."""
+
+
+class ModelPathNotFoundError(ModelSelectionError):
+    def __init__(self, path: str):
+        super().__init__(f"model path {path!r} does not exist; pass a directory holding config.json")
+        self.path = path
+
+
+class ConfigNotFoundError(ModelSelectionError):
+    def __init__(self, path: str):
+        super().__init__(
+            f"no config.json in {path!r}; a model directory needs config.json beside its *.safetensors"
+        )
+        self.path = path
+
+
+class ConfigNotJSONError(ModelSelectionError):
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path} is not valid JSON ({reason}); fix or replace the file")
+        self.path = path
+
+
+class NoPluginError(ModelSelectionError):
+    """No installed plugin claims the model's architecture."""
+
+
+class AmbiguousPluginError(ModelSelectionError):
+    """Two plugins claim the model with the same score."""
+
+
+class PluginLoadError(ModelSelectionError):
+    """An installed plugin failed to import or registered invalid hooks."""
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class InvalidRequestError(OpenInferError, ValueError):
+    """A request the engine refuses; ``field`` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class QueueFullError(OpenInferError):
+    """The bounded waiting queue is full; the client should retry later."""
+
+    def __init__(self, max_queue: int, retry_after_s: int = 1):
+        super().__init__(
+            f"the engine's waiting queue is full ({max_queue} requests); retry in {retry_after_s}s "
+            "or start the server with a larger --max-queue"
+        )
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(OpenInferError):
+    """The engine loop stopped (crash or shutdown); no request can be served."""
+
+
+# --- weights and backends ------------------------------------------------------------------------
+
+
+class WeightLoadError(OpenInferError):
+    """A checkpoint is missing tensors, has wrong shapes or an unsupported dtype."""
+
+
+class BackendUnavailableError(OpenInferError):
+    """The requested backend (e.g. cuda) cannot run on this machine."""

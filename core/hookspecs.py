@@ -1,0 +1,49 @@
+"""The hooks a model plugin implements — this module is the plugin author's reference.
+
+A plugin is a module or object registered under the entry point group ``openinfer.models``::
+
+    # pyproject.toml of your distribution
+    [project.entry-points."openinfer.models"]
+    llama = "openinfer_llama.plugin"
+
+and decorates its functions with ``openinfer.hookimpl``. Core reads ``config.json``, asks
+every plugin's ``openinfer_match``, and calls ``openinfer_create_engine`` on the single
+plugin with the highest score only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "openinfer"
+ENTRY_POINT_GROUP = "openinfer.models"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def openinfer_match(config: dict[str, Any]) -> int | None:
+    """Score how well this plugin serves a model, from its parsed ``config.json``.
+
+    Return ``None`` when the plugin cannot serve it, else an int: 100 for an exact
+    ``architectures`` match, lower for a generic fallback (e.g. ``model_type`` only).
+    Multimodal checkpoints keep text fields under ``config["text_config"]``.
+    """
+
+
+@hookspec
+def openinfer_create_engine(model_path: str, config: dict[str, Any], options: Any) -> Any:
+    """Build the engine (an ``openinfer.EngineHandle``) for a model this plugin matched.
+
+    ``options`` is an ``openinfer.EngineOptions``. Most plugins build a model object and
+    return ``openinfer.PagedEngine(model, options)``; a plugin may return its own engine.
+    Called only on the plugin whose ``openinfer_match`` won.
+    """
+
+
+@hookspec
+def openinfer_claims() -> list[str]:
+    """The architectures / model types this plugin serves, for ``openinfer plugins``."""

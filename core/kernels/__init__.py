@@ -1,0 +1,1 @@
+"""CUDA kernel sources (package data), compiled at run time by cupy.RawModule."""

@@ -1,0 +1,158 @@
+"""The block pool: fixed-size KV blocks with ref counts and a prefix cache.
+
+::
+
+    block ids      0      1      2      3      4   ...  N-1
+                 [null] [ A  ] [ A  ] [ B  ] [free] ... [free]
+    ref count      -      1      1      2      0          0
+    hash           -     h0     h1     h0'     -          -
+
+Block 0 is reserved as the *null block*: padded entries of block tables point at it, so a
+kernel reading past a sequence's end reads harmless memory and never another request's KV.
+
+Invariants:
+- A block is either in use (ref_count > 0) or in the free queue, never both.
+- The free queue is in eviction order: least recently freed first. A freed block keeps its
+  hash (and stays findable in ``cached``) until it is taken from the front and reused, so a
+  request arriving after its prefix's owner finished still hits the cache (LRU eviction).
+- Only full blocks are hashed. A block's hash chains its parent's hash with its own token ids
+  and ``extra_key`` (anything else that changes KV: LoRA, model revision, cache salt), so equal
+  hashes mean equal prefixes; token ids are stored and compared too, so a hash collision can
+  never serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NULL_BLOCK_ID = 0
+_ROOT_HASH = b"openinfer-prefix-cache-v1"
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str = "") -> bytes:
+    """Chained hash of one full block: H(parent, tokens, extra_key)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_hash if parent_hash is not None else _ROOT_HASH)
+    digest.update(extra_key.encode())
+    digest.update(b"|")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return digest.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` token slots; block 0 is the null block."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks[NULL_BLOCK_ID].ref_count = 1  # never freed, never handed out
+        # Free blocks in eviction order (front = evicted first). OrderedDict gives O(1) removal
+        # when a cached free block is revived by a prefix hit.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or free)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """The cached block holding exactly these tokens after this parent chain, if any."""
+        if not self.enable_prefix_cache:
+            return None
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    # --- verbs ---------------------------------------------------------------------------------
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` fresh blocks from the front of the free queue (evicting their
+        cached content). Raises when there are not enough; check ``can_allocate`` first."""
+        if num_blocks > self.num_free_blocks:
+            raise MemoryError(f"asked for {num_blocks} KV blocks, {self.num_free_blocks} free")
+        taken = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._forget(block)
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit); revives free ones."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block. Pass blocks in the order they should be
+        evicted (callers pass a request's blocks tail-first so shared prefixes live longest)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block_id == NULL_BLOCK_ID or block.ref_count <= 0:
+                raise AssertionError(f"double free of KV block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)  # uncached: reuse first
+                else:
+                    self.free_queue[block_id] = None
+
+    def cache_full_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Publish a now-full block under its chained hash (first writer wins)."""
+        if not self.enable_prefix_cache:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks[1:]:
+            self._forget(block)
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()

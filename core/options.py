@@ -1,0 +1,45 @@
+"""Engine options: the knobs ``openinfer serve`` / ``generate`` pass to a plugin's engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from openinfer.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every option has a default that works on a laptop CPU.
+
+    ``device``: "auto" (cuda when CuPy sees a GPU, else cpu), "cuda" or "cpu".
+    ``num_kv_blocks``: explicit KV pool size in blocks; None sizes it from memory
+    (``gpu_memory_utilization`` on cuda; ``cpu_kv_cache_gib`` on the CPU).
+    """
+
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 on cuda, 512 on cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_cache: bool = True
+    cuda_graph: bool = True
+    max_queue: int = 1024
+    served_model_name: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(known)}", field=unknown[0]
+            )
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in ("max_model_len",)})
+
+    def with_(self, **changes: Any) -> EngineOptions:
+        return replace(self, **changes)

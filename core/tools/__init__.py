@@ -1,0 +1,1 @@
+"""Developer tools shipped with the package (code generation)."""

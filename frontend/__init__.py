@@ -1,0 +1,1 @@
+"""Frontends: OpenAI-compatible HTTP and gRPC servers over any EngineHandle."""
