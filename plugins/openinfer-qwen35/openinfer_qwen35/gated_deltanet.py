@@ -1,0 +1,145 @@
+"""Gated DeltaNet in NumPy fp32: the causal conv, the chunked delta-rule prefill (chunk 64),
+the recurrent decode step and the gated RMSNorm — the reference the CUDA kernels are tested
+against.
+
+One token's path through a linear-attention layer (``nk`` key heads, ``nv`` value heads,
+``nv`` a multiple of ``nk``; value head ``h`` reads key head ``h // (nv // nk)``)::
+
+    x ─ in_proj ─┬─ [q | k | v] ─ causal depthwise conv1d (kernel K) ─ SiLU ─┐
+                 ├─ z                                                     │
+                 ├─ b ─ sigmoid ─────────────────────────────── beta      │
+                 └─ a ─ g = -exp(A_log) · softplus(a + dt_bias)           │
+                                                                          ▼
+        q, k: l2-normalised (q also × dk^-½); delta rule per value head h:
+            S ← exp(g) · S
+            S ← S + k ⊗ beta · (v - Sᵀk)          S: [dk, dv] fp32
+            o = Sᵀ q
+        o ─ RMSNorm(o) · w · silu(z) ─ out_proj ─ y
+
+Per-request recurrent state (one state slot per request, see ``openinfer.kv.state_slots``)::
+
+    conv_state [num_slots, K - 1, conv_dim]    the last K-1 conv inputs, oldest first
+    ssm_state  [num_slots, nv, dk, dv] fp32     the delta-rule matrix S of each value head
+
+The chunked algorithm (prefill) is exact: it folds C = 64 sequential updates into a unit
+lower-triangular solve (the UT transform) and a few matmuls per chunk, and carries ``S``
+between chunks, so a prompt split at any point gives the same state as one pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK_SIZE = 64
+L2_NORM_EPS = 1e-6
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus (threshold 20: linear above it)."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def l2_normalize(x: np.ndarray, eps: float = L2_NORM_EPS) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+# --- causal depthwise conv1d -------------------------------------------------------------------
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal conv + SiLU over one sequence's new tokens.
+
+    ``x [L, C]`` new inputs, ``weight [C, K]``, ``conv_state [K-1, C]`` the previous inputs
+    (zeros at the start of a request). Returns ``(out [L, C], new_state [K-1, C])``.
+    """
+    width = weight.shape[1]
+    window = np.concatenate([conv_state, x], axis=0)  # [K-1+L, C]
+    length = x.shape[0]
+    out = np.zeros_like(x)
+    for j in range(width):  # out[t] = sum_j w[:, j] * window[t + j]
+        out += window[j : j + length] * weight[:, j]
+    return silu(out), window[window.shape[0] - (width - 1) :].copy()
+
+
+def causal_conv1d_step(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One decode token per sequence: ``x [B, C]``, ``conv_states [B, K-1, C]``."""
+    window = np.concatenate([conv_states, x[:, None, :]], axis=1)  # [B, K, C]
+    out = np.einsum("bkc,ck->bc", window, weight)
+    return silu(out), window[:, 1:].copy()
+
+
+# --- the gated delta rule ----------------------------------------------------------------------
+
+
+def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                           state: np.ndarray, chunk_size: int = CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """The chunked (UT-transform) gated delta rule over one sequence.
+
+    ``q, k [L, H, dk]`` already normalised (and q scaled), ``v [L, H, dv]``, ``g, beta [L, H]``,
+    ``state [H, dk, dv]`` (fp32). Returns ``(out [L, H, dv], new_state [H, dk, dv])``.
+
+    Per chunk of C tokens with cumulative log-decay ``c_t``: ``D[i,j] = exp(c_i - c_j)`` (i ≥ j),
+    ``(I + tril(βK Kᵀ ∘ D, -1)) [U | W] = [βV | βK·exp(c)]``; then with the state ``S`` entering
+    the chunk: ``V' = U - W S``, ``O = (Q·exp(c)) S + (Q Kᵀ ∘ D) V'``,
+    ``S ← exp(c_C) S + (K·exp(c_C - c))ᵀ V'``.
+    """
+    length, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk_size
+    num_chunks = (length + pad) // chunk_size
+
+    def chunks(x: np.ndarray) -> np.ndarray:  # [L, H, ...] -> [H, N, C, ...]
+        x = np.moveaxis(x.astype(np.float32, copy=False), 0, 1)
+        x = np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(heads, num_chunks, chunk_size, *x.shape[2:])
+
+    q_c, k_c, v_c, g_c, beta_c = (chunks(x) for x in (q, k, v, g, beta))
+    cum = np.cumsum(g_c, axis=-1)  # [H, N, C]
+    lower = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))
+    log_decay = np.where(lower, cum[..., :, None] - cum[..., None, :], -np.inf)
+    decay = np.exp(log_decay)  # [H, N, C, C], zero above the diagonal
+    k_beta = k_c * beta_c[..., None]
+    v_beta = v_c * beta_c[..., None]
+    k_t = np.swapaxes(k_c, -1, -2)
+    system = np.tril((k_beta @ k_t) * decay, -1) + np.eye(chunk_size, dtype=np.float32)
+    rhs = np.concatenate([v_beta, k_beta * np.exp(cum)[..., None]], axis=-1)
+    solved = np.linalg.solve(system, rhs).astype(np.float32)
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    intra = (q_c @ k_t) * decay  # [H, N, C, C]
+    q_decayed = q_c * np.exp(cum)[..., None]
+    k_decayed = k_c * np.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = np.exp(cum[..., -1])[..., None, None]  # [H, N, 1, 1]
+
+    out = np.empty((heads, num_chunks, chunk_size, dv), dtype=np.float32)
+    state = state.astype(np.float32, copy=True)
+    for i in range(num_chunks):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + np.swapaxes(k_decayed[:, i], -1, -2) @ v_new
+    out = out.reshape(heads, num_chunks * chunk_size, dv)[:, :length]
+    return np.ascontiguousarray(np.moveaxis(out, 0, 1)), state
+
+
+def recurrent_gated_delta_rule_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                                    beta: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One token per sequence: ``q, k [B, H, dk]``, ``v [B, H, dv]``, ``g, beta [B, H]``,
+    ``state [B, H, dk, dv]``. Returns ``(out [B, H, dv], new_state)``."""
+    state = state * np.exp(g)[..., None, None]
+    predicted = (k[..., None, :] @ state)[..., 0, :]  # Sᵀk: [B, H, dv]
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return (q[..., None, :] @ state)[..., 0, :], state
+
+
+def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``RMSNorm(x) · w · silu(gate)`` over the last axis (plain weight, not zero-centred)."""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(variance + eps) * weight * silu(gate)
