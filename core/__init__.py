@@ -1,4 +1,59 @@
 """openinfer: an LLM inference engine in Python (NumPy and CUDA backends, model plugins).
 
-The public API a plugin or an application uses is what this module exports.
+What this module exports is the public API that model plugins and applications build on;
+``openinfer_llama`` (plugins/openinfer-llama) is written against nothing else.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from openinfer.backend import AttentionSpec, Backend, KVLayer, create_backend, cuda_available
+from openinfer.backend.base import ForwardBatch
+from openinfer.engine import EngineHandle, finish_reason_name
+from openinfer.errors import (
+    AmbiguousPluginError,
+    ConfigNotFoundError,
+    ConfigNotJSONError,
+    InvalidRequestError,
+    ModelPathNotFoundError,
+    NoPluginError,
+    OpenInferError,
+    PluginLoadError,
+    QueueFullError,
+    WeightLoadError,
+)
+from openinfer.hookspecs import hookimpl
+from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
+from openinfer.options import EngineOptions
+from openinfer.plugins import discover_plugins, read_generation_config, read_model_config
+from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
+from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
+from openinfer.weights import Checkpoint, bf16_to_float32, float32_to_bf16
+
+__version__ = "0.1.0"
+
+
+def create_engine(model_path: str | Path, **options: Any) -> EngineHandle:
+    """Build the engine for the model in ``model_path``, picking the best installed plugin.
+
+    ``options`` are ``EngineOptions`` fields (device, max_model_len, num_kv_blocks, ...).
+    """
+    config = read_model_config(model_path)
+    registry = discover_plugins()
+    plugin_name = registry.select(config, str(Path(model_path) / "config.json"))
+    return registry.create_engine(plugin_name, str(Path(model_path).resolve()), config,
+                                  EngineOptions.from_kwargs(**options))
+
+
+__all__ = [
+    "AmbiguousPluginError", "AttentionSpec", "Backend", "Checkpoint", "ConfigNotFoundError",
+    "ConfigNotJSONError", "EngineHandle", "EngineOptions", "ForwardBatch", "InvalidRequestError",
+    "KVLayer", "ModelPathNotFoundError", "ModelSpec", "NoPluginError", "OpenInferError", "PagedEngine",
+    "PagedModel", "PluginLoadError", "QueueFullError", "RopeParameters", "RotaryEmbedding",
+    "WeightLoadError", "bf16_to_float32", "create_backend", "create_engine", "cuda_available",
+    "discover_plugins", "finish_reason_name", "float32_to_bf16", "hookimpl", "read_model_config",
+    "rope_parameters_from_config", "DecoderLayer", "DecoderStack", "eos_token_ids_from", "fuse_rows",
+    "read_generation_config",
+]

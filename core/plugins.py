@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
-
 from openinfer import hookspecs
 from openinfer.errors import (
     AmbiguousPluginError,
@@ -146,3 +145,13 @@ def read_model_config(model_path: str | Path) -> dict[str, Any]:
 
 def discover_plugins() -> PluginRegistry:
     return PluginRegistry().discover()
+
+
+def read_generation_config(model_path: str | Path) -> dict[str, Any]:
+    """``generation_config.json`` if present and valid, else {} (it is optional)."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}

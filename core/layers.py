@@ -1,0 +1,86 @@
+"""Building blocks shared by decoder-only transformer plugins (Llama, Qwen3, ...).
+
+A plugin maps its checkpoint onto these structures in its ``weights.py`` and composes them in
+its ``model.py``; the math lives here once, written against backend ops.
+
+Fused weights (rows of the ``[out, in]`` matrix)::
+
+    qkv      [ q: num_heads*head_dim | k: num_kv_heads*head_dim | v: num_kv_heads*head_dim ]
+    gate_up  [ gate: intermediate | up: intermediate ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from openinfer.backend.base import AttentionSpec, Backend, KVLayer
+
+
+def fuse_rows(*weights: np.ndarray) -> np.ndarray:
+    """Stack ``[out_i, in]`` matrices (or bias vectors) into one fused ``[sum(out_i), in]``."""
+    return np.concatenate(weights, axis=0)
+
+
+@dataclass
+class DecoderLayer:
+    """Pre-norm attention block + SwiGLU MLP, with the residual carried un-normed::
+
+        h, residual = norm(x + residual)        (fused add + RMSNorm)
+        x = o_proj(attention(qkv(h)))
+        h, residual = norm(x + residual)
+        x = down(silu(gate(h)) * up(h))
+    """
+
+    input_norm: Any
+    qkv: Any
+    attention: AttentionSpec
+    o_proj: Any
+    post_attention_norm: Any
+    gate_up: Any
+    down: Any
+
+    def forward(self, ops: Backend, x: Any, residual: Any | None, kv: KVLayer, batch: Any,
+                eps: float) -> tuple[Any, Any]:
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, self.input_norm, eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+        attn = ops.attention(ops.linear(h, self.qkv), self.attention, kv, batch)
+        h, residual = ops.add_rms_norm(ops.linear(attn, self.o_proj), residual, self.post_attention_norm, eps)
+        return ops.linear(ops.silu_mul(ops.linear(h, self.gate_up)), self.down), residual
+
+
+@dataclass
+class DecoderStack:
+    """Embedding → layers → final norm → LM head, computing logits only for ``batch.logits_rows``."""
+
+    embed_tokens: Any
+    layers: Sequence[DecoderLayer]
+    final_norm: Any
+    lm_head: Any
+    eps: float
+
+    def forward(self, ops: Backend, batch: Any, kv_cache: Sequence[KVLayer]) -> Any:
+        x = ops.embedding(self.embed_tokens, batch.token_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            x, residual = layer.forward(ops, x, residual, kv, batch, self.eps)
+        x = ops.gather_rows(x, batch.logits_rows)
+        residual = ops.gather_rows(residual, batch.logits_rows)
+        h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.eps)
+        return ops.linear(h, self.lm_head)
+
+
+def eos_token_ids_from(config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    for source in (config, generation_config or {}):
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)

@@ -1,0 +1,61 @@
+"""Turn a scheduler plan into a ``ForwardBatch`` (host NumPy arrays) and a map of logits rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from openinfer.backend.base import ForwardBatch
+from openinfer.kv.manager import KVCacheManager
+from openinfer.sched.request import Request
+from openinfer.sched.scheduler import ScheduledChunk
+
+
+@dataclass
+class LogitsRow:
+    request: Request
+    position: int  # position of the token whose *next* token these logits predict
+    samples: bool  # True: sample a new token; False: a prompt-logprob row
+
+
+def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[ForwardBatch, list[LogitsRow]]:
+    block_size = kv.block_size
+    num_tokens = sum(c.num_tokens for c in chunks)
+    token_ids = np.empty(num_tokens, np.int32)
+    positions = np.empty(num_tokens, np.int32)
+    slot_mapping = np.empty(num_tokens, np.int32)
+    query_start = np.zeros(len(chunks) + 1, np.int32)
+    context_lens = np.empty(len(chunks), np.int32)
+    tables = [kv.block_ids(c.request.request_id) for c in chunks]
+    max_blocks = max((len(t) for t in tables), default=1)
+    block_tables = np.zeros((len(chunks), max(max_blocks, 1)), np.int32)  # padded with null block 0
+    rows: list[LogitsRow] = []
+    logits_rows: list[int] = []
+    offset = 0
+    for i, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
+        request, start, n = chunk.request, chunk.start, chunk.num_tokens
+        span = np.arange(start, start + n, dtype=np.int32)
+        token_ids[offset : offset + n] = request.token_ids[start : start + n]
+        positions[offset : offset + n] = span
+        table_array = np.asarray(table, np.int32)
+        slot_mapping[offset : offset + n] = table_array[span // block_size] * block_size + span % block_size
+        block_tables[i, : len(table)] = table_array
+        context_lens[i] = start + n
+        if request.want_prompt_logprobs:
+            last_prompt_position = request.num_prompt_tokens - 1
+            for j, position in enumerate(range(start, min(start + n, last_prompt_position))):
+                rows.append(LogitsRow(request, position, samples=False))
+                logits_rows.append(offset + j)
+        if chunk.samples:
+            rows.append(LogitsRow(request, start + n - 1, samples=True))
+            logits_rows.append(offset + n - 1)
+        offset += n
+        query_start[i + 1] = offset
+    batch = ForwardBatch(
+        token_ids=token_ids, positions=positions, query_start=query_start, context_lens=context_lens,
+        block_tables=block_tables, slot_mapping=slot_mapping,
+        logits_rows=np.asarray(logits_rows, np.int32),
+        max_query_len=max((c.num_tokens for c in chunks), default=0),
+        max_context_len=int(context_lens.max()) if len(chunks) else 0,
+    )
+    return batch, rows

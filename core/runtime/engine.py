@@ -1,0 +1,313 @@
+"""``PagedEngine``: the default ``EngineHandle`` for paged-attention models.
+
+Threads: one engine thread owns the model, the KV pool and the scheduler; asyncio callers
+talk to it through an inbox (submit / abort) and receive ``TokenEvent``s on per-request
+asyncio queues (``call_soon_threadsafe``). The step is: drain inbox → schedule → forward →
+sample → emit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.kv import BlockPool, KVCacheManager
+from openinfer.options import EngineOptions
+from openinfer.runtime.batch_builder import build_forward_batch
+from openinfer.runtime.model import PagedModel
+from openinfer.runtime.sampler import sample_rows
+from openinfer.runtime.validation import resolve_max_tokens, validate_request
+from openinfer.sampling import SamplingState
+from openinfer.sched import Request, Scheduler
+from openinfer.v1 import engine_pb2 as pb
+
+logger = logging.getLogger("openinfer.engine")
+
+_CPU_DEFAULT_BATCHED_TOKENS = 512
+_GPU_DEFAULT_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    done: bool = False
+
+
+class PagedEngine:
+    """Continuous batching over a ``PagedModel`` with chunked prefill, prefix cache and preemption."""
+
+    def __init__(self, model: PagedModel, options: EngineOptions | None = None, *, model_path: str = "",
+                 plugin: str = "", tokenizer_path: str | None = None):
+        self.model = model
+        self.options = options or EngineOptions()
+        spec = model.spec
+        self.max_model_len = min(self.options.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.block_size = self.options.block_size
+        num_blocks = self.options.num_kv_blocks or self._size_kv_pool()
+        self.pool = BlockPool(num_blocks, self.block_size, self.options.enable_prefix_cache)
+        self.kv = KVCacheManager(self.pool)
+        self.kv_cache = [model.backend.allocate_kv(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+                         for _ in range(spec.num_layers)]
+        is_cpu = model.backend.name == "numpy"
+        batched = self.options.max_num_batched_tokens or (
+            _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
+                                   max_num_batched_tokens=batched, max_model_len=self.max_model_len,
+                                   max_queue=self.options.max_queue,
+                                   enable_prefix_cache=self.options.enable_prefix_cache)
+        self._info = pb.ModelInfo(
+            model_id=self.options.served_model_name or (model_path.rstrip("/").split("/")[-1] if model_path else ""),
+            model_path=model_path, architectures=list(spec.architectures), model_type=spec.model_type,
+            vocab_size=spec.vocab_size, max_model_len=self.max_model_len,
+            eos_token_ids=list(spec.eos_token_ids), tokenizer_path=tokenizer_path or model_path,
+            backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
+        if spec.bos_token_id is not None:
+            self._info.bos_token_id = spec.bos_token_id
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._num_queued = 0  # submitted and not yet scheduled (bounded by max_queue)
+        self._arrivals = itertools.count()
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
+        self._thread.start()
+
+    # --- sizing ----------------------------------------------------------------------------------
+
+    def _size_kv_pool(self) -> int:
+        spec = self.model.spec
+        itemsize = 4 if self.model.backend.name == "numpy" else 2
+        bytes_per_block = 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        budget = getattr(self.model.backend, "kv_memory_budget", None)
+        budget_bytes = budget(self.options) if budget else int(self.options.cpu_kv_cache_gib * 2**30)
+        # never more than every sequence slot at full context could use
+        useful = self.options.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        return max(2, min(budget_bytes // bytes_per_block, useful))
+
+    # --- EngineHandle ----------------------------------------------------------------------------
+
+    def info(self) -> pb.ModelInfo:
+        return self._info
+
+    def health(self) -> pb.HealthResponse:
+        if self._fatal is not None:
+            return pb.HealthResponse(healthy=False, message=f"engine loop died: {self._fatal!r}")
+        if self._stopping or not self._thread.is_alive():
+            return pb.HealthResponse(healthy=False, message="engine is shut down")
+        return pb.HealthResponse(healthy=True, message="ok")
+
+    def load(self) -> pb.Load:
+        return pb.Load(num_running=len(self.scheduler.running), num_waiting=self._num_queued,
+                       kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_usable_blocks,
+                       max_queue=self.options.max_queue, kv_blocks_cached=self.pool.num_cached_blocks)
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        if not self.health().healthy:
+            raise EngineDeadError(self.health().message)
+        validate_request(request, self.model.spec.vocab_size, self.max_model_len)
+        max_tokens = resolve_max_tokens(request, self.max_model_len)
+        self.scheduler.check_fits(len(request.prompt_token_ids), max_tokens)
+        request_id = request.request_id
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
+            if self._num_queued >= self.options.max_queue:
+                raise QueueFullError(self.options.max_queue)
+            self._streams[request_id] = stream
+            self._num_queued += 1
+        self._inbox.put(("add", self._make_request(request, max_tokens)))
+        try:
+            while True:
+                event: pb.TokenEvent = await stream.events.get()
+                yield event
+                if event.WhichOneof("event") in ("finished", "error"):
+                    return
+        finally:
+            if not stream.done:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        with self._streams_lock:
+            found = request_id in self._streams
+        if found:
+            self._inbox.put(("abort", request_id))
+        return found
+
+    async def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    def close_sync(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join(30)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def _make_request(self, request: pb.GenerateRequest, max_tokens: int) -> Request:
+        arrival = next(self._arrivals)
+        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival)
+        return Request(
+            request_id=request.request_id, token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
+            sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
+            want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival)
+
+    def _emit(self, request_id: str, event: pb.TokenEvent, final: bool = False) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return
+            if final:
+                stream.done = True
+                del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+        except RuntimeError:  # the caller's event loop is closed; nobody is listening
+            pass
+
+    def _finish(self, request: Request, reason: int, matched_stop: int | None = None) -> None:
+        if not request.was_scheduled:
+            self._mark_unqueued()
+        self.scheduler.finish(request)
+        finished = pb.TokenEvent.Finished(reason=reason, prompt_tokens=request.num_prompt_tokens,
+                                          completion_tokens=request.num_output_tokens,
+                                          cached_tokens=request.num_cached_tokens)
+        if matched_stop is not None:
+            finished.matched_stop_token_id = matched_stop
+        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, finished=finished), final=True)
+
+    def _mark_unqueued(self) -> None:
+        with self._streams_lock:
+            self._num_queued = max(0, self._num_queued - 1)
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.scheduler.has_work
+                if not self._drain_inbox(block):
+                    break
+                if self.scheduler.has_work:
+                    self.step()
+        except BaseException as exc:  # keep the process alive; health() reports it
+            logger.exception("engine loop crashed")
+            self._fatal = exc
+            self._fail_everything(f"engine loop crashed: {exc!r}")
+        finally:
+            if self._fatal is None:
+                self._fail_everything("engine shut down", reason=pb.FINISH_REASON_ABORT)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply pending submissions and aborts; False when asked to stop."""
+        while True:
+            try:
+                command, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block and not self._stopping:
+                    continue
+                return not self._stopping
+            block = False
+            if command == "stop":
+                return False
+            if command == "add":
+                self.scheduler.add(payload)
+            elif command == "abort":
+                request = self.scheduler.find(payload)
+                if request is not None:
+                    self._finish(request, pb.FINISH_REASON_ABORT)
+
+    def step(self) -> None:
+        """One engine step: schedule, run the model, sample, emit events."""
+        plan = self.scheduler.schedule()
+        for request in plan.newly_scheduled:
+            self._mark_unqueued()
+            self._emit(request.request_id, pb.TokenEvent(
+                request_id=request.request_id,
+                scheduled=pb.TokenEvent.Scheduled(cached_tokens=request.num_cached_tokens)))
+        if not plan.chunks:
+            if plan.preempted:
+                return
+            time.sleep(0.001)
+            return
+        batch, rows = build_forward_batch(plan.chunks, self.kv)
+        try:
+            logits = self.model.forward(self.model.backend.prepare_batch(batch), self.kv_cache)
+            samples = sample_rows(self.model.backend, logits, rows, self.model.spec.eos_token_ids)
+        except Exception as exc:
+            logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
+            for chunk in plan.chunks:
+                self._fail(chunk.request, f"model step failed: {exc!r}")
+            return
+        self.num_steps += 1
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if self.options.enable_prefix_cache and not request.want_prompt_logprobs:
+                self.kv.publish_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        for row, sample in zip(rows, samples, strict=True):
+            request = row.request
+            if not row.samples:
+                request.prompt_logprobs.append(sample.as_proto())
+                continue
+            self._accept_token(request, sample)
+
+    def _accept_token(self, request: Request, sample) -> None:
+        token = sample.token_id
+        request.token_ids.append(token)
+        request.sampling.record(token)
+        tokens = pb.TokenEvent.Tokens(ids=[token])
+        if request.want_logprobs:
+            tokens.logprobs.append(sample.as_proto())
+        if request.prompt_logprobs and request.num_output_tokens == 1:
+            tokens.prompt_logprobs.extend(request.prompt_logprobs)
+        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, tokens=tokens))
+        stop = request.stop
+        num_out = request.num_output_tokens
+        if num_out >= stop.min_tokens:
+            if token in stop.stop_token_ids:
+                return self._finish(request, pb.FINISH_REASON_STOP, token)
+            if not stop.ignore_eos and token in self.model.spec.eos_token_ids:
+                return self._finish(request, pb.FINISH_REASON_STOP, token)
+        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, pb.FINISH_REASON_LENGTH)
+
+    def _fail(self, request: Request, message: str) -> None:
+        if not request.was_scheduled:
+            self._mark_unqueued()
+        self.scheduler.finish(request)
+        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, error=pb.TokenEvent.Error(
+            code=pb.ERROR_CODE_INTERNAL, message=message)), final=True)
+
+    def _fail_everything(self, message: str, reason: int | None = None) -> None:
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if reason is None:
+                self._fail(request, message)
+            else:
+                self._finish(request, reason)
+        # anything submitted but never seen by the scheduler
+        while True:
+            try:
+                command, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command == "add":
+                self._emit(payload.request_id, pb.TokenEvent(request_id=payload.request_id, error=pb.TokenEvent.Error(
+                    code=pb.ERROR_CODE_UNAVAILABLE, message=message)), final=True)
+

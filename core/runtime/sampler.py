@@ -1,0 +1,48 @@
+"""Sampling a step's logits rows. Backends may sample on the device (``backend.sample_rows``);
+the NumPy path below is the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from openinfer.runtime.batch_builder import LogitsRow
+from openinfer.sampling import log_softmax, sample_row, top_logprobs
+from openinfer.v1 import engine_pb2 as pb
+
+
+@dataclass
+class RowSample:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+    def as_proto(self) -> pb.TokenLogprob:
+        return pb.TokenLogprob(logprob=self.logprob or 0.0,
+                               top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
+
+
+def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int]) -> list[RowSample]:
+    device_sampler = getattr(backend, "sample_rows", None)
+    if device_sampler is not None:
+        return device_sampler(logits, rows, eos_token_ids)
+    host = backend.to_host(logits)
+    results: list[RowSample] = []
+    for index, row in enumerate(rows):
+        request = row.request
+        if not row.samples:  # logprob of the prompt token at position + 1
+            logprobs = log_softmax(host[index].astype(np.float32))
+            token = request.token_ids[row.position + 1]
+            results.append(RowSample(token, float(logprobs[token]), top_logprobs(logprobs, request.num_logprobs)))
+            continue
+        banned: list[int] = []
+        if request.num_output_tokens < request.stop.min_tokens:
+            banned = list(request.stop.stop_token_ids)
+            if not request.stop.ignore_eos:
+                banned += list(eos_token_ids)
+        result = sample_row(np.array(host[index], dtype=np.float32), request.sampling, banned,
+                            request.num_logprobs, request.want_logprobs)
+        results.append(RowSample(result.token_id, result.logprob, result.top))
+    return results

@@ -1,0 +1,42 @@
+"""Checks on a GenerateRequest before it reaches the scheduler; each error names its field."""
+
+from __future__ import annotations
+
+from openinfer.errors import InvalidRequestError
+from openinfer.sampling import MAX_LOGPROBS, validate_sampling
+from openinfer.v1 import engine_pb2 as pb
+
+
+def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> None:
+    if not request.request_id:
+        raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+    prompt = request.prompt_token_ids
+    if len(prompt) == 0:
+        raise InvalidRequestError("the prompt is empty; send at least one token", "prompt_token_ids")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens but the model's context is {max_model_len} tokens "
+            f"(at most {max_model_len - 1} prompt tokens leave room for one generated token)",
+            "prompt_token_ids")
+    bad = next((t for t in prompt if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})",
+                                  "prompt_token_ids")
+    stop = request.stop
+    if stop.HasField("max_tokens") and stop.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {stop.max_tokens}", "max_tokens")
+    bad_stop = next((t for t in stop.stop_token_ids if t >= vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequestError(f"stop token id {bad_stop} is out of the vocabulary [0, {vocab_size})",
+                                  "stop_token_ids")
+    if request.logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {request.logprobs}", "logprobs")
+    validate_sampling(request.sampling)
+
+
+def resolve_max_tokens(request: pb.GenerateRequest, max_model_len: int) -> int:
+    """Explicit max_tokens, else the rest of the context."""
+    remaining = max_model_len - len(request.prompt_token_ids)
+    if request.stop.HasField("max_tokens"):
+        return int(request.stop.max_tokens)
+    return remaining

@@ -1,0 +1,163 @@
+"""Step planning under one token budget (vLLM-v1 style, no prefill/decode phases).
+
+Every step: running requests first (oldest first), each scheduled for as many of its
+uncomputed tokens as the budget allows (1 for a decoding request, a chunk of a long prompt);
+then waiting requests, first come first served, while budget, sequence slots and KV remain.
+When a running request cannot grow its KV, the *newest* running request is preempted: its
+blocks are freed and it returns to the front of the waiting queue to be recomputed later from
+its tokens so far (its sampler state is kept, so its output is unchanged). The scheduler
+plans only; it never touches arrays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from openinfer.errors import InvalidRequestError, QueueFullError
+from openinfer.kv.manager import KVCacheManager
+from openinfer.sched.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens (so a token is sampled)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    newly_scheduled: list[Request] = field(default_factory=list)  # first time ever: emit Scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, max_queue: int, enable_prefix_cache: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_queue = max_queue
+        self.enable_prefix_cache = enable_prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Reject at once what can never run: past the context or larger than the whole pool."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                field="max_tokens" if num_prompt_tokens < self.max_model_len else "prompt")
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.pool.num_usable_blocks:
+            raise InvalidRequestError(
+                f"the request needs {blocks} KV blocks but the pool holds {self.kv.pool.num_usable_blocks}; "
+                "lower max_tokens or give the engine more KV memory", field="max_tokens")
+
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(self.max_queue)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- planning ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv.grow(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request itself was preempted; nothing after it is left in running
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            started_now = request.request_id not in self.kv.requests
+            if started_now:
+                use_cache = self.enable_prefix_cache and not request.want_prompt_logprobs
+                cached = self.kv.start_request(request.request_id, request.token_ids, use_cache)
+                request.num_computed_tokens = cached
+                if not request.was_scheduled:
+                    request.num_cached_tokens = cached
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self.kv.grow(request.request_id, request.num_computed_tokens + num_new):
+                if started_now:
+                    self.kv.free_request(request.request_id)
+                    request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if not request.was_scheduled:
+                request.was_scheduled = True
+                out.newly_scheduled.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free_request(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --- after the step --------------------------------------------------------------------------
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (finished, aborted or failed) and return its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.kv.free_request(request.request_id)
+
+    def find(self, request_id: str) -> Request | None:
+        for request in self.running:
+            if request.request_id == request_id:
+                return request
+        for request in self.waiting:
+            if request.request_id == request_id:
+                return request
+        return None
