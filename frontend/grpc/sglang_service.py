@@ -1,0 +1,324 @@
+"""``sglang.grpc.scheduler.SglangScheduler`` over any ``EngineHandle``: what the ``smg`` router drives.
+
+The router (PyPI ``smg``) tokenizes, applies the chat template, detokenizes and trims stop
+strings itself; a worker only turns token ids into token ids. This servicer maps that protocol
+(from PyPI ``smg-grpc-proto``) onto openinfer's contract and nothing else: it never imports a
+model plugin, only ``EngineHandle`` and ``openinfer.tokenizer`` (for stop strings).
+
+    smg launch --worker-urls grpc://HOST:PORT   ──Generate/Abort/GetLoads/...──▶  this servicer
+                                                                                    │ EngineHandle
+                                                                                    ▼
+                                                                                  engine
+
+Register it with :func:`add_sglang_service` on the same ``grpc.aio`` server (and port) as
+``openinfer.v1.Engine``; build that server with :data:`SGLANG_SERVER_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
+
+from openinfer.engine import EngineHandle
+from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.frontend.grpc.sglang_convert import (
+    FINISH_REASONS,
+    SglangRequestPlan,
+    SglangResponseBuilder,
+    to_engine_request,
+)
+from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
+from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
+from openinfer.tokenizer import Tokenizer
+from openinfer.v1 import engine_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# Server options the router needs: it pings every 30 s, also while idle; gRPC's default
+# (no pings without data more often than every 5 min) would answer with GOAWAY.
+SGLANG_SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+_ENGINE_ERROR_STATUS = {
+    pb.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    pb.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    pb.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    pb.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def _openinfer_version() -> str:
+    try:
+        return version("openinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _struct(values: dict[str, object]) -> Struct:
+    result = Struct()
+    result.update(values)
+    return result
+
+
+class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
+    """The SGLang scheduler service for one engine (one data-parallel rank, no LoRA, text only).
+
+    RPCs not overridden here (profiling, LoRA, KV-event subscription, flush) answer
+    UNIMPLEMENTED; the router falls back to polling ``GetLoads``.
+    """
+
+    def __init__(self, engine: EngineHandle, *, served_model_name: str, model_path: str,
+                 tokenizer_path: str):
+        self._engine = engine
+        self._served_model_name = served_model_name
+        self._model_path = os.path.abspath(model_path)
+        self._tokenizer_path = os.path.abspath(tokenizer_path or model_path)
+        self._started = time.time()
+        self._active: set[str] = set()
+        self._last_receive = 0.0
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error: str | None = None
+        self._tokenizer_zip: bytes | None = None
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def Generate(self, request: sglang_pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[sglang_pb.GenerateResponse]:
+        self._last_receive = time.time()
+        try:
+            plan = to_engine_request(request, arrival_time=self._last_receive)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id
+        self._active.add(request_id)
+        try:
+            async for response in self._generate(plan):
+                yield response
+        except _EngineFailure as failure:
+            await context.abort(failure.code, failure.message)
+        finally:
+            self._active.discard(request_id)
+
+    async def _generate(self, plan: SglangRequestPlan) -> AsyncIterator[sglang_pb.GenerateResponse]:
+        """Engine events → SGLang responses. Leaving early (a stop string, the router going away)
+        closes the engine's iterator, which aborts the request and frees its KV blocks."""
+        builder = SglangResponseBuilder(plan)
+        watcher = self._stop_watcher(plan)
+        try:
+            async with contextlib.aclosing(self._engine.generate(plan.engine_request)) as events:
+                async for event in events:
+                    kind = event.WhichOneof("event")
+                    if kind == "scheduled":
+                        builder.cached_tokens = event.scheduled.cached_tokens
+                    elif kind == "tokens":
+                        if event.tokens.prompt_logprobs and builder.input_logprobs is None:
+                            builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
+                        ids, matched = (watcher.push(event.tokens.ids) if watcher is not None
+                                        else (list(event.tokens.ids), None))
+                        chunk = builder.add_tokens(ids, event.tokens.logprobs)
+                        if plan.stream and ids:
+                            yield chunk
+                        if matched is not None:
+                            yield builder.complete("stop", matched_stop_str=matched)
+                            return
+                    elif kind == "finished":
+                        yield self._complete(builder, event.finished)
+                        return
+                    elif kind == "error":
+                        raise _EngineFailure(_ENGINE_ERROR_STATUS.get(event.error.code, grpc.StatusCode.INTERNAL),
+                                             event.error.message)
+        except InvalidRequestError as exc:
+            raise _EngineFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        except QueueFullError as exc:
+            raise _EngineFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except EngineDeadError as exc:
+            raise _EngineFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        raise _EngineFailure(grpc.StatusCode.INTERNAL,
+                             f"the engine ended request {plan.engine_request.request_id!r} without a "
+                             "finished event; see the worker's log")
+
+    @staticmethod
+    def _complete(builder: SglangResponseBuilder, finished: pb.TokenEvent.Finished) -> sglang_pb.GenerateResponse:
+        if finished.reason == pb.FINISH_REASON_ERROR:
+            raise _EngineFailure(grpc.StatusCode.INTERNAL,
+                                 f"the engine failed request {builder.request_id!r}; see the worker's log")
+        builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
+        matched = (finished.matched_stop_token_id
+                   if finished.HasField("matched_stop_token_id") and finished.reason == pb.FINISH_REASON_STOP
+                   else None)
+        return builder.complete(FINISH_REASONS.get(finished.reason, "stop"), matched_token_id=matched)
+
+    def _stop_watcher(self, plan: SglangRequestPlan) -> StopStringWatcher | None:
+        if not plan.stop_strings:
+            return None
+        tokenizer = self._load_tokenizer()
+        if tokenizer is None:
+            return None  # the router still trims the text; the engine just runs to its limit
+        return StopStringWatcher(tokenizer, plan.engine_request.prompt_token_ids, plan.stop_strings,
+                                 plan.skip_special_tokens)
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        if self._tokenizer is None and self._tokenizer_error is None:
+            try:
+                self._tokenizer = Tokenizer.from_dir(self._tokenizer_path)
+            except (OSError, ValueError) as exc:
+                self._tokenizer_error = str(exc)
+                logger.warning("stop strings are left to the router (the worker cannot load the "
+                               "tokenizer from %s: %s)", self._tokenizer_path, exc)
+        return self._tokenizer
+
+    async def Abort(self, request: sglang_pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> sglang_pb.AbortResponse:
+        found = await self._engine.abort(request.request_id)
+        message = "aborted" if found else "not found (already finished or never started)"
+        return sglang_pb.AbortResponse(success=found, message=f"request {request.request_id!r} {message}")
+
+    async def Embed(self, request: sglang_pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> sglang_pb.EmbedResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{self._served_model_name} is served as a generation model; openinfer has "
+                            "no embedding endpoint")
+
+    # --- health, model, server, load ------------------------------------------------------------
+
+    async def HealthCheck(self, request: sglang_pb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> sglang_pb.HealthCheckResponse:
+        health = self._engine.health()
+        message = health.message or ("healthy" if health.healthy else "the engine is not healthy")
+        return sglang_pb.HealthCheckResponse(healthy=health.healthy, message=message)
+
+    async def GetModelInfo(self, request: sglang_pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> sglang_pb.GetModelInfoResponse:
+        info = self._engine.info()
+        response = sglang_pb.GetModelInfoResponse(
+            model_path=self._model_path,
+            tokenizer_path=self._tokenizer_path,
+            is_generation=True,
+            weight_version="default",
+            served_model_name=self._served_model_name,
+            max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size,
+            supports_vision=False,
+            model_type=info.model_type,
+            eos_token_ids=list(info.eos_token_ids),
+            max_req_input_len=max(info.max_model_len - 1, 0),
+            architectures=list(info.architectures),
+        )
+        if info.HasField("bos_token_id"):
+            response.bos_token_id = info.bos_token_id
+        return response
+
+    async def GetServerInfo(self, request: sglang_pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> sglang_pb.GetServerInfoResponse:
+        info = self._engine.info()
+        max_total_tokens = info.kv_block_size * info.num_kv_blocks
+        server_args = {
+            "model_path": self._model_path,
+            "tokenizer_path": self._tokenizer_path,
+            "served_model_name": self._served_model_name,
+            "context_length": info.max_model_len,
+            "max_total_tokens": max_total_tokens,
+            "vocab_size": info.vocab_size,
+            "tp_size": 1,
+            "dp_size": 1,
+            "is_embedding": False,
+            "backend": info.backend,
+            "plugin": info.plugin,
+            "kv_block_size": info.kv_block_size,
+        }
+        start_time = Timestamp()
+        start_time.FromSeconds(int(self._started))
+        return sglang_pb.GetServerInfoResponse(
+            server_args=_struct(server_args),
+            scheduler_info=_struct({"max_total_num_tokens": max_total_tokens,
+                                    "max_req_input_len": max(info.max_model_len - 1, 0)}),
+            active_requests=len(self._active),
+            is_paused=False,
+            last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.time() - self._started,
+            sglang_version=f"openinfer {_openinfer_version()}",
+            server_type="grpc",
+            start_time=start_time,
+            max_total_num_tokens=max_total_tokens,
+        )
+
+    async def GetLoads(self, request: sglang_pb.GetLoadsRequest,
+                       context: grpc.aio.ServicerContext) -> sglang_pb.GetLoadsResponse:
+        info, load = self._engine.info(), self._engine.load()
+        block = max(info.kv_block_size, 1)
+        used_tokens, total_tokens = load.kv_blocks_used * block, load.kv_blocks_total * block
+        token_usage = used_tokens / total_tokens if total_tokens else 0.0
+        scheduler_load = sglang_pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=load.num_running,
+            num_waiting_reqs=load.num_waiting,
+            num_total_reqs=load.num_running + load.num_waiting,
+            num_used_tokens=used_tokens,
+            max_total_num_tokens=total_tokens,
+            token_usage=token_usage,
+            utilization=token_usage,
+        )
+        sections = set(request.include) or {"core"}
+        if sections & {"memory", "all"}:
+            scheduler_load.memory.CopyFrom(sglang_pb.MemoryMetrics(token_capacity=total_tokens))
+        if sections & {"queues", "all"}:
+            scheduler_load.queues.CopyFrom(sglang_pb.QueueMetrics(waiting=load.num_waiting))
+        wanted_rank = request.dp_rank if request.HasField("dp_rank") else 0
+        loads = [scheduler_load] if wanted_rank == 0 else []
+        return sglang_pb.GetLoadsResponse(
+            timestamp=datetime.now(timezone.utc).isoformat(),
+            version=f"openinfer {_openinfer_version()}",
+            dp_rank_count=1,
+            loads=loads,
+            aggregate=sglang_pb.AggregateMetrics(
+                total_running_reqs=load.num_running,
+                total_waiting_reqs=load.num_waiting,
+                total_reqs=load.num_running + load.num_waiting,
+                avg_token_usage=token_usage,
+                avg_utilization=token_usage,
+            ),
+        )
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        if self._tokenizer_zip is None:
+            try:
+                self._tokenizer_zip = await asyncio.to_thread(build_tokenizer_zip, self._tokenizer_path)
+            except FileNotFoundError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        for data, digest in iter_bundle_chunks(self._tokenizer_zip):
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=digest)
+
+
+class _EngineFailure(Exception):
+    """A request the engine refused or failed, as the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def add_sglang_service(server: grpc.aio.Server, engine: EngineHandle, *, served_model_name: str,
+                       model_path: str, tokenizer_path: str) -> None:
+    """Serve ``sglang.grpc.scheduler.SglangScheduler`` for ``engine`` on ``server`` (same port as
+    ``openinfer.v1.Engine``). Paths are made absolute: the router loads the tokenizer from
+    ``tokenizer_path`` when it shares the file system, else it asks ``GetTokenizer``."""
+    servicer = SglangSchedulerServicer(engine, served_model_name=served_model_name,
+                                       model_path=model_path, tokenizer_path=tokenizer_path)
+    sglang_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
