@@ -13,16 +13,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from openinfer.errors import InvalidRequestError, QueueFullError
+from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
+from openinfer.v1 import engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-
-from openinfer.errors import InvalidRequestError, QueueFullError
-from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
-from openinfer.v1 import engine_pb2 as pb
 
 WORDS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "alpha", "beta", "gamma", "delta", "epsilon",
          "zeta", "eta", "theta", "user", "assistant", "hello", "world"]
