@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from openinfer.backend.base import AttentionSpec, Backend, KVLayer
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
+
 from openinfer import hookspecs
 from openinfer.errors import (
     AmbiguousPluginError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from openinfer.backend.base import ForwardBatch
 from openinfer.kv.manager import KVCacheManager
 from openinfer.sched.request import Request

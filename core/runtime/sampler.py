@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import log_softmax, sample_row, top_logprobs
 from openinfer.v1 import engine_pb2 as pb

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from openinfer import Backend, Checkpoint, KVLayer, ModelSpec, RotaryEmbedding
 from tqdm import tqdm
 
+from openinfer import Backend, Checkpoint, KVLayer, ModelSpec, RotaryEmbedding
 from openinfer_qwen3.config import Qwen3Config
 from openinfer_qwen3.weights import load_qwen3
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from openinfer import EngineOptions, PagedEngine, create_backend, hookimpl, read_generation_config
-
 from openinfer_qwen3.config import ARCHITECTURES, MODEL_TYPES, Qwen3Config
 from openinfer_qwen3.model import Qwen3ForCausalLM
 

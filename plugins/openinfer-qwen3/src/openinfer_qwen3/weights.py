@@ -11,7 +11,6 @@ from openinfer import (
     RotaryEmbedding,
     fuse_rows,
 )
-
 from openinfer_qwen3.config import Qwen3Config
 
 

@@ -1,0 +1,158 @@
+"""The ``openinfer`` command: ``generate``, ``serve`` and ``plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+from openinfer.errors import OpenInferError
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-path", default=None,
+                        help="model directory (config.json + *.safetensors); default: the demo model")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def _resolve_model_path(model_path: str | None) -> Path:
+    if model_path:
+        return Path(model_path)
+    from openinfer.demo import ensure_demo_model  # converts the GGUF on first use
+
+    return ensure_demo_model()
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise OpenInferError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from openinfer import create_engine
+    from openinfer.v1 import engine_pb2 as pb
+
+    model_path = _resolve_model_path(args.model_path)
+    tokenizer = None
+    tokenizer_file = model_path / "tokenizer.json"
+    if tokenizer_file.exists():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise OpenInferError(f"--prompt needs {tokenizer_file}; pass --prompt-token-ids instead")
+        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    else:
+        prompt_ids = _parse_token_ids(args.prompt_token_ids)
+    engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
+                           num_kv_blocks=args.num_kv_blocks)
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling,
+                                 stop=pb.StopConditions(max_tokens=args.max_tokens))
+
+    async def run() -> tuple[list[int], str]:
+        ids: list[int] = []
+        reason = "length"
+        try:
+            async for event in engine.generate(request):
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    ids.extend(event.tokens.ids)
+                    if not args.json and tokenizer is not None:
+                        print(tokenizer.decode(list(event.tokens.ids)), end="", flush=True)
+                elif kind == "finished":
+                    reason = "stop" if event.finished.reason == pb.FINISH_REASON_STOP else "length"
+                elif kind == "error":
+                    raise OpenInferError(event.error.message)
+        finally:
+            await engine.close()
+        return ids, reason
+
+    ids, reason = asyncio.run(run())
+    text = tokenizer.decode(ids) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"token_ids": ids, "text": text, "finish_reason": reason}))
+    elif tokenizer is None:
+        print(",".join(map(str, ids)))
+    else:
+        print()
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from openinfer.plugins import discover_plugins
+
+    registry = discover_plugins()
+    if not registry.plugins:
+        print("no model plugins installed; e.g. pip install ./plugins/openinfer-qwen3")
+        return 0
+    rows = [(p.distribution, p.version, p.name, ", ".join(p.claims)) for p in registry.plugins.values()]
+    if args.json:
+        print(json.dumps([dict(zip(("distribution", "version", "entry_point", "claims"), r, strict=True))
+                          for r in rows]))
+        return 0
+    widths = [max(len(str(r[i])) for r in [("DISTRIBUTION", "VERSION", "ENTRY POINT", "CLAIMS"), *rows])
+              for i in range(4)]
+    for row in [("DISTRIBUTION", "VERSION", "ENTRY POINT", "CLAIMS"), *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openinfer", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    generate = sub.add_parser("generate", help="generate tokens for one prompt")
+    _add_engine_arguments(generate)
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json)")
+    prompt.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
+    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+    generate.set_defaults(handler=cmd_generate)
+
+    plugins = sub.add_parser("plugins", help="list installed model plugins")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(handler=cmd_plugins)
+
+    try:
+        from openinfer.frontend import serve
+    except ImportError:
+        serve = None
+    if serve is not None and hasattr(serve, "add_arguments"):
+        serve_parser = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC")
+        serve.add_arguments(serve_parser)
+        serve_parser.set_defaults(handler=serve.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper()
+                        if isinstance(getattr(args, "log_level", None), str) else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except OpenInferError as exc:
+        print(f"openinfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

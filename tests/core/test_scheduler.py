@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+from openinfer.errors import InvalidRequestError, QueueFullError
+from openinfer.kv import BlockPool, KVCacheManager
+from openinfer.sampling import SamplingState
+from openinfer.sched import Request, Scheduler
+from openinfer.v1 import engine_pb2 as pb
+
+
+def make(request_id: str, num_prompt: int, max_tokens: int = 4) -> Request:
+    prompt = list(range(1, num_prompt + 1))
+    return Request(request_id=request_id, token_ids=list(prompt), num_prompt_tokens=num_prompt,
+                   stop=pb.StopConditions(max_tokens=max_tokens), max_tokens=max_tokens,
+                   sampling=SamplingState(pb.SamplingParams(), np.random.default_rng(0), np.asarray(prompt)))
+
+
+def scheduler(num_blocks=9, block_size=4, budget=8, max_num_seqs=8, max_queue=16, max_model_len=64):
+    pool = BlockPool(num_blocks, block_size)
+    return Scheduler(KVCacheManager(pool), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_model_len, max_queue=max_queue)
+
+
+def advance(sched: Scheduler, plan) -> None:
+    """What the engine does after a step: mark tokens computed, append a sampled token."""
+    for chunk in plan.chunks:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+    for chunk in plan.chunks:
+        if chunk.request.num_computed_tokens == chunk.request.num_tokens:
+            chunk.request.token_ids.append(0)
+
+
+def test_long_prompt_is_chunked_under_the_token_budget_and_decodes_keep_running():
+    sched = scheduler(budget=8)
+    short, long = make("short", 3), make("long", 20)
+    sched.add(short)
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 3)]
+    advance(sched, plan)
+    sched.add(long)
+    plan = sched.schedule()
+    # the decoding request comes first (1 token), the long prompt gets the rest of the budget
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1), ("long", 7)]
+    assert not plan.chunks[1].samples
+    advance(sched, plan)
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1), ("long", 7)]
+
+
+def test_newest_running_request_is_preempted_when_kv_runs_out():
+    sched = scheduler(num_blocks=5, block_size=4, budget=64)  # 4 usable blocks = 16 slots
+    first, second = make("first", 8), make("second", 7)
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["first", "second"]
+    advance(sched, plan)  # first holds 9 tokens (3 blocks needed next), second 8 (2 blocks)
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.preempted] == ["second"]
+    assert [c.request.request_id for c in plan.chunks] == ["first"]
+    assert second.num_computed_tokens == 0 and sched.waiting[0] is second
+    assert second.request_id not in sched.kv.requests
+
+
+def test_requests_that_can_never_fit_are_rejected_at_once():
+    sched = scheduler(num_blocks=5, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context"):
+        sched.check_fits(60, 10)
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        sched.check_fits(10, 20)  # 30 tokens > 16 slots in the pool
+
+
+def test_bounded_queue():
+    sched = scheduler(max_queue=2)
+    sched.add(make("a", 2))
+    sched.add(make("b", 2))
+    with pytest.raises(QueueFullError):
+        sched.add(make("c", 2))
+
+
+def test_max_num_seqs_limits_admission():
+    sched = scheduler(max_num_seqs=2, budget=64, num_blocks=20)
+    for name in "abc":
+        sched.add(make(name, 2))
+    plan = sched.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]

@@ -1,0 +1,90 @@
+"""Driving engines and models directly from tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from openinfer.backend.base import ForwardBatch
+from openinfer.v1 import engine_pb2 as pb
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int] = field(default_factory=list)
+    finish: pb.TokenEvent.Finished | None = None
+    error: pb.TokenEvent.Error | None = None
+    cached_tokens: int | None = None
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+
+
+def make_request(request_id: str, prompt: Sequence[int], max_tokens: int | None = 16, temperature: float = 0.0,
+                 seed: int | None = None, **kwargs) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=temperature, top_k=kwargs.pop("top_k", 0),
+                                 top_p=kwargs.pop("top_p", 1.0), min_p=kwargs.pop("min_p", 0.0),
+                                 presence_penalty=kwargs.pop("presence_penalty", 0.0),
+                                 frequency_penalty=kwargs.pop("frequency_penalty", 0.0),
+                                 repetition_penalty=kwargs.pop("repetition_penalty", 1.0))
+    if seed is not None:
+        sampling.seed = seed
+    stop = pb.StopConditions(stop_token_ids=kwargs.pop("stop_token_ids", []),
+                             ignore_eos=kwargs.pop("ignore_eos", True), min_tokens=kwargs.pop("min_tokens", 0))
+    if max_tokens is not None:
+        stop.max_tokens = max_tokens
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(map(int, prompt)), sampling=sampling,
+                              stop=stop, **kwargs)
+
+
+async def collect(engine, request: pb.GenerateRequest) -> Outcome:
+    outcome = Outcome()
+    async for event in engine.generate(request):
+        kind = event.WhichOneof("event")
+        if kind == "scheduled":
+            outcome.cached_tokens = event.scheduled.cached_tokens
+        elif kind == "tokens":
+            outcome.token_ids.extend(event.tokens.ids)
+            outcome.logprobs.extend(event.tokens.logprobs)
+        elif kind == "finished":
+            outcome.finish = event.finished
+        elif kind == "error":
+            outcome.error = event.error
+    return outcome
+
+
+def run_all(engine, requests: Sequence[pb.GenerateRequest]) -> list[Outcome]:
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def run_one(engine, request: pb.GenerateRequest) -> Outcome:
+    return run_all(engine, [request])[0]
+
+
+def prefill_logits(model, token_ids: Sequence[int], chunk_sizes: Sequence[int] | None = None,
+                   block_size: int = 16) -> np.ndarray:
+    """All-position logits of one sequence through ``model.forward``, optionally in chunks."""
+    ops = model.backend
+    n = len(token_ids)
+    num_blocks = -(-n // block_size) + 1
+    spec = model.spec
+    kv = [ops.allocate_kv(num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    table = np.arange(1, num_blocks + 1, dtype=np.int32)
+    chunks = list(chunk_sizes) if chunk_sizes else [n]
+    assert sum(chunks) == n
+    out = []
+    start = 0
+    for size in chunks:
+        pos = np.arange(start, start + size, dtype=np.int32)
+        batch = ForwardBatch(
+            token_ids=np.asarray(token_ids[start:start + size], np.int32), positions=pos,
+            query_start=np.array([0, size], np.int32), context_lens=np.array([start + size], np.int32),
+            block_tables=table[None, :], slot_mapping=(table[pos // block_size] * block_size + pos % block_size),
+            logits_rows=np.arange(size, dtype=np.int32), max_query_len=size, max_context_len=start + size)
+        out.append(ops.to_host(model.forward(ops.prepare_batch(batch), kv)))
+        start += size
+    return np.concatenate(out)
