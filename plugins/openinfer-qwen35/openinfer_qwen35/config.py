@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from openinfer.errors import WeightLoadError
-from openinfer.rope import RopeParameters, rope_parameters_from_config
+from openinfer import RopeParameters, WeightLoadError, eos_token_ids_from, rope_parameters_from_config
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -78,7 +77,7 @@ class Qwen35Config:
     # --- reading config.json ----------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> Qwen35Config:
+    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> Qwen35Config:
         text = text_config_of(config)
         num_layers = int(text["num_hidden_layers"])
         layer_types = _layer_types(text, num_layers)
@@ -115,7 +114,8 @@ class Qwen35Config:
             rope=rope_parameters_from_config(rope_source),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(tie),
-            eos_token_ids=_eos_ids(text.get("eos_token_id", config.get("eos_token_id"))),
+            eos_token_ids=eos_token_ids_from({"eos_token_id": text.get("eos_token_id", config.get("eos_token_id"))},
+                                             generation_config),
             is_multimodal="text_config" in config,
         ).validated()
 
@@ -149,11 +149,3 @@ def _layer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
             f"Qwen3.5 layer_types must list {num_layers} entries of {LINEAR_ATTENTION!r} / "
             f"{FULL_ATTENTION!r}; got {len(kinds)} with unknown kinds {unknown}")
     return kinds
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)

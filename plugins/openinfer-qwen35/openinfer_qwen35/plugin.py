@@ -1,0 +1,72 @@
+"""The pluggy hooks that make Qwen3.5 servable, and the engine glue.
+
+A recurrent model cannot use the prefix cache (a cached KV block says nothing about the
+GDN state at that point), and it can run at most one request per state slot, so the engine
+is created with ``enable_prefix_cache=False`` and ``max_num_seqs`` capped by the slot pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from openinfer import (
+    Backend,
+    Checkpoint,
+    EngineOptions,
+    PagedEngine,
+    create_backend,
+    hookimpl,
+    read_generation_config,
+)
+from openinfer_qwen35.config import ARCHITECTURES, MODEL_TYPES, Qwen35Config
+from openinfer_qwen35.model import Qwen35Model
+from openinfer_qwen35.state import DeltaNetStateCache
+from openinfer_qwen35.weights import load_weights
+
+PLUGIN_NAME = "openinfer-qwen35"
+
+
+@hookimpl
+def openinfer_match(config: dict[str, Any]) -> int | None:
+    if any(a in ARCHITECTURES for a in config.get("architectures") or []):
+        return 100
+    if config.get("model_type") in MODEL_TYPES:
+        return 50
+    return None
+
+
+@hookimpl
+def openinfer_claims() -> list[str]:
+    return [*ARCHITECTURES, *MODEL_TYPES]
+
+
+def num_state_slots(config: Qwen35Config, options: EngineOptions) -> int:
+    """Slots for ``max_num_seqs`` requests (+ the null slot), within the state memory budget
+    (``cpu_kv_cache_gib`` again on the CPU: the state gets a budget of its own)."""
+    budget = int(options.cpu_kv_cache_gib * 2**30) // max(1, DeltaNetStateCache.bytes_per_slot(config))
+    return max(2, min(options.max_num_seqs, budget) + 1)
+
+
+def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
+                options: EngineOptions) -> Qwen35Model:
+    qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
+    weights = load_weights(Checkpoint(model_path), qwen35, backend)
+    max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
+    architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
+    return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,
+                       num_state_slots=num_state_slots(qwen35, options), architectures=architectures,
+                       model_type=str(config.get("model_type", "qwen3_5_text")))
+
+
+def engine_options(model: Qwen35Model, options: EngineOptions) -> EngineOptions:
+    """What a recurrent model needs from the default engine: no prefix cache, one slot per
+    running request."""
+    return options.with_(enable_prefix_cache=False,
+                         max_num_seqs=min(options.max_num_seqs, model.state.slots.num_usable_slots))
+
+
+@hookimpl
+def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
+    model = build_model(model_path, config, create_backend(options.device), options)
+    return PagedEngine(model, engine_options(model, options), model_path=model_path, plugin=PLUGIN_NAME)

@@ -1,0 +1,200 @@
+"""Qwen3.5 weights: checkpoint names → fused, backend-placed tensors.
+
+Where the language model lives in the checkpoint::
+
+    text checkpoint        model.embed_tokens.weight, model.layers.N..., model.norm.weight, lm_head.weight
+    multimodal checkpoint  model.language_model.{embed_tokens,layers.N,norm}..., lm_head.weight
+                           model.visual.*  and  mtp.*  are ignored (vision tower, MTP draft head)
+
+Fusions made at load time (rows of the ``[out, in]`` weights, top to bottom)::
+
+    full attention   qkv_gate = [ q (nh·hd) | k (nkv·hd) | v (nkv·hd) | gate (nh·hd) ]
+                     from q_proj's per-head interleaving [h0: q | gate][h1: q | gate]...
+    Gated DeltaNet   in_proj  = [ q | k | v  (= in_proj_qkv, the conv channels) | z | b | a ]
+    MLP              gate_up  = [ gate_proj | up_proj ]
+
+Zero-centred RMSNorm weights (every norm but the GDN output norm) are stored as ``1 + w`` so
+the backend's plain ``rms_norm`` applies them; ``A_log`` is stored as ``-exp(A_log)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from openinfer.errors import WeightLoadError
+from openinfer_qwen35.config import FULL_ATTENTION, Qwen35Config
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+class TensorSource(Protocol):
+    """What the loader reads from: ``openinfer.Checkpoint`` or a plain dict wrapper in tests."""
+
+    def __contains__(self, name: str) -> bool: ...
+    def get(self, name: str) -> np.ndarray: ...  # float32
+    def names(self) -> Iterable[str]: ...
+
+
+@dataclass
+class FullAttentionWeights:
+    qkv_gate: Any  # backend linear: [q | k | v | gate]
+    o_proj: Any
+    q_norm: Any  # 1 + w, [head_dim]
+    k_norm: Any
+
+
+@dataclass
+class DeltaNetWeights:
+    in_proj: Any  # backend linear: [q | k | v | z | b | a]
+    conv_weight: Any  # [conv_dim, kernel]
+    neg_decay_rate: Any  # -exp(A_log), [nv]
+    dt_bias: Any  # [nv]
+    norm: Any  # gated RMSNorm weight [dv] (plain, not zero-centred)
+    out_proj: Any
+
+
+@dataclass
+class LayerWeights:
+    kind: str
+    input_norm: Any  # 1 + w
+    post_attention_norm: Any  # 1 + w
+    mixer: FullAttentionWeights | DeltaNetWeights
+    gate_up: Any
+    down: Any
+
+
+@dataclass
+class Qwen35Weights:
+    embed_tokens: Any
+    layers: list[LayerWeights]
+    final_norm: Any  # 1 + w
+    lm_head: Any  # backend linear
+
+
+def text_prefix(source: TensorSource) -> str:
+    for prefix in TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in source:
+            return prefix
+    raise WeightLoadError(
+        "no Qwen3.5 embedding found: expected 'model.embed_tokens.weight' (text checkpoint) or "
+        "'model.language_model.embed_tokens.weight' (multimodal checkpoint)")
+
+
+class _Reader:
+    """Reads tensors under the text prefix, checking shapes and remembering what was used."""
+
+    def __init__(self, source: TensorSource, prefix: str):
+        self.source, self.prefix = source, prefix
+        self.used: set[str] = set()
+
+    def get(self, name: str, shape: tuple[int, ...], full_name: bool = False) -> np.ndarray:
+        key = name if full_name else self.prefix + name
+        if key not in self.source:
+            raise WeightLoadError(f"tensor {key!r} is missing from the checkpoint")
+        array = np.asarray(self.source.get(key), dtype=np.float32)
+        if array.shape != shape:
+            raise WeightLoadError(f"tensor {key!r} has shape {array.shape}, the config implies {shape}; "
+                                  "config.json and the weights disagree")
+        self.used.add(key)
+        return array
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        return self.get(name, shape) if self.prefix + name in self.source else None
+
+    def check_all_used(self) -> None:
+        unused = sorted(n for n in self.source.names()
+                        if n not in self.used and not n.startswith(IGNORED_PREFIXES)
+                        and (n.startswith(self.prefix) or n.startswith("lm_head.")))
+        if unused:
+            shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
+            raise WeightLoadError(f"{len(unused)} checkpoint tensors are not part of a Qwen3.5 text model "
+                                  f"({shown}); is this the right plugin for the checkpoint?")
+
+
+def load_weights(source: TensorSource, config: Qwen35Config, backend: Any) -> Qwen35Weights:
+    reader = _Reader(source, text_prefix(source))
+    hidden = config.hidden_size
+    embed = reader.get("embed_tokens.weight", (config.vocab_size, hidden))
+    layers = [_load_layer(reader, config, backend, i) for i in range(config.num_hidden_layers)]
+    final_norm = 1.0 + reader.get("norm.weight", (hidden,))
+    if "lm_head.weight" in source and not config.tie_word_embeddings:
+        lm_head = reader.get("lm_head.weight", (config.vocab_size, hidden), full_name=True)
+    else:
+        lm_head = embed
+        if "lm_head.weight" in source:
+            reader.used.add("lm_head.weight")
+    reader.check_all_used()
+    return Qwen35Weights(backend.weight(embed), layers, backend.weight(final_norm), backend.linear_weight(lm_head))
+
+
+def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int) -> LayerWeights:
+    prefix = f"layers.{index}."
+    hidden, inter = config.hidden_size, config.intermediate_size
+    kind = config.layer_types[index]
+    if kind == FULL_ATTENTION:
+        mixer: FullAttentionWeights | DeltaNetWeights = _load_full_attention(reader, config, backend, prefix)
+    else:
+        mixer = _load_delta_net(reader, config, backend, prefix)
+    gate_up = np.concatenate([reader.get(prefix + "mlp.gate_proj.weight", (inter, hidden)),
+                              reader.get(prefix + "mlp.up_proj.weight", (inter, hidden))])
+    return LayerWeights(
+        kind=kind,
+        input_norm=backend.weight(1.0 + reader.get(prefix + "input_layernorm.weight", (hidden,))),
+        post_attention_norm=backend.weight(1.0 + reader.get(prefix + "post_attention_layernorm.weight", (hidden,))),
+        mixer=mixer,
+        gate_up=backend.linear_weight(gate_up),
+        down=backend.linear_weight(reader.get(prefix + "mlp.down_proj.weight", (hidden, inter))),
+    )
+
+
+def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str) -> FullAttentionWeights:
+    p = prefix + "self_attn."
+    hidden, nh, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    # q_proj rows are per head [query (hd) | gate (hd)]: split them into all queries, then all gates.
+    q_and_gate = reader.get(p + "q_proj.weight", (nh * 2 * hd, hidden)).reshape(nh, 2, hd, hidden)
+    k = reader.get(p + "k_proj.weight", (nkv * hd, hidden))
+    v = reader.get(p + "v_proj.weight", (nkv * hd, hidden))
+    weight = np.concatenate([q_and_gate[:, 0].reshape(nh * hd, hidden), k, v,
+                             q_and_gate[:, 1].reshape(nh * hd, hidden)])
+    bias = None
+    o_bias = None
+    if config.attention_bias:
+        q_bias = reader.get(p + "q_proj.bias", (nh * 2 * hd,)).reshape(nh, 2, hd)
+        bias = np.concatenate([q_bias[:, 0].ravel(), reader.get(p + "k_proj.bias", (nkv * hd,)),
+                               reader.get(p + "v_proj.bias", (nkv * hd,)), q_bias[:, 1].ravel()])
+        o_bias = reader.get(p + "o_proj.bias", (hidden,))
+    return FullAttentionWeights(
+        qkv_gate=backend.linear_weight(weight, bias),
+        o_proj=backend.linear_weight(reader.get(p + "o_proj.weight", (hidden, nh * hd)), o_bias),
+        q_norm=backend.weight(1.0 + reader.get(p + "q_norm.weight", (hd,))),
+        k_norm=backend.weight(1.0 + reader.get(p + "k_norm.weight", (hd,))),
+    )
+
+
+def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str) -> DeltaNetWeights:
+    p = prefix + "linear_attn."
+    hidden, nv = config.hidden_size, config.linear_num_value_heads
+    conv_dim, value_dim = config.conv_dim, config.linear_value_dim
+    in_proj = np.concatenate([
+        reader.get(p + "in_proj_qkv.weight", (conv_dim, hidden)),
+        reader.get(p + "in_proj_z.weight", (value_dim, hidden)),
+        reader.get(p + "in_proj_b.weight", (nv, hidden)),
+        reader.get(p + "in_proj_a.weight", (nv, hidden)),
+    ])
+    conv = reader.get(p + "conv1d.weight", (conv_dim, 1, config.linear_conv_kernel_dim))[:, 0, :]
+    conv_bias = reader.optional(p + "conv1d.bias", (conv_dim,))
+    if conv_bias is not None and np.any(conv_bias):
+        raise WeightLoadError(f"tensor {reader.prefix + p}conv1d.bias is non-zero; Qwen3.5's conv has no bias")
+    return DeltaNetWeights(
+        in_proj=backend.linear_weight(in_proj),
+        conv_weight=backend.weight(conv),
+        neg_decay_rate=backend.weight(-np.exp(reader.get(p + "A_log", (nv,)))),
+        dt_bias=backend.weight(reader.get(p + "dt_bias", (nv,))),
+        norm=backend.weight(reader.get(p + "norm.weight", (config.linear_value_head_dim,))),
+        out_proj=backend.linear_weight(reader.get(p + "out_proj.weight", (hidden, value_dim))),
+    )
