@@ -24,9 +24,10 @@ def load_qwen3(checkpoint: Checkpoint, config: Qwen3Config, ops: Backend, rope: 
         p = f"model.layers.{i}."
         checkpoint.expect_shape(p + "self_attn.q_proj.weight", (q_size, c.hidden_size))
         checkpoint.expect_shape(p + "self_attn.k_proj.weight", (kv_size, c.hidden_size))
-        qkv_bias = None
+        qkv_bias = o_bias = None
         if c.attention_bias:
             qkv_bias = fuse_rows(*(checkpoint.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"))
+            o_bias = checkpoint.get(p + "self_attn.o_proj.bias")
         spec = AttentionSpec(
             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             rope=rope, scale=c.head_dim**-0.5,
@@ -38,7 +39,7 @@ def load_qwen3(checkpoint: Checkpoint, config: Qwen3Config, ops: Backend, rope: 
             qkv=ops.linear_weight(fuse_rows(*(checkpoint.get(p + f"self_attn.{n}_proj.weight") for n in "qkv")),
                                   qkv_bias),
             attention=spec,
-            o_proj=ops.linear_weight(checkpoint.get(p + "self_attn.o_proj.weight")),
+            o_proj=ops.linear_weight(checkpoint.get(p + "self_attn.o_proj.weight"), o_bias),
             post_attention_norm=ops.weight(checkpoint.get(p + "post_attention_layernorm.weight")),
             gate_up=ops.linear_weight(fuse_rows(checkpoint.get(p + "mlp.gate_proj.weight"),
                                                 checkpoint.get(p + "mlp.up_proj.weight"))),
