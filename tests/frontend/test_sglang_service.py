@@ -13,15 +13,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from openinfer.errors import InvalidRequestError, QueueFullError
-from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
-from openinfer.v1 import engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
+
+from openinfer.errors import InvalidRequestError, QueueFullError
+from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
+from openinfer.v1 import engine_pb2 as pb
 
 WORDS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "alpha", "beta", "gamma", "delta", "epsilon",
          "zeta", "eta", "theta", "user", "assistant", "hello", "world"]
@@ -395,3 +396,35 @@ async def test_embed_is_refused_clearly(served):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.Embed(sglang_pb.EmbedRequest(request_id="e", tokenized=sglang_pb.TokenizedInput(input_ids=[4])))
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED and "generation" in caught.value.details()
+
+
+class LoggingFakeEngine(FakeEngine):
+    """FakeEngine that prints one line per request and per abort, for tests that run it as a worker
+    process behind the router (``python test_sglang_service.py PORT MODEL_DIR``)."""
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        print(f"generate {request.request_id}", flush=True)
+        async for event in super().generate(request):
+            yield event
+
+    async def abort(self, request_id: str) -> bool:
+        found = await super().abort(request_id)
+        print(f"abort {request_id} found={found}", flush=True)
+        return found
+
+
+async def serve_fake_worker(port: int, model_dir: Path, token_delay: float) -> None:
+    engine = LoggingFakeEngine(token_delay=token_delay)
+    server = grpc.aio.server(options=SGLANG_SERVER_OPTIONS)
+    add_sglang_service(server, engine, served_model_name="tiny", model_path=str(model_dir),
+                       tokenizer_path=str(write_tiny_tokenizer(model_dir)))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    import sys
+
+    asyncio.run(serve_fake_worker(int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])))

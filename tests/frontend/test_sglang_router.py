@@ -1,0 +1,216 @@
+"""The real ``smg`` router in front of SGLang-protocol workers, all on loopback.
+
+Workers here run ``test_sglang_service.py`` as a script: the servicer over ``LoggingFakeEngine``,
+which prints one line per generate and per abort, so a test can tell which worker served what
+and that the router's Abort arrived. Every process is started in its own session and stopped
+by pid (SIGTERM, then SIGKILL after a bounded wait).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
+
+SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
+WORKER_SCRIPT = Path(__file__).with_name("test_sglang_service.py")
+START_TIMEOUT_S = 60.0
+
+pytestmark = pytest.mark.skipif(not Path(SMG).exists(), reason="the smg router is not installed (pip install smg)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """A subprocess in its own session whose output goes to ``log``."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise AssertionError(f"{self.name} exited with {self.popen.returncode}:\n{self.output()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+
+
+def start_process(name: str, command: list[str], log_dir: Path) -> Process:
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as sink:
+        popen = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+    return Process(name, popen, log)
+
+
+def wait_until(what: str, ready: Callable[[], bool], processes: list[Process],
+               timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in processes:
+            process.check_alive()
+        try:
+            if ready():
+                return
+        except (httpx.HTTPError, grpc.RpcError, OSError):
+            pass
+        time.sleep(0.2)
+    logs = "\n".join(f"--- {p.name}\n{p.output()[-3000:]}" for p in processes)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def worker_healthy(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = sglang_grpc.SglangSchedulerStub(channel)
+        return stub.HealthCheck(sglang_pb.HealthCheckRequest(), timeout=2).healthy
+
+
+def worker_running(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = sglang_grpc.SglangSchedulerStub(channel)
+        return stub.GetLoads(sglang_pb.GetLoadsRequest(), timeout=2).loads[0].num_running_reqs
+
+
+def start_router(worker_ports: list[int], policy: str, log_dir: Path, processes: list[Process]) -> str:
+    """``smg launch`` in front of the workers; returns its base URL once it can serve ``model``."""
+    port = free_port()
+    command = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in worker_ports],
+               "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--shutdown-grace-period-secs", "1", "--log-level", "warn", "--disable-retries"]
+    processes.append(start_process("router", command, log_dir))
+    return f"http://127.0.0.1:{port}"
+
+
+def router_ready(base_url: str, model: str, num_workers: int) -> bool:
+    workers = httpx.get(f"{base_url}/workers", timeout=2).json()
+    listed = workers.get("workers", workers) if isinstance(workers, dict) else workers
+    healthy = [w for w in listed if w.get("is_healthy", w.get("healthy", True))]
+    tokenized = httpx.post(f"{base_url}/v1/tokenize", json={"model": model, "prompt": "hello"}, timeout=2)
+    return len(healthy) >= num_workers and tokenized.status_code == 200
+
+
+@dataclass
+class FakeCluster:
+    base_url: str
+    worker_ports: list[int]
+    workers: list[Process]
+
+
+@pytest.fixture(scope="module")
+def fake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCluster]:
+    """Two fake-engine workers (10 ms per token) behind one round-robin router."""
+    log_dir = tmp_path_factory.mktemp("sglang-router")
+    processes: list[Process] = []
+    try:
+        ports = [free_port(), free_port()]
+        workers = [start_process(f"worker{i}", [sys.executable, str(WORKER_SCRIPT), str(port),
+                                                str(log_dir / "model"), "0.01"], log_dir)
+                   for i, port in enumerate(ports)]
+        processes.extend(workers)
+        for port in ports:
+            wait_until(f"worker on port {port}", lambda port=port: worker_healthy(port), processes)
+        base_url = start_router(ports, "round_robin", log_dir, processes)
+        wait_until("the router to register both workers", lambda: router_ready(base_url, "tiny", 2), processes)
+        yield FakeCluster(base_url, ports, workers)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def chat(base_url: str, content: str, **body: object) -> httpx.Response:
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": content}], **body}
+    return httpx.post(f"{base_url}/v1/chat/completions", json=payload, timeout=30)
+
+
+def test_chat_completion_through_the_router(fake_cluster):
+    response = chat(fake_cluster.base_url, "hello world", max_tokens=3)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["message"]["content"] == "alpha beta gamma"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_streaming_chat_matches_the_non_streaming_text(fake_cluster):
+    deltas, finish = [], None
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{fake_cluster.base_url}/v1/chat/completions", json=payload, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
+            deltas.append(choice["delta"].get("content") or "")
+            finish = choice["finish_reason"] or finish
+    whole = chat(fake_cluster.base_url, "hello", max_tokens=5).json()["choices"][0]["message"]["content"]
+    assert "".join(deltas) == whole == "alpha beta gamma delta alpha"
+    assert finish == "length"
+
+
+def test_completions_with_a_stop_string(fake_cluster):
+    response = httpx.post(f"{fake_cluster.base_url}/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "hello world", "max_tokens": 10, "stop": ["gamma"]})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (choice["text"].strip(), choice["finish_reason"]) == ("alpha beta", "stop")
+    assert response.json()["usage"]["completion_tokens"] == 3  # the worker stopped at the stop string
+
+
+def test_unsupported_request_is_a_clear_400(fake_cluster):
+    response = chat(fake_cluster.base_url, "hello", max_tokens=3, response_format={"type": "json_object"})
+    assert response.status_code == 400
+    assert "json_schema" in response.text and "not supported" in response.text
+    assert chat(fake_cluster.base_url, "hello", max_tokens=1).status_code == 200  # workers still serve
+
+
+def test_both_workers_receive_traffic(fake_cluster):
+    before = [w.output().count("generate ") for w in fake_cluster.workers]
+    for _ in range(4):
+        assert chat(fake_cluster.base_url, "hello", max_tokens=1).status_code == 200
+    served = [w.output().count("generate ") - b for w, b in zip(fake_cluster.workers, before, strict=True)]
+    assert sum(served) == 4 and all(count >= 1 for count in served), served
+
+
+def test_client_disconnect_aborts_the_request_in_the_worker(fake_cluster):
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1000,
+               "stream": True}
+    with httpx.stream("POST", f"{fake_cluster.base_url}/v1/chat/completions", json=payload, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        busy = [port for port in fake_cluster.worker_ports if worker_running(port) == 1]
+        assert len(busy) == 1
+    # the client is gone: the router sends Abort and the engine request ends (fake KV freed)
+    port = busy[0]
+    worker = fake_cluster.workers[fake_cluster.worker_ports.index(port)]
+    wait_until("the worker to drop the request", lambda: worker_running(port) == 0, [worker], timeout=10)
+    wait_until("the router's Abort", lambda: "abort " in worker.output(), [worker], timeout=10)
