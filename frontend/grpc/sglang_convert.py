@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
+
 from openinfer.errors import InvalidRequestError
 from openinfer.v1 import engine_pb2 as pb
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 
 # SGLang treats temperatures this small as greedy decoding; openinfer spells greedy as 0.
 GREEDY_TEMPERATURE_EPSILON = 1e-5

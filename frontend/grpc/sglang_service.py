@@ -28,6 +28,10 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
+
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.sglang_convert import (
@@ -40,9 +44,6 @@ from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
 from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
-from smg_grpc_proto.generated import common_pb2
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 
 logger = logging.getLogger(__name__)
 

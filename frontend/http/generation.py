@@ -1,0 +1,242 @@
+"""One engine request seen as text: ``ChoiceStream`` turns TokenEvents into ``ChoiceDelta``s.
+
+A choice is started (its first event awaited) before any HTTP response is sent, so a refused
+request (``InvalidRequestError``, ``QueueFullError``) becomes a proper 4xx/503 instead of a
+broken stream. Invariants:
+
+* the concatenated ``text`` of a choice's deltas is the same whether streamed or not
+  (non-streamed responses are built from the very same deltas);
+* no delta ends inside a multi-byte character and none contains (part of) a matched stop string;
+* ``close()`` always leaves the engine with nothing running for this choice: it closes the
+  engine's iterator and, when no ``finished`` event was seen, aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from openinfer.engine import EngineHandle, finish_reason_name
+from openinfer.frontend.http.errors import OpenAIError
+from openinfer.frontend.http.metrics import FrontendMetrics
+from openinfer.tokenizer import StopStringMatcher, Tokenizer
+from openinfer.v1 import engine_pb2 as pb
+
+# Engine error codes as HTTP statuses.
+ENGINE_ERROR_STATUS = {
+    pb.ERROR_CODE_INVALID_ARGUMENT: 400,
+    pb.ERROR_CODE_RESOURCE_EXHAUSTED: 503,
+    pb.ERROR_CODE_UNAVAILABLE: 503,
+}
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice: text plus the ids (and logprobs) that produced it."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceUsage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class ChoicePlan:
+    """Everything one choice needs besides the engine: its request and the text-side options."""
+
+    index: int
+    request: pb.GenerateRequest
+    stop_strings: Sequence[str] = ()
+    skip_special_tokens: bool = True
+
+
+class ChoiceStream:
+    def __init__(self, engine: EngineHandle, tokenizer: Tokenizer, plan: ChoicePlan,
+                 metrics: FrontendMetrics | None, eos_token_ids: Sequence[int]):
+        self.engine = engine
+        self.plan = plan
+        self.metrics = metrics
+        request = plan.request
+        self.usage = ChoiceUsage(prompt_tokens=len(request.prompt_token_ids))
+        self.detokenizer = tokenizer.detokenizer(request.prompt_token_ids, plan.skip_special_tokens)
+        self.stop_matcher = StopStringMatcher(plan.stop_strings)
+        terminal = set(request.stop.stop_token_ids)
+        if not request.stop.ignore_eos:
+            terminal.update(eos_token_ids)
+        self.terminal_ids = frozenset(terminal)
+        self.finished = False
+        self._events: AsyncIterator[pb.TokenEvent] | None = None
+        self._first: pb.TokenEvent | None = None
+        self._last_token_time: float | None = None
+
+    async def start(self) -> ChoiceStream:
+        """Submit the request and wait for its first event; refusals raise here."""
+        self._events = aiter(self.engine.generate(self.plan.request))
+        try:
+            self._first = await anext(self._events)
+        except StopAsyncIteration as exc:
+            raise OpenAIError(500, "the engine ended the request without any event", None,
+                              "engine_error") from exc
+        return self
+
+    async def _all_events(self) -> AsyncIterator[pb.TokenEvent]:
+        assert self._events is not None and self._first is not None, "start() first"
+        yield self._first
+        async for event in self._events:
+            yield event
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        async for event in self._all_events():
+            kind = event.WhichOneof("event")
+            if kind == "scheduled":
+                self.usage.cached_tokens = event.scheduled.cached_tokens
+            elif kind == "tokens":
+                delta = self._on_tokens(event.tokens)
+                if delta.finish_reason is not None:
+                    yield delta
+                    await self.close()
+                    return
+                if delta.text or delta.token_ids or delta.prompt_logprobs:
+                    yield delta
+            elif kind == "finished":
+                yield self._on_finished(event.finished)
+                return
+            elif kind == "error":
+                self.finished = True
+                status = ENGINE_ERROR_STATUS.get(event.error.code, 500)
+                raise OpenAIError(status, f"the engine failed the request: {event.error.message}", None,
+                                  pb.ErrorCode.Name(event.error.code).lower())
+
+    def _on_tokens(self, tokens: pb.TokenEvent.Tokens) -> ChoiceDelta:
+        now = time.time()
+        if self.metrics is not None:
+            self.metrics.observe_tokens(self.plan.request.arrival_time, self._last_token_time, now,
+                                        len(tokens.ids))
+        self._last_token_time = now
+        delta = ChoiceDelta(self.plan.index, token_ids=list(tokens.ids), logprobs=list(tokens.logprobs))
+        if tokens.prompt_logprobs:
+            delta.prompt_logprobs = list(tokens.prompt_logprobs)
+        min_tokens = self.plan.request.stop.min_tokens
+        text_ids = []
+        for token_id in tokens.ids:
+            self.usage.completion_tokens += 1
+            if token_id in self.terminal_ids and self.usage.completion_tokens > min_tokens:
+                break  # the engine stops on this token; its text is not part of the output
+            text_ids.append(token_id)
+        text, stopped = self.stop_matcher.push(self.detokenizer.push(text_ids))
+        delta.text = text
+        if stopped:
+            delta.finish_reason = "stop"
+            self._record_finish("stop")
+        return delta
+
+    def _on_finished(self, finished: pb.TokenEvent.Finished) -> ChoiceDelta:
+        self.finished = True
+        text, stopped = self.stop_matcher.push(self.detokenizer.flush())
+        if not stopped:
+            text += self.stop_matcher.flush()
+        reason = "stop" if stopped else finish_reason_name(finished.reason)
+        if finished.prompt_tokens:
+            self.usage.prompt_tokens = finished.prompt_tokens
+        self.usage.completion_tokens = max(self.usage.completion_tokens, finished.completion_tokens)
+        self.usage.cached_tokens = max(self.usage.cached_tokens, finished.cached_tokens)
+        self._record_finish(reason)
+        return ChoiceDelta(self.plan.index, text=text, finish_reason=reason)
+
+    def _record_finish(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_finish(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
+
+    async def close(self) -> None:
+        """Close the engine iterator; abort the request if it has not finished. Idempotent."""
+        events, self._events = self._events, None
+        if events is None:
+            return
+        with anyio.CancelScope(shield=True):
+            closer = getattr(events, "aclose", None)
+            if closer is not None:
+                await closer()
+            if not self.finished:
+                self.finished = True
+                await self.engine.abort(self.plan.request.request_id)
+
+
+async def start_choices(engine: EngineHandle, tokenizer: Tokenizer, plans: Sequence[ChoicePlan],
+                        metrics: FrontendMetrics | None) -> list[ChoiceStream]:
+    """Start every choice, or none: if one is refused, the ones already started are closed."""
+    eos = list(engine.info().eos_token_ids) or tokenizer.eos_token_ids
+    started: list[ChoiceStream] = []
+    try:
+        for plan in plans:
+            stream = ChoiceStream(engine, tokenizer, plan, metrics, eos)
+            started.append(stream)
+            await stream.start()
+    except BaseException:
+        await close_all(started)
+        raise
+    return started
+
+
+async def close_all(streams: Sequence[ChoiceStream]) -> None:
+    for stream in streams:
+        await stream.close()
+
+
+async def collect(stream: ChoiceStream) -> list[ChoiceDelta]:
+    try:
+        return [delta async for delta in stream.deltas()]
+    finally:
+        await stream.close()
+
+
+async def collect_all(streams: Sequence[ChoiceStream]) -> list[list[ChoiceDelta]]:
+    """Run every choice to the end concurrently; deltas per choice, in choice order."""
+    try:
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
+    finally:
+        await close_all(streams)
+
+
+async def merge_deltas(streams: Sequence[ChoiceStream]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave the deltas of all choices as they come. Closing this generator (client gone)
+    cancels every choice and aborts their engine requests."""
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: ChoiceStream) -> None:
+        try:
+            async for delta in stream.deltas():
+                await queue.put(delta)
+            await queue.put(None)
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close_all(streams)

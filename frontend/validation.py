@@ -1,0 +1,59 @@
+"""Checks every frontend applies to a ``GenerateRequest`` before it reaches the engine.
+
+The engine validates too; checking here as well gives HTTP and gRPC clients the same clear
+messages (with the model's limits in them) whatever engine sits behind the ``EngineHandle``.
+"""
+
+from __future__ import annotations
+
+from openinfer.errors import InvalidRequestError
+from openinfer.sampling import MAX_LOGPROBS, validate_sampling
+from openinfer.v1 import engine_pb2 as pb
+
+
+def check_prompt(prompt_ids: list[int] | tuple[int, ...], info: pb.ModelInfo, field: str = "prompt") -> None:
+    """A prompt is non-empty, in the vocabulary, and leaves room for at least one new token."""
+    if not prompt_ids:
+        raise InvalidRequestError(f"{field} must not be empty", field)
+    vocab = info.vocab_size
+    if vocab:
+        bad = [t for t in prompt_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"{field} has token id {bad[0]} outside the vocabulary (ids must be in [0, {vocab}))", field)
+    if info.max_model_len and len(prompt_ids) >= info.max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {info.max_model_len} tokens, but the prompt has "
+            f"{len(prompt_ids)} tokens; shorten the prompt to at most {info.max_model_len - 1} tokens", field)
+
+
+def default_max_tokens(num_prompt_tokens: int, info: pb.ModelInfo) -> int:
+    """What ``max_tokens`` means when the client leaves it out: the rest of the context."""
+    return max(1, (info.max_model_len or num_prompt_tokens + 1) - num_prompt_tokens)
+
+
+def check_generate_request(request: pb.GenerateRequest, info: pb.ModelInfo) -> None:
+    """Raise ``InvalidRequestError`` naming the field for anything the engine cannot honour."""
+    if not request.request_id:
+        raise InvalidRequestError("request_id must not be empty", "request_id")
+    check_prompt(request.prompt_token_ids, info, "prompt_token_ids")
+    validate_sampling(request.sampling)
+    stop = request.stop
+    if stop.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {stop.max_tokens}", "max_tokens")
+    total = len(request.prompt_token_ids) + stop.max_tokens
+    if info.max_model_len and total > info.max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {info.max_model_len} tokens, but the request asks for "
+            f"{total} tokens ({len(request.prompt_token_ids)} in the prompt + {stop.max_tokens} max_tokens); "
+            f"lower max_tokens to at most {info.max_model_len - len(request.prompt_token_ids)}", "max_tokens")
+    if stop.min_tokens > stop.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({stop.min_tokens}) must not exceed max_tokens ({stop.max_tokens})", "min_tokens")
+    if info.vocab_size:
+        bad = [t for t in stop.stop_token_ids if t >= info.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {info.vocab_size})", "stop_token_ids")
+    if request.logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}", "logprobs")
