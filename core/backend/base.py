@@ -10,6 +10,7 @@ Activations are 2-D ``[num_tokens, features]`` arrays of the backend's activatio
     block_tables  [[3, 0, 0], [5, 6, 0], [8, 0, 0]] padded with the null block 0
     slot_mapping  [ 48 49 50 51 | 104 | 128 129 ]   block * block_size + offset of each new token
     logits_rows   [ 3, 4, 6 ]                       rows whose logits are sampled
+    request_ids   ( "a",         "b", "c" )         one per sequence (models with per-request state)
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class ForwardBatch:
     logits_rows: np.ndarray  # [R] rows of T to compute logits for
     max_query_len: int
     max_context_len: int
+    # [B] the request behind each sequence, for models that keep per-request state outside the
+    # KV pool (recurrent layers in state slots); empty when the caller has no request ids.
+    request_ids: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

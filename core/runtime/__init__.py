@@ -2,6 +2,6 @@
 TokenEvents to asyncio callers."""
 
 from openinfer.runtime.engine import PagedEngine
-from openinfer.runtime.model import ModelSpec, PagedModel
+from openinfer.runtime.model import ModelSpec, PagedModel, RequestStateModel
 
-__all__ = ["ModelSpec", "PagedEngine", "PagedModel"]
+__all__ = ["ModelSpec", "PagedEngine", "PagedModel", "RequestStateModel"]

@@ -58,5 +58,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
         logits_rows=np.asarray(logits_rows, np.int32),
         max_query_len=max((c.num_tokens for c in chunks), default=0),
         max_context_len=int(context_lens.max()) if len(chunks) else 0,
+        request_ids=tuple(c.request.request_id for c in chunks),
     )
     return batch, rows

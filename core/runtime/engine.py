@@ -21,7 +21,7 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.options import EngineOptions
 from openinfer.runtime.batch_builder import build_forward_batch
-from openinfer.runtime.model import PagedModel
+from openinfer.runtime.model import PagedModel, RequestStateModel
 from openinfer.runtime.sampler import sample_rows
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
@@ -48,6 +48,11 @@ class PagedEngine:
                  plugin: str = "", tokenizer_path: str | None = None):
         self.model = model
         self.options = options or EngineOptions()
+        # models with per-request state (recurrent layers) free it through release_request and
+        # cannot rebuild it from cached KV blocks, so they never use the prefix cache
+        self._release_state = model.release_request if isinstance(model, RequestStateModel) else None
+        if self._release_state is not None and self.options.enable_prefix_cache:
+            self.options = self.options.with_(enable_prefix_cache=False)
         spec = model.spec
         self.max_model_len = min(self.options.max_model_len or spec.max_model_len, spec.max_model_len)
         self.block_size = self.options.block_size
@@ -185,12 +190,17 @@ class PagedEngine:
         if not request.was_scheduled:
             self._mark_unqueued()
         self.scheduler.finish(request)
+        self._release(request)
         finished = pb.TokenEvent.Finished(reason=reason, prompt_tokens=request.num_prompt_tokens,
                                           completion_tokens=request.num_output_tokens,
                                           cached_tokens=request.num_cached_tokens)
         if matched_stop is not None:
             finished.matched_stop_token_id = matched_stop
         self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, finished=finished), final=True)
+
+    def _release(self, request: Request) -> None:
+        if self._release_state is not None:
+            self._release_state(request.request_id)
 
     def _mark_unqueued(self) -> None:
         with self._streams_lock:
@@ -236,6 +246,8 @@ class PagedEngine:
     def step(self) -> None:
         """One engine step: schedule, run the model, sample, emit events."""
         plan = self.scheduler.schedule()
+        for request in plan.preempted:  # recomputed from position 0 later: its state goes too
+            self._release(request)
         for request in plan.newly_scheduled:
             self._mark_unqueued()
             self._emit(request.request_id, pb.TokenEvent(
@@ -292,6 +304,7 @@ class PagedEngine:
         if not request.was_scheduled:
             self._mark_unqueued()
         self.scheduler.finish(request)
+        self._release(request)
         self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, error=pb.TokenEvent.Error(
             code=pb.ERROR_CODE_INTERNAL, message=message)), final=True)
 

@@ -40,3 +40,18 @@ class PagedModel(Protocol):
     backend: Backend
 
     def forward(self, batch: Any, kv_cache: list[KVLayer]) -> Any: ...
+
+
+@runtime_checkable
+class RequestStateModel(Protocol):
+    """Optional, for models that keep per-request state outside the paged KV pool (recurrent
+    layers holding a conv window and a matrix state in fixed ``StateSlots``).
+
+    Such a model reads ``batch.request_ids`` in ``forward``: a sequence whose context starts at
+    position 0 begins a fresh state, any other continues its request's state. The engine calls
+    ``release_request`` whenever it drops a request's KV — finished, aborted, failed or
+    preempted (a preempted request is recomputed from position 0 later) — so the model can
+    free the slot. Such models cannot use the prefix cache (their plugin turns it off).
+    """
+
+    def release_request(self, request_id: str) -> None: ...
