@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 
 from openinfer.errors import InvalidRequestError
+from openinfer.frontend.validation import default_max_tokens
 from openinfer.v1 import engine_pb2 as pb
 
 # SGLang treats temperatures this small as greedy decoding; openinfer spells greedy as 0.
@@ -104,8 +105,11 @@ def _sampling(params: sglang_pb.SamplingParams | None) -> pb.SamplingParams:
     )
 
 
-def to_engine_request(request: sglang_pb.GenerateRequest, *, arrival_time: float) -> SglangRequestPlan:
-    """The plan for one router request; raises ``InvalidRequestError`` for what openinfer refuses."""
+def to_engine_request(request: sglang_pb.GenerateRequest, info: pb.ModelInfo, *,
+                      arrival_time: float) -> SglangRequestPlan:
+    """The plan for one router request; raises ``InvalidRequestError`` for what openinfer refuses.
+    Unset ``max_new_tokens`` (the router leaves it out when the client does) means the rest of
+    the model's context, as on openinfer's own HTTP server."""
     if not request.request_id:
         raise _refuse("request_id", "is empty; the router must name every request")
     prompt = list(request.tokenized.input_ids)
@@ -120,8 +124,8 @@ def to_engine_request(request: sglang_pb.GenerateRequest, *, arrival_time: float
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_new_tokens,
     )
-    if params.HasField("max_new_tokens"):
-        stop.max_tokens = params.max_new_tokens  # unset: until a stop condition or the context ends
+    stop.max_tokens = (params.max_new_tokens if params.HasField("max_new_tokens")
+                       else default_max_tokens(len(prompt), info))
     top_logprobs_num = max(0, request.top_logprobs_num) if request.return_logprob else 0
     wants_input_logprobs = request.return_logprob and request.logprob_start_len >= 0
     engine_request = pb.GenerateRequest(

@@ -42,6 +42,7 @@ from openinfer.frontend.grpc.sglang_convert import (
 )
 from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
 from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
+from openinfer.frontend.validation import check_generate_request
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
@@ -101,7 +102,9 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[sglang_pb.GenerateResponse]:
         self._last_receive = time.time()
         try:
-            plan = to_engine_request(request, arrival_time=self._last_receive)
+            info = self._engine.info()
+            plan = to_engine_request(request, info, arrival_time=self._last_receive)
+            check_generate_request(plan.engine_request, info)  # the same limits as openinfer's HTTP server
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id

@@ -47,7 +47,7 @@ class FakeEngine:
     """An EngineHandle that emits ``script`` (cycled) one token per step, honours max_tokens,
     eos / stop ids and aborts, and counts one KV block per running request."""
 
-    def __init__(self, script: list[int] | None = None, token_delay: float = 0.0, max_model_len: int = 64):
+    def __init__(self, script: list[int] | None = None, token_delay: float = 0.0, max_model_len: int = 4096):
         self.script = script or [4, 5, 6, 7]
         self.token_delay = token_delay
         self.max_model_len = max_model_len
@@ -171,7 +171,7 @@ async def test_model_info_reports_a_generation_model_with_absolute_paths(served,
     assert info.served_model_name == "tiny"
     assert info.tokenizer_path == str(tokenizer_dir.resolve())
     assert os.path.isabs(info.model_path)
-    assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (64, len(WORDS), [EOS_ID])
+    assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (4096, len(WORDS), [EOS_ID])
     assert list(info.architectures) == ["FakeForCausalLM"] and info.model_type == "fake"
 
 
@@ -200,7 +200,7 @@ async def test_router_default_sampling_maps_onto_openinfer(served):
     request = engine.requests[-1]
     assert request.sampling.temperature == pytest.approx(0.7) and request.sampling.top_k == 0
     assert request.sampling.top_p == 1.0 and request.sampling.repetition_penalty == 1.0
-    assert not request.stop.HasField("max_tokens")  # unset: the engine runs to the end of the context
+    assert request.stop.max_tokens == 4096 - 3  # unset: the rest of the context
     assert list(request.stop.stop_token_ids) == [7] and request.stop.ignore_eos and request.stop.min_tokens == 1
     assert list(request.prompt_token_ids) == [12, 14, 15] and request.request_id == "req-1"
 
@@ -330,7 +330,7 @@ async def test_server_info_describes_the_worker(served, tokenizer_dir):
     args = dict(info.server_args.fields)
     assert args["served_model_name"].string_value == "tiny"
     assert args["tokenizer_path"].string_value == str(tokenizer_dir.resolve())
-    assert args["context_length"].number_value == 64 and args["is_embedding"].bool_value is False
+    assert args["context_length"].number_value == 4096 and args["is_embedding"].bool_value is False
     assert info.server_type == "grpc" and info.max_total_num_tokens == 128
     assert info.sglang_version.startswith("openinfer")
 
@@ -363,6 +363,8 @@ UNSUPPORTED = {
     "disaggregated_params": lambda r: setattr(r.disaggregated_params, "bootstrap_host", "10.0.0.1"),
     "data_parallel_rank": lambda r: setattr(r, "data_parallel_rank", 1),
     "input_ids": lambda r: r.tokenized.ClearField("input_ids"),
+    "maximum context length": lambda r: setattr(r.sampling_params, "max_new_tokens", 5000),
+    "vocabulary": lambda r: r.tokenized.input_ids.append(999),
 }
 
 
