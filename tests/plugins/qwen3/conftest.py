@@ -4,13 +4,6 @@ from pathlib import Path
 import pytest
 from openinfer import EngineOptions
 
-from tests.helpers.tiny_qwen3 import write_tiny_qwen3
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory) -> Path:
-    return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3-untied"), seed=0)
-
 
 def build_engine(path: Path, **options):
     from openinfer_qwen3 import plugin
