@@ -24,8 +24,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from openinfer.errors import InvalidRequestError
 from tokenizers import Tokenizer as RawTokenizer
+
+from openinfer.errors import InvalidRequestError
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.auth import ApiKeyInterceptor
+from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
 from openinfer.frontend.validation import check_generate_request
 from openinfer.v1 import engine_pb2 as pb
 from openinfer.v1 import engine_pb2_grpc
@@ -30,6 +31,7 @@ from openinfer.v1 import engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 HEALTH_POLL_S = 1.0
 
 
@@ -119,15 +121,22 @@ async def _poll_health(engine: EngineHandle, health: HealthServicer) -> None:
 
 
 async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port: int = 50051,
-                            api_key: str | None = None) -> GrpcServer:
+                            api_key: str | None = None, sglang_model_name: str | None = None) -> GrpcServer:
+    """Start the server. With ``sglang_model_name`` the SGLang scheduler service (for the ``smg``
+    router) is served on the same port, under that model name."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=SGLANG_SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    service_names = [ENGINE_SERVICE]
+    if sglang_model_name is not None:
+        info = engine.info()
+        add_sglang_service(server, engine, served_model_name=sglang_model_name, model_path=info.model_path,
+                           tokenizer_path=info.tokenizer_path or info.model_path)
+        service_names.append(SGLANG_SERVICE)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
+    service_names += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(service_names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
     if bound == 0:

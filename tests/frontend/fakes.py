@@ -8,7 +8,8 @@ Behaviour (exact, so tests can predict text):
 * stops on eos (unless ``ignore_eos``) or a ``stop_token_ids`` id once ``min_tokens`` were made
   (the stop token is reported, as the engine contract allows), else at ``max_tokens``;
 * KV accounting: a request holds ``ceil((prompt + generated) / block_size)`` blocks from
-  submission until it ends (finished, aborted, or its iterator closed);
+  submission until it ends (finished, aborted, or its iterator closed); ``aborted`` lists the
+  ids aborted by ``abort`` or by closing the iterator before ``finished``;
 * ``max_running`` concurrent requests; one more raises ``QueueFullError``.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from openinfer.errors import InvalidRequestError, QueueFullError
 from openinfer.sampling import validate_sampling
 from openinfer.v1 import engine_pb2 as pb
@@ -93,12 +95,16 @@ class FakeEngine:
         state = _Running(request, blocks=self._blocks_for(len(request.prompt_token_ids)))
         self.running[rid] = state
         self.submitted.append(request)
+        completed = False
         try:
             yield pb.TokenEvent(request_id=rid, scheduled=pb.TokenEvent.Scheduled(cached_tokens=0))
             async for event in self._decode(state):
+                completed = event.HasField("finished")
                 yield event
         finally:
             self.running.pop(rid, None)
+            if not completed and rid not in self.aborted:  # iterator closed early: that is an abort
+                self.aborted.append(rid)
 
     # --- internals ----------------------------------------------------------------------------
 
