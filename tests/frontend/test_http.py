@@ -9,6 +9,7 @@ import openai
 import pytest
 from conftest import LiveServer, wait_until
 from fakes import FakeEngine
+
 from openinfer.frontend.http import create_app
 from openinfer.tokenizer import Tokenizer
 
@@ -31,6 +32,12 @@ def engine(tokenizer, tokenizer_dir) -> FakeEngine:
 def server(engine, tokenizer):
     with LiveServer(create_app(engine, tokenizer, MODEL, max_body_bytes=MAX_BODY)) as live:
         yield live
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")
@@ -204,26 +211,26 @@ def test_models_lists_the_served_model(client):
     assert client.models.retrieve(MODEL).id == MODEL
 
 
-def test_health_follows_the_engine(server, restore_engine):
-    assert httpx.get(server.url + "/health").status_code == 200
+def test_health_follows_the_engine(http, restore_engine):
+    assert http.get("/health").status_code == 200
     restore_engine.healthy = False
-    response = httpx.get(server.url + "/health")
+    response = http.get("/health")
     assert response.status_code == 503 and "unhealthy" in response.json()["error"]["message"]
 
 
-def test_tokenize_and_detokenize(server, tokenizer):
-    response = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+def test_tokenize_and_detokenize(http, tokenizer):
+    response = http.post("/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
     assert response["tokens"] == tokenizer.encode("hello world") and response["count"] == len(response["tokens"])
     assert response["max_model_len"] == 256
-    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tokenizer.decode(chat["tokens"], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
-    text = httpx.post(server.url + "/detokenize", json={"tokens": response["tokens"]}).json()["prompt"]
+    text = http.post("/detokenize", json={"tokens": response["tokens"]}).json()["prompt"]
     assert text == "hello world"
 
 
-def test_metrics_count_requests_tokens_and_latency(server, client):
+def test_metrics_count_requests_tokens_and_latency(http, client):
     greedy(client, prompt="one two", max_tokens=3)
-    text = httpx.get(server.url + "/metrics").text
+    text = http.get("/metrics").text
     for name in ("openinfer_request_success_total{finished_reason=\"length\"",
                  "openinfer_prompt_tokens_total", "openinfer_generation_tokens_total",
                  "openinfer_time_to_first_token_seconds_bucket", "openinfer_inter_token_latency_seconds_bucket",
@@ -232,9 +239,9 @@ def test_metrics_count_requests_tokens_and_latency(server, client):
         assert name in text, name
 
 
-def test_queue_full_is_503_with_retry_after(server, restore_engine):
+def test_queue_full_is_503_with_retry_after(http, restore_engine):
     restore_engine.max_running = 0
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "2"
     assert response.json()["error"]["code"] == "queue_full"
@@ -248,7 +255,7 @@ def test_client_disconnect_aborts_and_frees_kv(server, restore_engine, n):
     engine = restore_engine
     engine.token_delay_s = 0.02
     before = len(engine.aborted)
-    with httpx.Client(base_url=server.url) as http, http.stream(
+    with httpx.Client(base_url=server.url) as session, session.stream(
             "POST", "/v1/completions", json={"prompt": "one two three", "max_tokens": 200, "n": n,
                                              "temperature": 0, "stream": True}) as response:
         lines = response.iter_lines()
@@ -321,25 +328,25 @@ def assert_openai_error(response: httpx.Response, status: int) -> None:
     assert isinstance(error["message"], str) and error["message"]
 
 
-def assert_still_serving(server) -> None:
-    assert httpx.get(server.url + "/health").status_code == 200
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0})
+def assert_still_serving(http) -> None:
+    assert http.get("/health").status_code == 200
+    ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x"
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input(server, case):
+def test_bad_input(http, case):
     path, body, status = BAD_INPUTS[case]
-    assert_openai_error(httpx.post(server.url + path, json=body), status)
-    assert_still_serving(server)
+    assert_openai_error(http.post(path, json=body), status)
+    assert_still_serving(http)
 
 
 @pytest.mark.parametrize("case", sorted(RAW_BAD_INPUTS))
-def test_bad_raw_request(server, case):
+def test_bad_raw_request(http, case):
     method, path, content, status = RAW_BAD_INPUTS[case]
     headers = {"content-type": "application/json"} if content else {}
-    assert_openai_error(httpx.request(method, server.url + path, content=content, headers=headers), status)
-    assert_still_serving(server)
+    assert_openai_error(http.request(method, path, content=content, headers=headers), status)
+    assert_still_serving(http)
 
 
 def test_bad_input_with_the_openai_client_raises_its_error_class(client):
@@ -350,8 +357,8 @@ def test_bad_input_with_the_openai_client_raises_its_error_class(client):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
 
 
-def test_over_long_prompt_names_the_limits(server):
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": list(range(5, 300))})
+def test_over_long_prompt_names_the_limits(http):
+    response = http.post("/v1/completions", json={"prompt": list(range(5, 300))})
     assert "maximum context length is 256" in response.json()["error"]["message"]
     assert "295" in response.json()["error"]["message"]
 
@@ -361,11 +368,11 @@ def test_over_long_prompt_names_the_limits(server):
 
 def test_api_key_is_required_except_for_probes(engine, tokenizer):
     with LiveServer(create_app(engine, tokenizer, MODEL, api_key="sekret")) as live:
-        assert_openai_error(httpx.get(live.url + "/v1/models"), 401)
-        wrong = httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer nope"})
-        assert_openai_error(wrong, 401)
-        assert httpx.get(live.url + "/health").status_code == 200
-        assert httpx.get(live.url + "/metrics").status_code == 200
+        with httpx.Client(base_url=live.url) as http:
+            assert_openai_error(http.get("/v1/models"), 401)
+            assert_openai_error(http.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+            assert http.get("/health").status_code == 200
+            assert http.get("/metrics").status_code == 200
         authed = openai.OpenAI(base_url=live.url + "/v1", api_key="sekret", max_retries=0)
         assert authed.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=0).choices[0].text == "x"
         with pytest.raises(openai.AuthenticationError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from openinfer.errors import InvalidRequestError
 from openinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, TokenizerNotFoundError
 
