@@ -214,3 +214,127 @@ def test_client_disconnect_aborts_the_request_in_the_worker(fake_cluster):
     worker = fake_cluster.workers[fake_cluster.worker_ports.index(port)]
     wait_until("the worker to drop the request", lambda: worker_running(port) == 0, [worker], timeout=10)
     wait_until("the router's Abort", lambda: "abort " in worker.output(), [worker], timeout=10)
+
+
+# --- real openinfer workers: `openinfer serve` on the demo model -----------------------------------
+
+DEMO_NAME = "smollm2"
+
+
+def engine_load(port: int):
+    from openinfer.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=2)
+
+
+def last_sglang_request_time(port: int) -> float:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = sglang_grpc.SglangSchedulerStub(channel)
+        return stub.GetServerInfo(sglang_pb.GetServerInfoRequest(), timeout=2).last_receive_timestamp
+
+
+@dataclass
+class OpeninferCluster:
+    router_url: str
+    http_urls: list[str]
+    grpc_ports: list[int]
+
+
+@pytest.fixture(scope="module")
+def openinfer_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpeninferCluster]:
+    """Two ``openinfer serve`` workers (demo model, CPU) behind one round-robin ``smg`` router."""
+    from openinfer.demo import ensure_demo_model
+
+    model_dir = ensure_demo_model(progress=False)
+    log_dir = tmp_path_factory.mktemp("openinfer-router")
+    openinfer = shutil.which("openinfer") or str(Path(sys.executable).with_name("openinfer"))
+    processes: list[Process] = []
+    try:
+        http_ports, grpc_ports = [free_port(), free_port()], [free_port(), free_port()]
+        for i, (http_port, grpc_port) in enumerate(zip(http_ports, grpc_ports, strict=True)):
+            processes.append(start_process(f"openinfer{i}", [
+                openinfer, "serve", "--model-path", str(model_dir), "--served-model-name", DEMO_NAME,
+                "--device", "cpu", "--host", "127.0.0.1", "--port", str(http_port), "--grpc-port", str(grpc_port),
+                "--max-model-len", "2048", "--shutdown-timeout", "2", "--log-level", "warning"], log_dir))
+        for port in grpc_ports:
+            wait_until(f"openinfer on gRPC port {port}", lambda port=port: worker_healthy(port), processes, 120)
+        router_url = start_router(grpc_ports, "round_robin", log_dir, processes)
+        wait_until("the router to register both workers", lambda: router_ready(router_url, DEMO_NAME, 2), processes)
+        yield OpeninferCluster(router_url, [f"http://127.0.0.1:{p}" for p in http_ports], grpc_ports)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.slow
+def test_greedy_chat_through_the_router_matches_openinfer_http(openinfer_cluster):
+    body = {"model": DEMO_NAME, "messages": CAPITAL, "max_tokens": 12, "temperature": 0}
+    direct = httpx.post(f"{openinfer_cluster.http_urls[0]}/v1/chat/completions", json=body, timeout=120)
+    routed = httpx.post(f"{openinfer_cluster.router_url}/v1/chat/completions", json=body, timeout=120)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    direct_choice, routed_choice = direct.json()["choices"][0], routed.json()["choices"][0]
+    assert "Paris" in routed_choice["message"]["content"]
+    assert routed_choice["message"]["content"] == direct_choice["message"]["content"]
+    assert routed_choice["finish_reason"] == direct_choice["finish_reason"]
+    assert routed.json()["usage"]["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"]
+    assert routed.json()["usage"]["completion_tokens"] == direct.json()["usage"]["completion_tokens"]
+
+
+@pytest.mark.slow
+def test_streaming_chat_through_the_router_matches_non_streaming(openinfer_cluster):
+    body = {"model": DEMO_NAME, "messages": CAPITAL, "max_tokens": 12, "temperature": 0}
+    whole = httpx.post(f"{openinfer_cluster.router_url}/v1/chat/completions", json=body, timeout=120)
+    deltas = []
+    with httpx.stream("POST", f"{openinfer_cluster.router_url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                deltas.append(choice["delta"].get("content") or "")
+    assert "".join(deltas) == whole.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+def test_greedy_completions_through_the_router_match_openinfer_http(openinfer_cluster):
+    body = {"model": DEMO_NAME, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    direct = httpx.post(f"{openinfer_cluster.http_urls[1]}/v1/completions", json=body, timeout=120)
+    routed = httpx.post(f"{openinfer_cluster.router_url}/v1/completions", json=body, timeout=120)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    assert routed.json()["choices"][0]["finish_reason"] == direct.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_both_openinfer_workers_receive_router_traffic(openinfer_cluster):
+    before = [last_sglang_request_time(port) for port in openinfer_cluster.grpc_ports]
+    for _ in range(2):
+        response = httpx.post(f"{openinfer_cluster.router_url}/v1/completions", timeout=120,
+                              json={"model": DEMO_NAME, "prompt": "Hello", "max_tokens": 1})
+        assert response.status_code == 200, response.text
+    after = [last_sglang_request_time(port) for port in openinfer_cluster.grpc_ports]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@pytest.mark.slow
+def test_disconnect_through_the_router_frees_kv_in_the_openinfer_worker(openinfer_cluster):
+    body = {"model": DEMO_NAME, "messages": CAPITAL, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{openinfer_cluster.router_url}/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+        busy = [port for port in openinfer_cluster.grpc_ports if engine_load(port).num_running == 1]
+        assert len(busy) == 1 and engine_load(busy[0]).kv_blocks_used > 0
+    # 1500 tokens would take minutes on the CPU: only the router's Abort ends the request this soon
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (engine_load(busy[0]).num_running or engine_load(busy[0]).kv_blocks_used):
+        time.sleep(0.1)
+    load = engine_load(busy[0])
+    assert (load.num_running, load.num_waiting, load.kv_blocks_used) == (0, 0, 0)
