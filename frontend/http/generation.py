@@ -81,6 +81,7 @@ class ChoiceStream:
         self._events: AsyncIterator[pb.TokenEvent] | None = None
         self._first: pb.TokenEvent | None = None
         self._last_token_time: float | None = None
+        self._recorded = False
 
     async def start(self) -> ChoiceStream:
         """Submit the request and wait for its first event; refusals raise here."""
@@ -157,6 +158,10 @@ class ChoiceStream:
         return ChoiceDelta(self.plan.index, text=text, finish_reason=reason)
 
     def _record_finish(self, reason: str) -> None:
+        """Count the request once, under the first reason it ended with."""
+        if self._recorded:
+            return
+        self._recorded = True
         if self.metrics is not None:
             self.metrics.observe_finish(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
 
@@ -171,6 +176,7 @@ class ChoiceStream:
                 await closer()
             if not self.finished:
                 self.finished = True
+                self._record_finish("abort")
                 await self.engine.abort(self.plan.request.request_id)
 
 
