@@ -216,6 +216,27 @@ def test_client_disconnect_aborts_the_request_in_the_worker(fake_cluster):
     wait_until("the router's Abort", lambda: "abort " in worker.output(), [worker], timeout=10)
 
 
+def test_a_router_without_the_tokenizer_files_fetches_them_from_the_worker(tmp_path):
+    """A router on another machine: the worker's tokenizer_path does not exist there, so the
+    router asks the worker for the files (GetTokenizer) and serves chat with them."""
+    processes: list[Process] = []
+    try:
+        port = free_port()
+        processes.append(start_process("remote-worker", [sys.executable, str(WORKER_SCRIPT), str(port),
+                                                         str(tmp_path / "model"), "0", "/nonexistent/models/tiny"],
+                                       tmp_path))
+        wait_until("the worker", lambda: worker_healthy(port), processes)
+        base_url = start_router([port], "cache_aware", tmp_path, processes)
+        wait_until("the router to load the tokenizer from the worker", lambda: router_ready(base_url, "tiny", 1),
+                   processes)
+        response = chat(base_url, "hello world", max_tokens=2)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == "alpha beta"
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
 # --- real openinfer workers: `openinfer serve` on the demo model -----------------------------------
 
 DEMO_NAME = "smollm2"

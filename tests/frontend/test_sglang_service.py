@@ -21,7 +21,11 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from openinfer.errors import InvalidRequestError, QueueFullError
-from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
+from openinfer.frontend.grpc.sglang_service import (
+    SGLANG_SERVER_OPTIONS,
+    SglangSchedulerServicer,
+    add_sglang_service,
+)
 from openinfer.v1 import engine_pb2 as pb
 
 WORDS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "alpha", "beta", "gamma", "delta", "epsilon",
@@ -415,11 +419,35 @@ class LoggingFakeEngine(FakeEngine):
         return found
 
 
-async def serve_fake_worker(port: int, model_dir: Path, token_delay: float) -> None:
+class RemoteTokenizerServicer(SglangSchedulerServicer):
+    """Reports a tokenizer path that does not exist where the router runs, as a worker on another
+    machine would; ``GetTokenizer`` still serves the real files."""
+
+    def __init__(self, *args, reported_path: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reported_path = reported_path
+
+    async def GetModelInfo(self, request, context):
+        info = await super().GetModelInfo(request, context)
+        info.model_path = info.tokenizer_path = self.reported_path
+        return info
+
+    async def GetServerInfo(self, request, context):
+        info = await super().GetServerInfo(request, context)
+        info.server_args["model_path"] = info.server_args["tokenizer_path"] = self.reported_path
+        return info
+
+
+async def serve_fake_worker(port: int, model_dir: Path, token_delay: float, reported_path: str | None) -> None:
     engine = LoggingFakeEngine(token_delay=token_delay)
     server = grpc.aio.server(options=SGLANG_SERVER_OPTIONS)
-    add_sglang_service(server, engine, served_model_name="tiny", model_path=str(model_dir),
-                       tokenizer_path=str(write_tiny_tokenizer(model_dir)))
+    paths = {"served_model_name": "tiny", "model_path": str(model_dir),
+             "tokenizer_path": str(write_tiny_tokenizer(model_dir))}
+    if reported_path is None:
+        add_sglang_service(server, engine, **paths)
+    else:
+        servicer = RemoteTokenizerServicer(engine, reported_path=reported_path, **paths)
+        sglang_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
@@ -429,4 +457,5 @@ async def serve_fake_worker(port: int, model_dir: Path, token_delay: float) -> N
 if __name__ == "__main__":
     import sys
 
-    asyncio.run(serve_fake_worker(int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])))
+    asyncio.run(serve_fake_worker(int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]),
+                                  sys.argv[4] if len(sys.argv) > 4 else None))
