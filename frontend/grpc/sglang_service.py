@@ -34,12 +34,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from openinfer.frontend.grpc.sglang_convert import (
-    FINISH_REASONS,
-    SglangRequestPlan,
-    SglangResponseBuilder,
-    to_engine_request,
-)
+from openinfer.frontend.grpc.sglang_convert import SglangRequestPlan, to_engine_requests
+from openinfer.frontend.grpc.sglang_fanout import merge_streams
+from openinfer.frontend.grpc.sglang_responses import FINISH_REASONS, SglangResponseBuilder
 from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
 from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
 from openinfer.frontend.validation import check_generate_request
@@ -78,6 +75,7 @@ def _struct(values: dict[str, object]) -> Struct:
 
 class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
     """The SGLang scheduler service for one engine (one data-parallel rank, no LoRA, text only).
+    A request with ``n`` > 1 runs as ``n`` engine requests (``{request_id}-{i}``), interleaved.
 
     RPCs not overridden here (profiling, LoRA, KV-event subscription, flush) answer
     UNIMPLEMENTED; the router falls back to polling ``GetLoads``.
@@ -90,7 +88,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         self._model_path = os.path.abspath(model_path)
         self._tokenizer_path = os.path.abspath(tokenizer_path or model_path)
         self._started = time.time()
-        self._active: set[str] = set()
+        self._active: dict[str, list[str]] = {}  # router request id → its engine request ids
         self._last_receive = 0.0
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: str | None = None
@@ -103,27 +101,31 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         self._last_receive = time.time()
         try:
             info = self._engine.info()
-            plan = to_engine_request(request, info, arrival_time=self._last_receive)
-            check_generate_request(plan.engine_request, info)  # the same limits as openinfer's HTTP server
+            plan = to_engine_requests(request, info, arrival_time=self._last_receive)
+            for choice in plan.engine_requests:
+                check_generate_request(choice, info)  # the same limits as openinfer's HTTP server
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id = request.request_id
-        self._active.add(request_id)
+        self._active[plan.request_id] = [choice.request_id for choice in plan.engine_requests]
+        choices = [self._generate_choice(plan, index) for index in range(len(plan.engine_requests))]
+        stream = choices[0] if len(choices) == 1 else merge_streams(choices)
         try:
-            async for response in self._generate(plan):
-                yield response
+            async with contextlib.aclosing(stream) as responses:
+                async for response in responses:
+                    yield response
         except _EngineFailure as failure:
             await context.abort(failure.code, failure.message)
         finally:
-            self._active.discard(request_id)
+            self._active.pop(plan.request_id, None)
 
-    async def _generate(self, plan: SglangRequestPlan) -> AsyncIterator[sglang_pb.GenerateResponse]:
-        """Engine events → SGLang responses. Leaving early (a stop string, the router going away)
-        closes the engine's iterator, which aborts the request and frees its KV blocks."""
-        builder = SglangResponseBuilder(plan)
-        watcher = self._stop_watcher(plan)
+    async def _generate_choice(self, plan: SglangRequestPlan,
+                               index: int) -> AsyncIterator[sglang_pb.GenerateResponse]:
+        """One choice's engine events → SGLang responses. Leaving early (a stop string, the router
+        going away) closes the engine's iterator, which aborts the request and frees its KV blocks."""
+        builder = SglangResponseBuilder(plan, index)
+        watcher = self._stop_watcher(plan, builder.engine_request)
         try:
-            async with contextlib.aclosing(self._engine.generate(plan.engine_request)) as events:
+            async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
                 async for event in events:
                     kind = event.WhichOneof("event")
                     if kind == "scheduled":
@@ -152,28 +154,28 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         except EngineDeadError as exc:
             raise _EngineFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         raise _EngineFailure(grpc.StatusCode.INTERNAL,
-                             f"the engine ended request {plan.engine_request.request_id!r} without a "
+                             f"the engine ended request {builder.engine_request.request_id!r} without a "
                              "finished event; see the worker's log")
 
     @staticmethod
     def _complete(builder: SglangResponseBuilder, finished: pb.TokenEvent.Finished) -> sglang_pb.GenerateResponse:
         if finished.reason == pb.FINISH_REASON_ERROR:
             raise _EngineFailure(grpc.StatusCode.INTERNAL,
-                                 f"the engine failed request {builder.request_id!r}; see the worker's log")
+                                 f"the engine failed request {builder.engine_request.request_id!r}; see the "
+                                 "worker's log")
         builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
         matched = (finished.matched_stop_token_id
                    if finished.HasField("matched_stop_token_id") and finished.reason == pb.FINISH_REASON_STOP
                    else None)
         return builder.complete(FINISH_REASONS.get(finished.reason, "stop"), matched_token_id=matched)
 
-    def _stop_watcher(self, plan: SglangRequestPlan) -> StopStringWatcher | None:
+    def _stop_watcher(self, plan: SglangRequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
         if not plan.stop_strings:
             return None
         tokenizer = self._load_tokenizer()
         if tokenizer is None:
             return None  # the router still trims the text; the engine just runs to its limit
-        return StopStringWatcher(tokenizer, plan.engine_request.prompt_token_ids, plan.stop_strings,
-                                 plan.skip_special_tokens)
+        return StopStringWatcher(tokenizer, choice.prompt_token_ids, plan.stop_strings, plan.skip_special_tokens)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if self._tokenizer is None and self._tokenizer_error is None:
@@ -187,7 +189,9 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
 
     async def Abort(self, request: sglang_pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> sglang_pb.AbortResponse:
-        found = await self._engine.abort(request.request_id)
+        found = False
+        for engine_request_id in self._active.get(request.request_id, [request.request_id]):
+            found = await self._engine.abort(engine_request_id) or found
         message = "aborted" if found else "not found (already finished or never started)"
         return sglang_pb.AbortResponse(success=found, message=f"request {request.request_id!r} {message}")
 

@@ -185,6 +185,26 @@ def test_completions_with_a_stop_string(fake_cluster):
     assert response.json()["usage"]["completion_tokens"] == 3  # the worker stopped at the stop string
 
 
+def test_n_choices_through_the_router(fake_cluster):
+    for stream in (False, True):
+        payload = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "n": 2,
+                   "stream": stream}
+        if not stream:
+            response = httpx.post(f"{fake_cluster.base_url}/v1/chat/completions", json=payload, timeout=30)
+            assert response.status_code == 200, response.text
+            choices = response.json()["choices"]
+            texts = {c["index"]: c["message"]["content"] for c in choices}
+        else:
+            texts = {0: "", 1: ""}
+            with httpx.stream("POST", f"{fake_cluster.base_url}/v1/chat/completions", json=payload,
+                              timeout=30) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for choice in httpx.Response(200, content=line[6:]).json()["choices"]:
+                            texts[choice["index"]] += choice["delta"].get("content") or ""
+        assert texts == {0: "alpha beta", 1: "alpha beta"}, (stream, texts)
+
+
 def test_unsupported_request_is_a_clear_400(fake_cluster):
     response = chat(fake_cluster.base_url, "hello", max_tokens=3, response_format={"type": "json_object"})
     assert response.status_code == 400

@@ -282,6 +282,48 @@ async def test_logprobs_without_top_asks_engine_for_the_sampled_token_only(serve
     assert not done.HasField("input_logprobs")
 
 
+async def test_n_choices_stream_interleaved_under_their_index(served):
+    engine, stub = served
+    responses = await collect(stub, router_request("multi", stream=True, max_new_tokens=2, n=3))
+    assert sorted(r.request_id for r in engine.requests) == ["multi-0", "multi-1", "multi-2"]
+    assert all(r.request_id == "multi" for r in responses)
+    completes = sorted((r.complete for r in responses if r.WhichOneof("response") == "complete"),
+                       key=lambda c: c.index)
+    assert [(c.index, list(c.output_ids), c.finish_reason) for c in completes] == [
+        (0, [4, 5], "length"), (1, [4, 5], "length"), (2, [4, 5], "length")]
+    for index in range(3):
+        chunks = [r.chunk for r in responses if r.WhichOneof("response") == "chunk" and r.chunk.index == index]
+        assert [t for c in chunks for t in c.token_ids] == [4, 5]
+
+
+async def test_n_choices_without_stream_send_one_complete_each(served):
+    engine, stub = served
+    responses = await collect(stub, router_request("multi", max_new_tokens=2, n=2))
+    assert sorted((r.complete.index, r.WhichOneof("response")) for r in responses) == [(0, "complete"), (1, "complete")]
+
+
+async def test_abort_rpc_stops_every_choice_and_going_away_closes_them(served):
+    engine, stub = served
+    engine.token_delay = 0.02
+    call = stub.Generate(router_request("fan", stream=True, max_new_tokens=1000, n=2))
+    await call.read()
+    assert (await stub.Abort(sglang_pb.AbortRequest(request_id="fan"))).success is True
+    rest = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        rest.append(response)
+    assert sorted(r.complete.index for r in rest if r.WhichOneof("response") == "complete") == [0, 1]
+    assert all(r.complete.finish_reason == "abort" for r in rest if r.WhichOneof("response") == "complete")
+    assert sorted(engine.aborted) == ["fan-0", "fan-1"]
+    call = stub.Generate(router_request("gone", stream=True, max_new_tokens=1000, n=2))
+    await call.read()
+    call.cancel()
+    for _ in range(100):
+        if not engine.running:
+            break
+        await asyncio.sleep(0.02)
+    assert not engine.running and {"gone-0", "gone-1"} <= set(engine.closed)
+
+
 async def test_abort_rpc_ends_a_running_stream_with_abort(served):
     engine, stub = served
     engine.token_delay = 0.02
@@ -353,7 +395,7 @@ UNSUPPORTED = {
     "regex": lambda r: setattr(r.sampling_params, "regex", "[a-z]+"),
     "json_schema": lambda r: setattr(r.sampling_params, "json_schema", "{}"),
     "ebnf_grammar": lambda r: setattr(r.sampling_params, "ebnf_grammar", "root ::= 'a'"),
-    "n": lambda r: setattr(r.sampling_params, "n", 2),
+    "n": lambda r: setattr(r.sampling_params, "n", 17),
     "logit_bias": lambda r: r.sampling_params.logit_bias.update({"5": 1.0}),
     "custom_params": lambda r: r.sampling_params.custom_params.update({"x": 1}),
     "max_new_tokens": lambda r: setattr(r.sampling_params, "max_new_tokens", 0),
