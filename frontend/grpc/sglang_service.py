@@ -175,7 +175,8 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         tokenizer = self._load_tokenizer()
         if tokenizer is None:
             return None  # the router still trims the text; the engine just runs to its limit
-        return StopStringWatcher(tokenizer, choice.prompt_token_ids, plan.stop_strings, plan.skip_special_tokens)
+        return StopStringWatcher(tokenizer, choice.prompt_token_ids, plan.stop_strings, plan.skip_special_tokens,
+                                 choice.stop.min_tokens)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if self._tokenizer is None and self._tokenizer_error is None:

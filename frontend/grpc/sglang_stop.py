@@ -23,8 +23,10 @@ class StopStringWatcher:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop_strings: Sequence[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.stop_strings = [s for s in stop_strings if s]
+        self.min_tokens = min_tokens  # as in SGLang, no stop string ends a request before this many ids
+        self.num_generated = 0
         self.detokenizer = tokenizer.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
         self.keep = max((len(s) for s in self.stop_strings), default=1) - 1
         self.tail = ""
@@ -33,12 +35,13 @@ class StopStringWatcher:
         """Returns the ids to keep (all of them, or those up to the one completing a stop string)
         and the stop string that matched, if any."""
         for position, token_id in enumerate(ids):
+            self.num_generated += 1
             delta = self.detokenizer.push([token_id])
             if not delta:
                 continue
             text = self.tail + delta
             matches = [(text.find(s), s) for s in self.stop_strings if s in text]
-            if matches:
+            if matches and self.num_generated >= self.min_tokens:
                 return list(ids[: position + 1]), min(matches)[1]
             self.tail = text[-self.keep:] if self.keep else ""
         return list(ids), None
