@@ -102,10 +102,14 @@ def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.nd
         return x.reshape(heads, num_chunks, chunk_size, *x.shape[2:])
 
     q_c, k_c, v_c, g_c, beta_c = (chunks(x) for x in (q, k, v, g, beta))
-    cum = np.cumsum(g_c, axis=-1)  # [H, N, C]
+    # The cumulative log-decay reaches -1000 within a chunk for fast-forgetting heads; summed in
+    # fp32 its rounding (~1e-4 absolute) would become a relative error of every decay factor
+    # exp(c_i - c_j). Sum and subtract in fp64, then return to fp32.
+    cum64 = np.cumsum(g_c, axis=-1, dtype=np.float64)  # [H, N, C]
     lower = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))
-    log_decay = np.where(lower, cum[..., :, None] - cum[..., None, :], -np.inf)
-    decay = np.exp(log_decay)  # [H, N, C, C], zero above the diagonal
+    log_decay = np.where(lower, cum64[..., :, None] - cum64[..., None, :], -np.inf)
+    decay = np.exp(log_decay).astype(np.float32)  # [H, N, C, C], zero above the diagonal
+    cum = cum64.astype(np.float32)
     k_beta = k_c * beta_c[..., None]
     v_beta = v_c * beta_c[..., None]
     k_t = np.swapaxes(k_c, -1, -2)
@@ -115,7 +119,7 @@ def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.nd
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
     intra = (q_c @ k_t) * decay  # [H, N, C, C]
     q_decayed = q_c * np.exp(cum)[..., None]
-    k_decayed = k_c * np.exp(cum[..., -1:] - cum)[..., None]
+    k_decayed = k_c * np.exp(cum64[..., -1:] - cum64).astype(np.float32)[..., None]
     chunk_decay = np.exp(cum[..., -1])[..., None, None]  # [H, N, 1, 1]
 
     out = np.empty((heads, num_chunks, chunk_size, dv), dtype=np.float32)

@@ -68,7 +68,7 @@ def randomize(model: Any, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("A_log"):
-                value = torch.empty(param.shape).uniform_(math.log(0.05), math.log(8.0), generator=generator)
+                value = torch.empty(param.shape).uniform_(math.log(0.05), math.log(2.0), generator=generator)
             elif name.endswith("dt_bias"):
                 value = 0.5 * randn(param.shape)
             elif name.endswith("linear_attn.norm.weight"):
@@ -78,7 +78,7 @@ def randomize(model: Any, seed: int) -> None:
             elif name.endswith("conv1d.weight"):
                 value = 0.4 * randn(param.shape)
             elif name.endswith("embed_tokens.weight"):
-                value = randn(param.shape)
+                value = 0.25 * randn(param.shape)  # tied heads: keeps logits O(1)
             elif param.ndim == 2:
                 value = randn(param.shape) / math.sqrt(param.shape[1])
             else:  # biases
@@ -92,11 +92,11 @@ def hf_text_config(config: dict[str, Any]) -> Any:
     return Qwen3_5TextConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
 
 
-def make_hf_model(seed: int = 0, **overrides: Any) -> tuple[Any, dict[str, Any]]:
+def make_hf_model(seed: int = 0, base: dict[str, Any] | None = None, **overrides: Any) -> tuple[Any, dict[str, Any]]:
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    config = {**TINY_QWEN35, **overrides}
+    config = {**(base or TINY_QWEN35), **overrides}
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(hf_text_config(config)).eval()
     randomize(model, seed)
