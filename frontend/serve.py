@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model-path", help="model directory (config.json, *.safetensors, tokenizer.json); "
                                             "default: the demo model")
     model.add_argument("--engine", help="serve a remote engine instead of a local model: grpc://HOST:PORT")
+    model.add_argument("--engine-timeout", type=float, default=60.0,
+                       help="seconds to wait for the --engine to answer at start-up (default 60)")
     model.add_argument("--tokenizer", help="tokenizer directory (default: the model's own; with --engine, "
                                            "the tokenizer path the remote engine reports)")
     model.add_argument("--served-model-name", help="model name clients send (default: the directory name)")
@@ -136,7 +138,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        engine: EngineHandle = GrpcEngineClient(args.engine, args.api_key)
+        remote = GrpcEngineClient(args.engine, args.api_key)
+        logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
+        await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
+        engine: EngineHandle = remote
     else:
         engine, model_path = _open_local_engine(args)
     grpc_server = None
@@ -154,7 +159,9 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         if grpc_server is not None:
             await grpc_server.stop(args.shutdown_timeout)
+            logger.info("gRPC server stopped")
         await engine.close()
+        logger.info("engine closed")
     return 0
 
 

@@ -66,6 +66,15 @@ class GrpcEngineClient:
             self._stub = engine_pb2_grpc.EngineStub(self._channel)
         return self._stub
 
+    def wait_until_ready(self, timeout_s: float) -> pb.ModelInfo:
+        """Block until the remote engine answers (it may still be starting), at most ``timeout_s``."""
+        try:
+            self._info = self._sync_stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
+                                                      timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from exc
+        return self._info
+
     def info(self) -> pb.ModelInfo:
         if self._info is None:
             try:

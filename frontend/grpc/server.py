@@ -23,7 +23,6 @@ from grpc_reflection.v1alpha import reflection
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.auth import ApiKeyInterceptor
-from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
 from openinfer.frontend.validation import check_generate_request
 from openinfer.v1 import engine_pb2 as pb
 from openinfer.v1 import engine_pb2_grpc
@@ -125,7 +124,12 @@ async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port:
     """Start the server. With ``sglang_model_name`` the SGLang scheduler service (for the ``smg``
     router) is served on the same port, under that model name."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = grpc.aio.server(interceptors=interceptors, options=SGLANG_SERVER_OPTIONS)
+    options = []
+    if sglang_model_name is not None:  # imported only when asked for: smg-grpc-proto is a large import
+        from openinfer.frontend.grpc.sglang_service import SGLANG_SERVER_OPTIONS, add_sglang_service
+
+        options = SGLANG_SERVER_OPTIONS
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     service_names = [ENGINE_SERVICE]
     if sglang_model_name is not None:
