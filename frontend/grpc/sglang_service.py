@@ -22,7 +22,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -36,6 +35,7 @@ from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.sglang_convert import SglangRequestPlan, to_engine_requests
 from openinfer.frontend.grpc.sglang_fanout import merge_streams
+from openinfer.frontend.grpc.sglang_load import RecentRates, loads_response
 from openinfer.frontend.grpc.sglang_responses import FINISH_REASONS, SglangResponseBuilder
 from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
 from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
@@ -90,6 +90,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         self._started = time.time()
         self._active: dict[str, list[str]] = {}  # router request id → its engine request ids
         self._last_receive = 0.0
+        self._rates = RecentRates()
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: str | None = None
         self._tokenizer_zip: bytes | None = None
@@ -136,13 +137,16 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
                         ids, matched = (watcher.push(event.tokens.ids) if watcher is not None
                                         else (list(event.tokens.ids), None))
                         chunk = builder.add_tokens(ids, event.tokens.logprobs)
+                        self._rates.record_tokens(len(ids))
                         if plan.stream and ids:
                             yield chunk
                         if matched is not None:
                             yield builder.complete("stop", matched_stop_str=matched)
                             return
                     elif kind == "finished":
-                        yield self._complete(builder, event.finished)
+                        complete = self._complete(builder, event.finished)
+                        self._rates.record_prompt(builder.prompt_tokens, builder.cached_tokens)
+                        yield complete
                         return
                     elif kind == "error":
                         raise _EngineFailure(_ENGINE_ERROR_STATUS.get(event.error.code, grpc.StatusCode.INTERNAL),
@@ -267,40 +271,9 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
 
     async def GetLoads(self, request: sglang_pb.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> sglang_pb.GetLoadsResponse:
-        info, load = self._engine.info(), self._engine.load()
-        block = max(info.kv_block_size, 1)
-        used_tokens, total_tokens = load.kv_blocks_used * block, load.kv_blocks_total * block
-        token_usage = used_tokens / total_tokens if total_tokens else 0.0
-        scheduler_load = sglang_pb.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=load.num_running,
-            num_waiting_reqs=load.num_waiting,
-            num_total_reqs=load.num_running + load.num_waiting,
-            num_used_tokens=used_tokens,
-            max_total_num_tokens=total_tokens,
-            token_usage=token_usage,
-            utilization=token_usage,
-        )
-        sections = set(request.include) or {"core"}
-        if sections & {"memory", "all"}:
-            scheduler_load.memory.CopyFrom(sglang_pb.MemoryMetrics(token_capacity=total_tokens))
-        if sections & {"queues", "all"}:
-            scheduler_load.queues.CopyFrom(sglang_pb.QueueMetrics(waiting=load.num_waiting))
-        wanted_rank = request.dp_rank if request.HasField("dp_rank") else 0
-        loads = [scheduler_load] if wanted_rank == 0 else []
-        return sglang_pb.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(),
-            version=f"openinfer {_openinfer_version()}",
-            dp_rank_count=1,
-            loads=loads,
-            aggregate=sglang_pb.AggregateMetrics(
-                total_running_reqs=load.num_running,
-                total_waiting_reqs=load.num_waiting,
-                total_reqs=load.num_running + load.num_waiting,
-                avg_token_usage=token_usage,
-                avg_utilization=token_usage,
-            ),
-        )
+        return loads_response(self._engine.info(), self._engine.load(), self._rates, include=request.include,
+                              dp_rank=request.dp_rank if request.HasField("dp_rank") else None,
+                              version=f"openinfer {_openinfer_version()}")
 
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GetTokenizerChunk]:

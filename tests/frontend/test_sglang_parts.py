@@ -13,6 +13,7 @@ import pytest
 from test_sglang_service import write_tiny_tokenizer
 
 from openinfer.frontend.grpc.sglang_fanout import merge_streams
+from openinfer.frontend.grpc.sglang_load import RecentRates
 from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
 from openinfer.frontend.grpc.sglang_tokenizer_bundle import (
     CHUNK_BYTES,
@@ -98,3 +99,18 @@ def test_bundle_chunks_carry_the_digest_on_the_last_one_only(tmp_path):
 def test_bundle_without_a_tokenizer_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         build_tokenizer_zip(tmp_path)
+
+
+def test_recent_rates_forget_samples_older_than_the_window():
+    now = [100.0]
+    rates = RecentRates(window_s=10.0, clock=lambda: now[0])
+    rates.record_tokens(30)
+    rates.record_prompt(100, 25)
+    now[0] = 105.0
+    rates.record_tokens(20)
+    rates.record_prompt(100, 75)
+    assert rates.tokens_per_second() == 5.0 and rates.cache_hit_rate() == 0.5
+    now[0] = 112.0
+    assert rates.tokens_per_second() == 2.0 and rates.cache_hit_rate() == 0.75
+    now[0] = 120.0
+    assert rates.tokens_per_second() == 0.0 and rates.cache_hit_rate() == 0.0

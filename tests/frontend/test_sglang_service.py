@@ -368,6 +368,9 @@ async def test_get_loads_reports_engine_load(served):
     assert load.token_usage == pytest.approx(1 / 8) and load.memory.token_capacity == 128
     assert loads.aggregate.total_running_reqs == 1
     call.cancel()
+    await collect(stub, router_request("done", max_new_tokens=3))
+    load = (await stub.GetLoads(sglang_pb.GetLoadsRequest())).loads[0]
+    assert load.gen_throughput > 0 and load.cache_hit_rate == pytest.approx(2 / 3)  # 2 of 3 prompt tokens cached
 
 
 async def test_server_info_describes_the_worker(served, tokenizer_dir):
