@@ -148,9 +148,10 @@ class Tokenizer:
             template = self._jinja.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise InvalidRequestError(f"the model's chat template does not compile: {exc}", "messages") from exc
-        variables = {**template_kwargs, "messages": [normalize_message(m) for m in messages],
-                     "add_generation_prompt": add_generation_prompt, "tools": tools,
-                     "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        special = {name: _token_content(self.config.get(name)) or ""
+                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        variables = {**special, **template_kwargs, "messages": [normalize_message(m) for m in messages],
+                     "add_generation_prompt": add_generation_prompt, "tools": tools}
         try:
             return template.render(**variables)
         except jinja2.TemplateError as exc:

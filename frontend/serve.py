@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     except OpenInferError as exc:
         logger.error("%s", exc)
         return 2
+    except OSError as exc:  # e.g. a port already in use
+        logger.error("cannot serve: %s", exc)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,12 @@ ENGINE_ERROR_STATUS = {
 }
 
 
+def engine_error(error: pb.TokenEvent.Error) -> OpenAIError:
+    status = ENGINE_ERROR_STATUS.get(error.code, 500)
+    return OpenAIError(status, f"the engine failed the request: {error.message}", None,
+                       pb.ErrorCode.Name(error.code).lower())
+
+
 @dataclass
 class ChoiceDelta:
     """New output of one choice: text plus the ids (and logprobs) that produced it."""
@@ -91,6 +97,9 @@ class ChoiceStream:
         except StopAsyncIteration as exc:
             raise OpenAIError(500, "the engine ended the request without any event", None,
                               "engine_error") from exc
+        if self._first.HasField("error"):  # refused at once: answer with a status, not a broken stream
+            self.finished = True
+            raise engine_error(self._first.error)
         return self
 
     async def _all_events(self) -> AsyncIterator[pb.TokenEvent]:
@@ -117,9 +126,8 @@ class ChoiceStream:
                 return
             elif kind == "error":
                 self.finished = True
-                status = ENGINE_ERROR_STATUS.get(event.error.code, 500)
-                raise OpenAIError(status, f"the engine failed the request: {event.error.message}", None,
-                                  pb.ErrorCode.Name(event.error.code).lower())
+                self._record_finish("error")
+                raise engine_error(event.error)
 
     def _on_tokens(self, tokens: pb.TokenEvent.Tokens) -> ChoiceDelta:
         now = time.time()

@@ -44,6 +44,8 @@ class FrontendMetrics:
                              names, registry=self.registry).labels(**labels)
         self.kv_total = Gauge("openinfer_kv_blocks_total", "KV-cache blocks in the pool",
                               names, registry=self.registry).labels(**labels)
+        self.kv_cached = Gauge("openinfer_kv_blocks_cached", "Free KV-cache blocks still holding a cached prefix",
+                               names, registry=self.registry).labels(**labels)
         self.kv_usage = Gauge("openinfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
                               names, registry=self.registry).labels(**labels)
 
@@ -69,5 +71,6 @@ class FrontendMetrics:
         self.waiting.set(load.num_waiting)
         self.kv_used.set(load.kv_blocks_used)
         self.kv_total.set(load.kv_blocks_total)
+        self.kv_cached.set(load.kv_blocks_cached)
         self.kv_usage.set(load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
         return generate_latest(self.registry)

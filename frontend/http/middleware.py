@@ -82,14 +82,15 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         message = "missing API key; send 'Authorization: Bearer KEY'" if not given else "invalid API key"

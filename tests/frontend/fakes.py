@@ -10,7 +10,9 @@ Behaviour (exact, so tests can predict text):
 * KV accounting: a request holds ``ceil((prompt + generated) / block_size)`` blocks from
   submission until it ends (finished, aborted, or its iterator closed); ``aborted`` lists the
   ids aborted by ``abort`` or by closing the iterator before ``finished``;
-* ``max_running`` concurrent requests; one more raises ``QueueFullError``.
+* ``max_running`` concurrent requests; one more raises ``QueueFullError``; ``healthy = False``
+  makes ``generate`` raise ``EngineDeadError``; ``fail_after = k`` ends requests with an
+  ``error`` event after k tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openinfer.errors import InvalidRequestError, QueueFullError
+from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.sampling import validate_sampling
 from openinfer.v1 import engine_pb2 as pb
 
@@ -49,6 +51,7 @@ class FakeEngine:
         self.tokenizer_path = tokenizer_path
         self.sample_low = sample_low
         self.healthy = True
+        self.fail_after: int | None = None  # emit an Error event after this many tokens
         self.running: dict[str, _Running] = {}
         self.submitted: list[pb.GenerateRequest] = []
         self.aborted: list[str] = []
@@ -88,6 +91,8 @@ class FakeEngine:
             await self.abort(request_id)
 
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        if not self.healthy:
+            raise EngineDeadError("fake engine marked down")
         self._check(request)
         if len(self.running) >= self.max_running:
             raise QueueFullError(self.max_running, retry_after_s=2)
@@ -99,7 +104,7 @@ class FakeEngine:
         try:
             yield pb.TokenEvent(request_id=rid, scheduled=pb.TokenEvent.Scheduled(cached_tokens=0))
             async for event in self._decode(state):
-                completed = event.HasField("finished")
+                completed = event.HasField("finished") or event.HasField("error")
                 yield event
         finally:
             self.running.pop(rid, None)
@@ -162,6 +167,10 @@ class FakeEngine:
             if generated == 1 and request.prompt_logprobs:
                 tokens.prompt_logprobs.extend(self._logprob(t, request.logprobs) for t in prompt[1:])
             yield pb.TokenEvent(request_id=request.request_id, tokens=tokens)
+            if self.fail_after is not None and generated >= self.fail_after:
+                error = pb.TokenEvent.Error(code=pb.ERROR_CODE_INTERNAL, message="fake failure")
+                yield pb.TokenEvent(request_id=request.request_id, error=error)
+                return
             if token in stop_ids and generated > request.stop.min_tokens:
                 reason, matched = pb.FINISH_REASON_STOP, token
                 break

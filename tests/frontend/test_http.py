@@ -247,6 +247,36 @@ def test_queue_full_is_503_with_retry_after(http, restore_engine):
     assert response.json()["error"]["code"] == "queue_full"
 
 
+def test_dead_engine_is_503(http, restore_engine):
+    restore_engine.healthy = False
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+                        503)
+
+
+@pytest.fixture
+def failing_engine(engine):
+    engine.fail_after = 2
+    yield engine
+    engine.fail_after = None
+
+
+def test_engine_error_mid_request_is_a_json_error(http, failing_engine):
+    response = http.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 10})
+    assert_openai_error(response, 500)
+    assert "fake failure" in response.json()["error"]["message"]
+
+
+def test_engine_error_mid_stream_is_reported_in_band(http, failing_engine):
+    body = {"prompt": "one two three", "max_tokens": 10, "stream": True, "temperature": 0}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        frames = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    assert json.loads(frames[-2])["error"]["message"] == "the engine failed the request: fake failure"
+    assert "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-2]) == "one two"
+
+
 # --- disconnects ---------------------------------------------------------------------------------
 
 
@@ -357,6 +387,19 @@ def test_bad_input_with_the_openai_client_raises_its_error_class(client):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
 
 
+def test_chunked_body_over_the_limit_is_413(http):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b"a" * 1024
+        yield b'"}'
+
+    response = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert_openai_error(response, 413)
+    assert_still_serving(http)
+
+
 def test_over_long_prompt_names_the_limits(http):
     response = http.post("/v1/completions", json={"prompt": list(range(5, 300))})
     assert "maximum context length is 256" in response.json()["error"]["message"]
@@ -373,6 +416,8 @@ def test_api_key_is_required_except_for_probes(engine, tokenizer):
             assert_openai_error(http.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401)
             assert http.get("/health").status_code == 200
             assert http.get("/metrics").status_code == 200
+        with httpx.Client(base_url=live.url, headers={"Authorization": "bearer sekret"}) as http:
+            assert http.get("/v1/models").status_code == 200  # the scheme is case-insensitive
         authed = openai.OpenAI(base_url=live.url + "/v1", api_key="sekret", max_retries=0)
         assert authed.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=0).choices[0].text == "x"
         with pytest.raises(openai.AuthenticationError):
