@@ -220,6 +220,24 @@ def test_both_workers_receive_traffic(fake_cluster):
     assert sum(served) == 4 and all(count >= 1 for count in served), served
 
 
+def test_cache_aware_router_keeps_a_prompt_on_one_worker(fake_cluster, tmp_path):
+    """A second router, cache_aware, over the same two workers: a repeated prompt keeps going to
+    the worker that served it first (the router's token tree), a new prompt may go elsewhere."""
+    processes: list[Process] = []
+    try:
+        base_url = start_router(fake_cluster.worker_ports, "cache_aware", tmp_path, processes)
+        wait_until("the cache-aware router", lambda: router_ready(base_url, "tiny", 2), processes)
+        prompt = "alpha beta gamma delta epsilon zeta eta theta " * 4
+        before = [w.output().count("generate ") for w in fake_cluster.workers]
+        for _ in range(4):
+            assert chat(base_url, prompt, max_tokens=1).status_code == 200
+        served = [w.output().count("generate ") - b for w, b in zip(fake_cluster.workers, before, strict=True)]
+        assert sorted(served) == [0, 4], served
+    finally:
+        for process in processes:
+            process.stop()
+
+
 def test_client_disconnect_aborts_the_request_in_the_worker(fake_cluster):
     payload = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1000,
                "stream": True}
