@@ -124,7 +124,8 @@ class _Details(grpc.ClientCallDetails):
 
 def test_sigterm_with_a_request_in_flight_exits_zero(servers):
     """Last in this module: stops both servers. The in-flight stream gets --shutdown-timeout (1 s),
-    then it is cancelled and aborted; both processes exit 0."""
+    then it is cancelled and aborted; the engine process exits 0, then the front process (which
+    answers 503 while its engine is gone) exits 0 on SIGINT."""
     received = []
 
     def stream_forever() -> None:
@@ -144,10 +145,15 @@ def test_sigterm_with_a_request_in_flight_exits_zero(servers):
     while not received and time.monotonic() < deadline:
         time.sleep(0.05)
     assert received, "the stream never started"
-    assert stop(servers["remote"], signal.SIGINT) == 0
     assert stop(servers["local"], signal.SIGTERM) == 0
     reader.join(10)
     assert not reader.is_alive()
+    # the front process outlives its engine: unhealthy and 503, but still answering
+    with httpx.Client(base_url=servers["remote_http"], headers={"Authorization": f"Bearer {KEY}"}) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503 and "UNAVAILABLE" in response.json()["error"]["message"]
+    assert stop(servers["remote"], signal.SIGINT) == 0
 
 
 def test_engine_flags_are_forwarded_only_when_given():
