@@ -345,17 +345,20 @@ def test_greedy_chat_through_the_router_matches_openinfer_http(openinfer_cluster
 
 @pytest.mark.slow
 def test_streaming_chat_through_the_router_matches_non_streaming(openinfer_cluster):
-    body = {"model": DEMO_NAME, "messages": CAPITAL, "max_tokens": 12, "temperature": 0}
-    whole = httpx.post(f"{openinfer_cluster.router_url}/v1/chat/completions", json=body, timeout=120)
-    deltas = []
-    with httpx.stream("POST", f"{openinfer_cluster.router_url}/v1/chat/completions", json={**body, "stream": True},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
-                deltas.append(choice["delta"].get("content") or "")
-    assert "".join(deltas) == whole.json()["choices"][0]["message"]["content"]
+    """With the real ``openai`` client, as an application would talk to the router."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{openinfer_cluster.router_url}/v1", api_key="unused", timeout=120)
+    whole = client.chat.completions.create(model=DEMO_NAME, messages=CAPITAL, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=DEMO_NAME, messages=CAPITAL, max_tokens=12, temperature=0,
+                                            stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
 
 
 @pytest.mark.slow
