@@ -11,6 +11,7 @@ from typing import Any
 
 from openinfer.backend import AttentionSpec, Backend, KVLayer, create_backend, cuda_available
 from openinfer.backend.base import ForwardBatch
+from openinfer.decoder import DecoderConfig, DecoderLayout, DecoderOnlyLM, load_decoder_stack
 from openinfer.engine import EngineHandle, finish_reason_name
 from openinfer.errors import (
     AmbiguousPluginError,
@@ -27,7 +28,7 @@ from openinfer.errors import (
 from openinfer.hookspecs import hookimpl
 from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
 from openinfer.options import EngineOptions
-from openinfer.plugins import discover_plugins, read_generation_config, read_model_config
+from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
 from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
 from openinfer.weights import Checkpoint, bf16_to_float32, float32_to_bf16
@@ -55,5 +56,6 @@ __all__ = [
     "WeightLoadError", "bf16_to_float32", "create_backend", "create_engine", "cuda_available",
     "discover_plugins", "finish_reason_name", "float32_to_bf16", "hookimpl", "read_model_config",
     "rope_parameters_from_config", "DecoderLayer", "DecoderStack", "eos_token_ids_from", "fuse_rows",
-    "read_generation_config",
+    "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
+    "score_architectures",
 ]

@@ -156,3 +156,14 @@ def read_generation_config(model_path: str | Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def score_architectures(config: dict[str, Any], architectures: tuple[str, ...], model_types: tuple[str, ...],
+                        exact: int = 100, by_model_type: int = 50) -> int | None:
+    """The usual ``openinfer_match``: ``exact`` when config.json's ``architectures`` names one
+    of ours, ``by_model_type`` when only ``model_type`` does, else None."""
+    if any(name in architectures for name in config.get("architectures") or []):
+        return exact
+    if config.get("model_type") in model_types:
+        return by_model_type
+    return None

@@ -4,9 +4,9 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from openinfer import InvalidRequestError
 from openinfer.v1 import engine_pb2 as pb
-
 from tests.helpers.engine_utils import collect, make_request, run_all, run_one
 from tests.plugins.qwen3.conftest import build_engine
 

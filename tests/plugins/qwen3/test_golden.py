@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from openinfer import Checkpoint, create_backend
-from openinfer_qwen3.config import Qwen3Config
+from openinfer_qwen3.config import qwen3_config
 from openinfer_qwen3.model import Qwen3ForCausalLM
 
+from openinfer import create_backend
 from tests.helpers.engine_utils import make_request, prefill_logits, run_one
 from tests.helpers.tiny_qwen3 import load_hf, write_tiny_qwen3
 from tests.plugins.qwen3.conftest import build_engine
@@ -24,7 +24,7 @@ VARIANTS = {
 
 def load_ours(path):
     config = json.loads((path / "config.json").read_text())
-    return Qwen3ForCausalLM(Qwen3Config.from_dict(config), create_backend("cpu"), Checkpoint(path))
+    return Qwen3ForCausalLM.load(path, qwen3_config(config), create_backend("cpu"))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -101,4 +101,4 @@ def test_legacy_and_5x_rope_keys_agree():
                                   "original_max_position_embeddings": 64}}
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 2}
-    assert Qwen3Config.from_dict({**base, **legacy}).rope == Qwen3Config.from_dict({**base, **modern}).rope
+    assert qwen3_config({**base, **legacy}).rope == qwen3_config({**base, **modern}).rope

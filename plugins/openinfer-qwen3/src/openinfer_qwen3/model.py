@@ -2,42 +2,20 @@
 steps, on NumPy and CUDA alike.
 
 Per layer: RMSNorm → fused qkv → per-head q_norm/k_norm → NeoX RoPE → paged KV write → causal
-GQA attention → o_proj → fused add+RMSNorm → SwiGLU MLP (fused gate_up).
+GQA attention → o_proj → fused add+RMSNorm → SwiGLU MLP (fused gate_up). The math lives in
+``openinfer.layers``; this class only binds Qwen3's layout to it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from tqdm import tqdm
-
-from openinfer import Backend, Checkpoint, KVLayer, ModelSpec, RotaryEmbedding
-from openinfer_qwen3.config import Qwen3Config
-from openinfer_qwen3.weights import load_qwen3
+from openinfer import Backend, DecoderConfig, DecoderOnlyLM
+from openinfer_qwen3.weights import QWEN3_LAYOUT
 
 
-class Qwen3ForCausalLM:
-    def __init__(self, config: Qwen3Config, backend: Backend, checkpoint: Checkpoint,
-                 max_model_len: int | None = None):
-        self.config = config
-        self.backend = backend
-        max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        rope = RotaryEmbedding.create(config.head_dim, config.rope, max_len, config.max_position_embeddings)
-        with tqdm(total=config.num_hidden_layers, desc="loading Qwen3 layers", unit="layer",
-                  disable=None, leave=False) as progress:
-            self.stack = load_qwen3(checkpoint, config, backend, rope, progress)
-        self.spec = ModelSpec(
-            architectures=config.architectures, model_type="qwen3", vocab_size=config.vocab_size,
-            max_model_len=max_len, num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            num_heads=config.num_attention_heads, hidden_size=config.hidden_size,
-            eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
-
+class Qwen3ForCausalLM(DecoderOnlyLM):
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, config: Qwen3Config, backend: Backend,
-                        max_model_len: int | None = None) -> Qwen3ForCausalLM:
-        return cls(config, backend, Checkpoint(model_path), max_model_len)
-
-    def forward(self, batch: Any, kv_cache: list[KVLayer]) -> Any:
-        return self.stack.forward(self.backend, batch, kv_cache)
+    def load(cls, model_path: str | Path, config: DecoderConfig, backend: Backend,
+             max_model_len: int | None = None) -> Qwen3ForCausalLM:
+        return cls.from_pretrained(model_path, config, QWEN3_LAYOUT, backend, max_model_len)

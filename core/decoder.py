@@ -1,0 +1,202 @@
+"""The standard dense decoder-only transformer (Llama, Qwen2/3, Mistral-like), shared by
+plugins: config fields, checkpoint loading with fused weights, and the model object the
+default engine runs. A plugin supplies only what differs: its architecture names, defaults,
+and switches such as per-head q/k norms (Qwen3) or biases.
+
+Per layer, the HF tensors are fused so each step runs one GEMM where HF runs two or three::
+
+    {prefix}layers.{i}.self_attn.{q,k,v}_proj.weight  →  qkv      [q_size + 2*kv_size, hidden]
+    {prefix}layers.{i}.mlp.{gate,up}_proj.weight      →  gate_up  [2*intermediate,     hidden]
+
+``backend.linear_weight`` then stores each matrix as its backend wants it (NumPy: transposed,
+contiguous fp32; CUDA: bf16 in the kernels' layout). The LM head is ``lm_head.weight`` or,
+tied, the embedding table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from openinfer.backend.base import AttentionSpec, Backend, KVLayer
+from openinfer.errors import WeightLoadError
+from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
+from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
+from openinfer.runtime.model import ModelSpec
+from openinfer.weights import Checkpoint
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The config.json fields of a dense decoder (transformers 4.x and 5.x spellings)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeParameters
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    architectures: tuple[str, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
+                  model_type: str, architectures: tuple[str, ...], default_rope_theta: float = 10000.0,
+                  default_max_position_embeddings: int = 2048) -> DecoderConfig:
+        """Read ``config.json`` (and ``generation_config.json`` for extra eos ids)."""
+        activation = config.get("hidden_act", "silu")
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise WeightLoadError(f"config.json has hidden_act={activation!r}; supported: {SUPPORTED_ACTIVATIONS}")
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            parsed = cls(
+                model_type=model_type,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(config.get("max_position_embeddings", default_max_position_embeddings)),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope=rope_parameters_from_config(config, default_theta=default_rope_theta),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                eos_token_ids=eos_token_ids_from(config, generation_config),
+                bos_token_id=config.get("bos_token_id"),
+                architectures=tuple(config.get("architectures") or architectures),
+            )
+        except KeyError as exc:
+            raise WeightLoadError(f"config.json lacks the {model_type} field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise WeightLoadError(f"config.json has a malformed {model_type} field: {exc}") from exc
+        if heads % kv_heads:
+            raise WeightLoadError(
+                f"config.json has num_attention_heads={heads}, not a multiple of num_key_value_heads={kv_heads}")
+        return parsed
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """What differs between dense decoder families at load time."""
+
+    prefix: str = "model."  # where the decoder's tensors live in the checkpoint
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    o_proj_bias: bool | None = None  # None: follow attention_bias
+
+
+def check_decoder_shapes(checkpoint: Checkpoint, config: DecoderConfig, layout: DecoderLayout) -> None:
+    """Fail before loading anything when config.json and the tensors disagree."""
+    c, root = config, layout.prefix
+    checkpoint.expect_shape(root + "embed_tokens.weight", (c.vocab_size, c.hidden_size))
+    for i in range(c.num_hidden_layers):
+        p = f"{root}layers.{i}."
+        checkpoint.expect_shape(p + "self_attn.q_proj.weight", (c.q_size, c.hidden_size))
+        checkpoint.expect_shape(p + "self_attn.k_proj.weight", (c.kv_size, c.hidden_size))
+        checkpoint.expect_shape(p + "self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
+        checkpoint.expect_shape(p + "self_attn.o_proj.weight", (c.hidden_size, c.q_size))
+        checkpoint.expect_shape(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        checkpoint.expect_shape(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        checkpoint.expect_shape(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))
+
+
+def _fused(checkpoint: Checkpoint, *names: str) -> np.ndarray:
+    return fuse_rows(*(checkpoint.get(name) for name in names))
+
+
+def load_decoder_layer(checkpoint: Checkpoint, config: DecoderConfig, layout: DecoderLayout, ops: Backend,
+                       rope: RotaryEmbedding, index: int) -> DecoderLayer:
+    c, p = config, f"{layout.prefix}layers.{index}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    o_bias = c.attention_bias if layout.o_proj_bias is None else layout.o_proj_bias
+    return DecoderLayer(
+        input_norm=ops.weight(checkpoint.get(p + "input_layernorm.weight")),
+        qkv=ops.linear_weight(_fused(checkpoint, *(f"{attn}{n}_proj.weight" for n in "qkv")),
+                              _fused(checkpoint, *(f"{attn}{n}_proj.bias" for n in "qkv")) if c.attention_bias else None),
+        attention=AttentionSpec(
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope=rope,
+            scale=c.head_dim**-0.5,
+            q_norm=ops.weight(checkpoint.get(attn + "q_norm.weight")) if layout.qk_norm else None,
+            k_norm=ops.weight(checkpoint.get(attn + "k_norm.weight")) if layout.qk_norm else None,
+            norm_eps=c.rms_norm_eps),
+        o_proj=ops.linear_weight(checkpoint.get(attn + "o_proj.weight"),
+                                 checkpoint.get(attn + "o_proj.bias") if o_bias else None),
+        post_attention_norm=ops.weight(checkpoint.get(p + "post_attention_layernorm.weight")),
+        gate_up=ops.linear_weight(_fused(checkpoint, mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                                  _fused(checkpoint, mlp + "gate_proj.bias", mlp + "up_proj.bias") if c.mlp_bias else None),
+        down=ops.linear_weight(checkpoint.get(mlp + "down_proj.weight"),
+                               checkpoint.get(mlp + "down_proj.bias") if c.mlp_bias else None),
+    )
+
+
+def load_decoder_stack(checkpoint: Checkpoint, config: DecoderConfig, layout: DecoderLayout, ops: Backend,
+                       rope: RotaryEmbedding) -> DecoderStack:
+    """The whole decoder, with a progress bar over layers."""
+    check_decoder_shapes(checkpoint, config, layout)
+    layers = []
+    for index in tqdm(range(config.num_hidden_layers), desc=f"loading {config.model_type} layers", unit="layer",
+                      disable=None, leave=False):
+        layers.append(load_decoder_layer(checkpoint, config, layout, ops, rope, index))
+    embed = checkpoint.get(layout.prefix + "embed_tokens.weight")
+    tied = config.tie_word_embeddings or "lm_head.weight" not in checkpoint
+    lm_head = embed if tied else checkpoint.get("lm_head.weight")
+    return DecoderStack(embed_tokens=ops.weight(embed), layers=layers,
+                        final_norm=ops.weight(checkpoint.get(layout.prefix + "norm.weight")),
+                        lm_head=ops.linear_weight(lm_head), eps=config.rms_norm_eps)
+
+
+class DecoderOnlyLM:
+    """A ``PagedModel`` for a dense decoder: one forward for prefill, decode and mixed steps."""
+
+    def __init__(self, config: DecoderConfig, layout: DecoderLayout, backend: Backend, checkpoint: Checkpoint,
+                 max_model_len: int | None = None):
+        self.config = config
+        self.backend = backend
+        max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        rope = RotaryEmbedding.create(config.head_dim, config.rope, max_len, config.max_position_embeddings)
+        self.stack = load_decoder_stack(checkpoint, config, layout, backend, rope)
+        self.spec = ModelSpec(
+            architectures=config.architectures, model_type=config.model_type, vocab_size=config.vocab_size,
+            max_model_len=max_len, num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, num_heads=config.num_attention_heads, hidden_size=config.hidden_size,
+            eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id,
+            num_parameters=checkpoint_parameter_count(checkpoint))
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, config: DecoderConfig, layout: DecoderLayout,
+                        backend: Backend, max_model_len: int | None = None) -> DecoderOnlyLM:
+        return cls(config, layout, backend, Checkpoint(model_path), max_model_len)
+
+    def forward(self, batch: Any, kv_cache: list[KVLayer]) -> Any:
+        return self.stack.forward(self.backend, batch, kv_cache)
+
+
+def checkpoint_parameter_count(checkpoint: Checkpoint) -> int:
+    return int(sum(np.prod(checkpoint.shape(name), dtype=np.int64) for name in checkpoint.names()))
