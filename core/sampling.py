@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from openinfer.errors import InvalidRequestError
 from openinfer.v1 import engine_pb2 as pb
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from openinfer.errors import WeightLoadError
 
 # safetensors dtype -> numpy dtype of the raw storage
