@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -157,3 +158,25 @@ def test_disconnect_returns_every_kv_block(server, engine):
         # the pool is whole again: a request needing most of it still runs
         ok = http.post("/v1/completions", json={"prompt": "again", "max_tokens": 4, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_concurrent_requests_match_sequential_ones(client):
+    prompts = ["one two three", "Hello world!", "def main():", "naïve café 你好"]
+
+    def complete(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    sequential = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(complete, prompts)) == sequential
