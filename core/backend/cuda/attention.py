@@ -1,0 +1,120 @@
+"""Attention: fused q/k-norm + RoPE + paged KV write, then decode or prefill attention.
+
+Decode steps (one new token per sequence) run split-KV flash decoding; the split count
+depends only on the batch size, so a captured graph stays valid for every context length.
+Anything else (prefill, chunked prefill, mixed batches) runs the tensor-core prefill kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from openinfer.backend.base import AttentionSpec, KVLayer
+from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
+from openinfer.backend.cuda.loader import kernel
+from openinfer.rope import RotaryEmbedding
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+NULL = np.uint64(0)
+
+
+class RopeTables:
+    """Device copies of each RotaryEmbedding's cos/sin tables, uploaded once."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, tuple[RotaryEmbedding, cupy.ndarray, cupy.ndarray]] = {}
+
+    def get(self, rope: RotaryEmbedding) -> tuple[cupy.ndarray, cupy.ndarray]:
+        entry = self._tables.get(id(rope))
+        if entry is None or entry[0] is not rope:
+            entry = (rope, cupy.asarray(rope.cos, dtype=cupy.float32), cupy.asarray(rope.sin, dtype=cupy.float32))
+            self._tables[id(rope)] = entry
+        return entry[1], entry[2]
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV splits per sequence: enough blocks for about two waves, at most 16."""
+    return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
+
+
+def _check(spec: AttentionSpec, kv: KVLayer) -> None:
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"cuda attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {spec.head_dim}; "
+                         "use --device cpu for this model")
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
+    if kv.k.dtype != cupy.uint16 or kv.k.shape[2:] != (spec.num_kv_heads, spec.head_dim):
+        raise ValueError(f"KV layer {tuple(kv.k.shape)} {kv.k.dtype} does not match the attention spec "
+                         f"({spec.num_kv_heads} kv heads x {spec.head_dim}, bf16)")
+
+
+def write_qkv(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
+              ropes: RopeTables) -> cupy.ndarray:
+    """Norm + rotate q and k, store k/v at the batch's slots; returns q ``[T, nh, d]``."""
+    num_tokens = qkv.shape[0]
+    if qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
+        raise ValueError(f"qkv has {qkv.shape[1]} features, expected q+k+v = {spec.q_size + 2 * spec.kv_size}")
+    q = cupy.empty((num_tokens, spec.num_heads, spec.head_dim), dtype=cupy.uint16)
+    if spec.rope is not None:
+        cos, sin = ropes.get(spec.rope)
+        rotary_dim = spec.rope.rotary_dim
+    else:
+        cos = sin = NULL
+        rotary_dim = 0
+    tasks = num_tokens * (spec.num_heads + 2 * spec.num_kv_heads)
+    kernel("qk_norm_rope.cu", "qk_norm_rope_write_kv", HEAD_DIM=spec.head_dim)(
+        ((tasks + 3) // 4,), (128,),
+        (cupy.ascontiguousarray(qkv), q, kv.k, kv.v,
+         spec.q_norm if spec.q_norm is not None else NULL, spec.k_norm if spec.k_norm is not None else NULL,
+         np.float32(spec.norm_eps), cos, sin, np.int32(rotary_dim), batch.positions, batch.slot_mapping,
+         np.int32(num_tokens), np.int32(spec.num_heads), np.int32(spec.num_kv_heads)))
+    return q
+
+
+def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
+                     num_sms: int) -> cupy.ndarray:
+    num_seqs = batch.num_seqs
+    group = spec.num_heads // spec.num_kv_heads
+    splits = decode_splits(num_seqs, spec.num_kv_heads, num_sms)
+    partial_out = cupy.empty((num_seqs, spec.num_heads, splits, spec.head_dim), dtype=cupy.float32)
+    partial_ml = cupy.empty((num_seqs, spec.num_heads, splits, 2), dtype=cupy.float32)
+    kernel("decode_attention.cu", "decode_attention_split", HEAD_DIM=spec.head_dim, GROUP=group)(
+        (splits, spec.num_kv_heads, num_seqs), (128,),
+        (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.context_lens,
+         partial_out, partial_ml, np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.int32(splits),
+         np.float32(spec.scale * LOG2E)))
+    out = cupy.empty((num_seqs, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    kernel("decode_attention.cu", "decode_attention_combine", HEAD_DIM=spec.head_dim, GROUP=group)(
+        (spec.num_heads, num_seqs), (min(128, spec.head_dim),),
+        (partial_out, partial_ml, out, np.int32(spec.num_heads), np.int32(splits)))
+    return out
+
+
+def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
+    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    if batch.num_tiles == 0:
+        return out
+    fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
+    shared = 3 * PREFILL_TILE * (spec.head_dim + 8) * 2
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    fn((batch.num_tiles, spec.num_heads), (128,),
+       (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.query_start,
+        batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
+        np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E)),
+       shared_mem=shared)
+    return out
+
+
+def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, ropes: RopeTables,
+              num_sms: int) -> cupy.ndarray:
+    """``qkv [T, (nh + 2 nkv) d] -> [T, nh d]``, writing this step's K/V into the paged cache."""
+    _check(spec, kv)
+    q = write_qkv(qkv, spec, kv, batch, ropes)
+    if batch.is_decode and batch.num_tokens == batch.num_seqs:
+        return decode_attention(q, spec, kv, batch, num_sms)
+    return prefill_attention(q, spec, kv, batch)

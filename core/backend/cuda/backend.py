@@ -1,0 +1,167 @@
+"""CudaBackend: the Backend protocol in bf16 on one NVIDIA GPU (CuPy + our kernels + cuBLAS).
+
+Activations, weights and KV are ``uint16`` CuPy arrays holding bf16 bits; kernels compute in
+fp32. Every op launches on CuPy's current stream and allocates from CuPy's memory pool, so a
+whole forward step can be captured into a CUDA graph (see ``openinfer.graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+
+from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.cuda import attention as attention_ops
+from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch
+from openinfer.backend.cuda.bf16 import float_to_bf16_bits
+from openinfer.backend.cuda.cublas import Cublas
+from openinfer.backend.cuda.linear import CudaLinear, linear
+from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.sampler import sample_rows
+
+ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
+
+
+def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
+    return max(1, min(cap, (n + threads - 1) // threads))
+
+
+def _bf16(x: Any, what: str) -> cupy.ndarray:
+    if not isinstance(x, cupy.ndarray) or x.dtype != cupy.uint16:
+        raise ValueError(f"{what} must be a bf16 (uint16) CuPy array from this backend, got "
+                         f"{type(x).__name__} {getattr(x, 'dtype', '')}")
+    return cupy.ascontiguousarray(x)
+
+
+class CudaBackend:
+    name = "cuda"
+    xp = cupy
+    activation_dtype = np.uint16  # bf16 bits
+
+    def __init__(self, device: int = 0, use_gemv: bool = True):
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.num_sms = int(props["multiProcessorCount"])
+        self.blas = Cublas()
+        self.use_gemv = use_gemv
+        self.uploader = BatchUploader()
+        self.ropes = attention_ops.RopeTables()
+
+    # --- placing data ----------------------------------------------------------------------------
+
+    def upload(self, array: np.ndarray) -> cupy.ndarray:
+        return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
+
+    def weight(self, array: np.ndarray) -> cupy.ndarray:
+        return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
+
+    def linear_weight(self, weight: np.ndarray, bias: np.ndarray | None = None) -> CudaLinear:
+        if weight.ndim != 2:
+            raise ValueError(f"a linear weight is [out_features, in_features], got shape {weight.shape}")
+        return CudaLinear(self.weight(weight), None if bias is None else self.weight(bias))
+
+    def prepare_batch(self, batch: ForwardBatch) -> CudaBatch:
+        return self.uploader.upload(batch)
+
+    def static_batch(self, num_seqs: int, max_blocks_per_seq: int) -> StaticBatch:
+        """Fixed-address decode inputs for a CUDA graph of ``num_seqs`` sequences."""
+        return StaticBatch(self.uploader, num_seqs, max_blocks_per_seq)
+
+    def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return KVLayer(cupy.zeros(shape, dtype=cupy.uint16), cupy.zeros(shape, dtype=cupy.uint16))
+
+    def to_host(self, x: Any) -> np.ndarray:
+        if isinstance(x, cupy.ndarray) and x.dtype == cupy.uint16:
+            return (cupy.ascontiguousarray(x).astype(cupy.uint32) << 16).view(cupy.float32).get()
+        return np.asarray(cupy.asnumpy(x), dtype=np.float32)
+
+    def synchronize(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    # --- ops -------------------------------------------------------------------------------------
+
+    def gather_rows(self, x: cupy.ndarray, rows: Any) -> cupy.ndarray:
+        x = _bf16(x, "gather_rows input")
+        rows = cupy.asarray(rows, dtype=cupy.int32)
+        features = x.shape[-1]
+        out = cupy.empty((rows.shape[0], features), dtype=cupy.uint16)
+        if rows.shape[0]:
+            kernel("elementwise.cu", "gather_rows")((rows.shape[0],), (128,),
+                                                    (x, rows, out, np.int32(rows.shape[0]), np.int32(features)))
+        return out
+
+    def embedding(self, table: cupy.ndarray, token_ids: Any) -> cupy.ndarray:
+        return self.gather_rows(table, token_ids)
+
+    def rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
+        x = _bf16(x, "rms_norm input")
+        features = x.shape[-1]
+        out = cupy.empty_like(x)
+        rows = x.size // features
+        if rows:
+            kernel("rms_norm.cu", "rms_norm")((rows,), (min(1024, max(32, -(-features // 32) * 32 // 2)),),
+                                              (x, weight, out, np.int32(features), np.float32(eps)))
+        return out
+
+    def add_rms_norm(self, x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
+                     eps: float) -> tuple[cupy.ndarray, cupy.ndarray]:
+        x, residual = _bf16(x, "add_rms_norm input"), _bf16(residual, "add_rms_norm residual")
+        if x.shape != residual.shape:
+            raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+        features = x.shape[-1]
+        out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+        rows = x.size // features
+        if rows:
+            kernel("rms_norm.cu", "add_rms_norm")(
+                (rows,), (min(1024, max(32, -(-features // 32) * 32 // 2)),),
+                (x, residual, weight, out, residual_out, np.int32(features), np.float32(eps)))
+        return out, residual_out
+
+    def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
+        return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv)
+
+    def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
+        gate_up = _bf16(gate_up, "silu_mul input")
+        half = gate_up.shape[-1] // 2
+        rows = gate_up.size // gate_up.shape[-1]
+        out = cupy.empty((*gate_up.shape[:-1], half), dtype=cupy.uint16)
+        if out.size:
+            kernel("elementwise.cu", "silu_mul")((_blocks(out.size),), (256,),
+                                                 (gate_up, out, np.int64(rows), np.int32(half)))
+        return out
+
+    def add(self, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+        a, b = _bf16(a, "add input"), _bf16(b, "add input")
+        if a.shape != b.shape:
+            raise ValueError(f"add: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
+        out = cupy.empty_like(a)
+        if a.size:
+            kernel("elementwise.cu", "add_bf16")((_blocks(a.size),), (256,), (a, b, out, np.int64(a.size)))
+        return out
+
+    def attention(self, qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
+        return attention_ops.attention(_bf16(qkv, "attention qkv"), spec, kv, batch, self.ropes, self.num_sms)
+
+    def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int]) -> list[Any]:
+        """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``)."""
+        return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host)
+
+    def kv_memory_budget(self, options: Any) -> int:
+        """Bytes for the KV pool: ``gpu_memory_utilization`` of the card, less what is in use
+        (weights) and a reserve for activations and CUDA graphs."""
+        free, total = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        in_use = (total - free) - (pool.total_bytes() - pool.used_bytes())  # pool's free blocks are reusable
+        reserve = ACTIVATION_RESERVE_BYTES
+        budget = int(options.gpu_memory_utilization * total) - in_use - reserve
+        if budget <= 0:
+            raise MemoryError(
+                f"no GPU memory left for the KV cache: {in_use / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB "
+                f"at gpu_memory_utilization={options.gpu_memory_utilization}; raise it or use a smaller model")
+        return budget

@@ -1,0 +1,90 @@
+"""cuBLAS ``cublasGemmEx`` through its C API (ctypes), so GEMMs can be captured in CUDA graphs.
+
+CuPy's own cuBLAS wrapper refuses to run during stream capture; the C library captures fine
+when called with our own handle, bound to the current stream and given a preallocated
+workspace (no allocation inside capture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import cupy
+
+from openinfer.errors import BackendUnavailableError
+
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+def _load_library() -> ctypes.CDLL:
+    # Let CuPy load its cuBLAS first; dlopen by soname then returns that same library.
+    try:
+        cupy.cuda.device.get_cublas_handle()
+    except Exception:  # noqa: BLE001 - the explicit names below still get a chance
+        pass
+    errors = []
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(str(exc))
+    raise BackendUnavailableError(
+        "could not load libcublas (tried libcublas.so.13/.12 and cuda.pathfinder): " + "; ".join(errors)
+        + ". Install the CUDA toolkit's cuBLAS or the nvidia-cublas wheel matching your CuPy.")
+
+
+class Cublas:
+    """One cuBLAS handle with a fixed workspace; rebinds to the current stream when it changes."""
+
+    def __init__(self) -> None:
+        self.lib = _load_library()
+        self.lib.cublasGemmEx.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int]
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace.data.ptr),
+                                                   ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
+        self._stream = -1
+        self._alpha = ctypes.c_float(1.0)
+        self._beta = ctypes.c_float(0.0)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def _bind_stream(self) -> None:
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream != self._stream:
+            self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
+            self._stream = stream
+
+    def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> None:
+        """``out[M, N] = x[M, K] @ weight[N, K]^T`` in bf16 with fp32 accumulation (row-major)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        with self._lock:
+            self._bind_stream()
+            # column-major view: out^T[N, M] = weight[N, K] . x^T[K, M]  ->  gemm(T, N, N, M, K)
+            self._check(self.lib.cublasGemmEx(
+                self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._alpha),
+                ctypes.c_void_p(weight.data.ptr), CUDA_R_16BF, k,
+                ctypes.c_void_p(x.data.ptr), CUDA_R_16BF, k, ctypes.byref(self._beta),
+                ctypes.c_void_p(out.data.ptr), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                "cublasGemmEx")

@@ -1,0 +1,89 @@
+"""Sampling on the GPU, behind the engine's ``backend.sample_rows(logits, rows, eos_token_ids)``.
+
+Rows that sample plainly (temperature, top-k, top-p, min-p, seeds) run in one kernel
+(``sampling.cu``): one small host-to-device copy of the per-row parameters and one
+device-to-host copy of the chosen ids. The others are copied to the host alone and go through
+the NumPy reference (``openinfer.runtime.sampler``): prompt-logprob rows, rows asking for
+top-N logprobs, rows with repetition/presence/frequency penalties, and rows whose stop ids are
+banned this step (min_tokens). Each random row consumes exactly one ``generator.random()``
+per step, as the NumPy sampler does, so a seeded request reproduces alone or in a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import kernel
+from openinfer.runtime.batch_builder import LogitsRow
+from openinfer.runtime.sampler import RowSample
+from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
+from openinfer.sampling import SamplingState
+
+
+def samples_on_device(row: LogitsRow) -> bool:
+    """True when the GPU kernel implements everything this row asks for."""
+    if not row.samples or row.request.num_logprobs > 0 or row.request.want_logprobs:
+        return False
+    if row.request.num_output_tokens < row.request.stop.min_tokens:
+        return False  # stop/eos ids are banned this step
+    params = row.request.sampling.params
+    state: SamplingState = row.request.sampling
+    if params.repetition_penalty not in (0.0, 1.0):
+        return False
+    return not (state.output_counts and (params.presence_penalty or params.frequency_penalty))
+
+
+def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
+    """Token ids [rows] for ``logits [rows, vocab]`` (bf16), row i following ``states[i]``."""
+    rows, vocab = logits.shape
+    # float32 rows: temperature, top_p, min_p, uniform draw, top_k (int32 bits)
+    params = np.zeros((5, rows), np.float32)
+    for i, state in enumerate(states):
+        p = state.params
+        params[0, i], params[1, i], params[2, i] = p.temperature, p.top_p, p.min_p
+        params[3, i] = state.generator.random() if p.temperature > 0 else 0.0
+    params[4] = np.array([s.params.top_k for s in states], np.int32).view(np.float32)
+    device_params = cupy.asarray(params)
+    tokens = cupy.empty(rows, dtype=cupy.int32)
+    logprobs = cupy.empty(rows, dtype=cupy.float32)
+    kernel("sampling.cu", "sample_rows")(
+        (rows,), (1024,),
+        (cupy.ascontiguousarray(logits), np.int32(vocab), device_params[0], device_params[4].view(cupy.int32),
+         device_params[1], device_params[2], device_params[3], tokens, logprobs))
+    return tokens.get()
+
+
+class _HostLogits:
+    """Lets the reference sampler read rows that are already float32 on the host."""
+
+    name = "host"
+
+    @staticmethod
+    def to_host(x: Any) -> np.ndarray:
+        return x
+
+
+def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
+                to_host: Any) -> list[RowSample]:
+    """The engine's sampling step for ``logits [len(rows), vocab]`` on the GPU."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+    on_device = [i for i, row in enumerate(rows) if samples_on_device(row)]
+    on_host = [i for i in range(len(rows)) if i not in set(on_device)]
+    results: list[RowSample | None] = [None] * len(rows)
+    if on_device:
+        index = cupy.asarray(np.asarray(on_device, np.int32))
+        tokens = sample_device_rows(logits[index], [rows[i].request.sampling for i in on_device])
+        for i, token in zip(on_device, tokens, strict=True):
+            results[i] = RowSample(int(token))
+    if on_host:
+        index = cupy.asarray(np.asarray(on_host, np.int32))
+        host = to_host(logits[index])
+        for i, sample in zip(on_host, sample_rows_on_host(_HostLogits(), host, [rows[i] for i in on_host],
+                                                          eos_token_ids), strict=True):
+            results[i] = sample
+    return [r for r in results if r is not None]

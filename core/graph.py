@@ -1,0 +1,125 @@
+"""Step runners: how the engine turns a ForwardBatch into logits.
+
+``EagerRunner`` calls the model (the NumPy path and ``--cuda-graph=false``).
+``CudaGraphRunner`` captures one decode step per batch-size bucket and replays it::
+
+    buckets   1 2 4 8 16 24 32 48 64 96 128 192 256   (up to max_num_seqs)
+    a decode step of B sequences -> smallest bucket >= B, padded:
+      padded sequences: context length 0, slot -1 (writes no KV), null-block tables
+
+Each bucket owns a ``StaticBatch`` (device inputs at fixed addresses) and the logits array the
+capture produced. Graphs are captured largest first, on a side stream, all allocating from
+one private memory pool that nothing else uses; graphs never run concurrently, so they may
+share intermediates. Invariant: the logits returned by ``run`` stay valid until the next call.
+Prefill, chunked and mixed steps, and decode batches larger than the largest bucket, run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from openinfer.backend.base import ForwardBatch
+
+logger = logging.getLogger("openinfer.graph")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+Forward = Callable[[Any], Any]  # device batch -> logits
+
+
+class EagerRunner:
+    """Prepare the batch and call the model; no graphs."""
+
+    def __init__(self, backend: Any, forward: Forward):
+        self.backend = backend
+        self.forward = forward
+
+    def run(self, batch: ForwardBatch) -> Any:
+        return self.forward(self.backend.prepare_batch(batch))
+
+
+@dataclass
+class _Captured:
+    static: Any  # StaticBatch
+    graph: Any  # cupy.cuda.Graph
+    logits: Any  # [bucket, vocab]
+
+
+class CudaGraphRunner:
+    def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS):
+        self.backend = backend
+        self.forward = forward
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.buckets = sorted({b for b in buckets if b <= max_num_seqs} | {min(max_num_seqs, max(buckets))})
+        self.graphs: dict[int, _Captured] = {}
+        self.eager = EagerRunner(backend, forward)
+        self.capture_seconds = 0.0
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
+        import cupy
+
+        start = time.perf_counter()
+        self.pool = cupy.cuda.MemoryPool()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
+            for bucket in sorted(self.buckets, reverse=True):
+                static = self.backend.static_batch(bucket, self.max_blocks_per_seq)
+                self.forward(static.batch)  # warm-up: compiles kernels, fills the pool
+                self.stream.synchronize()
+                mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+                if mode is None:
+                    self.stream.begin_capture()
+                else:
+                    self.stream.begin_capture(mode)
+                try:
+                    logits = self.forward(static.batch)
+                finally:
+                    graph = self.stream.end_capture()
+                self.graphs[bucket] = _Captured(static, graph, logits)
+            self.stream.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        """The bucket a batch replays in, or None when it must run eagerly."""
+        if not batch.is_decode or batch.num_tokens != batch.num_seqs or batch.logits_rows.shape[0] != batch.num_seqs:
+            return None
+        if batch.block_tables.shape[1] > self.max_blocks_per_seq:
+            return None
+        i = bisect.bisect_left(self.buckets, batch.num_seqs)
+        return self.buckets[i] if i < len(self.buckets) and self.buckets[i] in self.graphs else None
+
+    def run(self, batch: ForwardBatch) -> Any:
+        bucket = self.bucket_for(batch)
+        if bucket is None:
+            return self.eager.run(batch)
+        captured = self.graphs[bucket]
+        captured.static.fill(batch)  # one H2D copy on the current stream, ordered before the replay
+        captured.graph.launch()
+        return captured.logits[: batch.num_seqs]
+
+    def run_padded_eager(self, batch: ForwardBatch) -> Any:
+        """The same padded inputs as ``run`` but launched op by op (graph vs eager tests)."""
+        bucket = self.bucket_for(batch)
+        if bucket is None:
+            return self.eager.run(batch)
+        captured = self.graphs[bucket]
+        captured.static.fill(batch)
+        return self.forward(captured.static.batch)[: batch.num_seqs]
+
+
+def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
+                  max_model_len: int, block_size: int) -> EagerRunner | CudaGraphRunner:
+    """Graphs on cuda when enabled (captured here), else the eager runner."""
+    if not cuda_graph or getattr(backend, "name", "") != "cuda":
+        return EagerRunner(backend, forward)
+    runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size))
+    runner.capture()
+    return runner

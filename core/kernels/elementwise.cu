@@ -1,0 +1,57 @@
+// Row gathers and elementwise bf16 ops. Rows are contiguous [rows, features].
+#include "common.cuh"
+
+// out[i, :] = table[ids[i], :]   (embedding lookup and gather_rows; ids are int32)
+extern "C" __global__ void gather_rows(const bf16* __restrict__ table, const int* __restrict__ ids,
+                                       bf16* __restrict__ out, int num_rows, int features) {
+    const int row = blockIdx.x;
+    if (row >= num_rows) return;
+    const bf16* src = table + (size_t)ids[row] * features;
+    bf16* dst = out + (size_t)row * features;
+    if ((features & 7) == 0) {
+        for (int c = threadIdx.x * 8; c < features; c += blockDim.x * 8)
+            *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+    } else {
+        for (int c = threadIdx.x; c < features; c += blockDim.x) dst[c] = src[c];
+    }
+}
+
+// out = a + b, rounded to bf16 (n elements).
+extern "C" __global__ void add_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b,
+                                    bf16* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
+// x[r, :] += bias (in place), x is [rows, features].
+extern "C" __global__ void add_bias_bf16(bf16* __restrict__ x, const bf16* __restrict__ bias,
+                                         long long rows, int features) {
+    const long long n = rows * features;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16_rn(__bfloat162float(x[i]) + __bfloat162float(bias[i % features]));
+}
+
+// gate_up is [rows, 2 * half] = [gate | up]; out[r, i] = silu(gate[r, i]) * up[r, i].
+// silu is rounded to bf16 before the product, as a bf16 PyTorch model computes it.
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out,
+                                    long long rows, int half) {
+    const long long n = rows * half;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / half;
+        const int c = (int)(i - r * half);
+        const float g = __bfloat162float(gate_up[r * 2 * half + c]);
+        const float u = __bfloat162float(gate_up[r * 2 * half + half + c]);
+        const float s = round_bf16(g / (1.f + __expf(-g)));
+        out[i] = __float2bfloat16_rn(s * u);
+    }
+}
+
+// bf16 -> fp32 (for copies to the host).
+extern "C" __global__ void bf16_to_float(const bf16* __restrict__ x, float* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = __bfloat162float(x[i]);
+}

@@ -1,0 +1,85 @@
+// Fused per-head q/k RMSNorm + NeoX RoPE + paged KV write. One warp per (token, head) over
+// the qkv row [ q heads | k heads | v heads ] (each head HEAD_DIM wide):
+//   q heads -> q_out [T, num_heads, HEAD_DIM]           (normed, rotated)
+//   k heads -> k_cache[slot, kv_head, :]                (normed, rotated)
+//   v heads -> v_cache[slot, kv_head, :]                (copied)
+// slot = slot_mapping[t] (block * block_size + offset); a negative slot (padding) writes no KV.
+// The cache layout is [num_blocks, block_size, num_kv_heads, HEAD_DIM], so slot indexes it flat.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define WARPS_PER_BLOCK 4
+static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM must be a multiple of 32");
+constexpr int PER_LANE = HEAD_DIM / 32;
+
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+qk_norm_rope_write_kv(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
+                      bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                      const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, float eps,
+                      const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                      int rotary_dim, const int* __restrict__ positions,
+                      const int* __restrict__ slot_mapping, int num_tokens, int num_heads,
+                      int num_kv_heads) {
+    __shared__ float rotated[WARPS_PER_BLOCK][HEAD_DIM];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int heads_per_token = num_heads + 2 * num_kv_heads;
+    const long long task = (long long)blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (task >= (long long)num_tokens * heads_per_token) return;
+    const int t = (int)(task / heads_per_token), head = (int)(task % heads_per_token);
+    const bf16* src = qkv + (size_t)t * heads_per_token * HEAD_DIM + (size_t)head * HEAD_DIM;
+    const int slot = slot_mapping[t];
+
+    float x[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) x[i] = __bfloat162float(src[lane + 32 * i]);
+
+    if (head >= num_heads + num_kv_heads) {  // v head: plain copy into the cache
+        if (slot < 0) return;
+        bf16* dst = v_cache + ((size_t)slot * num_kv_heads + (head - num_heads - num_kv_heads)) * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) dst[lane + 32 * i] = src[lane + 32 * i];
+        return;
+    }
+    const bool is_q = head < num_heads;
+    const bf16* norm = is_q ? q_norm : k_norm;
+    if (norm != nullptr) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) ss += x[i] * x[i];
+        const float inv = rsqrtf(warp_sum(ss) / HEAD_DIM + eps);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i)
+            x[i] = round_bf16(round_bf16(x[i] * inv) * __bfloat162float(norm[lane + 32 * i]));
+    }
+    bf16* dst;
+    if (is_q) {
+        dst = q_out + ((size_t)t * num_heads + head) * HEAD_DIM;
+    } else {
+        if (slot < 0) return;
+        dst = k_cache + ((size_t)slot * num_kv_heads + (head - num_heads)) * HEAD_DIM;
+    }
+    if (cos_table == nullptr || rotary_dim == 0) {
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) dst[lane + 32 * i] = __float2bfloat16_rn(x[i]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) rotated[warp][lane + 32 * i] = x[i];
+    __syncwarp();
+    const int half = rotary_dim / 2;
+    const float* cos_row = cos_table + (size_t)positions[t] * half;
+    const float* sin_row = sin_table + (size_t)positions[t] * half;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        float y = x[i];
+        if (e < half) {
+            y = x[i] * cos_row[e] - rotated[warp][e + half] * sin_row[e];
+        } else if (e < rotary_dim) {
+            y = x[i] * cos_row[e - half] + rotated[warp][e - half] * sin_row[e - half];
+        }
+        dst[e] = __float2bfloat16_rn(y);
+    }
+}
