@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.options import EngineOptions
 from openinfer.runtime.batch_builder import build_forward_batch
@@ -61,6 +62,10 @@ class PagedEngine:
         self.kv = KVCacheManager(self.pool)
         self.kv_cache = [model.backend.allocate_kv(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
                          for _ in range(spec.num_layers)]
+        # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
+        self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
+                                    max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                                    block_size=self.block_size)
         is_cpu = model.backend.name == "numpy"
         batched = self.options.max_num_batched_tokens or (
             _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
@@ -260,7 +265,7 @@ class PagedEngine:
             return
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         try:
-            logits = self.model.forward(self.model.backend.prepare_batch(batch), self.kv_cache)
+            logits = self.runner.run(batch)
             samples = sample_rows(self.model.backend, logits, rows, self.model.spec.eos_token_ids)
         except Exception as exc:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
@@ -299,6 +304,9 @@ class PagedEngine:
                 return self._finish(request, pb.FINISH_REASON_STOP, token)
         if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, pb.FINISH_REASON_LENGTH)
+
+    def _forward(self, device_batch):
+        return self.model.forward(device_batch, self.kv_cache)
 
     def _fail(self, request: Request, message: str) -> None:
         if not request.was_scheduled:
