@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from openinfer.sampling import MAX_LOGPROBS
 
 MAX_N = 128
-TokenId = Annotated[int, Field(ge=0, strict=True)]
+INT32_LIMIT = 2**31  # counts and ids travel as (u)int32 in the engine contract
+TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT, strict=True)]
 
 
 class Request(BaseModel):
@@ -33,13 +34,13 @@ class SamplingFields(Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=INT32_LIMIT)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT32_LIMIT)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -68,7 +69,7 @@ class SamplingFields(Request):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, lt=INT32_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -92,8 +93,8 @@ class ChatMessage(Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=INT32_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=INT32_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
