@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import openai
@@ -443,3 +444,33 @@ async def test_chat_without_template_is_a_clear_400(engine, plain_tokenizer_dir)
         assert "no chat template" in response.json()["error"]["message"]
         completion = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0})
         assert json.loads(completion.text)["choices"][0]["text"] == "x"
+
+
+FUZZ_VALUES = [None, True, -1, 0, 1, 3, 2**40, -(2**70), 0.5, -0.5, 1e30, "x", "", [], [1], ["a"], [[1, 2]], [[]],
+               {}, {"type": "text"}, {"include_usage": True}]
+COMPLETION_FIELDS = ["prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+                     "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logprobs", "echo", "stream", "stream_options", "user", "best_of"]
+CHAT_FIELDS = ["messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
+               "response_format", "chat_template_kwargs", *COMPLETION_FIELDS[1:]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_random_bodies_never_get_a_500(http, path):
+    """120 seeded random mixes of wrong types and extreme values: every answer is a success or
+    a 4xx in OpenAI's shape, and the server keeps serving."""
+    rng = random.Random(path)
+    fields = COMPLETION_FIELDS if path == "/v1/completions" else CHAT_FIELDS
+    base = {"prompt": "one two"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    statuses = set()
+    for _ in range(120):
+        body = dict(base) if rng.random() < 0.7 else {}
+        for field in rng.sample(fields, rng.randint(1, 4)):
+            body[field] = rng.choice(FUZZ_VALUES)
+        response = http.post(path, json=body)
+        statuses.add(response.status_code)
+        if response.status_code != 200:
+            assert_openai_error(response, response.status_code)
+            assert 400 <= response.status_code < 500, (body, response.text)
+    assert 200 in statuses and 400 in statuses
+    assert_still_serving(http)
