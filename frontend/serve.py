@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     server.add_argument("--grpc-port", type=int, default=50051,
-                        help="gRPC port of the openinfer.v1.Engine service (default 50051; 0 disables)")
+                        help="gRPC port: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler service "
+                             "for the smg router (default 50051; 0 disables; not served with --engine)")
     server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
@@ -138,6 +139,9 @@ async def serve(args: argparse.Namespace) -> int:
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
+        ignored = sorted(set(engine_options(args)) - {"served_model_name"})
+        if ignored:
+            logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         remote = GrpcEngineClient(args.engine, args.api_key)
         logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
