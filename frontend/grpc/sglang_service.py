@@ -93,6 +93,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         self._rates = RecentRates()
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: str | None = None
+        self._tokenizer_lock = asyncio.Lock()
         self._tokenizer_zip: bytes | None = None
 
     # --- generation -----------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         """One choice's engine events → SGLang responses. Leaving early (a stop string, the router
         going away) closes the engine's iterator, which aborts the request and frees its KV blocks."""
         builder = SglangResponseBuilder(plan, index)
-        watcher = self._stop_watcher(plan, builder.engine_request)
+        watcher = await self._stop_watcher(plan, builder.engine_request)
         try:
             async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
                 async for event in events:
@@ -173,23 +174,25 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
                    else None)
         return builder.complete(FINISH_REASONS.get(finished.reason, "stop"), matched_token_id=matched)
 
-    def _stop_watcher(self, plan: SglangRequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
+    async def _stop_watcher(self, plan: SglangRequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
         if not plan.stop_strings:
             return None
-        tokenizer = self._load_tokenizer()
+        tokenizer = await self._load_tokenizer()
         if tokenizer is None:
             return None  # the router still trims the text; the engine just runs to its limit
         return StopStringWatcher(tokenizer, choice.prompt_token_ids, plan.stop_strings, plan.skip_special_tokens,
                                  choice.stop.min_tokens)
 
-    def _load_tokenizer(self) -> Tokenizer | None:
-        if self._tokenizer is None and self._tokenizer_error is None:
-            try:
-                self._tokenizer = Tokenizer.from_dir(self._tokenizer_path)
-            except (OSError, ValueError) as exc:
-                self._tokenizer_error = str(exc)
-                logger.warning("stop strings are left to the router (the worker cannot load the "
-                               "tokenizer from %s: %s)", self._tokenizer_path, exc)
+    async def _load_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer, loaded once (off the event loop) when the first stop string arrives."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None and self._tokenizer_error is None:
+                try:
+                    self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self._tokenizer_path)
+                except (OSError, ValueError) as exc:
+                    self._tokenizer_error = str(exc)
+                    logger.warning("stop strings are left to the router (the worker cannot load the "
+                                   "tokenizer from %s: %s)", self._tokenizer_path, exc)
         return self._tokenizer
 
     async def Abort(self, request: sglang_pb.AbortRequest,

@@ -255,6 +255,22 @@ async def test_stop_string_spanning_two_tokens(served):
     assert (list(done.output_ids), done.matched_stop_str) == ([4, 5, 6], "beta gam")
 
 
+async def test_without_a_tokenizer_stop_strings_are_left_to_the_router(tmp_path):
+    engine = FakeEngine()
+    server = grpc.aio.server(options=SGLANG_SERVER_OPTIONS)
+    add_sglang_service(server, engine, served_model_name="tiny", model_path=str(tmp_path), tokenizer_path="")
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sglang_grpc.SglangSchedulerStub(channel)
+            done = (await collect(stub, router_request(max_new_tokens=4, stop=["gamma"])))[-1].complete
+            assert (list(done.output_ids), done.finish_reason) == ([4, 5, 6, 7], "length")
+            assert done.WhichOneof("matched_stop") is None
+    finally:
+        await server.stop(grace=None)
+
+
 async def test_logprobs_incremental_in_chunks_and_cumulative_in_complete(served):
     engine, stub = served
     request = router_request(stream=True, max_new_tokens=2)
