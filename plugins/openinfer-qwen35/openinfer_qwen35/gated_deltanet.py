@@ -21,14 +21,22 @@ Per-request recurrent state (one state slot per request, see ``openinfer.kv.stat
     conv_state [num_slots, K - 1, conv_dim]    the last K-1 conv inputs, oldest first
     ssm_state  [num_slots, nv, dk, dv] fp32     the delta-rule matrix S of each value head
 
-The chunked algorithm (prefill) is exact: it folds C = 64 sequential updates into a unit
+``delta_net`` at the bottom runs a whole step's layer core (all sequences, any mix of prefill
+and decode) on these pieces. The chunked algorithm (prefill) is exact: it folds C = 64 sequential updates into a unit
 lower-triangular solve (the UT transform) and a few matmuls per chunk, and carries ``S``
 between chunks, so a prompt split at any point gives the same state as one pass.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.state import StepSequences
+    from openinfer_qwen35.weights import DeltaNetWeights
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -147,3 +155,57 @@ def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: flo
     """``RMSNorm(x) · w · silu(gate)`` over the last axis (plain weight, not zero-centred)."""
     variance = np.mean(x * x, axis=-1, keepdims=True)
     return x / np.sqrt(variance + eps) * weight * silu(gate)
+
+
+# --- the layer core on NumPy -------------------------------------------------------------------
+
+
+def split_heads(conv_out: np.ndarray, config: Qwen35Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n, q|k|v]`` → l2-normalised, scaled q and k repeated to the value heads, and v."""
+    n, nk, dk = conv_out.shape[0], config.linear_num_key_heads, config.linear_key_head_dim
+    key_dim, repeat = config.linear_key_dim, config.linear_num_value_heads // nk
+    q = l2_normalize(conv_out[:, :key_dim].reshape(n, nk, dk)) * np.float32(dk**-0.5)
+    k = l2_normalize(conv_out[:, key_dim : 2 * key_dim].reshape(n, nk, dk))
+    v = conv_out[:, 2 * key_dim :].reshape(n, config.linear_num_value_heads, config.linear_value_head_dim)
+    if repeat > 1:
+        q, k = np.repeat(q, repeat, axis=1), np.repeat(k, repeat, axis=1)
+    return q, k, v
+
+
+def delta_net(proj: np.ndarray, w: DeltaNetWeights, conv_state: np.ndarray, ssm_state: np.ndarray,
+              seqs: StepSequences, config: Qwen35Config) -> np.ndarray:
+    """From the fused projection ``[T, q|k|v|z|b|a]`` to the gated-normed ``[T, nv·dv]`` that
+    ``out_proj`` consumes, reading and updating each sequence's slot in ``conv_state`` /
+    ``ssm_state``. Decoding sequences (one new token) run batched through the recurrent step,
+    the others one by one through the chunked rule."""
+    conv_dim, value_dim, nv = config.conv_dim, config.linear_value_dim, config.linear_num_value_heads
+    dv = config.linear_value_head_dim
+    mixed = proj[:, :conv_dim]
+    z = proj[:, conv_dim : conv_dim + value_dim]
+    beta = sigmoid(proj[:, conv_dim + value_dim : conv_dim + value_dim + nv])
+    decay = w.neg_decay_rate * softplus(proj[:, conv_dim + value_dim + nv :] + w.dt_bias)  # g ≤ 0
+    core = np.empty((proj.shape[0], nv, dv), np.float32)
+    query_start = seqs.query_start
+    query_lens = np.diff(query_start)
+
+    def initial(states: np.ndarray, slots: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+        return np.where(fresh.reshape(-1, *[1] * (states.ndim - 1)), np.float32(0), states[slots])
+
+    decoding = np.flatnonzero(query_lens == 1)
+    if decoding.size:
+        rows, slots, fresh = query_start[decoding], seqs.slots[decoding], seqs.fresh[decoding]
+        conv_out, conv_state[slots] = causal_conv1d_step(mixed[rows], w.conv_weight,
+                                                         initial(conv_state, slots, fresh))
+        q, k, v = split_heads(conv_out, config)
+        core[rows], ssm_state[slots] = recurrent_gated_delta_rule_step(
+            q, k, v, decay[rows], beta[rows], initial(ssm_state, slots, fresh))
+    for seq in np.flatnonzero(query_lens > 1):
+        start, end, slot = int(query_start[seq]), int(query_start[seq + 1]), int(seqs.slots[seq])
+        fresh = seqs.fresh[seq : seq + 1]
+        conv_out, conv_state[slot] = causal_conv1d(mixed[start:end], w.conv_weight,
+                                                   initial(conv_state, seqs.slots[seq : seq + 1], fresh)[0])
+        q, k, v = split_heads(conv_out, config)
+        core[start:end], ssm_state[slot] = chunk_gated_delta_rule(
+            q, k, v, decay[start:end], beta[start:end], initial(ssm_state, seqs.slots[seq : seq + 1], fresh)[0])
+    normed = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w.norm, config.rms_norm_eps)
+    return normed.reshape(-1, value_dim)

@@ -1,28 +1,34 @@
 """Which kernel runs each Qwen3.5 op, per phase and backend — read this first.
 
 A step is *prefill* when a sequence brings more than one new token (a prompt or a chunk of
-one), *decode* when it brings exactly one; a *mixed* step holds both kinds, and each sequence
-takes its own row of the table (decode sequences are batched together, prefill sequences run
-one by one because the chunked delta rule is per sequence).
+one), *decode* when it brings exactly one; a *mixed* step holds both kinds.
 
-=====================  ===========================  ====================================  =======
-op                     prefill                      decode                                backend
-=====================  ===========================  ====================================  =======
-embedding / norms      core ``embedding``,          same                                  core
+=====================  ==============================  ==============================  =======
+op                     prefill                         decode                          from
+=====================  ==============================  ==============================  =======
+embedding / norms      core ``embedding``,             same                            core
                        ``rms_norm``, ``add_rms_norm``
-projections            core ``linear`` (BLAS/cuBLAS) same                                  core
-full attention         core ``attention`` (q/k norm same, one query per sequence           core
+projections            core ``linear`` (BLAS/cuBLAS)   same                            core
+full attention         core ``attention`` (q/k norm    same, one query per sequence    core
                        + partial RoPE + paged KV)
-attention gate         ``sigmoid_mul``              same                                  plugin
-GDN conv1d + SiLU      ``causal_conv1d``            ``causal_conv1d_step``                plugin
-GDN delta rule         ``chunk_gated_delta_rule``   ``recurrent_gated_delta_rule_step``   plugin
-                       (UT transform, chunk 64)     (batched over sequences)
-GDN output norm        ``gated_rms_norm``           same                                  plugin
-MLP                    core ``silu_mul``            same                                  core
-=====================  ===========================  ====================================  =======
+attention gate         ``sigmoid_mul``                 same                            plugin
+GDN layer core         ``delta_net``:                                                  plugin
+  numpy                conv1d + chunked delta rule     conv1d step + recurrent step
+                       (UT transform, chunk 64), one   (batched over sequences)
+                       sequence at a time
+  cuda                 ``gdn_conv1d`` (varlen) →       same kernels, one token per
+                       ``gdn_conv_state`` →            sequence
+                       ``gdn_delta_rule`` (gates, l2
+                       norm, recurrence over the
+                       sequence's tokens, gated norm)
+MLP                    core ``silu_mul``               same                            core
+=====================  ==============================  ==============================  =======
 
-Only the NumPy implementations exist so far (``gated_deltanet``); a CUDA plan adds kernels
-with the same signatures and is selected here by backend name.
+``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
+``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``
+(kernels in ``kernels/gated_deltanet.cu``). The CUDA delta rule walks each sequence's tokens
+in order (the recurrent form, exact for prefill too); the chunked tensor-core prefill is the
+next kernel to write.
 """
 
 from __future__ import annotations
@@ -46,30 +52,27 @@ def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
 class KernelPlan:
     backend: str
     sigmoid_mul: Callable[..., Any]
-    causal_conv1d: Callable[..., Any]  # prefill: one sequence
-    causal_conv1d_step: Callable[..., Any]  # decode: a batch of sequences
-    chunk_gated_delta_rule: Callable[..., Any]
-    recurrent_gated_delta_rule_step: Callable[..., Any]
-    gated_rms_norm: Callable[..., Any]
+    delta_net: Callable[..., Any]  # (proj, weights, conv_state, ssm_state, StepSequences, config)
+    fp32_vector: Callable[[np.ndarray], Any]  # small per-head parameters kept in fp32 (A, dt_bias)
+    conv_state_dtype: Any  # dtype of the conv window in the state slots
+    prepare_sequences: Callable[..., Any] = lambda seqs: seqs  # host StepSequences -> device copies
 
 
 NUMPY_PLAN = KernelPlan(
     backend="numpy",
     sigmoid_mul=sigmoid_mul,
-    causal_conv1d=gated_deltanet.causal_conv1d,
-    causal_conv1d_step=gated_deltanet.causal_conv1d_step,
-    chunk_gated_delta_rule=gated_deltanet.chunk_gated_delta_rule,
-    recurrent_gated_delta_rule_step=gated_deltanet.recurrent_gated_delta_rule_step,
-    gated_rms_norm=gated_deltanet.gated_rms_norm,
+    delta_net=gated_deltanet.delta_net,
+    fp32_vector=lambda array: np.ascontiguousarray(array, dtype=np.float32),
+    conv_state_dtype=np.float32,
 )
-
-PLANS = {"numpy": NUMPY_PLAN}
 
 
 def plan_for(backend: Any) -> KernelPlan:
-    plan = PLANS.get(backend.name)
-    if plan is None:
-        raise BackendUnavailableError(
-            f"openinfer-qwen35 has no kernels for the {backend.name!r} backend yet "
-            f"(available: {', '.join(PLANS)}); run with --device cpu")
-    return plan
+    if backend.name == "numpy":
+        return NUMPY_PLAN
+    if backend.name == "cuda":
+        from openinfer_qwen35 import cuda_ops
+
+        return cuda_ops.CUDA_PLAN
+    raise BackendUnavailableError(
+        f"openinfer-qwen35 has no kernels for the {backend.name!r} backend (available: numpy, cuda)")

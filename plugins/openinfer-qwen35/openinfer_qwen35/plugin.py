@@ -20,6 +20,7 @@ from openinfer import (
     read_generation_config,
 )
 from openinfer_qwen35.config import ARCHITECTURES, MODEL_TYPES, Qwen35Config
+from openinfer_qwen35.kernel_plan import plan_for
 from openinfer_qwen35.model import Qwen35Model
 from openinfer_qwen35.state import DeltaNetStateCache
 from openinfer_qwen35.weights import load_weights
@@ -51,7 +52,7 @@ def num_state_slots(config: Qwen35Config, options: EngineOptions) -> int:
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
                 options: EngineOptions) -> Qwen35Model:
     qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
-    weights = load_weights(Checkpoint(model_path), qwen35, backend)
+    weights = load_weights(Checkpoint(model_path), qwen35, backend, plan_for(backend).fp32_vector)
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
     return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,
@@ -61,8 +62,9 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
 
 def engine_options(model: Qwen35Model, options: EngineOptions) -> EngineOptions:
     """What a recurrent model needs from the default engine: no prefix cache, one slot per
-    running request."""
-    return options.with_(enable_prefix_cache=False,
+    running request, and (for now) eager decode steps — a captured CUDA graph would freeze the
+    step's state-slot indices, which the model resolves from request ids on the host."""
+    return options.with_(enable_prefix_cache=False, cuda_graph=False,
                          max_num_seqs=min(options.max_num_seqs, model.state.slots.num_usable_slots))
 
 

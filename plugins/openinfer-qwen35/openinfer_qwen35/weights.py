@@ -19,7 +19,7 @@ the backend's plain ``rms_norm`` applies them; ``A_log`` is stored as ``-exp(A_l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,8 +52,8 @@ class FullAttentionWeights:
 class DeltaNetWeights:
     in_proj: Any  # backend linear: [q | k | v | z | b | a]
     conv_weight: Any  # [conv_dim, kernel]
-    neg_decay_rate: Any  # -exp(A_log), [nv]
-    dt_bias: Any  # [nv]
+    neg_decay_rate: Any  # -exp(A_log), [nv] fp32
+    dt_bias: Any  # [nv] fp32
     norm: Any  # gated RMSNorm weight [dv] (plain, not zero-centred)
     out_proj: Any
 
@@ -116,11 +116,18 @@ class _Reader:
                                   f"({shown}); is this the right plugin for the checkpoint?")
 
 
-def load_weights(source: TensorSource, config: Qwen35Config, backend: Any) -> Qwen35Weights:
+def _fp32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
+                 fp32_vector: Callable[[np.ndarray], Any] = _fp32) -> Qwen35Weights:
+    """``fp32_vector`` places the per-head GDN parameters (``-exp(A_log)``, ``dt_bias``), which
+    stay fp32 on every backend (HF computes the decay in fp32 from them)."""
     reader = _Reader(source, text_prefix(source))
     hidden = config.hidden_size
     embed = reader.get("embed_tokens.weight", (config.vocab_size, hidden))
-    layers = [_load_layer(reader, config, backend, i) for i in range(config.num_hidden_layers)]
+    layers = [_load_layer(reader, config, backend, i, fp32_vector) for i in range(config.num_hidden_layers)]
     final_norm = 1.0 + reader.get("norm.weight", (hidden,))
     if "lm_head.weight" in source and not config.tie_word_embeddings:
         lm_head = reader.get("lm_head.weight", (config.vocab_size, hidden), full_name=True)
@@ -132,14 +139,15 @@ def load_weights(source: TensorSource, config: Qwen35Config, backend: Any) -> Qw
     return Qwen35Weights(backend.weight(embed), layers, backend.weight(final_norm), backend.linear_weight(lm_head))
 
 
-def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int) -> LayerWeights:
+def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
+                fp32_vector: Callable[[np.ndarray], Any]) -> LayerWeights:
     prefix = f"layers.{index}."
     hidden, inter = config.hidden_size, config.intermediate_size
     kind = config.layer_types[index]
     if kind == FULL_ATTENTION:
         mixer: FullAttentionWeights | DeltaNetWeights = _load_full_attention(reader, config, backend, prefix)
     else:
-        mixer = _load_delta_net(reader, config, backend, prefix)
+        mixer = _load_delta_net(reader, config, backend, prefix, fp32_vector)
     gate_up = np.concatenate([reader.get(prefix + "mlp.gate_proj.weight", (inter, hidden)),
                               reader.get(prefix + "mlp.up_proj.weight", (inter, hidden))])
     return LayerWeights(
@@ -176,7 +184,8 @@ def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, pr
     )
 
 
-def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str) -> DeltaNetWeights:
+def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str,
+                    fp32_vector: Callable[[np.ndarray], Any]) -> DeltaNetWeights:
     p = prefix + "linear_attn."
     hidden, nv = config.hidden_size, config.linear_num_value_heads
     conv_dim, value_dim = config.conv_dim, config.linear_value_dim
@@ -193,8 +202,8 @@ def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix:
     return DeltaNetWeights(
         in_proj=backend.linear_weight(in_proj),
         conv_weight=backend.weight(conv),
-        neg_decay_rate=backend.weight(-np.exp(reader.get(p + "A_log", (nv,)))),
-        dt_bias=backend.weight(reader.get(p + "dt_bias", (nv,))),
+        neg_decay_rate=fp32_vector(-np.exp(reader.get(p + "A_log", (nv,)))),
+        dt_bias=fp32_vector(reader.get(p + "dt_bias", (nv,))),
         norm=backend.weight(reader.get(p + "norm.weight", (config.linear_value_head_dim,))),
         out_proj=backend.linear_weight(reader.get(p + "out_proj.weight", (hidden, value_dim))),
     )
