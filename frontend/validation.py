@@ -39,17 +39,20 @@ def check_generate_request(request: pb.GenerateRequest, info: pb.ModelInfo) -> N
     check_prompt(request.prompt_token_ids, info, "prompt_token_ids")
     validate_sampling(request.sampling)
     stop = request.stop
-    if stop.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {stop.max_tokens}", "max_tokens")
-    total = len(request.prompt_token_ids) + stop.max_tokens
-    if info.max_model_len and total > info.max_model_len:
+    num_prompt = len(request.prompt_token_ids)
+    if stop.HasField("max_tokens"):  # unset means "until the context ends"
+        if stop.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {stop.max_tokens}", "max_tokens")
+        total = num_prompt + stop.max_tokens
+        if info.max_model_len and total > info.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {info.max_model_len} tokens, but the request asks for "
+                f"{total} tokens ({num_prompt} in the prompt + {stop.max_tokens} max_tokens); "
+                f"lower max_tokens to at most {info.max_model_len - num_prompt}", "max_tokens")
+    max_tokens = stop.max_tokens if stop.HasField("max_tokens") else default_max_tokens(num_prompt, info)
+    if stop.min_tokens > max_tokens:
         raise InvalidRequestError(
-            f"this model's maximum context length is {info.max_model_len} tokens, but the request asks for "
-            f"{total} tokens ({len(request.prompt_token_ids)} in the prompt + {stop.max_tokens} max_tokens); "
-            f"lower max_tokens to at most {info.max_model_len - len(request.prompt_token_ids)}", "max_tokens")
-    if stop.min_tokens > stop.max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({stop.min_tokens}) must not exceed max_tokens ({stop.max_tokens})", "min_tokens")
+            f"min_tokens ({stop.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     if info.vocab_size:
         bad = [t for t in stop.stop_token_ids if t >= info.vocab_size]
         if bad:

@@ -145,7 +145,9 @@ class FakeEngine:
         stop_ids = set(request.stop.stop_token_ids)
         if not request.stop.ignore_eos:
             stop_ids.update(self.eos_token_ids)
-        limit = min(request.stop.max_tokens, self.max_model_len - len(prompt))
+        limit = self.max_model_len - len(prompt)  # unset max_tokens: until the context ends
+        if request.stop.HasField("max_tokens"):
+            limit = min(request.stop.max_tokens, limit)
         generated = 0
         reason = pb.FINISH_REASON_LENGTH
         matched = None

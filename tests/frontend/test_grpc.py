@@ -81,6 +81,14 @@ async def test_generate_streams_concurrent_requests(address):
             (pb.FINISH_REASON_LENGTH, 3, 7)
 
 
+async def test_unset_max_tokens_runs_to_the_end_of_the_context(address):
+    unset = pb.GenerateRequest(request_id="to-the-end", prompt_token_ids=[10, 11, 12],
+                               stop=pb.StopConditions(ignore_eos=True))
+    async with grpc.aio.insecure_channel(address) as channel:
+        events = await collect(engine_pb2_grpc.EngineStub(channel), unset)
+    assert len(token_ids(events)) == 128 - 3 and events[-1].finished.reason == pb.FINISH_REASON_LENGTH
+
+
 async def test_abort_rpc_ends_the_stream(address, restore_engine):
     restore_engine.token_delay_s = 0.02
     async with grpc.aio.insecure_channel(address) as channel:
