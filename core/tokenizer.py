@@ -23,6 +23,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
@@ -133,7 +135,7 @@ class Tokenizer:
     @cached_property
     def _jinja(self) -> jinja2.Environment:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[jinja2.ext.loopcontrols, GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -159,6 +161,17 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequestError(f"the chat template could not render these messages: {exc!r}",
                                       "messages") from exc
+
+
+class GenerationTag(jinja2.ext.Extension):
+    """HF's ``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks):
+    rendering only needs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 class ChatTemplateError(jinja2.TemplateError):

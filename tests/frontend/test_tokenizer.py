@@ -70,6 +70,14 @@ def test_hf_globals_bos_eos_tojson_strftime_and_trim(tokenizer_dir, tmp_path):
     assert rendered == '<|endoftext|>\n  "é<b>"|4\n<|im_end|>'
 
 
+def test_generation_tag_renders_its_body(plain_tokenizer_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((plain_tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% generation %}<{{ m['content'] }}>{% endgeneration %}{% endfor %}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "assistant", "content": "a"}]) == "<a>"
+
+
 def test_no_chat_template_is_invalid_request(plain_tokenizer_dir):
     tokenizer = Tokenizer.from_dir(plain_tokenizer_dir)
     with pytest.raises(InvalidRequestError, match="no chat template"):
