@@ -207,9 +207,10 @@ class Driver:
             query_start=np.asarray(query_start, np.int32), context_lens=np.asarray(context_lens, np.int32),
             block_tables=block_tables, slot_mapping=np.asarray(slot_mapping, np.int32),
             logits_rows=np.asarray([r for rs in rows for r in rs], np.int32),
-            max_query_len=max(len(t) for t in new_tokens.values()), max_context_len=max(context_lens))
-        batch.request_ids = tuple(new_tokens)
-        logits = self.model.backend.to_host(self.model.forward(batch, self.kv_cache))
+            max_query_len=max(len(t) for t in new_tokens.values()), max_context_len=max(context_lens),
+            request_ids=tuple(new_tokens))
+        backend = self.model.backend
+        logits = backend.to_host(self.model.forward(backend.prepare_batch(batch), self.kv_cache))
         out, offset = [], 0
         for rs in rows:
             out.append(logits[offset : offset + len(rs)])

@@ -1,0 +1,177 @@
+// Gated DeltaNet on the GPU: the varlen causal conv, the conv-window update, the fused delta
+// rule (gates + l2 norm + recurrence + gated RMSNorm) and the attention output gate.
+//
+// Activations are bf16; math is fp32 and rounds to bf16 where HF's bf16 model does. Layouts:
+//   proj       [T, conv_dim | value_dim (z) | nv (b) | nv (a)]   bf16, row stride proj_stride
+//   conv_out   [T, conv_dim] = [q (nk*DK) | k (nk*DK) | v (nv*dv)]  bf16
+//   conv_state [num_slots, K-1, conv_dim] bf16   the last K-1 conv inputs of each slot, oldest first
+//   ssm_state  [num_slots, nv, DK, dv]     fp32  the delta-rule state S of each value head
+//   seqs: query_start [B+1], slots [B], fresh [B] (1: the step starts at position 0, so the
+//   sequence's initial conv window and state read as zeros), token_seq [T] (sequence of each row).
+// DK (key head dim) is a compile-time define: each thread keeps one column S[:, j] in registers.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#ifndef DK
+#define DK 128
+#endif
+
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < num_warps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// conv_out[t, c] = silu(sum_j w[c, j] * x[t - (K-1) + j, c]), reaching back into the slot's conv
+// window for the first K-1 rows of a sequence. One thread per (token, channel).
+extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_stride,
+                                      const bf16* __restrict__ weight, const bf16* __restrict__ conv_state,
+                                      const int* __restrict__ query_start, const int* __restrict__ slots,
+                                      const int* __restrict__ fresh, const int* __restrict__ token_seq,
+                                      bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int width) {
+    const long long n = (long long)num_tokens * conv_dim;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(i / conv_dim), c = (int)(i - (long long)t * conv_dim);
+        const int s = token_seq[t], first = query_start[s], pos = t - first;
+        const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
+        float acc = 0.f;
+        for (int j = 0; j < width; ++j) {
+            const int m = pos - (width - 1) + j;  // row within this step's tokens of the sequence
+            float x;
+            if (m >= 0) x = to_f(proj[(size_t)(first + m) * proj_stride + c]);
+            else x = fresh[s] ? 0.f : to_f(window[(size_t)(width - 1 + m) * conv_dim + c]);
+            acc += to_f(weight[(size_t)c * width + j]) * x;
+        }
+        conv_out[(size_t)t * conv_dim + c] = __float2bfloat16_rn(silu_f(round_bf16(acc)));
+    }
+}
+
+// After gdn_conv1d: each sequence's slot keeps the last K-1 conv inputs. One thread per
+// (sequence, channel), which reads its old window before writing it.
+extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int proj_stride,
+                                          bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                                          const int* __restrict__ slots, const int* __restrict__ fresh,
+                                          int num_seqs, int conv_dim, int width) {
+    const long long n = (long long)num_seqs * conv_dim;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int s = (int)(i / conv_dim), c = (int)(i - (long long)s * conv_dim);
+        const int first = query_start[s], length = query_start[s + 1] - first;
+        if (length == 0) continue;
+        bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
+        float old[8];  // width - 1 <= 8
+        for (int j = 0; j < width - 1; ++j) old[j] = fresh[s] ? 0.f : to_f(window[(size_t)j * conv_dim + c]);
+        for (int j = 0; j < width - 1; ++j) {
+            const int from = j + length;  // index into [old window | new rows]
+            const float x = from < width - 1 ? old[from]
+                                             : to_f(proj[(size_t)(first + from - (width - 1)) * proj_stride + c]);
+            window[(size_t)j * conv_dim + c] = __float2bfloat16_rn(x);
+        }
+    }
+}
+
+// The delta rule of one (sequence, value head) over the sequence's tokens of this step, fused
+// with its gates, the q/k l2 norm and the gated RMSNorm. Grid (num_seqs, nv); one thread per
+// value channel j (blockDim.x = dv rounded up to 32), holding the state column S[:, j].
+extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int proj_stride,
+                                          const bf16* __restrict__ conv_out, float* __restrict__ ssm_state,
+                                          const float* __restrict__ neg_decay_rate,
+                                          const float* __restrict__ dt_bias, const bf16* __restrict__ norm_weight,
+                                          const int* __restrict__ query_start, const int* __restrict__ slots,
+                                          const int* __restrict__ fresh, bf16* __restrict__ out, int num_key_heads,
+                                          int num_value_heads, int dv, float eps) {
+    __shared__ float q[DK], k[DK], scratch[32];
+    const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const bool active = j < dv;
+    const int first = query_start[s], last = query_start[s + 1];
+    const int key_head = h / (num_value_heads / num_key_heads);
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
+    const int conv_dim = 2 * key_dim + value_dim;
+    float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
+    float column[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) column[i] = (active && !fresh[s]) ? state[(size_t)i * dv + j] : 0.f;
+    const float rate = neg_decay_rate[h], bias = dt_bias[h];
+    const float weight = active ? to_f(norm_weight[j]) : 0.f;
+    const float scale = rsqrtf((float)DK);
+
+    for (int t = first; t < last; ++t) {
+        const bf16* row = conv_out + (size_t)t * conv_dim;
+        float q_sq = 0.f, k_sq = 0.f;
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            const float qi = to_f(row[key_head * DK + i]), ki = to_f(row[key_dim + key_head * DK + i]);
+            q[i] = qi;
+            k[i] = ki;
+            q_sq += qi * qi;
+            k_sq += ki * ki;
+        }
+        q_sq = block_sum(q_sq, scratch);
+        k_sq = block_sum(k_sq, scratch);  // block_sum's barriers also publish q[] and k[]
+        const float q_norm = rsqrtf(q_sq + 1e-6f) * scale, k_norm = rsqrtf(k_sq + 1e-6f);
+        const bf16* p = proj + (size_t)t * proj_stride;
+        const float beta = round_bf16(sigmoid_f(to_f(p[conv_dim + value_dim + h])));  // bf16 in HF
+        const float a = to_f(p[conv_dim + value_dim + num_value_heads + h]) + bias;
+        const float softplus = a > 20.f ? a : log1pf(__expf(a));
+        const float decay = __expf(rate * softplus);
+        float o = 0.f;
+        if (active) {
+            const float v = to_f(row[2 * key_dim + h * dv + j]);
+            float predicted = 0.f;
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                column[i] *= decay;
+                predicted += column[i] * (k[i] * k_norm);
+            }
+            const float delta = (v - predicted) * beta;
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                column[i] += (k[i] * k_norm) * delta;
+                o += column[i] * (q[i] * q_norm);
+            }
+            o = round_bf16(o);  // HF hands the core output to the norm in bf16
+        }
+        const float variance = block_sum(o * o, scratch) / (float)dv;
+        if (active) {
+            const float normed = round_bf16(o * rsqrtf(variance + eps));
+            const float z = to_f(p[conv_dim + h * dv + j]);
+            out[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(round_bf16(weight * normed) * silu_f(z));
+        }
+        __syncthreads();  // q[] and k[] are rewritten by the next token
+    }
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) state[(size_t)i * dv + j] = column[i];
+    }
+}
+
+// out[t, c] = x[t, c] * sigmoid(gate[t, c]); gate rows are gate_stride apart (a column slice).
+extern "C" __global__ void sigmoid_mul(const bf16* __restrict__ x, const bf16* __restrict__ gate, int gate_stride,
+                                       bf16* __restrict__ out, long long rows, int features) {
+    const long long n = rows * features;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / features;
+        const int c = (int)(i - r * features);
+        const float g = round_bf16(sigmoid_f(to_f(gate[r * gate_stride + c])));
+        out[i] = __float2bfloat16_rn(to_f(x[i]) * g);
+    }
+}
