@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from openinfer.engine import EngineHandle, finish_reason_name
+from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.http.errors import OpenAIError
 from openinfer.frontend.http.metrics import FrontendMetrics
 from openinfer.tokenizer import StopStringMatcher, Tokenizer
@@ -94,6 +95,9 @@ class ChoiceStream:
         self._events = aiter(self.engine.generate(self.plan.request))
         try:
             self._first = await anext(self._events)
+        except (InvalidRequestError, QueueFullError, EngineDeadError):
+            self.finished = self._recorded = True  # refused: nothing runs in the engine, nothing to count
+            raise
         except StopAsyncIteration as exc:
             raise OpenAIError(500, "the engine ended the request without any event", None,
                               "engine_error") from exc
@@ -190,18 +194,20 @@ class ChoiceStream:
 
 async def start_choices(engine: EngineHandle, tokenizer: Tokenizer, plans: Sequence[ChoicePlan],
                         metrics: FrontendMetrics | None) -> list[ChoiceStream]:
-    """Start every choice, or none: if one is refused, the ones already started are closed."""
+    """Start every choice concurrently, or none: if one is refused, all are closed (aborted) and
+    the first refusal is raised."""
     eos = list(engine.info().eos_token_ids) or tokenizer.eos_token_ids
-    started: list[ChoiceStream] = []
+    streams = [ChoiceStream(engine, tokenizer, plan, metrics, eos) for plan in plans]
     try:
-        for plan in plans:
-            stream = ChoiceStream(engine, tokenizer, plan, metrics, eos)
-            started.append(stream)
-            await stream.start()
-    except BaseException:
-        await close_all(started)
+        outcomes = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
+    except BaseException:  # cancelled while starting (client gone, shutdown)
+        await close_all(streams)
         raise
-    return started
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
+        await close_all(streams)
+        raise failures[0]
+    return streams
 
 
 async def close_all(streams: Sequence[ChoiceStream]) -> None:

@@ -248,6 +248,15 @@ def test_queue_full_is_503_with_retry_after(http, restore_engine):
     assert response.json()["error"]["code"] == "queue_full"
 
 
+def test_n_choices_start_all_or_none(http, restore_engine):
+    restore_engine.max_running = 1  # the second choice of n=2 is refused
+    before = len(restore_engine.aborted)
+    response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "n": 2})
+    assert_openai_error(response, 503)
+    assert wait_until(lambda: not restore_engine.running)
+    assert len(restore_engine.aborted) == before + 1  # the choice that had started was aborted
+
+
 def test_dead_engine_is_503(http, restore_engine):
     restore_engine.healthy = False
     assert_openai_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
