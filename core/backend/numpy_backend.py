@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.blas_threads import BlasThreads
 
 
 class NumpyLinear:
@@ -24,6 +25,12 @@ class NumpyBackend:
     name = "numpy"
     xp = np
     activation_dtype = np.float32
+    # GEMMs with at most this many rows (decode, small prefill chunks) run on one BLAS thread;
+    # see openinfer.backend.blas_threads for the measurements behind it.
+    single_thread_max_rows = 64
+
+    def __init__(self) -> None:
+        self.blas_threads = BlasThreads()
 
     # --- placing data ----------------------------------------------------------------------------
 
@@ -64,6 +71,7 @@ class NumpyBackend:
         return self.rms_norm(residual, weight, eps), residual
 
     def linear(self, x: np.ndarray, weight: NumpyLinear) -> np.ndarray:
+        self.blas_threads.for_rows(x.shape[0], self.single_thread_max_rows)
         out = x @ weight.weight_t
         if weight.bias is not None:
             out += weight.bias
