@@ -84,6 +84,12 @@ class Qwen35Config:
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise WeightLoadError(f"Qwen3.5 config has hidden_act={act!r}; only 'silu' is supported")
+        if text.get("num_experts"):
+            raise WeightLoadError("this is a Qwen3.5 MoE config (num_experts is set); openinfer-qwen35 "
+                                  "serves the dense Qwen3.5 models only")
+        if text.get("attn_output_gate", True) is False:
+            raise WeightLoadError("Qwen3.5 config has attn_output_gate=false; openinfer-qwen35 expects "
+                                  "gated full attention (q_proj yielding [query | gate] per head)")
         rope_source = dict(text)
         params = dict(text.get("rope_parameters") or {})
         if "partial_rotary_factor" not in params and "partial_rotary_factor" not in text:

@@ -51,3 +51,50 @@ def test_plugin_match_scores():
     assert plugin.openinfer_match({"model_type": "qwen3_5_text"}) == 50
     assert plugin.openinfer_match({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}) is None
     assert "Qwen3_5ForConditionalGeneration" in plugin.openinfer_claims()
+
+
+# The published shape of Qwen3.5-9B (multimodal release), as its config.json spells it.
+QWEN35_9B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text", "attention_bias": False, "attn_output_gate": True, "eos_token_id": 248044,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_size": 4096, "intermediate_size": 12288,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 32,
+        "rms_norm_eps": 1e-06, "vocab_size": 248320, "mamba_ssm_dtype": "float32", "mtp_num_hidden_layers": 1,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                            "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152, "out_hidden_size": 4096},
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_real_release_config_reads_as_expected():
+    from openinfer_qwen35.state import DeltaNetStateCache
+
+    from openinfer import RotaryEmbedding
+
+    config = Qwen35Config.from_dict(QWEN35_9B)
+    assert config.is_multimodal and config.eos_token_ids == (248044,)
+    assert len(config.full_layer_ids) == 8 and config.full_layer_ids[0] == 3
+    assert config.conv_dim == 2 * 16 * 128 + 32 * 128
+    rope = RotaryEmbedding.create(config.head_dim, config.rope, 64, config.max_position_embeddings)
+    assert rope.rotary_dim == 64 and config.rope.theta == 1e7
+    # 24 GDN layers x (fp32 state 32x128x128 + fp32 conv window 3x8192) per request
+    assert DeltaNetStateCache.bytes_per_slot(config) == 24 * 4 * (32 * 128 * 128 + 3 * 8192)
+    assert plugin.openinfer_match(QWEN35_9B) == 100
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts": 256}, "MoE"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+])
+def test_variants_this_plugin_does_not_serve_are_named(change, message):
+    text = {**QWEN35_9B["text_config"], **change}
+    with pytest.raises(WeightLoadError, match=message):
+        Qwen35Config.from_dict({**QWEN35_9B, "text_config": text})
