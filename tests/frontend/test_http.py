@@ -10,6 +10,7 @@ import openai
 import pytest
 from conftest import LiveServer, wait_until
 from fakes import FakeEngine
+from tiny_checkpoints import byte_token_ids
 
 from openinfer.frontend.http import create_app
 from openinfer.tokenizer import Tokenizer
@@ -109,6 +110,15 @@ def test_completion_streamed_text_equals_non_streamed(client):
     chunks = list(client.completions.create(model=MODEL, stream=True, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert whole  # random ids over the byte-level vocabulary: text with split characters
+
+
+def test_stream_never_splits_a_character(client, tokenizer):
+    text = "é 你好 🙂!"
+    ids = byte_token_ids(tokenizer, text)  # the fake repeats these byte tokens
+    chunks = [c.choices[0].text for c in greedy(client, prompt=ids, max_tokens=2 * len(ids), stream=True)]
+    assert "".join(chunks) == text * 2
+    assert all("\ufffd" not in chunk for chunk in chunks)
+    assert "🙂" in chunks  # four byte tokens, one delta
 
 
 def test_completion_seed_reproducible_and_n_offsets_seeds(client, engine):

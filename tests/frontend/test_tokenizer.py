@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_checkpoints import byte_token_ids
 
 from openinfer.errors import InvalidRequestError
 from openinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, TokenizerNotFoundError
@@ -91,31 +92,9 @@ def test_chat_template_jinja_file_is_used(plain_tokenizer_dir, tmp_path):
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
 
 
-def _byte_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
-    """One id per UTF-8 byte (byte-level alphabet), so characters are split across tokens."""
-    byte_to_char = _bytes_to_unicode()
-    ids = [tokenizer.raw.token_to_id(byte_to_char[b]) for b in text.encode("utf-8")]
-    assert all(i is not None for i in ids)
-    return ids
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte → printable character table, in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return [mapping[b] for b in range(256)]
-
-
 def test_detokenizer_never_splits_a_character(tokenizer):
     text = "a é 你好 🙂!"
-    ids = _byte_tokens(tokenizer, text)
+    ids = byte_token_ids(tokenizer, text)
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt:"))
     deltas = [detok.push([i]) for i in ids] + [detok.flush()]
     assert "".join(deltas) == text
@@ -124,7 +103,7 @@ def test_detokenizer_never_splits_a_character(tokenizer):
 
 
 def test_detokenizer_flushes_an_incomplete_character(tokenizer):
-    ids = _byte_tokens(tokenizer, "ok 你")[:-1]  # last character cut after two of its three bytes
+    ids = byte_token_ids(tokenizer, "ok 你")[:-1]  # last character cut after two of its three bytes
     detok = IncrementalDetokenizer(tokenizer, [])
     emitted = "".join(detok.push([i]) for i in ids)
     assert emitted == "ok "

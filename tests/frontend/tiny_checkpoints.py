@@ -93,3 +93,24 @@ def write_tiny_qwen3(directory: Path, seed: int = 0, max_position_embeddings: in
             p + "mlp.down_proj.weight": weight(hidden, inter),
         }
     save_file(tensors, str(directory / "model.safetensors"))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def byte_token_ids(tokenizer, text: str) -> list[int]:
+    """One token per UTF-8 byte of ``text`` (so multi-byte characters are split across tokens)."""
+    table = _bytes_to_unicode()
+    ids = [tokenizer.raw.token_to_id(table[b]) for b in text.encode("utf-8")]
+    assert all(i is not None for i in ids), "the byte-level alphabet is in every tokenizer written here"
+    return ids
