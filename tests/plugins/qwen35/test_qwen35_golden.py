@@ -85,3 +85,17 @@ def test_mixed_batch_of_prefills_and_decodes_equals_each_alone(tiny):
         for rid, rows in zip(live, together.step(live), strict=True):
             outputs[rid].append(int(np.argmax(rows[-1])))
     assert outputs == alone
+
+
+def test_bf16_checkpoint_loads_without_torch_and_matches_hf(tmp_path):
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from tests.plugins.qwen35.qwen35_helpers import make_hf_model, write_text_checkpoint
+
+    hf, config = make_hf_model(seed=3)
+    path = write_text_checkpoint(tmp_path / "bf16", hf.to(torch.bfloat16), config)
+    reference_model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # bf16 values, fp32 math
+    prompt = prompt_ids(72, seed=11)
+    ours = Driver(load_model(path)).step({"b": prompt}, all_rows=True)[0]
+    assert np.abs(ours - hf_logits(reference_model, prompt)).max() <= TOLERANCE
