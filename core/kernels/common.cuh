@@ -2,7 +2,11 @@
 // Activations and weights are __nv_bfloat16 (uint16 arrays on the Python side); math is fp32.
 #pragma once
 #include <cuda_bf16.h>
-#include <stdint.h>
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 
 typedef __nv_bfloat16 bf16;
 

@@ -1,30 +1,36 @@
 // Skinny GEMM for decode: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), M <= 8, bf16 in/out, fp32 sums.
-// One warp per output column n streams the weight row w[n, :] with 16-byte loads, UNROLL loads
-// in flight per lane; x rows are read through L1 (every warp of the block reads the same x).
-// Each output is reduced in the same order whatever M is, so a row's result does not depend on
-// the other rows of the batch. K must be a multiple of 8.
+// One warp owns COLS consecutive output columns: per 16-byte step it loads each weight row's
+// chunk once and each x row's chunk once, and reuses every x chunk for COLS columns (x is read
+// through L1; every warp of the block reads the same x). UNROLL steps of loads are in flight
+// before their FMAs. Each output is summed in the same order whatever M is, so a row's result
+// does not depend on the other rows of the batch. K must be a multiple of 8.
 #include "common.cuh"
 
 #define WARPS_PER_BLOCK 8
-#define UNROLL 4
 
-template <int ROWS>
-__device__ __forceinline__ void gemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ w,
+template <int ROWS, int COLS, int UNROLL>
+__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
                                           int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
-    if (n >= N) return;
-    const bf16* wrow = w + (size_t)n * K;
-    float acc[ROWS];
+    const int n0 = (blockIdx.x * WARPS_PER_BLOCK + warp) * COLS;
+    if (n0 >= N) return;
+    const bf16* wrow[COLS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+    for (int c = 0; c < COLS; ++c) wrow[c] = w + (size_t)min(n0 + c, N - 1) * K;
+    float acc[ROWS][COLS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
-        float wf[UNROLL][8];
+        float wf[UNROLL][COLS][8];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) load8(wrow + k + u * STEP, wf[u]);
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) load8(wrow[c] + k + u * STEP, wf[u][c]);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
@@ -33,42 +39,55 @@ __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ x, const bf16
                     float xf[8];
                     load8(x + (size_t)r * K + k + u * STEP, xf);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[r] += xf[i] * wf[u][i];
+                    for (int c = 0; c < COLS; ++c)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[u][c][i];
                 }
             }
         }
     }
     for (; k < K; k += STEP) {
-        float wf[8];
-        load8(wrow + k, wf);
+        float wf[COLS][8];
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) load8(wrow[c] + k, wf[c]);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (r < M) {
                 float xf[8];
                 load8(x + (size_t)r * K + k, xf);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[r] += xf[i] * wf[i];
+                for (int c = 0; c < COLS; ++c)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[c][i];
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
-    if (lane == 0) {
-        const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
+    for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            if (r < M) y[(size_t)r * N + n] = __float2bfloat16_rn(acc[r] + b);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = warp_sum(acc[r][c]);
+    if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = n0 + c;
+            if (n >= N) break;
+            const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                if (r < M) y[(size_t)r * N + n] = __float2bfloat16_rn(acc[r][c] + b);
+        }
     }
 }
 
-#define DEFINE_GEMV(ROWS)                                                                          \
+// gemv_m{ROWS}: a warp owns COLS columns (grid = ceil(N / (WARPS_PER_BLOCK * COLS))).
+#define DEFINE_GEMV(ROWS, COLS, UNROLL)                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)                            \
         gemv_m##ROWS(const bf16* __restrict__ x, const bf16* __restrict__ w,                      \
                      const bf16* __restrict__ bias, bf16* __restrict__ y, int M, int N, int K) {  \
-        gemv_rows<ROWS>(x, w, bias, y, M, N, K);                                                   \
+        gemv_tile<ROWS, COLS, UNROLL>(x, w, bias, y, M, N, K);                                     \
     }
 
-DEFINE_GEMV(1)
-DEFINE_GEMV(2)
-DEFINE_GEMV(4)
-DEFINE_GEMV(8)
+DEFINE_GEMV(1, 1, 4)
+DEFINE_GEMV(2, 2, 2)
+DEFINE_GEMV(4, 4, 2)
+DEFINE_GEMV(8, 4, 1)

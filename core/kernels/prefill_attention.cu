@@ -18,7 +18,7 @@
 #define SMEM_ROW (HEAD_DIM + 8)
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
@@ -26,16 +26,16 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const bf16* p) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned int& r0, unsigned int& r1, const bf16* p) {
+    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r0), "=r"(r1)
                  : "r"(addr));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
+    return *reinterpret_cast<unsigned int*>(&v);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
@@ -72,14 +72,14 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
     __syncthreads();
 
     const int fr = lane >> 2, fc = (lane & 3) * 2;  // fragment row / column of this lane
-    uint32_t qa[HEAD_DIM / 16][4];
+    unsigned int qa[HEAD_DIM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const bf16* p = q_tile + (warp * 16 + fr) * SMEM_ROW + kk * 16 + fc;
-        qa[kk][0] = *reinterpret_cast<const uint32_t*>(p);
-        qa[kk][1] = *reinterpret_cast<const uint32_t*>(p + 8 * SMEM_ROW);
-        qa[kk][2] = *reinterpret_cast<const uint32_t*>(p + 8);
-        qa[kk][3] = *reinterpret_cast<const uint32_t*>(p + 8 * SMEM_ROW + 8);
+        qa[kk][0] = *reinterpret_cast<const unsigned int*>(p);
+        qa[kk][1] = *reinterpret_cast<const unsigned int*>(p + 8 * SMEM_ROW);
+        qa[kk][2] = *reinterpret_cast<const unsigned int*>(p + 8);
+        qa[kk][3] = *reinterpret_cast<const unsigned int*>(p + 8 * SMEM_ROW + 8);
     }
     float o[HEAD_DIM / 8][4];
 #pragma unroll
@@ -112,8 +112,8 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
                 const bf16* p = k_tile + (nt * 8 + fr) * SMEM_ROW + kk * 16 + fc;
-                mma_bf16(s[nt], qa[kk], *reinterpret_cast<const uint32_t*>(p),
-                         *reinterpret_cast<const uint32_t*>(p + 8));
+                mma_bf16(s[nt], qa[kk], *reinterpret_cast<const unsigned int*>(p),
+                         *reinterpret_cast<const unsigned int*>(p + 8));
             }
         }
         // scale, causal mask, online softmax (each row's 64 scores live in 4 lanes)
@@ -158,14 +158,14 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
         // O += P V: two adjacent score tiles form one A fragment (k = 16 keys)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            uint32_t pa[4];
+            unsigned int pa[4];
             pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
             pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
             pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int d = 0; d < HEAD_DIM / 8; ++d) {
-                uint32_t b0, b1;
+                unsigned int b0, b1;
                 ldmatrix_x2_trans(b0, b1, v_tile + (kk * 16 + (lane & 15)) * SMEM_ROW + d * 8);
                 mma_bf16(o[d], pa, b0, b1);
             }

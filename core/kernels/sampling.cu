@@ -17,9 +17,11 @@ __device__ __forceinline__ int order_key(bf16 v) {
     return (b & 0x8000) ? (~b & 0xFFFF) : (b | 0x8000);
 }
 
-// Largest key K with  sum over {key >= K, key >= floor_key} of (count ? 1 : w)  >= target.
+// Largest key K with  sum over {key >= K, key >= floor_key} of (count ? 1 : w)  >= target;
+// *above gets the sum over keys strictly greater than K.
 __device__ int select_threshold(const bf16* __restrict__ x, int vocab, int floor_key, bool by_count,
-                                float target, float best, float inv_t, float* hist, int* s_result) {
+                                float target, float best, float inv_t, float* hist, int* s_result,
+                                float* above_out) {
     int prefix_key = 0;  // high byte found at level 0
     float above = 0.f;
     for (int level = 0; level < 2; ++level) {
@@ -53,7 +55,29 @@ __device__ int select_threshold(const bf16* __restrict__ x, int vocab, int floor
         else prefix_key = (prefix_key << 8) | bin;
         __syncthreads();
     }
+    *above_out = above;
     return max(prefix_key, floor_key);
+}
+
+__device__ __forceinline__ float key_value(int key) {
+    const unsigned short bits = (key & 0x8000) ? (unsigned short)(key & 0x7FFF) : (unsigned short)(~key & 0xFFFF);
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+}
+
+// Inclusive prefix sum over the block's THREADS values (Hillis-Steele, in shared memory).
+__device__ float block_inclusive_scan(float v, float* buffer) {
+    const int tid = threadIdx.x;
+    buffer[tid] = v;
+    __syncthreads();
+    for (int o = 1; o < blockDim.x; o <<= 1) {
+        const float add = tid >= o ? buffer[tid - o] : 0.f;
+        __syncthreads();
+        buffer[tid] += add;
+        __syncthreads();
+    }
+    const float result = buffer[tid];
+    __syncthreads();
+    return result;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -126,43 +150,55 @@ sample_rows(const bf16* __restrict__ logits, int vocab, const float* __restrict_
     if (t > 0.f) {
         const float inv_t = 1.4426950408889634f / t;
         int floor_key = 0;
+        float above = 0.f;
         const int k = top_k[row];
         if (k > 0 && k < vocab)
-            floor_key = select_threshold(x, vocab, floor_key, true, (float)k, best, inv_t, hist, s_result);
+            floor_key = select_threshold(x, vocab, floor_key, true, (float)k, best, inv_t, hist, s_result, &above);
+        // top-p as the NumPy sampler does it: sort by weight (ties in vocabulary order) and keep the
+        // shortest prefix reaching top_p of the mass: every key above the boundary key tie_key, and
+        // the first ties_kept tokens (in vocabulary order) holding tie_key itself.
+        int tie_key = -1;  // -1: top-p off
+        float ties_kept = 0.f;
         const float p = top_p[row];
         if (p > 0.f && p < 1.f) {
             float total = 0.f;
             for (int i = tid; i < vocab; i += THREADS)
                 if (order_key(x[i]) >= floor_key) total += exp2f((__bfloat162float(x[i]) - best) * inv_t);
             total = block_sum(total, scratch);
-            floor_key = select_threshold(x, vocab, floor_key, false, p * total, best, inv_t, hist, s_result);
+            const float target = p * total;
+            tie_key = select_threshold(x, vocab, floor_key, false, target, best, inv_t, hist, s_result, &above);
+            const float tie_weight = exp2f((key_value(tie_key) - best) * inv_t);
+            ties_kept = fmaxf(1.f, ceilf((target - above) / tie_weight));
         }
         const float min_weight = min_p[row];
         // inverse CDF over contiguous chunks, one per thread
         const int chunk = (vocab + THREADS - 1) / THREADS;
         const int begin = min(vocab, tid * chunk), end = min(vocab, begin + chunk);
-        float mine = 0.f;
+        float my_ties = 0.f;
+        for (int i = begin; i < end; ++i) my_ties += order_key(x[i]) == tie_key ? 1.f : 0.f;
+        const float tie_rank_start = block_inclusive_scan(my_ties, thread_prefix) - my_ties;
+        float mine = 0.f, tie_rank = tie_rank_start;
         for (int i = begin; i < end; ++i) {
+            const int key = order_key(x[i]);
             const float w = exp2f((__bfloat162float(x[i]) - best) * inv_t);
-            if (order_key(x[i]) >= floor_key && w >= min_weight) mine += w;
+            bool keep = key >= floor_key && w >= min_weight && key >= tie_key;  // tie_key -1 keeps all
+            if (key == tie_key) keep = keep && (tie_rank++ < ties_kept);
+            if (keep) mine += w;
         }
-        thread_prefix[tid] = mine;
         if (tid == 0) s_token = vocab;
+        const float inclusive = block_inclusive_scan(mine, thread_prefix);
+        if (tid == THREADS - 1) hist[0] = inclusive;  // the total
         __syncthreads();
-        // inclusive scan over the THREADS sums (Hillis-Steele; small)
-        for (int o = 1; o < THREADS; o <<= 1) {
-            const float v = tid >= o ? thread_prefix[tid - o] : 0.f;
-            __syncthreads();
-            thread_prefix[tid] += v;
-            __syncthreads();
-        }
-        const float total = thread_prefix[THREADS - 1];
-        const float target = uniform[row] * total;
-        float running = thread_prefix[tid] - mine;
-        if (mine > 0.f && running <= target && target < thread_prefix[tid]) {
+        const float target = uniform[row] * hist[0];
+        float running = inclusive - mine;
+        tie_rank = tie_rank_start;
+        if (mine > 0.f && running <= target && target < inclusive) {
             for (int i = begin; i < end; ++i) {
+                const int key = order_key(x[i]);
                 const float w = exp2f((__bfloat162float(x[i]) - best) * inv_t);
-                if (order_key(x[i]) >= floor_key && w >= min_weight) {
+                bool keep = key >= floor_key && w >= min_weight && key >= tie_key;  // tie_key -1 keeps all
+                if (key == tie_key) keep = keep && (tie_rank++ < ties_kept);
+                if (keep) {
                     running += w;
                     if (running > target) {
                         atomicMin(&s_token, i);

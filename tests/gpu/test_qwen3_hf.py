@@ -110,6 +110,23 @@ def test_teacher_forced_logprobs_match_hf_bf16(cuda_backend, checkpoint):
     assert mean <= 0.06 and p99 <= 0.20
 
 
+def hf_greedy(hf, prompt: list[int], num_tokens: int):
+    """HF's greedy tokens and, per step, the gap between its top two logits."""
+    with torch.no_grad():
+        generated = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=num_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    gaps = [float(s[0].float().topk(2).values.diff().abs()) for s in generated.scores]
+    return generated.sequences[0, len(prompt):].tolist(), gaps
+
+
+def first_real_divergence(ours: list[int], theirs: list[int], gaps: list[float]) -> int | None:
+    """The first step where we differ from HF although HF's choice was clear (no near-tie)."""
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a != b:
+            return None if gaps[step] < NEAR_TIE else step
+    return None
+
+
 def test_engine_greedy_matches_hf_until_near_tie(checkpoint):
     from tests.helpers.engine_utils import make_request, run_all
 
@@ -123,17 +140,9 @@ def test_engine_greedy_matches_hf_until_near_tie(checkpoint):
         engine.close_sync()
     hf = hf_bf16(path)
     for prompt, outcome in zip(batch, outcomes, strict=True):
-        with torch.no_grad():
-            generated = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0, output_scores=True,
-                                    return_dict_in_generate=True)
-        expected = generated.sequences[0, len(prompt):].tolist()
-        for step, (ours, theirs) in enumerate(zip(outcome.token_ids, expected, strict=True)):
-            if ours != theirs:
-                top2 = torch.topk(generated.scores[step][0].float(), 2).values
-                gap = float(top2[0] - top2[1])
-                assert gap < NEAR_TIE, f"{name}: step {step} differs from HF with a top-2 gap of {gap:.3f}"
-                break
+        expected, gaps = hf_greedy(hf, prompt, 24)
+        step = first_real_divergence(outcome.token_ids, expected, gaps)
+        assert step is None, f"{name}: step {step} differs from HF with a top-2 gap of {gaps[step]:.3f}"
 
 
 def test_engine_tokens_alone_equal_in_batch_of_32_and_without_graphs(checkpoint):
@@ -145,15 +154,22 @@ def test_engine_tokens_alone_equal_in_batch_of_32_and_without_graphs(checkpoint)
     engine = cuda_engine(path)
     try:
         together = run_all(engine, [make_request(f"b{i}", p, max_tokens=16) for i, p in enumerate(batch)])
-        alone = run_one(engine, make_request("alone", batch[0], max_tokens=16))
+        alone = run_one(engine, make_request("alone", batch[0], max_tokens=16))  # a prefix-cache hit
         again = run_one(engine, make_request("again", batch[0], max_tokens=16))
     finally:
         engine.close_sync()
-    assert alone.token_ids == again.token_ids
-    assert alone.token_ids == together[0].token_ids
-    eager = cuda_engine(path, cuda_graph=False)
+    eager = cuda_engine(path, cuda_graph=False, enable_prefix_cache=False)
     try:
         without_graphs = run_one(eager, make_request("eager", batch[0], max_tokens=16))
     finally:
         eager.close_sync()
+    expected, gaps = hf_greedy(hf_bf16(path), batch[0], 16)
+    report = {label: (outcome.token_ids, first_real_divergence(outcome.token_ids, expected, gaps))
+              for label, outcome in [("in batch", together[0]), ("alone", alone), ("again", again),
+                                     ("no graphs", without_graphs)]}
+    print(f"{name}: HF {expected}; " + "; ".join(f"{k}: {v[0]} (first real divergence {v[1]})"
+                                              for k, v in report.items()))
+    assert all(step is None for _, step in report.values()), report
+    assert alone.token_ids == again.token_ids
+    assert alone.token_ids == together[0].token_ids
     assert without_graphs.token_ids == alone.token_ids

@@ -42,9 +42,10 @@ def test_random_sampling_matches_numpy(cuda_backend, rng, filters):
     reference = [sample_row(logits[i].copy(), state).token_id for i, state in enumerate(states_for(params))]
     agree = float(np.mean(np.asarray(ours) == np.asarray(reference)))
     # float32 vs float64 CDFs differ only when a draw lands within rounding of a boundary
-    assert agree >= 0.98, f"GPU and NumPy samplers agree on only {agree:.1%} of rows"
-    if filters.get("top_k") == 1:
-        assert ours.tolist() == np.argmax(logits, axis=-1).tolist()
+    assert agree >= 0.99, f"GPU and NumPy samplers agree on only {agree:.1%} of rows"
+    if filters.get("top_k") == 1:  # a unique maximum is the only candidate (ties are all kept)
+        unique = (logits == logits.max(axis=-1, keepdims=True)).sum(axis=-1) == 1
+        assert np.array_equal(ours[unique], np.argmax(logits, axis=-1)[unique])
 
 
 def test_seeded_rows_reproduce_alone_and_in_batch(cuda_backend, rng):

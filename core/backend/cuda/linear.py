@@ -18,6 +18,7 @@ from openinfer.backend.cuda.loader import kernel
 
 GEMV_MAX_ROWS = 8
 GEMV_WARPS_PER_BLOCK = 8
+GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as in gemv.cu
 NULL = np.uint64(0)
 
 
@@ -39,7 +40,8 @@ def _gemv(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     m, k = x.shape
     n = layer.out_features
     rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
-    grid = (n + GEMV_WARPS_PER_BLOCK - 1) // GEMV_WARPS_PER_BLOCK
+    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[rows]
+    grid = (n + columns_per_block - 1) // columns_per_block
     bias = layer.bias if layer.bias is not None else NULL
     kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,),
                                        (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k)))
