@@ -7,6 +7,7 @@ import numpy as np
 
 from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
 from openinfer.backend.blas_threads import BlasThreads
+from openinfer.rope import RotaryEmbedding
 
 
 class NumpyLinear:
@@ -31,6 +32,7 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         self.blas_threads = BlasThreads()
+        self._rope_memo: tuple[np.ndarray, RotaryEmbedding, np.ndarray, np.ndarray] | None = None
 
     # --- placing data ----------------------------------------------------------------------------
 
@@ -44,6 +46,7 @@ class NumpyBackend:
         return NumpyLinear(weight, bias)
 
     def prepare_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        self._rope_memo = None  # a new step: its positions get their own RoPE tables
         return batch
 
     def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer:
@@ -62,8 +65,15 @@ class NumpyBackend:
         return table[token_ids]
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        variance = np.mean(np.square(x), axis=-1, keepdims=True)
-        return (x * (1.0 / np.sqrt(variance + eps))) * weight
+        # Few NumPy calls, in place where possible: a decode step runs this 2x per layer on
+        # [batch, hidden], where per-call overhead costs more than the arithmetic.
+        inverse_rms = np.einsum("...i,...i->...", x, x)[..., None]
+        inverse_rms *= 1.0 / x.shape[-1]
+        inverse_rms += eps
+        np.sqrt(inverse_rms, out=inverse_rms)
+        out = x / inverse_rms
+        out *= weight
+        return out
 
     def add_rms_norm(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray,
                      eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +90,12 @@ class NumpyBackend:
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         half = gate_up.shape[-1] // 2
         gate = gate_up[..., :half]
-        return gate / (1.0 + np.exp(-gate)) * gate_up[..., half:]
+        out = np.negative(gate)
+        np.exp(out, out=out)
+        out += 1.0
+        np.divide(gate, out, out=out)
+        out *= gate_up[..., half:]
+        return out
 
     def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
@@ -88,18 +103,35 @@ class NumpyBackend:
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return a + b
 
+    def rope_tables(self, rope: RotaryEmbedding, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``cos [T, 1, rotary_dim]`` and signed ``sin [T, 1, rotary_dim]`` of the step's positions,
+        built once per step (``prepare_batch`` clears the memo) and shared by every layer::
+
+            cos = [ cos | cos ]      sin = [ -sin | sin ]      (each half rotary_dim / 2)
+        """
+        memo = self._rope_memo
+        if memo is not None and memo[0] is positions and memo[1] is rope:
+            return memo[2], memo[3]
+        cos, sin = rope.cos[positions], rope.sin[positions]
+        cos_full = np.concatenate([cos, cos], axis=-1)[:, None, :]
+        sin_signed = np.concatenate([-sin, sin], axis=-1)[:, None, :]
+        self._rope_memo = (positions, rope, cos_full, sin_signed)
+        return cos_full, sin_signed
+
     def apply_rope(self, x: np.ndarray, positions: np.ndarray, spec: AttentionSpec) -> np.ndarray:
-        """NeoX (rotate-half) RoPE on the first ``rotary_dim`` dims of each head of ``x [T, H, D]``."""
+        """NeoX (rotate-half) RoPE on the first ``rotary_dim`` dims of each head of ``x [T, H, D]``:
+        ``[x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin]``."""
         rope = spec.rope
-        half = rope.rotary_dim // 2
-        cos = rope.cos[positions][:, None, :]
-        sin = rope.sin[positions][:, None, :]
-        x1 = x[..., :half]
-        x2 = x[..., half : rope.rotary_dim]
-        rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        if rope.rotary_dim == x.shape[-1]:
-            return rotated
-        return np.concatenate([rotated, x[..., rope.rotary_dim :]], axis=-1)
+        rotary_dim, half = rope.rotary_dim, rope.rotary_dim // 2
+        cos, sin = self.rope_tables(rope, positions)
+        rotating = x[..., :rotary_dim]
+        swapped = np.concatenate([rotating[..., half:], rotating[..., :half]], axis=-1)
+        swapped *= sin
+        out = rotating * cos
+        out += swapped
+        if rotary_dim == x.shape[-1]:
+            return out
+        return np.concatenate([out, x[..., rotary_dim:]], axis=-1)
 
     def write_kv(self, k: np.ndarray, v: np.ndarray, kv: KVLayer, slot_mapping: np.ndarray) -> None:
         num_kv_heads, head_dim = kv.k.shape[2:]
@@ -117,7 +149,11 @@ class NumpyBackend:
         if spec.q_norm is not None:
             q = self.rms_norm(q, spec.q_norm, spec.norm_eps)
             k = self.rms_norm(k, spec.k_norm, spec.norm_eps)
-        if spec.rope is not None:
+        if spec.rope is not None and spec.q_norm is None:  # q and k side by side: rotate both at once
+            qk = self.apply_rope(qkv[:, : spec.q_size + spec.kv_size].reshape(num_tokens, nh + nkv, d),
+                                 batch.positions, spec)
+            q, k = qk[:, :nh], qk[:, nh:]
+        elif spec.rope is not None:
             q = self.apply_rope(q, batch.positions, spec)
             k = self.apply_rope(k, batch.positions, spec)
         self.write_kv(k, v, kv, batch.slot_mapping)
