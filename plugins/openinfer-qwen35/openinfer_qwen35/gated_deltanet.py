@@ -87,6 +87,15 @@ def causal_conv1d_step(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarra
 # --- the gated delta rule ----------------------------------------------------------------------
 
 
+def solve_unit_lower(lower: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``X`` with ``(I + lower) X = rhs`` for strictly lower-triangular ``lower [..., C, C]``, by
+    forward substitution (a unit triangular system: never singular, no pivoting)."""
+    out = np.empty_like(rhs)
+    for i in range(lower.shape[-1]):
+        out[..., i, :] = rhs[..., i, :] - (lower[..., i : i + 1, :i] @ out[..., :i, :])[..., 0, :]
+    return out
+
+
 def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                            state: np.ndarray, chunk_size: int = CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """The chunked (UT-transform) gated delta rule over one sequence.
@@ -97,47 +106,50 @@ def chunk_gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.nd
     Per chunk of C tokens with cumulative log-decay ``c_t``: ``D[i,j] = exp(c_i - c_j)`` (i ≥ j),
     ``(I + tril(βK Kᵀ ∘ D, -1)) [U | W] = [βV | βK·exp(c)]``; then with the state ``S`` entering
     the chunk: ``V' = U - W S``, ``O = (Q·exp(c)) S + (Q Kᵀ ∘ D) V'``,
-    ``S ← exp(c_C) S + (K·exp(c_C - c))ᵀ V'``.
+    ``S ← exp(c_C) S + (K·exp(c_C - c))ᵀ V'``. Arrays are chunk-major ``[N, H, C, ...]`` and
+    every matmul operand is contiguous, so NumPy hands each batch to BLAS.
     """
     length, heads, dk = k.shape
     dv = v.shape[-1]
     pad = (-length) % chunk_size
     num_chunks = (length + pad) // chunk_size
 
-    def chunks(x: np.ndarray) -> np.ndarray:  # [L, H, ...] -> [H, N, C, ...]
-        x = np.moveaxis(x.astype(np.float32, copy=False), 0, 1)
-        x = np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return x.reshape(heads, num_chunks, chunk_size, *x.shape[2:])
+    def chunks(x: np.ndarray) -> np.ndarray:  # [L, H, ...] -> [N, H, C, ...]
+        x = np.pad(x.astype(np.float32, copy=False), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        x = x.reshape(num_chunks, chunk_size, heads, *x.shape[2:])
+        return np.ascontiguousarray(np.moveaxis(x, 2, 1))
 
     q_c, k_c, v_c, g_c, beta_c = (chunks(x) for x in (q, k, v, g, beta))
     # The cumulative log-decay reaches -1000 within a chunk for fast-forgetting heads; summed in
     # fp32 its rounding (~1e-4 absolute) would become a relative error of every decay factor
     # exp(c_i - c_j). Sum and subtract in fp64, then return to fp32.
-    cum64 = np.cumsum(g_c, axis=-1, dtype=np.float64)  # [H, N, C]
+    cum64 = np.cumsum(g_c, axis=-1, dtype=np.float64)  # [N, H, C]
     lower = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))
     log_decay = np.where(lower, cum64[..., :, None] - cum64[..., None, :], -np.inf)
-    decay = np.exp(log_decay).astype(np.float32)  # [H, N, C, C], zero above the diagonal
+    decay = np.exp(log_decay).astype(np.float32)  # [N, H, C, C], zero above the diagonal
     cum = cum64.astype(np.float32)
+    k_t = np.ascontiguousarray(np.swapaxes(k_c, -1, -2))  # [N, H, dk, C]
     k_beta = k_c * beta_c[..., None]
     v_beta = v_c * beta_c[..., None]
-    k_t = np.swapaxes(k_c, -1, -2)
-    system = np.tril((k_beta @ k_t) * decay, -1) + np.eye(chunk_size, dtype=np.float32)
+    system = np.tril((k_beta @ k_t) * decay, -1)
     rhs = np.concatenate([v_beta, k_beta * np.exp(cum)[..., None]], axis=-1)
-    solved = np.linalg.solve(system, rhs).astype(np.float32)
-    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
-    intra = (q_c @ k_t) * decay  # [H, N, C, C]
+    solved = solve_unit_lower(system, rhs)
+    new_values = np.ascontiguousarray(solved[..., :dv])
+    k_cumdecay = np.ascontiguousarray(solved[..., dv:])
+    intra = (q_c @ k_t) * decay  # [N, H, C, C]
     q_decayed = q_c * np.exp(cum)[..., None]
-    k_decayed = k_c * np.exp(cum64[..., -1:] - cum64).astype(np.float32)[..., None]
-    chunk_decay = np.exp(cum[..., -1])[..., None, None]  # [H, N, 1, 1]
+    k_decayed_t = np.ascontiguousarray(
+        np.swapaxes(k_c * np.exp(cum64[..., -1:] - cum64).astype(np.float32)[..., None], -1, -2))
+    chunk_decay = np.exp(cum[..., -1])[..., None, None]  # [N, H, 1, 1]
 
-    out = np.empty((heads, num_chunks, chunk_size, dv), dtype=np.float32)
-    state = state.astype(np.float32, copy=True)
+    out = np.empty((num_chunks, heads, chunk_size, dv), dtype=np.float32)
+    state = np.array(state, dtype=np.float32, copy=True)
     for i in range(num_chunks):
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + np.swapaxes(k_decayed[:, i], -1, -2) @ v_new
-    out = out.reshape(heads, num_chunks * chunk_size, dv)[:, :length]
-    return np.ascontiguousarray(np.moveaxis(out, 0, 1)), state
+        v_new = new_values[i] - k_cumdecay[i] @ state
+        out[i] = q_decayed[i] @ state + intra[i] @ v_new
+        state = state * chunk_decay[i] + k_decayed_t[i] @ v_new
+    out = np.moveaxis(out, 1, 2).reshape(num_chunks * chunk_size, heads, dv)[:length]
+    return np.ascontiguousarray(out), state
 
 
 def recurrent_gated_delta_rule_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
