@@ -55,3 +55,10 @@ extern "C" __global__ void bf16_to_float(const bf16* __restrict__ x, float* __re
          i += (long long)gridDim.x * blockDim.x)
         out[i] = __bfloat162float(x[i]);
 }
+
+// fp32 -> bf16, round to nearest even (weights uploaded as fp32 are narrowed on the GPU).
+extern "C" __global__ void float_to_bf16(const float* __restrict__ x, bf16* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(x[i]);
+}

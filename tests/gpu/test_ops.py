@@ -54,13 +54,23 @@ def test_linear_odd_in_features_uses_cublas(cuda_backend, rng):
     assert relative_error(out, x @ w.T) < BF16_TOL
 
 
-def test_skinny_gemm_is_batch_invariant(cuda_backend, rng):
-    x, w = bf16_random(rng, 8, 2560), bf16_random(rng, 512, 2560, scale=0.05)
-    layer = cuda_backend.linear_weight(w)
-    full = cuda_backend.to_host(cuda_backend.linear(cuda_backend.upload(x), layer))
-    for m in (1, 2, 4, 7):
-        part = cuda_backend.to_host(cuda_backend.linear(cuda_backend.upload(x[:m]), layer))
-        assert np.array_equal(part, full[:m])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_matches_numpy_and_is_batch_invariant(cuda_backend, rng, bias):
+    from openinfer.backend.cuda.linear import skinny_gemm
+
+    x, w = bf16_random(rng, 8, 2560 + 8), bf16_random(rng, 517, 2560 + 8, scale=0.05)
+    b = bf16_random(rng, 517) if bias else None
+    layer = cuda_backend.linear_weight(w, b)
+
+    def run(m):
+        out = cupy.empty((m, 517), dtype=cupy.uint16)
+        skinny_gemm(cuda_backend.upload(x[:m]), layer, out)
+        return cuda_backend.to_host(out)
+
+    full = run(8)
+    assert relative_error(full, REF.linear(x, REF.linear_weight(w, b))) < BF16_TOL
+    for m in (1, 2, 3, 4, 7):
+        assert np.array_equal(run(m), full[:m])
 
 
 def test_silu_mul_add_gather(cuda_backend, rng):
@@ -75,3 +85,8 @@ def test_silu_mul_add_gather(cuda_backend, rng):
     assert np.array_equal(cuda_backend.to_host(cuda_backend.embedding(cuda_backend.weight(table), cupy.asarray(ids))),
                           table[ids])
     assert np.array_equal(cuda_backend.to_host(cuda_backend.gather_rows(cuda_backend.upload(table), ids)), table[ids])
+
+
+def test_large_float32_weight_is_narrowed_on_the_gpu(cuda_backend, rng):
+    w = rng.standard_normal((300, 301)).astype(np.float32)  # not bf16-representable: rounding matters
+    assert np.array_equal(cuda_backend.to_host(cuda_backend.weight(w)), round_to_bf16(w))

@@ -61,8 +61,8 @@ def prompts(vocab: int, count: int, seed: int, low: int = 16, high: int = 96) ->
     return [rng.integers(3, vocab, size=int(rng.integers(low, high))).tolist() for _ in range(count)]
 
 
-def varlen_prefill(model, sequences, block_size=16):
-    """All-position logits of every sequence, in one varlen prefill batch."""
+def varlen_prefill(model, sequences, block_size=16, kv_out=None):
+    """All-position logits of every sequence, in one varlen prefill batch (KV in ``kv_out``)."""
     ops, spec = model.backend, model.spec
     lengths = [len(s) for s in sequences]
     blocks = [-(-n // block_size) for n in lengths]
@@ -82,6 +82,8 @@ def varlen_prefill(model, sequences, block_size=16):
                          slot_mapping=slots.astype(np.int32), logits_rows=np.arange(total, dtype=np.int32),
                          max_query_len=max(lengths), max_context_len=max(lengths))
     logits = ops.to_host(model.forward(ops.prepare_batch(batch), kv))
+    if kv_out is not None:
+        kv_out.extend(kv)
     return np.split(logits, np.cumsum(lengths)[:-1])
 
 
@@ -173,3 +175,35 @@ def test_engine_tokens_alone_equal_in_batch_of_32_and_without_graphs(checkpoint)
     assert alone.token_ids == again.token_ids
     assert alone.token_ids == together[0].token_ids
     assert without_graphs.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_prefix_cached_kv_equals_recomputed_kv(checkpoint, cuda_graph):
+    """After a batch finishes, the KV blocks the prefix cache serves hold what a fresh prefill of
+    the same prompt computes (up to bf16 rounding)."""
+    from tests.helpers.engine_utils import make_request, run_all
+
+    name, path = checkpoint
+    config = json.loads((path / "config.json").read_text())
+    batch = prompts(config["vocab_size"], 32, seed=3)
+    engine = cuda_engine(path, cuda_graph=cuda_graph)
+    try:
+        run_all(engine, [make_request(f"b{i}", p, max_tokens=16) for i, p in enumerate(batch)])
+        hits, _ = engine.kv.find_cached_prefix(batch[0])
+        assert hits, "the finished prompt's full blocks are not in the prefix cache"
+        ops, model = engine.model.backend, engine.model
+        fresh = []
+        varlen_prefill(model, [batch[0]], kv_out=fresh)
+        cached_tokens = len(hits) * engine.block_size
+        errors = []
+        for layer, (ours, ref) in enumerate(zip(engine.kv_cache, fresh, strict=True)):
+            for name_kv in ("k", "v"):
+                got = ops.to_host(getattr(ours, name_kv)[cupy.asarray(hits)]).reshape(cached_tokens, -1)
+                want = ops.to_host(getattr(ref, name_kv)[1:1 + len(hits)]).reshape(cached_tokens, -1)
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+                if err > 2e-2:
+                    bad_tokens = np.nonzero(np.abs(got - want).max(axis=1) > 0.1 * np.abs(want).max())[0]
+                    errors.append(f"layer {layer} {name_kv}: rel err {err:.3f}, tokens {bad_tokens[:20].tolist()}")
+    finally:
+        engine.close_sync()
+    assert not errors, f"{name} graphs={cuda_graph} blocks {hits}: " + "; ".join(errors[:6])

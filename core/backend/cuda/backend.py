@@ -58,7 +58,14 @@ class CudaBackend:
         return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
 
     def weight(self, array: np.ndarray) -> cupy.ndarray:
-        return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
+        """bf16 device copy; uint16 input is taken as bf16 bits, float32 is narrowed on the GPU."""
+        array = np.asarray(array)
+        if array.dtype != np.float32 or array.size < 2**16:
+            return cupy.asarray(float_to_bf16_bits(array))
+        source = cupy.asarray(np.ascontiguousarray(array))
+        out = cupy.empty(array.shape, dtype=cupy.uint16)
+        kernel("elementwise.cu", "float_to_bf16")((_blocks(source.size),), (256,), (source, out, np.int64(source.size)))
+        return out
 
     def linear_weight(self, weight: np.ndarray, bias: np.ndarray | None = None) -> CudaLinear:
         if weight.ndim != 2:

@@ -16,7 +16,7 @@ import numpy as np
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
 GEMV_WARPS_PER_BLOCK = 8
 GEMV_COLUMNS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4}  # per kernel gemv_m{rows}, as in gemv.cu
 NULL = np.uint64(0)
@@ -36,7 +36,8 @@ class CudaLinear:
         return int(self.weight.shape[1])
 
 
-def _gemv(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
+def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
+    """``out = x @ W^T (+ bias)`` through gemv.cu, for at most 8 rows and in_features % 8 == 0."""
     m, k = x.shape
     n = layer.out_features
     rows = 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
@@ -63,7 +64,7 @@ def linear(x: cupy.ndarray, layer: CudaLinear, blas: Cublas, use_gemv: bool = Tr
     if m == 0:
         return out
     if use_gemv and m <= GEMV_MAX_ROWS and layer.in_features % 8 == 0:
-        _gemv(x, layer, out)
+        skinny_gemm(x, layer, out)
         return out
     blas.matmul_nt(x, layer.weight, out)
     if layer.bias is not None:
