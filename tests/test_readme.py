@@ -6,8 +6,9 @@ copy of the repository, with an empty model cache.
 2. the test command (install the test extras + `pytest`), which must pass.
 
 Both command lines are read from the README (the blocks after ``<!-- serve-command -->`` and
-``<!-- test-command -->``) and run with ``bash -c`` unchanged. Slow (it installs everything);
-run with ``pytest -m slow tests/test_readme.py``. The inner ``pytest`` skips this test.
+``<!-- test-command -->``) and run with ``bash -c`` unchanged. Slow (it installs everything,
+then runs the whole suite once more), so it runs only when asked for:
+``pytest -m slow tests/test_readme.py``. The inner ``pytest`` skips it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def only_when_asked_for(request: pytest.FixtureRequest) -> None:
+    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
+        pytest.skip("installs everything into a fresh venv; run with: pytest -m slow tests/test_readme.py")
 
 
 @pytest.fixture(scope="module")
