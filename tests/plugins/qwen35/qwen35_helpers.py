@@ -57,7 +57,12 @@ TINY_QWEN35_VARIANT: dict[str, Any] = {
 
 def randomize(model: Any, seed: int) -> None:
     """Every parameter random, including what HF initialises to constants (norms at 0/1,
-    dt_bias at 1): zero-centred norms around 0, the gated output norm around 1."""
+    dt_bias at 1): zero-centred norms around 0, the gated output norm around 1.
+
+    Decay rates A = exp(A_log) are drawn from [0.02, 0.5]: with faster decays the fp32 HF
+    reference itself drifts (its in-chunk cumulative log-decay, summed in fp32, reaches the
+    hundreds) by more than the 1e-4 being tested. Fast decays are covered op by op
+    (test_qwen35_gated_deltanet) against HF's delta-rule functions."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -68,7 +73,7 @@ def randomize(model: Any, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("A_log"):
-                value = torch.empty(param.shape).uniform_(math.log(0.05), math.log(2.0), generator=generator)
+                value = torch.empty(param.shape).uniform_(math.log(0.02), math.log(0.5), generator=generator)
             elif name.endswith("dt_bias"):
                 value = 0.5 * randn(param.shape)
             elif name.endswith("linear_attn.norm.weight"):
