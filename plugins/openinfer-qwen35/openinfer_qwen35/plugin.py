@@ -42,10 +42,15 @@ def openinfer_claims() -> list[str]:
     return [*ARCHITECTURES, *MODEL_TYPES]
 
 
-def num_state_slots(config: Qwen35Config, options: EngineOptions) -> int:
-    """Slots for ``max_num_seqs`` requests (+ the null slot), within the state memory budget
-    (``cpu_kv_cache_gib`` again on the CPU: the state gets a budget of its own)."""
-    budget = int(options.cpu_kv_cache_gib * 2**30) // max(1, DeltaNetStateCache.bytes_per_slot(config))
+def num_state_slots(config: Qwen35Config, options: EngineOptions, backend: Backend | None = None) -> int:
+    """Slots for ``max_num_seqs`` requests (+ the null slot), within a state memory budget:
+    ``cpu_kv_cache_gib`` on the CPU (the state gets a budget of its own), a quarter of the KV
+    budget the backend reports on a GPU (the KV pool is sized after the state is allocated)."""
+    budget_bytes = int(options.cpu_kv_cache_gib * 2**30)
+    kv_budget = getattr(backend, "kv_memory_budget", None)
+    if kv_budget is not None:
+        budget_bytes = kv_budget(options) // 4
+    budget = budget_bytes // max(1, DeltaNetStateCache.bytes_per_slot(config))
     return max(2, min(options.max_num_seqs, budget) + 1)
 
 
@@ -56,7 +61,7 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
     return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,
-                       num_state_slots=num_state_slots(qwen35, options), architectures=architectures,
+                       num_state_slots=num_state_slots(qwen35, options, backend), architectures=architectures,
                        model_type=str(config.get("model_type", "qwen3_5_text")))
 
 
