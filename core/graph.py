@@ -39,8 +39,11 @@ class EagerRunner:
         self.backend = backend
         self.forward = forward
 
-    def run(self, batch: ForwardBatch) -> Any:
-        return self.forward(self.backend.prepare_batch(batch))
+    def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
+        device_batch = self.backend.prepare_batch(batch)
+        if batch.token_sources.shape[0]:
+            self.backend.fill_token_sources(device_batch, previous_token_ids, batch.token_sources)
+        return self.forward(device_batch)
 
 
 @dataclass
@@ -96,12 +99,16 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.buckets, batch.num_seqs)
         return self.buckets[i] if i < len(self.buckets) and self.buckets[i] in self.graphs else None
 
-    def run(self, batch: ForwardBatch) -> Any:
+    def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
+        """Logits rows of ``batch``. Inputs listed in ``batch.token_sources`` are taken from
+        ``previous_token_ids`` (the previous step's samples, still on the device)."""
         bucket = self.bucket_for(batch)
         if bucket is None:
-            return self.eager.run(batch)
+            return self.eager.run(batch, previous_token_ids)
         captured = self.graphs[bucket]
         captured.static.fill(batch)  # one H2D copy on the current stream, ordered before the replay
+        if batch.token_sources.shape[0]:
+            self.backend.fill_token_sources(captured.static.batch, previous_token_ids, batch.token_sources)
         captured.graph.launch()
         return captured.logits[: batch.num_seqs]
 

@@ -27,6 +27,8 @@ class EngineOptions:
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_cache: bool = True
     cuda_graph: bool = True
+    # schedule and launch step N+1 before reading back step N's tokens (None: on for cuda)
+    async_scheduling: bool | None = None
     max_queue: int = 1024
     served_model_name: str | None = None
     seed: int = 0

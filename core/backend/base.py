@@ -15,7 +15,7 @@ Activations are 2-D ``[num_tokens, features]`` arrays of the backend's activatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,6 +36,9 @@ class ForwardBatch:
     logits_rows: np.ndarray  # [R] rows of T to compute logits for
     max_query_len: int
     max_context_len: int
+    # [K, 2] (row of token_ids, row of the previous step's sampled ids): inputs sampled by a
+    # step still in flight, filled on the device (async scheduling); empty when none
+    token_sources: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     # [B] the request behind each sequence, for models that keep per-request state outside the
     # KV pool (recurrent layers in state slots); empty when the caller has no request ids.
     request_ids: tuple[str, ...] = ()

@@ -53,6 +53,10 @@ class NumpyBackend:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return KVLayer(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
+    def fill_token_sources(self, batch: ForwardBatch, previous_token_ids: np.ndarray, sources: np.ndarray) -> None:
+        """Inputs sampled by the previous step: ``token_ids[dest] = previous[src]``."""
+        batch.token_ids[sources[:, 0]] = np.asarray(previous_token_ids)[sources[:, 1]]
+
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)
 

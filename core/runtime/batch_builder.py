@@ -8,7 +8,7 @@ import numpy as np
 
 from openinfer.backend.base import ForwardBatch
 from openinfer.kv.manager import KVCacheManager
-from openinfer.sched.request import Request
+from openinfer.sched.request import PLACEHOLDER_TOKEN, Request
 from openinfer.sched.scheduler import ScheduledChunk
 
 
@@ -32,11 +32,15 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
     block_tables = np.zeros((len(chunks), max(max_blocks, 1)), np.int32)  # padded with null block 0
     rows: list[LogitsRow] = []
     logits_rows: list[int] = []
+    token_sources: list[tuple[int, int]] = []
     offset = 0
     for i, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
         request, start, n = chunk.request, chunk.start, chunk.num_tokens
         span = np.arange(start, start + n, dtype=np.int32)
         token_ids[offset : offset + n] = request.token_ids[start : start + n]
+        if token_ids[offset + n - 1] == PLACEHOLDER_TOKEN:  # only ever the newest token
+            token_ids[offset + n - 1] = 0
+            token_sources.append((offset + n - 1, request.pending_sample_row))
         positions[offset : offset + n] = span
         table_array = np.asarray(table, np.int32)
         slot_mapping[offset : offset + n] = table_array[span // block_size] * block_size + span % block_size
@@ -59,5 +63,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
         max_query_len=max((c.num_tokens for c in chunks), default=0),
         max_context_len=int(context_lens.max()) if len(chunks) else 0,
         request_ids=tuple(c.request.request_id for c in chunks),
+        token_sources=np.asarray(token_sources, np.int32).reshape(-1, 2),
     )
     return batch, rows

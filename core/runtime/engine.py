@@ -21,18 +21,34 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.options import EngineOptions
-from openinfer.runtime.batch_builder import build_forward_batch
+from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel
-from openinfer.runtime.sampler import sample_rows
+from openinfer.runtime.sampler import SampledStep, sample_step
+from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
-from openinfer.sched import Request, Scheduler
+from openinfer.sched import PLACEHOLDER_TOKEN, Request, RequestStatus, Scheduler, SchedulerOutput
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
 
 _CPU_DEFAULT_BATCHED_TOKENS = 512
 _GPU_DEFAULT_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _LaunchedStep:
+    plan: SchedulerOutput
+    rows: list[LogitsRow]
+    samples: SampledStep
+
+
+def _samples_on_device_only(request: Request) -> bool:
+    """Whether sampling this request's next token needs no token history on the host.
+    Penalties count the generated tokens, so their rows wait until the previous step is read back."""
+    params = request.sampling.params
+    return not (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
+                or params.presence_penalty or params.frequency_penalty)
 
 
 @dataclass
@@ -89,6 +105,11 @@ class PagedEngine:
         self._stopping = False
         self._fatal: BaseException | None = None
         self.num_steps = 0
+        self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
+                                 else model.backend.name == "cuda")
+        self._in_flight: _LaunchedStep | None = None
+        self.num_steps_launched_ahead = 0
+        self._step_timer = StepTimer.create(model.backend)
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
@@ -192,6 +213,7 @@ class PagedEngine:
             pass
 
     def _finish(self, request: Request, reason: int, matched_stop: int | None = None) -> None:
+        del request.token_ids[request.num_resolved_tokens:]  # tokens never read back are not counted
         if not request.was_scheduled:
             self._mark_unqueued()
         self.scheduler.finish(request)
@@ -216,10 +238,10 @@ class PagedEngine:
     def _run(self) -> None:
         try:
             while True:
-                block = not self.scheduler.has_work
-                if not self._drain_inbox(block):
+                idle = not self.scheduler.has_work and self._in_flight is None
+                if not self._drain_inbox(idle):
                     break
-                if self.scheduler.has_work:
+                if self.scheduler.has_work or self._in_flight is not None:
                     self.step()
         except BaseException as exc:  # keep the process alive; health() reports it
             logger.exception("engine loop crashed")
@@ -249,7 +271,14 @@ class PagedEngine:
                     self._finish(request, pb.FINISH_REASON_ABORT)
 
     def step(self) -> None:
-        """One engine step: schedule, run the model, sample, emit events."""
+        """One engine step: schedule → launch (forward + sampling) → read back and emit.
+
+        With async scheduling, step N+1 is planned and launched while step N still runs on the
+        device — its inputs sampled by N are fed on the device (``token_sources``) — and N's
+        tokens are read back and emitted only after N+1 is queued, so the GPU never waits on
+        Python between decode steps. A request that N finishes has computed one extra token in
+        N+1, which is discarded.
+        """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
             self._release(request)
@@ -258,51 +287,103 @@ class PagedEngine:
             self._emit(request.request_id, pb.TokenEvent(
                 request_id=request.request_id,
                 scheduled=pb.TokenEvent.Scheduled(cached_tokens=request.num_cached_tokens)))
+        in_flight = self._in_flight
+        if in_flight is not None and not self._may_launch_ahead(plan):
+            self._in_flight = None
+            self._resolve(in_flight)
+            in_flight = None
+            plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
         if not plan.chunks:
-            if plan.preempted:
-                return
-            time.sleep(0.001)
+            if in_flight is not None:
+                self._in_flight = None
+                self._resolve(in_flight)
+            elif not plan.preempted:
+                time.sleep(0.001)
             return
+        launched = self._launch(plan, in_flight)
+        if in_flight is not None:
+            self.num_steps_launched_ahead += 1
+            self._in_flight = None
+            self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
+        if launched is None:
+            return
+        if self.async_scheduling and self._may_defer(launched):
+            self._in_flight = launched
+        else:
+            self._resolve(launched)
+
+    def _may_launch_ahead(self, plan) -> bool:
+        """Step N+1 may be launched before N is read back when no row of N+1 needs N's tokens
+        on the host (penalties count generated tokens; prompt logprobs read them)."""
+        return all(_samples_on_device_only(c.request) for c in plan.chunks)
+
+    def _may_defer(self, launched: _LaunchedStep) -> bool:
+        return all(_samples_on_device_only(c.request) for c in launched.plan.chunks)
+
+    def _launch(self, plan, previous: _LaunchedStep | None) -> _LaunchedStep | None:
+        """Build the batch, run the model and start sampling; the plan's tokens count as
+        computed from here on and each sampled token is a placeholder until read back."""
         batch, rows = build_forward_batch(plan.chunks, self.kv)
+        deferred = self.async_scheduling
         try:
-            logits = self.runner.run(batch)
-            samples = sample_rows(self.model.backend, logits, rows, self.model.spec.eos_token_ids)
+            start = self._step_timer.start() if self._step_timer else None
+            logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+            samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids, deferred)
+            if self._step_timer:
+                self._step_timer.stop(start)
         except Exception as exc:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
+            if previous is not None:
+                self._resolve(previous)
             for chunk in plan.chunks:
-                self._fail(chunk.request, f"model step failed: {exc!r}")
-            return
+                if chunk.request.status is RequestStatus.RUNNING:
+                    self._fail(chunk.request, f"model step failed: {exc!r}")
+            return None
         self.num_steps += 1
         for chunk in plan.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            if self.options.enable_prefix_cache and not request.want_prompt_logprobs:
-                self.kv.publish_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
-        for row, sample in zip(rows, samples, strict=True):
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        for index, row in enumerate(rows):
+            if row.samples:
+                row.request.token_ids.append(PLACEHOLDER_TOKEN)
+                row.request.pending_sample_row = index
+        return _LaunchedStep(plan, rows, samples)
+
+    def _resolve(self, launched: _LaunchedStep) -> None:
+        """Read a launched step back: fill placeholders, check stops, emit, publish KV blocks."""
+        for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
             request = row.request
+            if request.status is RequestStatus.FINISHED:
+                continue  # aborted or stopped meanwhile: this row's work is discarded
             if not row.samples:
                 request.prompt_logprobs.append(sample.as_proto())
                 continue
-            self._accept_token(request, sample)
+            self._accept_token(request, row.position + 1, sample)
+        if self.options.enable_prefix_cache:
+            for chunk in launched.plan.chunks:
+                request = chunk.request
+                if request.status is not RequestStatus.FINISHED and not request.want_prompt_logprobs \
+                        and request.request_id in self.kv.requests:
+                    computed = min(request.num_computed_tokens, request.num_resolved_tokens)
+                    self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
 
-    def _accept_token(self, request: Request, sample) -> None:
+    def _accept_token(self, request: Request, index: int, sample) -> None:
         token = sample.token_id
-        request.token_ids.append(token)
+        request.token_ids[index] = token
         request.sampling.record(token)
         tokens = pb.TokenEvent.Tokens(ids=[token])
         if request.want_logprobs:
             tokens.logprobs.append(sample.as_proto())
-        if request.prompt_logprobs and request.num_output_tokens == 1:
+        num_out = index + 1 - request.num_prompt_tokens
+        if request.prompt_logprobs and num_out == 1:
             tokens.prompt_logprobs.extend(request.prompt_logprobs)
         self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, tokens=tokens))
         stop = request.stop
-        num_out = request.num_output_tokens
         if num_out >= stop.min_tokens:
-            if token in stop.stop_token_ids:
+            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self.model.spec.eos_token_ids):
+                del request.token_ids[index + 1:]  # a token sampled after this one is discarded
                 return self._finish(request, pb.FINISH_REASON_STOP, token)
-            if not stop.ignore_eos and token in self.model.spec.eos_token_ids:
-                return self._finish(request, pb.FINISH_REASON_STOP, token)
-        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or index + 1 >= self.max_model_len:
+            del request.token_ids[index + 1:]
             self._finish(request, pb.FINISH_REASON_LENGTH)
 
     def _forward(self, device_batch):

@@ -3,7 +3,7 @@ the NumPy path below is the reference."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,3 +47,36 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
                             request.num_logprobs, request.want_logprobs)
         results.append(RowSample(result.token_id, result.logprob, result.top))
     return results
+
+
+@dataclass
+class SampledStep:
+    """One step's samples. ``device_token_ids`` (int32, one per row, on the backend's device)
+    can feed the next step's inputs before anything is read back; ``results()`` reads the
+    rows back (waiting for the device the first time)."""
+
+    device_token_ids: Any
+    _results: list[RowSample] | None = None
+    _read_back: Callable[[], list[RowSample]] | None = None
+
+    def results(self) -> list[RowSample]:
+        if self._results is None:
+            assert self._read_back is not None
+            self._results = self._read_back()
+        return self._results
+
+
+def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
+                deferred: bool) -> SampledStep:
+    """Sample a step. With ``deferred`` and a backend that samples asynchronously
+    (``sample_rows_async``), nothing is read back until ``results()``."""
+    async_sampler = getattr(backend, "sample_rows_async", None)
+    if deferred and async_sampler is not None:
+        launched = async_sampler(logits, rows)
+        if launched is not None:
+            device_ids, read_back = launched
+            return SampledStep(device_ids, None, read_back)
+    results = sample_rows(backend, logits, rows, eos_token_ids)
+    ids = np.fromiter((r.token_id for r in results), dtype=np.int32, count=len(results))
+    upload = getattr(backend, "upload_token_ids", None)
+    return SampledStep(upload(ids) if upload is not None else ids, results)

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from openinfer.sampling import SamplingState
 from openinfer.v1 import engine_pb2 as pb
 
+# Stands in ``token_ids`` for a token sampled by a step still running on the device; the batch
+# builder feeds such inputs from that step's device-side sample ids (async scheduling).
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never scheduled, or preempted (its KV was freed)
@@ -18,8 +22,10 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """``token_ids`` = prompt + generated tokens. Tokens ``[0, num_computed_tokens)`` have KV in
-    the request's blocks; the rest are computed by coming steps (a chunked prefill, a decode
-    step, or a recompute after preemption — one mechanism for all three)."""
+    the request's blocks (or are being computed by a launched step); the rest are computed by
+    coming steps (a chunked prefill, a decode step, or a recompute after preemption — one
+    mechanism for all three). Generated tokens whose step has not been read back yet are
+    ``PLACEHOLDER_TOKEN``; ``pending_sample_row`` is the newest one's row in that step's samples."""
 
     request_id: str
     token_ids: list[int]
@@ -37,6 +43,7 @@ class Request:
     was_scheduled: bool = False
     num_preemptions: int = 0
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    pending_sample_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +60,19 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens before the first placeholder (all of them when none is pending)."""
+        try:
+            return self.token_ids.index(PLACEHOLDER_TOKEN, self.num_prompt_tokens)
+        except ValueError:
+            return len(self.token_ids)
+
+    @property
+    def reached_limit(self) -> bool:
+        """No further token may be scheduled: max_tokens generated (placeholders included)."""
+        return self.num_output_tokens >= self.max_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -93,7 +93,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_uncomputed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (request.reached_limit and not request.in_prefill):
+                # finishing: its last token is still being read back from the device
                 index += 1
                 continue
             while not self.kv.grow(request.request_id, request.num_computed_tokens + num_new):

@@ -20,7 +20,7 @@ from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.linear import CudaLinear, linear
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.sampler import sample_rows
+from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 
@@ -158,6 +158,19 @@ class CudaBackend:
     def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int]) -> list[Any]:
         """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``)."""
         return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host)
+
+    def sample_rows_async(self, logits: cupy.ndarray, rows: Sequence[Any]) -> tuple[cupy.ndarray, Any] | None:
+        """Async scheduling: sample on the device, read back later (see ``sampler``)."""
+        return sample_rows_async(_bf16(logits, "sample logits"), rows)
+
+    def upload_token_ids(self, ids: np.ndarray) -> cupy.ndarray:
+        return cupy.asarray(np.asarray(ids, np.int32))
+
+    def fill_token_sources(self, batch: CudaBatch, previous_token_ids: cupy.ndarray, sources: np.ndarray) -> None:
+        """Inputs sampled by the previous step, still on the device: ``token_ids[dest] = previous[src]``."""
+        dest = cupy.asarray(sources[:, 0])
+        src = cupy.asarray(sources[:, 1])
+        batch.token_ids[dest] = cupy.asarray(previous_token_ids, dtype=cupy.int32)[src]
 
     def kv_memory_budget(self, options: Any) -> int:
         """Bytes for the KV pool: ``gpu_memory_utilization`` of the card, less what is in use

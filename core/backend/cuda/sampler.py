@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import cupy
+import cupyx
 import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
@@ -39,6 +40,11 @@ def samples_on_device(row: LogitsRow) -> bool:
 
 def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
     """Token ids [rows] for ``logits [rows, vocab]`` (bf16), row i following ``states[i]``."""
+    return launch_device_sampling(logits, states).get()
+
+
+def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState]) -> cupy.ndarray:
+    """Queue the sampling kernel; the token ids [rows] stay on the device (int32)."""
     rows, vocab = logits.shape
     # float32 rows: temperature, top_p, min_p, uniform draw, top_k (int32 bits)
     params = np.zeros((5, rows), np.float32)
@@ -54,7 +60,7 @@ def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState]) ->
         (rows,), (1024,),
         (cupy.ascontiguousarray(logits), np.int32(vocab), device_params[0], device_params[4].view(cupy.int32),
          device_params[1], device_params[2], device_params[3], tokens, logprobs))
-    return tokens.get()
+    return tokens
 
 
 class _HostLogits:
@@ -87,3 +93,27 @@ def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: 
                                                           eos_token_ids), strict=True):
             results[i] = sample
     return [r for r in results if r is not None]
+
+
+def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow]) -> tuple[cupy.ndarray, Any] | None:
+    """Queue sampling of every row and an asynchronous copy of the ids into pinned memory.
+
+    Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
+    work queued after it — or None when some row needs the host sampler.
+    """
+    if not rows or not all(samples_on_device(row) for row in rows):
+        return None
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows])
+    pinned = cupyx.empty_pinned(tokens.shape, dtype=np.int32)
+    stream = cupy.cuda.get_current_stream()
+    tokens.get(stream=stream, out=pinned, blocking=False)
+    copied = cupy.cuda.Event(block=True, disable_timing=True)
+    copied.record(stream)
+
+    def read_back() -> list[RowSample]:
+        copied.synchronize()
+        return [RowSample(int(token)) for token in pinned]
+
+    return tokens, read_back
