@@ -46,9 +46,12 @@ class Qwen35Model:
         self.plan = plan_for(backend)
         self.state = DeltaNetStateCache(config, num_state_slots, backend.xp, self.plan.conv_state_dtype)
         rope = RotaryEmbedding.create(config.head_dim, config.rope, max_model_len, config.max_position_embeddings)
-        self.attention_spec = AttentionSpec(
-            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, rope=rope, scale=config.head_dim**-0.5, norm_eps=config.rms_norm_eps)
+        # one spec per full-attention layer (its own q/k norms), in kv_cache order
+        self.attention_specs = [
+            AttentionSpec(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                          head_dim=config.head_dim, rope=rope, scale=config.head_dim**-0.5,
+                          q_norm=layer.mixer.q_norm, k_norm=layer.mixer.k_norm, norm_eps=config.rms_norm_eps)
+            for layer in weights.layers if isinstance(layer.mixer, FullAttentionWeights)]
         # per layer: ("attn", index into kv_cache) or ("gdn", index into state)
         self.layer_slots: list[tuple[str, int]] = []
         for kind in config.layer_types:
@@ -84,7 +87,7 @@ class Qwen35Model:
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, self.config.rms_norm_eps)
             if kind == "attn":
-                hidden = self._full_attention(x, layer.mixer, kv_cache[index], batch)
+                hidden = self._full_attention(x, layer.mixer, self.attention_specs[index], kv_cache[index], batch)
             else:
                 hidden = self._delta_net(x, layer.mixer, index, seqs)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
@@ -100,10 +103,8 @@ class Qwen35Model:
                                  "ForwardBatch.request_ids, one per sequence")
         return self.state.step_sequences(tuple(request_ids), host.query_start, host.context_lens)
 
-    def _full_attention(self, x: Any, w: FullAttentionWeights, kv: KVLayer, batch: Any) -> Any:
-        spec = self.attention_spec
-        spec = AttentionSpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope, spec.scale,
-                             w.q_norm, w.k_norm, spec.norm_eps)
+    def _full_attention(self, x: Any, w: FullAttentionWeights, spec: AttentionSpec, kv: KVLayer,
+                        batch: Any) -> Any:
         qkv_gate = self.backend.linear(x, w.qkv_gate)  # [q | k | v | gate]
         qkv_size = spec.q_size + 2 * spec.kv_size
         context = self.backend.attention(qkv_gate[:, :qkv_size], spec, kv, batch)
