@@ -162,3 +162,19 @@ def test_repeated_prompt_is_recomputed_not_served_from_a_prefix_cache(tiny):
         assert_everything_returned(engine)
     finally:
         engine.close_sync()
+
+
+def test_engine_logprobs_equal_hf_log_softmax(tiny):
+    from openinfer.sampling import log_softmax
+    from tests.plugins.qwen35.qwen35_helpers import hf_logits
+
+    path, hf = tiny
+    prompt = prompts(1, seed=6)[0]
+    engine = build_engine(path, max_num_batched_tokens=48)
+    try:
+        outcome = run_one(engine, make_request("lp", prompt, max_tokens=8, logprobs=2))
+    finally:
+        engine.close_sync()
+    reference = log_softmax(hf_logits(hf, prompt + outcome.token_ids)[len(prompt) - 1 : -1])
+    ours = np.array([lp.logprob for lp in outcome.logprobs])
+    assert np.abs(ours - reference[np.arange(8), outcome.token_ids]).max() <= 1e-4
