@@ -349,7 +349,15 @@ class PagedEngine:
         return _LaunchedStep(plan, rows, samples)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
-        """Read a launched step back: fill placeholders, check stops, emit, publish KV blocks."""
+        """Read a launched step back: publish its full KV blocks, fill placeholders, check
+        stops, emit. Blocks are published first so a request finishing here still leaves its
+        prefix in the cache."""
+        if self.options.enable_prefix_cache:
+            for chunk in launched.plan.chunks:
+                request = chunk.request
+                if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
+                    computed = min(request.num_computed_tokens, request.num_resolved_tokens)
+                    self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
         for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
             request = row.request
             if request.status is RequestStatus.FINISHED:
@@ -358,13 +366,6 @@ class PagedEngine:
                 request.prompt_logprobs.append(sample.as_proto())
                 continue
             self._accept_token(request, row.position + 1, sample)
-        if self.options.enable_prefix_cache:
-            for chunk in launched.plan.chunks:
-                request = chunk.request
-                if request.status is not RequestStatus.FINISHED and not request.want_prompt_logprobs \
-                        and request.request_id in self.kv.requests:
-                    computed = min(request.num_computed_tokens, request.num_resolved_tokens)
-                    self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
 
     def _accept_token(self, request: Request, index: int, sample) -> None:
         token = sample.token_id

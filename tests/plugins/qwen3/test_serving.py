@@ -36,7 +36,7 @@ def test_64_concurrent_requests_in_a_tiny_pool_match_running_alone(tiny_qwen3_di
 def test_shared_prefix_reports_cached_tokens_and_gives_identical_output(tiny_qwen3_dir):
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 320, size=50).tolist()
-    first = make_request("first", prefix + [7, 8], max_tokens=10)
+    first = make_request("first", prefix + [7, 8], max_tokens=1)  # finishes in its prefill step
     second = make_request("second", prefix + [9, 10, 11], max_tokens=10)
     cached = build_engine(tiny_qwen3_dir)
     uncached = build_engine(tiny_qwen3_dir, enable_prefix_cache=False)
