@@ -18,7 +18,12 @@
 #define NUM_WARPS 4
 constexpr int LANES_PER_KEY = HEAD_DIM / 8;
 constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
-constexpr int UNROLL = GROUP <= 4 ? 4 : 2;
+#ifndef UNROLL  // keys per sub-group in flight
+#define UNROLL (GROUP <= 4 ? 4 : 2)
+#endif
+#ifndef MIN_BLOCKS  // resident blocks per SM the compiler must allow (caps registers)
+#define MIN_BLOCKS 1
+#endif
 constexpr float NEG_BIG = -1e30f;
 static_assert(LANES_PER_KEY <= 32 && 32 % LANES_PER_KEY == 0, "HEAD_DIM must be 32, 64, 128 or 256");
 
@@ -32,7 +37,7 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
     m = m_new;
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 decode_attention_split(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
                        int max_blocks_per_seq, const int* __restrict__ context_lens,

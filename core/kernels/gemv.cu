@@ -87,7 +87,10 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         gemv_tile<ROWS, COLS, UNROLL>(x, w, bias, y, M, N, K);                                     \
     }
 
-DEFINE_GEMV(1, 1, 4)
+#ifndef GEMV_M1_UNROLL
+#define GEMV_M1_UNROLL 4
+#endif
+DEFINE_GEMV(1, 1, GEMV_M1_UNROLL)
 DEFINE_GEMV(2, 2, 2)
 DEFINE_GEMV(4, 4, 2)
 DEFINE_GEMV(8, 4, 1)

@@ -36,3 +36,14 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
     assert np.isfinite(ours).all(), "non-finite values in the cuda result"
     return float(np.linalg.norm(ours - reference) / max(np.linalg.norm(reference), 1e-30))
+
+
+def load_qwen3(path, backend, max_model_len: int = 512):
+    """The Qwen3 plugin's model from a checkpoint directory, on ``backend``."""
+    import json
+
+    from openinfer_qwen3.config import qwen3_config
+    from openinfer_qwen3.model import Qwen3ForCausalLM
+
+    config = json.loads((path / "config.json").read_text())
+    return Qwen3ForCausalLM.load(path, qwen3_config(config), backend, max_model_len)
