@@ -1,0 +1,115 @@
+// Runs the kernels of gated_deltanet.cu on the CPU (see include/cuda_bf16.h) on arrays read from
+// a directory written by test_qwen35_cuda_emulated.py, and writes the outputs back there.
+#include "gated_deltanet.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+thread_local EmulatedDim3 threadIdx, blockIdx;
+EmulatedDim3 blockDim, gridDim;
+static std::barrier<>* block_barrier = nullptr;
+static float shuffle_slots[1024];
+
+void __syncthreads() { block_barrier->arrive_and_wait(); }
+
+// Every caller is a whole block in lockstep (warp_sum inside block_sum), so a block-wide
+// exchange through shared slots gives each lane its xor partner's value.
+float __shfl_xor_sync(unsigned, float value, int lane_mask) {
+    const unsigned t = threadIdx.x;
+    block_barrier->arrive_and_wait();
+    shuffle_slots[t] = value;
+    block_barrier->arrive_and_wait();
+    return shuffle_slots[t ^ static_cast<unsigned>(lane_mask)];
+}
+
+template <class Kernel>
+static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel kernel) {
+    gridDim = {grid_x, grid_y, 1};
+    blockDim = {threads, 1, 1};
+    for (unsigned by = 0; by < grid_y; ++by)
+        for (unsigned bx = 0; bx < grid_x; ++bx) {
+            std::barrier<> barrier(threads);
+            block_barrier = &barrier;
+            std::vector<std::thread> pool;
+            for (unsigned t = 0; t < threads; ++t)
+                pool.emplace_back([=] {
+                    threadIdx = {t, 0, 0};
+                    blockIdx = {bx, by, 0};
+                    kernel();
+                });
+            for (auto& th : pool) th.join();
+        }
+}
+
+template <class T>
+static std::vector<T> load(const std::string& dir, const char* name) {
+    FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
+    if (!f) { std::fprintf(stderr, "missing %s\n", name); std::exit(2); }
+    std::fseek(f, 0, SEEK_END);
+    const long bytes = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> data(bytes / sizeof(T));
+    if (std::fread(data.data(), 1, bytes, f) != static_cast<size_t>(bytes)) std::exit(3);
+    std::fclose(f);
+    return data;
+}
+
+template <class T>
+static void save(const std::string& dir, const char* name, const std::vector<T>& data) {
+    FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+    std::fwrite(data.data(), sizeof(T), data.size(), f);
+    std::fclose(f);
+}
+
+int main(int argc, char** argv) {
+    if (argc != 8) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps gate_features\n"); return 1; }
+    const std::string dir = argv[1];
+    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
+    const float eps = static_cast<float>(std::atof(argv[6]));
+    const int gate_features = std::atoi(argv[7]);
+    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
+    const int proj_stride = conv_dim + value_dim + 2 * nv;
+    auto proj = load<bf16>(dir, "proj.bin");
+    auto weight = load<bf16>(dir, "conv_weight.bin");
+    auto conv_state = load<bf16>(dir, "conv_state.bin");
+    auto ssm = load<float>(dir, "ssm_state.bin");
+    auto rate = load<float>(dir, "neg_decay_rate.bin");
+    auto bias = load<float>(dir, "dt_bias.bin");
+    auto norm = load<bf16>(dir, "norm.bin");
+    auto query_start = load<int>(dir, "query_start.bin");
+    auto slots = load<int>(dir, "slots.bin");
+    auto fresh = load<int>(dir, "fresh.bin");
+    auto token_seq = load<int>(dir, "token_seq.bin");
+    const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
+    std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim), out(static_cast<size_t>(num_tokens) * value_dim);
+
+    launch(1, 1, 1, [&] {
+        gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
+                   fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
+    });
+    launch(1, 1, 1, [&] {
+        gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(), fresh.data(),
+                       num_seqs, conv_dim, width);
+    });
+    const unsigned threads = static_cast<unsigned>((dv + 31) / 32 * 32);
+    launch(num_seqs, nv, threads, [&] {
+        gdn_delta_rule(proj.data(), proj_stride, conv_out.data(), ssm.data(), rate.data(), bias.data(), norm.data(),
+                       query_start.data(), slots.data(), fresh.data(), out.data(), nk, nv, dv, eps);
+    });
+    save(dir, "out.bin", out);
+    save(dir, "conv_state_out.bin", conv_state);
+    save(dir, "ssm_state_out.bin", ssm);
+
+    auto x = load<bf16>(dir, "gate_x.bin");
+    auto gate = load<bf16>(dir, "gate_wide.bin");  // rows of 2 * gate_features: gate in the right half
+    const long long rows = static_cast<long long>(x.size()) / gate_features;
+    std::vector<bf16> gated(x.size());
+    launch(1, 1, 1, [&] {
+        sigmoid_mul(x.data(), gate.data() + gate_features, 2 * gate_features, gated.data(), rows, gate_features);
+    });
+    save(dir, "gated.bin", gated);
+    return 0;
+}

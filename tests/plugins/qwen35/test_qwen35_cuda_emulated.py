@@ -1,0 +1,93 @@
+"""The CUDA kernels' own source (``kernels/gated_deltanet.cu``) compiled with g++ against a host
+stand-in for the CUDA built-ins (``cuda_emulation/``) and run on the CPU against the NumPy ops:
+checks the kernels' indexing, state handling and arithmetic in CI, where there is no GPU.
+Launch glue (CuPy) and performance are covered by the ``gpu`` tests only."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openinfer_qwen35 import gated_deltanet
+from openinfer_qwen35.config import Qwen35Config
+from openinfer_qwen35.kernel_plan import sigmoid_mul
+from openinfer_qwen35.state import StepSequences
+from openinfer_qwen35.weights import DeltaNetWeights
+
+from openinfer import bf16_to_float32, float32_to_bf16
+from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35
+
+HERE = Path(__file__).parent / "cuda_emulation"
+KEY_DIM, VALUE_DIM = 12, 40  # dv not a multiple of 32: idle threads in the last warp
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to compile the kernels for the host")
+    kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    binary = tmp_path_factory.mktemp("gdn-harness") / "harness"
+    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", f"-DDK={KEY_DIM}", f"-I{HERE / 'include'}",
+                    f"-I{kernels}", str(HERE / "harness.cpp"), "-o", str(binary)], check=True)
+    return binary
+
+
+def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
+    config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": KEY_DIM,
+                                     "linear_value_head_dim": VALUE_DIM})
+    rng = np.random.default_rng(0)
+    nk, nv, width, conv_dim = (config.linear_num_key_heads, config.linear_num_value_heads,
+                               config.linear_conv_kernel_dim, config.conv_dim)
+    # prefill from scratch, a decode, a continued chunk shorter than the conv window, a 1-token prompt
+    lengths, fresh = [70, 1, 2, 1], np.array([True, False, False, True])
+    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    slots = np.array([3, 1, 4, 2], np.int32)
+    proj = bf16(rng.standard_normal((query_start[-1], conv_dim + config.linear_value_dim + 2 * nv)))
+    conv_state = bf16(rng.standard_normal((5, width - 1, conv_dim)))
+    ssm_state = (0.3 * rng.standard_normal((5, nv, KEY_DIM, VALUE_DIM))).astype(np.float32)
+    conv_weight = bf16(0.4 * rng.standard_normal((conv_dim, width)))
+    neg_rate = -np.exp(rng.uniform(np.log(0.05), np.log(4.0), nv)).astype(np.float32)
+    dt_bias = bf16(0.5 * rng.standard_normal(nv))
+    norm = bf16(1 + 0.3 * rng.standard_normal(VALUE_DIM))
+    gate_x = bf16(rng.standard_normal((9, 24)))
+    gate_wide = bf16(rng.standard_normal((9, 48)))
+    token_seq = np.repeat(np.arange(4, dtype=np.int32), lengths)
+    files = {"proj": float32_to_bf16(proj), "conv_weight": float32_to_bf16(conv_weight),
+             "conv_state": float32_to_bf16(conv_state), "ssm_state": ssm_state, "neg_decay_rate": neg_rate,
+             "dt_bias": dt_bias, "norm": float32_to_bf16(norm), "query_start": query_start, "slots": slots,
+             "fresh": fresh.astype(np.int32), "token_seq": token_seq, "gate_x": float32_to_bf16(gate_x),
+             "gate_wide": float32_to_bf16(gate_wide)}
+    for name, array in files.items():
+        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
+    subprocess.run([str(harness), str(tmp_path), str(nk), str(nv), str(VALUE_DIM), str(width),
+                    str(config.rms_norm_eps), "24"], check=True, timeout=300)
+
+    host_conv, host_ssm = conv_state.copy(), ssm_state.copy()
+    weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
+    expected = gated_deltanet.delta_net(proj, weights, host_conv, host_ssm,
+                                        StepSequences(query_start.astype(np.int64), slots.astype(np.int64), fresh),
+                                        config)
+
+    def read(name: str, dtype, shape) -> np.ndarray:
+        raw = np.fromfile(tmp_path / f"{name}.bin", dtype=dtype).reshape(shape)
+        return bf16_to_float32(raw) if dtype == np.uint16 else raw
+
+    out = read("out", np.uint16, expected.shape)
+    # bf16 rounding where HF's bf16 model rounds (conv output, beta, core output, norm): ~1%
+    assert np.abs(out - expected).max() <= 0.05 * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(out - expected).mean() <= 0.01
+    np.testing.assert_array_equal(read("conv_state_out", np.uint16, conv_state.shape), host_conv)
+    ssm = read("ssm_state_out", np.float32, ssm_state.shape)
+    assert np.abs(ssm[slots] - host_ssm[slots]).max() <= 0.03 * max(1.0, float(np.abs(host_ssm[slots]).max()))
+    np.testing.assert_array_equal(ssm[0], ssm_state[0])  # the null slot is never touched
+    gated = read("gated", np.uint16, gate_x.shape)
+    np.testing.assert_allclose(gated, sigmoid_mul(gate_x, gate_wide[:, 24:]), rtol=1e-2, atol=1e-2)
