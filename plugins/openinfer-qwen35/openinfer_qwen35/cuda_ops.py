@@ -22,12 +22,13 @@ from openinfer_qwen35.weights import DeltaNetWeights
 SOURCE = "gated_deltanet.cu"
 MAX_CONV_WIDTH = 9  # gdn_conv_state keeps K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
+SPLIT = 4  # threads per value channel in gdn_delta_rule (each holds DK / SPLIT state rows)
 
 
 @functools.cache
 def _module(key_head_dim: int) -> cupy.RawModule:
     code = (resources.files("openinfer_qwen35") / "kernels" / SOURCE).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", f"-DDK={key_head_dim}"))
+    return cupy.RawModule(code=code, options=("-std=c++17", f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}"))
 
 
 def kernel(name: str, key_head_dim: int = 128) -> cupy.RawKernel:
@@ -68,9 +69,10 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     if proj.shape[1] != conv_dim + value_dim + 2 * nv:
         raise ValueError(f"delta_net projection has {proj.shape[1]} features, expected "
                          f"{conv_dim + value_dim + 2 * nv} (q|k|v|z|b|a)")
-    if not 2 <= width <= MAX_CONV_WIDTH or dk > MAX_KEY_HEAD_DIM or dv > 1024:
-        raise ValueError(f"cuda Gated DeltaNet supports conv width 2..{MAX_CONV_WIDTH}, key head dim <= "
-                         f"{MAX_KEY_HEAD_DIM} and value head dim <= 1024; got {width}, {dk}, {dv}")
+    if not 2 <= width <= MAX_CONV_WIDTH or dk > MAX_KEY_HEAD_DIM or dk % SPLIT or dv * SPLIT > 1024:
+        raise ValueError(f"cuda Gated DeltaNet supports conv width 2..{MAX_CONV_WIDTH}, key head dims <= "
+                         f"{MAX_KEY_HEAD_DIM} divisible by {SPLIT} and value head dims <= {1024 // SPLIT}; "
+                         f"got {width}, {dk}, {dv}")
     if ssm_state.dtype != cupy.float32 or conv_state.dtype != cupy.uint16:
         raise ValueError("state slots must be fp32 (ssm) and bf16 (conv) CuPy arrays")
     device = seqs.device
@@ -88,7 +90,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         (_blocks(num_seqs * conv_dim),), (256,),
         (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
          np.int32(conv_dim), np.int32(width)))
-    threads = max(32, -(-dv // 32) * 32)
+    threads = -(-dv * SPLIT // 32) * 32
     kernel("gdn_delta_rule", dk)(
         (num_seqs, nv), (threads,),
         (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm, device["query_start"],

@@ -48,7 +48,7 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     nk, nv, width, conv_dim = (config.linear_num_key_heads, config.linear_num_value_heads,
                                config.linear_conv_kernel_dim, config.conv_dim)
     # prefill from scratch, a decode, a continued chunk shorter than the conv window, a 1-token prompt
-    lengths, fresh = [70, 1, 2, 1], np.array([True, False, False, True])
+    lengths, fresh = [21, 1, 2, 1], np.array([True, False, False, True])
     query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     slots = np.array([3, 1, 4, 2], np.int32)
     proj = bf16(rng.standard_normal((query_start[-1], conv_dim + config.linear_value_dim + 2 * nv)))

@@ -8,7 +8,8 @@
 //   ssm_state  [num_slots, nv, DK, dv]     fp32  the delta-rule state S of each value head
 //   seqs: query_start [B+1], slots [B], fresh [B] (1: the step starts at position 0, so the
 //   sequence's initial conv window and state read as zeros), token_seq [T] (sequence of each row).
-// DK (key head dim) is a compile-time define: each thread keeps one column S[:, j] in registers.
+// DK (key head dim) and SPLIT are compile-time defines: SPLIT threads keep one state column S[:, j]
+// in registers, DK / SPLIT rows each.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -17,6 +18,10 @@ typedef __nv_bfloat16 bf16;
 #ifndef DK
 #define DK 128
 #endif
+#ifndef SPLIT  // threads per value channel in gdn_delta_rule (divides 32 and DK)
+#define SPLIT 4
+#endif
+static_assert(DK % SPLIT == 0 && 32 % SPLIT == 0, "SPLIT must divide the key head dim and 32");
 
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -90,8 +95,10 @@ extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int pro
 }
 
 // The delta rule of one (sequence, value head) over the sequence's tokens of this step, fused
-// with its gates, the q/k l2 norm and the gated RMSNorm. Grid (num_seqs, nv); one thread per
-// value channel j (blockDim.x = dv rounded up to 32), holding the state column S[:, j].
+// with its gates, the q/k l2 norm and the gated RMSNorm. Grid (num_seqs, nv). SPLIT threads
+// share a value channel j: thread t owns rows [part * DK/SPLIT, (part+1) * DK/SPLIT) of the
+// state column S[:, j] in registers (j = t / SPLIT, part = t % SPLIT), and the SPLIT partial
+// dot products meet by shuffles — a short serial chain per token, which bounds prefill speed.
 extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int proj_stride,
                                           const bf16* __restrict__ conv_out, float* __restrict__ ssm_state,
                                           const float* __restrict__ neg_decay_rate,
@@ -99,17 +106,19 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
                                           const int* __restrict__ query_start, const int* __restrict__ slots,
                                           const int* __restrict__ fresh, bf16* __restrict__ out, int num_key_heads,
                                           int num_value_heads, int dv, float eps) {
+    constexpr int ROWS = DK / SPLIT;
     __shared__ float q[DK], k[DK], scratch[32];
-    const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const int s = blockIdx.x, h = blockIdx.y;
+    const int j = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
     const bool active = j < dv;
     const int first = query_start[s], last = query_start[s + 1];
     const int key_head = h / (num_value_heads / num_key_heads);
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
     const int conv_dim = 2 * key_dim + value_dim;
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
-    float column[DK];
+    float column[ROWS];
 #pragma unroll
-    for (int i = 0; i < DK; ++i) column[i] = (active && !fresh[s]) ? state[(size_t)i * dv + j] : 0.f;
+    for (int i = 0; i < ROWS; ++i) column[i] = (active && !fresh[s]) ? state[(size_t)(row0 + i) * dv + j] : 0.f;
     const float rate = neg_decay_rate[h], bias = dt_bias[h];
     const float weight = active ? to_f(norm_weight[j]) : 0.f;
     const float scale = rsqrtf((float)DK);
@@ -132,25 +141,27 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
         const float a = to_f(p[conv_dim + value_dim + num_value_heads + h]) + bias;
         const float softplus = a > 20.f ? a : log1pf(__expf(a));
         const float decay = __expf(rate * softplus);
-        float o = 0.f;
-        if (active) {
-            const float v = to_f(row[2 * key_dim + h * dv + j]);
-            float predicted = 0.f;
+        float predicted = 0.f;
 #pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                column[i] *= decay;
-                predicted += column[i] * (k[i] * k_norm);
-            }
-            const float delta = (v - predicted) * beta;
-#pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                column[i] += (k[i] * k_norm) * delta;
-                o += column[i] * (q[i] * q_norm);
-            }
-            o = round_bf16(o);  // HF hands the core output to the norm in bf16
+        for (int i = 0; i < ROWS; ++i) {
+            column[i] *= decay;
+            predicted += column[i] * (k[row0 + i] * k_norm);
         }
-        const float variance = block_sum(o * o, scratch) / (float)dv;
-        if (active) {
+#pragma unroll
+        for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
+        const float v = active ? to_f(row[2 * key_dim + h * dv + j]) : 0.f;
+        const float delta = (v - predicted) * beta;
+        float o_part = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            column[i] += (k[row0 + i] * k_norm) * delta;
+            o_part += column[i] * (q[row0 + i] * q_norm);
+        }
+#pragma unroll
+        for (int lane = 1; lane < SPLIT; lane <<= 1) o_part += __shfl_xor_sync(0xffffffffu, o_part, lane);
+        const float o = active ? round_bf16(o_part) : 0.f;  // HF hands the core output to the norm in bf16
+        const float variance = block_sum(part == 0 ? o * o : 0.f, scratch) / (float)dv;
+        if (active && part == 0) {
             const float normed = round_bf16(o * rsqrtf(variance + eps));
             const float z = to_f(p[conv_dim + h * dv + j]);
             out[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(round_bf16(weight * normed) * silu_f(z));
@@ -159,7 +170,7 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
     }
     if (active) {
 #pragma unroll
-        for (int i = 0; i < DK; ++i) state[(size_t)i * dv + j] = column[i];
+        for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
     }
 }
 

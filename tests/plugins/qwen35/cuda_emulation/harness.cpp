@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
         gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(), fresh.data(),
                        num_seqs, conv_dim, width);
     });
-    const unsigned threads = static_cast<unsigned>((dv + 31) / 32 * 32);
+    const unsigned threads = static_cast<unsigned>((dv * SPLIT + 31) / 32 * 32);
     launch(num_seqs, nv, threads, [&] {
         gdn_delta_rule(proj.data(), proj_stride, conv_out.data(), ssm.data(), rate.data(), bias.data(), norm.data(),
                        query_start.data(), slots.data(), fresh.data(), out.data(), nk, nv, dv, eps);
