@@ -88,7 +88,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     }
 
 #ifndef GEMV_M1_UNROLL
-#define GEMV_M1_UNROLL 4
+#define GEMV_M1_UNROLL 8  // measured: 8 is 0-4% faster than 4 on Qwen3-4B projections (H200)
 #endif
 DEFINE_GEMV(1, 1, GEMV_M1_UNROLL)
 DEFINE_GEMV(2, 2, 2)

@@ -5,8 +5,9 @@
 //
 // Grid (num_tiles, num_heads), 4 warps; a tile is BLOCK_M queries of one sequence
 // (tile_seq[i], first query tile_query[i] counted from the sequence's first new token).
-// Each warp owns 16 query rows. Shared memory: Q, K, V tiles, rows padded by 8 bf16 so the
-// fragment loads and ldmatrix hit 32 distinct banks.
+// Each warp owns 16 query rows. Shared memory: the Q tile and two stages of K/V tiles, rows
+// padded by 8 bf16 so the fragment loads and ldmatrix hit 32 distinct banks. K/V tiles arrive
+// by cp.async one tile ahead of the one being computed on.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -33,6 +34,12 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned int& r0, unsigned int
                  : "r"(addr));
 }
 
+// 16-byte global -> shared copy that bypasses registers; a false `valid` writes zeros.
+__device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
+    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
 __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned int*>(&v);
@@ -47,8 +54,7 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                   int num_kv_heads, int block_size, float scale_log2) {
     extern __shared__ uint4 smem_raw[];
     bf16* q_tile = reinterpret_cast<bf16*>(smem_raw);
-    bf16* k_tile = q_tile + BLOCK_M * SMEM_ROW;
-    bf16* v_tile = k_tile + BLOCK_N * SMEM_ROW;
+    bf16* kv_stages = q_tile + BLOCK_M * SMEM_ROW;  // [stage][K | V][BLOCK_N][SMEM_ROW]
     constexpr int VECS = HEAD_DIM / 8;
 
     const int tile = blockIdx.x, head = blockIdx.y;
@@ -88,21 +94,31 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
     const int query_pos0 = length - num_new + q0 + warp * 16 + fr;  // rows fr and fr + 8
     const int kv_end = length - num_new + q0 + rows;                 // last query position + 1
 
-    for (int k0 = 0; k0 < kv_end; k0 += BLOCK_N) {
-        __syncthreads();
+    auto load_kv_tile = [&](int k0, int stage) {
+        bf16* k_dst = kv_stages + stage * 2 * BLOCK_N * SMEM_ROW;
+        bf16* v_dst = k_dst + BLOCK_N * SMEM_ROW;
         for (int i = threadIdx.x; i < BLOCK_N * VECS; i += NUM_THREADS) {
             const int r = i / VECS, c = (i % VECS) * 8, t = k0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (t < kv_end) {
-                const size_t off = ((size_t)table[t / block_size] * block_size + t % block_size) * token_stride +
-                                   (size_t)kv_head * HEAD_DIM + c;
-                kv = *reinterpret_cast<const uint4*>(k_cache + off);
-                vv = *reinterpret_cast<const uint4*>(v_cache + off);
-            }
-            *reinterpret_cast<uint4*>(k_tile + r * SMEM_ROW + c) = kv;
-            *reinterpret_cast<uint4*>(v_tile + r * SMEM_ROW + c) = vv;
+            const bool valid = t < kv_end;
+            const size_t off = valid ? ((size_t)table[t / block_size] * block_size + t % block_size) * token_stride +
+                                           (size_t)kv_head * HEAD_DIM + c
+                                     : 0;
+            cp_async16(k_dst + r * SMEM_ROW + c, k_cache + off, valid);
+            cp_async16(v_dst + r * SMEM_ROW + c, v_cache + off, valid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    load_kv_tile(0, 0);
+    for (int k0 = 0, stage = 0; k0 < kv_end; k0 += BLOCK_N, stage ^= 1) {
+        if (k0 + BLOCK_N < kv_end) {
+            load_kv_tile(k0 + BLOCK_N, stage ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
+        const bf16* k_tile = kv_stages + stage * 2 * BLOCK_N * SMEM_ROW;
+        const bf16* v_tile = k_tile + BLOCK_N * SMEM_ROW;
 
         float s[BLOCK_N / 8][4];
 #pragma unroll
@@ -170,6 +186,7 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                 mma_bf16(o[d], pa, b0, b1);
             }
         }
+        __syncthreads();  // this stage is refilled two tiles from now
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -99,7 +99,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if batch.num_tiles == 0:
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
-    shared = 3 * PREFILL_TILE * (spec.head_dim + 8) * 2
+    shared = 5 * PREFILL_TILE * (spec.head_dim + 8) * 2  # Q + two stages of K and V (prefill_attention.cu)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     fn((batch.num_tiles, spec.num_heads), (128,),
