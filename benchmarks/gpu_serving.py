@@ -86,9 +86,11 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").exists():
-        from gpu_cold_start import write_checkpoint
-
-        print(f"writing random checkpoint: {write_checkpoint(checkpoint):.1f}s", flush=True)
+        # in a child process, so torch's CUDA memory is gone before our engine sizes its KV pool
+        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "from pathlib import Path; from gpu_cold_start import write_checkpoint; "
+                        "print(f'wrote random checkpoint in {write_checkpoint(Path(sys.argv[2])):.1f}s')",
+                        str(HERE), str(checkpoint)], check=True)
     if not (checkpoint / "tokenizer.json").exists():
         write_tokenizer(checkpoint, json.loads((checkpoint / "config.json").read_text())["vocab_size"])
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
