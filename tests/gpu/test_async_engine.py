@@ -17,7 +17,7 @@ def test_async_scheduling_matches_sync_on_cuda(tmp_path):
     from tests.helpers.engine_utils import make_request, run_all
     from tests.helpers.tiny_qwen3 import write_tiny_qwen3
 
-    path = write_tiny_qwen3(tmp_path / "q", seed=3)
+    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32)  # a head size the cuda kernels take
     config = json.loads((path / "config.json").read_text())
     rng = np.random.default_rng(5)
     requests = []
