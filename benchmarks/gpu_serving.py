@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="/tmp/qwen3-4b-random")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-serve", action="store_true")
+    parser.add_argument("--idle-gap-mode", choices=["sync", "async"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").exists():
@@ -97,13 +98,17 @@ def main() -> None:
     results = HERE / "results"
     results.mkdir(exist_ok=True)
 
-    gaps = [measure_idle_gap(checkpoint, mode, 64, 1024, 128) for mode in (False, True)]
-    for row in gaps:
-        print(json.dumps(row), flush=True)
-    import cupy
-
-    device = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-    device = device.decode() if isinstance(device, bytes) else str(device)
+    if args.idle_gap_mode is not None:  # child process: one engine, one mode, one JSON line
+        print("IDLE_GAP " + json.dumps(measure_idle_gap(checkpoint, args.idle_gap_mode == "async", 64, 1024, 128)))
+        return
+    gaps = []
+    for mode in ("sync", "async"):  # each engine in its own process: it takes most of the GPU
+        child = subprocess.run([sys.executable, __file__, "--checkpoint", str(checkpoint), "--idle-gap-mode", mode],
+                               check=True, capture_output=True, text=True)
+        gaps.append(json.loads(next(line[9:] for line in child.stdout.splitlines() if line.startswith("IDLE_GAP "))))
+        print(json.dumps(gaps[-1]), flush=True)
+    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                            text=True).stdout.strip() or "unknown GPU"
     (results / "idle_gap.json").write_text(json.dumps({"device": device, "runs": gaps}, indent=2))
     if out:
         shutil.copy(results / "idle_gap.json", out)
