@@ -104,7 +104,9 @@ def main() -> None:
     gaps = []
     for mode in ("sync", "async"):  # each engine in its own process: it takes most of the GPU
         child = subprocess.run([sys.executable, __file__, "--checkpoint", str(checkpoint), "--idle-gap-mode", mode],
-                               check=True, capture_output=True, text=True)
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"idle-gap run ({mode}) failed:\n{child.stderr[-4000:]}")
         gaps.append(json.loads(next(line[9:] for line in child.stdout.splitlines() if line.startswith("IDLE_GAP "))))
         print(json.dumps(gaps[-1]), flush=True)
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
