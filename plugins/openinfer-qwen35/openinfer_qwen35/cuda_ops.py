@@ -23,6 +23,7 @@ SOURCE = "gated_deltanet.cu"
 MAX_CONV_WIDTH = 9  # gdn_conv_state keeps K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
 SPLIT = 4  # threads per value channel in gdn_delta_rule (each holds DK / SPLIT state rows)
+TILE_DV = 32  # value channels per gdn_delta_rule block (a head spreads over dv / 32 blocks)
 
 
 @functools.cache
@@ -69,16 +70,16 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     if proj.shape[1] != conv_dim + value_dim + 2 * nv:
         raise ValueError(f"delta_net projection has {proj.shape[1]} features, expected "
                          f"{conv_dim + value_dim + 2 * nv} (q|k|v|z|b|a)")
-    if not 2 <= width <= MAX_CONV_WIDTH or dk > MAX_KEY_HEAD_DIM or dk % SPLIT or dv * SPLIT > 1024:
-        raise ValueError(f"cuda Gated DeltaNet supports conv width 2..{MAX_CONV_WIDTH}, key head dims <= "
-                         f"{MAX_KEY_HEAD_DIM} divisible by {SPLIT} and value head dims <= {1024 // SPLIT}; "
-                         f"got {width}, {dk}, {dv}")
+    if not 2 <= width <= MAX_CONV_WIDTH or dk > MAX_KEY_HEAD_DIM or dk % SPLIT:
+        raise ValueError(f"cuda Gated DeltaNet supports conv width 2..{MAX_CONV_WIDTH} and key head dims <= "
+                         f"{MAX_KEY_HEAD_DIM} divisible by {SPLIT}; got {width} and {dk}")
     if ssm_state.dtype != cupy.float32 or conv_state.dtype != cupy.uint16:
         raise ValueError("state slots must be fp32 (ssm) and bf16 (conv) CuPy arrays")
     device = seqs.device
     num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
     stride = np.int32(proj.shape[1])
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
+    core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
     if num_tokens == 0:
         return out
@@ -90,11 +91,14 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         (_blocks(num_seqs * conv_dim),), (256,),
         (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
          np.int32(conv_dim), np.int32(width)))
-    threads = -(-dv * SPLIT // 32) * 32
+    tile_dv = min(dv, TILE_DV)
     kernel("gdn_delta_rule", dk)(
-        (num_seqs, nv), (threads,),
-        (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm, device["query_start"],
-         device["slots"], device["fresh"], out, np.int32(nk), np.int32(nv), np.int32(dv),
+        (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
+        (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
+         device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
+    kernel("gdn_gated_norm", dk)(
+        (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
+        (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
          np.float32(config.rms_norm_eps)))
     return out
 

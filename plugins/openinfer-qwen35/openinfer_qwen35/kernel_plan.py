@@ -20,7 +20,9 @@ GDN layer core         ``delta_net``:                                           
                        ``gdn_conv_state`` →            sequence
                        ``gdn_delta_rule`` (gates, l2
                        norm, recurrence over the
-                       sequence's tokens, gated norm)
+                       sequence's tokens; blocks per
+                       32 value channels) →
+                       ``gdn_gated_norm``
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 

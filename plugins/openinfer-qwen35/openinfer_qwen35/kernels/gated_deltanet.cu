@@ -1,5 +1,5 @@
-// Gated DeltaNet on the GPU: the varlen causal conv, the conv-window update, the fused delta
-// rule (gates + l2 norm + recurrence + gated RMSNorm) and the attention output gate.
+// Gated DeltaNet on the GPU: the varlen causal conv, the conv-window update, the delta rule
+// (gates + l2 norm + recurrence, fused), the gated RMSNorm and the attention output gate.
 //
 // Activations are bf16; math is fp32 and rounds to bf16 where HF's bf16 model does. Layouts:
 //   proj       [T, conv_dim | value_dim (z) | nv (b) | nv (a)]   bf16, row stride proj_stride
@@ -94,23 +94,26 @@ extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int pro
     }
 }
 
-// The delta rule of one (sequence, value head) over the sequence's tokens of this step, fused
-// with its gates, the q/k l2 norm and the gated RMSNorm. Grid (num_seqs, nv). SPLIT threads
-// share a value channel j: thread t owns rows [part * DK/SPLIT, (part+1) * DK/SPLIT) of the
-// state column S[:, j] in registers (j = t / SPLIT, part = t % SPLIT), and the SPLIT partial
+// The delta rule of one (sequence, value head, tile of value channels) over the sequence's tokens
+// of this step, with its gates and the q/k l2 norm. Grid (num_seqs, nv, ceil(dv / tile_dv)):
+// tiling the value channels puts a single long prompt (or a batch of one) on several SMs per
+// head. SPLIT threads share a value channel j: thread t owns rows [part * DK/SPLIT, (part+1) *
+// DK/SPLIT) of the state column S[:, j] in registers (part = t % SPLIT), and the SPLIT partial
 // dot products meet by shuffles — a short serial chain per token, which bounds prefill speed.
+// Writes the core output o (bf16, as HF hands it to the norm) for gdn_gated_norm.
 extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int proj_stride,
                                           const bf16* __restrict__ conv_out, float* __restrict__ ssm_state,
                                           const float* __restrict__ neg_decay_rate,
-                                          const float* __restrict__ dt_bias, const bf16* __restrict__ norm_weight,
-                                          const int* __restrict__ query_start, const int* __restrict__ slots,
-                                          const int* __restrict__ fresh, bf16* __restrict__ out, int num_key_heads,
-                                          int num_value_heads, int dv, float eps) {
+                                          const float* __restrict__ dt_bias, const int* __restrict__ query_start,
+                                          const int* __restrict__ slots, const int* __restrict__ fresh,
+                                          bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv,
+                                          int tile_dv) {
     constexpr int ROWS = DK / SPLIT;
     __shared__ float q[DK], k[DK], scratch[32];
     const int s = blockIdx.x, h = blockIdx.y;
-    const int j = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
-    const bool active = j < dv;
+    const int local = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
+    const int j = blockIdx.z * tile_dv + local;
+    const bool active = local < tile_dv && j < dv;
     const int first = query_start[s], last = query_start[s + 1];
     const int key_head = h / (num_value_heads / num_key_heads);
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
@@ -120,7 +123,6 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) column[i] = (active && !fresh[s]) ? state[(size_t)(row0 + i) * dv + j] : 0.f;
     const float rate = neg_decay_rate[h], bias = dt_bias[h];
-    const float weight = active ? to_f(norm_weight[j]) : 0.f;
     const float scale = rsqrtf((float)DK);
 
     for (int t = first; t < last; ++t) {
@@ -159,18 +161,34 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
         }
 #pragma unroll
         for (int lane = 1; lane < SPLIT; lane <<= 1) o_part += __shfl_xor_sync(0xffffffffu, o_part, lane);
-        const float o = active ? round_bf16(o_part) : 0.f;  // HF hands the core output to the norm in bf16
-        const float variance = block_sum(part == 0 ? o * o : 0.f, scratch) / (float)dv;
-        if (active && part == 0) {
-            const float normed = round_bf16(o * rsqrtf(variance + eps));
-            const float z = to_f(p[conv_dim + h * dv + j]);
-            out[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(round_bf16(weight * normed) * silu_f(z));
-        }
+        if (active && part == 0) core[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(o_part);
         __syncthreads();  // q[] and k[] are rewritten by the next token
     }
     if (active) {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
+    }
+}
+
+// out[t, h, :] = RMSNorm(o[t, h, :]) * w * silu(z[t, h, :]), rounding as HF's bf16 RMSNormGated.
+// Grid (num_tokens, nv); blockDim.x a multiple of 32.
+extern "C" __global__ void gdn_gated_norm(const bf16* __restrict__ core, const bf16* __restrict__ proj,
+                                          int proj_stride, const bf16* __restrict__ norm_weight,
+                                          bf16* __restrict__ out, int conv_dim, int value_dim, int dv, float eps) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x, h = blockIdx.y;
+    const bf16* o = core + (size_t)t * value_dim + (size_t)h * dv;
+    const bf16* z = proj + (size_t)t * proj_stride + conv_dim + (size_t)h * dv;
+    float sq = 0.f;
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        const float x = to_f(o[c]);
+        sq += x * x;
+    }
+    const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)dv + eps);
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        const float normed = round_bf16(to_f(o[c]) * inv_rms);
+        out[(size_t)t * value_dim + (size_t)h * dv + c] =
+            __float2bfloat16_rn(round_bf16(to_f(norm_weight[c]) * normed) * silu_f(to_f(z[c])));
     }
 }
 

@@ -26,22 +26,23 @@ float __shfl_xor_sync(unsigned, float value, int lane_mask) {
 }
 
 template <class Kernel>
-static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel kernel) {
-    gridDim = {grid_x, grid_y, 1};
+static void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, Kernel kernel) {
+    gridDim = {grid_x, grid_y, grid_z};
     blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < grid_y; ++by)
-        for (unsigned bx = 0; bx < grid_x; ++bx) {
-            std::barrier<> barrier(threads);
-            block_barrier = &barrier;
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; ++t)
-                pool.emplace_back([=] {
-                    threadIdx = {t, 0, 0};
-                    blockIdx = {bx, by, 0};
-                    kernel();
-                });
-            for (auto& th : pool) th.join();
-        }
+    for (unsigned bz = 0; bz < grid_z; ++bz)
+        for (unsigned by = 0; by < grid_y; ++by)
+            for (unsigned bx = 0; bx < grid_x; ++bx) {
+                std::barrier<> barrier(threads);
+                block_barrier = &barrier;
+                std::vector<std::thread> pool;
+                for (unsigned t = 0; t < threads; ++t)
+                    pool.emplace_back([=] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {bx, by, bz};
+                        kernel();
+                    });
+                for (auto& th : pool) th.join();
+            }
 }
 
 template <class T>
@@ -86,18 +87,22 @@ int main(int argc, char** argv) {
     const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
     std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim), out(static_cast<size_t>(num_tokens) * value_dim);
 
-    launch(1, 1, 1, [&] {
+    launch(1, 1, 1, 1, [&] {
         gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
                    fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
     });
-    launch(1, 1, 1, [&] {
+    launch(1, 1, 1, 1, [&] {
         gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(), fresh.data(),
                        num_seqs, conv_dim, width);
     });
-    const unsigned threads = static_cast<unsigned>((dv * SPLIT + 31) / 32 * 32);
-    launch(num_seqs, nv, threads, [&] {
-        gdn_delta_rule(proj.data(), proj_stride, conv_out.data(), ssm.data(), rate.data(), bias.data(), norm.data(),
-                       query_start.data(), slots.data(), fresh.data(), out.data(), nk, nv, dv, eps);
+    const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
+    std::vector<bf16> core(out.size());
+    launch(num_seqs, nv, (dv + tile_dv - 1) / tile_dv, static_cast<unsigned>((tile_dv * SPLIT + 31) / 32 * 32), [&] {
+        gdn_delta_rule(proj.data(), proj_stride, conv_out.data(), ssm.data(), rate.data(), bias.data(),
+                       query_start.data(), slots.data(), fresh.data(), core.data(), nk, nv, dv, tile_dv);
+    });
+    launch(num_tokens, nv, 1, static_cast<unsigned>((dv + 31) / 32 * 32 < 256 ? (dv + 31) / 32 * 32 : 256), [&] {
+        gdn_gated_norm(core.data(), proj.data(), proj_stride, norm.data(), out.data(), conv_dim, value_dim, dv, eps);
     });
     save(dir, "out.bin", out);
     save(dir, "conv_state_out.bin", conv_state);
@@ -107,7 +112,7 @@ int main(int argc, char** argv) {
     auto gate = load<bf16>(dir, "gate_wide.bin");  // rows of 2 * gate_features: gate in the right half
     const long long rows = static_cast<long long>(x.size()) / gate_features;
     std::vector<bf16> gated(x.size());
-    launch(1, 1, 1, [&] {
+    launch(1, 1, 1, 1, [&] {
         sigmoid_mul(x.data(), gate.data() + gate_features, 2 * gate_features, gated.data(), rows, gate_features);
     });
     save(dir, "gated.bin", gated);
