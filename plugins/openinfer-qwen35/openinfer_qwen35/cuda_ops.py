@@ -118,11 +118,44 @@ def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
     return out
 
 
+def rms_norm(x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
+    """Zero-centred RMSNorm with the fp32 weight ``1 + w``."""
+    x = cupy.ascontiguousarray(_bf16(x, "rms_norm input"))
+    out = cupy.empty_like(x)
+    features = x.shape[-1]
+    if x.size:
+        kernel("zero_centred_rms_norm")((x.size // features,), (min(1024, -(-features // 32) * 32),),
+                                        (x, weight, out, np.int32(features), np.float32(eps)))
+    return out
+
+
+def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
+                 eps: float) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``residual + x`` (bf16) and its zero-centred RMSNorm with the fp32 weight ``1 + w``."""
+    x = cupy.ascontiguousarray(_bf16(x, "add_rms_norm input"))
+    residual = cupy.ascontiguousarray(_bf16(residual, "add_rms_norm residual"))
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    out, summed = cupy.empty_like(x), cupy.empty_like(x)
+    features = x.shape[-1]
+    if x.size:
+        kernel("zero_centred_add_rms_norm")((x.size // features,), (min(1024, -(-features // 32) * 32),),
+                                            (x, residual, weight, out, summed, np.int32(features), np.float32(eps)))
+    return out, summed
+
+
+def _fp32_device(array: np.ndarray) -> cupy.ndarray:
+    return cupy.asarray(np.ascontiguousarray(array, dtype=np.float32))
+
+
 CUDA_PLAN = KernelPlan(
     backend="cuda",
     sigmoid_mul=sigmoid_mul,
     delta_net=delta_net,
-    fp32_vector=lambda array: cupy.asarray(np.ascontiguousarray(array, dtype=np.float32)),
+    fp32_vector=_fp32_device,
     conv_state_dtype=cupy.uint16,
     prepare_sequences=prepare_sequences,
+    rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
+    norm_weight=_fp32_device,
 )

@@ -6,8 +6,11 @@ one), *decode* when it brings exactly one; a *mixed* step holds both kinds.
 =====================  ==============================  ==============================  =======
 op                     prefill                         decode                          from
 =====================  ==============================  ==============================  =======
-embedding / norms      core ``embedding``,             same                            core
-                       ``rms_norm``, ``add_rms_norm``
+embedding              core ``embedding``              same                            core
+layer / final norms    numpy: core ``rms_norm``,       same                            core /
+                       ``add_rms_norm``; cuda:                                         plugin
+                       ``zero_centred_(add_)rms_norm``
+                       (fp32 1 + w, one rounding)
 projections            core ``linear`` (BLAS/cuBLAS)   same                            core
 full attention         core ``attention`` (q/k norm    same, one query per sequence    core
                        + partial RoPE + paged KV)
@@ -58,6 +61,11 @@ class KernelPlan:
     fp32_vector: Callable[[np.ndarray], Any]  # small per-head parameters kept in fp32 (A, dt_bias)
     conv_state_dtype: Any  # dtype of the conv window in the state slots
     prepare_sequences: Callable[..., Any] = lambda seqs: seqs  # host StepSequences -> device copies
+    # Qwen3.5's zero-centred RMSNorm (weights stored as 1 + w); None: the backend's rms_norm /
+    # add_rms_norm with ``backend.weight`` (exact on numpy, fp32 throughout)
+    rms_norm: Callable[..., Any] | None = None
+    add_rms_norm: Callable[..., Any] | None = None
+    norm_weight: Callable[[np.ndarray], Any] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

@@ -44,6 +44,8 @@ class Qwen35Model:
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
+        self.rms_norm = self.plan.rms_norm or backend.rms_norm  # zero-centred: weights are 1 + w
+        self.add_rms_norm = self.plan.add_rms_norm or backend.add_rms_norm
         self.state = DeltaNetStateCache(config, num_state_slots, backend.xp, self.plan.conv_state_dtype)
         rope = RotaryEmbedding.create(config.head_dim, config.rope, max_model_len, config.max_position_embeddings)
         # one spec per full-attention layer (its own q/k norms), in kv_cache order
@@ -83,17 +85,17 @@ class Qwen35Model:
         for layer, (kind, index) in zip(w.layers, self.layer_slots, strict=True):
             if residual is None:
                 residual = hidden
-                x = ops.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
+                x = self.rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
             else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, self.config.rms_norm_eps)
+                x, residual = self.add_rms_norm(hidden, residual, layer.input_norm, self.config.rms_norm_eps)
             if kind == "attn":
                 hidden = self._full_attention(x, layer.mixer, self.attention_specs[index], kv_cache[index], batch)
             else:
                 hidden = self._delta_net(x, layer.mixer, index, seqs)
-            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
+            x, residual = self.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
             hidden = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
         last = ops.gather_rows(ops.add(hidden, residual), batch.logits_rows)
-        return ops.linear(ops.rms_norm(last, w.final_norm, self.config.rms_norm_eps), w.lm_head)
+        return ops.linear(self.rms_norm(last, w.final_norm, self.config.rms_norm_eps), w.lm_head)
 
     def _step_sequences(self, batch: Any) -> StepSequences:
         host = getattr(batch, "host", None) or batch  # a device batch keeps its host ForwardBatch

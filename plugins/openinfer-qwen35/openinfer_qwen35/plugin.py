@@ -57,7 +57,8 @@ def num_state_slots(config: Qwen35Config, options: EngineOptions, backend: Backe
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
                 options: EngineOptions) -> Qwen35Model:
     qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
-    weights = load_weights(Checkpoint(model_path), qwen35, backend, plan_for(backend).fp32_vector)
+    plan = plan_for(backend)
+    weights = load_weights(Checkpoint(model_path), qwen35, backend, plan.fp32_vector, plan.norm_weight)
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
     return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,

@@ -121,13 +121,17 @@ def _fp32(array: np.ndarray) -> np.ndarray:
 
 
 def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
-                 fp32_vector: Callable[[np.ndarray], Any] = _fp32) -> Qwen35Weights:
+                 fp32_vector: Callable[[np.ndarray], Any] = _fp32,
+                 norm_weight: Callable[[np.ndarray], Any] | None = None) -> Qwen35Weights:
     """``fp32_vector`` places the per-head GDN parameters (``-exp(A_log)``, ``dt_bias``), which
-    stay fp32 on every backend (HF computes the decay in fp32 from them)."""
+    stay fp32 on every backend (HF computes the decay in fp32 from them); ``norm_weight`` places
+    the layer and final norms' ``1 + w`` (default ``backend.weight``; the cuda plan keeps fp32)."""
     reader = _Reader(source, text_prefix(source))
     hidden = config.hidden_size
+    place_norm = norm_weight or backend.weight
     embed = reader.get("embed_tokens.weight", (config.vocab_size, hidden))
-    layers = [_load_layer(reader, config, backend, i, fp32_vector) for i in range(config.num_hidden_layers)]
+    layers = [_load_layer(reader, config, backend, i, fp32_vector, place_norm)
+              for i in range(config.num_hidden_layers)]
     final_norm = 1.0 + reader.get("norm.weight", (hidden,))
     if "lm_head.weight" in source and not config.tie_word_embeddings:
         lm_head = reader.get("lm_head.weight", (config.vocab_size, hidden), full_name=True)
@@ -136,11 +140,11 @@ def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
         if "lm_head.weight" in source:
             reader.used.add("lm_head.weight")
     reader.check_all_used()
-    return Qwen35Weights(backend.weight(embed), layers, backend.weight(final_norm), backend.linear_weight(lm_head))
+    return Qwen35Weights(backend.weight(embed), layers, place_norm(final_norm), backend.linear_weight(lm_head))
 
 
 def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
-                fp32_vector: Callable[[np.ndarray], Any]) -> LayerWeights:
+                fp32_vector: Callable[[np.ndarray], Any], place_norm: Callable[[np.ndarray], Any]) -> LayerWeights:
     prefix = f"layers.{index}."
     hidden, inter = config.hidden_size, config.intermediate_size
     kind = config.layer_types[index]
@@ -152,8 +156,8 @@ def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
                               reader.get(prefix + "mlp.up_proj.weight", (inter, hidden))])
     return LayerWeights(
         kind=kind,
-        input_norm=backend.weight(1.0 + reader.get(prefix + "input_layernorm.weight", (hidden,))),
-        post_attention_norm=backend.weight(1.0 + reader.get(prefix + "post_attention_layernorm.weight", (hidden,))),
+        input_norm=place_norm(1.0 + reader.get(prefix + "input_layernorm.weight", (hidden,))),
+        post_attention_norm=place_norm(1.0 + reader.get(prefix + "post_attention_layernorm.weight", (hidden,))),
         mixer=mixer,
         gate_up=backend.linear_weight(gate_up),
         down=backend.linear_weight(reader.get(prefix + "mlp.down_proj.weight", (hidden, inter))),

@@ -61,11 +61,14 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     gate_x = bf16(rng.standard_normal((9, 24)))
     gate_wide = bf16(rng.standard_normal((9, 48)))
     token_seq = np.repeat(np.arange(4, dtype=np.int32), lengths)
+    norm_x, norm_residual = bf16(rng.standard_normal((5, 80))), bf16(3 * rng.standard_normal((5, 80)))
+    norm_weight = (1.0 + 0.3 * bf16(rng.standard_normal(80))).astype(np.float32)  # 1 + w, not rounded
     files = {"proj": float32_to_bf16(proj), "conv_weight": float32_to_bf16(conv_weight),
              "conv_state": float32_to_bf16(conv_state), "ssm_state": ssm_state, "neg_decay_rate": neg_rate,
              "dt_bias": dt_bias, "norm": float32_to_bf16(norm), "query_start": query_start, "slots": slots,
              "fresh": fresh.astype(np.int32), "token_seq": token_seq, "gate_x": float32_to_bf16(gate_x),
-             "gate_wide": float32_to_bf16(gate_wide)}
+             "gate_wide": float32_to_bf16(gate_wide), "norm_x": float32_to_bf16(norm_x),
+             "norm_residual": float32_to_bf16(norm_residual), "norm_weight": norm_weight}
     for name, array in files.items():
         np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
     subprocess.run([str(harness), str(tmp_path), str(nk), str(nv), str(VALUE_DIM), str(width),
@@ -91,3 +94,13 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     np.testing.assert_array_equal(ssm[0], ssm_state[0])  # the null slot is never touched
     gated = read("gated", np.uint16, gate_x.shape)
     np.testing.assert_allclose(gated, sigmoid_mul(gate_x, gate_wide[:, 24:]), rtol=1e-2, atol=1e-2)
+
+    # Qwen3.5's norm as HF's bf16 model: fp32 normalize × fp32 (1 + w), one rounding
+    def zero_centred(x: np.ndarray) -> np.ndarray:
+        return bf16(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps) * norm_weight)
+
+    summed = bf16(norm_x + norm_residual)
+    np.testing.assert_array_equal(read("norm_sum", np.uint16, summed.shape), summed)
+    np.testing.assert_allclose(read("norm_out", np.uint16, summed.shape), zero_centred(summed), rtol=8e-3, atol=1e-6)
+    np.testing.assert_allclose(read("norm_plain", np.uint16, norm_x.shape), zero_centred(norm_x), rtol=8e-3,
+                               atol=1e-6)

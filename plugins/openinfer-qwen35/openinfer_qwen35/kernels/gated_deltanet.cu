@@ -204,3 +204,36 @@ extern "C" __global__ void sigmoid_mul(const bf16* __restrict__ x, const bf16* _
         out[i] = __float2bfloat16_rn(to_f(x[i]) * g);
     }
 }
+
+// Qwen3.5's zero-centred RMSNorm as HF computes it in bf16: normalize in fp32, multiply by the
+// fp32 weight (1 + w), round once. (The Llama-style core kernel rounds the normalized row and
+// takes a bf16 weight, which would round 1 + w.) One block per row; blockDim.x a multiple of 32.
+__device__ __forceinline__ void zero_centred_row(const bf16* __restrict__ x, const float* __restrict__ weight,
+                                                 bf16* __restrict__ out, int features, float eps) {
+    __shared__ float scratch[32];
+    float sq = 0.f;
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        const float v = to_f(x[c]);
+        sq += v * v;
+    }
+    const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)features + eps);
+    for (int c = threadIdx.x; c < features; c += blockDim.x) out[c] = __float2bfloat16_rn(to_f(x[c]) * inv_rms * weight[c]);
+}
+
+extern "C" __global__ void zero_centred_rms_norm(const bf16* __restrict__ x, const float* __restrict__ weight,
+                                                 bf16* __restrict__ out, int features, float eps) {
+    const size_t row = blockIdx.x;
+    zero_centred_row(x + row * features, weight, out + row * features, features, eps);
+}
+
+// residual_out = x + residual (bf16, as HF's residual add); out = zero_centred_rms_norm(residual_out).
+extern "C" __global__ void zero_centred_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                                                     const float* __restrict__ weight, bf16* __restrict__ out,
+                                                     bf16* __restrict__ residual_out, int features, float eps) {
+    const size_t row = blockIdx.x;
+    bf16* summed = residual_out + row * features;
+    for (int c = threadIdx.x; c < features; c += blockDim.x)
+        summed[c] = __float2bfloat16_rn(to_f(x[row * features + c]) + to_f(residual[row * features + c]));
+    __syncthreads();
+    zero_centred_row(summed, weight, out + row * features, features, eps);
+}

@@ -116,5 +116,22 @@ int main(int argc, char** argv) {
         sigmoid_mul(x.data(), gate.data() + gate_features, 2 * gate_features, gated.data(), rows, gate_features);
     });
     save(dir, "gated.bin", gated);
+
+    auto norm_x = load<bf16>(dir, "norm_x.bin");
+    auto norm_residual = load<bf16>(dir, "norm_residual.bin");
+    auto norm_w = load<float>(dir, "norm_weight.bin");  // 1 + w, fp32
+    const int features = static_cast<int>(norm_w.size());
+    const unsigned norm_rows = static_cast<unsigned>(norm_x.size() / features);
+    std::vector<bf16> plain(norm_x.size()), normed(norm_x.size()), summed(norm_x.size());
+    launch(norm_rows, 1, 1, 64, [&] {
+        zero_centred_rms_norm(norm_x.data(), norm_w.data(), plain.data(), features, eps);
+    });
+    launch(norm_rows, 1, 1, 64, [&] {
+        zero_centred_add_rms_norm(norm_x.data(), norm_residual.data(), norm_w.data(), normed.data(), summed.data(),
+                                  features, eps);
+    });
+    save(dir, "norm_plain.bin", plain);
+    save(dir, "norm_out.bin", normed);
+    save(dir, "norm_sum.bin", summed);
     return 0;
 }
