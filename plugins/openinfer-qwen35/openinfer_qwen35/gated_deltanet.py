@@ -22,9 +22,10 @@ Per-request recurrent state (one state slot per request, see ``openinfer.kv.stat
     ssm_state  [num_slots, nv, dk, dv] fp32     the delta-rule matrix S of each value head
 
 ``delta_net`` at the bottom runs a whole step's layer core (all sequences, any mix of prefill
-and decode) on these pieces. The chunked algorithm (prefill) is exact: it folds C = 64 sequential updates into a unit
-lower-triangular solve (the UT transform) and a few matmuls per chunk, and carries ``S``
-between chunks, so a prompt split at any point gives the same state as one pass.
+and decode) on these pieces. The chunked algorithm (prefill) is exact: it folds C = 64
+sequential updates into a unit lower-triangular solve (the UT transform) and a few matmuls per
+chunk, and carries ``S`` between chunks, so a prompt split at any point gives the same state
+as one pass.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ L2_NORM_EPS = 1e-6
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives the right limit, 0
+        return x / (1.0 + np.exp(-x))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -52,7 +54,8 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def l2_normalize(x: np.ndarray, eps: float = L2_NORM_EPS) -> np.ndarray:

@@ -50,7 +50,8 @@ from openinfer_qwen35 import gated_deltanet
 
 def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """``x · sigmoid(gate)`` (the output gate of Qwen3.5's full attention)."""
-    return x / (1.0 + np.exp(-gate))
+    with np.errstate(over="ignore"):  # exp(-gate) = inf for gate << 0 gives the right limit, 0
+        return x / (1.0 + np.exp(-gate))
 
 
 @dataclass(frozen=True)
