@@ -43,8 +43,7 @@ def test_prefill_logits_match_transformers(tiny: tuple[Path, Any]) -> None:
     from openinfer import create_backend, read_model_config
 
     path, hf = tiny
-    model = LlamaForCausalLM.from_pretrained(path, LlamaConfig.from_dict(read_model_config(path)),
-                                             create_backend("cpu"))
+    model = LlamaForCausalLM.load(path, LlamaConfig.from_dict(read_model_config(path)), create_backend("cpu"))
     tokens = np.random.default_rng(0).integers(3, 300, size=150).tolist()  # crosses llama3's bands
     expected = hf_logits(hf, tokens)
     np.testing.assert_allclose(prefill_logits(model, tokens), expected, atol=2e-4, rtol=1e-4)

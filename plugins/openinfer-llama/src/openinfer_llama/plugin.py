@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from openinfer import EngineOptions, PagedEngine, create_backend, hookimpl, read_generation_config
+from openinfer import (
+    EngineOptions,
+    PagedEngine,
+    create_backend,
+    hookimpl,
+    read_generation_config,
+    score_architectures,
+)
 from openinfer_llama.config import ARCHITECTURES, MODEL_TYPES, LlamaConfig
 from openinfer_llama.model import LlamaForCausalLM
 
@@ -14,11 +21,7 @@ PLUGIN_NAME = "openinfer-llama"
 @hookimpl
 def openinfer_match(config: dict[str, Any]) -> int | None:
     """100 for ``LlamaForCausalLM``; 50 for a config that only says ``model_type: llama``."""
-    if any(architecture in ARCHITECTURES for architecture in config.get("architectures") or []):
-        return 100
-    if config.get("model_type") in MODEL_TYPES:
-        return 50
-    return None
+    return score_architectures(config, ARCHITECTURES, MODEL_TYPES)
 
 
 @hookimpl
@@ -29,6 +32,5 @@ def openinfer_claims() -> list[str]:
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
     llama = LlamaConfig.from_dict(config, read_generation_config(model_path))
-    model = LlamaForCausalLM.from_pretrained(model_path, llama, create_backend(options.device),
-                                             options.max_model_len)
+    model = LlamaForCausalLM.load(model_path, llama, create_backend(options.device), options.max_model_len)
     return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
