@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.hf_checkpoints import load_hf_float32, write_random_hf_checkpoint
 
 TINY_QWEN3: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -26,35 +27,10 @@ TINY_QWEN3: dict[str, Any] = {
 
 
 def write_tiny_qwen3(path: Path, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
-    """Write config.json + model.safetensors of a randomly initialised HF Qwen3, with every
-    parameter randomized (norm weights too, which HF initialises to ones)."""
-    import torch
+    """config.json + model.safetensors of a tiny HF Qwen3 with every parameter randomized."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config_dict = {**TINY_QWEN3, **overrides}
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    hf_config = Qwen3Config(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
-    model = Qwen3ForCausalLM(hf_config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            else:
-                param.copy_(0.08 * torch.randn_like(param))
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
-    # keep the exact config dict we intend (legacy key names unless overridden)
-    saved = json.loads((path / "config.json").read_text())
-    saved.update(config_dict)
-    (path / "config.json").write_text(json.dumps(saved, indent=2))
-    return path
+    return write_random_hf_checkpoint(path, Qwen3Config, Qwen3ForCausalLM, {**TINY_QWEN3, **overrides}, seed, dtype)
 
 
-def load_hf(path: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    model.eval()
-    return model
+load_hf = load_hf_float32

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.hf_checkpoints import load_hf_float32, write_random_hf_checkpoint
 
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -29,33 +30,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def write_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write config.json + model.safetensors of a randomly initialised HF Llama with every
-    parameter randomized (norm weights and biases too, which HF initialises to ones / zeros)."""
-    import torch
+    """config.json + model.safetensors of a tiny HF Llama with every parameter randomized."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config_dict = {**TINY_LLAMA, **overrides}
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    hf_config = LlamaConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
-    model = LlamaForCausalLM(hf_config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            else:
-                param.copy_(0.08 * torch.randn_like(param))
-    model.save_pretrained(path, safe_serialization=True)
-    saved = json.loads((path / "config.json").read_text())
-    saved.update(config_dict)  # keep the spelling under test (legacy rope_scaling vs rope_parameters)
-    (path / "config.json").write_text(json.dumps(saved, indent=2))
-    return path
+    return write_random_hf_checkpoint(path, LlamaConfig, LlamaForCausalLM, {**TINY_LLAMA, **overrides}, seed)
 
 
-def load_hf(path: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    return model
+load_hf = load_hf_float32
