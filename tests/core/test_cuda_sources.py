@@ -12,7 +12,10 @@ import pytest
 
 from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits, round_to_bf16
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_DIR = REPO / "core" / "kernels"
+# plugins ship their own kernels next to their Python package (e.g. openinfer_qwen35/kernels/)
+PLUGIN_KERNELS = sorted(REPO.glob("plugins/*/**/kernels/*.cu"))
 VARIANTS = {
     "qk_norm_rope.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "decode_attention.cu": [{"HEAD_DIM": 64, "GROUP": 1}, {"HEAD_DIM": 128, "GROUP": 4}, {"HEAD_DIM": 128, "GROUP": 8}],
@@ -21,15 +24,17 @@ VARIANTS = {
 
 
 def cases():
-    for source in sorted(KERNEL_DIR.glob("*.cu")):
+    for source in [*sorted(KERNEL_DIR.glob("*.cu")), *PLUGIN_KERNELS]:
         for defines in VARIANTS.get(source.name, [{}]):
-            yield pytest.param(source, defines, id=source.stem + "".join(f"-{k}{v}" for k, v in defines.items()))
+            yield pytest.param(source, defines, id=source.parent.parent.name + "/" + source.stem
+                               + "".join(f"-{k}{v}" for k, v in defines.items()))
 
 
 def test_every_source_has_a_case():
     assert {p.name for p in KERNEL_DIR.glob("*.cu")} >= {
         "elementwise.cu", "rms_norm.cu", "qk_norm_rope.cu", "decode_attention.cu", "prefill_attention.cu",
         "gemv.cu", "sampling.cu"}
+    assert any(p.name == "gated_deltanet.cu" for p in PLUGIN_KERNELS)
 
 
 @pytest.mark.parametrize(("source", "defines"), list(cases()))
