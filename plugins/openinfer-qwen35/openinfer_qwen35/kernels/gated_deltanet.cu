@@ -11,7 +11,6 @@
 // DK (key head dim) and SPLIT are compile-time defines: SPLIT threads keep one state column S[:, j]
 // in registers, DK / SPLIT rows each.
 #include <cuda_bf16.h>
-#include <stdint.h>
 
 typedef __nv_bfloat16 bf16;
 
