@@ -29,7 +29,8 @@ logger = logging.getLogger("openinfer.serve")
 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                       "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "max_queue", "seed")
+                       "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
+                       "max_queue", "seed")
 
 
 def _bool(value: str) -> bool:
@@ -73,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                         help="disable prefix caching")
     engine.add_argument("--cuda-graph", type=_bool, metavar="true|false", help="capture decode CUDA graphs")
+    engine.add_argument("--async-scheduling", type=_bool, metavar="true|false",
+                        help="launch step N+1 before reading step N back (default: on for cuda)")
     engine.add_argument("--max-queue", type=int, help="bounded waiting queue; a full queue answers 503")
     engine.add_argument("--seed", type=int, help="engine seed for unseeded sampling")
 
