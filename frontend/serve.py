@@ -157,8 +157,9 @@ async def serve(args: argparse.Namespace) -> int:
         name = _served_name(args, engine, model_path)
         app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
         if args.grpc_port and not args.engine:
-            grpc_server = await start_grpc_server(engine, args.host, args.grpc_port, args.api_key,
-                                                 sglang_model_name=name)
+            grpc_server = await start_grpc_server(
+                engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)

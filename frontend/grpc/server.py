@@ -120,9 +120,11 @@ async def _poll_health(engine: EngineHandle, health: HealthServicer) -> None:
 
 
 async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port: int = 50051,
-                            api_key: str | None = None, sglang_model_name: str | None = None) -> GrpcServer:
+                            api_key: str | None = None, sglang_model_name: str | None = None,
+                            tokenizer_path: str | None = None) -> GrpcServer:
     """Start the server. With ``sglang_model_name`` the SGLang scheduler service (for the ``smg``
-    router) is served on the same port, under that model name."""
+    router) is served on the same port, under that model name, pointing routers at
+    ``tokenizer_path`` (default: the engine's own tokenizer directory)."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     options = []
     if sglang_model_name is not None:  # imported only when asked for: smg-grpc-proto is a large import
@@ -135,7 +137,7 @@ async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port:
     if sglang_model_name is not None:
         info = engine.info()
         add_sglang_service(server, engine, served_model_name=sglang_model_name, model_path=info.model_path,
-                           tokenizer_path=info.tokenizer_path or info.model_path)
+                           tokenizer_path=tokenizer_path or info.tokenizer_path or info.model_path)
         service_names.append(SGLANG_SERVICE)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -520,3 +520,19 @@ if __name__ == "__main__":
 
     asyncio.run(serve_fake_worker(int(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]),
                                   sys.argv[4] if len(sys.argv) > 4 else None))
+
+
+async def test_start_grpc_server_points_routers_at_the_tokenizer_flag(tokenizer_dir, tmp_path):
+    """``openinfer serve --tokenizer DIR`` reaches the SGLang service's GetModelInfo."""
+    from openinfer.frontend.grpc import start_grpc_server
+
+    engine = FakeEngine()
+    server = await start_grpc_server(engine, "127.0.0.1", 0, sglang_model_name="tiny",
+                                     tokenizer_path=str(tokenizer_dir.resolve()))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        info = await sglang_grpc.SglangSchedulerStub(channel).GetModelInfo(sglang_pb.GetModelInfoRequest())
+        assert info.tokenizer_path == str(tokenizer_dir.resolve())
+    finally:
+        await channel.close()
+        await server.stop()
