@@ -13,6 +13,7 @@ from openinfer.kv.block_pool import BlockPool, hash_block_tokens
 
 @dataclass
 class RequestBlocks:
+    extra_key: str = ""  # engine-wide key + the request's cache salt, chained into every hash
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks, in order
     num_cached_blocks: int = 0  # how many leading blocks are published in the prefix cache
@@ -31,17 +32,22 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.requests[request_id].block_ids
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def request_key(self, cache_salt: str = "") -> str:
+        """What besides token ids goes into a request's block hashes."""
+        return f"{self.extra_key}|{cache_salt}" if cache_salt else self.extra_key
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full blocks that prefixes ``token_ids``. The last token is
         never served from the cache (its logits must be computed), so at most
         ``(len-1) // block_size`` blocks."""
+        key = self.extra_key if extra_key is None else extra_key
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
         hashes: list[bytes] = []
         parent: bytes | None = None
         for i in range(max_blocks):
             chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block_hash = hash_block_tokens(parent, chunk, self.extra_key)
+            block_hash = hash_block_tokens(parent, chunk, key)
             block_id = self.pool.lookup(block_hash, chunk)
             if block_id is None:
                 break
@@ -50,11 +56,13 @@ class KVCacheManager:
             parent = block_hash
         return hits, hashes
 
-    def start_request(self, request_id: str, token_ids: Sequence[int], use_cache: bool = True) -> int:
+    def start_request(self, request_id: str, token_ids: Sequence[int], use_cache: bool = True,
+                      cache_salt: str = "") -> int:
         """Register a request, taking references on its cached prefix; returns cached tokens."""
-        hits, hashes = self.find_cached_prefix(token_ids) if use_cache else ([], [])
+        key = self.request_key(cache_salt)
+        hits, hashes = self.find_cached_prefix(token_ids, key) if use_cache else ([], [])
         self.pool.touch(hits)
-        self.requests[request_id] = RequestBlocks(list(hits), list(hashes), len(hits))
+        self.requests[request_id] = RequestBlocks(key, list(hits), list(hashes), len(hits))
         return len(hits) * self.block_size
 
     def can_grow(self, request_id: str, num_total_tokens: int, reserve: int = 0) -> bool:
@@ -80,7 +88,7 @@ class KVCacheManager:
             i = blocks.num_cached_blocks
             parent = blocks.block_hashes[i - 1] if i > 0 else None
             chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block_hash = hash_block_tokens(parent, chunk, self.extra_key)
+            block_hash = hash_block_tokens(parent, chunk, blocks.extra_key)
             self.pool.cache_full_block(blocks.block_ids[i], block_hash, chunk)
             blocks.block_hashes.append(block_hash)
             blocks.num_cached_blocks += 1

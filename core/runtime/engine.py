@@ -197,7 +197,8 @@ class PagedEngine:
             request_id=request.request_id, token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
             sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
-            want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival)
+            want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,
+            cache_salt=request.cache_salt)
 
     def _emit(self, request_id: str, event: pb.TokenEvent, final: bool = False) -> None:
         with self._streams_lock:

@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     pending_sample_row: int = -1
+    cache_salt: str = ""
 
     @property
     def num_tokens(self) -> int:

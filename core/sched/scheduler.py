@@ -115,7 +115,8 @@ class Scheduler:
             started_now = request.request_id not in self.kv.requests
             if started_now:
                 use_cache = self.enable_prefix_cache and not request.want_prompt_logprobs
-                cached = self.kv.start_request(request.request_id, request.token_ids, use_cache)
+                cached = self.kv.start_request(request.request_id, request.token_ids, use_cache,
+                                               request.cache_salt)
                 request.num_computed_tokens = cached
                 if not request.was_scheduled:
                     request.num_cached_tokens = cached

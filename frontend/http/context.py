@@ -79,6 +79,7 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
                 logprobs=logprobs,
                 arrival_time=arrival,
                 prompt_logprobs=prompt_logprobs,
+                cache_salt=body.cache_salt or "",
             )
             check_generate_request(request, info)
             plans.append(ChoicePlan(index, request, body.stop_strings(), body.skip_special_tokens))

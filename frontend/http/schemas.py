@@ -47,6 +47,8 @@ class SamplingFields(Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # requests with different salts never share prefix-cache blocks (tenant isolation)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
 

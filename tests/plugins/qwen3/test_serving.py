@@ -73,3 +73,24 @@ def test_prompt_logprobs_cover_every_prompt_token_after_the_first(tiny_qwen3_dir
         assert all(lp.logprob <= 0 for lp in out)
     finally:
         engine.close_sync()
+
+
+def test_cache_salt_isolates_prefix_cache(tiny_qwen3_dir):
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(3, 320, size=40).tolist()
+    engine = build_engine(tiny_qwen3_dir)
+    try:
+        def salted(name, suffix, salt):
+            request = make_request(name, prefix + suffix, max_tokens=3)
+            request.cache_salt = salt
+            return request
+
+        run_one(engine, salted("a", [5], "tenant-a"))
+        same_tenant = run_one(engine, salted("b", [6], "tenant-a"))
+        other_tenant = run_one(engine, salted("c", [7], "tenant-b"))
+        unsalted = run_one(engine, make_request("d", prefix + [8], max_tokens=3))
+        assert same_tenant.cached_tokens == 32
+        assert other_tenant.cached_tokens == 0
+        assert unsalted.cached_tokens == 0
+    finally:
+        engine.close_sync()
