@@ -60,3 +60,19 @@ def test_capital_of_france_is_paris(demo_engine: Any, tokenizer: Tokenizer) -> N
     answer = tokenizer.decode(outcome.token_ids)
     assert "Paris" in answer, answer
     assert outcome.token_ids[-1] == 2 and outcome.finish is not None  # stopped at <|im_end|>
+
+
+def test_generate_cli_on_the_cached_demo_directory(demo_model_dir: Path) -> None:
+    """``--model-path`` on the converted cache directory works like any model directory."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "openinfer.cli", "generate", "--model-path", str(demo_model_dir), "--device", "cpu",
+         "--prompt", "The capital of France is", "--max-tokens", "4", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert "Paris" in payload["text"]
+    assert len(payload["token_ids"]) <= 4 and payload["finish_reason"] in ("stop", "length")
