@@ -26,20 +26,29 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 NULL_BLOCK_ID = 0
 _ROOT_HASH = b"openinfer-prefix-cache-v1"
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str = "") -> bytes:
-    """Chained hash of one full block: H(parent, tokens, extra_key)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(parent_hash if parent_hash is not None else _ROOT_HASH)
-    digest.update(extra_key.encode())
-    digest.update(b"|")
-    digest.update(",".join(map(str, token_ids)).encode())
-    return digest.digest()
+TokenChunk = Sequence[int] | bytes  # a block's token ids, or their int64 bytes (``token_bytes``)
+
+
+def token_bytes(token_ids: TokenChunk) -> bytes:
+    """The canonical byte form of token ids (little-endian int64), used for hashing and comparing."""
+    if isinstance(token_ids, bytes):
+        return token_ids
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenChunk, extra_key: str = "") -> bytes:
+    """Chained hash of one full block: H(parent | extra_key | tokens)."""
+    parent = parent_hash if parent_hash is not None else _ROOT_HASH
+    return hashlib.blake2b(b"".join((parent, extra_key.encode(), b"|", token_bytes(token_ids))),
+                           digest_size=16).digest()
 
 
 @dataclass
@@ -47,7 +56,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    token_ids: tuple[int, ...] = field(default=())
+    token_bytes: bytes = b""  # the cached block's tokens, compared on every hit
 
 
 class BlockPool:
@@ -84,12 +93,12 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+    def lookup(self, block_hash: bytes, token_ids: TokenChunk) -> int | None:
         """The cached block holding exactly these tokens after this parent chain, if any."""
         if not self.enable_prefix_cache:
             return None
         block_id = self.cached.get(block_hash)
-        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+        if block_id is None or self.blocks[block_id].token_bytes != token_bytes(token_ids):
             return None
         return block_id
 
@@ -135,7 +144,7 @@ class BlockPool:
                 else:
                     self.free_queue[block_id] = None
 
-    def cache_full_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+    def cache_full_block(self, block_id: int, block_hash: bytes, token_ids: TokenChunk) -> None:
         """Publish a now-full block under its chained hash (first writer wins)."""
         if not self.enable_prefix_cache:
             return
@@ -143,7 +152,7 @@ class BlockPool:
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
+        block.token_bytes = token_bytes(token_ids)
         self.cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
@@ -155,4 +164,4 @@ class BlockPool:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
-            block.token_ids = ()
+            block.token_bytes = b""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from openinfer.kv.block_pool import BlockPool, hash_block_tokens
+from openinfer.kv.block_pool import BlockPool, hash_block_tokens, token_bytes
 
 
 @dataclass
@@ -42,11 +42,13 @@ class KVCacheManager:
         ``(len-1) // block_size`` blocks."""
         key = self.extra_key if extra_key is None else extra_key
         max_blocks = (len(token_ids) - 1) // self.block_size
+        data = token_bytes(token_ids[: max_blocks * self.block_size])
+        stride = 8 * self.block_size
         hits: list[int] = []
         hashes: list[bytes] = []
         parent: bytes | None = None
         for i in range(max_blocks):
-            chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            chunk = data[i * stride : (i + 1) * stride]
             block_hash = hash_block_tokens(parent, chunk, key)
             block_id = self.pool.lookup(block_hash, chunk)
             if block_id is None:
@@ -84,10 +86,13 @@ class KVCacheManager:
         """Publish every block whose KV is now fully computed into the prefix cache."""
         blocks = self.requests[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(blocks.block_ids))
-        while blocks.num_cached_blocks < num_full:
-            i = blocks.num_cached_blocks
+        if blocks.num_cached_blocks >= num_full:
+            return
+        first, stride = blocks.num_cached_blocks, 8 * self.block_size
+        data = token_bytes(token_ids[first * self.block_size : num_full * self.block_size])
+        for i in range(first, num_full):
             parent = blocks.block_hashes[i - 1] if i > 0 else None
-            chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            chunk = data[(i - first) * stride : (i - first + 1) * stride]
             block_hash = hash_block_tokens(parent, chunk, blocks.extra_key)
             self.pool.cache_full_block(blocks.block_ids[i], block_hash, chunk)
             blocks.block_hashes.append(block_hash)
