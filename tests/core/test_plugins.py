@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 import openinfer
 from openinfer import (
     AmbiguousPluginError,
