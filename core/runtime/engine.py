@@ -301,45 +301,42 @@ class PagedEngine:
             elif not plan.preempted:
                 time.sleep(0.001)
             return
-        launched = self._launch(plan, in_flight)
+        try:
+            launched: _LaunchedStep | None = self._launch(plan, in_flight)
+            failure = None
+        except Exception as exc:
+            logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
+            launched, failure = None, exc
         if in_flight is not None:
-            self.num_steps_launched_ahead += 1
+            self.num_steps_launched_ahead += launched is not None
             self._in_flight = None
             self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
-        if launched is None:
-            return
-        if self.async_scheduling and self._may_defer(launched):
-            self._in_flight = launched
+        if failure is not None:
+            for chunk in plan.chunks:
+                if chunk.request.status is RequestStatus.RUNNING:
+                    self._fail(chunk.request, f"model step failed: {failure!r}")
+        elif self.async_scheduling and self._may_launch_ahead(launched.plan):
+            self._in_flight = launched  # the next step may run before this one is read back
         else:
             self._resolve(launched)
 
-    def _may_launch_ahead(self, plan) -> bool:
-        """Step N+1 may be launched before N is read back when no row of N+1 needs N's tokens
-        on the host (penalties count generated tokens; prompt logprobs read them)."""
+    def _may_launch_ahead(self, plan: SchedulerOutput) -> bool:
+        """A step may run before the previous one is read back when none of its rows needs
+        that step's tokens on the host (penalties count generated tokens; prompt logprobs
+        read them). The same test decides whether a launched step may stay unread."""
         return all(_samples_on_device_only(c.request) for c in plan.chunks)
 
-    def _may_defer(self, launched: _LaunchedStep) -> bool:
-        return all(_samples_on_device_only(c.request) for c in launched.plan.chunks)
-
-    def _launch(self, plan, previous: _LaunchedStep | None) -> _LaunchedStep | None:
+    def _launch(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Build the batch, run the model and start sampling; the plan's tokens count as
-        computed from here on and each sampled token is a placeholder until read back."""
+        computed from here on and each sampled token is a placeholder until read back.
+        Raises what the model raises (``step`` fails the plan's requests)."""
         batch, rows = build_forward_batch(plan.chunks, self.kv)
-        deferred = self.async_scheduling
-        try:
-            start = self._step_timer.start() if self._step_timer else None
-            logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
-            samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids, deferred)
-            if self._step_timer:
-                self._step_timer.stop(start)
-        except Exception as exc:
-            logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
-            if previous is not None:
-                self._resolve(previous)
-            for chunk in plan.chunks:
-                if chunk.request.status is RequestStatus.RUNNING:
-                    self._fail(chunk.request, f"model step failed: {exc!r}")
-            return None
+        start = self._step_timer.start() if self._step_timer else None
+        logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+        samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
+                              self.async_scheduling)
+        if self._step_timer:
+            self._step_timer.stop(start)
         self.num_steps += 1
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens

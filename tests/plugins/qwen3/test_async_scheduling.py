@@ -48,3 +48,30 @@ def test_async_scheduling_gives_identical_outputs_and_frees_everything(tiny_qwen
     finally:
         sync.close_sync()
         overlapped.close_sync()
+
+
+def test_a_failing_step_reads_the_previous_one_back_once_and_fails_its_requests(tiny_qwen3_dir):
+    prompt = np.random.default_rng(4).integers(3, 320, size=20).tolist()
+    sync = build_engine(tiny_qwen3_dir, async_scheduling=False)
+    overlapped = build_engine(tiny_qwen3_dir, async_scheduling=True)
+    try:
+        expected = run_all(sync, [make_request("ok", prompt, max_tokens=12)])[0].token_ids
+        forward, calls = overlapped.model.forward, []
+
+        def flaky_forward(batch, kv_cache):
+            calls.append(1)
+            if len(calls) == 6:  # prefill, then decode steps launched ahead; the 6th fails
+                raise RuntimeError("injected device failure")
+            return forward(batch, kv_cache)
+
+        overlapped.model.forward = flaky_forward
+        failed = run_all(overlapped, [make_request("boom", prompt, max_tokens=12)])[0]
+        assert failed.error is not None and "injected device failure" in failed.error.message
+        # every token read back before the failure is emitted exactly once, in order
+        assert 0 < len(failed.token_ids) < 12 and failed.token_ids == expected[: len(failed.token_ids)]
+        overlapped.model.forward = forward
+        assert run_all(overlapped, [make_request("after", prompt, max_tokens=12)])[0].token_ids == expected
+        assert overlapped.load().kv_blocks_used == 0
+    finally:
+        sync.close_sync()
+        overlapped.close_sync()
