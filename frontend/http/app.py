@@ -17,7 +17,7 @@ from openinfer.frontend.http.chat import create_chat_completion, render_chat_pro
 from openinfer.frontend.http.completions import create_completion
 from openinfer.frontend.http.context import ServerContext
 from openinfer.frontend.http.errors import error_response, install_error_handlers
-from openinfer.frontend.http.metrics import FrontendMetrics
+from openinfer.frontend.http.metrics import FrontendMetrics, ProcessTable
 from openinfer.frontend.http.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from openinfer.frontend.http.schemas import (
     ChatCompletionRequest,
@@ -31,10 +31,12 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: str,
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP server of one served model. ``api_key`` guards every route but /health and /metrics."""
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               processes: ProcessTable | None = None) -> FastAPI:
+    """The HTTP server of one served model. ``api_key`` guards every route but /health and /metrics;
+    ``processes`` lists the processes whose memory /metrics reports (default: this one)."""
     app = FastAPI(title="openinfer", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name))
+    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name, processes))
     app.state.openinfer = ctx
     install_error_handlers(app)
     created = int(time.time())
