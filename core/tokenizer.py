@@ -36,6 +36,25 @@ DETOKENIZER_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable character → byte table, the inverse of the alphabet byte-level BPE
+    vocabularies are written in (printable Latin-1 bytes stand for themselves, the rest are
+    shifted to U+0100 onwards in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+BYTE_LEVEL_DECODER = _byte_level_decoder()
+
+
 class TokenizerNotFoundError(InvalidRequestError):
     """The model directory has no tokenizer.json."""
 
@@ -107,13 +126,39 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprob ``bytes`` carry): byte-level BPE
+        pieces are mapped back from GPT-2's printable byte alphabet, SentencePiece byte-fallback
+        pieces ``<0xNN>`` are that byte and ``▁`` is a space; special tokens are their text."""
+        piece = self.raw.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
+        if self._is_byte_level and all(c in BYTE_LEVEL_DECODER for c in piece):
+            return bytes(BYTE_LEVEL_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def token_text(self, token_id: int) -> str:
-        """The text of one token for logprob tables; falls back to the raw vocab entry when the
-        token alone is not valid UTF-8 (a byte-level piece of a longer character)."""
-        text = self.raw.decode([token_id], skip_special_tokens=False)
-        if REPLACEMENT_CHAR in text or not text:
-            return self.raw.id_to_token(token_id) or text
-        return text
+        """The text of one token for logprob tables: its bytes as UTF-8; a token holding only part
+        of a character shows its bytes escaped (``\\xf0\\x9f``), the ``bytes`` field has them exact."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.raw.get_added_tokens_decoder())
+
+    @cached_property
+    def _is_byte_level(self) -> bool:
+        """Whether the vocabulary is spelled in GPT-2's byte alphabet (a ByteLevel decoder)."""
+        decoder = json.loads(self.raw.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]
+        return any(isinstance(part, Mapping) and part.get("type") == "ByteLevel" for part in parts)
 
     def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)

@@ -39,11 +39,10 @@ def chat_logprobs(tokenizer: Tokenizer, ids: Sequence[int], entries: Sequence[pb
                   num_top: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(ids, entries, strict=False):
-        text = tokenizer.token_text(token_id)
-        top = [TopLogprobEntry(token=(t := tokenizer.token_text(alt.token_id)), logprob=alt.logprob,
-                               bytes=list(t.encode("utf-8"))) for alt in entry.top[:num_top]]
-        content.append(ChatLogprobEntry(token=text, logprob=entry.logprob, bytes=list(text.encode("utf-8")),
-                                        top_logprobs=top))
+        top = [TopLogprobEntry(token=tokenizer.token_text(alt.token_id), logprob=alt.logprob,
+                               bytes=list(tokenizer.token_bytes(alt.token_id))) for alt in entry.top[:num_top]]
+        content.append(ChatLogprobEntry(token=tokenizer.token_text(token_id), logprob=entry.logprob,
+                                        bytes=list(tokenizer.token_bytes(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterator, Sequence
 
 from openinfer.frontend.http.context import ServerContext, build_plans, new_request_id, usage_of
@@ -34,12 +35,15 @@ def prompt_inputs(tokenizer: Tokenizer, prompt: str | list) -> list[tuple[str | 
 
 
 class LogprobsBuilder:
-    """Completions' logprobs table, built incrementally; ``text_offset`` counts from the choice start."""
+    """Completions' logprobs table, built incrementally. ``text_offset`` counts characters of the
+    choice's text from its start: each token's real bytes go through one UTF-8 decoder, so a
+    character split over several tokens is counted once, at the token that completes it."""
 
     def __init__(self, tokenizer: Tokenizer, num_top: int, offset: int = 0):
         self.tokenizer = tokenizer
         self.num_top = num_top
         self.offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(self, ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob | None]) -> CompletionLogprobs:
         table = CompletionLogprobs()
@@ -47,7 +51,7 @@ class LogprobsBuilder:
             text = self.tokenizer.token_text(token_id)
             table.tokens.append(text)
             table.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._utf8.decode(self.tokenizer.token_bytes(token_id)))
             if entry is None:
                 table.token_logprobs.append(None)
                 table.top_logprobs.append(None)
