@@ -84,6 +84,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = _location(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
+    refused = (first.get("ctx") or {}).get("error")
+    if getattr(refused, "field", None):  # a RefusedField names its field itself
+        return f"invalid request: {refused}", refused.field
     details = "; ".join(f"{_location(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
     return f"invalid request: {details}", param
 
