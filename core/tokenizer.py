@@ -27,6 +27,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.decoders import DecodeStream
 
 from openinfer.errors import InvalidRequestError
 
@@ -300,19 +301,23 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # tokenizers' streaming decoder: one Rust call per token, no re-decoding of a window
+        self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_ids: Iterable[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character is still incomplete: hold it back
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        raw, step = self.tokenizer.raw, self._stream.step
+        text = ""
+        for token_id in new_ids:
+            self.ids.append(token_id)
+            chunk = step(raw, token_id)
+            if chunk:
+                text += chunk
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+        return text
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD)."""

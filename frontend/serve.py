@@ -1,7 +1,9 @@
 """``openinfer serve``: the HTTP server (and, for a local engine, the gRPC server) of one model.
 
 ``add_arguments`` declares the flags, ``run`` serves until SIGINT/SIGTERM and returns the exit
-code. Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
+code. By default the engine runs in its own engine-core process and HTTP/gRPC in
+``--api-server-count`` API-server processes, all supervised (``openinfer.frontend.supervisor``);
+``--single-process`` keeps everything in one process (engine thread + event loop). Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
 names are the fields of ``openinfer.options.EngineOptions``); a flag left out keeps the
 engine's default. Shutdown order: stop accepting (HTTP and gRPC), let in-flight requests finish
 for ``--shutdown-timeout`` seconds (then they are cancelled and aborted), close the engine, exit 0.
@@ -86,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--default-max-tokens", type=int_range(1, INT32_MAX),
                         help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
                              "the model's generation_config max_new_tokens, else the rest of the context)")
+    server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
+                        help="HTTP/gRPC server processes sharing the port (default 1: on the 2-core CPU box one "
+                             "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
+    server.add_argument("--single-process", action="store_true",
+                        help="run the engine as a thread of the HTTP process (no engine-core process, no "
+                             "supervision); for debugging and comparisons")
+    server.add_argument("--engine-factory", metavar="MODULE:FUNCTION",
+                        help="build the engine with FUNCTION(model_path, **engine options) instead of "
+                             "openinfer.create_engine (tests, benchmarks: openinfer.engine_core.stub:create_stub_engine)")
     engine = parser.add_argument_group("engine (forwarded to openinfer.create_engine)")
     engine.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default auto")
     engine.add_argument("--max-model-len", type=int_range(2, INT32_MAX),
@@ -175,6 +186,10 @@ def _open_local_engine(args: argparse.Namespace) -> tuple[EngineHandle, Path]:
 
         model_path = ensure_demo_model()
         logger.info("no --model-path given: serving the demo model at %s", model_path)
+    if getattr(args, "engine_factory", None):
+        from openinfer.engine_core.process import load_factory
+
+        return load_factory(args.engine_factory)(str(model_path), **engine_options(args)), Path(model_path)
     return openinfer.create_engine(str(model_path), **engine_options(args)), Path(model_path)
 
 
@@ -241,6 +256,18 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine and args.model_path:
+        logger.error("give either --model-path (local engine) or --engine grpc://... (remote), not both")
+        return 2
+    if not getattr(args, "single_process", True):
+        from openinfer.frontend.supervisor import Supervisor
+
+        options = engine_options(args)
+        if args.engine:
+            ignored = sorted(set(options) - {"served_model_name"})
+            if ignored:
+                logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        return Supervisor(args, options).run()
     try:
         return asyncio.run(serve(args))
     except PortInUseError as exc:

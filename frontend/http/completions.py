@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
@@ -146,8 +147,17 @@ async def stream_completion(ctx: ServerContext, body: CompletionRequest, streams
             index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)])
 
     first = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+    # plain text chunks (no logprobs, no echo) are formatted directly: no pydantic per token
+    plain = not want_logprobs and not body.echo
+    head = (f'data: {{"id":{json.dumps(request_id)},"object":"text_completion","created":{first.created},'
+            f'"model":{json.dumps(ctx.model_name, ensure_ascii=False)},"choices":[{{"index":')
     try:
         async for delta in merge_deltas(streams):
+            if plain:
+                reason = "null" if delta.finish_reason is None else json.dumps(delta.finish_reason)
+                yield (f'{head}{delta.index},"text":{json.dumps(delta.text, ensure_ascii=False)},"logprobs":null,'
+                       f'"finish_reason":{reason}}}],"usage":null}}\n\n')
+                continue
             response = chunk(delta)
             response.created = first.created
             yield sse_frame(response)

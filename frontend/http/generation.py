@@ -246,7 +246,16 @@ async def collect_all(streams: Sequence[ChoiceStream]) -> list[list[ChoiceDelta]
 
 async def merge_deltas(streams: Sequence[ChoiceStream]) -> AsyncIterator[ChoiceDelta]:
     """Interleave the deltas of all choices as they come. Closing this generator (client gone)
-    cancels every choice and aborts their engine requests."""
+    cancels every choice and aborts their engine requests. One choice (the usual n=1) is
+    iterated directly: no task, no queue hop per delta."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0].deltas():
+                yield delta
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_all(streams)
+        return
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
     async def pump(stream: ChoiceStream) -> None:
