@@ -25,11 +25,11 @@ from openinfer.errors import OpenInferError
 logger = logging.getLogger("openinfer.api_server")
 
 
-async def _connect(args: argparse.Namespace, run_dir: str) -> EngineHandle:
+async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) -> EngineHandle:
     if args.engine:
         from openinfer.frontend.grpc import GrpcEngineClient
 
-        remote = GrpcEngineClient(args.engine, args.api_key)
+        remote = GrpcEngineClient(args.engine, api_key)
         logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         return remote
@@ -45,21 +45,24 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
 
     from openinfer.frontend.grpc import start_grpc_server
     from openinfer.frontend.http import create_app
+    from openinfer.frontend.http.context import ServerLimits
     from openinfer.frontend.http.metrics import ProcessTable
-    from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server
+    from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server, resolve_api_key
 
     sock = socket.socket(fileno=listen_fd)
-    engine = await _connect(args, run_dir)
+    api_key = resolve_api_key(args)  # the supervisor passes it in the environment, not argv
+    engine = await _connect(args, run_dir, api_key)
     model_path = Path(args.model_path) if args.model_path else None
     grpc_server = None
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                         processes=ProcessTable(run_dir))
-        if args.grpc_port and not args.engine:
+        limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+        app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                         limits=limits, processes=ProcessTable(run_dir))
+        if args.grpc_port and not args.engine and index == 0:
             grpc_server = await start_grpc_server(
-                engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,
+                engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
                 tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
@@ -95,8 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**json.loads(ours.args_json))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
+    from openinfer.errors import PortInUseError
+    from openinfer.frontend.serve import STARTUP_FAILURE
+
     try:
         return asyncio.run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
+    except PortInUseError as exc:
+        logger.error("cannot serve: %s", exc)
+        return STARTUP_FAILURE
     except OpenInferError as exc:
         logger.error("%s", exc)
         return 2

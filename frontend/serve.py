@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
                              "the model's generation_config max_new_tokens, else the rest of the context)")
     server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
-                        help="HTTP/gRPC server processes sharing the port (default 1: on the 2-core CPU box one "
+                        help="HTTP server processes sharing the port; the first also serves gRPC (default 1: on the 2-core CPU box one "
                              "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
     server.add_argument("--single-process", action="store_true",
                         help="run the engine as a thread of the HTTP process (no engine-core process, no "
@@ -267,7 +267,15 @@ def run(args: argparse.Namespace) -> int:
             ignored = sorted(set(options) - {"served_model_name"})
             if ignored:
                 logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
-        return Supervisor(args, options).run()
+        try:
+            api_key = resolve_api_key(args)
+        except OpenInferError as exc:
+            logger.error("%s", exc)
+            return 2
+        if not api_key and not is_loopback(args.host):
+            logger.warning("binding %s, reachable from other machines, without an API key: anyone who can reach "
+                           "it can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
+        return Supervisor(args, options, api_key).run()
     try:
         return asyncio.run(serve(args))
     except PortInUseError as exc:

@@ -41,6 +41,9 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.05
 PROCESS_TABLE = "processes.json"
+API_KEY_ENV = "OPENINFER_API_KEY"
+CONFIG_ERROR = 2
+STARTUP_FAILURE = 3  # a port cannot be bound (as uvicorn exits)
 
 
 @dataclass
@@ -67,14 +70,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace, engine_options: dict):
+    def __init__(self, args: argparse.Namespace, engine_options: dict, api_key: str | None = None):
         self.args = args
+        self.api_key = api_key
         self.engine_options = engine_options
         self.run_dir = tempfile.mkdtemp(prefix="openinfer-")
         self.stopping = False
         self.core = Child("engine-core") if not args.engine else None
         self.api = [Child(f"api-server-{i}") for i in range(args.api_server_count)]
         self.sock: socket.socket | None = None
+        self.exit_code = 1  # when the server stops because a child cannot be (re)started
 
     # --- children --------------------------------------------------------------------------
 
@@ -96,9 +101,14 @@ class Supervisor:
     def _start_api(self, index: int) -> None:
         assert self.sock is not None
         child = self.api[index]
+        args = {k: v for k, v in _plain(vars(self.args)).items() if k not in ("api_key", "api_key_file")}
         command = [sys.executable, "-m", "openinfer.frontend.api_server", "--listen-fd", str(self.sock.fileno()),
-                   "--run-dir", self.run_dir, "--index", str(index), "--args-json", json.dumps(_plain(vars(self.args)))]
-        child.process = subprocess.Popen(command, pass_fds=(self.sock.fileno(),), start_new_session=True)
+                   "--run-dir", self.run_dir, "--index", str(index), "--args-json", json.dumps(args)]
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:  # through the environment: a command line is visible to every user
+            env[API_KEY_ENV] = self.api_key
+        child.process = subprocess.Popen(command, pass_fds=(self.sock.fileno(),), start_new_session=True, env=env)
         self._write_table()
 
     def _write_table(self) -> None:
@@ -168,8 +178,9 @@ class Supervisor:
         try:
             self.sock = listen_socket(self.args.host, self.args.port)
         except OSError as exc:
-            logger.error("cannot serve on %s:%d: %s", self.args.host, self.args.port, exc)
-            return 1
+            logger.error("cannot serve: the HTTP server cannot bind %s:%d (%s); choose another --port",
+                         self.args.host, self.args.port, exc.strerror or exc)
+            return STARTUP_FAILURE
         if self.core is not None:
             self._start_core()
             report = None
@@ -187,7 +198,7 @@ class Supervisor:
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
-                return 1
+                return self.exit_code
         return 0
 
     def _watch(self) -> bool:
@@ -220,6 +231,10 @@ class Supervisor:
                 continue
             code = child.process.poll()
             if code is not None:
+                if code in (CONFIG_ERROR, STARTUP_FAILURE):  # restarting would fail the same way
+                    logger.error("%s could not start (exit %d); stopping", child.role, code)
+                    self.exit_code = code
+                    return False
                 if not self._schedule_restart(child, f"exited with code {code}"):
                     return False
                 self._write_table()
