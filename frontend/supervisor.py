@@ -183,23 +183,36 @@ class Supervisor:
             return STARTUP_FAILURE
         if self.core is not None:
             self._start_core()
+        # the API servers import and connect while the core loads the model (they answer 503
+        # until it is ready): start-up costs max(core, API server), not their sum
+        for index in range(len(self.api)):
+            self._start_api(index)
+        if self.core is not None:
             report = None
             while report is None and not self.stopping:
                 report = self._read_ready(block=False)
                 if report is None:
                     time.sleep(POLL_S)
+                    if any(c.process is not None and c.process.poll() in (CONFIG_ERROR, STARTUP_FAILURE)
+                           for c in self.api):
+                        return self._api_startup_failure()
             if self.stopping:
                 return 0
             if not report.get("ok"):
                 logger.error("the engine could not start: %s", report.get("error"))
                 return int(report.get("exit_code", 1))
-        for index in range(len(self.api)):
-            self._start_api(index)
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
                 return self.exit_code
         return 0
+
+    def _api_startup_failure(self) -> int:
+        child = next(c for c in self.api if c.process is not None and c.process.poll() in (CONFIG_ERROR,
+                                                                                               STARTUP_FAILURE))
+        code = child.process.returncode
+        logger.error("%s could not start (exit %d); stopping", child.role, code)
+        return code
 
     def _watch(self) -> bool:
         """Restart whatever died; False when a restart budget is spent."""
