@@ -88,6 +88,15 @@ async def _exit_with_supervisor(server) -> None:
     server.should_exit = True
 
 
+def _run(main_coroutine):
+    """uvloop when installed (a faster event loop for many concurrent streams), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_coroutine)
+    return uvloop.run(main_coroutine)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openinfer.frontend.api_server")
     parser.add_argument("--listen-fd", type=int, required=True)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from openinfer.frontend.serve import STARTUP_FAILURE
 
     try:
-        return asyncio.run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
+        return _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
     except PortInUseError as exc:
         logger.error("cannot serve: %s", exc)
         return STARTUP_FAILURE
