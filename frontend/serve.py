@@ -209,15 +209,28 @@ def _served_name(args: argparse.Namespace, engine: EngineHandle, model_path: Pat
     return info.model_id or Path(info.model_path).name or "model"
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokenizer, name: str,
+              api_key: str | None, processes: Any = None) -> Any:
+    """The HTTP app with every server flag applied (one place for the in-process and the API-server paths)."""
     from openinfer.frontend.http import create_app
 
-    model_path: Path | None = None
-    api_key = resolve_api_key(args)
+    limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+    return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                      limits=limits, processes=processes)
+
+
+def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
     if not api_key and not is_loopback(args.host):
         logger.warning("binding %s, reachable from other machines, without an API key: anyone who can reach it "
                        "can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+
+    model_path: Path | None = None
+    api_key = resolve_api_key(args)
+    warn_if_exposed(args, api_key)
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
@@ -234,9 +247,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
-        app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                         limits=limits)
+        app = build_app(args, engine, tokenizer, name, api_key)
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
@@ -267,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
             ignored = sorted(set(options) - {"served_model_name"})
             if ignored:
                 logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        try:
+            warn_if_exposed(args, resolve_api_key(args))
+        except OpenInferError as exc:
+            logger.error("%s", exc)
+            return 2
         return Supervisor(args, options).run()
     try:
         return asyncio.run(serve(args))
