@@ -8,8 +8,10 @@ tables carry YaRN's attention factor (1.0 when ``mscale == mscale_all_dim``).
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from openinfer import RopeParameters, WeightLoadError, eos_token_ids_from, rope_parameters_from_config
@@ -125,3 +127,21 @@ class KimiK2Config:
             bos_token_id=bos if isinstance(bos, int) else None,
             quant=quant_config_from(text if "quantization_config" in text else config),
             model_type=str(config.get("model_type", "deepseek_v3")))
+
+
+MESSAGE_END_TOKEN = "<|im_end|>"
+
+
+def with_message_end_stop(config: KimiK2Config, model_path: str | Path) -> KimiK2Config:
+    """Kimi chat ends a reply with ``<|im_end|>``, which config.json's ``eos_token_id`` ([EOS])
+    does not name: add its id (from tokenizer_config.json's ``added_tokens_decoder``) to the stops."""
+    path = Path(model_path) / "tokenizer_config.json"
+    try:
+        decoder = json.loads(path.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}
+    except (OSError, ValueError):
+        return config
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else entry
+        if content == MESSAGE_END_TOKEN and str(key).isdigit() and int(key) not in config.eos_token_ids:
+            return replace(config, eos_token_ids=(*config.eos_token_ids, int(key)))
+    return config

@@ -14,7 +14,14 @@ from openinfer import (
     hookimpl,
     read_generation_config,
 )
-from openinfer_kimi_k2.config import ARCHITECTURES, MODEL_TYPES, KimiK2Config, text_config_of
+from openinfer_kimi_k2.config import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    KimiK2Config,
+    text_config_of,
+    with_message_end_stop,
+)
+from openinfer_kimi_k2.kernel_plan import check_backend
 from openinfer_kimi_k2.model import KimiK2Model
 from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
 
@@ -44,10 +51,11 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
                 backend: Backend | None = None) -> KimiK2Model:
     """Parse the config and check every tensor from the safetensors headers first, so a bad
     checkpoint fails with the tensor's name before the backend (and any device memory) exists."""
-    kimi = KimiK2Config.from_dict(config, read_generation_config(model_path))
+    kimi = with_message_end_stop(KimiK2Config.from_dict(config, read_generation_config(model_path)), model_path)
     checkpoint = Checkpoint(model_path)
     linears = plan_checkpoint(checkpoint, kimi)
     backend = backend or create_backend(options.device)
+    check_backend(backend)
     weights = load_weights(checkpoint, kimi, backend, linears=linears)
     max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("DeepseekV3ForCausalLM",))
