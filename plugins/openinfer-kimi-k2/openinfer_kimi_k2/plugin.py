@@ -21,7 +21,7 @@ from openinfer_kimi_k2.config import (
     text_config_of,
     with_message_end_stop,
 )
-from openinfer_kimi_k2.kernel_plan import check_backend
+from openinfer_kimi_k2.kernel_plan import plan_for
 from openinfer_kimi_k2.model import KimiK2Model
 from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
 
@@ -55,8 +55,7 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
     checkpoint = Checkpoint(model_path)
     linears = plan_checkpoint(checkpoint, kimi)
     backend = backend or create_backend(options.device)
-    check_backend(backend)
-    weights = load_weights(checkpoint, kimi, backend, linears=linears)
+    weights = load_weights(checkpoint, kimi, backend, linears=linears, builder=plan_for(backend).builder)
     max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("DeepseekV3ForCausalLM",))
     return KimiK2Model(kimi, weights, backend, max_model_len=max_len, architectures=architectures)
