@@ -95,11 +95,11 @@ int main(int argc, char** argv) {
     std::vector<float> weights(slots);
     const int max_tiles = (slots + BM - 1) / BM + std::min(E, slots);
     std::vector<int> tile_expert(max_tiles), tile_row(max_tiles), num_tiles(1);
-    launch(T, 1, 256, [&] {
+    launch(T, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
         moe_route(x.data(), gate.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups, topk_groups,
                   group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
     });
-    launch(1, 1, 1024, [&] {
+    launch(1, 1, 256, [&] {
         moe_sort(ids.data(), slots, E, counts.data(), offsets.data(), sorted.data(), pos.data(), tile_expert.data(),
                  tile_row.data(), num_tiles.data(), max_tiles);
     });
