@@ -23,7 +23,7 @@ _RAW_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
-    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8,
 }
 
 

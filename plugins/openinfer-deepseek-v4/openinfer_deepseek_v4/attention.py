@@ -1,0 +1,132 @@
+"""DeepSeek-V4 attention (NumPy reference): sliding window + compressed entries, sinks, K = V.
+
+Per sequence, for the step's new tokens at positions ``t0 … t0+n-1``::
+
+    qr = q_norm(wq_a x)          q = rms(wq_b qr) per head, RoPE on the last rope_dim channels
+    kv = RoPE(kv_norm(wkv x))    one head; the same vector is the key and the value
+    keys(t) = window: the last W tokens up to t   (positions t-W+1 … t)
+            + compressed entries w with  w < (t+1) // m
+                HCA: all of them;  CSA: those the indexer puts in its top-k for t
+    p = softmax([q·k / √D …, sink_h])  (the sink only enlarges the denominator)
+    o = RoPE⁻¹(Σ p·k)  at t,  then  wo_b(concat_g wo_a[g] @ o_g)   (grouped low-rank output)
+
+Compressor (entry w of rate m, over the window's tokens j): ``Σ_j softmax_j(wgate x_j + ape[j])
+⊙ wkv x_j`` per channel, then RMSNorm and RoPE at position w·m. CSA overlaps: its projections
+are [Ca | Cb] (2·D wide) and entry w pools Cb of window w plus Ca of window w−1 (2m slots).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from openinfer_deepseek_v4.rotary import InterleavedRope
+from openinfer_deepseek_v4.state import CompressorState, LayerState
+from openinfer_deepseek_v4.weights import AttentionWeights, CompressorWeights, IndexerWeights
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return normed if weight is None else normed * weight
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    shifted = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return shifted / np.sum(shifted, axis=axis, keepdims=True)
+
+
+def compress(ops: Any, x: np.ndarray, w: CompressorWeights, state: CompressorState, rope: InterleavedRope,
+             eps: float) -> np.ndarray:
+    """Feed ``x`` [n, hidden] (the sequence's next tokens) to a compressor; append the entries of
+    every window that closes to ``state.entries`` and keep the open window's rows pending."""
+    kv = np.concatenate([state.pending_kv, ops.linear(x, w.wkv)])
+    gate = np.concatenate([state.pending_gate, ops.linear(x, w.wgate)])
+    m, d = w.ratio, w.head_dim
+    usable = (kv.shape[0] // m) * m
+    state.pending_kv, state.pending_gate = kv[usable:], gate[usable:]
+    if usable == 0:
+        return state.entries
+    windows = usable // m
+    kv = kv[:usable].reshape(windows, m, -1)
+    gate = gate[:usable].reshape(windows, m, -1) + w.ape
+    if w.overlap:
+        slots_kv = np.zeros((windows, 2 * m, d), np.float32)
+        slots_gate = np.full((windows, 2 * m, d), -np.inf, np.float32)
+        slots_kv[:, m:], slots_gate[:, m:] = kv[..., d:], gate[..., d:]
+        slots_kv[1:, :m], slots_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+        if state.overlap_kv is not None:
+            slots_kv[0, :m], slots_gate[0, :m] = state.overlap_kv, state.overlap_gate
+        state.overlap_kv, state.overlap_gate = kv[-1, :, :d].copy(), gate[-1, :, :d].copy()
+        kv, gate = slots_kv, slots_gate
+    pooled = np.sum(kv * _softmax(gate, axis=1), axis=1)
+    first = state.num_entries
+    positions = (np.arange(windows) + first) * m
+    entries = rope.apply(rms_norm(pooled, w.norm, eps), positions)
+    state.entries = np.concatenate([state.entries, entries])
+    return state.entries
+
+
+def index_select(ops: Any, x: np.ndarray, qr: np.ndarray, positions: np.ndarray, w: IndexerWeights,
+                 state: CompressorState, rope: InterleavedRope, eps: float) -> np.ndarray:
+    """The indexer's pick: bool ``[n, entries]``, True where entry s is in query t's top-k
+    among the causally visible entries (s < (t+1)//m)."""
+    keys = compress(ops, x, w.compressor, state, rope, eps)
+    n, num_entries = x.shape[0], keys.shape[0]
+    visible = np.arange(num_entries)[None, :] < ((positions + 1) // w.compressor.ratio)[:, None]
+    if num_entries == 0:
+        return visible
+    q = rope.apply(ops.linear(qr, w.wq_b).reshape(n, w.num_heads, w.head_dim), positions)
+    scores = np.maximum(np.einsum("thd,sd->ths", q, keys), 0.0) * np.float32(w.head_dim**-0.5)
+    head_weights = ops.linear(x, w.weights_proj) * np.float32(w.num_heads**-0.5)
+    total = np.einsum("ths,th->ts", scores, head_weights)
+    total = np.where(visible, total, -np.inf)
+    k = min(w.topk, num_entries)
+    if k >= num_entries:
+        return visible
+    top = np.argpartition(-total, k - 1, axis=-1)[:, :k]
+    chosen = np.zeros_like(visible)
+    np.put_along_axis(chosen, top, True, axis=-1)
+    return chosen & visible
+
+
+def attention(ops: Any, x: np.ndarray, positions: np.ndarray, w: AttentionWeights, state: LayerState,
+              rope: InterleavedRope, *, num_heads: int, head_dim: int, window: int, eps: float) -> np.ndarray:
+    """One layer's attention for one sequence's new tokens; updates ``state``. Returns [n, hidden]."""
+    n = x.shape[0]
+    qr = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)
+    q = rms_norm(ops.linear(qr, w.wq_b).reshape(n, num_heads, head_dim), None, eps)
+    q = rope.apply(q, positions)
+    kv = rope.apply(ops.rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), positions)
+
+    past = state.window
+    keys = np.concatenate([past, kv])  # positions t0 - len(past) … t0 + n - 1
+    key_positions = np.arange(positions[0] - past.shape[0], positions[-1] + 1)
+    offsets = positions[:, None] - key_positions[None, :]
+    masks = [(offsets >= 0) & (offsets < window)]
+    if w.compressor is not None:
+        entries = compress(ops, x, w.compressor, state.compressor, rope, eps)
+        if w.indexer is not None:
+            visible = index_select(ops, x, qr, positions, w.indexer, state.indexer, rope, eps)
+        else:
+            rate = w.compressor.ratio
+            visible = np.arange(entries.shape[0])[None, :] < ((positions + 1) // rate)[:, None]
+        keys = np.concatenate([keys, entries])
+        masks.append(visible)
+    state.window = keys[: past.shape[0] + n][-(window - 1):] if window > 1 else keys[:0]
+    mask = np.concatenate(masks, axis=1)  # [n, K]
+
+    logits = np.einsum("thd,kd->htk", q, keys) * np.float32(head_dim**-0.5)
+    logits = np.where(mask[None], logits, -np.inf)
+    sink = w.sink[:, None, None]
+    peak = np.maximum(logits.max(axis=-1, keepdims=True), sink)
+    probs = np.exp(logits - peak)
+    denominator = probs.sum(axis=-1, keepdims=True) + np.exp(sink - peak)
+    out = np.einsum("htk,kd->thd", probs / denominator, keys)
+    out = rope.apply(out, positions, inverse=True)
+
+    groups = w.wo_a.shape[0]
+    grouped = out.reshape(n, groups, -1)
+    low_rank = np.einsum("tgi,goi->tgo", grouped, w.wo_a).reshape(n, -1)
+    return ops.linear(np.ascontiguousarray(low_rank, np.float32), w.wo_b)
