@@ -138,6 +138,7 @@ def hf_logits(model: Any, token_ids: list[int]) -> np.ndarray:
 
 
 def hf_greedy(model: Any, token_ids: list[int], num_tokens: int) -> list[int]:
+    """HF ``generate`` greedy continuation (its own DeepSeek-V4 cache: window + compressor state)."""
     import torch
 
     with torch.no_grad():
@@ -180,3 +181,144 @@ def run_chunks(model: Any, sequences: list[tuple[str, list[int], int]]) -> np.nd
         logits_rows=np.arange(len(tokens), dtype=np.int32), max_query_len=max(len(s[1]) for s in sequences),
         max_context_len=int(context_lens.max()), request_ids=tuple(rid for rid, _, _ in sequences))
     return np.asarray(model.forward(batch, []))
+
+
+# --- the other on-disk spellings -------------------------------------------------------------------
+
+def official_state(hf_dir: Path) -> dict[str, Any]:
+    """The HF-saved tensors under the official names (MODELS.md §1.2), as torch tensors."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+        name = name.replace("hc_head.hc_", "hc_head_")
+        parts = name.split(".")
+        if len(parts) == 5 and parts[2] == "attn" and parts[3] == "norm":  # layers.{i}.attn.norm.weight
+            name = ".".join([*parts[:3], "kv_norm", parts[4]])
+        state[name] = tensor
+    return state
+
+
+def write_official(hf_dir: Path, path: Path, state: dict[str, Any] | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in (state or official_state(hf_dir)).items()}, path / "model.safetensors")
+    (path / "config.json").write_text((hf_dir / "config.json").read_text())
+    return path
+
+
+def write_mp8(hf_dir: Path, path: Path, num_experts: int) -> Path:
+    """What the official ``convert.py --model-parallel 8`` writes: one file per rank."""
+    import re
+
+    from safetensors.torch import save_file
+
+    world = 8
+    dim0 = ("embed", "wq_b", "wo_a", "head", "weights_proj")
+    per_rank = num_experts // world
+    ranks: list[dict[str, Any]] = [{} for _ in range(world)]
+    for name, tensor in official_state(hf_dir).items():
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        for rank in range(world):
+            if expert:
+                if int(expert.group(1)) // per_rank == rank:
+                    ranks[rank][name] = tensor
+            elif module in dim0 or name.endswith("attn_sink"):
+                ranks[rank][name] = tensor.chunk(world, dim=0)[rank].contiguous()
+            elif module == "wo_b":
+                ranks[rank][name] = tensor.chunk(world, dim=1)[rank].contiguous()
+            else:
+                ranks[rank][name] = tensor
+    path.mkdir(parents=True, exist_ok=True)
+    for rank, state in enumerate(ranks):
+        save_file(state, path / f"model{rank}-mp{world}.safetensors")
+    (path / "config.json").write_text((hf_dir / "config.json").read_text())
+    return path
+
+
+_FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+_FP4_VALUES = [0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]
+
+
+def _quantize_fp8(weight: Any) -> tuple[Any, Any, Any]:
+    """(e4m3 codes, e8m0 128×128 block scales, the dequantised weight), in torch."""
+    import torch
+
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // 128), -(-in_features // 128)
+    padded = torch.zeros(rows * 128, cols * 128)
+    padded[:out_features, :in_features] = weight
+    amax = padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))  # a power of two: exact in e8m0
+    expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out_features, :in_features]
+    codes = (weight / expanded).to(torch.float8_e4m3fn)
+    return codes, scale.to(torch.float8_e8m0fnu), codes.float() * expanded
+
+
+def _quantize_fp4(weight: Any) -> tuple[Any, Any, Any]:
+    """(I8 [out, in/2] two e2m1 codes per byte, low nibble first; e8m0 scales per 32; dequantised)."""
+    import torch
+
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // 32, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 6.0)))
+    values = torch.tensor(_FP4_VALUES)
+    scaled = (groups / scale[..., None]).reshape(out_features, in_features)
+    codes = (scaled[..., None] - values).abs().argmin(-1)  # nearest code (ties: the lower index)
+    dequantised = values[codes] * scale.repeat_interleave(32, 1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu), dequantised
+
+
+def write_quantized(hf_dir: Path, path: Path) -> tuple[Path, dict[str, Any]]:
+    """An official-name checkpoint the way DeepSeek ships V4: attention linears, the indexer's
+    wq_b and the shared experts FP8 with e8m0 block scales, routed experts FP4, compressor and
+    indexer wkv/wgate BF16 — except layer 3's compressor, FP8 with a .scale like Flash-Base.
+    Returns the directory and the dequantised official state (for the HF reference)."""
+    import torch
+
+    quantized, dequantised = {}, {}
+    for name, tensor in official_state(hf_dir).items():
+        module, _, leaf = name.rpartition(".")
+        kind = module.rsplit(".", 1)[-1]
+        fp8 = leaf == "weight" and (
+            (kind in _FP8_LINEARS and ".compressor." not in name)
+            or ".shared_experts." in name
+            or (name.startswith("layers.3.attn.compressor.") and kind in ("wkv", "wgate")))
+        fp4 = leaf == "weight" and ".ffn.experts." in name
+        if fp8 or fp4:
+            codes, scale, value = (_quantize_fp8 if fp8 else _quantize_fp4)(tensor.float())
+            quantized[name], quantized[module + ".scale"] = codes, scale
+            dequantised[name] = value
+        elif leaf == "weight" and kind in ("wkv", "wgate"):
+            quantized[name] = tensor.to(torch.bfloat16)
+            dequantised[name] = quantized[name].float()
+        else:
+            quantized[name] = dequantised[name] = tensor
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config["expert_dtype"] = "fp4"
+    write_official(hf_dir, path, quantized)
+    (path / "config.json").write_text(json.dumps(config))
+    return path, dequantised
+
+
+def hf_from_official(state: dict[str, Any], config: dict[str, Any], path: Path) -> Any:
+    """An HF model loaded from an official-name fp32 checkpoint (HF's own renaming)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.float().contiguous() if v.is_floating_point() else v for k, v in state.items()},
+              path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    return model
