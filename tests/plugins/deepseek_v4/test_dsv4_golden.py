@@ -61,7 +61,7 @@ def test_chunked_prefill_split_anywhere_equals_one_shot(model, reference, splits
     ids, expected = reference
     bounds = [0, *splits, len(ids)]
     rid = f"chunks-{splits}"
-    got = np.concatenate([run_chunks(model, [(rid, ids[a:b], a)]) for a, b in zip(bounds, bounds[1:])])
+    got = np.concatenate([run_chunks(model, [(rid, ids[a:b], a)]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
     assert np.abs(got - expected).max() <= TOLERANCE
 
 
