@@ -92,5 +92,7 @@ class DeepseekV4Model:
             state.num_tokens += int(bounds[seq + 1] - bounds[seq])
 
         rows = np.asarray(batch.logits_rows, np.int64)
+        if rows.size == 0:  # a prefill chunk that samples nothing
+            return np.zeros((0, c.vocab_size), np.float32)
         hidden = collapse_head(streams[rows], w.hc_head, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
         return ops.linear(ops.rms_norm(hidden, w.norm, c.rms_norm_eps), w.head)
