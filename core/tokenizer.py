@@ -6,7 +6,9 @@ Engines see token ids only. Everything that turns text into ids and back lives h
   ``tokenizer_config.json`` (special tokens, ``chat_template``; or a ``chat_template.jinja``
   file beside it) and ``generation_config.json`` (eos ids).
 * ``Tokenizer.apply_chat_template`` renders messages with Jinja2 the way Hugging Face does
-  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``).
+  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``);
+  a model without a Jinja template (DeepSeek-V4) gets its plugin's ``ChatEncoder`` instead,
+  found through the ``openinfer_chat_encoder`` hook from the directory's ``config.json``.
 * ``IncrementalDetokenizer`` turns a growing id list into text deltas and never emits a
   partial UTF-8 character (text ending in U+FFFD is held back until the next token completes it).
 * ``StopStringMatcher`` withholds text that may still become a stop string.
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -29,11 +31,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
 from openinfer.errors import InvalidRequestError
+from openinfer.plugins import discover_plugins
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.
 DETOKENIZER_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatEncoder(Protocol):
+    """Turns chat messages into the prompt text for models that ship no Jinja chat template."""
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> str: ...
 
 
 class TokenizerNotFoundError(InvalidRequestError):
@@ -59,8 +69,10 @@ class Tokenizer:
 
     def __init__(self, raw: RawTokenizer, config: Mapping[str, Any] | None = None,
                  chat_template: str | list[dict[str, str]] | None = None,
-                 eos_token_ids: Sequence[int] | None = None, path: str = ""):
+                 eos_token_ids: Sequence[int] | None = None, path: str = "",
+                 chat_encoder: ChatEncoder | None = None):
         self.raw = raw
+        self.chat_encoder = chat_encoder
         self.config = dict(config or {})
         self.path = path
         self.bos_token = _token_content(self.config.get("bos_token"))
@@ -89,7 +101,8 @@ class Tokenizer:
         generation = _read_json(directory / "generation_config.json")
         eos = generation.get("eos_token_id")
         eos_ids = None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(raw, config, template, eos_ids, str(directory))
+        encoder = None if template else _plugin_chat_encoder(directory)
+        return cls(raw, config, template, eos_ids, str(directory), encoder)
 
     # --- ids <-> text ---------------------------------------------------------------------------
 
@@ -145,6 +158,10 @@ class Tokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             **template_kwargs: Any) -> str:
         """Render ``messages`` (OpenAI dicts; list content flattened to text) to the prompt string."""
+        if not self.chat_template and self.chat_encoder is not None:
+            return self.chat_encoder.encode([normalize_message(m) for m in messages],
+                                            add_generation_prompt=add_generation_prompt, tools=tools,
+                                            **template_kwargs)
         source = self._select_template(bool(tools))
         try:
             template = self._jinja.from_string(source)
@@ -161,6 +178,18 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequestError(f"the chat template could not render these messages: {exc!r}",
                                       "messages") from exc
+
+
+def _plugin_chat_encoder(directory: Path) -> ChatEncoder | None:
+    """The chat encoder the model's plugin brings, from ``config.json`` beside the tokenizer."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return discover_plugins().chat_encoder(config) if isinstance(config, dict) else None
 
 
 class GenerationTag(jinja2.ext.Extension):

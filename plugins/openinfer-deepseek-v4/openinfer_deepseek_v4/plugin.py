@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from openinfer import Backend, EngineOptions, PagedEngine, create_backend, hookimpl, read_generation_config
+from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, CSA, MODEL_TYPES, DeepseekV4Config
 from openinfer_deepseek_v4.model import DeepseekV4Model
@@ -44,6 +45,12 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
     return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, max_requests=options.max_num_seqs,
                            architectures=architectures, model_type=str(config.get("model_type", "deepseek_v4")))
+
+
+@hookimpl
+def openinfer_chat_encoder(config: dict[str, Any]) -> DeepseekV4ChatEncoder | None:
+    """DeepSeek-V4 checkpoints ship no Jinja chat template: the frontends use this encoder."""
+    return DeepseekV4ChatEncoder() if openinfer_match(config) else None
 
 
 def state_bytes(config: DeepseekV4Config) -> tuple[int, int]:

@@ -322,3 +322,26 @@ def hf_from_official(state: dict[str, Any], config: dict[str, Any], path: Path) 
     model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     return model
+
+
+# --- a tiny tokenizer with the DeepSeek-V4 special tokens --------------------------------------------
+
+SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                  "</think>", "<tool_result>", "</tool_result>"]
+
+
+def write_tokenizer(path: Path) -> Path:
+    """Character-level tokenizer.json (ids < 128) + tokenizer_config.json without a chat template,
+    like the real checkpoint (whose template is DeepSeek's Python encoder)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(".|\\n"), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "add_bos_token": False}))
+    return path
