@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from openinfer_deepseek_v4.rotary import InterleavedRope
-from openinfer_deepseek_v4.state import CompressorState, LayerState
+from openinfer_deepseek_v4.state import COMPRESSOR, INDEXER, OpenWindow, SequenceLayerCache
 from openinfer_deepseek_v4.weights import AttentionWeights, CompressorWeights, IndexerWeights
 
 
@@ -37,17 +37,18 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return shifted / np.sum(shifted, axis=axis, keepdims=True)
 
 
-def compress(ops: Any, x: np.ndarray, w: CompressorWeights, state: CompressorState, rope: InterleavedRope,
-             eps: float) -> np.ndarray:
-    """Feed ``x`` [n, hidden] (the sequence's next tokens) to a compressor; append the entries of
-    every window that closes to ``state.entries`` and keep the open window's rows pending."""
-    kv = np.concatenate([state.pending_kv, ops.linear(x, w.wkv)])
-    gate = np.concatenate([state.pending_gate, ops.linear(x, w.wgate)])
+def compress(ops: Any, x: np.ndarray, w: CompressorWeights, window: OpenWindow, first_entry: int,
+             rope: InterleavedRope, eps: float) -> tuple[np.ndarray, OpenWindow]:
+    """Feed ``x`` [n, hidden] (a sequence's next tokens) to a compressor whose open window is
+    ``window`` and whose next entry is ``first_entry``: ``(entries of the windows that close,
+    the open window after x)``."""
+    kv = np.concatenate([window.kv, ops.linear(x, w.wkv)])
+    gate = np.concatenate([window.gate, ops.linear(x, w.wgate)])
     m, d = w.ratio, w.head_dim
     usable = (kv.shape[0] // m) * m
-    state.pending_kv, state.pending_gate = kv[usable:], gate[usable:]
+    after = OpenWindow(kv[usable:], gate[usable:], window.overlap_kv, window.overlap_gate)
     if usable == 0:
-        return state.entries
+        return np.zeros((0, d), np.float32), after
     windows = usable // m
     kv = kv[:usable].reshape(windows, m, -1)
     gate = gate[:usable].reshape(windows, m, -1) + w.ape
@@ -56,65 +57,68 @@ def compress(ops: Any, x: np.ndarray, w: CompressorWeights, state: CompressorSta
         slots_gate = np.full((windows, 2 * m, d), -np.inf, np.float32)
         slots_kv[:, m:], slots_gate[:, m:] = kv[..., d:], gate[..., d:]
         slots_kv[1:, :m], slots_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
-        if state.overlap_kv is not None:
-            slots_kv[0, :m], slots_gate[0, :m] = state.overlap_kv, state.overlap_gate
-        state.overlap_kv, state.overlap_gate = kv[-1, :, :d].copy(), gate[-1, :, :d].copy()
+        if window.overlap_kv is not None:
+            slots_kv[0, :m], slots_gate[0, :m] = window.overlap_kv, window.overlap_gate
+        after.overlap_kv, after.overlap_gate = kv[-1, :, :d].copy(), gate[-1, :, :d].copy()
         kv, gate = slots_kv, slots_gate
     pooled = np.sum(kv * _softmax(gate, axis=1), axis=1)
-    first = state.num_entries
-    positions = (np.arange(windows) + first) * m
-    entries = rope.apply(rms_norm(pooled, w.norm, eps), positions)
-    state.entries = np.concatenate([state.entries, entries])
-    return state.entries
+    positions = (np.arange(windows) + first_entry) * m
+    return rope.apply(rms_norm(pooled, w.norm, eps), positions), after
+
+
+def _update_compressed(ops: Any, x: np.ndarray, w: CompressorWeights, cache: SequenceLayerCache, which: str,
+                       rope: InterleavedRope, eps: float) -> np.ndarray:
+    """Run a compressor over the new tokens, write what closes, return every entry so far."""
+    first = cache.start // w.ratio
+    new, after = compress(ops, x, w, cache.open_window(which, w.ratio, w.overlap), first, rope, eps)
+    cache.store_open_window(which, after)
+    cache.write_entries(which, first, new)
+    return np.concatenate([cache.entries(which, first), new])
 
 
 def index_select(ops: Any, x: np.ndarray, qr: np.ndarray, positions: np.ndarray, w: IndexerWeights,
-                 state: CompressorState, rope: InterleavedRope, eps: float) -> np.ndarray:
+                 cache: SequenceLayerCache, rope: InterleavedRope, eps: float) -> np.ndarray:
     """The indexer's pick: bool ``[n, entries]``, True where entry s is in query t's top-k
     among the causally visible entries (s < (t+1)//m)."""
-    keys = compress(ops, x, w.compressor, state, rope, eps)
+    keys = _update_compressed(ops, x, w.compressor, cache, INDEXER, rope, eps)
     n, num_entries = x.shape[0], keys.shape[0]
     visible = np.arange(num_entries)[None, :] < ((positions + 1) // w.compressor.ratio)[:, None]
-    if num_entries == 0:
+    k = min(w.topk, num_entries)
+    if k >= num_entries:
         return visible
     q = rope.apply(ops.linear(qr, w.wq_b).reshape(n, w.num_heads, w.head_dim), positions)
     scores = np.maximum(np.einsum("thd,sd->ths", q, keys), 0.0) * np.float32(w.head_dim**-0.5)
     head_weights = ops.linear(x, w.weights_proj) * np.float32(w.num_heads**-0.5)
-    total = np.einsum("ths,th->ts", scores, head_weights)
-    total = np.where(visible, total, -np.inf)
-    k = min(w.topk, num_entries)
-    if k >= num_entries:
-        return visible
+    total = np.where(visible, np.einsum("ths,th->ts", scores, head_weights), -np.inf)
     top = np.argpartition(-total, k - 1, axis=-1)[:, :k]
     chosen = np.zeros_like(visible)
     np.put_along_axis(chosen, top, True, axis=-1)
     return chosen & visible
 
 
-def attention(ops: Any, x: np.ndarray, positions: np.ndarray, w: AttentionWeights, state: LayerState,
+def attention(ops: Any, x: np.ndarray, positions: np.ndarray, w: AttentionWeights, cache: SequenceLayerCache,
               rope: InterleavedRope, *, num_heads: int, head_dim: int, window: int, eps: float) -> np.ndarray:
-    """One layer's attention for one sequence's new tokens; updates ``state``. Returns [n, hidden]."""
+    """One layer's attention for one sequence's new tokens; updates its caches. Returns [n, hidden]."""
     n = x.shape[0]
     qr = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)
     q = rms_norm(ops.linear(qr, w.wq_b).reshape(n, num_heads, head_dim), None, eps)
     q = rope.apply(q, positions)
     kv = rope.apply(ops.rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), positions)
 
-    past = state.window
-    keys = np.concatenate([past, kv])  # positions t0 - len(past) … t0 + n - 1
+    past = cache.past_keys(window)
+    cache.write_keys(kv)
+    keys = np.concatenate([past, kv])  # positions start - len(past) … start + n - 1
     key_positions = np.arange(positions[0] - past.shape[0], positions[-1] + 1)
     offsets = positions[:, None] - key_positions[None, :]
     masks = [(offsets >= 0) & (offsets < window)]
     if w.compressor is not None:
-        entries = compress(ops, x, w.compressor, state.compressor, rope, eps)
+        entries = _update_compressed(ops, x, w.compressor, cache, COMPRESSOR, rope, eps)
         if w.indexer is not None:
-            visible = index_select(ops, x, qr, positions, w.indexer, state.indexer, rope, eps)
+            visible = index_select(ops, x, qr, positions, w.indexer, cache, rope, eps)
         else:
-            rate = w.compressor.ratio
-            visible = np.arange(entries.shape[0])[None, :] < ((positions + 1) // rate)[:, None]
+            visible = np.arange(entries.shape[0])[None, :] < ((positions + 1) // w.compressor.ratio)[:, None]
         keys = np.concatenate([keys, entries])
         masks.append(visible)
-    state.window = keys[: past.shape[0] + n][-(window - 1):] if window > 1 else keys[:0]
     mask = np.concatenate(masks, axis=1)  # [n, K]
 
     logits = np.einsum("thd,kd->htk", q, keys) * np.float32(head_dim**-0.5)

@@ -1,114 +1,172 @@
-"""Per-request attention state of DeepSeek-V4, layer by layer.
+"""DeepSeek-V4's caches as KV cache specs, and one sequence's view of a layer's caches.
 
-What each layer keeps for a request after it has seen ``n`` tokens (W = sliding_window,
-m = the layer's compression rate, D = head_dim, DI = index_head_dim)::
+Per layer, in ``kv_cache_specs()`` order (W = sliding_window, m = the layer's rate, D = head_dim,
+DI = index_head_dim, c = 2 for CSA's overlapping [Ca | Cb] projections, else 1)::
 
-    every layer      window        [min(n, W-1), D]   the last W-1 keys (K = V), oldest first
-    CSA / HCA        entries       [n // m, D]        one compressed entry per closed window
-                     pending       [n % m, c·D]  ×2   wkv / wgate rows of the open window (c = 2 for CSA)
-    CSA only         overlap       [m, D]        ×2   Ca half of the last closed window (kv, gate + ape)
-                     index keys    [n // m, DI]       the indexer's own compressed keys,
-                     + its pending / overlap           with their own open window
+    every layer   SlidingWindowSpec(1 head, D, K=V, window W)   the last W keys, blocks behind freed
+    CSA / HCA     CompressedSpec(D, m)                          entry e = tokens [e·m, (e+1)·m)
+    CSA           CompressedSpec(DI, 4)                         the indexer's own compressed keys
+    CSA / HCA     RecurrentStateSpec                            the compressors' open windows:
+                    kv, gate            [m, c·D]   wkv / wgate rows of the open window (n % m valid)
+                    overlap_kv, _gate   [m, D]     CSA: Ca half of the last closed window (+ ape)
+                    index_*             the same for the indexer's compressor at DI
 
-The open window (``pending`` and ``overlap``) is the compressor's partial-window state: a
-chunked prefill or a decode step continues it exactly where the previous step stopped, so a
-prompt split anywhere gives the same entries as one shot. A request starts fresh at position 0
-(also after preemption: it is recomputed from scratch); ``release`` drops everything.
+Equal specs share a KV cache group (all sliding layers one, all CSA entries one, ...). The
+open window is request state in an engine-owned slot: a chunked prefill or a decode step
+continues it exactly where the previous step stopped, and the engine snapshots it at block
+boundaries so a prefix-cache hit (whole compressed blocks, ``hit_granularity`` tokens)
+restores it. A sequence starting at position 0 reads no state (its slot may hold a previous
+owner's); ``num_rows`` and validity follow from the position alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from openinfer import OpenInferError
+from openinfer import (
+    CompressedSpec,
+    KVCacheSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+    StateTensor,
+    group_specs,
+)
 from openinfer_deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
-
-@dataclass
-class CompressorState:
-    width: int  # c·head_dim of the projections
-    head_dim: int
-    entries: np.ndarray = field(init=False)
-    pending_kv: np.ndarray = field(init=False)
-    pending_gate: np.ndarray = field(init=False)
-    overlap_kv: np.ndarray | None = None
-    overlap_gate: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        self.entries = np.zeros((0, self.head_dim), np.float32)
-        self.pending_kv = np.zeros((0, self.width), np.float32)
-        self.pending_gate = np.zeros((0, self.width), np.float32)
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.entries.shape[0])
+COMPRESSOR = "compressor"
+INDEXER = "indexer"
+_STATE_PREFIX = {COMPRESSOR: "", INDEXER: "index_"}
 
 
 @dataclass
-class LayerState:
-    window: np.ndarray
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
+class OpenWindow:
+    """A compressor's partial-window state: pending projection rows and (CSA) the last closed
+    window's Ca half, which the next entry pools too."""
+
+    kv: np.ndarray  # [r, c·d], r < rate
+    gate: np.ndarray  # [r, c·d] (without ape)
+    overlap_kv: np.ndarray | None = None  # [rate, d]
+    overlap_gate: np.ndarray | None = None  # [rate, d] (ape included)
 
 
-@dataclass
-class RequestState:
-    num_tokens: int
-    layers: list[LayerState]
+@dataclass(frozen=True)
+class LayerCacheIndex:
+    """Where layer i's caches sit in ``kv_cache`` (and their KV cache groups); -1 when absent."""
 
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            total += layer.window.nbytes
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    total += comp.entries.nbytes + comp.pending_kv.nbytes + comp.pending_gate.nbytes
-                    total += 0 if comp.overlap_kv is None else comp.overlap_kv.nbytes + comp.overlap_gate.nbytes
-        return total
+    window: int
+    window_group: int
+    entries: int = -1
+    entries_group: int = -1
+    index_keys: int = -1
+    index_keys_group: int = -1
+    state: int = -1
 
 
-def new_request_state(config: DeepseekV4Config) -> RequestState:
-    layers = []
+def kv_cache_specs(config: DeepseekV4Config, dtype: str) -> tuple[list[KVCacheSpec], list[LayerCacheIndex]]:
+    specs: list[KVCacheSpec] = []
+    positions: list[dict[str, int]] = []
+    window = SlidingWindowSpec(1, config.head_dim, dtype, shared_kv=True, window=config.sliding_window)
     for kind in config.layer_types:
-        layer = LayerState(np.zeros((0, config.head_dim), np.float32))
+        where = {"window": len(specs)}
+        specs.append(window)
         if kind != SLIDING:
+            rate = config.compress_rate(kind)
             width = (2 if kind == CSA else 1) * config.head_dim
-            layer.compressor = CompressorState(width, config.head_dim)
-        if kind == CSA:
-            layer.indexer = CompressorState(2 * config.index_head_dim, config.index_head_dim)
-        layers.append(layer)
-    return RequestState(0, layers)
+            tensors = [StateTensor("kv", (rate, width), dtype), StateTensor("gate", (rate, width), dtype)]
+            where["entries"] = len(specs)
+            specs.append(CompressedSpec(config.head_dim, rate, dtype))
+            if kind == CSA:
+                index_width = 2 * config.index_head_dim
+                where["index_keys"] = len(specs)
+                specs.append(CompressedSpec(config.index_head_dim, rate, dtype))
+                tensors += [StateTensor("overlap_kv", (rate, config.head_dim), dtype),
+                            StateTensor("overlap_gate", (rate, config.head_dim), dtype),
+                            StateTensor("index_kv", (rate, index_width), dtype),
+                            StateTensor("index_gate", (rate, index_width), dtype),
+                            StateTensor("index_overlap_kv", (rate, config.index_head_dim), dtype),
+                            StateTensor("index_overlap_gate", (rate, config.index_head_dim), dtype)]
+            where["state"] = len(specs)
+            specs.append(RecurrentStateSpec(tuple(tensors)))
+        positions.append(where)
+    group_of = group_specs(specs).group_of_layer
+    index = [LayerCacheIndex(
+        window=p["window"], window_group=group_of[p["window"]],
+        entries=p.get("entries", -1), entries_group=group_of[p["entries"]] if "entries" in p else -1,
+        index_keys=p.get("index_keys", -1),
+        index_keys_group=group_of[p["index_keys"]] if "index_keys" in p else -1,
+        state=p.get("state", -1)) for p in positions]
+    return specs, index
 
 
-class RequestStates:
-    """The live requests' states, by request id (the model's side of ``release_request``)."""
+def _addresses(table: np.ndarray, indices: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    indices = np.asarray(indices, np.int64)
+    return np.asarray(table)[indices // block_size], indices % block_size
 
-    def __init__(self, config: DeepseekV4Config, max_requests: int):
-        self.config = config
-        self.max_requests = max_requests
-        self._states: dict[str, RequestState] = {}
 
-    def __len__(self) -> int:
-        return len(self._states)
+class SequenceLayerCache:
+    """One sequence's view of one layer's caches in a step: its new tokens are at positions
+    ``start … start + n - 1``; reads and writes go through the batch's block tables and slot."""
 
-    def begin_or_continue(self, request_id: str, start_position: int) -> RequestState:
-        """The state a sequence starting at ``start_position`` continues (fresh at 0)."""
-        if start_position == 0:
-            state = self._states[request_id] = new_request_state(self.config)
-            return state
-        state = self._states.get(request_id)
-        if state is None or state.num_tokens != start_position:
-            have = None if state is None else state.num_tokens
-            raise OpenInferError(
-                f"request {request_id!r} continues at position {start_position} but its DeepSeek-V4 attention "
-                f"state covers {have} tokens; the engine must run every request from position 0 in order "
-                "(prefix caching stays off for this model)")
-        return state
+    def __init__(self, kv_cache: list[Any], where: LayerCacheIndex, batch: Any, seq: int, start: int):
+        self.kv_cache, self.where, self.batch, self.seq, self.start = kv_cache, where, batch, seq, start
+        self.window_cache = kv_cache[where.window].k  # [blocks, block_size, 1, D]
+        self.block_size = self.window_cache.shape[1]
+        self.slot = int(batch.state_slots[seq]) if where.state >= 0 else 0
 
-    def release(self, request_id: str) -> bool:
-        return self._states.pop(request_id, None) is not None
+    def _table(self, group: int) -> np.ndarray:
+        return self.batch.group_block_tables(group)[self.seq]
 
-    def get(self, request_id: str) -> RequestState | None:
-        return self._states.get(request_id)
+    # --- sliding window -------------------------------------------------------------------------
+
+    def past_keys(self, window: int) -> np.ndarray:
+        """Keys of positions ``max(0, start - window + 1) … start - 1``."""
+        first = max(0, self.start - window + 1)
+        blocks, offsets = _addresses(self._table(self.where.window_group), np.arange(first, self.start),
+                                     self.block_size)
+        return self.window_cache[blocks, offsets, 0]
+
+    def write_keys(self, keys: np.ndarray) -> None:
+        positions = np.arange(self.start, self.start + keys.shape[0])
+        blocks, offsets = _addresses(self._table(self.where.window_group), positions, self.block_size)
+        self.window_cache[blocks, offsets, 0] = keys
+
+    # --- compressed entries ---------------------------------------------------------------------
+
+    def _entries_cache(self, which: str) -> tuple[Any, int]:
+        if which == COMPRESSOR:
+            return self.kv_cache[self.where.entries].k, self.where.entries_group
+        return self.kv_cache[self.where.index_keys].k, self.where.index_keys_group
+
+    def entries(self, which: str, count: int) -> np.ndarray:
+        cache, group = self._entries_cache(which)
+        blocks, offsets = _addresses(self._table(group), np.arange(count), cache.shape[1])
+        return cache[blocks, offsets]
+
+    def write_entries(self, which: str, first: int, entries: np.ndarray) -> None:
+        cache, group = self._entries_cache(which)
+        blocks, offsets = _addresses(self._table(group), np.arange(first, first + entries.shape[0]), cache.shape[1])
+        cache[blocks, offsets] = entries
+
+    # --- the compressors' open windows (state slot) --------------------------------------------
+
+    def open_window(self, which: str, rate: int, overlap: bool) -> OpenWindow:
+        state, prefix = self.kv_cache[self.where.state], _STATE_PREFIX[which]
+        rows = self.start % rate
+        window = OpenWindow(np.array(state[prefix + "kv"][self.slot, :rows]),
+                            np.array(state[prefix + "gate"][self.slot, :rows]))
+        if overlap and self.start >= rate:  # a window closed before: its Ca half is kept
+            window.overlap_kv = np.array(state[prefix + "overlap_kv"][self.slot])
+            window.overlap_gate = np.array(state[prefix + "overlap_gate"][self.slot])
+        return window
+
+    def store_open_window(self, which: str, window: OpenWindow) -> None:
+        state, prefix = self.kv_cache[self.where.state], _STATE_PREFIX[which]
+        rows = window.kv.shape[0]
+        state[prefix + "kv"][self.slot, :rows] = window.kv
+        state[prefix + "gate"][self.slot, :rows] = window.gate
+        if window.overlap_kv is not None:
+            state[prefix + "overlap_kv"][self.slot] = window.overlap_kv
+            state[prefix + "overlap_gate"][self.slot] = window.overlap_gate

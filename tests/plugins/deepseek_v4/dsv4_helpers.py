@@ -138,13 +138,18 @@ def hf_logits(model: Any, token_ids: list[int]) -> np.ndarray:
 
 
 def hf_greedy(model: Any, token_ids: list[int], num_tokens: int) -> list[int]:
-    """HF ``generate`` greedy continuation (its own DeepSeek-V4 cache: window + compressor state)."""
+    """HF greedy continuation through its own DeepSeek-V4 cache (sliding window + compressor
+    state), one token per step, EOS not special (``generate`` would suppress it under
+    ``min_new_tokens`` and pick another token)."""
     import torch
 
+    tokens: list[int] = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([token_ids]), max_new_tokens=num_tokens, do_sample=False,
-                             min_new_tokens=num_tokens)
-    return out[0, len(token_ids):].tolist()
+        out = model(torch.tensor([token_ids]), use_cache=True)
+        for _ in range(num_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 def save_hf(model: Any, config: dict[str, Any], path: Path) -> Path:
@@ -156,7 +161,7 @@ def save_hf(model: Any, config: dict[str, Any], path: Path) -> Path:
 
 
 def load_model(path: Path, max_model_len: int = 512) -> Any:
-    """The plugin's model on the NumPy backend, driven directly (no engine)."""
+    """The plugin's model on the NumPy backend."""
     from openinfer_deepseek_v4.plugin import build_model
 
     from openinfer import EngineOptions, create_backend
@@ -165,22 +170,52 @@ def load_model(path: Path, max_model_len: int = 512) -> Any:
     return build_model(path, config, create_backend("cpu"), EngineOptions(max_model_len=max_model_len))
 
 
-def run_chunks(model: Any, sequences: list[tuple[str, list[int], int]]) -> np.ndarray:
-    """One forward over several sequences: (request id, new token ids, start position) each;
-    returns all-position logits of every new token, in order."""
-    from openinfer import ForwardBatch
+class DirectRunner:
+    """Drives ``model.forward`` without the engine: every request gets its own fixed run of
+    blocks (the same ids in every KV cache group) and a state slot."""
 
-    tokens = np.concatenate([np.asarray(ids, np.int32) for _, ids, _ in sequences])
-    positions = np.concatenate([np.arange(start, start + len(ids), dtype=np.int32) for _, ids, start in sequences])
-    query_start = np.zeros(len(sequences) + 1, np.int32)
-    query_start[1:] = np.cumsum([len(ids) for _, ids, _ in sequences])
-    context_lens = np.asarray([start + len(ids) for _, ids, start in sequences], np.int32)
-    batch = ForwardBatch(
-        token_ids=tokens, positions=positions, query_start=query_start, context_lens=context_lens,
-        block_tables=np.zeros((len(sequences), 1), np.int32), slot_mapping=np.zeros(len(tokens), np.int32),
-        logits_rows=np.arange(len(tokens), dtype=np.int32), max_query_len=max(len(s[1]) for s in sequences),
-        max_context_len=int(context_lens.max()), request_ids=tuple(rid for rid, _, _ in sequences))
-    return np.asarray(model.forward(batch, []))
+    def __init__(self, model: Any, max_tokens: int = 512, max_requests: int = 12, block_size: int = 16):
+        from openinfer import group_specs
+
+        self.model = model
+        specs = model.kv_cache_specs()
+        self.groups = group_specs(specs).groups
+        self.blocks_per_request = -(-max_tokens // block_size)
+        num_blocks = 1 + max_requests * self.blocks_per_request
+        self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else max_requests + 1, block_size)
+                         for s in specs]
+        self.requests: dict[str, int] = {}
+
+    def run(self, sequences: list[tuple[str, list[int], int]]) -> np.ndarray:
+        """One forward over several sequences: (request id, new token ids, start position) each;
+        returns all-position logits of every new token, in order."""
+        from openinfer import ForwardBatch
+
+        index = [self.requests.setdefault(rid, len(self.requests)) for rid, _, _ in sequences]
+        tables = np.stack([1 + i * self.blocks_per_request + np.arange(self.blocks_per_request) for i in index])
+        tokens = np.concatenate([np.asarray(ids, np.int32) for _, ids, _ in sequences])
+        positions = np.concatenate([np.arange(start, start + len(ids), dtype=np.int32) for _, ids, start in sequences])
+        query_start = np.zeros(len(sequences) + 1, np.int32)
+        query_start[1:] = np.cumsum([len(ids) for _, ids, _ in sequences])
+        context_lens = np.asarray([start + len(ids) for _, ids, start in sequences], np.int32)
+        no_writes = np.full(len(tokens), -1, np.int32)
+        batch = ForwardBatch(
+            token_ids=tokens, positions=positions, query_start=query_start, context_lens=context_lens,
+            block_tables=tables.astype(np.int32), slot_mapping=no_writes,
+            logits_rows=np.arange(len(tokens), dtype=np.int32), max_query_len=max(len(s[1]) for s in sequences),
+            max_context_len=int(context_lens.max()), request_ids=tuple(rid for rid, _, _ in sequences),
+            kv_block_tables=tuple(tables.astype(np.int32) for _ in self.groups),
+            kv_slot_mappings=tuple(no_writes for _ in self.groups),
+            state_slots=np.asarray([1 + i for i in index], np.int32))
+        return np.asarray(self.model.forward(batch, self.kv_cache))
+
+
+def load_runner(path: Path) -> DirectRunner:
+    return DirectRunner(load_model(path))
+
+
+def run_chunks(runner: DirectRunner, sequences: list[tuple[str, list[int], int]]) -> np.ndarray:
+    return runner.run(sequences)
 
 
 # --- the other on-disk spellings -------------------------------------------------------------------

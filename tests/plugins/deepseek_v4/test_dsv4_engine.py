@@ -1,6 +1,7 @@
 """DeepSeek-V4 through the default PagedEngine: greedy tokens equal HF with chunked prefill and
-batching, preemption recomputes the attention state, seeded sampling is reproducible, and every
-request's state is dropped when it ends."""
+batching, preemption recomputes the attention state, prefix-cache hits (whole compressed blocks,
+open windows restored from snapshots) leave outputs unchanged, seeded sampling is reproducible,
+and every request's blocks and state slot come back when it ends."""
 
 import json
 import time
@@ -27,10 +28,11 @@ def prompts(count: int) -> list[list[int]]:
 
 
 def assert_everything_returned(engine):
+    """No request holds a block or a live state slot (snapshots may stay, in the prefix cache)."""
     deadline = time.monotonic() + 5
-    while len(engine.model.states) and time.monotonic() < deadline:
+    while engine.load().num_running and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(engine.model.states) == 0
+    assert engine.state_slots.num_used_slots == engine.kv.num_snapshots
     load = engine.load()
     assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0, load
 
@@ -45,7 +47,7 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
     path, _ = tiny
     engine = build_engine(path, max_num_batched_tokens=40)  # chunks every prompt, mixes prefill and decode
     try:
-        assert not engine.options.enable_prefix_cache
+        assert engine.options.enable_prefix_cache
         batch = prompts(3)
         together = run_all(engine, [make_request(f"r{i}", p, max_tokens=16) for i, p in enumerate(batch)])
         assert [o.token_ids for o in together] == [hf_reference[tuple(p)] for p in batch]
@@ -57,7 +59,7 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
 
 def test_preemption_recomputes_the_state(tiny, hf_reference):
     path, _ = tiny
-    engine = build_engine(path, num_kv_blocks=17, max_num_batched_tokens=64)  # 16 blocks of 16 tokens
+    engine = build_engine(path, num_kv_blocks=12, max_num_batched_tokens=64)  # ~6 blocks per request
     try:
         batch = prompts(3)
         outcomes = run_all(engine, [make_request(f"p{i}", p, max_tokens=16) for i, p in enumerate(batch)])
@@ -97,6 +99,27 @@ def test_plugin_is_discovered_and_serves(tiny, hf_reference):
         assert engine.info().plugin == "openinfer-deepseek-v4"
         p = prompts(1)[0]
         assert run_one(engine, make_request("d", p, max_tokens=16)).token_ids == hf_reference[tuple(p)]
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
+def test_prefix_cache_hits_restore_the_compressor_state(tiny_5x):
+    """HCA rate 16 and 2-token blocks: hits come in 32-token units (a whole HCA block); the
+    compressors' open windows and the CSA overlap come back from the state snapshot."""
+    path, hf = tiny_5x
+    first = prompt(90, seed=21)
+    expected = hf_greedy(hf, first, 8)
+    engine = build_engine(path, block_size=2, max_num_batched_tokens=40)
+    try:
+        assert engine.kv.hit_granularity == 32
+        cold = run_one(engine, make_request("cold", first, max_tokens=8))
+        assert cold.token_ids == expected and cold.cached_tokens == 0
+        warm = run_one(engine, make_request("warm", first, max_tokens=8))
+        assert warm.token_ids == expected and warm.cached_tokens == 64
+        follow = first + expected + prompt(13, seed=22)  # a second turn: 111 tokens
+        second = run_one(engine, make_request("turn2", follow, max_tokens=8))
+        assert second.cached_tokens == 96 and second.token_ids == hf_greedy(hf, follow, 8)
         assert_everything_returned(engine)
     finally:
         engine.close_sync()

@@ -20,7 +20,7 @@ from tests.plugins.deepseek_v4.dsv4_helpers import (
     _quantize_fp8,
     hf_from_official,
     hf_logits,
-    load_model,
+    load_runner,
     official_state,
     run_chunks,
     write_mp8,
@@ -53,7 +53,7 @@ def test_official_hf_and_mp8_checkpoints_give_the_same_logits(tiny, tmp_path, id
     assert np.abs(hf_logits(hf_from_official(official_state(path), config, tmp_path / "hf"), ids) - expected).max() == 0
     mp8 = write_mp8(path, tmp_path / "mp8", config["n_routed_experts"])
     assert DeepseekV4Checkpoint(mp8).is_model_parallel
-    results = [run_chunks(load_model(p), [("w", ids, 0)]) for p in (path, official, mp8)]
+    results = [run_chunks(load_runner(p), [("w", ids, 0)]) for p in (path, official, mp8)]
     assert np.abs(results[0] - expected).max() <= 1e-4
     assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
 
@@ -70,7 +70,7 @@ def test_quantized_checkpoint_equals_hf_on_the_dequantized_weights(tiny, tmp_pat
     assert dtypes["layers.3.attn.compressor.wkv.weight"] == "F8_E4M3"  # decided per tensor
     hf = hf_from_official(dequantized, config, tmp_path / "hf-dequantized")
     ids = prompt(72, seed=8)
-    got = run_chunks(load_model(quantized), [("q", ids, 0)])
+    got = run_chunks(load_runner(quantized), [("q", ids, 0)])
     assert np.abs(got - hf_logits(hf, ids)).max() <= 1e-4
 
 
@@ -94,11 +94,11 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
     del state["layers.2.ffn.gate.bias"]
     broken = write_official(path, tmp_path / "missing", state)
     with pytest.raises(WeightLoadError, match=r"layers\.2\.ffn\.gate\.bias"):
-        load_model(broken)
+        load_runner(broken)
     state = official_state(path)
     state["layers.1.attn.wq_a.weight"] = state["layers.1.attn.wq_a.weight"][:, :10]
     with pytest.raises(WeightLoadError, match=r"layers\.1\.attn\.wq_a\.weight"):
-        load_model(write_official(path, tmp_path / "shape", state))
+        load_runner(write_official(path, tmp_path / "shape", state))
     mp = tmp_path / "mp-gap"
     mp.mkdir()
     save_file({"x": state["norm.weight"]}, mp / "model0-mp8.safetensors")
