@@ -78,6 +78,7 @@ class DeepseekV4Config:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     num_nextn_predict_layers: int
+    mtp_layer_type: str = SLIDING  # the MTP block's attention (compress_ratios' extra entry)
     quantization: tuple[tuple[str, Any], ...] = ()
 
     # --- derived --------------------------------------------------------------------------------
@@ -167,6 +168,7 @@ class DeepseekV4Config:
             eos_token_ids=eos_token_ids_from(config, generation_config),
             bos_token_id=config.get("bos_token_id", 0),
             num_nextn_predict_layers=int(config.get("num_nextn_predict_layers", 0) or 0),
+            mtp_layer_type=_mtp_layer_type(config, num_layers),
             quantization=tuple(sorted((str(k), _freeze(v)) for k, v in quant.items())),
         )
         cfg.validate()
@@ -210,6 +212,13 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
         raise WeightLoadError(f"layer_types must list {num_layers} entries from {LAYER_TYPES}, got {types}")
     return tuple(types)
+
+
+def _mtp_layer_type(config: dict[str, Any], num_layers: int) -> str:
+    ratios = config.get("compress_ratios")
+    if isinstance(ratios, list) and len(ratios) > num_layers and ratios[num_layers] in _RATIO_TO_LAYER_TYPE:
+        return _RATIO_TO_LAYER_TYPE[ratios[num_layers]]
+    return SLIDING
 
 
 def _mlp_layer_types(config: dict[str, Any], num_layers: int) -> tuple[str, ...]:

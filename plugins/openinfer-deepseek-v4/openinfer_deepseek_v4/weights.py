@@ -5,8 +5,10 @@ everything the model mixes in fp32 by hand (mHC ``fn``/``base``/``scale``, ``att
 compressor ``ape``, router weight and bias, ``tid2eid``) stays a host NumPy array. The grouped
 output projection ``wo_a`` ``[groups·o_lora, H·D/groups]`` is kept as ``[groups, o_lora, H·D/groups]``.
 
-``mtp.*`` (the multi-token-prediction block) is read for its shapes only: it is used by
-speculative decoding, which this plugin does not offer yet.
+``mtp.0.*`` (the multi-token-prediction block: one more layer plus ``e_proj``/``h_proj``,
+``enorm``/``hnorm``, its own ``norm`` and ``hc_head``) is loaded and shape-checked when the
+checkpoint has it, and not used: it serves speculative decoding, which this plugin does not
+offer yet. HF-saved checkpoints drop it.
 """
 
 from __future__ import annotations
@@ -93,13 +95,24 @@ class LayerWeights:
 
 
 @dataclass
+class MTPWeights:
+    layer: LayerWeights
+    e_proj: Any
+    h_proj: Any
+    enorm: Any
+    hnorm: Any
+    norm: Any
+    hc_head: HyperConnectionWeights
+
+
+@dataclass
 class DeepseekV4Weights:
     embed: Any
     head: Any
     norm: Any
     hc_head: HyperConnectionWeights
     layers: list[LayerWeights]
-    mtp_tensors: tuple[str, ...] = ()
+    mtp: MTPWeights | None = None
 
 
 def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: Backend,
@@ -117,21 +130,29 @@ def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: 
         return HyperConnectionWeights(ckpt.vector(f"{prefix}_fn", (rows, hc_flat)), ckpt.vector(f"{prefix}_base", (rows,)),
                                       ckpt.vector(f"{prefix}_scale", (scales,)))
 
-    layers = []
     mix = (2 + c.hc_mult) * c.hc_mult
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        layers.append(LayerWeights(
+
+    def layer(p: str, kind: str, hashed: bool) -> LayerWeights:
+        return LayerWeights(
             attn_norm=norm(p + "attn_norm.weight", c.hidden_size), ffn_norm=norm(p + "ffn_norm.weight", c.hidden_size),
             hc_attn=hyper(p + "hc_attn", mix, 3), hc_ffn=hyper(p + "hc_ffn", mix, 3),
-            attn=_attention(ckpt, c, i, linear, norm), ffn=_moe(ckpt, c, i, linear)))
+            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear))
+
+    layers = [layer(f"layers.{i}.", c.layer_types[i], c.mlp_layer_types[i] == HASH_MOE)
+              for i in range(c.num_hidden_layers)]
+    mtp = None
+    if "mtp.0.e_proj.weight" in ckpt:
+        square = (c.hidden_size, c.hidden_size)
+        mtp = MTPWeights(layer("mtp.0.", c.mtp_layer_type, False), linear("mtp.0.e_proj", square),
+                         linear("mtp.0.h_proj", square), norm("mtp.0.enorm.weight", c.hidden_size),
+                         norm("mtp.0.hnorm.weight", c.hidden_size), norm("mtp.0.norm.weight", c.hidden_size),
+                         hyper("mtp.0.hc_head", c.hc_mult, 1))
     head_name = "head" if "head.weight" in ckpt or not c.tie_word_embeddings else "embed"
     embed = ckpt.weight("embed", (c.vocab_size, c.hidden_size))
     head = embed if head_name == "embed" else ckpt.weight("head", (c.vocab_size, c.hidden_size))
     return DeepseekV4Weights(
         embed=backend.weight(embed), head=backend.linear_weight(head), norm=norm("norm.weight", c.hidden_size),
-        hc_head=hyper("hc_head", c.hc_mult, 1), layers=layers,
-        mtp_tensors=tuple(n for n in ckpt.names() if n.startswith("mtp.")))
+        hc_head=hyper("hc_head", c.hc_mult, 1), layers=layers, mtp=mtp)
 
 
 def _compressor(ckpt: DeepseekV4Checkpoint, prefix: str, hidden: int, head_dim: int, ratio: int, overlap: bool,
@@ -143,9 +164,9 @@ def _compressor(ckpt: DeepseekV4Checkpoint, prefix: str, hidden: int, head_dim: 
         ratio=ratio, head_dim=head_dim, overlap=overlap)
 
 
-def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, i: int, linear: Any, norm: Any) -> AttentionWeights:
-    p = f"layers.{i}.attn."
-    kind = c.layer_types[i]
+def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, kind: str, linear: Any,
+               norm: Any) -> AttentionWeights:
+    p = layer + "attn."
     heads_dim = c.num_attention_heads * c.head_dim
     per_group = heads_dim // c.o_groups
     wo_a = ckpt.weight(p + "wo_a", (c.o_groups * c.o_lora_rank, per_group))
@@ -161,7 +182,7 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, i: int, linear: 
                                    c.compress_rate(CSA), True, linear, norm),
             num_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk)
     elif kind == HCA and f"{p}indexer.wq_b.weight" in ckpt:
-        raise WeightLoadError(f"layer {i} is HCA in config.json but the checkpoint has an indexer for it")
+        raise WeightLoadError(f"{layer} is HCA in config.json but the checkpoint has an indexer for it")
     return AttentionWeights(
         wq_a=linear(p + "wq_a", (c.q_lora_rank, c.hidden_size)), q_norm=norm(p + "q_norm.weight", c.q_lora_rank),
         wq_b=linear(p + "wq_b", (heads_dim, c.q_lora_rank)), wkv=linear(p + "wkv", (c.head_dim, c.hidden_size)),
@@ -171,15 +192,14 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, i: int, linear: 
         sink=ckpt.vector(p + "attn_sink", (c.num_attention_heads,)), compressor=compressor, indexer=indexer)
 
 
-def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, i: int, linear: Any) -> MoEWeights:
-    p = f"layers.{i}.ffn."
+def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any) -> MoEWeights:
+    p = layer + "ffn."
     inter = c.moe_intermediate_size
 
     def expert(prefix: str, width: int) -> ExpertWeights:
         return ExpertWeights(linear(prefix + "w1", (width, c.hidden_size)), linear(prefix + "w3", (width, c.hidden_size)),
                              linear(prefix + "w2", (c.hidden_size, width)))
 
-    is_hash = c.mlp_layer_types[i] == HASH_MOE
     tid2eid = bias = None
     if is_hash:
         name = p + "gate.tid2eid"

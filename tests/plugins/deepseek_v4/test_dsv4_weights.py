@@ -104,3 +104,31 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
     save_file({"x": state["norm.weight"]}, mp / "model0-mp8.safetensors")
     with pytest.raises(WeightLoadError, match="model-parallel"):
         DeepseekV4Checkpoint(mp)
+
+
+def test_mtp_block_is_loaded_and_unused(tiny, tmp_path, ids_and_logits):
+    """mtp.0 as the official checkpoint ships it (a sliding, score-routed block + e_proj/h_proj,
+    enorm/hnorm, norm, hc_head): loaded and shape-checked, the logits do not change."""
+    import torch
+
+    path, _ = tiny
+    ids, expected = ids_and_logits
+    state = official_state(path)
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in list(state.items()):
+        source = "layers.0." if ".attn." in name or ".hc_" in name or "_norm" in name else "layers.3."
+        if name.startswith(source) and (".ffn." not in name or source == "layers.3."):
+            state["mtp.0." + name[len(source):]] = torch.randn(tensor.shape, generator=generator) \
+                if tensor.is_floating_point() else tensor
+    hidden = state["norm.weight"].shape[0]
+    for extra, shape in (("e_proj.weight", (hidden, hidden)), ("h_proj.weight", (hidden, hidden)),
+                         ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("norm.weight", (hidden,)),
+                         ("hc_head_fn", state["hc_head_fn"].shape), ("hc_head_base", (4,)), ("hc_head_scale", (1,))):
+        state["mtp.0." + extra] = torch.randn(shape, generator=generator)
+    runner = load_runner(write_official(path, tmp_path / "with-mtp", state))
+    mtp = runner.model.weights.mtp
+    assert mtp is not None and mtp.layer.attn.compressor is None and mtp.layer.ffn.bias is not None
+    assert np.abs(run_chunks(runner, [("m", ids, 0)]) - expected).max() <= 1e-4
+    del state["mtp.0.h_proj.weight"]
+    with pytest.raises(WeightLoadError, match=r"mtp\.0\.h_proj"):
+        load_runner(write_official(path, tmp_path / "broken-mtp", state))
