@@ -326,7 +326,7 @@ class KVCacheManager:
                 keep.append((signed_tokens, slot))
                 continue
             block_hash = blocks.block_hashes[n - 1]
-            if block_hash in self.snapshots or not self._anchor_cached(block_hash):
+            if block_hash in self.snapshots or not self.snapshot_block_cached(block_hash):
                 self._free_slot(slot)
                 continue
             self.snapshots[block_hash] = slot
@@ -336,7 +336,8 @@ class KVCacheManager:
                 blocks.generated_snapshot = block_hash
         blocks.pending_snapshots = keep
 
-    def _anchor_cached(self, block_hash: bytes) -> bool:
+    def snapshot_block_cached(self, block_hash: bytes) -> bool:
+        """Whether the block a snapshot under ``block_hash`` belongs to is in the prefix cache."""
         if self._anchor_group is None:
             return True
         return _group_key(block_hash, self._anchor_group) in self.pool.cached

@@ -25,6 +25,25 @@ class RowSample:
                                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
 
 
+def needs_host_history(request: Any) -> bool:
+    """Sampling this request's next token reads its generated tokens on the host (penalties count
+    them; prompt-logprob rows read the prompt's next token), so it waits for the previous step."""
+    params = request.sampling.params
+    return bool(request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
+                or params.presence_penalty or params.frequency_penalty)
+
+
+def samples_on_device(request: Any) -> bool:
+    """THE device-sampling predicate, shared by the engine (may a step be launched before the
+    previous one is read back, on a backend that samples asynchronously?) and the CUDA sampler
+    (may this row use the sampling kernel?), so the two never disagree: True when the next
+    token needs nothing but the logits row and the sampling parameters — no host history, no
+    logprobs, no banned stop ids (pending ``min_tokens``)."""
+    if needs_host_history(request) or request.want_logprobs or request.num_logprobs > 0:
+        return False
+    return not (request.stop.min_tokens and request.num_output_tokens < request.stop.min_tokens)
+
+
 def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int]) -> list[RowSample]:
     device_sampler = getattr(backend, "sample_rows", None)
     if device_sampler is not None:

@@ -22,20 +22,15 @@ from openinfer.backend.cuda.loader import kernel
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.runtime.sampler import RowSample
 from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
+from openinfer.runtime.sampler import samples_on_device as request_samples_on_device
 from openinfer.sampling import SamplingState
 
 
 def samples_on_device(row: LogitsRow) -> bool:
-    """True when the GPU kernel implements everything this row asks for."""
-    if not row.samples or row.request.num_logprobs > 0 or row.request.want_logprobs:
-        return False
-    if row.request.num_output_tokens < row.request.stop.min_tokens:
-        return False  # stop/eos ids are banned this step
-    params = row.request.sampling.params
-    state: SamplingState = row.request.sampling
-    if params.repetition_penalty not in (0.0, 1.0):
-        return False
-    return not (state.output_counts and (params.presence_penalty or params.frequency_penalty))
+    """True when the GPU kernel implements everything this row asks for: the engine's own
+    predicate (``openinfer.runtime.sampler.samples_on_device``), so a step the engine launches
+    ahead is never sent down the host path here."""
+    return row.samples and request_samples_on_device(row.request)
 
 
 def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
