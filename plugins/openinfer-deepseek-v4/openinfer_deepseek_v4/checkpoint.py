@@ -22,7 +22,8 @@ The spellings read (MODELS.md §1.2):
 
 Quantised tensors are decided per tensor by the presence of ``<module>.scale``: FP8 e4m3 with
 e8m0 block scales ``[⌈out/128⌉, ⌈in/128⌉]``, or FP4 e2m1 (two codes per I8 byte, low nibble
-first) with e8m0 scales per 32 inputs. A ``.weight`` without ``.scale`` is BF16/F32 as stored.
+first) with e8m0 scales per 32 inputs — decoded by ``openinfer.quant``. A ``.weight`` without
+``.scale`` is BF16/F32 as stored.
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from openinfer import Checkpoint, WeightLoadError
+from openinfer.quant import dequantize_fp4_e2m1, dequantize_fp8_block, e8m0_to_float32
 
 _MP_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors$")
 # module leaf names the official converter splits across model-parallel ranks, and the axis
 _SPLIT_DIM0 = ("embed", "wq_b", "wo_a", "head", "weights_proj")
 _SPLIT_DIM1 = ("wo_b",)
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
-_FP8_BLOCK = 128
-_FP4_GROUP = 32
-_FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def official_name(name: str) -> str:
@@ -53,44 +52,6 @@ def official_name(name: str) -> str:
     if name.startswith("hc_head.hc_"):
         return "hc_head_" + name[len("hc_head.hc_"):]
     return re.sub(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.", name)
-
-
-def _e4m3_table() -> np.ndarray:
-    codes = np.arange(256)
-    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
-    magnitude = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * np.exp2(exponent - 7.0))
-    values = np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
-    values[(codes & 0x7F) == 0x7F] = np.nan
-    return values
-
-
-_E4M3_VALUES = _e4m3_table()
-
-
-def _e8m0(raw: np.ndarray) -> np.ndarray:
-    return np.exp2(raw.view(np.uint8).astype(np.float32) - 127.0)
-
-
-def dequantize_fp8(codes: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
-    """FP8 e4m3 ``[out, in]`` with e8m0 128×128 block scales → float32."""
-    out_features, in_features = codes.shape
-    blocks = (-(-out_features // _FP8_BLOCK), -(-in_features // _FP8_BLOCK))
-    if scales.shape != blocks:
-        raise WeightLoadError(f"{name}: scale has shape {scales.shape}, a {codes.shape} FP8 weight needs {blocks}")
-    expanded = np.repeat(np.repeat(_e8m0(scales), _FP8_BLOCK, 0), _FP8_BLOCK, 1)[:out_features, :in_features]
-    return _E4M3_VALUES[codes.view(np.uint8)] * expanded
-
-
-def dequantize_fp4(packed: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
-    """FP4 e2m1 pairs ``[out, in/2]`` (low nibble = even element) with e8m0 scales ``[out, in/32]``."""
-    out_features = packed.shape[0]
-    in_features = 2 * packed.shape[1]
-    if scales.shape != (out_features, in_features // _FP4_GROUP) or in_features % _FP4_GROUP:
-        raise WeightLoadError(f"{name}: scale has shape {scales.shape}, a [{out_features}, {in_features}] FP4 "
-                              f"weight needs [{out_features}, {in_features // _FP4_GROUP}]")
-    byte = packed.view(np.uint8)
-    codes = np.stack([byte & 0xF, byte >> 4], axis=-1).reshape(out_features, in_features)
-    return _FP4_VALUES[codes] * np.repeat(_e8m0(scales), _FP4_GROUP, axis=1)
 
 
 class _SingleFile(Checkpoint):
@@ -194,8 +155,8 @@ class DeepseekV4Checkpoint:
         if shard.dtype(scale) != "F8_E8M0":
             raise WeightLoadError(f"tensor {scale!r} is {shard.dtype(scale)}; DeepSeek-V4 scales are F8_E8M0")
         dtype = shard.dtype(stored)
-        if dtype == "F8_E4M3":
-            return dequantize_fp8(shard.raw(stored), shard.raw(scale), name)
-        if dtype in ("I8", "U8"):
-            return dequantize_fp4(shard.raw(stored), shard.raw(scale), name)
+        if dtype == "F8_E4M3":  # 128×128 blocks
+            return dequantize_fp8_block(shard.raw(stored), e8m0_to_float32(shard.raw(scale)), name=name)
+        if dtype in ("I8", "U8"):  # FP4 e2m1 pairs, one scale per 32 inputs
+            return dequantize_fp4_e2m1(shard.raw(stored), shard.raw(scale), name=name)
         raise WeightLoadError(f"tensor {name!r} is {dtype} with a .scale; expected F8_E4M3 or FP4 packed in I8")

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from openinfer import Backend, ForwardBatch, KVCacheSpec, ModelSpec, OpenInferError
+from openinfer.moe import moe_forward
 from openinfer_deepseek_v4 import attention as attn
 from openinfer_deepseek_v4.config import SLIDING, DeepseekV4Config
 from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expand
-from openinfer_deepseek_v4.moe import moe
 from openinfer_deepseek_v4.rotary import InterleavedRope
 from openinfer_deepseek_v4.state import SequenceLayerCache, kv_cache_specs
 from openinfer_deepseek_v4.weights import DeepseekV4Weights
@@ -81,8 +81,7 @@ class DeepseekV4Model:
             streams = expand(streams, y, mixing)
             x, mixing = collapse(streams, layer.hc_ffn, **mixing_args)
             x = ops.rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            y = moe(ops, x, token_ids, layer.ffn, top_k=c.num_experts_per_tok, scoring=c.scoring_func,
-                    routed_scaling=c.routed_scaling_factor, swiglu_limit=c.swiglu_limit)
+            y = np.asarray(moe_forward(ops, x, layer.ffn, token_ids), np.float32)
             streams = expand(streams, y, mixing)
 
         rows = np.asarray(batch.logits_rows, np.int64)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from openinfer import Backend, WeightLoadError
+from openinfer.moe import ExpertWeights, MoEWeights, RouterSpec
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, DeepseekV4Config
 
@@ -66,22 +67,6 @@ class AttentionWeights:
     sink: np.ndarray  # [H]
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
-
-
-@dataclass
-class ExpertWeights:
-    w1: Any  # gate [I, H]
-    w3: Any  # up [I, H]
-    w2: Any  # down [H, I]
-
-
-@dataclass
-class MoEWeights:
-    gate: np.ndarray  # [E, H] fp32 router weight
-    bias: np.ndarray | None  # [E] correction bias (score-routed layers)
-    tid2eid: np.ndarray | None  # [vocab, k] (hash-routed layers)
-    experts: list[ExpertWeights]
-    shared: ExpertWeights | None
 
 
 @dataclass
@@ -136,7 +121,7 @@ def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: 
         return LayerWeights(
             attn_norm=norm(p + "attn_norm.weight", c.hidden_size), ffn_norm=norm(p + "ffn_norm.weight", c.hidden_size),
             hc_attn=hyper(p + "hc_attn", mix, 3), hc_ffn=hyper(p + "hc_ffn", mix, 3),
-            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear))
+            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear, backend))
 
     layers = [layer(f"layers.{i}.", c.layer_types[i], c.mlp_layer_types[i] == HASH_MOE)
               for i in range(c.num_hidden_layers)]
@@ -192,13 +177,18 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, kind
         sink=ckpt.vector(p + "attn_sink", (c.num_attention_heads,)), compressor=compressor, indexer=indexer)
 
 
-def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any) -> MoEWeights:
+def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any,
+         backend: Backend) -> MoEWeights:
+    """Core's MoE layer: sqrt-softplus (or the configured) scores, hash or biased top-k choice,
+    weights always renormalised (the reference divides by their sum whatever norm_topk_prob
+    says) and scaled, SwiGLU clamped at swiglu_limit; experts' w1/w3 fused into gate_up."""
     p = layer + "ffn."
     inter = c.moe_intermediate_size
 
     def expert(prefix: str, width: int) -> ExpertWeights:
-        return ExpertWeights(linear(prefix + "w1", (width, c.hidden_size)), linear(prefix + "w3", (width, c.hidden_size)),
-                             linear(prefix + "w2", (c.hidden_size, width)))
+        gate_up = np.concatenate([ckpt.weight(prefix + "w1", (width, c.hidden_size)),
+                                  ckpt.weight(prefix + "w3", (width, c.hidden_size))])
+        return ExpertWeights(gate_up=backend.linear_weight(gate_up), down=linear(prefix + "w2", (c.hidden_size, width)))
 
     tid2eid = bias = None
     if is_hash:
@@ -211,7 +201,10 @@ def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: b
             raise WeightLoadError(f"tensor {name} names experts outside 0..{c.n_routed_experts - 1}")
     else:
         bias = ckpt.vector(p + "gate.bias", (c.n_routed_experts,))
+    router = RouterSpec(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, scoring=c.scoring_func,
+                        norm_topk_prob=True, routed_scaling_factor=c.routed_scaling_factor)
     shared = expert(p + "shared_experts.", inter * c.n_shared_experts) if c.n_shared_experts else None
     return MoEWeights(
-        gate=ckpt.weight(p + "gate", (c.n_routed_experts, c.hidden_size)), bias=bias, tid2eid=tid2eid,
-        experts=[expert(f"{p}experts.{e}.", inter) for e in range(c.n_routed_experts)], shared=shared)
+        router=router, gate=ckpt.weight(p + "gate", (c.n_routed_experts, c.hidden_size)),
+        experts=[expert(f"{p}experts.{e}.", inter) for e in range(c.n_routed_experts)], correction_bias=bias,
+        tid2eid=tid2eid, shared=shared, swiglu_limit=c.swiglu_limit or None)

@@ -32,15 +32,17 @@ def test_prefill_equals_hf(model, reference):
 
 def test_the_tiny_config_exercises_every_branch(model, reference):
     """Clamped SwiGLU, an indexer top-k that really drops visible entries, HCA entries."""
-    from openinfer_deepseek_v4 import attention, moe
+    from openinfer_deepseek_v4 import attention
+
+    from openinfer import moe
 
     ids, _ = reference
     clamped, dropped, hca_entries = [], [], []
-    expert_forward, index_select, compress = moe.expert_forward, attention.index_select, attention.compress
+    swiglu, index_select, compress = moe.swiglu, attention.index_select, attention.compress
 
-    def spy_expert(ops, x, w, limit):
-        clamped.append(np.abs(ops.linear(x, w.w3)).max() > limit)
-        return expert_forward(ops, x, w, limit)
+    def spy_swiglu(gate_up, limit=None):
+        clamped.append(np.abs(gate_up[:, gate_up.shape[1] // 2:]).max() > limit)
+        return swiglu(gate_up, limit)
 
     def spy_index(ops, x, qr, positions, w, cache, rope, eps):
         chosen = index_select(ops, x, qr, positions, w, cache, rope, eps)
@@ -54,11 +56,11 @@ def test_the_tiny_config_exercises_every_branch(model, reference):
             hca_entries.append(entries.shape[0])
         return entries, after
 
-    moe.expert_forward, attention.index_select, attention.compress = spy_expert, spy_index, spy_compress
+    moe.swiglu, attention.index_select, attention.compress = spy_swiglu, spy_index, spy_compress
     try:
         run_chunks(model, [("branches", ids, 0)])
     finally:
-        moe.expert_forward, attention.index_select, attention.compress = expert_forward, index_select, compress
+        moe.swiglu, attention.index_select, attention.compress = swiglu, index_select, compress
     assert any(clamped) and any(dropped) and hca_entries == [1]
 
 

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 from openinfer_deepseek_v4.checkpoint import (
     DeepseekV4Checkpoint,
-    dequantize_fp4,
-    dequantize_fp8,
     official_name,
 )
 
@@ -74,15 +72,18 @@ def test_quantized_checkpoint_equals_hf_on_the_dequantized_weights(tiny, tmp_pat
     assert np.abs(got - hf_logits(hf, ids)).max() <= 1e-4
 
 
-def test_dequantizers_match_torch_on_multi_block_matrices():
+def test_core_dequantizers_match_torch_on_multi_block_matrices():
+    """The test's own torch quantiser and core's decoders agree on multi-block matrices."""
     import torch
+
+    from openinfer.quant import dequantize_fp4_e2m1, dequantize_fp8_block, e8m0_to_float32
 
     weight = torch.randn(300, 260, generator=torch.Generator().manual_seed(0)) * 3
     codes, scale, expected = _quantize_fp8(weight)
-    got = dequantize_fp8(codes.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy(), "w")
+    got = dequantize_fp8_block(codes.view(torch.uint8).numpy(), e8m0_to_float32(scale.view(torch.uint8).numpy()))
     assert scale.shape == (3, 3) and np.array_equal(got, expected.numpy())
     packed, scale, expected = _quantize_fp4(weight[:, :256])
-    got = dequantize_fp4(packed.numpy(), scale.view(torch.uint8).numpy(), "w")
+    got = dequantize_fp4_e2m1(packed.numpy(), scale.view(torch.uint8).numpy())
     assert np.array_equal(got, expected.numpy())
 
 
@@ -127,7 +128,7 @@ def test_mtp_block_is_loaded_and_unused(tiny, tmp_path, ids_and_logits):
         state["mtp.0." + extra] = torch.randn(shape, generator=generator)
     runner = load_runner(write_official(path, tmp_path / "with-mtp", state))
     mtp = runner.model.weights.mtp
-    assert mtp is not None and mtp.layer.attn.compressor is None and mtp.layer.ffn.bias is not None
+    assert mtp is not None and mtp.layer.attn.compressor is None and mtp.layer.ffn.correction_bias is not None
     assert np.abs(run_chunks(runner, [("m", ids, 0)]) - expected).max() <= 1e-4
     del state["mtp.0.h_proj.weight"]
     with pytest.raises(WeightLoadError, match=r"mtp\.0\.h_proj"):
