@@ -11,7 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from openinfer import Backend, EngineOptions, PagedEngine, create_backend, hookimpl, read_generation_config
+from openinfer import (
+    Backend,
+    EngineOptions,
+    PagedEngine,
+    create_backend,
+    hookimpl,
+    read_generation_config,
+    score_architectures,
+)
 from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, MODEL_TYPES, DeepseekV4Config
@@ -23,11 +31,7 @@ PLUGIN_NAME = "openinfer-deepseek-v4"
 
 @hookimpl
 def openinfer_match(config: dict[str, Any]) -> int | None:
-    if any(a in ARCHITECTURES for a in config.get("architectures") or []):
-        return 100
-    if config.get("model_type") in MODEL_TYPES:
-        return 50
-    return None
+    return score_architectures(config, ARCHITECTURES, MODEL_TYPES)
 
 
 @hookimpl
@@ -41,7 +45,8 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
-    return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures, model_type=str(config.get("model_type", "deepseek_v4")))
+    return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures,
+                           model_type=str(config.get("model_type", "deepseek_v4")))
 
 
 @hookimpl
