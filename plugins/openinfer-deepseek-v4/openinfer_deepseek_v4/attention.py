@@ -61,9 +61,16 @@ def compress(ops: Any, x: np.ndarray, w: CompressorWeights, window: OpenWindow, 
             slots_kv[0, :m], slots_gate[0, :m] = window.overlap_kv, window.overlap_gate
         after.overlap_kv, after.overlap_gate = kv[-1, :, :d].copy(), gate[-1, :, :d].copy()
         kv, gate = slots_kv, slots_gate
-    pooled = np.sum(kv * _softmax(gate, axis=1), axis=1)
-    positions = (np.arange(windows) + first_entry) * m
-    return rope.apply(rms_norm(pooled, w.norm, eps), positions), after
+    return pool_entries(kv, gate, w.norm, (np.arange(windows) + first_entry) * m, rope, eps), after
+
+
+def pool_entries(slots_kv: np.ndarray, slots_gate: np.ndarray, norm: np.ndarray, positions: np.ndarray,
+                 rope: InterleavedRope, eps: float) -> np.ndarray:
+    """Entries from their slots ``[W, S, d]``: per-channel softmax over the S slots (−∞ gates
+    are empty slots), weighted sum, RMSNorm, RoPE at each entry's position (kernel:
+    ``dsv4_compress_entries``)."""
+    pooled = np.sum(slots_kv * _softmax(slots_gate, axis=1), axis=1)
+    return rope.apply(rms_norm(pooled, norm, eps), positions)
 
 
 def _update_compressed(ops: Any, x: np.ndarray, w: CompressorWeights, cache: SequenceLayerCache, which: str,
@@ -87,13 +94,38 @@ def index_select(ops: Any, x: np.ndarray, qr: np.ndarray, positions: np.ndarray,
     if k >= num_entries:
         return visible
     q = rope.apply(ops.linear(qr, w.wq_b).reshape(n, w.num_heads, w.head_dim), positions)
-    scores = np.maximum(np.einsum("thd,sd->ths", q, keys), 0.0) * np.float32(w.head_dim**-0.5)
-    head_weights = ops.linear(x, w.weights_proj) * np.float32(w.num_heads**-0.5)
-    total = np.where(visible, np.einsum("ths,th->ts", scores, head_weights), -np.inf)
+    head_weights = ops.linear(x, w.weights_proj) * np.float32(w.num_heads**-0.5 * w.head_dim**-0.5)
+    return top_k_visible(index_scores(q, keys, head_weights), visible, k)
+
+
+def index_scores(q: np.ndarray, keys: np.ndarray, head_weights: np.ndarray) -> np.ndarray:
+    """``score[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s])`` (the scales folded into ``w``)
+    (kernel: ``dsv4_indexer_scores``)."""
+    return np.einsum("ths,th->ts", np.maximum(np.einsum("thd,sd->ths", q, keys), 0.0), head_weights)
+
+
+def top_k_visible(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
+    """Bool ``[n, entries]``: each row's k best visible entries (all of them when fewer)
+    (kernel: ``dsv4_topk``)."""
+    total = np.where(visible, scores, -np.inf)
     top = np.argpartition(-total, k - 1, axis=-1)[:, :k]
     chosen = np.zeros_like(visible)
     np.put_along_axis(chosen, top, True, axis=-1)
     return chosen & visible
+
+
+def attend(q: np.ndarray, keys: np.ndarray, mask: np.ndarray, sink: np.ndarray, positions: np.ndarray,
+           rope: InterleavedRope, head_dim: int) -> np.ndarray:
+    """``[n, H, D]``: softmax over the allowed keys (``mask [n, K]``) and the per-head sink, values
+    = keys, then RoPE⁻¹ at the query positions (kernel: ``dsv4_sparse_attention``)."""
+    logits = np.einsum("thd,kd->htk", q, keys) * np.float32(head_dim**-0.5)
+    logits = np.where(mask[None], logits, -np.inf)
+    sink = sink[:, None, None]
+    peak = np.maximum(logits.max(axis=-1, keepdims=True), sink)
+    probs = np.exp(logits - peak)
+    denominator = probs.sum(axis=-1, keepdims=True) + np.exp(sink - peak)
+    out = np.einsum("htk,kd->thd", probs / denominator, keys)
+    return rope.apply(out, positions, inverse=True)
 
 
 def attention(ops: Any, x: np.ndarray, positions: np.ndarray, w: AttentionWeights, cache: SequenceLayerCache,
@@ -119,17 +151,7 @@ def attention(ops: Any, x: np.ndarray, positions: np.ndarray, w: AttentionWeight
             visible = np.arange(entries.shape[0])[None, :] < ((positions + 1) // w.compressor.ratio)[:, None]
         keys = np.concatenate([keys, entries])
         masks.append(visible)
-    mask = np.concatenate(masks, axis=1)  # [n, K]
-
-    logits = np.einsum("thd,kd->htk", q, keys) * np.float32(head_dim**-0.5)
-    logits = np.where(mask[None], logits, -np.inf)
-    sink = w.sink[:, None, None]
-    peak = np.maximum(logits.max(axis=-1, keepdims=True), sink)
-    probs = np.exp(logits - peak)
-    denominator = probs.sum(axis=-1, keepdims=True) + np.exp(sink - peak)
-    out = np.einsum("htk,kd->thd", probs / denominator, keys)
-    out = rope.apply(out, positions, inverse=True)
-
+    out = attend(q, keys, np.concatenate(masks, axis=1), w.sink, positions, rope, head_dim)
     groups = w.wo_a.shape[0]
     grouped = out.reshape(n, groups, -1)
     low_rank = np.einsum("tgi,goi->tgo", grouped, w.wo_a).reshape(n, -1)
