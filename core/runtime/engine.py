@@ -23,11 +23,12 @@ from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.options import EngineOptions
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel
-from openinfer.runtime.sampler import SampledStep, sample_step
+from openinfer.runtime.sampler import SampledStep, grammar_masks, sample_step
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import PLACEHOLDER_TOKEN, Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.structured import CompilerCache, GrammarMatcher
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -48,7 +49,7 @@ def _samples_on_device_only(request: Request) -> bool:
     Penalties count the generated tokens, so their rows wait until the previous step is read back."""
     params = request.sampling.params
     return not (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
-                or params.presence_penalty or params.frequency_penalty)
+                or params.presence_penalty or params.frequency_penalty or request.sampling.needs_host_history)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class PagedEngine:
             backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
+        # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
+        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -148,6 +151,9 @@ class PagedEngine:
         validate_request(request, self.model.spec.vocab_size, self.max_model_len)
         max_tokens = resolve_max_tokens(request, self.max_model_len)
         self.scheduler.check_fits(len(request.prompt_token_ids), max_tokens)
+        grammar = None
+        if request.HasField("structured_output"):  # compiled off the event loop (llguidance drops the GIL)
+            grammar = await asyncio.to_thread(self._compile_grammar, request.structured_output)
         request_id = request.request_id
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
@@ -158,7 +164,7 @@ class PagedEngine:
                 raise QueueFullError(self.options.max_queue)
             self._streams[request_id] = stream
             self._num_queued += 1
-        self._inbox.put(("add", self._make_request(request, max_tokens)))
+        self._inbox.put(("add", self._make_request(request, max_tokens, grammar)))
         try:
             while True:
                 event: pb.TokenEvent = await stream.events.get()
@@ -190,9 +196,14 @@ class PagedEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def _make_request(self, request: pb.GenerateRequest, max_tokens: int) -> Request:
+    def _compile_grammar(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
+        return self._grammars.get().compile(constraint)
+
+    def _make_request(self, request: pb.GenerateRequest, max_tokens: int,
+                      grammar: GrammarMatcher | None = None) -> Request:
         arrival = next(self._arrivals)
-        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival)
+        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival,
+                                     grammar)
         return Request(
             request_id=request.request_id, token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
@@ -333,8 +344,10 @@ class PagedEngine:
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
         logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+        # grammar masks are computed on the CPU while the device runs the forward
+        masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
         samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
-                              self.async_scheduling)
+                              self.async_scheduling, masks)
         if self._step_timer:
             self._step_timer.stop(start)
         self.num_steps += 1
