@@ -53,8 +53,7 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
                 masks: GrammarMasks | None = None) -> list[RowSample]:
     device_sampler = getattr(backend, "sample_rows", None)
     if device_sampler is not None:
-        return device_sampler(logits, rows, eos_token_ids, masks) if masks is not None else \
-            device_sampler(logits, rows, eos_token_ids)
+        return device_sampler(logits, rows, eos_token_ids, masks)
     host = backend.to_host(logits)
     results: list[RowSample] = []
     for index, row in enumerate(rows):
