@@ -50,15 +50,26 @@ class SamplingFields(Request):
     # requests with different salts never share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True
+    # OpenAI: token id (as a string) -> bias in [-100, 100] added to that token's logit
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format (text, json_object, json_schema) or vLLM's
+    # structured_outputs (exactly one of json, regex, choice, grammar, json_object)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it out")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= INT32_LIMIT:
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers as strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -102,14 +113,15 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # vLLM extension: top-N logprobs of every prompt token (the first has none)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported by this server")
         return self
 
     def max_new_tokens(self) -> int | None:
@@ -190,6 +202,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -213,6 +227,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    # vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
