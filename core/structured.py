@@ -115,13 +115,40 @@ class GrammarMatcher:
         llg_numpy.fill_next_token_bitmask(self._matcher, bitmask_row.reshape(1, -1), 0)
 
 
+def _printable_ascii(text: str) -> bool:
+    return bool(text) and all("!" <= ch <= "~" for ch in text)
+
+
+def grammar_tokenizer_json(tokenizer_json: str) -> str:
+    """``tokenizer.json`` as llguidance should see it. llguidance treats every *added* token as a
+    special token, so a non-special added token that the model writes as text (Qwen3's
+    ``<tool_call>``, ``<think>``) would be allowed by a mask for its text and then refused when
+    consumed. In byte-level BPE vocabularies such a token (printable ASCII, which the byte
+    alphabet maps to itself) is moved into the regular vocabulary under its id."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    vocab = model.get("vocab")
+    byte_level = "ByteLevel" in json.dumps(data.get("decoder"))
+    if not (byte_level and isinstance(vocab, dict)):
+        return tokenizer_json
+    kept = []
+    for token in data.get("added_tokens") or []:
+        content = token.get("content", "")
+        if not token.get("special", True) and _printable_ascii(content) and content not in vocab:
+            vocab[content] = token["id"]
+        else:
+            kept.append(token)
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
+
+
 class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
         self.vocab_size = vocab_size
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+        self.tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer_json), n_vocab=vocab_size,
                                          eos_token=list(eos_token_ids) or None)
         self._executor = llg.LLExecutor(num_threads=2)
 

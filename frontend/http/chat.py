@@ -46,6 +46,7 @@ from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
 # Template variables the server sets itself; chat_template_kwargs may not replace them.
+VALUE_KINDS = ("json_schema", "json_object", "choice")
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                          "unk_token", "pad_token", "raise_exception", "strftime_now"})
 
@@ -156,8 +157,9 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
     prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     tool_format = detect_format(ctx.tokenizer, ctx.engine.info().model_type) if choice.mode == "auto" else None
     reasoning = supports_reasoning(ctx.tokenizer)
-    # a constrained output starts at the first token: it has no thought to split off
-    constrained = forced is not None or constraint is not None
+    # a JSON value or a choice is constrained from the first token: it has no thought to split off
+    # (a regex or grammar may describe the thought itself, so those outputs are still split)
+    constrained = forced is not None or (constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS)
     plan = ChatPlan(prompt_ids, choice, tool_format, reasoning and not constrained,
                     reasoning and not constrained and starts_in_reasoning(text))
     return plan, forced or constraint
