@@ -38,8 +38,11 @@ class ParsedDelta:
 
 class ChatOutputParser:
     def __init__(self, *, reasoning: bool = False, in_reasoning: bool = False,
-                 tool_format: ToolCallFormat | None = None, forced: ToolChoice | None = None):
+                 tool_format: ToolCallFormat | None = None, forced: ToolChoice | None = None,
+                 id_format: ToolCallFormat | None = None):
+        """``id_format``: the model's format, which names forced calls (``tool_format`` is None then)."""
         self.tool_format = tool_format
+        self.id_format = id_format
         self.forced = forced if forced is not None and forced.forced else None
         self.state = "reasoning" if reasoning and in_reasoning else ("start" if reasoning else "content")
         self.buffer = ""
@@ -58,7 +61,8 @@ class ChatOutputParser:
         """Whatever is held back, at the end of the choice."""
         out = ParsedDelta()
         if self.forced is not None:
-            calls = parse_forced_calls(self.buffer, self.forced)
+            calls = parse_forced_calls(self.buffer, self.forced,
+                                       self.id_format.call_id if self.id_format is not None else None)
             if calls is None:
                 out.content = self.buffer  # cut short (max_tokens): the partial JSON is the content
             else:

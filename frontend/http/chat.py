@@ -136,13 +136,14 @@ class ChatPlan:
 
     prompt_ids: list[int]
     tool_choice: ToolChoice
-    tool_format: ToolCallFormat | None
+    tool_format: ToolCallFormat | None  # parsed out of the output (tool_choice auto)
+    model_format: ToolCallFormat | None  # the model's own format, whatever the tool_choice
     reasoning: bool
     in_reasoning: bool
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning,
-                                tool_format=self.tool_format, forced=self.tool_choice)
+                                tool_format=self.tool_format, forced=self.tool_choice, id_format=self.model_format)
 
 
 def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan, pb.StructuredOutput | None]:
@@ -155,12 +156,13 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
     text = render_chat_text(ctx.tokenizer, body.messages, body.add_generation_prompt, body.tools,
                             body.chat_template_kwargs)
     prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-    tool_format = detect_format(ctx.tokenizer, ctx.engine.info().model_type) if choice.mode == "auto" else None
+    model_format = detect_format(ctx.tokenizer, ctx.engine.info().model_type)
+    tool_format = model_format if choice.mode == "auto" else None
     reasoning = supports_reasoning(ctx.tokenizer)
     # a JSON value or a choice is constrained from the first token: it has no thought to split off
     # (a regex or grammar may describe the thought itself, so those outputs are still split)
     constrained = forced is not None or (constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS)
-    plan = ChatPlan(prompt_ids, choice, tool_format, reasoning and not constrained,
+    plan = ChatPlan(prompt_ids, choice, tool_format, model_format, reasoning and not constrained,
                     reasoning and not constrained and starts_in_reasoning(text))
     return plan, forced or constraint
 

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +109,11 @@ def forced_call_constraint(tools: Sequence[Any], choice: ToolChoice,
     return pb.StructuredOutput(json_schema=json.dumps(forced_call_schema(tools, choice, parallel_tool_calls)))
 
 
-def parse_forced_calls(text: str, choice: ToolChoice) -> list[ToolCall] | None:
+def parse_forced_calls(text: str, choice: ToolChoice,
+                       call_id: Callable[[str, int], str] | None = None) -> list[ToolCall] | None:
     """The calls in an output generated under :func:`forced_call_constraint` (None when the text
-    is not complete, e.g. cut by max_tokens)."""
+    is not complete, e.g. cut by max_tokens). ``call_id(name, index)`` names each call."""
+    call_id = call_id or (lambda name, index: new_call_id())
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -119,12 +121,13 @@ def parse_forced_calls(text: str, choice: ToolChoice) -> list[ToolCall] | None:
     if choice.mode == "named":
         if not isinstance(value, dict):
             return None
-        return [ToolCall(new_call_id(), choice.function or "", json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(call_id(choice.function or "", 0), choice.function or "", json.dumps(value, ensure_ascii=False))]
     if not isinstance(value, list):
         return None
     calls = []
     for item in value:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+        calls.append(ToolCall(call_id(item["name"], len(calls)), item["name"],
+                              json.dumps(item.get("parameters", {}), ensure_ascii=False)))
     return calls

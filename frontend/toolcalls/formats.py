@@ -67,6 +67,9 @@ class ToolCallFormat:
     start: str
     end: str
     parse: Callable[[str, int], list[ToolCall] | None]
+    # the id a call gets when the frontend makes it (forced tool_choice): Kimi-K2's templates and
+    # parsers read "functions.<name>:<index>", the others take any unique id
+    call_id: Callable[[str, int], str] = lambda name, index: new_call_id()
 
 
 def _parse_qwen3(body: str, first_index: int) -> list[ToolCall] | None:
@@ -137,7 +140,8 @@ def dsml_arguments(arguments: Mapping[str, Any]) -> str:
 
 FORMATS: dict[str, ToolCallFormat] = {
     "qwen3": ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3),
-    "kimi_k2": ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi),
+    "kimi_k2": ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi,
+                              lambda name, index: f"functions.{name}:{index}"),
     "deepseek_v4": ToolCallFormat("deepseek_v4", f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", _parse_dsml),
 }
 # model_type (config.json) → format, for models whose tokenizer does not give it away
