@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grpc-port", type=int, default=50051,
                         help="gRPC port: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler service "
                              "for the smg router (default 50051; 0 disables; not served with --engine)")
+    server.add_argument("--grpc-worker-protocol", choices=["sglang", "vllm"], default="sglang",
+                        help="the smg router's worker protocol served on --grpc-port: the SGLang scheduler "
+                             "service (default) or smg's vLLM-engine service")
     server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
@@ -159,7 +162,8 @@ async def serve(args: argparse.Namespace) -> int:
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,
-                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                worker_protocol=args.grpc_worker_protocol)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)
