@@ -5,8 +5,8 @@ Streamed and non-streamed responses feed it the very same deltas, and its decisi
 on whether a marker is complete in what it holds (a text that may still become a marker is
 held back), so both give identical reasoning, content and calls. States::
 
-    start ──<think>──▶ reasoning ──</think>──▶ content ──block start──▶ tool block ──block end──┐
-      └────(other text)────────────────────────▲   ▲──────────────────(next text)──────────────┘
+    start ──<think>──▶ reasoning ──</think>──▶ content ──block start──▶ tool block ──block end──▶ gap
+      └────(other text)────────────────────────▲   ▲─────────────(text after the whitespace)────────┘
 
 Tool calls are emitted whole when their block closes (one OpenAI delta per call: id, name and
 the complete arguments). A block cut by ``max_tokens`` or one that does not parse stays content.
@@ -97,10 +97,10 @@ class ChatOutputParser:
                 out.reasoning += buffer[:len(buffer) - keep]
                 self.buffer = buffer[len(buffer) - keep:]
                 return False
-            out.reasoning += buffer[:end]
-            self.buffer, self.state = buffer[end + len(THINK_END):], "gap"
+            out.reasoning += buffer[:end]  # the content keeps what follows </think> as is (as vLLM and smg do)
+            self.buffer, self.state = buffer[end + len(THINK_END):], "content"
             return True
-        if self.state == "gap":  # whitespace after </think> or after a tool block is not content
+        if self.state == "gap":  # whitespace after a tool block is not content
             stripped = buffer.lstrip()
             if not stripped:
                 self.buffer = ""
