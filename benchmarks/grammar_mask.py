@@ -307,8 +307,10 @@ def run_overhead(args: argparse.Namespace) -> dict:
     tokenizer_json = (directory / "tokenizer.json").read_text()
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": (
         "Describe a person as JSON with name, age, email, tags and address.")}]), add_special_tokens=False)
-    # a long-running schema for TPOT: a free-text field (rows end when the model closes it)
-    long_schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    # for TPOT every row must run to max_tokens, as the unconstrained rows do (ignore_eos): a string
+    # too long to close within them
+    long_schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000}},
+                   "required": ["text"]}
     engine = openinfer.create_engine(str(directory), device=args.device, max_num_seqs=max(args.batches))
     rows = []
     try:
