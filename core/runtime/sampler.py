@@ -26,6 +26,35 @@ class RowSample:
                                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
 
 
+def needs_host_history(request: Any) -> bool:
+    """Sampling this request's next token reads its generated tokens on the host (penalties count
+    them; prompt-logprob rows read the prompt's next token; a grammar consumes every token before
+    it can mask the next), so it waits for the previous step."""
+    params = request.sampling.params
+    return bool(request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
+                or params.presence_penalty or params.frequency_penalty or request.sampling.needs_host_history)
+
+
+def kernel_can_sample(request: Any) -> bool:
+    """Whether the CUDA sampling kernel implements everything this row asks for: no penalties,
+    prompt logprobs or logprobs, no banned stop ids (pending ``min_tokens``). logit_bias and a
+    grammar mask are applied on the device before the kernel."""
+    params = request.sampling.params
+    if (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0) or params.presence_penalty
+            or params.frequency_penalty or request.want_logprobs or request.num_logprobs > 0):
+        return False
+    return not (request.stop.min_tokens and request.num_output_tokens < request.stop.min_tokens)
+
+
+def samples_on_device(request: Any) -> bool:
+    """THE launch-ahead predicate, shared by the engine (may a step be launched before the
+    previous one is read back, on a backend that samples asynchronously?) and the CUDA sampler's
+    asynchronous path: the kernel samples the row (:func:`kernel_can_sample`) and nothing about
+    it waits for the previous token on the host (a grammar does: its mask follows the token).
+    Rows with a grammar still use the kernel, in steps that are read back at once."""
+    return kernel_can_sample(request) and not needs_host_history(request)
+
+
 @dataclass
 class GrammarMasks:
     """A step's structured-output masks: ``bitmask[i]`` is row i's allowed tokens (layout in

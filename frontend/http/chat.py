@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+
 from openinfer.errors import InvalidRequestError
 from openinfer.frontend.chat_output import ChatOutputParser, ParsedDelta
 from openinfer.frontend.http.context import ServerContext, build_plans, new_request_id, usage_of
+from openinfer.frontend.http.disconnect import until_disconnected
 from openinfer.frontend.http.errors import to_openai_error
 from openinfer.frontend.http.generation import (
     ChoiceDelta,
@@ -45,10 +48,8 @@ from openinfer.frontend.toolcalls import (
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
-# Template variables the server sets itself; chat_template_kwargs may not replace them.
+# constraints whose output is one value (no thought before it)
 VALUE_KINDS = ("json_schema", "json_object", "choice")
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                                         "unk_token", "pad_token", "raise_exception", "strftime_now"})
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -79,37 +80,31 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
-    if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server sets them",
-                                  "chat_template_kwargs")
-    return dict(kwargs or {})
-
-
 def render_chat_text(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                      tools: list | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt text (``chat_template_kwargs`` were checked against the reserved names when
+    the request was validated)."""
     return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **checked_template_kwargs(template_kwargs))
+                                         tools=tools, **dict(template_kwargs or {}))
 
 
-def render_chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+def render_chat_prompt(ctx: ServerContext, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                        tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """Template → text → ids. The template writes the special tokens itself (bos included, as
-    in Hugging Face), so the text is encoded without adding any."""
-    text = render_chat_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Template → text → ids (blocking: run it through ``ctx.run_text_work``). The template writes
+    the special tokens itself (bos included, as in Hugging Face), so the text is encoded without
+    adding any."""
+    text = render_chat_text(ctx.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    return ctx.encode_prompt(text, add_special_tokens=False, field="messages")
 
 
 def chat_logprobs(tokenizer: Tokenizer, ids: Sequence[int], entries: Sequence[pb.TokenLogprob],
                   num_top: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(ids, entries, strict=False):
-        text = tokenizer.token_text(token_id)
-        top = [TopLogprobEntry(token=(t := tokenizer.token_text(alt.token_id)), logprob=alt.logprob,
-                               bytes=list(t.encode("utf-8"))) for alt in entry.top[:num_top]]
-        content.append(ChatLogprobEntry(token=text, logprob=entry.logprob, bytes=list(text.encode("utf-8")),
-                                        top_logprobs=top))
+        top = [TopLogprobEntry(token=tokenizer.token_text(alt.token_id), logprob=alt.logprob,
+                               bytes=list(tokenizer.token_bytes(alt.token_id))) for alt in entry.top[:num_top]]
+        content.append(ChatLogprobEntry(token=tokenizer.token_text(token_id), logprob=entry.logprob,
+                                        bytes=list(tokenizer.token_bytes(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -147,6 +142,7 @@ class ChatPlan:
 
 
 def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan, pb.StructuredOutput | None]:
+    """Blocking (templates, tokenizing, grammar checks): run it through ``ctx.run_text_work``."""
     choice = resolve_tool_choice(body.tools, body.tool_choice)
     constraint = constraint_of(body)
     forced = forced_call_constraint(body.tools or [], choice, body.parallel_tool_calls)
@@ -155,7 +151,7 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
                                   "structured_outputs cannot be combined; drop one", "tool_choice")
     text = render_chat_text(ctx.tokenizer, body.messages, body.add_generation_prompt, body.tools,
                             body.chat_template_kwargs)
-    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = ctx.encode_prompt(text, add_special_tokens=False, field="messages")
     model_format = detect_format(ctx.tokenizer, ctx.engine.info().model_type)
     tool_format = model_format if choice.mode == "auto" else None
     reasoning = supports_reasoning(ctx.tokenizer)
@@ -178,9 +174,10 @@ def final_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, client: Request | None = None):
+    """``client`` (the HTTP request) lets a non-streamed reply stop when its client goes away."""
     ctx.check_model(body.model)
-    plan, constraint = plan_chat(ctx, body)
+    plan, constraint = await ctx.run_text_work(plan_chat, ctx, body)
     request_id = new_request_id("chatcmpl")
     num_top = body.top_logprobs or 0
     logprobs = max(1, num_top) if body.logprobs else 0
@@ -190,10 +187,10 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     plans = build_plans(ctx, body, [plan.prompt_ids], body.max_new_tokens(), request_id, logprobs=logprobs,
                         prompt_logprobs=body.prompt_logprobs is not None, structured_output=constraint,
                         skip_special_tokens=False if markers else None)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
     if body.stream:
         return EventStreamResponse(stream_chat(ctx, body, plan, streams, request_id))
-    per_choice = await collect_all(streams)
+    per_choice = await until_disconnected(client, collect_all(streams), streams)
     choices = []
     prompt_table = None
     for stream, deltas in zip(streams, per_choice, strict=True):

@@ -24,22 +24,17 @@ import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
 from openinfer.runtime.batch_builder import LogitsRow
-from openinfer.runtime.sampler import GrammarMasks, RowSample
+from openinfer.runtime.sampler import GrammarMasks, RowSample, kernel_can_sample
 from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
+from openinfer.runtime.sampler import samples_on_device as may_run_ahead
 from openinfer.sampling import SamplingState
 
 
 def samples_on_device(row: LogitsRow) -> bool:
-    """True when the GPU kernel implements everything this row asks for."""
-    if not row.samples or row.request.num_logprobs > 0 or row.request.want_logprobs:
-        return False
-    if row.request.num_output_tokens < row.request.stop.min_tokens:
-        return False  # stop/eos ids are banned this step
-    params = row.request.sampling.params
-    state: SamplingState = row.request.sampling
-    if params.repetition_penalty not in (0.0, 1.0):
-        return False
-    return not (state.output_counts and (params.presence_penalty or params.frequency_penalty))
+    """True when the GPU kernel implements everything this row asks for
+    (``openinfer.runtime.sampler.kernel_can_sample``: every row the engine launches ahead, plus
+    grammar rows, whose masks are applied on the device in steps read back at once)."""
+    return row.samples and kernel_can_sample(row.request)
 
 
 def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState],
@@ -143,7 +138,7 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow]) -> tuple[
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
     work queued after it — or None when some row needs the host sampler.
     """
-    if not rows or not all(samples_on_device(row) for row in rows):
+    if not rows or not all(row.samples and may_run_ahead(row.request) for row in rows):
         return None
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
