@@ -62,7 +62,8 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
         if args.grpc_port and not args.engine and index == 0:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
-                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                worker_protocol=getattr(args, "grpc_worker_protocol", "sglang"))
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
         if index == 0:

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grpc-port", type=port(allow_zero=True), default=50051,
                         help="gRPC port, 1-65535: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler "
                              "service for the smg router (default 50051; 0 disables; not served with --engine)")
+    server.add_argument("--grpc-worker-protocol", choices=["sglang", "vllm"], default="sglang",
+                        help="the smg router's worker protocol served on --grpc-port: the SGLang scheduler "
+                             "service (default) or smg's vLLM-engine service (vllm_engine.proto)")
     keys = server.add_mutually_exclusive_group()
     keys.add_argument("--api-key", type=non_empty("--api-key"),
                       help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata; visible in "
@@ -251,7 +254,8 @@ async def serve(args: argparse.Namespace) -> int:
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
-                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                worker_protocol=args.grpc_worker_protocol)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)

@@ -31,11 +31,18 @@ from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, gro
 from openinfer.options import EngineOptions
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
-from openinfer.runtime.sampler import SampledStep, needs_host_history, sample_step, samples_on_device
+from openinfer.runtime.sampler import (
+    SampledStep,
+    grammar_masks,
+    needs_host_history,
+    sample_step,
+    samples_on_device,
+)
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.structured import CompilerCache, GrammarMatcher
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -121,6 +128,8 @@ class PagedEngine:
             backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
+        # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
+        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids))
         self._inbox: Any = queue.SimpleQueue()
         # request id -> where its events go (a RequestSlot in process, a client id in the core)
         self._streams: dict[str, Any] = {}
@@ -184,6 +193,9 @@ class PagedEngine:
         validate_request(request, self.model.spec.vocab_size, self.max_model_len)
         max_tokens = resolve_max_tokens(request, self.max_model_len)
         self.scheduler.check_fits(len(request.prompt_token_ids), max_tokens)
+        # a constraint is compiled here (about a millisecond; llguidance releases the GIL), so an
+        # invalid one is refused before anything is queued
+        grammar = self._compile_grammar(request.structured_output) if request.HasField("structured_output") else None
         request_id = request.request_id
         with self._streams_lock:
             if request_id in self._streams:
@@ -192,7 +204,7 @@ class PagedEngine:
                 raise QueueFullError(self.options.max_queue)
             self._streams[request_id] = destination
             self._num_queued += 1
-        self._inbox.put(("add", self._make_request(request, max_tokens)))
+        self._inbox.put(("add", self._make_request(request, max_tokens, grammar)))
 
     def attach_transport(self, inbox: Any, deliver: Callable[[list], None]) -> None:
         """Run behind the engine-core process: commands come from ``inbox`` (``get(timeout)``,
@@ -239,9 +251,14 @@ class PagedEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def _make_request(self, request: pb.GenerateRequest, max_tokens: int) -> Request:
+    def _compile_grammar(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
+        return self._grammars.get().compile(constraint)
+
+    def _make_request(self, request: pb.GenerateRequest, max_tokens: int,
+                      grammar: GrammarMatcher | None = None) -> Request:
         arrival = next(self._arrivals)
-        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival)
+        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival,
+                                     grammar)
         return Request(
             request_id=request.request_id, token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
@@ -395,8 +412,10 @@ class PagedEngine:
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
+        # grammar masks are computed on the CPU while the device runs the forward
+        masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
         samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
-                              self.async_scheduling)
+                              self.async_scheduling, masks)
         if self._step_timer:
             self._step_timer.stop(start)
         self.num_steps += 1
