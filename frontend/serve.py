@@ -30,7 +30,7 @@ logger = logging.getLogger("openinfer.serve")
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed")
+                       "max_queue", "seed", "trace_dir")
 
 
 def _bool(value: str) -> bool:
@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch step N+1 before reading step N back (default: on for cuda)")
     engine.add_argument("--max-queue", type=int, help="bounded waiting queue; a full queue answers 503")
     engine.add_argument("--seed", type=int, help="engine seed for unseeded sampling")
+    engine.add_argument("--trace-dir", help="write one Chrome-trace JSON per request into this directory "
+                                            "(open in ui.perfetto.dev); off by default")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,7 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        ignored = sorted(set(engine_options(args)) - {"served_model_name"})
+        ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
         if ignored:
             logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         remote = GrpcEngineClient(args.engine, args.api_key)
@@ -155,7 +157,8 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         trace_dir=args.trace_dir)
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.graph import create_runner
@@ -28,6 +29,7 @@ from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import PLACEHOLDER_TOKEN, Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -41,6 +43,7 @@ class _LaunchedStep:
     plan: SchedulerOutput
     rows: list[LogitsRow]
     samples: SampledStep
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
 
 
 def _samples_on_device_only(request: Request) -> bool:
@@ -110,6 +113,8 @@ class PagedEngine:
         self._in_flight: _LaunchedStep | None = None
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
+        # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
+        self.tracer = EngineTracer(TraceWriter(self.options.trace_dir)) if self.options.trace_dir else None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
@@ -224,6 +229,9 @@ class PagedEngine:
                                           cached_tokens=request.num_cached_tokens)
         if matched_stop is not None:
             finished.matched_stop_token_id = matched_stop
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
+                                  request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, finished=finished), final=True)
 
     def _release(self, request: Request) -> None:
@@ -265,6 +273,8 @@ class PagedEngine:
             if command == "stop":
                 return False
             if command == "add":
+                if self.tracer is not None:
+                    self.tracer.on_arrival(payload.request_id)
                 self.scheduler.add(payload)
             elif command == "abort":
                 request = self.scheduler.find(payload)
@@ -283,8 +293,12 @@ class PagedEngine:
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
             self._release(request)
+            if self.tracer is not None:
+                self.tracer.on_preempted(request.request_id)
         for request in plan.newly_scheduled:
             self._mark_unqueued()
+            if self.tracer is not None:
+                self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, pb.TokenEvent(
                 request_id=request.request_id,
                 scheduled=pb.TokenEvent.Scheduled(cached_tokens=request.num_cached_tokens)))
@@ -330,6 +344,7 @@ class PagedEngine:
         """Build the batch, run the model and start sampling; the plan's tokens count as
         computed from here on and each sampled token is a placeholder until read back.
         Raises what the model raises (``step`` fails the plan's requests)."""
+        trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
         logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
@@ -344,7 +359,7 @@ class PagedEngine:
             if row.samples:
                 row.request.token_ids.append(PLACEHOLDER_TOKEN)
                 row.request.pending_sample_row = index
-        return _LaunchedStep(plan, rows, samples)
+        return _LaunchedStep(plan, rows, samples, trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
@@ -356,7 +371,10 @@ class PagedEngine:
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
                     self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
-        for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
+        results = launched.samples.results()
+        if launched.trace is not None:
+            self.tracer.on_resolved(launched.trace)
+        for row, sample in zip(launched.rows, results, strict=True):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
@@ -393,6 +411,9 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, "error", request.num_prompt_tokens,
+                                  request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, error=pb.TokenEvent.Error(
             code=pb.ERROR_CODE_INTERNAL, message=message)), final=True)
 

@@ -26,15 +26,20 @@ from openinfer.frontend.http.schemas import (
     TokenizeRequest,
 )
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer, TraceWriter
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: str,
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP server of one served model. ``api_key`` guards every route but /health and /metrics."""
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               trace_dir: str | None = None) -> FastAPI:
+    """The HTTP server of one served model. ``api_key`` guards every route but /health and /metrics.
+    ``trace_dir``: write each request's Chrome trace there (merged with the engine's half when the
+    engine traces into the same directory)."""
     app = FastAPI(title="openinfer", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name))
+    tracer = FrontendTracer(TraceWriter(trace_dir)) if trace_dir else None
+    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name), tracer)
     app.state.openinfer = ctx
     install_error_handlers(app)
     created = int(time.time())

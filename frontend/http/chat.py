@@ -55,7 +55,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     num_top = body.top_logprobs or 0
     plans = build_plans(ctx, body, [prompt_ids], body.max_new_tokens(), request_id,
                         logprobs=max(1, num_top) if body.logprobs else 0)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.tracer)
     if body.stream:
         return EventStreamResponse(stream_chat(ctx, body, streams, request_id))
     per_choice = await collect_all(streams)

@@ -87,7 +87,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     plans = build_plans(ctx, body, [ids for _, ids in inputs], body.max_tokens, request_id,
                         logprobs=max(1, body.logprobs or 0) if want_logprobs else 0,
                         prompt_logprobs=body.echo and want_logprobs)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.tracer)
     echo_texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in inputs]
     if body.stream:
         return EventStreamResponse(stream_completion(ctx, body, streams, request_id, inputs, echo_texts))

@@ -20,6 +20,7 @@ from openinfer.frontend.http.metrics import FrontendMetrics
 from openinfer.frontend.http.schemas import SamplingFields, Usage
 from openinfer.frontend.validation import check_generate_request, check_prompt, default_max_tokens
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
 SEED_MODULUS = 2**64
@@ -31,6 +32,7 @@ class ServerContext:
     tokenizer: Tokenizer
     model_name: str
     metrics: FrontendMetrics
+    tracer: FrontendTracer | None = None  # per-request Chrome traces (--trace-dir)
 
     def check_model(self, requested: str | None) -> None:
         """An unknown model name is a 404 (as OpenAI answers), an absent one means the served model."""
