@@ -32,6 +32,8 @@ class EngineOptions:
     max_queue: int = 1024
     served_model_name: str | None = None
     seed: int = 0
+    # write a Chrome-trace JSON per request into this directory (openinfer.tracing); None: off
+    trace_dir: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:

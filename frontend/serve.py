@@ -38,7 +38,7 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed")
+                       "max_queue", "seed", "trace_dir")
 
 
 def _bool(value: str) -> bool:
@@ -121,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a batch slot, >= 1; one more is answered 503 "
                              "(default 1024)")
     engine.add_argument("--seed", type=int_range(0, UINT64_MAX), help="engine seed for unseeded sampling, >= 0")
+    engine.add_argument("--trace-dir", type=non_empty("--trace-dir"),
+                        help="write one Chrome-trace JSON per request into this directory "
+                             "(open in ui.perfetto.dev); off by default")
 
 
 def _engine_url(text: str) -> str:
@@ -219,7 +222,7 @@ def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokeniz
 
     limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
     return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                      limits=limits, processes=processes)
+                      limits=limits, processes=processes, trace_dir=getattr(args, "trace_dir", None))
 
 
 def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
@@ -237,7 +240,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        ignored = sorted(set(engine_options(args)) - {"served_model_name"})
+        ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
         if ignored:
             logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         remote = GrpcEngineClient(args.engine, api_key)

@@ -43,6 +43,7 @@ from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
 from openinfer.structured import CompilerCache, GrammarMatcher
+from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -56,6 +57,7 @@ class _LaunchedStep:
     plan: SchedulerOutput
     rows: list[LogitsRow]
     samples: SampledStep
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
 
 
 def _no_host_history(request: Request) -> bool:
@@ -151,6 +153,8 @@ class PagedEngine:
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
+        # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
+        self.tracer = EngineTracer(TraceWriter(self.options.trace_dir)) if self.options.trace_dir else None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
@@ -284,6 +288,9 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
+                                  request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, FINISHED, [reason, request.num_prompt_tokens, request.num_output_tokens,
                                                   request.num_cached_tokens,
                                                   -1 if matched_stop is None else matched_stop], final=True)
@@ -330,6 +337,8 @@ class PagedEngine:
             if command == "stop":
                 return False
             if command == "add":
+                if self.tracer is not None:
+                    self.tracer.on_arrival(payload.request_id)
                 self.scheduler.add(payload)
             elif command == "abort":
                 request = self.scheduler.find(payload)
@@ -357,8 +366,12 @@ class PagedEngine:
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
             self._release(request)
+            if self.tracer is not None:
+                self.tracer.on_preempted(request.request_id)
         for request in plan.newly_scheduled:
             self._mark_unqueued()
+            if self.tracer is not None:
+                self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
         in_flight = self._in_flight
         if in_flight is not None and not self._may_launch_ahead(plan):
@@ -403,6 +416,7 @@ class PagedEngine:
         """Build the batch, run the model and start sampling; the plan's tokens count as
         computed from here on and each sampled token is a placeholder until read back.
         Raises what the model raises (``step`` fails the plan's requests)."""
+        trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
         self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
@@ -424,7 +438,7 @@ class PagedEngine:
         for index, row in enumerate(rows):
             if row.samples:
                 row.request.append_placeholder(index)
-        return _LaunchedStep(plan, rows, samples)
+        return _LaunchedStep(plan, rows, samples, trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
@@ -436,7 +450,10 @@ class PagedEngine:
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
                     self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
-        for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
+        results = launched.samples.results()
+        if launched.trace is not None:
+            self.tracer.on_resolved(launched.trace)
+        for row, sample in zip(launched.rows, results, strict=True):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
@@ -490,6 +507,9 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, "error", request.num_prompt_tokens,
+                                  request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, ERROR, [pb.ERROR_CODE_INTERNAL, message], final=True)
 
     def _fail_everything(self, message: str, reason: int | None = None) -> None:
