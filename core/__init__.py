@@ -28,6 +28,16 @@ from openinfer.errors import (
 from openinfer.hookspecs import hookimpl
 from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
 from openinfer.options import EngineOptions
+from openinfer.parallel import (
+    Communicator,
+    DummyCheckpoint,
+    ExpertShard,
+    ParallelLayout,
+    RankContext,
+    TensorShard,
+    VocabShard,
+)
+from openinfer.parallel.build import create_parallel_model
 from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
 from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
@@ -57,5 +67,6 @@ __all__ = [
     "discover_plugins", "finish_reason_name", "float32_to_bf16", "hookimpl", "read_model_config",
     "rope_parameters_from_config", "DecoderLayer", "DecoderStack", "eos_token_ids_from", "fuse_rows",
     "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
-    "score_architectures",
+    "score_architectures", "Communicator", "DummyCheckpoint", "ExpertShard", "ParallelLayout", "RankContext",
+    "TensorShard", "VocabShard", "create_parallel_model",
 ]

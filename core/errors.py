@@ -91,3 +91,7 @@ class WeightLoadError(OpenInferError):
 
 class BackendUnavailableError(OpenInferError):
     """The requested backend (e.g. cuda) cannot run on this machine."""
+
+
+class ParallelConfigError(OpenInferError, ValueError):
+    """A tensor/expert-parallel layout the model or the machine cannot run (checked at start)."""

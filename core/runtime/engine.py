@@ -21,6 +21,7 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.options import EngineOptions
+from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel
 from openinfer.runtime.sampler import SampledStep, sample_step
@@ -76,12 +77,18 @@ class PagedEngine:
         num_blocks = self.options.num_kv_blocks or self._size_kv_pool()
         self.pool = BlockPool(num_blocks, self.block_size, self.options.enable_prefix_cache)
         self.kv = KVCacheManager(self.pool)
-        self.kv_cache = [model.backend.allocate_kv(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-                         for _ in range(spec.num_layers)]
-        # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
-        self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
-                                    max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
-                                    block_size=self.block_size)
+        create_step_runner = getattr(model, "create_step_runner", None)
+        if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
+            self.kv_cache, self.runner = create_step_runner(RunnerSetup(
+                num_blocks=num_blocks, block_size=self.block_size, cuda_graph=self.options.cuda_graph,
+                max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len))
+        else:
+            self.kv_cache = [model.backend.allocate_kv(num_blocks, self.block_size, spec.num_kv_heads,
+                                                       spec.head_dim) for _ in range(spec.num_layers)]
+            # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
+            self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
+                                        max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                                        block_size=self.block_size)
         is_cpu = model.backend.name == "numpy"
         batched = self.options.max_num_batched_tokens or (
             _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from openinfer import (
+    Backend,
     EngineOptions,
     PagedEngine,
-    create_backend,
+    RankContext,
+    create_parallel_model,
     hookimpl,
     read_generation_config,
     score_architectures,
@@ -29,8 +32,14 @@ def openinfer_claims() -> list[str]:
     return [*ARCHITECTURES, *MODEL_TYPES]
 
 
+def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int | None, backend: Backend,
+                    rank: RankContext) -> LlamaForCausalLM:
+    """One rank's Llama (the whole model when there is one rank); picklable as a partial."""
+    llama = LlamaConfig.from_dict(config, read_generation_config(model_path))
+    return LlamaForCausalLM.load(model_path, llama, backend, max_model_len, rank)
+
+
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    llama = LlamaConfig.from_dict(config, read_generation_config(model_path))
-    model = LlamaForCausalLM.load(model_path, llama, create_backend(options.device), options.max_model_len)
+    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options)
     return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
