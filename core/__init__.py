@@ -38,6 +38,16 @@ from openinfer.parallel import (
     VocabShard,
 )
 from openinfer.parallel.build import create_parallel_model
+from openinfer.parallel.communicator import SingleRank
+from openinfer.parallel.tensor import (
+    column_rows,
+    head_rows,
+    row_columns,
+    row_parallel_bias,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+    vocab_rows,
+)
 from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
 from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
@@ -68,5 +78,6 @@ __all__ = [
     "rope_parameters_from_config", "DecoderLayer", "DecoderStack", "eos_token_ids_from", "fuse_rows",
     "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
     "score_architectures", "Communicator", "DummyCheckpoint", "ExpertShard", "ParallelLayout", "RankContext",
-    "TensorShard", "VocabShard", "create_parallel_model",
+    "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
+    "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows",
 ]

@@ -255,6 +255,7 @@ class ParallelModel:
 
     def __init__(self, local_model: Any, comm: Communicator, remotes: list[Any]):
         self.local = RankWorker(local_model, comm)
+        self.local_model = local_model
         self.remotes = remotes
         self.spec = local_model.spec
         self.backend = local_model.backend

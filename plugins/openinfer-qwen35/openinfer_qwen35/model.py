@@ -13,6 +13,10 @@ The engine passes ``batch.request_ids`` (one per sequence); a sequence whose con
 position 0 begins a fresh state, any other continues its slot's state — so chunked prefill
 carries the state across chunks. ``release_request`` frees the slot when the engine drops a
 request (finished, aborted or preempted).
+
+Tensor parallel: ``config`` is the rank's (``Qwen35Config.for_rank``: its attention, KV, GDN
+key and value heads), the mixers' and the MLP's outputs are partial sums completed by one
+all-reduce each over ``comm``, and the embedding / LM head hold the rank's vocab rows.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from typing import Any
 from openinfer import (
     AttentionSpec,
     Backend,
+    Communicator,
     ForwardBatch,
     KVLayer,
     ModelSpec,
     OpenInferError,
     RotaryEmbedding,
+    SingleRank,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
 )
 from openinfer_qwen35.config import FULL_ATTENTION, Qwen35Config
 from openinfer_qwen35.kernel_plan import plan_for
@@ -39,8 +47,9 @@ class Qwen35Model:
 
     def __init__(self, config: Qwen35Config, weights: Qwen35Weights, backend: Backend, *,
                  max_model_len: int, num_state_slots: int, architectures: tuple[str, ...] = (),
-                 model_type: str = "qwen3_5_text"):
+                 model_type: str = "qwen3_5_text", comm: Communicator | None = None):
         self.config = config
+        self.comm = comm or SingleRank()
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
@@ -80,7 +89,11 @@ class Qwen35Model:
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer]) -> Any:
         ops, w = self.backend, self.weights
         seqs = self.plan.prepare_sequences(self._step_sequences(batch))
-        hidden = ops.embedding(w.embed_tokens, batch.token_ids)
+        comm = self.comm
+        if w.vocab is None:
+            hidden = ops.embedding(w.embed_tokens, batch.token_ids)
+        else:
+            hidden = vocab_parallel_embedding(ops, w.embed_tokens, batch.token_ids, w.vocab, comm)
         residual = None
         for layer, (kind, index) in zip(w.layers, self.layer_slots, strict=True):
             if residual is None:
@@ -92,10 +105,14 @@ class Qwen35Model:
                 hidden = self._full_attention(x, layer.mixer, self.attention_specs[index], kv_cache[index], batch)
             else:
                 hidden = self._delta_net(x, layer.mixer, index, seqs)
+            hidden = comm.all_reduce(hidden)
             x, residual = self.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
-            hidden = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+            hidden = comm.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down))
         last = ops.gather_rows(ops.add(hidden, residual), batch.logits_rows)
-        return ops.linear(self.rms_norm(last, w.final_norm, self.config.rms_norm_eps), w.lm_head)
+        normed = self.rms_norm(last, w.final_norm, self.config.rms_norm_eps)
+        if w.vocab is None:
+            return ops.linear(normed, w.lm_head)
+        return vocab_parallel_logits(ops, normed, w.lm_head, self.config.vocab_size, comm)
 
     def _step_sequences(self, batch: Any) -> StepSequences:
         host = getattr(batch, "host", None) or batch  # a device batch keeps its host ForwardBatch

@@ -7,15 +7,18 @@ is created with ``enable_prefix_cache=False`` and ``max_num_seqs`` capped by the
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from openinfer import (
     Backend,
     Checkpoint,
+    DummyCheckpoint,
     EngineOptions,
     PagedEngine,
-    create_backend,
+    RankContext,
+    create_parallel_model,
     hookimpl,
     read_generation_config,
 )
@@ -23,7 +26,7 @@ from openinfer_qwen35.config import ARCHITECTURES, MODEL_TYPES, Qwen35Config
 from openinfer_qwen35.kernel_plan import plan_for
 from openinfer_qwen35.model import Qwen35Model
 from openinfer_qwen35.state import DeltaNetStateCache
-from openinfer_qwen35.weights import load_weights
+from openinfer_qwen35.weights import load_weights, qwen35_tensor_shapes
 
 PLUGIN_NAME = "openinfer-qwen35"
 
@@ -55,15 +58,20 @@ def num_state_slots(config: Qwen35Config, options: EngineOptions, backend: Backe
 
 
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
-                options: EngineOptions) -> Qwen35Model:
+                options: EngineOptions, rank: RankContext | None = None) -> Qwen35Model:
+    """One rank's Qwen3.5 (the whole model when there is one rank); picklable as a partial."""
+    rank = rank or RankContext(load_format=options.load_format)
     qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
+    local = qwen35.for_rank(rank.tensor)  # the rank's head counts; raises when heads do not split
     plan = plan_for(backend)
-    weights = load_weights(Checkpoint(model_path), qwen35, backend, plan.fp32_vector, plan.norm_weight)
+    source = (DummyCheckpoint(qwen35_tensor_shapes(qwen35)) if rank.load_format == "dummy"
+              else Checkpoint(model_path))
+    weights = load_weights(source, qwen35, backend, plan.fp32_vector, plan.norm_weight, rank.tensor)
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
-    return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,
-                       num_state_slots=num_state_slots(qwen35, options, backend), architectures=architectures,
-                       model_type=str(config.get("model_type", "qwen3_5_text")))
+    return Qwen35Model(local, weights, backend, max_model_len=max_len,
+                       num_state_slots=num_state_slots(local, options, backend), architectures=architectures,
+                       model_type=str(config.get("model_type", "qwen3_5_text")), comm=rank.comm)
 
 
 def engine_options(model: Qwen35Model, options: EngineOptions) -> EngineOptions:
@@ -74,7 +82,13 @@ def engine_options(model: Qwen35Model, options: EngineOptions) -> EngineOptions:
                          max_num_seqs=min(options.max_num_seqs, model.state.slots.num_usable_slots))
 
 
+def _rank_model(model_path: str, config: dict[str, Any], options: EngineOptions, backend: Backend,
+                rank: RankContext) -> Qwen35Model:
+    return build_model(model_path, config, backend, options, rank)
+
+
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = build_model(model_path, config, create_backend(options.device), options)
-    return PagedEngine(model, engine_options(model, options), model_path=model_path, plugin=PLUGIN_NAME)
+    model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
+    rank0 = getattr(model, "local_model", model)  # a group: rank 0's own model holds the state slots
+    return PagedEngine(model, engine_options(rank0, options), model_path=model_path, plugin=PLUGIN_NAME)
