@@ -11,7 +11,14 @@ from typing import Any
 
 from openinfer.backend import AttentionSpec, Backend, KVLayer, create_backend, cuda_available
 from openinfer.backend.base import ForwardBatch
-from openinfer.decoder import DecoderConfig, DecoderLayout, DecoderOnlyLM, load_decoder_stack
+from openinfer.decoder import (
+    DecoderConfig,
+    DecoderLayout,
+    DecoderOnlyLM,
+    decoder_model_memory,
+    decoder_tensor_shapes,
+    load_decoder_stack,
+)
 from openinfer.engine import EngineHandle, finish_reason_name
 from openinfer.errors import (
     AmbiguousPluginError,
@@ -39,6 +46,7 @@ from openinfer.parallel import (
 )
 from openinfer.parallel.build import create_parallel_model
 from openinfer.parallel.communicator import SingleRank
+from openinfer.parallel.memory_plan import ModelMemory, TensorPlacement, dense_model_memory
 from openinfer.parallel.tensor import (
     column_rows,
     head_rows,
@@ -79,5 +87,6 @@ __all__ = [
     "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
     "score_architectures", "Communicator", "DummyCheckpoint", "ExpertShard", "ParallelLayout", "RankContext",
     "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
-    "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows",
+    "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows", "ModelMemory",
+    "TensorPlacement", "dense_model_memory", "decoder_model_memory", "decoder_tensor_shapes",
 ]

@@ -33,6 +33,7 @@ from openinfer.errors import WeightLoadError
 from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
 from openinfer.parallel.dummy import DummyCheckpoint
 from openinfer.parallel.layout import TensorShard, check_attention_heads
+from openinfer.parallel.memory_plan import ModelMemory, dense_model_memory
 from openinfer.parallel.rank import SINGLE, RankContext
 from openinfer.parallel.tensor import column_rows, head_rows, row_columns, row_parallel_bias, vocab_rows
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
@@ -239,6 +240,15 @@ def load_decoder_stack(checkpoint: Checkpoint, config: DecoderConfig, layout: De
     return DecoderStack(embed_tokens=ops.weight(vocab_rows(embed, vocab)), layers=layers, final_norm=final_norm,
                         lm_head=ops.linear_weight(vocab_rows(lm_head, vocab)), eps=config.rms_norm_eps,
                         comm=rank.comm, vocab=vocab, vocab_size=config.vocab_size)
+
+
+def decoder_model_memory(config: DecoderConfig, layout: DecoderLayout, bytes_per_element: float = 2.0) -> ModelMemory:
+    """What a dense decoder holds (bf16 weights and KV by default), for the memory plan."""
+    kv_per_token = int(2 * config.num_hidden_layers * config.kv_size * bytes_per_element)
+    return dense_model_memory(decoder_tensor_shapes(config, layout), num_kv_heads=config.num_key_value_heads,
+                              kv_bytes_per_token=kv_per_token, bytes_per_element=bytes_per_element,
+                              description=f"{config.model_type} ({config.num_hidden_layers} layers, "
+                                          f"hidden {config.hidden_size})")
 
 
 def open_checkpoint(model_path: str | Path, config: DecoderConfig, layout: DecoderLayout,

@@ -30,7 +30,7 @@ logger = logging.getLogger("openinfer.serve")
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed")
+                       "max_queue", "seed", "tensor_parallel_size", "expert_parallel_size", "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch step N+1 before reading step N back (default: on for cuda)")
     engine.add_argument("--max-queue", type=int, help="bounded waiting queue; a full queue answers 503")
     engine.add_argument("--seed", type=int, help="engine seed for unseeded sampling")
+    engine.add_argument("--tensor-parallel-size", type=int, help="ranks splitting every layer (one GPU each)")
+    engine.add_argument("--expert-parallel-size", type=int, help="ranks splitting the MoE experts (one GPU each)")
+    engine.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights at the real shapes, no checkpoint needed")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,9 +16,11 @@ from openinfer import (
     Checkpoint,
     DummyCheckpoint,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
     RankContext,
     create_parallel_model,
+    dense_model_memory,
     hookimpl,
     read_generation_config,
 )
@@ -89,6 +91,18 @@ def _rank_model(model_path: str, config: dict[str, Any], options: EngineOptions,
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
+    model = create_parallel_model(partial(_rank_model, model_path, config, options), options,
+                                  openinfer_model_memory(config), max_model_len=4096)
     rank0 = getattr(model, "local_model", model)  # a group: rank 0's own model holds the state slots
     return PagedEngine(model, engine_options(rank0, options), model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    """bf16 weights; KV of the full-attention layers; the GDN state of ``max_num_seqs`` requests
+    is sized by the engine at start (not in this plan)."""
+    qwen35 = Qwen35Config.from_dict(config)
+    kv_per_token = 2 * len(qwen35.full_layer_ids) * qwen35.num_key_value_heads * qwen35.head_dim * 2
+    return dense_model_memory(qwen35_tensor_shapes(qwen35), num_kv_heads=qwen35.num_key_value_heads,
+                              kv_bytes_per_token=kv_per_token,
+                              description=f"qwen3.5 ({qwen35.num_hidden_layers} layers, hidden {qwen35.hidden_size})")

@@ -8,15 +8,18 @@ from typing import Any
 from openinfer import (
     Backend,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
     RankContext,
     create_parallel_model,
+    decoder_model_memory,
     hookimpl,
     read_generation_config,
     score_architectures,
 )
 from openinfer_llama.config import ARCHITECTURES, MODEL_TYPES, LlamaConfig
 from openinfer_llama.model import LlamaForCausalLM
+from openinfer_llama.weights import LLAMA_LAYOUT
 
 PLUGIN_NAME = "openinfer-llama"
 
@@ -41,5 +44,16 @@ def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int 
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options)
+    memory = openinfer_model_memory(config)
+    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options,
+                                  memory, max_model_len=_max_positions(config))
     return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    return decoder_model_memory(LlamaConfig.from_dict(config), LLAMA_LAYOUT)
+
+
+def _max_positions(config: dict[str, Any]) -> int:
+    return int(config.get("max_position_embeddings") or 4096)
