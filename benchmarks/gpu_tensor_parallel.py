@@ -128,6 +128,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,2")
     args = parser.parse_args()
     import cupy
+    from cupy.cuda import nccl
     from openinfer_qwen3.plugin import openinfer_model_memory
 
     from openinfer.parallel.layout import ParallelLayout
@@ -139,7 +140,7 @@ def main() -> int:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     report: dict = {"model": "Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, vocab 151936)",
                     "device": f"{cupy.cuda.runtime.getDeviceCount()}x {name}",
-                    "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version(),
+                    "cupy": cupy.__version__, "nccl": nccl.get_version(),
                     "decode_prompt_tokens": DECODE_PROMPT, "decode_tokens": DECODE_TOKENS, "runs": [], "plans": {}}
     _, total = cupy.cuda.runtime.memGetInfo()
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,12 +28,13 @@ def disable_multicast() -> None:
     os.environ.update(NCCL_ENV)
 
 
-def new_unique_id() -> tuple[int, ...]:
-    """The id the ranks of one group share (rank 0 makes it; picklable)."""
+def new_unique_id() -> Any:
+    """The id the ranks of one group share (rank 0 makes it; picklable: bytes in CuPy 14,
+    a tuple of ints in older CuPy — handed to ``create`` as it came)."""
     disable_multicast()
     from cupy.cuda import nccl
 
-    return tuple(nccl.get_unique_id())
+    return nccl.get_unique_id()
 
 
 class NcclCommunicator:
@@ -47,7 +48,7 @@ class NcclCommunicator:
         self.world_size = world_size
 
     @classmethod
-    def create(cls, unique_id: tuple[int, ...], rank: int, world_size: int) -> NcclCommunicator:
+    def create(cls, unique_id: Any, rank: int, world_size: int) -> NcclCommunicator:
         disable_multicast()
         from cupy.cuda import nccl
 

@@ -21,7 +21,7 @@ import numpy as np
 from openinfer.parallel.nccl import disable_multicast
 
 
-def _rank_checks(rank: int, world: int, unique_id: tuple[int, ...], results: Any) -> None:
+def _rank_checks(rank: int, world: int, unique_id: Any, results: Any) -> None:
     disable_multicast()
     import cupy
 
@@ -55,7 +55,7 @@ def _rank_checks(rank: int, world: int, unique_id: tuple[int, ...], results: Any
         with stream:
             warm = comm.all_reduce(static_in) * 2  # warm-up outside the capture (NCCL connects lazily)
             stream.synchronize()
-            stream.begin_capture()
+            stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
             static_out = comm.all_reduce(static_in) * 2
             graph = stream.end_capture()
         del warm

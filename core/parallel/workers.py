@@ -148,7 +148,7 @@ class ThreadRank:
 # --- other ranks as processes (cuda + NCCL) --------------------------------------------------------
 
 
-def _process_rank_main(rank: int, layout: ParallelLayout, load_format: str, unique_id: tuple[int, ...],
+def _process_rank_main(rank: int, layout: ParallelLayout, load_format: str, unique_id: Any,
                        factory: RankModelFactory, connection: Any) -> None:
     """Entry point of rank r's process: own GPU r, join the NCCL group, load, then serve commands."""
     from openinfer.parallel.nccl import NcclCommunicator, disable_multicast
@@ -179,7 +179,7 @@ def _process_rank_main(rank: int, layout: ParallelLayout, load_format: str, uniq
 class ProcessRank:
     """Rank r > 0 as its own process (spawned: CUDA cannot fork), commands through a pipe."""
 
-    def __init__(self, rank: int, layout: ParallelLayout, load_format: str, unique_id: tuple[int, ...],
+    def __init__(self, rank: int, layout: ParallelLayout, load_format: str, unique_id: Any,
                  factory: RankModelFactory):
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
