@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, token_ids
 from openinfer.errors import OpenInferError
 
 
@@ -17,16 +18,18 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None,
                         help="model directory (config.json + *.safetensors); default: the demo model")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int_range(2, INT32_MAX), default=None,
+                        help="context length, >= 2 (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX), default=None,
+                        help="KV pool size in blocks, >= 1 (default: sized from memory)")
     _add_parallel_arguments(parser)
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks splitting every layer by heads / rows (one GPU each)")
-    parser.add_argument("--expert-parallel-size", type=int, default=1,
-                        help="ranks splitting the MoE experts (one GPU each)")
+    parser.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    parser.add_argument("--expert-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights at the real shapes, from config.json alone")
 
@@ -37,13 +40,6 @@ def _resolve_model_path(model_path: str | None) -> Path:
     from openinfer.demo import ensure_demo_model  # converts the GGUF on first use
 
     return ensure_demo_model()
-
-
-def _parse_token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as exc:
-        raise OpenInferError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from exc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -62,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise OpenInferError(f"--prompt needs {tokenizer_file}; pass --prompt-token-ids instead")
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     else:
-        prompt_ids = _parse_token_ids(args.prompt_token_ids)
+        prompt_ids = args.prompt_token_ids
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
                            num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
                            expert_parallel_size=args.expert_parallel_size, load_format=args.load_format)
@@ -161,12 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(generate)
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json)")
-    prompt.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
-    generate.add_argument("--max-tokens", type=int, default=16)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
+    prompt.add_argument("--prompt-token-ids", type=token_ids, default=None,
+                        help="comma-separated token ids, each >= 0")
+    generate.add_argument("--max-tokens", type=int_range(1, INT32_MAX), default=16, help=">= 1 (default 16)")
+    generate.add_argument("--temperature", type=float_range(0), default=0.0, help=">= 0; 0 is greedy (default)")
+    generate.add_argument("--top-k", type=int_range(-1, INT32_MAX), default=0, help="0 or -1: off (default)")
+    generate.add_argument("--top-p", type=float_range(0, 1, low_inclusive=False), default=1.0,
+                          help="in (0, 1] (default 1)")
+    generate.add_argument("--seed", type=int_range(0, UINT64_MAX), default=None, help=">= 0")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.set_defaults(handler=cmd_generate)
 

@@ -34,6 +34,28 @@ from openinfer.errors import InvalidRequestError
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.
 DETOKENIZER_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+# How many input characters a normalizer may fold into one (NFKC composes up to 3 Hangul jamo);
+# used only to bound text length before tokenizing.
+NORMALIZER_SLACK = 4
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable character → byte table, the inverse of the alphabet byte-level BPE
+    vocabularies are written in (printable Latin-1 bytes stand for themselves, the rest are
+    shifted to U+0100 onwards in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+BYTE_LEVEL_DECODER = _byte_level_decoder()
 
 
 class TokenizerNotFoundError(InvalidRequestError):
@@ -59,8 +81,11 @@ class Tokenizer:
 
     def __init__(self, raw: RawTokenizer, config: Mapping[str, Any] | None = None,
                  chat_template: str | list[dict[str, str]] | None = None,
-                 eos_token_ids: Sequence[int] | None = None, path: str = ""):
+                 eos_token_ids: Sequence[int] | None = None, path: str = "",
+                 default_max_new_tokens: int | None = None):
         self.raw = raw
+        # generation_config.json's max_new_tokens: the model's own default output length
+        self.default_max_new_tokens = default_max_new_tokens
         self.config = dict(config or {})
         self.path = path
         self.bos_token = _token_content(self.config.get("bos_token"))
@@ -89,7 +114,9 @@ class Tokenizer:
         generation = _read_json(directory / "generation_config.json")
         eos = generation.get("eos_token_id")
         eos_ids = None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(raw, config, template, eos_ids, str(directory))
+        max_new = generation.get("max_new_tokens")
+        max_new = max_new if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0 else None
+        return cls(raw, config, template, eos_ids, str(directory), max_new)
 
     # --- ids <-> text ---------------------------------------------------------------------------
 
@@ -101,19 +128,70 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self.raw.token_to_id(self.bos_token) if self.bos_token else None
 
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry (a
+        byte-level piece has one character per byte, at least as many as the text it decodes to)."""
+        return max(map(len, self.raw.get_vocab(with_added_tokens=True)), default=1) or 1
+
+    @cached_property
+    def _normalizer_slack(self) -> int:
+        """A normalizer (NFKC, ...) may fold several input characters into one."""
+        return NORMALIZER_SLACK if json.loads(self.raw.to_str()).get("normalizer") else 1
+
+    def check_length(self, text: str, max_tokens: int, field: str = "prompt") -> None:
+        """Refuse, without tokenizing it, text that cannot fit in ``max_tokens`` tokens: text longer
+        than ``max_tokens * max_chars_per_token`` characters (times the normalizer's slack) cannot.
+        This bounds the CPU time one request can spend in the tokenizer."""
+        limit = max_tokens * self.max_chars_per_token * self._normalizer_slack
+        if len(text) > limit:
+            raise InvalidRequestError(
+                f"{field} has {len(text)} characters, more than {max_tokens} tokens can hold (this vocabulary's "
+                f"tokens are at most {self.max_chars_per_token} characters long); shorten it", field)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as exc:  # the Rust side takes valid Unicode only (no lone surrogates)
+            raise InvalidRequestError(f"the text cannot be tokenized: {exc} (is it valid UTF-8 text, without "
+                                      "lone surrogates such as \\ud800?)", "prompt") from exc
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprob ``bytes`` carry): byte-level BPE
+        pieces are mapped back from GPT-2's printable byte alphabet, SentencePiece byte-fallback
+        pieces ``<0xNN>`` are that byte and ``▁`` is a space; special tokens are their text."""
+        piece = self.raw.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
+        if self._is_byte_level and all(c in BYTE_LEVEL_DECODER for c in piece):
+            return bytes(BYTE_LEVEL_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def token_text(self, token_id: int) -> str:
-        """The text of one token for logprob tables; falls back to the raw vocab entry when the
-        token alone is not valid UTF-8 (a byte-level piece of a longer character)."""
-        text = self.raw.decode([token_id], skip_special_tokens=False)
-        if REPLACEMENT_CHAR in text or not text:
-            return self.raw.id_to_token(token_id) or text
-        return text
+        """The text of one token for logprob tables: its bytes as UTF-8; a token holding only part
+        of a character shows its bytes escaped (``\\xf0\\x9f``), the ``bytes`` field has them exact."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.raw.get_added_tokens_decoder())
+
+    @cached_property
+    def _is_byte_level(self) -> bool:
+        """Whether the vocabulary is spelled in GPT-2's byte alphabet (a ByteLevel decoder)."""
+        decoder = json.loads(self.raw.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]
+        return any(isinstance(part, Mapping) and part.get("type") == "ByteLevel" for part in parts)
 
     def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)

@@ -50,6 +50,9 @@ class RunnerSetup:
     cuda_graph: bool
     max_num_seqs: int
     max_model_len: int
+    num_state_slots: int = 0
+    num_groups: int = 1
+    with_state: bool = False
 
 
 class RankWorker:
@@ -59,17 +62,29 @@ class RankWorker:
         self.model = model
         self.comm = comm
         self.kv_cache: list[KVLayer] = []
+        self.state_layers: list[Any] = []
         self.runner: Any = None
 
     def setup(self, setup: RunnerSetup) -> None:
+        """This rank's KV (its own specs: its heads) and runner, in the engine's layout."""
+        from openinfer.backend.base import StateLayer
         from openinfer.graph import create_runner
+        from openinfer.runtime.model import kv_cache_specs_of
 
-        spec, backend = self.model.spec, self.model.backend
-        self.kv_cache = [backend.allocate_kv(setup.num_blocks, setup.block_size, spec.num_kv_heads, spec.head_dim)
-                         for _ in range(spec.num_layers)]
+        backend = self.model.backend
+        self.kv_cache = [backend.allocate_kv(s, setup.num_blocks if s.paged else setup.num_state_slots,
+                                             setup.block_size) for s in kv_cache_specs_of(self.model)]
+        self.state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.runner = create_runner(backend, lambda batch: self.model.forward(batch, self.kv_cache),
                                     cuda_graph=setup.cuda_graph, max_num_seqs=setup.max_num_seqs,
-                                    max_model_len=setup.max_model_len, block_size=setup.block_size)
+                                    max_model_len=setup.max_model_len, block_size=setup.block_size,
+                                    num_groups=setup.num_groups, with_state=setup.with_state)
+
+    def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        from openinfer.runtime.engine import copy_state_slots
+
+        if self.state_layers:
+            copy_state_slots(self.model.backend, self.state_layers, copies)
 
     def step(self, batch: ForwardBatch, previous_token_ids: Any, num_previous: int) -> Any:
         if num_previous:  # inputs sampled on rank 0 by the step still in flight
@@ -84,7 +99,8 @@ class RankWorker:
             release(request_id)
 
     def handle(self, command: tuple) -> Any:
-        """Run one command from rank 0: ("setup", RunnerSetup) | ("step", batch, n) | ("release", id)."""
+        """Run one command from rank 0: ("setup", RunnerSetup) | ("step", batch, n) | ("release", id)
+        | ("copy_state", [(src, dst), ...])."""
         kind = command[0]
         if kind == "setup":
             return self.setup(command[1])
@@ -92,6 +108,8 @@ class RankWorker:
             return self.step(command[1], None, command[2])
         if kind == "release":
             return self.release_request(command[1])
+        if kind == "copy_state":
+            return self.copy_state_slots(command[1])
         raise ValueError(f"unknown rank command {kind!r}")
 
 
@@ -244,6 +262,12 @@ class ParallelRunner:
             remote.check()
             remote.send(("step", batch, num_previous))
         return self.local.step(batch, previous_token_ids, num_previous)
+
+    def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        """State snapshots / restores the KV manager queued, on every rank's state layers."""
+        for remote in self.remotes:
+            remote.send(("copy_state", copies))
+        self.local.copy_state_slots(copies)
 
 
 class ParallelModel:

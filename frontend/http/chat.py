@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from starlette.requests import Request
+
 from openinfer.frontend.http.context import ServerContext, build_plans, new_request_id, usage_of
+from openinfer.frontend.http.disconnect import until_disconnected
 from openinfer.frontend.http.errors import to_openai_error
 from openinfer.frontend.http.generation import ChoiceStream, collect_all, merge_deltas, start_choices
 from openinfer.frontend.http.schemas import (
@@ -25,40 +28,41 @@ from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
 
-def render_chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+def render_chat_prompt(ctx: ServerContext, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                        tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """Template → text → ids. The template writes the special tokens itself (bos included, as
-    in Hugging Face), so the text is encoded without adding any."""
-    text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                         add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **(template_kwargs or {}))
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Template → text → ids (blocking: run it through ``ctx.run_text_work``). The template writes
+    the special tokens itself (bos included, as in Hugging Face), so the text is encoded without
+    adding any."""
+    text = ctx.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
+                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **(template_kwargs or {}))
+    return ctx.encode_prompt(text, add_special_tokens=False, field="messages")
 
 
 def chat_logprobs(tokenizer: Tokenizer, ids: Sequence[int], entries: Sequence[pb.TokenLogprob],
                   num_top: int) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(ids, entries, strict=False):
-        text = tokenizer.token_text(token_id)
-        top = [TopLogprobEntry(token=(t := tokenizer.token_text(alt.token_id)), logprob=alt.logprob,
-                               bytes=list(t.encode("utf-8"))) for alt in entry.top[:num_top]]
-        content.append(ChatLogprobEntry(token=text, logprob=entry.logprob, bytes=list(text.encode("utf-8")),
-                                        top_logprobs=top))
+        top = [TopLogprobEntry(token=tokenizer.token_text(alt.token_id), logprob=alt.logprob,
+                               bytes=list(tokenizer.token_bytes(alt.token_id))) for alt in entry.top[:num_top]]
+        content.append(ChatLogprobEntry(token=tokenizer.token_text(token_id), logprob=entry.logprob,
+                                        bytes=list(tokenizer.token_bytes(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, client: Request | None = None):
+    """``client`` (the HTTP request) lets a non-streamed reply stop when its client goes away."""
     ctx.check_model(body.model)
-    prompt_ids = render_chat_prompt(ctx.tokenizer, body.messages, body.add_generation_prompt, body.tools,
-                                    body.chat_template_kwargs)
+    prompt_ids = await ctx.run_text_work(render_chat_prompt, ctx, body.messages, body.add_generation_prompt,
+                                         body.tools, body.chat_template_kwargs)
     request_id = new_request_id("chatcmpl")
     num_top = body.top_logprobs or 0
     plans = build_plans(ctx, body, [prompt_ids], body.max_new_tokens(), request_id,
                         logprobs=max(1, num_top) if body.logprobs else 0)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
     if body.stream:
         return EventStreamResponse(stream_chat(ctx, body, streams, request_id))
-    per_choice = await collect_all(streams)
+    per_choice = await until_disconnected(client, collect_all(streams), streams)
     choices = []
     for stream, deltas in zip(streams, per_choice, strict=True):
         logprobs = None

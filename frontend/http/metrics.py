@@ -26,8 +26,13 @@ class FrontendMetrics:
         labels = {"model_name": model_name}
         self._labels = labels
         names = ["model_name"]
-        self.requests = Counter("openinfer_request_success", "Finished requests by finish reason",
+        self.requests = Counter("openinfer_request_success", "Requests that completed (stop or length)",
                                 [*names, "finished_reason"], registry=self.registry)
+        # aborted (client gone, queue wait timed out, shutdown) and failed requests are not successes
+        self.aborted = Counter("openinfer_request_aborted", "Requests aborted before they completed",
+                               names, registry=self.registry).labels(**labels)
+        self.failed = Counter("openinfer_request_failed", "Requests the engine ended with an error",
+                              names, registry=self.registry).labels(**labels)
         self.prompt_tokens = Counter("openinfer_prompt_tokens", "Prompt tokens of finished requests",
                                      names, registry=self.registry).labels(**labels)
         self.generation_tokens = Counter("openinfer_generation_tokens", "Generated tokens",
@@ -61,7 +66,12 @@ class FrontendMetrics:
                 self.itl.observe(gap)
 
     def observe_finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        self.requests.labels(finished_reason=reason, **self._labels).inc()
+        if reason == "abort":
+            self.aborted.inc()
+        elif reason == "error":
+            self.failed.inc()
+        else:
+            self.requests.labels(finished_reason=reason, **self._labels).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
 
