@@ -286,6 +286,12 @@ class ParallelModel:
         self.world_size = comm.world_size
         self._finalizer = weakref.finalize(self, _close_all, list(remotes))
 
+    def kv_cache_specs(self) -> list[Any]:
+        """Rank 0's per-layer specs (every rank's have the same structure and bytes)."""
+        from openinfer.runtime.model import kv_cache_specs_of
+
+        return kv_cache_specs_of(self.local_model)
+
     def forward(self, batch: Any, kv_cache: list[KVLayer]) -> Any:
         raise OpenInferError("a tensor/expert-parallel model steps all ranks together: use the runner from "
                              "create_step_runner, not forward")

@@ -54,3 +54,27 @@ def test_value_heads_not_divisible_is_refused(tiny):
     path, _ = tiny
     with pytest.raises(ParallelConfigError, match="does not divide by --tensor-parallel-size 3"):
         rank_logits(factory(path), ParallelLayout(3), prefill_then_decode(PROMPTS, NEXT))
+
+
+def test_engine_tp2_matches_tp1_with_state_snapshots(tiny):
+    """The engine over thread ranks: each rank keeps its GDN state heads in its own slots; the
+    prefix cache's state snapshots and restores reach every rank (a repeated prompt hits)."""
+    from openinfer_qwen35.plugin import openinfer_create_engine
+
+    from tests.helpers.engine_utils import make_request, run_all
+
+    path, _ = tiny
+    config = json.loads((path / "config.json").read_text())
+    prompt = list(range(3, 40))
+    outputs = {}
+    for tp in (1, 2):
+        engine = openinfer_create_engine(str(path), config, EngineOptions(device="cpu", tensor_parallel_size=tp,
+                                                                          max_num_seqs=4, block_size=16))
+        try:
+            first = run_all(engine, [make_request("a", prompt, max_tokens=5), make_request("b", [7, 8, 9], max_tokens=5)])
+            again = run_all(engine, [make_request("c", prompt, max_tokens=5)])
+            outputs[tp] = [o.token_ids for o in first + again]
+            assert again[0].cached_tokens and again[0].cached_tokens >= 16
+        finally:
+            engine.close_sync()
+    assert outputs[2] == outputs[1]
