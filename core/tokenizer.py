@@ -29,6 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
 from openinfer.errors import InvalidRequestError
+from openinfer.tiktoken_tokenizer import TiktokenVocabulary
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.
@@ -98,15 +99,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a Hugging Face style model directory (needs tokenizer.json)."""
+        """Load from a Hugging Face style model directory (tokenizer.json, or a tiktoken.model)."""
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise TokenizerNotFoundError(
-                f"no tokenizer.json in {str(directory)!r}; pass a model directory with a Hugging Face "
-                "fast tokenizer (or --tokenizer DIR)", "tokenizer")
-        raw = RawTokenizer.from_file(str(tokenizer_file))
         config = _read_json(directory / "tokenizer_config.json")
+        raw: Any
+        if tokenizer_file.is_file():
+            raw = RawTokenizer.from_file(str(tokenizer_file))
+        elif (directory / "tiktoken.model").is_file():  # Kimi-K2 / Moonlight
+            raw = TiktokenVocabulary.from_dir(directory, config)
+        else:
+            raise TokenizerNotFoundError(
+                f"no tokenizer.json (or tiktoken.model) in {str(directory)!r}; pass a model directory with a "
+                "Hugging Face fast tokenizer (or --tokenizer DIR)", "tokenizer")
         template: str | list[dict[str, str]] | None = config.get("chat_template")
         template_file = directory / "chat_template.jinja"
         if template is None and template_file.is_file():

@@ -1,0 +1,67 @@
+"""The pluggy hooks that make Kimi-K2 / DeepSeek-V3 checkpoints servable, and the engine glue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from openinfer import (
+    Backend,
+    Checkpoint,
+    EngineOptions,
+    PagedEngine,
+    create_backend,
+    hookimpl,
+    read_generation_config,
+)
+from openinfer_kimi_k2.config import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    KimiK2Config,
+    text_config_of,
+    with_message_end_stop,
+)
+from openinfer_kimi_k2.kernel_plan import check_backend
+from openinfer_kimi_k2.model import KimiK2Model
+from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
+
+PLUGIN_NAME = "openinfer-kimi-k2"
+
+
+@hookimpl
+def openinfer_match(config: dict[str, Any]) -> int | None:
+    text = text_config_of(config)
+    model_types = {config.get("model_type"), text.get("model_type")}
+    if model_types & {"kimi_k2", "kimi_k25"}:
+        return 100
+    architectures = set(config.get("architectures") or []) | set(text.get("architectures") or [])
+    if architectures & set(ARCHITECTURES):
+        return 100
+    if model_types & set(MODEL_TYPES):
+        return 50
+    return None
+
+
+@hookimpl
+def openinfer_claims() -> list[str]:
+    return [*ARCHITECTURES, *MODEL_TYPES]
+
+
+def build_model(model_path: str | Path, config: dict[str, Any], options: EngineOptions,
+                backend: Backend | None = None) -> KimiK2Model:
+    """Parse the config and check every tensor from the safetensors headers first, so a bad
+    checkpoint fails with the tensor's name before the backend (and any device memory) exists."""
+    kimi = with_message_end_stop(KimiK2Config.from_dict(config, read_generation_config(model_path)), model_path)
+    checkpoint = Checkpoint(model_path)
+    linears = plan_checkpoint(checkpoint, kimi)
+    backend = backend or create_backend(options.device)
+    check_backend(backend)
+    weights = load_weights(checkpoint, kimi, backend, linears=linears)
+    max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)
+    architectures = tuple(config.get("architectures") or ("DeepseekV3ForCausalLM",))
+    return KimiK2Model(kimi, weights, backend, max_model_len=max_len, architectures=architectures)
+
+
+@hookimpl
+def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
+    return PagedEngine(build_model(model_path, config, options), options, model_path=model_path, plugin=PLUGIN_NAME)
