@@ -28,6 +28,7 @@ from openinfer.errors import (
     ModelPathNotFoundError,
     NoPluginError,
     OpenInferError,
+    ParallelConfigError,
     PluginLoadError,
     QueueFullError,
     WeightLoadError,
@@ -57,6 +58,7 @@ from openinfer.parallel import (
 )
 from openinfer.parallel.build import create_parallel_model
 from openinfer.parallel.communicator import SingleRank
+from openinfer.parallel.expert import expert_parallel_moe, expert_parallel_moe_sharded
 from openinfer.parallel.memory_plan import ModelMemory, TensorPlacement, dense_model_memory
 from openinfer.parallel.tensor import (
     column_rows,
@@ -102,4 +104,5 @@ __all__ = [
     "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
     "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows", "ModelMemory",
     "TensorPlacement", "dense_model_memory", "decoder_model_memory", "decoder_tensor_shapes",
+    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError",
 ]

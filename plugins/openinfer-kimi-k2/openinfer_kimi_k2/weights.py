@@ -152,10 +152,11 @@ def _plan_swiglu(plan: _Planner, module: str, hidden: int, intermediate: int) ->
 
 def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
                  make_linear: Callable[[np.ndarray], Any] | None = None,
-                 linears: dict[str, StoredLinear] | None = None) -> KimiK2Weights:
+                 linears: dict[str, StoredLinear] | None = None, experts: slice | None = None) -> KimiK2Weights:
     """Plan (headers only; or take ``linears`` from an earlier ``plan_checkpoint``), then read every
     weight; quantized linears are dequantized to fp32 on the host and handed to ``make_linear``
-    (default: ``backend.linear_weight``)."""
+    (default: ``backend.linear_weight``). ``experts``: the routed experts this rank holds under
+    expert parallelism (the others stay ``None``); default all."""
     linears = linears if linears is not None else plan_checkpoint(ckpt, config)
     prefix = checkpoint_prefix(ckpt)
     to_linear = make_linear or backend.linear_weight
@@ -169,6 +170,7 @@ def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
         return ExpertWeights(to_linear(gate_up), to_linear(dense(f"{module}.down_proj")))
 
     perm = rope_deinterleave(c.qk_rope_head_dim) if c.rope_interleave else np.arange(c.qk_rope_head_dim)
+    held = experts or slice(0, c.n_routed_experts)
     layers = []
     for i in range(c.num_hidden_layers):
         layer = f"{prefix}model.layers.{i}"
@@ -196,7 +198,8 @@ def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
             bias_name = f"{mlp_name}.gate.e_score_correction_bias"
             mlp: DenseMLPWeights | MoEWeights = MoEWeights(
                 router=c.router, gate=ckpt.get(f"{mlp_name}.gate.weight"),
-                experts=[swiglu(f"{mlp_name}.experts.{e}") for e in range(c.n_routed_experts)],
+                experts=[swiglu(f"{mlp_name}.experts.{e}") if held.start <= e < held.stop else None
+                         for e in range(c.n_routed_experts)],
                 correction_bias=ckpt.get(bias_name) if bias_name in ckpt else None,
                 shared=swiglu(f"{mlp_name}.shared_experts") if c.n_shared_experts else None)
         else:
