@@ -10,6 +10,7 @@ from openinfer import (
     Backend,
     Checkpoint,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
     ParallelConfigError,
     RankContext,
@@ -26,6 +27,7 @@ from openinfer_kimi_k2.config import (
     with_message_end_stop,
 )
 from openinfer_kimi_k2.kernel_plan import check_backend
+from openinfer_kimi_k2.memory import kimi_model_memory
 from openinfer_kimi_k2.model import KimiK2Model
 from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
 
@@ -83,3 +85,8 @@ def openinfer_create_engine(model_path: str, config: dict[str, Any], options: En
                            plugin=PLUGIN_NAME)
     model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
     return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    return kimi_model_memory(KimiK2Config.from_dict(config))

@@ -98,3 +98,20 @@ def test_dummy_load_format_serves_from_config_alone(tmp_path):
     assert len(outputs[0]) == 5 and outputs[1] == outputs[0]
     with pytest.raises(ParallelConfigError, match="--load-format 'random'"):
         build_engine(tmp_path, load_format="random")
+
+
+KIMI_K2_CONFIG = Path(__file__).with_name("kimi_k2_config.json")  # the released config.json's shape fields
+
+
+def test_kimi_k2_plan_on_4_and_8_gpus(capsys):
+    """Full-size Kimi-K2 (INT4 routed experts, replicated MLA attention): 8 H200s hold it with
+    a KV budget; 4 cannot (the replicated parts alone take ~22 GiB a rank), and the refusal says
+    which flag to raise."""
+    eight = plan_json(capsys, "--config", str(KIMI_K2_CONFIG), "--expert-parallel-size", "8",
+                      "--max-model-len", "131072")["ranks"]
+    assert len(eight) == 8
+    assert 85 < eight[0]["weight_gib"] < 92 and eight[0]["kv_tokens"] > 400_000
+    total_experts = eight[0]["weights_by_split_gib"]["experts"] * 8
+    assert 520 < total_experts < 540  # ≈ 0.57 TB of packed INT4 experts
+    assert main(["plan", "--config", str(KIMI_K2_CONFIG), "--expert-parallel-size", "4"]) == 2
+    assert "raise --expert-parallel-size" in capsys.readouterr().err
