@@ -38,7 +38,8 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed", "trace_dir")
+                       "max_queue", "seed", "trace_dir", "tensor_parallel_size", "expert_parallel_size",
+                       "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -124,6 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--trace-dir", type=non_empty("--trace-dir"),
                         help="write one Chrome-trace JSON per request into this directory "
                              "(open in ui.perfetto.dev); off by default")
+    engine.add_argument("--tensor-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    engine.add_argument("--expert-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
+    engine.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights at the real shapes, no checkpoint needed")
 
 
 def _engine_url(text: str) -> str:

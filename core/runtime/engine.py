@@ -29,6 +29,7 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
 from openinfer.options import EngineOptions
+from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
 from openinfer.runtime.sampler import (
@@ -106,15 +107,23 @@ class PagedEngine:
         self.state_slots = StateSlots(self.kv_plan.num_state_slots) if self.kv_groups.has_state else None
         self.kv = KVCacheManager(self.pool, groups=self.kv_groups, state_slots=self.state_slots,
                                  num_snapshot_slots=self.kv_plan.num_snapshot_slots)
-        # the model owns the layout: one allocation per spec, blocks or state slots
-        self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
-                                                   self.block_size) for s in self.kv_cache_specs]
+        create_step_runner = getattr(model, "create_step_runner", None)
+        if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
+            self.kv_cache, self.runner = create_step_runner(RunnerSetup(
+                num_blocks=num_blocks, num_state_slots=self.kv_plan.num_state_slots, block_size=self.block_size,
+                cuda_graph=self.options.cuda_graph, max_num_seqs=self.options.max_num_seqs,
+                max_model_len=self.max_model_len, num_groups=len(self.kv_groups.groups),
+                with_state=self.kv_groups.has_state))
+        else:
+            # the model owns the layout: one allocation per spec, blocks or state slots
+            self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
+                                                       self.block_size) for s in self.kv_cache_specs]
+            # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
+            self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
+                                        max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                                        block_size=self.block_size, num_groups=len(self.kv_groups.groups),
+                                        with_state=self.kv_groups.has_state)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
-        # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
-        self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
-                                    max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
-                                    block_size=self.block_size, num_groups=len(self.kv_groups.groups),
-                                    with_state=self.kv_groups.has_state)
         is_cpu = model.backend.name == "numpy"
         batched = self.options.max_num_batched_tokens or (
             _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
@@ -493,11 +502,11 @@ class PagedEngine:
         copies = self.kv.take_state_copies() if self._state_layers else []
         if not copies:
             return
-        xp = self.model.backend.xp
-        src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
-        dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))
-        for layer in self._state_layers:
-            layer.copy_slots(src, dst)
+        copy_on_every_rank = getattr(self.runner, "copy_state_slots", None)
+        if copy_on_every_rank is not None:  # a group of ranks: each copies its own state layers
+            copy_on_every_rank(copies)
+            return
+        copy_state_slots(self.model.backend, self._state_layers, copies)
 
     def _forward(self, device_batch):
         return self.model.forward(device_batch, self.kv_cache)
@@ -527,3 +536,11 @@ class PagedEngine:
             if command == "add":
                 self._emit(payload.request_id, ERROR, [pb.ERROR_CODE_UNAVAILABLE, message], final=True)
 
+
+def copy_state_slots(backend, state_layers: list[StateLayer], copies: list[tuple[int, int]]) -> None:
+    """``state[dst] = state[src]`` for every (src, dst) in ``copies``, on every state layer."""
+    xp = backend.xp
+    src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
+    dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))
+    for layer in state_layers:
+        layer.copy_slots(src, dst)
