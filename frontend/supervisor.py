@@ -35,15 +35,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from openinfer.frontend.serve import STARTUP_FAILURE
+
 logger = logging.getLogger("openinfer.supervisor")
 
 MAX_RESTARTS = 5
+FATAL_EXIT_CODES = (2, STARTUP_FAILURE)  # usage errors and ports in use: restarting cannot help
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.05
 PROCESS_TABLE = "processes.json"
-API_KEY_ENV = "OPENINFER_API_KEY"
-CONFIG_ERROR = 2
-STARTUP_FAILURE = 3  # a port cannot be bound (as uvicorn exits)
+API_KEY_ENV = "OPENINFER_API_KEY"  # how the API key reaches the API servers (never argv)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Supervisor:
         self.core = Child("engine-core") if not args.engine else None
         self.api = [Child(f"api-server-{i}") for i in range(args.api_server_count)]
         self.sock: socket.socket | None = None
-        self.exit_code = 1  # when the server stops because a child cannot be (re)started
+        self.exit_code = 1  # what run() returns when a child cannot be kept running
 
     # --- children --------------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class Supervisor:
                 report = self._read_ready(block=False)
                 if report is None:
                     time.sleep(POLL_S)
-                    if any(c.process is not None and c.process.poll() in (CONFIG_ERROR, STARTUP_FAILURE)
+                    if any(c.process is not None and c.process.poll() in FATAL_EXIT_CODES
                            for c in self.api):
                         return self._api_startup_failure()
             if self.stopping:
@@ -208,8 +209,7 @@ class Supervisor:
         return 0
 
     def _api_startup_failure(self) -> int:
-        child = next(c for c in self.api if c.process is not None and c.process.poll() in (CONFIG_ERROR,
-                                                                                               STARTUP_FAILURE))
+        child = next(c for c in self.api if c.process is not None and c.process.poll() in FATAL_EXIT_CODES)
         code = child.process.returncode
         logger.error("%s could not start (exit %d); stopping", child.role, code)
         return code
@@ -244,8 +244,8 @@ class Supervisor:
                 continue
             code = child.process.poll()
             if code is not None:
-                if code in (CONFIG_ERROR, STARTUP_FAILURE):  # restarting would fail the same way
-                    logger.error("%s could not start (exit %d); stopping", child.role, code)
+                if code in FATAL_EXIT_CODES:  # a bad flag or a port in use: a restart cannot help
+                    logger.error("%s exited with code %d (a start-up error); stopping", child.role, code)
                     self.exit_code = code
                     return False
                 if not self._schedule_restart(child, f"exited with code {code}"):
