@@ -24,6 +24,7 @@ from openinfer.errors import OpenInferError, PortInUseError
 from openinfer.frontend.serve import STARTUP_FAILURE
 
 logger = logging.getLogger("openinfer.api_server")
+CORE_CONNECT_TIMEOUT_S = 3600.0
 
 
 async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) -> EngineHandle:
@@ -37,7 +38,9 @@ async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) 
     from openinfer.engine_core.client import EngineCoreClient
 
     client = EngineCoreClient(run_dir)
-    await client.connect(args.engine_timeout if args.engine_timeout > 60 else 600.0)
+    # the supervisor watches the core (a failed start stops the server); loading a large model
+    # may take long, so an API server waits for it as long as it takes within this bound
+    await client.connect(CORE_CONNECT_TIMEOUT_S)
     return client
 
 
