@@ -76,6 +76,8 @@ class TopLevelRequest(Request):
 
 class StreamOptions(Request):
     include_usage: bool = False
+    # vLLM's extension: every streamed chunk carries the usage so far (clients count tokens per chunk)
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(TopLevelRequest):
@@ -131,6 +133,9 @@ class SamplingFields(TopLevelRequest):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
