@@ -206,16 +206,18 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in report["runs"] if r.get("decode_tpot_ms") or r["tpot_ms"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [r["label"] for r in runs]
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(runs)), 4.5))
+    labels = [f"{r['label'].replace(' (', chr(10) + '(')}\nload {r['loadavg_1min'][0]:.0f}" if "loadavg_1min" in r else r["label"] for r in runs]
     ratios = [(r.get("decode_tpot_ms") or r["tpot_ms"])["p50"] / report["step_ms"] for r in runs]
-    ax.bar(labels, ratios, color="tab:blue")
+    x = np.arange(len(runs))
+    ax.bar(x, ratios, color=["tab:gray" if r["mode"] == "inproc" else "tab:blue" for r in runs])
     ax.axhline(1.2, color="tab:red", linestyle="--", label="goal 1.2×")
     ax.axhline(1.0, color="gray", linestyle=":", label="model step")
     for i, ratio in enumerate(ratios):
-        ax.text(i, ratio + 0.02, f"{ratio:.2f}×", ha="center")
+        ax.text(i, ratio + 0.05, f"{ratio:.2f}×", ha="center")
+    ax.set_xticks(x, labels, fontsize=7)
     ax.set(ylabel="decode TPOT p50 / step time", title=f"stub model, step {report['step_ms']} ms, "
-           f"{report['streams']} streams, {report['output_len']} tokens out")
+           f"{report['streams']} streams, {report['output_len']} out\n(shared 2-core box; load = 1-min load average)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
