@@ -58,7 +58,7 @@ def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: st
                         limits or ServerLimits())
     app.state.openinfer = ctx
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, served_model_name)
     created = int(time.time())
 
     def model_card() -> ModelCard:

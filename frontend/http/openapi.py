@@ -38,7 +38,18 @@ def event_stream_alternative(model: type, description: str) -> dict[int | str, d
                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def install_openapi(app: FastAPI) -> None:
+def _only_served_model(schema: dict[str, Any], served_model_name: str) -> None:
+    """Request bodies name the model as this server accepts it: its served name, or nothing."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        model = component.get("properties", {}).get("model")
+        if model is not None and "Request" in component.get("title", ""):
+            model.clear()
+            model.update({"anyOf": [{"type": "string", "enum": [served_model_name]}, {"type": "null"}],
+                          "title": "Model", "description": "the served model (see GET /v1/models); another "
+                                                           "name is answered 404"})
+
+
+def install_openapi(app: FastAPI, served_model_name: str) -> None:
     """Serve the corrected document (built once) at ``app.openapi_url``."""
 
     def openapi() -> dict[str, Any]:
@@ -51,6 +62,7 @@ def install_openapi(app: FastAPI) -> None:
             components = schema.get("components", {}).get("schemas", {})
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
+            _only_served_model(schema, served_model_name)
             app.openapi_schema = schema
         return app.openapi_schema
 
