@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from openinfer.backend import AttentionSpec, Backend, KVLayer, create_backend, cuda_available
-from openinfer.backend.base import ForwardBatch
+from openinfer.backend.base import ForwardBatch, StateLayer
 from openinfer.decoder import DecoderConfig, DecoderLayout, DecoderOnlyLM, load_decoder_stack
 from openinfer.engine import EngineHandle, finish_reason_name
 from openinfer.errors import (
@@ -26,6 +26,17 @@ from openinfer.errors import (
     WeightLoadError,
 )
 from openinfer.hookspecs import hookimpl
+from openinfer.kv.spec import (
+    CompressedSpec,
+    FullAttentionSpec,
+    KVCacheGroups,
+    KVCacheSpec,
+    MLALatentSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+    StateTensor,
+    group_specs,
+)
 from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
 from openinfer.options import EngineOptions
 from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
@@ -57,5 +68,6 @@ __all__ = [
     "discover_plugins", "finish_reason_name", "float32_to_bf16", "hookimpl", "read_model_config",
     "rope_parameters_from_config", "DecoderLayer", "DecoderStack", "eos_token_ids_from", "fuse_rows",
     "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
-    "score_architectures",
+    "score_architectures", "CompressedSpec", "FullAttentionSpec", "KVCacheGroups", "KVCacheSpec",
+    "MLALatentSpec", "RecurrentStateSpec", "SlidingWindowSpec", "StateLayer", "StateTensor", "group_specs",
 ]

@@ -17,12 +17,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import numpy as np
+
+from openinfer.backend.base import StateLayer
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.graph import create_runner
-from openinfer.kv import BlockPool, KVCacheManager
+from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
 from openinfer.options import EngineOptions
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
-from openinfer.runtime.model import PagedModel, RequestStateModel
+from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
 from openinfer.runtime.sampler import SampledStep, sample_step
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
@@ -65,23 +68,33 @@ class PagedEngine:
                  plugin: str = "", tokenizer_path: str | None = None):
         self.model = model
         self.options = options or EngineOptions()
-        # models with per-request state (recurrent layers) free it through release_request and
+        spec = model.spec
+        self.kv_cache_specs = kv_cache_specs_of(model)
+        self.kv_groups = group_specs(self.kv_cache_specs)
+        # models keeping private per-request state (release_request, no RecurrentStateSpec)
         # cannot rebuild it from cached KV blocks, so they never use the prefix cache
         self._release_state = model.release_request if isinstance(model, RequestStateModel) else None
-        if self._release_state is not None and self.options.enable_prefix_cache:
+        if self._release_state is not None and not self.kv_groups.has_state and self.options.enable_prefix_cache:
             self.options = self.options.with_(enable_prefix_cache=False)
-        spec = model.spec
         self.max_model_len = min(self.options.max_model_len or spec.max_model_len, spec.max_model_len)
         self.block_size = self.options.block_size
-        num_blocks = self.options.num_kv_blocks or self._size_kv_pool()
+        self.kv_plan = self._plan_kv_cache()
+        if self.kv_plan.max_num_seqs < self.options.max_num_seqs:  # live state slots cap the batch
+            self.options = self.options.with_(max_num_seqs=self.kv_plan.max_num_seqs)
+        num_blocks = self.kv_plan.num_blocks
         self.pool = BlockPool(num_blocks, self.block_size, self.options.enable_prefix_cache)
-        self.kv = KVCacheManager(self.pool)
-        self.kv_cache = [model.backend.allocate_kv(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-                         for _ in range(spec.num_layers)]
+        self.state_slots = StateSlots(self.kv_plan.num_state_slots) if self.kv_groups.has_state else None
+        self.kv = KVCacheManager(self.pool, groups=self.kv_groups, state_slots=self.state_slots,
+                                 num_snapshot_slots=self.kv_plan.num_snapshot_slots)
+        # the model owns the layout: one allocation per spec, blocks or state slots
+        self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
+                                                   self.block_size) for s in self.kv_cache_specs]
+        self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
         self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
                                     max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
-                                    block_size=self.block_size)
+                                    block_size=self.block_size, num_groups=len(self.kv_groups.groups),
+                                    with_state=self.kv_groups.has_state)
         is_cpu = model.backend.name == "numpy"
         batched = self.options.max_num_batched_tokens or (
             _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
@@ -115,15 +128,17 @@ class PagedEngine:
 
     # --- sizing ----------------------------------------------------------------------------------
 
-    def _size_kv_pool(self) -> int:
-        spec = self.model.spec
-        itemsize = 4 if self.model.backend.name == "numpy" else 2
-        bytes_per_block = 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * itemsize
-        budget = getattr(self.model.backend, "kv_memory_budget", None)
-        budget_bytes = budget(self.options) if budget else int(self.options.cpu_kv_cache_gib * 2**30)
-        # never more than every sequence slot at full context could use
-        useful = self.options.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-        return max(2, min(budget_bytes // bytes_per_block, useful))
+    def _plan_kv_cache(self) -> KVCachePlan:
+        """Blocks and state slots from the specs' bytes and the memory budget (an explicit
+        ``num_kv_blocks`` fixes the block count)."""
+        budget_bytes = 0
+        if self.options.num_kv_blocks is None or self.kv_groups.has_state:
+            budget = getattr(self.model.backend, "kv_memory_budget", None)
+            budget_bytes = budget(self.options) if budget else int(self.options.cpu_kv_cache_gib * 2**30)
+        return plan_kv_cache(self.kv_groups, block_size=self.block_size, budget_bytes=budget_bytes,
+                             max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                             num_blocks=self.options.num_kv_blocks,
+                             prefix_cache=self.options.enable_prefix_cache)
 
     # --- EngineHandle ----------------------------------------------------------------------------
 
@@ -332,7 +347,13 @@ class PagedEngine:
         Raises what the model raises (``step`` fails the plan's requests)."""
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
+        self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
         logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+        if self._state_layers and self.options.enable_prefix_cache:
+            for chunk in plan.chunks:  # the state at a block boundary may serve a later request
+                end = chunk.start + chunk.num_tokens
+                self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
+            self._copy_state_slots()
         samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
                               self.async_scheduling)
         if self._step_timer:
@@ -384,6 +405,19 @@ class PagedEngine:
         if num_out >= request.max_tokens or index + 1 >= self.max_model_len:
             del request.token_ids[index + 1:]
             self._finish(request, pb.FINISH_REASON_LENGTH)
+
+    def _copy_state_slots(self) -> None:
+        """Run the state-slot copies the KV manager queued, on every state layer, in stream
+        order with the steps (a restore before the step that reads it, a snapshot after the
+        step that wrote it)."""
+        copies = self.kv.take_state_copies() if self._state_layers else []
+        if not copies:
+            return
+        xp = self.model.backend.xp
+        src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
+        dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))
+        for layer in self._state_layers:
+            layer.copy_slots(src, dst)
 
     def _forward(self, device_batch):
         return self.model.forward(device_batch, self.kv_cache)

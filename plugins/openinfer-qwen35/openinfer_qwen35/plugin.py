@@ -1,8 +1,9 @@
-"""The pluggy hooks that make Qwen3.5 servable, and the engine glue.
+"""The pluggy hooks that make Qwen3.5 servable.
 
-A recurrent model cannot use the prefix cache (a cached KV block says nothing about the
-GDN state at that point), and it can run at most one request per state slot, so the engine
-is created with ``enable_prefix_cache=False`` and ``max_num_seqs`` capped by the slot pool.
+The model declares its GDN state as ``RecurrentStateSpec``s, so the default engine sizes the
+state slots from memory (capping ``max_num_seqs`` by the live slots that fit), keeps the prefix
+cache on (the state is snapshotted at block boundaries and restored on a hit) and captures
+decode steps in CUDA graphs (slot ids are read from the batch's device arrays).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from openinfer import (
 from openinfer_qwen35.config import ARCHITECTURES, MODEL_TYPES, Qwen35Config
 from openinfer_qwen35.kernel_plan import plan_for
 from openinfer_qwen35.model import Qwen35Model
-from openinfer_qwen35.state import DeltaNetStateCache
 from openinfer_qwen35.weights import load_weights
 
 PLUGIN_NAME = "openinfer-qwen35"
@@ -42,18 +42,6 @@ def openinfer_claims() -> list[str]:
     return [*ARCHITECTURES, *MODEL_TYPES]
 
 
-def num_state_slots(config: Qwen35Config, options: EngineOptions, backend: Backend | None = None) -> int:
-    """Slots for ``max_num_seqs`` requests (+ the null slot), within a state memory budget:
-    ``cpu_kv_cache_gib`` on the CPU (the state gets a budget of its own), a quarter of the KV
-    budget the backend reports on a GPU (the KV pool is sized after the state is allocated)."""
-    budget_bytes = int(options.cpu_kv_cache_gib * 2**30)
-    kv_budget = getattr(backend, "kv_memory_budget", None)
-    if kv_budget is not None:
-        budget_bytes = kv_budget(options) // 4
-    budget = budget_bytes // max(1, DeltaNetStateCache.bytes_per_slot(config))
-    return max(2, min(options.max_num_seqs, budget) + 1)
-
-
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
                 options: EngineOptions) -> Qwen35Model:
     qwen35 = Qwen35Config.from_dict(config, read_generation_config(model_path))
@@ -61,20 +49,11 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     weights = load_weights(Checkpoint(model_path), qwen35, backend, plan.fp32_vector, plan.norm_weight)
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
-    return Qwen35Model(qwen35, weights, backend, max_model_len=max_len,
-                       num_state_slots=num_state_slots(qwen35, options, backend), architectures=architectures,
+    return Qwen35Model(qwen35, weights, backend, max_model_len=max_len, architectures=architectures,
                        model_type=str(config.get("model_type", "qwen3_5_text")))
-
-
-def engine_options(model: Qwen35Model, options: EngineOptions) -> EngineOptions:
-    """What a recurrent model needs from the default engine: no prefix cache, one slot per
-    running request, and (for now) eager decode steps — a captured CUDA graph would freeze the
-    step's state-slot indices, which the model resolves from request ids on the host."""
-    return options.with_(enable_prefix_cache=False, cuda_graph=False,
-                         max_num_seqs=min(options.max_num_seqs, model.state.slots.num_usable_slots))
 
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
     model = build_model(model_path, config, create_backend(options.device), options)
-    return PagedEngine(model, engine_options(model, options), model_path=model_path, plugin=PLUGIN_NAME)
+    return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
