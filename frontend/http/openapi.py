@@ -22,6 +22,7 @@ ERROR_DESCRIPTIONS = {
     413: "Request body larger than the server's limit",
     503: "Queue full, queue wait timed out, or the engine is down (Retry-After when retrying helps)",
 }
+ERROR_SCHEMA_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # statuses each kind of route can answer besides 200
 BODY_ROUTE_ERRORS = (400, 401, 404, 413, 503)
 OPEN_ROUTE_ERRORS = (503,)  # /health and /metrics: no key, no body
@@ -58,7 +59,11 @@ def install_openapi(app: FastAPI, served_model_name: str) -> None:
                                  routes=app.routes)
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    responses.pop("422", None)
+                    for status, response in responses.items():
+                        if not status.startswith("2"):  # every error is JSON, whatever the route's 200 is
+                            response["content"] = {"application/json": {"schema": ERROR_SCHEMA_REF}}
             components = schema.get("components", {}).get("schemas", {})
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
