@@ -162,12 +162,19 @@ def _exchange(sock: socket.socket, body: bytes) -> bytes:
     sock.sendall(request)
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += _receive(sock)
     head, _, rest = data.partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(rest) < length:
-        rest += sock.recv(65536)
+        rest += _receive(sock)
     return head
+
+
+def _receive(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise ConnectionError("the server closed the connection")
+    return chunk
 
 
 def test_after_a_500_the_next_request_on_the_connection_works(server, engine, monkeypatch):
