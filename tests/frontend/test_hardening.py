@@ -194,9 +194,12 @@ def test_after_a_500_the_next_request_on_the_connection_works(server, engine, mo
 # --- 7: big bodies do not freeze the server ------------------------------------------------------
 
 
-def _health_latencies(url: str, done: threading.Event) -> list[float]:
+def _health_latencies(url: str, warm: threading.Event, done: threading.Event) -> list[float]:
+    """/health latencies while ``done`` is unset, after one warm-up probe (connection set up)."""
     latencies = []
     with httpx.Client(base_url=url, timeout=30) as probe:
+        assert probe.get("/health").status_code == 200
+        warm.set()
         while not done.is_set():
             started = time.monotonic()
             assert probe.get("/health").status_code == 200
@@ -206,9 +209,10 @@ def _health_latencies(url: str, done: threading.Event) -> list[float]:
 
 
 def _post_while_probing(url: str, path: str, body: dict) -> tuple[httpx.Response, list[float]]:
-    done = threading.Event()
+    warm, done = threading.Event(), threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        probing = pool.submit(_health_latencies, url, done)
+        probing = pool.submit(_health_latencies, url, warm, done)
+        assert warm.wait(30)
         try:
             with httpx.Client(base_url=url, timeout=120) as big:
                 response = big.post(path, json=body)
