@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "uint8": 1, "int8": 1}
@@ -242,7 +243,7 @@ class KVCacheGroups:
     groups: tuple[KVCacheGroup, ...]
     group_of_layer: tuple[int, ...]  # spec index -> group id
 
-    @property
+    @cached_property  # read several times per request per step by the KV manager
     def paged_groups(self) -> tuple[KVCacheGroup, ...]:
         return tuple(g for g in self.groups if g.paged)
 

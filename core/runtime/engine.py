@@ -155,7 +155,6 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
-        self._eos_ids = frozenset(spec.eos_token_ids)
         # a backend that samples on the device asynchronously launches ahead only rows its
         # kernel samples (one predicate: samples_on_device); a host sampler reads every row back
         # anyway, so there only rows needing the previous step's tokens on the host wait
@@ -374,6 +373,7 @@ class PagedEngine:
         """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
+            request.num_full_blocks_published = -1
             self._release(request)
             if self.tracer is not None:
                 self.tracer.on_preempted(request.request_id)
@@ -458,7 +458,10 @@ class PagedEngine:
                 request = chunk.request
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
-                    self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
+                    full = computed // self.block_size
+                    if full != request.num_full_blocks_published:  # else publishing is a no-op
+                        request.num_full_blocks_published = full
+                        self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
         results = launched.samples.results()
         if launched.trace is not None:
             self.tracer.on_resolved(launched.trace)
@@ -488,7 +491,7 @@ class PagedEngine:
             self._emit(request.request_id, TOKEN, token)
         stop = request.stop
         if num_out >= stop.min_tokens:
-            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self._eos_ids):
+            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self.model.spec.eos_token_ids):
                 request.truncate_after(index)  # a token sampled after this one is discarded
                 return self._finish(request, pb.FINISH_REASON_STOP, token)
         if num_out >= request.max_tokens or index + 1 >= self.max_model_len:

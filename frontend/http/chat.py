@@ -233,7 +233,18 @@ async def stream_chat(ctx: ServerContext, body: ChatCompletionRequest, plan: Cha
     parsers = {stream.plan.index: plan.parser() for stream in streams}
     num_calls = dict.fromkeys(parsers, 0)
 
+    # the chunk's fields as pydantic would write them, rendered once; a plain text delta (no
+    # logprobs, no usage) is then one dict copy + json.dumps instead of a pydantic model per token
+    frame = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[]).model_dump(
+        mode="json")
+
     def chunk(choices: list[ChatDeltaChoice], usage=None) -> str:
+        if usage is None and len(choices) == 1 and choices[0].logprobs is None and all(
+                isinstance(v, str) for v in choices[0].delta.values()):
+            choice = choices[0]
+            return "data: " + json.dumps({**frame, "choices": [{
+                "index": choice.index, "delta": choice.delta, "logprobs": None,
+                "finish_reason": choice.finish_reason}]}, ensure_ascii=False, separators=(",", ":")) + "\n\n"
         return sse_frame(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                              choices=choices, usage=usage))
 
