@@ -112,10 +112,11 @@ class KVCacheManager:
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> tuple[list[int], list[bytes]]:
         """Longest prefix of full token blocks that every group can serve (the last token is
-        never served from the cache: its logits must be computed), as (group 0's hit blocks,
-        the token-block hashes). ``find_cached_groups`` gives every group's blocks."""
+        never served from the cache: its logits must be computed), as (the first paged group's
+        hit blocks, the token-block hashes)."""
         n, hashes, hits = self._find(token_ids, extra_key)
-        return (hits[0][:n] if hits else []), hashes[:n]
+        first = next((g.group_id for g in self.groups.paged_groups), None)
+        return (hits[first][:n] if first is not None else []), hashes[:n]
 
     def _find(self, token_ids: Sequence[int], extra_key: str | None
               ) -> tuple[int, list[bytes], list[list[int | None]]]:
@@ -290,6 +291,8 @@ class KVCacheManager:
             self.state_slots.free(request_id)
             for _, slot in blocks.pending_snapshots:
                 self._free_slot(slot)
+            # a restore into the freed slot (a request that started but was not admitted) is moot
+            self._state_copies = [c for c in self._state_copies if blocks.state_slot not in c]
 
     # --- state snapshots -------------------------------------------------------------------------
 

@@ -306,8 +306,8 @@ SNAPSHOT_BUDGET_FRACTION = 0.25
 def plan_kv_cache(groups: KVCacheGroups, *, block_size: int, budget_bytes: int, max_num_seqs: int,
                   max_model_len: int, num_blocks: int | None = None, prefix_cache: bool = True) -> KVCachePlan:
     """Split ``budget_bytes`` between state slots and blocks (see the module docstring).
-    ``num_blocks`` fixes the block count (tests, ``--num-kv-blocks``); state still fits
-    ``max_num_seqs`` live requests then."""
+    ``num_blocks`` fixes the block count (tests, ``--num-kv-blocks``); the state slots then
+    fit ``max_num_seqs`` live requests and, with the prefix cache, as many snapshots."""
     slot_bytes = groups.bytes_per_slot
     num_slots = snapshots = 0
     if groups.has_state:

@@ -173,6 +173,9 @@ def test_state_snapshot_hit_restore_and_eviction_with_its_block():
     assert kv.start_request("b", tokens) == 4
     assert kv.state_slot("b") == 1 and kv.take_state_copies() == [(2, 1)]
     kv.free_request("b")
+    assert kv.start_request("b2", tokens) == 4
+    kv.free_request("b2")  # started, then not admitted: its restore is dropped with its slot
+    assert kv.take_state_copies() == []
     # allocating every free block evicts block 2 (token block 1, the snapshot's anchor): freed
     kv.pool.allocate(kv.pool.num_free_blocks)
     assert kv.num_snapshots == 0 and kv.state_slots.num_free_slots == 4
