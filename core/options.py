@@ -13,7 +13,7 @@ class EngineOptions:
     """Every option has a default that works on a laptop CPU.
 
     ``device``: "auto" (cuda when CuPy sees a GPU, else cpu), "cuda" or "cpu".
-    ``num_kv_blocks``: explicit KV pool size in blocks; None sizes it from memory
+    ``num_kv_blocks``: explicit KV pool size in blocks (of each KV cache group's pool); None sizes it from memory
     (``gpu_memory_utilization`` on cuda; ``cpu_kv_cache_gib`` on the CPU).
     """
 
@@ -32,6 +32,12 @@ class EngineOptions:
     max_queue: int = 1024
     served_model_name: str | None = None
     seed: int = 0
+    # write a Chrome-trace JSON per request into this directory (openinfer.tracing); None: off
+    trace_dir: str | None = None
+    # ranks (openinfer.parallel): one per GPU on cuda, threads with a fake communicator on cpu
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:

@@ -338,7 +338,7 @@ def plan_kv_cache(groups: KVCacheGroups, *, block_size: int, budget_bytes: int, 
                   max_model_len: int, num_blocks: int | None = None, prefix_cache: bool = True,
                   chunk_tokens: int | None = None) -> KVCachePlan:
     """Split ``budget_bytes`` between state slots and the groups' pools (see the module
-    docstring). ``num_blocks`` fixes every paged group's block count (tests,
+    docstring). ``num_blocks`` fixes every paged group's pool at that many blocks (tests,
     ``--num-kv-blocks``); the state slots then fit ``max_num_seqs`` live requests and, with the
     prefix cache, as many snapshots. ``chunk_tokens``: the most tokens one step computes for a
     request (sliding windows hold fewer blocks with smaller chunks)."""
@@ -353,12 +353,12 @@ def plan_kv_cache(groups: KVCacheGroups, *, block_size: int, budget_bytes: int, 
                 2 * live, int(budget_bytes * SNAPSHOT_BUDGET_FRACTION) // max(1, slot_bytes))
         max_num_seqs = live
         num_slots = live + snapshots + 1
-    if num_blocks is not None:
-        blocks = tuple(num_blocks if g.paged else 0 for g in groups.groups)
-        return KVCachePlan(blocks, num_slots, snapshots, max_num_seqs)
     # each group's share of the block budget follows what one request at full context needs
     need = {g.group_id: max(1, g.spec.max_live_blocks(max_model_len, block_size, chunk_tokens))
             for g in groups.paged_groups}
+    if num_blocks is not None:
+        blocks = tuple(num_blocks if g.paged else 0 for g in groups.groups)
+        return KVCachePlan(blocks, num_slots, snapshots, max_num_seqs)
     page = {g.group_id: g.spec.page_bytes(block_size) * len(g.layer_ids) for g in groups.paged_groups}
     per_request = sum(need[g] * page[g] for g in need)
     remaining = max(0, budget_bytes - num_slots * slot_bytes)

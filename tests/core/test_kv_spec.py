@@ -87,6 +87,7 @@ def test_plan_splits_blocks_between_groups_by_what_a_request_needs():
     # 4 compressed blocks (16 entries); 24 blocks of 32 B: the 9600 B split 16 : 4 : 4
     assert plan.group_blocks == (9600 * 16 // (24 * 32), 9600 * 4 // (24 * 32), 9600 * 4 // (24 * 32))
     assert plan.group_blocks == (200, 50, 50)
+    # a fixed count (--num-kv-blocks) is every group's pool size
     fixed = plan_kv_cache(groups, block_size=4, budget_bytes=0, max_num_seqs=4, max_model_len=64, num_blocks=9)
     assert fixed.group_blocks == (9, 9, 9) and fixed.num_blocks == 27
 
