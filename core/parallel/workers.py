@@ -53,6 +53,7 @@ class RunnerSetup:
     num_state_slots: int = 0
     num_groups: int = 1
     with_state: bool = False
+    group_blocks: tuple[int, ...] = ()  # per KV cache group id (each paged group has its own pool)
 
 
 class RankWorker:
@@ -69,11 +70,15 @@ class RankWorker:
         """This rank's KV (its own specs: its heads) and runner, in the engine's layout."""
         from openinfer.backend.base import StateLayer
         from openinfer.graph import create_runner
+        from openinfer.kv.spec import group_specs
         from openinfer.runtime.model import kv_cache_specs_of
 
         backend = self.model.backend
-        self.kv_cache = [backend.allocate_kv(s, setup.num_blocks if s.paged else setup.num_state_slots,
-                                             setup.block_size) for s in kv_cache_specs_of(self.model)]
+        specs = kv_cache_specs_of(self.model)
+        blocks = [setup.group_blocks[g] if setup.group_blocks else setup.num_blocks
+                  for g in group_specs(specs).group_of_layer]
+        self.kv_cache = [backend.allocate_kv(s, n if s.paged else setup.num_state_slots, setup.block_size)
+                         for s, n in zip(specs, blocks, strict=True)]
         self.state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.runner = create_runner(backend, lambda batch: self.model.forward(batch, self.kv_cache),
                                     cuda_graph=setup.cuda_graph, max_num_seqs=setup.max_num_seqs,

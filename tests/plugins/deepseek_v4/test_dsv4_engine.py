@@ -59,7 +59,9 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
 
 def test_preemption_recomputes_the_state(tiny, hf_reference):
     path, _ = tiny
-    engine = build_engine(path, num_kv_blocks=12, max_num_batched_tokens=64)  # ~6 blocks per request
+    # 6 blocks per KV cache group's pool: a 32-token chunk's sliding window fits (4 blocks), the
+    # three requests' compressed (rate 4) entries (2 + 2 + 3 blocks) do not
+    engine = build_engine(path, num_kv_blocks=6, max_num_batched_tokens=32)
     try:
         batch = prompts(3)
         outcomes = run_all(engine, [make_request(f"p{i}", p, max_tokens=16) for i, p in enumerate(batch)])
