@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
     std::vector<bf16> h(size_t(slots) * N1), act(size_t(slots) * K2), y(size_t(slots) * N2), out(size_t(T) * H);
     launch(max_tiles, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
-                         num_tiles.data(), offsets.data(), 0, h.data(), N1, H);
+                         num_tiles.data(), offsets.data(), 0, h.data(), N1, H, 1);
     });
     for (int r = 0; r < slots; ++r)  // silu_mul as elementwise.cu computes it
         for (int c = 0; c < K2; ++c) {
@@ -116,14 +116,14 @@ int main(int argc, char** argv) {
         }
     launch(max_tiles, (N2 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(act.data(), nullptr, k, w2.data(), s2.data(), tile_expert.data(), tile_row.data(),
-                         num_tiles.data(), offsets.data(), 0, y.data(), N2, K2);
+                         num_tiles.data(), offsets.data(), 0, y.data(), N2, K2, 1);
     });
     launch(T, 1, 1, 64, [&] { moe_combine(y.data(), pos.data(), weights.data(), nullptr, k, H, out.data()); });
-    // dense mode on the first expert's gate_up weight
+    // dense mode on the first expert's gate_up weight, element-wise (unvectorised) loads
     std::vector<bf16> dense(size_t(T) * N1);
     launch((T + BM - 1) / BM, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
-                         dense.data(), N1, H);
+                         dense.data(), N1, H, 0);
     });
     save(dir, "ids.bin", ids.data(), ids.size());
     save(dir, "weights.bin", weights.data(), weights.size());
