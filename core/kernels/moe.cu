@@ -36,7 +36,7 @@
 #endif
 #define BM 64
 #define BN 64
-#define BK 32
+#define BK 64  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
 #define SMEM_PAD 8
 #define GEMM_THREADS 128
 #define MAX_TOPK 16
