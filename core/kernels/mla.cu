@@ -39,13 +39,14 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
         sum += v * v;
     }
     const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-    bf16* out = cache + (long long)slot_mapping[t] * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x)
+    const int slot = slot_mapping[t];  // -1: a padding row of a captured batch, nothing to store
+    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
+    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
         out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
         const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
         out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
         out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);

@@ -40,6 +40,7 @@
 #define SMEM_PAD 8
 #define GEMM_THREADS 128
 #define MAX_TOPK 16
+#define MAX_EXPERTS 512
 
 // ---------------------------------------------------------------------------------------------
 // Routing: one block per token. Logits in fp32 from bf16 x and bf16 router weight; scores
@@ -53,9 +54,8 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
                                      int norm_topk, float scaling, const int* __restrict__ token_ids,
                                      const long long* __restrict__ tid2eid /* [vocab, k] or null */,
                                      int* __restrict__ ids, float* __restrict__ weights) {
-    extern __shared__ float smem[];
-    float* score = smem;                   // [E]
-    float* choice = smem + num_experts;    // [E]
+    __shared__ float score[MAX_EXPERTS];
+    __shared__ float choice[MAX_EXPERTS];
     __shared__ float scratch[32];
     __shared__ float group_value[64];
     __shared__ int chosen[MAX_TOPK];

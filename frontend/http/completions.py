@@ -25,6 +25,7 @@ from openinfer.frontend.http.schemas import (
     CompletionResponse,
 )
 from openinfer.frontend.http.sse import DONE_FRAME, EventStreamResponse, sse_frame
+from openinfer.frontend.http.structured import constraint_of
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
@@ -96,8 +97,10 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, client:
     request_id = new_request_id("cmpl")
     plans = build_plans(ctx, body, [ids for _, ids in inputs], body.max_tokens, request_id,
                         logprobs=max(1, body.logprobs or 0) if want_logprobs else 0,
-                        prompt_logprobs=body.echo and want_logprobs)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
+                        prompt_logprobs=body.echo and want_logprobs,
+                        structured_output=await ctx.run_text_work(constraint_of, body))
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
+                                  ctx.tracer)
     echo_texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in inputs]
     if body.stream:
         return EventStreamResponse(stream_completion(ctx, body, streams, request_id, inputs, echo_texts))

@@ -28,6 +28,7 @@ TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
 GEMM_THREADS = 128
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
+MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
 NULL = np.uint64(0)
 
 
@@ -97,8 +98,9 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
     """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
     top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32."""
     num_tokens, hidden = x.shape
-    if spec.top_k > MAX_TOPK or spec.num_groups > 64:
-        raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK} and n_group <= 64")
+    if spec.top_k > MAX_TOPK or spec.num_groups > 64 or spec.num_experts > MAX_EXPERTS:
+        raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK}, n_group <= 64 and at most {MAX_EXPERTS} "
+                         f"experts; got top_k={spec.top_k}, n_group={spec.num_groups}, {spec.num_experts} experts")
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
     if num_tokens:
@@ -108,8 +110,7 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
              np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
              np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),
-             NULL if token_ids is None else token_ids, NULL if tid2eid is None else tid2eid, ids, weights),
-            shared_mem=2 * spec.num_experts * 4)
+             NULL if token_ids is None else token_ids, NULL if tid2eid is None else tid2eid, ids, weights))
     return ids, weights
 
 

@@ -70,6 +70,7 @@ class KernelPlan:
     moe: Callable[..., Any]  # (ops, h, MoEWeights, batch) -> [T, hidden]
     linear: Callable[..., Any]  # (ops, x, weight) -> x @ weight^T
     builder: Callable[..., Any] | None = None  # LinearBuilder subclass for load_weights; None: fp32 reference
+    prepare: Callable[..., None] = lambda weights, ops: None  # once after loading (device-side tables)
 
 
 def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,

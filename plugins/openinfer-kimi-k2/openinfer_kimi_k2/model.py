@@ -9,13 +9,25 @@ first ``first_k_dense_replace`` layers and a routed MoE (+ shared experts) after
     q, latent cache ─► MLA (naive for prefill, absorbed for decode) ─► o_proj
 
 The paged cache holds one latent row per token and layer (``openinfer.mla``).
+
+Expert parallel (``rank.expert``): each rank holds its slice of the routed experts; attention
+and the dense layers are replicated, so every rank routes the same tokens the same way and one
+all-reduce sums the experts' shares (``openinfer.parallel.expert``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from openinfer import Backend, ForwardBatch, KVLayer, ModelSpec, RotaryEmbedding
+from openinfer import (
+    Backend,
+    ForwardBatch,
+    KVLayer,
+    ModelSpec,
+    RankContext,
+    RotaryEmbedding,
+    expert_parallel_moe,
+)
 from openinfer.mla import MLASpec
 from openinfer.moe import MoEWeights
 from openinfer_kimi_k2.config import KimiK2Config
@@ -27,8 +39,10 @@ class KimiK2Model:
     """A ``openinfer.PagedModel``: the engine allocates one latent KV layer per decoder layer."""
 
     def __init__(self, config: KimiK2Config, weights: KimiK2Weights, backend: Backend, *, max_model_len: int,
-                 architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",), num_parameters: int = 0):
+                 architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",), num_parameters: int = 0,
+                 rank: RankContext | None = None):
         self.config = config
+        self.rank = rank or RankContext()
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
@@ -65,5 +79,8 @@ class KimiK2Model:
     def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
         ops, plan = self.backend, self.plan
         if isinstance(layer.mlp, MoEWeights):
+            if self.rank.expert.size > 1:
+                return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
+                                           self.rank.expert.experts(self.config.n_routed_experts))
             return plan.moe(ops, h, layer.mlp, batch)
         return plan.linear(ops, ops.silu_mul(plan.linear(ops, h, layer.mlp.gate_up)), layer.mlp.down)
