@@ -24,28 +24,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from gpu_bench import gpu_time  # benchmarks/ is on sys.path when this script runs
 
 HEADS, HEAD_DIM, ROPE_DIM, WINDOW, HIDDEN, HC = 64, 512, 64, 128, 4096, 4
 INDEX_HEADS, INDEX_DIM, INDEX_TOPK, CSA_RATE, HCA_RATE = 64, 128, 512, 4, 128
 BLOCK = 64
 RESULTS = Path(__file__).parent / "results"
-
-
-def gpu_time(fn, repeat: int = 20, warmup: int = 3) -> float:
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(times))
 
 
 def copy_bandwidth() -> float:

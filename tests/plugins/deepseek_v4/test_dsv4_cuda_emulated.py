@@ -28,8 +28,8 @@ from openinfer.quant import (
 )
 
 TESTS = Path(__file__).parent
-# the host stand-in for <cuda_bf16.h> shared with the Qwen3.5 kernels' emulation
-INCLUDE = TESTS.parent / "qwen35" / "cuda_emulation" / "include"
+# core's host stand-in for <cuda_bf16.h> and the CUDA built-ins
+INCLUDE = TESTS.parents[1] / "core" / "cuda_emulation" / "include"
 NEG_BIG = -3.0e38
 
 

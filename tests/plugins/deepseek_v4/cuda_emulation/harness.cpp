@@ -1,6 +1,6 @@
-// Runs the kernels of dsv4.cu on the CPU (the host stand-in for the CUDA built-ins is the one the
-// Qwen3.5 emulation uses, plus the few built-ins below) on arrays read from a directory written by
-// test_dsv4_cuda_emulated.py, and writes the outputs back there. One kernel per invocation:
+// Runs the kernels of dsv4.cu on the CPU (the host stand-in for the CUDA built-ins is core's,
+// tests/core/cuda_emulation/include, plus __float_as_uint and max) on arrays read from a directory
+// written by test_dsv4_cuda_emulated.py, and writes the outputs back there. One kernel per invocation:
 //   harness DIR compress  S d rd W rows eps
 //   harness DIR indexer   T heads dim max_entries rate block_size stride k entries_per_block
 //   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale
@@ -8,8 +8,6 @@
 //   harness DIR quant     N in out fp4
 #include <cuda_bf16.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -17,9 +15,7 @@
 #include <vector>
 
 using std::max;
-using std::min;
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
 
 #include "dsv4.cu"
 
