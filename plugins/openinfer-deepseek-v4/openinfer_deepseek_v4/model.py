@@ -23,6 +23,7 @@ from openinfer.moe import moe_forward
 from openinfer_deepseek_v4 import attention as attn
 from openinfer_deepseek_v4.config import SLIDING, DeepseekV4Config
 from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expand
+from openinfer_deepseek_v4.kernel_plan import SUPPORTED_BACKENDS
 from openinfer_deepseek_v4.rotary import InterleavedRope
 from openinfer_deepseek_v4.state import SequenceLayerCache, kv_cache_specs
 from openinfer_deepseek_v4.weights import DeepseekV4Weights
@@ -34,9 +35,9 @@ class DeepseekV4Model:
     def __init__(self, config: DeepseekV4Config, weights: DeepseekV4Weights, backend: Backend, *,
                  max_model_len: int, architectures: tuple[str, ...] = (),
                  model_type: str = "deepseek_v4"):
-        if backend.name != "numpy":
-            raise OpenInferError("the DeepSeek-V4 plugin runs on the NumPy backend only (device=cpu); "
-                                 "its CUDA kernels are not written yet")
+        if backend.name not in SUPPORTED_BACKENDS:
+            raise OpenInferError(f"the DeepSeek-V4 plugin runs on {SUPPORTED_BACKENDS} only (pass device=cpu); "
+                                 "its CUDA kernels exist but the CUDA model forward is not written yet")
         self.config = config
         self.weights = weights
         self.backend = backend
