@@ -83,6 +83,26 @@ def grammar_of(constraint: pb.StructuredOutput) -> str:
     raise _refuse("structured output", "no kind is set (json_schema, json_object, regex, choice or grammar)")
 
 
+def after_thought(constraint: pb.StructuredOutput, think_end_id: int) -> pb.StructuredOutput | None:
+    """``constraint`` for a generation that starts inside a thought (the prompt ended with
+    ``<think>``): any tokens but ``think_end_id``, that token, then the value. Only for constraints
+    on one value (JSON Schema, JSON object, choice); None for the others (a regex or grammar
+    describes the whole output, thought included, itself)."""
+    kind = constraint.WhichOneof("kind")
+    if kind in ("json_schema", "json_object"):
+        schema = json.loads(constraint.json_schema) if kind == "json_schema" else {"type": "object"}
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            return None
+        value = "%json" + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    elif kind == "choice":
+        value = " | ".join(json.dumps(choice) for choice in constraint.choice.choices)
+    else:
+        return None
+    return pb.StructuredOutput(grammar=f"start: <[^{think_end_id}]>* <[{think_end_id}]> value\nvalue: {value}")
+
+
 def check_constraint(constraint: pb.StructuredOutput) -> None:
     """Compile-check ``constraint`` without a tokenizer; the error names what is wrong."""
     grammar = grammar_of(constraint)
