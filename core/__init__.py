@@ -11,7 +11,14 @@ from typing import Any
 
 from openinfer.backend import AttentionSpec, Backend, KVLayer, create_backend, cuda_available
 from openinfer.backend.base import ForwardBatch, StateLayer
-from openinfer.decoder import DecoderConfig, DecoderLayout, DecoderOnlyLM, load_decoder_stack
+from openinfer.decoder import (
+    DecoderConfig,
+    DecoderLayout,
+    DecoderOnlyLM,
+    decoder_model_memory,
+    decoder_tensor_shapes,
+    load_decoder_stack,
+)
 from openinfer.engine import EngineHandle, finish_reason_name
 from openinfer.errors import (
     AmbiguousPluginError,
@@ -21,6 +28,7 @@ from openinfer.errors import (
     ModelPathNotFoundError,
     NoPluginError,
     OpenInferError,
+    ParallelConfigError,
     PluginLoadError,
     QueueFullError,
     WeightLoadError,
@@ -39,6 +47,28 @@ from openinfer.kv.spec import (
 )
 from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
 from openinfer.options import EngineOptions
+from openinfer.parallel import (
+    Communicator,
+    DummyCheckpoint,
+    ExpertShard,
+    ParallelLayout,
+    RankContext,
+    TensorShard,
+    VocabShard,
+)
+from openinfer.parallel.build import create_parallel_model
+from openinfer.parallel.communicator import SingleRank
+from openinfer.parallel.expert import expert_parallel_moe, expert_parallel_moe_sharded
+from openinfer.parallel.memory_plan import ModelMemory, TensorPlacement, dense_model_memory
+from openinfer.parallel.tensor import (
+    column_rows,
+    head_rows,
+    row_columns,
+    row_parallel_bias,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+    vocab_rows,
+)
 from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
 from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
@@ -70,4 +100,9 @@ __all__ = [
     "read_generation_config", "DecoderConfig", "DecoderLayout", "DecoderOnlyLM", "load_decoder_stack",
     "score_architectures", "CompressedSpec", "FullAttentionSpec", "KVCacheGroups", "KVCacheSpec",
     "MLALatentSpec", "RecurrentStateSpec", "SlidingWindowSpec", "StateLayer", "StateTensor", "group_specs",
+    "Communicator", "DummyCheckpoint", "ExpertShard", "ParallelLayout", "RankContext",
+    "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
+    "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows", "ModelMemory",
+    "TensorPlacement", "dense_model_memory", "decoder_model_memory", "decoder_tensor_shapes",
+    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError",
 ]

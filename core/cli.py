@@ -1,4 +1,4 @@
-"""The ``openinfer`` command: ``generate``, ``serve`` and ``plugins``."""
+"""The ``openinfer`` command: ``generate``, ``serve``, ``plan`` and ``plugins``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length, >= 2 (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX), default=None,
                         help="KV pool size in blocks, >= 1 (default: sized from memory)")
+    _add_parallel_arguments(parser)
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    parser.add_argument("--expert-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights at the real shapes, from config.json alone")
 
 
 def _resolve_model_path(model_path: str | None) -> Path:
@@ -50,7 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = args.prompt_token_ids
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
-                           num_kv_blocks=args.num_kv_blocks)
+                           num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
+                           expert_parallel_size=args.expert_parallel_size, load_format=args.load_format)
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
@@ -105,6 +116,39 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what each rank will hold, on the CPU, from config.json alone; exit 2 if it cannot fit."""
+    from openinfer.parallel.layout import ParallelLayout, check_devices
+    from openinfer.parallel.memory_plan import GIB, plan_memory
+    from openinfer.plugins import discover_plugins, read_model_config
+
+    config_path = Path(args.config)
+    model_dir = config_path if config_path.is_dir() else config_path.parent
+    if config_path.is_dir() or config_path.name == "config.json":
+        config = read_model_config(model_dir)
+    else:
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OpenInferError(f"--config {config_path}: cannot read a JSON config ({exc})") from exc
+    layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
+    if args.num_gpus is not None:
+        check_devices(layout, args.num_gpus)
+    registry = discover_plugins()
+    plugin = registry.select(config, str(config_path))
+    memory = registry.model_memory(plugin, config)
+    if memory is None:
+        raise OpenInferError(f"plugin {plugin!r} does not describe its memory (no openinfer_model_memory hook)")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    max_len = args.max_model_len or int(text.get("max_position_embeddings", 4096))
+    plan = plan_memory(memory, layout, gpu_bytes=int(args.gpu_memory_gib * GIB),
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
+                       max_num_seqs=args.max_num_seqs)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
+    plan.check()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int_range(0, UINT64_MAX), default=None, help=">= 0")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.set_defaults(handler=cmd_generate)
+
+    plan = sub.add_parser("plan", help="print the per-GPU memory plan for a config (runs on the CPU)")
+    plan.add_argument("--config", required=True, help="config.json, or a model directory holding one")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument("--expert-parallel-size", type=int, default=1)
+    plan.add_argument("--gpu-memory-gib", type=float, default=140.4, help="memory of one GPU (default: H200)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    plan.add_argument("--max-num-seqs", type=int, default=256)
+    plan.add_argument("--num-gpus", type=int, default=None, help="refuse layouts needing more GPUs than this")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(handler=cmd_plan)
 
     plugins = sub.add_parser("plugins", help="list installed model plugins")
     plugins.add_argument("--json", action="store_true")

@@ -95,3 +95,7 @@ class BackendUnavailableError(OpenInferError):
 
 class PortInUseError(OpenInferError, OSError):
     """A server port cannot be bound (another process has it, or the address is not local)."""
+
+
+class ParallelConfigError(OpenInferError, ValueError):
+    """A tensor/expert-parallel layout the model or the machine cannot run (checked at start)."""

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from openinfer.engine import EngineHandle
-from openinfer.errors import OpenInferError
+from openinfer.errors import OpenInferError, PortInUseError
+from openinfer.frontend.serve import STARTUP_FAILURE
 
 logger = logging.getLogger("openinfer.api_server")
 
@@ -44,9 +45,8 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     import uvicorn
 
     from openinfer.frontend.grpc import start_grpc_server
-    from openinfer.frontend.http import create_app
     from openinfer.frontend.http.metrics import ProcessTable
-    from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server
+    from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server, build_app, resolve_api_key
 
     sock = socket.socket(fileno=listen_fd)
     engine = await _connect(args, run_dir)
@@ -55,11 +55,13 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                         processes=ProcessTable(run_dir))
-        if args.grpc_port and not args.engine:
+        api_key = resolve_api_key(args)
+        app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
+        # one gRPC listener per host: the first API server answers gRPC (no SO_REUSEPORT, so a second
+        # process could not share the port; a port in use is a start-up error, exit 3)
+        if args.grpc_port and not args.engine and index == 0:
             grpc_server = await start_grpc_server(
-                engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,
+                engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
                 tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
                 worker_protocol=getattr(args, "grpc_worker_protocol", "sglang"))
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
     try:
         return asyncio.run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
+    except PortInUseError as exc:
+        logger.error("cannot serve: %s", exc)
+        return STARTUP_FAILURE
     except OpenInferError as exc:
         logger.error("%s", exc)
         return 2

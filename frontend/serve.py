@@ -38,7 +38,8 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed")
+                       "max_queue", "seed", "trace_dir", "tensor_parallel_size", "expert_parallel_size",
+                       "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -121,6 +122,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a batch slot, >= 1; one more is answered 503 "
                              "(default 1024)")
     engine.add_argument("--seed", type=int_range(0, UINT64_MAX), help="engine seed for unseeded sampling, >= 0")
+    engine.add_argument("--trace-dir", type=non_empty("--trace-dir"),
+                        help="write one Chrome-trace JSON per request into this directory "
+                             "(open in ui.perfetto.dev); off by default")
+    engine.add_argument("--tensor-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    engine.add_argument("--expert-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
+    engine.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights at the real shapes, no checkpoint needed")
 
 
 def _engine_url(text: str) -> str:
@@ -212,19 +222,32 @@ def _served_name(args: argparse.Namespace, engine: EngineHandle, model_path: Pat
     return info.model_id or Path(info.model_path).name or "model"
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokenizer, name: str,
+              api_key: str | None, processes: Any = None) -> Any:
+    """The HTTP app with every server flag applied (one place for the in-process and the API-server paths)."""
     from openinfer.frontend.http import create_app
 
-    model_path: Path | None = None
-    api_key = resolve_api_key(args)
+    limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+    return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                      limits=limits, processes=processes, trace_dir=getattr(args, "trace_dir", None))
+
+
+def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
     if not api_key and not is_loopback(args.host):
         logger.warning("binding %s, reachable from other machines, without an API key: anyone who can reach it "
                        "can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+
+    model_path: Path | None = None
+    api_key = resolve_api_key(args)
+    warn_if_exposed(args, api_key)
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        ignored = sorted(set(engine_options(args)) - {"served_model_name"})
+        ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
         if ignored:
             logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         remote = GrpcEngineClient(args.engine, api_key)
@@ -237,9 +260,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
-        app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                         limits=limits)
+        app = build_app(args, engine, tokenizer, name, api_key)
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
@@ -271,6 +292,11 @@ def run(args: argparse.Namespace) -> int:
             ignored = sorted(set(options) - {"served_model_name"})
             if ignored:
                 logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        try:
+            warn_if_exposed(args, resolve_api_key(args))
+        except OpenInferError as exc:
+            logger.error("%s", exc)
+            return 2
         return Supervisor(args, options).run()
     try:
         return asyncio.run(serve(args))

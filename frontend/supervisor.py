@@ -35,9 +35,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from openinfer.frontend.serve import STARTUP_FAILURE
+
 logger = logging.getLogger("openinfer.supervisor")
 
 MAX_RESTARTS = 5
+FATAL_EXIT_CODES = (2, STARTUP_FAILURE)  # usage errors and ports in use: restarting cannot help
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.05
 PROCESS_TABLE = "processes.json"
@@ -75,6 +78,7 @@ class Supervisor:
         self.core = Child("engine-core") if not args.engine else None
         self.api = [Child(f"api-server-{i}") for i in range(args.api_server_count)]
         self.sock: socket.socket | None = None
+        self.exit_code = 1  # what run() returns when a child cannot be kept running
 
     # --- children --------------------------------------------------------------------------
 
@@ -169,7 +173,7 @@ class Supervisor:
             self.sock = listen_socket(self.args.host, self.args.port)
         except OSError as exc:
             logger.error("cannot serve on %s:%d: %s", self.args.host, self.args.port, exc)
-            return 1
+            return STARTUP_FAILURE
         if self.core is not None:
             self._start_core()
             report = None
@@ -187,7 +191,7 @@ class Supervisor:
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
-                return 1
+                return self.exit_code
         return 0
 
     def _watch(self) -> bool:
@@ -220,6 +224,10 @@ class Supervisor:
                 continue
             code = child.process.poll()
             if code is not None:
+                if code in FATAL_EXIT_CODES:  # a bad flag or a port in use: a restart cannot help
+                    logger.error("%s exited with code %d (a start-up error); stopping", child.role, code)
+                    self.exit_code = code
+                    return False
                 if not self._schedule_restart(child, f"exited with code {code}"):
                     return False
                 self._write_table()

@@ -29,6 +29,7 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
 from openinfer.options import EngineOptions
+from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
 from openinfer.runtime.sampler import (
@@ -43,6 +44,7 @@ from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
 from openinfer.structured import CompilerCache, GrammarMatcher
+from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -56,6 +58,7 @@ class _LaunchedStep:
     plan: SchedulerOutput
     rows: list[LogitsRow]
     samples: SampledStep
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
 
 
 def _no_host_history(request: Request) -> bool:
@@ -104,15 +107,23 @@ class PagedEngine:
         self.state_slots = StateSlots(self.kv_plan.num_state_slots) if self.kv_groups.has_state else None
         self.kv = KVCacheManager(self.pool, groups=self.kv_groups, state_slots=self.state_slots,
                                  num_snapshot_slots=self.kv_plan.num_snapshot_slots)
-        # the model owns the layout: one allocation per spec, blocks or state slots
-        self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
-                                                   self.block_size) for s in self.kv_cache_specs]
+        create_step_runner = getattr(model, "create_step_runner", None)
+        if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
+            self.kv_cache, self.runner = create_step_runner(RunnerSetup(
+                num_blocks=num_blocks, num_state_slots=self.kv_plan.num_state_slots, block_size=self.block_size,
+                cuda_graph=self.options.cuda_graph, max_num_seqs=self.options.max_num_seqs,
+                max_model_len=self.max_model_len, num_groups=len(self.kv_groups.groups),
+                with_state=self.kv_groups.has_state))
+        else:
+            # the model owns the layout: one allocation per spec, blocks or state slots
+            self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
+                                                       self.block_size) for s in self.kv_cache_specs]
+            # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
+            self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
+                                        max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
+                                        block_size=self.block_size, num_groups=len(self.kv_groups.groups),
+                                        with_state=self.kv_groups.has_state)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
-        # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
-        self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
-                                    max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
-                                    block_size=self.block_size, num_groups=len(self.kv_groups.groups),
-                                    with_state=self.kv_groups.has_state)
         is_cpu = model.backend.name == "numpy"
         batched = self.options.max_num_batched_tokens or (
             _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
@@ -151,6 +162,8 @@ class PagedEngine:
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
+        # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
+        self.tracer = EngineTracer(TraceWriter(self.options.trace_dir)) if self.options.trace_dir else None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
@@ -284,6 +297,9 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
+                                  request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, FINISHED, [reason, request.num_prompt_tokens, request.num_output_tokens,
                                                   request.num_cached_tokens,
                                                   -1 if matched_stop is None else matched_stop], final=True)
@@ -330,6 +346,8 @@ class PagedEngine:
             if command == "stop":
                 return False
             if command == "add":
+                if self.tracer is not None:
+                    self.tracer.on_arrival(payload.request_id)
                 self.scheduler.add(payload)
             elif command == "abort":
                 request = self.scheduler.find(payload)
@@ -357,8 +375,12 @@ class PagedEngine:
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
             self._release(request)
+            if self.tracer is not None:
+                self.tracer.on_preempted(request.request_id)
         for request in plan.newly_scheduled:
             self._mark_unqueued()
+            if self.tracer is not None:
+                self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
         in_flight = self._in_flight
         if in_flight is not None and not self._may_launch_ahead(plan):
@@ -403,6 +425,7 @@ class PagedEngine:
         """Build the batch, run the model and start sampling; the plan's tokens count as
         computed from here on and each sampled token is a placeholder until read back.
         Raises what the model raises (``step`` fails the plan's requests)."""
+        trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
         self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
@@ -424,7 +447,7 @@ class PagedEngine:
         for index, row in enumerate(rows):
             if row.samples:
                 row.request.append_placeholder(index)
-        return _LaunchedStep(plan, rows, samples)
+        return _LaunchedStep(plan, rows, samples, trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
@@ -436,7 +459,10 @@ class PagedEngine:
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
                     self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
-        for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
+        results = launched.samples.results()
+        if launched.trace is not None:
+            self.tracer.on_resolved(launched.trace)
+        for row, sample in zip(launched.rows, results, strict=True):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
@@ -476,11 +502,11 @@ class PagedEngine:
         copies = self.kv.take_state_copies() if self._state_layers else []
         if not copies:
             return
-        xp = self.model.backend.xp
-        src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
-        dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))
-        for layer in self._state_layers:
-            layer.copy_slots(src, dst)
+        copy_on_every_rank = getattr(self.runner, "copy_state_slots", None)
+        if copy_on_every_rank is not None:  # a group of ranks: each copies its own state layers
+            copy_on_every_rank(copies)
+            return
+        copy_state_slots(self.model.backend, self._state_layers, copies)
 
     def _forward(self, device_batch):
         return self.model.forward(device_batch, self.kv_cache)
@@ -490,6 +516,9 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, "error", request.num_prompt_tokens,
+                                  request.num_output_tokens, request.num_cached_tokens)
         self._emit(request.request_id, ERROR, [pb.ERROR_CODE_INTERNAL, message], final=True)
 
     def _fail_everything(self, message: str, reason: int | None = None) -> None:
@@ -507,3 +536,11 @@ class PagedEngine:
             if command == "add":
                 self._emit(payload.request_id, ERROR, [pb.ERROR_CODE_UNAVAILABLE, message], final=True)
 
+
+def copy_state_slots(backend, state_layers: list[StateLayer], copies: list[tuple[int, int]]) -> None:
+    """``state[dst] = state[src]`` for every (src, dst) in ``copies``, on every state layer."""
+    xp = backend.xp
+    src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
+    dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))
+    for layer in state_layers:
+        layer.copy_slots(src, dst)

@@ -41,6 +41,7 @@ from openinfer.frontend.http.schemas import (
     TokenizeResponse,
 )
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer, TraceWriter
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 KEYED_ROUTE_ERRORS = (401, 404)  # GET routes behind the key that name a model
@@ -48,15 +49,18 @@ KEYED_ROUTE_ERRORS = (401, 404)  # GET routes behind the key that name a model
 
 def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: str,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               limits: ServerLimits | None = None, processes: ProcessTable | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, processes: ProcessTable | None = None,
+               trace_dir: str | None = None) -> FastAPI:
     """The HTTP server of one served model. ``api_key`` guards every route but /health, /metrics
-    and /openapi.json;
-    ``processes`` lists the processes whose memory /metrics reports (default: this one)."""
+    and /openapi.json; ``processes`` lists the processes whose memory /metrics reports (default:
+    this one); ``trace_dir``: write each request's Chrome trace there (merged with the engine's
+    half when the engine traces into the same directory)."""
     app = FastAPI(title="openinfer", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of one served model. Every error is OpenAI's error "
                               "object; invalid requests are 400 (never 422).")
+    tracer = FrontendTracer(TraceWriter(trace_dir)) if trace_dir else None
     ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name, processes),
-                        limits or ServerLimits())
+                        limits or ServerLimits(), tracer)
     app.state.openinfer = ctx
     install_error_handlers(app)
     install_openapi(app)

@@ -194,7 +194,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     plans = build_plans(ctx, body, [plan.prompt_ids], body.max_new_tokens(), request_id, logprobs=logprobs,
                         prompt_logprobs=body.prompt_logprobs is not None, structured_output=constraint,
                         skip_special_tokens=False if markers else None)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
+                                  ctx.tracer)
     if body.stream:
         return EventStreamResponse(stream_chat(ctx, body, plan, streams, request_id))
     per_choice = await until_disconnected(client, collect_all(streams), streams)

@@ -99,7 +99,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, client:
                         logprobs=max(1, body.logprobs or 0) if want_logprobs else 0,
                         prompt_logprobs=body.echo and want_logprobs,
                         structured_output=await ctx.run_text_work(constraint_of, body))
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
+                                  ctx.tracer)
     echo_texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in inputs]
     if body.stream:
         return EventStreamResponse(stream_completion(ctx, body, streams, request_id, inputs, echo_texts))

@@ -24,6 +24,7 @@ from openinfer.frontend.http.metrics import FrontendMetrics
 from openinfer.frontend.http.schemas import SamplingFields, Usage
 from openinfer.frontend.validation import check_generate_request, check_prompt, default_max_tokens
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
 SEED_MODULUS = 2**64
@@ -55,6 +56,7 @@ class ServerContext:
     model_name: str
     metrics: FrontendMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
+    tracer: FrontendTracer | None = None  # per-request Chrome traces (--trace-dir)
 
     def __post_init__(self) -> None:
         self._text_limiter = anyio.CapacityLimiter(max(1, self.limits.text_workers))

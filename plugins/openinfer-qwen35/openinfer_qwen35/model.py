@@ -14,6 +14,10 @@ layer i's cache::
 A sequence whose context starts at position 0 begins a fresh state, any other continues its
 slot's state — so chunked prefill carries the state across chunks, and a prefix-cache hit
 continues from the snapshot the engine restored into the slot.
+
+Tensor parallel: ``config`` is the rank's (``Qwen35Config.for_rank``: its attention, KV, GDN
+key and value heads), the mixers' and the MLP's outputs are partial sums completed by one
+all-reduce each over ``comm``, and the embedding / LM head hold the rank's vocab rows.
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ from typing import Any
 from openinfer import (
     AttentionSpec,
     Backend,
+    Communicator,
     ForwardBatch,
     FullAttentionSpec,
     KVCacheSpec,
     KVLayer,
     ModelSpec,
     RotaryEmbedding,
+    SingleRank,
     StateLayer,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
 )
 from openinfer_qwen35.config import FULL_ATTENTION, Qwen35Config
 from openinfer_qwen35.kernel_plan import plan_for
@@ -41,8 +49,10 @@ class Qwen35Model:
     """A ``openinfer.PagedModel`` whose GDN layers keep recurrent state in engine-owned slots."""
 
     def __init__(self, config: Qwen35Config, weights: Qwen35Weights, backend: Backend, *,
-                 max_model_len: int, architectures: tuple[str, ...] = (), model_type: str = "qwen3_5_text"):
+                 max_model_len: int, architectures: tuple[str, ...] = (), model_type: str = "qwen3_5_text",
+                 comm: Communicator | None = None):
         self.config = config
+        self.comm = comm or SingleRank()
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
@@ -83,7 +93,11 @@ class Qwen35Model:
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer | StateLayer]) -> Any:
         ops, w = self.backend, self.weights
         seqs = self.plan.step_sequences(batch)
-        hidden = ops.embedding(w.embed_tokens, batch.token_ids)
+        comm = self.comm
+        if w.vocab is None:
+            hidden = ops.embedding(w.embed_tokens, batch.token_ids)
+        else:
+            hidden = vocab_parallel_embedding(ops, w.embed_tokens, batch.token_ids, w.vocab, comm)
         residual = None
         for layer, (kind, index), cache in zip(w.layers, self.layer_slots, kv_cache, strict=True):
             if residual is None:
@@ -95,10 +109,14 @@ class Qwen35Model:
                 hidden = self._full_attention(x, layer.mixer, self.attention_specs[index], cache, batch)
             else:
                 hidden = self._delta_net(x, layer.mixer, cache, seqs)
+            hidden = comm.all_reduce(hidden)
             x, residual = self.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
-            hidden = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+            hidden = comm.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down))
         last = ops.gather_rows(ops.add(hidden, residual), batch.logits_rows)
-        return ops.linear(self.rms_norm(last, w.final_norm, self.config.rms_norm_eps), w.lm_head)
+        normed = self.rms_norm(last, w.final_norm, self.config.rms_norm_eps)
+        if w.vocab is None:
+            return ops.linear(normed, w.lm_head)
+        return vocab_parallel_logits(ops, normed, w.lm_head, self.config.vocab_size, comm)
 
     def _full_attention(self, x: Any, w: FullAttentionWeights, spec: AttentionSpec, kv: KVLayer,
                         batch: Any) -> Any:
