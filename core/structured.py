@@ -166,20 +166,34 @@ class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()):
+        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer."""
         self.vocab_size = vocab_size
-        self.tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer_json), n_vocab=vocab_size,
-                                         eos_token=list(eos_token_ids) or None)
+        if isinstance(tokenizer, str):
+            tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
+                                        eos_token=list(eos_token_ids) or None)
+        self.tokenizer = tokenizer
         self._executor = llg.LLExecutor(num_threads=2)
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:
-        path = Path(tokenizer_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise InvalidRequestError(
-                f"structured outputs need the model's tokenizer.json, which is not in {tokenizer_dir!r}; "
-                "serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
-        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+        """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
+        directory = Path(tokenizer_dir)
+        if (directory / "tokenizer.json").is_file():
+            return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+        if (directory / "tiktoken.model").is_file():
+            from openinfer.tiktoken_tokenizer import TiktokenVocabulary
+
+            config_path = directory / "tokenizer_config.json"
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+            encoding = TiktokenVocabulary.from_dir(directory, config).encoding
+            return cls(llg.LLTokenizer.from_tiktoken(
+                encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
+                pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
+                n_vocab=vocab_size), vocab_size)
+        raise InvalidRequestError(
+            f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
+            f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
 
     def compile(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
         matcher = llg.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)

@@ -142,3 +142,21 @@ def test_mask_wins_over_min_tokens_when_only_a_stop_is_allowed():
     bitmask[0] = 1 << 9  # the grammar is complete: only the stop token 9 may follow
     token = sample_row(np.zeros(10, np.float32), state(temperature=0.0), banned_ids=[9], bitmask_row=bitmask[0])
     assert token.token_id == 9
+
+
+def test_tiktoken_vocabularies_are_served_too(tmp_path):
+    """Kimi-K2 ships tiktoken.model instead of tokenizer.json: the grammar uses it as is."""
+    from openinfer.tokenizer import Tokenizer as TextTokenizer
+    from tests.helpers.tiny_kimi_tokenizer import write_kimi_tokenizer
+
+    ids = write_kimi_tokenizer(tmp_path)
+    text = TextTokenizer.from_dir(tmp_path)
+    eos = ids["<|im_end|>"]
+    compiler = GrammarCompiler.from_dir(str(tmp_path), text.vocab_size, [eos])
+    matcher = compiler.compile(pb.StructuredOutput(grammar='start: <think> "ok"'))
+    assert matcher.accept(ids["<think>"])
+    for token in text.encode("ok", add_special_tokens=False):
+        assert matcher.accept(token)
+    bitmask = allocate_bitmask(1, text.vocab_size)
+    matcher.fill(bitmask[0])
+    assert np.nonzero(allowed_tokens(bitmask[0], text.vocab_size))[0].tolist() == [eos]
