@@ -221,7 +221,14 @@ class CompilerCache:
     def get(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler.from_dir(*self._args)
+                try:
+                    self._compiler = GrammarCompiler.from_dir(*self._args)
+                except InvalidRequestError:
+                    raise
+                except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read
+                    raise InvalidRequestError(
+                        f"structured outputs are not available for this model: its tokenizer in "
+                        f"{self._args[0]!r} cannot be read by the grammar engine ({exc})", FIELD) from exc
             return self._compiler
 
 

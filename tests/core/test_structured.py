@@ -160,3 +160,18 @@ def test_tiktoken_vocabularies_are_served_too(tmp_path):
     bitmask = allocate_bitmask(1, text.vocab_size)
     matcher.fill(bitmask[0])
     assert np.nonzero(allowed_tokens(bitmask[0], text.vocab_size))[0].tolist() == [eos]
+
+
+def test_a_vocabulary_the_grammar_engine_cannot_read_is_a_clear_refusal(tmp_path):
+    from tokenizers import decoders as raw_decoders
+    from tokenizers import models as raw_models
+
+    from openinfer.structured import CompilerCache
+
+    raw = Tokenizer(raw_models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    raw.decoder = raw_decoders.Fuse()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(InvalidRequestError, match="not available for this model"):
+        CompilerCache(str(tmp_path), 2, [0]).get()
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        CompilerCache(str(tmp_path / "missing"), 2, [0]).get()
