@@ -10,9 +10,13 @@
 |                          | over gathered paged KV     | attention over the paged KV (varlen, chunk-aware)   |
 | attention (decode)       | same code path             | split-KV flash-decoding, one KV head per CTA group  |
 | silu_mul                 | NumPy                      | SiLU·mul kernel                                     |
+| decode rows (M = 1)      | —                          | fused: add+RMSNorm in the qkv / gate_up GEMV's      |
+|                          |                            | prologue, SiLU·mul in down-proj's (gemv.cu)         |
 | sampling                 | openinfer.sampling (host)  | on-device sampler (argmax / top-k/p, min-p, seeds)  |
 
 Decode steps on cuda replay a CUDA graph captured per batch-size bucket (openinfer.graph).
+Measured per op, per (batch, context): ``ledger.md`` / ``ledger.json`` beside this file
+(``python -m openinfer.tools.ledger``).
 """
 
 PLAN = {
