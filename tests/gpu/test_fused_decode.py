@@ -1,6 +1,6 @@
 """Fused decode GEMVs (gemv.cu ``gemv_m1_add_rms_norm``, ``gemv_m1_silu_mul``): each against its
 unfused NumPy composition, bit-identical to the unfused CUDA ops, and greedy tokens unchanged with
-fusion on and off (``OPENINFER_FUSED_DECODE``)."""
+fusion on and off (``OPENINFER_FUSED_DECODE``; off by default, see benchmarks/GPU.md)."""
 
 from __future__ import annotations
 
@@ -72,19 +72,20 @@ def test_backend_ops_fuse_only_decode_rows(cuda_backend, rng):
     """More than one row takes the unfused path; both paths agree with each other's bits."""
     from openinfer.backend.cuda import CudaBackend
 
-    unfused = CudaBackend(fuse_decode=False)
+    fused, unfused = CudaBackend(fuse_decode=True), CudaBackend(fuse_decode=False)
+    assert fused.fuse_decode and not unfused.fuse_decode
     k, n = 512, 256
     norm = cuda_backend.weight(round_to_bf16(1 + bf16_random(rng, k, scale=0.3)))
     layer = cuda_backend.linear_weight(bf16_random(rng, n, k, scale=0.05))
     for rows in (1, 3):
         x, r = cuda_backend.upload(bf16_random(rng, rows, k)), cuda_backend.upload(bf16_random(rng, rows, k))
-        y1, res1 = cuda_backend.add_rms_norm_linear(x, r, norm, 1e-6, layer)
+        y1, res1 = fused.add_rms_norm_linear(x, r, norm, 1e-6, layer)
         y2, res2 = unfused.add_rms_norm_linear(x, r, norm, 1e-6, layer)
         assert np.array_equal(_bits(cuda_backend, y1), _bits(cuda_backend, y2))
         assert np.array_equal(_bits(cuda_backend, res1), _bits(cuda_backend, res2))
         gu = cuda_backend.upload(bf16_random(rng, rows, 2 * k))
         down = cuda_backend.linear_weight(bf16_random(rng, n, k, scale=0.05))
-        assert np.array_equal(_bits(cuda_backend, cuda_backend.silu_mul_linear(gu, down)),
+        assert np.array_equal(_bits(cuda_backend, fused.silu_mul_linear(gu, down)),
                               _bits(cuda_backend, unfused.silu_mul_linear(gu, down)))
 
 

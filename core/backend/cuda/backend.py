@@ -62,9 +62,11 @@ class CudaBackend:
         self.blas = Cublas()
         self.use_gemv = use_gemv
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
-        # down-proj's; OPENINFER_FUSED_DECODE=0 turns it off (same results, one launch more each)
+        # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: measured on an
+        # H200 (benchmarks/GPU.md) the per-block prologue delays each block's weight stream, and
+        # bs=1 decode went from 3.29 to 4.26 ms; kept, tested, for the next design to beat
         if fuse_decode is None:
-            fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "1") not in ("0", "false", "off")
+            fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on")
         self.fuse_decode = fuse_decode and use_gemv
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
