@@ -19,6 +19,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--trace-dir", default=None,
+                        help="write the request's Chrome-trace JSON (engine spans) into this directory")
 
 
 def _resolve_model_path(model_path: str | None) -> Path:
@@ -54,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = _parse_token_ids(args.prompt_token_ids)
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
-                           num_kv_blocks=args.num_kv_blocks)
+                           num_kv_blocks=args.num_kv_blocks, trace_dir=args.trace_dir)
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
