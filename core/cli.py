@@ -1,4 +1,4 @@
-"""The ``openinfer`` command: ``generate``, ``serve`` and ``plugins``."""
+"""The ``openinfer`` command: ``generate``, ``serve``, ``plan`` and ``plugins``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, token_ids
 from openinfer.errors import OpenInferError
 
 
@@ -17,10 +18,22 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None,
                         help="model directory (config.json + *.safetensors); default: the demo model")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int_range(2, INT32_MAX), default=None,
+                        help="context length, >= 2 (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX), default=None,
+                        help="KV pool size in blocks, >= 1 (default: sized from memory)")
     parser.add_argument("--trace-dir", default=None,
                         help="write the request's Chrome-trace JSON (engine spans) into this directory")
+    _add_parallel_arguments(parser)
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    parser.add_argument("--expert-parallel-size", type=int_range(1, 1024), default=1,
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights at the real shapes, from config.json alone")
 
 
 def _resolve_model_path(model_path: str | None) -> Path:
@@ -29,13 +42,6 @@ def _resolve_model_path(model_path: str | None) -> Path:
     from openinfer.demo import ensure_demo_model  # converts the GGUF on first use
 
     return ensure_demo_model()
-
-
-def _parse_token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as exc:
-        raise OpenInferError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from exc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -54,9 +60,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise OpenInferError(f"--prompt needs {tokenizer_file}; pass --prompt-token-ids instead")
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     else:
-        prompt_ids = _parse_token_ids(args.prompt_token_ids)
+        prompt_ids = args.prompt_token_ids
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
-                           num_kv_blocks=args.num_kv_blocks, trace_dir=args.trace_dir)
+                           num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
+                           expert_parallel_size=args.expert_parallel_size, load_format=args.load_format,
+                           trace_dir=args.trace_dir)
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
@@ -111,6 +119,39 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what each rank will hold, on the CPU, from config.json alone; exit 2 if it cannot fit."""
+    from openinfer.parallel.layout import ParallelLayout, check_devices
+    from openinfer.parallel.memory_plan import GIB, plan_memory
+    from openinfer.plugins import discover_plugins, read_model_config
+
+    config_path = Path(args.config)
+    model_dir = config_path if config_path.is_dir() else config_path.parent
+    if config_path.is_dir() or config_path.name == "config.json":
+        config = read_model_config(model_dir)
+    else:
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OpenInferError(f"--config {config_path}: cannot read a JSON config ({exc})") from exc
+    layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
+    if args.num_gpus is not None:
+        check_devices(layout, args.num_gpus)
+    registry = discover_plugins()
+    plugin = registry.select(config, str(config_path))
+    memory = registry.model_memory(plugin, config)
+    if memory is None:
+        raise OpenInferError(f"plugin {plugin!r} does not describe its memory (no openinfer_model_memory hook)")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    max_len = args.max_model_len or int(text.get("max_position_embeddings", 4096))
+    plan = plan_memory(memory, layout, gpu_bytes=int(args.gpu_memory_gib * GIB),
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
+                       max_num_seqs=args.max_num_seqs)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
+    plan.check()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,14 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(generate)
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json)")
-    prompt.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
-    generate.add_argument("--max-tokens", type=int, default=16)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
+    prompt.add_argument("--prompt-token-ids", type=token_ids, default=None,
+                        help="comma-separated token ids, each >= 0")
+    generate.add_argument("--max-tokens", type=int_range(1, INT32_MAX), default=16, help=">= 1 (default 16)")
+    generate.add_argument("--temperature", type=float_range(0), default=0.0, help=">= 0; 0 is greedy (default)")
+    generate.add_argument("--top-k", type=int_range(-1, INT32_MAX), default=0, help="0 or -1: off (default)")
+    generate.add_argument("--top-p", type=float_range(0, 1, low_inclusive=False), default=1.0,
+                          help="in (0, 1] (default 1)")
+    generate.add_argument("--seed", type=int_range(0, UINT64_MAX), default=None, help=">= 0")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.set_defaults(handler=cmd_generate)
+
+    plan = sub.add_parser("plan", help="print the per-GPU memory plan for a config (runs on the CPU)")
+    plan.add_argument("--config", required=True, help="config.json, or a model directory holding one")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument("--expert-parallel-size", type=int, default=1)
+    plan.add_argument("--gpu-memory-gib", type=float, default=140.4, help="memory of one GPU (default: H200)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
+    plan.add_argument("--max-num-seqs", type=int, default=256)
+    plan.add_argument("--num-gpus", type=int, default=None, help="refuse layouts needing more GPUs than this")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(handler=cmd_plan)
 
     plugins = sub.add_parser("plugins", help="list installed model plugins")
     plugins.add_argument("--json", action="store_true")

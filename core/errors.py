@@ -91,3 +91,11 @@ class WeightLoadError(OpenInferError):
 
 class BackendUnavailableError(OpenInferError):
     """The requested backend (e.g. cuda) cannot run on this machine."""
+
+
+class PortInUseError(OpenInferError, OSError):
+    """A server port cannot be bound (another process has it, or the address is not local)."""
+
+
+class ParallelConfigError(OpenInferError, ValueError):
+    """A tensor/expert-parallel layout the model or the machine cannot run (checked at start)."""

@@ -5,7 +5,9 @@
 
     buckets   1 2 4 8 16 24 32 48 64 96 128 192 256   (up to max_num_seqs)
     a decode step of B sequences -> smallest bucket >= B, padded:
-      padded sequences: context length 0, slot -1 (writes no KV), null-block tables
+      padded sequences: context length 0, slot -1 (writes no KV), null-block tables, null
+      state slot 0 (models with recurrent state read their slots from the static batch's
+      ``state_slots``, so a replay reads and writes each request's fixed slot)
 
 Each bucket owns a ``StaticBatch`` (device inputs at fixed addresses) and the logits array the
 capture produced. Graphs are captured largest first, on a side stream, all allocating from
@@ -55,10 +57,12 @@ class _Captured:
 
 class CudaGraphRunner:
     def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False):
         self.backend = backend
         self.forward = forward
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_groups = num_groups
+        self.with_state = with_state
         self.buckets = sorted({b for b in buckets if b <= max_num_seqs} | {min(max_num_seqs, max(buckets))})
         self.graphs: dict[int, _Captured] = {}
         self.eager = EagerRunner(backend, forward)
@@ -73,7 +77,10 @@ class CudaGraphRunner:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
             for bucket in sorted(self.buckets, reverse=True):
-                static = self.backend.static_batch(bucket, self.max_blocks_per_seq)
+                static = (self.backend.static_batch(bucket, self.max_blocks_per_seq, self.num_groups,
+                                                    self.with_state)
+                          if self.num_groups > 1 or self.with_state
+                          else self.backend.static_batch(bucket, self.max_blocks_per_seq))
                 self.forward(static.batch)  # warm-up: compiles kernels, fills the pool
                 self.stream.synchronize()
                 mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
@@ -94,7 +101,8 @@ class CudaGraphRunner:
         """The bucket a batch replays in, or None when it must run eagerly."""
         if not batch.is_decode or batch.num_tokens != batch.num_seqs or batch.logits_rows.shape[0] != batch.num_seqs:
             return None
-        if batch.block_tables.shape[1] > self.max_blocks_per_seq:
+        if batch.block_tables.shape[1] > self.max_blocks_per_seq or any(
+                t.shape[1] > self.max_blocks_per_seq for t in batch.kv_block_tables):
             return None
         i = bisect.bisect_left(self.buckets, batch.num_seqs)
         return self.buckets[i] if i < len(self.buckets) and self.buckets[i] in self.graphs else None
@@ -123,10 +131,13 @@ class CudaGraphRunner:
 
 
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
-                  max_model_len: int, block_size: int) -> EagerRunner | CudaGraphRunner:
-    """Graphs on cuda when enabled (captured here), else the eager runner."""
+                  max_model_len: int, block_size: int, num_groups: int = 1,
+                  with_state: bool = False) -> EagerRunner | CudaGraphRunner:
+    """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
+    ``with_state``: the model's KV cache groups and whether it keeps recurrent state."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
-    runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size))
+    runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
+                             num_groups=num_groups, with_state=with_state)
     runner.capture()
     return runner

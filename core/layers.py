@@ -18,6 +18,11 @@ from typing import Any
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, Backend, KVLayer
+from openinfer.parallel.communicator import Communicator, SingleRank
+from openinfer.parallel.layout import VocabShard
+from openinfer.parallel.tensor import vocab_parallel_embedding, vocab_parallel_logits
+
+SINGLE_RANK = SingleRank()
 
 
 def fuse_rows(*weights: np.ndarray) -> np.ndarray:
@@ -33,6 +38,10 @@ class DecoderLayer:
         x = o_proj(attention(qkv(h)))
         h, residual = norm(x + residual)
         x = down(silu(gate(h)) * up(h))
+
+    Under tensor parallelism (``comm.world_size > 1``) each rank holds its heads' part of qkv,
+    its rows of gate_up and the matching input columns of o_proj and down: the outputs of
+    o_proj and down are partial sums, completed by one all-reduce each.
     """
 
     input_norm: Any
@@ -44,12 +53,12 @@ class DecoderLayer:
     down: Any
 
     def forward(self, ops: Backend, x: Any, residual: Any | None, kv: KVLayer, batch: Any,
-                eps: float) -> tuple[Any, Any]:
+                eps: float, comm: Communicator = SINGLE_RANK) -> tuple[Any, Any]:
         qkv, residual = norm_linear(ops, x, residual, self.input_norm, eps, self.qkv)
         attn = ops.attention(qkv, self.attention, kv, batch)
-        gate_up, residual = norm_linear(ops, ops.linear(attn, self.o_proj), residual, self.post_attention_norm, eps,
-                                        self.gate_up)
-        return silu_mul_linear(ops, gate_up, self.down), residual
+        attn_out = comm.all_reduce(ops.linear(attn, self.o_proj))
+        gate_up, residual = norm_linear(ops, attn_out, residual, self.post_attention_norm, eps, self.gate_up)
+        return comm.all_reduce(silu_mul_linear(ops, gate_up, self.down)), residual
 
 
 def norm_linear(ops: Backend, x: Any, residual: Any | None, norm_weight: Any, eps: float,
@@ -73,23 +82,36 @@ def silu_mul_linear(ops: Backend, gate_up: Any, layer: Any) -> Any:
 
 @dataclass
 class DecoderStack:
-    """Embedding → layers → final norm → LM head, computing logits only for ``batch.logits_rows``."""
+    """Embedding → layers → final norm → LM head, computing logits only for ``batch.logits_rows``.
+
+    Under tensor parallelism the embedding and LM head hold this rank's vocab rows (``vocab``):
+    the embedding is all-reduced, the logits all-gathered, so every rank returns the full
+    ``[rows, vocab_size]`` logits (rank 0's are sampled)."""
 
     embed_tokens: Any
     layers: Sequence[DecoderLayer]
     final_norm: Any
     lm_head: Any
     eps: float
+    comm: Communicator = SINGLE_RANK
+    vocab: VocabShard | None = None  # None: the whole vocabulary on this rank
+    vocab_size: int = 0
 
     def forward(self, ops: Backend, batch: Any, kv_cache: Sequence[KVLayer]) -> Any:
-        x = ops.embedding(self.embed_tokens, batch.token_ids)
+        comm = self.comm
+        if self.vocab is None:
+            x = ops.embedding(self.embed_tokens, batch.token_ids)
+        else:
+            x = vocab_parallel_embedding(ops, self.embed_tokens, batch.token_ids, self.vocab, comm)
         residual = None
         for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x, residual = layer.forward(ops, x, residual, kv, batch, self.eps)
+            x, residual = layer.forward(ops, x, residual, kv, batch, self.eps, comm)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.eps)
-        return ops.linear(h, self.lm_head)
+        if self.vocab is None:
+            return ops.linear(h, self.lm_head)
+        return vocab_parallel_logits(ops, h, self.lm_head, self.vocab_size, comm)
 
 
 def eos_token_ids_from(config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> tuple[int, ...]:

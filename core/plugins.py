@@ -102,6 +102,26 @@ class PluginRegistry:
                 return impl.function(model_path=model_path, config=config, options=options)
         raise PluginLoadError(f"plugin {plugin_name!r} matched the model but has no openinfer_create_engine")
 
+    def model_memory(self, plugin_name: str, config: dict[str, Any]) -> Any:
+        """The plugin's ``ModelMemory`` for ``config``, or None when it does not describe one."""
+        for impl in self.manager.hook.openinfer_model_memory.get_hookimpls():
+            if impl.plugin_name == plugin_name:
+                return impl.function(config=config)
+        return None
+
+
+    def chat_encoder(self, config: dict[str, Any]) -> Any:
+        """The chat encoder of the plugin that serves ``config`` (see ``openinfer_chat_encoder``),
+        or ``None`` when no plugin serves it or the winner brings none."""
+        try:
+            plugin_name = self.select(config)
+        except (NoPluginError, AmbiguousPluginError):
+            return None
+        for impl in self.manager.hook.openinfer_chat_encoder.get_hookimpls():
+            if impl.plugin_name == plugin_name:
+                return impl.function(config=config)
+        return None
+
 
 def _architecture_names(config: dict[str, Any]) -> tuple[list[str], str | None]:
     architectures = list(config.get("architectures") or [])

@@ -31,7 +31,12 @@ class RopeParameters:
 
 
 def rope_parameters_from_config(config: dict[str, Any], default_theta: float = 10000.0) -> RopeParameters:
-    """Read RoPE settings from a (text) config in either the legacy or the 5.x spelling."""
+    """Read RoPE settings from a (text) config in either the legacy or the 5.x spelling.
+
+    For the scaled types (yarn, llama3) ``original_max_position_embeddings`` is resolved here as
+    transformers 5.x does: a top-level config field wins (Phi-3 style), else the scaling dict's
+    own, else ``max_position_embeddings`` (what a config saved by transformers 5 implies).
+    """
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     merged: dict[str, Any] = {}
@@ -46,6 +51,11 @@ def rope_parameters_from_config(config: dict[str, Any], default_theta: float = 1
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise WeightLoadError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type in ("yarn", "llama3"):
+        if config.get("original_max_position_embeddings"):
+            merged["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        elif not merged.get("original_max_position_embeddings") and config.get("max_position_embeddings"):
+            merged["original_max_position_embeddings"] = config["max_position_embeddings"]
     return RopeParameters(theta, rope_type, tuple(sorted(merged.items())), partial)
 
 
@@ -60,13 +70,14 @@ def inverse_frequencies(params: RopeParameters, rotary_dim: int,
     inv_freq = 1.0 / (params.theta**exponents)
     if params.rope_type == "default":
         return inv_freq, 1.0
-    factor = float(params.get("factor", 1.0))
+    configured_factor = params.get("factor")
+    factor = 1.0 if configured_factor is None else float(configured_factor)
     if params.rope_type == "linear":
         return inv_freq / factor, 1.0
     if params.rope_type == "llama3":
         low_freq_factor = float(params.get("low_freq_factor", 1.0))
         high_freq_factor = float(params.get("high_freq_factor", 4.0))
-        old_context = float(params.get("original_max_position_embeddings", 8192))
+        old_context = float(params.get("original_max_position_embeddings") or max_position_embeddings)
         low_freq_wavelen = old_context / low_freq_factor
         high_freq_wavelen = old_context / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -75,12 +86,12 @@ def inverse_frequencies(params: RopeParameters, rotary_dim: int,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(medium, smoothed, scaled), 1.0
-    # yarn
-    original_max = params.get("original_max_position_embeddings")
-    if original_max:
-        factor = max_position_embeddings / float(original_max)
-    else:
-        original_max = max_position_embeddings
+    # yarn, as transformers 5.x computes it: the configured factor is used as given (HF only warns
+    # when it disagrees with max_position_embeddings / original_max_position_embeddings); that
+    # ratio stands in only for a config without a factor (DeepSeek-V3 style).
+    original_max = float(params.get("original_max_position_embeddings") or max_position_embeddings)
+    if configured_factor is None:
+        factor = max_position_embeddings / original_max
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None:
@@ -92,7 +103,7 @@ def inverse_frequencies(params: RopeParameters, rotary_dim: int,
     beta_slow = float(params.get("beta_slow") or 1)
 
     def correction_dim(num_rotations: float) -> float:
-        return (rotary_dim * math.log(float(original_max) / (num_rotations * 2 * math.pi))) / (
+        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
             2 * math.log(params.theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)

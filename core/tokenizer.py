@@ -6,7 +6,9 @@ Engines see token ids only. Everything that turns text into ids and back lives h
   ``tokenizer_config.json`` (special tokens, ``chat_template``; or a ``chat_template.jinja``
   file beside it) and ``generation_config.json`` (eos ids).
 * ``Tokenizer.apply_chat_template`` renders messages with Jinja2 the way Hugging Face does
-  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``).
+  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``);
+  a model without a Jinja template (DeepSeek-V4) gets its plugin's ``ChatEncoder`` instead,
+  found through the ``openinfer_chat_encoder`` hook from the directory's ``config.json``.
 * ``IncrementalDetokenizer`` turns a growing id list into text deltas and never emits a
   partial UTF-8 character (text ending in U+FFFD is held back until the next token completes it).
 * ``StopStringMatcher`` withholds text that may still become a stop string.
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -27,13 +29,45 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.decoders import DecodeStream
 
 from openinfer.errors import InvalidRequestError
+from openinfer.plugins import discover_plugins
+from openinfer.tiktoken_tokenizer import TiktokenVocabulary
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.
 DETOKENIZER_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+# How many input characters a normalizer may fold into one (NFKC composes up to 3 Hangul jamo);
+# used only to bound text length before tokenizing.
+NORMALIZER_SLACK = 4
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable character → byte table, the inverse of the alphabet byte-level BPE
+    vocabularies are written in (printable Latin-1 bytes stand for themselves, the rest are
+    shifted to U+0100 onwards in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+BYTE_LEVEL_DECODER = _byte_level_decoder()
+
+
+class ChatEncoder(Protocol):
+    """Turns chat messages into the prompt text for models that ship no Jinja chat template."""
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> str: ...
 
 
 class TokenizerNotFoundError(InvalidRequestError):
@@ -59,8 +93,12 @@ class Tokenizer:
 
     def __init__(self, raw: RawTokenizer, config: Mapping[str, Any] | None = None,
                  chat_template: str | list[dict[str, str]] | None = None,
-                 eos_token_ids: Sequence[int] | None = None, path: str = ""):
+                 eos_token_ids: Sequence[int] | None = None, path: str = "",
+                 default_max_new_tokens: int | None = None, chat_encoder: ChatEncoder | None = None):
         self.raw = raw
+        # generation_config.json's max_new_tokens: the model's own default output length
+        self.default_max_new_tokens = default_max_new_tokens
+        self.chat_encoder = chat_encoder
         self.config = dict(config or {})
         self.path = path
         self.bos_token = _token_content(self.config.get("bos_token"))
@@ -73,15 +111,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a Hugging Face style model directory (needs tokenizer.json)."""
+        """Load from a Hugging Face style model directory (tokenizer.json, or a tiktoken.model)."""
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise TokenizerNotFoundError(
-                f"no tokenizer.json in {str(directory)!r}; pass a model directory with a Hugging Face "
-                "fast tokenizer (or --tokenizer DIR)", "tokenizer")
-        raw = RawTokenizer.from_file(str(tokenizer_file))
         config = _read_json(directory / "tokenizer_config.json")
+        raw: Any
+        if tokenizer_file.is_file():
+            raw = RawTokenizer.from_file(str(tokenizer_file))
+        elif (directory / "tiktoken.model").is_file():  # Kimi-K2 / Moonlight
+            raw = TiktokenVocabulary.from_dir(directory, config)
+        else:
+            raise TokenizerNotFoundError(
+                f"no tokenizer.json (or tiktoken.model) in {str(directory)!r}; pass a model directory with a "
+                "Hugging Face fast tokenizer (or --tokenizer DIR)", "tokenizer")
         template: str | list[dict[str, str]] | None = config.get("chat_template")
         template_file = directory / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -89,7 +131,10 @@ class Tokenizer:
         generation = _read_json(directory / "generation_config.json")
         eos = generation.get("eos_token_id")
         eos_ids = None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(raw, config, template, eos_ids, str(directory))
+        max_new = generation.get("max_new_tokens")
+        max_new = max_new if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0 else None
+        encoder = None if template else _plugin_chat_encoder(directory)
+        return cls(raw, config, template, eos_ids, str(directory), max_new, encoder)
 
     # --- ids <-> text ---------------------------------------------------------------------------
 
@@ -101,19 +146,73 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self.raw.token_to_id(self.bos_token) if self.bos_token else None
 
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry (a
+        byte-level piece has one character per byte, at least as many as the text it decodes to)."""
+        return max(map(len, self.raw.get_vocab(with_added_tokens=True)), default=1) or 1
+
+    @cached_property
+    def _normalizer_slack(self) -> int:
+        """A normalizer (NFKC, ...) may fold several input characters into one."""
+        return NORMALIZER_SLACK if json.loads(self.raw.to_str()).get("normalizer") else 1
+
+    def check_length(self, text: str, max_tokens: int, field: str = "prompt") -> None:
+        """Refuse, without tokenizing it, text that cannot fit in ``max_tokens`` tokens: text longer
+        than ``max_tokens * max_chars_per_token`` characters (times the normalizer's slack) cannot.
+        This bounds the CPU time one request can spend in the tokenizer."""
+        limit = max_tokens * self.max_chars_per_token * self._normalizer_slack
+        if len(text) > limit:
+            raise InvalidRequestError(
+                f"{field} has {len(text)} characters, more than {max_tokens} tokens can hold (this vocabulary's "
+                f"tokens are at most {self.max_chars_per_token} characters long); shorten it", field)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as exc:  # the Rust side takes valid Unicode only (no lone surrogates)
+            raise InvalidRequestError(f"the text cannot be tokenized: {exc} (is it valid UTF-8 text, without "
+                                      "lone surrogates such as \\ud800?)", "prompt") from exc
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprob ``bytes`` carry): byte-level BPE
+        pieces are mapped back from GPT-2's printable byte alphabet, SentencePiece byte-fallback
+        pieces ``<0xNN>`` are that byte and ``▁`` is a space; special tokens are their text."""
+        exact = getattr(self.raw, "token_bytes", None)  # vocabularies that store bytes (tiktoken)
+        if exact is not None:
+            return exact(token_id)
+        piece = self.raw.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
+        if self._is_byte_level and all(c in BYTE_LEVEL_DECODER for c in piece):
+            return bytes(BYTE_LEVEL_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def token_text(self, token_id: int) -> str:
-        """The text of one token for logprob tables; falls back to the raw vocab entry when the
-        token alone is not valid UTF-8 (a byte-level piece of a longer character)."""
-        text = self.raw.decode([token_id], skip_special_tokens=False)
-        if REPLACEMENT_CHAR in text or not text:
-            return self.raw.id_to_token(token_id) or text
-        return text
+        """The text of one token for logprob tables: its bytes as UTF-8; a token holding only part
+        of a character shows its bytes escaped (``\\xf0\\x9f``), the ``bytes`` field has them exact."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.raw.get_added_tokens_decoder())
+
+    @cached_property
+    def _is_byte_level(self) -> bool:
+        """Whether the vocabulary is spelled in GPT-2's byte alphabet (a ByteLevel decoder)."""
+        decoder = json.loads(self.raw.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]
+        return any(isinstance(part, Mapping) and part.get("type") == "ByteLevel" for part in parts)
 
     def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
@@ -145,6 +244,10 @@ class Tokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             **template_kwargs: Any) -> str:
         """Render ``messages`` (OpenAI dicts; list content flattened to text) to the prompt string."""
+        if not self.chat_template and self.chat_encoder is not None:
+            return self.chat_encoder.encode([normalize_message(m) for m in messages],
+                                            add_generation_prompt=add_generation_prompt, tools=tools,
+                                            **template_kwargs)
         source = self._select_template(bool(tools))
         try:
             template = self._jinja.from_string(source)
@@ -161,6 +264,18 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequestError(f"the chat template could not render these messages: {exc!r}",
                                       "messages") from exc
+
+
+def _plugin_chat_encoder(directory: Path) -> ChatEncoder | None:
+    """The chat encoder the model's plugin brings, from ``config.json`` beside the tokenizer."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return discover_plugins().chat_encoder(config) if isinstance(config, dict) else None
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -222,16 +337,36 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # tokenizers' streaming decoder: one Rust call per token, no re-decoding of a window;
+        # other vocabularies (tiktoken) decode the window between the offsets instead
+        self._stream = (DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
+                        if isinstance(tokenizer.raw, RawTokenizer) else None)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_ids: Iterable[int]) -> str:
+        if self._stream is None:
+            return self._push_window(new_ids)
+        raw, step = self.tokenizer.raw, self._stream.step
+        text = ""
+        for token_id in new_ids:
+            self.ids.append(token_id)
+            chunk = step(raw, token_id)
+            if chunk:
+                text += chunk
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+        return text
+
+    def _push_window(self, new_ids: Iterable[int]) -> str:
+        """Decode the window since ``prefix_offset`` and emit what extends the emitted text, unless
+        it ends in an incomplete character (U+FFFD), which waits for the next token."""
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character is still incomplete: hold it back
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return new_text[len(prefix_text):]

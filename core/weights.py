@@ -17,13 +17,22 @@ from pathlib import Path
 import numpy as np
 
 from openinfer.errors import WeightLoadError
+from openinfer.quant import (
+    FP8_BLOCK,
+    QuantConfig,
+    dequantize_fp4_e2m1,
+    dequantize_fp8_block,
+    dequantize_int4_group,
+    e8m0_to_float32,
+    fp8_e4m3_to_float32,
+)
 
 # safetensors dtype -> numpy dtype of the raw storage
 _RAW_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
-    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8,
 }
 
 
@@ -117,12 +126,30 @@ class Checkpoint:
         return np.frombuffer(mapped, dtype=raw_dtype, count=count, offset=info.start).reshape(info.shape)
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 (bf16/fp16 widened)."""
+        """The tensor as float32: bf16/fp16 widened, FP8 e4m3 and e8m0 decoded (no scales applied;
+        ``linear`` applies a quantized weight's scales)."""
         info = self._info(name)
         raw = self.raw(name)
         if info.dtype == "BF16":
             return bf16_to_float32(raw)
+        if info.dtype == "F8_E4M3":
+            return fp8_e4m3_to_float32(raw)
+        if info.dtype == "F8_E8M0":
+            return e8m0_to_float32(raw)
+        if info.dtype == "F8_E5M2":
+            raise WeightLoadError(f"tensor {name!r} is F8_E5M2, which no supported format uses")
         return raw.astype(np.float32)
+
+    def stored_linear(self, module: str, quant: QuantConfig | None = None,
+                      shape: tuple[int, int] | None = None) -> StoredLinear:
+        """The weight of linear ``module`` (``<module>.weight`` or its quantized spelling) as
+        stored, checked against ``shape`` ``[out, in]`` and ``quant`` from headers only — so a bad
+        checkpoint fails before anything is read or placed on a device."""
+        return _stored_linear(self, module, quant or QuantConfig(), shape)
+
+    def linear(self, module: str, quant: QuantConfig | None = None, shape: tuple[int, int] | None = None) -> np.ndarray:
+        """Linear ``module``'s weight ``[out, in]`` as float32, dequantized if stored quantized."""
+        return self.stored_linear(module, quant, shape).dequantize(self)
 
     def dtype(self, name: str) -> str:
         return self._info(name).dtype
@@ -141,3 +168,91 @@ class Checkpoint:
             raise WeightLoadError(
                 f"tensor {name!r} has shape {self.shape(name)}, the config implies {tuple(shape)}; "
                 "config.json and the weights disagree")
+
+
+@dataclass(frozen=True)
+class StoredLinear:
+    """How one linear weight is stored: ``format`` is ``dense`` (any float dtype), ``fp8_block``
+    (e4m3 + per-block ``scale`` f32 or e8m0), ``int4_group`` (pack-quantized + bf16 group scales)
+    or ``fp4_group`` (e2m1 pairs + e8m0 group scales). ``tensors`` names the checkpoint tensors;
+    ``shape`` is the logical ``[out, in]``."""
+
+    module: str
+    format: str
+    shape: tuple[int, int]
+    tensors: tuple[tuple[str, str], ...]  # (role, checkpoint tensor name)
+    block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+
+    def tensor(self, role: str) -> str:
+        return dict(self.tensors)[role]
+
+    def dequantize(self, checkpoint: Checkpoint) -> np.ndarray:
+        weight = self.tensor("weight")
+        if self.format == "dense":
+            return checkpoint.get(weight)
+        if self.format == "fp8_block":
+            return dequantize_fp8_block(checkpoint.raw(weight), checkpoint.get(self.tensor("scale")), self.block,
+                                        name=weight)
+        if self.format == "int4_group":
+            return dequantize_int4_group(checkpoint.raw(weight), checkpoint.get(self.tensor("scale")), self.shape,
+                                         name=self.module + ".weight")
+        if self.format == "fp4_group":
+            return dequantize_fp4_e2m1(checkpoint.raw(weight), checkpoint.raw(self.tensor("scale")), name=weight)
+        raise WeightLoadError(f"{self.module}: unknown stored format {self.format!r}")
+
+
+def _stored_linear(ckpt: Checkpoint, module: str, quant: QuantConfig, shape: tuple[int, int] | None) -> StoredLinear:
+    packed = f"{module}.weight_packed"
+    if packed in ckpt:
+        scale, shape_name = f"{module}.weight_scale", f"{module}.weight_shape"
+        for needed in (scale, shape_name):
+            ckpt._info(needed)  # missing → WeightLoadError naming it
+        logical = tuple(int(v) for v in ckpt.raw(shape_name).reshape(-1))
+        if len(logical) != 2:
+            raise WeightLoadError(f"tensor {shape_name!r} must hold [out, in], found {list(logical)}")
+        if shape is not None and logical != tuple(shape):
+            raise WeightLoadError(f"tensor {shape_name!r} says {list(logical)}, the config implies {list(shape)}")
+        out_features, in_features = logical
+        ckpt.expect_shape(packed, (out_features, -(-in_features // 8)))
+        if ckpt.dtype(packed) != "I32":
+            raise WeightLoadError(f"tensor {packed!r} is {ckpt.dtype(packed)}; pack-quantized words are I32")
+        if quant.method == "int4" and in_features % quant.group_size == 0:
+            ckpt.expect_shape(scale, (out_features, in_features // quant.group_size))
+        elif quant.method == "int4":
+            raise WeightLoadError(f"{module}: in_features {in_features} is not a multiple of "
+                                  f"quantization_config group_size {quant.group_size}")
+        else:
+            raise WeightLoadError(f"{module} is INT4 pack-quantized but config.json has no compressed-tensors "
+                                  "quantization_config")
+        return StoredLinear(module, "int4_group", (out_features, in_features),
+                            (("weight", packed), ("scale", scale)))
+    weight = f"{module}.weight"
+    dtype = ckpt.dtype(weight)  # missing → WeightLoadError naming it
+    stored_shape = ckpt.shape(weight)
+    if dtype == "F8_E4M3":
+        if shape is not None:
+            ckpt.expect_shape(weight, shape)
+        scale = next((n for n in (f"{module}.weight_scale_inv", f"{module}.scale") if n in ckpt), None)
+        if scale is None:
+            raise WeightLoadError(f"FP8 tensor {weight!r} has no {module}.weight_scale_inv (or .scale) beside it")
+        block = quant.block
+        expected = (-(-stored_shape[0] // block[0]), -(-stored_shape[1] // block[1]))
+        ckpt.expect_shape(scale, expected)
+        return StoredLinear(module, "fp8_block", (stored_shape[0], stored_shape[1]),
+                            (("weight", weight), ("scale", scale)), block)
+    scale = f"{module}.scale"
+    if dtype in ("I8", "U8") and scale in ckpt and ckpt.dtype(scale) == "F8_E8M0":
+        logical = (stored_shape[0], stored_shape[1] * 2)
+        if shape is not None and logical != tuple(shape):
+            raise WeightLoadError(f"FP4 tensor {weight!r} holds {list(logical)} values, the config implies "
+                                  f"{list(shape)}")
+        if ckpt.shape(scale)[0] != logical[0] or logical[1] % ckpt.shape(scale)[1]:
+            raise WeightLoadError(f"tensor {scale!r} has shape {ckpt.shape(scale)}, not whole groups of "
+                                  f"a {logical} weight")
+        return StoredLinear(module, "fp4_group", logical, (("weight", weight), ("scale", scale)))
+    if dtype not in ("F32", "BF16", "F16", "F64"):
+        raise WeightLoadError(f"tensor {weight!r} is {dtype}, which is no float dtype and has no known "
+                              "quantization scales beside it")
+    if shape is not None:
+        ckpt.expect_shape(weight, shape)
+    return StoredLinear(module, "dense", (stored_shape[0], stored_shape[1]), (("weight", weight),))

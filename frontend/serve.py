@@ -1,7 +1,9 @@
 """``openinfer serve``: the HTTP server (and, for a local engine, the gRPC server) of one model.
 
 ``add_arguments`` declares the flags, ``run`` serves until SIGINT/SIGTERM and returns the exit
-code. Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
+code. By default the engine runs in its own engine-core process and HTTP/gRPC in
+``--api-server-count`` API-server processes, all supervised (``openinfer.frontend.supervisor``);
+``--single-process`` keeps everything in one process (engine thread + event loop). Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
 names are the fields of ``openinfer.options.EngineOptions``); a flag left out keeps the
 engine's default. Shutdown order: stop accepting (HTTP and gRPC), let in-flight requests finish
 for ``--shutdown-timeout`` seconds (then they are cancelled and aborted), close the engine, exit 0.
@@ -12,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,16 +25,21 @@ from typing import Any
 
 import uvicorn
 
+from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, non_empty, port
 from openinfer.engine import EngineHandle
-from openinfer.errors import OpenInferError
+from openinfer.errors import OpenInferError, PortInUseError
+from openinfer.frontend.http.context import DEFAULT_MAX_QUEUE_WAIT_S, ServerLimits
 from openinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("openinfer.serve")
+API_KEY_ENV = "OPENINFER_API_KEY"
+STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port gives the same
 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed", "trace_dir")
+                       "max_queue", "seed", "trace_dir", "tensor_parallel_size", "expert_parallel_size",
+                       "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -43,43 +52,116 @@ def _bool(value: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag with its range: a value outside it is a usage error (exit 2) naming the flag."""
     model = parser.add_argument_group("model")
     model.add_argument("--model-path", help="model directory (config.json, *.safetensors, tokenizer.json); "
                                             "default: the demo model")
-    model.add_argument("--engine", help="serve a remote engine instead of a local model: grpc://HOST:PORT")
-    model.add_argument("--engine-timeout", type=float, default=60.0,
+    model.add_argument("--engine", type=_engine_url,
+                       help="serve a remote engine instead of a local model: grpc://HOST:PORT")
+    model.add_argument("--engine-timeout", type=float_range(0, low_inclusive=False), default=60.0,
                        help="seconds to wait for the --engine to answer at start-up (default 60)")
     model.add_argument("--tokenizer", help="tokenizer directory (default: the model's own; with --engine, "
                                            "the tokenizer path the remote engine reports)")
-    model.add_argument("--served-model-name", help="model name clients send (default: the directory name)")
+    model.add_argument("--served-model-name", type=non_empty("--served-model-name"),
+                       help="model name clients send (default: the directory name)")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    server.add_argument("--grpc-port", type=int, default=50051,
-                        help="gRPC port: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler service "
-                             "for the smg router (default 50051; 0 disables; not served with --engine)")
-    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata")
+    server.add_argument("--host", default="127.0.0.1", type=non_empty("--host"),
+                        help="address to bind (default 127.0.0.1, this machine only; binding another address "
+                             "without an API key logs a warning)")
+    server.add_argument("--port", type=port(), default=8000, help="HTTP port, 1-65535 (default 8000)")
+    server.add_argument("--grpc-port", type=port(allow_zero=True), default=50051,
+                        help="gRPC port, 1-65535: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler "
+                             "service for the smg router (default 50051; 0 disables; not served with --engine)")
+    server.add_argument("--grpc-worker-protocol", choices=["sglang", "vllm"], default="sglang",
+                        help="the smg router's worker protocol served on --grpc-port: the SGLang scheduler "
+                             "service (default) or smg's vLLM-engine service (vllm_engine.proto)")
+    keys = server.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", type=non_empty("--api-key"),
+                      help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata; visible in "
+                           f"the process list, so prefer --api-key-file or ${API_KEY_ENV}")
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help=f"read the API key from this file (first line); default: ${API_KEY_ENV} if set")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    server.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
-                        help="largest accepted HTTP request body (default 16 MiB; larger → 413)")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+    server.add_argument("--max-body-bytes", type=int_range(1024, INT32_MAX), default=16 * 1024 * 1024,
+                        help="largest accepted HTTP request body, 1024-2**31-1 (default 16 MiB; larger → 413)")
+    server.add_argument("--shutdown-timeout", type=float_range(0), default=30.0,
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+    server.add_argument("--max-queue-wait", type=float_range(0), default=DEFAULT_MAX_QUEUE_WAIT_S,
+                        help="seconds an HTTP request may wait in the engine's queue before it is aborted and "
+                             f"answered 503 with Retry-After (default {DEFAULT_MAX_QUEUE_WAIT_S:g}; 0 waits forever)")
+    server.add_argument("--default-max-tokens", type=int_range(1, INT32_MAX),
+                        help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
+                             "the model's generation_config max_new_tokens, else the rest of the context)")
+    server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
+                        help="HTTP/gRPC server processes sharing the port (default 1: on the 2-core CPU box one "
+                             "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
+    server.add_argument("--single-process", action="store_true",
+                        help="run the engine as a thread of the HTTP process (no engine-core process, no "
+                             "supervision); for debugging and comparisons")
+    server.add_argument("--engine-factory", metavar="MODULE:FUNCTION",
+                        help="build the engine with FUNCTION(model_path, **engine options) instead of "
+                             "openinfer.create_engine (tests, benchmarks: openinfer.engine_core.stub:create_stub_engine)")
     engine = parser.add_argument_group("engine (forwarded to openinfer.create_engine)")
     engine.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default auto")
-    engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    engine.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
-    engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    engine.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: sized from memory)")
-    engine.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory to use")
+    engine.add_argument("--max-model-len", type=int_range(2, INT32_MAX),
+                        help="context length, >= 2 (default: the model's)")
+    engine.add_argument("--max-num-seqs", type=int_range(1, INT32_MAX),
+                        help="most requests in one batch, >= 1 (default 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int_range(1, INT32_MAX),
+                        help="token budget of one step, >= 1 (default 2048 on cuda, 512 on cpu)")
+    engine.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX),
+                        help="KV pool size in blocks, >= 1 (default: sized from memory)")
+    engine.add_argument("--gpu-memory-utilization", type=float_range(0, 1, low_inclusive=False),
+                        help="fraction of GPU memory to use, in (0, 1]")
     engine.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                         help="disable prefix caching")
     engine.add_argument("--cuda-graph", type=_bool, metavar="true|false", help="capture decode CUDA graphs")
     engine.add_argument("--async-scheduling", type=_bool, metavar="true|false",
                         help="launch step N+1 before reading step N back (default: on for cuda)")
-    engine.add_argument("--max-queue", type=int, help="bounded waiting queue; a full queue answers 503")
-    engine.add_argument("--seed", type=int, help="engine seed for unseeded sampling")
-    engine.add_argument("--trace-dir", help="write one Chrome-trace JSON per request into this directory "
-                                            "(open in ui.perfetto.dev); off by default")
+    engine.add_argument("--max-queue", type=int_range(1, INT32_MAX),
+                        help="requests that may wait for a batch slot, >= 1; one more is answered 503 "
+                             "(default 1024)")
+    engine.add_argument("--seed", type=int_range(0, UINT64_MAX), help="engine seed for unseeded sampling, >= 0")
+    engine.add_argument("--trace-dir", type=non_empty("--trace-dir"),
+                        help="write one Chrome-trace JSON per request into this directory "
+                             "(open in ui.perfetto.dev); off by default")
+    engine.add_argument("--tensor-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
+    engine.add_argument("--expert-parallel-size", type=int_range(1, 1024),
+                        help="ranks splitting the MoE experts, one GPU each (default 1)")
+    engine.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights at the real shapes, no checkpoint needed")
+
+
+def _engine_url(text: str) -> str:
+    if not text.startswith("grpc://") or len(text) <= len("grpc://"):
+        raise argparse.ArgumentTypeError(f"expected grpc://HOST:PORT, got {text!r}")
+    return text
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key, --api-key-file or the environment, in that order."""
+    if getattr(args, "api_key", None):
+        return args.api_key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            key = Path(path).read_text(encoding="utf-8").strip().splitlines()
+        except OSError as exc:
+            raise OpenInferError(f"cannot read --api-key-file {path}: {exc.strerror or exc}") from exc
+        if not key or not key[0].strip():
+            raise OpenInferError(f"--api-key-file {path} is empty; write the key on its first line")
+        return key[0].strip()
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +199,10 @@ def _open_local_engine(args: argparse.Namespace) -> tuple[EngineHandle, Path]:
 
         model_path = ensure_demo_model()
         logger.info("no --model-path given: serving the demo model at %s", model_path)
+    if getattr(args, "engine_factory", None):
+        from openinfer.engine_core.process import load_factory
+
+        return load_factory(args.engine_factory)(str(model_path), **engine_options(args)), Path(model_path)
     return openinfer.create_engine(str(model_path), **engine_options(args)), Path(model_path)
 
 
@@ -136,18 +222,35 @@ def _served_name(args: argparse.Namespace, engine: EngineHandle, model_path: Pat
     return info.model_id or Path(info.model_path).name or "model"
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokenizer, name: str,
+              api_key: str | None, processes: Any = None) -> Any:
+    """The HTTP app with every server flag applied (one place for the in-process and the API-server paths)."""
     from openinfer.frontend.http import create_app
 
+    limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+    return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                      limits=limits, processes=processes, trace_dir=getattr(args, "trace_dir", None))
+
+
+def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
+    if not api_key and not is_loopback(args.host):
+        logger.warning("binding %s, reachable from other machines, without an API key: anyone who can reach it "
+                       "can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+
     model_path: Path | None = None
+    api_key = resolve_api_key(args)
+    warn_if_exposed(args, api_key)
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
         ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
         if ignored:
             logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
-        remote = GrpcEngineClient(args.engine, args.api_key)
+        remote = GrpcEngineClient(args.engine, api_key)
         logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         engine: EngineHandle = remote
@@ -157,12 +260,12 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                         trace_dir=args.trace_dir)
+        app = build_app(args, engine, tokenizer, name, api_key)
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
-                engine, args.host, args.grpc_port, args.api_key, sglang_model_name=name,
-                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+                engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                worker_protocol=args.grpc_worker_protocol)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)
@@ -178,8 +281,28 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine and args.model_path:
+        logger.error("give either --model-path (local engine) or --engine grpc://... (remote), not both")
+        return 2
+    if not getattr(args, "single_process", True):
+        from openinfer.frontend.supervisor import Supervisor
+
+        options = engine_options(args)
+        if args.engine:
+            ignored = sorted(set(options) - {"served_model_name"})
+            if ignored:
+                logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        try:
+            warn_if_exposed(args, resolve_api_key(args))
+        except OpenInferError as exc:
+            logger.error("%s", exc)
+            return 2
+        return Supervisor(args, options).run()
     try:
         return asyncio.run(serve(args))
+    except PortInUseError as exc:
+        logger.error("cannot serve: %s", exc)
+        return STARTUP_FAILURE
     except OpenInferError as exc:
         logger.error("%s", exc)
         return 2

@@ -11,6 +11,11 @@ Activations are 2-D ``[num_tokens, features]`` arrays of the backend's activatio
     slot_mapping  [ 48 49 50 51 | 104 | 128 129 ]   block * block_size + offset of each new token
     logits_rows   [ 3, 4, 6 ]                       rows whose logits are sampled
     request_ids   ( "a",         "b", "c" )         one per sequence (models with per-request state)
+    state_slots   [ 3,           1,   4 ]           each sequence's state slot (recurrent layers)
+
+With several KV cache groups (``openinfer.kv.spec``) ``kv_block_tables[g]`` / ``kv_slot_mappings[g]``
+hold group g's table and write slots (empty for recurrent-state groups); ``block_tables`` /
+``slot_mapping`` are the first paged group's (the only ones a dense model reads).
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from openinfer.kv.spec import FullAttentionSpec, KVCacheSpec, RecurrentStateSpec
 from openinfer.rope import RotaryEmbedding
+
+# how each KV cache dtype name is stored (bf16 and fp8 as raw bits, as the kernels read them)
+STORAGE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
+                  "float8_e4m3": np.uint8, "uint8": np.uint8, "int8": np.int8}
 
 
 @dataclass
@@ -42,6 +52,18 @@ class ForwardBatch:
     # [B] the request behind each sequence, for models that keep per-request state outside the
     # KV pool (recurrent layers in state slots); empty when the caller has no request ids.
     request_ids: tuple[str, ...] = ()
+    # per KV cache group id: [B, max_blocks_g] tables and [T] write slots (-1: no write; for a
+    # compressed group only the token completing an entry writes). Empty: one group, above.
+    kv_block_tables: tuple[np.ndarray, ...] = ()
+    kv_slot_mappings: tuple[np.ndarray, ...] = ()
+    # [B] each sequence's state slot (0, the null slot, for padding); empty without state layers
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def group_block_tables(self, group_id: int) -> np.ndarray:
+        return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
+
+    def group_slot_mapping(self, group_id: int) -> np.ndarray:
+        return self.kv_slot_mappings[group_id] if self.kv_slot_mappings else self.slot_mapping
 
     @property
     def num_tokens(self) -> int:
@@ -83,10 +105,28 @@ class AttentionSpec:
 
 @dataclass
 class KVLayer:
-    """One layer's paged KV: ``k``/``v`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """One layer's paged cache. Full attention / sliding window: ``k``/``v`` are
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``v is k`` for a shared K=V entry);
+    MLA latent and compressed: ``k`` is ``[num_blocks, block_size, width]``, ``v`` None."""
 
     k: Any
-    v: Any
+    v: Any = None
+
+
+@dataclass
+class StateLayer:
+    """One recurrent layer's state: ``tensors[name]`` is ``[num_slots, *shape]`` (see
+    ``RecurrentStateSpec``); row = state slot."""
+
+    tensors: dict[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensors[name]
+
+    def copy_slots(self, src: Any, dst: Any) -> None:
+        """``state[dst] = state[src]`` in every tensor (snapshots and their restores)."""
+        for tensor in self.tensors.values():
+            tensor[dst] = tensor[src]
 
 
 class Backend(Protocol):
@@ -98,7 +138,10 @@ class Backend(Protocol):
     def weight(self, array: np.ndarray) -> Any: ...                  # norms, embeddings
     def linear_weight(self, weight: np.ndarray, bias: np.ndarray | None = None) -> Any: ...
     def prepare_batch(self, batch: ForwardBatch) -> DeviceBatch: ...
-    def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer: ...
+    # one layer's cache for ``spec`` (a ``KVCacheSpec``): ``num_blocks`` blocks, or slots for a
+    # ``RecurrentStateSpec`` (→ ``StateLayer``). The legacy form (num_blocks, block_size,
+    # num_kv_heads, head_dim) allocates full-attention K and V.
+    def allocate_kv(self, spec: Any, num_blocks: int, block_size: int = 0) -> KVLayer | StateLayer: ...
     def to_host(self, x: Any) -> np.ndarray: ...                     # float32 on the host
 
     # --- ops ---
@@ -110,3 +153,23 @@ class Backend(Protocol):
     def attention(self, qkv: Any, spec: AttentionSpec, kv: KVLayer, batch: DeviceBatch) -> Any: ...
     def gather_rows(self, x: Any, rows: Any) -> Any: ...
     def add(self, a: Any, b: Any) -> Any: ...
+
+
+def allocate_cache(xp: Any, spec: Any, num_blocks: int, block_size: int = 0, *legacy: int,
+                   default_dtype: str = "float32") -> KVLayer | StateLayer:
+    """Zeroed cache tensors for one layer (``xp`` is numpy or cupy); see ``Backend.allocate_kv``.
+    ``allocate_cache(xp, num_blocks, block_size, num_kv_heads, head_dim)`` is the legacy form."""
+    if not isinstance(spec, KVCacheSpec):  # legacy positional form: full attention K and V
+        num_blocks, block_size, (num_kv_heads, head_dim) = spec, num_blocks, (block_size, *legacy)
+        spec = FullAttentionSpec(num_kv_heads, head_dim, default_dtype)
+    if isinstance(spec, RecurrentStateSpec):
+        return StateLayer({t.name: xp.zeros((num_blocks, *t.shape), STORAGE_DTYPES[t.dtype]) for t in spec.tensors})
+    if block_size <= 0:
+        raise ValueError(f"allocate_kv({type(spec).__name__}) needs a block_size, got {block_size}")
+    dtype = STORAGE_DTYPES[spec.dtype]
+    if isinstance(spec, FullAttentionSpec):  # also sliding window
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        k = xp.zeros(shape, dtype)
+        return KVLayer(k, k if spec.shared_kv else xp.zeros(shape, dtype))
+    width = spec.entry_bytes // np.dtype(dtype).itemsize  # MLA latent / compressed: one entry
+    return KVLayer(xp.zeros((num_blocks, block_size, width), dtype), None)

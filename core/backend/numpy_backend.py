@@ -3,9 +3,11 @@ and fast enough to serve the demo model (weights pre-transposed and contiguous, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer, StateLayer, allocate_cache
 from openinfer.backend.blas_threads import BlasThreads
 from openinfer.rope import RotaryEmbedding
 
@@ -26,6 +28,7 @@ class NumpyBackend:
     name = "numpy"
     xp = np
     activation_dtype = np.float32
+    kv_dtype = "float32"  # the KV cache dtype name models put in their specs
     # GEMMs with at most this many rows (decode, small prefill chunks) run on one BLAS thread;
     # see openinfer.backend.blas_threads for the measurements behind it.
     single_thread_max_rows = 64
@@ -49,9 +52,9 @@ class NumpyBackend:
         self._rope_memo = None  # a new step: its positions get their own RoPE tables
         return batch
 
-    def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return KVLayer(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    def allocate_kv(self, spec: Any, num_blocks: int, block_size: int = 0, *legacy: int) -> KVLayer | StateLayer:
+        """One layer's cache for a ``KVCacheSpec`` (see ``Backend.allocate_kv``)."""
+        return allocate_cache(np, spec, num_blocks, block_size, *legacy, default_dtype=self.kv_dtype)
 
     def fill_token_sources(self, batch: ForwardBatch, previous_token_ids: np.ndarray, sources: np.ndarray) -> None:
         """Inputs sampled by the previous step: ``token_ids[dest] = previous[src]``."""

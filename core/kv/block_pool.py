@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +74,9 @@ class BlockPool:
         # when a cached free block is revived by a prefix hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or free)
+        # called with a block's hash when its cached content is evicted (the manager frees the
+        # recurrent-state snapshot that belongs to it)
+        self.on_evict: Callable[[bytes], None] | None = None
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -163,5 +166,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
             block.token_bytes = b""

@@ -1,105 +1,365 @@
-"""Per-request view of the block pool: which blocks a request holds, prefix hits, growth.
+"""Per-request view of the block pool and the state slots: block tables per KV cache group,
+state slots, prefix hits intersected across groups, snapshots of recurrent state.
 
-The scheduler talks only to this class; it never sees ``BlockPool`` internals.
+The scheduler talks only to this class; it never sees ``BlockPool`` internals. Without
+``groups`` the manager serves one full-attention group (every dense model).
+
+::
+
+    request "a" (block_size 4, groups: 0 full, 1 sliding W=6, 2 compressed R=2, 3 state)
+    tokens       t0 .. t3 | t4 .. t7 | t8 .. t11 | t12 t13
+    token blocks     0         1          2          3 (partial)
+    hashes          H0        H1         H2                      chained over token ids
+    g0 table      [ 5,        6,         7,         8 ]          published as H_i
+    g1 table      [ 0,        0,         9,        10 ]          0: freed behind the window
+    g2 table      [ 11 ]  one block = 4 entries = 8 tokens        published as H_1 + g2
+    state slot    3 (live)   snapshot of slot 3 at 8 tokens → slot 7, cached under H_1
+
+Prefix hits: the longest n (< the prompt's blocks) such that every group serves n token
+blocks (see ``openinfer.kv.spec``); a recurrent-state hit queues a copy snapshot → live slot
+(``take_state_copies``) that the engine runs before the request's first step. Snapshots live
+in their own slots (an LRU set of at most ``num_snapshot_slots``) and are freed when the block
+they belong to (token block n-1 of the first per-token group) is evicted from the pool.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from openinfer.kv.block_pool import BlockPool, hash_block_tokens, token_bytes
+from openinfer.kv.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens, token_bytes
+from openinfer.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheGroups, SlidingWindowSpec, group_specs
+from openinfer.kv.state_slots import NULL_SLOT_ID, StateSlots
 
 
 @dataclass
 class RequestBlocks:
     extra_key: str = ""  # engine-wide key + the request's cache salt, chained into every hash
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks, in order
-    num_cached_blocks: int = 0  # how many leading blocks are published in the prefix cache
+    tables: list[list[int]] = field(default_factory=list)  # per group id ([] for state groups)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full token blocks, in order
+    num_published: list[int] = field(default_factory=list)  # per group: leading table entries published
+    num_released: list[int] = field(default_factory=list)  # per group: leading entries freed (window)
+    state_slot: int = NULL_SLOT_ID
+    pending_snapshots: list[tuple[int, int]] = field(default_factory=list)  # (num_tokens, slot)
+    generated_snapshot: bytes | None = None  # the request's latest snapshot past its prompt
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.tables[0] if self.tables else []
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_published[0] if self.num_published else 0
+
+
+def _group_key(block_hash: bytes, group_id: int) -> bytes:
+    """The pool key of group ``group_id``'s block for a token-block hash (group 0: unsalted)."""
+    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(2, "little")
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, extra_key: str = ""):
+    def __init__(self, pool: BlockPool, extra_key: str = "", groups: KVCacheGroups | None = None,
+                 state_slots: StateSlots | None = None, num_snapshot_slots: int = 0):
         self.pool = pool
         self.block_size = pool.block_size
         self.extra_key = extra_key
+        self.groups = groups or group_specs([FullAttentionSpec(1, 1)])
         self.requests: dict[str, RequestBlocks] = {}
+        # prefix hits (and so useful state snapshots) fall on multiples of this many tokens
+        self.hit_granularity = self.groups.hit_granularity(self.block_size)
+        if self.groups.has_state and state_slots is None:
+            raise ValueError("a model with recurrent-state layers needs a StateSlots pool")
+        self.state_slots = state_slots
+        self.num_snapshot_slots = num_snapshot_slots if pool.enable_prefix_cache else 0
+        self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # token-block hash -> slot, LRU first
+        self._snapshot_ids = 0
+        self._state_copies: list[tuple[int, int]] = []
+        # the group whose token block n-1 a snapshot at n blocks belongs to (evicted with it)
+        per_token = [g.group_id for g in self.groups.paged_groups if g.spec.tokens_per_entry == 1]
+        self._anchor_group = per_token[0] if per_token else None
+        pool.on_evict = self._on_block_evicted
+
+    # --- queries ---------------------------------------------------------------------------------
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks a request of ``num_tokens`` tokens holds at most, over every group."""
+        return self.groups.blocks_needed(num_tokens, self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's table of group 0 (the only one of a dense model)."""
         return self.requests[request_id].block_ids
+
+    def group_tables(self, request_id: str) -> list[list[int]]:
+        """One block table per group id (empty for recurrent-state groups)."""
+        return self.requests[request_id].tables
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's live state slot (the null slot 0 when the model keeps no state)."""
+        return self.requests[request_id].state_slot
 
     def request_key(self, cache_salt: str = "") -> str:
         """What besides token ids goes into a request's block hashes."""
         return f"{self.extra_key}|{cache_salt}" if cache_salt else self.extra_key
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """State-slot copies ``(src, dst)`` queued since the last call (snapshot restores and
+        snapshots); the engine runs them on every state layer before the next forward."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
+
+    # --- prefix lookup ---------------------------------------------------------------------------
+
     def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full blocks that prefixes ``token_ids``. The last token is
-        never served from the cache (its logits must be computed), so at most
-        ``(len-1) // block_size`` blocks."""
+        """Longest prefix of full token blocks that every group can serve (the last token is
+        never served from the cache: its logits must be computed), as (group 0's hit blocks,
+        the token-block hashes). ``find_cached_groups`` gives every group's blocks."""
+        n, hashes, hits = self._find(token_ids, extra_key)
+        return (hits[0][:n] if hits else []), hashes[:n]
+
+    def _find(self, token_ids: Sequence[int], extra_key: str | None
+              ) -> tuple[int, list[bytes], list[list[int | None]]]:
         key = self.extra_key if extra_key is None else extra_key
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        data = token_bytes(token_ids[: max_blocks * self.block_size])
-        stride = 8 * self.block_size
-        hits: list[int] = []
+        bs, groups = self.block_size, self.groups.groups
+        max_blocks = (len(token_ids) - 1) // bs
+        data = token_bytes(token_ids[: max_blocks * bs])
+        stride = 8 * bs
+        # full attention / MLA need every block of the prefix: the scan stops at their first miss
+        prefix_groups = [g.group_id for g in groups
+                         if g.paged and not isinstance(g.spec, CompressedSpec | SlidingWindowSpec)]
+        other = [g for g in groups if g.group_id not in prefix_groups]
+        hits: list[list[int | None]] = [[] for _ in groups]
         hashes: list[bytes] = []
         parent: bytes | None = None
         for i in range(max_blocks):
             chunk = data[i * stride : (i + 1) * stride]
             block_hash = hash_block_tokens(parent, chunk, key)
-            block_id = self.pool.lookup(block_hash, chunk)
-            if block_id is None:
+            found = [self.pool.lookup(_group_key(block_hash, g), chunk) for g in prefix_groups]
+            if any(b is None for b in found):
                 break
-            hits.append(block_id)
+            for g, b in zip(prefix_groups, found, strict=True):
+                hits[g].append(b)
+            for group in other:
+                hits[group.group_id].append(self._lookup_other(group.group_id, i, block_hash, data))
             hashes.append(block_hash)
             parent = block_hash
-        return hits, hashes
+        n = len(hashes)
+        while n > 0 and not all(self._serves(group, n, hits[group.group_id], hashes) for group in other):
+            n -= 1
+        return n, hashes, hits
+
+    def _lookup_other(self, group_id: int, index: int, block_hash: bytes, data: bytes) -> int | None:
+        spec = self.groups.groups[group_id].spec
+        if not spec.paged:
+            return None
+        if isinstance(spec, CompressedSpec):
+            if (index + 1) % spec.ratio:
+                return None
+            stride = 8 * self.block_size
+            chunk = data[(index + 1 - spec.ratio) * stride : (index + 1) * stride]
+            return self.pool.lookup(_group_key(block_hash, group_id), chunk)
+        stride = 8 * self.block_size
+        return self.pool.lookup(_group_key(block_hash, group_id), data[index * stride : (index + 1) * stride])
+
+    def _serves(self, group, n: int, hits: list[int | None], hashes: list[bytes]) -> bool:
+        spec, bs = group.spec, self.block_size
+        if not spec.paged:
+            return hashes[n - 1] in self.snapshots
+        if isinstance(spec, CompressedSpec):
+            return n % spec.ratio == 0 and all(hits[j] is not None for j in range(spec.ratio - 1, n, spec.ratio))
+        return all(hits[j] is not None for j in range(spec.first_live_block(n * bs, bs), n))
+
+    # --- lifecycle -------------------------------------------------------------------------------
 
     def start_request(self, request_id: str, token_ids: Sequence[int], use_cache: bool = True,
                       cache_salt: str = "") -> int:
-        """Register a request, taking references on its cached prefix; returns cached tokens."""
+        """Register a request, taking references on its cached prefix (and a state slot, with a
+        restore from a snapshot on a hit); returns cached tokens. Raises MemoryError when the
+        model keeps state and no state slot is free (check ``can_start`` first)."""
         key = self.request_key(cache_salt)
-        hits, hashes = self.find_cached_prefix(token_ids, key) if use_cache else ([], [])
-        self.pool.touch(hits)
-        self.requests[request_id] = RequestBlocks(key, list(hits), list(hashes), len(hits))
-        return len(hits) * self.block_size
+        n, hashes, hits = self._find(token_ids, key) if use_cache else (0, [], [])
+        bs = self.block_size
+        tables: list[list[int]] = []
+        for group in self.groups.groups:
+            spec = group.spec
+            if not spec.paged or n == 0:
+                tables.append([])
+                continue
+            count = spec.blocks_for(n * bs, bs)
+            if isinstance(spec, CompressedSpec):
+                table = [hits[group.group_id][(j + 1) * spec.ratio - 1] for j in range(count)]
+            else:
+                first = spec.first_live_block(n * bs, bs)
+                table = [NULL_BLOCK_ID] * first + hits[group.group_id][first:count]
+            self.pool.touch([b for b in table if b != NULL_BLOCK_ID])
+            tables.append(table)
+        blocks = RequestBlocks(key, tables, list(hashes[:n]), [len(t) for t in tables],
+                               [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
+        if self.state_slots is not None:
+            blocks.state_slot = self.state_slots.allocate(request_id)
+            if n:
+                snapshot = self.snapshots[hashes[n - 1]]
+                self.snapshots.move_to_end(hashes[n - 1])
+                self._state_copies.append((snapshot, blocks.state_slot))
+        self.requests[request_id] = blocks
+        return n * bs
+
+    def can_start(self) -> bool:
+        """Whether a new request can take a state slot (always True without state)."""
+        return self.state_slots is None or self._free_live_slots() > 0
+
+    def _free_live_slots(self) -> int:
+        held = len(self.snapshots) + sum(len(r.pending_snapshots) for r in self.requests.values())
+        return self.state_slots.num_free_slots - max(0, self.num_snapshot_slots - held)
 
     def can_grow(self, request_id: str, num_total_tokens: int, reserve: int = 0) -> bool:
-        held = len(self.requests[request_id].block_ids)
-        return self.pool.can_allocate(max(0, self.blocks_needed(num_total_tokens) - held) + reserve)
+        return self.pool.can_allocate(self._missing(self.requests[request_id], num_total_tokens) + reserve)
 
-    def grow(self, request_id: str, num_total_tokens: int) -> bool:
-        """Make the request hold enough blocks for ``num_total_tokens``; False if the pool is short."""
+    def _missing(self, blocks: RequestBlocks, num_total_tokens: int) -> int:
+        return sum(max(0, g.spec.blocks_for(num_total_tokens, self.block_size) - len(blocks.tables[g.group_id]))
+                   for g in self.groups.paged_groups)
+
+    def grow(self, request_id: str, num_total_tokens: int, num_computed_tokens: int | None = None) -> bool:
+        """Make the request hold enough blocks for ``num_total_tokens``; False if the pool is
+        short. With ``num_computed_tokens``, sliding-window blocks that no query from there on
+        can see are freed first (their table entries become the null block)."""
         blocks = self.requests[request_id]
-        missing = self.blocks_needed(num_total_tokens) - len(blocks.block_ids)
+        if num_computed_tokens is not None:
+            self.release_behind_window(request_id, num_computed_tokens)
+        missing = self._missing(blocks, num_total_tokens)
         if missing <= 0:
             return True
         if not self.pool.can_allocate(missing):
             return False
-        blocks.block_ids.extend(self.pool.allocate(missing))
+        for group in self.groups.paged_groups:
+            table = blocks.tables[group.group_id]
+            need = group.spec.blocks_for(num_total_tokens, self.block_size) - len(table)
+            if need > 0:
+                table.extend(self.pool.allocate(need))
         return True
 
+    def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Free every block wholly behind each sliding window; returns how many were freed."""
+        blocks, freed = self.requests[request_id], 0
+        for group in self.groups.paged_groups:
+            gid, table = group.group_id, blocks.tables[group.group_id]
+            first = min(len(table), group.spec.first_live_block(num_computed_tokens, self.block_size))
+            release = [b for b in table[blocks.num_released[gid]:first] if b != NULL_BLOCK_ID]
+            if release:
+                self.pool.free(list(reversed(release)))
+                freed += len(release)
+            for j in range(blocks.num_released[gid], first):
+                table[j] = NULL_BLOCK_ID
+            blocks.num_released[gid] = max(blocks.num_released[gid], first)
+        return freed
+
     def publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Publish every block whose KV is now fully computed into the prefix cache."""
+        """Publish every block whose KV is now fully computed into the prefix cache, and the
+        state snapshots taken at those block boundaries."""
         blocks = self.requests[request_id]
-        num_full = min(num_computed_tokens // self.block_size, len(blocks.block_ids))
-        if blocks.num_cached_blocks >= num_full:
-            return
-        first, stride = blocks.num_cached_blocks, 8 * self.block_size
-        data = token_bytes(token_ids[first * self.block_size : num_full * self.block_size])
-        for i in range(first, num_full):
-            parent = blocks.block_hashes[i - 1] if i > 0 else None
-            chunk = data[(i - first) * stride : (i - first + 1) * stride]
-            block_hash = hash_block_tokens(parent, chunk, blocks.extra_key)
-            self.pool.cache_full_block(blocks.block_ids[i], block_hash, chunk)
-            blocks.block_hashes.append(block_hash)
-            blocks.num_cached_blocks += 1
+        bs, stride = self.block_size, 8 * self.block_size
+        num_full = num_computed_tokens // bs
+        if len(blocks.block_hashes) < num_full:
+            first = len(blocks.block_hashes)
+            data = token_bytes(token_ids[first * bs : num_full * bs])
+            for i in range(first, num_full):
+                parent = blocks.block_hashes[i - 1] if i > 0 else None
+                blocks.block_hashes.append(
+                    hash_block_tokens(parent, data[(i - first) * stride : (i - first + 1) * stride], blocks.extra_key))
+        for group in self.groups.paged_groups:
+            gid, spec, table = group.group_id, group.spec, blocks.tables[group.group_id]
+            ratio = spec.tokens_per_entry if isinstance(spec, CompressedSpec) else 1
+            done = min(num_full // ratio, len(table))
+            for j in range(blocks.num_published[gid], done):
+                if table[j] != NULL_BLOCK_ID:
+                    chunk = token_bytes(token_ids[j * ratio * bs : (j + 1) * ratio * bs])
+                    self.pool.cache_full_block(table[j], _group_key(blocks.block_hashes[(j + 1) * ratio - 1], gid),
+                                               chunk)
+            blocks.num_published[gid] = max(blocks.num_published[gid], done)
+        self._publish_snapshots(blocks, num_full)
 
     def free_request(self, request_id: str) -> None:
-        """Return every block; tail first so the shared head of a prefix is evicted last."""
+        """Return every block (tail first so the shared head of a prefix is evicted last), the
+        state slot and any snapshot not yet published."""
         blocks = self.requests.pop(request_id, None)
-        if blocks is not None:
-            self.pool.free(list(reversed(blocks.block_ids)))
+        if blocks is None:
+            return
+        for table in blocks.tables:
+            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
+            for _, slot in blocks.pending_snapshots:
+                self._free_slot(slot)
+
+    # --- state snapshots -------------------------------------------------------------------------
+
+    def snapshot_state(self, request_id: str, num_tokens: int, in_prompt: bool = True) -> tuple[int, int] | None:
+        """After a step that left the request's state at exactly ``num_tokens`` (a block
+        boundary), copy it into a snapshot slot; it is published under the block's hash once
+        that block is (``publish_full_blocks``). Returns the copy ``(live, snapshot)`` it queued,
+        or None when snapshots are off, ``num_tokens`` is not a multiple of ``hit_granularity``
+        or no slot can be had."""
+        blocks = self.requests.get(request_id)
+        if (blocks is None or self.state_slots is None or not self.num_snapshot_slots or num_tokens <= 0
+                or num_tokens % self.hit_granularity):
+            return None
+        if any(t == num_tokens for t, _ in blocks.pending_snapshots):
+            return None
+        held = len(self.snapshots) + sum(len(r.pending_snapshots) for r in self.requests.values())
+        if held >= self.num_snapshot_slots:
+            if not self.snapshots:
+                return None
+            _, evicted = self.snapshots.popitem(last=False)  # the least recently used snapshot
+            self._free_slot(evicted)
+        self._snapshot_ids += 1
+        slot = self.state_slots.allocate(f"\x00snapshot-{self._snapshot_ids}")
+        blocks.pending_snapshots.append((num_tokens if in_prompt else -num_tokens, slot))
+        copy = (blocks.state_slot, slot)
+        self._state_copies.append(copy)
+        return copy
+
+    def _publish_snapshots(self, blocks: RequestBlocks, num_full: int) -> None:
+        keep = []
+        for signed_tokens, slot in blocks.pending_snapshots:
+            n = abs(signed_tokens) // self.block_size
+            if n > num_full:
+                keep.append((signed_tokens, slot))
+                continue
+            block_hash = blocks.block_hashes[n - 1]
+            if block_hash in self.snapshots or not self.snapshot_block_cached(block_hash):
+                self._free_slot(slot)
+                continue
+            self.snapshots[block_hash] = slot
+            if signed_tokens < 0:  # past the prompt: only the newest one is worth its memory
+                if blocks.generated_snapshot is not None and blocks.generated_snapshot in self.snapshots:
+                    self._free_slot(self.snapshots.pop(blocks.generated_snapshot))
+                blocks.generated_snapshot = block_hash
+        blocks.pending_snapshots = keep
+
+    def snapshot_block_cached(self, block_hash: bytes) -> bool:
+        """Whether the block a snapshot under ``block_hash`` belongs to is in the prefix cache."""
+        if self._anchor_group is None:
+            return True
+        return _group_key(block_hash, self._anchor_group) in self.pool.cached
+
+    def _on_block_evicted(self, key: bytes) -> None:
+        if self._anchor_group is None or not self.snapshots:
+            return
+        block_hash = key if self._anchor_group == 0 else key[:-2]
+        if self._anchor_group != 0 and key[-2:] != self._anchor_group.to_bytes(2, "little"):
+            return
+        slot = self.snapshots.pop(block_hash, None)
+        if slot is not None:
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        self.state_slots.free_slot(slot)
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self.snapshots)
+
+
+def spec_first(spec, num_tokens: int, block_size: int) -> int:
+    """Leading table entries of a request that are already released (null) at ``num_tokens``."""
+    return spec.first_live_block(num_tokens, block_size) if spec.paged else 0

@@ -43,6 +43,7 @@ class StateSlots:
         self._free: list[int] = list(range(1, num_slots))  # a min-heap of free slot ids
         heapq.heapify(self._free)
         self._owned: dict[str, int] = {}  # request id -> slot id
+        self._owner_of: dict[int, str] = {}  # slot id -> request id
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -85,6 +86,7 @@ class StateSlots:
                               f"({self.num_usable_slots} slots, all in use)")
         slot = heapq.heappop(self._free)
         self._owned[request_id] = slot
+        self._owner_of[slot] = request_id
         return slot
 
     def free(self, request_id: str) -> bool:
@@ -92,5 +94,11 @@ class StateSlots:
         slot = self._owned.pop(request_id, None)
         if slot is None:
             return False
+        del self._owner_of[slot]
         heapq.heappush(self._free, slot)
         return True
+
+    def free_slot(self, slot: int) -> bool:
+        """Return a slot by id (whoever owns it); False when it is not in use."""
+        owner = self._owner_of.get(slot)
+        return owner is not None and self.free(owner)

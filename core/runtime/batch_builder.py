@@ -19,22 +19,56 @@ class LogitsRow:
     samples: bool  # True: sample a new token; False: a prompt-logprob row
 
 
-def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[ForwardBatch, list[LogitsRow]]:
+def _group_arrays(chunks: list[ScheduledChunk], kv: KVCacheManager, num_tokens: int
+                  ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Every group's block tables ``[B, max_blocks]`` (padded with the null block 0) and write
+    slots ``[T]`` (-1 where the token writes no entry of that group)."""
     block_size = kv.block_size
+    tables_out, slots_out = [], []
+    for group in kv.groups.groups:
+        spec = group.spec
+        if not spec.paged:
+            tables_out.append(np.zeros((len(chunks), 0), np.int32))
+            slots_out.append(np.full(num_tokens, -1, np.int32))
+            continue
+        tables = [kv.group_tables(c.request.request_id)[group.group_id] for c in chunks]
+        block_tables = np.zeros((len(chunks), max(1, max((len(t) for t in tables), default=1))), np.int32)
+        slot_mapping = np.full(num_tokens, -1, np.int32)
+        ratio, offset = spec.tokens_per_entry, 0
+        for i, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
+            table_array = np.asarray(table, np.int32)
+            block_tables[i, : len(table)] = table_array
+            span = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64)
+            if ratio == 1:
+                slot_mapping[offset : offset + chunk.num_tokens] = (
+                    table_array[span // block_size] * block_size + span % block_size)
+            else:  # the token completing entry e = (p + 1) / R - 1 writes it
+                writes = (span + 1) % ratio == 0
+                entry = (span[writes] + 1) // ratio - 1
+                slot_mapping[offset : offset + chunk.num_tokens][writes] = (
+                    table_array[entry // block_size] * block_size + entry % block_size)
+            offset += chunk.num_tokens
+        tables_out.append(block_tables)
+        slots_out.append(slot_mapping)
+    return tuple(tables_out), tuple(slots_out)
+
+
+def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[ForwardBatch, list[LogitsRow]]:
     num_tokens = sum(c.num_tokens for c in chunks)
     token_ids = np.empty(num_tokens, np.int32)
     positions = np.empty(num_tokens, np.int32)
-    slot_mapping = np.empty(num_tokens, np.int32)
     query_start = np.zeros(len(chunks) + 1, np.int32)
     context_lens = np.empty(len(chunks), np.int32)
-    tables = [kv.block_ids(c.request.request_id) for c in chunks]
-    max_blocks = max((len(t) for t in tables), default=1)
-    block_tables = np.zeros((len(chunks), max(max_blocks, 1)), np.int32)  # padded with null block 0
+    group_tables, group_slots = _group_arrays(chunks, kv, num_tokens)
+    first_paged = next((g.group_id for g in kv.groups.groups if g.paged), 0)
+    block_tables, slot_mapping = group_tables[first_paged], group_slots[first_paged]
+    state_slots = (np.asarray([kv.state_slot(c.request.request_id) for c in chunks], np.int32)
+                   if kv.groups.has_state else np.zeros(0, np.int32))
     rows: list[LogitsRow] = []
     logits_rows: list[int] = []
     token_sources: list[tuple[int, int]] = []
     offset = 0
-    for i, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
+    for i, chunk in enumerate(chunks):
         request, start, n = chunk.request, chunk.start, chunk.num_tokens
         span = np.arange(start, start + n, dtype=np.int32)
         token_ids[offset : offset + n] = request.token_ids[start : start + n]
@@ -42,9 +76,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
             token_ids[offset + n - 1] = 0
             token_sources.append((offset + n - 1, request.pending_sample_row))
         positions[offset : offset + n] = span
-        table_array = np.asarray(table, np.int32)
-        slot_mapping[offset : offset + n] = table_array[span // block_size] * block_size + span % block_size
-        block_tables[i, : len(table)] = table_array
         context_lens[i] = start + n
         if request.want_prompt_logprobs:
             last_prompt_position = request.num_prompt_tokens - 1
@@ -64,5 +95,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
         max_context_len=int(context_lens.max()) if len(chunks) else 0,
         request_ids=tuple(c.request.request_id for c in chunks),
         token_sources=np.asarray(token_sources, np.int32).reshape(-1, 2),
+        kv_block_tables=group_tables if len(group_tables) > 1 else (),
+        kv_slot_mappings=group_slots if len(group_slots) > 1 else (),
+        state_slots=state_slots,
     )
     return batch, rows

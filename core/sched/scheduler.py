@@ -7,6 +7,11 @@ When a running request cannot grow its KV, the *newest* running request is preem
 blocks are freed and it returns to the front of the waiting queue to be recomputed later from
 its tokens so far (its sampler state is kept, so its output is unchanged). The scheduler
 plans only; it never touches arrays.
+
+For models with recurrent state and the prefix cache on, prefill chunks end on block
+boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
+prompt stops at its last full block first), so the state after each chunk can be snapshotted
+at a boundary a later request's prefix hit can start from.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_queue = max_queue
         self.enable_prefix_cache = enable_prefix_cache
+        # recurrent state is only snapshotted at block boundaries: end prefill chunks there
+        self.align_chunks = enable_prefix_cache and kv.groups.has_state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -92,12 +99,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = self._chunk_tokens(request, budget)
             if num_new <= 0 or (request.reached_limit and not request.in_prefill):
                 # finishing: its last token is still being read back from the device
                 index += 1
                 continue
-            while not self.kv.grow(request.request_id, request.num_computed_tokens + num_new):
+            while not self.kv.grow(request.request_id, request.num_computed_tokens + num_new,
+                                   request.num_computed_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -113,6 +121,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             started_now = request.request_id not in self.kv.requests
+            if started_now and not self.kv.can_start():  # no free state slot
+                break
             if started_now:
                 use_cache = self.enable_prefix_cache and not request.want_prompt_logprobs
                 cached = self.kv.start_request(request.request_id, request.token_ids, use_cache,
@@ -120,8 +130,9 @@ class Scheduler:
                 request.num_computed_tokens = cached
                 if not request.was_scheduled:
                     request.num_cached_tokens = cached
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.kv.grow(request.request_id, request.num_computed_tokens + num_new):
+            num_new = self._chunk_tokens(request, budget)
+            if not self.kv.grow(request.request_id, request.num_computed_tokens + num_new,
+                                request.num_computed_tokens):
                 if started_now:
                     self.kv.free_request(request.request_id)
                     request.num_computed_tokens = 0
@@ -135,6 +146,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         return out
+
+    def _chunk_tokens(self, request: Request, budget: int) -> int:
+        """Tokens to compute for ``request`` this step (see the module docstring on alignment)."""
+        num_new = min(request.num_uncomputed_tokens, budget)
+        if not self.align_chunks or num_new <= 1:
+            return num_new
+        start, end, bs = request.num_computed_tokens, request.num_computed_tokens + num_new, self.kv.hit_granularity
+        boundary = end // bs * bs if end < request.num_tokens else (request.num_tokens - 1) // bs * bs
+        return boundary - start if start < boundary < end else num_new
 
     def _preempt(self, request: Request) -> None:
         self.kv.free_request(request.request_id)

@@ -11,9 +11,9 @@ from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
 _runtime_version.ValidateProtobufRuntimeVersion(
     _runtime_version.Domain.PUBLIC,
-    7,
-    35,
-    1,
+    6,
+    33,
+    5,
     '',
     'openinfer/v1/engine.proto'
 )
@@ -24,53 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19openinfer/v1/engine.proto\x12\x0copeninfer.v1\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"x\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x12\n\nmin_tokens\x18\x04 \x01(\rB\r\n\x0b_max_tokens\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.openinfer.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.openinfer.v1.StopConditions\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.openinfer.v1.TopLogprob\"\x9c\x05\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x37\n\tscheduled\x18\x02 \x01(\x0b\x32\".openinfer.v1.TokenEvent.ScheduledH\x00\x12\x31\n\x06tokens\x18\x03 \x01(\x0b\x32\x1f.openinfer.v1.TokenEvent.TokensH\x00\x12\x35\n\x08\x66inished\x18\x04 \x01(\x0b\x32!.openinfer.v1.TokenEvent.FinishedH\x00\x12/\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1e.openinfer.v1.TokenEvent.ErrorH\x00\x1a\"\n\tScheduled\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x1ax\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.openinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.openinfer.v1.TokenLogprob\x1a\xbd\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.openinfer.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x18\n\x16_matched_stop_token_id\x1a?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.openinfer.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\tB\x07\n\x05\x65vent\"\xb1\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rarchitectures\x18\x03 \x03(\t\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0etokenizer_path\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x0e\n\x06plugin\x18\x0b \x01(\t\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x15\n\rnum_kv_blocks\x18\r \x01(\rB\x0f\n\r_bos_token_id\"\x8e\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x06 \x01(\r\"2\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x0f\n\rHealthRequest\"\x10\n\x0eGetLoadRequest*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x32\xdf\x02\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1d.openinfer.v1.GenerateRequest\x1a\x18.openinfer.v1.TokenEvent0\x01\x12@\n\x05\x41\x62ort\x12\x1a.openinfer.v1.AbortRequest\x1a\x1b.openinfer.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.openinfer.v1.GetModelInfoRequest\x1a\x17.openinfer.v1.ModelInfo\x12\x43\n\x06Health\x12\x1b.openinfer.v1.HealthRequest\x1a\x1c.openinfer.v1.HealthResponse\x12;\n\x07GetLoad\x12\x1c.openinfer.v1.GetLoadRequest\x1a\x12.openinfer.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19openinfer/v1/engine.proto\x12\x0copeninfer.v1\"\xb2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.openinfer.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x98\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.openinfer.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"x\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x12\n\nmin_tokens\x18\x04 \x01(\rB\r\n\x0b_max_tokens\"\xab\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.openinfer.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.openinfer.v1.StopConditions\x12\x10\n\x08logprobs\x18\x05 \x01(\r\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x39\n\x11structured_output\x18\t \x01(\x0b\x32\x1e.openinfer.v1.StructuredOutput\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.openinfer.v1.TopLogprob\"\x9c\x05\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x37\n\tscheduled\x18\x02 \x01(\x0b\x32\".openinfer.v1.TokenEvent.ScheduledH\x00\x12\x31\n\x06tokens\x18\x03 \x01(\x0b\x32\x1f.openinfer.v1.TokenEvent.TokensH\x00\x12\x35\n\x08\x66inished\x18\x04 \x01(\x0b\x32!.openinfer.v1.TokenEvent.FinishedH\x00\x12/\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1e.openinfer.v1.TokenEvent.ErrorH\x00\x1a\"\n\tScheduled\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x1ax\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.openinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.openinfer.v1.TokenLogprob\x1a\xbd\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.openinfer.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x18\n\x16_matched_stop_token_id\x1a?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.openinfer.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\tB\x07\n\x05\x65vent\"\xb1\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rarchitectures\x18\x03 \x03(\t\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0etokenizer_path\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x0e\n\x06plugin\x18\x0b \x01(\t\x12\x15\n\rkv_block_size\x18\x0c \x01(\r\x12\x15\n\rnum_kv_blocks\x18\r \x01(\rB\x0f\n\r_bos_token_id\"\x8e\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x06 \x01(\r\"2\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x0f\n\rHealthRequest\"\x10\n\x0eGetLoadRequest*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x32\xdf\x02\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1d.openinfer.v1.GenerateRequest\x1a\x18.openinfer.v1.TokenEvent0\x01\x12@\n\x05\x41\x62ort\x12\x1a.openinfer.v1.AbortRequest\x1a\x1b.openinfer.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.openinfer.v1.GetModelInfoRequest\x1a\x17.openinfer.v1.ModelInfo\x12\x43\n\x06Health\x12\x1b.openinfer.v1.HealthRequest\x1a\x1c.openinfer.v1.HealthResponse\x12;\n\x07GetLoad\x12\x1c.openinfer.v1.GetLoadRequest\x1a\x12.openinfer.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'openinfer.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2026
-  _globals['_FINISHREASON']._serialized_end=2171
-  _globals['_ERRORCODE']._serialized_start=2174
-  _globals['_ERRORCODE']._serialized_end=2334
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2386
+  _globals['_FINISHREASON']._serialized_end=2531
+  _globals['_ERRORCODE']._serialized_start=2534
+  _globals['_ERRORCODE']._serialized_end=2694
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=235
-  _globals['_STOPCONDITIONS']._serialized_start=237
-  _globals['_STOPCONDITIONS']._serialized_end=357
-  _globals['_GENERATEREQUEST']._serialized_start=360
-  _globals['_GENERATEREQUEST']._serialized_end=600
-  _globals['_TOPLOGPROB']._serialized_start=602
-  _globals['_TOPLOGPROB']._serialized_end=649
-  _globals['_TOKENLOGPROB']._serialized_start=651
-  _globals['_TOKENLOGPROB']._serialized_end=721
-  _globals['_TOKENEVENT']._serialized_start=724
-  _globals['_TOKENEVENT']._serialized_end=1392
-  _globals['_TOKENEVENT_SCHEDULED']._serialized_start=970
-  _globals['_TOKENEVENT_SCHEDULED']._serialized_end=1004
-  _globals['_TOKENEVENT_TOKENS']._serialized_start=1006
-  _globals['_TOKENEVENT_TOKENS']._serialized_end=1126
-  _globals['_TOKENEVENT_FINISHED']._serialized_start=1129
-  _globals['_TOKENEVENT_FINISHED']._serialized_end=1318
-  _globals['_TOKENEVENT_ERROR']._serialized_start=1320
-  _globals['_TOKENEVENT_ERROR']._serialized_end=1383
-  _globals['_MODELINFO']._serialized_start=1395
-  _globals['_MODELINFO']._serialized_end=1700
-  _globals['_LOAD']._serialized_start=1703
-  _globals['_LOAD']._serialized_end=1845
-  _globals['_HEALTHRESPONSE']._serialized_start=1847
-  _globals['_HEALTHRESPONSE']._serialized_end=1897
-  _globals['_ABORTREQUEST']._serialized_start=1899
-  _globals['_ABORTREQUEST']._serialized_end=1933
-  _globals['_ABORTRESPONSE']._serialized_start=1935
-  _globals['_ABORTRESPONSE']._serialized_end=1965
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1967
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1988
-  _globals['_HEALTHREQUEST']._serialized_start=1990
-  _globals['_HEALTHREQUEST']._serialized_end=2005
-  _globals['_GETLOADREQUEST']._serialized_start=2007
-  _globals['_GETLOADREQUEST']._serialized_end=2023
-  _globals['_ENGINE']._serialized_start=2337
-  _globals['_ENGINE']._serialized_end=2688
+  _globals['_SAMPLINGPARAMS']._serialized_end=350
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=293
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=341
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=353
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=505
+  _globals['_CHOICELIST']._serialized_start=507
+  _globals['_CHOICELIST']._serialized_end=536
+  _globals['_STOPCONDITIONS']._serialized_start=538
+  _globals['_STOPCONDITIONS']._serialized_end=658
+  _globals['_GENERATEREQUEST']._serialized_start=661
+  _globals['_GENERATEREQUEST']._serialized_end=960
+  _globals['_TOPLOGPROB']._serialized_start=962
+  _globals['_TOPLOGPROB']._serialized_end=1009
+  _globals['_TOKENLOGPROB']._serialized_start=1011
+  _globals['_TOKENLOGPROB']._serialized_end=1081
+  _globals['_TOKENEVENT']._serialized_start=1084
+  _globals['_TOKENEVENT']._serialized_end=1752
+  _globals['_TOKENEVENT_SCHEDULED']._serialized_start=1330
+  _globals['_TOKENEVENT_SCHEDULED']._serialized_end=1364
+  _globals['_TOKENEVENT_TOKENS']._serialized_start=1366
+  _globals['_TOKENEVENT_TOKENS']._serialized_end=1486
+  _globals['_TOKENEVENT_FINISHED']._serialized_start=1489
+  _globals['_TOKENEVENT_FINISHED']._serialized_end=1678
+  _globals['_TOKENEVENT_ERROR']._serialized_start=1680
+  _globals['_TOKENEVENT_ERROR']._serialized_end=1743
+  _globals['_MODELINFO']._serialized_start=1755
+  _globals['_MODELINFO']._serialized_end=2060
+  _globals['_LOAD']._serialized_start=2063
+  _globals['_LOAD']._serialized_end=2205
+  _globals['_HEALTHRESPONSE']._serialized_start=2207
+  _globals['_HEALTHRESPONSE']._serialized_end=2257
+  _globals['_ABORTREQUEST']._serialized_start=2259
+  _globals['_ABORTREQUEST']._serialized_end=2293
+  _globals['_ABORTRESPONSE']._serialized_start=2295
+  _globals['_ABORTRESPONSE']._serialized_end=2325
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2327
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2348
+  _globals['_HEALTHREQUEST']._serialized_start=2350
+  _globals['_HEALTHREQUEST']._serialized_end=2365
+  _globals['_GETLOADREQUEST']._serialized_start=2367
+  _globals['_GETLOADREQUEST']._serialized_end=2383
+  _globals['_ENGINE']._serialized_start=2697
+  _globals['_ENGINE']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,7 @@ import warnings
 
 from openinfer.v1 import engine_pb2 as openinfer_dot_v1_dot_engine__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.81.1'  # the declared floor (openinfer.tools.protogen)
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

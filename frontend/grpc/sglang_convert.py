@@ -8,6 +8,7 @@ refused with an ``InvalidRequestError`` that names the field, never silently dro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
@@ -85,8 +86,11 @@ def _check_supported(request: sglang_pb.GenerateRequest) -> None:
     if params.HasField("max_new_tokens") and params.max_new_tokens == 0:
         raise _refuse("sampling_params.max_new_tokens", "max_new_tokens=0 (prefill-only scoring) is "
                       "not supported; ask for at least 1 token")
-    if params.temperature < 0:
-        raise _refuse("sampling_params.temperature", f"must be >= 0, got {params.temperature}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:  # NaN would read as greedy
+        raise _refuse("sampling_params.temperature", f"must be a finite number >= 0, got {params.temperature}")
+    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise _refuse(f"sampling_params.{name}", f"must be a finite number, got {getattr(params, name)}")
 
 
 def _sampling(params: sglang_pb.SamplingParams | None) -> pb.SamplingParams:

@@ -33,6 +33,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.frontend.grpc.malformed import add_servicer
 from openinfer.frontend.grpc.sglang_convert import SglangRequestPlan, to_engine_requests
 from openinfer.frontend.grpc.sglang_fanout import merge_streams
 from openinfer.frontend.grpc.sglang_load import RecentRates, loads_response
@@ -305,4 +306,4 @@ def add_sglang_service(server: grpc.aio.Server, engine: EngineHandle, *, served_
     ``tokenizer_path`` when it shares the file system, else it asks ``GetTokenizer``."""
     servicer = SglangSchedulerServicer(engine, served_model_name=served_model_name,
                                        model_path=model_path, tokenizer_path=tokenizer_path)
-    sglang_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+    add_servicer(sglang_grpc.add_SglangSchedulerServicer_to_server, servicer, server)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
+import json
 from collections.abc import AsyncIterator, Sequence
 
+from starlette.requests import Request
+
 from openinfer.frontend.http.context import ServerContext, build_plans, new_request_id, usage_of
+from openinfer.frontend.http.disconnect import until_disconnected
 from openinfer.frontend.http.errors import to_openai_error
 from openinfer.frontend.http.generation import (
     ChoiceDelta,
@@ -20,26 +25,31 @@ from openinfer.frontend.http.schemas import (
     CompletionResponse,
 )
 from openinfer.frontend.http.sse import DONE_FRAME, EventStreamResponse, sse_frame
+from openinfer.frontend.http.structured import constraint_of
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
 
-def prompt_inputs(tokenizer: Tokenizer, prompt: str | list) -> list[tuple[str | None, list[int]]]:
-    """Every accepted prompt shape as (text if given as text, token ids)."""
+def prompt_inputs(ctx: ServerContext, prompt: str | list) -> list[tuple[str | None, list[int]]]:
+    """Every accepted prompt shape as (text if given as text, token ids). Blocking: run it
+    through ``ctx.run_text_work``."""
     if isinstance(prompt, str):
-        return [(prompt, tokenizer.encode(prompt))]
+        return [(prompt, ctx.encode_prompt(prompt))]
     if not prompt or isinstance(prompt[0], int):
         return [(None, list(prompt))]
-    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    return [(p, ctx.encode_prompt(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
 
 
 class LogprobsBuilder:
-    """Completions' logprobs table, built incrementally; ``text_offset`` counts from the choice start."""
+    """Completions' logprobs table, built incrementally. ``text_offset`` counts characters of the
+    choice's text from its start: each token's real bytes go through one UTF-8 decoder, so a
+    character split over several tokens is counted once, at the token that completes it."""
 
     def __init__(self, tokenizer: Tokenizer, num_top: int, offset: int = 0):
         self.tokenizer = tokenizer
         self.num_top = num_top
         self.offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(self, ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob | None]) -> CompletionLogprobs:
         table = CompletionLogprobs()
@@ -47,7 +57,7 @@ class LogprobsBuilder:
             text = self.tokenizer.token_text(token_id)
             table.tokens.append(text)
             table.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._utf8.decode(self.tokenizer.token_bytes(token_id)))
             if entry is None:
                 table.token_logprobs.append(None)
                 table.top_logprobs.append(None)
@@ -79,19 +89,22 @@ def merge_tables(tables: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
     return merged
 
 
-async def create_completion(ctx: ServerContext, body: CompletionRequest):
+async def create_completion(ctx: ServerContext, body: CompletionRequest, client: Request | None = None):
+    """``client`` (the HTTP request) lets a non-streamed reply stop when its client goes away."""
     ctx.check_model(body.model)
-    inputs = prompt_inputs(ctx.tokenizer, body.prompt)
+    inputs = await ctx.run_text_work(prompt_inputs, ctx, body.prompt)
     want_logprobs = body.logprobs is not None
     request_id = new_request_id("cmpl")
     plans = build_plans(ctx, body, [ids for _, ids in inputs], body.max_tokens, request_id,
                         logprobs=max(1, body.logprobs or 0) if want_logprobs else 0,
-                        prompt_logprobs=body.echo and want_logprobs)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.tracer)
+                        prompt_logprobs=body.echo and want_logprobs,
+                        structured_output=await ctx.run_text_work(constraint_of, body))
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
+                                  ctx.tracer)
     echo_texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in inputs]
     if body.stream:
         return EventStreamResponse(stream_completion(ctx, body, streams, request_id, inputs, echo_texts))
-    per_choice = await collect_all(streams)
+    per_choice = await until_disconnected(client, collect_all(streams), streams)
     choices = []
     for stream, deltas in zip(streams, per_choice, strict=True):
         prompt_index = stream.plan.index // body.n
@@ -137,8 +150,17 @@ async def stream_completion(ctx: ServerContext, body: CompletionRequest, streams
             index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)])
 
     first = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+    # plain text chunks (no logprobs, no echo) are formatted directly: no pydantic per token
+    plain = not want_logprobs and not body.echo
+    head = (f'data: {{"id":{json.dumps(request_id)},"object":"text_completion","created":{first.created},'
+            f'"model":{json.dumps(ctx.model_name, ensure_ascii=False)},"choices":[{{"index":')
     try:
         async for delta in merge_deltas(streams):
+            if plain:
+                reason = "null" if delta.finish_reason is None else json.dumps(delta.finish_reason)
+                yield (f'{head}{delta.index},"text":{json.dumps(delta.text, ensure_ascii=False)},"logprobs":null,'
+                       f'"finish_reason":{reason}}}],"usage":null}}\n\n')
+                continue
             response = chunk(delta)
             response.created = first.created
             yield sse_frame(response)

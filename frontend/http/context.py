@@ -8,10 +8,14 @@ unique request id, and, when the client gave a seed, choice ``i`` of a prompt us
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
 
 from openinfer.engine import EngineHandle
 from openinfer.frontend.http.errors import OpenAIError
@@ -24,6 +28,25 @@ from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
 SEED_MODULUS = 2**64
+DEFAULT_MAX_QUEUE_WAIT_S = 60.0
+DEFAULT_TEXT_WORKERS = 4
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-server limits beyond the engine's own (see docs/security.md).
+
+    ``max_queue_wait_s``: a request not scheduled by the engine within this time is aborted and
+    answered 503 with Retry-After (None: wait as long as it takes). ``default_max_tokens``: the
+    cap on generated tokens when a request gives no max_tokens (None: vLLM's rule alone, the
+    model's generation_config ``max_new_tokens`` or else the rest of the context).
+    ``text_workers``: tokenizations / chat-template renderings that run at once, in threads, off
+    the event loop; more wait their turn without blocking other requests."""
+
+    max_queue_wait_s: float | None = DEFAULT_MAX_QUEUE_WAIT_S
+    default_max_tokens: int | None = None
+    text_workers: int = DEFAULT_TEXT_WORKERS
 
 
 @dataclass
@@ -32,7 +55,37 @@ class ServerContext:
     tokenizer: Tokenizer
     model_name: str
     metrics: FrontendMetrics
+    limits: ServerLimits = field(default_factory=ServerLimits)
     tracer: FrontendTracer | None = None  # per-request Chrome traces (--trace-dir)
+
+    def __post_init__(self) -> None:
+        self._text_limiter = anyio.CapacityLimiter(max(1, self.limits.text_workers))
+
+    async def run_text_work(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run tokenizer / template work in a worker thread (the tokenizers library releases the
+        GIL), at most ``limits.text_workers`` at once, so the event loop keeps serving."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
+                                              limiter=self._text_limiter)
+
+    def max_prompt_tokens(self) -> int | None:
+        max_len = self.engine.info().max_model_len
+        return max_len - 1 if max_len else None
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Tokenize a prompt, first refusing text too long to fit the context at all (this bounds
+        the tokenizer time any one request can take)."""
+        limit = self.max_prompt_tokens()
+        if limit:
+            self.tokenizer.check_length(text, limit, field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens when the client gives none, as vLLM picks it: the rest of the context, capped
+        by the model's generation_config ``max_new_tokens`` and by the server's
+        ``--default-max-tokens``."""
+        candidates = [default_max_tokens(num_prompt_tokens, self.engine.info()),
+                      self.tokenizer.default_max_new_tokens, self.limits.default_max_tokens]
+        return max(1, min(c for c in candidates if c))
 
     def check_model(self, requested: str | None) -> None:
         """An unknown model name is a 404 (as OpenAI answers), an absent one means the served model."""
@@ -57,19 +110,22 @@ def sampling_params(body: SamplingFields, choice: int) -> pb.SamplingParams:
     )
     if body.seed is not None:
         params.seed = (body.seed + choice) % SEED_MODULUS
+    params.logit_bias.update(body.token_bias())
     return params
 
 
 def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequence[int]],
                 max_tokens: int | None, request_id: str, logprobs: int = 0,
-                prompt_logprobs: bool = False) -> list[ChoicePlan]:
-    """``len(prompts) * body.n`` plans; the choice index of prompt p, sample i is ``p * n + i``."""
+                prompt_logprobs: bool = False, structured_output: pb.StructuredOutput | None = None,
+                skip_special_tokens: bool | None = None) -> list[ChoicePlan]:
+    """``len(prompts) * body.n`` plans; the choice index of prompt p, sample i is ``p * n + i``.
+    ``skip_special_tokens`` overrides the body's (chat output parsers need the markers)."""
     info = ctx.engine.info()
     arrival = time.time()
     plans = []
     for prompt_index, prompt_ids in enumerate(prompts):
         check_prompt(list(prompt_ids), info)
-        limit = max_tokens if max_tokens is not None else default_max_tokens(len(prompt_ids), info)
+        limit = max_tokens if max_tokens is not None else ctx.default_max_tokens(len(prompt_ids))
         for sample in range(body.n):
             index = prompt_index * body.n + sample
             request = pb.GenerateRequest(
@@ -83,8 +139,11 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
                 prompt_logprobs=prompt_logprobs,
                 cache_salt=body.cache_salt or "",
             )
+            if structured_output is not None:
+                request.structured_output.CopyFrom(structured_output)
             check_generate_request(request, info)
-            plans.append(ChoicePlan(index, request, body.stop_strings(), body.skip_special_tokens))
+            skip = body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+            plans.append(ChoicePlan(index, request, body.stop_strings(), skip))
     return plans
 
 

@@ -71,8 +71,20 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal server error: {type(exc).__name__}", None, "internal_error")
 
 
+# pydantic names the member of a union an error came from in ``loc`` ("str", "list[str]",
+# "function-after[...]"): not part of the field's path.
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "null"})
+
+
+def _is_path_part(part: object) -> bool:
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text not in ("body", "query", "path") and text not in _UNION_MEMBER_TAGS and "[" not in text
+
+
 def _location(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [str(p) for p in loc if _is_path_part(p)]
     return ".".join(parts) if parts else "body"
 
 
@@ -84,6 +96,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = _location(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
+    refused = (first.get("ctx") or {}).get("error")
+    if getattr(refused, "field", None):  # a RefusedField names its field itself
+        return f"invalid request: {refused}", refused.field
     details = "; ".join(f"{_location(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
     return f"invalid request: {details}", param
 

@@ -220,14 +220,29 @@ class ChoiceStream:
                 trace.close(self._finish_reason or "abort", self.usage.prompt_tokens, self.usage.completion_tokens)
 
 
+async def start_within(stream: ChoiceStream, max_queue_wait_s: float | None) -> ChoiceStream:
+    """``stream.start()``, given up after ``max_queue_wait_s``: the engine's first event comes when
+    it schedules the request, so this bounds the time spent waiting in its queue."""
+    if not max_queue_wait_s:
+        return await stream.start()
+    try:
+        return await asyncio.wait_for(stream.start(), max_queue_wait_s)
+    except asyncio.TimeoutError:
+        raise OpenAIError(503, f"the request waited {max_queue_wait_s:g}s in the engine's queue without being "
+                               "scheduled (the server is overloaded); retry later", None, "queue_timeout",
+                          {"Retry-After": str(max(1, round(max_queue_wait_s / 4)))}) from None
+
+
 async def start_choices(engine: EngineHandle, tokenizer: Tokenizer, plans: Sequence[ChoicePlan],
-                        metrics: FrontendMetrics | None, tracer: FrontendTracer | None = None) -> list[ChoiceStream]:
-    """Start every choice concurrently, or none: if one is refused, all are closed (aborted) and
-    the first refusal is raised."""
+                        metrics: FrontendMetrics | None, max_queue_wait_s: float | None = None,
+                        tracer: FrontendTracer | None = None) -> list[ChoiceStream]:
+    """Start every choice concurrently, or none: if one is refused (or waits in the queue longer
+    than ``max_queue_wait_s``), all are closed (aborted) and the first refusal is raised."""
     eos = list(engine.info().eos_token_ids) or tokenizer.eos_token_ids
     streams = [ChoiceStream(engine, tokenizer, plan, metrics, eos, tracer) for plan in plans]
     try:
-        outcomes = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
+        outcomes = await asyncio.gather(*(start_within(s, max_queue_wait_s) for s in streams),
+                                        return_exceptions=True)
     except BaseException:  # cancelled while starting (client gone, shutdown)
         await close_all(streams)
         raise
@@ -260,7 +275,16 @@ async def collect_all(streams: Sequence[ChoiceStream]) -> list[list[ChoiceDelta]
 
 async def merge_deltas(streams: Sequence[ChoiceStream]) -> AsyncIterator[ChoiceDelta]:
     """Interleave the deltas of all choices as they come. Closing this generator (client gone)
-    cancels every choice and aborts their engine requests."""
+    cancels every choice and aborts their engine requests. One choice (the usual n=1) is
+    iterated directly: no task, no queue hop per delta."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0].deltas():
+                yield delta
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_all(streams)
+        return
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
     async def pump(stream: ChoiceStream) -> None:

@@ -1,20 +1,24 @@
-"""ASGI middleware: request-body size limit (413) and API-key check (401).
+"""ASGI middleware: request-body size limit (413), API-key check (401) and the last-resort
+guard that turns an unexpected exception into a 500 in OpenAI's error shape.
 
-Both answer in OpenAI's error shape and run before FastAPI parses anything.
+All answer in OpenAI's error shape and run before FastAPI parses anything.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openinfer.frontend.http.errors import error_body
 
+logger = logging.getLogger(__name__)
+
 # Paths probes and scrapers reach without an API key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 # Bytes of an oversized body read (and discarded) before answering, so the client can read the 413.
 MAX_DRAIN_BYTES = 64 * 1024 * 1024
 
@@ -96,3 +100,35 @@ class ApiKeyMiddleware:
         message = "missing API key; send 'Authorization: Bearer KEY'" if not given else "invalid API key"
         await send_json(send, 401, error_body(401, message, None, "invalid_api_key"),
                         [(b"www-authenticate", b"Bearer")])
+
+
+class ServerErrorGuard:
+    """Invariant: an exception no handler mapped becomes a 500 in OpenAI's shape *and* ends the
+    exchange cleanly, so the keep-alive connection stays usable for the client's next request.
+    (Starlette's own last-resort handler sends its 500 and then re-raises, and uvicorn closes
+    the connection without saying ``Connection: close``.) If the response had already started,
+    nothing can be sent any more: the exception goes on and the server closes the connection."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await send_json(send, 500, error_body(500, f"internal server error: {type(exc).__name__}", None,
+                                                  "internal_error"))

@@ -7,6 +7,7 @@ refused with a message rather than silently ignored.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -17,27 +18,77 @@ from openinfer.sampling import MAX_LOGPROBS
 MAX_N = 128
 INT32_LIMIT = 2**31  # counts and ids travel as (u)int32 in the engine contract
 TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT, strict=True)]
+# OpenAI's own limits (an extension beyond them would be deliberate and documented)
+MAX_TEMPERATURE = 2.0
+MAX_COMPLETION_LOGPROBS = 5
+MAX_STOP_STRINGS = 4
+# Names the server itself passes to chat templates: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                                    "unk_token", "pad_token", "raise_exception", "strftime_now"})
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class RefusedField(ValueError):
+    """A request field the server refuses; ``field`` becomes the error's ``param``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _find_lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone UTF-16 surrogate, if any.
+    JSON allows ``"\\ud800"`` escapes, but such text has no UTF-8 form: no tokenizer can read it."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return where
+            found = _find_lone_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _find_lone_surrogate(item, f"{path}.{index}" if path else str(index))
+            if found:
+                return found
+    return None
 
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class TopLevelRequest(Request):
+    """A whole request body: text anywhere in it must be valid Unicode (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _find_lone_surrogate(data, "")
+        if where:
+            raise RefusedField(where, f"{where} contains a lone UTF-16 surrogate (e.g. \\ud800), which is "
+                                      "not valid Unicode text; send well-formed UTF-8")
+        return data
+
+
 class StreamOptions(Request):
     include_usage: bool = False
 
 
-class SamplingFields(Request):
+class SamplingFields(TopLevelRequest):
     """Fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, lt=INT32_LIMIT)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT32_LIMIT)
@@ -50,15 +101,28 @@ class SamplingFields(Request):
     # requests with different salts never share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True
+    # OpenAI: token id (as a string) -> bias in [-100, 100] added to that token's logit
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format (text, json_object, json_schema) or vLLM's
+    # structured_outputs (exactly one of json, regex, choice, grammar, json_object)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it out")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= INT32_LIMIT:
+                raise RefusedField("logit_bias", f"logit_bias keys are token ids (non-negative integers as "
+                                                 f"strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise RefusedField("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for "
+                                                 f"token {key}")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise RefusedField("stream_options", "stream_options is only allowed when stream is true")
         return self
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -72,7 +136,7 @@ class SamplingFields(Request):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=INT32_LIMIT)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -80,9 +144,9 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported by this server; leave it out")
+            raise RefusedField("suffix", "suffix is not supported by this server; leave it out")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (this server does not rank extra candidates)")
+            raise RefusedField("best_of", "best_of must equal n (this server does not rank extra candidates)")
         return self
 
 
@@ -102,21 +166,36 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # vLLM extension: top-N logprobs of every prompt token (the first has none)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
+        # the deprecated functions API: tools/tool_choice say the same and are served
+        if self.functions:
+            raise RefusedField("functions", "functions (deprecated by OpenAI) is not supported; send the same "
+                                            "definitions as tools=[{'type': 'function', 'function': ...}]")
+        if self.function_call not in (None, "none"):
+            raise RefusedField("function_call", "function_call (deprecated by OpenAI) is not supported; use "
+                                                "tool_choice")
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise RefusedField("chat_template_kwargs",
+                               f"chat_template_kwargs may not set {', '.join(reserved)}: the server passes "
+                               "these to the template itself (use the request's own fields)")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported by this server")
+            raise RefusedField("top_logprobs", "top_logprobs needs logprobs set to true")
         return self
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(Request):
+class TokenizeRequest(TopLevelRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -126,11 +205,11 @@ class TokenizeRequest(Request):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise RefusedField("prompt", "give exactly one of prompt or messages")
         return self
 
 
-class DetokenizeRequest(Request):
+class DetokenizeRequest(TopLevelRequest):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -190,6 +269,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -213,6 +294,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    # vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -222,3 +305,45 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatDeltaChoice]
     usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, sent with every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "openinfer"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

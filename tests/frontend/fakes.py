@@ -12,7 +12,8 @@ Behaviour (exact, so tests can predict text):
   ids aborted by ``abort`` or by closing the iterator before ``finished``;
 * ``max_running`` concurrent requests; one more raises ``QueueFullError``; ``healthy = False``
   makes ``generate`` raise ``EngineDeadError``; ``fail_after = k`` ends requests with an
-  ``error`` event after k tokens.
+  ``error`` event after k tokens; ``schedule_delay_s`` holds every request that long in a
+  "queue" before its ``scheduled`` event.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class FakeEngine:
         self.sample_low = sample_low
         self.healthy = True
         self.fail_after: int | None = None  # emit an Error event after this many tokens
+        self.schedule_delay_s = 0.0  # time in the "queue" before the scheduled event
         self.running: dict[str, _Running] = {}
         self.submitted: list[pb.GenerateRequest] = []
         self.aborted: list[str] = []
@@ -102,6 +104,8 @@ class FakeEngine:
         self.submitted.append(request)
         completed = False
         try:
+            if self.schedule_delay_s:
+                await asyncio.sleep(self.schedule_delay_s)
             yield pb.TokenEvent(request_id=rid, scheduled=pb.TokenEvent.Scheduled(cached_tokens=0))
             async for event in self._decode(state):
                 completed = event.HasField("finished") or event.HasField("error")

@@ -14,7 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer, StateLayer, allocate_cache
 from openinfer.backend.cuda import attention as attention_ops
 from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
@@ -52,6 +52,7 @@ class CudaBackend:
     name = "cuda"
     xp = cupy
     activation_dtype = np.uint16  # bf16 bits
+    kv_dtype = "bfloat16"  # the KV cache dtype name models put in their specs
 
     def __init__(self, device: int = 0, use_gemv: bool = True, fuse_decode: bool | None = None):
         self.device = cupy.cuda.Device(device)
@@ -94,13 +95,15 @@ class CudaBackend:
     def prepare_batch(self, batch: ForwardBatch) -> CudaBatch:
         return self.uploader.upload(batch)
 
-    def static_batch(self, num_seqs: int, max_blocks_per_seq: int) -> StaticBatch:
-        """Fixed-address decode inputs for a CUDA graph of ``num_seqs`` sequences."""
-        return StaticBatch(self.uploader, num_seqs, max_blocks_per_seq)
+    def static_batch(self, num_seqs: int, max_blocks_per_seq: int, num_groups: int = 1,
+                     with_state: bool = False) -> StaticBatch:
+        """Fixed-address decode inputs for a CUDA graph of ``num_seqs`` sequences (per KV cache
+        group tables when ``num_groups`` > 1, state slots when ``with_state``)."""
+        return StaticBatch(self.uploader, num_seqs, max_blocks_per_seq, num_groups, with_state)
 
-    def allocate_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayer:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return KVLayer(cupy.zeros(shape, dtype=cupy.uint16), cupy.zeros(shape, dtype=cupy.uint16))
+    def allocate_kv(self, spec: Any, num_blocks: int, block_size: int = 0, *legacy: int) -> KVLayer | StateLayer:
+        """One layer's cache for a ``KVCacheSpec`` (bf16 stored as uint16; see ``Backend.allocate_kv``)."""
+        return allocate_cache(cupy, spec, num_blocks, block_size, *legacy, default_dtype=self.kv_dtype)
 
     def to_host(self, x: Any) -> np.ndarray:
         if isinstance(x, cupy.ndarray) and x.dtype == cupy.uint16:
@@ -199,9 +202,11 @@ class CudaBackend:
     def attention(self, qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
         return attention_ops.attention(_bf16(qkv, "attention qkv"), spec, kv, batch, self.ropes, self.num_sms)
 
-    def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int]) -> list[Any]:
-        """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``)."""
-        return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host)
+    def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int],
+                    masks: Any = None) -> list[Any]:
+        """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``);
+        ``masks``: the step's structured-output masks (``runtime.sampler.GrammarMasks``) or None."""
+        return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host, masks)
 
     def sample_rows_async(self, logits: cupy.ndarray, rows: Sequence[Any]) -> tuple[cupy.ndarray, Any] | None:
         """Async scheduling: sample on the device, read back later (see ``sampler``)."""

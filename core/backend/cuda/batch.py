@@ -5,7 +5,8 @@ sent with one host-to-device copy.
 
     pinned host / device buffer (int32), one section per field, in this order:
     [ token_ids T | positions T | slot_mapping T | query_start B+1 | context_lens B |
-      block_tables B*max_blocks | logits_rows R | tile_seq N | tile_query N ]
+      block_tables B*max_blocks | logits_rows R | tile_seq N | tile_query N | state_slots B or 0 |
+      (per KV cache group g, only with several groups) block table g B*max_blocks_g | slots g T ]
 
 ``tile_seq`` / ``tile_query`` list the prefill-attention tiles (64 queries of one sequence,
 longest-running first); decode batches have none. A *static* batch (``StaticBatch``) keeps
@@ -40,6 +41,15 @@ class CudaBatch:
     max_query_len: int
     max_context_len: int
     host: ForwardBatch | None = field(default=None, repr=False)
+    state_slots: cupy.ndarray | None = None  # [B] each sequence's state slot (models with state)
+    kv_block_tables: tuple[cupy.ndarray, ...] = ()  # per KV cache group (several groups only)
+    kv_slot_mappings: tuple[cupy.ndarray, ...] = ()
+
+    def group_block_tables(self, group_id: int) -> cupy.ndarray:
+        return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
+
+    def group_slot_mapping(self, group_id: int) -> cupy.ndarray:
+        return self.kv_slot_mappings[group_id] if self.kv_slot_mappings else self.slot_mapping
 
     @property
     def num_tokens(self) -> int:
@@ -71,17 +81,31 @@ def prefill_tiles(query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _sections(batch: ForwardBatch, with_tiles: bool) -> list[np.ndarray]:
     tile_seq, tile_query = (prefill_tiles(batch.query_start) if with_tiles
                             else (np.zeros(0, np.int32), np.zeros(0, np.int32)))
-    return [batch.token_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
-            batch.block_tables, batch.logits_rows, tile_seq, tile_query]
+    sections = [batch.token_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
+                batch.block_tables, batch.logits_rows, tile_seq, tile_query, batch.state_slots]
+    for table, slots in zip(batch.kv_block_tables, batch.kv_slot_mappings, strict=True):
+        sections += [table, slots]
+    return sections
 
 
-def _views(buffer: cupy.ndarray, sizes: list[int], num_seqs: int, max_blocks: int) -> list[cupy.ndarray]:
+def _views(buffer: cupy.ndarray, sizes: list[int], num_seqs: int, widths: list[int]) -> list[cupy.ndarray]:
+    """Views of the packed buffer; ``widths``: block-table widths (group 0 first, then any
+    per-group tables), reshaped to ``[num_seqs, width]``."""
     views, offset = [], 0
     for size in sizes:
         views.append(buffer[offset:offset + size])
         offset += size
-    views[5] = views[5].reshape(num_seqs, max_blocks)
+    table_sections = [5] + list(range(10, len(views), 2))
+    for index, width in zip(table_sections, widths, strict=True):
+        views[index] = views[index].reshape(num_seqs, width)
     return views
+
+
+def _batch_from_views(views: list[cupy.ndarray], max_query_len: int, max_context_len: int,
+                      host: ForwardBatch | None, with_state: bool) -> CudaBatch:
+    return CudaBatch(*views[:9], max_query_len=max_query_len, max_context_len=max_context_len, host=host,
+                     state_slots=views[9] if with_state else None,
+                     kv_block_tables=tuple(views[10::2]), kv_slot_mappings=tuple(views[11::2]))
 
 
 class BatchUploader:
@@ -119,27 +143,35 @@ class BatchUploader:
         staging = self.stage(sections)
         device = cupy.empty(staging.size, dtype=cupy.int32)
         self.copy(staging, device)
-        views = _views(device, [int(s.size) for s in sections], batch.num_seqs, batch.block_tables.shape[1])
-        return CudaBatch(*views, max_query_len=batch.max_query_len,
-                         max_context_len=batch.max_context_len, host=batch)
+        widths = [batch.block_tables.shape[1]] + [t.shape[1] for t in batch.kv_block_tables]
+        views = _views(device, [int(s.size) for s in sections], batch.num_seqs, widths)
+        return _batch_from_views(views, batch.max_query_len, batch.max_context_len, batch,
+                                 batch.state_slots.shape[0] > 0)
 
 
 class StaticBatch:
     """A decode batch of exactly ``num_seqs`` sequences at fixed device addresses (CUDA graphs).
 
     ``fill`` pads a smaller decode batch: extra sequences get context length 0, slot -1 (no
-    KV write), token 0 at position 0 and block table rows of the null block.
+    KV write), token 0 at position 0, block table rows of the null block and the null state
+    slot 0. ``num_groups`` > 1 adds one table (``max_blocks_per_seq`` wide) and one slot
+    mapping per KV cache group; ``with_state`` adds the state-slot section.
     """
 
-    def __init__(self, uploader: BatchUploader, num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, uploader: BatchUploader, num_seqs: int, max_blocks_per_seq: int, num_groups: int = 1,
+                 with_state: bool = False):
         self.uploader = uploader
         self.num_seqs = num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_groups = num_groups
+        self.with_state = with_state
+        group_sizes = [num_seqs * max_blocks_per_seq, num_seqs] * num_groups if num_groups > 1 else []
         self.sizes = [num_seqs, num_seqs, num_seqs, num_seqs + 1, num_seqs, num_seqs * max_blocks_per_seq,
-                      num_seqs, 0, 0]
+                      num_seqs, 0, 0, num_seqs if with_state else 0, *group_sizes]
         self.buffer = cupy.zeros(sum(self.sizes), dtype=cupy.int32)
-        views = _views(self.buffer, self.sizes, num_seqs, max_blocks_per_seq)
-        self.batch = CudaBatch(*views, max_query_len=1, max_context_len=1)
+        widths = [max_blocks_per_seq] * (1 + (num_groups if num_groups > 1 else 0))
+        views = _views(self.buffer, self.sizes, num_seqs, widths)
+        self.batch = _batch_from_views(views, 1, 1, None, with_state)
         self.fill(None)
 
     def fill(self, batch: ForwardBatch | None) -> None:
@@ -149,20 +181,43 @@ class StaticBatch:
             raise ValueError("a static (graph) batch holds decode steps only: one new token per sequence")
         if b > n:
             raise ValueError(f"batch of {b} sequences does not fit the static batch of {n}")
-        tables = np.zeros((n, self.max_blocks_per_seq), np.int32)
         token_ids, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        slots, context_lens = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+        context_lens = np.zeros(n, np.int32)
+        state_slots = np.zeros(n if self.with_state else 0, np.int32)
+        groups = self.num_groups if self.num_groups > 1 else 0
+        if batch is not None and groups and len(batch.kv_block_tables) != groups:
+            raise ValueError(f"the graph was captured for {groups} KV cache groups, the batch has "
+                             f"{len(batch.kv_block_tables)}")
+        tables = [self._padded_table(None if batch is None else batch.block_tables, b)]
+        slots = [self._padded_slots(None if batch is None else batch.slot_mapping, b)]
+        for g in range(groups):
+            tables.append(self._padded_table(None if batch is None else batch.kv_block_tables[g], b))
+            slots.append(self._padded_slots(None if batch is None else batch.kv_slot_mappings[g], b))
         if batch is not None:
-            width = batch.block_tables.shape[1]
-            if width > self.max_blocks_per_seq:
-                raise ValueError(f"block tables of {width} blocks exceed the graph's {self.max_blocks_per_seq}; "
-                                 "raise max_model_len for the graph runner")
-            tables[:b, :width] = batch.block_tables
-            token_ids[:b], positions[:b] = batch.token_ids, batch.positions
-            slots[:b], context_lens[:b] = batch.slot_mapping, batch.context_lens
-        sections = [token_ids, positions, slots, np.arange(n + 1, dtype=np.int32), context_lens, tables,
-                    np.arange(n, dtype=np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)]
+            token_ids[:b], positions[:b], context_lens[:b] = batch.token_ids, batch.positions, batch.context_lens
+            if self.with_state:
+                state_slots[:b] = batch.state_slots
+        sections = [token_ids, positions, slots[0], np.arange(n + 1, dtype=np.int32), context_lens, tables[0],
+                    np.arange(n, dtype=np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), state_slots]
+        for g in range(groups):
+            sections += [tables[g + 1], slots[g + 1]]
         staging = self.uploader.stage(sections)
         self.uploader.copy(staging, self.buffer)
         self.batch.max_context_len = 1 if batch is None else batch.max_context_len
         self.batch.host = batch
+
+    def _padded_table(self, table: np.ndarray | None, b: int) -> np.ndarray:
+        padded = np.zeros((self.num_seqs, self.max_blocks_per_seq), np.int32)
+        if table is not None:
+            width = table.shape[1]
+            if width > self.max_blocks_per_seq:
+                raise ValueError(f"block tables of {width} blocks exceed the graph's {self.max_blocks_per_seq}; "
+                                 "raise max_model_len for the graph runner")
+            padded[:b, :width] = table
+        return padded
+
+    def _padded_slots(self, slots: np.ndarray | None, b: int) -> np.ndarray:
+        padded = np.full(self.num_seqs, -1, np.int32)
+        if slots is not None:
+            padded[:b] = slots
+        return padded

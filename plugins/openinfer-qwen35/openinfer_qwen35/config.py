@@ -14,10 +14,16 @@ core's ``rope_parameters_from_config``; Qwen3.5 defaults ``partial_rotary_factor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from openinfer import RopeParameters, WeightLoadError, eos_token_ids_from, rope_parameters_from_config
+from openinfer import (
+    RopeParameters,
+    TensorShard,
+    WeightLoadError,
+    eos_token_ids_from,
+    rope_parameters_from_config,
+)
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -124,6 +130,21 @@ class Qwen35Config:
                                              generation_config),
             is_multimodal="text_config" in config,
         ).validated()
+
+    def for_rank(self, shard: TensorShard) -> Qwen35Config:
+        """The sizes one tensor-parallel rank computes with: its attention heads and KV heads,
+        its GDN value heads and key heads (key heads, like KV heads, are replicated when the
+        group is larger than their number). Raises ``ParallelConfigError`` when they do not split."""
+        if shard.size == 1:
+            return self
+        heads = shard.split(self.num_attention_heads, "num_attention_heads")
+        kv_heads = shard.kv_heads(self.num_key_value_heads)
+        value_heads = shard.split(self.linear_num_value_heads, "linear_num_value_heads")
+        key_heads = shard.kv_heads(self.linear_num_key_heads)
+        return replace(self, num_attention_heads=heads.stop - heads.start,
+                       num_key_value_heads=kv_heads.stop - kv_heads.start,
+                       linear_num_value_heads=value_heads.stop - value_heads.start,
+                       linear_num_key_heads=key_heads.stop - key_heads.start).validated()
 
     def validated(self) -> Qwen35Config:
         if self.linear_num_value_heads % self.linear_num_key_heads:

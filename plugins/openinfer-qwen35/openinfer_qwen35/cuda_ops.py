@@ -59,6 +59,27 @@ def prepare_sequences(seqs: StepSequences) -> StepSequences:
     return StepSequences(seqs.query_start, seqs.slots, seqs.fresh, device=views)
 
 
+def device_sequences(batch: Any) -> StepSequences:
+    """The step's sequences straight from a ``CudaBatch``'s device arrays: slots from
+    ``batch.state_slots``, ``fresh`` where the context starts with this step (or is empty: a
+    CUDA-graph padding row, which then reads zeros and writes the null slot). Decode steps
+    touch no host memory, so they can be captured in a CUDA graph; prefill steps upload the
+    row → sequence map."""
+    if batch.state_slots is None:
+        raise ValueError("Qwen3.5 keeps recurrent state: the device batch carries no state_slots "
+                         "(the engine fills them from the model's RecurrentStateSpec)")
+    num_seqs = batch.num_seqs
+    query_start = batch.query_start
+    fresh = ((batch.context_lens - (query_start[1:] - query_start[:-1])) <= 0).astype(cupy.int32)
+    if batch.num_tokens == num_seqs:  # one token per sequence (decode, graph replay)
+        token_seq = cupy.arange(num_seqs, dtype=cupy.int32)
+    else:
+        host = np.asarray(batch.host.query_start, np.int32)
+        token_seq = cupy.asarray(np.repeat(np.arange(num_seqs, dtype=np.int32), np.diff(host)))
+    views = {"query_start": query_start, "slots": batch.state_slots, "fresh": fresh, "token_seq": token_seq}
+    return StepSequences(None, batch.state_slots, fresh, device=views)
+
+
 def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, ssm_state: cupy.ndarray,
               seqs: StepSequences, config: Qwen35Config) -> cupy.ndarray:
     """``[T, q|k|v|z|b|a]`` bf16 → gated-normed ``[T, nv·dv]`` bf16; updates the slots in place."""
@@ -153,8 +174,8 @@ CUDA_PLAN = KernelPlan(
     sigmoid_mul=sigmoid_mul,
     delta_net=delta_net,
     fp32_vector=_fp32_device,
-    conv_state_dtype=cupy.uint16,
-    prepare_sequences=prepare_sequences,
+    conv_state_dtype="bfloat16",
+    step_sequences=device_sequences,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     norm_weight=_fp32_device,

@@ -46,6 +46,7 @@ import numpy as np
 
 from openinfer.errors import BackendUnavailableError
 from openinfer_qwen35 import gated_deltanet
+from openinfer_qwen35.state import host_step_sequences
 
 
 def sigmoid_mul(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
@@ -60,8 +61,9 @@ class KernelPlan:
     sigmoid_mul: Callable[..., Any]
     delta_net: Callable[..., Any]  # (proj, weights, conv_state, ssm_state, StepSequences, config)
     fp32_vector: Callable[[np.ndarray], Any]  # small per-head parameters kept in fp32 (A, dt_bias)
-    conv_state_dtype: Any  # dtype of the conv window in the state slots
-    prepare_sequences: Callable[..., Any] = lambda seqs: seqs  # host StepSequences -> device copies
+    conv_state_dtype: str  # KV cache dtype name of the conv window in the state slots
+    # the step's StepSequences from the (device) batch: slots from batch.state_slots
+    step_sequences: Callable[..., Any] = host_step_sequences
     # Qwen3.5's zero-centred RMSNorm (weights stored as 1 + w); None: the backend's rms_norm /
     # add_rms_norm with ``backend.weight`` (exact on numpy, fp32 throughout)
     rms_norm: Callable[..., Any] | None = None
@@ -74,7 +76,7 @@ NUMPY_PLAN = KernelPlan(
     sigmoid_mul=sigmoid_mul,
     delta_net=gated_deltanet.delta_net,
     fp32_vector=lambda array: np.ascontiguousarray(array, dtype=np.float32),
-    conv_state_dtype=np.float32,
+    conv_state_dtype="float32",
 )
 
 

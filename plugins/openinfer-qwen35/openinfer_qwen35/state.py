@@ -1,21 +1,25 @@
-"""The recurrent state of every Gated DeltaNet layer, held in fixed state slots.
+"""The recurrent state of every Gated DeltaNet layer as a KV cache spec: engine-owned slots.
 
-One slot per live request (``openinfer.kv.state_slots.StateSlots``); every GDN layer keeps
-two tensors with a leading slot axis, allocated once at start-up on the backend's device::
+Each GDN layer declares a ``RecurrentStateSpec`` (``openinfer.kv.spec``); the engine sizes a
+slot pool from memory like KV blocks, allocates every layer's tensors with a leading slot axis
+at fixed device addresses, gives each request one slot for its life and passes the step's slot
+ids in ``batch.state_slots`` (a device array on cuda, so a CUDA graph replays with them)::
 
     slot            0 (null)    1           2          ...   N-1
     conv[layer]   [K-1, C]    [K-1, C]    [K-1, C]    ...         last K-1 conv inputs
     ssm[layer]    [nv,dk,dv]  [nv,dk,dv]  [nv,dk,dv]  ...         delta-rule state, fp32
+                  padding     live request / prefix-cache snapshot (the engine copies rows)
 
 Lifecycle of a request's slot:
 
-- its first chunk (context starting at position 0) takes a slot; the kernels read that
-  step's initial state as zeros (``StepSequences.fresh``) instead of the slot's stale
-  content — also after a preemption, when the engine recomputes the request from scratch;
+- its first chunk (context starting at position 0) reads its initial state as zeros
+  (``StepSequences.fresh``) instead of the slot's stale content — also after a preemption;
+- a request starting from a cached prefix at n tokens gets its slot filled by the engine from
+  the snapshot taken at n tokens (a row copy of ``conv`` and ``ssm``) before its first chunk;
 - later chunks and decode steps read and update the same slot in place;
-- ``release`` (request finished, aborted, failed or preempted) returns the slot to the pool.
+- the engine frees the slot when it drops the request (finished, aborted, preempted).
 
-The full-attention layers keep their K/V in the paged block pool, not here.
+The full-attention layers keep their K/V in the paged block pool.
 """
 
 from __future__ import annotations
@@ -25,58 +29,44 @@ from typing import Any
 
 import numpy as np
 
-from openinfer.errors import OpenInferError
-from openinfer.kv.state_slots import StateSlots
+from openinfer import RecurrentStateSpec, StateTensor
 from openinfer_qwen35.config import Qwen35Config
+
+
+def state_spec(config: Qwen35Config, conv_dtype: str = "float32") -> RecurrentStateSpec:
+    """One GDN layer's state: the conv window (``conv_dtype``: the backend's activation dtype)
+    and the fp32 delta-rule matrix of every value head."""
+    return RecurrentStateSpec((
+        StateTensor("conv", (config.linear_conv_kernel_dim - 1, config.conv_dim), conv_dtype),
+        StateTensor("ssm", (config.linear_num_value_heads, config.linear_key_head_dim,
+                            config.linear_value_head_dim), "float32"),
+    ))
+
+
+def bytes_per_slot(config: Qwen35Config, conv_dtype: str = "float32") -> int:
+    """State bytes of one request over every GDN layer."""
+    return state_spec(config, conv_dtype).slot_bytes * len(config.linear_layer_ids)
 
 
 @dataclass
 class StepSequences:
-    """The sequences of one step as the GDN layers see them (host arrays; ``device`` holds the
-    backend's copies, e.g. int32 CuPy arrays of ``slots`` / ``fresh``)."""
+    """The sequences of one step as the GDN layers see them: host arrays on numpy; on cuda
+    ``device`` holds int32 device arrays (``query_start``, ``slots``, ``fresh``, ``token_seq``)
+    and ``slots`` may itself be a device array (graph-captured decode)."""
 
-    query_start: np.ndarray  # [B+1] rows of each sequence in the step's tokens
-    slots: np.ndarray  # [B] state slot of each sequence
-    fresh: np.ndarray  # [B] bool: the sequence starts at position 0 (its initial state is zero)
+    query_start: np.ndarray | None  # [B+1] rows of each sequence in the step's tokens
+    slots: Any  # [B] state slot of each sequence
+    fresh: Any  # [B] bool: the sequence starts at position 0 (its initial state is zero)
     device: Any = None
 
 
-class DeltaNetStateCache:
-    def __init__(self, config: Qwen35Config, num_slots: int, xp: Any = np, conv_dtype: Any = np.float32):
-        self.slots = StateSlots(num_slots)
-        num_layers = len(config.linear_layer_ids)
-        conv_shape = (num_slots, config.linear_conv_kernel_dim - 1, config.conv_dim)
-        ssm_shape = (num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
-                     config.linear_value_head_dim)
-        # (NumPy) zeros map untouched pages lazily: an unused slot costs no resident memory.
-        self.conv = [xp.zeros(conv_shape, conv_dtype) for _ in range(num_layers)]
-        self.ssm = [xp.zeros(ssm_shape, np.float32) for _ in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_slot(config: Qwen35Config) -> int:
-        conv = (config.linear_conv_kernel_dim - 1) * config.conv_dim
-        ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        return 4 * (conv + ssm) * len(config.linear_layer_ids)
-
-    def begin(self, request_id: str) -> int:
-        """A request's first chunk: take (or keep) its slot; the step reads it as zeros."""
-        return self.slots.allocate(request_id)
-
-    def slot_of(self, request_id: str) -> int:
-        if not self.slots.has(request_id):
-            raise OpenInferError(
-                f"request {request_id!r} continues from a later position but holds no state slot; "
-                "a recurrent model must see every request from position 0 (disable the prefix cache)")
-        return self.slots.slot_of(request_id)
-
-    def release(self, request_id: str) -> bool:
-        return self.slots.free(request_id)
-
-    def step_sequences(self, request_ids: tuple[str, ...], query_start: np.ndarray,
-                       context_lens: np.ndarray) -> StepSequences:
-        """Each sequence's slot; a sequence starting at position 0 begins a fresh state."""
-        query_start = np.asarray(query_start, np.int64)
-        fresh = (np.asarray(context_lens) - np.diff(query_start)) == 0
-        slots = np.asarray([self.begin(rid) if is_fresh else self.slot_of(rid)
-                            for rid, is_fresh in zip(request_ids, fresh.tolist(), strict=True)], np.int64)
-        return StepSequences(query_start, slots, fresh)
+def host_step_sequences(batch: Any) -> StepSequences:
+    """Each sequence's slot (``batch.state_slots``); a sequence starting at position 0 begins
+    a fresh state."""
+    query_start = np.asarray(batch.query_start, np.int64)
+    slots = np.asarray(batch.state_slots, np.int64)
+    if slots.shape[0] != batch.num_seqs:
+        raise ValueError(f"Qwen3.5 keeps recurrent state: the batch must carry one state slot per sequence "
+                         f"(batch.state_slots has {slots.shape[0]}, the batch {batch.num_seqs} sequences)")
+    fresh = (np.asarray(batch.context_lens) - np.diff(query_start)) == 0
+    return StepSequences(query_start, slots, fresh)

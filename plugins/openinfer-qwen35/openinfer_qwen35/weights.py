@@ -15,6 +15,11 @@ Fusions made at load time (rows of the ``[out, in]`` weights, top to bottom)::
 
 Zero-centred RMSNorm weights (every norm but the GDN output norm) are stored as ``1 + w`` so
 the backend's plain ``rms_norm`` applies them; ``A_log`` is stored as ``-exp(A_log)``.
+
+Tensor parallel (``shard``): every fused part is cut to the rank's heads before fusing —
+attention heads (q, gate) and KV heads (k, v), GDN key heads (q, k channels) and value heads
+(v channels, z, b, a, A_log, dt_bias), gate/up rows; o_proj, out_proj and down keep the
+matching input columns (row-parallel, bias on rank 0); embedding and LM head their vocab rows.
 """
 
 from __future__ import annotations
@@ -25,8 +30,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from openinfer.errors import WeightLoadError
-from openinfer_qwen35.config import FULL_ATTENTION, Qwen35Config
+from openinfer import (
+    TensorShard,
+    VocabShard,
+    WeightLoadError,
+    column_rows,
+    head_rows,
+    row_columns,
+    row_parallel_bias,
+    vocab_rows,
+)
+from openinfer_qwen35.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
@@ -74,6 +88,7 @@ class Qwen35Weights:
     layers: list[LayerWeights]
     final_norm: Any  # 1 + w
     lm_head: Any  # backend linear
+    vocab: VocabShard | None = None  # tensor parallel: this rank's rows of embed_tokens / lm_head
 
 
 def text_prefix(source: TensorSource) -> str:
@@ -122,15 +137,19 @@ def _fp32(array: np.ndarray) -> np.ndarray:
 
 def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
                  fp32_vector: Callable[[np.ndarray], Any] = _fp32,
-                 norm_weight: Callable[[np.ndarray], Any] | None = None) -> Qwen35Weights:
+                 norm_weight: Callable[[np.ndarray], Any] | None = None,
+                 shard: TensorShard | None = None) -> Qwen35Weights:
     """``fp32_vector`` places the per-head GDN parameters (``-exp(A_log)``, ``dt_bias``), which
     stay fp32 on every backend (HF computes the decay in fp32 from them); ``norm_weight`` places
-    the layer and final norms' ``1 + w`` (default ``backend.weight``; the cuda plan keeps fp32)."""
+    the layer and final norms' ``1 + w`` (default ``backend.weight``; the cuda plan keeps fp32).
+    ``shard``: this rank's part under tensor parallelism (default: everything)."""
+    shard = shard or TensorShard()
+    config.for_rank(shard)  # heads that do not split fail here, before anything is read
     reader = _Reader(source, text_prefix(source))
     hidden = config.hidden_size
     place_norm = norm_weight or backend.weight
     embed = reader.get("embed_tokens.weight", (config.vocab_size, hidden))
-    layers = [_load_layer(reader, config, backend, i, fp32_vector, place_norm)
+    layers = [_load_layer(reader, config, backend, i, fp32_vector, place_norm, shard)
               for i in range(config.num_hidden_layers)]
     final_norm = 1.0 + reader.get("norm.weight", (hidden,))
     if "lm_head.weight" in source and not config.tie_word_embeddings:
@@ -140,74 +159,132 @@ def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
         if "lm_head.weight" in source:
             reader.used.add("lm_head.weight")
     reader.check_all_used()
-    return Qwen35Weights(backend.weight(embed), layers, place_norm(final_norm), backend.linear_weight(lm_head))
+    if shard.size == 1:
+        return Qwen35Weights(backend.weight(embed), layers, place_norm(final_norm), backend.linear_weight(lm_head))
+    vocab = shard.vocab(config.vocab_size)
+    return Qwen35Weights(backend.weight(vocab_rows(embed, vocab)), layers, place_norm(final_norm),
+                         backend.linear_weight(vocab_rows(lm_head, vocab)), vocab)
 
 
 def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
-                fp32_vector: Callable[[np.ndarray], Any], place_norm: Callable[[np.ndarray], Any]) -> LayerWeights:
+                fp32_vector: Callable[[np.ndarray], Any], place_norm: Callable[[np.ndarray], Any],
+                shard: TensorShard) -> LayerWeights:
     prefix = f"layers.{index}."
     hidden, inter = config.hidden_size, config.intermediate_size
     kind = config.layer_types[index]
     if kind == FULL_ATTENTION:
-        mixer: FullAttentionWeights | DeltaNetWeights = _load_full_attention(reader, config, backend, prefix)
+        mixer: FullAttentionWeights | DeltaNetWeights = _load_full_attention(reader, config, backend, prefix, shard)
     else:
-        mixer = _load_delta_net(reader, config, backend, prefix, fp32_vector)
-    gate_up = np.concatenate([reader.get(prefix + "mlp.gate_proj.weight", (inter, hidden)),
-                              reader.get(prefix + "mlp.up_proj.weight", (inter, hidden))])
+        mixer = _load_delta_net(reader, config, backend, prefix, fp32_vector, shard)
+    gate_up = np.concatenate([column_rows(reader.get(prefix + "mlp.gate_proj.weight", (inter, hidden)), shard,
+                                          "intermediate_size"),
+                              column_rows(reader.get(prefix + "mlp.up_proj.weight", (inter, hidden)), shard,
+                                          "intermediate_size")])
     return LayerWeights(
         kind=kind,
         input_norm=place_norm(1.0 + reader.get(prefix + "input_layernorm.weight", (hidden,))),
         post_attention_norm=place_norm(1.0 + reader.get(prefix + "post_attention_layernorm.weight", (hidden,))),
         mixer=mixer,
         gate_up=backend.linear_weight(gate_up),
-        down=backend.linear_weight(reader.get(prefix + "mlp.down_proj.weight", (hidden, inter))),
+        down=backend.linear_weight(row_columns(reader.get(prefix + "mlp.down_proj.weight", (hidden, inter)), shard,
+                                               "intermediate_size")),
     )
 
 
-def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str) -> FullAttentionWeights:
+def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str,
+                         shard: TensorShard) -> FullAttentionWeights:
     p = prefix + "self_attn."
     hidden, nh, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    heads, kv_heads = shard.split(nh, "num_attention_heads"), shard.kv_heads(nkv)
+    local_q = (heads.stop - heads.start) * hd
     # q_proj rows are per head [query (hd) | gate (hd)]: split them into all queries, then all gates.
-    q_and_gate = reader.get(p + "q_proj.weight", (nh * 2 * hd, hidden)).reshape(nh, 2, hd, hidden)
-    k = reader.get(p + "k_proj.weight", (nkv * hd, hidden))
-    v = reader.get(p + "v_proj.weight", (nkv * hd, hidden))
-    weight = np.concatenate([q_and_gate[:, 0].reshape(nh * hd, hidden), k, v,
-                             q_and_gate[:, 1].reshape(nh * hd, hidden)])
+    q_and_gate = reader.get(p + "q_proj.weight", (nh * 2 * hd, hidden)).reshape(nh, 2, hd, hidden)[heads]
+    k = head_rows(reader.get(p + "k_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
+    v = head_rows(reader.get(p + "v_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
+    weight = np.concatenate([q_and_gate[:, 0].reshape(local_q, hidden), k, v,
+                             q_and_gate[:, 1].reshape(local_q, hidden)])
     bias = None
     o_bias = None
     if config.attention_bias:
-        q_bias = reader.get(p + "q_proj.bias", (nh * 2 * hd,)).reshape(nh, 2, hd)
-        bias = np.concatenate([q_bias[:, 0].ravel(), reader.get(p + "k_proj.bias", (nkv * hd,)),
-                               reader.get(p + "v_proj.bias", (nkv * hd,)), q_bias[:, 1].ravel()])
-        o_bias = reader.get(p + "o_proj.bias", (hidden,))
+        q_bias = reader.get(p + "q_proj.bias", (nh * 2 * hd,)).reshape(nh, 2, hd)[heads]
+        k_bias = head_rows(reader.get(p + "k_proj.bias", (nkv * hd,)), kv_heads, hd)
+        v_bias = head_rows(reader.get(p + "v_proj.bias", (nkv * hd,)), kv_heads, hd)
+        bias = np.concatenate([q_bias[:, 0].ravel(), k_bias, v_bias, q_bias[:, 1].ravel()])
+        o_bias = row_parallel_bias(reader.get(p + "o_proj.bias", (hidden,)), shard)
+    o_proj = reader.get(p + "o_proj.weight", (hidden, nh * hd))
     return FullAttentionWeights(
         qkv_gate=backend.linear_weight(weight, bias),
-        o_proj=backend.linear_weight(reader.get(p + "o_proj.weight", (hidden, nh * hd)), o_bias),
+        o_proj=backend.linear_weight(row_columns(o_proj, shard, "num_attention_heads * head_dim"), o_bias),
         q_norm=backend.weight(1.0 + reader.get(p + "q_norm.weight", (hd,))),
         k_norm=backend.weight(1.0 + reader.get(p + "k_norm.weight", (hd,))),
     )
 
 
+def _conv_channels(config: Qwen35Config, shard: TensorShard) -> np.ndarray:
+    """Indices of this rank's ``[q | k | v]`` conv channels: its key heads' q and k, its value heads' v."""
+    if shard.size == 1:
+        return np.arange(config.conv_dim)
+    key_heads = shard.kv_heads(config.linear_num_key_heads)
+    value_heads = shard.split(config.linear_num_value_heads, "linear_num_value_heads")
+    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_key_dim
+    keys = np.arange(key_heads.start * dk, key_heads.stop * dk)
+    return np.concatenate([keys, key_dim + keys, 2 * key_dim + np.arange(value_heads.start * dv, value_heads.stop * dv)])
+
+
 def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix: str,
-                    fp32_vector: Callable[[np.ndarray], Any]) -> DeltaNetWeights:
+                    fp32_vector: Callable[[np.ndarray], Any], shard: TensorShard) -> DeltaNetWeights:
     p = prefix + "linear_attn."
     hidden, nv = config.hidden_size, config.linear_num_value_heads
-    conv_dim, value_dim = config.conv_dim, config.linear_value_dim
+    conv_dim, value_dim, dv = config.conv_dim, config.linear_value_dim, config.linear_value_head_dim
+    channels = _conv_channels(config, shard)
+    value_heads = shard.split(nv, "linear_num_value_heads")
     in_proj = np.concatenate([
-        reader.get(p + "in_proj_qkv.weight", (conv_dim, hidden)),
-        reader.get(p + "in_proj_z.weight", (value_dim, hidden)),
-        reader.get(p + "in_proj_b.weight", (nv, hidden)),
-        reader.get(p + "in_proj_a.weight", (nv, hidden)),
+        reader.get(p + "in_proj_qkv.weight", (conv_dim, hidden))[channels],
+        head_rows(reader.get(p + "in_proj_z.weight", (value_dim, hidden)), value_heads, dv),
+        reader.get(p + "in_proj_b.weight", (nv, hidden))[value_heads],
+        reader.get(p + "in_proj_a.weight", (nv, hidden))[value_heads],
     ])
-    conv = reader.get(p + "conv1d.weight", (conv_dim, 1, config.linear_conv_kernel_dim))[:, 0, :]
+    conv = reader.get(p + "conv1d.weight", (conv_dim, 1, config.linear_conv_kernel_dim))[channels, 0, :]
     conv_bias = reader.optional(p + "conv1d.bias", (conv_dim,))
     if conv_bias is not None and np.any(conv_bias):
         raise WeightLoadError(f"tensor {reader.prefix + p}conv1d.bias is non-zero; Qwen3.5's conv has no bias")
+    out_proj = reader.get(p + "out_proj.weight", (hidden, value_dim))
     return DeltaNetWeights(
         in_proj=backend.linear_weight(in_proj),
-        conv_weight=backend.weight(conv),
-        neg_decay_rate=fp32_vector(-np.exp(reader.get(p + "A_log", (nv,)))),
-        dt_bias=fp32_vector(reader.get(p + "dt_bias", (nv,))),
-        norm=backend.weight(reader.get(p + "norm.weight", (config.linear_value_head_dim,))),
-        out_proj=backend.linear_weight(reader.get(p + "out_proj.weight", (hidden, value_dim))),
+        conv_weight=backend.weight(np.ascontiguousarray(conv)),
+        neg_decay_rate=fp32_vector(-np.exp(reader.get(p + "A_log", (nv,))[value_heads])),
+        dt_bias=fp32_vector(reader.get(p + "dt_bias", (nv,))[value_heads]),
+        norm=backend.weight(reader.get(p + "norm.weight", (dv,))),
+        out_proj=backend.linear_weight(row_columns(out_proj, shard, "linear_num_value_heads * linear_value_head_dim")),
     )
+
+
+def qwen35_tensor_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a text checkpoint of ``config``, by name (for ``--load-format dummy``)."""
+    c, hidden, inter = config, config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    for i, kind in enumerate(c.layer_types):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+        if kind == LINEAR_ATTENTION:
+            a, nv = p + "linear_attn.", c.linear_num_value_heads
+            shapes.update({a + "in_proj_qkv.weight": (c.conv_dim, hidden),
+                           a + "in_proj_z.weight": (c.linear_value_dim, hidden),
+                           a + "in_proj_b.weight": (nv, hidden), a + "in_proj_a.weight": (nv, hidden),
+                           a + "conv1d.weight": (c.conv_dim, 1, c.linear_conv_kernel_dim), a + "A_log": (nv,),
+                           a + "dt_bias": (nv,), a + "norm.weight": (c.linear_value_head_dim,),
+                           a + "out_proj.weight": (hidden, c.linear_value_dim)})
+        else:
+            a, q, kv = p + "self_attn.", c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            shapes.update({a + "q_proj.weight": (2 * q, hidden), a + "k_proj.weight": (kv, hidden),
+                           a + "v_proj.weight": (kv, hidden), a + "o_proj.weight": (hidden, q),
+                           a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)})
+            if c.attention_bias:
+                shapes.update({a + "q_proj.bias": (2 * q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
+                               a + "o_proj.bias": (hidden,)})
+    return shapes

@@ -18,6 +18,12 @@ VARIANTS = {
     "tied": {"tie_word_embeddings": True},
     "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
              "max_position_embeddings": 512},
+    # transformers 5.x uses the configured factor even when max/original disagrees (here 1.25)
+    "yarn-factor-not-ratio": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128},
+                              "max_position_embeddings": 160},
+    # as saved by transformers 5 without original_max_position_embeddings: original = max
+    "yarn-no-original": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
     "mha-bias": {"num_key_value_heads": 4, "attention_bias": True, "head_dim": 16},
 }
 

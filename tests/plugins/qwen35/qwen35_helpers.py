@@ -13,7 +13,7 @@ import numpy as np
 from openinfer_qwen35.plugin import build_model
 
 from openinfer import EngineOptions, ForwardBatch, create_backend
-from openinfer.kv import BlockPool, KVCacheManager
+from openinfer.kv import BlockPool, KVCacheManager, StateSlots, group_specs
 
 # nv > nk (value heads share key heads), dk != dv, partial RoPE with an mrope section,
 # layer kinds given explicitly with a full-attention layer in the middle.
@@ -172,17 +172,24 @@ def load_model(path: Path, **options: Any) -> Any:
 
 class Driver:
     """Runs a model directly: each ``step`` takes ``{request_id: new_tokens}`` and returns the
-    logits of every new token (``all_rows``) or of each request's last new token."""
+    logits of every new token (``all_rows``) or of each request's last new token. Caches come
+    from the model's KV cache specs (attention blocks and GDN state slots), as in the engine."""
 
-    def __init__(self, model: Any, num_blocks: int = 96, block_size: int = 16):
+    def __init__(self, model: Any, num_blocks: int = 96, block_size: int = 16, num_slots: int = 66):
         self.model = model
-        self.kv = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_cache=False))
-        spec = model.spec
-        self.kv_cache = [model.backend.allocate_kv(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-                         for _ in range(spec.num_layers)]
+        specs = model.kv_cache_specs()
+        groups = group_specs(specs)
+        self.state_slots = StateSlots(num_slots)
+        self.kv = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_cache=False), groups=groups,
+                                 state_slots=self.state_slots)
+        self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else num_slots, block_size)
+                         for s in specs]
+        self.attention_group = groups.paged_groups[0].group_id
         self.tokens: dict[str, list[int]] = {}
 
-    def step(self, new_tokens: dict[str, Sequence[int]], all_rows: bool = False) -> list[np.ndarray]:
+    def batch(self, new_tokens: dict[str, Sequence[int]], all_rows: bool = False
+              ) -> tuple[ForwardBatch, list[list[int]]]:
+        """The host batch of one step (the requests' tokens advance) and each request's rows."""
         block_size = self.kv.block_size
         token_ids, positions, slot_mapping, query_start, context_lens, rows = [], [], [], [0], [], []
         tables = []
@@ -194,7 +201,7 @@ class Driver:
             self.tokens[request_id].extend(int(t) for t in tokens)
             end = len(self.tokens[request_id])
             assert self.kv.grow(request_id, end)
-            table = np.asarray(self.kv.block_ids(request_id), np.int64)
+            table = np.asarray(self.kv.group_tables(request_id)[self.attention_group], np.int64)
             span = np.arange(start, end)
             token_ids.extend(tokens)
             positions.extend(span.tolist())
@@ -213,7 +220,12 @@ class Driver:
             block_tables=block_tables, slot_mapping=np.asarray(slot_mapping, np.int32),
             logits_rows=np.asarray([r for rs in rows for r in rs], np.int32),
             max_query_len=max(len(t) for t in new_tokens.values()), max_context_len=max(context_lens),
-            request_ids=tuple(new_tokens))
+            request_ids=tuple(new_tokens),
+            state_slots=np.asarray([self.kv.state_slot(r) for r in new_tokens], np.int32))
+        return batch, rows
+
+    def step(self, new_tokens: dict[str, Sequence[int]], all_rows: bool = False) -> list[np.ndarray]:
+        batch, rows = self.batch(new_tokens, all_rows)
         backend = self.model.backend
         logits = backend.to_host(self.model.forward(backend.prepare_batch(batch), self.kv_cache))
         out, offset = [], 0
@@ -225,7 +237,6 @@ class Driver:
     def release(self, request_id: str) -> None:
         self.kv.free_request(request_id)
         self.tokens.pop(request_id, None)
-        self.model.release_request(request_id)
 
     def greedy(self, request_id: str, prompt: Sequence[int], num_tokens: int) -> list[int]:
         logits = self.step({request_id: prompt})[0][-1]

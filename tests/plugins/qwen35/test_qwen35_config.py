@@ -75,7 +75,7 @@ QWEN35_9B = {
 
 
 def test_a_real_release_config_reads_as_expected():
-    from openinfer_qwen35.state import DeltaNetStateCache
+    from openinfer_qwen35.state import bytes_per_slot
 
     from openinfer import RotaryEmbedding
 
@@ -86,7 +86,7 @@ def test_a_real_release_config_reads_as_expected():
     rope = RotaryEmbedding.create(config.head_dim, config.rope, 64, config.max_position_embeddings)
     assert rope.rotary_dim == 64 and config.rope.theta == 1e7
     # 24 GDN layers x (fp32 state 32x128x128 + fp32 conv window 3x8192) per request
-    assert DeltaNetStateCache.bytes_per_slot(config) == 24 * 4 * (32 * 128 * 128 + 3 * 8192)
+    assert bytes_per_slot(config) == 24 * 4 * (32 * 128 * 128 + 3 * 8192)
     assert plugin.openinfer_match(QWEN35_9B) == 100
 
 

@@ -3,7 +3,10 @@
 Every cuda op against the NumPy op on the same bf16-rounded inputs; the whole model against
 HF transformers in bf16 on the same GPU, teacher-forced (on HF's top token at every position:
 mean |Δlogprob| <= 0.06, p99 <= 0.20, the Qwen3 thresholds); greedy tokens through the engine
-equal HF's until the first near-tie; state slots come back after every request.
+equal HF's until the first near-tie; state slots come back after every request. Decode steps
+replay CUDA graphs that read the state slots from the batch: bit-identical to eager launches of
+the same padded inputs; a request alone equals itself among 63 others (until a near-tie of its
+own logits); a prefix-cache hit (KV blocks + restored state snapshot) equals the cold run.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers.engine_utils import make_request, run_all
+from tests.helpers.engine_utils import make_request, run_all, run_one
 from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35, Driver, make_hf_model, write_text_checkpoint
 
 cupy = pytest.importorskip("cupy")
@@ -160,7 +163,7 @@ def test_engine_greedy_matches_hf_until_near_tie_and_frees_slots(gpu_checkpoint)
     batch = [rng.integers(3, GPU_CONFIG["vocab_size"], size=int(rng.integers(70, 120))).tolist() for _ in range(4)]
     try:
         outcomes = run_all(engine, [make_request(f"r{i}", p, max_tokens=24) for i, p in enumerate(batch)])
-        assert engine.model.state.slots.num_used_slots == 0
+        assert engine.state_slots.num_used_slots == engine.kv.num_snapshots  # no live slot left
     finally:
         engine.close_sync()
     for prompt, outcome in zip(batch, outcomes, strict=True):
@@ -174,3 +177,113 @@ def test_engine_greedy_matches_hf_until_near_tie_and_frees_slots(gpu_checkpoint)
                 top2 = torch.topk(generated.scores[step][0].float(), 2).values
                 assert float(top2[0] - top2[1]) < NEAR_TIE, f"step {step} differs from HF away from a near-tie"
                 break
+
+
+def near_tie(top: float, gap: float) -> bool:
+    """Two bf16 logits this close are a tie within bf16 resolution (as in tests/gpu)."""
+    ulp = 2.0 ** (np.floor(np.log2(max(abs(top), 1e-3))) - 7)
+    return gap <= max(0.1, 4 * ulp)
+
+
+def first_real_divergence(ours: list[int], reference) -> int | None:
+    """The first step where ``ours`` leaves ``reference``'s tokens although its top-2 gap
+    (from 2 logprobs per step) was clear."""
+    for step, (a, b) in enumerate(zip(ours, reference.token_ids, strict=True)):
+        if a != b:
+            top = reference.logprobs[step].top
+            return None if near_tie(top[0].logprob, top[0].logprob - top[1].logprob) else step
+    return None
+
+
+def cuda_engine(path, **options):
+    from openinfer_qwen35 import plugin
+
+    from openinfer import EngineOptions
+
+    config = json.loads((path / "config.json").read_text())
+    defaults = dict(device="cuda", max_model_len=512, max_num_seqs=64, num_kv_blocks=2048, max_num_batched_tokens=512)
+    return plugin.openinfer_create_engine(str(path), config, EngineOptions(**{**defaults, **options}))
+
+
+def test_graph_replay_is_bit_identical_to_eager(gpu_checkpoint):
+    from openinfer.graph import CudaGraphRunner
+
+    path, _ = gpu_checkpoint
+    model = cuda_model(path)
+    backend = model.backend
+    driver = Driver(model, num_blocks=256, num_slots=16)
+    runner = CudaGraphRunner(backend, lambda batch: model.forward(batch, driver.kv_cache), max_num_seqs=8,
+                             max_blocks_per_seq=16, buckets=(1, 2, 4, 8), with_state=True)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    states = [cache for cache in driver.kv_cache if not hasattr(cache, "k")]
+    rng = np.random.default_rng(3)
+    names = [f"g{i}" for i in range(6)]
+    for name in names:  # prefill (eager), one request at a time
+        driver.step({name: rng.integers(3, GPU_CONFIG["vocab_size"], size=int(rng.integers(20, 120))).tolist()})
+    for live in (names, names[:3], names[1:2], names):
+        batch, _ = driver.batch({n: [int(rng.integers(3, GPU_CONFIG["vocab_size"]))] for n in live})
+        assert runner.bucket_for(batch) is not None
+        before = [{k: t.copy() for k, t in layer.tensors.items()} for layer in states]
+        replayed = backend.to_host(runner.run(batch)).copy()
+        after_replay = [{k: cupy.asnumpy(t) for k, t in layer.tensors.items()} for layer in states]
+        for layer, saved in zip(states, before, strict=True):  # rewind the state, then run eagerly
+            for k, t in saved.items():
+                layer.tensors[k][...] = t
+        eager = backend.to_host(runner.run_padded_eager(batch))
+        assert np.isfinite(replayed).all()
+        assert np.array_equal(replayed, eager), f"graph and eager logits differ for {len(live)} sequences"
+        for layer, want in zip(states, after_replay, strict=True):
+            for k, t in want.items():
+                assert np.array_equal(cupy.asnumpy(layer.tensors[k]), t), f"state {k} differs after replay"
+
+
+def test_request_alone_equals_itself_among_63_others_with_slot_reuse(gpu_checkpoint):
+    path, _ = gpu_checkpoint
+    rng = np.random.default_rng(4)
+    batch = [rng.integers(3, GPU_CONFIG["vocab_size"], size=int(rng.integers(40, 120))).tolist() for _ in range(64)]
+    engine = cuda_engine(path, enable_prefix_cache=False)
+    try:
+        assert engine.runner.graphs  # decode replays graphs
+        alone = run_one(engine, make_request("alone", batch[0], max_tokens=16, logprobs=2))
+        for wave in range(2):  # every slot retires and is admitted again
+            together = run_all(engine, [make_request(f"w{wave}-{i}", p, max_tokens=16, logprobs=2)
+                                        for i, p in enumerate(batch)])
+            step = first_real_divergence(together[0].token_ids, alone)
+            assert step is None, f"wave {wave}: among 63 others differs from alone at step {step}"
+            assert engine.state_slots.num_used_slots == 0
+        again = run_one(engine, make_request("again", batch[0], max_tokens=16, logprobs=2))
+        assert again.token_ids == alone.token_ids
+    finally:
+        engine.close_sync()
+
+
+def test_prefix_cache_hit_equals_cold_run(gpu_checkpoint):
+    path, _ = gpu_checkpoint
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, GPU_CONFIG["vocab_size"], size=150).tolist()
+    engine = cuda_engine(path)
+    try:
+        first = run_one(engine, make_request("first", prompt, max_tokens=24, logprobs=2))
+        hit = run_one(engine, make_request("hit", prompt, max_tokens=24, logprobs=2))
+        turn = prompt + first.token_ids[:20] + [5, 6, 7, 8]  # a second turn over the first's history
+        second_turn = run_one(engine, make_request("turn", turn, max_tokens=16, logprobs=2))
+        assert engine.kv.num_snapshots >= 2
+    finally:
+        engine.close_sync()
+    cold_engine = cuda_engine(path, enable_prefix_cache=False)
+    try:
+        cold = run_one(cold_engine, make_request("cold", prompt, max_tokens=24, logprobs=2))
+        cold_turn = run_one(cold_engine, make_request("cold-turn", turn, max_tokens=16, logprobs=2))
+    finally:
+        cold_engine.close_sync()
+    print(f"qwen35 prefix: first {first.token_ids}, hit {hit.token_ids}, cold {cold.token_ids}; "
+          f"turn {second_turn.token_ids} (cached {second_turn.cached_tokens}), cold turn {cold_turn.token_ids}")
+    assert first.cached_tokens == 0 and hit.cached_tokens == 144
+    # the hit computes the same last chunk after the same restored state as the first run: identical
+    assert hit.token_ids == first.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(hit.logprobs, first.logprobs, strict=True)) <= 1e-3
+    assert first_real_divergence(hit.token_ids, cold) is None
+    # the second turn starts from the snapshot the first run's decode took at 160 tokens
+    assert second_turn.cached_tokens == 160
+    assert first_real_divergence(second_turn.token_ids, cold_turn) is None

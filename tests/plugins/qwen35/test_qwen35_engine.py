@@ -1,5 +1,6 @@
 """Qwen3.5 through the default PagedEngine: greedy tokens equal HF, batching and chunking
-invisible, preemption recomputes the state, and every request's state slot comes back."""
+invisible, preemption recomputes the state, every request's state slot comes back, and the
+prefix cache (KV blocks + state snapshots) serves repeated prefixes with unchanged outputs."""
 
 import asyncio
 import json
@@ -36,8 +37,11 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
 
 
 def assert_everything_returned(engine):
-    """No request holds a KV block or a state slot once every request has finished."""
-    assert wait_until(lambda: engine.model.state.slots.num_used_slots == 0), engine.model.state.slots.owners()
+    """No request holds a KV block or a live state slot once every request has finished (the
+    prefix cache's state snapshots keep theirs)."""
+    assert wait_until(lambda: engine.state_slots.num_used_slots == engine.kv.num_snapshots), \
+        engine.state_slots.owners()
+    assert not any(not owner.startswith("\x00snapshot") for owner in engine.state_slots.owners())
     load = engine.load()
     assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0, load
 
@@ -54,7 +58,7 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
     # a 40-token budget splits every prompt into chunks and mixes prefill chunks with decodes
     engine = build_engine(path, max_num_batched_tokens=40)
     try:
-        assert not engine.options.enable_prefix_cache
+        assert engine.options.enable_prefix_cache and engine.state_slots is not None
         batch = prompts(3)
         together = run_all(engine, [make_request(f"r{i}", p, max_tokens=32) for i, p in enumerate(batch)])
         assert [o.token_ids for o in together] == [hf_reference[tuple(p)] for p in batch]
@@ -84,14 +88,19 @@ def test_preemption_recomputes_state_from_scratch(tiny, hf_reference):
 def test_more_requests_than_state_slots_queue_and_finish(tiny):
     path, _ = tiny
     from openinfer_qwen35.config import Qwen35Config
-    from openinfer_qwen35.state import DeltaNetStateCache
+    from openinfer_qwen35.state import bytes_per_slot
 
     config = Qwen35Config.from_dict(json.loads((path / "config.json").read_text()))
-    slot_bytes = DeltaNetStateCache.bytes_per_slot(config)
-    engine = build_engine(path, cpu_kv_cache_gib=2.5 * slot_bytes / 2**30)  # room for 2 slots
+    # a state budget of 5 slots: live state gets half of it (2 slots), snapshots a quarter (1)
+    engine = build_engine(path, cpu_kv_cache_gib=5.9 * bytes_per_slot(config) / 2**30)
     try:
-        assert engine.model.state.slots.num_usable_slots == 2
-        assert engine.scheduler.max_num_seqs == 2
+        assert engine.kv_plan.max_num_seqs == 2 and engine.kv_plan.num_snapshot_slots == 1
+        assert engine.state_slots.num_usable_slots == 3 and engine.scheduler.max_num_seqs == 2
+    finally:
+        engine.close_sync()
+    engine = build_engine(path, max_num_seqs=2, num_kv_blocks=32)
+    try:
+        assert engine.state_slots.num_usable_slots == 2 + 2  # live + snapshots
         batch = [p[:20] for p in prompts(5, seed=4)]
         together = run_all(engine, [make_request(f"q{i}", p, max_tokens=6) for i, p in enumerate(batch)])
         alone = [run_one(engine, make_request(f"a{i}", p, max_tokens=6)) for i, p in enumerate(batch)]
@@ -111,7 +120,7 @@ def test_abort_and_dropped_streams_free_the_state_slot(tiny):
                 if event.WhichOneof("event") == "tokens":
                     seen += 1
                     if seen == 3:
-                        assert engine.model.state.slots.has("ab")
+                        assert engine.state_slots.has("ab")
                         assert await engine.abort("ab")
                 if event.WhichOneof("event") == "finished":
                     return event.finished
@@ -149,16 +158,51 @@ def test_plugin_is_discovered_for_text_and_multimodal_checkpoints(tiny, tiny_mul
             engine.close_sync()
 
 
-def test_repeated_prompt_is_recomputed_not_served_from_a_prefix_cache(tiny):
+def test_prefix_cache_hits_restore_state_snapshots_with_identical_outputs(tiny):
     path, _ = tiny
+    prompt = prompts(1, seed=7)[0]  # 70-99 tokens
+    cold = build_engine(path, enable_prefix_cache=False)
+    try:
+        want_first = run_one(cold, make_request("c1", prompt, max_tokens=12)).token_ids
+        second_turn = prompt + want_first[:10] + [7, 8, 9, 10, 11]  # a's history + a new turn
+        want_second = run_one(cold, make_request("c2", second_turn, max_tokens=12)).token_ids
+        assert cold.kv.num_snapshots == 0
+    finally:
+        cold.close_sync()
     engine = build_engine(path)
     try:
-        prompt = prompts(1)[0]
-        first = asyncio.run(collect(engine, make_request("c1", prompt, max_tokens=2)))
-        second = asyncio.run(collect(engine, make_request("c2", prompt, max_tokens=2)))
-        # the prefix cache is off for a recurrent model: a repeated prompt is recomputed
-        assert first.cached_tokens == 0 and second.cached_tokens == 0
-        assert first.token_ids == second.token_ids
+        first = asyncio.run(collect(engine, make_request("w1", prompt, max_tokens=12)))
+        assert first.token_ids == want_first and first.cached_tokens == 0
+        # the prompt's first chunk stopped at its last full block; the state there was snapshotted
+        boundary = (len(prompt) - 1) // 16 * 16
+        repeat = asyncio.run(collect(engine, make_request("w2", prompt, max_tokens=12)))
+        assert repeat.token_ids == want_first and repeat.cached_tokens == boundary
+        assert repeat.finish.cached_tokens == boundary
+        # the second turn continues from the snapshot a's decode took at its last block boundary
+        second = asyncio.run(collect(engine, make_request("w3", second_turn, max_tokens=12)))
+        assert second.token_ids == want_second
+        assert second.cached_tokens == (len(prompt) + 11) // 16 * 16
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
+def test_state_snapshots_are_freed_when_their_blocks_are_evicted(tiny):
+    path, _ = tiny
+    # 7 usable blocks of 16 tokens: a second ~90-token request evicts most of the first's blocks
+    engine = build_engine(path, num_kv_blocks=8, max_num_batched_tokens=64)
+    try:
+        first, second = prompts(2, seed=9)
+        run_one(engine, make_request("e1", first, max_tokens=4))
+        snapshots = set(engine.kv.snapshots)
+        assert snapshots and engine.state_slots.num_used_slots == len(snapshots)
+        run_one(engine, make_request("e2", second, max_tokens=4))
+        survivors = snapshots & set(engine.kv.snapshots)
+        assert len(survivors) < len(snapshots)  # evicted with the blocks they belong to
+        assert all(engine.kv.snapshot_block_cached(h) for h in engine.kv.snapshots)
+        assert engine.state_slots.num_used_slots == engine.kv.num_snapshots  # their slots are free
+        again = run_one(engine, make_request("e3", first, max_tokens=4))
+        assert again.cached_tokens == 0  # the state at every boundary of its prompt is gone
         assert_everything_returned(engine)
     finally:
         engine.close_sync()

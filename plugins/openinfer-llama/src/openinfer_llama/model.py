@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from openinfer import Backend, DecoderOnlyLM
+from openinfer import Backend, DecoderOnlyLM, RankContext
 from openinfer_llama.config import LlamaConfig
 from openinfer_llama.weights import LLAMA_LAYOUT
 
@@ -20,5 +20,5 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
     @classmethod
     def load(cls, model_path: str | Path, config: LlamaConfig, backend: Backend,
-             max_model_len: int | None = None) -> LlamaForCausalLM:
-        return cls.from_pretrained(model_path, config, LLAMA_LAYOUT, backend, max_model_len)
+             max_model_len: int | None = None, rank: RankContext | None = None) -> LlamaForCausalLM:
+        return cls.from_pretrained(model_path, config, LLAMA_LAYOUT, backend, max_model_len, rank or RankContext())

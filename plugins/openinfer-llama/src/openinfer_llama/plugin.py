@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from openinfer import (
+    Backend,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
-    create_backend,
+    RankContext,
+    create_parallel_model,
+    decoder_model_memory,
     hookimpl,
     read_generation_config,
     score_architectures,
 )
 from openinfer_llama.config import ARCHITECTURES, MODEL_TYPES, LlamaConfig
 from openinfer_llama.model import LlamaForCausalLM
+from openinfer_llama.weights import LLAMA_LAYOUT
 
 PLUGIN_NAME = "openinfer-llama"
 
@@ -29,8 +35,25 @@ def openinfer_claims() -> list[str]:
     return [*ARCHITECTURES, *MODEL_TYPES]
 
 
+def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int | None, backend: Backend,
+                    rank: RankContext) -> LlamaForCausalLM:
+    """One rank's Llama (the whole model when there is one rank); picklable as a partial."""
+    llama = LlamaConfig.from_dict(config, read_generation_config(model_path))
+    return LlamaForCausalLM.load(model_path, llama, backend, max_model_len, rank)
+
+
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    llama = LlamaConfig.from_dict(config, read_generation_config(model_path))
-    model = LlamaForCausalLM.load(model_path, llama, create_backend(options.device), options.max_model_len)
+    memory = openinfer_model_memory(config)
+    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options,
+                                  memory, max_model_len=_max_positions(config))
     return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    return decoder_model_memory(LlamaConfig.from_dict(config), LLAMA_LAYOUT)
+
+
+def _max_positions(config: dict[str, Any]) -> int:
+    return int(config.get("max_position_embeddings") or 4096)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from openinfer import Backend, DecoderConfig, DecoderOnlyLM
+from openinfer import Backend, DecoderConfig, DecoderOnlyLM, RankContext
 from openinfer_qwen3.weights import QWEN3_LAYOUT
 
 
 class Qwen3ForCausalLM(DecoderOnlyLM):
     @classmethod
     def load(cls, model_path: str | Path, config: DecoderConfig, backend: Backend,
-             max_model_len: int | None = None) -> Qwen3ForCausalLM:
-        return cls.from_pretrained(model_path, config, QWEN3_LAYOUT, backend, max_model_len)
+             max_model_len: int | None = None, rank: RankContext | None = None) -> Qwen3ForCausalLM:
+        return cls.from_pretrained(model_path, config, QWEN3_LAYOUT, backend, max_model_len, rank or RankContext())

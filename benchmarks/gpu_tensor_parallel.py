@@ -1,0 +1,172 @@
+"""Tensor parallel on GPUs: a Qwen3-8B-shaped model (dummy bf16 weights, ``--load-format dummy``)
+served at TP=1 and TP=2 on the same machine — decode TPOT at batch 1 and 64, and the TTFT of
+a 4096-token prefill — through the whole engine (ranks as processes, NCCL, CUDA graphs).
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/gpu_tensor_parallel.py [--out DIR] [--sizes 1,2]
+
+Writes ``tensor_parallel.json`` (+ ``tensor_parallel.png`` when matplotlib is present) to
+``--out`` (default benchmarks/results). Scaling efficiency = speedup / TP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+DECODE_PROMPT = 128
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 4096
+
+
+async def _timed(engine, request) -> list[float]:
+    """Arrival time of every generated token."""
+    times: list[float] = []
+    async for event in engine.generate(request):
+        kind = event.WhichOneof("event")
+        if kind == "tokens":
+            now = time.perf_counter()
+            times.extend([now] * len(event.tokens.ids))
+        elif kind == "error":
+            raise RuntimeError(event.error.message)
+    return times
+
+
+def _run(engine, requests) -> list[list[float]]:
+    async def main():
+        return await asyncio.gather(*(_timed(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def measure(model_dir: Path, tp: int, rng) -> dict:
+    import numpy as np
+
+    import openinfer
+    from tests.helpers.engine_utils import make_request
+
+    start = time.perf_counter()
+    engine = openinfer.create_engine(model_dir, device="cuda", load_format="dummy", tensor_parallel_size=tp,
+                                     max_model_len=8192, max_num_seqs=64, num_kv_blocks=4096,
+                                     max_num_batched_tokens=PREFILL_TOKENS, enable_prefix_cache=False)
+    result: dict = {"tensor_parallel_size": tp, "start_s": time.perf_counter() - start}
+    try:
+        def prompt(n: int) -> list[int]:
+            return rng.integers(1000, 150000, size=n).tolist()
+
+        _run(engine, [make_request(f"warm{i}", prompt(64), max_tokens=16) for i in range(4)])
+        for batch in (1, 64):
+            requests = [make_request(f"d{batch}-{i}", prompt(DECODE_PROMPT), max_tokens=DECODE_TOKENS)
+                        for i in range(batch)]
+            runs = _run(engine, requests)
+            # steady decode: from each request's 2nd token to its last
+            tpots = [(t[-1] - t[1]) / (len(t) - 2) for t in runs if len(t) > 2]
+            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * float(np.median(tpots))
+            result[f"decode_bs{batch}_tok_s"] = batch / float(np.median(tpots))
+        ttfts = []
+        for i in range(3):
+            begin = time.perf_counter()
+            (times,) = _run(engine, [make_request(f"p{i}", prompt(PREFILL_TOKENS), max_tokens=1)])
+            ttfts.append(times[0] - begin)
+        result["prefill_4k_ttft_ms"] = 1e3 * float(np.median(ttfts))
+        result["prefill_4k_tok_s"] = PREFILL_TOKENS / float(np.median(ttfts))
+    finally:
+        engine.close_sync()
+        close = getattr(getattr(engine, "model", None), "close", None)
+        if close is not None:
+            close()
+    return result
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    runs = report["runs"]
+    metrics = [("decode_bs1_tpot_ms", "decode TPOT bs=1 (ms)"), ("decode_bs64_tpot_ms", "decode TPOT bs=64 (ms)"),
+               ("prefill_4k_ttft_ms", "prefill 4k TTFT (ms)")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        sizes = [str(r["tensor_parallel_size"]) for r in runs]
+        values = [r[key] for r in runs]
+        ax.bar([f"TP={s}" for s in sizes], values, color=["#888", "#2a7"][: len(values)])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+        ax.set_title(title)
+    speedups = report.get("speedup_tp2_over_tp1", {})
+    fig.suptitle(f"Qwen3-8B shape, dummy bf16 weights, {report['device']}  "
+                 + "  ".join(f"{k}: {v:.2f}x" for k, v in speedups.items()), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    import numpy as np
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--sizes", default="1,2")
+    args = parser.parse_args()
+    import cupy
+    from cupy.cuda import nccl
+    from openinfer_qwen3.plugin import openinfer_model_memory
+
+    from openinfer.parallel.layout import ParallelLayout
+    from openinfer.parallel.memory_plan import plan_memory
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    report: dict = {"model": "Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, vocab 151936)",
+                    "device": f"{cupy.cuda.runtime.getDeviceCount()}x {name}",
+                    "cupy": cupy.__version__, "nccl": nccl.get_version(),
+                    "decode_prompt_tokens": DECODE_PROMPT, "decode_tokens": DECODE_TOKENS, "runs": [], "plans": {}}
+    _, total = cupy.cuda.runtime.memGetInfo()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        (model_dir / "config.json").write_text(json.dumps(QWEN3_8B))
+        for tp in [int(s) for s in args.sizes.split(",")]:
+            plan = plan_memory(openinfer_model_memory(QWEN3_8B), ParallelLayout(tp), gpu_bytes=int(total),
+                               max_model_len=8192)
+            report["plans"][f"tp{tp}"] = plan.as_dict()
+            run = measure(model_dir, tp, np.random.default_rng(tp))
+            print(json.dumps(run), flush=True)
+            report["runs"].append(run)
+    by_tp = {r["tensor_parallel_size"]: r for r in report["runs"]}
+    if 1 in by_tp and 2 in by_tp:
+        one, two = by_tp[1], by_tp[2]
+        report["speedup_tp2_over_tp1"] = {
+            "decode_bs1": one["decode_bs1_tpot_ms"] / two["decode_bs1_tpot_ms"],
+            "decode_bs64": one["decode_bs64_tpot_ms"] / two["decode_bs64_tpot_ms"],
+            "prefill_4k": one["prefill_4k_ttft_ms"] / two["prefill_4k_ttft_ms"]}
+        report["scaling_efficiency_tp2"] = {k: v / 2 for k, v in report["speedup_tp2_over_tp1"].items()}
+    report["weights_gib_per_rank"] = {k: v["ranks"][0]["weight_gib"] for k, v in report["plans"].items()}
+    (out / "tensor_parallel.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "tensor_parallel.png")
+    print(json.dumps({k: report.get(k) for k in ("speedup_tp2_over_tp1", "scaling_efficiency_tp2")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The Kimi-K2 / DeepSeek-V3 model: one ``forward`` for prefill, decode and mixed steps.
+
+Each layer is ``x + MLA(norm(x))`` then ``x + MLP(norm(x))``; the MLP is a dense SwiGLU for the
+first ``first_k_dense_replace`` layers and a routed MoE (+ shared experts) after::
+
+    h ─► qkv_a ─┬─ q_a ─► rms(q_a_layernorm) ─► q_b ─► q [T, H, nope | rope]   (RoPE on rope)
+                └─ kv_a ─┬─ c_kv ─► rms(kv_a_layernorm) ─┐
+                         └─ k_pe ─► RoPE ────────────────┴─► latent [T, 576] ─► paged latent cache
+    q, latent cache ─► MLA (naive for prefill, absorbed for decode) ─► o_proj
+
+The paged cache holds one latent row per token and layer (``openinfer.mla``).
+
+Expert parallel (``rank.expert``): each rank holds its slice of the routed experts; attention
+and the dense layers are replicated, so every rank routes the same tokens the same way and one
+all-reduce sums the experts' shares (``openinfer.parallel.expert``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openinfer import (
+    Backend,
+    ForwardBatch,
+    KVLayer,
+    ModelSpec,
+    RankContext,
+    RotaryEmbedding,
+    expert_parallel_moe,
+)
+from openinfer.mla import MLASpec
+from openinfer.moe import MoEWeights
+from openinfer_kimi_k2.config import KimiK2Config
+from openinfer_kimi_k2.kernel_plan import plan_for
+from openinfer_kimi_k2.weights import KimiK2Weights, LayerWeights, mla_spec
+
+
+class KimiK2Model:
+    """A ``openinfer.PagedModel``: the engine allocates one latent KV layer per decoder layer."""
+
+    def __init__(self, config: KimiK2Config, weights: KimiK2Weights, backend: Backend, *, max_model_len: int,
+                 architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",), num_parameters: int = 0,
+                 rank: RankContext | None = None):
+        self.config = config
+        self.rank = rank or RankContext()
+        self.weights = weights
+        self.backend = backend
+        self.plan = plan_for(backend)
+        self.mla: MLASpec = mla_spec(config)
+        self.rope = RotaryEmbedding.create(config.qk_rope_head_dim, config.rope, max_model_len,
+                                           config.max_position_embeddings)
+        self.spec = ModelSpec(
+            architectures=architectures, model_type=config.model_type, vocab_size=config.vocab_size,
+            max_model_len=max_model_len, num_layers=config.num_hidden_layers,
+            # one latent row per token: the engine's per-layer KV is [blocks, block_size, 1, 576]
+            num_kv_heads=1, head_dim=config.latent_dim, num_heads=config.num_attention_heads,
+            hidden_size=config.hidden_size, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id,
+            num_parameters=num_parameters)
+
+    def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer]) -> Any:
+        ops, eps, plan, c = self.backend, self.config.rms_norm_eps, self.plan, self.config
+        x = ops.embedding(self.weights.embed_tokens, batch.token_ids)
+        residual = None
+        for layer, kv in zip(self.weights.layers, kv_cache, strict=True):
+            if residual is None:
+                residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
+            else:
+                h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+            w = layer.attention
+            attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
+                                  c.q_lora_rank, eps)
+            h, residual = ops.add_rms_norm(plan.linear(ops, attn, w.o_proj), residual, layer.post_attention_norm, eps)
+            x = self._mlp(h, layer, batch)
+        x = ops.gather_rows(x, batch.logits_rows)
+        residual = ops.gather_rows(residual, batch.logits_rows)
+        h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
+        return plan.linear(ops, h, self.weights.lm_head)
+
+    def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
+        ops, plan = self.backend, self.plan
+        if isinstance(layer.mlp, MoEWeights):
+            if self.rank.expert.size > 1:
+                return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
+                                           self.rank.expert.experts(self.config.n_routed_experts))
+            return plan.moe(ops, h, layer.mlp, batch)
+        return plan.linear(ops, ops.silu_mul(plan.linear(ops, h, layer.mlp.gate_up)), layer.mlp.down)

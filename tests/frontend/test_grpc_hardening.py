@@ -1,0 +1,96 @@
+"""gRPC hardening (issue 11): bytes that are no protobuf message and non-finite sampling values
+are INVALID_ARGUMENT (not UNKNOWN, not silently greedy); a gRPC port in use fails to start."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+from fakes import FakeEngine
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
+
+from openinfer.errors import PortInUseError
+from openinfer.frontend.grpc import start_grpc_server
+from openinfer.v1 import engine_pb2 as pb
+
+GARBAGE = b"\xff\xff\xff\x07not a protobuf message"
+
+
+@pytest.fixture
+async def served(tokenizer_dir):
+    engine = FakeEngine(400, [2], max_model_len=128, tokenizer_path=str(tokenizer_dir))
+    server = await start_grpc_server(engine, "127.0.0.1", 0, sglang_model_name="tiny")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield engine, channel, server.port
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def _status(call) -> grpc.StatusCode:
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize(("method", "streaming"), [
+    ("/openinfer.v1.Engine/Generate", True),
+    ("/openinfer.v1.Engine/Abort", False),
+    ("/sglang.grpc.scheduler.SglangScheduler/Generate", True),
+    ("/sglang.grpc.scheduler.SglangScheduler/GetLoads", False),
+])
+async def test_garbage_bytes_are_invalid_argument(served, method, streaming):
+    engine, channel, _ = served
+    make = channel.unary_stream if streaming else channel.unary_unary
+    call = make(method, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(GARBAGE)
+    code, details = await _status(call)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "not a valid" in details
+    assert engine.submitted == []
+    # the server keeps serving well-formed calls
+    info = await channel.unary_unary("/openinfer.v1.Engine/GetModelInfo",
+                                     request_serializer=pb.GetModelInfoRequest.SerializeToString,
+                                     response_deserializer=pb.ModelInfo.FromString)(pb.GetModelInfoRequest())
+    assert info.vocab_size == 400
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+async def test_sglang_non_finite_sampling_values_are_invalid_argument(served, field, value):
+    engine, channel, _ = served
+    sampling = sglang_pb.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
+                                        max_new_tokens=2, n=1)
+    setattr(sampling, field, value)
+    request = sglang_pb.GenerateRequest(request_id="r", tokenized=sglang_pb.TokenizedInput(input_ids=[5, 6]),
+                                        sampling_params=sampling)
+    generate = channel.unary_stream("/sglang.grpc.scheduler.SglangScheduler/Generate",
+                                    request_serializer=sglang_pb.GenerateRequest.SerializeToString,
+                                    response_deserializer=sglang_pb.GenerateResponse.FromString)
+    code, details = await _status(generate(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+    assert engine.submitted == []
+
+
+async def test_grpc_port_in_use_fails_to_start(served):
+    engine, _, port = served
+    with pytest.raises(PortInUseError, match="--grpc-port"):
+        await start_grpc_server(engine, "127.0.0.1", port)
+
+
+async def test_grpc_port_held_by_a_plain_socket_fails_too():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        with pytest.raises(PortInUseError):
+            await start_grpc_server(FakeEngine(10), "127.0.0.1", holder.getsockname()[1])
+    finally:
+        holder.close()

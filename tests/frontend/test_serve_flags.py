@@ -1,0 +1,110 @@
+"""``openinfer serve`` / ``openinfer generate`` flags (issue 11): every value outside its range is a
+usage error naming the flag (exit 2, no traceback); the API key can come from a file or the
+environment; a gRPC port in use stops the server with exit 3, as an HTTP port in use does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from tiny_checkpoints import write_tiny_qwen3
+
+from openinfer.cli import build_parser
+from openinfer.frontend import serve
+
+BAD_SERVE_FLAGS = [
+    ("--port", "99999"), ("--port", "0"), ("--port", "http"), ("--grpc-port", "99999"), ("--grpc-port", "-1"),
+    ("--max-queue", "-1"), ("--max-queue", "0"), ("--max-num-seqs", "0"), ("--num-kv-blocks", "0"),
+    ("--max-model-len", "-5"), ("--max-num-batched-tokens", "0"), ("--gpu-memory-utilization", "0"),
+    ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "nan"), ("--engine-timeout", "0"),
+    ("--shutdown-timeout", "-1"), ("--max-body-bytes", "10"), ("--max-queue-wait", "-1"),
+    ("--max-queue-wait", "inf"), ("--default-max-tokens", "0"), ("--seed", "-3"), ("--engine", "localhost:1"),
+    ("--host", ""), ("--api-key", ""), ("--served-model-name", " "),
+]
+BAD_GENERATE_FLAGS = [
+    ("--max-tokens", "-1"), ("--max-tokens", "0"), ("--temperature", "-0.5"), ("--temperature", "nan"),
+    ("--top-p", "0"), ("--top-p", "1.01"), ("--top-k", "-2"), ("--seed", "-1"), ("--max-model-len", "0"),
+    ("--num-kv-blocks", "0"),
+]
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_SERVE_FLAGS)
+def test_serve_flag_out_of_range_is_a_usage_error(flag, value, capsys):
+    message = _usage_error(["serve", f"{flag}={value}"], capsys)
+    assert f"argument {flag}" in message and "Traceback" not in message
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_GENERATE_FLAGS)
+def test_generate_flag_out_of_range_is_a_usage_error(flag, value, capsys):
+    message = _usage_error(["generate", "--prompt", "x", f"{flag}={value}"], capsys)
+    assert f"argument {flag}" in message
+
+
+@pytest.mark.parametrize("ids", ["-1", "1,-1", "", "1,x", str(2**31)])
+def test_generate_prompt_token_ids_are_checked(ids, capsys):
+    message = _usage_error(["generate", f"--prompt-token-ids={ids}"], capsys)
+    assert "--prompt-token-ids" in message
+
+
+def test_flags_in_range_parse():
+    args = build_parser().parse_args(["serve", "--port", "65535", "--grpc-port", "0", "--max-queue", "1",
+                                      "--gpu-memory-utilization", "1", "--max-queue-wait", "0",
+                                      "--default-max-tokens", "256", "--seed", str(2**64 - 1)])
+    assert (args.port, args.grpc_port, args.max_queue, args.max_queue_wait) == (65535, 0, 1, 0.0)
+    assert "default 1024" in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
+    parser = build_parser()
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    assert serve.resolve_api_key(parser.parse_args(["serve"])) is None
+    monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
+    assert serve.resolve_api_key(parser.parse_args(["serve"])) == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert serve.resolve_api_key(parser.parse_args(["serve", "--api-key-file", str(key_file)])) == "from-file"
+    assert serve.resolve_api_key(parser.parse_args(["serve", "--api-key", "from-flag"])) == "from-flag"
+    key_file.write_text("\n")
+    with pytest.raises(serve.OpenInferError, match="empty"):
+        serve.resolve_api_key(parser.parse_args(["serve", "--api-key-file", str(key_file)]))
+    with pytest.raises(serve.OpenInferError, match="cannot read"):
+        serve.resolve_api_key(parser.parse_args(["serve", "--api-key-file", str(tmp_path / "missing")]))
+    with pytest.raises(SystemExit):  # one source on the command line
+        parser.parse_args(["serve", "--api-key", "a", "--api-key-file", str(key_file)])
+
+
+@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                                ("0.0.0.0", False), ("10.1.2.3", False), ("example.com", False)])
+def test_loopback_hosts(host, loopback):
+    assert serve.is_loopback(host) == loopback
+
+
+def test_grpc_port_in_use_exits_3_and_public_bind_without_key_warns(tmp_path):
+    model_dir = tmp_path / "tiny-qwen3"
+    write_tiny_qwen3(model_dir)
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        grpc_port = holder.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            http_port = probe.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != serve.API_KEY_ENV}
+        result = subprocess.run(
+            [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(model_dir), "--device", "cpu",
+             "--host", "0.0.0.0", "--port", str(http_port), "--grpc-port", str(grpc_port), "--log-level", "warning"],
+            capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert "without an API key" in output
+    assert "cannot bind" in output and "--grpc-port" in output and "Traceback" not in output
