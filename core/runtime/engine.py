@@ -262,11 +262,15 @@ class PagedEngine:
         self._stopping = True
         self._inbox.put(("stop", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        if self.tracer is not None:  # the requests the shutdown ended are traced too
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.writer.flush)
 
     def close_sync(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(30)
+        if self.tracer is not None:
+            self.tracer.writer.flush()
 
     # --- requests --------------------------------------------------------------------------------
 
