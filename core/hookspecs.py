@@ -58,3 +58,16 @@ def openinfer_model_memory(config: dict[str, Any]) -> Any:
     element and how it splits over tensor/expert-parallel ranks, and the KV bytes per token.
     Called only on the plugin whose ``openinfer_match`` won; a plugin without it gets no plan.
     """
+
+
+@hookspec
+def openinfer_chat_encoder(config: dict[str, Any]) -> Any:
+    """Return a chat encoder for a model whose checkpoint ships no Jinja chat template, or ``None``.
+
+    Asked only of the plugin whose ``openinfer_match`` wins for ``config``, when the tokenizer
+    directory has no ``chat_template``. The encoder is any object with
+    ``encode(messages, add_generation_prompt=True, tools=None, **options) -> str`` (see
+    ``openinfer.tokenizer.ChatEncoder``): ``messages`` are OpenAI chat messages as dicts, ``options`` the
+    request's ``chat_template_kwargs`` (e.g. ``thinking``). It writes the model's special tokens
+    itself (BOS included); raise ``openinfer.InvalidRequestError`` for messages it cannot encode.
+    """

@@ -36,6 +36,8 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
+    # write a Chrome-trace JSON per request into this directory (openinfer.tracing); None: off
+    trace_dir: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:

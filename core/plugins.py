@@ -110,6 +110,19 @@ class PluginRegistry:
         return None
 
 
+    def chat_encoder(self, config: dict[str, Any]) -> Any:
+        """The chat encoder of the plugin that serves ``config`` (see ``openinfer_chat_encoder``),
+        or ``None`` when no plugin serves it or the winner brings none."""
+        try:
+            plugin_name = self.select(config)
+        except (NoPluginError, AmbiguousPluginError):
+            return None
+        for impl in self.manager.hook.openinfer_chat_encoder.get_hookimpls():
+            if impl.plugin_name == plugin_name:
+                return impl.function(config=config)
+        return None
+
+
 def _architecture_names(config: dict[str, Any]) -> tuple[list[str], str | None]:
     architectures = list(config.get("architectures") or [])
     model_type = config.get("model_type")

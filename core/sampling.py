@@ -5,8 +5,10 @@ This NumPy sampler is the reference (and the CPU path). Order of operations, per
 1. log-probabilities for the response are taken from the *raw* logits (what the model said,
    as vLLM's default ``raw_logprobs``);
 2. repetition penalty (prompt + output tokens), presence and frequency penalties (output tokens);
-3. eos / stop ids masked while fewer than ``min_tokens`` were generated;
-4. greedy (temperature 0) → argmax; else temperature → top-k → top-p → min-p → sample with the
+3. ``logit_bias`` added (OpenAI semantics: values in [-100, 100] added to the logits);
+4. the structured-output grammar's mask (forbidden tokens → -inf; see ``openinfer.structured``);
+5. eos / stop ids masked while fewer than ``min_tokens`` were generated;
+6. greedy (temperature 0) → argmax; else temperature → top-k → top-p → min-p → sample with the
    request's own generator, so a seeded request gives the same tokens alone or in a batch.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from openinfer.errors import InvalidRequestError
+from openinfer.structured import LOGIT_BIAS_LIMIT, GrammarMatcher, apply_bitmask
 from openinfer.v1 import engine_pb2 as pb
 
 MAX_LOGPROBS = 20
@@ -31,16 +34,35 @@ class SamplingState:
     generator: np.random.Generator
     prompt_token_ids: np.ndarray
     output_counts: dict[int, int] = field(default_factory=dict)
+    # structured outputs: advanced by every recorded token; its mask applies to every step
+    grammar: GrammarMatcher | None = None
+    # logit_bias as parallel arrays (ids int64, values float32, clamped to [-100, 100])
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
 
     @classmethod
     def create(cls, params: pb.SamplingParams, prompt_token_ids: Sequence[int], engine_seed: int,
-               request_index: int) -> SamplingState:
+               request_index: int, grammar: GrammarMatcher | None = None) -> SamplingState:
         seed = params.seed if params.HasField("seed") else (engine_seed * 1_000_003 + request_index)
-        return cls(params, np.random.Generator(np.random.PCG64(seed)),
-                   np.asarray(prompt_token_ids, dtype=np.int64))
+        state = cls(params, np.random.Generator(np.random.PCG64(seed)),
+                    np.asarray(prompt_token_ids, dtype=np.int64), grammar=grammar)
+        if params.logit_bias:
+            items = sorted(params.logit_bias.items())
+            state.bias_ids = np.array([t for t, _ in items], dtype=np.int64)
+            state.bias_values = np.clip(np.array([v for _, v in items], dtype=np.float32),
+                                        -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        return state
+
+    @property
+    def needs_host_history(self) -> bool:
+        """Whether sampling the next token needs the previous one on the host (a grammar consumes
+        every token before it can compute the next mask)."""
+        return self.grammar is not None
 
     def record(self, token_id: int) -> None:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 @dataclass
@@ -63,6 +85,10 @@ def validate_sampling(params: pb.SamplingParams) -> None:
     if params.repetition_penalty < 0 or not np.isfinite(params.repetition_penalty):
         raise InvalidRequestError(
             f"repetition_penalty must be > 0, got {params.repetition_penalty}", "repetition_penalty")
+    for token, value in params.logit_bias.items():
+        if not np.isfinite(value) or abs(value) > LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-100, 100], got {value} for token {token}", "logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not (-2.0 <= value <= 2.0):
@@ -97,15 +123,30 @@ def apply_penalties(logits: np.ndarray, state: SamplingState) -> np.ndarray:
     return logits
 
 
+def apply_logit_bias(logits: np.ndarray, state: SamplingState) -> np.ndarray:
+    if state.bias_ids is not None:
+        logits[state.bias_ids] += state.bias_values
+    return logits
+
+
 def sample_row(logits: np.ndarray, state: SamplingState, banned_ids: Sequence[int] = (),
-               num_logprobs: int = 0, want_logprob: bool = False) -> SampleResult:
-    """Sample one token from a float32 logits row (the row may be modified)."""
+               num_logprobs: int = 0, want_logprob: bool = False,
+               bitmask_row: np.ndarray | None = None) -> SampleResult:
+    """Sample one token from a float32 logits row (the row may be modified). ``bitmask_row``:
+    the grammar's allowed tokens (``openinfer.structured`` layout), None when unconstrained."""
     result = SampleResult(token_id=-1)
     if want_logprob or num_logprobs:
         raw = log_softmax(logits.astype(np.float32, copy=False))
     logits = apply_penalties(logits, state)
+    logits = apply_logit_bias(logits, state)
+    if bitmask_row is not None:
+        logits = apply_bitmask(logits, bitmask_row)
     if banned_ids:
-        logits[np.asarray(banned_ids, dtype=np.int64)] = -np.inf
+        banned = np.asarray(banned_ids, dtype=np.int64)
+        kept = logits[banned].copy()
+        logits[banned] = -np.inf
+        if not np.isfinite(logits.max()):  # the grammar allows nothing but a stop: it wins over min_tokens
+            logits[banned] = kept
     params = state.params
     if params.temperature == 0.0:
         token = int(np.argmax(logits))

@@ -6,7 +6,9 @@ Engines see token ids only. Everything that turns text into ids and back lives h
   ``tokenizer_config.json`` (special tokens, ``chat_template``; or a ``chat_template.jinja``
   file beside it) and ``generation_config.json`` (eos ids).
 * ``Tokenizer.apply_chat_template`` renders messages with Jinja2 the way Hugging Face does
-  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``).
+  (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, ``tojson``);
+  a model without a Jinja template (DeepSeek-V4) gets its plugin's ``ChatEncoder`` instead,
+  found through the ``openinfer_chat_encoder`` hook from the directory's ``config.json``.
 * ``IncrementalDetokenizer`` turns a growing id list into text deltas and never emits a
   partial UTF-8 character (text ending in U+FFFD is held back until the next token completes it).
 * ``StopStringMatcher`` withholds text that may still become a stop string.
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -27,8 +29,10 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.decoders import DecodeStream
 
 from openinfer.errors import InvalidRequestError
+from openinfer.plugins import discover_plugins
 from openinfer.tiktoken_tokenizer import TiktokenVocabulary
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
@@ -59,6 +63,13 @@ def _byte_level_decoder() -> dict[str, int]:
 BYTE_LEVEL_DECODER = _byte_level_decoder()
 
 
+class ChatEncoder(Protocol):
+    """Turns chat messages into the prompt text for models that ship no Jinja chat template."""
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> str: ...
+
+
 class TokenizerNotFoundError(InvalidRequestError):
     """The model directory has no tokenizer.json."""
 
@@ -83,10 +94,11 @@ class Tokenizer:
     def __init__(self, raw: RawTokenizer, config: Mapping[str, Any] | None = None,
                  chat_template: str | list[dict[str, str]] | None = None,
                  eos_token_ids: Sequence[int] | None = None, path: str = "",
-                 default_max_new_tokens: int | None = None):
+                 default_max_new_tokens: int | None = None, chat_encoder: ChatEncoder | None = None):
         self.raw = raw
         # generation_config.json's max_new_tokens: the model's own default output length
         self.default_max_new_tokens = default_max_new_tokens
+        self.chat_encoder = chat_encoder
         self.config = dict(config or {})
         self.path = path
         self.bos_token = _token_content(self.config.get("bos_token"))
@@ -121,7 +133,8 @@ class Tokenizer:
         eos_ids = None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         max_new = generation.get("max_new_tokens")
         max_new = max_new if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0 else None
-        return cls(raw, config, template, eos_ids, str(directory), max_new)
+        encoder = None if template else _plugin_chat_encoder(directory)
+        return cls(raw, config, template, eos_ids, str(directory), max_new, encoder)
 
     # --- ids <-> text ---------------------------------------------------------------------------
 
@@ -228,6 +241,10 @@ class Tokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             **template_kwargs: Any) -> str:
         """Render ``messages`` (OpenAI dicts; list content flattened to text) to the prompt string."""
+        if not self.chat_template and self.chat_encoder is not None:
+            return self.chat_encoder.encode([normalize_message(m) for m in messages],
+                                            add_generation_prompt=add_generation_prompt, tools=tools,
+                                            **template_kwargs)
         source = self._select_template(bool(tools))
         try:
             template = self._jinja.from_string(source)
@@ -244,6 +261,18 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequestError(f"the chat template could not render these messages: {exc!r}",
                                       "messages") from exc
+
+
+def _plugin_chat_encoder(directory: Path) -> ChatEncoder | None:
+    """The chat encoder the model's plugin brings, from ``config.json`` beside the tokenizer."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return discover_plugins().chat_encoder(config) if isinstance(config, dict) else None
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -305,19 +334,23 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # tokenizers' streaming decoder: one Rust call per token, no re-decoding of a window
+        self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_ids: Iterable[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character is still incomplete: hold it back
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        raw, step = self.tokenizer.raw, self._stream.step
+        text = ""
+        for token_id in new_ids:
+            self.ids.append(token_id)
+            chunk = step(raw, token_id)
+            if chunk:
+                text += chunk
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+        return text
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD)."""

@@ -1,7 +1,9 @@
 """``openinfer serve``: the HTTP server (and, for a local engine, the gRPC server) of one model.
 
 ``add_arguments`` declares the flags, ``run`` serves until SIGINT/SIGTERM and returns the exit
-code. Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
+code. By default the engine runs in its own engine-core process and HTTP/gRPC in
+``--api-server-count`` API-server processes, all supervised (``openinfer.frontend.supervisor``);
+``--single-process`` keeps everything in one process (engine thread + event loop). Engine flags are forwarded untouched as options to ``openinfer.create_engine`` (their
 names are the fields of ``openinfer.options.EngineOptions``); a flag left out keeps the
 engine's default. Shutdown order: stop accepting (HTTP and gRPC), let in-flight requests finish
 for ``--shutdown-timeout`` seconds (then they are cancelled and aborted), close the engine, exit 0.
@@ -36,7 +38,8 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port 
 # flags forwarded to openinfer.create_engine; each dest is an EngineOptions field
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
-                       "max_queue", "seed", "tensor_parallel_size", "expert_parallel_size", "load_format")
+                       "max_queue", "seed", "trace_dir", "tensor_parallel_size", "expert_parallel_size",
+                       "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -69,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grpc-port", type=port(allow_zero=True), default=50051,
                         help="gRPC port, 1-65535: openinfer.v1.Engine, grpc.health.v1 and the SGLang scheduler "
                              "service for the smg router (default 50051; 0 disables; not served with --engine)")
+    server.add_argument("--grpc-worker-protocol", choices=["sglang", "vllm"], default="sglang",
+                        help="the smg router's worker protocol served on --grpc-port: the SGLang scheduler "
+                             "service (default) or smg's vLLM-engine service (vllm_engine.proto)")
     keys = server.add_mutually_exclusive_group()
     keys.add_argument("--api-key", type=non_empty("--api-key"),
                       help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata; visible in "
@@ -86,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--default-max-tokens", type=int_range(1, INT32_MAX),
                         help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
                              "the model's generation_config max_new_tokens, else the rest of the context)")
+    server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
+                        help="HTTP/gRPC server processes sharing the port (default 1: on the 2-core CPU box one "
+                             "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
+    server.add_argument("--single-process", action="store_true",
+                        help="run the engine as a thread of the HTTP process (no engine-core process, no "
+                             "supervision); for debugging and comparisons")
+    server.add_argument("--engine-factory", metavar="MODULE:FUNCTION",
+                        help="build the engine with FUNCTION(model_path, **engine options) instead of "
+                             "openinfer.create_engine (tests, benchmarks: openinfer.engine_core.stub:create_stub_engine)")
     engine = parser.add_argument_group("engine (forwarded to openinfer.create_engine)")
     engine.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default auto")
     engine.add_argument("--max-model-len", type=int_range(2, INT32_MAX),
@@ -107,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a batch slot, >= 1; one more is answered 503 "
                              "(default 1024)")
     engine.add_argument("--seed", type=int_range(0, UINT64_MAX), help="engine seed for unseeded sampling, >= 0")
+    engine.add_argument("--trace-dir", type=non_empty("--trace-dir"),
+                        help="write one Chrome-trace JSON per request into this directory "
+                             "(open in ui.perfetto.dev); off by default")
     engine.add_argument("--tensor-parallel-size", type=int_range(1, 1024),
                         help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
     engine.add_argument("--expert-parallel-size", type=int_range(1, 1024),
@@ -181,6 +199,10 @@ def _open_local_engine(args: argparse.Namespace) -> tuple[EngineHandle, Path]:
 
         model_path = ensure_demo_model()
         logger.info("no --model-path given: serving the demo model at %s", model_path)
+    if getattr(args, "engine_factory", None):
+        from openinfer.engine_core.process import load_factory
+
+        return load_factory(args.engine_factory)(str(model_path), **engine_options(args)), Path(model_path)
     return openinfer.create_engine(str(model_path), **engine_options(args)), Path(model_path)
 
 
@@ -200,19 +222,32 @@ def _served_name(args: argparse.Namespace, engine: EngineHandle, model_path: Pat
     return info.model_id or Path(info.model_path).name or "model"
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokenizer, name: str,
+              api_key: str | None, processes: Any = None) -> Any:
+    """The HTTP app with every server flag applied (one place for the in-process and the API-server paths)."""
     from openinfer.frontend.http import create_app
 
-    model_path: Path | None = None
-    api_key = resolve_api_key(args)
+    limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+    return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                      limits=limits, processes=processes, trace_dir=getattr(args, "trace_dir", None))
+
+
+def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
     if not api_key and not is_loopback(args.host):
         logger.warning("binding %s, reachable from other machines, without an API key: anyone who can reach it "
                        "can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
+
+    model_path: Path | None = None
+    api_key = resolve_api_key(args)
+    warn_if_exposed(args, api_key)
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        ignored = sorted(set(engine_options(args)) - {"served_model_name"})
+        ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
         if ignored:
             logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         remote = GrpcEngineClient(args.engine, api_key)
@@ -225,13 +260,12 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
-        app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                         limits=limits)
+        app = build_app(args, engine, tokenizer, name, api_key)
         if args.grpc_port and not args.engine:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
-                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+                tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                worker_protocol=args.grpc_worker_protocol)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)
@@ -247,6 +281,23 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine and args.model_path:
+        logger.error("give either --model-path (local engine) or --engine grpc://... (remote), not both")
+        return 2
+    if not getattr(args, "single_process", True):
+        from openinfer.frontend.supervisor import Supervisor
+
+        options = engine_options(args)
+        if args.engine:
+            ignored = sorted(set(options) - {"served_model_name"})
+            if ignored:
+                logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        try:
+            warn_if_exposed(args, resolve_api_key(args))
+        except OpenInferError as exc:
+            logger.error("%s", exc)
+            return 2
+        return Supervisor(args, options).run()
     try:
         return asyncio.run(serve(args))
     except PortInUseError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from openinfer.errors import InvalidRequestError
 from openinfer.sampling import MAX_LOGPROBS, validate_sampling
+from openinfer.structured import check_constraint
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -58,5 +59,13 @@ def check_generate_request(request: pb.GenerateRequest, info: pb.ModelInfo) -> N
         if bad:
             raise InvalidRequestError(
                 f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {info.vocab_size})", "stop_token_ids")
+    if info.vocab_size:
+        bad_bias = [t for t in request.sampling.logit_bias if t >= info.vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad_bias[0]}, outside the vocabulary [0, {info.vocab_size})",
+                "logit_bias")
+    if request.HasField("structured_output"):
+        check_constraint(request.structured_output)
     if request.logprobs > MAX_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}", "logprobs")

@@ -1,9 +1,12 @@
 """``PagedEngine``: the default ``EngineHandle`` for paged-attention models.
 
-Threads: one engine thread owns the model, the KV pool and the scheduler; asyncio callers
-talk to it through an inbox (submit / abort) and receive ``TokenEvent``s on per-request
-asyncio queues (``call_soon_threadsafe``). The step is: drain inbox → schedule → forward →
-sample → emit.
+Threads: one engine thread owns the model, the KV pool and the scheduler; callers talk to it
+through an inbox (submit / abort). The step is: drain inbox → schedule → forward → sample →
+emit. Emitting appends cheap entries ``(destination, request_id, kind, payload)`` (see
+``openinfer.engine_core.slots``) to the step's outbox; at the end of the step the whole outbox
+is delivered at once: in process, one ``call_soon_threadsafe`` per event loop per step that
+merges the entries into per-request ``RequestSlot``s; in the engine-core process
+(``attach_transport``), one message per client per step.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from openinfer.backend.base import StateLayer
+from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
@@ -27,11 +32,19 @@ from openinfer.options import EngineOptions
 from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
-from openinfer.runtime.sampler import SampledStep, sample_step
+from openinfer.runtime.sampler import (
+    SampledStep,
+    grammar_masks,
+    needs_host_history,
+    sample_step,
+    samples_on_device,
+)
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
-from openinfer.sched import PLACEHOLDER_TOKEN, Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.structured import CompilerCache, GrammarMatcher
+from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine")
@@ -45,21 +58,28 @@ class _LaunchedStep:
     plan: SchedulerOutput
     rows: list[LogitsRow]
     samples: SampledStep
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
 
 
-def _samples_on_device_only(request: Request) -> bool:
-    """Whether sampling this request's next token needs no token history on the host.
-    Penalties count the generated tokens, so their rows wait until the previous step is read back."""
-    params = request.sampling.params
-    return not (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
-                or params.presence_penalty or params.frequency_penalty)
+def _no_host_history(request: Request) -> bool:
+    return not needs_host_history(request)
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    done: bool = False
+def _deliver_in_process(entries: list) -> None:
+    """Hand a step's entries to their slots: one ``call_soon_threadsafe`` per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for slot, _, kind, payload in entries:
+        by_loop.setdefault(slot.loop, []).append((slot, kind, payload))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, items)
+        except RuntimeError:  # the caller's event loop is closed; nobody is listening
+            pass
+
+
+def _push_all(items: list) -> None:
+    for slot, kind, payload in items:
+        slot.push(kind, payload)
 
 
 class PagedEngine:
@@ -119,8 +139,13 @@ class PagedEngine:
             backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
+        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids))
+        self._inbox: Any = queue.SimpleQueue()
+        # request id -> where its events go (a RequestSlot in process, a client id in the core)
+        self._streams: dict[str, Any] = {}
+        self._outbox: list = []
+        self._deliver: Callable[[list], None] = _deliver_in_process
         self._streams_lock = threading.Lock()
         self._num_queued = 0  # submitted and not yet scheduled (bounded by max_queue)
         self._arrivals = itertools.count()
@@ -130,8 +155,15 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
+        self._eos_ids = frozenset(spec.eos_token_ids)
+        # a backend that samples on the device asynchronously launches ahead only rows its
+        # kernel samples (one predicate: samples_on_device); a host sampler reads every row back
+        # anyway, so there only rows needing the previous step's tokens on the host wait
+        self._samples_async = hasattr(model.backend, "sample_rows_async")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
+        # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
+        self.tracer = EngineTracer(TraceWriter(self.options.trace_dir)) if self.options.trace_dir else None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
@@ -166,32 +198,50 @@ class PagedEngine:
                        kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_usable_blocks,
                        max_queue=self.options.max_queue, kv_blocks_cached=self.pool.num_cached_blocks)
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+    def admit(self, request: pb.GenerateRequest, destination: Any) -> None:
+        """Validate and queue a request whose events go to ``destination``; raises
+        ``InvalidRequestError`` / ``QueueFullError`` / ``EngineDeadError`` when refused."""
         if not self.health().healthy:
             raise EngineDeadError(self.health().message)
         validate_request(request, self.model.spec.vocab_size, self.max_model_len)
         max_tokens = resolve_max_tokens(request, self.max_model_len)
         self.scheduler.check_fits(len(request.prompt_token_ids), max_tokens)
+        # a constraint is compiled here (about a millisecond; llguidance releases the GIL), so an
+        # invalid one is refused before anything is queued
+        grammar = self._compile_grammar(request.structured_output) if request.HasField("structured_output") else None
         request_id = request.request_id
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
         with self._streams_lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
             if self._num_queued >= self.options.max_queue:
                 raise QueueFullError(self.options.max_queue)
-            self._streams[request_id] = stream
+            self._streams[request_id] = destination
             self._num_queued += 1
-        self._inbox.put(("add", self._make_request(request, max_tokens)))
+        self._inbox.put(("add", self._make_request(request, max_tokens, grammar)))
+
+    def attach_transport(self, inbox: Any, deliver: Callable[[list], None]) -> None:
+        """Run behind the engine-core process: commands come from ``inbox`` (``get(timeout)``,
+        ``get_nowait()`` raising ``queue.Empty``, ``put``; read on the engine thread only) and
+        each step's outbox ``[(destination, request_id, kind, payload)]`` goes to ``deliver``
+        (called on the engine thread). Call before any request is submitted."""
+        self._deliver = deliver
+        previous, self._inbox = self._inbox, inbox
+        previous.put(("noop", None))  # wake the engine thread, idle in the old inbox
+
+    def requests_of(self, destination: Any) -> list[str]:
+        """Ids of the in-flight requests whose events go to ``destination``."""
+        with self._streams_lock:
+            return [rid for rid, dest in self._streams.items() if dest == destination]
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        slot = RequestSlot(request.request_id, asyncio.get_running_loop())
+        self.admit(request, slot)
         try:
-            while True:
-                event: pb.TokenEvent = await stream.events.get()
+            async for event in slot.events():
                 yield event
-                if event.WhichOneof("event") in ("finished", "error"):
-                    return
         finally:
-            if not stream.done:
-                self._inbox.put(("abort", request_id))
+            if not slot.done:
+                self._inbox.put(("abort", request.request_id))
 
     async def abort(self, request_id: str) -> bool:
         with self._streams_lock:
@@ -214,9 +264,14 @@ class PagedEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def _make_request(self, request: pb.GenerateRequest, max_tokens: int) -> Request:
+    def _compile_grammar(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
+        return self._grammars.get().compile(constraint)
+
+    def _make_request(self, request: pb.GenerateRequest, max_tokens: int,
+                      grammar: GrammarMatcher | None = None) -> Request:
         arrival = next(self._arrivals)
-        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival)
+        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival,
+                                     grammar)
         return Request(
             request_id=request.request_id, token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
@@ -224,31 +279,30 @@ class PagedEngine:
             want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,
             cache_salt=request.cache_salt)
 
-    def _emit(self, request_id: str, event: pb.TokenEvent, final: bool = False) -> None:
+    def _emit(self, request_id: str, kind: int, payload: Any, final: bool = False) -> None:
         with self._streams_lock:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                return
-            if final:
-                stream.done = True
-                del self._streams[request_id]
-        try:
-            stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
-        except RuntimeError:  # the caller's event loop is closed; nobody is listening
-            pass
+            destination = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if destination is not None:
+            self._outbox.append((destination, request_id, kind, payload))
+
+    def _flush(self) -> None:
+        """Deliver everything this step emitted, at once."""
+        if self._outbox:
+            entries, self._outbox = self._outbox, []
+            self._deliver(entries)
 
     def _finish(self, request: Request, reason: int, matched_stop: int | None = None) -> None:
-        del request.token_ids[request.num_resolved_tokens:]  # tokens never read back are not counted
+        request.drop_placeholders()  # tokens never read back are not counted
         if not request.was_scheduled:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
-        finished = pb.TokenEvent.Finished(reason=reason, prompt_tokens=request.num_prompt_tokens,
-                                          completion_tokens=request.num_output_tokens,
-                                          cached_tokens=request.num_cached_tokens)
-        if matched_stop is not None:
-            finished.matched_stop_token_id = matched_stop
-        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, finished=finished), final=True)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
+                                  request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+        self._emit(request.request_id, FINISHED, [reason, request.num_prompt_tokens, request.num_output_tokens,
+                                                  request.num_cached_tokens,
+                                                  -1 if matched_stop is None else matched_stop], final=True)
 
     def _release(self, request: Request) -> None:
         if self._release_state is not None:
@@ -264,7 +318,9 @@ class PagedEngine:
         try:
             while True:
                 idle = not self.scheduler.has_work and self._in_flight is None
-                if not self._drain_inbox(idle):
+                running = self._drain_inbox(idle)
+                self._flush()
+                if not running:
                     break
                 if self.scheduler.has_work or self._in_flight is not None:
                     self.step()
@@ -275,6 +331,7 @@ class PagedEngine:
         finally:
             if self._fatal is None:
                 self._fail_everything("engine shut down", reason=pb.FINISH_REASON_ABORT)
+            self._flush()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending submissions and aborts; False when asked to stop."""
@@ -289,13 +346,24 @@ class PagedEngine:
             if command == "stop":
                 return False
             if command == "add":
+                if self.tracer is not None:
+                    self.tracer.on_arrival(payload.request_id)
                 self.scheduler.add(payload)
             elif command == "abort":
                 request = self.scheduler.find(payload)
                 if request is not None:
                     self._finish(request, pb.FINISH_REASON_ABORT)
+            elif command == "reject":  # refused at admission (engine core): no stream was registered
+                self._outbox.append(payload)
 
     def step(self) -> None:
+        """One engine step (see ``_step``); its outputs are delivered at once at the end."""
+        try:
+            self._step()
+        finally:
+            self._flush()
+
+    def _step(self) -> None:
         """One engine step: schedule → launch (forward + sampling) → read back and emit.
 
         With async scheduling, step N+1 is planned and launched while step N still runs on the
@@ -307,11 +375,13 @@ class PagedEngine:
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
             self._release(request)
+            if self.tracer is not None:
+                self.tracer.on_preempted(request.request_id)
         for request in plan.newly_scheduled:
             self._mark_unqueued()
-            self._emit(request.request_id, pb.TokenEvent(
-                request_id=request.request_id,
-                scheduled=pb.TokenEvent.Scheduled(cached_tokens=request.num_cached_tokens)))
+            if self.tracer is not None:
+                self.tracer.on_scheduled(request.request_id)
+            self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
         in_flight = self._in_flight
         if in_flight is not None and not self._may_launch_ahead(plan):
             self._in_flight = None
@@ -348,12 +418,14 @@ class PagedEngine:
         """A step may run before the previous one is read back when none of its rows needs
         that step's tokens on the host (penalties count generated tokens; prompt logprobs
         read them). The same test decides whether a launched step may stay unread."""
-        return all(_samples_on_device_only(c.request) for c in plan.chunks)
+        ready = samples_on_device if self._samples_async else _no_host_history
+        return all(ready(c.request) for c in plan.chunks)
 
     def _launch(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Build the batch, run the model and start sampling; the plan's tokens count as
         computed from here on and each sampled token is a placeholder until read back.
         Raises what the model raises (``step`` fails the plan's requests)."""
+        trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
         self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
@@ -363,8 +435,10 @@ class PagedEngine:
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
+        # grammar masks are computed on the CPU while the device runs the forward
+        masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
         samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
-                              self.async_scheduling)
+                              self.async_scheduling, masks)
         if self._step_timer:
             self._step_timer.stop(start)
         self.num_steps += 1
@@ -372,9 +446,8 @@ class PagedEngine:
             chunk.request.num_computed_tokens += chunk.num_tokens
         for index, row in enumerate(rows):
             if row.samples:
-                row.request.token_ids.append(PLACEHOLDER_TOKEN)
-                row.request.pending_sample_row = index
-        return _LaunchedStep(plan, rows, samples)
+                row.request.append_placeholder(index)
+        return _LaunchedStep(plan, rows, samples, trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
@@ -386,7 +459,10 @@ class PagedEngine:
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
                     self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
-        for row, sample in zip(launched.rows, launched.samples.results(), strict=True):
+        results = launched.samples.results()
+        if launched.trace is not None:
+            self.tracer.on_resolved(launched.trace)
+        for row, sample in zip(launched.rows, results, strict=True):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
@@ -397,22 +473,26 @@ class PagedEngine:
 
     def _accept_token(self, request: Request, index: int, sample) -> None:
         token = sample.token_id
-        request.token_ids[index] = token
+        request.resolve_placeholder(index, token)
         request.sampling.record(token)
-        tokens = pb.TokenEvent.Tokens(ids=[token])
-        if request.want_logprobs:
-            tokens.logprobs.append(sample.as_proto())
         num_out = index + 1 - request.num_prompt_tokens
-        if request.prompt_logprobs and num_out == 1:
-            tokens.prompt_logprobs.extend(request.prompt_logprobs)
-        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, tokens=tokens))
+        with_prompt_logprobs = bool(request.prompt_logprobs) and num_out == 1
+        if request.want_logprobs or with_prompt_logprobs:
+            tokens = pb.TokenEvent.Tokens(ids=[token])
+            if request.want_logprobs:
+                tokens.logprobs.append(sample.as_proto())
+            if with_prompt_logprobs:
+                tokens.prompt_logprobs.extend(request.prompt_logprobs)
+            self._emit(request.request_id, TOKENS_PB, tokens)
+        else:
+            self._emit(request.request_id, TOKEN, token)
         stop = request.stop
         if num_out >= stop.min_tokens:
-            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self.model.spec.eos_token_ids):
-                del request.token_ids[index + 1:]  # a token sampled after this one is discarded
+            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self._eos_ids):
+                request.truncate_after(index)  # a token sampled after this one is discarded
                 return self._finish(request, pb.FINISH_REASON_STOP, token)
         if num_out >= request.max_tokens or index + 1 >= self.max_model_len:
-            del request.token_ids[index + 1:]
+            request.truncate_after(index)
             self._finish(request, pb.FINISH_REASON_LENGTH)
 
     def _copy_state_slots(self) -> None:
@@ -436,8 +516,10 @@ class PagedEngine:
             self._mark_unqueued()
         self.scheduler.finish(request)
         self._release(request)
-        self._emit(request.request_id, pb.TokenEvent(request_id=request.request_id, error=pb.TokenEvent.Error(
-            code=pb.ERROR_CODE_INTERNAL, message=message)), final=True)
+        if self.tracer is not None:
+            self.tracer.on_finish(request.request_id, "error", request.num_prompt_tokens,
+                                  request.num_output_tokens, request.num_cached_tokens)
+        self._emit(request.request_id, ERROR, [pb.ERROR_CODE_INTERNAL, message], final=True)
 
     def _fail_everything(self, message: str, reason: int | None = None) -> None:
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -452,8 +534,7 @@ class PagedEngine:
             except queue.Empty:
                 break
             if command == "add":
-                self._emit(payload.request_id, pb.TokenEvent(request_id=payload.request_id, error=pb.TokenEvent.Error(
-                    code=pb.ERROR_CODE_UNAVAILABLE, message=message)), final=True)
+                self._emit(payload.request_id, ERROR, [pb.ERROR_CODE_UNAVAILABLE, message], final=True)
 
 
 def copy_state_slots(backend, state_layers: list[StateLayer], copies: list[tuple[int, int]]) -> None:

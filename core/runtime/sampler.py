@@ -11,6 +11,7 @@ import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import log_softmax, sample_row, top_logprobs
+from openinfer.structured import CompilerCache, allocate_bitmask
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -25,10 +26,63 @@ class RowSample:
                                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
 
 
-def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int]) -> list[RowSample]:
+def needs_host_history(request: Any) -> bool:
+    """Sampling this request's next token reads its generated tokens on the host (penalties count
+    them; prompt-logprob rows read the prompt's next token; a grammar consumes every token before
+    it can mask the next), so it waits for the previous step."""
+    params = request.sampling.params
+    return bool(request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
+                or params.presence_penalty or params.frequency_penalty or request.sampling.needs_host_history)
+
+
+def kernel_can_sample(request: Any) -> bool:
+    """Whether the CUDA sampling kernel implements everything this row asks for: no penalties,
+    prompt logprobs or logprobs, no banned stop ids (pending ``min_tokens``). logit_bias and a
+    grammar mask are applied on the device before the kernel."""
+    params = request.sampling.params
+    if (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0) or params.presence_penalty
+            or params.frequency_penalty or request.want_logprobs or request.num_logprobs > 0):
+        return False
+    return not (request.stop.min_tokens and request.num_output_tokens < request.stop.min_tokens)
+
+
+def samples_on_device(request: Any) -> bool:
+    """THE launch-ahead predicate, shared by the engine (may a step be launched before the
+    previous one is read back, on a backend that samples asynchronously?) and the CUDA sampler's
+    asynchronous path: the kernel samples the row (:func:`kernel_can_sample`) and nothing about
+    it waits for the previous token on the host (a grammar does: its mask follows the token).
+    Rows with a grammar still use the kernel, in steps that are read back at once."""
+    return kernel_can_sample(request) and not needs_host_history(request)
+
+
+@dataclass
+class GrammarMasks:
+    """A step's structured-output masks: ``bitmask[i]`` is row i's allowed tokens (layout in
+    ``openinfer.structured``) for the rows in ``constrained``; other rows' words are all ones."""
+
+    bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32
+    constrained: frozenset[int]
+
+    def row(self, index: int) -> np.ndarray | None:
+        return self.bitmask[index] if index in self.constrained else None
+
+
+def grammar_masks(rows: Sequence[LogitsRow], vocab_size: int, compilers: CompilerCache) -> GrammarMasks | None:
+    """The masks of every sampling row whose request has a grammar (None when no row has one)."""
+    constrained = [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
+                   if row.samples and row.request.sampling.grammar is not None]
+    if not constrained:
+        return None
+    bitmask = allocate_bitmask(len(rows), vocab_size)
+    compilers.get().fill_bitmasks(constrained, bitmask)
+    return GrammarMasks(bitmask, frozenset(i for _, i in constrained))
+
+
+def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
+                masks: GrammarMasks | None = None) -> list[RowSample]:
     device_sampler = getattr(backend, "sample_rows", None)
     if device_sampler is not None:
-        return device_sampler(logits, rows, eos_token_ids)
+        return device_sampler(logits, rows, eos_token_ids, masks)
     host = backend.to_host(logits)
     results: list[RowSample] = []
     for index, row in enumerate(rows):
@@ -44,7 +98,8 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
             if not request.stop.ignore_eos:
                 banned += list(eos_token_ids)
         result = sample_row(np.array(host[index], dtype=np.float32), request.sampling, banned,
-                            request.num_logprobs, request.want_logprobs)
+                            request.num_logprobs, request.want_logprobs,
+                            masks.row(index) if masks is not None else None)
         results.append(RowSample(result.token_id, result.logprob, result.top))
     return results
 
@@ -67,16 +122,17 @@ class SampledStep:
 
 
 def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
-                deferred: bool) -> SampledStep:
+                deferred: bool, masks: GrammarMasks | None = None) -> SampledStep:
     """Sample a step. With ``deferred`` and a backend that samples asynchronously
-    (``sample_rows_async``), nothing is read back until ``results()``."""
+    (``sample_rows_async``), nothing is read back until ``results()``. Steps with grammar
+    masks are sampled at once (the next mask needs this step's tokens)."""
     async_sampler = getattr(backend, "sample_rows_async", None)
-    if deferred and async_sampler is not None:
+    if deferred and async_sampler is not None and masks is None:
         launched = async_sampler(logits, rows)
         if launched is not None:
             device_ids, read_back = launched
             return SampledStep(device_ids, None, read_back)
-    results = sample_rows(backend, logits, rows, eos_token_ids)
+    results = sample_rows(backend, logits, rows, eos_token_ids, masks)
     ids = np.fromiter((r.token_id for r in results), dtype=np.int32, count=len(results))
     upload = getattr(backend, "upload_token_ids", None)
     return SampledStep(upload(ids) if upload is not None else ids, results)

@@ -29,6 +29,10 @@ def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len
     if bad_stop is not None:
         raise InvalidRequestError(f"stop token id {bad_stop} is out of the vocabulary [0, {vocab_size})",
                                   "stop_token_ids")
+    bad_bias = next((t for t in request.sampling.logit_bias if t >= vocab_size), None)
+    if bad_bias is not None:
+        raise InvalidRequestError(f"logit_bias names token id {bad_bias}, outside the vocabulary [0, {vocab_size})",
+                                  "logit_bias")
     if request.logprobs > MAX_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {request.logprobs}", "logprobs")
     validate_sampling(request.sampling)

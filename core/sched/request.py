@@ -45,6 +45,9 @@ class Request:
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     pending_sample_row: int = -1
     cache_salt: str = ""
+    # placeholders at the tail of token_ids (tokens sampled by steps not read back yet); a
+    # counter, so the resolved length is O(1) instead of a scan of the whole token list
+    num_placeholders: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +67,31 @@ class Request:
 
     @property
     def num_resolved_tokens(self) -> int:
-        """Tokens before the first placeholder (all of them when none is pending)."""
-        try:
-            return self.token_ids.index(PLACEHOLDER_TOKEN, self.num_prompt_tokens)
-        except ValueError:
-            return len(self.token_ids)
+        """Tokens before the first placeholder (all of them when none is pending). Placeholders
+        are always the tail: they are appended by launches and resolved oldest first."""
+        return len(self.token_ids) - self.num_placeholders
+
+    def append_placeholder(self, sample_row: int) -> None:
+        """A launched step samples this request's next token (row ``sample_row`` of its samples)."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_placeholders += 1
+        self.pending_sample_row = sample_row
+
+    def resolve_placeholder(self, index: int, token: int) -> None:
+        """The oldest placeholder, at ``index``, was read back as ``token``."""
+        self.token_ids[index] = token
+        self.num_placeholders -= 1
+
+    def truncate_after(self, index: int) -> None:
+        """Drop everything after ``index`` (only placeholders can follow a resolved token)."""
+        del self.token_ids[index + 1:]
+        self.num_placeholders = 0
+
+    def drop_placeholders(self) -> None:
+        """Drop the tokens never read back (a finishing or aborted request)."""
+        if self.num_placeholders:
+            del self.token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
 
     @property
     def reached_limit(self) -> bool:

@@ -122,10 +122,14 @@ async def _poll_health(engine: EngineHandle, health: HealthServicer) -> None:
 
 async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port: int = 50051,
                             api_key: str | None = None, sglang_model_name: str | None = None,
-                            tokenizer_path: str | None = None) -> GrpcServer:
-    """Start the server. With ``sglang_model_name`` the SGLang scheduler service (for the ``smg``
+                            tokenizer_path: str | None = None, worker_protocol: str = "sglang") -> GrpcServer:
+    """Start the server. With ``sglang_model_name`` a router worker service (for the ``smg``
     router) is served on the same port, under that model name, pointing routers at
-    ``tokenizer_path`` (default: the engine's own tokenizer directory)."""
+    ``tokenizer_path`` (default: the engine's own tokenizer directory): the SGLang scheduler
+    service, or with ``worker_protocol="vllm"`` smg's vLLM-engine service (one per port: the
+    router tells a worker's protocol from the services it lists)."""
+    if worker_protocol not in ("sglang", "vllm"):
+        raise ValueError(f"worker_protocol must be 'sglang' or 'vllm', got {worker_protocol!r}")
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # No SO_REUSEPORT: with it a second server would share a port already in use (and steal its
     # connections) instead of failing to start.
@@ -139,9 +143,16 @@ async def start_grpc_server(engine: EngineHandle, host: str = "127.0.0.1", port:
     service_names = [ENGINE_SERVICE]
     if sglang_model_name is not None:
         info = engine.info()
-        add_sglang_service(server, engine, served_model_name=sglang_model_name, model_path=info.model_path,
+        worker_args = dict(served_model_name=sglang_model_name, model_path=info.model_path,
                            tokenizer_path=tokenizer_path or info.tokenizer_path or info.model_path)
-        service_names.append(SGLANG_SERVICE)
+        if worker_protocol == "vllm":
+            from openinfer.frontend.grpc.vllm_service import VLLM_SERVICE, add_vllm_service
+
+            add_vllm_service(server, engine, **worker_args)
+            service_names.append(VLLM_SERVICE)
+        else:
+            add_sglang_service(server, engine, **worker_args)
+            service_names.append(SGLANG_SERVICE)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     service_names += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

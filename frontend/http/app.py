@@ -18,7 +18,7 @@ from openinfer.frontend.http.chat import create_chat_completion, render_chat_pro
 from openinfer.frontend.http.completions import create_completion
 from openinfer.frontend.http.context import ServerContext, ServerLimits
 from openinfer.frontend.http.errors import error_response, install_error_handlers
-from openinfer.frontend.http.metrics import FrontendMetrics
+from openinfer.frontend.http.metrics import FrontendMetrics, ProcessTable
 from openinfer.frontend.http.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, ServerErrorGuard
 from openinfer.frontend.http.openapi import (
     BODY_ROUTE_ERRORS,
@@ -41,6 +41,7 @@ from openinfer.frontend.http.schemas import (
     TokenizeResponse,
 )
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer, TraceWriter
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 KEYED_ROUTE_ERRORS = (401, 404)  # GET routes behind the key that name a model
@@ -48,14 +49,18 @@ KEYED_ROUTE_ERRORS = (401, 404)  # GET routes behind the key that name a model
 
 def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: str,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, processes: ProcessTable | None = None,
+               trace_dir: str | None = None) -> FastAPI:
     """The HTTP server of one served model. ``api_key`` guards every route but /health, /metrics
-    and /openapi.json."""
+    and /openapi.json; ``processes`` lists the processes whose memory /metrics reports (default:
+    this one); ``trace_dir``: write each request's Chrome trace there (merged with the engine's
+    half when the engine traces into the same directory)."""
     app = FastAPI(title="openinfer", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of one served model. Every error is OpenAI's error "
                               "object; invalid requests are 400 (never 422).")
-    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name),
-                        limits or ServerLimits())
+    tracer = FrontendTracer(TraceWriter(trace_dir)) if trace_dir else None
+    ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name, processes),
+                        limits or ServerLimits(), tracer)
     app.state.openinfer = ctx
     install_error_handlers(app)
     install_openapi(app)

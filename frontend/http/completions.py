@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
@@ -24,6 +25,7 @@ from openinfer.frontend.http.schemas import (
     CompletionResponse,
 )
 from openinfer.frontend.http.sse import DONE_FRAME, EventStreamResponse, sse_frame
+from openinfer.frontend.http.structured import constraint_of
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
@@ -95,8 +97,10 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, client:
     request_id = new_request_id("cmpl")
     plans = build_plans(ctx, body, [ids for _, ids in inputs], body.max_tokens, request_id,
                         logprobs=max(1, body.logprobs or 0) if want_logprobs else 0,
-                        prompt_logprobs=body.echo and want_logprobs)
-    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s)
+                        prompt_logprobs=body.echo and want_logprobs,
+                        structured_output=await ctx.run_text_work(constraint_of, body))
+    streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
+                                  ctx.tracer)
     echo_texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in inputs]
     if body.stream:
         return EventStreamResponse(stream_completion(ctx, body, streams, request_id, inputs, echo_texts))
@@ -146,8 +150,17 @@ async def stream_completion(ctx: ServerContext, body: CompletionRequest, streams
             index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)])
 
     first = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+    # plain text chunks (no logprobs, no echo) are formatted directly: no pydantic per token
+    plain = not want_logprobs and not body.echo
+    head = (f'data: {{"id":{json.dumps(request_id)},"object":"text_completion","created":{first.created},'
+            f'"model":{json.dumps(ctx.model_name, ensure_ascii=False)},"choices":[{{"index":')
     try:
         async for delta in merge_deltas(streams):
+            if plain:
+                reason = "null" if delta.finish_reason is None else json.dumps(delta.finish_reason)
+                yield (f'{head}{delta.index},"text":{json.dumps(delta.text, ensure_ascii=False)},"logprobs":null,'
+                       f'"finish_reason":{reason}}}],"usage":null}}\n\n')
+                continue
             response = chunk(delta)
             response.created = first.created
             yield sse_frame(response)

@@ -24,6 +24,7 @@ from openinfer.frontend.http.metrics import FrontendMetrics
 from openinfer.frontend.http.schemas import SamplingFields, Usage
 from openinfer.frontend.validation import check_generate_request, check_prompt, default_max_tokens
 from openinfer.tokenizer import Tokenizer
+from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
 SEED_MODULUS = 2**64
@@ -55,6 +56,7 @@ class ServerContext:
     model_name: str
     metrics: FrontendMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
+    tracer: FrontendTracer | None = None  # per-request Chrome traces (--trace-dir)
 
     def __post_init__(self) -> None:
         self._text_limiter = anyio.CapacityLimiter(max(1, self.limits.text_workers))
@@ -108,13 +110,16 @@ def sampling_params(body: SamplingFields, choice: int) -> pb.SamplingParams:
     )
     if body.seed is not None:
         params.seed = (body.seed + choice) % SEED_MODULUS
+    params.logit_bias.update(body.token_bias())
     return params
 
 
 def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequence[int]],
                 max_tokens: int | None, request_id: str, logprobs: int = 0,
-                prompt_logprobs: bool = False) -> list[ChoicePlan]:
-    """``len(prompts) * body.n`` plans; the choice index of prompt p, sample i is ``p * n + i``."""
+                prompt_logprobs: bool = False, structured_output: pb.StructuredOutput | None = None,
+                skip_special_tokens: bool | None = None) -> list[ChoicePlan]:
+    """``len(prompts) * body.n`` plans; the choice index of prompt p, sample i is ``p * n + i``.
+    ``skip_special_tokens`` overrides the body's (chat output parsers need the markers)."""
     info = ctx.engine.info()
     arrival = time.time()
     plans = []
@@ -134,8 +139,11 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
                 prompt_logprobs=prompt_logprobs,
                 cache_salt=body.cache_salt or "",
             )
+            if structured_output is not None:
+                request.structured_output.CopyFrom(structured_output)
             check_generate_request(request, info)
-            plans.append(ChoicePlan(index, request, body.stop_strings(), body.skip_special_tokens))
+            skip = body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+            plans.append(ChoicePlan(index, request, body.stop_strings(), skip))
     return plans
 
 

@@ -25,6 +25,7 @@ from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullErro
 from openinfer.frontend.http.errors import OpenAIError
 from openinfer.frontend.http.metrics import FrontendMetrics
 from openinfer.tokenizer import StopStringMatcher, Tokenizer
+from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
 # Engine error codes as HTTP statuses.
@@ -72,7 +73,8 @@ class ChoicePlan:
 
 class ChoiceStream:
     def __init__(self, engine: EngineHandle, tokenizer: Tokenizer, plan: ChoicePlan,
-                 metrics: FrontendMetrics | None, eos_token_ids: Sequence[int]):
+                 metrics: FrontendMetrics | None, eos_token_ids: Sequence[int],
+                 tracer: FrontendTracer | None = None):
         self.engine = engine
         self.plan = plan
         self.metrics = metrics
@@ -89,6 +91,8 @@ class ChoiceStream:
         self._first: pb.TokenEvent | None = None
         self._last_token_time: float | None = None
         self._recorded = False
+        self._finish_reason: str | None = None
+        self.trace = tracer.open(request.request_id, request.arrival_time) if tracer is not None else None
 
     async def start(self) -> ChoiceStream:
         """Submit the request and wait for its first event; refusals raise here."""
@@ -96,6 +100,7 @@ class ChoiceStream:
         try:
             self._first = await anext(self._events)
         except (InvalidRequestError, QueueFullError, EngineDeadError):
+            self.trace = None  # refused before the engine saw it: nothing to trace
             self.finished = self._recorded = True  # refused: nothing runs in the engine, nothing to count
             raise
         except StopAsyncIteration as exc:
@@ -120,20 +125,36 @@ class ChoiceStream:
             elif kind == "tokens":
                 delta = self._on_tokens(event.tokens)
                 if delta.finish_reason is not None:
+                    began = self._trace_now()
                     yield delta
+                    self._trace_stream(began)
                     await self.close()
                     return
                 if delta.text or delta.token_ids or delta.prompt_logprobs:
+                    began = self._trace_now()
                     yield delta
+                    self._trace_stream(began)
             elif kind == "finished":
-                yield self._on_finished(event.finished)
+                delta = self._on_finished(event.finished)
+                began = self._trace_now()
+                yield delta
+                self._trace_stream(began)
                 return
             elif kind == "error":
                 self.finished = True
                 self._record_finish("error")
                 raise engine_error(event.error)
 
+    def _trace_now(self) -> float:
+        return self.trace.now_us() if self.trace is not None else 0.0
+
+    def _trace_stream(self, began: float) -> None:
+        """The consumer held the delta from ``began`` to now: SSE encoding and the socket write."""
+        if self.trace is not None:
+            self.trace.span("stream", began, self.trace.now_us())
+
     def _on_tokens(self, tokens: pb.TokenEvent.Tokens) -> ChoiceDelta:
+        began = self._trace_now()
         now = time.time()
         if self.metrics is not None:
             self.metrics.observe_tokens(self.plan.request.arrival_time, self._last_token_time, now,
@@ -154,6 +175,9 @@ class ChoiceStream:
         if stopped:
             delta.finish_reason = "stop"
             self._record_finish("stop")
+        if self.trace is not None:
+            self.trace.num_tokens += len(tokens.ids)
+            self.trace.span("detokenize", began, self.trace.now_us(), tokens=len(tokens.ids))
         return delta
 
     def _on_finished(self, finished: pb.TokenEvent.Finished) -> ChoiceDelta:
@@ -174,6 +198,7 @@ class ChoiceStream:
         if self._recorded:
             return
         self._recorded = True
+        self._finish_reason = reason
         if self.metrics is not None:
             self.metrics.observe_finish(reason, self.usage.prompt_tokens, self.usage.completion_tokens)
 
@@ -182,6 +207,7 @@ class ChoiceStream:
         events, self._events = self._events, None
         if events is None:
             return
+        trace, self.trace = self.trace, None
         with anyio.CancelScope(shield=True):
             closer = getattr(events, "aclose", None)
             if closer is not None:
@@ -190,6 +216,8 @@ class ChoiceStream:
                 self.finished = True
                 self._record_finish("abort")
                 await self.engine.abort(self.plan.request.request_id)
+            if trace is not None:
+                trace.close(self._finish_reason or "abort", self.usage.prompt_tokens, self.usage.completion_tokens)
 
 
 async def start_within(stream: ChoiceStream, max_queue_wait_s: float | None) -> ChoiceStream:
@@ -206,11 +234,12 @@ async def start_within(stream: ChoiceStream, max_queue_wait_s: float | None) -> 
 
 
 async def start_choices(engine: EngineHandle, tokenizer: Tokenizer, plans: Sequence[ChoicePlan],
-                        metrics: FrontendMetrics | None, max_queue_wait_s: float | None = None) -> list[ChoiceStream]:
+                        metrics: FrontendMetrics | None, max_queue_wait_s: float | None = None,
+                        tracer: FrontendTracer | None = None) -> list[ChoiceStream]:
     """Start every choice concurrently, or none: if one is refused (or waits in the queue longer
     than ``max_queue_wait_s``), all are closed (aborted) and the first refusal is raised."""
     eos = list(engine.info().eos_token_ids) or tokenizer.eos_token_ids
-    streams = [ChoiceStream(engine, tokenizer, plan, metrics, eos) for plan in plans]
+    streams = [ChoiceStream(engine, tokenizer, plan, metrics, eos, tracer) for plan in plans]
     try:
         outcomes = await asyncio.gather(*(start_within(s, max_queue_wait_s) for s in streams),
                                         return_exceptions=True)
@@ -246,7 +275,16 @@ async def collect_all(streams: Sequence[ChoiceStream]) -> list[list[ChoiceDelta]
 
 async def merge_deltas(streams: Sequence[ChoiceStream]) -> AsyncIterator[ChoiceDelta]:
     """Interleave the deltas of all choices as they come. Closing this generator (client gone)
-    cancels every choice and aborts their engine requests."""
+    cancels every choice and aborts their engine requests. One choice (the usual n=1) is
+    iterated directly: no task, no queue hop per delta."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0].deltas():
+                yield delta
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_all(streams)
+        return
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
     async def pump(stream: ChoiceStream) -> None:

@@ -6,6 +6,10 @@ state (running, waiting, KV blocks) are read from ``engine.load()`` at scrape ti
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -17,11 +21,36 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+def process_rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid`` (Linux /proc), None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ProcessTable:
+    """The processes of one ``openinfer serve`` (role → pid), as the supervisor writes them."""
+
+    def __init__(self, run_dir: str | None = None):
+        self.path = Path(run_dir) / "processes.json" if run_dir else None
+
+    def pids(self) -> dict[str, int]:
+        if self.path is not None:
+            try:
+                return {str(k): int(v) for k, v in json.loads(self.path.read_text()).items()}
+            except (OSError, ValueError):
+                pass
+        return {"server": os.getpid()}
+
+
 class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: EngineHandle, model_name: str):
+    def __init__(self, engine: EngineHandle, model_name: str, processes: ProcessTable | None = None):
         self.engine = engine
+        self.processes = processes or ProcessTable()
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
@@ -51,6 +80,9 @@ class FrontendMetrics:
                               names, registry=self.registry).labels(**labels)
         self.kv_cached = Gauge("openinfer_kv_blocks_cached", "Free KV-cache blocks still holding a cached prefix",
                                names, registry=self.registry).labels(**labels)
+        self.rss = Gauge("openinfer_process_resident_memory_bytes",
+                         "Resident memory of each openinfer process (supervisor, engine core, API servers)",
+                         [*names, "process"], registry=self.registry)
         self.kv_usage = Gauge("openinfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
                               names, registry=self.registry).labels(**labels)
 
@@ -83,4 +115,9 @@ class FrontendMetrics:
         self.kv_total.set(load.kv_blocks_total)
         self.kv_cached.set(load.kv_blocks_cached)
         self.kv_usage.set(load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
+        self.rss.clear()
+        for role, pid in self.processes.pids().items():
+            rss = process_rss_bytes(pid)
+            if rss is not None:
+                self.rss.labels(process=role, **self._labels).set(rss)
         return generate_latest(self.registry)

@@ -24,7 +24,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_STRINGS = 4
 # Names the server itself passes to chat templates: chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
-                                    "unk_token", "pad_token"})
+                                    "unk_token", "pad_token", "raise_exception", "strftime_now"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -101,15 +101,28 @@ class SamplingFields(TopLevelRequest):
     # requests with different salts never share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     skip_special_tokens: bool = True
+    # OpenAI: token id (as a string) -> bias in [-100, 100] added to that token's logit
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format (text, json_object, json_schema) or vLLM's
+    # structured_outputs (exactly one of json, regex, choice, grammar, json_object)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
-        if self.logit_bias:
-            raise RefusedField("logit_bias", "logit_bias is not supported by this server; leave it out")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= INT32_LIMIT:
+                raise RefusedField("logit_bias", f"logit_bias keys are token ids (non-negative integers as "
+                                                 f"strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise RefusedField("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for "
+                                                 f"token {key}")
         if self.stream_options is not None and not self.stream:
             raise RefusedField("stream_options", "stream_options is only allowed when stream is true")
         return self
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -154,21 +167,21 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # vLLM extension: top-N logprobs of every prompt token (the first has none)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
-        # Tool calling is not implemented yet: refuse rather than answer with plain text.
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise RefusedField(name, f"{name} is not supported by this server yet (no tool calling); "
-                                         "leave it out")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise RefusedField(name, f"{name} is not supported by this server yet (no tool calling); "
-                                         "leave it out or send \"none\"")
+        # the deprecated functions API: tools/tool_choice say the same and are served
+        if self.functions:
+            raise RefusedField("functions", "functions (deprecated by OpenAI) is not supported; send the same "
+                                            "definitions as tools=[{'type': 'function', 'function': ...}]")
+        if self.function_call not in (None, "none"):
+            raise RefusedField("function_call", "function_call (deprecated by OpenAI) is not supported; use "
+                                                "tool_choice")
         reserved = sorted(RESERVED_TEMPLATE_ARGS & set(self.chat_template_kwargs or {}))
         if reserved:
             raise RefusedField("chat_template_kwargs",
@@ -176,8 +189,6 @@ class ChatCompletionRequest(SamplingFields):
                                "these to the template itself (use the request's own fields)")
         if self.top_logprobs and not self.logprobs:
             raise RefusedField("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise RefusedField("response_format", "only response_format type 'text' is supported by this server")
         return self
 
     def max_new_tokens(self) -> int | None:
@@ -258,6 +269,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -281,6 +294,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    # vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

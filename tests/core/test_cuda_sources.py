@@ -20,6 +20,8 @@ VARIANTS = {
     "qk_norm_rope.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "decode_attention.cu": [{"HEAD_DIM": 64, "GROUP": 1}, {"HEAD_DIM": 128, "GROUP": 4}, {"HEAD_DIM": 128, "GROUP": 8}],
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
+    "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128}],
+    "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],
 }
 
 

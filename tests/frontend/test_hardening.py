@@ -131,13 +131,13 @@ def test_other_chat_template_kwargs_reach_the_template(http):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"temperature": 2.5}, "temperature"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias"),
 ])
 def test_unsupported_fields_and_out_of_range_values_are_refused(http, extra, param):
     error = _error(http.post("/v1/chat/completions", json={**CHAT, **extra}))

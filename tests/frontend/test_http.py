@@ -348,7 +348,14 @@ BAD_INPUTS = {
     "stop wrong type": ("/v1/completions", {"prompt": "x", "stop": 7}, 400),
     "stop token outside vocab": ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, 400),
     "min_tokens above max_tokens": ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400),
-    "logit_bias": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400),
+    "logit_bias above 100": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101.0}}, 400),
+    "logit_bias key not a token id": ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1.0}}, 400),
+    "logit_bias token outside vocab": ("/v1/completions", {"prompt": "x", "logit_bias": {"1000000": 1.0}}, 400),
+    "invalid regex": ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a("}}, 400),
+    "two structured_outputs": ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a",
+                                                                                          "choice": ["b"]}}, 400),
+    "empty choice": ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400),
+    "bad grammar": ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "start: (("}}, 400),
     "suffix": ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400),
     "stream_options without stream": ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400),
     "seed not an int": ("/v1/completions", {"prompt": "x", "seed": "abc"}, 400),
@@ -362,8 +369,24 @@ BAD_INPUTS = {
     "chat top_logprobs without logprobs": ("/v1/chat/completions",
                                            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                                            400),
-    "chat json response_format": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                           "response_format": {"type": "json_object"}}, 400),
+    "chat schema of an unknown type": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400),
+    "chat json_schema without schema": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, 400),
+    "chat unknown response_format": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, 400),
+    "chat tool_choice required without tools": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),
+    "chat tool_choice names an undeclared tool": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    "chat tool with an invalid schema": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, 400),
+    "chat template kwargs overriding messages": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}, 400),
     "chat unknown model": ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user",
                                                                                     "content": "x"}]}, 404),
     "tokenize both prompt and messages": ("/tokenize", {"prompt": "x", "messages": []}, 400),

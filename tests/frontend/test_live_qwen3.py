@@ -144,7 +144,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_disconnect_returns_every_kv_block(server, engine):
-    aborted = 'openinfer_request_success_total{finished_reason="abort",model_name="tiny-qwen3"}'
+    aborted = 'openinfer_request_aborted_total{model_name="tiny-qwen3"}'  # an abort is not a success
     with httpx.Client(base_url=server.url) as http:
         before = _metric(http.get("/metrics").text, aborted)
         body = {"prompt": "a long story", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0, "stream": True,

@@ -53,11 +53,13 @@ def write_tokenizer(directory: Path, chat_template: str | None = CHATML_TEMPLATE
     return tokenizer.get_vocab_size()
 
 
-def write_tiny_qwen3(directory: Path, seed: int = 0, max_position_embeddings: int = 512) -> None:
-    """A 2-layer random Qwen3 (float32 safetensors) sharing the tokenizer written beside it."""
+def write_tiny_qwen3(directory: Path, seed: int = 0, max_position_embeddings: int = 512,
+                     tokenizer_writer=write_tokenizer) -> None:
+    """A 2-layer random Qwen3 (float32 safetensors) sharing the tokenizer written beside it
+    (``tokenizer_writer(directory)`` writes it and returns its vocabulary size)."""
     from safetensors.numpy import save_file
 
-    vocab = write_tokenizer(directory)
+    vocab = tokenizer_writer(directory)
     eos = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
     hidden, heads, kv_heads, head_dim, inter, layers = 64, 4, 2, 16, 128, 2
     config = {

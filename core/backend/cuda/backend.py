@@ -158,9 +158,11 @@ class CudaBackend:
     def attention(self, qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
         return attention_ops.attention(_bf16(qkv, "attention qkv"), spec, kv, batch, self.ropes, self.num_sms)
 
-    def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int]) -> list[Any]:
-        """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``)."""
-        return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host)
+    def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int],
+                    masks: Any = None) -> list[Any]:
+        """The engine's sampling hook: GPU sampling of ``logits [len(rows), vocab]`` (see ``sampler``);
+        ``masks``: the step's structured-output masks (``runtime.sampler.GrammarMasks``) or None."""
+        return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host, masks)
 
     def sample_rows_async(self, logits: cupy.ndarray, rows: Sequence[Any]) -> tuple[cupy.ndarray, Any] | None:
         """Async scheduling: sample on the device, read back later (see ``sampler``)."""

@@ -88,3 +88,20 @@ class Cublas:
                 ctypes.c_void_p(x.data.ptr), CUDA_R_16BF, k, ctypes.byref(self._beta),
                 ctypes.c_void_p(out.data.ptr), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                 "cublasGemmEx")
+
+    def matmul_strided_batched(self, transa: bool, transb: bool, m: int, n: int, k: int,
+                               a: cupy.ndarray, lda: int, stride_a: int, b: cupy.ndarray, ldb: int, stride_b: int,
+                               c: cupy.ndarray, ldc: int, stride_c: int, batch: int) -> None:
+        """Column-major ``C_i[m, n] = op(A_i) · op(B_i)`` for ``i < batch`` in bf16, fp32 accumulate
+        (``cublasGemmStridedBatchedEx``; strides and leading dimensions in elements). MLA's
+        per-head projections (W_UK into the query, W_UV out of the latent) use it."""
+        with self._lock:
+            self._bind_stream()
+            self._check(self.lib.cublasGemmStridedBatchedEx(
+                self.handle, CUBLAS_OP_T if transa else CUBLAS_OP_N, CUBLAS_OP_T if transb else CUBLAS_OP_N,
+                ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.byref(self._alpha),
+                ctypes.c_void_p(a.data.ptr), CUDA_R_16BF, ctypes.c_int(lda), ctypes.c_longlong(stride_a),
+                ctypes.c_void_p(b.data.ptr), CUDA_R_16BF, ctypes.c_int(ldb), ctypes.c_longlong(stride_b),
+                ctypes.byref(self._beta), ctypes.c_void_p(c.data.ptr), CUDA_R_16BF, ctypes.c_int(ldc),
+                ctypes.c_longlong(stride_c), ctypes.c_int(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                "cublasGemmStridedBatchedEx")

@@ -7,6 +7,10 @@ the NumPy reference (``openinfer.runtime.sampler``): prompt-logprob rows, rows a
 top-N logprobs, rows with repetition/presence/frequency penalties, and rows whose stop ids are
 banned this step (min_tokens). Each random row consumes exactly one ``generator.random()``
 per step, as the NumPy sampler does, so a seeded request reproduces alone or in a batch.
+
+``logit_bias`` and structured-output masks are applied on the device before the sampling kernel
+(``logit_constraints.cu``) to a copy of the rows that carry them: the bias as sparse (id, value)
+lists, the mask as the step's int32 bitmask computed on the CPU during the forward.
 """
 
 from __future__ import annotations
@@ -20,31 +24,58 @@ import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
 from openinfer.runtime.batch_builder import LogitsRow
-from openinfer.runtime.sampler import RowSample
+from openinfer.runtime.sampler import GrammarMasks, RowSample, kernel_can_sample
 from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
+from openinfer.runtime.sampler import samples_on_device as may_run_ahead
 from openinfer.sampling import SamplingState
 
 
 def samples_on_device(row: LogitsRow) -> bool:
-    """True when the GPU kernel implements everything this row asks for."""
-    if not row.samples or row.request.num_logprobs > 0 or row.request.want_logprobs:
-        return False
-    if row.request.num_output_tokens < row.request.stop.min_tokens:
-        return False  # stop/eos ids are banned this step
-    params = row.request.sampling.params
-    state: SamplingState = row.request.sampling
-    if params.repetition_penalty not in (0.0, 1.0):
-        return False
-    return not (state.output_counts and (params.presence_penalty or params.frequency_penalty))
+    """True when the GPU kernel implements everything this row asks for
+    (``openinfer.runtime.sampler.kernel_can_sample``: every row the engine launches ahead, plus
+    grammar rows, whose masks are applied on the device in steps read back at once)."""
+    return row.samples and kernel_can_sample(row.request)
 
 
-def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
+def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState],
+                       bitmask_rows: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
     """Token ids [rows] for ``logits [rows, vocab]`` (bf16), row i following ``states[i]``."""
-    return launch_device_sampling(logits, states).get()
+    return launch_device_sampling(logits, states, bitmask_rows).get()
 
 
-def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState]) -> cupy.ndarray:
+def apply_logit_constraints(logits: cupy.ndarray, states: Sequence[SamplingState],
+                            bitmask_rows: Sequence[np.ndarray | None] | None = None) -> cupy.ndarray:
+    """``logits`` with each row's logit_bias added and its grammar mask applied (a new array when
+    any row has either; ``logits`` itself, untouched, when none has)."""
+    bitmask_rows = bitmask_rows or [None] * len(states)
+    has_bias = [s.bias_ids is not None for s in states]
+    if not any(has_bias) and all(m is None for m in bitmask_rows):
+        return logits
+    rows, vocab = logits.shape
+    counts = [len(s.bias_ids) if s.bias_ids is not None else 0 for s in states]
+    bias_start = np.zeros(rows + 1, np.int32)
+    bias_start[1:] = np.cumsum(counts)
+    bias_ids = np.concatenate([s.bias_ids for s in states if s.bias_ids is not None] or [np.zeros(1, np.int64)])
+    bias_values = np.concatenate([s.bias_values for s in states if s.bias_values is not None]
+                                 or [np.zeros(1, np.float32)])
+    masked = [i for i, m in enumerate(bitmask_rows) if m is not None]
+    words = (vocab + 31) // 32
+    bitmask = (np.stack([bitmask_rows[i] for i in masked]) if masked else np.full((1, words), -1, np.int32))
+    mask_row = np.full(rows, -1, np.int32)
+    mask_row[masked] = np.arange(len(masked), dtype=np.int32)
+    adjusted = cupy.array(logits, copy=True, order="C")
+    kernel("logit_constraints.cu", "apply_logit_constraints")(
+        (rows,), (256,),
+        (adjusted, np.int32(vocab), cupy.asarray(bias_start), cupy.asarray(bias_ids.astype(np.int32)),
+         cupy.asarray(bias_values.astype(np.float32)), cupy.asarray(np.ascontiguousarray(bitmask, np.int32)),
+         np.int32(bitmask.shape[1]), cupy.asarray(mask_row)))
+    return adjusted
+
+
+def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState],
+                           bitmask_rows: Sequence[np.ndarray | None] | None = None) -> cupy.ndarray:
     """Queue the sampling kernel; the token ids [rows] stay on the device (int32)."""
+    logits = apply_logit_constraints(logits, states, bitmask_rows)
     rows, vocab = logits.shape
     # float32 rows: temperature, top_p, min_p, uniform draw, top_k (int32 bits)
     params = np.zeros((5, rows), np.float32)
@@ -74,8 +105,9 @@ class _HostLogits:
 
 
 def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
-                to_host: Any) -> list[RowSample]:
-    """The engine's sampling step for ``logits [len(rows), vocab]`` on the GPU."""
+                to_host: Any, masks: GrammarMasks | None = None) -> list[RowSample]:
+    """The engine's sampling step for ``logits [len(rows), vocab]`` on the GPU; ``masks``: the
+    step's grammar masks (rows with and without one sample in the same kernel launch)."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
     on_device = [i for i, row in enumerate(rows) if samples_on_device(row)]
@@ -83,14 +115,19 @@ def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: 
     results: list[RowSample | None] = [None] * len(rows)
     if on_device:
         index = cupy.asarray(np.asarray(on_device, np.int32))
-        tokens = sample_device_rows(logits[index], [rows[i].request.sampling for i in on_device])
+        tokens = sample_device_rows(logits[index], [rows[i].request.sampling for i in on_device],
+                                    [masks.row(i) for i in on_device] if masks is not None else None)
         for i, token in zip(on_device, tokens, strict=True):
             results[i] = RowSample(int(token))
     if on_host:
         index = cupy.asarray(np.asarray(on_host, np.int32))
         host = to_host(logits[index])
+        host_masks = None
+        if masks is not None:  # re-indexed to the host subset's rows
+            host_masks = GrammarMasks(masks.bitmask[on_host], frozenset(
+                j for j, i in enumerate(on_host) if i in masks.constrained))
         for i, sample in zip(on_host, sample_rows_on_host(_HostLogits(), host, [rows[i] for i in on_host],
-                                                          eos_token_ids), strict=True):
+                                                          eos_token_ids, host_masks), strict=True):
             results[i] = sample
     return [r for r in results if r is not None]
 
@@ -101,7 +138,7 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow]) -> tuple[
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
     work queued after it — or None when some row needs the host sampler.
     """
-    if not rows or not all(samples_on_device(row) for row in rows):
+    if not rows or not all(row.samples and may_run_ahead(row.request) for row in rows):
         return None
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")

@@ -25,19 +25,87 @@ routed experts         ``moe.run_experts``: tokens       same                   
 shared experts         core ``linear`` + ``silu_mul``    same                              core
 =====================  ================================  ================================  =======
 
-Quantized checkpoints (FP8 block, INT4 pack-quantized) are dequantized to fp32 at load on the
-NumPy backend (``openinfer.quant``). The CUDA backend is not wired for this model yet: building
-it on ``device="cuda"`` raises ``BackendUnavailableError`` naming this plugin.
+CUDA (``cuda_ops``, kernels in core ``kernels/mla.cu`` and ``kernels/moe.cu``), bf16:
+
+=====================  ================================================================  =======
+op                     prefill, decode and mixed steps alike                             from
+=====================  ================================================================  =======
+projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled or INT4   core
+                       checkpoints: ``moe_grouped_gemm`` dense mode (weights stay
+                       quantized, dequantized per tile in shared memory, tensor cores)
+latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
+                       rotate q_pe in place)                                             core
+W_UK / W_UV            cuBLAS strided-batched GEMM over heads                            core
+MLA attention          ``mla_attention``: absorbed form, each token over its causal      core
+                       context, latent tiles shared by 16 heads
+MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
+token grouping         ``moe_sort`` (counts, segments, GEMM tile list)                   core
+routed experts         ``moe_grouped_gemm`` x2 (gate_up gathering token rows; down) +    core
+                       core ``silu_mul``; weights bf16 / INT4 / FP8 as stored
+combine                ``moe_combine`` (fixed slot order, + shared experts)              core
+=====================  ================================================================  =======
+
+On NumPy, quantized checkpoints are dequantized to fp32 at load (``openinfer.quant``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
 from openinfer import Backend
 from openinfer.errors import BackendUnavailableError
+from openinfer.mla import MLASpec, mla_attention, rotate_half_rope
+from openinfer.moe import moe_forward
 
 
-def check_backend(backend: Backend) -> None:
-    if backend.name != "numpy":
-        raise BackendUnavailableError(
-            f"openinfer-kimi-k2 runs on the numpy backend only for now (got {backend.name!r}); "
-            "serve it with --device cpu")
+@dataclass(frozen=True)
+class KernelPlan:
+    backend: str
+    # (ops, h, attention weights, kv layer, batch, spec, rope, eps) -> [T, H·v] before o_proj
+    attention: Callable[..., Any]
+    moe: Callable[..., Any]  # (ops, h, MoEWeights, batch) -> [T, hidden]
+    linear: Callable[..., Any]  # (ops, x, weight) -> x @ weight^T
+    builder: Callable[..., Any] | None = None  # LinearBuilder subclass for load_weights; None: fp32 reference
+    prepare: Callable[..., None] = lambda weights, ops: None  # once after loading (device-side tables)
+
+
+def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,
+                    q_lora_rank: int | None, eps: float) -> np.ndarray:
+    """Reference MLA: RoPE on q_pe and k_pe, then ``openinfer.mla.mla_attention`` (naive for
+    prefill chunks, absorbed for decode)."""
+    num_tokens = qkv_a.shape[0]
+    cos, sin = rope.cos[batch.positions], rope.sin[batch.positions]
+    if q_lora_rank:
+        q = ops.linear(ops.rms_norm(qkv_a[:, :q_lora_rank], w.q_a_norm, eps), w.q_b)
+        latent = qkv_a[:, q_lora_rank:]
+    else:
+        q, latent = qkv_a[:, : -spec.latent_dim], qkv_a[:, -spec.latent_dim:]
+    q = q.reshape(num_tokens, spec.num_heads, spec.qk_head_dim)
+    q = np.concatenate([q[..., : spec.qk_nope_dim], rotate_half_rope(q[..., spec.qk_nope_dim:], cos, sin)], -1)
+    c_kv = ops.rms_norm(latent[:, : spec.kv_lora_rank], w.kv_a_norm, eps)
+    k_pe = rotate_half_rope(latent[:, None, spec.kv_lora_rank:], cos, sin)[:, 0]
+    cache = kv.k.reshape(kv.k.shape[0], kv.k.shape[1], spec.latent_dim)
+    return mla_attention(q, np.concatenate([c_kv, k_pe], axis=-1), cache, w.mla, spec, batch)
+
+
+NUMPY_PLAN = KernelPlan(
+    backend="numpy",
+    attention=numpy_attention,
+    moe=lambda ops, h, layer, batch: moe_forward(ops, h, layer, batch.token_ids),
+    linear=lambda ops, x, weight: ops.linear(x, weight),
+)
+
+
+def plan_for(backend: Backend) -> KernelPlan:
+    if backend.name == "numpy":
+        return NUMPY_PLAN
+    if backend.name == "cuda":
+        from openinfer_kimi_k2 import cuda_ops
+
+        return cuda_ops.CUDA_PLAN
+    raise BackendUnavailableError(
+        f"openinfer-kimi-k2 has no kernels for the {backend.name!r} backend (available: numpy, cuda)")

@@ -10,16 +10,14 @@ first ``first_k_dense_replace`` layers and a routed MoE (+ shared experts) after
 
 The paged cache holds one latent row per token and layer (``openinfer.mla``).
 
-Expert parallel (``rank.expert``): each rank holds its slice of the routed experts; attention
-and the dense layers are replicated, so every rank routes the same tokens the same way and one
-all-reduce sums the experts' shares (``openinfer.parallel.expert``).
+Expert parallel (``rank.expert``, NumPy backend): each rank holds its slice of the routed
+experts; attention and the dense layers are replicated, so every rank routes the same tokens
+the same way and one all-reduce sums the experts' shares (``openinfer.parallel.expert``).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from openinfer import (
     Backend,
@@ -30,10 +28,11 @@ from openinfer import (
     RotaryEmbedding,
     expert_parallel_moe,
 )
-from openinfer.mla import MLASpec, mla_attention, rotate_half_rope
-from openinfer.moe import MoEWeights, moe_forward
+from openinfer.mla import MLASpec
+from openinfer.moe import MoEWeights
 from openinfer_kimi_k2.config import KimiK2Config
-from openinfer_kimi_k2.weights import KimiK2Weights, LayerWeights, MLAAttentionWeights, mla_spec
+from openinfer_kimi_k2.kernel_plan import plan_for
+from openinfer_kimi_k2.weights import KimiK2Weights, LayerWeights, mla_spec
 
 
 class KimiK2Model:
@@ -46,6 +45,7 @@ class KimiK2Model:
         self.rank = rank or RankContext()
         self.weights = weights
         self.backend = backend
+        self.plan = plan_for(backend)
         self.mla: MLASpec = mla_spec(config)
         self.rope = RotaryEmbedding.create(config.qk_rope_head_dim, config.rope, max_model_len,
                                            config.max_position_embeddings)
@@ -58,47 +58,29 @@ class KimiK2Model:
             num_parameters=num_parameters)
 
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer]) -> Any:
-        ops, eps = self.backend, self.config.rms_norm_eps
+        ops, eps, plan, c = self.backend, self.config.rms_norm_eps, self.plan, self.config
         x = ops.embedding(self.weights.embed_tokens, batch.token_ids)
         residual = None
-        cos, sin = self.rope.cos[batch.positions], self.rope.sin[batch.positions]
         for layer, kv in zip(self.weights.layers, kv_cache, strict=True):
             if residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-            attn = self._attention(h, layer.attention, kv, batch, cos, sin)
-            h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_norm, eps)
+            w = layer.attention
+            attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
+                                  c.q_lora_rank, eps)
+            h, residual = ops.add_rms_norm(plan.linear(ops, attn, w.o_proj), residual, layer.post_attention_norm, eps)
             x = self._mlp(h, layer, batch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
-        return ops.linear(h, self.weights.lm_head)
-
-    def _attention(self, h: Any, w: MLAAttentionWeights, kv: KVLayer, batch: ForwardBatch,
-                   cos: np.ndarray, sin: np.ndarray) -> Any:
-        ops, c, spec = self.backend, self.config, self.mla
-        num_tokens = h.shape[0]
-        qkv_a = ops.linear(h, w.qkv_a)
-        if c.q_lora_rank:
-            q = ops.linear(ops.rms_norm(qkv_a[:, : c.q_lora_rank], w.q_a_norm, c.rms_norm_eps), w.q_b)
-            latent = qkv_a[:, c.q_lora_rank:]
-        else:
-            q, latent = qkv_a[:, : -c.latent_dim], qkv_a[:, -c.latent_dim:]
-        q = q.reshape(num_tokens, spec.num_heads, spec.qk_head_dim)
-        q = np.concatenate([q[..., : spec.qk_nope_dim], rotate_half_rope(q[..., spec.qk_nope_dim:], cos, sin)], -1)
-        c_kv = ops.rms_norm(latent[:, : spec.kv_lora_rank], w.kv_a_norm, c.rms_norm_eps)
-        k_pe = rotate_half_rope(latent[:, None, spec.kv_lora_rank:], cos, sin)[:, 0]
-        latents = np.concatenate([c_kv, k_pe], axis=-1)
-        cache = kv.k.reshape(kv.k.shape[0], kv.k.shape[1], spec.latent_dim)
-        out = mla_attention(q, latents, cache, w.mla, spec, batch)
-        return ops.linear(out, w.o_proj)
+        return plan.linear(ops, h, self.weights.lm_head)
 
     def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
-        ops = self.backend
+        ops, plan = self.backend, self.plan
         if isinstance(layer.mlp, MoEWeights):
-            if self.rank.expert.size > 1:
+            if self.rank.expert.size > 1:  # this rank's experts, summed over ranks (openinfer.parallel.expert)
                 return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
                                            self.rank.expert.experts(self.config.n_routed_experts))
-            return moe_forward(ops, h, layer.mlp, batch.token_ids)
-        return ops.linear(ops.silu_mul(ops.linear(h, layer.mlp.gate_up)), layer.mlp.down)
+            return plan.moe(ops, h, layer.mlp, batch)
+        return plan.linear(ops, ops.silu_mul(plan.linear(ops, h, layer.mlp.gate_up)), layer.mlp.down)

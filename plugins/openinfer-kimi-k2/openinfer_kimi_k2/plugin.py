@@ -26,7 +26,7 @@ from openinfer_kimi_k2.config import (
     text_config_of,
     with_message_end_stop,
 )
-from openinfer_kimi_k2.kernel_plan import check_backend
+from openinfer_kimi_k2.kernel_plan import plan_for
 from openinfer_kimi_k2.memory import kimi_model_memory
 from openinfer_kimi_k2.model import KimiK2Model
 from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
@@ -58,16 +58,20 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
     """Parse the config and check every tensor from the safetensors headers first, so a bad
     checkpoint fails with the tensor's name before the backend (and any device memory) exists."""
     kimi = with_message_end_stop(KimiK2Config.from_dict(config, read_generation_config(model_path)), model_path)
+    checkpoint = Checkpoint(model_path)
+    linears = plan_checkpoint(checkpoint, kimi)
     rank = rank or RankContext()
     if rank.tensor.size > 1:
         raise ParallelConfigError("openinfer-kimi-k2 splits the model by experts only: use --expert-parallel-size "
                                   "and leave --tensor-parallel-size at 1")
-    held = rank.expert.experts(kimi.n_routed_experts) if kimi.n_routed_experts else None
-    checkpoint = Checkpoint(model_path)
-    linears = plan_checkpoint(checkpoint, kimi)
+    held = rank.expert.experts(kimi.n_routed_experts) if rank.expert.size > 1 else None
     backend = backend or create_backend(options.device)
-    check_backend(backend)
-    weights = load_weights(checkpoint, kimi, backend, linears=linears, experts=held)
+    if held is not None and backend.name != "numpy":
+        raise ParallelConfigError("openinfer-kimi-k2 runs expert parallel on the NumPy backend only so far (the "
+                                  "CUDA MoE kernels take every expert); use --device cpu or --expert-parallel-size 1")
+    plan = plan_for(backend)
+    weights = load_weights(checkpoint, kimi, backend, linears=linears, builder=plan.builder, experts=held)
+    plan.prepare(weights, backend)
     max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("DeepseekV3ForCausalLM",))
     return KimiK2Model(kimi, weights, backend, max_model_len=max_len, architectures=architectures, rank=rank)

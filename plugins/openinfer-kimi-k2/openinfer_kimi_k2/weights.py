@@ -150,64 +150,100 @@ def _plan_swiglu(plan: _Planner, module: str, hidden: int, intermediate: int) ->
     plan.linear(f"{module}.down_proj", (hidden, intermediate))
 
 
+class LinearBuilder:
+    """Turns planned linears into backend weights. The NumPy reference dequantizes to fp32 and
+    fuses rows; a device backend's builder (the CUDA plan's) may keep them quantized."""
+
+    def __init__(self, ckpt: Checkpoint, linears: dict[str, StoredLinear], backend: Backend):
+        self.ckpt, self.linears, self.backend = ckpt, linears, backend
+
+    def dense(self, module: str) -> np.ndarray:
+        return self.linears[module].dequantize(self.ckpt)
+
+    def fused(self, modules: list[str], row_orders: list[np.ndarray | None] | None = None) -> Any:
+        """One linear from the row blocks of ``modules``, each optionally reordered (``row_orders``)."""
+        orders = row_orders or [None] * len(modules)
+        return self.backend.linear_weight(np.concatenate(
+            [self.dense(m) if order is None else self.dense(m)[order] for m, order in zip(modules, orders, strict=True)]))
+
+    def array(self, array: np.ndarray) -> Any:
+        """A linear from an fp32 array (tied LM head)."""
+        return self.backend.linear_weight(array)
+
+    def experts(self, modules: list[str]) -> tuple[list[ExpertWeights], Any]:
+        """Per-expert SwiGLU weights of one layer (``modules``: ``…experts.{e}``), and a backend's
+        stacked copy (None on NumPy)."""
+        return [self.swiglu(m) for m in modules], None
+
+    def swiglu(self, module: str) -> ExpertWeights:
+        return ExpertWeights(self.fused([f"{module}.gate_proj", f"{module}.up_proj"]),
+                             self.fused([f"{module}.down_proj"]))
+
+
 def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
-                 make_linear: Callable[[np.ndarray], Any] | None = None,
-                 linears: dict[str, StoredLinear] | None = None, experts: slice | None = None) -> KimiK2Weights:
+                 linears: dict[str, StoredLinear] | None = None,
+                 builder: Callable[..., LinearBuilder] | None = None,
+                 experts: slice | None = None) -> KimiK2Weights:
     """Plan (headers only; or take ``linears`` from an earlier ``plan_checkpoint``), then read every
-    weight; quantized linears are dequantized to fp32 on the host and handed to ``make_linear``
-    (default: ``backend.linear_weight``). ``experts``: the routed experts this rank holds under
-    expert parallelism (the others stay ``None``); default all."""
+    weight through ``builder`` (default: the NumPy reference's fp32 ``LinearBuilder``).
+    ``experts``: the routed experts this rank holds under expert parallelism (the others stay
+    ``None``); default all."""
     linears = linears if linears is not None else plan_checkpoint(ckpt, config)
     prefix = checkpoint_prefix(ckpt)
-    to_linear = make_linear or backend.linear_weight
+    build = (builder or LinearBuilder)(ckpt, linears, backend)
     c = config
-
-    def dense(module: str) -> np.ndarray:
-        return linears[module].dequantize(ckpt)
-
-    def swiglu(module: str) -> ExpertWeights:
-        gate_up = np.concatenate([dense(f"{module}.gate_proj"), dense(f"{module}.up_proj")])
-        return ExpertWeights(to_linear(gate_up), to_linear(dense(f"{module}.down_proj")))
-
     perm = rope_deinterleave(c.qk_rope_head_dim) if c.rope_interleave else np.arange(c.qk_rope_head_dim)
-    held = experts or slice(0, c.n_routed_experts)
     layers = []
     for i in range(c.num_hidden_layers):
         layer = f"{prefix}model.layers.{i}"
         attn = f"{layer}.self_attn"
-        kv_a = dense(f"{attn}.kv_a_proj_with_mqa")
-        kv_a = np.concatenate([kv_a[: c.kv_lora_rank], kv_a[c.kv_lora_rank:][perm]])
-        q_rows = dense(f"{attn}.q_b_proj" if c.q_lora_rank else f"{attn}.q_proj")
-        per_head = q_rows.reshape(c.num_attention_heads, c.qk_head_dim, -1)
-        per_head = np.concatenate([per_head[:, : c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim:][:, perm]], 1)
-        q_rows = per_head.reshape(q_rows.shape)
-        kv_b = dense(f"{attn}.kv_b_proj")
+        q_module = f"{attn}.q_b_proj" if c.q_lora_rank else f"{attn}.q_proj"
+        kv_a_module = f"{attn}.kv_a_proj_with_mqa"
+        kv_b = build.dense(f"{attn}.kv_b_proj")
+        q_order, kv_a_order = rope_row_orders(c, perm)
         if c.q_lora_rank:
-            qkv_a = np.concatenate([dense(f"{attn}.q_a_proj"), kv_a])
-            q_a_norm, q_b = backend.weight(ckpt.get(f"{attn}.q_a_layernorm.weight")), to_linear(q_rows)
+            qkv_a = build.fused([f"{attn}.q_a_proj", kv_a_module], [None, kv_a_order])
+            q_a_norm = backend.weight(ckpt.get(f"{attn}.q_a_layernorm.weight"))
+            q_b = build.fused([q_module], [q_order])
         else:
-            qkv_a, q_a_norm, q_b = np.concatenate([q_rows, kv_a]), None, None
+            qkv_a = build.fused([q_module, kv_a_module], [q_order, kv_a_order])
+            q_a_norm, q_b = None, None
         mla = MLAWeights.from_kv_b(kv_b, mla_spec(c))
-        attention = MLAAttentionWeights(to_linear(qkv_a), q_a_norm, q_b,
+        attention = MLAAttentionWeights(qkv_a, q_a_norm, q_b,
                                         backend.weight(ckpt.get(f"{attn}.kv_a_layernorm.weight")),
                                         MLAWeights(backend.weight(mla.w_uk), backend.weight(mla.w_uv)),
-                                        to_linear(dense(f"{attn}.o_proj")))
+                                        build.fused([f"{attn}.o_proj"]))
         mlp_name = f"{layer}.mlp"
         if c.is_moe_layer(i):
             assert c.router is not None
             bias_name = f"{mlp_name}.gate.e_score_correction_bias"
+            held = experts or slice(0, c.n_routed_experts)
+            local, stacked = build.experts([f"{mlp_name}.experts.{e}" for e in range(held.start, held.stop)])
+            layer_experts = [None] * held.start + list(local) + [None] * (c.n_routed_experts - held.stop)
             mlp: DenseMLPWeights | MoEWeights = MoEWeights(
-                router=c.router, gate=ckpt.get(f"{mlp_name}.gate.weight"),
-                experts=[swiglu(f"{mlp_name}.experts.{e}") if held.start <= e < held.stop else None
-                         for e in range(c.n_routed_experts)],
+                router=c.router, gate=ckpt.get(f"{mlp_name}.gate.weight"), experts=layer_experts,
                 correction_bias=ckpt.get(bias_name) if bias_name in ckpt else None,
-                shared=swiglu(f"{mlp_name}.shared_experts") if c.n_shared_experts else None)
+                shared=build.swiglu(f"{mlp_name}.shared_experts") if c.n_shared_experts else None,
+                stacked=stacked)
         else:
-            fused = swiglu(mlp_name)
+            fused = build.swiglu(mlp_name)
             mlp = DenseMLPWeights(fused.gate_up, fused.down)
         layers.append(LayerWeights(backend.weight(ckpt.get(f"{layer}.input_layernorm.weight")), attention,
                                    backend.weight(ckpt.get(f"{layer}.post_attention_layernorm.weight")), mlp))
     embed = ckpt.get(f"{prefix}model.embed_tokens.weight")
-    lm_head = embed if c.tie_word_embeddings else dense(f"{prefix}lm_head")
+    lm_head = build.array(embed) if c.tie_word_embeddings else build.fused([f"{prefix}lm_head"])
     return KimiK2Weights(backend.weight(embed), layers, backend.weight(ckpt.get(f"{prefix}model.norm.weight")),
-                         to_linear(lm_head))
+                         lm_head)
+
+
+def rope_row_orders(c: KimiK2Config, perm: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Row orders of the q projection (per head: nope rows, then the rope rows permuted) and of
+    kv_a (c_kv rows, then the rope rows permuted); None when the permutation is the identity.
+    Rows only move inside their head's rope range, so FP8 blocks of 128 rows stay intact for
+    DeepSeek's sizes (a builder that keeps weights quantized checks this)."""
+    if np.array_equal(perm, np.arange(len(perm))):
+        return None, None
+    head = np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + perm])
+    q_order = (np.arange(c.num_attention_heads)[:, None] * c.qk_head_dim + head[None, :]).reshape(-1)
+    kv_a_order = np.concatenate([np.arange(c.kv_lora_rank), c.kv_lora_rank + perm])
+    return q_order, kv_a_order

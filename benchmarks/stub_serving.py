@@ -1,0 +1,268 @@
+"""CPU serving benchmark with a stub model: how much slower than the model step do tokens reach clients?
+
+The server is the real one (`openinfer serve`: engine-core process, API servers, tokenizer,
+detokenization, SSE); only the model is a stub whose "device" takes ``--step-ms`` per step
+(``openinfer.engine_core.stub``). A burst of ``--streams`` concurrent streaming completions
+(``--prompt-len`` tokens in, ``--output-len`` out, ignore_eos) is driven by a lean HTTP client
+spread over ``--client-procs`` processes. Reported: e2e TPOT p50/p99 (last token − first token
+over tokens − 1, per request) and its ratio to the step time, TTFT, output tok/s.
+
+Modes (``--modes``): ``multi`` = the default process model; ``single`` = ``--single-process``;
+``inproc`` = the stub engine + HTTP app in one process built from whatever ``openinfer`` is
+importable (``--inproc-pythonpath`` points it at another checkout, e.g. the code before the
+engine-core work, to reproduce the old number).
+
+    python benchmarks/stub_serving.py --streams 256 --step-ms 14.5 --modes multi,single
+Writes benchmarks/results/stub_serving.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FACTORY = "openinfer.engine_core.stub:create_stub_engine"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- a lean streaming client (raw HTTP/1.1 + chunked SSE; parses JSON only for the usage chunk) ---
+
+async def one_stream(port: int, body: bytes, start_at: float) -> dict:
+    delay = start_at - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        rest = await reader.read(2000)
+        writer.close()
+        return {"ok": False, "error": (status + rest)[:300].decode(errors="replace")}
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass
+    first = last = None
+    events = 0
+    tokens = 0
+    buffer = b""
+    error = ""
+    while True:
+        size_line = await reader.readline()
+        if not size_line:
+            break
+        size = int(size_line.strip() or b"0", 16)
+        if size == 0:
+            break
+        data = await reader.readexactly(size + 2)
+        buffer += data[:-2]
+        while b"\n\n" in buffer:
+            frame, buffer = buffer.split(b"\n\n", 1)
+            if not frame.startswith(b"data: ") or frame == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if b'"usage":{' in frame:
+                tokens = json.loads(frame[6:])["usage"]["completion_tokens"]
+            elif b'"error"' in frame[:20]:
+                error = frame[:300].decode(errors="replace")
+            else:
+                events += 1
+                first = first or now
+                last = now
+    writer.close()
+    if first is None or error:
+        return {"ok": False, "error": error or "no tokens"}
+    return {"ok": True, "ttft": first - t0, "span": last - first, "tokens": tokens, "events": events,
+            "latency": last - t0}
+
+
+def client_process(port: int, bodies: list[bytes], start_at: float, out: multiprocessing.Queue) -> None:
+    async def run() -> list[dict]:
+        return await asyncio.gather(*(one_stream(port, body, start_at) for body in bodies))
+
+    out.put(asyncio.run(run()))
+
+
+def burst(port: int, streams: int, prompt_len: int, output_len: int, vocab: int, procs: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    bodies = [json.dumps({"prompt": rng.integers(300, vocab - 10, size=prompt_len).tolist(), "max_tokens": output_len,
+                          "ignore_eos": True, "temperature": 0, "stream": True,
+                          "stream_options": {"include_usage": True}}).encode() for _ in range(streams)]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    start_at = time.time() + 1.0
+    workers = [context.Process(target=client_process, args=(port, bodies[i::procs], start_at, out))
+               for i in range(procs)]
+    for worker in workers:
+        worker.start()
+    results = [r for _ in workers for r in out.get(timeout=600)]
+    for worker in workers:
+        worker.join()
+    duration = max((r["latency"] for r in results if r["ok"]), default=0.0) + 0.0
+    ok = [r for r in results if r["ok"]]
+    tpot = [r["span"] / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    return {
+        "num_ok": len(ok), "num_failed": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
+        "tpot_ms": {"p50": 1e3 * float(np.percentile(tpot, 50)), "p99": 1e3 * float(np.percentile(tpot, 99))}
+        if tpot else None,
+        "ttft_ms": {"p50": 1e3 * float(np.percentile([r["ttft"] for r in ok], 50)),
+                    "p99": 1e3 * float(np.percentile([r["ttft"] for r in ok], 99))} if ok else None,
+        "output_tok_s": sum(r["tokens"] for r in ok) / duration if duration else 0.0,
+        "sse_events_per_token": sum(r["events"] for r in ok) / max(1, sum(r["tokens"] for r in ok)),
+    }
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+def serve_in_process(model_dir: str, port: int) -> None:
+    """``--internal-inproc``: stub engine + HTTP app in this process, using only APIs that
+    predate the engine-core work (so an older checkout on PYTHONPATH runs it too)."""
+    import uvicorn
+
+    from openinfer.engine_core.stub import create_stub_engine
+    from openinfer.frontend.http import create_app
+    from openinfer.tokenizer import Tokenizer
+
+    engine = create_stub_engine(model_dir, device="cpu", num_kv_blocks=40000)
+    app = create_app(engine, Tokenizer.from_dir(model_dir), "stub")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False)
+
+
+def start_server(mode: str, model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ)
+    if mode == "inproc":
+        if args.inproc_pythonpath:
+            env["PYTHONPATH"] = args.inproc_pythonpath
+        command = [sys.executable, __file__, "--internal-inproc", model_dir, "--port", str(port)]
+    else:
+        command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", model_dir, "--engine-factory",
+                   FACTORY, "--port", str(port), "--grpc-port", "0", "--device", "cpu", "--num-kv-blocks", "40000",
+                   "--log-level", "warning", "--api-server-count", str(args.api_server_count)]
+        if mode == "single":
+            command.append("--single-process")
+    return subprocess.Popen(command, env=env)
+
+
+def wait_healthy(port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server not healthy")
+
+
+def make_model(step_ms: float) -> tuple[str, int]:
+    from openinfer.demo import ensure_demo_model
+    from openinfer.engine_core.stub import write_stub_model
+
+    directory = Path(tempfile.mkdtemp(prefix="openinfer-stub-")) / "stub"
+    write_stub_model(directory, ensure_demo_model(), step_ms)
+    return str(directory), json.loads((directory / "config.json").read_text())["vocab_size"]
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r["tpot_ms"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [r["label"] for r in runs]
+    ratios = [r["tpot_ms"]["p50"] / report["step_ms"] for r in runs]
+    ax.bar(labels, ratios, color="tab:blue")
+    ax.axhline(1.2, color="tab:red", linestyle="--", label="goal 1.2×")
+    ax.axhline(1.0, color="gray", linestyle=":", label="model step")
+    for i, ratio in enumerate(ratios):
+        ax.text(i, ratio + 0.02, f"{ratio:.2f}×", ha="center")
+    ax.set(ylabel="e2e TPOT p50 / step time", title=f"stub model, step {report['step_ms']} ms, "
+           f"{report['streams']} streams, {report['output_len']} tokens out")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=14.5)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--modes", default="multi,single")
+    parser.add_argument("--api-server-count", type=int, default=1)
+    parser.add_argument("--client-procs", type=int, default=2)
+    parser.add_argument("--inproc-pythonpath", default="")
+    parser.add_argument("--inproc-label", default="inproc")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tag", default="stub_serving")
+    parser.add_argument("--append", action="store_true", help="add runs to an existing JSON of the same tag")
+    parser.add_argument("--internal-inproc", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.internal_inproc:
+        serve_in_process(args.internal_inproc, args.port)
+        return 0
+    model_dir, vocab = make_model(args.step_ms)
+    path = RESULTS / f"{args.tag}.json"
+    report = json.loads(path.read_text()) if args.append and path.exists() else {"runs": []}
+    report.update({"step_ms": args.step_ms, "streams": args.streams, "prompt_len": args.prompt_len,
+                   "output_len": args.output_len, "host": platform.node(), "cpus": os.cpu_count(),
+                   "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    for mode in args.modes.split(","):
+        port = free_port()
+        server = start_server(mode, model_dir, port, args)
+        try:
+            wait_healthy(port, server)
+            burst(port, 8, args.prompt_len, 8, vocab, 1, 0)  # warm-up
+            for repeat in range(args.repeats):
+                result = burst(port, args.streams, args.prompt_len, args.output_len, vocab, args.client_procs, repeat)
+                label = args.inproc_label if mode == "inproc" else (
+                    f"multi ×{args.api_server_count} API" if mode == "multi" else "single-process")
+                result.update({"mode": mode, "label": label, "api_server_count": args.api_server_count})
+                if result["tpot_ms"]:
+                    result["tpot_over_step"] = result["tpot_ms"]["p50"] / args.step_ms
+                print(json.dumps(result), flush=True)
+                report["runs"].append(result)
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / f"{args.tag}.png")
+    print(f"wrote {path} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""MoE and quantized linears on the GPU (kernels in ``openinfer/kernels/moe.cu``).
+
+Expert weights of one layer live stacked per projection, ``[E, N, K]`` rows with K contiguous,
+in their checkpoint format — bf16, INT4 pack-quantized (int32 words + bf16 group scales) or FP8
+e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside the grouped GEMM::
+
+    ExpertLinear.data   [E, N, K] bf16 | [E, N, K/8] int32 | [E, N, K] uint8
+    ExpertLinear.scale  None         | [E, N, K/group] bf16 | [E, ⌈N/b⌉, ⌈K/b⌉] fp32
+    ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
+
+A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1,
+run in the kernel's dense mode. Routing runs on the device too (``moe_route``), so a decode
+step never waits for the host and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import kernel
+from openinfer.moe import RouterSpec
+
+FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
+TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
+GEMM_THREADS = 128
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+MAX_TOPK = 16
+MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
+NULL = np.uint64(0)
+
+
+@dataclass
+class ExpertLinear:
+    """One projection of all experts of a layer (or one dense linear when ``num_experts == 1``)."""
+
+    format: str
+    data: cupy.ndarray
+    scale: cupy.ndarray | None
+    out_features: int
+    in_features: int
+    group: int = 32  # INT4 group size
+    block: int = 128  # FP8 block size
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.data.shape[0])
+
+    def expert(self, e: int) -> ExpertLinear:
+        return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
+                            self.out_features, self.in_features, self.group, self.block)
+
+    def _kernel(self) -> cupy.RawKernel:
+        return kernel("moe.cu", "moe_grouped_gemm", WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group,
+                      FP8_BLOCK=self.block)
+
+
+def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None, shape: tuple[int, int],
+                         group: int = 32, block: int = 128) -> ExpertLinear:
+    """Host arrays (stacked over experts, as stored in the checkpoint) → device. ``bf16`` data is
+    uint16 bf16 bits; ``int4`` int32 words + uint16 (bf16) scales; ``fp8`` uint8 codes + fp32 scales."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown expert weight format {format!r}; one of {sorted(FORMATS)}")
+    out_features, in_features = shape
+    if format == "int4" and (in_features % group or group % 8):
+        raise ValueError(f"INT4 in_features {in_features} must be a multiple of the group size {group} (itself of 8)")
+    return ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
+                        None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
+                        out_features, in_features, group, block)
+
+
+@dataclass
+class ExpertGroupingDevice:
+    """A step's routing, on the device (see moe.cu): slots grouped by expert, GEMM tiles."""
+
+    ids: cupy.ndarray  # [T, k] int32
+    weights: cupy.ndarray  # [T, k] fp32
+    sorted_slots: cupy.ndarray  # [T·k]
+    slot_pos: cupy.ndarray  # [T·k]
+    offsets: cupy.ndarray  # [E+1]
+    tile_expert: cupy.ndarray
+    tile_row: cupy.ndarray
+    num_tiles: cupy.ndarray  # [1]
+    max_tiles: int
+    top_k: int
+
+
+def max_tiles(num_slots: int, num_experts: int) -> int:
+    """Upper bound of GEMM tiles: each active expert wastes at most one partial tile."""
+    return -(-num_slots // TILE_M) + min(num_experts, num_slots)
+
+
+def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
+          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
+          ) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
+    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32."""
+    num_tokens, hidden = x.shape
+    if spec.top_k > MAX_TOPK or spec.num_groups > 64 or spec.num_experts > MAX_EXPERTS:
+        raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK}, n_group <= 64 and at most {MAX_EXPERTS} "
+                         f"experts; got top_k={spec.top_k}, n_group={spec.num_groups}, {spec.num_experts} experts")
+    ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
+    weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
+    if num_tokens:
+        kernel("moe.cu", "moe_route")(
+            (num_tokens,), (256,),
+            (x, gate, NULL if correction_bias is None else correction_bias, np.int32(hidden),
+             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+             np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
+             np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),
+             NULL if token_ids is None else token_ids, NULL if tid2eid is None else tid2eid, ids, weights))
+    return ids, weights
+
+
+def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) -> ExpertGroupingDevice:
+    num_slots = int(ids.size)
+    tiles = max_tiles(num_slots, num_experts)
+    counts = cupy.empty(num_experts, dtype=cupy.int32)
+    grouping = ExpertGroupingDevice(
+        ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
+        cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
+    kernel("moe.cu", "moe_sort")((1,), (1024,), (
+        ids, np.int32(num_slots), np.int32(num_experts), counts, grouping.offsets, grouping.sorted_slots,
+        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+    return grouping
+
+
+def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool) -> cupy.ndarray:
+    """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
+    (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16."""
+    num_slots = int(grouping.sorted_slots.size)
+    out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
+    if num_slots == 0:
+        return out
+    grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
+    weight._kernel()(grid, (GEMM_THREADS,), (
+        cupy.ascontiguousarray(a), grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k),
+        weight.data, NULL if weight.scale is None else weight.scale, grouping.tile_expert, grouping.tile_row,
+        grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(weight.out_features),
+        np.int32(weight.in_features)))
+    return out
+
+
+def quantized_linear(x: cupy.ndarray, weight: ExpertLinear) -> cupy.ndarray:
+    """``x [M, K] @ W^T`` for one (E = 1) quantized weight: W8A16 / W4A16 with in-kernel dequant."""
+    if x.ndim != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"quantized linear expects [tokens, {weight.in_features}], got {tuple(x.shape)}")
+    rows = int(x.shape[0])
+    out = cupy.empty((rows, weight.out_features), dtype=cupy.uint16)
+    if rows == 0:
+        return out
+    grid = (-(-rows // TILE_M), -(-weight.out_features // TILE_N))
+    weight._kernel()(grid, (GEMM_THREADS,), (
+        cupy.ascontiguousarray(x), NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale,
+        NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features), np.int32(weight.in_features)))
+    return out
+
+
+def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int) -> cupy.ndarray:
+    num_tokens = int(grouping.ids.shape[0])
+    out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+    if num_tokens:
+        kernel("moe.cu", "moe_combine")((num_tokens,), (256,), (
+            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared,
+            np.int32(grouping.top_k), np.int32(hidden), out))
+    return out
+
+
+@dataclass
+class DeviceMoE:
+    """One MoE layer on the device."""
+
+    router: RouterSpec
+    gate: cupy.ndarray  # [E, H] bf16
+    correction_bias: cupy.ndarray | None  # [E] fp32
+    gate_up: ExpertLinear  # [E, 2I, H]
+    down: ExpertLinear  # [E, H, I]
+    tid2eid: cupy.ndarray | None = None  # [vocab, k] int64
+
+
+def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
+                token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
+    """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
+    (+ the shared experts' output ``shared``, already computed)."""
+    x = cupy.ascontiguousarray(x)
+    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
+    grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True)
+    activated = backend.silu_mul(hidden)
+    y = grouped_gemm(activated, layer.down, grouping, gather=False)
+    return combine(y, grouping, shared, int(x.shape[1]))

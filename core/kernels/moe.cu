@@ -1,0 +1,352 @@
+// Mixture-of-experts on the GPU: routing, grouping by expert, grouped GEMM with in-kernel weight
+// dequantisation (bf16 | INT4 pack-quantized | FP8 e4m3 block-scaled), weighted combine.
+//
+//   x [T, H] bf16 ──moe_route──► ids [T, k] int32, weights [T, k] fp32
+//                 ──moe_sort───► sorted_slots [T·k] (slot = t·k + j, grouped by expert),
+//                                slot_pos [T·k] (inverse), tiles [(expert, first row)], num_tiles
+//   grouped GEMM 1: rows x[sorted_slots[p] / k] · gate_up_e^T  → h [T·k, 2I] (sorted order)
+//   silu_mul (elementwise.cu)                                   → a [T·k, I]
+//   grouped GEMM 2: rows a[p] · down_e^T                        → y [T·k, H]
+//   moe_combine: out[t] = Σ_j weights[t, j] · y[slot_pos[t·k + j]]   (fixed j order: deterministic)
+//
+// Rows of one expert may land in any order inside its segment (atomics in moe_sort); every output
+// row is a dot product of its own input row, so the values never depend on that order.
+//
+// Weight formats (WEIGHT_FORMAT), all laid out per expert as [N, K] rows (K contiguous):
+//   0  bf16                      w [E, N, K]
+//   1  INT4 pack-quantized       words [E, N, K/8] int32 (nibble j%8 of word j/8, LSB first, value−8)
+//                                scales [E, N, K/GROUP] bf16
+//   2  FP8 e4m3, block-scaled    codes [E, N, K] uint8, scale_inv [E, ⌈N/128⌉, ⌈K/128⌉] fp32
+// A weight tile is dequantised to bf16 in shared memory, then multiplied with tensor cores
+// (bf16 in, fp32 accumulate: mma.sync m16n8k16); USE_MMA=0 gives a plain-FMA kernel with the same
+// indexing (and no inline PTX, so the source also runs under a host emulation).
+#include "common.cuh"
+
+#ifndef WEIGHT_FORMAT
+#define WEIGHT_FORMAT 0
+#endif
+#ifndef GROUP
+#define GROUP 32
+#endif
+#ifndef USE_MMA
+#define USE_MMA 1
+#endif
+#ifndef FP8_BLOCK
+#define FP8_BLOCK 128
+#endif
+#define BM 64
+#define BN 64
+#define BK 32
+#define SMEM_PAD 8
+#define GEMM_THREADS 128
+#define MAX_TOPK 16
+#define MAX_EXPERTS 512
+
+// ---------------------------------------------------------------------------------------------
+// Routing: one block per token. Logits in fp32 from bf16 x and bf16 router weight; scores
+// (SCORING 0 softmax, 1 sigmoid, 2 sqrt(softplus)); choice = score + bias; group-limited top-k
+// (group score: sum of the best two, or the best one when GROUP_SCORE_MAX); weights = chosen
+// scores, renormalised (norm_topk) and scaled.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __restrict__ gate,
+                                     const float* __restrict__ bias /* [E] or null */, int hidden, int num_experts,
+                                     int top_k, int scoring, int num_groups, int topk_groups, int group_score_max,
+                                     int norm_topk, float scaling, const int* __restrict__ token_ids,
+                                     const long long* __restrict__ tid2eid /* [vocab, k] or null */,
+                                     int* __restrict__ ids, float* __restrict__ weights) {
+    __shared__ float score[MAX_EXPERTS];
+    __shared__ float choice[MAX_EXPERTS];
+    __shared__ float scratch[32];
+    __shared__ float group_value[64];
+    __shared__ int chosen[MAX_TOPK];
+    const int t = blockIdx.x;
+    const bf16* row = x + (long long)t * hidden;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
+    for (int e = warp; e < num_experts; e += num_warps) {
+        const bf16* w = gate + (long long)e * hidden;
+        float acc = 0.f;
+        for (int i = lane; i < hidden; i += 32) acc += __bfloat162float(row[i]) * __bfloat162float(w[i]);
+        acc = warp_sum(acc);
+        if (lane == 0) score[e] = acc;
+    }
+    __syncthreads();
+    float local_max = -INFINITY;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) local_max = fmaxf(local_max, score[e]);
+    const float logit_max = block_max(local_max, scratch);
+    float local_sum = 0.f;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const float l = score[e];
+        float s;
+        if (scoring == 0) {
+            s = __expf(l - logit_max);
+            local_sum += s;
+        } else if (scoring == 1) {
+            s = 1.f / (1.f + __expf(-l));
+        } else {
+            s = sqrtf(l > 20.f ? l : log1pf(__expf(l)));
+        }
+        score[e] = s;
+    }
+    if (scoring == 0) {
+        const float total = block_sum(local_sum, scratch);
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) score[e] /= total;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) choice[e] = score[e] + (bias ? bias[e] : 0.f);
+    __syncthreads();
+    if (num_groups > 1) {
+        const int per_group = num_experts / num_groups;
+        if (threadIdx.x < num_groups) {
+            float best = -INFINITY, second = -INFINITY;
+            for (int i = 0; i < per_group; ++i) {
+                const float v = choice[threadIdx.x * per_group + i];
+                if (v > best) { second = best; best = v; } else if (v > second) { second = v; }
+            }
+            group_value[threadIdx.x] = group_score_max ? best : best + second;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // keep the topk_groups best groups: mark the rest with -inf
+            for (int kept = 0; kept < topk_groups; ++kept) {
+                int arg = -1;
+                float best = -INFINITY;
+                for (int g = 0; g < num_groups; ++g)
+                    if (group_value[g] != INFINITY && (arg < 0 || group_value[g] > best)) { best = group_value[g]; arg = g; }
+                group_value[arg] = INFINITY;  // taken
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
+            if (group_value[e / per_group] != INFINITY) choice[e] = -INFINITY;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {  // top-k by repeated argmax (k ≤ 16), or the hash table's experts
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j) {
+            int arg = -1;
+            if (tid2eid) {
+                arg = (int)tid2eid[(long long)token_ids[t] * top_k + j];
+            } else {
+                float best = -INFINITY;
+                for (int e = 0; e < num_experts; ++e) {
+                    bool taken = false;
+                    for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+                    if (!taken && (arg < 0 || choice[e] > best)) {
+                        best = choice[e];
+                        arg = e;
+                    }
+                }
+            }
+            chosen[j] = arg;
+            total += score[arg];
+        }
+        const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+        for (int j = 0; j < top_k; ++j) {
+            ids[t * top_k + j] = chosen[j];
+            weights[t * top_k + j] = score[chosen[j]] * norm * scaling;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouping: one block. Counts per expert, segment offsets, each slot's place in its expert's
+// segment, and the GEMM tile list (BM rows of one expert per tile).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, int num_slots, int num_experts,
+                                    int* __restrict__ counts /* [E] zeroed scratch */,
+                                    int* __restrict__ offsets /* [E+1] */, int* __restrict__ sorted_slots,
+                                    int* __restrict__ slot_pos, int* __restrict__ tile_expert,
+                                    int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) atomicAdd(&counts[ids[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int running = 0, tiles = 0;
+        for (int e = 0; e < num_experts; ++e) {
+            offsets[e] = running;
+            for (int row = 0; row < counts[e] && tiles < max_tiles; row += BM) {
+                tile_expert[tiles] = e;
+                tile_row[tiles] = running + row;
+                ++tiles;
+            }
+            running += counts[e];
+            counts[e] = 0;
+        }
+        offsets[num_experts] = running;
+        *num_tiles = tiles;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+        const int e = ids[i];
+        const int p = offsets[e] + atomicAdd(&counts[e], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM: out[p, n] = Σ_k A[row(p), k] · W_e[n, k] for the rows p of tile blockIdx.x
+// (expert e), columns n of tile blockIdx.y. row(p) = sorted_slots[p] / top_k when gathering from
+// token rows (GEMM 1), else p. Dense mode (tile_expert == null): expert 0, rows blockIdx.x·BM ...
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
+    const int sign = code >> 7, exponent = (code >> 3) & 0xF, mantissa = code & 7;
+    float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
+    return sign ? -v : v;
+}
+
+#if USE_MMA
+// D = A·B + D for one m16n8k16 bf16 tile; a: 4 regs (row-major A), b: 2 regs (col-major B).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// Dequantise weight element (n, k) of expert e (n < N, k < K checked by the caller).
+__device__ __forceinline__ float weight_value(const void* __restrict__ weight, const void* __restrict__ scale,
+                                             long long e, int n, int k, int N, int K) {
+#if WEIGHT_FORMAT == 0
+    return __bfloat162float(((const bf16*)weight)[(e * N + n) * (long long)K + k]);
+#elif WEIGHT_FORMAT == 1
+    const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
+    const int q = (int)((word >> (4 * (k & 7))) & 0xF) - 8;
+    return (float)q * __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const unsigned char code = ((const unsigned char*)weight)[(e * N + n) * (long long)K + k];
+    return fp8_e4m3_value(code) * ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                 const void* __restrict__ weight, const void* __restrict__ scale,
+                 const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                 const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                 bf16* __restrict__ out, int N, int K) {
+    __shared__ __align__(16) bf16 a_tile[BM][BK + SMEM_PAD];
+    __shared__ __align__(16) bf16 b_tile[BN][BK + SMEM_PAD];
+    __shared__ float c_tile[BM][BN + 4];
+    __shared__ int a_rows[BM];
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        if ((int)blockIdx.x >= *num_tiles) return;
+        expert = tile_expert[blockIdx.x];
+        row_begin = tile_row[blockIdx.x];
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = blockIdx.x * BM;
+        if (row_begin >= dense_rows) return;
+        row_end = min(row_begin + BM, dense_rows);
+    }
+    const int n0 = blockIdx.y * BN;
+    const int rows = row_end - row_begin;
+    for (int r = threadIdx.x; r < BM; r += GEMM_THREADS) {
+        const int p = row_begin + r;
+        a_rows[r] = r < rows ? (sorted_slots ? sorted_slots[p] / top_k : p) : -1;
+    }
+#if USE_MMA
+    // 4 warps in a 2x2 grid, each a 32x32 output block = 2 (m16) x 4 (n8) mma tiles
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int warp_m = (warp >> 1) * 32, warp_n = (warp & 1) * 32;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+#else
+    float acc[BM * BN / GEMM_THREADS];
+    for (int i = 0; i < BM * BN / GEMM_THREADS; ++i) acc[i] = 0.f;
+#endif
+    __syncthreads();
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        for (int i = threadIdx.x; i < BM * BK; i += GEMM_THREADS) {
+            const int r = i / BK, c = i % BK;
+            const int src = a_rows[r];
+            a_tile[r][c] = (src >= 0 && k0 + c < K) ? a[(long long)src * K + k0 + c] : __float2bfloat16_rn(0.f);
+        }
+        for (int i = threadIdx.x; i < BN * BK; i += GEMM_THREADS) {
+            const int r = i / BK, c = i % BK;
+            const int n = n0 + r, k = k0 + c;
+            b_tile[r][c] = __float2bfloat16_rn((n < N && k < K) ? weight_value(weight, scale, expert, n, k, N, K) : 0.f);
+        }
+        __syncthreads();
+#if USE_MMA
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned fa[2][4], fb[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = warp_m + 16 * i + group;
+                fa[i][0] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair]);
+                fa[i][1] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair]);
+                fa[i][2] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair + 8]);
+                fa[i][3] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair + 8]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = warp_n + 8 * j + group;
+                fb[j][0] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair]);
+                fb[j][1] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair + 8]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
+        }
+#else
+        for (int i = 0; i < BM * BN / GEMM_THREADS; ++i) {
+            const int idx = threadIdx.x + i * GEMM_THREADS;
+            const int r = idx / BN, c = idx % BN;
+            float sum = 0.f;
+            for (int kk = 0; kk < BK; ++kk) sum += __bfloat162float(a_tile[r][kk]) * __bfloat162float(b_tile[c][kk]);
+            acc[i] += sum;
+        }
+#endif
+        __syncthreads();
+    }
+#if USE_MMA
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = warp_m + 16 * i + group, c = warp_n + 8 * j + pair;
+            c_tile[r][c] = acc[i][j][0];
+            c_tile[r][c + 1] = acc[i][j][1];
+            c_tile[r + 8][c] = acc[i][j][2];
+            c_tile[r + 8][c + 1] = acc[i][j][3];
+        }
+#else
+    for (int i = 0; i < BM * BN / GEMM_THREADS; ++i) {
+        const int idx = threadIdx.x + i * GEMM_THREADS;
+        c_tile[idx / BN][idx % BN] = acc[i];
+    }
+#endif
+    __syncthreads();
+    for (int i = threadIdx.x; i < BM * BN; i += GEMM_THREADS) {
+        const int r = i / BN, c = i % BN;
+        if (r < rows && n0 + c < N) out[(long long)(row_begin + r) * N + n0 + c] = __float2bfloat16_rn(c_tile[r][c]);
+    }
+}
+
+// out[t, :] = Σ_j weights[t, j] · y[slot_pos[t·k + j], :]  (+ shared[t, :] when given), bf16 out.
+extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
+                                       const float* __restrict__ weights, const bf16* __restrict__ shared,
+                                       int top_k, int hidden, bf16* __restrict__ out) {
+    const int t = blockIdx.x;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float sum = 0.f;
+        for (int j = 0; j < top_k; ++j)
+            sum += weights[t * top_k + j] * __bfloat162float(y[(long long)slot_pos[t * top_k + j] * hidden + c]);
+        if (shared) sum = round_bf16(sum) + __bfloat162float(shared[(long long)t * hidden + c]);
+        out[(long long)t * hidden + c] = __float2bfloat16_rn(sum);
+    }
+}

@@ -1,0 +1,211 @@
+"""Structured outputs: a constraint (JSON Schema, any JSON object, regex, choice, grammar) becomes
+a per-request grammar matcher that masks, at every step, each token that cannot continue a
+valid output.
+
+The grammar engine is llguidance (chosen over xgrammar by measured mask time and coverage; see
+``benchmarks/grammar_mask.py`` and its JSON). Who does what:
+
+* frontends call :func:`check_constraint` so an invalid schema / regex / grammar is a 400 (or
+  INVALID_ARGUMENT) naming the problem before anything reaches the engine;
+* the engine owns one :class:`GrammarCompiler` per tokenizer (the vocabulary as llguidance sees
+  it is built once from ``tokenizer.json``) and gives each constrained request a
+  :class:`GrammarMatcher`;
+* each step, :func:`fill_bitmasks` writes the allowed-token bitmask of every constrained row
+  (one int32 word per 32 tokens, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed)
+  on the CPU while the device runs the forward; the samplers apply it (:func:`apply_bitmask`
+  on NumPy, a kernel on CUDA);
+* after a token is chosen the matcher consumes it (``SamplingState.record``).
+
+JSON is generated compactly with Python's separators (``", "`` and ``": "``) and no other
+whitespace, so a sampled output can neither stall in whitespace nor differ between paths.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance as llg
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from openinfer.errors import InvalidRequestError
+from openinfer.v1 import engine_pb2 as pb
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+FIELD = "structured_output"
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _refuse(kind: str, problem: str) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {kind} constraint: {problem}", FIELD)
+
+
+def _json_schema_grammar(schema_text: str) -> str:
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as exc:
+        raise _refuse("json_schema", f"the schema is not valid JSON ({exc})") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise _refuse("json_schema", f"a JSON Schema is an object (or true/false), got {type(schema).__name__}")
+    return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+def grammar_of(constraint: pb.StructuredOutput) -> str:
+    """The llguidance grammar for ``constraint``; raises ``InvalidRequestError`` for an empty or
+    malformed one (without compiling it: see :func:`check_constraint`)."""
+    kind = constraint.WhichOneof("kind")
+    if kind == "json_schema":
+        return _json_schema_grammar(constraint.json_schema)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+    if kind == "regex":
+        if not constraint.regex:
+            raise _refuse("regex", "the pattern is empty")
+        return llg.LLMatcher.grammar_from_regex(constraint.regex)
+    if kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not choices:
+            raise _refuse("choice", "give at least one choice")
+        return llg.grammar_from("choice", json.dumps(choices))
+    if kind == "grammar":
+        if not constraint.grammar.strip():
+            raise _refuse("grammar", "the grammar is empty")
+        try:
+            return llg.grammar_from("grammar", constraint.grammar)
+        except ValueError as exc:
+            raise _refuse("grammar", str(exc)) from exc
+    raise _refuse("structured output", "no kind is set (json_schema, json_object, regex, choice or grammar)")
+
+
+def check_constraint(constraint: pb.StructuredOutput) -> None:
+    """Compile-check ``constraint`` without a tokenizer; the error names what is wrong."""
+    grammar = grammar_of(constraint)
+    problem = llg.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise _refuse(constraint.WhichOneof("kind"), problem.strip())
+
+
+class GrammarMatcher:
+    """One request's position in its grammar. ``accept`` advances it by a sampled token."""
+
+    def __init__(self, matcher: llg.LLMatcher):
+        self._matcher = matcher
+
+    @property
+    def matcher(self) -> llg.LLMatcher:
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False when the grammar forbids it (the matcher is then in an
+        error state: only a bug or an unconstrained token such as a forced stop gets here)."""
+        if self._matcher.is_stopped():
+            return True  # the grammar is complete: the only tokens left are the stop tokens
+        return self._matcher.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_stopped()
+
+    def fill(self, bitmask_row: np.ndarray) -> None:
+        llg_numpy.fill_next_token_bitmask(self._matcher, bitmask_row.reshape(1, -1), 0)
+
+
+def _printable_ascii(text: str) -> bool:
+    return bool(text) and all("!" <= ch <= "~" for ch in text)
+
+
+def grammar_tokenizer_json(tokenizer_json: str) -> str:
+    """``tokenizer.json`` as llguidance should see it. llguidance treats every *added* token as a
+    special token, so a non-special added token that the model writes as text (Qwen3's
+    ``<tool_call>``, ``<think>``) would be allowed by a mask for its text and then refused when
+    consumed. In byte-level BPE vocabularies such a token (printable ASCII, which the byte
+    alphabet maps to itself) is moved into the regular vocabulary under its id."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    vocab = model.get("vocab")
+    byte_level = "ByteLevel" in json.dumps(data.get("decoder"))
+    if not (byte_level and isinstance(vocab, dict)):
+        return tokenizer_json
+    kept = []
+    for token in data.get("added_tokens") or []:
+        content = token.get("content", "")
+        if not token.get("special", True) and _printable_ascii(content) and content not in vocab:
+            vocab[content] = token["id"]
+        else:
+            kept.append(token)
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
+
+
+class GrammarCompiler:
+    """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
+    than the tokenizer: padding ids are never allowed)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.vocab_size = vocab_size
+        self.tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer_json), n_vocab=vocab_size,
+                                         eos_token=list(eos_token_ids) or None)
+        self._executor = llg.LLExecutor(num_threads=2)
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:
+        path = Path(tokenizer_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidRequestError(
+                f"structured outputs need the model's tokenizer.json, which is not in {tokenizer_dir!r}; "
+                "serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
+        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+
+    def compile(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
+        matcher = llg.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
+        if matcher.is_error():
+            raise _refuse(constraint.WhichOneof("kind"), matcher.get_error().strip())
+        return GrammarMatcher(matcher)
+
+    def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """Write each matcher's allowed tokens into ``bitmask[row]`` (rows not named stay as they are),
+        in parallel on llguidance's threads (the GIL is released)."""
+        if matchers:
+            llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.matcher, row) for m, row in matchers],
+                                                  bitmask)
+
+
+class CompilerCache:
+    """The engine's lazily built compiler (loading the vocabulary takes a moment, so requests
+    without constraints never pay for it)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler.from_dir(*self._args)
+            return self._compiler
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
+    """All tokens allowed in every row."""
+    return np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A bool mask [vocab_size] from one bitmask row."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
+
+
+def apply_bitmask(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
+    """Forbidden tokens' logits become -inf (in place; ``logits`` is one float32 row)."""
+    logits[~allowed_tokens(bitmask_row, logits.shape[-1])] = -np.inf
+    return logits
+
+
+LOGIT_BIAS_LIMIT = 100.0

@@ -1,0 +1,704 @@
+"""Kernel ledger and step-time model (GPU): every op of a model's decode and prefill, timed on
+the device over a grid of (batch, context), with its kernels, shape, bytes, FLOPs and % of
+its roofline; from those, a predicted step time for any (batch, context) next to a measured one.
+
+    python -m openinfer.tools.ledger --model-path DIR [--out ledger.json] [--markdown ledger.md]
+    python -m openinfer.tools.ledger --random qwen3-4b --out ...     # writes a random checkpoint first
+
+How an op is timed: one forward runs with the model's op objects (its backend and, where it has
+one, its kernel plan) wrapped, recording each top-level op call with its arguments. The
+recorded calls are then replayed in order behind a spin kernel that holds the stream, with an
+event between consecutive ops: the host enqueues the whole step before the device starts, so
+each event gap is the op's device time in a real step's order (its weights cold in L2, its
+inputs warm) and no host launch gaps. Median over ``--repeats`` replays.
+
+Model: an op's time per step is interpolated over the grid (piecewise linear in context, then
+in log2 batch); a step is the sum of its ops (on the eager path: the larger of the summed
+device and host times). The measured step is the graph replay (CUDA-graph models) or the eager
+forward, timed with events / host clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BLOCK_SIZE = 16
+LARGE_ARRAY_BYTES = 1 << 30  # a pool (KV cache, state slots) is never read whole by one op
+# backend methods that place data or sample rather than compute a layer
+NOT_OPS = frozenset({"upload", "weight", "linear_weight", "prepare_batch", "static_batch", "allocate_kv",
+                     "to_host", "synchronize", "kv_memory_budget", "sample_rows", "sample_rows_async",
+                     "upload_token_ids", "fill_token_sources", "fp32_vector", "norm_weight", "forward",
+                     "release_request", "load", "kv_cache_specs"})
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-4B's shape (benchmarks/gpu_bench.py)
+    "qwen3-4b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2560,
+                     intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     tie_word_embeddings=True),
+    # transformers' default Qwen3_5TextConfig (a 9B-class hybrid: 3 Gated DeltaNet layers per full attention)
+    "qwen3.5-default": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text"),
+}
+
+
+def write_random_checkpoint(preset: str, path: Path) -> None:
+    """A random bf16 checkpoint of ``preset`` through transformers (test/bench dependency only)."""
+    import torch
+    import transformers
+
+    config = dict(PRESETS[preset])
+    architecture = config.pop("architectures")[0]
+    config.pop("model_type")
+    config_class = transformers.Qwen3Config if architecture == "Qwen3ForCausalLM" else transformers.Qwen3_5TextConfig
+    model_class = getattr(transformers, architecture)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_class(config_class(**config)).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+# --- recording -----------------------------------------------------------------------------------
+
+
+@dataclass
+class OpCall:
+    owner: str  # "backend" or "plan"
+    name: str
+    fn: Any  # the unwrapped bound method
+    args: tuple
+    kwargs: dict
+    result: Any
+    kernels: list[str] = field(default_factory=list)
+
+
+class OpRecorder:
+    """Wraps the public methods of the model's op objects; records top-level calls while on."""
+
+    def __init__(self, owners: dict[str, Any], model: Any = None):
+        self.calls: list[OpCall] = []
+        self.recording = False
+        self._depth = 0
+        self._current: OpCall | None = None
+        self._patched: list[tuple[Any, str]] = []
+        if model is not None:
+            self._wrap_model(model)
+        for owner_name, owner in owners.items():
+            for name in dir(owner):
+                if name.startswith("_") or name in NOT_OPS:
+                    continue
+                if isinstance(getattr(type(owner), name, None), property):
+                    continue
+                method = getattr(owner, name)
+                if callable(method) and hasattr(method, "__self__"):
+                    setattr(owner, name, self._wrap(owner_name, name, method))
+                    self._patched.append((owner, name))
+        self._patch_kernel_loaders()
+
+    def _wrap_model(self, model: Any) -> None:
+        """A model's own op table: a frozen dataclass of functions (``model.plan``, replaced by a
+        copy whose callables are wrapped) and functions it keeps as attributes (``model.rms_norm``)."""
+        import dataclasses
+
+        plan = getattr(model, "plan", None)
+        if plan is not None and dataclasses.is_dataclass(plan):
+            wrapped = {f.name: self._wrap("plan", f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
+                       if callable(getattr(plan, f.name)) and f.name not in NOT_OPS}
+            model.plan = dataclasses.replace(plan, **wrapped)
+        for name, value in list(vars(model).items()):
+            if name.startswith("_") or name in NOT_OPS or name == "plan" or not callable(value):
+                continue
+            if hasattr(value, "__self__") or type(value).__name__ == "function":
+                setattr(model, name, self._wrap("model", name, value))
+
+    def _wrap(self, owner: str, name: str, method: Any) -> Any:
+        @functools.wraps(method)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if not self.recording or self._depth:
+                self._depth += 1
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+            call = OpCall(owner, name, method, args, kwargs, None)
+            self._current = call
+            self._depth += 1
+            try:
+                call.result = method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self._current = None
+            self.calls.append(call)
+            return call.result
+        return recorded
+
+    def _note_kernel(self, name: str) -> None:
+        if self._current is not None and (not self._current.kernels or self._current.kernels[-1] != name):
+            self._current.kernels.append(name)
+
+    def _patch_kernel_loaders(self) -> None:
+        """Kernel names per op: every launch goes through a loader called per launch."""
+        from openinfer.backend.cuda import loader
+        from openinfer.backend.cuda.cublas import Cublas
+
+        original = loader._kernel
+
+        def named(source: str, name: str, defines: tuple) -> Any:
+            self._note_kernel(name)
+            return original(source, name, defines)
+
+        loader._kernel = named
+        matmul = Cublas.matmul_nt
+
+        def cublas(blas: Any, *args: Any, **kwargs: Any) -> Any:
+            self._note_kernel("cublas_gemmEx_bf16")
+            return matmul(blas, *args, **kwargs)
+
+        Cublas.matmul_nt = cublas
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("openinfer_") and module_name.endswith("cuda_ops") and hasattr(module, "kernel"):
+                plugin_kernel = module.kernel
+
+                def plugin_named(name: str, *args: Any, _original: Any = plugin_kernel, **kwargs: Any) -> Any:
+                    self._note_kernel(name)
+                    return _original(name, *args, **kwargs)
+
+                module.kernel = plugin_named
+
+    def record(self, forward: Any) -> list[OpCall]:
+        self.calls = []
+        self.recording = True
+        try:
+            forward()
+        finally:
+            self.recording = False
+        return self.calls
+
+
+# --- costs ---------------------------------------------------------------------------------------
+
+
+def _arrays(value: Any) -> list[Any]:
+    import cupy
+
+    if isinstance(value, cupy.ndarray):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [a for v in value for a in _arrays(v)]
+    if hasattr(value, "__dataclass_fields__"):
+        return [a for name in value.__dataclass_fields__ for a in _arrays(getattr(value, name))]
+    return []
+
+
+def _shape(value: Any) -> str:
+    import cupy
+
+    if isinstance(value, cupy.ndarray):
+        return "x".join(map(str, value.shape))
+    if hasattr(value, "weight") and isinstance(value.weight, cupy.ndarray):
+        return "W" + "x".join(map(str, value.weight.shape))
+    return ""
+
+
+def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
+    """(bytes moved at least, FLOPs) of one op call; ``host`` is the step's ForwardBatch."""
+    if call.name == "linear":
+        x, layer = call.args[0], call.args[1]
+        m, k = x.shape
+        n = layer.weight.shape[0]
+        return 2.0 * (m * k + n * k + m * n), 2.0 * m * n * k
+    if call.name == "attention":
+        qkv, spec = call.args[0], call.args[1]
+        tokens = qkv.shape[0]
+        kv_token = 2 * spec.num_kv_heads * spec.head_dim * 2  # K and V, bf16
+        context = host.context_lens.astype(np.float64)
+        query = np.diff(host.query_start).astype(np.float64)
+        # each query attends to its causal prefix: sum over queries of (context - query + i + 1)
+        pairs = float(np.sum(query * (context - query) + query * (query + 1) / 2))
+        flops = 4.0 * spec.num_heads * spec.head_dim * pairs
+        io = qkv.nbytes + tokens * spec.num_heads * spec.head_dim * 2 + tokens * kv_token
+        return io + float(context.sum()) * kv_token, flops
+    if call.name == "delta_net" and len(call.args) >= 4:  # (proj, weights, conv_state, ssm_state, seqs, config)
+        proj, conv, ssm = call.args[0], call.args[2], call.args[3]
+        per_seq = conv.nbytes / max(1, conv.shape[0]) + ssm.nbytes / max(1, ssm.shape[0])
+        # the step's projections in, the core out, each sequence's state read and written
+        return float(proj.nbytes + sum(a.nbytes for a in _arrays(call.result)) + 2 * per_seq * host.num_seqs), 0.0
+    moved = sum(a.nbytes for a in _arrays((call.args, call.kwargs)) if a.nbytes < LARGE_ARRAY_BYTES)
+    moved += sum(a.nbytes for a in _arrays(call.result))
+    return float(moved), 0.0
+
+
+def op_key(call: OpCall) -> str:
+    shapes = [s for s in (_shape(a) for a in call.args) if s.startswith("W")]
+    return f"{call.name}({shapes[0]})" if shapes else call.name
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+class Timer:
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+        self.spin = cupy.RawKernel(_SPIN, "spin")
+        self.clock_khz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)
+
+    def hold(self, seconds: float) -> None:
+        self.spin((1,), (1,), (np.int64(seconds * self.clock_khz * 1e3),))
+
+    def ops(self, calls: list[OpCall], repeats: int, forward: Any) -> dict[str, Any]:
+        """Median device and host seconds per op, in step order; the device time an event
+        record itself adds (measured: the same replay with events only at its ends) is taken
+        off each op; and the host time of the whole forward (its Python between ops included)
+        while the device is held."""
+        cupy = self.cupy
+        host_times: list[list[float]] = [[] for _ in calls]
+        device_times: list[list[float]] = [[] for _ in calls]
+        plain: list[float] = []
+        forward_host: list[float] = []
+        hold_s = 0.05
+        for rep in range(repeats + 1):
+            if rep:  # the same replay, events at its ends only; then the model's own forward
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                cupy.cuda.get_current_stream().synchronize()
+                self.hold(hold_s)
+                start.record()
+                for call in calls:
+                    call.fn(*call.args, **call.kwargs)
+                end.record()
+                end.synchronize()
+                plain.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+                self.hold(hold_s)
+                t0 = time.perf_counter()
+                forward()
+                forward_host.append(time.perf_counter() - t0)
+                cupy.cuda.get_current_stream().synchronize()
+            events = [cupy.cuda.Event() for _ in range(len(calls) + 1)]
+            cupy.cuda.get_current_stream().synchronize()
+            self.hold(hold_s)
+            began = time.perf_counter()
+            events[0].record()
+            for i, call in enumerate(calls):
+                t0 = time.perf_counter()
+                call.fn(*call.args, **call.kwargs)
+                host_times[i].append(time.perf_counter() - t0)
+                events[i + 1].record()
+            enqueue_s = time.perf_counter() - began
+            events[-1].synchronize()
+            if rep == 0:  # warm-up: learn how long the host takes to enqueue the step
+                hold_s = 1.5 * enqueue_s + 0.005
+                for lst in host_times:
+                    lst.clear()
+                continue
+            for i in range(len(calls)):
+                device_times[i].append(cupy.cuda.get_elapsed_time(events[i], events[i + 1]) / 1e3)
+        device = [statistics.median(t) for t in device_times]
+        event_cost = max(0.0, (sum(device) - statistics.median(plain)) / max(1, len(calls)))
+        return {"device_s": [max(0.0, t - event_cost) for t in device], "host_s": [statistics.median(t) for t in host_times],
+                "event_cost_s": event_cost, "forward_host_s": statistics.median(forward_host)}
+
+    def gpu(self, fn: Any, repeats: int) -> float:
+        cupy = self.cupy
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(times)
+
+    def wall(self, fn: Any, repeats: int) -> float:
+        fn()
+        self.cupy.cuda.get_current_stream().synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            self.cupy.cuda.get_current_stream().synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def ceilings(timer: Timer) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and cuBLAS bf16 rate, measured now."""
+    import cupy
+
+    from openinfer.backend.cuda.cublas import Cublas
+
+    src = cupy.random.random(2**28, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    copy_s = timer.gpu(lambda: dst.__setitem__(Ellipsis, src), 10)
+    n = 8192
+    a = (cupy.random.standard_normal((n, n), dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+    out = cupy.empty((n, n), dtype=cupy.uint16)
+    blas = Cublas()
+    gemm_s = timer.gpu(lambda: blas.matmul_nt(a, a, out), 10)
+    return {"copy_bytes_per_s": 2 * src.nbytes / copy_s, "bf16_flops_per_s": 2 * n**3 / gemm_s}
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+def decode_batch(num_seqs: int, context: int, first_block: int = 1) -> Any:
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-context // BLOCK_SIZE)
+    tables = (first_block + np.arange(num_seqs * blocks, dtype=np.int32)).reshape(num_seqs, blocks)
+    positions = np.full(num_seqs, context - 1, np.int32)
+    slots = tables[:, (context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    return ForwardBatch(
+        token_ids=np.random.default_rng(num_seqs).integers(0, 1000, num_seqs).astype(np.int32),
+        positions=positions, query_start=np.arange(num_seqs + 1, dtype=np.int32),
+        context_lens=np.full(num_seqs, context, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
+        logits_rows=np.arange(num_seqs, dtype=np.int32), max_query_len=1, max_context_len=context,
+        request_ids=tuple(f"ledger-{i}" for i in range(num_seqs)))
+
+
+def prefill_batch(tokens: int) -> Any:
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-tokens // BLOCK_SIZE)
+    table = np.arange(1, blocks + 1, dtype=np.int32)[None, :]
+    pos = np.arange(tokens, dtype=np.int32)
+    return ForwardBatch(
+        token_ids=np.random.default_rng(tokens).integers(0, 1000, tokens).astype(np.int32), positions=pos,
+        query_start=np.array([0, tokens], np.int32), context_lens=np.array([tokens], np.int32), block_tables=table,
+        slot_mapping=(table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).astype(np.int32),
+        logits_rows=np.array([tokens - 1], np.int32), max_query_len=tokens, max_context_len=tokens,
+        request_ids=("ledger-prefill",))
+
+
+# --- the ledger ----------------------------------------------------------------------------------
+
+
+class Ledger:
+    def __init__(self, engine: Any, timer: Timer, peak: dict[str, float], repeats: int):
+        self.engine = engine
+        self.model = engine.model
+        self.backend = self.model.backend
+        self.timer = timer
+        self.peak = peak
+        self.repeats = repeats
+        self.recorder = OpRecorder({"backend": self.backend}, self.model)
+        self.state = getattr(self.model, "state", None)
+        self.graphs = getattr(engine.runner, "graphs", {})
+
+    def _forward(self, host: Any) -> Any:
+        self._begin_states(host)
+        device = self.backend.prepare_batch(host)
+        return lambda: self.model.forward(device, self.engine.kv_cache)
+
+    def _begin_states(self, host: Any) -> None:
+        """Models with per-request state (Qwen3.5): every sequence of a decode batch owns a slot."""
+        if self.state is None:
+            return
+        for request_id in host.request_ids:
+            self.model.release_request(request_id)
+        fresh = (host.context_lens - np.diff(host.query_start)) == 0
+        for request_id, is_fresh in zip(host.request_ids, fresh.tolist(), strict=True):
+            if not is_fresh:
+                self.state.begin(request_id)
+
+    def measure(self, phase: str, host: Any) -> dict[str, Any]:
+        forward = self._forward(host)
+        forward()  # warm-up: compiles kernels
+        calls = self.recorder.record(forward)
+        timed = self.timer.ops(calls, self.repeats, forward)
+        device_s, host_s = timed["device_s"], timed["host_s"]
+        rows: dict[str, dict[str, Any]] = {}
+        for call, dev, hst in zip(calls, device_s, host_s, strict=True):
+            key = op_key(call)
+            moved, flops = op_cost(call, host)
+            row = rows.setdefault(key, {"op": key, "kernels": [], "shape": " ".join(
+                s for s in (_shape(a) for a in call.args) if s), "calls": 0, "time_s": 0.0, "host_s": 0.0,
+                "bytes": 0.0, "flops": 0.0})
+            for kernel_name in call.kernels:
+                if kernel_name not in row["kernels"]:
+                    row["kernels"].append(kernel_name)
+            row["calls"] += 1
+            row["time_s"] += dev
+            row["host_s"] += hst
+            row["bytes"] += moved
+            row["flops"] += flops
+        for row in rows.values():
+            if not row["calls"] or row["op"].startswith("(host"):
+                row.update(roofline_s=0.0, roofline_pct=None, bound="host")
+                continue
+            roofline = max(row["bytes"] / self.peak["copy_bytes_per_s"], row["flops"] / self.peak["bf16_flops_per_s"])
+            row["roofline_s"] = roofline
+            row["roofline_pct"] = 100.0 * roofline / row["time_s"] if row["time_s"] > 0 else None
+            row["bound"] = "memory" if row["bytes"] / self.peak["copy_bytes_per_s"] >= \
+                row["flops"] / self.peak["bf16_flops_per_s"] else "compute"
+        # the model's Python between ops: host time only (it matters on the eager path)
+        between = max(0.0, timed["forward_host_s"] - sum(host_s))
+        rows["(host: model code between ops)"] = {
+            "op": "(host: model code between ops)", "kernels": [], "shape": "", "calls": 1, "time_s": 0.0,
+            "host_s": between, "bytes": 0.0, "flops": 0.0}
+        measured = self.measure_step(phase, host, forward)
+        result = {"phase": phase, "batch": host.num_seqs, "context": int(host.max_context_len),
+                  "tokens": int(host.num_tokens), "ops": sorted(rows.values(), key=lambda r: -r["time_s"]),
+                  "sum_device_s": float(sum(device_s)), "sum_host_s": float(sum(host_s)),
+                  "forward_host_s": timed["forward_host_s"], "event_cost_s": timed["event_cost_s"], **measured}
+        self.release(host)
+        return result
+
+    def measure_step(self, phase: str, host: Any, forward: Any) -> dict[str, Any]:
+        bucket = self.engine.runner.bucket_for(host) if self.graphs else None
+        if bucket is not None:
+            captured = self.graphs[bucket]
+            captured.static.fill(host)
+            return {"measured_s": self.timer.gpu(captured.graph.launch, max(10, self.repeats)),
+                    "measured_how": f"CUDA graph replay (bucket {bucket}), events"}
+        repeats = max(3, self.repeats // 2)
+        return {"measured_s": self.timer.wall(forward, repeats),
+                "measured_how": "eager forward, host clock to stream sync"}
+
+    def release(self, host: Any) -> None:
+        if self.state is not None:
+            for request_id in host.request_ids:
+                self.model.release_request(request_id)
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float, degree: int = 1) -> float:
+    """Piecewise linear (degree 1) or through the nearest three points (degree 2: prefill,
+    whose attention grows with the square of the length); extrapolates from the nearest."""
+    if len(xs) == 1:
+        return ys[0]
+    if degree == 2 and len(xs) >= 3:
+        i = int(np.clip(np.searchsorted(xs, x) - 2, 0, len(xs) - 3))
+        px, py = xs[i:i + 3], ys[i:i + 3]
+        return float(sum(py[j] * math.prod((x - px[k]) / (px[j] - px[k]) for k in range(3) if k != j)
+                         for j in range(3)))
+    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class StepModel:
+    """Predicts a step from the ledger's grid: per op, context first, then log2 batch.
+
+    A graph replay launches the same kernels with shorter gaps than the stream-queued replay
+    the ops were timed in: that saving is one constant per model (``graph_saving_s``, the
+    median over the grid of ops-sum minus measured replay), reported and taken off."""
+
+    def __init__(self, entries: list[dict[str, Any]], eager: bool, context_degree: int = 1):
+        self.eager = eager
+        self.degree = context_degree
+        self.graph_saving_s = 0.0 if eager else float(np.median(
+            [e["sum_device_s"] - e["measured_s"] for e in entries]))
+        self.table: dict[str, dict[int, dict[int, tuple[float, float]]]] = defaultdict(lambda: defaultdict(dict))
+        for entry in entries:
+            for row in entry["ops"]:
+                self.table[row["op"]][entry["batch"]][entry["context"]] = (row["time_s"], row["host_s"])
+
+    def predict(self, batch: int, context: int) -> float:
+        device = host = 0.0
+        for per_batch in self.table.values():
+            batches = sorted(per_batch)
+            dev_at, host_at = [], []
+            for b in batches:
+                contexts = sorted(per_batch[b])
+                dev_at.append(max(0.0, _interpolate(contexts, [per_batch[b][c][0] for c in contexts], context,
+                                                    self.degree)))
+                host_at.append(max(0.0, _interpolate(contexts, [per_batch[b][c][1] for c in contexts], context,
+                                                     self.degree)))
+            logs = [math.log2(b) for b in batches]
+            device += max(0.0, _interpolate(logs, dev_at, math.log2(batch)))
+            host += max(0.0, _interpolate(logs, host_at, math.log2(batch)))
+        return max(device, host) if self.eager else device - self.graph_saving_s
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def predict_checks(report: dict[str, Any]) -> None:
+    """(Re)compute the step-time model from the ledger's grid entries and its checks' predictions."""
+    decode = [e for e in report["entries"] if e["phase"] == "decode"]
+    prefill = [{**e, "batch": 1, "context": e["tokens"]} for e in report["entries"] if e["phase"] == "prefill"]
+    models = {"decode": StepModel(decode, not report["cuda_graphs"]),
+              # prefill: one sequence, so "batch" is 1 and the grid runs over its length
+              "prefill": StepModel(prefill, True, 2)}
+    report["model"] = {"decode_graph_saving_s": models["decode"].graph_saving_s,
+                       "decode": "sum over ops of the grid interpolated (linear in context, then in log2 batch)"
+                                 + (" less the graph saving" if report["cuda_graphs"] else "; eager: max(device, host)"),
+                       "prefill": "sum over ops, through the nearest three lengths; eager: max(device, host)"}
+    for check in report["checks"]:
+        check["predicted_s"] = models[check["phase"]].predict(check["batch"], check["context"])
+        check["error"] = check["predicted_s"] / check["measured_s"] - 1
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Kernel ledger: {report['name']}", "",
+             f"Device: {report['device']}; ceilings measured in the same run: copy "
+             f"{report['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, cuBLAS bf16 "
+             f"{report['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Written by `{report['command']}`.",
+             "Per op and step: time = device time summed over the op's calls in one step (layers), "
+             "% roofline = max(bytes / copy rate, FLOPs / GEMM rate) / time.", "",
+             "## Step-time model: predicted vs measured", "",
+             f"Decode: {report['model']['decode']}"
+             + (f" ({report['model']['decode_graph_saving_s'] * 1e3:.3f} ms)." if report["cuda_graphs"] else ".")
+             + f" Prefill: {report['model']['prefill']}. Check points off the grid are true predictions.", "",
+             "| phase | batch | context | predicted ms | measured ms | error | grid point? | measured how |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for check in report["checks"]:
+        lines.append(f"| {check['phase']} | {check['batch']} | {check['context']} | {check['predicted_s'] * 1e3:.3f} | "
+                     f"{check['measured_s'] * 1e3:.3f} | {100 * check['error']:+.1f} % | "
+                     f"{'yes' if check['on_grid'] else 'no'} | {check['measured_how']} |")
+    for entry in report["entries"]:
+        lines += ["", f"## {entry['phase']}: batch {entry['batch']}, context {entry['context']} "
+                      f"(measured step {entry['measured_s'] * 1e3:.3f} ms, ops sum {entry['sum_device_s'] * 1e3:.3f} ms)", "",
+                  "| op | kernels | shape | calls | ms | GB | GFLOP | % roofline | bound |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for row in entry["ops"]:
+            pct = f"{row['roofline_pct']:.0f}" if row.get("roofline_pct") is not None else ""
+            if row["op"].startswith("(host"):
+                row = {**row, "time_s": row["host_s"], "bound": "host time, not on the device"}
+            lines.append(f"| {row['op']} | {', '.join(row['kernels'])} | {row['shape']} | {row['calls']} | "
+                         f"{row['time_s'] * 1e3:.3f} | {row['bytes'] / 1e9:.3f} | {row['flops'] / 1e9:.1f} | {pct} | {row['bound']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _grid(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m openinfer.tools.ledger", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-path", help="checkpoint directory")
+    source.add_argument("--random", choices=sorted(PRESETS), help="write a random checkpoint of this shape first")
+    source.add_argument("--from-json", help="no GPU: re-derive the step-time model and tables from a ledger JSON")
+    parser.add_argument("--checkpoint-dir", default="/tmp/openinfer-ledger", help="where --random writes")
+    parser.add_argument("--batches", type=_grid, default=[1, 4, 16, 64, 128, 256])
+    parser.add_argument("--contexts", type=_grid, default=[128, 1024, 2048])
+    parser.add_argument("--prefill", type=_grid, default=[512, 2048, 8192], help="prefill lengths (one sequence)")
+    parser.add_argument("--check", default="1:512,64:512,256:512,48:1536",
+                        help="decode batch:context points to predict and measure")
+    parser.add_argument("--check-prefill", type=_grid, default=[4096])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--name", help="model name in the report")
+    parser.add_argument("--out", help="ledger JSON (default with --from-json: that file)")
+    parser.add_argument("--markdown", help="ledger table (default: --out with .md)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        try:
+            report = json.loads(Path(args.from_json).read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot read the ledger {args.from_json!r}: {exc}")
+        report.setdefault("name", report.pop("model", None) if isinstance(report.get("model"), str) else None)
+        write_report(report, Path(args.out or args.from_json), args.markdown)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    try:
+        checks = [tuple(int(v) for v in point.split(":")) for point in args.check.split(",") if point]
+        if any(len(c) != 2 or min(c) < 1 for c in checks):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--check takes batch:context pairs, got {args.check!r}")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        print("the ledger times kernels on an NVIDIA GPU: CuPy is not installed", file=sys.stderr)
+        return 2
+
+    from openinfer import create_engine
+
+    path = Path(args.model_path) if args.model_path else Path(args.checkpoint_dir) / args.random
+    if args.random and not (path / "config.json").exists():
+        t0 = time.perf_counter()
+        write_random_checkpoint(args.random, path)
+        print(f"wrote a random {args.random} checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+    max_batch = max([*args.batches, *(b for b, _ in checks)])
+    max_context = max([*args.contexts, *(c for _, c in checks), *args.prefill, *args.check_prefill])
+    decode_tokens = max(b * c for b in [*args.batches, *(b for b, _ in checks)]
+                        for c in [*args.contexts, *(c for _, c in checks)])
+    num_blocks = max(decode_tokens, max_context) // BLOCK_SIZE + max_batch + 2
+    engine = create_engine(str(path), device="cuda", max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE,
+                           num_kv_blocks=num_blocks, enable_prefix_cache=False)
+    try:
+        timer = Timer()
+        peak = ceilings(timer)
+        print(f"ceilings: copy {peak['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {peak['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+              flush=True)
+        ledger = Ledger(engine, timer, peak, args.repeats)
+        entries = []
+        for batch in args.batches:
+            for context in args.contexts:
+                entry = ledger.measure("decode", decode_batch(batch, context))
+                entries.append(entry)
+                print(f"decode b={batch} c={context}: ops {entry['sum_device_s'] * 1e3:.3f} ms, "
+                      f"measured {entry['measured_s'] * 1e3:.3f} ms", flush=True)
+        prefills = []
+        for tokens in args.prefill:
+            entry = ledger.measure("prefill", prefill_batch(tokens))
+            prefills.append(entry)
+            print(f"prefill {tokens}: ops {entry['sum_device_s'] * 1e3:.2f} ms, measured {entry['measured_s'] * 1e3:.2f} ms",
+                  flush=True)
+        results = []
+        grid = {(e["batch"], e["context"]) for e in entries}
+        for batch, context in checks:
+            entry = ledger.measure("decode", decode_batch(batch, context))
+            results.append({"phase": "decode", "batch": batch, "context": context, "measured_s": entry["measured_s"],
+                            "measured_how": entry["measured_how"], "on_grid": (batch, context) in grid})
+        for tokens in args.check_prefill:
+            entry = ledger.measure("prefill", prefill_batch(tokens))
+            results.append({"phase": "prefill", "batch": 1, "context": tokens, "measured_s": entry["measured_s"],
+                            "measured_how": entry["measured_how"], "on_grid": tokens in args.prefill})
+        report = {"name": args.name or path.name, "model_path": str(path), "device": engine.model.backend.device_name,
+                  "command": "python -m openinfer.tools.ledger " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "ceilings": peak, "cuda_graphs": bool(ledger.graphs), "checks": results,
+                  "entries": entries + prefills}
+    finally:
+        engine.close_sync()
+    write_report(report, Path(args.out), args.markdown)
+    return 0
+
+
+def write_report(report: dict[str, Any], out: Path, markdown_path: str | None) -> None:
+    predict_checks(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    Path(markdown_path or out.with_suffix(".md")).write_text(markdown(report))
+    print("\n phase    batch context  predicted_ms  measured_ms  error")
+    for r in report["checks"]:
+        print(f" {r['phase']:8s} {r['batch']:5d} {r['context']:7d} {r['predicted_s'] * 1e3:13.3f} "
+              f"{r['measured_s'] * 1e3:12.3f} {100 * r['error']:+6.1f} %")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,331 @@
+"""Per-request traces as Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing).
+
+Off unless a trace directory is given (``--trace-dir`` / ``EngineOptions.trace_dir``). Two sides
+record, each in the process that does the work, so the hooks survive the engine moving into
+its own process:
+
+* the engine (``EngineTracer``) records, per request, its time in the queue, each prefill chunk
+  and each decode step it rode in (batch size, tokens in the step, step time), and on finish
+  writes ``<request_id>.engine.json``;
+* the frontend (``FrontendTracer``) records the request as the API server sees it: its whole
+  life, each detokenize and each stream write; on finish it writes ``<request_id>.json`` with
+  its own spans and the engine's (merged from ``<request_id>.engine.json``, which it removes).
+  When no frontend traces (CLI, gRPC), the engine file alone is the request's trace.
+
+Files are written by one background thread per process (``TraceWriter``), so neither the
+engine loop nor the event loop ever waits on JSON or the disk. Timestamps are wall-clock
+microseconds (``time.time``), the one clock two processes on one host share.
+
+Span layout (``ph: "X"`` complete events; on each track spans nest, never overlap partially)::
+
+    track "engine":    engine ⊃ queue, prefill (one per chunk), decode (one per step), preempted
+    track "frontend":  request ⊃ detokenize, stream
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openinfer.errors import OpenInferError
+
+logger = logging.getLogger("openinfer.tracing")
+
+_PID = 1
+ENGINE_TID = 1
+FRONTEND_TID = 2
+# how long the frontend's writer waits for the engine's half of a trace before writing its own alone
+ENGINE_PART_WAIT_S = 5.0
+
+
+def _now_us() -> float:
+    return time.time() * 1e6
+
+
+def _span(name: str, tid: int, start_us: float, end_us: float, args: dict[str, Any] | None = None) -> dict:
+    ts = round(start_us, 1)  # 0.1 us; the end is rounded the same way, so children stay inside parents
+    event = {"name": name, "ph": "X", "pid": _PID, "tid": tid, "ts": ts,
+             "dur": round(max(0.0, round(end_us, 1) - ts), 1)}
+    if args:
+        event["args"] = args
+    return event
+
+
+def _metadata(request_id: str) -> list[dict]:
+    return [{"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": f"request {request_id}"}},
+            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": ENGINE_TID, "args": {"name": "engine"}},
+            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": FRONTEND_TID, "args": {"name": "frontend"}}]
+
+
+def safe_file_stem(request_id: str) -> str:
+    """A request id as a file name: anything but letters, digits, '-', '_' and '.' becomes '_'."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)[:200]
+    return stem.lstrip(".") or "request"
+
+
+class TraceWriter:
+    """Writes traces from a daemon thread; ``flush()`` waits until everything queued is on disk."""
+
+    def __init__(self, trace_dir: str | os.PathLike):
+        self.trace_dir = Path(trace_dir)
+        try:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OpenInferError(f"cannot create the trace directory {str(trace_dir)!r}: {exc.strerror or exc}; "
+                                 "pass a writable --trace-dir") from exc
+        if not os.access(self.trace_dir, os.W_OK):
+            raise OpenInferError(f"the trace directory {str(trace_dir)!r} is not writable; pass a writable --trace-dir")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="openinfer-trace-writer", daemon=True)
+        self._thread.start()
+
+    def engine_path(self, request_id: str) -> Path:
+        return self.trace_dir / f"{safe_file_stem(request_id)}.engine.json"
+
+    def path(self, request_id: str) -> Path:
+        return self.trace_dir / f"{safe_file_stem(request_id)}.json"
+
+    def submit(self, kind: str, request_id: str, events: list[dict], meta: dict[str, Any]) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((kind, request_id, events, meta, time.monotonic()))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                requeue = self._write(*item)
+            except Exception:  # a trace must never take the server down
+                logger.exception("writing the trace of request %r failed", item[1])
+                requeue = False
+            if requeue:
+                time.sleep(0.01)
+                self._queue.put(item)
+                continue
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _write(self, kind: str, request_id: str, events: Any, meta: dict[str, Any], queued: float) -> bool:
+        """Write one side's events; True when the frontend's side should wait for the engine's."""
+        meta = dict(meta)
+        expect_engine = meta.pop("expect_engine", True)
+        if kind == "engine":
+            if callable(events):  # built here, off the engine loop
+                events = events()
+            _dump_atomic(self.engine_path(request_id), _document(request_id, events, meta))
+            return False
+        engine_part = self.engine_path(request_id)
+        if not engine_part.exists():
+            if expect_engine and time.monotonic() - queued < ENGINE_PART_WAIT_S:
+                return True
+            _dump_atomic(self.path(request_id), _document(request_id, events, meta))
+            return False
+        engine_doc = json.loads(engine_part.read_text())
+        merged = [e for e in engine_doc["traceEvents"] if e.get("ph") != "M"] + events
+        _dump_atomic(self.path(request_id), _document(request_id, merged, {**engine_doc["otherData"], **meta}))
+        engine_part.unlink(missing_ok=True)
+        return False
+
+
+def _document(request_id: str, events: list[dict], meta: dict[str, Any]) -> dict:
+    return {"traceEvents": _metadata(request_id) + events, "displayTimeUnit": "ms",
+            "otherData": {"request_id": request_id, **meta}}
+
+
+def _dump_atomic(path: Path, document: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
+# --- the engine's side --------------------------------------------------------------------------
+
+
+class _StepRecord:
+    """One launched engine step, shared by every request that rode in it; per chunk (request
+    id, start position, tokens, whether it samples) as of its launch."""
+
+    __slots__ = ("launched_us", "rows", "index", "resolved_us")
+
+    def __init__(self, launched_us: float, rows: list[tuple[str, int, int, bool]], index: int):
+        self.launched_us = launched_us
+        self.rows = rows
+        self.index = index
+        self.resolved_us = 0.0
+
+    @property
+    def batch_tokens(self) -> int:
+        return sum(row[2] for row in self.rows)
+
+
+@dataclass
+class _EngineRequestTrace:
+    arrival_us: float
+    scheduled_us: float | None = None
+    # (step, this request's row in it)
+    rides: list[tuple[_StepRecord, int]] = field(default_factory=list)
+    preempted_us: list[float] = field(default_factory=list)
+
+
+class EngineTracer:
+    """The engine loop's hooks: ``on_arrival``, ``on_scheduled``, ``on_preempted``, ``on_launch``
+    (returns the step's record), ``on_resolved`` and ``on_finish``. Each costs a few list appends;
+    events are built and written only when a request finishes, off the loop."""
+
+    def __init__(self, writer: TraceWriter):
+        self.writer = writer
+        self._requests: dict[str, _EngineRequestTrace] = {}
+        self._num_steps = 0
+
+    def on_arrival(self, request_id: str) -> None:
+        self._requests[request_id] = _EngineRequestTrace(_now_us())
+
+    def on_scheduled(self, request_id: str) -> None:
+        trace = self._requests.get(request_id)
+        if trace is not None and trace.scheduled_us is None:
+            trace.scheduled_us = _now_us()
+
+    def on_preempted(self, request_id: str) -> None:
+        trace = self._requests.get(request_id)
+        if trace is not None:
+            trace.preempted_us.append(_now_us())
+
+    def on_launch(self, chunks: list) -> _StepRecord:
+        """Called before the step's batch is built: snapshots each chunk's start (it moves on launch)."""
+        self._num_steps += 1
+        return _StepRecord(_now_us(), [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in chunks],
+                           self._num_steps)
+
+    def on_resolved(self, step: _StepRecord) -> None:
+        """The step's tokens are on the host: every request not finished before rode in it
+        (a finished one's trace is gone already, so its discarded launched-ahead row is not counted)."""
+        step.resolved_us = _now_us()
+        traces = self._requests
+        for index, row in enumerate(step.rows):
+            trace = traces.get(row[0])
+            if trace is not None:
+                trace.rides.append((step, index))
+
+    def on_finish(self, request_id: str, reason: str, prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int) -> None:
+        trace = self._requests.pop(request_id, None)
+        if trace is None:
+            return
+        end = _now_us()
+        meta = {"finish_reason": reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "cached_tokens": cached_tokens}
+        self.writer.submit("engine", request_id, lambda: _engine_events(trace, end, meta), {"engine": meta})
+
+
+def _engine_events(trace: _EngineRequestTrace, end_us: float, meta: dict[str, Any]) -> list[dict]:
+    events = [_span("engine", ENGINE_TID, trace.arrival_us, end_us, meta)]
+    scheduled = trace.scheduled_us if trace.scheduled_us is not None else end_us
+    events.append(_span("queue", ENGINE_TID, trace.arrival_us, scheduled))
+    cursor = scheduled
+    for step, row in trace.rides:
+        _, start, num_tokens, sampled = step.rows[row]
+        prefill = num_tokens > 1 or not sampled or start < meta["prompt_tokens"]
+        # with async scheduling step N+1 is launched before N is read back: a request's rides
+        # are cut where its previous one ended, so they follow each other on its track
+        begin = max(step.launched_us, cursor)
+        finish = min(max(step.resolved_us, begin), end_us)
+        args = {"step": step.index, "batch_size": len(step.rows), "batch_tokens": step.batch_tokens,
+                "step_ms": round((step.resolved_us - step.launched_us) / 1e3, 3), "position": start,
+                "tokens": num_tokens, "sampled": sampled}
+        events.append(_span("prefill" if prefill else "decode", ENGINE_TID, begin, finish, args))
+        cursor = finish
+    for at in trace.preempted_us:
+        events.append({"name": "preempted", "ph": "i", "s": "t", "pid": _PID, "tid": ENGINE_TID, "ts": round(at, 1)})
+    return events
+
+
+# --- the frontend's side ------------------------------------------------------------------------
+
+
+class FrontendTracer:
+    """Opens a ``FrontendRequestTrace`` per request; all of them share one writer."""
+
+    def __init__(self, writer: TraceWriter, *, expect_engine_part: bool = True):
+        self.writer = writer
+        self.expect_engine_part = expect_engine_part
+
+    def open(self, request_id: str, arrival_time: float | None = None) -> FrontendRequestTrace:
+        return FrontendRequestTrace(self, request_id, arrival_time * 1e6 if arrival_time else _now_us())
+
+
+class FrontendRequestTrace:
+    """Spans of one request in the API server: ``detokenize`` and ``stream`` inside ``request``."""
+
+    def __init__(self, tracer: FrontendTracer, request_id: str, start_us: float):
+        self.tracer = tracer
+        self.request_id = request_id
+        self.start_us = start_us
+        self.events: list[dict] = []
+        self.num_tokens = 0
+        self._closed = False
+
+    def span(self, name: str, start_us: float, end_us: float, **args: Any) -> None:
+        self.events.append(_span(name, FRONTEND_TID, start_us, end_us, args or None))
+
+    now_us = staticmethod(_now_us)
+
+    def close(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        meta = {"finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens, "tokens_streamed": self.num_tokens}
+        self.events.insert(0, _span("request", FRONTEND_TID, self.start_us, _now_us(), meta))
+        self.tracer.writer.submit("frontend", self.request_id, self.events,
+                                  {"frontend": meta, "expect_engine": self.tracer.expect_engine_part})
+
+
+def check_trace(document: dict) -> list[dict]:
+    """Validate a Chrome-trace document as this module writes it; returns its complete spans.
+    Raises ``ValueError`` naming the first problem (used by tests and ``openinfer.tools.trace``)."""
+    events = document.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("a Chrome trace needs a 'traceEvents' list")
+    spans = []
+    for event in events:
+        if not isinstance(event, dict) or "ph" not in event or "name" not in event:
+            raise ValueError(f"malformed trace event {event!r}")
+        if event["ph"] == "X":
+            if not all(isinstance(event.get(k), (int, float)) for k in ("ts", "dur")) or event["dur"] < 0:
+                raise ValueError(f"span {event['name']!r} needs numeric ts and dur >= 0")
+            spans.append(event)
+    by_track: dict[tuple, list[dict]] = {}
+    for span in spans:
+        by_track.setdefault((span["pid"], span["tid"]), []).append(span)
+    for track, track_spans in by_track.items():
+        # sort by start, longer first: a parent precedes its children
+        stack: list[dict] = []
+        for span in sorted(track_spans, key=lambda s: (s["ts"], -s["dur"])):
+            end = span["ts"] + span["dur"]
+            while stack and span["ts"] >= stack[-1]["ts"] + stack[-1]["dur"] - 1e-3:
+                stack.pop()
+            if stack and end > stack[-1]["ts"] + stack[-1]["dur"] + 1e-3:
+                raise ValueError(f"span {span['name']!r} at {span['ts']} overlaps {stack[-1]['name']!r} "
+                                 f"on track {track} without nesting in it")
+            stack.append(span)
+    return spans

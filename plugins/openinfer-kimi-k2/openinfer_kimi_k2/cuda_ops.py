@@ -1,0 +1,134 @@
+"""The CUDA plan's Kimi-K2 ops and weight builder (bf16; imported only on the cuda backend).
+
+Weights stay in their checkpoint format where a kernel reads it: FP8 block-scaled and INT4
+pack-quantized linears become ``ExpertLinear`` (E = 1 for dense projections, stacked over the
+experts of a MoE layer) and are dequantized inside the grouped GEMM; everything else is bf16.
+Row blocks are fused (``qkv_a``, ``gate_up``) on the raw quantized rows when every block
+boundary of the fused matrix falls on a scale boundary; otherwise the rows are dequantized to
+bf16 (correct, just not packed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda import mla as cuda_mla
+from openinfer.backend.cuda import moe as cuda_moe
+from openinfer.backend.cuda.moe import DeviceMoE, ExpertLinear
+from openinfer.moe import ExpertWeights, MoEWeights
+from openinfer_kimi_k2.kernel_plan import KernelPlan
+from openinfer_kimi_k2.weights import LinearBuilder
+
+_STORED_TO_KERNEL = {"fp8_block": "fp8", "int4_group": "int4"}
+
+
+class CudaLinearBuilder(LinearBuilder):
+    """Keeps FP8 / INT4 linears packed on the device (see module docstring)."""
+
+    def _packed_rows(self, modules: list[str], orders: list[np.ndarray | None]) -> tuple | None:
+        """(format, data [N, K…], scale, (N, K), group, block) of the fused raw rows, or None when
+        they cannot stay packed."""
+        stored = [self.linears[m] for m in modules]
+        formats = {s.format for s in stored}
+        if len(formats) != 1 or next(iter(formats)) not in _STORED_TO_KERNEL:
+            return None
+        kind = _STORED_TO_KERNEL[stored[0].format]
+        in_features = stored[0].shape[1]
+        if any(s.shape[1] != in_features for s in stored):
+            return None
+        datas, scales = [], []
+        block = stored[0].block[0]
+        group = 0
+        for s, order in zip(stored, orders, strict=True):
+            data = np.asarray(self.ckpt.raw(s.tensor("weight")))
+            if kind == "fp8":
+                if s.block[0] != s.block[1] or s.block[0] != block:
+                    return None
+                scale = self.ckpt.get(s.tensor("scale"))
+                if s is not stored[-1] and s.shape[0] % block:
+                    return None  # the next block's rows would share this one's last scale row
+                if order is not None:
+                    if np.any(order // block != np.arange(len(order)) // block):
+                        return None  # a row would leave its scale block
+                    data = data[order]
+            else:
+                scale = np.asarray(self.ckpt.raw(s.tensor("scale")))  # bf16 bits, one row per output row
+                group = in_features // scale.shape[1]
+                if order is not None:
+                    data, scale = data[order], scale[order]
+            datas.append(data)
+            scales.append(scale)
+        out_features = sum(s.shape[0] for s in stored)
+        return kind, np.concatenate(datas), np.concatenate(scales), (out_features, in_features), group or 32, block
+
+    def fused(self, modules: list[str], row_orders: list[np.ndarray | None] | None = None) -> Any:
+        orders = row_orders or [None] * len(modules)
+        packed = self._packed_rows(modules, orders)
+        if packed is None:
+            return super().fused(modules, row_orders)
+        kind, data, scale, shape, group, block = packed
+        return cuda_moe.upload_expert_linear(kind, data[None], scale[None], shape, group, block)
+
+    def experts(self, modules: list[str]) -> tuple[list[ExpertWeights], Any]:
+        """Stack the layer's experts per projection on the device; ``experts[e]`` are views."""
+        gate_up = self._stack([[f"{m}.gate_proj", f"{m}.up_proj"] for m in modules])
+        down = self._stack([[f"{m}.down_proj"] for m in modules])
+        return [ExpertWeights(gate_up.expert(e), down.expert(e)) for e in range(len(modules))], (gate_up, down)
+
+    def _stack(self, per_expert: list[list[str]]) -> ExpertLinear:
+        packed = [self._packed_rows(mods, [None] * len(mods)) for mods in per_expert]
+        if all(p is not None for p in packed) and len({(p[0], p[3], p[4], p[5]) for p in packed}) == 1:
+            kind, _, _, shape, group, block = packed[0]
+            data = np.stack([p[1] for p in packed])
+            scale = np.stack([p[2] for p in packed])
+            return cuda_moe.upload_expert_linear(kind, data, scale, shape, group, block)
+        # bf16: dequantize (or widen) each expert's rows, narrow to bf16 bits on the host
+        from openinfer import float32_to_bf16
+
+        rows = np.stack([float32_to_bf16(np.concatenate([self.dense(m) for m in mods])) for mods in per_expert])
+        return cuda_moe.upload_expert_linear("bf16", rows, None, (rows.shape[1], rows.shape[2]))
+
+
+def cuda_linear(ops: Any, x: cupy.ndarray, weight: Any) -> cupy.ndarray:
+    if isinstance(weight, ExpertLinear):
+        return cuda_moe.quantized_linear(x, weight)
+    return ops.linear(x, weight)
+
+
+def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, spec: Any, rope: Any,
+                   q_lora_rank: int | None, eps: float) -> cupy.ndarray:
+    if q_lora_rank:
+        q = cuda_linear(ops, ops.rms_norm(cupy.ascontiguousarray(qkv_a[:, :q_lora_rank]), w.q_a_norm, eps), w.q_b)
+        latent = qkv_a[:, q_lora_rank:]
+    else:
+        q, latent = qkv_a[:, : -spec.latent_dim], qkv_a[:, -spec.latent_dim:]
+    cos, sin = ops.ropes.get(rope)
+    return cuda_mla.mla_forward(ops.blas, q, latent, kv.k, w.mla.w_uk, w.mla.w_uv, w.kv_a_norm, spec, batch,
+                                cos, sin, eps)
+
+
+def prepare_weights(weights: Any, ops: Any) -> None:
+    """Router tables on the device, next to the stacked experts (once, after loading)."""
+    for layer in weights.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, MoEWeights) and not isinstance(mlp.stacked, DeviceMoE):
+            gate_up, down = mlp.stacked
+            mlp.stacked = DeviceMoE(
+                mlp.router, ops.weight(mlp.gate),
+                None if mlp.correction_bias is None else cupy.asarray(mlp.correction_bias, dtype=cupy.float32),
+                gate_up, down, None if mlp.tid2eid is None else cupy.asarray(mlp.tid2eid, dtype=cupy.int64))
+
+
+def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
+    device = layer.stacked
+    shared = None
+    if layer.shared is not None:
+        shared = cuda_linear(ops, ops.silu_mul(cuda_linear(ops, h, layer.shared.gate_up)), layer.shared.down)
+    return cuda_moe.moe_forward(ops, h, device, shared, batch.token_ids)
+
+
+CUDA_PLAN = KernelPlan(backend="cuda", attention=cuda_attention, moe=cuda_moe_layer, linear=cuda_linear,
+                       builder=CudaLinearBuilder, prepare=prepare_weights)

@@ -1,0 +1,174 @@
+"""core's MoE (``kernels/moe.cu``, plain-FMA build USE_MMA=0) and MLA (``kernels/mla.cu``) CUDA
+sources compiled with g++ against a host stand-in for the CUDA built-ins (``cuda_emulation/``)
+and run on the CPU against the NumPy references: checks routing, grouping, tile schedule, the
+in-kernel dequantisation of bf16 / INT4 / FP8 weights, the combine, the latent write and the
+absorbed attention's indexing in CI, where there is no GPU. The tensor-core path, launch glue and
+speed are covered by the ``gpu`` tests (tests/gpu/test_kimi_ops.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from openinfer import RotaryEmbedding, bf16_to_float32, float32_to_bf16
+from openinfer.backend.numpy_backend import NumpyBackend
+from openinfer.mla import rotate_half_rope
+from openinfer.moe import ExpertWeights, RouterSpec, group_by_expert, route, run_experts
+from openinfer.quant import (
+    dequantize_fp8_block,
+    dequantize_int4_group,
+    quantize_fp8_block,
+    quantize_int4_group,
+)
+from openinfer.rope import RopeParameters
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent / "cuda_emulation"
+REF = NumpyBackend()
+FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
+
+
+def bf16(x) -> np.ndarray:
+    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
+
+
+def build(tmp: Path, name: str, defines: dict[str, int]) -> Path:
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to compile the kernels for the host")
+    binary = tmp / name
+    flags = [f"-D{k}={v}" for k, v in defines.items()]
+    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", *flags, f"-I{HERE / 'include'}",
+                    f"-I{REPO / 'core' / 'kernels'}", str(HERE / "harness.cpp"), "-o", str(binary)], check=True)
+    return binary
+
+
+def relative_error(ours, reference) -> float:
+    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
+
+
+def stored_weights(rng, fmt: str, experts: int, out_features: int, in_features: int):
+    """(bytes as the kernel reads them, scale bytes, fp32 dequantized [E, N, K])."""
+    dense = [bf16(0.08 * rng.standard_normal((out_features, in_features))) for _ in range(experts)]
+    if fmt == "bf16":
+        return np.stack([float32_to_bf16(w) for w in dense]), np.zeros(0, np.uint8), np.stack(dense)
+    if fmt == "int4":
+        packed = [quantize_int4_group(w, 32) for w in dense]
+        scales = np.stack([float32_to_bf16(s) for _, s in packed])
+        deq = np.stack([dequantize_int4_group(p, bf16_to_float32(s), (out_features, in_features))
+                        for (p, _), s in zip(packed, scales, strict=True)])
+        return np.stack([p for p, _ in packed]), scales, deq
+    codes = [quantize_fp8_block(w) for w in dense]
+    return (np.stack([c for c, _ in codes]), np.stack([s for _, s in codes]),
+            np.stack([dequantize_fp8_block(c, s) for c, s in codes]))
+
+
+CASES = {
+    # format, router: group-limited sigmoid with a dominant expert (> one 64-row tile), softmax, sqrt-softplus
+    "bf16-sigmoid-groups": ("bf16", RouterSpec(6, 2, "sigmoid", num_groups=3, topk_groups=2,
+                                               routed_scaling_factor=2.5)),
+    "int4-softmax": ("int4", RouterSpec(6, 2, "softmax", norm_topk_prob=False)),
+    "fp8-sqrtsoftplus": ("fp8", RouterSpec(6, 2, "sqrtsoftplus", routed_scaling_factor=1.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_kernels_match_numpy(tmp_path, case):
+    fmt, spec = CASES[case]
+    rng = np.random.default_rng(len(case))
+    tokens, hidden, inter = 70, 96, 64  # N of down = 96: ragged against 64-wide tiles
+    binary = build(tmp_path, "moe", {"MOE": 1, "USE_MMA": 0, "WEIGHT_FORMAT": FORMATS[fmt], "GROUP": 32,
+                                     "FP8_BLOCK": 128})
+    x = bf16(rng.standard_normal((tokens, hidden)))
+    gate = bf16(0.2 * rng.standard_normal((spec.num_experts, hidden)))
+    bias = np.zeros(spec.num_experts, np.float32)
+    bias[0] = 3.0  # expert 0 takes nearly every token: two tiles
+    use_bias = spec.scoring != "softmax"
+    w1, s1, w1_ref = stored_weights(rng, fmt, spec.num_experts, 2 * inter, hidden)
+    w2, s2, w2_ref = stored_weights(rng, fmt, spec.num_experts, hidden, inter)
+    params = [tokens, hidden, spec.num_experts, spec.top_k, {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[spec.scoring],
+              spec.num_groups, spec.topk_groups, int(spec.group_score == "max"), int(spec.norm_topk_prob),
+              2 * inter, hidden, inter, int(use_bias)]
+    files = {"params": np.array(params, np.int32), "scaling": np.array([spec.routed_scaling_factor], np.float32),
+             "x": float32_to_bf16(x), "gate": float32_to_bf16(gate), "bias": bias, "w1": w1, "s1": s1, "w2": w2,
+             "s2": s2}
+    for name, array in files.items():
+        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
+    subprocess.run([str(binary), str(tmp_path)], check=True, timeout=600)
+    ids = np.fromfile(tmp_path / "ids.bin", np.int32).reshape(tokens, spec.top_k)
+    weights = np.fromfile(tmp_path / "weights.bin", np.float32).reshape(tokens, spec.top_k)
+    ref_weights, ref_ids = route(x @ gate.T, spec, bias if use_bias else None)
+    order, ref_order = np.argsort(ids, 1), np.argsort(ref_ids, 1)
+    assert np.array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(ref_ids, ref_order, 1))
+    assert np.allclose(np.take_along_axis(weights, order, 1), np.take_along_axis(ref_weights, ref_order, 1),
+                       rtol=1e-5, atol=1e-6)
+    offsets = np.fromfile(tmp_path / "offsets.bin", np.int32)
+    assert np.array_equal(np.diff(offsets), np.bincount(ref_ids.reshape(-1), minlength=spec.num_experts))
+    if use_bias:
+        assert offsets[1] > 64
+    out = bf16_to_float32(np.fromfile(tmp_path / "out.bin", np.uint16)).reshape(tokens, hidden)
+    experts = [ExpertWeights(REF.linear_weight(w1_ref[e]), REF.linear_weight(w2_ref[e]))
+               for e in range(spec.num_experts)]
+    reference = run_experts(REF, x, ref_weights, group_by_expert(ref_ids, spec.num_experts), experts)
+    assert relative_error(out, reference) < 2e-2
+    dense = bf16_to_float32(np.fromfile(tmp_path / "dense.bin", np.uint16)).reshape(tokens, 2 * inter)
+    assert relative_error(dense, x @ w1_ref[0].T) < 1e-2
+
+
+def test_mla_kernels_match_numpy(tmp_path):
+    rng = np.random.default_rng(0)
+    lora, rope_dim, nope, heads, block_size = 32, 16, 16, 20, 4  # 20 heads: a partial 16-head chunk
+    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim})
+    latent_dim, q_stride = lora + rope_dim, nope + rope_dim
+    cached, new = [0, 4, 7, 13], [5, 1, 1, 3]  # fresh prompt, decodes, a chunk on cached context
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    tokens, num_blocks = len(positions), 16
+    tables = np.zeros((4, 5), np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    for s, total in enumerate(np.add(cached, new)):
+        for b in range(-(-total // block_size)):
+            tables[s, b] = next(free)
+    seq_of = np.repeat(np.arange(4), new)
+    slots = (tables[seq_of, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    cache = bf16(rng.standard_normal((num_blocks, block_size, latent_dim)))
+    latent = bf16(rng.standard_normal((tokens, latent_dim)))
+    norm = bf16(1 + 0.2 * rng.standard_normal(lora))
+    q = bf16(rng.standard_normal((tokens, heads, q_stride)))
+    q_latent = bf16(rng.standard_normal((tokens, heads, lora)))
+    rope = RotaryEmbedding.create(rope_dim, RopeParameters(10000.0), 64)
+    scale = 0.17
+    files = {"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size], np.int32),
+             "scale": np.array([scale], np.float32), "latent": float32_to_bf16(latent), "norm": float32_to_bf16(norm),
+             "q": float32_to_bf16(q), "q_latent": float32_to_bf16(q_latent), "cache": float32_to_bf16(cache),
+             "positions": positions, "slots": slots, "tables": tables, "query_start": query_start,
+             "cos": rope.cos, "sin": rope.sin}
+    for name, array in files.items():
+        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
+    subprocess.run([str(binary), str(tmp_path)], check=True, timeout=600)
+    # reference: latent write, q rope, absorbed attention per token over its causal context
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    ref_cache = cache.reshape(-1, latent_dim).copy()
+    ref_cache[slots] = np.concatenate([REF.rms_norm(latent[:, :lora], norm, 1e-6),
+                                       rotate_half_rope(latent[:, None, lora:], cos, sin)[:, 0]], -1)
+    q_rot = q.copy()
+    q_rot[..., nope:] = rotate_half_rope(q[..., nope:], cos, sin)
+    reference = np.empty((tokens, heads, lora), np.float32)
+    for t in range(tokens):
+        context_pos = np.arange(positions[t] + 1)
+        rows = ref_cache[tables[seq_of[t], context_pos // block_size] * block_size + context_pos % block_size]
+        scores = (q_latent[t] @ rows[:, :lora].T + q_rot[t, :, nope:] @ rows[:, lora:].T) * scale
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        reference[t] = (p / p.sum(-1, keepdims=True)) @ rows[:, :lora]
+    cache_out = bf16_to_float32(np.fromfile(tmp_path / "cache_out.bin", np.uint16)).reshape(-1, latent_dim)
+    assert relative_error(cache_out[slots], ref_cache[slots]) < 1e-2
+    untouched = np.setdiff1d(np.arange(len(ref_cache)), slots)
+    assert np.array_equal(cache_out[untouched], ref_cache[untouched])
+    q_out = bf16_to_float32(np.fromfile(tmp_path / "q_out.bin", np.uint16)).reshape(tokens, heads, q_stride)
+    assert relative_error(q_out, q_rot) < 1e-2
+    out = bf16_to_float32(np.fromfile(tmp_path / "out.bin", np.uint16)).reshape(tokens, heads, lora)
+    assert relative_error(out, reference) < 2e-2

@@ -1,0 +1,144 @@
+"""Structured-output constraints, bitmasks and the sampler's logit_bias / mask handling (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from openinfer.errors import InvalidRequestError
+from openinfer.sampling import SamplingState, sample_row, validate_sampling
+from openinfer.structured import (
+    GrammarCompiler,
+    allocate_bitmask,
+    allowed_tokens,
+    apply_bitmask,
+    check_constraint,
+    grammar_tokenizer_json,
+)
+from openinfer.v1 import engine_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator(['{"a": 1, "b": [true, false]}', "yes no maybe"] * 10, trainer=trainer)
+    raw.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    return raw
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer.to_str(), tokenizer.get_vocab_size() + 5, [tokenizer.token_to_id("<eos>")])
+
+
+@pytest.mark.parametrize(("constraint", "named"), [
+    (pb.StructuredOutput(json_schema="{not json"), "not valid JSON"),
+    (pb.StructuredOutput(json_schema="[1, 2]"), "JSON Schema is an object"),
+    (pb.StructuredOutput(json_schema=json.dumps({"type": "wat"})), "wat"),
+    (pb.StructuredOutput(json_schema=json.dumps({"type": "array", "uniqueItems": True})), "uniqueItems"),
+    (pb.StructuredOutput(regex="a("), "unclosed group"),
+    (pb.StructuredOutput(regex=""), "empty"),
+    (pb.StructuredOutput(choice=pb.ChoiceList()), "at least one"),
+    (pb.StructuredOutput(grammar="start: (("), "grammar"),
+    (pb.StructuredOutput(), "no kind"),
+])
+def test_bad_constraints_name_the_problem(constraint, named):
+    with pytest.raises(InvalidRequestError) as error:
+        check_constraint(constraint)
+    assert named in str(error.value) and error.value.field == "structured_output"
+
+
+def walk(compiler: GrammarCompiler, tokenizer: Tokenizer, constraint: pb.StructuredOutput, seed: int) -> str:
+    """Sample uniformly among allowed tokens until the grammar ends; the text generated."""
+    rng = np.random.default_rng(seed)
+    matcher = compiler.compile(constraint)
+    eos = tokenizer.token_to_id("<eos>")
+    ids = []
+    for _ in range(200):
+        bitmask = allocate_bitmask(1, compiler.vocab_size)
+        matcher.fill(bitmask[0])
+        allowed = np.nonzero(allowed_tokens(bitmask[0], compiler.vocab_size))[0]
+        assert allowed.max() < tokenizer.get_vocab_size()  # padding ids are never allowed
+        token = int(rng.choice(allowed))
+        if token == eos:
+            return tokenizer.decode(ids)
+        assert matcher.accept(token)
+        ids.append(token)
+    raise AssertionError("the grammar did not end")
+
+
+def test_choice_and_regex_hold_under_random_walks(compiler, tokenizer):
+    for seed in range(10):
+        assert walk(compiler, tokenizer, pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes", "no", "maybe"])),
+                    seed) in ("yes", "no", "maybe")
+        assert len(walk(compiler, tokenizer, pb.StructuredOutput(regex="[ab]{2,4}"), seed)) in (2, 3, 4)
+
+
+def test_json_schema_walks_give_compact_valid_json(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"type": "array", "items": {
+        "type": "boolean"}, "maxItems": 2}}, "required": ["a", "b"], "additionalProperties": False}
+    for seed in range(5):
+        text = walk(compiler, tokenizer, pb.StructuredOutput(json_schema=json.dumps(schema)), seed)
+        value = json.loads(text)
+        assert value["a"] in (1, 2) and len(value["b"]) <= 2
+        assert text == json.dumps(value)  # Python's separators, no other whitespace
+
+
+def test_non_special_added_tokens_are_text_for_the_grammar(compiler, tokenizer):
+    moved = json.loads(grammar_tokenizer_json(tokenizer.to_str()))
+    token_id = tokenizer.token_to_id("<tool_call>")
+    assert moved["model"]["vocab"]["<tool_call>"] == token_id
+    assert all(t["content"] != "<tool_call>" for t in moved["added_tokens"])
+    matcher = compiler.compile(pb.StructuredOutput(grammar='start: "<tool_call>" "yes"'))
+    assert matcher.accept(token_id)  # the one-token spelling of the literal is consumable
+
+
+def test_bitmask_layout_and_application():
+    bitmask = allocate_bitmask(1, 70)
+    assert bitmask.shape == (1, 3)
+    bitmask[0] = 0
+    bitmask[0, 0] = 1 << 3
+    bitmask[0, 2] = 1 << (65 - 64)
+    assert np.nonzero(allowed_tokens(bitmask[0], 70))[0].tolist() == [3, 65]
+    logits = np.zeros(70, np.float32)
+    apply_bitmask(logits, bitmask[0])
+    assert np.isfinite(logits).sum() == 2
+
+
+def state(**fields) -> SamplingState:
+    params = pb.SamplingParams(**{k: v for k, v in fields.items() if k != "logit_bias"})
+    params.logit_bias.update(fields.get("logit_bias", {}))
+    return SamplingState.create(params, [1, 2], 0, 0)
+
+
+def test_logit_bias_forces_and_forbids():
+    logits = np.linspace(0, 5, 50).astype(np.float32)
+    assert sample_row(logits.copy(), state(temperature=0.0)).token_id == 49
+    assert sample_row(logits.copy(), state(temperature=0.0, logit_bias={7: 100.0})).token_id == 7
+    assert sample_row(logits.copy(), state(temperature=0.0, logit_bias={49: -100.0})).token_id == 48
+    forced = state(temperature=1.0, seed=3, logit_bias={11: 100.0})
+    assert {sample_row(logits.copy(), forced).token_id for _ in range(20)} == {11}
+    # logprobs stay those of the model (before the bias), as vLLM returns by default
+    result = sample_row(logits.copy(), state(temperature=0.0, logit_bias={7: 100.0}), want_logprob=True)
+    assert result.logprob < -4
+
+
+def test_logit_bias_out_of_range_is_refused():
+    params = pb.SamplingParams()
+    params.logit_bias[3] = 100.5
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        validate_sampling(params)
+
+
+def test_mask_wins_over_min_tokens_when_only_a_stop_is_allowed():
+    bitmask = allocate_bitmask(1, 10)
+    bitmask[0] = 1 << 9  # the grammar is complete: only the stop token 9 may follow
+    token = sample_row(np.zeros(10, np.float32), state(temperature=0.0), banned_ids=[9], bitmask_row=bitmask[0])
+    assert token.token_id == 9

@@ -1,0 +1,235 @@
+"""MoE, quantized GEMM and MLA cuda ops against their NumPy references (ragged batches, tile and
+block boundaries), and the Kimi-K2 / DeepSeek-V3 model on cuda against the NumPy model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from openinfer import EngineOptions, PagedEngine, RotaryEmbedding, create_backend, float32_to_bf16
+from openinfer.backend.base import ForwardBatch
+from openinfer.backend.numpy_backend import NumpyBackend
+from openinfer.mla import MLASpec, MLAWeights, mla_attention, rotate_half_rope
+from openinfer.moe import ExpertWeights, RouterSpec, group_by_expert, route, run_experts
+from openinfer.quant import (
+    dequantize_fp8_block,
+    dequantize_int4_group,
+    quantize_fp8_block,
+    quantize_int4_group,
+)
+from openinfer.rope import RopeParameters
+from tests.gpu.conftest import bf16_random, relative_error
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+REF = NumpyBackend()
+BF16_TOL = 2e-2
+
+
+def _moe_cuda():
+    from openinfer.backend.cuda import moe
+
+    return moe
+
+
+@pytest.mark.parametrize("spec", [
+    RouterSpec(64, 8, "sigmoid", routed_scaling_factor=2.5),
+    RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3, routed_scaling_factor=1.5),
+    RouterSpec(60, 4, "softmax", norm_topk_prob=False),
+    RouterSpec(48, 6, "sqrtsoftplus", routed_scaling_factor=1.5),
+], ids=["sigmoid", "groups", "softmax", "sqrtsoftplus"])
+def test_moe_route_matches_numpy(cuda_backend, rng, spec):
+    moe = _moe_cuda()
+    x, gate = bf16_random(rng, 77, 256), bf16_random(rng, spec.num_experts, 256, scale=0.1)
+    bias = (0.3 * rng.standard_normal(spec.num_experts)).astype(np.float32) if spec.scoring != "softmax" else None
+    ids, weights = moe.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec,
+                             None if bias is None else cupy.asarray(bias))
+    ref_weights, ref_ids = route(x @ gate.T, spec, bias)
+    ids, weights = ids.get(), weights.get()
+    order, ref_order = np.argsort(ids, 1), np.argsort(ref_ids, 1)
+    assert np.array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(ref_ids, ref_order, 1))
+    assert np.allclose(np.take_along_axis(weights, order, 1), np.take_along_axis(ref_weights, ref_order, 1),
+                       rtol=1e-4, atol=1e-5)
+
+
+def test_moe_hash_routing(cuda_backend, rng):
+    moe = _moe_cuda()
+    spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
+    x, gate = bf16_random(rng, 9, 64), bf16_random(rng, 16, 64, scale=0.1)
+    tid2eid = np.stack([rng.permutation(16)[:3] for _ in range(50)]).astype(np.int64)
+    token_ids = rng.integers(0, 50, 9).astype(np.int32)
+    ids, weights = moe.route(cuda_backend.upload(x), cuda_backend.weight(gate), spec, None,
+                             cupy.asarray(token_ids), cupy.asarray(tid2eid))
+    ref_weights, ref_ids = route(x @ gate.T, spec, token_ids=token_ids, tid2eid=tid2eid)
+    assert np.array_equal(ids.get(), ref_ids)
+    assert np.allclose(weights.get(), ref_weights, rtol=1e-4, atol=1e-5)
+
+
+def _expert_weights(rng, fmt, num_experts, out_features, in_features):
+    """(device ExpertLinear, fp32 dequantized [E, N, K]) in ``fmt``."""
+    moe = _moe_cuda()
+    dense = [bf16_random(rng, out_features, in_features, scale=0.05) for _ in range(num_experts)]
+    if fmt == "bf16":
+        bits = np.stack([float32_to_bf16(w) for w in dense])
+        return moe.upload_expert_linear("bf16", bits, None, (out_features, in_features)), np.stack(dense)
+    if fmt == "int4":
+        packed = [quantize_int4_group(w, 32) for w in dense]
+        scales = [float32_to_bf16(s) for _, s in packed]
+        deq = np.stack([dequantize_int4_group(p, (s.astype(np.uint32) << 16).view(np.float32),
+                                              (out_features, in_features)) for (p, _), s in zip(packed, scales, strict=True)])
+        return moe.upload_expert_linear("int4", np.stack([p for p, _ in packed]), np.stack(scales),
+                                        (out_features, in_features), group=32), deq
+    codes = [quantize_fp8_block(w) for w in dense]
+    deq = np.stack([dequantize_fp8_block(c, s) for c, s in codes])
+    return moe.upload_expert_linear("fp8", np.stack([c for c, _ in codes]), np.stack([s for _, s in codes]),
+                                    (out_features, in_features), block=128), deq
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
+def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt):
+    """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
+    not multiples of the tile (K a multiple of the INT4 group)."""
+    moe = _moe_cuda()
+    num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
+    gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, fmt, num_experts, hidden, inter)
+    x = bf16_random(rng, tokens, hidden)
+    ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    ids[:70, 0] = 1  # expert 1 gets more than one 64-row tile; expert 4 none
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    offsets = grouping.offsets.get()
+    assert offsets[5] - offsets[4] == 0 and offsets[2] - offsets[1] > 64
+    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True)
+    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False)
+    out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
+    experts = [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
+               for e in range(num_experts)]
+    reference = run_experts(REF, x, weights, group_by_expert(ids, num_experts), experts)
+    assert relative_error(out, reference) < BF16_TOL
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3, 64, 65, 130])
+def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows):
+    moe = _moe_cuda()
+    weight, reference = _expert_weights(rng, fmt, 1, 300, 256)
+    x = bf16_random(rng, rows, 256)
+    out = cuda_backend.to_host(moe.quantized_linear(cuda_backend.upload(x), weight))
+    assert relative_error(out, x @ reference[0].T) < BF16_TOL
+
+
+def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend, rng):
+    """Decode rows, a prefill chunk on cached context, a fresh prompt; contexts crossing 16-token
+    blocks; 20 heads (a partial 16-head chunk); DeepSeek's 512 + 64 latent."""
+    from openinfer.backend.cuda.mla import mla_forward
+
+    spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
+                   scale=192 ** -0.5 * 1.3)
+    block_size, num_blocks = 16, 40
+    cached = [0, 16, 31, 70]  # tokens already in the cache per sequence
+    new = [5, 1, 1, 3]
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    tables = np.zeros((4, 8), np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    for s, total in enumerate(np.add(cached, new)):
+        for b in range(-(-total // block_size)):
+            tables[s, b] = next(free)
+    slots = np.concatenate([tables[s, p // block_size] * block_size + p % block_size
+                            for s, p in enumerate(np.split(positions, np.cumsum(new)[:-1]))]).astype(np.int32)
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    batch = ForwardBatch(token_ids=np.zeros(len(positions), np.int32), positions=positions, query_start=query_start,
+                         context_lens=np.add(cached, new).astype(np.int32), block_tables=tables, slot_mapping=slots,
+                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=5,
+                         max_context_len=int(np.max(np.add(cached, new))))
+    cache = bf16_random(rng, num_blocks, block_size, spec.latent_dim)
+    q = bf16_random(rng, len(positions), spec.num_heads * spec.qk_head_dim)
+    latent = bf16_random(rng, len(positions), spec.latent_dim)
+    norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
+    kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
+    weights = MLAWeights.from_kv_b(kv_b, spec)
+    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), 128)
+    # NumPy reference (fp32)
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
+    q_ref = np.concatenate([q3[..., :128], rotate_half_rope(q3[..., 128:], cos, sin)], -1)
+    c_kv = REF.rms_norm(latent[:, :512], norm, 1e-6)
+    k_pe = rotate_half_rope(latent[:, None, 512:], cos, sin)[:, 0]
+    ref_cache = cache.copy()
+    reference = mla_attention(q_ref, np.concatenate([c_kv, k_pe], -1), ref_cache, weights, spec, batch)
+    # cuda
+    device_cache = cuda_backend.upload(cache).reshape(num_blocks, block_size, 1, spec.latent_dim)
+    out = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
+                      cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm),
+                      spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
+    written = cuda_backend.to_host(device_cache).reshape(-1, spec.latent_dim)[slots]
+    assert relative_error(written, ref_cache.reshape(-1, spec.latent_dim)[slots]) < BF16_TOL
+
+
+# --- the whole model ---------------------------------------------------------------------------
+
+GPU_TINY = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "q_lora_rank": 32,
+            "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+            "num_attention_heads": 4, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+            "topk_group": 2, "num_hidden_layers": 3}
+
+
+def _build(path, device):
+    from openinfer_kimi_k2.plugin import build_model
+
+    config = json.loads((path / "config.json").read_text())
+    return build_model(path, config, EngineOptions(device=device), create_backend(device))
+
+
+def _logprobs(logits):
+    logits = logits.astype(np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from tests.helpers.tiny_deepseek_v3 import write_quantized_copy, write_tiny_deepseek_v3
+
+    root = tmp_path_factory.mktemp("kimi-gpu")
+    source, hf = write_tiny_deepseek_v3(root / "bf16", seed=3, **GPU_TINY)
+    write_quantized_copy(root / "int4", source, hf, "int4")
+    write_quantized_copy(root / "fp8", source, hf, "fp8")
+    return root
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int4", "fp8"])
+def test_model_on_cuda_matches_numpy_teacher_forced(cuda_available_backend, tiny_dirs, variant):
+    from tests.helpers.engine_utils import prefill_logits
+
+    path = tiny_dirs / variant
+    prompt = np.random.default_rng(1).integers(3, 160, 90).tolist()
+    reference = _logprobs(prefill_logits(_build(path, "cpu"), prompt))
+    ours = _logprobs(prefill_logits(_build(path, "cuda"), prompt, chunk_sizes=[40, 1, 1, 48]))
+    diff = np.abs(np.take_along_axis(ours, np.argmax(reference, -1)[:, None], 1)
+                  - np.take_along_axis(reference, np.argmax(reference, -1)[:, None], 1))
+    assert diff.mean() <= 0.06 and np.quantile(diff, 0.99) <= 0.20
+
+
+def test_cuda_graph_replay_equals_eager(cuda_available_backend, tiny_dirs):
+    from tests.helpers.engine_utils import make_request, run_all
+
+    prompts = [np.random.default_rng(s).integers(3, 160, n).tolist() for s, n in ((1, 70), (2, 9), (3, 33))]
+    outputs = []
+    for graph in (False, True):
+        engine = PagedEngine(_build(tiny_dirs / "bf16", "cuda"), EngineOptions(device="cuda", cuda_graph=graph))
+        try:
+            outputs.append([o.token_ids for o in run_all(engine, [make_request(f"r{i}", p, max_tokens=24)
+                                                                   for i, p in enumerate(prompts)])])
+        finally:
+            engine.close_sync()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture
+def cuda_available_backend(cuda_backend):
+    return cuda_backend
