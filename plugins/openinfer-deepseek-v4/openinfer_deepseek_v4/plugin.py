@@ -8,6 +8,7 @@ state snapshots) need nothing DeepSeek-specific here.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ from openinfer import (
     Backend,
     EngineOptions,
     PagedEngine,
+    ParallelConfigError,
+    RankContext,
     create_backend,
+    create_parallel_model,
     hookimpl,
     read_generation_config,
     score_architectures,
@@ -40,13 +44,24 @@ def openinfer_claims() -> list[str]:
 
 
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
-                options: EngineOptions) -> DeepseekV4Model:
+                options: EngineOptions, rank: RankContext | None = None) -> DeepseekV4Model:
+    """One rank's model (the whole model when there is one rank)."""
     dsv4 = DeepseekV4Config.from_dict(config, read_generation_config(model_path))
-    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend)
+    rank = rank or RankContext()
+    if rank.tensor.size > 1:
+        raise ParallelConfigError("openinfer-deepseek-v4 splits the model by experts only: use "
+                                  "--expert-parallel-size and leave --tensor-parallel-size at 1")
+    held = rank.expert.experts(dsv4.n_routed_experts) if rank.expert.size > 1 else None
+    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend, experts=held)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
     return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures,
-                           model_type=str(config.get("model_type", "deepseek_v4")))
+                           model_type=str(config.get("model_type", "deepseek_v4")), rank=rank)
+
+
+def _rank_model(model_path: str, config: dict[str, Any], options: EngineOptions, backend: Backend,
+                rank: RankContext) -> DeepseekV4Model:
+    return build_model(model_path, config, backend, options, rank)
 
 
 @hookimpl
@@ -62,5 +77,8 @@ def engine_options(options: EngineOptions) -> EngineOptions:
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = build_model(model_path, config, create_backend(options.device), options)
+    if options.expert_parallel_size == 1 and options.tensor_parallel_size == 1:
+        model = build_model(model_path, config, create_backend(options.device), options)
+    else:
+        model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
     return PagedEngine(model, engine_options(options), model_path=model_path, plugin=PLUGIN_NAME)
