@@ -261,7 +261,12 @@ class ParallelRunner:
         for remote in self.remotes:
             remote.check()
             remote.send(("step", batch, num_previous))
-        return self.local.step(batch, previous_token_ids, num_previous)
+        try:
+            return self.local.step(batch, previous_token_ids, num_previous)
+        except Exception:
+            for remote in self.remotes:  # a rank that failed first broke the collective: raise its error
+                remote.check()
+            raise
 
     def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
         """State snapshots / restores the KV manager queued, on every rank's state layers."""
