@@ -15,6 +15,7 @@ from typing import Any
 from openinfer import (
     Backend,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
     ParallelConfigError,
     RankContext,
@@ -27,6 +28,7 @@ from openinfer import (
 from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, MODEL_TYPES, DeepseekV4Config
+from openinfer_deepseek_v4.memory import deepseek_v4_model_memory
 from openinfer_deepseek_v4.model import DeepseekV4Model
 from openinfer_deepseek_v4.weights import load_weights
 
@@ -82,3 +84,8 @@ def openinfer_create_engine(model_path: str, config: dict[str, Any], options: En
     else:
         model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
     return PagedEngine(model, engine_options(options), model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    return deepseek_v4_model_memory(DeepseekV4Config.from_dict(config))
