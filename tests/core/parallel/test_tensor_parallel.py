@@ -109,3 +109,14 @@ def test_a_failing_rank_fails_the_step_not_the_engine(tiny_qwen3_dir, monkeypatc
         assert not outcome.token_ids
     finally:
         engine.close_sync()
+
+
+def test_model_info_reports_the_ranks(tiny_qwen3_dir):
+    from tests.plugins.qwen3.conftest import build_engine
+
+    engine = build_engine(tiny_qwen3_dir, tensor_parallel_size=2, num_kv_blocks=16)
+    try:
+        info = engine.info()
+        assert (info.tensor_parallel_size, info.expert_parallel_size) == (2, 1)
+    finally:
+        engine.close_sync()
