@@ -50,17 +50,6 @@ def openinfer_claims() -> list[str]:
 
 
 @hookspec
-def openinfer_model_memory(config: dict[str, Any]) -> Any:
-    """Optional: what the model holds, from ``config.json`` alone, for memory planning
-    (``openinfer plan`` and the check before loading on GPUs) and ``--load-format dummy``.
-
-    Return an ``openinfer.parallel.memory_plan.ModelMemory``: every tensor's shape, bytes per
-    element and how it splits over tensor/expert-parallel ranks, and the KV bytes per token.
-    Called only on the plugin whose ``openinfer_match`` won; a plugin without it gets no plan.
-    """
-
-
-@hookspec
 def openinfer_chat_encoder(config: dict[str, Any]) -> Any:
     """Return a chat encoder for a model whose checkpoint ships no Jinja chat template, or ``None``.
 
@@ -70,4 +59,15 @@ def openinfer_chat_encoder(config: dict[str, Any]) -> Any:
     ``openinfer.tokenizer.ChatEncoder``): ``messages`` are OpenAI chat messages as dicts, ``options`` the
     request's ``chat_template_kwargs`` (e.g. ``thinking``). It writes the model's special tokens
     itself (BOS included); raise ``openinfer.InvalidRequestError`` for messages it cannot encode.
+    """
+
+
+@hookspec
+def openinfer_model_memory(config: dict[str, Any]) -> Any:
+    """Optional: what the model holds, from ``config.json`` alone, for memory planning
+    (``openinfer plan`` and the check before loading on GPUs) and ``--load-format dummy``.
+
+    Return an ``openinfer.parallel.memory_plan.ModelMemory``: every tensor's shape, bytes per
+    element and how it splits over tensor/expert-parallel ranks, and the KV bytes per token.
+    Called only on the plugin whose ``openinfer_match`` won; a plugin without it gets no plan.
     """

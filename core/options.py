@@ -32,12 +32,12 @@ class EngineOptions:
     max_queue: int = 1024
     served_model_name: str | None = None
     seed: int = 0
+    # write a Chrome-trace JSON per request into this directory (openinfer.tracing); None: off
+    trace_dir: str | None = None
     # ranks (openinfer.parallel): one per GPU on cuda, threads with a fake communicator on cpu
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
-    # write a Chrome-trace JSON per request into this directory (openinfer.tracing); None: off
-    trace_dir: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:

@@ -16,6 +16,7 @@ line); what surrounds them comes from the model family's convention, which Kimi'
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,26 @@ class TiktokenVocabulary:
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self.encoding.n_vocab if with_added_tokens else self.num_base
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        """Every token spelled one character per byte (latin-1), so a piece's length is its byte count."""
+        vocab = {token.decode("latin-1"): rank for token, rank in self.encoding._mergeable_ranks.items()}
+        if with_added_tokens:
+            vocab.update(self.id_by_special)
+        return vocab
+
+    def get_added_tokens_decoder(self) -> dict[int, str]:
+        return dict(self.special_by_id)
+
+    def to_str(self) -> str:
+        """The parts of a tokenizer.json that callers inspect: no normalizer, no byte-level decoder."""
+        return json.dumps({"normalizer": None, "decoder": None, "model": {"type": "tiktoken"}})
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of a token (special tokens: their text)."""
+        if token_id in self.special_by_id:
+            return self.special_by_id[token_id].encode("utf-8")
+        return self._bytes_by_id.get(token_id, b"")
 
     def token_to_id(self, token: str) -> int | None:
         special = self.id_by_special.get(token)

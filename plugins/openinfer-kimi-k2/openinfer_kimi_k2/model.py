@@ -10,9 +10,9 @@ first ``first_k_dense_replace`` layers and a routed MoE (+ shared experts) after
 
 The paged cache holds one latent row per token and layer (``openinfer.mla``).
 
-Expert parallel (``rank.expert``, NumPy backend): each rank holds its slice of the routed
-experts; attention and the dense layers are replicated, so every rank routes the same tokens
-the same way and one all-reduce sums the experts' shares (``openinfer.parallel.expert``).
+Expert parallel (``rank.expert``): each rank holds its slice of the routed experts; attention
+and the dense layers are replicated, so every rank routes the same tokens the same way and one
+all-reduce sums the experts' shares (``openinfer.parallel.expert``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class KimiK2Model:
     def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
         ops, plan = self.backend, self.plan
         if isinstance(layer.mlp, MoEWeights):
-            if self.rank.expert.size > 1:  # this rank's experts, summed over ranks (openinfer.parallel.expert)
+            if self.rank.expert.size > 1:
                 return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
                                            self.rank.expert.experts(self.config.n_routed_experts))
             return plan.moe(ops, h, layer.mlp, batch)

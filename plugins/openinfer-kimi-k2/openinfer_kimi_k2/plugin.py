@@ -58,18 +58,18 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
     """Parse the config and check every tensor from the safetensors headers first, so a bad
     checkpoint fails with the tensor's name before the backend (and any device memory) exists."""
     kimi = with_message_end_stop(KimiK2Config.from_dict(config, read_generation_config(model_path)), model_path)
-    checkpoint = Checkpoint(model_path)
-    linears = plan_checkpoint(checkpoint, kimi)
     rank = rank or RankContext()
     if rank.tensor.size > 1:
         raise ParallelConfigError("openinfer-kimi-k2 splits the model by experts only: use --expert-parallel-size "
                                   "and leave --tensor-parallel-size at 1")
-    held = rank.expert.experts(kimi.n_routed_experts) if rank.expert.size > 1 else None
+    held = rank.expert.experts(kimi.n_routed_experts) if kimi.n_routed_experts else None
+    checkpoint = Checkpoint(model_path)
+    linears = plan_checkpoint(checkpoint, kimi)
     backend = backend or create_backend(options.device)
-    if held is not None and backend.name != "numpy":
-        raise ParallelConfigError("openinfer-kimi-k2 runs expert parallel on the NumPy backend only so far (the "
-                                  "CUDA MoE kernels take every expert); use --device cpu or --expert-parallel-size 1")
     plan = plan_for(backend)
+    if held is not None and plan.builder is not None and rank.expert.size > 1:
+        raise ParallelConfigError(f"openinfer-kimi-k2 runs expert parallel on the numpy backend only so far "
+                                  f"(its {backend.name} kernels hold every expert); drop --expert-parallel-size")
     weights = load_weights(checkpoint, kimi, backend, linears=linears, builder=plan.builder, experts=held)
     plan.prepare(weights, backend)
     max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)

@@ -170,10 +170,10 @@ class LinearBuilder:
         """A linear from an fp32 array (tied LM head)."""
         return self.backend.linear_weight(array)
 
-    def experts(self, modules: list[str]) -> tuple[list[ExpertWeights], Any]:
-        """Per-expert SwiGLU weights of one layer (``modules``: ``…experts.{e}``), and a backend's
-        stacked copy (None on NumPy)."""
-        return [self.swiglu(m) for m in modules], None
+    def experts(self, modules: list[str | None]) -> tuple[list[ExpertWeights | None], Any]:
+        """Per-expert SwiGLU weights of one layer (``modules``: ``…experts.{e}``, None for an expert
+        another expert-parallel rank holds), and a backend's stacked copy (None on NumPy)."""
+        return [self.swiglu(m) if m is not None else None for m in modules], None
 
     def swiglu(self, module: str) -> ExpertWeights:
         return ExpertWeights(self.fused([f"{module}.gate_proj", f"{module}.up_proj"]),
@@ -182,17 +182,16 @@ class LinearBuilder:
 
 def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
                  linears: dict[str, StoredLinear] | None = None,
-                 builder: Callable[..., LinearBuilder] | None = None,
-                 experts: slice | None = None) -> KimiK2Weights:
+                 builder: Callable[..., LinearBuilder] | None = None, experts: slice | None = None) -> KimiK2Weights:
     """Plan (headers only; or take ``linears`` from an earlier ``plan_checkpoint``), then read every
-    weight through ``builder`` (default: the NumPy reference's fp32 ``LinearBuilder``).
-    ``experts``: the routed experts this rank holds under expert parallelism (the others stay
-    ``None``); default all."""
+    weight through ``builder`` (default: the NumPy reference's fp32 ``LinearBuilder``). ``experts``:
+    the routed experts this rank holds under expert parallelism (the others stay ``None``); default all."""
     linears = linears if linears is not None else plan_checkpoint(ckpt, config)
     prefix = checkpoint_prefix(ckpt)
     build = (builder or LinearBuilder)(ckpt, linears, backend)
     c = config
     perm = rope_deinterleave(c.qk_rope_head_dim) if c.rope_interleave else np.arange(c.qk_rope_head_dim)
+    held = experts or slice(0, c.n_routed_experts)
     layers = []
     for i in range(c.num_hidden_layers):
         layer = f"{prefix}model.layers.{i}"
@@ -217,11 +216,10 @@ def load_weights(ckpt: Checkpoint, config: KimiK2Config, backend: Backend,
         if c.is_moe_layer(i):
             assert c.router is not None
             bias_name = f"{mlp_name}.gate.e_score_correction_bias"
-            held = experts or slice(0, c.n_routed_experts)
-            local, stacked = build.experts([f"{mlp_name}.experts.{e}" for e in range(held.start, held.stop)])
-            layer_experts = [None] * held.start + list(local) + [None] * (c.n_routed_experts - held.stop)
+            experts, stacked = build.experts([f"{mlp_name}.experts.{e}" if held.start <= e < held.stop else None
+                                              for e in range(c.n_routed_experts)])
             mlp: DenseMLPWeights | MoEWeights = MoEWeights(
-                router=c.router, gate=ckpt.get(f"{mlp_name}.gate.weight"), experts=layer_experts,
+                router=c.router, gate=ckpt.get(f"{mlp_name}.gate.weight"), experts=experts,
                 correction_bias=ckpt.get(bias_name) if bias_name in ckpt else None,
                 shared=build.swiglu(f"{mlp_name}.shared_experts") if c.n_shared_experts else None,
                 stacked=stacked)
