@@ -8,7 +8,8 @@
         │                ├─ send ("step", batch) to every other rank ──────┘
         │                ├─ broadcast the previous step's sampled ids (async scheduling)
         │                └─ rank 0's own RankWorker.step(batch) → logits (sampled on rank 0)
-        └─ release_request(id) ─► every rank (models with per-request state)
+        ├─ copy_state_slots(copies) ─► every rank (state snapshots / restores, in step order)
+        └─ release_request(id) ─► every rank (models with private per-request state)
 
 Commands travel in order through one channel per rank (a queue for threads, a pipe for
 processes); activations travel only through the ``Communicator`` (NCCL on GPUs). Only rank
@@ -266,7 +267,12 @@ class ParallelRunner:
         for remote in self.remotes:
             remote.check()
             remote.send(("step", batch, num_previous))
-        return self.local.step(batch, previous_token_ids, num_previous)
+        try:
+            return self.local.step(batch, previous_token_ids, num_previous)
+        except Exception:
+            for remote in self.remotes:  # a rank that failed first broke the collective: raise its error
+                remote.check()
+            raise
 
     def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
         """State snapshots / restores the KV manager queued, on every rank's state layers."""

@@ -141,7 +141,9 @@ class PagedEngine:
             model_path=model_path, architectures=list(spec.architectures), model_type=spec.model_type,
             vocab_size=spec.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(spec.eos_token_ids), tokenizer_path=tokenizer_path or model_path,
-            backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
+            backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+            expert_parallel_size=self.options.expert_parallel_size)
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
         # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
