@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen3-4b-random")
     parser.add_argument("--streams", default="1,16,64,256")
-    parser.add_argument("--api-server-counts", default="1,2")
+    parser.add_argument("--api-server-counts", default="1,2", help="openinfer runs to make; 0: none (vLLM only)")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-start-timeout", type=float, default=420.0)
     parser.add_argument("--stub", action="store_true", help="CPU dry run with the stub engine (checks the script)")
     parser.add_argument("--tag", default="gpu_concurrency")
+    parser.add_argument("--append", action="store_true",
+                        help="add to the runs already in results/TAG.json (e.g. vLLM in a later device call)")
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     checkpoint = Path(args.checkpoint)
@@ -246,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     results = HERE / "results"
     results.mkdir(exist_ok=True)
+    previous = results / f"{args.tag}.json"
+    if args.append and previous.exists():
+        report["runs"] = json.loads(previous.read_text()).get("runs", [])
 
     def save() -> None:
         (results / f"{args.tag}.json").write_text(json.dumps(report, indent=2))
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (results / f"{args.tag}{suffix}").exists():
                     shutil.copy(results / f"{args.tag}{suffix}", os.environ["OUT"])
 
-    for count in [int(c) for c in args.api_server_counts.split(",")]:
+    for count in [int(c) for c in args.api_server_counts.split(",") if c.strip() and int(c) > 0]:
         try:
             report["runs"].append(run_openinfer(args, checkpoint, count, streams, vocab))
         except Exception as exc:  # keep what was measured; say what failed

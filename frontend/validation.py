@@ -17,11 +17,10 @@ def check_prompt(prompt_ids: list[int] | tuple[int, ...], info: pb.ModelInfo, fi
     if not prompt_ids:
         raise InvalidRequestError(f"{field} must not be empty", field)
     vocab = info.vocab_size
-    if vocab:
-        bad = [t for t in prompt_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"{field} has token id {bad[0]} outside the vocabulary (ids must be in [0, {vocab}))", field)
+    if vocab and max(prompt_ids) >= vocab:  # max() first: one C-level pass over long prompts
+        bad = next(t for t in prompt_ids if t >= vocab)
+        raise InvalidRequestError(
+            f"{field} has token id {bad} outside the vocabulary (ids must be in [0, {vocab}))", field)
     if info.max_model_len and len(prompt_ids) >= info.max_model_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {info.max_model_len} tokens, but the prompt has "

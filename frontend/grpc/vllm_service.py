@@ -27,6 +27,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.frontend.grpc.malformed import add_servicer
 from openinfer.frontend.grpc.sglang_fanout import merge_streams
 from openinfer.frontend.grpc.sglang_load import RecentRates
 from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
@@ -306,6 +307,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
 
 def add_vllm_service(server: grpc.aio.Server, engine: EngineHandle, *, served_model_name: str, model_path: str,
                      tokenizer_path: str) -> None:
-    vllm_grpc.add_VllmEngineServicer_to_server(
-        VllmEngineServicer(engine, served_model_name=served_model_name, model_path=model_path,
-                           tokenizer_path=tokenizer_path), server)
+    add_servicer(vllm_grpc.add_VllmEngineServicer_to_server,  # undecodable bytes → INVALID_ARGUMENT
+                 VllmEngineServicer(engine, served_model_name=served_model_name, model_path=model_path,
+                                    tokenizer_path=tokenizer_path), server)

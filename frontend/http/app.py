@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from openinfer.engine import EngineHandle
+from openinfer.errors import EngineDeadError
 from openinfer.frontend.http.chat import create_chat_completion, render_chat_prompt
 from openinfer.frontend.http.completions import create_completion
 from openinfer.frontend.http.context import ServerContext, ServerLimits
@@ -63,7 +64,7 @@ def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: st
                         limits or ServerLimits(), tracer)
     app.state.openinfer = ctx
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, served_model_name)
     created = int(time.time())
 
     def model_card() -> ModelCard:
@@ -107,7 +108,11 @@ def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: st
                               "content": {"text/plain": {"schema": {"type": "string"}}}},
                         **error_responses(*OPEN_ROUTE_ERRORS)})
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+        try:
+            text = ctx.metrics.render()
+        except EngineDeadError as exc:  # a remote engine that cannot be reached has no load to report
+            return error_response(503, f"the engine is not reachable: {exc}", None, "engine_unavailable")
+        return Response(text, media_type=ctx.metrics.content_type)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(*BODY_ROUTE_ERRORS))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -124,13 +124,14 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
     arrival = time.time()
     plans = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        check_prompt(list(prompt_ids), info)
+        prompt_ids = list(prompt_ids)
+        check_prompt(prompt_ids, info)
         limit = max_tokens if max_tokens is not None else ctx.default_max_tokens(len(prompt_ids))
         for sample in range(body.n):
             index = prompt_index * body.n + sample
             request = pb.GenerateRequest(
                 request_id=f"{request_id}-{index}",
-                prompt_token_ids=list(prompt_ids),
+                prompt_token_ids=prompt_ids,
                 sampling=sampling_params(body, sample),
                 stop=pb.StopConditions(max_tokens=limit, stop_token_ids=body.stop_token_ids or [],
                                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens),

@@ -22,6 +22,7 @@ ERROR_DESCRIPTIONS = {
     413: "Request body larger than the server's limit",
     503: "Queue full, queue wait timed out, or the engine is down (Retry-After when retrying helps)",
 }
+ERROR_SCHEMA_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # statuses each kind of route can answer besides 200
 BODY_ROUTE_ERRORS = (400, 401, 404, 413, 503)
 OPEN_ROUTE_ERRORS = (503,)  # /health and /metrics: no key, no body
@@ -38,7 +39,18 @@ def event_stream_alternative(model: type, description: str) -> dict[int | str, d
                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def install_openapi(app: FastAPI) -> None:
+def _only_served_model(schema: dict[str, Any], served_model_name: str) -> None:
+    """Request bodies name the model as this server accepts it: its served name, or nothing."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        model = component.get("properties", {}).get("model")
+        if model is not None and "Request" in component.get("title", ""):
+            model.clear()
+            model.update({"anyOf": [{"type": "string", "enum": [served_model_name]}, {"type": "null"}],
+                          "title": "Model", "description": "the served model (see GET /v1/models); another "
+                                                           "name is answered 404"})
+
+
+def install_openapi(app: FastAPI, served_model_name: str) -> None:
     """Serve the corrected document (built once) at ``app.openapi_url``."""
 
     def openapi() -> dict[str, Any]:
@@ -47,10 +59,15 @@ def install_openapi(app: FastAPI) -> None:
                                  routes=app.routes)
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    responses.pop("422", None)
+                    for status, response in responses.items():
+                        if not status.startswith("2"):  # every error is JSON, whatever the route's 200 is
+                            response["content"] = {"application/json": {"schema": ERROR_SCHEMA_REF}}
             components = schema.get("components", {}).get("schemas", {})
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
+            _only_served_model(schema, served_model_name)
             app.openapi_schema = schema
         return app.openapi_schema
 

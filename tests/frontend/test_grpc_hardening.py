@@ -17,10 +17,11 @@ from openinfer.v1 import engine_pb2 as pb
 GARBAGE = b"\xff\xff\xff\x07not a protobuf message"
 
 
-@pytest.fixture
-async def served(tokenizer_dir):
+@pytest.fixture(params=["sglang", "vllm"])
+async def served(tokenizer_dir, request):
     engine = FakeEngine(400, [2], max_model_len=128, tokenizer_path=str(tokenizer_dir))
-    server = await start_grpc_server(engine, "127.0.0.1", 0, sglang_model_name="tiny")
+    server = await start_grpc_server(engine, "127.0.0.1", 0, sglang_model_name="tiny", worker_protocol=request.param)
+    engine.worker_protocol = request.param
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     try:
         yield engine, channel, server.port
@@ -46,9 +47,14 @@ async def _status(call) -> grpc.StatusCode:
     ("/openinfer.v1.Engine/Abort", False),
     ("/sglang.grpc.scheduler.SglangScheduler/Generate", True),
     ("/sglang.grpc.scheduler.SglangScheduler/GetLoads", False),
+    ("/vllm.grpc.engine.VllmEngine/Generate", True),
+    ("/vllm.grpc.engine.VllmEngine/GetLoads", False),
 ])
 async def test_garbage_bytes_are_invalid_argument(served, method, streaming):
     engine, channel, _ = served
+    protocol = "vllm" if "Vllm" in method else "sglang" if "Sglang" in method else engine.worker_protocol
+    if protocol != engine.worker_protocol:
+        pytest.skip(f"{method} is served with worker_protocol={protocol}")
     make = channel.unary_stream if streaming else channel.unary_unary
     call = make(method, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(GARBAGE)
     code, details = await _status(call)
@@ -66,6 +72,8 @@ async def test_garbage_bytes_are_invalid_argument(served, method, streaming):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 async def test_sglang_non_finite_sampling_values_are_invalid_argument(served, field, value):
     engine, channel, _ = served
+    if engine.worker_protocol != "sglang":
+        pytest.skip("the SGLang service")
     sampling = sglang_pb.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
                                         max_new_tokens=2, n=1)
     setattr(sampling, field, value)

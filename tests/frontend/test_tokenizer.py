@@ -140,3 +140,21 @@ def test_stop_string_prefix_is_withheld_until_disproved():
     matcher = StopStringMatcher(["</s>"])
     assert matcher.push("answer </") == ("answer ", False)
     assert matcher.push("b>") == ("</b>", False)
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_pieces(tmp_path):
+    """Metaspace pieces: '▁' is a space, '<0xNN>' pieces are that byte; an emoji split into byte
+    pieces joins back to its UTF-8."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+
+    byte_pieces = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁wörld": 2, **{piece: 3 + b for piece, b in byte_pieces.items()}}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = Tokenizer(raw)
+    assert tokenizer.token_bytes(1) == b" Hello" and tokenizer.token_text(2) == " wörld"
+    emoji = "🙂".encode()
+    ids = [3 + b for b in emoji]
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == emoji
+    assert tokenizer.token_text(ids[0]) == "\\xf0"
