@@ -13,7 +13,8 @@ forbids refused (an engine that compiles a keyword and then ignores it does not 
 without a JSON Schema on every row: (a) the mask work alone as the engine does it each step
 (``runtime.sampler.grammar_masks``: every row's bitmask filled in parallel on llguidance's
 threads) plus applying it in the NumPy sampler, and (b) end to end, the decode TPOT of the demo
-model with and without the schema. On the GPU (``--device cuda``) the masks are filled on the
+model with and without the schema (median of alternating rounds; on a shared CPU the mask's share
+of the step, (a) over the unconstrained TPOT, is the steadier number). On the GPU (``--device cuda``) the masks are filled on the
 CPU while the forward runs and applied on the device; the goal is < 5 % TPOT at batch 64.
 
     python benchmarks/grammar_mask.py engines                    # -> results/grammar_engines.json
@@ -317,9 +318,13 @@ def run_overhead(args: argparse.Namespace) -> dict:
         for batch in args.batches:
             masks = mask_step_ms(batch, vocab, tokenizer_json, tokenizer.eos_token_ids)
             decode_tpot_ms(engine, prompt, min(batch, 4), 4, None)  # warm-up
-            plain = decode_tpot_ms(engine, prompt, batch, args.tokens, None)
-            constrained = decode_tpot_ms(engine, prompt, batch, args.tokens, long_schema)
-            row = {"batch": batch, **masks, "tpot_ms_plain": plain, "tpot_ms_schema": constrained,
+            plain_runs, schema_runs = [], []
+            for _ in range(args.rounds):  # alternating, so background load hits both alike
+                plain_runs.append(decode_tpot_ms(engine, prompt, batch, args.tokens, None))
+                schema_runs.append(decode_tpot_ms(engine, prompt, batch, args.tokens, long_schema))
+            plain, constrained = statistics.median(plain_runs), statistics.median(schema_runs)
+            row = {"batch": batch, **masks, "tpot_ms_plain_runs": plain_runs, "tpot_ms_schema_runs": schema_runs,
+                   "tpot_ms_plain": plain, "tpot_ms_schema": constrained,
                    "tpot_overhead_pct": 100.0 * (constrained - plain) / plain,
                    "mask_share_of_plain_step_pct": 100.0 * masks["mask_ms_per_step"] / plain}
             rows.append(row)
@@ -360,6 +365,7 @@ def main() -> None:
     parser.add_argument("--model-path", help="a model directory (default: the demo model)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request for TPOT")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per configuration (median)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     meta = {"machine": platform.platform(), "processor": platform.processor(), "time": time.strftime("%Y-%m-%d %H:%M")}

@@ -243,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             wait_healthy(port, server)
             burst(port, 8, args.prompt_len, 8, vocab, 1, 0)  # warm-up
             for repeat in range(args.repeats):
+                load_before = os.getloadavg()[0]
                 result = burst(port, args.streams, args.prompt_len, args.output_len, vocab, args.client_procs, repeat)
                 label = args.inproc_label if mode == "inproc" else (
                     f"multi ×{args.api_server_count} API" if mode == "multi" else "single-process")
-                result.update({"mode": mode, "label": label, "api_server_count": args.api_server_count})
+                # the CPU box is shared: the 1-minute load average says how contended the run was
+                result.update({"mode": mode, "label": label, "api_server_count": args.api_server_count,
+                               "loadavg_1min": [load_before, os.getloadavg()[0]]})
                 if result["tpot_ms"]:
                     result["tpot_over_step"] = result["tpot_ms"]["p50"] / args.step_ms
                 print(json.dumps(result), flush=True)

@@ -59,7 +59,8 @@ def end_to_end(model_dir: Path, trace_dir: str | None, num_requests: int, max_to
 def hook_cost_per_step(batch: int, tokens_per_request: int, trace_dir: str, steps: int = 200) -> float:
     """Seconds the engine loop spends in tracer hooks per decode step at this batch size."""
     tracer = EngineTracer(TraceWriter(trace_dir))
-    requests = [SimpleNamespace(request_id=f"r{batch}-{i}", num_prompt_tokens=16) for i in range(batch)]
+    requests = [SimpleNamespace(request_id=f"r{batch}-{i}", num_prompt_tokens=16, num_computed_tokens=16)
+                for i in range(batch)]
     chunks = [SimpleNamespace(request=r, start=16, num_tokens=1, samples=True) for r in requests]
     for r in requests:
         tracer.on_arrival(r.request_id)

@@ -22,6 +22,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length, >= 2 (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX), default=None,
                         help="KV pool size in blocks, >= 1 (default: sized from memory)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="write the request's Chrome-trace JSON (engine spans) into this directory")
     _add_parallel_arguments(parser)
 
 
@@ -61,7 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = args.prompt_token_ids
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
                            num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
-                           expert_parallel_size=args.expert_parallel_size, load_format=args.load_format)
+                           expert_parallel_size=args.expert_parallel_size, load_format=args.load_format,
+                           trace_dir=args.trace_dir)
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed

@@ -259,6 +259,35 @@ def open_checkpoint(model_path: str | Path, config: DecoderConfig, layout: Decod
     return Checkpoint(model_path)
 
 
+class BackendNativeCheckpoint:
+    """A checkpoint view whose ``get`` returns what the backend stores, with no fp32 host copy.
+
+    For a backend computing in bf16 (``activation_dtype`` uint16: CUDA) a BF16 tensor comes back
+    as the raw uint16 view of the memory-mapped file — the bytes go from the page cache straight
+    into the device upload (fused matrices cost one bf16 concatenation, never a float32 one).
+    Peak host memory while loading is then about one layer's bf16 matrices instead of the whole
+    model widened to fp32. Other tensors, and every tensor on the NumPy backend, are ``get`` as
+    before (float32). Everything else is the wrapped checkpoint's.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, backend: Backend):
+        self._checkpoint = checkpoint
+        self._native_bf16 = np.dtype(getattr(backend, "activation_dtype", np.float32)) == np.uint16
+
+    def get(self, name: str) -> np.ndarray:
+        checkpoint = self._checkpoint
+        dtype = getattr(checkpoint, "dtype", None)
+        if self._native_bf16 and dtype is not None and dtype(name) == "BF16":
+            return checkpoint.raw(name)
+        return checkpoint.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._checkpoint
+
+    def __getattr__(self, name: str):
+        return getattr(self._checkpoint, name)
+
+
 class DecoderOnlyLM:
     """A ``PagedModel`` for a dense decoder: one forward for prefill, decode and mixed steps."""
 
@@ -269,7 +298,8 @@ class DecoderOnlyLM:
         self.rank = rank
         max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         rope = RotaryEmbedding.create(config.head_dim, config.rope, max_len, config.max_position_embeddings)
-        self.stack = load_decoder_stack(checkpoint, config, layout, backend, rope, rank)
+        native = BackendNativeCheckpoint(checkpoint, backend)  # bf16 stays bf16 on its way to the GPU
+        self.stack = load_decoder_stack(native, config, layout, backend, rope, rank)
         local_heads = self.stack.layers[0].attention if self.stack.layers else None
         self.spec = ModelSpec(
             architectures=config.architectures, model_type=config.model_type, vocab_size=config.vocab_size,

@@ -54,15 +54,30 @@ class DecoderLayer:
 
     def forward(self, ops: Backend, x: Any, residual: Any | None, kv: KVLayer, batch: Any,
                 eps: float, comm: Communicator = SINGLE_RANK) -> tuple[Any, Any]:
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, self.input_norm, eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
-        attn = ops.attention(ops.linear(h, self.qkv), self.attention, kv, batch)
+        qkv, residual = norm_linear(ops, x, residual, self.input_norm, eps, self.qkv)
+        attn = ops.attention(qkv, self.attention, kv, batch)
         attn_out = comm.all_reduce(ops.linear(attn, self.o_proj))
-        h, residual = ops.add_rms_norm(attn_out, residual, self.post_attention_norm, eps)
-        return comm.all_reduce(ops.linear(ops.silu_mul(ops.linear(h, self.gate_up)), self.down)), residual
+        gate_up, residual = norm_linear(ops, attn_out, residual, self.post_attention_norm, eps, self.gate_up)
+        return comm.all_reduce(silu_mul_linear(ops, gate_up, self.down)), residual
+
+
+def norm_linear(ops: Backend, x: Any, residual: Any | None, norm_weight: Any, eps: float,
+                layer: Any) -> tuple[Any, Any]:
+    """``(linear(rms_norm(x + residual)), x + residual)``, or with no residual yet
+    ``(linear(rms_norm(x)), x)``: one op where the backend fuses it (cuda decode rows)."""
+    fused = getattr(ops, "add_rms_norm_linear", None)
+    if fused is not None:
+        return fused(x, residual, norm_weight, eps, layer)
+    if residual is None:
+        return ops.linear(ops.rms_norm(x, norm_weight, eps), layer), x
+    h, residual = ops.add_rms_norm(x, residual, norm_weight, eps)
+    return ops.linear(h, layer), residual
+
+
+def silu_mul_linear(ops: Backend, gate_up: Any, layer: Any) -> Any:
+    """``linear(silu_mul(gate_up))``, fused where the backend fuses it."""
+    fused = getattr(ops, "silu_mul_linear", None)
+    return fused(gate_up, layer) if fused is not None else ops.linear(ops.silu_mul(gate_up), layer)
 
 
 @dataclass

@@ -13,7 +13,7 @@ class EngineOptions:
     """Every option has a default that works on a laptop CPU.
 
     ``device``: "auto" (cuda when CuPy sees a GPU, else cpu), "cuda" or "cpu".
-    ``num_kv_blocks``: explicit KV pool size in blocks; None sizes it from memory
+    ``num_kv_blocks``: explicit KV pool size in blocks (of each KV cache group's pool); None sizes it from memory
     (``gpu_memory_utilization`` on cuda; ``cpu_kv_cache_gib`` on the CPU).
     """
 

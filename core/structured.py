@@ -83,6 +83,26 @@ def grammar_of(constraint: pb.StructuredOutput) -> str:
     raise _refuse("structured output", "no kind is set (json_schema, json_object, regex, choice or grammar)")
 
 
+def after_thought(constraint: pb.StructuredOutput, think_end_id: int) -> pb.StructuredOutput | None:
+    """``constraint`` for a generation that starts inside a thought (the prompt ended with
+    ``<think>``): any tokens but ``think_end_id``, that token, then the value. Only for constraints
+    on one value (JSON Schema, JSON object, choice); None for the others (a regex or grammar
+    describes the whole output, thought included, itself)."""
+    kind = constraint.WhichOneof("kind")
+    if kind in ("json_schema", "json_object"):
+        schema = json.loads(constraint.json_schema) if kind == "json_schema" else {"type": "object"}
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            return None
+        value = "%json" + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    elif kind == "choice":
+        value = " | ".join(json.dumps(choice) for choice in constraint.choice.choices)
+    else:
+        return None
+    return pb.StructuredOutput(grammar=f"start: <[^{think_end_id}]>* <[{think_end_id}]> value\nvalue: {value}")
+
+
 def check_constraint(constraint: pb.StructuredOutput) -> None:
     """Compile-check ``constraint`` without a tokenizer; the error names what is wrong."""
     grammar = grammar_of(constraint)
@@ -146,20 +166,34 @@ class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()):
+        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer."""
         self.vocab_size = vocab_size
-        self.tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer_json), n_vocab=vocab_size,
-                                         eos_token=list(eos_token_ids) or None)
+        if isinstance(tokenizer, str):
+            tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
+                                        eos_token=list(eos_token_ids) or None)
+        self.tokenizer = tokenizer
         self._executor = llg.LLExecutor(num_threads=2)
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler:
-        path = Path(tokenizer_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise InvalidRequestError(
-                f"structured outputs need the model's tokenizer.json, which is not in {tokenizer_dir!r}; "
-                "serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
-        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+        """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
+        directory = Path(tokenizer_dir)
+        if (directory / "tokenizer.json").is_file():
+            return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+        if (directory / "tiktoken.model").is_file():
+            from openinfer.tiktoken_tokenizer import TiktokenVocabulary
+
+            config_path = directory / "tokenizer_config.json"
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+            encoding = TiktokenVocabulary.from_dir(directory, config).encoding
+            return cls(llg.LLTokenizer.from_tiktoken(
+                encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
+                pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
+                n_vocab=vocab_size), vocab_size)
+        raise InvalidRequestError(
+            f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
+            f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
 
     def compile(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
         matcher = llg.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
@@ -187,7 +221,14 @@ class CompilerCache:
     def get(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler.from_dir(*self._args)
+                try:
+                    self._compiler = GrammarCompiler.from_dir(*self._args)
+                except InvalidRequestError:
+                    raise
+                except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read
+                    raise InvalidRequestError(
+                        f"structured outputs are not available for this model: its tokenizer in "
+                        f"{self._args[0]!r} cannot be read by the grammar engine ({exc})", FIELD) from exc
             return self._compiler
 
 

@@ -7,20 +7,23 @@ line); what surrounds them comes from the model family's convention, which Kimi'
 * the pre-tokenizer split is ``KIMI_PATTERN`` (o200k-like, Han runs split out);
 * ``num_base = len(ranks)`` ordinary ids, then 256 special ids ``num_base … num_base + 255``,
   named by ``tokenizer_config.json``'s ``added_tokens_decoder``; unnamed ones are
-  ``<|reserved_token_{id}|>``.
+  ``<|reserved_token_{id}|>``; special-token text in the input encodes to its id.
 
-``TiktokenVocabulary`` exposes the few methods ``openinfer.tokenizer.Tokenizer`` calls on a
-``tokenizers.Tokenizer``, so the frontends need no second code path.
+``tiktoken_tokenizer`` turns that into a ``tokenizers.Tokenizer`` (byte-level BPE), so the
+frontends keep one code path (streaming detokenizer, logprob bytes, special-token handling).
+Rank BPE becomes merge BPE the usual way: every multi-byte token of rank r is the merge, at
+priority r, of each split into two tokens that exist (lower-ranked splits first), and a piece
+that is a whole token is taken as is (``ignore_merges``), as tiktoken does. Tests check the
+result against ``tiktoken.Encoding`` itself.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from openinfer.errors import InvalidRequestError
 
@@ -39,102 +42,84 @@ KIMI_PATTERN = "|".join([
 ])
 
 
-@dataclass(frozen=True)
-class _Encoded:
-    ids: list[int]
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (what byte-level BPE vocabularies spell)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """``tiktoken.model`` → {token bytes: rank}; a malformed line is an error naming the line."""
-    ranks: dict[bytes, int] = {}
-    for number, line in enumerate(path.read_text(encoding="ascii").splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        try:
-            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
-        except (IndexError, ValueError) as exc:
-            raise InvalidRequestError(f"{path}:{number} is not a 'base64 rank' tiktoken line", "tokenizer") from exc
+    """``tiktoken.model`` → {token bytes: rank}, ranks dense from 0."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except (ValueError, IndexError) as exc:
+        raise InvalidRequestError(f"{path} is not a tiktoken BPE file ('base64 rank' per line): {exc}",
+                                  "tokenizer") from exc
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise InvalidRequestError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps", "tokenizer")
     return ranks
 
 
-class TiktokenVocabulary:
-    """A tiktoken encoding with Kimi's special-token layout, behind the ``tokenizers`` API subset."""
+def special_tokens_from_config(config: Mapping[str, Any], num_base: int) -> dict[int, str]:
+    """Kimi's layout: ``num_base + i`` for i < 256, named by ``added_tokens_decoder`` (ids beyond
+    the reserved range too), unnamed ones ``<|reserved_token_{id}|>``."""
+    named: dict[int, str] = {}
+    for key, entry in (config.get("added_tokens_decoder") or {}).items():
+        content = entry.get("content") if isinstance(entry, Mapping) else entry
+        if isinstance(content, str) and str(key).isdigit() and int(key) >= num_base:
+            named[int(key)] = content
+    last = max([num_base + NUM_RESERVED_SPECIAL_TOKENS - 1, *named])
+    return {i: named.get(i, f"<|reserved_token_{i}|>") for i in range(num_base, last + 1)}
 
-    def __init__(self, ranks: dict[bytes, int], special_tokens: Mapping[int, str], add_bos_id: int | None = None,
-                 pattern: str = KIMI_PATTERN):
-        import tiktoken
 
-        self.num_base = len(ranks)
-        self.special_by_id = {i: special_tokens.get(i, f"<|reserved_token_{i}|>")
-                              for i in range(self.num_base, self.num_base + NUM_RESERVED_SPECIAL_TOKENS)}
-        self.special_by_id.update({i: name for i, name in special_tokens.items() if i >= self.num_base})
-        self.id_by_special = {name: i for i, name in self.special_by_id.items()}
-        self.encoding = tiktoken.Encoding(name="openinfer-tiktoken", pat_str=pattern, mergeable_ranks=ranks,
-                                          special_tokens=self.id_by_special)
-        self.add_bos_id = add_bos_id
-        self._bytes_by_id = {rank: token for token, rank in ranks.items()}
+def tiktoken_tokenizer(ranks: dict[bytes, int], special_tokens: Mapping[int, str], pattern: str = KIMI_PATTERN,
+                       bos_token: str | None = None) -> Tokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` equal to the tiktoken encoding of ``ranks`` with
+    ``pattern``; ``special_tokens`` (dense ids from ``len(ranks)``) are added tokens; ``bos_token``,
+    if given, is prepended when special tokens are added."""
+    alphabet = _byte_alphabet()
 
-    @classmethod
-    def from_dir(cls, directory: Path, config: Mapping[str, Any]) -> TiktokenVocabulary:
-        ranks = read_tiktoken_ranks(directory / "tiktoken.model")
-        decoder = config.get("added_tokens_decoder") or {}
-        specials: dict[int, str] = {}
-        for key, entry in decoder.items():
-            content = entry.get("content") if isinstance(entry, Mapping) else entry
-            if isinstance(content, str):
-                specials[int(key)] = content
-        by_name = {name: i for i, name in specials.items()}
-        bos = config.get("bos_token")
-        bos = bos.get("content") if isinstance(bos, Mapping) else bos
-        add_bos = by_name.get(bos) if config.get("add_bos_token") and isinstance(bos, str) else None
-        return cls(ranks, specials, add_bos)
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
 
-    # --- the tokenizers.Tokenizer subset ----------------------------------------------------------
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = ranks.get(token[:cut]), ranks.get(token[cut:])
+            if left is not None and right is not None:
+                merges.append((rank, left, right, spell(token[:cut]), spell(token[cut:])))
+    merges.sort()
+    tokenizer = Tokenizer(models.BPE(vocab, [(a, b) for *_, a, b in merges], ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    ids = sorted(special_tokens)
+    if ids and ids != list(range(len(ranks), len(ranks) + len(ids))):
+        raise InvalidRequestError(f"special token ids must follow the {len(ranks)} BPE ranks without gaps",
+                                  "tokenizer")
+    tokenizer.add_special_tokens([AddedToken(special_tokens[i], special=True, normalized=False) for i in ids])
+    if bos_token is not None:
+        bos_id = tokenizer.token_to_id(bos_token)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A $B", special_tokens=[(bos_token, bos_id)])
+    return tokenizer
 
-    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
-        return self.encoding.n_vocab if with_added_tokens else self.num_base
 
-    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
-        """Every token spelled one character per byte (latin-1), so a piece's length is its byte count."""
-        vocab = {token.decode("latin-1"): rank for token, rank in self.encoding._mergeable_ranks.items()}
-        if with_added_tokens:
-            vocab.update(self.id_by_special)
-        return vocab
-
-    def get_added_tokens_decoder(self) -> dict[int, str]:
-        return dict(self.special_by_id)
-
-    def to_str(self) -> str:
-        """The parts of a tokenizer.json that callers inspect: no normalizer, no byte-level decoder."""
-        return json.dumps({"normalizer": None, "decoder": None, "model": {"type": "tiktoken"}})
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of a token (special tokens: their text)."""
-        if token_id in self.special_by_id:
-            return self.special_by_id[token_id].encode("utf-8")
-        return self._bytes_by_id.get(token_id, b"")
-
-    def token_to_id(self, token: str) -> int | None:
-        special = self.id_by_special.get(token)
-        if special is not None:
-            return special
-        return self.encoding._mergeable_ranks.get(token.encode("utf-8"))
-
-    def id_to_token(self, token_id: int) -> str | None:
-        if token_id in self.special_by_id:
-            return self.special_by_id[token_id]
-        token = self._bytes_by_id.get(token_id)
-        return None if token is None else token.decode("utf-8", errors="replace")
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoded:
-        """Special-token text (``<|im_end|>`` …) becomes its id, as in Kimi's tokenizer."""
-        ids = self.encoding.encode(text, allowed_special="all")
-        if add_special_tokens and self.add_bos_id is not None:
-            ids = [self.add_bos_id, *ids]
-        return _Encoded(ids)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        valid = [i for i in ids if 0 <= i < self.encoding.n_vocab
-                 and not (skip_special_tokens and i in self.special_by_id)]
-        return self.encoding.decode(valid, errors="replace")
+def load_tiktoken_dir(directory: Path, config: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer of a model directory with ``tiktoken.model`` (Kimi-K2 layout)."""
+    ranks = read_tiktoken_ranks(directory / "tiktoken.model")
+    specials = special_tokens_from_config(config, len(ranks))
+    bos = config.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, Mapping) else bos
+    add_bos = bool(config.get("add_bos_token")) and isinstance(bos, str) and bos in specials.values()
+    return tiktoken_tokenizer(ranks, specials, bos_token=bos if add_bos else None)

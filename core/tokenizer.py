@@ -33,7 +33,7 @@ from tokenizers.decoders import DecodeStream
 
 from openinfer.errors import InvalidRequestError
 from openinfer.plugins import discover_plugins
-from openinfer.tiktoken_tokenizer import TiktokenVocabulary
+from openinfer.tiktoken_tokenizer import load_tiktoken_dir
 
 # Prompt tokens the detokenizer decodes as context, so word-boundary rules (leading spaces of
 # SentencePiece pieces, merged byte sequences) come out the same as decoding the whole text.
@@ -119,7 +119,7 @@ class Tokenizer:
         if tokenizer_file.is_file():
             raw = RawTokenizer.from_file(str(tokenizer_file))
         elif (directory / "tiktoken.model").is_file():  # Kimi-K2 / Moonlight
-            raw = TiktokenVocabulary.from_dir(directory, config)
+            raw = load_tiktoken_dir(directory, config)
         else:
             raise TokenizerNotFoundError(
                 f"no tokenizer.json (or tiktoken.model) in {str(directory)!r}; pass a model directory with a "

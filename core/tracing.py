@@ -49,19 +49,34 @@ def _now_us() -> float:
     return time.time() * 1e6
 
 
-def _span(name: str, tid: int, start_us: float, end_us: float, args: dict[str, Any] | None = None) -> dict:
-    ts = round(start_us, 1)  # 0.1 us; the end is rounded the same way, so children stay inside parents
-    event = {"name": name, "ph": "X", "pid": _PID, "tid": tid, "ts": ts,
-             "dur": round(max(0.0, round(end_us, 1) - ts), 1)}
-    if args:
-        event["args"] = args
-    return event
+def _span(name: str, tid: int, start_us: float, end_us: float, args: str = "") -> str:
+    """One complete event as JSON text (built by hand: the writer formats thousands per second)."""
+    # in tenths of a microsecond, start and end rounded alike, so children stay inside parents
+    start, end = int(start_us * 10 + 0.5), int(end_us * 10 + 0.5)
+    tail = f',"args":{args}}}' if args else "}"
+    return f'{{"name":"{name}","ph":"X","pid":{_PID},"tid":{tid},"ts":{start / 10},"dur":{max(0, end - start) / 10}{tail}'
 
 
-def _metadata(request_id: str) -> list[dict]:
-    return [{"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": f"request {request_id}"}},
-            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": ENGINE_TID, "args": {"name": "engine"}},
-            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": FRONTEND_TID, "args": {"name": "frontend"}}]
+def _metadata(request_id: str) -> list[str]:
+    return [json.dumps({"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": f"request {request_id}"}}),
+            f'{{"name":"thread_name","ph":"M","pid":{_PID},"tid":{ENGINE_TID},"args":{{"name":"engine"}}}}',
+            f'{{"name":"thread_name","ph":"M","pid":{_PID},"tid":{FRONTEND_TID},"args":{{"name":"frontend"}}}}']
+
+
+_HEAD = '{"traceEvents":['
+_TAIL = '],"displayTimeUnit":"ms","otherData":'
+
+
+def _document(events: list[str], other: dict[str, Any]) -> str:
+    return _HEAD + ",".join(events) + _TAIL + json.dumps(other) + "}"
+
+
+def _split_document(text: str) -> tuple[str, dict[str, Any]]:
+    """A document ``_document`` wrote: (its events as JSON text, its otherData)."""
+    head, marker, other = text.rpartition(_TAIL)
+    if not marker or not head.startswith(_HEAD):
+        raise ValueError("not a trace document written by openinfer.tracing")
+    return head[len(_HEAD):], json.loads(other[:-1])
 
 
 def safe_file_stem(request_id: str) -> str:
@@ -94,10 +109,11 @@ class TraceWriter:
     def path(self, request_id: str) -> Path:
         return self.trace_dir / f"{safe_file_stem(request_id)}.json"
 
-    def submit(self, kind: str, request_id: str, events: list[dict], meta: dict[str, Any]) -> None:
+    def submit(self, kind: str, request_id: str, build: Any, meta: dict[str, Any]) -> None:
+        """Queue one side of a request's trace; ``build()`` returns its events as JSON text."""
         with self._idle:
             self._pending += 1
-        self._queue.put((kind, request_id, events, meta, time.monotonic()))
+        self._queue.put((kind, request_id, build, meta, time.monotonic()))
 
     def flush(self, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -125,36 +141,30 @@ class TraceWriter:
                 self._pending -= 1
                 self._idle.notify_all()
 
-    def _write(self, kind: str, request_id: str, events: Any, meta: dict[str, Any], queued: float) -> bool:
-        """Write one side's events; True when the frontend's side should wait for the engine's."""
+    def _write(self, kind: str, request_id: str, build: Any, meta: dict[str, Any], queued: float) -> bool:
+        """Write one side's events (``build()`` makes them, here, off the caller's loop); True
+        when the frontend's side should wait for the engine's."""
         meta = dict(meta)
         expect_engine = meta.pop("expect_engine", True)
+        other = {"request_id": request_id, **meta}
         if kind == "engine":
-            if callable(events):  # built here, off the engine loop
-                events = events()
-            _dump_atomic(self.engine_path(request_id), _document(request_id, events, meta))
+            _write_atomic(self.engine_path(request_id), _document(_metadata(request_id) + build(), other))
             return False
         engine_part = self.engine_path(request_id)
         if not engine_part.exists():
             if expect_engine and time.monotonic() - queued < ENGINE_PART_WAIT_S:
                 return True
-            _dump_atomic(self.path(request_id), _document(request_id, events, meta))
+            _write_atomic(self.path(request_id), _document(_metadata(request_id) + build(), other))
             return False
-        engine_doc = json.loads(engine_part.read_text())
-        merged = [e for e in engine_doc["traceEvents"] if e.get("ph") != "M"] + events
-        _dump_atomic(self.path(request_id), _document(request_id, merged, {**engine_doc["otherData"], **meta}))
+        engine_events, engine_other = _split_document(engine_part.read_text())
+        _write_atomic(self.path(request_id), _document([engine_events, *build()], {**engine_other, **other}))
         engine_part.unlink(missing_ok=True)
         return False
 
 
-def _document(request_id: str, events: list[dict], meta: dict[str, Any]) -> dict:
-    return {"traceEvents": _metadata(request_id) + events, "displayTimeUnit": "ms",
-            "otherData": {"request_id": request_id, **meta}}
-
-
-def _dump_atomic(path: Path, document: dict) -> None:
+def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, separators=(",", ":")))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -162,20 +172,24 @@ def _dump_atomic(path: Path, document: dict) -> None:
 
 
 class _StepRecord:
-    """One launched engine step, shared by every request that rode in it; per chunk (request
-    id, start position, tokens, whether it samples) as of its launch."""
+    """One launched engine step, shared by every request that rode in it: its chunks and each
+    chunk's start position as of the launch (``num_computed_tokens`` moves on launch)."""
 
-    __slots__ = ("launched_us", "rows", "index", "resolved_us")
+    __slots__ = ("launched_us", "chunks", "starts", "index", "resolved_us", "_tokens")
 
-    def __init__(self, launched_us: float, rows: list[tuple[str, int, int, bool]], index: int):
+    def __init__(self, launched_us: float, chunks: list, starts: list[int], index: int):
         self.launched_us = launched_us
-        self.rows = rows
+        self.chunks = chunks
+        self.starts = starts
         self.index = index
         self.resolved_us = 0.0
+        self._tokens = -1
 
     @property
     def batch_tokens(self) -> int:
-        return sum(row[2] for row in self.rows)
+        if self._tokens < 0:  # once per step, by the first request written that rode in it
+            self._tokens = sum(c.num_tokens for c in self.chunks)
+        return self._tokens
 
 
 @dataclass
@@ -213,16 +227,15 @@ class EngineTracer:
     def on_launch(self, chunks: list) -> _StepRecord:
         """Called before the step's batch is built: snapshots each chunk's start (it moves on launch)."""
         self._num_steps += 1
-        return _StepRecord(_now_us(), [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in chunks],
-                           self._num_steps)
+        return _StepRecord(_now_us(), chunks, [c.request.num_computed_tokens for c in chunks], self._num_steps)
 
     def on_resolved(self, step: _StepRecord) -> None:
         """The step's tokens are on the host: every request not finished before rode in it
         (a finished one's trace is gone already, so its discarded launched-ahead row is not counted)."""
         step.resolved_us = _now_us()
         traces = self._requests
-        for index, row in enumerate(step.rows):
-            trace = traces.get(row[0])
+        for index, chunk in enumerate(step.chunks):
+            trace = traces.get(chunk.request.request_id)
             if trace is not None:
                 trace.rides.append((step, index))
 
@@ -237,25 +250,29 @@ class EngineTracer:
         self.writer.submit("engine", request_id, lambda: _engine_events(trace, end, meta), {"engine": meta})
 
 
-def _engine_events(trace: _EngineRequestTrace, end_us: float, meta: dict[str, Any]) -> list[dict]:
-    events = [_span("engine", ENGINE_TID, trace.arrival_us, end_us, meta)]
+def _engine_events(trace: _EngineRequestTrace, end_us: float, meta: dict[str, Any]) -> list[str]:
+    events = [_span("engine", ENGINE_TID, trace.arrival_us, end_us, json.dumps(meta))]
     scheduled = trace.scheduled_us if trace.scheduled_us is not None else end_us
     events.append(_span("queue", ENGINE_TID, trace.arrival_us, scheduled))
     cursor = scheduled
+    prompt_tokens = meta["prompt_tokens"]
+    generated = 0  # a chunk samples when it reaches the end of prompt + tokens generated so far
     for step, row in trace.rides:
-        _, start, num_tokens, sampled = step.rows[row]
-        prefill = num_tokens > 1 or not sampled or start < meta["prompt_tokens"]
+        start, num_tokens = step.starts[row], step.chunks[row].num_tokens
+        sampled = start + num_tokens >= prompt_tokens + generated
+        generated += sampled
+        prefill = num_tokens > 1 or start < prompt_tokens
         # with async scheduling step N+1 is launched before N is read back: a request's rides
         # are cut where its previous one ended, so they follow each other on its track
         begin = max(step.launched_us, cursor)
         finish = min(max(step.resolved_us, begin), end_us)
-        args = {"step": step.index, "batch_size": len(step.rows), "batch_tokens": step.batch_tokens,
-                "step_ms": round((step.resolved_us - step.launched_us) / 1e3, 3), "position": start,
-                "tokens": num_tokens, "sampled": sampled}
+        args = (f'{{"step":{step.index},"batch_size":{len(step.chunks)},"batch_tokens":{step.batch_tokens},'
+                f'"step_ms":{round((step.resolved_us - step.launched_us) / 1e3, 3)},"position":{start},'
+                f'"tokens":{num_tokens},"sampled":{"true" if sampled else "false"}}}')
         events.append(_span("prefill" if prefill else "decode", ENGINE_TID, begin, finish, args))
         cursor = finish
     for at in trace.preempted_us:
-        events.append({"name": "preempted", "ph": "i", "s": "t", "pid": _PID, "tid": ENGINE_TID, "ts": round(at, 1)})
+        events.append(f'{{"name":"preempted","ph":"i","s":"t","pid":{_PID},"tid":{ENGINE_TID},"ts":{round(at, 1)}}}')
     return events
 
 
@@ -280,12 +297,12 @@ class FrontendRequestTrace:
         self.tracer = tracer
         self.request_id = request_id
         self.start_us = start_us
-        self.events: list[dict] = []
+        self.events: list[tuple[str, float, float, dict[str, Any] | None]] = []
         self.num_tokens = 0
         self._closed = False
 
     def span(self, name: str, start_us: float, end_us: float, **args: Any) -> None:
-        self.events.append(_span(name, FRONTEND_TID, start_us, end_us, args or None))
+        self.events.append((name, start_us, end_us, args or None))  # formatted by the writer
 
     now_us = staticmethod(_now_us)
 
@@ -295,8 +312,13 @@ class FrontendRequestTrace:
         self._closed = True
         meta = {"finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens, "tokens_streamed": self.num_tokens}
-        self.events.insert(0, _span("request", FRONTEND_TID, self.start_us, _now_us(), meta))
-        self.tracer.writer.submit("frontend", self.request_id, self.events,
+        events = [("request", self.start_us, _now_us(), meta), *self.events]
+
+        def build() -> list[str]:
+            return [_span(name, FRONTEND_TID, start, end, json.dumps(args) if args else "")
+                    for name, start, end, args in events]
+
+        self.tracer.writer.submit("frontend", self.request_id, build,
                                   {"frontend": meta, "expect_engine": self.tracer.expect_engine_part})
 
 

@@ -24,20 +24,23 @@ from openinfer.errors import OpenInferError, PortInUseError
 from openinfer.frontend.serve import STARTUP_FAILURE
 
 logger = logging.getLogger("openinfer.api_server")
+CORE_CONNECT_TIMEOUT_S = 3600.0
 
 
-async def _connect(args: argparse.Namespace, run_dir: str) -> EngineHandle:
+async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) -> EngineHandle:
     if args.engine:
         from openinfer.frontend.grpc import GrpcEngineClient
 
-        remote = GrpcEngineClient(args.engine, args.api_key)
+        remote = GrpcEngineClient(args.engine, api_key)
         logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         return remote
     from openinfer.engine_core.client import EngineCoreClient
 
     client = EngineCoreClient(run_dir)
-    await client.connect(args.engine_timeout if args.engine_timeout > 60 else 600.0)
+    # the supervisor watches the core (a failed start stops the server); loading a large model
+    # may take long, so an API server waits for it as long as it takes within this bound
+    await client.connect(CORE_CONNECT_TIMEOUT_S)
     return client
 
 
@@ -49,13 +52,13 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server, build_app, resolve_api_key
 
     sock = socket.socket(fileno=listen_fd)
-    engine = await _connect(args, run_dir)
+    api_key = resolve_api_key(args)  # the supervisor passes it in the environment, not argv
+    engine = await _connect(args, run_dir, api_key)
     model_path = Path(args.model_path) if args.model_path else None
     grpc_server = None
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
         name = _served_name(args, engine, model_path)
-        api_key = resolve_api_key(args)
         app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
         # one gRPC listener per host: the first API server answers gRPC (no SO_REUSEPORT, so a second
         # process could not share the port; a port in use is a start-up error, exit 3)
@@ -88,6 +91,15 @@ async def _exit_with_supervisor(server) -> None:
     server.should_exit = True
 
 
+def _run(main_coroutine):
+    """uvloop when installed (a faster event loop for many concurrent streams), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_coroutine)
+    return uvloop.run(main_coroutine)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openinfer.frontend.api_server")
     parser.add_argument("--listen-fd", type=int, required=True)
@@ -99,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
     try:
-        return asyncio.run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
+        return _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
     except PortInUseError as exc:
         logger.error("cannot serve: %s", exc)
         return STARTUP_FAILURE

@@ -47,28 +47,21 @@ class ChatOutputParser:
         self.state = "reasoning" if reasoning and in_reasoning else ("start" if reasoning else "content")
         self.buffer = ""
         self.num_calls = 0
+        self.forced_text = ""  # a forced call's JSON, read at the end
 
     def push(self, text: str) -> ParsedDelta:
         self.buffer += text
-        if self.forced is not None:
-            return ParsedDelta()  # the whole output is one JSON value, read at the end
         out = ParsedDelta()
         while self._step(out):
             pass
+        if self.forced is not None:  # the content is one JSON value (after any thought), read at the end
+            self.forced_text += out.content
+            out.content = ""
         return out
 
     def finish(self) -> ParsedDelta:
         """Whatever is held back, at the end of the choice."""
         out = ParsedDelta()
-        if self.forced is not None:
-            calls = parse_forced_calls(self.buffer, self.forced,
-                                       self.id_format.call_id if self.id_format is not None else None)
-            if calls is None:
-                out.content = self.buffer  # cut short (max_tokens): the partial JSON is the content
-            else:
-                out.tool_calls = calls
-            self.buffer = ""
-            return out
         while self._step(out):
             pass
         if self.state == "reasoning":
@@ -76,6 +69,14 @@ class ChatOutputParser:
         elif self.state in ("start", "content", "tool"):
             out.content += self.buffer
         self.buffer = ""
+        if self.forced is not None:
+            text, out.content = self.forced_text + out.content, ""
+            calls = parse_forced_calls(text, self.forced,
+                                       self.id_format.call_id if self.id_format is not None else None)
+            if calls is None:
+                out.content = text  # cut short (max_tokens): the partial JSON is the content
+            else:
+                out.tool_calls = calls
         return out
 
     def _step(self, out: ParsedDelta) -> bool:

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
                              "the model's generation_config max_new_tokens, else the rest of the context)")
     server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
-                        help="HTTP/gRPC server processes sharing the port (default 1: on the 2-core CPU box one "
+                        help="HTTP server processes sharing the port; the first also serves gRPC (default 1: on the 2-core CPU box one "
                              "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
     server.add_argument("--single-process", action="store_true",
                         help="run the engine as a thread of the HTTP process (no engine-core process, no "
@@ -293,11 +293,12 @@ def run(args: argparse.Namespace) -> int:
             if ignored:
                 logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
         try:
-            warn_if_exposed(args, resolve_api_key(args))
+            api_key = resolve_api_key(args)
         except OpenInferError as exc:
             logger.error("%s", exc)
             return 2
-        return Supervisor(args, options).run()
+        warn_if_exposed(args, api_key)
+        return Supervisor(args, options, api_key).run()
     try:
         return asyncio.run(serve(args))
     except PortInUseError as exc:

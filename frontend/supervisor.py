@@ -44,6 +44,7 @@ FATAL_EXIT_CODES = (2, STARTUP_FAILURE)  # usage errors and ports in use: restar
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.05
 PROCESS_TABLE = "processes.json"
+API_KEY_ENV = "OPENINFER_API_KEY"  # how the API key reaches the API servers (never argv)
 
 
 @dataclass
@@ -70,8 +71,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace, engine_options: dict):
+    def __init__(self, args: argparse.Namespace, engine_options: dict, api_key: str | None = None):
         self.args = args
+        self.api_key = api_key
         self.engine_options = engine_options
         self.run_dir = tempfile.mkdtemp(prefix="openinfer-")
         self.stopping = False
@@ -100,9 +102,14 @@ class Supervisor:
     def _start_api(self, index: int) -> None:
         assert self.sock is not None
         child = self.api[index]
+        args = {k: v for k, v in _plain(vars(self.args)).items() if k not in ("api_key", "api_key_file")}
         command = [sys.executable, "-m", "openinfer.frontend.api_server", "--listen-fd", str(self.sock.fileno()),
-                   "--run-dir", self.run_dir, "--index", str(index), "--args-json", json.dumps(_plain(vars(self.args)))]
-        child.process = subprocess.Popen(command, pass_fds=(self.sock.fileno(),), start_new_session=True)
+                   "--run-dir", self.run_dir, "--index", str(index), "--args-json", json.dumps(args)]
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:  # through the environment: a command line is visible to every user
+            env[API_KEY_ENV] = self.api_key
+        child.process = subprocess.Popen(command, pass_fds=(self.sock.fileno(),), start_new_session=True, env=env)
         self._write_table()
 
     def _write_table(self) -> None:
@@ -172,27 +179,40 @@ class Supervisor:
         try:
             self.sock = listen_socket(self.args.host, self.args.port)
         except OSError as exc:
-            logger.error("cannot serve on %s:%d: %s", self.args.host, self.args.port, exc)
+            logger.error("cannot serve: the HTTP server cannot bind %s:%d (%s); choose another --port",
+                         self.args.host, self.args.port, exc.strerror or exc)
             return STARTUP_FAILURE
         if self.core is not None:
             self._start_core()
+        # the API servers import and connect while the core loads the model (they answer 503
+        # until it is ready): start-up costs max(core, API server), not their sum
+        for index in range(len(self.api)):
+            self._start_api(index)
+        if self.core is not None:
             report = None
             while report is None and not self.stopping:
                 report = self._read_ready(block=False)
                 if report is None:
                     time.sleep(POLL_S)
+                    if any(c.process is not None and c.process.poll() in FATAL_EXIT_CODES
+                           for c in self.api):
+                        return self._api_startup_failure()
             if self.stopping:
                 return 0
             if not report.get("ok"):
                 logger.error("the engine could not start: %s", report.get("error"))
                 return int(report.get("exit_code", 1))
-        for index in range(len(self.api)):
-            self._start_api(index)
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
                 return self.exit_code
         return 0
+
+    def _api_startup_failure(self) -> int:
+        child = next(c for c in self.api if c.process is not None and c.process.poll() in FATAL_EXIT_CODES)
+        code = child.process.returncode
+        logger.error("%s could not start (exit %d); stopping", child.role, code)
+        return code
 
     def _watch(self) -> bool:
         """Restart whatever died; False when a restart budget is spent."""

@@ -26,6 +26,7 @@ from openinfer.runtime.engine import PagedEngine
 from openinfer.runtime.model import ModelSpec
 from openinfer.runtime.sampler import RowSample
 
+FACTORY_SPEC = "openinfer.engine_core.stub:create_stub_engine"  # for --engine-factory
 # generated ids stay clear of the low ids where tokenizers keep their special tokens
 FIRST_PLAIN_ID = 300
 

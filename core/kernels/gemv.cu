@@ -94,3 +94,67 @@ DEFINE_GEMV(1, 1, GEMV_M1_UNROLL)
 DEFINE_GEMV(2, 2, 2)
 DEFINE_GEMV(4, 4, 2)
 DEFINE_GEMV(8, 4, 1)
+
+// --- fused decode GEMVs (M = 1) ------------------------------------------------------------------
+// The block first builds the GEMV's input row in shared memory, bit-identical to what the unfused
+// kernels write to global memory, then runs the same gemv_tile over it: one launch instead of two,
+// the same result. Dynamic shared memory: K bf16 values (K <= 24576 in 48 KB).
+
+// y = rms_norm(x + residual) @ w^T (+ bias); residual_out = x + residual, written by block 0.
+// residual may be null (y = rms_norm(x) @ w^T; residual_out unused). The sum of squares follows
+// rms_norm.cu's order exactly: a virtual block of norm_threads threads (the unfused launch's
+// block size), each summing features t, t + norm_threads, ...; warp sums; then a sum over warps.
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+    gemv_m1_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                         const bf16* __restrict__ norm_weight, float eps, int norm_threads,
+                         const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y,
+                         bf16* __restrict__ residual_out, int N, int K) {
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    bf16* xs = reinterpret_cast<bf16*>(fused_smem);
+    __shared__ float warp_sums[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        const float h = residual != nullptr ? __bfloat162float(x[c]) + __bfloat162float(residual[c])
+                                            : __bfloat162float(x[c]);
+        const bf16 hb = __float2bfloat16_rn(h);
+        xs[c] = hb;
+        if (blockIdx.x == 0 && residual != nullptr) residual_out[c] = hb;
+    }
+    __syncthreads();
+    const int num_vwarps = norm_threads >> 5;
+    for (int vw = warp; vw < num_vwarps; vw += WARPS_PER_BLOCK) {
+        float ss = 0.f;
+        for (int c = vw * 32 + lane; c < K; c += norm_threads) {
+            const float v = __bfloat162float(xs[c]);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) warp_sums[vw] = ss;
+    }
+    __syncthreads();
+    const float total = warp_sum(lane < num_vwarps ? warp_sums[lane] : 0.f);
+    const float inv = rsqrtf(total / K + eps);
+    __syncthreads();  // every warp has read warp_sums before xs is rewritten below
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        const float v = round_bf16(__bfloat162float(xs[c]) * inv);
+        xs[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
+    }
+    __syncthreads();
+    gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K);
+}
+
+// y = (silu(gate) * up) @ w^T (+ bias), gate_up = [gate | up] of 2K values (elementwise.cu's silu_mul).
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+    gemv_m1_silu_mul(const bf16* __restrict__ gate_up, const bf16* __restrict__ w,
+                     const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    bf16* xs = reinterpret_cast<bf16*>(fused_smem);
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        const float g = __bfloat162float(gate_up[c]);
+        const float u = __bfloat162float(gate_up[K + c]);
+        const float s = round_bf16(g / (1.f + __expf(-g)));
+        xs[c] = __float2bfloat16_rn(s * u);
+    }
+    __syncthreads();
+    gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K);
+}

@@ -36,7 +36,7 @@
 #endif
 #define BM 64
 #define BN 64
-#define BK 32
+#define BK 64  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
 #define SMEM_PAD 8
 #define GEMM_THREADS 128
 #define MAX_TOPK 16
@@ -222,12 +222,64 @@ __device__ __forceinline__ float weight_value(const void* __restrict__ weight, c
 #endif
 }
 
+// Vectorised tile loads (``vec``: K % 8 == 0 and 16-byte aligned rows). A: 8 bf16 per 16-byte load.
+__device__ __forceinline__ void load_a_tile_vec(const bf16* __restrict__ a, const int* a_rows, int k0, int K,
+                                                bf16 (*a_tile)[BK + SMEM_PAD]) {
+    for (int i = threadIdx.x; i < BM * BK / 8; i += GEMM_THREADS) {
+        const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
+        const int src = a_rows[r];
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (src >= 0 && k0 + c < K) v = *reinterpret_cast<const uint4*>(a + (long long)src * K + k0 + c);
+        *reinterpret_cast<uint4*>(&a_tile[r][c]) = v;
+    }
+}
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    const unsigned l = __bfloat16_as_ushort(__float2bfloat16_rn(lo)), h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+    return l | (h << 16);
+}
+
+// B: 8 weights of one row per thread step, dequantised from one 16-byte bf16 load, one INT4 word
+// (+ its group's scale) or two FP8 words (+ the block's scale).
+__device__ __forceinline__ void load_b_tile_vec(const void* __restrict__ weight, const void* __restrict__ scale,
+                                                long long e, int n0, int k0, int N, int K,
+                                                bf16 (*b_tile)[BK + SMEM_PAD]) {
+    for (int i = threadIdx.x; i < BN * BK / 8; i += GEMM_THREADS) {
+        const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
+        const int n = n0 + r, k = k0 + c;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (n < N && k < K) {
+#if WEIGHT_FORMAT == 0
+            v = *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
+#elif WEIGHT_FORMAT == 1
+            const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
+            const float s = __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+            float f[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = (float)((int)((word >> (4 * j)) & 0xF) - 8) * s;
+            v = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                           pack_bf16x2(f[6], f[7]));
+#else
+            const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+            const float s = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
+            const unsigned char* codes = (const unsigned char*)weight + (e * N + n) * (long long)K + k;
+            float f[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = fp8_e4m3_value(codes[j]) * s;
+            v = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                           pack_bf16x2(f[6], f[7]));
+#endif
+        }
+        *reinterpret_cast<uint4*>(&b_tile[r][c]) = v;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                  const void* __restrict__ weight, const void* __restrict__ scale,
                  const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
-                 bf16* __restrict__ out, int N, int K) {
+                 bf16* __restrict__ out, int N, int K, int vec) {
     __shared__ __align__(16) bf16 a_tile[BM][BK + SMEM_PAD];
     __shared__ __align__(16) bf16 b_tile[BN][BK + SMEM_PAD];
     __shared__ float c_tile[BM][BN + 4];
@@ -268,15 +320,20 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
 #endif
     __syncthreads();
     for (int k0 = 0; k0 < K; k0 += BK) {
-        for (int i = threadIdx.x; i < BM * BK; i += GEMM_THREADS) {
-            const int r = i / BK, c = i % BK;
-            const int src = a_rows[r];
-            a_tile[r][c] = (src >= 0 && k0 + c < K) ? a[(long long)src * K + k0 + c] : __float2bfloat16_rn(0.f);
-        }
-        for (int i = threadIdx.x; i < BN * BK; i += GEMM_THREADS) {
-            const int r = i / BK, c = i % BK;
-            const int n = n0 + r, k = k0 + c;
-            b_tile[r][c] = __float2bfloat16_rn((n < N && k < K) ? weight_value(weight, scale, expert, n, k, N, K) : 0.f);
+        if (vec) {
+            load_a_tile_vec(a, a_rows, k0, K, a_tile);
+            load_b_tile_vec(weight, scale, expert, n0, k0, N, K, b_tile);
+        } else {
+            for (int i = threadIdx.x; i < BM * BK; i += GEMM_THREADS) {
+                const int r = i / BK, c = i % BK;
+                const int src = a_rows[r];
+                a_tile[r][c] = (src >= 0 && k0 + c < K) ? a[(long long)src * K + k0 + c] : __float2bfloat16_rn(0.f);
+            }
+            for (int i = threadIdx.x; i < BN * BK; i += GEMM_THREADS) {
+                const int r = i / BK, c = i % BK;
+                const int n = n0 + r, k = k0 + c;
+                b_tile[r][c] = __float2bfloat16_rn((n < N && k < K) ? weight_value(weight, scale, expert, n, k, N, K) : 0.f);
+            }
         }
         __syncthreads();
 #if USE_MMA

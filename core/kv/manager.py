@@ -10,16 +10,20 @@ The scheduler talks only to this class; it never sees ``BlockPool`` internals. W
     tokens       t0 .. t3 | t4 .. t7 | t8 .. t11 | t12 t13
     token blocks     0         1          2          3 (partial)
     hashes          H0        H1         H2                      chained over token ids
-    g0 table      [ 5,        6,         7,         8 ]          published as H_i
-    g1 table      [ 0,        0,         9,        10 ]          0: freed behind the window
-    g2 table      [ 11 ]  one block = 4 entries = 8 tokens        published as H_1 + g2
+    g0 table      [ 5,        6,         7,         8 ]          pool 0, published as H_i
+    g1 table      [ 0,        0,         3,         4 ]          pool 1; 0: freed behind the window
+    g2 table      [ 2 ]   one block = 4 entries = 8 tokens        pool 2, published as H_1
     state slot    3 (live)   snapshot of slot 3 at 8 tokens → slot 7, cached under H_1
 
 Prefix hits: the longest n (< the prompt's blocks) such that every group serves n token
 blocks (see ``openinfer.kv.spec``); a recurrent-state hit queues a copy snapshot → live slot
 (``take_state_copies``) that the engine runs before the request's first step. Snapshots live
 in their own slots (an LRU set of at most ``num_snapshot_slots``) and are freed when the block
-they belong to (token block n-1 of the first per-token group) is evicted from the pool.
+they belong to (token block n-1 of the first per-token group) is evicted from its pool.
+
+Each paged group has its own ``BlockPool`` (own ids, free queue and prefix cache), sized by
+the engine from the groups' page bytes and per-request needs (``openinfer.kv.spec``), so a
+group's pages are never idle in another group's layers.
 """
 
 from __future__ import annotations
@@ -53,38 +57,63 @@ class RequestBlocks:
         return self.num_published[0] if self.num_published else 0
 
 
-def _group_key(block_hash: bytes, group_id: int) -> bytes:
-    """The pool key of group ``group_id``'s block for a token-block hash (group 0: unsalted)."""
-    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(2, "little")
-
-
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, extra_key: str = "", groups: KVCacheGroups | None = None,
-                 state_slots: StateSlots | None = None, num_snapshot_slots: int = 0):
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.extra_key = extra_key
+    """``pools``: one ``BlockPool`` per paged group, indexed by group id (None for state
+    groups), or one pool when the model has a single paged group."""
+
+    def __init__(self, pools: BlockPool | Sequence[BlockPool | None], extra_key: str = "",
+                 groups: KVCacheGroups | None = None, state_slots: StateSlots | None = None,
+                 num_snapshot_slots: int = 0, block_size: int = 16):
         self.groups = groups or group_specs([FullAttentionSpec(1, 1)])
+        if isinstance(pools, BlockPool):
+            paged = [g.group_id for g in self.groups.paged_groups]
+            if len(paged) > 1:
+                raise ValueError(f"{len(paged)} paged KV cache groups need one BlockPool each")
+            pools = [pools if g.paged else None for g in self.groups.groups]
+        if len(pools) != len(self.groups.groups) or any(
+                (p is None) == g.paged for p, g in zip(pools, self.groups.groups, strict=True)):
+            raise ValueError("pools must hold one BlockPool per paged group and None per state group")
+        self.pools: list[BlockPool | None] = list(pools)
+        first_paged = next((p for p in self.pools if p is not None), None)
+        if first_paged is None:  # state only: an idle pool keeps the block accounting uniform
+            first_paged = BlockPool(2, block_size)
+        self.pool = first_paged  # the (first) paged group's pool: what a dense model has
+        self.block_size = first_paged.block_size
+        if any(p is not None and p.block_size != self.block_size for p in self.pools):
+            raise ValueError("every group's pool must use the same block size")
+        self.extra_key = extra_key
         self.requests: dict[str, RequestBlocks] = {}
         # prefix hits (and so useful state snapshots) fall on multiples of this many tokens
         self.hit_granularity = self.groups.hit_granularity(self.block_size)
         if self.groups.has_state and state_slots is None:
             raise ValueError("a model with recurrent-state layers needs a StateSlots pool")
         self.state_slots = state_slots
-        self.num_snapshot_slots = num_snapshot_slots if pool.enable_prefix_cache else 0
+        self.num_snapshot_slots = num_snapshot_slots if first_paged.enable_prefix_cache else 0
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # token-block hash -> slot, LRU first
         self._snapshot_ids = 0
         self._state_copies: list[tuple[int, int]] = []
         # the group whose token block n-1 a snapshot at n blocks belongs to (evicted with it)
         per_token = [g.group_id for g in self.groups.paged_groups if g.spec.tokens_per_entry == 1]
         self._anchor_group = per_token[0] if per_token else None
-        pool.on_evict = self._on_block_evicted
+        if self._anchor_group is not None:
+            self.pools[self._anchor_group].on_evict = self._on_block_evicted
 
     # --- queries ---------------------------------------------------------------------------------
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds at most, over every group."""
-        return self.groups.blocks_needed(num_tokens, self.block_size)
+    def blocks_needed(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds at most, over every group, when a
+        step computes at most ``chunk_tokens`` of them (sliding windows hold fewer)."""
+        return self.groups.blocks_needed(num_tokens, self.block_size, chunk_tokens)
+
+    def shortfall(self, num_tokens: int, chunk_tokens: int | None = None) -> tuple[int, int] | None:
+        """(blocks needed, blocks the pool holds) of the first group whose whole pool cannot hold
+        a request of ``num_tokens`` alone; None when every group's can."""
+        for group in self.groups.paged_groups:
+            needed = group.spec.max_live_blocks(num_tokens, self.block_size, chunk_tokens)
+            usable = self.pools[group.group_id].num_usable_blocks
+            if needed > usable:
+                return needed, usable
+        return None
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's table of group 0 (the only one of a dense model)."""
@@ -112,10 +141,11 @@ class KVCacheManager:
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> tuple[list[int], list[bytes]]:
         """Longest prefix of full token blocks that every group can serve (the last token is
-        never served from the cache: its logits must be computed), as (group 0's hit blocks,
-        the token-block hashes). ``find_cached_groups`` gives every group's blocks."""
+        never served from the cache: its logits must be computed), as (the first paged group's
+        hit blocks, the token-block hashes)."""
         n, hashes, hits = self._find(token_ids, extra_key)
-        return (hits[0][:n] if hits else []), hashes[:n]
+        first = next((g.group_id for g in self.groups.paged_groups), None)
+        return (hits[first][:n] if first is not None else []), hashes[:n]
 
     def _find(self, token_ids: Sequence[int], extra_key: str | None
               ) -> tuple[int, list[bytes], list[list[int | None]]]:
@@ -134,7 +164,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             chunk = data[i * stride : (i + 1) * stride]
             block_hash = hash_block_tokens(parent, chunk, key)
-            found = [self.pool.lookup(_group_key(block_hash, g), chunk) for g in prefix_groups]
+            found = [self.pools[g].lookup(block_hash, chunk) for g in prefix_groups]
             if any(b is None for b in found):
                 break
             for g, b in zip(prefix_groups, found, strict=True):
@@ -157,9 +187,9 @@ class KVCacheManager:
                 return None
             stride = 8 * self.block_size
             chunk = data[(index + 1 - spec.ratio) * stride : (index + 1) * stride]
-            return self.pool.lookup(_group_key(block_hash, group_id), chunk)
+            return self.pools[group_id].lookup(block_hash, chunk)
         stride = 8 * self.block_size
-        return self.pool.lookup(_group_key(block_hash, group_id), data[index * stride : (index + 1) * stride])
+        return self.pools[group_id].lookup(block_hash, data[index * stride : (index + 1) * stride])
 
     def _serves(self, group, n: int, hits: list[int | None], hashes: list[bytes]) -> bool:
         spec, bs = group.spec, self.block_size
@@ -191,7 +221,7 @@ class KVCacheManager:
             else:
                 first = spec.first_live_block(n * bs, bs)
                 table = [NULL_BLOCK_ID] * first + hits[group.group_id][first:count]
-            self.pool.touch([b for b in table if b != NULL_BLOCK_ID])
+            self.pools[group.group_id].touch([b for b in table if b != NULL_BLOCK_ID])
             tables.append(table)
         blocks = RequestBlocks(key, tables, list(hashes[:n]), [len(t) for t in tables],
                                [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
@@ -213,11 +243,13 @@ class KVCacheManager:
         return self.state_slots.num_free_slots - max(0, self.num_snapshot_slots - held)
 
     def can_grow(self, request_id: str, num_total_tokens: int, reserve: int = 0) -> bool:
-        return self.pool.can_allocate(self._missing(self.requests[request_id], num_total_tokens) + reserve)
+        missing = self._missing(self.requests[request_id], num_total_tokens)
+        return all(self.pools[g].can_allocate(n + reserve) for g, n in missing.items())
 
-    def _missing(self, blocks: RequestBlocks, num_total_tokens: int) -> int:
-        return sum(max(0, g.spec.blocks_for(num_total_tokens, self.block_size) - len(blocks.tables[g.group_id]))
-                   for g in self.groups.paged_groups)
+    def _missing(self, blocks: RequestBlocks, num_total_tokens: int) -> dict[int, int]:
+        """Blocks each paged group still needs for ``num_total_tokens``."""
+        return {g.group_id: max(0, g.spec.blocks_for(num_total_tokens, self.block_size) - len(blocks.tables[g.group_id]))
+                for g in self.groups.paged_groups}
 
     def grow(self, request_id: str, num_total_tokens: int, num_computed_tokens: int | None = None) -> bool:
         """Make the request hold enough blocks for ``num_total_tokens``; False if the pool is
@@ -227,15 +259,11 @@ class KVCacheManager:
         if num_computed_tokens is not None:
             self.release_behind_window(request_id, num_computed_tokens)
         missing = self._missing(blocks, num_total_tokens)
-        if missing <= 0:
-            return True
-        if not self.pool.can_allocate(missing):
+        if not all(self.pools[g].can_allocate(n) for g, n in missing.items()):
             return False
-        for group in self.groups.paged_groups:
-            table = blocks.tables[group.group_id]
-            need = group.spec.blocks_for(num_total_tokens, self.block_size) - len(table)
-            if need > 0:
-                table.extend(self.pool.allocate(need))
+        for g, n in missing.items():
+            if n > 0:
+                blocks.tables[g].extend(self.pools[g].allocate(n))
         return True
 
     def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
@@ -246,7 +274,7 @@ class KVCacheManager:
             first = min(len(table), group.spec.first_live_block(num_computed_tokens, self.block_size))
             release = [b for b in table[blocks.num_released[gid]:first] if b != NULL_BLOCK_ID]
             if release:
-                self.pool.free(list(reversed(release)))
+                self.pools[gid].free(list(reversed(release)))
                 freed += len(release)
             for j in range(blocks.num_released[gid], first):
                 table[j] = NULL_BLOCK_ID
@@ -273,8 +301,7 @@ class KVCacheManager:
             for j in range(blocks.num_published[gid], done):
                 if table[j] != NULL_BLOCK_ID:
                     chunk = token_bytes(token_ids[j * ratio * bs : (j + 1) * ratio * bs])
-                    self.pool.cache_full_block(table[j], _group_key(blocks.block_hashes[(j + 1) * ratio - 1], gid),
-                                               chunk)
+                    self.pools[gid].cache_full_block(table[j], blocks.block_hashes[(j + 1) * ratio - 1], chunk)
             blocks.num_published[gid] = max(blocks.num_published[gid], done)
         self._publish_snapshots(blocks, num_full)
 
@@ -284,12 +311,15 @@ class KVCacheManager:
         blocks = self.requests.pop(request_id, None)
         if blocks is None:
             return
-        for table in blocks.tables:
-            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
+        for pool, table in zip(self.pools, blocks.tables, strict=True):
+            if pool is not None:
+                pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
         if self.state_slots is not None:
             self.state_slots.free(request_id)
             for _, slot in blocks.pending_snapshots:
                 self._free_slot(slot)
+            # a restore into the freed slot (a request that started but was not admitted) is moot
+            self._state_copies = [c for c in self._state_copies if blocks.state_slot not in c]
 
     # --- state snapshots -------------------------------------------------------------------------
 
@@ -340,14 +370,9 @@ class KVCacheManager:
         """Whether the block a snapshot under ``block_hash`` belongs to is in the prefix cache."""
         if self._anchor_group is None:
             return True
-        return _group_key(block_hash, self._anchor_group) in self.pool.cached
+        return block_hash in self.pools[self._anchor_group].cached
 
-    def _on_block_evicted(self, key: bytes) -> None:
-        if self._anchor_group is None or not self.snapshots:
-            return
-        block_hash = key if self._anchor_group == 0 else key[:-2]
-        if self._anchor_group != 0 and key[-2:] != self._anchor_group.to_bytes(2, "little"):
-            return
+    def _on_block_evicted(self, block_hash: bytes) -> None:
         slot = self.snapshots.pop(block_hash, None)
         if slot is not None:
             self._free_slot(slot)

@@ -1,8 +1,8 @@
 """Per-layer KV cache specs: what each layer caches, how layers group, how memory is split.
 
 A model declares one spec per *cache layer* (``PagedModel.kv_cache_specs()``, in the model's
-own order); the engine groups equal specs, sizes one block pool and one state-slot pool from
-the specs' byte counts, and hands the model one allocation per spec (``backend.allocate_kv``)
+own order); the engine groups equal specs, sizes one block pool per group and one state-slot pool
+from the specs' byte counts, and hands the model one allocation per spec (``backend.allocate_kv``)
 in the same order. The pool and the manager only deal in ids; the model owns tensor layout::
 
     model.kv_cache_specs()        group_specs()                 per request (KVCacheManager)
@@ -17,8 +17,8 @@ in the same order. The pool and the manager only deal in ids; the model owns ten
     5 RecurrentState(...)   ┐
     6 RecurrentState(...)   ┴──▶  group 3: layers 5,6     ──▶  state slot  3  (one per request)
 
-    one BlockPool: ids 1..N-1 handed to any token group; id b of group g addresses page b of
-    every layer in g:   k[layer] : [num_blocks, block_size, ...]  (allocate_kv per spec)
+    one BlockPool per paged group g: ids 1..N_g-1; id b addresses page b of every layer in g:
+                        k[layer] : [N_g, block_size, ...]        (allocate_kv per spec)
     one StateSlots:   ids 1..S-1 for live requests and prefix-cache snapshots;
                         state[layer] : [num_slots, ...]             (allocate_kv per spec)
 
@@ -35,15 +35,33 @@ Kinds (``kind`` names them; every spec is a frozen dataclass, equal specs share 
   partial window): one *state slot* per request at a fixed device address for its whole life,
   so a CUDA graph can read slot ids from a device array (``ForwardBatch.state_slots``).
 
-Sizing (``plan_kv_cache``): one block id costs ``bytes_per_block`` = the sum of every token
-layer's page (``page_bytes``), one slot ``bytes_per_slot`` = the sum of every state layer's
-bytes. Live slots for ``max_num_seqs`` requests come first, snapshot slots next (prefix cache,
-up to a quarter of the budget), the rest buys blocks. A block id handed to one group leaves
-the same page idle in the other groups' layers: the price of one id space (vLLM instead
-aliases layers of different groups onto one tensor; we keep one tensor per layer).
+Sizing (``plan_kv_cache``): one state slot costs ``bytes_per_slot`` = the sum of every state
+layer's bytes; live slots for ``max_num_seqs`` requests come first (at most half the budget,
+capping ``max_num_seqs``), snapshot slots next (prefix cache, up to a quarter), the rest buys
+blocks. Each paged group has its own pool (own block ids, free queue and prefix cache): the
+block budget is split between the groups in proportion to what one request at full context
+needs of each (a sliding window needs a few blocks, a compressed group 1/R of the tokens), so
+no group's pages sit idle in another group's layers. (vLLM instead shares one id space and
+aliases layers of different groups onto one tensor of equal page size; we keep one tensor per
+layer and one pool per group.)
+
+For model authors (what a plugin writes; ``backend.kv_dtype`` is "float32" on numpy, "bfloat16" on cuda)::
+
+    def kv_cache_specs(self):                        # one per cache layer, the model's order
+        return [MLALatentSpec(576, self.backend.kv_dtype)] * self.num_layers
+
+    def forward(self, batch, kv_cache):              # kv_cache[i] = allocate_kv(specs[i], ...)
+        groups = group_specs(self.kv_cache_specs())  # cache it: deterministic
+        for i, layer in enumerate(self.layers):
+            g = groups.group_of_layer[i]
+            table = batch.group_block_tables(g)      # [B, max_blocks] block ids (0 = null)
+            slots = batch.group_slot_mapping(g)      # [T] where each new token's entry goes, -1: none
+            latents = kv_cache[i].k                  # [num_blocks, block_size, 576]
+        # recurrent layers: kv_cache[i] is a StateLayer, rows batch.state_slots[s]; a sequence
+        # whose context starts with this step (context_len == query_len) starts from zeros
 
 Prefix caching (``KVCacheManager``): block hashes are chained over token ids as before; each
-group publishes its own blocks (group g's hash is salted with g), and a prefix of n token
+group publishes its own blocks in its own pool, and a prefix of n token
 blocks is a hit only when *every* group can serve it — full/MLA: blocks 0..n-1 cached;
 sliding window: the blocks inside the window ending at n·block_size; compressed: n·block_size
 a multiple of block_size·ratio and its blocks cached; recurrent state: a snapshot of the state
@@ -55,6 +73,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "uint8": 1, "int8": 1}
@@ -103,8 +122,9 @@ class KVCacheSpec:
         """Blocks before this index are never read again once ``num_computed_tokens`` are done."""
         return 0
 
-    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
-        """An upper bound on the blocks a request of ``num_tokens`` holds at once."""
+    def max_live_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int | None = None) -> int:
+        """An upper bound on the blocks a request of ``num_tokens`` holds at once when a step
+        computes at most ``chunk_tokens`` of its tokens (None: any number)."""
         return self.blocks_for(num_tokens, block_size)
 
 
@@ -140,8 +160,13 @@ class SlidingWindowSpec(FullAttentionSpec):
         # the next query is at position num_computed_tokens; its oldest key is that - window + 1
         return max(0, num_computed_tokens - self.window + 1) // block_size
 
-    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
-        return min(self.blocks_for(num_tokens, block_size), cdiv(self.window - 1, block_size) + 1)
+    def max_live_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int | None = None) -> int:
+        full = self.blocks_for(num_tokens, block_size)
+        if chunk_tokens is None:
+            return full
+        # a step over positions s..s+n-1 keeps keys s-window+1 .. s+n-1: L = window - 1 + n
+        # consecutive positions, which touch at most cdiv(L - 1, block_size) + 1 blocks
+        return min(full, cdiv(self.window - 2 + chunk_tokens, block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -220,7 +245,7 @@ class RecurrentStateSpec(KVCacheSpec):
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return 0
 
-    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+    def max_live_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int | None = None) -> int:
         return 0
 
 
@@ -242,7 +267,7 @@ class KVCacheGroups:
     groups: tuple[KVCacheGroup, ...]
     group_of_layer: tuple[int, ...]  # spec index -> group id
 
-    @property
+    @cached_property  # read several times per request per step by the KV manager
     def paged_groups(self) -> tuple[KVCacheGroup, ...]:
         return tuple(g for g in self.groups if g.paged)
 
@@ -265,9 +290,10 @@ class KVCacheGroups:
             unit = math.lcm(unit, block_size * group.spec.tokens_per_entry)
         return unit
 
-    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        """Blocks a request of ``num_tokens`` holds at most, over every group."""
-        return sum(g.spec.max_live_blocks(num_tokens, block_size) for g in self.paged_groups)
+    def blocks_needed(self, num_tokens: int, block_size: int, chunk_tokens: int | None = None) -> int:
+        """Blocks a request of ``num_tokens`` holds at most, over every group, when a step
+        computes at most ``chunk_tokens`` of its tokens (None: any number)."""
+        return sum(g.spec.max_live_blocks(num_tokens, block_size, chunk_tokens) for g in self.paged_groups)
 
 
 def group_specs(specs: Sequence[KVCacheSpec]) -> KVCacheGroups:
@@ -292,22 +318,31 @@ def group_specs(specs: Sequence[KVCacheSpec]) -> KVCacheGroups:
 
 @dataclass(frozen=True)
 class KVCachePlan:
-    """How many block ids and state slots the engine allocates (both include the null id 0)."""
+    """How many block ids each group's pool and the state-slot pool get (each count includes
+    its null id 0)."""
 
-    num_blocks: int
+    group_blocks: tuple[int, ...]  # per group id: blocks of its pool (0 for state groups)
     num_state_slots: int  # 0 when no layer keeps state
     num_snapshot_slots: int  # of num_state_slots, reserved for prefix-cache snapshots
     max_num_seqs: int  # capped by the live state slots that fit
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks over every group's pool."""
+        return sum(self.group_blocks)
 
 
 SNAPSHOT_BUDGET_FRACTION = 0.25
 
 
 def plan_kv_cache(groups: KVCacheGroups, *, block_size: int, budget_bytes: int, max_num_seqs: int,
-                  max_model_len: int, num_blocks: int | None = None, prefix_cache: bool = True) -> KVCachePlan:
-    """Split ``budget_bytes`` between state slots and blocks (see the module docstring).
-    ``num_blocks`` fixes the block count (tests, ``--num-kv-blocks``); state still fits
-    ``max_num_seqs`` live requests then."""
+                  max_model_len: int, num_blocks: int | None = None, prefix_cache: bool = True,
+                  chunk_tokens: int | None = None) -> KVCachePlan:
+    """Split ``budget_bytes`` between state slots and the groups' pools (see the module
+    docstring). ``num_blocks`` fixes every paged group's pool at that many blocks (tests,
+    ``--num-kv-blocks``); the state slots then fit ``max_num_seqs`` live requests and, with the
+    prefix cache, as many snapshots. ``chunk_tokens``: the most tokens one step computes for a
+    request (sliding windows hold fewer blocks with smaller chunks)."""
     slot_bytes = groups.bytes_per_slot
     num_slots = snapshots = 0
     if groups.has_state:
@@ -319,11 +354,22 @@ def plan_kv_cache(groups: KVCacheGroups, *, block_size: int, budget_bytes: int, 
                 2 * live, int(budget_bytes * SNAPSHOT_BUDGET_FRACTION) // max(1, slot_bytes))
         max_num_seqs = live
         num_slots = live + snapshots + 1
-    if num_blocks is None:
-        block_bytes = groups.bytes_per_block(block_size)
-        useful = max_num_seqs * max(1, groups.blocks_needed(max_model_len, block_size)) + 1
-        if block_bytes == 0:  # state only: the null block and one spare keep the pool valid
-            num_blocks = 2
-        else:
-            num_blocks = max(2, min((budget_bytes - num_slots * slot_bytes) // block_bytes, useful))
-    return KVCachePlan(num_blocks, num_slots, snapshots, max_num_seqs)
+    # each group's share of the block budget follows what one request at full context needs
+    need = {g.group_id: max(1, g.spec.max_live_blocks(max_model_len, block_size, chunk_tokens))
+            for g in groups.paged_groups}
+    if num_blocks is not None:
+        blocks = tuple(num_blocks if g.paged else 0 for g in groups.groups)
+        return KVCachePlan(blocks, num_slots, snapshots, max_num_seqs)
+    page = {g.group_id: g.spec.page_bytes(block_size) * len(g.layer_ids) for g in groups.paged_groups}
+    per_request = sum(need[g] * page[g] for g in need)
+    remaining = max(0, budget_bytes - num_slots * slot_bytes)
+    blocks = []
+    for group in groups.groups:
+        if not group.paged:
+            blocks.append(0)
+            continue
+        gid = group.group_id
+        affordable = remaining * need[gid] // per_request if per_request else 0
+        useful = max_num_seqs * need[gid] + 1  # every sequence at full context
+        blocks.append(max(2, min(affordable, useful)))
+    return KVCachePlan(tuple(blocks), num_slots, snapshots, max_num_seqs)

@@ -3,7 +3,9 @@ fake on the CPU). Modules, one job each: ``communicator`` (the interface), ``fak
 ranks), ``nccl`` (CuPy NCCL), ``layout`` (flags → per-rank shards, checked), ``tensor``
 (weight slicing, vocab-parallel embedding / LM head), ``rank`` (``RankContext``), ``dummy``
 (``--load-format dummy``), ``workers`` (SPMD rank workers and rank 0's driver), ``build``
-(flags → the engine's model), ``memory_plan`` (what each rank will hold)."""
+(flags → the engine's model), ``memory_plan`` (what each rank will hold), ``expert`` (expert
+parallel MoE: all-reduce over replicated tokens, all-gather + reduce-scatter over sharded ones),
+``selftest`` (``python -m openinfer.parallel.selftest``: NCCL checks on the GPUs at hand)."""
 
 from openinfer.parallel.communicator import Communicator, SingleRank, gather_last_axis
 from openinfer.parallel.dummy import DummyCheckpoint

@@ -8,7 +8,8 @@
         │                ├─ send ("step", batch) to every other rank ──────┘
         │                ├─ broadcast the previous step's sampled ids (async scheduling)
         │                └─ rank 0's own RankWorker.step(batch) → logits (sampled on rank 0)
-        └─ release_request(id) ─► every rank (models with per-request state)
+        ├─ copy_state_slots(copies) ─► every rank (state snapshots / restores, in step order)
+        └─ release_request(id) ─► every rank (models with private per-request state)
 
 Commands travel in order through one channel per rank (a queue for threads, a pipe for
 processes); activations travel only through the ``Communicator`` (NCCL on GPUs). Only rank
@@ -53,6 +54,7 @@ class RunnerSetup:
     num_state_slots: int = 0
     num_groups: int = 1
     with_state: bool = False
+    group_blocks: tuple[int, ...] = ()  # per KV cache group id (each paged group has its own pool)
 
 
 class RankWorker:
@@ -69,11 +71,15 @@ class RankWorker:
         """This rank's KV (its own specs: its heads) and runner, in the engine's layout."""
         from openinfer.backend.base import StateLayer
         from openinfer.graph import create_runner
+        from openinfer.kv.spec import group_specs
         from openinfer.runtime.model import kv_cache_specs_of
 
         backend = self.model.backend
-        self.kv_cache = [backend.allocate_kv(s, setup.num_blocks if s.paged else setup.num_state_slots,
-                                             setup.block_size) for s in kv_cache_specs_of(self.model)]
+        specs = kv_cache_specs_of(self.model)
+        blocks = [setup.group_blocks[g] if setup.group_blocks else setup.num_blocks
+                  for g in group_specs(specs).group_of_layer]
+        self.kv_cache = [backend.allocate_kv(s, n if s.paged else setup.num_state_slots, setup.block_size)
+                         for s, n in zip(specs, blocks, strict=True)]
         self.state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.runner = create_runner(backend, lambda batch: self.model.forward(batch, self.kv_cache),
                                     cuda_graph=setup.cuda_graph, max_num_seqs=setup.max_num_seqs,
@@ -261,7 +267,12 @@ class ParallelRunner:
         for remote in self.remotes:
             remote.check()
             remote.send(("step", batch, num_previous))
-        return self.local.step(batch, previous_token_ids, num_previous)
+        try:
+            return self.local.step(batch, previous_token_ids, num_previous)
+        except Exception:
+            for remote in self.remotes:  # a rank that failed first broke the collective: raise its error
+                remote.check()
+            raise
 
     def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
         """State snapshots / restores the KV manager queued, on every rank's state layers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +54,69 @@ def _group_arrays(chunks: list[ScheduledChunk], kv: KVCacheManager, num_tokens: 
     return tuple(tables_out), tuple(slots_out)
 
 
+def _padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """``[B, max_len]`` block tables padded with the null block 0, in three vectorized ops
+    (no NumPy call per row)."""
+    lengths = np.fromiter(map(len, tables), np.int64, count=len(tables))
+    width = max(1, int(lengths.max()) if len(tables) else 1)
+    out = np.zeros((len(tables), width), np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(lengths.sum()))
+    out[np.arange(width) < lengths[:, None]] = flat
+    return out
+
+
+def _is_plain_decode(chunks: list[ScheduledChunk], kv: KVCacheManager) -> bool:
+    return bool(chunks) and all(g.spec.tokens_per_entry == 1 for g in kv.groups.groups if g.paged) and all(
+        c.num_tokens == 1 and c.samples and not c.request.want_prompt_logprobs for c in chunks)
+
+
+def _build_decode_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[ForwardBatch, list[LogitsRow]]:
+    """``build_forward_batch`` for the steady state — one new token per sequence, every group
+    one entry per token — with array ops over the batch instead of NumPy calls per row: at
+    batch 256 this is the difference between ~0.5 ms and several ms of the engine thread per step."""
+    count = len(chunks)
+    block_size = kv.block_size
+    requests = [c.request for c in chunks]
+    starts = np.fromiter((c.start for c in chunks), np.int64, count=count)
+    token_ids = np.fromiter((r.token_ids[c.start] for r, c in zip(requests, chunks, strict=True)), np.int32,
+                            count=count)
+    pending = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN)
+    token_sources = np.zeros((len(pending), 2), np.int32)
+    if len(pending):
+        token_ids[pending] = 0
+        token_sources[:, 0] = pending
+        token_sources[:, 1] = [requests[i].pending_sample_row for i in pending]
+    rows_index = np.arange(count)
+    tables_out, slots_out = [], []
+    for group in kv.groups.groups:
+        if not group.spec.paged:
+            tables_out.append(np.zeros((count, 0), np.int32))
+            slots_out.append(np.full(count, -1, np.int32))
+            continue
+        tables = _padded_tables([kv.group_tables(r.request_id)[group.group_id] for r in requests])
+        slots = tables[rows_index, starts // block_size].astype(np.int64) * block_size + starts % block_size
+        tables_out.append(tables)
+        slots_out.append(slots.astype(np.int32))
+    first_paged = next((g.group_id for g in kv.groups.groups if g.paged), 0)
+    state_slots = (np.asarray([kv.state_slot(r.request_id) for r in requests], np.int32)
+                   if kv.groups.has_state else np.zeros(0, np.int32))
+    positions = starts.astype(np.int32)
+    context_lens = positions + 1
+    batch = ForwardBatch(
+        token_ids=token_ids, positions=positions, query_start=np.arange(count + 1, dtype=np.int32),
+        context_lens=context_lens, block_tables=tables_out[first_paged], slot_mapping=slots_out[first_paged],
+        logits_rows=np.arange(count, dtype=np.int32), max_query_len=1, max_context_len=int(context_lens.max()),
+        request_ids=tuple(r.request_id for r in requests), token_sources=token_sources,
+        kv_block_tables=tuple(tables_out) if len(tables_out) > 1 else (),
+        kv_slot_mappings=tuple(slots_out) if len(slots_out) > 1 else (),
+        state_slots=state_slots,
+    )
+    return batch, [LogitsRow(r, c.start, True) for r, c in zip(requests, chunks, strict=True)]
+
+
 def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[ForwardBatch, list[LogitsRow]]:
+    if _is_plain_decode(chunks, kv):
+        return _build_decode_batch(chunks, kv)
     num_tokens = sum(c.num_tokens for c in chunks)
     token_ids = np.empty(num_tokens, np.int32)
     positions = np.empty(num_tokens, np.int32)

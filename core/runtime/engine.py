@@ -99,34 +99,39 @@ class PagedEngine:
             self.options = self.options.with_(enable_prefix_cache=False)
         self.max_model_len = min(self.options.max_model_len or spec.max_model_len, spec.max_model_len)
         self.block_size = self.options.block_size
-        self.kv_plan = self._plan_kv_cache()
+        is_cpu = model.backend.name == "numpy"
+        batched = self.options.max_num_batched_tokens or (
+            _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
+        self.kv_plan = self._plan_kv_cache(batched)
         if self.kv_plan.max_num_seqs < self.options.max_num_seqs:  # live state slots cap the batch
             self.options = self.options.with_(max_num_seqs=self.kv_plan.max_num_seqs)
         num_blocks = self.kv_plan.num_blocks
-        self.pool = BlockPool(num_blocks, self.block_size, self.options.enable_prefix_cache)
+        # one block pool per paged group (None for state groups), one state-slot pool
+        self.pools = [BlockPool(n, self.block_size, self.options.enable_prefix_cache) if g.paged else None
+                      for g, n in zip(self.kv_groups.groups, self.kv_plan.group_blocks, strict=True)]
         self.state_slots = StateSlots(self.kv_plan.num_state_slots) if self.kv_groups.has_state else None
-        self.kv = KVCacheManager(self.pool, groups=self.kv_groups, state_slots=self.state_slots,
-                                 num_snapshot_slots=self.kv_plan.num_snapshot_slots)
+        self.kv = KVCacheManager(self.pools, groups=self.kv_groups, state_slots=self.state_slots,
+                                 num_snapshot_slots=self.kv_plan.num_snapshot_slots, block_size=self.block_size)
+        self.pool = self.kv.pool  # the first paged group's (a dense model's only) pool
         create_step_runner = getattr(model, "create_step_runner", None)
         if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
             self.kv_cache, self.runner = create_step_runner(RunnerSetup(
                 num_blocks=num_blocks, num_state_slots=self.kv_plan.num_state_slots, block_size=self.block_size,
                 cuda_graph=self.options.cuda_graph, max_num_seqs=self.options.max_num_seqs,
                 max_model_len=self.max_model_len, num_groups=len(self.kv_groups.groups),
-                with_state=self.kv_groups.has_state))
+                with_state=self.kv_groups.has_state, group_blocks=self.kv_plan.group_blocks))
         else:
-            # the model owns the layout: one allocation per spec, blocks or state slots
-            self.kv_cache = [model.backend.allocate_kv(s, num_blocks if s.paged else self.kv_plan.num_state_slots,
-                                                       self.block_size) for s in self.kv_cache_specs]
+            # the model owns the layout: one allocation per spec, its group's blocks or state slots
+            self.kv_cache = [
+                model.backend.allocate_kv(
+                    s, self.kv_plan.group_blocks[gid] if s.paged else self.kv_plan.num_state_slots, self.block_size)
+                for s, gid in zip(self.kv_cache_specs, self.kv_groups.group_of_layer, strict=True)]
             # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
             self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
                                         max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
                                         with_state=self.kv_groups.has_state)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
-        is_cpu = model.backend.name == "numpy"
-        batched = self.options.max_num_batched_tokens or (
-            _CPU_DEFAULT_BATCHED_TOKENS if is_cpu else _GPU_DEFAULT_BATCHED_TOKENS)
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,
                                    max_queue=self.options.max_queue,
@@ -136,7 +141,9 @@ class PagedEngine:
             model_path=model_path, architectures=list(spec.architectures), model_type=spec.model_type,
             vocab_size=spec.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(spec.eos_token_ids), tokenizer_path=tokenizer_path or model_path,
-            backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks)
+            backend=model.backend.name, plugin=plugin, kv_block_size=self.block_size, num_kv_blocks=num_blocks,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+            expert_parallel_size=self.options.expert_parallel_size)
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
         # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
@@ -155,7 +162,6 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
-        self._eos_ids = frozenset(spec.eos_token_ids)
         # a backend that samples on the device asynchronously launches ahead only rows its
         # kernel samples (one predicate: samples_on_device); a host sampler reads every row back
         # anyway, so there only rows needing the previous step's tokens on the host wait
@@ -169,9 +175,9 @@ class PagedEngine:
 
     # --- sizing ----------------------------------------------------------------------------------
 
-    def _plan_kv_cache(self) -> KVCachePlan:
-        """Blocks and state slots from the specs' bytes and the memory budget (an explicit
-        ``num_kv_blocks`` fixes the block count)."""
+    def _plan_kv_cache(self, chunk_tokens: int) -> KVCachePlan:
+        """Each group's blocks and the state slots from the specs' bytes and the memory budget
+        (an explicit ``num_kv_blocks`` fixes every group's pool at that many blocks)."""
         budget_bytes = 0
         if self.options.num_kv_blocks is None or self.kv_groups.has_state:
             budget = getattr(self.model.backend, "kv_memory_budget", None)
@@ -179,7 +185,7 @@ class PagedEngine:
         return plan_kv_cache(self.kv_groups, block_size=self.block_size, budget_bytes=budget_bytes,
                              max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                              num_blocks=self.options.num_kv_blocks,
-                             prefix_cache=self.options.enable_prefix_cache)
+                             prefix_cache=self.options.enable_prefix_cache, chunk_tokens=chunk_tokens)
 
     # --- EngineHandle ----------------------------------------------------------------------------
 
@@ -194,9 +200,11 @@ class PagedEngine:
         return pb.HealthResponse(healthy=True, message="ok")
 
     def load(self) -> pb.Load:
+        pools = [p for p in self.pools if p is not None]
         return pb.Load(num_running=len(self.scheduler.running), num_waiting=self._num_queued,
-                       kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_usable_blocks,
-                       max_queue=self.options.max_queue, kv_blocks_cached=self.pool.num_cached_blocks)
+                       kv_blocks_used=sum(p.num_used_blocks for p in pools),
+                       kv_blocks_total=sum(p.num_usable_blocks for p in pools),
+                       max_queue=self.options.max_queue, kv_blocks_cached=sum(p.num_cached_blocks for p in pools))
 
     def admit(self, request: pb.GenerateRequest, destination: Any) -> None:
         """Validate and queue a request whose events go to ``destination``; raises
@@ -256,11 +264,15 @@ class PagedEngine:
         self._stopping = True
         self._inbox.put(("stop", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        if self.tracer is not None:  # the requests the shutdown ended are traced too
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.writer.flush)
 
     def close_sync(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join(30)
+        if self.tracer is not None:
+            self.tracer.writer.flush()
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -374,6 +386,7 @@ class PagedEngine:
         """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
+            request.num_full_blocks_published = -1
             self._release(request)
             if self.tracer is not None:
                 self.tracer.on_preempted(request.request_id)
@@ -458,7 +471,10 @@ class PagedEngine:
                 request = chunk.request
                 if request.request_id in self.kv.requests and not request.want_prompt_logprobs:
                     computed = min(request.num_computed_tokens, request.num_resolved_tokens)
-                    self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
+                    full = computed // self.block_size
+                    if full != request.num_full_blocks_published:  # else publishing is a no-op
+                        request.num_full_blocks_published = full
+                        self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
         results = launched.samples.results()
         if launched.trace is not None:
             self.tracer.on_resolved(launched.trace)
@@ -488,7 +504,7 @@ class PagedEngine:
             self._emit(request.request_id, TOKEN, token)
         stop = request.stop
         if num_out >= stop.min_tokens:
-            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self._eos_ids):
+            if token in stop.stop_token_ids or (not stop.ignore_eos and token in self.model.spec.eos_token_ids):
                 request.truncate_after(index)  # a token sampled after this one is discarded
                 return self._finish(request, pb.FINISH_REASON_STOP, token)
         if num_out >= request.max_tokens or index + 1 >= self.max_model_len:

@@ -48,6 +48,8 @@ class Request:
     # placeholders at the tail of token_ids (tokens sampled by steps not read back yet); a
     # counter, so the resolved length is O(1) instead of a scan of the whole token list
     num_placeholders: int = 0
+    # full blocks at the last prefix-cache publish: the engine publishes only when it grows
+    num_full_blocks_published: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -75,10 +75,11 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 field="max_tokens" if num_prompt_tokens < self.max_model_len else "prompt")
-        blocks = self.kv.blocks_needed(total)
-        if blocks > self.kv.pool.num_usable_blocks:
+        short = self.kv.shortfall(total, self.max_num_batched_tokens)
+        if short is not None:
+            needed, usable = short
             raise InvalidRequestError(
-                f"the request needs {blocks} KV blocks but the pool holds {self.kv.pool.num_usable_blocks}; "
+                f"the request needs {needed} KV blocks but the pool holds {usable}; "
                 "lower max_tokens or give the engine more KV memory", field="max_tokens")
 
     def add(self, request: Request) -> None:

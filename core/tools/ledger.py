@@ -215,11 +215,12 @@ def _shape(value: Any) -> str:
 
 def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
     """(bytes moved at least, FLOPs) of one op call; ``host`` is the step's ForwardBatch."""
-    if call.name == "linear":
-        x, layer = call.args[0], call.args[1]
-        m, k = x.shape
-        n = layer.weight.shape[0]
-        return 2.0 * (m * k + n * k + m * n), 2.0 * m * n * k
+    if call.name in ("linear", "add_rms_norm_linear", "silu_mul_linear"):  # the fused ones end in a linear
+        x, layer = call.args[0], call.args[-1]
+        m = x.shape[0]
+        n, k = layer.weight.shape
+        extra = 0 if call.name == "linear" else (m * k if call.name == "silu_mul_linear" else 2 * m * k)
+        return 2.0 * (m * k + n * k + m * n + extra), 2.0 * m * n * k
     if call.name == "attention":
         qkv, spec = call.args[0], call.args[1]
         tokens = qkv.shape[0]

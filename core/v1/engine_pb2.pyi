@@ -181,7 +181,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., scheduled: _Optional[_Union[TokenEvent.Scheduled, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent.Tokens, _Mapping]] = ..., finished: _Optional[_Union[TokenEvent.Finished, _Mapping]] = ..., error: _Optional[_Union[TokenEvent.Error, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "architectures", "model_type", "vocab_size", "max_model_len", "eos_token_ids", "bos_token_id", "tokenizer_path", "backend", "plugin", "kv_block_size", "num_kv_blocks")
+    __slots__ = ("model_id", "model_path", "architectures", "model_type", "vocab_size", "max_model_len", "eos_token_ids", "bos_token_id", "tokenizer_path", "backend", "plugin", "kv_block_size", "num_kv_blocks", "tensor_parallel_size", "expert_parallel_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class ModelInfo(_message.Message):
     PLUGIN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
@@ -208,7 +210,9 @@ class ModelInfo(_message.Message):
     plugin: str
     kv_block_size: int
     num_kv_blocks: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., backend: _Optional[str] = ..., plugin: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    expert_parallel_size: int
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., backend: _Optional[str] = ..., plugin: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_queue", "kv_blocks_cached")

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
-HEALTH_POLL_S = 1.0
+HEALTH_POLL_S = 0.2  # health flips within 1 s of the engine (core) going away
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):

@@ -70,16 +70,15 @@ def _check_supported(request: sglang_pb.GenerateRequest) -> None:
         raise _refuse("data_parallel_rank", f"this worker has one data-parallel rank (0), got "
                       f"{request.data_parallel_rank}; run the router without --dp-aware")
     params = request.sampling_params
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise _refuse(f"sampling_params.{constraint}", "structured output (regex, json_schema, "
-                      "ebnf_grammar, structural_tag; response_format or tool_choice in the API) is "
-                      "not supported by openinfer; drop the constraint")
+    if params.WhichOneof("constraint") == "structural_tag":
+        raise _refuse("sampling_params.structural_tag", "structural tags are not supported; use regex, "
+                      "json_schema or ebnf_grammar")
     if params.n > MAX_CHOICES:
         raise _refuse("sampling_params.n", f"n={params.n}: at most {MAX_CHOICES} choices per request; "
                       "send several requests")
-    if len(params.logit_bias) > 0:
-        raise _refuse("sampling_params.logit_bias", "logit_bias is not supported; drop it")
+    for key in params.logit_bias:
+        if not key.strip().isdigit():
+            raise _refuse("sampling_params.logit_bias", f"keys are token ids, got {key!r}")
     if params.HasField("custom_params") and len(params.custom_params.fields) > 0:
         raise _refuse("sampling_params.custom_params", "custom sampling params are not supported: "
                       f"{sorted(params.custom_params.fields)}")
@@ -93,13 +92,25 @@ def _check_supported(request: sglang_pb.GenerateRequest) -> None:
             raise _refuse(f"sampling_params.{name}", f"must be a finite number, got {getattr(params, name)}")
 
 
+def structured_output_of(params: sglang_pb.SamplingParams) -> pb.StructuredOutput | None:
+    """SGLang's constraint as the contract's (structural tags were refused before)."""
+    kind = params.WhichOneof("constraint")
+    if kind == "regex":
+        return pb.StructuredOutput(regex=params.regex)
+    if kind == "json_schema":
+        return pb.StructuredOutput(json_schema=params.json_schema)
+    if kind == "ebnf_grammar":
+        return pb.StructuredOutput(grammar=params.ebnf_grammar)
+    return None
+
+
 def _sampling(params: sglang_pb.SamplingParams | None) -> pb.SamplingParams:
     """SGLang's sampling params as openinfer's. Absent params mean SGLang's semantic defaults
     (temperature 1.0, no top-k/top-p), not proto3's zeros (which openinfer reads as greedy)."""
     if params is None:
         return pb.SamplingParams(temperature=1.0)
     temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE_EPSILON else 0.0
-    return pb.SamplingParams(
+    sampling = pb.SamplingParams(
         temperature=temperature,
         top_k=params.top_k if params.top_k > 0 else 0,  # SGLang: -1 disables; openinfer: <= 0
         top_p=params.top_p,
@@ -108,6 +119,8 @@ def _sampling(params: sglang_pb.SamplingParams | None) -> pb.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
     )
+    sampling.logit_bias.update({int(key): value for key, value in params.logit_bias.items()})
+    return sampling
 
 
 def to_engine_requests(request: sglang_pb.GenerateRequest, info: pb.ModelInfo, *,
@@ -142,6 +155,9 @@ def to_engine_requests(request: sglang_pb.GenerateRequest, info: pb.ModelInfo, *
         arrival_time=arrival_time,
         prompt_logprobs=wants_input_logprobs,
     )
+    constraint = structured_output_of(params)
+    if constraint is not None:
+        template.structured_output.CopyFrom(constraint)
     num_choices = max(params.n, 1)
     choices = [template]
     if num_choices > 1:

@@ -250,7 +250,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
             "context_length": info.max_model_len,
             "max_total_tokens": max_total_tokens,
             "vocab_size": info.vocab_size,
-            "tp_size": 1,
+            "tp_size": info.tensor_parallel_size or 1,
             "dp_size": 1,
             "is_embedding": False,
             "backend": info.backend,

@@ -37,7 +37,7 @@ from openinfer.frontend.http.schemas import (
 )
 from openinfer.frontend.http.sse import DONE_FRAME, EventStreamResponse, sse_frame
 from openinfer.frontend.http.structured import constraint_of
-from openinfer.frontend.reasoning import starts_in_reasoning, supports_reasoning
+from openinfer.frontend.reasoning import THINK_END, starts_in_reasoning, supports_reasoning
 from openinfer.frontend.toolcalls import (
     ToolCallFormat,
     ToolChoice,
@@ -45,6 +45,7 @@ from openinfer.frontend.toolcalls import (
     forced_call_constraint,
     resolve_tool_choice,
 )
+from openinfer.structured import after_thought
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
@@ -155,12 +156,18 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
     model_format = detect_format(ctx.tokenizer, ctx.engine.info().model_type)
     tool_format = model_format if choice.mode == "auto" else None
     reasoning = supports_reasoning(ctx.tokenizer)
-    # a JSON value or a choice is constrained from the first token: it has no thought to split off
-    # (a regex or grammar may describe the thought itself, so those outputs are still split)
-    constrained = forced is not None or (constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS)
-    plan = ChatPlan(prompt_ids, choice, tool_format, model_format, reasoning and not constrained,
-                    reasoning and not constrained and starts_in_reasoning(text))
-    return plan, forced or constraint
+    in_thought = reasoning and starts_in_reasoning(text)
+    constraint = forced or constraint
+    think_end = ctx.tokenizer.raw.token_to_id(THINK_END)
+    if constraint is not None and in_thought and think_end is not None:
+        # the prompt left the model inside a thought: the thought runs free, the value follows </think>
+        constraint = after_thought(constraint, think_end) or constraint
+    # a value constrained from the first token has no thought to split off (a regex or grammar
+    # may describe the thought itself, so those outputs are still split)
+    from_first_token = constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS
+    plan = ChatPlan(prompt_ids, choice, tool_format, model_format, reasoning and not from_first_token,
+                    in_thought and not from_first_token)
+    return plan, constraint
 
 
 def message_of(parsed: ParsedDelta, reasoning: bool) -> ChatMessageOut:
@@ -233,7 +240,18 @@ async def stream_chat(ctx: ServerContext, body: ChatCompletionRequest, plan: Cha
     parsers = {stream.plan.index: plan.parser() for stream in streams}
     num_calls = dict.fromkeys(parsers, 0)
 
+    # the chunk's fields as pydantic would write them, rendered once; a plain text delta (no
+    # logprobs, no usage) is then one dict copy + json.dumps instead of a pydantic model per token
+    frame = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[]).model_dump(
+        mode="json")
+
     def chunk(choices: list[ChatDeltaChoice], usage=None) -> str:
+        if usage is None and len(choices) == 1 and choices[0].logprobs is None and all(
+                isinstance(v, str) for v in choices[0].delta.values()):
+            choice = choices[0]
+            return "data: " + json.dumps({**frame, "choices": [{
+                "index": choice.index, "delta": choice.delta, "logprobs": None,
+                "finish_reason": choice.finish_reason}]}, ensure_ascii=False, separators=(",", ":")) + "\n\n"
         return sse_frame(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
                                              choices=choices, usage=usage))
 

@@ -189,6 +189,9 @@ class ChatCompletionRequest(SamplingFields):
                                "these to the template itself (use the request's own fields)")
         if self.top_logprobs and not self.logprobs:
             raise RefusedField("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise RefusedField("prompt_logprobs", "prompt_logprobs are returned with stream=false only "
+                                                  "(as in vLLM); drop one of them")
         return self
 
     def max_new_tokens(self) -> int | None:

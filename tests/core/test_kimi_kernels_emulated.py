@@ -119,7 +119,8 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     assert relative_error(dense, x @ w1_ref[0].T) < 1e-2
 
 
-def test_mla_kernels_match_numpy(tmp_path):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_kernels_match_numpy(tmp_path, splits):
     rng = np.random.default_rng(0)
     lora, rope_dim, nope, heads, block_size = 32, 16, 16, 20, 4  # 20 heads: a partial 16-head chunk
     binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim})
@@ -142,7 +143,7 @@ def test_mla_kernels_match_numpy(tmp_path):
     q_latent = bf16(rng.standard_normal((tokens, heads, lora)))
     rope = RotaryEmbedding.create(rope_dim, RopeParameters(10000.0), 64)
     scale = 0.17
-    files = {"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size], np.int32),
+    files = {"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size, splits], np.int32),
              "scale": np.array([scale], np.float32), "latent": float32_to_bf16(latent), "norm": float32_to_bf16(norm),
              "q": float32_to_bf16(q), "q_latent": float32_to_bf16(q_latent), "cache": float32_to_bf16(cache),
              "positions": positions, "slots": slots, "tables": tables, "query_start": query_start,

@@ -27,9 +27,11 @@ STATE = RecurrentStateSpec((StateTensor("conv", (2, 3)), StateTensor("ssm", (2, 
 
 
 def manager(*specs, num_blocks=16, block_size=2, slots=0, snapshots=0):
-    pool = BlockPool(num_blocks, block_size)
+    """A manager with one pool of ``num_blocks`` per paged group."""
+    groups = group_specs(list(specs))
+    pools = [BlockPool(num_blocks, block_size) if g.paged else None for g in groups.groups]
     state = StateSlots(slots) if slots else None
-    return KVCacheManager(pool, groups=group_specs(list(specs)), state_slots=state, num_snapshot_slots=snapshots)
+    return KVCacheManager(pools, groups=groups, state_slots=state, num_snapshot_slots=snapshots)
 
 
 def test_spec_bytes_per_kind():
@@ -39,7 +41,11 @@ def test_spec_bytes_per_kind():
     compressed = CompressedSpec(8, ratio=4)
     assert compressed.entry_bytes == 32 and compressed.num_entries(17) == 4
     assert compressed.blocks_for(17, block_size=2) == 2  # 4 entries, 2 per block
-    assert SlidingWindowSpec(1, 1, window=5).max_live_blocks(100, block_size=4) == 2
+    window = SlidingWindowSpec(1, 1, window=5)
+    assert window.max_live_blocks(100, block_size=4) == 25  # any chunk size: as full attention
+    # one token per step: positions p-4..p span at most 2 blocks; chunks of 8: at most 4
+    assert window.max_live_blocks(100, block_size=4, chunk_tokens=1) == 2
+    assert window.max_live_blocks(100, block_size=4, chunk_tokens=8) == 4
     assert STATE.slot_bytes == (6 + 8) * 4 and STATE.page_bytes(16) == 0
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
         _ = FullAttentionSpec(1, 1, "float64").entry_bytes
@@ -72,22 +78,36 @@ def test_plan_sizes_blocks_and_state_slots_from_the_budget():
     assert (dense.num_blocks, dense.num_state_slots) == (2 * 3 + 1, 0)
 
 
+def test_plan_splits_blocks_between_groups_by_what_a_request_needs():
+    window, compressed = SlidingWindowSpec(1, 1, window=8), CompressedSpec(2, ratio=4)
+    groups = group_specs([FULL, window, compressed])  # pages of 4 tokens: 32, 32 and 32 bytes
+    plan = plan_kv_cache(groups, block_size=4, budget_bytes=96 * 100, max_num_seqs=100, max_model_len=64,
+                         chunk_tokens=4)
+    # per request at 64 tokens: 16 full blocks, 4 window blocks (8 - 2 + 4 positions → 3 + 1),
+    # 4 compressed blocks (16 entries); 24 blocks of 32 B: the 9600 B split 16 : 4 : 4
+    assert plan.group_blocks == (9600 * 16 // (24 * 32), 9600 * 4 // (24 * 32), 9600 * 4 // (24 * 32))
+    assert plan.group_blocks == (200, 50, 50)
+    # a fixed count (--num-kv-blocks) is every group's pool size
+    fixed = plan_kv_cache(groups, block_size=4, budget_bytes=0, max_num_seqs=4, max_model_len=64, num_blocks=9)
+    assert fixed.group_blocks == (9, 9, 9) and fixed.num_blocks == 27
+
+
 def test_sliding_window_frees_blocks_behind_the_window():
     kv = manager(FULL, SlidingWindowSpec(1, 1, window=3), FULL)
     tokens = list(range(100, 109))
     assert kv.start_request("a", tokens) == 0
     assert kv.grow("a", 9, 0)
-    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]  # each group has its own pool
     kv.publish_full_blocks("a", tokens, 9)
     # the next query (position 9) sees keys 7..9: blocks 0-2 (positions 0-5) of the window group go
     assert kv.grow("a", 10, 9)
-    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [NULL_BLOCK_ID] * 3 + [9, 10]]
-    assert kv.pool.num_free_blocks == 15 - 10 + 3
+    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [NULL_BLOCK_ID] * 3 + [4, 5]]
+    assert [p.num_free_blocks for p in kv.pools] == [15 - 5, 15 - 5 + 3]
     kv.free_request("a")
-    assert kv.pool.num_used_blocks == 0
+    assert all(p.num_used_blocks == 0 for p in kv.pools)
     # the same prompt hits 4 blocks: every full block, and the window's blocks behind position 8
     assert kv.start_request("b", tokens) == 8
-    assert kv.group_tables("b") == [[1, 2, 3, 4], [0, 0, 0, 9]]
+    assert kv.group_tables("b") == [[1, 2, 3, 4], [0, 0, 0, 4]]
 
 
 def test_sliding_window_hit_needs_only_the_window():
@@ -116,11 +136,11 @@ def test_compressed_entries_and_slot_mapping():
     kv.start_request("a", tokens)
     assert kv.grow("a", 9, 0)
     # 9 tokens: 5 full-attention blocks; 4 entries = 2 compressed blocks (2 entries of 2 tokens each)
-    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [6, 7]]
+    assert kv.group_tables("a") == [[1, 2, 3, 4, 5], [1, 2]]
     batch, _ = build_forward_batch([ScheduledChunk(_request("a", tokens), 9)], kv)
     # entry e = tokens 2e, 2e+1, written by token 2e+1 at block e // 2, offset e % 2
-    assert batch.kv_slot_mappings[1].tolist() == [-1, 12, -1, 13, -1, 14, -1, 15, -1]
-    assert batch.kv_block_tables[1].tolist() == [[6, 7]]
+    assert batch.kv_slot_mappings[1].tolist() == [-1, 2, -1, 3, -1, 4, -1, 5, -1]
+    assert batch.kv_block_tables[1].tolist() == [[1, 2]]
     assert batch.slot_mapping.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
@@ -130,15 +150,15 @@ def test_prefix_hit_is_intersected_across_groups():
     kv.start_request("a", tokens)
     kv.grow("a", 9, 0)
     kv.publish_full_blocks("a", tokens, 9)
-    assert kv.pool.num_cached_blocks == 4 + 2
+    assert [p.num_cached_blocks for p in kv.pools] == [4, 2]
     kv.free_request("a")
     # 9 tokens: 4 full blocks hit; the compressed group serves 4 blocks (8 tokens = 2 compressed blocks)
     assert kv.start_request("b", tokens) == 8
-    assert kv.group_tables("b") == [[1, 2, 3, 4], [6, 7]]
+    assert kv.group_tables("b") == [[1, 2, 3, 4], [1, 2]]
     # 7 tokens: the full group could serve 3 blocks, the compressed group only whole compressed
     # blocks (an even number of token blocks): 2 token blocks = 4 tokens
     assert kv.start_request("c", tokens[:7]) == 4
-    assert kv.group_tables("c") == [[1, 2], [6]]
+    assert kv.group_tables("c") == [[1, 2], [1]]
 
 
 def test_recurrent_state_slots_are_reused_lowest_first():
@@ -173,6 +193,9 @@ def test_state_snapshot_hit_restore_and_eviction_with_its_block():
     assert kv.start_request("b", tokens) == 4
     assert kv.state_slot("b") == 1 and kv.take_state_copies() == [(2, 1)]
     kv.free_request("b")
+    assert kv.start_request("b2", tokens) == 4
+    kv.free_request("b2")  # started, then not admitted: its restore is dropped with its slot
+    assert kv.take_state_copies() == []
     # allocating every free block evicts block 2 (token block 1, the snapshot's anchor): freed
     kv.pool.allocate(kv.pool.num_free_blocks)
     assert kv.num_snapshots == 0 and kv.state_slots.num_free_slots == 4

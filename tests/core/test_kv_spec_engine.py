@@ -99,7 +99,7 @@ def test_every_kind_through_the_engine_and_prefix_hit_unchanged():
         # more requests than live slots (4): slots and blocks are reused, outputs unchanged
         again = run_all(warm, [make_request(f"x{i}", [i + 1, 5, 9, 2, 7], 6) for i in range(5)])
         assert [o.token_ids for o in again] == [o.token_ids for o in other]
-        assert warm.pool.num_used_blocks == 0
+        assert warm.load().kv_blocks_used == 0 and len([p for p in warm.pools if p]) == 3  # a pool per paged group
         assert warm.state_slots.num_used_slots == warm.kv.num_snapshots  # live slots all returned
     finally:
         warm.close_sync()

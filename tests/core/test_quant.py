@@ -98,7 +98,9 @@ def test_checkpoint_reads_quantized_linears_and_names_bad_tensors(tmp_path):
     dense = rng.standard_normal((130, 64)).astype(np.float32)
     codes, scales = quantize_fp8_block(dense)
     packed, int4_scales = quantize_int4_group(dense, 32)
+    exponents = np.array([[120, 131]], np.uint8)  # DeepSeek-V4 style: e8m0 block scales named `.scale`
     write_safetensors(tmp_path / "model.safetensors", {
+        "d.weight": ("F8_E4M3", codes[:128, :]), "d.scale": ("F8_E8M0", exponents[:, :1]),
         "a.weight": ("F8_E4M3", codes), "a.weight_scale_inv": scales,
         "b.weight_packed": packed, "b.weight_scale": int4_scales,
         "b.weight_shape": np.array([130, 64], np.int32), "c.weight": dense})
@@ -111,6 +113,7 @@ def test_checkpoint_reads_quantized_linears_and_names_bad_tensors(tmp_path):
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}})
     assert np.array_equal(ckpt.linear("b", int4_cfg, (130, 64)), dequantize_int4_group(packed, int4_scales, (130, 64)))
     assert np.array_equal(ckpt.linear("c", shape=(130, 64)), dense)
+    assert np.array_equal(ckpt.linear("d", fp8_cfg), fp8_e4m3_to_float32(codes[:128]) * 2.0**-7)
     with pytest.raises(WeightLoadError, match="'missing.weight' is missing"):
         ckpt.linear("missing")
     with pytest.raises(WeightLoadError, match="b.weight_shape"):

@@ -142,3 +142,36 @@ def test_mask_wins_over_min_tokens_when_only_a_stop_is_allowed():
     bitmask[0] = 1 << 9  # the grammar is complete: only the stop token 9 may follow
     token = sample_row(np.zeros(10, np.float32), state(temperature=0.0), banned_ids=[9], bitmask_row=bitmask[0])
     assert token.token_id == 9
+
+
+def test_tiktoken_vocabularies_are_served_too(tmp_path):
+    """Kimi-K2 ships tiktoken.model instead of tokenizer.json: the grammar uses it as is."""
+    from openinfer.tokenizer import Tokenizer as TextTokenizer
+    from tests.helpers.tiny_kimi_tokenizer import write_kimi_tokenizer
+
+    ids = write_kimi_tokenizer(tmp_path)
+    text = TextTokenizer.from_dir(tmp_path)
+    eos = ids["<|im_end|>"]
+    compiler = GrammarCompiler.from_dir(str(tmp_path), text.vocab_size, [eos])
+    matcher = compiler.compile(pb.StructuredOutput(grammar='start: <think> "ok"'))
+    assert matcher.accept(ids["<think>"])
+    for token in text.encode("ok", add_special_tokens=False):
+        assert matcher.accept(token)
+    bitmask = allocate_bitmask(1, text.vocab_size)
+    matcher.fill(bitmask[0])
+    assert np.nonzero(allowed_tokens(bitmask[0], text.vocab_size))[0].tolist() == [eos]
+
+
+def test_a_vocabulary_the_grammar_engine_cannot_read_is_a_clear_refusal(tmp_path):
+    from tokenizers import decoders as raw_decoders
+    from tokenizers import models as raw_models
+
+    from openinfer.structured import CompilerCache
+
+    raw = Tokenizer(raw_models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    raw.decoder = raw_decoders.Fuse()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(InvalidRequestError, match="not available for this model"):
+        CompilerCache(str(tmp_path), 2, [0]).get()
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        CompilerCache(str(tmp_path / "missing"), 2, [0]).get()

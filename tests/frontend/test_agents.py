@@ -327,3 +327,28 @@ def test_thought_cut_by_max_tokens_is_reasoning_only(served):
     choice = chat(model, **body).choices[0]
     assert choice.finish_reason == "length" and choice.message.model_extra["reasoning_content"]
     assert not choice.message.content
+
+
+def test_value_constraints_follow_the_thought_when_the_prompt_opens_one(served):
+    """DeepSeek-V4 in thinking mode: the prompt ends inside <think>, so the thought runs free and the
+    JSON value (or the forced call) comes after </think> (a bias on </think> keeps the random
+    network's thoughts short)."""
+    model = served["deepseek_v4"]
+    think_end = model.tokenizer.raw.token_to_id("</think>")
+    common = {"temperature": 1.0, "max_tokens": 200, "logit_bias": {str(think_end): 6},
+              "extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    thoughts = 0
+    for seed in range(3):
+        body = {**common, "seed": seed, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS["any_of"]}}}
+        whole = chat(model, **body).choices[0]
+        assert whole.finish_reason == "stop", whole.message
+        jsonschema.validate(json.loads(whole.message.content), SCHEMAS["any_of"])
+        reasoning = whole.message.model_extra.get("reasoning_content")
+        thoughts += bool(reasoning)
+        streamed = stream_chat(model, **body)
+        assert (streamed["reasoning"], streamed["content"]) == (reasoning, whole.message.content)
+        forced = chat(model, **common, seed=seed, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        [(name, arguments)] = calls_of(forced.choices[0].message)
+        jsonschema.validate(arguments, TOOL_SCHEMAS[name])
+    assert thoughts  # at least one sampled thought was split off

@@ -385,6 +385,8 @@ BAD_INPUTS = {
     "chat tool with an invalid schema": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, 400),
+    "chat prompt_logprobs while streaming": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True}, 400),
     "chat template kwargs overriding messages": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}, 400),
     "chat unknown model": ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user",

@@ -206,9 +206,11 @@ def test_n_choices_through_the_router(fake_cluster):
 
 
 def test_unsupported_request_is_a_clear_400(fake_cluster):
-    response = chat(fake_cluster.base_url, "hello", max_tokens=3, response_format={"type": "json_object"})
-    assert response.status_code == 400
-    assert "json_schema" in response.text and "not supported" in response.text
+    schema = {"type": "object", "properties": {"a": {"type": "wat"}}}
+    response = chat(fake_cluster.base_url, "hello", max_tokens=3,
+                    response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert response.status_code == 400, response.text
+    assert "json_schema" in response.text and "wat" in response.text
     assert chat(fake_cluster.base_url, "hello", max_tokens=1).status_code == 200  # workers still serve
 
 

@@ -411,11 +411,12 @@ async def test_get_tokenizer_streams_a_verified_zip(served, tokenizer_dir):
 
 
 UNSUPPORTED = {
-    "regex": lambda r: setattr(r.sampling_params, "regex", "[a-z]+"),
-    "json_schema": lambda r: setattr(r.sampling_params, "json_schema", "{}"),
-    "ebnf_grammar": lambda r: setattr(r.sampling_params, "ebnf_grammar", "root ::= 'a'"),
+    "regex": lambda r: setattr(r.sampling_params, "regex", "[a-z"),
+    "json_schema": lambda r: setattr(r.sampling_params, "json_schema", "{not json"),
+    "grammar": lambda r: setattr(r.sampling_params, "ebnf_grammar", "root ::= (("),
+    "structural_tag": lambda r: setattr(r.sampling_params, "structural_tag", "{}"),
     "n": lambda r: setattr(r.sampling_params, "n", 17),
-    "logit_bias": lambda r: r.sampling_params.logit_bias.update({"5": 1.0}),
+    "logit_bias": lambda r: r.sampling_params.logit_bias.update({"five": 1.0}),
     "custom_params": lambda r: r.sampling_params.custom_params.update({"x": 1}),
     "max_new_tokens": lambda r: setattr(r.sampling_params, "max_new_tokens", 0),
     "temperature": lambda r: setattr(r.sampling_params, "temperature", -1.0),
@@ -431,6 +432,20 @@ UNSUPPORTED = {
     "maximum context length": lambda r: setattr(r.sampling_params, "max_new_tokens", 5000),
     "vocabulary": lambda r: r.tokenized.input_ids.append(999),
 }
+
+
+async def test_constraints_and_logit_bias_reach_the_engine(served):
+    engine, stub = served
+    request = router_request()
+    request.sampling_params.json_schema = '{"type": "object"}'
+    request.sampling_params.logit_bias.update({"5": 100.0})
+    await collect(stub, request)
+    sent = engine.requests[-1]
+    assert sent.structured_output.json_schema == '{"type": "object"}' and dict(sent.sampling.logit_bias) == {5: 100.0}
+    request = router_request()
+    request.sampling_params.ebnf_grammar = 'root ::= "a" | "b"'
+    await collect(stub, request)
+    assert engine.requests[-1].structured_output.grammar == 'root ::= "a" | "b"'
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))

@@ -54,3 +54,51 @@ def test_bias_and_mask_match_numpy(cuda_backend, rng):
         if r % 4 == 1 and not masked[r]:
             forced = [t for t, v in params[r].logit_bias.items() if v > 0][0]
             assert ours[r] == forced
+
+
+def test_engine_mixes_constrained_and_free_rows_on_cuda(tmp_path):
+    """JSON Schema rows, logit_bias rows and plain rows in the same steps on the GPU: every
+    constrained output validates, biased rows are forced, and steps without a grammar row are
+    still launched ahead (async scheduling kept)."""
+    import json as json_module
+    import sys
+    from pathlib import Path
+
+    from openinfer_qwen3 import plugin
+
+    from openinfer import EngineOptions
+    from tests.helpers.engine_utils import make_request, run_all
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
+    from agent_checkpoints import write_family_tokenizer
+
+    jsonschema = pytest.importorskip("jsonschema")
+    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32, vocab_size=512)
+    write_family_tokenizer(path, "qwen3")
+    config = json_module.loads((path / "config.json").read_text())
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "k": {"enum": ["a", "b"]}},
+              "required": ["n", "k"], "additionalProperties": False}
+    requests = []
+    for i in range(24):
+        request = make_request(f"r{i}", [5 + i, 9, 11], max_tokens=40, temperature=1.0, seed=i, ignore_eos=i % 3 != 0)
+        if i % 3 == 0:
+            request.structured_output.json_schema = json_module.dumps(schema)
+        elif i % 3 == 1:
+            request.sampling.logit_bias[77] = 100.0
+        requests.append(request)
+    engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cuda"))
+    try:
+        outcomes = run_all(engine, requests)
+        assert engine.num_steps_launched_ahead > 0
+    finally:
+        engine.close_sync()
+    from openinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(path)
+    for i, outcome in enumerate(outcomes):
+        if i % 3 == 0:
+            jsonschema.validate(json_module.loads(tokenizer.decode(outcome.token_ids)), schema)
+        elif i % 3 == 1:
+            assert set(outcome.token_ids) == {77}

@@ -72,7 +72,11 @@ def prefill_logits(model, token_ids: Sequence[int], chunk_sizes: Sequence[int] |
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 1
     spec = model.spec
-    kv = [ops.allocate_kv(num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    if hasattr(model, "kv_cache_specs"):  # per-layer specs (one token group assumed: one block table)
+        kv = [ops.allocate_kv(s, num_blocks + 1, block_size) for s in model.kv_cache_specs()]
+    else:
+        kv = [ops.allocate_kv(num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+              for _ in range(spec.num_layers)]
     table = np.arange(1, num_blocks + 1, dtype=np.int32)
     chunks = list(chunk_sizes) if chunk_sizes else [n]
     assert sum(chunks) == n

@@ -65,12 +65,19 @@ def random_hf_model(config_dict: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
-def write_tiny_deepseek_v3(path: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
-    """config.json + model.safetensors; returns ``(path, the fp32 HF model)``."""
+def write_tiny_deepseek_v3(path: Path, seed: int = 0, dtype: str = "float32", **overrides: Any) -> tuple[Path, Any]:
+    """config.json + model.safetensors (``dtype``: float32 or bfloat16 on disk); returns
+    ``(path, the fp32 HF model)``."""
+    import torch
+
     config_dict = tiny_config(**overrides)
     model = random_hf_model(config_dict, seed)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    if dtype == "float32":
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+        model.float()
     saved = json.loads((path / "config.json").read_text())
     saved.update(config_dict)
     for key in ("rope_parameters",):  # keep the legacy spelling real checkpoints use

@@ -7,6 +7,7 @@ whole forward step can be captured into a CUDA graph (see ``openinfer.graph``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,11 +19,22 @@ from openinfer.backend.cuda import attention as attention_ops
 from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
-from openinfer.backend.cuda.linear import CudaLinear, linear
+from openinfer.backend.cuda.linear import (
+    CudaLinear,
+    fusable,
+    fused_add_rms_norm_gemv,
+    fused_silu_mul_gemv,
+    linear,
+)
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
+
+
+def _norm_threads(features: int) -> int:
+    """rms_norm.cu's block size for a row of ``features`` (the fused GEMV reproduces its sum order)."""
+    return min(1024, max(32, -(-features // 32) * 32 // 2))
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -42,7 +54,7 @@ class CudaBackend:
     activation_dtype = np.uint16  # bf16 bits
     kv_dtype = "bfloat16"  # the KV cache dtype name models put in their specs
 
-    def __init__(self, device: int = 0, use_gemv: bool = True):
+    def __init__(self, device: int = 0, use_gemv: bool = True, fuse_decode: bool | None = None):
         self.device = cupy.cuda.Device(device)
         self.device.use()
         props = cupy.cuda.runtime.getDeviceProperties(device)
@@ -50,6 +62,13 @@ class CudaBackend:
         self.num_sms = int(props["multiProcessorCount"])
         self.blas = Cublas()
         self.use_gemv = use_gemv
+        # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
+        # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: measured on an
+        # H200 (benchmarks/GPU.md) the per-block prologue delays each block's weight stream, and
+        # bs=1 decode went from 3.29 to 4.26 ms; kept, tested, for the next design to beat
+        if fuse_decode is None:
+            fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on")
+        self.fuse_decode = fuse_decode and use_gemv
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -115,7 +134,7 @@ class CudaBackend:
         out = cupy.empty_like(x)
         rows = x.size // features
         if rows:
-            kernel("rms_norm.cu", "rms_norm")((rows,), (min(1024, max(32, -(-features // 32) * 32 // 2)),),
+            kernel("rms_norm.cu", "rms_norm")((rows,), (_norm_threads(features),),
                                               (x, weight, out, np.int32(features), np.float32(eps)))
         return out
 
@@ -129,12 +148,37 @@ class CudaBackend:
         rows = x.size // features
         if rows:
             kernel("rms_norm.cu", "add_rms_norm")(
-                (rows,), (min(1024, max(32, -(-features // 32) * 32 // 2)),),
+                (rows,), (_norm_threads(features),),
                 (x, residual, weight, out, residual_out, np.int32(features), np.float32(eps)))
         return out, residual_out
 
     def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
         return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv)
+
+    def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
+                            layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """``(linear(rms_norm(x + residual)), x + residual)``; residual None: ``(linear(rms_norm(x)), x)``.
+        One fused launch for a decode row, else the two ops (the same numbers either way)."""
+        x = _bf16(x, "add_rms_norm_linear input")
+        if self.fuse_decode and x.ndim == 2 and x.shape[1] == layer.in_features and fusable(x, layer):
+            if residual is not None:
+                residual = _bf16(residual, "add_rms_norm_linear residual")
+                if residual.shape != x.shape:
+                    raise ValueError(f"add_rms_norm_linear: x {tuple(x.shape)} and residual "
+                                     f"{tuple(residual.shape)} differ")
+            return fused_add_rms_norm_gemv(x, residual, weight, eps, _norm_threads(x.shape[1]), layer)
+        if residual is None:
+            return self.linear(self.rms_norm(x, weight, eps), layer), x
+        h, residual = self.add_rms_norm(x, residual, weight, eps)
+        return self.linear(h, layer), residual
+
+    def silu_mul_linear(self, gate_up: cupy.ndarray, layer: CudaLinear) -> cupy.ndarray:
+        """``linear(silu_mul(gate_up))``: one fused launch for a decode row, else the two ops."""
+        gate_up = _bf16(gate_up, "silu_mul_linear input")
+        if (self.fuse_decode and gate_up.ndim == 2 and gate_up.shape[1] == 2 * layer.in_features
+                and fusable(gate_up[:, : layer.in_features], layer)):
+            return fused_silu_mul_gemv(gate_up, layer)
+        return self.linear(self.silu_mul(gate_up), layer)
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
         gate_up = _bf16(gate_up, "silu_mul input")

@@ -48,6 +48,46 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
                                        (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k)))
 
 
+FUSED_MAX_IN_FEATURES = 24576  # the fused GEMVs keep their bf16 input row in 48 KB of shared memory
+
+
+def fusable(x: cupy.ndarray, layer: CudaLinear) -> bool:
+    """Whether a decode row (M = 1) can take a fused norm/activation + GEMV kernel."""
+    k = layer.in_features
+    return x.shape[0] == 1 and GEMV_MAX_ROWS >= 1 and k % 8 == 0 and k <= FUSED_MAX_IN_FEATURES
+
+
+def fused_add_rms_norm_gemv(x: cupy.ndarray, residual: cupy.ndarray | None, norm_weight: cupy.ndarray, eps: float,
+                            norm_threads: int, layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``(rms_norm(x + residual) @ W^T (+ bias), x + residual)`` for one row, in one launch
+    (gemv.cu ``gemv_m1_add_rms_norm``); with ``residual`` None: ``(rms_norm(x) @ W^T, x)``.
+    Bit-identical to ``add_rms_norm`` then ``linear``."""
+    k, n = layer.in_features, layer.out_features
+    out = cupy.empty((1, n), dtype=cupy.uint16)
+    residual_out = cupy.empty_like(x) if residual is not None else x
+    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[1]
+    kernel("gemv.cu", "gemv_m1_add_rms_norm")(
+        ((n + columns_per_block - 1) // columns_per_block,), (GEMV_WARPS_PER_BLOCK * 32,),
+        (x, residual if residual is not None else NULL, norm_weight, np.float32(eps), np.int32(norm_threads),
+         layer.weight, layer.bias if layer.bias is not None else NULL, out,
+         residual_out if residual is not None else NULL, np.int32(n), np.int32(k)),
+        shared_mem=2 * k)
+    return out, residual_out
+
+
+def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear) -> cupy.ndarray:
+    """``silu_mul(gate_up) @ W^T (+ bias)`` for one row in one launch (``gemv_m1_silu_mul``),
+    bit-identical to ``silu_mul`` then ``linear``."""
+    k, n = layer.in_features, layer.out_features
+    out = cupy.empty((1, n), dtype=cupy.uint16)
+    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[1]
+    kernel("gemv.cu", "gemv_m1_silu_mul")(
+        ((n + columns_per_block - 1) // columns_per_block,), (GEMV_WARPS_PER_BLOCK * 32,),
+        (gate_up, layer.weight, layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)),
+        shared_mem=2 * k)
+    return out
+
+
 def _add_bias(out: cupy.ndarray, bias: cupy.ndarray) -> None:
     rows, features = out.shape
     blocks = min(4096, (out.size + 255) // 256)

@@ -23,6 +23,15 @@ from openinfer.mla import MLASpec
 
 HEADS_PER_BLOCK = 16  # mla.cu
 MLA_THREADS = 256
+MAX_SPLITS = 16
+NULL = np.uint64(0)
+
+
+def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
+    """Context splits per token: about two waves of blocks over the SMs, at most 16, 1 for
+    prefill-sized steps. Depends on the token count only, so a captured decode graph stays valid
+    for every context length."""
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // (num_tokens * head_chunks))))
 
 
 def _defines(spec: MLASpec) -> dict[str, int]:
@@ -37,7 +46,7 @@ def check_spec(spec: MLASpec) -> None:
 
 def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray,
                 w_uv: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray,
-                sin: cupy.ndarray, eps: float) -> cupy.ndarray:
+                sin: cupy.ndarray, eps: float, num_sms: int = 132) -> cupy.ndarray:
     """``q [T, H·(nope+rope)]`` (rope dims not yet rotated; rotated on a copy here) and ``latent``
     ``[T, lora + rope]`` (a row view of kv_a's output, un-normed) → attention output ``[T, H·v]``.
     ``cache`` is the layer's ``[num_blocks, block_size, …, lora + rope]`` bf16 latent cache;
@@ -59,11 +68,19 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
                                 q, heads * head_dim, head_dim, q_latent, heads * lora, lora, heads)
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    grid = (num_tokens, -(-heads // HEADS_PER_BLOCK))
-    kernel("mla.cu", "mla_attention", **_defines(spec))(grid, (MLA_THREADS,), (
+    head_chunks = -(-heads // HEADS_PER_BLOCK)
+    splits = num_splits(num_tokens, head_chunks, num_sms)
+    partial_o = partial_ml = NULL
+    if splits > 1:
+        partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
+        partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
+    kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), (
         q_latent, q, np.int32(head_dim), np.int32(nope), cache, batch.block_tables,
         np.int32(batch.block_tables.shape[1]), np.int32(block_size), batch.query_start, np.int32(batch.num_seqs),
-        batch.positions, np.int32(heads), np.float32(spec.scale), o_latent))
+        batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o, partial_ml))
+    if splits > 1:
+        kernel("mla.cu", "mla_combine_splits", **_defines(spec))((num_tokens * heads,), (128,), (
+            partial_o, partial_ml, np.int32(splits), o_latent))
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)

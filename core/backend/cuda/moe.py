@@ -128,6 +128,11 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
     return grouping
 
 
+def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
+    """16-byte tile loads need K % 8 == 0 and 16-byte aligned rows of A and of the weight."""
+    return (weight.in_features % 8 == 0 and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0)
+
+
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16."""
@@ -135,12 +140,13 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
+    a = cupy.ascontiguousarray(a)
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), (
-        cupy.ascontiguousarray(a), grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k),
+        a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k),
         weight.data, NULL if weight.scale is None else weight.scale, grouping.tile_expert, grouping.tile_row,
         grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(weight.out_features),
-        np.int32(weight.in_features)))
+        np.int32(weight.in_features), np.int32(_vectorised(a, weight))))
     return out
 
 
@@ -152,10 +158,12 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear) -> cupy.ndarray:
     out = cupy.empty((rows, weight.out_features), dtype=cupy.uint16)
     if rows == 0:
         return out
+    x = cupy.ascontiguousarray(x)
     grid = (-(-rows // TILE_M), -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), (
-        cupy.ascontiguousarray(x), NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale,
-        NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features), np.int32(weight.in_features)))
+        x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale,
+        NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features), np.int32(weight.in_features),
+        np.int32(_vectorised(x, weight))))
     return out
 
 

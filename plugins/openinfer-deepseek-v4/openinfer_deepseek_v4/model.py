@@ -18,11 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from openinfer import Backend, ForwardBatch, KVCacheSpec, ModelSpec, OpenInferError
+from openinfer import (
+    Backend,
+    ForwardBatch,
+    KVCacheSpec,
+    ModelSpec,
+    OpenInferError,
+    RankContext,
+    expert_parallel_moe,
+)
 from openinfer.moe import moe_forward
 from openinfer_deepseek_v4 import attention as attn
 from openinfer_deepseek_v4.config import SLIDING, DeepseekV4Config
 from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expand
+from openinfer_deepseek_v4.kernel_plan import SUPPORTED_BACKENDS
 from openinfer_deepseek_v4.rotary import InterleavedRope
 from openinfer_deepseek_v4.state import SequenceLayerCache, kv_cache_specs
 from openinfer_deepseek_v4.weights import DeepseekV4Weights
@@ -33,11 +42,12 @@ class DeepseekV4Model:
 
     def __init__(self, config: DeepseekV4Config, weights: DeepseekV4Weights, backend: Backend, *,
                  max_model_len: int, architectures: tuple[str, ...] = (),
-                 model_type: str = "deepseek_v4"):
-        if backend.name != "numpy":
-            raise OpenInferError("the DeepSeek-V4 plugin runs on the NumPy backend only (device=cpu); "
-                                 "its CUDA kernels are not written yet")
+                 model_type: str = "deepseek_v4", rank: RankContext | None = None):
+        if backend.name not in SUPPORTED_BACKENDS:
+            raise OpenInferError(f"the DeepSeek-V4 plugin runs on {SUPPORTED_BACKENDS} only (pass device=cpu); "
+                                 "its CUDA kernels exist but the CUDA model forward is not written yet")
         self.config = config
+        self.rank = rank or RankContext()  # expert parallel: this rank's experts, summed over ranks
         self.weights = weights
         self.backend = backend
         self._specs, self.cache_index = kv_cache_specs(config, getattr(backend, "kv_dtype", "float32"))
@@ -81,7 +91,11 @@ class DeepseekV4Model:
             streams = expand(streams, y, mixing)
             x, mixing = collapse(streams, layer.hc_ffn, **mixing_args)
             x = ops.rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            y = np.asarray(moe_forward(ops, x, layer.ffn, token_ids), np.float32)
+            if self.rank.expert.size > 1:
+                y = expert_parallel_moe(ops, x, layer.ffn, token_ids, self.rank.comm,
+                                        self.rank.expert.experts(c.n_routed_experts))
+            else:
+                y = np.asarray(moe_forward(ops, x, layer.ffn, token_ids), np.float32)
             streams = expand(streams, y, mixing)
 
         rows = np.asarray(batch.logits_rows, np.int64)

@@ -8,14 +8,19 @@ state snapshots) need nothing DeepSeek-specific here.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from openinfer import (
     Backend,
     EngineOptions,
+    ModelMemory,
     PagedEngine,
+    ParallelConfigError,
+    RankContext,
     create_backend,
+    create_parallel_model,
     hookimpl,
     read_generation_config,
     score_architectures,
@@ -23,6 +28,7 @@ from openinfer import (
 from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, MODEL_TYPES, DeepseekV4Config
+from openinfer_deepseek_v4.memory import deepseek_v4_model_memory
 from openinfer_deepseek_v4.model import DeepseekV4Model
 from openinfer_deepseek_v4.weights import load_weights
 
@@ -40,13 +46,24 @@ def openinfer_claims() -> list[str]:
 
 
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
-                options: EngineOptions) -> DeepseekV4Model:
+                options: EngineOptions, rank: RankContext | None = None) -> DeepseekV4Model:
+    """One rank's model (the whole model when there is one rank)."""
     dsv4 = DeepseekV4Config.from_dict(config, read_generation_config(model_path))
-    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend)
+    rank = rank or RankContext()
+    if rank.tensor.size > 1:
+        raise ParallelConfigError("openinfer-deepseek-v4 splits the model by experts only: use "
+                                  "--expert-parallel-size and leave --tensor-parallel-size at 1")
+    held = rank.expert.experts(dsv4.n_routed_experts) if rank.expert.size > 1 else None
+    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend, experts=held)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
     return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures,
-                           model_type=str(config.get("model_type", "deepseek_v4")))
+                           model_type=str(config.get("model_type", "deepseek_v4")), rank=rank)
+
+
+def _rank_model(model_path: str, config: dict[str, Any], options: EngineOptions, backend: Backend,
+                rank: RankContext) -> DeepseekV4Model:
+    return build_model(model_path, config, backend, options, rank)
 
 
 @hookimpl
@@ -62,5 +79,13 @@ def engine_options(options: EngineOptions) -> EngineOptions:
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = build_model(model_path, config, create_backend(options.device), options)
+    if options.expert_parallel_size == 1 and options.tensor_parallel_size == 1:
+        model = build_model(model_path, config, create_backend(options.device), options)
+    else:
+        model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
     return PagedEngine(model, engine_options(options), model_path=model_path, plugin=PLUGIN_NAME)
+
+
+@hookimpl
+def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+    return deepseek_v4_model_memory(DeepseekV4Config.from_dict(config))

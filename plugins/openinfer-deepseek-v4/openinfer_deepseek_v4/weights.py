@@ -101,8 +101,11 @@ class DeepseekV4Weights:
 
 
 def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: Backend,
-                 progress: bool = False) -> DeepseekV4Weights:
+                 progress: bool = False, experts: slice | None = None) -> DeepseekV4Weights:
+    """``experts``: the routed experts this rank holds under expert parallelism (the others stay
+    ``None``); default all."""
     c = config
+    held = experts or slice(0, c.n_routed_experts)
     hc_flat = c.hc_mult * c.hidden_size
 
     def linear(module: str, shape: tuple[int, int]) -> Any:
@@ -121,7 +124,7 @@ def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: 
         return LayerWeights(
             attn_norm=norm(p + "attn_norm.weight", c.hidden_size), ffn_norm=norm(p + "ffn_norm.weight", c.hidden_size),
             hc_attn=hyper(p + "hc_attn", mix, 3), hc_ffn=hyper(p + "hc_ffn", mix, 3),
-            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear, backend))
+            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear, backend, held))
 
     layers = [layer(f"layers.{i}.", c.layer_types[i], c.mlp_layer_types[i] == HASH_MOE)
               for i in range(c.num_hidden_layers)]
@@ -178,7 +181,7 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, kind
 
 
 def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any,
-         backend: Backend) -> MoEWeights:
+         backend: Backend, held: slice) -> MoEWeights:
     """Core's MoE layer: sqrt-softplus (or the configured) scores, hash or biased top-k choice,
     weights always renormalised (the reference divides by their sum whatever norm_topk_prob
     says) and scaled, SwiGLU clamped at swiglu_limit; experts' w1/w3 fused into gate_up."""
@@ -206,5 +209,6 @@ def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: b
     shared = expert(p + "shared_experts.", inter * c.n_shared_experts) if c.n_shared_experts else None
     return MoEWeights(
         router=router, gate=ckpt.weight(p + "gate", (c.n_routed_experts, c.hidden_size)),
-        experts=[expert(f"{p}experts.{e}.", inter) for e in range(c.n_routed_experts)], correction_bias=bias,
+        experts=[expert(f"{p}experts.{e}.", inter) if held.start <= e < held.stop else None
+                 for e in range(c.n_routed_experts)], correction_bias=bias,
         tid2eid=tid2eid, shared=shared, swiglu_limit=c.swiglu_limit or None)

@@ -107,7 +107,7 @@ def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, s
         q, latent = qkv_a[:, : -spec.latent_dim], qkv_a[:, -spec.latent_dim:]
     cos, sin = ops.ropes.get(rope)
     return cuda_mla.mla_forward(ops.blas, q, latent, kv.k, w.mla.w_uk, w.mla.w_uv, w.kv_a_norm, spec, batch,
-                                cos, sin, eps)
+                                cos, sin, eps, ops.num_sms)
 
 
 def prepare_weights(weights: Any, ops: Any) -> None:

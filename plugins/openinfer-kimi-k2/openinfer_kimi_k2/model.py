@@ -23,6 +23,7 @@ from openinfer import (
     Backend,
     ForwardBatch,
     KVLayer,
+    MLALatentSpec,
     ModelSpec,
     RankContext,
     RotaryEmbedding,
@@ -52,10 +53,15 @@ class KimiK2Model:
         self.spec = ModelSpec(
             architectures=architectures, model_type=config.model_type, vocab_size=config.vocab_size,
             max_model_len=max_model_len, num_layers=config.num_hidden_layers,
-            # one latent row per token: the engine's per-layer KV is [blocks, block_size, 1, 576]
+            # one latent row per token (``kv_cache_specs``); as legacy K/V sizes: 1 head of 576
             num_kv_heads=1, head_dim=config.latent_dim, num_heads=config.num_attention_heads,
             hidden_size=config.hidden_size, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id,
             num_parameters=num_parameters)
+
+    def kv_cache_specs(self) -> list[MLALatentSpec]:
+        """Every layer caches one latent row (c_kv | k_pe) per token: a single MLA group."""
+        dtype = getattr(self.backend, "kv_dtype", "float32")
+        return [MLALatentSpec(self.config.latent_dim, dtype)] * self.config.num_hidden_layers
 
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer]) -> Any:
         ops, eps, plan, c = self.backend, self.config.rms_norm_eps, self.plan, self.config

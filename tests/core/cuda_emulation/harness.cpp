@@ -33,9 +33,10 @@ float __shfl_xor_sync(unsigned, float value, int lane_mask) {
 }
 
 template <class Kernel>
-static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel kernel) {
-    gridDim = {grid_x, grid_y, 1};
+static void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, Kernel kernel) {
+    gridDim = {grid_x, grid_y, grid_z};
     blockDim = {threads, 1, 1};
+    for (unsigned bz = 0; bz < grid_z; ++bz)
     for (unsigned by = 0; by < grid_y; ++by)
         for (unsigned bx = 0; bx < grid_x; ++bx) {
             std::barrier<> barrier(threads);
@@ -47,7 +48,7 @@ static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel ke
             for (unsigned t = 0; t < threads; ++t)
                 pool.emplace_back([=] {
                     threadIdx = {t, 0, 0};
-                    blockIdx = {bx, by, 0};
+                    blockIdx = {bx, by, bz};
                     kernel();
                 });
             for (auto& th : pool) th.join();
@@ -95,34 +96,34 @@ int main(int argc, char** argv) {
     std::vector<float> weights(slots);
     const int max_tiles = (slots + BM - 1) / BM + std::min(E, slots);
     std::vector<int> tile_expert(max_tiles), tile_row(max_tiles), num_tiles(1);
-    launch(T, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
+    launch(T, 1, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
         moe_route(x.data(), gate.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups, topk_groups,
                   group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
     });
-    launch(1, 1, 256, [&] {
+    launch(1, 1, 1, 256, [&] {
         moe_sort(ids.data(), slots, E, counts.data(), offsets.data(), sorted.data(), pos.data(), tile_expert.data(),
                  tile_row.data(), num_tiles.data(), max_tiles);
     });
     std::vector<bf16> h(size_t(slots) * N1), act(size_t(slots) * K2), y(size_t(slots) * N2), out(size_t(T) * H);
-    launch(max_tiles, (N1 + BN - 1) / BN, GEMM_THREADS, [&] {
+    launch(max_tiles, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
-                         num_tiles.data(), offsets.data(), 0, h.data(), N1, H);
+                         num_tiles.data(), offsets.data(), 0, h.data(), N1, H, 1);
     });
     for (int r = 0; r < slots; ++r)  // silu_mul as elementwise.cu computes it
         for (int c = 0; c < K2; ++c) {
             const float g = __bfloat162float(h[size_t(r) * N1 + c]), u = __bfloat162float(h[size_t(r) * N1 + K2 + c]);
             act[size_t(r) * K2 + c] = __float2bfloat16_rn(round_bf16(g / (1.f + std::exp(-g))) * u);
         }
-    launch(max_tiles, (N2 + BN - 1) / BN, GEMM_THREADS, [&] {
+    launch(max_tiles, (N2 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(act.data(), nullptr, k, w2.data(), s2.data(), tile_expert.data(), tile_row.data(),
-                         num_tiles.data(), offsets.data(), 0, y.data(), N2, K2);
+                         num_tiles.data(), offsets.data(), 0, y.data(), N2, K2, 1);
     });
-    launch(T, 1, 64, [&] { moe_combine(y.data(), pos.data(), weights.data(), nullptr, k, H, out.data()); });
-    // dense mode on the first expert's gate_up weight
+    launch(T, 1, 1, 64, [&] { moe_combine(y.data(), pos.data(), weights.data(), nullptr, k, H, out.data()); });
+    // dense mode on the first expert's gate_up weight, element-wise (unvectorised) loads
     std::vector<bf16> dense(size_t(T) * N1);
-    launch((T + BM - 1) / BM, (N1 + BN - 1) / BN, GEMM_THREADS, [&] {
+    launch((T + BM - 1) / BM, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
-                         dense.data(), N1, H);
+                         dense.data(), N1, H, 0);
     });
     save(dir, "ids.bin", ids.data(), ids.size());
     save(dir, "weights.bin", weights.data(), weights.size());
@@ -130,9 +131,9 @@ int main(int argc, char** argv) {
     save(dir, "out.bin", out.data(), out.size());
     save(dir, "dense.bin", dense.data(), dense.size());
 #else
-    // params: T heads q_stride q_pe_offset num_seqs max_blocks block_size num_slots
+    // params: T heads q_stride q_pe_offset num_seqs max_blocks block_size num_splits
     const int T = params[0], heads = params[1], q_stride = params[2], q_pe_offset = params[3], num_seqs = params[4];
-    const int max_blocks = params[5], block_size = params[6];
+    const int max_blocks = params[5], block_size = params[6], splits = params[7];
     const float scale = load<float>(dir, "scale.bin")[0];
     auto latent = load<bf16>(dir, "latent.bin");
     auto norm = load<bf16>(dir, "norm.bin");
@@ -145,15 +146,18 @@ int main(int argc, char** argv) {
     auto query_start = load<int>(dir, "query_start.bin");
     auto cos_table = load<float>(dir, "cos.bin");
     auto sin_table = load<float>(dir, "sin.bin");
-    launch(T, 1, 128, [&] {
+    launch(T, 1, 1, 128, [&] {
         mla_write_latent(latent.data(), LATENT, norm.data(), 1e-6f, q.data(), heads, q_stride, q_pe_offset,
                          positions.data(), slots.data(), cos_table.data(), sin_table.data(), cache.data());
     });
     std::vector<bf16> out(size_t(T) * heads * KV_LORA);
-    launch(T, (heads + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK, MLA_THREADS, [&] {
+    std::vector<float> partial_o(size_t(T) * heads * splits * KV_LORA), partial_ml(size_t(T) * heads * splits * 2);
+    launch(T, (heads + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK, splits, MLA_THREADS, [&] {
         mla_attention(q_latent.data(), q.data(), q_stride, q_pe_offset, cache.data(), tables.data(), max_blocks,
-                      block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out.data());
+                      block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out.data(), splits,
+                      partial_o.data(), partial_ml.data());
     });
+    if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
     save(dir, "cache_out.bin", cache.data(), cache.size() - 1);
     save(dir, "out.bin", out.data(), out.size());

@@ -128,3 +128,44 @@ def test_kimi_refuses_ep_beyond_its_experts_and_tensor_parallel(tiny_kimi):
         rank_logits(kimi_factory(tiny_kimi), ParallelLayout(tensor_parallel_size=2), batches)
 
 
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv4(tmp_path_factory):
+    from tests.plugins.deepseek_v4.dsv4_helpers import make_hf_model, save_hf
+
+    hf, config = make_hf_model(seed=7)
+    return save_hf(hf, config, tmp_path_factory.mktemp("dsv4-ep"))
+
+
+def dsv4_factory(path):
+    from openinfer_deepseek_v4.plugin import build_model
+
+    from openinfer import EngineOptions
+
+    config = json.loads((path / "config.json").read_text())
+    return lambda backend, rank: build_model(path, config, backend, EngineOptions(device="cpu"), rank)
+
+
+def test_deepseek_v4_ep2_logits_equal_ep1(tiny_dsv4):
+    """Hash-routed and biased-top-k layers, clamped SwiGLU, shared expert on rank 0 only."""
+    from openinfer_deepseek_v4.plugin import openinfer_create_engine
+
+    from openinfer import EngineOptions
+
+    batches = prefill_then_decode([[5, 17, 99, 3, 120, 41, 7, 9, 11, 13], [12, 8, 90]], [61, 122])
+    (reference,) = rank_logits(dsv4_factory(tiny_dsv4), ParallelLayout(), batches)
+    for rank, logits in enumerate(rank_logits(dsv4_factory(tiny_dsv4), ParallelLayout(expert_parallel_size=2),
+                                              batches)):
+        for step, expected in enumerate(reference):
+            np.testing.assert_allclose(logits[step], expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}")
+    config = json.loads((tiny_dsv4 / "config.json").read_text())
+    requests = [make_request("a", list(range(3, 40)), max_tokens=5), make_request("b", [12, 8], max_tokens=5)]
+    outputs = {}
+    for ep in (1, 2):
+        engine = openinfer_create_engine(str(tiny_dsv4), config, EngineOptions(device="cpu", expert_parallel_size=ep))
+        try:
+            outputs[ep] = [o.token_ids for o in run_all(engine, requests)]
+        finally:
+            engine.close_sync()
+    assert outputs[2] == outputs[1]

@@ -115,3 +115,13 @@ def test_kimi_k2_plan_on_4_and_8_gpus(capsys):
     assert 520 < total_experts < 540  # ≈ 0.57 TB of packed INT4 experts
     assert main(["plan", "--config", str(KIMI_K2_CONFIG), "--expert-parallel-size", "4"]) == 2
     assert "raise --expert-parallel-size" in capsys.readouterr().err
+
+
+def test_deepseek_v4_flash_plan_on_1_and_2_gpus(capsys):
+    """The whole DeepSeek-V4-Flash shape (43 layers, 256 FP4 experts, FP8 attention): ≈145 GiB of
+    weights refuse one H200 and fit two at EP=2 with ~48 GiB each left for KV."""
+    config = str(Path(__file__).with_name("deepseek_v4_flash_config.json"))
+    two = plan_json(capsys, "--config", config, "--expert-parallel-size", "2", "--max-model-len", "131072")["ranks"]
+    assert 75 < two[0]["weight_gib"] < 78 and two[0]["kv_gib"] > 40
+    assert main(["plan", "--config", config]) == 2
+    assert "rank 0 would hold 145.3 GiB of weights" in capsys.readouterr().err

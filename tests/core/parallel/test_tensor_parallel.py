@@ -86,3 +86,37 @@ def test_engine_with_thread_ranks_generates_the_same_tokens(tiny_qwen3_dir):
             engine.close_sync()
     assert outputs[2] == outputs[1]
     assert all(len(ids) == 6 for ids in outputs[1])
+
+
+def test_a_failing_rank_fails_the_step_not_the_engine(tiny_qwen3_dir, monkeypatch):
+    """Rank 1 raising in its forward breaks the group's collectives: the step's requests end
+    with an error naming the rank, nobody hangs, and the engine still answers health()."""
+    from openinfer.parallel import workers
+    from tests.plugins.qwen3.conftest import build_engine
+
+    real_step = workers.RankWorker.step
+
+    def step(self, batch, previous, num_previous):
+        if self.comm.rank == 1:
+            raise RuntimeError("rank 1 lost its device")
+        return real_step(self, batch, previous, num_previous)
+
+    monkeypatch.setattr(workers.RankWorker, "step", step)
+    engine = build_engine(tiny_qwen3_dir, tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        (outcome,) = run_all(engine, [make_request("x", [5, 6, 7], max_tokens=3)])
+        assert outcome.error is not None and "rank 1: RuntimeError('rank 1 lost its device')" in outcome.error.message
+        assert not outcome.token_ids
+    finally:
+        engine.close_sync()
+
+
+def test_model_info_reports_the_ranks(tiny_qwen3_dir):
+    from tests.plugins.qwen3.conftest import build_engine
+
+    engine = build_engine(tiny_qwen3_dir, tensor_parallel_size=2, num_kv_blocks=16)
+    try:
+        info = engine.info()
+        assert (info.tensor_parallel_size, info.expert_parallel_size) == (2, 1)
+    finally:
+        engine.close_sync()

@@ -102,14 +102,29 @@ def test_kimi_chat_through_the_openai_client_stops_on_im_end(model_dir):
     assert tokenizer.encode(tokenizer.apply_chat_template(MESSAGES)) == expected
 
 
-def test_tiktoken_vocabulary_round_trips_text_and_special_tokens(model_dir):
+def test_tiktoken_vocabulary_equals_tiktoken_and_round_trips(model_dir):
+    import tiktoken
+
+    from openinfer.tiktoken_tokenizer import KIMI_PATTERN, read_tiktoken_ranks
+
     directory, specials, _ = model_dir
     tokenizer = Tokenizer.from_dir(directory)
-    text = "Paris is the capital of France. 中文 🙂"
-    ids = tokenizer.encode(text)
-    assert tokenizer.decode(ids) == text and max(ids) < specials["[BOS]"]
+    ranks = read_tiktoken_ranks(directory / "tiktoken.model")
+    reference = tiktoken.Encoding(name="kimi-test", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens={"<|im_end|>": specials["<|im_end|>"],
+                                                  "<|im_user|>": specials["<|im_user|>"]})
+    texts = ["Paris is the capital of France. 中文 🙂", "The  quick\n\n brown fox's 12345 jumps!!  ", "",
+             "You are Kimi, an AI assistant created by Moonshot AI.", "the the THE The thé 1 22 333 4444 \t\r\n x",
+             "Hello<|im_end|><|im_user|>user"]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == reference.encode(text, allowed_special="all"), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
     assert tokenizer.encode("<|im_end|>") == [specials["<|im_end|>"]]
-    assert tokenizer.decode([specials["<|im_user|>"], *ids], skip_special_tokens=False).startswith("<|im_user|>")
+    assert tokenizer.decode([specials["<|im_user|>"], *tokenizer.encode("hi")]) == "hi"
     assert tokenizer.vocab_size == specials["vocab_size"]
     assert tokenizer.raw.id_to_token(specials["[BOS]"] + 5) == f"<|reserved_token_{specials['[BOS]'] + 5}|>"
+    detokenizer = tokenizer.detokenizer([])
+    ids = tokenizer.encode(texts[0])
+    assert "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush() == texts[0]
     assert np.unique(ids).size > 3

@@ -16,9 +16,10 @@ VARIANTS = {
     # n_group 1, one dense layer, YaRN with mscale == mscale_all_dim (Kimi-K2's own setting)
     "kimi": {},
     # group-limited routing with topk_group < n_group, two dense layers, YaRN mscale != mscale_all_dim
+    # and a factor (8) other than max_position_embeddings / original (4)
     "groups": {"n_routed_experts": 12, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
                "first_k_dense_replace": 2, "num_hidden_layers": 4, "n_shared_experts": 2,
-               "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+               "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
                                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}},
     # DeepSeek-V2-Lite style: no q LoRA, plain RoPE
     "no-q-lora": {"q_lora_rank": None, "rope_scaling": None, "routed_scaling_factor": 1.0},

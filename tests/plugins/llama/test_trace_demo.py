@@ -106,3 +106,17 @@ def test_check_trace_rejects_partial_overlap() -> None:
     bad = {"traceEvents": [{**span, "name": "a", "ts": 0, "dur": 10}, {**span, "name": "b", "ts": 5, "dur": 10}]}
     with pytest.raises(ValueError, match="without nesting"):
         check_trace(bad)
+
+
+def test_cli_generate_writes_the_engine_trace(demo_model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """``openinfer generate --trace-dir``: no frontend traces, so the engine's file is the trace."""
+    from openinfer.cli import main
+
+    monkeypatch.setenv("OPENINFER_CACHE", str(demo_model_dir.parent))
+    assert main(["generate", "--device", "cpu", "--prompt-token-ids", "1,2,3,4,5", "--max-tokens", "4", "--json",
+                 "--num-kv-blocks", "64", "--trace-dir", str(tmp_path)]) == 0
+    output = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [path] = tmp_path.glob("*.engine.json")
+    spans = check_trace(json.loads(path.read_text()))
+    rides = [s for s in spans if s["name"] in ("prefill", "decode")]
+    assert sum(s["args"]["sampled"] for s in rides) == len(output["token_ids"]) == 4

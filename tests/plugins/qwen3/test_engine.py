@@ -1,6 +1,8 @@
 """The default engine serving tiny Qwen3: batching, stops, KV accounting, bad input, load."""
 
 import asyncio
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -65,12 +67,24 @@ def test_stop_token_min_tokens_and_eos(engine):
     assert length.finish.prompt_tokens == len(prompt)
 
 
-def test_eos_stops_unless_ignored(tiny_qwen3_dir):
+def test_eos_stops_unless_ignored(tiny_qwen3_dir, tmp_path):
+    prompt = prompts(1, seed=9)[0]
     engine = build_engine(tiny_qwen3_dir)
     try:
-        prompt = prompts(1, seed=9)[0]
         free = run_one(engine, make_request("a", prompt, max_tokens=10)).token_ids
-        engine.model.spec.__dict__["eos_token_ids"] = (free[2],)  # make a generated token the EOS
+    finally:
+        engine.close_sync()
+    # the same checkpoint, with a token it generates declared as its EOS
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(tiny_qwen3_dir, eos_dir)
+    for name in ("config.json", "generation_config.json"):
+        path = eos_dir / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config["eos_token_id"] = free[2]
+            path.write_text(json.dumps(config))
+    engine = build_engine(eos_dir)
+    try:
         stopped = run_one(engine, make_request("b", prompt, max_tokens=10, ignore_eos=False))
         assert stopped.token_ids == free[: free.index(free[2]) + 1]
         assert stopped.finish.reason == pb.FINISH_REASON_STOP

@@ -10,9 +10,14 @@
 |                          | over gathered paged KV     | attention over the paged KV (varlen, chunk-aware)   |
 | attention (decode)       | same code path             | split-KV flash-decoding, one KV head per CTA group  |
 | silu_mul                 | NumPy                      | SiLU·mul kernel                                     |
+| decode rows (M = 1)      | —                          | OPENINFER_FUSED_DECODE=1: add+RMSNorm in the qkv /  |
+|                          |                            | gate_up GEMV prologue, SiLU·mul in down-proj's      |
+|                          |                            | (gemv.cu; off: slower on H200, benchmarks/GPU.md)   |
 | sampling                 | openinfer.sampling (host)  | on-device sampler (argmax / top-k/p, min-p, seeds)  |
 
 Decode steps on cuda replay a CUDA graph captured per batch-size bucket (openinfer.graph).
+Measured per op, per (batch, context): ``ledger.md`` / ``ledger.json`` beside this file
+(``python -m openinfer.tools.ledger``).
 """
 
 PLAN = {

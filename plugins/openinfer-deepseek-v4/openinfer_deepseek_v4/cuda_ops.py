@@ -1,0 +1,171 @@
+"""CuPy launchers for ``kernels/dsv4.cu`` (bf16 activations and caches, fp32 math).
+
+One cached loader compiles the source once; every launcher checks its inputs and raises
+``ValueError`` naming what was wrong. Each launcher mirrors a NumPy op (named in its docstring),
+and the ``gpu`` tests compare the two. Imported only on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+import cupy
+import numpy as np
+
+SOURCE = "dsv4.cu"
+THREADS = 128
+MAX_DIM = 1024
+MAX_INDEX_QK = 8192
+MAX_HC = 8
+ENTRIES_PER_BLOCK = 64
+NULL = np.uint64(0)
+
+
+@functools.cache
+def _module() -> cupy.RawModule:
+    code = (resources.files("openinfer_deepseek_v4") / "kernels" / SOURCE).read_text()
+    return cupy.RawModule(code=code, options=("-std=c++17",))
+
+
+def kernel(name: str) -> cupy.RawKernel:
+    return _module().get_function(name)
+
+
+def _check(x: Any, dtype: Any, ndim: int, what: str) -> cupy.ndarray:
+    if not isinstance(x, cupy.ndarray) or x.dtype != np.dtype(dtype) or x.ndim != ndim:
+        raise ValueError(f"{what} must be a {ndim}-d {np.dtype(dtype).name} CuPy array, got "
+                         f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}")
+    return cupy.ascontiguousarray(x)
+
+
+def _dim(dim: int, what: str, limit: int = MAX_DIM) -> None:
+    if not 0 < dim <= limit:
+        raise ValueError(f"{what} is {dim}; the kernels handle 1..{limit}")
+
+
+def compress_entries(slot_kv: cupy.ndarray, slot_gate: cupy.ndarray, norm: cupy.ndarray, inv_freq: cupy.ndarray,
+                     positions: cupy.ndarray, dest_rows: cupy.ndarray, cache: cupy.ndarray, rope_dim: int,
+                     eps: float) -> None:
+    """``attention.pool_entries`` written into cache rows ``dest_rows`` (``cache`` [rows, d] bf16 as
+    uint16; slots [W, S, d] fp32 with −3e38 for empty slots)."""
+    slot_kv = _check(slot_kv, np.float32, 3, "slot_kv")
+    slot_gate = _check(slot_gate, np.float32, 3, "slot_gate")
+    windows, slots, dim = slot_kv.shape
+    _dim(dim, "the entry width")
+    if slot_gate.shape != slot_kv.shape or cache.shape[-1] != dim or dest_rows.shape != (windows,):
+        raise ValueError(f"compress_entries: slots {slot_kv.shape}/{slot_gate.shape}, cache {cache.shape}, "
+                         f"dest {dest_rows.shape} disagree")
+    if windows == 0:
+        return
+    kernel("dsv4_compress_entries")(
+        (windows,), (THREADS,),
+        (slot_kv, slot_gate, _check(norm, np.float32, 1, "norm"), _check(inv_freq, np.float32, 1, "inv_freq"),
+         _check(positions, np.int32, 1, "positions"), _check(dest_rows, np.int64, 1, "dest_rows"), cache,
+         np.int32(slots), np.int32(dim), np.int32(rope_dim), np.float32(eps)))
+
+
+def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray, tables: cupy.ndarray,
+                 block_size: int, token_seq: cupy.ndarray, positions: cupy.ndarray, rate: int, max_entries: int,
+                 k: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``attention.index_scores`` then ``top_k_visible``: (scores [T, max_entries] fp32, picks
+    [T, k] int32, −1 where a query sees fewer than k entries)."""
+    q = _check(q, np.uint16, 3, "q (bf16)")
+    tokens, heads, dim = q.shape
+    _dim(heads * dim, "index heads × index head dim", MAX_INDEX_QK)
+    tables = _check(tables, np.int32, 2, "tables")
+    scores = cupy.empty((tokens, max(max_entries, 1)), np.float32)
+    selected = cupy.full((tokens, k), -1, np.int32)
+    if tokens == 0 or max_entries == 0:
+        return scores[:, :max_entries], selected
+    kernel("dsv4_indexer_scores")(
+        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (THREADS,),
+        (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
+         np.int32(block_size), _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
+         np.int32(rate), scores, np.int32(heads), np.int32(dim), np.int32(max_entries), np.int32(ENTRIES_PER_BLOCK)))
+    kernel("dsv4_topk")((tokens,), (THREADS,), (scores, positions, np.int32(rate), np.int32(max_entries), np.int32(k),
+                                               selected))
+    return scores, selected
+
+
+def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables: cupy.ndarray,
+                     entry_cache: cupy.ndarray | None, entry_tables: cupy.ndarray | None,
+                     selected: cupy.ndarray | None, rate: int, token_seq: cupy.ndarray, positions: cupy.ndarray,
+                     sinks: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, window: int,
+                     block_size: int) -> cupy.ndarray:
+    """``attention.attend`` for every token and head: [T, heads, dim] bf16. ``entry_cache`` None:
+    sliding only; ``selected`` None: every visible entry (HCA); else the indexer's picks (CSA)."""
+    q = _check(q, np.uint16, 3, "q (bf16)")
+    tokens, heads, dim = q.shape
+    _dim(dim, "head_dim")
+    window_tables = _check(window_tables, np.int32, 2, "window_tables")
+    out = cupy.empty_like(q)
+    if tokens == 0:
+        return out
+    entry_stride = 0 if entry_tables is None else _check(entry_tables, np.int32, 2, "entry_tables").shape[1]
+    num_selected = 0 if selected is None else _check(selected, np.int32, 2, "selected").shape[1]
+    kernel("dsv4_sparse_attention")(
+        (tokens, heads), (THREADS,),
+        (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
+         NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
+         np.int32(entry_stride), NULL if selected is None else selected, np.int32(num_selected), np.int32(max(rate, 1)),
+         _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
+         _check(sinks, np.float32, 1, "sinks"), _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), out,
+         np.int32(heads), np.int32(dim), np.int32(window), np.int32(block_size), np.float32(dim**-0.5)))
+    return out
+
+
+def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, scale: cupy.ndarray, *,
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float, head: bool = False
+                ) -> tuple[cupy.ndarray, cupy.ndarray | None, cupy.ndarray | None]:
+    """``hyper_connection.collapse`` (``head``: ``collapse_head``): (x [T, D] bf16, post [T, hc],
+    comb [T, hc, hc]; None for the head)."""
+    streams = _check(streams, np.float32, 3, "streams")
+    tokens, hc, dim = streams.shape
+    if hc > MAX_HC:
+        raise ValueError(f"hc_mult {hc} exceeds {MAX_HC}")
+    x = cupy.empty((tokens, dim), np.uint16)
+    post = None if head else cupy.empty((tokens, hc), np.float32)
+    comb = None if head else cupy.empty((tokens, hc, hc), np.float32)
+    if tokens:
+        kernel("dsv4_hc_collapse")(
+            (tokens,), (THREADS,),
+            (streams, _check(fn, np.float32, 2, "fn"), _check(base, np.float32, 1, "base"),
+             _check(scale, np.float32, 1, "scale"), x, NULL if head else post, NULL if head else comb, np.int32(hc),
+             np.int32(dim), np.int32(1 if head else 0), np.int32(sinkhorn_iters), np.float32(hc_eps),
+             np.float32(norm_eps)))
+    return x, post, comb
+
+
+def hc_expand(streams: cupy.ndarray, y: cupy.ndarray, post: cupy.ndarray, comb: cupy.ndarray,
+              out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``hyper_connection.expand`` (``out`` may be ``streams`` itself)."""
+    streams = _check(streams, np.float32, 3, "streams")
+    tokens, hc, dim = streams.shape
+    out = cupy.empty_like(streams) if out is None else out
+    if tokens:
+        kernel("dsv4_hc_expand")((tokens, -(-dim // THREADS)), (THREADS,),
+                                 (streams, _check(y, np.uint16, 2, "y (bf16)"), post, comb, out, np.int32(hc),
+                                  np.int32(dim)))
+    return out
+
+
+def quantized_linear(x: cupy.ndarray, weight: cupy.ndarray, scales: cupy.ndarray, out_features: int,
+                     fmt: str) -> cupy.ndarray:
+    """``x @ dequantize(W)ᵀ`` for FP4 (``weight`` [out, in/2] uint8/int8, e8m0 ``scales`` [out, in/32])
+    or FP8 (``weight`` [out, in] e4m3, e8m0 ``scales`` [⌈out/128⌉, ⌈in/128⌉]): [N, out] bf16."""
+    x = _check(x, np.uint16, 2, "x (bf16)")
+    rows, in_features = x.shape
+    expected = (out_features, in_features // 2) if fmt == "fp4" else (out_features, in_features)
+    if fmt not in ("fp4", "fp8") or tuple(weight.shape) != expected:
+        raise ValueError(f"quantized_linear: {fmt} weight {tuple(weight.shape)} for a [{out_features}, {in_features}] "
+                         f"linear (expected {expected})")
+    y = cupy.empty((rows, out_features), np.uint16)
+    if rows:
+        groups = THREADS // 32
+        kernel("dsv4_fp4_linear" if fmt == "fp4" else "dsv4_fp8_linear")(
+            (-(-out_features // groups), rows), (THREADS,),
+            (x, cupy.ascontiguousarray(weight).view(np.uint8), cupy.ascontiguousarray(scales).view(np.uint8), y,
+             np.int32(in_features), np.int32(out_features)))
+    return y

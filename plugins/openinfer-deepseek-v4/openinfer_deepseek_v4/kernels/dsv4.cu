@@ -1,0 +1,382 @@
+// DeepSeek-V4 on the GPU: the compressor's pooling, the indexer's scores and top-k, sparse
+// attention over the sliding window + compressed entries with sinks, the mHC collapse/expand,
+// and FP4 / FP8 weight GEMMs with in-kernel dequantisation. Each kernel mirrors one NumPy op of
+// the plugin (named in its comment), which is the reference the tests compare against.
+//
+// Activations and caches are bf16, math is fp32, the mHC residual streams stay fp32. Layouts:
+//   caches        [rows, D] bf16, row = block_table[seq][i / block_size] * block_size + i % block_size
+//                 (i = token position for the sliding window, entry index for compressed caches)
+//   block_tables  [B, table_stride] int32;  token_seq [T] sequence of each token;  positions [T]
+//   RoPE          interleaved pairs (2i, 2i+1) on the last rope_dim channels, angle = pos · inv_freq[i]
+// Every kernel is launched with blockDim.x = a power of two ≤ 1024 (the launchers use 128 or 256).
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define NEG_BIG (-3.0e38f)  // an empty slot / masked logit: exp() of it minus anything is 0
+#define MAX_DIM 1024        // head_dim, index head_dim and mHC hidden size handled per block
+#define MAX_PER_THREAD 8    // MAX_DIM / the smallest block (128)
+#define MAX_INDEX_QK 8192   // index heads × index head_dim kept in shared memory
+#define MAX_MIX 32          // mHC mixing logits: (2 + hc) · hc ≤ 24 for hc = 4
+#define MAX_HC 8
+
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// Sum over the block; every thread must call it and gets the result.
+__device__ float block_sum(float v, float* scratch /* [blockDim.x] */) {
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
+        __syncthreads();
+    }
+    const float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+// RoPE (inverse: sin negated) of channel c of a head held in shared `v`, rope on the last rd.
+__device__ __forceinline__ float rotated(const float* v, int c, int dim, int rd, float position,
+                                         const float* inv_freq, float sign) {
+    const int base = dim - rd;
+    if (c < base) return v[c];
+    const int offset = c - base;
+    const float angle = position * inv_freq[offset >> 1];
+    const float cs = cosf(angle), sn = sign * sinf(angle);
+    return (offset & 1) ? v[c] * cs + v[c - 1] * sn : v[c] * cs - v[c + 1] * sn;
+}
+
+__device__ __forceinline__ long long cache_row(const int* tables, int stride, int seq, int index, int block_size) {
+    return (long long)tables[(long long)seq * stride + index / block_size] * block_size + index % block_size;
+}
+
+// --- compressor: attention.pool_entries ----------------------------------------------------------
+// One block per entry: per channel softmax over the S slots of gate (NEG_BIG = empty), weighted
+// sum of kv, RMSNorm × weight, RoPE at positions[w], written to cache row dest[w].
+extern "C" __global__ void dsv4_compress_entries(
+    const float* __restrict__ slot_kv, const float* __restrict__ slot_gate,  // [W, S, d]
+    const float* __restrict__ norm_weight, const float* __restrict__ inv_freq,
+    const int* __restrict__ positions, const long long* __restrict__ dest, bf16* __restrict__ cache,
+    int num_slots, int dim, int rope_dim, float eps) {
+    __shared__ float pooled[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int w = blockIdx.x;
+    float sumsq = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        const float* gate = slot_gate + (long long)w * num_slots * dim + c;
+        const float* kv = slot_kv + (long long)w * num_slots * dim + c;
+        float peak = NEG_BIG;
+        for (int s = 0; s < num_slots; ++s) peak = fmaxf(peak, gate[s * dim]);
+        float den = 0.f, num = 0.f;
+        for (int s = 0; s < num_slots; ++s) {
+            const float e = __expf(gate[s * dim] - peak);
+            den += e;
+            num += e * kv[s * dim];
+        }
+        pooled[c] = num / den;
+        sumsq += pooled[c] * pooled[c];
+    }
+    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) pooled[c] *= inv_rms * norm_weight[c];
+    __syncthreads();
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        cache[dest[w] * dim + c] = to_bf(rotated(pooled, c, dim, rope_dim, (float)positions[w], inv_freq, 1.f));
+}
+
+// --- indexer scores: attention.index_scores ------------------------------------------------------
+// grid (T, ⌈max_entries / entries_per_block⌉). scores[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s]) for
+// the visible entries s < (pos + 1) / rate; NEG_BIG beyond.
+extern "C" __global__ void dsv4_indexer_scores(
+    const bf16* __restrict__ q,            // [T, heads, dim] (RoPE applied)
+    const float* __restrict__ head_weights, // [T, heads] (scales folded in)
+    const bf16* __restrict__ keys, const int* __restrict__ tables, int table_stride, int block_size,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int rate,
+    float* __restrict__ scores, int heads, int dim, int max_entries, int entries_per_block) {
+    __shared__ float qs[MAX_INDEX_QK];
+    __shared__ float key[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, seq = token_seq[t];
+    const int visible = (positions[t] + 1) / rate;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = to_f(q[(long long)t * heads * dim + i]);
+    __syncthreads();
+    const int first = blockIdx.y * entries_per_block;
+    const int last = min(first + entries_per_block, max_entries);
+    for (int s = first; s < last; ++s) {  // block-uniform loop and branch
+        if (s >= visible) {
+            if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = NEG_BIG;
+            continue;
+        }
+        const long long row = cache_row(tables, table_stride, seq, s, block_size);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) key[c] = to_f(keys[row * dim + c]);
+        __syncthreads();
+        float part = 0.f;
+        for (int h = threadIdx.x; h < heads; h += blockDim.x) {
+            float dot = 0.f;
+            for (int c = 0; c < dim; ++c) dot += qs[h * dim + c] * key[c];
+            part += fmaxf(dot, 0.f) * head_weights[(long long)t * heads + h];
+        }
+        const float total = block_sum(part, scratch);
+        if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = total;
+    }
+}
+
+// --- top-k: attention.top_k_visible --------------------------------------------------------------
+// One block per query: the k best of its visible entries (radix select on order-preserving
+// keys, 8 bits a pass), written unordered to selected[t, :k]; -1 fills the rest.
+__device__ __forceinline__ unsigned order_key(float x) {
+    const unsigned u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int* __restrict__ positions,
+                                     int rate, int max_entries, int k, int* __restrict__ selected) {
+    __shared__ int histogram[256];
+    __shared__ unsigned prefix_shared;
+    __shared__ int wanted_shared, above_count, equal_count;
+    const int t = blockIdx.x;
+    const int visible = min(max_entries, (positions[t] + 1) / rate);
+    const float* row = scores + (long long)t * max_entries;
+    int* out = selected + (long long)t * k;
+    if (visible <= k) {
+        for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = i < visible ? i : -1;
+        return;
+    }
+    if (threadIdx.x == 0) { prefix_shared = 0u; wanted_shared = k; above_count = 0; equal_count = 0; }
+    unsigned mask = 0u;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
+        __syncthreads();
+        const unsigned prefix = prefix_shared;
+        for (int i = threadIdx.x; i < visible; i += blockDim.x) {
+            const unsigned key = order_key(row[i]);
+            if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the bin holding the wanted-th largest of the survivors
+            int above = 0, bin = 255;
+            for (; bin > 0 && above + histogram[bin] < wanted_shared; --bin) above += histogram[bin];
+            wanted_shared -= above;
+            prefix_shared = prefix | ((unsigned)bin << shift);
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    const unsigned threshold = prefix_shared;  // the k-th largest key; take wanted_shared of its ties
+    const int ties = wanted_shared;
+    for (int i = threadIdx.x; i < visible; i += blockDim.x) {
+        const unsigned key = order_key(row[i]);
+        if (key > threshold) out[atomicAdd(&above_count, 1)] = i;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < visible; i += blockDim.x) {
+        if (order_key(row[i]) == threshold) {
+            const int slot = atomicAdd(&equal_count, 1);
+            if (slot < ties) out[k - ties + slot] = i;
+        }
+    }
+}
+
+// --- sparse attention: attention.attend ----------------------------------------------------------
+// grid (T, heads). Keys = values: the window positions max(0, p-W+1)..p of the sliding cache,
+// then compressed entries e < (p+1)/rate — the indexer's picks (selected[t, :num_selected], -1
+// skipped) for CSA, all of them for HCA (selected == nullptr), none without entry_cache.
+// Online softmax seeded with the head's sink (it only enlarges the denominator), RoPE⁻¹ at p.
+__device__ __forceinline__ void attend_key(const bf16* __restrict__ key, const float* qs, float scale, int dim,
+                                           float* scratch, float& peak, float& denom, float* acc) {
+    float part = 0.f;
+    int j = 0;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) part += qs[c] * to_f(key[c]);
+    const float logit = block_sum(part, scratch) * scale;
+    const float new_peak = fmaxf(peak, logit);
+    const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
+    denom = denom * correction + weight;
+    j = 0;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) acc[j] = acc[j] * correction + weight * to_f(key[c]);
+    peak = new_peak;
+}
+
+extern "C" __global__ void dsv4_sparse_attention(
+    const bf16* __restrict__ q,  // [T, heads, dim]
+    const bf16* __restrict__ window_cache, const int* __restrict__ window_tables, int window_stride,
+    const bf16* __restrict__ entry_cache, const int* __restrict__ entry_tables, int entry_stride,
+    const int* __restrict__ selected, int num_selected, int rate,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, const float* __restrict__ sinks,
+    const float* __restrict__ inv_freq, int rope_dim, bf16* __restrict__ out,
+    int heads, int dim, int window, int block_size, float scale) {
+    __shared__ float qs[MAX_DIM];
+    __shared__ float result[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, h = blockIdx.y, seq = token_seq[t], p = positions[t];
+    const bf16* qh = q + ((long long)t * heads + h) * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) qs[c] = to_f(qh[c]);
+    __syncthreads();
+    float acc[MAX_PER_THREAD];
+    for (int j = 0; j < MAX_PER_THREAD; ++j) acc[j] = 0.f;
+    float peak = sinks[h], denom = 1.f;  // exp(sink - peak) = 1
+    for (int pos = max(0, p - window + 1); pos <= p; ++pos) {
+        const long long row = cache_row(window_tables, window_stride, seq, pos, block_size);
+        attend_key(window_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+    }
+    if (entry_cache != nullptr) {
+        const int visible = (p + 1) / rate;
+        const int count = selected != nullptr ? num_selected : visible;
+        for (int j = 0; j < count; ++j) {
+            const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
+            if (e < 0 || e >= visible) continue;  // block-uniform
+            const long long row = cache_row(entry_tables, entry_stride, seq, e, block_size);
+            attend_key(entry_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+        }
+    }
+    int j = 0;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) result[c] = acc[j] / denom;
+    __syncthreads();
+    bf16* oh = out + ((long long)t * heads + h) * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        oh[c] = to_bf(rotated(result, c, dim, rope_dim, (float)p, inv_freq, -1.f));
+}
+
+// --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------
+// One block per token: m = rms(flat)·(flat @ fnᵀ); pre/post/Sinkhorn(comb) (layers) or pre (the
+// head, head != 0); x = Σ_j pre_j·H_j.
+extern "C" __global__ void dsv4_hc_collapse(
+    const float* __restrict__ streams,  // [T, hc, dim]
+    const float* __restrict__ fn, const float* __restrict__ base, const float* __restrict__ scale,
+    bf16* __restrict__ x_out, float* __restrict__ post_out, float* __restrict__ comb_out,
+    int hc, int dim, int head, int sinkhorn_iters, float hc_eps, float norm_eps) {
+    __shared__ float mix[MAX_MIX];
+    __shared__ float pre[MAX_HC];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, n = hc * dim;
+    const float* flat = streams + (long long)t * n;
+    float sumsq = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sumsq += flat[i] * flat[i];
+    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / n + norm_eps);
+    const int num_mix = head ? hc : (2 + hc) * hc;
+    for (int o = 0; o < num_mix; ++o) {
+        float part = 0.f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) part += flat[i] * fn[(long long)o * n + i];
+        const float total = block_sum(part, scratch);
+        if (threadIdx.x == 0) mix[o] = total * inv_rms;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < hc; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
+        if (!head) {
+            float comb[MAX_HC * MAX_HC];
+            for (int j = 0; j < hc; ++j) post_out[(long long)t * hc + j] = 2.f * sigmoid_f(mix[hc + j] * scale[1] + base[hc + j]);
+            for (int r = 0; r < hc; ++r) {  // row softmax + eps
+                float peak = NEG_BIG, total = 0.f;
+                for (int c = 0; c < hc; ++c) {
+                    comb[r * hc + c] = mix[2 * hc + r * hc + c] * scale[2] + base[2 * hc + r * hc + c];
+                    peak = fmaxf(peak, comb[r * hc + c]);
+                }
+                for (int c = 0; c < hc; ++c) total += (comb[r * hc + c] = __expf(comb[r * hc + c] - peak));
+                for (int c = 0; c < hc; ++c) comb[r * hc + c] = comb[r * hc + c] / total + hc_eps;
+            }
+            for (int iter = 0; iter < sinkhorn_iters; ++iter) {  // columns first, then rows + columns
+                if (iter > 0) {
+                    for (int r = 0; r < hc; ++r) {
+                        float total = 0.f;
+                        for (int c = 0; c < hc; ++c) total += comb[r * hc + c];
+                        for (int c = 0; c < hc; ++c) comb[r * hc + c] /= total + hc_eps;
+                    }
+                }
+                for (int c = 0; c < hc; ++c) {
+                    float total = 0.f;
+                    for (int r = 0; r < hc; ++r) total += comb[r * hc + c];
+                    for (int r = 0; r < hc; ++r) comb[r * hc + c] /= total + hc_eps;
+                }
+            }
+            for (int i = 0; i < hc * hc; ++i) comb_out[(long long)t * hc * hc + i] = comb[i];
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float x = 0.f;
+        for (int j = 0; j < hc; ++j) x += pre[j] * flat[j * dim + d];
+        x_out[(long long)t * dim + d] = to_bf(x);
+    }
+}
+
+// --- mHC: hyper_connection.expand --------------------------------------------------------------
+// grid (T, ⌈dim / blockDim⌉): H'[t, k, d] = post[t, k]·y[t, d] + Σ_j comb[t, j, k]·H[t, j, d]
+// (in place allowed: a thread reads its column of every stream before writing it).
+extern "C" __global__ void dsv4_hc_expand(const float* streams, const bf16* __restrict__ y,
+                                          const float* __restrict__ post, const float* __restrict__ comb,
+                                          float* out, int hc, int dim) {
+    const int t = blockIdx.x, d = blockIdx.y * blockDim.x + threadIdx.x;
+    if (d >= dim) return;
+    float column[MAX_HC];
+    for (int j = 0; j < hc; ++j) column[j] = streams[((long long)t * hc + j) * dim + d];
+    const float value = to_f(y[(long long)t * dim + d]);
+    for (int k = 0; k < hc; ++k) {
+        float mixed = post[(long long)t * hc + k] * value;
+        for (int j = 0; j < hc; ++j) mixed += comb[((long long)t * hc + j) * hc + k] * column[j];
+        out[((long long)t * hc + k) * dim + d] = mixed;
+    }
+}
+
+// --- quantised weights: y = x @ dequant(W)ᵀ --------------------------------------------------------
+// grid (⌈out / rows_per_block⌉, N), one output row per thread group of 32; weights decoded in
+// registers. FP4: packed [out, in/2] e2m1 (low nibble = even input), e8m0 scales [out, in/32].
+// FP8: e4m3 [out, in], e8m0 scales [⌈out/128⌉, ⌈in/128⌉].
+__device__ __forceinline__ float e8m0(unsigned char e) { return ldexpf(1.f, (int)e - 127); }
+
+__device__ __forceinline__ float e2m1(unsigned code) {
+    const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    return (code & 8u) ? -magnitude[code & 7u] : magnitude[code & 7u];
+}
+
+__device__ __forceinline__ float e4m3(unsigned char code) {
+    const int exponent = (code >> 3) & 15, mantissa = code & 7;
+    const float magnitude = exponent == 0 ? ldexpf((float)mantissa, -9)
+                                          : ldexpf(1.f + mantissa / 8.f, exponent - 7);
+    return (code & 0x80) ? -magnitude : magnitude;  // 0x7f / 0xff (NaN) never appear in weights
+}
+
+template <bool FP4>
+__device__ void quant_linear(const bf16* __restrict__ x, const unsigned char* __restrict__ weight,
+                             const unsigned char* __restrict__ scales, bf16* __restrict__ y,
+                             int in_features, int out_features, float* scratch) {
+    const int group = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = blockDim.x >> 5;
+    const int o = blockIdx.x * groups + group, n = blockIdx.y;
+    const bf16* xn = x + (long long)n * in_features;
+    float part = 0.f;
+    if (o < out_features) {
+        if (FP4) {
+            const unsigned char* row = weight + (long long)o * (in_features / 2);
+            const unsigned char* row_scales = scales + (long long)o * (in_features / 32);
+            for (int b = lane; b < in_features / 2; b += 32) {
+                const float s = e8m0(row_scales[(2 * b) / 32]);
+                part += (e2m1(row[b] & 15u) * to_f(xn[2 * b]) + e2m1(row[b] >> 4) * to_f(xn[2 * b + 1])) * s;
+            }
+        } else {
+            const unsigned char* row = weight + (long long)o * in_features;
+            const unsigned char* row_scales = scales + (long long)(o / 128) * ((in_features + 127) / 128);
+            for (int i = lane; i < in_features; i += 32) part += e4m3(row[i]) * e8m0(row_scales[i / 128]) * to_f(xn[i]);
+        }
+    }
+    scratch[threadIdx.x] = part;  // sum each group of 32 through shared memory (uniform barriers)
+    __syncthreads();
+    for (int stride = 16; stride > 0; stride >>= 1) {
+        if (lane < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (lane == 0 && o < out_features) y[(long long)n * out_features + o] = to_bf(scratch[threadIdx.x]);
+}
+
+extern "C" __global__ void dsv4_fp4_linear(const bf16* __restrict__ x, const unsigned char* __restrict__ packed,
+                                           const unsigned char* __restrict__ scales, bf16* __restrict__ y,
+                                           int in_features, int out_features) {
+    __shared__ float scratch[1024];
+    quant_linear<true>(x, packed, scales, y, in_features, out_features, scratch);
+}
+
+extern "C" __global__ void dsv4_fp8_linear(const bf16* __restrict__ x, const unsigned char* __restrict__ codes,
+                                           const unsigned char* __restrict__ scales, bf16* __restrict__ y,
+                                           int in_features, int out_features) {
+    __shared__ float scratch[1024];
+    quant_linear<false>(x, codes, scales, y, in_features, out_features, scratch);
+}

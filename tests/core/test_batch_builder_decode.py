@@ -1,0 +1,44 @@
+"""The vectorized decode path of ``build_forward_batch`` builds exactly what the general path builds."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from openinfer.runtime import batch_builder
+
+
+class _KV:
+    block_size = 16
+
+    def __init__(self, tables: dict[str, list[int]]):
+        self.tables = tables
+        spec = SimpleNamespace(paged=True, tokens_per_entry=1)
+        self.groups = SimpleNamespace(groups=[SimpleNamespace(group_id=0, paged=True, spec=spec)], has_state=False)
+
+    def group_tables(self, request_id: str) -> list[list[int]]:
+        return [self.tables[request_id]]
+
+
+def test_decode_fast_path_equals_the_general_path(monkeypatch):
+    rng = np.random.default_rng(0)
+    chunks, tables = [], {}
+    for i in range(40):
+        start = int(rng.integers(0, 300))
+        tables[f"r{i}"] = rng.integers(1, 1000, start // 16 + 1 + int(rng.integers(0, 3))).tolist()
+        tokens = rng.integers(0, 100, start + 1).tolist()
+        if i % 3 == 0:
+            tokens[-1] = batch_builder.PLACEHOLDER_TOKEN  # fed from the step in flight
+        request = SimpleNamespace(request_id=f"r{i}", token_ids=tokens, pending_sample_row=2 * i,
+                                  want_prompt_logprobs=False)
+        chunks.append(SimpleNamespace(request=request, start=start, num_tokens=1, samples=True))
+    kv = _KV(tables)
+    assert batch_builder._is_plain_decode(chunks, kv)
+    fast, fast_rows = batch_builder.build_forward_batch(chunks, kv)
+    monkeypatch.setattr(batch_builder, "_is_plain_decode", lambda chunks, kv: False)
+    general, general_rows = batch_builder.build_forward_batch(chunks, kv)
+    for name in ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
+                 "logits_rows", "token_sources"):
+        assert np.array_equal(getattr(fast, name), getattr(general, name)), name
+        assert getattr(fast, name).dtype == getattr(general, name).dtype, name
+    assert (fast.max_context_len, fast.max_query_len) == (general.max_context_len, general.max_query_len)
+    assert [(r.position, r.samples) for r in fast_rows] == [(r.position, r.samples) for r in general_rows]

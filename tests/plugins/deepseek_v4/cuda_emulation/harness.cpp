@@ -1,0 +1,184 @@
+// Runs the kernels of dsv4.cu on the CPU (the host stand-in for the CUDA built-ins is core's,
+// tests/core/cuda_emulation/include, plus __float_as_uint and max) on arrays read from a directory
+// written by test_dsv4_cuda_emulated.py, and writes the outputs back there. One kernel per invocation:
+//   harness DIR compress  S d rd W rows eps
+//   harness DIR indexer   T heads dim max_entries rate block_size stride k entries_per_block
+//   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale
+//   harness DIR hc        T hc dim iters hc_eps norm_eps
+//   harness DIR quant     N in out fp4
+#include <cuda_bf16.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+using std::max;
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+
+#include "dsv4.cu"
+
+thread_local EmulatedDim3 threadIdx, blockIdx;
+EmulatedDim3 blockDim, gridDim;
+static std::barrier<>* block_barrier = nullptr;
+
+void __syncthreads() { block_barrier->arrive_and_wait(); }
+float __shfl_xor_sync(unsigned, float, int) { std::abort(); }  // dsv4.cu reduces through shared memory
+
+template <class Kernel>
+static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel kernel) {
+    gridDim = {grid_x, grid_y, 1};
+    blockDim = {threads, 1, 1};
+    for (unsigned by = 0; by < grid_y; ++by)
+        for (unsigned bx = 0; bx < grid_x; ++bx) {
+            std::barrier<> barrier(threads);
+            block_barrier = &barrier;
+            std::vector<std::thread> pool;
+            for (unsigned t = 0; t < threads; ++t)
+                pool.emplace_back([=] {
+                    threadIdx = {t, 0, 0};
+                    blockIdx = {bx, by, 0};
+                    kernel();
+                });
+            for (auto& th : pool) th.join();
+        }
+}
+
+template <class T>
+static std::vector<T> load(const std::string& dir, const char* name) {
+    FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
+    if (!f) { std::fprintf(stderr, "missing %s\n", name); std::exit(2); }
+    std::fseek(f, 0, SEEK_END);
+    const long bytes = std::ftell(f);
+    std::fseek(f, 0, SEEK_SET);
+    std::vector<T> data(bytes / sizeof(T));
+    if (std::fread(data.data(), 1, bytes, f) != static_cast<size_t>(bytes)) std::exit(3);
+    std::fclose(f);
+    return data;
+}
+
+template <class T>
+static void save(const std::string& dir, const char* name, const std::vector<T>& data) {
+    FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+    std::fwrite(data.data(), sizeof(T), data.size(), f);
+    std::fclose(f);
+}
+
+static int arg(char** argv, int i) { return std::atoi(argv[i]); }
+static float farg(char** argv, int i) { return static_cast<float>(std::atof(argv[i])); }
+
+int main(int argc, char** argv) {
+    if (argc < 3) { std::fprintf(stderr, "usage: harness DIR KERNEL ARGS...\n"); return 1; }
+    const std::string dir = argv[1], which = argv[2];
+    const unsigned threads = 128;
+    if (which == "compress") {
+        const int slots = arg(argv, 3), dim = arg(argv, 4), rope_dim = arg(argv, 5), windows = arg(argv, 6);
+        const int rows = arg(argv, 7);
+        const float eps = farg(argv, 8);
+        auto kv = load<float>(dir, "slot_kv.bin");
+        auto gate = load<float>(dir, "slot_gate.bin");
+        auto norm = load<float>(dir, "norm.bin");
+        auto inv_freq = load<float>(dir, "inv_freq.bin");
+        auto positions = load<int>(dir, "positions.bin");
+        auto dest = load<long long>(dir, "dest.bin");
+        std::vector<bf16> cache(static_cast<size_t>(rows) * dim);
+        launch(windows, 1, threads, [&] {
+            dsv4_compress_entries(kv.data(), gate.data(), norm.data(), inv_freq.data(), positions.data(), dest.data(),
+                                  cache.data(), slots, dim, rope_dim, eps);
+        });
+        save(dir, "cache.bin", cache);
+    } else if (which == "indexer") {
+        const int tokens = arg(argv, 3), heads = arg(argv, 4), dim = arg(argv, 5), max_entries = arg(argv, 6);
+        const int rate = arg(argv, 7), block_size = arg(argv, 8), stride = arg(argv, 9), k = arg(argv, 10);
+        const int per_block = arg(argv, 11);
+        auto q = load<bf16>(dir, "q.bin");
+        auto weights = load<float>(dir, "head_weights.bin");
+        auto keys = load<bf16>(dir, "keys.bin");
+        auto tables = load<int>(dir, "tables.bin");
+        auto token_seq = load<int>(dir, "token_seq.bin");
+        auto positions = load<int>(dir, "positions.bin");
+        std::vector<float> scores(static_cast<size_t>(tokens) * max_entries);
+        std::vector<int> selected(static_cast<size_t>(tokens) * k);
+        launch(tokens, (max_entries + per_block - 1) / per_block, threads, [&] {
+            dsv4_indexer_scores(q.data(), weights.data(), keys.data(), tables.data(), stride, block_size,
+                                token_seq.data(), positions.data(), rate, scores.data(), heads, dim, max_entries,
+                                per_block);
+        });
+        launch(tokens, 1, threads, [&] {
+            dsv4_topk(scores.data(), positions.data(), rate, max_entries, k, selected.data());
+        });
+        save(dir, "scores.bin", scores);
+        save(dir, "selected.bin", selected);
+    } else if (which == "attention") {
+        const int tokens = arg(argv, 3), heads = arg(argv, 4), dim = arg(argv, 5), window = arg(argv, 6);
+        const int rate = arg(argv, 7), block_size = arg(argv, 8), wstride = arg(argv, 9), estride = arg(argv, 10);
+        const int num_selected = arg(argv, 11), mode = arg(argv, 12), rope_dim = arg(argv, 13);
+        const float scale = farg(argv, 14);
+        auto q = load<bf16>(dir, "q.bin");
+        auto window_cache = load<bf16>(dir, "window_cache.bin");
+        auto window_tables = load<int>(dir, "window_tables.bin");
+        auto entry_cache = load<bf16>(dir, "entry_cache.bin");
+        auto entry_tables = load<int>(dir, "entry_tables.bin");
+        auto selected = load<int>(dir, "selected.bin");
+        auto token_seq = load<int>(dir, "token_seq.bin");
+        auto positions = load<int>(dir, "positions.bin");
+        auto sinks = load<float>(dir, "sinks.bin");
+        auto inv_freq = load<float>(dir, "inv_freq.bin");
+        std::vector<bf16> out(q.size());
+        launch(tokens, heads, threads, [&] {
+            dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
+                                  mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
+                                  mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
+                                  positions.data(), sinks.data(), inv_freq.data(), rope_dim, out.data(), heads, dim,
+                                  window, block_size, scale);
+        });
+        save(dir, "out.bin", out);
+    } else if (which == "hc") {
+        const int tokens = arg(argv, 3), hc = arg(argv, 4), dim = arg(argv, 5), iters = arg(argv, 6);
+        const float hc_eps = farg(argv, 7), norm_eps = farg(argv, 8);
+        auto streams = load<float>(dir, "streams.bin");
+        auto y = load<bf16>(dir, "y.bin");
+        std::vector<bf16> x(static_cast<size_t>(tokens) * dim), head_x(x.size());
+        std::vector<float> post(static_cast<size_t>(tokens) * hc), comb(static_cast<size_t>(tokens) * hc * hc);
+        std::vector<float> expanded(streams.size());
+        auto fn = load<float>(dir, "fn.bin");
+        auto base = load<float>(dir, "base.bin");
+        auto scale = load<float>(dir, "scale.bin");
+        auto head_fn = load<float>(dir, "head_fn.bin");
+        auto head_base = load<float>(dir, "head_base.bin");
+        auto head_scale = load<float>(dir, "head_scale.bin");
+        launch(tokens, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), fn.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
+                             hc, dim, 0, iters, hc_eps, norm_eps);
+        });
+        launch(tokens, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), head_fn.data(), head_base.data(), head_scale.data(), head_x.data(),
+                             nullptr, nullptr, hc, dim, 1, iters, hc_eps, norm_eps);
+        });
+        launch(tokens, (dim + threads - 1) / threads, threads, [&] {
+            dsv4_hc_expand(streams.data(), y.data(), post.data(), comb.data(), expanded.data(), hc, dim);
+        });
+        save(dir, "x.bin", x);
+        save(dir, "head_x.bin", head_x);
+        save(dir, "post.bin", post);
+        save(dir, "comb.bin", comb);
+        save(dir, "expanded.bin", expanded);
+    } else if (which == "quant") {
+        const int rows = arg(argv, 3), in_features = arg(argv, 4), out_features = arg(argv, 5), fp4 = arg(argv, 6);
+        auto x = load<bf16>(dir, "x.bin");
+        auto weight = load<unsigned char>(dir, "weight.bin");
+        auto scales = load<unsigned char>(dir, "scales.bin");
+        std::vector<bf16> y(static_cast<size_t>(rows) * out_features);
+        const unsigned groups = threads / 32;
+        launch((out_features + groups - 1) / groups, rows, threads, [&] {
+            if (fp4) dsv4_fp4_linear(x.data(), weight.data(), scales.data(), y.data(), in_features, out_features);
+            else dsv4_fp8_linear(x.data(), weight.data(), scales.data(), y.data(), in_features, out_features);
+        });
+        save(dir, "y.bin", y);
+    } else {
+        std::fprintf(stderr, "unknown kernel %s\n", which.c_str());
+        return 1;
+    }
+    return 0;
+}

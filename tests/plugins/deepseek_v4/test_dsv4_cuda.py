@@ -1,0 +1,141 @@
+"""DeepSeek-V4 kernels on the GPU (run on an H100/H200 with ``pytest -m gpu tests/plugins/deepseek_v4``):
+every launcher in ``cuda_ops`` against the NumPy op it mirrors, on the same bf16-rounded inputs,
+at real DeepSeek-V4-Flash widths (head_dim 512, rope 64, 64 index heads × 128, hc 4 × 4096)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from openinfer_deepseek_v4.attention import attend, index_scores, pool_entries, top_k_visible
+from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expand
+from openinfer_deepseek_v4.weights import HyperConnectionWeights
+
+from openinfer import bf16_to_float32, float32_to_bf16
+from openinfer.quant import dequantize_fp4_e2m1, quantize_fp4_e2m1
+from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import NEG_BIG, bf16, paged, rope
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    from openinfer_deepseek_v4 import cuda_ops
+
+    return cuda_ops
+
+
+def dev_bf16(x: np.ndarray):
+    return cupy.asarray(float32_to_bf16(x))
+
+
+def host(x) -> np.ndarray:
+    x = cupy.asnumpy(x)
+    return bf16_to_float32(x) if x.dtype == np.uint16 else x
+
+
+def test_compress_entries(ops):
+    rng = np.random.default_rng(0)
+    windows, slots, dim, rope_dim = 9, 8, 512, 64
+    kv = rng.standard_normal((windows, slots, dim)).astype(np.float32)
+    gate = rng.standard_normal((windows, slots, dim)).astype(np.float32)
+    gate[0, :4] = NEG_BIG
+    norm = (1 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
+    positions = (np.arange(windows) * 4).astype(np.int32)
+    dest = rng.permutation(32)[:windows].astype(np.int64)
+    r = rope(rope_dim, 160000.0)
+    cache = cupy.zeros((32, dim), np.uint16)
+    ops.compress_entries(cupy.asarray(kv), cupy.asarray(gate), cupy.asarray(norm), cupy.asarray(r.inv_freq),
+                         cupy.asarray(positions), cupy.asarray(dest), cache, rope_dim, 1e-6)
+    expected = pool_entries(kv, np.where(gate == NEG_BIG, -np.inf, gate), norm, positions, r, 1e-6)
+    np.testing.assert_allclose(host(cache)[dest], expected, rtol=1e-2, atol=1e-2)
+
+
+def test_indexer_scores_and_top_k(ops):
+    rng = np.random.default_rng(1)
+    heads, dim, rate, block_size, k = 64, 128, 4, 16, 512
+    positions = np.array([3, 900, 2047, 4095, 100], np.int32)
+    token_seq = np.array([0, 0, 0, 0, 1], np.int32)
+    lengths = [4096 // rate, 101 // rate]
+    keys, tables, _, per_seq = paged(rng, lengths, dim, block_size)
+    q = bf16(rng.standard_normal((len(positions), heads, dim)))
+    weights = rng.standard_normal((len(positions), heads)).astype(np.float32)
+    scores, selected = ops.indexer_topk(dev_bf16(q), cupy.asarray(weights), dev_bf16(keys), cupy.asarray(tables),
+                                        block_size, cupy.asarray(token_seq), cupy.asarray(positions), rate,
+                                        max(lengths), k)
+    scores, selected = host(scores), host(selected)
+    for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
+        visible = (p + 1) // rate
+        expected = index_scores(q[t : t + 1], per_seq[seq][:visible], weights[t : t + 1])[0]
+        np.testing.assert_allclose(scores[t, :visible], expected, rtol=1e-4, atol=1e-3)
+        want = np.flatnonzero(top_k_visible(scores[t : t + 1, :visible], np.ones((1, visible), bool),
+                                            min(k, visible))[0]) if visible else []
+        got = selected[t]
+        assert set(got[got >= 0].tolist()) == set(np.asarray(want).tolist())
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+def test_sparse_attention(ops, mode):
+    rng = np.random.default_rng(2)
+    heads, dim, window, rate, block_size, rope_dim, num_selected = 8, 512, 128, 4, 16, 64, 16
+    positions = np.array([0, 77, 300, 301, 40], np.int32)
+    token_seq = np.array([0, 0, 0, 0, 1], np.int32)
+    window_cache, window_tables, _, window_keys = paged(rng, [302, 41], dim, block_size)
+    entry_cache, entry_tables, _, entries = paged(rng, [302 // rate, 41 // rate], dim, block_size)
+    q = bf16(rng.standard_normal((len(positions), heads, dim)))
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    selected = np.stack([rng.permutation(np.arange(-1, 80))[:num_selected] for _ in positions]).astype(np.int32)
+    r = rope(rope_dim, 160000.0)
+    out = ops.sparse_attention(
+        dev_bf16(q), dev_bf16(window_cache), cupy.asarray(window_tables),
+        None if mode == "sliding" else dev_bf16(entry_cache), None if mode == "sliding" else cupy.asarray(entry_tables),
+        cupy.asarray(selected) if mode == "csa" else None, rate, cupy.asarray(token_seq), cupy.asarray(positions),
+        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size)
+    out = host(out)
+    for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
+        keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
+        visible = (p + 1) // rate
+        if mode == "hca":
+            keys.append(entries[seq][:visible])
+        elif mode == "csa":
+            keys.append(entries[seq][sorted({int(e) for e in selected[t] if 0 <= e < visible})])
+        keys = np.concatenate(keys)
+        expected = attend(q[t : t + 1], keys, np.ones((1, len(keys)), bool), sinks, positions[t : t + 1], r, dim)
+        np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
+
+
+def test_hyper_connection(ops):
+    rng = np.random.default_rng(3)
+    tokens, hc, dim = 5, 4, 4096
+    streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
+    layer = HyperConnectionWeights((0.02 * rng.standard_normal(((2 + hc) * hc, hc * dim))).astype(np.float32),
+                                   (0.3 * rng.standard_normal((2 + hc) * hc)).astype(np.float32),
+                                   rng.uniform(0.5, 1.0, 3).astype(np.float32))
+    head = HyperConnectionWeights(layer.fn[:hc].copy(), layer.base[:hc].copy(), layer.scale[:1].copy())
+    x, post, comb = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(layer.fn), cupy.asarray(layer.base),
+                                    cupy.asarray(layer.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    expected_x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-6)
+    np.testing.assert_allclose(host(x), expected_x, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(host(comb), mixing.comb, rtol=1e-3, atol=1e-5)
+    y = bf16(rng.standard_normal((tokens, dim)))
+    expanded = ops.hc_expand(cupy.asarray(streams), dev_bf16(y), post, comb)
+    np.testing.assert_allclose(host(expanded), expand(streams, y, mixing), rtol=1e-3, atol=1e-3)
+    head_x, _, _ = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(head.fn), cupy.asarray(head.base),
+                                   cupy.asarray(head.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, head=True)
+    np.testing.assert_allclose(host(head_x), collapse_head(streams, head, hc_eps=1e-6, norm_eps=1e-6),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_fp4_expert_linear(ops):
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((2048, 4096)).astype(np.float32)
+    codes, scales = quantize_fp4_e2m1(weight)
+    x = bf16(rng.standard_normal((7, 4096)))
+    y = ops.quantized_linear(dev_bf16(x), cupy.asarray(codes), cupy.asarray(scales), 2048, "fp4")
+    expected = x @ dequantize_fp4_e2m1(codes, scales).T
+    np.testing.assert_allclose(host(y), expected, rtol=2e-2, atol=0.5)

@@ -1,0 +1,207 @@
+"""The CUDA kernels' own source (``kernels/dsv4.cu``) compiled with g++ against a host stand-in for
+the CUDA built-ins and run on the CPU against the NumPy ops they mirror: checks the kernels'
+indexing (block tables, ragged sequences, windows, the indexer's picks) and arithmetic in CI,
+where there is no GPU. Launch glue (CuPy) and speed are the ``gpu`` tests' job."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openinfer_deepseek_v4.attention import attend, index_scores, pool_entries, top_k_visible
+from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expand
+from openinfer_deepseek_v4.rotary import InterleavedRope
+from openinfer_deepseek_v4.weights import HyperConnectionWeights
+
+from openinfer import bf16_to_float32, float32_to_bf16
+from openinfer.quant import (
+    FP8_E4M3_MAX,
+    dequantize_fp4_e2m1,
+    dequantize_fp8_block,
+    e8m0_to_float32,
+    float32_to_fp8_e4m3,
+    quantize_fp4_e2m1,
+)
+
+TESTS = Path(__file__).parent
+# core's host stand-in for <cuda_bf16.h> and the CUDA built-ins
+INCLUDE = TESTS.parents[1] / "core" / "cuda_emulation" / "include"
+NEG_BIG = -3.0e38
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to compile the kernels for the host")
+    kernels = Path(str(resources.files("openinfer_deepseek_v4") / "kernels"))
+    binary = tmp_path_factory.mktemp("dsv4-harness") / "harness"
+    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", f"-I{INCLUDE}", f"-I{kernels}",
+                    str(TESTS / "cuda_emulation" / "harness.cpp"), "-o", str(binary)], check=True)
+    return binary
+
+
+def run(harness: Path, directory: Path, kernel: str, *args, **arrays) -> None:
+    for name, array in arrays.items():
+        np.ascontiguousarray(array).tofile(directory / f"{name}.bin")
+    subprocess.run([str(harness), str(directory), kernel, *map(str, args)], check=True, timeout=300)
+
+
+def read(directory: Path, name: str, dtype, shape) -> np.ndarray:
+    raw = np.fromfile(directory / f"{name}.bin", dtype=dtype).reshape(shape)
+    return bf16_to_float32(raw) if dtype == np.uint16 else raw
+
+
+def rope(rope_dim: int, theta: float = 10000.0) -> InterleavedRope:
+    inv_freq = (1.0 / theta ** (np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
+    return InterleavedRope(inv_freq, rope_dim)
+
+
+def test_compress_entries(harness, tmp_path):
+    rng = np.random.default_rng(0)
+    windows, slots, dim, rope_dim, rows = 5, 8, 64, 16, 12
+    kv = rng.standard_normal((windows, slots, dim)).astype(np.float32)
+    gate = rng.standard_normal((windows, slots, dim)).astype(np.float32)
+    gate[0, :4] = NEG_BIG  # CSA's first entry: no previous window
+    norm = (1 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
+    positions = (np.arange(windows) * 4 + 8).astype(np.int32)
+    dest = np.array([7, 2, 9, 0, 11], np.int64)
+    r = rope(rope_dim, 160000.0)
+    run(harness, tmp_path, "compress", slots, dim, rope_dim, windows, rows, 1e-6, slot_kv=kv, slot_gate=gate,
+        norm=norm, inv_freq=r.inv_freq, positions=positions, dest=dest)
+    expected = pool_entries(kv, np.where(gate == NEG_BIG, -np.inf, gate), norm, positions, r, 1e-6)
+    cache = read(tmp_path, "cache", np.uint16, (rows, dim))
+    np.testing.assert_allclose(cache[dest], expected, rtol=1e-2, atol=1e-2)
+    assert not cache[[1, 3, 4, 5, 6, 8, 10]].any()  # nothing else written
+
+
+def paged(rng: np.random.Generator, lengths: list[int], width: int, block_size: int):
+    """Per-sequence rows scattered over shuffled blocks: (cache, tables, per-sequence rows)."""
+    blocks = [-(-n // block_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, 1 + sum(blocks)))
+    stride = max(blocks)
+    tables = np.zeros((len(lengths), stride), np.int32)
+    cache = np.zeros((1 + sum(blocks), block_size, width), np.float32)
+    values, used = [], 0
+    for seq, n in enumerate(lengths):
+        tables[seq, : blocks[seq]] = ids[used : used + blocks[seq]]
+        used += blocks[seq]
+        rows = bf16(rng.standard_normal((n, width)))
+        for i in range(n):
+            cache[tables[seq, i // block_size], i % block_size] = rows[i]
+        values.append(rows)
+    return cache.reshape(-1, width), tables, stride, values
+
+
+def test_indexer_scores_and_top_k(harness, tmp_path):
+    rng = np.random.default_rng(1)
+    heads, dim, rate, block_size, k = 8, 32, 4, 4, 5
+    positions = np.array([3, 17, 40, 41, 42, 60, 5], np.int32)  # two sequences' queries, ragged
+    token_seq = np.array([0, 0, 0, 0, 0, 1, 1], np.int32)
+    lengths = [43 // rate, 61 // rate]
+    keys, tables, stride, per_seq = paged(rng, lengths, dim, block_size)
+    q = bf16(rng.standard_normal((len(positions), heads, dim)))
+    weights = rng.standard_normal((len(positions), heads)).astype(np.float32)
+    max_entries = max(lengths)
+    run(harness, tmp_path, "indexer", len(positions), heads, dim, max_entries, rate, block_size, stride, k, 4,
+        q=float32_to_bf16(q), head_weights=weights, keys=float32_to_bf16(keys), tables=tables,
+        token_seq=token_seq, positions=positions)
+    scores = read(tmp_path, "scores", np.float32, (len(positions), max_entries))
+    selected = read(tmp_path, "selected", np.int32, (len(positions), k))
+    for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
+        visible = (p + 1) // rate
+        expected = index_scores(q[t : t + 1], per_seq[seq][:visible], weights[t : t + 1])[0]
+        np.testing.assert_allclose(scores[t, :visible], expected, rtol=1e-5, atol=1e-5)
+        assert (scores[t, visible:] == NEG_BIG).all()
+        mask = np.arange(visible)[None, :] < visible
+        want = set(np.flatnonzero(top_k_visible(expected[None], mask, min(k, visible))[0]).tolist()) \
+            if visible else set()
+        got = selected[t]
+        assert set(got[got >= 0].tolist()) == want and (got < 0).sum() == k - len(want)
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+def test_sparse_attention(harness, tmp_path, mode):
+    rng = np.random.default_rng({"sliding": 2, "hca": 3, "csa": 4}[mode])
+    heads, dim, window, rate, block_size, rope_dim, num_selected = 4, 64, 8, 4, 4, 16, 3
+    positions = np.array([0, 6, 21, 22, 30, 11], np.int32)
+    token_seq = np.array([0, 0, 0, 0, 0, 1], np.int32)
+    window_cache, window_tables, wstride, window_keys = paged(rng, [31, 12], dim, block_size)
+    entry_cache, entry_tables, estride, entries = paged(rng, [31 // rate, 12 // rate], dim, block_size)
+    q = bf16(rng.standard_normal((len(positions), heads, dim)))
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    # distinct picks per query, as the indexer makes them, with -1 and not-yet-visible ones mixed in
+    selected = np.stack([rng.permutation(np.arange(-1, 8))[:num_selected] for _ in positions]).astype(np.int32)
+    r = rope(rope_dim, 160000.0)
+    run(harness, tmp_path, "attention", len(positions), heads, dim, window, rate, block_size, wstride, estride,
+        num_selected, {"sliding": 0, "hca": 1, "csa": 2}[mode], rope_dim, dim**-0.5, q=float32_to_bf16(q),
+        window_cache=float32_to_bf16(window_cache), window_tables=window_tables,
+        entry_cache=float32_to_bf16(entry_cache), entry_tables=entry_tables, selected=selected,
+        token_seq=token_seq, positions=positions, sinks=sinks, inv_freq=r.inv_freq)
+    out = read(tmp_path, "out", np.uint16, q.shape)
+    for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
+        keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
+        visible = (p + 1) // rate
+        if mode == "hca":
+            keys.append(entries[seq][:visible])
+        elif mode == "csa":
+            picks = sorted({int(e) for e in selected[t] if 0 <= e < visible})
+            keys.append(entries[seq][picks])
+        keys = np.concatenate(keys)
+        expected = attend(q[t : t + 1], keys, np.ones((1, len(keys)), bool), sinks, positions[t : t + 1], r, dim)
+        np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
+
+
+def test_hyper_connection_collapse_expand_and_head(harness, tmp_path):
+    rng = np.random.default_rng(5)
+    tokens, hc, dim, iters = 3, 4, 64, 20
+    streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
+    layer = HyperConnectionWeights((0.3 * rng.standard_normal(((2 + hc) * hc, hc * dim))).astype(np.float32),
+                                   (0.3 * rng.standard_normal((2 + hc) * hc)).astype(np.float32),
+                                   rng.uniform(0.5, 1.0, 3).astype(np.float32))
+    head = HyperConnectionWeights((0.3 * rng.standard_normal((hc, hc * dim))).astype(np.float32),
+                                  (0.3 * rng.standard_normal(hc)).astype(np.float32),
+                                  rng.uniform(0.5, 1.0, 1).astype(np.float32))
+    y = bf16(rng.standard_normal((tokens, dim)))
+    run(harness, tmp_path, "hc", tokens, hc, dim, iters, 1e-6, 1e-6, streams=streams, y=float32_to_bf16(y),
+        fn=layer.fn, base=layer.base, scale=layer.scale, head_fn=head.fn, head_base=head.base,
+        head_scale=head.scale)
+    x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=iters, norm_eps=1e-6)
+    np.testing.assert_allclose(read(tmp_path, "x", np.uint16, x.shape), x, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(read(tmp_path, "post", np.float32, mixing.post.shape), mixing.post, rtol=1e-4)
+    np.testing.assert_allclose(read(tmp_path, "comb", np.float32, mixing.comb.shape), mixing.comb, rtol=1e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(read(tmp_path, "expanded", np.float32, streams.shape), expand(streams, y, mixing),
+                               rtol=1e-4, atol=1e-4)
+    expected_head = collapse_head(streams, head, hc_eps=1e-6, norm_eps=1e-6)
+    np.testing.assert_allclose(read(tmp_path, "head_x", np.uint16, x.shape), expected_head, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_quantized_linear(harness, tmp_path, fmt):
+    rng = np.random.default_rng(6)
+    rows, in_features, out_features = 3, 256, 136  # FP8: two 128-wide input blocks, a partial output block
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    x = bf16(rng.standard_normal((rows, in_features)))
+    if fmt == "fp4":
+        codes, scales = quantize_fp4_e2m1(weight)
+        dequantized = dequantize_fp4_e2m1(codes, scales)
+    else:
+        blocks = np.abs(np.pad(weight, ((0, 120), (0, 0))).reshape(2, 128, 2, 128)).max(axis=(1, 3))
+        exponents = np.ceil(np.log2(blocks / FP8_E4M3_MAX)).astype(np.int32)
+        scales = (exponents + 127).astype(np.uint8)
+        expanded = np.repeat(np.repeat(np.exp2(exponents), 128, 0), 128, 1)[:out_features].astype(np.float32)
+        codes = float32_to_fp8_e4m3(weight / expanded)
+        dequantized = dequantize_fp8_block(codes, e8m0_to_float32(scales))
+    run(harness, tmp_path, "quant", rows, in_features, out_features, int(fmt == "fp4"), x=float32_to_bf16(x),
+        weight=codes, scales=scales)
+    y = read(tmp_path, "y", np.uint16, (rows, out_features))
+    np.testing.assert_allclose(y, x @ dequantized.T, rtol=1e-2, atol=5e-2)
