@@ -5,9 +5,12 @@ Two measurements:
 1. end to end: the demo model behind the HTTP app (in-process ASGI), ``--requests`` concurrent
    greedy completions, alternately with and without tracing, ``--rounds`` times each; the
    median wall time of each setting and their ratio;
-2. the hooks alone: what the engine loop spends in ``EngineTracer`` per step at batch 1…256
-   (on_launch + on_resolved for every row, on_finish amortised over ``--tokens`` tokens per
-   request), as a fraction of a measured step time — so it can be read against a GPU step too.
+2. the hooks alone: what ``EngineTracer`` costs per step at batch 1…256 (on_launch +
+   on_resolved for every row, on_finish amortised over ``--tokens`` tokens per request, the
+   writer thread's event building included as it shares the GIL);
+3. the engine's own host step with the model's forward stubbed, tracing off and on, at batch
+   1 / 64 / 256: tracing's share of the host work of a step (a GPU step is at least that long,
+   so its share of a real step is smaller).
 
     python benchmarks/trace_overhead.py --out benchmarks/results/trace_overhead.json
 """
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,11 +29,14 @@ from types import SimpleNamespace
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from openinfer import create_engine
 from openinfer.demo import ensure_demo_model
 from openinfer.frontend.http import create_app
 from openinfer.tokenizer import Tokenizer
 from openinfer.tracing import EngineTracer, TraceWriter
+from tests.helpers.tiny_qwen3 import write_tiny_qwen3
 
 
 def end_to_end(model_dir: Path, trace_dir: str | None, num_requests: int, max_tokens: int) -> float:
@@ -79,6 +86,37 @@ def hook_cost_per_step(batch: int, tokens_per_request: int, trace_dir: str, step
     return elapsed
 
 
+def engine_host_step(model_dir: Path, batch: int, tokens: int, trace_dir: str | None) -> float:
+    """Seconds per engine step with the model's forward stubbed (zero logits): the engine's own
+    host work per step at this batch size, with or without tracing. On a GPU a step takes at
+    least this long, so the tracing share of it bounds the share of a real step from above."""
+    import numpy as np
+
+    from openinfer.v1 import engine_pb2 as pb
+
+    engine = create_engine(str(model_dir), device="cpu", num_kv_blocks=batch * (tokens // 16 + 3) + 8,
+                           max_num_seqs=batch, trace_dir=trace_dir)
+    vocab = engine.model.spec.vocab_size
+    engine.model.forward = lambda device_batch, kv: np.zeros((len(device_batch.logits_rows), vocab), np.float32)
+
+    async def one(i: int) -> None:
+        request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[3 + (i + j) % 50 for j in range(16)],
+                                     sampling=pb.SamplingParams(temperature=0.0),
+                                     stop=pb.StopConditions(max_tokens=tokens, ignore_eos=True))
+        async for _ in engine.generate(request):
+            pass
+
+    async def run() -> float:
+        began, steps = time.perf_counter(), engine.num_steps
+        await asyncio.gather(*(one(i) for i in range(batch)))
+        return (time.perf_counter() - began) / max(1, engine.num_steps - steps)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.close_sync()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=8)
@@ -95,6 +133,16 @@ def main() -> None:
                 times[setting].append(end_to_end(model_dir, trace_dir, args.requests, args.tokens))
                 print(f"round {round_index} tracing {setting}: {times[setting][-1]:.3f} s", flush=True)
         num_files = len(list(Path(trace_root).glob("e2e0/*.json")))
+        tiny = write_tiny_qwen3(Path(trace_root) / "tiny", seed=0)
+        steps: dict[str, dict[str, list[float]]] = {}
+        for b in (1, 64, 256):
+            steps[str(b)] = {"off": [], "on": []}
+            for round_index in range(args.rounds):
+                for setting in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
+                    trace_dir = f"{trace_root}/steps{b}-{round_index}" if setting == "on" else None
+                    steps[str(b)][setting].append(engine_host_step(tiny, b, args.tokens * 4, trace_dir))
+            print(f"engine host step bs={b}: off {statistics.median(steps[str(b)]['off']) * 1e3:.2f} ms, "
+                  f"on {statistics.median(steps[str(b)]['on']) * 1e3:.2f} ms", flush=True)
         hooks = {b: hook_cost_per_step(b, args.tokens, f"{trace_root}/hooks{b}") for b in (1, 8, 64, 256)}
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     result = {
@@ -102,9 +150,10 @@ def main() -> None:
         "wall_s": times, "median_off_s": off, "median_on_s": on, "overhead_pct": 100 * (on / off - 1),
         "trace_files_per_round": num_files,
         "hook_us_per_step": {str(b): round(t * 1e6, 2) for b, t in hooks.items()},
-        # what these hooks add to a GPU decode step (H200, Qwen3-4B shape, benchmarks/GPU.md)
-        "hook_pct_of_h200_step": {"1": round(100 * hooks[1] / 3.28e-3, 3), "64": round(100 * hooks[64] / 6.09e-3, 3),
-                                  "256": round(100 * hooks[256] / 14.54e-3, 3)},
+        "engine_host_step_s": steps,
+        # tracing's share of the engine's own host work per step (model forward stubbed)
+        "engine_host_step_overhead_pct": {
+            b: round(100 * (statistics.median(v["on"]) / statistics.median(v["off"]) - 1), 2) for b, v in steps.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

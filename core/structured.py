@@ -182,11 +182,11 @@ class GrammarCompiler:
         if (directory / "tokenizer.json").is_file():
             return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids)
         if (directory / "tiktoken.model").is_file():
-            from openinfer.tiktoken_tokenizer import TiktokenVocabulary
+            from openinfer.tiktoken_tokenizer import tiktoken_encoding
 
             config_path = directory / "tokenizer_config.json"
             config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-            encoding = TiktokenVocabulary.from_dir(directory, config).encoding
+            encoding = tiktoken_encoding(directory, config)
             return cls(llg.LLTokenizer.from_tiktoken(
                 encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
                 pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,

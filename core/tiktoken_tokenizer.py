@@ -123,3 +123,14 @@ def load_tiktoken_dir(directory: Path, config: Mapping[str, Any]) -> Tokenizer:
     bos = bos.get("content") if isinstance(bos, Mapping) else bos
     add_bos = bool(config.get("add_bos_token")) and isinstance(bos, str) and bos in specials.values()
     return tiktoken_tokenizer(ranks, specials, bos_token=bos if add_bos else None)
+
+
+def tiktoken_encoding(directory: Path, config: Mapping[str, Any]) -> Any:
+    """The same vocabulary as a ``tiktoken.Encoding`` (ranks, ``KIMI_PATTERN``, the special tokens),
+    for consumers that take tiktoken's own form (llguidance's ``LLTokenizer.from_tiktoken``)."""
+    import tiktoken
+
+    ranks = read_tiktoken_ranks(directory / "tiktoken.model")
+    specials = special_tokens_from_config(config, len(ranks))
+    return tiktoken.Encoding(name=directory.name or "tiktoken", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={name: i for i, name in specials.items()})

@@ -175,7 +175,7 @@ class _StepRecord:
     """One launched engine step, shared by every request that rode in it: its chunks and each
     chunk's start position as of the launch (``num_computed_tokens`` moves on launch)."""
 
-    __slots__ = ("launched_us", "chunks", "starts", "index", "resolved_us", "_tokens")
+    __slots__ = ("launched_us", "chunks", "starts", "index", "resolved_us", "_tokens", "_args", "_rows")
 
     def __init__(self, launched_us: float, chunks: list, starts: list[int], index: int):
         self.launched_us = launched_us
@@ -184,6 +184,23 @@ class _StepRecord:
         self.index = index
         self.resolved_us = 0.0
         self._tokens = -1
+        self._args = ""
+        self._rows: dict[str, int] | None = None
+
+    def row_of(self, request_id: str) -> int | None:
+        """This request's chunk in the step, if it rode in it (the map is built once per step,
+        by the writer thread, off the engine loop)."""
+        if self._rows is None:
+            self._rows = {c.request.request_id: i for i, c in enumerate(self.chunks)}
+        return self._rows.get(request_id)
+
+    @property
+    def args_prefix(self) -> str:
+        """The step's own span arguments as JSON text, formatted once for all its requests."""
+        if not self._args:
+            self._args = (f'{{"step":{self.index},"batch_size":{len(self.chunks)},"batch_tokens":{self.batch_tokens},'
+                          f'"step_ms":{round((self.resolved_us - self.launched_us) / 1e3, 3)},')
+        return self._args
 
     @property
     def batch_tokens(self) -> int:
@@ -195,24 +212,32 @@ class _StepRecord:
 @dataclass
 class _EngineRequestTrace:
     arrival_us: float
+    first_step: int  # steps resolved before it arrived cannot hold it
     scheduled_us: float | None = None
-    # (step, this request's row in it)
-    rides: list[tuple[_StepRecord, int]] = field(default_factory=list)
     preempted_us: list[float] = field(default_factory=list)
+    rides: list[tuple[_StepRecord, int]] = field(default_factory=list)  # filled by the writer
 
 
 class EngineTracer:
     """The engine loop's hooks: ``on_arrival``, ``on_scheduled``, ``on_preempted``, ``on_launch``
-    (returns the step's record), ``on_resolved`` and ``on_finish``. Each costs a few list appends;
-    events are built and written only when a request finishes, off the loop."""
+    (returns the step's record), ``on_resolved`` and ``on_finish``. Per step the loop pays one
+    record and one snapshot of the chunks' start positions, whatever the batch size; which steps a
+    request rode in is worked out, and its events built and written, when it finishes, off the loop.
+
+    Resolved steps are kept in order (``_steps``, the first at global index ``_base``) for as long
+    as a live request may have ridden in them."""
+
+    PRUNE_EVERY = 256  # steps between drops of the steps no live request can need
 
     def __init__(self, writer: TraceWriter):
         self.writer = writer
         self._requests: dict[str, _EngineRequestTrace] = {}
         self._num_steps = 0
+        self._steps: list[_StepRecord] = []
+        self._base = 0
 
     def on_arrival(self, request_id: str) -> None:
-        self._requests[request_id] = _EngineRequestTrace(_now_us())
+        self._requests[request_id] = _EngineRequestTrace(_now_us(), self._base + len(self._steps))
 
     def on_scheduled(self, request_id: str) -> None:
         trace = self._requests.get(request_id)
@@ -230,14 +255,20 @@ class EngineTracer:
         return _StepRecord(_now_us(), chunks, [c.request.num_computed_tokens for c in chunks], self._num_steps)
 
     def on_resolved(self, step: _StepRecord) -> None:
-        """The step's tokens are on the host: every request not finished before rode in it
-        (a finished one's trace is gone already, so its discarded launched-ahead row is not counted)."""
+        """The step's tokens are on the host: it counts for every request still running then (a
+        request finished before reads only the steps resolved before its finish, so a row launched
+        ahead for it and discarded is not counted)."""
         step.resolved_us = _now_us()
-        traces = self._requests
-        for index, chunk in enumerate(step.chunks):
-            trace = traces.get(chunk.request.request_id)
-            if trace is not None:
-                trace.rides.append((step, index))
+        self._steps.append(step)
+        if len(self._steps) % self.PRUNE_EVERY == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        oldest = min((t.first_step for t in self._requests.values()), default=self._base + len(self._steps))
+        drop = oldest - self._base
+        if drop > 0:
+            del self._steps[:drop]
+            self._base += drop
 
     def on_finish(self, request_id: str, reason: str, prompt_tokens: int, completion_tokens: int,
                   cached_tokens: int) -> None:
@@ -247,7 +278,16 @@ class EngineTracer:
         end = _now_us()
         meta = {"finish_reason": reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "cached_tokens": cached_tokens}
-        self.writer.submit("engine", request_id, lambda: _engine_events(trace, end, meta), {"engine": meta})
+        window = self._steps[max(0, trace.first_step - self._base):]  # the steps resolved while it lived
+
+        def build() -> list[str]:
+            for step in window:
+                row = step.row_of(request_id)
+                if row is not None:
+                    trace.rides.append((step, row))
+            return _engine_events(trace, end, meta)
+
+        self.writer.submit("engine", request_id, build, {"engine": meta})
 
 
 def _engine_events(trace: _EngineRequestTrace, end_us: float, meta: dict[str, Any]) -> list[str]:
@@ -257,20 +297,29 @@ def _engine_events(trace: _EngineRequestTrace, end_us: float, meta: dict[str, An
     cursor = scheduled
     prompt_tokens = meta["prompt_tokens"]
     generated = 0  # a chunk samples when it reaches the end of prompt + tokens generated so far
+    # in tenths of a microsecond (as _span): a request's spans are built here by the thousand
+    cursor10 = int(cursor * 10 + 0.5)
+    end10 = int(end_us * 10 + 0.5)
+    append = events.append
     for step, row in trace.rides:
         start, num_tokens = step.starts[row], step.chunks[row].num_tokens
         sampled = start + num_tokens >= prompt_tokens + generated
         generated += sampled
-        prefill = num_tokens > 1 or start < prompt_tokens
         # with async scheduling step N+1 is launched before N is read back: a request's rides
         # are cut where its previous one ended, so they follow each other on its track
-        begin = max(step.launched_us, cursor)
-        finish = min(max(step.resolved_us, begin), end_us)
-        args = (f'{{"step":{step.index},"batch_size":{len(step.chunks)},"batch_tokens":{step.batch_tokens},'
-                f'"step_ms":{round((step.resolved_us - step.launched_us) / 1e3, 3)},"position":{start},'
-                f'"tokens":{num_tokens},"sampled":{"true" if sampled else "false"}}}')
-        events.append(_span("prefill" if prefill else "decode", ENGINE_TID, begin, finish, args))
-        cursor = finish
+        begin10 = int(step.launched_us * 10 + 0.5)
+        if begin10 < cursor10:
+            begin10 = cursor10
+        finish10 = int(step.resolved_us * 10 + 0.5)
+        if finish10 < begin10:
+            finish10 = begin10
+        if finish10 > end10:
+            finish10 = end10
+        name = "prefill" if num_tokens > 1 or start < prompt_tokens else "decode"
+        append(f'{{"name":"{name}","ph":"X","pid":{_PID},"tid":{ENGINE_TID},"ts":{begin10 / 10},'
+               f'"dur":{(finish10 - begin10) / 10},"args":{step.args_prefix}"position":{start},'
+               f'"tokens":{num_tokens},"sampled":{"true" if sampled else "false"}}}}}')
+        cursor10 = finish10
     for at in trace.preempted_us:
         events.append(f'{{"name":"preempted","ph":"i","s":"t","pid":{_PID},"tid":{ENGINE_TID},"ts":{round(at, 1)}}}')
     return events

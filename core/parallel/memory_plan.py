@@ -52,7 +52,6 @@ class ModelMemory:
     kv_bytes_per_token: int  # whole model: every layer, every KV head
     num_kv_heads: int = 1
     kv_split: str = "heads"  # "heads" | "replicated" | "data"
-    extra_state_bytes: int = 0  # per-request recurrent state etc., whole model, per rank after split
     description: str = ""
 
 
@@ -159,7 +158,7 @@ def plan_memory(model: ModelMemory, layout: ParallelLayout, *, gpu_bytes: int, g
         kv_per_token = model.kv_bytes_per_token / min(tp, model.num_kv_heads)
     else:  # replicated on every rank, or data-parallel: each rank caches its own requests in full
         kv_per_token = float(model.kv_bytes_per_token)
-    weights = sum(by_split.values()) + model.extra_state_bytes
+    weights = sum(by_split.values())
     ranks = [RankMemory(rank, weights, kv_per_token, reserve_bytes, gpu_bytes, gpu_memory_utilization, dict(by_split))
              for rank in range(layout.world_size)]
     return MemoryPlan(layout, ranks, max_model_len, max_num_seqs, model.description)

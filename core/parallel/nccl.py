@@ -128,6 +128,11 @@ class NcclCommunicator:
         self._comm.broadcast(x.data.ptr, out.data.ptr, x.size, self._dtype(x), root, self._stream())
         return out
 
+    def abort(self) -> None:
+        """Abort the communicator (another rank died): operations in flight, and any later one,
+        fail instead of waiting. The group cannot be used again."""
+        self._comm.abort()
+
     def barrier(self) -> None:
         import cupy
 

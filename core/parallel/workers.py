@@ -213,6 +213,7 @@ class ProcessRank:
         self.process.start()
         child.close()
         self.rank = rank
+        self.closing = False  # set by close(): the process is expected to exit
 
     def send(self, command: tuple) -> None:
         self.connection.send(command)
@@ -236,10 +237,15 @@ class ProcessRank:
         self._expect("ready")
 
     def check(self) -> None:
+        """Raise the rank's error report, or that its process is gone (nothing can step without it)."""
         if self.connection.poll():
             self._expect("ok")  # anything unsolicited is an error report
+        if self.process.exitcode is not None:
+            raise OpenInferError(f"rank {self.rank}'s process exited (code {self.process.exitcode}); the group "
+                                 "cannot step without it: restart the server")
 
     def close(self) -> None:
+        self.closing = True
         try:
             self.send(("stop",))
         except (BrokenPipeError, OSError):
@@ -247,6 +253,29 @@ class ProcessRank:
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.terminate()
+
+
+def watch_ranks(remotes: list[Any], on_death: Callable[[Any], None], interval_s: float = 1.0,
+                stop: threading.Event | None = None) -> None:
+    """Until every rank is closing (or ``stop`` is set): call ``on_death(rank)`` once for the first
+    rank process that exits unexpectedly. On GPUs ``on_death`` aborts rank 0's NCCL communicator,
+    so a step waiting for the dead rank fails with an error instead of hanging forever."""
+    stop = stop or threading.Event()
+    while not stop.is_set() and not all(r.closing for r in remotes):
+        for remote in remotes:
+            if not remote.closing and remote.process.exitcode is not None:
+                on_death(remote)
+                return
+        stop.wait(interval_s)
+
+
+def _abort_on_death(comm: Any) -> Callable[[Any], None]:
+    def on_death(remote: Any) -> None:
+        logger.error("rank %d's process exited (code %s): aborting the NCCL group so no step waits for it",
+                     remote.rank, remote.process.exitcode)
+        comm.abort()
+
+    return on_death
 
 
 # --- rank 0: the model the engine sees ------------------------------------------------------------
@@ -369,5 +398,7 @@ def start_process_group(factory: RankModelFactory, layout: ParallelLayout, load_
         raise
     logger.info("started %d ranks (pid %d + %s)", layout.world_size, os.getpid(),
                 [r.process.pid for r in remotes])
+    threading.Thread(target=watch_ranks, args=(remotes, _abort_on_death(comm)), name="openinfer-rank-watchdog",
+                     daemon=True).start()
     return _group_model(model, comm, remotes)
 

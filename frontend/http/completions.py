@@ -154,15 +154,19 @@ async def stream_completion(ctx: ServerContext, body: CompletionRequest, streams
     plain = not want_logprobs and not body.echo
     head = (f'data: {{"id":{json.dumps(request_id)},"object":"text_completion","created":{first.created},'
             f'"model":{json.dumps(ctx.model_name, ensure_ascii=False)},"choices":[{{"index":')
+    continuous = body.continuous_usage()
     try:
         async for delta in merge_deltas(streams):
             if plain:
                 reason = "null" if delta.finish_reason is None else json.dumps(delta.finish_reason)
+                usage = usage_of(streams, body.n).model_dump_json() if continuous else "null"
                 yield (f'{head}{delta.index},"text":{json.dumps(delta.text, ensure_ascii=False)},"logprobs":null,'
-                       f'"finish_reason":{reason}}}],"usage":null}}\n\n')
+                       f'"finish_reason":{reason}}}],"usage":{usage}}}\n\n')
                 continue
             response = chunk(delta)
             response.created = first.created
+            if continuous:
+                response.usage = usage_of(streams, body.n)
             yield sse_frame(response)
         if body.include_usage():
             yield sse_frame(CompletionResponse(id=request_id, model=ctx.model_name, choices=[],

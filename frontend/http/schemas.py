@@ -36,6 +36,9 @@ class RefusedField(ValueError):
         self.field = field
 
 
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
 def _find_lone_surrogate(value: Any, path: str) -> str | None:
     """The path of the first string (key or value) holding a lone UTF-16 surrogate, if any.
     JSON allows ``"\\ud800"`` escapes, but such text has no UTF-8 form: no tokenizer can read it."""
@@ -50,10 +53,15 @@ def _find_lone_surrogate(value: Any, path: str) -> str | None:
             if found:
                 return found
     elif isinstance(value, list):
+        # a prompt of token ids is a list of 16k ints: one C-level pass over the element types
+        # answers "no text in here" (walking it item by item cost ~1 us per token id)
+        if not set(map(type, value)) - _SCALAR_TYPES:
+            return None
         for index, item in enumerate(value):
-            found = _find_lone_surrogate(item, f"{path}.{index}" if path else str(index))
-            if found:
-                return found
+            if isinstance(item, str | dict | list):
+                found = _find_lone_surrogate(item, f"{path}.{index}" if path else str(index))
+                if found:
+                    return found
     return None
 
 
@@ -76,6 +84,8 @@ class TopLevelRequest(Request):
 
 class StreamOptions(Request):
     include_usage: bool = False
+    # vLLM's extension: every streamed chunk carries the usage so far (clients count tokens per chunk)
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(TopLevelRequest):
@@ -132,9 +142,14 @@ class SamplingFields(TopLevelRequest):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # left to right, token ids before strings: a 16k-id prompt tried as list[str] first (pydantic's
+    # smart union) built 16k errors before matching, ~10 ms per request
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1, lt=INT32_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False

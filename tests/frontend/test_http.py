@@ -154,6 +154,16 @@ def test_completion_include_usage_chunk(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_completion_continuous_usage_counts_tokens_per_chunk(client):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far, so a client can
+    tell how many tokens each (possibly merged) chunk delivered."""
+    chunks = list(greedy(client, prompt="one two", max_tokens=4, stream=True,
+                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
 # --- chat ----------------------------------------------------------------------------------------
 
 

@@ -133,6 +133,8 @@ async def test_stop_token_and_stop_string_are_reported(served):
     (lambda r: r.sampling_params.logit_bias.update({10**6: 1.0}), "logit_bias"),
     (lambda r: r.sampling_params.logit_bias.update({4: 500.0}), "logit_bias"),
     (lambda r: r.sampling_params.MergeFrom(vllm_pb.SamplingParams(n=99)), "n"),
+    (lambda r: setattr(r.sampling_params, "temperature", float("nan")), "temperature"),  # not greedy
+    (lambda r: setattr(r.sampling_params, "top_p", float("inf")), "top_p"),
     (lambda r: r.CopyFrom(vllm_pb.GenerateRequest(request_id="x", text="hello")), "tokenized"),
     (lambda r: r.MergeFrom(vllm_pb.GenerateRequest(kv_transfer_params_json="{}")), "kv_transfer"),
 ])

@@ -61,3 +61,31 @@ def test_a_failing_rank_fails_the_group_with_its_own_error():
 def test_uneven_all_to_all_is_refused():
     with pytest.raises(ValueError, match="does not split into 4 equal parts"):
         run_ranks(WORLD, lambda comm: comm.all_to_all(np.zeros((6, 2), np.float32)))
+
+
+def test_watchdog_reports_a_rank_process_that_dies_and_check_raises():
+    """A rank process that exits unexpectedly is reported once (on GPUs: rank 0's NCCL group is
+    aborted so no step hangs) and the next step's check names it; ranks being closed are not."""
+    import threading
+    from types import SimpleNamespace
+
+    from openinfer.errors import OpenInferError
+    from openinfer.parallel.workers import ProcessRank, watch_ranks
+
+    alive = SimpleNamespace(rank=1, closing=False, process=SimpleNamespace(exitcode=None))
+    closing = SimpleNamespace(rank=2, closing=True, process=SimpleNamespace(exitcode=0))
+    dead = SimpleNamespace(rank=3, closing=False, process=SimpleNamespace(exitcode=-9))
+    seen = []
+    watch_ranks([alive, closing, dead], seen.append, interval_s=0.01)
+    assert seen == [dead]
+    stop = threading.Event()
+    stop.set()
+    watch_ranks([alive], seen.append, stop=stop)  # nothing died: returns when stopped
+    assert seen == [dead]
+
+    rank = ProcessRank.__new__(ProcessRank)
+    rank.rank, rank.closing = 3, False
+    rank.connection = SimpleNamespace(poll=lambda *_: False)
+    rank.process = SimpleNamespace(exitcode=-9)
+    with pytest.raises(OpenInferError, match="rank 3's process exited \\(code -9\\)"):
+        rank.check()
