@@ -1,7 +1,10 @@
 """`pip install .` (not editable) ships every Python package under core/ and frontend/."""
 
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
 
