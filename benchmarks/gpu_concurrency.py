@@ -140,6 +140,7 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
                str(api_servers), "--log-level", "warning"]
     command += ["--engine-factory", STUB_FACTORY, "--device", "cpu", "--num-kv-blocks", "40000"] if args.stub \
         else ["--device", "cuda"]
+    command += shlex.split(args.serve_args)
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(command, start_new_session=True)
     try:
@@ -154,7 +155,8 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
     finally:
         stop(process)
-    return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''})",
+    extra = f", {args.serve_args}" if args.serve_args else ""
+    return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s,
             "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "sweep": rows}
 
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--serve-args", default="", help="extra `openinfer serve` flags, e.g. '--max-num-batched-tokens 8192'")
     parser.add_argument("--vllm-url", help="a running vLLM OpenAI server serving the same checkpoint")
     parser.add_argument("--vllm-cmd", help="launch command for vLLM; {model} and {port} are filled in")
     parser.add_argument("--vllm-start-timeout", type=float, default=420.0)

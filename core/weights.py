@@ -33,6 +33,7 @@ _RAW_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
     "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8,
+    "F4": np.uint8,  # e2m1 pairs: the header gives the logical shape, each byte holds two values
 }
 
 
@@ -122,8 +123,13 @@ class Checkpoint:
         mapped = self._maps.get(info.file)
         if mapped is None:
             mapped = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        count = int(np.prod(info.shape, dtype=np.int64))
-        return np.frombuffer(mapped, dtype=raw_dtype, count=count, offset=info.start).reshape(info.shape)
+        shape = info.shape
+        if info.dtype == "F4":  # returned packed, [..., last / 2] bytes (low nibble = even element)
+            if not shape or shape[-1] % 2:
+                raise WeightLoadError(f"F4 tensor {name!r} has shape {shape}; its last dimension must be even")
+            shape = (*shape[:-1], shape[-1] // 2)
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(mapped, dtype=raw_dtype, count=count, offset=info.start).reshape(shape)
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32: bf16/fp16 widened, FP8 e4m3 and e8m0 decoded (no scales applied;

@@ -149,7 +149,7 @@ class DeepseekV4Checkpoint:
             return shard.get(stored)
         scale = stored[: -len(".weight")] + ".scale"
         if scale not in shard:
-            if shard.dtype(stored) in ("F8_E4M3", "I8", "U8"):
+            if shard.dtype(stored) in ("F8_E4M3", "I8", "U8", "F4"):
                 raise WeightLoadError(f"tensor {name!r} is {shard.dtype(stored)} but has no {scale!r} beside it")
             return shard.get(stored)
         if shard.dtype(scale) != "F8_E8M0":
@@ -157,6 +157,6 @@ class DeepseekV4Checkpoint:
         dtype = shard.dtype(stored)
         if dtype == "F8_E4M3":  # 128×128 blocks
             return dequantize_fp8_block(shard.raw(stored), e8m0_to_float32(shard.raw(scale)), name=name)
-        if dtype in ("I8", "U8"):  # FP4 e2m1 pairs, one scale per 32 inputs
+        if dtype in ("I8", "U8", "F4"):  # FP4 e2m1 pairs (I8 as convert.py writes, or F4), a scale per 32
             return dequantize_fp4_e2m1(shard.raw(stored), shard.raw(scale), name=name)
-        raise WeightLoadError(f"tensor {name!r} is {dtype} with a .scale; expected F8_E4M3 or FP4 packed in I8")
+        raise WeightLoadError(f"tensor {name!r} is {dtype} with a .scale; expected F8_E4M3, or FP4 packed in I8 / F4")

@@ -311,8 +311,9 @@ def _quantize_fp4(weight: Any) -> tuple[Any, Any, Any]:
 
 def write_quantized(hf_dir: Path, path: Path) -> tuple[Path, dict[str, Any]]:
     """An official-name checkpoint the way DeepSeek ships V4: attention linears, the indexer's
-    wq_b and the shared experts FP8 with e8m0 block scales, routed experts FP4, compressor and
-    indexer wkv/wgate BF16 — except layer 3's compressor, FP8 with a .scale like Flash-Base.
+    wq_b and the shared experts FP8 with e8m0 block scales, routed experts FP4 (I8 as
+    ``convert.py`` writes them; layer 1's as safetensors F4, torch's float4_e2m1fn_x2), compressor
+    and indexer wkv/wgate BF16 — except layer 3's compressor, FP8 with a .scale like Flash-Base.
     Returns the directory and the dequantised official state (for the HF reference)."""
     import torch
 
@@ -327,6 +328,8 @@ def write_quantized(hf_dir: Path, path: Path) -> tuple[Path, dict[str, Any]]:
         fp4 = leaf == "weight" and ".ffn.experts." in name
         if fp8 or fp4:
             codes, scale, value = (_quantize_fp8 if fp8 else _quantize_fp4)(tensor.float())
+            if fp4 and name.startswith("layers.1."):
+                codes = codes.view(torch.float4_e2m1fn_x2)
             quantized[name], quantized[module + ".scale"] = codes, scale
             dequantised[name] = value
         elif leaf == "weight" and kind in ("wkv", "wgate"):

@@ -64,6 +64,8 @@ def test_quantized_checkpoint_equals_hf_on_the_dequantized_weights(tiny, tmp_pat
     dtypes = {name: ckpt.shards[0].dtype(name) for name in ckpt.names()}
     assert dtypes["layers.0.attn.wq_b.weight"] == "F8_E4M3" and dtypes["layers.0.attn.wq_b.scale"] == "F8_E8M0"
     assert dtypes["layers.2.ffn.experts.5.w2.weight"] == "I8"
+    assert dtypes["layers.1.ffn.experts.5.w2.weight"] == "F4"
+    assert ckpt.shards[0].shape("layers.1.ffn.experts.5.w2.weight") == (64, 32)  # F4: the logical shape
     assert dtypes["layers.1.attn.compressor.wkv.weight"] == "BF16"
     assert dtypes["layers.3.attn.compressor.wkv.weight"] == "F8_E4M3"  # decided per tensor
     hf = hf_from_official(dequantized, config, tmp_path / "hf-dequantized")
