@@ -171,6 +171,18 @@ def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend,
 
 
 # --- the whole model ---------------------------------------------------------------------------
+#
+# Why the whole-model checks are relative to HF's own bf16 run and not absolute: in a *random*
+# routed MoE a bf16 rounding difference of ~1% in the hidden state flips an expert (or an expert
+# group) at a sizeable share of positions; the swapped-in random expert is unrelated to the one it
+# replaces, so the logits move by O(1) there. HF's own bf16 model shows it against its fp32 model
+# (H200, seeds below): tiny config mean |Δlogprob| 0.036 / p99 0.36, the mid config with fixed
+# 0.12 weights 0.96 / 6.1, with fan-in-scaled weights 0.12 / 1.2 — all above the Qwen3 thresholds
+# (0.06 / 0.20), which a trained dense model meets. Our bf16 cuda path measured 0.043 / 0.56,
+# 0.92 / 5.7 and 0.12 / 1.27 on the same runs, chunked prefill bit-identical to one-shot. So the
+# bar is: our bf16 path is no further from the exact (fp32) model than HF's bf16 is, within a
+# stated factor. A real bug (a wrong softmax scale, RoPE order, routing rule) moves every
+# position and is far outside it.
 
 GPU_TINY = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "q_lora_rank": 32,
             "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
@@ -191,6 +203,37 @@ def _logprobs(logits):
         - logits.max(-1, keepdims=True)
 
 
+def _top_token_deviation(logits, exact_logits):
+    """|Δlogprob| of the exact model's top token at every position."""
+    mine, exact = _logprobs(logits), _logprobs(exact_logits)
+    top = np.argmax(exact, -1)[:, None]
+    return np.abs(np.take_along_axis(mine, top, 1) - np.take_along_axis(exact, top, 1))[:, 0]
+
+
+def _hf_logits(path, prompts, dtype):
+    """HF ``DeepseekV3ForCausalLM`` logits per prompt, on the GPU, in ``dtype`` (fp32: no TF32)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA for the HF reference")
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    with torch.no_grad():
+        out = [hf(torch.tensor([p]).cuda()).logits[0].float().cpu().numpy() for p in prompts]
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
+def _assert_within_hf_bf16_noise(ours, hf_bf16, mean_factor, p99_factor):
+    """``ours`` / ``hf_bf16``: per-position deviations from the exact model, pooled over prompts."""
+    stats = {name: (float(d.mean()), float(np.quantile(d, 0.99))) for name, d in (("ours", ours), ("hf_bf16", hf_bf16))}
+    (mean, p99), (hf_mean, hf_p99) = stats["ours"], stats["hf_bf16"]
+    assert mean <= mean_factor * hf_mean and p99 <= p99_factor * hf_p99, stats
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     from tests.helpers.tiny_deepseek_v3 import write_quantized_copy, write_tiny_deepseek_v3
@@ -202,17 +245,31 @@ def tiny_dirs(tmp_path_factory):
     return root
 
 
+TINY_PROMPTS = [np.random.default_rng(seed).integers(3, 160, 90).tolist() for seed in (1, 2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_bf16_noise(tiny_dirs):
+    """How far HF's own bf16 run of the tiny checkpoint is from its fp32 run (fp32 on disk)."""
+    torch = pytest.importorskip("torch")
+
+    exact = _hf_logits(tiny_dirs / "bf16", TINY_PROMPTS, torch.float32)
+    bf16 = _hf_logits(tiny_dirs / "bf16", TINY_PROMPTS, torch.bfloat16)
+    return np.concatenate([_top_token_deviation(b, e) for b, e in zip(bf16, exact, strict=True)])
+
+
 @pytest.mark.parametrize("variant", ["bf16", "int4", "fp8"])
-def test_model_on_cuda_matches_numpy_teacher_forced(cuda_available_backend, tiny_dirs, variant):
+def test_model_on_cuda_matches_numpy_teacher_forced(cuda_available_backend, tiny_dirs, tiny_hf_bf16_noise, variant):
+    """Chunked prefill with single-token (absorbed) steps in between, against the NumPy fp32 model
+    of the same checkpoint (= HF fp32 within 1e-4, tests/plugins): at most 1.5x HF bf16's own mean
+    deviation from fp32 and 2x its p99 (p99 of 360 positions is nearly the maximum, so noisier)."""
     from tests.helpers.engine_utils import prefill_logits
 
     path = tiny_dirs / variant
-    prompt = np.random.default_rng(1).integers(3, 160, 90).tolist()
-    reference = _logprobs(prefill_logits(_build(path, "cpu"), prompt))
-    ours = _logprobs(prefill_logits(_build(path, "cuda"), prompt, chunk_sizes=[40, 1, 1, 48]))
-    diff = np.abs(np.take_along_axis(ours, np.argmax(reference, -1)[:, None], 1)
-                  - np.take_along_axis(reference, np.argmax(reference, -1)[:, None], 1))
-    assert diff.mean() <= 0.06 and np.quantile(diff, 0.99) <= 0.20
+    reference, ours = _build(path, "cpu"), _build(path, "cuda")
+    diffs = np.concatenate([_top_token_deviation(prefill_logits(ours, p, chunk_sizes=[40, 1, 1, 48]),
+                                                 prefill_logits(reference, p)) for p in TINY_PROMPTS])
+    _assert_within_hf_bf16_noise(diffs, tiny_hf_bf16_noise, 1.5, 2.0)
 
 
 def test_cuda_graph_replay_equals_eager(cuda_available_backend, tiny_dirs):
@@ -245,28 +302,25 @@ MID = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "moe_
 
 
 def test_mid_size_model_matches_hf_bf16_teacher_forced(cuda_available_backend, tmp_path):
-    """A DeepSeek-V3-shaped mid-size checkpoint (bf16 on disk): our cuda model against HF
-    ``DeepseekV3ForCausalLM`` in bf16 on the same GPU, on HF's top token at every position:
-    mean |Δlogprob| <= 0.06 and p99 <= 0.20 (the Qwen3 thresholds)."""
+    """A DeepSeek-V3-shaped mid-size checkpoint (bf16 on disk, fan-in-scaled random weights):
+    our cuda model and HF ``DeepseekV3ForCausalLM`` in bf16, both against HF in fp32 on the same
+    GPU, on the fp32 top token at every position of 6 prompts: our mean |Δlogprob| at most 1.25x
+    HF bf16's, our p99 at most 1.5x (see the section comment for why not the absolute Qwen3
+    thresholds; the deviation from HF bf16 itself is printed)."""
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs torch with CUDA for the HF bf16 reference")
-    from transformers import AutoModelForCausalLM
 
     from tests.helpers.engine_utils import prefill_logits
     from tests.helpers.tiny_deepseek_v3 import write_tiny_deepseek_v3
 
-    path, _ = write_tiny_deepseek_v3(tmp_path / "mid", seed=7, dtype="bfloat16", **MID)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours = _build(path, "cuda")
+    path, _ = write_tiny_deepseek_v3(tmp_path / "mid", seed=7, dtype="bfloat16", fan_in_gain=1.0, **MID)
     rng = np.random.default_rng(3)
-    diffs = []
-    for _ in range(6):
-        prompt = rng.integers(3, MID["vocab_size"], int(rng.integers(40, 200))).tolist()
-        with torch.no_grad():
-            reference = _logprobs(hf(torch.tensor([prompt]).cuda()).logits[0].float().cpu().numpy())
-        mine = _logprobs(prefill_logits(ours, prompt))
-        top = np.argmax(reference, -1)[:, None]
-        diffs.append(np.abs(np.take_along_axis(mine, top, 1) - np.take_along_axis(reference, top, 1))[:, 0])
-    diffs = np.concatenate(diffs)
-    assert diffs.mean() <= 0.06 and np.quantile(diffs, 0.99) <= 0.20, (diffs.mean(), np.quantile(diffs, 0.99))
+    prompts = [rng.integers(3, MID["vocab_size"], int(rng.integers(40, 200))).tolist() for _ in range(6)]
+    exact = _hf_logits(path, prompts, torch.float32)
+    hf_bf16 = _hf_logits(path, prompts, torch.bfloat16)
+    ours = _build(path, "cuda")
+    mine = [prefill_logits(ours, p) for p in prompts]
+    ours_dev = np.concatenate([_top_token_deviation(m, e) for m, e in zip(mine, exact, strict=True)])
+    hf_dev = np.concatenate([_top_token_deviation(b, e) for b, e in zip(hf_bf16, exact, strict=True)])
+    vs_hf_bf16 = np.concatenate([_top_token_deviation(m, b) for m, b in zip(mine, hf_bf16, strict=True)])
+    print(f"ours vs HF bf16: mean {vs_hf_bf16.mean():.4f} p99 {np.quantile(vs_hf_bf16, 0.99):.4f}")
+    _assert_within_hf_bf16_noise(ours_dev, hf_dev, 1.25, 1.5)

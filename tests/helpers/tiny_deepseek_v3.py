@@ -46,9 +46,15 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     return {**TINY_DEEPSEEK_V3, **overrides}
 
 
-def random_hf_model(config_dict: dict[str, Any], seed: int = 0) -> Any:
+def random_hf_model(config_dict: dict[str, Any], seed: int = 0, fan_in_gain: float | None = None) -> Any:
     """An HF ``DeepseekV3ForCausalLM`` (fp32) with every parameter and buffer randomised —
-    norms around 1, ``e_score_correction_bias`` too (HF initialises it to 0)."""
+    norms around 1, ``e_score_correction_bias`` too (HF initialises it to 0).
+
+    Matrices get std 0.12 by default (tiny configs: every weight matters at fp32 tolerances);
+    ``fan_in_gain`` scales them as ``gain / sqrt(fan_in)`` instead, the conditioning of a trained
+    model. A fixed 0.12 at hidden 1024 makes attention scores ~8 std and the network chaotic:
+    HF's own bf16 run then differs from its fp32 run by mean |Δlogprob| ~0.7, so a bf16-vs-bf16
+    comparison at mid size needs the fan-in scaling to measure anything but rounding noise."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -58,6 +64,8 @@ def random_hf_model(config_dict: dict[str, Any], seed: int = 0) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             scale = 0.3 if "norm" in name else 0.12
+            if fan_in_gain is not None and "norm" not in name and param.ndim >= 2:
+                scale = fan_in_gain / param.shape[-1] ** 0.5
             param.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -65,13 +73,14 @@ def random_hf_model(config_dict: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
-def write_tiny_deepseek_v3(path: Path, seed: int = 0, dtype: str = "float32", **overrides: Any) -> tuple[Path, Any]:
+def write_tiny_deepseek_v3(path: Path, seed: int = 0, dtype: str = "float32", fan_in_gain: float | None = None,
+                           **overrides: Any) -> tuple[Path, Any]:
     """config.json + model.safetensors (``dtype``: float32 or bfloat16 on disk); returns
     ``(path, the fp32 HF model)``."""
     import torch
 
     config_dict = tiny_config(**overrides)
-    model = random_hf_model(config_dict, seed)
+    model = random_hf_model(config_dict, seed, fan_in_gain)
     path.mkdir(parents=True, exist_ok=True)
     if dtype == "float32":
         model.save_pretrained(path, safe_serialization=True)
