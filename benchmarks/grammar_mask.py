@@ -276,7 +276,9 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
 
 
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, schema: dict | None) -> float:
-    """Mean time between a request's tokens, over ``batch`` concurrent requests."""
+    """Steady-state decode TPOT of ``batch`` concurrent requests: the mean gap between a request's
+    tokens, counting only gaps after every request has its first token (so prefill chunks of late
+    arrivals, and admission — a constrained request is compiled there — stay out of it)."""
     from openinfer.v1 import engine_pb2 as pb
 
     async def one(index: int) -> list[float]:
@@ -289,12 +291,14 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, sche
         async for event in engine.generate(request):
             if event.WhichOneof("event") == "tokens":
                 stamps.append(time.perf_counter())
-        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return stamps
 
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
-    gaps = [g for row in asyncio.run(run()) for g in row]
+    stamps = asyncio.run(run())
+    all_started = max(row[0] for row in stamps)
+    gaps = [b - a for row in stamps for a, b in zip(row, row[1:], strict=False) if a >= all_started]
     return statistics.fmean(gaps) * 1e3
 
 
