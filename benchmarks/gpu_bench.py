@@ -40,21 +40,10 @@ def log(message: str) -> None:
 
 
 def gpu_time(fn, repeat: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` between CUDA events on the current stream."""
-    import cupy
+    """Median seconds of ``fn`` between CUDA events on the current stream (core's kernel-ledger timer)."""
+    from openinfer.tools.ledger import gpu_seconds
 
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(times))
+    return gpu_seconds(fn, repeat, warmup)
 
 
 def wall_time(fn, repeat: int, warmup: int = 2) -> float:

@@ -69,6 +69,7 @@ from openinfer.parallel.tensor import (
     vocab_parallel_logits,
     vocab_rows,
 )
+from openinfer.plugin_glue import create_paged_engine, name_hooks
 from openinfer.plugins import discover_plugins, read_generation_config, read_model_config, score_architectures
 from openinfer.rope import RopeParameters, RotaryEmbedding, rope_parameters_from_config
 from openinfer.runtime import ModelSpec, PagedEngine, PagedModel
@@ -104,5 +105,5 @@ __all__ = [
     "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
     "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows", "ModelMemory",
     "TensorPlacement", "dense_model_memory", "decoder_model_memory", "decoder_tensor_shapes",
-    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError",
+    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError", "create_paged_engine", "name_hooks",
 ]

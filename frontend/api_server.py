@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 
 from openinfer.engine import EngineHandle
-from openinfer.errors import OpenInferError, PortInUseError
-from openinfer.frontend.serve import STARTUP_FAILURE
+from openinfer.frontend.serve import exit_status_of
 
 logger = logging.getLogger("openinfer.api_server")
 CORE_CONNECT_TIMEOUT_S = 3600.0
@@ -111,13 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
     try:
-        return _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index))
-    except PortInUseError as exc:
-        logger.error("cannot serve: %s", exc)
-        return STARTUP_FAILURE
-    except OpenInferError as exc:
-        logger.error("%s", exc)
-        return 2
+        return exit_status_of(lambda: _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index)), logger)
     except KeyboardInterrupt:
         return 0
 

@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +279,19 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def exit_status_of(serve_until_done: Callable[[], int], log: logging.Logger) -> int:
+    """``serve_until_done()``'s status, or the exit status of its startup failure (logged): the
+    port is taken -> STARTUP_FAILURE, a bad option or model (``OpenInferError``) -> 2."""
+    try:
+        return serve_until_done()
+    except PortInUseError as exc:
+        log.error("cannot serve: %s", exc)
+        return STARTUP_FAILURE
+    except OpenInferError as exc:
+        log.error("%s", exc)
+        return 2
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine and args.model_path:
@@ -300,13 +313,7 @@ def run(args: argparse.Namespace) -> int:
         warn_if_exposed(args, api_key)
         return Supervisor(args, options, api_key).run()
     try:
-        return asyncio.run(serve(args))
-    except PortInUseError as exc:
-        logger.error("cannot serve: %s", exc)
-        return STARTUP_FAILURE
-    except OpenInferError as exc:
-        logger.error("%s", exc)
-        return 2
+        return exit_status_of(lambda: asyncio.run(serve(args)), logger)
     except OSError as exc:  # e.g. a port already in use
         logger.error("cannot serve: %s", exc)
         return 1

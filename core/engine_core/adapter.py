@@ -10,7 +10,6 @@ the engine's steps begin and end.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from typing import Any
 
@@ -21,6 +20,7 @@ from openinfer.engine_core.slots import (
     SCHEDULED,
     TOKEN,
     TOKENS_PB,
+    drain,
     finished_payload,
 )
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -68,11 +68,7 @@ class HandleAdapter:
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
         while not self._stopping:
-            while True:
-                try:
-                    command, payload = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
+            for command, payload in drain(self._inbox):
                 if command == "add":
                     self._tasks[payload.request_id] = asyncio.create_task(self._consume(payload))
                 elif command == "abort":

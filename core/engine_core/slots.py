@@ -23,7 +23,8 @@ Entry payloads (plain Python values, so msgspec encodes them without a schema):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import queue
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from openinfer.v1 import engine_pb2 as pb
@@ -130,6 +131,16 @@ class RequestSlot:
             if self.terminal is not None and not self.ids and self.cached is None:
                 yield self.terminal
                 return
+
+
+def drain(inbox: Any) -> Iterator[tuple[str, Any]]:
+    """The ``(command, payload)`` items waiting in an engine's command inbox (a ``queue.Queue`` or
+    anything with ``get_nowait()`` raising ``queue.Empty``), without blocking."""
+    while True:
+        try:
+            yield inbox.get_nowait()
+        except queue.Empty:
+            return
 
 
 def dispatch(slots: dict[str, RequestSlot], entries: list) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from openinfer.backend.base import StateLayer
-from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot
+from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
@@ -544,11 +544,7 @@ class PagedEngine:
             else:
                 self._finish(request, reason)
         # anything submitted but never seen by the scheduler
-        while True:
-            try:
-                command, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for command, payload in drain(self._inbox):
             if command == "add":
                 self._emit(payload.request_id, ERROR, [pb.ERROR_CODE_UNAVAILABLE, message], final=True)
 

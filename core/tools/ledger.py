@@ -257,6 +257,25 @@ extern "C" __global__ void spin(long long cycles) {
 """
 
 
+def gpu_seconds(fn: Any, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` between CUDA events on the current stream, after ``warmup``
+    untimed calls (also the benchmarks' GPU timer)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(statistics.median(times))
+
+
 class Timer:
     def __init__(self) -> None:
         import cupy
@@ -320,18 +339,7 @@ class Timer:
                 "event_cost_s": event_cost, "forward_host_s": statistics.median(forward_host)}
 
     def gpu(self, fn: Any, repeats: int) -> float:
-        cupy = self.cupy
-        fn()
-        cupy.cuda.get_current_stream().synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-        return statistics.median(times)
+        return gpu_seconds(fn, repeats)
 
     def wall(self, fn: Any, repeats: int) -> float:
         fn()

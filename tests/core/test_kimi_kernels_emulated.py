@@ -1,5 +1,5 @@
 """core's MoE (``kernels/moe.cu``, plain-FMA build USE_MMA=0) and MLA (``kernels/mla.cu``) CUDA
-sources compiled with g++ against a host stand-in for the CUDA built-ins (``cuda_emulation/``)
+sources compiled with g++ against a host stand-in for the CUDA built-ins (tests/helpers/cuda_host)
 and run on the CPU against the NumPy references: checks routing, grouping, tile schedule, the
 in-kernel dequantisation of bf16 / INT4 / FP8 weights, the combine, the latent write and the
 absorbed attention's indexing in CI, where there is no GPU. The tensor-core path, launch glue and
@@ -7,8 +7,6 @@ speed are covered by the ``gpu`` tests (tests/gpu/test_kimi_ops.py)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -25,26 +23,16 @@ from openinfer.quant import (
     quantize_int4_group,
 )
 from openinfer.rope import RopeParameters
+from tests.helpers.cuda_emulation import bf16, compile_harness, read_array, run_harness
 
 REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).parent / "cuda_emulation"
+HARNESS = Path(__file__).parent / "cuda_emulation" / "harness.cpp"
 REF = NumpyBackend()
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 
 
-def bf16(x) -> np.ndarray:
-    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
-
-
 def build(tmp: Path, name: str, defines: dict[str, int]) -> Path:
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("needs g++ to compile the kernels for the host")
-    binary = tmp / name
-    flags = [f"-D{k}={v}" for k, v in defines.items()]
-    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", *flags, f"-I{HERE / 'include'}",
-                    f"-I{REPO / 'core' / 'kernels'}", str(HERE / "harness.cpp"), "-o", str(binary)], check=True)
-    return binary
+    return compile_harness(HARNESS, REPO / "core" / "kernels", tmp / name, defines)
 
 
 def relative_error(ours, reference) -> float:
@@ -93,29 +81,26 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     params = [tokens, hidden, spec.num_experts, spec.top_k, {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[spec.scoring],
               spec.num_groups, spec.topk_groups, int(spec.group_score == "max"), int(spec.norm_topk_prob),
               2 * inter, hidden, inter, int(use_bias)]
-    files = {"params": np.array(params, np.int32), "scaling": np.array([spec.routed_scaling_factor], np.float32),
+    run_harness(binary, tmp_path, **{"params": np.array(params, np.int32), "scaling": np.array([spec.routed_scaling_factor], np.float32),
              "x": float32_to_bf16(x), "gate": float32_to_bf16(gate), "bias": bias, "w1": w1, "s1": s1, "w2": w2,
-             "s2": s2}
-    for name, array in files.items():
-        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
-    subprocess.run([str(binary), str(tmp_path)], check=True, timeout=600)
-    ids = np.fromfile(tmp_path / "ids.bin", np.int32).reshape(tokens, spec.top_k)
-    weights = np.fromfile(tmp_path / "weights.bin", np.float32).reshape(tokens, spec.top_k)
+             "s2": s2})
+    ids = read_array(tmp_path, "ids", np.int32, (tokens, spec.top_k))
+    weights = read_array(tmp_path, "weights", np.float32, (tokens, spec.top_k))
     ref_weights, ref_ids = route(x @ gate.T, spec, bias if use_bias else None)
     order, ref_order = np.argsort(ids, 1), np.argsort(ref_ids, 1)
     assert np.array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(ref_ids, ref_order, 1))
     assert np.allclose(np.take_along_axis(weights, order, 1), np.take_along_axis(ref_weights, ref_order, 1),
                        rtol=1e-5, atol=1e-6)
-    offsets = np.fromfile(tmp_path / "offsets.bin", np.int32)
+    offsets = read_array(tmp_path, "offsets", np.int32, -1)
     assert np.array_equal(np.diff(offsets), np.bincount(ref_ids.reshape(-1), minlength=spec.num_experts))
     if use_bias:
         assert offsets[1] > 64
-    out = bf16_to_float32(np.fromfile(tmp_path / "out.bin", np.uint16)).reshape(tokens, hidden)
+    out = read_array(tmp_path, "out", np.uint16, (tokens, hidden))
     experts = [ExpertWeights(REF.linear_weight(w1_ref[e]), REF.linear_weight(w2_ref[e]))
                for e in range(spec.num_experts)]
     reference = run_experts(REF, x, ref_weights, group_by_expert(ref_ids, spec.num_experts), experts)
     assert relative_error(out, reference) < 2e-2
-    dense = bf16_to_float32(np.fromfile(tmp_path / "dense.bin", np.uint16)).reshape(tokens, 2 * inter)
+    dense = read_array(tmp_path, "dense", np.uint16, (tokens, 2 * inter))
     assert relative_error(dense, x @ w1_ref[0].T) < 1e-2
 
 
@@ -143,14 +128,11 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     q_latent = bf16(rng.standard_normal((tokens, heads, lora)))
     rope = RotaryEmbedding.create(rope_dim, RopeParameters(10000.0), 64)
     scale = 0.17
-    files = {"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size, splits], np.int32),
+    run_harness(binary, tmp_path, **{"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size, splits], np.int32),
              "scale": np.array([scale], np.float32), "latent": float32_to_bf16(latent), "norm": float32_to_bf16(norm),
              "q": float32_to_bf16(q), "q_latent": float32_to_bf16(q_latent), "cache": float32_to_bf16(cache),
              "positions": positions, "slots": slots, "tables": tables, "query_start": query_start,
-             "cos": rope.cos, "sin": rope.sin}
-    for name, array in files.items():
-        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
-    subprocess.run([str(binary), str(tmp_path)], check=True, timeout=600)
+             "cos": rope.cos, "sin": rope.sin})
     # reference: latent write, q rope, absorbed attention per token over its causal context
     cos, sin = rope.cos[positions], rope.sin[positions]
     ref_cache = cache.reshape(-1, latent_dim).copy()
@@ -165,11 +147,11 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
         scores = (q_latent[t] @ rows[:, :lora].T + q_rot[t, :, nope:] @ rows[:, lora:].T) * scale
         p = np.exp(scores - scores.max(-1, keepdims=True))
         reference[t] = (p / p.sum(-1, keepdims=True)) @ rows[:, :lora]
-    cache_out = bf16_to_float32(np.fromfile(tmp_path / "cache_out.bin", np.uint16)).reshape(-1, latent_dim)
+    cache_out = read_array(tmp_path, "cache_out", np.uint16, (-1, latent_dim))
     assert relative_error(cache_out[slots], ref_cache[slots]) < 1e-2
     untouched = np.setdiff1d(np.arange(len(ref_cache)), slots)
     assert np.array_equal(cache_out[untouched], ref_cache[untouched])
-    q_out = bf16_to_float32(np.fromfile(tmp_path / "q_out.bin", np.uint16)).reshape(tokens, heads, q_stride)
+    q_out = read_array(tmp_path, "q_out", np.uint16, (tokens, heads, q_stride))
     assert relative_error(q_out, q_rot) < 1e-2
-    out = bf16_to_float32(np.fromfile(tmp_path / "out.bin", np.uint16)).reshape(tokens, heads, lora)
+    out = read_array(tmp_path, "out", np.uint16, (tokens, heads, lora))
     assert relative_error(out, reference) < 2e-2

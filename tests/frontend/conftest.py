@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from fakes import FakeEngine
 from tiny_checkpoints import write_tokenizer
+
+from openinfer.tokenizer import Tokenizer
 
 
 class LiveServer:
@@ -82,3 +85,15 @@ def plain_tokenizer_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tokenizer_plain")
     write_tokenizer(directory, chat_template=None)
     return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer, tokenizer_dir) -> FakeEngine:
+    """The fake engine behind the HTTP tests (a module that needs another defines its own)."""
+    return FakeEngine(tokenizer.vocab_size, tokenizer.eos_token_ids, max_model_len=256,
+                      tokenizer_path=str(tokenizer_dir), sample_low=3)

@@ -27,17 +27,6 @@ MODEL = "tiny-fake"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer, tokenizer_dir) -> FakeEngine:
-    return FakeEngine(tokenizer.vocab_size, tokenizer.eos_token_ids, max_model_len=256,
-                      tokenizer_path=str(tokenizer_dir), sample_low=3)
-
-
-@pytest.fixture(scope="module")
 def server(engine, tokenizer):
     with LiveServer(create_app(engine, tokenizer, MODEL)) as live:
         yield live

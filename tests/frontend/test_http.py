@@ -9,7 +9,6 @@ import httpx
 import openai
 import pytest
 from conftest import LiveServer, wait_until
-from fakes import FakeEngine
 from tiny_checkpoints import byte_token_ids
 
 from openinfer.frontend.http import create_app
@@ -17,17 +16,6 @@ from openinfer.tokenizer import Tokenizer
 
 MODEL = "tiny-fake"
 MAX_BODY = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer, tokenizer_dir) -> FakeEngine:
-    return FakeEngine(tokenizer.vocab_size, tokenizer.eos_token_ids, max_model_len=256,
-                      tokenizer_path=str(tokenizer_dir), sample_low=3)
 
 
 @pytest.fixture(scope="module")

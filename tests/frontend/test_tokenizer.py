@@ -11,11 +11,6 @@ from openinfer.errors import InvalidRequestError
 from openinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, TokenizerNotFoundError
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tokenizer_dir)
-
-
 def test_loads_special_tokens_and_generation_eos(tokenizer):
     assert tokenizer.eos_token == "<|im_end|>"
     im_end, endoftext = tokenizer.raw.token_to_id("<|im_end|>"), tokenizer.raw.token_to_id("<|endoftext|>")

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+from openinfer import EngineOptions
 from openinfer.backend.base import ForwardBatch
 from openinfer.v1 import engine_pb2 as pb
 
@@ -92,3 +97,37 @@ def prefill_logits(model, token_ids: Sequence[int], chunk_sizes: Sequence[int] |
         out.append(ops.to_host(model.forward(ops.prepare_batch(batch), kv)))
         start += size
     return np.concatenate(out)
+
+
+def build_plugin_engine(plugin: ModuleType, path: Path, **options):
+    """``plugin.openinfer_create_engine`` on the checkpoint in ``path``, on the CPU."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu", **options))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def assert_everything_returned(engine) -> None:
+    """No request holds a KV block or a live state slot once every request has finished (the
+    prefix cache's state snapshots keep theirs)."""
+    assert wait_until(lambda: engine.load().num_running == 0
+                      and engine.state_slots.num_used_slots == engine.kv.num_snapshots), \
+        engine.state_slots.owners()
+    assert not any(not owner.startswith("\x00snapshot") for owner in engine.state_slots.owners())
+    load = engine.load()
+    assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0, load
+
+
+def run_greedy_batch(engine, prompts: Sequence[Sequence[int]], reference: dict[tuple[int, ...], list[int]],
+                     max_tokens: int, prefix: str) -> list[Outcome]:
+    """Greedy ``prompts`` submitted together; asserts each equals ``reference[tuple(prompt)]``."""
+    outcomes = run_all(engine, [make_request(f"{prefix}{i}", p, max_tokens=max_tokens) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in outcomes] == [reference[tuple(p)] for p in prompts]
+    return outcomes

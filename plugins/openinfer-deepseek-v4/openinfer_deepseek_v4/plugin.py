@@ -20,10 +20,10 @@ from openinfer import (
     ParallelConfigError,
     RankContext,
     create_backend,
-    create_parallel_model,
+    create_paged_engine,
     hookimpl,
+    name_hooks,
     read_generation_config,
-    score_architectures,
 )
 from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
@@ -35,14 +35,7 @@ from openinfer_deepseek_v4.weights import load_weights
 PLUGIN_NAME = "openinfer-deepseek-v4"
 
 
-@hookimpl
-def openinfer_match(config: dict[str, Any]) -> int | None:
-    return score_architectures(config, ARCHITECTURES, MODEL_TYPES)
-
-
-@hookimpl
-def openinfer_claims() -> list[str]:
-    return [*ARCHITECTURES, *MODEL_TYPES]
+openinfer_match, openinfer_claims = name_hooks(ARCHITECTURES, MODEL_TYPES)
 
 
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
@@ -81,9 +74,9 @@ def engine_options(options: EngineOptions) -> EngineOptions:
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
     if options.expert_parallel_size == 1 and options.tensor_parallel_size == 1:
         model = build_model(model_path, config, create_backend(options.device), options)
-    else:
-        model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
-    return PagedEngine(model, engine_options(options), model_path=model_path, plugin=PLUGIN_NAME)
+        return PagedEngine(model, engine_options(options), model_path=model_path, plugin=PLUGIN_NAME)
+    return create_paged_engine(PLUGIN_NAME, model_path, options, partial(_rank_model, model_path, config, options),
+                               engine_options=engine_options(options))
 
 
 @hookimpl

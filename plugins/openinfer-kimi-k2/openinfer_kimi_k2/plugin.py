@@ -15,7 +15,7 @@ from openinfer import (
     ParallelConfigError,
     RankContext,
     create_backend,
-    create_parallel_model,
+    create_paged_engine,
     hookimpl,
     read_generation_config,
 )
@@ -87,8 +87,7 @@ def openinfer_create_engine(model_path: str, config: dict[str, Any], options: En
     if options.expert_parallel_size == 1 and options.tensor_parallel_size == 1:
         return PagedEngine(build_model(model_path, config, options), options, model_path=model_path,
                            plugin=PLUGIN_NAME)
-    model = create_parallel_model(partial(_rank_model, model_path, config, options), options)
-    return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+    return create_paged_engine(PLUGIN_NAME, model_path, options, partial(_rank_model, model_path, config, options))
 
 
 @hookimpl

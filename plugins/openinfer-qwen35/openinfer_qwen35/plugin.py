@@ -20,9 +20,10 @@ from openinfer import (
     ModelMemory,
     PagedEngine,
     RankContext,
-    create_parallel_model,
+    create_paged_engine,
     dense_model_memory,
     hookimpl,
+    name_hooks,
     read_generation_config,
 )
 from openinfer_qwen35.config import ARCHITECTURES, MODEL_TYPES, Qwen35Config
@@ -33,18 +34,7 @@ from openinfer_qwen35.weights import load_weights, qwen35_tensor_shapes
 PLUGIN_NAME = "openinfer-qwen35"
 
 
-@hookimpl
-def openinfer_match(config: dict[str, Any]) -> int | None:
-    if any(a in ARCHITECTURES for a in config.get("architectures") or []):
-        return 100
-    if config.get("model_type") in MODEL_TYPES:
-        return 50
-    return None
-
-
-@hookimpl
-def openinfer_claims() -> list[str]:
-    return [*ARCHITECTURES, *MODEL_TYPES]
+openinfer_match, openinfer_claims = name_hooks(ARCHITECTURES, MODEL_TYPES)
 
 
 def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend,
@@ -70,9 +60,8 @@ def _rank_model(model_path: str, config: dict[str, Any], options: EngineOptions,
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    model = create_parallel_model(partial(_rank_model, model_path, config, options), options,
-                                  openinfer_model_memory(config), max_model_len=4096)
-    return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+    return create_paged_engine(PLUGIN_NAME, model_path, options, partial(_rank_model, model_path, config, options),
+                               openinfer_model_memory(config), max_model_len=4096)
 
 
 @hookimpl

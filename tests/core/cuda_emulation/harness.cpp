@@ -1,4 +1,4 @@
-// Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (see include/cuda_bf16.h)
+// Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (tests/helpers/cuda_host)
 // on arrays read from a directory written by tests/core/test_kimi_kernels_emulated.py; writes the
 // outputs back there. Build with -DMOE or -DMLA (and the kernel's own defines).
 #ifdef MOE
@@ -7,73 +7,7 @@
 #include "mla.cu"
 #endif
 
-#include <cstdio>
-#include <cstdlib>
-#include <memory>
-#include <string>
-#include <thread>
-#include <vector>
-
-thread_local EmulatedDim3 threadIdx, blockIdx;
-EmulatedDim3 blockDim, gridDim;
-static std::barrier<>* block_barrier = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-static float shuffle_slots[1024];
-
-void __syncthreads() { block_barrier->arrive_and_wait(); }
-
-// All 32 lanes of a warp call this together (warp_sum / warp_max); they meet at their warp's barrier.
-float __shfl_xor_sync(unsigned, float value, int lane_mask) {
-    const unsigned t = threadIdx.x;
-    std::barrier<>& warp = *warp_barriers[t / 32];
-    warp.arrive_and_wait();
-    shuffle_slots[t] = value;
-    warp.arrive_and_wait();
-    return shuffle_slots[(t & ~31u) | ((t & 31u) ^ static_cast<unsigned>(lane_mask))];
-}
-
-template <class Kernel>
-static void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, Kernel kernel) {
-    gridDim = {grid_x, grid_y, grid_z};
-    blockDim = {threads, 1, 1};
-    for (unsigned bz = 0; bz < grid_z; ++bz)
-    for (unsigned by = 0; by < grid_y; ++by)
-        for (unsigned bx = 0; bx < grid_x; ++bx) {
-            std::barrier<> barrier(threads);
-            block_barrier = &barrier;
-            warp_barriers.clear();
-            for (unsigned w = 0; w < (threads + 31) / 32; ++w)
-                warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; ++t)
-                pool.emplace_back([=] {
-                    threadIdx = {t, 0, 0};
-                    blockIdx = {bx, by, bz};
-                    kernel();
-                });
-            for (auto& th : pool) th.join();
-        }
-}
-
-template <class T>
-static std::vector<T> load(const std::string& dir, const char* name) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
-    if (!f) { std::fprintf(stderr, "missing %s\n", name); std::exit(2); }
-    std::fseek(f, 0, SEEK_END);
-    const long bytes = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> data(bytes / sizeof(T) + 1);  // +1: never empty
-    if (std::fread(data.data(), 1, bytes, f) != static_cast<size_t>(bytes)) std::exit(3);
-    std::fclose(f);
-    return data;
-}
-
-template <class T>
-static void save(const std::string& dir, const char* name, const T* data, size_t count) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
-    std::fwrite(data, sizeof(T), count, f);
-    std::fclose(f);
-}
+#include "harness.h"
 
 int main(int argc, char** argv) {
     const std::string dir = argv[1];
@@ -159,7 +93,7 @@ int main(int argc, char** argv) {
     });
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
-    save(dir, "cache_out.bin", cache.data(), cache.size() - 1);
+    save(dir, "cache_out.bin", cache);
     save(dir, "out.bin", out.data(), out.size());
 #endif
     return 0;

@@ -5,8 +5,6 @@ where there is no GPU. Launch glue (CuPy) and speed are the ``gpu`` tests' job."
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from importlib import resources
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from openinfer_deepseek_v4.hyper_connection import collapse, collapse_head, expa
 from openinfer_deepseek_v4.rotary import InterleavedRope
 from openinfer_deepseek_v4.weights import HyperConnectionWeights
 
-from openinfer import bf16_to_float32, float32_to_bf16
+from openinfer import float32_to_bf16
 from openinfer.quant import (
     FP8_E4M3_MAX,
     dequantize_fp4_e2m1,
@@ -26,38 +24,20 @@ from openinfer.quant import (
     float32_to_fp8_e4m3,
     quantize_fp4_e2m1,
 )
+from tests.helpers.cuda_emulation import bf16, compile_harness, read_array, run_harness
 
-TESTS = Path(__file__).parent
-# core's host stand-in for <cuda_bf16.h> and the CUDA built-ins
-INCLUDE = TESTS.parents[1] / "core" / "cuda_emulation" / "include"
+HARNESS = Path(__file__).parent / "cuda_emulation" / "harness.cpp"
 NEG_BIG = -3.0e38
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("needs g++ to compile the kernels for the host")
     kernels = Path(str(resources.files("openinfer_deepseek_v4") / "kernels"))
-    binary = tmp_path_factory.mktemp("dsv4-harness") / "harness"
-    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", f"-I{INCLUDE}", f"-I{kernels}",
-                    str(TESTS / "cuda_emulation" / "harness.cpp"), "-o", str(binary)], check=True)
-    return binary
+    return compile_harness(HARNESS, kernels, tmp_path_factory.mktemp("dsv4-harness") / "harness")
 
 
 def run(harness: Path, directory: Path, kernel: str, *args, **arrays) -> None:
-    for name, array in arrays.items():
-        np.ascontiguousarray(array).tofile(directory / f"{name}.bin")
-    subprocess.run([str(harness), str(directory), kernel, *map(str, args)], check=True, timeout=300)
-
-
-def read(directory: Path, name: str, dtype, shape) -> np.ndarray:
-    raw = np.fromfile(directory / f"{name}.bin", dtype=dtype).reshape(shape)
-    return bf16_to_float32(raw) if dtype == np.uint16 else raw
+    run_harness(harness, directory, kernel, *args, timeout=300, **arrays)
 
 
 def rope(rope_dim: int, theta: float = 10000.0) -> InterleavedRope:
@@ -78,7 +58,7 @@ def test_compress_entries(harness, tmp_path):
     run(harness, tmp_path, "compress", slots, dim, rope_dim, windows, rows, 1e-6, slot_kv=kv, slot_gate=gate,
         norm=norm, inv_freq=r.inv_freq, positions=positions, dest=dest)
     expected = pool_entries(kv, np.where(gate == NEG_BIG, -np.inf, gate), norm, positions, r, 1e-6)
-    cache = read(tmp_path, "cache", np.uint16, (rows, dim))
+    cache = read_array(tmp_path, "cache", np.uint16, (rows, dim))
     np.testing.assert_allclose(cache[dest], expected, rtol=1e-2, atol=1e-2)
     assert not cache[[1, 3, 4, 5, 6, 8, 10]].any()  # nothing else written
 
@@ -114,8 +94,8 @@ def test_indexer_scores_and_top_k(harness, tmp_path):
     run(harness, tmp_path, "indexer", len(positions), heads, dim, max_entries, rate, block_size, stride, k, 4,
         q=float32_to_bf16(q), head_weights=weights, keys=float32_to_bf16(keys), tables=tables,
         token_seq=token_seq, positions=positions)
-    scores = read(tmp_path, "scores", np.float32, (len(positions), max_entries))
-    selected = read(tmp_path, "selected", np.int32, (len(positions), k))
+    scores = read_array(tmp_path, "scores", np.float32, (len(positions), max_entries))
+    selected = read_array(tmp_path, "selected", np.int32, (len(positions), k))
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         visible = (p + 1) // rate
         expected = index_scores(q[t : t + 1], per_seq[seq][:visible], weights[t : t + 1])[0]
@@ -146,7 +126,7 @@ def test_sparse_attention(harness, tmp_path, mode):
         window_cache=float32_to_bf16(window_cache), window_tables=window_tables,
         entry_cache=float32_to_bf16(entry_cache), entry_tables=entry_tables, selected=selected,
         token_seq=token_seq, positions=positions, sinks=sinks, inv_freq=r.inv_freq)
-    out = read(tmp_path, "out", np.uint16, q.shape)
+    out = read_array(tmp_path, "out", np.uint16, q.shape)
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
         visible = (p + 1) // rate
@@ -175,14 +155,14 @@ def test_hyper_connection_collapse_expand_and_head(harness, tmp_path):
         fn=layer.fn, base=layer.base, scale=layer.scale, head_fn=head.fn, head_base=head.base,
         head_scale=head.scale)
     x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=iters, norm_eps=1e-6)
-    np.testing.assert_allclose(read(tmp_path, "x", np.uint16, x.shape), x, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(read(tmp_path, "post", np.float32, mixing.post.shape), mixing.post, rtol=1e-4)
-    np.testing.assert_allclose(read(tmp_path, "comb", np.float32, mixing.comb.shape), mixing.comb, rtol=1e-4,
+    np.testing.assert_allclose(read_array(tmp_path, "x", np.uint16, x.shape), x, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(read_array(tmp_path, "post", np.float32, mixing.post.shape), mixing.post, rtol=1e-4)
+    np.testing.assert_allclose(read_array(tmp_path, "comb", np.float32, mixing.comb.shape), mixing.comb, rtol=1e-4,
                                atol=1e-6)
-    np.testing.assert_allclose(read(tmp_path, "expanded", np.float32, streams.shape), expand(streams, y, mixing),
+    np.testing.assert_allclose(read_array(tmp_path, "expanded", np.float32, streams.shape), expand(streams, y, mixing),
                                rtol=1e-4, atol=1e-4)
     expected_head = collapse_head(streams, head, hc_eps=1e-6, norm_eps=1e-6)
-    np.testing.assert_allclose(read(tmp_path, "head_x", np.uint16, x.shape), expected_head, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(read_array(tmp_path, "head_x", np.uint16, x.shape), expected_head, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
@@ -203,5 +183,5 @@ def test_quantized_linear(harness, tmp_path, fmt):
         dequantized = dequantize_fp8_block(codes, e8m0_to_float32(scales))
     run(harness, tmp_path, "quant", rows, in_features, out_features, int(fmt == "fp4"), x=float32_to_bf16(x),
         weight=codes, scales=scales)
-    y = read(tmp_path, "y", np.uint16, (rows, out_features))
+    y = read_array(tmp_path, "y", np.uint16, (rows, out_features))
     np.testing.assert_allclose(y, x @ dequantized.T, rtol=1e-2, atol=5e-2)

@@ -3,15 +3,19 @@ batching, preemption recomputes the attention state, prefix-cache hits (whole co
 open windows restored from snapshots) leave outputs unchanged, seeded sampling is reproducible,
 and every request's blocks and state slot come back when it ends."""
 
-import json
-import time
-
 import numpy as np
 import pytest
 
-from openinfer import EngineOptions, create_engine
+from openinfer import create_engine
 from openinfer.v1 import engine_pb2 as pb
-from tests.helpers.engine_utils import make_request, run_all, run_one
+from tests.helpers.engine_utils import (
+    assert_everything_returned,
+    build_plugin_engine,
+    make_request,
+    run_all,
+    run_greedy_batch,
+    run_one,
+)
 from tests.plugins.deepseek_v4.conftest import prompt
 from tests.plugins.deepseek_v4.dsv4_helpers import hf_greedy
 
@@ -19,22 +23,11 @@ from tests.plugins.deepseek_v4.dsv4_helpers import hf_greedy
 def build_engine(path, **options):
     from openinfer_deepseek_v4 import plugin
 
-    config = json.loads((path / "config.json").read_text())
-    return plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu", **options))
+    return build_plugin_engine(plugin, path, **options)
 
 
 def prompts(count: int) -> list[list[int]]:
     return [prompt(length, seed=10 + i) for i, length in enumerate((70, 93, 121)[:count])]
-
-
-def assert_everything_returned(engine):
-    """No request holds a block or a live state slot (snapshots may stay, in the prefix cache)."""
-    deadline = time.monotonic() + 5
-    while engine.load().num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.state_slots.num_used_slots == engine.kv.num_snapshots
-    load = engine.load()
-    assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0, load
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +42,7 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
     try:
         assert engine.options.enable_prefix_cache
         batch = prompts(3)
-        together = run_all(engine, [make_request(f"r{i}", p, max_tokens=16) for i, p in enumerate(batch)])
-        assert [o.token_ids for o in together] == [hf_reference[tuple(p)] for p in batch]
+        together = run_greedy_batch(engine, batch, hf_reference, 16, "r")
         assert all(o.finish.reason == pb.FINISH_REASON_LENGTH for o in together)
         assert_everything_returned(engine)
     finally:
@@ -64,9 +56,8 @@ def test_preemption_recomputes_the_state(tiny, hf_reference):
     engine = build_engine(path, num_kv_blocks=6, max_num_batched_tokens=32)
     try:
         batch = prompts(3)
-        outcomes = run_all(engine, [make_request(f"p{i}", p, max_tokens=16) for i, p in enumerate(batch)])
+        run_greedy_batch(engine, batch, hf_reference, 16, "p")
         assert engine.scheduler.num_preemptions > 0
-        assert [o.token_ids for o in outcomes] == [hf_reference[tuple(p)] for p in batch]
         assert_everything_returned(engine)
     finally:
         engine.close_sync()

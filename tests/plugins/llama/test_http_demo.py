@@ -3,11 +3,6 @@ for the capital of France over HTTP (greedy) and the answer names Paris."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,41 +10,24 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.helpers.cli_server import cli_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def demo_server(demo_model_dir: Path) -> Iterator[str]:
+def demo_server(demo_model_dir: Path, tmp_path_factory) -> Iterator[str]:
     """The CLI exactly as a user runs it; the cache the fixture filled is the one it reads."""
-    port = free_port()
-    env = {**os.environ, "OPENINFER_CACHE": str(demo_model_dir.parent)}
-    command = [sys.executable, "-m", "openinfer.cli", "serve", "--device", "cpu", "--port", str(port),
-               "--grpc-port", "0", "--num-kv-blocks", "256", "--log-level", "warning"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    deadline = time.monotonic() + 180
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    with cli_server(demo_model_dir.parent, ["--num-kv-blocks", "256", "--log-level", "warning"], log,
+                    _lists_models, poll_s=0.5) as url:
+        yield url + "/v1"
+
+
+def _lists_models(url: str) -> bool:
     try:
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"openinfer serve exited with {server.returncode}:\n{server.stdout.read()}")
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail("openinfer serve did not answer within 180 s")
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).models.list()
+        return True
+    except openai.APIConnectionError:
+        return False
 
 
 def test_openai_chat_completion_says_paris(demo_server: str) -> None:

@@ -10,8 +10,6 @@ operation, and a 64-token context so no generated request can run long."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.cli_server import cli_server
+
 pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = 15
@@ -29,42 +29,19 @@ CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,re
 OPERATIONS = 8  # the routes create_app declares
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def small_demo_server(demo_model_dir: Path, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    env = {**os.environ, "OPENINFER_CACHE": str(demo_model_dir.parent)}
-    command = [sys.executable, "-m", "openinfer.cli", "serve", "--device", "cpu", "--port", str(port),
-               "--grpc-port", "0", "--max-model-len", "64", "--num-kv-blocks", "128", "--log-level", "warning"]
-    with log.open("w") as output:
-        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"openinfer serve exited with {server.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("openinfer serve did not answer within 180 s")
-            time.sleep(0.3)
+    with cli_server(demo_model_dir.parent, ["--max-model-len", "64", "--num-kv-blocks", "128", "--log-level",
+                                            "warning"], log, _answers_health) as url:
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+
+
+def _answers_health(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class HealthProbe(threading.Thread):

@@ -1,12 +1,10 @@
 """The CUDA kernels' own source (``kernels/gated_deltanet.cu``) compiled with g++ against a host
-stand-in for the CUDA built-ins (``cuda_emulation/``) and run on the CPU against the NumPy ops:
+stand-in for the CUDA built-ins (tests/helpers/cuda_host) and run on the CPU against the NumPy ops:
 checks the kernels' indexing, state handling and arithmetic in CI, where there is no GPU.
 Launch glue (CuPy) and performance are covered by the ``gpu`` tests only."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from importlib import resources
 from pathlib import Path
 
@@ -18,27 +16,18 @@ from openinfer_qwen35.kernel_plan import sigmoid_mul
 from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
-from openinfer import bf16_to_float32, float32_to_bf16
+from openinfer import float32_to_bf16
+from tests.helpers.cuda_emulation import bf16, compile_harness, read_array, run_harness
 from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35
 
-HERE = Path(__file__).parent / "cuda_emulation"
+HARNESS = Path(__file__).parent / "cuda_emulation" / "harness.cpp"
 KEY_DIM, VALUE_DIM = 12, 40  # dv not a multiple of 32: idle threads in the last warp
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("needs g++ to compile the kernels for the host")
     kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-    binary = tmp_path_factory.mktemp("gdn-harness") / "harness"
-    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", f"-DDK={KEY_DIM}", f"-I{HERE / 'include'}",
-                    f"-I{kernels}", str(HERE / "harness.cpp"), "-o", str(binary)], check=True)
-    return binary
+    return compile_harness(HARNESS, kernels, tmp_path_factory.mktemp("gdn-harness") / "harness", {"DK": KEY_DIM})
 
 
 def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
@@ -63,16 +52,12 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     token_seq = np.repeat(np.arange(4, dtype=np.int32), lengths)
     norm_x, norm_residual = bf16(rng.standard_normal((5, 80))), bf16(3 * rng.standard_normal((5, 80)))
     norm_weight = (1.0 + 0.3 * bf16(rng.standard_normal(80))).astype(np.float32)  # 1 + w, not rounded
-    files = {"proj": float32_to_bf16(proj), "conv_weight": float32_to_bf16(conv_weight),
+    run_harness(harness, tmp_path, nk, nv, VALUE_DIM, width, config.rms_norm_eps, 24, timeout=300, **{"proj": float32_to_bf16(proj), "conv_weight": float32_to_bf16(conv_weight),
              "conv_state": float32_to_bf16(conv_state), "ssm_state": ssm_state, "neg_decay_rate": neg_rate,
              "dt_bias": dt_bias, "norm": float32_to_bf16(norm), "query_start": query_start, "slots": slots,
              "fresh": fresh.astype(np.int32), "token_seq": token_seq, "gate_x": float32_to_bf16(gate_x),
              "gate_wide": float32_to_bf16(gate_wide), "norm_x": float32_to_bf16(norm_x),
-             "norm_residual": float32_to_bf16(norm_residual), "norm_weight": norm_weight}
-    for name, array in files.items():
-        np.ascontiguousarray(array).tofile(tmp_path / f"{name}.bin")
-    subprocess.run([str(harness), str(tmp_path), str(nk), str(nv), str(VALUE_DIM), str(width),
-                    str(config.rms_norm_eps), "24"], check=True, timeout=300)
+             "norm_residual": float32_to_bf16(norm_residual), "norm_weight": norm_weight})
 
     host_conv, host_ssm = conv_state.copy(), ssm_state.copy()
     weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
@@ -80,19 +65,15 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
                                         StepSequences(query_start.astype(np.int64), slots.astype(np.int64), fresh),
                                         config)
 
-    def read(name: str, dtype, shape) -> np.ndarray:
-        raw = np.fromfile(tmp_path / f"{name}.bin", dtype=dtype).reshape(shape)
-        return bf16_to_float32(raw) if dtype == np.uint16 else raw
-
-    out = read("out", np.uint16, expected.shape)
+    out = read_array(tmp_path, "out", np.uint16, expected.shape)
     # bf16 rounding where HF's bf16 model rounds (conv output, beta, core output, norm): ~1%
     assert np.abs(out - expected).max() <= 0.05 * max(1.0, float(np.abs(expected).max()))
     assert np.abs(out - expected).mean() <= 0.01
-    np.testing.assert_array_equal(read("conv_state_out", np.uint16, conv_state.shape), host_conv)
-    ssm = read("ssm_state_out", np.float32, ssm_state.shape)
+    np.testing.assert_array_equal(read_array(tmp_path, "conv_state_out", np.uint16, conv_state.shape), host_conv)
+    ssm = read_array(tmp_path, "ssm_state_out", np.float32, ssm_state.shape)
     assert np.abs(ssm[slots] - host_ssm[slots]).max() <= 0.03 * max(1.0, float(np.abs(host_ssm[slots]).max()))
     np.testing.assert_array_equal(ssm[0], ssm_state[0])  # the null slot is never touched
-    gated = read("gated", np.uint16, gate_x.shape)
+    gated = read_array(tmp_path, "gated", np.uint16, gate_x.shape)
     np.testing.assert_allclose(gated, sigmoid_mul(gate_x, gate_wide[:, 24:]), rtol=1e-2, atol=1e-2)
 
     # Qwen3.5's norm as HF's bf16 model: fp32 normalize × fp32 (1 + w), one rounding
@@ -100,7 +81,7 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
         return bf16(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps) * norm_weight)
 
     summed = bf16(norm_x + norm_residual)
-    np.testing.assert_array_equal(read("norm_sum", np.uint16, summed.shape), summed)
-    np.testing.assert_allclose(read("norm_out", np.uint16, summed.shape), zero_centred(summed), rtol=8e-3, atol=1e-6)
-    np.testing.assert_allclose(read("norm_plain", np.uint16, norm_x.shape), zero_centred(norm_x), rtol=8e-3,
+    np.testing.assert_array_equal(read_array(tmp_path, "norm_sum", np.uint16, summed.shape), summed)
+    np.testing.assert_allclose(read_array(tmp_path, "norm_out", np.uint16, summed.shape), zero_centred(summed), rtol=8e-3, atol=1e-6)
+    np.testing.assert_allclose(read_array(tmp_path, "norm_plain", np.uint16, norm_x.shape), zero_centred(norm_x), rtol=8e-3,
                                atol=1e-6)

@@ -4,46 +4,33 @@ prefix cache (KV blocks + state snapshots) serves repeated prefixes with unchang
 
 import asyncio
 import json
-import time
 
 import numpy as np
 import pytest
 
-from openinfer import EngineOptions, create_engine
+from openinfer import create_engine
 from openinfer.v1 import engine_pb2 as pb
-from tests.helpers.engine_utils import collect, make_request, run_all, run_one
+from tests.helpers.engine_utils import (
+    assert_everything_returned,
+    build_plugin_engine,
+    collect,
+    make_request,
+    run_all,
+    run_greedy_batch,
+    run_one,
+)
 from tests.plugins.qwen35.qwen35_helpers import hf_greedy
 
 
 def build_engine(path, **options):
     from openinfer_qwen35 import plugin
 
-    config = json.loads((path / "config.json").read_text())
-    return plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu", **options))
+    return build_plugin_engine(plugin, path, **options)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 96, size=int(rng.integers(70, 100))).tolist() for _ in range(count)]
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-def assert_everything_returned(engine):
-    """No request holds a KV block or a live state slot once every request has finished (the
-    prefix cache's state snapshots keep theirs)."""
-    assert wait_until(lambda: engine.state_slots.num_used_slots == engine.kv.num_snapshots), \
-        engine.state_slots.owners()
-    assert not any(not owner.startswith("\x00snapshot") for owner in engine.state_slots.owners())
-    load = engine.load()
-    assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0, load
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +47,7 @@ def test_engine_greedy_matches_hf_with_chunked_prefill_and_batching(tiny, hf_ref
     try:
         assert engine.options.enable_prefix_cache and engine.state_slots is not None
         batch = prompts(3)
-        together = run_all(engine, [make_request(f"r{i}", p, max_tokens=32) for i, p in enumerate(batch)])
-        assert [o.token_ids for o in together] == [hf_reference[tuple(p)] for p in batch]
+        together = run_greedy_batch(engine, batch, hf_reference, 32, "r")
         assert all(o.finish.reason == pb.FINISH_REASON_LENGTH for o in together)
         assert_everything_returned(engine)
         alone = run_one(engine, make_request("alone", batch[1], max_tokens=32))
@@ -77,9 +63,8 @@ def test_preemption_recomputes_state_from_scratch(tiny, hf_reference):
     engine = build_engine(path, num_kv_blocks=17, max_num_batched_tokens=64)
     try:
         batch = prompts(3)
-        outcomes = run_all(engine, [make_request(f"p{i}", p, max_tokens=32) for i, p in enumerate(batch)])
+        run_greedy_batch(engine, batch, hf_reference, 32, "p")
         assert engine.scheduler.num_preemptions > 0
-        assert [o.token_ids for o in outcomes] == [hf_reference[tuple(p)] for p in batch]
         assert_everything_returned(engine)
     finally:
         engine.close_sync()

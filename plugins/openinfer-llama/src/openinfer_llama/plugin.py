@@ -11,11 +11,11 @@ from openinfer import (
     ModelMemory,
     PagedEngine,
     RankContext,
-    create_parallel_model,
+    create_paged_engine,
     decoder_model_memory,
     hookimpl,
+    name_hooks,
     read_generation_config,
-    score_architectures,
 )
 from openinfer_llama.config import ARCHITECTURES, MODEL_TYPES, LlamaConfig
 from openinfer_llama.model import LlamaForCausalLM
@@ -24,15 +24,8 @@ from openinfer_llama.weights import LLAMA_LAYOUT
 PLUGIN_NAME = "openinfer-llama"
 
 
-@hookimpl
-def openinfer_match(config: dict[str, Any]) -> int | None:
-    """100 for ``LlamaForCausalLM``; 50 for a config that only says ``model_type: llama``."""
-    return score_architectures(config, ARCHITECTURES, MODEL_TYPES)
-
-
-@hookimpl
-def openinfer_claims() -> list[str]:
-    return [*ARCHITECTURES, *MODEL_TYPES]
+# 100 for ``LlamaForCausalLM``; 50 for a config that only says ``model_type: llama``.
+openinfer_match, openinfer_claims = name_hooks(ARCHITECTURES, MODEL_TYPES)
 
 
 def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int | None, backend: Backend,
@@ -44,10 +37,9 @@ def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int 
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    memory = openinfer_model_memory(config)
-    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options,
-                                  memory, max_model_len=_max_positions(config))
-    return PagedEngine(model, options, model_path=model_path, plugin=PLUGIN_NAME)
+    return create_paged_engine(PLUGIN_NAME, model_path, options,
+                               partial(load_rank_model, model_path, config, options.max_model_len),
+                               openinfer_model_memory(config), max_model_len=_max_positions(config))
 
 
 @hookimpl

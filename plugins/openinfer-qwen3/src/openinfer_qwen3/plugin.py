@@ -11,25 +11,17 @@ from openinfer import (
     ModelMemory,
     PagedEngine,
     RankContext,
-    create_parallel_model,
+    create_paged_engine,
     decoder_model_memory,
     hookimpl,
+    name_hooks,
     read_generation_config,
-    score_architectures,
 )
 from openinfer_qwen3.config import ARCHITECTURES, MODEL_TYPES, qwen3_config
 from openinfer_qwen3.model import Qwen3ForCausalLM
 from openinfer_qwen3.weights import QWEN3_LAYOUT
 
-
-@hookimpl
-def openinfer_match(config: dict[str, Any]) -> int | None:
-    return score_architectures(config, ARCHITECTURES, MODEL_TYPES)
-
-
-@hookimpl
-def openinfer_claims() -> list[str]:
-    return [*ARCHITECTURES, *MODEL_TYPES]
+openinfer_match, openinfer_claims = name_hooks(ARCHITECTURES, MODEL_TYPES)
 
 
 def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int | None, backend: Backend,
@@ -41,10 +33,9 @@ def load_rank_model(model_path: str, config: dict[str, Any], max_model_len: int 
 
 @hookimpl
 def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
-    memory = openinfer_model_memory(config)
-    model = create_parallel_model(partial(load_rank_model, model_path, config, options.max_model_len), options,
-                                  memory, max_model_len=_max_positions(config))
-    return PagedEngine(model, options, model_path=model_path, plugin="openinfer-qwen3")
+    return create_paged_engine("openinfer-qwen3", model_path, options,
+                               partial(load_rank_model, model_path, config, options.max_model_len),
+                               openinfer_model_memory(config), max_model_len=_max_positions(config))
 
 
 @hookimpl

@@ -1,5 +1,5 @@
-// Runs the kernels of dsv4.cu on the CPU (the host stand-in for the CUDA built-ins is core's,
-// tests/core/cuda_emulation/include, plus __float_as_uint and max) on arrays read from a directory
+// Runs the kernels of dsv4.cu on the CPU (the host stand-in for the CUDA built-ins is
+// tests/helpers/cuda_host, plus std::max) on arrays read from a directory
 // written by test_dsv4_cuda_emulated.py, and writes the outputs back there. One kernel per invocation:
 //   harness DIR compress  S d rd W rows eps
 //   harness DIR indexer   T heads dim max_entries rate block_size stride k entries_per_block
@@ -8,62 +8,11 @@
 //   harness DIR quant     N in out fp4
 #include <cuda_bf16.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <string>
-#include <thread>
-#include <vector>
-
 using std::max;
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 
 #include "dsv4.cu"
 
-thread_local EmulatedDim3 threadIdx, blockIdx;
-EmulatedDim3 blockDim, gridDim;
-static std::barrier<>* block_barrier = nullptr;
-
-void __syncthreads() { block_barrier->arrive_and_wait(); }
-float __shfl_xor_sync(unsigned, float, int) { std::abort(); }  // dsv4.cu reduces through shared memory
-
-template <class Kernel>
-static void launch(unsigned grid_x, unsigned grid_y, unsigned threads, Kernel kernel) {
-    gridDim = {grid_x, grid_y, 1};
-    blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < grid_y; ++by)
-        for (unsigned bx = 0; bx < grid_x; ++bx) {
-            std::barrier<> barrier(threads);
-            block_barrier = &barrier;
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; ++t)
-                pool.emplace_back([=] {
-                    threadIdx = {t, 0, 0};
-                    blockIdx = {bx, by, 0};
-                    kernel();
-                });
-            for (auto& th : pool) th.join();
-        }
-}
-
-template <class T>
-static std::vector<T> load(const std::string& dir, const char* name) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
-    if (!f) { std::fprintf(stderr, "missing %s\n", name); std::exit(2); }
-    std::fseek(f, 0, SEEK_END);
-    const long bytes = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> data(bytes / sizeof(T));
-    if (std::fread(data.data(), 1, bytes, f) != static_cast<size_t>(bytes)) std::exit(3);
-    std::fclose(f);
-    return data;
-}
-
-template <class T>
-static void save(const std::string& dir, const char* name, const std::vector<T>& data) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
-    std::fwrite(data.data(), sizeof(T), data.size(), f);
-    std::fclose(f);
-}
+#include "harness.h"
 
 static int arg(char** argv, int i) { return std::atoi(argv[i]); }
 static float farg(char** argv, int i) { return static_cast<float>(std::atof(argv[i])); }
@@ -83,7 +32,7 @@ int main(int argc, char** argv) {
         auto positions = load<int>(dir, "positions.bin");
         auto dest = load<long long>(dir, "dest.bin");
         std::vector<bf16> cache(static_cast<size_t>(rows) * dim);
-        launch(windows, 1, threads, [&] {
+        launch(windows, 1, 1, threads, [&] {
             dsv4_compress_entries(kv.data(), gate.data(), norm.data(), inv_freq.data(), positions.data(), dest.data(),
                                   cache.data(), slots, dim, rope_dim, eps);
         });
@@ -100,12 +49,12 @@ int main(int argc, char** argv) {
         auto positions = load<int>(dir, "positions.bin");
         std::vector<float> scores(static_cast<size_t>(tokens) * max_entries);
         std::vector<int> selected(static_cast<size_t>(tokens) * k);
-        launch(tokens, (max_entries + per_block - 1) / per_block, threads, [&] {
+        launch(tokens, (max_entries + per_block - 1) / per_block, 1, threads, [&] {
             dsv4_indexer_scores(q.data(), weights.data(), keys.data(), tables.data(), stride, block_size,
                                 token_seq.data(), positions.data(), rate, scores.data(), heads, dim, max_entries,
                                 per_block);
         });
-        launch(tokens, 1, threads, [&] {
+        launch(tokens, 1, 1, threads, [&] {
             dsv4_topk(scores.data(), positions.data(), rate, max_entries, k, selected.data());
         });
         save(dir, "scores.bin", scores);
@@ -126,7 +75,7 @@ int main(int argc, char** argv) {
         auto sinks = load<float>(dir, "sinks.bin");
         auto inv_freq = load<float>(dir, "inv_freq.bin");
         std::vector<bf16> out(q.size());
-        launch(tokens, heads, threads, [&] {
+        launch(tokens, heads, 1, threads, [&] {
             dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
                                   mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
                                   mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
@@ -148,15 +97,15 @@ int main(int argc, char** argv) {
         auto head_fn = load<float>(dir, "head_fn.bin");
         auto head_base = load<float>(dir, "head_base.bin");
         auto head_scale = load<float>(dir, "head_scale.bin");
-        launch(tokens, 1, threads, [&] {
+        launch(tokens, 1, 1, threads, [&] {
             dsv4_hc_collapse(streams.data(), fn.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
                              hc, dim, 0, iters, hc_eps, norm_eps);
         });
-        launch(tokens, 1, threads, [&] {
+        launch(tokens, 1, 1, threads, [&] {
             dsv4_hc_collapse(streams.data(), head_fn.data(), head_base.data(), head_scale.data(), head_x.data(),
                              nullptr, nullptr, hc, dim, 1, iters, hc_eps, norm_eps);
         });
-        launch(tokens, (dim + threads - 1) / threads, threads, [&] {
+        launch(tokens, (dim + threads - 1) / threads, 1, threads, [&] {
             dsv4_hc_expand(streams.data(), y.data(), post.data(), comb.data(), expanded.data(), hc, dim);
         });
         save(dir, "x.bin", x);
@@ -171,7 +120,7 @@ int main(int argc, char** argv) {
         auto scales = load<unsigned char>(dir, "scales.bin");
         std::vector<bf16> y(static_cast<size_t>(rows) * out_features);
         const unsigned groups = threads / 32;
-        launch((out_features + groups - 1) / groups, rows, threads, [&] {
+        launch((out_features + groups - 1) / groups, rows, 1, threads, [&] {
             if (fp4) dsv4_fp4_linear(x.data(), weight.data(), scales.data(), y.data(), in_features, out_features);
             else dsv4_fp8_linear(x.data(), weight.data(), scales.data(), y.data(), in_features, out_features);
         });

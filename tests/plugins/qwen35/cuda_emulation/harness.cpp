@@ -1,69 +1,8 @@
-// Runs the kernels of gated_deltanet.cu on the CPU (see include/cuda_bf16.h) on arrays read from
+// Runs the kernels of gated_deltanet.cu on the CPU (tests/helpers/cuda_host) on arrays read from
 // a directory written by test_qwen35_cuda_emulated.py, and writes the outputs back there.
 #include "gated_deltanet.cu"
 
-#include <cstdio>
-#include <cstdlib>
-#include <string>
-#include <thread>
-#include <vector>
-
-thread_local EmulatedDim3 threadIdx, blockIdx;
-EmulatedDim3 blockDim, gridDim;
-static std::barrier<>* block_barrier = nullptr;
-static float shuffle_slots[1024];
-
-void __syncthreads() { block_barrier->arrive_and_wait(); }
-
-// Every caller is a whole block in lockstep (warp_sum inside block_sum), so a block-wide
-// exchange through shared slots gives each lane its xor partner's value.
-float __shfl_xor_sync(unsigned, float value, int lane_mask) {
-    const unsigned t = threadIdx.x;
-    block_barrier->arrive_and_wait();
-    shuffle_slots[t] = value;
-    block_barrier->arrive_and_wait();
-    return shuffle_slots[t ^ static_cast<unsigned>(lane_mask)];
-}
-
-template <class Kernel>
-static void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, Kernel kernel) {
-    gridDim = {grid_x, grid_y, grid_z};
-    blockDim = {threads, 1, 1};
-    for (unsigned bz = 0; bz < grid_z; ++bz)
-        for (unsigned by = 0; by < grid_y; ++by)
-            for (unsigned bx = 0; bx < grid_x; ++bx) {
-                std::barrier<> barrier(threads);
-                block_barrier = &barrier;
-                std::vector<std::thread> pool;
-                for (unsigned t = 0; t < threads; ++t)
-                    pool.emplace_back([=] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {bx, by, bz};
-                        kernel();
-                    });
-                for (auto& th : pool) th.join();
-            }
-}
-
-template <class T>
-static std::vector<T> load(const std::string& dir, const char* name) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
-    if (!f) { std::fprintf(stderr, "missing %s\n", name); std::exit(2); }
-    std::fseek(f, 0, SEEK_END);
-    const long bytes = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    std::vector<T> data(bytes / sizeof(T));
-    if (std::fread(data.data(), 1, bytes, f) != static_cast<size_t>(bytes)) std::exit(3);
-    std::fclose(f);
-    return data;
-}
-
-template <class T>
-static void save(const std::string& dir, const char* name, const std::vector<T>& data) {
-    FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
-    std::fwrite(data.data(), sizeof(T), data.size(), f);
-    std::fclose(f);
-}
+#include "harness.h"
 
 int main(int argc, char** argv) {
     if (argc != 8) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps gate_features\n"); return 1; }

@@ -1,7 +1,8 @@
-// Host stand-in for <cuda_bf16.h> and the CUDA built-ins that core's MoE and MLA kernels use, so
-// the very .cu sources (moe.cu with USE_MMA=0, mla.cu) compile with g++ and run on the CPU: one
-// block at a time, its threads as std::threads; __syncthreads is a block barrier, warp shuffles
-// meet at a per-warp barrier; __shared__ variables are function statics (blocks run one by one).
+// Host stand-in for <cuda_bf16.h> and the CUDA built-ins that our kernels use (core's moe.cu with
+// USE_MMA=0 and mla.cu, qwen35's gated_deltanet.cu, deepseek-v4's dsv4.cu), so the very .cu sources
+// compile with g++ and run on the CPU: one block at a time, its threads as std::threads;
+// __syncthreads is a block barrier, warp shuffles meet at a per-warp barrier; __shared__ variables
+// are function statics (blocks run one by one). The launch/load/save side is harness.h.
 // Test-only: lets CI check the kernels' indexing and arithmetic without a GPU.
 #pragma once
 #include <algorithm>
@@ -62,6 +63,7 @@ inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::min;
 
 inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
