@@ -20,7 +20,7 @@ class EngineOptions:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 on cuda, 512 on cpu
+    max_num_batched_tokens: int | None = None  # None: 8192 on cuda, 512 on cpu
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.90

@@ -108,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int_range(1, INT32_MAX),
                         help="most requests in one batch, >= 1 (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=int_range(1, INT32_MAX),
-                        help="token budget of one step, >= 1 (default 2048 on cuda, 512 on cpu)")
+                        help="token budget of one step, >= 1 (default 8192 on cuda, 512 on cpu)")
     engine.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX),
                         help="KV pool size in blocks, >= 1 (default: sized from memory)")
     engine.add_argument("--gpu-memory-utilization", type=float_range(0, 1, low_inclusive=False),
