@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 
 from openinfer.errors import InvalidRequestError
+from openinfer.frontend.grpc.sglang_fanout import fan_out_choices
 from openinfer.frontend.validation import default_max_tokens
 from openinfer.v1 import engine_pb2 as pb
 
@@ -158,15 +159,7 @@ def to_engine_requests(request: sglang_pb.GenerateRequest, info: pb.ModelInfo, *
     constraint = structured_output_of(params)
     if constraint is not None:
         template.structured_output.CopyFrom(constraint)
-    num_choices = max(params.n, 1)
-    choices = [template]
-    if num_choices > 1:
-        choices = []
-        for index in range(num_choices):
-            choice = pb.GenerateRequest()
-            choice.CopyFrom(template)
-            choice.request_id = f"{request.request_id}-{index}"
-            choices.append(choice)
+    choices = fan_out_choices(template, max(params.n, 1))  # every choice keeps the request's seed
     return SglangRequestPlan(
         request_id=request.request_id,
         engine_requests=tuple(choices),

@@ -1,4 +1,5 @@
-"""Interleave several async streams into one: how ``n`` > 1 choices share one gRPC response stream.
+"""``n`` > 1 choices for both worker protocols (SGLang, vLLM): :func:`fan_out_choices` makes one
+engine request per choice, :func:`merge_streams` interleaves their responses into one gRPC stream.
 
 Invariant: when the merged stream ends for any reason (all inputs done, one input failed, the
 consumer went away), every input has been closed: a task pumping an input is cancelled, which
@@ -12,6 +13,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
+
+from openinfer.v1 import engine_pb2 as pb
 
 T = TypeVar("T")
 
@@ -55,3 +58,21 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def fan_out_choices(template: pb.GenerateRequest, num_choices: int, *,
+                    seed_modulus: int | None = None) -> list[pb.GenerateRequest]:
+    """``num_choices`` engine requests from ``template``: the template itself for one choice, else
+    copies named ``f"{request_id}-{i}"``. With ``seed_modulus``, a seeded choice ``i`` gets seed
+    ``seed + i`` (mod it), so ``n`` seeded choices differ, reproducibly; without, all share the seed."""
+    if num_choices <= 1:
+        return [template]
+    choices = []
+    for index in range(num_choices):
+        choice = pb.GenerateRequest()
+        choice.CopyFrom(template)
+        choice.request_id = f"{template.request_id}-{index}"
+        if seed_modulus is not None and template.sampling.HasField("seed"):
+            choice.sampling.seed = (template.sampling.seed + index) % seed_modulus
+        choices.append(choice)
+    return choices

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 from openinfer.errors import InvalidRequestError
+from openinfer.frontend.grpc.sglang_fanout import fan_out_choices
 from openinfer.frontend.validation import default_max_tokens
 from openinfer.sampling import MAX_LOGPROBS
 from openinfer.v1 import engine_pb2 as pb
@@ -129,17 +130,7 @@ def to_engine_requests(request: vllm_pb.GenerateRequest, info: pb.ModelInfo, *,
     constraint = structured_output_of(params)
     if constraint is not None:
         template.structured_output.CopyFrom(constraint)
-    num_choices = max(params.n, 1)
-    choices = [template]
-    if num_choices > 1:
-        choices = []
-        for index in range(num_choices):
-            choice = pb.GenerateRequest()
-            choice.CopyFrom(template)
-            choice.request_id = f"{request.request_id}-{index}"
-            if template.sampling.HasField("seed"):  # n seeded choices differ, reproducibly
-                choice.sampling.seed = (template.sampling.seed + index) % SEED_MODULUS
-            choices.append(choice)
+    choices = fan_out_choices(template, max(params.n, 1), seed_modulus=SEED_MODULUS)
     return VllmRequestPlan(
         request_id=request.request_id, engine_requests=tuple(choices), stream=request.stream,
         stop_strings=tuple(s for s in params.stop if s), stop_token_ids=frozenset(params.stop_token_ids),
