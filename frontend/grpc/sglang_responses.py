@@ -13,17 +13,12 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 
 from openinfer.frontend.grpc.sglang_convert import SglangRequestPlan
+from openinfer.frontend.grpc.worker_service import ChoiceOf
 from openinfer.v1 import engine_pb2 as pb
-
-FINISH_REASONS = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
-class SglangResponseBuilder:
+class SglangResponseBuilder(ChoiceOf):
     """Accumulates one choice's output and renders chunk / complete responses.
 
     Invariant: ``output_ids`` holds every id sent so far (or, without ``stream``, to be sent),
@@ -42,14 +37,6 @@ class SglangResponseBuilder:
     def request_id(self) -> str:
         """The router's id (responses of every choice carry it; ``index`` tells them apart)."""
         return self.plan.request_id
-
-    @property
-    def engine_request(self) -> pb.GenerateRequest:
-        return self.plan.engine_requests[self.index]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.engine_request.prompt_token_ids)
 
     def add_prompt_logprobs(self, logprobs: Sequence[pb.TokenLogprob]) -> None:
         """Prompt logprobs as SGLang's InputLogProbs: one row per prompt position from

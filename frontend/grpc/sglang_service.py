@@ -16,10 +16,8 @@ Register it with :func:`add_sglang_service` on the same ``grpc.aio`` server (and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
@@ -27,21 +25,22 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
-from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 
 from openinfer.engine import EngineHandle
-from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.malformed import add_servicer
 from openinfer.frontend.grpc.sglang_convert import SglangRequestPlan, to_engine_requests
-from openinfer.frontend.grpc.sglang_fanout import merge_streams
-from openinfer.frontend.grpc.sglang_load import RecentRates, loads_response
-from openinfer.frontend.grpc.sglang_responses import FINISH_REASONS, SglangResponseBuilder
-from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
-from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
-from openinfer.frontend.validation import check_generate_request
-from openinfer.tokenizer import Tokenizer
+from openinfer.frontend.grpc.sglang_load import loads_response
+from openinfer.frontend.grpc.sglang_responses import SglangResponseBuilder
+from openinfer.frontend.grpc.worker_service import (
+    FINISH_REASONS,
+    EngineFailure,
+    WorkerServicer,
+    check_finished,
+    engine_errors,
+    kept_ids,
+)
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -52,14 +51,6 @@ SGLANG_SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-
-_ENGINE_ERROR_STATUS = {
-    pb.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    pb.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    pb.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    pb.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
-}
-
 
 def _openinfer_version() -> str:
     try:
@@ -74,7 +65,7 @@ def _struct(values: dict[str, object]) -> Struct:
     return result
 
 
-class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
+class SglangSchedulerServicer(WorkerServicer, sglang_grpc.SglangSchedulerServicer):
     """The SGLang scheduler service for one engine (one data-parallel rank, no LoRA, text only).
     A request with ``n`` > 1 runs as ``n`` engine requests (``{request_id}-{i}``), interleaved.
 
@@ -82,44 +73,11 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
     UNIMPLEMENTED; the router falls back to polling ``GetLoads``.
     """
 
-    def __init__(self, engine: EngineHandle, *, served_model_name: str, model_path: str,
-                 tokenizer_path: str):
-        self._engine = engine
-        self._served_model_name = served_model_name
-        self._model_path = os.path.abspath(model_path)
-        self._tokenizer_path = os.path.abspath(tokenizer_path or model_path)
-        self._started = time.time()
-        self._active: dict[str, list[str]] = {}  # router request id → its engine request ids
-        self._last_receive = 0.0
-        self._rates = RecentRates()
-        self._tokenizer: Tokenizer | None = None
-        self._tokenizer_error: str | None = None
-        self._tokenizer_lock = asyncio.Lock()
-        self._tokenizer_zip: bytes | None = None
-
     # --- generation -----------------------------------------------------------------------------
 
-    async def Generate(self, request: sglang_pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[sglang_pb.GenerateResponse]:
-        self._last_receive = time.time()
-        try:
-            info = self._engine.info()
-            plan = to_engine_requests(request, info, arrival_time=self._last_receive)
-            for choice in plan.engine_requests:
-                check_generate_request(choice, info)  # the same limits as openinfer's HTTP server
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._active[plan.request_id] = [choice.request_id for choice in plan.engine_requests]
-        choices = [self._generate_choice(plan, index) for index in range(len(plan.engine_requests))]
-        stream = choices[0] if len(choices) == 1 else merge_streams(choices)
-        try:
-            async with contextlib.aclosing(stream) as responses:
-                async for response in responses:
-                    yield response
-        except _EngineFailure as failure:
-            await context.abort(failure.code, failure.message)
-        finally:
-            self._active.pop(plan.request_id, None)
+    def _plan(self, request: sglang_pb.GenerateRequest, info: pb.ModelInfo,
+              arrival_time: float) -> SglangRequestPlan:
+        return to_engine_requests(request, info, arrival_time=arrival_time)
 
     async def _generate_choice(self, plan: SglangRequestPlan,
                                index: int) -> AsyncIterator[sglang_pb.GenerateResponse]:
@@ -127,7 +85,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         going away) closes the engine's iterator, which aborts the request and frees its KV blocks."""
         builder = SglangResponseBuilder(plan, index)
         watcher = await self._stop_watcher(plan, builder.engine_request)
-        try:
+        with engine_errors():
             async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
                 async for event in events:
                     kind = event.WhichOneof("event")
@@ -136,8 +94,7 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
                     elif kind == "tokens":
                         if event.tokens.prompt_logprobs and builder.input_logprobs is None:
                             builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
-                        ids, matched = (watcher.push(event.tokens.ids) if watcher is not None
-                                        else (list(event.tokens.ids), None))
+                        ids, matched = kept_ids(watcher, event.tokens.ids)
                         chunk = builder.add_tokens(ids, event.tokens.logprobs)
                         self._rates.record_tokens(len(ids))
                         if plan.stream and ids:
@@ -151,56 +108,21 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
                         yield complete
                         return
                     elif kind == "error":
-                        raise _EngineFailure(_ENGINE_ERROR_STATUS.get(event.error.code, grpc.StatusCode.INTERNAL),
-                                             event.error.message)
-        except InvalidRequestError as exc:
-            raise _EngineFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        except QueueFullError as exc:
-            raise _EngineFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        except EngineDeadError as exc:
-            raise _EngineFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-        raise _EngineFailure(grpc.StatusCode.INTERNAL,
-                             f"the engine ended request {builder.engine_request.request_id!r} without a "
-                             "finished event; see the worker's log")
+                        raise EngineFailure.from_event(event.error)
+        raise EngineFailure.no_finished_event(builder.engine_request.request_id)
 
     @staticmethod
     def _complete(builder: SglangResponseBuilder, finished: pb.TokenEvent.Finished) -> sglang_pb.GenerateResponse:
-        if finished.reason == pb.FINISH_REASON_ERROR:
-            raise _EngineFailure(grpc.StatusCode.INTERNAL,
-                                 f"the engine failed request {builder.engine_request.request_id!r}; see the "
-                                 "worker's log")
+        check_finished(finished, builder.engine_request.request_id)
         builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
         matched = (finished.matched_stop_token_id
                    if finished.HasField("matched_stop_token_id") and finished.reason == pb.FINISH_REASON_STOP
                    else None)
         return builder.complete(FINISH_REASONS.get(finished.reason, "stop"), matched_token_id=matched)
 
-    async def _stop_watcher(self, plan: SglangRequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
-        if not plan.stop_strings:
-            return None
-        tokenizer = await self._load_tokenizer()
-        if tokenizer is None:
-            return None  # the router still trims the text; the engine just runs to its limit
-        return StopStringWatcher(tokenizer, choice.prompt_token_ids, plan.stop_strings, plan.skip_special_tokens,
-                                 choice.stop.min_tokens)
-
-    async def _load_tokenizer(self) -> Tokenizer | None:
-        """The tokenizer, loaded once (off the event loop) when the first stop string arrives."""
-        async with self._tokenizer_lock:
-            if self._tokenizer is None and self._tokenizer_error is None:
-                try:
-                    self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self._tokenizer_path)
-                except (OSError, ValueError) as exc:
-                    self._tokenizer_error = str(exc)
-                    logger.warning("stop strings are left to the router (the worker cannot load the "
-                                   "tokenizer from %s: %s)", self._tokenizer_path, exc)
-        return self._tokenizer
-
     async def Abort(self, request: sglang_pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> sglang_pb.AbortResponse:
-        found = False
-        for engine_request_id in self._active.get(request.request_id, [request.request_id]):
-            found = await self._engine.abort(engine_request_id) or found
+        found = await self._abort(request.request_id)
         message = "aborted" if found else "not found (already finished or never started)"
         return sglang_pb.AbortResponse(success=found, message=f"request {request.request_id!r} {message}")
 
@@ -214,9 +136,8 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
 
     async def HealthCheck(self, request: sglang_pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> sglang_pb.HealthCheckResponse:
-        health = self._engine.health()
-        message = health.message or ("healthy" if health.healthy else "the engine is not healthy")
-        return sglang_pb.HealthCheckResponse(healthy=health.healthy, message=message)
+        healthy, message = self._health_message()
+        return sglang_pb.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(self, request: sglang_pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> sglang_pb.GetModelInfoResponse:
@@ -278,26 +199,6 @@ class SglangSchedulerServicer(sglang_grpc.SglangSchedulerServicer):
         return loads_response(self._engine.info(), self._engine.load(), self._rates, include=request.include,
                               dp_rank=request.dp_rank if request.HasField("dp_rank") else None,
                               version=f"openinfer {_openinfer_version()}")
-
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        if self._tokenizer_zip is None:
-            try:
-                self._tokenizer_zip = await asyncio.to_thread(build_tokenizer_zip, self._tokenizer_path)
-            except FileNotFoundError as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        for data, digest in iter_bundle_chunks(self._tokenizer_zip):
-            yield common_pb2.GetTokenizerChunk(data=data, sha256=digest)
-
-
-class _EngineFailure(Exception):
-    """A request the engine refused or failed, as the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
 
 def add_sglang_service(server: grpc.aio.Server, engine: EngineHandle, *, served_model_name: str,
                        model_path: str, tokenizer_path: str) -> None:

@@ -13,47 +13,30 @@ worker_protocol="vllm")`` / ``openinfer serve --grpc-worker-protocol vllm``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from openinfer.engine import EngineHandle
-from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.grpc.malformed import add_servicer
-from openinfer.frontend.grpc.sglang_fanout import merge_streams
-from openinfer.frontend.grpc.sglang_load import RecentRates
-from openinfer.frontend.grpc.sglang_stop import StopStringWatcher
-from openinfer.frontend.grpc.sglang_tokenizer_bundle import build_tokenizer_zip, iter_bundle_chunks
 from openinfer.frontend.grpc.vllm_convert import VllmRequestPlan, to_engine_requests
-from openinfer.frontend.validation import check_generate_request
-from openinfer.tokenizer import Tokenizer
+from openinfer.frontend.grpc.worker_service import (
+    FINISH_REASONS,
+    ChoiceOf,
+    EngineFailure,
+    WorkerServicer,
+    check_finished,
+    engine_errors,
+    kept_ids,
+)
 from openinfer.v1 import engine_pb2 as pb
 
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
-_ENGINE_ERROR_STATUS = {
-    pb.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    pb.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    pb.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-class _EngineFailure(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def _top(row: pb.TokenLogprob | None, num: int) -> vllm_pb.TopLogProbs:
     if row is None or num <= 0:
         return vllm_pb.TopLogProbs()
@@ -68,7 +51,7 @@ class _Delta:
 
 
 @dataclass
-class VllmResponseBuilder:
+class VllmResponseBuilder(ChoiceOf):
     """One choice's responses. Invariant: ``output_ids``/``logprobs`` hold everything generated so far."""
 
     plan: VllmRequestPlan
@@ -78,14 +61,6 @@ class VllmResponseBuilder:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     input_logprobs: vllm_pb.InputLogProbs | None = None
     sent_input_logprobs: bool = False
-
-    @property
-    def engine_request(self) -> pb.GenerateRequest:
-        return self.plan.engine_requests[self.index]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.engine_request.prompt_token_ids)
 
     def add_prompt_logprobs(self, rows: Sequence[pb.TokenLogprob]) -> None:
         if self.plan.num_prompt_logprobs is None:
@@ -136,50 +111,18 @@ class VllmResponseBuilder:
         return vllm_pb.GenerateResponse(complete=done)
 
 
-class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
+class VllmEngineServicer(WorkerServicer, vllm_grpc.VllmEngineServicer):
     """The vLLM-engine service for one engine (one data-parallel rank, text only). Unimplemented
     RPCs (Embed, profiling, KV events, FlushCache) answer UNIMPLEMENTED."""
 
-    def __init__(self, engine: EngineHandle, *, served_model_name: str, model_path: str, tokenizer_path: str):
-        self._engine = engine
-        self._served_model_name = served_model_name
-        self._model_path = os.path.abspath(model_path)
-        self._tokenizer_path = os.path.abspath(tokenizer_path or model_path)
-        self._started = time.time()
-        self._active: dict[str, list[str]] = {}
-        self._last_receive = 0.0
-        self._rates = RecentRates()
-        self._tokenizer: Tokenizer | None = None
-        self._tokenizer_lock = asyncio.Lock()
-        self._tokenizer_zip: bytes | None = None
-
-    async def Generate(self, request: vllm_pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[vllm_pb.GenerateResponse]:
-        self._last_receive = time.time()
-        try:
-            info = self._engine.info()
-            plan = to_engine_requests(request, info, arrival_time=self._last_receive)
-            for choice in plan.engine_requests:
-                check_generate_request(choice, info)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._active[plan.request_id] = [c.request_id for c in plan.engine_requests]
-        choices = [self._generate_choice(plan, i) for i in range(len(plan.engine_requests))]
-        stream = choices[0] if len(choices) == 1 else merge_streams(choices)
-        try:
-            async with contextlib.aclosing(stream) as responses:
-                async for response in responses:
-                    yield response
-        except _EngineFailure as failure:
-            await context.abort(failure.code, failure.message)
-        finally:
-            self._active.pop(plan.request_id, None)
+    def _plan(self, request: vllm_pb.GenerateRequest, info: pb.ModelInfo, arrival_time: float) -> VllmRequestPlan:
+        return to_engine_requests(request, info, arrival_time=arrival_time)
 
     async def _generate_choice(self, plan: VllmRequestPlan, index: int) -> AsyncIterator[vllm_pb.GenerateResponse]:
         builder = VllmResponseBuilder(plan, index)
         watcher = await self._stop_watcher(plan, builder.engine_request)
         held: _Delta | None = None  # streaming: the newest delta, sent once it is known not to be the last
-        try:
+        with engine_errors():
             async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
                 async for event in events:
                     kind = event.WhichOneof("event")
@@ -188,8 +131,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                     elif kind == "tokens":
                         if event.tokens.prompt_logprobs and builder.input_logprobs is None:
                             builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
-                        ids, matched = (watcher.push(event.tokens.ids) if watcher is not None
-                                        else (list(event.tokens.ids), None))
+                        ids, matched = kept_ids(watcher, event.tokens.ids)
                         delta = _Delta(ids, list(event.tokens.logprobs)[:len(ids)])
                         builder.record(delta)
                         self._rates.record_tokens(len(ids))
@@ -203,9 +145,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                             return
                     elif kind == "finished":
                         finished = event.finished
-                        if finished.reason == pb.FINISH_REASON_ERROR:
-                            raise _EngineFailure(grpc.StatusCode.INTERNAL, f"the engine failed request "
-                                                 f"{builder.engine_request.request_id!r}; see the worker's log")
+                        check_finished(finished, builder.engine_request.request_id)
                         builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
                         matched_id = (finished.matched_stop_token_id if finished.HasField("matched_stop_token_id")
                                       and finished.matched_stop_token_id in plan.stop_token_ids else None)
@@ -215,16 +155,8 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                             yield response
                         return
                     elif kind == "error":
-                        raise _EngineFailure(_ENGINE_ERROR_STATUS.get(event.error.code, grpc.StatusCode.INTERNAL),
-                                             event.error.message)
-        except InvalidRequestError as exc:
-            raise _EngineFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        except QueueFullError as exc:
-            raise _EngineFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        except EngineDeadError as exc:
-            raise _EngineFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-        raise _EngineFailure(grpc.StatusCode.INTERNAL, f"the engine ended request "
-                             f"{builder.engine_request.request_id!r} without a finished event")
+                        raise EngineFailure.from_event(event.error)
+        raise EngineFailure.no_finished_event(builder.engine_request.request_id)
 
     @staticmethod
     def _finish(builder: VllmResponseBuilder, reason: str, held: _Delta | None,
@@ -234,29 +166,15 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         last = held or _Delta()
         return [builder.chunk(last), builder.complete(reason, last, **matched)]
 
-    async def _stop_watcher(self, plan: VllmRequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
-        if not plan.stop_strings:
-            return None
-        async with self._tokenizer_lock:
-            if self._tokenizer is None:
-                try:
-                    self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self._tokenizer_path)
-                except (OSError, ValueError):
-                    return None  # the router still trims the text
-        return StopStringWatcher(self._tokenizer, choice.prompt_token_ids, plan.stop_strings,
-                                 plan.skip_special_tokens, choice.stop.min_tokens)
-
     async def Abort(self, request: vllm_pb.AbortRequest, context: grpc.aio.ServicerContext) -> vllm_pb.AbortResponse:
         for request_id in request.request_ids:
-            for engine_request_id in self._active.get(request_id, [request_id]):
-                await self._engine.abort(engine_request_id)
+            await self._abort(request_id)
         return vllm_pb.AbortResponse()
 
     async def HealthCheck(self, request: vllm_pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> vllm_pb.HealthCheckResponse:
-        health = self._engine.health()
-        return vllm_pb.HealthCheckResponse(healthy=health.healthy, message=health.message or
-                                           ("healthy" if health.healthy else "the engine is not healthy"))
+        healthy, message = self._health_message()
+        return vllm_pb.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(self, request: vllm_pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> vllm_pb.GetModelInfoResponse:
@@ -293,17 +211,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             utilization=load.num_running / max(load.max_queue, 1))
         return vllm_pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         version="openinfer", dp_rank_count=1, loads=[scheduler])
-
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        if self._tokenizer_zip is None:
-            try:
-                self._tokenizer_zip = await asyncio.to_thread(build_tokenizer_zip, self._tokenizer_path)
-            except FileNotFoundError as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        for data, digest in iter_bundle_chunks(self._tokenizer_zip):
-            yield common_pb2.GetTokenizerChunk(data=data, sha256=digest)
-
 
 def add_vllm_service(server: grpc.aio.Server, engine: EngineHandle, *, served_model_name: str, model_path: str,
                      tokenizer_path: str) -> None:
