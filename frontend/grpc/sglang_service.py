@@ -35,11 +35,8 @@ from openinfer.frontend.grpc.sglang_load import loads_response
 from openinfer.frontend.grpc.sglang_responses import SglangResponseBuilder
 from openinfer.frontend.grpc.worker_service import (
     FINISH_REASONS,
-    EngineFailure,
+    TokenStep,
     WorkerServicer,
-    check_finished,
-    engine_errors,
-    kept_ids,
 )
 from openinfer.v1 import engine_pb2 as pb
 
@@ -84,41 +81,21 @@ class SglangSchedulerServicer(WorkerServicer, sglang_grpc.SglangSchedulerService
         """One choice's engine events → SGLang responses. Leaving early (a stop string, the router
         going away) closes the engine's iterator, which aborts the request and frees its KV blocks."""
         builder = SglangResponseBuilder(plan, index)
-        watcher = await self._stop_watcher(plan, builder.engine_request)
-        with engine_errors():
-            async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
-                async for event in events:
-                    kind = event.WhichOneof("event")
-                    if kind == "scheduled":
-                        builder.cached_tokens = event.scheduled.cached_tokens
-                    elif kind == "tokens":
-                        if event.tokens.prompt_logprobs and builder.input_logprobs is None:
-                            builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
-                        ids, matched = kept_ids(watcher, event.tokens.ids)
-                        chunk = builder.add_tokens(ids, event.tokens.logprobs)
-                        self._rates.record_tokens(len(ids))
-                        if plan.stream and ids:
-                            yield chunk
-                        if matched is not None:
-                            yield builder.complete("stop", matched_stop_str=matched)
-                            return
-                    elif kind == "finished":
-                        complete = self._complete(builder, event.finished)
-                        self._rates.record_prompt(builder.prompt_tokens, builder.cached_tokens)
-                        yield complete
+        async with contextlib.aclosing(self._choice_steps(builder)) as steps:
+            async for step in steps:
+                if isinstance(step, TokenStep):
+                    chunk = builder.add_tokens(step.ids, step.logprobs)
+                    if plan.stream and step.ids:
+                        yield chunk
+                    if step.matched_stop_str is not None:
+                        yield builder.complete("stop", matched_stop_str=step.matched_stop_str)
                         return
-                    elif kind == "error":
-                        raise EngineFailure.from_event(event.error)
-        raise EngineFailure.no_finished_event(builder.engine_request.request_id)
-
-    @staticmethod
-    def _complete(builder: SglangResponseBuilder, finished: pb.TokenEvent.Finished) -> sglang_pb.GenerateResponse:
-        check_finished(finished, builder.engine_request.request_id)
-        builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
-        matched = (finished.matched_stop_token_id
-                   if finished.HasField("matched_stop_token_id") and finished.reason == pb.FINISH_REASON_STOP
-                   else None)
-        return builder.complete(FINISH_REASONS.get(finished.reason, "stop"), matched_token_id=matched)
+                else:
+                    matched = (step.matched_stop_token_id
+                               if step.HasField("matched_stop_token_id") and step.reason == pb.FINISH_REASON_STOP
+                               else None)
+                    yield builder.complete(FINISH_REASONS.get(step.reason, "stop"), matched_token_id=matched)
+                    return
 
     async def Abort(self, request: sglang_pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> sglang_pb.AbortResponse:

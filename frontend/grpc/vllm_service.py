@@ -28,11 +28,8 @@ from openinfer.frontend.grpc.vllm_convert import VllmRequestPlan, to_engine_requ
 from openinfer.frontend.grpc.worker_service import (
     FINISH_REASONS,
     ChoiceOf,
-    EngineFailure,
+    TokenStep,
     WorkerServicer,
-    check_finished,
-    engine_errors,
-    kept_ids,
 )
 from openinfer.v1 import engine_pb2 as pb
 
@@ -120,43 +117,27 @@ class VllmEngineServicer(WorkerServicer, vllm_grpc.VllmEngineServicer):
 
     async def _generate_choice(self, plan: VllmRequestPlan, index: int) -> AsyncIterator[vllm_pb.GenerateResponse]:
         builder = VllmResponseBuilder(plan, index)
-        watcher = await self._stop_watcher(plan, builder.engine_request)
         held: _Delta | None = None  # streaming: the newest delta, sent once it is known not to be the last
-        with engine_errors():
-            async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
-                async for event in events:
-                    kind = event.WhichOneof("event")
-                    if kind == "scheduled":
-                        builder.cached_tokens = event.scheduled.cached_tokens
-                    elif kind == "tokens":
-                        if event.tokens.prompt_logprobs and builder.input_logprobs is None:
-                            builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
-                        ids, matched = kept_ids(watcher, event.tokens.ids)
-                        delta = _Delta(ids, list(event.tokens.logprobs)[:len(ids)])
-                        builder.record(delta)
-                        self._rates.record_tokens(len(ids))
-                        if plan.stream:
-                            if held is not None:
-                                yield builder.chunk(held)
-                            held = delta
-                        if matched is not None:
-                            for response in self._finish(builder, "stop", held, matched_stop_str=matched):
-                                yield response
-                            return
-                    elif kind == "finished":
-                        finished = event.finished
-                        check_finished(finished, builder.engine_request.request_id)
-                        builder.cached_tokens = max(builder.cached_tokens, finished.cached_tokens)
-                        matched_id = (finished.matched_stop_token_id if finished.HasField("matched_stop_token_id")
-                                      and finished.matched_stop_token_id in plan.stop_token_ids else None)
-                        self._rates.record_prompt(builder.prompt_tokens, builder.cached_tokens)
-                        for response in self._finish(builder, FINISH_REASONS.get(finished.reason, "stop"), held,
-                                                     matched_token_id=matched_id):
+        async with contextlib.aclosing(self._choice_steps(builder)) as steps:
+            async for step in steps:
+                if isinstance(step, TokenStep):
+                    delta = _Delta(step.ids, list(step.logprobs)[:len(step.ids)])
+                    builder.record(delta)
+                    if plan.stream:
+                        if held is not None:
+                            yield builder.chunk(held)
+                        held = delta
+                    if step.matched_stop_str is not None:
+                        for response in self._finish(builder, "stop", held, matched_stop_str=step.matched_stop_str):
                             yield response
                         return
-                    elif kind == "error":
-                        raise EngineFailure.from_event(event.error)
-        raise EngineFailure.no_finished_event(builder.engine_request.request_id)
+                else:
+                    matched_id = (step.matched_stop_token_id if step.HasField("matched_stop_token_id")
+                                  and step.matched_stop_token_id in plan.stop_token_ids else None)
+                    for response in self._finish(builder, FINISH_REASONS.get(step.reason, "stop"), held,
+                                                 matched_token_id=matched_id):
+                        yield response
+                    return
 
     @staticmethod
     def _finish(builder: VllmResponseBuilder, reason: str, held: _Delta | None,

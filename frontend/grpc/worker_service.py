@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -74,6 +75,15 @@ class ChoiceOf:
     @property
     def prompt_tokens(self) -> int:
         return len(self.engine_request.prompt_token_ids)
+
+
+@dataclass
+class TokenStep:
+    """New ids of one choice (cut at a completed stop string), their logprobs, the stop string matched."""
+
+    ids: list[int]
+    logprobs: Sequence[pb.TokenLogprob]
+    matched_stop_str: str | None
 
 
 class EngineFailure(Exception):
@@ -165,6 +175,35 @@ class WorkerServicer(abc.ABC):
             await context.abort(failure.code, failure.message)
         finally:
             self._active.pop(plan.request_id, None)
+
+    async def _choice_steps(self, builder: Any) -> AsyncIterator[TokenStep | pb.TokenEvent.Finished]:
+        """One choice's engine events as :class:`TokenStep`s, then its (successful) ``Finished``;
+        ``builder`` (a :class:`ChoiceOf` with ``cached_tokens``, ``input_logprobs`` and
+        ``add_prompt_logprobs``) gets the cache hits and prompt logprobs. Closing this early (a stop
+        string, the router going away) closes the engine's iterator, which aborts the request and
+        frees its KV blocks. Engine refusals and failures raise :class:`EngineFailure`."""
+        watcher = await self._stop_watcher(builder.plan, builder.engine_request)
+        with engine_errors():
+            async with contextlib.aclosing(self._engine.generate(builder.engine_request)) as events:
+                async for event in events:
+                    kind = event.WhichOneof("event")
+                    if kind == "scheduled":
+                        builder.cached_tokens = event.scheduled.cached_tokens
+                    elif kind == "tokens":
+                        if event.tokens.prompt_logprobs and builder.input_logprobs is None:
+                            builder.add_prompt_logprobs(event.tokens.prompt_logprobs)
+                        ids, matched = kept_ids(watcher, event.tokens.ids)
+                        self._rates.record_tokens(len(ids))
+                        yield TokenStep(ids, event.tokens.logprobs, matched)
+                    elif kind == "finished":
+                        check_finished(event.finished, builder.engine_request.request_id)
+                        builder.cached_tokens = max(builder.cached_tokens, event.finished.cached_tokens)
+                        self._rates.record_prompt(builder.prompt_tokens, builder.cached_tokens)
+                        yield event.finished
+                        return
+                    elif kind == "error":
+                        raise EngineFailure.from_event(event.error)
+        raise EngineFailure.no_finished_event(builder.engine_request.request_id)
 
     async def _stop_watcher(self, plan: RequestPlan, choice: pb.GenerateRequest) -> StopStringWatcher | None:
         if not plan.stop_strings:
