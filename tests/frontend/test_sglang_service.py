@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
 import os
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -27,6 +29,8 @@ from openinfer.frontend.grpc.sglang_service import (
     add_sglang_service,
 )
 from openinfer.v1 import engine_pb2 as pb
+
+T = TypeVar("T")
 
 WORDS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "alpha", "beta", "gamma", "delta", "epsilon",
          "zeta", "eta", "theta", "user", "assistant", "hello", "world"]
@@ -132,20 +136,32 @@ def tokenizer_dir(tmp_path: Path) -> Path:
     return write_tiny_tokenizer(tmp_path / "model")
 
 
-@pytest.fixture
-async def served(tokenizer_dir: Path) -> AsyncIterator[tuple[FakeEngine, sglang_grpc.SglangSchedulerStub]]:
-    engine = FakeEngine()
-    server = grpc.aio.server(options=SGLANG_SERVER_OPTIONS)
-    add_sglang_service(server, engine, served_model_name="tiny", model_path=str(tokenizer_dir),
-                       tokenizer_path=os.path.relpath(tokenizer_dir))
+@contextlib.asynccontextmanager
+async def on_loopback(add_service: Callable[[grpc.aio.Server], None], stub_class: Callable[[grpc.aio.Channel], T],
+                      options: Sequence[tuple[str, int]] = ()) -> AsyncIterator[T]:
+    """A stub for a loopback server that ``add_service`` put a worker service on (both worker tests)."""
+    server = grpc.aio.server(options=list(options))
+    add_service(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield engine, sglang_grpc.SglangSchedulerStub(channel)
+        yield stub_class(channel)
     finally:
         await channel.close()
         await server.stop(grace=None)
+
+
+@pytest.fixture
+async def served(tokenizer_dir: Path) -> AsyncIterator[tuple[FakeEngine, sglang_grpc.SglangSchedulerStub]]:
+    engine = FakeEngine()
+
+    def add(server: grpc.aio.Server) -> None:
+        add_sglang_service(server, engine, served_model_name="tiny", model_path=str(tokenizer_dir),
+                           tokenizer_path=os.path.relpath(tokenizer_dir))
+
+    async with on_loopback(add, sglang_grpc.SglangSchedulerStub, SGLANG_SERVER_OPTIONS) as stub:
+        yield engine, stub
 
 
 def router_request(rid: str = "req-1", *, stream: bool = False, max_new_tokens: int | None = 3,

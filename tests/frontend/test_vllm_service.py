@@ -11,7 +11,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
-from test_sglang_service import EOS_ID, WORDS, FakeEngine, write_tiny_tokenizer
+from test_sglang_service import EOS_ID, WORDS, FakeEngine, on_loopback, write_tiny_tokenizer
 
 from openinfer.frontend.grpc.vllm_service import add_vllm_service
 
@@ -20,17 +20,13 @@ from openinfer.frontend.grpc.vllm_service import add_vllm_service
 async def served(tmp_path: Path) -> AsyncIterator[tuple[FakeEngine, vllm_grpc.VllmEngineStub]]:
     engine = FakeEngine()
     directory = write_tiny_tokenizer(tmp_path / "model")
-    server = grpc.aio.server()
-    add_vllm_service(server, engine, served_model_name="tiny", model_path=str(directory),
-                     tokenizer_path=str(directory))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield engine, vllm_grpc.VllmEngineStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(grace=None)
+
+    def add(server: grpc.aio.Server) -> None:
+        add_vllm_service(server, engine, served_model_name="tiny", model_path=str(directory),
+                         tokenizer_path=str(directory))
+
+    async with on_loopback(add, vllm_grpc.VllmEngineStub) as stub:
+        yield engine, stub
 
 
 def request(rid: str = "req-1", *, stream: bool = False, max_tokens: int | None = 3,
