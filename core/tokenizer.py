@@ -115,7 +115,6 @@ class Tokenizer:
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
         config = _read_json(directory / "tokenizer_config.json")
-        raw: Any
         if tokenizer_file.is_file():
             raw = RawTokenizer.from_file(str(tokenizer_file))
         elif (directory / "tiktoken.model").is_file():  # Kimi-K2 / Moonlight
@@ -181,9 +180,6 @@ class Tokenizer:
         """The bytes one token stands for (what OpenAI's logprob ``bytes`` carry): byte-level BPE
         pieces are mapped back from GPT-2's printable byte alphabet, SentencePiece byte-fallback
         pieces ``<0xNN>`` are that byte and ``▁`` is a space; special tokens are their text."""
-        exact = getattr(self.raw, "token_bytes", None)  # vocabularies that store bytes (tiktoken)
-        if exact is not None:
-            return exact(token_id)
         piece = self.raw.id_to_token(token_id)
         if piece is None:
             return b""
@@ -337,17 +333,13 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        # tokenizers' streaming decoder: one Rust call per token, no re-decoding of a window;
-        # other vocabularies (tiktoken) decode the window between the offsets instead
-        self._stream = (DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
-                        if isinstance(tokenizer.raw, RawTokenizer) else None)
+        # tokenizers' streaming decoder: one Rust call per token, no re-decoding of a window
+        self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, new_ids: Iterable[int]) -> str:
-        if self._stream is None:
-            return self._push_window(new_ids)
         raw, step = self.tokenizer.raw, self._stream.step
         text = ""
         for token_id in new_ids:
@@ -358,18 +350,6 @@ class IncrementalDetokenizer:
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
         return text
-
-    def _push_window(self, new_ids: Iterable[int]) -> str:
-        """Decode the window since ``prefix_offset`` and emit what extends the emitted text, unless
-        it ends in an incomplete character (U+FFFD), which waits for the next token."""
-        self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
