@@ -238,6 +238,13 @@ def warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
                        "can use the model; set %s or pass --api-key-file", args.host, API_KEY_ENV)
 
 
+def warn_ignored_engine_options(args: argparse.Namespace) -> None:
+    """With --engine the remote engine has its own options; the frontend still uses these two."""
+    ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
+    if ignored:
+        logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+
+
 async def serve(args: argparse.Namespace) -> int:
     from openinfer.frontend.grpc import GrpcEngineClient, start_grpc_server
 
@@ -247,9 +254,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.engine:
         if args.model_path:
             raise OpenInferError("give either --model-path (local engine) or --engine grpc://... (remote), not both")
-        ignored = sorted(set(engine_options(args)) - {"served_model_name", "trace_dir"})
-        if ignored:
-            logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+        warn_ignored_engine_options(args)
         remote = GrpcEngineClient(args.engine, api_key)
         logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
@@ -302,9 +307,7 @@ def run(args: argparse.Namespace) -> int:
 
         options = engine_options(args)
         if args.engine:
-            ignored = sorted(set(options) - {"served_model_name"})
-            if ignored:
-                logger.warning("engine options %s are ignored with --engine: the remote engine has its own", ignored)
+            warn_ignored_engine_options(args)
         try:
             api_key = resolve_api_key(args)
         except OpenInferError as exc:
