@@ -81,7 +81,7 @@ async def timed(engine, request) -> tuple[float, list[float], int, list[int]]:
 
 
 def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) -> float:
-    from tests.helpers.engine_utils import make_request
+    from openinfer.offline import generate_request as make_request
 
     requests = [make_request(f"{tag}-{streams}-{i}", rng.integers(100, 200000, size=prompt_len).tolist(),
                              max_tokens=new_tokens) for i in range(streams)]
@@ -95,7 +95,7 @@ def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) 
 
 
 def multi_turn(engine, rng, history: int, new_turn: int) -> dict:
-    from tests.helpers.engine_utils import make_request
+    from openinfer.offline import generate_request as make_request
 
     prompt = rng.integers(100, 200000, size=history - 32).tolist()
     # the second turn repeats the history token for token (prompt + what turn 1 generated)

@@ -44,21 +44,19 @@ def measure_idle_gap(checkpoint: Path, async_scheduling: bool, num_requests: int
     import numpy as np
 
     import openinfer
-    from tests.helpers.engine_utils import make_request, run_all
+    from openinfer.offline import collect, generate_request, run_requests
 
     engine = openinfer.create_engine(checkpoint, device="cuda", async_scheduling=async_scheduling,
                                      max_model_len=4096)
     rng = np.random.default_rng(0)
-    warm = [make_request(f"w{i}", rng.integers(100, 150000, size=64).tolist(), max_tokens=8) for i in range(4)]
-    run_all(engine, warm)
+    warm = [generate_request(f"w{i}", rng.integers(100, 150000, size=64).tolist(), max_tokens=8) for i in range(4)]
+    run_requests(engine, warm)
     prompts = [rng.integers(100, 150000, size=input_len).tolist() for _ in range(num_requests)]
-    requests = [make_request(f"r{i}", p, max_tokens=output_len) for i, p in enumerate(prompts)]
+    requests = [generate_request(f"r{i}", p, max_tokens=output_len) for i, p in enumerate(prompts)]
     # time only the steady decode phase: reset the events once every prompt is prefilled
-    timer = engine._step_timer
+    timer = engine.step_timer
 
     async def main():
-        from tests.helpers.engine_utils import collect
-
         tasks = [asyncio.ensure_future(collect(engine, r)) for r in requests]
         while engine.num_steps < 3 or any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
             await asyncio.sleep(0.005)

@@ -58,7 +58,7 @@ def measure(model_dir: Path, tp: int, rng) -> dict:
     import numpy as np
 
     import openinfer
-    from tests.helpers.engine_utils import make_request
+    from openinfer.offline import generate_request
 
     start = time.perf_counter()
     engine = openinfer.create_engine(model_dir, device="cuda", load_format="dummy", tensor_parallel_size=tp,
@@ -69,9 +69,9 @@ def measure(model_dir: Path, tp: int, rng) -> dict:
         def prompt(n: int) -> list[int]:
             return rng.integers(1000, 150000, size=n).tolist()
 
-        _run(engine, [make_request(f"warm{i}", prompt(64), max_tokens=16) for i in range(4)])
+        _run(engine, [generate_request(f"warm{i}", prompt(64), max_tokens=16) for i in range(4)])
         for batch in (1, 64):
-            requests = [make_request(f"d{batch}-{i}", prompt(DECODE_PROMPT), max_tokens=DECODE_TOKENS)
+            requests = [generate_request(f"d{batch}-{i}", prompt(DECODE_PROMPT), max_tokens=DECODE_TOKENS)
                         for i in range(batch)]
             runs = _run(engine, requests)
             # steady decode: from each request's 2nd token to its last
@@ -81,7 +81,7 @@ def measure(model_dir: Path, tp: int, rng) -> dict:
         ttfts = []
         for i in range(3):
             begin = time.perf_counter()
-            (times,) = _run(engine, [make_request(f"p{i}", prompt(PREFILL_TOKENS), max_tokens=1)])
+            (times,) = _run(engine, [generate_request(f"p{i}", prompt(PREFILL_TOKENS), max_tokens=1)])
             ttfts.append(times[0] - begin)
         result["prefill_4k_ttft_ms"] = 1e3 * float(np.median(ttfts))
         result["prefill_4k_tok_s"] = PREFILL_TOKENS / float(np.median(ttfts))

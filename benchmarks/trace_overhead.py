@@ -36,7 +36,9 @@ from openinfer.demo import ensure_demo_model
 from openinfer.frontend.http import create_app
 from openinfer.tokenizer import Tokenizer
 from openinfer.tracing import EngineTracer, TraceWriter
-from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_shapes import TINY_QWEN3, write_config_dir  # noqa: E402
 
 
 def end_to_end(model_dir: Path, trace_dir: str | None, num_requests: int, max_tokens: int) -> float:
@@ -95,7 +97,7 @@ def engine_host_step(model_dir: Path, batch: int, tokens: int, trace_dir: str | 
     from openinfer.v1 import engine_pb2 as pb
 
     engine = create_engine(str(model_dir), device="cpu", num_kv_blocks=batch * (tokens // 16 + 3) + 8,
-                           max_num_seqs=batch, trace_dir=trace_dir)
+                           max_num_seqs=batch, trace_dir=trace_dir, load_format="dummy")
     vocab = engine.model.spec.vocab_size
     engine.model.forward = lambda device_batch, kv: np.zeros((len(device_batch.logits_rows), vocab), np.float32)
 
@@ -133,7 +135,7 @@ def main() -> None:
                 times[setting].append(end_to_end(model_dir, trace_dir, args.requests, args.tokens))
                 print(f"round {round_index} tracing {setting}: {times[setting][-1]:.3f} s", flush=True)
         num_files = len(list(Path(trace_root).glob("e2e0/*.json")))
-        tiny = write_tiny_qwen3(Path(trace_root) / "tiny", seed=0)
+        tiny = write_config_dir(Path(trace_root) / "tiny", TINY_QWEN3)
         steps: dict[str, dict[str, list[float]]] = {}
         for b in (1, 64, 256):
             steps[str(b)] = {"off": [], "on": []}

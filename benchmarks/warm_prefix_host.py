@@ -42,10 +42,11 @@ def main() -> None:
 
     import openinfer
     from openinfer.v1 import engine_pb2 as pb
-    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_shapes import TINY_QWEN3, write_config_dir
 
     n = args.context
-    path = write_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", seed=0, max_position_embeddings=32768,
+    path = write_config_dir(Path(tempfile.mkdtemp()) / "tiny", TINY_QWEN3, max_position_embeddings=32768,
                             vocab_size=49152 if args.http else 96)
     if args.http:
         import shutil
@@ -56,7 +57,7 @@ def main() -> None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(demo / name, path / name)
     engine = openinfer.create_engine(str(path), device="cpu", num_kv_blocks=n // 16 + 64, max_model_len=n + 64,
-                                     max_num_batched_tokens=n + 16)
+                                     max_num_batched_tokens=n + 16, load_format="dummy")
     vocab = engine.model.spec.vocab_size
     engine.model.forward = lambda batch, kv: np.zeros((len(batch.logits_rows), vocab), np.float32)
     profile = cProfile.Profile()

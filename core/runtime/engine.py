@@ -201,6 +201,12 @@ class PagedEngine:
             return pb.HealthResponse(healthy=False, message="engine is shut down")
         return pb.HealthResponse(healthy=True, message="ok")
 
+    @property
+    def step_timer(self) -> StepTimer | None:
+        """CUDA-event timing of each step and of the device's idle gaps between steps (None on
+        the NumPy backend): ``reset()`` it, run a load, read ``report()``."""
+        return self._step_timer
+
     def load(self) -> pb.Load:
         pools = [p for p in self.pools if p is not None]
         return pb.Load(num_running=len(self.scheduler.running), num_waiting=self._num_queued,

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -14,56 +12,11 @@ import numpy as np
 
 from openinfer import EngineOptions
 from openinfer.backend.base import ForwardBatch
+from openinfer.offline import Outcome, collect, generate_request, run_requests  # noqa: F401 (re-exported)
 from openinfer.v1 import engine_pb2 as pb
 
-
-@dataclass
-class Outcome:
-    token_ids: list[int] = field(default_factory=list)
-    finish: pb.TokenEvent.Finished | None = None
-    error: pb.TokenEvent.Error | None = None
-    cached_tokens: int | None = None
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-
-
-def make_request(request_id: str, prompt: Sequence[int], max_tokens: int | None = 16, temperature: float = 0.0,
-                 seed: int | None = None, **kwargs) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=temperature, top_k=kwargs.pop("top_k", 0),
-                                 top_p=kwargs.pop("top_p", 1.0), min_p=kwargs.pop("min_p", 0.0),
-                                 presence_penalty=kwargs.pop("presence_penalty", 0.0),
-                                 frequency_penalty=kwargs.pop("frequency_penalty", 0.0),
-                                 repetition_penalty=kwargs.pop("repetition_penalty", 1.0))
-    if seed is not None:
-        sampling.seed = seed
-    stop = pb.StopConditions(stop_token_ids=kwargs.pop("stop_token_ids", []),
-                             ignore_eos=kwargs.pop("ignore_eos", True), min_tokens=kwargs.pop("min_tokens", 0))
-    if max_tokens is not None:
-        stop.max_tokens = max_tokens
-    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(map(int, prompt)), sampling=sampling,
-                              stop=stop, **kwargs)
-
-
-async def collect(engine, request: pb.GenerateRequest) -> Outcome:
-    outcome = Outcome()
-    async for event in engine.generate(request):
-        kind = event.WhichOneof("event")
-        if kind == "scheduled":
-            outcome.cached_tokens = event.scheduled.cached_tokens
-        elif kind == "tokens":
-            outcome.token_ids.extend(event.tokens.ids)
-            outcome.logprobs.extend(event.tokens.logprobs)
-        elif kind == "finished":
-            outcome.finish = event.finished
-        elif kind == "error":
-            outcome.error = event.error
-    return outcome
-
-
-def run_all(engine, requests: Sequence[pb.GenerateRequest]) -> list[Outcome]:
-    async def main():
-        return await asyncio.gather(*(collect(engine, r) for r in requests))
-
-    return asyncio.run(main())
+make_request = generate_request
+run_all = run_requests
 
 
 def run_one(engine, request: pb.GenerateRequest) -> Outcome:
