@@ -211,7 +211,7 @@ def write_moonlight(path: Path) -> None:
     """Random bf16 weights in HF DeepSeek-V3 names (shard per layer) + a word-level tokenizer."""
     from gpu_serving import write_tokenizer
 
-    from tests.helpers.safetensors_raw import write_safetensors
+    from openinfer.weights import write_safetensors
 
     if (path / "config.json").exists():
         return

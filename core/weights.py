@@ -58,6 +58,28 @@ def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     return ((bits + rounding) >> 16).astype(np.uint16)
 
 
+_STORED_TAGS = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
+                np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8", np.dtype(np.float16): "F16"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray | tuple[str, np.ndarray]]) -> None:
+    """Write one safetensors file. A value is an array of a NumPy dtype, or ``(tag, stored bytes)``
+    for the dtypes NumPy cannot spell (``("BF16", uint16 bits)``, ``("F8_E4M3", uint8)``,
+    ``("F8_E8M0", uint8)``): the counterpart of ``Checkpoint`` for quantized and bf16 checkpoints."""
+    header: dict[str, dict] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name, value in tensors.items():
+        tag, array = value if isinstance(value, tuple) else (_STORED_TAGS[np.asarray(value).dtype], value)
+        data = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": tag, "shape": list(np.shape(array)), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    Path(path).write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+
+
 def _read_header(path: Path) -> dict:
     with open(path, "rb") as handle:
         prefix = handle.read(8)
