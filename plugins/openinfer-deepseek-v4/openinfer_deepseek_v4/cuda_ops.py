@@ -169,3 +169,75 @@ def quantized_linear(x: cupy.ndarray, weight: cupy.ndarray, scales: cupy.ndarray
             (x, cupy.ascontiguousarray(weight).view(np.uint8), cupy.ascontiguousarray(scales).view(np.uint8), y,
              np.int32(in_features), np.int32(out_features)))
     return y
+
+
+# --- the model forward's glue (cuda_model.py): layouts read from the device batch --------------------
+
+def token_seq(query_start: cupy.ndarray, num_tokens: int) -> cupy.ndarray:
+    """``[T]`` int32: the sequence of each token, from the device ``query_start [B+1]``."""
+    out = cupy.zeros(num_tokens, np.int32)
+    num_seqs = int(query_start.shape[0]) - 1
+    if num_tokens and num_seqs:
+        kernel("dsv4_token_seq")((num_seqs,), (THREADS,), (query_start, out))
+    return out
+
+
+def head_norm_rope(x: cupy.ndarray, heads: int, positions: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int,
+                   *, norm: bool, weight: cupy.ndarray | None = None, eps: float = 1e-6) -> cupy.ndarray:
+    """In place on bf16 ``x [T, heads·dim]``: per head RMSNorm (``weight`` None: unweighted) when
+    ``norm``, then RoPE on the last ``rope_dim`` channels (``attention.attention``'s q / kv)."""
+    x = _check(x, np.uint16, 2, "x (bf16)")
+    tokens, width = x.shape
+    dim = width // heads
+    _dim(dim, "head dim")
+    if tokens:
+        kernel("dsv4_head_norm_rope")(
+            (tokens, heads), (THREADS,),
+            (x, NULL if weight is None else _check(weight, np.uint16, 1, "norm weight (bf16)"), np.int32(norm),
+             _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), _check(positions, np.int32, 1, "positions"),
+             np.int32(heads), np.int32(dim), np.float32(eps)))
+    return x
+
+
+def write_window(kv: cupy.ndarray, cache: cupy.ndarray, tables: cupy.ndarray, block_size: int,
+                 token_seq: cupy.ndarray, positions: cupy.ndarray) -> None:
+    """The sliding-window cache rows of the step's tokens ← ``kv [T, D]`` (bf16)."""
+    kv = _check(kv, np.uint16, 2, "kv (bf16)")
+    tables = _check(tables, np.int32, 2, "tables")
+    if kv.shape[0]:
+        kernel("dsv4_write_window")((kv.shape[0],), (THREADS,),
+                                    (kv, cache, tables, np.int32(tables.shape[1]), np.int32(block_size), token_seq,
+                                     positions, np.int32(kv.shape[1])))
+
+
+def compressor_step(kv_proj: cupy.ndarray, gate_proj: cupy.ndarray, ape: cupy.ndarray, state: dict[str, Any],
+                    prefix: str, norm: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, eps: float, *,
+                    token_seq: cupy.ndarray, positions: cupy.ndarray, query_start: cupy.ndarray,
+                    state_slots: cupy.ndarray, cache: cupy.ndarray, tables: cupy.ndarray, block_size: int, rate: int,
+                    dim: int, overlap: bool) -> None:
+    """``attention.compress`` for a whole step: the entries of the windows its tokens close go
+    to ``cache`` (rows via ``tables``), then the state slots' open windows (``state[prefix + "kv"]``
+    ...; CSA: ``overlap_*``) move on. ``kv_proj`` / ``gate_proj``: bf16 ``[T, c·dim]``."""
+    kv_proj = _check(kv_proj, np.uint16, 2, "kv_proj (bf16)")
+    gate_proj = _check(gate_proj, np.uint16, 2, "gate_proj (bf16)")
+    tables = _check(tables, np.int32, 2, "tables")
+    _dim(dim, "compressed entry width")
+    tokens, num_seqs = int(kv_proj.shape[0]), int(query_start.shape[0]) - 1
+    if not tokens:
+        return
+    pending_kv, pending_gate = state[prefix + "kv"], state[prefix + "gate"]
+    overlap_kv = state[prefix + "overlap_kv"] if overlap else None
+    overlap_gate = state[prefix + "overlap_gate"] if overlap else None
+    ape = _check(ape, np.float32, 2, "ape")
+    kernel("dsv4_compress_step")(
+        (tokens,), (THREADS,),
+        (kv_proj, gate_proj, ape, pending_kv, pending_gate, NULL if overlap_kv is None else overlap_kv,
+         NULL if overlap_gate is None else overlap_gate, _check(norm, np.float32, 1, "norm"),
+         _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), np.float32(eps), token_seq, positions,
+         query_start, state_slots, cache, tables, np.int32(tables.shape[1]), np.int32(block_size), np.int32(rate),
+         np.int32(dim), np.int32(overlap)))
+    kernel("dsv4_compress_state")(
+        (num_seqs,), (THREADS,),
+        (kv_proj, gate_proj, ape, pending_kv, pending_gate, NULL if overlap_kv is None else overlap_kv,
+         NULL if overlap_gate is None else overlap_gate, positions, query_start, state_slots, np.int32(rate),
+         np.int32(dim), np.int32(overlap)))

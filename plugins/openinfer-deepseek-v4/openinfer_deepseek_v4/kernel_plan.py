@@ -46,4 +46,4 @@ graphs) is not written yet, so ``device=cuda`` is refused with a clear error.
 
 from __future__ import annotations
 
-SUPPORTED_BACKENDS = ("numpy",)  # the model refuses the others until the CUDA forward exists
+SUPPORTED_BACKENDS = ("numpy", "cuda")

@@ -380,3 +380,163 @@ extern "C" __global__ void dsv4_fp8_linear(const bf16* __restrict__ x, const uns
     __shared__ float scratch[1024];
     quant_linear<false>(x, codes, scales, y, in_features, out_features, scratch);
 }
+
+// ================================================================================================
+// The model forward's glue kernels (cuda_model.py). They read the step's layout from the device
+// batch — query_start [B+1], positions [T], token_seq [T], state_slots [B], block tables — so a
+// decode step touches no host data and can be captured in a CUDA graph.
+// ================================================================================================
+
+// token_seq[t] = the sequence of token t. grid (B).
+extern "C" __global__ void dsv4_token_seq(const int* __restrict__ query_start, int* __restrict__ token_seq) {
+    const int s = blockIdx.x;
+    for (int t = query_start[s] + threadIdx.x; t < query_start[s + 1]; t += blockDim.x) token_seq[t] = s;
+}
+
+// Per head, in place: optional RMSNorm (weight may be null: unweighted), then RoPE on the last
+// rope_dim channels at positions[t] (rope_dim 0: none). grid (T, heads).
+extern "C" __global__ void dsv4_head_norm_rope(bf16* __restrict__ x, const bf16* __restrict__ weight, int use_norm,
+                                               const float* __restrict__ inv_freq, int rope_dim,
+                                               const int* __restrict__ positions, int heads, int dim, float eps) {
+    __shared__ float v[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x;
+    bf16* head = x + ((long long)t * heads + blockIdx.y) * dim;
+    float sumsq = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        v[c] = to_f(head[c]);
+        sumsq += v[c] * v[c];
+    }
+    const float total = block_sum(sumsq, scratch);  // also the barrier after the loads
+    if (use_norm) {
+        const float inv_rms = rsqrtf(total / dim + eps);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) v[c] *= inv_rms * (weight ? to_f(weight[c]) : 1.f);
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        head[c] = to_bf(rope_dim ? rotated(v, c, dim, rope_dim, (float)positions[t], inv_freq, 1.f) : v[c]);
+}
+
+// The sliding-window cache write: row of (sequence, position) ← kv[t]. grid (T).
+extern "C" __global__ void dsv4_write_window(const bf16* __restrict__ kv, bf16* __restrict__ cache,
+                                             const int* __restrict__ tables, int table_stride, int block_size,
+                                             const int* __restrict__ token_seq, const int* __restrict__ positions,
+                                             int dim) {
+    const int t = blockIdx.x;
+    const long long row = cache_row(tables, table_stride, token_seq[t], positions[t], block_size);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) cache[row * dim + c] = kv[(long long)t * dim + c];
+}
+
+// One compressor row (kv, gate + ape) of position q, channel col (of width) for a token of this
+// step whose sequence started the step at `start` (first token index `first_token`):
+//   q ≥ start                  the step's projections (token first_token + q − start)
+//   q in the window open at start   the state slot's pending rows (gate stored without ape)
+//   q earlier (CSA overlap only)    the slot's overlap rows: the Ca half, ape included (col < dim)
+struct CompressorRows {
+    const bf16* kv_proj;
+    const bf16* gate_proj;  // [T, width]
+    const float* ape;       // [rate, width]
+    const bf16* state_kv;
+    const bf16* state_gate;  // [slots, rate, width]
+    const bf16* overlap_kv;
+    const bf16* overlap_gate;  // [slots, rate, dim]
+    int rate, width, dim;
+
+    __device__ __forceinline__ void row(int q, int col, int start, int first_token, int slot, float& kv,
+                                        float& gate) const {
+        const int r = q % rate;
+        if (q >= start) {
+            const long long i = (long long)(first_token + q - start) * width + col;
+            kv = to_f(kv_proj[i]);
+            gate = to_f(gate_proj[i]) + ape[r * width + col];
+        } else if (q / rate == start / rate) {
+            const long long i = ((long long)slot * rate + r) * width + col;
+            kv = to_f(state_kv[i]);
+            gate = to_f(state_gate[i]) + ape[r * width + col];
+        } else {
+            const long long i = ((long long)slot * rate + r) * dim + col;
+            kv = to_f(overlap_kv[i]);
+            gate = to_f(overlap_gate[i]);
+        }
+    }
+};
+
+// attention.compress for the entries closing in this step: token t at position p closes window
+// w = p / rate when (p + 1) % rate == 0. Per channel softmax over the window's slots (CSA: the Ca
+// half of window w−1, empty for w = 0, then the Cb half of window w), RMSNorm × norm, RoPE at
+// w·rate, written to the compressed cache row of entry w. grid (T); other tokens return at once.
+extern "C" __global__ void dsv4_compress_step(
+    const bf16* __restrict__ kv_proj, const bf16* __restrict__ gate_proj, const float* __restrict__ ape,
+    const bf16* __restrict__ state_kv, const bf16* __restrict__ state_gate, const bf16* __restrict__ overlap_kv,
+    const bf16* __restrict__ overlap_gate, const float* __restrict__ norm_weight, const float* __restrict__ inv_freq,
+    int rope_dim, float eps, const int* __restrict__ token_seq, const int* __restrict__ positions,
+    const int* __restrict__ query_start, const int* __restrict__ state_slots, bf16* __restrict__ cache,
+    const int* __restrict__ tables, int table_stride, int block_size, int rate, int dim, int overlap) {
+    __shared__ float pooled[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, p = positions[t];
+    if ((p + 1) % rate != 0) return;  // block-uniform
+    const int seq = token_seq[t], first_token = query_start[seq], start = positions[first_token];
+    const int slot = state_slots[seq], w = p / rate;
+    const CompressorRows rows{kv_proj, gate_proj, ape, state_kv, state_gate, overlap_kv, overlap_gate,
+                              rate, (overlap ? 2 : 1) * dim, dim};
+    float sumsq = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float peak = NEG_BIG, den = 0.f, num = 0.f, kv, gate;
+        for (int pass = overlap && w > 0 ? 0 : 1; pass < 2; ++pass) {
+            // pass 0: the Ca half (columns 0..dim) of window w−1; pass 1: window w, its Cb half under overlap
+            const int first = (w - 1 + pass) * rate, col = pass && overlap ? dim + c : c;
+            for (int q = first; q < first + rate; ++q) {
+                rows.row(q, col, start, first_token, slot, kv, gate);
+                const float new_peak = fmaxf(peak, gate);
+                const float correction = __expf(peak - new_peak), e = __expf(gate - new_peak);
+                den = den * correction + e;
+                num = num * correction + e * kv;
+                peak = new_peak;
+            }
+        }
+        pooled[c] = num / den;
+        sumsq += pooled[c] * pooled[c];
+    }
+    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) pooled[c] *= inv_rms * norm_weight[c];
+    __syncthreads();
+    const long long row = cache_row(tables, table_stride, seq, w, block_size);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        cache[row * dim + c] = to_bf(rotated(pooled, c, dim, rope_dim, (float)(w * rate), inv_freq, 1.f));
+}
+
+// The compressor's state after the step, per sequence (grid (B), after dsv4_compress_step):
+// CSA: when a window closed, the overlap rows ← the Ca half (+ ape) of the last closed window;
+// then the pending rows of the window open at the end ← this step's rows of it.
+extern "C" __global__ void dsv4_compress_state(
+    const bf16* __restrict__ kv_proj, const bf16* __restrict__ gate_proj, const float* __restrict__ ape,
+    bf16* __restrict__ state_kv, bf16* __restrict__ state_gate, bf16* __restrict__ overlap_kv,
+    bf16* __restrict__ overlap_gate, const int* __restrict__ positions, const int* __restrict__ query_start,
+    const int* __restrict__ state_slots, int rate, int dim, int overlap) {
+    const int s = blockIdx.x, first_token = query_start[s], count = query_start[s + 1] - first_token;
+    if (count <= 0) return;
+    const int start = positions[first_token], end = start + count, slot = state_slots[s];
+    const int width = (overlap ? 2 : 1) * dim;
+    const CompressorRows rows{kv_proj, gate_proj, ape, state_kv, state_gate, overlap_kv, overlap_gate,
+                              rate, width, dim};
+    if (overlap && end / rate > start / rate) {
+        const int first = (end / rate - 1) * rate;
+        for (int i = threadIdx.x; i < rate * dim; i += blockDim.x) {
+            const int r = i / dim, c = i % dim;
+            float kv, gate;
+            rows.row(first + r, c, start, first_token, slot, kv, gate);
+            overlap_kv[((long long)slot * rate + r) * dim + c] = to_bf(kv);
+            overlap_gate[((long long)slot * rate + r) * dim + c] = to_bf(gate);
+        }
+    }
+    __syncthreads();  // the overlap read the pending rows that are overwritten next
+    const int open = max(end - end % rate, start);
+    for (int i = threadIdx.x; i < (end - open) * width; i += blockDim.x) {
+        const int q = open + i / width, c = i % width;
+        const long long src = (long long)(first_token + q - start) * width + c;
+        const long long dst = ((long long)slot * rate + q % rate) * width + c;
+        state_kv[dst] = kv_proj[src];
+        state_gate[dst] = gate_proj[src];
+    }
+}
