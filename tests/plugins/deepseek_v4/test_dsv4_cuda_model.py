@@ -122,8 +122,8 @@ def test_graph_replay_equals_eager(tiny, cuda_backend):
     eager = cuda_backend.to_host(graphs.run_padded_eager(batch))
     replayed = cuda_backend.to_host(graphs.run(batch))
     np.testing.assert_array_equal(replayed, eager)
-    reference = DirectRunner(load_model(path)).run([("a", a, 0)])[-1]
-    assert np.abs(replayed[0] - reference).max() < 1.0  # the right row, not just a repeatable one
+    reference = DirectRunner(load_model(path)).run([("a", a, 0)])[-1]  # the right row, not just a repeatable one
+    assert np.abs(replayed[0] - reference).max() <= NOISE_FACTOR * judge_noise(path)
 
 
 def engine_tokens(path, device: str, **options) -> tuple[list[list[int]], object]:
