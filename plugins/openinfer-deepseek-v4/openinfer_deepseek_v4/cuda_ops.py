@@ -16,10 +16,15 @@ import numpy as np
 
 SOURCE = "dsv4.cu"
 THREADS = 128
+MIX_THREADS = 256  # dsv4_hc_mix: one (token, logit) dot product of hc·hidden per block
+COLLAPSE_THREADS = 256
 MAX_DIM = 1024
 MAX_INDEX_QK = 8192
 MAX_HC = 8
-ENTRIES_PER_BLOCK = 64
+ENTRIES_PER_BLOCK = 256  # indexer keys scored per block (the token's q is loaded once per block)
+INDEX_THREADS = 256
+MAX_INDEX_HEADS = 256
+ATTENTION_THREADS = 256  # 8 warps, each an online softmax over every 8th key
 NULL = np.uint64(0)
 
 
@@ -74,13 +79,14 @@ def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(heads * dim, "index heads × index head dim", MAX_INDEX_QK)
+    _dim(heads, "index heads", MAX_INDEX_HEADS)
     tables = _check(tables, np.int32, 2, "tables")
     scores = cupy.empty((tokens, max(max_entries, 1)), np.float32)
     selected = cupy.full((tokens, k), -1, np.int32)
     if tokens == 0 or max_entries == 0:
         return scores[:, :max_entries], selected
     kernel("dsv4_indexer_scores")(
-        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (THREADS,),
+        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (INDEX_THREADS,),
         (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
          np.int32(block_size), _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
          np.int32(rate), scores, np.int32(heads), np.int32(dim), np.int32(max_entries), np.int32(ENTRIES_PER_BLOCK)))
@@ -99,6 +105,8 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(dim, "head_dim")
+    if dim % 32:
+        raise ValueError(f"head_dim {dim} must be a multiple of 32 (a warp's lanes split the channels)")
     window_tables = _check(window_tables, np.int32, 2, "window_tables")
     out = cupy.empty_like(q)
     if tokens == 0:
@@ -106,7 +114,7 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     entry_stride = 0 if entry_tables is None else _check(entry_tables, np.int32, 2, "entry_tables").shape[1]
     num_selected = 0 if selected is None else _check(selected, np.int32, 2, "selected").shape[1]
     kernel("dsv4_sparse_attention")(
-        (tokens, heads), (THREADS,),
+        (tokens, heads), (ATTENTION_THREADS,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
          np.int32(entry_stride), NULL if selected is None else selected, np.int32(num_selected), np.int32(max(rate, 1)),
@@ -122,19 +130,25 @@ def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, sca
     """``hyper_connection.collapse`` (``head``: ``collapse_head``): (x [T, D] bf16, post [T, hc],
     comb [T, hc, hc]; None for the head)."""
     streams = _check(streams, np.float32, 3, "streams")
+    fn = _check(fn, np.float32, 2, "fn")
     tokens, hc, dim = streams.shape
     if hc > MAX_HC:
         raise ValueError(f"hc_mult {hc} exceeds {MAX_HC}")
+    num_mix = hc if head else (2 + hc) * hc
+    if fn.shape != (num_mix, hc * dim):
+        raise ValueError(f"hc fn is {tuple(fn.shape)}, expected ({num_mix}, {hc * dim})")
     x = cupy.empty((tokens, dim), np.uint16)
     post = None if head else cupy.empty((tokens, hc), np.float32)
     comb = None if head else cupy.empty((tokens, hc, hc), np.float32)
     if tokens:
+        mix = cupy.empty((tokens, num_mix), np.float32)
+        kernel("dsv4_hc_mix")((tokens, num_mix), (MIX_THREADS,),
+                              (streams, fn, mix, np.int32(hc * dim), np.int32(num_mix), np.float32(norm_eps)))
         kernel("dsv4_hc_collapse")(
-            (tokens,), (THREADS,),
-            (streams, _check(fn, np.float32, 2, "fn"), _check(base, np.float32, 1, "base"),
-             _check(scale, np.float32, 1, "scale"), x, NULL if head else post, NULL if head else comb, np.int32(hc),
-             np.int32(dim), np.int32(1 if head else 0), np.int32(sinkhorn_iters), np.float32(hc_eps),
-             np.float32(norm_eps)))
+            (tokens,), (COLLAPSE_THREADS,),
+            (streams, mix, _check(base, np.float32, 1, "base"), _check(scale, np.float32, 1, "scale"), x,
+             NULL if head else post, NULL if head else comb, np.int32(hc), np.int32(dim), np.int32(1 if head else 0),
+             np.int32(sinkhorn_iters), np.float32(hc_eps)))
     return x, post, comb
 
 

@@ -15,7 +15,6 @@ typedef __nv_bfloat16 bf16;
 
 #define NEG_BIG (-3.0e38f)  // an empty slot / masked logit: exp() of it minus anything is 0
 #define MAX_DIM 1024        // head_dim, index head_dim and mHC hidden size handled per block
-#define MAX_PER_THREAD 8    // MAX_DIM / the smallest block (128)
 #define MAX_INDEX_QK 8192   // index heads × index head_dim kept in shared memory
 #define MAX_MIX 32          // mHC mixing logits: (2 + hc) · hc ≤ 24 for hc = 4
 #define MAX_HC 8
@@ -35,6 +34,12 @@ __device__ float block_sum(float v, float* scratch /* [blockDim.x] */) {
     const float total = scratch[0];
     __syncthreads();
     return total;
+}
+
+// Sum over the 32 lanes of a warp; every lane must call it and gets the result.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
 }
 
 // RoPE (inverse: sin negated) of channel c of a head held in shared `v`, rope on the last rd.
@@ -87,38 +92,50 @@ extern "C" __global__ void dsv4_compress_entries(
 
 // --- indexer scores: attention.index_scores ------------------------------------------------------
 // grid (T, ⌈max_entries / entries_per_block⌉). scores[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s]) for
-// the visible entries s < (pos + 1) / rate; NEG_BIG beyond.
+// the visible entries s < (pos + 1) / rate; NEG_BIG beyond. The token's q sits in shared memory
+// transposed ([dim][heads]: the lanes of a warp, one head each, read consecutive words), keys
+// come in chunks of INDEX_KEY_FLOATS; each warp scores its own keys of a chunk (no block barrier
+// per key), lanes splitting the heads, one warp reduction per key.
+#define INDEX_KEY_FLOATS 2048
+#define MAX_INDEX_HEADS 256
 extern "C" __global__ void dsv4_indexer_scores(
     const bf16* __restrict__ q,            // [T, heads, dim] (RoPE applied)
     const float* __restrict__ head_weights, // [T, heads] (scales folded in)
     const bf16* __restrict__ keys, const int* __restrict__ tables, int table_stride, int block_size,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int rate,
     float* __restrict__ scores, int heads, int dim, int max_entries, int entries_per_block) {
-    __shared__ float qs[MAX_INDEX_QK];
-    __shared__ float key[MAX_DIM];
-    __shared__ float scratch[1024];
-    const int t = blockIdx.x, seq = token_seq[t];
-    const int visible = (positions[t] + 1) / rate;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = to_f(q[(long long)t * heads * dim + i]);
-    __syncthreads();
-    const int first = blockIdx.y * entries_per_block;
-    const int last = min(first + entries_per_block, max_entries);
-    for (int s = first; s < last; ++s) {  // block-uniform loop and branch
-        if (s >= visible) {
-            if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = NEG_BIG;
-            continue;
+    __shared__ float q_t[MAX_INDEX_QK];
+    __shared__ float weight[MAX_INDEX_HEADS];
+    __shared__ float key_chunk[INDEX_KEY_FLOATS];
+    const int t = blockIdx.x, seq = token_seq[t], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x)
+        q_t[(i % dim) * heads + i / dim] = to_f(q[(long long)t * heads * dim + i]);
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) weight[h] = head_weights[(long long)t * heads + h];
+    const int chunk = INDEX_KEY_FLOATS / dim;
+    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
+    for (int s0 = first; s0 < last; s0 += chunk) {
+        const int count = min(chunk, last - s0);
+        __syncthreads();  // q_t is loaded; the previous chunk is no longer read
+        for (int k = warp; k < count; k += num_warps) {
+            if (s0 + k >= visible) continue;  // warp-uniform
+            const long long row = cache_row(tables, table_stride, seq, s0 + k, block_size);
+            for (int c = lane; c < dim; c += 32) key_chunk[k * dim + c] = to_f(keys[row * dim + c]);
         }
-        const long long row = cache_row(tables, table_stride, seq, s, block_size);
-        for (int c = threadIdx.x; c < dim; c += blockDim.x) key[c] = to_f(keys[row * dim + c]);
         __syncthreads();
-        float part = 0.f;
-        for (int h = threadIdx.x; h < heads; h += blockDim.x) {
-            float dot = 0.f;
-            for (int c = 0; c < dim; ++c) dot += qs[h * dim + c] * key[c];
-            part += fmaxf(dot, 0.f) * head_weights[(long long)t * heads + h];
+        for (int k = warp; k < count; k += num_warps) {
+            const int s = s0 + k;
+            float part = 0.f;
+            if (s < visible) {  // warp-uniform
+                for (int h = lane; h < heads; h += 32) {
+                    float dot = 0.f;
+                    for (int c = 0; c < dim; ++c) dot += q_t[c * heads + h] * key_chunk[k * dim + c];
+                    part += fmaxf(dot, 0.f) * weight[h];
+                }
+            }
+            const float total = warp_sum(part);
+            if (lane == 0) scores[(long long)t * max_entries + s] = s < visible ? total : NEG_BIG;
         }
-        const float total = block_sum(part, scratch);
-        if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = total;
     }
 }
 
@@ -182,21 +199,11 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 // grid (T, heads). Keys = values: the window positions max(0, p-W+1)..p of the sliding cache,
 // then compressed entries e < (p+1)/rate — the indexer's picks (selected[t, :num_selected], -1
 // skipped) for CSA, all of them for HCA (selected == nullptr), none without entry_cache.
-// Online softmax seeded with the head's sink (it only enlarges the denominator), RoPE⁻¹ at p.
-__device__ __forceinline__ void attend_key(const bf16* __restrict__ key, const float* qs, float scale, int dim,
-                                           float* scratch, float& peak, float& denom, float* acc) {
-    float part = 0.f;
-    int j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) part += qs[c] * to_f(key[c]);
-    const float logit = block_sum(part, scratch) * scale;
-    const float new_peak = fmaxf(peak, logit);
-    const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
-    denom = denom * correction + weight;
-    j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) acc[j] = acc[j] * correction + weight * to_f(key[c]);
-    peak = new_peak;
-}
-
+// Each warp runs an online softmax over every num_warps-th key (lane l holds channels l + 32j of
+// q, the key and its accumulator: coalesced loads, one warp reduction per key, no block barrier),
+// warp 0 seeded with the head's sink (it only enlarges the denominator); the warps' partial
+// softmaxes merge in warp order at the end, then RoPE⁻¹ at p. dim must be a multiple of 32.
+#define MAX_PER_LANE (MAX_DIM / 32)
 extern "C" __global__ void dsv4_sparse_attention(
     const bf16* __restrict__ q,  // [T, heads, dim]
     const bf16* __restrict__ window_cache, const int* __restrict__ window_tables, int window_stride,
@@ -205,61 +212,114 @@ extern "C" __global__ void dsv4_sparse_attention(
     const int* __restrict__ token_seq, const int* __restrict__ positions, const float* __restrict__ sinks,
     const float* __restrict__ inv_freq, int rope_dim, bf16* __restrict__ out,
     int heads, int dim, int window, int block_size, float scale) {
-    __shared__ float qs[MAX_DIM];
     __shared__ float result[MAX_DIM];
-    __shared__ float scratch[1024];
+    __shared__ float warp_peak[32];
+    __shared__ float warp_denom[32];
     const int t = blockIdx.x, h = blockIdx.y, seq = token_seq[t], p = positions[t];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5, per = dim >> 5;
     const bf16* qh = q + ((long long)t * heads + h) * dim;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) qs[c] = to_f(qh[c]);
-    __syncthreads();
-    float acc[MAX_PER_THREAD];
-    for (int j = 0; j < MAX_PER_THREAD; ++j) acc[j] = 0.f;
-    float peak = sinks[h], denom = 1.f;  // exp(sink - peak) = 1
-    for (int pos = max(0, p - window + 1); pos <= p; ++pos) {
-        const long long row = cache_row(window_tables, window_stride, seq, pos, block_size);
-        attend_key(window_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+    float qr[MAX_PER_LANE], acc[MAX_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) {
+        qr[j] = j < per ? to_f(qh[lane + 32 * j]) : 0.f;
+        acc[j] = 0.f;
     }
-    if (entry_cache != nullptr) {
-        const int visible = (p + 1) / rate;
-        const int count = selected != nullptr ? num_selected : visible;
-        for (int j = 0; j < count; ++j) {
+    float peak = warp == 0 ? sinks[h] : NEG_BIG, denom = warp == 0 ? 1.f : 0.f;  // exp(sink − peak) = 1
+    const int lo = max(0, p - window + 1), window_keys = p - lo + 1;
+    const int visible = entry_cache != nullptr ? (p + 1) / rate : 0;
+    const int entry_keys = entry_cache == nullptr ? 0 : (selected != nullptr ? num_selected : visible);
+    for (int k = warp; k < window_keys + entry_keys; k += num_warps) {
+        const bf16* key;
+        if (k < window_keys) {
+            key = window_cache + cache_row(window_tables, window_stride, seq, lo + k, block_size) * dim;
+        } else {
+            const int j = k - window_keys;
             const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
-            if (e < 0 || e >= visible) continue;  // block-uniform
-            const long long row = cache_row(entry_tables, entry_stride, seq, e, block_size);
-            attend_key(entry_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+            if (e < 0 || e >= visible) continue;  // warp-uniform
+            key = entry_cache + cache_row(entry_tables, entry_stride, seq, e, block_size) * dim;
         }
+        float kv[MAX_PER_LANE], part = 0.f;
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; ++j) {
+            kv[j] = j < per ? to_f(key[lane + 32 * j]) : 0.f;
+            part += qr[j] * kv[j];
+        }
+        const float logit = warp_sum(part) * scale;
+        const float new_peak = fmaxf(peak, logit);
+        const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
+        denom = denom * correction + weight;
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; ++j) acc[j] = acc[j] * correction + weight * kv[j];
+        peak = new_peak;
     }
-    int j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) result[c] = acc[j] / denom;
+    if (lane == 0) {
+        warp_peak[warp] = peak;
+        warp_denom[warp] = denom;
+    }
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) result[c] = 0.f;
     __syncthreads();
+    float top = NEG_BIG, total = 0.f;
+    for (int w = 0; w < num_warps; ++w) top = fmaxf(top, warp_peak[w]);
+    for (int w = 0; w < num_warps; ++w) total += warp_denom[w] * __expf(warp_peak[w] - top);
+    const float share = __expf(peak - top) / total;
+    for (int w = 0; w < num_warps; ++w) {  // in warp order: the same sum every run
+        if (warp == w) {
+#pragma unroll
+            for (int j = 0; j < MAX_PER_LANE; ++j)
+                if (j < per) result[lane + 32 * j] += acc[j] * share;
+        }
+        __syncthreads();
+    }
     bf16* oh = out + ((long long)t * heads + h) * dim;
     for (int c = threadIdx.x; c < dim; c += blockDim.x)
         oh[c] = to_bf(rotated(result, c, dim, rope_dim, (float)p, inv_freq, -1.f));
 }
 
 // --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------
-// One block per token: m = rms(flat)·(flat @ fnᵀ); pre/post/Sinkhorn(comb) (layers) or pre (the
-// head, head != 0); x = Σ_j pre_j·H_j.
+// Two launches. dsv4_hc_mix, grid (T, num_mix): one block per (token, mixing logit) reduces the
+// token's flat streams against one row of fn — m[t, o] = rms(flat)·(flat · fn[o]) — so the 24
+// dot products of a token run side by side instead of one after another (a block reducing them
+// in turn waits on memory latency 24 times: ~1.8 ms per collapse at batch 1, measured on H100).
+// dsv4_hc_collapse, grid (T): pre/post/Sinkhorn(comb) (layers) or pre (the head, head != 0)
+// from those logits; x = Σ_j pre_j·H_j.
+extern "C" __global__ void dsv4_hc_mix(const float* __restrict__ streams, const float* __restrict__ fn,
+                                       float* __restrict__ mix_out, int n, int num_mix, float norm_eps) {
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, o = blockIdx.y;
+    const float* flat = streams + (long long)t * n;
+    const float* row = fn + (long long)o * n;
+    float sumsq = 0.f, dot = 0.f;
+    if ((n & 3) == 0) {  // 16-byte loads (n % 4 == 0 keeps every row 16-byte aligned)
+        const float4* f4 = reinterpret_cast<const float4*>(flat);
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+            const float4 a = f4[i], b = w4[i];
+            sumsq += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            sumsq += flat[i] * flat[i];
+            dot += flat[i] * row[i];
+        }
+    }
+    const float total_sq = block_sum(sumsq, scratch);
+    const float total_dot = block_sum(dot, scratch);
+    if (threadIdx.x == 0) mix_out[(long long)t * num_mix + o] = total_dot * rsqrtf(total_sq / n + norm_eps);
+}
+
 extern "C" __global__ void dsv4_hc_collapse(
     const float* __restrict__ streams,  // [T, hc, dim]
-    const float* __restrict__ fn, const float* __restrict__ base, const float* __restrict__ scale,
+    const float* __restrict__ mix_in,   // [T, num_mix] from dsv4_hc_mix
+    const float* __restrict__ base, const float* __restrict__ scale,
     bf16* __restrict__ x_out, float* __restrict__ post_out, float* __restrict__ comb_out,
-    int hc, int dim, int head, int sinkhorn_iters, float hc_eps, float norm_eps) {
+    int hc, int dim, int head, int sinkhorn_iters, float hc_eps) {
     __shared__ float mix[MAX_MIX];
     __shared__ float pre[MAX_HC];
-    __shared__ float scratch[1024];
     const int t = blockIdx.x, n = hc * dim;
     const float* flat = streams + (long long)t * n;
-    float sumsq = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) sumsq += flat[i] * flat[i];
-    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / n + norm_eps);
     const int num_mix = head ? hc : (2 + hc) * hc;
-    for (int o = 0; o < num_mix; ++o) {
-        float part = 0.f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) part += flat[i] * fn[(long long)o * n + i];
-        const float total = block_sum(part, scratch);
-        if (threadIdx.x == 0) mix[o] = total * inv_rms;
-    }
+    for (int o = threadIdx.x; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int j = 0; j < hc; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;

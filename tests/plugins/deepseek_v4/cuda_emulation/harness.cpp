@@ -12,6 +12,9 @@
 #include <cuda_bf16.h>
 
 using std::max;
+struct float4 {  // CUDA's 16-byte vector (dsv4_hc_mix's loads); the host stand-in lacks it
+    float x, y, z, w;
+};
 
 #include "dsv4.cu"
 
@@ -100,13 +103,21 @@ int main(int argc, char** argv) {
         auto head_fn = load<float>(dir, "head_fn.bin");
         auto head_base = load<float>(dir, "head_base.bin");
         auto head_scale = load<float>(dir, "head_scale.bin");
-        launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), fn.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
-                             hc, dim, 0, iters, hc_eps, norm_eps);
+        const int num_mix = (2 + hc) * hc;
+        std::vector<float> mix(static_cast<size_t>(tokens) * num_mix), head_mix(static_cast<size_t>(tokens) * hc);
+        launch(tokens, num_mix, 1, threads, [&] {
+            dsv4_hc_mix(streams.data(), fn.data(), mix.data(), hc * dim, num_mix, norm_eps);
         });
         launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), head_fn.data(), head_base.data(), head_scale.data(), head_x.data(),
-                             nullptr, nullptr, hc, dim, 1, iters, hc_eps, norm_eps);
+            dsv4_hc_collapse(streams.data(), mix.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
+                             hc, dim, 0, iters, hc_eps);
+        });
+        launch(tokens, hc, 1, threads, [&] {
+            dsv4_hc_mix(streams.data(), head_fn.data(), head_mix.data(), hc * dim, hc, norm_eps);
+        });
+        launch(tokens, 1, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), head_mix.data(), head_base.data(), head_scale.data(), head_x.data(),
+                             nullptr, nullptr, hc, dim, 1, iters, hc_eps);
         });
         launch(tokens, (dim + threads - 1) / threads, 1, threads, [&] {
             dsv4_hc_expand(streams.data(), y.data(), post.data(), comb.data(), expanded.data(), hc, dim);
