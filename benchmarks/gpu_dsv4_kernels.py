@@ -17,6 +17,10 @@ for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick]
 
+Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone (eager, CUDA
+events) — mHC, the dense projections, the router, the MoE, the indexer, sparse attention — next
+to the whole layer run eagerly.
+
 Writes benchmarks/results/gpu_dsv4_kernels.json and .png (and copies under $OUT when set).
 """
 
@@ -227,6 +231,81 @@ def bench_layer(backend, kind: str, moe, moe_bytes: int, per_expert: int, batch:
             "roofline_fraction": moved / bandwidth / seconds}
 
 
+def bf16_random(shape: tuple[int, ...]):
+    import cupy
+
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
+    """The layer's parts timed alone (eager, CUDA events) on its own caches: where the step goes."""
+    import cupy
+    from openinfer_deepseek_v4 import cuda_experts, cuda_ops
+
+    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.tools.ledger import gpu_seconds
+
+    model, _ = build_model(backend, kind, moe, context + BLOCK)
+    kv_cache, step, _, _ = decode_setup(backend, model, batch, context)
+    device = backend.prepare_batch(step)
+    c, layer, where = model.config, model.weights.layers[0], model.cache_index[0]
+    attn, hidden, rate = layer.attn, c.hidden_size, RATES[kind]
+    token_seq = cuda_ops.token_seq(device.query_start, batch)
+    streams = cupy.random.standard_normal((batch, c.hc_mult, hidden), dtype=cupy.float32)
+    mixed = cupy.empty_like(streams)
+    fn, base, scale = (cupy.asarray(a, cupy.float32) for a in (layer.hc_attn.fn, layer.hc_attn.base,
+                                                               layer.hc_attn.scale))
+    x, qr, low_rank = bf16_random((batch, hidden)), bf16_random((batch, c.q_lora_rank)), bf16_random(
+        (batch, c.o_groups * c.o_lora_rank))
+    moe_device = cuda_experts.device_layer(layer.ffn, backend)
+
+    def mhc() -> None:
+        y, post, comb = cuda_ops.hc_collapse(streams, fn, base, scale, sinkhorn_iters=c.hc_sinkhorn_iters,
+                                             hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        cuda_ops.hc_expand(streams, y, post, comb, out=mixed)
+
+    projections = [(x, attn.wq_a), (qr, attn.wq_b), (x, attn.wkv), (low_rank, attn.wo_b)]
+    if attn.compressor is not None:
+        projections += [(x, attn.compressor.wkv), (x, attn.compressor.wgate)]
+    if attn.indexer is not None:
+        projections += [(qr, attn.indexer.wq_b), (x, attn.indexer.weights_proj), (x, attn.indexer.compressor.wkv),
+                        (x, attn.indexer.compressor.wgate)]
+    times = {
+        "mhc collapse + expand (x1 of 2)": gpu_seconds(mhc, 20, 3),
+        "dense projections (cuBLAS, bf16)": gpu_seconds(lambda: [backend.linear(a, w) for a, w in projections], 20, 3),
+        "router (core moe_route)": gpu_seconds(lambda: core_moe.route(x, moe_device.gate, layer.ffn.router,
+                                                                      moe_device.correction_bias), 20, 3),
+        "moe (route + FP4 experts + shared)": gpu_seconds(
+            lambda: cuda_experts.moe_layer(backend, x, layer.ffn, moe_device, device.token_ids), 20, 3),
+    }
+    entries = entry_tables = selected = None
+    if rate:
+        entries = kv_cache[where.entries].k
+        entry_tables = device.group_block_tables(where.entries_group)
+    if kind == "csa":
+        index = attn.indexer
+        keys, key_tables = kv_cache[where.index_keys].k, device.group_block_tables(where.index_keys_group)
+        index_q = bf16_random((batch, index.num_heads, index.head_dim))
+        head_weights = cupy.random.standard_normal((batch, index.num_heads), dtype=cupy.float32)
+
+        def pick():
+            return cuda_ops.indexer_topk(index_q, head_weights, keys, key_tables, BLOCK, token_seq, device.positions,
+                                         rate, context // rate, index.topk)
+
+        times["indexer scores + top-k"] = gpu_seconds(pick, 20, 3)
+        selected = pick()[1]
+    q = bf16_random((batch, c.num_attention_heads, c.head_dim))
+    sinks = cupy.asarray(attn.sink, cupy.float32)
+    inv_freq = cupy.asarray((model.rope_compress if rate else model.rope_main).inv_freq, cupy.float32)
+    window = kv_cache[where.window].k
+    times["sparse attention"] = gpu_seconds(
+        lambda: cuda_ops.sparse_attention(q, window, device.group_block_tables(where.window_group), entries,
+                                          entry_tables, selected, max(rate, 1), token_seq, device.positions, sinks,
+                                          inv_freq, c.rope_head_dim, c.sliding_window, BLOCK), 20, 3)
+    times["whole layer, eager"] = gpu_seconds(lambda: model.forward(device, kv_cache), 10, 2)
+    return {"layer": kind, "batch": batch, "context": context, "seconds": times}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -276,6 +355,14 @@ def main() -> None:
                           "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                           "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)", "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
+    parts = []
+    for kind in RATES:
+        for batch in (1, 64):
+            parts.append(breakdown(backend, kind, moe, batch, 4096))
+            print(json.dumps(parts[-1]), flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+    report["breakdown"] = parts
+    out.write_text(json.dumps(report, indent=1))
     plot(rows, out.with_suffix(".png"))
     if os.environ.get("OUT"):
         for path in (out, out.with_suffix(".png")):

@@ -12,7 +12,7 @@ per-group block tables, ``state_slots``)::
                                  CSA/HCA: wkv/wgate ─► compressor_step (entries + open windows)
                                  CSA: indexer wq_b ─► RoPE, weights_proj ─► indexer_topk
                                  sparse_attention (window + entries, sinks, RoPE⁻¹)
-                                 wo_a per group ─► wo_b
+                                 wo_a (all groups: one batched GEMM) ─► wo_b
       hc_expand; hc_collapse ─► rms_norm ─► MoE (cuda_experts) ─► hc_expand
     logits rows ─► hc head ─► norm ─► head
 
@@ -69,7 +69,7 @@ class DeviceCompressor:
 @dataclass
 class DeviceAttention:
     sink: cupy.ndarray  # [H] fp32
-    wo_a: list[Any]  # per output group: a [o_lora, H·D/groups] backend linear
+    wo_a: cupy.ndarray  # [groups, o_lora, H·D/groups] bf16: one strided-batched GEMM over the groups
     compressor: DeviceCompressor | None
     index_compressor: DeviceCompressor | None
 
@@ -110,7 +110,7 @@ class CudaForward:
             a = layer.attn
             self.layers.append(DeviceLayer(
                 DeviceHyper.of(layer.hc_attn), DeviceHyper.of(layer.hc_ffn),
-                DeviceAttention(_f32(a.sink), [ops.linear_weight(np.ascontiguousarray(g)) for g in a.wo_a],
+                DeviceAttention(_f32(a.sink), ops.weight(np.ascontiguousarray(a.wo_a, np.float32)),
                                 None if a.compressor is None else DeviceCompressor.of(a.compressor),
                                 None if a.indexer is None else DeviceCompressor.of(a.indexer.compressor)),
                 device_layer(layer.ffn, ops)))
@@ -187,12 +187,19 @@ class CudaForward:
         out = cuda_ops.sparse_attention(q.reshape(tokens, heads, dim), window, window_tables, entries, entry_tables,
                                         selected, rate, step.token_seq, batch.positions, device.sink, inv_freq,
                                         rope_dim, c.sliding_window, block_size)
-        flat = out.reshape(tokens, heads * dim)
-        per_group = heads * dim // len(device.wo_a)
-        low_rank = cupy.concatenate(
-            [ops.linear(cupy.ascontiguousarray(flat[:, g * per_group:(g + 1) * per_group]), wo_a)
-             for g, wo_a in enumerate(device.wo_a)], axis=1)
-        return ops.linear(low_rank, w.wo_b)
+        return ops.linear(self._grouped_output(out.reshape(tokens, heads * dim), device.wo_a), w.wo_b)
+
+    def _grouped_output(self, out: cupy.ndarray, wo_a: cupy.ndarray) -> cupy.ndarray:
+        """``[T, groups·o_lora]``: group g of the heads' outputs times ``wo_a[g]ᵀ``, all groups in one
+        strided-batched GEMM (column-major: C_g[o_lora, T] = wo_a[g] · out_gᵀ)."""
+        groups, rank, width = (int(n) for n in wo_a.shape)
+        tokens = int(out.shape[0])
+        low_rank = cupy.empty((tokens, groups * rank), cupy.uint16)
+        if tokens:
+            self.model.backend.blas.matmul_strided_batched(
+                True, False, rank, tokens, width, wo_a, width, rank * width, out, groups * width, width,
+                low_rank, groups * rank, rank, groups)
+        return low_rank
 
     def _compress(self, x: cupy.ndarray, w: CompressorWeights, device: DeviceCompressor, state: dict[str, Any],
                   prefix: str, cache: cupy.ndarray, tables: cupy.ndarray, inv_freq: cupy.ndarray,

@@ -24,7 +24,7 @@ MAX_HC = 8
 ENTRIES_PER_BLOCK = 256  # indexer keys scored per block (the token's q is loaded once per block)
 INDEX_THREADS = 256
 MAX_INDEX_HEADS = 256
-ATTENTION_THREADS = 256  # 8 warps, each an online softmax over every 8th key
+ATTENTION_WARPS = 8  # heads per block (one warp each) once the step has enough tokens to fill the GPU
 NULL = np.uint64(0)
 
 
@@ -113,8 +113,10 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
         return out
     entry_stride = 0 if entry_tables is None else _check(entry_tables, np.int32, 2, "entry_tables").shape[1]
     num_selected = 0 if selected is None else _check(selected, np.int32, 2, "selected").shape[1]
+    # few tokens: fewer heads per block, so more blocks share the work
+    warps = ATTENTION_WARPS if tokens >= 16 else 2
     kernel("dsv4_sparse_attention")(
-        (tokens, heads), (ATTENTION_THREADS,),
+        (tokens, -(-heads // warps)), (32 * warps,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
          np.int32(entry_stride), NULL if selected is None else selected, np.int32(num_selected), np.int32(max(rate, 1)),

@@ -196,14 +196,20 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 }
 
 // --- sparse attention: attention.attend ----------------------------------------------------------
-// grid (T, heads). Keys = values: the window positions max(0, p-W+1)..p of the sliding cache,
-// then compressed entries e < (p+1)/rate — the indexer's picks (selected[t, :num_selected], -1
-// skipped) for CSA, all of them for HCA (selected == nullptr), none without entry_cache.
-// Each warp runs an online softmax over every num_warps-th key (lane l holds channels l + 32j of
-// q, the key and its accumulator: coalesced loads, one warp reduction per key, no block barrier),
-// warp 0 seeded with the head's sink (it only enlarges the denominator); the warps' partial
-// softmaxes merge in warp order at the end, then RoPE⁻¹ at p. dim must be a multiple of 32.
+// grid (T, ⌈heads / warps⌉): one warp per head, the block's heads sharing every key (K = V is one
+// head for all of them), so a key row is read once per block from memory. Keys = values: the
+// window positions max(0, p-W+1)..p of the sliding cache, then compressed entries e < (p+1)/rate
+// — the indexer's picks (selected[t, :num_selected], -1 skipped) for CSA, all of them for HCA
+// (selected == nullptr), none without entry_cache. Keys come in chunks through shared memory;
+// each warp runs its head's online softmax over them, seeded with the head's sink (it only
+// enlarges the denominator); lane l holds channels l + 32j. Then RoPE⁻¹ at p, the (2i, 2i+1)
+// partner channel one lane over. dim must be a multiple of 32.
 #define MAX_PER_LANE (MAX_DIM / 32)
+#define KEY_CHUNK_ELEMENTS 16384  // bf16 key rows in shared memory per chunk (32 KB)
+#define MAX_KEY_CHUNK 512
+
+__device__ __forceinline__ float shuffle_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
 extern "C" __global__ void dsv4_sparse_attention(
     const bf16* __restrict__ q,  // [T, heads, dim]
     const bf16* __restrict__ window_cache, const int* __restrict__ window_tables, int window_stride,
@@ -212,67 +218,81 @@ extern "C" __global__ void dsv4_sparse_attention(
     const int* __restrict__ token_seq, const int* __restrict__ positions, const float* __restrict__ sinks,
     const float* __restrict__ inv_freq, int rope_dim, bf16* __restrict__ out,
     int heads, int dim, int window, int block_size, float scale) {
-    __shared__ float result[MAX_DIM];
-    __shared__ float warp_peak[32];
-    __shared__ float warp_denom[32];
-    const int t = blockIdx.x, h = blockIdx.y, seq = token_seq[t], p = positions[t];
+    __shared__ __align__(16) bf16 key_chunk[KEY_CHUNK_ELEMENTS];
+    __shared__ long long key_rows[MAX_KEY_CHUNK];
+    const int t = blockIdx.x, seq = token_seq[t], p = positions[t];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5, per = dim >> 5;
-    const bf16* qh = q + ((long long)t * heads + h) * dim;
+    const int h = blockIdx.y * num_warps + warp;
+    const bool active = h < heads;  // warp-uniform; idle warps still load keys and meet the barriers
     float qr[MAX_PER_LANE], acc[MAX_PER_LANE];
 #pragma unroll
     for (int j = 0; j < MAX_PER_LANE; ++j) {
-        qr[j] = j < per ? to_f(qh[lane + 32 * j]) : 0.f;
+        qr[j] = active && j < per ? to_f(q[((long long)t * heads + h) * dim + lane + 32 * j]) : 0.f;
         acc[j] = 0.f;
     }
-    float peak = warp == 0 ? sinks[h] : NEG_BIG, denom = warp == 0 ? 1.f : 0.f;  // exp(sink − peak) = 1
+    float peak = active ? sinks[h] : 0.f, denom = 1.f;  // exp(sink − peak) = 1
     const int lo = max(0, p - window + 1), window_keys = p - lo + 1;
     const int visible = entry_cache != nullptr ? (p + 1) / rate : 0;
-    const int entry_keys = entry_cache == nullptr ? 0 : (selected != nullptr ? num_selected : visible);
-    for (int k = warp; k < window_keys + entry_keys; k += num_warps) {
-        const bf16* key;
-        if (k < window_keys) {
-            key = window_cache + cache_row(window_tables, window_stride, seq, lo + k, block_size) * dim;
-        } else {
-            const int j = k - window_keys;
-            const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
-            if (e < 0 || e >= visible) continue;  // warp-uniform
-            key = entry_cache + cache_row(entry_tables, entry_stride, seq, e, block_size) * dim;
-        }
-        float kv[MAX_PER_LANE], part = 0.f;
-#pragma unroll
-        for (int j = 0; j < MAX_PER_LANE; ++j) {
-            kv[j] = j < per ? to_f(key[lane + 32 * j]) : 0.f;
-            part += qr[j] * kv[j];
-        }
-        const float logit = warp_sum(part) * scale;
-        const float new_peak = fmaxf(peak, logit);
-        const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
-        denom = denom * correction + weight;
-#pragma unroll
-        for (int j = 0; j < MAX_PER_LANE; ++j) acc[j] = acc[j] * correction + weight * kv[j];
-        peak = new_peak;
-    }
-    if (lane == 0) {
-        warp_peak[warp] = peak;
-        warp_denom[warp] = denom;
-    }
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) result[c] = 0.f;
-    __syncthreads();
-    float top = NEG_BIG, total = 0.f;
-    for (int w = 0; w < num_warps; ++w) top = fmaxf(top, warp_peak[w]);
-    for (int w = 0; w < num_warps; ++w) total += warp_denom[w] * __expf(warp_peak[w] - top);
-    const float share = __expf(peak - top) / total;
-    for (int w = 0; w < num_warps; ++w) {  // in warp order: the same sum every run
-        if (warp == w) {
-#pragma unroll
-            for (int j = 0; j < MAX_PER_LANE; ++j)
-                if (j < per) result[lane + 32 * j] += acc[j] * share;
+    const int total = window_keys + (entry_cache == nullptr ? 0 : (selected != nullptr ? num_selected : visible));
+    const int chunk = min(MAX_KEY_CHUNK, KEY_CHUNK_ELEMENTS / dim);
+    for (int k0 = 0; k0 < total; k0 += chunk) {
+        const int count = min(chunk, total - k0);
+        __syncthreads();  // the previous chunk is no longer read
+        for (int k = threadIdx.x; k < count; k += blockDim.x) {
+            const int key = k0 + k;
+            long long row = -1;
+            if (key < window_keys) {
+                row = cache_row(window_tables, window_stride, seq, lo + key, block_size);
+            } else {
+                const int j = key - window_keys;
+                const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
+                if (e >= 0 && e < visible) row = -2 - cache_row(entry_tables, entry_stride, seq, e, block_size);
+            }
+            key_rows[k] = row;  // ≥ 0: a window row; ≤ −2: entry row −2 − r; −1: skipped
         }
         __syncthreads();
+        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte load
+            const int k = i / (dim / 8), c = (i % (dim / 8)) * 8;
+            const long long row = key_rows[k];
+            if (row == -1) continue;
+            const bf16* src = row >= 0 ? window_cache + row * dim : entry_cache + (-2 - row) * dim;
+            *reinterpret_cast<uint4*>(&key_chunk[k * dim + c]) = *reinterpret_cast<const uint4*>(src + c);
+        }
+        __syncthreads();
+        if (!active) continue;
+        for (int k = 0; k < count; ++k) {
+            if (key_rows[k] == -1) continue;  // warp-uniform
+            float part = 0.f;
+#pragma unroll
+            for (int j = 0; j < MAX_PER_LANE; ++j)
+                if (j < per) part += qr[j] * to_f(key_chunk[k * dim + lane + 32 * j]);
+            const float logit = warp_sum(part) * scale;
+            const float new_peak = fmaxf(peak, logit);
+            const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
+            denom = denom * correction + weight;
+#pragma unroll
+            for (int j = 0; j < MAX_PER_LANE; ++j)
+                if (j < per) acc[j] = acc[j] * correction + weight * to_f(key_chunk[k * dim + lane + 32 * j]);
+            peak = new_peak;
+        }
     }
+    if (!active) return;
+    const int base = dim - rope_dim;
     bf16* oh = out + ((long long)t * heads + h) * dim;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x)
-        oh[c] = to_bf(rotated(result, c, dim, rope_dim, (float)p, inv_freq, -1.f));
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) {
+        if (j >= per) continue;  // uniform: every lane has the same per
+        const int c = lane + 32 * j;
+        const float v = acc[j] / denom;
+        const float partner = shuffle_xor(v, 1);  // channel c ^ 1 (c and lane share their parity)
+        float o = v;
+        if (c >= base) {  // RoPE⁻¹: (even, odd) ← (e·cos + o·sin, o·cos − e·sin)
+            const float angle = (float)p * inv_freq[(c - base) >> 1];
+            const float cs = cosf(angle), sn = sinf(angle);
+            o = (c & 1) ? v * cs - partner * sn : v * cs + partner * sn;
+        }
+        oh[c] = to_bf(o);
+    }
 }
 
 // --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------

@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
         auto sinks = load<float>(dir, "sinks.bin");
         auto inv_freq = load<float>(dir, "inv_freq.bin");
         std::vector<bf16> out(q.size());
-        launch(tokens, heads, 1, threads, [&] {
+        launch(tokens, (heads + threads / 32 - 1) / (threads / 32), 1, threads, [&] {  // a warp per head
             dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
                                   mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
                                   mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
