@@ -1,15 +1,25 @@
-"""DeepSeek-V4-Flash attention-side kernels on one GPU, against the HBM roofline.
+"""DeepSeek-V4-Flash layers on one GPU, against the HBM roofline (issue 14).
 
-For one layer of each kind (sliding only, CSA, HCA) at DeepSeek-V4-Flash shapes (hidden 4096, 64
-heads, head_dim 512, rope 64, window 128, CSA rate 4 with 64 index heads × 128 and top-512, HCA
-rate 128, hc 4) times the plugin's kernels (``openinfer_deepseek_v4.cuda_ops``) for a decode step
-of batch 1 / 64 / 256 at context 4k / 64k, plus the mHC collapse + expand and one FP4 expert
-(2048 × 4096, e2m1 + e8m0) at the same batches. Each time is set against its roofline: the bytes
-the kernel must move (weights, cache rows it reads, activations in and out) over the measured
-device copy bandwidth. The projections (cuBLAS) and the grouped MoE GEMM are not included: the
-CUDA model forward that strings everything together is not written yet.
+One decoder layer of each attention kind — sliding window only, CSA (rate 4, indexer 64 heads ×
+128, top-512), HCA (rate 128) — each followed by the MoE (256 FP4 experts top-6 + one shared
+expert, clamped SwiGLU), at DeepSeek-V4-Flash shapes (hidden 4096, 64 heads, head_dim 512, rope
+64, window 128, q_lora 1024, 8 output groups of rank 1024, hc 4) with random weights in their
+real formats (bf16 dense linears, FP4 e2m1 + e8m0 routed experts; speed does not depend on the
+values). Each is a one-layer ``DeepseekV4Model`` on the cuda backend (vocab cut to 1024 so the
+embedding and head cost nothing next to the layer), its decode step captured in a CUDA graph
+(``openinfer.graph.CudaGraphRunner``) and replayed at batch 1 / 64 / 256 with every sequence at
+context 4k / 64k (caches filled with random rows; the step at position context − 2).
+
+Roofline: the bytes the step must read — the layer's weights (attention, mHC, router, shared
+expert, and the routed experts the batch touches: E·(1 − (1 − k/E)^B) of them in expectation),
+the sliding window, the compressed entries attention reads (HCA: all; CSA: the 512 picked) and,
+for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick]
+
+Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone (eager, CUDA
+events) — mHC, the dense projections, the router, the MoE, the indexer, sparse attention — next
+to the whole layer run eagerly.
 
 Writes benchmarks/results/gpu_dsv4_kernels.json and .png (and copies under $OUT when set).
 """
@@ -24,107 +34,276 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gpu_bench import gpu_time  # benchmarks/ is on sys.path when this script runs
 
-HEADS, HEAD_DIM, ROPE_DIM, WINDOW, HIDDEN, HC = 64, 512, 64, 128, 4096, 4
-INDEX_HEADS, INDEX_DIM, INDEX_TOPK, CSA_RATE, HCA_RATE = 64, 128, 512, 4, 128
+RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 64
-RESULTS = Path(__file__).parent / "results"
+VOCAB = 1024
+FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": VOCAB,
+    "hidden_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "num_hash_layers": 0, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+RATES = {"sliding": 0, "csa": 4, "hca": 128}
 
 
 def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
     import cupy
 
-    src = cupy.random.random(2**28, dtype=cupy.float32)
+    from openinfer.tools.ledger import gpu_seconds
+
+    src = cupy.ones(2**30, dtype=cupy.uint16)
     dst = cupy.empty_like(src)
-    return 2 * src.nbytes / gpu_time(lambda: dst.__setitem__(Ellipsis, src))
+    return 2 * src.nbytes / gpu_seconds(lambda: dst.__setitem__(Ellipsis, src), 10, 2)
 
 
-def bf16_random(shape):
+class Weights:
+    """Random weights of one layer kind (the MoE shared across kinds), with their byte count."""
+
+    def __init__(self, backend, rng):
+        self.backend, self.rng, self.bytes = backend, rng, 0
+
+    def linear(self, out_features: int, in_features: int):
+        self.bytes += 2 * out_features * in_features
+        return self.backend.linear_weight(self.rng.standard_normal((out_features, in_features), np.float32)
+                                          / np.float32(np.sqrt(in_features)))
+
+    def norm(self, size: int):
+        self.bytes += 2 * size
+        return self.backend.weight((1 + 0.1 * self.rng.standard_normal(size)).astype(np.float32))
+
+    def host(self, *shape: int, scale: float = 1.0) -> np.ndarray:
+        self.bytes += 4 * int(np.prod(shape))
+        return (scale * self.rng.standard_normal(shape)).astype(np.float32)
+
+
+def build_moe(backend, rng, c):
+    """256 FP4 experts (gate_up [E, 2I, H], down [E, H, I]) + shared expert + router."""
+    import cupy
+    from openinfer_deepseek_v4.cuda_experts import Fp4Experts
+
+    from openinfer.moe import ExpertWeights, MoEWeights, RouterSpec
+
+    def fp4(num_experts: int, out_features: int, in_features: int) -> Fp4Experts:
+        codes = cupy.empty((num_experts, out_features, in_features // 2), cupy.uint8)
+        for e in range(num_experts):  # one expert at a time keeps the temporaries small
+            codes[e] = cupy.random.randint(0, 256, (out_features, in_features // 2), dtype=cupy.int32).astype(cupy.uint8)
+        scales = cupy.full((num_experts, out_features, in_features // 32), 124, cupy.uint8)  # 2^-3
+        return Fp4Experts(codes, scales, out_features, in_features)
+
+    w = Weights(backend, rng)
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
+    router = RouterSpec(num_experts=experts, top_k=c.num_experts_per_tok, scoring="sqrtsoftplus",
+                        routed_scaling_factor=c.routed_scaling_factor)
+    shared = ExpertWeights(w.linear(2 * inter, hidden), w.linear(hidden, inter))
+    moe = MoEWeights(router=router, gate=w.host(experts, hidden, scale=hidden**-0.5), experts=[None] * experts,
+                     correction_bias=w.host(experts, scale=0.01), shared=shared, swiglu_limit=c.swiglu_limit,
+                     stacked=(fp4(experts, 2 * inter, hidden), fp4(experts, hidden, inter)))
+    w.bytes -= 4 * experts * hidden  # the router reads its weight in bf16 on the device
+    w.bytes += 2 * experts * hidden
+    per_expert = 3 * inter * hidden // 2 + 3 * inter * hidden // 32
+    return moe, w.bytes, per_expert
+
+
+def build_model(backend, kind: str, moe, max_model_len: int):
+    from openinfer_deepseek_v4.config import DeepseekV4Config
+    from openinfer_deepseek_v4.model import DeepseekV4Model
+    from openinfer_deepseek_v4.weights import (
+        AttentionWeights,
+        CompressorWeights,
+        DeepseekV4Weights,
+        HyperConnectionWeights,
+        IndexerWeights,
+        LayerWeights,
+    )
+
+    c = DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [RATES[kind], 0]})
+    w = Weights(backend, np.random.default_rng(1))
+    hidden, heads, dim, hc = c.hidden_size, c.num_attention_heads, c.head_dim, c.hc_mult
+
+    def hyper(rows: int, scales: int) -> HyperConnectionWeights:
+        return HyperConnectionWeights(w.host(rows, hc * hidden, scale=0.01), w.host(rows, scale=0.3),
+                                      np.full(scales, 0.7, np.float32))
+
+    def compressor(width: int, rate: int, overlap: bool) -> CompressorWeights:
+        c_width = (2 if overlap else 1) * width
+        return CompressorWeights(w.linear(c_width, hidden), w.linear(c_width, hidden), w.host(rate, c_width, scale=0.3),
+                                 w.norm(width), rate, width, overlap)
+
+    rate = RATES[kind]
+    attn = AttentionWeights(
+        wq_a=w.linear(c.q_lora_rank, hidden), q_norm=w.norm(c.q_lora_rank), wq_b=w.linear(heads * dim, c.q_lora_rank),
+        wkv=w.linear(dim, hidden), kv_norm=w.norm(dim),
+        wo_a=w.host(c.o_groups, c.o_lora_rank, heads * dim // c.o_groups, scale=(heads * dim // c.o_groups) ** -0.5),
+        wo_b=w.linear(hidden, c.o_groups * c.o_lora_rank), sink=w.host(heads),
+        compressor=compressor(dim, rate, kind == "csa") if rate else None,
+        indexer=IndexerWeights(w.linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+                               w.linear(c.index_n_heads, hidden), compressor(c.index_head_dim, rate, True),
+                               c.index_n_heads, c.index_head_dim, c.index_topk) if kind == "csa" else None)
+    w.bytes -= 2 * c.o_lora_rank * heads * dim  # wo_a: counted as fp32 on the host, bf16 on the device
+    layer = LayerWeights(w.norm(hidden), w.norm(hidden), hyper((2 + hc) * hc, 3), hyper((2 + hc) * hc, 3), attn, moe)
+    attention_bytes = w.bytes
+    weights = DeepseekV4Weights(embed=backend.weight(np.zeros((VOCAB, hidden), np.float32)),
+                                head=backend.linear_weight(np.zeros((VOCAB, hidden), np.float32)),
+                                norm=backend.weight(np.ones(hidden, np.float32)), hc_head=hyper(hc, 1),
+                                layers=[layer])
+    return DeepseekV4Model(c, weights, backend, max_model_len=max_model_len), attention_bytes
+
+
+def decode_setup(backend, model, batch: int, context: int):
+    """Caches for ``batch`` sequences at ``context`` (random rows), and the decode step at
+    position context − 2 (a typical step: it closes no compressed window, rates 4 and 128)."""
+    import cupy
+
+    from openinfer import ForwardBatch, group_specs
+
+    specs = model.kv_cache_specs()
+    groups = group_specs(specs)
+    position = context - 2
+    widths, tables = [], []
+    for group in groups.groups:
+        if not group.paged:
+            widths.append(0)
+            tables.append(None)
+            continue
+        blocks = group.spec.blocks_for(context, BLOCK)
+        first = group.spec.first_live_block(position, BLOCK)
+        table = np.zeros((batch, blocks), np.int32)
+        live = blocks - first
+        table[:, first:] = 1 + np.arange(batch * live, dtype=np.int32).reshape(batch, live)
+        widths.append(1 + batch * live)
+        tables.append(table)
+    kv_cache = []
+    for spec, gid in zip(specs, groups.group_of_layer, strict=True):
+        layer = backend.allocate_kv(spec, widths[gid] if spec.paged else batch + 1, BLOCK)
+        if spec.paged:  # random bf16 rows: N(0, 1) bits, the sign and exponent of a normal value
+            layer.k[...] = (cupy.random.standard_normal(layer.k.shape, dtype=cupy.float32).view(cupy.uint32)
+                            >> 16).astype(cupy.uint16)
+        kv_cache.append(layer)
+    width = max(t.shape[1] for t in tables if t is not None)
+    padded = [np.pad(t, ((0, 0), (0, width - t.shape[1]))) if t is not None else np.zeros((batch, 0), np.int32)
+              for t in tables]
+    positions = np.full(batch, position, np.int32)
+    no_writes = np.full(batch, -1, np.int32)
+    step = ForwardBatch(
+        token_ids=np.random.default_rng(2).integers(2, VOCAB, batch).astype(np.int32), positions=positions,
+        query_start=np.arange(batch + 1, dtype=np.int32), context_lens=positions + 1, block_tables=padded[0],
+        slot_mapping=no_writes, logits_rows=np.arange(batch, dtype=np.int32), max_query_len=1,
+        max_context_len=position + 1, kv_block_tables=tuple(padded), kv_slot_mappings=tuple(no_writes for _ in padded),
+        state_slots=np.arange(1, batch + 1, dtype=np.int32))
+    return kv_cache, step, width, len(groups.groups)
+
+
+def kv_bytes(kind: str, batch: int, context: int, c) -> int:
+    per_seq = c.sliding_window * c.head_dim * 2
+    if kind == "hca":
+        per_seq += context // RATES[kind] * c.head_dim * 2
+    elif kind == "csa":
+        entries = context // RATES[kind]
+        per_seq += min(entries, c.index_topk) * c.head_dim * 2 + entries * c.index_head_dim * 2
+    return batch * per_seq
+
+
+def bench_layer(backend, kind: str, moe, moe_bytes: int, per_expert: int, batch: int, context: int,
+                bandwidth: float) -> dict:
+    from openinfer.graph import CudaGraphRunner
+    from openinfer.tools.ledger import gpu_seconds
+
+    model, attention_bytes = build_model(backend, kind, moe, context + BLOCK)
+    kv_cache, step, width, num_groups = decode_setup(backend, model, batch, context)
+    runner = CudaGraphRunner(backend, lambda b: model.forward(b, kv_cache), max_num_seqs=batch,
+                             max_blocks_per_seq=width, buckets=(batch,), num_groups=num_groups, with_state=True)
+    runner.capture()
+    seconds = gpu_seconds(lambda: runner.run(step), 20, 3)
+    c = model.config
+    experts = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch)
+    moved = attention_bytes + moe_bytes + experts * per_expert + kv_bytes(kind, batch, context, c)
+    return {"layer": kind, "batch": batch, "context": context, "seconds": seconds, "bytes": int(moved),
+            "experts_touched": experts, "roofline_seconds": moved / bandwidth,
+            "roofline_fraction": moved / bandwidth / seconds}
+
+
+def bf16_random(shape: tuple[int, ...]):
     import cupy
 
     return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
 
 
-def paged_cache(batch: int, entries: int, width: int, live_from: int = 0):
-    """A bf16 cache of ``entries`` rows per sequence and its block tables (sequences' blocks
-    interleaved, as a shared pool hands them out); blocks wholly before ``live_from`` map to the
-    null block 0, as the sliding window's freed blocks do."""
+def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
+    """The layer's parts timed alone (eager, CUDA events) on its own caches: where the step goes."""
     import cupy
+    from openinfer_deepseek_v4 import cuda_experts, cuda_ops
 
-    blocks = -(-entries // BLOCK)
-    first = live_from // BLOCK
-    live = blocks - first
-    tables = np.zeros((batch, blocks), np.int32)
-    tables[:, first:] = np.arange(live)[None, :] * batch + np.arange(batch)[:, None] + 1
-    return bf16_random(((1 + batch * live) * BLOCK, width)), cupy.asarray(tables)
+    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.tools.ledger import gpu_seconds
 
+    model, _ = build_model(backend, kind, moe, context + BLOCK)
+    kv_cache, step, _, _ = decode_setup(backend, model, batch, context)
+    device = backend.prepare_batch(step)
+    c, layer, where = model.config, model.weights.layers[0], model.cache_index[0]
+    attn, hidden, rate = layer.attn, c.hidden_size, RATES[kind]
+    token_seq = cuda_ops.token_seq(device.query_start, batch)
+    streams = cupy.random.standard_normal((batch, c.hc_mult, hidden), dtype=cupy.float32)
+    mixed = cupy.empty_like(streams)
+    fn, base, scale = (cupy.asarray(a, cupy.float32) for a in (layer.hc_attn.fn, layer.hc_attn.base,
+                                                               layer.hc_attn.scale))
+    x, qr, low_rank = bf16_random((batch, hidden)), bf16_random((batch, c.q_lora_rank)), bf16_random(
+        (batch, c.o_groups * c.o_lora_rank))
+    moe_device = cuda_experts.device_layer(layer.ffn, backend)
 
-def bench_attention(ops, kind: str, batch: int, context: int, bandwidth: float) -> dict:
-    import cupy
+    def mhc() -> None:
+        y, post, comb = cuda_ops.hc_collapse(streams, fn, base, scale, sinkhorn_iters=c.hc_sinkhorn_iters,
+                                             hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        cuda_ops.hc_expand(streams, y, post, comb, out=mixed)
 
-    positions = cupy.full(batch, context - 1, np.int32)
-    token_seq = cupy.arange(batch, dtype=np.int32)
-    q = bf16_random((batch, HEADS, HEAD_DIM))
-    sinks = cupy.zeros(HEADS, np.float32)
-    inv_freq = cupy.asarray((1.0 / 160000.0 ** (np.arange(0, ROPE_DIM, 2) / ROPE_DIM)).astype(np.float32))
-    window_cache, window_tables = paged_cache(batch, context, HEAD_DIM, live_from=context - WINDOW)
-    rate = {"sliding": 1, "csa": CSA_RATE, "hca": HCA_RATE}[kind]
-    entries = context // rate if kind != "sliding" else 0
-    entry_cache = entry_tables = selected = None
-    steps = []
-    moved = batch * (2 * HEADS * HEAD_DIM * 2 + WINDOW * HEAD_DIM * 2)  # q + out + window keys
-    if kind != "sliding":
-        entry_cache, entry_tables = paged_cache(batch, entries, HEAD_DIM)
+    projections = [(x, attn.wq_a), (qr, attn.wq_b), (x, attn.wkv), (low_rank, attn.wo_b)]
+    if attn.compressor is not None:
+        projections += [(x, attn.compressor.wkv), (x, attn.compressor.wgate)]
+    if attn.indexer is not None:
+        projections += [(qr, attn.indexer.wq_b), (x, attn.indexer.weights_proj), (x, attn.indexer.compressor.wkv),
+                        (x, attn.indexer.compressor.wgate)]
+    times = {
+        "mhc collapse + expand (x1 of 2)": gpu_seconds(mhc, 20, 3),
+        "dense projections (cuBLAS, bf16)": gpu_seconds(lambda: [backend.linear(a, w) for a, w in projections], 20, 3),
+        "router (core moe_route)": gpu_seconds(lambda: core_moe.route(x, moe_device.gate, layer.ffn.router,
+                                                                      moe_device.correction_bias), 20, 3),
+        "moe (route + FP4 experts + shared)": gpu_seconds(
+            lambda: cuda_experts.moe_layer(backend, x, layer.ffn, moe_device, device.token_ids), 20, 3),
+    }
+    entries = entry_tables = selected = None
+    if rate:
+        entries = kv_cache[where.entries].k
+        entry_tables = device.group_block_tables(where.entries_group)
     if kind == "csa":
-        index_q = bf16_random((batch, INDEX_HEADS, INDEX_DIM))
-        weights = cupy.random.standard_normal((batch, INDEX_HEADS), dtype=cupy.float32)
-        index_keys, index_tables = paged_cache(batch, entries, INDEX_DIM)
-        _, selected = ops.indexer_topk(index_q, weights, index_keys, index_tables, BLOCK, token_seq, positions,
-                                       rate, entries, INDEX_TOPK)
-        steps.append(lambda: ops.indexer_topk(index_q, weights, index_keys, index_tables, BLOCK, token_seq, positions,
-                                              rate, entries, INDEX_TOPK))
-        moved += batch * (entries * INDEX_DIM * 2 + INDEX_HEADS * INDEX_DIM * 2 + min(entries, INDEX_TOPK) * HEAD_DIM * 2)
-    elif kind == "hca":
-        moved += batch * entries * HEAD_DIM * 2
-    steps.append(lambda: ops.sparse_attention(q, window_cache, window_tables, entry_cache, entry_tables, selected, rate,
-                                              token_seq, positions, sinks, inv_freq, ROPE_DIM, WINDOW, BLOCK))
-    seconds = gpu_time(lambda: [step() for step in steps])
-    return {"op": f"attention/{kind}", "batch": batch, "context": context, "seconds": seconds,
-            "bytes": moved, "roofline_seconds": moved / bandwidth, "roofline_fraction": moved / bandwidth / seconds}
+        index = attn.indexer
+        keys, key_tables = kv_cache[where.index_keys].k, device.group_block_tables(where.index_keys_group)
+        index_q = bf16_random((batch, index.num_heads, index.head_dim))
+        head_weights = cupy.random.standard_normal((batch, index.num_heads), dtype=cupy.float32)
 
+        def pick():
+            return cuda_ops.indexer_topk(index_q, head_weights, keys, key_tables, BLOCK, token_seq, device.positions,
+                                         rate, context // rate, index.topk)
 
-def bench_mhc(ops, batch: int, bandwidth: float) -> dict:
-    import cupy
-
-    streams = cupy.random.standard_normal((batch, HC, HIDDEN), dtype=cupy.float32)
-    fn = cupy.random.standard_normal(((2 + HC) * HC, HC * HIDDEN), dtype=cupy.float32) * 0.01
-    base = cupy.zeros((2 + HC) * HC, np.float32)
-    scale = cupy.ones(3, np.float32)
-    y = bf16_random((batch, HIDDEN))
-
-    def step():
-        _, post, comb = ops.hc_collapse(streams, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
-        ops.hc_expand(streams, y, post, comb, out=streams)
-
-    moved = fn.nbytes + batch * (3 * streams[0].nbytes + 2 * HIDDEN * 2)
-    seconds = gpu_time(step)
-    return {"op": "mhc collapse+expand", "batch": batch, "context": 0, "seconds": seconds, "bytes": moved,
-            "roofline_seconds": moved / bandwidth, "roofline_fraction": moved / bandwidth / seconds}
-
-
-def bench_fp4_expert(ops, batch: int, bandwidth: float) -> dict:
-    import cupy
-
-    from openinfer.quant import quantize_fp4_e2m1
-
-    codes, scales = quantize_fp4_e2m1(np.random.default_rng(0).standard_normal((2048, HIDDEN)).astype(np.float32))
-    codes, scales = cupy.asarray(codes), cupy.asarray(scales)
-    x = bf16_random((batch, HIDDEN))
-    seconds = gpu_time(lambda: ops.quantized_linear(x, codes, scales, 2048, "fp4"))
-    moved = codes.nbytes + scales.nbytes + batch * (HIDDEN + 2048) * 2
-    return {"op": "fp4 expert w1 (2048x4096)", "batch": batch, "context": 0, "seconds": seconds, "bytes": moved,
-            "roofline_seconds": moved / bandwidth, "roofline_fraction": moved / bandwidth / seconds}
+        times["indexer scores + top-k"] = gpu_seconds(pick, 20, 3)
+        selected = pick()[1]
+    q = bf16_random((batch, c.num_attention_heads, c.head_dim))
+    sinks = cupy.asarray(attn.sink, cupy.float32)
+    inv_freq = cupy.asarray((model.rope_compress if rate else model.rope_main).inv_freq, cupy.float32)
+    window = kv_cache[where.window].k
+    times["sparse attention"] = gpu_seconds(
+        lambda: cuda_ops.sparse_attention(q, window, device.group_block_tables(where.window_group), entries,
+                                          entry_tables, selected, max(rate, 1), token_seq, device.positions, sinks,
+                                          inv_freq, c.rope_head_dim, c.sliding_window, BLOCK), 20, 3)
+    times["whole layer, eager"] = gpu_seconds(lambda: model.forward(device, kv_cache), 10, 2)
+    return {"layer": kind, "batch": batch, "context": context, "seconds": times}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -133,13 +312,17 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['op']}\nb{r['batch']} c{r['context'] // 1024}k" if r["context"] else f"{r['op']}\nb{r['batch']}"
-              for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 4))
-    ax.bar(range(len(rows)), [100 * r["roofline_fraction"] for r in rows])
-    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("% of HBM roofline")
-    ax.set_title("DeepSeek-V4-Flash kernels (one layer of each kind)")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{r['layer']}\nb{r['batch']} {r['context'] // 1024}k" for r in rows]
+    axes[0].bar(range(len(rows)), [1e3 * r["seconds"] for r in rows], label="measured")
+    axes[0].bar(range(len(rows)), [1e3 * r["roofline_seconds"] for r in rows], alpha=0.6, label="HBM roofline")
+    axes[0].set_ylabel("ms per decode step (one layer + MoE)")
+    axes[0].legend()
+    axes[1].bar(range(len(rows)), [100 * r["roofline_fraction"] for r in rows])
+    axes[1].set_ylabel("% of HBM roofline")
+    for ax in axes:
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    fig.suptitle("DeepSeek-V4-Flash layer decode step (graph replay)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -149,24 +332,36 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
     args = parser.parse_args()
     import cupy
-    from openinfer_deepseek_v4 import cuda_ops
+    from openinfer_deepseek_v4.config import DeepseekV4Config
 
+    from openinfer import create_backend
+
+    backend = create_backend("cuda")
     batches = [1, 64] if args.quick else [1, 64, 256]
     contexts = [4096] if args.quick else [4096, 65536]
     bandwidth = copy_bandwidth()
-    rows = []
-    for kind in ("sliding", "csa", "hca"):
-        for batch in batches:
-            for context in contexts:
-                rows.append(bench_attention(cuda_ops, kind, batch, context, bandwidth))
-                print(json.dumps(rows[-1]), flush=True)
-    for batch in batches:
-        rows += [bench_mhc(cuda_ops, batch, bandwidth), bench_fp4_expert(cuda_ops, batch, bandwidth)]
-        print(json.dumps(rows[-2:]), flush=True)
-    report = {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy": cupy.__version__,
-              "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    moe, moe_bytes, per_expert = build_moe(backend, np.random.default_rng(0),
+                                           DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [0, 0]}))
+    rows: list[dict] = []
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "gpu_dsv4_kernels.json"
+    for kind in RATES:
+        for batch in batches:
+            for context in contexts:
+                rows.append(bench_layer(backend, kind, moe, moe_bytes, per_expert, batch, context, bandwidth))
+                print(json.dumps(rows[-1]), flush=True)
+                cupy.get_default_memory_pool().free_all_blocks()
+                report = {"gpu": backend.device_name, "cupy": cupy.__version__,
+                          "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                          "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)", "rows": rows}
+                out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
+    parts = []
+    for kind in RATES:
+        for batch in (1, 64):
+            parts.append(breakdown(backend, kind, moe, batch, 4096))
+            print(json.dumps(parts[-1]), flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+    report["breakdown"] = parts
     out.write_text(json.dumps(report, indent=1))
     plot(rows, out.with_suffix(".png"))
     if os.environ.get("OUT"):

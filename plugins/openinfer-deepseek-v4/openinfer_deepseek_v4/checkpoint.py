@@ -132,6 +132,25 @@ class DeepseekV4Checkpoint:
             raise WeightLoadError(f"tensor {name} has shape {tuple(value.shape)}, the config implies {tuple(shape)}")
         return value
 
+    def stored_quantized(self, module: str) -> tuple[str, np.ndarray, np.ndarray] | None:
+        """``(format, codes, e8m0 scales)`` of ``<module>.weight`` as stored, both uint8 — ``fp4``
+        (``[out, in/2]`` packed pairs, scales ``[out, in/32]``) or ``fp8`` (e4m3 ``[out, in]``,
+        scales ``[⌈out/128⌉, ⌈in/128⌉]``) — for kernels that decode in registers; None when the
+        weight is not quantised or is split over model-parallel files (then use ``weight``)."""
+        found = self._locate(f"{module}.weight")
+        if len(found) != 1:
+            return None
+        index, stored = found[0]
+        shard = self.shards[index]
+        scale = stored[: -len(".weight")] + ".scale"
+        if scale not in shard or shard.dtype(scale) != "F8_E8M0":
+            return None
+        dtype = shard.dtype(stored)
+        kind = "fp8" if dtype == "F8_E4M3" else "fp4" if dtype in ("I8", "U8", "F4") else None
+        if kind is None:
+            return None
+        return kind, np.asarray(shard.raw(stored)).view(np.uint8), np.asarray(shard.raw(scale)).view(np.uint8)
+
     @staticmethod
     def _split_axis(name: str) -> int | None:
         if _EXPERT.search(name):

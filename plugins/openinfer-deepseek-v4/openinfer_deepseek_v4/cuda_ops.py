@@ -16,10 +16,15 @@ import numpy as np
 
 SOURCE = "dsv4.cu"
 THREADS = 128
+MIX_THREADS = 256  # dsv4_hc_mix: one (token, logit) dot product of hc·hidden per block
+COLLAPSE_THREADS = 256
 MAX_DIM = 1024
 MAX_INDEX_QK = 8192
 MAX_HC = 8
-ENTRIES_PER_BLOCK = 64
+ENTRIES_PER_BLOCK = 256  # indexer keys scored per block (the token's q is loaded once per block)
+INDEX_THREADS = 256
+MAX_INDEX_HEADS = 256
+ATTENTION_WARPS = 8  # heads per block (one warp each) once the step has enough tokens to fill the GPU
 NULL = np.uint64(0)
 
 
@@ -74,13 +79,14 @@ def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(heads * dim, "index heads × index head dim", MAX_INDEX_QK)
+    _dim(heads, "index heads", MAX_INDEX_HEADS)
     tables = _check(tables, np.int32, 2, "tables")
     scores = cupy.empty((tokens, max(max_entries, 1)), np.float32)
     selected = cupy.full((tokens, k), -1, np.int32)
     if tokens == 0 or max_entries == 0:
         return scores[:, :max_entries], selected
     kernel("dsv4_indexer_scores")(
-        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (THREADS,),
+        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (INDEX_THREADS,),
         (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
          np.int32(block_size), _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
          np.int32(rate), scores, np.int32(heads), np.int32(dim), np.int32(max_entries), np.int32(ENTRIES_PER_BLOCK)))
@@ -99,14 +105,18 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(dim, "head_dim")
+    if dim % 32:
+        raise ValueError(f"head_dim {dim} must be a multiple of 32 (a warp's lanes split the channels)")
     window_tables = _check(window_tables, np.int32, 2, "window_tables")
     out = cupy.empty_like(q)
     if tokens == 0:
         return out
     entry_stride = 0 if entry_tables is None else _check(entry_tables, np.int32, 2, "entry_tables").shape[1]
     num_selected = 0 if selected is None else _check(selected, np.int32, 2, "selected").shape[1]
+    # few tokens: fewer heads per block, so more blocks share the work
+    warps = ATTENTION_WARPS if tokens >= 16 else 2
     kernel("dsv4_sparse_attention")(
-        (tokens, heads), (THREADS,),
+        (tokens, -(-heads // warps)), (32 * warps,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
          np.int32(entry_stride), NULL if selected is None else selected, np.int32(num_selected), np.int32(max(rate, 1)),
@@ -122,19 +132,25 @@ def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, sca
     """``hyper_connection.collapse`` (``head``: ``collapse_head``): (x [T, D] bf16, post [T, hc],
     comb [T, hc, hc]; None for the head)."""
     streams = _check(streams, np.float32, 3, "streams")
+    fn = _check(fn, np.float32, 2, "fn")
     tokens, hc, dim = streams.shape
     if hc > MAX_HC:
         raise ValueError(f"hc_mult {hc} exceeds {MAX_HC}")
+    num_mix = hc if head else (2 + hc) * hc
+    if fn.shape != (num_mix, hc * dim):
+        raise ValueError(f"hc fn is {tuple(fn.shape)}, expected ({num_mix}, {hc * dim})")
     x = cupy.empty((tokens, dim), np.uint16)
     post = None if head else cupy.empty((tokens, hc), np.float32)
     comb = None if head else cupy.empty((tokens, hc, hc), np.float32)
     if tokens:
+        mix = cupy.empty((tokens, num_mix), np.float32)
+        kernel("dsv4_hc_mix")((tokens, num_mix), (MIX_THREADS,),
+                              (streams, fn, mix, np.int32(hc * dim), np.int32(num_mix), np.float32(norm_eps)))
         kernel("dsv4_hc_collapse")(
-            (tokens,), (THREADS,),
-            (streams, _check(fn, np.float32, 2, "fn"), _check(base, np.float32, 1, "base"),
-             _check(scale, np.float32, 1, "scale"), x, NULL if head else post, NULL if head else comb, np.int32(hc),
-             np.int32(dim), np.int32(1 if head else 0), np.int32(sinkhorn_iters), np.float32(hc_eps),
-             np.float32(norm_eps)))
+            (tokens,), (COLLAPSE_THREADS,),
+            (streams, mix, _check(base, np.float32, 1, "base"), _check(scale, np.float32, 1, "scale"), x,
+             NULL if head else post, NULL if head else comb, np.int32(hc), np.int32(dim), np.int32(1 if head else 0),
+             np.int32(sinkhorn_iters), np.float32(hc_eps)))
     return x, post, comb
 
 
@@ -169,3 +185,75 @@ def quantized_linear(x: cupy.ndarray, weight: cupy.ndarray, scales: cupy.ndarray
             (x, cupy.ascontiguousarray(weight).view(np.uint8), cupy.ascontiguousarray(scales).view(np.uint8), y,
              np.int32(in_features), np.int32(out_features)))
     return y
+
+
+# --- the model forward's glue (cuda_model.py): layouts read from the device batch --------------------
+
+def token_seq(query_start: cupy.ndarray, num_tokens: int) -> cupy.ndarray:
+    """``[T]`` int32: the sequence of each token, from the device ``query_start [B+1]``."""
+    out = cupy.zeros(num_tokens, np.int32)
+    num_seqs = int(query_start.shape[0]) - 1
+    if num_tokens and num_seqs:
+        kernel("dsv4_token_seq")((num_seqs,), (THREADS,), (query_start, out))
+    return out
+
+
+def head_norm_rope(x: cupy.ndarray, heads: int, positions: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int,
+                   *, norm: bool, weight: cupy.ndarray | None = None, eps: float = 1e-6) -> cupy.ndarray:
+    """In place on bf16 ``x [T, heads·dim]``: per head RMSNorm (``weight`` None: unweighted) when
+    ``norm``, then RoPE on the last ``rope_dim`` channels (``attention.attention``'s q / kv)."""
+    x = _check(x, np.uint16, 2, "x (bf16)")
+    tokens, width = x.shape
+    dim = width // heads
+    _dim(dim, "head dim")
+    if tokens:
+        kernel("dsv4_head_norm_rope")(
+            (tokens, heads), (THREADS,),
+            (x, NULL if weight is None else _check(weight, np.uint16, 1, "norm weight (bf16)"), np.int32(norm),
+             _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), _check(positions, np.int32, 1, "positions"),
+             np.int32(heads), np.int32(dim), np.float32(eps)))
+    return x
+
+
+def write_window(kv: cupy.ndarray, cache: cupy.ndarray, tables: cupy.ndarray, block_size: int,
+                 token_seq: cupy.ndarray, positions: cupy.ndarray) -> None:
+    """The sliding-window cache rows of the step's tokens ← ``kv [T, D]`` (bf16)."""
+    kv = _check(kv, np.uint16, 2, "kv (bf16)")
+    tables = _check(tables, np.int32, 2, "tables")
+    if kv.shape[0]:
+        kernel("dsv4_write_window")((kv.shape[0],), (THREADS,),
+                                    (kv, cache, tables, np.int32(tables.shape[1]), np.int32(block_size), token_seq,
+                                     positions, np.int32(kv.shape[1])))
+
+
+def compressor_step(kv_proj: cupy.ndarray, gate_proj: cupy.ndarray, ape: cupy.ndarray, state: dict[str, Any],
+                    prefix: str, norm: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, eps: float, *,
+                    token_seq: cupy.ndarray, positions: cupy.ndarray, query_start: cupy.ndarray,
+                    state_slots: cupy.ndarray, cache: cupy.ndarray, tables: cupy.ndarray, block_size: int, rate: int,
+                    dim: int, overlap: bool) -> None:
+    """``attention.compress`` for a whole step: the entries of the windows its tokens close go
+    to ``cache`` (rows via ``tables``), then the state slots' open windows (``state[prefix + "kv"]``
+    ...; CSA: ``overlap_*``) move on. ``kv_proj`` / ``gate_proj``: bf16 ``[T, c·dim]``."""
+    kv_proj = _check(kv_proj, np.uint16, 2, "kv_proj (bf16)")
+    gate_proj = _check(gate_proj, np.uint16, 2, "gate_proj (bf16)")
+    tables = _check(tables, np.int32, 2, "tables")
+    _dim(dim, "compressed entry width")
+    tokens, num_seqs = int(kv_proj.shape[0]), int(query_start.shape[0]) - 1
+    if not tokens:
+        return
+    pending_kv, pending_gate = state[prefix + "kv"], state[prefix + "gate"]
+    overlap_kv = state[prefix + "overlap_kv"] if overlap else None
+    overlap_gate = state[prefix + "overlap_gate"] if overlap else None
+    ape = _check(ape, np.float32, 2, "ape")
+    kernel("dsv4_compress_step")(
+        (tokens,), (THREADS,),
+        (kv_proj, gate_proj, ape, pending_kv, pending_gate, NULL if overlap_kv is None else overlap_kv,
+         NULL if overlap_gate is None else overlap_gate, _check(norm, np.float32, 1, "norm"),
+         _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), np.float32(eps), token_seq, positions,
+         query_start, state_slots, cache, tables, np.int32(tables.shape[1]), np.int32(block_size), np.int32(rate),
+         np.int32(dim), np.int32(overlap)))
+    kernel("dsv4_compress_state")(
+        (num_seqs,), (THREADS,),
+        (kv_proj, gate_proj, ape, pending_kv, pending_gate, NULL if overlap_kv is None else overlap_kv,
+         NULL if overlap_gate is None else overlap_gate, positions, query_start, state_slots, np.int32(rate),
+         np.int32(dim), np.int32(overlap)))

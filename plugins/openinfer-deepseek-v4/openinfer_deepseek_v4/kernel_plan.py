@@ -2,48 +2,48 @@
 
 A step is *prefill* when a sequence brings more than one new token (a prompt or a chunk of one),
 *decode* when it brings one; a *mixed* step holds both. The model runs one path for all three:
-every op takes the step's flattened tokens, attention works sequence by sequence.
+every op takes the step's flattened tokens (NumPy attention works sequence by sequence).
 
 =======================  ======================================  =====================================
-op                       NumPy (the reference; what serves now)  CUDA kernel (``kernels/dsv4.cu``)
+op                       NumPy (the reference)                   CUDA (``cuda_model.CudaForward``)
 =======================  ======================================  =====================================
 embedding, norms         core ``embedding`` / ``rms_norm``       core kernels
-projections (BF16/F32)   core ``linear`` (BLAS)                  core ``linear`` (cuBLAS)
-FP8 linears (e4m3,       dequantised to fp32 at load             ``dsv4_fp8_linear`` (e8m0 128×128
-  e8m0 blocks)           (``openinfer.quant``)                   blocks decoded in registers)
-FP4 experts (e2m1,       dequantised to fp32 at load             ``dsv4_fp4_linear`` (e8m0 per 32)
-  e8m0 per 32)
-mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_collapse`` (one block per
-                                                                 token: rms, 24 mixes, Sinkhorn, Σ pre·H)
-mHC expand               ``hyper_connection.expand``             ``dsv4_hc_expand``
-mHC head                 ``hyper_connection.collapse_head``      ``dsv4_hc_collapse`` (head=1)
-q / kv norms + RoPE      ``attention.attention`` (interleaved    (core rms_norm; RoPE inside the
-                         pairs, last rope_dim channels)          consumers below)
-compressor pooling       ``attention.compress`` (slots with the  ``dsv4_compress_entries`` (softmax
-                         CSA overlap) → ``pool_entries``         over slots, RMSNorm, RoPE, paged write)
-indexer scores           ``attention.index_scores``              ``dsv4_indexer_scores``
-indexer top-k            ``attention.top_k_visible``             ``dsv4_topk`` (radix select)
-sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (online
-  + sinks + RoPE⁻¹       / all entries, K = V)                   softmax seeded with the sink)
-grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  cuBLAS strided-batched + GEMM
-MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` routing (hash /
-  (sqrt-softplus, hash)                                          sqrt-softplus)
-MoE experts              core ``run_experts`` (per expert        core ``moe.cu`` grouped GEMM (bf16 /
-                         GEMMs, clamped SwiGLU)                  FP8 blocks) still lacks an FP4 weight
-                                                                 format and the swiglu clamp: until
-                                                                 then ``dsv4_fp4_linear`` per expert
+projections              core ``linear`` (BLAS; FP8 linears      core ``linear`` (cuBLAS, bf16: FP8
+                         dequantised to fp32 at load)            linears dequantised to bf16 at load)
+mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (a block per token and
+                                                                 mixing logit) + ``dsv4_hc_collapse``
+mHC expand / head        ``expand`` / ``collapse_head``          ``dsv4_hc_expand`` / the same two, head
+q / kv head norms, RoPE  ``attention.attention``                 ``dsv4_head_norm_rope``
+sliding-window write     ``SequenceLayerCache.write_keys``       ``dsv4_write_window``
+compressor (entries +    ``attention.compress`` per sequence     ``dsv4_compress_step`` (entries of the
+  open windows)                                                  windows that close) +
+                                                                 ``dsv4_compress_state`` (state slots)
+indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_scores`` / ``dsv4_topk``
+sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
+  + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory)
+grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
+MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
+  (sqrt-softplus, hash)                                          sqrt-softplus, on the device)
+MoE experts              core ``run_experts`` (per expert        ``cuda_experts``: FP4 → core
+                         GEMMs, clamped SwiGLU)                  ``moe_fp4.cu`` grouped GEMM; FP8 / bf16
+                                                                 → core ``moe.cu``; ``swiglu_clamp``
 =======================  ======================================  =====================================
+
+A step is one launch sequence for every token of every sequence; the kernels read the layout
+(``query_start``, ``positions``, per-group block tables, ``state_slots``) from the device
+batch, so decode steps are captured in CUDA graphs (the engine's ``CudaGraphRunner``).
+``dsv4_fp4_linear`` / ``dsv4_fp8_linear`` (``cuda_ops.quantized_linear``) stay as single-matrix
+references; the model runs experts through the grouped GEMMs.
 
 Caches (``state.kv_cache_specs``): the sliding window, the compressed entries and the indexer's
 keys are paged (block tables per KV cache group); each compressor's open window is a state slot.
 
-Status: the NumPy column is the whole model and what the plugin serves (``device=cpu``). The CUDA
-kernels are written, compile for sm_90 and pass the CPU emulation tests against the NumPy ops
-(``tests/plugins/deepseek_v4/test_dsv4_cuda_emulated.py``), and have CuPy launchers
-(``cuda_ops``) with ``gpu`` tests; the CUDA model forward that strings them together (and decode
-graphs) is not written yet, so ``device=cuda`` is refused with a clear error.
+Status: both columns serve (``device=cpu`` / ``device=cuda``). The CUDA model matches the NumPy
+reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100);
+speed (``benchmarks/gpu_dsv4_kernels.py``) is 5–11 % of the HBM roofline per layer, the FP4
+grouped GEMM and core's router taking most of a step.
 """
 
 from __future__ import annotations
 
-SUPPORTED_BACKENDS = ("numpy",)  # the model refuses the others until the CUDA forward exists
+SUPPORTED_BACKENDS = ("numpy", "cuda")

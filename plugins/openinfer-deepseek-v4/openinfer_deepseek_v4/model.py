@@ -1,4 +1,5 @@
-"""The DeepSeek-V4 model: one ``forward`` for prefill, decode and mixed steps (NumPy reference).
+"""The DeepSeek-V4 model: one ``forward`` for prefill, decode and mixed steps (the NumPy reference
+below; on the cuda backend ``cuda_model.CudaForward`` runs the same steps).
 
     ids ──embed──► H [T, hc, D] (hc copies)
       per layer:  x, mix = collapse(H, hc_attn)   y = attention(attn_norm(x))   H = expand(H, y, mix)
@@ -44,8 +45,7 @@ class DeepseekV4Model:
                  max_model_len: int, architectures: tuple[str, ...] = (),
                  model_type: str = "deepseek_v4", rank: RankContext | None = None):
         if backend.name not in SUPPORTED_BACKENDS:
-            raise OpenInferError(f"the DeepSeek-V4 plugin runs on {SUPPORTED_BACKENDS} only (pass device=cpu); "
-                                 "its CUDA kernels exist but the CUDA model forward is not written yet")
+            raise OpenInferError(f"the DeepSeek-V4 plugin runs on {SUPPORTED_BACKENDS} only, not {backend.name!r}")
         self.config = config
         self.rank = rank or RankContext()  # expert parallel: this rank's experts, summed over ranks
         self.weights = weights
@@ -58,13 +58,20 @@ class DeepseekV4Model:
             max_model_len=max_model_len, num_layers=len(self._specs), num_kv_heads=1, head_dim=config.head_dim,
             num_heads=config.num_attention_heads, hidden_size=config.hidden_size,
             eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+        self._cuda_forward = None
+        if backend.name == "cuda":  # every token of a step at once, graph-capturable (cuda_model)
+            from openinfer_deepseek_v4.cuda_model import CudaForward
+
+            self._cuda_forward = CudaForward(self, max_model_len)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return list(self._specs)
 
     # --- forward ---------------------------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch, kv_cache: list[Any]) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, kv_cache: list[Any]) -> Any:
+        if self._cuda_forward is not None:
+            return self._cuda_forward(batch, kv_cache)
         c, w, ops = self.config, self.weights, self.backend
         token_ids = np.asarray(batch.token_ids)
         positions = np.asarray(batch.positions, np.int64)

@@ -47,7 +47,11 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
         raise ParallelConfigError("openinfer-deepseek-v4 splits the model by experts only: use "
                                   "--expert-parallel-size and leave --tensor-parallel-size at 1")
     held = rank.expert.experts(dsv4.n_routed_experts) if rank.expert.size > 1 else None
-    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend, experts=held)
+    stack_experts = None
+    if backend.name == "cuda":  # routed experts stay in their stored format (FP4 / FP8), stacked per layer
+        from openinfer_deepseek_v4.cuda_experts import stack_experts
+    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend, experts=held,
+                           stack_experts=stack_experts)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
     return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures,
@@ -66,8 +70,9 @@ def openinfer_chat_encoder(config: dict[str, Any]) -> DeepseekV4ChatEncoder | No
 
 
 def engine_options(options: EngineOptions) -> EngineOptions:
-    """Eager decode steps for now (the NumPy backend has no graphs; CUDA kernels are not written)."""
-    return options.with_(cuda_graph=False)
+    """The options as given: on cuda, decode steps replay CUDA graphs unless ``cuda_graph`` is off
+    (the forward reads its layout and the compressors' state slots from the static batch)."""
+    return options
 
 
 @hookimpl

@@ -13,6 +13,7 @@ offer yet. HF-saved checkpoints drop it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,10 +101,17 @@ class DeepseekV4Weights:
     mtp: MTPWeights | None = None
 
 
+# (checkpoint, the layer's expert module prefixes "layers.{i}.ffn.experts.{e}.", in/out sizes)
+# -> a backend's stacked copy of every expert (``MoEWeights.stacked``)
+ExpertStacker = Callable[[DeepseekV4Checkpoint, list[str], int, int], Any]
+
+
 def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: Backend,
-                 progress: bool = False, experts: slice | None = None) -> DeepseekV4Weights:
+                 progress: bool = False, experts: slice | None = None,
+                 stack_experts: ExpertStacker | None = None) -> DeepseekV4Weights:
     """``experts``: the routed experts this rank holds under expert parallelism (the others stay
-    ``None``); default all."""
+    ``None``); default all. ``stack_experts``: a backend that runs the experts as one grouped
+    GEMM in their stored format (cuda) gets them stacked by it instead of one linear each."""
     c = config
     held = experts or slice(0, c.n_routed_experts)
     hc_flat = c.hc_mult * c.hidden_size
@@ -124,7 +132,8 @@ def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: 
         return LayerWeights(
             attn_norm=norm(p + "attn_norm.weight", c.hidden_size), ffn_norm=norm(p + "ffn_norm.weight", c.hidden_size),
             hc_attn=hyper(p + "hc_attn", mix, 3), hc_ffn=hyper(p + "hc_ffn", mix, 3),
-            attn=_attention(ckpt, c, p, kind, linear, norm), ffn=_moe(ckpt, c, p, hashed, linear, backend, held))
+            attn=_attention(ckpt, c, p, kind, linear, norm),
+            ffn=_moe(ckpt, c, p, hashed, linear, backend, held, stack_experts))
 
     layers = [layer(f"layers.{i}.", c.layer_types[i], c.mlp_layer_types[i] == HASH_MOE)
               for i in range(c.num_hidden_layers)]
@@ -181,7 +190,7 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, kind
 
 
 def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any,
-         backend: Backend, held: slice) -> MoEWeights:
+         backend: Backend, held: slice, stack_experts: ExpertStacker | None = None) -> MoEWeights:
     """Core's MoE layer: sqrt-softplus (or the configured) scores, hash or biased top-k choice,
     weights always renormalised (the reference divides by their sum whatever norm_topk_prob
     says) and scaled, SwiGLU clamped at swiglu_limit; experts' w1/w3 fused into gate_up."""
@@ -207,8 +216,14 @@ def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: b
     router = RouterSpec(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, scoring=c.scoring_func,
                         norm_topk_prob=True, routed_scaling_factor=c.routed_scaling_factor)
     shared = expert(p + "shared_experts.", inter * c.n_shared_experts) if c.n_shared_experts else None
+    stacked = None
+    if stack_experts is not None:
+        stacked = stack_experts(ckpt, [f"{p}experts.{e}." for e in range(c.n_routed_experts)], c.hidden_size, inter)
+        routed: list[ExpertWeights | None] = [None] * c.n_routed_experts
+    else:
+        routed = [expert(f"{p}experts.{e}.", inter) if held.start <= e < held.stop else None
+                  for e in range(c.n_routed_experts)]
     return MoEWeights(
         router=router, gate=ckpt.weight(p + "gate", (c.n_routed_experts, c.hidden_size)),
-        experts=[expert(f"{p}experts.{e}.", inter) if held.start <= e < held.stop else None
-                 for e in range(c.n_routed_experts)], correction_bias=bias,
-        tid2eid=tid2eid, shared=shared, swiglu_limit=c.swiglu_limit or None)
+        experts=routed, correction_bias=bias, tid2eid=tid2eid, shared=shared,
+        swiglu_limit=c.swiglu_limit or None, stacked=stacked)

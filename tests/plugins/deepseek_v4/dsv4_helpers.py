@@ -160,14 +160,42 @@ def save_hf(model: Any, config: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def load_model(path: Path, max_model_len: int = 512) -> Any:
-    """The plugin's model on the NumPy backend."""
+def load_model(path: Path, max_model_len: int = 512, backend: Any = None) -> Any:
+    """The plugin's model on ``backend`` (default: the NumPy backend)."""
     from openinfer_deepseek_v4.plugin import build_model
 
     from openinfer import EngineOptions, create_backend
 
     config = json.loads((path / "config.json").read_text())
-    return build_model(path, config, create_backend("cpu"), EngineOptions(max_model_len=max_model_len))
+    return build_model(path, config, backend or create_backend("cpu"), EngineOptions(max_model_len=max_model_len))
+
+
+def bf16_emulation_backend() -> Any:
+    """The NumPy backend with bf16 weights and every op's output rounded to bf16, as the cuda
+    backend stores them between kernels (math stays fp32): the yardstick for bf16 logits."""
+    from openinfer import bf16_to_float32, float32_to_bf16
+    from openinfer.backend import NumpyBackend
+
+    def bf16(x: Any) -> np.ndarray:
+        return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
+
+    class Bf16Rounding(NumpyBackend):
+        def weight(self, array: np.ndarray) -> np.ndarray:
+            return bf16(super().weight(array))
+
+        def linear_weight(self, weight: np.ndarray, bias: np.ndarray | None = None) -> Any:
+            return super().linear_weight(bf16(weight), None if bias is None else bf16(bias))
+
+        def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+            return bf16(super().embedding(table, token_ids))
+
+        def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+            return bf16(super().rms_norm(x, weight, eps))
+
+        def linear(self, x: np.ndarray, weight: Any) -> np.ndarray:
+            return bf16(super().linear(x, weight))
+
+    return Bf16Rounding()
 
 
 class DirectRunner:
@@ -207,7 +235,8 @@ class DirectRunner:
             kv_block_tables=tuple(tables.astype(np.int32) for _ in self.groups),
             kv_slot_mappings=tuple(no_writes for _ in self.groups),
             state_slots=np.asarray([1 + i for i in index], np.int32))
-        return np.asarray(self.model.forward(batch, self.kv_cache))
+        ops = self.model.backend
+        return ops.to_host(self.model.forward(ops.prepare_batch(batch), self.kv_cache))
 
 
 def load_runner(path: Path) -> DirectRunner:

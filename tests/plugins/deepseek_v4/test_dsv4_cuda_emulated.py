@@ -185,3 +185,62 @@ def test_quantized_linear(harness, tmp_path, fmt):
         weight=codes, scales=scales)
     y = read_array(tmp_path, "y", np.uint16, (rows, out_features))
     np.testing.assert_allclose(y, x @ dequantized.T, rtol=1e-2, atol=5e-2)
+
+
+class _ProjectionRows:
+    """Stands in for the backend: ``linear(x, "kv" | "gate")`` returns that half of x's columns,
+    so ``attention.compress`` pools the very projection rows the kernels read."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def linear(self, x: np.ndarray, which: str) -> np.ndarray:
+        return x[:, : self.width] if which == "kv" else x[:, self.width:]
+
+
+@pytest.mark.parametrize(("rate", "overlap"), [(4, True), (4, False), (3, True)])
+def test_compressor_step_and_state_over_chunks(harness, tmp_path, rate, overlap):
+    """Two sequences fed in uneven chunks (single tokens, empty steps, several windows at once):
+    the kernels' entries equal ``attention.compress`` over each whole sequence, so the open
+    window and (CSA) the previous window's Ca half carry across steps through the state slots."""
+    from openinfer_deepseek_v4.attention import compress
+    from openinfer_deepseek_v4.state import OpenWindow
+    from openinfer_deepseek_v4.weights import CompressorWeights
+
+    rng = np.random.default_rng(7)
+    dim, rope_dim, block_size, stride = 32, 16, 4, 4
+    width = (2 if overlap else 1) * dim
+    lengths = (23, 17)
+    chunks = [(5, 3), (1, 8), (9, 1), (8, 0), (0, 5)]  # tokens of each sequence per step
+    rows = [rng.standard_normal((n, 2 * width)).astype(np.float32) for n in lengths]
+    rows = [np.concatenate([bf16(r[:, :width]), bf16(r[:, width:])], axis=1) for r in rows]
+    ape = (0.5 * rng.standard_normal((rate, width))).astype(np.float32)
+    norm = (1 + 0.2 * rng.standard_normal(dim)).astype(np.float32)
+    r = rope(rope_dim, 160000.0)
+    kv, gate, positions, step_tokens, query_start = [], [], [], [0], []
+    done = [0, 0]
+    for step in chunks:
+        starts = [0]
+        for seq, n in enumerate(step):
+            part = rows[seq][done[seq]:done[seq] + n]
+            kv.append(part[:, :width])
+            gate.append(part[:, width:])
+            positions.append(np.arange(done[seq], done[seq] + n))
+            done[seq] += n
+            starts.append(starts[-1] + n)
+        step_tokens.append(step_tokens[-1] + sum(step))
+        query_start.append(starts)
+    assert done == list(lengths)
+    tables = np.stack([np.arange(stride), stride + np.arange(stride)[::-1]]).astype(np.int32)
+    run(harness, tmp_path, "compressor", rate, dim, int(overlap), rope_dim, 1e-6, len(chunks), stride, block_size, 3,
+        kv=float32_to_bf16(np.concatenate(kv)), gate=float32_to_bf16(np.concatenate(gate)), ape=ape, norm=norm,
+        inv_freq=r.inv_freq, positions=np.concatenate(positions).astype(np.int32),
+        step_tokens=np.asarray(step_tokens, np.int32), query_start=np.asarray(query_start, np.int32),
+        tables=tables, state_slots=np.array([2, 1], np.int32))
+    cache = read_array(tmp_path, "cache", np.uint16, (2 * stride * block_size, dim))
+    weights = CompressorWeights("kv", "gate", ape, norm, rate, dim, overlap)
+    for seq, n in enumerate(lengths):
+        empty = OpenWindow(np.zeros((0, width), np.float32), np.zeros((0, width), np.float32))
+        expected, _ = compress(_ProjectionRows(width), rows[seq], weights, empty, 0, r, 1e-6)
+        got = np.stack([cache[tables[seq][e // block_size] * block_size + e % block_size] for e in range(n // rate)])
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

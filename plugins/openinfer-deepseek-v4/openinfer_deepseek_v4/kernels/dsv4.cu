@@ -15,7 +15,6 @@ typedef __nv_bfloat16 bf16;
 
 #define NEG_BIG (-3.0e38f)  // an empty slot / masked logit: exp() of it minus anything is 0
 #define MAX_DIM 1024        // head_dim, index head_dim and mHC hidden size handled per block
-#define MAX_PER_THREAD 8    // MAX_DIM / the smallest block (128)
 #define MAX_INDEX_QK 8192   // index heads × index head_dim kept in shared memory
 #define MAX_MIX 32          // mHC mixing logits: (2 + hc) · hc ≤ 24 for hc = 4
 #define MAX_HC 8
@@ -35,6 +34,12 @@ __device__ float block_sum(float v, float* scratch /* [blockDim.x] */) {
     const float total = scratch[0];
     __syncthreads();
     return total;
+}
+
+// Sum over the 32 lanes of a warp; every lane must call it and gets the result.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
 }
 
 // RoPE (inverse: sin negated) of channel c of a head held in shared `v`, rope on the last rd.
@@ -87,38 +92,50 @@ extern "C" __global__ void dsv4_compress_entries(
 
 // --- indexer scores: attention.index_scores ------------------------------------------------------
 // grid (T, ⌈max_entries / entries_per_block⌉). scores[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s]) for
-// the visible entries s < (pos + 1) / rate; NEG_BIG beyond.
+// the visible entries s < (pos + 1) / rate; NEG_BIG beyond. The token's q sits in shared memory
+// transposed ([dim][heads]: the lanes of a warp, one head each, read consecutive words), keys
+// come in chunks of INDEX_KEY_FLOATS; each warp scores its own keys of a chunk (no block barrier
+// per key), lanes splitting the heads, one warp reduction per key.
+#define INDEX_KEY_FLOATS 2048
+#define MAX_INDEX_HEADS 256
 extern "C" __global__ void dsv4_indexer_scores(
     const bf16* __restrict__ q,            // [T, heads, dim] (RoPE applied)
     const float* __restrict__ head_weights, // [T, heads] (scales folded in)
     const bf16* __restrict__ keys, const int* __restrict__ tables, int table_stride, int block_size,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int rate,
     float* __restrict__ scores, int heads, int dim, int max_entries, int entries_per_block) {
-    __shared__ float qs[MAX_INDEX_QK];
-    __shared__ float key[MAX_DIM];
-    __shared__ float scratch[1024];
-    const int t = blockIdx.x, seq = token_seq[t];
-    const int visible = (positions[t] + 1) / rate;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = to_f(q[(long long)t * heads * dim + i]);
-    __syncthreads();
-    const int first = blockIdx.y * entries_per_block;
-    const int last = min(first + entries_per_block, max_entries);
-    for (int s = first; s < last; ++s) {  // block-uniform loop and branch
-        if (s >= visible) {
-            if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = NEG_BIG;
-            continue;
+    __shared__ float q_t[MAX_INDEX_QK];
+    __shared__ float weight[MAX_INDEX_HEADS];
+    __shared__ float key_chunk[INDEX_KEY_FLOATS];
+    const int t = blockIdx.x, seq = token_seq[t], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x)
+        q_t[(i % dim) * heads + i / dim] = to_f(q[(long long)t * heads * dim + i]);
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) weight[h] = head_weights[(long long)t * heads + h];
+    const int chunk = INDEX_KEY_FLOATS / dim;
+    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
+    for (int s0 = first; s0 < last; s0 += chunk) {
+        const int count = min(chunk, last - s0);
+        __syncthreads();  // q_t is loaded; the previous chunk is no longer read
+        for (int k = warp; k < count; k += num_warps) {
+            if (s0 + k >= visible) continue;  // warp-uniform
+            const long long row = cache_row(tables, table_stride, seq, s0 + k, block_size);
+            for (int c = lane; c < dim; c += 32) key_chunk[k * dim + c] = to_f(keys[row * dim + c]);
         }
-        const long long row = cache_row(tables, table_stride, seq, s, block_size);
-        for (int c = threadIdx.x; c < dim; c += blockDim.x) key[c] = to_f(keys[row * dim + c]);
         __syncthreads();
-        float part = 0.f;
-        for (int h = threadIdx.x; h < heads; h += blockDim.x) {
-            float dot = 0.f;
-            for (int c = 0; c < dim; ++c) dot += qs[h * dim + c] * key[c];
-            part += fmaxf(dot, 0.f) * head_weights[(long long)t * heads + h];
+        for (int k = warp; k < count; k += num_warps) {
+            const int s = s0 + k;
+            float part = 0.f;
+            if (s < visible) {  // warp-uniform
+                for (int h = lane; h < heads; h += 32) {
+                    float dot = 0.f;
+                    for (int c = 0; c < dim; ++c) dot += q_t[c * heads + h] * key_chunk[k * dim + c];
+                    part += fmaxf(dot, 0.f) * weight[h];
+                }
+            }
+            const float total = warp_sum(part);
+            if (lane == 0) scores[(long long)t * max_entries + s] = s < visible ? total : NEG_BIG;
         }
-        const float total = block_sum(part, scratch);
-        if (threadIdx.x == 0) scores[(long long)t * max_entries + s] = total;
     }
 }
 
@@ -179,23 +196,19 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 }
 
 // --- sparse attention: attention.attend ----------------------------------------------------------
-// grid (T, heads). Keys = values: the window positions max(0, p-W+1)..p of the sliding cache,
-// then compressed entries e < (p+1)/rate — the indexer's picks (selected[t, :num_selected], -1
-// skipped) for CSA, all of them for HCA (selected == nullptr), none without entry_cache.
-// Online softmax seeded with the head's sink (it only enlarges the denominator), RoPE⁻¹ at p.
-__device__ __forceinline__ void attend_key(const bf16* __restrict__ key, const float* qs, float scale, int dim,
-                                           float* scratch, float& peak, float& denom, float* acc) {
-    float part = 0.f;
-    int j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) part += qs[c] * to_f(key[c]);
-    const float logit = block_sum(part, scratch) * scale;
-    const float new_peak = fmaxf(peak, logit);
-    const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
-    denom = denom * correction + weight;
-    j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) acc[j] = acc[j] * correction + weight * to_f(key[c]);
-    peak = new_peak;
-}
+// grid (T, ⌈heads / warps⌉): one warp per head, the block's heads sharing every key (K = V is one
+// head for all of them), so a key row is read once per block from memory. Keys = values: the
+// window positions max(0, p-W+1)..p of the sliding cache, then compressed entries e < (p+1)/rate
+// — the indexer's picks (selected[t, :num_selected], -1 skipped) for CSA, all of them for HCA
+// (selected == nullptr), none without entry_cache. Keys come in chunks through shared memory;
+// each warp runs its head's online softmax over them, seeded with the head's sink (it only
+// enlarges the denominator); lane l holds channels l + 32j. Then RoPE⁻¹ at p, the (2i, 2i+1)
+// partner channel one lane over. dim must be a multiple of 32.
+#define MAX_PER_LANE (MAX_DIM / 32)
+#define KEY_CHUNK_ELEMENTS 16384  // bf16 key rows in shared memory per chunk (32 KB)
+#define MAX_KEY_CHUNK 512
+
+__device__ __forceinline__ float shuffle_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 extern "C" __global__ void dsv4_sparse_attention(
     const bf16* __restrict__ q,  // [T, heads, dim]
@@ -205,61 +218,128 @@ extern "C" __global__ void dsv4_sparse_attention(
     const int* __restrict__ token_seq, const int* __restrict__ positions, const float* __restrict__ sinks,
     const float* __restrict__ inv_freq, int rope_dim, bf16* __restrict__ out,
     int heads, int dim, int window, int block_size, float scale) {
-    __shared__ float qs[MAX_DIM];
-    __shared__ float result[MAX_DIM];
-    __shared__ float scratch[1024];
-    const int t = blockIdx.x, h = blockIdx.y, seq = token_seq[t], p = positions[t];
-    const bf16* qh = q + ((long long)t * heads + h) * dim;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) qs[c] = to_f(qh[c]);
-    __syncthreads();
-    float acc[MAX_PER_THREAD];
-    for (int j = 0; j < MAX_PER_THREAD; ++j) acc[j] = 0.f;
-    float peak = sinks[h], denom = 1.f;  // exp(sink - peak) = 1
-    for (int pos = max(0, p - window + 1); pos <= p; ++pos) {
-        const long long row = cache_row(window_tables, window_stride, seq, pos, block_size);
-        attend_key(window_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+    __shared__ __align__(16) bf16 key_chunk[KEY_CHUNK_ELEMENTS];
+    __shared__ long long key_rows[MAX_KEY_CHUNK];
+    const int t = blockIdx.x, seq = token_seq[t], p = positions[t];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5, per = dim >> 5;
+    const int h = blockIdx.y * num_warps + warp;
+    const bool active = h < heads;  // warp-uniform; idle warps still load keys and meet the barriers
+    float qr[MAX_PER_LANE], acc[MAX_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) {
+        qr[j] = active && j < per ? to_f(q[((long long)t * heads + h) * dim + lane + 32 * j]) : 0.f;
+        acc[j] = 0.f;
     }
-    if (entry_cache != nullptr) {
-        const int visible = (p + 1) / rate;
-        const int count = selected != nullptr ? num_selected : visible;
-        for (int j = 0; j < count; ++j) {
-            const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
-            if (e < 0 || e >= visible) continue;  // block-uniform
-            const long long row = cache_row(entry_tables, entry_stride, seq, e, block_size);
-            attend_key(entry_cache + row * dim, qs, scale, dim, scratch, peak, denom, acc);
+    float peak = active ? sinks[h] : 0.f, denom = 1.f;  // exp(sink − peak) = 1
+    const int lo = max(0, p - window + 1), window_keys = p - lo + 1;
+    const int visible = entry_cache != nullptr ? (p + 1) / rate : 0;
+    const int total = window_keys + (entry_cache == nullptr ? 0 : (selected != nullptr ? num_selected : visible));
+    const int chunk = min(MAX_KEY_CHUNK, KEY_CHUNK_ELEMENTS / dim);
+    for (int k0 = 0; k0 < total; k0 += chunk) {
+        const int count = min(chunk, total - k0);
+        __syncthreads();  // the previous chunk is no longer read
+        for (int k = threadIdx.x; k < count; k += blockDim.x) {
+            const int key = k0 + k;
+            long long row = -1;
+            if (key < window_keys) {
+                row = cache_row(window_tables, window_stride, seq, lo + key, block_size);
+            } else {
+                const int j = key - window_keys;
+                const int e = selected != nullptr ? selected[(long long)t * num_selected + j] : j;
+                if (e >= 0 && e < visible) row = -2 - cache_row(entry_tables, entry_stride, seq, e, block_size);
+            }
+            key_rows[k] = row;  // ≥ 0: a window row; ≤ −2: entry row −2 − r; −1: skipped
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte load
+            const int k = i / (dim / 8), c = (i % (dim / 8)) * 8;
+            const long long row = key_rows[k];
+            if (row == -1) continue;
+            const bf16* src = row >= 0 ? window_cache + row * dim : entry_cache + (-2 - row) * dim;
+            *reinterpret_cast<uint4*>(&key_chunk[k * dim + c]) = *reinterpret_cast<const uint4*>(src + c);
+        }
+        __syncthreads();
+        if (!active) continue;
+        for (int k = 0; k < count; ++k) {
+            if (key_rows[k] == -1) continue;  // warp-uniform
+            float part = 0.f;
+#pragma unroll
+            for (int j = 0; j < MAX_PER_LANE; ++j)
+                if (j < per) part += qr[j] * to_f(key_chunk[k * dim + lane + 32 * j]);
+            const float logit = warp_sum(part) * scale;
+            const float new_peak = fmaxf(peak, logit);
+            const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
+            denom = denom * correction + weight;
+#pragma unroll
+            for (int j = 0; j < MAX_PER_LANE; ++j)
+                if (j < per) acc[j] = acc[j] * correction + weight * to_f(key_chunk[k * dim + lane + 32 * j]);
+            peak = new_peak;
         }
     }
-    int j = 0;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x, ++j) result[c] = acc[j] / denom;
-    __syncthreads();
+    if (!active) return;
+    const int base = dim - rope_dim;
     bf16* oh = out + ((long long)t * heads + h) * dim;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x)
-        oh[c] = to_bf(rotated(result, c, dim, rope_dim, (float)p, inv_freq, -1.f));
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) {
+        if (j >= per) continue;  // uniform: every lane has the same per
+        const int c = lane + 32 * j;
+        const float v = acc[j] / denom;
+        const float partner = shuffle_xor(v, 1);  // channel c ^ 1 (c and lane share their parity)
+        float o = v;
+        if (c >= base) {  // RoPE⁻¹: (even, odd) ← (e·cos + o·sin, o·cos − e·sin)
+            const float angle = (float)p * inv_freq[(c - base) >> 1];
+            const float cs = cosf(angle), sn = sinf(angle);
+            o = (c & 1) ? v * cs - partner * sn : v * cs + partner * sn;
+        }
+        oh[c] = to_bf(o);
+    }
 }
 
 // --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------
-// One block per token: m = rms(flat)·(flat @ fnᵀ); pre/post/Sinkhorn(comb) (layers) or pre (the
-// head, head != 0); x = Σ_j pre_j·H_j.
+// Two launches. dsv4_hc_mix, grid (T, num_mix): one block per (token, mixing logit) reduces the
+// token's flat streams against one row of fn — m[t, o] = rms(flat)·(flat · fn[o]) — so the 24
+// dot products of a token run side by side instead of one after another (a block reducing them
+// in turn waits on memory latency 24 times: ~1.8 ms per collapse at batch 1, measured on H100).
+// dsv4_hc_collapse, grid (T): pre/post/Sinkhorn(comb) (layers) or pre (the head, head != 0)
+// from those logits; x = Σ_j pre_j·H_j.
+extern "C" __global__ void dsv4_hc_mix(const float* __restrict__ streams, const float* __restrict__ fn,
+                                       float* __restrict__ mix_out, int n, int num_mix, float norm_eps) {
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, o = blockIdx.y;
+    const float* flat = streams + (long long)t * n;
+    const float* row = fn + (long long)o * n;
+    float sumsq = 0.f, dot = 0.f;
+    if ((n & 3) == 0) {  // 16-byte loads (n % 4 == 0 keeps every row 16-byte aligned)
+        const float4* f4 = reinterpret_cast<const float4*>(flat);
+        const float4* w4 = reinterpret_cast<const float4*>(row);
+        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+            const float4 a = f4[i], b = w4[i];
+            sumsq += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            sumsq += flat[i] * flat[i];
+            dot += flat[i] * row[i];
+        }
+    }
+    const float total_sq = block_sum(sumsq, scratch);
+    const float total_dot = block_sum(dot, scratch);
+    if (threadIdx.x == 0) mix_out[(long long)t * num_mix + o] = total_dot * rsqrtf(total_sq / n + norm_eps);
+}
+
 extern "C" __global__ void dsv4_hc_collapse(
     const float* __restrict__ streams,  // [T, hc, dim]
-    const float* __restrict__ fn, const float* __restrict__ base, const float* __restrict__ scale,
+    const float* __restrict__ mix_in,   // [T, num_mix] from dsv4_hc_mix
+    const float* __restrict__ base, const float* __restrict__ scale,
     bf16* __restrict__ x_out, float* __restrict__ post_out, float* __restrict__ comb_out,
-    int hc, int dim, int head, int sinkhorn_iters, float hc_eps, float norm_eps) {
+    int hc, int dim, int head, int sinkhorn_iters, float hc_eps) {
     __shared__ float mix[MAX_MIX];
     __shared__ float pre[MAX_HC];
-    __shared__ float scratch[1024];
     const int t = blockIdx.x, n = hc * dim;
     const float* flat = streams + (long long)t * n;
-    float sumsq = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) sumsq += flat[i] * flat[i];
-    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / n + norm_eps);
     const int num_mix = head ? hc : (2 + hc) * hc;
-    for (int o = 0; o < num_mix; ++o) {
-        float part = 0.f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) part += flat[i] * fn[(long long)o * n + i];
-        const float total = block_sum(part, scratch);
-        if (threadIdx.x == 0) mix[o] = total * inv_rms;
-    }
+    for (int o = threadIdx.x; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int j = 0; j < hc; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
@@ -379,4 +459,164 @@ extern "C" __global__ void dsv4_fp8_linear(const bf16* __restrict__ x, const uns
                                            int in_features, int out_features) {
     __shared__ float scratch[1024];
     quant_linear<false>(x, codes, scales, y, in_features, out_features, scratch);
+}
+
+// ================================================================================================
+// The model forward's glue kernels (cuda_model.py). They read the step's layout from the device
+// batch — query_start [B+1], positions [T], token_seq [T], state_slots [B], block tables — so a
+// decode step touches no host data and can be captured in a CUDA graph.
+// ================================================================================================
+
+// token_seq[t] = the sequence of token t. grid (B).
+extern "C" __global__ void dsv4_token_seq(const int* __restrict__ query_start, int* __restrict__ token_seq) {
+    const int s = blockIdx.x;
+    for (int t = query_start[s] + threadIdx.x; t < query_start[s + 1]; t += blockDim.x) token_seq[t] = s;
+}
+
+// Per head, in place: optional RMSNorm (weight may be null: unweighted), then RoPE on the last
+// rope_dim channels at positions[t] (rope_dim 0: none). grid (T, heads).
+extern "C" __global__ void dsv4_head_norm_rope(bf16* __restrict__ x, const bf16* __restrict__ weight, int use_norm,
+                                               const float* __restrict__ inv_freq, int rope_dim,
+                                               const int* __restrict__ positions, int heads, int dim, float eps) {
+    __shared__ float v[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x;
+    bf16* head = x + ((long long)t * heads + blockIdx.y) * dim;
+    float sumsq = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        v[c] = to_f(head[c]);
+        sumsq += v[c] * v[c];
+    }
+    const float total = block_sum(sumsq, scratch);  // also the barrier after the loads
+    if (use_norm) {
+        const float inv_rms = rsqrtf(total / dim + eps);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) v[c] *= inv_rms * (weight ? to_f(weight[c]) : 1.f);
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        head[c] = to_bf(rope_dim ? rotated(v, c, dim, rope_dim, (float)positions[t], inv_freq, 1.f) : v[c]);
+}
+
+// The sliding-window cache write: row of (sequence, position) ← kv[t]. grid (T).
+extern "C" __global__ void dsv4_write_window(const bf16* __restrict__ kv, bf16* __restrict__ cache,
+                                             const int* __restrict__ tables, int table_stride, int block_size,
+                                             const int* __restrict__ token_seq, const int* __restrict__ positions,
+                                             int dim) {
+    const int t = blockIdx.x;
+    const long long row = cache_row(tables, table_stride, token_seq[t], positions[t], block_size);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) cache[row * dim + c] = kv[(long long)t * dim + c];
+}
+
+// One compressor row (kv, gate + ape) of position q, channel col (of width) for a token of this
+// step whose sequence started the step at `start` (first token index `first_token`):
+//   q ≥ start                  the step's projections (token first_token + q − start)
+//   q in the window open at start   the state slot's pending rows (gate stored without ape)
+//   q earlier (CSA overlap only)    the slot's overlap rows: the Ca half, ape included (col < dim)
+struct CompressorRows {
+    const bf16* kv_proj;
+    const bf16* gate_proj;  // [T, width]
+    const float* ape;       // [rate, width]
+    const bf16* state_kv;
+    const bf16* state_gate;  // [slots, rate, width]
+    const bf16* overlap_kv;
+    const bf16* overlap_gate;  // [slots, rate, dim]
+    int rate, width, dim;
+
+    __device__ __forceinline__ void row(int q, int col, int start, int first_token, int slot, float& kv,
+                                        float& gate) const {
+        const int r = q % rate;
+        if (q >= start) {
+            const long long i = (long long)(first_token + q - start) * width + col;
+            kv = to_f(kv_proj[i]);
+            gate = to_f(gate_proj[i]) + ape[r * width + col];
+        } else if (q / rate == start / rate) {
+            const long long i = ((long long)slot * rate + r) * width + col;
+            kv = to_f(state_kv[i]);
+            gate = to_f(state_gate[i]) + ape[r * width + col];
+        } else {
+            const long long i = ((long long)slot * rate + r) * dim + col;
+            kv = to_f(overlap_kv[i]);
+            gate = to_f(overlap_gate[i]);
+        }
+    }
+};
+
+// attention.compress for the entries closing in this step: token t at position p closes window
+// w = p / rate when (p + 1) % rate == 0. Per channel softmax over the window's slots (CSA: the Ca
+// half of window w−1, empty for w = 0, then the Cb half of window w), RMSNorm × norm, RoPE at
+// w·rate, written to the compressed cache row of entry w. grid (T); other tokens return at once.
+extern "C" __global__ void dsv4_compress_step(
+    const bf16* __restrict__ kv_proj, const bf16* __restrict__ gate_proj, const float* __restrict__ ape,
+    const bf16* __restrict__ state_kv, const bf16* __restrict__ state_gate, const bf16* __restrict__ overlap_kv,
+    const bf16* __restrict__ overlap_gate, const float* __restrict__ norm_weight, const float* __restrict__ inv_freq,
+    int rope_dim, float eps, const int* __restrict__ token_seq, const int* __restrict__ positions,
+    const int* __restrict__ query_start, const int* __restrict__ state_slots, bf16* __restrict__ cache,
+    const int* __restrict__ tables, int table_stride, int block_size, int rate, int dim, int overlap) {
+    __shared__ float pooled[MAX_DIM];
+    __shared__ float scratch[1024];
+    const int t = blockIdx.x, p = positions[t];
+    if ((p + 1) % rate != 0) return;  // block-uniform
+    const int seq = token_seq[t], first_token = query_start[seq], start = positions[first_token];
+    const int slot = state_slots[seq], w = p / rate;
+    const CompressorRows rows{kv_proj, gate_proj, ape, state_kv, state_gate, overlap_kv, overlap_gate,
+                              rate, (overlap ? 2 : 1) * dim, dim};
+    float sumsq = 0.f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float peak = NEG_BIG, den = 0.f, num = 0.f, kv, gate;
+        for (int pass = overlap && w > 0 ? 0 : 1; pass < 2; ++pass) {
+            // pass 0: the Ca half (columns 0..dim) of window w−1; pass 1: window w, its Cb half under overlap
+            const int first = (w - 1 + pass) * rate, col = pass && overlap ? dim + c : c;
+            for (int q = first; q < first + rate; ++q) {
+                rows.row(q, col, start, first_token, slot, kv, gate);
+                const float new_peak = fmaxf(peak, gate);
+                const float correction = __expf(peak - new_peak), e = __expf(gate - new_peak);
+                den = den * correction + e;
+                num = num * correction + e * kv;
+                peak = new_peak;
+            }
+        }
+        pooled[c] = num / den;
+        sumsq += pooled[c] * pooled[c];
+    }
+    const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) pooled[c] *= inv_rms * norm_weight[c];
+    __syncthreads();
+    const long long row = cache_row(tables, table_stride, seq, w, block_size);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        cache[row * dim + c] = to_bf(rotated(pooled, c, dim, rope_dim, (float)(w * rate), inv_freq, 1.f));
+}
+
+// The compressor's state after the step, per sequence (grid (B), after dsv4_compress_step):
+// CSA: when a window closed, the overlap rows ← the Ca half (+ ape) of the last closed window;
+// then the pending rows of the window open at the end ← this step's rows of it.
+extern "C" __global__ void dsv4_compress_state(
+    const bf16* __restrict__ kv_proj, const bf16* __restrict__ gate_proj, const float* __restrict__ ape,
+    bf16* __restrict__ state_kv, bf16* __restrict__ state_gate, bf16* __restrict__ overlap_kv,
+    bf16* __restrict__ overlap_gate, const int* __restrict__ positions, const int* __restrict__ query_start,
+    const int* __restrict__ state_slots, int rate, int dim, int overlap) {
+    const int s = blockIdx.x, first_token = query_start[s], count = query_start[s + 1] - first_token;
+    if (count <= 0) return;
+    const int start = positions[first_token], end = start + count, slot = state_slots[s];
+    const int width = (overlap ? 2 : 1) * dim;
+    const CompressorRows rows{kv_proj, gate_proj, ape, state_kv, state_gate, overlap_kv, overlap_gate,
+                              rate, width, dim};
+    if (overlap && end / rate > start / rate) {
+        const int first = (end / rate - 1) * rate;
+        for (int i = threadIdx.x; i < rate * dim; i += blockDim.x) {
+            const int r = i / dim, c = i % dim;
+            float kv, gate;
+            rows.row(first + r, c, start, first_token, slot, kv, gate);
+            overlap_kv[((long long)slot * rate + r) * dim + c] = to_bf(kv);
+            overlap_gate[((long long)slot * rate + r) * dim + c] = to_bf(gate);
+        }
+    }
+    __syncthreads();  // the overlap read the pending rows that are overwritten next
+    const int open = max(end - end % rate, start);
+    for (int i = threadIdx.x; i < (end - open) * width; i += blockDim.x) {
+        const int q = open + i / width, c = i % width;
+        const long long src = (long long)(first_token + q - start) * width + c;
+        const long long dst = ((long long)slot * rate + q % rate) * width + c;
+        state_kv[dst] = kv_proj[src];
+        state_gate[dst] = gate_proj[src];
+    }
 }

@@ -6,9 +6,15 @@
 //   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale
 //   harness DIR hc        T hc dim iters hc_eps norm_eps
 //   harness DIR quant     N in out fp4
+//   harness DIR compressor rate dim overlap rope_dim eps steps stride block_size slots
+//                          (dsv4_token_seq, dsv4_compress_step and dsv4_compress_state over a schedule
+//                           of steps, each of the same 2 sequences, state carried between steps)
 #include <cuda_bf16.h>
 
 using std::max;
+struct float4 {  // CUDA's 16-byte vector (dsv4_hc_mix's loads); the host stand-in lacks it
+    float x, y, z, w;
+};
 
 #include "dsv4.cu"
 
@@ -75,7 +81,7 @@ int main(int argc, char** argv) {
         auto sinks = load<float>(dir, "sinks.bin");
         auto inv_freq = load<float>(dir, "inv_freq.bin");
         std::vector<bf16> out(q.size());
-        launch(tokens, heads, 1, threads, [&] {
+        launch(tokens, (heads + threads / 32 - 1) / (threads / 32), 1, threads, [&] {  // a warp per head
             dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
                                   mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
                                   mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
@@ -97,13 +103,21 @@ int main(int argc, char** argv) {
         auto head_fn = load<float>(dir, "head_fn.bin");
         auto head_base = load<float>(dir, "head_base.bin");
         auto head_scale = load<float>(dir, "head_scale.bin");
-        launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), fn.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
-                             hc, dim, 0, iters, hc_eps, norm_eps);
+        const int num_mix = (2 + hc) * hc;
+        std::vector<float> mix(static_cast<size_t>(tokens) * num_mix), head_mix(static_cast<size_t>(tokens) * hc);
+        launch(tokens, num_mix, 1, threads, [&] {
+            dsv4_hc_mix(streams.data(), fn.data(), mix.data(), hc * dim, num_mix, norm_eps);
         });
         launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), head_fn.data(), head_base.data(), head_scale.data(), head_x.data(),
-                             nullptr, nullptr, hc, dim, 1, iters, hc_eps, norm_eps);
+            dsv4_hc_collapse(streams.data(), mix.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
+                             hc, dim, 0, iters, hc_eps);
+        });
+        launch(tokens, hc, 1, threads, [&] {
+            dsv4_hc_mix(streams.data(), head_fn.data(), head_mix.data(), hc * dim, hc, norm_eps);
+        });
+        launch(tokens, 1, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), head_mix.data(), head_base.data(), head_scale.data(), head_x.data(),
+                             nullptr, nullptr, hc, dim, 1, iters, hc_eps);
         });
         launch(tokens, (dim + threads - 1) / threads, 1, threads, [&] {
             dsv4_hc_expand(streams.data(), y.data(), post.data(), comb.data(), expanded.data(), hc, dim);
@@ -125,6 +139,46 @@ int main(int argc, char** argv) {
             else dsv4_fp8_linear(x.data(), weight.data(), scales.data(), y.data(), in_features, out_features);
         });
         save(dir, "y.bin", y);
+    } else if (which == "compressor") {
+        const int rate = arg(argv, 3), dim = arg(argv, 4), overlap = arg(argv, 5), rope_dim = arg(argv, 6);
+        const float eps = farg(argv, 7);
+        const int steps = arg(argv, 8), stride = arg(argv, 9), block_size = arg(argv, 10), slots = arg(argv, 11);
+        const int width = (overlap ? 2 : 1) * dim, seqs = 2;
+        auto kv = load<bf16>(dir, "kv.bin");
+        auto gate = load<bf16>(dir, "gate.bin");
+        auto ape = load<float>(dir, "ape.bin");
+        auto norm = load<float>(dir, "norm.bin");
+        auto inv_freq = load<float>(dir, "inv_freq.bin");
+        auto positions = load<int>(dir, "positions.bin");
+        auto step_tokens = load<int>(dir, "step_tokens.bin");  // [steps + 1] offsets into the token rows
+        auto query_start = load<int>(dir, "query_start.bin");  // [steps, seqs + 1], relative to the step
+        auto tables = load<int>(dir, "tables.bin");
+        auto state_slots = load<int>(dir, "state_slots.bin");
+        std::vector<bf16> state_kv(static_cast<size_t>(slots) * rate * width), state_gate(state_kv.size());
+        std::vector<bf16> overlap_kv(static_cast<size_t>(slots) * rate * dim), overlap_gate(overlap_kv.size());
+        std::vector<bf16> cache(static_cast<size_t>(seqs) * stride * block_size * dim);
+        std::vector<int> token_seq(positions.size());
+        for (int s = 0; s < steps; ++s) {
+            const int first = step_tokens[s], tokens = step_tokens[s + 1] - first;
+            const int* starts = query_start.data() + s * (seqs + 1);
+            const int* pos = positions.data() + first;
+            const bf16* kv_rows = kv.data() + static_cast<size_t>(first) * width;
+            const bf16* gate_rows = gate.data() + static_cast<size_t>(first) * width;
+            launch(seqs, 1, 1, threads, [&] { dsv4_token_seq(starts, token_seq.data()); });
+            launch(tokens, 1, 1, threads, [&] {
+                dsv4_compress_step(kv_rows, gate_rows, ape.data(), state_kv.data(), state_gate.data(),
+                                   overlap ? overlap_kv.data() : nullptr, overlap ? overlap_gate.data() : nullptr,
+                                   norm.data(), inv_freq.data(), rope_dim, eps, token_seq.data(), pos, starts,
+                                   state_slots.data(), cache.data(), tables.data(), stride, block_size, rate, dim,
+                                   overlap);
+            });
+            launch(seqs, 1, 1, threads, [&] {
+                dsv4_compress_state(kv_rows, gate_rows, ape.data(), state_kv.data(), state_gate.data(),
+                                    overlap ? overlap_kv.data() : nullptr, overlap ? overlap_gate.data() : nullptr, pos,
+                                    starts, state_slots.data(), rate, dim, overlap);
+            });
+        }
+        save(dir, "cache.bin", cache);
     } else {
         std::fprintf(stderr, "unknown kernel %s\n", which.c_str());
         return 1;

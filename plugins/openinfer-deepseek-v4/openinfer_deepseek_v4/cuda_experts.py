@@ -1,0 +1,147 @@
+"""DeepSeek-V4's MoE layer on the GPU: core's device routing and grouping (``moe.cu``), the
+routed experts' grouped GEMMs in their stored format, the clamped SwiGLU, core's combine.
+
+Expert formats, per layer and projection (``stack_experts`` picks the first that fits):
+
+    fp4   [E, N, K/2] e2m1 pairs + e8m0 scales [E, N, K/32]  core kernels/moe_fp4.cu (V4-Flash)
+    fp8   [E, N, K] e4m3 + 128×128 block scales              core moe.cu (scales widened to fp32)
+    bf16  [E, N, K]                                          core moe.cu (anything else, dequantised)
+
+``gate_up`` stacks w1 over w3 (gate rows first); ``down`` is w2. Imported only on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy
+import numpy as np
+
+from openinfer import WeightLoadError, float32_to_bf16
+from openinfer.backend.cuda import moe as core_moe
+from openinfer.backend.cuda.loader import kernel
+from openinfer.moe import MoEWeights
+from openinfer.quant import e8m0_to_float32
+
+FP4_GROUP = 32
+TILE = 64  # moe_fp4.cu's output tile
+THREADS = 128
+NULL = np.uint64(0)
+
+
+@dataclass
+class Fp4Experts:
+    """One projection of all experts of a layer, FP4 as stored."""
+
+    codes: cupy.ndarray  # [E, N, K/2] uint8
+    scales: cupy.ndarray  # [E, N, K/32] uint8 (e8m0)
+    out_features: int
+    in_features: int
+
+
+@dataclass
+class DeviceMoELayer:
+    """One MoE layer's device tensors: router (bf16 weight, fp32 bias or int64 hash table) and
+    the stacked experts."""
+
+    gate: cupy.ndarray  # [E, H] bf16
+    correction_bias: cupy.ndarray | None  # [E] fp32
+    tid2eid: cupy.ndarray | None  # [vocab, k] int64
+    gate_up: Any  # Fp4Experts | core ExpertLinear
+    down: Any
+
+
+def _stack_projection(ckpt: Any, modules: list[list[str]], shape: tuple[int, int]) -> Any:
+    """Each expert's rows (``modules[e]`` stacked in order) → one device projection."""
+    out_features, in_features = shape
+    stored = [[ckpt.stored_quantized(m) for m in mods] for mods in modules]
+    formats = {s[0] if s is not None else None for row in stored for s in row}
+    if formats == {"fp4"} and in_features % FP4_GROUP == 0:
+        codes = np.stack([np.concatenate([s[1] for s in row]) for row in stored])
+        scales = np.stack([np.concatenate([s[2] for s in row]) for row in stored])
+        if codes.shape[1:] != (out_features, in_features // 2) or scales.shape[1:] != (out_features,
+                                                                                       in_features // FP4_GROUP):
+            raise WeightLoadError(f"FP4 experts {modules[0]}: codes {codes.shape[1:]} / scales {scales.shape[1:]} "
+                                  f"do not fit a [{out_features}, {in_features}] projection")
+        return Fp4Experts(cupy.asarray(codes), cupy.asarray(scales), out_features, in_features)
+    block = 128
+    parts_aligned = all(len(mods) == 1 or out_features // len(mods) % block == 0 for mods in modules)
+    if formats == {"fp8"} and parts_aligned:  # every fused part starts on a scale block
+        codes = np.stack([np.concatenate([s[1] for s in row]) for row in stored])
+        scales = np.stack([np.concatenate([e8m0_to_float32(s[2]) for s in row]) for row in stored])
+        if codes.shape[1:] != (out_features, in_features):
+            raise WeightLoadError(f"FP8 experts {modules[0]}: codes {codes.shape[1:]}, expected "
+                                  f"({out_features}, {in_features})")
+        return core_moe.upload_expert_linear("fp8", codes, scales.astype(np.float32), shape, block=block)
+    rows = np.stack([float32_to_bf16(np.concatenate([ckpt.get(f"{m}.weight") for m in mods])) for mods in modules])
+    if rows.shape[1:] != (out_features, in_features):
+        raise WeightLoadError(f"experts {modules[0]}: weights {rows.shape[1:]}, expected ({out_features}, {in_features})")
+    return core_moe.upload_expert_linear("bf16", rows, None, shape)
+
+
+def stack_experts(ckpt: Any, prefixes: list[str], hidden: int, inter: int) -> tuple[Any, Any]:
+    """``weights.ExpertStacker`` for cuda: (gate_up, down) of every expert of a layer."""
+    gate_up = _stack_projection(ckpt, [[p + "w1", p + "w3"] for p in prefixes], (2 * inter, hidden))
+    down = _stack_projection(ckpt, [[p + "w2"] for p in prefixes], (hidden, inter))
+    return gate_up, down
+
+
+def device_layer(layer: MoEWeights, ops: Any) -> DeviceMoELayer:
+    gate_up, down = layer.stacked
+    return DeviceMoELayer(
+        ops.weight(np.asarray(layer.gate, np.float32)),
+        None if layer.correction_bias is None else cupy.asarray(layer.correction_bias, np.float32),
+        None if layer.tid2eid is None else cupy.asarray(layer.tid2eid, np.int64), gate_up, down)
+
+
+def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.ExpertGroupingDevice,
+                     gather: bool) -> cupy.ndarray:
+    """``core_moe.grouped_gemm`` for FP4 weights: rows in expert order, ``[T·k, N]`` bf16."""
+    num_slots = int(grouping.sorted_slots.size)
+    out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
+    if num_slots == 0:
+        return out
+    a = cupy.ascontiguousarray(a)
+    if a.shape[1] != weight.in_features:
+        raise ValueError(f"fp4 experts take {weight.in_features} inputs, got rows of {a.shape[1]}")
+    kernel("moe_fp4.cu", "moe_fp4_grouped_gemm")(
+        (grouping.max_tiles, -(-weight.out_features // TILE)), (THREADS,),
+        (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.codes, weight.scales,
+         grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, out,
+         np.int32(weight.out_features), np.int32(weight.in_features)))
+    return out
+
+
+def grouped_gemm(a: cupy.ndarray, weight: Any, grouping: core_moe.ExpertGroupingDevice, gather: bool) -> cupy.ndarray:
+    if isinstance(weight, Fp4Experts):
+        return fp4_grouped_gemm(a, weight, grouping, gather)
+    return core_moe.grouped_gemm(a, weight, grouping, gather)
+
+
+def swiglu_clamp(gate_up: cupy.ndarray, limit: float | None) -> cupy.ndarray:
+    """``openinfer.moe.swiglu`` on bf16 ``[rows, 2I]`` rows (gate first): ``[rows, I]`` bf16."""
+    gate_up = cupy.ascontiguousarray(gate_up)
+    rows, width = gate_up.shape
+    out = cupy.empty((rows, width // 2), dtype=cupy.uint16)
+    if out.size:
+        blocks = max(1, min(4096, -(-out.size // 256)))
+        kernel("moe_fp4.cu", "swiglu_clamp")((blocks,), (256,), (gate_up, out, np.int64(rows), np.int32(width // 2),
+                                                                 np.float32(limit or 0.0)))
+    return out
+
+
+def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELayer,
+              token_ids: cupy.ndarray) -> cupy.ndarray:
+    """Route on the device, both expert GEMMs over the grouped rows, clamped SwiGLU between,
+    weighted combine plus the shared expert."""
+    x = cupy.ascontiguousarray(x)
+    shared = None
+    if layer.shared is not None:
+        shared = ops.linear(swiglu_clamp(ops.linear(x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
+    ids, weights = core_moe.route(x, device.gate, layer.router, device.correction_bias,
+                                  token_ids if device.tid2eid is not None else None, device.tid2eid)
+    grouping = core_moe.group_by_expert(ids, weights, layer.router.num_experts)
+    hidden = grouped_gemm(x, device.gate_up, grouping, gather=True)
+    y = grouped_gemm(swiglu_clamp(hidden, layer.swiglu_limit), device.down, grouping, gather=False)
+    return core_moe.combine(y, grouping, shared, int(x.shape[1]))
