@@ -108,7 +108,7 @@ def torch_sdpa_seconds(cached: list[int], new: list[int], backend_name: str) -> 
     return float(np.median(times))
 
 
-def bench_attention(backend) -> list[dict]:
+def bench_attention(backend, mma_only: bool) -> list[dict]:
     import cupy
 
     from openinfer.backend.base import AttentionSpec
@@ -118,7 +118,7 @@ def bench_attention(backend) -> list[dict]:
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
     cases = [(f"prompt {n}", [0], [n]) for n in LENGTHS]
     cases += [("chunk 4096 on 12288 cached", [12288], [4096]), ("8 prompts of 2048", [0] * 8, [2048] * 8)]
-    implementations = ["mma", "sm90"] if sm90_prefill_supported(HEAD_DIM) else ["mma"]
+    implementations = ["mma", "sm90"] if sm90_prefill_supported(HEAD_DIM) and not mma_only else ["mma"]
     rows = []
     for name, cached, new in cases:
         batch, kv, q, flops = paged_case(cached, new)
@@ -149,7 +149,7 @@ def bench_attention(backend) -> list[dict]:
     return rows
 
 
-def bench_model(backend) -> dict:
+def bench_model(backend, mma_only: bool) -> dict:
     """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
     import cupy
 
@@ -164,13 +164,14 @@ def bench_model(backend) -> dict:
 
     torch.cuda.empty_cache()
     result = {"ceilings": ceilings}
-    for label, kernel in (("before_mma", "mma"), ("after_auto", "auto")):
+    for label, kernel in (("before_mma", "mma"),) + (() if mma_only else (("after_auto", "auto"),)):
         os.environ["OPENINFER_PREFILL_KERNEL"] = kernel
         result[label] = gpu_bench.bench_prefill(backend, model, gpu_bench.QWEN3_4B, list(LENGTHS), ceilings)
         cupy.get_default_memory_pool().free_all_blocks()
     os.environ.pop("OPENINFER_PREFILL_KERNEL")
-    result["ttft_speedup"] = {str(b["tokens"]): b["ttft_ms"] / a["ttft_ms"]
-                              for b, a in zip(result["before_mma"], result["after_auto"], strict=True)}
+    if "after_auto" in result:
+        result["ttft_speedup"] = {str(b["tokens"]): b["ttft_ms"] / a["ttft_ms"]
+                                  for b, a in zip(result["before_mma"], result["after_auto"], strict=True)}
     return result
 
 
@@ -197,7 +198,8 @@ def plot(report: dict, path: Path) -> None:
         tokens = [r["tokens"] for r in model["before_mma"]]
         xm = np.arange(len(tokens))
         right.bar(xm - 0.2, [r["ttft_ms"] for r in model["before_mma"]], 0.4, label="before (mma.sync)")
-        right.bar(xm + 0.2, [r["ttft_ms"] for r in model["after_auto"]], 0.4, label="after (auto)")
+        if "after_auto" in model:
+            right.bar(xm + 0.2, [r["ttft_ms"] for r in model["after_auto"]], 0.4, label="after (auto)")
         right.set_xticks(xm, [str(t) for t in tokens])
         right.set_yscale("log")
         right.set_xlabel("prompt tokens")
@@ -211,6 +213,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-model", action="store_true", help="attention only (skip the whole-model TTFT)")
+    parser.add_argument("--mma-only", action="store_true", help="time only the mma.sync kernel")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     import cupy
@@ -227,9 +230,9 @@ def main() -> None:
     except ImportError:
         pass
     log(str(report["environment"]))
-    report["attention"] = bench_attention(backend)
+    report["attention"] = bench_attention(backend, args.mma_only)
     if not args.no_model:
-        report["model"] = bench_model(backend)
+        report["model"] = bench_model(backend, args.mma_only)
     out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)

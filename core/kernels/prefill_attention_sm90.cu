@@ -226,6 +226,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             }
             mbar_arrive_on_copies(bar_full + 8 * stage);
         }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
     } else {
         // ---------------- consumers ----------------
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
