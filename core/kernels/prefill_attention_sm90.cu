@@ -27,7 +27,12 @@
 static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel covers head_dim 128 and 256");
 #define BLOCK_M 128
 #define BLOCK_N (HEAD_DIM == 256 ? 64 : 128)  // S (BLOCK_N/2) + O (HEAD_DIM/2) fp32 registers per thread
-#define STAGES 2
+#ifndef STAGES
+#define STAGES (HEAD_DIM == 256 ? 2 : 3)  // K/V ring depth: 3 x 64 KB + the 32 KB Q tile fit in 227 KB
+#endif
+#ifndef INTRA_WG_OVERLAP
+#define INTRA_WG_OVERLAP 1
+#endif
 #define NUM_THREADS 384
 #define D_BLOCKS (HEAD_DIM / 64)
 #define O_CHUNKS (HEAD_DIM / 128)             // wgmma n=128 column chunks of O
@@ -87,7 +92,8 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B from shared memory (both K-major);
 // scale_d == 0 overwrites D.
@@ -146,6 +152,104 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// ---- consumer steps --------------------------------------------------------------------------------
+
+struct SoftmaxState {
+    int query_pos;        // position of fragment row `row` (row + 8 is query_pos + 8)
+    int first_query_pos;  // this warpgroup's first query position
+    int col;              // fragment column inside each 8-column group
+    float m[2];           // running max (log2 units) of rows row, row + 8
+    float l[2];           // running sum of this thread's P values of those rows
+};
+
+// S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
+        const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
+#if BLOCK_N == 128
+        wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#else
+        wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#endif
+    }
+    wgmma_commit();
+}
+
+// O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
+__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+        for (int c = 0; c < O_CHUNKS; ++c)
+            wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
+                                                    BLOCK_N * 128, 1024));
+    wgmma_commit();
+}
+
+// Causal mask (only on tiles reaching past the warpgroup's first query), running max / sum, and
+// S <- exp2(S scale - m) in place; `correction` rescales O (and was applied to l) for the new max.
+__device__ __forceinline__ void softmax_in_place(float (&s)[BLOCK_N / 2], float (&correction)[2],
+                                                 SoftmaxState& state, int k0, float scale_log2) {
+    if (k0 + BLOCK_N - 1 > state.first_query_pos) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (k0 + 8 * j + state.col + (e & 1) > state.query_pos + 8 * (e >> 1)) s[4 * j + e] = -INFINITY;
+    }
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        row_max[0] = fmaxf(row_max[0], fmaxf(s[4 * j], s[4 * j + 1]));
+        row_max[1] = fmaxf(row_max[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    float neg_m[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        // finite from the first tile on: key 0 is visible to every row
+        const float m_new = fmaxf(state.m[h], row_max[h] * scale_log2);
+        correction[h] = fast_exp2(state.m[h] - m_new);
+        state.m[h] = m_new;
+        neg_m[h] = -m_new;
+        state.l[h] *= correction[h];
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale_log2, neg_m[e >> 1]));
+            state.l[e >> 1] += s[4 * j + e];
+        }
+}
+
+// P (in S's registers) -> bf16 A fragments: 8-column groups 2kk and 2kk+1 make keys 16kk .. 16kk+15.
+// Written only once the previous P V wgmma, which reads `p`, has completed.
+__device__ __forceinline__ void pack_p(const float (&s)[BLOCK_N / 2], u32 (&p)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        p[j / 2][(j % 2) * 2] = pack_bf16(s[4 * j], s[4 * j + 1]);
+        p[j / 2][(j % 2) * 2 + 1] = pack_bf16(s[4 * j + 2], s[4 * j + 3]);
+    }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&correction)[2]) {
+#pragma unroll
+    for (int c = 0; c < O_CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            o[c][4 * j] *= correction[0];
+            o[c][4 * j + 1] *= correction[0];
+            o[c][4 * j + 2] *= correction[1];
+            o[c][4 * j + 3] *= correction[1];
+        }
 }
 
 // ---- the kernel ------------------------------------------------------------------------------------
@@ -230,13 +334,16 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     } else {
         // ---------------- consumers ----------------
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-        const int wg = warpgroup - 1;             // 64-row half of the query tile
+        const int wg = warpgroup - 1;  // 64-row half of the query tile
         const int t = threadIdx.x % 128;
         const int warp = t / 32, lane = t % 32;
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
-        const int query_pos = context_start + q0 + row;
-        const int first_query_pos = context_start + q0 + wg * 64;
-        const int col = 2 * (lane % 4);                   // fragment column inside each 8-column group
+        SoftmaxState state;
+        state.query_pos = context_start + q0 + row;
+        state.first_query_pos = context_start + q0 + wg * 64;
+        state.col = 2 * (lane % 4);
+        state.m[0] = state.m[1] = -INFINITY;
+        state.l[0] = state.l[1] = 0.f;
 
         float o[O_CHUNKS][64];
 #pragma unroll
@@ -246,93 +353,50 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         float s[BLOCK_N / 2];
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        u32 p[BLOCK_N / 16][4];  // A fragments of P for keys 16kk .. 16kk+15
+        float correction[2];
 
         mbar_wait(bar_q, 0);
         const u32 q_rows = q_smem + wg * 64 * 128;
+        const u32 stages = base + Q_BYTES;
+#if INTRA_WG_OVERLAP
+        // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
+        // cores; P and O are touched only after that wgmma has landed.
+        mbar_wait(bar_full, 0);
+        issue_qk(s, q_rows, stages);
+        wgmma_wait<0>();
+        softmax_in_place(s, correction, state, 0, scale_log2);
+        pack_p(s, p);
+        for (int kt = 1; kt < num_kv_tiles; ++kt) {
+            const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
+            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+            issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
+            wgmma_wait<1>();  // S of tile kt
+            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+            wgmma_wait<0>();  // P V of tile kt-1
+            mbar_arrive(bar_empty + 8 * previous);
+            pack_p(s, p);
+            rescale(o, correction);
+        }
+        issue_pv(o, p, stages + ((num_kv_tiles - 1) % STAGES) * STAGE_BYTES + KV_TILE_BYTES);
+        wgmma_wait<0>();
+        mbar_arrive(bar_empty + 8 * ((num_kv_tiles - 1) % STAGES));
+#else
         for (int kt = 0; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES;
-            const int k0 = kt * BLOCK_N;
-            const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES;
-            const u32 v_smem = k_smem + KV_TILE_BYTES;
             mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
-
-            // S = Q K^T: 16-wide k steps walk 32 bytes along the swizzled 128-byte rows
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
-                const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
-#if BLOCK_N == 128
-                wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
-#else
-                wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
-#endif
-            }
-            wgmma_commit();
-            wgmma_wait_all();
-
-            // causal mask (only tiles reaching past this warpgroup's first query), online softmax
-            if (k0 + BLOCK_N - 1 > first_query_pos) {
-#pragma unroll
-                for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (k0 + 8 * j + col + (e & 1) > query_pos + 8 * (e >> 1)) s[4 * j + e] = -INFINITY;
-            }
-            float row_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-                row_max[0] = fmaxf(row_max[0], fmaxf(s[4 * j], s[4 * j + 1]));
-                row_max[1] = fmaxf(row_max[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-            }
-            float correction[2], neg_m[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-                row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-                // finite after the first tile: key 0 is visible to every row
-                const float m_new = fmaxf(m[h], row_max[h] * scale_log2);
-                correction[h] = fast_exp2(m[h] - m_new);
-                m[h] = m_new;
-                neg_m[h] = -m_new;
-                l[h] *= correction[h];
-            }
-#pragma unroll
-            for (int c = 0; c < O_CHUNKS; ++c)
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    o[c][4 * j] *= correction[0];
-                    o[c][4 * j + 1] *= correction[0];
-                    o[c][4 * j + 2] *= correction[1];
-                    o[c][4 * j + 3] *= correction[1];
-                }
-            u32 p[BLOCK_N / 16][4];  // A fragments of P: keys 16kk .. 16kk+15
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-                const float p0 = fast_exp2(fmaf(s[4 * j], scale_log2, neg_m[0]));
-                const float p1 = fast_exp2(fmaf(s[4 * j + 1], scale_log2, neg_m[0]));
-                const float p2 = fast_exp2(fmaf(s[4 * j + 2], scale_log2, neg_m[1]));
-                const float p3 = fast_exp2(fmaf(s[4 * j + 3], scale_log2, neg_m[1]));
-                l[0] += p0 + p1;
-                l[1] += p2 + p3;
-                p[j / 2][(j % 2) * 2] = pack_bf16(p0, p1);
-                p[j / 2][(j % 2) * 2 + 1] = pack_bf16(p2, p3);
-            }
-
-            // O += P V: V tile read N-major (its rows are keys, 128-byte column blocks are dims)
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-                for (int c = 0; c < O_CHUNKS; ++c)
-                    wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
-                                                            BLOCK_N * 128, 1024));
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+            wgmma_wait<0>();
+            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+            pack_p(s, p);
+            rescale(o, correction);
+            issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
+            wgmma_wait<0>();
             mbar_arrive(bar_empty + 8 * stage);
         }
-
+#endif
+        float* l = state.l;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
@@ -343,7 +407,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             const int r = row + 8 * h;
             if (r >= rows) continue;
             const float inv = 1.f / l[h];
-            bf16* dst = out + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + col;
+            bf16* dst = out + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + state.col;
 #pragma unroll
             for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll

@@ -102,6 +102,7 @@ def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: C
 PREFILL_KERNELS = ("auto", "sm90", "mma")
 PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"
 SM90_HEAD_DIMS = (128, 256)
+SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
 
 
 @functools.cache
@@ -114,12 +115,12 @@ def sm90_prefill_supported(head_dim: int) -> bool:
     return _compute_capability(cupy.cuda.Device().id) == "90" and head_dim in SM90_HEAD_DIMS
 
 
-def _sm90_shared_bytes(head_dim: int) -> int:
-    """SHARED_BYTES of prefill_attention_sm90.cu: Q tile, two K/V stages, 5 mbarriers, alignment slack."""
+def sm90_shared_bytes(head_dim: int, stages: int) -> int:
+    """SHARED_BYTES of prefill_attention_sm90.cu: Q tile, K/V stages, mbarriers, alignment slack."""
     block_n = 64 if head_dim == 256 else 128
     q_tile = PREFILL_TILE * head_dim * 2
     kv_tile = block_n * head_dim * 2
-    return q_tile + 2 * 2 * kv_tile + 8 * 5 + 1024
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024
 
 
 def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
@@ -145,9 +146,10 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
             batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
             np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E))
     if implementation == "sm90":
-        shared = _sm90_shared_bytes(spec.head_dim)
+        stages = SM90_STAGES[spec.head_dim]
+        shared = sm90_shared_bytes(spec.head_dim, stages)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
-                         HEAD_DIM=spec.head_dim)
+                         HEAD_DIM=spec.head_dim, STAGES=stages)
         fn((spec.num_heads, batch.num_tiles), (384,), args, shared_mem=shared)
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
