@@ -39,9 +39,6 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef KV_HEAD_MAJOR_GRID
 #define KV_HEAD_MAJOR_GRID 1
 #endif
-#ifndef SKIP_KV_LOADS
-#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles)
-#endif
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers)
 #endif
@@ -372,10 +369,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                     const int r = row0 + (batch + i) * ROWS_PER_PASS, token = k0 + r;
                     const size_t offset = ((size_t)page[i] * PAGE_SIZE + token % PAGE_SIZE) * token_stride;
                     const u32 dst = swizzled(r, chunk % 8);
-                    if (!SKIP_KV_LOADS) {
-                        cp_async16(k_smem + dst, k_head + offset, token < kv_end);
-                        cp_async16(v_smem + dst, v_head + offset, token < kv_end);
-                    }
+                    cp_async16(k_smem + dst, k_head + offset, token < kv_end);
+                    cp_async16(v_smem + dst, v_head + offset, token < kv_end);
                 }
             }
             mbar_arrive_on_copies(bar_full + 8 * stage);
