@@ -3,8 +3,9 @@
 // the cache (qk_norm_rope_write_kv runs first), so a sequence's n queries at positions
 // L-n .. L-1 attend to cache slots 0 .. L-1 with the causal limit key <= query position.
 //
-// Grid (num_tiles, num_heads), 4 warps; a tile is BLOCK_M queries of one sequence
-// (tile_seq[i], first query tile_query[i] counted from the sequence's first new token).
+// Grid (2 * num_tiles, num_heads), 4 warps; the batch's tiles are 128 queries of one sequence
+// (tile_seq[i], first query tile_query[i] counted from the sequence's first new token) and each
+// block takes one BLOCK_M = 64 half of one. Hopper GPUs run prefill_attention_sm90.cu instead.
 // Each warp owns 16 query rows. Shared memory: the Q tile and two stages of K/V tiles, rows
 // padded by 8 bf16 so the fragment loads and ldmatrix hit 32 distinct banks. K/V tiles arrive
 // by cp.async one tile ahead of the one being computed on.
@@ -57,10 +58,11 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
     bf16* kv_stages = q_tile + BLOCK_M * SMEM_ROW;  // [stage][K | V][BLOCK_N][SMEM_ROW]
     constexpr int VECS = HEAD_DIM / 8;
 
-    const int tile = blockIdx.x, head = blockIdx.y;
-    const int seq = tile_seq[tile], q0 = tile_query[tile];
+    const int tile = blockIdx.x >> 1, head = blockIdx.y;
+    const int seq = tile_seq[tile], q0 = tile_query[tile] + (blockIdx.x & 1) * BLOCK_M;
     const int first_token = query_start[seq];
     const int num_new = query_start[seq + 1] - first_token;
+    if (q0 >= num_new) return;  // the second half of a sequence's last, short tile
     const int length = context_lens[seq];
     const int kv_head = head / (num_heads / num_kv_heads);
     const int rows = min(BLOCK_M, num_new - q0);

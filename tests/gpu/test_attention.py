@@ -98,4 +98,4 @@ def test_prepare_batch_round_trip(cuda_backend, rng):
     for name in ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
                  "logits_rows"):
         assert np.array_equal(cupy.asnumpy(getattr(device, name)), getattr(batch, name)), name
-    assert device.num_tiles == 1 + 1 + 2  # 64-query tiles: 30 -> 1, 1 -> 1, 70 -> 2
+    assert device.num_tiles == 1 + 1 + 1  # 128-query tiles: 30 -> 1, 1 -> 1, 70 -> 1

@@ -2,19 +2,24 @@
 
 Decode steps (one new token per sequence) run split-KV flash decoding; the split count
 depends only on the batch size, so a captured graph stays valid for every context length.
-Anything else (prefill, chunked prefill, mixed batches) runs the tensor-core prefill kernel.
+Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill kernel: on
+Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma kernel
+(prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
+(prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
-from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.rope import RotaryEmbedding
 
 LOG2E = 1.4426950408889634
@@ -94,19 +99,64 @@ def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: C
     return out
 
 
-def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
-    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+PREFILL_KERNELS = ("auto", "sm90", "mma")
+PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"
+SM90_HEAD_DIMS = (128, 256)
+SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
+
+
+@functools.cache
+def _compute_capability(device_id: int) -> str:
+    return cupy.cuda.Device(device_id).compute_capability
+
+
+def sm90_prefill_supported(head_dim: int) -> bool:
+    """Whether this GPU and head size run the Hopper wgmma prefill kernel."""
+    return _compute_capability(cupy.cuda.Device().id) == "90" and head_dim in SM90_HEAD_DIMS
+
+
+def sm90_shared_bytes(head_dim: int, stages: int) -> int:
+    """SHARED_BYTES of prefill_attention_sm90.cu: Q tile, K/V stages, mbarriers, alignment slack."""
+    block_n = 64 if head_dim == 256 else 128
+    q_tile = PREFILL_TILE * head_dim * 2
+    kv_tile = block_n * head_dim * 2
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024
+
+
+def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
+                      implementation: str = "auto", out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """Causal attention of the batch's queries ``q [T, nh, d]`` over the paged cache -> ``[T, nh d]``.
+
+    ``implementation``: "sm90" (Hopper wgmma kernel), "mma" (mma.sync kernel, any GPU) or "auto"
+    (sm90 where supported, unless ``OPENINFER_PREFILL_KERNEL=mma``); ``out`` is written in place if given.
+    """
+    if implementation not in PREFILL_KERNELS:
+        raise ValueError(f"prefill attention implementation must be one of {PREFILL_KERNELS}, got {implementation!r}")
+    if implementation == "auto":
+        forced = os.environ.get(PREFILL_KERNEL_ENV, "auto")
+        implementation = "mma" if forced == "mma" or not sm90_prefill_supported(spec.head_dim) else "sm90"
+    elif implementation == "sm90" and not sm90_prefill_supported(spec.head_dim):
+        raise ValueError(f"the sm90 prefill kernel needs a compute capability 9.0 GPU and head_dim in "
+                         f"{SM90_HEAD_DIMS}; got head_dim {spec.head_dim}")
+    if out is None:
+        out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
     if batch.num_tiles == 0:
         return out
+    args = (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.query_start,
+            batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
+            np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E))
+    if implementation == "sm90":
+        stages = SM90_STAGES[spec.head_dim]
+        shared = sm90_shared_bytes(spec.head_dim, stages)
+        fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
+                         HEAD_DIM=spec.head_dim, STAGES=stages)
+        fn((spec.num_heads, batch.num_tiles), (384,), args, shared_mem=shared)
+        return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
-    shared = 5 * PREFILL_TILE * (spec.head_dim + 8) * 2  # Q + two stages of K and V (prefill_attention.cu)
+    shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    fn((batch.num_tiles, spec.num_heads), (128,),
-       (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.query_start,
-        batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
-        np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E)),
-       shared_mem=shared)
+    fn((2 * batch.num_tiles, spec.num_heads), (128,), args, shared_mem=shared)  # one block per half tile
     return out
 
 

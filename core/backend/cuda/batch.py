@@ -8,7 +8,7 @@ sent with one host-to-device copy.
       block_tables B*max_blocks | logits_rows R | tile_seq N | tile_query N | state_slots B or 0 |
       (per KV cache group g, only with several groups) block table g B*max_blocks_g | slots g T ]
 
-``tile_seq`` / ``tile_query`` list the prefill-attention tiles (64 queries of one sequence,
+``tile_seq`` / ``tile_query`` list the prefill-attention tiles (128 queries of one sequence,
 longest-running first); decode batches have none. A *static* batch (``StaticBatch``) keeps
 one device buffer at fixed addresses for a CUDA graph: refilling it never moves a field.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from openinfer.backend.base import ForwardBatch
 
-PREFILL_TILE = 64  # queries per prefill-attention tile (BLOCK_M in prefill_attention.cu)
+PREFILL_TILE = 128  # queries per prefill-attention tile (BLOCK_M of prefill_attention_sm90.cu)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class CudaBatch:
 
 
 def prefill_tiles(query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(tile_seq, tile_query) for every 64-query tile, tiles with the most keys first."""
+    """(tile_seq, tile_query) for every 128-query tile, tiles with the most keys first."""
     counts = np.diff(query_start)
     seqs = np.repeat(np.arange(counts.shape[0], dtype=np.int32), -(-counts // PREFILL_TILE))
     starts = np.concatenate([np.arange(0, n, PREFILL_TILE, dtype=np.int32) for n in counts]) \

@@ -1,0 +1,252 @@
+"""GPU benchmark: causal prefill attention over the paged KV cache, Qwen3-4B shape (32 query heads,
+8 KV heads, head_dim 128, 16-token blocks), through openinfer's public prefill entry point.
+
+  attention  TFLOP/s (causal FLOPs: 4 d per visible query-key pair and head) of the mma.sync kernel
+             ("mma", any GPU) and the Hopper wgmma kernel ("sm90") on one 1k / 4k / 16k prompt, a
+             4k chunk on a 12k cached prefix and 8 prompts of 2k; torch's scaled_dot_product_attention
+             (flash backend, and cuDNN where it runs) on contiguous tensors of the same sizes is the
+             external reference on the same GPU; the relative difference sm90 vs mma is recorded too;
+  model      time to first token of a Qwen3-4B-shaped model (random weights, benchmarks/gpu_bench.py's
+             builder) on 1k / 4k / 16k prompts with OPENINFER_PREFILL_KERNEL=mma (before) and auto (after).
+Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under $OUT when set).
+
+    python benchmarks/gpu_prefill_attention.py [--no-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+LENGTHS = (1024, 4096, 16384)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def random_bf16(shape: tuple[int, ...]):
+    import cupy
+
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+def paged_case(cached: list[int], new: list[int]):
+    """A ForwardBatch over shuffled blocks plus random q and a random K/V cache for it."""
+    from openinfer.backend.base import ForwardBatch, KVLayer
+
+    rng = np.random.default_rng(sum(new))
+    lengths = [c + n for c, n in zip(cached, new, strict=True)]
+    blocks = [-(-length // BLOCK_SIZE) for length in lengths]
+    order = rng.permutation(sum(blocks)) + 1
+    tables = np.zeros((len(lengths), max(blocks)), np.int32)
+    start = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[start:start + count]
+        start += count
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    seq_of_token = np.repeat(np.arange(len(new)), new)
+    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    batch = ForwardBatch(token_ids=np.zeros(int(sum(new)), np.int32), positions=positions, query_start=query_start,
+                         context_lens=np.asarray(lengths, np.int32), block_tables=tables,
+                         slot_mapping=slots.astype(np.int32), logits_rows=(query_start[1:] - 1).astype(np.int32),
+                         max_query_len=max(new), max_context_len=max(lengths))
+    shape = (sum(blocks) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv = KVLayer(random_bf16(shape), random_bf16(shape))
+    q = random_bf16((int(sum(new)), NUM_HEADS, HEAD_DIM))
+    flops = sum(4 * HEAD_DIM * NUM_HEADS * (n * c + n * (n + 1) // 2) for c, n in zip(cached, new, strict=True))
+    return batch, kv, q, flops
+
+
+def torch_sdpa_seconds(cached: list[int], new: list[int], backend_name: str) -> float | None:
+    """Median seconds of torch SDPA (causal, contiguous, GQA expanded) on the same shapes; prompts
+    with a cached prefix use the bottom-right causal mask."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    calls = []
+    for c, n in zip(cached, new, strict=True):
+        q = torch.randn(1, NUM_HEADS, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, NUM_HEADS, c + n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        calls.append((q, k, v, causal_lower_right(n, c + n) if c else None))
+
+    def run():
+        for q, k, v, mask in calls:
+            if mask is None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    try:
+        with sdpa_kernel(backend):
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+    except Exception as error:  # noqa: BLE001 - a backend that does not run these shapes is reported, not fatal
+        log(f"torch sdpa {backend_name} unavailable: {str(error).splitlines()[0]}")
+        return None
+    return float(np.median(times))
+
+
+def bench_attention(backend, mma_only: bool) -> list[dict]:
+    import cupy
+
+    from openinfer.backend.base import AttentionSpec
+    from openinfer.backend.cuda.attention import prefill_attention, sm90_prefill_supported
+    from openinfer.tools.ledger import gpu_seconds
+
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
+    cases = [(f"prompt {n}", [0], [n]) for n in LENGTHS]
+    cases += [("chunk 4096 on 12288 cached", [12288], [4096]), ("8 prompts of 2048", [0] * 8, [2048] * 8)]
+    implementations = ["mma", "sm90"] if sm90_prefill_supported(HEAD_DIM) and not mma_only else ["mma"]
+    rows = []
+    for name, cached, new in cases:
+        batch, kv, q, flops = paged_case(cached, new)
+        device_batch = backend.prepare_batch(batch)
+        row: dict = {"case": name, "cached": cached, "new": new, "flops": flops}
+        outputs = {}
+        for implementation in implementations:
+            out = cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
+            call = functools.partial(prefill_attention, q, spec, kv, device_batch, implementation=implementation,
+                                     out=out)
+            seconds = gpu_seconds(call, repeats=10 if flops < 1e13 else 5, warmup=2)
+            row[f"{implementation}_ms"] = seconds * 1e3
+            row[f"{implementation}_tflops"] = flops / seconds / 1e12
+            outputs[implementation] = (out.astype(cupy.uint32) << 16).view(cupy.float32)
+        if len(outputs) == 2:
+            diff = cupy.linalg.norm(outputs["sm90"] - outputs["mma"]) / cupy.linalg.norm(outputs["mma"])
+            row["sm90_vs_mma_relative_difference"] = float(diff)
+        del outputs
+        for torch_backend in ("flash", "cudnn"):
+            seconds = torch_sdpa_seconds(cached, new, torch_backend)
+            if seconds is not None:
+                row[f"torch_{torch_backend}_ms"] = seconds * 1e3
+                row[f"torch_{torch_backend}_tflops"] = flops / seconds / 1e12
+        log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                     if k not in ("cached", "new")))
+        rows.append(row)
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def bench_model(backend, mma_only: bool) -> dict:
+    """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
+    import cupy
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gpu_bench
+
+    ceilings = gpu_bench.measure_ceilings(backend)
+    hf = gpu_bench.build_hf(gpu_bench.QWEN3_4B)
+    model = gpu_bench.build_ours(hf, gpu_bench.QWEN3_4B, backend)
+    del hf
+    import torch
+
+    torch.cuda.empty_cache()
+    result = {"ceilings": ceilings}
+    for label, kernel in (("before_mma", "mma"),) + (() if mma_only else (("after_auto", "auto"),)):
+        os.environ["OPENINFER_PREFILL_KERNEL"] = kernel
+        result[label] = gpu_bench.bench_prefill(backend, model, gpu_bench.QWEN3_4B, list(LENGTHS), ceilings)
+        cupy.get_default_memory_pool().free_all_blocks()
+    os.environ.pop("OPENINFER_PREFILL_KERNEL")
+    if "after_auto" in result:
+        result["ttft_speedup"] = {str(b["tokens"]): b["ttft_ms"] / a["ttft_ms"]
+                                  for b, a in zip(result["before_mma"], result["after_auto"], strict=True)}
+    return result
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rows = report["attention"]
+    x = np.arange(len(rows))
+    series = [k[:-len("_tflops")] for k in ("mma_tflops", "sm90_tflops", "torch_flash_tflops", "torch_cudnn_tflops")
+              if any(k in r for r in rows)]
+    width = 0.8 / max(1, len(series))
+    for i, name in enumerate(series):
+        left.bar(x + i * width, [r.get(f"{name}_tflops", 0) for r in rows], width, label=name)
+    left.set_xticks(x + 0.4 - width / 2, [r["case"] for r in rows], rotation=15, fontsize=8)
+    left.set_ylabel("causal attention TFLOP/s")
+    left.set_title(f"prefill attention, Qwen3-4B heads, {report['environment']['gpu']}")
+    left.legend(fontsize=8)
+    model = report.get("model")
+    if model:
+        tokens = [r["tokens"] for r in model["before_mma"]]
+        xm = np.arange(len(tokens))
+        right.bar(xm - 0.2, [r["ttft_ms"] for r in model["before_mma"]], 0.4, label="before (mma.sync)")
+        if "after_auto" in model:
+            right.bar(xm + 0.2, [r["ttft_ms"] for r in model["after_auto"]], 0.4, label="after (auto)")
+        right.set_xticks(xm, [str(t) for t in tokens])
+        right.set_yscale("log")
+        right.set_xlabel("prompt tokens")
+        right.set_ylabel("TTFT ms (one prefill step)")
+        right.set_title("Qwen3-4B-shaped model, cold prefill")
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-model", action="store_true", help="attention only (skip the whole-model TTFT)")
+    parser.add_argument("--mma-only", action="store_true", help="time only the mma.sync kernel")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+
+    backend = CudaBackend()
+    report: dict = {"environment": {"gpu": backend.device_name, "num_sms": backend.num_sms,
+                                    "cupy": cupy.__version__}}
+    try:
+        import torch
+
+        report["environment"]["torch"] = torch.__version__
+    except ImportError:
+        pass
+    log(str(report["environment"]))
+    report["attention"] = bench_attention(backend, args.mma_only)
+    if not args.no_model:
+        report["model"] = bench_model(backend, args.mma_only)
+    out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    for out in out_dirs:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_prefill_attention.json").write_text(json.dumps(report, indent=2))
+        plot(report, out / "gpu_prefill_attention.png")
+    print("\n case                         " + "".join(f"{k:>14s}" for k in ("mma", "sm90", "torch_flash", "torch_cudnn")))
+    for r in report["attention"]:
+        print(f" {r['case']:28s}" + "".join(f"{r.get(k + '_tflops', float('nan')):14.1f}"
+                                           for k in ("mma", "sm90", "torch_flash", "torch_cudnn")))
+    for label in ("before_mma", "after_auto"):
+        for r in report.get("model", {}).get(label, []):
+            print(f" TTFT {label:10s} {r['tokens']:6d}: {r['ttft_ms']:8.1f} ms  MFU {r['mfu']:.0%}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

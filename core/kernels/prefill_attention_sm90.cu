@@ -1,0 +1,419 @@
+// Causal flash attention for Hopper (sm_90a) over the paged KV cache: prefill, chunked prefill
+// and varlen batches, the same contract as prefill_attention.cu (the new tokens' K/V are already
+// in the cache; a sequence's n queries at positions L-n .. L-1 see cache slots 0 .. key <= query).
+//
+// One CTA = BLOCK_M (128) queries of one sequence and one head; 3 warpgroups:
+//   warpgroup 0 (producer, few registers): gathers the Q tile once and each BLOCK_N-token K/V tile
+//     from the 16-token pages with cp.async into a STAGES-deep ring; each thread's copies arrive
+//     on the stage's "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), so the
+//     producer never blocks on its own loads, only on a stage being released.
+//   warpgroups 1, 2 (consumers, 64 query rows each): S = Q K^T with wgmma (both operands in shared
+//     memory), mask + online softmax in registers, O += P V with wgmma (P from registers, V from
+//     shared memory read N-major), then release the stage on its "empty" mbarrier.
+// While one consumer warpgroup runs its softmax the other's wgmma keeps the tensor cores busy.
+//
+// Shared memory tiles use the 128-byte swizzle that wgmma reads: a tile of R rows x HEAD_DIM
+// bf16 is HEAD_DIM/64 column blocks of [R rows][64 bf16 = 128 bytes]; inside each 1024-byte atom
+// of 8 rows the 16-byte chunk c of row r sits at chunk position c ^ (r % 8).
+//
+//   smem: [Q: D_BLOCKS x BLOCK_M x 128 B][stage 0: K, V: D_BLOCKS x BLOCK_N x 128 B each]...[mbarriers]
+//
+// Built with NVRTC for sm_90a only (wgmma, setmaxnreg); other GPUs use prefill_attention.cu.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel covers head_dim 128 and 256");
+#define BLOCK_M 128
+#define BLOCK_N (HEAD_DIM == 256 ? 64 : 128)  // S (BLOCK_N/2) + O (HEAD_DIM/2) fp32 registers per thread
+#ifndef STAGES
+#define STAGES (HEAD_DIM == 256 ? 2 : 3)  // K/V ring depth: 3 x 64 KB + the 32 KB Q tile fit in 227 KB
+#endif
+#ifndef INTRA_WG_OVERLAP
+#define INTRA_WG_OVERLAP 1
+#endif
+#define NUM_THREADS 384
+#define D_BLOCKS (HEAD_DIM / 64)
+#define O_CHUNKS (HEAD_DIM / 128)             // wgmma n=128 column chunks of O
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232                     // 128 * 40 + 256 * 232 <= 65536
+
+#define Q_BYTES (D_BLOCKS * BLOCK_M * 128)
+#define KV_TILE_BYTES (D_BLOCKS * BLOCK_N * 128)
+#define STAGE_BYTES (2 * KV_TILE_BYTES)
+#define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
+// + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 2 * STAGES) + 1024)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ---- shared memory, mbarriers, async copies ----------------------------------------------------
+
+__device__ __forceinline__ u32 swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// 16-byte global -> shared copy; a false `valid` writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// The barrier counts one arrival for this thread once all its earlier cp.async copies have landed.
+__device__ __forceinline__ void mbar_arrive_on_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// ---- wgmma -----------------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading / stride byte offsets.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+    return (u64)((addr >> 4) & 0x3FFF) | ((u64)((leading_bytes >> 4) & 0x3FFF) << 16) |
+           ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B from shared memory (both K-major);
+// scale_d == 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory (both K-major);
+// scale_d == 0 overwrites D.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64 x 128] += A[64 x 16] * B[16 x 128], A from registers (the mma.m16n8k16 A fragment per
+// warp), B from shared memory N-major (transposed).
+__device__ __forceinline__ void wgmma_rs_n128_tb(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ---- consumer steps --------------------------------------------------------------------------------
+
+struct SoftmaxState {
+    int query_pos;        // position of fragment row `row` (row + 8 is query_pos + 8)
+    int first_query_pos;  // this warpgroup's first query position
+    int col;              // fragment column inside each 8-column group
+    float m[2];           // running max (log2 units) of rows row, row + 8
+    float l[2];           // running sum of this thread's P values of those rows
+};
+
+// S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
+        const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
+#if BLOCK_N == 128
+        wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#else
+        wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#endif
+    }
+    wgmma_commit();
+}
+
+// O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
+__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+        for (int c = 0; c < O_CHUNKS; ++c)
+            wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
+                                                    BLOCK_N * 128, 1024));
+    wgmma_commit();
+}
+
+// Causal mask (only on tiles reaching past the warpgroup's first query), running max / sum, and
+// S <- exp2(S scale - m) in place; `correction` rescales O (and was applied to l) for the new max.
+__device__ __forceinline__ void softmax_in_place(float (&s)[BLOCK_N / 2], float (&correction)[2],
+                                                 SoftmaxState& state, int k0, float scale_log2) {
+    if (k0 + BLOCK_N - 1 > state.first_query_pos) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (k0 + 8 * j + state.col + (e & 1) > state.query_pos + 8 * (e >> 1)) s[4 * j + e] = -INFINITY;
+    }
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        row_max[0] = fmaxf(row_max[0], fmaxf(s[4 * j], s[4 * j + 1]));
+        row_max[1] = fmaxf(row_max[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    float neg_m[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        // finite from the first tile on: key 0 is visible to every row
+        const float m_new = fmaxf(state.m[h], row_max[h] * scale_log2);
+        correction[h] = fast_exp2(state.m[h] - m_new);
+        state.m[h] = m_new;
+        neg_m[h] = -m_new;
+        state.l[h] *= correction[h];
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale_log2, neg_m[e >> 1]));
+            state.l[e >> 1] += s[4 * j + e];
+        }
+}
+
+// P (in S's registers) -> bf16 A fragments: 8-column groups 2kk and 2kk+1 make keys 16kk .. 16kk+15.
+// Written only once the previous P V wgmma, which reads `p`, has completed.
+__device__ __forceinline__ void pack_p(const float (&s)[BLOCK_N / 2], u32 (&p)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        p[j / 2][(j % 2) * 2] = pack_bf16(s[4 * j], s[4 * j + 1]);
+        p[j / 2][(j % 2) * 2 + 1] = pack_bf16(s[4 * j + 2], s[4 * j + 3]);
+    }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&correction)[2]) {
+#pragma unroll
+    for (int c = 0; c < O_CHUNKS; ++c)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            o[c][4 * j] *= correction[0];
+            o[c][4 * j + 1] *= correction[0];
+            o[c][4 * j + 2] *= correction[1];
+            o[c][4 * j + 3] *= correction[1];
+        }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+
+// Grid (num_heads, num_tiles): the heads of one tile run next to each other (GQA heads share K/V
+// in L2), tiles in the order of tile_seq / tile_query (longest key range first).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                       const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                       int max_blocks_per_seq, const int* __restrict__ query_start,
+                       const int* __restrict__ context_lens, const int* __restrict__ tile_seq,
+                       const int* __restrict__ tile_query, bf16* __restrict__ out, int num_heads,
+                       int num_kv_heads, int block_size, float scale_log2) {
+    extern __shared__ uint4 smem_raw[];
+    const u32 raw_base = (u32)__cvta_generic_to_shared(smem_raw);
+    const u32 base = (raw_base + 1023) & ~1023u;
+    const u32 q_smem = base;
+    const u32 bar_q = base + BARRIER_OFFSET;
+    const u32 bar_full = bar_q + 8;                // [STAGES]
+    const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+
+    const int head = blockIdx.x, tile = blockIdx.y;
+    const int seq = tile_seq[tile], q0 = tile_query[tile];
+    const int first_token = query_start[seq];
+    const int num_new = query_start[seq + 1] - first_token;
+    const int length = context_lens[seq];
+    const int context_start = length - num_new;             // position of the first new token
+    const int rows = min(BLOCK_M, num_new - q0);
+    const int kv_end = context_start + q0 + rows;           // last query position + 1
+    const int num_kv_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+
+    if (threadIdx.x == 0) {
+        mbar_init(bar_q, 128);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
+            mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        // ---------------- producer ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        const int t = threadIdx.x;
+        constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+        constexpr int ROWS_PER_PASS = 128 / CHUNKS;
+        const int chunk = t % CHUNKS, row0 = t / CHUNKS;
+        const int kv_head = head / (num_heads / num_kv_heads);
+        const size_t token_stride = (size_t)num_kv_heads * HEAD_DIM;
+        const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
+
+        // Q tile
+        for (int r = row0; r < BLOCK_M; r += ROWS_PER_PASS) {
+            const bool valid = r < rows;
+            const bf16* src = valid ? q + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + chunk * 8 : q;
+            cp_async16(q_smem + (chunk / 8) * (BLOCK_M * 128) + swizzled(r, chunk % 8), src, valid);
+        }
+        mbar_arrive_on_copies(bar_q);
+
+        const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
+        const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
+        for (int kt = 0; kt < num_kv_tiles; ++kt) {
+            const int stage = kt % STAGES;
+            if (kt >= STAGES) mbar_wait(bar_empty + 8 * stage, ((kt / STAGES) - 1) & 1);
+            const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES + (chunk / 8) * (BLOCK_N * 128);
+            const u32 v_smem = k_smem + KV_TILE_BYTES;
+            const int k0 = kt * BLOCK_N;
+            for (int r = row0; r < BLOCK_N; r += ROWS_PER_PASS) {
+                const int token = k0 + r;
+                const bool valid = token < kv_end;
+                const size_t offset =
+                    valid ? ((size_t)table[token / block_size] * block_size + token % block_size) * token_stride : 0;
+                const u32 dst = swizzled(r, chunk % 8);
+                cp_async16(k_smem + dst, k_head + offset, valid);
+                cp_async16(v_smem + dst, v_head + offset, valid);
+            }
+            mbar_arrive_on_copies(bar_full + 8 * stage);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
+    } else {
+        // ---------------- consumers ----------------
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+        const int wg = warpgroup - 1;  // 64-row half of the query tile
+        const int t = threadIdx.x % 128;
+        const int warp = t / 32, lane = t % 32;
+        const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
+        SoftmaxState state;
+        state.query_pos = context_start + q0 + row;
+        state.first_query_pos = context_start + q0 + wg * 64;
+        state.col = 2 * (lane % 4);
+        state.m[0] = state.m[1] = -INFINITY;
+        state.l[0] = state.l[1] = 0.f;
+
+        float o[O_CHUNKS][64];
+#pragma unroll
+        for (int c = 0; c < O_CHUNKS; ++c)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) o[c][i] = 0.f;
+        float s[BLOCK_N / 2];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
+        u32 p[BLOCK_N / 16][4];  // A fragments of P for keys 16kk .. 16kk+15
+        float correction[2];
+
+        mbar_wait(bar_q, 0);
+        const u32 q_rows = q_smem + wg * 64 * 128;
+        const u32 stages = base + Q_BYTES;
+#if INTRA_WG_OVERLAP
+        // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
+        // cores; P and O are touched only after that wgmma has landed.
+        mbar_wait(bar_full, 0);
+        issue_qk(s, q_rows, stages);
+        wgmma_wait<0>();
+        softmax_in_place(s, correction, state, 0, scale_log2);
+        pack_p(s, p);
+        for (int kt = 1; kt < num_kv_tiles; ++kt) {
+            const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
+            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+            issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
+            wgmma_wait<1>();  // S of tile kt
+            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+            wgmma_wait<0>();  // P V of tile kt-1
+            mbar_arrive(bar_empty + 8 * previous);
+            pack_p(s, p);
+            rescale(o, correction);
+        }
+        issue_pv(o, p, stages + ((num_kv_tiles - 1) % STAGES) * STAGE_BYTES + KV_TILE_BYTES);
+        wgmma_wait<0>();
+        mbar_arrive(bar_empty + 8 * ((num_kv_tiles - 1) % STAGES));
+#else
+        for (int kt = 0; kt < num_kv_tiles; ++kt) {
+            const int stage = kt % STAGES;
+            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+            wgmma_wait<0>();
+            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+            pack_p(s, p);
+            rescale(o, correction);
+            issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
+            wgmma_wait<0>();
+            mbar_arrive(bar_empty + 8 * stage);
+        }
+#endif
+        float* l = state.l;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 8 * h;
+            if (r >= rows) continue;
+            const float inv = 1.f / l[h];
+            bf16* dst = out + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + state.col;
+#pragma unroll
+            for (int c = 0; c < O_CHUNKS; ++c)
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    *reinterpret_cast<__nv_bfloat162*>(dst + c * 128 + 8 * j) =
+                        __floats2bfloat162_rn(o[c][4 * j + 2 * h] * inv, o[c][4 * j + 2 * h + 1] * inv);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+"""Prefill attention kernels (the Hopper wgmma one and the mma.sync one) against a float64 NumPy
+causal attention over the same paged cache: fresh and chunked (offset) queries, several sequences
+of different lengths in one batch, GQA and MHA, head_dim 128 and 256, shuffled non-contiguous
+blocks, and an output poisoned with NaN before each run so every unwritten element shows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+from tests.gpu.conftest import bf16_random, relative_error
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+BLOCK_SIZE = 16
+CASES = {
+    # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence)
+    "fresh-300-gqa4": (128, 8, 2, [0], [300]),
+    "fresh-128-exact-tile": (128, 4, 1, [0], [128]),
+    "chunk-offset-unaligned": (128, 8, 2, [200], [77]),
+    "chunk-long-offset": (128, 4, 2, [1500], [1000]),
+    "mixed-lengths": (128, 8, 2, [0, 50, 33, 16, 0, 700], [100, 37, 1, 130, 5, 260]),
+    "mha": (128, 4, 4, [64, 0], [64, 190]),
+    "gqa8-many-prompts": (128, 16, 2, [0] * 12, [80, 82, 48, 32, 26, 72, 129, 16, 30, 250, 50, 69]),
+    "d256-mixed": (256, 4, 2, [0, 90, 0], [200, 70, 33]),
+    "d256-chunk": (256, 8, 4, [333], [129]),
+}
+
+
+def paged_batch(rng: np.random.Generator, cached: list[int], new: list[int], num_blocks: int) -> ForwardBatch:
+    """A prefill batch whose sequences own shuffled, non-contiguous cache blocks."""
+    lengths = [c + n for c, n in zip(cached, new, strict=True)]
+    max_blocks = max(-(-length // BLOCK_SIZE) for length in lengths) + 1
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(lengths), max_blocks), np.int32)
+    for i, length in enumerate(lengths):
+        for j in range(-(-length // BLOCK_SIZE)):
+            tables[i, j] = free.pop()
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    seq_of_token = np.repeat(np.arange(len(new)), new)
+    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    return ForwardBatch(
+        token_ids=np.zeros(int(sum(new)), np.int32), positions=positions, query_start=query_start,
+        context_lens=np.asarray(lengths, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
+        logits_rows=(query_start[1:] - 1).astype(np.int32), max_query_len=max(new), max_context_len=max(lengths))
+
+
+def reference_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: ForwardBatch,
+                        scale: float) -> np.ndarray:
+    """float64 causal attention: query i of a sequence (position L - n + i) sees cache slots 0 .. its position."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[2]
+    out = np.zeros((num_tokens, num_heads, head_dim))
+    for b, length in enumerate(batch.context_lens):
+        start, end = batch.query_start[b], batch.query_start[b + 1]
+        positions = np.arange(length)
+        slots = batch.block_tables[b, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].astype(np.float64)  # [L, nkv, d]
+        values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].astype(np.float64)
+        query_pos = length - (end - start) + np.arange(end - start)
+        visible = positions[None, :] <= query_pos[:, None]
+        for h in range(num_heads):
+            scores = q[start:end, h].astype(np.float64) @ keys[:, h // group].T * scale
+            scores = np.where(visible, scores, -np.inf)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[start:end, h] = weights @ values[:, h // group]
+    return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def implementations(head_dim: int) -> list[str]:
+    from openinfer.backend.cuda.attention import sm90_prefill_supported
+
+    return ["mma", "sm90"] if sm90_prefill_supported(head_dim) else ["mma"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_attention_matches_numpy(cuda_backend, rng, case):
+    from openinfer.backend.cuda.attention import prefill_attention
+
+    head_dim, num_heads, num_kv_heads, cached, new = CASES[case]
+    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    batch = paged_batch(rng, cached, new, num_blocks)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)  # sharp softmax rows too
+    scale = head_dim**-0.5
+    expected = reference_attention(q, k_cache, v_cache, batch, scale)
+
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, None, scale, None, None, 1e-6)
+    kv = KVLayer(cuda_backend.upload(k_cache), cuda_backend.upload(v_cache))
+    q_device = cupy.asarray(float_to_bf16_bits(q))
+    device_batch = cuda_backend.prepare_batch(batch)
+    for implementation in implementations(head_dim):
+        out = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
+        prefill_attention(q_device, spec, kv, device_batch, implementation=implementation, out=out)
+        ours = bf16_bits_to_float(cupy.asnumpy(out))
+        assert relative_error(ours, expected) < 1e-2, implementation
+        rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+        assert rows.max() < 0.1, (implementation, int(rows.argmax()))
+
+
+def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):
+    from openinfer.backend.cuda.attention import prefill_attention, sm90_prefill_supported
+
+    if sm90_prefill_supported(64):
+        pytest.skip("head_dim 64 runs on the sm90 kernel here")
+    batch = cuda_backend.prepare_batch(paged_batch(np.random.default_rng(0), [0], [8], 4))
+    spec = AttentionSpec(2, 1, 64, None, 0.125, None, None, 1e-6)
+    kv = KVLayer(cupy.zeros((4, BLOCK_SIZE, 1, 64), cupy.uint16), cupy.zeros((4, BLOCK_SIZE, 1, 64), cupy.uint16))
+    with pytest.raises(ValueError, match="sm90 prefill kernel"):
+        prefill_attention(cupy.zeros((8, 2, 64), cupy.uint16), spec, kv, batch, implementation="sm90")
