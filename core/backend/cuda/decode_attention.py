@@ -1,0 +1,164 @@
+"""Decode attention: one new query per sequence over its paged KV, two kernels.
+
+``mma`` (decode_attention_mma.cu, the default): one block per (split, KV head, sequence) computes
+all query heads of its GQA group on tensor cores, every warp streaming 16-key tiles through its
+own cp.async pipeline; with one split it writes the output directly. Head dims 64/128/256,
+groups up to 16. ``split`` (decode_attention.cu): the CUDA-core flash-decoding kernel, which
+covers every other shape (head_dim 32, groups over 16) and stays selectable for comparison.
+
+Graph capture: the split count depends only on the batch size, the KV head count and the
+GPU, never on context lengths, which the kernels read from device memory; so a graph
+captured for a batch-size bucket stays valid for any context up to its block-table width.
+
+``OPENINFER_DECODE_ATTENTION=split`` selects the CUDA-core kernel everywhere (read at each call,
+so a benchmark can capture one graph with each).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import kernel
+
+LOG2E = 1.4426950408889634
+KERNELS = ("mma", "split")
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_MAX_GROUP = 16  # query heads one mma row block holds
+MMA_TILE_KEYS = 16
+MAX_SPLITS = 32  # decode_attention_merge's MERGE_MAX_SPLITS
+MMA_WARPS = 4
+
+
+def mma_stages(head_dim: int) -> int:
+    """Pipeline depth per warp (decode_attention_mma.cu's default DECODE_STAGES)."""
+    return 3 if head_dim <= 128 else 2
+
+
+def mma_shared_bytes(head_dim: int, group: int, warps: int = MMA_WARPS, stages: int | None = None) -> int:
+    """Dynamic shared memory of one mma block: the warps' K/V stages, reused for the merge."""
+    stages = mma_stages(head_dim) if stages is None else stages
+    pipeline = warps * stages * 2 * MMA_TILE_KEYS * head_dim * 2
+    merge = warps * group * (head_dim + 2) * 4
+    return max(pipeline, merge)
+
+
+@functools.cache
+def _shared_memory_per_sm(device: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerMultiprocessor"])
+
+
+def blocks_per_sm(shared_bytes: int, warps: int = MMA_WARPS) -> int:
+    """Resident mma blocks per multiprocessor, as shared memory (1 KiB reserved per block) and
+    the 64-warp limit allow."""
+    per_sm = _shared_memory_per_sm(cupy.cuda.Device().id)
+    return max(1, min(per_sm // (shared_bytes + 1024), 64 // warps))
+
+
+def split_count(num_units: int, num_sms: int, blocks_per_sm: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits per (sequence, KV head) unit: the fewest that keep the last wave of blocks at least
+    85 % full and give every multiprocessor a block; failing that, the fullest last wave."""
+    slots = num_sms * blocks_per_sm
+    best, best_fill = 1, 0.0
+    for splits in range(1, max_splits + 1):
+        blocks = num_units * splits
+        fill = blocks / (math.ceil(blocks / slots) * slots)
+        if fill >= 0.85 and blocks >= num_sms:
+            return splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
+
+
+def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV splits of the CUDA-core kernel: enough blocks for about two waves, at most 16."""
+    return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
+
+
+def mma_supports(head_dim: int, group: int) -> bool:
+    return head_dim in MMA_HEAD_DIMS and 1 <= group <= MMA_MAX_GROUP
+
+
+def choose_kernel(head_dim: int, group: int) -> str:
+    """``mma`` where it applies, unless OPENINFER_DECODE_ATTENTION=split asks for the CUDA-core kernel."""
+    wanted = os.environ.get("OPENINFER_DECODE_ATTENTION", "mma")
+    if wanted not in KERNELS:
+        raise ValueError(f"OPENINFER_DECODE_ATTENTION={wanted!r}; choose one of {KERNELS}")
+    return "mma" if wanted == "mma" and mma_supports(head_dim, group) else "split"
+
+
+def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
+                         context_lens: cupy.ndarray, scale: float, num_sms: int, *, warps: int = MMA_WARPS,
+                         stages: int | None = None, splits: int | None = None) -> cupy.ndarray:
+    """``q [B, nh, d]`` bf16 over ``k/v_cache [blocks, block_size, nkv, d]`` -> ``[B, nh * d]`` bf16.
+
+    ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``
+    and ``splits`` override the tuned defaults (benchmarks)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if not mma_supports(head_dim, group) or num_heads % num_kv_heads:
+        raise ValueError(f"the mma decode kernel takes head_dim {MMA_HEAD_DIMS} and GQA groups up to "
+                         f"{MMA_MAX_GROUP}, got head_dim {head_dim}, {num_heads} heads / {num_kv_heads} KV heads")
+    stages = mma_stages(head_dim) if stages is None else stages
+    shared = mma_shared_bytes(head_dim, group, warps, stages)
+    if splits is None:
+        splits = split_count(num_seqs * num_kv_heads, num_sms, blocks_per_sm(shared, warps))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    fn = kernel("decode_attention_mma.cu", "decode_attention_mma", HEAD_DIM=head_dim, GROUP=group,
+                DECODE_WARPS=warps, DECODE_STAGES=stages)
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
+    if splits == 1:
+        partial_out = partial_ml = out  # unused: the kernel writes `out` itself
+    else:
+        partial_out = cupy.empty((num_seqs, num_heads, splits, head_dim), dtype=cupy.float32)
+        partial_ml = cupy.empty((num_seqs, num_heads, splits, 2), dtype=cupy.float32)
+    fn((splits, num_kv_heads, num_seqs), (warps * 32,),
+       (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, out, partial_out,
+        partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits), np.float32(scale * LOG2E)),
+       shared_mem=shared)
+    if splits > 1:
+        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
+            (num_heads, num_seqs), (min(128, head_dim),),
+            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
+    return out
+
+
+def decode_attention_split(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
+                           context_lens: cupy.ndarray, scale: float, num_sms: int) -> cupy.ndarray:
+    """The CUDA-core kernel; same arguments and result as ``decode_attention_mma``."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    splits = legacy_splits(num_seqs, num_kv_heads, num_sms)
+    partial_out = cupy.empty((num_seqs, num_heads, splits, head_dim), dtype=cupy.float32)
+    partial_ml = cupy.empty((num_seqs, num_heads, splits, 2), dtype=cupy.float32)
+    kernel("decode_attention.cu", "decode_attention_split", HEAD_DIM=head_dim, GROUP=group)(
+        (splits, num_kv_heads, num_seqs), (128,),
+        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens,
+         partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits),
+         np.float32(scale * LOG2E)))
+    out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
+    kernel("decode_attention.cu", "decode_attention_combine", HEAD_DIM=head_dim, GROUP=group)(
+        (num_heads, num_seqs), (min(128, head_dim),),
+        (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
+    return out
+
+
+def paged_decode_attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                           block_tables: cupy.ndarray, context_lens: cupy.ndarray, scale: float, num_sms: int,
+                           kernel_name: str | None = None) -> cupy.ndarray:
+    """Decode attention with the chosen kernel (``choose_kernel`` when ``kernel_name`` is None)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    name = kernel_name or choose_kernel(head_dim, num_heads // k_cache.shape[2])
+    if name not in KERNELS:
+        raise ValueError(f"unknown decode attention kernel {name!r}; choose one of {KERNELS}")
+    launch = decode_attention_mma if name == "mma" else decode_attention_split
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_sms)
