@@ -3,11 +3,13 @@ kernel, side by side in one run (openinfer.backend.cuda.decode_attention).
 
   ceiling    device copy bandwidth (bytes read + written, 2 GiB buffers);
   attention  Qwen3-4B's decode attention (32 query heads, 8 KV heads, head_dim 128, paged bf16 KV,
-             block 16) at batch 1/16/64/128/256 x context 512/1k/4k: time per call (CUDA graph of
-             8 calls over different KV regions, so small shapes do not run from L2), effective
-             GB/s = (KV + q + out bytes) / time, and its fraction of the copy bandwidth;
+             block 16) at batch 1/16/64/128/256 x context 512/1k/4k, and ragged batches (lengths
+             uniform in 1..2k): time per call (CUDA graph of 8 calls over different KV regions,
+             so small shapes do not run from L2), effective GB/s = (KV + q + out bytes) / time,
+             and its fraction of the copy bandwidth (a read-only stream can pass 100 %: the copy
+             both reads and writes);
   step       the whole Qwen3-4B decode step (random bf16 weights, 36 layers, context 1024) at
-             batch 64 and 256, one CUDA graph captured with each kernel, replays interleaved.
+             batch 1, 64 and 256, one CUDA graph captured with each kernel, replays interleaved.
 Writes benchmarks/results/gpu_decode_attention.json and .png (and copies under $OUT when set).
 
     python benchmarks/gpu_decode_attention.py [--quick] [--no-step]
@@ -30,7 +32,7 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num
 BLOCK_SIZE = 16
 BATCHES = (1, 16, 64, 128, 256)
 CONTEXTS = (512, 1024, 4096)
-STEP_BATCHES = (64, 256)
+STEP_BATCHES = (1, 64, 256)
 STEP_CONTEXT = 1024
 CALLS_PER_GRAPH = 8
 KERNELS = ("split", "mma")
@@ -92,6 +94,7 @@ class KVPool:
         self.v = random_bf16((self.num_blocks, BLOCK_SIZE, num_kv_heads, head_dim))
 
     def tables(self, batch: int, context: int) -> list:
+        """CALLS_PER_GRAPH block tables ``[batch, context / 16]``, each over its own region."""
         import cupy
 
         blocks = -(-context // BLOCK_SIZE)
@@ -104,42 +107,50 @@ class KVPool:
         return tables
 
 
-def bench_attention(num_sms: int, bandwidth: float, batches, contexts) -> list[dict]:
+def time_kernels(pool: KVPool, lengths: np.ndarray, num_sms: int, bandwidth: float) -> dict:
+    """Both kernels on one batch of context ``lengths`` (Qwen3-4B heads): time per call, GB/s,
+    fraction of the copy bandwidth, and the split count each chose."""
     import cupy
 
-    from openinfer.backend.cuda.decode_attention import (
-        blocks_per_sm,
-        legacy_splits,
-        mma_shared_bytes,
-        paged_decode_attention,
-        split_count,
-    )
+    from openinfer.backend.cuda.decode_attention import legacy_splits, paged_decode_attention, split_count
 
     nh, nkv, d = QWEN3_4B["num_attention_heads"], QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
+    batch = len(lengths)
+    tables = pool.tables(batch, int(lengths.max()))
+    lens = cupy.asarray(lengths.astype(np.int32))
+    queries = [random_bf16((batch, nh, d)) for _ in tables]
+    kv_bytes = 2 * int(lengths.sum()) * nkv * d * 2
+    total_bytes = kv_bytes + 2 * 2 * batch * nh * d  # + q read + out written
+    row = {"batch_size": batch, "kv_bytes": kv_bytes,
+           "splits": {"split": legacy_splits(batch, nkv, num_sms), "mma": split_count(batch * nkv, num_sms)}}
+    for name in KERNELS:
+        calls = [lambda q=q, t=t, lens=lens, name=name: paged_decode_attention(
+            q, pool.k, pool.v, t, lens, d**-0.5, num_sms, kernel_name=name)
+            for q, t in zip(queries, tables, strict=True)]
+        seconds = graph_seconds_per_call(calls)
+        row[name] = {"us": seconds * 1e6, "gb_per_s": total_bytes / seconds / 1e9,
+                     "copy_fraction": total_bytes / seconds / bandwidth}
+    row["speedup"] = row["split"]["us"] / row["mma"]["us"]
+    return row
+
+
+def bench_attention(num_sms: int, bandwidth: float, batches, contexts) -> list[dict]:
+    """Every batch x context with equal lengths, then ragged batches (lengths uniform in
+    1 .. 2 x context, so the mean is the context) at the middle context."""
+    nkv, d = QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
     pool = KVPool(max(batches) * max(contexts), nkv, d)
+    rng = np.random.default_rng(0)
+    cases = [(b, c, False) for c in contexts for b in batches]
+    middle = sorted(contexts)[len(contexts) // 2]
+    cases += [(b, middle, True) for b in batches if b >= 16]
     rows = []
-    for context in contexts:
-        for batch in batches:
-            tables = pool.tables(batch, context)
-            lens = cupy.full(batch, context, dtype=cupy.int32)
-            queries = [random_bf16((batch, nh, d)) for _ in tables]
-            kv_bytes = 2 * batch * context * nkv * d * 2
-            total_bytes = kv_bytes + 2 * 2 * batch * nh * d  # + q read + out written
-            row = {"batch_size": batch, "context": context, "kv_bytes": kv_bytes,
-                   "splits": {"split": legacy_splits(batch, nkv, num_sms),
-                              "mma": split_count(batch * nkv, num_sms, blocks_per_sm(mma_shared_bytes(d, nh // nkv)))}}
-            for name in KERNELS:
-                calls = [lambda q=q, t=t, lens=lens, name=name: paged_decode_attention(
-                    q, pool.k, pool.v, t, lens, d**-0.5, num_sms, kernel_name=name)
-                    for q, t in zip(queries, tables, strict=True)]
-                seconds = graph_seconds_per_call(calls)
-                row[name] = {"us": seconds * 1e6, "gb_per_s": total_bytes / seconds / 1e9,
-                             "copy_fraction": total_bytes / seconds / bandwidth}
-            row["speedup"] = row["split"]["us"] / row["mma"]["us"]
-            rows.append(row)
-            log(f"attention bs={batch:3d} ctx={context:4d}: split {row['split']['us']:8.1f} us "
-                f"({row['split']['copy_fraction']:4.0%}) | mma {row['mma']['us']:8.1f} us "
-                f"({row['mma']['copy_fraction']:4.0%}, splits {row['splits']['mma']}) | x{row['speedup']:.2f}")
+    for batch, context, ragged in cases:
+        lengths = rng.integers(1, 2 * context, batch) if ragged else np.full(batch, context)
+        row = {"context": context, "ragged": ragged, **time_kernels(pool, lengths, num_sms, bandwidth)}
+        rows.append(row)
+        log(f"attention bs={batch:3d} ctx={context:4d}{' ragged' if ragged else ''}: split "
+            f"{row['split']['us']:8.1f} us ({row['split']['copy_fraction']:4.0%}) | mma {row['mma']['us']:8.1f} us "
+            f"({row['mma']['copy_fraction']:4.0%}, splits {row['splits']['mma']}) | x{row['speedup']:.2f}")
     return rows
 
 
@@ -242,7 +253,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["attention"]
+    rows = [r for r in report["attention"] if not r.get("ragged")]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts) + (1 if report.get("step") else 0),
                              figsize=(4.6 * (len(contexts) + 1), 4.2), squeeze=False)

@@ -1,8 +1,8 @@
 """Kernel variants on Qwen3-4B decode shapes, to pick compile-time tuning by measurement.
 
 decode attention (GQA 32/8, head_dim 128, paged bf16 KV): the tensor-core kernel's warps x
-pipeline stages variants, and its split counts, at batch 1/16/64/256 and context 1k/4k, with the
-CUDA-core kernel as the baseline; bandwidth = KV bytes read / time (CUDA graph of 8 calls over
+pipeline stages variants and L2 prefetch hints at batch 1/16/64/256 and context 1k/4k, with the CUDA-core kernel as the
+baseline, and its split counts on equal and ragged (uniform 1..2x) context lengths; bandwidth = KV bytes read / time (CUDA graph of 8 calls over
 different KV regions). Skinny GEMM at M=1 (GEMV_M1_UNROLL variants) and cuBLAS at M=1 on every
 Qwen3-4B projection, bandwidth = weight bytes / time. Writes
 benchmarks/results/gpu_kernel_variants.json (and $OUT when set).
@@ -24,9 +24,9 @@ from gpu_bench import gpu_time  # noqa: E402
 from gpu_decode_attention import KVPool, graph_seconds_per_call, random_bf16  # noqa: E402
 
 # (warps, stages) of decode_attention_mma.cu; shared memory = warps * stages * 8 KiB at head_dim 128
-MMA_VARIANTS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 4)]
+MMA_VARIANTS = [(4, 2), (4, 3), (8, 2)]
 DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 1024), (256, 1024)]
-SPLIT_SWEEP = [(1, 4096), (16, 1024), (16, 4096), (64, 1024), (128, 1024)]
+SPLIT_SWEEP = [(1, 4096), (4, 4096), (16, 1024), (64, 1024), (256, 1024)]
 SHAPES = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
           "lm_head": (151936, 2560)}
 
@@ -37,32 +37,40 @@ def decode_attention_variants(num_sms: int) -> list[dict]:
     from openinfer.backend.cuda.decode_attention import decode_attention_mma, decode_attention_split
 
     nh, nkv, d = 32, 8, 128
-    pool = KVPool(max(b * c for b, c in DECODE_SHAPES + SPLIT_SWEEP), nkv, d)
+    pool = KVPool(max(b * c for b, c in DECODE_SHAPES + SPLIT_SWEEP) * 2, nkv, d)
+    rng = np.random.default_rng(0)
     rows = []
 
-    def measure(batch: int, context: int, label: dict, launch) -> None:
-        tables = pool.tables(batch, context)
-        lens = cupy.full(batch, context, dtype=cupy.int32)
+    def measure(lengths: np.ndarray, label: dict, launch) -> None:
+        batch = len(lengths)
+        tables = pool.tables(batch, int(lengths.max()))
+        lens = cupy.asarray(lengths.astype(np.int32))
         queries = [random_bf16((batch, nh, d)) for _ in tables]
         calls = [lambda q=q, t=t: launch(q, pool.k, pool.v, t, lens, d**-0.5, num_sms)
                  for q, t in zip(queries, tables, strict=True)]
         seconds = graph_seconds_per_call(calls)
-        kv_bytes = 2 * batch * context * nkv * d * 2
-        row = {"batch_size": batch, "context": context, **label, "us": seconds * 1e6,
+        kv_bytes = 2 * int(lengths.sum()) * nkv * d * 2
+        row = {"batch_size": batch, "context": int(lengths.mean()), **label, "us": seconds * 1e6,
                "gb_per_s": kv_bytes / seconds / 1e9}
         rows.append(row)
-        print(f"decode attn bs={batch} ctx={context} {label}: {row['us']:.1f} us, {row['gb_per_s']:.0f} GB/s",
+        print(f"decode attn bs={batch} ctx={row['context']} {label}: {row['us']:.1f} us, {row['gb_per_s']:.0f} GB/s",
               flush=True)
 
     for batch, context in DECODE_SHAPES:
-        measure(batch, context, {"kernel": "split"}, decode_attention_split)
+        lengths = np.full(batch, context)
+        measure(lengths, {"kernel": "split"}, decode_attention_split)
         for warps, stages in MMA_VARIANTS:
-            measure(batch, context, {"kernel": "mma", "warps": warps, "stages": stages},
+            measure(lengths, {"kernel": "mma", "warps": warps, "stages": stages},
                     lambda *a, warps=warps, stages=stages: decode_attention_mma(*a, warps=warps, stages=stages))
+        for prefetch in (1, 2):
+            measure(lengths, {"kernel": "mma", "l2_prefetch": prefetch},
+                    lambda *a, prefetch=prefetch: decode_attention_mma(*a, l2_prefetch=prefetch))
     for batch, context in SPLIT_SWEEP:
-        for splits in (1, 2, 3, 4, 8, 16, 32):
-            measure(batch, context, {"kernel": "mma", "splits": splits},
-                    lambda *a, splits=splits: decode_attention_mma(*a, splits=splits))
+        for ragged in (False, True):  # ragged: lengths uniform in 1 .. 2 x context
+            lengths = rng.integers(1, 2 * context, batch) if ragged else np.full(batch, context)
+            for splits in (1, 2, 3, 4, 8, 16, 32):
+                measure(lengths, {"kernel": "mma", "splits": splits, "ragged": ragged},
+                        lambda *a, splits=splits: decode_attention_mma(*a, splits=splits))
     return rows
 
 

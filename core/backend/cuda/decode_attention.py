@@ -16,7 +16,6 @@ so a benchmark can capture one graph with each).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -47,31 +46,12 @@ def mma_shared_bytes(head_dim: int, group: int, warps: int = MMA_WARPS, stages: 
     return max(pipeline, merge)
 
 
-@functools.cache
-def _shared_memory_per_sm(device: int) -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerMultiprocessor"])
-
-
-def blocks_per_sm(shared_bytes: int, warps: int = MMA_WARPS) -> int:
-    """Resident mma blocks per multiprocessor, as shared memory (1 KiB reserved per block) and
-    the 64-warp limit allow."""
-    per_sm = _shared_memory_per_sm(cupy.cuda.Device().id)
-    return max(1, min(per_sm // (shared_bytes + 1024), 64 // warps))
-
-
-def split_count(num_units: int, num_sms: int, blocks_per_sm: int, max_splits: int = MAX_SPLITS) -> int:
-    """Splits per (sequence, KV head) unit: the fewest that keep the last wave of blocks at least
-    85 % full and give every multiprocessor a block; failing that, the fullest last wave."""
-    slots = num_sms * blocks_per_sm
-    best, best_fill = 1, 0.0
-    for splits in range(1, max_splits + 1):
-        blocks = num_units * splits
-        fill = blocks / (math.ceil(blocks / slots) * slots)
-        if fill >= 0.85 and blocks >= num_sms:
-            return splits
-        if fill > best_fill + 1e-9:
-            best, best_fill = splits, fill
-    return best
+def split_count(num_units: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits per (sequence, KV head) unit: the fewest that give about every multiprocessor a
+    block. One block per SM already streams KV near the copy bandwidth (measured on an H100,
+    benchmarks/gpu_kernel_variants.py: batch 16 x 8 KV heads, 1 split, 93 % at context 4k) and
+    every further split adds partials and a merge: at batch 64, 2 splits cost 5 %, 32 cost 2.3x."""
+    return max(1, min(max_splits, math.ceil(0.9 * num_sms / max(1, num_units))))
 
 
 def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -93,11 +73,12 @@ def choose_kernel(head_dim: int, group: int) -> str:
 
 def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
                          context_lens: cupy.ndarray, scale: float, num_sms: int, *, warps: int = MMA_WARPS,
-                         stages: int | None = None, splits: int | None = None) -> cupy.ndarray:
+                         stages: int | None = None, splits: int | None = None, l2_prefetch: int = 0) -> cupy.ndarray:
     """``q [B, nh, d]`` bf16 over ``k/v_cache [blocks, block_size, nkv, d]`` -> ``[B, nh * d]`` bf16.
 
-    ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``
-    and ``splits`` override the tuned defaults (benchmarks)."""
+    ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``,
+    ``splits`` and ``l2_prefetch`` (0, or 1 / 2 for 128 / 256-byte L2 prefetch hints) override the
+    tuned defaults (benchmarks)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -107,11 +88,11 @@ def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.n
     stages = mma_stages(head_dim) if stages is None else stages
     shared = mma_shared_bytes(head_dim, group, warps, stages)
     if splits is None:
-        splits = split_count(num_seqs * num_kv_heads, num_sms, blocks_per_sm(shared, warps))
+        splits = split_count(num_seqs * num_kv_heads, num_sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
     fn = kernel("decode_attention_mma.cu", "decode_attention_mma", HEAD_DIM=head_dim, GROUP=group,
-                DECODE_WARPS=warps, DECODE_STAGES=stages)
+                DECODE_WARPS=warps, DECODE_STAGES=stages, DECODE_L2_PREFETCH=l2_prefetch)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
