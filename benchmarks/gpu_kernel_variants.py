@@ -1,7 +1,7 @@
 """Kernel variants on Qwen3-4B decode shapes, to pick compile-time tuning by measurement.
 
 decode attention (GQA 32/8, head_dim 128, paged bf16 KV): the tensor-core kernel's warps x
-pipeline stages variants and L2 prefetch hints at batch 1/16/64/256 and context 1k/4k, with the CUDA-core kernel as the
+pipeline stages variants at batch 1/16/64/256 and context 1k/4k, with the CUDA-core kernel as the
 baseline, and its split counts on equal and ragged (uniform 1..2x) context lengths; bandwidth = KV bytes read / time (CUDA graph of 8 calls over
 different KV regions). Skinny GEMM at M=1 (GEMV_M1_UNROLL variants) and cuBLAS at M=1 on every
 Qwen3-4B projection, bandwidth = weight bytes / time. Writes
@@ -62,9 +62,6 @@ def decode_attention_variants(num_sms: int) -> list[dict]:
         for warps, stages in MMA_VARIANTS:
             measure(lengths, {"kernel": "mma", "warps": warps, "stages": stages},
                     lambda *a, warps=warps, stages=stages: decode_attention_mma(*a, warps=warps, stages=stages))
-        for prefetch in (1, 2):
-            measure(lengths, {"kernel": "mma", "l2_prefetch": prefetch},
-                    lambda *a, prefetch=prefetch: decode_attention_mma(*a, l2_prefetch=prefetch))
     for batch, context in SPLIT_SWEEP:
         for ragged in (False, True):  # ragged: lengths uniform in 1 .. 2 x context
             lengths = rng.integers(1, 2 * context, batch) if ragged else np.full(batch, context)

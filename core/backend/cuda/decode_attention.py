@@ -30,6 +30,7 @@ MMA_HEAD_DIMS = (64, 128, 256)
 MMA_MAX_GROUP = 16  # query heads one mma row block holds
 MMA_TILE_KEYS = 16
 MAX_SPLITS = 32  # decode_attention_merge's MERGE_MAX_SPLITS
+DEFAULT_MAX_SPLITS = 16
 MMA_WARPS = 4
 
 
@@ -46,12 +47,15 @@ def mma_shared_bytes(head_dim: int, group: int, warps: int = MMA_WARPS, stages: 
     return max(pipeline, merge)
 
 
-def split_count(num_units: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """Splits per (sequence, KV head) unit: the fewest that give about every multiprocessor a
-    block. One block per SM already streams KV near the copy bandwidth (measured on an H100,
-    benchmarks/gpu_kernel_variants.py: batch 16 x 8 KV heads, 1 split, 93 % at context 4k) and
-    every further split adds partials and a merge: at batch 64, 2 splits cost 5 %, 32 cost 2.3x."""
-    return max(1, min(max_splits, math.ceil(0.9 * num_sms / max(1, num_units))))
+def split_count(num_units: int, num_sms: int, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
+    """Splits per (sequence, KV head) unit: about two blocks per multiprocessor, at most 16.
+
+    Measured on an H100 (benchmarks/gpu_kernel_variants.py, Qwen3-4B heads): from about one
+    block per SM on, equal contexts stream near the copy bandwidth and each further split only
+    adds partials and a merge (batch 64 x 1k: 95 us at 1 split, 100 at 2, 222 at 32); ragged
+    contexts want the second block per SM (batch 16, lengths 1..2k: 44 us at 1 split, 36 at 2,
+    34 at 8); batch 1 x 4k is fastest at 16 (12.2 us; 13.2 at 32)."""
+    return max(1, min(max_splits, math.ceil(1.8 * num_sms / max(1, num_units))))
 
 
 def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -73,12 +77,11 @@ def choose_kernel(head_dim: int, group: int) -> str:
 
 def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
                          context_lens: cupy.ndarray, scale: float, num_sms: int, *, warps: int = MMA_WARPS,
-                         stages: int | None = None, splits: int | None = None, l2_prefetch: int = 0) -> cupy.ndarray:
+                         stages: int | None = None, splits: int | None = None) -> cupy.ndarray:
     """``q [B, nh, d]`` bf16 over ``k/v_cache [blocks, block_size, nkv, d]`` -> ``[B, nh * d]`` bf16.
 
-    ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``,
-    ``splits`` and ``l2_prefetch`` (0, or 1 / 2 for 128 / 256-byte L2 prefetch hints) override the
-    tuned defaults (benchmarks)."""
+    ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``
+    and ``splits`` override the tuned defaults (benchmarks)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -92,7 +95,7 @@ def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.n
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
     fn = kernel("decode_attention_mma.cu", "decode_attention_mma", HEAD_DIM=head_dim, GROUP=group,
-                DECODE_WARPS=warps, DECODE_STAGES=stages, DECODE_L2_PREFETCH=l2_prefetch)
+                DECODE_WARPS=warps, DECODE_STAGES=stages)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
