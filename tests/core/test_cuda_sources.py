@@ -19,6 +19,9 @@ PLUGIN_KERNELS = sorted(REPO.glob("plugins/*/**/kernels/*.cu"))
 VARIANTS = {
     "qk_norm_rope.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "decode_attention.cu": [{"HEAD_DIM": 64, "GROUP": 1}, {"HEAD_DIM": 128, "GROUP": 4}, {"HEAD_DIM": 128, "GROUP": 8}],
+    "decode_attention_mma.cu": [{"HEAD_DIM": 64, "GROUP": 1}, {"HEAD_DIM": 128, "GROUP": 4},
+                                {"HEAD_DIM": 128, "GROUP": 16, "DECODE_WARPS": 8, "DECODE_STAGES": 3},
+                                {"HEAD_DIM": 256, "GROUP": 8}],
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],

@@ -99,3 +99,148 @@ def test_prepare_batch_round_trip(cuda_backend, rng):
                  "logits_rows"):
         assert np.array_equal(cupy.asnumpy(getattr(device, name)), getattr(batch, name)), name
     assert device.num_tiles == 1 + 1 + 1  # 128-query tiles: 30 -> 1, 1 -> 1, 70 -> 1
+
+
+# --- decode attention kernels (openinfer.backend.cuda.decode_attention) ------------------------------
+
+DECODE_CASES = {
+    # name: (num_heads, num_kv_heads, head_dim, block_size, context lengths, or (batch, max context))
+    "bs1-ctx1": (32, 8, 128, 16, [1]),
+    "bs1-ctx4100": (32, 8, 128, 16, [4100]),
+    "bs3-edges": (32, 8, 128, 16, [1, 16, 4099]),
+    "bs64-to-4100": (32, 8, 128, 16, (64, 4100)),
+    "bs256-to-1100": (32, 8, 128, 16, (256, 1100)),
+    "gqa8-d128": (16, 2, 128, 16, [33, 700, 1]),
+    "gqa16-d128": (32, 2, 128, 16, [17, 515]),
+    "mha-d128": (4, 4, 128, 16, [15, 16, 2000]),
+    "mha-d64": (4, 4, 64, 16, [31, 32, 33]),
+    "gqa8-d256": (16, 2, 256, 16, [5, 300, 2049]),
+    "gqa4-d256-bs64": (8, 2, 256, 16, (64, 1500)),
+    "gqa4-block32": (8, 2, 128, 32, [31, 100, 1025]),
+    "gqa4-block8": (8, 2, 128, 8, [7, 100, 1025]),
+    "gqa4-d32-split-only": (8, 2, 32, 16, [3, 40]),
+    "gqa32-d64-split-only": (32, 1, 64, 16, [3, 140]),
+}
+
+
+def _bf16_device(shape: tuple[int, ...]) -> cupy.ndarray:
+    """Random normal bf16 bits on the device (values exactly representable, never all zero)."""
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+def _bf16_host(x: cupy.ndarray) -> np.ndarray:
+    return (cupy.asnumpy(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _decode_inputs(rng: np.random.Generator, lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> tuple:
+    """q, k/v caches and shuffled, non-contiguous block tables (padded with the null block 0)."""
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(blocks) + 7  # + unused blocks, so tables skip some
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(lengths), max(blocks + [1]) + 2), np.int32)
+    for i, count in enumerate(blocks):
+        tables[i, :count] = [free.pop() for _ in range(count)]
+    q = _bf16_device((len(lengths), num_heads, head_dim))
+    k = _bf16_device((num_blocks, block_size, num_kv_heads, head_dim))
+    v = _bf16_device((num_blocks, block_size, num_kv_heads, head_dim))
+    return q, k, v, tables, np.asarray(lengths, np.int32)
+
+
+def _decode_reference(q, k, v, tables: np.ndarray, lengths: np.ndarray, scale: float) -> np.ndarray:
+    """float64 softmax(q K^T * scale) V per sequence and query head; zeros for empty contexts."""
+    qh, kh, vh = _bf16_host(q), _bf16_host(k), _bf16_host(v)
+    num_seqs, num_heads, head_dim = qh.shape
+    block_size, num_kv_heads = kh.shape[1], kh.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.zeros((num_seqs, num_heads, head_dim))
+    for i, length in enumerate(lengths):
+        if length == 0:
+            continue
+        rows = tables[i, : -(-length // block_size)]
+        keys = kh[rows].reshape(-1, num_kv_heads, head_dim)[:length]
+        values = vh[rows].reshape(-1, num_kv_heads, head_dim)[:length]
+        queries = qh[i].reshape(num_kv_heads, group, head_dim)
+        scores = np.einsum("hgd,thd->hgt", queries, keys) * scale
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[i] = np.einsum("hgt,thd->hgd", probs, values).reshape(num_heads, head_dim)
+    return out.reshape(num_seqs, num_heads * head_dim)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_attention_kernels_match_numpy(cuda_backend, rng, case):
+    from openinfer.backend.cuda.decode_attention import mma_supports, paged_decode_attention
+
+    num_heads, num_kv_heads, head_dim, block_size, lengths = DECODE_CASES[case]
+    if isinstance(lengths, tuple):  # (batch, max context): random lengths, the extremes included
+        batch, longest = lengths
+        lengths = [1, longest, *rng.integers(1, longest + 1, batch - 2).tolist()]
+    q, k, v, tables, lens = _decode_inputs(rng, lengths, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    expected = _decode_reference(q, k, v, tables, lens, scale)
+    kernels = ["split"] + (["mma"] if mma_supports(head_dim, num_heads // num_kv_heads) else [])
+    for name in kernels:
+        out = paged_decode_attention(q, k, v, cupy.asarray(tables), cupy.asarray(lens), scale,
+                                     cuda_backend.num_sms, kernel_name=name)
+        assert out.shape == expected.shape
+        assert relative_error(cuda_backend.to_host(out), expected) < 1e-2, name
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 32])
+def test_decode_attention_mma_any_split_count(cuda_backend, rng, splits):
+    """Every split count merges to the same answer, including splits with no keys at all."""
+    from openinfer.backend.cuda.decode_attention import decode_attention_mma
+
+    lengths = [1, 15, 16, 17, 64, 65, 1000, 0]
+    q, k, v, tables, lens = _decode_inputs(rng, lengths, 32, 8, 128, 16)
+    expected = _decode_reference(q, k, v, tables, lens, 0.1)
+    out = decode_attention_mma(q, k, v, cupy.asarray(tables), cupy.asarray(lens), 0.1, cuda_backend.num_sms,
+                               splits=splits)
+    result = cuda_backend.to_host(out)
+    assert relative_error(result, expected) < 1e-2
+    assert np.array_equal(result[-1], np.zeros_like(result[-1]))  # empty context -> zeros
+
+
+@pytest.mark.parametrize("kernel_name", ["mma", "split"])
+def test_decode_attention_in_a_captured_graph(cuda_backend, rng, kernel_name):
+    """A graph captured once serves new contexts (lengths, tables, q, KV) through the same buffers;
+    padded sequences (length 0) give zeros, as the graph runner's buckets need."""
+    from openinfer.backend.cuda.decode_attention import paged_decode_attention
+
+    num_heads, num_kv_heads, head_dim, width, num_blocks = 32, 8, 128, 80, 200
+    q = _bf16_device((4, num_heads, head_dim))
+    k = _bf16_device((num_blocks, 16, num_kv_heads, head_dim))
+    v = _bf16_device((num_blocks, 16, num_kv_heads, head_dim))
+    tables = cupy.zeros((4, width), cupy.int32)
+    lens = cupy.zeros(4, cupy.int32)
+
+    def refill(lengths: list[int]) -> None:
+        blocks = rng.permutation(np.arange(1, num_blocks))
+        host = np.zeros((4, width), np.int32)
+        used = 0
+        for i, length in enumerate(lengths):
+            count = -(-length // 16)
+            host[i, :count] = blocks[used:used + count]
+            used += count
+        tables[...] = cupy.asarray(host)
+        lens[...] = cupy.asarray(np.asarray(lengths, np.int32))
+        q[...] = _bf16_device(q.shape)
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        refill([5, 300, 1, 0])
+        paged_decode_attention(q, k, v, tables, lens, 0.2, cuda_backend.num_sms, kernel_name=kernel_name)
+        stream.synchronize()
+        stream.begin_capture()
+        out = paged_decode_attention(q, k, v, tables, lens, 0.2, cuda_backend.num_sms, kernel_name=kernel_name)
+        graph = stream.end_capture()
+        for lengths in ([5, 300, 1, 0], [1200, 16, 17, 0], [1, 1, 1, 1], [0, 0, 0, 1279]):
+            refill(lengths)
+            graph.launch(stream)
+            stream.synchronize()
+            expected = _decode_reference(q, k, v, cupy.asnumpy(tables), np.asarray(lengths), 0.2)
+            result = cuda_backend.to_host(out)
+            assert relative_error(result, expected) < 1e-2, lengths
+            empty = np.asarray(lengths) == 0
+            assert np.array_equal(result[empty], np.zeros_like(result[empty]))

@@ -1,17 +1,16 @@
 """Attention: fused q/k-norm + RoPE + paged KV write, then decode or prefill attention.
 
-Decode steps (one new token per sequence) run split-KV flash decoding; the split count
-depends only on the batch size, so a captured graph stays valid for every context length.
-Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill kernel: on
-Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma kernel
-(prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
+Decode steps (one new token per sequence) run ``decode_attention.py``'s split-KV kernels; the
+split count depends only on the batch size, so a captured graph stays valid for every context
+length. Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill
+kernel: on Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma
+kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
 (prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import cupy
@@ -19,10 +18,10 @@ import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
+from openinfer.backend.cuda.decode_attention import LOG2E, paged_decode_attention
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.rope import RotaryEmbedding
 
-LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 NULL = np.uint64(0)
 
@@ -39,11 +38,6 @@ class RopeTables:
             entry = (rope, cupy.asarray(rope.cos, dtype=cupy.float32), cupy.asarray(rope.sin, dtype=cupy.float32))
             self._tables[id(rope)] = entry
         return entry[1], entry[2]
-
-
-def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """KV splits per sequence: enough blocks for about two waves, at most 16."""
-    return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
 
 
 def _check(spec: AttentionSpec, kv: KVLayer) -> None:
@@ -82,21 +76,8 @@ def write_qkv(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBa
 
 def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
                      num_sms: int) -> cupy.ndarray:
-    num_seqs = batch.num_seqs
-    group = spec.num_heads // spec.num_kv_heads
-    splits = decode_splits(num_seqs, spec.num_kv_heads, num_sms)
-    partial_out = cupy.empty((num_seqs, spec.num_heads, splits, spec.head_dim), dtype=cupy.float32)
-    partial_ml = cupy.empty((num_seqs, spec.num_heads, splits, 2), dtype=cupy.float32)
-    kernel("decode_attention.cu", "decode_attention_split", HEAD_DIM=spec.head_dim, GROUP=group)(
-        (splits, spec.num_kv_heads, num_seqs), (128,),
-        (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.context_lens,
-         partial_out, partial_ml, np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.int32(splits),
-         np.float32(spec.scale * LOG2E)))
-    out = cupy.empty((num_seqs, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
-    kernel("decode_attention.cu", "decode_attention_combine", HEAD_DIM=spec.head_dim, GROUP=group)(
-        (spec.num_heads, num_seqs), (min(128, spec.head_dim),),
-        (partial_out, partial_ml, out, np.int32(spec.num_heads), np.int32(splits)))
-    return out
+    """One query per sequence: ``q [B, nh, d] -> [B, nh d]`` (kernels in ``decode_attention.py``)."""
+    return paged_decode_attention(q, kv.k, kv.v, batch.block_tables, batch.context_lens, spec.scale, num_sms)
 
 
 PREFILL_KERNELS = ("auto", "sm90", "mma")

@@ -8,7 +8,9 @@
 |   gate_up, down, lm_head     | contiguous [in, out] fp32      | fp32 accumulate); decode: skinny GEMM/GEMV   |
 | attention (prefill)          | RoPE + KV write, per-sequence  | RoPE + KV-write kernel, then flash attention |
 |                              | causal GQA over the paged KV   | over the paged KV (varlen, chunk-aware)      |
-| attention (decode)           | same code path, one query row  | split-KV flash-decoding                      |
+| attention (decode)           | same code path, one query row  | split-KV flash decoding on tensor cores      |
+|                              |                                | (decode_attention_mma.cu; head_dim 32 and    |
+|                              |                                | groups > 16: decode_attention.cu)            |
 | silu_mul                     | NumPy                          | SiLU·mul kernel                              |
 | sampling                     | openinfer sampler (host)       | on-device sampler                            |
 

@@ -8,7 +8,9 @@
 |   down, lm_head          | transposed [in, out] fp32  | accumulate); decode: skinny GEMM/GEMV kernels       |
 | attention (prefill)      | per-sequence causal GQA    | q/k-norm + RoPE + KV-write kernel, then flash       |
 |                          | over gathered paged KV     | attention over the paged KV (varlen, chunk-aware)   |
-| attention (decode)       | same code path             | split-KV flash-decoding, one KV head per CTA group  |
+| attention (decode)       | same code path             | split-KV flash decoding on tensor cores: one block  |
+|                          |                            | per (KV head, split) for all 4 query heads          |
+|                          |                            | (decode_attention_mma.cu)                           |
 | silu_mul                 | NumPy                      | SiLU·mul kernel                                     |
 | decode rows (M = 1)      | —                          | OPENINFER_FUSED_DECODE=1: add+RMSNorm in the qkv /  |
 |                          |                            | gate_up GEMV prologue, SiLU·mul in down-proj's      |
