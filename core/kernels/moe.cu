@@ -189,10 +189,11 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, int num_slots, 
 // (expert e), columns n of tile blockIdx.y. row(p) = sorted_slots[p] / top_k when gathering from
 // token rows (GEMM 1), else p. Dense mode (tile_expert == null): expert 0, rows blockIdx.x·BM ...
 // ---------------------------------------------------------------------------------------------
+// e4m3 (bias 7) → fp32 by moving sign, exponent and mantissa into fp32's fields and rescaling by
+// 2^(127−7): exact for normal and subnormal codes alike (fp32 keeps subnormals without fast-math).
 __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
-    const int sign = code >> 7, exponent = (code >> 3) & 0xF, mantissa = code & 7;
-    float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
-    return sign ? -v : v;
+    const unsigned bits = ((unsigned)(code & 0x80) << 24) | ((unsigned)(code & 0x7F) << 20);
+    return __int_as_float((int)bits) * 1.329227995784916e36f;  // 2^120
 }
 
 #if USE_MMA
@@ -391,6 +392,121 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
     for (int i = threadIdx.x; i < BM * BN; i += GEMM_THREADS) {
         const int r = i / BN, c = i % BN;
         if (r < rows && n0 + c < N) out[(long long)(row_begin + r) * N + n0 + c] = __float2bfloat16_rn(c_tile[r][c]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMM for decode (few rows per weight): every weight byte is read once per GEMV_ROWS rows,
+// straight from its stored format, with 16-byte loads, no shared memory and no tensor cores.
+// One warp per output column n; a lane takes WEIGHT_CHUNK consecutive weights of the row per step
+// (bf16: 8, FP8: 16, INT4: 32 = one 16-byte load), dequantises them in registers (one scale per
+// chunk: WEIGHT_CHUNK divides the FP8 block; INT4 per 8 weights) and multiplies the matching
+// slices of up to GEMV_ROWS activation rows; a warp sum finishes each dot product.
+// Rows: the tile list of moe_sort (grouped: rows of one expert, gathered like the grouped GEMM) or,
+// in dense mode (tile_expert null), rows blockIdx.y·GEMV_ROWS ... of expert 0.
+// Needs K % WEIGHT_CHUNK == 0 and 16-byte aligned rows (the caller checks).
+// ---------------------------------------------------------------------------------------------
+#define GEMV_ROWS 8
+#define GEMV_WARPS 8
+#if WEIGHT_FORMAT == 0
+#define WEIGHT_CHUNK 8
+#elif WEIGHT_FORMAT == 1
+#define WEIGHT_CHUNK 32
+#else
+#define WEIGHT_CHUNK 16
+#endif
+
+// WEIGHT_CHUNK weights of row n (expert e) from k on, dequantised.
+__device__ __forceinline__ void weight_chunk(const void* __restrict__ weight, const void* __restrict__ scale,
+                                             long long e, int n, int k, int N, int K, float* w) {
+#if WEIGHT_FORMAT == 0
+    load8((const bf16*)weight + (e * N + n) * (long long)K + k, w);
+#elif WEIGHT_FORMAT == 1
+    const uint4 words = *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
+    const unsigned word[4] = {words.x, words.y, words.z, words.w};
+    const bf16* scales = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float s = __bfloat162float(scales[(k + 8 * i) / GROUP]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * i + j] = (float)((int)((word[i] >> (4 * j)) & 0xF) - 8) * s;
+    }
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float s = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
+    const uint4 raw = *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = fp8_e4m3_value((unsigned char)(word[i / 4] >> (8 * (i % 4)))) * s;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+         const void* __restrict__ weight, const void* __restrict__ scale,
+         const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+         const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+         bf16* __restrict__ out, int N, int K) {
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        if ((int)blockIdx.y >= *num_tiles) return;
+        expert = tile_expert[blockIdx.y];
+        row_begin = tile_row[blockIdx.y];
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = blockIdx.y * GEMV_ROWS;
+        if (row_begin >= dense_rows) return;
+        row_end = min(row_begin + GEMV_ROWS, dense_rows);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * GEMV_WARPS + warp;
+    if (n >= N) return;
+    for (int chunk = row_begin; chunk < row_end; chunk += GEMV_ROWS) {
+        const int rows = min(GEMV_ROWS, row_end - chunk);
+        const bf16* a_row[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            const int p = chunk + min(r, rows - 1);
+            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+        }
+        float acc[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.f;
+        for (int k = lane * WEIGHT_CHUNK; k < K; k += 32 * WEIGHT_CHUNK) {
+            float w[WEIGHT_CHUNK];
+            weight_chunk(weight, scale, expert, n, k, N, K, w);
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (r >= rows) break;
+#pragma unroll
+                for (int c = 0; c < WEIGHT_CHUNK; c += 8) {
+                    float x[8];
+                    load8(a_row[r] + k + c, x);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[r] += x[j] * w[c + j];
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            const float total = warp_sum(acc[r]);  // every lane joins the shuffle
+            if (lane == 0 && r < rows) out[(long long)(chunk + r) * N + n] = __float2bfloat16_rn(total);
+        }
+    }
+}
+
+// Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one
+// WEIGHT_CHUNK per thread, grid-stride.
+extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const void* __restrict__ scale, int N, int K,
+                                          bf16* __restrict__ out) {
+    const long long chunks = (long long)N * (K / WEIGHT_CHUNK);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks; i += (long long)gridDim.x * blockDim.x) {
+        const int n = (int)(i / (K / WEIGHT_CHUNK)), k = (int)(i % (K / WEIGHT_CHUNK)) * WEIGHT_CHUNK;
+        float w[WEIGHT_CHUNK];
+        weight_chunk(weight, scale, 0, n, k, N, K, w);
+#pragma unroll
+        for (int c = 0; c < WEIGHT_CHUNK; c += 8) store8(out + (long long)n * K + k + c, w + c);
     }
 }
 

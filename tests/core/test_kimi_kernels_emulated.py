@@ -102,6 +102,11 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     assert relative_error(out, reference) < 2e-2
     dense = read_array(tmp_path, "dense", np.uint16, (tokens, 2 * inter))
     assert relative_error(dense, x @ w1_ref[0].T) < 1e-2
+    # decode kernels: moe_gemv on the grouped GEMM's tiles and in dense mode; moe_dequantize
+    h = read_array(tmp_path, "h", np.uint16, (tokens * spec.top_k, 2 * inter))
+    assert relative_error(read_array(tmp_path, "h_gemv", np.uint16, h.shape), h) < 1e-2
+    assert relative_error(read_array(tmp_path, "dense_gemv", np.uint16, dense.shape), x @ w1_ref[0].T) < 1e-2
+    assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
 
 
 @pytest.mark.parametrize("splits", [1, 3])

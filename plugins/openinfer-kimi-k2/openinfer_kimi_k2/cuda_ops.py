@@ -94,7 +94,7 @@ class CudaLinearBuilder(LinearBuilder):
 
 def cuda_linear(ops: Any, x: cupy.ndarray, weight: Any) -> cupy.ndarray:
     if isinstance(weight, ExpertLinear):
-        return cuda_moe.quantized_linear(x, weight)
+        return cuda_moe.quantized_linear(x, weight, ops.blas)
     return ops.linear(x, weight)
 
 

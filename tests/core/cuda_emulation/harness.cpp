@@ -88,6 +88,22 @@ int main(int argc, char** argv) {
         moe_grouped_gemm(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
                          dense.data(), N1, H, 0);
     });
+    // decode kernels: moe_gemv over the same tiles (gathering token rows) and in dense mode, and
+    // the whole first expert dequantised to bf16
+    std::vector<bf16> h_gemv(size_t(slots) * N1), dense_gemv(size_t(T) * N1), w1_bf16(size_t(N1) * H);
+    launch((N1 + GEMV_WARPS - 1) / GEMV_WARPS, max_tiles, 1, GEMV_WARPS * 32, [&] {
+        moe_gemv(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                 num_tiles.data(), offsets.data(), 0, h_gemv.data(), N1, H);
+    });
+    launch((N1 + GEMV_WARPS - 1) / GEMV_WARPS, (T + GEMV_ROWS - 1) / GEMV_ROWS, 1, GEMV_WARPS * 32, [&] {
+        moe_gemv(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T, dense_gemv.data(),
+                 N1, H);
+    });
+    launch(4, 1, 1, 64, [&] { moe_dequantize(w1.data(), s1.data(), N1, H, w1_bf16.data()); });
+    save(dir, "h.bin", h);
+    save(dir, "h_gemv.bin", h_gemv);
+    save(dir, "dense_gemv.bin", dense_gemv);
+    save(dir, "w1_bf16.bin", w1_bf16);
     save(dir, "ids.bin", ids.data(), ids.size());
     save(dir, "weights.bin", weights.data(), weights.size());
     save(dir, "offsets.bin", offsets.data(), offsets.size());
