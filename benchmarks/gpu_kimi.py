@@ -322,6 +322,40 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
+def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int) -> dict:
+    """Each part of the layer step timed alone (eager, CUDA events), in ms."""
+    import cupy
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.tools.ledger import gpu_seconds
+
+    c = KIMI_LAYER
+    qkv_a = backend.linear(x, attention["qkv_a"])
+    q_a = cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]])
+    q = backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"])
+    attn = cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
+                                attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms)
+    ids, weights = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)
+    grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
+    gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True)
+    activated = backend.silu_mul(gate_up)
+    parts = {
+        "qkv_a": partial(backend.linear, x, attention["qkv_a"]),
+        "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
+        "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
+                                            attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
+                                            backend.num_sms),
+        "o_proj": partial(backend.linear, attn, attention["o_proj"]),
+        "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
+        "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
+        "group": partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts),
+        "experts_gate_up": partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True),
+        "experts_down": partial(cuda_moe.grouped_gemm, activated, moe.down, grouping, False),
+    }
+    return {name: 1e3 * gpu_seconds(fn, repeats=iters) for name, fn in parts.items()}
+
+
 def run_layer(args) -> dict:
     import cupy
 
@@ -371,6 +405,8 @@ def run_layer(args) -> dict:
         h, _ = step()
         ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
         active = int(cupy.unique(ids).size)
+        breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
+                                    args.iters)
         eager = gpu_seconds(step, repeats=args.iters, warmup=2)
         graph_seconds, graph_error = None, None
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -396,7 +432,7 @@ def run_layer(args) -> dict:
         points.append({"batch": batch, "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
                        "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds, "graph_error": graph_error,
                        "roofline_ms": 1e3 * roofline, "fraction_of_roofline": roofline / seconds,
-                       "active_experts": active, "bytes": needed})
+                       "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
         print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "layer": KIMI_LAYER, "points": points}

@@ -48,7 +48,31 @@
 // (group score: sum of the best two, or the best one when GROUP_SCORE_MAX); weights = chosen
 // scores, renormalised (norm_topk) and scaled.
 // ---------------------------------------------------------------------------------------------
+// Router logits spread over the GPU: grid (T, ⌈E / ROUTER_WARPS⌉), one warp per (token, expert),
+// 16-byte loads (hidden % 8 == 0 and 16-byte aligned rows: the caller checks). A decode step's
+// few tokens would otherwise leave the whole [E, H] router matrix to one block per token.
+#define ROUTER_WARPS 8
+extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate, int hidden,
+                                             int num_experts, float* __restrict__ logits) {
+    const int t = blockIdx.x, e = blockIdx.y * ROUTER_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= num_experts) return;
+    const bf16* row = x + (long long)t * hidden;
+    const bf16* w = gate + (long long)e * hidden;
+    float acc = 0.f;
+    for (int i = lane * 8; i < hidden; i += 32 * 8) {
+        float a[8], b[8];
+        load8(row + i, a);
+        load8(w + i, b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(long long)t * num_experts + e] = acc;
+}
+
+// logits [T, E] from moe_router_logits, or null: computed here (one block per token).
 extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __restrict__ gate,
+                                     const float* __restrict__ logits,
                                      const float* __restrict__ bias /* [E] or null */, int hidden, int num_experts,
                                      int top_k, int scoring, int num_groups, int topk_groups, int group_score_max,
                                      int norm_topk, float scaling, const int* __restrict__ token_ids,
@@ -62,12 +86,16 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
     const int t = blockIdx.x;
     const bf16* row = x + (long long)t * hidden;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
-    for (int e = warp; e < num_experts; e += num_warps) {
-        const bf16* w = gate + (long long)e * hidden;
-        float acc = 0.f;
-        for (int i = lane; i < hidden; i += 32) acc += __bfloat162float(row[i]) * __bfloat162float(w[i]);
-        acc = warp_sum(acc);
-        if (lane == 0) score[e] = acc;
+    if (logits) {
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) score[e] = logits[(long long)t * num_experts + e];
+    } else {
+        for (int e = warp; e < num_experts; e += num_warps) {
+            const bf16* w = gate + (long long)e * hidden;
+            float acc = 0.f;
+            for (int i = lane; i < hidden; i += 32) acc += __bfloat162float(row[i]) * __bfloat162float(w[i]);
+            acc = warp_sum(acc);
+            if (lane == 0) score[e] = acc;
+        }
     }
     __syncthreads();
     float local_max = -INFINITY;
@@ -119,26 +147,41 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
             if (group_value[e / per_group] != INFINITY) choice[e] = -INFINITY;
         __syncthreads();
     }
-    if (threadIdx.x == 0) {  // top-k by repeated argmax (k ≤ 16), or the hash table's experts
-        float total = 0.f;
+    if (warp == 0) {  // top-k by repeated argmax over the warp (k ≤ 16), or the hash table's experts
+        int picked[MAX_TOPK];  // every lane ends each round with the same pick: no warp sync needed
         for (int j = 0; j < top_k; ++j) {
             int arg = -1;
             if (tid2eid) {
                 arg = (int)tid2eid[(long long)token_ids[t] * top_k + j];
             } else {
+                // each lane's best untaken expert (lowest index on ties), then the warp's
                 float best = -INFINITY;
-                for (int e = 0; e < num_experts; ++e) {
+                for (int e = lane; e < num_experts; e += 32) {
                     bool taken = false;
-                    for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+                    for (int i = 0; i < j; ++i) taken |= picked[i] == e;
                     if (!taken && (arg < 0 || choice[e] > best)) {
                         best = choice[e];
                         arg = e;
                     }
                 }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float other_best = __shfl_xor_sync(0xffffffffu, best, o);
+                    const int other_arg = (int)__shfl_xor_sync(0xffffffffu, (float)arg, o);  // exact below 2^24
+                    if (other_arg >= 0 && (arg < 0 || other_best > best || (other_best == best && other_arg < arg))) {
+                        best = other_best;
+                        arg = other_arg;
+                    }
+                }
             }
-            chosen[j] = arg;
-            total += score[arg];
+            picked[j] = arg;
+            if (lane == 0) chosen[j] = arg;
         }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j) total += score[chosen[j]];
         const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
         for (int j = 0; j < top_k; ++j) {
             ids[t * top_k + j] = chosen[j];
@@ -416,14 +459,29 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
 #define WEIGHT_CHUNK 16
 #endif
 
-// WEIGHT_CHUNK weights of row n (expert e) from k on, dequantised.
-__device__ __forceinline__ void weight_chunk(const void* __restrict__ weight, const void* __restrict__ scale,
-                                             long long e, int n, int k, int N, int K, float* w) {
+// The 16 bytes holding WEIGHT_CHUNK weights of row n (expert e) from k on, as stored.
+__device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, long long e, int n, int k, int N, int K) {
 #if WEIGHT_FORMAT == 0
-    load8((const bf16*)weight + (e * N + n) * (long long)K + k, w);
+    return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-    const uint4 words = *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
-    const unsigned word[4] = {words.x, words.y, words.z, words.w};
+    return *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
+#else
+    return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
+#endif
+}
+
+// Those bytes dequantised (the scales read here).
+__device__ __forceinline__ void weight_decode(uint4 raw, const void* __restrict__ scale, long long e, int n, int k,
+                                              int N, int K, float* w) {
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#if WEIGHT_FORMAT == 0
+    (void)scale;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[2 * i] = __int_as_float((int)(word[i] << 16));
+        w[2 * i + 1] = __int_as_float((int)(word[i] & 0xFFFF0000u));
+    }
+#elif WEIGHT_FORMAT == 1
     const bf16* scales = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -434,12 +492,12 @@ __device__ __forceinline__ void weight_chunk(const void* __restrict__ weight, co
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const float s = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
-    const uint4 raw = *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
-    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 16; ++i) w[i] = fp8_e4m3_value((unsigned char)(word[i / 4] >> (8 * (i % 4)))) * s;
 #endif
 }
+
+#define GEMV_UNROLL 4  // weight loads in flight per lane before any is used
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
@@ -473,18 +531,29 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
         float acc[GEMV_ROWS];
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.f;
-        for (int k = lane * WEIGHT_CHUNK; k < K; k += 32 * WEIGHT_CHUNK) {
-            float w[WEIGHT_CHUNK];
-            weight_chunk(weight, scale, expert, n, k, N, K, w);
+        for (int k0 = lane * WEIGHT_CHUNK; k0 < K; k0 += 32 * WEIGHT_CHUNK * GEMV_UNROLL) {
+            uint4 raw[GEMV_UNROLL];
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-                if (r >= rows) break;
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int k = k0 + u * 32 * WEIGHT_CHUNK;
+                raw[u] = k < K ? weight_raw(weight, expert, n, k, N, K) : make_uint4(0u, 0u, 0u, 0u);
+            }
 #pragma unroll
-                for (int c = 0; c < WEIGHT_CHUNK; c += 8) {
-                    float x[8];
-                    load8(a_row[r] + k + c, x);
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int k = k0 + u * 32 * WEIGHT_CHUNK;
+                if (k >= K) break;
+                float w[WEIGHT_CHUNK];
+                weight_decode(raw[u], scale, expert, n, k, N, K, w);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[r] += x[j] * w[c + j];
+                for (int r = 0; r < GEMV_ROWS; ++r) {
+                    if (r >= rows) break;
+#pragma unroll
+                    for (int c = 0; c < WEIGHT_CHUNK; c += 8) {
+                        float x[8];
+                        load8(a_row[r] + k + c, x);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[r] += x[j] * w[c + j];
+                    }
                 }
             }
         }
@@ -504,7 +573,7 @@ extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks; i += (long long)gridDim.x * blockDim.x) {
         const int n = (int)(i / (K / WEIGHT_CHUNK)), k = (int)(i % (K / WEIGHT_CHUNK)) * WEIGHT_CHUNK;
         float w[WEIGHT_CHUNK];
-        weight_chunk(weight, scale, 0, n, k, N, K, w);
+        weight_decode(weight_raw(weight, 0, n, k, N, K), scale, 0, n, k, N, K, w);
 #pragma unroll
         for (int c = 0; c < WEIGHT_CHUNK; c += 8) store8(out + (long long)n * K + k + c, w + c);
     }

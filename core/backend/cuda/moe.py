@@ -37,9 +37,14 @@ TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
 GEMM_THREADS = 128
 GEMV_ROWS, GEMV_WARPS = 8, 8  # moe.cu
 WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in moe_gemv
-GEMV_MAX_ROWS = 16  # dense linears with at most this many rows take moe_gemv
-GEMV_MAX_ROWS_PER_EXPERT = 8  # grouped: moe_gemv while the slots average at most this per expert
-DEQUANTIZE_MIN_ROWS = 256  # dense FP8 / INT4 linears with at least this many rows: bf16 scratch + cuBLAS
+# H100, Kimi-K2 shapes (benchmarks/results/kimi_kernels.json): dense FP8 7168x8192 / INT4 4096x7168,
+# moe_gemv beat the scratch + cuBLAS path up to 8 rows (FP8: 0.137 vs 0.132 ms at 8, INT4 0.081 vs
+# 0.088), which beat the per-tile dequantising GEMM at every row count (3-9x); 384 INT4 experts
+# top-8: moe_gemv ahead at 1.3 slots per expert (5.96 vs 9.83 ms), behind at 5.3 (17.7 vs 12.8 ms).
+GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
+GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
+DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
+ROUTER_WARPS = 8  # moe.cu
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
 MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
@@ -124,9 +129,16 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
     if num_tokens:
+        logits = NULL
+        if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
+            # the [E, H] router product spread over blocks (a decode step has few tokens)
+            logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+            kernel("moe.cu", "moe_router_logits")(
+                (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
+                (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
             (num_tokens,), (256,),
-            (x, gate, NULL if correction_bias is None else correction_bias, np.int32(hidden),
+            (x, gate, logits, NULL if correction_bias is None else correction_bias, np.int32(hidden),
              np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
              np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),

@@ -59,10 +59,22 @@ int main(int argc, char** argv) {
     std::vector<float> weights(slots);
     const int max_tiles = (slots + BM - 1) / BM + std::min(E, slots);
     std::vector<int> tile_expert(max_tiles), tile_row(max_tiles), num_tiles(1);
-    launch(T, 1, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
-        moe_route(x.data(), gate.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups, topk_groups,
-                  group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
+    // routing as the GPU runs it (logits spread over blocks first), and all in one block per token
+    std::vector<float> logits(size_t(T) * E), inline_weights(slots);
+    std::vector<int> inline_ids(slots);
+    launch(T, (E + ROUTER_WARPS - 1) / ROUTER_WARPS, 1, ROUTER_WARPS * 32, [&] {
+        moe_router_logits(x.data(), gate.data(), H, E, logits.data());
     });
+    launch(T, 1, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
+        moe_route(x.data(), gate.data(), logits.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups,
+                  topk_groups, group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
+    });
+    launch(T, 1, 1, 64, [&] {
+        moe_route(x.data(), gate.data(), nullptr, use_bias ? bias.data() : nullptr, H, E, k, scoring, groups,
+                  topk_groups, group_max, norm_topk, scaling, nullptr, nullptr, inline_ids.data(), inline_weights.data());
+    });
+    save(dir, "inline_ids.bin", inline_ids);
+    save(dir, "inline_weights.bin", inline_weights);
     launch(1, 1, 1, 256, [&] {
         moe_sort(ids.data(), slots, E, counts.data(), offsets.data(), sorted.data(), pos.data(), tile_expert.data(),
                  tile_row.data(), num_tiles.data(), max_tiles);
