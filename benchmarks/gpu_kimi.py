@@ -481,16 +481,22 @@ def serve_points(url: str, model: str, vocab: int, streams_list: list[int]) -> d
     return points
 
 
-def run_server(command: list[str], url: str, env: dict | None = None):
+def run_server(command: list[str], url: str, env: dict | None = None, timeout: float = 1800.0):
+    """Start a server and wait for its model list; fail as soon as the process exits (a server
+    whose engine cannot start must not hold the benchmark until ``timeout``)."""
     from serve import wait_ready
 
     process = subprocess.Popen(command, env=env)
-    try:
-        model = wait_ready(url, timeout=1800)
-    except Exception:
-        process.kill()
-        raise
-    return process, model
+    deadline = time.time() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[2]} exited with status {process.returncode} before serving")
+        try:
+            return process, wait_ready(url, timeout=5.0)
+        except TimeoutError:
+            if time.time() > deadline:
+                process.kill()
+                raise
 
 
 def run_moonlight(args) -> dict:
