@@ -1,4 +1,12 @@
-"""Kimi-K2 / DeepSeek-V3 GPU benchmarks (issue 13), JSON + PNG into benchmarks/results/.
+"""Kimi-K2 / DeepSeek-V3 GPU benchmarks (issue 13), JSON + PNG into benchmarks/results/ (and $OUT).
+
+``kernels``: the choices inside core's Kimi kernels, measured side by side (CUDA events):
+MLA attention of one prefill in the absorbed form vs the decompressed form (kv_b expansion +
+tensor-core flash attention) at Moonlight's 16 and Kimi-K2's 64 heads; dense FP8 / INT4 linears
+at Kimi-K2 shapes by method (moe_gemv, per-tile dequantising GEMM, bf16 scratch + cuBLAS, and a
+bf16 cuBLAS baseline) over the row count; the routed INT4 experts' gate_up GEMM by kernel.
+
+    python benchmarks/gpu_kimi.py kernels
 
 ``layer``: one Kimi-K2-shaped decoder layer (hidden 7168, MLA with 64 heads over a paged latent
 cache, 384 INT4 experts top-8 + 1 shared expert; random weights, speed does not depend on the
@@ -6,16 +14,16 @@ values) timed alone with CUDA events at batch 1/64/256, against its HBM roofline
 step must read (attention weights, the router, the shared expert, every expert some token routes
 to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
-    python benchmarks/gpu_kimi.py layer [--context 1024] [--iters 20]
+    python benchmarks/gpu_kimi.py layer [--context 1024]
 
-``moonlight``: a Moonlight-16B-A3B-shaped random bf16 checkpoint (27 layers, hidden 2048, 16
-heads, kv_lora 512, qk 128+64, v 128, one dense layer of 11264, then 64 experts of 1408 top-6 + 2
-shared, routed scaling 2.446, vocab 163840) served by ``openinfer serve`` and, with ``--vllm``,
-by vLLM 0.26.0 (``../shared/tools/vllm-peer.sh``), driven by the same client
-(``benchmarks/serve.py``): decode TPOT with 1/16/64 concurrent streams and the output throughput
-of 256 streams (1k in / 128 out).
+``moonlight``: a Moonlight-16B-A3B-shaped model (27 layers, hidden 2048, 16 heads, kv_lora 512, qk
+128+64, v 128, one dense layer of 11264, then 64 experts of 1408 top-6 + 2 shared, routed scaling
+2.446, vocab 163840) served by ``openinfer serve --load-format dummy`` (random bf16 weights from
+config.json alone) and, with ``--vllm``, by vLLM 0.26.0 (``--load-format dummy`` too; installed by
+``../shared/tools/vllm-peer.sh``), driven by the same client (``benchmarks/serve.py``): decode TPOT
+with 1/16/64 concurrent streams and the output throughput of 256 streams (1k in / 128 out).
 
-    python benchmarks/gpu_kimi.py moonlight [--checkpoint /tmp/moonlight-random] [--vllm]
+    python benchmarks/gpu_kimi.py moonlight [--vllm]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +80,198 @@ def copy_bandwidth() -> float:
     stop.synchronize()
     seconds = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / 10
     return 2 * src.nbytes / seconds
+
+
+# --- kernel choices ------------------------------------------------------------------------------
+
+MLA_PREFILLS = [(0, 128), (0, 512), (0, 2048), (0, 4096), (2016, 32), (4032, 64)]  # (cached, new) of one sequence
+LINEAR_SHAPES = {"fp8 o_proj 7168x8192": ("fp8", 7168, 8192), "int4 expert gate_up 4096x7168": ("int4", 4096, 7168)}
+LINEAR_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+GROUPED_TOKENS = [1, 16, 64, 256]
+
+
+def one_sequence_batch(backend, cached: int, new: int, block_size: int = 64):
+    from openinfer.backend.base import ForwardBatch
+
+    total = cached + new
+    blocks = -(-total // block_size)
+    tables = (1 + np.arange(blocks, dtype=np.int32))[None]
+    positions = np.arange(cached, total, dtype=np.int32)
+    host = ForwardBatch(token_ids=np.zeros(new, np.int32), positions=positions,
+                        query_start=np.array([0, new], np.int32), context_lens=np.array([total], np.int32),
+                        block_tables=tables,
+                        slot_mapping=(tables[0, positions // block_size] * block_size + positions % block_size
+                                      ).astype(np.int32),
+                        logits_rows=np.array([new - 1], np.int32), max_query_len=new, max_context_len=total)
+    return backend.prepare_batch(host), blocks + 1
+
+
+def attend_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, min_query: int):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                1e-6, backend.num_sms, prefill_min_query=min_query)
+
+
+def bench_mla_prefill(backend, rng) -> list[dict]:
+    """Absorbed vs decompressed MLA over one sequence's new tokens (the latent write included in both)."""
+    import cupy
+
+    from openinfer.mla import MLASpec
+    from openinfer.rope import RopeParameters, RotaryEmbedding
+    from openinfer.tools.ledger import gpu_seconds
+
+    points = []
+    rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
+    cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
+    for heads in (16, 64):
+        spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
+        w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        norm = backend.weight(np.ones(512, np.float32))
+        for cached, new in MLA_PREFILLS:
+            batch, num_blocks = one_sequence_batch(backend, cached, new)
+            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((new, heads * 192)).astype(np.float32))
+            latent = backend.upload(rng.standard_normal((new, 576)).astype(np.float32))
+            outputs, times = {}, {}
+            for form, min_query in (("absorbed", 10**9), ("decompressed", 1)):
+                attend = partial(attend_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                 min_query)
+                outputs[form] = backend.to_host(attend())
+                times[form] = gpu_seconds(attend, repeats=3 if heads * new * (cached + new) > 2**27 else 10)
+            ref = outputs["absorbed"]
+            point = {"heads": heads, "cached": cached, "new": new,
+                     "absorbed_ms": 1e3 * times["absorbed"], "decompressed_ms": 1e3 * times["decompressed"],
+                     "speedup": times["absorbed"] / times["decompressed"],
+                     "relative_difference": float(np.linalg.norm(outputs["decompressed"] - ref) / np.linalg.norm(ref))}
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
+def bench_quantized_linears(backend, rng, bandwidth: float) -> list[dict]:
+    import cupy
+
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+    from openinfer.tools.ledger import gpu_seconds
+
+    points = []
+    for name, (fmt, n, k) in LINEAR_SHAPES.items():
+        if fmt == "fp8":
+            codes = cupy.random.randint(0, 256, size=(1, n, k), dtype=cupy.int32).astype(cupy.uint8)
+            codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+            weight = ExpertLinear("fp8", codes, cupy.full((1, -(-n // 128), -(-k // 128)), 1e-2, cupy.float32), n, k)
+        else:
+            words = cupy.random.randint(-2**31, 2**31 - 1, size=(1, n, k // 8), dtype=cupy.int64).astype(cupy.int32)
+            weight = ExpertLinear("int4", words, backend.weight(np.full((1, n, k // 32), 0.01, np.float32)), n, k)
+        stored = weight.data.nbytes + weight.scale.nbytes
+        dense = cuda_moe.dequantize(weight)
+        for rows in LINEAR_ROWS:
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": name, "rows": rows}
+            reference = None
+            for method in ("gemv", "tiles", "dequantize"):
+                if method == "gemv" and rows > 64:
+                    continue
+                out = backend.to_host(cuda_moe.quantized_linear(x, weight, backend.blas, method))
+                reference = out if reference is None else reference
+                point[f"{method}_relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                point[f"{method}_ms"] = 1e3 * gpu_seconds(
+                    partial(cuda_moe.quantized_linear, x, weight, backend.blas, method), repeats=20)
+            out = cupy.empty((rows, n), cupy.uint16)
+            point["cublas_bf16_ms"] = 1e3 * gpu_seconds(partial(backend.blas.matmul_nt, x, dense, out), repeats=20)
+            point["chosen_ms"] = 1e3 * gpu_seconds(partial(cuda_moe.quantized_linear, x, weight, backend.blas),
+                                                   repeats=20)
+            point["stored_weight_roofline_ms"] = 1e3 * stored / bandwidth
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
+def bench_grouped_experts(backend, rng) -> list[dict]:
+    """gate_up of Kimi-K2's 384 INT4 experts (4096 x 7168), top-8 routing of T tokens: moe_gemv
+    vs the tensor-core grouped GEMM over the same tiles."""
+    import cupy
+
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+    from openinfer.tools.ledger import gpu_seconds
+
+    c = KIMI_LAYER
+    experts, n, k = c["experts"], 2 * c["inter"], c["hidden"]
+    words = cupy.random.randint(-2**31, 2**31 - 1, size=(experts, n, k // 8), dtype=cupy.int64).astype(cupy.int32)
+    weight = ExpertLinear("int4", words, backend.weight(np.full((experts, n, k // 32), 0.01, np.float32)), n, k)
+    per_expert = (weight.data.nbytes + weight.scale.nbytes) / experts
+    points = []
+    for tokens in GROUPED_TOKENS:
+        ids = np.stack([rng.choice(experts, c["top_k"], replace=False) for _ in range(tokens)]).astype(np.int32)
+        grouping = cuda_moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), experts)
+        x = backend.upload(rng.standard_normal((tokens, k)).astype(np.float32))
+        point = {"tokens": tokens, "active_experts": int(np.unique(ids).size)}
+        outs = {}
+        for kernel_name, gemv in (("gemv", True), ("tiles", False)):
+            outs[kernel_name] = backend.to_host(cuda_moe.grouped_gemm(x, weight, grouping, True, gemv=gemv))
+            point[f"{kernel_name}_ms"] = 1e3 * gpu_seconds(
+                partial(cuda_moe.grouped_gemm, x, weight, grouping, True, gemv=gemv), repeats=20)
+        point["relative_difference"] = float(np.linalg.norm(outs["gemv"] - outs["tiles"]) / np.linalg.norm(outs["tiles"]))
+        point["chosen"] = "gemv" if tokens * c["top_k"] <= cuda_moe.GEMV_MAX_ROWS_PER_EXPERT * experts else "tiles"
+        point["active_weight_bytes"] = point["active_experts"] * per_expert
+        points.append(point)
+        print(json.dumps(point), flush=True)
+    return points
+
+
+def run_kernels(args) -> dict:
+    from openinfer.backend.cuda import CudaBackend
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
+    report["mla_prefill"] = bench_mla_prefill(backend, rng)
+    report["quantized_linear"] = bench_quantized_linears(backend, rng, bandwidth)
+    report["grouped_experts"] = bench_grouped_experts(backend, rng)
+    for point in report["grouped_experts"]:
+        point["gemv_fraction_of_roofline"] = point["active_weight_bytes"] / bandwidth / (point["gemv_ms"] / 1e3)
+    return report
+
+
+def plot_kernels(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    mla = report["mla_prefill"]
+    labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
+    x = np.arange(len(mla))
+    axes[0].bar(x - 0.2, [p["absorbed_ms"] for p in mla], 0.4, label="absorbed")
+    axes[0].bar(x + 0.2, [p["decompressed_ms"] for p in mla], 0.4, label="decompressed")
+    axes[0].set(xticks=x, yscale="log", ylabel="ms", title="MLA prefill attention (cached+new)")
+    axes[0].set_xticklabels(labels, rotation=60, fontsize=7)
+    axes[0].legend()
+    for ax, name in zip(axes[1:3], LINEAR_SHAPES, strict=True):
+        pts = [p for p in report["quantized_linear"] if p["weight"] == name]
+        rows = [p["rows"] for p in pts]
+        for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
+            xs = [p["rows"] for p in pts if f"{method}_ms" in p]
+            ax.plot(xs, [p[f"{method}_ms"] for p in pts if f"{method}_ms" in p], "o-", label=method)
+        ax.plot(rows, [p["stored_weight_roofline_ms"] for p in pts], "k--", label="weight bytes / copy bw")
+        ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
+        ax.legend(fontsize=7)
+    grouped = report["grouped_experts"]
+    x = np.arange(len(grouped))
+    axes[3].bar(x - 0.2, [p["gemv_ms"] for p in grouped], 0.4, label="moe_gemv")
+    axes[3].bar(x + 0.2, [p["tiles_ms"] for p in grouped], 0.4, label="grouped GEMM (tiles)")
+    axes[3].set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in grouped], ylabel="ms",
+                title="384 INT4 experts gate_up, top-8")
+    axes[3].legend()
+    fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # --- one Kimi-K2 layer ---------------------------------------------------------------------------
@@ -121,6 +322,40 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
+def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int) -> dict:
+    """Each part of the layer step timed alone (eager, CUDA events), in ms."""
+    import cupy
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.tools.ledger import gpu_seconds
+
+    c = KIMI_LAYER
+    qkv_a = backend.linear(x, attention["qkv_a"])
+    q_a = cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]])
+    q = backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"])
+    attn = cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
+                                attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms)
+    ids, weights = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)
+    grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
+    gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True)
+    activated = backend.silu_mul(gate_up)
+    parts = {
+        "qkv_a": partial(backend.linear, x, attention["qkv_a"]),
+        "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
+        "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
+                                            attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
+                                            backend.num_sms),
+        "o_proj": partial(backend.linear, attn, attention["o_proj"]),
+        "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
+        "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
+        "group": partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts),
+        "experts_gate_up": partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True),
+        "experts_down": partial(cuda_moe.grouped_gemm, activated, moe.down, grouping, False),
+    }
+    return {name: 1e3 * gpu_seconds(fn, repeats=iters) for name, fn in parts.items()}
+
+
 def run_layer(args) -> dict:
     import cupy
 
@@ -130,6 +365,7 @@ def run_layer(args) -> dict:
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
+    from openinfer.tools.ledger import gpu_seconds
 
     backend = CudaBackend()
     rng = np.random.default_rng(0)
@@ -160,27 +396,44 @@ def run_layer(args) -> dict:
             q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), attention["q_a_norm"],
                                                 1e-6), attention["q_b"])
             attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
-                                        attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6)
+                                        attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6,
+                                        backend.num_sms)
             h = backend.linear(attn, attention["o_proj"])
             shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
-            return cuda_moe.moe_forward(backend, h, moe, shared_out)
+            return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
 
-        for _ in range(3):
-            step()
-        ids, _ = cuda_moe.route(x, moe.gate, moe.router, moe.correction_bias)
+        h, _ = step()
+        ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
         active = int(cupy.unique(ids).size)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(args.iters):
-            step()
-        stop.record()
-        stop.synchronize()
-        seconds = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / args.iters
+        breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
+                                    args.iters)
+        eager = gpu_seconds(step, repeats=args.iters, warmup=2)
+        graph_seconds, graph_error = None, None
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
+            with cupy.cuda.using_allocator(pool.malloc), stream:
+                step()
+                stream.synchronize()
+                mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+                if mode is None:
+                    stream.begin_capture()
+                else:
+                    stream.begin_capture(mode)
+                try:
+                    step()
+                finally:
+                    graph = stream.end_capture()
+                graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
+            graph_error = f"{type(exc).__name__}: {exc}"
+        seconds = graph_seconds or eager
         needed = layer_bytes(attention, moe, shared, active, batch, args.context)
         roofline = needed / bandwidth
-        points.append({"batch": batch, "step_ms": 1e3 * seconds, "roofline_ms": 1e3 * roofline,
-                       "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed})
-        print(json.dumps(points[-1]))
+        points.append({"batch": batch, "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
+                       "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds, "graph_error": graph_error,
+                       "roofline_ms": 1e3 * roofline, "fraction_of_roofline": roofline / seconds,
+                       "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
+        print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "layer": KIMI_LAYER, "points": points}
 
@@ -208,95 +461,59 @@ def plot_layer(report: dict, path: Path) -> None:
 # --- Moonlight-shaped serving, side by side with vLLM --------------------------------------------
 
 def write_moonlight(path: Path) -> None:
-    """Random bf16 weights in HF DeepSeek-V3 names (shard per layer) + a word-level tokenizer."""
+    """config.json and a word-level tokenizer: all ``--load-format dummy`` needs."""
     from gpu_serving import write_tokenizer
 
-    from openinfer.weights import write_safetensors
-
-    if (path / "config.json").exists():
-        return
     path.mkdir(parents=True, exist_ok=True)
-    c = MOONLIGHT
-    rng = np.random.default_rng(0)
-
-    def w(*shape, scale=0.02):
-        bits = (scale * rng.standard_normal(shape, dtype=np.float32)).view(np.uint32) >> 16
-        return bits.astype(np.uint16)
-
-    def save(tensors: dict, name: str, weight_map: dict) -> None:
-        write_safetensors(path / name, {k: ("BF16", v) if v.dtype == np.uint16 else v for k, v in tensors.items()})
-        weight_map.update({k: name for k in tensors})
-
-    weight_map: dict[str, str] = {}
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
-    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    save({"model.embed_tokens.weight": w(c["vocab_size"], hidden), "model.norm.weight": w(hidden, scale=1.0),
-          "lm_head.weight": w(c["vocab_size"], hidden)}, "model-top.safetensors", weight_map)
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        t = {f"{p}.input_layernorm.weight": w(hidden, scale=1.0), f"{p}.post_attention_layernorm.weight": w(hidden, scale=1.0),
-             f"{p}.self_attn.q_proj.weight": w(heads * qk, hidden),
-             f"{p}.self_attn.kv_a_proj_with_mqa.weight": w(c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden),
-             f"{p}.self_attn.kv_a_layernorm.weight": w(c["kv_lora_rank"], scale=1.0),
-             f"{p}.self_attn.kv_b_proj.weight": w(heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
-             f"{p}.self_attn.o_proj.weight": w(hidden, heads * c["v_head_dim"])}
-        if i < c["first_k_dense_replace"]:
-            inter = c["intermediate_size"]
-            t.update({f"{p}.mlp.gate_proj.weight": w(inter, hidden), f"{p}.mlp.up_proj.weight": w(inter, hidden),
-                      f"{p}.mlp.down_proj.weight": w(hidden, inter)})
-        else:
-            inter = c["moe_intermediate_size"]
-            t[f"{p}.mlp.gate.weight"] = w(c["n_routed_experts"], hidden)
-            t[f"{p}.mlp.gate.e_score_correction_bias"] = np.zeros(c["n_routed_experts"], np.float32)
-            for e in range(c["n_routed_experts"]):
-                t.update({f"{p}.mlp.experts.{e}.gate_proj.weight": w(inter, hidden),
-                          f"{p}.mlp.experts.{e}.up_proj.weight": w(inter, hidden),
-                          f"{p}.mlp.experts.{e}.down_proj.weight": w(hidden, inter)})
-            shared = inter * c["n_shared_experts"]
-            t.update({f"{p}.mlp.shared_experts.gate_proj.weight": w(shared, hidden),
-                      f"{p}.mlp.shared_experts.up_proj.weight": w(shared, hidden),
-                      f"{p}.mlp.shared_experts.down_proj.weight": w(hidden, shared)})
-        save(t, f"model-layer{i:02d}.safetensors", weight_map)
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(c, indent=2))
-    write_tokenizer(path, c["vocab_size"])
+    (path / "config.json").write_text(json.dumps(MOONLIGHT, indent=2))
+    write_tokenizer(path, MOONLIGHT["vocab_size"])
 
 
-def serve_points(url: str, model: str, vocab: int) -> dict:
+def serve_points(url: str, model: str, vocab: int, streams_list: list[int]) -> dict:
     from serve import sweep_rate
 
     rng = np.random.default_rng(0)
     points = {}
-    for streams in (1, 16, 64, 256):
+    for streams in streams_list:
         prompts = [rng.integers(100, vocab - 100, size=1024).tolist() for _ in range(streams)]
         points[str(streams)] = asyncio.run(sweep_rate(url, model, float("inf"), prompts, 128, 0))
         print(streams, json.dumps(points[str(streams)]))
     return points
 
 
-def run_server(command: list[str], url: str, env: dict | None = None):
+def run_server(command: list[str], url: str, env: dict | None = None, timeout: float = 1800.0):
+    """Start a server and wait for its model list; fail as soon as the process exits (a server
+    whose engine cannot start must not hold the benchmark until ``timeout``)."""
     from serve import wait_ready
 
     process = subprocess.Popen(command, env=env)
-    try:
-        model = wait_ready(url, timeout=1800)
-    except Exception:
-        process.kill()
-        raise
-    return process, model
+    deadline = time.time() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[2]} exited with status {process.returncode} before serving")
+        try:
+            return process, wait_ready(url, timeout=5.0)
+        except TimeoutError:
+            if time.time() > deadline:
+                process.kill()
+                raise
 
 
 def run_moonlight(args) -> dict:
     checkpoint = Path(args.checkpoint)
     write_moonlight(checkpoint)
     vocab = MOONLIGHT["vocab_size"]
+    streams = [int(s) for s in args.streams.split(",")]
     report = {"benchmark": "moonlight_serving", "device": device_name(), "input_len": 1024, "output_len": 128,
-              "checkpoint": "Moonlight-16B-A3B-shaped, random bf16", "engines": {}}
+              "checkpoint": "Moonlight-16B-A3B-shaped, --load-format dummy (random bf16)", "engines": {}}
     url = "http://127.0.0.1:8125"
+    started = time.perf_counter()
     process, model = run_server([sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint),
-                                 "--port", "8125", "--grpc-port", "0", "--max-model-len", "4096"], url)
+                                 "--load-format", "dummy", "--port", "8125", "--grpc-port", "0",
+                                 "--max-model-len", "4096"], url)
+    report["openinfer_startup_s"] = time.perf_counter() - started
     try:
-        report["engines"]["openinfer"] = serve_points(url, model, vocab)
+        report["engines"]["openinfer"] = serve_points(url, model, vocab, streams)
     finally:
         process.terminate()
         process.wait(60)
@@ -304,17 +521,18 @@ def run_moonlight(args) -> dict:
         env = {**os.environ, "PYTHONPATH": "/tmp/vsite:/tmp/site"}
         url = "http://127.0.0.1:8126"
         process, model = run_server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                     str(checkpoint), "--port", "8126", "--max-model-len", "4096",
-                                     "--gpu-memory-utilization", "0.9", "--trust-remote-code"], url, env)
+                                     str(checkpoint), "--load-format", "dummy", "--port", "8126",
+                                     "--max-model-len", "4096", "--gpu-memory-utilization", "0.9"], url, env)
         try:
-            report["engines"]["vllm"] = serve_points(url, model, vocab)
+            report["engines"]["vllm"] = serve_points(url, model, vocab, streams)
         finally:
             process.terminate()
             process.wait(60)
         ours, peer = report["engines"]["openinfer"], report["engines"]["vllm"]
-        report["ratios"] = {
-            **{f"tpot_bs{s}": peer[s]["tpot_ms"]["p50"] / ours[s]["tpot_ms"]["p50"] for s in ("1", "16", "64")},
-            "throughput_256": ours["256"]["output_throughput"] / peer["256"]["output_throughput"]}
+        report["ratios_vllm_over_openinfer_tpot"] = {s: peer[s]["tpot_ms"]["p50"] / ours[s]["tpot_ms"]["p50"]
+                                                     for s in ours if s in peer}
+        report["ratios_openinfer_over_vllm_throughput"] = {
+            s: ours[s]["output_throughput"] / peer[s]["output_throughput"] for s in ours if s in peer}
     return report
 
 
@@ -326,13 +544,14 @@ def plot_moonlight(report: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, points in report["engines"].items():
-        streams = ["1", "16", "64"]
+        streams = list(points)
         left.plot(streams, [points[s]["tpot_ms"]["p50"] for s in streams], "o-", label=name)
-        right.bar(name, points["256"]["output_throughput"])
+        right.plot(streams, [points[s]["output_throughput"] for s in streams], "o-", label=name)
     left.set(xlabel="concurrent streams", ylabel="TPOT p50 (ms)", title="decode TPOT")
     left.legend()
-    right.set(ylabel="output tokens/s", title="256 streams, 1k in / 128 out")
-    fig.suptitle(f"Moonlight-16B-A3B shape, random bf16 — {report['device']}")
+    right.set(xlabel="concurrent streams", ylabel="output tokens/s", title="output throughput, 1k in / 128 out")
+    right.legend()
+    fig.suptitle(f"Moonlight-16B-A3B shape, --load-format dummy — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -340,15 +559,19 @@ def plot_moonlight(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("kernels")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
     moon = sub.add_parser("moonlight")
-    moon.add_argument("--checkpoint", default="/tmp/moonlight-random")
+    moon.add_argument("--checkpoint", default="/tmp/moonlight-dummy", help="directory for config.json + tokenizer")
+    moon.add_argument("--streams", default="1,16,64,256", help="concurrency points")
     moon.add_argument("--vllm", action="store_true", help="also serve it with vLLM (installed by vllm-peer.sh)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    if args.command == "layer":
+    if args.command == "kernels":
+        report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:
         report, name, plot = run_moonlight(args), "moonlight_serving", plot_moonlight

@@ -129,6 +129,59 @@ def mla_attention(q: np.ndarray, latents: np.ndarray, cache: np.ndarray, weights
     return out.reshape(q.shape[0], spec.num_heads * spec.v_head_dim)
 
 
+PREFILL_TILE = 64  # queries per block of the GPU's decompressed prefill kernel (mla.cu)
+PREFILL_SEQ_FIELDS = 5  # table row, first query token, query count, context length, first context row
+
+
+@dataclass(frozen=True)
+class DecompressedPrefill:
+    """The sequences of a step that a GPU runs in the decompressed form, laid out for mla.cu's
+    ``mla_gather_context`` / ``mla_prefill_attention`` (int32 arrays)."""
+
+    seqs: np.ndarray  # [S, PREFILL_SEQ_FIELDS]
+    tile_seq: np.ndarray  # [tiles] row of ``seqs``; tiles with the most keys first
+    tile_query: np.ndarray  # [tiles] first query of the tile (a multiple of PREFILL_TILE)
+    query_rows: np.ndarray  # the step's token rows of these sequences
+    absorbed_rows: np.ndarray  # the step's other token rows
+    context_rows: int  # their contexts' total length
+
+
+def decompressed_prefill_layout(batch: ForwardBatch, spec: MLASpec, min_query: int,
+                                scratch_bytes: int) -> DecompressedPrefill | None:
+    """Sequences bringing at least ``min_query`` new tokens, in batch order while their expanded
+    keys and values (plus gathered latents) fit ``scratch_bytes`` (the first always); None if none."""
+    counts = np.diff(batch.query_start)
+    row_bytes = 2 * spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim) + 2 * spec.latent_dim
+    chosen: list[int] = []
+    used = 0
+    for s in np.flatnonzero(counts >= min_query):
+        need = int(batch.context_lens[s]) * row_bytes
+        if chosen and used + need > scratch_bytes:
+            break
+        chosen.append(int(s))
+        used += need
+    if not chosen:
+        return None
+    seqs = np.zeros((len(chosen), PREFILL_SEQ_FIELDS), np.int32)
+    tile_seq, tile_query = [], []
+    context_first = 0
+    for i, s in enumerate(chosen):
+        queries, context = int(counts[s]), int(batch.context_lens[s])
+        seqs[i] = (s, batch.query_start[s], queries, context, context_first)
+        context_first += context
+        starts = np.arange(0, queries, PREFILL_TILE)
+        tile_seq.append(np.full(len(starts), i))
+        tile_query.append(starts)
+    all_seq, all_query = np.concatenate(tile_seq), np.concatenate(tile_query)
+    keys = seqs[all_seq, 3] - seqs[all_seq, 2] + all_query  # keys the tile's first query sees, minus one
+    order = np.argsort(-keys, kind="stable")
+    query_rows = np.concatenate([np.arange(batch.query_start[s], batch.query_start[s + 1]) for s in chosen])
+    taken = np.zeros(int(batch.query_start[-1]), bool)
+    taken[query_rows] = True
+    return DecompressedPrefill(seqs, all_seq[order].astype(np.int32), all_query[order].astype(np.int32),
+                               query_rows.astype(np.int32), np.flatnonzero(~taken).astype(np.int32), context_first)
+
+
 def rotate_half_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE of ``x [T, heads, rotary_dim]`` with per-token tables ``cos/sin [T, rotary_dim/2]``."""
     half = x.shape[-1] // 2

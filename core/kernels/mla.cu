@@ -9,6 +9,13 @@
 //   context (positions 0 ..= its own) = (q_latent · c_kv + q_pe · k_pe) · scale, online softmax,
 //   o_latent = Σ p · c_kv. W_UK (into q_latent) and W_UV (out of o_latent) are batched GEMMs
 //   outside. Every latent tile is read once for all heads of the block.
+//
+// Decompressed (naive) form for prefill chunks, where queries are many and tensor cores pay:
+// mla_gather_context: a chunk's whole context (cached + new latents) out of the paged cache into
+//   contiguous c_kv [C, KV_LORA] and k_pe [C, ROPE_DIM]; cuBLAS then expands c_kv through kv_b into
+//   per-head keys k_nope [C, H, NOPE] and values [C, H, V_DIM].
+// mla_prefill_attention: causal flash attention per (64-query tile, head) with K = [k_nope | k_pe]
+//   (192 wide for DeepSeek-V3) and V (128), bf16 mma.sync m16n8k16, fp32 online softmax.
 #include "common.cuh"
 
 #ifndef KV_LORA
@@ -66,26 +73,30 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
 // context is positions[t] + 1 tokens of that sequence's block table. With num_splits > 1 (few
 // tokens, long contexts: more blocks than tokens × head chunks) split z covers one slice of the
 // context and leaves its normalised partial output and (max, sum) in partial_o / partial_ml for
-// mla_combine_splits.
+// mla_combine_splits. token_list (or null: row t is token t): the step's token of each row, when
+// only some tokens (decodes beside decompressed prefills) take this kernel.
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
               const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
               int block_size, const int* __restrict__ query_start, int num_seqs,
               const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
-              int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml) {
+              int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
+              const int* __restrict__ token_list) {
     __shared__ __align__(16) bf16 q_tile[HEADS_PER_BLOCK][LATENT];
     // rows padded by one bf16 pair: the 16 tokens a warp scores at once sit in 16 different banks
     __shared__ __align__(16) bf16 kv_tile[TOKENS_PER_TILE][LATENT + 2];
     __shared__ float scores[HEADS_PER_BLOCK][TOKENS_PER_TILE];
+    // t: this block's row of q_latent / q / out; step_token: its token in the step's batch
     const int t = blockIdx.x, head0 = blockIdx.y * HEADS_PER_BLOCK;
+    const int step_token = token_list ? token_list[t] : t;
     const int heads = min(HEADS_PER_BLOCK, num_heads - head0);
-    int lo = 0, hi = num_seqs - 1;  // the sequence s with query_start[s] <= t < query_start[s + 1]
+    int lo = 0, hi = num_seqs - 1;  // the sequence s with query_start[s] <= step_token < query_start[s + 1]
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
     }
     const int* table = block_tables + (long long)lo * max_blocks_per_seq;
-    const int context = positions[t] + 1, split = blockIdx.z;
+    const int context = positions[step_token] + 1, split = blockIdx.z;
     const int per_split = ((context + num_splits - 1) / num_splits + TOKENS_PER_TILE - 1) / TOKENS_PER_TILE * TOKENS_PER_TILE;
     const int begin = split * per_split, end = min(context, begin + per_split);
     for (int i = threadIdx.x; i < HEADS_PER_BLOCK * LATENT; i += MLA_THREADS) {
@@ -167,5 +178,221 @@ extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_
             if (ml[2 * z + 1] > 0.f)
                 sum += __expf(ml[2 * z] - m) * ml[2 * z + 1] * partial_o[(head * num_splits + z) * KV_LORA + d];
         out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decompressed prefill.
+//
+// prefill_seqs [S, PREFILL_SEQ_FIELDS] int32, one row per sequence taking this path:
+//   table row (its row of block_tables), first query token in the step, query count n,
+//   context length L (cached + new), first row of its context in c_kv / k_pe / k_nope / values.
+// Query i of a sequence sits at position L − n + i and sees keys 0 ..= L − n + i.
+// ---------------------------------------------------------------------------------------------
+#ifndef NOPE_DIM
+#define NOPE_DIM 128
+#endif
+#ifndef V_DIM
+#define V_DIM 128
+#endif
+#define QK_DIM (NOPE_DIM + ROPE_DIM)
+#define PREFILL_SEQ_FIELDS 5
+#define PREFILL_BLOCK_M 64  // queries per block: 4 warps x 16 rows
+#define PREFILL_BLOCK_N 32  // keys per step
+#define PREFILL_THREADS 128
+#define PREFILL_PAD 8       // bf16 row padding: fragment loads of neighbouring rows hit different banks
+
+// grid (C): one context row per block. The row's sequence is found in the context-offset column.
+extern "C" __global__ void mla_gather_context(const bf16* __restrict__ cache, const int* __restrict__ block_tables,
+                                              int max_blocks_per_seq, int block_size,
+                                              const int* __restrict__ prefill_seqs, int num_prefill_seqs,
+                                              bf16* __restrict__ c_kv, bf16* __restrict__ k_pe) {
+    const int row = blockIdx.x;
+    int lo = 0, hi = num_prefill_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (prefill_seqs[mid * PREFILL_SEQ_FIELDS + 4] <= row) lo = mid; else hi = mid - 1;
+    }
+    const int* seq = prefill_seqs + lo * PREFILL_SEQ_FIELDS;
+    const int pos = row - seq[4];
+    const int block = block_tables[(long long)seq[0] * max_blocks_per_seq + pos / block_size];
+    const bf16* src = cache + ((long long)block * block_size + pos % block_size) * LATENT;
+    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) c_kv[(long long)row * KV_LORA + i] = src[i];
+    for (int i = threadIdx.x; i < ROPE_DIM; i += blockDim.x) k_pe[(long long)row * ROPE_DIM + i] = src[KV_LORA + i];
+}
+
+#ifdef MLA_HOST_MMA
+// the host emulation (tests) supplies a warp-collective stand-in
+void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b);
+#else
+// D = A·B + D for one m16n8k16 bf16 tile; a: 4 regs (row-major A), b: 2 regs (col-major B).
+__device__ __forceinline__ void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+__device__ __forceinline__ unsigned mla_pack_bf16x2(float lo, float hi) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+// two neighbouring bf16 (4-byte aligned: even column, rows of an even width) as one register
+__device__ __forceinline__ unsigned mla_load_pair(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+// grid (num_tiles, num_heads), PREFILL_THREADS threads. tile_seq / tile_query: the tile's row of
+// prefill_seqs and its first query (a multiple of 64). q [T, H, QK_DIM] (q_pe rotated);
+// k_nope [C, H, NOPE_DIM]; k_pe [C, ROPE_DIM] (shared by the heads); values [C, H, V_DIM];
+// out [T, H, V_DIM] (only the tile's query rows are written).
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
+mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nope, const bf16* __restrict__ k_pe,
+                      const bf16* __restrict__ values, const int* __restrict__ prefill_seqs,
+                      const int* __restrict__ tile_seq, const int* __restrict__ tile_query, int num_heads,
+                      float scale, bf16* __restrict__ out) {
+    __shared__ __align__(16) bf16 q_tile[PREFILL_BLOCK_M][QK_DIM + PREFILL_PAD];
+    __shared__ __align__(16) bf16 k_tile[PREFILL_BLOCK_N][QK_DIM + PREFILL_PAD];
+    __shared__ __align__(16) bf16 v_tile_t[V_DIM][PREFILL_BLOCK_N + PREFILL_PAD];  // transposed: [dim][key]
+    const int* seq = prefill_seqs + tile_seq[blockIdx.x] * PREFILL_SEQ_FIELDS;
+    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
+    const int tile_q = tile_query[blockIdx.x], head = blockIdx.y;
+    const int tile_rows = min(PREFILL_BLOCK_M, num_queries - tile_q);
+    const int offset = context - num_queries;  // position of query 0
+    const long long q_row_stride = (long long)num_heads * QK_DIM;
+    for (int i = threadIdx.x; i < PREFILL_BLOCK_M * QK_DIM / 8; i += PREFILL_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < tile_rows)
+            v = *reinterpret_cast<const uint4*>(q + (q_first + tile_q + r) * q_row_stride + (long long)head * QK_DIM + c);
+        *reinterpret_cast<uint4*>(&q_tile[r][c]) = v;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
+    float acc[V_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < V_DIM / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // keys this tile needs: up to its last query's position
+    const int key_end = min(context, offset + tile_q + tile_rows);
+    __syncthreads();
+    unsigned qf[QK_DIM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+        qf[kk][0] = mla_load_pair(&q_tile[row0][16 * kk + pair]);
+        qf[kk][1] = mla_load_pair(&q_tile[row0 + 8][16 * kk + pair]);
+        qf[kk][2] = mla_load_pair(&q_tile[row0][16 * kk + pair + 8]);
+        qf[kk][3] = mla_load_pair(&q_tile[row0 + 8][16 * kk + pair + 8]);
+    }
+    const long long kv_row_nope = (long long)num_heads * NOPE_DIM, kv_row_v = (long long)num_heads * V_DIM;
+    for (int key0 = 0; key0 < key_end; key0 += PREFILL_BLOCK_N) {
+        __syncthreads();  // the previous step is done with k_tile / v_tile_t
+        for (int i = threadIdx.x; i < PREFILL_BLOCK_N * QK_DIM / 8; i += PREFILL_THREADS) {
+            const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+            const long long key = ctx_first + key0 + r;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (key0 + r < key_end)
+                v = c < NOPE_DIM ? *reinterpret_cast<const uint4*>(k_nope + key * kv_row_nope + (long long)head * NOPE_DIM + c)
+                                 : *reinterpret_cast<const uint4*>(k_pe + key * ROPE_DIM + c - NOPE_DIM);
+            *reinterpret_cast<uint4*>(&k_tile[r][c]) = v;
+        }
+        for (int i = threadIdx.x; i < PREFILL_BLOCK_N * V_DIM / 8; i += PREFILL_THREADS) {
+            const int r = i / (V_DIM / 8), c = (i % (V_DIM / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (key0 + r < key_end)
+                v = *reinterpret_cast<const uint4*>(values + (ctx_first + key0 + r) * kv_row_v + (long long)head * V_DIM + c);
+            const bf16* e = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v_tile_t[c + j][r] = e[j];
+        }
+        __syncthreads();
+        // scores: 16 rows x 32 keys per warp = 4 n8 tiles
+        float s[PREFILL_BLOCK_N / 8][4];
+#pragma unroll
+        for (int j = 0; j < PREFILL_BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[j][v] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+                unsigned kf[2];
+                kf[0] = mla_load_pair(&k_tile[8 * j + group][16 * kk + pair]);
+                kf[1] = mla_load_pair(&k_tile[8 * j + group][16 * kk + pair + 8]);
+                mla_mma_bf16_16816(s[j], qf[kk], kf);
+            }
+        }
+        // mask (causal, past the context) and online softmax; each row's 32 scores sit in the 4 lanes of a quad
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < PREFILL_BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1, key = key0 + 8 * j + pair + (v & 1);
+                const int query_pos = offset + tile_q + row0 + 8 * r;
+                s[j][v] = key < key_end && key <= query_pos ? s[j][v] * scale : -INFINITY;
+                tile_max[r] = fmaxf(tile_max[r], s[j][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < PREFILL_BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1;
+                s[j][v] = s[j][v] == -INFINITY ? 0.f : __expf(s[j][v] - row_max[r]);
+                tile_sum[r] += s[j][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // acc += P · V: the score accumulators are the A fragments of P (keys 16·ks ... 16·ks + 15)
+#pragma unroll
+        for (int ks = 0; ks < PREFILL_BLOCK_N / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = mla_pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = mla_pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = mla_pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = mla_pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int j = 0; j < V_DIM / 8; ++j) {
+                unsigned vf[2];
+                vf[0] = mla_load_pair(&v_tile_t[8 * j + group][16 * ks + pair]);
+                vf[1] = mla_load_pair(&v_tile_t[8 * j + group][16 * ks + pair + 8]);
+                mla_mma_bf16_16816(acc[j], pf, vf);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= tile_rows) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            dst[8 * j + pair] = __float2bfloat16_rn(acc[j][2 * r] * inv);
+            dst[8 * j + pair + 1] = __float2bfloat16_rn(acc[j][2 * r + 1] * inv);
+        }
     }
 }

@@ -48,7 +48,31 @@
 // (group score: sum of the best two, or the best one when GROUP_SCORE_MAX); weights = chosen
 // scores, renormalised (norm_topk) and scaled.
 // ---------------------------------------------------------------------------------------------
+// Router logits spread over the GPU: grid (T, ⌈E / ROUTER_WARPS⌉), one warp per (token, expert),
+// 16-byte loads (hidden % 8 == 0 and 16-byte aligned rows: the caller checks). A decode step's
+// few tokens would otherwise leave the whole [E, H] router matrix to one block per token.
+#define ROUTER_WARPS 8
+extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate, int hidden,
+                                             int num_experts, float* __restrict__ logits) {
+    const int t = blockIdx.x, e = blockIdx.y * ROUTER_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= num_experts) return;
+    const bf16* row = x + (long long)t * hidden;
+    const bf16* w = gate + (long long)e * hidden;
+    float acc = 0.f;
+    for (int i = lane * 8; i < hidden; i += 32 * 8) {
+        float a[8], b[8];
+        load8(row + i, a);
+        load8(w + i, b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(long long)t * num_experts + e] = acc;
+}
+
+// logits [T, E] from moe_router_logits, or null: computed here (one block per token).
 extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __restrict__ gate,
+                                     const float* __restrict__ logits,
                                      const float* __restrict__ bias /* [E] or null */, int hidden, int num_experts,
                                      int top_k, int scoring, int num_groups, int topk_groups, int group_score_max,
                                      int norm_topk, float scaling, const int* __restrict__ token_ids,
@@ -62,12 +86,16 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
     const int t = blockIdx.x;
     const bf16* row = x + (long long)t * hidden;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
-    for (int e = warp; e < num_experts; e += num_warps) {
-        const bf16* w = gate + (long long)e * hidden;
-        float acc = 0.f;
-        for (int i = lane; i < hidden; i += 32) acc += __bfloat162float(row[i]) * __bfloat162float(w[i]);
-        acc = warp_sum(acc);
-        if (lane == 0) score[e] = acc;
+    if (logits) {
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) score[e] = logits[(long long)t * num_experts + e];
+    } else {
+        for (int e = warp; e < num_experts; e += num_warps) {
+            const bf16* w = gate + (long long)e * hidden;
+            float acc = 0.f;
+            for (int i = lane; i < hidden; i += 32) acc += __bfloat162float(row[i]) * __bfloat162float(w[i]);
+            acc = warp_sum(acc);
+            if (lane == 0) score[e] = acc;
+        }
     }
     __syncthreads();
     float local_max = -INFINITY;
@@ -119,26 +147,41 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
             if (group_value[e / per_group] != INFINITY) choice[e] = -INFINITY;
         __syncthreads();
     }
-    if (threadIdx.x == 0) {  // top-k by repeated argmax (k ≤ 16), or the hash table's experts
-        float total = 0.f;
+    if (warp == 0) {  // top-k by repeated argmax over the warp (k ≤ 16), or the hash table's experts
+        int picked[MAX_TOPK];  // every lane ends each round with the same pick: no warp sync needed
         for (int j = 0; j < top_k; ++j) {
             int arg = -1;
             if (tid2eid) {
                 arg = (int)tid2eid[(long long)token_ids[t] * top_k + j];
             } else {
+                // each lane's best untaken expert (lowest index on ties), then the warp's
                 float best = -INFINITY;
-                for (int e = 0; e < num_experts; ++e) {
+                for (int e = lane; e < num_experts; e += 32) {
                     bool taken = false;
-                    for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+                    for (int i = 0; i < j; ++i) taken |= picked[i] == e;
                     if (!taken && (arg < 0 || choice[e] > best)) {
                         best = choice[e];
                         arg = e;
                     }
                 }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float other_best = __shfl_xor_sync(0xffffffffu, best, o);
+                    const int other_arg = (int)__shfl_xor_sync(0xffffffffu, (float)arg, o);  // exact below 2^24
+                    if (other_arg >= 0 && (arg < 0 || other_best > best || (other_best == best && other_arg < arg))) {
+                        best = other_best;
+                        arg = other_arg;
+                    }
+                }
             }
-            chosen[j] = arg;
-            total += score[arg];
+            picked[j] = arg;
+            if (lane == 0) chosen[j] = arg;
         }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j) total += score[chosen[j]];
         const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
         for (int j = 0; j < top_k; ++j) {
             ids[t * top_k + j] = chosen[j];
@@ -189,10 +232,11 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, int num_slots, 
 // (expert e), columns n of tile blockIdx.y. row(p) = sorted_slots[p] / top_k when gathering from
 // token rows (GEMM 1), else p. Dense mode (tile_expert == null): expert 0, rows blockIdx.x·BM ...
 // ---------------------------------------------------------------------------------------------
+// e4m3 (bias 7) → fp32 by moving sign, exponent and mantissa into fp32's fields and rescaling by
+// 2^(127−7): exact for normal and subnormal codes alike (fp32 keeps subnormals without fast-math).
 __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
-    const int sign = code >> 7, exponent = (code >> 3) & 0xF, mantissa = code & 7;
-    float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf((float)(8 + mantissa), exponent - 10);
-    return sign ? -v : v;
+    const unsigned bits = ((unsigned)(code & 0x80) << 24) | ((unsigned)(code & 0x7F) << 20);
+    return __int_as_float((int)bits) * 1.329227995784916e36f;  // 2^120
 }
 
 #if USE_MMA
@@ -391,6 +435,147 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
     for (int i = threadIdx.x; i < BM * BN; i += GEMM_THREADS) {
         const int r = i / BN, c = i % BN;
         if (r < rows && n0 + c < N) out[(long long)(row_begin + r) * N + n0 + c] = __float2bfloat16_rn(c_tile[r][c]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMM for decode (few rows per weight): every weight byte is read once per GEMV_ROWS rows,
+// straight from its stored format, with 16-byte loads, no shared memory and no tensor cores.
+// One warp per output column n; a lane takes WEIGHT_CHUNK consecutive weights of the row per step
+// (bf16: 8, FP8: 16, INT4: 32 = one 16-byte load), dequantises them in registers (one scale per
+// chunk: WEIGHT_CHUNK divides the FP8 block; INT4 per 8 weights) and multiplies the matching
+// slices of up to GEMV_ROWS activation rows; a warp sum finishes each dot product.
+// Rows: the tile list of moe_sort (grouped: rows of one expert, gathered like the grouped GEMM) or,
+// in dense mode (tile_expert null), rows blockIdx.y·GEMV_ROWS ... of expert 0.
+// Needs K % WEIGHT_CHUNK == 0 and 16-byte aligned rows (the caller checks).
+// ---------------------------------------------------------------------------------------------
+#define GEMV_ROWS 8
+#define GEMV_WARPS 8
+#if WEIGHT_FORMAT == 0
+#define WEIGHT_CHUNK 8
+#elif WEIGHT_FORMAT == 1
+#define WEIGHT_CHUNK 32
+#else
+#define WEIGHT_CHUNK 16
+#endif
+
+// The 16 bytes holding WEIGHT_CHUNK weights of row n (expert e) from k on, as stored.
+__device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, long long e, int n, int k, int N, int K) {
+#if WEIGHT_FORMAT == 0
+    return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
+#elif WEIGHT_FORMAT == 1
+    return *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
+#else
+    return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
+#endif
+}
+
+// Those bytes dequantised (the scales read here).
+__device__ __forceinline__ void weight_decode(uint4 raw, const void* __restrict__ scale, long long e, int n, int k,
+                                              int N, int K, float* w) {
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#if WEIGHT_FORMAT == 0
+    (void)scale;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[2 * i] = __int_as_float((int)(word[i] << 16));
+        w[2 * i + 1] = __int_as_float((int)(word[i] & 0xFFFF0000u));
+    }
+#elif WEIGHT_FORMAT == 1
+    const bf16* scales = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float s = __bfloat162float(scales[(k + 8 * i) / GROUP]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * i + j] = (float)((int)((word[i] >> (4 * j)) & 0xF) - 8) * s;
+    }
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float s = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = fp8_e4m3_value((unsigned char)(word[i / 4] >> (8 * (i % 4)))) * s;
+#endif
+}
+
+#define GEMV_UNROLL 4  // weight loads in flight per lane before any is used
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+         const void* __restrict__ weight, const void* __restrict__ scale,
+         const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+         const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+         bf16* __restrict__ out, int N, int K) {
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        if ((int)blockIdx.y >= *num_tiles) return;
+        expert = tile_expert[blockIdx.y];
+        row_begin = tile_row[blockIdx.y];
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = blockIdx.y * GEMV_ROWS;
+        if (row_begin >= dense_rows) return;
+        row_end = min(row_begin + GEMV_ROWS, dense_rows);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * GEMV_WARPS + warp;
+    if (n >= N) return;
+    for (int chunk = row_begin; chunk < row_end; chunk += GEMV_ROWS) {
+        const int rows = min(GEMV_ROWS, row_end - chunk);
+        const bf16* a_row[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            const int p = chunk + min(r, rows - 1);
+            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+        }
+        float acc[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.f;
+        for (int k0 = lane * WEIGHT_CHUNK; k0 < K; k0 += 32 * WEIGHT_CHUNK * GEMV_UNROLL) {
+            uint4 raw[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int k = k0 + u * 32 * WEIGHT_CHUNK;
+                raw[u] = k < K ? weight_raw(weight, expert, n, k, N, K) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int k = k0 + u * 32 * WEIGHT_CHUNK;
+                if (k >= K) break;
+                float w[WEIGHT_CHUNK];
+                weight_decode(raw[u], scale, expert, n, k, N, K, w);
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) {
+                    if (r >= rows) break;
+#pragma unroll
+                    for (int c = 0; c < WEIGHT_CHUNK; c += 8) {
+                        float x[8];
+                        load8(a_row[r] + k + c, x);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[r] += x[j] * w[c + j];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+            const float total = warp_sum(acc[r]);  // every lane joins the shuffle
+            if (lane == 0 && r < rows) out[(long long)(chunk + r) * N + n] = __float2bfloat16_rn(total);
+        }
+    }
+}
+
+// Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one
+// WEIGHT_CHUNK per thread, grid-stride.
+extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const void* __restrict__ scale, int N, int K,
+                                          bf16* __restrict__ out) {
+    const long long chunks = (long long)N * (K / WEIGHT_CHUNK);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks; i += (long long)gridDim.x * blockDim.x) {
+        const int n = (int)(i / (K / WEIGHT_CHUNK)), k = (int)(i % (K / WEIGHT_CHUNK)) * WEIGHT_CHUNK;
+        float w[WEIGHT_CHUNK];
+        weight_decode(weight_raw(weight, 0, n, k, N, K), scale, 0, n, k, N, K, w);
+#pragma unroll
+        for (int c = 0; c < WEIGHT_CHUNK; c += 8) store8(out + (long long)n * K + k + c, w + c);
     }
 }
 

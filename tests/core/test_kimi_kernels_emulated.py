@@ -86,6 +86,9 @@ def test_moe_kernels_match_numpy(tmp_path, case):
              "s2": s2})
     ids = read_array(tmp_path, "ids", np.int32, (tokens, spec.top_k))
     weights = read_array(tmp_path, "weights", np.float32, (tokens, spec.top_k))
+    # moe_router_logits + moe_route picks what moe_route alone picks (same order, same weights)
+    assert np.array_equal(read_array(tmp_path, "inline_ids", np.int32, ids.shape), ids)
+    assert np.allclose(read_array(tmp_path, "inline_weights", np.float32, ids.shape), weights, rtol=1e-5, atol=1e-6)
     ref_weights, ref_ids = route(x @ gate.T, spec, bias if use_bias else None)
     order, ref_order = np.argsort(ids, 1), np.argsort(ref_ids, 1)
     assert np.array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(ref_ids, ref_order, 1))
@@ -102,6 +105,11 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     assert relative_error(out, reference) < 2e-2
     dense = read_array(tmp_path, "dense", np.uint16, (tokens, 2 * inter))
     assert relative_error(dense, x @ w1_ref[0].T) < 1e-2
+    # decode kernels: moe_gemv on the grouped GEMM's tiles and in dense mode; moe_dequantize
+    h = read_array(tmp_path, "h", np.uint16, (tokens * spec.top_k, 2 * inter))
+    assert relative_error(read_array(tmp_path, "h_gemv", np.uint16, h.shape), h) < 1e-2
+    assert relative_error(read_array(tmp_path, "dense_gemv", np.uint16, dense.shape), x @ w1_ref[0].T) < 1e-2
+    assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -155,3 +163,57 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     assert relative_error(q_out, q_rot) < 1e-2
     out = read_array(tmp_path, "out", np.uint16, (tokens, heads, lora))
     assert relative_error(out, reference) < 2e-2
+
+
+def test_mla_decompressed_prefill_matches_numpy(tmp_path):
+    """The decompressed prefill (context gather + tensor-core flash attention, mma emulated per
+    warp) against ``mla_naive``: a fresh 70-token prompt (a full and a partial 64-query tile), a
+    20-token chunk on 45 cached tokens, a decode beside them (left to the absorbed form), 16-token
+    paged blocks in shuffled order."""
+    from openinfer.backend.base import ForwardBatch
+    from openinfer.mla import MLASpec, MLAWeights, decompressed_prefill_layout, mla_naive
+
+    rng = np.random.default_rng(5)
+    spec = MLASpec(num_heads=3, qk_nope_dim=16, qk_rope_dim=16, v_head_dim=16, kv_lora_rank=32, scale=0.21)
+    block_size, num_blocks = 16, 20
+    cached, new = [0, 45, 9], [70, 20, 1]
+    contexts = np.add(cached, new)
+    tables = np.zeros((3, 6), np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    for s, total in enumerate(contexts):
+        for b in range(-(-total // block_size)):
+            tables[s, b] = next(free)
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    tokens = int(query_start[-1])
+    batch = ForwardBatch(token_ids=np.zeros(tokens, np.int32),
+                         positions=np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]),
+                         query_start=query_start, context_lens=contexts.astype(np.int32), block_tables=tables,
+                         slot_mapping=np.zeros(tokens, np.int32), logits_rows=np.zeros(0, np.int32),
+                         max_query_len=70, max_context_len=int(contexts.max()))
+    layout = decompressed_prefill_layout(batch, spec, min_query=16, scratch_bytes=1 << 30)
+    assert layout is not None and list(layout.seqs[:, 0]) == [0, 1] and list(layout.absorbed_rows) == [90]
+    cache = bf16(rng.standard_normal((num_blocks, block_size, spec.latent_dim)))
+    kv_b = bf16(0.2 * rng.standard_normal((spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank)))
+    weights = MLAWeights.from_kv_b(kv_b, spec)
+    q = bf16(rng.standard_normal((tokens, spec.num_heads, spec.qk_head_dim)))
+    contexts_rows = [cache[tables[s, np.arange(contexts[s]) // block_size], np.arange(contexts[s]) % block_size]
+                     for s in (0, 1)]
+    c_kv = np.concatenate(contexts_rows)[:, :spec.kv_lora_rank]
+    k_nope = bf16(np.einsum("cl,hdl->chd", c_kv, weights.w_uk))
+    values = bf16(np.einsum("cl,hdl->chd", c_kv, weights.w_uv))
+    binary = build(tmp_path, "mla_prefill", {"MLA_PREFILL": 1, "KV_LORA": 32, "ROPE_DIM": 16, "NOPE_DIM": 16,
+                                             "V_DIM": 16})
+    params = [tokens, spec.num_heads, len(layout.seqs), layout.context_rows, len(layout.tile_seq), tables.shape[1],
+              block_size]
+    run_harness(binary, tmp_path, params=np.array(params, np.int32), scale=np.array([spec.scale], np.float32),
+                cache=float32_to_bf16(cache), tables=tables, seqs=layout.seqs, q=float32_to_bf16(q),
+                k_nope=float32_to_bf16(k_nope), values=float32_to_bf16(values), tile_seq=layout.tile_seq,
+                tile_query=layout.tile_query)
+    gathered = np.concatenate(contexts_rows)
+    assert np.array_equal(read_array(tmp_path, "c_kv", np.uint16, (-1, spec.kv_lora_rank)), gathered[:, :32])
+    assert np.array_equal(read_array(tmp_path, "k_pe", np.uint16, (-1, spec.qk_rope_dim)), gathered[:, 32:])
+    out = read_array(tmp_path, "out", np.uint16, (tokens, spec.num_heads, spec.v_head_dim))
+    for s in (0, 1):
+        rows = slice(query_start[s], query_start[s + 1])
+        reference = mla_naive(q[rows], contexts_rows[s], weights, spec)
+        assert relative_error(out[rows], reference) < 2e-2, s

@@ -88,10 +88,12 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features):
                                     (out_features, in_features), block=128), deq
 
 
+@pytest.mark.parametrize("gemv", [False, True], ids=["tiles", "gemv"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
-def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt):
+def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
-    not multiples of the tile (K a multiple of the INT4 group)."""
+    not multiples of the tile (K a multiple of the INT4 group). Both the tensor-core grouped GEMM
+    and the decode kernel (moe_gemv) on the same tiles."""
     moe = _moe_cuda()
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
@@ -103,8 +105,8 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt):
     grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     offsets = grouping.offsets.get()
     assert offsets[5] - offsets[4] == 0 and offsets[2] - offsets[1] > 64
-    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True)
-    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False)
+    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=gemv)
+    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False, gemv=gemv)
     out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
     experts = [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
                for e in range(num_experts)]
@@ -112,28 +114,45 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt):
     assert relative_error(out, reference) < BF16_TOL
 
 
+@pytest.mark.parametrize("method", ["gemv", "tiles", "dequantize"])
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-@pytest.mark.parametrize("rows", [1, 3, 64, 65, 130])
-def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows):
+@pytest.mark.parametrize("rows", [1, 3, 9, 64, 65, 130])
+def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, method):
+    """Every method of a dense quantized linear; 300 output rows: a partial FP8 scale block and
+    a partial 8-column GEMV block."""
     moe = _moe_cuda()
     weight, reference = _expert_weights(rng, fmt, 1, 300, 256)
     x = bf16_random(rng, rows, 256)
-    out = cuda_backend.to_host(moe.quantized_linear(cuda_backend.upload(x), weight))
+    out = cuda_backend.to_host(moe.quantized_linear(cuda_backend.upload(x), weight, cuda_backend.blas, method))
     assert relative_error(out, x @ reference[0].T) < BF16_TOL
+    if method == "dequantize":
+        assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend, rng):
-    """Decode rows, a prefill chunk on cached context, a fresh prompt; contexts crossing 16-token
-    blocks; 20 heads (a partial 16-head chunk); DeepSeek's 512 + 64 latent."""
+MLA_BATCHES = {
+    # (cached, new) per sequence: decode rows, a prefill chunk on cached context, a fresh prompt
+    "small": ([0, 16, 31, 70], [5, 1, 1, 3]),
+    # a 150-token prompt (3 query tiles, the last partial), a 70-token chunk on 100 cached, decodes
+    "long": ([0, 100, 57, 3], [150, 70, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("batch_name,prefill_min_query", [("small", 10**6), ("small", 2), ("long", 16)],
+                         ids=["absorbed", "mixed-forms", "long-prefill"])
+def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query):
+    """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
+    new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
+    (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads."""
     from openinfer.backend.cuda.mla import mla_forward
 
     spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
                    scale=192 ** -0.5 * 1.3)
-    block_size, num_blocks = 16, 40
-    cached = [0, 16, 31, 70]  # tokens already in the cache per sequence
-    new = [5, 1, 1, 3]
+    cached, new = MLA_BATCHES[batch_name]
+    block_size = 16
+    max_blocks = -(-max(np.add(cached, new)) // block_size)
+    num_blocks = 4 * max_blocks + 1
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    tables = np.zeros((4, 8), np.int32)
+    tables = np.zeros((4, max_blocks), np.int32)
     free = iter(rng.permutation(np.arange(1, num_blocks)))
     for s, total in enumerate(np.add(cached, new)):
         for b in range(-(-total // block_size)):
@@ -143,7 +162,7 @@ def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend,
     query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     batch = ForwardBatch(token_ids=np.zeros(len(positions), np.int32), positions=positions, query_start=query_start,
                          context_lens=np.add(cached, new).astype(np.int32), block_tables=tables, slot_mapping=slots,
-                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=5,
+                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=max(new),
                          max_context_len=int(np.max(np.add(cached, new))))
     cache = bf16_random(rng, num_blocks, block_size, spec.latent_dim)
     q = bf16_random(rng, len(positions), spec.num_heads * spec.qk_head_dim)
@@ -151,7 +170,7 @@ def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend,
     norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
     kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
     weights = MLAWeights.from_kv_b(kv_b, spec)
-    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), 128)
+    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), 256)
     # NumPy reference (fp32)
     cos, sin = rope.cos[positions], rope.sin[positions]
     q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
@@ -164,7 +183,8 @@ def test_mla_absorbed_kernel_matches_numpy_on_a_ragged_mixed_batch(cuda_backend,
     device_cache = cuda_backend.upload(cache).reshape(num_blocks, block_size, 1, spec.latent_dim)
     out = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
                       cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm),
-                      spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+                      spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6,
+                      prefill_min_query=prefill_min_query)
     assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
     written = cuda_backend.to_host(device_cache).reshape(-1, spec.latent_dim)[slots]
     assert relative_error(written, ref_cache.reshape(-1, spec.latent_dim)[slots]) < BF16_TOL

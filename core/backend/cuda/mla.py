@@ -8,23 +8,40 @@ One step, T new tokens, H heads::
     mla_attention      o_latent[t, h] = softmax(q̃·c_kv + q_pe·k_pe) · c_kv  over positions ≤ t
     W_UV (batched)     o[t, h]        = W_UV[h] · o_latent[t, h]          [T, H·v]
 
-Prefill tokens take the same path (each token attends over its own causal context), so a
-mixed batch needs no second kernel.
+Sequences that bring at least ``PREFILL_MIN_QUERY`` new tokens (prompts, prefill chunks) take the
+decompressed form instead, where tensor cores pay for expanding the latents::
+
+    mla_gather_context   the chunk's context latents → c_kv [C, lora], k_pe [C, rope]
+    kv_b (cuBLAS)        k_nope = c_kv · W_UK^T [C, H·nope], values = c_kv · W_UV^T [C, H·v]
+    mla_prefill_attention  causal flash attention, K = [k_nope | k_pe] (nope + rope), V, per head
+
+The rest of the step (decodes, short chunks) keeps the absorbed form over its own token rows.
+Decode-only steps (and CUDA graphs, whose static batches carry no host copy) never look at the
+host arrays.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
+from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
-from openinfer.mla import MLASpec
+from openinfer.mla import MLASpec, decompressed_prefill_layout
 
 HEADS_PER_BLOCK = 16  # mla.cu
 MLA_THREADS = 256
 MAX_SPLITS = 16
 NULL = np.uint64(0)
+PREFILL_THREADS = 128
+# A sequence whose step brings at least this many queries takes the decompressed form (measured on
+# an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
+PREFILL_MIN_QUERY = 16
+# Cap on the expanded keys + values of one step (bytes); sequences past it stay absorbed.
+PREFILL_SCRATCH_BYTES = 2 << 30
 
 
 def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
@@ -35,7 +52,8 @@ def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
 
 
 def _defines(spec: MLASpec) -> dict[str, int]:
-    return {"KV_LORA": spec.kv_lora_rank, "ROPE_DIM": spec.qk_rope_dim}
+    return {"KV_LORA": spec.kv_lora_rank, "ROPE_DIM": spec.qk_rope_dim, "NOPE_DIM": spec.qk_nope_dim,
+            "V_DIM": spec.v_head_dim}
 
 
 def check_spec(spec: MLASpec) -> None:
@@ -44,25 +62,94 @@ def check_spec(spec: MLASpec) -> None:
                          f"{spec.qk_rope_dim}")
 
 
+def decompressed_fits(spec: MLASpec) -> bool:
+    """mla_prefill_attention's shape limits: 16-wide mma steps over nope + rope and v, 8-wide loads."""
+    return (spec.qk_head_dim % 16 == 0 and spec.v_head_dim % 16 == 0 and spec.qk_nope_dim % 8 == 0
+            and spec.qk_rope_dim % 8 == 0)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A step's ``DecompressedPrefill`` on the device."""
+
+    seqs: cupy.ndarray
+    tile_seq: cupy.ndarray
+    tile_query: cupy.ndarray
+    query_rows: cupy.ndarray
+    absorbed_rows: cupy.ndarray | None
+    context_rows: int
+
+
+def plan_prefill(host: ForwardBatch | None, spec: MLASpec, min_query: int = PREFILL_MIN_QUERY,
+                 scratch_bytes: int = PREFILL_SCRATCH_BYTES) -> PrefillPlan | None:
+    if host is None or host.max_query_len < min_query or not decompressed_fits(spec):
+        return None
+    layout = decompressed_prefill_layout(host, spec, min_query, scratch_bytes)
+    if layout is None:
+        return None
+    return PrefillPlan(cupy.asarray(layout.seqs), cupy.asarray(layout.tile_seq), cupy.asarray(layout.tile_query),
+                       cupy.asarray(layout.query_rows),
+                       cupy.asarray(layout.absorbed_rows) if layout.absorbed_rows.size else None,
+                       layout.context_rows)
+
+
+_last_plan: tuple[object, PrefillPlan | None] | None = None
+
+
+def _step_plan(batch, spec: MLASpec, min_query: int) -> PrefillPlan | None:
+    """``plan_prefill`` once per step (every layer of a step shares it)."""
+    global _last_plan
+    host = getattr(batch, "host", None)
+    if host is None or host.max_query_len < min_query:
+        return None
+    key = (id(batch), spec.num_heads, spec.qk_head_dim, spec.v_head_dim, min_query)
+    if _last_plan is not None and _last_plan[0][0] is batch and _last_plan[0][1:] == key[1:]:
+        return _last_plan[1]
+    plan = plan_prefill(host, spec, min_query)
+    _last_plan = ((batch, *key[1:]), plan)
+    return plan
+
+
 def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray,
                 w_uv: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray,
-                sin: cupy.ndarray, eps: float, num_sms: int = 132) -> cupy.ndarray:
+                sin: cupy.ndarray, eps: float, num_sms: int = 132,
+                prefill_min_query: int = PREFILL_MIN_QUERY) -> cupy.ndarray:
     """``q [T, H·(nope+rope)]`` (rope dims not yet rotated; rotated on a copy here) and ``latent``
     ``[T, lora + rope]`` (a row view of kv_a's output, un-normed) → attention output ``[T, H·v]``.
     ``cache`` is the layer's ``[num_blocks, block_size, …, lora + rope]`` bf16 latent cache;
-    ``w_uk [H, nope, lora]`` and ``w_uv [H, v, lora]`` are kv_b split per head (bf16)."""
+    ``w_uk [H, nope, lora]`` and ``w_uv [H, v, lora]`` are kv_b split per head (bf16). Sequences
+    with at least ``prefill_min_query`` new tokens take the decompressed form (module docstring)."""
     check_spec(spec)
     num_tokens = int(q.shape[0])
-    heads, nope, lora, v = spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank, spec.v_head_dim
-    head_dim = spec.qk_head_dim
-    out = cupy.empty((num_tokens, heads * v), dtype=cupy.uint16)
+    heads, head_dim = spec.num_heads, spec.qk_head_dim
+    out = cupy.empty((num_tokens, heads * spec.v_head_dim), dtype=cupy.uint16)
     if num_tokens == 0:
         return out
     q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-    block_size = int(cache.shape[1])
     kernel("mla.cu", "mla_write_latent", **_defines(spec))((num_tokens,), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
-        np.int32(head_dim), np.int32(nope), batch.positions, batch.slot_mapping, cos, sin, cache))
+        np.int32(head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
+    plan = _step_plan(batch, spec, prefill_min_query)
+    if plan is None:
+        _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms)
+        return out
+    _decompressed(blas, q, cache, w_uk, w_uv, spec, batch, plan, out)
+    if plan.absorbed_rows is not None:
+        rows = plan.absorbed_rows
+        rest = cupy.empty((int(rows.shape[0]), heads * spec.v_head_dim), dtype=cupy.uint16)
+        _absorbed(blas, cupy.ascontiguousarray(q[rows]), cache, w_uk, w_uv, spec, batch, rest, rows, num_sms)
+        out[rows] = rest
+    return out
+
+
+def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
+              spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int) -> None:
+    """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
+    each row's token in the step (None: row i is token i)."""
+    num_tokens = int(q.shape[0])
+    heads, nope, lora, v = spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank, spec.v_head_dim
+    head_dim = spec.qk_head_dim
+    block_size = int(cache.shape[1])
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     # q_latent_h^T [lora x T] = W_UK[h]^T [lora x nope] . q_nope_h^T [nope x T]   (column-major)
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
@@ -77,11 +164,31 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), (
         q_latent, q, np.int32(head_dim), np.int32(nope), cache, batch.block_tables,
         np.int32(batch.block_tables.shape[1]), np.int32(block_size), batch.query_start, np.int32(batch.num_seqs),
-        batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o, partial_ml))
+        batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o, partial_ml,
+        NULL if token_rows is None else token_rows))
     if splits > 1:
         kernel("mla.cu", "mla_combine_splits", **_defines(spec))((num_tokens * heads,), (128,), (
             partial_o, partial_ml, np.int32(splits), o_latent))
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)
-    return out
+
+
+def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
+                  spec: MLASpec, batch, plan: PrefillPlan, out: cupy.ndarray) -> None:
+    """Decompressed form for the plan's sequences (q's rope dims already rotated)."""
+    heads, lora = spec.num_heads, spec.kv_lora_rank
+    rows = plan.context_rows
+    c_kv = cupy.empty((rows, lora), dtype=cupy.uint16)
+    k_pe = cupy.empty((rows, spec.qk_rope_dim), dtype=cupy.uint16)
+    kernel("mla.cu", "mla_gather_context", **_defines(spec))((rows,), (128,), (
+        cache, batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), plan.seqs,
+        np.int32(plan.seqs.shape[0]), c_kv, k_pe))
+    k_nope = cupy.empty((rows, heads * spec.qk_nope_dim), dtype=cupy.uint16)
+    values = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
+    blas.matmul_nt(c_kv, w_uk.reshape(heads * spec.qk_nope_dim, lora), k_nope)
+    blas.matmul_nt(c_kv, w_uv.reshape(heads * spec.v_head_dim, lora), values)
+    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), heads),
+                                                                (PREFILL_THREADS,), (
+        q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(heads),
+        np.float32(spec.scale), out))

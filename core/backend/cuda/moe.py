@@ -8,9 +8,18 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
     ExpertLinear.scale  None         | [E, N, K/group] bf16 | [E, ⌈N/b⌉, ⌈K/b⌉] fp32
     ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
 
-A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1,
-run in the kernel's dense mode. Routing runs on the device too (``moe_route``), so a decode
-step never waits for the host and can be captured in a CUDA graph.
+A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
+Which kernel multiplies depends on how many rows share each weight (thresholds measured on an
+H100, ``benchmarks/gpu_kimi.py kernels``)::
+
+    rows per weight     dense (E = 1)                          grouped (experts)
+    few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
+                        from FP8 / INT4, no tensor cores
+    middle              moe_grouped_gemm dense mode            moe_grouped_gemm
+    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm
+
+Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
+be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,6 +35,16 @@ from openinfer.moe import RouterSpec
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
 GEMM_THREADS = 128
+GEMV_ROWS, GEMV_WARPS = 8, 8  # moe.cu
+WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in moe_gemv
+# H100, Kimi-K2 shapes (benchmarks/results/kimi_kernels.json): dense FP8 7168x8192 / INT4 4096x7168,
+# moe_gemv beat the scratch + cuBLAS path up to 8 rows (FP8: 0.137 vs 0.132 ms at 8, INT4 0.081 vs
+# 0.088), which beat the per-tile dequantising GEMM at every row count (3-9x); 384 INT4 experts
+# top-8: moe_gemv ahead at 1.3 slots per expert (5.96 vs 9.83 ms), behind at 5.3 (17.7 vs 12.8 ms).
+GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
+GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
+DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
+ROUTER_WARPS = 8  # moe.cu
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
 MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
@@ -52,9 +71,15 @@ class ExpertLinear:
         return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
                             self.out_features, self.in_features, self.group, self.block)
 
-    def _kernel(self) -> cupy.RawKernel:
-        return kernel("moe.cu", "moe_grouped_gemm", WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group,
-                      FP8_BLOCK=self.block)
+    def _kernel(self, name: str = "moe_grouped_gemm") -> cupy.RawKernel:
+        return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block)
+
+    def gemv_ready(self, a: cupy.ndarray) -> bool:
+        """moe_gemv's needs: whole 16-byte weight chunks per row (K a multiple of the chunk, one FP8
+        scale per chunk) and 16-byte aligned rows of ``a`` and of the weight."""
+        chunk = WEIGHT_CHUNK[self.format]
+        return (self.in_features % chunk == 0 and (self.format != "fp8" or self.block % chunk == 0)
+                and a.data.ptr % 16 == 0 and self.data.data.ptr % 16 == 0)
 
 
 def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None, shape: tuple[int, int],
@@ -104,9 +129,16 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
     if num_tokens:
+        logits = NULL
+        if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
+            # the [E, H] router product spread over blocks (a decode step has few tokens)
+            logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+            kernel("moe.cu", "moe_router_logits")(
+                (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
+                (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
             (num_tokens,), (256,),
-            (x, gate, NULL if correction_bias is None else correction_bias, np.int32(hidden),
+            (x, gate, logits, NULL if correction_bias is None else correction_bias, np.int32(hidden),
              np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
              np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),
@@ -133,25 +165,36 @@ def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
     return (weight.in_features % 8 == 0 and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0)
 
 
-def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool) -> cupy.ndarray:
+def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
+                 gemv: bool | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
-    (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16."""
+    (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
+    (False) ``moe_gemv``; None picks it when the slots average at most
+    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
+    if gemv is None:
+        gemv = num_slots <= GEMV_MAX_ROWS_PER_EXPERT * weight.num_experts
+    tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
+              np.int32(weight.out_features), np.int32(weight.in_features))
+    head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
+            NULL if weight.scale is None else weight.scale)
+    if gemv and weight.gemv_ready(a):
+        grid = (-(-weight.out_features // GEMV_WARPS), grouping.max_tiles)
+        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + tables)
+        return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
-    weight._kernel()(grid, (GEMM_THREADS,), (
-        a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k),
-        weight.data, NULL if weight.scale is None else weight.scale, grouping.tile_expert, grouping.tile_row,
-        grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(weight.out_features),
-        np.int32(weight.in_features), np.int32(_vectorised(a, weight))))
+    weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
     return out
 
 
-def quantized_linear(x: cupy.ndarray, weight: ExpertLinear) -> cupy.ndarray:
-    """``x [M, K] @ W^T`` for one (E = 1) quantized weight: W8A16 / W4A16 with in-kernel dequant."""
+def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: str | None = None) -> cupy.ndarray:
+    """``x [M, K] @ W^T`` for one (E = 1) quantized weight: W8A16 / W4A16. ``method`` (None: by
+    M, see the module docstring): ``gemv`` (moe_gemv), ``tiles`` (moe_grouped_gemm dense mode,
+    dequantised per tile) or ``dequantize`` (the whole weight to a bf16 scratch, then ``blas``)."""
     if x.ndim != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear expects [tokens, {weight.in_features}], got {tuple(x.shape)}")
     rows = int(x.shape[0])
@@ -159,11 +202,31 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear) -> cupy.ndarray:
     if rows == 0:
         return out
     x = cupy.ascontiguousarray(x)
-    grid = (-(-rows // TILE_M), -(-weight.out_features // TILE_N))
-    weight._kernel()(grid, (GEMM_THREADS,), (
-        x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale,
-        NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features), np.int32(weight.in_features),
-        np.int32(_vectorised(x, weight))))
+    if method is None:
+        method = ("gemv" if rows <= GEMV_MAX_ROWS else
+                  "dequantize" if rows >= DEQUANTIZE_MIN_ROWS and blas is not None else "tiles")
+    dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
+             np.int32(weight.in_features))
+    head = (x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale)
+    if method == "gemv" and weight.gemv_ready(x):
+        grid = (-(-weight.out_features // GEMV_WARPS), -(-rows // GEMV_ROWS))
+        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + dense)
+    elif method == "dequantize" and blas is not None and weight.gemv_ready(x):
+        blas.matmul_nt(x, dequantize(weight), out)
+    else:
+        grid = (-(-rows // TILE_M), -(-weight.out_features // TILE_N))
+        weight._kernel()(grid, (GEMM_THREADS,), head + dense + (np.int32(_vectorised(x, weight)),))
+    return out
+
+
+def dequantize(weight: ExpertLinear) -> cupy.ndarray:
+    """Expert 0 of ``weight`` as bf16 ``[N, K]`` (a fresh buffer from CuPy's pool: the scratch
+    lives as long as the caller holds it)."""
+    out = cupy.empty((weight.out_features, weight.in_features), dtype=cupy.uint16)
+    chunks = weight.out_features * (weight.in_features // WEIGHT_CHUNK[weight.format])
+    weight._kernel("moe_dequantize")((min(-(-chunks // 256), 65535),), (256,), (
+        weight.data, NULL if weight.scale is None else weight.scale, np.int32(weight.out_features),
+        np.int32(weight.in_features), out))
     return out
 
 

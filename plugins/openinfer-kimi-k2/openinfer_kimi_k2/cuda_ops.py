@@ -15,6 +15,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from openinfer import DummyCheckpoint
 from openinfer.backend.cuda import mla as cuda_mla
 from openinfer.backend.cuda import moe as cuda_moe
 from openinfer.backend.cuda.moe import DeviceMoE, ExpertLinear
@@ -85,16 +86,26 @@ class CudaLinearBuilder(LinearBuilder):
             data = np.stack([p[1] for p in packed])
             scale = np.stack([p[2] for p in packed])
             return cuda_moe.upload_expert_linear(kind, data, scale, shape, group, block)
-        # bf16: dequantize (or widen) each expert's rows, narrow to bf16 bits on the host
-        from openinfer import float32_to_bf16
+        # bf16: each expert's rows straight to the device (narrowed there), then stacked
+        rows = cupy.stack([self._device_rows(mods) for mods in per_expert])
+        return ExpertLinear("bf16", rows, None, int(rows.shape[1]), int(rows.shape[2]))
 
-        rows = np.stack([float32_to_bf16(np.concatenate([self.dense(m) for m in mods])) for mods in per_expert])
-        return cuda_moe.upload_expert_linear("bf16", rows, None, (rows.shape[1], rows.shape[2]))
+    def _device_rows(self, modules: list[str]) -> cupy.ndarray:
+        """The row blocks of ``modules`` as one bf16 device matrix: BF16 checkpoint bytes as they
+        are, anything else (dequantized, widened, or a dummy checkpoint's noise) as fp32 narrowed
+        on the GPU — never a host-side bf16 rounding pass over the experts."""
+        stored = [self.linears[m] for m in modules]
+        if not isinstance(self.ckpt, DummyCheckpoint) and all(
+                s.format == "dense" and self.ckpt.dtype(s.tensor("weight")) == "BF16" for s in stored):
+            parts = [np.asarray(self.ckpt.raw(s.tensor("weight"))) for s in stored]
+        else:
+            parts = [self.dense(m) for m in modules]
+        return self.backend.weight(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
 def cuda_linear(ops: Any, x: cupy.ndarray, weight: Any) -> cupy.ndarray:
     if isinstance(weight, ExpertLinear):
-        return cuda_moe.quantized_linear(x, weight)
+        return cuda_moe.quantized_linear(x, weight, ops.blas)
     return ops.linear(x, weight)
 
 

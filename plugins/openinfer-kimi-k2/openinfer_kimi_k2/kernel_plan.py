@@ -25,23 +25,29 @@ routed experts         ``moe.run_experts``: tokens       same                   
 shared experts         core ``linear`` + ``silu_mul``    same                              core
 =====================  ================================  ================================  =======
 
-CUDA (``cuda_ops``, kernels in core ``kernels/mla.cu`` and ``kernels/moe.cu``), bf16:
+CUDA (``cuda_ops``, kernels in core ``kernels/mla.cu`` and ``kernels/moe.cu``), bf16; a sequence
+is *long* when its step brings at least ``PREFILL_MIN_QUERY`` (16) tokens:
 
 =====================  ================================================================  =======
-op                     prefill, decode and mixed steps alike                             from
+op                     prefill, decode and mixed steps                                   from
 =====================  ================================================================  =======
 projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled or INT4   core
-                       checkpoints: ``moe_grouped_gemm`` dense mode (weights stay
-                       quantized, dequantized per tile in shared memory, tensor cores)
+                       checkpoints stay quantized: <= 16 rows ``moe_gemv`` (weights read
+                       once from their stored format), >= 256 rows ``moe_dequantize`` to
+                       a bf16 scratch + cuBLAS, between ``moe_grouped_gemm`` dense mode
 latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
                        rotate q_pe in place)                                             core
-W_UK / W_UV            cuBLAS strided-batched GEMM over heads                            core
-MLA attention          ``mla_attention``: absorbed form, each token over its causal      core
-                       context, latent tiles shared by 16 heads
+MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
+                       per-head k_nope / v, ``mla_prefill_attention`` (tensor-core
+                       causal flash attention, nope+rope / v head dims)
+MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
+                       around ``mla_attention`` (each token over its causal context,
+                       latent tiles shared by 16 heads)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
 token grouping         ``moe_sort`` (counts, segments, GEMM tile list)                   core
-routed experts         ``moe_grouped_gemm`` x2 (gate_up gathering token rows; down) +    core
-                       core ``silu_mul``; weights bf16 / INT4 / FP8 as stored
+routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
+                       weights bf16 / INT4 / FP8 as stored: ``moe_gemv`` while the
+                       slots average <= 8 per expert (decode), else ``moe_grouped_gemm``
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 

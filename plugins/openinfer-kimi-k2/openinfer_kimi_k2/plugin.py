@@ -29,7 +29,7 @@ from openinfer_kimi_k2.config import (
 from openinfer_kimi_k2.kernel_plan import plan_for
 from openinfer_kimi_k2.memory import kimi_model_memory
 from openinfer_kimi_k2.model import KimiK2Model
-from openinfer_kimi_k2.weights import load_weights, plan_checkpoint
+from openinfer_kimi_k2.weights import DummyKimiCheckpoint, load_weights, plan_checkpoint
 
 PLUGIN_NAME = "openinfer-kimi-k2"
 
@@ -63,7 +63,8 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
         raise ParallelConfigError("openinfer-kimi-k2 splits the model by experts only: use --expert-parallel-size "
                                   "and leave --tensor-parallel-size at 1")
     held = rank.expert.experts(kimi.n_routed_experts) if kimi.n_routed_experts else None
-    checkpoint = Checkpoint(model_path)
+    dummy = "dummy" in (options.load_format, rank.load_format)
+    checkpoint = DummyKimiCheckpoint(kimi) if dummy else Checkpoint(model_path)
     linears = plan_checkpoint(checkpoint, kimi)
     backend = backend or create_backend(options.device)
     plan = plan_for(backend)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from openinfer import Backend, Checkpoint, WeightLoadError
+from openinfer import Backend, Checkpoint, DummyCheckpoint, WeightLoadError
 from openinfer.mla import MLASpec, MLAWeights
 from openinfer.moe import ExpertWeights, MoEWeights
 from openinfer.weights import StoredLinear
@@ -142,6 +142,64 @@ def plan_checkpoint(ckpt: Checkpoint, config: KimiK2Config) -> dict[str, StoredL
         else:
             _plan_swiglu(plan, mlp, hidden, c.intermediate_size)
     return plan.linears
+
+
+def kimi_tensor_shapes(config: KimiK2Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an unquantized checkpoint of ``config`` (HF DeepSeek-V3 names), by name:
+    what ``--load-format dummy`` fills with noise."""
+    c = config
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+
+    def swiglu(module: str, intermediate: int) -> None:
+        shapes[f"{module}.gate_proj.weight"] = (intermediate, hidden)
+        shapes[f"{module}.up_proj.weight"] = (intermediate, hidden)
+        shapes[f"{module}.down_proj.weight"] = (hidden, intermediate)
+
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+        attn = f"{layer}.self_attn"
+        if c.q_lora_rank:
+            shapes[f"{attn}.q_a_proj.weight"] = (c.q_lora_rank, hidden)
+            shapes[f"{attn}.q_a_layernorm.weight"] = (c.q_lora_rank,)
+            shapes[f"{attn}.q_b_proj.weight"] = (heads * c.qk_head_dim, c.q_lora_rank)
+        else:
+            shapes[f"{attn}.q_proj.weight"] = (heads * c.qk_head_dim, hidden)
+        shapes[f"{attn}.kv_a_proj_with_mqa.weight"] = (c.latent_dim, hidden)
+        shapes[f"{attn}.kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[f"{attn}.kv_b_proj.weight"] = (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        shapes[f"{attn}.o_proj.weight"] = (hidden, heads * c.v_head_dim)
+        mlp = f"{layer}.mlp"
+        if c.is_moe_layer(i):
+            shapes[f"{mlp}.gate.weight"] = (c.n_routed_experts, hidden)
+            if c.router is not None and c.router.scoring == "sigmoid":
+                shapes[f"{mlp}.gate.e_score_correction_bias"] = (c.n_routed_experts,)
+            for e in range(c.n_routed_experts):
+                swiglu(f"{mlp}.experts.{e}", c.moe_intermediate_size)
+            if c.n_shared_experts:
+                swiglu(f"{mlp}.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
+        else:
+            swiglu(mlp, c.intermediate_size)
+    return shapes
+
+
+class DummyKimiCheckpoint(DummyCheckpoint):
+    """``--load-format dummy``: noise at ``kimi_tensor_shapes``, every linear stored dense."""
+
+    def __init__(self, config: KimiK2Config, seed: int = 0):
+        super().__init__(kimi_tensor_shapes(config), seed)
+
+    def stored_linear(self, module: str, quant: Any = None, shape: tuple[int, int] | None = None) -> StoredLinear:
+        weight = f"{module}.weight"
+        if shape is not None:
+            self.expect_shape(weight, shape)
+        rows, columns = self.shape(weight)
+        return StoredLinear(module, "dense", (rows, columns), (("weight", weight),))
 
 
 def _plan_swiglu(plan: _Planner, module: str, hidden: int, intermediate: int) -> None:

@@ -1,13 +1,42 @@
 // Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (tests/helpers/cuda_host)
 // on arrays read from a directory written by tests/core/test_kimi_kernels_emulated.py; writes the
-// outputs back there. Build with -DMOE or -DMLA (and the kernel's own defines).
+// outputs back there. Build with -DMOE, -DMLA or -DMLA_PREFILL (and the kernel's own defines).
 #ifdef MOE
 #include "moe.cu"
 #else
+#define MLA_HOST_MMA
 #include "mla.cu"
 #endif
 
 #include "harness.h"
+
+#ifndef MOE
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate) for one warp: every lane posts its fragments, then
+// computes its own four outputs from the whole 16x16 A and 16x8 B (PTX fragment layout: lane =
+// 4·group + thread-in-group; A regs {row g, row g+8} x {k 2t.., k 2t+8..}; B regs k 2t.., 2t+8..,
+// column g; C rows g and g+8, columns 2t, 2t+1).
+static unsigned mma_a[1024][4], mma_b[1024][2];
+void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    const unsigned t = threadIdx.x, base = t & ~31u;
+    std::barrier<>& warp = *warp_barriers[t / 32];
+    warp.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) mma_a[t][i] = a[i];
+    for (int i = 0; i < 2; ++i) mma_b[t][i] = b[i];
+    warp.arrive_and_wait();
+    auto half = [](unsigned reg, int k) { return __bfloat162float(bf16{static_cast<uint16_t>(k & 1 ? reg >> 16 : reg & 0xFFFF)}); };
+    auto a_at = [&](int row, int k) {
+        return half(mma_a[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k);
+    };
+    auto b_at = [&](int k, int col) { return half(mma_b[base + col * 4 + (k % 8) / 2][k >= 8], k); };
+    const int lane = t & 31, group = lane >> 2, pair = (lane & 3) * 2;
+    for (int i = 0; i < 4; ++i) {
+        const int row = group + 8 * (i >> 1), col = pair + (i & 1);
+        float sum = d[i];
+        for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+        d[i] = sum;
+    }
+}
+#endif
 
 int main(int argc, char** argv) {
     const std::string dir = argv[1];
@@ -30,10 +59,22 @@ int main(int argc, char** argv) {
     std::vector<float> weights(slots);
     const int max_tiles = (slots + BM - 1) / BM + std::min(E, slots);
     std::vector<int> tile_expert(max_tiles), tile_row(max_tiles), num_tiles(1);
-    launch(T, 1, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
-        moe_route(x.data(), gate.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups, topk_groups,
-                  group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
+    // routing as the GPU runs it (logits spread over blocks first), and all in one block per token
+    std::vector<float> logits(size_t(T) * E), inline_weights(slots);
+    std::vector<int> inline_ids(slots);
+    launch(T, (E + ROUTER_WARPS - 1) / ROUTER_WARPS, 1, ROUTER_WARPS * 32, [&] {
+        moe_router_logits(x.data(), gate.data(), H, E, logits.data());
     });
+    launch(T, 1, 1, 64, [&] {  // the kernels take any multiple of 32 threads; fewer emulate faster
+        moe_route(x.data(), gate.data(), logits.data(), use_bias ? bias.data() : nullptr, H, E, k, scoring, groups,
+                  topk_groups, group_max, norm_topk, scaling, nullptr, nullptr, ids.data(), weights.data());
+    });
+    launch(T, 1, 1, 64, [&] {
+        moe_route(x.data(), gate.data(), nullptr, use_bias ? bias.data() : nullptr, H, E, k, scoring, groups,
+                  topk_groups, group_max, norm_topk, scaling, nullptr, nullptr, inline_ids.data(), inline_weights.data());
+    });
+    save(dir, "inline_ids.bin", inline_ids);
+    save(dir, "inline_weights.bin", inline_weights);
     launch(1, 1, 1, 256, [&] {
         moe_sort(ids.data(), slots, E, counts.data(), offsets.data(), sorted.data(), pos.data(), tile_expert.data(),
                  tile_row.data(), num_tiles.data(), max_tiles);
@@ -59,11 +100,52 @@ int main(int argc, char** argv) {
         moe_grouped_gemm(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
                          dense.data(), N1, H, 0);
     });
+    // decode kernels: moe_gemv over the same tiles (gathering token rows) and in dense mode, and
+    // the whole first expert dequantised to bf16
+    std::vector<bf16> h_gemv(size_t(slots) * N1), dense_gemv(size_t(T) * N1), w1_bf16(size_t(N1) * H);
+    launch((N1 + GEMV_WARPS - 1) / GEMV_WARPS, max_tiles, 1, GEMV_WARPS * 32, [&] {
+        moe_gemv(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                 num_tiles.data(), offsets.data(), 0, h_gemv.data(), N1, H);
+    });
+    launch((N1 + GEMV_WARPS - 1) / GEMV_WARPS, (T + GEMV_ROWS - 1) / GEMV_ROWS, 1, GEMV_WARPS * 32, [&] {
+        moe_gemv(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T, dense_gemv.data(),
+                 N1, H);
+    });
+    launch(4, 1, 1, 64, [&] { moe_dequantize(w1.data(), s1.data(), N1, H, w1_bf16.data()); });
+    save(dir, "h.bin", h);
+    save(dir, "h_gemv.bin", h_gemv);
+    save(dir, "dense_gemv.bin", dense_gemv);
+    save(dir, "w1_bf16.bin", w1_bf16);
     save(dir, "ids.bin", ids.data(), ids.size());
     save(dir, "weights.bin", weights.data(), weights.size());
     save(dir, "offsets.bin", offsets.data(), offsets.size());
     save(dir, "out.bin", out.data(), out.size());
     save(dir, "dense.bin", dense.data(), dense.size());
+#elif defined(MLA_PREFILL)
+    // params: T heads num_prefill_seqs context_rows num_tiles max_blocks block_size
+    const int T = params[0], heads = params[1], num_seqs = params[2], rows = params[3], tiles = params[4];
+    const int max_blocks = params[5], block_size = params[6];
+    const float scale = load<float>(dir, "scale.bin")[0];
+    auto cache = load<bf16>(dir, "cache.bin");
+    auto tables = load<int>(dir, "tables.bin");
+    auto seqs = load<int>(dir, "seqs.bin");
+    auto q = load<bf16>(dir, "q.bin");
+    auto k_nope = load<bf16>(dir, "k_nope.bin");
+    auto values = load<bf16>(dir, "values.bin");
+    auto tile_seq = load<int>(dir, "tile_seq.bin");
+    auto tile_query = load<int>(dir, "tile_query.bin");
+    std::vector<bf16> c_kv(size_t(rows) * KV_LORA), k_pe(size_t(rows) * ROPE_DIM), out(size_t(T) * heads * V_DIM);
+    launch(rows, 1, 1, 64, [&] {
+        mla_gather_context(cache.data(), tables.data(), max_blocks, block_size, seqs.data(), num_seqs, c_kv.data(),
+                           k_pe.data());
+    });
+    launch(tiles, heads, 1, PREFILL_THREADS, [&] {
+        mla_prefill_attention(q.data(), k_nope.data(), k_pe.data(), values.data(), seqs.data(), tile_seq.data(),
+                              tile_query.data(), heads, scale, out.data());
+    });
+    save(dir, "c_kv.bin", c_kv);
+    save(dir, "k_pe.bin", k_pe);
+    save(dir, "out.bin", out);
 #else
     // params: T heads q_stride q_pe_offset num_seqs max_blocks block_size num_splits
     const int T = params[0], heads = params[1], q_stride = params[2], q_pe_offset = params[3], num_seqs = params[4];
@@ -89,7 +171,7 @@ int main(int argc, char** argv) {
     launch(T, (heads + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK, splits, MLA_THREADS, [&] {
         mla_attention(q_latent.data(), q.data(), q_stride, q_pe_offset, cache.data(), tables.data(), max_blocks,
                       block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out.data(), splits,
-                      partial_o.data(), partial_ml.data());
+                      partial_o.data(), partial_ml.data(), nullptr);
     });
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
