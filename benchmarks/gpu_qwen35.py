@@ -179,15 +179,74 @@ def multi_turn(engine, rng, history: int, new_turn: int) -> dict:
             "cold_ttft_ms": 1000 * cold[0], "cold_cached_tokens": cold[2]}
 
 
+def set_kernels(variant: str) -> None:
+    if VARIANTS[variant] is None:
+        os.environ.pop(KERNELS_ENV, None)
+    else:
+        os.environ[KERNELS_ENV] = VARIANTS[variant]
+
+
+def layer_core_timings(args: argparse.Namespace) -> dict:
+    """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
+    norm; no projections) at the 4B shape, per variant: decode batches and single prompts."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.state import StepSequences
+    from openinfer_qwen35.weights import DeltaNetWeights
+
+    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
+    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+                         config.linear_conv_kernel_dim)
+    features = config.conv_dim + config.linear_value_dim + 2 * nv
+    rng = np.random.default_rng(0)
+
+    def bf16(shape, scale=1.0):
+        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
+        return cupy.asarray(bits.astype(np.uint16))
+
+    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
+                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
+                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    slots = max(args.streams) + 1
+    conv_state = bf16((slots, width - 1, config.conv_dim))
+    ssm_state = cupy.zeros((slots, nv, dk, dv), dtype=cupy.float32)
+
+    def timed_ms(proj, seqs, repeats):
+        for _ in range(2):
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(repeats):
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+        stop.record()
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / repeats
+
+    timings: dict = {}
+    for variant in VARIANTS:
+        set_kernels(variant)
+        decode, prefill = {}, {}
+        for rows in args.streams:
+            query_start = np.arange(rows + 1)
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, rows + 1), np.zeros(rows, bool)))
+            decode[str(rows)] = 1000 * timed_ms(bf16((rows, features)), seqs, 50)  # µs
+        for length in args.prefill:
+            seqs = cuda_ops.prepare_sequences(StepSequences(np.array([0, length]), np.array([1]), np.array([True])))
+            prefill[str(length)] = timed_ms(bf16((length, features)), seqs, 3)  # ms
+        timings[variant] = {"decode_us": decode, "prefill_ms": prefill}
+        print(f"{variant}: one GDN layer core: decode µs {decode}, prefill ms {prefill}", flush=True)
+    set_kernels("after")
+    return timings
+
+
 def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dict) -> None:
     import numpy as np
 
     import openinfer
 
-    if VARIANTS[variant] is None:
-        os.environ.pop(KERNELS_ENV, None)
-    else:
-        os.environ[KERNELS_ENV] = VARIANTS[variant]
+    set_kernels(variant)
     start = time.perf_counter()
     engine = openinfer.create_engine(path, device="cuda", max_model_len=max(args.prefill) + 256, max_num_seqs=64)
     results["engine_start_s"][variant] = time.perf_counter() - start
@@ -226,7 +285,7 @@ def plot(results: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (prefill, decode, turn_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (prefill, decode, core, turn_axis) = plt.subplots(1, 4, figsize=(20, 4.2))
     lengths = list(results["prefill_ttft_ms"]["after"])
     width = 0.38
     for offset, variant in ((-width / 2, "before"), (width / 2, "after")):
@@ -246,6 +305,19 @@ def plot(results: dict, path: Path) -> None:
     decode.set_ylabel("TPOT ms")
     decode.set_title("decode (CUDA graphs)")
     decode.legend()
+    layer = results.get("gdn_layer_core")
+    if layer:
+        labels = [f"decode bs {b}" for b in layer["after"]["decode_us"]] + [
+            f"prefill {int(n) // 1024}k" for n in layer["after"]["prefill_ms"]]
+        ratios = [layer["before"]["decode_us"][b] / layer["after"]["decode_us"][b] for b in layer["after"]["decode_us"]]
+        ratios += [layer["before"]["prefill_ms"][n] / layer["after"]["prefill_ms"][n]
+                   for n in layer["after"]["prefill_ms"]]
+        core.bar(labels, ratios)
+        core.axhline(1.0, color="gray", linewidth=0.8)
+        core.set_yscale("log")
+        core.set_ylabel("before / after (device time)")
+        core.set_title("one GDN layer core (conv, delta rule, norm)")
+        core.tick_params(axis="x", rotation=30)
     turn = results.get("multi_turn")
     if turn:
         turn_axis.bar(["cold (recomputed)", "warm (prefix cache)"], [turn["cold_ttft_ms"], turn["warm_ttft_ms"]])
@@ -282,6 +354,7 @@ def main() -> None:
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     results["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    results["gdn_layer_core"] = layer_core_timings(args)
     for variant in VARIANTS:
         run_variant(path, variant, args, results)
     results["speedup"] = {
