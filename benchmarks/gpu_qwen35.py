@@ -296,10 +296,9 @@ def plot(results: dict, path: Path) -> None:
     prefill.set_ylabel("TTFT ms (log)")
     prefill.set_title("prefill, one request")
     prefill.legend()
-    streams = list(results["decode_tpot_ms"]["after"])
     for variant in ("before", "after"):
-        decode.plot([int(s) for s in streams], [results["decode_tpot_ms"][variant].get(s) for s in streams],
-                    marker="o", label=variant)
+        measured = results["decode_tpot_ms"][variant]
+        decode.plot([int(s) for s in measured], list(measured.values()), marker="o", label=variant)
     decode.set_xscale("log", base=2)
     decode.set_xlabel("concurrent streams")
     decode.set_ylabel("TPOT ms")
@@ -355,13 +354,20 @@ def main() -> None:
     props = cupy.cuda.runtime.getDeviceProperties(0)
     results["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     results["gdn_layer_core"] = layer_core_timings(args)
+    save(results)
     for variant in VARIANTS:
         run_variant(path, variant, args, results)
+        save(results)  # what was measured survives a later failure or time limit
+    print(json.dumps(results, indent=2))
+
+
+def save(results: dict) -> None:
+    """JSON + PNG under benchmarks/results (copies under $OUT), with the before/after ratios
+    of whatever both variants measured."""
     results["speedup"] = {
-        "prefill": {n: results["prefill_ttft_ms"]["before"][n] / results["prefill_ttft_ms"]["after"][n]
-                    for n in results["prefill_ttft_ms"]["after"]},
-        "decode": {s: results["decode_tpot_ms"]["before"][s] / results["decode_tpot_ms"]["after"][s]
-                   for s in results["decode_tpot_ms"]["after"]}}
+        kind: {key: results[kind]["before"][key] / value for key, value in results[kind]["after"].items()
+               if key in results[kind]["before"]}
+        for kind in ("prefill_ttft_ms", "decode_tpot_ms")}
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     (out / "gpu_qwen35.json").write_text(json.dumps(results, indent=2))
@@ -370,7 +376,6 @@ def main() -> None:
         for name in ("gpu_qwen35.json", "gpu_qwen35.png"):
             if (out / name).exists():
                 shutil.copy(out / name, os.environ["OUT"])
-    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

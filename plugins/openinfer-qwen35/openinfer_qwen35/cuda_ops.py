@@ -49,6 +49,7 @@ TILE_DV = 32  # value channels per gdn_delta_rule block (a head spreads over dv 
 SCAN_TILE = 32  # value channels per gdn_chunk_scan block (gdn_chunked.cu)
 CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the token-by-token kernel
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
+FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 
 
@@ -90,7 +91,7 @@ def chunk_scan_shared_bytes(dk: int) -> int:
     """gdn_chunk_scan's dynamic shared memory (its carve, in order)."""
     row_k, row_c = dk + 8, CHUNK_SIZE + 8
     return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
-            + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(dk * row_c * 2) + _round_128(CHUNK_SIZE * row_c * 2)
+            + 3 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2)
             + 2 * _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
@@ -105,7 +106,7 @@ def fused_decode_threads(config: Qwen35Config) -> int:
 
 
 def fused_decode_supported(config: Qwen35Config) -> bool:
-    return fused_decode_threads(config) <= 1024 and config.linear_value_head_dim <= 256
+    return fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
 
 
 @functools.cache

@@ -65,6 +65,19 @@ __device__ __forceinline__ void load_b(unsigned* b, const bf16* base, int ld) {
     b[1] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
 }
 
+// A tile 16(m) x 16(k) of A = X^T, X row-major at `base` (X[k][m] at base + k ld + m): the pairs
+// a fragment register holds are X[2q][m], X[2q+1][m] — two 16-bit loads each, so K is used as
+// the left operand of K^T V' without a transposed copy.
+__device__ __forceinline__ void load_a_transposed(unsigned* a, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned short* x = reinterpret_cast<const unsigned short*>(base);
+    auto pair = [&](int k, int m) { return (unsigned)x[k * ld + m] | ((unsigned)x[(k + 1) * ld + m] << 16); };
+    a[0] = pair(2 * q, g);
+    a[1] = pair(2 * q, g + 8);
+    a[2] = pair(2 * q + 8, g);
+    a[3] = pair(2 * q + 8, g + 8);
+}
+
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     const unsigned short l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
     const unsigned short h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
@@ -277,9 +290,13 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_scan: grid (B, nv, dv / 32), 128 threads (4 warps). Walks sequence s's chunks in
 // order for value channels [32 z, 32 z + 32) of head h; the state tile S [DK][32] lives in shared
-// memory (fp32) for the whole sequence, from the slot (zeros when fresh) back to the slot.
+// memory (fp32) for the whole sequence, from the slot (zeros when fresh) back to the slot. The
+// walk is a chain of dependent chunks, so the next chunk's W, Q, K, P and c are loaded into
+// registers while this chunk computes (one block per (sequence, head, tile) cannot hide global
+// latency otherwise).
 #define LDS (SCAN_TILE + 4)  // fp32 state tile
-extern "C" __global__ void __launch_bounds__(128)
+#define SCAN_THREADS 128
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const bf16* __restrict__ w_in,
                const bf16* __restrict__ u_in, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
                const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
@@ -301,8 +318,8 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
     at += round_up_128((size_t)CHUNK * LDK * 2);
     bf16* qs = reinterpret_cast<bf16*>(at);  // Q [64][LDK]
     at += round_up_128((size_t)CHUNK * LDK * 2);
-    bf16* kt = reinterpret_cast<bf16*>(at);  // K^T [DK][LDC]
-    at += round_up_128((size_t)DK * LDC * 2);
+    bf16* ks = reinterpret_cast<bf16*>(at);  // K [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
     bf16* ps = reinterpret_cast<bf16*>(at);  // P [64][LDC]
     at += round_up_128((size_t)CHUNK * LDC * 2);
     bf16* vnt = reinterpret_cast<bf16*>(at);  // V'^T [32][LDC]
@@ -314,48 +331,80 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
     const int slot = slots[s];
     float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv + j0;
     const bool is_fresh = fresh[s] != 0;
-    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += blockDim.x) {
+    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
         const int i = e / SCAN_TILE, j = e % SCAN_TILE;
         st[i * LDS + j] = is_fresh ? 0.f : state[(size_t)i * dv + j];
     }
 
     const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    constexpr int ROW_VECS = DK / 8;  // uint4 per row of W, Q, K
+    constexpr int ROW_LOADS = CHUNK * ROW_VECS / SCAN_THREADS, P_LOADS = CHUNK * (CHUNK / 8) / SCAN_THREADS;
+    uint4 w_next[ROW_LOADS], q_next[ROW_LOADS], k_next[ROW_LOADS], p_next[P_LOADS];
+    float cum_next = 0.f;
+    auto prefetch = [&](int c) {  // chunk c's rows into registers; rows past its end as zeros
+        const int t0 = chunk_start[c], n = chunk_len[c];
+#pragma unroll
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            w_next[it] = q_next[it] = k_next[it] = make_uint4(0, 0, 0, 0);
+            if (r < n) {
+                w_next[it] = *reinterpret_cast<const uint4*>(w_in + ((size_t)(t0 + r) * num_value_heads + h) * DK + i);
+                q_next[it] = *reinterpret_cast<const uint4*>(qn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+                k_next[it] = *reinterpret_cast<const uint4*>(kn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+            }
+        }
+        const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+#pragma unroll
+        for (int it = 0; it < P_LOADS; ++it)
+            p_next[it] = *reinterpret_cast<const uint4*>(p + (threadIdx.x + it * SCAN_THREADS) * 8);
+        if (threadIdx.x < CHUNK) {  // padding rows: no decay after the end
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum_next = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+        }
+    };
+    if (first < last) prefetch(first);
     for (int c = first; c < last; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         __syncthreads();  // the previous chunk's readers are done; S is complete
-        // 1. this chunk's W, Q, K^T, P, c; S^T in bf16. Rows past n read as zeros.
-        for (int e = threadIdx.x; e < CHUNK * (DK / 8); e += blockDim.x) {
-            const int r = e / (DK / 8), i = (e % (DK / 8)) * 8;
-            uint4 wv = make_uint4(0, 0, 0, 0), qv = wv, kv = wv;
-            if (r < n) {
-                wv = *reinterpret_cast<const uint4*>(w_in + ((size_t)(t0 + r) * num_value_heads + h) * DK + i);
-                qv = *reinterpret_cast<const uint4*>(qn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
-                kv = *reinterpret_cast<const uint4*>(kn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
-            }
-            *reinterpret_cast<uint4*>(ws + r * LDK + i) = wv;
-            *reinterpret_cast<uint4*>(qs + r * LDK + i) = qv;
-            const bf16* kb = reinterpret_cast<const bf16*>(&kv);
+        // 1. this chunk's W, Q, K, P, c from registers; S^T in bf16
 #pragma unroll
-            for (int e8 = 0; e8 < 8; ++e8) kt[(i + e8) * LDC + r] = kb[e8];
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            *reinterpret_cast<uint4*>(ws + r * LDK + i) = w_next[it];
+            *reinterpret_cast<uint4*>(qs + r * LDK + i) = q_next[it];
+            *reinterpret_cast<uint4*>(ks + r * LDK + i) = k_next[it];
         }
-        const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
-        for (int e = threadIdx.x; e < CHUNK * (CHUNK / 8); e += blockDim.x) {
-            const int r = e / (CHUNK / 8), j = (e % (CHUNK / 8)) * 8;
-            *reinterpret_cast<uint4*>(ps + r * LDC + j) = *reinterpret_cast<const uint4*>(p + r * CHUNK + j);
+#pragma unroll
+        for (int it = 0; it < P_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / (CHUNK / 8), j = (e % (CHUNK / 8)) * 8;
+            *reinterpret_cast<uint4*>(ps + r * LDC + j) = p_next[it];
         }
-        if (threadIdx.x < CHUNK) {
-            const int r = threadIdx.x < n ? threadIdx.x : n - 1;  // padding rows: no decay after the end
-            cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
-        }
-        for (int e = threadIdx.x; e < DK * SCAN_TILE; e += blockDim.x) {
+        if (threadIdx.x < CHUNK) cum[threadIdx.x] = cum_next;
+        for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
             const int i = e / SCAN_TILE, j = e % SCAN_TILE;
             sbt[j * LDK + i] = __float2bfloat16_rn(st[i * LDS + j]);
         }
         __syncthreads();
+        if (c + 1 < last) prefetch(c + 1);  // in flight during this chunk's math
         const float c_last = cum[CHUNK - 1];
 
         // 2. warp w, rows 16w..: V' = U - W S and Q S together (the same S^T fragments)
         const int r0 = 16 * warp;
+        float u_pairs[2][SCAN_TILE / 8][2];  // this lane's elements of U, loaded ahead of the mma loop
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                u_pairs[half][nt][0] = u_pairs[half][nt][1] = 0.f;
+                if (r < n) {
+                    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(u + nt * 8 + 2 * q4);
+                    u_pairs[half][nt][0] = to_f(pair.x);
+                    u_pairs[half][nt][1] = to_f(pair.y);
+                }
+            }
+        }
         float acc_v[SCAN_TILE / 8][4], acc_o[SCAN_TILE / 8][4];
 #pragma unroll
         for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
@@ -378,18 +427,11 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
         for (int half = 0; half < 2; ++half) {
             const int r = r0 + g + 8 * half;
             const float row_decay = __expf(cum[r]), tail_decay = __expf(c_last - cum[r]);
-            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
 #pragma unroll
             for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
                 const int j = nt * 8 + 2 * q4;
-                float u0 = 0.f, u1 = 0.f;
-                if (r < n) {
-                    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(u + j);
-                    u0 = to_f(pair.x);
-                    u1 = to_f(pair.y);
-                }
-                const float v0 = r < n ? u0 - acc_v[nt][2 * half] : 0.f;
-                const float v1 = r < n ? u1 - acc_v[nt][2 * half + 1] : 0.f;
+                const float v0 = r < n ? u_pairs[half][nt][0] - acc_v[nt][2 * half] : 0.f;
+                const float v1 = r < n ? u_pairs[half][nt][1] - acc_v[nt][2 * half + 1] : 0.f;
                 vnt[j * LDC + r] = __float2bfloat16_rn(v0);
                 vnt[(j + 1) * LDC + r] = __float2bfloat16_rn(v1);
                 vkt[j * LDC + r] = __float2bfloat16_rn(v0 * tail_decay);
@@ -440,7 +482,7 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
 #pragma unroll
             for (int k0 = 0; k0 < CHUNK; k0 += 16) {
                 unsigned ak[4];
-                load_a(ak, kt + i0 * LDC + k0, LDC);
+                load_a_transposed(ak, ks + k0 * LDK + i0, LDK);
 #pragma unroll
                 for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
                     unsigned b[2];

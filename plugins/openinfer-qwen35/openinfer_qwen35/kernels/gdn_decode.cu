@@ -6,8 +6,8 @@
 //
 // Grid (num_seqs, nv): one block per (sequence, value head), SPLIT threads per value channel j,
 // each holding DK / SPLIT rows of the state column S[:, j] in registers (blockDim.x =
-// round_up(dv * SPLIT, 32) <= 1024). A whole head per block lets the gated norm reduce over dv
-// in the block.
+// round_up(max(dv * SPLIT, 2 DK + dv), 32) <= 512). A whole head per block lets the gated norm
+// reduce over dv in the block.
 //
 // The conv window of a key head's q and k channels is read by the nv / nk blocks of its value
 // heads, so it may only be overwritten after all of them have read it: each block counts itself
@@ -18,7 +18,9 @@
 
 #define MAX_WINDOW 8  // conv width - 1
 
-extern "C" __global__ void gdn_decode_step(const bf16* __restrict__ proj, int proj_stride,
+// At most 512 threads, two blocks per SM: a block's serial phases (conv, barriers, the norm)
+// leave its SM idle unless another block streams its state meanwhile.
+extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(const bf16* __restrict__ proj, int proj_stride,
                                            const bf16* __restrict__ conv_weight, bf16* __restrict__ conv_state,
                                            float* __restrict__ ssm_state, const float* __restrict__ neg_decay_rate,
                                            const float* __restrict__ dt_bias, const bf16* __restrict__ norm_weight,

@@ -7,6 +7,9 @@
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
 void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
 inline void __threadfence() {}
+#include <cuda_bf16.h>
+#undef __launch_bounds__
+#define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
