@@ -1,18 +1,29 @@
-"""Qwen3.5 on one GPU (issue 17): decode TPOT with CUDA graphs over the engine-owned state slots
-vs eager steps, and what the hybrid prefix cache (KV blocks + recurrent-state snapshots) buys
-for a warm multi-turn chat.
+"""Qwen3.5 on one GPU (issue 17): the Gated DeltaNet kernels before and after, side by side in
+one run — prefill TTFT at 1k / 4k / 16k tokens and decode TPOT at 1 / 16 / 64 streams — plus
+the engine's idle RSS and what the hybrid prefix cache buys a warm multi-turn chat.
 
-A Qwen3.5-4B-shaped text checkpoint with random bf16 weights (24 Gated DeltaNet + 8 gated
-attention layers; speed does not depend on the values) is written once, then through the
-default engine (``openinfer.create_engine``, greedy, ignore_eos):
+A random Qwen3.5-4B-shaped checkpoint in the real multimodal layout (``Qwen3_5ForConditional-
+Generation``: 24 Gated DeltaNet + 8 gated-attention layers under ``model.language_model.``, a
+1-block vision tower, ``preprocessor_config.json`` and a word-level tokenizer over the
+vocabulary) is written once (by HF transformers, in a subprocess so that this process never
+holds PyTorch), then served through the default engine (``openinfer.create_engine``, CUDA
+graphs, greedy, ignore_eos) twice:
 
-- decode TPOT at 1 / 16 / 64 concurrent streams (512-token prompts, 64 new tokens): the mean
-  gap between a request's token events after its first, graphs on and off;
-- a second chat turn: a 4,000-token history (prompt + 32 generated tokens) plus a 50-token new
-  turn — TTFT when the history is served from the prefix cache (its state restored from the
-  snapshot the first turn's decode left at a block boundary) vs recomputed (another cache salt).
+- ``after``:  the chunked tensor-core prefill and the fused conv1d + delta-rule + gated-norm
+  decode step (the default kernels);
+- ``before``: ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` — the token-by-token prefill and the
+  four separate decode kernels.
 
-    python benchmarks/gpu_qwen35.py [--checkpoint /tmp/qwen35-4b-random] [--quick]
+Measured per variant: TTFT of a lone request with a fresh random prompt (no cache hits; 16k is
+prefilled in chunks of ``max_num_batched_tokens`` that continue the state), median of
+``--repeats``; TPOT = mean gap between a request's tokens (512-token prompts, 64 new tokens,
+all streams start together). ``after`` also measures the idle RSS of this process right after
+the engine is up (weights loaded, graphs captured; breakdown from /proc) and a second chat turn
+(4,000-token history + 50 new tokens) served from the prefix cache vs recomputed.
+
+    python benchmarks/gpu_qwen35.py [--checkpoint /tmp/qwen35-4b-mm] [--quick]
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --write-checkpoint-only
+        (then: python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm ...)
 Writes benchmarks/results/gpu_qwen35.json and .png (copies under $OUT when set).
 """
 
@@ -20,46 +31,98 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
-# Qwen3.5-4B text shape: 32 layers (every 4th full attention), hidden 2560, GDN 16 key / 32 value heads
-QWEN35_4B = {
-    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
-    "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
-    "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "full_attention_interval": 4,
-    "attn_output_gate": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
-    "eos_token_id": 248044,
+# Qwen3.5-4B's language model: 32 layers (every 4th full attention), hidden 2560, GDN 16 key /
+# 32 value heads of 128, gated attention 16 heads / 4 KV heads of 256, tied embeddings
+QWEN35_4B_TEXT = {
+    "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+    "full_attention_interval": 4, "attn_output_gate": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+    "tie_word_embeddings": True, "eos_token_id": 248044,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
+# one vision block at the released tower's widths, projecting into the language model
+VISION_1_BLOCK = {"depth": 1, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 2560,
+                  "num_position_embeddings": 2304}
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+                "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+                "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
+VARIANTS = {"after": None, "before": "recurrent"}
 
 
-def write_checkpoint(path: Path) -> float:
+def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None = None, device: str = "cuda") -> float:
+    """A random bf16 ``Qwen3_5ForConditionalGeneration`` checkpoint (HF's own names and config),
+    its preprocessor config and a word-level tokenizer; seconds taken."""
     import torch
-    from transformers import Qwen3_5ForCausalLM
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from gpu_serving import write_tokenizer
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     start = time.perf_counter()
-    fields = {k: v for k, v in QWEN35_4B.items() if k not in ("architectures", "model_type")}
-    with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields)).to(torch.bfloat16)
+    text, vision = dict(text or QWEN35_4B_TEXT), dict(vision or VISION_1_BLOCK)
+    config = Qwen3_5Config(text_config=text, vision_config=vision,
+                           tie_word_embeddings=text.get("tie_word_embeddings", False))
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3_5ForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    saved = json.loads((path / "config.json").read_text())
-    saved.update(QWEN35_4B)
-    (path / "config.json").write_text(json.dumps(saved))
     del model
-    torch.cuda.empty_cache()
+    saved = json.loads((path / "config.json").read_text())
+    # benchmarks/gpu_concurrency.py reads the vocabulary size at the top of config.json
+    saved.setdefault("vocab_size", text["vocab_size"])
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    write_tokenizer(path, text["vocab_size"])
     return time.perf_counter() - start
+
+
+def ensure_checkpoint(path: Path) -> float | None:
+    """Write the checkpoint in a subprocess (PyTorch stays out of this process's RSS)."""
+    if (path / "config.json").exists():
+        return None
+    start = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--checkpoint", str(path), "--write-checkpoint-only"], check=True)
+    return time.perf_counter() - start
+
+
+def process_rss() -> dict:
+    """This process's resident memory (bytes) from /proc/self/status."""
+    fields = {"VmRSS": "total", "RssAnon": "anonymous", "RssFile": "file_mapped", "RssShmem": "shared"}
+    rss = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            rss[fields[key]] = int(value.split()[0]) * 1024
+    return rss
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int, cache_salt: str = ""):
+    from openinfer.offline import generate_request
+
+    return generate_request(request_id, prompt, max_tokens, cache_salt=cache_salt)
 
 
 async def timed(engine, request) -> tuple[float, list[float], int, list[int]]:
@@ -80,32 +143,136 @@ async def timed(engine, request) -> tuple[float, list[float], int, list[int]]:
     return times[0] - start, times, cached, ids
 
 
-def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) -> float:
-    from openinfer.offline import generate_request as make_request
+def random_prompt(rng, length: int) -> list[int]:
+    return rng.integers(100, 200000, size=length).tolist()
 
-    requests = [make_request(f"{tag}-{streams}-{i}", rng.integers(100, 200000, size=prompt_len).tolist(),
-                             max_tokens=new_tokens) for i in range(streams)]
+
+def prefill_ttft(engine, rng, length: int, repeats: int, tag: str) -> float:
+    """Median TTFT (ms) of lone requests with fresh random prompts of ``length`` tokens."""
+    samples = [1000 * asyncio.run(timed(engine, make_request(f"{tag}-{length}-{i}", random_prompt(rng, length), 1)))[0]
+               for i in range(repeats)]
+    return statistics.median(samples)
+
+
+def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) -> float:
+    requests = [make_request(f"{tag}-{streams}-{i}", random_prompt(rng, prompt_len), new_tokens)
+                for i in range(streams)]
 
     async def main():
         return await asyncio.gather(*(timed(engine, r) for r in requests))
 
-    results = asyncio.run(main())
-    gaps = [(t[-1] - t[0]) / (len(t) - 1) for _, t, _, _ in results]
+    gaps = [(t[-1] - t[0]) / (len(t) - 1) for _, t, _, _ in asyncio.run(main())]
     return 1000 * statistics.mean(gaps)
 
 
 def multi_turn(engine, rng, history: int, new_turn: int) -> dict:
-    from openinfer.offline import generate_request as make_request
-
-    prompt = rng.integers(100, 200000, size=history - 32).tolist()
+    prompt = random_prompt(rng, history - 32)
     # the second turn repeats the history token for token (prompt + what turn 1 generated)
-    outcome = asyncio.run(timed(engine, make_request("turn1", prompt, max_tokens=32)))[3]
-    turn = prompt + outcome + rng.integers(100, 200000, size=new_turn).tolist()
-    warm = asyncio.run(timed(engine, make_request("turn2", turn, max_tokens=8)))
-    cold = asyncio.run(timed(engine, make_request("turn2-cold", turn, max_tokens=8, cache_salt="cold")))
+    outcome = asyncio.run(timed(engine, make_request("turn1", prompt, 32)))[3]
+    turn = prompt + outcome + random_prompt(rng, new_turn)
+    warm = asyncio.run(timed(engine, make_request("turn2", turn, 8)))
+    cold = asyncio.run(timed(engine, make_request("turn2-cold", turn, 8, cache_salt="cold")))
     return {"history_tokens": len(prompt) + len(outcome), "new_turn_tokens": new_turn,
             "warm_ttft_ms": 1000 * warm[0], "warm_cached_tokens": warm[2],
             "cold_ttft_ms": 1000 * cold[0], "cold_cached_tokens": cold[2]}
+
+
+def set_kernels(variant: str) -> None:
+    if VARIANTS[variant] is None:
+        os.environ.pop(KERNELS_ENV, None)
+    else:
+        os.environ[KERNELS_ENV] = VARIANTS[variant]
+
+
+def layer_core_timings(args: argparse.Namespace) -> dict:
+    """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
+    norm; no projections) at the 4B shape, per variant: decode batches and single prompts."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.state import StepSequences
+    from openinfer_qwen35.weights import DeltaNetWeights
+
+    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
+    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+                         config.linear_conv_kernel_dim)
+    features = config.conv_dim + config.linear_value_dim + 2 * nv
+    rng = np.random.default_rng(0)
+
+    def bf16(shape, scale=1.0):
+        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
+        return cupy.asarray(bits.astype(np.uint16))
+
+    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
+                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
+                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    slots = max(args.streams) + 1
+    conv_state = bf16((slots, width - 1, config.conv_dim))
+    ssm_state = cupy.zeros((slots, nv, dk, dv), dtype=cupy.float32)
+
+    def timed_ms(proj, seqs, repeats):
+        for _ in range(2):
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(repeats):
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+        stop.record()
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / repeats
+
+    timings: dict = {}
+    for variant in VARIANTS:
+        set_kernels(variant)
+        decode, prefill = {}, {}
+        for rows in args.streams:
+            query_start = np.arange(rows + 1)
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, rows + 1), np.zeros(rows, bool)))
+            decode[str(rows)] = 1000 * timed_ms(bf16((rows, features)), seqs, 50)  # µs
+        for length in args.prefill:
+            seqs = cuda_ops.prepare_sequences(StepSequences(np.array([0, length]), np.array([1]), np.array([True])))
+            prefill[str(length)] = timed_ms(bf16((length, features)), seqs, 3)  # ms
+        timings[variant] = {"decode_us": decode, "prefill_ms": prefill}
+        print(f"{variant}: one GDN layer core: decode µs {decode}, prefill ms {prefill}", flush=True)
+    set_kernels("after")
+    return timings
+
+
+def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dict) -> None:
+    import numpy as np
+
+    import openinfer
+
+    set_kernels(variant)
+    start = time.perf_counter()
+    engine = openinfer.create_engine(path, device="cuda", max_model_len=max(args.prefill) + 256, max_num_seqs=64)
+    results["engine_start_s"][variant] = time.perf_counter() - start
+    try:
+        if variant == "after":
+            gc.collect()
+            results["idle_rss_bytes"] = process_rss()
+            print(f"idle RSS after start: {results['idle_rss_bytes']}", flush=True)
+            results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
+                                  "num_state_slots": engine.kv_plan.num_state_slots,
+                                  "num_snapshot_slots": engine.kv_plan.num_snapshot_slots}
+        rng = np.random.default_rng(0)
+        tpot(engine, rng, 2, 64, 8, f"warm-{variant}")
+        prefill_ttft(engine, rng, 512, 1, f"warm-{variant}")
+        for length in args.prefill:
+            ttft = prefill_ttft(engine, rng, length, args.repeats, variant)
+            results["prefill_ttft_ms"][variant][str(length)] = ttft
+            print(f"{variant}: prefill {length} tokens TTFT {ttft:.1f} ms", flush=True)
+        for streams in args.streams:
+            value = tpot(engine, rng, streams, 512, args.new_tokens, variant)
+            results["decode_tpot_ms"][variant][str(streams)] = value
+            print(f"{variant}: TPOT at {streams} streams {value:.2f} ms", flush=True)
+        if variant == "after":
+            results["multi_turn"] = multi_turn(engine, rng, 4000, 50)
+            print(f"multi-turn: {results['multi_turn']}", flush=True)
+    finally:
+        engine.close_sync()
+        os.environ.pop(KERNELS_ENV, None)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -116,56 +283,89 @@ def plot(results: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    streams = sorted({int(k) for k in results["tpot_ms"]["graphs"]})
-    for mode in ("graphs", "eager"):
-        left.plot(streams, [results["tpot_ms"][mode].get(str(s)) for s in streams], marker="o", label=mode)
-    left.set_xlabel("concurrent streams")
-    left.set_ylabel("TPOT ms")
-    left.set_title("Qwen3.5-4B shape: decode TPOT")
-    left.legend()
-    turn = results["multi_turn"]
-    right.bar(["cold (recomputed)", "warm (prefix cache)"], [turn["cold_ttft_ms"], turn["warm_ttft_ms"]])
-    right.set_ylabel("TTFT ms")
-    right.set_title(f"second turn: {turn['history_tokens']} history + {turn['new_turn_tokens']} new")
+    fig, (prefill, decode, core, turn_axis) = plt.subplots(1, 4, figsize=(20, 4.2))
+    lengths = list(results["prefill_ttft_ms"]["after"])
+    width = 0.38
+    for offset, variant in ((-width / 2, "before"), (width / 2, "after")):
+        values = [results["prefill_ttft_ms"][variant].get(n, 0.0) for n in lengths]
+        prefill.bar([i + offset for i in range(len(lengths))], values, width, label=variant)
+    prefill.set_xticks(range(len(lengths)), [f"{int(n) // 1024}k" for n in lengths])
+    prefill.set_yscale("log")
+    prefill.set_ylabel("TTFT ms (log)")
+    prefill.set_title("prefill, one request")
+    prefill.legend()
+    for variant in ("before", "after"):
+        measured = results["decode_tpot_ms"][variant]
+        decode.plot([int(s) for s in measured], list(measured.values()), marker="o", label=variant)
+    decode.set_xscale("log", base=2)
+    decode.set_xlabel("concurrent streams")
+    decode.set_ylabel("TPOT ms")
+    decode.set_title("decode (CUDA graphs)")
+    decode.legend()
+    layer = results.get("gdn_layer_core")
+    if layer:
+        labels = [f"decode bs {b}" for b in layer["after"]["decode_us"]] + [
+            f"prefill {int(n) // 1024}k" for n in layer["after"]["prefill_ms"]]
+        ratios = [layer["before"]["decode_us"][b] / layer["after"]["decode_us"][b] for b in layer["after"]["decode_us"]]
+        ratios += [layer["before"]["prefill_ms"][n] / layer["after"]["prefill_ms"][n]
+                   for n in layer["after"]["prefill_ms"]]
+        core.bar(labels, ratios)
+        core.axhline(1.0, color="gray", linewidth=0.8)
+        core.set_yscale("log")
+        core.set_ylabel("before / after (device time)")
+        core.set_title("one GDN layer core (conv, delta rule, norm)")
+        core.tick_params(axis="x", rotation=30)
+    turn = results.get("multi_turn")
+    if turn:
+        turn_axis.bar(["cold (recomputed)", "warm (prefix cache)"], [turn["cold_ttft_ms"], turn["warm_ttft_ms"]])
+        turn_axis.set_ylabel("TTFT ms")
+        turn_axis.set_title(f"2nd turn: {turn['history_tokens']} history + {turn['new_turn_tokens']} new")
+    fig.suptitle(f"Qwen3.5-4B shape (random bf16), {results.get('device', '')}: Gated DeltaNet kernels "
+                 "before (recurrent) / after (chunked prefill, fused decode)")
     fig.tight_layout()
     fig.savefig(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default="/tmp/qwen35-4b-random")
-    parser.add_argument("--quick", action="store_true", help="fewer streams and tokens")
+    parser.add_argument("--checkpoint", default="/tmp/qwen35-4b-mm")
+    parser.add_argument("--write-checkpoint-only", action="store_true",
+                        help="write the checkpoint (if missing) and exit: for gpu_concurrency.py and vLLM")
+    parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    import numpy as np
-
-    import openinfer
-
     path = Path(args.checkpoint)
-    results: dict = {"shape": "Qwen3.5-4B text (random bf16)", "tpot_ms": {"graphs": {}, "eager": {}}}
-    if not (path / "config.json").exists():
-        results["checkpoint_write_s"] = write_checkpoint(path)
-    streams = (1, 16) if args.quick else (1, 16, 64)
-    new_tokens = 32 if args.quick else 64
-    for mode in ("graphs", "eager"):
-        engine = openinfer.create_engine(path, device="cuda", max_model_len=8192, max_num_seqs=64,
-                                         cuda_graph=mode == "graphs")
-        try:
-            rng = np.random.default_rng(0)
-            tpot(engine, rng, 2, 64, 8, f"warm-{mode}")
-            for n in streams:
-                results["tpot_ms"][mode][str(n)] = tpot(engine, rng, n, 512, new_tokens, mode)
-                print(f"{mode} TPOT at {n} streams: {results['tpot_ms'][mode][str(n)]:.2f} ms", flush=True)
-            if mode == "graphs":
-                results["graph_capture_s"] = getattr(engine.runner, "capture_seconds", None)
-                results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
-                                      "num_state_slots": engine.kv_plan.num_state_slots,
-                                      "num_snapshot_slots": engine.kv_plan.num_snapshot_slots,
-                                      "state_bytes_per_slot": engine.kv_groups.bytes_per_slot}
-                results["multi_turn"] = multi_turn(engine, rng, 4000, 50)
-                print(f"multi-turn: {results['multi_turn']}", flush=True)
-        finally:
-            engine.close_sync()
+    if args.write_checkpoint_only:
+        if not (path / "config.json").exists():
+            print(f"wrote {path} in {write_checkpoint(path):.1f} s", flush=True)
+        return
+    args.prefill = (1024, 4096) if args.quick else (1024, 4096, 16384)
+    args.streams = (1, 16) if args.quick else (1, 16, 64)
+    args.new_tokens = 32 if args.quick else 64
+    results: dict = {"shape": "Qwen3.5-4B (multimodal layout, random bf16)", "engine_start_s": {},
+                     "prefill_ttft_ms": {v: {} for v in VARIANTS}, "decode_tpot_ms": {v: {} for v in VARIANTS},
+                     "variants": {"after": "chunked tensor-core prefill + fused decode step (default)",
+                                  "before": f"{KERNELS_ENV}=recurrent: token-by-token prefill, 4 decode kernels"}}
+    results["checkpoint_write_s"] = ensure_checkpoint(path)
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    results["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    results["gdn_layer_core"] = layer_core_timings(args)
+    save(results)
+    for variant in VARIANTS:
+        run_variant(path, variant, args, results)
+        save(results)  # what was measured survives a later failure or time limit
+    print(json.dumps(results, indent=2))
+
+
+def save(results: dict) -> None:
+    """JSON + PNG under benchmarks/results (copies under $OUT), with the before/after ratios
+    of whatever both variants measured."""
+    results["speedup"] = {
+        kind: {key: results[kind]["before"][key] / value for key, value in results[kind]["after"].items()
+               if key in results[kind]["before"]}
+        for kind in ("prefill_ttft_ms", "decode_tpot_ms")}
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     (out / "gpu_qwen35.json").write_text(json.dumps(results, indent=2))
@@ -174,7 +374,6 @@ def main() -> None:
         for name in ("gpu_qwen35.json", "gpu_qwen35.png"):
             if (out / name).exists():
                 shutil.copy(out / name, os.environ["OUT"])
-    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,39 +1,150 @@
-"""The CUDA plan's Qwen3.5 ops: launchers for ``kernels/gated_deltanet.cu`` (bf16, CuPy).
+"""The CUDA plan's Qwen3.5 ops: launchers for ``kernels/*.cu`` (bf16, CuPy).
 
-One cached loader compiles the source per key-head dim (``-DDK=...``: the delta-rule kernel
-keeps a state column in registers). Every launcher checks its inputs and raises ``ValueError``
-naming what was wrong. Imported only when the model runs on the cuda backend.
+One cached loader compiles each source per key-head dim (``-DDK=...``: state columns live in
+registers, mma tiles are sized by it). Every launcher checks its inputs and raises
+``ValueError`` naming what was wrong. Imported only when the model runs on the cuda backend.
+
+A GDN layer's core (``delta_net``) takes one of three paths per step::
+
+    decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
+                                      gated norm in one kernel (captured in the decode graphs)
+    prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
+                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm
+    otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
+                                      token), gdn_gated_norm
+
+``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` selects the earlier kernels for every step (the
+token-by-token delta rule for prefill, four kernels for decode): the baseline the benchmark
+compares against. Shapes the fast kernels do not take (key head dim not a multiple of 64,
+value head dim not a multiple of 32) use them too.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import cupy
 import numpy as np
 
 from openinfer_qwen35.config import Qwen35Config
+from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
 from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
-SOURCE = "gated_deltanet.cu"
-MAX_CONV_WIDTH = 9  # gdn_conv_state keeps K-1 <= 8 old inputs in registers
+KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
+                                 "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_scan"),
+           "gdn_decode.cu": ("gdn_decode_step",)}
+SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
+MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
 SPLIT = 4  # threads per value channel in gdn_delta_rule (each holds DK / SPLIT state rows)
 TILE_DV = 32  # value channels per gdn_delta_rule block (a head spreads over dv / 32 blocks)
+SCAN_TILE = 32  # value channels per gdn_chunk_scan block (gdn_chunked.cu)
+CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the token-by-token kernel
+MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
+FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
+KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 
 
 @functools.cache
-def _module(key_head_dim: int) -> cupy.RawModule:
-    code = (resources.files("openinfer_qwen35") / "kernels" / SOURCE).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}"))
+def _module(source: str, key_head_dim: int) -> cupy.RawModule:
+    code = (KERNEL_DIR / source).read_text()
+    return cupy.RawModule(code=code, options=("-std=c++17", f"-I{KERNEL_DIR}", f"-DDK={key_head_dim}",
+                                              f"-DSPLIT={SPLIT}"))
 
 
-def kernel(name: str, key_head_dim: int = 128) -> cupy.RawKernel:
-    return _module(key_head_dim).get_function(name)
+@functools.cache
+def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0) -> cupy.RawKernel:
+    """Kernel ``name`` compiled for ``key_head_dim``; ``shared_bytes`` above 48 KiB of dynamic
+    shared memory is opted into once here."""
+    function = _module(SOURCE_OF[name], key_head_dim).get_function(name)
+    if shared_bytes > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    return function
+
+
+def use_recurrent_kernels() -> bool:
+    """Whether ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` asks for the earlier kernels."""
+    return os.environ.get(KERNELS_ENV, "").strip().lower() == "recurrent"
+
+
+def _round_128(size: int) -> int:
+    return -(-size // 128) * 128
+
+
+def chunk_prepare_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_prepare's dynamic shared memory (its carve, in order)."""
+    row_k, row_c, row_f = dk + 8, CHUNK_SIZE + 8, CHUNK_SIZE + 4
+    return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(dv * row_c * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
+            + _round_128(dk * row_c * 2) + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * row_c * 2)
+            + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
+
+
+def chunk_scan_shared_bytes(dk: int) -> int:
+    """gdn_chunk_scan's dynamic shared memory (its carve, in order)."""
+    row_k, row_c = dk + 8, CHUNK_SIZE + 8
+    return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
+            + 3 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2)
+            + 2 * _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
+def chunked_supported(config: Qwen35Config) -> bool:
+    return config.linear_key_head_dim % 64 == 0 and config.linear_value_head_dim % SCAN_TILE == 0
+
+
+def fused_decode_threads(config: Qwen35Config) -> int:
+    """gdn_decode_step's block: SPLIT threads per value channel and one per conv channel."""
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    return -(-max(dv * SPLIT, 2 * dk + dv) // 32) * 32
+
+
+def fused_decode_supported(config: Qwen35Config) -> bool:
+    return fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
+
+
+@functools.cache
+def _arrivals(device_id: int, size: int) -> cupy.ndarray:
+    """gdn_decode_step's per (row, key head) arrival counters: zero between launches (the
+    last block of each key head resets its own), so one buffer serves every layer and replay."""
+    with cupy.cuda.Device(device_id):
+        return cupy.zeros(size, dtype=cupy.int32)
+
+
+def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
+    return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_key_heads)
+
+
+def release_host_staging() -> None:
+    """Free the pinned host blocks CuPy cached while the weights went up: ``cupy.asarray`` of a
+    NumPy array stages it through CuPy's pinned memory pool, which keeps every freed block for
+    reuse — after loading a 4B model that was ~5 GB of page-locked host memory (RssShmem of an
+    idle engine on an H100) that no later step needs. Blocks still in use are kept."""
+    cupy.cuda.Device().synchronize()  # every upload has left its staging block
+    # CuPy holds each staging block until its copy's event is seen done, which it checks when
+    # pinned memory is next allocated: one byte returns them to the pool, which then frees them
+    cupy.cuda.alloc_pinned_memory(1)
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def warm_up(config: Qwen35Config) -> None:
+    """Compile the kernels this config runs and allocate the decode counters — before any CUDA
+    graph capture, which must neither compile nor allocate outside its pool."""
+    dk = config.linear_key_head_dim
+    for name in SOURCES["gated_deltanet.cu"]:
+        kernel(name, dk)
+    if chunked_supported(config):
+        kernel("gdn_chunk_prepare", dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
+        kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
+    if fused_decode_supported(config):
+        kernel("gdn_decode_step", dk)
+        arrival_counters(config)
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -64,20 +175,21 @@ def device_sequences(batch: Any) -> StepSequences:
     ``batch.state_slots``, ``fresh`` where the context starts with this step (or is empty: a
     CUDA-graph padding row, which then reads zeros and writes the null slot). Decode steps
     touch no host memory, so they can be captured in a CUDA graph; prefill steps upload the
-    row → sequence map."""
+    row → sequence map and keep the host ``query_start``."""
     if batch.state_slots is None:
         raise ValueError("Qwen3.5 keeps recurrent state: the device batch carries no state_slots "
                          "(the engine fills them from the model's RecurrentStateSpec)")
     num_seqs = batch.num_seqs
     query_start = batch.query_start
     fresh = ((batch.context_lens - (query_start[1:] - query_start[:-1])) <= 0).astype(cupy.int32)
+    host = None
     if batch.num_tokens == num_seqs:  # one token per sequence (decode, graph replay)
         token_seq = cupy.arange(num_seqs, dtype=cupy.int32)
-    else:
+    else:  # prefill: the host row map also lays out the chunks of the chunked kernels
         host = np.asarray(batch.host.query_start, np.int32)
         token_seq = cupy.asarray(np.repeat(np.arange(num_seqs, dtype=np.int32), np.diff(host)))
     views = {"query_start": query_start, "slots": batch.state_slots, "fresh": fresh, "token_seq": token_seq}
-    return StepSequences(None, batch.state_slots, fresh, device=views)
+    return StepSequences(host, batch.state_slots, fresh, device=views)
 
 
 def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, ssm_state: cupy.ndarray,
@@ -99,11 +211,20 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     device = seqs.device
     num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
     stride = np.int32(proj.shape[1])
-    conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
-    core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
     if num_tokens == 0:
         return out
+    recurrent = use_recurrent_kernels()
+    if (num_tokens == num_seqs and not recurrent and fused_decode_supported(config)
+            and num_seqs <= MAX_FUSED_DECODE_ROWS):
+        kernel("gdn_decode_step", dk)(
+            (num_seqs, nv), (fused_decode_threads(config),),
+            (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
+             device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
+             np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps)))
+        return out
+    conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
+    core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     kernel("gdn_conv1d", dk)(
         (_blocks(num_tokens * conv_dim),), (256,),
         (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
@@ -112,16 +233,50 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         (_blocks(num_seqs * conv_dim),), (256,),
         (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
          np.int32(conv_dim), np.int32(width)))
-    tile_dv = min(dv, TILE_DV)
-    kernel("gdn_delta_rule", dk)(
-        (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
-        (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
-         device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
+    host_query_start = seqs.query_start
+    if (not recurrent and host_query_start is not None and chunked_supported(config)
+            and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
+        _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core)
+    else:
+        tile_dv = min(dv, TILE_DV)
+        kernel("gdn_delta_rule", dk)(
+            (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
+            (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
+             device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
     kernel("gdn_gated_norm", dk)(
         (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
         (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
          np.float32(config.rms_norm_eps)))
     return out
+
+
+def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
+                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray) -> None:
+    """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence cut
+    into chunks of 64 from its first row; ``core`` gets the output O, the slots the new state."""
+    nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                      config.linear_value_head_dim)
+    num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
+    chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
+    num_chunks = len(chunk_start)
+    layout = cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+    starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
+    qn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
+    kn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
+    w_chunks = cupy.empty((num_tokens, nv, dk), dtype=cupy.uint16)
+    u_chunks = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
+    p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
+    cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
+    prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
+    kernel("gdn_chunk_prepare", dk, prepare_bytes)(
+        (num_chunks, nv), (128,),
+        (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
+         u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    scan_bytes = chunk_scan_shared_bytes(dk)
+    kernel("gdn_chunk_scan", dk, scan_bytes)(
+        (num_seqs, nv, dv // SCAN_TILE), (128,),
+        (qn, kn, w_chunks, u_chunks, p_chunks, cum, starts, lengths, per_seq, seqs.device["slots"],
+         seqs.device["fresh"], ssm_state, core, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
 def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
@@ -176,6 +331,8 @@ CUDA_PLAN = KernelPlan(
     fp32_vector=_fp32_device,
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
+    warm_up=warm_up,
+    release_host_staging=release_host_staging,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     norm_weight=_fp32_device,

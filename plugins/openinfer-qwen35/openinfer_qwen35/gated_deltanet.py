@@ -90,6 +90,22 @@ def causal_conv1d_step(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarra
 # --- the gated delta rule ----------------------------------------------------------------------
 
 
+def chunk_layout(query_start: np.ndarray, chunk_size: int = CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks of a step's sequences (rows ``query_start[s]:query_start[s+1]``), as the CUDA
+    chunked prefill walks them: ``(chunk_start [N], chunk_len [N], seq_chunks [B+1])`` int32 —
+    each sequence's tokens cut into chunks of ``chunk_size`` from its first row (the last one
+    shorter), sequence s owning chunks ``seq_chunks[s]:seq_chunks[s+1]``."""
+    query_start = np.asarray(query_start, np.int64)
+    lengths = np.diff(query_start)
+    counts = -(-lengths // chunk_size)
+    seq_chunks = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    owner = np.repeat(np.arange(len(lengths)), counts)
+    index = np.arange(int(seq_chunks[-1])) - seq_chunks[owner]  # chunk number within its sequence
+    chunk_start = query_start[owner] + index * chunk_size
+    chunk_len = np.minimum(chunk_size, query_start[owner + 1] - chunk_start)
+    return chunk_start.astype(np.int32), chunk_len.astype(np.int32), seq_chunks
+
+
 def solve_unit_lower(lower: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """``X`` with ``(I + lower) X = rhs`` for strictly lower-triangular ``lower [..., C, C]``, by
     forward substitution (a unit triangular system: never singular, no pivoting)."""

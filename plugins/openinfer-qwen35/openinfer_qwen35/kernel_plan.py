@@ -19,21 +19,24 @@ GDN layer core         ``delta_net``:                                           
   numpy                conv1d + chunked delta rule     conv1d step + recurrent step
                        (UT transform, chunk 64), one   (batched over sequences)
                        sequence at a time
-  cuda                 ``gdn_conv1d`` (varlen) →       same kernels, one token per
-                       ``gdn_conv_state`` →            sequence
-                       ``gdn_delta_rule`` (gates, l2
-                       norm, recurrence over the
-                       sequence's tokens; blocks per
-                       32 value channels) →
-                       ``gdn_gated_norm``
+  cuda                 ``gdn_conv1d`` (varlen) →       ``gdn_decode_step``: conv,
+                       ``gdn_conv_state`` →            window, gates, l2 norm, delta
+                       ``gdn_chunk_prepare`` (per      rule and gated norm in one
+                       chunk of 64: l2 norm, gates,    kernel per (sequence, value
+                       P, T = (I + A)^-1, U, W) →      head), captured in the
+                       ``gdn_chunk_scan`` (chunks in   decode graphs
+                       order, S in shared memory,
+                       tensor cores) →
+                       ``gdn_gated_norm``; rows
+                       shorter than 8: the token-by-
+                       token ``gdn_delta_rule``
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
 ``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``
-(kernels in ``kernels/gated_deltanet.cu``). The CUDA delta rule walks each sequence's tokens
-in order (the recurrent form, exact for prefill too); the chunked tensor-core prefill is the
-next kernel to write.
+(kernels in ``kernels/*.cu``). ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` runs the earlier
+CUDA kernels instead (token-by-token prefill, four decode kernels): the benchmarks' baseline.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ class KernelPlan:
     rms_norm: Callable[..., Any] | None = None
     add_rms_norm: Callable[..., Any] | None = None
     norm_weight: Callable[[np.ndarray], Any] | None = None
+    # compile kernels / allocate fixed buffers for a config, before any CUDA graph capture
+    warm_up: Callable[[Any], None] | None = None
+    # after the weights are on the device: return host buffers the upload cached (idle RSS)
+    release_host_staging: Callable[[], None] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

@@ -56,6 +56,8 @@ class Qwen35Model:
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
+        if self.plan.warm_up is not None:
+            self.plan.warm_up(config)
         self.rms_norm = self.plan.rms_norm or backend.rms_norm  # zero-centred: weights are 1 + w
         self.add_rms_norm = self.plan.add_rms_norm or backend.add_rms_norm
         rope = RotaryEmbedding.create(config.head_dim, config.rope, max_model_len, config.max_position_embeddings)

@@ -16,6 +16,12 @@ Fusions made at load time (rows of the ``[out, in]`` weights, top to bottom)::
 Zero-centred RMSNorm weights (every norm but the GDN output norm) are stored as ``1 + w`` so
 the backend's plain ``rms_norm`` applies them; ``A_log`` is stored as ``-exp(A_log)``.
 
+Host memory: for a backend computing in bf16 (cuda) every bf16 matrix and the conv weight go
+from the memory-mapped checkpoint to the device as raw bf16 bits — slices and fusions are
+uint16 concatenations, never a float32 copy of the model (the earlier loader widened each
+tensor to fp32 on the host first: twice the bytes through malloc, and an idle process that
+kept much of it). Only the small vectors that take fp32 math (norms, A_log, dt_bias) widen.
+
 Tensor parallel (``shard``): every fused part is cut to the rank's heads before fusing —
 attention heads (q, gate) and KV heads (k, v), GDN key heads (q, k channels) and value heads
 (v channels, z, b, a, A_log, dt_bias), gate/up rows; o_proj, out_proj and down keep the
@@ -52,6 +58,12 @@ class TensorSource(Protocol):
     def __contains__(self, name: str) -> bool: ...
     def get(self, name: str) -> np.ndarray: ...  # float32
     def names(self) -> Iterable[str]: ...
+    # optional (openinfer.Checkpoint, DummyCheckpoint): stored dtype name and raw bits, so a bf16
+    # backend receives bf16 tensors without a float32 copy
+
+
+def _stores_bf16(backend: Any) -> bool:
+    return np.dtype(getattr(backend, "activation_dtype", np.float32)) == np.uint16
 
 
 @dataclass
@@ -103,20 +115,35 @@ def text_prefix(source: TensorSource) -> str:
 class _Reader:
     """Reads tensors under the text prefix, checking shapes and remembering what was used."""
 
-    def __init__(self, source: TensorSource, prefix: str):
+    def __init__(self, source: TensorSource, prefix: str, native_bf16: bool = False):
         self.source, self.prefix = source, prefix
+        # raw bf16 bits for matrices when the backend stores bf16 and the source can hand them out
+        self.native_bf16 = native_bf16 and hasattr(source, "raw") and hasattr(source, "dtype")
         self.used: set[str] = set()
+
+    def matrix(self, name: str, shape: tuple[int, ...], full_name: bool = False) -> np.ndarray:
+        """A weight for ``backend.weight`` / ``linear_weight``: raw bf16 bits (uint16) where the
+        backend stores bf16 and the tensor is stored in bf16, else float32."""
+        key = name if full_name else self.prefix + name
+        if self.native_bf16 and key in self.source and self.source.dtype(key) == "BF16":
+            array = self.source.raw(key)
+            self._check(key, array, shape)
+            return array
+        return self.get(name, shape, full_name)
 
     def get(self, name: str, shape: tuple[int, ...], full_name: bool = False) -> np.ndarray:
         key = name if full_name else self.prefix + name
         if key not in self.source:
             raise WeightLoadError(f"tensor {key!r} is missing from the checkpoint")
         array = np.asarray(self.source.get(key), dtype=np.float32)
+        self._check(key, array, shape)
+        return array
+
+    def _check(self, key: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
         if array.shape != shape:
             raise WeightLoadError(f"tensor {key!r} has shape {array.shape}, the config implies {shape}; "
                                   "config.json and the weights disagree")
         self.used.add(key)
-        return array
 
     def optional(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
         return self.get(name, shape) if self.prefix + name in self.source else None
@@ -145,15 +172,15 @@ def load_weights(source: TensorSource, config: Qwen35Config, backend: Any,
     ``shard``: this rank's part under tensor parallelism (default: everything)."""
     shard = shard or TensorShard()
     config.for_rank(shard)  # heads that do not split fail here, before anything is read
-    reader = _Reader(source, text_prefix(source))
+    reader = _Reader(source, text_prefix(source), native_bf16=_stores_bf16(backend))
     hidden = config.hidden_size
     place_norm = norm_weight or backend.weight
-    embed = reader.get("embed_tokens.weight", (config.vocab_size, hidden))
+    embed = reader.matrix("embed_tokens.weight", (config.vocab_size, hidden))
     layers = [_load_layer(reader, config, backend, i, fp32_vector, place_norm, shard)
               for i in range(config.num_hidden_layers)]
     final_norm = 1.0 + reader.get("norm.weight", (hidden,))
     if "lm_head.weight" in source and not config.tie_word_embeddings:
-        lm_head = reader.get("lm_head.weight", (config.vocab_size, hidden), full_name=True)
+        lm_head = reader.matrix("lm_head.weight", (config.vocab_size, hidden), full_name=True)
     else:
         lm_head = embed
         if "lm_head.weight" in source:
@@ -176,9 +203,9 @@ def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
         mixer: FullAttentionWeights | DeltaNetWeights = _load_full_attention(reader, config, backend, prefix, shard)
     else:
         mixer = _load_delta_net(reader, config, backend, prefix, fp32_vector, shard)
-    gate_up = np.concatenate([column_rows(reader.get(prefix + "mlp.gate_proj.weight", (inter, hidden)), shard,
+    gate_up = np.concatenate([column_rows(reader.matrix(prefix + "mlp.gate_proj.weight", (inter, hidden)), shard,
                                           "intermediate_size"),
-                              column_rows(reader.get(prefix + "mlp.up_proj.weight", (inter, hidden)), shard,
+                              column_rows(reader.matrix(prefix + "mlp.up_proj.weight", (inter, hidden)), shard,
                                           "intermediate_size")])
     return LayerWeights(
         kind=kind,
@@ -186,7 +213,7 @@ def _load_layer(reader: _Reader, config: Qwen35Config, backend: Any, index: int,
         post_attention_norm=place_norm(1.0 + reader.get(prefix + "post_attention_layernorm.weight", (hidden,))),
         mixer=mixer,
         gate_up=backend.linear_weight(gate_up),
-        down=backend.linear_weight(row_columns(reader.get(prefix + "mlp.down_proj.weight", (hidden, inter)), shard,
+        down=backend.linear_weight(row_columns(reader.matrix(prefix + "mlp.down_proj.weight", (hidden, inter)), shard,
                                                "intermediate_size")),
     )
 
@@ -198,9 +225,9 @@ def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, pr
     heads, kv_heads = shard.split(nh, "num_attention_heads"), shard.kv_heads(nkv)
     local_q = (heads.stop - heads.start) * hd
     # q_proj rows are per head [query (hd) | gate (hd)]: split them into all queries, then all gates.
-    q_and_gate = reader.get(p + "q_proj.weight", (nh * 2 * hd, hidden)).reshape(nh, 2, hd, hidden)[heads]
-    k = head_rows(reader.get(p + "k_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
-    v = head_rows(reader.get(p + "v_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
+    q_and_gate = reader.matrix(p + "q_proj.weight", (nh * 2 * hd, hidden)).reshape(nh, 2, hd, hidden)[heads]
+    k = head_rows(reader.matrix(p + "k_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
+    v = head_rows(reader.matrix(p + "v_proj.weight", (nkv * hd, hidden)), kv_heads, hd)
     weight = np.concatenate([q_and_gate[:, 0].reshape(local_q, hidden), k, v,
                              q_and_gate[:, 1].reshape(local_q, hidden)])
     bias = None
@@ -211,7 +238,7 @@ def _load_full_attention(reader: _Reader, config: Qwen35Config, backend: Any, pr
         v_bias = head_rows(reader.get(p + "v_proj.bias", (nkv * hd,)), kv_heads, hd)
         bias = np.concatenate([q_bias[:, 0].ravel(), k_bias, v_bias, q_bias[:, 1].ravel()])
         o_bias = row_parallel_bias(reader.get(p + "o_proj.bias", (hidden,)), shard)
-    o_proj = reader.get(p + "o_proj.weight", (hidden, nh * hd))
+    o_proj = reader.matrix(p + "o_proj.weight", (hidden, nh * hd))
     return FullAttentionWeights(
         qkv_gate=backend.linear_weight(weight, bias),
         o_proj=backend.linear_weight(row_columns(o_proj, shard, "num_attention_heads * head_dim"), o_bias),
@@ -239,16 +266,16 @@ def _load_delta_net(reader: _Reader, config: Qwen35Config, backend: Any, prefix:
     channels = _conv_channels(config, shard)
     value_heads = shard.split(nv, "linear_num_value_heads")
     in_proj = np.concatenate([
-        reader.get(p + "in_proj_qkv.weight", (conv_dim, hidden))[channels],
-        head_rows(reader.get(p + "in_proj_z.weight", (value_dim, hidden)), value_heads, dv),
-        reader.get(p + "in_proj_b.weight", (nv, hidden))[value_heads],
-        reader.get(p + "in_proj_a.weight", (nv, hidden))[value_heads],
+        reader.matrix(p + "in_proj_qkv.weight", (conv_dim, hidden))[channels],
+        head_rows(reader.matrix(p + "in_proj_z.weight", (value_dim, hidden)), value_heads, dv),
+        reader.matrix(p + "in_proj_b.weight", (nv, hidden))[value_heads],
+        reader.matrix(p + "in_proj_a.weight", (nv, hidden))[value_heads],
     ])
-    conv = reader.get(p + "conv1d.weight", (conv_dim, 1, config.linear_conv_kernel_dim))[channels, 0, :]
+    conv = reader.matrix(p + "conv1d.weight", (conv_dim, 1, config.linear_conv_kernel_dim))[channels, 0, :]
     conv_bias = reader.optional(p + "conv1d.bias", (conv_dim,))
     if conv_bias is not None and np.any(conv_bias):
         raise WeightLoadError(f"tensor {reader.prefix + p}conv1d.bias is non-zero; Qwen3.5's conv has no bias")
-    out_proj = reader.get(p + "out_proj.weight", (hidden, value_dim))
+    out_proj = reader.matrix(p + "out_proj.weight", (hidden, value_dim))
     return DeltaNetWeights(
         in_proj=backend.linear_weight(in_proj),
         conv_weight=backend.weight(np.ascontiguousarray(conv)),

@@ -85,3 +85,90 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     np.testing.assert_allclose(read_array(tmp_path, "norm_out", np.uint16, summed.shape), zero_centred(summed), rtol=8e-3, atol=1e-6)
     np.testing.assert_allclose(read_array(tmp_path, "norm_plain", np.uint16, norm_x.shape), zero_centred(norm_x), rtol=8e-3,
                                atol=1e-6)
+
+
+FAST_HARNESS = Path(__file__).parent / "cuda_emulation" / "fast_paths_harness.cpp"
+FAST_KEY_DIM, FAST_VALUE_DIM = 64, 64  # the chunked kernels take dk % 64 == 0, dv % 32 == 0
+
+
+@pytest.fixture(scope="module")
+def fast_harness(tmp_path_factory) -> Path:
+    kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    return compile_harness(FAST_HARNESS, kernels, tmp_path_factory.mktemp("gdn-fast") / "harness",
+                           {"DK": FAST_KEY_DIM})
+
+
+def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
+    """The tensor-core chunked prefill (mma emulated lane by lane) over prompts that are not a
+    multiple of 64, a chunk continuing a saved state and a one-token row; the fused decode step
+    over fresh and continuing sequences sharing key heads."""
+    config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
+                                     "linear_value_head_dim": FAST_VALUE_DIM})
+    rng = np.random.default_rng(3)
+    nk, nv, width, conv_dim = (config.linear_num_key_heads, config.linear_num_value_heads,
+                               config.linear_conv_kernel_dim, config.conv_dim)
+    assert nv // nk >= 2  # value heads share a key head's conv window: the fused decode's hand-off
+    features = conv_dim + config.linear_value_dim + 2 * nv
+    conv_weight = bf16(0.4 * rng.standard_normal((conv_dim, width)))
+    neg_rate = -np.exp(rng.uniform(np.log(0.05), np.log(4.0), nv)).astype(np.float32)
+    dt_bias = bf16(0.5 * rng.standard_normal(nv))
+    norm = bf16(1 + 0.3 * rng.standard_normal(FAST_VALUE_DIM))
+    weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
+
+    def step(lengths: list[int], fresh: np.ndarray, slots: np.ndarray):
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        proj = bf16(rng.standard_normal((query_start[-1], features)))
+        conv_state = bf16(rng.standard_normal((6, width - 1, conv_dim)))
+        ssm_state = (0.3 * rng.standard_normal((6, nv, FAST_KEY_DIM, FAST_VALUE_DIM))).astype(np.float32)
+        host_conv, host_ssm = conv_state.copy(), ssm_state.copy()
+        expected = gated_deltanet.delta_net(proj, weights, host_conv, host_ssm,
+                                            StepSequences(query_start.astype(np.int64), slots.astype(np.int64),
+                                                          fresh), config)
+        return query_start, proj, conv_state, ssm_state, expected, host_conv, host_ssm
+
+    # prefill: 150 tokens from scratch (2 full chunks + 22), a one-token row, a 64-token chunk
+    # continuing its slot's state, 5 tokens continuing
+    slots = np.array([3, 1, 4, 2], np.int32)
+    fresh = np.array([True, False, False, False])
+    query_start, proj, conv_state, ssm_state, expected, host_conv, host_ssm = step([150, 1, 64, 5], fresh, slots)
+    chunk_start, chunk_len, seq_chunks = gated_deltanet.chunk_layout(query_start)
+    # decode: six sequences, two fresh; slot 5 twice would race, so distinct slots
+    d_slots = np.array([5, 2, 0, 3, 1, 4], np.int32)
+    d_fresh = np.array([False, True, False, False, True, False])
+    d_query_start, d_proj, d_conv, d_ssm, d_expected, d_host_conv, d_host_ssm = step([1] * 6, d_fresh, d_slots)
+
+    run_harness(fast_harness, tmp_path, nk, nv, FAST_VALUE_DIM, width, config.rms_norm_eps, timeout=600,
+                proj=float32_to_bf16(proj), conv_weight=float32_to_bf16(conv_weight),
+                conv_state=float32_to_bf16(conv_state), ssm_state=ssm_state, neg_decay_rate=neg_rate,
+                dt_bias=dt_bias, norm=float32_to_bf16(norm), query_start=query_start, slots=slots,
+                fresh=fresh.astype(np.int32), token_seq=np.repeat(np.arange(4, dtype=np.int32), np.diff(query_start)),
+                chunk_start=chunk_start, chunk_len=chunk_len, seq_chunks=seq_chunks,
+                decode_proj=float32_to_bf16(d_proj), decode_conv_state=float32_to_bf16(d_conv),
+                decode_ssm_state=d_ssm, decode_query_start=d_query_start, decode_slots=d_slots,
+                decode_fresh=d_fresh.astype(np.int32))
+
+    def check(prefix: str, out_shape, expected, conv_shape, host_conv, host_ssm, ssm_before, used_slots):
+        out = read_array(tmp_path, f"{prefix}out", np.uint16, out_shape)
+        scale = max(1.0, float(np.abs(expected).max()))
+        assert np.abs(out - expected).max() <= 0.05 * scale
+        assert np.abs(out - expected).mean() <= 0.01 * scale
+        conv = read_array(tmp_path, f"{prefix}conv_state", np.uint16, conv_shape)
+        np.testing.assert_array_equal(conv[used_slots], host_conv[used_slots])
+        ssm = read_array(tmp_path, f"{prefix}ssm_state", np.float32, ssm_before.shape)
+        state_scale = max(1.0, float(np.abs(host_ssm[used_slots]).max()))
+        assert np.abs(ssm[used_slots] - host_ssm[used_slots]).max() <= 0.03 * state_scale
+        untouched = np.setdiff1d(np.arange(ssm_before.shape[0]), used_slots)
+        np.testing.assert_array_equal(ssm[untouched], ssm_before[untouched])
+
+    check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
+    # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
+    out = read_array(tmp_path, "decode_out", np.uint16, d_expected.shape)
+    scale = max(1.0, float(np.abs(d_expected).max()))
+    assert np.abs(out - d_expected).max() <= 0.05 * scale
+    assert np.abs(out - d_expected).mean() <= 0.01 * scale
+    conv = read_array(tmp_path, "decode_conv_state_out", np.uint16, d_conv.shape)
+    np.testing.assert_array_equal(conv[d_slots], d_host_conv[d_slots])
+    ssm = read_array(tmp_path, "decode_ssm_state_out", np.float32, d_ssm.shape)
+    assert np.abs(ssm[d_slots] - d_host_ssm[d_slots]).max() <= 0.03 * max(1.0, float(np.abs(d_host_ssm).max()))
+    # every key head's last block reset its arrival counter for the next step
+    np.testing.assert_array_equal(read_array(tmp_path, "decode_arrivals", np.int32, (6 * nk,)), 0)

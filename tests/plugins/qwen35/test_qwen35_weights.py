@@ -66,3 +66,53 @@ def test_unknown_text_tensors_are_refused_but_vision_and_mtp_are_ignored(source_
     tensors["model.layers.0.linear_attn.extra.weight"] = np.zeros((2, 2), np.float32)
     with pytest.raises(WeightLoadError, match="not part of a Qwen3.5 text model"):
         load_weights(DictSource(tensors), config, create_backend("cpu"))
+
+
+class Bf16Source(DictSource):
+    """A checkpoint that stores every tensor in bf16 (``raw`` bits), like a real release."""
+
+    def dtype(self, name):
+        return "BF16"
+
+    def raw(self, name):
+        from openinfer import float32_to_bf16
+
+        return float32_to_bf16(self.tensors[name])
+
+
+class Bf16Backend:
+    """Records what the loader hands a backend that stores bf16 (the cuda backend's contract:
+    uint16 arrays are taken as bf16 bits)."""
+
+    name = "recording"
+    activation_dtype = np.uint16
+
+    def __init__(self):
+        self.placed: list[np.ndarray] = []
+
+    def weight(self, array):
+        self.placed.append(np.asarray(array))
+        return array
+
+    def linear_weight(self, weight, bias=None):
+        self.placed.append(np.asarray(weight))
+        return weight
+
+
+def test_a_bf16_backend_gets_raw_bf16_matrices_with_no_float32_copy(source_and_config):
+    from openinfer import float32_to_bf16
+
+    tensors, config = source_and_config
+    source = Bf16Source(tensors)
+    backend = Bf16Backend()
+    weights = load_weights(source, config, backend, norm_weight=lambda x: np.asarray(x, np.float32))
+    matrices = [a for a in backend.placed if a.ndim == 2]
+    assert matrices and all(a.dtype == np.uint16 for a in matrices)
+    # bits straight from the checkpoint, fused as before: in_proj = [qkv | z | b | a]
+    prefix = "model.layers.0.linear_attn."
+    expected = np.concatenate([source.raw(prefix + n) for n in ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                                 "in_proj_b.weight", "in_proj_a.weight")])
+    np.testing.assert_array_equal(weights.layers[0].mixer.in_proj, expected)
+    np.testing.assert_array_equal(weights.embed_tokens, float32_to_bf16(tensors["model.embed_tokens.weight"]))
+    # norms (1 + w) are computed in float32
+    np.testing.assert_allclose(weights.layers[0].input_norm, 1.0 + tensors["model.layers.0.input_layernorm.weight"])

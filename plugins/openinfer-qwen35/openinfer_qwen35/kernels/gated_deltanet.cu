@@ -10,39 +10,7 @@
 //   sequence's initial conv window and state read as zeros), token_seq [T] (sequence of each row).
 // DK (key head dim) and SPLIT are compile-time defines: SPLIT threads keep one state column S[:, j]
 // in registers, DK / SPLIT rows each.
-#include <cuda_bf16.h>
-
-typedef __nv_bfloat16 bf16;
-
-#ifndef DK
-#define DK 128
-#endif
-#ifndef SPLIT  // threads per value channel in gdn_delta_rule (divides 32 and DK)
-#define SPLIT 4
-#endif
-static_assert(DK % SPLIT == 0 && 32 % SPLIT == 0, "SPLIT must divide the key head dim and 32");
-
-__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < num_warps ? scratch[lane] : 0.f;
-    return warp_sum(v);
-}
+#include "gdn_common.cuh"
 
 // conv_out[t, c] = silu(sum_j w[c, j] * x[t - (K-1) + j, c]), reaching back into the slot's conv
 // window for the first K-1 rows of a sequence. One thread per (token, channel).
@@ -136,12 +104,10 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
         }
         q_sq = block_sum(q_sq, scratch);
         k_sq = block_sum(k_sq, scratch);  // block_sum's barriers also publish q[] and k[]
-        const float q_norm = rsqrtf(q_sq + 1e-6f) * scale, k_norm = rsqrtf(k_sq + 1e-6f);
+        const float q_norm = rsqrtf(q_sq + L2_NORM_EPS) * scale, k_norm = rsqrtf(k_sq + L2_NORM_EPS);
         const bf16* p = proj + (size_t)t * proj_stride;
-        const float beta = round_bf16(sigmoid_f(to_f(p[conv_dim + value_dim + h])));  // bf16 in HF
-        const float a = to_f(p[conv_dim + value_dim + num_value_heads + h]) + bias;
-        const float softplus = a > 20.f ? a : log1pf(__expf(a));
-        const float decay = __expf(rate * softplus);
+        const float beta = gdn_beta(to_f(p[conv_dim + value_dim + h]));
+        const float decay = __expf(gdn_log_decay(to_f(p[conv_dim + value_dim + num_value_heads + h]), rate, bias));
         float predicted = 0.f;
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {

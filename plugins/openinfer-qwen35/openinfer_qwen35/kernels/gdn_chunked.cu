@@ -1,0 +1,508 @@
+// The chunked gated delta rule on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate):
+// the prefill path of a Gated DeltaNet layer, after gdn_conv1d / gdn_conv_state and before
+// gdn_gated_norm (gated_deltanet.cu). Chunks of C = 64 tokens of one sequence; per chunk and
+// value head, with the in-chunk cumulative log-decay c_t (c_t = g_1 + ... + g_t) and the state
+// S [DK, dv] entering the chunk (the WY / UT-transform form, as gated_deltanet.py's NumPy
+// reference):
+//
+//   A = strict_lower(diag(beta) K K^T * D),  D[i, j] = exp(c_i - c_j)
+//   T = (I + A)^-1                       (unit lower triangular: forward substitution)
+//   U = T diag(beta) V,  W = T diag(beta exp(c)) K
+//   V' = U - W S                          (the chunk's corrected values)
+//   O  = diag(exp(c)) Q S + P V',          P = lower(Q K^T * D)   (diagonal included)
+//   S <- exp(c_C) S + K^T diag(exp(c_C - c)) V'
+//
+// Two kernels: gdn_chunk_prepare (grid: chunks x value heads, all independent) computes the l2-
+// normalised q and k, c, P, U and W of every chunk; gdn_chunk_scan (grid: sequences x value
+// heads x dv/32) walks a sequence's chunks in order for 32 value channels (the delta rule is
+// independent per value channel), keeping S in shared memory (fp32; a bf16 copy feeds the mma).
+// The last chunk of a sequence may be short: its missing rows are zeros (g = 0, beta = 0).
+//
+// Layouts (T tokens of the step, N chunks; the step's chunks listed by the host):
+//   conv_out [T, conv_dim] bf16 (q | k | v), proj as gated_deltanet.cu (b, a columns)
+//   chunk_start [N] first token row, chunk_len [N] (1..64), seq_chunks [B+1] chunks of each sequence
+//   qn, kn [T, nk, DK] bf16   q l2-normalised and scaled by DK^-1/2, k l2-normalised
+//   w [T, nv, DK], u [T, nv, dv] bf16;  p [N, nv, 64, 64] bf16;  cum [T, nv] fp32 (c_t)
+//   core [T, nv * dv] bf16 (the delta-rule output O, for gdn_gated_norm)
+#include "gdn_common.cuh"
+
+#define CHUNK 64
+#define SCAN_TILE 32  // value channels per gdn_chunk_scan block
+#define PAD 8         // bf16 row padding of shared tiles: conflict-free fragment loads
+
+static_assert(DK % 64 == 0, "the chunked kernels take key head dims that are multiples of 64");
+
+#ifndef GDN_DYNAMIC_SHARED
+#define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+#ifndef GDN_HOST_EMULATION
+// D = A B + D for one m16n8k16 tile; a: 4 registers of bf16 pairs, b: 2.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
+// Fragment loads from shared memory (lane = 4 g + q). A tile 16x16 of a row-major matrix at
+// `base` (leading dim ld): rows g and g+8, columns 2q, 2q+1 and 2q+8, 2q+9.
+__device__ __forceinline__ void load_a(unsigned* a, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    a[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
+    a[1] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q);
+    a[2] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
+    a[3] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q + 8);
+}
+
+// B tile 16(k) x 8(n) from its transpose stored row-major, bt[n][k] at `base`: column g, rows
+// 2q, 2q+1 (b0) and 2q+8, 2q+9 (b1).
+__device__ __forceinline__ void load_b(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
+    b[1] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
+}
+
+// A tile 16(m) x 16(k) of A = X^T, X row-major at `base` (X[k][m] at base + k ld + m): the pairs
+// a fragment register holds are X[2q][m], X[2q+1][m] — two 16-bit loads each, so K is used as
+// the left operand of K^T V' without a transposed copy.
+__device__ __forceinline__ void load_a_transposed(unsigned* a, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned short* x = reinterpret_cast<const unsigned short*>(base);
+    auto pair = [&](int k, int m) { return (unsigned)x[k * ld + m] | ((unsigned)x[(k + 1) * ld + m] << 16); };
+    a[0] = pair(2 * q, g);
+    a[1] = pair(2 * q, g + 8);
+    a[2] = pair(2 * q + 8, g);
+    a[3] = pair(2 * q + 8, g + 8);
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    const unsigned short l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+    const unsigned short h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+    return (unsigned)l | ((unsigned)h << 16);
+}
+
+__device__ __forceinline__ void store_pair(bf16* at, float lo, float hi) {
+    *reinterpret_cast<unsigned*>(at) = pack_bf16(lo, hi);
+}
+
+__device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 127) & ~(size_t)127; }
+
+// Shared memory of gdn_chunk_prepare: row-padded tiles (see gdn_chunk_prepare_smem_bytes).
+#define LDK (DK + PAD)
+#define LDC (CHUNK + PAD)
+#define LDF (CHUNK + 4)  // fp32 64x64 matrices
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_prepare: grid (N, nv), 128 threads (4 warps; warp w owns rows 16w..16w+15).
+// Dynamic shared memory: gdn_chunk_prepare_smem(dv) bytes (the launcher computes the same sum).
+extern "C" __global__ void __launch_bounds__(128)
+gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
+                  const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
+                  const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                  bf16* __restrict__ qn, bf16* __restrict__ kn, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
+                  bf16* __restrict__ p_out, float* __restrict__ cum_out, int num_key_heads, int num_value_heads,
+                  int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int t0 = chunk_start[c], n = chunk_len[c];
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
+    const int conv_dim = 2 * key_dim + value_dim;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+
+    // carve: [Qs | V^T] , Ks, (beta exp(c) K)^T, A (fp32), T (fp32), Tb, cum, beta
+    unsigned char* at = smem;
+    const size_t region0 = round_up_128((size_t)CHUNK * LDK * 2) > round_up_128((size_t)dv * LDC * 2)
+                               ? round_up_128((size_t)CHUNK * LDK * 2) : round_up_128((size_t)dv * LDC * 2);
+    bf16* qs = reinterpret_cast<bf16*>(at);   // [64][LDK], later vt [dv][LDC] = (beta V)^T
+    bf16* vt = qs;
+    at += region0;
+    bf16* ks = reinterpret_cast<bf16*>(at);   // [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* kt = reinterpret_cast<bf16*>(at);   // [DK][LDC] = (beta exp(c) K)^T
+    at += round_up_128((size_t)DK * LDC * 2);
+    float* amat = reinterpret_cast<float*>(at);  // [64][LDF]
+    at += round_up_128((size_t)CHUNK * LDF * 4);
+    float* tinv = reinterpret_cast<float*>(at);  // [64][LDF]
+    at += round_up_128((size_t)CHUNK * LDF * 4);
+    bf16* tb = reinterpret_cast<bf16*>(at);  // [64][LDC]
+    at += round_up_128((size_t)CHUNK * LDC * 2);
+    double* cum = reinterpret_cast<double*>(at);  // [64]
+    at += round_up_128(CHUNK * 8);
+    float* beta = reinterpret_cast<float*>(at);  // [64]
+    at += round_up_128(CHUNK * 4);
+    float* gate = reinterpret_cast<float*>(at);  // [64]
+
+    // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end
+    const float q_scale = rsqrtf((float)DK);
+    for (int r = warp; r < CHUNK; r += 4) {
+        const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
+        float qv[DK / 32], kv[DK / 32];
+        float q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+        for (int e = 0; e < DK / 32; ++e) {
+            const int i = lane + 32 * e;
+            qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
+            kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+            q_sq += qv[e] * qv[e];
+            k_sq += kv[e] * kv[e];
+        }
+        const float qf = rsqrtf(warp_sum(q_sq) + L2_NORM_EPS) * q_scale, kf = rsqrtf(warp_sum(k_sq) + L2_NORM_EPS);
+#pragma unroll
+        for (int e = 0; e < DK / 32; ++e) {
+            const int i = lane + 32 * e;
+            const bf16 qb = __float2bfloat16_rn(qv[e] * qf), kb = __float2bfloat16_rn(kv[e] * kf);
+            qs[r * LDK + i] = qb;
+            ks[r * LDK + i] = kb;
+            if (r < n && h % ratio == 0) {  // one value head of the group writes its key head's rows
+                qn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = qb;
+                kn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = kb;
+            }
+        }
+    }
+    if (threadIdx.x < CHUNK) {
+        const int r = threadIdx.x;
+        float b = 0.f, lg = 0.f;
+        if (r < n) {
+            const bf16* row = proj + (size_t)(t0 + r) * proj_stride;
+            b = gdn_beta(to_f(row[conv_dim + value_dim + h]));
+            lg = gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]), neg_decay_rate[h], dt_bias[h]);
+        }
+        beta[r] = b;
+        gate[r] = lg;
+    }
+    __syncthreads();
+    // c_t reaches -1000 within a chunk for fast-forgetting heads: sum in fp64 so that the
+    // differences c_i - c_j keep their precision
+    if (threadIdx.x == 0) {
+        double acc = 0.0;
+        for (int r = 0; r < CHUNK; ++r) {
+            acc += (double)gate[r];
+            cum[r] = acc;
+            if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+        }
+    }
+    __syncthreads();
+
+    // 2. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared; warp w: rows 16w..
+    {
+        const int r0 = 16 * warp;
+        float sqk[CHUNK / 8][4], skk[CHUNK / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < CHUNK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sqk[nt][e] = skk[nt][e] = 0.f;
+#pragma unroll
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            unsigned aq[4], ak[4];
+            load_a(aq, qs + r0 * LDK + k0, LDK);
+            load_a(ak, ks + r0 * LDK + k0, LDK);
+#pragma unroll
+            for (int nt = 0; nt < CHUNK / 8; ++nt) {
+                unsigned b[2];
+                load_b(b, ks + nt * 8 * LDK + k0, LDK);  // (K^T)^T = K: rows of K are columns of K^T
+                mma_bf16_16816(sqk[nt], aq, b[0], b[1]);
+                mma_bf16_16816(skk[nt], ak, b[0], b[1]);
+            }
+        }
+        bf16* p = p_out + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+#pragma unroll
+        for (int nt = 0; nt < CHUNK / 8; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = r0 + g + 8 * half, j = nt * 8 + 2 * q4;
+                float pv[2], av[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int jj = j + e;
+                    const float d = jj <= i ? __expf((float)(cum[i] - cum[jj])) : 0.f;
+                    pv[e] = sqk[nt][2 * half + e] * d;
+                    av[e] = jj < i ? beta[i] * skk[nt][2 * half + e] * d : 0.f;
+                }
+                store_pair(p + i * CHUNK + j, pv[0], pv[1]);
+                amat[i * LDF + j] = av[0];
+                amat[i * LDF + j + 1] = av[1];
+            }
+    }
+    __syncthreads();
+
+    // 3. T = (I + A)^-1 by forward substitution. Column j of T depends on column j alone, so
+    //    thread j solves it top-down with no barrier: T[i][j] = -A[i][j] - sum_{j<m<i} A[i][m] T[m][j]
+    if (threadIdx.x < CHUNK) {
+        const int j = threadIdx.x;
+        for (int i = 0; i <= j; ++i) tinv[i * LDF + j] = i == j ? 1.f : 0.f;
+        for (int i = j + 1; i < CHUNK; ++i) {
+            float acc0 = -amat[i * LDF + j], acc1 = 0.f;
+            int m = j + 1;
+            for (; m + 1 < i; m += 2) {  // two partial sums: half the dependent-add chain
+                acc0 -= amat[i * LDF + m] * tinv[m * LDF + j];
+                acc1 -= amat[i * LDF + m + 1] * tinv[(m + 1) * LDF + j];
+            }
+            if (m < i) acc0 -= amat[i * LDF + m] * tinv[m * LDF + j];
+            tinv[i * LDF + j] = acc0 + acc1;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+        const int i = e / CHUNK, j = e % CHUNK;
+        tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
+    }
+    // (beta V)^T over the finished Q tile, (beta exp(c) K)^T from the K tile
+    for (int e = threadIdx.x; e < CHUNK * dv; e += blockDim.x) {
+        const int r = e / dv, jv = e % dv;
+        const float x = r < n ? to_f(conv_out[(size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + jv]) : 0.f;
+        vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
+    }
+    for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
+        const int r = e / DK, i = e % DK;
+        kt[i * LDC + r] = __float2bfloat16_rn(beta[r] * __expf((float)cum[r]) * to_f(ks[r * LDK + i]));
+    }
+    __syncthreads();
+
+    // 4. U = T (beta V), W = T (beta exp(c) K): warp w rows 16w.., 8 columns at a time
+    const int r0 = 16 * warp;
+    unsigned t_frag[CHUNK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < CHUNK / 16; ++kk) load_a(t_frag[kk], tb + r0 * LDC + kk * 16, LDC);
+    for (int target = 0; target < 2; ++target) {
+        const bf16* bt = target == 0 ? vt : kt;
+        const int width = target == 0 ? dv : DK;
+        bf16* dst = target == 0 ? u_out + (size_t)h * dv : w_out + (size_t)h * DK;
+        const size_t row_stride = (size_t)num_value_heads * width;
+        for (int nt = 0; nt < width / 8; ++nt) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < CHUNK / 16; ++kk) {
+                unsigned b[2];
+                load_b(b, bt + nt * 8 * LDC + kk * 16, LDC);
+                mma_bf16_16816(acc, t_frag[kk], b[0], b[1]);
+            }
+            const int j = nt * 8 + 2 * q4;
+            if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[0], acc[1]);
+            if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_scan: grid (B, nv, dv / 32), 128 threads (4 warps). Walks sequence s's chunks in
+// order for value channels [32 z, 32 z + 32) of head h; the state tile S [DK][32] lives in shared
+// memory (fp32) for the whole sequence, from the slot (zeros when fresh) back to the slot. The
+// walk is a chain of dependent chunks, so the next chunk's W, Q, K, P and c are loaded into
+// registers while this chunk computes (one block per (sequence, head, tile) cannot hide global
+// latency otherwise).
+#define LDS (SCAN_TILE + 4)  // fp32 state tile
+#define SCAN_THREADS 128
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const bf16* __restrict__ w_in,
+               const bf16* __restrict__ u_in, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+               const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+               const int* __restrict__ seq_chunks, const int* __restrict__ slots, const int* __restrict__ fresh,
+               float* __restrict__ ssm_state, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
+               int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * SCAN_TILE;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int value_dim = num_value_heads * dv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+
+    unsigned char* at = smem;
+    float* st = reinterpret_cast<float*>(at);  // S [DK][LDS] fp32
+    at += round_up_128((size_t)DK * LDS * 4);
+    bf16* sbt = reinterpret_cast<bf16*>(at);  // S^T [32][LDK] bf16
+    at += round_up_128((size_t)SCAN_TILE * LDK * 2);
+    bf16* ws = reinterpret_cast<bf16*>(at);  // W [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* qs = reinterpret_cast<bf16*>(at);  // Q [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ks = reinterpret_cast<bf16*>(at);  // K [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ps = reinterpret_cast<bf16*>(at);  // P [64][LDC]
+    at += round_up_128((size_t)CHUNK * LDC * 2);
+    bf16* vnt = reinterpret_cast<bf16*>(at);  // V'^T [32][LDC]
+    at += round_up_128((size_t)SCAN_TILE * LDC * 2);
+    bf16* vkt = reinterpret_cast<bf16*>(at);  // (diag(exp(c_C - c)) V')^T [32][LDC]
+    at += round_up_128((size_t)SCAN_TILE * LDC * 2);
+    float* cum = reinterpret_cast<float*>(at);  // [64]
+
+    const int slot = slots[s];
+    float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv + j0;
+    const bool is_fresh = fresh[s] != 0;
+    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
+        const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+        st[i * LDS + j] = is_fresh ? 0.f : state[(size_t)i * dv + j];
+    }
+
+    const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    constexpr int ROW_VECS = DK / 8;  // uint4 per row of W, Q, K
+    constexpr int ROW_LOADS = CHUNK * ROW_VECS / SCAN_THREADS, P_LOADS = CHUNK * (CHUNK / 8) / SCAN_THREADS;
+    uint4 w_next[ROW_LOADS], q_next[ROW_LOADS], k_next[ROW_LOADS], p_next[P_LOADS];
+    float cum_next = 0.f;
+    auto prefetch = [&](int c) {  // chunk c's rows into registers; rows past its end as zeros
+        const int t0 = chunk_start[c], n = chunk_len[c];
+#pragma unroll
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            w_next[it] = q_next[it] = k_next[it] = make_uint4(0, 0, 0, 0);
+            if (r < n) {
+                w_next[it] = *reinterpret_cast<const uint4*>(w_in + ((size_t)(t0 + r) * num_value_heads + h) * DK + i);
+                q_next[it] = *reinterpret_cast<const uint4*>(qn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+                k_next[it] = *reinterpret_cast<const uint4*>(kn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+            }
+        }
+        const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+#pragma unroll
+        for (int it = 0; it < P_LOADS; ++it)
+            p_next[it] = *reinterpret_cast<const uint4*>(p + (threadIdx.x + it * SCAN_THREADS) * 8);
+        if (threadIdx.x < CHUNK) {  // padding rows: no decay after the end
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum_next = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+        }
+    };
+    if (first < last) prefetch(first);
+    for (int c = first; c < last; ++c) {
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        __syncthreads();  // the previous chunk's readers are done; S is complete
+        // 1. this chunk's W, Q, K, P, c from registers; S^T in bf16
+#pragma unroll
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            *reinterpret_cast<uint4*>(ws + r * LDK + i) = w_next[it];
+            *reinterpret_cast<uint4*>(qs + r * LDK + i) = q_next[it];
+            *reinterpret_cast<uint4*>(ks + r * LDK + i) = k_next[it];
+        }
+#pragma unroll
+        for (int it = 0; it < P_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / (CHUNK / 8), j = (e % (CHUNK / 8)) * 8;
+            *reinterpret_cast<uint4*>(ps + r * LDC + j) = p_next[it];
+        }
+        if (threadIdx.x < CHUNK) cum[threadIdx.x] = cum_next;
+        for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
+            const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+            sbt[j * LDK + i] = __float2bfloat16_rn(st[i * LDS + j]);
+        }
+        __syncthreads();
+        if (c + 1 < last) prefetch(c + 1);  // in flight during this chunk's math
+        const float c_last = cum[CHUNK - 1];
+
+        // 2. warp w, rows 16w..: V' = U - W S and Q S together (the same S^T fragments)
+        const int r0 = 16 * warp;
+        float u_pairs[2][SCAN_TILE / 8][2];  // this lane's elements of U, loaded ahead of the mma loop
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                u_pairs[half][nt][0] = u_pairs[half][nt][1] = 0.f;
+                if (r < n) {
+                    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(u + nt * 8 + 2 * q4);
+                    u_pairs[half][nt][0] = to_f(pair.x);
+                    u_pairs[half][nt][1] = to_f(pair.y);
+                }
+            }
+        }
+        float acc_v[SCAN_TILE / 8][4], acc_o[SCAN_TILE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_v[nt][e] = acc_o[nt][e] = 0.f;
+#pragma unroll
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            unsigned aw[4], aq[4];
+            load_a(aw, ws + r0 * LDK + k0, LDK);
+            load_a(aq, qs + r0 * LDK + k0, LDK);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                unsigned b[2];
+                load_b(b, sbt + nt * 8 * LDK + k0, LDK);
+                mma_bf16_16816(acc_v[nt], aw, b[0], b[1]);
+                mma_bf16_16816(acc_o[nt], aq, b[0], b[1]);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            const float row_decay = __expf(cum[r]), tail_decay = __expf(c_last - cum[r]);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                const float v0 = r < n ? u_pairs[half][nt][0] - acc_v[nt][2 * half] : 0.f;
+                const float v1 = r < n ? u_pairs[half][nt][1] - acc_v[nt][2 * half + 1] : 0.f;
+                vnt[j * LDC + r] = __float2bfloat16_rn(v0);
+                vnt[(j + 1) * LDC + r] = __float2bfloat16_rn(v1);
+                vkt[j * LDC + r] = __float2bfloat16_rn(v0 * tail_decay);
+                vkt[(j + 1) * LDC + r] = __float2bfloat16_rn(v1 * tail_decay);
+                acc_o[nt][2 * half] *= row_decay;
+                acc_o[nt][2 * half + 1] *= row_decay;
+            }
+        }
+        __syncthreads();  // every row of V' is needed by every warp below
+
+        // 3. O += P V' (rows 16w..), to core
+#pragma unroll
+        for (int k0 = 0; k0 < CHUNK; k0 += 16) {
+            unsigned ap[4];
+            load_a(ap, ps + r0 * LDC + k0, LDC);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                unsigned b[2];
+                load_b(b, vnt + nt * 8 * LDC + k0, LDC);
+                mma_bf16_16816(acc_o[nt], ap, b[0], b[1]);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            if (r < n) {
+                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                    store_pair(o + nt * 8 + 2 * q4, acc_o[nt][2 * half], acc_o[nt][2 * half + 1]);
+            }
+        }
+
+        // 4. S <- exp(c_C) S + K^T (diag(exp(c_C - c)) V'); warp w: state rows DK/4 w ..
+        const float chunk_decay = __expf(c_last);
+#pragma unroll
+        for (int mt = 0; mt < DK / 64; ++mt) {
+            const int i0 = (DK / 4) * warp + 16 * mt;
+            float acc[SCAN_TILE / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                acc[nt][0] = chunk_decay * st[(i0 + g) * LDS + j];
+                acc[nt][1] = chunk_decay * st[(i0 + g) * LDS + j + 1];
+                acc[nt][2] = chunk_decay * st[(i0 + g + 8) * LDS + j];
+                acc[nt][3] = chunk_decay * st[(i0 + g + 8) * LDS + j + 1];
+            }
+#pragma unroll
+            for (int k0 = 0; k0 < CHUNK; k0 += 16) {
+                unsigned ak[4];
+                load_a_transposed(ak, ks + k0 * LDK + i0, LDK);
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                    unsigned b[2];
+                    load_b(b, vkt + nt * 8 * LDC + k0, LDC);
+                    mma_bf16_16816(acc[nt], ak, b[0], b[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                st[(i0 + g) * LDS + j] = acc[nt][0];
+                st[(i0 + g) * LDS + j + 1] = acc[nt][1];
+                st[(i0 + g + 8) * LDS + j] = acc[nt][2];
+                st[(i0 + g + 8) * LDS + j + 1] = acc[nt][3];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += blockDim.x) {
+        const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+        state[(size_t)i * dv + j] = st[i * LDS + j];
+    }
+}

@@ -1,0 +1,137 @@
+// One decode token per sequence through a Gated DeltaNet layer's core in ONE kernel: causal conv
+// (+ the conv-window update), SiLU, q/k l2 norm, gates, the delta-rule step on the fp32 state and
+// the gated RMSNorm (RMSNorm(o) * w * silu(z)) — where the separate path launches gdn_conv1d,
+// gdn_conv_state, gdn_delta_rule and gdn_gated_norm. Reads only device arrays, so it is captured
+// in the decode CUDA graphs. Layouts as gated_deltanet.cu (proj, conv_state, ssm_state, seqs).
+//
+// Grid (num_seqs, nv): one block per (sequence, value head), SPLIT threads per value channel j,
+// each holding DK / SPLIT rows of the state column S[:, j] in registers (blockDim.x =
+// round_up(max(dv * SPLIT, 2 DK + dv), 32) <= 512). A whole head per block lets the gated norm
+// reduce over dv in the block.
+//
+// The conv window of a key head's q and k channels is read by the nv / nk blocks of its value
+// heads, so it may only be overwritten after all of them have read it: each block counts itself
+// in arrivals[s * nk + key_head] once its reads are done, and the last to arrive writes the new
+// window and resets the counter to 0 for the next step (or graph replay). The v channels of a
+// head belong to one block, which updates them itself.
+#include "gdn_common.cuh"
+
+#define MAX_WINDOW 8  // conv width - 1
+
+// At most 512 threads, two blocks per SM: a block's serial phases (conv, barriers, the norm)
+// leave its SM idle unless another block streams its state meanwhile.
+extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(const bf16* __restrict__ proj, int proj_stride,
+                                           const bf16* __restrict__ conv_weight, bf16* __restrict__ conv_state,
+                                           float* __restrict__ ssm_state, const float* __restrict__ neg_decay_rate,
+                                           const float* __restrict__ dt_bias, const bf16* __restrict__ norm_weight,
+                                           const int* __restrict__ query_start, const int* __restrict__ slots,
+                                           const int* __restrict__ fresh, int* __restrict__ arrivals,
+                                           bf16* __restrict__ out, int num_key_heads, int num_value_heads, int dv,
+                                           int width, float eps) {
+    constexpr int ROWS = DK / SPLIT;
+    __shared__ float q[DK], k[DK], v[256], scratch[32];
+    __shared__ int last_to_arrive;
+    const int s = blockIdx.x, h = blockIdx.y;
+    const int t = query_start[s];
+    if (query_start[s + 1] == t) return;  // no token: every block of this sequence leaves alike
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
+    const int conv_dim = 2 * key_dim + value_dim;
+    const int slot = slots[s];
+    const bool is_fresh = fresh[s] != 0;
+    const int local = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
+    const bool active = local < dv;
+    const int j = active ? local : 0;
+
+    // the state column first: its loads are in flight while the conv runs
+    float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv;
+    float column[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) column[i] = (active && !is_fresh) ? state[(size_t)(row0 + i) * dv + j] : 0.f;
+
+    // conv over this block's channels: c < DK → q, c < 2 DK → k, else v (one channel a thread)
+    const bf16* row = proj + (size_t)t * proj_stride;
+    bf16* window = conv_state + (size_t)slot * (width - 1) * conv_dim;
+    const int c = threadIdx.x;
+    int channel = -1;
+    if (c < DK) channel = key_head * DK + c;
+    else if (c < 2 * DK) channel = key_dim + key_head * DK + (c - DK);
+    else if (c < 2 * DK + dv) channel = 2 * key_dim + h * dv + (c - 2 * DK);
+    float old[MAX_WINDOW];
+    float x_new = 0.f;
+    if (channel >= 0) {
+        x_new = to_f(row[channel]);
+        float acc = to_f(conv_weight[(size_t)channel * width + width - 1]) * x_new;
+        for (int m = 0; m < width - 1; ++m) {
+            old[m] = is_fresh ? 0.f : to_f(window[(size_t)m * conv_dim + channel]);
+            acc += to_f(conv_weight[(size_t)channel * width + m]) * old[m];
+        }
+        const float y = round_bf16(silu_f(round_bf16(acc)));  // conv output is bf16 in HF
+        if (c < DK) q[c] = y;
+        else if (c < 2 * DK) k[c - DK] = y;
+        else {
+            v[c - 2 * DK] = y;
+            // a value channel is this block's alone: shift its window now
+            for (int m = 0; m < width - 1; ++m)
+                window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
+        }
+    }
+    __syncthreads();  // q, k, v published; this block's window reads are done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const int arrived = atomicAdd(arrivals + s * num_key_heads + key_head, 1);
+        last_to_arrive = arrived == ratio - 1;
+        if (last_to_arrive) arrivals[s * num_key_heads + key_head] = 0;
+    }
+    __syncthreads();
+    if (last_to_arrive && c < 2 * DK) {
+        for (int m = 0; m < width - 1; ++m)
+            window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
+    }
+
+    // l2 norms of q and k; gates
+    float q_sq = 0.f, k_sq = 0.f;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        q_sq += q[i] * q[i];
+        k_sq += k[i] * k[i];
+    }
+    q_sq = block_sum(q_sq, scratch);
+    k_sq = block_sum(k_sq, scratch);
+    const float q_scale = rsqrtf(q_sq + L2_NORM_EPS) * rsqrtf((float)DK), k_scale = rsqrtf(k_sq + L2_NORM_EPS);
+    const float beta = gdn_beta(to_f(row[conv_dim + value_dim + h]));
+    const float decay = __expf(gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]),
+                                             neg_decay_rate[h], dt_bias[h]));
+
+    // the delta rule on column j: S <- decay S; S += k (beta (v - S^T k)); o = S^T q
+    float predicted = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        column[i] *= decay;
+        predicted += column[i] * (k[row0 + i] * k_scale);
+    }
+#pragma unroll
+    for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
+    const float delta = ((active ? v[j] : 0.f) - predicted) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        column[i] += (k[row0 + i] * k_scale) * delta;
+        o += column[i] * (q[row0 + i] * q_scale);
+    }
+#pragma unroll
+    for (int lane = 1; lane < SPLIT; lane <<= 1) o += __shfl_xor_sync(0xffffffffu, o, lane);
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
+    }
+
+    // gated RMSNorm over the head's dv outputs (o rounded to bf16 first, as HF hands it over)
+    o = round_bf16(o);
+    const float inv_rms = rsqrtf(block_sum(active && part == 0 ? o * o : 0.f, scratch) / (float)dv + eps);
+    if (active && part == 0) {
+        const float z = to_f(row[conv_dim + h * dv + j]);
+        const float normed = round_bf16(o * inv_rms);
+        out[(size_t)t * value_dim + (size_t)h * dv + j] =
+            __float2bfloat16_rn(round_bf16(to_f(norm_weight[j]) * normed) * silu_f(z));
+    }
+}

@@ -1,0 +1,202 @@
+"""Qwen3.5's fast Gated DeltaNet kernels on the GPU against the NumPy reference
+(``openinfer_qwen35.gated_deltanet``, fp32): the chunked tensor-core prefill
+(``gdn_chunked.cu``) and the fused conv1d + delta-rule + gated-norm decode step
+(``gdn_decode.cu``), at the real head dims (128 / 128), within bf16 tolerance.
+
+Run with ``pytest -m gpu tests/gpu/test_qwen35_kernels.py`` on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytest.importorskip("openinfer_qwen35")
+pytestmark = pytest.mark.gpu
+
+from openinfer_qwen35 import gated_deltanet  # noqa: E402
+from openinfer_qwen35.config import Qwen35Config  # noqa: E402
+from openinfer_qwen35.state import StepSequences  # noqa: E402
+from openinfer_qwen35.weights import DeltaNetWeights  # noqa: E402
+
+from openinfer import bf16_to_float32, float32_to_bf16  # noqa: E402
+
+# the Qwen3.5 GDN head shape with fewer heads: 2 key heads shared by 4 value heads
+CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 64,
+    "intermediate_size": 64, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+}
+NUM_SLOTS = 8
+
+
+def bf16(x) -> np.ndarray:
+    return bf16_to_float32(float32_to_bf16(np.asarray(x, np.float32)))
+
+
+def device_bf16(x: np.ndarray):
+    return cupy.asarray(float32_to_bf16(np.asarray(x, np.float32)))
+
+
+def host(x) -> np.ndarray:
+    return bf16_to_float32(cupy.asnumpy(x))
+
+
+class Layer:
+    """One GDN layer's weights and state slots, on the host (fp32 reference) and the device."""
+
+    def __init__(self, rng: np.random.Generator, fast_decay: bool = False, num_slots: int = NUM_SLOTS):
+        self.config = config = Qwen35Config.from_dict(CONFIG)
+        nv, width, conv_dim = config.linear_num_value_heads, config.linear_conv_kernel_dim, config.conv_dim
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.features = conv_dim + config.linear_value_dim + 2 * nv
+        conv_weight = bf16(0.4 * rng.standard_normal((conv_dim, width)))
+        # decay rates as trained models have them: from slow to fast forgetting heads
+        high = np.log(16.0) if fast_decay else np.log(2.0)
+        neg_rate = -np.exp(rng.uniform(np.log(0.02), high, nv)).astype(np.float32)
+        dt_bias = bf16(0.5 * rng.standard_normal(nv))
+        norm = bf16(1 + 0.3 * rng.standard_normal(dv))
+        self.host_weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
+        self.device_weights = DeltaNetWeights(None, device_bf16(conv_weight), cupy.asarray(neg_rate),
+                                              cupy.asarray(dt_bias), device_bf16(norm), None)
+        self.host_conv = bf16(rng.standard_normal((num_slots, width - 1, conv_dim)))
+        self.host_ssm = (0.3 * rng.standard_normal((num_slots, nv, dk, dv))).astype(np.float32)
+        self.device_conv = device_bf16(self.host_conv)
+        self.device_ssm = cupy.asarray(self.host_ssm)
+
+    def step(self, proj: np.ndarray, lengths: list[int], slots: list[int], fresh: list[bool]):
+        """One step on both sides; returns (device output, reference output)."""
+        from openinfer_qwen35 import cuda_ops
+
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seqs = StepSequences(query_start, np.asarray(slots, np.int64), np.asarray(fresh))
+        expected = gated_deltanet.delta_net(proj, self.host_weights, self.host_conv, self.host_ssm, seqs,
+                                            self.config)
+        got = cuda_ops.delta_net(device_bf16(proj), self.device_weights, self.device_conv, self.device_ssm,
+                                 cuda_ops.prepare_sequences(seqs), self.config)
+        return host(got), expected
+
+    def assert_states_match(self, slots: list[int]) -> None:
+        np.testing.assert_array_equal(host(self.device_conv)[slots], self.host_conv[slots])
+        ssm = cupy.asnumpy(self.device_ssm)[slots]
+        reference = self.host_ssm[slots]
+        assert np.abs(ssm - reference).max() <= 0.02 * max(1.0, float(np.abs(reference).max()))
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
+    scale = max(1.0, float(np.abs(expected).max()))
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() <= 0.05 * scale
+    assert np.abs(got - expected).mean() <= 0.006 * scale
+
+
+@pytest.fixture(params=["chunked", "recurrent"])
+def kernels(request, monkeypatch):
+    """Each test on the fast kernels and on the earlier ones (the benchmark's baseline)."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
+    return request.param
+
+
+def test_chunked_prefill_matches_numpy_across_chunk_boundaries_and_saved_states(kernels):
+    rng = np.random.default_rng(0)
+    layer = Layer(rng)
+    # from scratch: 200 tokens (3 chunks + 8), a one-token prompt, a 64-token prompt, 9 tokens
+    lengths, slots, fresh = [200, 1, 64, 9], [3, 1, 4, 2], [True, True, True, True]
+    proj = bf16(rng.standard_normal((sum(lengths), layer.features)))
+    got, expected = layer.step(proj, lengths, slots, fresh)
+    assert_close(got, expected)
+    layer.assert_states_match(slots)
+    # continuing those states (chunked prefill: the next chunk of each prompt) and two slots
+    # restored from elsewhere (a prefix-cache snapshot copied into the slot), mixed with decodes
+    lengths, slots, fresh = [130, 1, 70, 1, 65], [3, 1, 4, 2, 6], [False, False, False, False, False]
+    proj = bf16(rng.standard_normal((sum(lengths), layer.features)))
+    got, expected = layer.step(proj, lengths, slots, fresh)
+    assert_close(got, expected)
+    layer.assert_states_match(slots)
+    untouched = [0, 5, 7]
+    np.testing.assert_array_equal(cupy.asnumpy(layer.device_ssm)[untouched], layer.host_ssm[untouched])
+
+
+def test_a_prompt_split_anywhere_gives_the_one_pass_result(kernels):
+    """Chunked prefill cut at a point that is not a chunk boundary (the state carried between
+    steps through the slot) equals the prompt in one step, both against the NumPy reference."""
+    rng = np.random.default_rng(1)
+    one_pass, split = Layer(np.random.default_rng(7)), Layer(np.random.default_rng(7))
+    proj = bf16(rng.standard_normal((300, one_pass.features)))
+    whole, expected = one_pass.step(proj, [300], [2], [True])
+    first, expected_first = split.step(proj[:97], [97], [2], [True])
+    second, expected_second = split.step(proj[97:], [203], [2], [False])
+    np.testing.assert_allclose(np.concatenate([expected_first, expected_second]), expected, rtol=1e-4, atol=1e-4)
+    assert_close(np.concatenate([first, second]), expected)
+    assert_close(whole, expected)
+    split.assert_states_match([2])
+    one_pass.assert_states_match([2])
+
+
+def test_long_prompt_with_fast_decaying_heads_stays_within_bf16_tolerance(kernels):
+    """2,048 tokens through 32 chunks, heads whose in-chunk log-decay reaches hundreds."""
+    rng = np.random.default_rng(2)
+    layer = Layer(rng, fast_decay=True)
+    proj = bf16(rng.standard_normal((2048, layer.features)))
+    got, expected = layer.step(proj, [2048], [5], [True])
+    assert_close(got, expected)
+    layer.assert_states_match([5])
+
+
+def test_fused_decode_step_matches_numpy_over_many_steps(kernels):
+    """64 sequences (fresh and continuing) decoding 12 steps: the fused kernel's conv window
+    hand-off between the value heads of a key head, its state and its gated norm."""
+    rng = np.random.default_rng(3)
+    rows = 64
+    layer = Layer(rng, num_slots=rows)
+    slots = [int(s) for s in rng.permutation(rows)]
+    fresh = [bool(f) for f in rng.integers(0, 2, rows)]
+    for step in range(12):
+        proj = bf16(rng.standard_normal((rows, layer.features)))
+        got, expected = layer.step(proj, [1] * rows, slots, fresh if step == 0 else [False] * rows)
+        assert_close(got, expected)
+    layer.assert_states_match(slots)
+
+
+def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
+    """Captured once, replayed: the same outputs and states as eager launches of the same step
+    (the arrival counters reset themselves, so replays need no memset)."""
+    from openinfer_qwen35 import cuda_ops
+
+    rng = np.random.default_rng(4)
+    eager, graphed = Layer(np.random.default_rng(9)), Layer(np.random.default_rng(9))
+    config = eager.config
+    query_start = np.arange(NUM_SLOTS + 1, dtype=np.int64)
+    slots = np.arange(NUM_SLOTS, dtype=np.int64)
+    seqs = cuda_ops.prepare_sequences(StepSequences(query_start, slots, np.zeros(NUM_SLOTS, bool)))
+    decode_seqs = StepSequences(None, seqs.device["slots"], seqs.device["fresh"], device=seqs.device)
+    proj = cupy.empty((NUM_SLOTS, eager.features), dtype=cupy.uint16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuda_ops.delta_net(proj, graphed.device_weights, graphed.device_conv, graphed.device_ssm, decode_seqs,
+                           config)  # compile and warm outside the capture
+        graphed.device_conv[...] = eager.device_conv
+        graphed.device_ssm[...] = eager.device_ssm
+        stream.begin_capture()
+        out = cuda_ops.delta_net(proj, graphed.device_weights, graphed.device_conv, graphed.device_ssm,
+                                 decode_seqs, config)
+        graph = stream.end_capture()
+    stream.synchronize()
+    for _ in range(5):
+        with stream:
+            values = device_bf16(rng.standard_normal((NUM_SLOTS, eager.features)))
+            proj[...] = values
+            graph.launch(stream)
+            expected = cuda_ops.delta_net(values, eager.device_weights, eager.device_conv, eager.device_ssm,
+                                          decode_seqs, config)
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(expected))
+        np.testing.assert_array_equal(cupy.asnumpy(graphed.device_ssm), cupy.asnumpy(eager.device_ssm))
+        np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))

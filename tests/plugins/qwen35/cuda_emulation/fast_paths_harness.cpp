@@ -1,0 +1,135 @@
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu) on the CPU
+// (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
+// outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
+// registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
+// tiles they describe — so the fragment layouts the kernels assume are checked too.
+#define GDN_HOST_EMULATION 1
+#define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
+void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
+inline void __threadfence() {}
+#include <cuda_bf16.h>
+#undef __launch_bounds__
+#define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
+
+#include "gated_deltanet.cu"
+#include "gdn_chunked.cu"
+#include "gdn_decode.cu"
+
+#include "harness.h"
+
+static unsigned fragment_a[1024][4], fragment_b[1024][2];
+
+static float bf16_half(unsigned packed, int high) {
+    return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(high ? packed >> 16 : packed & 0xFFFFu)});
+}
+
+void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+    std::barrier<>& warp = *warp_barriers[t / 32];
+    for (int e = 0; e < 4; ++e) fragment_a[t][e] = a[e];
+    fragment_b[t][0] = b0;
+    fragment_b[t][1] = b1;
+    warp.arrive_and_wait();
+    auto a_at = [&](int row, int col) {  // A[row][col]: lane 4 (row % 8) + (col % 8) / 2
+        const unsigned owner = base + 4 * (row % 8) + (col % 8) / 2;
+        return bf16_half(fragment_a[owner][(row >= 8) + 2 * (col >= 8)], col & 1);
+    };
+    auto b_at = [&](int k, int n) {  // B[k][n]: lane 4 n + (k % 8) / 2
+        const unsigned owner = base + 4 * n + (k % 8) / 2;
+        return bf16_half(fragment_b[owner][k >= 8], k & 1);
+    };
+    const int g = static_cast<int>(lane >> 2), q = static_cast<int>(lane & 3);
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        float acc = d[e];
+        for (int k = 0; k < 16; ++k) acc += a_at(rows[e], k) * b_at(k, cols[e]);
+        out[e] = acc;
+    }
+    warp.arrive_and_wait();  // every lane has read the fragments before any call overwrites them
+    for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+int main(int argc, char** argv) {
+    if (argc != 7) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps\n"); return 1; }
+    const std::string dir = argv[1];
+    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
+    const float eps = static_cast<float>(std::atof(argv[6]));
+    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
+    const int proj_stride = conv_dim + value_dim + 2 * nv;
+    auto weight = load<bf16>(dir, "conv_weight.bin");
+    auto rate = load<float>(dir, "neg_decay_rate.bin");
+    auto bias = load<float>(dir, "dt_bias.bin");
+    auto norm = load<bf16>(dir, "norm.bin");
+
+    // prefill: conv → conv window → chunk prepare → chunk scan → gated norm
+    {
+        auto proj = load<bf16>(dir, "proj.bin");
+        auto conv_state = load<bf16>(dir, "conv_state.bin");
+        auto ssm = load<float>(dir, "ssm_state.bin");
+        auto query_start = load<int>(dir, "query_start.bin");
+        auto slots = load<int>(dir, "slots.bin");
+        auto fresh = load<int>(dir, "fresh.bin");
+        auto token_seq = load<int>(dir, "token_seq.bin");
+        auto chunk_start = load<int>(dir, "chunk_start.bin");
+        auto chunk_len = load<int>(dir, "chunk_len.bin");
+        auto seq_chunks = load<int>(dir, "seq_chunks.bin");
+        const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
+        const int num_chunks = static_cast<int>(chunk_start.size());
+        std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
+        std::vector<bf16> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
+        std::vector<bf16> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
+        std::vector<bf16> p(static_cast<size_t>(num_chunks) * nv * CHUNK * CHUNK);
+        std::vector<float> cum(static_cast<size_t>(num_tokens) * nv);
+        std::vector<bf16> core(static_cast<size_t>(num_tokens) * value_dim), out(core.size());
+        launch(1, 1, 1, 1, [&] {
+            gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
+                       fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
+        });
+        launch(1, 1, 1, 1, [&] {
+            gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(),
+                           fresh.data(), num_seqs, conv_dim, width);
+        });
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_prepare(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(), chunk_start.data(),
+                              chunk_len.data(), qn.data(), kn.data(), w.data(), u.data(), p.data(), cum.data(), nk,
+                              nv, dv);
+        });
+        launch(num_seqs, nv, dv / SCAN_TILE, 128, [&] {
+            gdn_chunk_scan(qn.data(), kn.data(), w.data(), u.data(), p.data(), cum.data(), chunk_start.data(),
+                           chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(), ssm.data(), core.data(), nk,
+                           nv, dv);
+        });
+        launch(num_tokens, nv, 1, static_cast<unsigned>((dv + 31) / 32 * 32 < 256 ? (dv + 31) / 32 * 32 : 256), [&] {
+            gdn_gated_norm(core.data(), proj.data(), proj_stride, norm.data(), out.data(), conv_dim, value_dim, dv,
+                           eps);
+        });
+        save(dir, "prefill_out.bin", out);
+        save(dir, "prefill_conv_state.bin", conv_state);
+        save(dir, "prefill_ssm_state.bin", ssm);
+    }
+
+    // decode: one fused kernel
+    {
+        auto proj = load<bf16>(dir, "decode_proj.bin");
+        auto conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto ssm = load<float>(dir, "decode_ssm_state.bin");
+        auto query_start = load<int>(dir, "decode_query_start.bin");
+        auto slots = load<int>(dir, "decode_slots.bin");
+        auto fresh = load<int>(dir, "decode_fresh.bin");
+        const int num_seqs = static_cast<int>(slots.size());
+        std::vector<int> arrivals(static_cast<size_t>(num_seqs) * nk, 0);
+        std::vector<bf16> out(static_cast<size_t>(num_seqs) * value_dim);
+        const int threads = std::max(dv * SPLIT, 2 * DK + dv);
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step(proj.data(), proj_stride, weight.data(), conv_state.data(), ssm.data(), rate.data(),
+                            bias.data(), norm.data(), query_start.data(), slots.data(), fresh.data(), arrivals.data(),
+                            out.data(), nk, nv, dv, width, eps);
+        });
+        save(dir, "decode_out.bin", out);
+        save(dir, "decode_conv_state_out.bin", conv_state);
+        save(dir, "decode_ssm_state_out.bin", ssm);
+        save(dir, "decode_arrivals.bin", arrivals);
+    }
+    return 0;
+}
