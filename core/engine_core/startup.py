@@ -3,10 +3,12 @@
 Each process records where its start went (``StartupPhases``: process spawn → imports → engine
 build → ready, and inside the engine build what ``PagedEngine`` measures itself: KV allocation,
 CUDA graph capture) and, once the engine is built, gives back the host memory that loading
-needed but serving does not (``release_host_memory``): CuPy's pinned staging blocks (every
-``cupy.asarray`` of a weight goes through one, and the pool keeps them), freed heap pages
-glibc still holds, the checkpoint's page-cache pages. ``memory_breakdown`` says what the
-resident set is made of (anonymous / file-backed / shared), so an RSS figure can be explained.
+needed but serving does not (``release_host_memory``): pinned staging memory (the weight
+uploader's ring, and CuPy's pinned pool, which keeps a block per size for every ``cupy.asarray``
+of a large array: measured on an H100 with Qwen3-4B, 2.28 GB of the engine core's 2.94 GB RSS
+after loading, shown as RssShmem), freed heap pages glibc still holds, the checkpoint's
+page-cache pages. ``memory_breakdown`` says what the resident set is made of (anonymous /
+file-backed / shared), so an RSS figure can be explained.
 
 The supervisor stamps ``OPENINFER_SPAWN_TIME`` (wall clock) into each child's environment, so
 the first phase includes the interpreter start and the ``openinfer`` import.
@@ -113,6 +115,9 @@ def release_host_memory() -> dict[str, int]:
     ``memory_breakdown()`` before and after (``before_*`` / ``after_*``)."""
     before = memory_breakdown()
     gc.collect()  # checkpoint views and their memory maps: unmapped once unreferenced
+    upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
+    if upload is not None:
+        upload.release_staging()  # the weight uploader's pinned ring
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         try:

@@ -28,6 +28,7 @@ from openinfer.backend.cuda.linear import (
 )
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
+from openinfer.backend.cuda.weight_upload import uploader
 
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 
@@ -78,11 +79,12 @@ class CudaBackend:
         return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
 
     def weight(self, array: np.ndarray) -> cupy.ndarray:
-        """bf16 device copy; uint16 input is taken as bf16 bits, float32 is narrowed on the GPU."""
+        """bf16 device copy; uint16 input is taken as bf16 bits, float32 is narrowed on the GPU.
+        Copied through the weight uploader (parallel, no pinned copy kept; see ``weight_upload``)."""
         array = np.asarray(array)
         if array.dtype != np.float32 or array.size < 2**16:
-            return cupy.asarray(float_to_bf16_bits(array))
-        source = cupy.asarray(np.ascontiguousarray(array))
+            return uploader(self.device.id).upload(float_to_bf16_bits(array))
+        source = uploader(self.device.id).upload(array)
         out = cupy.empty(array.shape, dtype=cupy.uint16)
         kernel("elementwise.cu", "float_to_bf16")((_blocks(source.size),), (256,), (source, out, np.int64(source.size)))
         return out
@@ -91,6 +93,21 @@ class CudaBackend:
         if weight.ndim != 2:
             raise ValueError(f"a linear weight is [out_features, in_features], got shape {weight.shape}")
         return CudaLinear(self.weight(weight), None if bias is None else self.weight(bias))
+
+    def fused_linear_weight(self, weights: Sequence[np.ndarray],
+                            biases: Sequence[np.ndarray] | None = None) -> CudaLinear:
+        """``linear_weight(fuse_rows(*weights), fuse_rows(*biases))`` with no fused copy on the
+        host: each bf16 part goes straight into its rows of the device matrix."""
+        if any(w.ndim != 2 or w.shape[1] != weights[0].shape[1] for w in weights) or any(
+                np.asarray(w).dtype != np.uint16 for w in weights):
+            return self.linear_weight(np.concatenate(weights, axis=0),
+                                      None if biases is None else np.concatenate(biases, axis=0))
+        out = cupy.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]), dtype=cupy.uint16)
+        offset = 0
+        for part in weights:
+            uploader(self.device.id).upload(part, out, offset)
+            offset += part.nbytes
+        return CudaLinear(out, None if biases is None else self.weight(np.concatenate(biases, axis=0)))
 
     def prepare_batch(self, batch: ForwardBatch) -> CudaBatch:
         return self.uploader.upload(batch)
