@@ -67,21 +67,30 @@ class CudaGraphRunner:
         self.graphs: dict[int, _Captured] = {}
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
+        self.num_precompiled_modules = 0
 
     def capture(self) -> None:
-        """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
+        """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
+        First a dry forward of the largest and smallest buckets finds the kernels the step
+        uses, and the backend compiles them in parallel (``precompile_kernels``)."""
         import cupy
 
         start = time.perf_counter()
         self.pool = cupy.cuda.MemoryPool()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
+            statics = {bucket: (self.backend.static_batch(bucket, self.max_blocks_per_seq, self.num_groups,
+                                                          self.with_state)
+                                if self.num_groups > 1 or self.with_state
+                                else self.backend.static_batch(bucket, self.max_blocks_per_seq))
+                       for bucket in self.buckets}
+            precompile = getattr(self.backend, "precompile_kernels", None)
+            if precompile is not None:  # the largest and the smallest bucket take different kernels
+                ends = {max(self.buckets), min(self.buckets)}
+                self.num_precompiled_modules = precompile(lambda: [self.forward(statics[b].batch) for b in ends])
             for bucket in sorted(self.buckets, reverse=True):
-                static = (self.backend.static_batch(bucket, self.max_blocks_per_seq, self.num_groups,
-                                                    self.with_state)
-                          if self.num_groups > 1 or self.with_state
-                          else self.backend.static_batch(bucket, self.max_blocks_per_seq))
-                self.forward(static.batch)  # warm-up: compiles kernels, fills the pool
+                static = statics[bucket]
+                self.forward(static.batch)  # warm-up: compiles what discovery missed, fills the pool
                 self.stream.synchronize()
                 mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
                 if mode is None:

@@ -7,8 +7,9 @@ whole forward step can be captured into a CUDA graph (see ``openinfer.graph``).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cupy
@@ -26,11 +27,15 @@ from openinfer.backend.cuda.linear import (
     fused_silu_mul_gemv,
     linear,
 )
-from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 from openinfer.backend.cuda.weight_upload import uploader
 
+logger = logging.getLogger("openinfer.backend.cuda")
+
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
+# what every engine launches outside its forward (the sampler), whatever the model
+SAMPLING_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()))
 
 
 def _norm_threads(features: int) -> int:
@@ -72,6 +77,17 @@ class CudaBackend:
         self.fuse_decode = fuse_decode and use_gemv
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
+
+    def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
+        """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
+        away) would launch, and the sampler's; returns the number of modules built. A dry run
+        that fails part-way (outputs are garbage while discovering) still compiles what it met."""
+        with discover_kernels() as wanted:
+            try:
+                dry_run()
+            except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
+                logger.debug("the kernel-discovery forward stopped early", exc_info=True)
+        return compile_kernels([*wanted, *SAMPLING_KERNELS], self.device.id)
 
     # --- placing data ----------------------------------------------------------------------------
 

@@ -3,17 +3,34 @@
 ``kernel("rms_norm.cu", "rms_norm")`` compiles the file once per (file, defines) with NVRTC
 through ``cupy.RawModule`` (CuPy also caches the binary on disk per source, options and GPU
 architecture) and returns the ``RawKernel``. Package files are only read.
+
+On a fresh machine (CuPy's disk cache empty) compiling is most of an engine's start (about
+0.3 s per module, one after the other as a forward first meets them). ``discover_kernels``
+records the kernels a dry forward would compile instead of compiling them (launching one then
+does nothing), and ``compile_kernels`` compiles the recorded modules in parallel threads: NVRTC
+releases the GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import cupy
 
 KERNEL_DIR = Path(str(resources.files("openinfer.kernels")))
+COMPILE_THREADS = 8
+
+KernelKey = tuple[str, str, tuple[tuple[str, int], ...]]  # (source, kernel name, sorted defines)
+
+_compiled: set[KernelKey] = set()
+_discovery = threading.local()  # .found: the set a discover_kernels block records into
 
 
 @functools.cache
@@ -27,9 +44,63 @@ def _module(source: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawModule
 
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawKernel:
-    return _module(source, defines).get_function(name)
+    function = _module(source, defines).get_function(name)  # compiles and loads the module once
+    _compiled.add((source, name, defines))
+    return function
+
+
+class _NotCompiled:
+    """What ``kernel`` returns while discovering: launching it (or setting its attributes) does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> int:
+        return 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        return None
 
 
 def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
     """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define."""
-    return _kernel(source, name, tuple(sorted(defines.items())))
+    key = (source, name, tuple(sorted(defines.items())))
+    found = getattr(_discovery, "found", None)
+    if found is not None and key not in _compiled:
+        found.add(key)
+        return _NotCompiled()
+    return _kernel(*key)
+
+
+@contextlib.contextmanager
+def discover_kernels() -> Iterator[set[KernelKey]]:
+    """Within the block (this thread only), a kernel not compiled yet is recorded in the yielded
+    set instead of compiled, and launching it does nothing: run a dry forward inside, then
+    ``compile_kernels`` what it found. The forward's outputs are garbage."""
+    previous = getattr(_discovery, "found", None)
+    _discovery.found = found = set()
+    try:
+        yield found
+    finally:
+        _discovery.found = previous
+
+
+def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = COMPILE_THREADS) -> int:
+    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread;
+    returns how many modules were built."""
+    by_module: dict[tuple[str, tuple[tuple[str, int], ...]], list[str]] = {}
+    for source, name, defines in keys:
+        if (source, name, defines) not in _compiled:
+            by_module.setdefault((source, defines), []).append(name)
+    if not by_module:
+        return 0
+
+    def build(item: tuple[tuple[str, tuple[tuple[str, int], ...]], list[str]]) -> None:
+        (source, defines), names = item
+        for name in names:
+            _kernel(source, name, defines)
+
+    with ThreadPoolExecutor(min(threads, len(by_module)), thread_name_prefix="openinfer-nvrtc",
+                            initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
+        list(pool.map(build, by_module.items()))
+    return len(by_module)
