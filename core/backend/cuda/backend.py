@@ -34,8 +34,9 @@ from openinfer.backend.cuda.weight_upload import uploader
 logger = logging.getLogger("openinfer.backend.cuda")
 
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
-# what every engine launches outside its forward (the sampler), whatever the model
-SAMPLING_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()))
+# what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
+STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()),
+                ("static_batch.cu", "scatter_int32", ()))
 
 
 def _norm_threads(features: int) -> int:
@@ -80,14 +81,14 @@ class CudaBackend:
 
     def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
-        away) would launch, and the sampler's; returns the number of modules built. A dry run
+        away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
         that fails part-way (outputs are garbage while discovering) still compiles what it met."""
         with discover_kernels() as wanted:
             try:
                 dry_run()
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                 logger.debug("the kernel-discovery forward stopped early", exc_info=True)
-        return compile_kernels([*wanted, *SAMPLING_KERNELS], self.device.id)
+        return compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
 
     # --- placing data ----------------------------------------------------------------------------
 
