@@ -88,6 +88,10 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.requests: dict[str, RequestBlocks] = {}
         self.table_rows = BlockTableRows(len(self.groups.groups))  # the tables as arrays, for batches
+        # every group paged, one entry per token, no window (dense and MLA models): a request
+        # needs ceil(tokens / block_size) blocks in each and never frees any early (``grow``'s fast path)
+        self._plain_groups = all(g.paged and g.spec.tokens_per_entry == 1 and not isinstance(g.spec, SlidingWindowSpec)
+                                 for g in self.groups.groups)
         # prefix hits (and so useful state snapshots) fall on multiples of this many tokens
         self.hit_granularity = self.groups.hit_granularity(self.block_size)
         if self.groups.has_state and state_slots is None:
@@ -274,7 +278,11 @@ class KVCacheManager:
         short. With ``num_computed_tokens``, sliding-window blocks that no query from there on
         can see are freed first (their table entries become the null block)."""
         blocks = self.requests[request_id]
-        if num_computed_tokens is not None:
+        if self._plain_groups:
+            needed = -(-num_total_tokens // self.block_size)
+            if all(len(table) >= needed for table in blocks.tables):  # most steps: the last block has room
+                return True
+        elif num_computed_tokens is not None:
             self.release_behind_window(request_id, num_computed_tokens)
         missing = self._missing(blocks, num_total_tokens)
         if not all(self.pools[g].can_allocate(n) for g, n in missing.items()):
