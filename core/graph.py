@@ -72,7 +72,9 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
         First a dry forward of the largest and smallest buckets finds the kernels the step
-        uses, and the backend compiles them in parallel (``precompile_kernels``)."""
+        uses, and the backend compiles them in parallel (``precompile_kernels``); those two
+        buckets get a warm-up forward before their capture, the others are captured at once
+        (a failed capture is retried after a warm-up)."""
         import cupy
 
         start = time.perf_counter()
@@ -88,23 +90,36 @@ class CudaGraphRunner:
             if precompile is not None:  # the largest and the smallest bucket take different kernels
                 ends = {max(self.buckets), min(self.buckets)}
                 self.num_precompiled_modules = precompile(lambda: [self.forward(statics[b].batch) for b in ends])
+            warm = {max(self.buckets), min(self.buckets)}  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
                 static = statics[bucket]
-                self.forward(static.batch)  # warm-up: compiles what discovery missed, fills the pool
-                self.stream.synchronize()
-                mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-                if mode is None:
-                    self.stream.begin_capture()
-                else:
-                    self.stream.begin_capture(mode)
+                if bucket in warm:
+                    self.forward(static.batch)  # warm-up: compiles what discovery missed, fills the pool
                 try:
-                    logits = self.forward(static.batch)
-                finally:
-                    graph = self.stream.end_capture()
-                self.graphs[bucket] = _Captured(static, graph, logits)
+                    self.graphs[bucket] = self._capture_one(cupy, static)
+                except Exception:  # e.g. an allocation capture refuses: warm this bucket up and retry
+                    if bucket in warm:
+                        raise
+                    logger.debug("capturing bucket %d without a warm-up failed; retrying after one", bucket,
+                                 exc_info=True)
+                    self.forward(static.batch)
+                    self.graphs[bucket] = self._capture_one(cupy, static)
             self.stream.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+
+    def _capture_one(self, cupy: Any, static: Any) -> _Captured:
+        self.stream.synchronize()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        if mode is None:
+            self.stream.begin_capture()
+        else:
+            self.stream.begin_capture(mode)
+        try:
+            logits = self.forward(static.batch)
+        finally:
+            graph = self.stream.end_capture()
+        return _Captured(static, graph, logits)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket a batch replays in, or None when it must run eagerly."""
