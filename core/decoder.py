@@ -291,6 +291,11 @@ class BackendNativeCheckpoint:
 class DecoderOnlyLM:
     """A ``PagedModel`` for a dense decoder: one forward for prefill, decode and mixed steps."""
 
+    # the forward computes no indices on the device (positions, slots and tables all come from
+    # the batch), so it may run with every kernel skipped to find which kernels it needs
+    # (``openinfer.graph``: parallel compilation on a cold kernel cache)
+    dry_run_safe = True
+
     def __init__(self, config: DecoderConfig, layout: DecoderLayout, backend: Backend, checkpoint: Checkpoint,
                  max_model_len: int | None = None, rank: RankContext = SINGLE):
         self.config = config

@@ -57,7 +57,8 @@ class _Captured:
 
 class CudaGraphRunner:
     def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False,
+                 discover_kernels: bool = False):
         self.backend = backend
         self.forward = forward
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -68,11 +69,13 @@ class CudaGraphRunner:
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
         self.num_precompiled_modules = 0
+        self.discover_kernels = discover_kernels  # the forward may run dry (see ``capture``)
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
-        First a dry forward of the largest and smallest buckets finds the kernels the step
-        uses, and the backend compiles them in parallel (``precompile_kernels``); those two
+        With ``discover_kernels`` (a forward that computes no indices on the device), first a
+        dry forward of the largest and smallest buckets finds the kernels the step uses, and
+        the backend compiles them in parallel (``precompile_kernels``). Those two
         buckets get a warm-up forward before their capture, the others are captured at once
         (a failed capture is retried after a warm-up)."""
         import cupy
@@ -86,7 +89,7 @@ class CudaGraphRunner:
                                 if self.num_groups > 1 or self.with_state
                                 else self.backend.static_batch(bucket, self.max_blocks_per_seq))
                        for bucket in self.buckets}
-            precompile = getattr(self.backend, "precompile_kernels", None)
+            precompile = getattr(self.backend, "precompile_kernels", None) if self.discover_kernels else None
             if precompile is not None:  # the largest and the smallest bucket take different kernels
                 ends = {max(self.buckets), min(self.buckets)}
                 self.num_precompiled_modules = precompile(lambda: [self.forward(statics[b].batch) for b in ends])
@@ -156,12 +159,13 @@ class CudaGraphRunner:
 
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
                   max_model_len: int, block_size: int, num_groups: int = 1,
-                  with_state: bool = False) -> EagerRunner | CudaGraphRunner:
+                  with_state: bool = False, discover_kernels: bool = False) -> EagerRunner | CudaGraphRunner:
     """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
-    ``with_state``: the model's KV cache groups and whether it keeps recurrent state."""
+    ``with_state``: the model's KV cache groups and whether it keeps recurrent state;
+    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel)."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
     runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
-                             num_groups=num_groups, with_state=with_state)
+                             num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels)
     runner.capture()
     return runner

@@ -138,7 +138,8 @@ class PagedEngine:
             self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
                                         max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
-                                        with_state=self.kv_groups.has_state)
+                                        with_state=self.kv_groups.has_state,
+                                        discover_kernels=bool(getattr(model, "dry_run_safe", False)))
         # graph capture includes the warm-up forward of the largest bucket (kernel compiles)
         self.startup_phases["graph_capture"] = getattr(self.runner, "capture_seconds", 0.0)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]

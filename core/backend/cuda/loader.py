@@ -66,17 +66,19 @@ def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
     """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define."""
     key = (source, name, tuple(sorted(defines.items())))
     found = getattr(_discovery, "found", None)
-    if found is not None and key not in _compiled:
-        found.add(key)
+    if found is not None:  # no kernel runs on a dry forward's garbage, compiled or not
+        if key not in _compiled:
+            found.add(key)
         return _NotCompiled()
     return _kernel(*key)
 
 
 @contextlib.contextmanager
 def discover_kernels() -> Iterator[set[KernelKey]]:
-    """Within the block (this thread only), a kernel not compiled yet is recorded in the yielded
-    set instead of compiled, and launching it does nothing: run a dry forward inside, then
-    ``compile_kernels`` what it found. The forward's outputs are garbage."""
+    """Within the block (this thread only), launching any kernel does nothing and a kernel not
+    compiled yet is recorded in the yielded set: run a dry forward inside, then
+    ``compile_kernels`` what it found. The forward's outputs are garbage, so only a forward
+    that computes no indices on the device may run dry (see ``DecoderOnlyLM.dry_run_safe``)."""
     previous = getattr(_discovery, "found", None)
     _discovery.found = found = set()
     try:
