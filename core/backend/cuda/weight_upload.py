@@ -67,6 +67,8 @@ class WeightUploader:
         """Copy ``host`` into ``out`` starting ``offset_bytes`` into it (a new device array of
         ``host``'s shape and dtype when ``out`` is None); returns ``out`` once the copy is done."""
         host = np.ascontiguousarray(host)
+        if out is None and cupy.cuda.get_current_stream().is_capturing():
+            return cupy.asarray(host)  # a constant made inside a graph capture: CuPy's path, as before
         if out is None:
             out = cupy.empty(host.shape, dtype=host.dtype)
         if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
