@@ -273,7 +273,10 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         engine: EngineHandle = remote
     else:
+        from openinfer.engine_core.startup import release_host_memory
+
         engine, model_path = _open_local_engine(args)
+        release_host_memory()  # what loading left pinned or cached on the host, as the engine core does
     grpc_server = None
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
