@@ -5,7 +5,9 @@ On one GPU machine, unattended (< 8 min with a warm page cache; vLLM's first sta
 1. a Qwen3-4B-shaped checkpoint with random bf16 weights (``gpu_cold_start.write_checkpoint``) and a
    word-level tokenizer over its vocabulary (``gpu_serving.write_tokenizer``), unless present;
 2. for each ``--api-server-counts`` value: cold start of ``openinfer serve`` → HTTP ready (checkpoint
-   in the page cache), idle RSS of every openinfer process (from /metrics), then the existing
+   in the page cache; CuPy's kernel cache as the machine has it: cold on a fresh one), where each
+   process's start went (``--startup-report``: spawn, imports, model load, KV, graph capture, HTTP),
+   idle RSS of every openinfer process (from /metrics, after one request), then the existing
    streaming client (``benchmarks/serve.py``) at each ``--streams`` burst (1k in / 128 out,
    ignore_eos): output tok/s, TPOT/TTFT/ITL p50/p99;
 3. with ``--vllm-url`` (a running server) or ``--vllm-cmd`` (a launch command; ``{model}`` and
