@@ -123,8 +123,8 @@ def release_host_memory() -> dict[str, int]:
         try:
             cupy.cuda.get_current_stream().synchronize()  # staging blocks still being copied stay busy
             # a block goes back to the pool only when an allocation sweeps CuPy's watch list
-            del_me = cupy.cuda.alloc_pinned_memory(1)
-            del del_me
+            sweep = cupy.cuda.alloc_pinned_memory(1)
+            del sweep
             cupy.get_default_pinned_memory_pool().free_all_blocks()
         except Exception:  # no usable device: there is no pinned pool to empty
             pass
