@@ -140,7 +140,7 @@ class PagedEngine:
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
                                         with_state=self.kv_groups.has_state,
                                         discover_kernels=bool(getattr(model, "dry_run_safe", False)))
-        # graph capture includes the warm-up forward of the largest bucket (kernel compiles)
+        # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups
         self.startup_phases["graph_capture"] = getattr(self.runner, "capture_seconds", 0.0)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
