@@ -5,7 +5,9 @@ On one GPU machine, unattended (< 8 min with a warm page cache; vLLM's first sta
 1. a Qwen3-4B-shaped checkpoint with random bf16 weights (``gpu_cold_start.write_checkpoint``) and a
    word-level tokenizer over its vocabulary (``gpu_serving.write_tokenizer``), unless present;
 2. for each ``--api-server-counts`` value: cold start of ``openinfer serve`` → HTTP ready (checkpoint
-   in the page cache), idle RSS of every openinfer process (from /metrics), then the existing
+   in the page cache; CuPy's kernel cache as the machine has it: cold on a fresh one), where each
+   process's start went (``--startup-report``: spawn, imports, model load, KV, graph capture, HTTP),
+   idle RSS of every openinfer process (from /metrics, after one request), then the existing
    streaming client (``benchmarks/serve.py``) at each ``--streams`` burst (1k in / 128 out,
    ignore_eos): output tok/s, TPOT/TTFT/ITL p50/p99;
 3. with ``--vllm-url`` (a running server) or ``--vllm-cmd`` (a launch command; ``{model}`` and
@@ -31,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,10 +144,17 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     command += ["--engine-factory", STUB_FACTORY, "--device", "cpu", "--num-kv-blocks", "40000"] if args.stub \
         else ["--device", "cuda"]
     command += shlex.split(args.serve_args)
+    startup_report = Path(tempfile.mkdtemp(prefix="openinfer-startup-")) / "startup.json"
+    command += ["--startup-report", str(startup_report)]
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(command, start_new_session=True)
     try:
         ready_s = wait_ready(url, process, args.start_timeout)
+        for _ in range(50):  # the supervisor writes it within a poll interval of HTTP ready
+            if startup_report.exists():
+                break
+            time.sleep(0.1)
+        startup = json.loads(startup_report.read_text()) if startup_report.exists() else None
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         httpx.post(url + "/v1/completions", json={"model": model, "prompt": [100, 101], "max_tokens": 2},
                    timeout=120)
@@ -152,12 +162,14 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
         rss = openinfer_rss(url)
         print(f"openinfer ×{api_servers} API: ready in {ready_s:.1f} s, idle RSS {sum(rss.values()) / 2**20:.0f} MiB "
               f"{ {k: round(v / 2**20) for k, v in rss.items()} }", flush=True)
+        for role, report in (startup or {}).items():
+            print(f"  start-up of {role}: {report.get('phases')}", flush=True)
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
     finally:
         stop(process)
     extra = f", {args.serve_args}" if args.serve_args else ""
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
-            "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s,
+            "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
             "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "sweep": rows}
 
 

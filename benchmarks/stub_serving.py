@@ -5,7 +5,12 @@ detokenization, SSE); only the model is a stub whose "device" takes ``--step-ms`
 (``openinfer.engine_core.stub``). A burst of ``--streams`` concurrent streaming completions
 (``--prompt-len`` tokens in, ``--output-len`` out, ignore_eos) is driven by a lean HTTP client
 spread over ``--client-procs`` processes. Reported: e2e TPOT p50/p99 (last token − first token
-over tokens − 1, per request) and its ratio to the step time, TTFT, output tok/s.
+over tokens − 1, per request) and its ratio to the step time, TTFT, output tok/s — and, next
+to them, the engine-side step time (the interval between the stub's consecutive full-batch
+decode launches, from its launch log ``OPENINFER_STUB_STATS``): on a shared, noisy box the
+engine itself slows down when other processes take the CPU, and TPOT / engine step separates
+that from what the frontends add. Each mode runs ``--repeats`` bursts (default 3); the summary
+gives the median of each ratio.
 
 Modes (``--modes``): ``multi`` = the default process model; ``single`` = ``--single-process``;
 ``inproc`` = the stub engine + HTTP app in one process built from whatever ``openinfer`` is
@@ -35,6 +40,7 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FACTORY = "openinfer.engine_core.stub:create_stub_engine"
+STATS_ENV = "OPENINFER_STUB_STATS"  # openinfer.engine_core.stub.STATS_ENV (older checkouts ignore it)
 
 
 def free_port() -> int:
@@ -106,7 +112,24 @@ def client_process(port: int, bodies: list[bytes], start_at: float, out: multipr
     out.put(asyncio.run(run()))
 
 
-def burst(port: int, streams: int, prompt_len: int, output_len: int, vocab: int, procs: int, seed: int) -> dict:
+def engine_step_ms(stats_path: str, since: float, until: float, streams: int) -> dict | None:
+    """p50/p99 interval between consecutive stub launches within [since, until] (wall clock,
+    the burst): how fast the engine itself stepped while it had work."""
+    time.sleep(0.6)  # the stub rewrites its log every 0.25 s
+    try:
+        launches = json.loads(Path(stats_path).read_text())["launches"]
+    except (OSError, ValueError, KeyError):
+        return None
+    times = [t for t, _ in launches if since <= t <= until]
+    gaps = np.diff(times)
+    if len(gaps) < 3:
+        return None
+    return {"p50": 1e3 * float(np.percentile(gaps, 50)), "p99": 1e3 * float(np.percentile(gaps, 99)),
+            "num_steps": len(times)}
+
+
+def burst(port: int, streams: int, prompt_len: int, output_len: int, vocab: int, procs: int, seed: int,
+          stats_path: str | None = None) -> dict:
     rng = np.random.default_rng(seed)
     bodies = [json.dumps({"prompt": rng.integers(300, vocab - 10, size=prompt_len).tolist(), "max_tokens": output_len,
                           "ignore_eos": True, "temperature": 0, "stream": True,
@@ -121,6 +144,7 @@ def burst(port: int, streams: int, prompt_len: int, output_len: int, vocab: int,
     results = [r for _ in workers for r in out.get(timeout=600)]
     for worker in workers:
         worker.join()
+    finished_at = time.time()
     duration = max((r["latency"] for r in results if r["ok"]), default=0.0) + 0.0
     ok = [r for r in results if r["ok"]]
     # serve.py's e2e TPOT: (last - first chunk) / (tokens - 1). Chunks merge tokens when the
@@ -140,6 +164,7 @@ def burst(port: int, streams: int, prompt_len: int, output_len: int, vocab: int,
                     "p99": 1e3 * float(np.percentile([r["ttft"] for r in ok], 99))} if ok else None,
         "output_tok_s": sum(r["tokens"] for r in ok) / duration if duration else 0.0,
         "sse_events_per_token": sum(r["events"] for r in ok) / max(1, sum(r["tokens"] for r in ok)),
+        "engine_step_ms": engine_step_ms(stats_path, start_at, finished_at, streams) if stats_path else None,
     }
 
 
@@ -159,8 +184,8 @@ def serve_in_process(model_dir: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False)
 
 
-def start_server(mode: str, model_dir: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
-    env = dict(os.environ)
+def start_server(mode: str, model_dir: str, port: int, args: argparse.Namespace, stats_path: str) -> subprocess.Popen:
+    env = {**os.environ, STATS_ENV: stats_path}
     if mode == "inproc":
         if args.inproc_pythonpath:
             env["PYTHONPATH"] = args.inproc_pythonpath
@@ -199,6 +224,20 @@ def make_model(step_ms: float) -> tuple[str, int]:
     return str(directory), json.loads((directory / "config.json").read_text())["vocab_size"]
 
 
+def summarize(runs: list[dict]) -> dict:
+    """Per label: the median (and range) over its repeats of each ratio."""
+    summary: dict[str, dict] = {}
+    for label in dict.fromkeys(r["label"] for r in runs):
+        mine = [r for r in runs if r["label"] == label]
+        entry: dict = {"repeats": len(mine)}
+        for key in ("tpot_over_step", "engine_step_over_step", "tpot_over_engine_step"):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            if values:
+                entry[key] = {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+        summary[label] = entry
+    return summary
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -234,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--inproc-pythonpath", default="")
     parser.add_argument("--inproc-label", default="inproc")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tag", default="stub_serving")
     parser.add_argument("--append", action="store_true", help="add runs to an existing JSON of the same tag")
     parser.add_argument("--internal-inproc", metavar="MODEL_DIR", help=argparse.SUPPRESS)
@@ -249,15 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"step_ms": args.step_ms, "streams": args.streams, "prompt_len": args.prompt_len,
                    "output_len": args.output_len, "host": platform.node(), "cpus": os.cpu_count(),
                    "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    stats_path = str(Path(model_dir).parent / "stub_stats.json")
     for mode in args.modes.split(","):
         port = free_port()
-        server = start_server(mode, model_dir, port, args)
+        server = start_server(mode, model_dir, port, args, stats_path)
         try:
             wait_healthy(port, server)
             burst(port, 8, args.prompt_len, 8, vocab, 1, 0)  # warm-up
             for repeat in range(args.repeats):
                 load_before = os.getloadavg()[0]
-                result = burst(port, args.streams, args.prompt_len, args.output_len, vocab, args.client_procs, repeat)
+                result = burst(port, args.streams, args.prompt_len, args.output_len, vocab, args.client_procs, repeat,
+                               stats_path)
                 label = args.inproc_label if mode == "inproc" else (
                     f"multi ×{args.api_server_count} API" if mode == "multi" else "single-process")
                 # the CPU box is shared: the 1-minute load average says how contended the run was
@@ -267,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                     result["tpot_over_step"] = result["tpot_ms"]["p50"] / args.step_ms
                 if result["decode_tpot_ms"]:
                     result["decode_tpot_over_step"] = result["decode_tpot_ms"]["p50"] / args.step_ms
+                if result["tpot_ms"] and result["engine_step_ms"]:
+                    result["engine_step_over_step"] = result["engine_step_ms"]["p50"] / args.step_ms
+                    result["tpot_over_engine_step"] = result["tpot_ms"]["p50"] / result["engine_step_ms"]["p50"]
                 print(json.dumps(result), flush=True)
                 report["runs"].append(result)
         finally:
@@ -275,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(30)
             except subprocess.TimeoutExpired:
                 server.kill()
+    report["summary"] = summarize(report["runs"])
+    for label, summary in report["summary"].items():
+        print(f"{label}: {summary}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / f"{args.tag}.png")

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from openinfer.backend.base import AttentionSpec, Backend, KVLayer
 from openinfer.errors import WeightLoadError
-from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fuse_rows
+from openinfer.layers import DecoderLayer, DecoderStack, eos_token_ids_from, fused_linear_weight
 from openinfer.parallel.dummy import DummyCheckpoint
 from openinfer.parallel.layout import TensorShard, check_attention_heads
 from openinfer.parallel.memory_plan import ModelMemory, dense_model_memory
@@ -190,12 +190,12 @@ def load_decoder_layer(checkpoint: Checkpoint, config: DecoderConfig, layout: De
     heads = shard.split(c.num_attention_heads, "num_attention_heads")
     kv_heads = shard.kv_heads(c.num_key_value_heads)
 
-    def qkv(suffix: str) -> np.ndarray:
-        return fuse_rows(*(_qkv_part(checkpoint, c, shard, attn, projection, suffix) for projection in "qkv"))
+    def qkv(suffix: str) -> list[np.ndarray]:
+        return [_qkv_part(checkpoint, c, shard, attn, projection, suffix) for projection in "qkv"]
 
-    def gate_up(suffix: str) -> np.ndarray:
-        return fuse_rows(*(column_rows(checkpoint.get(f"{mlp}{n}_proj.{suffix}"), shard, "intermediate_size")
-                           for n in ("gate", "up")))
+    def gate_up(suffix: str) -> list[np.ndarray]:
+        return [column_rows(checkpoint.get(f"{mlp}{n}_proj.{suffix}"), shard, "intermediate_size")
+                for n in ("gate", "up")]
 
     def row_parallel(name: str, with_bias: bool, what: str) -> object:
         weight = checkpoint.get(name + ".weight")
@@ -206,7 +206,7 @@ def load_decoder_layer(checkpoint: Checkpoint, config: DecoderConfig, layout: De
 
     return DecoderLayer(
         input_norm=ops.weight(checkpoint.get(p + "input_layernorm.weight")),
-        qkv=ops.linear_weight(qkv("weight"), qkv("bias") if c.attention_bias else None),
+        qkv=fused_linear_weight(ops, qkv("weight"), qkv("bias") if c.attention_bias else None),
         attention=AttentionSpec(
             num_heads=heads.stop - heads.start, num_kv_heads=kv_heads.stop - kv_heads.start, head_dim=c.head_dim,
             rope=rope, scale=c.head_dim**-0.5,
@@ -215,7 +215,7 @@ def load_decoder_layer(checkpoint: Checkpoint, config: DecoderConfig, layout: De
             norm_eps=c.rms_norm_eps),
         o_proj=row_parallel(attn + "o_proj", bool(o_bias), "num_attention_heads * head_dim"),
         post_attention_norm=ops.weight(checkpoint.get(p + "post_attention_layernorm.weight")),
-        gate_up=ops.linear_weight(gate_up("weight"), gate_up("bias") if c.mlp_bias else None),
+        gate_up=fused_linear_weight(ops, gate_up("weight"), gate_up("bias") if c.mlp_bias else None),
         down=row_parallel(mlp + "down_proj", c.mlp_bias, "intermediate_size"),
     )
 
@@ -290,6 +290,11 @@ class BackendNativeCheckpoint:
 
 class DecoderOnlyLM:
     """A ``PagedModel`` for a dense decoder: one forward for prefill, decode and mixed steps."""
+
+    # the forward computes no indices on the device (positions, slots and tables all come from
+    # the batch), so it may run with every kernel skipped to find which kernels it needs
+    # (``openinfer.graph``: parallel compilation on a cold kernel cache)
+    dry_run_safe = True
 
     def __init__(self, config: DecoderConfig, layout: DecoderLayout, backend: Backend, checkpoint: Checkpoint,
                  max_model_len: int | None = None, rank: RankContext = SINGLE):

@@ -57,7 +57,8 @@ class _Captured:
 
 class CudaGraphRunner:
     def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False,
+                 discover_kernels: bool = False):
         self.backend = backend
         self.forward = forward
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -67,35 +68,61 @@ class CudaGraphRunner:
         self.graphs: dict[int, _Captured] = {}
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
+        self.num_precompiled_modules = 0
+        self.discover_kernels = discover_kernels  # the forward may run dry (see ``capture``)
 
     def capture(self) -> None:
-        """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
+        """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
+        With ``discover_kernels`` (a forward that computes no indices on the device), first a
+        dry forward of the largest and smallest buckets finds the kernels the step uses, and
+        the backend compiles them in parallel (``precompile_kernels``). Those two
+        buckets get a warm-up forward before their capture, the others are captured at once
+        (a failed capture is retried after a warm-up)."""
         import cupy
 
         start = time.perf_counter()
         self.pool = cupy.cuda.MemoryPool()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
+            statics = {bucket: (self.backend.static_batch(bucket, self.max_blocks_per_seq, self.num_groups,
+                                                          self.with_state)
+                                if self.num_groups > 1 or self.with_state
+                                else self.backend.static_batch(bucket, self.max_blocks_per_seq))
+                       for bucket in self.buckets}
+            precompile = getattr(self.backend, "precompile_kernels", None) if self.discover_kernels else None
+            if precompile is not None:  # the largest and the smallest bucket take different kernels
+                ends = {max(self.buckets), min(self.buckets)}
+                self.num_precompiled_modules = precompile(lambda: [self.forward(statics[b].batch) for b in ends])
+            warm = {max(self.buckets), min(self.buckets)}  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
-                static = (self.backend.static_batch(bucket, self.max_blocks_per_seq, self.num_groups,
-                                                    self.with_state)
-                          if self.num_groups > 1 or self.with_state
-                          else self.backend.static_batch(bucket, self.max_blocks_per_seq))
-                self.forward(static.batch)  # warm-up: compiles kernels, fills the pool
-                self.stream.synchronize()
-                mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-                if mode is None:
-                    self.stream.begin_capture()
-                else:
-                    self.stream.begin_capture(mode)
+                static = statics[bucket]
+                if bucket in warm:
+                    self.forward(static.batch)  # warm-up: compiles what discovery missed, fills the pool
                 try:
-                    logits = self.forward(static.batch)
-                finally:
-                    graph = self.stream.end_capture()
-                self.graphs[bucket] = _Captured(static, graph, logits)
+                    self.graphs[bucket] = self._capture_one(cupy, static)
+                except Exception:  # e.g. an allocation capture refuses: warm this bucket up and retry
+                    if bucket in warm:
+                        raise
+                    logger.debug("capturing bucket %d without a warm-up failed; retrying after one", bucket,
+                                 exc_info=True)
+                    self.forward(static.batch)
+                    self.graphs[bucket] = self._capture_one(cupy, static)
             self.stream.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+
+    def _capture_one(self, cupy: Any, static: Any) -> _Captured:
+        self.stream.synchronize()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        if mode is None:
+            self.stream.begin_capture()
+        else:
+            self.stream.begin_capture(mode)
+        try:
+            logits = self.forward(static.batch)
+        finally:
+            graph = self.stream.end_capture()
+        return _Captured(static, graph, logits)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket a batch replays in, or None when it must run eagerly."""
@@ -132,12 +159,13 @@ class CudaGraphRunner:
 
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
                   max_model_len: int, block_size: int, num_groups: int = 1,
-                  with_state: bool = False) -> EagerRunner | CudaGraphRunner:
+                  with_state: bool = False, discover_kernels: bool = False) -> EagerRunner | CudaGraphRunner:
     """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
-    ``with_state``: the model's KV cache groups and whether it keeps recurrent state."""
+    ``with_state``: the model's KV cache groups and whether it keeps recurrent state;
+    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel)."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
     runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
-                             num_groups=num_groups, with_state=with_state)
+                             num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels)
     runner.capture()
     return runner

@@ -30,6 +30,16 @@ def fuse_rows(*weights: np.ndarray) -> np.ndarray:
     return np.concatenate(weights, axis=0)
 
 
+def fused_linear_weight(ops: Backend, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray] | None = None) -> Any:
+    """``ops.linear_weight(fuse_rows(*weights), fuse_rows(*biases))``; a backend that can place
+    the parts into the fused matrix itself (``fused_linear_weight``: CUDA, straight from the
+    checkpoint's memory map) never builds the fused copy on the host."""
+    place = getattr(ops, "fused_linear_weight", None)
+    if place is not None:
+        return place(list(weights), None if biases is None else list(biases))
+    return ops.linear_weight(fuse_rows(*weights), None if biases is None else fuse_rows(*biases))
+
+
 @dataclass
 class DecoderLayer:
     """Pre-norm attention block + SwiGLU MLP, with the residual carried un-normed::

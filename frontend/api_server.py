@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from openinfer.engine import EngineHandle
+from openinfer.engine_core.startup import API_STARTUP_FILE, StartupPhases, memory_breakdown
 from openinfer.frontend.serve import exit_status_of
 
 logger = logging.getLogger("openinfer.api_server")
@@ -43,42 +44,86 @@ async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) 
     return client
 
 
-async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, index: int) -> int:
+async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, index: int,
+                    phases: StartupPhases | None = None) -> int:
     import uvicorn
 
-    from openinfer.frontend.grpc import start_grpc_server
     from openinfer.frontend.http.metrics import ProcessTable
-    from openinfer.frontend.serve import _load_tokenizer, _served_name, _Server, build_app, resolve_api_key
+    from openinfer.frontend.serve import _served_name, build_app, make_server, resolve_api_key
+    from openinfer.tokenizer import Tokenizer
 
+    phases = phases or StartupPhases()
+    serves_grpc = bool(args.grpc_port and not args.engine and index == 0)
+    if serves_grpc:  # only the first API server answers gRPC: the others never import it
+        from openinfer.frontend.grpc import start_grpc_server
+    phases.mark("imports")
     sock = socket.socket(fileno=listen_fd)
     api_key = resolve_api_key(args)  # the supervisor passes it in the environment, not argv
+    # the tokenizer loads while the engine core loads the model (the core names the same
+    # directory unless a plugin says otherwise; then it is loaded again below)
+    guessed = args.tokenizer or (args.model_path if not args.engine else None)
+    preloading = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, guessed)) if guessed else None
     engine = await _connect(args, run_dir, api_key)
+    phases.mark("wait_for_engine")
     model_path = Path(args.model_path) if args.model_path else None
     grpc_server = None
     try:
-        tokenizer = _load_tokenizer(args, engine, model_path)
+        tokenizer = await _preloaded_tokenizer(args, engine, model_path, guessed, preloading)
         name = _served_name(args, engine, model_path)
         app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
+        phases.mark("tokenizer_and_app")
         # one gRPC listener per host: the first API server answers gRPC (no SO_REUSEPORT, so a second
         # process could not share the port; a port in use is a start-up error, exit 3)
-        if args.grpc_port and not args.engine and index == 0:
+        if serves_grpc:
             grpc_server = await start_grpc_server(
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
                 tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
                 worker_protocol=getattr(args, "grpc_worker_protocol", "sglang"))
+            phases.mark("grpc_server")
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
         if index == 0:
             logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)
-        server = _Server(config)
+        server = make_server(config)
         watcher = asyncio.create_task(_exit_with_supervisor(server))
+        reporter = asyncio.create_task(_report_startup(server, phases, run_dir, index))
         await server.serve(sockets=[sock])
         watcher.cancel()
+        reporter.cancel()
     finally:
+        if preloading is not None and not preloading.done():
+            preloading.cancel()
         if grpc_server is not None:
             await grpc_server.stop(args.shutdown_timeout)
         await engine.close()
     return 0
+
+
+async def _preloaded_tokenizer(args: argparse.Namespace, engine: EngineHandle, model_path: Path | None,
+                               guessed: str | None, preloading: asyncio.Task | None):
+    """The tokenizer of the directory the engine names: the one loaded meanwhile when it is that."""
+    from openinfer.frontend.serve import _load_tokenizer
+
+    if preloading is not None:
+        directory = args.tokenizer or engine.info().tokenizer_path or guessed
+        try:
+            tokenizer = await preloading
+        except Exception:  # e.g. the model directory has no tokenizer: the engine's answer decides
+            tokenizer = None
+        if tokenizer is not None and Path(directory).resolve() == Path(guessed).resolve():
+            return tokenizer
+    return _load_tokenizer(args, engine, model_path)
+
+
+async def _report_startup(server, phases: StartupPhases, run_dir: str, index: int) -> None:
+    """Once uvicorn listens: this process's start-up phases and memory, for the supervisor."""
+    while not server.started:
+        await asyncio.sleep(0.005)
+    phases.mark("http_listening")
+    path = Path(run_dir) / API_STARTUP_FILE.format(role=f"api-server-{index}")
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"phases": phases.as_dict(), "memory": memory_breakdown()}))
+    temporary.replace(path)
 
 
 async def _exit_with_supervisor(server) -> None:
@@ -105,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--args-json", required=True, help="the `openinfer serve` arguments")
+    phases = StartupPhases()
+    phases.mark("spawn_and_imports")  # interpreter start, openinfer
     ours = parser.parse_args(argv)
     args = argparse.Namespace(**json.loads(ours.args_json))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
     try:
-        return exit_status_of(lambda: _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index)), logger)
+        return exit_status_of(lambda: _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index, phases)), logger)
     except KeyboardInterrupt:
         return 0
 

@@ -21,15 +21,17 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import uvicorn
+from typing import TYPE_CHECKING, Any
 
 from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, non_empty, port
 from openinfer.engine import EngineHandle
 from openinfer.errors import OpenInferError, PortInUseError
-from openinfer.frontend.http.context import DEFAULT_MAX_QUEUE_WAIT_S, ServerLimits
-from openinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from openinfer.tokenizer import Tokenizer
+
+# Nothing here imports uvicorn, FastAPI or the tokenizer at module level: `openinfer serve` runs
+# this module in the supervisor, which needs none of them (start-up time and idle memory).
 
 logger = logging.getLogger("openinfer.serve")
 API_KEY_ENV = "OPENINFER_API_KEY"
@@ -86,15 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted HTTP request body, 1024-2**31-1 (default 16 MiB; larger → 413)")
     server.add_argument("--shutdown-timeout", type=float_range(0), default=30.0,
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
-    server.add_argument("--max-queue-wait", type=float_range(0), default=DEFAULT_MAX_QUEUE_WAIT_S,
+    server.add_argument("--max-queue-wait", type=float_range(0),
                         help="seconds an HTTP request may wait in the engine's queue before it is aborted and "
-                             f"answered 503 with Retry-After (default {DEFAULT_MAX_QUEUE_WAIT_S:g}; 0 waits forever)")
+                             "answered 503 with Retry-After (default: ServerLimits' 60; 0 waits forever)")
     server.add_argument("--default-max-tokens", type=int_range(1, INT32_MAX),
                         help="cap on generated tokens for requests that give no max_tokens (default: as vLLM, "
                              "the model's generation_config max_new_tokens, else the rest of the context)")
     server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
                         help="HTTP server processes sharing the port; the first also serves gRPC (default 1: on the 2-core CPU box one "
                              "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
+    server.add_argument("--startup-report", metavar="PATH",
+                        help="write where the start went (per process: spawn, imports, model load, KV, graphs, "
+                             "HTTP; idle host memory) as JSON to PATH once HTTP is ready")
     server.add_argument("--single-process", action="store_true",
                         help="run the engine as a thread of the HTTP process (no engine-core process, no "
                              "supervision); for debugging and comparisons")
@@ -173,21 +178,25 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, but a signal means "shut down gracefully and return", not "re-raise the signal
-    after shutdown" (which would turn a clean SIGTERM into exit status 143)."""
+def make_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` for which a signal means "shut down gracefully and return", not
+    "re-raise the signal after shutdown" (which would turn a clean SIGTERM into exit status 143)."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
 
 
 def _open_local_engine(args: argparse.Namespace) -> tuple[EngineHandle, Path]:
@@ -207,6 +216,8 @@ def _open_local_engine(args: argparse.Namespace) -> tuple[EngineHandle, Path]:
 
 
 def _load_tokenizer(args: argparse.Namespace, engine: EngineHandle, model_path: Path | None) -> Tokenizer:
+    from openinfer.tokenizer import Tokenizer
+
     directory = args.tokenizer or engine.info().tokenizer_path or (str(model_path) if model_path else "")
     if not directory:
         raise OpenInferError("the engine reports no tokenizer directory; pass --tokenizer DIR")
@@ -226,8 +237,10 @@ def build_app(args: argparse.Namespace, engine: EngineHandle, tokenizer: Tokeniz
               api_key: str | None, processes: Any = None) -> Any:
     """The HTTP app with every server flag applied (one place for the in-process and the API-server paths)."""
     from openinfer.frontend.http import create_app
+    from openinfer.frontend.http.context import DEFAULT_MAX_QUEUE_WAIT_S, ServerLimits
 
-    limits = ServerLimits(max_queue_wait_s=args.max_queue_wait or None, default_max_tokens=args.default_max_tokens)
+    wait = DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait is None else args.max_queue_wait
+    limits = ServerLimits(max_queue_wait_s=wait or None, default_max_tokens=args.default_max_tokens)
     return create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
                       limits=limits, processes=processes, trace_dir=getattr(args, "trace_dir", None))
 
@@ -260,7 +273,10 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         engine: EngineHandle = remote
     else:
+        from openinfer.engine_core.startup import release_host_memory
+
         engine, model_path = _open_local_engine(args)
+        release_host_memory()  # what loading left pinned or cached on the host, as the engine core does
     grpc_server = None
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)
@@ -271,10 +287,12 @@ async def serve(args: argparse.Namespace) -> int:
                 engine, args.host, args.grpc_port, api_key, sglang_model_name=name,
                 tokenizer_path=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
                 worker_protocol=args.grpc_worker_protocol)
+        import uvicorn
+
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=args.shutdown_timeout)
         logger.info("serving %r over HTTP on %s:%d", name, args.host, args.port)
-        await _Server(config).serve()
+        await make_server(config).serve()
     finally:
         if grpc_server is not None:
             await grpc_server.stop(args.shutdown_timeout)

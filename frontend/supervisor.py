@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from openinfer.engine_core.startup import API_STARTUP_FILE, SPAWN_TIME_ENV, StartupPhases
 from openinfer.frontend.serve import STARTUP_FAILURE
 
 logger = logging.getLogger("openinfer.supervisor")
@@ -81,6 +82,9 @@ class Supervisor:
         self.api = [Child(f"api-server-{i}") for i in range(args.api_server_count)]
         self.sock: socket.socket | None = None
         self.exit_code = 1  # what run() returns when a child cannot be kept running
+        self.phases = StartupPhases()  # from this process's start: the `openinfer serve` imports count
+        self.phases.mark("spawn_and_imports")
+        self.startup: dict | None = {}  # role -> its start-up report, until all are in (then None)
 
     # --- children --------------------------------------------------------------------------
 
@@ -94,7 +98,8 @@ class Supervisor:
             command += ["--model-path", self.args.model_path]
         if self.args.engine_factory:
             command += ["--engine-factory", self.args.engine_factory]
-        self.core.process = subprocess.Popen(command, pass_fds=(write_fd,), start_new_session=True)
+        env = {**os.environ, SPAWN_TIME_ENV: repr(time.time())}
+        self.core.process = subprocess.Popen(command, pass_fds=(write_fd,), start_new_session=True, env=env)
         os.close(write_fd)
         self.core.ready_fd = read_fd
         self._write_table()
@@ -105,7 +110,7 @@ class Supervisor:
         args = {k: v for k, v in _plain(vars(self.args)).items() if k not in ("api_key", "api_key_file")}
         command = [sys.executable, "-m", "openinfer.frontend.api_server", "--listen-fd", str(self.sock.fileno()),
                    "--run-dir", self.run_dir, "--index", str(index), "--args-json", json.dumps(args)]
-        env = dict(os.environ)
+        env = {**os.environ, SPAWN_TIME_ENV: repr(time.time())}
         env.pop(API_KEY_ENV, None)
         if self.api_key:  # through the environment: a command line is visible to every user
             env[API_KEY_ENV] = self.api_key
@@ -202,6 +207,7 @@ class Supervisor:
             if not report.get("ok"):
                 logger.error("the engine could not start: %s", report.get("error"))
                 return int(report.get("exit_code", 1))
+            self.startup["engine-core"] = {k: report[k] for k in ("phases", "memory") if k in report}
         while not self.stopping:
             time.sleep(POLL_S)
             if not self._watch():
@@ -214,8 +220,34 @@ class Supervisor:
         logger.error("%s could not start (exit %d); stopping", child.role, code)
         return code
 
+    def _collect_startup(self) -> None:
+        """Once every API server listens: log (and with ``--startup-report`` write) where the
+        start went, per process — the cold start → HTTP ready breakdown."""
+        for child in self.api:
+            path = os.path.join(self.run_dir, API_STARTUP_FILE.format(role=child.role))
+            if child.role not in self.startup and os.path.exists(path):
+                try:
+                    with open(path) as handle:
+                        self.startup[child.role] = json.load(handle)
+                except (OSError, ValueError):
+                    return  # being written: read it next time
+        if any(child.role not in self.startup for child in self.api):
+            return
+        if self.core is not None and "engine-core" not in self.startup:
+            return
+        self.phases.mark("until_http_ready")
+        report, self.startup = {"supervisor": {"phases": self.phases.as_dict()}, **self.startup}, None
+        logger.info("ready %.2f s after start: %s", self.phases.total, json.dumps(report))
+        path = getattr(self.args, "startup_report", None)
+        if path:
+            with open(path + ".tmp", "w") as handle:
+                json.dump(report, handle, indent=1)
+            os.replace(path + ".tmp", path)
+
     def _watch(self) -> bool:
         """Restart whatever died; False when a restart budget is spent."""
+        if self.startup is not None:
+            self._collect_startup()
         now = time.monotonic()
         core = self.core
         if core is not None:

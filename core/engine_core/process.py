@@ -43,6 +43,7 @@ from openinfer.engine_core.protocol import (
     load_fields,
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
+from openinfer.engine_core.startup import StartupPhases, release_host_memory
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
 from openinfer.v1 import engine_pb2 as pb
 
@@ -242,6 +243,8 @@ def _report(fd: int | None, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases = StartupPhases()
+    phases.mark("spawn_and_imports")  # interpreter start, openinfer, ZMQ, msgspec
     parser = argparse.ArgumentParser(prog="python -m openinfer.engine_core", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--model-path", default="")
@@ -265,10 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("the engine could not be built")
         _report(args.ready_fd, {"ok": False, "error": repr(exc), "exit_code": 1})
         return 1
+    phases.mark("engine_build")
+    # plugin discovery, backend start, weights: what the engine does not time itself
+    phases.split("engine_build", getattr(engine, "startup_phases", {}), rest="model_load")
+    memory = release_host_memory()
+    phases.mark("release_host_memory")
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
-    _report(args.ready_fd, {"ok": True, "pid": os.getpid()})
-    logger.info("engine core serving (pid %d)", os.getpid())
+    phases.mark("transport")
+    _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory})
+    logger.info("engine core serving (pid %d); start-up %s; host memory %s", os.getpid(),
+                json.dumps(phases.as_dict()), json.dumps(memory))
     code = 0
     while not stop.wait(0.2):
         if not engine.health().healthy:

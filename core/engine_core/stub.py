@@ -13,7 +13,10 @@ openinfer.engine_core.stub:create_stub_engine --model-path DIR`` serves it.
 
 from __future__ import annotations
 
+import collections
 import json
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,12 @@ from openinfer.runtime.model import ModelSpec
 from openinfer.runtime.sampler import RowSample
 
 FACTORY_SPEC = "openinfer.engine_core.stub:create_stub_engine"  # for --engine-factory
+# when set, the stub backend keeps its launch log ``[[wall time, rows], ...]`` (the last
+# LAUNCH_LOG_SIZE launches) in this JSON file, rewritten every STATS_INTERVAL_S: the engine-side
+# step time a benchmark puts next to what its clients saw
+STATS_ENV = "OPENINFER_STUB_STATS"
+LAUNCH_LOG_SIZE = 20_000
+STATS_INTERVAL_S = 0.25
 # generated ids stay clear of the low ids where tokenizers keep their special tokens
 FIRST_PLAIN_ID = 300
 
@@ -40,11 +49,27 @@ class StubBackend(NumpyBackend):
         self.vocab_size = vocab_size
         self.device_free_at = 0.0
         self.num_device_steps = 0
+        self.launches: collections.deque = collections.deque(maxlen=LAUNCH_LOG_SIZE)  # (wall time, rows)
+
+    def write_stats_every(self, path: str, interval_s: float = STATS_INTERVAL_S) -> threading.Thread:
+        """Rewrite ``path`` with the launch log every ``interval_s`` (a daemon thread)."""
+        def loop() -> None:
+            while True:
+                time.sleep(interval_s)
+                temporary = path + ".tmp"
+                with open(temporary, "w") as handle:
+                    json.dump({"step_ms": self.step_s * 1e3, "launches": list(self.launches)}, handle)
+                os.replace(temporary, path)
+
+        thread = threading.Thread(target=loop, name="openinfer-stub-stats", daemon=True)
+        thread.start()
+        return thread
 
     def _launch(self, rows: Any) -> tuple[np.ndarray, float]:
         done = max(time.perf_counter(), self.device_free_at) + self.step_s
         self.device_free_at = done
         self.num_device_steps += 1
+        self.launches.append((time.time(), len(rows)))
         span = max(1, self.vocab_size - FIRST_PLAIN_ID)
         ids = np.fromiter(((FIRST_PLAIN_ID + (row.position * 7 + len(row.request.request_id)) % span)
                            for row in rows), np.int32, count=len(rows))
@@ -96,6 +121,8 @@ def create_stub_engine(model_path: str, **options: Any) -> PagedEngine:
         engine_options = engine_options.with_(async_scheduling=True)  # it stands in for a GPU
     if engine_options.device == "cuda":
         engine_options = engine_options.with_(device="cpu")
+    if os.environ.get(STATS_ENV):
+        backend.write_stats_every(os.environ[STATS_ENV])
     return PagedEngine(StubModel(spec, backend), engine_options, model_path=str(model_path), plugin="openinfer-stub")
 
 

@@ -32,9 +32,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from openinfer.kv.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens, token_bytes
 from openinfer.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheGroups, SlidingWindowSpec, group_specs
 from openinfer.kv.state_slots import NULL_SLOT_ID, StateSlots
+from openinfer.kv.table_rows import BlockTableRows
 
 
 @dataclass
@@ -47,6 +50,7 @@ class RequestBlocks:
     state_slot: int = NULL_SLOT_ID
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)  # (num_tokens, slot)
     generated_snapshot: bytes | None = None  # the request's latest snapshot past its prompt
+    row: int = -1  # the request's row in the manager's ``BlockTableRows``
 
     @property
     def block_ids(self) -> list[int]:
@@ -83,6 +87,11 @@ class KVCacheManager:
             raise ValueError("every group's pool must use the same block size")
         self.extra_key = extra_key
         self.requests: dict[str, RequestBlocks] = {}
+        self.table_rows = BlockTableRows(len(self.groups.groups))  # the tables as arrays, for batches
+        # every group paged, one entry per token, no window (dense and MLA models): a request
+        # needs ceil(tokens / block_size) blocks in each and never frees any early (``grow``'s fast path)
+        self._plain_groups = all(g.paged and g.spec.tokens_per_entry == 1 and not isinstance(g.spec, SlidingWindowSpec)
+                                 for g in self.groups.groups)
         # prefix hits (and so useful state snapshots) fall on multiples of this many tokens
         self.hit_granularity = self.groups.hit_granularity(self.block_size)
         if self.groups.has_state and state_slots is None:
@@ -122,6 +131,15 @@ class KVCacheManager:
     def group_tables(self, request_id: str) -> list[list[int]]:
         """One block table per group id (empty for recurrent-state groups)."""
         return self.requests[request_id].tables
+
+    def table_rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The ``BlockTableRows`` row of each request (for ``gather_tables``)."""
+        requests = self.requests
+        return np.fromiter((requests[r].row for r in request_ids), np.int64, count=len(request_ids))
+
+    def gather_tables(self, group_id: int, rows: np.ndarray) -> np.ndarray:
+        """Group ``group_id``'s block tables of the requests in ``rows``, null-padded to the longest."""
+        return self.table_rows.gather(group_id, rows)
 
     def state_slot(self, request_id: str) -> int:
         """The request's live state slot (the null slot 0 when the model keeps no state)."""
@@ -231,6 +249,10 @@ class KVCacheManager:
                 snapshot = self.snapshots[hashes[n - 1]]
                 self.snapshots.move_to_end(hashes[n - 1])
                 self._state_copies.append((snapshot, blocks.state_slot))
+        blocks.row = self.table_rows.assign()
+        for group_id, table in enumerate(tables):
+            if table:
+                self.table_rows.write(group_id, blocks.row, 0, table)
         self.requests[request_id] = blocks
         return n * bs
 
@@ -256,14 +278,20 @@ class KVCacheManager:
         short. With ``num_computed_tokens``, sliding-window blocks that no query from there on
         can see are freed first (their table entries become the null block)."""
         blocks = self.requests[request_id]
-        if num_computed_tokens is not None:
+        if self._plain_groups:
+            needed = -(-num_total_tokens // self.block_size)
+            if all(len(table) >= needed for table in blocks.tables):  # most steps: the last block has room
+                return True
+        elif num_computed_tokens is not None:
             self.release_behind_window(request_id, num_computed_tokens)
         missing = self._missing(blocks, num_total_tokens)
         if not all(self.pools[g].can_allocate(n) for g, n in missing.items()):
             return False
         for g, n in missing.items():
             if n > 0:
-                blocks.tables[g].extend(self.pools[g].allocate(n))
+                new = self.pools[g].allocate(n)
+                self.table_rows.write(g, blocks.row, len(blocks.tables[g]), new)
+                blocks.tables[g].extend(new)
         return True
 
     def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
@@ -276,8 +304,11 @@ class KVCacheManager:
             if release:
                 self.pools[gid].free(list(reversed(release)))
                 freed += len(release)
-            for j in range(blocks.num_released[gid], first):
-                table[j] = NULL_BLOCK_ID
+            if first > blocks.num_released[gid]:
+                for j in range(blocks.num_released[gid], first):
+                    table[j] = NULL_BLOCK_ID
+                self.table_rows.write(gid, blocks.row, blocks.num_released[gid],
+                                      [NULL_BLOCK_ID] * (first - blocks.num_released[gid]))
             blocks.num_released[gid] = max(blocks.num_released[gid], first)
         return freed
 
@@ -311,6 +342,7 @@ class KVCacheManager:
         blocks = self.requests.pop(request_id, None)
         if blocks is None:
             return
+        self.table_rows.release(blocks.row)
         for pool, table in zip(self.pools, blocks.tables, strict=True):
             if pool is not None:
                 pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ def _group_arrays(chunks: list[ScheduledChunk], kv: KVCacheManager, num_tokens: 
     """Every group's block tables ``[B, max_blocks]`` (padded with the null block 0) and write
     slots ``[T]`` (-1 where the token writes no entry of that group)."""
     block_size = kv.block_size
+    rows = kv.table_rows_of([c.request.request_id for c in chunks])
     tables_out, slots_out = [], []
     for group in kv.groups.groups:
         spec = group.spec
@@ -32,13 +32,11 @@ def _group_arrays(chunks: list[ScheduledChunk], kv: KVCacheManager, num_tokens: 
             tables_out.append(np.zeros((len(chunks), 0), np.int32))
             slots_out.append(np.full(num_tokens, -1, np.int32))
             continue
-        tables = [kv.group_tables(c.request.request_id)[group.group_id] for c in chunks]
-        block_tables = np.zeros((len(chunks), max(1, max((len(t) for t in tables), default=1))), np.int32)
+        block_tables = kv.gather_tables(group.group_id, rows)
         slot_mapping = np.full(num_tokens, -1, np.int32)
         ratio, offset = spec.tokens_per_entry, 0
-        for i, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
-            table_array = np.asarray(table, np.int32)
-            block_tables[i, : len(table)] = table_array
+        for i, chunk in enumerate(chunks):
+            table_array = block_tables[i]
             span = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64)
             if ratio == 1:
                 slot_mapping[offset : offset + chunk.num_tokens] = (
@@ -52,17 +50,6 @@ def _group_arrays(chunks: list[ScheduledChunk], kv: KVCacheManager, num_tokens: 
         tables_out.append(block_tables)
         slots_out.append(slot_mapping)
     return tuple(tables_out), tuple(slots_out)
-
-
-def _padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """``[B, max_len]`` block tables padded with the null block 0, in three vectorized ops
-    (no NumPy call per row)."""
-    lengths = np.fromiter(map(len, tables), np.int64, count=len(tables))
-    width = max(1, int(lengths.max()) if len(tables) else 1)
-    out = np.zeros((len(tables), width), np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(lengths.sum()))
-    out[np.arange(width) < lengths[:, None]] = flat
-    return out
 
 
 def _is_plain_decode(chunks: list[ScheduledChunk], kv: KVCacheManager) -> bool:
@@ -87,13 +74,14 @@ def _build_decode_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
         token_sources[:, 0] = pending
         token_sources[:, 1] = [requests[i].pending_sample_row for i in pending]
     rows_index = np.arange(count)
+    table_rows = kv.table_rows_of([r.request_id for r in requests])  # one gather per group, no list conversion
     tables_out, slots_out = [], []
     for group in kv.groups.groups:
         if not group.spec.paged:
             tables_out.append(np.zeros((count, 0), np.int32))
             slots_out.append(np.full(count, -1, np.int32))
             continue
-        tables = _padded_tables([kv.group_tables(r.request_id)[group.group_id] for r in requests])
+        tables = kv.gather_tables(group.group_id, table_rows)
         slots = tables[rows_index, starts // block_size].astype(np.int64) * block_size + starts % block_size
         tables_out.append(tables)
         slots_out.append(slots.astype(np.int32))

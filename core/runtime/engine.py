@@ -89,6 +89,9 @@ class PagedEngine:
 
     def __init__(self, model: PagedModel, options: EngineOptions | None = None, *, model_path: str = "",
                  plugin: str = "", tokenizer_path: str | None = None):
+        began = time.perf_counter()
+        # seconds of this constructor's start-up phases (the engine-core process reports them)
+        self.startup_phases: dict[str, float] = {}
         self.model = model
         self.options = options or EngineOptions()
         spec = model.spec
@@ -115,6 +118,7 @@ class PagedEngine:
         self.kv = KVCacheManager(self.pools, groups=self.kv_groups, state_slots=self.state_slots,
                                  num_snapshot_slots=self.kv_plan.num_snapshot_slots, block_size=self.block_size)
         self.pool = self.kv.pool  # the first paged group's (a dense model's only) pool
+        self.startup_phases["kv_planning"] = time.perf_counter() - began
         create_step_runner = getattr(model, "create_step_runner", None)
         if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
             self.kv_cache, self.runner = create_step_runner(RunnerSetup(
@@ -124,15 +128,20 @@ class PagedEngine:
                 with_state=self.kv_groups.has_state, group_blocks=self.kv_plan.group_blocks))
         else:
             # the model owns the layout: one allocation per spec, its group's blocks or state slots
+            allocating = time.perf_counter()
             self.kv_cache = [
                 model.backend.allocate_kv(
                     s, self.kv_plan.group_blocks[gid] if s.paged else self.kv_plan.num_state_slots, self.block_size)
                 for s, gid in zip(self.kv_cache_specs, self.kv_groups.group_of_layer, strict=True)]
+            self.startup_phases["kv_allocation"] = time.perf_counter() - allocating
             # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
             self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
                                         max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
-                                        with_state=self.kv_groups.has_state)
+                                        with_state=self.kv_groups.has_state,
+                                        discover_kernels=bool(getattr(model, "dry_run_safe", False)))
+        # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups
+        self.startup_phases["graph_capture"] = getattr(self.runner, "capture_seconds", 0.0)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,

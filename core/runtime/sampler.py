@@ -26,22 +26,37 @@ class RowSample:
                                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
 
 
+def _sampling_traits(request: Any) -> tuple[bool, bool]:
+    """(the sampling kernel implements the row apart from a pending ``min_tokens``, sampling
+    reads the request's history on the host): fixed for a request's life, so computed once
+    and kept on it (``Request.sampling_traits``) — the engine asks twice per row per step."""
+    traits = getattr(request, "sampling_traits", None)
+    if traits is None:
+        params = request.sampling.params
+        penalties = bool(params.repetition_penalty not in (0.0, 1.0) or params.presence_penalty
+                         or params.frequency_penalty)
+        kernel = not (request.want_prompt_logprobs or penalties or request.want_logprobs or request.num_logprobs > 0)
+        history = bool(request.want_prompt_logprobs or penalties or request.sampling.needs_host_history)
+        traits = (kernel, history)
+        try:
+            request.sampling_traits = traits
+        except AttributeError:  # a read-only stand-in: computed again next time
+            pass
+    return traits
+
+
 def needs_host_history(request: Any) -> bool:
     """Sampling this request's next token reads its generated tokens on the host (penalties count
     them; prompt-logprob rows read the prompt's next token; a grammar consumes every token before
     it can mask the next), so it waits for the previous step."""
-    params = request.sampling.params
-    return bool(request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0)
-                or params.presence_penalty or params.frequency_penalty or request.sampling.needs_host_history)
+    return _sampling_traits(request)[1]
 
 
 def kernel_can_sample(request: Any) -> bool:
     """Whether the CUDA sampling kernel implements everything this row asks for: no penalties,
     prompt logprobs or logprobs, no banned stop ids (pending ``min_tokens``). logit_bias and a
     grammar mask are applied on the device before the kernel."""
-    params = request.sampling.params
-    if (request.want_prompt_logprobs or params.repetition_penalty not in (0.0, 1.0) or params.presence_penalty
-            or params.frequency_penalty or request.want_logprobs or request.num_logprobs > 0):
+    if not _sampling_traits(request)[0]:
         return False
     return not (request.stop.min_tokens and request.num_output_tokens < request.stop.min_tokens)
 
@@ -52,7 +67,7 @@ def samples_on_device(request: Any) -> bool:
     asynchronous path: the kernel samples the row (:func:`kernel_can_sample`) and nothing about
     it waits for the previous token on the host (a grammar does: its mask follows the token).
     Rows with a grammar still use the kernel, in steps that are read back at once."""
-    return kernel_can_sample(request) and not needs_host_history(request)
+    return not _sampling_traits(request)[1] and kernel_can_sample(request)
 
 
 @dataclass

@@ -50,6 +50,9 @@ class Request:
     num_placeholders: int = 0
     # full blocks at the last prefix-cache publish: the engine publishes only when it grows
     num_full_blocks_published: int = -1
+    # (the sampling kernel can sample it, sampling needs its history on the host): fixed for
+    # the request's life; set on first use by ``openinfer.runtime.sampler``
+    sampling_traits: tuple[bool, bool] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from openinfer.kv.table_rows import BlockTableRows
 from openinfer.runtime import batch_builder
 
 
@@ -14,9 +15,20 @@ class _KV:
         self.tables = tables
         spec = SimpleNamespace(paged=True, tokens_per_entry=1)
         self.groups = SimpleNamespace(groups=[SimpleNamespace(group_id=0, paged=True, spec=spec)], has_state=False)
+        self.rows = BlockTableRows(1, rows=4, width=4)
+        self.row_of = {}
+        for request_id, table in tables.items():
+            self.row_of[request_id] = self.rows.assign()
+            self.rows.write(0, self.row_of[request_id], 0, table)
 
     def group_tables(self, request_id: str) -> list[list[int]]:
         return [self.tables[request_id]]
+
+    def table_rows_of(self, request_ids):
+        return np.asarray([self.row_of[r] for r in request_ids], np.int64)
+
+    def gather_tables(self, group_id, rows):
+        return self.rows.gather(group_id, rows)
 
 
 def test_decode_fast_path_equals_the_general_path(monkeypatch):
@@ -41,4 +53,9 @@ def test_decode_fast_path_equals_the_general_path(monkeypatch):
         assert np.array_equal(getattr(fast, name), getattr(general, name)), name
         assert getattr(fast, name).dtype == getattr(general, name).dtype, name
     assert (fast.max_context_len, fast.max_query_len) == (general.max_context_len, general.max_query_len)
+    # both take the tables from the rows: they hold each request's list, null-padded
+    width = max(len(t) for t in tables.values())
+    expected = np.array([tables[c.request.request_id] + [0] * (width - len(tables[c.request.request_id]))
+                         for c in chunks], np.int32)
+    assert np.array_equal(fast.block_tables, expected)
     assert [(r.position, r.samples) for r in fast_rows] == [(r.position, r.samples) for r in general_rows]

@@ -199,3 +199,28 @@ def test_metrics_report_the_memory_of_every_process(server):
     roles = {line.split('process="')[1].split('"')[0] for line in text.splitlines()
              if line.startswith("openinfer_process_resident_memory_bytes{")}
     assert {"supervisor", "engine-core", "api-server-0"} <= roles
+
+
+def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, tmp_path):
+    http_port, report = free_port(), tmp_path / "startup.json"
+    process = start("--model-path", str(stub_model), "--engine-factory", FACTORY_SPEC, "--port", str(http_port),
+                    "--grpc-port", "0", "--device", "cpu", "--num-kv-blocks", "400", "--shutdown-timeout", "1",
+                    "--api-server-count", "2", "--startup-report", str(report))
+    try:
+        wait_healthy(process, f"http://127.0.0.1:{http_port}")
+        deadline = time.monotonic() + 20
+        while not report.exists():
+            assert time.monotonic() < deadline, "no start-up report"
+            time.sleep(0.05)
+        phases = {role: entry["phases"] for role, entry in json.loads(report.read_text()).items()}
+    finally:
+        assert stop(process) == 0
+    assert set(phases) == {"supervisor", "engine-core", "api-server-0", "api-server-1"}
+    assert {"spawn_and_imports", "model_load", "kv_planning", "release_host_memory", "transport"} <= set(
+        phases["engine-core"])
+    assert {"spawn_and_imports", "wait_for_engine", "tokenizer_and_app", "http_listening"} <= set(phases["api-server-1"])
+    for role, parts in phases.items():
+        assert all(seconds >= 0 for seconds in parts.values()), role
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), abs=0.01), role
+    # the API servers started while the core loaded: each waited for it, none waited longer than the supervisor ran
+    assert phases["supervisor"]["total"] >= phases["api-server-0"]["total"] - 0.05

@@ -7,8 +7,9 @@ whole forward step can be captured into a CUDA graph (see ``openinfer.graph``).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cupy
@@ -26,10 +27,16 @@ from openinfer.backend.cuda.linear import (
     fused_silu_mul_gemv,
     linear,
 )
-from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
+from openinfer.backend.cuda.weight_upload import uploader
+
+logger = logging.getLogger("openinfer.backend.cuda")
 
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
+# what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
+STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()),
+                ("static_batch.cu", "scatter_int32", ()))
 
 
 def _norm_threads(features: int) -> int:
@@ -72,17 +79,29 @@ class CudaBackend:
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
+    def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
+        """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
+        away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
+        that fails part-way (outputs are garbage while discovering) still compiles what it met."""
+        with discover_kernels() as wanted:
+            try:
+                dry_run()
+            except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
+                logger.debug("the kernel-discovery forward stopped early", exc_info=True)
+        return compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
+
     # --- placing data ----------------------------------------------------------------------------
 
     def upload(self, array: np.ndarray) -> cupy.ndarray:
         return cupy.asarray(float_to_bf16_bits(np.asarray(array)))
 
     def weight(self, array: np.ndarray) -> cupy.ndarray:
-        """bf16 device copy; uint16 input is taken as bf16 bits, float32 is narrowed on the GPU."""
+        """bf16 device copy; uint16 input is taken as bf16 bits, float32 is narrowed on the GPU.
+        Copied through the weight uploader (parallel, no pinned copy kept; see ``weight_upload``)."""
         array = np.asarray(array)
         if array.dtype != np.float32 or array.size < 2**16:
-            return cupy.asarray(float_to_bf16_bits(array))
-        source = cupy.asarray(np.ascontiguousarray(array))
+            return uploader(self.device.id).upload(float_to_bf16_bits(array))
+        source = uploader(self.device.id).upload(array)
         out = cupy.empty(array.shape, dtype=cupy.uint16)
         kernel("elementwise.cu", "float_to_bf16")((_blocks(source.size),), (256,), (source, out, np.int64(source.size)))
         return out
@@ -91,6 +110,21 @@ class CudaBackend:
         if weight.ndim != 2:
             raise ValueError(f"a linear weight is [out_features, in_features], got shape {weight.shape}")
         return CudaLinear(self.weight(weight), None if bias is None else self.weight(bias))
+
+    def fused_linear_weight(self, weights: Sequence[np.ndarray],
+                            biases: Sequence[np.ndarray] | None = None) -> CudaLinear:
+        """``linear_weight(fuse_rows(*weights), fuse_rows(*biases))`` with no fused copy on the
+        host: each bf16 part goes straight into its rows of the device matrix."""
+        if any(w.ndim != 2 or w.shape[1] != weights[0].shape[1] for w in weights) or any(
+                np.asarray(w).dtype != np.uint16 for w in weights):
+            return self.linear_weight(np.concatenate(weights, axis=0),
+                                      None if biases is None else np.concatenate(biases, axis=0))
+        out = cupy.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]), dtype=cupy.uint16)
+        offset = 0
+        for part in weights:
+            uploader(self.device.id).upload(part, out, offset)
+            offset += part.nbytes
+        return CudaLinear(out, None if biases is None else self.weight(np.concatenate(biases, axis=0)))
 
     def prepare_batch(self, batch: ForwardBatch) -> CudaBatch:
         return self.uploader.upload(batch)

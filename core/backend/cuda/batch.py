@@ -21,6 +21,8 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import ForwardBatch
+from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.table_delta import TableMirror
 
 PREFILL_TILE = 128  # queries per prefill-attention tile (BLOCK_M of prefill_attention_sm90.cu)
 
@@ -138,6 +140,15 @@ class BatchUploader:
         device[:staging.size].set(staging, stream=stream)
         self._copied.record(stream)
 
+    def copy_parts(self, staging: np.ndarray, parts: list[tuple[int, int, cupy.ndarray]]) -> None:
+        """``device[:count] = staging[start:start + count]`` for each ``(start, count, device)``,
+        on the current stream, the staging buffer released after the last."""
+        stream = cupy.cuda.get_current_stream()
+        for start, count, device in parts:
+            if count:
+                device[:count].set(staging[start:start + count], stream=stream)
+        self._copied.record(stream)
+
     def upload(self, batch: ForwardBatch) -> CudaBatch:
         sections = _sections(batch, with_tiles=not batch.is_decode)
         staging = self.stage(sections)
@@ -156,6 +167,11 @@ class StaticBatch:
     KV write), token 0 at position 0, block table rows of the null block and the null state
     slot 0. ``num_groups`` > 1 adds one table (``max_blocks_per_seq`` wide) and one slot
     mapping per KV cache group; ``with_state`` adds the state-slot section.
+
+    With one KV cache group and no state, a step sends only the per-sequence sections (tokens,
+    positions, slots, context lengths) and the block-table entries that changed since the
+    last fill (``TableMirror``), scattered in place on the device; the table is copied whole
+    only when most of it changed.
     """
 
     def __init__(self, uploader: BatchUploader, num_seqs: int, max_blocks_per_seq: int, num_groups: int = 1,
@@ -172,7 +188,12 @@ class StaticBatch:
         widths = [max_blocks_per_seq] * (1 + (num_groups if num_groups > 1 else 0))
         views = _views(self.buffer, self.sizes, num_seqs, widths)
         self.batch = _batch_from_views(views, 1, 1, None, with_state)
-        self.fill(None)
+        self._mirror: TableMirror | None = None
+        self.num_table_entries_sent = 0  # block-table ids sent by fills since construction
+        self.fill(None)  # in full: the fixed sections (query_start, logits_rows) are written only here
+        if num_groups <= 1 and not with_state:  # the device table is all null now, as a new mirror
+            self._mirror = TableMirror(num_seqs, max_blocks_per_seq)
+            self._scatter = cupy.empty(2 * num_seqs * max_blocks_per_seq // 4 + 2, dtype=cupy.int32)
 
     def fill(self, batch: ForwardBatch | None) -> None:
         """Copy ``batch`` (a decode batch of at most ``num_seqs`` sequences) into the buffer."""
@@ -181,6 +202,11 @@ class StaticBatch:
             raise ValueError("a static (graph) batch holds decode steps only: one new token per sequence")
         if b > n:
             raise ValueError(f"batch of {b} sequences does not fit the static batch of {n}")
+        if self._mirror is not None:
+            delta = self._mirror.update(None if batch is None else batch.block_tables, b)
+            if delta is not None:
+                self._fill_rows_and_delta(batch, b, *delta)
+                return
         token_ids, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
         context_lens = np.zeros(n, np.int32)
         state_slots = np.zeros(n if self.with_state else 0, np.int32)
@@ -205,6 +231,32 @@ class StaticBatch:
         self.uploader.copy(staging, self.buffer)
         self.batch.max_context_len = 1 if batch is None else batch.max_context_len
         self.batch.host = batch
+        self.num_table_entries_sent += tables[0].size
+
+    def _fill_rows_and_delta(self, batch: ForwardBatch | None, b: int, index: np.ndarray, values: np.ndarray) -> None:
+        """The per-sequence sections in full, the block table as ``table.flat[index] = values``."""
+        n = self.num_seqs
+        token_ids, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        context_lens = np.zeros(n, np.int32)
+        slots = self._padded_slots(None if batch is None else batch.slot_mapping, b)
+        if batch is not None:
+            token_ids[:b], positions[:b], context_lens[:b] = batch.token_ids, batch.positions, batch.context_lens
+        count = int(index.size)
+        head = [token_ids, positions, slots]  # sections 0-2, then query_start (fixed), context_lens
+        staging = self.uploader.stage([*head, context_lens, index, values])
+        parts = [(0, 3 * n, self.buffer), (3 * n, n, self.batch.context_lens)]
+        if count:
+            if 2 * count > self._scatter.size:
+                self._scatter = cupy.empty(2 * count, dtype=cupy.int32)
+            parts.append((4 * n, 2 * count, self._scatter))
+        self.uploader.copy_parts(staging, parts)
+        if count:
+            kernel("static_batch.cu", "scatter_int32")(
+                (min(1024, -(-count // 256)),), (256,),
+                (self.batch.block_tables, self._scatter[:count], self._scatter[count:2 * count], np.int32(count)))
+        self.batch.max_context_len = 1 if batch is None else batch.max_context_len
+        self.batch.host = batch
+        self.num_table_entries_sent += count
 
     def _padded_table(self, table: np.ndarray | None, b: int) -> np.ndarray:
         padded = np.zeros((self.num_seqs, self.max_blocks_per_seq), np.int32)

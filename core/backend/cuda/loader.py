@@ -5,17 +5,35 @@ through ``cupy.RawModule`` (CuPy also caches the binary on disk per source, opti
 architecture) and returns the ``RawKernel``. ``arch_kernel("x.cu", "x", "sm_90a")`` builds for an
 architecture-specific target (wgmma and setmaxnreg need sm_90a), which RawModule cannot ask for: it
 always appends its own ``-arch=sm_XY``. Package files are only read.
+
+On a fresh machine (CuPy's disk cache empty) compiling is most of an engine's start (about
+0.3 s per module, one after the other as a forward first meets them). ``discover_kernels``
+records the kernels a dry forward would compile instead of compiling them (launching one then
+does nothing), and ``compile_kernels`` compiles the recorded modules in parallel threads: NVRTC
+releases the GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import cupy
 
 KERNEL_DIR = Path(str(resources.files("openinfer.kernels")))
+COMPILE_THREADS = 8
+
+# (source, kernel name, sorted defines), and for ``arch_kernel`` also (arch, shared bytes)
+KernelKey = tuple[Any, ...]
+
+_compiled: set[KernelKey] = set()
+_discovery = threading.local()  # .found: the set a discover_kernels block records into
 
 
 @functools.cache
@@ -29,12 +47,33 @@ def _module(source: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawModule
 
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawKernel:
-    return _module(source, defines).get_function(name)
+    function = _module(source, defines).get_function(name)  # compiles and loads the module once
+    _compiled.add((source, name, defines))
+    return function
+
+
+class _NotCompiled:
+    """What ``kernel`` returns while discovering: launching it (or setting its attributes) does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> int:
+        return 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        return None
 
 
 def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
     """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define."""
-    return _kernel(source, name, tuple(sorted(defines.items())))
+    key = (source, name, tuple(sorted(defines.items())))
+    found = getattr(_discovery, "found", None)
+    if found is not None:  # no kernel runs on a dry forward's garbage, compiled or not
+        if key not in _compiled:
+            found.add(key)
+        return _NotCompiled()
+    return _kernel(*key)
 
 
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
@@ -69,6 +108,7 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -
 def _arch_kernel(source: str, name: str, arch: str, defines: tuple[tuple[str, int], ...],
                  shared_bytes: int) -> cupy.cuda.function.Function:
     function = _arch_module(source, defines, arch).get_function(name)
+    _compiled.add((source, name, defines, arch, shared_bytes))
     if shared_bytes > 48 * 1024:
         cupy.cuda.driver.funcSetAttribute(function.ptr, MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
     return function
@@ -77,5 +117,51 @@ def _arch_kernel(source: str, name: str, arch: str, defines: tuple[tuple[str, in
 def arch_kernel(source: str, name: str, arch: str, shared_bytes: int = 0, **defines: int) -> cupy.cuda.function.Function:
     """Kernel ``name`` of ``source`` compiled by NVRTC straight to a cubin for ``arch`` (e.g. "sm_90a"),
     its dynamic shared-memory limit raised to ``shared_bytes``; called like a RawKernel:
-    ``fn(grid, block, args, shared_mem=...)``."""
-    return _arch_kernel(source, name, arch, tuple(sorted(defines.items())), shared_bytes)
+    ``fn(grid, block, args, shared_mem=...)``. Under ``discover_kernels`` it is recorded and not
+    launched, like ``kernel``."""
+    key = (source, name, tuple(sorted(defines.items())), arch, shared_bytes)
+    found = getattr(_discovery, "found", None)
+    if found is not None:
+        if key not in _compiled:
+            found.add(key)
+        return _NotCompiled()
+    return _arch_kernel(*key[:2], arch, key[2], shared_bytes)
+
+
+@contextlib.contextmanager
+def discover_kernels() -> Iterator[set[KernelKey]]:
+    """Within the block (this thread only), launching any kernel does nothing and a kernel not
+    compiled yet is recorded in the yielded set: run a dry forward inside, then
+    ``compile_kernels`` what it found. The forward's outputs are garbage, so only a forward
+    that computes no indices on the device may run dry (see ``DecoderOnlyLM.dry_run_safe``)."""
+    previous = getattr(_discovery, "found", None)
+    _discovery.found = found = set()
+    try:
+        yield found
+    finally:
+        _discovery.found = previous
+
+
+def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = COMPILE_THREADS) -> int:
+    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread;
+    returns how many modules were built."""
+    by_module: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+    for key in keys:
+        if key not in _compiled:
+            source, _, defines, *arch = key
+            by_module.setdefault((source, defines, *arch[:1]), []).append(key)
+
+    if not by_module:
+        return 0
+
+    def build(item: tuple[tuple[Any, ...], list[tuple[Any, ...]]]) -> None:
+        for source, name, defines, *arch in item[1]:
+            if arch:
+                _arch_kernel(source, name, arch[0], defines, arch[1])
+            else:
+                _kernel(source, name, defines)
+
+    with ThreadPoolExecutor(min(threads, len(by_module)), thread_name_prefix="openinfer-nvrtc",
+                            initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
+        list(pool.map(build, by_module.items()))
+    return len(by_module)

@@ -1,0 +1,130 @@
+"""Weights from host memory (the checkpoint's memory map) to the GPU, in parallel, with no
+pinned copy of the model kept on the host.
+
+``cupy.asarray(host)`` stages every array in a pinned block from CuPy's pinned pool, which keeps
+each block for reuse: loading a model that way leaves about a gigabyte pinned (one block per
+distinct tensor size, the embedding's among them) and copies the model through one thread,
+page-faulting the memory map 4 KiB at a time. Here each tensor is cut into chunks copied by a
+few threads (NumPy releases the GIL while copying) into a small ring of pinned staging buffers,
+each sent to the device on its thread's stream::
+
+    host tensor  [ chunk 0 | chunk 1 | chunk 2 | ... ]        (bytes, from the memory map)
+                     │         │         │
+    staging ring  [buf 0]   [buf 1]   [buf 2] ... (STAGING_BUFFERS × CHUNK_BYTES pinned)
+                     │ memcpyAsync on the buffer's stream; its event marks it free again
+    device        [ out[offset : offset + nbytes] ]
+
+``upload`` returns once the tensor is on the device (callers may use it at once). The ring
+is allocated on first use and freed by ``release_staging()`` (``release_host_memory`` calls it
+once the engine is built), so an idle engine holds no staging memory.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+CHUNK_BYTES = 8 << 20
+NUM_THREADS = 4
+STAGING_BUFFERS = 2 * NUM_THREADS  # a thread fills one buffer while its previous copy runs
+SMALL_BYTES = 1 << 20  # below this a tensor is copied directly (one synchronous memcpy)
+
+
+@dataclass
+class _Staging:
+    memory: cupy.cuda.PinnedMemory
+    view: np.ndarray  # uint8 [CHUNK_BYTES] over ``memory``
+    stream: cupy.cuda.Stream
+    copied: cupy.cuda.Event  # recorded after the last copy out of this buffer
+
+
+class WeightUploader:
+    """Copies host arrays into device arrays through a ring of pinned staging buffers."""
+
+    def __init__(self, device_id: int, num_threads: int = NUM_THREADS, chunk_bytes: int = CHUNK_BYTES,
+                 num_buffers: int = STAGING_BUFFERS):
+        self.device_id = device_id
+        self.chunk_bytes = chunk_bytes
+        self._free: queue.Queue[_Staging] = queue.Queue()
+        with cupy.cuda.Device(device_id):
+            self._buffers = []
+            for _ in range(num_buffers):
+                memory = cupy.cuda.PinnedMemory(chunk_bytes)  # not from the pool: freed with this object
+                view = np.frombuffer(cupy.cuda.PinnedMemoryPointer(memory, 0), np.uint8, chunk_bytes)
+                staging = _Staging(memory, view, cupy.cuda.Stream(non_blocking=True),
+                                   cupy.cuda.Event(block=False, disable_timing=True))
+                self._buffers.append(staging)
+                self._free.put(staging)
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="openinfer-upload",
+                                        initializer=lambda: cupy.cuda.Device(device_id).use())
+
+    def upload(self, host: np.ndarray, out: cupy.ndarray | None = None, offset_bytes: int = 0) -> cupy.ndarray:
+        """Copy ``host`` into ``out`` starting ``offset_bytes`` into it (a new device array of
+        ``host``'s shape and dtype when ``out`` is None); returns ``out`` once the copy is done."""
+        host = np.ascontiguousarray(host)
+        if out is None and cupy.cuda.get_current_stream().is_capturing():
+            return cupy.asarray(host)  # a constant made inside a graph capture: CuPy's path, as before
+        if out is None:
+            out = cupy.empty(host.shape, dtype=host.dtype)
+        if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
+            raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a "
+                             f"{'non-contiguous ' if not out.flags.c_contiguous else ''}device array of {out.nbytes}")
+        source = host.reshape(-1).view(np.uint8)
+        destination = out.data.ptr + offset_bytes
+        if host.nbytes < SMALL_BYTES:
+            cupy.cuda.runtime.memcpy(destination, source.ctypes.data, host.nbytes, cupy.cuda.runtime.memcpyHostToDevice)
+            return out
+        # the device array was allocated on the current stream: make the copies wait for that
+        cupy.cuda.get_current_stream().synchronize()
+        chunks = [(start, min(self.chunk_bytes, host.nbytes - start)) for start in range(0, host.nbytes, self.chunk_bytes)]
+        used = list(self._pool.map(lambda chunk: self._copy(source, destination, *chunk), chunks))
+        for staging in {id(s): s for s in used}.values():
+            staging.copied.synchronize()
+        return out
+
+    def _copy(self, source: np.ndarray, destination: int, start: int, nbytes: int) -> _Staging:
+        staging = self._free.get()
+        try:
+            staging.copied.synchronize()  # its previous copy has left the buffer
+            np.copyto(staging.view[:nbytes], source[start:start + nbytes])
+            cupy.cuda.runtime.memcpyAsync(destination + start, staging.view.ctypes.data, nbytes,
+                                          cupy.cuda.runtime.memcpyHostToDevice, staging.stream.ptr)
+            staging.copied.record(staging.stream)
+        finally:
+            self._free.put(staging)
+        return staging
+
+    def close(self) -> None:
+        """Wait for every copy and free the staging buffers."""
+        self._pool.shutdown(wait=True)
+        for staging in self._buffers:
+            staging.copied.synchronize()
+        self._buffers.clear()
+        while not self._free.empty():
+            self._free.get_nowait()
+
+
+_uploaders: dict[int, WeightUploader] = {}
+_lock = threading.Lock()
+
+
+def uploader(device_id: int) -> WeightUploader:
+    """The device's uploader (its staging ring allocated on first use)."""
+    with _lock:
+        if device_id not in _uploaders:
+            _uploaders[device_id] = WeightUploader(device_id)
+        return _uploaders[device_id]
+
+
+def release_staging() -> None:
+    """Free every staging ring (a later upload allocates one again)."""
+    with _lock:
+        uploaders = list(_uploaders.values())
+        _uploaders.clear()
+    for each in uploaders:
+        each.close()

@@ -1,0 +1,74 @@
+"""Weights to the GPU through the staging ring, fused rows placed on the device, and kernels
+found by a dry forward compiled in parallel: the same bits and kernels as the plain paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("shape", [(3,), (1000, 17), (2048, 4096), (3001, 2561)])
+def test_upload_is_bit_exact_at_every_size(cuda_backend, rng, shape):
+    from openinfer.backend.cuda.weight_upload import WeightUploader
+
+    host = rng.integers(0, 2**16, size=shape, dtype=np.uint16)
+    uploader = WeightUploader(cuda_backend.device.id, num_threads=3, chunk_bytes=1 << 20, num_buffers=4)
+    try:
+        device = uploader.upload(host)
+        assert device.dtype == cupy.uint16 and device.shape == shape
+        np.testing.assert_array_equal(device.get(), host)
+        offset = rng.integers(0, 64) * 2
+        out = cupy.full(host.size + 64, 7, dtype=cupy.uint16)
+        uploader.upload(host, out, int(offset))
+        got = out.get()
+        np.testing.assert_array_equal(got[offset // 2: offset // 2 + host.size], host.reshape(-1))
+        assert (got[: offset // 2] == 7).all() and (got[offset // 2 + host.size:] == 7).all()
+    finally:
+        uploader.close()
+
+
+def test_upload_refuses_a_destination_too_small(cuda_backend, rng):
+    from openinfer.backend.cuda.weight_upload import WeightUploader
+
+    uploader = WeightUploader(cuda_backend.device.id, num_threads=1, chunk_bytes=1 << 20, num_buffers=2)
+    try:
+        with pytest.raises(ValueError, match="cannot copy"):
+            uploader.upload(np.zeros(100, np.uint16), cupy.empty(50, dtype=cupy.uint16))
+    finally:
+        uploader.close()
+
+
+def test_fused_linear_weight_equals_the_host_fused_matrix(cuda_backend, rng):
+    from openinfer.layers import fuse_rows, fused_linear_weight
+
+    parts = [rng.integers(0, 2**16, size=(rows, 640), dtype=np.uint16) for rows in (1024, 256, 256)]
+    biases = [rng.standard_normal(p.shape[0]).astype(np.float32) for p in parts]
+    fused = fused_linear_weight(cuda_backend, parts, biases)
+    reference = cuda_backend.linear_weight(fuse_rows(*parts), fuse_rows(*biases))
+    np.testing.assert_array_equal(fused.weight.get(), reference.weight.get())
+    np.testing.assert_array_equal(fused.bias.get(), reference.bias.get())
+
+
+def test_float32_weights_are_narrowed_as_before(cuda_backend, rng):
+    from openinfer.backend.cuda.bf16 import float_to_bf16_bits
+
+    values = rng.standard_normal((300, 400)).astype(np.float32)
+    np.testing.assert_array_equal(cuda_backend.weight(values).get(), float_to_bf16_bits(values))
+
+
+def test_discovered_kernels_are_the_ones_a_forward_compiles(cuda_backend, rng):
+    from openinfer.backend.cuda import loader
+
+    x = cupy.asarray(rng.integers(0, 2**16, size=(4, 96), dtype=np.uint16) & 0x3FFF)
+    weight = cupy.asarray(rng.integers(0, 2**16, size=96, dtype=np.uint16) & 0x3FFF)
+    source, defines = "rms_norm.cu", {"OPENINFER_TEST_VARIANT": int(rng.integers(1, 2**30))}  # never compiled yet
+    with loader.discover_kernels() as wanted:
+        assert loader.kernel(source, "rms_norm", **defines)((4,), (64,), (x, weight, x, np.int32(96),
+                                                                             np.float32(1e-6))) is None
+    key = (source, "rms_norm", tuple(defines.items()))
+    assert wanted == {key}
+    assert loader.compile_kernels(wanted, cuda_backend.device.id) == 1
+    assert loader.compile_kernels(wanted, cuda_backend.device.id) == 0  # already built
