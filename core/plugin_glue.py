@@ -45,4 +45,10 @@ def create_paged_engine(plugin: str, model_path: str, options: EngineOptions, lo
     ``create_parallel_model`` (``memory`` and ``max_model_len`` feed its memory-plan check on
     GPUs), and the default engine runs it under ``engine_options`` (``options`` when None)."""
     model = create_parallel_model(load_rank, options, memory, max_model_len=max_model_len)
+    if getattr(model.backend, "name", "") == "cuda":
+        # the upload's pinned staging (CuPy caches every block) and the checkpoint's maps: GBs of
+        # host memory an idle engine would otherwise keep resident
+        from openinfer.engine_core.startup import release_host_memory
+
+        release_host_memory()
     return PagedEngine(model, engine_options or options, model_path=model_path, plugin=plugin)

@@ -121,18 +121,6 @@ def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
     return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_key_heads)
 
 
-def release_host_staging() -> None:
-    """Free the pinned host blocks CuPy cached while the weights went up: ``cupy.asarray`` of a
-    NumPy array stages it through CuPy's pinned memory pool, which keeps every freed block for
-    reuse — after loading a 4B model that was ~5 GB of page-locked host memory (RssShmem of an
-    idle engine on an H100) that no later step needs. Blocks still in use are kept."""
-    cupy.cuda.Device().synchronize()  # every upload has left its staging block
-    # CuPy holds each staging block until its copy's event is seen done, which it checks when
-    # pinned memory is next allocated: one byte returns them to the pool, which then frees them
-    cupy.cuda.alloc_pinned_memory(1)
-    cupy.get_default_pinned_memory_pool().free_all_blocks()
-
-
 def warm_up(config: Qwen35Config) -> None:
     """Compile the kernels this config runs and allocate the decode counters — before any CUDA
     graph capture, which must neither compile nor allocate outside its pool."""
@@ -332,7 +320,6 @@ CUDA_PLAN = KernelPlan(
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
     warm_up=warm_up,
-    release_host_staging=release_host_staging,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     norm_weight=_fp32_device,

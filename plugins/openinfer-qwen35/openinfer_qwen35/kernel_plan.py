@@ -74,8 +74,6 @@ class KernelPlan:
     norm_weight: Callable[[np.ndarray], Any] | None = None
     # compile kernels / allocate fixed buffers for a config, before any CUDA graph capture
     warm_up: Callable[[Any], None] | None = None
-    # after the weights are on the device: return host buffers the upload cached (idle RSS)
-    release_host_staging: Callable[[], None] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

@@ -48,8 +48,6 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
               else Checkpoint(model_path))
     weights = load_weights(source, qwen35, backend, plan.fp32_vector, plan.norm_weight, rank.tensor)
     del source  # the checkpoint's memory maps
-    if plan.release_host_staging is not None:
-        plan.release_host_staging()
     max_len = min(options.max_model_len or qwen35.max_position_embeddings, qwen35.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ("Qwen3_5ForCausalLM",))
     return Qwen35Model(local, weights, backend, max_model_len=max_len, architectures=architectures,
