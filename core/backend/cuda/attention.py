@@ -130,8 +130,9 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         stages = SM90_STAGES[spec.head_dim]
         shared = sm90_shared_bytes(spec.head_dim, stages)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
-                         HEAD_DIM=spec.head_dim, STAGES=stages)
-        fn((spec.num_heads, batch.num_tiles), (384,), args, shared_mem=shared)
+                         HEAD_DIM=spec.head_dim, STAGES=stages, PAGE_SIZE=int(kv.k.shape[1]))
+        group = spec.num_heads // spec.num_kv_heads
+        fn((group * batch.num_tiles, spec.num_kv_heads), (384,), args, shared_mem=shared)  # KV head major
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
     shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)
