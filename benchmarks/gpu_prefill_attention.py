@@ -156,19 +156,20 @@ def bench_attention(backend, mma_only: bool) -> list[dict]:
 
 
 # name -> OPENINFER_SM90_* settings (keys of openinfer.backend.cuda.attention.SM90_ENV); "default" sets none
+# (the ping-pong ones last: if one misbehaved, the others' per-variant log lines are already out)
 SM90_VARIANTS = {
     "default": {},
     "no-overlap": {"overlap": "0"},
-    "pingpong": {"pingpong": "1"},
-    "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
     "batched-page-reads": {"page_reads": "batched"},
     "kv-head-grid": {"grid": "kv_head"},
     "l2": {"grid": "kv_head", "page_reads": "batched"},
-    "l2-pingpong": {"grid": "kv_head", "page_reads": "batched", "pingpong": "1"},
     "l2-no-overlap": {"grid": "kv_head", "page_reads": "batched", "overlap": "0"},
-    "l2-no-overlap-pingpong": {"grid": "kv_head", "page_reads": "batched", "overlap": "0", "pingpong": "1"},
     "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
+    "pingpong": {"pingpong": "1"},
+    "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
+    "l2-pingpong": {"grid": "kv_head", "page_reads": "batched", "pingpong": "1"},
+    "l2-no-overlap-pingpong": {"grid": "kv_head", "page_reads": "batched", "overlap": "0", "pingpong": "1"},
 }
 
 
@@ -182,7 +183,7 @@ def set_sm90_variant(settings: dict[str, str]) -> None:
             os.environ.pop(name, None)
 
 
-def bench_sm90_variants(backend) -> dict:
+def bench_sm90_variants(backend, out_dirs: list[Path]) -> dict:
     import cupy
 
     from openinfer.backend.base import AttentionSpec
@@ -202,18 +203,19 @@ def bench_sm90_variants(backend) -> dict:
         outputs = {variant: cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
                    for variant in SM90_VARIANTS}
         best: dict[str, float] = {}
-        for _ in range(2):  # interleaved rounds: clock or thermal drift hits every variant alike
+        for round_index in range(2):  # interleaved rounds: clock or thermal drift hits every variant alike
             for variant, settings in SM90_VARIANTS.items():
                 set_sm90_variant(settings)
                 call = functools.partial(prefill_attention, q, spec, kv, device_batch, implementation="sm90",
                                          out=outputs[variant])
                 seconds = gpu_seconds(call, repeats=10 if flops < 1e13 else 5, warmup=2)
                 best[variant] = min(best.get(variant, float("inf")), seconds)
+                log(f"  {name} round {round_index} {variant}: {flops / seconds / 1e12:.1f} TFLOP/s")
         set_sm90_variant({})
         reference = (outputs["default"].astype(cupy.uint32) << 16).view(cupy.float32)
         for variant, seconds in best.items():
             values = (outputs[variant].astype(cupy.uint32) << 16).view(cupy.float32)
-            difference = float(cupy.linalg.norm(values - reference) / cupy.linalg.norm(reference))
+            difference = float(cupy.linalg.norm(values - reference)) / max(float(cupy.linalg.norm(reference)), 1e-30)
             row["variants"][variant] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
                                         "vs_default": best["default"] / seconds,
                                         "relative_difference_vs_default": difference}
@@ -227,6 +229,9 @@ def bench_sm90_variants(backend) -> dict:
                       if f"torch_{b}_tflops" in row))
         rows.append(row)
         cupy.get_default_memory_pool().free_all_blocks()
+        for out in out_dirs:  # partial results, case by case
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu_prefill_attention_variants.partial.json").write_text(json.dumps(rows, indent=2))
     # geometric mean of the speed-up over the default across the cases, per (correct) variant
     summary = {variant: float(np.exp(np.mean([np.log(r["variants"][variant]["vs_default"]) for r in rows])))
                for variant in SM90_VARIANTS}
@@ -337,14 +342,14 @@ def main() -> None:
     except ImportError:
         pass
     log(str(report["environment"]))
+    out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
     if args.sm90_variants:
-        report["sm90_variants"] = bench_sm90_variants(backend)
-        write_variants(report, [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []))
+        report["sm90_variants"] = bench_sm90_variants(backend, out_dirs)
+        write_variants(report, out_dirs)
         return
     report["attention"] = bench_attention(backend, args.mma_only)
     if not args.no_model:
         report["model"] = bench_model(backend, args.mma_only)
-    out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_prefill_attention.json").write_text(json.dumps(report, indent=2))

@@ -31,6 +31,7 @@ CASES = {
 }
 # sm90 kernel variants besides the default: name -> the OPENINFER_SM90_* settings (attention.SM90_ENV keys)
 SM90_VARIANTS = {
+    "no-overlap": {"overlap": "0"},
     "kv-head-grid": {"grid": "kv_head"},
     "batched-page-reads": {"page_reads": "batched"},
     "l2": {"grid": "kv_head", "page_reads": "batched"},
@@ -38,6 +39,7 @@ SM90_VARIANTS = {
     "l2-no-overlap": {"grid": "kv_head", "page_reads": "batched", "overlap": "0"},
     "l2-no-overlap-pingpong": {"grid": "kv_head", "page_reads": "batched", "overlap": "0", "pingpong": "1"},
     "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
+    "pingpong": {"pingpong": "1"},
     "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
 }
 
