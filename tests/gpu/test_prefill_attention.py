@@ -141,14 +141,16 @@ def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatc
 
 
 def test_sm90_variant_environment(monkeypatch):
-    from openinfer.backend.cuda.attention import SM90_ENV, SM90_STAGES, sm90_variant
+    from openinfer.backend.cuda import attention
+    from openinfer.backend.cuda.attention import SM90_ENV, sm90_variant
 
     for name in SM90_ENV.values():
         monkeypatch.delenv(name, raising=False)
-    default = sm90_variant(128)
-    assert (default.kv_head_major_grid, default.batched_page_reads, default.pingpong, default.skip_kv_loads) == (
-        False, False, False, False)
-    assert default.intra_wg_overlap and default.stages == SM90_STAGES[128]
+    default = sm90_variant(128)  # the module's SM90_* defaults where the environment is silent
+    assert default.kv_head_major_grid == (attention.SM90_GRID == "kv_head")
+    assert default.batched_page_reads == (attention.SM90_PAGE_READS == "batched")
+    assert (default.pingpong, default.intra_wg_overlap) == (attention.SM90_PINGPONG, attention.SM90_OVERLAP)
+    assert default.stages == attention.SM90_STAGES[128] and not default.skip_kv_loads
     for key, value in SM90_VARIANTS["l2-pingpong"].items():
         monkeypatch.setenv(SM90_ENV[key], value)
     monkeypatch.setenv(SM90_ENV["stages"], "2")
