@@ -10,7 +10,13 @@
              builder) on 1k / 4k / 16k prompts with OPENINFER_PREFILL_KERNEL=mma (before) and auto (after).
 Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under $OUT when set).
 
-    python benchmarks/gpu_prefill_attention.py [--no-model]
+  --sm90-variants  instead: TFLOP/s of each run-time variant of the sm90 kernel (OPENINFER_SM90_*:
+             grid order, batched block-table reads, warpgroup ping-pong, intra-warpgroup overlap,
+             K/V stages; plus a no-K/V-load timing diagnostic) on the same cases, two interleaved
+             rounds (best median kept), each output compared with the default's, torch SDPA alongside;
+             writes gpu_prefill_attention_variants.json.
+
+    python benchmarks/gpu_prefill_attention.py [--no-model | --sm90-variants]
 """
 
 from __future__ import annotations
@@ -149,6 +155,92 @@ def bench_attention(backend, mma_only: bool) -> list[dict]:
     return rows
 
 
+# name -> OPENINFER_SM90_* settings (keys of openinfer.backend.cuda.attention.SM90_ENV); "default" sets none
+# (the ping-pong ones last: if one misbehaved, the others' per-variant log lines are already out)
+SM90_VARIANTS = {
+    "default": {},
+    "no-overlap": {"overlap": "0"},
+    "batched-page-reads": {"page_reads": "batched"},
+    "kv-head-grid": {"grid": "kv_head"},
+    "l2": {"grid": "kv_head", "page_reads": "batched"},
+    "l2-no-overlap": {"grid": "kv_head", "page_reads": "batched", "overlap": "0"},
+    "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
+    "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
+    "pingpong": {"pingpong": "1"},
+    "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
+    "l2-pingpong": {"grid": "kv_head", "page_reads": "batched", "pingpong": "1"},
+    "l2-no-overlap-pingpong": {"grid": "kv_head", "page_reads": "batched", "overlap": "0", "pingpong": "1"},
+}
+
+
+def set_sm90_variant(settings: dict[str, str]) -> None:
+    from openinfer.backend.cuda.attention import SM90_ENV
+
+    for key, name in SM90_ENV.items():
+        if key in settings:
+            os.environ[name] = settings[key]
+        else:
+            os.environ.pop(name, None)
+
+
+def bench_sm90_variants(backend, out_dirs: list[Path]) -> dict:
+    import cupy
+
+    from openinfer.backend.base import AttentionSpec
+    from openinfer.backend.cuda.attention import prefill_attention, sm90_prefill_supported
+    from openinfer.tools.ledger import gpu_seconds
+
+    if not sm90_prefill_supported(HEAD_DIM):
+        raise SystemExit("--sm90-variants needs a compute capability 9.0 GPU")
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
+    cases = [(f"prompt {n}", [0], [n]) for n in LENGTHS]
+    cases += [("chunk 4096 on 12288 cached", [12288], [4096]), ("8 prompts of 2048", [0] * 8, [2048] * 8)]
+    rows = []
+    for name, cached, new in cases:
+        batch, kv, q, flops = paged_case(cached, new)
+        device_batch = backend.prepare_batch(batch)
+        row: dict = {"case": name, "cached": cached, "new": new, "flops": flops, "variants": {}}
+        outputs = {variant: cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
+                   for variant in SM90_VARIANTS}
+        best: dict[str, float] = {}
+        for round_index in range(2):  # interleaved rounds: clock or thermal drift hits every variant alike
+            for variant, settings in SM90_VARIANTS.items():
+                set_sm90_variant(settings)
+                call = functools.partial(prefill_attention, q, spec, kv, device_batch, implementation="sm90",
+                                         out=outputs[variant])
+                seconds = gpu_seconds(call, repeats=10 if flops < 1e13 else 5, warmup=2)
+                best[variant] = min(best.get(variant, float("inf")), seconds)
+                log(f"  {name} round {round_index} {variant}: {flops / seconds / 1e12:.1f} TFLOP/s")
+        set_sm90_variant({})
+        reference = (outputs["default"].astype(cupy.uint32) << 16).view(cupy.float32)
+        for variant, seconds in best.items():
+            values = (outputs[variant].astype(cupy.uint32) << 16).view(cupy.float32)
+            difference = float(cupy.linalg.norm(values - reference)) / max(float(cupy.linalg.norm(reference)), 1e-30)
+            row["variants"][variant] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+                                        "vs_default": best["default"] / seconds,
+                                        "relative_difference_vs_default": difference}
+        del outputs, reference
+        for torch_backend in ("flash", "cudnn"):
+            seconds = torch_sdpa_seconds(cached, new, torch_backend)
+            if seconds is not None:
+                row[f"torch_{torch_backend}_tflops"] = flops / seconds / 1e12
+        log(f"{name}: " + " ".join(f"{v}={r['tflops']:.0f}" for v, r in row["variants"].items())
+            + "".join(f" torch_{b}={row[f'torch_{b}_tflops']:.0f}" for b in ("flash", "cudnn")
+                      if f"torch_{b}_tflops" in row))
+        rows.append(row)
+        cupy.get_default_memory_pool().free_all_blocks()
+        for out in out_dirs:  # partial results, case by case
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu_prefill_attention_variants.partial.json").write_text(json.dumps(rows, indent=2))
+    # geometric mean of the speed-up over the default across the cases, per (correct) variant
+    summary = {variant: float(np.exp(np.mean([np.log(r["variants"][variant]["vs_default"]) for r in rows])))
+               for variant in SM90_VARIANTS}
+    correct = [v for v in SM90_VARIANTS if not v.startswith("diag-")
+               and all(r["variants"][v]["relative_difference_vs_default"] < 2e-2 for r in rows)]
+    return {"settings": SM90_VARIANTS, "cases": rows, "geomean_vs_default": summary,
+            "fastest_matching_default": max(correct, key=summary.__getitem__)}
+
+
 def bench_model(backend, mma_only: bool) -> dict:
     """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
     import cupy
@@ -210,10 +302,30 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_variants(report: dict, out_dirs: list[Path]) -> None:
+    for out in out_dirs:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_prefill_attention_variants.json").write_text(json.dumps(report, indent=2))
+    result = report["sm90_variants"]
+    cases = result["cases"]
+    print(f"\n sm90 variant TFLOP/s on {report['environment']['gpu']} (x = geomean speed-up over default)")
+    print(f" {'variant':24s}" + "".join(f"{c['case'][:14]:>15s}" for c in cases) + "        x   max rel diff")
+    for variant in result["settings"]:
+        cells = "".join(f"{c['variants'][variant]['tflops']:15.1f}" for c in cases)
+        diff = max(c["variants"][variant]["relative_difference_vs_default"] for c in cases)
+        print(f" {variant:24s}{cells}{result['geomean_vs_default'][variant]:9.3f}{diff:15.2e}")
+    for backend_name in ("flash", "cudnn"):
+        key = f"torch_{backend_name}_tflops"
+        print(f" {'torch ' + backend_name:24s}" + "".join(f"{c.get(key, float('nan')):15.1f}" for c in cases))
+    print(f" fastest variant matching the default's output: {result['fastest_matching_default']}")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-model", action="store_true", help="attention only (skip the whole-model TTFT)")
     parser.add_argument("--mma-only", action="store_true", help="time only the mma.sync kernel")
+    parser.add_argument("--sm90-variants", action="store_true", help="time the sm90 kernel's run-time variants")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     import cupy
@@ -230,10 +342,14 @@ def main() -> None:
     except ImportError:
         pass
     log(str(report["environment"]))
+    out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    if args.sm90_variants:
+        report["sm90_variants"] = bench_sm90_variants(backend, out_dirs)
+        write_variants(report, out_dirs)
+        return
     report["attention"] = bench_attention(backend, args.mma_only)
     if not args.no_model:
         report["model"] = bench_model(backend, args.mma_only)
-    out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_prefill_attention.json").write_text(json.dumps(report, indent=2))

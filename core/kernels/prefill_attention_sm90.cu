@@ -33,6 +33,25 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef INTRA_WG_OVERLAP
 #define INTRA_WG_OVERLAP 1
 #endif
+// Variants (the dispatcher in core/backend/cuda/attention.py passes every one; see its SM90_* defaults):
+#ifndef KV_HEAD_MAJOR_GRID
+#define KV_HEAD_MAJOR_GRID 0  // 1: grid (group * num_tiles, num_kv_heads), see the kernel's comment
+#endif
+#ifndef BATCHED_PAGE_READS
+#define BATCHED_PAGE_READS 0  // 1: the producer reads a batch of block-table entries before their copies
+#endif
+#ifndef PAGE_SIZE
+#define PAGE_SIZE 16  // tokens per KV cache block with BATCHED_PAGE_READS (the block_size argument must match)
+#endif
+#ifndef PINGPONG
+#define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers)
+#endif
+#ifndef SKIP_KV_LOADS
+#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
+#endif
+#if INTRA_WG_OVERLAP && STAGES < 2
+#error "the overlapped consumer loop needs at least 2 K/V stages"
+#endif
 #define NUM_THREADS 384
 #define D_BLOCKS (HEAD_DIM / 64)
 #define O_CHUNKS (HEAD_DIM / 128)             // wgmma n=128 column chunks of O
@@ -92,6 +111,19 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Warpgroup turn-taking: a warpgroup waits on its own named barrier (ids 1, 2) before issuing
+// its wgmmas and arrives on the other's after, so one's softmax overlaps the other's matmuls.
+__device__ __forceinline__ void take_turn(int wg) {
+#if PINGPONG
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+#endif
+}
+__device__ __forceinline__ void pass_turn(int wg) {
+#if PINGPONG
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
+#endif
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
@@ -256,6 +288,10 @@ __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&
 
 // Grid (num_heads, num_tiles): the heads of one tile run next to each other (GQA heads share K/V
 // in L2), tiles in the order of tile_seq / tile_query (longest key range first).
+// KV_HEAD_MAJOR_GRID: grid (group * num_tiles, num_kv_heads), group = num_heads / num_kv_heads:
+// blocks run KV head by KV head, so the CTAs resident at once stream one KV head's K/V (8 MB at
+// 16k tokens, L2-resident) rather than every head's; inside a KV head, tiles in the same order
+// with the group's query heads next to each other.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -271,7 +307,15 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     const u32 bar_full = bar_q + 8;                // [STAGES]
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
 
+#if KV_HEAD_MAJOR_GRID
+    const int group = num_heads / num_kv_heads;
+    const int head = blockIdx.y * group + blockIdx.x % group, tile = blockIdx.x / group;
+#else
     const int head = blockIdx.x, tile = blockIdx.y;
+#endif
+#if BATCHED_PAGE_READS
+    if (block_size != PAGE_SIZE) __trap();  // compiled for another KV block size
+#endif
     const int seq = tile_seq[tile], q0 = tile_query[tile];
     const int first_token = query_start[seq];
     const int num_new = query_start[seq + 1] - first_token;
@@ -313,21 +357,52 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 
         const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
         const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
+#if BATCHED_PAGE_READS
+        constexpr int ROWS = BLOCK_N / ROWS_PER_PASS;  // rows of a K/V tile this thread copies
+        constexpr int PAGE_BATCH = HEAD_DIM == 256 ? 4 : 8;  // what fits the producer's 40 registers
+        static_assert(ROWS % PAGE_BATCH == 0, "K/V rows per producer thread come in whole batches");
+#endif
         for (int kt = 0; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES;
             if (kt >= STAGES) mbar_wait(bar_empty + 8 * stage, ((kt / STAGES) - 1) & 1);
             const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES + (chunk / 8) * (BLOCK_N * 128);
             const u32 v_smem = k_smem + KV_TILE_BYTES;
             const int k0 = kt * BLOCK_N;
+#if BATCHED_PAGE_READS
+            // block-table reads in batches (in flight together), then their copies; rows past the
+            // last query read block 0 for an address and copy zeros
+#pragma unroll
+            for (int batch = 0; batch < ROWS; batch += PAGE_BATCH) {
+                int page[PAGE_BATCH];
+#pragma unroll
+                for (int i = 0; i < PAGE_BATCH; ++i) {
+                    const int token = k0 + row0 + (batch + i) * ROWS_PER_PASS;
+                    page[i] = token < kv_end ? table[token / PAGE_SIZE] : 0;
+                }
+#pragma unroll
+                for (int i = 0; i < PAGE_BATCH; ++i) {
+                    const int r = row0 + (batch + i) * ROWS_PER_PASS, token = k0 + r;
+                    const size_t offset = ((size_t)page[i] * PAGE_SIZE + token % PAGE_SIZE) * token_stride;
+                    const u32 dst = swizzled(r, chunk % 8);
+                    if (!SKIP_KV_LOADS) {
+                        cp_async16(k_smem + dst, k_head + offset, token < kv_end);
+                        cp_async16(v_smem + dst, v_head + offset, token < kv_end);
+                    }
+                }
+            }
+#else
             for (int r = row0; r < BLOCK_N; r += ROWS_PER_PASS) {
                 const int token = k0 + r;
                 const bool valid = token < kv_end;
                 const size_t offset =
                     valid ? ((size_t)table[token / block_size] * block_size + token % block_size) * token_stride : 0;
                 const u32 dst = swizzled(r, chunk % 8);
-                cp_async16(k_smem + dst, k_head + offset, valid);
-                cp_async16(v_smem + dst, v_head + offset, valid);
+                if (!SKIP_KV_LOADS) {
+                    cp_async16(k_smem + dst, k_head + offset, valid);
+                    cp_async16(v_smem + dst, v_head + offset, valid);
+                }
             }
+#endif
             mbar_arrive_on_copies(bar_full + 8 * stage);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
@@ -362,16 +437,21 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #if INTRA_WG_OVERLAP
         // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
         // cores; P and O are touched only after that wgmma has landed.
+        if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
         mbar_wait(bar_full, 0);
+        take_turn(wg);
         issue_qk(s, q_rows, stages);
+        pass_turn(wg);
         wgmma_wait<0>();
         softmax_in_place(s, correction, state, 0, scale_log2);
         pack_p(s, p);
         for (int kt = 1; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
             mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
             issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
+            pass_turn(wg);
             wgmma_wait<1>();  // S of tile kt
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
             wgmma_wait<0>();  // P V of tile kt-1
@@ -379,14 +459,19 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             pack_p(s, p);
             rescale(o, correction);
         }
+        take_turn(wg);
         issue_pv(o, p, stages + ((num_kv_tiles - 1) % STAGES) * STAGE_BYTES + KV_TILE_BYTES);
+        if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
         wgmma_wait<0>();
         mbar_arrive(bar_empty + 8 * ((num_kv_tiles - 1) % STAGES));
 #else
+        if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
         for (int kt = 0; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES;
             mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+            pass_turn(wg);
             wgmma_wait<0>();
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
             pack_p(s, p);
@@ -395,6 +480,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             wgmma_wait<0>();
             mbar_arrive(bar_empty + 8 * stage);
         }
+        if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
 #endif
         float* l = state.l;
 #pragma unroll

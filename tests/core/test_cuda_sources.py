@@ -25,7 +25,11 @@ VARIANTS = {
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],
-    "prefill_attention_sm90.cu": [{"HEAD_DIM": 128}, {"HEAD_DIM": 256}],
+    "prefill_attention_sm90.cu": [{"HEAD_DIM": 128}, {"HEAD_DIM": 256},
+                                  {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1},
+                                  {"HEAD_DIM": 256, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "INTRA_WG_OVERLAP": 0},
+                                  {"HEAD_DIM": 128, "STAGES": 2, "SKIP_KV_LOADS": 1}],
 }
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90
 ARCH_FLAGS = {"prefill_attention_sm90.cu": ["-gencode=arch=compute_90a,code=sm_90a"]}

@@ -1,7 +1,8 @@
 """Prefill attention kernels (the Hopper wgmma one and the mma.sync one) against a float64 NumPy
 causal attention over the same paged cache: fresh and chunked (offset) queries, several sequences
 of different lengths in one batch, GQA and MHA, head_dim 128 and 256, shuffled non-contiguous
-blocks, and an output poisoned with NaN before each run so every unwritten element shows."""
+blocks, and an output poisoned with NaN before each run so every unwritten element shows. The
+sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables) each pass the same cases."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ CASES = {
     "gqa8-many-prompts": (128, 16, 2, [0] * 12, [80, 82, 48, 32, 26, 72, 129, 16, 30, 250, 50, 69]),
     "d256-mixed": (256, 4, 2, [0, 90, 0], [200, 70, 33]),
     "d256-chunk": (256, 8, 4, [333], [129]),
+}
+# sm90 kernel variants besides the default: name -> the OPENINFER_SM90_* settings (attention.SM90_ENV keys)
+SM90_VARIANTS = {
+    "no-overlap": {"overlap": "0"},
+    "kv-head-grid": {"grid": "kv_head"},
+    "batched-page-reads": {"page_reads": "batched"},
+    "l2": {"grid": "kv_head", "page_reads": "batched"},
+    "l2-pingpong": {"grid": "kv_head", "page_reads": "batched", "pingpong": "1"},
+    "l2-no-overlap": {"grid": "kv_head", "page_reads": "batched", "overlap": "0"},
+    "l2-no-overlap-pingpong": {"grid": "kv_head", "page_reads": "batched", "overlap": "0", "pingpong": "1"},
+    "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
+    "pingpong": {"pingpong": "1"},
+    "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
 }
 
 
@@ -78,8 +92,7 @@ def implementations(head_dim: int) -> list[str]:
     return ["mma", "sm90"] if sm90_prefill_supported(head_dim) else ["mma"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prefill_attention_matches_numpy(cuda_backend, rng, case):
+def check_against_numpy(cuda_backend, rng, case: str, kernels: list[str]) -> None:
     from openinfer.backend.cuda.attention import prefill_attention
 
     head_dim, num_heads, num_kv_heads, cached, new = CASES[case]
@@ -95,13 +108,63 @@ def test_prefill_attention_matches_numpy(cuda_backend, rng, case):
     kv = KVLayer(cuda_backend.upload(k_cache), cuda_backend.upload(v_cache))
     q_device = cupy.asarray(float_to_bf16_bits(q))
     device_batch = cuda_backend.prepare_batch(batch)
-    for implementation in implementations(head_dim):
+    for implementation in kernels:
         out = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
         prefill_attention(q_device, spec, kv, device_batch, implementation=implementation, out=out)
         ours = bf16_bits_to_float(cupy.asnumpy(out))
         assert relative_error(ours, expected) < 1e-2, implementation
         rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
         assert rows.max() < 0.1, (implementation, int(rows.argmax()))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_attention_matches_numpy(cuda_backend, rng, case, monkeypatch):
+    from openinfer.backend.cuda.attention import SM90_ENV
+
+    for name in SM90_ENV.values():  # the default variant, whatever the caller's environment
+        monkeypatch.delenv(name, raising=False)
+    check_against_numpy(cuda_backend, rng, case, implementations(CASES[case][0]))
+
+
+@pytest.mark.parametrize("variant", list(SM90_VARIANTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatch):
+    from openinfer.backend.cuda.attention import SM90_ENV, sm90_prefill_supported
+
+    if not sm90_prefill_supported(CASES[case][0]):
+        pytest.skip("the sm90 kernel does not run here")
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    for key, value in SM90_VARIANTS[variant].items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    check_against_numpy(cuda_backend, rng, case, ["sm90"])
+
+
+def test_sm90_variant_environment(monkeypatch):
+    from openinfer.backend.cuda import attention
+    from openinfer.backend.cuda.attention import SM90_ENV, sm90_variant
+
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    default = sm90_variant(128)  # the module's SM90_* defaults where the environment is silent
+    assert default.kv_head_major_grid == (attention.SM90_GRID == "kv_head")
+    assert default.batched_page_reads == (attention.SM90_PAGE_READS == "batched")
+    assert (default.pingpong, default.intra_wg_overlap) == (attention.SM90_PINGPONG, attention.SM90_OVERLAP)
+    assert default.stages == attention.SM90_STAGES[128] and not default.skip_kv_loads
+    for key, value in SM90_VARIANTS["l2-pingpong"].items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    monkeypatch.setenv(SM90_ENV["stages"], "2")
+    chosen = sm90_variant(128)
+    assert chosen.kv_head_major_grid and chosen.batched_page_reads and chosen.pingpong and chosen.stages == 2
+    assert chosen.defines(128, 16)["KV_HEAD_MAJOR_GRID"] == 1
+    for key, bad in (("grid", "tile"), ("pingpong", "yes"), ("stages", "1"), ("stages", "x")):
+        monkeypatch.setenv(SM90_ENV[key], bad)
+        with pytest.raises(ValueError, match=SM90_ENV[key]):
+            sm90_variant(128)
+        monkeypatch.delenv(SM90_ENV[key])
+    monkeypatch.setenv(SM90_ENV["stages"], "3")
+    with pytest.raises(ValueError, match="shared memory"):
+        sm90_variant(256)  # 3 stages of 64 KB + the 64 KB Q tile do not fit
 
 
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):

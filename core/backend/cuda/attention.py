@@ -5,13 +5,15 @@ split count depends only on the batch size, so a captured graph stays valid for 
 length. Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill
 kernel: on Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma
 kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
-(prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons).
+(prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons);
+``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -84,6 +86,61 @@ PREFILL_KERNELS = ("auto", "sm90", "mma")
 PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"
 SM90_HEAD_DIMS = (128, 256)
 SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
+SM90_MAX_SHARED_BYTES = 227 * 1024
+# Variants of the sm90 kernel, each chosen at run time by its environment variable so that one
+# device run can test and time them side by side. The defaults are the kernel measured on H100
+# (benchmarks/results/gpu_prefill_attention.md); a variant becomes the default by changing its line.
+SM90_GRID = "head"  # OPENINFER_SM90_GRID: "head" (heads fastest) or "kv_head" (KV head by KV head: L2-resident K/V)
+SM90_PAGE_READS = "row"  # OPENINFER_SM90_PAGE_READS: "row" (one block-table read per row) or "batched"
+SM90_PINGPONG = False  # OPENINFER_SM90_PINGPONG=1: the two consumer warpgroups take turns issuing wgmmas
+SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
+SM90_GRIDS = ("head", "kv_head")
+SM90_PAGE_READ_MODES = ("row", "batched")
+SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
+            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads")}
+
+
+@dataclass(frozen=True)
+class Sm90Variant:
+    """Compile-time choices of prefill_attention_sm90.cu (see the defines at its top)."""
+
+    kv_head_major_grid: bool
+    batched_page_reads: bool
+    pingpong: bool
+    intra_wg_overlap: bool
+    stages: int
+    skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
+
+    def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
+        return {"HEAD_DIM": head_dim, "STAGES": self.stages, "KV_HEAD_MAJOR_GRID": int(self.kv_head_major_grid),
+                "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
+                "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
+                "SKIP_KV_LOADS": int(self.skip_kv_loads)}
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(SM90_ENV[name], default)
+    if value not in choices:
+        raise ValueError(f"{SM90_ENV[name]} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    return _env_choice(name, "1" if default else "0", ("0", "1")) == "1"
+
+
+def sm90_variant(head_dim: int) -> Sm90Variant:
+    """The sm90 kernel variant the environment asks for (the SM90_* defaults where it is silent)."""
+    stages_text = os.environ.get(SM90_ENV["stages"], str(SM90_STAGES[head_dim]))
+    stages = int(stages_text) if stages_text.isdigit() else 0
+    if stages < 2 or sm90_shared_bytes(head_dim, stages) > SM90_MAX_SHARED_BYTES:
+        raise ValueError(f"{SM90_ENV['stages']}={stages_text!r}: head_dim {head_dim} needs 2 or more K/V stages "
+                         f"that fit in {SM90_MAX_SHARED_BYTES} bytes of shared memory")
+    return Sm90Variant(
+        kv_head_major_grid=_env_choice("grid", SM90_GRID, SM90_GRIDS) == "kv_head",
+        batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
+        pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
+        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False))
 
 
 @functools.cache
@@ -127,11 +184,15 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
             batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
             np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E))
     if implementation == "sm90":
-        stages = SM90_STAGES[spec.head_dim]
-        shared = sm90_shared_bytes(spec.head_dim, stages)
+        variant = sm90_variant(spec.head_dim)
+        shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
-                         HEAD_DIM=spec.head_dim, STAGES=stages)
-        fn((spec.num_heads, batch.num_tiles), (384,), args, shared_mem=shared)
+                         **variant.defines(spec.head_dim, int(kv.k.shape[1])))
+        if variant.kv_head_major_grid:
+            grid = (spec.num_heads // spec.num_kv_heads * batch.num_tiles, spec.num_kv_heads)
+        else:
+            grid = (spec.num_heads, batch.num_tiles)
+        fn(grid, (384,), args, shared_mem=shared)
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
     shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)
