@@ -124,11 +124,15 @@ def stop(process: subprocess.Popen) -> None:
 
 def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: int, vocab: int) -> list[dict]:
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, vocab - 100, size=input_len).tolist() for _ in range(max(streams))]
-    asyncio.run(sweep_rate(url, model, float("inf"), prompts[:4], 4, 0))  # warm-up
+
+    def fresh(count: int) -> list[list[int]]:
+        # never a prompt seen before: both servers cache prefixes, and a point must measure cold prefill
+        return [rng.integers(100, vocab - 100, size=input_len).tolist() for _ in range(count)]
+
+    asyncio.run(sweep_rate(url, model, float("inf"), fresh(4), 4, 0))  # warm-up
     rows = []
     for count in streams:
-        summary = asyncio.run(sweep_rate(url, model, float("inf"), prompts[:count], output_len, count))
+        summary = asyncio.run(sweep_rate(url, model, float("inf"), fresh(count), output_len, count))
         summary["streams"] = count
         print(json.dumps(summary), flush=True)
         rows.append(summary)
