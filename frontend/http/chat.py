@@ -171,7 +171,7 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
 
 
 def message_of(parsed: ParsedDelta, reasoning: bool) -> ChatMessageOut:
-    calls = [call.as_openai() for call in parsed.tool_calls]
+    calls = [call.as_openai() for call in parsed.calls()]
     return ChatMessageOut(content=parsed.content if parsed.content or not calls else None,
                           reasoning_content=parsed.reasoning if reasoning and parsed.reasoning else None,
                           tool_calls=calls or None)
@@ -222,14 +222,14 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                   usage=usage_of(streams, body.n), prompt_logprobs=prompt_table)
 
 
-def delta_fields(parsed: ParsedDelta, first_call_index: int) -> dict[str, Any]:
+def delta_fields(parsed: ParsedDelta) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if parsed.reasoning:
         fields["reasoning_content"] = parsed.reasoning
     if parsed.content:
         fields["content"] = parsed.content
-    if parsed.tool_calls:
-        fields["tool_calls"] = [call.as_openai(index=first_call_index + k) for k, call in enumerate(parsed.tool_calls)]
+    if parsed.tool_calls:  # OpenAI's pieces: the first of a call names it, the others add arguments
+        fields["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
     return fields
 
 
@@ -270,8 +270,8 @@ async def stream_chat(ctx: ServerContext, body: ChatCompletionRequest, plan: Cha
             if body.logprobs and delta.token_ids:
                 logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, num_top)
             parsed = parse(delta)
-            fields = delta_fields(parsed, num_calls[delta.index])
-            num_calls[delta.index] += len(parsed.tool_calls)
+            fields = delta_fields(parsed)
+            num_calls[delta.index] += sum(call.opens_call for call in parsed.tool_calls)
             reason = final_reason(delta.finish_reason, num_calls[delta.index] > 0)
             if fields or logprobs is not None or reason is not None:
                 yield chunk([ChatDeltaChoice(index=delta.index, delta=fields, logprobs=logprobs,
