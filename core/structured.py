@@ -262,7 +262,8 @@ class GrammarCompiler:
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
                                         eos_token=list(eos_token_ids) or None)
         self.tokenizer = tokenizer
-        self._executor = llg.LLExecutor(num_threads=2)
+        # a batch's masks are filled in parallel; half the cores, as the forward needs the others on the CPU
+        self._executor = llg.LLExecutor(num_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
         self._next_masks = NextMasks(self._executor, vocab_size) if background_masks else None
 
     @classmethod
