@@ -31,6 +31,7 @@ from openinfer.frontend.toolcalls import (
     coalesce,
     forced_call_reader,
 )
+from openinfer.frontend.toolcalls.readers import ParameterTypes
 
 
 @dataclass
@@ -54,9 +55,11 @@ class ParsedDelta:
 class ChatOutputParser:
     def __init__(self, *, reasoning: bool = False, in_reasoning: bool = False,
                  tool_format: ToolCallFormat | None = None, forced: ToolChoice | None = None,
-                 id_format: ToolCallFormat | None = None):
-        """``id_format``: the model's format, which names forced calls (``tool_format`` is None then)."""
+                 id_format: ToolCallFormat | None = None, parameter_types: ParameterTypes | None = None):
+        """``id_format``: the model's format, which names forced calls (``tool_format`` is None then);
+        ``parameter_types``: the declared tools' parameter types (formats that write values as text)."""
         self.tool_format = tool_format
+        self.parameter_types = parameter_types
         self.state = "reasoning" if reasoning and in_reasoning else ("start" if reasoning else "content")
         self.buffer = ""
         self.num_calls = 0  # in the blocks closed so far
@@ -149,7 +152,8 @@ class ChatOutputParser:
                 return False
             out.content += buffer[:start]
             self.buffer, self.state = buffer[start + len(self.tool_format.start):], "tool"
-            self.block, self.block_text = self.tool_format.reader(self.num_calls, self.tool_format.call_id), ""
+            self.block = self.tool_format.reader(self.num_calls, self.tool_format.call_id, self.parameter_types)
+            self.block_text = ""
             return True
         # a tool block: its reader gets the text before the end marker
         assert self.tool_format is not None and self.block is not None

@@ -45,6 +45,8 @@ from openinfer.frontend.toolcalls import (
     forced_call_constraint,
     resolve_tool_choice,
 )
+from openinfer.frontend.toolcalls.choice import tool_functions
+from openinfer.frontend.toolcalls.readers import ParameterTypes, parameter_types
 from openinfer.structured import after_thought
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
@@ -136,10 +138,12 @@ class ChatPlan:
     model_format: ToolCallFormat | None  # the model's own format, whatever the tool_choice
     reasoning: bool
     in_reasoning: bool
+    parameter_types: ParameterTypes
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning,
-                                tool_format=self.tool_format, forced=self.tool_choice, id_format=self.model_format)
+                                tool_format=self.tool_format, forced=self.tool_choice, id_format=self.model_format,
+                                parameter_types=self.parameter_types)
 
 
 def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan, pb.StructuredOutput | None]:
@@ -166,7 +170,7 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
     # may describe the thought itself, so those outputs are still split)
     from_first_token = constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS
     plan = ChatPlan(prompt_ids, choice, tool_format, model_format, reasoning and not from_first_token,
-                    in_thought and not from_first_token)
+                    in_thought and not from_first_token, parameter_types(tool_functions(body.tools)))
     return plan, constraint
 
 

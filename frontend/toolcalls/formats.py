@@ -6,8 +6,9 @@ model's vocabulary) reach the parser because chat requests with a parser are det
 ``skip_special_tokens=False``.
 
 =========  ========================================================================================
-qwen3      ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (one call per block;
-           Qwen3 and Qwen3.5 alike)
+qwen3      ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (Qwen3, one call per
+           block) or ``<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n
+           </tool_call>`` (Qwen3.5, Qwen3-Coder: values typed by the tool's declared parameters)
 kimi_k2    ``<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>
            {...}<|tool_call_end|>...<|tool_calls_section_end|>``
 deepseek   ``<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="f">\\n<｜DSML｜parameter name="k"
@@ -30,8 +31,9 @@ from openinfer.frontend.toolcalls.readers import (
     BlockReader,
     CallId,
     DsmlReader,
-    JsonCallsReader,
     KimiSectionReader,
+    ParameterTypes,
+    QwenBlockReader,
     kimi_function_name,
 )
 from openinfer.tokenizer import Tokenizer
@@ -51,14 +53,15 @@ def _arguments_text(arguments: Any) -> str | None:
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """``reader(first_index, call_id)`` reads one block as it is generated (streamed calls);
-    ``parse(block_body, first_index)`` reads a whole block (the calls, or None when it holds none)."""
+    """``reader(first_index, call_id, parameter_types)`` reads one block as it is generated
+    (streamed calls); ``parse(block_body, first_index)`` reads a whole block written in the
+    format's JSON form (the calls, or None when it holds none)."""
 
     name: str
     start: str
     end: str
     parse: Callable[[str, int], list[ToolCall] | None]
-    reader: Callable[[int, CallId | None], BlockReader]
+    reader: Callable[[int, CallId | None, ParameterTypes | None], BlockReader]
     # the id a call gets when the frontend makes it (forced tool_choice): Kimi-K2's templates and
     # parsers read "functions.<name>:<index>", the others take any unique id
     call_id: Callable[[str, int], str] = lambda name, index: new_call_id()
@@ -127,16 +130,17 @@ def dsml_arguments(arguments: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _qwen3_reader(first_index: int, call_id: CallId | None) -> BlockReader:
-    return JsonCallsReader(first_index, call_id, whole=lambda body: _parse_qwen3(body, first_index))
+def _qwen3_reader(first_index: int, call_id: CallId | None, types: ParameterTypes | None) -> BlockReader:
+    return QwenBlockReader(first_index, call_id, types, whole=lambda body: _parse_qwen3(body, first_index))
 
 
 FORMATS: dict[str, ToolCallFormat] = {
     "qwen3": ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3, _qwen3_reader),
     "kimi_k2": ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi,
-                              KimiSectionReader, lambda name, index: f"functions.{name}:{index}"),
+                              lambda first_index, call_id, types: KimiSectionReader(first_index, call_id),
+                              lambda name, index: f"functions.{name}:{index}"),
     "deepseek_v4": ToolCallFormat("deepseek_v4", f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", _parse_dsml,
-                                  DsmlReader),
+                                  lambda first_index, call_id, types: DsmlReader(first_index, call_id)),
 }
 # model_type (config.json) → format, for models whose tokenizer does not give it away
 MODEL_TYPE_FORMATS = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3",
