@@ -388,20 +388,25 @@ def synthetic_vocabulary(directory: Path, vocab_size: int) -> None:
     rng = np.random.default_rng(0)
     letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
     weights = np.linspace(2.0, 0.2, len(letters))
-    weights /= weights.sum()
-    while len(tokens) < vocab_size - 1:
-        kind = rng.random()
-        if kind < 0.08:
-            piece = "".join(rng.choice(list("0123456789"), size=rng.integers(1, 4)))
-        else:
-            piece = "".join(rng.choice(letters, size=rng.integers(1, 9), p=weights))
-            if kind < 0.2:
-                piece = piece.capitalize()
-            if rng.random() < 0.6:
-                piece = "Ġ" + piece
-        if piece not in seen:
-            seen.add(piece)
-            tokens.append(piece)
+    while len(tokens) < vocab_size - 1:  # drawn in bulk: one Python join per candidate
+        count = 2 * (vocab_size - len(tokens))
+        words = rng.choice(letters, size=(count, 8), p=weights / weights.sum())
+        digits = rng.choice(np.array(list("0123456789")), size=(count, 3))
+        lengths, kinds, spaced = rng.integers(1, 9, count), rng.random(count), rng.random(count) < 0.6
+        for row in range(count):
+            if kinds[row] < 0.08:
+                piece = "".join(digits[row, :1 + lengths[row] % 3])
+            else:
+                piece = "".join(words[row, :lengths[row]])
+                if kinds[row] < 0.2:
+                    piece = piece.capitalize()
+                if spaced[row]:
+                    piece = "Ġ" + piece
+            if piece not in seen:
+                seen.add(piece)
+                tokens.append(piece)
+                if len(tokens) == vocab_size - 1:
+                    break
     tokens.append("<|endoftext|>")
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
