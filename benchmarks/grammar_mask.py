@@ -329,6 +329,48 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
             "apply_numpy_ms_mean_before (boolean assignment)": statistics.fmean(apply_before)}
 
 
+def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> dict:
+    """Does llguidance release the GIL while it fills masks? A pure-Python loop on this thread,
+    timed alone and while another thread fills ``batch`` masks over and over as the engine does
+    (one parallel llguidance call per batch, little Python around it): with the GIL held the loop
+    would stall for every fill; released, it slows only by sharing the cores (on a host with
+    fewer cores than llguidance's threads + 1, ``cpu_count``, some slowdown is that)."""
+    import os
+    import threading
+
+    from openinfer.structured import GrammarCompiler, allocate_bitmask
+    from openinfer.v1 import engine_pb2 as pb
+
+    compiler = GrammarCompiler(tokenizer_json, vocab, eos, background_masks=False)
+    matchers = [(compiler.compile(pb.StructuredOutput(json_schema=json.dumps(PEOPLE))), i) for i in range(batch)]
+    bitmask = allocate_bitmask(batch, vocab)
+    stop = threading.Event()
+    fills = [0]
+
+    def fill_until_stopped() -> None:
+        while not stop.is_set():
+            compiler.fill_bitmasks(matchers, bitmask)
+            fills[0] += 1
+
+    def python_loop_ms() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(2_000_000):
+            total += i
+        return (time.perf_counter() - start) * 1e3
+
+    alone = min(python_loop_ms() for _ in range(3))
+    filler = threading.Thread(target=fill_until_stopped)
+    filler.start()
+    try:
+        during = min(python_loop_ms() for _ in range(3))
+    finally:
+        stop.set()
+        filler.join()
+    return {"python_loop_ms_alone": alone, "python_loop_ms_during_fills": during, "batch_fills_meanwhile": fills[0],
+            "cpu_count": os.cpu_count()}
+
+
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
@@ -461,6 +503,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
     try:
         for batch in args.batches:
             masks = mask_step_ms(batch, vocab, tokenizer_json, eos)
+            if batch == max(args.batches):
+                masks["gil_check"] = gil_check(batch, vocab, tokenizer_json, eos)
             for engine in engines.values():
                 decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
             runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
