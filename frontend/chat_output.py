@@ -31,7 +31,7 @@ from openinfer.frontend.toolcalls import (
     coalesce,
     forced_call_reader,
 )
-from openinfer.frontend.toolcalls.readers import ParameterTypes
+from openinfer.frontend.toolcalls.qwen_xml import ParameterTypes
 
 
 @dataclass

@@ -46,7 +46,7 @@ from openinfer.frontend.toolcalls import (
     resolve_tool_choice,
 )
 from openinfer.frontend.toolcalls.choice import tool_functions
-from openinfer.frontend.toolcalls.readers import ParameterTypes, parameter_types
+from openinfer.frontend.toolcalls.qwen_xml import ParameterTypes, parameter_types
 from openinfer.structured import after_thought
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb

@@ -6,7 +6,8 @@ grammar constraints that force a call (``tool_choice`` required or named).
   picks one from the tokenizer's vocabulary (the markers are tokens of that vocabulary).
 * :mod:`.calls` — a call whole (:class:`~.calls.ToolCall`) and in streamed pieces
   (:class:`~.calls.ToolCallDelta`); :mod:`.readers` — the incremental readers that open each
-  call when its name is complete and stream its arguments as the model writes them.
+  call when its name is complete and stream its arguments as the model writes them; :mod:`.qwen_xml` —
+  Qwen3.5's XML calls (values typed by the declared parameters).
 * :mod:`.choice` — ``tool_choice`` / ``tools`` validation and the JSON Schema constraint that
   forces a call: ``required`` → a JSON array of ``{"name", "parameters"}`` objects (one of the
   declared tools each), a named function → that function's arguments object.

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from openinfer.frontend.toolcalls.calls import ToolCall, new_call_id
+from openinfer.frontend.toolcalls.qwen_xml import ParameterTypes, QwenBlockReader
 from openinfer.frontend.toolcalls.readers import (
     DSML,
     BlockReader,
     CallId,
     DsmlReader,
     KimiSectionReader,
-    ParameterTypes,
-    QwenBlockReader,
     kimi_function_name,
 )
 from openinfer.tokenizer import Tokenizer
