@@ -1,8 +1,8 @@
 """Tool calling on the text side: the model's own call format parsed out of its output, and the
 grammar constraints that force a call (``tool_choice`` required or named).
 
-* :mod:`.formats` — one :class:`~.formats.ToolCallFormat` per model family (Qwen3 / Qwen3.5
-  ``<tool_call>`` JSON, Kimi-K2 section tokens, DeepSeek-V4 DSML); :func:`~.formats.detect_format`
+* :mod:`.formats` — one :class:`~.formats.ToolCallFormat` per model family (``<tool_call>``
+  blocks of Qwen3 JSON or Qwen3.5 XML, Kimi-K2 section tokens, DeepSeek-V4 DSML); :func:`~.formats.detect_format`
   picks one from the tokenizer's vocabulary (the markers are tokens of that vocabulary).
 * :mod:`.calls` — a call whole (:class:`~.calls.ToolCall`) and in streamed pieces
   (:class:`~.calls.ToolCallDelta`); :mod:`.readers` — the incremental readers that open each
