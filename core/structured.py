@@ -25,10 +25,12 @@ whitespace, so a sampled output can neither stall in whitespace nor differ betwe
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -142,7 +144,8 @@ class GrammarMatcher:
         accepted = self._matcher.consume_token(token_id)
         if self._next_masks is not None:
             self._mask_ready = threading.Event()
-            self._next_masks.schedule(self)
+            if not self._next_masks.schedule(self):
+                self._mask_ready = None
         return accepted
 
     def is_terminated(self) -> bool:
@@ -181,7 +184,10 @@ class NextMasks:
     matcher scheduled so far as one batch, fills their masks in parallel on llguidance's
     executor (one call, the GIL released throughout) and repeats until nothing is left, then
     waits for the next step a while before it exits. So the mask work of step N+1 runs during
-    the engine's read-back, scheduling and forward of step N+1 instead of after them."""
+    the engine's read-back, scheduling and forward of step N+1 instead of after them.
+
+    At interpreter exit every instance is closed (:func:`atexit`) before the runtime is torn
+    down: a daemon thread still inside llguidance then would write into freed memory."""
 
     IDLE_EXIT_S = 2.0
 
@@ -190,24 +196,40 @@ class NextMasks:
         self._words = bitmask_words(vocab_size)
         self._wakeup = threading.Condition()
         self._pending: list[GrammarMatcher] = []
-        self._running = False
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        _OPEN_NEXT_MASKS.add(self)
 
-    def schedule(self, matcher: GrammarMatcher) -> None:
+    def schedule(self, matcher: GrammarMatcher) -> bool:
+        """Compute ``matcher``'s mask in the background; False when closed (it is then computed
+        when asked)."""
         with self._wakeup:
+            if self._closed:
+                return False
             self._pending.append(matcher)
-            if self._running:
+            if self._thread is not None:
                 self._wakeup.notify()
-                return
-            self._running = True
-        threading.Thread(target=self._run, name="openinfer-grammar-masks", daemon=True).start()
+                return True
+            self._thread = threading.Thread(target=self._run, name="openinfer-grammar-masks", daemon=True)
+            self._thread.start()
+            return True
+
+    def close(self) -> None:
+        """Finish the masks under way and stop the thread."""
+        with self._wakeup:
+            self._closed = True
+            thread = self._thread
+            self._wakeup.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                if not self._pending:
+                if not self._pending and not self._closed:
                     self._wakeup.wait(self.IDLE_EXIT_S)
                 if not self._pending:
-                    self._running = False
+                    self._thread = None
                     return
                 batch, self._pending = self._pending, []
             bitmask = np.empty((len(batch), self._words), dtype=np.int32)
@@ -219,6 +241,15 @@ class NextMasks:
                 bitmask = None
             for row, matcher in enumerate(batch):
                 matcher._set_mask(bitmask[row] if bitmask is not None else None)
+
+
+_OPEN_NEXT_MASKS: weakref.WeakSet[NextMasks] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_next_masks() -> None:
+    for next_masks in list(_OPEN_NEXT_MASKS):
+        next_masks.close()
 
 
 def _printable_ascii(text: str) -> bool:

@@ -153,6 +153,43 @@ def test_background_masks_equal_masks_computed_when_asked(tokenizer):
             assert fast.accept(token) == slow.accept(token)
 
 
+EXIT_MID_FILL = """
+import json, sys
+import numpy as np
+from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens
+from openinfer.v1 import engine_pb2 as pb
+tokenizer_json = open(sys.argv[1]).read()
+compiler = GrammarCompiler(tokenizer_json, int(sys.argv[2]), [0], background_masks=True)
+schema = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string"}}}, "minItems": 50}
+matchers = [compiler.compile(pb.StructuredOutput(json_schema=json.dumps(schema))) for _ in range(64)]
+bitmask = allocate_bitmask(64, int(sys.argv[2]))
+compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+for i, m in enumerate(matchers):
+    m.accept(int(np.nonzero(allowed_tokens(bitmask[i], int(sys.argv[2])))[0][0]))
+print("exiting while the background thread fills 64 masks")
+"""
+
+
+def test_exiting_while_masks_are_computed_in_the_background_is_clean():
+    """The interpreter exits right after the last tokens were consumed: the background thread is
+    closed first (without that, its llguidance call wrote into freed memory: a segfault). On the
+    demo model's 49k vocabulary, where filling 64 masks takes long enough to be caught in it."""
+    import subprocess
+    import sys
+
+    from openinfer.demo import ensure_demo_model
+
+    try:
+        directory = ensure_demo_model(progress=False)
+    except Exception as exc:  # the demo package is part of the CI install; say why when it is missing
+        pytest.skip(f"demo model unavailable: {exc}")
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", EXIT_MID_FILL, str(directory / "tokenizer.json"), str(vocab)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+
+
 def state(**fields) -> SamplingState:
     params = pb.SamplingParams(**{k: v for k, v in fields.items() if k != "logit_bias"})
     params.logit_bias.update(fields.get("logit_bias", {}))
