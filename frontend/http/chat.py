@@ -45,6 +45,8 @@ from openinfer.frontend.toolcalls import (
     forced_call_constraint,
     resolve_tool_choice,
 )
+from openinfer.frontend.toolcalls.choice import tool_functions
+from openinfer.frontend.toolcalls.qwen_xml import ParameterTypes, parameter_types
 from openinfer.structured import after_thought
 from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
@@ -136,10 +138,12 @@ class ChatPlan:
     model_format: ToolCallFormat | None  # the model's own format, whatever the tool_choice
     reasoning: bool
     in_reasoning: bool
+    parameter_types: ParameterTypes
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning, in_reasoning=self.in_reasoning,
-                                tool_format=self.tool_format, forced=self.tool_choice, id_format=self.model_format)
+                                tool_format=self.tool_format, forced=self.tool_choice, id_format=self.model_format,
+                                parameter_types=self.parameter_types)
 
 
 def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan, pb.StructuredOutput | None]:
@@ -166,12 +170,12 @@ def plan_chat(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ChatPlan
     # may describe the thought itself, so those outputs are still split)
     from_first_token = constraint is not None and constraint.WhichOneof("kind") in VALUE_KINDS
     plan = ChatPlan(prompt_ids, choice, tool_format, model_format, reasoning and not from_first_token,
-                    in_thought and not from_first_token)
+                    in_thought and not from_first_token, parameter_types(tool_functions(body.tools)))
     return plan, constraint
 
 
 def message_of(parsed: ParsedDelta, reasoning: bool) -> ChatMessageOut:
-    calls = [call.as_openai() for call in parsed.tool_calls]
+    calls = [call.as_openai() for call in parsed.calls()]
     return ChatMessageOut(content=parsed.content if parsed.content or not calls else None,
                           reasoning_content=parsed.reasoning if reasoning and parsed.reasoning else None,
                           tool_calls=calls or None)
@@ -222,14 +226,14 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                   usage=usage_of(streams, body.n), prompt_logprobs=prompt_table)
 
 
-def delta_fields(parsed: ParsedDelta, first_call_index: int) -> dict[str, Any]:
+def delta_fields(parsed: ParsedDelta) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if parsed.reasoning:
         fields["reasoning_content"] = parsed.reasoning
     if parsed.content:
         fields["content"] = parsed.content
-    if parsed.tool_calls:
-        fields["tool_calls"] = [call.as_openai(index=first_call_index + k) for k, call in enumerate(parsed.tool_calls)]
+    if parsed.tool_calls:  # OpenAI's pieces: the first of a call names it, the others add arguments
+        fields["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
     return fields
 
 
@@ -270,8 +274,8 @@ async def stream_chat(ctx: ServerContext, body: ChatCompletionRequest, plan: Cha
             if body.logprobs and delta.token_ids:
                 logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, num_top)
             parsed = parse(delta)
-            fields = delta_fields(parsed, num_calls[delta.index])
-            num_calls[delta.index] += len(parsed.tool_calls)
+            fields = delta_fields(parsed)
+            num_calls[delta.index] += sum(call.opens_call for call in parsed.tool_calls)
             reason = final_reason(delta.finish_reason, num_calls[delta.index] > 0)
             if fields or logprobs is not None or reason is not None:
                 yield chunk([ChatDeltaChoice(index=delta.index, delta=fields, logprobs=logprobs,

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from openinfer.errors import InvalidRequestError
-from openinfer.frontend.toolcalls.formats import ToolCall, new_call_id
+from openinfer.frontend.toolcalls.readers import BlockReader, CallId, JsonCallsReader, WholeOutputCall
 from openinfer.structured import check_constraint
 from openinfer.v1 import engine_pb2 as pb
 
@@ -109,25 +109,10 @@ def forced_call_constraint(tools: Sequence[Any], choice: ToolChoice,
     return pb.StructuredOutput(json_schema=json.dumps(forced_call_schema(tools, choice, parallel_tool_calls)))
 
 
-def parse_forced_calls(text: str, choice: ToolChoice,
-                       call_id: Callable[[str, int], str] | None = None) -> list[ToolCall] | None:
-    """The calls in an output generated under :func:`forced_call_constraint` (None when the text
-    is not complete, e.g. cut by max_tokens). ``call_id(name, index)`` names each call."""
-    call_id = call_id or (lambda name, index: new_call_id())
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+def forced_call_reader(choice: ToolChoice, call_id: CallId | None = None) -> BlockReader:
+    """A reader of an output generated under :func:`forced_call_constraint`: each call opens as
+    soon as its name is known and its arguments stream as written. ``call_id(name, index)`` names
+    each call."""
     if choice.mode == "named":
-        if not isinstance(value, dict):
-            return None
-        return [ToolCall(call_id(choice.function or "", 0), choice.function or "", json.dumps(value, ensure_ascii=False))]
-    if not isinstance(value, list):
-        return None
-    calls = []
-    for item in value:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        calls.append(ToolCall(call_id(item["name"], len(calls)), item["name"],
-                              json.dumps(item.get("parameters", {}), ensure_ascii=False)))
-    return calls
+        return WholeOutputCall(choice.function or "", call_id)
+    return JsonCallsReader(0, call_id)

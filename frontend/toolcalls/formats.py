@@ -6,8 +6,9 @@ model's vocabulary) reach the parser because chat requests with a parser are det
 ``skip_special_tokens=False``.
 
 =========  ========================================================================================
-qwen3      ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (one call per block;
-           Qwen3 and Qwen3.5 alike)
+qwen3      ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (Qwen3, one call per
+           block) or ``<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n
+           </tool_call>`` (Qwen3.5, Qwen3-Coder: values typed by the tool's declared parameters)
 kimi_k2    ``<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>
            {...}<|tool_call_end|>...<|tool_calls_section_end|>``
 deepseek   ``<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="f">\\n<｜DSML｜parameter name="k"
@@ -20,30 +21,21 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from openinfer.frontend.toolcalls.calls import ToolCall, new_call_id
+from openinfer.frontend.toolcalls.qwen_xml import ParameterTypes, QwenBlockReader
+from openinfer.frontend.toolcalls.readers import (
+    DSML,
+    BlockReader,
+    CallId,
+    DsmlReader,
+    KimiSectionReader,
+    kimi_function_name,
+)
 from openinfer.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": self.id, "type": "function",
-                                "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            call["index"] = index
-        return call
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _arguments_text(arguments: Any) -> str | None:
@@ -60,13 +52,15 @@ def _arguments_text(arguments: Any) -> str | None:
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """``parse(block_body, first_index)`` returns the calls of one block, or None when the block
-    is malformed (it is then kept as content)."""
+    """``reader(first_index, call_id, parameter_types)`` reads one block as it is generated
+    (streamed calls); ``parse(block_body, first_index)`` reads a whole block written in the
+    format's JSON form (the calls, or None when it holds none)."""
 
     name: str
     start: str
     end: str
     parse: Callable[[str, int], list[ToolCall] | None]
+    reader: Callable[[int, CallId | None, ParameterTypes | None], BlockReader]
     # the id a call gets when the frontend makes it (forced tool_choice): Kimi-K2's templates and
     # parsers read "functions.<name>:<index>", the others take any unique id
     call_id: Callable[[str, int], str] = lambda name, index: new_call_id()
@@ -94,9 +88,7 @@ def _parse_kimi(body: str, first_index: int) -> list[ToolCall] | None:
     calls = []
     for match in _KIMI_CALL.finditer(body):
         call_id = match.group("id").strip()
-        # "functions.get_weather:0" → get_weather
-        name = call_id.split(":", 1)[0]
-        name = name.split(".", 1)[1] if name.startswith("functions.") else name
+        name = kimi_function_name(call_id)
         arguments = _arguments_text(match.group("args"))
         if not name or arguments is None:
             return None
@@ -104,7 +96,6 @@ def _parse_kimi(body: str, first_index: int) -> list[ToolCall] | None:
     return calls or None
 
 
-DSML = "｜DSML｜"
 _DSML_INVOKE = re.compile(rf'<{DSML}invoke name="(?P<name>[^"]+)">\n?(?P<params>.*?)</{DSML}invoke>', re.DOTALL)
 _DSML_PARAMETER = re.compile(
     rf'<{DSML}parameter name="(?P<name>[^"]+)" string="(?P<string>true|false)">(?P<value>.*?)</{DSML}parameter>',
@@ -138,11 +129,17 @@ def dsml_arguments(arguments: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _qwen3_reader(first_index: int, call_id: CallId | None, types: ParameterTypes | None) -> BlockReader:
+    return QwenBlockReader(first_index, call_id, types, whole=lambda body: _parse_qwen3(body, first_index))
+
+
 FORMATS: dict[str, ToolCallFormat] = {
-    "qwen3": ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3),
+    "qwen3": ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3, _qwen3_reader),
     "kimi_k2": ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi,
+                              lambda first_index, call_id, types: KimiSectionReader(first_index, call_id),
                               lambda name, index: f"functions.{name}:{index}"),
-    "deepseek_v4": ToolCallFormat("deepseek_v4", f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", _parse_dsml),
+    "deepseek_v4": ToolCallFormat("deepseek_v4", f"<{DSML}tool_calls>", f"</{DSML}tool_calls>", _parse_dsml,
+                                  lambda first_index, call_id, types: DsmlReader(first_index, call_id)),
 }
 # model_type (config.json) → format, for models whose tokenizer does not give it away
 MODEL_TYPE_FORMATS = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3",

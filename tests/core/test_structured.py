@@ -112,6 +112,84 @@ def test_bitmask_layout_and_application():
     assert np.isfinite(logits).sum() == 2
 
 
+@pytest.mark.parametrize("vocab", [70, 96, 49152])
+def test_mask_application_keeps_allowed_logits_exactly(vocab):
+    rng = np.random.default_rng(vocab)
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(4, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    for row in bitmask:
+        logits = rng.standard_normal(vocab).astype(np.float32)
+        expected = np.where(allowed_tokens(row, vocab), logits, np.float32(-np.inf))
+        assert np.array_equal(apply_bitmask(logits, row), expected)
+
+
+def test_background_masks_equal_masks_computed_when_asked(tokenizer):
+    """Matchers that compute their next mask on the background thread as they consume a token
+    give the very masks of matchers that compute them on demand, row for row, along random walks
+    of several requests at once."""
+    vocab = tokenizer.get_vocab_size() + 5
+    eos = [tokenizer.token_to_id("<eos>")]
+    constraints = [pb.StructuredOutput(json_schema=json.dumps({"type": "array", "items": {"enum": [1, 2, True]}})),
+                   pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}"),
+                   pb.StructuredOutput(json_object=True)] * 3
+    background, on_demand = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
+                             for flag in (True, False))
+    walkers = [(background.compile(c), on_demand.compile(c)) for c in constraints]
+    rng = np.random.default_rng(0)
+    for step in range(30):
+        live = [(i, pair) for i, pair in enumerate(walkers) if not pair[1].is_terminated()]
+        if not live:
+            break
+        masks = [allocate_bitmask(len(walkers), vocab) for _ in range(2)]
+        if step:  # every live matcher has consumed a token: its next mask came from the background
+            assert all(fast.computed_mask() is not None and slow.computed_mask() is None for _, (fast, slow) in live)
+        for side in range(2):
+            compiler = (background, on_demand)[side]
+            compiler.fill_bitmasks([(pair[side], i) for i, pair in live], masks[side])
+        assert np.array_equal(masks[0], masks[1])
+        for i, (fast, slow) in live:
+            token = int(rng.choice(np.nonzero(allowed_tokens(masks[1][i], vocab))[0]))
+            assert fast.accept(token) == slow.accept(token)
+
+
+EXIT_MID_FILL = """
+import json, sys
+import numpy as np
+from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens
+from openinfer.v1 import engine_pb2 as pb
+tokenizer_json = open(sys.argv[1]).read()
+compiler = GrammarCompiler(tokenizer_json, int(sys.argv[2]), [0], background_masks=True)
+schema = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string"}}}, "minItems": 50}
+matchers = [compiler.compile(pb.StructuredOutput(json_schema=json.dumps(schema))) for _ in range(64)]
+bitmask = allocate_bitmask(64, int(sys.argv[2]))
+compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+for i, m in enumerate(matchers):
+    m.accept(int(np.nonzero(allowed_tokens(bitmask[i], int(sys.argv[2])))[0][0]))
+print("exiting while the background thread fills 64 masks")
+"""
+
+
+def test_exiting_while_masks_are_computed_in_the_background_is_clean():
+    """The interpreter exits right after the last tokens were consumed: the background thread is
+    closed first (without that, its llguidance call wrote into freed memory: a segfault). On the
+    demo model's 49k vocabulary, where filling 64 masks takes long enough to be caught in it."""
+    import subprocess
+    import sys
+
+    from openinfer.demo import ensure_demo_model
+
+    try:
+        directory = ensure_demo_model(progress=False)
+    except Exception as exc:  # the demo package is part of the CI install; say why when it is missing
+        pytest.skip(f"demo model unavailable: {exc}")
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", EXIT_MID_FILL, str(directory / "tokenizer.json"), str(vocab)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+
+
 def state(**fields) -> SamplingState:
     params = pb.SamplingParams(**{k: v for k, v in fields.items() if k != "logit_bias"})
     params.logit_bias.update(fields.get("logit_bias", {}))

@@ -15,6 +15,7 @@ import openai
 import pytest
 from agent_checkpoints import write_family_model
 from conftest import LiveServer
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 import openinfer
 from openinfer.frontend.http import create_app
@@ -107,24 +108,31 @@ def calls_of(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
 
 
+def raw_calls_of(message) -> list[tuple[str, str]]:
+    """(name, arguments text): a call cut by max_tokens has arguments that do not parse yet."""
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
 def stream_chat(model: Served, **body) -> dict:
-    """A streamed chat choice reassembled as a client does: text fields concatenated, tool
-    calls by index (id, name once; arguments concatenated)."""
-    reasoning, content, calls, reasons = "", "", {}, []
+    """A streamed chat choice reassembled by the ``openai`` package's own stream accumulator
+    (``ChatCompletionStreamState``, what ``client.chat.completions.stream`` uses), plus the
+    reasoning (not an OpenAI field) concatenated and the number of chunks carrying each call's
+    arguments."""
+    reasoning, pieces = "", {}
+    state = ChatCompletionStreamState()
     body.setdefault("messages", USER)
     for chunk in model.client.chat.completions.create(model=model.name, stream=True, **body):
+        state.handle_chunk(chunk)
         for choice in chunk.choices:
-            delta = choice.delta
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
-                entry["name"] += call.function.name or ""
-                entry["arguments"] += call.function.arguments or ""
-            if choice.finish_reason:
-                reasons.append(choice.finish_reason)
-    return {"reasoning": reasoning or None, "content": content or None, "finish_reason": reasons[-1],
-            "calls": [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]}
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            for call in choice.delta.tool_calls or []:
+                pieces[call.index] = pieces.get(call.index, 0) + bool(call.function and call.function.arguments)
+    [choice] = state.current_completion_snapshot.choices  # (get_final_completion refuses "length")
+    finished = choice.finish_reason != "length"
+    return {"reasoning": reasoning or None, "content": choice.message.content or None,
+            "finish_reason": choice.finish_reason, "calls": calls_of(choice.message) if finished else None,
+            "raw_calls": raw_calls_of(choice.message), "ids": [call.id for call in choice.message.tool_calls or []],
+            "argument_pieces": [pieces[index] for index in sorted(pieces)]}
 
 
 # --- structured outputs ----------------------------------------------------------------------
@@ -249,11 +257,12 @@ def test_named_tool_choice_calls_that_tool(served, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_tool_calls_reassemble_to_the_non_streamed_calls(served, family):
-    """The family's own call format (forced by a grammar), parsed with tool_choice auto."""
+    """The family's own call format (forced by a grammar), parsed with tool_choice auto: the
+    openai client's accumulation of the stream gives the non-streamed calls, whose arguments
+    arrived in pieces as the model wrote them (one token per step)."""
     model = served[family]
     body = {"tools": TOOLS, "temperature": 1.0, "max_tokens": 300,
             "extra_body": {"structured_outputs": {"grammar": NATIVE_CALLS[family]}}}
-    seen_parallel = False
     for seed in range(3):
         whole = chat(model, seed=seed, **body).choices[0]
         streamed = stream_chat(model, seed=seed, **body)
@@ -263,9 +272,26 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_calls(served, family
         assert streamed["content"] == whole.message.content
         assert whole.finish_reason == streamed["finish_reason"] == "tool_calls"
         assert not any(FORMATS[family].start in (text or "") for text in (whole.message.content,))
-        seen_parallel |= len(calls) == 2
+        assert len(streamed["argument_pieces"]) == len(calls) and min(streamed["argument_pieces"]) >= 2
+        if family == "kimi_k2":  # Kimi's ids are the model's own, the same either way
+            assert streamed["ids"] == [call.id for call in whole.message.tool_calls]
     assert chat(model, tools=TOOLS, tool_choice="none", max_tokens=8).choices[0].message.tool_calls is None
-    del seen_parallel  # parallel calls are whatever the sampler picks; required+parallel covers both
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_forced_calls_reassemble_to_the_non_streamed_calls(served, family):
+    """tool_choice required (parallel calls) and named, streamed: the same calls as not streamed
+    (also when cut by max_tokens: the last call's arguments are then partial, as OpenAI's are)."""
+    model = served[family]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        body = {"tools": TOOLS, "tool_choice": tool_choice, "temperature": 1.0, "max_tokens": 300}
+        for seed in range(2):
+            whole = chat(model, seed=seed, **body).choices[0]
+            streamed = stream_chat(model, seed=seed, **body)
+            assert streamed["raw_calls"] == raw_calls_of(whole.message) and whole.message.tool_calls
+            assert streamed["finish_reason"] == whole.finish_reason
+            if whole.finish_reason == "tool_calls":
+                assert min(streamed["argument_pieces"]) >= 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
