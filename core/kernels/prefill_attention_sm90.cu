@@ -19,7 +19,7 @@
 //   smem: [Q: D_BLOCKS x BLOCK_M x 128 B][stage 0: K, V: D_BLOCKS x BLOCK_N x 128 B each]...[mbarriers]
 //
 // Built with NVRTC for sm_90a only (wgmma, setmaxnreg); other GPUs use prefill_attention.cu.
-#include "common.cuh"
+#include "mma.cuh"  // pack_bf16x2
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -53,7 +53,8 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// 16-byte global -> shared copy; a false `valid` writes zeros and reads nothing.
+// 16-byte global -> shared copy to a shared-window address (mma.cuh's overload takes a bf16
+// pointer); a false `valid` writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
@@ -143,11 +144,6 @@ __device__ __forceinline__ void wgmma_rs_n128_tb(float (&d)[64], const u32 (&a)[
 }
 
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -235,8 +231,8 @@ __device__ __forceinline__ void softmax_in_place(float (&s)[BLOCK_N / 2], float 
 __device__ __forceinline__ void pack_p(const float (&s)[BLOCK_N / 2], u32 (&p)[BLOCK_N / 16][4]) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j) {
-        p[j / 2][(j % 2) * 2] = pack_bf16(s[4 * j], s[4 * j + 1]);
-        p[j / 2][(j % 2) * 2 + 1] = pack_bf16(s[4 * j + 2], s[4 * j + 3]);
+        p[j / 2][(j % 2) * 2] = pack_bf16x2(s[4 * j], s[4 * j + 1]);
+        p[j / 2][(j % 2) * 2 + 1] = pack_bf16x2(s[4 * j + 2], s[4 * j + 3]);
     }
 }
 

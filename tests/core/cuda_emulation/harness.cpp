@@ -1,10 +1,10 @@
 // Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (tests/helpers/cuda_host)
 // on arrays read from a directory written by tests/core/test_kimi_kernels_emulated.py; writes the
 // outputs back there. Build with -DMOE, -DMLA or -DMLA_PREFILL (and the kernel's own defines).
+#define MMA_HOST_STANDIN  // mma.cuh: no PTX; mla.cu's mma_bf16_16816 is defined below
 #ifdef MOE
 #include "moe.cu"
 #else
-#define MLA_HOST_MMA
 #include "mla.cu"
 #endif
 
@@ -16,12 +16,13 @@
 // 4·group + thread-in-group; A regs {row g, row g+8} x {k 2t.., k 2t+8..}; B regs k 2t.., 2t+8..,
 // column g; C rows g and g+8, columns 2t, 2t+1).
 static unsigned mma_a[1024][4], mma_b[1024][2];
-void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
     const unsigned t = threadIdx.x, base = t & ~31u;
     std::barrier<>& warp = *warp_barriers[t / 32];
     warp.arrive_and_wait();
     for (int i = 0; i < 4; ++i) mma_a[t][i] = a[i];
-    for (int i = 0; i < 2; ++i) mma_b[t][i] = b[i];
+    mma_b[t][0] = b0;
+    mma_b[t][1] = b1;
     warp.arrive_and_wait();
     auto half = [](unsigned reg, int k) { return __bfloat162float(bf16{static_cast<uint16_t>(k & 1 ? reg >> 16 : reg & 0xFFFF)}); };
     auto a_at = [&](int row, int k) {

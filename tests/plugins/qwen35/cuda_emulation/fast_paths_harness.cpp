@@ -3,9 +3,8 @@
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
 // tiles they describe — so the fragment layouts the kernels assume are checked too.
-#define GDN_HOST_EMULATION 1
+#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; mma_bf16_16816 is defined below
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
 inline void __threadfence() {}
 #include <cuda_bf16.h>
 #undef __launch_bounds__
