@@ -2,8 +2,8 @@
 // bf16x2 operand packing, ldmatrix fragment loads and 16-byte cp.async copies, plus the 64×64
 // block tile on 4 warps that moe.cu's and moe_fp4.cu's grouped GEMMs both multiply.
 //
-// Under the host emulation (tests/helpers/cuda_host) the harness defines MMA_HOST_STANDIN and
-// supplies a warp-collective mma_bf16_16816(d, a, b0, b1); the PTX-only helpers are left out.
+// Under the host emulation a harness defines MMA_HOST_STANDIN: tests/helpers/cuda_host/harness.h
+// supplies a warp-collective mma_bf16_16816(d, a, b0, b1) and the PTX-only helpers are left out.
 #pragma once
 #include "common.cuh"
 
