@@ -9,8 +9,12 @@
 
 // Two floats rounded to bf16 in one 32-bit register, `lo` in the low half (an mma operand).
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#ifdef MMA_HOST_STANDIN  // no type punning on the host
     return (unsigned)__bfloat16_as_ushort(v.x) | ((unsigned)__bfloat16_as_ushort(v.y) << 16);
+#else
+    return *reinterpret_cast<unsigned*>(&v);
+#endif
 }
 
 #ifdef MMA_HOST_STANDIN
