@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                rope_theta=1000000.0, max_position_embeddings=40960)
-BLOCK_SIZE = 16
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import BLOCK_SIZE, QWEN3_4B, decode_batch  # noqa: E402
+
 BATCHES = (1, 16, 64, 128, 256)
 CONTEXTS = (512, 1024, 4096)
 STEP_BATCHES = (1, 64, 256)
@@ -186,20 +186,6 @@ def build_qwen3_4b(backend):
                         eps=c["rms_norm_eps"])
 
 
-def decode_batch(num_seqs: int, context: int):
-    from openinfer.backend.base import ForwardBatch
-
-    blocks = -(-context // BLOCK_SIZE)
-    tables = (1 + np.arange(num_seqs * blocks, dtype=np.int32)).reshape(num_seqs, blocks)
-    positions = np.full(num_seqs, context - 1, np.int32)
-    slots = tables[:, (context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
-    return ForwardBatch(token_ids=np.random.default_rng(num_seqs).integers(0, 150000, num_seqs).astype(np.int32),
-                        positions=positions, query_start=np.arange(num_seqs + 1, dtype=np.int32),
-                        context_lens=np.full(num_seqs, context, np.int32), block_tables=tables,
-                        slot_mapping=slots.astype(np.int32), logits_rows=np.arange(num_seqs, dtype=np.int32),
-                        max_query_len=1, max_context_len=context)
-
-
 def bench_step(backend, bandwidth: float, batches, context: int) -> list[dict]:
     from openinfer.graph import CudaGraphRunner
     from openinfer.tools.ledger import gpu_seconds
@@ -226,7 +212,7 @@ def bench_step(backend, bandwidth: float, batches, context: int) -> list[dict]:
     weight_bytes += model.embed_tokens.nbytes
     rows = []
     for batch in batches:
-        host = decode_batch(batch, context)
+        host = decode_batch(batch, context, blocks)
         times: dict[str, list[float]] = {name: [] for name in KERNELS}
         for _ in range(3):  # interleaved, so drift hits both alike
             for name, runner in runners.items():

@@ -26,17 +26,16 @@ import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_bench  # noqa: E402  (the Qwen3-4B builder and ceilings of the TTFT part)
+from gpu_bench import environment, log  # noqa: E402
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 LENGTHS = (1024, 4096, 16384)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def random_bf16(shape: tuple[int, ...]):
@@ -245,9 +244,6 @@ def bench_model(backend, mma_only: bool) -> dict:
     """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
     import cupy
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    import gpu_bench
-
     ceilings = gpu_bench.measure_ceilings(backend)
     hf = gpu_bench.build_hf(gpu_bench.QWEN3_4B)
     model = gpu_bench.build_ours(hf, gpu_bench.QWEN3_4B, backend)
@@ -328,19 +324,11 @@ def main() -> None:
     parser.add_argument("--sm90-variants", action="store_true", help="time the sm90 kernel's run-time variants")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
-    import cupy
 
     from openinfer.backend.cuda import CudaBackend
 
     backend = CudaBackend()
-    report: dict = {"environment": {"gpu": backend.device_name, "num_sms": backend.num_sms,
-                                    "cupy": cupy.__version__}}
-    try:
-        import torch
-
-        report["environment"]["torch"] = torch.__version__
-    except ImportError:
-        pass
+    report: dict = {"environment": environment(backend)}
     log(str(report["environment"]))
     out_dirs = [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
     if args.sm90_variants:

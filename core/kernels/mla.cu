@@ -16,7 +16,7 @@
 //   per-head keys k_nope [C, H, NOPE] and values [C, H, V_DIM].
 // mla_prefill_attention: causal flash attention per (64-query tile, head) with K = [k_nope | k_pe]
 //   (192 wide for DeepSeek-V3) and V (128), bf16 mma.sync m16n8k16, fp32 online softmax.
-#include "common.cuh"
+#include "mma.cuh"
 
 #ifndef KV_LORA
 #define KV_LORA 512
@@ -221,25 +221,6 @@ extern "C" __global__ void mla_gather_context(const bf16* __restrict__ cache, co
     for (int i = threadIdx.x; i < ROPE_DIM; i += blockDim.x) k_pe[(long long)row * ROPE_DIM + i] = src[KV_LORA + i];
 }
 
-#ifdef MLA_HOST_MMA
-// the host emulation (tests) supplies a warp-collective stand-in
-void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b);
-#else
-// D = A·B + D for one m16n8k16 bf16 tile; a: 4 regs (row-major A), b: 2 regs (col-major B).
-__device__ __forceinline__ void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
-
-__device__ __forceinline__ unsigned mla_pack_bf16x2(float lo, float hi) {
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
-           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
-}
-
 // two neighbouring bf16 (4-byte aligned: even column, rows of an even width) as one register
 __device__ __forceinline__ unsigned mla_load_pair(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
 
@@ -321,7 +302,7 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
                 unsigned kf[2];
                 kf[0] = mla_load_pair(&k_tile[8 * j + group][16 * kk + pair]);
                 kf[1] = mla_load_pair(&k_tile[8 * j + group][16 * kk + pair + 8]);
-                mla_mma_bf16_16816(s[j], qf[kk], kf);
+                mma_bf16_16816(s[j], qf[kk], kf);
             }
         }
         // mask (causal, past the context) and online softmax; each row's 32 scores sit in the 4 lanes of a quad
@@ -370,16 +351,16 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
 #pragma unroll
         for (int ks = 0; ks < PREFILL_BLOCK_N / 16; ++ks) {
             unsigned pf[4];
-            pf[0] = mla_pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
-            pf[1] = mla_pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
-            pf[2] = mla_pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pf[3] = mla_pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 #pragma unroll
             for (int j = 0; j < V_DIM / 8; ++j) {
                 unsigned vf[2];
                 vf[0] = mla_load_pair(&v_tile_t[8 * j + group][16 * ks + pair]);
                 vf[1] = mla_load_pair(&v_tile_t[8 * j + group][16 * ks + pair + 8]);
-                mla_mma_bf16_16816(acc[j], pf, vf);
+                mma_bf16_16816(acc[j], pf, vf);
             }
         }
     }

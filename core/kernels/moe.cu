@@ -20,7 +20,7 @@
 // A weight tile is dequantised to bf16 in shared memory, then multiplied with tensor cores
 // (bf16 in, fp32 accumulate: mma.sync m16n8k16); USE_MMA=0 gives a plain-FMA kernel with the same
 // indexing (and no inline PTX, so the source also runs under a host emulation).
-#include "common.cuh"
+#include "mma.cuh"
 
 #ifndef WEIGHT_FORMAT
 #define WEIGHT_FORMAT 0
@@ -34,11 +34,11 @@
 #ifndef FP8_BLOCK
 #define FP8_BLOCK 128
 #endif
-#define BM 64
-#define BN 64
-#define BK 64  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
+#define BM MMA_TILE  // mma.cuh's 64×64 block tile on 4 warps
+#define BN MMA_TILE
+#define BK MMA_TILE  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
 #define SMEM_PAD 8
-#define GEMM_THREADS 128
+#define GEMM_THREADS MMA_TILE_THREADS
 #define MAX_TOPK 16
 #define MAX_EXPERTS 512
 
@@ -239,17 +239,6 @@ __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
     return __int_as_float((int)bits) * 1.329227995784916e36f;  // 2^120
 }
 
-#if USE_MMA
-// D = A·B + D for one m16n8k16 bf16 tile; a: 4 regs (row-major A), b: 2 regs (col-major B).
-__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
-
 // Dequantise weight element (n, k) of expert e (n < N, k < K checked by the caller).
 __device__ __forceinline__ float weight_value(const void* __restrict__ weight, const void* __restrict__ scale,
                                              long long e, int n, int k, int N, int K) {
@@ -266,23 +255,8 @@ __device__ __forceinline__ float weight_value(const void* __restrict__ weight, c
 #endif
 }
 
-// Vectorised tile loads (``vec``: K % 8 == 0 and 16-byte aligned rows). A: 8 bf16 per 16-byte load.
-__device__ __forceinline__ void load_a_tile_vec(const bf16* __restrict__ a, const int* a_rows, int k0, int K,
-                                                bf16 (*a_tile)[BK + SMEM_PAD]) {
-    for (int i = threadIdx.x; i < BM * BK / 8; i += GEMM_THREADS) {
-        const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
-        const int src = a_rows[r];
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (src >= 0 && k0 + c < K) v = *reinterpret_cast<const uint4*>(a + (long long)src * K + k0 + c);
-        *reinterpret_cast<uint4*>(&a_tile[r][c]) = v;
-    }
-}
-
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    const unsigned l = __bfloat16_as_ushort(__float2bfloat16_rn(lo)), h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-    return l | (h << 16);
-}
-
+// Vectorised tile loads (``vec``: K % 8 == 0 and 16-byte aligned rows): A by mma.cuh's
+// load_row_tile_vec (8 bf16 per 16-byte load), B here.
 // B: 8 weights of one row per thread step, dequantised from one 16-byte bf16 load, one INT4 word
 // (+ its group's scale) or two FP8 words (+ the block's scale).
 __device__ __forceinline__ void load_b_tile_vec(const void* __restrict__ weight, const void* __restrict__ scale,
@@ -347,10 +321,7 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
         a_rows[r] = r < rows ? (sorted_slots ? sorted_slots[p] / top_k : p) : -1;
     }
 #if USE_MMA
-    // 4 warps in a 2x2 grid, each a 32x32 output block = 2 (m16) x 4 (n8) mma tiles
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = lane >> 2, pair = (lane & 3) * 2;
-    const int warp_m = (warp >> 1) * 32, warp_n = (warp & 1) * 32;
+    const MmaTileLane lane = mma_tile_lane();
     float acc[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -365,7 +336,7 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
     __syncthreads();
     for (int k0 = 0; k0 < K; k0 += BK) {
         if (vec) {
-            load_a_tile_vec(a, a_rows, k0, K, a_tile);
+            load_row_tile_vec(a, a_rows, k0, K, a_tile);
             load_b_tile_vec(weight, scale, expert, n0, k0, N, K, b_tile);
         } else {
             for (int i = threadIdx.x; i < BM * BK; i += GEMM_THREADS) {
@@ -381,28 +352,7 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
         }
         __syncthreads();
 #if USE_MMA
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned fa[2][4], fb[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = warp_m + 16 * i + group;
-                fa[i][0] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair]);
-                fa[i][1] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair]);
-                fa[i][2] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair + 8]);
-                fa[i][3] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair + 8]);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = warp_n + 8 * j + group;
-                fb[j][0] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair]);
-                fb[j][1] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair + 8]);
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], fa[i], fb[j]);
-        }
+        mma_tile_step(acc, a_tile, b_tile, lane);
 #else
         for (int i = 0; i < BM * BN / GEMM_THREADS; ++i) {
             const int idx = threadIdx.x + i * GEMM_THREADS;
@@ -415,16 +365,7 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
         __syncthreads();
     }
 #if USE_MMA
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = warp_m + 16 * i + group, c = warp_n + 8 * j + pair;
-            c_tile[r][c] = acc[i][j][0];
-            c_tile[r][c + 1] = acc[i][j][1];
-            c_tile[r + 8][c] = acc[i][j][2];
-            c_tile[r + 8][c + 1] = acc[i][j][3];
-        }
+    store_mma_tile(c_tile, acc, lane);
 #else
     for (int i = 0; i < BM * BN / GEMM_THREADS; ++i) {
         const int idx = threadIdx.x + i * GEMM_THREADS;

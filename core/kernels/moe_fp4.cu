@@ -8,32 +8,20 @@
 // tile_row, num_tiles, offsets) and writes rows in the same sorted order, so moe_combine
 // finishes the layer unchanged. A 64×64 output tile per block: each 64-wide K step decodes the
 // weight tile to bf16 in shared memory (a scale per 32 codes) and multiplies it with tensor
-// cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). K must be a multiple of 32.
+// cores (mma.sync m16n8k16, bf16 in, fp32 accumulate; the tile steps of mma.cuh, as moe.cu's
+// grouped GEMM). K must be a multiple of 32.
 //
 // swiglu_clamp: out = silu(min(gate, limit)) · clamp(up, −limit, limit) of fused [rows, 2I] rows
 // (gate first); limit ≤ 0 means no clamp.
-#include "common.cuh"
+#include "mma.cuh"
 
-#define TILE 64
+#define TILE MMA_TILE  // mma.cuh's 64×64 block tile on 4 warps
 #define PAD 8
-#define THREADS 128
+#define THREADS MMA_TILE_THREADS
 
 __device__ __forceinline__ float e2m1_value(unsigned code) {
     const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
     return (code & 8u) ? -magnitude[code & 7u] : magnitude[code & 7u];
-}
-
-__device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
-           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
-}
-
-__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -51,19 +39,12 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
     const int rows = min(TILE, offsets[expert + 1] - row_begin), n0 = blockIdx.y * TILE;
     for (int r = threadIdx.x; r < TILE; r += THREADS)
         a_rows[r] = r < rows ? (sorted_slots ? sorted_slots[row_begin + r] / top_k : row_begin + r) : -1;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = lane >> 2, pair = (lane & 3) * 2;
-    const int warp_m = (warp >> 1) * 32, warp_n = (warp & 1) * 32;
+    const MmaTileLane lane = mma_tile_lane();
     float acc[2][4][4] = {};
     const long long expert_rows = (long long)expert * N;
     __syncthreads();
     for (int k0 = 0; k0 < K; k0 += TILE) {
-        for (int i = threadIdx.x; i < TILE * TILE / 8; i += THREADS) {  // 8 bf16 of A per 16-byte load
-            const int r = i / (TILE / 8), c = (i % (TILE / 8)) * 8, src = a_rows[r];
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (src >= 0 && k0 + c < K) v = *reinterpret_cast<const uint4*>(a + (long long)src * K + k0 + c);
-            *reinterpret_cast<uint4*>(&a_tile[r][c]) = v;
-        }
+        load_row_tile_vec(a, a_rows, k0, K, a_tile);
         for (int i = threadIdx.x; i < TILE * TILE / 8; i += THREADS) {  // 8 codes = one 4-byte word
             const int r = i / (TILE / 8), c = (i % (TILE / 8)) * 8, n = n0 + r, k = k0 + c;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -74,46 +55,16 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 float f[8];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) f[j] = e2m1_value((word >> (4 * j)) & 15u) * s;
-                v = make_uint4(bf16x2_bits(f[0], f[1]), bf16x2_bits(f[2], f[3]), bf16x2_bits(f[4], f[5]),
-                               bf16x2_bits(f[6], f[7]));
+                v = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                               pack_bf16x2(f[6], f[7]));
             }
             *reinterpret_cast<uint4*>(&b_tile[r][c]) = v;
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < TILE; kk += 16) {
-            unsigned fa[2][4], fb[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = warp_m + 16 * i + group;
-                fa[i][0] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair]);
-                fa[i][1] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair]);
-                fa[i][2] = *reinterpret_cast<const unsigned*>(&a_tile[r][kk + pair + 8]);
-                fa[i][3] = *reinterpret_cast<const unsigned*>(&a_tile[r + 8][kk + pair + 8]);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = warp_n + 8 * j + group;
-                fb[j][0] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair]);
-                fb[j][1] = *reinterpret_cast<const unsigned*>(&b_tile[n][kk + pair + 8]);
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], fa[i], fb[j]);
-        }
+        mma_tile_step(acc, a_tile, b_tile, lane);
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int r = warp_m + 16 * i + group, c = warp_n + 8 * j + pair;
-            c_tile[r][c] = acc[i][j][0];
-            c_tile[r][c + 1] = acc[i][j][1];
-            c_tile[r + 8][c] = acc[i][j][2];
-            c_tile[r + 8][c + 1] = acc[i][j][3];
-        }
+    store_mma_tile(c_tile, acc, lane);
     __syncthreads();
     for (int i = threadIdx.x; i < TILE * TILE; i += THREADS) {
         const int r = i / TILE, c = i % TILE;

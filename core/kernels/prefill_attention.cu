@@ -9,7 +9,7 @@
 // Each warp owns 16 query rows. Shared memory: the Q tile and two stages of K/V tiles, rows
 // padded by 8 bf16 so the fragment loads and ldmatrix hit 32 distinct banks. K/V tiles arrive
 // by cp.async one tile ahead of the one being computed on.
-#include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -19,32 +19,6 @@
 #define NUM_THREADS 128
 #define SMEM_ROW (HEAD_DIM + 8)
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
-
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned int& r0, unsigned int& r1, const bf16* p) {
-    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(addr));
-}
-
-// 16-byte global -> shared copy that bypasses registers; a false `valid` writes zeros.
-__device__ __forceinline__ void cp_async16(bf16* smem, const bf16* gmem, bool valid) {
-    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned int*>(&v);
-}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
@@ -130,7 +104,7 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
                 const bf16* p = k_tile + (nt * 8 + fr) * SMEM_ROW + kk * 16 + fc;
-                mma_bf16(s[nt], qa[kk], *reinterpret_cast<const unsigned int*>(p),
+                mma_bf16_16816(s[nt], qa[kk], *reinterpret_cast<const unsigned int*>(p),
                          *reinterpret_cast<const unsigned int*>(p + 8));
             }
         }
@@ -177,15 +151,15 @@ prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             unsigned int pa[4];
-            pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int d = 0; d < HEAD_DIM / 8; ++d) {
                 unsigned int b0, b1;
                 ldmatrix_x2_trans(b0, b1, v_tile + (kk * 16 + (lane & 15)) * SMEM_ROW + d * 8);
-                mma_bf16(o[d], pa, b0, b1);
+                mma_bf16_16816(o[d], pa, b0, b1);
             }
         }
         __syncthreads();  // this stage is refilled two tiles from now

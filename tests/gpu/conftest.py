@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from openinfer.backend import cuda_available
+from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+
+BLOCK_SIZE = 16  # KV cache block size of the attention tests' paged batches
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +39,30 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
     assert np.isfinite(ours).all(), "non-finite values in the cuda result"
     return float(np.linalg.norm(ours - reference) / max(np.linalg.norm(reference), 1e-30))
+
+
+def paged_batch(rng: np.random.Generator, cached: list[int], new: list[int], num_blocks: int,
+                vocab: int = 0) -> ForwardBatch:
+    """A batch of sequences with ``cached`` tokens already in the cache and ``new`` to run, owning
+    shuffled, non-contiguous blocks of BLOCK_SIZE (block 0 left free, one padded null entry per
+    table row). Token ids are drawn from ``rng`` below ``vocab`` (after the tables), or zeros."""
+    lengths = [c + n for c, n in zip(cached, new, strict=True)]
+    max_blocks = max(-(-length // BLOCK_SIZE) for length in lengths) + 1  # +1: a padded null entry
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(lengths), max_blocks), np.int32)
+    for i, length in enumerate(lengths):
+        for j in range(-(-length // BLOCK_SIZE)):
+            tables[i, j] = free.pop()
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    seq_of_token = np.repeat(np.arange(len(new)), new)
+    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    num_tokens = int(sum(new))
+    token_ids = rng.integers(0, vocab, size=num_tokens) if vocab else np.zeros(num_tokens)
+    return ForwardBatch(
+        token_ids=token_ids.astype(np.int32), positions=positions, query_start=query_start,
+        context_lens=np.asarray(lengths, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
+        logits_rows=(query_start[1:] - 1).astype(np.int32), max_query_len=max(new), max_context_len=max(lengths))
 
 
 def load_qwen3(path, backend, max_model_len: int = 512):

@@ -7,36 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
+from openinfer.backend.base import AttentionSpec, KVLayer
 from openinfer.backend.cuda.bf16 import round_to_bf16
 from openinfer.backend.numpy_backend import NumpyBackend
 from openinfer.rope import RopeParameters, RotaryEmbedding
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import BLOCK_SIZE, bf16_random, paged_batch, relative_error
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 REF = NumpyBackend()
-BLOCK_SIZE = 16
-
-
-def make_batch(rng: np.random.Generator, cached: list[int], new: list[int], num_blocks: int) -> ForwardBatch:
-    lengths = [c + n for c, n in zip(cached, new, strict=True)]
-    max_blocks = max(-(-length // BLOCK_SIZE) for length in lengths) + 1  # +1: a padded null entry
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    tables = np.zeros((len(lengths), max_blocks), np.int32)
-    for i, length in enumerate(lengths):
-        for j in range(-(-length // BLOCK_SIZE)):
-            tables[i, j] = free.pop()
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    seq_of_token = np.repeat(np.arange(len(new)), new)
-    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    return ForwardBatch(
-        token_ids=rng.integers(0, 100, size=int(sum(new))).astype(np.int32), positions=positions,
-        query_start=query_start, context_lens=np.asarray(lengths, np.int32), block_tables=tables,
-        slot_mapping=slots.astype(np.int32), logits_rows=(query_start[1:] - 1).astype(np.int32),
-        max_query_len=max(new), max_context_len=max(lengths))
 
 
 CASES = {
@@ -71,7 +51,7 @@ def test_attention_matches_numpy(cuda_backend, rng, case):
     spec = AttentionSpec(nh, nkv, head_dim, rope, head_dim**-0.5,
                          None if q_norm is None else cuda_backend.weight(q_norm),
                          None if k_norm is None else cuda_backend.weight(k_norm), 1e-6)
-    batch = make_batch(rng, cached, new, num_blocks)
+    batch = paged_batch(rng, cached, new, num_blocks, vocab=100)
     shape = (num_blocks, BLOCK_SIZE, nkv, head_dim)
     k_init, v_init = bf16_random(rng, *shape), bf16_random(rng, *shape)
     k_init[0] = v_init[0] = 0  # the null block
@@ -93,7 +73,7 @@ def test_attention_matches_numpy(cuda_backend, rng, case):
 
 
 def test_prepare_batch_round_trip(cuda_backend, rng):
-    batch = make_batch(rng, [0, 20, 5], [30, 1, 70], 20)
+    batch = paged_batch(rng, [0, 20, 5], [30, 1, 70], 20, vocab=100)
     device = cuda_backend.prepare_batch(batch)
     for name in ("token_ids", "positions", "query_start", "context_lens", "block_tables", "slot_mapping",
                  "logits_rows"):

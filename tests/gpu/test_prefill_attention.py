@@ -11,12 +11,11 @@ import pytest
 
 from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer
 from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
-from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.conftest import BLOCK_SIZE, bf16_random, paged_batch, relative_error
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-BLOCK_SIZE = 16
 CASES = {
     # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence)
     "fresh-300-gqa4": (128, 8, 2, [0], [300]),
@@ -42,25 +41,6 @@ SM90_VARIANTS = {
     "pingpong": {"pingpong": "1"},
     "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
 }
-
-
-def paged_batch(rng: np.random.Generator, cached: list[int], new: list[int], num_blocks: int) -> ForwardBatch:
-    """A prefill batch whose sequences own shuffled, non-contiguous cache blocks."""
-    lengths = [c + n for c, n in zip(cached, new, strict=True)]
-    max_blocks = max(-(-length // BLOCK_SIZE) for length in lengths) + 1
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    tables = np.zeros((len(lengths), max_blocks), np.int32)
-    for i, length in enumerate(lengths):
-        for j in range(-(-length // BLOCK_SIZE)):
-            tables[i, j] = free.pop()
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    seq_of_token = np.repeat(np.arange(len(new)), new)
-    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    return ForwardBatch(
-        token_ids=np.zeros(int(sum(new)), np.int32), positions=positions, query_start=query_start,
-        context_lens=np.asarray(lengths, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
-        logits_rows=(query_start[1:] - 1).astype(np.int32), max_query_len=max(new), max_context_len=max(lengths))
 
 
 def reference_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: ForwardBatch,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from openinfer import bf16_to_float32, float32_to_bf16
+from openinfer.backend.cuda import kernel_include_dir
 
 HOST_INCLUDE = Path(__file__).with_name("cuda_host")
 
@@ -24,13 +25,14 @@ def bf16(x) -> np.ndarray:
 
 def compile_harness(source: Path, kernels: Path, binary: Path, defines: dict[str, int] | None = None) -> Path:
     """``source`` (a harness.cpp including the ``.cu`` files from ``kernels``) built into
-    ``binary``; skips the test when there is no g++."""
+    ``binary``; skips the test when there is no g++. Core's kernel folder comes after ``kernels``
+    on the include path, as the CUDA loaders put it, so plugin kernels find ``common.cuh``."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("needs g++ to compile the kernels for the host")
     flags = [f"-D{name}={value}" for name, value in (defines or {}).items()]
     subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", *flags, f"-I{HOST_INCLUDE}", f"-I{kernels}",
-                    str(source), "-o", str(binary)], check=True)
+                    f"-I{kernel_include_dir()}", str(source), "-o", str(binary)], check=True)
     return binary
 
 

@@ -8,9 +8,20 @@ together). ``CudaBackend`` is resolved lazily so ``bf16`` imports without CuPy.
 
 from __future__ import annotations
 
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "kernel_include_dir"]
+
+
+def kernel_include_dir() -> Path:
+    """The folder of core's CUDA sources and headers, for NVRTC's (or g++'s) ``-I``.
+
+    A plugin's own kernels ``#include "common.cuh"`` from it (bf16 typedef and 16-byte loads,
+    ``warp_sum`` / ``warp_max`` / ``block_sum`` / ``block_max``) instead of copying them; the
+    folder ships as package data. Needs no CuPy, so host-compiled kernel tests can ask for it."""
+    return Path(str(resources.files("openinfer.kernels")))
 
 
 def __getattr__(name: str) -> Any:

@@ -20,13 +20,13 @@ import functools
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import cupy
 
-KERNEL_DIR = Path(str(resources.files("openinfer.kernels")))
+from openinfer.backend.cuda import kernel_include_dir
+
+KERNEL_DIR = kernel_include_dir()
 COMPILE_THREADS = 8
 
 # (source, kernel name, sorted defines), and for ``arch_kernel`` also (arch, shared bytes)

@@ -1,42 +1,14 @@
 // Runs core's MoE (moe.cu, USE_MMA=0) or MLA (mla.cu) kernels on the CPU (tests/helpers/cuda_host)
 // on arrays read from a directory written by tests/core/test_kimi_kernels_emulated.py; writes the
 // outputs back there. Build with -DMOE, -DMLA or -DMLA_PREFILL (and the kernel's own defines).
+#define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #ifdef MOE
 #include "moe.cu"
 #else
-#define MLA_HOST_MMA
 #include "mla.cu"
 #endif
 
 #include "harness.h"
-
-#ifndef MOE
-// mma.sync m16n8k16 (bf16 in, fp32 accumulate) for one warp: every lane posts its fragments, then
-// computes its own four outputs from the whole 16x16 A and 16x8 B (PTX fragment layout: lane =
-// 4·group + thread-in-group; A regs {row g, row g+8} x {k 2t.., k 2t+8..}; B regs k 2t.., 2t+8..,
-// column g; C rows g and g+8, columns 2t, 2t+1).
-static unsigned mma_a[1024][4], mma_b[1024][2];
-void mla_mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-    const unsigned t = threadIdx.x, base = t & ~31u;
-    std::barrier<>& warp = *warp_barriers[t / 32];
-    warp.arrive_and_wait();
-    for (int i = 0; i < 4; ++i) mma_a[t][i] = a[i];
-    for (int i = 0; i < 2; ++i) mma_b[t][i] = b[i];
-    warp.arrive_and_wait();
-    auto half = [](unsigned reg, int k) { return __bfloat162float(bf16{static_cast<uint16_t>(k & 1 ? reg >> 16 : reg & 0xFFFF)}); };
-    auto a_at = [&](int row, int k) {
-        return half(mma_a[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k);
-    };
-    auto b_at = [&](int k, int col) { return half(mma_b[base + col * 4 + (k % 8) / 2][k >= 8], k); };
-    const int lane = t & 31, group = lane >> 2, pair = (lane & 3) * 2;
-    for (int i = 0; i < 4; ++i) {
-        const int row = group + 8 * (i >> 1), col = pair + (i & 1);
-        float sum = d[i];
-        for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
-        d[i] = sum;
-    }
-}
-#endif
 
 int main(int argc, char** argv) {
     const std::string dir = argv[1];

@@ -1,8 +1,9 @@
 // The host side of an emulated kernel run, shared by every harness.cpp that drives .cu sources
 // through cuda_bf16.h: the CUDA built-in variables, __syncthreads / __shfl_xor_sync, a launch that
 // runs a grid block by block (each block's threads as std::threads), and the raw array files the
-// Python driver (tests/helpers/cuda_emulation.py) writes and reads. Include it once per harness,
-// after the kernel sources. Test-only.
+// Python driver (tests/helpers/cuda_emulation.py) writes and reads, and (with MMA_HOST_STANDIN
+// defined before the kernels) the warp-collective stand-in for mma.cuh's mma_bf16_16816. Include
+// it once per harness, after the kernel sources. Test-only.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -84,3 +85,43 @@ template <class T>
 static void save(const std::string& dir, const char* name, const std::vector<T>& data) {
     save(dir, name, data.data(), data.size());
 }
+
+#ifdef MMA_HOST_STANDIN
+// core's mma.cuh under the host emulation: mma.sync m16n8k16 (bf16 in, fp32 accumulate) for one
+// warp. Every lane posts its fragment registers at the warp's barrier, then computes its own four
+// outputs from the 16x16 A and 16x8 B they describe (PTX layout: lane = 4 g + q; A regs {row g,
+// row g+8} x {cols 2q.., 2q+8..}; B regs rows 2q.., 2q+8.. of column g; C rows g and g+8, columns
+// 2q, 2q+1) — so the fragment layouts the kernels assume are checked too.
+static unsigned mma_fragment_a[1024][4], mma_fragment_b[1024][2];
+
+static float mma_bf16_half(unsigned packed, int high) {
+    return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(high ? packed >> 16 : packed & 0xFFFFu)});
+}
+
+void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+    std::barrier<>& warp = *warp_barriers[t / 32];
+    for (int e = 0; e < 4; ++e) mma_fragment_a[t][e] = a[e];
+    mma_fragment_b[t][0] = b0;
+    mma_fragment_b[t][1] = b1;
+    warp.arrive_and_wait();
+    auto a_at = [&](int row, int col) {  // A[row][col]: lane 4 (row % 8) + (col % 8) / 2
+        const unsigned owner = base + 4 * (row % 8) + (col % 8) / 2;
+        return mma_bf16_half(mma_fragment_a[owner][(row >= 8) + 2 * (col >= 8)], col & 1);
+    };
+    auto b_at = [&](int k, int n) {  // B[k][n]: lane 4 n + (k % 8) / 2
+        const unsigned owner = base + 4 * n + (k % 8) / 2;
+        return mma_bf16_half(mma_fragment_b[owner][k >= 8], k & 1);
+    };
+    const int g = static_cast<int>(lane >> 2), q = static_cast<int>(lane & 3);
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        float acc = d[e];
+        for (int k = 0; k < 16; ++k) acc += a_at(rows[e], k) * b_at(k, cols[e]);
+        out[e] = acc;
+    }
+    warp.arrive_and_wait();  // every lane has read the fragments before any call overwrites them
+    for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+#endif

@@ -9,9 +9,9 @@
 //   block_tables  [B, table_stride] int32;  token_seq [T] sequence of each token;  positions [T]
 //   RoPE          interleaved pairs (2i, 2i+1) on the last rope_dim channels, angle = pos · inv_freq[i]
 // Every kernel is launched with blockDim.x = a power of two ≤ 1024 (the launchers use 128 or 256).
-#include <cuda_bf16.h>
-
-typedef __nv_bfloat16 bf16;
+// bf16, warp_sum and block_sum come from core's common.cuh (the loader puts
+// openinfer.backend.cuda.kernel_include_dir() on the include path).
+#include "common.cuh"
 
 #define NEG_BIG (-3.0e38f)  // an empty slot / masked logit: exp() of it minus anything is 0
 #define MAX_DIM 1024        // head_dim, index head_dim and mHC hidden size handled per block
@@ -22,25 +22,6 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16_rn(x); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
-
-// Sum over the block; every thread must call it and gets the result.
-__device__ float block_sum(float v, float* scratch /* [blockDim.x] */) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
-        __syncthreads();
-    }
-    const float total = scratch[0];
-    __syncthreads();
-    return total;
-}
-
-// Sum over the 32 lanes of a warp; every lane must call it and gets the result.
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
 
 // RoPE (inverse: sin negated) of channel c of a head held in shared `v`, rope on the last rd.
 __device__ __forceinline__ float rotated(const float* v, int c, int dim, int rd, float position,
@@ -66,7 +47,7 @@ extern "C" __global__ void dsv4_compress_entries(
     const int* __restrict__ positions, const long long* __restrict__ dest, bf16* __restrict__ cache,
     int num_slots, int dim, int rope_dim, float eps) {
     __shared__ float pooled[MAX_DIM];
-    __shared__ float scratch[1024];
+    __shared__ float scratch[32];  // block_sum's one slot per warp
     const int w = blockIdx.x;
     float sumsq = 0.f;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
@@ -304,7 +285,7 @@ extern "C" __global__ void dsv4_sparse_attention(
 // from those logits; x = Σ_j pre_j·H_j.
 extern "C" __global__ void dsv4_hc_mix(const float* __restrict__ streams, const float* __restrict__ fn,
                                        float* __restrict__ mix_out, int n, int num_mix, float norm_eps) {
-    __shared__ float scratch[1024];
+    __shared__ float scratch[32];  // block_sum's one slot per warp
     const int t = blockIdx.x, o = blockIdx.y;
     const float* flat = streams + (long long)t * n;
     const float* row = fn + (long long)o * n;
@@ -479,7 +460,7 @@ extern "C" __global__ void dsv4_head_norm_rope(bf16* __restrict__ x, const bf16*
                                                const float* __restrict__ inv_freq, int rope_dim,
                                                const int* __restrict__ positions, int heads, int dim, float eps) {
     __shared__ float v[MAX_DIM];
-    __shared__ float scratch[1024];
+    __shared__ float scratch[32];  // block_sum's one slot per warp
     const int t = blockIdx.x;
     bf16* head = x + ((long long)t * heads + blockIdx.y) * dim;
     float sumsq = 0.f;
@@ -553,7 +534,7 @@ extern "C" __global__ void dsv4_compress_step(
     const int* __restrict__ query_start, const int* __restrict__ state_slots, bf16* __restrict__ cache,
     const int* __restrict__ tables, int table_stride, int block_size, int rate, int dim, int overlap) {
     __shared__ float pooled[MAX_DIM];
-    __shared__ float scratch[1024];
+    __shared__ float scratch[32];  // block_sum's one slot per warp
     const int t = blockIdx.x, p = positions[t];
     if ((p + 1) % rate != 0) return;  // block-uniform
     const int seq = token_seq[t], first_token = query_start[seq], start = positions[first_token];

@@ -25,6 +25,7 @@
 //   w [T, nv, DK], u [T, nv, dv] bf16;  p [N, nv, 64, 64] bf16;  cum [T, nv] fp32 (c_t)
 //   core [T, nv * dv] bf16 (the delta-rule output O, for gdn_gated_norm)
 #include "gdn_common.cuh"
+#include "mma.cuh"
 
 #define CHUNK 64
 #define SCAN_TILE 32  // value channels per gdn_chunk_scan block
@@ -36,16 +37,7 @@ static_assert(DK % 64 == 0, "the chunked kernels take key head dims that are mul
 #define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
-#ifndef GDN_HOST_EMULATION
-// D = A B + D for one m16n8k16 tile; a: 4 registers of bf16 pairs, b: 2.
-__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-#endif
+// mma_bf16_16816 and pack_bf16x2 come from core's mma.cuh.
 
 // Fragment loads from shared memory (lane = 4 g + q). A tile 16x16 of a row-major matrix at
 // `base` (leading dim ld): rows g and g+8, columns 2q, 2q+1 and 2q+8, 2q+9.
@@ -78,14 +70,8 @@ __device__ __forceinline__ void load_a_transposed(unsigned* a, const bf16* base,
     a[3] = pair(2 * q + 8, g + 8);
 }
 
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    const unsigned short l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
-    const unsigned short h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-    return (unsigned)l | ((unsigned)h << 16);
-}
-
 __device__ __forceinline__ void store_pair(bf16* at, float lo, float hi) {
-    *reinterpret_cast<unsigned*>(at) = pack_bf16(lo, hi);
+    *reinterpret_cast<unsigned*>(at) = pack_bf16x2(lo, hi);
 }
 
 __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 127) & ~(size_t)127; }

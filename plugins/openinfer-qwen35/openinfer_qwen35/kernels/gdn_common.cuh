@@ -1,9 +1,9 @@
 // Shared by the Gated DeltaNet kernels (gated_deltanet.cu, gdn_chunked.cu, gdn_decode.cu): bf16
-// helpers, reductions and the per-token gates, rounded where HF's bf16 model rounds.
+// helpers and the per-token gates, rounded where HF's bf16 model rounds. The bf16 typedef,
+// round_bf16 and the warp / block reductions come from core's common.cuh (the loaders put
+// openinfer.backend.cuda.kernel_include_dir() on the include path).
 #pragma once
-#include <cuda_bf16.h>
-
-typedef __nv_bfloat16 bf16;
+#include "common.cuh"
 
 #ifndef DK  // key head dim (compile-time: state rows in registers, mma tiles)
 #define DK 128
@@ -16,26 +16,8 @@ static_assert(DK % SPLIT == 0 && 32 % SPLIT == 0, "SPLIT must divide the key hea
 #define L2_NORM_EPS 1e-6f
 
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < num_warps ? scratch[lane] : 0.f;
-    return warp_sum(v);
-}
 
 // beta = sigmoid(b), rounded to bf16 as HF's bf16 model holds it.
 __device__ __forceinline__ float gdn_beta(float b) { return round_bf16(sigmoid_f(b)); }

@@ -3,9 +3,8 @@
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
 // tiles they describe — so the fragment layouts the kernels assume are checked too.
-#define GDN_HOST_EMULATION 1
+#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
 inline void __threadfence() {}
 #include <cuda_bf16.h>
 #undef __launch_bounds__
@@ -16,39 +15,6 @@ inline void __threadfence() {}
 #include "gdn_decode.cu"
 
 #include "harness.h"
-
-static unsigned fragment_a[1024][4], fragment_b[1024][2];
-
-static float bf16_half(unsigned packed, int high) {
-    return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(high ? packed >> 16 : packed & 0xFFFFu)});
-}
-
-void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
-    std::barrier<>& warp = *warp_barriers[t / 32];
-    for (int e = 0; e < 4; ++e) fragment_a[t][e] = a[e];
-    fragment_b[t][0] = b0;
-    fragment_b[t][1] = b1;
-    warp.arrive_and_wait();
-    auto a_at = [&](int row, int col) {  // A[row][col]: lane 4 (row % 8) + (col % 8) / 2
-        const unsigned owner = base + 4 * (row % 8) + (col % 8) / 2;
-        return bf16_half(fragment_a[owner][(row >= 8) + 2 * (col >= 8)], col & 1);
-    };
-    auto b_at = [&](int k, int n) {  // B[k][n]: lane 4 n + (k % 8) / 2
-        const unsigned owner = base + 4 * n + (k % 8) / 2;
-        return bf16_half(fragment_b[owner][k >= 8], k & 1);
-    };
-    const int g = static_cast<int>(lane >> 2), q = static_cast<int>(lane & 3);
-    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * q, 2 * q + 1, 2 * q, 2 * q + 1};
-    float out[4];
-    for (int e = 0; e < 4; ++e) {
-        float acc = d[e];
-        for (int k = 0; k < 16; ++k) acc += a_at(rows[e], k) * b_at(k, cols[e]);
-        out[e] = acc;
-    }
-    warp.arrive_and_wait();  // every lane has read the fragments before any call overwrites them
-    for (int e = 0; e < 4; ++e) d[e] = out[e];
-}
 
 int main(int argc, char** argv) {
     if (argc != 7) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps\n"); return 1; }
