@@ -24,7 +24,7 @@ from typing import Any
 
 import cupy
 
-from openinfer.backend.cuda import kernel_include_dir
+from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
 
 KERNEL_DIR = kernel_include_dir()
 COMPILE_THREADS = 8
@@ -41,7 +41,7 @@ def _module(source: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawModule
     path = KERNEL_DIR / source
     if not path.is_file():
         raise FileNotFoundError(f"CUDA source {path} is missing; reinstall openinfer (package data *.cu)")
-    options = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{name}={value}" for name, value in defines))
+    options = ("-std=c++17", *kernel_include_options(), *(f"-D{name}={value}" for name, value in defines))
     return cupy.RawModule(code=path.read_text(), options=options)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda import kernel_include_dir
+from openinfer.backend.cuda import kernel_include_options
 
 SOURCE = "dsv4.cu"
 THREADS = 128
@@ -33,7 +33,7 @@ NULL = np.uint64(0)
 @functools.cache
 def _module() -> cupy.RawModule:
     code = (resources.files("openinfer_deepseek_v4") / "kernels" / SOURCE).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", f"-I{kernel_include_dir()}"))  # core's common.cuh
+    return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options()))  # core's common.cuh
 
 
 def kernel(name: str) -> cupy.RawKernel:

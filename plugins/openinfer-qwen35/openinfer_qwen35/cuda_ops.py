@@ -30,7 +30,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from openinfer.backend.cuda import kernel_include_dir
+from openinfer.backend.cuda import kernel_include_options
 from openinfer_qwen35.config import Qwen35Config
 from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
@@ -57,7 +57,7 @@ KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 @functools.cache
 def _module(source: str, key_head_dim: int) -> cupy.RawModule:
     code = (KERNEL_DIR / source).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", f"-I{KERNEL_DIR}", f"-I{kernel_include_dir()}",
+    return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options(KERNEL_DIR),
                                               f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}"))
 
 
