@@ -15,7 +15,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from openinfer.frontend.toolcalls.calls import ToolCall, ToolCallDelta
-from openinfer.frontend.toolcalls.readers import BlockReader, CallId, JsonCallsReader, UntilMarker
+from openinfer.frontend.toolcalls.readers import (
+    BlockReader,
+    CallId,
+    ElementCallsReader,
+    JsonCallsReader,
+    ParameterValue,
+)
 
 ParameterTypes = Mapping[str, Mapping[str, str]]  # function → parameter → its JSON Schema type
 
@@ -54,72 +60,25 @@ def xml_parameter_value(text: str, kind: str) -> Any:
     return text
 
 
-_XML_FUNCTION = re.compile(r"<function=(?P<name>[^>\n]+)>")
-_XML_PARAMETER = re.compile(r"<parameter=(?P<name>[^>\n]+)>")
-_XML_FUNCTION_END = "</function>"
-_XML_PARAMETER_END = "</parameter>"
-
-
-class XmlCallsReader(BlockReader):
+class XmlCallsReader(ElementCallsReader):
     """Qwen3.5 (and Qwen3-Coder): ``<function=f>`` then ``<parameter=k>\\nvalue\\n</parameter>``
-    lines then ``</function>``, written as a JSON object while it arrives. A parameter declared a
-    string (or not declared) streams as a JSON string of its text; any other is converted by its
-    declared type when its value is complete."""
+    lines then ``</function>``. A parameter declared a string (or not declared) streams as a JSON
+    string of its text; any other is converted by its declared type when its value is complete."""
+
+    call_open = re.compile(r"<function=(?P<name>[^>\n]+)>")
+    call_end = "</function>"
+    parameter_open = re.compile(r"<parameter=(?P<name>[^>\n]+)>")
+    parameter_end = "</parameter>"
 
     def __init__(self, first_index: int, call_id: CallId | None = None, types: ParameterTypes | None = None):
         super().__init__(first_index, call_id)
         self._types = types or {}
-        self._pending = ""
-        self._function: str | None = None
-        self._num_parameters = 0
-        self._value: UntilMarker | None = None
-        self._value_kind = "string"
-        self._value_text = ""  # a non-string value, until it is complete
 
-    def feed(self, text: str) -> list[ToolCallDelta]:
-        out: list[ToolCallDelta] = []
-        while text:
-            if self._value is not None:
-                passed, rest = self._value.feed(text)
-                if self._value_kind == "string":
-                    out += self._arguments(json.dumps(passed, ensure_ascii=False)[1:-1] + ('"' if rest is not None
-                                                                                          else ""))
-                else:
-                    self._value_text += passed
-                    if rest is not None:
-                        value = xml_parameter_value(self._value_text, self._value_kind)
-                        out += self._arguments(json.dumps(value, ensure_ascii=False))
-                if rest is None:
-                    return out
-                self._value, text = None, rest
-                continue
-            self._pending += text
-            text = ""
-            if self._function is None:
-                match = _XML_FUNCTION.search(self._pending)
-                if match is None:
-                    return out
-                self._function = match.group("name").strip()
-                out.append(self._open(self._function))
-                self._num_parameters = 0
-                text, self._pending = self._pending[match.end():], ""
-                continue
-            parameter = _XML_PARAMETER.search(self._pending)
-            closing = self._pending.find(_XML_FUNCTION_END)
-            if closing >= 0 and (parameter is None or closing < parameter.start()):
-                out += self._arguments("}" if self._num_parameters else "{}")
-                self._function = None
-                text, self._pending = self._pending[closing + len(_XML_FUNCTION_END):], ""
-            elif parameter is not None:
-                key = parameter.group("name").strip()
-                self._value_kind = self._types.get(self._function, {}).get(key, "string")
-                opening = "{" if self._num_parameters == 0 else ", "
-                quote = '"' if self._value_kind == "string" else ""
-                out += self._arguments(f"{opening}{json.dumps(key, ensure_ascii=False)}: {quote}")
-                self._num_parameters += 1
-                self._value, self._value_text = UntilMarker(_XML_PARAMETER_END, strip="newline"), ""
-                text, self._pending = self._pending[parameter.end():], ""
-        return out
+    def parameter_value(self, function: str, parameter: re.Match[str]) -> ParameterValue:
+        kind = self._types.get(function, {}).get(parameter.group("name").strip(), "string")
+        if kind == "string":
+            return ParameterValue("string", strip="newline")
+        return ParameterValue("converted", strip="newline", convert=lambda text: xml_parameter_value(text, kind))
 
 
 class QwenBlockReader(BlockReader):

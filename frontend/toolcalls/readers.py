@@ -16,6 +16,8 @@ import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from openinfer.frontend.reasoning import held_back
 from openinfer.frontend.toolcalls.calls import ToolCall, ToolCallDelta, new_call_id
@@ -230,63 +232,104 @@ class KimiSectionReader(BlockReader):
         return out
 
 
-DSML = "｜DSML｜"
-_DSML_INVOKE = re.compile(rf'<{DSML}invoke name="(?P<name>[^"]+)">')
-_DSML_PARAMETER = re.compile(rf'<{DSML}parameter name="(?P<name>[^"]+)" string="(?P<string>true|false)">')
-_DSML_INVOKE_END = f"</{DSML}invoke>"
-_DSML_PARAMETER_END = f"</{DSML}parameter>"
+@dataclass(frozen=True)
+class ParameterValue:
+    """How one parameter's text becomes JSON: ``"string"`` streams it as a JSON string,
+    ``"raw"`` streams it as written (it is JSON already), ``"converted"`` holds it until complete
+    and writes ``convert(text)``. ``strip`` is :class:`UntilMarker`'s."""
+
+    mode: str
+    strip: str = ""
+    convert: Callable[[str], Any] | None = None
 
 
-class DsmlReader(BlockReader):
-    """DeepSeek-V4's DSML: each ``invoke`` is a call, each ``parameter`` of it one argument,
-    written as a JSON object ``{"k": v, ...}`` while it arrives: a ``string="true"`` value is a
-    JSON string of the raw text, a ``string="false"`` one is JSON as written."""
+class ElementCallsReader(BlockReader):
+    """Calls written as markup elements — an opening tag that names the function, one element
+    per parameter, a closing tag — passed on as a JSON object ``{"k": v, ...}`` while they
+    arrive. A format gives its tags and how each parameter's value is written
+    (:meth:`parameter_value`); Qwen3.5's XML and DeepSeek-V4's DSML are two such formats."""
+
+    call_open: re.Pattern[str]  # group "name": the function
+    call_end: str
+    parameter_open: re.Pattern[str]  # group "name": the parameter
+    parameter_end: str
 
     def __init__(self, first_index: int, call_id: CallId | None = None):
         super().__init__(first_index, call_id)
         self._pending = ""
-        self._in_invoke = False
+        self._function: str | None = None
         self._num_parameters = 0
         self._value: UntilMarker | None = None
-        self._value_is_string = False
+        self._value_rule = ParameterValue("string")
+        self._value_text = ""  # a converted value, until it is complete
+
+    @abstractmethod
+    def parameter_value(self, function: str, parameter: re.Match[str]) -> ParameterValue:
+        """How the value of ``parameter`` (its opening tag's match) of ``function`` is written."""
+
+    def _value_piece(self, passed: str, complete: bool) -> str:
+        rule = self._value_rule
+        if rule.mode == "string":
+            return json.dumps(passed, ensure_ascii=False)[1:-1] + ('"' if complete else "")
+        if rule.mode == "raw":
+            return passed
+        self._value_text += passed
+        return json.dumps(rule.convert(self._value_text), ensure_ascii=False) if complete else ""
 
     def feed(self, text: str) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []
         while text:
             if self._value is not None:
                 passed, rest = self._value.feed(text)
-                if self._value_is_string:
-                    passed = json.dumps(passed, ensure_ascii=False)[1:-1]
-                    if rest is not None:
-                        passed += '"'
-                out += self._arguments(passed)
+                out += self._arguments(self._value_piece(passed, rest is not None))
                 if rest is None:
                     return out
                 self._value, text = None, rest
                 continue
             self._pending += text
             text = ""
-            if not self._in_invoke:
-                match = _DSML_INVOKE.search(self._pending)
+            if self._function is None:
+                match = self.call_open.search(self._pending)
                 if match is None:
                     return out
-                out.append(self._open(match.group("name")))
-                self._in_invoke, self._num_parameters = True, 0
+                self._function = match.group("name").strip()
+                out.append(self._open(self._function))
+                self._num_parameters = 0
                 text, self._pending = self._pending[match.end():], ""
                 continue
-            parameter = _DSML_PARAMETER.search(self._pending)
-            closing = self._pending.find(_DSML_INVOKE_END)
+            parameter = self.parameter_open.search(self._pending)
+            closing = self._pending.find(self.call_end)
             if closing >= 0 and (parameter is None or closing < parameter.start()):
                 out += self._arguments("}" if self._num_parameters else "{}")
-                self._in_invoke = False
-                text, self._pending = self._pending[closing + len(_DSML_INVOKE_END):], ""
+                self._function = None
+                text, self._pending = self._pending[closing + len(self.call_end):], ""
             elif parameter is not None:
-                self._value_is_string = parameter.group("string") == "true"
+                self._value_rule = self.parameter_value(self._function, parameter)
                 opening = "{" if self._num_parameters == 0 else ", "
-                key = json.dumps(parameter.group("name"), ensure_ascii=False)
-                out += self._arguments(f'{opening}{key}: {chr(34) if self._value_is_string else ""}')
+                key = json.dumps(parameter.group("name").strip(), ensure_ascii=False)
+                quote = '"' if self._value_rule.mode == "string" else ""
+                out += self._arguments(f"{opening}{key}: {quote}")
                 self._num_parameters += 1
-                self._value = UntilMarker(_DSML_PARAMETER_END, strip="" if self._value_is_string else "space")
+                self._value = UntilMarker(self.parameter_end, strip=self._value_rule.strip)
+                self._value_text = ""
                 text, self._pending = self._pending[parameter.end():], ""
         return out
 
+
+DSML = "｜DSML｜"
+
+
+class DsmlReader(ElementCallsReader):
+    """DeepSeek-V4's DSML: each ``invoke`` is a call, each ``parameter`` of it one argument; a
+    ``string="true"`` value is a JSON string of the raw text, a ``string="false"`` one is JSON
+    as written."""
+
+    call_open = re.compile(rf'<{DSML}invoke name="(?P<name>[^"]+)">')
+    call_end = f"</{DSML}invoke>"
+    parameter_open = re.compile(rf'<{DSML}parameter name="(?P<name>[^"]+)" string="(?P<string>true|false)">')
+    parameter_end = f"</{DSML}parameter>"
+
+    def parameter_value(self, function: str, parameter: re.Match[str]) -> ParameterValue:
+        if parameter.group("string") == "true":
+            return ParameterValue("string")
+        return ParameterValue("raw", strip="space")
