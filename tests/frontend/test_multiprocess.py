@@ -216,7 +216,7 @@ def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, t
     finally:
         assert stop(process) == 0
     assert set(phases) == {"supervisor", "engine-core", "api-server-0", "api-server-1"}
-    assert {"spawn_and_imports", "model_load", "kv_planning", "release_host_memory", "transport"} <= set(
+    assert {"spawn_and_imports", "model_load", "kv_planning", "transport"} <= set(
         phases["engine-core"])
     assert {"spawn_and_imports", "wait_for_engine", "tokenizer_and_app", "http_listening"} <= set(phases["api-server-1"])
     for role, parts in phases.items():
