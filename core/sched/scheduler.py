@@ -17,6 +17,10 @@ Policies (``policy``; default from ``OPENINFER_SCHEDULER_POLICY``, else ``mixed`
   A mixed step runs eagerly and sends its decode rows through the prefill attention kernel
   (one query tile each), which costs more than a separate graphed decode step when many
   requests decode; with only one kind of work, steps are the same as ``mixed``'s.
+* ``prefill_first`` — prompt chunks only while any can run; decodes run when none can (SGLang's
+  default order). A burst's last first token comes soonest, and so does its end (its makespan is
+  the prompt work plus the last request's decode steps), at the price of stalling every running
+  request's tokens for as long as prompts keep arriving.
 
 For models with recurrent state and the prefix cache on, prefill chunks end on block
 boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
@@ -35,7 +39,7 @@ from openinfer.kv.manager import KVCacheManager
 from openinfer.sched.request import Request, RequestStatus
 
 POLICY_ENV = "OPENINFER_SCHEDULER_POLICY"
-POLICIES = ("mixed", "split")
+POLICIES = ("mixed", "split", "prefill_first")
 
 
 @dataclass
@@ -115,16 +119,19 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.policy == "split" and self._both_kinds_pending():
-            decode_turn = self._decode_turn
+        if self.policy == "mixed" or not self._both_kinds_pending():
+            return self._schedule(decodes=True, prompts=True)
+        if self.policy == "prefill_first":
+            out = self._schedule(decodes=False, prompts=True)
+            return out if out.chunks or out.preempted else self._schedule(decodes=True, prompts=False)
+        decode_turn = self._decode_turn  # split: alternate
+        out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
+        if not out.chunks and not out.preempted:  # nothing of that kind can run now
+            decode_turn = not decode_turn
             out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
-            if not out.chunks and not out.preempted:  # nothing of that kind can run now
-                decode_turn = not decode_turn
-                out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
-            if out.chunks:
-                self._decode_turn = not decode_turn
-            return out
-        return self._schedule(decodes=True, prompts=True)
+        if out.chunks:
+            self._decode_turn = not decode_turn
+        return out
 
     def _both_kinds_pending(self) -> bool:
         decoding, prompting = False, bool(self.waiting)
