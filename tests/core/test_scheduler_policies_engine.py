@@ -3,10 +3,10 @@ prompts longer than the token budget gets the same greedy tokens whichever way s
 (decodes riding along with prompt chunks, alternating, or prompts first)."""
 
 import pytest
-from tests.core.test_kv_spec_engine import ToyHybrid
 
 from openinfer import EngineOptions, PagedEngine
 from openinfer.sched.scheduler import POLICIES, POLICY_ENV
+from tests.core.test_kv_spec_engine import ToyHybrid
 from tests.helpers.engine_utils import make_request, run_all
 
 PROMPTS = [[(7 * i + j) % 31 + 1 for j in range(5 + 3 * i)] for i in range(5)]
