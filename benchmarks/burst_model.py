@@ -63,6 +63,9 @@ class StepCostModel:
     lm_head_ms: float = 0.3  # reading the output embedding once per step
     sample_us_per_row: float = 4.0
     eager_floor_ms: float = 4.0  # an eager step's kernel launches (the host queues ~600 kernels)
+    # a one-query tile of the prefill kernel (a decode row of a mixed step) against a full tile of
+    # the same keys: 1 = the same work (the kernel computes all 128 rows); a sensitivity knob
+    single_query_tile_factor: float = 1.0
 
     @classmethod
     def from_results(cls, results: Path = RESULTS) -> StepCostModel:
@@ -93,8 +96,11 @@ class StepCostModel:
 
     def prefill_attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """One layer of the prefill kernel over ``(start, num_tokens)`` chunks (causal)."""
-        tile_keys = 0
+        tile_keys = 0.0
         for start, count in chunks:
+            if count == 1:
+                tile_keys += self.single_query_tile_factor * (start + 1)
+                continue
             for first in range(0, count, PREFILL_TILE):
                 last = min(count, first + PREFILL_TILE)
                 tile_keys += start + last  # keys the tile's last query sees
@@ -201,18 +207,19 @@ def simulate(model: StepCostModel, *, streams: int, input_len: int, output_len: 
 
 
 def measured_reference(results: Path = RESULTS) -> dict | None:
-    """side_by_side.json's openinfer 256-stream row: what the model is set against."""
+    """side_by_side.json's 64- and 256-stream rows (served, httpx client): what the model is set against."""
     path = results / "side_by_side.json"
     if not path.exists():
         return None
     report = json.loads(path.read_text())
+    out: dict = {"device": report["device"]}
     for run in report["runs"]:
         for row in run["sweep"]:
-            if row["streams"] == 256:
-                ref = report.setdefault("_rows", {})
-                ref[run["server"]] = {"duration_s": row["duration_s"], "output_throughput": row["output_throughput"],
-                                      "ttft_ms": row["ttft_ms"], "tpot_ms": row["tpot_ms"]}
-    return {"device": report["device"], **report.get("_rows", {})}
+            if row["streams"] in (64, 256):
+                out.setdefault(run["server"], {})[str(row["streams"])] = {
+                    "duration_s": row["duration_s"], "output_throughput": row["output_throughput"],
+                    "ttft_ms": row["ttft_ms"], "tpot_ms": row["tpot_ms"]}
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -233,11 +240,12 @@ def plot(report: dict, path: Path) -> None:
                 left.plot(xs, [r["output_throughput"] for r in rows], style, label=label)
                 right.plot(xs, [r["tpot_ms"]["p50"] for r in rows], style, label=label)
     reference = report.get("measured")
-    if reference and "openinfer" in reference:
-        left.axhline(reference["openinfer"]["output_throughput"], color="gray", ls="--",
-                     label="measured openinfer, 256 (8192)")
-    if reference and "vllm" in reference:
-        left.axhline(reference["vllm"]["output_throughput"], color="black", ls=":", label="measured vLLM, 256")
+    for server, style in (("openinfer", "--"), ("vllm", ":")):
+        for streams, color in (("64", "tab:blue"), ("256", "tab:red")):
+            row = (reference or {}).get(server, {}).get(streams)
+            if row:
+                left.axhline(row["output_throughput"], color=color, ls=style, lw=1,
+                             label=f"measured {server}, {streams} (httpx client)")
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("max_num_batched_tokens")
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                              "256 connections is not instantaneous)")
     parser.add_argument("--client-us", default="0",
                         help="comma list: per-chunk cost of a one-process client (0: the engine's own times)")
+    parser.add_argument("--single-query-tile-factor", type=float, default=1.0,
+                        help="cost of a decode row's tile in a mixed step relative to a full tile (sensitivity)")
     parser.add_argument("--tag", default="burst_model")
     args = parser.parse_args(argv)
     try:
@@ -274,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     if min(streams + budgets) < 1 or args.input_len < 1 or args.output_len < 1 or args.arrival_s < 0:
         parser.error("streams, budgets and lengths must be positive; --arrival-s >= 0")
+    if args.single_query_tile_factor < 0:
+        parser.error("--single-query-tile-factor must be >= 0")
     model = StepCostModel.from_results()
+    model.single_query_tile_factor = args.single_query_tile_factor
     print("step-cost model:", json.dumps({k: round(v, 4) for k, v in asdict(model).items()}), flush=True)
     rows = []
     for count in streams:
