@@ -31,6 +31,8 @@ policy (``mixed`` / ``split``), recorded in the run's label.
     python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
         vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
         --gpu-memory-utilization 0.85"
+    OPENINFER_SCHEDULER_POLICY=split python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 \
+        --clients lean,httpx --append        # another scheduler policy, added to the same JSON
     python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
 Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
 """
