@@ -2,7 +2,8 @@
 
 Writes a random bf16 checkpoint (HF ``save_pretrained``) once and reads it into the page cache,
 then builds the engine the way the engine-core process does (``openinfer.create_engine(path,
-device="cuda", max_model_len=4096)``, then ``release_host_memory``) in fresh processes:
+device="cuda", max_model_len=4096)``, whose ``create_paged_engine`` gives back the load's host
+memory; the process then only reports it) in fresh processes:
 
 - ``cold``: CuPy's on-disk kernel cache empty (a fresh machine: every kernel compiles);
 - ``warm``: the same cache again (a restart on the same machine);
@@ -10,7 +11,7 @@ device="cuda", max_model_len=4096)``, then ``release_host_memory``) in fresh pro
   cumulative and own time, in ``gpu_cold_start_profile.txt``).
 
 Each child reports its phases (imports, CUDA context, model load, KV planning and allocation,
-graph capture, releasing host memory, first token) and its resident memory broken down
+graph capture, first token) and its resident memory broken down
 (anonymous / file-backed, CuPy pools) after each. Results: benchmarks/results/gpu_cold_start.json
 (and $OUT when set). The served figures (cold start → HTTP ready, idle RSS of every process)
 come from ``gpu_concurrency.py``.
@@ -41,7 +42,7 @@ def mark(name):
 import cupy
 mark("import_cupy")
 import openinfer
-from openinfer.engine_core.startup import memory_breakdown, release_host_memory
+from openinfer.engine_core.startup import memory_breakdown
 from openinfer.v1 import engine_pb2 as pb
 mark("import_openinfer")
 cupy.cuda.Device(0).use()
@@ -58,8 +59,6 @@ mark("create_engine")
 inside = dict(engine.startup_phases)
 inside["model_load"] = phases["create_engine"] - sum(inside.values())
 memory["after_engine"] = memory_breakdown()
-memory["release"] = release_host_memory()
-mark("release_host_memory")
 async def first_token():
     request = pb.GenerateRequest(request_id="cold", prompt_token_ids=list(range(100, 164)),
                                  stop=pb.StopConditions(max_tokens=1, ignore_eos=True))

@@ -13,10 +13,26 @@ On one GPU machine, unattended (< 8 min with a warm page cache; vLLM's first sta
 3. with ``--vllm-url`` (a running server) or ``--vllm-cmd`` (a launch command; ``{model}`` and
    ``{port}`` are filled in), the same client against vLLM, plus its cold start and idle RSS.
 
+Clients (``--clients``, each point runs once per client): ``httpx`` is ``benchmarks/serve.py``'s
+(one process, httpx + a JSON parse per chunk); ``lean`` is a raw HTTP/1.1 + SSE reader spread
+over ``--client-procs`` processes (JSON only for the usage chunk), so a burst of 256 streams
+measures the server and not the client. Each row records the client's CPU seconds over the burst
+(``client_cpu_s``; near ``duration_s`` × processes means the client was the bottleneck) and the
+SSE chunks per token.
+
+openinfer's engine core logs every step (``OPENINFER_STEP_LOG``, see
+``openinfer.engine_core.step_log``): each row gets ``engine_steps`` — decode-only and mixed
+steps, their device time, idle gaps, and when the engine's last step of the burst ended against
+the clients' last token (``client_lag_s``); the raw log is kept next to the JSON
+(``TAG.steps-*.json``). ``OPENINFER_SCHEDULER_POLICY`` in the environment picks the scheduler's
+policy (``mixed`` / ``split``), recorded in the run's label.
+
     python benchmarks/gpu_concurrency.py
     python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
         vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
         --gpu-memory-utilization 0.85"
+    OPENINFER_SCHEDULER_POLICY=split python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 \
+        --clients lean,httpx --append        # another scheduler policy, added to the same JSON
     python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
 Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
 """
@@ -39,6 +55,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from openinfer.engine_core.step_log import STEP_LOG_ENV, summarize_steps
+from openinfer.sched.scheduler import POLICY_ENV
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -122,7 +141,116 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: int, vocab: int) -> list[dict]:
+# --- the lean client: raw HTTP/1.1, chunked SSE, JSON parsed only for the final usage chunk ---
+
+async def lean_stream(port: int, body: bytes) -> dict:
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        rest = await reader.read(2000)
+        writer.close()
+        return {"ok": False, "error": (status + rest)[:300].decode(errors="replace")}
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
+    first = last = None
+    events, tokens, itl, error, buffer = 0, 0, [], "", b""
+    while True:
+        if chunked:
+            size_line = await reader.readline()
+            if not size_line:
+                break
+            size = int(size_line.strip() or b"0", 16)
+            if size == 0:
+                break
+            data = (await reader.readexactly(size + 2))[:-2]
+        else:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+        buffer += data
+        while b"\n\n" in buffer:
+            frame, buffer = buffer.split(b"\n\n", 1)
+            if not frame.startswith(b"data: ") or frame == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if frame.startswith(b'data: {"error"') or frame.startswith(b'data: {"object":"error"'):
+                error = frame[:300].decode(errors="replace")
+                continue
+            if b'"choices":[]' in frame:  # the usage chunk
+                usage = json.loads(frame[6:]).get("usage") or {}
+                tokens = int(usage.get("completion_tokens", 0))
+                continue
+            events += 1
+            if first is not None:
+                itl.append(now - last)
+            else:
+                first = now
+            last = now
+    writer.close()
+    if first is None or error:
+        return {"ok": False, "error": error or "no tokens"}
+    return {"ok": True, "ttft": first - start, "latency": last - start, "tokens": tokens, "events": events,
+            "itl": itl}
+
+
+def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
+    async def run() -> list[dict]:
+        return await asyncio.gather(*(lean_stream(port, body) for body in bodies))
+
+    delay = start_at - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    cpu = time.process_time()
+    results = asyncio.run(run())
+    out.put((results, time.process_time() - cpu))
+
+
+def lean_burst(url: str, model: str, prompts: list[list[int]], output_len: int, procs: int) -> dict:
+    import multiprocessing
+
+    port = int(url.rsplit(":", 1)[1])
+    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
+                          "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+              for p in prompts]
+    procs = max(1, min(procs, len(bodies)))
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    start_at = time.time() + 0.5  # every worker forked and ready: the burst starts at once
+    workers = [context.Process(target=lean_client_process, args=(port, bodies[i::procs], start_at, out))
+               for i in range(procs)]
+    for worker in workers:
+        worker.start()
+    parts = [out.get(timeout=900) for _ in workers]
+    for worker in workers:
+        worker.join()
+    results = [r for rows, _ in parts for r in rows]
+    ok = [r for r in results if r["ok"]]
+    duration = max((r["latency"] for r in ok), default=0.0)
+    tpots = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    itls = [x for r in ok for x in r["itl"]]
+
+    def pct(values: list[float]) -> dict:
+        return {"p50": 1e3 * float(np.percentile(values, 50)), "p99": 1e3 * float(np.percentile(values, 99))} \
+            if values else {"p50": float("nan"), "p99": float("nan")}
+
+    total_tokens = sum(r["tokens"] for r in ok)
+    return {"rate": float("inf"), "num_requests": len(results), "num_failed": len(results) - len(ok),
+            "duration_s": duration, "request_throughput": len(ok) / duration if duration else 0.0,
+            "output_throughput": total_tokens / duration if duration else 0.0,
+            "ttft_ms": pct([r["ttft"] for r in ok]), "tpot_ms": pct(tpots), "itl_ms": pct(itls),
+            "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
+            "client_cpu_s": sum(cpu for _, cpu in parts), "client_procs": procs,
+            "sse_chunks_per_token": sum(r["events"] for r in ok) / max(1, total_tokens),
+            "burst_began": start_at, "burst_ended": start_at + duration}
+
+
+def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: int, vocab: int,
+          clients: list[str], client_procs: int) -> list[dict]:
     rng = np.random.default_rng(0)
 
     def fresh(count: int) -> list[list[int]]:
@@ -132,11 +260,32 @@ def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: 
     asyncio.run(sweep_rate(url, model, float("inf"), fresh(4), 4, 0))  # warm-up
     rows = []
     for count in streams:
-        summary = asyncio.run(sweep_rate(url, model, float("inf"), fresh(count), output_len, count))
-        summary["streams"] = count
-        print(json.dumps(summary), flush=True)
-        rows.append(summary)
+        for client in clients:
+            if client == "lean":
+                summary = lean_burst(url, model, fresh(count), output_len, client_procs)
+            else:
+                began, cpu = time.time(), time.process_time()
+                summary = asyncio.run(sweep_rate(url, model, float("inf"), fresh(count), output_len, count))
+                summary.update(client_cpu_s=time.process_time() - cpu, client_procs=1, burst_began=began,
+                               burst_ended=time.time())
+            summary["streams"] = count
+            summary["client"] = client
+            print(json.dumps({k: v for k, v in summary.items() if k != "errors" or v}), flush=True)
+            rows.append(summary)
+            time.sleep(0.5)  # the engine's last step of this burst is over before the next one begins
     return rows
+
+
+def attach_step_log(rows: list[dict], path: Path) -> None:
+    """Each row's ``engine_steps``: the steps that began during its burst."""
+    if not path.exists():
+        return
+    log = json.loads(path.read_text())
+    for row in rows:
+        steps = summarize_steps(log, row["burst_began"], row["burst_ended"])
+        if steps.get("last_step_end_estimate"):
+            steps["client_lag_s"] = row["burst_ended"] - steps["last_step_end_estimate"]
+        row["engine_steps"] = steps
 
 
 def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, streams: list[int],
@@ -148,10 +297,11 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     command += ["--engine-factory", STUB_FACTORY, "--device", "cpu", "--num-kv-blocks", "40000"] if args.stub \
         else ["--device", "cuda"]
     command += shlex.split(args.serve_args)
-    startup_report = Path(tempfile.mkdtemp(prefix="openinfer-startup-")) / "startup.json"
+    run_dir = Path(tempfile.mkdtemp(prefix="openinfer-startup-"))
+    startup_report, step_log = run_dir / "startup.json", run_dir / "steps.json"
     command += ["--startup-report", str(startup_report)]
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command, start_new_session=True)
+    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, STEP_LOG_ENV: str(step_log)})
     try:
         ready_s = wait_ready(url, process, args.start_timeout)
         for _ in range(50):  # the supervisor writes it within a poll interval of HTTP ready
@@ -168,13 +318,24 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
               f"{ {k: round(v / 2**20) for k, v in rss.items()} }", flush=True)
         for role, report in (startup or {}).items():
             print(f"  start-up of {role}: {report.get('phases')}", flush=True)
-        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
+        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
+                     args.client_procs)
     finally:
         stop(process)
+    for _ in range(100):  # the engine core writes its step log as it shuts down
+        if step_log.exists():
+            break
+        time.sleep(0.1)
+    attach_step_log(rows, step_log)
+    if step_log.exists() and os.environ.get("OUT"):
+        shutil.copy(step_log, Path(os.environ["OUT"]) / f"{args.tag}.steps-{api_servers}api.json")
     extra = f", {args.serve_args}" if args.serve_args else ""
+    policy = os.environ.get(POLICY_ENV)
+    extra += f", {policy} scheduler" if policy else ""
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
-            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "sweep": rows}
+            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": policy or "mixed",
+            "sweep": rows}
 
 
 def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], vocab: int) -> dict:
@@ -192,7 +353,8 @@ def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], voc
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         time.sleep(2.0)
         rss = process_tree_rss(process.pid) if process is not None else None
-        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
+        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
+                     args.client_procs)
     finally:
         if process is not None:
             stop(process)
@@ -208,9 +370,13 @@ def plot(report: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in report["runs"]:
-        xs = [r["streams"] for r in run["sweep"]]
-        left.plot(xs, [r["output_throughput"] for r in run["sweep"]], "o-", label=run["label"])
-        right.plot(xs, [r["tpot_ms"]["p50"] for r in run["sweep"]], "o-", label=run["label"])
+        clients = list(dict.fromkeys(r.get("client", "httpx") for r in run["sweep"]))
+        for client in clients:
+            rows = [r for r in run["sweep"] if r.get("client", "httpx") == client]
+            label = run["label"] + (f" [{client} client]" if len(clients) > 1 or client != "httpx" else "")
+            xs = [r["streams"] for r in rows]
+            left.plot(xs, [r["output_throughput"] for r in rows], "o-", label=label)
+            right.plot(xs, [r["tpot_ms"]["p50"] for r in rows], "o-", label=label)
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent streams (burst)")
@@ -235,11 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-url", help="a running vLLM OpenAI server serving the same checkpoint")
     parser.add_argument("--vllm-cmd", help="launch command for vLLM; {model} and {port} are filled in")
     parser.add_argument("--vllm-start-timeout", type=float, default=420.0)
+    parser.add_argument("--clients", default="httpx", help="comma list of httpx, lean (see above)")
+    parser.add_argument("--client-procs", type=int, default=4, help="processes of the lean client")
     parser.add_argument("--stub", action="store_true", help="CPU dry run with the stub engine (checks the script)")
     parser.add_argument("--tag", default="gpu_concurrency")
     parser.add_argument("--append", action="store_true",
                         help="add to the runs already in results/TAG.json (e.g. vLLM in a later device call)")
     args = parser.parse_args(argv)
+    unknown = set(args.clients.split(",")) - {"httpx", "lean"}
+    if unknown or args.client_procs < 1:
+        parser.error(f"--clients takes httpx and/or lean (got {sorted(unknown)}); --client-procs >= 1")
     streams = [int(s) for s in args.streams.split(",")]
     checkpoint = Path(args.checkpoint)
     if args.stub:

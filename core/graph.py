@@ -14,6 +14,10 @@ capture produced. Graphs are captured largest first, on a side stream, all alloc
 one private memory pool that nothing else uses; graphs never run concurrently, so they may
 share intermediates. Invariant: the logits returned by ``run`` stay valid until the next call.
 Prefill, chunked and mixed steps, and decode batches larger than the largest bucket, run eagerly.
+
+A runner's ``observer`` (None unless a diagnostic sets it, e.g. ``openinfer.engine_core.step_log``)
+is called after each launch with the batch, whether a graph replayed it, and the wall-clock
+times the launch began and returned.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ logger = logging.getLogger("openinfer.graph")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 Forward = Callable[[Any], Any]  # device batch -> logits
+# (batch, replayed by a graph, launch began, launch returned): wall-clock seconds
+LaunchObserver = Callable[[ForwardBatch, bool, float, float], None]
 
 
 class EagerRunner:
@@ -40,8 +46,16 @@ class EagerRunner:
     def __init__(self, backend: Any, forward: Forward):
         self.backend = backend
         self.forward = forward
+        self.observer: LaunchObserver | None = None
 
     def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
+        began = time.time() if self.observer is not None else 0.0
+        logits = self._run(batch, previous_token_ids)
+        if self.observer is not None:
+            self.observer(batch, False, began, time.time())
+        return logits
+
+    def _run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
         device_batch = self.backend.prepare_batch(batch)
         if batch.token_sources.shape[0]:
             self.backend.fill_token_sources(device_batch, previous_token_ids, batch.token_sources)
@@ -70,6 +84,7 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self.num_precompiled_modules = 0
         self.discover_kernels = discover_kernels  # the forward may run dry (see ``capture``)
+        self.observer: LaunchObserver | None = None
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
@@ -137,15 +152,20 @@ class CudaGraphRunner:
     def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
         """Logits rows of ``batch``. Inputs listed in ``batch.token_sources`` are taken from
         ``previous_token_ids`` (the previous step's samples, still on the device)."""
+        began = time.time() if self.observer is not None else 0.0
         bucket = self.bucket_for(batch)
         if bucket is None:
-            return self.eager.run(batch, previous_token_ids)
-        captured = self.graphs[bucket]
-        captured.static.fill(batch)  # one H2D copy on the current stream, ordered before the replay
-        if batch.token_sources.shape[0]:
-            self.backend.fill_token_sources(captured.static.batch, previous_token_ids, batch.token_sources)
-        captured.graph.launch()
-        return captured.logits[: batch.num_seqs]
+            logits = self.eager.run(batch, previous_token_ids)
+        else:
+            captured = self.graphs[bucket]
+            captured.static.fill(batch)  # one H2D copy on the current stream, ordered before the replay
+            if batch.token_sources.shape[0]:
+                self.backend.fill_token_sources(captured.static.batch, previous_token_ids, batch.token_sources)
+            captured.graph.launch()
+            logits = captured.logits[: batch.num_seqs]
+        if self.observer is not None:
+            self.observer(batch, bucket is not None, began, time.time())
+        return logits
 
     def run_padded_eager(self, batch: ForwardBatch) -> Any:
         """The same padded inputs as ``run`` but launched op by op (graph vs eager tests)."""

@@ -6,6 +6,9 @@ input socket between steps (never blocking while there is work) and, at the end 
 sends every client ONE message with all of that step's entries for its requests. No other
 thread touches a socket, so there is no lock and no GIL hand-over per message.
 
+With ``OPENINFER_STEP_LOG=PATH`` in the environment, every launch is logged and written to PATH
+on shutdown (``openinfer.engine_core.step_log``).
+
 Start-up protocol: the process writes one JSON line to ``--ready-fd`` — ``{"ok": true,
 "pid": ...}`` once it serves, or ``{"ok": false, "error": ..., "exit_code": 2}`` when the model
 cannot be loaded — and exits 2 on such errors (a supervisor does not restart those).
@@ -43,7 +46,8 @@ from openinfer.engine_core.protocol import (
     load_fields,
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
-from openinfer.engine_core.startup import StartupPhases, release_host_memory
+from openinfer.engine_core.startup import StartupPhases, memory_breakdown
+from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
 from openinfer.v1 import engine_pb2 as pb
 
@@ -271,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     phases.mark("engine_build")
     # plugin discovery, backend start, weights: what the engine does not time itself
     phases.split("engine_build", getattr(engine, "startup_phases", {}), rest="model_load")
-    memory = release_host_memory()
-    phases.mark("release_host_memory")
+    # the engine's factory gave back what loading left on the host (create_paged_engine calls
+    # release_host_memory); this process only reports what stays resident
+    memory = memory_breakdown()
+    step_log_path = os.environ.get(STEP_LOG_ENV)
+    step_log = StepLog.attach(engine) if step_log_path else None
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
     phases.mark("transport")
@@ -289,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("supervisor exited; shutting down")
             break
     engine.close_sync()
+    if step_log is not None:
+        try:
+            step_log.write(step_log_path, getattr(engine, "step_timer", None))
+        except OSError as exc:
+            logger.error("cannot write the step log to %s: %s", step_log_path, exc)
     return code
 
 

@@ -8,6 +8,20 @@ blocks are freed and it returns to the front of the waiting queue to be recomput
 its tokens so far (its sampler state is kept, so its output is unchanged). The scheduler
 plans only; it never touches arrays.
 
+Policies (``policy``; default from ``OPENINFER_SCHEDULER_POLICY``, else ``mixed``):
+
+* ``mixed`` — the above: decodes ride along with prompt chunks in one step (vLLM v1's policy).
+* ``split`` — while some running requests decode and other work is prompt chunks (running or
+  waiting), steps alternate: a step of decodes only (one token per sequence: a CUDA-graph
+  replay, decode attention kernels) then a step of prompt chunks only, under the whole budget.
+  A mixed step runs eagerly and sends its decode rows through the prefill attention kernel
+  (one query tile each), which costs more than a separate graphed decode step when many
+  requests decode; with only one kind of work, steps are the same as ``mixed``'s.
+* ``prefill_first`` — prompt chunks only while any can run; decodes run when none can (SGLang's
+  default order). A burst's last first token comes soonest, and so does its end (its makespan is
+  the prompt work plus the last request's decode steps), at the price of stalling every running
+  request's tokens for as long as prompts keep arriving.
+
 For models with recurrent state and the prefix cache on, prefill chunks end on block
 boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
 prompt stops at its last full block first), so the state after each chunk can be snapshotted
@@ -16,12 +30,16 @@ at a boundary a later request's prefix hit can start from.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
 from openinfer.errors import InvalidRequestError, QueueFullError
 from openinfer.kv.manager import KVCacheManager
 from openinfer.sched.request import Request, RequestStatus
+
+POLICY_ENV = "OPENINFER_SCHEDULER_POLICY"
+POLICIES = ("mixed", "split", "prefill_first")
 
 
 @dataclass
@@ -52,7 +70,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_queue: int, enable_prefix_cache: bool = True):
+                 max_model_len: int, max_queue: int, enable_prefix_cache: bool = True,
+                 policy: str | None = None):
+        policy = policy or os.environ.get(POLICY_ENV) or "mixed"
+        if policy not in POLICIES:
+            raise InvalidRequestError(f"scheduler policy must be one of {POLICIES}, got {policy!r}", field="policy")
+        self.policy = policy
+        self._decode_turn = True  # split: which kind of step comes next when both are pending
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,11 +119,43 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.policy == "mixed" or not self._both_kinds_pending():
+            return self._schedule(decodes=True, prompts=True)
+        if self.policy == "prefill_first":
+            out = self._schedule(decodes=False, prompts=True)
+            return out if out.chunks or out.preempted else self._schedule(decodes=True, prompts=False)
+        decode_turn = self._decode_turn  # split: alternate
+        out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
+        if not out.chunks and not out.preempted:  # nothing of that kind can run now
+            decode_turn = not decode_turn
+            out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
+        if out.chunks:
+            self._decode_turn = not decode_turn
+        return out
+
+    def _both_kinds_pending(self) -> bool:
+        decoding, prompting = False, bool(self.waiting)
+        for request in self.running:
+            if request.num_uncomputed_tokens > 1:
+                prompting = True
+            else:
+                decoding = True
+            if decoding and prompting:
+                return True
+        return False
+
+    def _schedule(self, *, decodes: bool, prompts: bool) -> SchedulerOutput:
+        """Plan one step; ``decodes`` / ``prompts`` say which running requests may take part
+        (decoding: at most one uncomputed token; else a prompt, or tokens to recompute after a
+        preemption), and ``prompts`` also whether waiting ones start."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if not (prompts if request.num_uncomputed_tokens > 1 else decodes):
+                index += 1
+                continue
             num_new = self._chunk_tokens(request, budget)
             if num_new <= 0 or (request.reached_limit and not request.in_prefill):
                 # finishing: its last token is still being read back from the device
@@ -119,7 +175,7 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; nothing after it is left in running
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while prompts and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             started_now = request.request_id not in self.kv.requests
             if started_now and not self.kv.can_start():  # no free state slot

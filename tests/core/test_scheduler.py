@@ -103,3 +103,53 @@ def test_a_request_waiting_for_blocks_hashes_its_prompt_once(monkeypatch):
         assert [c.request.request_id for c in sched.schedule().chunks] == ["first"]
     assert second.prefix_hashes is not None and len(second.prefix_hashes.hashes) == 4
     assert hashed == [4, 4]  # each prompt's 4 full blocks, once
+
+
+def split_scheduler(**kwargs) -> Scheduler:
+    sched = scheduler(**kwargs)
+    return Scheduler(sched.kv, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                     max_model_len=sched.max_model_len, max_queue=sched.max_queue, policy="split")
+
+
+def test_split_policy_alternates_decode_only_and_prompt_only_steps():
+    sched = split_scheduler(num_blocks=20, budget=8)
+    short, long = make("short", 3, max_tokens=8), make("long", 20)
+    sched.add(short)
+    plan = sched.schedule()  # one kind of work only: as the mixed policy
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 3)]
+    advance(sched, plan)
+    sched.add(long)
+    kinds = []
+    for _ in range(4):
+        plan = sched.schedule()
+        kinds.append([(c.request.request_id, c.num_tokens) for c in plan.chunks])
+        advance(sched, plan)
+    # decodes alone, then the prompt alone under the whole budget, and so on
+    assert kinds == [[("short", 1)], [("long", 8)], [("short", 1)], [("long", 8)]]
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1)]
+    advance(sched, plan)
+    plan = sched.schedule()  # the prompt's last chunk; its sampled token makes it a decode too
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 4)]
+    advance(sched, plan)
+    plan = sched.schedule()  # only decodes left: both in one step
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("short", 1), ("long", 1)]
+
+
+def test_split_policy_falls_back_to_the_other_kind_when_its_turn_has_nothing_to_run():
+    sched = split_scheduler(num_blocks=20, budget=8)
+    done, long = make("done", 2, max_tokens=1), make("long", 12)
+    sched.add(done)
+    advance(sched, sched.schedule())  # "done" sampled its only token: it waits to be read back
+    sched.add(long)
+    assert done.reached_limit
+    plan = sched.schedule()  # decode turn, but the only decode is finishing: the prompt runs
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 8)]
+
+
+def test_unknown_scheduler_policy_is_refused(monkeypatch):
+    monkeypatch.setenv("OPENINFER_SCHEDULER_POLICY", "fastest")
+    with pytest.raises(InvalidRequestError, match="scheduler policy"):
+        scheduler()
+    monkeypatch.setenv("OPENINFER_SCHEDULER_POLICY", "split")
+    assert scheduler().policy == "split"

@@ -26,6 +26,7 @@ from test_serve import free_port, start, stop, wait_healthy
 from tiny_checkpoints import write_tokenizer
 
 from openinfer.engine_core.client import EngineCoreClient
+from openinfer.engine_core.step_log import STEP_LOG_ENV, summarize_steps
 from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
 from openinfer.v1 import engine_pb2 as pb
 from openinfer.v1 import engine_pb2_grpc
@@ -216,7 +217,7 @@ def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, t
     finally:
         assert stop(process) == 0
     assert set(phases) == {"supervisor", "engine-core", "api-server-0", "api-server-1"}
-    assert {"spawn_and_imports", "model_load", "kv_planning", "release_host_memory", "transport"} <= set(
+    assert {"spawn_and_imports", "model_load", "kv_planning", "transport"} <= set(
         phases["engine-core"])
     assert {"spawn_and_imports", "wait_for_engine", "tokenizer_and_app", "http_listening"} <= set(phases["api-server-1"])
     for role, parts in phases.items():
@@ -224,3 +225,30 @@ def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, t
         assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), abs=0.01), role
     # the API servers started while the core loaded: each waited for it, none waited longer than the supervisor ran
     assert phases["supervisor"]["total"] >= phases["api-server-0"]["total"] - 0.05
+
+
+def test_the_engine_core_writes_its_step_log_on_shutdown(stub_model, tmp_path, monkeypatch):
+    http_port, log_path = free_port(), tmp_path / "steps.json"
+    monkeypatch.setenv(STEP_LOG_ENV, str(log_path))
+    process = start("--model-path", str(stub_model), "--engine-factory", FACTORY_SPEC, "--port", str(http_port),
+                    "--grpc-port", "0", "--device", "cpu", "--num-kv-blocks", "400", "--shutdown-timeout", "1")
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        wait_healthy(process, url)
+        began = time.time()
+        for _ in range(2):
+            reply = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+                               timeout=30)
+            assert reply.status_code == 200
+        ended = time.time()
+    finally:
+        assert stop(process) == 0
+    deadline = time.monotonic() + 20
+    while not log_path.exists():
+        assert time.monotonic() < deadline, "no step log"
+        time.sleep(0.05)
+    log = json.loads(log_path.read_text())
+    summary = summarize_steps(log, began, ended)
+    # each request: one prompt step (its first token), then three single-token decode steps
+    assert summary["mixed"]["tokens"] == 6 and summary["decode"]["tokens"] == 6
+    assert summary["num_steps"] == summary["mixed"]["num_steps"] + summary["decode"]["num_steps"]

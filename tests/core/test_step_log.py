@@ -1,0 +1,111 @@
+"""The engine-core step log: what a runner's observer records per launch, the device columns
+matched from a step timer, and the per-burst summary a benchmark reads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from openinfer.backend.base import ForwardBatch
+from openinfer.engine_core.step_log import DEVICE_COLUMNS, STEP_COLUMNS, StepLog, summarize_steps
+from openinfer.graph import EagerRunner
+
+
+def batch(query_lens: list[int]) -> ForwardBatch:
+    count, tokens = len(query_lens), sum(query_lens)
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    return ForwardBatch(token_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
+                        query_start=query_start, context_lens=np.asarray(query_lens, np.int32),
+                        block_tables=np.zeros((count, 1), np.int32), slot_mapping=np.zeros(tokens, np.int32),
+                        logits_rows=query_start[1:] - 1, max_query_len=max(query_lens),
+                        max_context_len=max(query_lens))
+
+
+class CountingBackend:
+    def __init__(self) -> None:
+        self.prepared = 0
+
+    def prepare_batch(self, forward_batch: ForwardBatch) -> ForwardBatch:
+        self.prepared += 1
+        return forward_batch
+
+
+class FakeEvent:
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeTimer:
+    """A StepTimer's shape: ``steps`` of (start, end) events and ``cupy.cuda.get_elapsed_time``."""
+
+    def __init__(self, spans: list[tuple[float, float]]):
+        self.steps = [(FakeEvent(a), FakeEvent(b)) for a, b in spans]
+
+        class Cuda:
+            @staticmethod
+            def get_elapsed_time(start: FakeEvent, end: FakeEvent) -> float:
+                return end.ms - start.ms
+
+        self.cupy = type("CupyLike", (), {"cuda": Cuda})
+
+
+def test_the_observer_records_every_launch_with_its_shape():
+    backend = CountingBackend()
+    runner = EagerRunner(backend, lambda b: np.zeros((len(b.logits_rows), 4)))
+    log = StepLog()
+    runner.observer = log.observe
+    runner.run(batch([1, 1, 1]))
+    runner.run(batch([1, 1, 500, 300]))
+    assert backend.prepared == 2
+    rows = log.rows()
+    assert [r[2:] for r in rows] == [[3, 3, 3, 1, 0], [802, 4, 2, 500, 0]]  # tokens, seqs, decodes, max query, graph
+    assert all(r[1] >= 0 for r in rows) and rows[0][0] <= rows[1][0]
+
+
+def test_device_columns_come_from_the_step_timer_newest_first_and_gaps_between_steps(tmp_path):
+    log = StepLog()
+    for lens in ([1, 1], [4, 1], [1, 1]):
+        log.observe(batch(lens), len(lens) == 2 and max(lens) == 1, 100.0, 100.001)
+    # the timer kept one more (older) step than the log: matched from the newest backwards
+    timer = FakeTimer([(0.0, 5.0), (10.0, 12.0), (12.5, 20.0), (21.0, 23.0)])
+    rows = log.rows(timer)
+    assert [r[len(STEP_COLUMNS):] for r in rows][1:] == [[2.5, 7.5, 0.5], [11.0, 2.0, 1.0]]
+    assert math.isnan(rows[0][-1]) and rows[0][len(STEP_COLUMNS)] == 0.0
+    path = tmp_path / "steps.json"
+    log.write(str(path), timer)
+    written = json.loads(path.read_text())
+    assert written["columns"] == list(STEP_COLUMNS) + list(DEVICE_COLUMNS)
+    assert written["steps"][0][-1] is None  # NaN is not JSON
+
+
+def test_summary_splits_decode_and_mixed_steps_inside_the_burst_window():
+    columns = list(STEP_COLUMNS) + list(DEVICE_COLUMNS)
+    #         began  host tokens seqs decodes maxq graph start busy gap
+    steps = [[0.5, 1.0, 2, 2, 2, 1, 1, 0.0, 1.0, None],      # before the burst
+             [10.0, 1.0, 8200, 16, 8, 1024, 0, 5.0, 100.0, 4.0],
+             [10.1, 1.0, 256, 256, 256, 1, 1, 105.0, 20.0, 0.0],
+             [10.2, 1.0, 255, 255, 255, 1, 1, 126.0, 18.0, 1.0],
+             [20.0, 1.0, 3, 3, 3, 1, 1, 500.0, 3.0, 356.0]]   # after it
+    summary = summarize_steps({"columns": columns, "steps": steps}, 9.0, 11.0)
+    assert summary["num_steps"] == 3
+    assert summary["mixed"]["num_steps"] == 1 and summary["mixed"]["decode_rows"] == 8
+    assert summary["decode"]["num_steps"] == 2 and summary["decode"]["graph_steps"] == 2
+    assert summary["decode"]["busy_ms_total"] == 38.0 and summary["busy_ms_total"] == 138.0
+    assert summary["gap_ms_total"] == 1.0  # the first step's gap is before the window
+    assert summary["device_span_ms"] == 139.0
+    assert summary["last_step_end_estimate"] == 10.2 + 1e-3 * (1.0 + 18.0)
+    assert summarize_steps({"columns": columns, "steps": steps}, 30.0, 40.0) == {"num_steps": 0}
+
+
+def test_a_log_without_device_times_still_summarizes():
+    log = StepLog()
+    log.observe(batch([1, 1]), True, 1.0, 1.002)
+    written = {"columns": list(STEP_COLUMNS), "steps": log.rows()}
+    summary = summarize_steps(written, 0.0, 2.0)
+    assert summary["decode"]["tokens"] == 2 and "busy_ms_total" not in summary
+    assert summary["last_step_end_estimate"] == 1.0 + 1e-3 * log.rows()[0][1]
