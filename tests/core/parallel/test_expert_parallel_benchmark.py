@@ -1,0 +1,52 @@
+"""The expert-parallel GPU benchmark runs end to end on the CPU (``--tiny --device cpu``), so the
+script the multi-GPU machine runs cannot rot between device windows: Moonlight-shaped EP=1 vs
+EP=2 and DeepSeek-V4-Flash-shaped EP=2 through the engine with dummy weights, and the full
+DeepSeek-V4-Flash memory plan on two H200s in the JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_expert_parallel.py"
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_moonlight_ep1_vs_ep2_smoke(tmp_path):
+    result = run(tmp_path, "moonlight", "--tiny", "--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "expert_parallel_moonlight_tiny.json").read_text())
+    assert [r["expert_parallel_size"] for r in report["runs"]] == [1, 2]
+    for run_ in report["runs"]:
+        assert run_["decode_bs1_tpot_ms"] > 0 and run_["decode_bs4_tpot_ms"] > 0 and run_["prefill_64_ttft_ms"] > 0
+    assert set(report["speedup_ep2_over_ep1"]) == {"decode_bs1_tpot", "decode_bs4_tpot", "prefill_64_ttft"}
+    # the plan is the full Moonlight shape's: experts halve at EP=2, the rest stays
+    one, two = (report["memory_plan"][k]["ranks"][0]["weights_by_split_gib"] for k in ("ep1", "ep2"))
+    assert two["experts"] == pytest.approx(one["experts"] / 2) and two["replicated"] == one["replicated"]
+
+
+def test_deepseek_v4_flash_ep2_smoke_and_two_h200_plan(tmp_path):
+    result = run(tmp_path, "dsv4-flash", "--tiny", "--device", "cpu", "--sizes", "1,2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "memory plan: deepseek_v4 (43 layers, 256 FP4 experts)" in result.stdout
+    report = json.loads((tmp_path / "expert_parallel_dsv4_flash_tiny.json").read_text())
+    assert all("error" not in r for r in report["runs"])
+    plan = report["memory_plan"]
+    assert not plan["ep1"]["fits"] and "raise --expert-parallel-size" in plan["ep1"]["refusal"]
+    two = plan["ep2"]
+    assert two["fits"] and len(two["ranks"]) == 2 and report["memory_plan_gpu_gib"] == pytest.approx(140.0)
+    # each H200 keeps KV for dozens of 128k-token sequences next to its half of the experts
+    assert two["sequences_at_max_model_len"] >= 16 and two["ranks"][0]["weight_gib"] < 80
+
+
+def test_bad_sizes_exit_2(tmp_path):
+    result = run(tmp_path, "moonlight", "--tiny", "--device", "cpu", "--sizes", "two")
+    assert result.returncode == 2 and "--sizes" in result.stderr
