@@ -4,7 +4,8 @@ ranks), ``nccl`` (CuPy NCCL), ``layout`` (flags → per-rank shards, checked), `
 (weight slicing, vocab-parallel embedding / LM head), ``rank`` (``RankContext``), ``dummy``
 (``--load-format dummy``), ``workers`` (SPMD rank workers and rank 0's driver), ``build``
 (flags → the engine's model), ``memory_plan`` (what each rank will hold), ``expert`` (expert
-parallel MoE: all-reduce over replicated tokens, all-gather + reduce-scatter over sharded ones),
+parallel MoE: all-reduce over replicated tokens, all-gather + reduce-scatter over sharded ones;
+``expert_cuda`` its device path),
 ``data`` (data-parallel attention under expert parallel: each rank attends for its own
 sequences and caches only their KV), ``selftest`` (``python -m openinfer.parallel.selftest``: NCCL checks on the GPUs at hand)."""
 
