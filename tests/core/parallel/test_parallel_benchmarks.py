@@ -1,7 +1,7 @@
-"""The expert-parallel GPU benchmark runs end to end on the CPU (``--tiny --device cpu``), so the
-script the multi-GPU machine runs cannot rot between device windows: Moonlight-shaped EP=1 vs
-EP=2 and DeepSeek-V4-Flash-shaped EP=2 through the engine with dummy weights, and the full
-DeepSeek-V4-Flash memory plan on two H200s in the JSON."""
+"""The multi-GPU benchmarks run end to end on the CPU (``--tiny --device cpu``), so the scripts
+the multi-GPU machine runs cannot rot between device windows: Qwen3-8B-shaped TP=1 vs TP=2,
+Moonlight-shaped EP=1 vs EP=2 and DeepSeek-V4-Flash-shaped EP=2 through the engine with dummy
+weights, and the full DeepSeek-V4-Flash memory plan on two H200s in the JSON."""
 
 from __future__ import annotations
 
@@ -12,12 +12,23 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_expert_parallel.py"
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
-def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600)
+def run(tmp_path: Path, *args: str, script: str = "gpu_expert_parallel.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_tensor_parallel_smoke(tmp_path):
+    result = run(tmp_path, "--tiny", "--device", "cpu", script="gpu_tensor_parallel.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "tensor_parallel_tiny.json").read_text())
+    assert [r["tensor_parallel_size"] for r in report["runs"]] == [1, 2]
+    assert set(report["speedup_tp2_over_tp1"]) == {"decode_bs1", "decode_bs4", "prefill_4k"}
+    # the plan is the full Qwen3-8B shape's: TP=2 holds about half the weights per rank
+    one, two = (report["plans"][k]["ranks"][0]["weight_gib"] for k in ("tp1", "tp2"))
+    assert 14 < one < 16 and two == pytest.approx(one / 2, rel=0.02)
 
 
 def test_moonlight_ep1_vs_ep2_smoke(tmp_path):
