@@ -61,3 +61,17 @@ def test_deepseek_v4_flash_ep2_smoke_and_two_h200_plan(tmp_path):
 def test_bad_sizes_exit_2(tmp_path):
     result = run(tmp_path, "moonlight", "--tiny", "--device", "cpu", "--sizes", "two")
     assert result.returncode == 2 and "--sizes" in result.stderr
+
+
+def test_multi_gpu_script_dry_run(tmp_path):
+    """The next device window's one command, its phases run on tiny shapes on the CPU."""
+    import os
+
+    env = {**os.environ, "MULTI_GPU_DRY_RUN": "1", "PHASES": "install selftest moonlight nonsense",
+           "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_multi_gpu_all.sh")], cwd=BENCHMARKS.parent, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "run.log").read_text()
+    assert "END moonlight: exit 0" in log and "unknown phase nonsense" in log
+    assert json.loads((tmp_path / "expert_parallel_moonlight_tiny.json").read_text())["runs"]
