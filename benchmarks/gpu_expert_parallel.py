@@ -150,8 +150,9 @@ def measure(model_dir: Path, config: dict, ep: int, device: str, batches: tuple[
             runs = _run(engine, requests)
             # steady decode: from each request's 2nd token to its last
             tpots = [(t[-1] - t[1]) / (len(t) - 2) for t in runs if len(t) > 2]
-            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * float(np.median(tpots))
-            result[f"decode_bs{batch}_tok_s"] = batch / float(np.median(tpots))
+            tpot = float(np.median(tpots)) if tpots else 0.0  # 0: tokens came in one burst (CPU smoke runs)
+            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * tpot
+            result[f"decode_bs{batch}_tok_s"] = batch / tpot if tpot > 0 else None
         ttfts = []
         for i in range(2):
             begin = time.perf_counter()
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     by_ep = {r["expert_parallel_size"]: r for r in report["runs"] if "error" not in r}
     if 1 in by_ep and 2 in by_ep:
         one, two = by_ep[1], by_ep[2]
-        report["speedup_ep2_over_ep1"] = {k[: -len("_ms")]: one[k] / two[k] for k in one
+        report["speedup_ep2_over_ep1"] = {k[: -len("_ms")]: one[k] / two[k] if two[k] > 0 else None for k in one
                                           if k.endswith(("_tpot_ms", "_ttft_ms")) and k in two}
     if args.shape == "dsv4-flash" and 2 in by_ep and not args.tiny:
         report["goal_tpot_ms"] = GOAL_DSV4_TPOT_MS

@@ -84,8 +84,9 @@ def measure(model_dir: Path, tp: int, rng, device: str = "cuda", tiny: bool = Fa
             runs = _run(engine, requests)
             # steady decode: from each request's 2nd token to its last
             tpots = [(t[-1] - t[1]) / (len(t) - 2) for t in runs if len(t) > 2]
-            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * float(np.median(tpots))
-            result[f"decode_bs{batch}_tok_s"] = batch / float(np.median(tpots))
+            tpot = float(np.median(tpots)) if tpots else 0.0  # 0: tokens came in one burst (CPU smoke runs)
+            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * tpot
+            result[f"decode_bs{batch}_tok_s"] = batch / tpot if tpot > 0 else None
         ttfts = []
         for i in range(3):
             begin = time.perf_counter()
@@ -124,7 +125,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title)
     speedups = report.get("speedup_tp2_over_tp1", {})
     fig.suptitle(f"Qwen3-8B shape, dummy bf16 weights, {report['device']}  "
-                 + "  ".join(f"{k}: {v:.2f}x" for k, v in speedups.items()), fontsize=9)
+                 + "  ".join(f"{k}: {v:.2f}x" for k, v in speedups.items() if v is not None), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -179,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in by_tp and 2 in by_tp:
         one, two = by_tp[1], by_tp[2]
         report["speedup_tp2_over_tp1"] = {key[: -len("_tpot_ms")] if key.endswith("_tpot_ms") else "prefill_4k":
-                                          one[key] / two[key] for key in one if key.endswith(("_tpot_ms", "_ttft_ms"))}
-        report["scaling_efficiency_tp2"] = {k: v / 2 for k, v in report["speedup_tp2_over_tp1"].items()}
+                                          one[key] / two[key] if two[key] > 0 else None
+                                          for key in one if key.endswith(("_tpot_ms", "_ttft_ms"))}
+        report["scaling_efficiency_tp2"] = {k: None if v is None else v / 2
+                                            for k, v in report["speedup_tp2_over_tp1"].items()}
     report["weights_gib_per_rank"] = {k: v["ranks"][0]["weight_gib"] for k, v in report["plans"].items()}
     name = "tensor_parallel_tiny" if args.tiny else "tensor_parallel"
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
