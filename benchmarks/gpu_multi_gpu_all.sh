@@ -41,9 +41,13 @@ run_phase() {
   fi
   local limit=$((cap < left ? cap : left))
   say "START $name (limit ${limit}s): $*"
+  # timeout signals the command's whole process group: rank processes it spawned go with it
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   local status=${PIPESTATUS[0]}
   say "END $name: exit $status$([ "$status" = 124 ] && echo ' (timed out)')"
+  if [ "$DRY" != 1 ]; then  # anything still holding a GPU would starve the next phase
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | sed 's/^/  gpu process: /' | tee -a "$LOG"
+  fi
 }
 
 keep() {  # copy a benchmark's JSON + PNG from the results folder into $OUT
@@ -74,8 +78,11 @@ for phase in $PHASES; do
       if [ "$DRY" = 1 ]; then say "selftest: skipped (dry run: no GPU)"; continue; fi
       run_phase selftest 120 "$PY" -m openinfer.parallel.selftest --world-size 2
       ;;
-    tests)
-      run_phase tests 300 "$PY" -m pytest -m gpu -v -rs tests/gpu/test_parallel.py
+    tests)  # pytest-timeout (in the GPU image): a hung test fails alone, the others still run
+      PER_TEST=""
+      "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
+      # shellcheck disable=SC2086
+      run_phase tests 300 "$PY" -m pytest -m gpu -v -rs $PER_TEST tests/gpu/test_parallel.py
       ;;
     dsv4)  # the whole DeepSeek-V4-Flash shape at EP=2 (EP=1 cannot hold it: its plan is in the JSON)
       # shellcheck disable=SC2086
