@@ -185,3 +185,38 @@ def test_kimi_engine_with_data_parallel_attention_generates_the_same_tokens(tiny
     finally:
         engine.close_sync()
         model.close()
+
+
+def test_kimi_engine_data_parallel_attention_under_a_tight_pool(tiny_kimi):
+    """Ten requests (half on a shared prefix) through 10 blocks of 16 tokens and 8-token chunks:
+    chunked prefill, preemption and recompute, blocks freed and reused across ranks — the
+    tokens still equal the single-rank engine's."""
+    from openinfer_kimi_k2.plugin import openinfer_create_engine
+
+    from openinfer import EngineOptions, PagedEngine
+    from openinfer.parallel.workers import start_thread_group
+
+    config = json.loads((tiny_kimi / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, 150, 12).tolist()
+    requests = [make_request(f"r{i}", (prefix if i % 2 else []) + rng.integers(3, 150, int(rng.integers(3, 40))).tolist(),
+                             max_tokens=int(rng.integers(20, 40))) for i in range(10)]
+    options = EngineOptions(device="cpu", num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=8)
+    single = openinfer_create_engine(str(tiny_kimi), config, options)
+    try:
+        expected = run_all(single, requests)
+    finally:
+        single.close_sync()
+    assert all(o.error is None for o in expected)
+    model = start_thread_group(partial(kimi_rank, tiny_kimi),
+                               ParallelLayout(expert_parallel_size=2, attention_data_parallel=True), "auto",
+                               NumpyBackend)
+    engine = PagedEngine(model, options)
+    try:
+        outputs = run_all(engine, requests)
+        assert engine.scheduler.num_preemptions > 0  # the pool was tight enough to recompute some
+    finally:
+        engine.close_sync()
+        model.close()
+    assert all(o.error is None for o in outputs)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
