@@ -14,7 +14,8 @@ from openinfer.parallel.workers import RankModelFactory, start_process_group, st
 
 
 def layout_from_options(options: Any) -> ParallelLayout:
-    return ParallelLayout(getattr(options, "tensor_parallel_size", 1), getattr(options, "expert_parallel_size", 1))
+    return ParallelLayout(getattr(options, "tensor_parallel_size", 1), getattr(options, "expert_parallel_size", 1),
+                          bool(getattr(options, "attention_data_parallel", False)))
 
 
 def check_load_format(load_format: str) -> None:

@@ -58,7 +58,12 @@ def _shared(ops: Any, x: np.ndarray, layer: MoEWeights) -> np.ndarray:
 def expert_parallel_moe(ops: Any, x: np.ndarray, layer: MoEWeights, token_ids: np.ndarray | None,
                         comm: Communicator, experts: slice) -> np.ndarray:
     """The MoE block over replicated tokens: my experts' share, rank 0 adds the shared experts,
-    one all-reduce completes it on every rank."""
+    one all-reduce completes it on every rank. On cuda, ``layer.stacked`` is the rank's
+    ``DeviceMoE`` (its experts stacked, the whole router): ``expert_cuda``, graph-capturable."""
+    if getattr(ops, "name", "") == "cuda":
+        from openinfer.parallel.expert_cuda import expert_parallel_moe_device
+
+        return expert_parallel_moe_device(ops, x, layer.stacked, layer.shared, token_ids, comm, experts)
     out = local_expert_outputs(ops, x, layer, token_ids, experts)
     if layer.shared is not None and comm.rank == 0:
         out += _shared(ops, x, layer)

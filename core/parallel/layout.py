@@ -25,9 +25,16 @@ from openinfer.errors import ParallelConfigError
 class ParallelLayout:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # under expert parallel: each rank runs attention for its own sequences and caches only
+    # their KV (``openinfer.parallel.data``) instead of every rank repeating it for all
+    attention_data_parallel: bool = False
 
     def __post_init__(self) -> None:
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if self.attention_data_parallel and (ep < 2 or tp > 1):
+            raise ParallelConfigError(
+                f"data-parallel attention splits the sequences over the expert-parallel ranks: it needs "
+                f"--expert-parallel-size of at least 2 (got {ep}) and --tensor-parallel-size 1 (got {tp})")
         if tp < 1 or ep < 1:
             raise ParallelConfigError(
                 f"--tensor-parallel-size ({tp}) and --expert-parallel-size ({ep}) must be at least 1")

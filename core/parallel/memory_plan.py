@@ -14,7 +14,8 @@ element (packed quantized formats are fractional: FP4 = 0.5 plus scales) and how
 and its KV bytes per token (all layers, at the serving dtype), split by KV head under tensor
 parallel (``kv_split="heads"``) or held whole by every rank (``"replicated"``: MLA's latent
 cache under tensor-parallel attention; with data-parallel attention each rank caches only its
-own requests, ``"data"``).
+own requests, ``"data"``, as it does for any model when the layout asks for data-parallel
+attention: the group then caches the sum of the ranks' tokens).
 """
 
 from __future__ import annotations
@@ -115,12 +116,25 @@ class MemoryPlan:
         first = self.ranks[0]
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(first.by_split.items()) if v)
         lines.append(f"rank 0 weights by split (GiB): {parts}; KV {first.kv_bytes_per_token / 1024:.1f} KiB/token")
+        lines.append(f"the group caches {self.system_kv_tokens} tokens"
+                     + (" (data-parallel attention: each rank its own sequences)"
+                        if self.layout.attention_data_parallel else " (every rank holds its part of each token)"))
         return "\n".join(lines)
+
+    @property
+    def system_kv_tokens(self) -> int:
+        """Tokens the whole group can cache: each rank's own under data-parallel attention, else
+        what the fullest rank holds (every rank holds a part, or a copy, of every token)."""
+        if self.layout.attention_data_parallel:
+            return sum(r.kv_tokens for r in self.ranks)
+        return min(r.kv_tokens for r in self.ranks)
 
     def as_dict(self) -> dict:
         return {"tensor_parallel_size": self.layout.tensor_parallel_size,
                 "expert_parallel_size": self.layout.expert_parallel_size,
                 "max_model_len": self.max_model_len,
+                "attention_data_parallel": self.layout.attention_data_parallel,
+                "system_kv_tokens": self.system_kv_tokens,
                 "ranks": [{"rank": r.rank, "weight_gib": r.weight_bytes / GIB, "reserve_gib": r.reserve_bytes / GIB,
                            "kv_gib": max(0.0, r.kv_budget_bytes) / GIB, "kv_tokens": r.kv_tokens,
                            "kv_bytes_per_token": r.kv_bytes_per_token, "gpu_gib": r.gpu_bytes / GIB,

@@ -78,6 +78,12 @@ class RankWorker:
         specs = kv_cache_specs_of(self.model)
         blocks = [setup.group_blocks[g] if setup.group_blocks else setup.num_blocks
                   for g in group_specs(specs).group_of_layer]
+        data_parallel = getattr(self.model, "data_parallel_attention", None)
+        if data_parallel is not None:  # this rank caches only its own sequences: a smaller pool
+            if len(set(blocks)) > 1:
+                raise OpenInferError("data-parallel attention handles models with one KV cache group")
+            local = data_parallel.local_blocks(blocks[0], setup.block_size)
+            blocks = [local] * len(blocks)
         self.kv_cache = [backend.allocate_kv(s, n if s.paged else setup.num_state_slots, setup.block_size)
                          for s, n in zip(specs, blocks, strict=True)]
         self.state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]

@@ -1,5 +1,8 @@
-"""Multi-GPU (2 or more): NCCL collectives, eager and inside a captured CUDA graph, and tensor
-parallel serving — TP=2 greedy tokens equal TP=1 on a mid-size Qwen3 shape until a near-tie.
+"""Multi-GPU (2 or more): NCCL collectives, eager and inside a captured CUDA graph; tensor
+parallel serving — TP=2 greedy tokens equal TP=1 on mid-size Qwen3 and Qwen3.5 shapes until a
+near-tie; expert parallel serving — EP=2 equals EP=1 on mid-size Kimi-K2 (DeepSeek-V3, MLA) and
+DeepSeek-V4 (FP4 experts) MoE shapes, dummy weights, decode in CUDA graphs (the MoE all-reduce
+captured in them).
 
     NCCL_NVLS_ENABLE=0 pytest -m gpu tests/gpu/test_parallel.py
 """
@@ -53,8 +56,10 @@ def test_nccl_collectives_and_all_reduce_in_captured_graph(two_gpus):
     assert all(r["all_reduce_in_cuda_graph"] for r in reports)
 
 
-def greedy_runs(tmp_path, config: dict, sizes=(1, 2), device: str = "cuda", **options) -> dict:
-    """Greedy tokens (with TP=1's top-2 logprobs) of a few prompts at each tensor-parallel size."""
+def greedy_runs(tmp_path, config: dict, sizes=(1, 2), device: str = "cuda", parallel: str = "tensor_parallel_size",
+                **options) -> dict:
+    """Greedy tokens (with the top-2 logprobs) of a few prompts at each size of ``parallel``
+    (``tensor_parallel_size`` or ``expert_parallel_size``)."""
     import openinfer
     from tests.helpers.engine_utils import make_request, run_all
 
@@ -64,8 +69,8 @@ def greedy_runs(tmp_path, config: dict, sizes=(1, 2), device: str = "cuda", **op
     requests = [make_request(f"r{i}", p, max_tokens=48, logprobs=2) for i, p in enumerate(prompts)]
     outputs = {}
     for tp in sizes:
-        engine = openinfer.create_engine(tmp_path, device=device, load_format="dummy", tensor_parallel_size=tp,
-                                         max_model_len=1024, max_num_seqs=8, **options)
+        engine = openinfer.create_engine(tmp_path, device=device, load_format="dummy", max_model_len=1024,
+                                         max_num_seqs=8, **{parallel: tp}, **options)
         try:
             outputs[tp] = run_all(engine, requests)
         finally:
@@ -117,4 +122,46 @@ MID_QWEN35 = {
 def test_qwen35_tp2_greedy_equals_tp1_until_near_tie(two_gpus, tmp_path):
     pytest.importorskip("openinfer_qwen35")
     outputs = greedy_runs(tmp_path, MID_QWEN35)
+    assert assert_equal_until_near_tie(outputs[1], outputs[2]) >= 24
+
+
+# mid-size Kimi-K2 / DeepSeek-V3 (MLA, sigmoid group-limited routing, shared experts): 32 experts
+# top-4, 16 per rank at EP=2
+MID_KIMI = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
+    "hidden_size": 1024, "intermediate_size": 2816, "moe_intermediate_size": 512, "num_hidden_layers": 6,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32,
+    "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "norm_topk_prob": True, "max_position_embeddings": 4096, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def test_kimi_ep2_greedy_equals_ep1_until_near_tie(two_gpus, tmp_path):
+    pytest.importorskip("openinfer_kimi_k2")
+    outputs = greedy_runs(tmp_path, MID_KIMI, parallel="expert_parallel_size", num_kv_blocks=512)
+    assert assert_equal_until_near_tie(outputs[1], outputs[2]) >= 48
+
+
+# mid-size DeepSeek-V4 (the Flash per-head sizes, hash + biased routing, CSA and HCA layers):
+# 32 FP4 experts top-6 (dummy packed codes), 16 per rank at EP=2
+MID_DSV4 = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 32000,
+    "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 256,
+    "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 512,
+    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 1, "sliding_window": 128,
+    "index_n_heads": 16, "index_head_dim": 128, "index_topk": 64, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "compress_ratios": [0, 4, 128, 0], "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def test_deepseek_v4_ep2_greedy_equals_ep1_until_near_tie(two_gpus, tmp_path):
+    pytest.importorskip("openinfer_deepseek_v4")
+    outputs = greedy_runs(tmp_path, MID_DSV4, parallel="expert_parallel_size")
     assert assert_equal_until_near_tie(outputs[1], outputs[2]) >= 24

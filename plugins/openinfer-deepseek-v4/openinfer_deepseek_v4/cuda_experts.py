@@ -22,6 +22,7 @@ from openinfer import WeightLoadError, float32_to_bf16
 from openinfer.backend.cuda import moe as core_moe
 from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import MoEWeights
+from openinfer.parallel.expert_cuda import local_grouping, zero_other_slots
 from openinfer.quant import e8m0_to_float32
 
 FP4_GROUP = 32
@@ -132,16 +133,26 @@ def swiglu_clamp(gate_up: cupy.ndarray, limit: float | None) -> cupy.ndarray:
 
 
 def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELayer,
-              token_ids: cupy.ndarray) -> cupy.ndarray:
+              token_ids: cupy.ndarray, rank: Any = None) -> cupy.ndarray:
     """Route on the device, both expert GEMMs over the grouped rows, clamped SwiGLU between,
-    weighted combine plus the shared expert."""
+    weighted combine plus the shared expert. ``rank`` (a ``RankContext``, expert parallel): the
+    stack holds this rank's experts only; its slots are grouped apart from the others'
+    (``openinfer.parallel.expert_cuda``), the shared expert runs on rank 0 and one all-reduce
+    sums the ranks' shares."""
     x = cupy.ascontiguousarray(x)
     shared = None
-    if layer.shared is not None:
+    if layer.shared is not None and (rank is None or rank.comm.rank == 0):
         shared = ops.linear(swiglu_clamp(ops.linear(x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
     ids, weights = core_moe.route(x, device.gate, layer.router, device.correction_bias,
                                   token_ids if device.tid2eid is not None else None, device.tid2eid)
-    grouping = core_moe.group_by_expert(ids, weights, layer.router.num_experts)
+    if rank is None:
+        grouping = core_moe.group_by_expert(ids, weights, layer.router.num_experts)
+    else:
+        held = rank.expert.experts(layer.router.num_experts)
+        grouping = local_grouping(ids, weights, held)
     hidden = grouped_gemm(x, device.gate_up, grouping, gather=True)
     y = grouped_gemm(swiglu_clamp(hidden, layer.swiglu_limit), device.down, grouping, gather=False)
-    return core_moe.combine(y, grouping, shared, int(x.shape[1]))
+    if rank is None:
+        return core_moe.combine(y, grouping, shared, int(x.shape[1]))
+    y = zero_other_slots(y, grouping, held.stop - held.start)
+    return rank.comm.all_reduce(core_moe.combine(y, grouping, shared, int(x.shape[1])))

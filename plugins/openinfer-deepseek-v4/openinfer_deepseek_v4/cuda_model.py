@@ -98,9 +98,8 @@ class CudaForward:
         self.model = model
         self.max_model_len = max_model_len
         c, ops = model.config, model.backend
-        if model.rank.expert.size > 1:
-            raise OpenInferError("openinfer-deepseek-v4 runs expert parallel on the numpy backend only so far; "
-                                 "drop --expert-parallel-size on cuda")
+        # expert parallel: this rank's experts are stacked, its share summed over the ranks in moe_layer
+        self.expert_rank = model.rank if model.rank.expert.size > 1 else None
         self.inv_freq = {False: _f32(model.rope_main.inv_freq), True: _f32(model.rope_compress.inv_freq)}
         self.layers = []
         for layer in model.weights.layers:
@@ -136,7 +135,8 @@ class CudaForward:
             cuda_ops.hc_expand(streams, y, post, comb, out=streams)
             x, post, comb = cuda_ops.hc_collapse(streams, device.hc_ffn.fn, device.hc_ffn.base, device.hc_ffn.scale,
                                                  **self.mixing)
-            y = moe_layer(ops, ops.rms_norm(x, layer.ffn_norm, eps), layer.ffn, device.moe, batch.token_ids)
+            y = moe_layer(ops, ops.rms_norm(x, layer.ffn_norm, eps), layer.ffn, device.moe, batch.token_ids,
+                          self.expert_rank)
             cuda_ops.hc_expand(streams, y, post, comb, out=streams)
         rows = int(batch.logits_rows.shape[0])
         if rows == 0:  # a prefill chunk that samples nothing

@@ -28,6 +28,7 @@ from openinfer import (
 from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, MODEL_TYPES, DeepseekV4Config
+from openinfer_deepseek_v4.dummy import DummyDeepseekV4Checkpoint
 from openinfer_deepseek_v4.memory import deepseek_v4_model_memory
 from openinfer_deepseek_v4.model import DeepseekV4Model
 from openinfer_deepseek_v4.weights import load_weights
@@ -50,7 +51,9 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
     stack_experts = None
     if backend.name == "cuda":  # routed experts stay in their stored format (FP4 / FP8), stacked per layer
         from openinfer_deepseek_v4.cuda_experts import stack_experts
-    weights = load_weights(DeepseekV4Checkpoint(model_path), dsv4, backend, experts=held,
+    dummy = "dummy" in (options.load_format, rank.load_format)  # noise at the real shapes, no files
+    checkpoint = DummyDeepseekV4Checkpoint(dsv4) if dummy else DeepseekV4Checkpoint(model_path)
+    weights = load_weights(checkpoint, dsv4, backend, experts=held,
                            stack_experts=stack_experts)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)

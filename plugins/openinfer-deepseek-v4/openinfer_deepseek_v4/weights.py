@@ -218,7 +218,8 @@ def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: b
     shared = expert(p + "shared_experts.", inter * c.n_shared_experts) if c.n_shared_experts else None
     stacked = None
     if stack_experts is not None:
-        stacked = stack_experts(ckpt, [f"{p}experts.{e}." for e in range(c.n_routed_experts)], c.hidden_size, inter)
+        # this rank's experts only (all of them without expert parallelism), local ids from 0
+        stacked = stack_experts(ckpt, [f"{p}experts.{e}." for e in range(held.start, held.stop)], c.hidden_size, inter)
         routed: list[ExpertWeights | None] = [None] * c.n_routed_experts
     else:
         routed = [expert(f"{p}experts.{e}.", inter) if held.start <= e < held.stop else None

@@ -73,11 +73,17 @@ class CudaLinearBuilder(LinearBuilder):
         kind, data, scale, shape, group, block = packed
         return cuda_moe.upload_expert_linear(kind, data[None], scale[None], shape, group, block)
 
-    def experts(self, modules: list[str]) -> tuple[list[ExpertWeights], Any]:
-        """Stack the layer's experts per projection on the device; ``experts[e]`` are views."""
-        gate_up = self._stack([[f"{m}.gate_proj", f"{m}.up_proj"] for m in modules])
-        down = self._stack([[f"{m}.down_proj"] for m in modules])
-        return [ExpertWeights(gate_up.expert(e), down.expert(e)) for e in range(len(modules))], (gate_up, down)
+    def experts(self, modules: list[str | None]) -> tuple[list[ExpertWeights | None], Any]:
+        """Stack the layer's experts per projection on the device; ``experts[e]`` are views. Under
+        expert parallelism only this rank's experts (``modules[e]`` not None) are stacked."""
+        held = [m for m in modules if m is not None]
+        gate_up = self._stack([[f"{m}.gate_proj", f"{m}.up_proj"] for m in held])
+        down = self._stack([[f"{m}.down_proj"] for m in held])
+        experts: list[ExpertWeights | None] = []
+        for module in modules:
+            index = len([e for e in experts if e is not None])  # its place in the local stack
+            experts.append(None if module is None else ExpertWeights(gate_up.expert(index), down.expert(index)))
+        return experts, (gate_up, down)
 
     def _stack(self, per_expert: list[list[str]]) -> ExpertLinear:
         packed = [self._packed_rows(mods, [None] * len(mods)) for mods in per_expert]

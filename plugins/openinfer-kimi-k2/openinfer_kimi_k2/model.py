@@ -12,7 +12,9 @@ The paged cache holds one latent row per token and layer (``openinfer.mla``).
 
 Expert parallel (``rank.expert``): each rank holds its slice of the routed experts; attention
 and the dense layers are replicated, so every rank routes the same tokens the same way and one
-all-reduce sums the experts' shares (``openinfer.parallel.expert``).
+all-reduce sums the experts' shares (``openinfer.parallel.expert``). With data-parallel attention
+(``rank.layout.attention_data_parallel``) each rank instead runs attention for its own sequences and
+caches only their latent rows; the MoE then gathers every rank's tokens (``openinfer.parallel.data``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from openinfer import (
     RankContext,
     RotaryEmbedding,
     expert_parallel_moe,
+    expert_parallel_moe_sharded,
 )
 from openinfer.mla import MLASpec
 from openinfer.moe import MoEWeights
+from openinfer.parallel import DataParallelAttention
 from openinfer_kimi_k2.config import KimiK2Config
 from openinfer_kimi_k2.kernel_plan import plan_for
 from openinfer_kimi_k2.weights import KimiK2Weights, LayerWeights, mla_spec
@@ -44,6 +48,8 @@ class KimiK2Model:
                  rank: RankContext | None = None):
         self.config = config
         self.rank = rank or RankContext()
+        self.data_parallel_attention = (DataParallelAttention(self.rank.comm)
+                                        if self.rank.layout.attention_data_parallel else None)
         self.weights = weights
         self.backend = backend
         self.plan = plan_for(backend)
@@ -65,6 +71,10 @@ class KimiK2Model:
 
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer]) -> Any:
         ops, eps, plan, c = self.backend, self.config.rms_norm_eps, self.plan, self.config
+        data_parallel = self.data_parallel_attention
+        step = data_parallel.split(batch) if data_parallel is not None else None
+        if step is not None:
+            batch = step.batch  # this rank's sequences, its own block ids
         x = ops.embedding(self.weights.embed_tokens, batch.token_ids)
         residual = None
         for layer, kv in zip(self.weights.layers, kv_cache, strict=True):
@@ -80,11 +90,15 @@ class KimiK2Model:
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
-        return plan.linear(ops, h, self.weights.lm_head)
+        logits = plan.linear(ops, h, self.weights.lm_head)
+        return logits if step is None else data_parallel.gather_logits(step, logits)
 
     def _mlp(self, h: Any, layer: LayerWeights, batch: ForwardBatch) -> Any:
         ops, plan = self.backend, self.plan
         if isinstance(layer.mlp, MoEWeights):
+            if self.data_parallel_attention is not None:
+                return expert_parallel_moe_sharded(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
+                                                   self.rank.expert.experts(self.config.n_routed_experts))
             if self.rank.expert.size > 1:
                 return expert_parallel_moe(ops, h, layer.mlp, batch.token_ids, self.rank.comm,
                                            self.rank.expert.experts(self.config.n_routed_experts))

@@ -68,9 +68,9 @@ def build_model(model_path: str | Path, config: dict[str, Any], options: EngineO
     linears = plan_checkpoint(checkpoint, kimi)
     backend = backend or create_backend(options.device)
     plan = plan_for(backend)
-    if held is not None and plan.builder is not None and rank.expert.size > 1:
-        raise ParallelConfigError(f"openinfer-kimi-k2 runs expert parallel on the numpy backend only so far "
-                                  f"(its {backend.name} kernels hold every expert); drop --expert-parallel-size")
+    if rank.layout.attention_data_parallel and backend.name != "numpy":
+        raise ParallelConfigError("openinfer-kimi-k2 runs data-parallel attention on the numpy backend only so far; "
+                                  "leave it off on cuda (expert parallel alone runs there)")
     weights = load_weights(checkpoint, kimi, backend, linears=linears, builder=plan.builder, experts=held)
     plan.prepare(weights, backend)
     max_len = min(options.max_model_len or kimi.max_position_embeddings, kimi.max_position_embeddings)

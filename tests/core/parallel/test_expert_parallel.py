@@ -169,3 +169,34 @@ def test_deepseek_v4_ep2_logits_equal_ep1(tiny_dsv4):
         finally:
             engine.close_sync()
     assert outputs[2] == outputs[1]
+
+
+def test_deepseek_v4_dummy_load_format_ep2_equals_ep1(tmp_path):
+    """``--load-format dummy`` serves DeepSeek-V4 from config.json alone (the Flash benchmark's
+    path); EP=2 generates EP=1's tokens, and the routed experts a cuda rank would stack come as
+    packed FP4 codes with e8m0 scales that decode to small weights."""
+    from openinfer_deepseek_v4.config import DeepseekV4Config
+    from openinfer_deepseek_v4.dummy import DummyDeepseekV4Checkpoint
+
+    import openinfer
+    from openinfer.quant import dequantize_fp4_e2m1
+    from tests.plugins.deepseek_v4.dsv4_helpers import TINY_DSV4
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_DSV4))
+    requests = [make_request("a", list(range(3, 30)), max_tokens=5), make_request("b", [12, 8], max_tokens=5)]
+    outputs = {}
+    for ep in (1, 2):
+        engine = openinfer.create_engine(tmp_path, device="cpu", load_format="dummy", expert_parallel_size=ep,
+                                         max_model_len=256)
+        try:
+            outputs[ep] = [o.token_ids for o in run_all(engine, requests)]
+        finally:
+            engine.close_sync()
+    assert outputs[2] == outputs[1] and all(len(t) == 5 for t in outputs[1])
+    config = DeepseekV4Config.from_dict(TINY_DSV4)
+    kind, codes, scales = DummyDeepseekV4Checkpoint(config).stored_quantized("layers.1.ffn.experts.3.w2")
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    assert kind == "fp4" and codes.shape == (hidden, inter // 2) and scales.shape == (hidden, inter // 32)
+    values = dequantize_fp4_e2m1(codes, scales)
+    assert values.shape == (hidden, inter) and 0 < np.abs(values).max() <= 6 * 2.0**-8
+    assert DummyDeepseekV4Checkpoint(config).stored_quantized("layers.1.attn.wq_a") is None

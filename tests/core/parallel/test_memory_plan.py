@@ -125,3 +125,21 @@ def test_deepseek_v4_flash_plan_on_1_and_2_gpus(capsys):
     assert 75 < two[0]["weight_gib"] < 78 and two[0]["kv_gib"] > 40
     assert main(["plan", "--config", config]) == 2
     assert "rank 0 would hold 145.3 GiB of weights" in capsys.readouterr().err
+
+
+def test_data_parallel_attention_multiplies_what_the_group_caches():
+    """Kimi-K2 on 8 H200s: replicated MLA attention keeps every token's latent row on every rank;
+    with data-parallel attention each rank caches its own sequences, so the group holds 8x."""
+    from openinfer_kimi_k2.config import KimiK2Config
+    from openinfer_kimi_k2.memory import kimi_model_memory
+
+    from openinfer.parallel.memory_plan import GIB, plan_memory
+
+    memory = kimi_model_memory(KimiK2Config.from_dict(json.loads(KIMI_K2_CONFIG.read_text())))
+    plans = {dp: plan_memory(memory, ParallelLayout(expert_parallel_size=8, attention_data_parallel=dp),
+                             gpu_bytes=140 * GIB, max_model_len=131072) for dp in (False, True)}
+    per_rank = plans[False].ranks[0].kv_tokens
+    assert per_rank > 0 and plans[True].ranks[0].kv_tokens == per_rank
+    assert plans[False].system_kv_tokens == per_rank and plans[True].system_kv_tokens == 8 * per_rank
+    assert plans[True].as_dict()["system_kv_tokens"] == 8 * per_rank
+    assert "data-parallel attention" in plans[True].render()
