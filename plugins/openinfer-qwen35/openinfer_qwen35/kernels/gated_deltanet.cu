@@ -108,25 +108,9 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
         const bf16* p = proj + (size_t)t * proj_stride;
         const float beta = gdn_beta(to_f(p[conv_dim + value_dim + h]));
         const float decay = __expf(gdn_log_decay(to_f(p[conv_dim + value_dim + num_value_heads + h]), rate, bias));
-        float predicted = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            column[i] *= decay;
-            predicted += column[i] * (k[row0 + i] * k_norm);
-        }
-#pragma unroll
-        for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
-        const float v = active ? to_f(row[2 * key_dim + h * dv + j]) : 0.f;
-        const float delta = (v - predicted) * beta;
-        float o_part = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            column[i] += (k[row0 + i] * k_norm) * delta;
-            o_part += column[i] * (q[row0 + i] * q_norm);
-        }
-#pragma unroll
-        for (int lane = 1; lane < SPLIT; lane <<= 1) o_part += __shfl_xor_sync(0xffffffffu, o_part, lane);
-        if (active && part == 0) core[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(o_part);
+        const float o = gdn_delta_step(column, q + row0, q_norm, k + row0, k_norm,
+                                       [&] { return active ? to_f(row[2 * key_dim + h * dv + j]) : 0.f; }, beta, decay);
+        if (active && part == 0) core[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(o);
         __syncthreads();  // q[] and k[] are rewritten by the next token
     }
     if (active) {

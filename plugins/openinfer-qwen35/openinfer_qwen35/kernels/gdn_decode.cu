@@ -102,24 +102,9 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(const bf16*
     const float decay = __expf(gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]),
                                              neg_decay_rate[h], dt_bias[h]));
 
-    // the delta rule on column j: S <- decay S; S += k (beta (v - S^T k)); o = S^T q
-    float predicted = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-        column[i] *= decay;
-        predicted += column[i] * (k[row0 + i] * k_scale);
-    }
-#pragma unroll
-    for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
-    const float delta = ((active ? v[j] : 0.f) - predicted) * beta;
-    float o = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-        column[i] += (k[row0 + i] * k_scale) * delta;
-        o += column[i] * (q[row0 + i] * q_scale);
-    }
-#pragma unroll
-    for (int lane = 1; lane < SPLIT; lane <<= 1) o += __shfl_xor_sync(0xffffffffu, o, lane);
+    // the delta rule on column j
+    float o = gdn_delta_step(column, q + row0, q_scale, k + row0, k_scale, [&] { return active ? v[j] : 0.f; },
+                             beta, decay);
     if (active) {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
