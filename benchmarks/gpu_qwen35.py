@@ -62,14 +62,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 # Qwen3.5-4B's language model: 32 layers (every 4th full attention), hidden 2560, GDN 16 key /
-# 32 value heads of 128, gated attention 16 heads / 4 KV heads of 256, tied embeddings
+# 32 value heads of 128, gated attention 16 heads / 4 KV heads of 256, tied embeddings. The
+# released configs say mamba_ssm_dtype float32 (the delta-rule state, as ours and HF's keep it);
+# vLLM reads it, and without it keeps that state in bf16 — half the state traffic of a decode step.
 QWEN35_4B_TEXT = {
     "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
     "linear_num_value_heads": 32, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
     "full_attention_interval": 4, "attn_output_gate": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-    "tie_word_embeddings": True, "eos_token_id": 248044,
+    "tie_word_embeddings": True, "eos_token_id": 248044, "mamba_ssm_dtype": "float32",
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
@@ -124,6 +126,19 @@ def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None =
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     write_tokenizer(path, text["vocab_size"])
     return time.perf_counter() - start
+
+
+def add_release_fields(path: Path) -> bool:
+    """Give a checkpoint written before ``mamba_ssm_dtype`` joined QWEN35_4B_TEXT the field the
+    released configs carry (config.json only; the weights are unchanged). Whether it changed."""
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config", config)
+    if text.get("mamba_ssm_dtype") == QWEN35_4B_TEXT["mamba_ssm_dtype"]:
+        return False
+    text["mamba_ssm_dtype"] = QWEN35_4B_TEXT["mamba_ssm_dtype"]
+    config_path.write_text(json.dumps(config, indent=2))
+    return True
 
 
 def ensure_checkpoint(path: Path, shape: str) -> float | None:
@@ -421,7 +436,7 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         print(f"engine up in {results['engine_start_s']:.1f} s; idle RSS {results['idle_rss_bytes']}; "
               f"{results['kv_plan']}", flush=True)
         prompts = Prompts(args.vocab_size)
-        prefill_ttft(engine, prompts, 512, 1, "warm-up")
+        prefill_ttft(engine, prompts, min(512, args.history), 1, "warm-up")
         results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
     finally:
@@ -455,8 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_checkpoint_only:
         if not (path / "config.json").exists():
             print(f"wrote {path} in {write_checkpoint(path, *SHAPES[args.shape]):.1f} s", flush=True)
+        elif add_release_fields(path):
+            print(f"{path}/config.json: added mamba_ssm_dtype float32 (as the released configs)", flush=True)
         return 0
     checkpoint_write_s = ensure_checkpoint(path, args.shape)
+    add_release_fields(path)
     args.vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
     if args.multi_turn_only:
         run_multi_turn_only(path, args)
