@@ -94,8 +94,9 @@ FAST_KEY_DIM, FAST_VALUE_DIM = 64, 64  # the chunked kernels take dk % 64 == 0, 
 @pytest.fixture(scope="module")
 def fast_harness(tmp_path_factory) -> Path:
     kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    # the conv width compiled in, as cuda_ops compiles gdn_decode_step
     return compile_harness(FAST_HARNESS, kernels, tmp_path_factory.mktemp("gdn-fast") / "harness",
-                           {"DK": FAST_KEY_DIM})
+                           {"DK": FAST_KEY_DIM, "CONV_WIDTH": TINY_QWEN35["linear_conv_kernel_dim"]})
 
 
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
