@@ -111,7 +111,8 @@ def fused_decode_threads(config: Qwen35Config) -> int:
 
 
 def fused_decode_supported(config: Qwen35Config) -> bool:
-    return fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
+    return (fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
+            and 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH)  # compiled in: never an unsupported width
 
 
 @functools.cache
