@@ -252,7 +252,10 @@ def set_kernels(variant: str) -> None:
 
 def layer_core_timings(args: argparse.Namespace) -> dict:
     """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
-    norm; no projections) at the 4B shape, per variant: decode batches and single prompts."""
+    norm; no projections) at the 4B shape, per variant: decode batches and single prompts.
+    Decode is timed twice: back-to-back launches (``decode_us``: at small batches that is CuPy's
+    host launch time, not the kernel's) and replayed from a CUDA graph of 24 calls
+    (``decode_graph_us``: the device time the engine's decode graphs see)."""
     import cupy
     import numpy as np
     from openinfer_qwen35 import cuda_ops
@@ -278,6 +281,7 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
     ssm_state = cupy.zeros((slots, nv, dk, dv), dtype=cupy.float32)
 
     def timed_ms(proj, seqs, repeats):
+        """Mean ms a call: back-to-back launches, so a call's time is at least the host's launch time."""
         for _ in range(2):
             cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -288,19 +292,49 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
         stop.synchronize()
         return cupy.cuda.get_elapsed_time(start, stop) / repeats
 
+    def replayed_ms(proj, seqs, calls=24, replays=20):
+        """Mean ms a call with no host in the way: ``calls`` decode calls (a model's GDN layers)
+        captured in one CUDA graph, replayed; as the engine's decode graphs run them."""
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # the pool's blocks, warm
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                for _ in range(calls):
+                    cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(replays):
+                graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / (replays * calls)
+
     timings: dict = {}
     for variant in VARIANTS:
         set_kernels(variant)
-        decode, prefill = {}, {}
+        decode, decode_graph, prefill = {}, {}, {}
         for rows in args.streams:
             query_start = np.arange(rows + 1)
             seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, rows + 1), np.zeros(rows, bool)))
-            decode[str(rows)] = 1000 * timed_ms(bf16((rows, features)), seqs, 50)  # µs
+            proj = bf16((rows, features))
+            decode[str(rows)] = 1000 * timed_ms(proj, seqs, 50)  # µs
+            try:
+                decode_graph[str(rows)] = 1000 * replayed_ms(proj, seqs)  # µs
+            except Exception as exc:  # keep the launch timings; say why the replay is missing
+                decode_graph[str(rows)] = None
+                print(f"{variant}: decode bs {rows}: graph replay not measured: {exc!r}", flush=True)
         for length in args.prefill:
             seqs = cuda_ops.prepare_sequences(StepSequences(np.array([0, length]), np.array([1]), np.array([True])))
             prefill[str(length)] = timed_ms(bf16((length, features)), seqs, 3)  # ms
-        timings[variant] = {"decode_us": decode, "prefill_ms": prefill}
-        print(f"{variant}: one GDN layer core: decode µs {decode}, prefill ms {prefill}", flush=True)
+        timings[variant] = {"decode_us": decode, "decode_graph_us": decode_graph, "prefill_ms": prefill}
+        print(f"{variant}: one GDN layer core: decode µs {decode} (graph replay {decode_graph}), "
+              f"prefill ms {prefill}", flush=True)
     set_kernels("after")
     return timings
 
