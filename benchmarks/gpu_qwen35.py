@@ -22,9 +22,26 @@ the engine is up (weights loaded, graphs captured; breakdown from /proc) and a s
 (4,000-token history + 50 new tokens) served from the prefix cache vs recomputed.
 
     python benchmarks/gpu_qwen35.py [--checkpoint /tmp/qwen35-4b-mm] [--quick]
-    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --write-checkpoint-only
-        (then: python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm ...)
 Writes benchmarks/results/gpu_qwen35.json and .png (copies under $OUT when set).
+
+Side by side with vLLM (issue 17's goal), on one warm GPU machine, in this order:
+
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --write-checkpoint-only
+    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
+        --api-server-counts 1 --tag gpu_concurrency_qwen35
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --multi-turn-only
+    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
+        --api-server-counts 0 --append --tag gpu_concurrency_qwen35 --vllm-start-timeout 540 --vllm-cmd \
+        "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server --model {model} \
+        --port {port} --max-model-len 4096 --gpu-memory-utilization 0.85 --language-model-only \
+        --gdn-prefill-backend triton"
+
+The second line serves our engine (``openinfer serve``: bursts of 1 / 16 / 64 streams, 1k in /
+128 out, idle RSS of every process); the third writes results/gpu_qwen35_multi_turn.json (+ .png):
+engine start, idle RSS and a second chat turn (4,000-token history + 50 new tokens) warm from the
+prefix cache vs cold, medians of ``--repeats``; the last adds vLLM's run on the same checkpoint to
+results/gpu_concurrency_qwen35.json. ``--shape tiny`` (a toy checkpoint) with ``--device cpu``
+dry-runs the third line on the NumPy backend (results/gpu_qwen35_multi_turn_cpu_dry_run.json).
 """
 
 from __future__ import annotations
@@ -45,14 +62,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 # Qwen3.5-4B's language model: 32 layers (every 4th full attention), hidden 2560, GDN 16 key /
-# 32 value heads of 128, gated attention 16 heads / 4 KV heads of 256, tied embeddings
+# 32 value heads of 128, gated attention 16 heads / 4 KV heads of 256, tied embeddings. The
+# released configs say mamba_ssm_dtype float32 (the delta-rule state, as ours and HF's keep it);
+# vLLM reads it, and without it keeps that state in bf16 — half the state traffic of a decode step.
 QWEN35_4B_TEXT = {
     "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
     "linear_num_value_heads": 32, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
     "full_attention_interval": 4, "attn_output_gate": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-    "tie_word_embeddings": True, "eos_token_id": 248044,
+    "tie_word_embeddings": True, "eos_token_id": 248044, "mamba_ssm_dtype": "float32",
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
@@ -60,6 +79,14 @@ QWEN35_4B_TEXT = {
 VISION_1_BLOCK = {"depth": 1, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
                   "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 2560,
                   "num_position_embeddings": 2304}
+# --shape tiny: the same layout at toy widths, for a CPU dry run of this script and of gpu_concurrency.py
+TINY_TEXT = {**QWEN35_4B_TEXT, "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "linear_key_head_dim": 16,
+             "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+             "layer_types": ["linear_attention"] * 3 + ["full_attention"], "eos_token_id": 4095}
+TINY_VISION = {**VISION_1_BLOCK, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+               "num_position_embeddings": 64}
+SHAPES = {"4b": (QWEN35_4B_TEXT, VISION_1_BLOCK), "tiny": (TINY_TEXT, TINY_VISION)}
 PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
                 "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
@@ -68,14 +95,16 @@ KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recu
 VARIANTS = {"after": None, "before": "recurrent"}
 
 
-def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None = None, device: str = "cuda") -> float:
+def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None = None, device: str | None = None) -> float:
     """A random bf16 ``Qwen3_5ForConditionalGeneration`` checkpoint (HF's own names and config),
-    its preprocessor config and a word-level tokenizer; seconds taken."""
+    its preprocessor config and a word-level tokenizer, initialised on ``device`` (default: the
+    GPU when torch sees one); seconds taken."""
     import torch
     from gpu_serving import write_tokenizer
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     start = time.perf_counter()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     text, vision = dict(text or QWEN35_4B_TEXT), dict(vision or VISION_1_BLOCK)
     config = Qwen3_5Config(text_config=text, vision_config=vision,
                            tie_word_embeddings=text.get("tie_word_embeddings", False))
@@ -99,12 +128,26 @@ def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None =
     return time.perf_counter() - start
 
 
-def ensure_checkpoint(path: Path) -> float | None:
+def add_release_fields(path: Path) -> bool:
+    """Give a checkpoint written before ``mamba_ssm_dtype`` joined QWEN35_4B_TEXT the field the
+    released configs carry (config.json only; the weights are unchanged). Whether it changed."""
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config", config)
+    if text.get("mamba_ssm_dtype") == QWEN35_4B_TEXT["mamba_ssm_dtype"]:
+        return False
+    text["mamba_ssm_dtype"] = QWEN35_4B_TEXT["mamba_ssm_dtype"]
+    config_path.write_text(json.dumps(config, indent=2))
+    return True
+
+
+def ensure_checkpoint(path: Path, shape: str) -> float | None:
     """Write the checkpoint in a subprocess (PyTorch stays out of this process's RSS)."""
     if (path / "config.json").exists():
         return None
     start = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--checkpoint", str(path), "--write-checkpoint-only"], check=True)
+    subprocess.run([sys.executable, __file__, "--checkpoint", str(path), "--shape", shape, "--write-checkpoint-only"],
+                   check=True)
     return time.perf_counter() - start
 
 
@@ -143,19 +186,28 @@ async def timed(engine, request) -> tuple[float, list[float], int, list[int]]:
     return times[0] - start, times, cached, ids
 
 
-def random_prompt(rng, length: int) -> list[int]:
-    return rng.integers(100, 200000, size=length).tolist()
+class Prompts:
+    """Fresh random prompts over the served checkpoint's vocabulary (never a cache hit by chance)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(seed)
+        self.high = min(200000, vocab_size - 1)
+
+    def tokens(self, length: int) -> list[int]:
+        return self.rng.integers(100, self.high, size=length).tolist()
 
 
-def prefill_ttft(engine, rng, length: int, repeats: int, tag: str) -> float:
+def prefill_ttft(engine, prompts: Prompts, length: int, repeats: int, tag: str) -> float:
     """Median TTFT (ms) of lone requests with fresh random prompts of ``length`` tokens."""
-    samples = [1000 * asyncio.run(timed(engine, make_request(f"{tag}-{length}-{i}", random_prompt(rng, length), 1)))[0]
+    samples = [1000 * asyncio.run(timed(engine, make_request(f"{tag}-{length}-{i}", prompts.tokens(length), 1)))[0]
                for i in range(repeats)]
     return statistics.median(samples)
 
 
-def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) -> float:
-    requests = [make_request(f"{tag}-{streams}-{i}", random_prompt(rng, prompt_len), new_tokens)
+def tpot(engine, prompts: Prompts, streams: int, prompt_len: int, new_tokens: int, tag: str) -> float:
+    requests = [make_request(f"{tag}-{streams}-{i}", prompts.tokens(prompt_len), new_tokens)
                 for i in range(streams)]
 
     async def main():
@@ -165,16 +217,30 @@ def tpot(engine, rng, streams: int, prompt_len: int, new_tokens: int, tag: str) 
     return 1000 * statistics.mean(gaps)
 
 
-def multi_turn(engine, rng, history: int, new_turn: int) -> dict:
-    prompt = random_prompt(rng, history - 32)
-    # the second turn repeats the history token for token (prompt + what turn 1 generated)
-    outcome = asyncio.run(timed(engine, make_request("turn1", prompt, 32)))[3]
-    turn = prompt + outcome + random_prompt(rng, new_turn)
-    warm = asyncio.run(timed(engine, make_request("turn2", turn, 8)))
-    cold = asyncio.run(timed(engine, make_request("turn2-cold", turn, 8, cache_salt="cold")))
-    return {"history_tokens": len(prompt) + len(outcome), "new_turn_tokens": new_turn,
-            "warm_ttft_ms": 1000 * warm[0], "warm_cached_tokens": warm[2],
-            "cold_ttft_ms": 1000 * cold[0], "cold_cached_tokens": cold[2]}
+def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1) -> dict:
+    """A second chat turn (``history`` tokens: turn 1's prompt and its 32 generated tokens, then
+    ``new_turn`` fresh ones) served warm from the prefix cache (KV blocks + state snapshot) and
+    cold (the same tokens under another cache salt: recomputed); medians over ``repeats``
+    conversations, each with its own random history. Counts the conversations whose warm and
+    cold turns answered alike (greedy; bf16 chunk boundaries differ, so a near-tie may not)."""
+    warm_ms, cold_ms, warm_cached, cold_cached, same = [], [], [], [], 0
+    for i in range(repeats):
+        prompt = prompts.tokens(history - 32)
+        # the second turn repeats the history token for token (prompt + what turn 1 generated)
+        outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
+        turn = prompt + outcome + prompts.tokens(new_turn)
+        warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
+        cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
+        same += warm[3] == cold[3]
+        warm_ms.append(1000 * warm[0])
+        cold_ms.append(1000 * cold[0])
+        warm_cached.append(warm[2])
+        cold_cached.append(cold[2])
+    return {"history_tokens": len(turn) - new_turn, "new_turn_tokens": new_turn, "repeats": repeats,
+            "warm_ttft_ms": statistics.median(warm_ms), "warm_cached_tokens": min(warm_cached),
+            "cold_ttft_ms": statistics.median(cold_ms), "cold_cached_tokens": max(cold_cached),
+            "warm_ttft_ms_all": warm_ms, "cold_ttft_ms_all": cold_ms, "warm_equals_cold_answers": same,
+            "cold_over_warm": statistics.median(cold_ms) / statistics.median(warm_ms)}
 
 
 def set_kernels(variant: str) -> None:
@@ -186,7 +252,10 @@ def set_kernels(variant: str) -> None:
 
 def layer_core_timings(args: argparse.Namespace) -> dict:
     """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
-    norm; no projections) at the 4B shape, per variant: decode batches and single prompts."""
+    norm; no projections) at the 4B shape, per variant: decode batches and single prompts.
+    Decode is timed twice: back-to-back launches (``decode_us``: at small batches that is CuPy's
+    host launch time, not the kernel's) and replayed from a CUDA graph of 24 calls
+    (``decode_graph_us``: the device time the engine's decode graphs see)."""
     import cupy
     import numpy as np
     from openinfer_qwen35 import cuda_ops
@@ -212,6 +281,7 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
     ssm_state = cupy.zeros((slots, nv, dk, dv), dtype=cupy.float32)
 
     def timed_ms(proj, seqs, repeats):
+        """Mean ms a call: back-to-back launches, so a call's time is at least the host's launch time."""
         for _ in range(2):
             cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -222,26 +292,54 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
         stop.synchronize()
         return cupy.cuda.get_elapsed_time(start, stop) / repeats
 
+    def replayed_ms(proj, seqs, calls=24, replays=20):
+        """Mean ms a call with no host in the way: ``calls`` decode calls (a model's GDN layers)
+        captured in one CUDA graph, replayed; as the engine's decode graphs run them."""
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # the pool's blocks, warm
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                for _ in range(calls):
+                    cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(replays):
+                graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / (replays * calls)
+
     timings: dict = {}
     for variant in VARIANTS:
         set_kernels(variant)
-        decode, prefill = {}, {}
+        decode, decode_graph, prefill = {}, {}, {}
         for rows in args.streams:
             query_start = np.arange(rows + 1)
             seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, rows + 1), np.zeros(rows, bool)))
-            decode[str(rows)] = 1000 * timed_ms(bf16((rows, features)), seqs, 50)  # µs
+            proj = bf16((rows, features))
+            decode[str(rows)] = 1000 * timed_ms(proj, seqs, 50)  # µs
+            try:
+                decode_graph[str(rows)] = 1000 * replayed_ms(proj, seqs)  # µs
+            except Exception as exc:  # keep the launch timings; say why the replay is missing
+                decode_graph[str(rows)] = None
+                print(f"{variant}: decode bs {rows}: graph replay not measured: {exc!r}", flush=True)
         for length in args.prefill:
             seqs = cuda_ops.prepare_sequences(StepSequences(np.array([0, length]), np.array([1]), np.array([True])))
             prefill[str(length)] = timed_ms(bf16((length, features)), seqs, 3)  # ms
-        timings[variant] = {"decode_us": decode, "prefill_ms": prefill}
-        print(f"{variant}: one GDN layer core: decode µs {decode}, prefill ms {prefill}", flush=True)
+        timings[variant] = {"decode_us": decode, "decode_graph_us": decode_graph, "prefill_ms": prefill}
+        print(f"{variant}: one GDN layer core: decode µs {decode} (graph replay {decode_graph}), "
+              f"prefill ms {prefill}", flush=True)
     set_kernels("after")
     return timings
 
 
 def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dict) -> None:
-    import numpy as np
-
     import openinfer
 
     set_kernels(variant)
@@ -256,19 +354,19 @@ def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dic
             results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
                                   "num_state_slots": engine.kv_plan.num_state_slots,
                                   "num_snapshot_slots": engine.kv_plan.num_snapshot_slots}
-        rng = np.random.default_rng(0)
-        tpot(engine, rng, 2, 64, 8, f"warm-{variant}")
-        prefill_ttft(engine, rng, 512, 1, f"warm-{variant}")
+        prompts = Prompts(args.vocab_size)
+        tpot(engine, prompts, 2, 64, 8, f"warm-{variant}")
+        prefill_ttft(engine, prompts, 512, 1, f"warm-{variant}")
         for length in args.prefill:
-            ttft = prefill_ttft(engine, rng, length, args.repeats, variant)
+            ttft = prefill_ttft(engine, prompts, length, args.repeats, variant)
             results["prefill_ttft_ms"][variant][str(length)] = ttft
             print(f"{variant}: prefill {length} tokens TTFT {ttft:.1f} ms", flush=True)
         for streams in args.streams:
-            value = tpot(engine, rng, streams, 512, args.new_tokens, variant)
+            value = tpot(engine, prompts, streams, 512, args.new_tokens, variant)
             results["decode_tpot_ms"][variant][str(streams)] = value
             print(f"{variant}: TPOT at {streams} streams {value:.2f} ms", flush=True)
         if variant == "after":
-            results["multi_turn"] = multi_turn(engine, rng, 4000, 50)
+            results["multi_turn"] = multi_turn(engine, prompts, 4000, 50, args.repeats)
             print(f"multi-turn: {results['multi_turn']}", flush=True)
     finally:
         engine.close_sync()
@@ -326,55 +424,133 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
+def plot_multi_turn(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    turn = results["multi_turn"]
+    fig, axis = plt.subplots(figsize=(5, 4))
+    axis.bar(["cold (recomputed)", "warm (prefix cache)"], [turn["cold_ttft_ms"], turn["warm_ttft_ms"]])
+    axis.set_ylabel("TTFT ms (median)")
+    axis.set_title(f"2nd turn: {turn['history_tokens']} history + {turn['new_turn_tokens']} new\n"
+                   f"{results['shape']}, {results['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu (NumPy backend)"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
+    """The default engine's start, idle RSS and a warm vs cold second chat turn, nothing else:
+    the part of this benchmark that goes beside gpu_concurrency.py's vLLM side by side."""
+    import openinfer
+
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device)}
+    start = time.perf_counter()
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=args.history + args.new_turn + 64,
+                                     max_num_seqs=64)
+    results["engine_start_s"] = time.perf_counter() - start
+    try:
+        gc.collect()
+        results["idle_rss_bytes"] = process_rss()
+        results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
+                              "num_state_slots": engine.kv_plan.num_state_slots,
+                              "num_snapshot_slots": engine.kv_plan.num_snapshot_slots}
+        print(f"engine up in {results['engine_start_s']:.1f} s; idle RSS {results['idle_rss_bytes']}; "
+              f"{results['kv_plan']}", flush=True)
+        prompts = Prompts(args.vocab_size)
+        prefill_ttft(engine, prompts, min(512, args.history), 1, "warm-up")
+        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
+        print(f"multi-turn: {results['multi_turn']}", flush=True)
+    finally:
+        engine.close_sync()
+    write_results(results, "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else ""), plot_multi_turn)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen35-4b-mm")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="4b",
+                        help="the checkpoint written when missing (tiny: toy widths for a CPU dry run)")
     parser.add_argument("--write-checkpoint-only", action="store_true",
                         help="write the checkpoint (if missing) and exit: for gpu_concurrency.py and vLLM")
+    parser.add_argument("--multi-turn-only", action="store_true",
+                        help="engine start, idle RSS and the warm vs cold second turn only "
+                             "(results/gpu_qwen35_multi_turn.json)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
+    parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
+    parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.multi_turn_only:
+        parser.error("--device cpu runs only with --multi-turn-only (the kernel timings need a GPU)")
+    if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
+        parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:
         if not (path / "config.json").exists():
-            print(f"wrote {path} in {write_checkpoint(path):.1f} s", flush=True)
-        return
+            print(f"wrote {path} in {write_checkpoint(path, *SHAPES[args.shape]):.1f} s", flush=True)
+        elif add_release_fields(path):
+            print(f"{path}/config.json: added mamba_ssm_dtype float32 (as the released configs)", flush=True)
+        return 0
+    checkpoint_write_s = ensure_checkpoint(path, args.shape)
+    add_release_fields(path)
+    args.vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    if args.multi_turn_only:
+        run_multi_turn_only(path, args)
+        return 0
     args.prefill = (1024, 4096) if args.quick else (1024, 4096, 16384)
     args.streams = (1, 16) if args.quick else (1, 16, 64)
     args.new_tokens = 32 if args.quick else 64
     results: dict = {"shape": "Qwen3.5-4B (multimodal layout, random bf16)", "engine_start_s": {},
                      "prefill_ttft_ms": {v: {} for v in VARIANTS}, "decode_tpot_ms": {v: {} for v in VARIANTS},
                      "variants": {"after": "chunked tensor-core prefill + fused decode step (default)",
-                                  "before": f"{KERNELS_ENV}=recurrent: token-by-token prefill, 4 decode kernels"}}
-    results["checkpoint_write_s"] = ensure_checkpoint(path)
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    results["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+                                  "before": f"{KERNELS_ENV}=recurrent: token-by-token prefill, 4 decode kernels"},
+                     "checkpoint_write_s": checkpoint_write_s, "device": device_name("cuda")}
     results["gdn_layer_core"] = layer_core_timings(args)
     save(results)
     for variant in VARIANTS:
         run_variant(path, variant, args, results)
         save(results)  # what was measured survives a later failure or time limit
     print(json.dumps(results, indent=2))
+    return 0
 
 
 def save(results: dict) -> None:
-    """JSON + PNG under benchmarks/results (copies under $OUT), with the before/after ratios
-    of whatever both variants measured."""
+    """gpu_qwen35.json + .png, with the before/after ratios of whatever both variants measured."""
     results["speedup"] = {
         kind: {key: results[kind]["before"][key] / value for key, value in results[kind]["after"].items()
                if key in results[kind]["before"]}
         for kind in ("prefill_ttft_ms", "decode_tpot_ms")}
+    write_results(results, "gpu_qwen35", plot)
+
+
+def write_results(results: dict, name: str, plot_results) -> None:
+    """NAME.json (and NAME.png when ``plot_results`` draws one) under benchmarks/results, copies under $OUT."""
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "gpu_qwen35.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "gpu_qwen35.png")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    if plot_results is not None:
+        plot_results(results, out / f"{name}.png")
     if os.environ.get("OUT"):
-        for name in ("gpu_qwen35.json", "gpu_qwen35.png"):
-            if (out / name).exists():
-                shutil.copy(out / name, os.environ["OUT"])
+        for file in (f"{name}.json", f"{name}.png"):
+            if (out / file).exists():
+                shutil.copy(out / file, os.environ["OUT"])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

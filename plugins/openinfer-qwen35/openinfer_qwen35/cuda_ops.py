@@ -1,8 +1,10 @@
 """The CUDA plan's Qwen3.5 ops: launchers for ``kernels/*.cu`` (bf16, CuPy).
 
 One cached loader compiles each source per key-head dim (``-DDK=...``: state columns live in
-registers, mma tiles are sized by it). Every launcher checks its inputs and raises
-``ValueError`` naming what was wrong. Imported only when the model runs on the cuda backend.
+registers, mma tiles are sized by it); the fused decode step also per conv width
+(``-DCONV_WIDTH=...``: its window loops unroll into registers). Every launcher checks its
+inputs and raises ``ValueError`` naming what was wrong. Imported only when the model runs on
+the cuda backend.
 
 A GDN layer's core (``delta_net``) takes one of three paths per step::
 
@@ -55,17 +57,19 @@ KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 
 
 @functools.cache
-def _module(source: str, key_head_dim: int) -> cupy.RawModule:
+def _module(source: str, key_head_dim: int, conv_width: int = 0) -> cupy.RawModule:
     code = (KERNEL_DIR / source).read_text()
+    width = (f"-DCONV_WIDTH={conv_width}",) if conv_width else ()
     return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options(KERNEL_DIR),
-                                              f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}"))
+                                              f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}", *width))
 
 
 @functools.cache
-def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0) -> cupy.RawKernel:
-    """Kernel ``name`` compiled for ``key_head_dim``; ``shared_bytes`` above 48 KiB of dynamic
-    shared memory is opted into once here."""
-    function = _module(SOURCE_OF[name], key_head_dim).get_function(name)
+def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0, conv_width: int = 0) -> cupy.RawKernel:
+    """Kernel ``name`` compiled for ``key_head_dim`` (and ``conv_width`` when non-zero: a
+    compile-time conv width); ``shared_bytes`` above 48 KiB of dynamic shared memory is opted
+    into once here."""
+    function = _module(SOURCE_OF[name], key_head_dim, conv_width).get_function(name)
     if shared_bytes > 48 * 1024:
         function.max_dynamic_shared_size_bytes = shared_bytes
     return function
@@ -107,7 +111,8 @@ def fused_decode_threads(config: Qwen35Config) -> int:
 
 
 def fused_decode_supported(config: Qwen35Config) -> bool:
-    return fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
+    return (fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
+            and 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH)  # compiled in: never an unsupported width
 
 
 @functools.cache
@@ -132,7 +137,7 @@ def warm_up(config: Qwen35Config) -> None:
         kernel("gdn_chunk_prepare", dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
     if fused_decode_supported(config):
-        kernel("gdn_decode_step", dk)
+        kernel("gdn_decode_step", dk, 0, config.linear_conv_kernel_dim)
         arrival_counters(config)
 
 
@@ -206,7 +211,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     recurrent = use_recurrent_kernels()
     if (num_tokens == num_seqs and not recurrent and fused_decode_supported(config)
             and num_seqs <= MAX_FUSED_DECODE_ROWS):
-        kernel("gdn_decode_step", dk)(
+        kernel("gdn_decode_step", dk, 0, width)(
             (num_seqs, nv), (fused_decode_threads(config),),
             (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
              device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),

@@ -50,14 +50,18 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     gate_x = bf16(rng.standard_normal((9, 24)))
     gate_wide = bf16(rng.standard_normal((9, 48)))
     token_seq = np.repeat(np.arange(4, dtype=np.int32), lengths)
-    norm_x, norm_residual = bf16(rng.standard_normal((5, 80))), bf16(3 * rng.standard_normal((5, 80)))
-    norm_weight = (1.0 + 0.3 * bf16(rng.standard_normal(80))).astype(np.float32)  # 1 + w, not rounded
+    # norm rows: 80 features (held in registers by 64 threads), 400 (32 threads: too wide, re-read)
+    norms = {prefix: (bf16(rng.standard_normal((rows, features))), bf16(3 * rng.standard_normal((rows, features))),
+                      (1.0 + 0.3 * bf16(rng.standard_normal(features))).astype(np.float32))  # 1 + w, not rounded
+             for prefix, rows, features in (("norm", 5, 80), ("wide", 2, 400))}
+    norm_arrays = {f"{prefix}_{name}": float32_to_bf16(array) if name != "weight" else array
+                   for prefix, arrays in norms.items()
+                   for name, array in zip(("x", "residual", "weight"), arrays, strict=True)}
     run_harness(harness, tmp_path, nk, nv, VALUE_DIM, width, config.rms_norm_eps, 24, timeout=300, **{"proj": float32_to_bf16(proj), "conv_weight": float32_to_bf16(conv_weight),
              "conv_state": float32_to_bf16(conv_state), "ssm_state": ssm_state, "neg_decay_rate": neg_rate,
              "dt_bias": dt_bias, "norm": float32_to_bf16(norm), "query_start": query_start, "slots": slots,
              "fresh": fresh.astype(np.int32), "token_seq": token_seq, "gate_x": float32_to_bf16(gate_x),
-             "gate_wide": float32_to_bf16(gate_wide), "norm_x": float32_to_bf16(norm_x),
-             "norm_residual": float32_to_bf16(norm_residual), "norm_weight": norm_weight})
+             "gate_wide": float32_to_bf16(gate_wide), **norm_arrays})
 
     host_conv, host_ssm = conv_state.copy(), ssm_state.copy()
     weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
@@ -77,14 +81,16 @@ def test_kernels_match_numpy_on_a_mixed_batch(harness, tmp_path):
     np.testing.assert_allclose(gated, sigmoid_mul(gate_x, gate_wide[:, 24:]), rtol=1e-2, atol=1e-2)
 
     # Qwen3.5's norm as HF's bf16 model: fp32 normalize × fp32 (1 + w), one rounding
-    def zero_centred(x: np.ndarray) -> np.ndarray:
-        return bf16(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps) * norm_weight)
+    def zero_centred(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return bf16(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps) * weight)
 
-    summed = bf16(norm_x + norm_residual)
-    np.testing.assert_array_equal(read_array(tmp_path, "norm_sum", np.uint16, summed.shape), summed)
-    np.testing.assert_allclose(read_array(tmp_path, "norm_out", np.uint16, summed.shape), zero_centred(summed), rtol=8e-3, atol=1e-6)
-    np.testing.assert_allclose(read_array(tmp_path, "norm_plain", np.uint16, norm_x.shape), zero_centred(norm_x), rtol=8e-3,
-                               atol=1e-6)
+    for prefix, (norm_x, norm_residual, norm_weight) in norms.items():
+        summed = bf16(norm_x + norm_residual)
+        np.testing.assert_array_equal(read_array(tmp_path, f"{prefix}_sum", np.uint16, summed.shape), summed)
+        np.testing.assert_allclose(read_array(tmp_path, f"{prefix}_out", np.uint16, summed.shape),
+                                   zero_centred(summed, norm_weight), rtol=8e-3, atol=1e-6)
+        np.testing.assert_allclose(read_array(tmp_path, f"{prefix}_plain", np.uint16, norm_x.shape),
+                                   zero_centred(norm_x, norm_weight), rtol=8e-3, atol=1e-6)
 
 
 FAST_HARNESS = Path(__file__).parent / "cuda_emulation" / "fast_paths_harness.cpp"
@@ -94,8 +100,9 @@ FAST_KEY_DIM, FAST_VALUE_DIM = 64, 64  # the chunked kernels take dk % 64 == 0, 
 @pytest.fixture(scope="module")
 def fast_harness(tmp_path_factory) -> Path:
     kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    # the conv width compiled in, as cuda_ops compiles gdn_decode_step
     return compile_harness(FAST_HARNESS, kernels, tmp_path_factory.mktemp("gdn-fast") / "harness",
-                           {"DK": FAST_KEY_DIM})
+                           {"DK": FAST_KEY_DIM, "CONV_WIDTH": TINY_QWEN35["linear_conv_kernel_dim"]})
 
 
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):

@@ -108,25 +108,9 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
         const bf16* p = proj + (size_t)t * proj_stride;
         const float beta = gdn_beta(to_f(p[conv_dim + value_dim + h]));
         const float decay = __expf(gdn_log_decay(to_f(p[conv_dim + value_dim + num_value_heads + h]), rate, bias));
-        float predicted = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            column[i] *= decay;
-            predicted += column[i] * (k[row0 + i] * k_norm);
-        }
-#pragma unroll
-        for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
-        const float v = active ? to_f(row[2 * key_dim + h * dv + j]) : 0.f;
-        const float delta = (v - predicted) * beta;
-        float o_part = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            column[i] += (k[row0 + i] * k_norm) * delta;
-            o_part += column[i] * (q[row0 + i] * q_norm);
-        }
-#pragma unroll
-        for (int lane = 1; lane < SPLIT; lane <<= 1) o_part += __shfl_xor_sync(0xffffffffu, o_part, lane);
-        if (active && part == 0) core[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(o_part);
+        const float o = gdn_delta_step(column, q + row0, q_norm, k + row0, k_norm,
+                                       [&] { return active ? to_f(row[2 * key_dim + h * dv + j]) : 0.f; }, beta, decay);
+        if (active && part == 0) core[(size_t)t * value_dim + h * dv + j] = __float2bfloat16_rn(o);
         __syncthreads();  // q[] and k[] are rewritten by the next token
     }
     if (active) {
@@ -173,9 +157,28 @@ extern "C" __global__ void sigmoid_mul(const bf16* __restrict__ x, const bf16* _
 // Qwen3.5's zero-centred RMSNorm as HF computes it in bf16: normalize in fp32, multiply by the
 // fp32 weight (1 + w), round once. (The Llama-style core kernel rounds the normalized row and
 // takes a bf16 weight, which would round 1 + w.) One block per row; blockDim.x a multiple of 32.
+//
+// A row of at most ROW_REGS * blockDim.x features (every Qwen3.5 width at the launchers' 1,024
+// threads) stays in registers between its two passes: one global read per element instead of
+// two (three for the add, whose second pass re-read the sum it had just written), the same sums
+// in the same order. Wider rows take the loop that re-reads.
+#define ROW_REGS 8
+
+// Pass 2 of a row held in registers: this thread's elements c = threadIdx.x + k blockDim.x.
+__device__ __forceinline__ void zero_centred_row_from_registers(const float (&v)[ROW_REGS], float sq,
+                                                                const float* __restrict__ weight,
+                                                                bf16* __restrict__ out, int features, float eps,
+                                                                float* scratch) {
+    const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)features + eps);
+#pragma unroll
+    for (int k = 0; k < ROW_REGS; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < features) out[c] = __float2bfloat16_rn(v[k] * inv_rms * weight[c]);
+    }
+}
+
 __device__ __forceinline__ void zero_centred_row(const bf16* __restrict__ x, const float* __restrict__ weight,
-                                                 bf16* __restrict__ out, int features, float eps) {
-    __shared__ float scratch[32];
+                                                 bf16* __restrict__ out, int features, float eps, float* scratch) {
     float sq = 0.f;
     for (int c = threadIdx.x; c < features; c += blockDim.x) {
         const float v = to_f(x[c]);
@@ -185,20 +188,57 @@ __device__ __forceinline__ void zero_centred_row(const bf16* __restrict__ x, con
     for (int c = threadIdx.x; c < features; c += blockDim.x) out[c] = __float2bfloat16_rn(to_f(x[c]) * inv_rms * weight[c]);
 }
 
-extern "C" __global__ void zero_centred_rms_norm(const bf16* __restrict__ x, const float* __restrict__ weight,
-                                                 bf16* __restrict__ out, int features, float eps) {
+// At most 32 registers (launch bounds): two 1,024-thread rows per SM, as before the registers held a row.
+extern "C" __global__ void __launch_bounds__(1024, 2)
+zero_centred_rms_norm(const bf16* __restrict__ x, const float* __restrict__ weight, bf16* __restrict__ out,
+                      int features, float eps) {
+    __shared__ float scratch[32];
     const size_t row = blockIdx.x;
-    zero_centred_row(x + row * features, weight, out + row * features, features, eps);
+    x += row * features;
+    out += row * features;
+    if (features > ROW_REGS * (int)blockDim.x) {
+        zero_centred_row(x, weight, out, features, eps, scratch);
+        return;
+    }
+    float v[ROW_REGS], sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < ROW_REGS; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        v[k] = c < features ? to_f(x[c]) : 0.f;
+        if (c < features) sq += v[k] * v[k];
+    }
+    zero_centred_row_from_registers(v, sq, weight, out, features, eps, scratch);
 }
 
 // residual_out = x + residual (bf16, as HF's residual add); out = zero_centred_rms_norm(residual_out).
-extern "C" __global__ void zero_centred_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
-                                                     const float* __restrict__ weight, bf16* __restrict__ out,
-                                                     bf16* __restrict__ residual_out, int features, float eps) {
+extern "C" __global__ void __launch_bounds__(1024, 2)
+zero_centred_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                          const float* __restrict__ weight, bf16* __restrict__ out, bf16* __restrict__ residual_out,
+                          int features, float eps) {
+    __shared__ float scratch[32];
     const size_t row = blockIdx.x;
+    x += row * features;
+    residual += row * features;
     bf16* summed = residual_out + row * features;
-    for (int c = threadIdx.x; c < features; c += blockDim.x)
-        summed[c] = __float2bfloat16_rn(to_f(x[row * features + c]) + to_f(residual[row * features + c]));
-    __syncthreads();
-    zero_centred_row(summed, weight, out + row * features, features, eps);
+    out += row * features;
+    if (features > ROW_REGS * (int)blockDim.x) {
+        for (int c = threadIdx.x; c < features; c += blockDim.x)
+            summed[c] = __float2bfloat16_rn(to_f(x[c]) + to_f(residual[c]));
+        __syncthreads();
+        zero_centred_row(summed, weight, out, features, eps, scratch);
+        return;
+    }
+    float v[ROW_REGS], sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < ROW_REGS; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        v[k] = 0.f;
+        if (c < features) {
+            const bf16 sum = __float2bfloat16_rn(to_f(x[c]) + to_f(residual[c]));
+            summed[c] = sum;
+            v[k] = to_f(sum);
+            sq += v[k] * v[k];
+        }
+    }
+    zero_centred_row_from_registers(v, sq, weight, out, features, eps, scratch);
 }

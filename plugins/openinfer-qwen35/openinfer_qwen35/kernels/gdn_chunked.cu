@@ -70,6 +70,28 @@ __device__ __forceinline__ void load_a_transposed(unsigned* a, const bf16* base,
     a[3] = pair(2 * q + 8, g + 8);
 }
 
+// One warp's 16-row strip of NA products that share their right operand B [KDIM][8 NT]:
+//   acc[x][nt] += A_x[16][KDIM] · B[:, 8 nt .. 8 nt + 7]   for x < NA
+// with A_x's fragments for columns k0 .. k0+15 from a_fragment(x, k0, regs) and B from its
+// transpose bt [8 NT][ldb] in shared memory (load_b), each B fragment loaded once for all NA
+// products. Every product accumulates in the same k order, whatever NA is.
+template <int KDIM, int NT, int NA, class AFragment>
+__device__ __forceinline__ void warp_strip_mma(float (*acc)[NT][4], AFragment a_fragment, const bf16* bt, int ldb) {
+#pragma unroll
+    for (int k0 = 0; k0 < KDIM; k0 += 16) {
+        unsigned a[NA][4];
+#pragma unroll
+        for (int x = 0; x < NA; ++x) a_fragment(x, k0, a[x]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            unsigned b[2];
+            load_b(b, bt + nt * 8 * ldb + k0, ldb);
+#pragma unroll
+            for (int x = 0; x < NA; ++x) mma_bf16_16816(acc[x][nt], a[x], b[0], b[1]);
+        }
+    }
+}
+
 __device__ __forceinline__ void store_pair(bf16* at, float lo, float hi) {
     *reinterpret_cast<unsigned*>(at) = pack_bf16x2(lo, hi);
 }
@@ -176,24 +198,12 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
     // 2. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared; warp w: rows 16w..
     {
         const int r0 = 16 * warp;
-        float sqk[CHUNK / 8][4], skk[CHUNK / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < CHUNK / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sqk[nt][e] = skk[nt][e] = 0.f;
-#pragma unroll
-        for (int k0 = 0; k0 < DK; k0 += 16) {
-            unsigned aq[4], ak[4];
-            load_a(aq, qs + r0 * LDK + k0, LDK);
-            load_a(ak, ks + r0 * LDK + k0, LDK);
-#pragma unroll
-            for (int nt = 0; nt < CHUNK / 8; ++nt) {
-                unsigned b[2];
-                load_b(b, ks + nt * 8 * LDK + k0, LDK);  // (K^T)^T = K: rows of K are columns of K^T
-                mma_bf16_16816(sqk[nt], aq, b[0], b[1]);
-                mma_bf16_16816(skk[nt], ak, b[0], b[1]);
-            }
-        }
+        float scores[2][CHUNK / 8][4] = {};  // Q K^T, K K^T
+        // B = K^T, given by its transpose K: rows of K are columns of K^T
+        warp_strip_mma<DK, CHUNK / 8, 2>(
+            scores, [&](int x, int k0, unsigned* a) { load_a(a, (x == 0 ? qs : ks) + r0 * LDK + k0, LDK); }, ks, LDK);
+        float(&sqk)[CHUNK / 8][4] = scores[0];
+        float(&skk)[CHUNK / 8][4] = scores[1];
         bf16* p = p_out + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
 #pragma unroll
         for (int nt = 0; nt < CHUNK / 8; ++nt)
@@ -391,24 +401,12 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
                 }
             }
         }
-        float acc_v[SCAN_TILE / 8][4], acc_o[SCAN_TILE / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_v[nt][e] = acc_o[nt][e] = 0.f;
-#pragma unroll
-        for (int k0 = 0; k0 < DK; k0 += 16) {
-            unsigned aw[4], aq[4];
-            load_a(aw, ws + r0 * LDK + k0, LDK);
-            load_a(aq, qs + r0 * LDK + k0, LDK);
-#pragma unroll
-            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
-                unsigned b[2];
-                load_b(b, sbt + nt * 8 * LDK + k0, LDK);
-                mma_bf16_16816(acc_v[nt], aw, b[0], b[1]);
-                mma_bf16_16816(acc_o[nt], aq, b[0], b[1]);
-            }
-        }
+        float products[2][SCAN_TILE / 8][4] = {};  // W S, Q S
+        warp_strip_mma<DK, SCAN_TILE / 8, 2>(
+            products, [&](int x, int k0, unsigned* a) { load_a(a, (x == 0 ? ws : qs) + r0 * LDK + k0, LDK); }, sbt,
+            LDK);
+        float(&acc_v)[SCAN_TILE / 8][4] = products[0];
+        float(&acc_o)[SCAN_TILE / 8][4] = products[1];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = r0 + g + 8 * half;
@@ -429,17 +427,8 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
         __syncthreads();  // every row of V' is needed by every warp below
 
         // 3. O += P V' (rows 16w..), to core
-#pragma unroll
-        for (int k0 = 0; k0 < CHUNK; k0 += 16) {
-            unsigned ap[4];
-            load_a(ap, ps + r0 * LDC + k0, LDC);
-#pragma unroll
-            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
-                unsigned b[2];
-                load_b(b, vnt + nt * 8 * LDC + k0, LDC);
-                mma_bf16_16816(acc_o[nt], ap, b[0], b[1]);
-            }
-        }
+        warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
+            &acc_o, [&](int, int k0, unsigned* a) { load_a(a, ps + r0 * LDC + k0, LDC); }, vnt, LDC);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = r0 + g + 8 * half;
@@ -465,17 +454,8 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
                 acc[nt][2] = chunk_decay * st[(i0 + g + 8) * LDS + j];
                 acc[nt][3] = chunk_decay * st[(i0 + g + 8) * LDS + j + 1];
             }
-#pragma unroll
-            for (int k0 = 0; k0 < CHUNK; k0 += 16) {
-                unsigned ak[4];
-                load_a_transposed(ak, ks + k0 * LDK + i0, LDK);
-#pragma unroll
-                for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
-                    unsigned b[2];
-                    load_b(b, vkt + nt * 8 * LDC + k0, LDC);
-                    mma_bf16_16816(acc[nt], ak, b[0], b[1]);
-                }
-            }
+            warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
+                &acc, [&](int, int k0, unsigned* a) { load_a_transposed(a, ks + k0 * LDK + i0, LDK); }, vkt, LDC);
 #pragma unroll
             for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
                 const int j = nt * 8 + 2 * q4;

@@ -14,9 +14,18 @@
 // in arrivals[s * nk + key_head] once its reads are done, and the last to arrive writes the new
 // window and resets the counter to 0 for the next step (or graph replay). The v channels of a
 // head belong to one block, which updates them itself.
+//
+// The conv width is compiled in when the loader defines CONV_WIDTH (openinfer_qwen35.cuda_ops
+// always does, from the config; the conv_width argument must then equal it): the window loops
+// unroll and the old window stays in registers instead of a local-memory array (nvcc 13, sm_90a,
+// DK 128, width 4: stack frame 96 -> 24 bytes, 126 -> 9 local loads/stores, 2,496 -> 1,296 SASS
+// instructions). Without it (a plain compile) the width is read at run time.
 #include "gdn_common.cuh"
 
 #define MAX_WINDOW 8  // conv width - 1
+#ifdef CONV_WIDTH
+static_assert(CONV_WIDTH >= 2 && CONV_WIDTH - 1 <= MAX_WINDOW, "conv width 2..9");
+#endif
 
 // At most 512 threads, two blocks per SM: a block's serial phases (conv, barriers, the norm)
 // leave its SM idle unless another block streams its state meanwhile.
@@ -27,7 +36,12 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(const bf16*
                                            const int* __restrict__ query_start, const int* __restrict__ slots,
                                            const int* __restrict__ fresh, int* __restrict__ arrivals,
                                            bf16* __restrict__ out, int num_key_heads, int num_value_heads, int dv,
-                                           int width, float eps) {
+                                           int conv_width, float eps) {
+#ifdef CONV_WIDTH
+    constexpr int width = CONV_WIDTH;
+#else
+    const int width = conv_width;
+#endif
     constexpr int ROWS = DK / SPLIT;
     __shared__ float q[DK], k[DK], v[256], scratch[32];
     __shared__ int last_to_arrive;
@@ -102,24 +116,9 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(const bf16*
     const float decay = __expf(gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]),
                                              neg_decay_rate[h], dt_bias[h]));
 
-    // the delta rule on column j: S <- decay S; S += k (beta (v - S^T k)); o = S^T q
-    float predicted = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-        column[i] *= decay;
-        predicted += column[i] * (k[row0 + i] * k_scale);
-    }
-#pragma unroll
-    for (int lane = 1; lane < SPLIT; lane <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, lane);
-    const float delta = ((active ? v[j] : 0.f) - predicted) * beta;
-    float o = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-        column[i] += (k[row0 + i] * k_scale) * delta;
-        o += column[i] * (q[row0 + i] * q_scale);
-    }
-#pragma unroll
-    for (int lane = 1; lane < SPLIT; lane <<= 1) o += __shfl_xor_sync(0xffffffffu, o, lane);
+    // the delta rule on column j
+    float o = gdn_delta_step(column, q + row0, q_scale, k + row0, k_scale, [&] { return active ? v[j] : 0.f; },
+                             beta, decay);
     if (active) {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];

@@ -1,5 +1,9 @@
 // Runs the kernels of gated_deltanet.cu on the CPU (tests/helpers/cuda_host) on arrays read from
 // a directory written by test_qwen35_cuda_emulated.py, and writes the outputs back there.
+#include <cuda_bf16.h>
+#undef __launch_bounds__
+#define __launch_bounds__(...)  // the norms name a minimum of blocks per SM too
+
 #include "gated_deltanet.cu"
 
 #include "harness.h"
@@ -56,21 +60,25 @@ int main(int argc, char** argv) {
     });
     save(dir, "gated.bin", gated);
 
-    auto norm_x = load<bf16>(dir, "norm_x.bin");
-    auto norm_residual = load<bf16>(dir, "norm_residual.bin");
-    auto norm_w = load<float>(dir, "norm_weight.bin");  // 1 + w, fp32
-    const int features = static_cast<int>(norm_w.size());
-    const unsigned norm_rows = static_cast<unsigned>(norm_x.size() / features);
-    std::vector<bf16> plain(norm_x.size()), normed(norm_x.size()), summed(norm_x.size());
-    launch(norm_rows, 1, 1, 64, [&] {
-        zero_centred_rms_norm(norm_x.data(), norm_w.data(), plain.data(), features, eps);
-    });
-    launch(norm_rows, 1, 1, 64, [&] {
-        zero_centred_add_rms_norm(norm_x.data(), norm_residual.data(), norm_w.data(), normed.data(), summed.data(),
-                                  features, eps);
-    });
-    save(dir, "norm_plain.bin", plain);
-    save(dir, "norm_out.bin", normed);
-    save(dir, "norm_sum.bin", summed);
+    // the norms: rows held in registers (80 features, 64 threads) and rows too wide for them
+    // (400 features, 32 threads: more than ROW_REGS a thread), which re-read
+    for (const auto& [prefix, threads] : {std::pair<std::string, unsigned>{"norm", 64u}, {"wide", 32u}}) {
+        auto norm_x = load<bf16>(dir, (prefix + "_x.bin").c_str());
+        auto norm_residual = load<bf16>(dir, (prefix + "_residual.bin").c_str());
+        auto norm_w = load<float>(dir, (prefix + "_weight.bin").c_str());  // 1 + w, fp32
+        const int features = static_cast<int>(norm_w.size());
+        const unsigned norm_rows = static_cast<unsigned>(norm_x.size() / features);
+        std::vector<bf16> plain(norm_x.size()), normed(norm_x.size()), summed(norm_x.size());
+        launch(norm_rows, 1, 1, threads, [&] {
+            zero_centred_rms_norm(norm_x.data(), norm_w.data(), plain.data(), features, eps);
+        });
+        launch(norm_rows, 1, 1, threads, [&] {
+            zero_centred_add_rms_norm(norm_x.data(), norm_residual.data(), norm_w.data(), normed.data(),
+                                      summed.data(), features, eps);
+        });
+        save(dir, (prefix + "_plain.bin").c_str(), plain);
+        save(dir, (prefix + "_out.bin").c_str(), normed);
+        save(dir, (prefix + "_sum.bin").c_str(), summed);
+    }
     return 0;
 }
