@@ -24,7 +24,8 @@ the whole layer; and the FP4 expert GEMMs alone (moe_fp4.cu's stream and tiles k
 projections, batch 1 / 64 / 256) against the bytes they must read.
 
 ``--fp4-gemm`` sets ``OPENINFER_DSV4_FP4_GEMM`` for the layer rows (auto: the stream kernel for
-steps of at most 256 tokens). Writes benchmarks/results/NAME.json and .png (NAME defaults to
+steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (1: one
+run of keys per block, the default; auto: split while the blocks do not fill the GPU). Writes benchmarks/results/NAME.json and .png (NAME defaults to
 gpu_dsv4_kernels; copies under $OUT when set).
 """
 
@@ -336,10 +337,11 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
     sinks = cupy.asarray(attn.sink, cupy.float32)
     inv_freq = cupy.asarray((model.rope_compress if rate else model.rope_main).inv_freq, cupy.float32)
     window = kv_cache[where.window].k
-    times["sparse attention"] = graph_seconds(
-        lambda: cuda_ops.sparse_attention(q, window, device.group_block_tables(where.window_group), entries,
-                                          entry_tables, selected, max(rate, 1), token_seq, device.positions, sinks,
-                                          inv_freq, c.rope_head_dim, c.sliding_window, BLOCK), 20, 3)
+    for label, splits in (("sparse attention", 1), ("sparse attention, split over keys (auto)", "auto")):
+        times[label] = graph_seconds(partial(
+            cuda_ops.sparse_attention, q, window, device.group_block_tables(where.window_group), entries, entry_tables,
+            selected, max(rate, 1), token_seq, device.positions, sinks, inv_freq, c.rope_head_dim, c.sliding_window,
+            BLOCK, splits=splits))
     times["whole layer"] = graph_seconds(lambda: model.forward(device, kv_cache), 10)
     return {"layer": kind, "batch": batch, "context": context, "seconds": times}
 
@@ -399,9 +401,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
     parser.add_argument("--fp4-gemm", choices=("auto", "stream", "tiles"), default="auto",
                         help="the FP4 expert GEMM of the layer rows (OPENINFER_DSV4_FP4_GEMM)")
+    parser.add_argument("--attention-splits", default="1",
+                        help="sparse attention runs of keys for the layer rows: 1, auto or a count "
+                             "(OPENINFER_DSV4_ATTENTION_SPLITS)")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
-    os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # read when cuda_experts is first imported
+    os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # both read when the plugin's cuda modules load
+    os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
     import cupy
     from openinfer_deepseek_v4.config import DeepseekV4Config
 
@@ -425,7 +431,7 @@ def main() -> None:
                 report = {"gpu": backend.device_name, "cupy": cupy.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                           "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
-                          "fp4_gemm": args.fp4_gemm, "rows": rows}
+                          "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits, "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
     parts = []
     for kind in RATES:

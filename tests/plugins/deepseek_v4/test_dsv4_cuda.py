@@ -79,8 +79,10 @@ def test_indexer_scores_and_top_k(ops):
         assert set(got[got >= 0].tolist()) == set(np.asarray(want).tolist())
 
 
+@pytest.mark.parametrize("splits", [1, 4, "auto"])
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-def test_sparse_attention(ops, mode):
+def test_sparse_attention(ops, mode, splits):
+    """Also split over keys (runs merged by dsv4_attention_combine): 4 runs, and ``auto``."""
     rng = np.random.default_rng(2)
     heads, dim, window, rate, block_size, rope_dim, num_selected = 8, 512, 128, 4, 16, 64, 16
     positions = np.array([0, 77, 300, 301, 40], np.int32)
@@ -95,7 +97,7 @@ def test_sparse_attention(ops, mode):
         dev_bf16(q), dev_bf16(window_cache), cupy.asarray(window_tables),
         None if mode == "sliding" else dev_bf16(entry_cache), None if mode == "sliding" else cupy.asarray(entry_tables),
         cupy.asarray(selected) if mode == "csa" else None, rate, cupy.asarray(token_seq), cupy.asarray(positions),
-        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size)
+        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size, splits=splits)
     out = host(out)
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
