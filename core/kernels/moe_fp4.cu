@@ -209,6 +209,7 @@ __device__ __forceinline__ StreamWeights load_stream_weights(const StreamCursor&
 // address (null: a padding row, staged as zeros).
 struct StageCursor {
     const bf16* source[STREAM_CHUNKS];
+    const bf16* any_row;  // a valid address for the zero-filling copies (they read no bytes)
     int offset;  // bytes into a staging buffer of copy 0 (copy j: + 8j rows)
     int k;       // the copies' first k at step 0
 };
@@ -220,7 +221,7 @@ __device__ __forceinline__ void stage_rows(const StageCursor& at, int chunks, in
         if (j < chunks) {
             const bool valid = at.source[j] != nullptr && k < K;
             stage16(buffer + at.offset + 8 * j * X_ROW_BYTES,
-                    reinterpret_cast<const unsigned char*>(valid ? at.source[j] + step * STREAM_K : at.source[0]), valid);
+                    reinterpret_cast<const unsigned char*>(valid ? at.source[j] + step * STREAM_K : at.any_row), valid);
         }
     }
 }
@@ -310,6 +311,7 @@ moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             const int r = threadIdx.x / (STREAM_K / 8), c8 = threadIdx.x % (STREAM_K / 8);
             stage.offset = r * X_ROW_BYTES + (c8 / 4) * X_GROUP_BYTES + (c8 % 4) * 16;
             stage.k = 8 * c8;
+            stage.any_row = a;
 #pragma unroll
             for (int j = 0; j < STREAM_CHUNKS; ++j) {
                 const int src = a_rows[8 * j + r];
