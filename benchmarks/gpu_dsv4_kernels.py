@@ -248,7 +248,8 @@ def graph_seconds(fn, repeats: int = 20) -> float:
     with stream:
         fn()  # compiles, fills the pool on this stream
         stream.synchronize()
-        stream.begin_capture()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)  # as openinfer.graph captures
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
         try:
             fn()
         finally:
