@@ -15,13 +15,18 @@ expert, and the routed experts the batch touches: E·(1 − (1 − k/E)^B) of th
 the sliding window, the compressed entries attention reads (HCA: all; CSA: the 512 picked) and,
 for CSA, every indexer key — over the measured device copy bandwidth.
 
-    python benchmarks/gpu_dsv4_kernels.py [--quick]
+    python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--name NAME]
 
-Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone (eager, CUDA
-events) — mHC, the dense projections, the router, the MoE, the indexer, sparse attention — next
-to the whole layer run eagerly.
+Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
+CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
+(router, grouping, both FP4 expert GEMMs, shared expert), the indexer, sparse attention — next to
+the whole layer; and the FP4 expert GEMMs alone (moe_fp4.cu's stream and tiles kernels, both
+projections, batch 1 / 64 / 256) against the bytes they must read.
 
-Writes benchmarks/results/gpu_dsv4_kernels.json and .png (and copies under $OUT when set).
+``--fp4-gemm`` sets ``OPENINFER_DSV4_FP4_GEMM`` for the layer rows (auto: the stream kernel for
+steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (1: one
+run of keys per block, the default; auto: split while the blocks do not fill the GPU). Writes benchmarks/results/NAME.json and .png (NAME defaults to
+gpu_dsv4_kernels; copies under $OUT when set).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import json
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +237,26 @@ def bench_layer(backend, kind: str, moe, moe_bytes: int, per_expert: int, batch:
             "roofline_fraction": moved / bandwidth / seconds}
 
 
+def graph_seconds(fn, repeats: int = 20) -> float:
+    """Median device time of ``fn`` (kernel launches only, no host sync) replayed from a CUDA
+    graph: what it costs inside a captured decode step, without eager launch overhead."""
+    import cupy
+
+    from openinfer.tools.ledger import gpu_seconds
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()  # compiles, fills the pool on this stream
+        stream.synchronize()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)  # as openinfer.graph captures
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+        return gpu_seconds(lambda: graph.launch(stream), repeats, 3)
+
+
 def bf16_random(shape: tuple[int, ...]):
     import cupy
 
@@ -243,7 +269,6 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
     from openinfer_deepseek_v4 import cuda_experts, cuda_ops
 
     from openinfer.backend.cuda import moe as core_moe
-    from openinfer.tools.ledger import gpu_seconds
 
     model, _ = build_model(backend, kind, moe, context + BLOCK)
     kv_cache, step, _, _ = decode_setup(backend, model, batch, context)
@@ -270,13 +295,28 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
     if attn.indexer is not None:
         projections += [(qr, attn.indexer.wq_b), (x, attn.indexer.weights_proj), (x, attn.indexer.compressor.wkv),
                         (x, attn.indexer.compressor.wgate)]
+    ffn = layer.ffn
+    ids, weights = core_moe.route(x, moe_device.gate, ffn.router, moe_device.correction_bias)
+    grouping = core_moe.group_by_expert(ids, weights, ffn.router.num_experts)
+    hidden_rows = bf16_random((grouping.sorted_slots.size, ffn.stacked[1].in_features))
+
+    def shared() -> None:
+        backend.linear(cuda_experts.swiglu_clamp(backend.linear(x, ffn.shared.gate_up), ffn.swiglu_limit),
+                       ffn.shared.down)
+
     times = {
-        "mhc collapse + expand (x1 of 2)": gpu_seconds(mhc, 20, 3),
-        "dense projections (cuBLAS, bf16)": gpu_seconds(lambda: [backend.linear(a, w) for a, w in projections], 20, 3),
-        "router (core moe_route)": gpu_seconds(lambda: core_moe.route(x, moe_device.gate, layer.ffn.router,
-                                                                      moe_device.correction_bias), 20, 3),
-        "moe (route + FP4 experts + shared)": gpu_seconds(
-            lambda: cuda_experts.moe_layer(backend, x, layer.ffn, moe_device, device.token_ids), 20, 3),
+        "mhc collapse + expand (x1 of 2)": graph_seconds(mhc),
+        "dense projections (cuBLAS, bf16)": graph_seconds(lambda: [backend.linear(a, w) for a, w in projections]),
+        "moe (route + FP4 experts + shared)": graph_seconds(
+            lambda: cuda_experts.moe_layer(backend, x, ffn, moe_device, device.token_ids)),
+        "moe: router (core moe_route)": graph_seconds(lambda: core_moe.route(x, moe_device.gate, ffn.router,
+                                                                             moe_device.correction_bias)),
+        "moe: grouping (core moe_sort)": graph_seconds(lambda: core_moe.group_by_expert(ids, weights,
+                                                                                        ffn.router.num_experts)),
+        "moe: FP4 gate_up": graph_seconds(lambda: cuda_experts.grouped_gemm(x, moe_device.gate_up, grouping, True)),
+        "moe: FP4 down": graph_seconds(lambda: cuda_experts.grouped_gemm(hidden_rows, moe_device.down, grouping,
+                                                                         False)),
+        "moe: shared expert (cuBLAS, bf16)": graph_seconds(shared),
     }
     entries = entry_tables = selected = None
     if rate:
@@ -292,18 +332,48 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
             return cuda_ops.indexer_topk(index_q, head_weights, keys, key_tables, BLOCK, token_seq, device.positions,
                                          rate, context // rate, index.topk)
 
-        times["indexer scores + top-k"] = gpu_seconds(pick, 20, 3)
+        times["indexer scores + top-k"] = graph_seconds(pick)
         selected = pick()[1]
     q = bf16_random((batch, c.num_attention_heads, c.head_dim))
     sinks = cupy.asarray(attn.sink, cupy.float32)
     inv_freq = cupy.asarray((model.rope_compress if rate else model.rope_main).inv_freq, cupy.float32)
     window = kv_cache[where.window].k
-    times["sparse attention"] = gpu_seconds(
-        lambda: cuda_ops.sparse_attention(q, window, device.group_block_tables(where.window_group), entries,
-                                          entry_tables, selected, max(rate, 1), token_seq, device.positions, sinks,
-                                          inv_freq, c.rope_head_dim, c.sliding_window, BLOCK), 20, 3)
-    times["whole layer, eager"] = gpu_seconds(lambda: model.forward(device, kv_cache), 10, 2)
+    for label, splits in (("sparse attention", 1), ("sparse attention, split over keys (auto)", "auto")):
+        times[label] = graph_seconds(partial(
+            cuda_ops.sparse_attention, q, window, device.group_block_tables(where.window_group), entries, entry_tables,
+            selected, max(rate, 1), token_seq, device.positions, sinks, inv_freq, c.rope_head_dim, c.sliding_window,
+            BLOCK, splits=splits))
+    times["whole layer"] = graph_seconds(lambda: model.forward(device, kv_cache), 10)
     return {"layer": kind, "batch": batch, "context": context, "seconds": times}
+
+
+def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
+    """Each FP4 expert projection alone, both kernels, on a uniform random routing of ``batch``
+    tokens (top-6 of 256, distinct per token): seconds and the fraction of the copy bandwidth its
+    bytes (the touched experts' codes and scales, the rows read and written) take."""
+    import cupy
+    from openinfer_deepseek_v4 import cuda_experts
+
+    from openinfer.backend.cuda import moe as core_moe
+
+    router = moe.router
+    rng = np.random.default_rng(batch)
+    ids = np.stack([rng.permutation(router.num_experts)[:router.top_k] for _ in range(batch)]).astype(np.int32)
+    touched = len(np.unique(ids))
+    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
+                                        router.num_experts)
+    rows = []
+    for name, weight, gather in (("gate_up", moe.stacked[0], True), ("down", moe.stacked[1], False)):
+        a = bf16_random((batch if gather else batch * router.top_k, weight.in_features))
+        moved = (touched * weight.out_features * (weight.in_features // 2 + weight.in_features // 32)
+                 + 2 * a.size + 2 * batch * router.top_k * weight.out_features)
+        for method in ("stream", "tiles"):
+            seconds = graph_seconds(partial(cuda_experts.fp4_grouped_gemm, a, weight, grouping, gather, method=method))
+            rows.append({"projection": name, "batch": batch, "method": method, "experts_touched": touched,
+                         "seconds": seconds, "bytes": int(moved), "fraction_of_copy_bandwidth": moved / bandwidth
+                         / seconds})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -330,7 +400,15 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
+    parser.add_argument("--fp4-gemm", choices=("auto", "stream", "tiles"), default="auto",
+                        help="the FP4 expert GEMM of the layer rows (OPENINFER_DSV4_FP4_GEMM)")
+    parser.add_argument("--attention-splits", default="1",
+                        help="sparse attention runs of keys for the layer rows: 1, auto or a count "
+                             "(OPENINFER_DSV4_ATTENTION_SPLITS)")
+    parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
+    os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # both read when the plugin's cuda modules load
+    os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
     import cupy
     from openinfer_deepseek_v4.config import DeepseekV4Config
 
@@ -344,7 +422,7 @@ def main() -> None:
                                            DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [0, 0]}))
     rows: list[dict] = []
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "gpu_dsv4_kernels.json"
+    out = RESULTS / f"{args.name}.json"
     for kind in RATES:
         for batch in batches:
             for context in contexts:
@@ -353,7 +431,8 @@ def main() -> None:
                 cupy.get_default_memory_pool().free_all_blocks()
                 report = {"gpu": backend.device_name, "cupy": cupy.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                          "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)", "rows": rows}
+                          "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
+                          "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits, "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
     parts = []
     for kind in RATES:
@@ -362,6 +441,8 @@ def main() -> None:
             print(json.dumps(parts[-1]), flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
     report["breakdown"] = parts
+    out.write_text(json.dumps(report, indent=1))
+    report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
     out.write_text(json.dumps(report, indent=1))
     plot(rows, out.with_suffix(".png"))
     if os.environ.get("OUT"):

@@ -4,12 +4,26 @@
 //            (values 0 .5 1 1.5 2 3 4 6, bit 3 the sign)
 //   scales   [E, N, K/32] uint8: e8m0, 2^(s − 127), one per 32 inputs of a row
 //
-// moe_fp4_grouped_gemm reads the routing of moe.cu's moe_sort (sorted_slots, tile_expert,
-// tile_row, num_tiles, offsets) and writes rows in the same sorted order, so moe_combine
-// finishes the layer unchanged. A 64×64 output tile per block: each 64-wide K step decodes the
-// weight tile to bf16 in shared memory (a scale per 32 codes) and multiplies it with tensor
-// cores (mma.sync m16n8k16, bf16 in, fp32 accumulate; the tile steps of mma.cuh, as moe.cu's
-// grouped GEMM). K must be a multiple of 32.
+// Both GEMMs read the routing of moe.cu's moe_sort (sorted_slots, tile_expert, tile_row,
+// num_tiles, offsets: tiles of at most 64 rows of one expert) and write rows in the same sorted
+// order, so moe_combine finishes the layer unchanged. K must be a multiple of 32.
+//
+// e2m1 → bf16 without a table: a code's three magnitude bits moved to bits 6..8 of a bf16 (the
+// sign to bit 15) read as m · 2^−126 for every code (0.5 is the one subnormal), so one bf16
+// multiply by 2^(s − 1) gives the scaled weight exactly (two multiplies, 2^126 then 2^(s − 127),
+// when s > 128 would overflow 2^(s − 1)). A 32-bit word of 8 codes becomes 4 bf16x2 registers
+// in 11 integer instructions; the pairs come out as (k, k + 4), (k + 1, k + 5), ... and the
+// activations are paired the same way.
+//
+// moe_fp4_grouped_gemm (any row count): a 64×64 output tile per block; each 64-wide K step
+// decodes the weight tile to bf16 in shared memory and multiplies it with tensor cores
+// (mma.sync m16n8k16, the tile steps of mma.cuh, as moe.cu's grouped GEMM).
+//
+// moe_fp4_stream_gemm (few rows per expert: decode): weights are the mma's A operand straight
+// from registers — each warp owns 16 weight rows, each lane streams 16-byte loads (32 codes =
+// one scale group) several K steps ahead — and the tile's rows (≤ 64 tokens, 8 per mma column
+// block) are the B operand, staged in shared memory 128 k at a time by cp.async. The weight is
+// read once per tile with no shared-memory round trip and no wasted MMA rows.
 //
 // swiglu_clamp: out = silu(min(gate, limit)) · clamp(up, −limit, limit) of fused [rows, 2I] rows
 // (gate first); limit ≤ 0 means no clamp.
@@ -19,10 +33,63 @@
 #define PAD 8
 #define THREADS MMA_TILE_THREADS
 
-__device__ __forceinline__ float e2m1_value(unsigned code) {
-    const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    return (code & 8u) ? -magnitude[code & 7u] : magnitude[code & 7u];
+// ---- e2m1 decoding ----------------------------------------------------------------------------
+
+// Codes 8j .. 8j+7 of `word` (nibble i = code i) as bf16x2 pairs of m · 2^−126:
+// pairs[i] = (code i, code i + 4), i = 0..3.
+__device__ __forceinline__ void fp4x8_pairs(unsigned word, unsigned* pairs) {
+    pairs[0] = ((word << 6) & 0x01C001C0u) | ((word << 12) & 0x80008000u);
+    pairs[1] = ((word << 2) & 0x01C001C0u) | ((word << 8) & 0x80008000u);
+    pairs[2] = ((word >> 2) & 0x01C001C0u) | ((word << 4) & 0x80008000u);
+    pairs[3] = ((word >> 6) & 0x01C001C0u) | (word & 0x80008000u);
 }
+
+// 2^e as bf16 bits in both halves (e in −126 .. 127).
+__device__ __forceinline__ unsigned bf16x2_power_of_two(int e) {
+    const unsigned bits = (unsigned)(e + 127) << 7;
+    return bits | (bits << 16);
+}
+
+// a · b per bf16 half (exact here: powers of two times at most 2 significant bits).
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+#ifdef MMA_HOST_STANDIN
+    const auto half = [](unsigned v, int hi) {
+        return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(hi ? v >> 16 : v & 0xFFFFu)});
+    };
+    return pack_bf16x2(half(a, 0) * half(b, 0), half(a, 1) * half(b, 1));
+#else
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<unsigned*>(&r);
+#endif
+}
+
+// The scale of e8m0 `s` for fp4x8_pairs' values: 2^(s − 1) in `first` (s ≤ 128), or 2^126 in
+// `first` and 2^(s − 127) in `second` (2^(s − 1) would overflow bf16); `second` is 1 when unused.
+// Returns whether `second` is needed.
+__device__ __forceinline__ bool fp4_scale_factors(unsigned s, unsigned& first, unsigned& second) {
+    const bool twice = s > 128u;
+    first = bf16x2_power_of_two(twice ? 126 : (int)s - 1);
+    second = bf16x2_power_of_two(twice ? (int)s - 127 : 0);
+    return twice;
+}
+
+// 8 codes of one word, scaled, as 4 bf16x2 pairs (code i, code i + 4).
+__device__ __forceinline__ void fp4x8_scaled(unsigned word, unsigned first, unsigned second, bool twice,
+                                             unsigned* pairs) {
+    fp4x8_pairs(word, pairs);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = bf16x2_mul(pairs[i], first);
+    if (twice) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pairs[i] = bf16x2_mul(pairs[i], second);
+    }
+}
+
+// bf16x2 (lo half of a, lo half of b) and (hi of a, hi of b): PRMT on the device.
+__device__ __forceinline__ unsigned pair_low_halves(unsigned a, unsigned b) { return (a & 0xFFFFu) | (b << 16); }
+__device__ __forceinline__ unsigned pair_high_halves(unsigned a, unsigned b) { return (a >> 16) | (b & 0xFFFF0000u); }
+
+// ---- moe_fp4_grouped_gemm ---------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
@@ -51,12 +118,11 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
             if (n < N && k < K) {
                 const long long row = expert_rows + n;
                 const unsigned word = *reinterpret_cast<const unsigned*>(weight + row * (K / 2) + k / 2);
-                const float s = ldexpf(1.f, (int)scale[row * (K / 32) + k / 32] - 127);
-                float f[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) f[j] = e2m1_value((word >> (4 * j)) & 15u) * s;
-                v = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
-                               pack_bf16x2(f[6], f[7]));
+                unsigned first, second, p[4];
+                const bool twice = fp4_scale_factors(scale[row * (K / 32) + k / 32], first, second);
+                fp4x8_scaled(word, first, second, twice, p);  // (k, k+4), (k+1, k+5), ...: back to k order
+                v = make_uint4(pair_low_halves(p[0], p[1]), pair_low_halves(p[2], p[3]), pair_high_halves(p[0], p[1]),
+                               pair_high_halves(p[2], p[3]));
             }
             *reinterpret_cast<uint4*>(&b_tile[r][c]) = v;
         }
@@ -69,6 +135,219 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
     for (int i = threadIdx.x; i < TILE * TILE; i += THREADS) {
         const int r = i / TILE, c = i % TILE;
         if (r < rows && n0 + c < N) out[(long long)(row_begin + r) * N + n0 + c] = __float2bfloat16_rn(c_tile[r][c]);
+    }
+}
+
+// ---- moe_fp4_stream_gemm ----------------------------------------------------------------------
+
+#define STREAM_WARPS 4
+#define STREAM_THREADS (STREAM_WARPS * 32)  // = 8 rows × 16 copies of 16 bytes: one staged row chunk per step
+#define STREAM_N (16 * STREAM_WARPS)  // weight rows (output columns) per block
+#define STREAM_K 128                  // k per step: 4 lanes × one 32-code scale group
+#define STREAM_DEPTH 3                // K steps of weights in flight per lane
+#define STREAM_TOKENS TILE            // rows of a moe_sort tile
+#ifndef STREAM_CHUNKS
+#define STREAM_CHUNKS (STREAM_TOKENS / 8)  // 8-token column blocks kept: the launcher's bound on rows per tile
+#endif
+// Blocks per SM the registers must allow (ptxas otherwise picked 96 registers and spilled at 1 chunk)
+#define STREAM_MIN_BLOCKS (STREAM_CHUNKS > 4 ? 3 : 4)
+#ifdef MMA_HOST_STANDIN  // the host stand-in's __launch_bounds__ takes one argument
+#define STREAM_LAUNCH_BOUNDS __launch_bounds__(STREAM_THREADS)
+#else
+#define STREAM_LAUNCH_BOUNDS __launch_bounds__(STREAM_THREADS, STREAM_MIN_BLOCKS)
+#endif
+// The staged rows: per token, 4 groups of 32 bf16 (64 B) each followed by 16 B of padding, so
+// a quarter warp's 16-byte reads (2 tokens × 4 groups) hit 8 distinct bank quads.
+#define X_GROUP_BYTES 80
+#define X_ROW_BYTES (4 * X_GROUP_BYTES)
+
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
+    for (int i = 0; i < 16; ++i) smem[i] = valid ? gmem[i] : 0;
+}
+__device__ __forceinline__ void stage_wait() {}
+#else
+__device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
+    cp_async16(reinterpret_cast<bf16*>(smem), reinterpret_cast<const bf16*>(gmem), valid);
+}
+__device__ __forceinline__ void stage_wait() {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+#endif
+
+// One lane's share of a K step: 32 codes (16 bytes) and the scale of weight rows g and g + 8.
+struct StreamWeights {
+    uint4 lo, hi;
+    unsigned scale_lo, scale_hi;
+};
+
+// Where a lane reads its weights: rows g and g + 8 of its warp at its 32-code group of step 0
+// (null: a row past N, read as zeros); each step moves 64 code bytes and 4 scales on.
+struct StreamCursor {
+    const unsigned char* codes_lo;
+    const unsigned char* codes_hi;
+    const unsigned char* scale_lo;
+    const unsigned char* scale_hi;
+};
+
+__device__ __forceinline__ StreamWeights load_stream_weights(const StreamCursor& at, int step, bool group_ok) {
+    StreamWeights w{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), 127u, 127u};
+    if (group_ok && at.codes_lo) {
+        w.lo = *reinterpret_cast<const uint4*>(at.codes_lo + 64 * step);
+        w.scale_lo = at.scale_lo[4 * step];
+    }
+    if (group_ok && at.codes_hi) {
+        w.hi = *reinterpret_cast<const uint4*>(at.codes_hi + 64 * step);
+        w.scale_hi = at.scale_hi[4 * step];
+    }
+    return w;
+}
+
+// The thread's 16-byte copies of a step's staged rows: copy j is row 8j + tid / 16 (a chunk
+// each), values 8 · (tid % 16) .. +7 of the step's 128 k; `source[j]` is that row's step-0
+// address (null: a padding row, staged as zeros).
+struct StageCursor {
+    const bf16* source[STREAM_CHUNKS];
+    const bf16* any_row;  // a valid address for the zero-filling copies (they read no bytes)
+    int offset;  // bytes into a staging buffer of copy 0 (copy j: + 8j rows)
+    int k;       // the copies' first k at step 0
+};
+
+__device__ __forceinline__ void stage_rows(const StageCursor& at, int chunks, int step, int K, unsigned char* buffer) {
+    const int k = at.k + step * STREAM_K;
+#pragma unroll
+    for (int j = 0; j < STREAM_CHUNKS; ++j) {
+        if (j < chunks) {
+            const bool valid = at.source[j] != nullptr && k < K;
+            stage16(buffer + at.offset + 8 * j * X_ROW_BYTES,
+                    reinterpret_cast<const unsigned char*>(valid ? at.source[j] + step * STREAM_K : at.any_row), valid);
+        }
+    }
+}
+
+// acc[c] += W[16 rows, this step's 128 k] · X[8 tokens of chunk c, same k]^T for c < chunks.
+// The lane's 64 codes are decoded once (32 registers), then multiplied with each chunk.
+__device__ __forceinline__ void stream_step(float (&acc)[STREAM_CHUNKS][4], const StreamWeights& w,
+                                            const unsigned char* buffer, int chunks, int g, int q) {
+    unsigned lo_first, lo_second, hi_first, hi_second;
+    const bool twice = fp4_scale_factors(w.scale_lo, lo_first, lo_second) | fp4_scale_factors(w.scale_hi, hi_first,
+                                                                                                hi_second);
+    const unsigned lo_words[4] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w}, hi_words[4] = {w.hi.x, w.hi.y, w.hi.z, w.hi.w};
+    // frag[m][h]: the A fragment of mma k-step (m, h); its columns (2q, 2q+1, 2q+8, 2q+9) are
+    // k (8m + 2h, 8m + 2h + 4, 8m + 2h + 1, 8m + 2h + 5) of the lane's 32-code group
+    unsigned frag[4][2][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        unsigned lo[4], hi[4];
+        fp4x8_pairs(lo_words[m], lo);
+        fp4x8_pairs(hi_words[m], hi);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            frag[m][h][0] = bf16x2_mul(lo[2 * h], lo_first);
+            frag[m][h][1] = bf16x2_mul(hi[2 * h], hi_first);
+            frag[m][h][2] = bf16x2_mul(lo[2 * h + 1], lo_first);
+            frag[m][h][3] = bf16x2_mul(hi[2 * h + 1], hi_first);
+        }
+    }
+    if (twice) {  // scales above 2^1: a second factor (1 for the row that needs none)
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) frag[m][h][i] = bf16x2_mul(frag[m][h][i], (i & 1) ? hi_second : lo_second);
+    }
+#pragma unroll
+    for (int c = 0; c < STREAM_CHUNKS; ++c) {
+        if (c < chunks) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                // 8 staged values x0..x7 of token 8c + g at k 8m.. of the lane's group, paired as the codes
+                const uint4 x = *reinterpret_cast<const uint4*>(buffer + (8 * c + g) * X_ROW_BYTES + q * X_GROUP_BYTES +
+                                                                m * 16);
+                mma_bf16_16816(acc[c], frag[m][0], pair_low_halves(x.x, x.z), pair_high_halves(x.x, x.z));
+                mma_bf16_16816(acc[c], frag[m][1], pair_low_halves(x.y, x.w), pair_high_halves(x.y, x.w));
+            }
+        }
+    }
+}
+
+// grid (⌈N / 64⌉, max_tiles), STREAM_THREADS threads; warp w owns weight rows n0 + 16w .. +15.
+// A tile's rows are taken 8·STREAM_CHUNKS at a time (one pass over the weights each): the
+// launcher picks STREAM_CHUNKS to cover the most rows a tile can hold in its step.
+extern "C" __global__ void STREAM_LAUNCH_BOUNDS
+moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                    const unsigned char* __restrict__ weight, const unsigned char* __restrict__ scale,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ num_tiles, const int* __restrict__ offsets,
+                    bf16* __restrict__ out, int N, int K) {
+    __shared__ __align__(16) unsigned char staged[2][8 * STREAM_CHUNKS * X_ROW_BYTES];
+    __shared__ int a_rows[8 * STREAM_CHUNKS];
+    const int tile = blockIdx.y;
+    if (tile >= *num_tiles) return;
+    const int expert = tile_expert[tile];
+    const int tile_rows = min(STREAM_TOKENS, offsets[expert + 1] - tile_row[tile]);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int n_lo = blockIdx.x * STREAM_N + 16 * warp + g;
+    const long long row_lo = (long long)expert * N + n_lo;
+    const bool lo_ok = n_lo < N, hi_ok = n_lo + 8 < N;
+    const int groups = K / 32, steps = (K + STREAM_K - 1) / STREAM_K;
+    const StreamCursor weights{lo_ok ? weight + row_lo * (K / 2) + 16 * q : nullptr,
+                               hi_ok ? weight + (row_lo + 8) * (K / 2) + 16 * q : nullptr,
+                               scale + row_lo * groups + q, scale + (row_lo + 8) * groups + q};
+    for (int row_begin = tile_row[tile], done = 0; done < tile_rows; done += 8 * STREAM_CHUNKS, row_begin += 8 * STREAM_CHUNKS) {
+        const int rows = min(8 * STREAM_CHUNKS, tile_rows - done), chunks = (rows + 7) / 8;
+        __syncthreads();  // the previous pass is done with a_rows and the staging buffers
+        for (int r = threadIdx.x; r < 8 * STREAM_CHUNKS; r += STREAM_THREADS)
+            a_rows[r] = r < rows ? (sorted_slots ? sorted_slots[row_begin + r] / top_k : row_begin + r) : -1;
+        float acc[STREAM_CHUNKS][4] = {};
+        StreamWeights ring[STREAM_DEPTH];
+#pragma unroll
+        for (int d = 0; d < STREAM_DEPTH; ++d) ring[d] = load_stream_weights(weights, d, 4 * d + q < groups);
+        __syncthreads();  // a_rows
+        StageCursor stage;
+        {
+            const int r = threadIdx.x / (STREAM_K / 8), c8 = threadIdx.x % (STREAM_K / 8);
+            stage.offset = r * X_ROW_BYTES + (c8 / 4) * X_GROUP_BYTES + (c8 % 4) * 16;
+            stage.k = 8 * c8;
+            stage.any_row = a;
+#pragma unroll
+            for (int j = 0; j < STREAM_CHUNKS; ++j) {
+                const int src = a_rows[8 * j + r];
+                stage.source[j] = src >= 0 ? a + (long long)src * K + stage.k : nullptr;
+            }
+        }
+        stage_rows(stage, chunks, 0, K, staged[0]);
+        stage_wait();
+        __syncthreads();
+        for (int s0 = 0; s0 < steps; s0 += STREAM_DEPTH) {
+#pragma unroll
+            for (int d = 0; d < STREAM_DEPTH; ++d) {  // unrolled: ring[d] stays in registers
+                const int s = s0 + d;
+                if (s < steps) {  // the same for every thread of the block
+                    if (s + 1 < steps) stage_rows(stage, chunks, s + 1, K, staged[(s + 1) & 1]);
+                    const StreamWeights current = ring[d];
+                    const int ahead = s + STREAM_DEPTH;
+                    if (ahead < steps) ring[d] = load_stream_weights(weights, ahead, 4 * ahead + q < groups);
+                    stream_step(acc, current, staged[s & 1], chunks, g, q);
+                    stage_wait();
+                    __syncthreads();
+                }
+            }
+        }
+        // acc[c] = weight rows (n_lo, n_lo + 8) × tokens (8c + 2q, 8c + 2q + 1)
+#pragma unroll
+        for (int c = 0; c < STREAM_CHUNKS; ++c) {
+            if (c < chunks) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int token = 8 * c + 2 * q + (e & 1), n = n_lo + 8 * (e >> 1);
+                    if (token < rows && n < N)
+                        out[(long long)(row_begin + token) * N + n] = __float2bfloat16_rn(acc[c][e]);
+                }
+            }
+        }
     }
 }
 

@@ -8,10 +8,19 @@ Expert formats, per layer and projection (``stack_experts`` picks the first that
     bf16  [E, N, K]                                          core moe.cu (anything else, dequantised)
 
 ``gate_up`` stacks w1 over w3 (gate rows first); ``down`` is w2. Imported only on a CUDA machine.
+
+FP4 experts take one of moe_fp4.cu's two GEMMs per step:
+
+    stream  steps of at most STREAM_MAX_TOKENS tokens (decode): weights streamed from registers as
+            the MMA's A operand, read once per tile; the tile's rows in passes of 8 or 16
+    tiles   larger steps (prefill): 64×64 output tiles, the weight tile decoded into shared memory
+
+``OPENINFER_DSV4_FP4_GEMM=stream|tiles`` forces one of them (benchmarks compare the two).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +37,21 @@ from openinfer.quant import e8m0_to_float32
 FP4_GROUP = 32
 TILE = 64  # moe_fp4.cu's output tile
 THREADS = 128
+STREAM_N = 64  # moe_fp4.cu: weight rows per stream block (4 warps × 16)
+STREAM_THREADS = 128
+STREAM_MAX_TOKENS = 256  # steps up to this many tokens take the stream kernel
+FP4_GEMM_METHODS = ("auto", "stream", "tiles")
 NULL = np.uint64(0)
+
+
+def _fp4_gemm_setting() -> str:
+    method = os.environ.get("OPENINFER_DSV4_FP4_GEMM", "auto")
+    if method not in FP4_GEMM_METHODS:
+        raise ValueError(f"OPENINFER_DSV4_FP4_GEMM={method!r}: expected one of {', '.join(FP4_GEMM_METHODS)}")
+    return method
+
+
+FP4_GEMM = _fp4_gemm_setting()
 
 
 @dataclass
@@ -51,6 +74,7 @@ class DeviceMoELayer:
     tid2eid: cupy.ndarray | None  # [vocab, k] int64
     gate_up: Any  # Fp4Experts | core ExpertLinear
     down: Any
+    distinct_experts: bool = True  # a token's k slots never share an expert (bounds rows per expert)
 
 
 def _stack_projection(ckpt: Any, modules: list[list[str]], shape: tuple[int, int]) -> Any:
@@ -90,15 +114,36 @@ def stack_experts(ckpt: Any, prefixes: list[str], hidden: int, inter: int) -> tu
 
 def device_layer(layer: MoEWeights, ops: Any) -> DeviceMoELayer:
     gate_up, down = layer.stacked
+    distinct = True  # score routing picks k different experts; a hash table may repeat one in a row
+    if layer.tid2eid is not None and layer.tid2eid.shape[1] > 1:
+        table = np.sort(np.asarray(layer.tid2eid), axis=1)
+        distinct = bool(np.all(table[:, 1:] != table[:, :-1]))
     return DeviceMoELayer(
         ops.weight(np.asarray(layer.gate, np.float32)),
         None if layer.correction_bias is None else cupy.asarray(layer.correction_bias, np.float32),
-        None if layer.tid2eid is None else cupy.asarray(layer.tid2eid, np.int64), gate_up, down)
+        None if layer.tid2eid is None else cupy.asarray(layer.tid2eid, np.int64), gate_up, down, distinct)
+
+
+def fp4_gemm_method(a: cupy.ndarray, weight: Fp4Experts, num_tokens: int, method: str | None = None) -> str:
+    """``stream`` or ``tiles`` for a step of ``num_tokens`` tokens (``method``: None follows
+    ``OPENINFER_DSV4_FP4_GEMM``, ``auto`` picks by the step's size). The stream kernel's
+    16-byte row copies need 16-byte aligned rows of ``a`` and of the codes."""
+    method = FP4_GEMM if method is None else method
+    if method not in FP4_GEMM_METHODS:
+        raise ValueError(f"FP4 GEMM method {method!r}: expected one of {', '.join(FP4_GEMM_METHODS)}")
+    aligned = a.data.ptr % 16 == 0 and weight.codes.data.ptr % 16 == 0
+    if method == "tiles" or not aligned:
+        return "tiles"
+    if method == "stream":
+        return "stream"
+    return "stream" if num_tokens <= STREAM_MAX_TOKENS else "tiles"
 
 
 def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.ExpertGroupingDevice,
-                     gather: bool) -> cupy.ndarray:
-    """``core_moe.grouped_gemm`` for FP4 weights: rows in expert order, ``[T·k, N]`` bf16."""
+                     gather: bool, distinct_experts: bool = True, method: str | None = None) -> cupy.ndarray:
+    """``core_moe.grouped_gemm`` for FP4 weights: rows in expert order, ``[T·k, N]`` bf16.
+    ``distinct_experts``: no token routes two slots to one expert, so an expert's rows are at
+    most the step's tokens (the stream kernel sizes its passes by that bound)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -106,17 +151,25 @@ def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.Exp
     a = cupy.ascontiguousarray(a)
     if a.shape[1] != weight.in_features:
         raise ValueError(f"fp4 experts take {weight.in_features} inputs, got rows of {a.shape[1]}")
-    kernel("moe_fp4.cu", "moe_fp4_grouped_gemm")(
-        (grouping.max_tiles, -(-weight.out_features // TILE)), (THREADS,),
-        (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.codes, weight.scales,
-         grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, out,
-         np.int32(weight.out_features), np.int32(weight.in_features)))
+    num_tokens = num_slots // grouping.top_k
+    args = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.codes, weight.scales,
+            grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, out,
+            np.int32(weight.out_features), np.int32(weight.in_features))
+    if fp4_gemm_method(a, weight, num_tokens, method) == "stream":
+        rows_per_expert = num_tokens if distinct_experts else num_slots
+        chunks = 1 if rows_per_expert <= 8 else 2  # more rows than 16: further passes over the weights
+        kernel("moe_fp4.cu", "moe_fp4_stream_gemm", STREAM_CHUNKS=chunks)(
+            (-(-weight.out_features // STREAM_N), grouping.max_tiles), (STREAM_THREADS,), args)
+    else:
+        kernel("moe_fp4.cu", "moe_fp4_grouped_gemm")(
+            (grouping.max_tiles, -(-weight.out_features // TILE)), (THREADS,), args)
     return out
 
 
-def grouped_gemm(a: cupy.ndarray, weight: Any, grouping: core_moe.ExpertGroupingDevice, gather: bool) -> cupy.ndarray:
+def grouped_gemm(a: cupy.ndarray, weight: Any, grouping: core_moe.ExpertGroupingDevice, gather: bool,
+                 distinct_experts: bool = True) -> cupy.ndarray:
     if isinstance(weight, Fp4Experts):
-        return fp4_grouped_gemm(a, weight, grouping, gather)
+        return fp4_grouped_gemm(a, weight, grouping, gather, distinct_experts)
     return core_moe.grouped_gemm(a, weight, grouping, gather)
 
 
@@ -150,8 +203,9 @@ def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELay
     else:
         held = rank.expert.experts(layer.router.num_experts)
         grouping = local_grouping(ids, weights, held)
-    hidden = grouped_gemm(x, device.gate_up, grouping, gather=True)
-    y = grouped_gemm(swiglu_clamp(hidden, layer.swiglu_limit), device.down, grouping, gather=False)
+    hidden = grouped_gemm(x, device.gate_up, grouping, gather=True, distinct_experts=device.distinct_experts)
+    y = grouped_gemm(swiglu_clamp(hidden, layer.swiglu_limit), device.down, grouping, gather=False,
+                     distinct_experts=device.distinct_experts)
     if rank is None:
         return core_moe.combine(y, grouping, shared, int(x.shape[1]))
     y = zero_other_slots(y, grouping, held.stop - held.start)

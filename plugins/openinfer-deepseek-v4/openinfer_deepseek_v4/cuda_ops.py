@@ -8,6 +8,7 @@ and the ``gpu`` tests compare the two. Imported only on a CUDA machine.
 from __future__ import annotations
 
 import functools
+import os
 from importlib import resources
 from typing import Any
 
@@ -27,7 +28,36 @@ ENTRIES_PER_BLOCK = 256  # indexer keys scored per block (the token's q is loade
 INDEX_THREADS = 256
 MAX_INDEX_HEADS = 256
 ATTENTION_WARPS = 8  # heads per block (one warp each) once the step has enough tokens to fill the GPU
+MIN_KEYS_PER_RUN = 32  # split attention: a run of keys is worth a block only past this many
+MAX_ATTENTION_SPLITS = 16
 NULL = np.uint64(0)
+
+
+def _attention_splits_setting() -> str:
+    """``OPENINFER_DSV4_ATTENTION_SPLITS``: ``1`` (default: one run of keys per block), ``auto``
+    (split while the step's blocks do not fill the GPU twice over) or a fixed count."""
+    value = os.environ.get("OPENINFER_DSV4_ATTENTION_SPLITS", "1")
+    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_ATTENTION_SPLITS):
+        raise ValueError(f"OPENINFER_DSV4_ATTENTION_SPLITS={value!r}: expected auto or 1..{MAX_ATTENTION_SPLITS}")
+    return value
+
+
+ATTENTION_SPLITS = _attention_splits_setting()
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"])
+
+
+def attention_splits(blocks: int, max_keys: int, setting: str | int | None = None) -> int:
+    """Runs of keys per (token, head block) for ``sparse_attention``: ``blocks`` = tokens × head
+    blocks, ``max_keys`` the most keys a token can attend to (window + picks or entries)."""
+    setting = ATTENTION_SPLITS if setting is None else setting
+    if setting != "auto":
+        return max(1, min(int(setting), MAX_ATTENTION_SPLITS))
+    wanted = -(-2 * _multiprocessors() // max(blocks, 1))
+    return max(1, min(wanted, -(-max_keys // MIN_KEYS_PER_RUN), MAX_ATTENTION_SPLITS))
 
 
 @functools.cache
@@ -101,9 +131,11 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
                      entry_cache: cupy.ndarray | None, entry_tables: cupy.ndarray | None,
                      selected: cupy.ndarray | None, rate: int, token_seq: cupy.ndarray, positions: cupy.ndarray,
                      sinks: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, window: int,
-                     block_size: int) -> cupy.ndarray:
+                     block_size: int, splits: str | int | None = None) -> cupy.ndarray:
     """``attention.attend`` for every token and head: [T, heads, dim] bf16. ``entry_cache`` None:
-    sliding only; ``selected`` None: every visible entry (HCA); else the indexer's picks (CSA)."""
+    sliding only; ``selected`` None: every visible entry (HCA); else the indexer's picks (CSA).
+    ``splits`` (None: ``OPENINFER_DSV4_ATTENTION_SPLITS``): runs of keys per token and head
+    block, merged by ``dsv4_attention_combine`` when more than one."""
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(dim, "head_dim")
@@ -117,14 +149,25 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     num_selected = 0 if selected is None else _check(selected, np.int32, 2, "selected").shape[1]
     # few tokens: fewer heads per block, so more blocks share the work
     warps = ATTENTION_WARPS if tokens >= 16 else 2
+    head_blocks = -(-heads // warps)
+    max_keys = window + (0 if entry_cache is None else
+                         num_selected if selected is not None else entry_stride * block_size)
+    runs = attention_splits(tokens * head_blocks, max_keys, splits)
+    positions = _check(positions, np.int32, 1, "positions")
+    inv_freq = _check(inv_freq, np.float32, 1, "inv_freq")
+    partial = cupy.empty((tokens, heads, runs, dim + 2), np.float32) if runs > 1 else None
     kernel("dsv4_sparse_attention")(
-        (tokens, -(-heads // warps)), (32 * warps,),
+        (tokens, head_blocks, runs), (32 * warps,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
          np.int32(entry_stride), NULL if selected is None else selected, np.int32(num_selected), np.int32(max(rate, 1)),
-         _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
-         _check(sinks, np.float32, 1, "sinks"), _check(inv_freq, np.float32, 1, "inv_freq"), np.int32(rope_dim), out,
-         np.int32(heads), np.int32(dim), np.int32(window), np.int32(block_size), np.float32(dim**-0.5)))
+         _check(token_seq, np.int32, 1, "token_seq"), positions, _check(sinks, np.float32, 1, "sinks"), inv_freq,
+         np.int32(rope_dim), out, np.int32(heads), np.int32(dim), np.int32(window), np.int32(block_size),
+         np.float32(dim**-0.5), NULL if partial is None else partial))
+    if partial is not None:
+        kernel("dsv4_attention_combine")((tokens, head_blocks), (32 * warps,),
+                                         (partial, np.int32(runs), positions, inv_freq, np.int32(rope_dim), out,
+                                          np.int32(heads), np.int32(dim)))
     return out
 
 

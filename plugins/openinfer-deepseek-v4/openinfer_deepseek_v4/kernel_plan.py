@@ -20,12 +20,16 @@ compressor (entries +    ``attention.compress`` per sequence     ``dsv4_compress
                                                                  ``dsv4_compress_state`` (state slots)
 indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_scores`` / ``dsv4_topk``
 sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
-  + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory)
+  + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory;
+                                                                 opt-in split over keys +
+                                                                 ``dsv4_attention_combine``)
 grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
 MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
   (sqrt-softplus, hash)                                          sqrt-softplus, on the device)
 MoE experts              core ``run_experts`` (per expert        ``cuda_experts``: FP4 → core
-                         GEMMs, clamped SwiGLU)                  ``moe_fp4.cu`` grouped GEMM; FP8 / bf16
+                         GEMMs, clamped SwiGLU)                  ``moe_fp4.cu`` (``moe_fp4_stream_gemm``
+                                                                 for ≤ 256 tokens, else the tiled
+                                                                 ``moe_fp4_grouped_gemm``); FP8 / bf16
                                                                  → core ``moe.cu``; ``swiglu_clamp``
 =======================  ======================================  =====================================
 
@@ -40,8 +44,8 @@ keys are paged (block tables per KV cache group); each compressor's open window 
 
 Status: both columns serve (``device=cpu`` / ``device=cuda``). The CUDA model matches the NumPy
 reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100);
-speed (``benchmarks/gpu_dsv4_kernels.py``) is 5–11 % of the HBM roofline per layer, the FP4
-grouped GEMM and core's router taking most of a step.
+speed (``benchmarks/gpu_dsv4_kernels.py``, H100) was 5–11 % of the HBM roofline per layer before
+the FP4 stream GEMM, the tiled FP4 GEMM taking most of a step; the new kernels await a GPU run.
 """
 
 from __future__ import annotations

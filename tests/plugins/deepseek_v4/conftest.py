@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.plugins.deepseek_v4.dsv4_helpers import TINY_DSV4, TINY_DSV4_5X, make_hf_model, save_hf
+from tests.plugins.deepseek_v4.dsv4_helpers import MID_DSV4, TINY_DSV4, TINY_DSV4_5X, make_hf_model, save_hf
 
 
 def prompt(length: int = 140, seed: int = 0) -> list[int]:
@@ -26,3 +26,10 @@ def tiny_5x(tmp_path_factory) -> tuple[Path, Any]:
     """The transformers 5.x spelling (layer_types, compress_rates with HCA 16, rope_parameters)."""
     hf, config = make_hf_model(seed=3, base=TINY_DSV4_5X)
     return save_hf(hf, config, tmp_path_factory.mktemp("dsv4-5x")), hf
+
+
+@pytest.fixture(scope="session")
+def mid(tmp_path_factory) -> Path:
+    """A mid-size random checkpoint (``MID_DSV4``, HF-saved names)."""
+    hf, config = make_hf_model(seed=5, base=MID_DSV4)
+    return save_hf(hf, config, tmp_path_factory.mktemp("dsv4-mid"))

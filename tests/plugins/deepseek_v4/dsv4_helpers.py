@@ -59,6 +59,18 @@ TINY_DSV4: dict[str, Any] = {
     "num_nextn_predict_layers": 1,
 }
 
+# A mid-size config for the GPU's bf16 teacher-forced check: every layer kind (sliding, CSA,
+# HCA), a hash layer, widths where bf16 rounding behaves as at scale (head_dim 128, 16 experts).
+MID_DSV4: dict[str, Any] = {
+    **TINY_DSV4, "vocab_size": 4096, "hidden_size": 512, "num_attention_heads": 8, "head_dim": 128,
+    "qk_rope_head_dim": 32, "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 128, "moe_intermediate_size": 256,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "num_hash_layers": 1, "sliding_window": 32,
+    "index_n_heads": 8, "index_head_dim": 64, "index_topk": 16, "swiglu_limit": 10.0,
+    "max_position_embeddings": 2048,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1},
+}
+
 # The transformers 5.x spelling, with an HCA rate small enough for several HCA windows.
 TINY_DSV4_5X: dict[str, Any] = {
     **{k: v for k, v in TINY_DSV4.items()

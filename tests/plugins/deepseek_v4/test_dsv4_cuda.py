@@ -79,8 +79,10 @@ def test_indexer_scores_and_top_k(ops):
         assert set(got[got >= 0].tolist()) == set(np.asarray(want).tolist())
 
 
+@pytest.mark.parametrize("splits", [1, 4, "auto"])
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-def test_sparse_attention(ops, mode):
+def test_sparse_attention(ops, mode, splits):
+    """Also split over keys (runs merged by dsv4_attention_combine): 4 runs, and ``auto``."""
     rng = np.random.default_rng(2)
     heads, dim, window, rate, block_size, rope_dim, num_selected = 8, 512, 128, 4, 16, 64, 16
     positions = np.array([0, 77, 300, 301, 40], np.int32)
@@ -95,7 +97,7 @@ def test_sparse_attention(ops, mode):
         dev_bf16(q), dev_bf16(window_cache), cupy.asarray(window_tables),
         None if mode == "sliding" else dev_bf16(entry_cache), None if mode == "sliding" else cupy.asarray(entry_tables),
         cupy.asarray(selected) if mode == "csa" else None, rate, cupy.asarray(token_seq), cupy.asarray(positions),
-        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size)
+        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size, splits=splits)
     out = host(out)
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
@@ -139,3 +141,114 @@ def test_fp4_expert_linear(ops):
     y = ops.quantized_linear(dev_bf16(x), cupy.asarray(codes), cupy.asarray(scales), 2048, "fp4")
     expected = x @ dequantize_fp4_e2m1(codes, scales).T
     np.testing.assert_allclose(host(y), expected, rtol=2e-2, atol=0.5)
+
+
+# --- the MoE layer's FP4 expert GEMMs (core kernels/moe_fp4.cu) ---------------------------------
+
+def fp4_experts(rng, num_experts: int, out_features: int, in_features: int):
+    """Quantised random experts: (device Fp4Experts, host dequantised [E, N, K] fp32)."""
+    from openinfer_deepseek_v4.cuda_experts import Fp4Experts
+
+    codes, scales, dense = [], [], []
+    for _ in range(num_experts):
+        c, s = quantize_fp4_e2m1(0.05 * rng.standard_normal((out_features, in_features)).astype(np.float32))
+        codes.append(c)
+        scales.append(s)
+        dense.append(dequantize_fp4_e2m1(c, s))
+    return (Fp4Experts(cupy.asarray(np.stack(codes)), cupy.asarray(np.stack(scales)), out_features, in_features),
+            np.stack(dense))
+
+
+def distinct_ids(rng, tokens: int, num_experts: int, top_k: int) -> np.ndarray:
+    return np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("method", ["stream", "tiles"])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+def test_fp4_grouped_gemms(ops, method, tokens):
+    """Both FP4 GEMMs at V4-Flash's widths (K 4096, gate_up-sized N) against the NumPy
+    composition, gathering token rows (gate_up) and on sorted rows (down); 300 tokens put ~225
+    rows on each expert (several tiles, several stream passes)."""
+    from openinfer_deepseek_v4.cuda_experts import fp4_grouped_gemm
+
+    from openinfer.backend.cuda import moe as core_moe
+
+    rng = np.random.default_rng(10 + tokens)
+    num_experts, top_k, out_features, in_features = 8, 6, 1536, 4096
+    experts, dense = fp4_experts(rng, num_experts, out_features, in_features)
+    ids = distinct_ids(rng, tokens, num_experts, top_k)
+    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)),
+                                        num_experts)
+    sorted_slots = host(grouping.sorted_slots)
+    x = bf16(rng.standard_normal((tokens, in_features)))
+    rows = bf16(rng.standard_normal((tokens * top_k, in_features)))
+    gathered = host(fp4_grouped_gemm(dev_bf16(x), experts, grouping, gather=True, method=method))
+    direct = host(fp4_grouped_gemm(dev_bf16(rows), experts, grouping, gather=False, method=method))
+    expert_of = ids.reshape(-1)[sorted_slots]
+    expected_gathered = np.zeros(gathered.shape, np.float64)
+    expected_direct = np.zeros(direct.shape, np.float64)
+    for e in range(num_experts):
+        at = np.flatnonzero(expert_of == e)
+        weight = dense[e].T.astype(np.float64)
+        expected_gathered[at] = x[sorted_slots[at] // top_k] @ weight
+        expected_direct[at] = rows[at] @ weight
+    for got, want in ((gathered, expected_gathered), (direct, expected_direct)):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("method", ["stream", "tiles"])
+def test_fp4_decode_every_code_exact(ops, method):
+    """Each weight row one e2m1 code throughout and one scale (2^0, 2^-9, 2^2, 2^4): the outputs
+    are exact sums — ±0.5, a bf16 subnormal before the scale multiply, must not flush to zero."""
+    from openinfer_deepseek_v4.cuda_experts import Fp4Experts, fp4_grouped_gemm
+
+    from openinfer.backend.cuda import moe as core_moe
+
+    in_features = 256
+    codes_per_row, scale_values = np.arange(16, dtype=np.uint8), np.array([127, 118, 129, 131], np.uint8)
+    out_features = codes_per_row.size * scale_values.size
+    codes = np.repeat(np.repeat(codes_per_row, scale_values.size)[:, None] * np.uint8(17), in_features // 2, axis=1)
+    scales = np.repeat(np.tile(scale_values, codes_per_row.size)[:, None], in_features // 32, axis=1)
+    experts = Fp4Experts(cupy.asarray(codes[None]), cupy.asarray(scales[None]), out_features, in_features)
+    x = np.zeros((3, in_features), np.float32)
+    x[0, 0], x[1, 1::2], x[2] = 1.0, 0.25, -1.0
+    grouping = core_moe.group_by_expert(cupy.zeros((3, 1), cupy.int32), cupy.ones((3, 1), cupy.float32), 1)
+    out = host(fp4_grouped_gemm(dev_bf16(x), experts, grouping, gather=True, method=method))
+    np.testing.assert_array_equal(out, x @ dequantize_fp4_e2m1(codes, scales).T)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_fp4_moe_layer(ops, tokens):
+    """``cuda_experts.moe_layer`` (device routing, grouping, both FP4 GEMMs, clamped SwiGLU,
+    combine, shared expert) against the NumPy composition on the device's own routing."""
+    from openinfer_deepseek_v4.cuda_experts import device_layer, moe_layer
+
+    from openinfer import create_backend
+    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.moe import ExpertWeights, MoEWeights, RouterSpec, swiglu
+
+    backend = create_backend("cuda")
+    rng = np.random.default_rng(20 + tokens)
+    num_experts, top_k, hidden, inter, limit = 16, 6, 1024, 512, 1.5
+    gate_up, gate_up_dense = fp4_experts(rng, num_experts, 2 * inter, hidden)
+    down, down_dense = fp4_experts(rng, num_experts, hidden, inter)
+    shared_gate_up = bf16(0.05 * rng.standard_normal((2 * inter, hidden)))
+    shared_down = bf16(0.05 * rng.standard_normal((hidden, inter)))
+    router = RouterSpec(num_experts=num_experts, top_k=top_k, scoring="sqrtsoftplus", routed_scaling_factor=1.5)
+    layer = MoEWeights(router=router, gate=(hidden**-0.5 * rng.standard_normal((num_experts, hidden))).astype(np.float32),
+                       experts=[None] * num_experts, correction_bias=(0.01 * rng.standard_normal(num_experts)).astype(
+                           np.float32),
+                       shared=ExpertWeights(backend.linear_weight(shared_gate_up), backend.linear_weight(shared_down)),
+                       swiglu_limit=limit, stacked=(gate_up, down))
+    device = device_layer(layer, backend)
+    x = bf16(rng.standard_normal((tokens, hidden)))
+    x_dev = dev_bf16(x)
+    out = host(moe_layer(backend, x_dev, layer, device, cupy.zeros(tokens, cupy.int32)))
+    ids, weights = (host(a) for a in core_moe.route(x_dev, device.gate, router, device.correction_bias))
+    expected = bf16(swiglu(bf16(x @ shared_gate_up.T), limit)) @ shared_down.T
+    for t in range(tokens):
+        for j in range(top_k):
+            e = ids[t, j]
+            hidden_e = bf16(swiglu(bf16(x[t : t + 1] @ gate_up_dense[e].T), limit))
+            expected[t] += weights[t, j] * bf16(hidden_e @ down_dense[e].T)[0]
+    np.testing.assert_allclose(out, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())

@@ -108,8 +108,11 @@ def test_indexer_scores_and_top_k(harness, tmp_path):
         assert set(got[got >= 0].tolist()) == want and (got < 0).sum() == k - len(want)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-run", "split-3"])
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-def test_sparse_attention(harness, tmp_path, mode):
+def test_sparse_attention(harness, tmp_path, mode, splits):
+    """Split over keys (3 runs, some of them empty for the short rows, the sink in run 0 only)
+    and merged by dsv4_attention_combine equals the one-run kernel's reference too."""
     rng = np.random.default_rng({"sliding": 2, "hca": 3, "csa": 4}[mode])
     heads, dim, window, rate, block_size, rope_dim, num_selected = 4, 64, 8, 4, 4, 16, 3
     positions = np.array([0, 6, 21, 22, 30, 11], np.int32)
@@ -122,7 +125,7 @@ def test_sparse_attention(harness, tmp_path, mode):
     selected = np.stack([rng.permutation(np.arange(-1, 8))[:num_selected] for _ in positions]).astype(np.int32)
     r = rope(rope_dim, 160000.0)
     run(harness, tmp_path, "attention", len(positions), heads, dim, window, rate, block_size, wstride, estride,
-        num_selected, {"sliding": 0, "hca": 1, "csa": 2}[mode], rope_dim, dim**-0.5, q=float32_to_bf16(q),
+        num_selected, {"sliding": 0, "hca": 1, "csa": 2}[mode], rope_dim, dim**-0.5, splits, q=float32_to_bf16(q),
         window_cache=float32_to_bf16(window_cache), window_tables=window_tables,
         entry_cache=float32_to_bf16(entry_cache), entry_tables=entry_tables, selected=selected,
         token_seq=token_seq, positions=positions, sinks=sinks, inv_freq=r.inv_freq)
@@ -244,3 +247,100 @@ def test_compressor_step_and_state_over_chunks(harness, tmp_path, rate, overlap)
         expected, _ = compress(_ProjectionRows(width), rows[seq], weights, empty, 0, r, 1e-6)
         got = np.stack([cache[tables[seq][e // block_size] * block_size + e % block_size] for e in range(n // rate)])
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+# --- core kernels/moe_fp4.cu: the FP4 expert GEMMs the CUDA model runs ---------------------------
+
+FP4_HARNESS = Path(__file__).parent / "cuda_emulation" / "moe_fp4_harness.cpp"
+FP4_TILE = 64  # rows of a moe_sort tile
+
+
+@pytest.fixture(scope="module", params=[1, 8], ids=["stream-1-chunk", "stream-8-chunks"])
+def fp4_harness(request, tmp_path_factory) -> Path:
+    """The harness with STREAM_CHUNKS = 1 (a tile's rows in passes of 8: every pass re-reads the
+    weights) and 8 (a whole 64-row tile in one pass)."""
+    from openinfer.backend.cuda import kernel_include_dir
+
+    binary = tmp_path_factory.mktemp("moe-fp4-harness") / "harness"
+    return compile_harness(FP4_HARNESS, kernel_include_dir(), binary, {"STREAM_CHUNKS": request.param})
+
+
+def sort_by_expert(ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
+    """moe.cu's moe_sort layout on the host: slots grouped by expert, tiles of at most 64 rows."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    counts = np.bincount(flat, minlength=num_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tile_expert, tile_row = [], []
+    for e in range(num_experts):
+        for row in range(0, counts[e], FP4_TILE):
+            tile_expert.append(e)
+            tile_row.append(offsets[e] + row)
+    max_tiles = -(-flat.size // FP4_TILE) + min(num_experts, flat.size)
+    pad = max_tiles - len(tile_expert)
+    return {"sorted_slots": order, "offsets": offsets, "num_tiles": np.array([len(tile_expert)], np.int32),
+            "tile_expert": np.array(tile_expert + [0] * pad, np.int32),
+            "tile_row": np.array(tile_row + [0] * pad, np.int32), "max_tiles": max_tiles}
+
+
+def random_fp4_experts(rng, num_experts: int, out_features: int, in_features: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every e2m1 code (±0 and the subnormal-in-bf16 ±0.5 included) and e8m0 scales on both sides
+    of 2^1, the largest the stream kernel's one-multiply path takes."""
+    codes = rng.integers(0, 256, (num_experts, out_features, in_features // 2), dtype=np.uint8)
+    scales = rng.choice(np.array([100, 118, 121, 124, 127, 128, 129, 131], np.uint8),
+                        (num_experts, out_features, in_features // 32))
+    return codes, scales
+
+
+@pytest.mark.parametrize("kernel", ["tiles", "stream"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "rows"])
+def test_fp4_grouped_gemms(fp4_harness, tmp_path, kernel, gather):
+    """Both FP4 GEMMs equal the NumPy composition (token rows · dequantised expert weight) on a
+    routing with an empty expert, one expert past a 64-row tile, N not a multiple of 16 and K not a
+    multiple of 128 (a last K step with one scale group of four)."""
+    rng = np.random.default_rng(7)
+    num_experts, top_k, tokens, out_features, in_features = 5, 2, 41, 72, 160
+    ids = np.stack([np.full(tokens, 1), rng.integers(2, num_experts, tokens)], axis=1).astype(np.int32)
+    ids[: tokens // 2, 1] = np.where(ids[: tokens // 2, 1] == 3, 4, ids[: tokens // 2, 1])
+    ids[::3] = ids[::3, ::-1]  # expert 1 in both slot positions; expert 0 never chosen
+    assert np.bincount(ids.ravel(), minlength=num_experts)[0] == 0
+    layout = sort_by_expert(ids, num_experts)
+    codes, scales = random_fp4_experts(rng, num_experts, out_features, in_features)
+    rows = tokens if gather else tokens * top_k
+    a = bf16(rng.standard_normal((rows, in_features)))
+    run_harness(fp4_harness, tmp_path, kernel, out_features, in_features, top_k, int(gather), layout["max_tiles"],
+                timeout=600, a=float32_to_bf16(a), weight=codes, scale=scales,
+                **{name: layout[name] for name in ("sorted_slots", "tile_expert", "tile_row", "num_tiles", "offsets")})
+    out = read_array(tmp_path, "out", np.uint16, (tokens * top_k, out_features))
+    expected = np.empty_like(out)
+    for p, slot in enumerate(layout["sorted_slots"]):
+        expert = ids.reshape(-1)[slot]
+        row = a[slot // top_k] if gather else a[p]
+        expected[p] = row.astype(np.float64) @ dequantize_fp4_e2m1(codes[expert], scales[expert]).T.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=8e-3, atol=1e-6 * np.abs(expected).max())
+
+
+def test_fp4_decode_every_code(fp4_harness, tmp_path):
+    """One row per code and scale: the weight row k holds code k % 16 at every position, so each
+    output is a known sum; ±0.5 (a bf16 subnormal before scaling) and the two-multiply scales
+    (2^2, 2^4) must come out exact."""
+    in_features, top_k = 64, 1
+    codes_per_row = np.arange(16, dtype=np.uint8)
+    scales_list = np.array([127, 118, 129, 131], np.uint8)
+    out_features = codes_per_row.size * scales_list.size
+    codes = np.repeat(np.repeat(codes_per_row, scales_list.size)[:, None] * np.uint8(17), in_features // 2, axis=1)
+    scales = np.repeat(np.tile(scales_list, codes_per_row.size)[:, None], in_features // 32, axis=1)
+    ids = np.zeros((3, 1), np.int32)
+    layout = sort_by_expert(ids, 1)
+    a = np.zeros((3, in_features), np.float32)
+    a[0, 0] = 1.0
+    a[1, 1::2] = 0.25
+    a[2] = -1.0
+    expected = a @ dequantize_fp4_e2m1(codes, scales).T
+    for kernel in ("tiles", "stream"):
+        run_harness(fp4_harness, tmp_path, kernel, out_features, in_features, top_k, 1, layout["max_tiles"],
+                    a=float32_to_bf16(a), weight=codes[None], scale=scales[None],
+                    **{name: layout[name] for name in ("sorted_slots", "tile_expert", "tile_row", "num_tiles",
+                                                       "offsets")})
+        out = read_array(tmp_path, "out", np.uint16, (3, out_features))
+        np.testing.assert_array_equal(out, expected, err_msg=kernel)

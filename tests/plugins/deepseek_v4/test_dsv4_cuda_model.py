@@ -166,3 +166,65 @@ def judge_noise(path) -> float:
     reference = DirectRunner(load_model(path)).run([("a", ids, 0)])
     emulated = DirectRunner(load_model(path, backend=bf16_emulation_backend())).run([("a", ids, 0)])
     return float(np.abs(emulated - reference).max())
+
+
+def test_engine_full_sampler_on_cuda_with_graphs(tiny, cuda_backend):
+    """Not greedy-only on the GPU: temperature, top-k/p, min-p, penalties, seeds and logprobs
+    through the CUDA engine (decode replayed from CUDA graphs). The same seeded batch twice gives
+    the same tokens and logprobs; another seed draws differently."""
+    from openinfer_deepseek_v4 import plugin
+
+    path, _ = tiny
+    config = json.loads((path / "config.json").read_text())
+    engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(
+        device="cuda", max_num_batched_tokens=48, max_num_seqs=4, max_model_len=256, gpu_memory_utilization=0.3))
+    prompts = [prompt(n, seed=40 + i) for i, n in enumerate((70, 93))]
+
+    def batch(tag: str, seed: int):
+        return [make_request(f"{tag}{i}", p, max_tokens=12, temperature=0.9, seed=seed + i, top_p=0.9, top_k=40,
+                             min_p=0.02, frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1,
+                             logprobs=2) for i, p in enumerate(prompts)]
+
+    try:
+        assert getattr(engine.runner, "graphs", None), "decode steps should replay CUDA graphs on cuda"
+        first, again, other = (run_all(engine, batch(tag, seed)) for tag, seed in (("a", 7), ("b", 7), ("c", 99)))
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+    for x, y in zip(first, again, strict=True):
+        assert x.token_ids == y.token_ids and len(x.token_ids) == 12
+        assert len(x.logprobs) == 12
+        values = np.array([lp.logprob for lp in x.logprobs])
+        assert np.all(np.isfinite(values)) and np.all(values <= 0)
+        np.testing.assert_allclose(values, [lp.logprob for lp in y.logprobs], atol=1e-5)
+    assert [o.token_ids for o in other] != [o.token_ids for o in first]
+
+
+def test_mid_size_teacher_forced_logprobs(mid, cuda_backend):
+    """A mid-size config (hidden 512, head_dim 128, 16 experts, every layer kind), teacher-forced
+    as the Qwen3 GPU test judges it: |Δlogprob| of the fp32 NumPy reference's top token per
+    position, mean and p99 over 6 sequences of 24-200 tokens. Qwen3's fixed bounds (mean 0.06,
+    p99 0.20) do not fit here: the NumPy model itself with bf16 rounding (the emulation) already
+    sits at mean ~0.05, p99 ~0.48 on this random model (measured on CPU: top-k routing and the
+    indexer's picks flip on near ties), so the CUDA model must stay within 3x the emulation's own
+    mean and p99."""
+    from openinfer.sampling import log_softmax
+
+    rng = np.random.default_rng(1)
+    vocab = json.loads((mid / "config.json").read_text())["vocab_size"]
+    sequences = [rng.integers(2, vocab, size=int(rng.integers(24, 200))).tolist() for _ in range(6)]
+    runners = {name: DirectRunner(load_model(mid, backend=backend))
+               for name, backend in (("reference", None), ("emulated", bf16_emulation_backend()),
+                                     ("cuda", cuda_backend))}
+    diffs: dict[str, list[np.ndarray]] = {"emulated": [], "cuda": []}
+    for i, ids in enumerate(sequences):
+        reference = log_softmax(runners["reference"].run([(f"s{i}", ids, 0)]))
+        top, rows = reference.argmax(-1), np.arange(len(ids))
+        for name in diffs:
+            ours = log_softmax(runners[name].run([(f"s{i}", ids, 0)]))
+            diffs[name].append(np.abs(ours[rows, top] - reference[rows, top]))
+    stats = {name: (float(np.concatenate(d).mean()), float(np.percentile(np.concatenate(d), 99)))
+             for name, d in diffs.items()}
+    print(json.dumps({"mid_teacher_forced_mean_p99": stats}))
+    assert stats["cuda"][0] <= NOISE_FACTOR * stats["emulated"][0], stats
+    assert stats["cuda"][1] <= NOISE_FACTOR * stats["emulated"][1], stats

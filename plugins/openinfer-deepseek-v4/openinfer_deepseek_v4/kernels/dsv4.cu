@@ -185,11 +185,36 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 // each warp runs its head's online softmax over them, seeded with the head's sink (it only
 // enlarges the denominator); lane l holds channels l + 32j. Then RoPE⁻¹ at p, the (2i, 2i+1)
 // partner channel one lane over. dim must be a multiple of 32.
+// Split over keys (few tokens: too few blocks to fill the GPU): grid.z = splits, block z takes
+// the z-th of splits equal runs of the token's keys (the sink in run 0 only) and writes its
+// (peak, denominator, unnormalised acc[dim]) to `partial` [T, heads, splits, dim + 2];
+// dsv4_attention_combine merges the runs and writes the output. partial == nullptr: one run,
+// written directly.
 #define MAX_PER_LANE (MAX_DIM / 32)
 #define KEY_CHUNK_ELEMENTS 16384  // bf16 key rows in shared memory per chunk (32 KB)
 #define MAX_KEY_CHUNK 512
 
 __device__ __forceinline__ float shuffle_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+// One head's normalised output (lane l: channels l + 32j) with RoPE⁻¹ at p, to bf16.
+__device__ __forceinline__ void write_head(const float* acc, float denom, int per, int lane, int p,
+                                           const float* __restrict__ inv_freq, int rope_dim, int dim, bf16* oh) {
+    const int base = dim - rope_dim;
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) {
+        if (j >= per) continue;  // uniform: every lane has the same per
+        const int c = lane + 32 * j;
+        const float v = acc[j] / denom;
+        const float partner = shuffle_xor(v, 1);  // channel c ^ 1 (c and lane share their parity)
+        float o = v;
+        if (c >= base) {  // RoPE⁻¹: (even, odd) ← (e·cos + o·sin, o·cos − e·sin)
+            const float angle = (float)p * inv_freq[(c - base) >> 1];
+            const float cs = cosf(angle), sn = sinf(angle);
+            o = (c & 1) ? v * cs - partner * sn : v * cs + partner * sn;
+        }
+        oh[c] = to_bf(o);
+    }
+}
 
 extern "C" __global__ void dsv4_sparse_attention(
     const bf16* __restrict__ q,  // [T, heads, dim]
@@ -198,7 +223,7 @@ extern "C" __global__ void dsv4_sparse_attention(
     const int* __restrict__ selected, int num_selected, int rate,
     const int* __restrict__ token_seq, const int* __restrict__ positions, const float* __restrict__ sinks,
     const float* __restrict__ inv_freq, int rope_dim, bf16* __restrict__ out,
-    int heads, int dim, int window, int block_size, float scale) {
+    int heads, int dim, int window, int block_size, float scale, float* __restrict__ partial) {
     __shared__ __align__(16) bf16 key_chunk[KEY_CHUNK_ELEMENTS];
     __shared__ long long key_rows[MAX_KEY_CHUNK];
     const int t = blockIdx.x, seq = token_seq[t], p = positions[t];
@@ -211,13 +236,16 @@ extern "C" __global__ void dsv4_sparse_attention(
         qr[j] = active && j < per ? to_f(q[((long long)t * heads + h) * dim + lane + 32 * j]) : 0.f;
         acc[j] = 0.f;
     }
-    float peak = active ? sinks[h] : 0.f, denom = 1.f;  // exp(sink − peak) = 1
+    const int split = blockIdx.z, splits = gridDim.z;
+    // exp(sink − peak) = 1 in run 0; the other runs start empty (exp(NEG_BIG − anything) = 0)
+    float peak = split == 0 ? (active ? sinks[h] : 0.f) : NEG_BIG, denom = split == 0 ? 1.f : 0.f;
     const int lo = max(0, p - window + 1), window_keys = p - lo + 1;
     const int visible = entry_cache != nullptr ? (p + 1) / rate : 0;
     const int total = window_keys + (entry_cache == nullptr ? 0 : (selected != nullptr ? num_selected : visible));
+    const int run = (total + splits - 1) / splits, first = min(total, split * run), last = min(total, first + run);
     const int chunk = min(MAX_KEY_CHUNK, KEY_CHUNK_ELEMENTS / dim);
-    for (int k0 = 0; k0 < total; k0 += chunk) {
-        const int count = min(chunk, total - k0);
+    for (int k0 = first; k0 < last; k0 += chunk) {
+        const int count = min(chunk, last - k0);
         __syncthreads();  // the previous chunk is no longer read
         for (int k = threadIdx.x; k < count; k += blockDim.x) {
             const int key = k0 + k;
@@ -258,22 +286,44 @@ extern "C" __global__ void dsv4_sparse_attention(
         }
     }
     if (!active) return;
-    const int base = dim - rope_dim;
-    bf16* oh = out + ((long long)t * heads + h) * dim;
-#pragma unroll
-    for (int j = 0; j < MAX_PER_LANE; ++j) {
-        if (j >= per) continue;  // uniform: every lane has the same per
-        const int c = lane + 32 * j;
-        const float v = acc[j] / denom;
-        const float partner = shuffle_xor(v, 1);  // channel c ^ 1 (c and lane share their parity)
-        float o = v;
-        if (c >= base) {  // RoPE⁻¹: (even, odd) ← (e·cos + o·sin, o·cos − e·sin)
-            const float angle = (float)p * inv_freq[(c - base) >> 1];
-            const float cs = cosf(angle), sn = sinf(angle);
-            o = (c & 1) ? v * cs - partner * sn : v * cs + partner * sn;
+    if (partial != nullptr) {
+        float* run_out = partial + (((long long)t * heads + h) * splits + split) * (dim + 2);
+        if (lane == 0) {
+            run_out[0] = peak;
+            run_out[1] = denom;
         }
-        oh[c] = to_bf(o);
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; ++j)
+            if (j < per) run_out[2 + lane + 32 * j] = acc[j];
+        return;
     }
+    write_head(acc, denom, per, lane, p, inv_freq, rope_dim, dim, out + ((long long)t * heads + h) * dim);
+}
+
+// The runs of a split dsv4_sparse_attention merged (rescaled to their common peak), then RoPE⁻¹.
+// grid (T, ⌈heads / warps⌉), a warp per head.
+extern "C" __global__ void dsv4_attention_combine(const float* __restrict__ partial, int splits,
+                                                  const int* __restrict__ positions,
+                                                  const float* __restrict__ inv_freq, int rope_dim,
+                                                  bf16* __restrict__ out, int heads, int dim) {
+    const int t = blockIdx.x, lane = threadIdx.x & 31, per = dim >> 5;
+    const int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (h >= heads) return;  // warp-uniform
+    const float* runs = partial + ((long long)t * heads + h) * splits * (dim + 2);
+    float peak = NEG_BIG;
+    for (int s = 0; s < splits; ++s) peak = fmaxf(peak, runs[s * (dim + 2)]);
+    float denom = 0.f, acc[MAX_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < MAX_PER_LANE; ++j) acc[j] = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float* run = runs + s * (dim + 2);
+        const float weight = __expf(run[0] - peak);
+        denom += weight * run[1];
+#pragma unroll
+        for (int j = 0; j < MAX_PER_LANE; ++j)
+            if (j < per) acc[j] += weight * run[2 + lane + 32 * j];
+    }
+    write_head(acc, denom, per, lane, positions[t], inv_freq, rope_dim, dim, out + ((long long)t * heads + h) * dim);
 }
 
 // --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------

@@ -3,7 +3,8 @@
 // written by test_dsv4_cuda_emulated.py, and writes the outputs back there. One kernel per invocation:
 //   harness DIR compress  S d rd W rows eps
 //   harness DIR indexer   T heads dim max_entries rate block_size stride k entries_per_block
-//   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale
+//   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale splits
+//                         (splits > 1: the split-over-keys runs, then dsv4_attention_combine)
 //   harness DIR hc        T hc dim iters hc_eps norm_eps
 //   harness DIR quant     N in out fp4
 //   harness DIR compressor rate dim overlap rope_dim eps steps stride block_size slots
@@ -80,14 +81,22 @@ int main(int argc, char** argv) {
         auto positions = load<int>(dir, "positions.bin");
         auto sinks = load<float>(dir, "sinks.bin");
         auto inv_freq = load<float>(dir, "inv_freq.bin");
+        const int splits = argc > 15 ? arg(argv, 15) : 1;
         std::vector<bf16> out(q.size());
-        launch(tokens, (heads + threads / 32 - 1) / (threads / 32), 1, threads, [&] {  // a warp per head
+        std::vector<float> partial(static_cast<size_t>(tokens) * heads * splits * (dim + 2));
+        const unsigned head_blocks = (heads + threads / 32 - 1) / (threads / 32);
+        launch(tokens, head_blocks, splits, threads, [&] {  // a warp per head
             dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
                                   mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
                                   mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
                                   positions.data(), sinks.data(), inv_freq.data(), rope_dim, out.data(), heads, dim,
-                                  window, block_size, scale);
+                                  window, block_size, scale, splits > 1 ? partial.data() : nullptr);
         });
+        if (splits > 1)
+            launch(tokens, head_blocks, 1, threads, [&] {
+                dsv4_attention_combine(partial.data(), splits, positions.data(), inv_freq.data(), rope_dim,
+                                       out.data(), heads, dim);
+            });
         save(dir, "out.bin", out);
     } else if (which == "hc") {
         const int tokens = arg(argv, 3), hc = arg(argv, 4), dim = arg(argv, 5), iters = arg(argv, 6);
