@@ -173,13 +173,14 @@ SM90_VARIANTS = {
 
 
 def set_sm90_variant(settings: dict[str, str]) -> None:
-    from openinfer.backend.cuda.attention import SM90_ENV
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices
 
     for key, name in SM90_ENV.items():
         if key in settings:
             os.environ[name] = settings[key]
         else:
             os.environ.pop(name, None)
+    refresh_kernel_choices()  # the switches are read once per process
 
 
 def bench_sm90_variants(backend, out_dirs: list[Path]) -> dict:
@@ -244,6 +245,8 @@ def bench_model(backend, mma_only: bool) -> dict:
     """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
     import cupy
 
+    from openinfer.backend.cuda.attention import refresh_kernel_choices
+
     ceilings = gpu_bench.measure_ceilings(backend)
     hf = gpu_bench.build_hf(gpu_bench.QWEN3_4B)
     model = gpu_bench.build_ours(hf, gpu_bench.QWEN3_4B, backend)
@@ -254,9 +257,11 @@ def bench_model(backend, mma_only: bool) -> dict:
     result = {"ceilings": ceilings}
     for label, kernel in (("before_mma", "mma"),) + (() if mma_only else (("after_auto", "auto"),)):
         os.environ["OPENINFER_PREFILL_KERNEL"] = kernel
+        refresh_kernel_choices()
         result[label] = gpu_bench.bench_prefill(backend, model, gpu_bench.QWEN3_4B, list(LENGTHS), ceilings)
         cupy.get_default_memory_pool().free_all_blocks()
     os.environ.pop("OPENINFER_PREFILL_KERNEL")
+    refresh_kernel_choices()
     if "after_auto" in result:
         result["ttft_speedup"] = {str(b["tokens"]): b["ttft_ms"] / a["ttft_ms"]
                                   for b, a in zip(result["before_mma"], result["after_auto"], strict=True)}

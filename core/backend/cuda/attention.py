@@ -5,8 +5,14 @@ split count depends only on the batch size, so a captured graph stays valid for 
 length. Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill
 kernel: on Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma
 kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
-(prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons);
+(prefill_attention.cu). With ``OPENINFER_SHORT_QUERY_ATTENTION=1``, steps of at most
+``SHORT_QUERY_MAX_TOKENS`` new tokens per sequence (a warm prefix's last block) run the split-KV
+short-query kernel instead (off until measured on a GPU: benchmarks/gpu_prefill_attention.py
+--short-queries). ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
+
+These switches are read once per process (a prefill step does not look at the environment);
+``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
 """
 
 from __future__ import annotations
@@ -19,8 +25,15 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
+from openinfer.backend.cuda import decode_attention as decode_kernels
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
-from openinfer.backend.cuda.decode_attention import LOG2E, paged_decode_attention
+from openinfer.backend.cuda.decode_attention import (
+    LOG2E,
+    SHORT_QUERY_MAX_TOKENS,
+    mma_supports,
+    paged_decode_attention,
+    short_query_attention_mma,
+)
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.rope import RotaryEmbedding
 
@@ -83,7 +96,37 @@ def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: C
 
 
 PREFILL_KERNELS = ("auto", "sm90", "mma")
-PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"
+PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"  # "auto" (default) or "mma"
+SHORT_QUERY_ENV = "OPENINFER_SHORT_QUERY_ATTENTION"  # "1": the short-query kernel for short steps
+SHORT_QUERY_DEFAULT = False  # unmeasured on a GPU so far; a measurement flips this line
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """The attention kernel switches of the environment, read once (``kernel_choices``)."""
+
+    prefill: str  # "auto" or "mma"
+    short_query: bool
+
+
+@functools.cache
+def kernel_choices() -> KernelChoices:
+    """OPENINFER_PREFILL_KERNEL and OPENINFER_SHORT_QUERY_ATTENTION, read once per process."""
+    prefill = os.environ.get(PREFILL_KERNEL_ENV, "auto")
+    if prefill not in ("auto", "mma"):
+        raise ValueError(f"{PREFILL_KERNEL_ENV} must be 'auto' or 'mma', got {prefill!r}")
+    short = os.environ.get(SHORT_QUERY_ENV, "1" if SHORT_QUERY_DEFAULT else "0")
+    if short not in ("0", "1"):
+        raise ValueError(f"{SHORT_QUERY_ENV} must be 0 or 1, got {short!r}")
+    return KernelChoices(prefill=prefill, short_query=short == "1")
+
+
+def refresh_kernel_choices() -> None:
+    """Re-read every attention kernel switch (OPENINFER_PREFILL_KERNEL, OPENINFER_SHORT_QUERY_ATTENTION,
+    OPENINFER_SM90_*, OPENINFER_DECODE_ATTENTION) from the environment at their next use."""
+    kernel_choices.cache_clear()
+    sm90_variant.cache_clear()
+    decode_kernels.wanted_kernel.cache_clear()
 SM90_HEAD_DIMS = (128, 256)
 SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
 SM90_MAX_SHARED_BYTES = 227 * 1024
@@ -131,8 +174,10 @@ def _env_flag(name: str, default: bool) -> bool:
     return _env_choice(name, "1" if default else "0", ("0", "1")) == "1"
 
 
+@functools.cache
 def sm90_variant(head_dim: int) -> Sm90Variant:
-    """The sm90 kernel variant the environment asks for (the SM90_* defaults where it is silent)."""
+    """The sm90 kernel variant the environment asks for (the SM90_* defaults where it is silent),
+    read once per process and head size (``refresh_kernel_choices`` re-reads it)."""
     stages_text = os.environ.get(SM90_ENV["stages"], str(SM90_STAGES[head_dim]))
     stages = int(stages_text) if stages_text.isdigit() else 0
     if stages < 2 or sm90_shared_bytes(head_dim, stages) > SM90_MAX_SHARED_BYTES:
@@ -173,8 +218,8 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if implementation not in PREFILL_KERNELS:
         raise ValueError(f"prefill attention implementation must be one of {PREFILL_KERNELS}, got {implementation!r}")
     if implementation == "auto":
-        forced = os.environ.get(PREFILL_KERNEL_ENV, "auto")
-        implementation = "mma" if forced == "mma" or not sm90_prefill_supported(spec.head_dim) else "sm90"
+        forced = kernel_choices().prefill == "mma"
+        implementation = "mma" if forced or not sm90_prefill_supported(spec.head_dim) else "sm90"
     elif implementation == "sm90" and not sm90_prefill_supported(spec.head_dim):
         raise ValueError(f"the sm90 prefill kernel needs a compute capability 9.0 GPU and head_dim in "
                          f"{SM90_HEAD_DIMS}; got head_dim {spec.head_dim}")
@@ -204,6 +249,20 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     return out
 
 
+def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
+    """Whether a step that is not plain decode takes the short-query kernel: switched on, at most
+    SHORT_QUERY_MAX_TOKENS new tokens per sequence, and a head size / group the mma kernel takes."""
+    return (kernel_choices().short_query and 1 <= batch.max_query_len <= SHORT_QUERY_MAX_TOKENS
+            and mma_supports(spec.head_dim, spec.num_heads // spec.num_kv_heads))
+
+
+def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
+                          num_sms: int) -> cupy.ndarray:
+    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``)."""
+    return short_query_attention_mma(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
+                                     batch.max_query_len, spec.scale, num_sms)
+
+
 def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, ropes: RopeTables,
               num_sms: int) -> cupy.ndarray:
     """``qkv [T, (nh + 2 nkv) d] -> [T, nh d]``, writing this step's K/V into the paged cache."""
@@ -211,4 +270,6 @@ def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBa
     q = write_qkv(qkv, spec, kv, batch, ropes)
     if batch.is_decode and batch.num_tokens == batch.num_seqs:
         return decode_attention(q, spec, kv, batch, num_sms)
+    if runs_short_query_kernel(spec, batch):
+        return short_query_attention(q, spec, kv, batch, num_sms)
     return prefill_attention(q, spec, kv, batch)
