@@ -3,14 +3,21 @@ the device over a grid of (batch, context), with its kernels, shape, bytes, FLOP
 its roofline; from those, a predicted step time for any (batch, context) next to a measured one.
 
     python -m openinfer.tools.ledger --model-path DIR [--out ledger.json] [--markdown ledger.md]
-    python -m openinfer.tools.ledger --random qwen3-4b --out ...     # writes a random checkpoint first
+    python -m openinfer.tools.ledger --random qwen3-4b --out ...     # that shape, random weights
+    python -m openinfer.tools.ledger --model-path DIR --device cpu ... # the NumPy backend (host clock)
 
-How an op is timed: one forward runs with the model's op objects (its backend and, where it has
+``--random`` writes only the preset's config.json and loads it with ``load_format="dummy"``
+(random weights at the real shapes: speed does not depend on values). Batches follow the
+engine's KV cache groups, so hybrid models (Qwen3.5: full attention in paged blocks, Gated
+DeltaNet state in slots) get their group tables and one state slot per sequence.
+
+How an op is timed (cuda): one forward runs with the model's op objects (its backend and, where it has
 one, its kernel plan) wrapped, recording each top-level op call with its arguments. The
 recorded calls are then replayed in order behind a spin kernel that holds the stream, with an
 event between consecutive ops: the host enqueues the whole step before the device starts, so
 each event gap is the op's device time in a real step's order (its weights cold in L2, its
-inputs warm) and no host launch gaps. Median over ``--repeats`` replays.
+inputs warm) and no host launch gaps. Median over ``--repeats`` replays. On the CPU (numpy) an
+op's time is its host time, and the ceilings are NumPy's copy rate and fp32 matmul rate.
 
 Model: an op's time per step is interpolated over the grid (piecewise linear in context, then
 in log2 batch); a step is the sum of its ops (on the eager path: the larger of the summed
@@ -48,27 +55,24 @@ PRESETS: dict[str, dict[str, Any]] = {
                      intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      tie_word_embeddings=True),
-    # transformers' default Qwen3_5TextConfig (a 9B-class hybrid: 3 Gated DeltaNet layers per full attention)
+    # transformers' default Qwen3_5TextConfig (a 9B-class hybrid: 3 Gated DeltaNet layers per full
+    # attention); the rest of its config.json is filled from transformers when it is written
     "qwen3.5-default": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text"),
 }
 
 
-def write_random_checkpoint(preset: str, path: Path) -> None:
-    """A random bf16 checkpoint of ``preset`` through transformers (test/bench dependency only)."""
-    import torch
-    import transformers
-
+def write_preset_config(preset: str, path: Path) -> Path:
+    """``path/config.json`` of ``preset`` (served with ``load_format="dummy"``). A preset that
+    names only its architecture takes the rest from transformers' default config of that class
+    (a test/bench dependency, needed only here)."""
     config = dict(PRESETS[preset])
-    architecture = config.pop("architectures")[0]
-    config.pop("model_type")
-    config_class = transformers.Qwen3Config if architecture == "Qwen3ForCausalLM" else transformers.Qwen3_5TextConfig
-    model_class = getattr(transformers, architecture)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = model_class(config_class(**config)).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
+    if config["model_type"] == "qwen3_5_text" and len(config) == 2:
+        import transformers
+
+        config = {**transformers.Qwen3_5TextConfig().to_dict(), **config}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
 
 
 # --- recording -----------------------------------------------------------------------------------
@@ -88,7 +92,7 @@ class OpCall:
 class OpRecorder:
     """Wraps the public methods of the model's op objects; records top-level calls while on."""
 
-    def __init__(self, owners: dict[str, Any], model: Any = None):
+    def __init__(self, owners: dict[str, Any], model: Any = None, kernel_names: bool = True):
         self.calls: list[OpCall] = []
         self.recording = False
         self._depth = 0
@@ -106,7 +110,8 @@ class OpRecorder:
                 if callable(method) and hasattr(method, "__self__"):
                     setattr(owner, name, self._wrap(owner_name, name, method))
                     self._patched.append((owner, name))
-        self._patch_kernel_loaders()
+        if kernel_names:  # cuda: the kernels each op launches
+            self._patch_kernel_loaders()
 
     def _wrap_model(self, model: Any) -> None:
         """A model's own op table: a frozen dataclass of functions (``model.plan``, replaced by a
@@ -191,10 +196,18 @@ class OpRecorder:
 # --- costs ---------------------------------------------------------------------------------------
 
 
-def _arrays(value: Any) -> list[Any]:
-    import cupy
+@functools.cache
+def _array_types() -> tuple[type, ...]:
+    """The array classes an op's arguments may hold: NumPy's, and CuPy's where it is installed."""
+    try:
+        import cupy
+    except ImportError:
+        return (np.ndarray,)
+    return (np.ndarray, cupy.ndarray)
 
-    if isinstance(value, cupy.ndarray):
+
+def _arrays(value: Any) -> list[Any]:
+    if isinstance(value, _array_types()):
         return [value]
     if isinstance(value, (tuple, list)):
         return [a for v in value for a in _arrays(v)]
@@ -203,13 +216,22 @@ def _arrays(value: Any) -> list[Any]:
     return []
 
 
-def _shape(value: Any) -> str:
-    import cupy
+def _linear_weight(layer: Any) -> tuple[int, int, int]:
+    """(out features, in features, weight bytes) of a backend's linear layer (cuda: ``weight
+    [out, in]``; numpy: ``weight_t [in, out]``)."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0]), int(weight.shape[1]), int(weight.nbytes)
+    return int(layer.out_features), int(layer.in_features), int(layer.weight_t.nbytes)
 
-    if isinstance(value, cupy.ndarray):
+
+def _shape(value: Any) -> str:
+    if isinstance(value, _array_types()):
         return "x".join(map(str, value.shape))
-    if hasattr(value, "weight") and isinstance(value.weight, cupy.ndarray):
+    if hasattr(value, "weight") and isinstance(value.weight, _array_types()):
         return "W" + "x".join(map(str, value.weight.shape))
+    if hasattr(value, "weight_t") and isinstance(value.weight_t, _array_types()):
+        return f"W{value.out_features}x{value.in_features}"
     return ""
 
 
@@ -218,9 +240,9 @@ def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
     if call.name in ("linear", "add_rms_norm_linear", "silu_mul_linear"):  # the fused ones end in a linear
         x, layer = call.args[0], call.args[-1]
         m = x.shape[0]
-        n, k = layer.weight.shape
+        n, k, weight_bytes = _linear_weight(layer)
         extra = 0 if call.name == "linear" else (m * k if call.name == "silu_mul_linear" else 2 * m * k)
-        return 2.0 * (m * k + n * k + m * n + extra), 2.0 * m * n * k
+        return float(x.itemsize * (m * k + m * n + extra) + weight_bytes), 2.0 * m * n * k
     if call.name == "attention":
         qkv, spec = call.args[0], call.args[1]
         tokens = qkv.shape[0]
@@ -277,6 +299,10 @@ def gpu_seconds(fn: Any, repeats: int, warmup: int = 1) -> float:
 
 
 class Timer:
+    """Device timing on cuda: ops replayed behind a spin kernel with an event between each."""
+
+    peak_names = ("copy", "cuBLAS bf16")
+
     def __init__(self) -> None:
         import cupy
 
@@ -353,8 +379,52 @@ class Timer:
         return statistics.median(times)
 
 
-def ceilings(timer: Timer) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) and cuBLAS bf16 rate, measured now."""
+class HostTimer:
+    """Timing on the NumPy backend: an op's time is its host time (the CPU computes it)."""
+
+    peak_names = ("NumPy copy", "NumPy fp32 matmul")
+
+    def ops(self, calls: list[OpCall], repeats: int, forward: Any) -> dict[str, Any]:
+        times: list[list[float]] = [[] for _ in calls]
+        forward_times = []
+        for rep in range(repeats + 1):
+            for i, call in enumerate(calls):
+                t0 = time.perf_counter()
+                call.fn(*call.args, **call.kwargs)
+                if rep:  # the first round warms caches
+                    times[i].append(time.perf_counter() - t0)
+            if rep:
+                t0 = time.perf_counter()
+                forward()
+                forward_times.append(time.perf_counter() - t0)
+        seconds = [statistics.median(t) for t in times]
+        return {"device_s": seconds, "host_s": seconds, "event_cost_s": 0.0,
+                "forward_host_s": statistics.median(forward_times)}
+
+    def gpu(self, fn: Any, repeats: int) -> float:
+        return self.wall(fn, repeats)
+
+    def wall(self, fn: Any, repeats: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def ceilings(timer: Timer | HostTimer) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and cuBLAS bf16 rate (on the CPU: NumPy's copy and
+    fp32 matmul rate), measured now; the GEMM rate is kept as ``bf16_flops_per_s`` either way."""
+    if isinstance(timer, HostTimer):
+        src = np.random.default_rng(0).random(2**24, dtype=np.float32)
+        dst = np.empty_like(src)
+        copy_s = timer.wall(lambda: np.copyto(dst, src), 5)
+        n = 1024
+        a = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+        gemm_s = timer.wall(lambda: a @ a, 5)
+        return {"copy_bytes_per_s": 2 * src.nbytes / copy_s, "bf16_flops_per_s": 2 * n**3 / gemm_s}
     import cupy
 
     from openinfer.backend.cuda.cublas import Cublas
@@ -373,65 +443,91 @@ def ceilings(timer: Timer) -> dict[str, float]:
 # --- batches -------------------------------------------------------------------------------------
 
 
-def decode_batch(num_seqs: int, context: int, first_block: int = 1) -> Any:
+@dataclass(frozen=True)
+class StepLayout:
+    """What a step's batch carries for a model: token ids below ``vocab_size``, a flag per KV cache
+    group (paged: block table and write slots; else a state group with neither) and whether
+    sequences own state slots."""
+
+    vocab_size: int = 1000
+    paged_groups: tuple[bool, ...] = (True,)
+    with_state: bool = False
+
+    @classmethod
+    def of(cls, engine: Any) -> StepLayout:
+        groups = engine.kv_groups
+        return cls(int(engine.model.spec.vocab_size), tuple(bool(g.paged) for g in groups.groups),
+                   bool(groups.has_state))
+
+    def token_ids(self, count: int, seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, min(1000, self.vocab_size), count).astype(np.int32)
+
+
+def _batch(token_ids: np.ndarray, positions: np.ndarray, query_start: np.ndarray, context_lens: np.ndarray,
+           tables: np.ndarray, logits_rows: np.ndarray, layout: StepLayout) -> Any:
+    """A ForwardBatch over ``tables`` (every paged group gets the same block ids: each group's
+    pool has that many blocks) with state slots 1..B when the model keeps state."""
     from openinfer.backend.base import ForwardBatch
 
+    seq_of_token = np.repeat(np.arange(len(context_lens)), np.diff(query_start))
+    slots = (tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).astype(np.int32)
+    num_seqs, num_tokens = len(context_lens), len(token_ids)
+    group_tables = tuple(tables if paged else np.zeros((num_seqs, 0), np.int32) for paged in layout.paged_groups)
+    group_slots = tuple(slots if paged else np.full(num_tokens, -1, np.int32) for paged in layout.paged_groups)
+    several = len(layout.paged_groups) > 1
+    return ForwardBatch(
+        token_ids=token_ids, positions=positions, query_start=query_start, context_lens=context_lens,
+        block_tables=tables, slot_mapping=slots, logits_rows=logits_rows,
+        max_query_len=int(np.diff(query_start).max()), max_context_len=int(context_lens.max()),
+        request_ids=tuple(f"ledger-{i}" for i in range(num_seqs)),
+        kv_block_tables=group_tables if several else (), kv_slot_mappings=group_slots if several else (),
+        state_slots=np.arange(1, num_seqs + 1, dtype=np.int32) if layout.with_state else np.zeros(0, np.int32))
+
+
+def decode_batch(num_seqs: int, context: int, layout: StepLayout = StepLayout()) -> Any:
+    """One new token per sequence at position ``context - 1``, each sequence its own blocks."""
     blocks = -(-context // BLOCK_SIZE)
-    tables = (first_block + np.arange(num_seqs * blocks, dtype=np.int32)).reshape(num_seqs, blocks)
-    positions = np.full(num_seqs, context - 1, np.int32)
-    slots = tables[:, (context - 1) // BLOCK_SIZE] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
-    return ForwardBatch(
-        token_ids=np.random.default_rng(num_seqs).integers(0, 1000, num_seqs).astype(np.int32),
-        positions=positions, query_start=np.arange(num_seqs + 1, dtype=np.int32),
-        context_lens=np.full(num_seqs, context, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
-        logits_rows=np.arange(num_seqs, dtype=np.int32), max_query_len=1, max_context_len=context,
-        request_ids=tuple(f"ledger-{i}" for i in range(num_seqs)))
+    tables = (1 + np.arange(num_seqs * blocks, dtype=np.int32)).reshape(num_seqs, blocks)
+    return _batch(layout.token_ids(num_seqs, num_seqs),
+                  np.full(num_seqs, context - 1, np.int32), np.arange(num_seqs + 1, dtype=np.int32),
+                  np.full(num_seqs, context, np.int32), tables, np.arange(num_seqs, dtype=np.int32), layout)
 
 
-def prefill_batch(tokens: int) -> Any:
-    from openinfer.backend.base import ForwardBatch
-
+def prefill_batch(tokens: int, layout: StepLayout = StepLayout()) -> Any:
+    """One sequence's whole prompt of ``tokens`` (its state, if any, starts fresh)."""
     blocks = -(-tokens // BLOCK_SIZE)
-    table = np.arange(1, blocks + 1, dtype=np.int32)[None, :]
-    pos = np.arange(tokens, dtype=np.int32)
-    return ForwardBatch(
-        token_ids=np.random.default_rng(tokens).integers(0, 1000, tokens).astype(np.int32), positions=pos,
-        query_start=np.array([0, tokens], np.int32), context_lens=np.array([tokens], np.int32), block_tables=table,
-        slot_mapping=(table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).astype(np.int32),
-        logits_rows=np.array([tokens - 1], np.int32), max_query_len=tokens, max_context_len=tokens,
-        request_ids=("ledger-prefill",))
+    return _batch(layout.token_ids(tokens, tokens),
+                  np.arange(tokens, dtype=np.int32), np.array([0, tokens], np.int32), np.array([tokens], np.int32),
+                  np.arange(1, blocks + 1, dtype=np.int32)[None, :], np.array([tokens - 1], np.int32), layout)
 
 
 # --- the ledger ----------------------------------------------------------------------------------
 
 
 class Ledger:
-    def __init__(self, engine: Any, timer: Timer, peak: dict[str, float], repeats: int):
+    def __init__(self, engine: Any, timer: Timer | HostTimer, peak: dict[str, float], repeats: int):
         self.engine = engine
         self.model = engine.model
         self.backend = self.model.backend
         self.timer = timer
         self.peak = peak
         self.repeats = repeats
-        self.recorder = OpRecorder({"backend": self.backend}, self.model)
-        self.state = getattr(self.model, "state", None)
+        self.layout = StepLayout.of(engine)
+        self.recorder = OpRecorder({"backend": self.backend}, self.model, kernel_names=self.backend.name == "cuda")
         self.graphs = getattr(engine.runner, "graphs", {})
 
+    def decode(self, num_seqs: int, context: int) -> Any:
+        if self.layout.with_state and num_seqs >= self.engine.kv_plan.num_state_slots:
+            raise ValueError(f"batch {num_seqs} needs more state slots than the engine has "
+                             f"({self.engine.kv_plan.num_state_slots}, slot 0 the null slot)")
+        return decode_batch(num_seqs, context, self.layout)
+
+    def prefill(self, tokens: int) -> Any:
+        return prefill_batch(tokens, self.layout)
+
     def _forward(self, host: Any) -> Any:
-        self._begin_states(host)
         device = self.backend.prepare_batch(host)
         return lambda: self.model.forward(device, self.engine.kv_cache)
-
-    def _begin_states(self, host: Any) -> None:
-        """Models with per-request state (Qwen3.5): every sequence of a decode batch owns a slot."""
-        if self.state is None:
-            return
-        for request_id in host.request_ids:
-            self.model.release_request(request_id)
-        fresh = (host.context_lens - np.diff(host.query_start)) == 0
-        for request_id, is_fresh in zip(host.request_ids, fresh.tolist(), strict=True):
-            if not is_fresh:
-                self.state.begin(request_id)
 
     def measure(self, phase: str, host: Any) -> dict[str, Any]:
         forward = self._forward(host)
@@ -468,15 +564,14 @@ class Ledger:
         rows["(host: model code between ops)"] = {
             "op": "(host: model code between ops)", "kernels": [], "shape": "", "calls": 1, "time_s": 0.0,
             "host_s": between, "bytes": 0.0, "flops": 0.0}
-        measured = self.measure_step(phase, host, forward)
+        measured = self.measure_step(host, forward)
         result = {"phase": phase, "batch": host.num_seqs, "context": int(host.max_context_len),
                   "tokens": int(host.num_tokens), "ops": sorted(rows.values(), key=lambda r: -r["time_s"]),
                   "sum_device_s": float(sum(device_s)), "sum_host_s": float(sum(host_s)),
                   "forward_host_s": timed["forward_host_s"], "event_cost_s": timed["event_cost_s"], **measured}
-        self.release(host)
         return result
 
-    def measure_step(self, phase: str, host: Any, forward: Any) -> dict[str, Any]:
+    def measure_step(self, host: Any, forward: Any) -> dict[str, Any]:
         bucket = self.engine.runner.bucket_for(host) if self.graphs else None
         if bucket is not None:
             captured = self.graphs[bucket]
@@ -484,13 +579,8 @@ class Ledger:
             return {"measured_s": self.timer.gpu(captured.graph.launch, max(10, self.repeats)),
                     "measured_how": f"CUDA graph replay (bucket {bucket}), events"}
         repeats = max(3, self.repeats // 2)
-        return {"measured_s": self.timer.wall(forward, repeats),
-                "measured_how": "eager forward, host clock to stream sync"}
-
-    def release(self, host: Any) -> None:
-        if self.state is not None:
-            for request_id in host.request_ids:
-                self.model.release_request(request_id)
+        how = "eager forward, host clock to stream sync" if self.backend.name == "cuda" else "forward, host clock"
+        return {"measured_s": self.timer.wall(forward, repeats), "measured_how": how}
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -565,10 +655,11 @@ def predict_checks(report: dict[str, Any]) -> None:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    copy_name, gemm_name = report.get("ceiling_names", ("copy", "cuBLAS bf16"))
     lines = [f"# Kernel ledger: {report['name']}", "",
-             f"Device: {report['device']}; ceilings measured in the same run: copy "
-             f"{report['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, cuBLAS bf16 "
-             f"{report['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Written by `{report['command']}`.",
+             f"Device: {report['device']}; ceilings measured in the same run: {copy_name} "
+             f"{report['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, {gemm_name} "
+             f"{report['ceilings']['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s. Written by `{report['command']}`.",
              "Per op and step: time = device time summed over the op's calls in one step (layers), "
              "% roofline = max(bytes / copy rate, FLOPs / GEMM rate) / time.", "",
              "## Step-time model: predicted vs measured", "",
@@ -609,9 +700,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", help="checkpoint directory")
-    source.add_argument("--random", choices=sorted(PRESETS), help="write a random checkpoint of this shape first")
+    source.add_argument("--random", choices=sorted(PRESETS),
+                        help="this shape with random weights (its config.json only, load_format dummy)")
     source.add_argument("--from-json", help="no GPU: re-derive the step-time model and tables from a ledger JSON")
     parser.add_argument("--checkpoint-dir", default="/tmp/openinfer-ledger", help="where --random writes")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the NumPy backend, timed on the host clock")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                        help="dummy: random weights at the checkpoint's shapes (default with --random)")
     parser.add_argument("--batches", type=_grid, default=[1, 4, 16, 64, 128, 256])
     parser.add_argument("--contexts", type=_grid, default=[128, 1024, 2048])
     parser.add_argument("--prefill", type=_grid, default=[512, 2048, 8192], help="prefill lengths (one sequence)")
@@ -639,63 +735,81 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--check takes batch:context pairs, got {args.check!r}")
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("the ledger times kernels on an NVIDIA GPU: CuPy is not installed", file=sys.stderr)
-        return 2
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.device == "cuda":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            print("the ledger times kernels on an NVIDIA GPU: CuPy is not installed (--device cpu: the NumPy "
+                  "backend)", file=sys.stderr)
+            return 2
 
     from openinfer import create_engine
 
     path = Path(args.model_path) if args.model_path else Path(args.checkpoint_dir) / args.random
-    if args.random and not (path / "config.json").exists():
-        t0 = time.perf_counter()
-        write_random_checkpoint(args.random, path)
-        print(f"wrote a random {args.random} checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.random:
+        write_preset_config(args.random, path)
+    elif not (path / "config.json").is_file():
+        parser.error(f"no config.json in --model-path {args.model_path!r}")
+    load_format = args.load_format or ("dummy" if args.random else "auto")
     max_batch = max([*args.batches, *(b for b, _ in checks)])
     max_context = max([*args.contexts, *(c for _, c in checks), *args.prefill, *args.check_prefill])
     decode_tokens = max(b * c for b in [*args.batches, *(b for b, _ in checks)]
                         for c in [*args.contexts, *(c for _, c in checks)])
     num_blocks = max(decode_tokens, max_context) // BLOCK_SIZE + max_batch + 2
-    engine = create_engine(str(path), device="cuda", max_num_seqs=max_batch, max_model_len=max_context + BLOCK_SIZE,
-                           num_kv_blocks=num_blocks, enable_prefix_cache=False)
+    engine = create_engine(str(path), device=args.device, max_num_seqs=max_batch,
+                           max_model_len=max_context + BLOCK_SIZE, num_kv_blocks=num_blocks,
+                           enable_prefix_cache=False, load_format=load_format)
+    partial = Path(args.out).with_suffix(".partial.json")
     try:
-        timer = Timer()
+        timer = Timer() if args.device == "cuda" else HostTimer()
         peak = ceilings(timer)
-        print(f"ceilings: copy {peak['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {peak['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
-              flush=True)
+        print(f"ceilings: {timer.peak_names[0]} {peak['copy_bytes_per_s'] / 1e9:.0f} GB/s, {timer.peak_names[1]} "
+              f"{peak['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
         ledger = Ledger(engine, timer, peak, args.repeats)
-        entries = []
+        backend = engine.model.backend
+        report = {"name": args.name or path.name, "model_path": str(path),
+                  "device": getattr(backend, "device_name", f"CPU ({backend.name} backend)"),
+                  "command": "python -m openinfer.tools.ledger " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "ceilings": peak, "ceiling_names": list(timer.peak_names), "cuda_graphs": bool(ledger.graphs),
+                  "checks": [], "entries": []}
+        grid = {(b, c) for b in args.batches for c in args.contexts}
         for batch in args.batches:
             for context in args.contexts:
-                entry = ledger.measure("decode", decode_batch(batch, context))
-                entries.append(entry)
+                entry = ledger.measure("decode", ledger.decode(batch, context))
+                report["entries"].append(entry)
                 print(f"decode b={batch} c={context}: ops {entry['sum_device_s'] * 1e3:.3f} ms, "
                       f"measured {entry['measured_s'] * 1e3:.3f} ms", flush=True)
-        prefills = []
+                write_partial(report, partial)
         for tokens in args.prefill:
-            entry = ledger.measure("prefill", prefill_batch(tokens))
-            prefills.append(entry)
+            entry = ledger.measure("prefill", ledger.prefill(tokens))
+            report["entries"].append(entry)
             print(f"prefill {tokens}: ops {entry['sum_device_s'] * 1e3:.2f} ms, measured {entry['measured_s'] * 1e3:.2f} ms",
                   flush=True)
-        results = []
-        grid = {(e["batch"], e["context"]) for e in entries}
+            write_partial(report, partial)
         for batch, context in checks:
-            entry = ledger.measure("decode", decode_batch(batch, context))
-            results.append({"phase": "decode", "batch": batch, "context": context, "measured_s": entry["measured_s"],
-                            "measured_how": entry["measured_how"], "on_grid": (batch, context) in grid})
+            entry = ledger.measure("decode", ledger.decode(batch, context))
+            report["checks"].append({"phase": "decode", "batch": batch, "context": context,
+                                     "measured_s": entry["measured_s"], "measured_how": entry["measured_how"],
+                                     "on_grid": (batch, context) in grid})
+            write_partial(report, partial)
         for tokens in args.check_prefill:
-            entry = ledger.measure("prefill", prefill_batch(tokens))
-            results.append({"phase": "prefill", "batch": 1, "context": tokens, "measured_s": entry["measured_s"],
-                            "measured_how": entry["measured_how"], "on_grid": tokens in args.prefill})
-        report = {"name": args.name or path.name, "model_path": str(path), "device": engine.model.backend.device_name,
-                  "command": "python -m openinfer.tools.ledger " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "ceilings": peak, "cuda_graphs": bool(ledger.graphs), "checks": results,
-                  "entries": entries + prefills}
+            entry = ledger.measure("prefill", ledger.prefill(tokens))
+            report["checks"].append({"phase": "prefill", "batch": 1, "context": tokens,
+                                     "measured_s": entry["measured_s"], "measured_how": entry["measured_how"],
+                                     "on_grid": tokens in args.prefill})
     finally:
         engine.close_sync()
     write_report(report, Path(args.out), args.markdown)
+    partial.unlink(missing_ok=True)
     return 0
+
+
+def write_partial(report: dict[str, Any], path: Path) -> None:
+    """The entries so far (a device run cut short still leaves its measurements)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def write_report(report: dict[str, Any], out: Path, markdown_path: str | None) -> None:
