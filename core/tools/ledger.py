@@ -166,6 +166,13 @@ class OpRecorder:
             return original(source, name, defines)
 
         loader._kernel = named
+        original_arch = loader._arch_kernel  # architecture-specific builds (the sm90 prefill attention)
+
+        def named_arch(source: str, name: str, arch: str, defines: tuple, shared_bytes: int) -> Any:
+            self._note_kernel(f"{name} ({arch})")
+            return original_arch(source, name, arch, defines, shared_bytes)
+
+        loader._arch_kernel = named_arch
         matmul = Cublas.matmul_nt
 
         def cublas(blas: Any, *args: Any, **kwargs: Any) -> Any:
@@ -654,6 +661,31 @@ def predict_checks(report: dict[str, Any]) -> None:
         check["error"] = check["predicted_s"] / check["measured_s"] - 1
 
 
+# what an op is, by its name (the op key up to its weight shape); first match wins
+OP_KINDS = (
+    ("projections (GEMM)", ("linear", "add_rms_norm_linear", "silu_mul_linear")),
+    ("attention (q/k norm, RoPE, KV write, attention)", ("attention", "mla_attention")),
+    ("Gated DeltaNet", ("delta_net",)),
+    ("norms", ("rms_norm", "add_rms_norm")),
+    ("activations", ("silu_mul", "sigmoid_mul", "gelu_mul")),
+    ("embedding, gathers, adds", ("embedding", "gather_rows", "add")),
+)
+
+
+def op_kind(op: str) -> str:
+    name = op.split("(")[0]
+    return next((kind for kind, names in OP_KINDS if name in names), "other")
+
+
+def breakdown(entry: dict[str, Any]) -> dict[str, float]:
+    """Device seconds of one step by kind of op (largest first); host-only rows left out."""
+    kinds: dict[str, float] = defaultdict(float)
+    for row in entry["ops"]:
+        if not row["op"].startswith("(host"):
+            kinds[op_kind(row["op"])] += row["time_s"]
+    return dict(sorted(kinds.items(), key=lambda item: -item[1]))
+
+
 def markdown(report: dict[str, Any]) -> str:
     copy_name, gemm_name = report.get("ceiling_names", ("copy", "cuBLAS bf16"))
     lines = [f"# Kernel ledger: {report['name']}", "",
@@ -673,8 +705,11 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{check['measured_s'] * 1e3:.3f} | {100 * check['error']:+.1f} % | "
                      f"{'yes' if check['on_grid'] else 'no'} | {check['measured_how']} |")
     for entry in report["entries"]:
+        kinds = ", ".join(f"{kind} {seconds * 1e3:.3f} ms ({100 * seconds / max(entry['sum_device_s'], 1e-12):.0f} %)"
+                          for kind, seconds in breakdown(entry).items())
         lines += ["", f"## {entry['phase']}: batch {entry['batch']}, context {entry['context']} "
                       f"(measured step {entry['measured_s'] * 1e3:.3f} ms, ops sum {entry['sum_device_s'] * 1e3:.3f} ms)", "",
+                  f"By kind: {kinds}.", "",
                   "| op | kernels | shape | calls | ms | GB | GFLOP | % roofline | bound |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for row in entry["ops"]:
             pct = f"{row['roofline_pct']:.0f}" if row.get("roofline_pct") is not None else ""

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from openinfer.tools.ledger import StepLayout, StepModel, _interpolate, decode_batch, main, prefill_batch
+from openinfer.tools.ledger import (
+    StepLayout,
+    StepModel,
+    _interpolate,
+    breakdown,
+    decode_batch,
+    main,
+    prefill_batch,
+)
 from tests.helpers.tiny_qwen3 import TINY_QWEN3
 from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35
 
@@ -84,12 +92,15 @@ def test_ledger_runs_end_to_end_on_the_numpy_backend(name: str, tmp_path: Path) 
             rows = row["flops"] / (2.0 * out_features * in_features * row["calls"])
             assert rows in (entry["tokens"], entry["batch"]), row["op"]
         assert ops["attention"]["flops"] > 0 and entry["measured_s"] > 0
+        kinds = breakdown(entry)  # every device op counted once, by kind
+        assert sum(kinds.values()) == pytest.approx(sum(r["time_s"] for r in entry["ops"]))
+        assert "projections (GEMM)" in kinds and "norms" in kinds
     assert [(c["phase"], c["batch"], c["context"]) for c in report["checks"]] == [("decode", 2, 24),
                                                                                   ("prefill", 1, 32)]
     assert all(c["predicted_s"] > 0 and c["measured_s"] > 0 and not c["on_grid"] for c in report["checks"])
     assert report["device"].startswith("CPU") and not report["cuda_graphs"]
     table = out.with_suffix(".md").read_text()
-    assert "| decode | 2 | 24 |" in table and "NumPy fp32 matmul" in table
+    assert "| decode | 2 | 24 |" in table and "NumPy fp32 matmul" in table and "By kind: " in table
 
 
 def test_ledger_batches_follow_the_kv_groups() -> None:
