@@ -15,9 +15,9 @@ import pytest
 from openinfer.tools.ledger import (
     StepLayout,
     StepModel,
-    _interpolate,
     breakdown,
     decode_batch,
+    interpolate,
     main,
     prefill_batch,
 )
@@ -30,9 +30,9 @@ LEDGERS = {"qwen3": ROOT / "plugins/openinfer-qwen3/src/openinfer_qwen3/ledger.j
 
 
 def test_interpolation_linear_and_quadratic() -> None:
-    assert _interpolate([1.0, 2.0, 4.0], [1.0, 2.0, 4.0], 3.0) == pytest.approx(3.0)
-    assert _interpolate([1.0, 2.0], [1.0, 2.0], 5.0) == pytest.approx(5.0)  # extrapolates
-    assert _interpolate([1.0, 2.0, 4.0], [1.0, 4.0, 16.0], 3.0, degree=2) == pytest.approx(9.0)
+    assert interpolate([1.0, 2.0, 4.0], [1.0, 2.0, 4.0], 3.0) == pytest.approx(3.0)
+    assert interpolate([1.0, 2.0], [1.0, 2.0], 5.0) == pytest.approx(5.0)  # extrapolates
+    assert interpolate([1.0, 2.0, 4.0], [1.0, 4.0, 16.0], 3.0, degree=2) == pytest.approx(9.0)
 
 
 def test_model_sums_ops_over_the_grid() -> None:
