@@ -134,38 +134,6 @@ def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatc
     check_against_numpy(cuda_backend, rng, case, ["sm90"])
 
 
-def test_sm90_variant_environment(monkeypatch):
-    from openinfer.backend.cuda import attention
-    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_variant
-
-    for name in SM90_ENV.values():
-        monkeypatch.delenv(name, raising=False)
-    refresh_kernel_choices()
-    default = sm90_variant(128)  # the module's SM90_* defaults where the environment is silent
-    assert default.kv_head_major_grid == (attention.SM90_GRID == "kv_head")
-    assert default.batched_page_reads == (attention.SM90_PAGE_READS == "batched")
-    assert (default.pingpong, default.intra_wg_overlap) == (attention.SM90_PINGPONG, attention.SM90_OVERLAP)
-    assert default.stages == attention.SM90_STAGES[128] and not default.skip_kv_loads
-    for key, value in SM90_VARIANTS["l2-pingpong"].items():
-        monkeypatch.setenv(SM90_ENV[key], value)
-    monkeypatch.setenv(SM90_ENV["stages"], "2")
-    assert sm90_variant(128) == default  # read once per process ...
-    refresh_kernel_choices()  # ... until asked to re-read
-    chosen = sm90_variant(128)
-    assert chosen.kv_head_major_grid and chosen.batched_page_reads and chosen.pingpong and chosen.stages == 2
-    assert chosen.defines(128, 16)["KV_HEAD_MAJOR_GRID"] == 1
-    for key, bad in (("grid", "tile"), ("pingpong", "yes"), ("stages", "1"), ("stages", "x")):
-        monkeypatch.setenv(SM90_ENV[key], bad)
-        refresh_kernel_choices()
-        with pytest.raises(ValueError, match=SM90_ENV[key]):
-            sm90_variant(128)
-        monkeypatch.delenv(SM90_ENV[key])
-    monkeypatch.setenv(SM90_ENV["stages"], "3")
-    refresh_kernel_choices()
-    with pytest.raises(ValueError, match="shared memory"):
-        sm90_variant(256)  # 3 stages of 64 KB + the 64 KB Q tile do not fit
-
-
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):
     from openinfer.backend.cuda.attention import prefill_attention, sm90_prefill_supported
 

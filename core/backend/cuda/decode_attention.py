@@ -18,23 +18,22 @@ heads, split over the keys like decode: a warm prefix's last block or a short ch
 cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks.
 
 ``OPENINFER_DECODE_ATTENTION=split`` selects the CUDA-core kernel everywhere (read once per
-process; ``openinfer.backend.cuda.attention.refresh_kernel_choices()`` re-reads it, so a benchmark
-can capture one graph with each).
+process; ``openinfer.backend.cuda.kernel_choices.refresh_kernel_choices()`` re-reads it, so a
+benchmark can capture one graph with each).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.kernel_choices import DECODE_KERNELS, wanted_decode_kernel
 from openinfer.backend.cuda.loader import kernel
 
 LOG2E = 1.4426950408889634
-KERNELS = ("mma", "split")
+KERNELS = DECODE_KERNELS
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_MAX_GROUP = 16  # query heads one mma row block holds
 MMA_TILE_KEYS = 16
@@ -84,18 +83,9 @@ def mma_supports(head_dim: int, group: int) -> bool:
     return head_dim in MMA_HEAD_DIMS and 1 <= group <= MMA_MAX_GROUP
 
 
-@functools.cache
-def wanted_kernel() -> str:
-    """OPENINFER_DECODE_ATTENTION, read once per process (``cache_clear()`` re-reads it)."""
-    wanted = os.environ.get("OPENINFER_DECODE_ATTENTION", "mma")
-    if wanted not in KERNELS:
-        raise ValueError(f"OPENINFER_DECODE_ATTENTION={wanted!r}; choose one of {KERNELS}")
-    return wanted
-
-
 def choose_kernel(head_dim: int, group: int) -> str:
     """``mma`` where it applies, unless OPENINFER_DECODE_ATTENTION=split asks for the CUDA-core kernel."""
-    return "mma" if wanted_kernel() == "mma" and mma_supports(head_dim, group) else "split"
+    return "mma" if wanted_decode_kernel() == "mma" and mma_supports(head_dim, group) else "split"
 
 
 def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
