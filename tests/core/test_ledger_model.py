@@ -123,3 +123,31 @@ def test_ledger_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
+
+
+def test_an_expanded_op_is_recorded_as_the_calls_it_makes() -> None:
+    """cuda attention is recorded as its q/k-norm + RoPE + KV write and its kernel, each a row."""
+    import types
+
+    from openinfer.tools.ledger import OpRecorder
+
+    kernels = types.ModuleType("kernels")
+    kernels.write = lambda x: x + 1
+    kernels.attend = lambda x: x * 2
+
+    class Backend:
+        name = "fake"
+
+        def attention(self, x: int) -> int:
+            return kernels.attend(kernels.write(x))  # module lookups at call time, as attention.py does
+
+        def rms_norm(self, x: int) -> int:
+            return x - 3
+
+    backend = Backend()
+    recorder = OpRecorder({"backend": backend}, kernel_names=False, expand={"attention": (kernels, ("write", "attend"))})
+    calls = recorder.record(lambda: backend.rms_norm(backend.attention(5)))
+    assert [(c.owner, c.name, c.args, c.result) for c in calls] == [
+        ("attention", "write", (5,), 6), ("attention", "attend", (6,), 12), ("backend", "rms_norm", (12,), 9)]
+    assert [c.fn(*c.args) for c in calls] == [6, 12, 9]  # replayed unwrapped
+    assert backend.attention(1) == 4 and not recorder.recording  # outside recording: plain calls

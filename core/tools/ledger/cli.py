@@ -52,7 +52,14 @@ class Ledger:
         self.peak = peak
         self.repeats = repeats
         self.layout = StepLayout.of(engine)
-        self.recorder = OpRecorder({"backend": self.backend}, self.model, kernel_names=self.backend.name == "cuda")
+        cuda = self.backend.name == "cuda"
+        expand = None
+        if cuda:  # attention as its two launches: q/k norm + RoPE + KV write, then the kernel
+            from openinfer.backend.cuda import attention
+
+            expand = {"attention": (attention, ("write_qkv", "decode_attention", "short_query_attention",
+                                                "prefill_attention"))}
+        self.recorder = OpRecorder({"backend": self.backend}, self.model, kernel_names=cuda, expand=expand)
         self.graphs = getattr(engine.runner, "graphs", {})
 
     def decode(self, num_seqs: int, context: int) -> Any:

@@ -31,14 +31,23 @@ class OpCall:
 
 
 class OpRecorder:
-    """Wraps the public methods of the model's op objects; records top-level calls while on."""
+    """Wraps the public methods of the model's op objects; records top-level calls while on.
 
-    def __init__(self, owners: dict[str, Any], model: Any = None, kernel_names: bool = True):
+    ``expand`` maps an op name to (module, function names): that op is recorded as the calls it
+    makes to those module functions instead of as one call (cuda attention: the q/k-norm + RoPE +
+    KV write, then the attention kernel, each its own ledger row)."""
+
+    def __init__(self, owners: dict[str, Any], model: Any = None, kernel_names: bool = True,
+                 expand: dict[str, tuple[Any, tuple[str, ...]]] | None = None):
         self.calls: list[OpCall] = []
         self.recording = False
         self._depth = 0
         self._current: OpCall | None = None
         self._patched: list[tuple[Any, str]] = []
+        self._expanded = set(expand or {})
+        for op_name, (module, functions) in (expand or {}).items():
+            for function in functions:  # the op's module looks these up at call time
+                setattr(module, function, self._wrap(op_name, function, getattr(module, function)))
         if model is not None:
             self._wrap_model(model)
         for owner_name, owner in owners.items():
@@ -79,6 +88,8 @@ class OpRecorder:
                     return method(*args, **kwargs)
                 finally:
                     self._depth -= 1
+            if name in self._expanded:  # recorded through the calls it makes (at top level)
+                return method(*args, **kwargs)
             call = OpCall(owner, name, method, args, kwargs, None)
             self._current = call
             self._depth += 1
@@ -188,6 +199,17 @@ def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
         n, k, weight_bytes = _linear_weight(layer)
         extra = 0 if call.name == "linear" else (m * k if call.name == "silu_mul_linear" else 2 * m * k)
         return float(x.itemsize * (m * k + m * n + extra) + weight_bytes), 2.0 * m * n * k
+    if call.name == "write_qkv":  # (qkv, spec, kv, batch, ropes): q/k norm + RoPE to q, K/V into the cache
+        qkv, spec = call.args[0], call.args[1]
+        tokens = qkv.shape[0]
+        return float(qkv.nbytes + tokens * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * 2), 0.0
+    if call.name in ("prefill_attention", "decode_attention", "short_query_attention"):  # (q, spec, kv, batch, ...)
+        q, spec = call.args[0], call.args[1]
+        context = host.context_lens.astype(np.float64)
+        query = np.diff(host.query_start).astype(np.float64)
+        pairs = float(np.sum(query * (context - query) + query * (query + 1) / 2))
+        kv_token = 2 * spec.num_kv_heads * spec.head_dim * 2
+        return float(2 * q.nbytes) + float(context.sum()) * kv_token, 4.0 * spec.num_heads * spec.head_dim * pairs
     if call.name == "attention":
         qkv, spec = call.args[0], call.args[1]
         tokens = qkv.shape[0]

@@ -13,6 +13,8 @@ from openinfer.tools.ledger.step_model import predict_checks
 OP_KINDS = (
     ("projections (GEMM)", ("linear", "add_rms_norm_linear", "silu_mul_linear")),
     ("attention (q/k norm, RoPE, KV write, attention)", ("attention", "mla_attention")),
+    ("attention kernels", ("prefill_attention", "decode_attention", "short_query_attention")),
+    ("q/k norm, RoPE, KV write", ("write_qkv",)),
     ("Gated DeltaNet", ("delta_net",)),
     ("norms", ("rms_norm", "add_rms_norm")),
     ("activations", ("silu_mul", "sigmoid_mul", "gelu_mul")),
