@@ -187,6 +187,7 @@ def build_qwen3_4b(backend):
 
 
 def bench_step(backend, bandwidth: float, batches, context: int) -> list[dict]:
+    from openinfer.backend.cuda.attention import refresh_kernel_choices
     from openinfer.graph import CudaGraphRunner
     from openinfer.tools.ledger import gpu_seconds
 
@@ -203,10 +204,12 @@ def bench_step(backend, bandwidth: float, batches, context: int) -> list[dict]:
     runners = {}
     for name in KERNELS:  # the kernel is chosen when each graph is captured
         os.environ["OPENINFER_DECODE_ATTENTION"] = name
+        refresh_kernel_choices()  # read once per process otherwise
         runners[name] = CudaGraphRunner(backend, lambda batch: model.forward(backend, batch, kv),
                                         max_num_seqs=max(batches), max_blocks_per_seq=blocks, buckets=batches)
         runners[name].capture()
     os.environ.pop("OPENINFER_DECODE_ATTENTION")
+    refresh_kernel_choices()
     weight_bytes = sum(x.nbytes for layer in model.layers for x in (layer.qkv.weight, layer.o_proj.weight,
                                                                      layer.gate_up.weight, layer.down.weight))
     weight_bytes += model.embed_tokens.nbytes

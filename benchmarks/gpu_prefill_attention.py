@@ -16,7 +16,15 @@ Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under 
              rounds (best median kept), each output compared with the default's, torch SDPA alongside;
              writes gpu_prefill_attention_variants.json.
 
-    python benchmarks/gpu_prefill_attention.py [--no-model | --sm90-variants]
+  --short-queries  instead: steps of a few new tokens over a long cached context (a warm prefix's
+             last block): the prefill kernel (auto) against the split-KV short-query kernel, time and
+             KV read rate as a fraction of the copy bandwidth, outputs compared; then the whole
+             Qwen3-4B-shaped model's step for 16 new tokens over a 16k cached prefix (eager, as the
+             engine runs it) with OPENINFER_SHORT_QUERY_ATTENTION off and on, next to a 1-token
+             step over the same context (the decode kernel) and its graph replay; writes
+             gpu_prefill_attention_short.json.
+
+    python benchmarks/gpu_prefill_attention.py [--no-model | --sm90-variants | --short-queries]
 """
 
 from __future__ import annotations
@@ -173,13 +181,14 @@ SM90_VARIANTS = {
 
 
 def set_sm90_variant(settings: dict[str, str]) -> None:
-    from openinfer.backend.cuda.attention import SM90_ENV
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices
 
     for key, name in SM90_ENV.items():
         if key in settings:
             os.environ[name] = settings[key]
         else:
             os.environ.pop(name, None)
+    refresh_kernel_choices()  # the switches are read once per process
 
 
 def bench_sm90_variants(backend, out_dirs: list[Path]) -> dict:
@@ -244,6 +253,8 @@ def bench_model(backend, mma_only: bool) -> dict:
     """TTFT before (mma.sync) and after (auto: sm90 on Hopper) through gpu_bench's Qwen3-4B builder."""
     import cupy
 
+    from openinfer.backend.cuda.attention import refresh_kernel_choices
+
     ceilings = gpu_bench.measure_ceilings(backend)
     hf = gpu_bench.build_hf(gpu_bench.QWEN3_4B)
     model = gpu_bench.build_ours(hf, gpu_bench.QWEN3_4B, backend)
@@ -254,12 +265,121 @@ def bench_model(backend, mma_only: bool) -> dict:
     result = {"ceilings": ceilings}
     for label, kernel in (("before_mma", "mma"),) + (() if mma_only else (("after_auto", "auto"),)):
         os.environ["OPENINFER_PREFILL_KERNEL"] = kernel
+        refresh_kernel_choices()
         result[label] = gpu_bench.bench_prefill(backend, model, gpu_bench.QWEN3_4B, list(LENGTHS), ceilings)
         cupy.get_default_memory_pool().free_all_blocks()
     os.environ.pop("OPENINFER_PREFILL_KERNEL")
+    refresh_kernel_choices()
     if "after_auto" in result:
         result["ttft_speedup"] = {str(b["tokens"]): b["ttft_ms"] / a["ttft_ms"]
                                   for b, a in zip(result["before_mma"], result["after_auto"], strict=True)}
+    return result
+
+
+# (cached tokens per sequence, new tokens per sequence, sequences): 16368 + 16 = a 16k prompt whose
+# last block is recomputed after a prefix-cache hit
+SHORT_CASES = [(1008, 16, 1), (4080, 16, 1), (16368, 16, 1), (32752, 16, 1), (16376, 8, 1), (16383, 1, 1),
+               (4080, 16, 8), (2032, 4, 32)]
+
+
+def set_short_query(on: bool) -> None:
+    from openinfer.backend.cuda.attention import SHORT_QUERY_ENV, refresh_kernel_choices
+
+    os.environ[SHORT_QUERY_ENV] = "1" if on else "0"
+    refresh_kernel_choices()
+
+
+def bench_short_attention(backend, copy_bandwidth: float) -> list[dict]:
+    """Short steps: the prefill kernel vs the short-query kernel, same inputs."""
+    import cupy
+
+    from openinfer.backend.base import AttentionSpec
+    from openinfer.backend.cuda.attention import prefill_attention
+    from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+    from openinfer.tools.ledger import gpu_seconds
+
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
+    rows = []
+    for cached_tokens, new_tokens, num_seqs in SHORT_CASES:
+        cached, new = [cached_tokens] * num_seqs, [new_tokens] * num_seqs
+        batch, kv, q, flops = paged_case(cached, new)
+        device_batch = backend.prepare_batch(batch)
+        kv_bytes = sum(c + n for c, n in zip(cached, new, strict=True)) * 2 * NUM_KV_HEADS * HEAD_DIM * 2
+        outputs = {name: cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
+                   for name in ("prefill", "short_query")}
+        calls = {
+            "prefill": functools.partial(prefill_attention, q, spec, kv, device_batch, out=outputs["prefill"]),
+            "short_query": functools.partial(
+                short_query_attention_mma, q, kv.k, kv.v, device_batch.block_tables, device_batch.context_lens,
+                device_batch.query_start, batch.max_query_len, spec.scale, backend.num_sms,
+                out=outputs["short_query"]),
+        }
+        row: dict = {"cached": cached_tokens, "new": new_tokens, "sequences": num_seqs, "kv_bytes": kv_bytes}
+        for name, call in calls.items():
+            seconds = gpu_seconds(call, repeats=20, warmup=3)
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_kv_read_fraction_of_copy"] = kv_bytes / seconds / copy_bandwidth
+        values = {name: (out.astype(cupy.uint32) << 16).view(cupy.float32) for name, out in outputs.items()}
+        row["relative_difference"] = float(cupy.linalg.norm(values["short_query"] - values["prefill"])
+                                           / cupy.linalg.norm(values["prefill"]))
+        row["speedup"] = row["prefill_us"] / row["short_query_us"]
+        log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+    return rows
+
+
+def bench_warm_step(backend, context: int = 16384, new_tokens: int = 16) -> dict:
+    """The Qwen3-4B-shaped model's step for ``new_tokens`` over ``context - new_tokens`` cached
+    tokens, eager (host clock to the argmax on the host), short-query kernel off and on; a 1-token
+    step over the same context eager and as a graph replay for reference."""
+    import cupy
+
+    from openinfer.backend.base import ForwardBatch
+    from openinfer.graph import CudaGraphRunner
+
+    config = gpu_bench.QWEN3_4B
+    hf = gpu_bench.build_hf(config)
+    model = gpu_bench.build_ours(hf, config, backend)
+    del hf
+    import torch
+
+    torch.cuda.empty_cache()
+    blocks = -(-context // BLOCK_SIZE)
+    kv = []
+    for _ in range(config["num_hidden_layers"]):
+        layer = backend.allocate_kv(blocks + 1, BLOCK_SIZE, config["num_key_value_heads"], config["head_dim"])
+        layer.k[...] = random_bf16(layer.k.shape)
+        layer.v[...] = random_bf16(layer.v.shape)
+        kv.append(layer)
+    table = np.arange(1, blocks + 1, dtype=np.int32)[None, :]
+
+    def step_batch(n: int) -> ForwardBatch:
+        pos = np.arange(context - n, context, dtype=np.int32)
+        return ForwardBatch(token_ids=np.random.default_rng(n).integers(0, 150000, n).astype(np.int32), positions=pos,
+                            query_start=np.array([0, n], np.int32), context_lens=np.array([context], np.int32),
+                            block_tables=table, slot_mapping=(table[0, pos // BLOCK_SIZE] * BLOCK_SIZE
+                                                              + pos % BLOCK_SIZE).astype(np.int32),
+                            logits_rows=np.array([n - 1], np.int32), max_query_len=n, max_context_len=context)
+
+    def eager_ms(batch: ForwardBatch) -> float:
+        def run():
+            model.forward(backend, backend.prepare_batch(batch), kv)[0].argmax().get()
+        return gpu_bench.wall_time(run, repeat=10, warmup=2) * 1e3
+
+    result: dict = {"context": context, "new_tokens": new_tokens}
+    for on in (False, True):
+        set_short_query(on)
+        result[f"eager_step_ms_short_query_{'on' if on else 'off'}"] = eager_ms(step_batch(new_tokens))
+    set_short_query(False)
+    os.environ.pop("OPENINFER_SHORT_QUERY_ATTENTION")
+    result["eager_1_token_step_ms"] = eager_ms(step_batch(1))
+    runner = CudaGraphRunner(backend, lambda batch: model.forward(backend, batch, kv), max_num_seqs=1,
+                             max_blocks_per_seq=blocks, buckets=[1])
+    runner.capture()
+    runner.graphs[1].static.fill(step_batch(1))
+    result["graph_1_token_step_ms"] = gpu_bench.gpu_time(lambda: runner.graphs[1].graph.launch(), repeat=20) * 1e3
+    log(str(result))
+    cupy.get_default_memory_pool().free_all_blocks()
     return result
 
 
@@ -298,6 +418,12 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_json(report: dict, out_dirs: list[Path], name: str) -> None:
+    for out in out_dirs:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(report, indent=2))
+
+
 def write_variants(report: dict, out_dirs: list[Path]) -> None:
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)
@@ -322,6 +448,8 @@ def main() -> None:
     parser.add_argument("--no-model", action="store_true", help="attention only (skip the whole-model TTFT)")
     parser.add_argument("--mma-only", action="store_true", help="time only the mma.sync kernel")
     parser.add_argument("--sm90-variants", action="store_true", help="time the sm90 kernel's run-time variants")
+    parser.add_argument("--short-queries", action="store_true",
+                        help="short steps over long contexts: prefill vs short-query kernel, and the warm 16k step")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -334,6 +462,19 @@ def main() -> None:
     if args.sm90_variants:
         report["sm90_variants"] = bench_sm90_variants(backend, out_dirs)
         write_variants(report, out_dirs)
+        return
+    if args.short_queries:
+        report["ceilings"] = gpu_bench.measure_ceilings(backend)
+        report["short_attention"] = bench_short_attention(backend, report["ceilings"]["copy_bandwidth_bytes_per_s"])
+        write_json(report, out_dirs, "gpu_prefill_attention_short.json")
+        if not args.no_model:
+            report["warm_step"] = bench_warm_step(backend)
+            write_json(report, out_dirs, "gpu_prefill_attention_short.json")
+        print("\n cached  new  seqs   prefill us  short-query us  speed-up  KV read / copy (short)")
+        for r in report["short_attention"]:
+            print(f" {r['cached']:6d} {r['new']:4d} {r['sequences']:5d} {r['prefill_us']:12.1f} "
+                  f"{r['short_query_us']:15.1f} {r['speedup']:9.2f} {r['short_query_kv_read_fraction_of_copy']:10.0%}")
+        sys.stdout.flush()
         return
     report["attention"] = bench_attention(backend, args.mma_only)
     if not args.no_model:

@@ -16,6 +16,11 @@
 // that ldmatrix's 8 row reads hit distinct banks):
 //   [ K tile: 16 keys x HEAD_DIM bf16 | V tile: 16 keys x HEAD_DIM bf16 ]
 // After the loop the same memory holds the per-warp (O, m, l) for the block-level merge.
+//
+// short_query_attention_mma runs the same block for a few new tokens per sequence (rows = 16 /
+// GROUP tokens x GROUP heads, each with its own causal key limit), so a warm prefix's last block
+// or a short chunk over a long cached context is split over the keys like decode instead of
+// running prefill's 128-query tiles with a handful of real rows.
 #include "mma.cuh"
 
 #ifndef HEAD_DIM
@@ -37,33 +42,69 @@ constexpr int ROW_CHUNKS = HEAD_DIM / 8;                 // 16-byte chunks per k
 constexpr int TILE_ELEMS = TILE_KEYS * HEAD_DIM;         // one K (or V) tile, bf16 elements
 constexpr int ROWS_PER_PASS = 32 / ROW_CHUNKS;           // key rows one warp-wide copy covers
 constexpr int COPIES_PER_LANE = TILE_KEYS / ROWS_PER_PASS;
-constexpr int HALVES = GROUP > 8 ? 2 : 1;                // fragment row halves holding real heads
 constexpr float NEG_BIG = -1e30f;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(GROUP >= 1 && GROUP <= 16, "one mma row block holds at most 16 query heads");
 
+#ifndef DECODE_DYNAMIC_SHARED  // the host emulation supplies a static buffer
+#define DECODE_DYNAMIC_SHARED(name) extern __shared__ uint4 name[]
+#endif
+
 // cp_async16 (mma.cuh) bypasses L1; L2::128B / 256B prefetch hints measured no different on an
-// H100 (within 0.5 %).
+// H100 (within 0.5 %). Under the host emulation its copies complete at once.
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void commit_copies() {}
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {}
+#else
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+#endif
 
 // Offset (bf16 elements) of 16-byte chunk `chunk` of key row `row` inside a swizzled tile.
 __device__ __forceinline__ int tile_offset(int row, int chunk) { return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3); }
 
-extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32)
-decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
-                     int max_blocks_per_seq, const int* __restrict__ context_lens, bf16* __restrict__ out,
-                     float* __restrict__ partial_out, float* __restrict__ partial_ml, int num_kv_heads,
-                     int block_size, int num_splits, float scale_log2) {
-    extern __shared__ uint4 smem_raw[];
-    const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+// One block's work: KV head `kv_head` of sequence `seq`, split `split` of its keys, for the
+// query rows of one mma row block. MULTI_QUERY false (decode): the rows are the GROUP query
+// heads of the sequence's one new token. MULTI_QUERY true (short queries): row r is head
+// r % GROUP of new token row_block * ROW_TOKENS + r / GROUP, which sees the keys up to its
+// own position (causal); `length` then stops at the row block's last token's position + 1.
+template <bool MULTI_QUERY>
+__device__ __forceinline__ void attend_rows(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                            const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                                            int max_blocks_per_seq, const int* __restrict__ context_lens,
+                                            const int* __restrict__ query_start, bf16* __restrict__ out,
+                                            float* __restrict__ partial_out, float* __restrict__ partial_ml,
+                                            int num_kv_heads, int block_size, int num_splits, float scale_log2,
+                                            int split, int row_block) {
+    DECODE_DYNAMIC_SHARED(smem_raw);
+    constexpr int ROW_TOKENS = MULTI_QUERY ? 16 / GROUP : 1;  // new tokens per row block
+    constexpr int ROWS = ROW_TOKENS * GROUP;                  // real rows of the 16
+    constexpr int HALVES = ROWS > 8 ? 2 : 1;                  // fragment row halves holding real rows
+    const int kv_head = blockIdx.y, seq = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;  // mma fragment coordinates
     const int num_heads = num_kv_heads * GROUP;
-    const int length = context_lens[seq];
+    int length = context_lens[seq];
+    // short queries: this block's tokens are query rows first_row .. first_row + block_tokens - 1
+    // of the step; the lane's two fragment rows see keys below limit[0] / limit[1]
+    int first_row = 0, block_tokens = 1, limit[2] = {0, 0};
+    if constexpr (MULTI_QUERY) {
+        const int query_begin = query_start[seq], query_len = query_start[seq + 1] - query_begin;
+        const int first_token = row_block * ROW_TOKENS;
+        if (first_token >= query_len) return;  // the whole block: before any barrier
+        block_tokens = min(ROW_TOKENS, query_len - first_token);
+        const int first_position = length - query_len + first_token;  // keys the first token sees - 1
+        first_row = query_begin + first_token;
+        length = first_position + block_tokens;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int token = (frag_row + 8 * h) / GROUP;
+            limit[h] = frag_row + 8 * h < ROWS && token < block_tokens ? first_position + token + 1 : 0;
+        }
+    }
     const int num_tiles = (length + TILE_KEYS - 1) / TILE_KEYS;
     const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
     const int tile_begin = min(num_tiles, split * tiles_per_split);
@@ -115,7 +156,8 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
     }
     int next_slot = prologue_slot[DECODE_STAGES - 1];  // first key's slot of the next tile to issue
 
-    // Q as A fragments: row r = query head kv_head * GROUP + r (rows >= GROUP are zero).
+    // Q as A fragments: decode row r = query head kv_head * GROUP + r (rows >= GROUP are zero);
+    // short queries: the rows above (rows of tokens past the query are zero).
     const bf16* q_group = q + ((size_t)seq * num_heads + (size_t)kv_head * GROUP) * HEAD_DIM;
     unsigned int qa[HEAD_DIM / 16][4];
 #pragma unroll
@@ -123,8 +165,15 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = frag_row + (e & 1) * 8, col = ks * 16 + (e >> 1) * 8 + frag_col;
-            const bool real = (e & 1) ? HALVES == 2 && row < GROUP : row < GROUP;
-            qa[ks][e] = real ? *reinterpret_cast<const unsigned int*>(q_group + row * HEAD_DIM + col) : 0u;
+            if constexpr (MULTI_QUERY) {
+                const bool real = row < ROWS && row / GROUP < block_tokens;
+                const bf16* q_row = q + ((size_t)(first_row + row / GROUP) * num_heads + kv_head * GROUP + row % GROUP)
+                                            * HEAD_DIM;
+                qa[ks][e] = real ? *reinterpret_cast<const unsigned int*>(q_row + col) : 0u;
+            } else {
+                const bool real = (e & 1) ? HALVES == 2 && row < GROUP : row < GROUP;
+                qa[ks][e] = real ? *reinterpret_cast<const unsigned int*>(q_group + row * HEAD_DIM + col) : 0u;
+            }
         }
     }
     float o[HEAD_DIM / 8][4];
@@ -163,7 +212,8 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const bool visible = token0 + n * 8 + frag_col + (e & 1) < length;
+                const int key = token0 + n * 8 + frag_col + (e & 1);
+                const bool visible = MULTI_QUERY ? key < limit[e >> 1] : key < length;
                 s[n][e] = visible ? s[n][e] * scale_log2 : -INFINITY;
                 row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
             }
@@ -173,7 +223,8 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
         for (int h = 0; h < HALVES; ++h) {
             row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
             row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-            const float m_new = fmaxf(m[h], row_max[h]);  // finite: a tile's first key is visible
+            // finite: m starts at NEG_BIG (a short query's row may see none of a tile's keys)
+            const float m_new = fmaxf(m[h], row_max[h]);
             correction[h] = exp2f(m[h] - m_new);
             m[h] = m_new;
             l[h] *= correction[h];
@@ -214,36 +265,39 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
 
     // Merge the warps through shared memory (the pipeline stages are free now).
     __syncthreads();
-    float* merge_o = reinterpret_cast<float*>(smem_raw);          // [DECODE_WARPS][GROUP][HEAD_DIM]
-    float* merge_ml = merge_o + DECODE_WARPS * GROUP * HEAD_DIM;  // [DECODE_WARPS][GROUP][2]
+    float* merge_o = reinterpret_cast<float*>(smem_raw);         // [DECODE_WARPS][ROWS][HEAD_DIM]
+    float* merge_ml = merge_o + DECODE_WARPS * ROWS * HEAD_DIM;  // [DECODE_WARPS][ROWS][2]
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
         const int row = frag_row + h * 8;
-        if (row < GROUP) {
-            float* dst = merge_o + (warp * GROUP + row) * HEAD_DIM + frag_col;
+        if (row < ROWS) {
+            float* dst = merge_o + (warp * ROWS + row) * HEAD_DIM + frag_col;
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 8; ++n)
                 *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
             if ((lane & 3) == 0) {
-                merge_ml[(warp * GROUP + row) * 2] = m[h];
-                merge_ml[(warp * GROUP + row) * 2 + 1] = l[h];
+                merge_ml[(warp * ROWS + row) * 2] = m[h];
+                merge_ml[(warp * ROWS + row) * 2 + 1] = l[h];
             }
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += DECODE_WARPS * 32) {
+    for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += DECODE_WARPS * 32) {
         const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        if (MULTI_QUERY && row / GROUP >= block_tokens) break;  // rows past the query (idx grows)
         float mm = NEG_BIG;
 #pragma unroll
-        for (int w = 0; w < DECODE_WARPS; ++w) mm = fmaxf(mm, merge_ml[(w * GROUP + row) * 2]);
+        for (int w = 0; w < DECODE_WARPS; ++w) mm = fmaxf(mm, merge_ml[(w * ROWS + row) * 2]);
         float ll = 0.f, acc = 0.f;
 #pragma unroll
         for (int w = 0; w < DECODE_WARPS; ++w) {
-            const float f = exp2f(merge_ml[(w * GROUP + row) * 2] - mm);
-            ll += merge_ml[(w * GROUP + row) * 2 + 1] * f;
-            acc += merge_o[(w * GROUP + row) * HEAD_DIM + d] * f;
+            const float f = exp2f(merge_ml[(w * ROWS + row) * 2] - mm);
+            ll += merge_ml[(w * ROWS + row) * 2 + 1] * f;
+            acc += merge_o[(w * ROWS + row) * HEAD_DIM + d] * f;
         }
-        const size_t head_row = (size_t)seq * num_heads + kv_head * GROUP + row;
+        // the output / partial row: [step token row, head] (decode: the sequence is the token row)
+        const size_t head_row = MULTI_QUERY ? (size_t)(first_row + row / GROUP) * num_heads + kv_head * GROUP + row % GROUP
+                                            : (size_t)seq * num_heads + kv_head * GROUP + row;
         if (num_splits == 1) {
             out[head_row * HEAD_DIM + d] = __float2bfloat16_rn(ll > 0.f ? acc / ll : 0.f);
         } else {
@@ -255,6 +309,35 @@ decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cach
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32)
+decode_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                     int max_blocks_per_seq, const int* __restrict__ context_lens, bf16* __restrict__ out,
+                     float* __restrict__ partial_out, float* __restrict__ partial_ml, int num_kv_heads,
+                     int block_size, int num_splits, float scale_log2) {
+    attend_rows<false>(q, k_cache, v_cache, block_tables, max_blocks_per_seq, context_lens, nullptr, out, partial_out,
+                       partial_ml, num_kv_heads, block_size, num_splits, scale_log2, blockIdx.x, 0);
+}
+
+// Short queries (a few new tokens per sequence over a long cached context: a warm prefix's last
+// block, speculative tokens): the decode kernel's split-KV work split with rows = (token, head)
+// pairs. q [T, num_heads, HEAD_DIM] and out [T, num_heads * HEAD_DIM] are the step's token rows
+// (query_start [B + 1]); partials [T, num_heads, num_splits, ...] as decode_attention_merge reads
+// them with T in place of the sequences. Grid (num_splits * row_blocks, num_kv_heads, num_seqs),
+// blockIdx.x = split * row_blocks + row block: a split's row blocks run side by side and read the
+// same keys (the later ones from L2). Needs GROUP <= 16.
+extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32)
+short_query_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                          const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                          int max_blocks_per_seq, const int* __restrict__ context_lens,
+                          const int* __restrict__ query_start, int row_blocks, bf16* __restrict__ out,
+                          float* __restrict__ partial_out, float* __restrict__ partial_ml, int num_kv_heads,
+                          int block_size, int num_splits, float scale_log2) {
+    attend_rows<true>(q, k_cache, v_cache, block_tables, max_blocks_per_seq, context_lens, query_start, out,
+                      partial_out, partial_ml, num_kv_heads, block_size, num_splits, scale_log2,
+                      blockIdx.x / row_blocks, blockIdx.x % row_blocks);
 }
 
 // out[seq, head, :] = the splits' partials merged; a sequence with no keys gets zeros.

@@ -34,17 +34,55 @@ CASES = {
     "decode-gqa2": (128, 16, 8, [79, 100, 0], [1, 1, 1], True, 1.0),
     "prefill-32-prompts": (128, 16, 8, [0] * 32, [80, 82, 48, 32, 26, 72, 26, 16, 30, 22, 50, 69, 42, 72, 88, 67, 95,
                                                   76, 79, 18, 85, 91, 54, 75, 21, 73, 20, 42, 89, 59, 71, 94], True, 1.0),
+    # a warm prefix's last block over a long cached context, and short steps mixed with decode tokens
+    "short-warm-tail": (128, 32, 8, [2032], [16], True, 1.0),
+    "short-mixed-with-decode": (128, 8, 2, [300, 7, 0, 64], [5, 1, 12, 16], True, 1.0),
+    "short-d64-gqa3": (64, 6, 2, [90, 33], [9, 2], True, 1.0),
 }
+# steps of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence that are not plain decode
+SHORT_CASES = [name for name, case in CASES.items() if max(case[4]) > 1 and max(case[4]) <= 16]
+
+
+@pytest.fixture
+def kernel_switches(monkeypatch):
+    """Set attention kernel environment switches for one test; they are re-read before and after."""
+    from openinfer.backend.cuda.attention import refresh_kernel_choices
+
+    def switch(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        refresh_kernel_choices()
+    refresh_kernel_choices()
+    yield switch
+    monkeypatch.undo()
+    refresh_kernel_choices()
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_attention_matches_numpy(cuda_backend, rng, case):
+    check_attention_case(cuda_backend, rng, case)
+
+
+@pytest.mark.parametrize("case", SHORT_CASES)
+@pytest.mark.parametrize("short_query", ["0", "1"])
+def test_short_steps_with_the_short_query_kernel_on_and_off(cuda_backend, rng, case, short_query, kernel_switches):
+    from openinfer.backend.cuda.attention import SHORT_QUERY_ENV, runs_short_query_kernel
+
+    kernel_switches(**{SHORT_QUERY_ENV: short_query})
+    head_dim, nh, nkv, cached, new = CASES[case][:5]
+    spec = AttentionSpec(nh, nkv, head_dim, None, 1.0, None, None, 1e-6)
+    device_batch = cuda_backend.prepare_batch(paged_batch(rng, cached, new, 4 + sum(cached) // 8))
+    assert runs_short_query_kernel(spec, device_batch) == (short_query == "1")
+    check_attention_case(cuda_backend, rng, case)
+
+
+def check_attention_case(cuda_backend, rng, case: str) -> None:
     head_dim, nh, nkv, cached, new, qk_norm, rotary_factor = CASES[case]
     num_blocks = 2 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
     rope = None
     if rotary_factor:
         rope = RotaryEmbedding.create(head_dim, RopeParameters(theta=10000.0, partial_rotary_factor=rotary_factor),
-                                      1024)
+                                      4096)
     q_norm = round_to_bf16(1 + 0.3 * bf16_random(rng, head_dim)) if qk_norm else None
     k_norm = round_to_bf16(1 + 0.3 * bf16_random(rng, head_dim)) if qk_norm else None
     spec_ref = AttentionSpec(nh, nkv, head_dim, rope, head_dim**-0.5, q_norm, k_norm, 1e-6)

@@ -87,6 +87,19 @@ def test_silu_mul_add_gather(cuda_backend, rng):
     assert np.array_equal(cuda_backend.to_host(cuda_backend.gather_rows(cuda_backend.upload(table), ids)), table[ids])
 
 
+@pytest.mark.parametrize("rows,half", [(1, 9728), (21, 384), (3, 100), (7, 12)])
+def test_silu_mul_kernels_give_the_same_bits(cuda_backend, rng, rows, half):
+    """The 8-wide kernel (half % 8 == 0) and the one-element kernel agree bit for bit."""
+    from openinfer.backend.cuda.loader import kernel
+
+    gate_up = cuda_backend.upload(bf16_random(rng, rows, 2 * half, scale=3.0))
+    out = cuda_backend.silu_mul(gate_up)
+    scalar = cupy.empty_like(out)
+    kernel("elementwise.cu", "silu_mul")((64,), (256,), (gate_up, scalar, np.int64(rows), np.int32(half)))
+    assert np.array_equal(cuda_backend.to_host(out), cuda_backend.to_host(scalar))
+    assert relative_error(cuda_backend.to_host(out), REF.silu_mul(cuda_backend.to_host(gate_up))) < BF16_TOL
+
+
 def test_large_float32_weight_is_narrowed_on_the_gpu(cuda_backend, rng):
     w = rng.standard_normal((300, 301)).astype(np.float32)  # not bf16-representable: rounding matters
     assert np.array_equal(cuda_backend.to_host(cuda_backend.weight(w)), round_to_bf16(w))

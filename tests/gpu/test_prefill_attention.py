@@ -2,7 +2,9 @@
 causal attention over the same paged cache: fresh and chunked (offset) queries, several sequences
 of different lengths in one batch, GQA and MHA, head_dim 128 and 256, shuffled non-contiguous
 blocks, and an output poisoned with NaN before each run so every unwritten element shows. The
-sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables) each pass the same cases."""
+sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables, re-read through
+refresh_kernel_choices) each pass the same cases; the short-query kernel (decode_attention.py) on
+short steps over long and short cached contexts, at every split count."""
 
 from __future__ import annotations
 
@@ -66,6 +68,17 @@ def reference_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_choices(monkeypatch):
+    """The kernel switches are read once per process: re-read them around each test's settings."""
+    from openinfer.backend.cuda.attention import refresh_kernel_choices
+
+    refresh_kernel_choices()
+    yield
+    monkeypatch.undo()
+    refresh_kernel_choices()
+
+
 def implementations(head_dim: int) -> list[str]:
     from openinfer.backend.cuda.attention import sm90_prefill_supported
 
@@ -109,7 +122,7 @@ def test_prefill_attention_matches_numpy(cuda_backend, rng, case, monkeypatch):
 @pytest.mark.parametrize("variant", list(SM90_VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatch):
-    from openinfer.backend.cuda.attention import SM90_ENV, sm90_prefill_supported
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_prefill_supported
 
     if not sm90_prefill_supported(CASES[case][0]):
         pytest.skip("the sm90 kernel does not run here")
@@ -117,34 +130,8 @@ def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatc
         monkeypatch.delenv(name, raising=False)
     for key, value in SM90_VARIANTS[variant].items():
         monkeypatch.setenv(SM90_ENV[key], value)
+    refresh_kernel_choices()
     check_against_numpy(cuda_backend, rng, case, ["sm90"])
-
-
-def test_sm90_variant_environment(monkeypatch):
-    from openinfer.backend.cuda import attention
-    from openinfer.backend.cuda.attention import SM90_ENV, sm90_variant
-
-    for name in SM90_ENV.values():
-        monkeypatch.delenv(name, raising=False)
-    default = sm90_variant(128)  # the module's SM90_* defaults where the environment is silent
-    assert default.kv_head_major_grid == (attention.SM90_GRID == "kv_head")
-    assert default.batched_page_reads == (attention.SM90_PAGE_READS == "batched")
-    assert (default.pingpong, default.intra_wg_overlap) == (attention.SM90_PINGPONG, attention.SM90_OVERLAP)
-    assert default.stages == attention.SM90_STAGES[128] and not default.skip_kv_loads
-    for key, value in SM90_VARIANTS["l2-pingpong"].items():
-        monkeypatch.setenv(SM90_ENV[key], value)
-    monkeypatch.setenv(SM90_ENV["stages"], "2")
-    chosen = sm90_variant(128)
-    assert chosen.kv_head_major_grid and chosen.batched_page_reads and chosen.pingpong and chosen.stages == 2
-    assert chosen.defines(128, 16)["KV_HEAD_MAJOR_GRID"] == 1
-    for key, bad in (("grid", "tile"), ("pingpong", "yes"), ("stages", "1"), ("stages", "x")):
-        monkeypatch.setenv(SM90_ENV[key], bad)
-        with pytest.raises(ValueError, match=SM90_ENV[key]):
-            sm90_variant(128)
-        monkeypatch.delenv(SM90_ENV[key])
-    monkeypatch.setenv(SM90_ENV["stages"], "3")
-    with pytest.raises(ValueError, match="shared memory"):
-        sm90_variant(256)  # 3 stages of 64 KB + the 64 KB Q tile do not fit
 
 
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):
@@ -157,3 +144,49 @@ def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):
     kv = KVLayer(cupy.zeros((4, BLOCK_SIZE, 1, 64), cupy.uint16), cupy.zeros((4, BLOCK_SIZE, 1, 64), cupy.uint16))
     with pytest.raises(ValueError, match="sm90 prefill kernel"):
         prefill_attention(cupy.zeros((8, 2, 64), cupy.uint16), spec, kv, batch, implementation="sm90")
+
+
+SHORT_QUERY_CASES = {
+    # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence)
+    "warm-tail-16k-like": (128, 32, 8, [4080], [16]),
+    "mixed-short": (128, 8, 2, [0, 50, 33, 700, 1], [3, 16, 1, 9, 2]),
+    "gqa16": (128, 16, 1, [200], [11]),
+    "mha-d64": (64, 4, 4, [130, 0], [16, 7]),
+    "d256-gqa2": (256, 4, 2, [333, 17], [5, 16]),
+}
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 32])
+@pytest.mark.parametrize("case", list(SHORT_QUERY_CASES))
+def test_short_query_kernel_matches_numpy(cuda_backend, rng, case, splits):
+    from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+
+    head_dim, num_heads, num_kv_heads, cached, new = SHORT_QUERY_CASES[case]
+    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    batch = paged_batch(rng, cached, new, num_blocks)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
+    scale = head_dim**-0.5
+    expected = reference_attention(q, k_cache, v_cache, batch, scale)
+    device_batch = cuda_backend.prepare_batch(batch)
+    out = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
+    short_query_attention_mma(cupy.asarray(float_to_bf16_bits(q)), cuda_backend.upload(k_cache),
+                              cuda_backend.upload(v_cache), device_batch.block_tables, device_batch.context_lens,
+                              device_batch.query_start, batch.max_query_len, scale, cuda_backend.num_sms,
+                              splits=splits, out=out)
+    ours = bf16_bits_to_float(cupy.asnumpy(out))
+    assert relative_error(ours, expected) < 1e-2
+    rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+def test_short_query_kernel_rejects_long_steps(cuda_backend, rng):
+    from openinfer.backend.cuda.decode_attention import SHORT_QUERY_MAX_TOKENS, short_query_attention_mma
+
+    batch = cuda_backend.prepare_batch(paged_batch(rng, [0], [SHORT_QUERY_MAX_TOKENS + 1], 4))
+    kv = cupy.zeros((4, BLOCK_SIZE, 1, 128), cupy.uint16)
+    with pytest.raises(ValueError, match="new tokens per sequence"):
+        short_query_attention_mma(cupy.zeros((SHORT_QUERY_MAX_TOKENS + 1, 4, 128), cupy.uint16), kv, kv,
+                                  batch.block_tables, batch.context_lens, batch.query_start,
+                                  SHORT_QUERY_MAX_TOKENS + 1, 0.1, cuda_backend.num_sms)

@@ -5,27 +5,50 @@ split count depends only on the batch size, so a captured graph stays valid for 
 length. Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill
 kernel: on Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma
 kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
-(prefill_attention.cu). ``OPENINFER_PREFILL_KERNEL=mma`` forces the latter (for comparisons);
+(prefill_attention.cu). With ``OPENINFER_SHORT_QUERY_ATTENTION=1``, steps of at most
+``SHORT_QUERY_MAX_TOKENS`` new tokens per sequence (a warm prefix's last block) run the split-KV
+short-query kernel instead (off until measured on a GPU: benchmarks/gpu_prefill_attention.py
+--short-queries). ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
+
+These switches are read once per process (a prefill step does not look at the environment);
+``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
-from openinfer.backend.cuda.decode_attention import LOG2E, paged_decode_attention
+from openinfer.backend.cuda.decode_attention import (
+    LOG2E,
+    SHORT_QUERY_MAX_TOKENS,
+    mma_supports,
+    paged_decode_attention,
+    short_query_attention_mma,
+)
+from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported for tests and benchmarks)
+    PREFILL_KERNEL_ENV,
+    PREFILL_KERNELS,
+    SHORT_QUERY_ENV,
+    SM90_BLOCK_M,
+    SM90_ENV,
+    SM90_HEAD_DIMS,
+    kernel_choices,
+    refresh_kernel_choices,
+    sm90_shared_bytes,
+    sm90_variant,
+)
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.rope import RotaryEmbedding
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 NULL = np.uint64(0)
+assert SM90_BLOCK_M == PREFILL_TILE, "the sm90 kernel's CTA takes one prefill tile"
 
 
 class RopeTables:
@@ -82,69 +105,6 @@ def decode_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: C
     return paged_decode_attention(q, kv.k, kv.v, batch.block_tables, batch.context_lens, spec.scale, num_sms)
 
 
-PREFILL_KERNELS = ("auto", "sm90", "mma")
-PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"
-SM90_HEAD_DIMS = (128, 256)
-SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
-SM90_MAX_SHARED_BYTES = 227 * 1024
-# Variants of the sm90 kernel, each chosen at run time by its environment variable so that one
-# device run can test and time them side by side. The defaults are the kernel measured on H100
-# (benchmarks/results/gpu_prefill_attention_variants.json: KV-head-major grid + batched page reads +
-# ping-pong, 1.77x the first sm90 kernel over five cases, 523 TFLOP/s at 16k on H100); a variant
-# becomes the default by changing its line.
-SM90_GRID = "kv_head"  # OPENINFER_SM90_GRID: "head" (heads fastest) or "kv_head" (KV head by KV head: L2-resident K/V)
-SM90_PAGE_READS = "batched"  # OPENINFER_SM90_PAGE_READS: "row" (one block-table read per row) or "batched"
-SM90_PINGPONG = True  # OPENINFER_SM90_PINGPONG=0: the two consumer warpgroups issue wgmmas without taking turns
-SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
-SM90_GRIDS = ("head", "kv_head")
-SM90_PAGE_READ_MODES = ("row", "batched")
-SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
-            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads")}
-
-
-@dataclass(frozen=True)
-class Sm90Variant:
-    """Compile-time choices of prefill_attention_sm90.cu (see the defines at its top)."""
-
-    kv_head_major_grid: bool
-    batched_page_reads: bool
-    pingpong: bool
-    intra_wg_overlap: bool
-    stages: int
-    skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
-
-    def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
-        return {"HEAD_DIM": head_dim, "STAGES": self.stages, "KV_HEAD_MAJOR_GRID": int(self.kv_head_major_grid),
-                "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
-                "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
-                "SKIP_KV_LOADS": int(self.skip_kv_loads)}
-
-
-def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = os.environ.get(SM90_ENV[name], default)
-    if value not in choices:
-        raise ValueError(f"{SM90_ENV[name]} must be one of {choices}, got {value!r}")
-    return value
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    return _env_choice(name, "1" if default else "0", ("0", "1")) == "1"
-
-
-def sm90_variant(head_dim: int) -> Sm90Variant:
-    """The sm90 kernel variant the environment asks for (the SM90_* defaults where it is silent)."""
-    stages_text = os.environ.get(SM90_ENV["stages"], str(SM90_STAGES[head_dim]))
-    stages = int(stages_text) if stages_text.isdigit() else 0
-    if stages < 2 or sm90_shared_bytes(head_dim, stages) > SM90_MAX_SHARED_BYTES:
-        raise ValueError(f"{SM90_ENV['stages']}={stages_text!r}: head_dim {head_dim} needs 2 or more K/V stages "
-                         f"that fit in {SM90_MAX_SHARED_BYTES} bytes of shared memory")
-    return Sm90Variant(
-        kv_head_major_grid=_env_choice("grid", SM90_GRID, SM90_GRIDS) == "kv_head",
-        batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
-        pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
-        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False))
-
-
 @functools.cache
 def _compute_capability(device_id: int) -> str:
     return cupy.cuda.Device(device_id).compute_capability
@@ -153,14 +113,6 @@ def _compute_capability(device_id: int) -> str:
 def sm90_prefill_supported(head_dim: int) -> bool:
     """Whether this GPU and head size run the Hopper wgmma prefill kernel."""
     return _compute_capability(cupy.cuda.Device().id) == "90" and head_dim in SM90_HEAD_DIMS
-
-
-def sm90_shared_bytes(head_dim: int, stages: int) -> int:
-    """SHARED_BYTES of prefill_attention_sm90.cu: Q tile, K/V stages, mbarriers, alignment slack."""
-    block_n = 64 if head_dim == 256 else 128
-    q_tile = PREFILL_TILE * head_dim * 2
-    kv_tile = block_n * head_dim * 2
-    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024
 
 
 def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
@@ -173,8 +125,8 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if implementation not in PREFILL_KERNELS:
         raise ValueError(f"prefill attention implementation must be one of {PREFILL_KERNELS}, got {implementation!r}")
     if implementation == "auto":
-        forced = os.environ.get(PREFILL_KERNEL_ENV, "auto")
-        implementation = "mma" if forced == "mma" or not sm90_prefill_supported(spec.head_dim) else "sm90"
+        forced = kernel_choices().prefill == "mma"
+        implementation = "mma" if forced or not sm90_prefill_supported(spec.head_dim) else "sm90"
     elif implementation == "sm90" and not sm90_prefill_supported(spec.head_dim):
         raise ValueError(f"the sm90 prefill kernel needs a compute capability 9.0 GPU and head_dim in "
                          f"{SM90_HEAD_DIMS}; got head_dim {spec.head_dim}")
@@ -204,6 +156,20 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     return out
 
 
+def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
+    """Whether a step that is not plain decode takes the short-query kernel: switched on, at most
+    SHORT_QUERY_MAX_TOKENS new tokens per sequence, and a head size / group the mma kernel takes."""
+    return (kernel_choices().short_query and 1 <= batch.max_query_len <= SHORT_QUERY_MAX_TOKENS
+            and mma_supports(spec.head_dim, spec.num_heads // spec.num_kv_heads))
+
+
+def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
+                          num_sms: int) -> cupy.ndarray:
+    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``)."""
+    return short_query_attention_mma(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
+                                     batch.max_query_len, spec.scale, num_sms)
+
+
 def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, ropes: RopeTables,
               num_sms: int) -> cupy.ndarray:
     """``qkv [T, (nh + 2 nkv) d] -> [T, nh d]``, writing this step's K/V into the paged cache."""
@@ -211,4 +177,6 @@ def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBa
     q = write_qkv(qkv, spec, kv, batch, ropes)
     if batch.is_decode and batch.num_tokens == batch.num_seqs:
         return decode_attention(q, spec, kv, batch, num_sms)
+    if runs_short_query_kernel(spec, batch):
+        return short_query_attention(q, spec, kv, batch, num_sms)
     return prefill_attention(q, spec, kv, batch)

@@ -219,7 +219,11 @@ class CudaBackend:
         half = gate_up.shape[-1] // 2
         rows = gate_up.size // gate_up.shape[-1]
         out = cupy.empty((*gate_up.shape[:-1], half), dtype=cupy.uint16)
-        if out.size:
+        if out.size and half % 8 == 0 and out.size // 8 < 2**30 and gate_up.data.ptr % 16 == 0:
+            # 8 outputs per thread, 16-byte accesses (same bits as silu_mul)
+            kernel("elementwise.cu", "silu_mul_vec8")((_blocks(out.size // 8),), (256,),
+                                                      (gate_up, out, np.int32(out.size // 8), np.int32(half // 8)))
+        elif out.size:
             kernel("elementwise.cu", "silu_mul")((_blocks(out.size),), (256,),
                                                  (gate_up, out, np.int64(rows), np.int32(half)))
         return out

@@ -12,25 +12,33 @@ Graph capture: the split count depends only on the batch size, the KV head count
 GPU, never on context lengths, which the kernels read from device memory; so a graph
 captured for a batch-size bucket stays valid for any context up to its block-table width.
 
-``OPENINFER_DECODE_ATTENTION=split`` selects the CUDA-core kernel everywhere (read at each call,
-so a benchmark can capture one graph with each).
+``short_query_attention_mma``: the mma kernel's blocks for a few new tokens per sequence (up to
+``SHORT_QUERY_MAX_TOKENS``, each token with its causal limit), rows = 16 // group tokens x group
+heads, split over the keys like decode: a warm prefix's last block or a short chunk over a long
+cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks.
+
+``OPENINFER_DECODE_ATTENTION=split`` selects the CUDA-core kernel everywhere (read once per
+process; ``openinfer.backend.cuda.kernel_choices.refresh_kernel_choices()`` re-reads it, so a
+benchmark can capture one graph with each).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.kernel_choices import DECODE_KERNELS, wanted_decode_kernel
 from openinfer.backend.cuda.loader import kernel
 
 LOG2E = 1.4426950408889634
-KERNELS = ("mma", "split")
+KERNELS = DECODE_KERNELS
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_MAX_GROUP = 16  # query heads one mma row block holds
 MMA_TILE_KEYS = 16
+MMA_ROWS = 16  # rows of one mma row block: query heads (decode) or (token, head) pairs (short queries)
+SHORT_QUERY_MAX_TOKENS = 16  # new tokens per sequence the short-query kernel takes (one KV block)
 MAX_SPLITS = 32  # decode_attention_merge's MERGE_MAX_SPLITS
 DEFAULT_MAX_SPLITS = 16
 MMA_WARPS = 4
@@ -41,12 +49,18 @@ def mma_stages(head_dim: int) -> int:
     return 3 if head_dim <= 128 else 2
 
 
-def mma_shared_bytes(head_dim: int, group: int, warps: int = MMA_WARPS, stages: int | None = None) -> int:
-    """Dynamic shared memory of one mma block: the warps' K/V stages, reused for the merge."""
+def mma_shared_bytes(head_dim: int, rows: int, warps: int = MMA_WARPS, stages: int | None = None) -> int:
+    """Dynamic shared memory of one mma block: the warps' K/V stages, reused for the merge of
+    its ``rows`` query rows (the group's heads; for short queries, ``short_query_rows``)."""
     stages = mma_stages(head_dim) if stages is None else stages
     pipeline = warps * stages * 2 * MMA_TILE_KEYS * head_dim * 2
-    merge = warps * group * (head_dim + 2) * 4
+    merge = warps * rows * (head_dim + 2) * 4
     return max(pipeline, merge)
+
+
+def short_query_tokens_per_block(group: int) -> int:
+    """New tokens one short-query block computes: its 16 mma rows hold that many tokens' heads."""
+    return MMA_ROWS // group
 
 
 def split_count(num_units: int, num_sms: int, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
@@ -71,10 +85,7 @@ def mma_supports(head_dim: int, group: int) -> bool:
 
 def choose_kernel(head_dim: int, group: int) -> str:
     """``mma`` where it applies, unless OPENINFER_DECODE_ATTENTION=split asks for the CUDA-core kernel."""
-    wanted = os.environ.get("OPENINFER_DECODE_ATTENTION", "mma")
-    if wanted not in KERNELS:
-        raise ValueError(f"OPENINFER_DECODE_ATTENTION={wanted!r}; choose one of {KERNELS}")
-    return "mma" if wanted == "mma" and mma_supports(head_dim, group) else "split"
+    return "mma" if wanted_decode_kernel() == "mma" and mma_supports(head_dim, group) else "split"
 
 
 def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
@@ -101,19 +112,72 @@ def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.n
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
-    if splits == 1:
-        partial_out = partial_ml = out  # unused: the kernel writes `out` itself
-    else:
-        partial_out = cupy.empty((num_seqs, num_heads, splits, head_dim), dtype=cupy.float32)
-        partial_ml = cupy.empty((num_seqs, num_heads, splits, 2), dtype=cupy.float32)
+    partial_out, partial_ml = _partials(out, num_heads, head_dim, splits)
     fn((splits, num_kv_heads, num_seqs), (warps * 32,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, out, partial_out,
         partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits), np.float32(scale * LOG2E)),
        shared_mem=shared)
+    _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
+    return out
+
+
+def _partials(out: cupy.ndarray, num_heads: int, head_dim: int, splits: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Per-split partials ``[rows, num_heads, splits, head_dim]`` and ``[rows, num_heads, splits, 2]``
+    for the rows of ``out``; with one split the kernel writes ``out`` itself and they go unused."""
+    if splits == 1:
+        return out, out
+    return (cupy.empty((out.shape[0], num_heads, splits, head_dim), dtype=cupy.float32),
+            cupy.empty((out.shape[0], num_heads, splits, 2), dtype=cupy.float32))
+
+
+def _merge(partial_out: cupy.ndarray, partial_ml: cupy.ndarray, out: cupy.ndarray, num_heads: int, head_dim: int,
+           group: int, splits: int) -> None:
+    """``out`` = the splits' partials merged (nothing to do with one split)."""
     if splits > 1:
         kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
-            (num_heads, num_seqs), (min(128, head_dim),),
+            (num_heads, out.shape[0]), (min(128, head_dim),),
             (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
+
+
+def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                              block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
+                              max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
+                              out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """Causal attention of a few new tokens per sequence, ``q [T, nh, d]`` -> ``[T, nh * d]`` bf16.
+
+    ``query_start [B + 1]`` (int32, device) gives each sequence's rows of ``q``; its new tokens are
+    the last ``query_len`` positions of ``context_lens`` (their K/V already in the cache), at most
+    ``max_query_len`` (<= SHORT_QUERY_MAX_TOKENS) each. ``splits`` overrides the tuned split count."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_seqs = context_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if not mma_supports(head_dim, group) or num_heads % num_kv_heads:
+        raise ValueError(f"the short-query kernel takes head_dim {MMA_HEAD_DIMS} and GQA groups up to "
+                         f"{MMA_MAX_GROUP}, got head_dim {head_dim}, {num_heads} heads / {num_kv_heads} KV heads")
+    if not 1 <= max_query_len <= SHORT_QUERY_MAX_TOKENS:
+        raise ValueError(f"the short-query kernel takes 1..{SHORT_QUERY_MAX_TOKENS} new tokens per sequence, "
+                         f"got {max_query_len}")
+    tokens_per_block = short_query_tokens_per_block(group)
+    row_blocks = -(-max_query_len // tokens_per_block)
+    if splits is None:
+        splits = split_count(num_seqs * num_kv_heads * row_blocks, num_sms)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    stages = mma_stages(head_dim)
+    shared = mma_shared_bytes(head_dim, tokens_per_block * group, MMA_WARPS, stages)
+    fn = kernel("decode_attention_mma.cu", "short_query_attention_mma", HEAD_DIM=head_dim, GROUP=group,
+                DECODE_WARPS=MMA_WARPS, DECODE_STAGES=stages)
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    if out is None:
+        out = cupy.empty((num_tokens, num_heads * head_dim), dtype=cupy.uint16)
+    partial_out, partial_ml = _partials(out, num_heads, head_dim, splits)
+    fn((splits * row_blocks, num_kv_heads, num_seqs), (MMA_WARPS * 32,),
+       (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
+        np.int32(row_blocks), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
+        np.int32(splits), np.float32(scale * LOG2E)), shared_mem=shared)
+    _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
     return out
 
 

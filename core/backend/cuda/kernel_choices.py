@@ -1,0 +1,132 @@
+"""The attention kernels' run-time switches, read from the environment once per process.
+
+``OPENINFER_PREFILL_KERNEL`` ("auto" | "mma"), ``OPENINFER_SHORT_QUERY_ATTENTION`` ("0" | "1"),
+``OPENINFER_SM90_*`` (variants of the Hopper prefill kernel) and ``OPENINFER_DECODE_ATTENTION``
+("mma" | "split") are parsed and validated at their first use and then kept: a prefill step does
+not look at the environment. ``refresh_kernel_choices()`` re-reads them all, for benchmarks and
+tests that switch kernels within one process. No CuPy here, so CPU CI checks the parsing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+SM90_BLOCK_M = 128  # query rows of one sm90 prefill CTA (= batch.PREFILL_TILE)
+DECODE_KERNELS = ("mma", "split")
+DECODE_KERNEL_ENV = "OPENINFER_DECODE_ATTENTION"
+
+
+@functools.cache
+def wanted_decode_kernel() -> str:
+    """OPENINFER_DECODE_ATTENTION ("mma", the default, or "split"), read once per process."""
+    wanted = os.environ.get(DECODE_KERNEL_ENV, "mma")
+    if wanted not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_KERNEL_ENV}={wanted!r}; choose one of {DECODE_KERNELS}")
+    return wanted
+
+
+PREFILL_KERNELS = ("auto", "sm90", "mma")
+PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"  # "auto" (default) or "mma"
+SHORT_QUERY_ENV = "OPENINFER_SHORT_QUERY_ATTENTION"  # "1": the short-query kernel for short steps
+SHORT_QUERY_DEFAULT = False  # unmeasured on a GPU so far; a measurement flips this line
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """The attention kernel switches of the environment, read once (``kernel_choices``)."""
+
+    prefill: str  # "auto" or "mma"
+    short_query: bool
+
+
+@functools.cache
+def kernel_choices() -> KernelChoices:
+    """OPENINFER_PREFILL_KERNEL and OPENINFER_SHORT_QUERY_ATTENTION, read once per process."""
+    prefill = os.environ.get(PREFILL_KERNEL_ENV, "auto")
+    if prefill not in ("auto", "mma"):
+        raise ValueError(f"{PREFILL_KERNEL_ENV} must be 'auto' or 'mma', got {prefill!r}")
+    short = os.environ.get(SHORT_QUERY_ENV, "1" if SHORT_QUERY_DEFAULT else "0")
+    if short not in ("0", "1"):
+        raise ValueError(f"{SHORT_QUERY_ENV} must be 0 or 1, got {short!r}")
+    return KernelChoices(prefill=prefill, short_query=short == "1")
+
+
+def refresh_kernel_choices() -> None:
+    """Re-read every attention kernel switch (OPENINFER_PREFILL_KERNEL, OPENINFER_SHORT_QUERY_ATTENTION,
+    OPENINFER_SM90_*, OPENINFER_DECODE_ATTENTION) from the environment at their next use."""
+    kernel_choices.cache_clear()
+    sm90_variant.cache_clear()
+    wanted_decode_kernel.cache_clear()
+
+
+SM90_HEAD_DIMS = (128, 256)
+SM90_STAGES = {128: 3, 256: 2}  # K/V ring depth of prefill_attention_sm90.cu (what fits in 227 KB)
+SM90_MAX_SHARED_BYTES = 227 * 1024
+# Variants of the sm90 kernel, each chosen at run time by its environment variable so that one
+# device run can test and time them side by side. The defaults are the kernel measured on H100
+# (benchmarks/results/gpu_prefill_attention_variants.json: KV-head-major grid + batched page reads +
+# ping-pong, 1.77x the first sm90 kernel over five cases, 523 TFLOP/s at 16k on H100); a variant
+# becomes the default by changing its line.
+SM90_GRID = "kv_head"  # OPENINFER_SM90_GRID: "head" (heads fastest) or "kv_head" (KV head by KV head: L2-resident K/V)
+SM90_PAGE_READS = "batched"  # OPENINFER_SM90_PAGE_READS: "row" (one block-table read per row) or "batched"
+SM90_PINGPONG = True  # OPENINFER_SM90_PINGPONG=0: the two consumer warpgroups issue wgmmas without taking turns
+SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
+SM90_GRIDS = ("head", "kv_head")
+SM90_PAGE_READ_MODES = ("row", "batched")
+SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
+            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads")}
+
+
+@dataclass(frozen=True)
+class Sm90Variant:
+    """Compile-time choices of prefill_attention_sm90.cu (see the defines at its top)."""
+
+    kv_head_major_grid: bool
+    batched_page_reads: bool
+    pingpong: bool
+    intra_wg_overlap: bool
+    stages: int
+    skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
+
+    def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
+        return {"HEAD_DIM": head_dim, "STAGES": self.stages, "KV_HEAD_MAJOR_GRID": int(self.kv_head_major_grid),
+                "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
+                "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
+                "SKIP_KV_LOADS": int(self.skip_kv_loads)}
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(SM90_ENV[name], default)
+    if value not in choices:
+        raise ValueError(f"{SM90_ENV[name]} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    return _env_choice(name, "1" if default else "0", ("0", "1")) == "1"
+
+
+@functools.cache
+def sm90_variant(head_dim: int) -> Sm90Variant:
+    """The sm90 kernel variant the environment asks for (the SM90_* defaults where it is silent),
+    read once per process and head size (``refresh_kernel_choices`` re-reads it)."""
+    stages_text = os.environ.get(SM90_ENV["stages"], str(SM90_STAGES[head_dim]))
+    stages = int(stages_text) if stages_text.isdigit() else 0
+    if stages < 2 or sm90_shared_bytes(head_dim, stages) > SM90_MAX_SHARED_BYTES:
+        raise ValueError(f"{SM90_ENV['stages']}={stages_text!r}: head_dim {head_dim} needs 2 or more K/V stages "
+                         f"that fit in {SM90_MAX_SHARED_BYTES} bytes of shared memory")
+    return Sm90Variant(
+        kv_head_major_grid=_env_choice("grid", SM90_GRID, SM90_GRIDS) == "kv_head",
+        batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
+        pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
+        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False))
+
+
+def sm90_shared_bytes(head_dim: int, stages: int) -> int:
+    """SHARED_BYTES of prefill_attention_sm90.cu: Q tile, K/V stages, mbarriers, alignment slack."""
+    block_n = 64 if head_dim == 256 else 128
+    q_tile = SM90_BLOCK_M * head_dim * 2
+    kv_tile = block_n * head_dim * 2
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024

@@ -1,0 +1,81 @@
+"""The attention kernels' environment switches (openinfer.backend.cuda.kernel_choices, no CuPy
+needed): defaults, validation with the variable's name in the error, read once per process until
+refresh_kernel_choices(), and the sm90 shared-memory budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from openinfer.backend.cuda import kernel_choices as choices
+from openinfer.backend.cuda.kernel_choices import (
+    DECODE_KERNEL_ENV,
+    PREFILL_KERNEL_ENV,
+    SHORT_QUERY_ENV,
+    SM90_ENV,
+    kernel_choices,
+    refresh_kernel_choices,
+    sm90_shared_bytes,
+    sm90_variant,
+    wanted_decode_kernel,
+)
+
+ALL_ENV = [PREFILL_KERNEL_ENV, SHORT_QUERY_ENV, DECODE_KERNEL_ENV, *SM90_ENV.values()]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    refresh_kernel_choices()
+    yield
+    monkeypatch.undo()
+    refresh_kernel_choices()
+
+
+def test_defaults_where_the_environment_is_silent():
+    assert kernel_choices() == choices.KernelChoices(prefill="auto", short_query=choices.SHORT_QUERY_DEFAULT)
+    assert wanted_decode_kernel() == "mma"
+    default = sm90_variant(128)
+    assert default.kv_head_major_grid == (choices.SM90_GRID == "kv_head")
+    assert default.batched_page_reads == (choices.SM90_PAGE_READS == "batched")
+    assert (default.pingpong, default.intra_wg_overlap) == (choices.SM90_PINGPONG, choices.SM90_OVERLAP)
+    assert default.stages == choices.SM90_STAGES[128] and not default.skip_kv_loads
+    for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
+        assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
+
+
+def test_switches_are_read_once_until_refreshed(monkeypatch):
+    before = (kernel_choices(), wanted_decode_kernel(), sm90_variant(128))
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "mma")
+    monkeypatch.setenv(SHORT_QUERY_ENV, "1")
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "split")
+    for key, value in {"grid": "head", "page_reads": "row", "pingpong": "0", "stages": "2"}.items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    assert (kernel_choices(), wanted_decode_kernel(), sm90_variant(128)) == before  # no re-read per call
+    refresh_kernel_choices()
+    assert kernel_choices() == choices.KernelChoices(prefill="mma", short_query=True)
+    assert wanted_decode_kernel() == "split"
+    chosen = sm90_variant(128)
+    assert not chosen.kv_head_major_grid and not chosen.batched_page_reads and not chosen.pingpong
+    assert chosen.stages == 2 and chosen.defines(128, 16)["KV_HEAD_MAJOR_GRID"] == 0
+
+
+@pytest.mark.parametrize("name,value", [(PREFILL_KERNEL_ENV, "sm80"), (SHORT_QUERY_ENV, "yes"),
+                                        (DECODE_KERNEL_ENV, "flash"), (SM90_ENV["grid"], "tile"),
+                                        (SM90_ENV["pingpong"], "true"), (SM90_ENV["stages"], "1"),
+                                        (SM90_ENV["stages"], "x")])
+def test_bad_values_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    refresh_kernel_choices()
+    with pytest.raises(ValueError, match=name):
+        kernel_choices()
+        wanted_decode_kernel()
+        sm90_variant(128)
+
+
+def test_sm90_stages_must_fit_the_shared_memory(monkeypatch):
+    monkeypatch.setenv(SM90_ENV["stages"], "3")
+    refresh_kernel_choices()
+    assert sm90_variant(128).stages == 3
+    with pytest.raises(ValueError, match="shared memory"):
+        sm90_variant(256)  # 3 stages of 64 KB + the 64 KB Q tile do not fit
