@@ -388,6 +388,16 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gpu_name() -> str:
+    """The GPU's name, or a placeholder where nvidia-smi is missing (a CPU dry run)."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        found = ""
+    return found or "unknown GPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen3-4b-random")
@@ -405,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=4, help="processes of the lean client")
     parser.add_argument("--stub", action="store_true", help="CPU dry run with the stub engine (checks the script)")
     parser.add_argument("--tag", default="gpu_concurrency")
+    parser.add_argument("--model-label", default="Qwen3-4B shape, random bf16",
+                        help="what the checkpoint is, for the report and the plot (e.g. 'Qwen3.5-4B shape')")
     parser.add_argument("--append", action="store_true",
                         help="add to the runs already in results/TAG.json (e.g. vLLM in a later device call)")
     args = parser.parse_args(argv)
@@ -430,10 +442,8 @@ def main(argv: list[str] | None = None) -> int:
 
         write_tokenizer(checkpoint, vocab)
     warm_page_cache(checkpoint)
-    device = "cpu (stub engine)" if args.stub else (subprocess.run(
-        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-        or "unknown GPU")
-    report = {"device": device, "model": "stub" if args.stub else "Qwen3-4B shape, random bf16",
+    device = "cpu (stub engine)" if args.stub else gpu_name()
+    report = {"device": device, "model": "stub" if args.stub else args.model_label,
               "input_len": args.input_len, "output_len": args.output_len, "streams": streams, "runs": [],
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     results = HERE / "results"

@@ -25,6 +25,8 @@ VARIANTS = {
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],
+    # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
+    "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],
     "prefill_attention_sm90.cu": [{"HEAD_DIM": 128}, {"HEAD_DIM": 256},
                                   {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1},
                                   {"HEAD_DIM": 256, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
