@@ -150,6 +150,67 @@ def bench_mla_prefill(backend, rng) -> list[dict]:
     return points
 
 
+MLA_DECODES = [(1, 1024), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
+
+
+def decode_batch(backend, batch: int, context: int, block_size: int = 64):
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-(context + 1) // block_size)
+    tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
+    positions = np.full(batch, context, np.int32)
+    host = ForwardBatch(token_ids=np.zeros(batch, np.int32), positions=positions,
+                        query_start=np.arange(batch + 1, dtype=np.int32),
+                        context_lens=np.full(batch, context + 1, np.int32), block_tables=tables,
+                        slot_mapping=(tables[:, context // block_size] * block_size + context % block_size
+                                      ).astype(np.int32),
+                        logits_rows=np.arange(batch, dtype=np.int32), max_query_len=1, max_context_len=context + 1)
+    return backend.prepare_batch(host), batch * blocks + 1
+
+
+def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, absorbed_kernel: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                1e-6, backend.num_sms, absorbed_kernel=absorbed_kernel)
+
+
+def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
+    """Absorbed MLA decode: CUDA-core kernel vs tensor-core kernel, whole mla_forward (latent write,
+    W_UK, attention, W_UV), against the latent cache's bytes over the copy bandwidth."""
+    import cupy
+
+    from openinfer.mla import MLASpec
+    from openinfer.rope import RopeParameters, RotaryEmbedding
+    from openinfer.tools.ledger import gpu_seconds
+
+    rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
+    cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
+    points = []
+    for heads in (16, 64):
+        spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
+        w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        norm = backend.weight(np.ones(512, np.float32))
+        for batch_size, context in MLA_DECODES:
+            batch, num_blocks = decode_batch(backend, batch_size, context)
+            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((batch_size, heads * 192)).astype(np.float32))
+            latent = backend.upload(rng.standard_normal((batch_size, 576)).astype(np.float32))
+            point = {"heads": heads, "batch": batch_size, "context": context,
+                     "cache_roofline_ms": 1e3 * batch_size * (context + 1) * 576 * 2 / bandwidth}
+            outputs = {}
+            for name in ("cuda_cores", "mma"):
+                run = partial(decode_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, name)
+                outputs[name] = backend.to_host(run())
+                point[f"{name}_ms"] = 1e3 * gpu_seconds(run, repeats=10)
+            point["relative_difference"] = float(np.linalg.norm(outputs["mma"] - outputs["cuda_cores"])
+                                                 / np.linalg.norm(outputs["cuda_cores"]))
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
 def bench_quantized_linears(backend, rng, bandwidth: float) -> list[dict]:
     import cupy
 
@@ -231,6 +292,7 @@ def run_kernels(args) -> dict:
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
     report["mla_prefill"] = bench_mla_prefill(backend, rng)
+    report["mla_decode"] = bench_mla_decode(backend, rng, bandwidth)
     report["quantized_linear"] = bench_quantized_linears(backend, rng, bandwidth)
     report["grouped_experts"] = bench_grouped_experts(backend, rng)
     for point in report["grouped_experts"]:
@@ -244,7 +306,7 @@ def plot_kernels(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
     mla = report["mla_prefill"]
     labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
     x = np.arange(len(mla))
@@ -269,6 +331,13 @@ def plot_kernels(report: dict, path: Path) -> None:
     axes[3].set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in grouped], ylabel="ms",
                 title="384 INT4 experts gate_up, top-8")
     axes[3].legend()
+    decode = report.get("mla_decode", [])
+    x = np.arange(len(decode))
+    axes[4].bar(x - 0.2, [p["cuda_cores_ms"] for p in decode], 0.4, label="absorbed, CUDA cores")
+    axes[4].bar(x + 0.2, [p["mma_ms"] for p in decode], 0.4, label="absorbed, tensor cores")
+    axes[4].set(xticks=x, yscale="log", ylabel="ms", title="MLA decode (heads, batch x context)")
+    axes[4].set_xticklabels([f"H{p['heads']} {p['batch']}x{p['context']}" for p in decode], rotation=60, fontsize=7)
+    axes[4].legend()
     fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -322,7 +391,8 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
-def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int) -> dict:
+def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int,
+                    absorbed_kernel: str = "cuda_cores") -> dict:
     """Each part of the layer step timed alone (eager, CUDA events), in ms."""
     import cupy
 
@@ -345,7 +415,7 @@ def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, si
         "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
         "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                             attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
-                                            backend.num_sms),
+                                            backend.num_sms, absorbed_kernel=absorbed_kernel),
         "o_proj": partial(backend.linear, attn, attention["o_proj"]),
         "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
         "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
@@ -397,7 +467,7 @@ def run_layer(args) -> dict:
                                                 1e-6), attention["q_b"])
             attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                         attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6,
-                                        backend.num_sms)
+                                        backend.num_sms, absorbed_kernel=args.absorbed_kernel)
             h = backend.linear(attn, attention["o_proj"])
             shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
             return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
@@ -406,7 +476,7 @@ def run_layer(args) -> dict:
         ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
         active = int(cupy.unique(ids).size)
         breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
-                                    args.iters)
+                                    args.iters, args.absorbed_kernel)
         eager = gpu_seconds(step, repeats=args.iters, warmup=2)
         graph_seconds, graph_error = None, None
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -435,7 +505,7 @@ def run_layer(args) -> dict:
                        "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
         print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "layer": KIMI_LAYER, "points": points}
+            "context": args.context, "absorbed_kernel": args.absorbed_kernel, "layer": KIMI_LAYER, "points": points}
 
 
 def plot_layer(report: dict, path: Path) -> None:
@@ -563,6 +633,8 @@ def main() -> None:
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
+    layer.add_argument("--absorbed-kernel", default="cuda_cores", choices=["cuda_cores", "mma"],
+                       help="MLA decode kernel (core's default: cuda_cores)")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="/tmp/moonlight-dummy", help="directory for config.json + tokenizer")
     moon.add_argument("--streams", default="1,16,64,256", help="concurrency points")

@@ -163,6 +163,9 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     assert relative_error(q_out, q_rot) < 1e-2
     out = read_array(tmp_path, "out", np.uint16, (tokens, heads, lora))
     assert relative_error(out, reference) < 2e-2
+    # mla_attention_mma (tensor cores; bf16 probabilities) on the same step
+    out_mma = read_array(tmp_path, "out_mma", np.uint16, (tokens, heads, lora))
+    assert relative_error(out_mma, reference) < 2e-2
 
 
 def test_mla_decompressed_prefill_matches_numpy(tmp_path):

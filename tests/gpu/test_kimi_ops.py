@@ -137,9 +137,12 @@ MLA_BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch_name,prefill_min_query", [("small", 10**6), ("small", 2), ("long", 16)],
-                         ids=["absorbed", "mixed-forms", "long-prefill"])
-def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query):
+@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel", [
+    ("small", 10**6, "cuda_cores"), ("small", 2, "cuda_cores"), ("long", 16, "cuda_cores"),
+    ("small", 10**6, "mma"), ("long", 16, "mma")],
+    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma"])
+def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
+                                                         absorbed_kernel):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
     (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads."""
@@ -184,7 +187,7 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     out = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
                       cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm),
                       spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6,
-                      prefill_min_query=prefill_min_query)
+                      prefill_min_query=prefill_min_query, absorbed_kernel=absorbed_kernel)
     assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
     written = cuda_backend.to_host(device_cache).reshape(-1, spec.latent_dim)[slots]
     assert relative_error(written, ref_cache.reshape(-1, spec.latent_dim)[slots]) < BF16_TOL
