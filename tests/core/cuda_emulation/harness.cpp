@@ -111,6 +111,20 @@ int main(int argc, char** argv) {
         moe_gemv(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T, dense_gemv.data(),
                  N1, H);
     });
+    // moe_gemv_wide on the same tiles (one block row: it loops over a tile's rows) and in dense
+    // mode (one block row over all T rows)
+    std::vector<bf16> h_gemv_wide(size_t(slots) * N1), dense_gemv_wide(size_t(T) * N1);
+    const unsigned wide_columns = WIDE_WARPS * WIDE_COLUMNS;
+    launch((N1 + wide_columns - 1) / wide_columns, max_tiles, 1, WIDE_WARPS * 32, [&] {
+        moe_gemv_wide(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                      num_tiles.data(), offsets.data(), 0, h_gemv_wide.data(), N1, H);
+    });
+    launch((N1 + wide_columns - 1) / wide_columns, 1, 1, WIDE_WARPS * 32, [&] {
+        moe_gemv_wide(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                      dense_gemv_wide.data(), N1, H);
+    });
+    save(dir, "h_gemv_wide.bin", h_gemv_wide);
+    save(dir, "dense_gemv_wide.bin", dense_gemv_wide);
     launch(4, 1, 1, 64, [&] { moe_dequantize(w1.data(), s1.data(), N1, H, w1_bf16.data()); });
     save(dir, "h.bin", h);
     save(dir, "h_gemv.bin", h_gemv);
