@@ -16,6 +16,14 @@ to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
     python benchmarks/gpu_kimi.py layer [--context 1024]
 
+``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in shapes of
+``moe_gemv_wide``): dense FP8 / INT4 linears at Kimi-K2 shapes with 1/4/8 rows and the routed
+INT4 experts' gate_up and down at 1/16/64 tokens (top-8 of 384), each call timed inside a CUDA
+graph of calls on rotating weight copies / routings (so neither host launch cost nor an
+L2-resident weight flatters the figure), against the bytes it must read over the copy bandwidth.
+
+    python benchmarks/gpu_kimi.py gemv
+
 ``moonlight``: a Moonlight-16B-A3B-shaped model (27 layers, hidden 2048, 16 heads, kv_lora 512, qk
 128+64, v 128, one dense layer of 11264, then 64 experts of 1408 top-6 + 2 shared, routed scaling
 2.446, vocab 163840) served by ``openinfer serve --load-format dummy`` (random bf16 weights from
@@ -282,6 +290,147 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
         points.append(point)
         print(json.dumps(point), flush=True)
     return points
+
+
+GEMV_DENSE_ROWS = [1, 4, 8]
+GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
+                "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
+GEMV_GROUPED_TOKENS = [1, 16, 64]
+GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
+
+
+def graph_call_seconds(calls: list) -> tuple[float, str | None]:
+    """Seconds per call of ``calls`` (closures) replayed as one CUDA graph (median of 5 replays);
+    eager back-to-back launches when capture fails (the error is returned)."""
+    import cupy
+
+    from openinfer.tools.ledger import gpu_seconds
+
+    def run_all():
+        for call in calls:
+            call()
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    try:
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            run_all()
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                run_all()
+            finally:
+                graph = stream.end_capture()
+            return gpu_seconds(graph.launch, repeats=5, warmup=1) / len(calls), None
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON
+        return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
+
+
+def random_int4(backend, experts: int, n: int, k: int):
+    import cupy
+
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    words = cupy.random.randint(-2**31, 2**31 - 1, size=(experts, n, k // 8), dtype=cupy.int64).astype(cupy.int32)
+    return ExpertLinear("int4", words, backend.weight(np.full((experts, n, k // 32), 0.01, np.float32)), n, k)
+
+
+def run_gemv(args) -> dict:
+    """Decode GEMV kernels (moe_gemv vs moe_gemv_wide's shapes) at Kimi-K2 shapes, see the docstring."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    kernels = list(cuda_moe.GEMV_KERNELS)
+    report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "default": cuda_moe.DEFAULT_GEMV_KERNEL,
+              "dense": [], "grouped": []}
+
+    def measure(point: dict, make_calls, bytes_per_call: float, compare) -> None:
+        outputs = {}
+        for name in kernels:
+            calls = make_calls(name)
+            outputs[name] = backend.to_host(calls[0]())
+            seconds, error = graph_call_seconds(calls)
+            point[f"{name}_us"] = 1e6 * seconds
+            point[f"{name}_fraction_of_copy_bandwidth"] = bytes_per_call / seconds / bandwidth
+            if error:
+                point[f"{name}_graph_error"] = error
+        for name in kernels[1:]:
+            point[f"{name}_speedup"] = point[f"{kernels[0]}_us"] / point[f"{name}_us"]
+            point[f"{name}_relative_difference"] = compare(outputs[name], outputs[kernels[0]])
+        print(json.dumps(point), flush=True)
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    for label, (fmt, n, k) in LINEAR_SHAPES.items():
+        stored = n * k * (1 if fmt == "fp8" else 0.5)
+        copies = max(2, int(-(-3 * 50e6 // stored)))  # together well past the 50 MB L2
+        weights = []
+        for _ in range(copies):
+            if fmt == "fp8":
+                codes = cupy.random.randint(0, 256, size=(1, n, k), dtype=cupy.int32).astype(cupy.uint8)
+                codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+                weights.append(ExpertLinear("fp8", codes, cupy.full((1, -(-n // 128), -(-k // 128)), 1e-2,
+                                                                    cupy.float32), n, k))
+            else:
+                weights.append(random_int4(backend, 1, n, k))
+        stored = weights[0].data.nbytes + weights[0].scale.nbytes
+        for rows in GEMV_DENSE_ROWS:
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "rows": rows, "copies": copies, "bytes": stored}
+            measure(point, lambda name, x=x, weights=weights: [
+                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], None, "gemv", gemv_kernel=name)
+                for i in range(GEMV_CALLS)], stored, rel)
+            report["dense"].append(point)
+    c = KIMI_LAYER
+    for label, (gather, n, k) in GEMV_GROUPED.items():
+        weight = random_int4(backend, c["experts"], n, k)
+        per_expert = (weight.data.nbytes + weight.scale.nbytes) / c["experts"]
+        for tokens in GEMV_GROUPED_TOKENS:
+            groupings, active = [], []
+            for _ in range(GEMV_CALLS):
+                ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+                groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+                                                          cupy.ones(ids.shape, cupy.float32), c["experts"]))
+                active.append(np.unique(ids).size)
+            rows = tokens if gather else tokens * c["top_k"]
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "tokens": tokens, "active_experts_mean": float(np.mean(active)),
+                     "bytes_mean": float(np.mean(active)) * per_expert}
+            measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
+                partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) for g in groupings],
+                point["bytes_mean"], rel)
+            report["grouped"].append(point)
+    return report
+
+
+def plot_gemv(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["dense"] + report["grouped"]
+    labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
+              for p in points]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(report["kernels"])
+    for i, name in enumerate(report["kernels"]):
+        ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_fraction_of_copy_bandwidth"] for p in points], width,
+               label=name)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("bytes read / time / copy bandwidth")
+    ax.set_title(f"Decode GEMV kernels, Kimi-K2 shapes ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def run_kernels(args) -> dict:
@@ -630,6 +779,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("kernels")
+    sub.add_parser("gemv")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
@@ -643,6 +793,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":
         report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    elif args.command == "gemv":
+        report, name, plot = run_gemv(args), "kimi_gemv", plot_gemv
     elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:

@@ -14,7 +14,7 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
 
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
-                        from FP8 / INT4, no tensor cores
+                        from FP8 / INT4, no tensor cores       (or moe_gemv_wide: GEMV_KERNELS)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm
 
