@@ -440,11 +440,17 @@ def run_kernels(args) -> dict:
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
-    report["mla_prefill"] = bench_mla_prefill(backend, rng)
-    report["mla_decode"] = bench_mla_decode(backend, rng, bandwidth)
-    report["quantized_linear"] = bench_quantized_linears(backend, rng, bandwidth)
-    report["grouped_experts"] = bench_grouped_experts(backend, rng)
-    for point in report["grouped_experts"]:
+    sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
+                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth),
+                "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
+                "grouped_experts": lambda: bench_grouped_experts(backend, rng)}
+    wanted = args.sections.split(",") if args.sections else list(sections)
+    unknown = sorted(set(wanted) - set(sections))
+    if unknown:
+        raise SystemExit(f"unknown --sections {unknown}; choose from {list(sections)}")
+    for name in wanted:
+        report[name] = sections[name]()
+    for point in report.get("grouped_experts", []):
         point["gemv_fraction_of_roofline"] = point["active_weight_bytes"] / bandwidth / (point["gemv_ms"] / 1e3)
     return report
 
@@ -456,7 +462,7 @@ def plot_kernels(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
-    mla = report["mla_prefill"]
+    mla = report.get("mla_prefill", [])  # sections left out (--sections) plot empty
     labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
     x = np.arange(len(mla))
     axes[0].bar(x - 0.2, [p["absorbed_ms"] for p in mla], 0.4, label="absorbed")
@@ -465,7 +471,7 @@ def plot_kernels(report: dict, path: Path) -> None:
     axes[0].set_xticklabels(labels, rotation=60, fontsize=7)
     axes[0].legend()
     for ax, name in zip(axes[1:3], LINEAR_SHAPES, strict=True):
-        pts = [p for p in report["quantized_linear"] if p["weight"] == name]
+        pts = [p for p in report.get("quantized_linear", []) if p["weight"] == name]
         rows = [p["rows"] for p in pts]
         for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
             xs = [p["rows"] for p in pts if f"{method}_ms" in p]
@@ -473,7 +479,7 @@ def plot_kernels(report: dict, path: Path) -> None:
         ax.plot(rows, [p["stored_weight_roofline_ms"] for p in pts], "k--", label="weight bytes / copy bw")
         ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
         ax.legend(fontsize=7)
-    grouped = report["grouped_experts"]
+    grouped = report.get("grouped_experts", [])
     x = np.arange(len(grouped))
     axes[3].bar(x - 0.2, [p["gemv_ms"] for p in grouped], 0.4, label="moe_gemv")
     axes[3].bar(x + 0.2, [p["tiles_ms"] for p in grouped], 0.4, label="grouped GEMM (tiles)")
@@ -778,7 +784,9 @@ def plot_moonlight(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("kernels")
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("--sections", default="",
+                         help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
     sub.add_parser("gemv")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
