@@ -16,6 +16,14 @@ to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
     python benchmarks/gpu_kimi.py layer [--context 1024]
 
+``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in shapes of
+``moe_gemv_wide``): dense FP8 / INT4 linears at Kimi-K2 shapes with 1/4/8 rows and the routed
+INT4 experts' gate_up and down at 1/16/64 tokens (top-8 of 384), each call timed inside a CUDA
+graph of calls on rotating weight copies / routings (so neither host launch cost nor an
+L2-resident weight flatters the figure), against the bytes it must read over the copy bandwidth.
+
+    python benchmarks/gpu_kimi.py gemv
+
 ``moonlight``: a Moonlight-16B-A3B-shaped model (27 layers, hidden 2048, 16 heads, kv_lora 512, qk
 128+64, v 128, one dense layer of 11264, then 64 experts of 1408 top-6 + 2 shared, routed scaling
 2.446, vocab 163840) served by ``openinfer serve --load-format dummy`` (random bf16 weights from
@@ -150,6 +158,67 @@ def bench_mla_prefill(backend, rng) -> list[dict]:
     return points
 
 
+MLA_DECODES = [(1, 1024), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
+
+
+def decode_batch(backend, batch: int, context: int, block_size: int = 64):
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-(context + 1) // block_size)
+    tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
+    positions = np.full(batch, context, np.int32)
+    host = ForwardBatch(token_ids=np.zeros(batch, np.int32), positions=positions,
+                        query_start=np.arange(batch + 1, dtype=np.int32),
+                        context_lens=np.full(batch, context + 1, np.int32), block_tables=tables,
+                        slot_mapping=(tables[:, context // block_size] * block_size + context % block_size
+                                      ).astype(np.int32),
+                        logits_rows=np.arange(batch, dtype=np.int32), max_query_len=1, max_context_len=context + 1)
+    return backend.prepare_batch(host), batch * blocks + 1
+
+
+def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, absorbed_kernel: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                1e-6, backend.num_sms, absorbed_kernel=absorbed_kernel)
+
+
+def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
+    """Absorbed MLA decode: CUDA-core kernel vs tensor-core kernel, whole mla_forward (latent write,
+    W_UK, attention, W_UV), against the latent cache's bytes over the copy bandwidth."""
+    import cupy
+
+    from openinfer.mla import MLASpec
+    from openinfer.rope import RopeParameters, RotaryEmbedding
+    from openinfer.tools.ledger import gpu_seconds
+
+    rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
+    cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
+    points = []
+    for heads in (16, 64):
+        spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
+        w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        norm = backend.weight(np.ones(512, np.float32))
+        for batch_size, context in MLA_DECODES:
+            batch, num_blocks = decode_batch(backend, batch_size, context)
+            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((batch_size, heads * 192)).astype(np.float32))
+            latent = backend.upload(rng.standard_normal((batch_size, 576)).astype(np.float32))
+            point = {"heads": heads, "batch": batch_size, "context": context,
+                     "cache_roofline_ms": 1e3 * batch_size * (context + 1) * 576 * 2 / bandwidth}
+            outputs = {}
+            for name in ("cuda_cores", "mma"):
+                run = partial(decode_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, name)
+                outputs[name] = backend.to_host(run())
+                point[f"{name}_ms"] = 1e3 * gpu_seconds(run, repeats=10)
+            point["relative_difference"] = float(np.linalg.norm(outputs["mma"] - outputs["cuda_cores"])
+                                                 / np.linalg.norm(outputs["cuda_cores"]))
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
 def bench_quantized_linears(backend, rng, bandwidth: float) -> list[dict]:
     import cupy
 
@@ -223,6 +292,147 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
     return points
 
 
+GEMV_DENSE_ROWS = [1, 4, 8]
+GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
+                "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
+GEMV_GROUPED_TOKENS = [1, 16, 64]
+GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
+
+
+def graph_call_seconds(calls: list) -> tuple[float, str | None]:
+    """Seconds per call of ``calls`` (closures) replayed as one CUDA graph (median of 5 replays);
+    eager back-to-back launches when capture fails (the error is returned)."""
+    import cupy
+
+    from openinfer.tools.ledger import gpu_seconds
+
+    def run_all():
+        for call in calls:
+            call()
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    try:
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            run_all()
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                run_all()
+            finally:
+                graph = stream.end_capture()
+            return gpu_seconds(graph.launch, repeats=5, warmup=1) / len(calls), None
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON
+        return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
+
+
+def random_int4(backend, experts: int, n: int, k: int):
+    import cupy
+
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    words = cupy.random.randint(-2**31, 2**31 - 1, size=(experts, n, k // 8), dtype=cupy.int64).astype(cupy.int32)
+    return ExpertLinear("int4", words, backend.weight(np.full((experts, n, k // 32), 0.01, np.float32)), n, k)
+
+
+def run_gemv(args) -> dict:
+    """Decode GEMV kernels (moe_gemv vs moe_gemv_wide's shapes) at Kimi-K2 shapes, see the docstring."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    kernels = list(cuda_moe.GEMV_KERNELS)
+    report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "default": cuda_moe.DEFAULT_GEMV_KERNEL,
+              "dense": [], "grouped": []}
+
+    def measure(point: dict, make_calls, bytes_per_call: float, compare) -> None:
+        outputs = {}
+        for name in kernels:
+            calls = make_calls(name)
+            outputs[name] = backend.to_host(calls[0]())
+            seconds, error = graph_call_seconds(calls)
+            point[f"{name}_us"] = 1e6 * seconds
+            point[f"{name}_fraction_of_copy_bandwidth"] = bytes_per_call / seconds / bandwidth
+            if error:
+                point[f"{name}_graph_error"] = error
+        for name in kernels[1:]:
+            point[f"{name}_speedup"] = point[f"{kernels[0]}_us"] / point[f"{name}_us"]
+            point[f"{name}_relative_difference"] = compare(outputs[name], outputs[kernels[0]])
+        print(json.dumps(point), flush=True)
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    for label, (fmt, n, k) in LINEAR_SHAPES.items():
+        stored = n * k * (1 if fmt == "fp8" else 0.5)
+        copies = max(2, int(-(-3 * 50e6 // stored)))  # together well past the 50 MB L2
+        weights = []
+        for _ in range(copies):
+            if fmt == "fp8":
+                codes = cupy.random.randint(0, 256, size=(1, n, k), dtype=cupy.int32).astype(cupy.uint8)
+                codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+                weights.append(ExpertLinear("fp8", codes, cupy.full((1, -(-n // 128), -(-k // 128)), 1e-2,
+                                                                    cupy.float32), n, k))
+            else:
+                weights.append(random_int4(backend, 1, n, k))
+        stored = weights[0].data.nbytes + weights[0].scale.nbytes
+        for rows in GEMV_DENSE_ROWS:
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "rows": rows, "copies": copies, "bytes": stored}
+            measure(point, lambda name, x=x, weights=weights: [
+                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], None, "gemv", gemv_kernel=name)
+                for i in range(GEMV_CALLS)], stored, rel)
+            report["dense"].append(point)
+    c = KIMI_LAYER
+    for label, (gather, n, k) in GEMV_GROUPED.items():
+        weight = random_int4(backend, c["experts"], n, k)
+        per_expert = (weight.data.nbytes + weight.scale.nbytes) / c["experts"]
+        for tokens in GEMV_GROUPED_TOKENS:
+            groupings, active = [], []
+            for _ in range(GEMV_CALLS):
+                ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+                groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+                                                          cupy.ones(ids.shape, cupy.float32), c["experts"]))
+                active.append(np.unique(ids).size)
+            rows = tokens if gather else tokens * c["top_k"]
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "tokens": tokens, "active_experts_mean": float(np.mean(active)),
+                     "bytes_mean": float(np.mean(active)) * per_expert}
+            measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
+                partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) for g in groupings],
+                point["bytes_mean"], rel)
+            report["grouped"].append(point)
+    return report
+
+
+def plot_gemv(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["dense"] + report["grouped"]
+    labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
+              for p in points]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(report["kernels"])
+    for i, name in enumerate(report["kernels"]):
+        ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_fraction_of_copy_bandwidth"] for p in points], width,
+               label=name)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("bytes read / time / copy bandwidth")
+    ax.set_title(f"Decode GEMV kernels, Kimi-K2 shapes ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def run_kernels(args) -> dict:
     from openinfer.backend.cuda import CudaBackend
 
@@ -230,10 +440,17 @@ def run_kernels(args) -> dict:
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
-    report["mla_prefill"] = bench_mla_prefill(backend, rng)
-    report["quantized_linear"] = bench_quantized_linears(backend, rng, bandwidth)
-    report["grouped_experts"] = bench_grouped_experts(backend, rng)
-    for point in report["grouped_experts"]:
+    sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
+                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth),
+                "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
+                "grouped_experts": lambda: bench_grouped_experts(backend, rng)}
+    wanted = args.sections.split(",") if args.sections else list(sections)
+    unknown = sorted(set(wanted) - set(sections))
+    if unknown:
+        raise SystemExit(f"unknown --sections {unknown}; choose from {list(sections)}")
+    for name in wanted:
+        report[name] = sections[name]()
+    for point in report.get("grouped_experts", []):
         point["gemv_fraction_of_roofline"] = point["active_weight_bytes"] / bandwidth / (point["gemv_ms"] / 1e3)
     return report
 
@@ -244,8 +461,8 @@ def plot_kernels(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    mla = report["mla_prefill"]
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
+    mla = report.get("mla_prefill", [])  # sections left out (--sections) plot empty
     labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
     x = np.arange(len(mla))
     axes[0].bar(x - 0.2, [p["absorbed_ms"] for p in mla], 0.4, label="absorbed")
@@ -254,7 +471,7 @@ def plot_kernels(report: dict, path: Path) -> None:
     axes[0].set_xticklabels(labels, rotation=60, fontsize=7)
     axes[0].legend()
     for ax, name in zip(axes[1:3], LINEAR_SHAPES, strict=True):
-        pts = [p for p in report["quantized_linear"] if p["weight"] == name]
+        pts = [p for p in report.get("quantized_linear", []) if p["weight"] == name]
         rows = [p["rows"] for p in pts]
         for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
             xs = [p["rows"] for p in pts if f"{method}_ms" in p]
@@ -262,13 +479,20 @@ def plot_kernels(report: dict, path: Path) -> None:
         ax.plot(rows, [p["stored_weight_roofline_ms"] for p in pts], "k--", label="weight bytes / copy bw")
         ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
         ax.legend(fontsize=7)
-    grouped = report["grouped_experts"]
+    grouped = report.get("grouped_experts", [])
     x = np.arange(len(grouped))
     axes[3].bar(x - 0.2, [p["gemv_ms"] for p in grouped], 0.4, label="moe_gemv")
     axes[3].bar(x + 0.2, [p["tiles_ms"] for p in grouped], 0.4, label="grouped GEMM (tiles)")
     axes[3].set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in grouped], ylabel="ms",
                 title="384 INT4 experts gate_up, top-8")
     axes[3].legend()
+    decode = report.get("mla_decode", [])
+    x = np.arange(len(decode))
+    axes[4].bar(x - 0.2, [p["cuda_cores_ms"] for p in decode], 0.4, label="absorbed, CUDA cores")
+    axes[4].bar(x + 0.2, [p["mma_ms"] for p in decode], 0.4, label="absorbed, tensor cores")
+    axes[4].set(xticks=x, yscale="log", ylabel="ms", title="MLA decode (heads, batch x context)")
+    axes[4].set_xticklabels([f"H{p['heads']} {p['batch']}x{p['context']}" for p in decode], rotation=60, fontsize=7)
+    axes[4].legend()
     fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -322,7 +546,8 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
-def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int) -> dict:
+def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int,
+                    absorbed_kernel: str = "cuda_cores") -> dict:
     """Each part of the layer step timed alone (eager, CUDA events), in ms."""
     import cupy
 
@@ -345,7 +570,7 @@ def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, si
         "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
         "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                             attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
-                                            backend.num_sms),
+                                            backend.num_sms, absorbed_kernel=absorbed_kernel),
         "o_proj": partial(backend.linear, attn, attention["o_proj"]),
         "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
         "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
@@ -397,7 +622,7 @@ def run_layer(args) -> dict:
                                                 1e-6), attention["q_b"])
             attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                         attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6,
-                                        backend.num_sms)
+                                        backend.num_sms, absorbed_kernel=args.absorbed_kernel)
             h = backend.linear(attn, attention["o_proj"])
             shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
             return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
@@ -406,7 +631,7 @@ def run_layer(args) -> dict:
         ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
         active = int(cupy.unique(ids).size)
         breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
-                                    args.iters)
+                                    args.iters, args.absorbed_kernel)
         eager = gpu_seconds(step, repeats=args.iters, warmup=2)
         graph_seconds, graph_error = None, None
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -435,7 +660,7 @@ def run_layer(args) -> dict:
                        "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
         print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "layer": KIMI_LAYER, "points": points}
+            "context": args.context, "absorbed_kernel": args.absorbed_kernel, "layer": KIMI_LAYER, "points": points}
 
 
 def plot_layer(report: dict, path: Path) -> None:
@@ -559,10 +784,15 @@ def plot_moonlight(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("kernels")
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("--sections", default="",
+                         help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
+    sub.add_parser("gemv")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
+    layer.add_argument("--absorbed-kernel", default="cuda_cores", choices=["cuda_cores", "mma"],
+                       help="MLA decode kernel (core's default: cuda_cores)")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="/tmp/moonlight-dummy", help="directory for config.json + tokenizer")
     moon.add_argument("--streams", default="1,16,64,256", help="concurrency points")
@@ -571,6 +801,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":
         report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    elif args.command == "gemv":
+        report, name, plot = run_gemv(args), "kimi_gemv", plot_gemv
     elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:

@@ -506,6 +506,209 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_wide: the decode GEMV again (same arguments, rows and tile list as moe_gemv; dense
+// mode loops over all rows in one block so a weight is read from HBM once), built to keep HBM
+// busy and spend fewer instructions per weight (an INT4 decode GEMV on CUDA cores runs close to
+// the SM's issue limit):
+//  * a warp takes WIDE_COLUMNS output columns: each 16-byte slice of an activation row is loaded
+//    and unpacked once for all of them, and every lane has WIDE_COLUMNS 16-byte weight loads (and
+//    their scales) in flight for the next chunk while it multiplies the current one;
+//  * no int→float conversion: an INT4 nibble pair is or-ed into the mantissas of bf16 128.0
+//    (giving 128 + q), an FP8 e4m3 byte pair moved into bf16 fields (the value × 2^-120); the
+//    offset (−136·Σx for INT4, Σx shared by all columns) and the scale (× 2^120 for FP8, hoisted
+//    to one multiply per chunk) are applied once per 8 weights and row, not per weight.
+// Needs what moe_gemv needs (the caller checks). WIDE_ROWS activation rows share a pass over the
+// weights; more rows take further passes (re-read from L2).
+// ---------------------------------------------------------------------------------------------
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 4
+#endif
+#define WIDE_WARPS 4
+#ifndef WIDE_COLUMNS
+#define WIDE_COLUMNS 4
+#endif
+#ifndef WIDE_MIN_BLOCKS
+#define WIDE_MIN_BLOCKS 3  // resident blocks per SM the register budget must allow
+#endif
+#ifdef __CUDACC__
+#define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32, WIDE_MIN_BLOCKS)
+#else  // the host emulation's stand-in takes the thread count only
+#define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32)
+#endif
+#define WIDE_PIECES (WEIGHT_CHUNK / 8)  // 8-weight pieces per 16-byte load: bf16 1, FP8 2, INT4 4
+#if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
+#define WIDE_SCALES WIDE_PIECES  // INT4 groups smaller than a chunk: one scale per piece
+#else
+#define WIDE_SCALES 1
+#endif
+
+// The scales of the WEIGHT_CHUNK weights of row n from k on, as multipliers of the raw pieces.
+__device__ __forceinline__ void wide_scales(const void* __restrict__ scale, long long e, int n, int k, int N, int K,
+                                            float* s) {
+#if WEIGHT_FORMAT == 0
+    (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
+    s[0] = 1.f;
+#elif WEIGHT_FORMAT == 1
+    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
+#pragma unroll
+    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK] * 1.329227995784916e36f;  // 2^120
+#endif
+}
+
+// bf16 pair in a 32-bit word → two floats (exact: a bf16 is the top half of its fp32).
+__device__ __forceinline__ float bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
+__device__ __forceinline__ float bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
+
+// Piece i (weights 8i .. 8i+7) of a 16-byte chunk as unscaled floats: bf16 as is, INT4 128 + q
+// (q the stored nibble), FP8 the e4m3 value × 2^-120.
+__device__ __forceinline__ void wide_piece(const uint4& raw, int i, float* w) {
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#if WEIGHT_FORMAT == 0
+    (void)i;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        w[2 * q] = bf16_low(word[q]);
+        w[2 * q + 1] = bf16_high(word[q]);
+    }
+#elif WEIGHT_FORMAT == 1
+    const unsigned v = word[i];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4 land in the low and high bf16
+        const unsigned pair = ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+        w[s] = bf16_low(pair);
+        w[s + 4] = bf16_high(pair);
+    }
+#else
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const unsigned v = word[2 * i + q];
+        // bytes 0 and 2, then 1 and 3: sign to bit 15, exponent and mantissa to bits 4..10
+        const unsigned even = ((v << 8) & 0x80008000u) | ((v << 4) & 0x07F007F0u);
+        const unsigned odd = (v & 0x80008000u) | ((v >> 4) & 0x07F007F0u);
+        w[4 * q] = bf16_low(even);
+        w[4 * q + 1] = bf16_low(odd);
+        w[4 * q + 2] = bf16_high(even);
+        w[4 * q + 3] = bf16_high(odd);
+    }
+#endif
+}
+
+extern "C" __global__ void WIDE_LAUNCH_BOUNDS
+moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+              const void* __restrict__ weight, const void* __restrict__ scale,
+              const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+              const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+              bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * WIDE_COLUMNS;
+    if (n0 >= N) return;  // whole warps only: the shuffles below stay warp-wide
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        // the tile's entries are read beside the count (the arrays hold gridDim.y entries)
+        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
+        if ((int)blockIdx.y >= tiles) return;
+        expert = tile_e;
+        row_begin = tile_r;
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = 0;
+        row_end = dense_rows;
+    }
+    int column[WIDE_COLUMNS];  // past N: a valid row is read, the result dropped
+#pragma unroll
+    for (int c = 0; c < WIDE_COLUMNS; ++c) column[c] = min(n0 + c, N - 1);
+    constexpr int STEP = 32 * WEIGHT_CHUNK;
+    for (int chunk = row_begin; chunk < row_end; chunk += WIDE_ROWS) {
+        uint4 raw[WIDE_COLUMNS];
+        float s[WIDE_COLUMNS][WIDE_SCALES];
+        int k = lane * WEIGHT_CHUNK;
+        if (k < K) {
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                raw[c] = weight_raw(weight, expert, column[c], k, N, K);
+                wide_scales(scale, expert, column[c], k, N, K, s[c]);
+            }
+        }
+        const int rows = min(WIDE_ROWS, row_end - chunk);
+        const bf16* a_row[WIDE_ROWS];
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r) {
+            const int p = chunk + min(r, rows - 1);
+            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+        }
+        float acc[WIDE_ROWS][WIDE_COLUMNS];
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r)
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) acc[r][c] = 0.f;
+        for (; k < K; k += STEP) {
+            uint4 cur[WIDE_COLUMNS];
+            float cur_s[WIDE_COLUMNS][WIDE_SCALES];
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                cur[c] = raw[c];
+#pragma unroll
+                for (int i = 0; i < WIDE_SCALES; ++i) cur_s[c][i] = s[c][i];
+            }
+            if (k + STEP < K) {  // the next chunk's loads fly while this one is multiplied
+#pragma unroll
+                for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                    raw[c] = weight_raw(weight, expert, column[c], k + STEP, N, K);
+                    wide_scales(scale, expert, column[c], k + STEP, N, K, s[c]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < WIDE_PIECES; ++i) {
+                float x[WIDE_ROWS][8], x_sum[WIDE_ROWS];
+#pragma unroll
+                for (int r = 0; r < WIDE_ROWS; ++r) {
+                    if (r >= rows) break;
+                    load8(a_row[r] + k + 8 * i, x[r]);
+                    x_sum[r] = 0.f;
+#if WEIGHT_FORMAT == 1
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) x_sum[r] += x[r][j];
+#endif
+                }
+#pragma unroll
+                for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                    float w[8];
+                    wide_piece(cur[c], i, w);
+#pragma unroll
+                    for (int r = 0; r < WIDE_ROWS; ++r) {
+                        if (r >= rows) break;
+                        float dot = 0.f;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) dot += x[r][j] * w[j];
+#if WEIGHT_FORMAT == 0
+                        acc[r][c] += dot;
+#else
+#if WEIGHT_FORMAT == 1
+                        dot -= 136.f * x_sum[r];  // Σ x·(128 + q) − 136·Σx = Σ x·(q − 8)
+#endif
+                        acc[r][c] += dot * cur_s[c][WIDE_SCALES == 1 ? 0 : i];
+#endif
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r) {
+            if (r >= rows) break;  // warp-uniform
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                const float total = warp_sum(acc[r][c]);
+                if (lane == 0 && n0 + c < N) out[(long long)(chunk + r) * N + n0 + c] = __float2bfloat16_rn(total);
+            }
+        }
+    }
+}
+
 // Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one
 // WEIGHT_CHUNK per thread, grid-stride.
 extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const void* __restrict__ scale, int N, int K,

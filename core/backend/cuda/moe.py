@@ -14,7 +14,7 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
 
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
-                        from FP8 / INT4, no tensor cores
+                        from FP8 / INT4, no tensor cores       (or moe_gemv_wide: GEMV_KERNELS)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm
 
@@ -24,6 +24,7 @@ be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -44,6 +45,17 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
 DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
+# Decode GEMV kernel: moe_gemv (one column per warp), or moe_gemv_wide (several columns per warp,
+# next chunk's loads in flight, no int->float conversions; moe.cu) in one of two shapes, chosen by
+# the ``gemv_kernel`` argument or the OPENINFER_MOE_GEMV environment variable. Name -> moe.cu defines.
+GEMV_KERNEL_ENV = "OPENINFER_MOE_GEMV"
+GEMV_KERNELS: dict[str, dict[str, int]] = {
+    "moe_gemv": {},
+    "wide": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3},  # 12 warps per SM (INT4: 166 registers)
+    "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
+}
+DEFAULT_GEMV_KERNEL = "moe_gemv"
+WIDE_WARPS = 4  # moe.cu
 ROUTER_WARPS = 8  # moe.cu
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -71,8 +83,9 @@ class ExpertLinear:
         return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
                             self.out_features, self.in_features, self.group, self.block)
 
-    def _kernel(self, name: str = "moe_grouped_gemm") -> cupy.RawKernel:
-        return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block)
+    def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
+        return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
+                      **defines)
 
     def gemv_ready(self, a: cupy.ndarray) -> bool:
         """moe_gemv's needs: whole 16-byte weight chunks per row (K a multiple of the chunk, one FP8
@@ -160,17 +173,39 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
     return grouping
 
 
+def gemv_kernel_name(gemv_kernel: str | None = None) -> str:
+    """The decode GEMV kernel to run: ``gemv_kernel``, else $OPENINFER_MOE_GEMV, else the default."""
+    name = gemv_kernel or os.environ.get(GEMV_KERNEL_ENV) or DEFAULT_GEMV_KERNEL
+    if name not in GEMV_KERNELS:
+        raise ValueError(f"unknown decode GEMV kernel {name!r} ({GEMV_KERNEL_ENV}); one of {sorted(GEMV_KERNELS)}")
+    return name
+
+
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, gemv_kernel: str | None) -> None:
+    """moe_gemv / moe_gemv_wide over ``grid_rows`` tiles (grouped) or ``dense_rows`` rows (dense mode:
+    ``grid_rows`` 0). ``args``: the kernels' shared argument list."""
+    name = gemv_kernel_name(gemv_kernel)
+    if name == "moe_gemv":
+        rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
+        weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
+        return
+    defines = GEMV_KERNELS[name]
+    columns = WIDE_WARPS * defines["WIDE_COLUMNS"]  # dense mode: one block row loops over all rows
+    weight._kernel("moe_gemv_wide", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                (WIDE_WARPS * 32,), args)
+
+
 def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
     """16-byte tile loads need K % 8 == 0 and 16-byte aligned rows of A and of the weight."""
     return (weight.in_features % 8 == 0 and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0)
 
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                 gemv: bool | None = None) -> cupy.ndarray:
+                 gemv: bool | None = None, *, gemv_kernel: str | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
-    (False) ``moe_gemv``; None picks it when the slots average at most
-    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert."""
+    (False) the decode GEMV; None picks it when the slots average at most
+    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert. ``gemv_kernel``: which one (see ``GEMV_KERNELS``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -183,18 +218,19 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
     if gemv and weight.gemv_ready(a):
-        grid = (-(-weight.out_features // GEMV_WARPS), grouping.max_tiles)
-        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + tables)
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, gemv_kernel)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
     return out
 
 
-def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: str | None = None) -> cupy.ndarray:
+def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: str | None = None, *,
+                     gemv_kernel: str | None = None) -> cupy.ndarray:
     """``x [M, K] @ W^T`` for one (E = 1) quantized weight: W8A16 / W4A16. ``method`` (None: by
-    M, see the module docstring): ``gemv`` (moe_gemv), ``tiles`` (moe_grouped_gemm dense mode,
-    dequantised per tile) or ``dequantize`` (the whole weight to a bf16 scratch, then ``blas``)."""
+    M, see the module docstring): ``gemv`` (the decode GEMV, ``gemv_kernel`` picks which),
+    ``tiles`` (moe_grouped_gemm dense mode, dequantised per tile) or ``dequantize`` (the whole
+    weight to a bf16 scratch, then ``blas``)."""
     if x.ndim != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear expects [tokens, {weight.in_features}], got {tuple(x.shape)}")
     rows = int(x.shape[0])
@@ -209,8 +245,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
              np.int32(weight.in_features))
     head = (x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale)
     if method == "gemv" and weight.gemv_ready(x):
-        grid = (-(-weight.out_features // GEMV_WARPS), -(-rows // GEMV_ROWS))
-        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + dense)
+        _launch_gemv(weight, head + dense, 0, rows, gemv_kernel)
     elif method == "dequantize" and blas is not None and weight.gemv_ready(x):
         blas.matmul_nt(x, dequantize(weight), out)
     else:
