@@ -88,18 +88,24 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2"],
-                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
-def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv):
+def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
-    not multiples of the tile (K a multiple of the INT4 group). Both the tensor-core grouped GEMM
-    and the decode kernels (moe_gemv, moe_gemv_wide's shapes) on the same tiles."""
+    not multiples of the tile (K a multiple of the INT4 group). The tensor-core grouped GEMM, the
+    decode kernels (moe_gemv, moe_gemv_wide's shapes) on the same tiles, and cuBLAS per expert
+    (the prefill path, its row threshold lowered to take this small batch)."""
     moe = _moe_cuda()
-    kernel = gemv or None
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, fmt, num_experts, hidden, inter)
+    blas, kernel, forced = None, gemv if gemv in moe.GEMV_KERNELS else None, bool(gemv)
+    if gemv == "blas":
+        monkeypatch.setattr(moe, "BLAS_MIN_ROWS_PER_EXPERT", 1)
+        monkeypatch.delenv(moe.BLAS_ENV, raising=False)
+        blas, forced = cuda_backend.blas, None
+        assert moe.blas_eligible(tokens * top_k, gate_up, blas)
     x = bf16_random(rng, tokens, hidden)
     ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     ids[:70, 0] = 1  # expert 1 gets more than one 64-row tile; expert 4 none
@@ -107,13 +113,37 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv):
     grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     offsets = grouping.offsets.get()
     assert offsets[5] - offsets[4] == 0 and offsets[2] - offsets[1] > 64
-    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=bool(gemv), gemv_kernel=kernel)
-    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False, gemv=bool(gemv), gemv_kernel=kernel)
+    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=forced, gemv_kernel=kernel,
+                         blas=blas)
+    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False, gemv=forced, gemv_kernel=kernel,
+                         blas=blas)
     out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
     experts = [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
                for e in range(num_experts)]
     reference = run_experts(REF, x, weights, group_by_expert(ids, num_experts), experts)
     assert relative_error(out, reference) < BF16_TOL
+
+
+def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
+    """cuBLAS per expert reads the routing's counts on the host: never for small steps, never while
+    a CUDA graph is captured, never with OPENINFER_MOE_BLAS=0."""
+    moe = _moe_cuda()
+    monkeypatch.delenv(moe.BLAS_ENV, raising=False)
+    weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
+    big = moe.BLAS_MIN_ROWS_PER_EXPERT * 4
+    assert moe.blas_eligible(big, weight, cuda_backend.blas)
+    assert not moe.blas_eligible(big - 1, weight, cuda_backend.blas)
+    assert not moe.blas_eligible(big, weight, None)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            capturing = moe.blas_eligible(big, weight, cuda_backend.blas)
+        finally:
+            stream.end_capture()
+    assert not capturing
+    monkeypatch.setenv(moe.BLAS_ENV, "0")
+    assert not moe.blas_eligible(big, weight, cuda_backend.blas)
 
 
 @pytest.mark.parametrize("method", ["gemv", "tiles", "dequantize"])

@@ -16,10 +16,13 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
                         from FP8 / INT4, no tensor cores       (or moe_gemv_wide: GEMV_KERNELS)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
-    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm
+    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS cuBLAS per active expert (bf16 as stored,
+                                                               else moe_dequantize'd), after one host
+                                                               read of the per-expert row counts
 
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
-be captured in a CUDA graph.
+be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
+routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
 DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
+# Grouped, eager steps whose slots average at least this many per expert: cuBLAS per active expert
+# (moe_grouped_gemm peaks near 75 TFLOP/s on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json).
+# Never while a CUDA graph is being captured (the counts are read on the host). OPENINFER_MOE_BLAS=0: off.
+BLAS_MIN_ROWS_PER_EXPERT = 64
+BLAS_ENV = "OPENINFER_MOE_BLAS"
 # Decode GEMV kernel: moe_gemv (one column per warp), or moe_gemv_wide (several columns per warp,
 # next chunk's loads in flight, no int->float conversions; moe.cu) in one of two shapes, chosen by
 # the ``gemv_kernel`` argument or the OPENINFER_MOE_GEMV environment variable. Name -> moe.cu defines.
@@ -200,17 +208,39 @@ def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
     return (weight.in_features % 8 == 0 and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0)
 
 
+def blas_eligible(num_slots: int, weight: ExpertLinear, blas) -> bool:
+    """Whether ``grouped_gemm`` with ``blas`` takes cuBLAS per expert (see BLAS_MIN_ROWS_PER_EXPERT)."""
+    return (blas is not None and num_slots >= max(1, BLAS_MIN_ROWS_PER_EXPERT * weight.num_experts)
+            and os.environ.get(BLAS_ENV, "1") != "0" and not cupy.cuda.get_current_stream().is_capturing())
+
+
+def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool, blas,
+                     out: cupy.ndarray) -> None:
+    """cuBLAS on each active expert's rows (gathered into expert order first when ``gather``);
+    quantized experts are dequantised to a bf16 scratch one at a time."""
+    offsets = cupy.asnumpy(grouping.offsets)  # the host sync: rows per expert
+    rows = a[grouping.sorted_slots // grouping.top_k] if gather else a
+    for e in np.flatnonzero(np.diff(offsets)):
+        begin, end = int(offsets[e]), int(offsets[e + 1])
+        expert_weight = weight.data[e] if weight.format == "bf16" else dequantize(weight.expert(int(e)))
+        blas.matmul_nt(rows[begin:end], expert_weight, out[begin:end])
+
+
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                 gemv: bool | None = None, *, gemv_kernel: str | None = None) -> cupy.ndarray:
+                 gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None picks it when the slots average at most
-    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert. ``gemv_kernel``: which one (see ``GEMV_KERNELS``)."""
+    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert. ``gemv_kernel``: which one (see ``GEMV_KERNELS``).
+    ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
+    if not gemv and blas_eligible(num_slots, weight, blas) and (weight.format == "bf16" or weight.gemv_ready(a)):
+        _grouped_by_blas(a, weight, grouping, gather, blas, out)
+        return out
     if gemv is None:
         gemv = num_slots <= GEMV_MAX_ROWS_PER_EXPERT * weight.num_experts
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
@@ -294,7 +324,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True)
+    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(hidden)
-    y = grouped_gemm(activated, layer.down, grouping, gather=False)
+    y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
     return combine(y, grouping, shared, int(x.shape[1]))
