@@ -405,7 +405,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
                   const int* __restrict__ token_list) {
-#ifdef MLA_HOST_MMA
+#ifdef MMA_HOST_STANDIN
     static bf16 smem[MMA_DECODE_SMEM / 2];
 #else
     extern __shared__ __align__(16) bf16 smem[];
@@ -472,7 +472,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 unsigned kf[2];
                 kf[0] = mla_load_pair(k_tile + (8 * j + group) * MMA_DECODE_ROW + 16 * kk + pair);
                 kf[1] = mla_load_pair(k_tile + (8 * j + group) * MMA_DECODE_ROW + 16 * kk + pair + 8);
-                mla_mma_bf16_16816(s[j], qf, kf);
+                mma_bf16_16816(s[j], qf, kf);
             }
         }
         float tile_max[2] = {-INFINITY, -INFINITY};
@@ -518,10 +518,10 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #pragma unroll
         for (int ks = 0; ks < MMA_DECODE_KEYS / 16; ++ks) {
             unsigned pf[4];
-            pf[0] = mla_pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
-            pf[1] = mla_pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
-            pf[2] = mla_pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pf[3] = mla_pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
             const bf16* key_row = k_tile + (16 * ks + pair) * MMA_DECODE_ROW + part * MMA_DECODE_PART;
 #pragma unroll
             for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
@@ -529,7 +529,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 unsigned vf[2];
                 vf[0] = mla_pair_of(key_row + dim, key_row + MMA_DECODE_ROW + dim);
                 vf[1] = mla_pair_of(key_row + 8 * MMA_DECODE_ROW + dim, key_row + 9 * MMA_DECODE_ROW + dim);
-                mla_mma_bf16_16816(acc[j], pf, vf);
+                mma_bf16_16816(acc[j], pf, vf);
             }
         }
     }
