@@ -103,7 +103,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     blas, kernel, forced = None, gemv if gemv in moe.GEMV_KERNELS else None, bool(gemv)
     if gemv == "blas":
         monkeypatch.setattr(moe, "BLAS_MIN_ROWS_PER_EXPERT", 1)
-        monkeypatch.delenv(moe.BLAS_ENV, raising=False)
+        monkeypatch.setenv(moe.BLAS_ENV, "1")
         blas, forced = cuda_backend.blas, None
         assert moe.blas_eligible(tokens * top_k, gate_up, blas)
     x = bf16_random(rng, tokens, hidden)
@@ -125,10 +125,10 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
 
 
 def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
-    """cuBLAS per expert reads the routing's counts on the host: never for small steps, never while
-    a CUDA graph is captured, never with OPENINFER_MOE_BLAS=0."""
+    """cuBLAS per expert reads the routing's counts on the host: only with OPENINFER_MOE_BLAS=1 (opt-in),
+    never for small steps, never while a CUDA graph is captured."""
     moe = _moe_cuda()
-    monkeypatch.delenv(moe.BLAS_ENV, raising=False)
+    monkeypatch.setenv(moe.BLAS_ENV, "1")
     weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
     big = moe.BLAS_MIN_ROWS_PER_EXPERT * 4
     assert moe.blas_eligible(big, weight, cuda_backend.blas)
@@ -142,7 +142,7 @@ def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
         finally:
             stream.end_capture()
     assert not capturing
-    monkeypatch.setenv(moe.BLAS_ENV, "0")
+    monkeypatch.delenv(moe.BLAS_ENV)
     assert not moe.blas_eligible(big, weight, cuda_backend.blas)
 
 

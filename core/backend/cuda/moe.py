@@ -16,13 +16,14 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
                         from FP8 / INT4, no tensor cores       (or moe_gemv_wide: GEMV_KERNELS)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
-    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS cuBLAS per active expert (bf16 as stored,
-                                                               else moe_dequantize'd), after one host
+    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
+                                                               cuBLAS per active expert (bf16 as stored,
+                                                               else moe_dequantize'd) after one host
                                                                read of the per-expert row counts
 
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
 be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
-routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer.
+routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer (opt-in, BLAS_ENV).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
 DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
-# Grouped, eager steps whose slots average at least this many per expert: cuBLAS per active expert
-# (moe_grouped_gemm peaks near 75 TFLOP/s on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json).
-# Never while a CUDA graph is being captured (the counts are read on the host). OPENINFER_MOE_BLAS=0: off.
+# Opt-in (OPENINFER_MOE_BLAS=1; not yet measured end to end): grouped, eager steps whose slots average
+# at least this many per expert take cuBLAS per active expert (moe_grouped_gemm peaks near 75 TFLOP/s
+# on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json). Never while a CUDA graph is being
+# captured (the counts are read on the host).
 BLAS_MIN_ROWS_PER_EXPERT = 64
 BLAS_ENV = "OPENINFER_MOE_BLAS"
 # Decode GEMV kernel: moe_gemv (one column per warp), or moe_gemv_wide (several columns per warp,
@@ -211,7 +213,7 @@ def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
 def blas_eligible(num_slots: int, weight: ExpertLinear, blas) -> bool:
     """Whether ``grouped_gemm`` with ``blas`` takes cuBLAS per expert (see BLAS_MIN_ROWS_PER_EXPERT)."""
     return (blas is not None and num_slots >= max(1, BLAS_MIN_ROWS_PER_EXPERT * weight.num_experts)
-            and os.environ.get(BLAS_ENV, "1") != "0" and not cupy.cuda.get_current_stream().is_capturing())
+            and os.environ.get(BLAS_ENV, "0") == "1" and not cupy.cuda.get_current_stream().is_capturing())
 
 
 def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool, blas,
