@@ -16,11 +16,12 @@ to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
     python benchmarks/gpu_kimi.py layer [--context 1024]
 
-``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in shapes of
-``moe_gemv_wide``): dense FP8 / INT4 linears at Kimi-K2 shapes with 1/4/8 rows and the routed
-INT4 experts' gate_up and down at 1/16/64 tokens (top-8 of 384), each call timed inside a CUDA
-graph of calls on rotating weight copies / routings (so neither host launch cost nor an
-L2-resident weight flatters the figure), against the bytes it must read over the copy bandwidth.
+``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
+of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``): dense FP8 / INT4 linears at Kimi-K2 shapes
+with 1/4/8 rows and the routed INT4 experts' gate_up and down at 1/16/64/256 tokens (top-8 of
+384), each call timed inside a CUDA graph of calls on rotating weight copies / routings (so neither
+host launch cost nor an L2-resident weight flatters the figure), against the bytes it must read
+over the copy bandwidth.
 
     python benchmarks/gpu_kimi.py gemv
 
@@ -298,7 +299,7 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
 GEMV_DENSE_ROWS = [1, 4, 8]
 GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
                 "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
-GEMV_GROUPED_TOKENS = [1, 16, 64]
+GEMV_GROUPED_TOKENS = [1, 16, 64, 256]  # 256: 5.3 slots per expert, where the CUDA-core GEMVs give way
 GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
 
 
@@ -339,7 +340,7 @@ def random_int4(backend, experts: int, n: int, k: int):
 
 
 def run_gemv(args) -> dict:
-    """Decode GEMV kernels (moe_gemv vs moe_gemv_wide's shapes) at Kimi-K2 shapes, see the docstring."""
+    """Decode GEMV kernels (moe_gemv vs the opt-in GEMV_KERNELS) at Kimi-K2 shapes, see the docstring."""
     import cupy
 
     from openinfer.backend.cuda import CudaBackend

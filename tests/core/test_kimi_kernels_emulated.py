@@ -115,6 +115,13 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     # moe_gemv_wide: the same products (bf16 rounding apart) on the tiles and in dense mode
     assert relative_error(read_array(tmp_path, "h_gemv_wide", np.uint16, h.shape), h) < 1e-2
     assert relative_error(read_array(tmp_path, "dense_gemv_wide", np.uint16, dense.shape), x @ w1_ref[0].T) < 1e-2
+    # moe_gemv_mma (tensor cores via the warp stand-in): the tiles (a 64-row tile in several passes),
+    # dense mode over all 70 rows, and 8 columns fewer (a warp's 16 columns past N); weights
+    # dequantised as the tiles kernel rounds them, so only the summation order differs
+    assert relative_error(read_array(tmp_path, "h_gemv_mma", np.uint16, h.shape), h) < 1e-2
+    assert relative_error(read_array(tmp_path, "dense_gemv_mma", np.uint16, dense.shape), dense) < 1e-2
+    narrow = read_array(tmp_path, "narrow_gemv_mma", np.uint16, (tokens, 2 * inter - 8))
+    assert relative_error(narrow, dense[:, :-8]) < 1e-2
     assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
 
 

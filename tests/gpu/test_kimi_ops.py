@@ -88,14 +88,15 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "blas"],
-                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "blas"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
 def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
     not multiples of the tile (K a multiple of the INT4 group). The tensor-core grouped GEMM, the
-    decode kernels (moe_gemv, moe_gemv_wide's shapes) on the same tiles, and cuBLAS per expert
-    (the prefill path, its row threshold lowered to take this small batch)."""
+    decode kernels (moe_gemv, moe_gemv_wide's shapes, moe_gemv_mma: a 70-row tile in five passes)
+    on the same tiles, and cuBLAS per expert (the prefill path, its row threshold lowered to take
+    this small batch)."""
     moe = _moe_cuda()
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
@@ -161,13 +162,14 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2"])
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
-def test_wide_gemv_matches_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
-    """moe_gemv_wide in dense mode: 300 output columns (a partial block of columns and a partial FP8
-    scale block), K = 384 (an odd number of 32-weight chunks per lane group), several row passes;
-    INT4 groups smaller than, equal to and larger than its 32-weight chunk. Same as moe_gemv."""
+def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
+    """moe_gemv_wide and moe_gemv_mma in dense mode: 300 output columns (a partial block of columns,
+    a partial 16-column warp and a partial FP8 scale block), K = 384 (an odd number of 32-weight
+    chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
+    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv."""
     moe = _moe_cuda()
     weight, reference = _expert_weights(rng, fmt, 1, 300, 384, group=group or 32)
     x = cuda_backend.upload(bf16_random(rng, rows, 384))

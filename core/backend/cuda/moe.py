@@ -14,7 +14,8 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
 
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
-                        from FP8 / INT4, no tensor cores       (or moe_gemv_wide: GEMV_KERNELS)
+                        from FP8 / INT4, no tensor cores
+                        (opt-in instead, GEMV_KERNELS: moe_gemv_wide; moe_gemv_mma on tensor cores)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
                                                                cuBLAS per active expert (bf16 as stored,
@@ -48,7 +49,6 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 # top-8: moe_gemv ahead at 1.3 slots per expert (5.96 vs 9.83 ms), behind at 5.3 (17.7 vs 12.8 ms).
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
-DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
 # Opt-in (OPENINFER_MOE_BLAS=1; not yet measured end to end): grouped, eager steps whose slots average
 # at least this many per expert take cuBLAS per active expert (moe_grouped_gemm peaks near 75 TFLOP/s
 # on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json). Never while a CUDA graph is being
@@ -63,9 +63,20 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "moe_gemv": {},
     "wide": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3},  # 12 warps per SM (INT4: 166 registers)
     "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
+    # moe_gemv_mma: tensor cores, 16 columns per warp, 16 rows per pass over the weights (sm_90a
+    # ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills)
+    "mma": {"MMA_GEMV_NTILES": 2},
 }
 DEFAULT_GEMV_KERNEL = "moe_gemv"
+# Most rows a decode-GEMV call takes, per kernel: (dense rows, slots per expert on average when
+# grouped); past them quantized_linear / grouped_gemm take their GEMMs. The CUDA-core kernels spend
+# an FMA per weight and row (measured limits above); moe_gemv_mma shares each weight fragment among
+# a pass's 16 rows, so it should stay bound by the weight bytes further (not yet measured).
+GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
+    "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "mma": (32, 32)}
 WIDE_WARPS = 4  # moe.cu
+MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -191,15 +202,26 @@ def gemv_kernel_name(gemv_kernel: str | None = None) -> str:
     return name
 
 
+def gemv_row_limits(gemv_kernel: str | None = None) -> tuple[int, int]:
+    """(dense rows, average slots per expert) up to which the decode GEMV ``gemv_kernel`` (see
+    ``gemv_kernel_name``) is chosen."""
+    return GEMV_ROW_LIMITS[gemv_kernel_name(gemv_kernel)]
+
+
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, gemv_kernel: str | None) -> None:
-    """moe_gemv / moe_gemv_wide over ``grid_rows`` tiles (grouped) or ``dense_rows`` rows (dense mode:
-    ``grid_rows`` 0). ``args``: the kernels' shared argument list."""
+    """moe_gemv / moe_gemv_wide / moe_gemv_mma over ``grid_rows`` tiles (grouped) or ``dense_rows``
+    rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared argument list."""
     name = gemv_kernel_name(gemv_kernel)
     if name == "moe_gemv":
         rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if name == "mma":  # dense mode: one block row loops over all rows
+        columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
+        weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                   (MMA_GEMV_WARPS * 32,), args)
+        return
     columns = WIDE_WARPS * defines["WIDE_COLUMNS"]  # dense mode: one block row loops over all rows
     weight._kernel("moe_gemv_wide", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                 (WIDE_WARPS * 32,), args)
@@ -244,7 +266,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         _grouped_by_blas(a, weight, grouping, gather, blas, out)
         return out
     if gemv is None:
-        gemv = num_slots <= GEMV_MAX_ROWS_PER_EXPERT * weight.num_experts
+        gemv = num_slots <= gemv_row_limits(gemv_kernel)[1] * weight.num_experts
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
@@ -271,8 +293,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
         return out
     x = cupy.ascontiguousarray(x)
     if method is None:
-        method = ("gemv" if rows <= GEMV_MAX_ROWS else
-                  "dequantize" if rows >= DEQUANTIZE_MIN_ROWS and blas is not None else "tiles")
+        method = "gemv" if rows <= gemv_row_limits(gemv_kernel)[0] else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
              np.int32(weight.in_features))
     head = (x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale)

@@ -97,6 +97,25 @@ int main(int argc, char** argv) {
     });
     save(dir, "h_gemv_wide.bin", h_gemv_wide);
     save(dir, "dense_gemv_wide.bin", dense_gemv_wide);
+    // moe_gemv_mma on the same tiles, in dense mode, and in dense mode on the first N1 - 8 rows of
+    // the weight (a warp whose 16 columns run past N)
+    std::vector<bf16> h_gemv_mma(size_t(slots) * N1), dense_gemv_mma(size_t(T) * N1), narrow_gemv_mma(size_t(T) * (N1 - 8));
+    const unsigned mma_columns = MMA_GEMV_WARPS * 16;
+    launch((N1 + mma_columns - 1) / mma_columns, max_tiles, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                     num_tiles.data(), offsets.data(), 0, h_gemv_mma.data(), N1, H);
+    });
+    launch((N1 + mma_columns - 1) / mma_columns, 1, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                     dense_gemv_mma.data(), N1, H);
+    });
+    launch((N1 - 8 + mma_columns - 1) / mma_columns, 1, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                     narrow_gemv_mma.data(), N1 - 8, H);
+    });
+    save(dir, "h_gemv_mma.bin", h_gemv_mma);
+    save(dir, "dense_gemv_mma.bin", dense_gemv_mma);
+    save(dir, "narrow_gemv_mma.bin", narrow_gemv_mma);
     launch(4, 1, 1, 64, [&] { moe_dequantize(w1.data(), s1.data(), N1, H, w1_bf16.data()); });
     save(dir, "h.bin", h);
     save(dir, "h_gemv.bin", h_gemv);
