@@ -14,7 +14,7 @@ values) timed alone with CUDA events at batch 1/64/256, against its HBM roofline
 step must read (attention weights, the router, the shared expert, every expert some token routes
 to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
-    python benchmarks/gpu_kimi.py layer [--context 1024]
+    python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
 of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``): dense FP8 / INT4 linears at Kimi-K2 shapes
@@ -664,7 +664,8 @@ def run_layer(args) -> dict:
                        "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
         print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "absorbed_kernel": args.absorbed_kernel, "layer": KIMI_LAYER, "points": points}
+            "context": args.context, "absorbed_kernel": args.absorbed_kernel,
+            "gemv_kernel": cuda_moe.gemv_kernel_name(), "layer": KIMI_LAYER, "points": points}
 
 
 def plot_layer(report: dict, path: Path) -> None:

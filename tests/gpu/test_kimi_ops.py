@@ -185,6 +185,8 @@ def test_gemv_kernel_choice(monkeypatch):
     assert moe.gemv_kernel_name() == moe.DEFAULT_GEMV_KERNEL in moe.GEMV_KERNELS
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "wide")
     assert moe.gemv_kernel_name() == "wide" and moe.gemv_kernel_name("wide2") == "wide2"
+    assert set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
+    assert moe.gemv_row_limits() == moe.GEMV_ROW_LIMITS["wide"] and moe.gemv_row_limits("mma") == moe.GEMV_ROW_LIMITS["mma"]
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "nope")
     with pytest.raises(ValueError, match="nope"):
         moe.gemv_kernel_name()
