@@ -14,24 +14,36 @@ values) timed alone with CUDA events at batch 1/64/256, against its HBM roofline
 step must read (attention weights, the router, the shared expert, every expert some token routes
 to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
-    python benchmarks/gpu_kimi.py layer [--context 1024]
+    python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
+
+``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
+of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``): dense FP8 / INT4 linears at Kimi-K2 shapes
+with 1/4/8 rows and the routed INT4 experts' gate_up and down at 1/16/64/256 tokens (top-8 of
+384), each call timed inside a CUDA graph of calls on rotating weight copies / routings (so neither
+host launch cost nor an L2-resident weight flatters the figure), against the bytes it must read
+over the copy bandwidth.
+
+    python benchmarks/gpu_kimi.py gemv
 
 ``moonlight``: a Moonlight-16B-A3B-shaped model (27 layers, hidden 2048, 16 heads, kv_lora 512, qk
 128+64, v 128, one dense layer of 11264, then 64 experts of 1408 top-6 + 2 shared, routed scaling
-2.446, vocab 163840) served by ``openinfer serve --load-format dummy`` (random bf16 weights from
-config.json alone) and, with ``--vllm``, by vLLM 0.26.0 (``--load-format dummy`` too; installed by
-``../shared/tools/vllm-peer.sh``), driven by the same client (``benchmarks/serve.py``): decode TPOT
-with 1/16/64 concurrent streams and the output throughput of 256 streams (1k in / 128 out).
+2.446, vocab 163840) as a random bf16 checkpoint on disk (~32 GB of sharded safetensors in the HF
+DeepSeek-V3 spelling, written once per machine), served by ``openinfer serve`` and, with ``--engines
+openinfer,vllm`` (or ``vllm`` alone plus ``--append`` in a later call), by vLLM 0.26.0 (installed by
+``../shared/tools/vllm-peer.sh``) on the same weights, driven by the same client as
+``gpu_concurrency.py`` (bursts of 1/16/64/256 streams, fresh 1k-token prompts, 128 tokens out):
+TPOT p50 and output throughput, and their ratios when both ran.
 
-    python benchmarks/gpu_kimi.py moonlight [--vllm]
+    python benchmarks/gpu_kimi.py moonlight [--engines openinfer,vllm]
+    python benchmarks/gpu_kimi.py moonlight --tiny --streams 1,4 --input-len 64 --output-len 8  # CPU dry run
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -150,6 +162,67 @@ def bench_mla_prefill(backend, rng) -> list[dict]:
     return points
 
 
+MLA_DECODES = [(1, 1024), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
+
+
+def decode_batch(backend, batch: int, context: int, block_size: int = 64):
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-(context + 1) // block_size)
+    tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
+    positions = np.full(batch, context, np.int32)
+    host = ForwardBatch(token_ids=np.zeros(batch, np.int32), positions=positions,
+                        query_start=np.arange(batch + 1, dtype=np.int32),
+                        context_lens=np.full(batch, context + 1, np.int32), block_tables=tables,
+                        slot_mapping=(tables[:, context // block_size] * block_size + context % block_size
+                                      ).astype(np.int32),
+                        logits_rows=np.arange(batch, dtype=np.int32), max_query_len=1, max_context_len=context + 1)
+    return backend.prepare_batch(host), batch * blocks + 1
+
+
+def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, absorbed_kernel: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                1e-6, backend.num_sms, absorbed_kernel=absorbed_kernel)
+
+
+def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
+    """Absorbed MLA decode: CUDA-core kernel vs tensor-core kernel, whole mla_forward (latent write,
+    W_UK, attention, W_UV), against the latent cache's bytes over the copy bandwidth."""
+    import cupy
+
+    from openinfer.mla import MLASpec
+    from openinfer.rope import RopeParameters, RotaryEmbedding
+    from openinfer.tools.ledger import gpu_seconds
+
+    rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
+    cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
+    points = []
+    for heads in (16, 64):
+        spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
+        w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
+        norm = backend.weight(np.ones(512, np.float32))
+        for batch_size, context in MLA_DECODES:
+            batch, num_blocks = decode_batch(backend, batch_size, context)
+            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((batch_size, heads * 192)).astype(np.float32))
+            latent = backend.upload(rng.standard_normal((batch_size, 576)).astype(np.float32))
+            point = {"heads": heads, "batch": batch_size, "context": context,
+                     "cache_roofline_ms": 1e3 * batch_size * (context + 1) * 576 * 2 / bandwidth}
+            outputs = {}
+            for name in ("cuda_cores", "mma"):
+                run = partial(decode_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, name)
+                outputs[name] = backend.to_host(run())
+                point[f"{name}_ms"] = 1e3 * gpu_seconds(run, repeats=10)
+            point["relative_difference"] = float(np.linalg.norm(outputs["mma"] - outputs["cuda_cores"])
+                                                 / np.linalg.norm(outputs["cuda_cores"]))
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
 def bench_quantized_linears(backend, rng, bandwidth: float) -> list[dict]:
     import cupy
 
@@ -223,6 +296,147 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
     return points
 
 
+GEMV_DENSE_ROWS = [1, 4, 8]
+GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
+                "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
+GEMV_GROUPED_TOKENS = [1, 16, 64, 256]  # 256: 5.3 slots per expert, where the CUDA-core GEMVs give way
+GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
+
+
+def graph_call_seconds(calls: list) -> tuple[float, str | None]:
+    """Seconds per call of ``calls`` (closures) replayed as one CUDA graph (median of 5 replays);
+    eager back-to-back launches when capture fails (the error is returned)."""
+    import cupy
+
+    from openinfer.tools.ledger import gpu_seconds
+
+    def run_all():
+        for call in calls:
+            call()
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    try:
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            run_all()
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                run_all()
+            finally:
+                graph = stream.end_capture()
+            return gpu_seconds(graph.launch, repeats=5, warmup=1) / len(calls), None
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON
+        return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
+
+
+def random_int4(backend, experts: int, n: int, k: int):
+    import cupy
+
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    words = cupy.random.randint(-2**31, 2**31 - 1, size=(experts, n, k // 8), dtype=cupy.int64).astype(cupy.int32)
+    return ExpertLinear("int4", words, backend.weight(np.full((experts, n, k // 32), 0.01, np.float32)), n, k)
+
+
+def run_gemv(args) -> dict:
+    """Decode GEMV kernels (moe_gemv vs the opt-in GEMV_KERNELS) at Kimi-K2 shapes, see the docstring."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    kernels = list(cuda_moe.GEMV_KERNELS)
+    report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "default": cuda_moe.DEFAULT_GEMV_KERNEL,
+              "dense": [], "grouped": []}
+
+    def measure(point: dict, make_calls, bytes_per_call: float, compare) -> None:
+        outputs = {}
+        for name in kernels:
+            calls = make_calls(name)
+            outputs[name] = backend.to_host(calls[0]())
+            seconds, error = graph_call_seconds(calls)
+            point[f"{name}_us"] = 1e6 * seconds
+            point[f"{name}_fraction_of_copy_bandwidth"] = bytes_per_call / seconds / bandwidth
+            if error:
+                point[f"{name}_graph_error"] = error
+        for name in kernels[1:]:
+            point[f"{name}_speedup"] = point[f"{kernels[0]}_us"] / point[f"{name}_us"]
+            point[f"{name}_relative_difference"] = compare(outputs[name], outputs[kernels[0]])
+        print(json.dumps(point), flush=True)
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    for label, (fmt, n, k) in LINEAR_SHAPES.items():
+        stored = n * k * (1 if fmt == "fp8" else 0.5)
+        copies = max(2, int(-(-3 * 50e6 // stored)))  # together well past the 50 MB L2
+        weights = []
+        for _ in range(copies):
+            if fmt == "fp8":
+                codes = cupy.random.randint(0, 256, size=(1, n, k), dtype=cupy.int32).astype(cupy.uint8)
+                codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+                weights.append(ExpertLinear("fp8", codes, cupy.full((1, -(-n // 128), -(-k // 128)), 1e-2,
+                                                                    cupy.float32), n, k))
+            else:
+                weights.append(random_int4(backend, 1, n, k))
+        stored = weights[0].data.nbytes + weights[0].scale.nbytes
+        for rows in GEMV_DENSE_ROWS:
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "rows": rows, "copies": copies, "bytes": stored}
+            measure(point, lambda name, x=x, weights=weights: [
+                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], None, "gemv", gemv_kernel=name)
+                for i in range(GEMV_CALLS)], stored, rel)
+            report["dense"].append(point)
+    c = KIMI_LAYER
+    for label, (gather, n, k) in GEMV_GROUPED.items():
+        weight = random_int4(backend, c["experts"], n, k)
+        per_expert = (weight.data.nbytes + weight.scale.nbytes) / c["experts"]
+        for tokens in GEMV_GROUPED_TOKENS:
+            groupings, active = [], []
+            for _ in range(GEMV_CALLS):
+                ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+                groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+                                                          cupy.ones(ids.shape, cupy.float32), c["experts"]))
+                active.append(np.unique(ids).size)
+            rows = tokens if gather else tokens * c["top_k"]
+            x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
+            point = {"weight": label, "tokens": tokens, "active_experts_mean": float(np.mean(active)),
+                     "bytes_mean": float(np.mean(active)) * per_expert}
+            measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
+                partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) for g in groupings],
+                point["bytes_mean"], rel)
+            report["grouped"].append(point)
+    return report
+
+
+def plot_gemv(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["dense"] + report["grouped"]
+    labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
+              for p in points]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(report["kernels"])
+    for i, name in enumerate(report["kernels"]):
+        ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_fraction_of_copy_bandwidth"] for p in points], width,
+               label=name)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("bytes read / time / copy bandwidth")
+    ax.set_title(f"Decode GEMV kernels, Kimi-K2 shapes ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def run_kernels(args) -> dict:
     from openinfer.backend.cuda import CudaBackend
 
@@ -230,10 +444,17 @@ def run_kernels(args) -> dict:
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
-    report["mla_prefill"] = bench_mla_prefill(backend, rng)
-    report["quantized_linear"] = bench_quantized_linears(backend, rng, bandwidth)
-    report["grouped_experts"] = bench_grouped_experts(backend, rng)
-    for point in report["grouped_experts"]:
+    sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
+                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth),
+                "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
+                "grouped_experts": lambda: bench_grouped_experts(backend, rng)}
+    wanted = args.sections.split(",") if args.sections else list(sections)
+    unknown = sorted(set(wanted) - set(sections))
+    if unknown:
+        raise SystemExit(f"unknown --sections {unknown}; choose from {list(sections)}")
+    for name in wanted:
+        report[name] = sections[name]()
+    for point in report.get("grouped_experts", []):
         point["gemv_fraction_of_roofline"] = point["active_weight_bytes"] / bandwidth / (point["gemv_ms"] / 1e3)
     return report
 
@@ -244,8 +465,8 @@ def plot_kernels(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    mla = report["mla_prefill"]
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
+    mla = report.get("mla_prefill", [])  # sections left out (--sections) plot empty
     labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
     x = np.arange(len(mla))
     axes[0].bar(x - 0.2, [p["absorbed_ms"] for p in mla], 0.4, label="absorbed")
@@ -254,7 +475,7 @@ def plot_kernels(report: dict, path: Path) -> None:
     axes[0].set_xticklabels(labels, rotation=60, fontsize=7)
     axes[0].legend()
     for ax, name in zip(axes[1:3], LINEAR_SHAPES, strict=True):
-        pts = [p for p in report["quantized_linear"] if p["weight"] == name]
+        pts = [p for p in report.get("quantized_linear", []) if p["weight"] == name]
         rows = [p["rows"] for p in pts]
         for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
             xs = [p["rows"] for p in pts if f"{method}_ms" in p]
@@ -262,13 +483,20 @@ def plot_kernels(report: dict, path: Path) -> None:
         ax.plot(rows, [p["stored_weight_roofline_ms"] for p in pts], "k--", label="weight bytes / copy bw")
         ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
         ax.legend(fontsize=7)
-    grouped = report["grouped_experts"]
+    grouped = report.get("grouped_experts", [])
     x = np.arange(len(grouped))
     axes[3].bar(x - 0.2, [p["gemv_ms"] for p in grouped], 0.4, label="moe_gemv")
     axes[3].bar(x + 0.2, [p["tiles_ms"] for p in grouped], 0.4, label="grouped GEMM (tiles)")
     axes[3].set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in grouped], ylabel="ms",
                 title="384 INT4 experts gate_up, top-8")
     axes[3].legend()
+    decode = report.get("mla_decode", [])
+    x = np.arange(len(decode))
+    axes[4].bar(x - 0.2, [p["cuda_cores_ms"] for p in decode], 0.4, label="absorbed, CUDA cores")
+    axes[4].bar(x + 0.2, [p["mma_ms"] for p in decode], 0.4, label="absorbed, tensor cores")
+    axes[4].set(xticks=x, yscale="log", ylabel="ms", title="MLA decode (heads, batch x context)")
+    axes[4].set_xticklabels([f"H{p['heads']} {p['batch']}x{p['context']}" for p in decode], rotation=60, fontsize=7)
+    axes[4].legend()
     fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -322,7 +550,8 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
-def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int) -> dict:
+def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int,
+                    absorbed_kernel: str = "cuda_cores") -> dict:
     """Each part of the layer step timed alone (eager, CUDA events), in ms."""
     import cupy
 
@@ -345,7 +574,7 @@ def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, si
         "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
         "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                             attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
-                                            backend.num_sms),
+                                            backend.num_sms, absorbed_kernel=absorbed_kernel),
         "o_proj": partial(backend.linear, attn, attention["o_proj"]),
         "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
         "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
@@ -397,7 +626,7 @@ def run_layer(args) -> dict:
                                                 1e-6), attention["q_b"])
             attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
                                         attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6,
-                                        backend.num_sms)
+                                        backend.num_sms, absorbed_kernel=args.absorbed_kernel)
             h = backend.linear(attn, attention["o_proj"])
             shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
             return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
@@ -406,7 +635,7 @@ def run_layer(args) -> dict:
         ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
         active = int(cupy.unique(ids).size)
         breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
-                                    args.iters)
+                                    args.iters, args.absorbed_kernel)
         eager = gpu_seconds(step, repeats=args.iters, warmup=2)
         graph_seconds, graph_error = None, None
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -435,7 +664,8 @@ def run_layer(args) -> dict:
                        "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
         print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "layer": KIMI_LAYER, "points": points}
+            "context": args.context, "absorbed_kernel": args.absorbed_kernel,
+            "gemv_kernel": cuda_moe.gemv_kernel_name(), "layer": KIMI_LAYER, "points": points}
 
 
 def plot_layer(report: dict, path: Path) -> None:
@@ -460,79 +690,210 @@ def plot_layer(report: dict, path: Path) -> None:
 
 # --- Moonlight-shaped serving, side by side with vLLM --------------------------------------------
 
-def write_moonlight(path: Path) -> None:
-    """config.json and a word-level tokenizer: all ``--load-format dummy`` needs."""
+# vLLM 0.26.0 as installed by ../shared/tools/vllm-peer.sh; {model} and {port} are filled in. Moonlight's
+# config.json says model_type deepseek_v3 with no auto_map: vLLM's own DeepseekV3 model, no --trust-remote-code.
+VLLM_COMMAND = ("env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server --model {model} "
+                "--port {port} --max-model-len 4096 --gpu-memory-utilization 0.9")
+# A CPU dry run of the whole path (checkpoint writer, both server launches' plumbing, the client) at toy size.
+MOONLIGHT_TINY = {**MOONLIGHT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+                  "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                  "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                  "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                  "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2}
+WEIGHT_STD = 0.02  # keeps the residual stream bounded through 27 random layers
+POOL_VALUES = 1 << 26  # random bf16 values every weight tensor is cut from (128 MiB)
+SHARD_BYTES = 4 << 30
+CHECKPOINT_PLACES = ("/dev/shm/moonlight-random", "/tmp/moonlight-random")  # tmpfs first: written at memory speed
+
+
+def default_checkpoint() -> str:
+    """Where a complete copy already is, else tmpfs when it has room for ~32 GB, else /tmp."""
+    for place in CHECKPOINT_PLACES:
+        if (Path(place) / ".complete").exists():
+            return place
+    try:
+        if shutil.disk_usage("/dev/shm").free > 40e9:
+            return CHECKPOINT_PLACES[0]
+    except OSError:
+        pass
+    return CHECKPOINT_PLACES[1]
+
+
+def deepseek_v3_tensors(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, fill) of every tensor of a bf16 DeepSeek-V3 checkpoint, in the HF spelling both
+    openinfer and vLLM read; fill: ``normal`` weights, ``ones`` norms, ``bias`` the fp32 router bias."""
+    c = config
+    hidden, heads, experts = c["hidden_size"], c["num_attention_heads"], c["n_routed_experts"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    tensors = [("model.embed_tokens.weight", (c["vocab_size"], hidden), "normal")]
+
+    def swiglu(module: str, inter: int) -> None:
+        tensors.extend([(f"{module}.gate_proj.weight", (inter, hidden), "normal"),
+                        (f"{module}.up_proj.weight", (inter, hidden), "normal"),
+                        (f"{module}.down_proj.weight", (hidden, inter), "normal")])
+
+    for i in range(c["num_hidden_layers"]):
+        layer, attn = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        tensors += [(f"{layer}.input_layernorm.weight", (hidden,), "ones"),
+                    (f"{layer}.post_attention_layernorm.weight", (hidden,), "ones")]
+        if c["q_lora_rank"]:
+            tensors += [(f"{attn}.q_a_proj.weight", (c["q_lora_rank"], hidden), "normal"),
+                        (f"{attn}.q_a_layernorm.weight", (c["q_lora_rank"],), "ones"),
+                        (f"{attn}.q_b_proj.weight", (heads * qk, c["q_lora_rank"]), "normal")]
+        else:
+            tensors.append((f"{attn}.q_proj.weight", (heads * qk, hidden), "normal"))
+        tensors += [(f"{attn}.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden), "normal"),
+                    (f"{attn}.kv_a_layernorm.weight", (c["kv_lora_rank"],), "ones"),
+                    (f"{attn}.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+                     "normal"),
+                    (f"{attn}.o_proj.weight", (hidden, heads * c["v_head_dim"]), "normal")]
+        mlp = f"{layer}.mlp"
+        if i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0:
+            tensors += [(f"{mlp}.gate.weight", (experts, hidden), "normal"),
+                        (f"{mlp}.gate.e_score_correction_bias", (experts,), "bias")]
+            for e in range(experts):
+                swiglu(f"{mlp}.experts.{e}", c["moe_intermediate_size"])
+            swiglu(f"{mlp}.shared_experts", c["moe_intermediate_size"] * c["n_shared_experts"])
+        else:
+            swiglu(mlp, c["intermediate_size"])
+    tensors += [("model.norm.weight", (hidden,), "ones"), ("lm_head.weight", (c["vocab_size"], hidden), "normal")]
+    return tensors
+
+
+def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> float | None:
+    """A random bf16 checkpoint of ``config`` (sharded safetensors + index, config.json, a word-level
+    tokenizer over the vocabulary) that openinfer and vLLM both load, so both serve the same weights
+    and route tokens to the same experts. Weights are slices of one pool of N(0, 0.02) bf16 values at
+    random offsets (speed does not depend on the values; writing 32 GB must not wait on an RNG).
+    Returns the seconds spent, or None when a complete copy of the same config is there already."""
     from gpu_serving import write_tokenizer
 
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MOONLIGHT, indent=2))
-    write_tokenizer(path, MOONLIGHT["vocab_size"])
+    marker = path / ".complete"
+    digest = json.dumps({"config": config, "seed": seed, "std": WEIGHT_STD}, sort_keys=True)
+    if marker.exists() and marker.read_text() == digest:
+        return None
+    started = time.perf_counter()
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    tensors = deepseek_v3_tensors(config)
+    total = sum(int(np.prod(s)) * (4 if f == "bias" else 2) for _, s, f in tensors)
+    if shutil.disk_usage(path).free < total + (1 << 30):
+        raise SystemExit(f"{path}: {shutil.disk_usage(path).free / 1e9:.1f} GB free, the checkpoint needs "
+                         f"{total / 1e9:.1f} GB")
+    rng = np.random.default_rng(seed)
+    pool_size = min(POOL_VALUES, max(1 << 16, total // 2))
+    pool = ((WEIGHT_STD * rng.standard_normal(pool_size, dtype=np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+    ones = np.full(max(config["hidden_size"], config["kv_lora_rank"], config["q_lora_rank"] or 0), 0x3F80, np.uint16)
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    shard_bytes = 0
+    for tensor in tensors:
+        size = int(np.prod(tensor[1])) * (4 if tensor[2] == "bias" else 2)
+        if shards[-1] and shard_bytes + size > SHARD_BYTES:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(tensor)
+        shard_bytes += size
+    weight_map = {}
+    for index, shard in enumerate(shards):
+        name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for tensor, shape, fill in shard:
+            size = int(np.prod(shape)) * (4 if fill == "bias" else 2)
+            header[tensor] = {"dtype": "F32" if fill == "bias" else "BF16", "shape": list(shape),
+                              "data_offsets": [offset, offset + size]}
+            offset += size
+            weight_map[tensor] = name
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with open(path / name, "wb") as handle:
+            handle.write(len(text).to_bytes(8, "little") + text)
+            for _, shape, fill in shard:
+                count = int(np.prod(shape))
+                if fill == "ones":
+                    handle.write(ones[:count].tobytes())
+                elif fill == "bias":
+                    handle.write((1e-3 * rng.standard_normal(count)).astype(np.float32).tobytes())
+                else:
+                    start = int(rng.integers(pool_size))
+                    while count:
+                        piece = min(count, pool_size - start)
+                        handle.write(memoryview(pool[start:start + piece]))
+                        count -= piece
+                        start = 0
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, config["vocab_size"])
+    marker.write_text(digest)
+    return time.perf_counter() - started
 
 
-def serve_points(url: str, model: str, vocab: int, streams_list: list[int]) -> dict:
-    from serve import sweep_rate
+def serve_engine(command: list[str] | str, streams: list[int], args, vocab: int) -> dict:
+    """Start one server (its own process group), wait for HTTP ready, run the burst sweep of
+    ``gpu_concurrency`` (fresh 1k-token prompts per point, ignore_eos), stop it."""
+    from gpu_concurrency import free_port, process_tree_rss, stop, sweep, wait_ready
 
-    rng = np.random.default_rng(0)
-    points = {}
-    for streams in streams_list:
-        prompts = [rng.integers(100, vocab - 100, size=1024).tolist() for _ in range(streams)]
-        points[str(streams)] = asyncio.run(sweep_rate(url, model, float("inf"), prompts, 128, 0))
-        print(streams, json.dumps(points[str(streams)]))
-    return points
+    port = free_port()
+    if isinstance(command, str):
+        command = command.format(model=shlex.quote(str(args.checkpoint)), port=port)
+        process = subprocess.Popen(command, shell=True, start_new_session=True)
+    else:
+        process = subprocess.Popen(command + ["--port", str(port)], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ready_s = wait_ready(url, process, args.start_timeout)
+        import httpx
 
-
-def run_server(command: list[str], url: str, env: dict | None = None, timeout: float = 1800.0):
-    """Start a server and wait for its model list; fail as soon as the process exits (a server
-    whose engine cannot start must not hold the benchmark until ``timeout``)."""
-    from serve import wait_ready
-
-    process = subprocess.Popen(command, env=env)
-    deadline = time.time() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command[2]} exited with status {process.returncode} before serving")
-        try:
-            return process, wait_ready(url, timeout=5.0)
-        except TimeoutError:
-            if time.time() > deadline:
-                process.kill()
-                raise
+        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        rss = process_tree_rss(process.pid)
+        print(f"ready in {ready_s:.1f} s, RSS {rss / 2**20:.0f} MiB", flush=True)
+        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
+    finally:
+        stop(process)
+    return {"command": command if isinstance(command, str) else " ".join(command), "cold_start_to_http_ready_s": ready_s,
+            "idle_rss_bytes": rss, "sweep": rows}
 
 
 def run_moonlight(args) -> dict:
-    checkpoint = Path(args.checkpoint)
-    write_moonlight(checkpoint)
-    vocab = MOONLIGHT["vocab_size"]
+    from gpu_concurrency import warm_page_cache
+
+    config = MOONLIGHT_TINY if args.tiny else MOONLIGHT
+    checkpoint = Path(args.checkpoint or default_checkpoint())
+    args.checkpoint = str(checkpoint)
+    write_s = write_random_checkpoint(checkpoint, config)
+    print(f"checkpoint {checkpoint}: " + ("present" if write_s is None else f"written in {write_s:.1f} s"), flush=True)
+    warm_page_cache(checkpoint)
     streams = [int(s) for s in args.streams.split(",")]
-    report = {"benchmark": "moonlight_serving", "device": device_name(), "input_len": 1024, "output_len": 128,
-              "checkpoint": "Moonlight-16B-A3B-shaped, --load-format dummy (random bf16)", "engines": {}}
-    url = "http://127.0.0.1:8125"
-    started = time.perf_counter()
-    process, model = run_server([sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint),
-                                 "--load-format", "dummy", "--port", "8125", "--grpc-port", "0",
-                                 "--max-model-len", "4096"], url)
-    report["openinfer_startup_s"] = time.perf_counter() - started
-    try:
-        report["engines"]["openinfer"] = serve_points(url, model, vocab, streams)
-    finally:
-        process.terminate()
-        process.wait(60)
-    if args.vllm:
-        env = {**os.environ, "PYTHONPATH": "/tmp/vsite:/tmp/site"}
-        url = "http://127.0.0.1:8126"
-        process, model = run_server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                     str(checkpoint), "--load-format", "dummy", "--port", "8126",
-                                     "--max-model-len", "4096", "--gpu-memory-utilization", "0.9"], url, env)
+    report = {"benchmark": "moonlight_serving", "device": "cpu (tiny config)" if args.tiny else device_name(),
+              "model": "Moonlight-16B-A3B shape, random bf16 checkpoint" + (" (tiny dry run)" if args.tiny else ""),
+              "checkpoint": str(checkpoint), "checkpoint_write_s": write_s, "input_len": args.input_len,
+              "output_len": args.output_len, "streams": streams, "runs": {}}
+    previous = Path(args.append) if args.append else None
+    if previous is not None and previous.exists():
+        report["runs"] = json.loads(previous.read_text()).get("runs", {})
+    for engine in args.engines.split(","):
+        if engine == "openinfer":
+            command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--grpc-port",
+                       "0", "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+                       "--device", "cpu" if args.tiny else "cuda", *args.serve_args.split()]
+        elif engine == "vllm":
+            command = args.vllm_cmd
+        else:
+            raise SystemExit(f"unknown engine {engine!r}; choose from openinfer, vllm")
         try:
-            report["engines"]["vllm"] = serve_points(url, model, vocab, streams)
-        finally:
-            process.terminate()
-            process.wait(60)
-        ours, peer = report["engines"]["openinfer"], report["engines"]["vllm"]
-        report["ratios_vllm_over_openinfer_tpot"] = {s: peer[s]["tpot_ms"]["p50"] / ours[s]["tpot_ms"]["p50"]
-                                                     for s in ours if s in peer}
-        report["ratios_openinfer_over_vllm_throughput"] = {
-            s: ours[s]["output_throughput"] / peer[s]["output_throughput"] for s in ours if s in peer}
+            report["runs"][engine] = serve_engine(command, streams, args, config["vocab_size"])
+        except Exception as exc:  # noqa: BLE001 - keep what the other engine measured; say what failed
+            report["runs"][engine] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{engine} failed: {exc!r}", flush=True)
+    ours, peer = report["runs"].get("openinfer", {}), report["runs"].get("vllm", {})
+    if ours.get("sweep") and peer.get("sweep"):
+        theirs = {row["streams"]: row for row in peer["sweep"]}
+        report["ratios"] = [
+            {"streams": row["streams"],
+             "tpot_vllm_over_openinfer": theirs[row["streams"]]["tpot_ms"]["p50"] / row["tpot_ms"]["p50"],
+             "throughput_openinfer_over_vllm": row["output_throughput"] / theirs[row["streams"]]["output_throughput"]}
+            for row in ours["sweep"] if row["streams"] in theirs]
+        print(json.dumps(report["ratios"]), flush=True)
     return report
 
 
@@ -543,15 +904,18 @@ def plot_moonlight(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, points in report["engines"].items():
-        streams = list(points)
-        left.plot(streams, [points[s]["tpot_ms"]["p50"] for s in streams], "o-", label=name)
-        right.plot(streams, [points[s]["output_throughput"] for s in streams], "o-", label=name)
-    left.set(xlabel="concurrent streams", ylabel="TPOT p50 (ms)", title="decode TPOT")
-    left.legend()
-    right.set(xlabel="concurrent streams", ylabel="output tokens/s", title="output throughput, 1k in / 128 out")
-    right.legend()
-    fig.suptitle(f"Moonlight-16B-A3B shape, --load-format dummy — {report['device']}")
+    for name, run in report["runs"].items():
+        rows = run.get("sweep") or []
+        streams = [row["streams"] for row in rows]
+        left.plot(streams, [row["tpot_ms"]["p50"] for row in rows], "o-", label=name)
+        right.plot(streams, [row["output_throughput"] for row in rows], "o-", label=name)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams (burst)")
+        axis.legend()
+    left.set(ylabel="TPOT p50 (ms)", title="decode TPOT")
+    right.set(ylabel="output tokens/s", title=f"output throughput, {report['input_len']} in / {report['output_len']} out")
+    fig.suptitle(f"{report['model']} — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -559,22 +923,40 @@ def plot_moonlight(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("kernels")
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("--sections", default="",
+                         help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
+    sub.add_parser("gemv")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
+    layer.add_argument("--absorbed-kernel", default="cuda_cores", choices=["cuda_cores", "mma"],
+                       help="MLA decode kernel (core's default: cuda_cores)")
     moon = sub.add_parser("moonlight")
-    moon.add_argument("--checkpoint", default="/tmp/moonlight-dummy", help="directory for config.json + tokenizer")
-    moon.add_argument("--streams", default="1,16,64,256", help="concurrency points")
-    moon.add_argument("--vllm", action="store_true", help="also serve it with vLLM (installed by vllm-peer.sh)")
+    moon.add_argument("--checkpoint", default="",
+                      help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
+    moon.add_argument("--engines", default="openinfer", help="comma list of openinfer,vllm (run in this order)")
+    moon.add_argument("--streams", default="1,16,64,256", help="concurrency points (bursts)")
+    moon.add_argument("--input-len", type=int, default=1024)
+    moon.add_argument("--output-len", type=int, default=128)
+    moon.add_argument("--max-model-len", type=int, default=4096)
+    moon.add_argument("--start-timeout", type=float, default=900.0, help="seconds to HTTP ready, per server")
+    moon.add_argument("--serve-args", default="", help="extra `openinfer serve` flags")
+    moon.add_argument("--vllm-cmd", default=VLLM_COMMAND, help="vLLM launch command; {model} and {port} filled in")
+    moon.add_argument("--append", default="",
+                      help="a moonlight_serving.json whose runs to keep (e.g. openinfer's, when vLLM runs later)")
+    moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":
         report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    elif args.command == "gemv":
+        report, name, plot = run_gemv(args), "kimi_gemv", plot_gemv
     elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:
-        report, name, plot = run_moonlight(args), "moonlight_serving", plot_moonlight
+        report, plot = run_moonlight(args), plot_moonlight
+        name = "moonlight_serving_tiny" if args.tiny else "moonlight_serving"
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / f"{name}.png")

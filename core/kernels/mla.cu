@@ -377,3 +377,183 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Absorbed attention on tensor cores (decode): per (token, 64 heads, quarter of the latent output
+// dims, context split) one block of 4 warps, 16 heads each: S = Q̃ · latentᵀ over 576-wide rows
+// (bf16 mma.sync m16n8k16, fp32), online softmax, O += P · c_kv[:, quarter]. The four quarters
+// recompute the same scores (cheap on tensor cores) so a warp holds 128 output dims, not 512.
+// Same arguments and outputs as mla_attention (partials for mla_combine_splits included).
+// Dynamic shared memory: MMA_DECODE_SMEM bytes (Q tile + one key tile).
+// ---------------------------------------------------------------------------------------------
+#define MMA_DECODE_HEADS 64
+#define MMA_DECODE_KEYS 32
+#define MMA_DECODE_THREADS 128
+#define MMA_DECODE_PARTS 4
+#define MMA_DECODE_PART (KV_LORA / MMA_DECODE_PARTS)
+#define MMA_DECODE_ROW (LATENT + 8)  // padded row (bf16): fragment loads of neighbouring rows, different banks
+#define MMA_DECODE_SMEM ((MMA_DECODE_HEADS + MMA_DECODE_KEYS) * MMA_DECODE_ROW * 2)
+
+__device__ __forceinline__ unsigned mla_pair_of(const bf16* lo, const bf16* hi) {  // two bf16 from two rows
+    return (unsigned)__bfloat16_as_ushort(*lo) | ((unsigned)__bfloat16_as_ushort(*hi) << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_DECODE_THREADS)
+mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
+                  const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
+                  int block_size, const int* __restrict__ query_start, int num_seqs,
+                  const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
+                  int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
+                  const int* __restrict__ token_list) {
+#ifdef MMA_HOST_STANDIN
+    static bf16 smem[MMA_DECODE_SMEM / 2];
+#else
+    extern __shared__ __align__(16) bf16 smem[];
+#endif
+    bf16* q_tile = smem;                                        // [64][MMA_DECODE_ROW]
+    bf16* k_tile = smem + MMA_DECODE_HEADS * MMA_DECODE_ROW;    // [32][MMA_DECODE_ROW]
+    const int t = blockIdx.x;
+    const int step_token = token_list ? token_list[t] : t;
+    const int head0 = (blockIdx.y / MMA_DECODE_PARTS) * MMA_DECODE_HEADS, part = blockIdx.y % MMA_DECODE_PARTS;
+    const int heads = min(MMA_DECODE_HEADS, num_heads - head0);
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
+    }
+    const int* table = block_tables + (long long)lo * max_blocks_per_seq;
+    const int context = positions[step_token] + 1, split = blockIdx.z;
+    const int per_split = ((context + num_splits - 1) / num_splits + MMA_DECODE_KEYS - 1) / MMA_DECODE_KEYS * MMA_DECODE_KEYS;
+    const int begin = split * per_split, end = min(context, begin + per_split);
+    for (int i = threadIdx.x; i < MMA_DECODE_HEADS * LATENT / 8; i += MMA_DECODE_THREADS) {
+        const int h = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (h < heads) {
+            const long long head = (long long)t * num_heads + head0 + h;
+            v = d < KV_LORA ? *reinterpret_cast<const uint4*>(q_latent + head * KV_LORA + d)
+                            : *reinterpret_cast<const uint4*>(q + head * q_stride + q_pe_offset + d - KV_LORA);
+        }
+        *reinterpret_cast<uint4*>(q_tile + h * MMA_DECODE_ROW + d) = v;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int row0 = warp * 16 + group;  // this thread's heads (rows): row0, row0 + 8
+    float acc[MMA_DECODE_PART / 8][4];
+#pragma unroll
+    for (int j = 0; j < MMA_DECODE_PART / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    for (int key0 = begin; key0 < end; key0 += MMA_DECODE_KEYS) {
+        __syncthreads();  // q_tile written (first step) / the previous step is done with k_tile
+        for (int i = threadIdx.x; i < MMA_DECODE_KEYS * LATENT / 8; i += MMA_DECODE_THREADS) {
+            const int r = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8, pos = key0 + r;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (pos < end)
+                v = *reinterpret_cast<const uint4*>(
+                    cache + ((long long)table[pos / block_size] * block_size + pos % block_size) * LATENT + d);
+            *reinterpret_cast<uint4*>(k_tile + r * MMA_DECODE_ROW + d) = v;
+        }
+        __syncthreads();
+        float s[MMA_DECODE_KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[j][v] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < LATENT / 16; ++kk) {
+            unsigned qf[4];
+            qf[0] = mla_load_pair(q_tile + row0 * MMA_DECODE_ROW + 16 * kk + pair);
+            qf[1] = mla_load_pair(q_tile + (row0 + 8) * MMA_DECODE_ROW + 16 * kk + pair);
+            qf[2] = mla_load_pair(q_tile + row0 * MMA_DECODE_ROW + 16 * kk + pair + 8);
+            qf[3] = mla_load_pair(q_tile + (row0 + 8) * MMA_DECODE_ROW + 16 * kk + pair + 8);
+#pragma unroll
+            for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j) {
+                unsigned kf[2];
+                kf[0] = mla_load_pair(k_tile + (8 * j + group) * MMA_DECODE_ROW + 16 * kk + pair);
+                kf[1] = mla_load_pair(k_tile + (8 * j + group) * MMA_DECODE_ROW + 16 * kk + pair + 8);
+                mma_bf16_16816(s[j], qf, kf);
+            }
+        }
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int key = key0 + 8 * j + pair + (v & 1);
+                s[j][v] = key < end ? s[j][v] * scale : -INFINITY;
+                tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[j][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                s[j][v] = s[j][v] == -INFINITY ? 0.f : __expf(s[j][v] - row_max[v >> 1]);
+                tile_sum[v >> 1] += s[j][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // O += P · c_kv[keys, this quarter]: B fragment = two keys (rows) at one output dim
+#pragma unroll
+        for (int ks = 0; ks < MMA_DECODE_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            const bf16* key_row = k_tile + (16 * ks + pair) * MMA_DECODE_ROW + part * MMA_DECODE_PART;
+#pragma unroll
+            for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
+                const int dim = 8 * j + group;
+                unsigned vf[2];
+                vf[0] = mla_pair_of(key_row + dim, key_row + MMA_DECODE_ROW + dim);
+                vf[1] = mla_pair_of(key_row + 8 * MMA_DECODE_ROW + dim, key_row + 9 * MMA_DECODE_ROW + dim);
+                mma_bf16_16816(acc[j], pf, vf);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = row0 + 8 * r;
+        if (h >= heads) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        const long long head = (long long)t * num_heads + head0 + h;
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
+            const int dim = part * MMA_DECODE_PART + 8 * j + pair;
+            if (num_splits == 1) {
+                out[head * KV_LORA + dim] = __float2bfloat16_rn(acc[j][2 * r] * inv);
+                out[head * KV_LORA + dim + 1] = __float2bfloat16_rn(acc[j][2 * r + 1] * inv);
+            } else {
+                float* dst = partial_o + (head * num_splits + split) * KV_LORA + dim;
+                dst[0] = acc[j][2 * r] * inv;
+                dst[1] = acc[j][2 * r + 1] * inv;
+            }
+        }
+        if (num_splits > 1 && part == 0 && pair == 0) {
+            partial_ml[(head * num_splits + split) * 2] = row_max[r];
+            partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
+        }
+    }
+}

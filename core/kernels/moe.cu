@@ -506,6 +506,415 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_wide: the decode GEMV again (same arguments, rows and tile list as moe_gemv; dense
+// mode loops over all rows in one block so a weight is read from HBM once), built to keep HBM
+// busy and spend fewer instructions per weight (an INT4 decode GEMV on CUDA cores runs close to
+// the SM's issue limit):
+//  * a warp takes WIDE_COLUMNS output columns: each 16-byte slice of an activation row is loaded
+//    and unpacked once for all of them, and every lane has WIDE_COLUMNS 16-byte weight loads (and
+//    their scales) in flight for the next chunk while it multiplies the current one;
+//  * no int→float conversion: an INT4 nibble pair is or-ed into the mantissas of bf16 128.0
+//    (giving 128 + q), an FP8 e4m3 byte pair moved into bf16 fields (the value × 2^-120); the
+//    offset (−136·Σx for INT4, Σx shared by all columns) and the scale (× 2^120 for FP8, hoisted
+//    to one multiply per chunk) are applied once per 8 weights and row, not per weight.
+// Needs what moe_gemv needs (the caller checks). WIDE_ROWS activation rows share a pass over the
+// weights; more rows take further passes (re-read from L2).
+// ---------------------------------------------------------------------------------------------
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 4
+#endif
+#define WIDE_WARPS 4
+#ifndef WIDE_COLUMNS
+#define WIDE_COLUMNS 4
+#endif
+#ifndef WIDE_MIN_BLOCKS
+#define WIDE_MIN_BLOCKS 3  // resident blocks per SM the register budget must allow
+#endif
+#ifdef __CUDACC__
+#define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32, WIDE_MIN_BLOCKS)
+#else  // the host emulation's stand-in takes the thread count only
+#define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32)
+#endif
+#define WIDE_PIECES (WEIGHT_CHUNK / 8)  // 8-weight pieces per 16-byte load: bf16 1, FP8 2, INT4 4
+#if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
+#define WIDE_SCALES WIDE_PIECES  // INT4 groups smaller than a chunk: one scale per piece
+#else
+#define WIDE_SCALES 1
+#endif
+
+// The scales of the WEIGHT_CHUNK weights of row n from k on, as multipliers of the raw pieces.
+__device__ __forceinline__ void wide_scales(const void* __restrict__ scale, long long e, int n, int k, int N, int K,
+                                            float* s) {
+#if WEIGHT_FORMAT == 0
+    (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
+    s[0] = 1.f;
+#elif WEIGHT_FORMAT == 1
+    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
+#pragma unroll
+    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK] * 1.329227995784916e36f;  // 2^120
+#endif
+}
+
+// bf16 pair in a 32-bit word → two floats (exact: a bf16 is the top half of its fp32).
+__device__ __forceinline__ float bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
+__device__ __forceinline__ float bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
+
+// Piece i (weights 8i .. 8i+7) of a 16-byte chunk as unscaled floats: bf16 as is, INT4 128 + q
+// (q the stored nibble), FP8 the e4m3 value × 2^-120.
+__device__ __forceinline__ void wide_piece(const uint4& raw, int i, float* w) {
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#if WEIGHT_FORMAT == 0
+    (void)i;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        w[2 * q] = bf16_low(word[q]);
+        w[2 * q + 1] = bf16_high(word[q]);
+    }
+#elif WEIGHT_FORMAT == 1
+    const unsigned v = word[i];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4 land in the low and high bf16
+        const unsigned pair = ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+        w[s] = bf16_low(pair);
+        w[s + 4] = bf16_high(pair);
+    }
+#else
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const unsigned v = word[2 * i + q];
+        // bytes 0 and 2, then 1 and 3: sign to bit 15, exponent and mantissa to bits 4..10
+        const unsigned even = ((v << 8) & 0x80008000u) | ((v << 4) & 0x07F007F0u);
+        const unsigned odd = (v & 0x80008000u) | ((v >> 4) & 0x07F007F0u);
+        w[4 * q] = bf16_low(even);
+        w[4 * q + 1] = bf16_low(odd);
+        w[4 * q + 2] = bf16_high(even);
+        w[4 * q + 3] = bf16_high(odd);
+    }
+#endif
+}
+
+extern "C" __global__ void WIDE_LAUNCH_BOUNDS
+moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+              const void* __restrict__ weight, const void* __restrict__ scale,
+              const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+              const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+              bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * WIDE_COLUMNS;
+    if (n0 >= N) return;  // whole warps only: the shuffles below stay warp-wide
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        // the tile's entries are read beside the count (the arrays hold gridDim.y entries)
+        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
+        if ((int)blockIdx.y >= tiles) return;
+        expert = tile_e;
+        row_begin = tile_r;
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = 0;
+        row_end = dense_rows;
+    }
+    int column[WIDE_COLUMNS];  // past N: a valid row is read, the result dropped
+#pragma unroll
+    for (int c = 0; c < WIDE_COLUMNS; ++c) column[c] = min(n0 + c, N - 1);
+    constexpr int STEP = 32 * WEIGHT_CHUNK;
+    for (int chunk = row_begin; chunk < row_end; chunk += WIDE_ROWS) {
+        uint4 raw[WIDE_COLUMNS];
+        float s[WIDE_COLUMNS][WIDE_SCALES];
+        int k = lane * WEIGHT_CHUNK;
+        if (k < K) {
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                raw[c] = weight_raw(weight, expert, column[c], k, N, K);
+                wide_scales(scale, expert, column[c], k, N, K, s[c]);
+            }
+        }
+        const int rows = min(WIDE_ROWS, row_end - chunk);
+        const bf16* a_row[WIDE_ROWS];
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r) {
+            const int p = chunk + min(r, rows - 1);
+            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+        }
+        float acc[WIDE_ROWS][WIDE_COLUMNS];
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r)
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) acc[r][c] = 0.f;
+        for (; k < K; k += STEP) {
+            uint4 cur[WIDE_COLUMNS];
+            float cur_s[WIDE_COLUMNS][WIDE_SCALES];
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                cur[c] = raw[c];
+#pragma unroll
+                for (int i = 0; i < WIDE_SCALES; ++i) cur_s[c][i] = s[c][i];
+            }
+            if (k + STEP < K) {  // the next chunk's loads fly while this one is multiplied
+#pragma unroll
+                for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                    raw[c] = weight_raw(weight, expert, column[c], k + STEP, N, K);
+                    wide_scales(scale, expert, column[c], k + STEP, N, K, s[c]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < WIDE_PIECES; ++i) {
+                float x[WIDE_ROWS][8], x_sum[WIDE_ROWS];
+#pragma unroll
+                for (int r = 0; r < WIDE_ROWS; ++r) {
+                    if (r >= rows) break;
+                    load8(a_row[r] + k + 8 * i, x[r]);
+                    x_sum[r] = 0.f;
+#if WEIGHT_FORMAT == 1
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) x_sum[r] += x[r][j];
+#endif
+                }
+#pragma unroll
+                for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                    float w[8];
+                    wide_piece(cur[c], i, w);
+#pragma unroll
+                    for (int r = 0; r < WIDE_ROWS; ++r) {
+                        if (r >= rows) break;
+                        float dot = 0.f;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) dot += x[r][j] * w[j];
+#if WEIGHT_FORMAT == 0
+                        acc[r][c] += dot;
+#else
+#if WEIGHT_FORMAT == 1
+                        dot -= 136.f * x_sum[r];  // Σ x·(128 + q) − 136·Σx = Σ x·(q − 8)
+#endif
+                        acc[r][c] += dot * cur_s[c][WIDE_SCALES == 1 ? 0 : i];
+#endif
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < WIDE_ROWS; ++r) {
+            if (r >= rows) break;  // warp-uniform
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) {
+                const float total = warp_sum(acc[r][c]);
+                if (lane == 0 && n0 + c < N) out[(long long)(chunk + r) * N + n0 + c] = __float2bfloat16_rn(total);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_mma: the decode GEMV on tensor cores (same arguments, rows and tile list as moe_gemv;
+// dense mode loops over all rows in one block row, like moe_gemv_wide). mma.sync m16n8k16 with
+// the weight as the A operand (a warp's 16 output columns are its 16 rows) and token rows as the
+// B operand (8 per n-tile), so a tile's rows share every dequantised weight fragment: one pass
+// over the weights serves up to 8·MMA_GEMV_NTILES rows, where the CUDA cores spend an FMA per
+// weight and row.
+// No shared memory and no repacking of the checkpoint layout: a dot product may visit k in any
+// order as long as A and B agree. Lane (g, t) loads 16 bytes of weight row g and of row g+8 from
+// k_lane = k0 + t·WEIGHT_CHUNK (WEIGHT_CHUNK weights, as moe_gemv's 16-byte loads) and feeds
+// each mma step four of them as its fragment slots (2t, 2t+1 | 2t+8, 2t+9), with the same four
+// activations of its token row as its B slots; over the quad's lanes and the chunk's
+// WEIGHT_CHUNK/4 steps every k of the chunk is summed once. Step 2u+h (u: the lane's 16-byte load
+// of 8 activations) takes the weights k_lane + 8u + 4h + {0, 1 | 2, 3} (bf16, FP8: pairs as
+// stored) or, for INT4, k_lane + 8u + {2h, 2h+4 | 2h+1, 2h+5}: nibbles four apart, which one shift
+// and one mask place in a bf16 pair (the activation pairs then take a byte permute each).
+// Dequantisation in registers, rounded to bf16 as the tiles kernel rounds: bf16 as stored; INT4
+// nibbles or-ed into bf16 128 + q, then (−136) × the group's scale in bf16x2 arithmetic (q − 8
+// exact, one rounding of the product); FP8 e4m3 × the block's scale in fp32.
+// Needs moe_gemv's conditions (the caller checks); K need not fill the last chunk (a lane whose
+// 16 bytes lie past K feeds zeros). FP8: the block size a multiple of 16 (rows g and g+8 share a
+// scale block).
+// ---------------------------------------------------------------------------------------------
+#define MMA_GEMV_WARPS 4
+#ifndef MMA_GEMV_NTILES
+#define MMA_GEMV_NTILES 2  // 8-row n-tiles accumulated per pass over the weights
+#endif
+#if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
+#define MMA_GEMV_SCALES 4  // INT4 groups not whole chunks: a scale per 8-weight word (GROUP % 8 == 0)
+#else
+#define MMA_GEMV_SCALES 1
+#endif
+
+// One lane's share of a chunk: 16 bytes of weight rows g and g+8 and their scales.
+struct MmaGemvChunk {
+    uint4 lo, hi;
+    float s_lo[MMA_GEMV_SCALES], s_hi[MMA_GEMV_SCALES];
+};
+
+// The scales of row n's WEIGHT_CHUNK weights from k on (bf16: unused).
+__device__ __forceinline__ void mma_gemv_scales(const void* __restrict__ scale, long long e, int n, int k, int N, int K,
+                                                float* s) {
+#if WEIGHT_FORMAT == 0
+    (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
+    s[0] = 1.f;
+#elif WEIGHT_FORMAT == 1
+    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
+#pragma unroll
+    for (int i = 0; i < MMA_GEMV_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+#else
+    const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
+#endif
+}
+
+// The lane's chunk from k on, or zeros when it lies past K.
+__device__ __forceinline__ MmaGemvChunk mma_gemv_load(const void* __restrict__ weight, const void* __restrict__ scale,
+                                                      long long e, int n_lo, int n_hi, int k, int N, int K) {
+    MmaGemvChunk c;
+    c.lo = c.hi = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < MMA_GEMV_SCALES; ++i) c.s_lo[i] = c.s_hi[i] = 0.f;
+    if (k < K) {
+        c.lo = weight_raw(weight, e, n_lo, k, N, K);
+        c.hi = weight_raw(weight, e, n_hi, k, N, K);
+        mma_gemv_scales(scale, e, n_lo, k, N, K, c.s_lo);
+        mma_gemv_scales(scale, e, n_hi, k, N, K, c.s_hi);
+    }
+    return c;
+}
+
+#if WEIGHT_FORMAT == 1
+// INT4 codes in bits 0-3 and 16-19 of v → the bf16 pair (q − 8)·scale.
+__device__ __forceinline__ unsigned mma_int4_pair(unsigned v, float scale) {
+#ifdef MMA_HOST_STANDIN
+    const unsigned biased = (v & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q, twice
+    return pack_bf16x2((bf16_low(biased) - 136.f) * scale, (bf16_high(biased) - 136.f) * scale);
+#else
+    unsigned biased;  // (v & mask) | bits in one lop3 (the compiler would spend two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v), "n"(0x000F000F), "r"(0x43004300));
+    __nv_bfloat162 w = *reinterpret_cast<const __nv_bfloat162*>(&biased);
+    w = __hmul2(__hsub2(w, __float2bfloat162_rn(136.f)), __float2bfloat162_rn(scale));
+    return *reinterpret_cast<unsigned*>(&w);
+#endif
+}
+#endif
+
+// A registers of step 2u+h for one weight row (raw 16 bytes, scales), dequantised; see above.
+__device__ __forceinline__ void mma_gemv_a(const uint4& raw, const float* s, int u, int h, unsigned& lo, unsigned& hi) {
+    const unsigned word[4] = {raw.x, raw.y, raw.z, raw.w};
+#if WEIGHT_FORMAT == 0
+    (void)s;
+    (void)u;  // one 8-weight load per chunk: u == 0
+    lo = word[2 * h];
+    hi = word[2 * h + 1];
+#elif WEIGHT_FORMAT == 1
+    const float scale = s[MMA_GEMV_SCALES == 1 ? 0 : u];
+    lo = mma_int4_pair(word[u] >> (8 * h), scale);      // nibbles 2h, 2h+4 of word u
+    hi = mma_int4_pair(word[u] >> (8 * h + 4), scale);  // nibbles 2h+1, 2h+5
+#else
+    const unsigned v = word[2 * u + h];  // bytes 8u + 4h .. 8u + 4h + 3 of the chunk
+    lo = pack_bf16x2(fp8_e4m3_value((unsigned char)v) * s[0], fp8_e4m3_value((unsigned char)(v >> 8)) * s[0]);
+    hi = pack_bf16x2(fp8_e4m3_value((unsigned char)(v >> 16)) * s[0], fp8_e4m3_value((unsigned char)(v >> 24)) * s[0]);
+#endif
+}
+
+// B registers of step 2u+h from the token row's 8 activations x (k_lane + 8u ..): the same k as mma_gemv_a.
+__device__ __forceinline__ void mma_gemv_b(const uint4& x, int h, unsigned& b0, unsigned& b1) {
+    const unsigned word[4] = {x.x, x.y, x.z, x.w};
+#if WEIGHT_FORMAT == 1
+    b0 = (word[h] & 0xFFFFu) | (word[h + 2] << 16);  // x[2h], x[2h+4]
+    b1 = (word[h] >> 16) | (word[h + 2] & 0xFFFF0000u);  // x[2h+1], x[2h+5]
+#else
+    b0 = word[2 * h];
+    b1 = word[2 * h + 1];
+#endif
+}
+
+// acc[j] += this lane's share of chunk `c` (from k on; past K the weights are zero and so are the
+// activations read) times n-tile j's rows. Every lane of the warp calls it (the mma is collective).
+__device__ __forceinline__ void mma_gemv_chunk(float (&acc)[MMA_GEMV_NTILES][4], const MmaGemvChunk& c,
+                                               const bf16* const (&b_row)[MMA_GEMV_NTILES], int ntiles, int k, int K) {
+    const bool valid = k < K;
+#pragma unroll
+    for (int u = 0; u < WEIGHT_CHUNK / 8; ++u) {
+        uint4 x[MMA_GEMV_NTILES];
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j)
+            x[j] = (j < ntiles && valid) ? *reinterpret_cast<const uint4*>(b_row[j] + k + 8 * u)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            unsigned a[4];
+            mma_gemv_a(c.lo, c.s_lo, u, h, a[0], a[2]);
+            mma_gemv_a(c.hi, c.s_hi, u, h, a[1], a[3]);
+#pragma unroll
+            for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
+                if (j >= ntiles) break;  // warp-uniform
+                unsigned b0, b1;
+                mma_gemv_b(x[j], h, b0, b1);
+                mma_bf16_16816(acc[j], a, b0, b1);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_GEMV_WARPS * 32)
+moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+             const void* __restrict__ weight, const void* __restrict__ scale,
+             const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+             const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+             bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.x * MMA_GEMV_WARPS + warp) * 16;
+    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (tile_expert) {
+        // the tile's entries are read beside the count (the arrays hold gridDim.y entries)
+        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
+        if ((int)blockIdx.y >= tiles) return;
+        expert = tile_e;
+        row_begin = tile_r;
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = 0;
+        row_end = dense_rows;
+    }
+    const int n_lo = min(n0 + g, N - 1), n_hi = min(n0 + g + 8, N - 1);  // past N: a valid row, result dropped
+    constexpr int STEP = 4 * WEIGHT_CHUNK;                                // k per chunk (the quad's 4 lanes)
+    for (int pass = row_begin; pass < row_end; pass += 8 * MMA_GEMV_NTILES) {
+        const int rows = min(8 * MMA_GEMV_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
+        const bf16* b_row[MMA_GEMV_NTILES];
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
+            const int p = pass + min(8 * j + g, rows - 1);  // rows past the tile repeat its last row
+            b_row[j] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+        }
+        float acc[MMA_GEMV_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+        // two chunk buffers in turn: the next chunk's loads fly while one is multiplied
+        const int lane_k = t * WEIGHT_CHUNK;
+        MmaGemvChunk even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, lane_k, N, K), odd;
+        for (int k0 = 0; k0 < K; k0 += 2 * STEP) {  // k0 is warp-uniform: every lane takes every branch
+            const bool has_odd = k0 + STEP < K;
+            if (has_odd) odd = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + STEP + lane_k, N, K);
+            mma_gemv_chunk(acc, even, b_row, ntiles, k0 + lane_k, K);
+            if (k0 + 2 * STEP < K) even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + 2 * STEP + lane_k, N, K);
+            if (has_odd) mma_gemv_chunk(acc, odd, b_row, ntiles, k0 + STEP + lane_k, K);
+        }
+        // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows && n < N) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    }
+}
+
 // Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one
 // WEIGHT_CHUNK per thread, grid-stride.
 extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const void* __restrict__ scale, int N, int K,

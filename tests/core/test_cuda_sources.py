@@ -23,7 +23,9 @@ VARIANTS = {
                                 {"HEAD_DIM": 128, "GROUP": 16, "DECODE_WARPS": 8, "DECODE_STAGES": 3},
                                 {"HEAD_DIM": 256, "GROUP": 8}],
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
-    "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128}],
+    "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128},
+               # moe_gemv_wide's "wide2" shape, INT4 groups below its 32-weight chunk
+               {"WEIGHT_FORMAT": 1, "GROUP": 16, "WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],

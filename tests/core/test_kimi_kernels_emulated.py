@@ -39,13 +39,13 @@ def relative_error(ours, reference) -> float:
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
-def stored_weights(rng, fmt: str, experts: int, out_features: int, in_features: int):
+def stored_weights(rng, fmt: str, experts: int, out_features: int, in_features: int, group: int = 32):
     """(bytes as the kernel reads them, scale bytes, fp32 dequantized [E, N, K])."""
     dense = [bf16(0.08 * rng.standard_normal((out_features, in_features))) for _ in range(experts)]
     if fmt == "bf16":
         return np.stack([float32_to_bf16(w) for w in dense]), np.zeros(0, np.uint8), np.stack(dense)
     if fmt == "int4":
-        packed = [quantize_int4_group(w, 32) for w in dense]
+        packed = [quantize_int4_group(w, group) for w in dense]
         scales = np.stack([float32_to_bf16(s) for _, s in packed])
         deq = np.stack([dequantize_int4_group(p, bf16_to_float32(s), (out_features, in_features))
                         for (p, _), s in zip(packed, scales, strict=True)])
@@ -61,23 +61,26 @@ CASES = {
                                                routed_scaling_factor=2.5)),
     "int4-softmax": ("int4", RouterSpec(6, 2, "softmax", norm_topk_prob=False)),
     "fp8-sqrtsoftplus": ("fp8", RouterSpec(6, 2, "sqrtsoftplus", routed_scaling_factor=1.5)),
+    # INT4 groups of 16: smaller than moe_gemv_wide's 32-weight chunk (a scale per 8-weight piece)
+    "int4-group16-sigmoid": ("int4", RouterSpec(6, 2, "sigmoid")),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_kernels_match_numpy(tmp_path, case):
     fmt, spec = CASES[case]
+    group = 16 if "group16" in case else 32
     rng = np.random.default_rng(len(case))
     tokens, hidden, inter = 70, 96, 64  # N of down = 96: ragged against 64-wide tiles
-    binary = build(tmp_path, "moe", {"MOE": 1, "USE_MMA": 0, "WEIGHT_FORMAT": FORMATS[fmt], "GROUP": 32,
+    binary = build(tmp_path, "moe", {"MOE": 1, "USE_MMA": 0, "WEIGHT_FORMAT": FORMATS[fmt], "GROUP": group,
                                      "FP8_BLOCK": 128})
     x = bf16(rng.standard_normal((tokens, hidden)))
     gate = bf16(0.2 * rng.standard_normal((spec.num_experts, hidden)))
     bias = np.zeros(spec.num_experts, np.float32)
     bias[0] = 3.0  # expert 0 takes nearly every token: two tiles
     use_bias = spec.scoring != "softmax"
-    w1, s1, w1_ref = stored_weights(rng, fmt, spec.num_experts, 2 * inter, hidden)
-    w2, s2, w2_ref = stored_weights(rng, fmt, spec.num_experts, hidden, inter)
+    w1, s1, w1_ref = stored_weights(rng, fmt, spec.num_experts, 2 * inter, hidden, group)
+    w2, s2, w2_ref = stored_weights(rng, fmt, spec.num_experts, hidden, inter, group)
     params = [tokens, hidden, spec.num_experts, spec.top_k, {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[spec.scoring],
               spec.num_groups, spec.topk_groups, int(spec.group_score == "max"), int(spec.norm_topk_prob),
               2 * inter, hidden, inter, int(use_bias)]
@@ -109,6 +112,16 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     h = read_array(tmp_path, "h", np.uint16, (tokens * spec.top_k, 2 * inter))
     assert relative_error(read_array(tmp_path, "h_gemv", np.uint16, h.shape), h) < 1e-2
     assert relative_error(read_array(tmp_path, "dense_gemv", np.uint16, dense.shape), x @ w1_ref[0].T) < 1e-2
+    # moe_gemv_wide: the same products (bf16 rounding apart) on the tiles and in dense mode
+    assert relative_error(read_array(tmp_path, "h_gemv_wide", np.uint16, h.shape), h) < 1e-2
+    assert relative_error(read_array(tmp_path, "dense_gemv_wide", np.uint16, dense.shape), x @ w1_ref[0].T) < 1e-2
+    # moe_gemv_mma (tensor cores via the warp stand-in): the tiles (a 64-row tile in several passes),
+    # dense mode over all 70 rows, and 8 columns fewer (a warp's 16 columns past N); weights
+    # dequantised as the tiles kernel rounds them, so only the summation order differs
+    assert relative_error(read_array(tmp_path, "h_gemv_mma", np.uint16, h.shape), h) < 1e-2
+    assert relative_error(read_array(tmp_path, "dense_gemv_mma", np.uint16, dense.shape), dense) < 1e-2
+    narrow = read_array(tmp_path, "narrow_gemv_mma", np.uint16, (tokens, 2 * inter - 8))
+    assert relative_error(narrow, dense[:, :-8]) < 1e-2
     assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
 
 
@@ -163,6 +176,9 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     assert relative_error(q_out, q_rot) < 1e-2
     out = read_array(tmp_path, "out", np.uint16, (tokens, heads, lora))
     assert relative_error(out, reference) < 2e-2
+    # mla_attention_mma (tensor cores; bf16 probabilities) on the same step
+    out_mma = read_array(tmp_path, "out_mma", np.uint16, (tokens, heads, lora))
+    assert relative_error(out_mma, reference) < 2e-2
 
 
 def test_mla_decompressed_prefill_matches_numpy(tmp_path):

@@ -68,36 +68,45 @@ def test_moe_hash_routing(cuda_backend, rng):
     assert np.allclose(weights.get(), ref_weights, rtol=1e-4, atol=1e-5)
 
 
-def _expert_weights(rng, fmt, num_experts, out_features, in_features):
-    """(device ExpertLinear, fp32 dequantized [E, N, K]) in ``fmt``."""
+def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
+    """(device ExpertLinear, fp32 dequantized [E, N, K]) in ``fmt`` (INT4 groups of ``group``)."""
     moe = _moe_cuda()
     dense = [bf16_random(rng, out_features, in_features, scale=0.05) for _ in range(num_experts)]
     if fmt == "bf16":
         bits = np.stack([float32_to_bf16(w) for w in dense])
         return moe.upload_expert_linear("bf16", bits, None, (out_features, in_features)), np.stack(dense)
     if fmt == "int4":
-        packed = [quantize_int4_group(w, 32) for w in dense]
+        packed = [quantize_int4_group(w, group) for w in dense]
         scales = [float32_to_bf16(s) for _, s in packed]
         deq = np.stack([dequantize_int4_group(p, (s.astype(np.uint32) << 16).view(np.float32),
                                               (out_features, in_features)) for (p, _), s in zip(packed, scales, strict=True)])
         return moe.upload_expert_linear("int4", np.stack([p for p, _ in packed]), np.stack(scales),
-                                        (out_features, in_features), group=32), deq
+                                        (out_features, in_features), group=group), deq
     codes = [quantize_fp8_block(w) for w in dense]
     deq = np.stack([dequantize_fp8_block(c, s) for c, s in codes])
     return moe.upload_expert_linear("fp8", np.stack([c for c, _ in codes]), np.stack([s for _, s in codes]),
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, True], ids=["tiles", "gemv"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
-def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv):
+def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
-    not multiples of the tile (K a multiple of the INT4 group). Both the tensor-core grouped GEMM
-    and the decode kernel (moe_gemv) on the same tiles."""
+    not multiples of the tile (K a multiple of the INT4 group). The tensor-core grouped GEMM, the
+    decode kernels (moe_gemv, moe_gemv_wide's shapes, moe_gemv_mma: a 70-row tile in five passes)
+    on the same tiles, and cuBLAS per expert (the prefill path, its row threshold lowered to take
+    this small batch)."""
     moe = _moe_cuda()
     num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
     gate_up, gate_up_ref = _expert_weights(rng, fmt, num_experts, 2 * inter, hidden)
     down, down_ref = _expert_weights(rng, fmt, num_experts, hidden, inter)
+    blas, kernel, forced = None, gemv if gemv in moe.GEMV_KERNELS else None, bool(gemv)
+    if gemv == "blas":
+        monkeypatch.setattr(moe, "BLAS_MIN_ROWS_PER_EXPERT", 1)
+        monkeypatch.setenv(moe.BLAS_ENV, "1")
+        blas, forced = cuda_backend.blas, None
+        assert moe.blas_eligible(tokens * top_k, gate_up, blas)
     x = bf16_random(rng, tokens, hidden)
     ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
     ids[:70, 0] = 1  # expert 1 gets more than one 64-row tile; expert 4 none
@@ -105,13 +114,37 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv):
     grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
     offsets = grouping.offsets.get()
     assert offsets[5] - offsets[4] == 0 and offsets[2] - offsets[1] > 64
-    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=gemv)
-    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False, gemv=gemv)
+    h = moe.grouped_gemm(cuda_backend.upload(x), gate_up, grouping, gather=True, gemv=forced, gemv_kernel=kernel,
+                         blas=blas)
+    y = moe.grouped_gemm(cuda_backend.silu_mul(h), down, grouping, gather=False, gemv=forced, gemv_kernel=kernel,
+                         blas=blas)
     out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
     experts = [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
                for e in range(num_experts)]
     reference = run_experts(REF, x, weights, group_by_expert(ids, num_experts), experts)
     assert relative_error(out, reference) < BF16_TOL
+
+
+def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
+    """cuBLAS per expert reads the routing's counts on the host: only with OPENINFER_MOE_BLAS=1 (opt-in),
+    never for small steps, never while a CUDA graph is captured."""
+    moe = _moe_cuda()
+    monkeypatch.setenv(moe.BLAS_ENV, "1")
+    weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
+    big = moe.BLAS_MIN_ROWS_PER_EXPERT * 4
+    assert moe.blas_eligible(big, weight, cuda_backend.blas)
+    assert not moe.blas_eligible(big - 1, weight, cuda_backend.blas)
+    assert not moe.blas_eligible(big, weight, None)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            capturing = moe.blas_eligible(big, weight, cuda_backend.blas)
+        finally:
+            stream.end_capture()
+    assert not capturing
+    monkeypatch.delenv(moe.BLAS_ENV)
+    assert not moe.blas_eligible(big, weight, cuda_backend.blas)
 
 
 @pytest.mark.parametrize("method", ["gemv", "tiles", "dequantize"])
@@ -129,6 +162,36 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma"])
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
+def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
+    """moe_gemv_wide and moe_gemv_mma in dense mode: 300 output columns (a partial block of columns,
+    a partial 16-column warp and a partial FP8 scale block), K = 384 (an odd number of 32-weight
+    chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
+    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv."""
+    moe = _moe_cuda()
+    weight, reference = _expert_weights(rng, fmt, 1, 300, 384, group=group or 32)
+    x = cuda_backend.upload(bf16_random(rng, rows, 384))
+    out = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel=gemv_kernel))
+    assert relative_error(out, cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
+    old = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel="moe_gemv"))
+    assert relative_error(out, old) < 1e-2
+
+
+def test_gemv_kernel_choice(monkeypatch):
+    moe = _moe_cuda()
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    assert moe.gemv_kernel_name() == moe.DEFAULT_GEMV_KERNEL in moe.GEMV_KERNELS
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "wide")
+    assert moe.gemv_kernel_name() == "wide" and moe.gemv_kernel_name("wide2") == "wide2"
+    assert set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
+    assert moe.gemv_row_limits() == moe.GEMV_ROW_LIMITS["wide"] and moe.gemv_row_limits("mma") == moe.GEMV_ROW_LIMITS["mma"]
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "nope")
+    with pytest.raises(ValueError, match="nope"):
+        moe.gemv_kernel_name()
+
+
 MLA_BATCHES = {
     # (cached, new) per sequence: decode rows, a prefill chunk on cached context, a fresh prompt
     "small": ([0, 16, 31, 70], [5, 1, 1, 3]),
@@ -137,9 +200,12 @@ MLA_BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch_name,prefill_min_query", [("small", 10**6), ("small", 2), ("long", 16)],
-                         ids=["absorbed", "mixed-forms", "long-prefill"])
-def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query):
+@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel", [
+    ("small", 10**6, "cuda_cores"), ("small", 2, "cuda_cores"), ("long", 16, "cuda_cores"),
+    ("small", 10**6, "mma"), ("long", 16, "mma")],
+    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma"])
+def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
+                                                         absorbed_kernel):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
     (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads."""
@@ -184,7 +250,7 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     out = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
                       cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm),
                       spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6,
-                      prefill_min_query=prefill_min_query)
+                      prefill_min_query=prefill_min_query, absorbed_kernel=absorbed_kernel)
     assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
     written = cuda_backend.to_host(device_cache).reshape(-1, spec.latent_dim)[slots]
     assert relative_error(written, ref_cache.reshape(-1, spec.latent_dim)[slots]) < BF16_TOL

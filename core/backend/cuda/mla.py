@@ -34,6 +34,11 @@ from openinfer.mla import MLASpec, decompressed_prefill_layout
 
 HEADS_PER_BLOCK = 16  # mla.cu
 MLA_THREADS = 256
+# mla_attention_mma (absorbed form on tensor cores): 64 heads x a quarter of the latent dims per block
+MMA_DECODE_HEADS, MMA_DECODE_KEYS, MMA_DECODE_PARTS, MMA_DECODE_THREADS = 64, 32, 4, 128
+# Which absorbed kernel runs: "cuda_cores" (mla_attention, measured on H100) or "mma"
+# (mla_attention_mma: host-emulated and compiled, not yet timed on a GPU).
+ABSORBED_KERNEL = "cuda_cores"
 MAX_SPLITS = 16
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
@@ -113,7 +118,7 @@ def _step_plan(batch, spec: MLASpec, min_query: int) -> PrefillPlan | None:
 def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray,
                 w_uv: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray,
                 sin: cupy.ndarray, eps: float, num_sms: int = 132,
-                prefill_min_query: int = PREFILL_MIN_QUERY) -> cupy.ndarray:
+                prefill_min_query: int = PREFILL_MIN_QUERY, absorbed_kernel: str = ABSORBED_KERNEL) -> cupy.ndarray:
     """``q [T, H·(nope+rope)]`` (rope dims not yet rotated; rotated on a copy here) and ``latent``
     ``[T, lora + rope]`` (a row view of kv_a's output, un-normed) → attention output ``[T, H·v]``.
     ``cache`` is the layer's ``[num_blocks, block_size, …, lora + rope]`` bf16 latent cache;
@@ -131,21 +136,45 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
         np.int32(head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
     plan = _step_plan(batch, spec, prefill_min_query)
     if plan is None:
-        _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms)
+        _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
     _decompressed(blas, q, cache, w_uk, w_uv, spec, batch, plan, out)
     if plan.absorbed_rows is not None:
         rows = plan.absorbed_rows
         rest = cupy.empty((int(rows.shape[0]), heads * spec.v_head_dim), dtype=cupy.uint16)
-        _absorbed(blas, cupy.ascontiguousarray(q[rows]), cache, w_uk, w_uv, spec, batch, rest, rows, num_sms)
+        _absorbed(blas, cupy.ascontiguousarray(q[rows]), cache, w_uk, w_uv, spec, batch, rest, rows, num_sms,
+                  absorbed_kernel)
         out[rows] = rest
     return out
 
 
+def mma_decode_fits(spec: MLASpec) -> bool:
+    """mla_attention_mma's shape limits: 16-wide mma steps over the latent, 8-wide output quarters."""
+    return spec.latent_dim % 16 == 0 and spec.kv_lora_rank % (8 * MMA_DECODE_PARTS) == 0 and spec.qk_head_dim % 8 == 0 \
+        and spec.qk_nope_dim % 8 == 0
+
+
+_smem_set: set[int] = set()
+
+
+def _mma_decode_kernel(spec: MLASpec):
+    """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
+    smem = (MMA_DECODE_HEADS + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
+    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec))
+    if id(attention) not in _smem_set:
+        attention.max_dynamic_shared_size_bytes = smem
+        _smem_set.add(id(attention))
+    return attention, smem
+
+
 def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
-              spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int) -> None:
+              spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int,
+              absorbed_kernel: str = ABSORBED_KERNEL) -> None:
     """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
     each row's token in the step (None: row i is token i)."""
+    if absorbed_kernel not in ("cuda_cores", "mma"):
+        raise ValueError(f"absorbed_kernel is 'cuda_cores' or 'mma', got {absorbed_kernel!r}")
+    use_mma = absorbed_kernel == "mma" and mma_decode_fits(spec)
     num_tokens = int(q.shape[0])
     heads, nope, lora, v = spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank, spec.v_head_dim
     head_dim = spec.qk_head_dim
@@ -155,17 +184,21 @@ def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.nda
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
                                 q, heads * head_dim, head_dim, q_latent, heads * lora, lora, heads)
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    head_chunks = -(-heads // HEADS_PER_BLOCK)
+    head_chunks = (-(-heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS if use_mma else -(-heads // HEADS_PER_BLOCK))
     splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
     if splits > 1:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
-    kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), (
-        q_latent, q, np.int32(head_dim), np.int32(nope), cache, batch.block_tables,
-        np.int32(batch.block_tables.shape[1]), np.int32(block_size), batch.query_start, np.int32(batch.num_seqs),
-        batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o, partial_ml,
-        NULL if token_rows is None else token_rows))
+    args = (q_latent, q, np.int32(head_dim), np.int32(nope), cache, batch.block_tables,
+            np.int32(batch.block_tables.shape[1]), np.int32(block_size), batch.query_start, np.int32(batch.num_seqs),
+            batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
+            partial_ml, NULL if token_rows is None else token_rows)
+    if use_mma:
+        attention, smem = _mma_decode_kernel(spec)
+        attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
+    else:
+        kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
     if splits > 1:
         kernel("mla.cu", "mla_combine_splits", **_defines(spec))((num_tokens * heads,), (128,), (
             partial_o, partial_ml, np.int32(splits), o_latent))

@@ -15,15 +15,21 @@ H100, ``benchmarks/gpu_kimi.py kernels``)::
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
                         from FP8 / INT4, no tensor cores
+                        (opt-in instead, GEMV_KERNELS: moe_gemv_wide; moe_gemv_mma on tensor cores)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
-    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm
+    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
+                                                               cuBLAS per active expert (bf16 as stored,
+                                                               else moe_dequantize'd) after one host
+                                                               read of the per-expert row counts
 
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
-be captured in a CUDA graph.
+be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
+routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer (opt-in, BLAS_ENV).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -43,7 +49,34 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 # top-8: moe_gemv ahead at 1.3 slots per expert (5.96 vs 9.83 ms), behind at 5.3 (17.7 vs 12.8 ms).
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
-DEQUANTIZE_MIN_ROWS = GEMV_MAX_ROWS + 1  # dense FP8 / INT4 linears past the GEMV: bf16 scratch + cuBLAS
+# Opt-in (OPENINFER_MOE_BLAS=1; not yet measured end to end): grouped, eager steps whose slots average
+# at least this many per expert take cuBLAS per active expert (moe_grouped_gemm peaks near 75 TFLOP/s
+# on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json). Never while a CUDA graph is being
+# captured (the counts are read on the host).
+BLAS_MIN_ROWS_PER_EXPERT = 64
+BLAS_ENV = "OPENINFER_MOE_BLAS"
+# Decode GEMV kernel: moe_gemv (one column per warp), or moe_gemv_wide (several columns per warp,
+# next chunk's loads in flight, no int->float conversions; moe.cu) in one of two shapes, chosen by
+# the ``gemv_kernel`` argument or the OPENINFER_MOE_GEMV environment variable. Name -> moe.cu defines.
+GEMV_KERNEL_ENV = "OPENINFER_MOE_GEMV"
+GEMV_KERNELS: dict[str, dict[str, int]] = {
+    "moe_gemv": {},
+    "wide": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3},  # 12 warps per SM (INT4: 166 registers)
+    "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
+    # moe_gemv_mma: tensor cores, 16 columns per warp, 16 rows per pass over the weights (sm_90a
+    # ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills)
+    "mma": {"MMA_GEMV_NTILES": 2},
+}
+DEFAULT_GEMV_KERNEL = "moe_gemv"
+# Most rows a decode-GEMV call takes, per kernel: (dense rows, slots per expert on average when
+# grouped); past them quantized_linear / grouped_gemm take their GEMMs. The CUDA-core kernels spend
+# an FMA per weight and row (measured limits above); moe_gemv_mma shares each weight fragment among
+# a pass's 16 rows, so it should stay bound by the weight bytes further (not yet measured).
+GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
+    "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "mma": (32, 32)}
+WIDE_WARPS = 4  # moe.cu
+MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -71,8 +104,9 @@ class ExpertLinear:
         return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
                             self.out_features, self.in_features, self.group, self.block)
 
-    def _kernel(self, name: str = "moe_grouped_gemm") -> cupy.RawKernel:
-        return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block)
+    def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
+        return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
+                      **defines)
 
     def gemv_ready(self, a: cupy.ndarray) -> bool:
         """moe_gemv's needs: whole 16-byte weight chunks per row (K a multiple of the chunk, one FP8
@@ -160,41 +194,97 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
     return grouping
 
 
+def gemv_kernel_name(gemv_kernel: str | None = None) -> str:
+    """The decode GEMV kernel to run: ``gemv_kernel``, else $OPENINFER_MOE_GEMV, else the default."""
+    name = gemv_kernel or os.environ.get(GEMV_KERNEL_ENV) or DEFAULT_GEMV_KERNEL
+    if name not in GEMV_KERNELS:
+        raise ValueError(f"unknown decode GEMV kernel {name!r} ({GEMV_KERNEL_ENV}); one of {sorted(GEMV_KERNELS)}")
+    return name
+
+
+def gemv_row_limits(gemv_kernel: str | None = None) -> tuple[int, int]:
+    """(dense rows, average slots per expert) up to which the decode GEMV ``gemv_kernel`` (see
+    ``gemv_kernel_name``) is chosen."""
+    return GEMV_ROW_LIMITS[gemv_kernel_name(gemv_kernel)]
+
+
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, gemv_kernel: str | None) -> None:
+    """moe_gemv / moe_gemv_wide / moe_gemv_mma over ``grid_rows`` tiles (grouped) or ``dense_rows``
+    rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared argument list."""
+    name = gemv_kernel_name(gemv_kernel)
+    if name == "moe_gemv":
+        rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
+        weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
+        return
+    defines = GEMV_KERNELS[name]
+    if name == "mma":  # dense mode: one block row loops over all rows
+        columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
+        weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                   (MMA_GEMV_WARPS * 32,), args)
+        return
+    columns = WIDE_WARPS * defines["WIDE_COLUMNS"]  # dense mode: one block row loops over all rows
+    weight._kernel("moe_gemv_wide", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                (WIDE_WARPS * 32,), args)
+
+
 def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
     """16-byte tile loads need K % 8 == 0 and 16-byte aligned rows of A and of the weight."""
     return (weight.in_features % 8 == 0 and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0)
 
 
+def blas_eligible(num_slots: int, weight: ExpertLinear, blas) -> bool:
+    """Whether ``grouped_gemm`` with ``blas`` takes cuBLAS per expert (see BLAS_MIN_ROWS_PER_EXPERT)."""
+    return (blas is not None and num_slots >= max(1, BLAS_MIN_ROWS_PER_EXPERT * weight.num_experts)
+            and os.environ.get(BLAS_ENV, "0") == "1" and not cupy.cuda.get_current_stream().is_capturing())
+
+
+def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool, blas,
+                     out: cupy.ndarray) -> None:
+    """cuBLAS on each active expert's rows (gathered into expert order first when ``gather``);
+    quantized experts are dequantised to a bf16 scratch one at a time."""
+    offsets = cupy.asnumpy(grouping.offsets)  # the host sync: rows per expert
+    rows = a[grouping.sorted_slots // grouping.top_k] if gather else a
+    for e in np.flatnonzero(np.diff(offsets)):
+        begin, end = int(offsets[e]), int(offsets[e + 1])
+        expert_weight = weight.data[e] if weight.format == "bf16" else dequantize(weight.expert(int(e)))
+        blas.matmul_nt(rows[begin:end], expert_weight, out[begin:end])
+
+
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                 gemv: bool | None = None) -> cupy.ndarray:
+                 gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
-    (False) ``moe_gemv``; None picks it when the slots average at most
-    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert."""
+    (False) the decode GEMV; None picks it when the slots average at most
+    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert. ``gemv_kernel``: which one (see ``GEMV_KERNELS``).
+    ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
+    if not gemv and blas_eligible(num_slots, weight, blas) and (weight.format == "bf16" or weight.gemv_ready(a)):
+        _grouped_by_blas(a, weight, grouping, gather, blas, out)
+        return out
     if gemv is None:
-        gemv = num_slots <= GEMV_MAX_ROWS_PER_EXPERT * weight.num_experts
+        gemv = num_slots <= gemv_row_limits(gemv_kernel)[1] * weight.num_experts
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
     if gemv and weight.gemv_ready(a):
-        grid = (-(-weight.out_features // GEMV_WARPS), grouping.max_tiles)
-        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + tables)
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, gemv_kernel)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
     return out
 
 
-def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: str | None = None) -> cupy.ndarray:
+def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: str | None = None, *,
+                     gemv_kernel: str | None = None) -> cupy.ndarray:
     """``x [M, K] @ W^T`` for one (E = 1) quantized weight: W8A16 / W4A16. ``method`` (None: by
-    M, see the module docstring): ``gemv`` (moe_gemv), ``tiles`` (moe_grouped_gemm dense mode,
-    dequantised per tile) or ``dequantize`` (the whole weight to a bf16 scratch, then ``blas``)."""
+    M, see the module docstring): ``gemv`` (the decode GEMV, ``gemv_kernel`` picks which),
+    ``tiles`` (moe_grouped_gemm dense mode, dequantised per tile) or ``dequantize`` (the whole
+    weight to a bf16 scratch, then ``blas``)."""
     if x.ndim != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear expects [tokens, {weight.in_features}], got {tuple(x.shape)}")
     rows = int(x.shape[0])
@@ -203,14 +293,12 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
         return out
     x = cupy.ascontiguousarray(x)
     if method is None:
-        method = ("gemv" if rows <= GEMV_MAX_ROWS else
-                  "dequantize" if rows >= DEQUANTIZE_MIN_ROWS and blas is not None else "tiles")
+        method = "gemv" if rows <= gemv_row_limits(gemv_kernel)[0] else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
              np.int32(weight.in_features))
     head = (x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale)
     if method == "gemv" and weight.gemv_ready(x):
-        grid = (-(-weight.out_features // GEMV_WARPS), -(-rows // GEMV_ROWS))
-        weight._kernel("moe_gemv")(grid, (GEMV_WARPS * 32,), head + dense)
+        _launch_gemv(weight, head + dense, 0, rows, gemv_kernel)
     elif method == "dequantize" and blas is not None and weight.gemv_ready(x):
         blas.matmul_nt(x, dequantize(weight), out)
     else:
@@ -259,7 +347,7 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True)
+    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(hidden)
-    y = grouped_gemm(activated, layer.down, grouping, gather=False)
+    y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
     return combine(y, grouping, shared, int(x.shape[1]))

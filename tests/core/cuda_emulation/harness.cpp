@@ -83,6 +83,39 @@ int main(int argc, char** argv) {
         moe_gemv(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T, dense_gemv.data(),
                  N1, H);
     });
+    // moe_gemv_wide on the same tiles (one block row: it loops over a tile's rows) and in dense
+    // mode (one block row over all T rows)
+    std::vector<bf16> h_gemv_wide(size_t(slots) * N1), dense_gemv_wide(size_t(T) * N1);
+    const unsigned wide_columns = WIDE_WARPS * WIDE_COLUMNS;
+    launch((N1 + wide_columns - 1) / wide_columns, max_tiles, 1, WIDE_WARPS * 32, [&] {
+        moe_gemv_wide(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                      num_tiles.data(), offsets.data(), 0, h_gemv_wide.data(), N1, H);
+    });
+    launch((N1 + wide_columns - 1) / wide_columns, 1, 1, WIDE_WARPS * 32, [&] {
+        moe_gemv_wide(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                      dense_gemv_wide.data(), N1, H);
+    });
+    save(dir, "h_gemv_wide.bin", h_gemv_wide);
+    save(dir, "dense_gemv_wide.bin", dense_gemv_wide);
+    // moe_gemv_mma on the same tiles, in dense mode, and in dense mode on the first N1 - 8 rows of
+    // the weight (a warp whose 16 columns run past N)
+    std::vector<bf16> h_gemv_mma(size_t(slots) * N1), dense_gemv_mma(size_t(T) * N1), narrow_gemv_mma(size_t(T) * (N1 - 8));
+    const unsigned mma_columns = MMA_GEMV_WARPS * 16;
+    launch((N1 + mma_columns - 1) / mma_columns, max_tiles, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                     num_tiles.data(), offsets.data(), 0, h_gemv_mma.data(), N1, H);
+    });
+    launch((N1 + mma_columns - 1) / mma_columns, 1, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                     dense_gemv_mma.data(), N1, H);
+    });
+    launch((N1 - 8 + mma_columns - 1) / mma_columns, 1, 1, MMA_GEMV_WARPS * 32, [&] {
+        moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                     narrow_gemv_mma.data(), N1 - 8, H);
+    });
+    save(dir, "h_gemv_mma.bin", h_gemv_mma);
+    save(dir, "dense_gemv_mma.bin", dense_gemv_mma);
+    save(dir, "narrow_gemv_mma.bin", narrow_gemv_mma);
     launch(4, 1, 1, 64, [&] { moe_dequantize(w1.data(), s1.data(), N1, H, w1_bf16.data()); });
     save(dir, "h.bin", h);
     save(dir, "h_gemv.bin", h_gemv);
@@ -146,6 +179,15 @@ int main(int argc, char** argv) {
                       partial_o.data(), partial_ml.data(), nullptr);
     });
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
+    // the tensor-core absorbed kernel on the same inputs (after the latent write, like the GPU)
+    std::vector<bf16> out_mma(size_t(T) * heads * KV_LORA);
+    launch(T, (heads + MMA_DECODE_HEADS - 1) / MMA_DECODE_HEADS * MMA_DECODE_PARTS, splits, MMA_DECODE_THREADS, [&] {
+        mla_attention_mma(q_latent.data(), q.data(), q_stride, q_pe_offset, cache.data(), tables.data(), max_blocks,
+                          block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out_mma.data(),
+                          splits, partial_o.data(), partial_ml.data(), nullptr);
+    });
+    if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out_mma.data()); });
+    save(dir, "out_mma.bin", out_mma);
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
     save(dir, "cache_out.bin", cache);
     save(dir, "out.bin", out.data(), out.size());
