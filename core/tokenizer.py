@@ -42,6 +42,8 @@ REPLACEMENT_CHAR = "\ufffd"
 # How many input characters a normalizer may fold into one (NFKC composes up to 3 Hangul jamo);
 # used only to bound text length before tokenizing.
 NORMALIZER_SLACK = 4
+# texts at least this long are encoded with the GIL released (a few ms of encoding and up)
+GIL_RELEASING_ENCODE_CHARS = 16_384
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -95,6 +97,12 @@ class Tokenizer:
                  chat_template: str | list[dict[str, str]] | None = None,
                  eos_token_ids: Sequence[int] | None = None, path: str = "",
                  default_max_new_tokens: int | None = None, chat_encoder: ChatEncoder | None = None):
+        # a tokenizer.json may carry truncation or padding settings (e.g. max_length 512): a prompt is
+        # never cut or padded silently (transformers turns both off unless a call asks for them)
+        if raw.truncation is not None:
+            raw.no_truncation()
+        if raw.padding is not None:
+            raw.no_padding()
         self.raw = raw
         # generation_config.json's max_new_tokens: the model's own default output length
         self.default_max_new_tokens = default_max_new_tokens
@@ -167,8 +175,14 @@ class Tokenizer:
                 f"tokens are at most {self.max_chars_per_token} characters long); shorten it", field)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``: the tokenizers library's
+        ``encode`` holds the GIL while it works (seconds for a long prompt, during which every other
+        thread of the process, an API server's event loop included, stands still), ``encode_batch``
+        releases it. Short texts keep ``encode``, which is cheaper to call."""
         try:
-            return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+            if len(text) < GIL_RELEASING_ENCODE_CHARS:
+                return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+            return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError as exc:  # the Rust side takes valid Unicode only (no lone surrogates)
             raise InvalidRequestError(f"the text cannot be tokenized: {exc} (is it valid UTF-8 text, without "
                                       "lone surrogates such as \\ud800?)", "prompt") from exc
