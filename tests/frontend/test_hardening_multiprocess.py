@@ -182,6 +182,22 @@ def test_a_request_queued_past_the_wait_limit_is_503_with_retry_after(server):
             time.sleep(0.2)
 
 
+def test_a_non_streamed_request_whose_client_left_is_aborted(server):
+    """--max-num-seqs 1 and --max-queue-wait: were the abandoned request (5000 tokens, 20 s of
+    steps) still generating, the next request would wait past the limit and get a 503."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=1.0,
+                   json={"prompt": "nobody reads this", "max_tokens": 5000, "ignore_eos": True})
+    began = time.monotonic()
+    response = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=30,
+                          json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert time.monotonic() - began < 5
+    metrics = httpx.get(server["url"] + "/metrics", timeout=10).text
+    assert any(line.startswith("openinfer_request_aborted_total") and not line.endswith(" 0.0")
+               for line in metrics.splitlines()), metrics
+
+
 @pytest.mark.parametrize("api_servers", ["1", "2"])
 def test_a_grpc_port_in_use_stops_the_multi_process_server_with_exit_3(stub_model, tmp_path, api_servers):
     with socket.socket() as holder:
