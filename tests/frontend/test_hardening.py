@@ -238,12 +238,9 @@ def test_tokenization_runs_off_the_event_loop(tokenizer, tokenizer_dir):
     assert len(latencies) >= 2 and max(latencies) < max(0.5, 0.3 * timings["request_s"]), (latencies, timings)
 
 
-def test_a_long_text_is_tokenized_with_the_gil_released(tokenizer):
-    """tokenizers' ``encode`` holds the GIL for all of its work: in a worker thread it still froze
-    the event loop for the whole tokenization (seconds). Python threads keep running now."""
-    text = "word " * 120_000
-    ids: list[int] = []
-    worker = threading.Thread(target=lambda: ids.extend(tokenizer.encode(text)))
+def _longest_pause_of_other_threads(work) -> tuple[float, float]:
+    """(longest pause of this thread while ``work`` runs in another, how long the work took)."""
+    worker = threading.Thread(target=work)
     gaps, last = [], time.monotonic()
     began = last
     worker.start()
@@ -252,10 +249,23 @@ def test_a_long_text_is_tokenized_with_the_gil_released(tokenizer):
         now = time.monotonic()
         gaps.append(now - last)
         last = now
-    took = time.monotonic() - began
+    return max(gaps), time.monotonic() - began
+
+
+def test_a_long_text_is_tokenized_and_detokenized_with_the_gil_released(tokenizer):
+    """tokenizers' ``encode`` / ``decode`` hold the GIL for all of their work: in a worker thread
+    they still froze the event loop for the whole tokenization (seconds). Python threads keep
+    running now. (A held GIL makes one pause the whole work; the bound allows for a loaded box.)"""
+    text = "word " * 120_000
+    ids: list[int] = []
+    pause, took = _longest_pause_of_other_threads(lambda: ids.extend(tokenizer.encode(text)))
     assert ids == tokenizer.raw.encode(text).ids
-    # a held GIL makes one gap the whole tokenization; the bound allows for a loaded 2-core box
-    assert took > 0.2 and max(gaps) < max(0.1, 0.3 * took), (max(gaps), took)
+    assert took > 0.2 and pause < max(0.1, 0.3 * took), (pause, took)
+    many = ids * 2
+    decoded: list[str] = []
+    pause, took = _longest_pause_of_other_threads(lambda: decoded.append(tokenizer.decode(many)))
+    assert decoded == [tokenizer.raw.decode(many)]
+    assert took > 0.2 and pause < max(0.1, 0.3 * took), (pause, took)
 
 
 def test_truncation_and_padding_in_tokenizer_json_are_not_applied(tokenizer_dir, tmp_path):
