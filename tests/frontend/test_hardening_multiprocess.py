@@ -198,14 +198,15 @@ def test_a_non_streamed_request_whose_client_left_is_aborted(server):
                for line in metrics.splitlines()), metrics
 
 
-@pytest.mark.parametrize("api_servers", ["1", "2"])
-def test_a_grpc_port_in_use_stops_the_multi_process_server_with_exit_3(stub_model, tmp_path, api_servers):
+@pytest.mark.parametrize("layout", [["--api-server-count", "1"], ["--api-server-count", "2"], ["--single-process"]],
+                         ids=["1-api-server", "2-api-servers", "single-process"])
+def test_a_grpc_port_in_use_stops_the_server_with_exit_3(stub_model, tmp_path, layout):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         grpc_port = holder.getsockname()[1]
         process = _serve(stub_model, write_sitecustomize(tmp_path / "site"), "--port", str(free_port()),
-                         "--grpc-port", str(grpc_port), "--api-server-count", api_servers, "--num-kv-blocks", "400")
+                         "--grpc-port", str(grpc_port), "--num-kv-blocks", "400", *layout)
         try:
             output, _ = process.communicate(timeout=120)
         finally:
