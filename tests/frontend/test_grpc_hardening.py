@@ -44,30 +44,29 @@ async def _status(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK, ""
 
 
-@pytest.mark.parametrize(("method", "streaming"), [
-    ("/openinfer.v1.Engine/Generate", True),
-    ("/openinfer.v1.Engine/Abort", False),
-    ("/sglang.grpc.scheduler.SglangScheduler/Generate", True),
-    ("/sglang.grpc.scheduler.SglangScheduler/GetLoads", False),
-    ("/vllm.grpc.engine.VllmEngine/Generate", True),
-    ("/vllm.grpc.engine.VllmEngine/GetLoads", False),
-])
-async def test_garbage_bytes_are_invalid_argument(served, method, streaming):
+METHODS = {  # (method, streaming) per service: openinfer's own, then each worker protocol's
+    "openinfer": [("/openinfer.v1.Engine/Generate", True), ("/openinfer.v1.Engine/Abort", False)],
+    "sglang": [("/sglang.grpc.scheduler.SglangScheduler/Generate", True),
+               ("/sglang.grpc.scheduler.SglangScheduler/GetLoads", False)],
+    "vllm": [("/vllm.grpc.engine.VllmEngine/Generate", True), ("/vllm.grpc.engine.VllmEngine/GetLoads", False)],
+}
+
+
+@pytest.mark.parametrize("service", ["openinfer", "worker"])
+async def test_garbage_bytes_are_invalid_argument(served, service):
     engine, channel, _ = served
-    protocol = "vllm" if "Vllm" in method else "sglang" if "Sglang" in method else engine.worker_protocol
-    if protocol != engine.worker_protocol:
-        pytest.skip(f"{method} is served with worker_protocol={protocol}")
-    make = channel.unary_stream if streaming else channel.unary_unary
-    call = make(method, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(GARBAGE)
-    code, details = await _status(call)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert "not a valid" in details
-    assert engine.submitted == []
-    # the server keeps serving well-formed calls
-    info = await channel.unary_unary("/openinfer.v1.Engine/GetModelInfo",
-                                     request_serializer=pb.GetModelInfoRequest.SerializeToString,
-                                     response_deserializer=pb.ModelInfo.FromString)(pb.GetModelInfoRequest())
-    assert info.vocab_size == 400
+    for method, streaming in METHODS[engine.worker_protocol if service == "worker" else service]:
+        make = channel.unary_stream if streaming else channel.unary_unary
+        call = make(method, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(GARBAGE)
+        code, details = await _status(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, details)
+        assert "not a valid" in details
+        assert engine.submitted == []
+        # the server keeps serving well-formed calls
+        info = await channel.unary_unary("/openinfer.v1.Engine/GetModelInfo",
+                                         request_serializer=pb.GetModelInfoRequest.SerializeToString,
+                                         response_deserializer=pb.ModelInfo.FromString)(pb.GetModelInfoRequest())
+        assert info.vocab_size == 400
 
 
 SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
