@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from fault_injection import API_FAULT_TEXT, ENGINE_FAULT_PROMPT, FACTORY_SPEC, write_sitecustomize
@@ -30,6 +31,8 @@ from tiny_checkpoints import write_tokenizer
 
 from openinfer.engine_core.stub import write_stub_model
 from openinfer.frontend.serve import API_KEY_ENV, STARTUP_FAILURE
+from openinfer.v1 import engine_pb2 as pb
+from openinfer.v1 import engine_pb2_grpc
 
 KEY = "multiprocess-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -69,7 +72,7 @@ def server(stub_model, tmp_path_factory) -> Iterator[dict]:
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_healthy(process, url)
-        yield {"process": process, "url": url, "site_dir": site_dir}
+        yield {"process": process, "url": url, "site_dir": site_dir, "grpc": f"127.0.0.1:{grpc_port}"}
     finally:
         if process.poll() is None:
             assert stop(process) == 0
@@ -196,6 +199,26 @@ def test_a_non_streamed_request_whose_client_left_is_aborted(server):
     metrics = httpx.get(server["url"] + "/metrics", timeout=10).text
     assert any(line.startswith("openinfer_request_aborted_total") and not line.endswith(" 0.0")
                for line in metrics.splitlines()), metrics
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"])
+def test_nan_sampling_through_the_engine_core_is_invalid_argument(server, field):
+    """openinfer.v1.Engine on the API server: the engine core refuses NaN, the refusal crosses
+    the process boundary as INVALID_ARGUMENT naming the field, and the server keeps serving."""
+    sampling = pb.SamplingParams(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
+    setattr(sampling, field, float("nan"))
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        request = pb.GenerateRequest(request_id=f"nan-{field}", prompt_token_ids=[300, 301], sampling=sampling,
+                                     stop=pb.StopConditions(max_tokens=2))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request, metadata=metadata, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in refused.value.details()
+        request.request_id = f"ok-{field}"
+        request.sampling.CopyFrom(pb.SamplingParams(temperature=0.0))
+        tokens = [t for e in stub.Generate(request, metadata=metadata, timeout=30) for t in e.tokens.ids]
+        assert len(tokens) == 2
 
 
 @pytest.mark.parametrize("layout", [["--api-server-count", "1"], ["--api-server-count", "2"], ["--single-process"]],
