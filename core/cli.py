@@ -10,30 +10,34 @@ import sys
 import uuid
 from pathlib import Path
 
-from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, token_ids
+from openinfer.cli_types import INT32_MAX, UINT64_MAX, float_range, int_range, non_empty, token_ids
 from openinfer.errors import OpenInferError
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-path", default=None,
+    parser.add_argument("--model-path", default=None, type=non_empty("--model-path"),
                         help="model directory (config.json + *.safetensors); default: the demo model")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--max-model-len", type=int_range(2, INT32_MAX), default=None,
                         help="context length, >= 2 (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int_range(1, INT32_MAX), default=None,
                         help="KV pool size in blocks, >= 1 (default: sized from memory)")
-    parser.add_argument("--trace-dir", default=None,
+    parser.add_argument("--trace-dir", default=None, type=non_empty("--trace-dir"),
                         help="write the request's Chrome-trace JSON (engine spans) into this directory")
     _add_parallel_arguments(parser)
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_parallel_sizes(parser)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights at the real shapes, from config.json alone")
+
+
+def _add_parallel_sizes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
                         help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
     parser.add_argument("--expert-parallel-size", type=int_range(1, 1024), default=1,
                         help="ranks splitting the MoE experts, one GPU each (default 1)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                        help="dummy: random weights at the real shapes, from config.json alone")
 
 
 def _resolve_model_path(model_path: str | None) -> Path:
@@ -172,14 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=cmd_generate)
 
     plan = sub.add_parser("plan", help="print the per-GPU memory plan for a config (runs on the CPU)")
-    plan.add_argument("--config", required=True, help="config.json, or a model directory holding one")
-    plan.add_argument("--tensor-parallel-size", type=int, default=1)
-    plan.add_argument("--expert-parallel-size", type=int, default=1)
-    plan.add_argument("--gpu-memory-gib", type=float, default=140.4, help="memory of one GPU (default: H200)")
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    plan.add_argument("--max-model-len", type=int, default=None, help="default: the config's")
-    plan.add_argument("--max-num-seqs", type=int, default=256)
-    plan.add_argument("--num-gpus", type=int, default=None, help="refuse layouts needing more GPUs than this")
+    plan.add_argument("--config", required=True, type=non_empty("--config"),
+                      help="config.json, or a model directory holding one")
+    _add_parallel_sizes(plan)
+    plan.add_argument("--gpu-memory-gib", type=float_range(0, low_inclusive=False), default=140.4,
+                      help="memory of one GPU in GiB, > 0 (default: H200's 140.4)")
+    plan.add_argument("--gpu-memory-utilization", type=float_range(0, 1, low_inclusive=False), default=0.90,
+                      help="fraction of GPU memory to use, in (0, 1] (default 0.9)")
+    plan.add_argument("--max-model-len", type=int_range(2, INT32_MAX), default=None,
+                      help="context length, >= 2 (default: the config's)")
+    plan.add_argument("--max-num-seqs", type=int_range(1, INT32_MAX), default=256, help=">= 1 (default 256)")
+    plan.add_argument("--num-gpus", type=int_range(1, 1024), default=None,
+                      help="refuse layouts needing more GPUs than this, >= 1")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(handler=cmd_plan)
 

@@ -42,6 +42,9 @@ REPLACEMENT_CHAR = "\ufffd"
 # How many input characters a normalizer may fold into one (NFKC composes up to 3 Hangul jamo);
 # used only to bound text length before tokenizing.
 NORMALIZER_SLACK = 4
+# texts at least this long are encoded with the GIL released (a few ms of encoding and up)
+GIL_RELEASING_ENCODE_CHARS = 16_384
+GIL_RELEASING_DECODE_IDS = 4_096
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -95,6 +98,12 @@ class Tokenizer:
                  chat_template: str | list[dict[str, str]] | None = None,
                  eos_token_ids: Sequence[int] | None = None, path: str = "",
                  default_max_new_tokens: int | None = None, chat_encoder: ChatEncoder | None = None):
+        # a tokenizer.json may carry truncation or padding settings (e.g. max_length 512): a prompt is
+        # never cut or padded silently (transformers turns both off unless a call asks for them)
+        if raw.truncation is not None:
+            raw.no_truncation()
+        if raw.padding is not None:
+            raw.no_padding()
         self.raw = raw
         # generation_config.json's max_new_tokens: the model's own default output length
         self.default_max_new_tokens = default_max_new_tokens
@@ -167,14 +176,24 @@ class Tokenizer:
                 f"tokens are at most {self.max_chars_per_token} characters long); shorten it", field)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``: the tokenizers library's
+        ``encode`` holds the GIL while it works (seconds for a long prompt, during which every other
+        thread of the process, an API server's event loop included, stands still), ``encode_batch``
+        releases it. Short texts keep ``encode``, which is cheaper to call."""
         try:
-            return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+            if len(text) < GIL_RELEASING_ENCODE_CHARS:
+                return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+            return self.raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError as exc:  # the Rust side takes valid Unicode only (no lone surrogates)
             raise InvalidRequestError(f"the text cannot be tokenized: {exc} (is it valid UTF-8 text, without "
                                       "lone surrogates such as \\ud800?)", "prompt") from exc
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of ``ids``; a long list through ``decode_batch``, which releases the GIL (as for
+        ``encode``: ``decode`` holds it, about a second per million ids)."""
+        if len(ids) < GIL_RELEASING_DECODE_IDS:
+            return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.raw.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (what OpenAI's logprob ``bytes`` carry): byte-level BPE

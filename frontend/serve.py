@@ -56,14 +56,15 @@ def _bool(value: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag with its range: a value outside it is a usage error (exit 2) naming the flag."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model-path", help="model directory (config.json, *.safetensors, tokenizer.json); "
-                                            "default: the demo model")
+    model.add_argument("--model-path", type=non_empty("--model-path"),
+                       help="model directory (config.json, *.safetensors, tokenizer.json); default: the demo model")
     model.add_argument("--engine", type=_engine_url,
                        help="serve a remote engine instead of a local model: grpc://HOST:PORT")
     model.add_argument("--engine-timeout", type=float_range(0, low_inclusive=False), default=60.0,
                        help="seconds to wait for the --engine to answer at start-up (default 60)")
-    model.add_argument("--tokenizer", help="tokenizer directory (default: the model's own; with --engine, "
-                                           "the tokenizer path the remote engine reports)")
+    model.add_argument("--tokenizer", type=non_empty("--tokenizer"),
+                       help="tokenizer directory (default: the model's own; with --engine, the tokenizer path "
+                            "the remote engine reports)")
     model.add_argument("--served-model-name", type=non_empty("--served-model-name"),
                        help="model name clients send (default: the directory name)")
     server = parser.add_argument_group("server")
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key", type=non_empty("--api-key"),
                       help="require 'Authorization: Bearer KEY' (HTTP) / the same gRPC metadata; visible in "
                            f"the process list, so prefer --api-key-file or ${API_KEY_ENV}")
-    keys.add_argument("--api-key-file", metavar="PATH",
+    keys.add_argument("--api-key-file", metavar="PATH", type=non_empty("--api-key-file"),
                       help=f"read the API key from this file (first line); default: ${API_KEY_ENV} if set")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--max-body-bytes", type=int_range(1024, INT32_MAX), default=16 * 1024 * 1024,
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-server-count", type=int_range(1, 256), default=1,
                         help="HTTP server processes sharing the port; the first also serves gRPC (default 1: on the 2-core CPU box one "
                              "process keeps up with the stub engine at 256 streams; raise it on GPU hosts)")
-    server.add_argument("--startup-report", metavar="PATH",
+    server.add_argument("--startup-report", metavar="PATH", type=non_empty("--startup-report"),
                         help="write where the start went (per process: spawn, imports, model load, KV, graphs, "
                              "HTTP; idle host memory) as JSON to PATH once HTTP is ready")
     server.add_argument("--single-process", action="store_true",

@@ -6,6 +6,7 @@ with an ``InvalidRequestError`` naming the field, never silently dropped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
@@ -84,8 +85,15 @@ def _check_supported(request: vllm_pb.GenerateRequest) -> None:
     if params.HasField("truncate_prompt_tokens") and params.truncate_prompt_tokens not in (-1, 0):
         raise _refuse("sampling_params.truncate_prompt_tokens", "prompt truncation is not supported; "
                       "send a prompt that fits")
-    if params.HasField("temperature") and params.temperature < 0:
-        raise _refuse("sampling_params.temperature", f"must be >= 0, got {params.temperature}")
+    # a non-finite or negative value must not fall back to a default below (NaN top_p reading as
+    # "unset" would silently sample from the whole vocabulary)
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            raise _refuse(f"sampling_params.{name}", f"must be a finite number, got {value}")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if getattr(params, name) < 0:
+            raise _refuse(f"sampling_params.{name}", f"must be >= 0, got {getattr(params, name)}")
 
 
 def _sampling(params: vllm_pb.SamplingParams) -> pb.SamplingParams:

@@ -1,4 +1,4 @@
-"""``openinfer serve`` / ``openinfer generate`` flags (issue 11): every value outside its range is a
+"""``openinfer serve`` / ``generate`` / ``plan`` flags (issue 11): every value outside its range is a
 usage error naming the flag (exit 2, no traceback); the API key can come from a file or the
 environment; a gRPC port in use stops the server with exit 3, as an HTTP port in use does."""
 
@@ -22,12 +22,21 @@ BAD_SERVE_FLAGS = [
     ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "nan"), ("--engine-timeout", "0"),
     ("--shutdown-timeout", "-1"), ("--max-body-bytes", "10"), ("--max-queue-wait", "-1"),
     ("--max-queue-wait", "inf"), ("--default-max-tokens", "0"), ("--seed", "-3"), ("--engine", "localhost:1"),
-    ("--host", ""), ("--api-key", ""), ("--served-model-name", " "),
+    ("--host", ""), ("--api-key", ""), ("--served-model-name", " "), ("--model-path", ""), ("--tokenizer", ""),
+    ("--api-key-file", ""), ("--trace-dir", ""), ("--startup-report", ""), ("--api-server-count", "0"),
+    ("--tensor-parallel-size", "0"), ("--expert-parallel-size", "0"), ("--port", "1e3"),
 ]
 BAD_GENERATE_FLAGS = [
     ("--max-tokens", "-1"), ("--max-tokens", "0"), ("--temperature", "-0.5"), ("--temperature", "nan"),
     ("--top-p", "0"), ("--top-p", "1.01"), ("--top-k", "-2"), ("--seed", "-1"), ("--max-model-len", "0"),
-    ("--num-kv-blocks", "0"),
+    ("--num-kv-blocks", "0"), ("--model-path", ""), ("--trace-dir", ""), ("--tensor-parallel-size", "0"),
+    ("--expert-parallel-size", "-1"),
+]
+BAD_PLAN_FLAGS = [
+    ("--tensor-parallel-size", "0"), ("--expert-parallel-size", "-1"), ("--gpu-memory-gib", "-1"),
+    ("--gpu-memory-gib", "0"), ("--gpu-memory-gib", "inf"), ("--gpu-memory-utilization", "nan"),
+    ("--gpu-memory-utilization", "1.5"), ("--max-model-len", "-5"), ("--max-num-seqs", "0"), ("--num-gpus", "0"),
+    ("--config", ""),
 ]
 
 
@@ -48,6 +57,21 @@ def test_serve_flag_out_of_range_is_a_usage_error(flag, value, capsys):
 def test_generate_flag_out_of_range_is_a_usage_error(flag, value, capsys):
     message = _usage_error(["generate", "--prompt", "x", f"{flag}={value}"], capsys)
     assert f"argument {flag}" in message
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_PLAN_FLAGS)
+def test_plan_flag_out_of_range_is_a_usage_error(flag, value, capsys):
+    argv = ["plan", f"{flag}={value}"] if flag == "--config" else ["plan", "--config", "config.json", f"{flag}={value}"]
+    message = _usage_error(argv, capsys)
+    assert f"argument {flag}" in message and "Traceback" not in message
+
+
+def test_every_numeric_flag_of_every_subcommand_has_a_range():
+    """No subcommand declares a bare int/float flag: each numeric type is a range checker from
+    openinfer.cli_types (a new flag without one fails here)."""
+    for name, subparser in build_parser()._subparsers._group_actions[0].choices.items():
+        for action in subparser._actions:
+            assert action.type not in (int, float), f"openinfer {name} {action.option_strings}: no range"
 
 
 @pytest.mark.parametrize("ids", ["-1", "1,-1", "", "1,x", str(2**31)])
