@@ -388,32 +388,28 @@ _BYTE_OFFSETS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], 
 SPARSE_WORDS = 8
 
 
-def _set_bits(words: np.ndarray, which: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids of the set bits of ``words[which]`` (ascending), below ``vocab_size``."""
-    bits = np.unpackbits(words[which].view(np.uint8), bitorder="little").reshape(-1, 32)
-    word, bit = np.nonzero(bits)
-    ids = which[word] * 32 + bit
+def _set_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids of the set bits of ``words`` (ascending), below ``vocab_size``."""
+    which = np.flatnonzero(words)
+    positions = np.flatnonzero(np.unpackbits(words[which].view(np.uint8), bitorder="little"))
+    ids = which[positions >> 5] * 32 + (positions & 31)
     return ids[ids < vocab_size]
 
 
 def _apply_row(logits: np.ndarray, bitmask_row: np.ndarray) -> None:
     vocab = logits.shape[-1]
     sparse = bitmask_row.size // SPARSE_WORDS
-    allowed_words = np.flatnonzero(bitmask_row)
-    if allowed_words.size <= sparse:
-        allowed = _set_bits(bitmask_row, allowed_words, vocab)
+    if np.count_nonzero(bitmask_row) <= sparse:  # few words allow anything
+        allowed = _set_bits(bitmask_row, vocab)
         kept = logits[allowed]
         logits.fill(-np.inf)
         logits[allowed] = kept
-        return
-    forbidding = np.invert(bitmask_row)
-    forbidden_words = np.flatnonzero(forbidding)
-    if forbidden_words.size <= sparse:
-        logits[_set_bits(forbidding, forbidden_words, vocab)] = -np.inf
-        return
-    offsets = np.empty((bitmask_row.size * 4, 8), dtype=np.float32)
-    np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0, out=offsets)
-    np.add(logits, offsets.reshape(-1)[:vocab], out=logits)
+    elif bitmask_row.size - np.count_nonzero(bitmask_row == -1) <= sparse:  # few words forbid anything
+        logits[_set_bits(np.invert(bitmask_row), vocab)] = -np.inf
+    else:
+        # (np.take without ``out``: with one, it buffers the output and is several times slower)
+        offsets = np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0)
+        np.add(logits, offsets.reshape(-1)[:vocab], out=logits)
 
 
 def apply_bitmasks(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
