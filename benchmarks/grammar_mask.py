@@ -16,7 +16,8 @@ max_tokens), measured side by side in one run:
 (a) the mask work alone, no model: filling every row's bitmask on demand (how the engine worked
     before: after the forward), what is left to wait for when the masks were computed in the
     background while a forward ran (now: ``structured.NextMasks`` starts them as the tokens are
-    consumed), and applying them in the NumPy sampler (now: a table gather; before: a boolean
+    consumed), and applying them in the NumPy sampler (now: ``apply_bitmasks`` on the step's packed
+    masks, sparse rows by index; before: a table gather over every row; first: a boolean
     assignment);
 (b) end to end, decode TPOT and process CPU time per step of four configurations in alternating
     rounds: no schema; the schema with masks on demand (``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0``,
@@ -266,11 +267,27 @@ CONFIGS = {"plain": ("none", True), "schema_on_demand": ("all", False), "schema_
            "mixed_half_background": ("half", True)}
 
 
-def boolean_assignment_apply(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
-    """The NumPy sampler's former mask application, for the before/after of ``apply_bitmask``."""
+def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The NumPy sampler's first mask application (a boolean assignment per row), for the
+    before/after of ``apply_bitmasks``."""
     from openinfer.structured import allowed_tokens
 
-    logits[~allowed_tokens(bitmask_row, logits.shape[-1])] = -np.inf
+    for row, words in zip(logits, bitmask, strict=True):
+        row[~allowed_tokens(words, logits.shape[-1])] = -np.inf
+    return logits
+
+
+_BYTE_OFFSETS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                         np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+def table_gather_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The NumPy sampler's second mask application (a byte-table gather and an add over every
+    row, whatever its mask), for the before/after of ``apply_bitmasks``."""
+    for row, words in zip(logits, bitmask, strict=True):
+        offsets = np.empty((words.size * 4, 8), dtype=np.float32)
+        np.take(_BYTE_OFFSETS, words.view(np.uint8), axis=0, out=offsets)
+        np.add(row, offsets.reshape(-1)[:row.shape[-1]], out=row)
     return logits
 
 
@@ -283,9 +300,10 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
     * ``exposed_fill_*_background``: what the step waits for when the masks were computed in
       the background from the moment the tokens were consumed, during a forward of
       ``forward_ms`` (a sleep: the GIL is free, as while a GPU runs);
-    * ``apply``: applying them to a float32 logits row each, now and with the former boolean
-      assignment."""
-    from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens, apply_bitmask
+    * ``apply``: applying the step's packed masks to a float32 logits row each: now
+      (``apply_bitmasks``: sparse rows by index, dense rows by a table gather), and the two
+      former ways (a table gather over every row; a boolean assignment)."""
+    from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens, apply_bitmasks
     from openinfer.v1 import engine_pb2 as pb
 
     constraint = pb.StructuredOutput(json_schema=json.dumps(PEOPLE))
@@ -295,7 +313,7 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
                for background, compiler in compilers.items()}
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((batch, vocab)).astype(np.float32)
-    exposed, apply, apply_before = {False: [], True: []}, [], []
+    exposed, apply, apply_gather, apply_before = {False: [], True: []}, [], [], []
     for _ in range(steps):
         live = [i for i, m in enumerate(walkers[False]) if not m.is_terminated()]
         if not live:
@@ -309,15 +327,18 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
             exposed[background].append((time.perf_counter() - start) * 1e3)
         bitmask = bitmasks[False]
         assert np.array_equal(bitmask, bitmasks[True])
-        for method, times in ((apply_bitmask, apply), (boolean_assignment_apply, apply_before)):
+        outputs = []
+        for method, times in ((apply_bitmasks, apply), (table_gather_apply, apply_gather),
+                              (boolean_assignment_apply, apply_before)):
             best = float("inf")
             for _ in range(3):  # the least disturbed of three (the host is shared)
-                rows = [logits[i].copy() for i in live]
+                rows, words = logits[live], bitmask[live]
                 start = time.perf_counter()
-                for row, i in zip(rows, live, strict=True):
-                    method(row, bitmask[i])
+                method(rows, words)
                 best = min(best, (time.perf_counter() - start) * 1e3)
             times.append(best)
+            outputs.append(rows)
+        assert all(np.array_equal(outputs[0], other) for other in outputs[1:])
         for i in live:
             token = int(rng.choice(np.nonzero(allowed_tokens(bitmask[i], vocab))[0]))
             if token not in eos:
@@ -326,6 +347,7 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
     return {"fill_on_demand_ms_mean": statistics.fmean(exposed[False]), "fill_on_demand_ms_max": max(exposed[False]),
             f"exposed_fill_ms_after_{forward_ms:g}ms_forward_background": statistics.fmean(exposed[True]),
             "apply_numpy_ms_mean": statistics.fmean(apply),
+            "apply_numpy_ms_mean_before (table gather every row)": statistics.fmean(apply_gather),
             "apply_numpy_ms_mean_before (boolean assignment)": statistics.fmean(apply_before)}
 
 
@@ -562,10 +584,11 @@ def plot(result: dict, path: Path) -> None:
     exposed = next(k for k in rows[0] if k.startswith("exposed_fill_ms"))
     bars = {"fill on demand (no model)": "fill_on_demand_ms_mean",
             "left to wait with background masks (" + exposed.split("after_")[1].split("_forward")[0] + " forward)": exposed,
-            "apply, boolean assignment (before)": "apply_numpy_ms_mean_before (boolean assignment)",
-            "apply, table gather (now)": "apply_numpy_ms_mean"}
+            "apply, boolean assignment (first)": "apply_numpy_ms_mean_before (boolean assignment)",
+            "apply, table gather every row (before)": "apply_numpy_ms_mean_before (table gather every row)",
+            "apply_bitmasks, packed step masks (now)": "apply_numpy_ms_mean"}
     for k, (label, key) in enumerate(bars.items()):
-        right.bar(x + (k - 1.5) * 0.2, [r[key] for r in rows], 0.2, label=label)
+        right.bar(x + (k - (len(bars) - 1) / 2) * 0.16, [r.get(key, np.nan) for r in rows], 0.16, label=label)
     right.set_xticks(x, labels)
     right.set_ylabel("ms per step")
     right.legend(fontsize=7)

@@ -383,14 +383,53 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
 # byte value → the 8 logit offsets its bits mean (0 allowed, -inf forbidden; bit 0 first)
 _BYTE_OFFSETS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
                          np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+# a row whose allowed (or forbidden) tokens lie in at most 1/SPARSE_WORDS of its words is masked by
+# index instead of through the table (a JSON state allows few tokens; a free string forbids few)
+SPARSE_WORDS = 8
+
+
+def _set_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids of the set bits of ``words`` (ascending), below ``vocab_size``."""
+    which = np.flatnonzero(words)
+    positions = np.flatnonzero(np.unpackbits(words[which].view(np.uint8), bitorder="little"))
+    ids = which[positions >> 5] * 32 + (positions & 31)
+    return ids[ids < vocab_size]
+
+
+def _apply_row(logits: np.ndarray, bitmask_row: np.ndarray) -> None:
+    vocab = logits.shape[-1]
+    sparse = bitmask_row.size // SPARSE_WORDS
+    if np.count_nonzero(bitmask_row) <= sparse:  # few words allow anything
+        allowed = _set_bits(bitmask_row, vocab)
+        kept = logits[allowed]
+        logits.fill(-np.inf)
+        logits[allowed] = kept
+    elif bitmask_row.size - np.count_nonzero(bitmask_row == -1) <= sparse:  # few words forbid anything
+        logits[_set_bits(np.invert(bitmask_row), vocab)] = -np.inf
+    else:
+        # (np.take without ``out``: with one, it buffers the output and is several times slower)
+        offsets = np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0)
+        np.add(logits, offsets.reshape(-1)[:vocab], out=logits)
+
+
+def apply_bitmasks(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Forbidden tokens' logits become -inf, in place: ``logits`` [rows, vocab] float32, ``bitmask``
+    [rows, ceil(vocab / 32)] int32 (the packed layout above; bits past ``vocab`` are ignored).
+    Allowed logits are left as they are. Per row, the cheapest of: writing the few allowed
+    tokens into a row of -inf, writing -inf at the few forbidden ones, or one table gather and
+    add over the row (a batch-wide gather is slower: its temporaries leave the cache)."""
+    if logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for {bitmask.shape[0]} bitmask rows")
+    if bitmask.dtype != np.int32 or bitmask.shape[1] < bitmask_words(logits.shape[1]):
+        raise ValueError(f"a bitmask for {logits.shape[1]} tokens is int32 [rows, >= {bitmask_words(logits.shape[1])}]")
+    for row in range(logits.shape[0]):
+        _apply_row(logits[row], bitmask[row])
+    return logits
 
 
 def apply_bitmask(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
-    """Forbidden tokens' logits become -inf (in place; ``logits`` is one float32 row). One table
-    gather and one add (6x faster than a boolean-mask assignment at a 49k vocabulary)."""
-    offsets = np.empty((bitmask_row.size * 4, 8), dtype=np.float32)
-    np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0, out=offsets)
-    np.add(logits, offsets.reshape(-1)[:logits.shape[-1]], out=logits)
+    """:func:`apply_bitmasks` for one float32 row (in place)."""
+    apply_bitmasks(logits[np.newaxis], bitmask_row[np.newaxis])
     return logits
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import log_softmax, sample_row, top_logprobs
-from openinfer.structured import CompilerCache, allocate_bitmask
+from openinfer.structured import CompilerCache, allocate_bitmask, apply_bitmasks
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -99,6 +99,16 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
     if device_sampler is not None:
         return device_sampler(logits, rows, eos_token_ids, masks)
     host = backend.to_host(logits)
+    # the step's packed masks are applied at once to every constrained row whose logprobs are not
+    # asked for (masking before penalties and logit_bias gives the same logits: -inf stays -inf);
+    # rows that report logprobs need their raw logits, so sample_row masks them itself
+    premasked: list[int] = []
+    if masks is not None:
+        premasked = [i for i in sorted(masks.constrained)
+                     if rows[i].samples and not (rows[i].request.want_logprobs or rows[i].request.num_logprobs)]
+    masked_rows = apply_bitmasks(np.array(host[premasked], dtype=np.float32), masks.bitmask[premasked]) \
+        if premasked else None
+    premasked_at = {row: k for k, row in enumerate(premasked)}
     results: list[RowSample] = []
     for index, row in enumerate(rows):
         request = row.request
@@ -112,9 +122,14 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
             banned = list(request.stop.stop_token_ids)
             if not request.stop.ignore_eos:
                 banned += list(eos_token_ids)
-        result = sample_row(np.array(host[index], dtype=np.float32), request.sampling, banned,
-                            request.num_logprobs, request.want_logprobs,
-                            masks.row(index) if masks is not None else None)
+        if index in premasked_at:
+            assert masked_rows is not None
+            row_logits, bitmask_row = masked_rows[premasked_at[index]], None
+        else:
+            row_logits = np.array(host[index], dtype=np.float32)
+            bitmask_row = masks.row(index) if masks is not None else None
+        result = sample_row(row_logits, request.sampling, banned, request.num_logprobs, request.want_logprobs,
+                            bitmask_row)
         results.append(RowSample(result.token_id, result.logprob, result.top))
     return results
 
