@@ -142,7 +142,7 @@ def main() -> None:
                  "cumulative_ms_per_request": 1e3 * cumulative / args.warm}
                 for (filename, line, function), (_, calls, _, cumulative, _) in pstats.Stats(profile).stats.items()]
 
-    rows = top(profile, "gpuperf") or top(profile, "openinfer")
+    rows = top(profile, str(Path(openinfer.__file__).resolve().parent))  # the package's own frames
     result = {"context": n, "through": "HTTP app (ASGI, token-id prompt, streamed)" if args.http else "EngineHandle",
               "cold_host_ttft_ms": 1e3 * cold, "warm_host_ttft_ms": [1e3 * w for w in warm],
               "warm_host_ttft_ms_median": 1e3 * float(np.median(warm)), "engine_step_profile": rows,

@@ -51,6 +51,52 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenChunk, extra_ke
                            digest_size=16).digest()
 
 
+def chain_block_hashes(parent_hash: bytes | None, data: bytes, block_size: int, extra_key: str = "") -> list[bytes]:
+    """``hash_block_tokens`` of each consecutive full block in ``data`` (``token_bytes`` of whole
+    blocks), each chained to the previous one: the same hashes, one tight loop."""
+    parent = parent_hash if parent_hash is not None else _ROOT_HASH
+    separator = extra_key.encode() + b"|"
+    blake2b, stride = hashlib.blake2b, 8 * block_size
+    hashes: list[bytes] = []
+    append = hashes.append
+    for start in range(0, len(data) - stride + 1, stride):
+        parent = blake2b(parent + separator + data[start : start + stride], digest_size=16).digest()
+        append(parent)
+    return hashes
+
+
+class PrefixHashes:
+    """One token sequence's chained block hashes (and the token bytes they cover), computed once
+    and extended as the sequence grows: a request keeps one, so every prefix lookup while it
+    waits, its start and each publish of its blocks hash each of its blocks once."""
+
+    def __init__(self, block_size: int, extra_key: str = ""):
+        self.block_size = block_size
+        self.extra_key = extra_key
+        self.hashes: list[bytes] = []
+        self._data = bytearray()  # token_bytes of the hashed blocks
+
+    def extend(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+        """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
+        before), hashing only those not hashed yet. A block holding a placeholder (a negative
+        id: a token not read back yet) and those after it are left unhashed."""
+        have, bs = len(self.hashes), self.block_size
+        if num_blocks > have:
+            tokens = np.fromiter(token_ids[have * bs : num_blocks * bs], np.int64)
+            placeholders = np.flatnonzero(tokens < 0)
+            if placeholders.size:
+                tokens = tokens[: placeholders[0] // bs * bs]
+            data = tokens.astype("<i8", copy=False).tobytes()
+            self.hashes.extend(chain_block_hashes(self.hashes[-1] if have else None, data, bs, self.extra_key))
+            self._data += data
+        return self.hashes
+
+    def token_bytes(self, first_block: int, end_block: int) -> bytes:
+        """The token bytes of hashed blocks ``[first_block, end_block)``."""
+        stride = 8 * self.block_size
+        return bytes(self._data[first_block * stride : end_block * stride])
+
+
 @dataclass
 class Block:
     block_id: int
@@ -95,6 +141,23 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self.cached)
+
+    def lookup_prefix(self, hashes: Sequence[bytes], data: bytes) -> list[int]:
+        """The cached blocks of the longest run of leading blocks found under ``hashes`` whose
+        tokens equal ``data``'s (``token_bytes`` of at least those blocks): a dict probe per
+        block and one comparison of all their tokens (block by block only on a mismatch)."""
+        if not self.enable_prefix_cache:
+            return []
+        found = list(map(self.cached.get, hashes))
+        if None in found:
+            del found[found.index(None):]
+        blocks, stride = self.blocks, 8 * self.block_size
+        if b"".join([blocks[b].token_bytes for b in found]) == data[: len(found) * stride]:
+            return found
+        for i, block_id in enumerate(found):  # a hash collision: keep the blocks before it
+            if blocks[block_id].token_bytes != data[i * stride : (i + 1) * stride]:
+                return found[:i]
+        return found
 
     def lookup(self, block_hash: bytes, token_ids: TokenChunk) -> int | None:
         """The cached block holding exactly these tokens after this parent chain, if any."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openinfer.kv.block_pool import NULL_BLOCK_ID, BlockPool, hash_block_tokens, token_bytes
+from openinfer.kv.block_pool import NULL_BLOCK_ID, BlockPool, PrefixHashes
 from openinfer.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheGroups, SlidingWindowSpec, group_specs
 from openinfer.kv.state_slots import NULL_SLOT_ID, StateSlots
 from openinfer.kv.table_rows import BlockTableRows
@@ -42,9 +42,10 @@ from openinfer.kv.table_rows import BlockTableRows
 
 @dataclass
 class RequestBlocks:
-    extra_key: str = ""  # engine-wide key + the request's cache salt, chained into every hash
+    # the hashes of the request's full token blocks, in order (its key: the engine-wide key + the
+    # request's cache salt, chained into every hash); the request's own, kept across preemptions
+    prefix: PrefixHashes
     tables: list[list[int]] = field(default_factory=list)  # per group id ([] for state groups)
-    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full token blocks, in order
     num_published: list[int] = field(default_factory=list)  # per group: leading table entries published
     num_released: list[int] = field(default_factory=list)  # per group: leading entries freed (window)
     state_slot: int = NULL_SLOT_ID
@@ -55,6 +56,10 @@ class RequestBlocks:
     @property
     def block_ids(self) -> list[int]:
         return self.tables[0] if self.tables else []
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.prefix.hashes
 
     @property
     def num_cached_blocks(self) -> int:
@@ -149,6 +154,10 @@ class KVCacheManager:
         """What besides token ids goes into a request's block hashes."""
         return f"{self.extra_key}|{cache_salt}" if cache_salt else self.extra_key
 
+    def prefix_hashes(self, cache_salt: str = "") -> PrefixHashes:
+        """An empty hash cache for a request's token blocks (pass it to ``start_request``)."""
+        return PrefixHashes(self.block_size, self.request_key(cache_salt))
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """State-slot copies ``(src, dst)`` queued since the last call (snapshot restores and
         snapshots); the engine runs them on every state layer before the next forward."""
@@ -157,41 +166,39 @@ class KVCacheManager:
 
     # --- prefix lookup ---------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> tuple[list[int], list[bytes]]:
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: str | None = None,
+                           prefix: PrefixHashes | None = None) -> tuple[list[int], list[bytes]]:
         """Longest prefix of full token blocks that every group can serve (the last token is
         never served from the cache: its logits must be computed), as (the first paged group's
-        hit blocks, the token-block hashes)."""
-        n, hashes, hits = self._find(token_ids, extra_key)
+        hit blocks, the token-block hashes). ``prefix``: the sequence's hash cache, if it has one."""
+        n, hashes, hits = self._find(token_ids, self._prefix_for(extra_key, prefix))
         first = next((g.group_id for g in self.groups.paged_groups), None)
         return (hits[first][:n] if first is not None else []), hashes[:n]
 
-    def _find(self, token_ids: Sequence[int], extra_key: str | None
-              ) -> tuple[int, list[bytes], list[list[int | None]]]:
+    def _prefix_for(self, extra_key: str | None, prefix: PrefixHashes | None) -> PrefixHashes:
         key = self.extra_key if extra_key is None else extra_key
+        if prefix is None or prefix.extra_key != key or prefix.block_size != self.block_size:
+            return PrefixHashes(self.block_size, key)
+        return prefix
+
+    def _find(self, token_ids: Sequence[int], prefix: PrefixHashes
+              ) -> tuple[int, list[bytes], list[list[int | None]]]:
         bs, groups = self.block_size, self.groups.groups
         max_blocks = (len(token_ids) - 1) // bs
-        data = token_bytes(token_ids[: max_blocks * bs])
-        stride = 8 * bs
+        hashes = prefix.extend(token_ids, max_blocks)[:max_blocks]
+        data = prefix.token_bytes(0, len(hashes))
         # full attention / MLA need every block of the prefix: the scan stops at their first miss
         prefix_groups = [g.group_id for g in groups
                          if g.paged and not isinstance(g.spec, CompressedSpec | SlidingWindowSpec)]
         other = [g for g in groups if g.group_id not in prefix_groups]
         hits: list[list[int | None]] = [[] for _ in groups]
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        for i in range(max_blocks):
-            chunk = data[i * stride : (i + 1) * stride]
-            block_hash = hash_block_tokens(parent, chunk, key)
-            found = [self.pools[g].lookup(block_hash, chunk) for g in prefix_groups]
-            if any(b is None for b in found):
-                break
-            for g, b in zip(prefix_groups, found, strict=True):
-                hits[g].append(b)
-            for group in other:
-                hits[group.group_id].append(self._lookup_other(group.group_id, i, block_hash, data))
-            hashes.append(block_hash)
-            parent = block_hash
         n = len(hashes)
+        for g in prefix_groups:
+            hits[g] = self.pools[g].lookup_prefix(hashes[:n], data)
+            n = min(n, len(hits[g]))
+        for group in other:
+            hits[group.group_id] = [self._lookup_other(group.group_id, i, hashes[i], data) for i in range(n)]
+        hashes = hashes[:n]
         while n > 0 and not all(self._serves(group, n, hits[group.group_id], hashes) for group in other):
             n -= 1
         return n, hashes, hits
@@ -220,12 +227,14 @@ class KVCacheManager:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start_request(self, request_id: str, token_ids: Sequence[int], use_cache: bool = True,
-                      cache_salt: str = "") -> int:
+                      cache_salt: str = "", prefix: PrefixHashes | None = None) -> int:
         """Register a request, taking references on its cached prefix (and a state slot, with a
-        restore from a snapshot on a hit); returns cached tokens. Raises MemoryError when the
-        model keeps state and no state slot is free (check ``can_start`` first)."""
-        key = self.request_key(cache_salt)
-        n, hashes, hits = self._find(token_ids, key) if use_cache else (0, [], [])
+        restore from a snapshot on a hit); returns cached tokens. ``prefix``: the request's hash
+        cache (``prefix_hashes``), so its blocks are hashed once over its life. Raises
+        MemoryError when the model keeps state and no state slot is free (check ``can_start``
+        first)."""
+        prefix = self._prefix_for(self.request_key(cache_salt), prefix)
+        n, hashes, hits = self._find(token_ids, prefix) if use_cache else (0, [], [])
         bs = self.block_size
         tables: list[list[int]] = []
         for group in self.groups.groups:
@@ -241,7 +250,7 @@ class KVCacheManager:
                 table = [NULL_BLOCK_ID] * first + hits[group.group_id][first:count]
             self.pools[group.group_id].touch([b for b in table if b != NULL_BLOCK_ID])
             tables.append(table)
-        blocks = RequestBlocks(key, tables, list(hashes[:n]), [len(t) for t in tables],
+        blocks = RequestBlocks(prefix, tables, [len(t) for t in tables],
                                [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
         if self.state_slots is not None:
             blocks.state_slot = self.state_slots.allocate(request_id)
@@ -316,22 +325,15 @@ class KVCacheManager:
         """Publish every block whose KV is now fully computed into the prefix cache, and the
         state snapshots taken at those block boundaries."""
         blocks = self.requests[request_id]
-        bs, stride = self.block_size, 8 * self.block_size
-        num_full = num_computed_tokens // bs
-        if len(blocks.block_hashes) < num_full:
-            first = len(blocks.block_hashes)
-            data = token_bytes(token_ids[first * bs : num_full * bs])
-            for i in range(first, num_full):
-                parent = blocks.block_hashes[i - 1] if i > 0 else None
-                blocks.block_hashes.append(
-                    hash_block_tokens(parent, data[(i - first) * stride : (i - first + 1) * stride], blocks.extra_key))
+        num_full = min(num_computed_tokens // self.block_size,
+                       len(blocks.prefix.extend(token_ids, num_computed_tokens // self.block_size)))
         for group in self.groups.paged_groups:
             gid, spec, table = group.group_id, group.spec, blocks.tables[group.group_id]
             ratio = spec.tokens_per_entry if isinstance(spec, CompressedSpec) else 1
             done = min(num_full // ratio, len(table))
             for j in range(blocks.num_published[gid], done):
                 if table[j] != NULL_BLOCK_ID:
-                    chunk = token_bytes(token_ids[j * ratio * bs : (j + 1) * ratio * bs])
+                    chunk = blocks.prefix.token_bytes(j * ratio, (j + 1) * ratio)
                     self.pools[gid].cache_full_block(table[j], blocks.block_hashes[(j + 1) * ratio - 1], chunk)
             blocks.num_published[gid] = max(blocks.num_published[gid], done)
         self._publish_snapshots(blocks, num_full)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from openinfer.kv.block_pool import PrefixHashes
 from openinfer.sampling import SamplingState
 from openinfer.v1 import engine_pb2 as pb
 
@@ -53,6 +54,9 @@ class Request:
     # (the sampling kernel can sample it, sampling needs its history on the host): fixed for
     # the request's life; set on first use by ``openinfer.runtime.sampler``
     sampling_traits: tuple[bool, bool] | None = None
+    # the hashes of its token blocks, computed once (the scheduler's prefix lookups while it
+    # waits, its start, every publish and a restart after preemption share them)
+    prefix_hashes: PrefixHashes | None = None
 
     @property
     def num_tokens(self) -> int:

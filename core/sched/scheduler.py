@@ -126,8 +126,10 @@ class Scheduler:
                 break
             if started_now:
                 use_cache = self.enable_prefix_cache and not request.want_prompt_logprobs
+                if use_cache and request.prefix_hashes is None:
+                    request.prefix_hashes = self.kv.prefix_hashes(request.cache_salt)
                 cached = self.kv.start_request(request.request_id, request.token_ids, use_cache,
-                                               request.cache_salt)
+                                               request.cache_salt, request.prefix_hashes)
                 request.num_computed_tokens = cached
                 if not request.was_scheduled:
                     request.num_cached_tokens = cached
