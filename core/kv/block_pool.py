@@ -82,7 +82,8 @@ class PrefixHashes:
         id: a token not read back yet) and those after it are left unhashed."""
         have, bs = len(self.hashes), self.block_size
         if num_blocks > have:
-            tokens = np.fromiter(token_ids[have * bs : num_blocks * bs], np.int64)
+            chunk = token_ids[have * bs : num_blocks * bs]
+            tokens = np.fromiter(chunk, np.int64, len(chunk))
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]

@@ -311,10 +311,11 @@ class PagedEngine:
     def _make_request(self, request: pb.GenerateRequest, max_tokens: int,
                       grammar: GrammarMatcher | None = None) -> Request:
         arrival = next(self._arrivals)
-        state = SamplingState.create(request.sampling, request.prompt_token_ids, self.options.seed, arrival,
-                                     grammar)
+        # a protobuf repeated field converts to an array without a Python loop, the array to a list fast
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        state = SamplingState.create(request.sampling, prompt, self.options.seed, arrival, grammar)
         return Request(
-            request_id=request.request_id, token_ids=list(request.prompt_token_ids),
+            request_id=request.request_id, token_ids=prompt.tolist(),
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
             sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
             want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from openinfer.errors import InvalidRequestError
 from openinfer.sampling import MAX_LOGPROBS, validate_sampling
 from openinfer.v1 import engine_pb2 as pb
@@ -18,8 +20,9 @@ def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len
             f"the prompt has {len(prompt)} tokens but the model's context is {max_model_len} tokens "
             f"(at most {max_model_len - 1} prompt tokens leave room for one generated token)",
             "prompt_token_ids")
-    bad = next((t for t in prompt if t >= vocab_size), None)
-    if bad is not None:
+    ids = np.asarray(prompt, dtype=np.int64)  # a protobuf repeated field: one copy, no Python loop
+    if ids.max() >= vocab_size:
+        bad = int(ids[np.argmax(ids >= vocab_size)])
         raise InvalidRequestError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})",
                                   "prompt_token_ids")
     stop = request.stop
