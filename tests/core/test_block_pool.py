@@ -1,3 +1,5 @@
+import numpy as np
+
 from openinfer.kv import BlockPool, KVCacheManager, hash_block_tokens
 from openinfer.kv.block_pool import NULL_BLOCK_ID
 
@@ -73,4 +75,81 @@ def test_prefix_cache_disabled():
     manager.free_request("a")
     assert manager.start_request("b", [1, 2, 3]) == 0
     manager.free_request("b")
+    assert pool.num_used_blocks == 0
+
+
+def test_prefix_hashes_are_the_block_chain_hashed_once(monkeypatch):
+    from openinfer.kv import block_pool
+
+    hashed: list[int] = []
+    chain = block_pool.chain_block_hashes
+
+    def counting_chain(parent, data, block_size, extra_key=""):
+        hashed.append(len(data) // (8 * block_size))
+        return chain(parent, data, block_size, extra_key)
+
+    monkeypatch.setattr(block_pool, "chain_block_hashes", counting_chain)
+    tokens = [7, 1, 4, 4, 2, 9, 3, 3, 8]
+    expected, parent = [], None
+    for i in range(4):
+        parent = hash_block_tokens(parent, tokens[2 * i : 2 * i + 2], "salt")
+        expected.append(parent)
+    prefix = block_pool.PrefixHashes(block_size=2, extra_key="salt")
+    assert prefix.extend(tokens, 2) == expected[:2]
+    assert prefix.extend(tokens, 4) == expected  # only the two new blocks are hashed
+    assert prefix.extend(tokens, 3)[:3] == expected[:3]
+    assert hashed == [2, 2]
+    assert prefix.token_bytes(1, 3) == block_pool.token_bytes(tokens[2:6])
+    # a block holding a token not read back yet (a placeholder) is left unhashed, and all after it
+    waiting = block_pool.PrefixHashes(block_size=2, extra_key="salt")
+    assert waiting.extend(tokens[:5] + [-1, 3, 3], 4) == expected[:2]
+
+
+def test_lookup_prefix_stops_at_the_first_miss_or_token_mismatch():
+    pool = BlockPool(num_blocks=5, block_size=2)
+    prefix = [1, 2, 3, 4, 5, 6]
+    hashes, parent = [], None
+    for i in range(3):
+        parent = hash_block_tokens(parent, prefix[2 * i : 2 * i + 2])
+        hashes.append(parent)
+    blocks = pool.allocate(2)
+    for block, h, i in zip(blocks, hashes[:2], (0, 1), strict=True):
+        pool.cache_full_block(block, h, prefix[2 * i : 2 * i + 2])
+    data = bytes(np.asarray(prefix, "<i8").tobytes())
+    assert pool.lookup_prefix(hashes, data) == blocks  # the third block is not cached
+    # the same hashes over other tokens (a collision): the run ends at the first block that differs
+    other = bytes(np.asarray([1, 2, 9, 9, 5, 6], "<i8").tobytes())
+    assert pool.lookup_prefix(hashes, other) == blocks[:1]
+    assert BlockPool(num_blocks=3, block_size=2, enable_prefix_cache=False).lookup_prefix(hashes, data) == []
+
+
+def test_a_request_restarted_or_retried_reuses_its_hashes_and_salts_stay_apart(monkeypatch):
+    from openinfer.kv import block_pool
+
+    hashed: list[int] = []
+    chain = block_pool.chain_block_hashes
+    monkeypatch.setattr(block_pool, "chain_block_hashes",
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (8 * bs)) or chain(parent, data, bs, key))
+    pool = BlockPool(num_blocks=12, block_size=2)
+    manager = KVCacheManager(pool)
+    tokens = list(range(3, 14))  # 11 tokens: 5 full blocks
+    prefix = manager.prefix_hashes()
+    assert manager.start_request("a", tokens, prefix=prefix) == 0
+    assert manager.grow("a", 11)
+    manager.publish_full_blocks("a", tokens, 11)
+    manager.free_request("a")  # preempted, or refused for lack of blocks: it will start again
+    assert manager.start_request("a", tokens, prefix=prefix) == 10
+    manager.free_request("a")
+    assert sum(hashed) == 5  # every block hashed once over the request's life
+    # another cache salt never hits these blocks, even given a hash cache of the unsalted key
+    assert manager.start_request("s", tokens, cache_salt="tenant-b", prefix=prefix) == 0
+    manager.free_request("s")
+    salted = manager.prefix_hashes("tenant-b")
+    assert manager.start_request("t", tokens, cache_salt="tenant-b", prefix=salted) == 0
+    assert manager.grow("t", 11)
+    manager.publish_full_blocks("t", tokens, 11)
+    manager.free_request("t")
+    assert manager.start_request("u", tokens, cache_salt="tenant-b") == 10
+    assert manager.find_cached_prefix(tokens)[1] == prefix.hashes[:5]
+    manager.free_request("u")
     assert pool.num_used_blocks == 0

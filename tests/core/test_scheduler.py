@@ -85,3 +85,21 @@ def test_max_num_seqs_limits_admission():
     plan = sched.schedule()
     assert [c.request.request_id for c in plan.chunks] == ["a", "b"]
     assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_a_request_waiting_for_blocks_hashes_its_prompt_once(monkeypatch):
+    from openinfer.kv import block_pool
+
+    hashed: list[int] = []
+    chain = block_pool.chain_block_hashes
+    monkeypatch.setattr(block_pool, "chain_block_hashes",
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (8 * bs)) or chain(parent, data, bs, key))
+    sched = scheduler(num_blocks=9, block_size=4, budget=64)
+    first, second = make("first", 17), make("second", 17)
+    sched.add(first)
+    sched.add(second)
+    assert [c.request.request_id for c in sched.schedule().chunks] == ["first"]  # 5 of 8 blocks
+    for _ in range(3):  # no room for "second": looked up and refused every step
+        assert [c.request.request_id for c in sched.schedule().chunks] == ["first"]
+    assert second.prefix_hashes is not None and len(second.prefix_hashes.hashes) == 4
+    assert hashed == [4, 4]  # each prompt's 4 full blocks, once
