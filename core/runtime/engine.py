@@ -63,6 +63,7 @@ class _LaunchedForward:
     rows: list[LogitsRow]
     logits: Any
     timer_start: Any = None  # StepTimer.start()'s event when timing
+    forward_end: Any = None  # and the event after the forward
     trace: Any = None  # EngineTracer.on_launch's record when tracing
 
 
@@ -479,7 +480,8 @@ class PagedEngine:
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
-        return _LaunchedForward(plan, rows, logits, start, trace)
+        forward_end = self._step_timer.start() if self._step_timer else None
+        return _LaunchedForward(plan, rows, logits, start, forward_end, trace)
 
     def _sample_or_fail(self, forward: _LaunchedForward) -> tuple[_LaunchedStep | None, Exception | None]:
         try:
@@ -496,10 +498,11 @@ class PagedEngine:
         # grammar masks: computed on the CPU while the device runs the forward (in the background
         # from the moment each matcher consumed its previous token, see ``structured``)
         masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
+        sampling_start = self._step_timer.start() if self._step_timer else None
         samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
                               self.async_scheduling, masks)
-        if self._step_timer:
-            self._step_timer.stop(forward.timer_start)
+        if self._step_timer:  # the device may have waited for the CPU between the forward and the sampling
+            self._step_timer.stop(forward.timer_start, (forward.forward_end, sampling_start))
         self.num_steps += 1
         for chunk in plan.chunks:
             if not chunk.request.is_finished:
