@@ -98,11 +98,13 @@ def main() -> None:
     async def one_http(http, request_id: str) -> float:
         body = {"prompt": prefix + rng.integers(3, 90, 8).tolist(), "max_tokens": 1, "temperature": 0.0,
                 "stream": True}
-        began, first = time.perf_counter(), None
+        began, began_cpu, first = time.perf_counter(), time.process_time(), None
         async with http.stream("POST", "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and first is None:
                     first = time.perf_counter() - began
+                    if not profiling["on"]:
+                        cpu_ms.append(1e3 * (time.process_time() - began_cpu))
         return first
 
     async def run() -> tuple[float, list[float]]:
