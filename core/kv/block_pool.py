@@ -34,14 +34,18 @@ NULL_BLOCK_ID = 0
 _ROOT_HASH = b"openinfer-prefix-cache-v1"
 
 
-TokenChunk = Sequence[int] | bytes  # a block's token ids, or their int64 bytes (``token_bytes``)
+# token ids hash and compare as little-endian int32 (ids are below the vocabulary size, < 2**31;
+# a block's 16 ids then fit one 64-byte compression block of the hash with its parent and key)
+TOKEN_DTYPE = np.dtype("<i4")
+TOKEN_WIDTH = TOKEN_DTYPE.itemsize
+TokenChunk = Sequence[int] | bytes  # a block's token ids, or their bytes (``token_bytes``)
 
 
 def token_bytes(token_ids: TokenChunk) -> bytes:
-    """The canonical byte form of token ids (little-endian int64), used for hashing and comparing."""
+    """The canonical byte form of token ids (little-endian int32), used for hashing and comparing."""
     if isinstance(token_ids, bytes):
         return token_ids
-    return np.asarray(token_ids, dtype="<i8").tobytes()
+    return np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: TokenChunk, extra_key: str = "") -> bytes:
@@ -56,7 +60,7 @@ def chain_block_hashes(parent_hash: bytes | None, data: bytes, block_size: int, 
     blocks), each chained to the previous one: the same hashes, one tight loop."""
     parent = parent_hash if parent_hash is not None else _ROOT_HASH
     separator = extra_key.encode() + b"|"
-    blake2b, stride = hashlib.blake2b, 8 * block_size
+    blake2b, stride = hashlib.blake2b, TOKEN_WIDTH * block_size
     hashes: list[bytes] = []
     append = hashes.append
     for start in range(0, len(data) - stride + 1, stride):
@@ -87,14 +91,14 @@ class PrefixHashes:
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]
-            data = tokens.astype("<i8", copy=False).tobytes()
+            data = tokens.astype(TOKEN_DTYPE).tobytes()
             self.hashes.extend(chain_block_hashes(self.hashes[-1] if have else None, data, bs, self.extra_key))
             self._data += data
         return self.hashes
 
     def token_bytes(self, first_block: int, end_block: int) -> bytes:
         """The token bytes of hashed blocks ``[first_block, end_block)``."""
-        stride = 8 * self.block_size
+        stride = TOKEN_WIDTH * self.block_size
         return bytes(self._data[first_block * stride : end_block * stride])
 
 
@@ -152,7 +156,7 @@ class BlockPool:
         found = list(map(self.cached.get, hashes))
         if None in found:
             del found[found.index(None):]
-        blocks, stride = self.blocks, 8 * self.block_size
+        blocks, stride = self.blocks, TOKEN_WIDTH * self.block_size
         if b"".join([blocks[b].token_bytes for b in found]) == data[: len(found) * stride]:
             return found
         for i, block_id in enumerate(found):  # a hash collision: keep the blocks before it

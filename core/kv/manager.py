@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from openinfer.kv.block_pool import NULL_BLOCK_ID, BlockPool, PrefixHashes
+from openinfer.kv.block_pool import NULL_BLOCK_ID, TOKEN_WIDTH, BlockPool, PrefixHashes
 from openinfer.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheGroups, SlidingWindowSpec, group_specs
 from openinfer.kv.state_slots import NULL_SLOT_ID, StateSlots
 from openinfer.kv.table_rows import BlockTableRows
@@ -210,10 +210,10 @@ class KVCacheManager:
         if isinstance(spec, CompressedSpec):
             if (index + 1) % spec.ratio:
                 return None
-            stride = 8 * self.block_size
+            stride = TOKEN_WIDTH * self.block_size
             chunk = data[(index + 1 - spec.ratio) * stride : (index + 1) * stride]
             return self.pools[group_id].lookup(block_hash, chunk)
-        stride = 8 * self.block_size
+        stride = TOKEN_WIDTH * self.block_size
         return self.pools[group_id].lookup(block_hash, data[index * stride : (index + 1) * stride])
 
     def _serves(self, group, n: int, hits: list[int | None], hashes: list[bytes]) -> bool:

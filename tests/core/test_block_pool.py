@@ -1,7 +1,5 @@
-import numpy as np
-
 from openinfer.kv import BlockPool, KVCacheManager, hash_block_tokens
-from openinfer.kv.block_pool import NULL_BLOCK_ID
+from openinfer.kv.block_pool import NULL_BLOCK_ID, token_bytes
 
 
 def test_allocate_takes_lowest_ids_and_reserves_null_block():
@@ -85,7 +83,7 @@ def test_prefix_hashes_are_the_block_chain_hashed_once(monkeypatch):
     chain = block_pool.chain_block_hashes
 
     def counting_chain(parent, data, block_size, extra_key=""):
-        hashed.append(len(data) // (8 * block_size))
+        hashed.append(len(data) // (block_pool.TOKEN_WIDTH * block_size))
         return chain(parent, data, block_size, extra_key)
 
     monkeypatch.setattr(block_pool, "chain_block_hashes", counting_chain)
@@ -115,10 +113,10 @@ def test_lookup_prefix_stops_at_the_first_miss_or_token_mismatch():
     blocks = pool.allocate(2)
     for block, h, i in zip(blocks, hashes[:2], (0, 1), strict=True):
         pool.cache_full_block(block, h, prefix[2 * i : 2 * i + 2])
-    data = bytes(np.asarray(prefix, "<i8").tobytes())
+    data = token_bytes(prefix)
     assert pool.lookup_prefix(hashes, data) == blocks  # the third block is not cached
     # the same hashes over other tokens (a collision): the run ends at the first block that differs
-    other = bytes(np.asarray([1, 2, 9, 9, 5, 6], "<i8").tobytes())
+    other = token_bytes([1, 2, 9, 9, 5, 6])
     assert pool.lookup_prefix(hashes, other) == blocks[:1]
     assert BlockPool(num_blocks=3, block_size=2, enable_prefix_cache=False).lookup_prefix(hashes, data) == []
 
@@ -129,7 +127,7 @@ def test_a_request_restarted_or_retried_reuses_its_hashes_and_salts_stay_apart(m
     hashed: list[int] = []
     chain = block_pool.chain_block_hashes
     monkeypatch.setattr(block_pool, "chain_block_hashes",
-                        lambda parent, data, bs, key="": hashed.append(len(data) // (8 * bs)) or chain(parent, data, bs, key))
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (block_pool.TOKEN_WIDTH * bs)) or chain(parent, data, bs, key))
     pool = BlockPool(num_blocks=12, block_size=2)
     manager = KVCacheManager(pool)
     tokens = list(range(3, 14))  # 11 tokens: 5 full blocks

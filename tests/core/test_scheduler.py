@@ -93,7 +93,7 @@ def test_a_request_waiting_for_blocks_hashes_its_prompt_once(monkeypatch):
     hashed: list[int] = []
     chain = block_pool.chain_block_hashes
     monkeypatch.setattr(block_pool, "chain_block_hashes",
-                        lambda parent, data, bs, key="": hashed.append(len(data) // (8 * bs)) or chain(parent, data, bs, key))
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (block_pool.TOKEN_WIDTH * bs)) or chain(parent, data, bs, key))
     sched = scheduler(num_blocks=9, block_size=4, budget=64)
     first, second = make("first", 17), make("second", 17)
     sched.add(first)
