@@ -56,6 +56,18 @@ _GPU_DEFAULT_BATCHED_TOKENS = 8192
 
 
 @dataclass
+class _LaunchedForward:
+    """A step whose forward is queued and whose sampling has not started yet."""
+
+    plan: SchedulerOutput
+    rows: list[LogitsRow]
+    logits: Any
+    timer_start: Any = None  # StepTimer.start()'s event when timing
+    forward_end: Any = None  # and the event after the forward
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
+
+
+@dataclass
 class _LaunchedStep:
     plan: SchedulerOutput
     rows: list[LogitsRow]
@@ -173,9 +185,10 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
-        # a backend that samples on the device asynchronously launches ahead only rows its
-        # kernel samples (one predicate: samples_on_device); a host sampler reads every row back
-        # anyway, so there only rows needing the previous step's tokens on the host wait
+        # every forward may be launched before the previous step is read back; its sampling may
+        # too when, on a backend sampling asynchronously, the kernel samples every row without the
+        # previous tokens on the host (one predicate: samples_on_device); a host sampler reads
+        # every row back anyway, so there only rows needing the previous step's tokens wait
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
@@ -394,13 +407,15 @@ class PagedEngine:
             self._flush()
 
     def _step(self) -> None:
-        """One engine step: schedule → launch (forward + sampling) → read back and emit.
+        """One engine step: schedule → launch the forward → sample → read back and emit.
 
-        With async scheduling, step N+1 is planned and launched while step N still runs on the
-        device — its inputs sampled by N are fed on the device (``token_sources``) — and N's
-        tokens are read back and emitted only after N+1 is queued, so the GPU never waits on
-        Python between decode steps. A request that N finishes has computed one extra token in
-        N+1, which is discarded.
+        With async scheduling, step N+1 is planned and its forward launched while step N still
+        runs on the device — its inputs sampled by N are fed on the device (``token_sources``) —
+        and N's tokens are read back and emitted only after that, so the GPU never waits on
+        Python between decode steps. Only *sampling* N+1 may need N's tokens on the host (a
+        grammar consumes them before it masks the next token; penalties count them): such a
+        step is sampled after N is read back, while its forward runs. A request that N
+        finishes has computed one extra token in N+1, which is discarded.
         """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
@@ -413,49 +428,48 @@ class PagedEngine:
             if self.tracer is not None:
                 self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
-        in_flight = self._in_flight
-        if in_flight is not None and not self._may_launch_ahead(plan):
-            self._in_flight = None
-            self._resolve(in_flight)
-            in_flight = None
-            plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+        in_flight, self._in_flight = self._in_flight, None
         if not plan.chunks:
             if in_flight is not None:
-                self._in_flight = None
                 self._resolve(in_flight)
             elif not plan.preempted:
                 time.sleep(0.001)
             return
+        launched: _LaunchedStep | None = None
+        failure: Exception | None = None
         try:
-            launched: _LaunchedStep | None = self._launch(plan, in_flight)
-            failure = None
+            forward: _LaunchedForward | None = self._launch_forward(plan, in_flight)
         except Exception as exc:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
-            launched, failure = None, exc
+            forward, failure = None, exc
+        if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
+            launched, failure = self._sample_or_fail(forward)
         if in_flight is not None:
-            self.num_steps_launched_ahead += launched is not None
-            self._in_flight = None
+            self.num_steps_launched_ahead += forward is not None
             self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
+        if forward is not None and launched is None and failure is None:
+            # N's tokens are consumed (a grammar's next mask is under way in the background): sample N+1
+            launched, failure = self._sample_or_fail(forward)
         if failure is not None:
             for chunk in plan.chunks:
                 if chunk.request.status is RequestStatus.RUNNING:
                     self._fail(chunk.request, f"model step failed: {failure!r}")
-        elif self.async_scheduling and self._may_launch_ahead(launched.plan):
-            self._in_flight = launched  # the next step may run before this one is read back
+        elif self.async_scheduling:
+            self._in_flight = launched  # the next step's forward may run before this one is read back
         else:
             self._resolve(launched)
 
-    def _may_launch_ahead(self, plan: SchedulerOutput) -> bool:
-        """A step may run before the previous one is read back when none of its rows needs
-        that step's tokens on the host (penalties count generated tokens; prompt logprobs
-        read them). The same test decides whether a launched step may stay unread."""
+    def _may_sample_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether a step may be sampled before the previous one is read back: none of its rows
+        needs that step's tokens on the host (a grammar, penalties, prompt logprobs) and, on a
+        backend that samples asynchronously, the kernel samples every row (else sampling reads
+        the step back at once, better done after the previous step's read-back)."""
         ready = samples_on_device if self._samples_async else _no_host_history
         return all(ready(c.request) for c in plan.chunks)
 
-    def _launch(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
-        """Build the batch, run the model and start sampling; the plan's tokens count as
-        computed from here on and each sampled token is a placeholder until read back.
-        Raises what the model raises (``step`` fails the plan's requests)."""
+    def _launch_forward(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedForward:
+        """Build the batch and run the model (inputs sampled by ``previous`` are read on the
+        device). Raises what the model raises (``step`` fails the plan's requests)."""
         trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
         start = self._step_timer.start() if self._step_timer else None
@@ -466,19 +480,37 @@ class PagedEngine:
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
-        # grammar masks are computed on the CPU while the device runs the forward
+        forward_end = self._step_timer.start() if self._step_timer else None
+        return _LaunchedForward(plan, rows, logits, start, forward_end, trace)
+
+    def _sample_or_fail(self, forward: _LaunchedForward) -> tuple[_LaunchedStep | None, Exception | None]:
+        try:
+            return self._sample(forward), None
+        except Exception as exc:
+            logger.exception("sampling failed; failing the %d requests in the step", len(forward.plan.chunks))
+            return None, exc
+
+    def _sample(self, forward: _LaunchedForward) -> _LaunchedStep:
+        """Start sampling a launched forward; the plan's tokens count as computed from here on
+        and each sampled token is a placeholder until read back. Rows of requests finished
+        meanwhile (the previous step stopped them) are sampled and discarded."""
+        plan, rows = forward.plan, forward.rows
+        # grammar masks: computed on the CPU while the device runs the forward (in the background
+        # from the moment each matcher consumed its previous token, see ``structured``)
         masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
-        samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
+        sampling_start = self._step_timer.start() if self._step_timer else None
+        samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
                               self.async_scheduling, masks)
-        if self._step_timer:
-            self._step_timer.stop(start)
+        if self._step_timer:  # the device may have waited for the CPU between the forward and the sampling
+            self._step_timer.stop(forward.timer_start, (forward.forward_end, sampling_start))
         self.num_steps += 1
         for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            if not chunk.request.is_finished:
+                chunk.request.num_computed_tokens += chunk.num_tokens
         for index, row in enumerate(rows):
-            if row.samples:
+            if row.samples and not row.request.is_finished:
                 row.request.append_placeholder(index)
-        return _LaunchedStep(plan, rows, samples, trace)
+        return _LaunchedStep(plan, rows, samples, forward.trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check

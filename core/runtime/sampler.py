@@ -62,11 +62,11 @@ def kernel_can_sample(request: Any) -> bool:
 
 
 def samples_on_device(request: Any) -> bool:
-    """THE launch-ahead predicate, shared by the engine (may a step be launched before the
-    previous one is read back, on a backend that samples asynchronously?) and the CUDA sampler's
-    asynchronous path: the kernel samples the row (:func:`kernel_can_sample`) and nothing about
-    it waits for the previous token on the host (a grammar does: its mask follows the token).
-    Rows with a grammar still use the kernel, in steps that are read back at once."""
+    """THE sample-ahead predicate, on a backend that samples asynchronously: may this row of a
+    step be sampled before the previous step is read back? The kernel samples it
+    (:func:`kernel_can_sample`) and nothing about it waits for the previous token on the host (a
+    grammar does: its mask follows the token). Other rows are sampled once the previous step is
+    read back, while their step's forward runs; grammar rows then still use the kernel."""
     return not _sampling_traits(request)[1] and kernel_can_sample(request)
 
 
@@ -84,8 +84,9 @@ class GrammarMasks:
 
 def grammar_masks(rows: Sequence[LogitsRow], vocab_size: int, compilers: CompilerCache) -> GrammarMasks | None:
     """The masks of every sampling row whose request has a grammar (None when no row has one)."""
+    # a request finished meanwhile (its previous step stopped it) has nothing left to mask
     constrained = [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
-                   if row.samples and row.request.sampling.grammar is not None]
+                   if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
     if not constrained:
         return None
     bitmask = allocate_bitmask(len(rows), vocab_size)
@@ -154,11 +155,12 @@ class SampledStep:
 def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
                 deferred: bool, masks: GrammarMasks | None = None) -> SampledStep:
     """Sample a step. With ``deferred`` and a backend that samples asynchronously
-    (``sample_rows_async``), nothing is read back until ``results()``. Steps with grammar
-    masks are sampled at once (the next mask needs this step's tokens)."""
+    (``sample_rows_async``), nothing is read back until ``results()``; grammar masks go to
+    the device with the rows (the engine samples a step with masks only once every matcher
+    has consumed the previous step's tokens)."""
     async_sampler = getattr(backend, "sample_rows_async", None)
-    if deferred and async_sampler is not None and masks is None:
-        launched = async_sampler(logits, rows)
+    if deferred and async_sampler is not None:
+        launched = async_sampler(logits, rows) if masks is None else async_sampler(logits, rows, masks)
         if launched is not None:
             device_ids, read_back = launched
             return SampledStep(device_ids, None, read_back)

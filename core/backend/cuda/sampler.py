@@ -26,14 +26,13 @@ from openinfer.backend.cuda.loader import kernel
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.runtime.sampler import GrammarMasks, RowSample, kernel_can_sample
 from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
-from openinfer.runtime.sampler import samples_on_device as may_run_ahead
 from openinfer.sampling import SamplingState
 
 
 def samples_on_device(row: LogitsRow) -> bool:
     """True when the GPU kernel implements everything this row asks for
-    (``openinfer.runtime.sampler.kernel_can_sample``: every row the engine launches ahead, plus
-    grammar rows, whose masks are applied on the device in steps read back at once)."""
+    (``openinfer.runtime.sampler.kernel_can_sample``: grammar rows included, their masks
+    applied on the device)."""
     return row.samples and kernel_can_sample(row.request)
 
 
@@ -132,17 +131,21 @@ def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: 
     return [r for r in results if r is not None]
 
 
-def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow]) -> tuple[cupy.ndarray, Any] | None:
-    """Queue sampling of every row and an asynchronous copy of the ids into pinned memory.
+def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
+                      masks: GrammarMasks | None = None) -> tuple[cupy.ndarray, Any] | None:
+    """Queue sampling of every row (``masks``: the step's grammar masks, applied on the device)
+    and an asynchronous copy of the ids into pinned memory.
 
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
-    work queued after it — or None when some row needs the host sampler.
+    work queued after it — or None when some row needs the host sampler. The engine calls it
+    for a row needing the previous token on the host (a grammar) only once that token is there.
     """
-    if not rows or not all(row.samples and may_run_ahead(row.request) for row in rows):
+    if not rows or not all(row.samples and kernel_can_sample(row.request) for row in rows):
         return None
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
-    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows])
+    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows],
+                                    [masks.row(i) for i in range(len(rows))] if masks is not None else None)
     pinned = cupyx.empty_pinned(tokens.shape, dtype=np.int32)
     stream = cupy.cuda.get_current_stream()
     tokens.get(stream=stream, out=pinned, blocking=False)
