@@ -33,11 +33,12 @@ from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
 from openinfer.runtime.sampler import (
+    GrammarMasks,
     SampledStep,
-    grammar_masks,
     needs_host_history,
     sample_step,
     samples_on_device,
+    start_grammar_masks,
 )
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
@@ -65,6 +66,18 @@ class _LaunchedForward:
     timer_start: Any = None  # StepTimer.start()'s event when timing
     forward_end: Any = None  # and the event after the forward
     trace: Any = None  # EngineTracer.on_launch's record when tracing
+    accounted: bool = False  # its tokens count as computed and its rows hold placeholders
+    masks: GrammarMasks | None = None  # its grammar masks, started once the matchers consumed N's tokens
+
+
+@dataclass
+class _BuiltForward:
+    """A step's batch built on the host, its forward not launched yet."""
+
+    plan: SchedulerOutput
+    batch: Any
+    rows: list[LogitsRow]
+    trace: Any = None
 
 
 @dataclass
@@ -185,6 +198,8 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
+        # a launched forward whose sampling waits for its grammar masks (see ``_step``)
+        self._unsampled: _LaunchedForward | None = None
         # every forward may be launched before the previous step is read back; its sampling may
         # too when, on a backend sampling asynchronously, the kernel samples every row without the
         # previous tokens on the host (one predicate: samples_on_device); a host sampler reads
@@ -360,12 +375,12 @@ class PagedEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.scheduler.has_work and self._in_flight is None
+                idle = not self.scheduler.has_work and self._in_flight is None and self._unsampled is None
                 running = self._drain_inbox(idle)
                 self._flush()
                 if not running:
                     break
-                if self.scheduler.has_work or self._in_flight is not None:
+                if self.scheduler.has_work or self._in_flight is not None or self._unsampled is not None:
                     self.step()
         except BaseException as exc:  # keep the process alive; health() reports it
             logger.exception("engine loop crashed")
@@ -413,9 +428,13 @@ class PagedEngine:
         runs on the device — its inputs sampled by N are fed on the device (``token_sources``) —
         and N's tokens are read back and emitted only after that, so the GPU never waits on
         Python between decode steps. Only *sampling* N+1 may need N's tokens on the host (a
-        grammar consumes them before it masks the next token; penalties count them): such a
-        step is sampled after N is read back, while its forward runs. A request that N
-        finishes has computed one extra token in N+1, which is discarded.
+        grammar consumes them before it masks the next token; penalties count them): then N is
+        read back while N+1's forward runs, the matchers consume N's tokens and N+1's masks
+        start on a background thread, and N+1's sampling is deferred to the next call, which
+        first plans and builds N+2's batch and then queues N+1's sampling and N+2's forward
+        back to back. So the engine's scheduling and batch building overlap the forward and
+        the mask work as they do without grammars. A request that N finishes has computed one
+        extra token in N+1, which is discarded.
         """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
@@ -429,35 +448,65 @@ class PagedEngine:
                 self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
         in_flight, self._in_flight = self._in_flight, None
-        if not plan.chunks:
+        unsampled, self._unsampled = self._unsampled, None
+        built: _BuiltForward | None = None
+        failure: Exception | None = None
+        if plan.chunks:
+            try:
+                built = self._build_forward(plan)
+            except Exception as exc:
+                logger.exception("building the step failed; failing the %d requests in it", len(plan.chunks))
+                failure = exc
+        if unsampled is not None:  # the deferred step: sampled now, right before the next forward
+            assert in_flight is None
+            in_flight, unsampled_failure = self._sample_or_fail(unsampled)
+            if unsampled_failure is not None:
+                self._fail_plan(unsampled.plan, unsampled_failure)
+                return  # this plan's inputs were to come from those samples: it is planned again
+        if built is None:
+            if failure is not None:
+                self._fail_plan(plan, failure)
             if in_flight is not None:
                 self._resolve(in_flight)
-            elif not plan.preempted:
+            elif not plan.preempted and failure is None:
                 time.sleep(0.001)
             return
         launched: _LaunchedStep | None = None
-        failure: Exception | None = None
+        forward: _LaunchedForward | None = None
         try:
-            forward: _LaunchedForward | None = self._launch_forward(plan, in_flight)
+            forward = self._run_forward(built, in_flight)
         except Exception as exc:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
-            forward, failure = None, exc
+            failure = exc
         if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
             launched, failure = self._sample_or_fail(forward)
         if in_flight is not None:
             self.num_steps_launched_ahead += forward is not None
             self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
         if forward is not None and launched is None and failure is None:
-            # N's tokens are consumed (a grammar's next mask is under way in the background): sample N+1
-            launched, failure = self._sample_or_fail(forward)
+            # N's tokens are consumed: N+1's masks start in the background
+            if self.async_scheduling:
+                try:
+                    self._defer_sampling(forward)
+                except Exception as exc:
+                    logger.exception("starting the grammar masks failed; failing the %d requests in the step",
+                                     len(plan.chunks))
+                    failure = exc
+                else:
+                    return
+            else:
+                launched, failure = self._sample_or_fail(forward)
         if failure is not None:
-            for chunk in plan.chunks:
-                if chunk.request.status is RequestStatus.RUNNING:
-                    self._fail(chunk.request, f"model step failed: {failure!r}")
+            self._fail_plan(plan, failure)
         elif self.async_scheduling:
             self._in_flight = launched  # the next step's forward may run before this one is read back
         else:
             self._resolve(launched)
+
+    def _fail_plan(self, plan: SchedulerOutput, failure: Exception) -> None:
+        for chunk in plan.chunks:
+            if chunk.request.status is RequestStatus.RUNNING:
+                self._fail(chunk.request, f"model step failed: {failure!r}")
 
     def _may_sample_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a step may be sampled before the previous one is read back: none of its rows
@@ -467,21 +516,26 @@ class PagedEngine:
         ready = samples_on_device if self._samples_async else _no_host_history
         return all(ready(c.request) for c in plan.chunks)
 
-    def _launch_forward(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedForward:
-        """Build the batch and run the model (inputs sampled by ``previous`` are read on the
-        device). Raises what the model raises (``step`` fails the plan's requests)."""
+    def _build_forward(self, plan: SchedulerOutput) -> _BuiltForward:
+        """The step's batch on the host (nothing on the device yet)."""
         trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
+        return _BuiltForward(plan, batch, rows, trace)
+
+    def _run_forward(self, built: _BuiltForward, previous: _LaunchedStep | None) -> _LaunchedForward:
+        """Run the model on a built batch (inputs sampled by ``previous`` are read on the
+        device). Raises what the model raises (``step`` fails the plan's requests)."""
+        plan = built.plan
         start = self._step_timer.start() if self._step_timer else None
         self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
-        logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+        logits = self.runner.run(built.batch, previous.samples.device_token_ids if previous else None)
         if self._state_layers and self.options.enable_prefix_cache:
             for chunk in plan.chunks:  # the state at a block boundary may serve a later request
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
         forward_end = self._step_timer.start() if self._step_timer else None
-        return _LaunchedForward(plan, rows, logits, start, forward_end, trace)
+        return _LaunchedForward(plan, built.rows, logits, start, forward_end, built.trace)
 
     def _sample_or_fail(self, forward: _LaunchedForward) -> tuple[_LaunchedStep | None, Exception | None]:
         try:
@@ -490,26 +544,44 @@ class PagedEngine:
             logger.exception("sampling failed; failing the %d requests in the step", len(forward.plan.chunks))
             return None, exc
 
+    def _account(self, forward: _LaunchedForward) -> None:
+        """The plan's tokens count as computed from here on and each row to be sampled holds a
+        placeholder until read back (so the next step can be planned before this one samples)."""
+        if forward.accounted:
+            return
+        forward.accounted = True
+        for chunk in forward.plan.chunks:
+            if not chunk.request.is_finished:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+        for index, row in enumerate(forward.rows):
+            if row.samples and not row.request.is_finished:
+                row.request.append_placeholder(index)
+
+    def _defer_sampling(self, forward: _LaunchedForward) -> None:
+        """Account a launched forward whose matchers have just consumed the previous step's
+        tokens, start its grammar masks in the background and leave its sampling to the next
+        ``_step`` (after the next batch is built)."""
+        forward.masks = start_grammar_masks(forward.rows, self._grammars)
+        self._account(forward)
+        self._unsampled = forward
+
     def _sample(self, forward: _LaunchedForward) -> _LaunchedStep:
-        """Start sampling a launched forward; the plan's tokens count as computed from here on
-        and each sampled token is a placeholder until read back. Rows of requests finished
-        meanwhile (the previous step stopped them) are sampled and discarded."""
+        """Start sampling a launched forward (accounting it first, unless deferred sampling did).
+        Rows of requests finished meanwhile (the previous step stopped them) are sampled and
+        discarded."""
         plan, rows = forward.plan, forward.rows
-        # grammar masks: computed on the CPU while the device runs the forward (in the background
-        # from the moment each matcher consumed its previous token, see ``structured``)
-        masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
+        # grammar masks: computed on the CPU while the device runs the forward (on a background
+        # thread from the moment the matchers consumed the previous tokens, see ``structured``)
+        masks = forward.masks if forward.accounted else start_grammar_masks(rows, self._grammars)
+        if masks is not None:
+            masks.wait()
         sampling_start = self._step_timer.start() if self._step_timer else None
         samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
                               self.async_scheduling, masks)
         if self._step_timer:  # the device may have waited for the CPU between the forward and the sampling
             self._step_timer.stop(forward.timer_start, (forward.forward_end, sampling_start))
         self.num_steps += 1
-        for chunk in plan.chunks:
-            if not chunk.request.is_finished:
-                chunk.request.num_computed_tokens += chunk.num_tokens
-        for index, row in enumerate(rows):
-            if row.samples and not row.request.is_finished:
-                row.request.append_placeholder(index)
+        self._account(forward)
         return _LaunchedStep(plan, rows, samples, forward.trace)
 
     def _resolve(self, launched: _LaunchedStep) -> None:

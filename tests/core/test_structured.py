@@ -177,9 +177,12 @@ def test_packed_bitmask_application_refuses_a_narrow_bitmask():
 
 
 def test_background_masks_equal_masks_computed_when_asked(tokenizer):
-    """Matchers that compute their next mask on the background thread as they consume a token
-    give the very masks of matchers that compute them on demand, row for row, along random walks
-    of several requests at once."""
+    """A step's masks computed on the background worker (``start_masks``) are the very masks
+    computed on the calling thread and row by row (``fill``), in the compact layout (one bitmask
+    row per constrained logits row, ``mask_rows`` mapping the others to -1), along random walks
+    of several requests at once; a matcher consuming a token waits for the computation first."""
+    from openinfer.runtime.sampler import GrammarMasks
+
     vocab = tokenizer.get_vocab_size() + 5
     eos = [tokenizer.token_to_id("<eos>")]
     constraints = [pb.StructuredOutput(json_schema=json.dumps({"type": "array", "items": {"enum": [1, 2, True]}})),
@@ -189,20 +192,28 @@ def test_background_masks_equal_masks_computed_when_asked(tokenizer):
                              for flag in (True, False))
     walkers = [(background.compile(c), on_demand.compile(c)) for c in constraints]
     rng = np.random.default_rng(0)
-    for step in range(30):
+    num_rows = len(walkers) + 2  # rows 0 and 1 of the step carry no grammar
+    for _ in range(30):
         live = [(i, pair) for i, pair in enumerate(walkers) if not pair[1].is_terminated()]
         if not live:
             break
-        masks = [allocate_bitmask(len(walkers), vocab) for _ in range(2)]
-        if step:  # every live matcher has consumed a token: its next mask came from the background
-            assert all(fast.computed_mask() is not None and slow.computed_mask() is None for _, (fast, slow) in live)
-        for side in range(2):
-            compiler = (background, on_demand)[side]
-            compiler.fill_bitmasks([(pair[side], i) for i, pair in live], masks[side])
-        assert np.array_equal(masks[0], masks[1])
-        for i, (fast, slow) in live:
-            token = int(rng.choice(np.nonzero(allowed_tokens(masks[1][i], vocab))[0]))
-            assert fast.accept(token) == slow.accept(token)
+        steps = [compiler.start_masks([(pair[side], i + 2) for i, pair in live], num_rows)
+                 for side, compiler in enumerate((background, on_demand))]
+        fast, slow = (masks.wait() for masks in steps)
+        assert isinstance(fast, GrammarMasks)
+        assert np.array_equal(fast.bitmask, slow.bitmask) and np.array_equal(fast.mask_rows, slow.mask_rows)
+        assert fast.constrained == [i + 2 for i, _ in live] and fast.row(0) is None and fast.row(1) is None
+        for i, (walker, _) in live:
+            one = allocate_bitmask(1, vocab)
+            walker.fill(one[0])
+            assert np.array_equal(one[0], fast.row(i + 2))
+        again = background.start_masks([(pair[0], i + 2) for i, pair in live], num_rows)
+        for i, (fast_walker, slow_walker) in live:  # consuming waits for the computation under way
+            token = int(rng.choice(np.nonzero(allowed_tokens(fast.row(i + 2), vocab))[0]))
+            assert fast_walker.accept(token) == slow_walker.accept(token)
+        again.wait()
+    subset = fast.subset([2, 0, 4])
+    assert subset.row(1) is None and np.array_equal(subset.row(0), fast.row(2))
 
 
 EXIT_MID_FILL = """
@@ -218,6 +229,7 @@ bitmask = allocate_bitmask(64, int(sys.argv[2]))
 compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
 for i, m in enumerate(matchers):
     m.accept(int(np.nonzero(allowed_tokens(bitmask[i], int(sys.argv[2])))[0][0]))
+compiler.start_masks([(m, i) for i, m in enumerate(matchers)], 64)
 print("exiting while the background thread fills 64 masks")
 """
 
@@ -341,8 +353,7 @@ def test_step_sampler_with_packed_masks_equals_masking_row_by_row():
         bitmask = _random_bitmasks(rng, len(params), vocab)
         bitmask[:, 0] |= 1 << 7  # eos allowed, so min_tokens bans something
         constrained = frozenset(i for i in range(len(params)) if (i + step) % 4 != 0)
-        masks = GrammarMasks(np.where(np.isin(np.arange(len(params)), list(constrained))[:, None], bitmask, -1)
-                             .astype(np.int32), constrained)
+        masks = GrammarMasks.from_rows(bitmask, constrained)
         rows = [LogitsRow(r, 3 + step, True) for r in batched]
         got = sample_rows(backend, logits.copy(), rows, eos, masks)
         for i, request in enumerate(row_by_row):
