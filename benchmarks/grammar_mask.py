@@ -495,6 +495,186 @@ def qwen3_4b_dummy(directory: Path) -> Path:
     return directory
 
 
+# --- the GPU's step timeline modelled on the CPU ------------------------------------------------
+
+# decode forward of the Qwen3-4B shape on an H100 at these batch sizes (ms): the TPOT without a
+# schema in results/grammar_mask_cuda.json (the step was device-bound: less CPU per step than TPOT)
+H100_FORWARD_MS = {1: 3.9, 64: 5.0}
+H100_SAMPLE_MS = 0.1  # mask application + sampling kernels over 64 rows of 151,936 logits
+
+
+def h100_forward_ms(batch: int) -> float:
+    sizes = sorted(H100_FORWARD_MS)
+    return float(np.interp(batch, sizes, [H100_FORWARD_MS[b] for b in sizes]))
+
+
+def grammar_walks(compiler: Any, count: int, length: int, vocab: int, eos: list[int], seed: int = 2) -> list[list[int]]:
+    """``count`` seeded random walks of ``length`` tokens through ``PEOPLE`` (allowed tokens only):
+    what the stub device "samples" for the schema rows, so every matcher stays in real JSON states."""
+    from openinfer.structured import allocate_bitmask, allowed_tokens
+    from openinfer.v1 import engine_pb2 as pb
+
+    rng = np.random.default_rng(seed)
+    matchers = [compiler.compile(pb.StructuredOutput(json_schema=json.dumps(PEOPLE))) for _ in range(count)]
+    walks: list[list[int]] = [[] for _ in range(count)]
+    bitmask = allocate_bitmask(count, vocab)
+    for _ in range(length):
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, matcher in enumerate(matchers):
+            allowed = np.flatnonzero(allowed_tokens(bitmask[i], vocab))
+            token = int(rng.choice(allowed[~np.isin(allowed, eos)]))
+            walks[i].append(token)
+            assert matcher.accept(token)
+    return walks
+
+
+def old_sampler_host_arrays(rows: list, masks: Any) -> None:
+    """The CUDA sampler's host work per step before ``device_sampling_inputs`` (for a run on the
+    former engine, ``--compare-code``): a mask row per logits row, stacked for the upload."""
+    bitmask_rows = [masks.row(i) for i in range(len(rows))] if masks is not None else [None] * len(rows)
+    masked = [i for i, m in enumerate(bitmask_rows) if m is not None]
+    if masked:
+        bitmask = np.stack([bitmask_rows[i] for i in masked])
+        mask_row = np.full(len(rows), -1, np.int32)
+        mask_row[masked] = np.arange(len(masked), dtype=np.int32)
+        np.ascontiguousarray(bitmask, np.int32)
+    params = np.zeros((5, len(rows)), np.float32)
+    for i, row in enumerate(rows):
+        state = row.request.sampling
+        p = state.params
+        params[0, i], params[1, i], params[2, i] = p.temperature, p.top_p, p.min_p
+        params[3, i] = state.generator.random() if p.temperature > 0 else 0.0
+    params[4] = np.array([r.request.sampling.params.top_k for r in rows], np.int32).view(np.float32)
+
+
+def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, walks: list[list[int]],
+                        max_num_seqs: int, kv_blocks: int) -> Any:
+    """The real ``PagedEngine`` (scheduler, batch building, grammar matchers, mask worker, the
+    sampler's host arrays) on a stub model whose "device" runs a queue of work in order, as a
+    CUDA stream does: a forward takes ``forward_ms`` from when it is launched (or the device is
+    free), sampling ``sample_ms``; reading a step's tokens back waits for its sampling. A schema
+    row (request id ending in ``-<index>``, even index or all) "samples" ``walks[index]``, after
+    checking the engine's mask for that row allows it (``violations`` counts those that do not)."""
+    import time as clock
+
+    from openinfer import EngineOptions
+    from openinfer.engine_core.stub import FIRST_PLAIN_ID, StubBackend
+    from openinfer.runtime.engine import PagedEngine
+    from openinfer.runtime.model import ModelSpec
+    from openinfer.runtime.sampler import RowSample
+
+    try:
+        from openinfer.runtime.sampler import device_sampling_inputs
+    except ImportError:  # the former engine (--compare-code)
+        device_sampling_inputs = None
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    spec = ModelSpec(architectures=("OpenInferStub",), model_type="openinfer-stub", vocab_size=vocab,
+                     max_model_len=4096, num_layers=1, num_kv_heads=1, head_dim=1, eos_token_ids=(vocab - 1,))
+
+    class Device(StubBackend):
+        def __init__(self) -> None:
+            super().__init__(sample_ms / 1e3, vocab, spec.eos_token_ids)
+            self.violations = 0
+            self.staging = np.empty((max_num_seqs, (vocab + 31) // 32), np.int32)  # the upload's pinned copy
+
+        def queue(self, seconds: float) -> float:
+            done = max(clock.perf_counter(), self.device_free_at) + seconds
+            self.device_free_at = done
+            return done
+
+        def sample_rows_async(self, logits: Any, rows: Any, masks: Any = None) -> tuple[np.ndarray, Any]:
+            if device_sampling_inputs is not None:
+                inputs = device_sampling_inputs([row.request.sampling for row in rows], masks)
+                if inputs.masks is not None:
+                    self.staging[:len(inputs.masks.bitmask)] = inputs.masks.bitmask
+            else:
+                old_sampler_host_arrays(rows, masks)
+            ids = np.empty(len(rows), np.int32)
+            for i, row in enumerate(rows):
+                request = row.request
+                if request.sampling.grammar is not None:
+                    walk = walks[int(request.request_id.rsplit("-", 1)[1])]
+                    token = walk[min(row.position + 1 - request.num_prompt_tokens, len(walk) - 1)]
+                    mask = masks.row(i) if masks is not None else None
+                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
+                        self.violations += not request.is_finished
+                else:
+                    token = FIRST_PLAIN_ID + (row.position * 7) % (vocab - FIRST_PLAIN_ID - 1)
+                ids[i] = token
+            done = self.queue(self.step_s)
+            self.num_device_steps += 1
+
+            def read_back() -> list[RowSample]:
+                self._wait(done)
+                return [RowSample(int(token)) for token in ids]
+
+            return ids, read_back
+
+    backend = Device()
+
+    class Model:
+        def __init__(self) -> None:
+            self.spec, self.backend = spec, backend
+
+        def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+            backend.queue(forward_ms / 1e3)
+            return np.zeros((len(batch.logits_rows), 1), np.float32)
+
+    options = EngineOptions(device="cpu", async_scheduling=True, max_num_seqs=max_num_seqs, num_kv_blocks=kv_blocks)
+    return PagedEngine(Model(), options, model_path=str(directory), plugin="grammar-stub")
+
+
+def run_stub_overhead(args: argparse.Namespace) -> dict:
+    """``overhead --device stub``: end-to-end TPOT of the four configurations on the stub device."""
+    import os
+
+    from openinfer.structured import BACKGROUND_MASKS_ENV, GrammarCompiler
+
+    directory = qwen3_4b_dummy(Path(args.model_path or "/tmp/openinfer-grammar-qwen3-4b"))
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    eos = [vocab - 1]
+    walks = grammar_walks(GrammarCompiler((directory / "tokenizer.json").read_text(), vocab, eos,
+                                          background_masks=False), max(args.batches), args.tokens + 1, vocab, eos)
+    prompt = np.random.default_rng(0).integers(300, 40000, size=args.prompt_tokens).tolist()
+    rows = []
+    for batch in args.batches:
+        forward_ms = args.forward_ms if args.forward_ms is not None else h100_forward_ms(batch)
+        engines = {}
+        for background in (False, True):
+            os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
+            engines[background] = stub_grammar_engine(directory, forward_ms, args.sample_ms, walks, max(args.batches),
+                                                      args.kv_blocks)
+        os.environ.pop(BACKGROUND_MASKS_ENV)
+        try:
+            for engine in engines.values():
+                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
+            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            for _ in range(args.rounds):
+                for name, (constrained, background) in CONFIGS.items():
+                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained))
+            row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
+                                   "mask_violations": sum(e.model.backend.violations for e in engines.values())}
+            for name in CONFIGS:
+                row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
+                row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
+                row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+            for name in list(CONFIGS)[1:]:
+                row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
+            assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
+        finally:
+            for engine in engines.values():
+                asyncio.run(engine.close())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"model": "stub device: the engine on the CPU, forward/sampling times of the Qwen3-4B shape on an H100 "
+            "(results/grammar_mask_cuda.json); synthetic 151,936-token vocabulary", "device": "stub",
+            "tokens_per_request": args.tokens, "rounds": args.rounds, "schema": "array of >= 30 PERSON objects; "
+            "mixed_half: every other row has it", "host_cpu_count": os.cpu_count(),
+            "host_load_average_1_5_15_min_at_end": os.getloadavg(),
+            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
+            "rows": rows}
+
+
 def run_overhead(args: argparse.Namespace) -> dict:
     import os
 
@@ -581,7 +761,18 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("decode TPOT / TPOT without schema")
     left.set_ylim(0.8, max(1.2, max(r[f"tpot_ms_{n}"] / r["tpot_ms_plain"] for r in rows for n in names) + 0.05))
     left.legend(fontsize=7)
-    exposed = next(k for k in rows[0] if k.startswith("exposed_fill_ms"))
+    exposed = next((k for k in rows[0] if k.startswith("exposed_fill_ms")), None)
+    if exposed is None:  # the stub device: the process's CPU time per step instead of the mask parts
+        for k, name in enumerate(names):
+            right.bar(x + (k - (len(names) - 1) / 2) * width, [r[f"cpu_ms_per_step_{name}"] for r in rows], width,
+                      label=name.replace("_", " "))
+        right.set_xticks(x, labels)
+        right.set_ylabel("process CPU ms per step")
+        right.legend(fontsize=7)
+        fig.suptitle(f"Grammar-mask overhead, {result['model']}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     bars = {"fill on demand (no model)": "fill_on_demand_ms_mean",
             "left to wait with background masks (" + exposed.split("after_")[1].split("_forward")[0] + " forward)": exposed,
             "apply, boolean assignment (first)": "apply_numpy_ms_mean_before (boolean assignment)",
@@ -600,7 +791,12 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["engines", "overhead"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "stub"],
+                        help="stub: the engine on the CPU with a stand-in device taking the H100's forward and "
+                             "sampling times (--forward-ms, --sample-ms)")
+    parser.add_argument("--forward-ms", type=float, help="stub device: forward time per step (default: the H100's "
+                                                         "at that batch, H100_FORWARD_MS)")
+    parser.add_argument("--sample-ms", type=float, default=H100_SAMPLE_MS, help="stub device: sampling time per step")
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-4b-dummy"],
                         help="the demo model (SmolLM2, its own 49k vocabulary), or a Qwen3-4B-shaped directory "
                              "with random weights and a synthetic 151,936-token vocabulary (written to "
@@ -619,7 +815,7 @@ def main() -> None:
         result = {**meta, **run_engines(args)}
         out = RESULTS / "grammar_engines.json"
     else:
-        result = {**meta, **run_overhead(args)}
+        result = {**meta, **(run_stub_overhead(args) if args.device == "stub" else run_overhead(args))}
         out = Path(args.out) if args.out else RESULTS / f"grammar_mask_{args.device}.json"
         plot(result, out.with_suffix(".png"))
     out.write_text(json.dumps(result, indent=2))

@@ -300,32 +300,40 @@ def grammar_tokenizer_json(tokenizer_json: str) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+def default_mask_threads(device_forward: bool) -> int:
+    """Threads filling a step's masks in parallel: with the forward on a GPU every core but two
+    (the engine thread and the frontend's) up to 16; with the forward on the CPU half the cores
+    (its BLAS threads need the others)."""
+    cores = os.cpu_count() or 2
+    return max(2, min(16, cores - 2)) if device_forward else max(2, min(8, cores // 2))
+
+
 class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 background_masks: bool = True):
+                 background_masks: bool = True, mask_threads: int | None = None):
         """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer;
         ``background_masks``: :meth:`start_masks` computes a step's masks on a background
-        thread (:class:`MaskWorker`); off, on the calling thread before it returns."""
+        thread (:class:`MaskWorker`); off, on the calling thread before it returns;
+        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`)."""
         self.vocab_size = vocab_size
         if isinstance(tokenizer, str):
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
                                         eos_token=list(eos_token_ids) or None)
         self.tokenizer = tokenizer
-        # a batch's masks are filled in parallel; half the cores, as the forward needs the others on the CPU
-        self._executor = llg.LLExecutor(num_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
+        self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
         self._worker = MaskWorker(self._executor) if background_masks else None
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 background_masks: bool = True) -> GrammarCompiler:
+                 background_masks: bool = True, mask_threads: int | None = None) -> GrammarCompiler:
         """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
         directory = Path(tokenizer_dir)
         if (directory / "tokenizer.json").is_file():
             return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids,
-                       background_masks)
+                       background_masks, mask_threads)
         if (directory / "tiktoken.model").is_file():
             from openinfer.tiktoken_tokenizer import tiktoken_encoding
 
@@ -335,7 +343,7 @@ class GrammarCompiler:
             return cls(llg.LLTokenizer.from_tiktoken(
                 encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
                 pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
-                n_vocab=vocab_size), vocab_size, background_masks=background_masks)
+                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads)
         raise InvalidRequestError(
             f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
             f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
@@ -386,8 +394,10 @@ class CompilerCache:
     environment sets ``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0`` when the engine is created (for
     side-by-side measurements: ``benchmarks/grammar_mask.py``)."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int], device_forward: bool = False):
+        """``device_forward``: the model runs on a GPU (more cores for the masks)."""
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
+        self._mask_threads = default_mask_threads(device_forward)
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
@@ -396,7 +406,8 @@ class CompilerCache:
         with self._lock:
             if self._compiler is None:
                 try:
-                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks)
+                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks,
+                                                              mask_threads=self._mask_threads)
                 except InvalidRequestError:
                     raise
                 except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read

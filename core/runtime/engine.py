@@ -183,7 +183,8 @@ class PagedEngine:
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
         # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
-        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids))
+        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids),
+                                       device_forward=not is_cpu)
         self._inbox: Any = queue.SimpleQueue()
         # request id -> where its events go (a RequestSlot in process, a client id in the core)
         self._streams: dict[str, Any] = {}
@@ -480,12 +481,13 @@ class PagedEngine:
             failure = exc
         if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
             launched, failure = self._sample_or_fail(forward)
+        defer = forward is not None and launched is None and failure is None and self.async_scheduling
         if in_flight is not None:
             self.num_steps_launched_ahead += forward is not None
-            self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
+            # the CPU reads step N back while the device runs N+1 (and starts N+1's masks)
+            self._resolve(in_flight, forward if defer else None)
         if forward is not None and launched is None and failure is None:
-            # N's tokens are consumed: N+1's masks start in the background
-            if self.async_scheduling:
+            if defer:
                 try:
                     self._defer_sampling(forward)
                 except Exception as exc:
@@ -558,10 +560,11 @@ class PagedEngine:
                 row.request.append_placeholder(index)
 
     def _defer_sampling(self, forward: _LaunchedForward) -> None:
-        """Account a launched forward whose matchers have just consumed the previous step's
-        tokens, start its grammar masks in the background and leave its sampling to the next
+        """Account a launched forward whose matchers have consumed the previous step's tokens
+        (its grammar masks under way since, see ``_resolve``) and leave its sampling to the next
         ``_step`` (after the next batch is built)."""
-        forward.masks = start_grammar_masks(forward.rows, self._grammars)
+        if forward.masks is None:
+            forward.masks = start_grammar_masks(forward.rows, self._grammars)
         self._account(forward)
         self._unsampled = forward
 
@@ -584,10 +587,11 @@ class PagedEngine:
         self._account(forward)
         return _LaunchedStep(plan, rows, samples, forward.trace)
 
-    def _resolve(self, launched: _LaunchedStep) -> None:
+    def _resolve(self, launched: _LaunchedStep, next_forward: _LaunchedForward | None = None) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
         stops, emit. Blocks are published first so a request finishing here still leaves its
-        prefix in the cache."""
+        prefix in the cache. ``next_forward``: the launched step sampled next, whose grammar
+        masks start as soon as the matchers consumed this step's tokens, before the rest."""
         if self.options.enable_prefix_cache:
             for chunk in launched.plan.chunks:
                 request = chunk.request
@@ -600,19 +604,38 @@ class PagedEngine:
         results = launched.samples.results()
         if launched.trace is not None:
             self.tracer.on_resolved(launched.trace)
-        for row, sample in zip(launched.rows, results, strict=True):
+        recorded = self._start_next_masks(launched, results, next_forward) if next_forward is not None else ()
+        for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
             if not row.samples:
                 request.prompt_logprobs.append(sample.as_proto())
                 continue
-            self._accept_token(request, row.position + 1, sample)
+            self._accept_token(request, row.position + 1, sample, index in recorded)
 
-    def _accept_token(self, request: Request, index: int, sample) -> None:
+    def _start_next_masks(self, launched: _LaunchedStep, results: list, next_forward: _LaunchedForward) -> set[int]:
+        """The grammar rows' matchers consume their tokens first, then the next step's masks start
+        in the background (the mask work is the longest stretch between two forwards); the rows
+        recorded here are returned. A failure is left for ``_defer_sampling`` to meet again."""
+        recorded = set()
+        for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
+            request = row.request
+            if row.samples and request.sampling.grammar is not None and request.status is not RequestStatus.FINISHED:
+                request.sampling.record(sample.token_id)
+                recorded.add(index)
+        if recorded:
+            try:
+                next_forward.masks = start_grammar_masks(next_forward.rows, self._grammars)
+            except Exception:
+                logger.exception("starting the grammar masks failed")
+        return recorded
+
+    def _accept_token(self, request: Request, index: int, sample, recorded: bool = False) -> None:
         token = sample.token_id
         request.resolve_placeholder(index, token)
-        request.sampling.record(token)
+        if not recorded:
+            request.sampling.record(token)
         num_out = index + 1 - request.num_prompt_tokens
         with_prompt_logprobs = bool(request.prompt_logprobs) and num_out == 1
         if request.want_logprobs or with_prompt_logprobs:
