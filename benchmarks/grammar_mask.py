@@ -14,9 +14,9 @@ writing an array of person records (``PEOPLE``: it keeps masking real JSON state
 max_tokens), measured side by side in one run:
 
 (a) the mask work alone, no model: filling every row's bitmask on demand (how the engine worked
-    before: after the forward), what is left to wait for when the masks were computed in the
-    background while a forward ran (now: ``structured.NextMasks`` starts them as the tokens are
-    consumed), and applying them in the NumPy sampler (now: ``apply_bitmasks`` on the step's packed
+    first: after the forward), what is left to wait for when the masks were computed in the
+    background while a forward ran (now: ``GrammarCompiler.start_masks`` hands a step's matchers
+    to ``structured.MaskWorker`` once they consumed the previous tokens), and applying them in the NumPy sampler (now: ``apply_bitmasks`` on the step's packed
     masks, sparse rows by index; before: a table gather over every row; first: a boolean
     assignment);
 (b) end to end, decode TPOT and process CPU time per step of four configurations in alternating
@@ -31,6 +31,15 @@ synthetic vocabulary of Qwen3's size (rows with and without grammars in one batc
 sampler applying the masks):
 
     python benchmarks/grammar_mask.py overhead --device cuda --model qwen3-4b-dummy --tokens 64
+
+Without a GPU, ``--device stub`` runs (b) on the real engine with a stand-in device whose
+forward and sampling take the H100's measured times (``H100_FORWARD_MS``) on a queue, as a CUDA
+stream does; schema rows "sample" seeded walks through the grammar, each checked against the
+engine's mask for its row. ``--compare-code DIR`` measures the ``openinfer`` package in DIR too
+(e.g. the engine before a change: ``git archive REV core | tar -x -C T && ln -s T/core
+DIR/openinfer``), in alternating fresh processes:
+
+    python benchmarks/grammar_mask.py overhead --device stub --compare-code DIR  # -> grammar_mask_stub.json
 
     python benchmarks/grammar_mask.py engines                    # -> results/grammar_engines.json
     python benchmarks/grammar_mask.py overhead [--device cuda]   # -> results/grammar_mask_<device>.json/.png
@@ -624,8 +633,59 @@ def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, wa
     return PagedEngine(Model(), options, model_path=str(directory), plugin="grammar-stub")
 
 
+def compare_code_rounds(args: argparse.Namespace) -> dict:
+    """``--compare-code DIR``: the stub measurement of this checkout and of the ``openinfer``
+    package in DIR (e.g. the engine before a change, exported with ``git archive`` and linked
+    as DIR/openinfer), one round each in turn in fresh processes, so both see the same host
+    load; the JSON keeps both and, per batch, the medians over rounds."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    results: dict[str, list[dict]] = {"current": [], "compared": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for code in ("current", "compared"):
+                out = Path(scratch) / f"{code}-{round_index}.json"
+                command = [sys.executable, __file__, "overhead", "--device", "stub", "--rounds", "1",
+                           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+                           "--kv-blocks", str(args.kv_blocks), "--sample-ms", str(args.sample_ms),
+                           "--out", str(out), "--batches", *map(str, args.batches)]
+                if args.model_path:
+                    command += ["--model-path", args.model_path]
+                if args.forward_ms is not None:
+                    command += ["--forward-ms", str(args.forward_ms)]
+                environment = dict(os.environ)
+                if code == "compared":
+                    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.compare_code,
+                                                                              environment.get("PYTHONPATH")]))
+                subprocess.run(command, check=True, env=environment)
+                results[code].append(json.loads(out.read_text()))
+    rows = []
+    for index, batch in enumerate(args.batches):
+        row: dict[str, Any] = {"batch": batch}
+        for code, runs in results.items():
+            for name in CONFIGS:
+                values = [run["rows"][index][f"tpot_ms_{name}"] for run in runs]
+                row[f"{code}_tpot_ms_{name}"] = statistics.median(values)
+                row[f"{code}_tpot_ms_{name}_runs"] = [round(v, 3) for v in values]
+                row[f"{code}_cpu_ms_per_step_{name}"] = statistics.median(
+                    run["rows"][index][f"cpu_ms_per_step_{name}"] for run in runs)
+            for name in list(CONFIGS)[1:]:
+                row[f"{code}_tpot_overhead_pct_{name}"] = 100.0 * (row[f"{code}_tpot_ms_{name}"]
+                                                                   / row[f"{code}_tpot_ms_plain"] - 1)
+        rows.append(row)
+    first = results["current"][0]
+    return {**{k: v for k, v in first.items() if k not in ("rows", "time", "machine", "processor")},
+            "compared_code": args.compare_code, "host_load_average_1_5_15_min_at_end": os.getloadavg(),
+            "rows": rows, "rounds_current": results["current"], "rounds_compared": results["compared"]}
+
+
 def run_stub_overhead(args: argparse.Namespace) -> dict:
     """``overhead --device stub``: end-to-end TPOT of the four configurations on the stub device."""
+    if args.compare_code:
+        return compare_code_rounds(args)
     import os
 
     from openinfer.structured import BACKGROUND_MASKS_ENV, GrammarCompiler
@@ -747,6 +807,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if result.get("compared_code"):
+        plot_comparison(result, path)
+        return
     labels = [f"batch {r['batch']}" for r in rows]
     x = np.arange(len(rows))
     names = list(CONFIGS)
@@ -788,6 +851,32 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_comparison(result: dict, path: Path) -> None:
+    """TPOT / TPOT without schema, this checkout next to the compared code (stub device)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = list(CONFIGS)[1:]
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        x = np.arange(len(names))
+        for k, code in enumerate(("compared", "current")):
+            values = [row[f"{code}_tpot_ms_{n}"] / row[f"{code}_tpot_ms_plain"] for n in names]
+            bars = ax.bar(x + (k - 0.5) * 0.4, values, 0.4, label="before" if code == "compared" else "now")
+            ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7)
+        ax.axhline(1.05, color="gray", linestyle="--", linewidth=0.8, label="goal: +5 %")
+        ax.set_xticks(x, [n.replace("_", " ") for n in names], fontsize=7)
+        ax.set_ylabel("decode TPOT / TPOT without schema")
+        ax.set_title(f"batch {row['batch']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Grammar-mask overhead, {result['model']}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["engines", "overhead"])
@@ -797,6 +886,8 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, help="stub device: forward time per step (default: the H100's "
                                                          "at that batch, H100_FORWARD_MS)")
     parser.add_argument("--sample-ms", type=float, default=H100_SAMPLE_MS, help="stub device: sampling time per step")
+    parser.add_argument("--compare-code", help="stub device: also measure the openinfer package in this directory "
+                                               "(DIR/openinfer), in alternating fresh processes")
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-4b-dummy"],
                         help="the demo model (SmolLM2, its own 49k vocabulary), or a Qwen3-4B-shaped directory "
                              "with random weights and a synthetic 151,936-token vocabulary (written to "
