@@ -269,6 +269,9 @@ def run_engines(args: argparse.Namespace) -> dict:
 # the schema of the TPOT rows: people records until max_tokens (no row can finish sooner), so every
 # step masks through real JSON states (keys, enums, numbers, free strings, a pattern, a format)
 PEOPLE = {"type": "array", "items": PERSON, "minItems": 30}
+# the stub device's constraints: PEOPLE, or digits only (a regex whose masks llguidance computes in
+# microseconds: what is left is the engine's own cost of a grammar step, apart from the mask work)
+STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"regex": "[0-9]{2000}"}}
 # configurations measured side by side (alternating rounds): which rows carry the schema, and
 # whether the engine computes masks in the background as tokens are consumed (the default) or
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
@@ -402,7 +405,8 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
             "cpu_count": os.cpu_count()}
 
 
-def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str) -> dict:
+def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
+                   constraint: dict | None = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
@@ -419,7 +423,7 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
                                      sampling=pb.SamplingParams(temperature=1.0, seed=index),
                                      stop=pb.StopConditions(max_tokens=tokens, ignore_eos=not schema))
         if schema:
-            request.structured_output.json_schema = json.dumps(PEOPLE)
+            request.structured_output.MergeFrom(pb.StructuredOutput(**(constraint or STUB_CONSTRAINTS["people"])))
         stamps = []
         async for event in engine.generate(request):
             if event.WhichOneof("event") == "tokens":
@@ -517,14 +521,15 @@ def h100_forward_ms(batch: int) -> float:
     return float(np.interp(batch, sizes, [H100_FORWARD_MS[b] for b in sizes]))
 
 
-def grammar_walks(compiler: Any, count: int, length: int, vocab: int, eos: list[int], seed: int = 2) -> list[list[int]]:
-    """``count`` seeded random walks of ``length`` tokens through ``PEOPLE`` (allowed tokens only):
-    what the stub device "samples" for the schema rows, so every matcher stays in real JSON states."""
+def grammar_walks(compiler: Any, count: int, length: int, vocab: int, eos: list[int], constraint: dict,
+                  seed: int = 2) -> list[list[int]]:
+    """``count`` seeded random walks of ``length`` tokens through ``constraint`` (allowed tokens
+    only): what the stub device "samples" for the schema rows, so every matcher stays in real states."""
     from openinfer.structured import allocate_bitmask, allowed_tokens
     from openinfer.v1 import engine_pb2 as pb
 
     rng = np.random.default_rng(seed)
-    matchers = [compiler.compile(pb.StructuredOutput(json_schema=json.dumps(PEOPLE))) for _ in range(count)]
+    matchers = [compiler.compile(pb.StructuredOutput(**constraint)) for _ in range(count)]
     walks: list[list[int]] = [[] for _ in range(count)]
     bitmask = allocate_bitmask(count, vocab)
     for _ in range(length):
@@ -656,6 +661,7 @@ def compare_code_rounds(args: argparse.Namespace) -> dict:
                     command += ["--model-path", args.model_path]
                 if args.forward_ms is not None:
                     command += ["--forward-ms", str(args.forward_ms)]
+                command += ["--stub-constraint", args.stub_constraint]
                 environment = dict(os.environ)
                 if code == "compared":
                     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.compare_code,
@@ -694,7 +700,8 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
     eos = [vocab - 1]
     walks = grammar_walks(GrammarCompiler((directory / "tokenizer.json").read_text(), vocab, eos,
-                                          background_masks=False), max(args.batches), args.tokens + 1, vocab, eos)
+                                          background_masks=False), max(args.batches), args.tokens + 1, vocab, eos,
+                          STUB_CONSTRAINTS[args.stub_constraint])
     prompt = np.random.default_rng(0).integers(300, 40000, size=args.prompt_tokens).tolist()
     rows = []
     for batch in args.batches:
@@ -706,12 +713,14 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
                                                       args.kv_blocks)
         os.environ.pop(BACKGROUND_MASKS_ENV)
         try:
-            for engine in engines.values():
-                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
+            constraint = STUB_CONSTRAINTS[args.stub_constraint]
+            for engine in engines.values():  # warm-up, grammar compiler built
+                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all", constraint)
             runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
             for _ in range(args.rounds):
                 for name, (constrained, background) in CONFIGS.items():
-                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained))
+                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained,
+                                                     constraint))
             row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
                                    "mask_violations": sum(e.model.backend.violations for e in engines.values())}
             for name in CONFIGS:
@@ -728,8 +737,9 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
         print(json.dumps(row), flush=True)
     return {"model": "stub device: the engine on the CPU, forward/sampling times of the Qwen3-4B shape on an H100 "
             "(results/grammar_mask_cuda.json); synthetic 151,936-token vocabulary", "device": "stub",
-            "tokens_per_request": args.tokens, "rounds": args.rounds, "schema": "array of >= 30 PERSON objects; "
-            "mixed_half: every other row has it", "host_cpu_count": os.cpu_count(),
+            "tokens_per_request": args.tokens, "rounds": args.rounds, "constraint": args.stub_constraint,
+            "schema": "people: array of >= 30 PERSON objects; digits: the regex [0-9]{2000}; mixed_half: every "
+            "other row has it", "host_cpu_count": os.cpu_count(),
             "host_load_average_1_5_15_min_at_end": os.getloadavg(),
             "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
             "rows": rows}
@@ -886,6 +896,8 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, help="stub device: forward time per step (default: the H100's "
                                                          "at that batch, H100_FORWARD_MS)")
     parser.add_argument("--sample-ms", type=float, default=H100_SAMPLE_MS, help="stub device: sampling time per step")
+    parser.add_argument("--stub-constraint", default="people", choices=sorted(STUB_CONSTRAINTS),
+                        help="stub device: the schema rows' constraint (digits: masks cost next to nothing)")
     parser.add_argument("--compare-code", help="stub device: also measure the openinfer package in this directory "
                                                "(DIR/openinfer), in alternating fresh processes")
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-4b-dummy"],
