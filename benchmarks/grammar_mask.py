@@ -40,6 +40,7 @@ engine's mask for its row. ``--compare-code DIR`` measures the ``openinfer`` pac
 DIR/openinfer``), in alternating fresh processes:
 
     python benchmarks/grammar_mask.py overhead --device stub --compare-code DIR  # -> grammar_mask_stub.json
+    python benchmarks/grammar_mask.py overhead --device cuda --model qwen3-4b-dummy --compare-code DIR
 
     python benchmarks/grammar_mask.py engines                    # -> results/grammar_engines.json
     python benchmarks/grammar_mask.py overhead [--device cuda]   # -> results/grammar_mask_<device>.json/.png
@@ -639,7 +640,7 @@ def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, wa
 
 
 def compare_code_rounds(args: argparse.Namespace) -> dict:
-    """``--compare-code DIR``: the stub measurement of this checkout and of the ``openinfer``
+    """``--compare-code DIR``: the measurement (b) of this checkout and of the ``openinfer``
     package in DIR (e.g. the engine before a change, exported with ``git archive`` and linked
     as DIR/openinfer), one round each in turn in fresh processes, so both see the same host
     load; the JSON keeps both and, per batch, the medians over rounds."""
@@ -653,7 +654,8 @@ def compare_code_rounds(args: argparse.Namespace) -> dict:
         for round_index in range(args.rounds):
             for code in ("current", "compared"):
                 out = Path(scratch) / f"{code}-{round_index}.json"
-                command = [sys.executable, __file__, "overhead", "--device", "stub", "--rounds", "1",
+                command = [sys.executable, __file__, "overhead", "--device", args.device, "--model", args.model,
+                           "--rounds", "1",
                            "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
                            "--kv-blocks", str(args.kv_blocks), "--sample-ms", str(args.sample_ms),
                            "--out", str(out), "--batches", *map(str, args.batches)]
@@ -750,6 +752,9 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
 
 def run_overhead(args: argparse.Namespace) -> dict:
     import os
+
+    if args.compare_code:
+        return compare_code_rounds(args)
 
     import openinfer
     from openinfer.structured import BACKGROUND_MASKS_ENV
@@ -901,8 +906,8 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=H100_SAMPLE_MS, help="stub device: sampling time per step")
     parser.add_argument("--stub-constraint", default="people", choices=sorted(STUB_CONSTRAINTS),
                         help="stub device: the schema rows' constraint (digits: masks cost next to nothing)")
-    parser.add_argument("--compare-code", help="stub device: also measure the openinfer package in this directory "
-                                               "(DIR/openinfer), in alternating fresh processes")
+    parser.add_argument("--compare-code", help="also measure the openinfer package in this directory (DIR/openinfer), "
+                                               "in alternating fresh processes (end-to-end TPOT only)")
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-4b-dummy"],
                         help="the demo model (SmolLM2, its own 49k vocabulary), or a Qwen3-4B-shaped directory "
                              "with random weights and a synthetic 151,936-token vocabulary (written to "
