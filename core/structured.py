@@ -354,17 +354,18 @@ class GrammarCompiler:
             raise _refuse(constraint.WhichOneof("kind"), matcher.get_error().strip())
         return GrammarMatcher(matcher)
 
-    def start_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], num_rows: int) -> StepMasks:
+    def start_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], num_rows: int,
+                    background: bool = True) -> StepMasks:
         """Start computing the masks of one step of ``num_rows`` logits rows, ``matchers`` giving
-        (matcher, logits row): in the background when this compiler has a worker (``wait()`` on
-        the result before reading it; the matchers wait too before they consume a token), else
-        here, in parallel on llguidance's threads (the GIL is released)."""
+        (matcher, logits row): with ``background`` and a worker, on the worker (``wait()`` on the
+        result before reading it; the matchers wait too before they consume a token), else here,
+        in parallel on llguidance's threads (the GIL is released)."""
         mask_rows = np.full(num_rows, -1, np.int32)
         for j, (_, row) in enumerate(matchers):
             mask_rows[row] = j
         masks = StepMasks(np.empty((len(matchers), bitmask_words(self.vocab_size)), np.int32), mask_rows)
         work = [(m.matcher, j) for j, (m, _) in enumerate(matchers)]
-        if self._worker is not None:
+        if background and self._worker is not None:
             done = threading.Event()
             for matcher, _ in matchers:
                 matcher._wait_until_free()

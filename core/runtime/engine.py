@@ -575,7 +575,8 @@ class PagedEngine:
         plan, rows = forward.plan, forward.rows
         # grammar masks: computed on the CPU while the device runs the forward (on a background
         # thread from the moment the matchers consumed the previous tokens, see ``structured``)
-        masks = forward.masks if forward.accounted else start_grammar_masks(rows, self._grammars)
+        # (needed at once: computed on this thread, sparing the hand-over to the worker)
+        masks = forward.masks if forward.accounted else start_grammar_masks(rows, self._grammars, background=False)
         if masks is not None:
             masks.wait()
         sampling_start = self._step_timer.start() if self._step_timer else None

@@ -74,16 +74,17 @@ def samples_on_device(request: Any) -> bool:
 GrammarMasks = StepMasks
 
 
-def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache) -> GrammarMasks | None:
+def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache,
+                        background: bool = True) -> GrammarMasks | None:
     """Start computing the masks of every sampling row whose request has a grammar (None when no
     row has one); ``wait()`` on the result before sampling. Every such matcher must have
-    consumed the previous step's token."""
+    consumed the previous step's token. Without ``background``, computed before returning."""
     # a request finished meanwhile (its previous step stopped it) has nothing left to mask
     constrained = [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
                    if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
     if not constrained:
         return None
-    return compilers.get().start_masks(constrained, len(rows))
+    return compilers.get().start_masks(constrained, len(rows), background)
 
 
 def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
