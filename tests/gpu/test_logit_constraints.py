@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openinfer.sampling import SamplingState, sample_row
-from openinfer.structured import allocate_bitmask, allowed_tokens
+from openinfer.structured import StepMasks, allocate_bitmask, allowed_tokens
 from openinfer.v1 import engine_pb2 as pb
 from tests.gpu.conftest import bf16_random
 
@@ -41,7 +41,7 @@ def test_bias_and_mask_match_numpy(cuda_backend, rng):
         params.append(p)
     states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
     ours = sample_device_rows(cuda_backend.upload(logits), states,
-                              [bitmask[r] if masked[r] else None for r in range(rows)])
+                              StepMasks.from_rows(bitmask, [r for r in range(rows) if masked[r]]))
     reference_states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
     reference = [sample_row(logits[r].copy(), reference_states[r],
                             bitmask_row=bitmask[r] if masked[r] else None).token_id for r in range(rows)]
@@ -128,8 +128,7 @@ def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab
                 p.logit_bias[int(token)] = float(rng.uniform(-100, 100))
         params.append(p)
     states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
-    adjusted = apply_logit_constraints(cuda_backend.upload(logits), states,
-                                       [bitmask[r] if r in masked else None for r in range(rows)])
+    adjusted = apply_logit_constraints(cuda_backend.upload(logits), states, StepMasks.from_rows(bitmask, masked))
     ours = cuda_backend.to_host(adjusted)
     expected = logits.copy()
     for r in range(rows):  # the kernel adds the bias in fp32 and stores bf16
