@@ -311,8 +311,8 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
     * ``fill_on_demand``: every bitmask filled when the step samples (parallel), i.e. what the
       step waits for after its forward when nothing was computed before;
     * ``exposed_fill_*_background``: what the step waits for when the masks were computed in
-      the background from the moment the tokens were consumed, during a forward of
-      ``forward_ms`` (a sleep: the GIL is free, as while a GPU runs);
+      the background (``start_masks`` on the worker) from the moment the tokens were consumed,
+      during a forward of ``forward_ms`` (a sleep: the GIL is free, as while a GPU runs);
     * ``apply``: applying the step's packed masks to a float32 logits row each: now
       (``apply_bitmasks``: sparse rows by index, dense rows by a table gather), and the two
       former ways (a table gather over every row; a boolean assignment)."""
@@ -333,11 +333,15 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
             break
         bitmasks = {}
         for background, compiler in compilers.items():
+            matchers = [(walkers[background][i], i) for i in live]
+            # background: started as the engine does, once the previous tokens are consumed, then the forward
+            masks = compiler.start_masks(matchers, batch) if background else None
             time.sleep(forward_ms / 1e3)
-            bitmasks[background] = allocate_bitmask(batch, vocab)
             start = time.perf_counter()
-            compiler.fill_bitmasks([(walkers[background][i], i) for i in live], bitmasks[background])
+            masks = masks.wait() if background else compiler.start_masks(matchers, batch, background=False)
             exposed[background].append((time.perf_counter() - start) * 1e3)
+            bitmasks[background] = allocate_bitmask(batch, vocab)
+            bitmasks[background][live] = masks.bitmask
         bitmask = bitmasks[False]
         assert np.array_equal(bitmask, bitmasks[True])
         outputs = []
