@@ -14,9 +14,10 @@ writing an array of person records (``PEOPLE``: it keeps masking real JSON state
 max_tokens), measured side by side in one run:
 
 (a) the mask work alone, no model: filling every row's bitmask on demand (how the engine worked
-    before: after the forward), what is left to wait for when the masks were computed in the
-    background while a forward ran (now: ``structured.NextMasks`` starts them as the tokens are
-    consumed), and applying them in the NumPy sampler (now: a table gather; before: a boolean
+    first: after the forward), what is left to wait for when the masks were computed in the
+    background while a forward ran (now: ``GrammarCompiler.start_masks`` hands a step's matchers
+    to ``structured.MaskWorker`` once they consumed the previous tokens), and applying them in the NumPy sampler (now: ``apply_bitmasks`` on the step's packed
+    masks, sparse rows by index; before: a table gather over every row; first: a boolean
     assignment);
 (b) end to end, decode TPOT and process CPU time per step of four configurations in alternating
     rounds: no schema; the schema with masks on demand (``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0``,
@@ -30,6 +31,16 @@ synthetic vocabulary of Qwen3's size (rows with and without grammars in one batc
 sampler applying the masks):
 
     python benchmarks/grammar_mask.py overhead --device cuda --model qwen3-4b-dummy --tokens 64
+
+Without a GPU, ``--device stub`` runs (b) on the real engine with a stand-in device whose
+forward and sampling take the H100's measured times (``H100_FORWARD_MS``) on a queue, as a CUDA
+stream does; schema rows "sample" seeded walks through the grammar, each checked against the
+engine's mask for its row. ``--compare-code DIR`` measures the ``openinfer`` package in DIR too
+(e.g. the engine before a change: ``git archive REV core | tar -x -C T && ln -s T/core
+DIR/openinfer``), in alternating fresh processes:
+
+    python benchmarks/grammar_mask.py overhead --device stub --compare-code DIR  # -> grammar_mask_stub.json
+    python benchmarks/grammar_mask.py overhead --device cuda --model qwen3-4b-dummy --compare-code DIR
 
     python benchmarks/grammar_mask.py engines                    # -> results/grammar_engines.json
     python benchmarks/grammar_mask.py overhead [--device cuda]   # -> results/grammar_mask_<device>.json/.png
@@ -259,6 +270,9 @@ def run_engines(args: argparse.Namespace) -> dict:
 # the schema of the TPOT rows: people records until max_tokens (no row can finish sooner), so every
 # step masks through real JSON states (keys, enums, numbers, free strings, a pattern, a format)
 PEOPLE = {"type": "array", "items": PERSON, "minItems": 30}
+# the stub device's constraints: PEOPLE, or digits only (a regex whose masks llguidance computes in
+# microseconds: what is left is the engine's own cost of a grammar step, apart from the mask work)
+STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"regex": "[0-9]{2000}"}}
 # configurations measured side by side (alternating rounds): which rows carry the schema, and
 # whether the engine computes masks in the background as tokens are consumed (the default) or
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
@@ -266,11 +280,27 @@ CONFIGS = {"plain": ("none", True), "schema_on_demand": ("all", False), "schema_
            "mixed_half_background": ("half", True)}
 
 
-def boolean_assignment_apply(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
-    """The NumPy sampler's former mask application, for the before/after of ``apply_bitmask``."""
+def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The NumPy sampler's first mask application (a boolean assignment per row), for the
+    before/after of ``apply_bitmasks``."""
     from openinfer.structured import allowed_tokens
 
-    logits[~allowed_tokens(bitmask_row, logits.shape[-1])] = -np.inf
+    for row, words in zip(logits, bitmask, strict=True):
+        row[~allowed_tokens(words, logits.shape[-1])] = -np.inf
+    return logits
+
+
+_BYTE_OFFSETS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                         np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+def table_gather_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The NumPy sampler's second mask application (a byte-table gather and an add over every
+    row, whatever its mask), for the before/after of ``apply_bitmasks``."""
+    for row, words in zip(logits, bitmask, strict=True):
+        offsets = np.empty((words.size * 4, 8), dtype=np.float32)
+        np.take(_BYTE_OFFSETS, words.view(np.uint8), axis=0, out=offsets)
+        np.add(row, offsets.reshape(-1)[:row.shape[-1]], out=row)
     return logits
 
 
@@ -281,11 +311,12 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
     * ``fill_on_demand``: every bitmask filled when the step samples (parallel), i.e. what the
       step waits for after its forward when nothing was computed before;
     * ``exposed_fill_*_background``: what the step waits for when the masks were computed in
-      the background from the moment the tokens were consumed, during a forward of
-      ``forward_ms`` (a sleep: the GIL is free, as while a GPU runs);
-    * ``apply``: applying them to a float32 logits row each, now and with the former boolean
-      assignment."""
-    from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens, apply_bitmask
+      the background (``start_masks`` on the worker) from the moment the tokens were consumed,
+      during a forward of ``forward_ms`` (a sleep: the GIL is free, as while a GPU runs);
+    * ``apply``: applying the step's packed masks to a float32 logits row each: now
+      (``apply_bitmasks``: sparse rows by index, dense rows by a table gather), and the two
+      former ways (a table gather over every row; a boolean assignment)."""
+    from openinfer.structured import GrammarCompiler, allocate_bitmask, allowed_tokens, apply_bitmasks
     from openinfer.v1 import engine_pb2 as pb
 
     constraint = pb.StructuredOutput(json_schema=json.dumps(PEOPLE))
@@ -295,29 +326,36 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
                for background, compiler in compilers.items()}
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((batch, vocab)).astype(np.float32)
-    exposed, apply, apply_before = {False: [], True: []}, [], []
+    exposed, apply, apply_gather, apply_before = {False: [], True: []}, [], [], []
     for _ in range(steps):
         live = [i for i, m in enumerate(walkers[False]) if not m.is_terminated()]
         if not live:
             break
         bitmasks = {}
         for background, compiler in compilers.items():
+            matchers = [(walkers[background][i], i) for i in live]
+            # background: started as the engine does, once the previous tokens are consumed, then the forward
+            masks = compiler.start_masks(matchers, batch) if background else None
             time.sleep(forward_ms / 1e3)
-            bitmasks[background] = allocate_bitmask(batch, vocab)
             start = time.perf_counter()
-            compiler.fill_bitmasks([(walkers[background][i], i) for i in live], bitmasks[background])
+            masks = masks.wait() if background else compiler.start_masks(matchers, batch, background=False)
             exposed[background].append((time.perf_counter() - start) * 1e3)
+            bitmasks[background] = allocate_bitmask(batch, vocab)
+            bitmasks[background][live] = masks.bitmask
         bitmask = bitmasks[False]
         assert np.array_equal(bitmask, bitmasks[True])
-        for method, times in ((apply_bitmask, apply), (boolean_assignment_apply, apply_before)):
+        outputs = []
+        for method, times in ((apply_bitmasks, apply), (table_gather_apply, apply_gather),
+                              (boolean_assignment_apply, apply_before)):
             best = float("inf")
             for _ in range(3):  # the least disturbed of three (the host is shared)
-                rows = [logits[i].copy() for i in live]
+                rows, words = logits[live], bitmask[live]
                 start = time.perf_counter()
-                for row, i in zip(rows, live, strict=True):
-                    method(row, bitmask[i])
+                method(rows, words)
                 best = min(best, (time.perf_counter() - start) * 1e3)
             times.append(best)
+            outputs.append(rows)
+        assert all(np.array_equal(outputs[0], other) for other in outputs[1:])
         for i in live:
             token = int(rng.choice(np.nonzero(allowed_tokens(bitmask[i], vocab))[0]))
             if token not in eos:
@@ -326,6 +364,7 @@ def mask_step_ms(batch: int, vocab: int, tokenizer_json: str, eos: list[int], st
     return {"fill_on_demand_ms_mean": statistics.fmean(exposed[False]), "fill_on_demand_ms_max": max(exposed[False]),
             f"exposed_fill_ms_after_{forward_ms:g}ms_forward_background": statistics.fmean(exposed[True]),
             "apply_numpy_ms_mean": statistics.fmean(apply),
+            "apply_numpy_ms_mean_before (table gather every row)": statistics.fmean(apply_gather),
             "apply_numpy_ms_mean_before (boolean assignment)": statistics.fmean(apply_before)}
 
 
@@ -371,7 +410,8 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
             "cpu_count": os.cpu_count()}
 
 
-def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str) -> dict:
+def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
+                   constraint: dict | None = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
@@ -388,7 +428,7 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
                                      sampling=pb.SamplingParams(temperature=1.0, seed=index),
                                      stop=pb.StopConditions(max_tokens=tokens, ignore_eos=not schema))
         if schema:
-            request.structured_output.json_schema = json.dumps(PEOPLE)
+            request.structured_output.MergeFrom(pb.StructuredOutput(**(constraint or STUB_CONSTRAINTS["people"])))
         stamps = []
         async for event in engine.generate(request):
             if event.WhichOneof("event") == "tokens":
@@ -473,8 +513,252 @@ def qwen3_4b_dummy(directory: Path) -> Path:
     return directory
 
 
+# --- the GPU's step timeline modelled on the CPU ------------------------------------------------
+
+# decode forward of the Qwen3-4B shape on an H100 at these batch sizes (ms): the TPOT without a
+# schema in results/grammar_mask_cuda.json (the step was device-bound: less CPU per step than TPOT)
+H100_FORWARD_MS = {1: 3.9, 64: 5.0}
+H100_SAMPLE_MS = 0.1  # mask application + sampling kernels over 64 rows of 151,936 logits
+
+
+def h100_forward_ms(batch: int) -> float:
+    sizes = sorted(H100_FORWARD_MS)
+    return float(np.interp(batch, sizes, [H100_FORWARD_MS[b] for b in sizes]))
+
+
+def grammar_walks(compiler: Any, count: int, length: int, vocab: int, eos: list[int], constraint: dict,
+                  seed: int = 2) -> list[list[int]]:
+    """``count`` seeded random walks of ``length`` tokens through ``constraint`` (allowed tokens
+    only): what the stub device "samples" for the schema rows, so every matcher stays in real states."""
+    from openinfer.structured import allocate_bitmask, allowed_tokens
+    from openinfer.v1 import engine_pb2 as pb
+
+    rng = np.random.default_rng(seed)
+    matchers = [compiler.compile(pb.StructuredOutput(**constraint)) for _ in range(count)]
+    walks: list[list[int]] = [[] for _ in range(count)]
+    bitmask = allocate_bitmask(count, vocab)
+    for _ in range(length):
+        compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, matcher in enumerate(matchers):
+            allowed = np.flatnonzero(allowed_tokens(bitmask[i], vocab))
+            token = int(rng.choice(allowed[~np.isin(allowed, eos)]))
+            walks[i].append(token)
+            assert matcher.accept(token)
+    return walks
+
+
+def old_sampler_host_arrays(rows: list, masks: Any) -> None:
+    """The CUDA sampler's host work per step before ``device_sampling_inputs`` (for a run on the
+    former engine, ``--compare-code``): a mask row per logits row, stacked for the upload."""
+    bitmask_rows = [masks.row(i) for i in range(len(rows))] if masks is not None else [None] * len(rows)
+    masked = [i for i, m in enumerate(bitmask_rows) if m is not None]
+    if masked:
+        bitmask = np.stack([bitmask_rows[i] for i in masked])
+        mask_row = np.full(len(rows), -1, np.int32)
+        mask_row[masked] = np.arange(len(masked), dtype=np.int32)
+        np.ascontiguousarray(bitmask, np.int32)
+    params = np.zeros((5, len(rows)), np.float32)
+    for i, row in enumerate(rows):
+        state = row.request.sampling
+        p = state.params
+        params[0, i], params[1, i], params[2, i] = p.temperature, p.top_p, p.min_p
+        params[3, i] = state.generator.random() if p.temperature > 0 else 0.0
+    params[4] = np.array([r.request.sampling.params.top_k for r in rows], np.int32).view(np.float32)
+
+
+def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, walks: list[list[int]],
+                        max_num_seqs: int, kv_blocks: int) -> Any:
+    """The real ``PagedEngine`` (scheduler, batch building, grammar matchers, mask worker, the
+    sampler's host arrays) on a stub model whose "device" runs a queue of work in order, as a
+    CUDA stream does: a forward takes ``forward_ms`` from when it is launched (or the device is
+    free), sampling ``sample_ms``; reading a step's tokens back waits for its sampling. A schema
+    row (request id ending in ``-<index>``, even index or all) "samples" ``walks[index]``, after
+    checking the engine's mask for that row allows it (``violations`` counts those that do not)."""
+    import time as clock
+
+    from openinfer import EngineOptions
+    from openinfer.engine_core.stub import FIRST_PLAIN_ID, StubBackend
+    from openinfer.runtime.engine import PagedEngine
+    from openinfer.runtime.model import ModelSpec
+    from openinfer.runtime.sampler import RowSample
+
+    try:
+        from openinfer.runtime.sampler import device_sampling_inputs
+    except ImportError:  # the former engine (--compare-code)
+        device_sampling_inputs = None
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    spec = ModelSpec(architectures=("OpenInferStub",), model_type="openinfer-stub", vocab_size=vocab,
+                     max_model_len=4096, num_layers=1, num_kv_heads=1, head_dim=1, eos_token_ids=(vocab - 1,))
+
+    class Device(StubBackend):
+        def __init__(self) -> None:
+            super().__init__(sample_ms / 1e3, vocab, spec.eos_token_ids)
+            self.violations = 0
+            self.staging = np.empty((max_num_seqs, (vocab + 31) // 32), np.int32)  # the upload's pinned copy
+
+        def queue(self, seconds: float) -> float:
+            done = max(clock.perf_counter(), self.device_free_at) + seconds
+            self.device_free_at = done
+            return done
+
+        def sample_rows_async(self, logits: Any, rows: Any, masks: Any = None) -> tuple[np.ndarray, Any]:
+            if device_sampling_inputs is not None:
+                inputs = device_sampling_inputs([row.request.sampling for row in rows], masks)
+                if inputs.masks is not None:
+                    self.staging[:len(inputs.masks.bitmask)] = inputs.masks.bitmask
+            else:
+                old_sampler_host_arrays(rows, masks)
+            ids = np.empty(len(rows), np.int32)
+            for i, row in enumerate(rows):
+                request = row.request
+                if request.sampling.grammar is not None:
+                    walk = walks[int(request.request_id.rsplit("-", 1)[1])]
+                    token = walk[min(row.position + 1 - request.num_prompt_tokens, len(walk) - 1)]
+                    mask = masks.row(i) if masks is not None else None
+                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
+                        self.violations += not request.is_finished
+                else:
+                    token = FIRST_PLAIN_ID + (row.position * 7) % (vocab - FIRST_PLAIN_ID - 1)
+                ids[i] = token
+            done = self.queue(self.step_s)
+            self.num_device_steps += 1
+
+            def read_back() -> list[RowSample]:
+                clock.sleep(max(0.0, done - clock.perf_counter()))
+                return [RowSample(int(token)) for token in ids]
+
+            return ids, read_back
+
+    backend = Device()
+
+    class Model:
+        def __init__(self) -> None:
+            self.spec, self.backend = spec, backend
+
+        def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+            backend.queue(forward_ms / 1e3)
+            return np.zeros((len(batch.logits_rows), 1), np.float32)
+
+    options = EngineOptions(device="cpu", async_scheduling=True, max_num_seqs=max_num_seqs, num_kv_blocks=kv_blocks)
+    return PagedEngine(Model(), options, model_path=str(directory), plugin="grammar-stub")
+
+
+def compare_code_rounds(args: argparse.Namespace) -> dict:
+    """``--compare-code DIR``: the measurement (b) of this checkout and of the ``openinfer``
+    package in DIR (e.g. the engine before a change, exported with ``git archive`` and linked
+    as DIR/openinfer), one round each in turn in fresh processes, so both see the same host
+    load; the JSON keeps both and, per batch, the medians over rounds."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    results: dict[str, list[dict]] = {"current": [], "compared": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for code in ("current", "compared"):
+                out = Path(scratch) / f"{code}-{round_index}.json"
+                command = [sys.executable, __file__, "overhead", "--device", args.device, "--model", args.model,
+                           "--rounds", "1",
+                           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+                           "--kv-blocks", str(args.kv_blocks), "--sample-ms", str(args.sample_ms),
+                           "--out", str(out), "--batches", *map(str, args.batches)]
+                if args.model_path:
+                    command += ["--model-path", args.model_path]
+                if args.forward_ms is not None:
+                    command += ["--forward-ms", str(args.forward_ms)]
+                command += ["--stub-constraint", args.stub_constraint]
+                environment = dict(os.environ)
+                if code == "compared":
+                    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.compare_code,
+                                                                              environment.get("PYTHONPATH")]))
+                subprocess.run(command, check=True, env=environment)
+                results[code].append(json.loads(out.read_text()))
+    rows = []
+    for index, batch in enumerate(args.batches):
+        row: dict[str, Any] = {"batch": batch}
+        for code, runs in results.items():
+            for name in CONFIGS:
+                values = [run["rows"][index][f"tpot_ms_{name}"] for run in runs]
+                row[f"{code}_tpot_ms_{name}"] = statistics.median(values)
+                row[f"{code}_tpot_ms_{name}_runs"] = [round(v, 3) for v in values]
+                row[f"{code}_tpot_ms_{name}_min"] = min(values)  # the least disturbed round (shared host)
+                row[f"{code}_cpu_ms_per_step_{name}"] = statistics.median(
+                    run["rows"][index][f"cpu_ms_per_step_{name}"] for run in runs)
+            for name in list(CONFIGS)[1:]:
+                row[f"{code}_tpot_overhead_pct_{name}"] = 100.0 * (row[f"{code}_tpot_ms_{name}"]
+                                                                   / row[f"{code}_tpot_ms_plain"] - 1)
+                row[f"{code}_tpot_overhead_pct_{name}_min"] = 100.0 * (row[f"{code}_tpot_ms_{name}_min"]
+                                                                       / row[f"{code}_tpot_ms_plain_min"] - 1)
+        rows.append(row)
+    first = results["current"][0]
+    return {**{k: v for k, v in first.items() if k not in ("rows", "time", "machine", "processor")},
+            "compared_code": args.compare_code, "host_load_average_1_5_15_min_at_end": os.getloadavg(),
+            "rows": rows, "rounds_current": results["current"], "rounds_compared": results["compared"]}
+
+
+def run_stub_overhead(args: argparse.Namespace) -> dict:
+    """``overhead --device stub``: end-to-end TPOT of the four configurations on the stub device."""
+    if args.compare_code:
+        return compare_code_rounds(args)
+    import os
+
+    from openinfer.structured import BACKGROUND_MASKS_ENV, GrammarCompiler
+
+    directory = qwen3_4b_dummy(Path(args.model_path or "/tmp/openinfer-grammar-qwen3-4b"))
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    eos = [vocab - 1]
+    walks = grammar_walks(GrammarCompiler((directory / "tokenizer.json").read_text(), vocab, eos,
+                                          background_masks=False), max(args.batches), args.tokens + 1, vocab, eos,
+                          STUB_CONSTRAINTS[args.stub_constraint])
+    prompt = np.random.default_rng(0).integers(300, 40000, size=args.prompt_tokens).tolist()
+    rows = []
+    for batch in args.batches:
+        forward_ms = args.forward_ms if args.forward_ms is not None else h100_forward_ms(batch)
+        engines = {}
+        for background in (False, True):
+            os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
+            engines[background] = stub_grammar_engine(directory, forward_ms, args.sample_ms, walks, max(args.batches),
+                                                      args.kv_blocks)
+        os.environ.pop(BACKGROUND_MASKS_ENV)
+        try:
+            constraint = STUB_CONSTRAINTS[args.stub_constraint]
+            for engine in engines.values():  # warm-up, grammar compiler built
+                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all", constraint)
+            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            for _ in range(args.rounds):
+                for name, (constrained, background) in CONFIGS.items():
+                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained,
+                                                     constraint))
+            row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
+                                   "mask_violations": sum(e.model.backend.violations for e in engines.values())}
+            for name in CONFIGS:
+                row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
+                row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
+                row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+            for name in list(CONFIGS)[1:]:
+                row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
+            assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
+        finally:
+            for engine in engines.values():
+                asyncio.run(engine.close())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"model": "stub device: the engine on the CPU, forward/sampling times of the Qwen3-4B shape on an H100 "
+            "(results/grammar_mask_cuda.json); synthetic 151,936-token vocabulary", "device": "stub",
+            "tokens_per_request": args.tokens, "rounds": args.rounds, "constraint": args.stub_constraint,
+            "schema": "people: array of >= 30 PERSON objects; digits: the regex [0-9]{2000}; mixed_half: every "
+            "other row has it", "host_cpu_count": os.cpu_count(),
+            "host_load_average_1_5_15_min_at_end": os.getloadavg(),
+            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
+            "rows": rows}
+
+
 def run_overhead(args: argparse.Namespace) -> dict:
     import os
+
+    if args.compare_code:
+        return compare_code_rounds(args)
 
     import openinfer
     from openinfer.structured import BACKGROUND_MASKS_ENV
@@ -545,6 +829,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if result.get("compared_code"):
+        plot_comparison(result, path)
+        return
     labels = [f"batch {r['batch']}" for r in rows]
     x = np.arange(len(rows))
     names = list(CONFIGS)
@@ -559,13 +846,25 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("decode TPOT / TPOT without schema")
     left.set_ylim(0.8, max(1.2, max(r[f"tpot_ms_{n}"] / r["tpot_ms_plain"] for r in rows for n in names) + 0.05))
     left.legend(fontsize=7)
-    exposed = next(k for k in rows[0] if k.startswith("exposed_fill_ms"))
+    exposed = next((k for k in rows[0] if k.startswith("exposed_fill_ms")), None)
+    if exposed is None:  # the stub device: the process's CPU time per step instead of the mask parts
+        for k, name in enumerate(names):
+            right.bar(x + (k - (len(names) - 1) / 2) * width, [r[f"cpu_ms_per_step_{name}"] for r in rows], width,
+                      label=name.replace("_", " "))
+        right.set_xticks(x, labels)
+        right.set_ylabel("process CPU ms per step")
+        right.legend(fontsize=7)
+        fig.suptitle(f"Grammar-mask overhead, {result['model']}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     bars = {"fill on demand (no model)": "fill_on_demand_ms_mean",
             "left to wait with background masks (" + exposed.split("after_")[1].split("_forward")[0] + " forward)": exposed,
-            "apply, boolean assignment (before)": "apply_numpy_ms_mean_before (boolean assignment)",
-            "apply, table gather (now)": "apply_numpy_ms_mean"}
+            "apply, boolean assignment (first)": "apply_numpy_ms_mean_before (boolean assignment)",
+            "apply, table gather every row (before)": "apply_numpy_ms_mean_before (table gather every row)",
+            "apply_bitmasks, packed step masks (now)": "apply_numpy_ms_mean"}
     for k, (label, key) in enumerate(bars.items()):
-        right.bar(x + (k - 1.5) * 0.2, [r[key] for r in rows], 0.2, label=label)
+        right.bar(x + (k - (len(bars) - 1) / 2) * 0.16, [r.get(key, np.nan) for r in rows], 0.16, label=label)
     right.set_xticks(x, labels)
     right.set_ylabel("ms per step")
     right.legend(fontsize=7)
@@ -574,10 +873,45 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_comparison(result: dict, path: Path) -> None:
+    """TPOT / TPOT without schema, this checkout next to the compared code (stub device)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = list(CONFIGS)[1:]
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        x = np.arange(len(names))
+        for k, code in enumerate(("compared", "current")):
+            values = [row[f"{code}_tpot_ms_{n}"] / row[f"{code}_tpot_ms_plain"] for n in names]
+            bars = ax.bar(x + (k - 0.5) * 0.4, values, 0.4, label="before" if code == "compared" else "now")
+            ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7)
+        ax.axhline(1.05, color="gray", linestyle="--", linewidth=0.8, label="goal: +5 %")
+        ax.set_xticks(x, [n.replace("_", " ") for n in names], fontsize=7)
+        ax.set_ylabel("decode TPOT / TPOT without schema")
+        ax.set_title(f"batch {row['batch']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Grammar-mask overhead, {result['model']}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["engines", "overhead"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "stub"],
+                        help="stub: the engine on the CPU with a stand-in device taking the H100's forward and "
+                             "sampling times (--forward-ms, --sample-ms)")
+    parser.add_argument("--forward-ms", type=float, help="stub device: forward time per step (default: the H100's "
+                                                         "at that batch, H100_FORWARD_MS)")
+    parser.add_argument("--sample-ms", type=float, default=H100_SAMPLE_MS, help="stub device: sampling time per step")
+    parser.add_argument("--stub-constraint", default="people", choices=sorted(STUB_CONSTRAINTS),
+                        help="stub device: the schema rows' constraint (digits: masks cost next to nothing)")
+    parser.add_argument("--compare-code", help="also measure the openinfer package in this directory (DIR/openinfer), "
+                                               "in alternating fresh processes (end-to-end TPOT only)")
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-4b-dummy"],
                         help="the demo model (SmolLM2, its own 49k vocabulary), or a Qwen3-4B-shaped directory "
                              "with random weights and a synthetic 151,936-token vocabulary (written to "
@@ -596,7 +930,7 @@ def main() -> None:
         result = {**meta, **run_engines(args)}
         out = RESULTS / "grammar_engines.json"
     else:
-        result = {**meta, **run_overhead(args)}
+        result = {**meta, **(run_stub_overhead(args) if args.device == "stub" else run_overhead(args))}
         out = Path(args.out) if args.out else RESULTS / f"grammar_mask_{args.device}.json"
         plot(result, out.with_suffix(".png"))
     out.write_text(json.dumps(result, indent=2))

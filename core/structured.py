@@ -10,14 +10,14 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
 * the engine owns one :class:`GrammarCompiler` per tokenizer (the vocabulary as llguidance sees
   it is built once from ``tokenizer.json``) and gives each constrained request a
   :class:`GrammarMatcher`;
-* after a token is chosen the matcher consumes it (``SamplingState.record``) and its next mask
-  is computed at once on a background thread (:class:`NextMasks`), during the engine's
-  read-back, scheduling and next forward;
-* each step, :meth:`GrammarCompiler.fill_bitmasks` collects the allowed-token bitmask of every
-  constrained row (one int32 word per 32 tokens, bit ``t % 32`` of word ``t // 32`` set = token
-  ``t`` allowed; computed there for rows without a background mask, e.g. a new request); the
-  samplers apply it (:func:`apply_bitmask` per row on NumPy, one kernel for the whole batch on
-  CUDA, rows with and without a grammar together).
+* after a step's tokens are read back, each matcher consumes its token (``SamplingState.record``)
+  and the engine hands the matchers of the step sampled next to :meth:`GrammarCompiler.start_masks`
+  at once: one parallel llguidance call fills their allowed-token bitmasks (one int32 word per
+  32 tokens, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed) on a background thread
+  (:class:`MaskWorker`) while the engine emits, schedules and builds the next batch and the
+  device runs the forward;
+* the samplers apply the step's compact masks (:class:`StepMasks`): :func:`apply_bitmasks` on
+  NumPy, one kernel for the whole batch on CUDA, rows with and without a grammar together.
 
 JSON is generated compactly with Python's separators (``", "`` and ``": "``) and no other
 whitespace, so a sampled output can neither stall in whitespace nor differ between paths.
@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import llguidance as llg
@@ -120,15 +120,12 @@ def check_constraint(constraint: pb.StructuredOutput) -> None:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. ``accept`` advances it by a sampled token and, with
-    ``next_masks``, starts computing the next step's mask at once on a background thread (the
-    mask depends only on the tokens consumed), so it is ready when the next step samples."""
+    """One request's position in its grammar. ``accept`` advances it by a sampled token; its next
+    mask is computed with the other rows of its step (:meth:`GrammarCompiler.start_masks`)."""
 
-    def __init__(self, matcher: llg.LLMatcher, next_masks: NextMasks | None = None):
+    def __init__(self, matcher: llg.LLMatcher):
         self._matcher = matcher
-        self._next_masks = next_masks
-        self._mask: np.ndarray | None = None  # the allowed tokens in the current state, once computed
-        self._mask_ready: threading.Event | None = None  # set when a background computation ends
+        self._in_use: threading.Event | None = None  # set when a step's mask computation leaves it
 
     @property
     def matcher(self) -> llg.LLMatcher:
@@ -137,82 +134,108 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; False when the grammar forbids it (the matcher is then in an
         error state: only a bug or an unconstrained token such as a forced stop gets here)."""
-        self._wait_for_mask()  # the background thread may still be reading this state
-        self._mask = None
+        self._wait_until_free()  # a mask computation may still read this state
         if self._matcher.is_stopped():
             return True  # the grammar is complete: the only tokens left are the stop tokens
-        accepted = self._matcher.consume_token(token_id)
-        if self._next_masks is not None:
-            self._mask_ready = threading.Event()
-            if not self._next_masks.schedule(self):
-                self._mask_ready = None
-        return accepted
+        return self._matcher.consume_token(token_id)
 
     def is_terminated(self) -> bool:
-        self._wait_for_mask()
+        self._wait_until_free()
         return self._matcher.is_stopped()
 
-    def computed_mask(self) -> np.ndarray | None:
-        """The current state's mask, waiting for a background computation under way; None when
-        none was made (a new matcher, or no background thread)."""
-        self._wait_for_mask()
-        return self._mask
-
     def fill(self, bitmask_row: np.ndarray) -> None:
-        mask = self.computed_mask()
-        if mask is not None:
-            bitmask_row[:] = mask
-        else:
-            llg_numpy.fill_next_token_bitmask(self._matcher, bitmask_row.reshape(1, -1), 0)
+        """This state's allowed tokens into one bitmask row, now."""
+        self._wait_until_free()
+        llg_numpy.fill_next_token_bitmask(self._matcher, bitmask_row.reshape(1, -1), 0)
 
-    def _wait_for_mask(self) -> None:
-        if self._mask_ready is not None:
-            self._mask_ready.wait()
-            self._mask_ready = None
-
-    def _set_mask(self, mask: np.ndarray | None) -> None:
-        """Called by the background thread."""
-        self._mask = mask
-        assert self._mask_ready is not None
-        self._mask_ready.set()
+    def _wait_until_free(self) -> None:
+        if self._in_use is not None:
+            self._in_use.wait()
+            self._in_use = None
 
 
-class NextMasks:
-    """The background thread that computes the masks of matchers that have just consumed a token.
+class StepMasks:
+    """One step's grammar masks, compact: ``bitmask[j]`` is the allowed-token bitmask (layout
+    below) of the logits row ``i`` with ``mask_rows[i] == j``; ``mask_rows[i] == -1`` for rows
+    without a grammar. Computed on :class:`MaskWorker` (``wait`` returns when done) or at once."""
 
-    The engine thread records a step's tokens one row after another; the thread takes every
-    matcher scheduled so far as one batch, fills their masks in parallel on llguidance's
-    executor (one call, the GIL released throughout) and repeats until nothing is left, then
-    waits for the next step a while before it exits. So the mask work of step N+1 runs during
-    the engine's read-back, scheduling and forward of step N+1 instead of after them.
+    def __init__(self, bitmask: np.ndarray, mask_rows: np.ndarray, done: threading.Event | None = None):
+        self.bitmask = bitmask  # [constrained rows, words] int32
+        self.mask_rows = mask_rows  # [rows] int32
+        self._done = done
+        self._failed = False
+
+    @classmethod
+    def from_rows(cls, bitmask: np.ndarray, constrained: Iterable[int]) -> StepMasks:
+        """From a bitmask with one row per logits row, of which the rows ``constrained`` apply."""
+        rows = np.asarray(sorted(set(constrained)), dtype=np.int64)
+        mask_rows = np.full(bitmask.shape[0], -1, np.int32)
+        mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
+        return cls(np.ascontiguousarray(bitmask[rows], dtype=np.int32), mask_rows)
+
+    @property
+    def constrained(self) -> list[int]:
+        """The logits rows with a mask, ascending."""
+        return np.flatnonzero(self.mask_rows >= 0).tolist()
+
+    def wait(self) -> StepMasks:
+        """The masks, once computed; raises ``RuntimeError`` when the computation failed."""
+        if self._done is not None:
+            self._done.wait()
+            self._done = None
+        if self._failed:
+            raise RuntimeError("computing the step's grammar masks failed (see the log)")
+        return self
+
+    def row(self, index: int) -> np.ndarray | None:
+        j = self.mask_rows[index]
+        return self.bitmask[j] if j >= 0 else None
+
+    def subset(self, indices: Sequence[int]) -> StepMasks:
+        """The masks of the logits rows ``indices``, renumbered 0..len(indices) - 1."""
+        return StepMasks(self.bitmask, self.mask_rows[np.asarray(indices, dtype=np.int64)])
+
+
+class MaskWorker:
+    """The thread that computes a step's masks while the engine thread goes on: the engine hands
+    over all of a step's matchers at once (:meth:`GrammarCompiler.start_masks`), right after they
+    consumed the previous step's tokens; one llguidance call fills every mask in parallel on its
+    executor, writing straight into the step's compact bitmask, the GIL released throughout. So
+    the mask work runs on other cores during the engine's read-back, emission, scheduling and
+    batch building for the next step, and the GPU's forward.
+
+    The hand-over waits until the worker holds the job (a thread wake-up): a woken thread needs
+    the GIL to start, and the engine thread, busy in Python, would give it up only at the next
+    forced switch (``sys.getswitchinterval()``, 5 ms) — longer than the whole mask computation.
 
     At interpreter exit every instance is closed (:func:`atexit`) before the runtime is torn
     down: a daemon thread still inside llguidance then would write into freed memory."""
 
     IDLE_EXIT_S = 2.0
 
-    def __init__(self, executor: llg.LLExecutor, vocab_size: int):
+    def __init__(self, executor: llg.LLExecutor):
         self._executor = executor
-        self._words = bitmask_words(vocab_size)
         self._wakeup = threading.Condition()
-        self._pending: list[GrammarMatcher] = []
+        self._jobs: list[tuple[list[tuple[llg.LLMatcher, int]], StepMasks, threading.Event, threading.Event]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        _OPEN_NEXT_MASKS.add(self)
+        _OPEN_MASK_WORKERS.add(self)
 
-    def schedule(self, matcher: GrammarMatcher) -> bool:
-        """Compute ``matcher``'s mask in the background; False when closed (it is then computed
-        when asked)."""
+    def submit(self, matchers: list[tuple[llg.LLMatcher, int]], masks: StepMasks, done: threading.Event) -> bool:
+        """Fill ``masks.bitmask`` for ``matchers`` (matcher, bitmask row) and set ``done``; False
+        when closed (nothing was started)."""
+        taken = threading.Event()
         with self._wakeup:
             if self._closed:
                 return False
-            self._pending.append(matcher)
-            if self._thread is not None:
+            self._jobs.append((matchers, masks, done, taken))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="openinfer-grammar-masks", daemon=True)
+                self._thread.start()
+            else:
                 self._wakeup.notify()
-                return True
-            self._thread = threading.Thread(target=self._run, name="openinfer-grammar-masks", daemon=True)
-            self._thread.start()
-            return True
+        taken.wait()
+        return True
 
     def close(self) -> None:
         """Finish the masks under way and stop the thread."""
@@ -226,30 +249,28 @@ class NextMasks:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                if not self._pending and not self._closed:
+                if not self._jobs and not self._closed:
                     self._wakeup.wait(self.IDLE_EXIT_S)
-                if not self._pending:
+                if not self._jobs:
                     self._thread = None
                     return
-                batch, self._pending = self._pending, []
-            bitmask = np.empty((len(batch), self._words), dtype=np.int32)
+                matchers, masks, done, taken = self._jobs.pop(0)
+            taken.set()
             try:
-                llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.matcher, i) for i, m in enumerate(batch)],
-                                                      bitmask)
-            except Exception:  # the engine thread then computes these masks itself (and sees the error)
+                llg_numpy.fill_next_token_bitmask_par(self._executor, matchers, masks.bitmask)
+            except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
                 logger.exception("computing grammar masks in the background failed")
-                bitmask = None
-            for row, matcher in enumerate(batch):
-                matcher._set_mask(bitmask[row] if bitmask is not None else None)
+                masks._failed = True
+            done.set()
 
 
-_OPEN_NEXT_MASKS: weakref.WeakSet[NextMasks] = weakref.WeakSet()
+_OPEN_MASK_WORKERS: weakref.WeakSet[MaskWorker] = weakref.WeakSet()
 
 
 @atexit.register
-def _close_next_masks() -> None:
-    for next_masks in list(_OPEN_NEXT_MASKS):
-        next_masks.close()
+def _close_mask_workers() -> None:
+    for worker in list(_OPEN_MASK_WORKERS):
+        worker.close()
 
 
 def _printable_ascii(text: str) -> bool:
@@ -279,32 +300,40 @@ def grammar_tokenizer_json(tokenizer_json: str) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+def default_mask_threads(device_forward: bool) -> int:
+    """Threads filling a step's masks in parallel: with the forward on a GPU every core but two
+    (the engine thread and the frontend's) up to 16; with the forward on the CPU half the cores
+    (its BLAS threads need the others)."""
+    cores = os.cpu_count() or 2
+    return max(2, min(16, cores - 2)) if device_forward else max(2, min(8, cores // 2))
+
+
 class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 background_masks: bool = True):
+                 background_masks: bool = True, mask_threads: int | None = None):
         """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer;
-        ``background_masks``: matchers compute their next mask on a background thread as soon
-        as they consume a token (see :class:`NextMasks`); off, every mask is computed when asked."""
+        ``background_masks``: :meth:`start_masks` computes a step's masks on a background
+        thread (:class:`MaskWorker`); off, on the calling thread before it returns;
+        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`)."""
         self.vocab_size = vocab_size
         if isinstance(tokenizer, str):
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
                                         eos_token=list(eos_token_ids) or None)
         self.tokenizer = tokenizer
-        # a batch's masks are filled in parallel; half the cores, as the forward needs the others on the CPU
-        self._executor = llg.LLExecutor(num_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
-        self._next_masks = NextMasks(self._executor, vocab_size) if background_masks else None
+        self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
+        self._worker = MaskWorker(self._executor) if background_masks else None
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 background_masks: bool = True) -> GrammarCompiler:
+                 background_masks: bool = True, mask_threads: int | None = None) -> GrammarCompiler:
         """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
         directory = Path(tokenizer_dir)
         if (directory / "tokenizer.json").is_file():
             return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids,
-                       background_masks)
+                       background_masks, mask_threads)
         if (directory / "tiktoken.model").is_file():
             from openinfer.tiktoken_tokenizer import tiktoken_encoding
 
@@ -314,7 +343,7 @@ class GrammarCompiler:
             return cls(llg.LLTokenizer.from_tiktoken(
                 encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
                 pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
-                n_vocab=vocab_size), vocab_size, background_masks=background_masks)
+                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads)
         raise InvalidRequestError(
             f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
             f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
@@ -323,21 +352,38 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
         if matcher.is_error():
             raise _refuse(constraint.WhichOneof("kind"), matcher.get_error().strip())
-        return GrammarMatcher(matcher, self._next_masks)
+        return GrammarMatcher(matcher)
+
+    def start_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], num_rows: int,
+                    background: bool = True) -> StepMasks:
+        """Start computing the masks of one step of ``num_rows`` logits rows, ``matchers`` giving
+        (matcher, logits row): with ``background`` and a worker, on the worker (``wait()`` on the
+        result before reading it; the matchers wait too before they consume a token), else here,
+        in parallel on llguidance's threads (the GIL is released)."""
+        mask_rows = np.full(num_rows, -1, np.int32)
+        for j, (_, row) in enumerate(matchers):
+            mask_rows[row] = j
+        masks = StepMasks(np.empty((len(matchers), bitmask_words(self.vocab_size)), np.int32), mask_rows)
+        work = [(m.matcher, j) for j, (m, _) in enumerate(matchers)]
+        if background and self._worker is not None:
+            done = threading.Event()
+            for matcher, _ in matchers:
+                matcher._wait_until_free()
+                matcher._in_use = done
+            if self._worker.submit(work, masks, done):
+                masks._done = done
+                return masks
+            for matcher, _ in matchers:  # the worker is closed: computed here
+                matcher._in_use = None
+        llg_numpy.fill_next_token_bitmask_par(self._executor, work, masks.bitmask)
+        return masks
 
     def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
-        """Write each matcher's allowed tokens into ``bitmask[row]`` (rows not named stay as they are):
-        the masks computed in the background are copied, the others computed here in parallel on
-        llguidance's threads (the GIL is released)."""
-        missing = []
-        for matcher, row in matchers:
-            mask = matcher.computed_mask()
-            if mask is None:
-                missing.append((matcher.matcher, row))
-            else:
-                bitmask[row] = mask
-        if missing:
-            llg_numpy.fill_next_token_bitmask_par(self._executor, missing, bitmask)
+        """Write each matcher's allowed tokens into ``bitmask[row]`` now (rows not named stay as
+        they are), in parallel on llguidance's threads (the GIL is released)."""
+        for matcher, _ in matchers:
+            matcher._wait_until_free()
+        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m.matcher, row) for m, row in matchers], bitmask)
 
 
 BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
@@ -349,8 +395,10 @@ class CompilerCache:
     environment sets ``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0`` when the engine is created (for
     side-by-side measurements: ``benchmarks/grammar_mask.py``)."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int], device_forward: bool = False):
+        """``device_forward``: the model runs on a GPU (more cores for the masks)."""
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
+        self._mask_threads = default_mask_threads(device_forward)
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
@@ -359,7 +407,8 @@ class CompilerCache:
         with self._lock:
             if self._compiler is None:
                 try:
-                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks)
+                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks,
+                                                              mask_threads=self._mask_threads)
                 except InvalidRequestError:
                     raise
                 except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read
@@ -383,14 +432,53 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
 # byte value → the 8 logit offsets its bits mean (0 allowed, -inf forbidden; bit 0 first)
 _BYTE_OFFSETS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
                          np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+# a row whose allowed (or forbidden) tokens lie in at most 1/SPARSE_WORDS of its words is masked by
+# index instead of through the table (a JSON state allows few tokens; a free string forbids few)
+SPARSE_WORDS = 8
+
+
+def _set_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids of the set bits of ``words`` (ascending), below ``vocab_size``."""
+    which = np.flatnonzero(words)
+    positions = np.flatnonzero(np.unpackbits(words[which].view(np.uint8), bitorder="little"))
+    ids = which[positions >> 5] * 32 + (positions & 31)
+    return ids[ids < vocab_size]
+
+
+def _apply_row(logits: np.ndarray, bitmask_row: np.ndarray) -> None:
+    vocab = logits.shape[-1]
+    sparse = bitmask_row.size // SPARSE_WORDS
+    if np.count_nonzero(bitmask_row) <= sparse:  # few words allow anything
+        allowed = _set_bits(bitmask_row, vocab)
+        kept = logits[allowed]
+        logits.fill(-np.inf)
+        logits[allowed] = kept
+    elif bitmask_row.size - np.count_nonzero(bitmask_row == -1) <= sparse:  # few words forbid anything
+        logits[_set_bits(np.invert(bitmask_row), vocab)] = -np.inf
+    else:
+        # (np.take without ``out``: with one, it buffers the output and is several times slower)
+        offsets = np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0)
+        np.add(logits, offsets.reshape(-1)[:vocab], out=logits)
+
+
+def apply_bitmasks(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Forbidden tokens' logits become -inf, in place: ``logits`` [rows, vocab] float32, ``bitmask``
+    [rows, ceil(vocab / 32)] int32 (the packed layout above; bits past ``vocab`` are ignored).
+    Allowed logits are left as they are. Per row, the cheapest of: writing the few allowed
+    tokens into a row of -inf, writing -inf at the few forbidden ones, or one table gather and
+    add over the row (a batch-wide gather is slower: its temporaries leave the cache)."""
+    if logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for {bitmask.shape[0]} bitmask rows")
+    if bitmask.dtype != np.int32 or bitmask.shape[1] < bitmask_words(logits.shape[1]):
+        raise ValueError(f"a bitmask for {logits.shape[1]} tokens is int32 [rows, >= {bitmask_words(logits.shape[1])}]")
+    for row in range(logits.shape[0]):
+        _apply_row(logits[row], bitmask[row])
+    return logits
 
 
 def apply_bitmask(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
-    """Forbidden tokens' logits become -inf (in place; ``logits`` is one float32 row). One table
-    gather and one add (6x faster than a boolean-mask assignment at a 49k vocabulary)."""
-    offsets = np.empty((bitmask_row.size * 4, 8), dtype=np.float32)
-    np.take(_BYTE_OFFSETS, bitmask_row.view(np.uint8), axis=0, out=offsets)
-    np.add(logits, offsets.reshape(-1)[:logits.shape[-1]], out=logits)
+    """:func:`apply_bitmasks` for one float32 row (in place)."""
+    apply_bitmasks(logits[np.newaxis], bitmask_row[np.newaxis])
     return logits
 
 

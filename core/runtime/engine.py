@@ -33,11 +33,12 @@ from openinfer.parallel.workers import RunnerSetup
 from openinfer.runtime.batch_builder import LogitsRow, build_forward_batch
 from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_specs_of
 from openinfer.runtime.sampler import (
+    GrammarMasks,
     SampledStep,
-    grammar_masks,
     needs_host_history,
     sample_step,
     samples_on_device,
+    start_grammar_masks,
 )
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
@@ -53,6 +54,30 @@ _CPU_DEFAULT_BATCHED_TOKENS = 512
 # measured on an H200 (Qwen3-4B shape, 256 streams of 1k in / 128 out): 8192 gives 3,616 out tok/s and
 # TTFT p50 2.0 s against 2,927 and 4.1 s at 2048 (benchmarks/results/gpu_concurrency_8k.json)
 _GPU_DEFAULT_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class _LaunchedForward:
+    """A step whose forward is queued and whose sampling has not started yet."""
+
+    plan: SchedulerOutput
+    rows: list[LogitsRow]
+    logits: Any
+    timer_start: Any = None  # StepTimer.start()'s event when timing
+    forward_end: Any = None  # and the event after the forward
+    trace: Any = None  # EngineTracer.on_launch's record when tracing
+    accounted: bool = False  # its tokens count as computed and its rows hold placeholders
+    masks: GrammarMasks | None = None  # its grammar masks, started once the matchers consumed N's tokens
+
+
+@dataclass
+class _BuiltForward:
+    """A step's batch built on the host, its forward not launched yet."""
+
+    plan: SchedulerOutput
+    batch: Any
+    rows: list[LogitsRow]
+    trace: Any = None
 
 
 @dataclass
@@ -158,7 +183,8 @@ class PagedEngine:
         if spec.bos_token_id is not None:
             self._info.bos_token_id = spec.bos_token_id
         # structured outputs: the vocabulary is read from tokenizer.json on the first constrained request
-        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids))
+        self._grammars = CompilerCache(self._info.tokenizer_path, spec.vocab_size, list(spec.eos_token_ids),
+                                       device_forward=not is_cpu)
         self._inbox: Any = queue.SimpleQueue()
         # request id -> where its events go (a RequestSlot in process, a client id in the core)
         self._streams: dict[str, Any] = {}
@@ -173,9 +199,12 @@ class PagedEngine:
         self.async_scheduling = (self.options.async_scheduling if self.options.async_scheduling is not None
                                  else model.backend.name == "cuda")
         self._in_flight: _LaunchedStep | None = None
-        # a backend that samples on the device asynchronously launches ahead only rows its
-        # kernel samples (one predicate: samples_on_device); a host sampler reads every row back
-        # anyway, so there only rows needing the previous step's tokens on the host wait
+        # a launched forward whose sampling waits for its grammar masks (see ``_step``)
+        self._unsampled: _LaunchedForward | None = None
+        # every forward may be launched before the previous step is read back; its sampling may
+        # too when, on a backend sampling asynchronously, the kernel samples every row without the
+        # previous tokens on the host (one predicate: samples_on_device); a host sampler reads
+        # every row back anyway, so there only rows needing the previous step's tokens wait
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
@@ -347,12 +376,12 @@ class PagedEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.scheduler.has_work and self._in_flight is None
+                idle = not self.scheduler.has_work and self._in_flight is None and self._unsampled is None
                 running = self._drain_inbox(idle)
                 self._flush()
                 if not running:
                     break
-                if self.scheduler.has_work or self._in_flight is not None:
+                if self.scheduler.has_work or self._in_flight is not None or self._unsampled is not None:
                     self.step()
         except BaseException as exc:  # keep the process alive; health() reports it
             logger.exception("engine loop crashed")
@@ -394,13 +423,19 @@ class PagedEngine:
             self._flush()
 
     def _step(self) -> None:
-        """One engine step: schedule → launch (forward + sampling) → read back and emit.
+        """One engine step: schedule → launch the forward → sample → read back and emit.
 
-        With async scheduling, step N+1 is planned and launched while step N still runs on the
-        device — its inputs sampled by N are fed on the device (``token_sources``) — and N's
-        tokens are read back and emitted only after N+1 is queued, so the GPU never waits on
-        Python between decode steps. A request that N finishes has computed one extra token in
-        N+1, which is discarded.
+        With async scheduling, step N+1 is planned and its forward launched while step N still
+        runs on the device — its inputs sampled by N are fed on the device (``token_sources``) —
+        and N's tokens are read back and emitted only after that, so the GPU never waits on
+        Python between decode steps. Only *sampling* N+1 may need N's tokens on the host (a
+        grammar consumes them before it masks the next token; penalties count them): then N is
+        read back while N+1's forward runs, the matchers consume N's tokens and N+1's masks
+        start on a background thread, and N+1's sampling is deferred to the next call, which
+        first plans and builds N+2's batch and then queues N+1's sampling and N+2's forward
+        back to back. So the engine's scheduling and batch building overlap the forward and
+        the mask work as they do without grammars. A request that N finishes has computed one
+        extra token in N+1, which is discarded.
         """
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed from position 0 later: its state goes too
@@ -413,77 +448,151 @@ class PagedEngine:
             if self.tracer is not None:
                 self.tracer.on_scheduled(request.request_id)
             self._emit(request.request_id, SCHEDULED, request.num_cached_tokens)
-        in_flight = self._in_flight
-        if in_flight is not None and not self._may_launch_ahead(plan):
-            self._in_flight = None
-            self._resolve(in_flight)
-            in_flight = None
-            plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
-        if not plan.chunks:
+        in_flight, self._in_flight = self._in_flight, None
+        unsampled, self._unsampled = self._unsampled, None
+        built: _BuiltForward | None = None
+        failure: Exception | None = None
+        if plan.chunks:
+            try:
+                built = self._build_forward(plan)
+            except Exception as exc:
+                logger.exception("building the step failed; failing the %d requests in it", len(plan.chunks))
+                failure = exc
+        if unsampled is not None:  # the deferred step: sampled now, right before the next forward
+            assert in_flight is None
+            in_flight, unsampled_failure = self._sample_or_fail(unsampled)
+            if unsampled_failure is not None:
+                self._fail_plan(unsampled.plan, unsampled_failure)
+                return  # this plan's inputs were to come from those samples: it is planned again
+        if built is None:
+            if failure is not None:
+                self._fail_plan(plan, failure)
             if in_flight is not None:
-                self._in_flight = None
                 self._resolve(in_flight)
-            elif not plan.preempted:
+            elif not plan.preempted and failure is None:
                 time.sleep(0.001)
             return
+        launched: _LaunchedStep | None = None
+        forward: _LaunchedForward | None = None
         try:
-            launched: _LaunchedStep | None = self._launch(plan, in_flight)
-            failure = None
+            forward = self._run_forward(built, in_flight)
         except Exception as exc:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
-            launched, failure = None, exc
+            failure = exc
+        if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
+            launched, failure = self._sample_or_fail(forward)
+        defer = forward is not None and launched is None and failure is None and self.async_scheduling
         if in_flight is not None:
-            self.num_steps_launched_ahead += launched is not None
-            self._in_flight = None
-            self._resolve(in_flight)  # the CPU reads step N back while the device runs N+1
+            self.num_steps_launched_ahead += forward is not None
+            # the CPU reads step N back while the device runs N+1 (and starts N+1's masks)
+            self._resolve(in_flight, forward if defer else None)
+        if forward is not None and launched is None and failure is None:
+            if defer:
+                try:
+                    self._defer_sampling(forward)
+                except Exception as exc:
+                    logger.exception("starting the grammar masks failed; failing the %d requests in the step",
+                                     len(plan.chunks))
+                    failure = exc
+                else:
+                    return
+            else:
+                launched, failure = self._sample_or_fail(forward)
         if failure is not None:
-            for chunk in plan.chunks:
-                if chunk.request.status is RequestStatus.RUNNING:
-                    self._fail(chunk.request, f"model step failed: {failure!r}")
-        elif self.async_scheduling and self._may_launch_ahead(launched.plan):
-            self._in_flight = launched  # the next step may run before this one is read back
+            self._fail_plan(plan, failure)
+        elif self.async_scheduling:
+            self._in_flight = launched  # the next step's forward may run before this one is read back
         else:
             self._resolve(launched)
 
-    def _may_launch_ahead(self, plan: SchedulerOutput) -> bool:
-        """A step may run before the previous one is read back when none of its rows needs
-        that step's tokens on the host (penalties count generated tokens; prompt logprobs
-        read them). The same test decides whether a launched step may stay unread."""
+    def _fail_plan(self, plan: SchedulerOutput, failure: Exception) -> None:
+        for chunk in plan.chunks:
+            if chunk.request.status is RequestStatus.RUNNING:
+                self._fail(chunk.request, f"model step failed: {failure!r}")
+
+    def _may_sample_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether a step may be sampled before the previous one is read back: none of its rows
+        needs that step's tokens on the host (a grammar, penalties, prompt logprobs) and, on a
+        backend that samples asynchronously, the kernel samples every row (else sampling reads
+        the step back at once, better done after the previous step's read-back)."""
         ready = samples_on_device if self._samples_async else _no_host_history
         return all(ready(c.request) for c in plan.chunks)
 
-    def _launch(self, plan: SchedulerOutput, previous: _LaunchedStep | None) -> _LaunchedStep:
-        """Build the batch, run the model and start sampling; the plan's tokens count as
-        computed from here on and each sampled token is a placeholder until read back.
-        Raises what the model raises (``step`` fails the plan's requests)."""
+    def _build_forward(self, plan: SchedulerOutput) -> _BuiltForward:
+        """The step's batch on the host (nothing on the device yet)."""
         trace = self.tracer.on_launch(plan.chunks) if self.tracer is not None else None
         batch, rows = build_forward_batch(plan.chunks, self.kv)
+        return _BuiltForward(plan, batch, rows, trace)
+
+    def _run_forward(self, built: _BuiltForward, previous: _LaunchedStep | None) -> _LaunchedForward:
+        """Run the model on a built batch (inputs sampled by ``previous`` are read on the
+        device). Raises what the model raises (``step`` fails the plan's requests)."""
+        plan = built.plan
         start = self._step_timer.start() if self._step_timer else None
         self._copy_state_slots()  # snapshot restores of requests starting from a cached prefix
-        logits = self.runner.run(batch, previous.samples.device_token_ids if previous else None)
+        logits = self.runner.run(built.batch, previous.samples.device_token_ids if previous else None)
         if self._state_layers and self.options.enable_prefix_cache:
             for chunk in plan.chunks:  # the state at a block boundary may serve a later request
                 end = chunk.start + chunk.num_tokens
                 self.kv.snapshot_state(chunk.request.request_id, end, end <= chunk.request.num_prompt_tokens)
             self._copy_state_slots()
-        # grammar masks are computed on the CPU while the device runs the forward
-        masks = grammar_masks(rows, self.model.spec.vocab_size, self._grammars)
-        samples = sample_step(self.model.backend, logits, rows, self.model.spec.eos_token_ids,
-                              self.async_scheduling, masks)
-        if self._step_timer:
-            self._step_timer.stop(start)
-        self.num_steps += 1
-        for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-        for index, row in enumerate(rows):
-            if row.samples:
-                row.request.append_placeholder(index)
-        return _LaunchedStep(plan, rows, samples, trace)
+        forward_end = self._step_timer.start() if self._step_timer else None
+        return _LaunchedForward(plan, built.rows, logits, start, forward_end, built.trace)
 
-    def _resolve(self, launched: _LaunchedStep) -> None:
+    def _sample_or_fail(self, forward: _LaunchedForward) -> tuple[_LaunchedStep | None, Exception | None]:
+        try:
+            return self._sample(forward), None
+        except Exception as exc:
+            logger.exception("sampling failed; failing the %d requests in the step", len(forward.plan.chunks))
+            return None, exc
+
+    def _account(self, forward: _LaunchedForward) -> None:
+        """The plan's tokens count as computed from here on and each row to be sampled holds a
+        placeholder until read back (so the next step can be planned before this one samples)."""
+        if forward.accounted:
+            return
+        forward.accounted = True
+        for chunk in forward.plan.chunks:
+            if not chunk.request.is_finished:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+        for index, row in enumerate(forward.rows):
+            if row.samples and not row.request.is_finished:
+                row.request.append_placeholder(index)
+
+    def _defer_sampling(self, forward: _LaunchedForward) -> None:
+        """Account a launched forward whose matchers have consumed the previous step's tokens
+        (its grammar masks under way since, see ``_resolve``) and leave its sampling to the next
+        ``_step`` (after the next batch is built)."""
+        if forward.masks is None:
+            forward.masks = start_grammar_masks(forward.rows, self._grammars)
+        self._account(forward)
+        self._unsampled = forward
+
+    def _sample(self, forward: _LaunchedForward) -> _LaunchedStep:
+        """Start sampling a launched forward (accounting it first, unless deferred sampling did).
+        Rows of requests finished meanwhile (the previous step stopped them) are sampled and
+        discarded."""
+        plan, rows = forward.plan, forward.rows
+        # grammar masks: computed on the CPU while the device runs the forward (on a background
+        # thread from the moment the matchers consumed the previous tokens, see ``structured``)
+        # (needed at once: computed on this thread, sparing the hand-over to the worker)
+        masks = forward.masks if forward.accounted else start_grammar_masks(rows, self._grammars, background=False)
+        if masks is not None:
+            masks.wait()
+        sampling_start = self._step_timer.start() if self._step_timer else None
+        samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
+                              self.async_scheduling, masks)
+        if self._step_timer:  # the device may have waited for the CPU between the forward and the sampling
+            self._step_timer.stop(forward.timer_start, (forward.forward_end, sampling_start))
+        self.num_steps += 1
+        self._account(forward)
+        return _LaunchedStep(plan, rows, samples, forward.trace)
+
+    def _resolve(self, launched: _LaunchedStep, next_forward: _LaunchedForward | None = None) -> None:
         """Read a launched step back: publish its full KV blocks, fill placeholders, check
         stops, emit. Blocks are published first so a request finishing here still leaves its
-        prefix in the cache."""
+        prefix in the cache. ``next_forward``: the launched step sampled next, whose grammar
+        masks start as soon as the matchers consumed this step's tokens, before the rest."""
         if self.options.enable_prefix_cache:
             for chunk in launched.plan.chunks:
                 request = chunk.request
@@ -496,19 +605,38 @@ class PagedEngine:
         results = launched.samples.results()
         if launched.trace is not None:
             self.tracer.on_resolved(launched.trace)
-        for row, sample in zip(launched.rows, results, strict=True):
+        recorded = self._start_next_masks(launched, results, next_forward) if next_forward is not None else ()
+        for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
             request = row.request
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted or stopped meanwhile: this row's work is discarded
             if not row.samples:
                 request.prompt_logprobs.append(sample.as_proto())
                 continue
-            self._accept_token(request, row.position + 1, sample)
+            self._accept_token(request, row.position + 1, sample, index in recorded)
 
-    def _accept_token(self, request: Request, index: int, sample) -> None:
+    def _start_next_masks(self, launched: _LaunchedStep, results: list, next_forward: _LaunchedForward) -> set[int]:
+        """The grammar rows' matchers consume their tokens first, then the next step's masks start
+        in the background (the mask work is the longest stretch between two forwards); the rows
+        recorded here are returned. A failure is left for ``_defer_sampling`` to meet again."""
+        recorded = set()
+        for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
+            request = row.request
+            if row.samples and request.sampling.grammar is not None and request.status is not RequestStatus.FINISHED:
+                request.sampling.record(sample.token_id)
+                recorded.add(index)
+        if recorded:
+            try:
+                next_forward.masks = start_grammar_masks(next_forward.rows, self._grammars)
+            except Exception:
+                logger.exception("starting the grammar masks failed")
+        return recorded
+
+    def _accept_token(self, request: Request, index: int, sample, recorded: bool = False) -> None:
         token = sample.token_id
         request.resolve_placeholder(index, token)
-        request.sampling.record(token)
+        if not recorded:
+            request.sampling.record(token)
         num_out = index + 1 - request.num_prompt_tokens
         with_prompt_logprobs = bool(request.prompt_logprobs) and num_out == 1
         if request.want_logprobs or with_prompt_logprobs:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
-from openinfer.sampling import log_softmax, sample_row, top_logprobs
-from openinfer.structured import CompilerCache, allocate_bitmask
+from openinfer.sampling import SamplingState, log_softmax, sample_row, top_logprobs
+from openinfer.structured import CompilerCache, StepMasks, apply_bitmasks
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -62,35 +62,29 @@ def kernel_can_sample(request: Any) -> bool:
 
 
 def samples_on_device(request: Any) -> bool:
-    """THE launch-ahead predicate, shared by the engine (may a step be launched before the
-    previous one is read back, on a backend that samples asynchronously?) and the CUDA sampler's
-    asynchronous path: the kernel samples the row (:func:`kernel_can_sample`) and nothing about
-    it waits for the previous token on the host (a grammar does: its mask follows the token).
-    Rows with a grammar still use the kernel, in steps that are read back at once."""
+    """THE sample-ahead predicate, on a backend that samples asynchronously: may this row of a
+    step be sampled before the previous step is read back? The kernel samples it
+    (:func:`kernel_can_sample`) and nothing about it waits for the previous token on the host (a
+    grammar does: its mask follows the token). Other rows are sampled once the previous step is
+    read back, while their step's forward runs; grammar rows then still use the kernel."""
     return not _sampling_traits(request)[1] and kernel_can_sample(request)
 
 
-@dataclass
-class GrammarMasks:
-    """A step's structured-output masks: ``bitmask[i]`` is row i's allowed tokens (layout in
-    ``openinfer.structured``) for the rows in ``constrained``; other rows' words are all ones."""
-
-    bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32
-    constrained: frozenset[int]
-
-    def row(self, index: int) -> np.ndarray | None:
-        return self.bitmask[index] if index in self.constrained else None
+# a step's structured-output masks, compact (see ``openinfer.structured.StepMasks``)
+GrammarMasks = StepMasks
 
 
-def grammar_masks(rows: Sequence[LogitsRow], vocab_size: int, compilers: CompilerCache) -> GrammarMasks | None:
-    """The masks of every sampling row whose request has a grammar (None when no row has one)."""
+def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache,
+                        background: bool = True) -> GrammarMasks | None:
+    """Start computing the masks of every sampling row whose request has a grammar (None when no
+    row has one); ``wait()`` on the result before sampling. Every such matcher must have
+    consumed the previous step's token. Without ``background``, computed before returning."""
+    # a request finished meanwhile (its previous step stopped it) has nothing left to mask
     constrained = [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
-                   if row.samples and row.request.sampling.grammar is not None]
+                   if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
     if not constrained:
         return None
-    bitmask = allocate_bitmask(len(rows), vocab_size)
-    compilers.get().fill_bitmasks(constrained, bitmask)
-    return GrammarMasks(bitmask, frozenset(i for _, i in constrained))
+    return compilers.get().start_masks(constrained, len(rows), background)
 
 
 def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
@@ -99,6 +93,16 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
     if device_sampler is not None:
         return device_sampler(logits, rows, eos_token_ids, masks)
     host = backend.to_host(logits)
+    # the step's packed masks are applied at once to every constrained row whose logprobs are not
+    # asked for (masking before penalties and logit_bias gives the same logits: -inf stays -inf);
+    # rows that report logprobs need their raw logits, so sample_row masks them itself
+    premasked: list[int] = []
+    if masks is not None:
+        premasked = [i for i in masks.constrained
+                     if rows[i].samples and not (rows[i].request.want_logprobs or rows[i].request.num_logprobs)]
+    masked_rows = apply_bitmasks(np.array(host[premasked], dtype=np.float32),
+                                 masks.bitmask[masks.mask_rows[premasked]]) if premasked else None
+    premasked_at = {row: k for k, row in enumerate(premasked)}
     results: list[RowSample] = []
     for index, row in enumerate(rows):
         request = row.request
@@ -112,11 +116,60 @@ def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_
             banned = list(request.stop.stop_token_ids)
             if not request.stop.ignore_eos:
                 banned += list(eos_token_ids)
-        result = sample_row(np.array(host[index], dtype=np.float32), request.sampling, banned,
-                            request.num_logprobs, request.want_logprobs,
-                            masks.row(index) if masks is not None else None)
+        if index in premasked_at:
+            assert masked_rows is not None
+            row_logits, bitmask_row = masked_rows[premasked_at[index]], None
+        else:
+            row_logits = np.array(host[index], dtype=np.float32)
+            bitmask_row = masks.row(index) if masks is not None else None
+        result = sample_row(row_logits, request.sampling, banned, request.num_logprobs, request.want_logprobs,
+                            bitmask_row)
         results.append(RowSample(result.token_id, result.logprob, result.top))
     return results
+
+
+@dataclass
+class DeviceSamplingInputs:
+    """The host arrays a device sampler uploads for one step (``backend.cuda.sampler``): per-row
+    parameters, the rows' logit_bias as sparse lists and the step's grammar masks. Built here,
+    without the device, so the engine thread's share of a device step is one tested function."""
+
+    params: np.ndarray  # [5, rows] float32: temperature, top_p, min_p, uniform draw, top_k (int32 bits)
+    bias_start: np.ndarray | None  # [rows + 1] int32: row r's entries are [bias_start[r], bias_start[r + 1]);
+    bias_ids: np.ndarray | None  # int32                None when no row has a logit_bias
+    bias_values: np.ndarray | None  # float32
+    masks: GrammarMasks | None
+
+    @property
+    def constrains(self) -> bool:
+        return self.bias_start is not None or self.masks is not None
+
+
+def device_sampling_inputs(states: Sequence[SamplingState], masks: GrammarMasks | None = None,
+                           draws: bool = True) -> DeviceSamplingInputs:
+    """With ``draws``, each random row draws its uniform number here: exactly one
+    ``generator.random()`` per step, as the NumPy sampler does (a seeded request reproduces
+    alone or in a batch); without, the draws stay 0 and no generator advances."""
+    rows = len(states)
+    params = np.empty((5, rows), np.float32)
+    top_k = np.empty(rows, np.int32)
+    for i, state in enumerate(states):
+        p = state.params
+        temperature = p.temperature
+        params[0, i], params[1, i], params[2, i] = temperature, p.top_p, p.min_p
+        params[3, i] = state.generator.random() if draws and temperature > 0 else 0.0
+        top_k[i] = p.top_k
+    params[4] = top_k.view(np.float32)
+    biased = [i for i, s in enumerate(states) if s.bias_ids is not None]
+    if not biased:
+        return DeviceSamplingInputs(params, None, None, None, masks)
+    counts = np.zeros(rows, np.int32)
+    counts[biased] = [len(states[i].bias_ids) for i in biased]
+    bias_start = np.zeros(rows + 1, np.int32)
+    np.cumsum(counts, out=bias_start[1:])
+    bias_ids = np.concatenate([states[i].bias_ids for i in biased]).astype(np.int32)
+    bias_values = np.concatenate([states[i].bias_values for i in biased]).astype(np.float32)
+    return DeviceSamplingInputs(params, bias_start, bias_ids, bias_values, masks)
 
 
 @dataclass
@@ -139,11 +192,12 @@ class SampledStep:
 def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
                 deferred: bool, masks: GrammarMasks | None = None) -> SampledStep:
     """Sample a step. With ``deferred`` and a backend that samples asynchronously
-    (``sample_rows_async``), nothing is read back until ``results()``. Steps with grammar
-    masks are sampled at once (the next mask needs this step's tokens)."""
+    (``sample_rows_async``), nothing is read back until ``results()``; grammar masks go to
+    the device with the rows (the engine samples a step with masks only once every matcher
+    has consumed the previous step's tokens)."""
     async_sampler = getattr(backend, "sample_rows_async", None)
-    if deferred and async_sampler is not None and masks is None:
-        launched = async_sampler(logits, rows)
+    if deferred and async_sampler is not None:
+        launched = async_sampler(logits, rows) if masks is None else async_sampler(logits, rows, masks)
         if launched is not None:
             device_ids, read_back = launched
             return SampledStep(device_ids, None, read_back)

@@ -108,5 +108,9 @@ class Request:
         return self.num_output_tokens >= self.max_tokens
 
     @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens

@@ -15,6 +15,7 @@ from openinfer.structured import (
     allocate_bitmask,
     allowed_tokens,
     apply_bitmask,
+    apply_bitmasks,
     check_constraint,
     grammar_tokenizer_json,
 )
@@ -124,10 +125,64 @@ def test_mask_application_keeps_allowed_logits_exactly(vocab):
         assert np.array_equal(apply_bitmask(logits, row), expected)
 
 
+def _random_bitmasks(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """Random masks of every kind the packed application tells apart: dense random bits, all
+    allowed / none allowed, a few allowed tokens, a few forbidden ones, and bits set past the
+    vocabulary's end."""
+    words = (vocab + 31) // 32
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(rows, words), dtype=np.int64).astype(np.int32)
+    for row in range(rows):
+        kind = row % 5
+        if kind == 1:
+            bitmask[row] = -1 if row % 2 else 0
+        elif kind in (2, 3):
+            ids = rng.choice(vocab, size=int(rng.integers(1, max(2, vocab // 64))), replace=False)
+            bits = np.zeros(words * 32, np.uint8)
+            bits[ids] = 1
+            packed = np.packbits(bits, bitorder="little").view(np.int32)
+            bitmask[row] = packed if kind == 2 else ~packed  # a few allowed / a few forbidden
+    return bitmask
+
+
+def _table_gather_apply(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
+    """The NumPy sampler's former mask application (a byte table gather and an add per row)."""
+    table = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                     np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+    return logits + table[bitmask_row.view(np.uint8)].reshape(-1)[:logits.shape[-1]]
+
+
+@pytest.mark.parametrize("vocab", [33, 70, 4096, 49152, 151936])
+def test_packed_bitmask_application_equals_the_former_one(vocab):
+    """``apply_bitmasks`` (the whole step's packed masks, by index for sparse rows) gives exactly
+    the logits of the former per-row table gather and of a boolean assignment, for random masks."""
+    rng = np.random.default_rng(vocab)
+    rows = 10
+    bitmask = _random_bitmasks(rng, rows, vocab)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
+    expected_gather = np.stack([_table_gather_apply(logits[i], bitmask[i]) for i in range(rows)])
+    expected_bool = logits.copy()
+    for i in range(rows):
+        expected_bool[i][~allowed_tokens(bitmask[i], vocab)] = -np.inf
+    batch = apply_bitmasks(logits.copy(), bitmask)
+    assert np.array_equal(batch, expected_gather)
+    assert np.array_equal(batch, expected_bool)
+    assert np.array_equal(np.signbit(batch), np.signbit(expected_bool))  # allowed logits untouched, -0.0 included
+    for i in range(rows):  # one row at a time, as sample_row applies it
+        assert np.array_equal(apply_bitmask(logits[i].copy(), bitmask[i]), expected_bool[i])
+
+
+def test_packed_bitmask_application_refuses_a_narrow_bitmask():
+    with pytest.raises(ValueError):
+        apply_bitmasks(np.zeros((2, 70), np.float32), np.zeros((2, 2), np.int32))
+
+
 def test_background_masks_equal_masks_computed_when_asked(tokenizer):
-    """Matchers that compute their next mask on the background thread as they consume a token
-    give the very masks of matchers that compute them on demand, row for row, along random walks
-    of several requests at once."""
+    """A step's masks computed on the background worker (``start_masks``) are the very masks
+    computed on the calling thread and row by row (``fill``), in the compact layout (one bitmask
+    row per constrained logits row, ``mask_rows`` mapping the others to -1), along random walks
+    of several requests at once; a matcher consuming a token waits for the computation first."""
+    from openinfer.runtime.sampler import GrammarMasks
+
     vocab = tokenizer.get_vocab_size() + 5
     eos = [tokenizer.token_to_id("<eos>")]
     constraints = [pb.StructuredOutput(json_schema=json.dumps({"type": "array", "items": {"enum": [1, 2, True]}})),
@@ -137,20 +192,28 @@ def test_background_masks_equal_masks_computed_when_asked(tokenizer):
                              for flag in (True, False))
     walkers = [(background.compile(c), on_demand.compile(c)) for c in constraints]
     rng = np.random.default_rng(0)
-    for step in range(30):
+    num_rows = len(walkers) + 2  # rows 0 and 1 of the step carry no grammar
+    for _ in range(30):
         live = [(i, pair) for i, pair in enumerate(walkers) if not pair[1].is_terminated()]
         if not live:
             break
-        masks = [allocate_bitmask(len(walkers), vocab) for _ in range(2)]
-        if step:  # every live matcher has consumed a token: its next mask came from the background
-            assert all(fast.computed_mask() is not None and slow.computed_mask() is None for _, (fast, slow) in live)
-        for side in range(2):
-            compiler = (background, on_demand)[side]
-            compiler.fill_bitmasks([(pair[side], i) for i, pair in live], masks[side])
-        assert np.array_equal(masks[0], masks[1])
-        for i, (fast, slow) in live:
-            token = int(rng.choice(np.nonzero(allowed_tokens(masks[1][i], vocab))[0]))
-            assert fast.accept(token) == slow.accept(token)
+        steps = [compiler.start_masks([(pair[side], i + 2) for i, pair in live], num_rows)
+                 for side, compiler in enumerate((background, on_demand))]
+        fast, slow = (masks.wait() for masks in steps)
+        assert isinstance(fast, GrammarMasks)
+        assert np.array_equal(fast.bitmask, slow.bitmask) and np.array_equal(fast.mask_rows, slow.mask_rows)
+        assert fast.constrained == [i + 2 for i, _ in live] and fast.row(0) is None and fast.row(1) is None
+        for i, (walker, _) in live:
+            one = allocate_bitmask(1, vocab)
+            walker.fill(one[0])
+            assert np.array_equal(one[0], fast.row(i + 2))
+        again = background.start_masks([(pair[0], i + 2) for i, pair in live], num_rows)
+        for i, (fast_walker, slow_walker) in live:  # consuming waits for the computation under way
+            token = int(rng.choice(np.nonzero(allowed_tokens(fast.row(i + 2), vocab))[0]))
+            assert fast_walker.accept(token) == slow_walker.accept(token)
+        again.wait()
+    subset = fast.subset([2, 0, 4])
+    assert subset.row(1) is None and np.array_equal(subset.row(0), fast.row(2))
 
 
 EXIT_MID_FILL = """
@@ -166,6 +229,7 @@ bitmask = allocate_bitmask(64, int(sys.argv[2]))
 compiler.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], bitmask)
 for i, m in enumerate(matchers):
     m.accept(int(np.nonzero(allowed_tokens(bitmask[i], int(sys.argv[2])))[0][0]))
+compiler.start_masks([(m, i) for i, m in enumerate(matchers)], 64)
 print("exiting while the background thread fills 64 masks")
 """
 
@@ -253,3 +317,52 @@ def test_a_vocabulary_the_grammar_engine_cannot_read_is_a_clear_refusal(tmp_path
         CompilerCache(str(tmp_path), 2, [0]).get()
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         CompilerCache(str(tmp_path / "missing"), 2, [0]).get()
+
+
+def test_step_sampler_with_packed_masks_equals_masking_row_by_row():
+    """The NumPy step sampler applies a step's packed masks to its constrained rows at once
+    (before penalties and logit_bias); every row samples the very token and logprobs that
+    ``sample_row`` gives when it masks the row itself, over several steps of one batch mixing
+    greedy, seeded, penalised, biased, logprob, min_tokens and unconstrained rows."""
+    from types import SimpleNamespace
+
+    from openinfer.runtime.batch_builder import LogitsRow
+    from openinfer.runtime.sampler import GrammarMasks, sample_rows
+    from openinfer.sampling import SamplingState, sample_row
+
+    vocab, eos = 3000, [7]
+    rng = np.random.default_rng(5)
+    params = [pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=1.0, seed=3, top_p=0.9),
+              pb.SamplingParams(temperature=0.8, seed=4, repetition_penalty=1.3, presence_penalty=0.5,
+                                frequency_penalty=0.2, logit_bias={5: 100.0, 9: -100.0, 11: 3.0}),
+              pb.SamplingParams(temperature=1.0, seed=5, top_k=40), pb.SamplingParams(temperature=0.0),
+              pb.SamplingParams(temperature=1.0, seed=6, min_p=0.05)]
+    want_logprobs = [False, False, False, True, False, False]
+    min_tokens = [0, 0, 0, 0, 3, 0]
+
+    def requests():
+        return [SimpleNamespace(sampling=SamplingState.create(p, [1, 2, 3], 0, i), want_logprobs=want_logprobs[i],
+                                num_logprobs=2 if want_logprobs[i] else 0, num_output_tokens=0,
+                                stop=pb.StopConditions(min_tokens=min_tokens[i], stop_token_ids=[8]))
+                for i, p in enumerate(params)]
+
+    batched, row_by_row = requests(), requests()
+    backend = SimpleNamespace(to_host=lambda x: x)
+    for step in range(4):
+        logits = rng.standard_normal((len(params), vocab)).astype(np.float32) * 3
+        bitmask = _random_bitmasks(rng, len(params), vocab)
+        bitmask[:, 0] |= 1 << 7  # eos allowed, so min_tokens bans something
+        constrained = frozenset(i for i in range(len(params)) if (i + step) % 4 != 0)
+        masks = GrammarMasks.from_rows(bitmask, constrained)
+        rows = [LogitsRow(r, 3 + step, True) for r in batched]
+        got = sample_rows(backend, logits.copy(), rows, eos, masks)
+        for i, request in enumerate(row_by_row):
+            banned = [8, 7] if step < min_tokens[i] else []
+            expected = sample_row(logits[i].copy(), request.sampling, banned, request.num_logprobs,
+                                  request.want_logprobs, bitmask[i] if i in constrained else None)
+            assert (got[i].token_id, got[i].logprob, got[i].top) == (expected.token_id, expected.logprob,
+                                                                     expected.top)
+            request.sampling.record(expected.token_id)
+            batched[i].sampling.record(got[i].token_id)
+            request.num_output_tokens += 1
+            batched[i].num_output_tokens += 1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openinfer.sampling import SamplingState, sample_row
-from openinfer.structured import allocate_bitmask, allowed_tokens
+from openinfer.structured import StepMasks, allocate_bitmask, allowed_tokens
 from openinfer.v1 import engine_pb2 as pb
 from tests.gpu.conftest import bf16_random
 
@@ -41,7 +41,7 @@ def test_bias_and_mask_match_numpy(cuda_backend, rng):
         params.append(p)
     states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
     ours = sample_device_rows(cuda_backend.upload(logits), states,
-                              [bitmask[r] if masked[r] else None for r in range(rows)])
+                              StepMasks.from_rows(bitmask, [r for r in range(rows) if masked[r]]))
     reference_states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
     reference = [sample_row(logits[r].copy(), reference_states[r],
                             bitmask_row=bitmask[r] if masked[r] else None).token_id for r in range(rows)]
@@ -102,3 +102,37 @@ def test_engine_mixes_constrained_and_free_rows_on_cuda(tmp_path):
             jsonschema.validate(json_module.loads(tokenizer.decode(outcome.token_ids)), schema)
         elif i % 3 == 1:
             assert set(outcome.token_ids) == {77}
+
+
+@pytest.mark.parametrize("vocab", [4099, 151936])
+def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab):
+    """The step's packed int32 bitmask applied on the device (``apply_logit_constraints``, bias
+    first) gives bit for bit the logits of the NumPy sampler's ``apply_logit_bias`` +
+    ``apply_bitmasks`` (bf16 rounding of the biased values included), for random masks of
+    every kind (dense, all / none allowed, a few allowed, a few forbidden)."""
+    from openinfer.backend.cuda.sampler import apply_logit_constraints
+    from openinfer.sampling import apply_logit_bias
+    from openinfer.structured import apply_bitmasks
+    from openinfer.weights import bf16_to_float32, float32_to_bf16
+    from tests.core.test_structured import _random_bitmasks
+
+    rows = 12
+    logits = bf16_random(rng, rows, vocab, scale=3.0)
+    bitmask = _random_bitmasks(rng, rows, vocab)
+    masked = [r for r in range(rows) if r % 3 != 2]
+    params = []
+    for r in range(rows):
+        p = pb.SamplingParams()
+        if r % 2 == 0:
+            for token in rng.choice(vocab, size=4, replace=False):
+                p.logit_bias[int(token)] = float(rng.uniform(-100, 100))
+        params.append(p)
+    states = [SamplingState.create(p, [1], 0, i) for i, p in enumerate(params)]
+    adjusted = apply_logit_constraints(cuda_backend.upload(logits), states, StepMasks.from_rows(bitmask, masked))
+    ours = cuda_backend.to_host(adjusted)
+    expected = logits.copy()
+    for r in range(rows):  # the kernel adds the bias in fp32 and stores bf16
+        biased = apply_logit_bias(expected[r].copy(), states[r])
+        expected[r] = bf16_to_float32(float32_to_bf16(biased))
+    expected[masked] = apply_bitmasks(expected[masked], bitmask[masked])
+    assert np.array_equal(ours, expected)

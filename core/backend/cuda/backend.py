@@ -246,9 +246,11 @@ class CudaBackend:
         ``masks``: the step's structured-output masks (``runtime.sampler.GrammarMasks``) or None."""
         return sample_rows(_bf16(logits, "sample logits"), rows, eos_token_ids, self.to_host, masks)
 
-    def sample_rows_async(self, logits: cupy.ndarray, rows: Sequence[Any]) -> tuple[cupy.ndarray, Any] | None:
-        """Async scheduling: sample on the device, read back later (see ``sampler``)."""
-        return sample_rows_async(_bf16(logits, "sample logits"), rows)
+    def sample_rows_async(self, logits: cupy.ndarray, rows: Sequence[Any],
+                          masks: Any = None) -> tuple[cupy.ndarray, Any] | None:
+        """Async scheduling: sample on the device, read back later (see ``sampler``); ``masks``:
+        the step's structured-output masks or None."""
+        return sample_rows_async(_bf16(logits, "sample logits"), rows, masks)
 
     def upload_token_ids(self, ids: np.ndarray) -> cupy.ndarray:
         return cupy.asarray(np.asarray(ids, np.int32))

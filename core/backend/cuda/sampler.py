@@ -9,8 +9,10 @@ banned this step (min_tokens). Each random row consumes exactly one ``generator.
 per step, as the NumPy sampler does, so a seeded request reproduces alone or in a batch.
 
 ``logit_bias`` and structured-output masks are applied on the device before the sampling kernel
-(``logit_constraints.cu``) to a copy of the rows that carry them: the bias as sparse (id, value)
-lists, the mask as the step's int32 bitmask computed on the CPU during the forward.
+(``logit_constraints.cu``) to a copy of the rows: the bias as sparse (id, value) lists, the masks
+as the step's compact int32 bitmasks (``structured.StepMasks``: one row per constrained logits
+row and each row's index into them), computed on the CPU during the forward. The host arrays
+are built by ``runtime.sampler.device_sampling_inputs``.
 """
 
 from __future__ import annotations
@@ -24,67 +26,75 @@ import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
 from openinfer.runtime.batch_builder import LogitsRow
-from openinfer.runtime.sampler import GrammarMasks, RowSample, kernel_can_sample
+from openinfer.runtime.sampler import (
+    DeviceSamplingInputs,
+    GrammarMasks,
+    RowSample,
+    device_sampling_inputs,
+    kernel_can_sample,
+)
 from openinfer.runtime.sampler import sample_rows as sample_rows_on_host
-from openinfer.runtime.sampler import samples_on_device as may_run_ahead
 from openinfer.sampling import SamplingState
 
 
 def samples_on_device(row: LogitsRow) -> bool:
     """True when the GPU kernel implements everything this row asks for
-    (``openinfer.runtime.sampler.kernel_can_sample``: every row the engine launches ahead, plus
-    grammar rows, whose masks are applied on the device in steps read back at once)."""
+    (``openinfer.runtime.sampler.kernel_can_sample``: grammar rows included, their masks
+    applied on the device)."""
     return row.samples and kernel_can_sample(row.request)
 
 
 def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState],
-                       bitmask_rows: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
-    """Token ids [rows] for ``logits [rows, vocab]`` (bf16), row i following ``states[i]``."""
-    return launch_device_sampling(logits, states, bitmask_rows).get()
+                       masks: GrammarMasks | None = None) -> np.ndarray:
+    """Token ids [rows] for ``logits [rows, vocab]`` (bf16), row i following ``states[i]``;
+    ``masks``: grammar masks of these rows (``masks.row(i)`` for row i) or None."""
+    return launch_device_sampling(logits, states, masks).get()
 
 
-def apply_logit_constraints(logits: cupy.ndarray, states: Sequence[SamplingState],
-                            bitmask_rows: Sequence[np.ndarray | None] | None = None) -> cupy.ndarray:
-    """``logits`` with each row's logit_bias added and its grammar mask applied (a new array when
-    any row has either; ``logits`` itself, untouched, when none has)."""
-    bitmask_rows = bitmask_rows or [None] * len(states)
-    has_bias = [s.bias_ids is not None for s in states]
-    if not any(has_bias) and all(m is None for m in bitmask_rows):
+def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs) -> cupy.ndarray:
+    """``logits`` with the rows' logit_bias added and grammar masks applied: a new array when any
+    row has either, ``logits`` itself (untouched) when none has. The host arrays go up by
+    CuPy's staged asynchronous copies: nothing here waits for the device."""
+    if not inputs.constrains:
         return logits
     rows, vocab = logits.shape
-    counts = [len(s.bias_ids) if s.bias_ids is not None else 0 for s in states]
-    bias_start = np.zeros(rows + 1, np.int32)
-    bias_start[1:] = np.cumsum(counts)
-    bias_ids = np.concatenate([s.bias_ids for s in states if s.bias_ids is not None] or [np.zeros(1, np.int64)])
-    bias_values = np.concatenate([s.bias_values for s in states if s.bias_values is not None]
-                                 or [np.zeros(1, np.float32)])
-    masked = [i for i, m in enumerate(bitmask_rows) if m is not None]
-    words = (vocab + 31) // 32
-    bitmask = (np.stack([bitmask_rows[i] for i in masked]) if masked else np.full((1, words), -1, np.int32))
-    mask_row = np.full(rows, -1, np.int32)
-    mask_row[masked] = np.arange(len(masked), dtype=np.int32)
+    if inputs.bias_start is not None:
+        bias_start, bias_ids = cupy.asarray(inputs.bias_start), cupy.asarray(inputs.bias_ids)
+        bias_values = cupy.asarray(inputs.bias_values)
+    else:  # every row's list is empty
+        bias_start = cupy.zeros(rows + 1, cupy.int32)
+        bias_ids, bias_values = bias_start, bias_start.view(cupy.float32)
+    masks = inputs.masks
+    if masks is not None and masks.bitmask.shape[0]:
+        if masks.mask_rows.shape[0] != rows:
+            raise ValueError(f"grammar masks for {masks.mask_rows.shape[0]} rows, logits have {rows}")
+        bitmask = cupy.asarray(np.ascontiguousarray(masks.bitmask, np.int32))
+        mask_rows = cupy.asarray(np.ascontiguousarray(masks.mask_rows, np.int32))
+        words = masks.bitmask.shape[1]
+    else:
+        mask_rows = cupy.full(rows, -1, cupy.int32)
+        bitmask, words = mask_rows, 0
     adjusted = cupy.array(logits, copy=True, order="C")
     kernel("logit_constraints.cu", "apply_logit_constraints")(
-        (rows,), (256,),
-        (adjusted, np.int32(vocab), cupy.asarray(bias_start), cupy.asarray(bias_ids.astype(np.int32)),
-         cupy.asarray(bias_values.astype(np.float32)), cupy.asarray(np.ascontiguousarray(bitmask, np.int32)),
-         np.int32(bitmask.shape[1]), cupy.asarray(mask_row)))
+        (rows,), (256,), (adjusted, np.int32(vocab), bias_start, bias_ids, bias_values, bitmask, np.int32(words),
+                          mask_rows))
     return adjusted
 
 
+def apply_logit_constraints(logits: cupy.ndarray, states: Sequence[SamplingState],
+                            masks: GrammarMasks | None = None) -> cupy.ndarray:
+    """``logits`` with each row's logit_bias added and its grammar mask (``masks.row(i)``)
+    applied (a new array when any row has either; ``logits`` itself, untouched, when none has)."""
+    return _apply_inputs(logits, device_sampling_inputs(states, masks, draws=False))
+
+
 def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState],
-                           bitmask_rows: Sequence[np.ndarray | None] | None = None) -> cupy.ndarray:
+                           masks: GrammarMasks | None = None) -> cupy.ndarray:
     """Queue the sampling kernel; the token ids [rows] stay on the device (int32)."""
-    logits = apply_logit_constraints(logits, states, bitmask_rows)
+    inputs = device_sampling_inputs(states, masks)
+    logits = _apply_inputs(logits, inputs)
     rows, vocab = logits.shape
-    # float32 rows: temperature, top_p, min_p, uniform draw, top_k (int32 bits)
-    params = np.zeros((5, rows), np.float32)
-    for i, state in enumerate(states):
-        p = state.params
-        params[0, i], params[1, i], params[2, i] = p.temperature, p.top_p, p.min_p
-        params[3, i] = state.generator.random() if p.temperature > 0 else 0.0
-    params[4] = np.array([s.params.top_k for s in states], np.int32).view(np.float32)
-    device_params = cupy.asarray(params)
+    device_params = cupy.asarray(inputs.params)
     tokens = cupy.empty(rows, dtype=cupy.int32)
     logprobs = cupy.empty(rows, dtype=cupy.float32)
     kernel("sampling.cu", "sample_rows")(
@@ -116,33 +126,33 @@ def sample_rows(logits: cupy.ndarray, rows: Sequence[LogitsRow], eos_token_ids: 
     if on_device:
         index = cupy.asarray(np.asarray(on_device, np.int32))
         tokens = sample_device_rows(logits[index], [rows[i].request.sampling for i in on_device],
-                                    [masks.row(i) for i in on_device] if masks is not None else None)
+                                    masks.subset(on_device) if masks is not None else None)
         for i, token in zip(on_device, tokens, strict=True):
             results[i] = RowSample(int(token))
     if on_host:
         index = cupy.asarray(np.asarray(on_host, np.int32))
         host = to_host(logits[index])
-        host_masks = None
-        if masks is not None:  # re-indexed to the host subset's rows
-            host_masks = GrammarMasks(masks.bitmask[on_host], frozenset(
-                j for j, i in enumerate(on_host) if i in masks.constrained))
+        host_masks = masks.subset(on_host) if masks is not None else None  # re-indexed to the host subset's rows
         for i, sample in zip(on_host, sample_rows_on_host(_HostLogits(), host, [rows[i] for i in on_host],
                                                           eos_token_ids, host_masks), strict=True):
             results[i] = sample
     return [r for r in results if r is not None]
 
 
-def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow]) -> tuple[cupy.ndarray, Any] | None:
-    """Queue sampling of every row and an asynchronous copy of the ids into pinned memory.
+def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
+                      masks: GrammarMasks | None = None) -> tuple[cupy.ndarray, Any] | None:
+    """Queue sampling of every row (``masks``: the step's grammar masks, applied on the device)
+    and an asynchronous copy of the ids into pinned memory.
 
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
-    work queued after it — or None when some row needs the host sampler.
+    work queued after it — or None when some row needs the host sampler. The engine calls it
+    for a row needing the previous token on the host (a grammar) only once that token is there.
     """
-    if not rows or not all(row.samples and may_run_ahead(row.request) for row in rows):
+    if not rows or not all(row.samples and kernel_can_sample(row.request) for row in rows):
         return None
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
-    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows])
+    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows], masks)
     pinned = cupyx.empty_pinned(tokens.shape, dtype=np.int32)
     stream = cupy.cuda.get_current_stream()
     tokens.get(stream=stream, out=pinned, blocking=False)

@@ -1,0 +1,73 @@
+"""The order of a grammar step's work under async scheduling (NumPy backend, a tiny random Qwen3
+behind a real tokenizer): step N+1's batch is built before step N's deferred sampling is
+queued, and N+1's forward right after that sampling, so scheduling and batch building overlap
+the previous forward and the mask work instead of sitting between two device steps; the masks
+of a step start as soon as its matchers consumed the previous tokens, before that step's
+tokens are emitted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import openinfer.runtime.engine as engine_module
+from openinfer import EngineOptions
+from openinfer.structured import GrammarCompiler
+from tests.helpers.engine_utils import generate_request, run_all
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
+from agent_checkpoints import write_family_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_family_model(tmp_path_factory.mktemp("qwen3-pipeline"), "qwen3", seed=7)
+
+
+def test_next_batch_is_built_before_the_deferred_sampling_and_its_forward_follows_it(model_dir, monkeypatch):
+    from openinfer_qwen3 import plugin
+
+    events: list[str] = []
+
+    def recording(name, function):
+        def wrapper(*args, **kwargs):
+            events.append(name)
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(engine_module, "build_forward_batch", recording("build", engine_module.build_forward_batch))
+    monkeypatch.setattr(engine_module, "sample_step", recording("sample", engine_module.sample_step))
+    monkeypatch.setattr(GrammarCompiler, "start_masks", recording("masks", GrammarCompiler.start_masks))
+    config = json.loads((model_dir / "config.json").read_text())
+    engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
+    forward = engine.model.forward
+    engine.model.forward = recording("forward", forward)
+    emit = engine._emit
+    engine._emit = lambda request_id, kind, *rest, **kw: (events.append("emit"), emit(request_id, kind, *rest, **kw))
+    grammar = generate_request("g", [5, 9, 11], max_tokens=12, ignore_eos=True)
+    grammar.structured_output.regex = "[a-z]{40}"
+    plain = generate_request("p", [6, 9, 11], max_tokens=12)
+    try:
+        outcomes = run_all(engine, [grammar, plain])
+    finally:
+        engine.close_sync()
+    assert [len(o.token_ids) for o in outcomes] == [12, 12]
+    decode = [e for e in events if e != "emit"]
+    # prefill: build, forward, sample (nothing in flight); then steps whose sampling is deferred
+    start = decode.index("forward", decode.index("forward") + 1) - 1
+    steady = decode[start:start + 12]
+    assert steady[:2] == ["build", "forward"]  # step 1: launched ahead, its sampling deferred
+    body = steady[2:]
+    assert body[:5] == ["masks", "build", "sample", "forward", "masks"], decode
+    # every deferred sampling: preceded by the next batch's build, followed by the next forward
+    for k, event in enumerate(decode):
+        if event == "sample" and k > start:
+            assert (decode[k - 1], decode[k + 1:k + 2]) in (("build", ["forward"]), ("masks", [])), decode
+    # from the first deferred step on, a step's masks start right after the read-back, before the
+    # tokens read back are emitted (the prefill's masks are computed when it samples, at once)
+    deferred_masks = [k for k, e in enumerate(events) if e == "masks"][1:]
+    assert deferred_masks and all(events[k + 1] == "emit" for k in deferred_masks), events
+    assert engine.num_steps_launched_ahead >= engine.num_steps - 3
