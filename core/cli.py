@@ -38,6 +38,9 @@ def _add_parallel_sizes(parser: argparse.ArgumentParser) -> None:
                         help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
     parser.add_argument("--expert-parallel-size", type=int_range(1, 1024), default=1,
                         help="ranks splitting the MoE experts, one GPU each (default 1)")
+    parser.add_argument("--enable-attention-data-parallel", dest="attention_data_parallel", action="store_true",
+                        help="with --expert-parallel-size >= 2: each rank attends for its own sequences and "
+                             "caches only their KV (not with tensor parallel)")
 
 
 def _resolve_model_path(model_path: str | None) -> Path:
@@ -68,6 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = create_engine(model_path, device=args.device, max_model_len=args.max_model_len,
                            num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
                            expert_parallel_size=args.expert_parallel_size, load_format=args.load_format,
+                           attention_data_parallel=args.attention_data_parallel,
                            trace_dir=args.trace_dir)
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
@@ -138,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise OpenInferError(f"--config {config_path}: cannot read a JSON config ({exc})") from exc
-    layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
+    layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size, args.attention_data_parallel)
     if args.num_gpus is not None:
         check_devices(layout, args.num_gpus)
     registry = discover_plugins()

@@ -37,6 +37,12 @@ class EngineOptions:
     # ranks (openinfer.parallel): one per GPU on cuda, threads with a fake communicator on cpu
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # under expert parallel: each rank attends for its own sequences and caches only their KV
+    # (MLA's latent cache is then split across ranks, not copied to every one)
+    attention_data_parallel: bool = False
+    # how a step mixes decodes and prompt chunks (openinfer.sched.scheduler.POLICIES);
+    # None: $OPENINFER_SCHEDULER_POLICY, else "mixed"
+    scheduler_policy: str | None = None
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
 
     @classmethod

@@ -4,8 +4,8 @@ Started by the supervisor (``openinfer.frontend.supervisor``) as
 ``python -m openinfer.frontend.api_server``; it serves on the listening socket the supervisor
 shares with every API server (``--listen-fd``), so N processes answer on one port. Its engine
 is an ``EngineCoreClient`` (or a ``GrpcEngineClient`` with ``--engine grpc://``): the HTTP and
-gRPC code see an ``EngineHandle`` as always. The gRPC server binds with SO_REUSEPORT (gRPC's
-default), so every API server also answers on ``--grpc-port``.
+gRPC code see an ``EngineHandle`` as always. Only API server 0 serves gRPC on ``--grpc-port``,
+bound without SO_REUSEPORT so that a port already in use stops the server (exit 3).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when it cannot bind; the gRPC port 
 ENGINE_OPTION_FLAGS = ("device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                        "gpu_memory_utilization", "enable_prefix_cache", "cuda_graph", "async_scheduling",
                        "max_queue", "seed", "trace_dir", "tensor_parallel_size", "expert_parallel_size",
-                       "load_format")
+                       "attention_data_parallel", "scheduler_policy", "load_format")
 
 
 def _bool(value: str) -> bool:
@@ -135,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks splitting every layer by heads / rows, one GPU each (default 1)")
     engine.add_argument("--expert-parallel-size", type=int_range(1, 1024),
                         help="ranks splitting the MoE experts, one GPU each (default 1)")
+    engine.add_argument("--enable-attention-data-parallel", dest="attention_data_parallel", action="store_const",
+                        const=True, help="with --expert-parallel-size >= 2: each rank attends for its own "
+                                         "sequences and caches only their KV (not with tensor parallel)")
+    from openinfer.sched.scheduler import POLICIES as SCHEDULER_POLICIES
+
+    engine.add_argument("--scheduler-policy", choices=list(SCHEDULER_POLICIES),
+                        help="mixed: decodes ride along with prompt chunks (default); split: alternate "
+                             "decode-only and prompt-only steps; prefill_first: prompt steps while any can run")
     engine.add_argument("--load-format", choices=["auto", "dummy"],
                         help="dummy: random weights at the real shapes, no checkpoint needed")
 
@@ -274,10 +282,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
         engine: EngineHandle = remote
     else:
-        from openinfer.engine_core.startup import release_host_memory
-
-        engine, model_path = _open_local_engine(args)
-        release_host_memory()  # what loading left pinned or cached on the host, as the engine core does
+        engine, model_path = _open_local_engine(args)  # create_paged_engine released the load's host memory
     grpc_server = None
     try:
         tokenizer = _load_tokenizer(args, engine, model_path)

@@ -171,7 +171,8 @@ class PagedEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,
                                    max_queue=self.options.max_queue,
-                                   enable_prefix_cache=self.options.enable_prefix_cache)
+                                   enable_prefix_cache=self.options.enable_prefix_cache,
+                                   policy=self.options.scheduler_policy)
         self._info = pb.ModelInfo(
             model_id=self.options.served_model_name or (model_path.rstrip("/").split("/")[-1] if model_path else ""),
             model_path=model_path, architectures=list(spec.architectures), model_type=spec.model_type,

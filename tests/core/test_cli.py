@@ -38,3 +38,9 @@ def test_bad_token_ids_are_a_clear_error(tiny_qwen3_dir):
     result = openinfer_cli("generate", "--model-path", str(tiny_qwen3_dir), "--prompt-token-ids", "1,99999",
                            "--device", "cpu")
     assert result.returncode == 2 and "out of the vocabulary" in result.stderr
+
+
+def test_attention_data_parallel_without_expert_parallel_is_a_clear_error(tiny_qwen3_dir):
+    result = openinfer_cli("generate", "--model-path", str(tiny_qwen3_dir), "--prompt-token-ids", "1,2",
+                           "--device", "cpu", "--enable-attention-data-parallel")
+    assert result.returncode == 2 and "expert" in result.stderr.lower(), result.stderr

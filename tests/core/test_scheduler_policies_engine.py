@@ -32,3 +32,13 @@ def test_every_policy_gives_the_same_tokens(async_scheduling, monkeypatch):
     assert all(len(tokens) == 6 for tokens in want)
     for policy in POLICIES[1:]:
         assert burst(policy, async_scheduling, monkeypatch) == want, policy
+
+
+def test_the_engine_option_chooses_the_policy_over_the_environment(monkeypatch):
+    monkeypatch.setenv(POLICY_ENV, "split")
+    engine = PagedEngine(ToyHybrid(), EngineOptions(device="cpu", block_size=2, num_kv_blocks=16,
+                                                    scheduler_policy="prefill_first"))
+    try:
+        assert engine.scheduler.policy == "prefill_first"
+    finally:
+        engine.close_sync()

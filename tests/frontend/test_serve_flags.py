@@ -132,3 +132,14 @@ def test_grpc_port_in_use_exits_3_and_public_bind_without_key_warns(tmp_path):
     assert result.returncode == 3, output
     assert "without an API key" in output
     assert "cannot bind" in output and "--grpc-port" in output and "Traceback" not in output
+
+
+def test_policy_and_data_parallel_flags_reach_the_engine_options(capsys):
+    args = build_parser().parse_args(["serve", "--scheduler-policy", "split", "--expert-parallel-size", "2",
+                                      "--enable-attention-data-parallel"])
+    options = serve.engine_options(args)
+    assert options["scheduler_policy"] == "split" and options["attention_data_parallel"] is True
+    assert "scheduler_policy" not in serve.engine_options(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--scheduler-policy", "fastest"])
+    assert exit_info.value.code == 2 and "--scheduler-policy" in capsys.readouterr().err
