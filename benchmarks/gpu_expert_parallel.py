@@ -23,7 +23,6 @@ memory plan of the full shape is computed either way (on the CPU against ``--pla
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -34,20 +33,14 @@ from typing import Any
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in this process and its ranks
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+from gpu_kimi import MOONLIGHT  # noqa: E402  (the released Moonlight-16B-A3B shape)
+from gpu_tensor_parallel import decode_and_prefill  # noqa: E402
 
 H200_GIB = 140.0  # what an H200 reports as total memory (141 GB)
 
-MOONLIGHT = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
-    "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-    "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-    "norm_topk_prob": True, "max_position_embeddings": 8192, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585, "torch_dtype": "bfloat16",
-}
 TINY_MOONLIGHT = {**MOONLIGHT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                   "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -100,32 +93,11 @@ SHAPES = {
 GOAL_DSV4_TPOT_MS = 20.0
 
 
-async def _timed(engine: Any, request: Any) -> list[float]:
-    """Arrival time of every generated token."""
-    times: list[float] = []
-    async for event in engine.generate(request):
-        kind = event.WhichOneof("event")
-        if kind == "tokens":
-            now = time.perf_counter()
-            times.extend([now] * len(event.tokens.ids))
-        elif kind == "error":
-            raise RuntimeError(event.error.message)
-    return times
-
-
-def _run(engine: Any, requests: list) -> list[list[float]]:
-    async def main() -> list[list[float]]:
-        return await asyncio.gather(*(_timed(engine, r) for r in requests))
-
-    return asyncio.run(main())
-
-
 def measure(model_dir: Path, config: dict, ep: int, device: str, batches: tuple[int, ...], prompt_len: int,
             decode_tokens: int, prefill_tokens: int, seed: int) -> dict:
     import numpy as np
 
     import openinfer
-    from openinfer.offline import generate_request
 
     rng = np.random.default_rng(seed)
     vocab = int(config["vocab_size"])
@@ -139,32 +111,9 @@ def measure(model_dir: Path, config: dict, ep: int, device: str, batches: tuple[
     engine = openinfer.create_engine(model_dir, device=device, load_format="dummy", expert_parallel_size=ep,
                                      **options)
     result["start_s"] = time.perf_counter() - start
-    try:
-        def prompt(n: int) -> list[int]:
-            return rng.integers(2, vocab - 1, size=n).tolist()
-
-        _run(engine, [generate_request(f"warm{i}", prompt(min(64, prompt_len)), max_tokens=4) for i in range(2)])
-        for batch in batches:
-            requests = [generate_request(f"d{batch}-{i}", prompt(prompt_len), max_tokens=decode_tokens)
-                        for i in range(batch)]
-            runs = _run(engine, requests)
-            # steady decode: from each request's 2nd token to its last
-            tpots = [(t[-1] - t[1]) / (len(t) - 2) for t in runs if len(t) > 2]
-            tpot = float(np.median(tpots)) if tpots else 0.0  # 0: tokens came in one burst (CPU smoke runs)
-            result[f"decode_bs{batch}_tpot_ms"] = 1e3 * tpot
-            result[f"decode_bs{batch}_tok_s"] = batch / tpot if tpot > 0 else None
-        ttfts = []
-        for i in range(2):
-            begin = time.perf_counter()
-            (times,) = _run(engine, [generate_request(f"p{i}", prompt(prefill_tokens), max_tokens=1)])
-            ttfts.append(times[0] - begin)
-        result[f"prefill_{prefill_tokens}_ttft_ms"] = 1e3 * float(np.median(ttfts))
-        result[f"prefill_{prefill_tokens}_tok_s"] = prefill_tokens / float(np.median(ttfts))
-    finally:
-        engine.close_sync()
-        close = getattr(getattr(engine, "model", None), "close", None)
-        if close is not None:
-            close()
+    result.update(decode_and_prefill(engine, rng, vocab, batches, prompt_len, decode_tokens, prefill_tokens,
+                                     prefill_key=f"prefill_{prefill_tokens}", warmups=2, warmup_tokens=4,
+                                     prefill_repeats=2))
     return result
 
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 HERE = Path(__file__).resolve().parent
@@ -60,10 +61,8 @@ def _run(engine, requests) -> list[list[float]]:
 
 
 def measure(model_dir: Path, tp: int, rng, device: str = "cuda", tiny: bool = False) -> dict:
-    import numpy as np
 
     import openinfer
-    from openinfer.offline import generate_request
 
     batches, prompt_len, decode_tokens, prefill = ((1, 4), 16, 6, 64) if tiny else (
         (1, 64), DECODE_PROMPT, DECODE_TOKENS, PREFILL_TOKENS)
@@ -73,11 +72,28 @@ def measure(model_dir: Path, tp: int, rng, device: str = "cuda", tiny: bool = Fa
                                      max_model_len=8192, max_num_seqs=max(batches), num_kv_blocks=4096,
                                      max_num_batched_tokens=PREFILL_TOKENS, enable_prefix_cache=False)
     result: dict = {"tensor_parallel_size": tp, "start_s": time.perf_counter() - start}
+    result.update(decode_and_prefill(engine, rng, vocab, batches, prompt_len, decode_tokens, prefill,
+                                     prefill_key="prefill_4k", warmups=4, warmup_tokens=16, prefill_repeats=3))
+    return result
+
+
+def decode_and_prefill(engine: Any, rng: Any, vocab: int, batches: tuple[int, ...], prompt_len: int,
+                       decode_tokens: int, prefill_tokens: int, *, prefill_key: str, warmups: int,
+                       warmup_tokens: int, prefill_repeats: int) -> dict[str, Any]:
+    """Steady decode TPOT at each batch and a prefill's TTFT through ``engine``, which is closed
+    after (with its rank workers). Keys: ``decode_bs{B}_tpot_ms`` / ``_tok_s``,
+    ``{prefill_key}_ttft_ms`` / ``_tok_s``."""
+    import numpy as np
+
+    from openinfer.offline import generate_request
+
+    result: dict[str, Any] = {}
     try:
         def prompt(n: int) -> list[int]:
             return rng.integers(2, vocab - 1, size=n).tolist()
 
-        _run(engine, [generate_request(f"warm{i}", prompt(64), max_tokens=16) for i in range(4)])
+        _run(engine, [generate_request(f"warm{i}", prompt(min(64, prompt_len)), max_tokens=warmup_tokens)
+                      for i in range(warmups)])
         for batch in batches:
             requests = [generate_request(f"d{batch}-{i}", prompt(prompt_len), max_tokens=decode_tokens)
                         for i in range(batch)]
@@ -88,12 +104,12 @@ def measure(model_dir: Path, tp: int, rng, device: str = "cuda", tiny: bool = Fa
             result[f"decode_bs{batch}_tpot_ms"] = 1e3 * tpot
             result[f"decode_bs{batch}_tok_s"] = batch / tpot if tpot > 0 else None
         ttfts = []
-        for i in range(3):
+        for i in range(prefill_repeats):
             begin = time.perf_counter()
-            (times,) = _run(engine, [generate_request(f"p{i}", prompt(prefill), max_tokens=1)])
+            (times,) = _run(engine, [generate_request(f"p{i}", prompt(prefill_tokens), max_tokens=1)])
             ttfts.append(times[0] - begin)
-        result["prefill_4k_ttft_ms"] = 1e3 * float(np.median(ttfts))  # 64 tokens with --tiny
-        result["prefill_4k_tok_s"] = prefill / float(np.median(ttfts))
+        result[f"{prefill_key}_ttft_ms"] = 1e3 * float(np.median(ttfts))
+        result[f"{prefill_key}_tok_s"] = prefill_tokens / float(np.median(ttfts))
     finally:
         engine.close_sync()
         close = getattr(getattr(engine, "model", None), "close", None)
