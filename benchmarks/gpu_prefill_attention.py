@@ -65,14 +65,7 @@ def paged_case(cached: list[int], new: list[int]):
     for i, count in enumerate(blocks):
         tables[i, :count] = order[start:start + count]
         start += count
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    seq_of_token = np.repeat(np.arange(len(new)), new)
-    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    batch = ForwardBatch(token_ids=np.zeros(int(sum(new)), np.int32), positions=positions, query_start=query_start,
-                         context_lens=np.asarray(lengths, np.int32), block_tables=tables,
-                         slot_mapping=slots.astype(np.int32), logits_rows=(query_start[1:] - 1).astype(np.int32),
-                         max_query_len=max(new), max_context_len=max(lengths))
+    batch = ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE)
     shape = (sum(blocks) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     kv = KVLayer(random_bf16(shape), random_bf16(shape))
     q = random_bf16((int(sum(new)), NUM_HEADS, HEAD_DIM))

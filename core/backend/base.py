@@ -59,6 +59,25 @@ class ForwardBatch:
     # [B] each sequence's state slot (0, the null slot, for padding); empty without state layers
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
+    @classmethod
+    def over_blocks(cls, block_tables: np.ndarray, cached: list[int], new: list[int], block_size: int,
+                    token_ids: np.ndarray | None = None) -> ForwardBatch:
+        """Sequence i has ``cached[i]`` tokens in the cache already and runs ``new[i]`` more, over
+        row i of ``block_tables`` (its blocks, as a KV manager would hand them out); logits for
+        each sequence's last token. For kernel tests and benchmarks that build steps by hand."""
+        lengths = [c + n for c, n in zip(cached, new, strict=True)]
+        tables = np.asarray(block_tables, np.int32)
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+        seq_of_token = np.repeat(np.arange(len(new)), new)
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+        num_tokens = int(sum(new))
+        ids = np.zeros(num_tokens, np.int32) if token_ids is None else np.asarray(token_ids, np.int32)
+        return cls(token_ids=ids, positions=positions, query_start=query_start,
+                   context_lens=np.asarray(lengths, np.int32), block_tables=tables,
+                   slot_mapping=slots.astype(np.int32), logits_rows=(query_start[1:] - 1).astype(np.int32),
+                   max_query_len=max(new), max_context_len=max(lengths))
+
     def group_block_tables(self, group_id: int) -> np.ndarray:
         return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
 

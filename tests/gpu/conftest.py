@@ -53,16 +53,9 @@ def paged_batch(rng: np.random.Generator, cached: list[int], new: list[int], num
     for i, length in enumerate(lengths):
         for j in range(-(-length // BLOCK_SIZE)):
             tables[i, j] = free.pop()
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    seq_of_token = np.repeat(np.arange(len(new)), new)
-    slots = tables[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     num_tokens = int(sum(new))
     token_ids = rng.integers(0, vocab, size=num_tokens) if vocab else np.zeros(num_tokens)
-    return ForwardBatch(
-        token_ids=token_ids.astype(np.int32), positions=positions, query_start=query_start,
-        context_lens=np.asarray(lengths, np.int32), block_tables=tables, slot_mapping=slots.astype(np.int32),
-        logits_rows=(query_start[1:] - 1).astype(np.int32), max_query_len=max(new), max_context_len=max(lengths))
+    return ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE, token_ids)
 
 
 def load_qwen3(path, backend, max_model_len: int = 512):
