@@ -63,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from serve import sweep_rate  # noqa: E402  (benchmarks/serve.py: the streaming client)
+from sse_client import stream_completion  # noqa: E402  (the lean client)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
 
@@ -141,61 +142,14 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-# --- the lean client: raw HTTP/1.1, chunked SSE, JSON parsed only for the final usage chunk ---
+# --- the lean client (benchmarks/sse_client.py), its records in this benchmark's terms ---
 
 async def lean_stream(port: int, body: bytes) -> dict:
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        rest = await reader.read(2000)
-        writer.close()
-        return {"ok": False, "error": (status + rest)[:300].decode(errors="replace")}
-    chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
-    first = last = None
-    events, tokens, itl, error, buffer = 0, 0, [], "", b""
-    while True:
-        if chunked:
-            size_line = await reader.readline()
-            if not size_line:
-                break
-            size = int(size_line.strip() or b"0", 16)
-            if size == 0:
-                break
-            data = (await reader.readexactly(size + 2))[:-2]
-        else:
-            data = await reader.read(1 << 16)
-            if not data:
-                break
-        buffer += data
-        while b"\n\n" in buffer:
-            frame, buffer = buffer.split(b"\n\n", 1)
-            if not frame.startswith(b"data: ") or frame == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if frame.startswith(b'data: {"error"') or frame.startswith(b'data: {"object":"error"'):
-                error = frame[:300].decode(errors="replace")
-                continue
-            if b'"choices":[]' in frame:  # the usage chunk
-                usage = json.loads(frame[6:]).get("usage") or {}
-                tokens = int(usage.get("completion_tokens", 0))
-                continue
-            events += 1
-            if first is not None:
-                itl.append(now - last)
-            else:
-                first = now
-            last = now
-    writer.close()
-    if first is None or error:
-        return {"ok": False, "error": error or "no tokens"}
-    return {"ok": True, "ttft": first - start, "latency": last - start, "tokens": tokens, "events": events,
-            "itl": itl}
+    record = await stream_completion(port, body)
+    if not record.ok:
+        return {"ok": False, "error": record.error}
+    return {"ok": True, "ttft": record.first - record.start, "latency": record.last - record.start,
+            "tokens": record.tokens, "events": record.events, "itl": record.gaps}
 
 
 def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
