@@ -24,15 +24,16 @@ openinfer's engine core logs every step (``OPENINFER_STEP_LOG``, see
 ``openinfer.engine_core.step_log``): each row gets ``engine_steps`` — decode-only and mixed
 steps, their device time, idle gaps, and when the engine's last step of the burst ended against
 the clients' last token (``client_lag_s``); the raw log is kept next to the JSON
-(``TAG.steps-*.json``). ``OPENINFER_SCHEDULER_POLICY`` in the environment picks the scheduler's
-policy (``mixed`` / ``split``), recorded in the run's label.
+(``TAG.steps-*.json``). ``--serve-args "--scheduler-policy split"`` picks the scheduler's policy
+(``mixed``, the default / ``split`` / ``prefill_first``), recorded in the run (``scheduler_policy``)
+and its label.
 
     python benchmarks/gpu_concurrency.py
     python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
         vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
         --gpu-memory-utilization 0.85"
-    OPENINFER_SCHEDULER_POLICY=split python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 \
-        --clients lean,httpx --append        # another scheduler policy, added to the same JSON
+    python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 --clients lean,httpx \
+        --serve-args "--scheduler-policy split" --append     # another scheduler policy, in the same JSON
     python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
 Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
 """
@@ -57,7 +58,7 @@ import httpx
 import numpy as np
 
 from openinfer.engine_core.step_log import STEP_LOG_ENV, summarize_steps
-from openinfer.sched.scheduler import POLICY_ENV
+from openinfer.sched.scheduler import DEFAULT_POLICY
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -242,6 +243,13 @@ def attach_step_log(rows: list[dict], path: Path) -> None:
         row["engine_steps"] = steps
 
 
+def scheduler_policy(serve_args: str) -> str:
+    """The scheduler policy ``openinfer serve`` runs with these extra flags."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--scheduler-policy", default=DEFAULT_POLICY)
+    return parser.parse_known_args(shlex.split(serve_args))[0].scheduler_policy
+
+
 def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, streams: list[int],
                   vocab: int) -> dict:
     port = free_port()
@@ -284,11 +292,9 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     if step_log.exists() and os.environ.get("OUT"):
         shutil.copy(step_log, Path(os.environ["OUT"]) / f"{args.tag}.steps-{api_servers}api.json")
     extra = f", {args.serve_args}" if args.serve_args else ""
-    policy = os.environ.get(POLICY_ENV)
-    extra += f", {policy} scheduler" if policy else ""
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
-            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": policy or "mixed",
+            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": scheduler_policy(args.serve_args),
             "sweep": rows}
 
 

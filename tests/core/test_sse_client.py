@@ -131,3 +131,9 @@ def test_a_burst_against_the_real_server_with_the_stub_model():
     assert result["num_ok"] == 4 and result["num_failed"] == 0, result["errors"]
     assert result["output_tok_s"] > 0 and result["ttft_ms"]["p50"] > 0
     assert result["first_chunk_tokens_p50"] >= 1 and result["sse_events_per_token"] <= 1.0
+
+
+def test_gpu_concurrency_records_the_policy_its_serve_args_choose():
+    assert gpu_concurrency.scheduler_policy("") == "mixed"
+    assert gpu_concurrency.scheduler_policy("--max-num-seqs 64 --scheduler-policy split") == "split"
+    assert gpu_concurrency.scheduler_policy("--scheduler-policy=prefill_first --cuda-graph false") == "prefill_first"
