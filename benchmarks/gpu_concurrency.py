@@ -24,15 +24,16 @@ openinfer's engine core logs every step (``OPENINFER_STEP_LOG``, see
 ``openinfer.engine_core.step_log``): each row gets ``engine_steps`` — decode-only and mixed
 steps, their device time, idle gaps, and when the engine's last step of the burst ended against
 the clients' last token (``client_lag_s``); the raw log is kept next to the JSON
-(``TAG.steps-*.json``). ``OPENINFER_SCHEDULER_POLICY`` in the environment picks the scheduler's
-policy (``mixed`` / ``split``), recorded in the run's label.
+(``TAG.steps-*.json``). ``--serve-args "--scheduler-policy split"`` picks the scheduler's policy
+(``mixed``, the default / ``split`` / ``prefill_first``), recorded in the run (``scheduler_policy``)
+and its label.
 
     python benchmarks/gpu_concurrency.py
     python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
         vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
         --gpu-memory-utilization 0.85"
-    OPENINFER_SCHEDULER_POLICY=split python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 \
-        --clients lean,httpx --append        # another scheduler policy, added to the same JSON
+    python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 --clients lean,httpx \
+        --serve-args "--scheduler-policy split" --append     # another scheduler policy, in the same JSON
     python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
 Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
 """
@@ -57,12 +58,13 @@ import httpx
 import numpy as np
 
 from openinfer.engine_core.step_log import STEP_LOG_ENV, summarize_steps
-from openinfer.sched.scheduler import POLICY_ENV
+from openinfer.sched.scheduler import DEFAULT_POLICY
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from serve import sweep_rate  # noqa: E402  (benchmarks/serve.py: the streaming client)
+from sse_client import stream_completion  # noqa: E402  (the lean client)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
 
@@ -141,61 +143,14 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-# --- the lean client: raw HTTP/1.1, chunked SSE, JSON parsed only for the final usage chunk ---
+# --- the lean client (benchmarks/sse_client.py), its records in this benchmark's terms ---
 
 async def lean_stream(port: int, body: bytes) -> dict:
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        rest = await reader.read(2000)
-        writer.close()
-        return {"ok": False, "error": (status + rest)[:300].decode(errors="replace")}
-    chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
-    first = last = None
-    events, tokens, itl, error, buffer = 0, 0, [], "", b""
-    while True:
-        if chunked:
-            size_line = await reader.readline()
-            if not size_line:
-                break
-            size = int(size_line.strip() or b"0", 16)
-            if size == 0:
-                break
-            data = (await reader.readexactly(size + 2))[:-2]
-        else:
-            data = await reader.read(1 << 16)
-            if not data:
-                break
-        buffer += data
-        while b"\n\n" in buffer:
-            frame, buffer = buffer.split(b"\n\n", 1)
-            if not frame.startswith(b"data: ") or frame == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if frame.startswith(b'data: {"error"') or frame.startswith(b'data: {"object":"error"'):
-                error = frame[:300].decode(errors="replace")
-                continue
-            if b'"choices":[]' in frame:  # the usage chunk
-                usage = json.loads(frame[6:]).get("usage") or {}
-                tokens = int(usage.get("completion_tokens", 0))
-                continue
-            events += 1
-            if first is not None:
-                itl.append(now - last)
-            else:
-                first = now
-            last = now
-    writer.close()
-    if first is None or error:
-        return {"ok": False, "error": error or "no tokens"}
-    return {"ok": True, "ttft": first - start, "latency": last - start, "tokens": tokens, "events": events,
-            "itl": itl}
+    record = await stream_completion(port, body)
+    if not record.ok:
+        return {"ok": False, "error": record.error}
+    return {"ok": True, "ttft": record.first - record.start, "latency": record.last - record.start,
+            "tokens": record.tokens, "events": record.events, "itl": record.gaps}
 
 
 def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
@@ -288,6 +243,13 @@ def attach_step_log(rows: list[dict], path: Path) -> None:
         row["engine_steps"] = steps
 
 
+def scheduler_policy(serve_args: str) -> str:
+    """The scheduler policy ``openinfer serve`` runs with these extra flags."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--scheduler-policy", default=DEFAULT_POLICY)
+    return parser.parse_known_args(shlex.split(serve_args))[0].scheduler_policy
+
+
 def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, streams: list[int],
                   vocab: int) -> dict:
     port = free_port()
@@ -330,11 +292,9 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     if step_log.exists() and os.environ.get("OUT"):
         shutil.copy(step_log, Path(os.environ["OUT"]) / f"{args.tag}.steps-{api_servers}api.json")
     extra = f", {args.serve_args}" if args.serve_args else ""
-    policy = os.environ.get(POLICY_ENV)
-    extra += f", {policy} scheduler" if policy else ""
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
-            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": policy or "mixed",
+            "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": scheduler_policy(args.serve_args),
             "sweep": rows}
 
 

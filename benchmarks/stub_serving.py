@@ -38,6 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sse_client import stream_completion  # noqa: E402  (the lean client)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FACTORY = "openinfer.engine_core.stub:create_stub_engine"
 STATS_ENV = "OPENINFER_STUB_STATS"  # openinfer.engine_core.stub.STATS_ENV (older checkouts ignore it)
@@ -49,60 +52,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# --- a lean streaming client (raw HTTP/1.1 + chunked SSE; parses JSON only for the usage chunk) ---
+# --- the lean streaming client (benchmarks/sse_client.py), its records in this benchmark's terms ---
 
 async def one_stream(port: int, body: bytes, start_at: float) -> dict:
     delay = start_at - time.time()
     if delay > 0:
         await asyncio.sleep(delay)
-    t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        rest = await reader.read(2000)
-        writer.close()
-        return {"ok": False, "error": (status + rest)[:300].decode(errors="replace")}
-    while (await reader.readline()) not in (b"\r\n", b""):
-        pass
-    first = last = None
-    first_tokens = 0
-    events = 0
-    tokens = 0
-    buffer = b""
-    error = ""
-    while True:
-        size_line = await reader.readline()
-        if not size_line:
-            break
-        size = int(size_line.strip() or b"0", 16)
-        if size == 0:
-            break
-        data = await reader.readexactly(size + 2)
-        buffer += data[:-2]
-        while b"\n\n" in buffer:
-            frame, buffer = buffer.split(b"\n\n", 1)
-            if not frame.startswith(b"data: ") or frame == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if b'"error"' in frame[:20]:
-                error = frame[:300].decode(errors="replace")
-                continue
-            at = frame.find(b'"completion_tokens":')
-            count = int(frame[at + 20:frame.index(b",", at)]) if at >= 0 else tokens
-            if b'"choices":[]' not in frame:  # a text chunk (the last one only carries usage)
-                events += 1
-                if first is None:
-                    first, first_tokens = now, max(1, count)
-                last = now
-            tokens = count
-    writer.close()
-    if first is None or error:
-        return {"ok": False, "error": error or "no tokens"}
-    return {"ok": True, "ttft": first - t0, "span": last - first, "tokens": tokens, "events": events,
-            "latency": last - t0, "first_tokens": first_tokens}
+    record = await stream_completion(port, body)
+    if not record.ok:
+        return {"ok": False, "error": record.error}
+    return {"ok": True, "ttft": record.first - record.start, "span": record.last - record.first,
+            "tokens": record.tokens, "events": record.events, "latency": record.last - record.start,
+            "first_tokens": max(1, record.first_tokens)}
 
 
 def client_process(port: int, bodies: list[bytes], start_at: float, out: multiprocessing.Queue) -> None:

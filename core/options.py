@@ -40,9 +40,8 @@ class EngineOptions:
     # under expert parallel: each rank attends for its own sequences and caches only their KV
     # (MLA's latent cache is then split across ranks, not copied to every one)
     attention_data_parallel: bool = False
-    # how a step mixes decodes and prompt chunks (openinfer.sched.scheduler.POLICIES);
-    # None: $OPENINFER_SCHEDULER_POLICY, else "mixed"
-    scheduler_policy: str | None = None
+    # how a step mixes decodes and prompt chunks: one of openinfer.sched.scheduler.POLICIES
+    scheduler_policy: str = "mixed"
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random tensors at the real shapes
 
     @classmethod

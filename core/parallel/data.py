@@ -19,6 +19,8 @@ no communication, from the engine's block tables alone (no request ids, no relea
 Each rank maps the engine's block ids it owns onto a local pool of
 ``min(N, ceil(headroom · N / ranks))`` blocks; a rank whose pool fills (sequences sharing one
 prefix all land on the prefix's rank) raises ``OpenInferError`` naming the flags to change.
+Sized from memory, the engine's pool is the inverse (``engine_blocks``): the largest N whose
+local pools fit what one rank's KV budget holds, about ``ranks / headroom`` times it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ class LocalStep:
     logits_owner: np.ndarray
     logits_index: np.ndarray
     logits_counts: np.ndarray
+
+
+def engine_blocks(rank_blocks: int, world_size: int, headroom: float = DEFAULT_HEADROOM) -> int:
+    """The engine's pool for ranks that can each hold ``rank_blocks`` blocks: the most engine
+    blocks N whose local pools ``min(N, ceil(headroom * N / world_size))`` fit in ``rank_blocks``."""
+    if rank_blocks < 1 or world_size < 1 or headroom < 1.0:
+        raise ValueError(f"need rank_blocks >= 1, world_size >= 1, headroom >= 1; got {rank_blocks}, "
+                         f"{world_size}, {headroom}")
+    blocks = max(rank_blocks, math.floor(rank_blocks * world_size / headroom))
+    while blocks > rank_blocks and math.ceil(headroom * blocks / world_size) > rank_blocks:
+        blocks -= 1  # the float product rounded up
+    return blocks
 
 
 class DataParallelAttention:
@@ -79,6 +93,10 @@ class DataParallelAttention:
         self.local_of = np.full(num_blocks, -1, np.int32)
         self._free = list(range(local - 1, -1, -1))  # pop() hands out low ids first
         return local
+
+    def engine_blocks(self, rank_blocks: int) -> int:
+        """The engine's pool when each rank's memory holds ``rank_blocks`` (``local_blocks``'s inverse)."""
+        return engine_blocks(rank_blocks, self.world_size, self.headroom)
 
     # --- ownership (the same on every rank) ---------------------------------------------------
 

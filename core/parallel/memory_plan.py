@@ -15,7 +15,7 @@ and its KV bytes per token (all layers, at the serving dtype), split by KV head 
 parallel (``kv_split="heads"``) or held whole by every rank (``"replicated"``: MLA's latent
 cache under tensor-parallel attention; with data-parallel attention each rank caches only its
 own requests, ``"data"``, as it does for any model when the layout asks for data-parallel
-attention: the group then caches the sum of the ranks' tokens).
+attention: the group then caches about the sum of the ranks' tokens over the headroom).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from openinfer.errors import ParallelConfigError
+from openinfer.parallel.data import engine_blocks
 from openinfer.parallel.layout import ParallelLayout
 
 GIB = 2**30
@@ -123,11 +124,14 @@ class MemoryPlan:
 
     @property
     def system_kv_tokens(self) -> int:
-        """Tokens the whole group can cache: each rank's own under data-parallel attention, else
-        what the fullest rank holds (every rank holds a part, or a copy, of every token)."""
-        if self.layout.attention_data_parallel:
-            return sum(r.kv_tokens for r in self.ranks)
-        return min(r.kv_tokens for r in self.ranks)
+        """Tokens the engine's pool holds: what the fullest rank holds (every rank holds a part,
+        or a copy, of every token), or under data-parallel attention, where each rank caches its
+        own sequences, the ranks' sum less the headroom each keeps for uneven sequences (the
+        pool the engine sizes, ``openinfer.parallel.data.engine_blocks``)."""
+        fullest = min(r.kv_tokens for r in self.ranks)
+        if self.layout.attention_data_parallel and fullest > 0:
+            return engine_blocks(fullest, len(self.ranks))
+        return fullest
 
     def as_dict(self) -> dict:
         return {"tensor_parallel_size": self.layout.tensor_parallel_size,

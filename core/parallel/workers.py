@@ -338,6 +338,13 @@ class ParallelModel:
 
         return kv_cache_specs_of(self.local_model)
 
+    def engine_kv_blocks(self, rank_blocks: int) -> int:
+        """The engine's pool (in blocks) when each rank's KV memory holds ``rank_blocks``: the same
+        when every rank holds a part or a copy of every sequence's KV; under data-parallel attention,
+        where each rank caches only its own sequences, about ``ranks / headroom`` times it."""
+        data_parallel = getattr(self.local_model, "data_parallel_attention", None)
+        return data_parallel.engine_blocks(rank_blocks) if data_parallel is not None else rank_blocks
+
     def forward(self, batch: Any, kv_cache: list[KVLayer]) -> Any:
         raise OpenInferError("a tensor/expert-parallel model steps all ranks together: use the runner from "
                              "create_step_runner, not forward")

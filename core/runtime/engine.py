@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -223,10 +223,16 @@ class PagedEngine:
         if self.options.num_kv_blocks is None or self.kv_groups.has_state:
             budget = getattr(self.model.backend, "kv_memory_budget", None)
             budget_bytes = budget(self.options) if budget else int(self.options.cpu_kv_cache_gib * 2**30)
-        return plan_kv_cache(self.kv_groups, block_size=self.block_size, budget_bytes=budget_bytes,
+        plan = plan_kv_cache(self.kv_groups, block_size=self.block_size, budget_bytes=budget_bytes,
                              max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                              num_blocks=self.options.num_kv_blocks,
                              prefix_cache=self.options.enable_prefix_cache, chunk_tokens=chunk_tokens)
+        # the budget is one rank's memory; a group whose ranks each cache only part of the engine's
+        # blocks (data-parallel attention) gets the pool those parts add up to
+        engine_blocks = getattr(self.model, "engine_kv_blocks", None)
+        if engine_blocks is not None and self.options.num_kv_blocks is None:
+            plan = replace(plan, group_blocks=tuple(engine_blocks(n) if n else 0 for n in plan.group_blocks))
+        return plan
 
     # --- EngineHandle ----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ blocks are freed and it returns to the front of the waiting queue to be recomput
 its tokens so far (its sampler state is kept, so its output is unchanged). The scheduler
 plans only; it never touches arrays.
 
-Policies (``policy``; default from ``OPENINFER_SCHEDULER_POLICY``, else ``mixed``):
+Policies (``policy``, from ``EngineOptions.scheduler_policy`` / ``--scheduler-policy``; default ``mixed``):
 
 * ``mixed`` — the above: decodes ride along with prompt chunks in one step (vLLM v1's policy).
 * ``split`` — while some running requests decode and other work is prompt chunks (running or
@@ -30,7 +30,6 @@ at a boundary a later request's prefix hit can start from.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,8 +37,8 @@ from openinfer.errors import InvalidRequestError, QueueFullError
 from openinfer.kv.manager import KVCacheManager
 from openinfer.sched.request import Request, RequestStatus
 
-POLICY_ENV = "OPENINFER_SCHEDULER_POLICY"
 POLICIES = ("mixed", "split", "prefill_first")
+DEFAULT_POLICY = "mixed"
 
 
 @dataclass
@@ -71,8 +70,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_queue: int, enable_prefix_cache: bool = True,
-                 policy: str | None = None):
-        policy = policy or os.environ.get(POLICY_ENV) or "mixed"
+                 policy: str = DEFAULT_POLICY):
         if policy not in POLICIES:
             raise InvalidRequestError(f"scheduler policy must be one of {POLICIES}, got {policy!r}", field="policy")
         self.policy = policy

@@ -15,7 +15,7 @@ import pytest
 from openinfer.backend.base import ForwardBatch
 from openinfer.backend.numpy_backend import NumpyBackend
 from openinfer.errors import OpenInferError, ParallelConfigError
-from openinfer.parallel.data import DataParallelAttention
+from openinfer.parallel.data import DataParallelAttention, engine_blocks
 from openinfer.parallel.fake import run_ranks
 from openinfer.parallel.layout import ParallelLayout
 from openinfer.parallel.rank import RankContext
@@ -220,3 +220,85 @@ def test_kimi_engine_data_parallel_attention_under_a_tight_pool(tiny_kimi):
         model.close()
     assert all(o.error is None for o in outputs)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+@pytest.mark.parametrize("headroom", [1.0, 1.5, 2.7])
+def test_engine_blocks_is_the_largest_pool_whose_rank_parts_fit(world_size, headroom):
+    def local(num_blocks: int) -> int:
+        def rank(comm):
+            return DataParallelAttention(comm, headroom).local_blocks(num_blocks, BLOCK)
+
+        return run_ranks(world_size, rank)[0]
+
+    for rank_blocks in (1, 2, 7, 40, 1001):
+        blocks = engine_blocks(rank_blocks, world_size, headroom)
+        assert local(blocks) <= rank_blocks < local(blocks + 1)
+        assert blocks == pytest.approx(rank_blocks * world_size / headroom, abs=1) or blocks == rank_blocks
+
+
+def test_kimi_engine_kv_pool_is_sized_from_what_each_rank_stores(tiny_kimi):
+    """Sized from memory (no --num-kv-blocks): with data-parallel attention each rank's memory
+    holds only its own sequences' latent rows, so the engine's pool is ~ranks / headroom times
+    what one rank holds, while every rank allocates no more than the KV budget (the same as a
+    single rank, or an EP=2 group without it, whose pool stays one rank's)."""
+    from openinfer_kimi_k2.plugin import openinfer_create_engine
+
+    from openinfer import EngineOptions, PagedEngine
+    from openinfer.parallel.data import DEFAULT_HEADROOM
+    from openinfer.parallel.workers import start_thread_group
+
+    config = json.loads((tiny_kimi / "config.json").read_text())
+    probe = kimi_rank(tiny_kimi, NumpyBackend(), RankContext())
+    block_bytes = sum(spec.page_bytes(16) for spec in kv_cache_specs_of(probe))
+    budget = 40.5 * block_bytes  # 40 blocks per rank, well below every sequence at full context
+    options = EngineOptions(device="cpu", cpu_kv_cache_gib=budget / 2**30, max_num_seqs=64)
+    requests = [make_request(f"r{i}", [5 + i, 17, 99, 3, 150][: 2 + i], max_tokens=5) for i in range(3)]
+
+    def allocated(kv_cache) -> int:
+        return sum(layer.k.nbytes + (layer.v.nbytes if getattr(layer, "v", None) is not None else 0)
+                   for layer in kv_cache)
+
+    single = openinfer_create_engine(str(tiny_kimi), config, options)
+    try:
+        rank_blocks = single.kv_plan.num_blocks
+        single_bytes = allocated(single.kv_cache)
+        expected = [o.token_ids for o in run_all(single, requests)]
+    finally:
+        single.close_sync()
+    assert rank_blocks == 40 and single_bytes <= budget
+
+    pools = {}
+    for data_parallel in (False, True):
+        model = start_thread_group(partial(kimi_rank, tiny_kimi),
+                                   ParallelLayout(expert_parallel_size=2, attention_data_parallel=data_parallel),
+                                   "auto", NumpyBackend)
+        engine = PagedEngine(model, options)
+        try:
+            caches = [engine.kv_cache] + [remote.worker.kv_cache for remote in model.remotes]
+            assert [allocated(c) for c in caches] == [single_bytes] * 2  # each rank fills its budget, no more
+            pools[data_parallel] = engine.kv_plan.num_blocks
+            assert engine.info().num_kv_blocks == pools[data_parallel]
+            assert [o.token_ids for o in run_all(engine, requests)] == expected
+        finally:
+            engine.close_sync()
+            model.close()
+    assert pools[False] == rank_blocks
+    assert pools[True] == engine_blocks(rank_blocks, 2) == int(rank_blocks * 2 / DEFAULT_HEADROOM)  # 53 of 40
+
+
+def test_an_explicit_pool_is_the_engines_under_data_parallel_attention(tiny_kimi):
+    """--num-kv-blocks fixes the engine's pool; each rank then allocates its part of it."""
+    from openinfer import EngineOptions, PagedEngine
+    from openinfer.parallel.workers import start_thread_group
+
+    model = start_thread_group(partial(kimi_rank, tiny_kimi),
+                               ParallelLayout(expert_parallel_size=2, attention_data_parallel=True), "auto",
+                               NumpyBackend)
+    engine = PagedEngine(model, EngineOptions(device="cpu", num_kv_blocks=NUM_BLOCKS))
+    try:
+        assert engine.kv_plan.num_blocks == NUM_BLOCKS
+        assert engine.kv_cache[0].k.shape[0] == 24  # 1.5 x 32 / 2
+    finally:
+        engine.close_sync()
+        model.close()
