@@ -90,5 +90,6 @@ def test_short_query_threshold():
     assert wants_short_query("auto", 32768) and not wants_short_query("auto", 1024)
     assert wants_short_query("on", 20) and not wants_short_query("off", 32768)
     assert wants_short_query("auto", 3000, min_context=4096) is False
+    assert wants_short_query("auto", None) and not wants_short_query("off", None)  # a graph, any context
     with pytest.raises(ValueError, match="short-query mode"):
         wants_short_query("1", 4096)

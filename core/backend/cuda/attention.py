@@ -177,10 +177,13 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
 def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
     """Whether a step that is not plain decode takes the short-query kernel: at most
     SHORT_QUERY_MAX_TOKENS new tokens per sequence, a head size / group the mma kernel takes, and
-    the switch on, or "auto" with a context where the kernel is measured faster (host counts only)."""
+    the switch on, or "auto" with a context where the kernel is measured faster (host counts only).
+    A batch without its host step (a graph's static batch being captured) has no context to go by:
+    "auto" takes the short-query kernel there, as the graph replays at every context."""
+    context = batch.max_context_len if batch.host is not None else None
     return (1 <= batch.max_query_len <= SHORT_QUERY_MAX_TOKENS
             and mma_supports(spec.head_dim, spec.num_heads // spec.num_kv_heads)
-            and wants_short_query(kernel_choices().short_query, batch.max_context_len))
+            and wants_short_query(kernel_choices().short_query, context))
 
 
 class _StepSplits:
