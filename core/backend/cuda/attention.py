@@ -187,19 +187,20 @@ def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
 
 
 class _StepSplits:
-    """The mixed split of the latest batch seen (every layer of a step asks about the same one):
-    computed once per step on the host, never from device arrays."""
+    """The mixed split of the latest step seen (every layer of a step asks about the same batch):
+    computed once per step on the host, never from device arrays; a batch refilled with another
+    host step (a reused static batch) is computed again."""
 
     def __init__(self) -> None:
-        self._batch: CudaBatch | None = None
+        self._key: tuple[CudaBatch, object] | None = None
         self._split: MixedSplit | None = None
 
     def get(self, batch: CudaBatch) -> MixedSplit | None:
-        if batch is not self._batch:
-            host = batch.host
+        host = batch.host
+        if self._key is None or self._key[0] is not batch or self._key[1] is not host:
             self._split = (None if host is None
                            else split_mixed_step(host.query_start, prefill_tiles(host.query_start)[0]))
-            self._batch = batch
+            self._key = (batch, host)
         return self._split
 
 
