@@ -198,8 +198,11 @@ class _StepSplits:
     def get(self, batch: CudaBatch) -> MixedSplit | None:
         host = batch.host
         if self._key is None or self._key[0] is not batch or self._key[1] is not host:
-            self._split = (None if host is None
-                           else split_mixed_step(host.query_start, prefill_tiles(host.query_start)[0]))
+            self._split = None
+            if host is not None:
+                tile_seq = prefill_tiles(host.query_start)[0]
+                if tile_seq.shape[0] == batch.num_tiles:  # the tiles the batch was uploaded with
+                    self._split = split_mixed_step(host.query_start, tile_seq)
             self._key = (batch, host)
         return self._split
 
