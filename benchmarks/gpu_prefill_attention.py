@@ -370,7 +370,7 @@ def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tup
 
 
 # (decode rows, their context each, chunk tokens): running decodes and one new prompt's chunk in one step
-MIXED_CASES = [(256, 1024, 512), (256, 1024, 2048), (64, 1024, 2048), (16, 4096, 512), (4, 1024, 2048)]
+MIXED_CASES = [(256, 1024, 512), (64, 1024, 2048), (256, 1024, 2048), (4, 1024, 2048), (16, 4096, 512)]
 # the short-query crossover: 16 new tokens over 1k-4k, several sequences, and one new token
 ROUTING_SHORT_CASES = [(1008, 16, 1), (1520, 16, 1), (2032, 16, 1), (3056, 16, 1), (4080, 16, 1), (1008, 16, 8),
                        (2032, 16, 8), (1020, 4, 32), (16383, 1, 1)]
@@ -387,9 +387,10 @@ def set_mixed_decode(on: bool | None) -> None:
     refresh_kernel_choices()
 
 
-def bench_mixed_steps(backend) -> list[dict]:
+def bench_mixed_steps(backend, rows: list[dict], save) -> list[dict]:
     """Per layer: a mixed step's attention with every row on the prefill kernel (before) and with
-    its decode rows on the decode kernel (after), plus each part alone; outputs compared."""
+    its decode rows on the decode kernel (after), plus each part alone; outputs compared. Each
+    case's row is appended to ``rows`` and ``save()`` called (partial results survive a timeout)."""
     import cupy
 
     from openinfer.backend.base import AttentionSpec
@@ -398,7 +399,6 @@ def bench_mixed_steps(backend) -> list[dict]:
     from openinfer.tools.ledger import gpu_seconds
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
-    rows = []
     for decodes, context, chunk in MIXED_CASES:
         batch, kv, q, _ = paged_case([context - 1] * decodes + [0], [1] * decodes + [chunk])
         device_batch = backend.prepare_batch(batch)
@@ -431,6 +431,7 @@ def bench_mixed_steps(backend) -> list[dict]:
             row["chunk_tiles_alone_us"] = gpu_seconds(chunk_alone, repeats=20, warmup=3) * 1e6
         log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
+        save()
         del outputs
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
@@ -618,8 +619,9 @@ def main() -> None:
 
         report["short_query_min_context"] = SHORT_QUERY_MIN_CONTEXT
         report["mixed_min_decode_rows"] = MIXED_MIN_DECODE_ROWS
-        report["mixed_steps"] = bench_mixed_steps(backend)
-        write_json(report, out_dirs, "gpu_prefill_attention_routing.json")
+        report["mixed_steps"] = []
+        bench_mixed_steps(backend, report["mixed_steps"],
+                          functools.partial(write_json, report, out_dirs, "gpu_prefill_attention_routing.json"))
         report["short_attention"] = bench_short_attention(backend, None, ROUTING_SHORT_CASES)
         write_json(report, out_dirs, "gpu_prefill_attention_routing.json")
         for out in out_dirs:
