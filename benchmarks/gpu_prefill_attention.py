@@ -314,7 +314,8 @@ def prefill_tile_ranges(q, spec, kv, device_batch, ranges, out) -> None:
         prefill_attention(q, spec, kv, device_batch, out=out, tile_range=tile_range)
 
 
-def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tuple[int, int, int]]) -> list[dict]:
+def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tuple[int, int, int]],
+                          rows: list[dict] | None = None, save=None) -> list[dict]:
     """Short steps: the short-query kernel against the kernel attention() would otherwise run on the
     same inputs (the prefill kernel; the decode kernel for one new token per sequence, a batch
     that has no prefill tiles), and which of the two the "auto" routing picks."""
@@ -327,7 +328,7 @@ def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tup
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
     set_short_query_mode("auto")
-    rows = []
+    rows = [] if rows is None else rows
     for cached_tokens, new_tokens, num_seqs in cases:
         cached, new = [cached_tokens] * num_seqs, [new_tokens] * num_seqs
         batch, kv, q, flops = paged_case(cached, new)
@@ -363,6 +364,8 @@ def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tup
                                  else baseline)
         log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
+        if save is not None:
+            save()
         del outputs, values
         cupy.get_default_memory_pool().free_all_blocks()
     set_short_query_mode(None)
@@ -372,8 +375,8 @@ def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tup
 # (decode rows, their context each, chunk tokens): running decodes and one new prompt's chunk in one step
 MIXED_CASES = [(256, 1024, 512), (64, 1024, 2048), (256, 1024, 2048), (4, 1024, 2048), (16, 4096, 512)]
 # the short-query crossover: 16 new tokens over 1k-4k, several sequences, and one new token
-ROUTING_SHORT_CASES = [(1008, 16, 1), (1520, 16, 1), (2032, 16, 1), (3056, 16, 1), (4080, 16, 1), (1008, 16, 8),
-                       (2032, 16, 8), (1020, 4, 32), (16383, 1, 1)]
+ROUTING_SHORT_CASES = [(1008, 16, 1), (2032, 16, 1), (3056, 16, 1), (16383, 1, 1), (1520, 16, 1), (4080, 16, 1),
+                       (1008, 16, 8), (2032, 16, 8), (1020, 4, 32)]
 
 
 def set_mixed_decode(on: bool | None) -> None:
@@ -622,8 +625,9 @@ def main() -> None:
         report["mixed_steps"] = []
         bench_mixed_steps(backend, report["mixed_steps"],
                           functools.partial(write_json, report, out_dirs, "gpu_prefill_attention_routing.json"))
-        report["short_attention"] = bench_short_attention(backend, None, ROUTING_SHORT_CASES)
-        write_json(report, out_dirs, "gpu_prefill_attention_routing.json")
+        report["short_attention"] = []
+        bench_short_attention(backend, None, ROUTING_SHORT_CASES, report["short_attention"],
+                              functools.partial(write_json, report, out_dirs, "gpu_prefill_attention_routing.json"))
         for out in out_dirs:
             plot_routing(report, out / "gpu_prefill_attention_routing.png")
         print(f"\n mixed steps on {report['environment']['gpu']}: attention us per layer")
