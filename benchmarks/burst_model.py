@@ -16,7 +16,8 @@ The step-cost model, Qwen3-4B shape, from measurements in benchmarks/results/ (H
 * decode attention (graph-replayed decode steps): per layer ``a + b × Σ context`` fitted to
   ``gpu_decode_attention.json``'s mma kernel (batches 1–256, contexts 512–4096);
 * prefill attention (prompt chunks and every row of a mixed step — the kernel gives a decode row
-  its own 128-query tile): per layer, ``heads × Σ_tiles keys × ns_per_tile_key``, from the sm90
+  its own 128-query tile; with ``--mixed-decode-attention``, as OPENINFER_MIXED_DECODE_ATTENTION=1,
+  a mixed step's leading decode rows cost decode attention instead): per layer, ``heads × Σ_tiles keys × ns_per_tile_key``, from the sm90
   kernel's "8 prompts of 2048" case (``gpu_prefill_attention.json``);
 * logits + sampling: ``lm_head read + rows × per_row``.
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openinfer.backend.cuda.attention_routing import MIXED_MIN_DECODE_ROWS
 from openinfer.kv import BlockPool, KVCacheManager
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, Scheduler
@@ -66,6 +68,8 @@ class StepCostModel:
     # a one-query tile of the prefill kernel (a decode row of a mixed step) against a full tile of
     # the same keys: 1 = the same work (the kernel computes all 128 rows); a sensitivity knob
     single_query_tile_factor: float = 1.0
+    # OPENINFER_MIXED_DECODE_ATTENTION: a mixed step's leading 1-token rows on the decode kernel
+    mixed_decode_attention: bool = False
 
     @classmethod
     def from_results(cls, results: Path = RESULTS) -> StepCostModel:
@@ -119,7 +123,12 @@ class StepCostModel:
         if graphed:
             attention = self.decode_attention_ms([s + 1 for s, _, _ in chunks])
             return linear + self.layers * attention + sampling, True
-        attention = self.prefill_attention_ms([(s, n) for s, n, _ in chunks])
+        decodes = next((i for i, (_, n, _) in enumerate(chunks) if n != 1), len(chunks))
+        if not self.mixed_decode_attention or decodes < MIXED_MIN_DECODE_ROWS:
+            decodes = 0
+        attention = self.prefill_attention_ms([(s, n) for s, n, _ in chunks[decodes:]])
+        if decodes:
+            attention += self.decode_attention_ms([s + 1 for s, _, _ in chunks[:decodes]])
         return max(self.eager_floor_ms, linear + self.layers * attention + sampling), False
 
 
@@ -271,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list: per-chunk cost of a one-process client (0: the engine's own times)")
     parser.add_argument("--single-query-tile-factor", type=float, default=1.0,
                         help="cost of a decode row's tile in a mixed step relative to a full tile (sensitivity)")
+    parser.add_argument("--mixed-decode-attention", action="store_true",
+                        help="a mixed step's leading decode rows on the decode kernel (OPENINFER_MIXED_DECODE_ATTENTION=1)")
     parser.add_argument("--tag", default="burst_model")
     args = parser.parse_args(argv)
     try:
@@ -288,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--single-query-tile-factor must be >= 0")
     model = StepCostModel.from_results()
     model.single_query_tile_factor = args.single_query_tile_factor
+    model.mixed_decode_attention = args.mixed_decode_attention
     print("step-cost model:", json.dumps({k: round(v, 4) for k, v in asdict(model).items()}), flush=True)
     rows = []
     for count in streams:

@@ -22,9 +22,17 @@ Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under 
              Qwen3-4B-shaped model's step for 16 new tokens over a 16k cached prefix (eager, as the
              engine runs it) with OPENINFER_SHORT_QUERY_ATTENTION off and on, next to a 1-token
              step over the same context (the decode kernel) and its graph replay; writes
-             gpu_prefill_attention_short.json.
+             gpu_prefill_attention_short.json. A 1-new-token row compares with the decode kernel
+             (where attention() sends one new token per sequence), not the prefill kernel.
 
-    python benchmarks/gpu_prefill_attention.py [--no-model | --sm90-variants | --short-queries]
+  --routing  instead: attention() routings, per layer. Mixed steps (running decodes + a prompt
+             chunk in one forward): the whole step on the prefill kernel (before) against the
+             decode rows on the decode kernel and the chunk's tiles on the prefill kernel
+             (OPENINFER_MIXED_DECODE_ATTENTION=1), outputs compared; and the short-query kernel
+             against the prefill kernel around their crossover (16 new tokens over 1k-4k) with
+             the "auto" routing's pick; writes gpu_prefill_attention_routing.json and .png.
+
+    python benchmarks/gpu_prefill_attention.py [--no-model | --sm90-variants | --short-queries | --routing]
 """
 
 from __future__ import annotations
@@ -276,49 +284,192 @@ SHORT_CASES = [(1008, 16, 1), (4080, 16, 1), (16368, 16, 1), (32752, 16, 1), (16
 
 
 def set_short_query(on: bool) -> None:
+    set_short_query_mode("1" if on else "0")
+
+
+def set_short_query_mode(mode: str | None) -> None:
+    """OPENINFER_SHORT_QUERY_ATTENTION = ``mode`` ("auto", "1", "0"; None: unset), re-read."""
     from openinfer.backend.cuda.attention import SHORT_QUERY_ENV, refresh_kernel_choices
 
-    os.environ[SHORT_QUERY_ENV] = "1" if on else "0"
+    if mode is None:
+        os.environ.pop(SHORT_QUERY_ENV, None)
+    else:
+        os.environ[SHORT_QUERY_ENV] = mode
     refresh_kernel_choices()
 
 
-def bench_short_attention(backend, copy_bandwidth: float) -> list[dict]:
-    """Short steps: the prefill kernel vs the short-query kernel, same inputs."""
+def decode_into(out, q, kv, device_batch, scale: float, num_sms: int) -> None:
+    """The decode kernel over every row of a one-new-token-per-sequence batch, into ``out``."""
+    from openinfer.backend.cuda.decode_attention import paged_decode_attention
+
+    out[...] = paged_decode_attention(q, kv.k, kv.v, device_batch.block_tables, device_batch.context_lens, scale,
+                                      num_sms)
+
+
+def prefill_tile_ranges(q, spec, kv, device_batch, ranges, out) -> None:
+    """The prefill kernel over the given ranges of the batch's tiles only, into ``out``."""
+    from openinfer.backend.cuda.attention import prefill_attention
+
+    for tile_range in ranges:
+        prefill_attention(q, spec, kv, device_batch, out=out, tile_range=tile_range)
+
+
+def bench_short_attention(backend, copy_bandwidth: float | None, cases: list[tuple[int, int, int]],
+                          rows: list[dict] | None = None, save=None) -> list[dict]:
+    """Short steps: the short-query kernel against the kernel attention() would otherwise run on the
+    same inputs (the prefill kernel; the decode kernel for one new token per sequence, a batch
+    that has no prefill tiles), and which of the two the "auto" routing picks."""
     import cupy
 
     from openinfer.backend.base import AttentionSpec
-    from openinfer.backend.cuda.attention import prefill_attention
+    from openinfer.backend.cuda.attention import prefill_attention, runs_short_query_kernel
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
     from openinfer.tools.ledger import gpu_seconds
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
-    rows = []
-    for cached_tokens, new_tokens, num_seqs in SHORT_CASES:
+    set_short_query_mode("auto")
+    rows = [] if rows is None else rows
+    for cached_tokens, new_tokens, num_seqs in cases:
         cached, new = [cached_tokens] * num_seqs, [new_tokens] * num_seqs
         batch, kv, q, flops = paged_case(cached, new)
         device_batch = backend.prepare_batch(batch)
         kv_bytes = sum(c + n for c, n in zip(cached, new, strict=True)) * 2 * NUM_KV_HEADS * HEAD_DIM * 2
         outputs = {name: cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
-                   for name in ("prefill", "short_query")}
+                   for name in ("baseline", "short_query")}
+        baseline = "decode" if batch.is_decode else "prefill"
+        if baseline == "decode":
+            baseline_call = functools.partial(decode_into, outputs["baseline"], q, kv, device_batch, spec.scale,
+                                              backend.num_sms)
+        else:
+            baseline_call = functools.partial(prefill_attention, q, spec, kv, device_batch, out=outputs["baseline"])
         calls = {
-            "prefill": functools.partial(prefill_attention, q, spec, kv, device_batch, out=outputs["prefill"]),
+            "baseline": baseline_call,
             "short_query": functools.partial(
                 short_query_attention_mma, q, kv.k, kv.v, device_batch.block_tables, device_batch.context_lens,
                 device_batch.query_start, batch.max_query_len, spec.scale, backend.num_sms,
                 out=outputs["short_query"]),
         }
-        row: dict = {"cached": cached_tokens, "new": new_tokens, "sequences": num_seqs, "kv_bytes": kv_bytes}
+        row: dict = {"cached": cached_tokens, "new": new_tokens, "sequences": num_seqs, "kv_bytes": kv_bytes,
+                     "baseline": baseline}
         for name, call in calls.items():
             seconds = gpu_seconds(call, repeats=20, warmup=3)
             row[f"{name}_us"] = seconds * 1e6
-            row[f"{name}_kv_read_fraction_of_copy"] = kv_bytes / seconds / copy_bandwidth
+            if copy_bandwidth:
+                row[f"{name}_kv_read_fraction_of_copy"] = kv_bytes / seconds / copy_bandwidth
         values = {name: (out.astype(cupy.uint32) << 16).view(cupy.float32) for name, out in outputs.items()}
-        row["relative_difference"] = float(cupy.linalg.norm(values["short_query"] - values["prefill"])
-                                           / cupy.linalg.norm(values["prefill"]))
-        row["speedup"] = row["prefill_us"] / row["short_query_us"]
+        row["relative_difference"] = float(cupy.linalg.norm(values["short_query"] - values["baseline"])
+                                           / cupy.linalg.norm(values["baseline"]))
+        row["speedup"] = row["baseline_us"] / row["short_query_us"]
+        row["auto_routes_to"] = ("short_query" if not batch.is_decode and runs_short_query_kernel(spec, device_batch)
+                                 else baseline)
         log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
+        if save is not None:
+            save()
+        del outputs, values
+        cupy.get_default_memory_pool().free_all_blocks()
+    set_short_query_mode(None)
     return rows
+
+
+# (decode rows, their context each, chunk tokens): running decodes and one new prompt's chunk in one step
+MIXED_CASES = [(256, 1024, 512), (64, 1024, 2048), (256, 1024, 2048), (4, 1024, 2048), (16, 4096, 512)]
+# the short-query crossover: 16 new tokens over 1k-4k, several sequences, and one new token
+ROUTING_SHORT_CASES = [(1008, 16, 1), (2032, 16, 1), (3056, 16, 1), (16383, 1, 1), (1520, 16, 1), (4080, 16, 1),
+                       (1008, 16, 8), (2032, 16, 8), (1020, 4, 32)]
+
+
+def set_mixed_decode(on: bool | None) -> None:
+    """OPENINFER_MIXED_DECODE_ATTENTION on / off (None: unset, the default), re-read."""
+    from openinfer.backend.cuda.attention import MIXED_DECODE_ENV, refresh_kernel_choices
+
+    if on is None:
+        os.environ.pop(MIXED_DECODE_ENV, None)
+    else:
+        os.environ[MIXED_DECODE_ENV] = "1" if on else "0"
+    refresh_kernel_choices()
+
+
+def bench_mixed_steps(backend, rows: list[dict], save) -> list[dict]:
+    """Per layer: a mixed step's attention with every row on the prefill kernel (before) and with
+    its decode rows on the decode kernel (after), plus each part alone; outputs compared. Each
+    case's row is appended to ``rows`` and ``save()`` called (partial results survive a timeout)."""
+    import cupy
+
+    from openinfer.backend.base import AttentionSpec
+    from openinfer.backend.cuda.attention import attend, mixed_split
+    from openinfer.backend.cuda.decode_attention import paged_decode_attention
+    from openinfer.tools.ledger import gpu_seconds
+
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, None, HEAD_DIM**-0.5, None, None, 1e-6)
+    for decodes, context, chunk in MIXED_CASES:
+        batch, kv, q, _ = paged_case([context - 1] * decodes + [0], [1] * decodes + [chunk])
+        device_batch = backend.prepare_batch(batch)
+        row: dict = {"case": f"{decodes} decodes at {context} + a {chunk}-token chunk", "decodes": decodes,
+                     "decode_context": context, "chunk": chunk}
+        outputs = {}
+        for label, on in (("before", False), ("after", True)):
+            set_mixed_decode(on)
+            if on:
+                split = mixed_split(device_batch)
+                row["after_decode_rows"] = 0 if split is None else split.decode_rows
+                row["after_prefill_launches"] = 1 if split is None else len(split.prefill_tile_ranges)
+            call = functools.partial(attend, q, spec, kv, device_batch, backend.num_sms)
+            row[f"{label}_us"] = gpu_seconds(call, repeats=20, warmup=3) * 1e6
+            outputs[label] = (call().astype(cupy.uint32) << 16).view(cupy.float32)
+        set_mixed_decode(None)
+        row["speedup"] = row["before_us"] / row["after_us"]
+        row["relative_difference"] = float(cupy.linalg.norm(outputs["after"] - outputs["before"])
+                                           / cupy.linalg.norm(outputs["before"]))
+        # the parts alone: the decode rows as a decode step, the chunk's tiles on the prefill kernel
+        decode_alone = functools.partial(paged_decode_attention, q[:decodes], kv.k, kv.v,
+                                         device_batch.block_tables[:decodes], device_batch.context_lens[:decodes],
+                                         spec.scale, backend.num_sms)
+        row["decode_rows_alone_us"] = gpu_seconds(decode_alone, repeats=20, warmup=3) * 1e6
+        split = mixed_split(device_batch)
+        if split is not None:
+            out = cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
+            chunk_alone = functools.partial(prefill_tile_ranges, q, spec, kv, device_batch, split.prefill_tile_ranges,
+                                            out)
+            row["chunk_tiles_alone_us"] = gpu_seconds(chunk_alone, repeats=20, warmup=3) * 1e6
+        log(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+        save()
+        del outputs
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def plot_routing(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    mixed = report["mixed_steps"]
+    x = np.arange(len(mixed))
+    left.bar(x - 0.2, [r["before_us"] for r in mixed], 0.4, label="all rows on the prefill kernel")
+    left.bar(x + 0.2, [r["after_us"] for r in mixed], 0.4, label="decode rows on the decode kernel")
+    left.set_xticks(x, [f"{r['decodes']}x{r['decode_context']}\n+{r['chunk']}" for r in mixed], fontsize=8)
+    left.set_ylabel("attention us per layer")
+    left.set_title(f"mixed steps, Qwen3-4B heads, {report['environment']['gpu']}")
+    left.legend(fontsize=8)
+    short = report["short_attention"]
+    for seqs in sorted({r["sequences"] for r in short}):
+        points = sorted((r["cached"] + r["new"], r["speedup"]) for r in short
+                        if r["sequences"] == seqs and r["baseline"] == "prefill")
+        if points:
+            right.plot(*zip(*points, strict=True), marker="o", label=f"{seqs} sequence(s)")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.axvline(report["short_query_min_context"], color="red", linewidth=0.8, linestyle="--",
+                  label="auto threshold")
+    right.set_xlabel("context tokens per sequence")
+    right.set_ylabel("short-query speed-up over the prefill kernel")
+    right.set_title("short steps (<= 16 new tokens per sequence)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def bench_warm_step(backend, context: int = 16384, new_tokens: int = 16) -> dict:
@@ -436,6 +587,14 @@ def write_variants(report: dict, out_dirs: list[Path]) -> None:
     sys.stdout.flush()
 
 
+def print_short(rows: list[dict]) -> None:
+    print("\n cached  new  seqs  baseline  baseline us  short-query us  speed-up  auto picks")
+    for r in rows:
+        print(f" {r['cached']:6d} {r['new']:4d} {r['sequences']:5d} {r['baseline']:>9s} {r['baseline_us']:12.1f} "
+              f"{r['short_query_us']:15.1f} {r['speedup']:9.2f}  {r['auto_routes_to']}")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-model", action="store_true", help="attention only (skip the whole-model TTFT)")
@@ -443,6 +602,8 @@ def main() -> None:
     parser.add_argument("--sm90-variants", action="store_true", help="time the sm90 kernel's run-time variants")
     parser.add_argument("--short-queries", action="store_true",
                         help="short steps over long contexts: prefill vs short-query kernel, and the warm 16k step")
+    parser.add_argument("--routing", action="store_true",
+                        help="mixed steps (decode rows on the decode kernel) and the short-query crossover")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -456,18 +617,34 @@ def main() -> None:
         report["sm90_variants"] = bench_sm90_variants(backend, out_dirs)
         write_variants(report, out_dirs)
         return
+    if args.routing:
+        from openinfer.backend.cuda.attention_routing import MIXED_MIN_DECODE_ROWS, SHORT_QUERY_MIN_CONTEXT
+
+        report["short_query_min_context"] = SHORT_QUERY_MIN_CONTEXT
+        report["mixed_min_decode_rows"] = MIXED_MIN_DECODE_ROWS
+        report["mixed_steps"] = []
+        bench_mixed_steps(backend, report["mixed_steps"],
+                          functools.partial(write_json, report, out_dirs, "gpu_prefill_attention_routing.json"))
+        report["short_attention"] = []
+        bench_short_attention(backend, None, ROUTING_SHORT_CASES, report["short_attention"],
+                              functools.partial(write_json, report, out_dirs, "gpu_prefill_attention_routing.json"))
+        for out in out_dirs:
+            plot_routing(report, out / "gpu_prefill_attention_routing.png")
+        print(f"\n mixed steps on {report['environment']['gpu']}: attention us per layer")
+        for r in report["mixed_steps"]:
+            print(f" {r['case']:40s} before {r['before_us']:8.1f}  after {r['after_us']:8.1f}  "
+                  f"x{r['speedup']:.2f}  rel diff {r['relative_difference']:.1e}")
+        print_short(report["short_attention"])
+        return
     if args.short_queries:
         report["ceilings"] = gpu_bench.measure_ceilings(backend)
-        report["short_attention"] = bench_short_attention(backend, report["ceilings"]["copy_bandwidth_bytes_per_s"])
+        report["short_attention"] = bench_short_attention(backend, report["ceilings"]["copy_bandwidth_bytes_per_s"],
+                                                          SHORT_CASES)
         write_json(report, out_dirs, "gpu_prefill_attention_short.json")
         if not args.no_model:
             report["warm_step"] = bench_warm_step(backend)
             write_json(report, out_dirs, "gpu_prefill_attention_short.json")
-        print("\n cached  new  seqs   prefill us  short-query us  speed-up  KV read / copy (short)")
-        for r in report["short_attention"]:
-            print(f" {r['cached']:6d} {r['new']:4d} {r['sequences']:5d} {r['prefill_us']:12.1f} "
-                  f"{r['short_query_us']:15.1f} {r['speedup']:9.2f} {r['short_query_kv_read_fraction_of_copy']:10.0%}")
-        sys.stdout.flush()
+        print_short(report["short_attention"])
         return
     report["attention"] = bench_attention(backend, args.mma_only)
     if not args.no_model:

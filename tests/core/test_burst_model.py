@@ -28,6 +28,22 @@ def test_the_fitted_model_reproduces_its_own_measurements(model):
     assert not graphed and 80 < alone < 140 and mixed - alone > decode_ms
 
 
+def test_mixed_decode_attention_costs_the_decode_rows_as_a_decode_step(model):
+    # OPENINFER_MIXED_DECODE_ATTENTION: running decodes first, then a chunk; the decode rows cost
+    # decode attention, so the step gets cheaper by about the tiles they no longer take
+    from dataclasses import replace
+
+    split = replace(model, mixed_decode_attention=True)
+    step = [(1024, 1, True)] * 256 + [(0, 512, True)]
+    before, _ = model.step_ms(step)
+    after, graphed = split.step_ms(step)
+    tiles = model.layers * (model.prefill_attention_ms([(1024, 1)] * 256))
+    decode = model.layers * (model.decode_attention_ms([1025] * 256))
+    assert not graphed and after == pytest.approx(before - tiles + decode)
+    assert split.step_ms([(0, 512, True)] + [(1024, 1, True)] * 256) == model.step_ms(
+        [(0, 512, True)] + [(1024, 1, True)] * 256)  # decodes after the chunk: not split
+
+
 @pytest.mark.parametrize("policy", ["mixed", "split", "prefill_first"])
 def test_a_burst_emits_every_token_and_the_policies_order_as_modelled(model, policy):
     row = simulate(model, streams=16, input_len=256, output_len=8, budget=1024, policy=policy)

@@ -9,6 +9,7 @@ import pytest
 from openinfer.backend.cuda import kernel_choices as choices
 from openinfer.backend.cuda.kernel_choices import (
     DECODE_KERNEL_ENV,
+    MIXED_DECODE_ENV,
     PREFILL_KERNEL_ENV,
     SHORT_QUERY_ENV,
     SM90_ENV,
@@ -19,7 +20,7 @@ from openinfer.backend.cuda.kernel_choices import (
     wanted_decode_kernel,
 )
 
-ALL_ENV = [PREFILL_KERNEL_ENV, SHORT_QUERY_ENV, DECODE_KERNEL_ENV, *SM90_ENV.values()]
+ALL_ENV = [PREFILL_KERNEL_ENV, SHORT_QUERY_ENV, MIXED_DECODE_ENV, DECODE_KERNEL_ENV, *SM90_ENV.values()]
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,9 @@ def clean_environment(monkeypatch):
 
 
 def test_defaults_where_the_environment_is_silent():
-    assert kernel_choices() == choices.KernelChoices(prefill="auto", short_query=choices.SHORT_QUERY_DEFAULT)
+    assert kernel_choices() == choices.KernelChoices(
+        prefill="auto", short_query=choices.SHORT_QUERY_VALUES[choices.SHORT_QUERY_DEFAULT],
+        mixed_decode=choices.MIXED_DECODE_DEFAULT)
     assert wanted_decode_kernel() == "mma"
     default = sm90_variant(128)
     assert default.kv_head_major_grid == (choices.SM90_GRID == "kv_head")
@@ -48,12 +51,16 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
     before = (kernel_choices(), wanted_decode_kernel(), sm90_variant(128))
     monkeypatch.setenv(PREFILL_KERNEL_ENV, "mma")
     monkeypatch.setenv(SHORT_QUERY_ENV, "1")
+    monkeypatch.setenv(MIXED_DECODE_ENV, "1")
     monkeypatch.setenv(DECODE_KERNEL_ENV, "split")
     for key, value in {"grid": "head", "page_reads": "row", "pingpong": "0", "stages": "2"}.items():
         monkeypatch.setenv(SM90_ENV[key], value)
     assert (kernel_choices(), wanted_decode_kernel(), sm90_variant(128)) == before  # no re-read per call
     refresh_kernel_choices()
-    assert kernel_choices() == choices.KernelChoices(prefill="mma", short_query=True)
+    assert kernel_choices() == choices.KernelChoices(prefill="mma", short_query="on", mixed_decode=True)
+    monkeypatch.setenv(SHORT_QUERY_ENV, "0")
+    refresh_kernel_choices()
+    assert kernel_choices().short_query == "off"
     assert wanted_decode_kernel() == "split"
     chosen = sm90_variant(128)
     assert not chosen.kv_head_major_grid and not chosen.batched_page_reads and not chosen.pingpong
@@ -61,6 +68,7 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [(PREFILL_KERNEL_ENV, "sm80"), (SHORT_QUERY_ENV, "yes"),
+                                        (MIXED_DECODE_ENV, "on"),
                                         (DECODE_KERNEL_ENV, "flash"), (SM90_ENV["grid"], "tile"),
                                         (SM90_ENV["pingpong"], "true"), (SM90_ENV["stages"], "1"),
                                         (SM90_ENV["stages"], "x")])

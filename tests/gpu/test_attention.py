@@ -76,6 +76,20 @@ def test_short_steps_with_the_short_query_kernel_on_and_off(cuda_backend, rng, c
     check_attention_case(cuda_backend, rng, case)
 
 
+@pytest.mark.parametrize("below", [1, 0])
+def test_short_query_auto_goes_by_the_longest_context(cuda_backend, rng, below, kernel_switches):
+    """The default ("auto"): the short-query kernel from SHORT_QUERY_MIN_CONTEXT tokens of context,
+    the prefill kernel one token below it."""
+    from openinfer.backend.cuda.attention import SHORT_QUERY_ENV, runs_short_query_kernel
+    from openinfer.backend.cuda.attention_routing import SHORT_QUERY_MIN_CONTEXT
+
+    kernel_switches(**{SHORT_QUERY_ENV: "auto"})
+    spec = AttentionSpec(8, 2, 128, None, 1.0, None, None, 1e-6)
+    cached = [SHORT_QUERY_MIN_CONTEXT - 16 - below, 10]
+    device_batch = cuda_backend.prepare_batch(paged_batch(rng, cached, [16, 3], 4 + sum(cached) // 8))
+    assert runs_short_query_kernel(spec, device_batch) == (below == 0)
+
+
 def check_attention_case(cuda_backend, rng, case: str) -> None:
     head_dim, nh, nkv, cached, new, qk_norm, rotary_factor = CASES[case]
     num_blocks = 2 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))

@@ -190,3 +190,74 @@ def test_short_query_kernel_rejects_long_steps(cuda_backend, rng):
         short_query_attention_mma(cupy.zeros((SHORT_QUERY_MAX_TOKENS + 1, 4, 128), cupy.uint16), kv, kv,
                                   batch.block_tables, batch.context_lens, batch.query_start,
                                   SHORT_QUERY_MAX_TOKENS + 1, 0.1, cuda_backend.num_sms)
+
+
+MIXED_CASES = {
+    # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence):
+    # running decodes first (1 new token each), then prompt chunks, as the scheduler orders a step
+    "decodes-then-chunk": (128, 8, 2, [300, 47, 900, 16, 1, 250, 0], [1, 1, 1, 1, 1, 1, 300]),
+    "decodes-then-chunks-and-a-late-decode": (128, 8, 2, [64, 700, 33, 129, 0, 500, 90], [1, 1, 1, 1, 200, 130, 1]),
+    "d256-decodes-then-chunk": (256, 4, 2, [200, 31, 400, 5, 100], [1, 1, 1, 1, 129]),
+    "d64-gqa4": (64, 8, 2, [90, 333, 7, 512, 48], [1, 1, 1, 1, 260]),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, monkeypatch):
+    """A mixed step with OPENINFER_MIXED_DECODE_ATTENTION=1 (decode rows on the decode kernel,
+    only the chunks' tiles on the prefill kernel) gives the all-prefill-kernel output and NumPy's."""
+    from openinfer.backend.cuda.attention import (
+        MIXED_DECODE_ENV,
+        SHORT_QUERY_ENV,
+        attend,
+        mixed_split,
+        prefill_attention,
+        refresh_kernel_choices,
+    )
+
+    head_dim, num_heads, num_kv_heads, cached, new = MIXED_CASES[case]
+    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    batch = paged_batch(rng, cached, new, num_blocks)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
+    scale = head_dim**-0.5
+    expected = reference_attention(q, k_cache, v_cache, batch, scale)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, None, scale, None, None, 1e-6)
+    kv = KVLayer(cuda_backend.upload(k_cache), cuda_backend.upload(v_cache))
+    q_device = cupy.asarray(float_to_bf16_bits(q))
+    device_batch = cuda_backend.prepare_batch(batch)
+
+    monkeypatch.setenv(MIXED_DECODE_ENV, "1")
+    monkeypatch.setenv(SHORT_QUERY_ENV, "0")
+    refresh_kernel_choices()
+    try:
+        split = mixed_split(device_batch)
+        leading = next(i for i, n in enumerate(new) if n > 1)
+        assert split is not None and split.decode_rows == leading
+        covered = sum(stop - start for start, stop in split.prefill_tile_ranges)
+        assert covered == device_batch.num_tiles - leading  # every chunk tile, no decode tile
+        mixed = bf16_bits_to_float(cupy.asnumpy(attend(q_device, spec, kv, device_batch, cuda_backend.num_sms)))
+    finally:
+        monkeypatch.undo()
+        refresh_kernel_choices()
+    whole = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
+    prefill_attention(q_device, spec, kv, device_batch, out=whole)
+    whole = bf16_bits_to_float(cupy.asnumpy(whole))
+    assert np.isfinite(mixed).all()
+    assert relative_error(mixed, whole) < 1e-2
+    assert relative_error(mixed, expected) < 1e-2
+    rows = np.abs(mixed - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+def test_prefill_kernel_refuses_a_decode_shaped_batch(cuda_backend, rng):
+    """One new token per sequence is uploaded without prefill tiles: a clear error, not an
+    unwritten output (the benchmark row that once timed an empty launch)."""
+    from openinfer.backend.cuda.attention import prefill_attention
+
+    batch = cuda_backend.prepare_batch(paged_batch(rng, [40, 7], [1, 1], 8))
+    spec = AttentionSpec(4, 2, 128, None, 0.1, None, None, 1e-6)
+    kv = KVLayer(cupy.zeros((8, BLOCK_SIZE, 2, 128), cupy.uint16), cupy.zeros((8, BLOCK_SIZE, 2, 128), cupy.uint16))
+    with pytest.raises(ValueError, match="decode kernel"):
+        prefill_attention(cupy.zeros((2, 4, 128), cupy.uint16), spec, kv, batch)

@@ -5,10 +5,13 @@ split count depends only on the batch size, so a captured graph stays valid for 
 length. Anything else (prefill, chunked prefill, mixed batches) runs a tensor-core prefill
 kernel: on Hopper (compute capability 9.0) with head_dim 128 or 256 the warp-specialised wgmma
 kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync kernel
-(prefill_attention.cu). With ``OPENINFER_SHORT_QUERY_ATTENTION=1``, steps of at most
-``SHORT_QUERY_MAX_TOKENS`` new tokens per sequence (a warm prefix's last block) run the split-KV
-short-query kernel instead (off until measured on a GPU: benchmarks/gpu_prefill_attention.py
---short-queries). ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
+(prefill_attention.cu). Two routings (``attention_routing.py``) take rows away from it:
+steps of at most ``SHORT_QUERY_MAX_TOKENS`` new tokens per sequence (a warm prefix's last block)
+run the split-KV short-query kernel from ``SHORT_QUERY_MIN_CONTEXT`` tokens of context on
+(``OPENINFER_SHORT_QUERY_ATTENTION=1`` / ``0`` forces it on / off); with
+``OPENINFER_MIXED_DECODE_ATTENTION=1`` a mixed step's leading 1-token rows (its running decodes)
+run the decode kernel and only the prompt chunks' tiles the prefill kernel.
+``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
 
 These switches are read once per process (a prefill step does not look at the environment);
@@ -23,7 +26,8 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
-from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
+from openinfer.backend.cuda.attention_routing import MixedSplit, split_mixed_step, wants_short_query
+from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch, prefill_tiles
 from openinfer.backend.cuda.decode_attention import (
     LOG2E,
     SHORT_QUERY_MAX_TOKENS,
@@ -32,6 +36,7 @@ from openinfer.backend.cuda.decode_attention import (
     short_query_attention_mma,
 )
 from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported for tests and benchmarks)
+    MIXED_DECODE_ENV,
     PREFILL_KERNEL_ENV,
     PREFILL_KERNELS,
     SHORT_QUERY_ENV,
@@ -116,51 +121,112 @@ def sm90_prefill_supported(head_dim: int) -> bool:
 
 
 def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
-                      implementation: str = "auto", out: cupy.ndarray | None = None) -> cupy.ndarray:
+                      implementation: str = "auto", out: cupy.ndarray | None = None,
+                      tile_range: tuple[int, int] | None = None) -> cupy.ndarray:
     """Causal attention of the batch's queries ``q [T, nh, d]`` over the paged cache -> ``[T, nh d]``.
 
     ``implementation``: "sm90" (Hopper wgmma kernel), "mma" (mma.sync kernel, any GPU) or "auto"
-    (sm90 where supported, unless ``OPENINFER_PREFILL_KERNEL=mma``); ``out`` is written in place if given.
+    (sm90 where supported, unless ``OPENINFER_PREFILL_KERNEL=mma``); ``out`` is written in place if given;
+    ``tile_range`` ``(start, stop)``: only those of the batch's prefill tiles (the rows of the others
+    are left as they are).
     """
     if implementation not in PREFILL_KERNELS:
         raise ValueError(f"prefill attention implementation must be one of {PREFILL_KERNELS}, got {implementation!r}")
+    if batch.num_tiles == 0 and batch.num_tokens > 0:
+        # a decode-shaped batch (one new token per sequence) is uploaded without prefill tiles:
+        # attention() sends it to the decode kernel
+        raise ValueError("this batch has no prefill tiles (one new token per sequence): use the decode kernel")
     if implementation == "auto":
         forced = kernel_choices().prefill == "mma"
         implementation = "mma" if forced or not sm90_prefill_supported(spec.head_dim) else "sm90"
     elif implementation == "sm90" and not sm90_prefill_supported(spec.head_dim):
         raise ValueError(f"the sm90 prefill kernel needs a compute capability 9.0 GPU and head_dim in "
                          f"{SM90_HEAD_DIMS}; got head_dim {spec.head_dim}")
+    start, stop = (0, batch.num_tiles) if tile_range is None else tile_range
+    if not 0 <= start <= stop <= batch.num_tiles:
+        raise ValueError(f"tile range {tile_range} is outside the batch's {batch.num_tiles} prefill tiles")
     if out is None:
         out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
-    if batch.num_tiles == 0:
+    num_tiles = stop - start
+    if num_tiles == 0:
         return out
+    # the kernels take tile i of the launch from tile_seq[i] / tile_query[i]: a range is a view
     args = (q, kv.k, kv.v, batch.block_tables, np.int32(batch.block_tables.shape[1]), batch.query_start,
-            batch.context_lens, batch.tile_seq, batch.tile_query, out, np.int32(spec.num_heads),
-            np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]), np.float32(spec.scale * LOG2E))
+            batch.context_lens, batch.tile_seq[start:stop], batch.tile_query[start:stop], out,
+            np.int32(spec.num_heads), np.int32(spec.num_kv_heads), np.int32(kv.k.shape[1]),
+            np.float32(spec.scale * LOG2E))
     if implementation == "sm90":
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])))
         if variant.kv_head_major_grid:
-            grid = (spec.num_heads // spec.num_kv_heads * batch.num_tiles, spec.num_kv_heads)
+            grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:
-            grid = (spec.num_heads, batch.num_tiles)
+            grid = (spec.num_heads, num_tiles)
         fn(grid, (384,), args, shared_mem=shared)
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
     shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    fn((2 * batch.num_tiles, spec.num_heads), (128,), args, shared_mem=shared)  # one block per half tile
+    fn((2 * num_tiles, spec.num_heads), (128,), args, shared_mem=shared)  # one block per half tile
     return out
 
 
 def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
-    """Whether a step that is not plain decode takes the short-query kernel: switched on, at most
-    SHORT_QUERY_MAX_TOKENS new tokens per sequence, and a head size / group the mma kernel takes."""
-    return (kernel_choices().short_query and 1 <= batch.max_query_len <= SHORT_QUERY_MAX_TOKENS
-            and mma_supports(spec.head_dim, spec.num_heads // spec.num_kv_heads))
+    """Whether a step that is not plain decode takes the short-query kernel: at most
+    SHORT_QUERY_MAX_TOKENS new tokens per sequence, a head size / group the mma kernel takes, and
+    the switch on, or "auto" with a context where the kernel is measured faster (host counts only).
+    A batch without its host step (a graph's static batch being captured) has no context to go by:
+    "auto" takes the short-query kernel there, as the graph replays at every context."""
+    context = batch.max_context_len if batch.host is not None else None
+    return (1 <= batch.max_query_len <= SHORT_QUERY_MAX_TOKENS
+            and mma_supports(spec.head_dim, spec.num_heads // spec.num_kv_heads)
+            and wants_short_query(kernel_choices().short_query, context))
+
+
+class _StepSplits:
+    """The mixed split of the latest step seen (every layer of a step asks about the same batch):
+    computed once per step on the host, never from device arrays; a batch refilled with another
+    host step (a reused static batch) is computed again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[CudaBatch, object] | None = None
+        self._split: MixedSplit | None = None
+
+    def get(self, batch: CudaBatch) -> MixedSplit | None:
+        host = batch.host
+        if self._key is None or self._key[0] is not batch or self._key[1] is not host:
+            self._split = None
+            if host is not None:
+                tile_seq = prefill_tiles(host.query_start)[0]
+                if tile_seq.shape[0] == batch.num_tiles:  # the tiles the batch was uploaded with
+                    self._split = split_mixed_step(host.query_start, tile_seq)
+            self._key = (batch, host)
+        return self._split
+
+
+_step_splits = _StepSplits()
+
+
+def mixed_split(batch: CudaBatch) -> MixedSplit | None:
+    """How ``attend`` splits this (not plain decode) step when OPENINFER_MIXED_DECODE_ATTENTION is on."""
+    return _step_splits.get(batch)
+
+
+def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: MixedSplit,
+                    num_sms: int) -> cupy.ndarray:
+    """A mixed step: the leading ``split.decode_rows`` 1-token rows through the decode kernel, the
+    prompt chunks' tiles through the prefill kernel, into one ``[T, nh d]`` output. Both read the
+    K/V that ``write_qkv`` stored before, so their order does not matter."""
+    rows = split.decode_rows
+    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    for tile_range in split.prefill_tile_ranges:
+        prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
+    out[:rows] = paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows],
+                                        spec.scale, num_sms)
+    return out
 
 
 def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
@@ -170,13 +236,22 @@ def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, bat
                                      batch.max_query_len, spec.scale, num_sms)
 
 
-def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, ropes: RopeTables,
-              num_sms: int) -> cupy.ndarray:
-    """``qkv [T, (nh + 2 nkv) d] -> [T, nh d]``, writing this step's K/V into the paged cache."""
-    _check(spec, kv)
-    q = write_qkv(qkv, spec, kv, batch, ropes)
+def attend(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, num_sms: int) -> cupy.ndarray:
+    """Attention of the step's queries ``q [T, nh, d]`` (K/V already written) -> ``[T, nh d]``, each
+    row through the kernel its step shape routes it to."""
     if batch.is_decode and batch.num_tokens == batch.num_seqs:
         return decode_attention(q, spec, kv, batch, num_sms)
     if runs_short_query_kernel(spec, batch):
         return short_query_attention(q, spec, kv, batch, num_sms)
+    if kernel_choices().mixed_decode:
+        split = mixed_split(batch)
+        if split is not None:
+            return mixed_attention(q, spec, kv, batch, split, num_sms)
     return prefill_attention(q, spec, kv, batch)
+
+
+def attention(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, ropes: RopeTables,
+              num_sms: int) -> cupy.ndarray:
+    """``qkv [T, (nh + 2 nkv) d] -> [T, nh d]``, writing this step's K/V into the paged cache."""
+    _check(spec, kv)
+    return attend(write_qkv(qkv, spec, kv, batch, ropes), spec, kv, batch, num_sms)

@@ -1,6 +1,7 @@
 """The attention kernels' run-time switches, read from the environment once per process.
 
-``OPENINFER_PREFILL_KERNEL`` ("auto" | "mma"), ``OPENINFER_SHORT_QUERY_ATTENTION`` ("0" | "1"),
+``OPENINFER_PREFILL_KERNEL`` ("auto" | "mma"), ``OPENINFER_SHORT_QUERY_ATTENTION`` ("auto" | "0" | "1"),
+``OPENINFER_MIXED_DECODE_ATTENTION`` ("0" | "1": a mixed step's 1-token rows on the decode kernel),
 ``OPENINFER_SM90_*`` (variants of the Hopper prefill kernel) and ``OPENINFER_DECODE_ATTENTION``
 ("mma" | "split") are parsed and validated at their first use and then kept: a prefill step does
 not look at the environment. ``refresh_kernel_choices()`` re-reads them all, for benchmarks and
@@ -29,8 +30,13 @@ def wanted_decode_kernel() -> str:
 
 PREFILL_KERNELS = ("auto", "sm90", "mma")
 PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"  # "auto" (default) or "mma"
-SHORT_QUERY_ENV = "OPENINFER_SHORT_QUERY_ATTENTION"  # "1": the short-query kernel for short steps
-SHORT_QUERY_DEFAULT = False  # unmeasured on a GPU so far; a measurement flips this line
+SHORT_QUERY_ENV = "OPENINFER_SHORT_QUERY_ATTENTION"  # "1" / "0": force the short-query kernel on / off
+# "auto": the short-query kernel for short steps from attention_routing.SHORT_QUERY_MIN_CONTEXT on
+# (W1 on H100: 1.9x-4.1x the prefill kernel from 4k context, 0.70x at 1k)
+SHORT_QUERY_DEFAULT = "auto"
+SHORT_QUERY_VALUES = {"auto": "auto", "1": "on", "0": "off"}
+MIXED_DECODE_ENV = "OPENINFER_MIXED_DECODE_ATTENTION"  # "1": a mixed step's decode rows on the decode kernel
+MIXED_DECODE_DEFAULT = False  # until measured faster on a GPU (benchmarks/gpu_prefill_attention.py --routing)
 
 
 @dataclass(frozen=True)
@@ -38,24 +44,30 @@ class KernelChoices:
     """The attention kernel switches of the environment, read once (``kernel_choices``)."""
 
     prefill: str  # "auto" or "mma"
-    short_query: bool
+    short_query: str  # "auto", "on" or "off" (attention_routing.wants_short_query)
+    mixed_decode: bool  # a mixed step's leading 1-token rows on the decode kernel
 
 
 @functools.cache
 def kernel_choices() -> KernelChoices:
-    """OPENINFER_PREFILL_KERNEL and OPENINFER_SHORT_QUERY_ATTENTION, read once per process."""
+    """OPENINFER_PREFILL_KERNEL, OPENINFER_SHORT_QUERY_ATTENTION and OPENINFER_MIXED_DECODE_ATTENTION,
+    read once per process."""
     prefill = os.environ.get(PREFILL_KERNEL_ENV, "auto")
     if prefill not in ("auto", "mma"):
         raise ValueError(f"{PREFILL_KERNEL_ENV} must be 'auto' or 'mma', got {prefill!r}")
-    short = os.environ.get(SHORT_QUERY_ENV, "1" if SHORT_QUERY_DEFAULT else "0")
-    if short not in ("0", "1"):
-        raise ValueError(f"{SHORT_QUERY_ENV} must be 0 or 1, got {short!r}")
-    return KernelChoices(prefill=prefill, short_query=short == "1")
+    short = os.environ.get(SHORT_QUERY_ENV, SHORT_QUERY_DEFAULT)
+    if short not in SHORT_QUERY_VALUES:
+        raise ValueError(f"{SHORT_QUERY_ENV} must be auto, 0 or 1, got {short!r}")
+    mixed = os.environ.get(MIXED_DECODE_ENV, "1" if MIXED_DECODE_DEFAULT else "0")
+    if mixed not in ("0", "1"):
+        raise ValueError(f"{MIXED_DECODE_ENV} must be 0 or 1, got {mixed!r}")
+    return KernelChoices(prefill=prefill, short_query=SHORT_QUERY_VALUES[short], mixed_decode=mixed == "1")
 
 
 def refresh_kernel_choices() -> None:
     """Re-read every attention kernel switch (OPENINFER_PREFILL_KERNEL, OPENINFER_SHORT_QUERY_ATTENTION,
-    OPENINFER_SM90_*, OPENINFER_DECODE_ATTENTION) from the environment at their next use."""
+    OPENINFER_MIXED_DECODE_ATTENTION, OPENINFER_SM90_*, OPENINFER_DECODE_ATTENTION) from the
+    environment at their next use."""
     kernel_choices.cache_clear()
     sm90_variant.cache_clear()
     wanted_decode_kernel.cache_clear()

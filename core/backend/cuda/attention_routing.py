@@ -1,0 +1,72 @@
+"""Which attention kernel takes which rows of a step: host-side decisions from host arrays and
+counts only (no device reads, no CuPy), so CPU CI tests them and a step never waits on the GPU.
+
+* ``split_mixed_step``: a mixed step (running decodes + prompt chunks in one forward) sends its
+  leading 1-token sequences to the decode kernel and only the tiles of the multi-token sequences
+  to the prefill kernel, instead of one 128-query prefill tile per decode row.
+* ``wants_short_query``: whether a short step (<= 16 new tokens per sequence) takes the split-KV
+  short-query kernel; in "auto" mode only from a context length where it beats the prefill kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# A few decode rows are cheaper inside the prefill launch than as a second kernel launch plus
+# the copy of their rows; from this many on they go to the decode kernel.
+MIXED_MIN_DECODE_ROWS = 4
+# "auto": the short-query kernel from this longest context on. W1 (H100, one sequence, 16 new
+# tokens): 0.70x the prefill kernel's speed at 1008 cached tokens, 1.92x at 4080, 3.4x at 16k;
+# both times are about linear in the context, so they cross near 1.9k tokens.
+SHORT_QUERY_MIN_CONTEXT = 2048
+SHORT_QUERY_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class MixedSplit:
+    """A mixed step's rows: token rows ``[0, decode_rows)`` are the first ``decode_rows``
+    sequences' single new tokens (decode kernel); ``prefill_tile_ranges`` are the contiguous
+    ``[start, stop)`` ranges of the batch's prefill tiles that belong to the other sequences."""
+
+    decode_rows: int
+    prefill_tile_ranges: tuple[tuple[int, int], ...]
+
+
+def split_mixed_step(query_start: np.ndarray, tile_seq: np.ndarray,
+                     min_decode_rows: int = MIXED_MIN_DECODE_ROWS) -> MixedSplit | None:
+    """The split of a step whose first sequences have one new token each and whose others have
+    more, or None when there is nothing to split (no multi-token sequence, fewer than
+    ``min_decode_rows`` leading 1-token sequences).
+
+    ``query_start [B+1]``: each sequence's first token row; ``tile_seq [N]``: the sequence of each
+    prefill tile, in launch order. Only a *leading* run of 1-token sequences is split off (the
+    scheduler puts running decodes first), so their token rows, block-table rows and output rows
+    are the first ``decode_rows`` of the batch's and no gather is needed; a 1-token sequence after
+    a longer one stays in the prefill kernel.
+    """
+    counts = np.diff(np.asarray(query_start))
+    if counts.size == 0 or int(counts.max()) <= 1:
+        return None
+    longer = np.flatnonzero(counts != 1)
+    decode_rows = int(longer[0])  # the leading run of 1-token sequences
+    if decode_rows < max(1, min_decode_rows):
+        return None
+    keep = np.asarray(tile_seq) >= decode_rows
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.astype(np.int8), [0]))))
+    ranges = tuple((int(start), int(stop)) for start, stop in zip(edges[::2], edges[1::2], strict=True))
+    return MixedSplit(decode_rows, ranges)
+
+
+def wants_short_query(mode: str, max_context_len: int | None, min_context: int = SHORT_QUERY_MIN_CONTEXT) -> bool:
+    """Short-query kernel or not for a short step, by the switch's ``mode`` ("on", "off", "auto")
+    and the batch's longest context (a host count: no synchronisation). ``None``: the context is
+    not known when the kernel is chosen (a CUDA graph captured once, replayed at any context);
+    "auto" then takes the short-query kernel, at most ~1.4x slower at short contexts and up to
+    4x faster at long ones."""
+    if mode not in SHORT_QUERY_MODES:
+        raise ValueError(f"short-query mode must be one of {SHORT_QUERY_MODES}, got {mode!r}")
+    if mode == "auto":
+        return max_context_len is None or max_context_len >= min_context
+    return mode == "on"
