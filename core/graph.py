@@ -144,6 +144,7 @@ class CudaGraphRunner:
         self.prefill_buckets = sorted({b for b in prefill_buckets if 1 <= b <= max_num_seqs}) \
             if num_groups == 1 and not with_state else []
         self.prefill_graphs: dict[int, _Captured] = {}
+        self.use_prefill_graphs = True  # False: short-prefill steps run eagerly (side-by-side measurements)
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
         self.num_precompiled_modules = 0
@@ -238,7 +239,7 @@ class CudaGraphRunner:
         bucket = self.bucket_for(batch)
         if bucket is not None:
             return self.graphs[bucket]
-        bucket = self.prefill_bucket_for(batch) if self.prefill_graphs else None
+        bucket = self.prefill_bucket_for(batch) if self.prefill_graphs and self.use_prefill_graphs else None
         return None if bucket is None else self.prefill_graphs[bucket]
 
     def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
