@@ -15,7 +15,7 @@ engine (no HTTP, no checkpoint on disk: ``load_format="dummy"``), at ``--context
 request, then warm requests sharing all but its last 8 tokens (so the step runs the last 16
 tokens over the cached blocks), alternating the short-prefill CUDA graphs off (eager) and on
 (``OPENINFER_PREFILL_GRAPHS=1``, ``CudaGraphRunner.use_prefill_graphs``), and the same prompt
-again (all cached: a 1-token step). Writes benchmarks/results/warm_prefix_gpu.json/.png::
+again (all cached: a 1-token step). Writes benchmarks/results/warm_prefix_gpu.json/.png (under $OUT instead when set)::
 
     OPENINFER_SHORT_QUERY_ATTENTION=1 python benchmarks/gpu_serving.py --warm-prefix-engine
 """
@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 instead of the Qwen3-4B shape")
     args = parser.parse_args()
     if args.warm_prefix_engine:
-        out = [HERE / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+        out = [Path(os.environ["OUT"])] if os.environ.get("OUT") else [HERE / "results"]
         measure_warm_prefix([int(c) for c in args.contexts.split(",") if c], args.repeats, out, args.device, args.tiny)
         return
     checkpoint = Path(args.checkpoint)
