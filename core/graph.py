@@ -9,8 +9,8 @@
       state slot 0 (models with recurrent state read their slots from the static batch's
       ``state_slots``, so a replay reads and writes each request's fixed slot)
 
-Short prefill steps (``OPENINFER_PREFILL_GRAPHS=1``, models with one KV cache group and no
-recurrent state): every sequence runs at most ``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a
+Short prefill steps (``OPENINFER_PREFILL_GRAPHS=1``; plain full-attention models, one KV cache
+group, no recurrent state; see ``prefill_graphs_wanted``): every sequence runs at most ``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a
 warm prefix whose prompt is cached but for its last block, alone or next to decode rows::
 
     prefill buckets   1 2 4 8 16 32 64 sequences (up to max_num_seqs), each holding
@@ -50,7 +50,8 @@ logger = logging.getLogger("openinfer.graph")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences of a short-prefill graph
 SHORT_PREFILL_MAX_QUERY = 16  # new tokens per sequence in a short-prefill graph (the short-query kernel's limit)
-PREFILL_GRAPHS_ENV = "OPENINFER_PREFILL_GRAPHS"  # "1": capture short-prefill graphs (off until measured)
+PREFILL_GRAPHS_ENV = "OPENINFER_PREFILL_GRAPHS"  # "1" / "0": short-prefill graphs on / off
+PREFILL_GRAPHS_DEFAULT = False  # unset: off until a GPU window measures them
 
 Forward = Callable[[Any], Any]  # device batch -> logits
 # (batch, replayed by a graph, launch began, launch returned): wall-clock seconds
@@ -113,11 +114,24 @@ def short_prefill_bucket(batch: ForwardBatch, buckets: Sequence[int], max_blocks
     return None
 
 
-def prefill_graphs_wanted() -> bool:
-    """``OPENINFER_PREFILL_GRAPHS`` ("0" | "1", default "0"); anything else is an error."""
-    value = os.environ.get(PREFILL_GRAPHS_ENV, "0")
-    if value not in ("0", "1"):
+def prefill_graphs_wanted(kv_specs: Sequence[Any] | None = None) -> bool:
+    """Whether to capture short-prefill graphs: ``OPENINFER_PREFILL_GRAPHS`` ("0" | "1"; unset:
+    ``PREFILL_GRAPHS_DEFAULT``; anything else is an error), and only for models whose every KV
+    cache spec is plain full attention when ``kv_specs`` is given: their attention reads every
+    step input from device memory. MLA's and compressed attention's prefill plans are made on
+    the host from the step's query lengths, so a graph would freeze one plan (unset without
+    ``kv_specs``: off)."""
+    from openinfer.kv.spec import FullAttentionSpec
+
+    value = os.environ.get(PREFILL_GRAPHS_ENV)
+    if value is not None and value not in ("0", "1"):
         raise ValueError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1, got {value!r}")
+    plain = kv_specs is not None and all(type(spec) is FullAttentionSpec for spec in kv_specs)
+    if value is None:
+        return PREFILL_GRAPHS_DEFAULT and plain
+    if value == "1" and kv_specs is not None and not plain:
+        logger.info("%s=1 ignored: short-prefill graphs serve plain full-attention models only", PREFILL_GRAPHS_ENV)
+        return False
     return value == "1"
 
 
@@ -270,15 +284,17 @@ class CudaGraphRunner:
 
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
                   max_model_len: int, block_size: int, num_groups: int = 1,
-                  with_state: bool = False, discover_kernels: bool = False) -> EagerRunner | CudaGraphRunner:
+                  with_state: bool = False, discover_kernels: bool = False,
+                  kv_specs: Sequence[Any] | None = None) -> EagerRunner | CudaGraphRunner:
     """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
     ``with_state``: the model's KV cache groups and whether it keeps recurrent state;
     ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel).
-    ``OPENINFER_PREFILL_GRAPHS=1`` adds the short-prefill buckets (``DEFAULT_PREFILL_BUCKETS``)."""
+    ``kv_specs``: the model's KV cache specs; with ``prefill_graphs_wanted(kv_specs)`` the runner
+    also captures the short-prefill buckets (``DEFAULT_PREFILL_BUCKETS``)."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
     runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
                              num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels,
-                             prefill_buckets=DEFAULT_PREFILL_BUCKETS if prefill_graphs_wanted() else ())
+                             prefill_buckets=DEFAULT_PREFILL_BUCKETS if prefill_graphs_wanted(kv_specs) else ())
     runner.capture()
     return runner

@@ -77,11 +77,23 @@ def test_steps_a_short_prefill_graph_cannot_hold_run_eagerly():
     assert short_prefill_bucket(step([30], [4]), [], MAX_BLOCKS) is None
 
 
-def test_the_switch_reads_zero_or_one(monkeypatch):
+def test_the_switch_reads_zero_or_one_and_serves_plain_full_attention_only(monkeypatch):
+    from openinfer.graph import PREFILL_GRAPHS_DEFAULT
+    from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec, SlidingWindowSpec
+
+    full = [FullAttentionSpec(8, 128, "bfloat16")] * 2
+    window = [*full, SlidingWindowSpec(8, 128, "bfloat16", window=512)]
+    mla = [MLALatentSpec(576, "bfloat16")]
     monkeypatch.delenv(PREFILL_GRAPHS_ENV, raising=False)
-    assert prefill_graphs_wanted() is False
+    assert prefill_graphs_wanted() is False  # unset, specs unknown
+    assert prefill_graphs_wanted(full) is PREFILL_GRAPHS_DEFAULT
+    assert prefill_graphs_wanted(mla) is False
     monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1")
     assert prefill_graphs_wanted() is True
+    assert prefill_graphs_wanted(full) is True
+    assert prefill_graphs_wanted(window) is False and prefill_graphs_wanted(mla) is False
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "0")
+    assert prefill_graphs_wanted(full) is False
     monkeypatch.setenv(PREFILL_GRAPHS_ENV, "yes")
     with pytest.raises(ValueError, match=PREFILL_GRAPHS_ENV):
         prefill_graphs_wanted()
