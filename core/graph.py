@@ -10,8 +10,9 @@
       ``state_slots``, so a replay reads and writes each request's fixed slot)
 
 Short prefill steps (``OPENINFER_PREFILL_GRAPHS=1``; plain full-attention models, one KV cache
-group, no recurrent state; see ``prefill_graphs_wanted``): every sequence runs at most ``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a
-warm prefix whose prompt is cached but for its last block, alone or next to decode rows::
+group, no recurrent state; see ``prefill_graphs_wanted``): every sequence runs at most
+``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a warm prefix whose prompt is cached but for its
+last block, alone or next to decode rows::
 
     prefill buckets   1 2 4 8 16 32 64 sequences (up to max_num_seqs), each holding
                       sequences + SHORT_PREFILL_MAX_QUERY - 1 tokens, 16 new tokens per sequence at most
