@@ -9,6 +9,15 @@
 
     python benchmarks/gpu_serving.py [--checkpoint /tmp/qwen3-4b-random] [--quick]
 Writes benchmarks/results/idle_gap.json, serve_gpu.json/.png (copies under $OUT when set).
+
+``--warm-prefix-engine`` measures only the warm prefix-cache TTFT, in process through the
+engine (no HTTP, no checkpoint on disk: ``load_format="dummy"``), at ``--contexts``: a cold
+request, then warm requests sharing all but its last 8 tokens (so the step runs the last 16
+tokens over the cached blocks), each round's prompt sent with the short-prefill CUDA graphs off
+(eager) and on (``OPENINFER_PREFILL_GRAPHS=1``, ``CudaGraphRunner.use_prefill_graphs``) in
+alternating order, their greedy first tokens compared. Writes benchmarks/results/warm_prefix_gpu.json/.png (under $OUT instead when set)::
+
+    OPENINFER_SHORT_QUERY_ATTENTION=1 python benchmarks/gpu_serving.py --warm-prefix-engine
 """
 
 from __future__ import annotations
@@ -76,6 +85,143 @@ def measure_idle_gap(checkpoint: Path, async_scheduling: bool, num_requests: int
     return report
 
 
+def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path], device: str = "cuda",
+                        tiny: bool = False) -> dict:
+    """Warm prefix TTFT through the engine, short-prefill graphs off and on (see the docstring);
+    the JSON is rewritten after each context, so a run cut short keeps what it measured."""
+    import tempfile
+
+    import numpy as np
+
+    os.environ.setdefault("OPENINFER_PREFILL_GRAPHS", "1")  # capture them; the runner's switch picks per request
+    from gpu_bench import QWEN3_4B
+    from model_shapes import TINY_QWEN3, write_config_dir
+
+    import openinfer
+    from openinfer.v1 import engine_pb2 as pb
+
+    config = {**TINY_QWEN3, "max_position_embeddings": 32768} if tiny else {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3_4B, "bos_token_id": 1, "eos_token_id": 2}
+    path = write_config_dir(Path(tempfile.mkdtemp()) / "qwen3-4b", config)
+    began = time.perf_counter()
+    # one sequence at a time: the decode and short-prefill graphs of batch 1 only, a short start
+    options = dict(device=device, load_format="dummy", max_model_len=max(contexts) + 64, max_num_seqs=1)
+    capture_error = None
+    try:
+        engine = openinfer.create_engine(str(path), **options)
+    except Exception as exc:  # a failed short-prefill capture still leaves the eager numbers to measure
+        if os.environ["OPENINFER_PREFILL_GRAPHS"] != "1":
+            raise
+        capture_error = f"{type(exc).__name__}: {exc}"
+        print(f"engine with short-prefill graphs failed ({capture_error}); measuring without them", flush=True)
+        os.environ["OPENINFER_PREFILL_GRAPHS"] = "0"
+        engine = openinfer.create_engine(str(path), **options)
+    runner = engine.runner
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
+    gpu = gpu or "unknown GPU"
+    report: dict = {"device": gpu if device == "cuda" else "cpu (dry run)",
+                    "model": f"{'tiny Qwen3' if tiny else 'Qwen3-4B-shaped'}, random weights (load_format dummy)",
+                    "through": "EngineHandle in process (no HTTP)", "engine_start_s": time.perf_counter() - began,
+                    "short_query_attention": os.environ.get("OPENINFER_SHORT_QUERY_ATTENTION", "default"),
+                    "prefill_graph_buckets": sorted(getattr(runner, "prefill_graphs", {})),
+                    "prefill_graph_capture_error": capture_error, "contexts": []}
+    launches: list[tuple[int, int, bool, float]] = []  # (tokens, max query, graphed, launch ms) of the last request
+    outer = runner.observer
+
+    def observe(batch, graphed, start, end):
+        launches.append((batch.num_tokens, batch.max_query_len, graphed, 1e3 * (end - start)))
+        if outer is not None:
+            outer(batch, graphed, start, end)
+
+    runner.observer = observe
+    print(f"engine started in {report['engine_start_s']:.1f} s; short-prefill graphs "
+          f"{report['prefill_graph_buckets'] or 'none'}", flush=True)
+    rng = np.random.default_rng(0)
+    vocab = config["vocab_size"]
+
+    async def ttft(prompt: list[int], name: str) -> dict:
+        launches.clear()
+        request = pb.GenerateRequest(request_id=name, prompt_token_ids=prompt,
+                                     sampling=pb.SamplingParams(temperature=0.0),
+                                     stop=pb.StopConditions(max_tokens=1, ignore_eos=True))
+        start, first, token = time.perf_counter(), None, None
+        async for event in engine.generate(request):
+            if event.WhichOneof("event") == "tokens" and first is None:
+                first = time.perf_counter() - start
+                token = int(event.tokens.ids[0])
+        tokens, query, graphed, launch_ms = launches[-1] if launches else (0, 0, False, float("nan"))
+        return {"ttft_ms": 1e3 * first, "token": token, "step_tokens": tokens, "step_max_query": query,
+                "graphed": graphed, "launch_ms": launch_ms}
+
+    async def run() -> None:
+        for context in contexts:
+            prefix = rng.integers(100, vocab - 100, context - 8).tolist()
+            cold_prompt = prefix + rng.integers(100, vocab - 100, 8).tolist()
+            row: dict = {"context": context, "cold": await ttft(cold_prompt, f"cold{context}")}
+            modes = {"eager": False, "graph": True} if getattr(runner, "prefill_graphs", None) else {"eager": False}
+            samples: dict[str, list[dict]] = {m: [] for m in modes}
+            same_token = 0
+            for i in range(repeats + 1):  # the first round warms up (kernels, pool); alternate the order
+                # one prompt per round for every mode: the second request finds the whole prompt
+                # cached and recomputes the same last 16 tokens, so the greedy tokens must agree
+                prompt = prefix + rng.integers(100, vocab - 100, 8).tolist()
+                tokens = set()
+                for mode in (list(modes) if i % 2 else list(modes)[::-1]):
+                    runner.use_prefill_graphs = modes[mode]
+                    sample = await ttft(prompt, f"w{context}{mode}{i}")
+                    tokens.add(sample["token"])
+                    if i:
+                        samples[mode].append(sample)
+                same_token += len(tokens) == 1
+            runner.use_prefill_graphs = True
+            row["rounds_with_equal_greedy_tokens"] = f"{same_token} of {repeats + 1}"
+            for mode, rows in samples.items():
+                ms = [r["ttft_ms"] for r in rows]
+                row[f"warm_{mode}"] = {"ttft_ms": ms, "ttft_ms_median": float(np.median(ms)),
+                                       "ttft_ms_min": float(np.min(ms)), "step": {k: rows[-1][k] for k in rows[-1]
+                                                                                  if k != "ttft_ms"}}
+            report["contexts"].append(row)
+            summary = {k: v["ttft_ms_median"] for k, v in row.items() if isinstance(v, dict) and "ttft_ms_median" in v}
+            print(f"context {context}: cold {row['cold']['ttft_ms']:.1f} ms, warm TTFT medians {summary}, greedy "
+                  f"tokens equal across modes in {row['rounds_with_equal_greedy_tokens']} rounds", flush=True)
+            for out in out_dirs:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "warm_prefix_gpu.json").write_text(json.dumps(report, indent=2))
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.close_sync()
+    for out in out_dirs:
+        plot_warm_prefix(report, out / "warm_prefix_gpu.png")
+    return report
+
+
+def plot_warm_prefix(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = report["contexts"]
+    series = [k for k in ("warm_eager", "warm_graph") if any(k in r for r in rows)]
+    x = np.arange(len(rows))
+    width = 0.8 / max(1, len(series))
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for i, name in enumerate(series):
+        axes.bar(x + i * width, [r.get(name, {}).get("ttft_ms_median", 0.0) for r in rows], width, label=name)
+    axes.axhline(10, color="gray", linestyle="--", linewidth=1, label="goal 10 ms")
+    axes.set_xticks(x + 0.4 - width / 2, [str(r["context"]) for r in rows])
+    axes.set_xlabel("context tokens")
+    axes.set_ylabel("TTFT ms (median)")
+    axes.set_title(f"warm prefix TTFT, {report['model'].split(',')[0]}, {report['device']}", fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen3-4b-random")
@@ -83,7 +229,17 @@ def main() -> None:
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-idle-gap", action="store_true")
     parser.add_argument("--idle-gap-mode", choices=["sync", "async"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--warm-prefix-engine", action="store_true",
+                        help="only the warm prefix TTFT through the engine, prefill graphs off/on")
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of --warm-prefix-engine (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 instead of the Qwen3-4B shape")
     args = parser.parse_args()
+    if args.warm_prefix_engine:
+        out = [Path(os.environ["OUT"])] if os.environ.get("OUT") else [HERE / "results"]
+        measure_warm_prefix([int(c) for c in args.contexts.split(",") if c], args.repeats, out, args.device, args.tiny)
+        return
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").exists():
         # in a child process, so torch's CUDA memory is gone before our engine sizes its KV pool

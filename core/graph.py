@@ -9,11 +9,25 @@
       state slot 0 (models with recurrent state read their slots from the static batch's
       ``state_slots``, so a replay reads and writes each request's fixed slot)
 
+Short prefill steps (``OPENINFER_PREFILL_GRAPHS=1``; plain full-attention models, one KV cache
+group, no recurrent state; see ``prefill_graphs_wanted``): every sequence runs at most
+``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a warm prefix whose prompt is cached but for its
+last block, alone or next to decode rows::
+
+    prefill buckets   1 2 4 8 16 32 64 sequences (up to max_num_seqs), each holding
+                      sequences + SHORT_PREFILL_MAX_QUERY - 1 tokens, 16 new tokens per sequence at most
+    a step of B sequences, T tokens -> the smallest bucket with >= B sequences and >= T tokens
+      (``StaticPrefillBatch``: query_start and logits rows at fixed addresses; padded token
+      rows belong to no sequence and write no KV)
+
+Attention then runs the short-query kernel (or the prefill kernel over one fixed tile per
+sequence), whose grid depends only on the bucket, so one capture serves every context length.
+
 Each bucket owns a ``StaticBatch`` (device inputs at fixed addresses) and the logits array the
 capture produced. Graphs are captured largest first, on a side stream, all allocating from
 one private memory pool that nothing else uses; graphs never run concurrently, so they may
 share intermediates. Invariant: the logits returned by ``run`` stay valid until the next call.
-Prefill, chunked and mixed steps, and decode batches larger than the largest bucket, run eagerly.
+Other prefill, chunked and mixed steps, and batches larger than the largest bucket, run eagerly.
 
 A runner's ``observer`` (None unless a diagnostic sets it, e.g. ``openinfer.engine_core.step_log``)
 is called after each launch with the batch, whether a graph replayed it, and the wall-clock
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +49,10 @@ from openinfer.backend.base import ForwardBatch
 logger = logging.getLogger("openinfer.graph")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_PREFILL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences of a short-prefill graph
+SHORT_PREFILL_MAX_QUERY = 16  # new tokens per sequence in a short-prefill graph (the short-query kernel's limit)
+PREFILL_GRAPHS_ENV = "OPENINFER_PREFILL_GRAPHS"  # "1" / "0": short-prefill graphs on / off
+PREFILL_GRAPHS_DEFAULT = False  # unset: off until a GPU window measures them
 
 Forward = Callable[[Any], Any]  # device batch -> logits
 # (batch, replayed by a graph, launch began, launch returned): wall-clock seconds
@@ -62,6 +81,61 @@ class EagerRunner:
         return self.forward(device_batch)
 
 
+def short_prefill_tokens(num_seqs: int) -> int:
+    """Token rows of a short-prefill bucket of ``num_seqs`` sequences: one sequence may run the
+    most new tokens while the others decode one each."""
+    return num_seqs + SHORT_PREFILL_MAX_QUERY - 1
+
+
+def decode_bucket(batch: ForwardBatch, buckets: Sequence[int], max_blocks_per_seq: int) -> int | None:
+    """The smallest of ``buckets`` (sorted) a plain decode step fits, or None."""
+    if not batch.is_decode or batch.num_tokens != batch.num_seqs or batch.logits_rows.shape[0] != batch.num_seqs:
+        return None
+    if batch.block_tables.shape[1] > max_blocks_per_seq or any(
+            t.shape[1] > max_blocks_per_seq for t in batch.kv_block_tables):
+        return None
+    i = bisect.bisect_left(buckets, batch.num_seqs)
+    return buckets[i] if i < len(buckets) else None
+
+
+def short_prefill_bucket(batch: ForwardBatch, buckets: Sequence[int], max_blocks_per_seq: int) -> int | None:
+    """The smallest of ``buckets`` (sorted sequence counts) whose short-prefill graph holds this
+    step: not plain decode, at most SHORT_PREFILL_MAX_QUERY new tokens per sequence, one KV
+    cache group, no state slots; or None."""
+    if batch.num_seqs == 0 or batch.max_query_len > SHORT_PREFILL_MAX_QUERY:
+        return None
+    if batch.is_decode and batch.num_tokens == batch.num_seqs:
+        return None  # a decode graph's step
+    if batch.kv_block_tables or batch.state_slots.shape[0] or batch.block_tables.shape[1] > max_blocks_per_seq:
+        return None
+    need = max(batch.num_seqs, batch.logits_rows.shape[0])
+    for bucket in buckets[bisect.bisect_left(buckets, need):]:
+        if short_prefill_tokens(bucket) >= batch.num_tokens:
+            return bucket
+    return None
+
+
+def prefill_graphs_wanted(kv_specs: Sequence[Any] | None = None) -> bool:
+    """Whether to capture short-prefill graphs: ``OPENINFER_PREFILL_GRAPHS`` ("0" | "1"; unset:
+    ``PREFILL_GRAPHS_DEFAULT``; anything else is an error), and only for models whose every KV
+    cache spec is plain full attention when ``kv_specs`` is given: their attention reads every
+    step input from device memory. MLA's and compressed attention's prefill plans are made on
+    the host from the step's query lengths, so a graph would freeze one plan (unset without
+    ``kv_specs``: off)."""
+    from openinfer.kv.spec import FullAttentionSpec
+
+    value = os.environ.get(PREFILL_GRAPHS_ENV)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1, got {value!r}")
+    plain = kv_specs is not None and all(type(spec) is FullAttentionSpec for spec in kv_specs)
+    if value is None:
+        return PREFILL_GRAPHS_DEFAULT and plain
+    if value == "1" and kv_specs is not None and not plain:
+        logger.info("%s=1 ignored: short-prefill graphs serve plain full-attention models only", PREFILL_GRAPHS_ENV)
+        return False
+    return value == "1"
+
+
 @dataclass
 class _Captured:
     static: Any  # StaticBatch
@@ -72,7 +146,9 @@ class _Captured:
 class CudaGraphRunner:
     def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False,
-                 discover_kernels: bool = False):
+                 discover_kernels: bool = False, prefill_buckets: Sequence[int] = ()):
+        """``prefill_buckets``: sequence counts of short-prefill graphs (none by default; only
+        with one KV cache group and no recurrent state, which their static batch holds)."""
         self.backend = backend
         self.forward = forward
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -80,6 +156,10 @@ class CudaGraphRunner:
         self.with_state = with_state
         self.buckets = sorted({b for b in buckets if b <= max_num_seqs} | {min(max_num_seqs, max(buckets))})
         self.graphs: dict[int, _Captured] = {}
+        self.prefill_buckets = sorted({b for b in prefill_buckets if 1 <= b <= max_num_seqs}) \
+            if num_groups == 1 and not with_state else []
+        self.prefill_graphs: dict[int, _Captured] = {}
+        self.use_prefill_graphs = True  # False: short-prefill steps run eagerly (side-by-side measurements)
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
         self.num_precompiled_modules = 0
@@ -122,9 +202,30 @@ class CudaGraphRunner:
                                  exc_info=True)
                     self.forward(static.batch)
                     self.graphs[bucket] = self._capture_one(cupy, static)
+            self._capture_prefill(cupy)
             self.stream.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+        logger.info("captured %d CUDA graphs (%d of them short-prefill) in %.1f s",
+                    len(self.graphs) + len(self.prefill_graphs), len(self.prefill_graphs), self.capture_seconds)
+
+    def _capture_prefill(self, cupy: Any) -> None:
+        """The short-prefill buckets, largest first; the largest and the smallest warmed up
+        first (the short-query kernels are new to the capture), the others retried after one."""
+        warm = {max(self.prefill_buckets), min(self.prefill_buckets)} if self.prefill_buckets else set()
+        for bucket in sorted(self.prefill_buckets, reverse=True):
+            static = self.backend.static_prefill_batch(bucket, short_prefill_tokens(bucket), self.max_blocks_per_seq,
+                                                       SHORT_PREFILL_MAX_QUERY)
+            if bucket in warm:
+                self.forward(static.batch)
+            try:
+                self.prefill_graphs[bucket] = self._capture_one(cupy, static)
+            except Exception:
+                if bucket in warm:
+                    raise
+                logger.debug("capturing prefill bucket %d without a warm-up failed; retrying after one", bucket,
+                             exc_info=True)
+                self.forward(static.batch)
+                self.prefill_graphs[bucket] = self._capture_one(cupy, static)
 
     def _capture_one(self, cupy: Any, static: Any) -> _Captured:
         self.stream.synchronize()
@@ -140,52 +241,61 @@ class CudaGraphRunner:
         return _Captured(static, graph, logits)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
-        """The bucket a batch replays in, or None when it must run eagerly."""
-        if not batch.is_decode or batch.num_tokens != batch.num_seqs or batch.logits_rows.shape[0] != batch.num_seqs:
-            return None
-        if batch.block_tables.shape[1] > self.max_blocks_per_seq or any(
-                t.shape[1] > self.max_blocks_per_seq for t in batch.kv_block_tables):
-            return None
-        i = bisect.bisect_left(self.buckets, batch.num_seqs)
-        return self.buckets[i] if i < len(self.buckets) and self.buckets[i] in self.graphs else None
+        """The decode bucket a batch replays in, or None (see ``prefill_bucket_for``)."""
+        bucket = decode_bucket(batch, self.buckets, self.max_blocks_per_seq)
+        return bucket if bucket in self.graphs else None
+
+    def prefill_bucket_for(self, batch: ForwardBatch) -> int | None:
+        """The short-prefill bucket a batch replays in, or None."""
+        bucket = short_prefill_bucket(batch, self.prefill_buckets, self.max_blocks_per_seq)
+        return bucket if bucket in self.prefill_graphs else None
+
+    def _captured_for(self, batch: ForwardBatch) -> _Captured | None:
+        bucket = self.bucket_for(batch)
+        if bucket is not None:
+            return self.graphs[bucket]
+        bucket = self.prefill_bucket_for(batch) if self.prefill_graphs and self.use_prefill_graphs else None
+        return None if bucket is None else self.prefill_graphs[bucket]
 
     def run(self, batch: ForwardBatch, previous_token_ids: Any = None) -> Any:
         """Logits rows of ``batch``. Inputs listed in ``batch.token_sources`` are taken from
         ``previous_token_ids`` (the previous step's samples, still on the device)."""
         began = time.time() if self.observer is not None else 0.0
-        bucket = self.bucket_for(batch)
-        if bucket is None:
+        captured = self._captured_for(batch)
+        if captured is None:
             logits = self.eager.run(batch, previous_token_ids)
         else:
-            captured = self.graphs[bucket]
             captured.static.fill(batch)  # one H2D copy on the current stream, ordered before the replay
             if batch.token_sources.shape[0]:
                 self.backend.fill_token_sources(captured.static.batch, previous_token_ids, batch.token_sources)
             captured.graph.launch()
-            logits = captured.logits[: batch.num_seqs]
+            logits = captured.logits[: batch.logits_rows.shape[0]]
         if self.observer is not None:
-            self.observer(batch, bucket is not None, began, time.time())
+            self.observer(batch, captured is not None, began, time.time())
         return logits
 
     def run_padded_eager(self, batch: ForwardBatch) -> Any:
         """The same padded inputs as ``run`` but launched op by op (graph vs eager tests)."""
-        bucket = self.bucket_for(batch)
-        if bucket is None:
+        captured = self._captured_for(batch)
+        if captured is None:
             return self.eager.run(batch)
-        captured = self.graphs[bucket]
         captured.static.fill(batch)
-        return self.forward(captured.static.batch)[: batch.num_seqs]
+        return self.forward(captured.static.batch)[: batch.logits_rows.shape[0]]
 
 
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
                   max_model_len: int, block_size: int, num_groups: int = 1,
-                  with_state: bool = False, discover_kernels: bool = False) -> EagerRunner | CudaGraphRunner:
+                  with_state: bool = False, discover_kernels: bool = False,
+                  kv_specs: Sequence[Any] | None = None) -> EagerRunner | CudaGraphRunner:
     """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
     ``with_state``: the model's KV cache groups and whether it keeps recurrent state;
-    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel)."""
+    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel).
+    ``kv_specs``: the model's KV cache specs; with ``prefill_graphs_wanted(kv_specs)`` the runner
+    also captures the short-prefill buckets (``DEFAULT_PREFILL_BUCKETS``)."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
     runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
-                             num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels)
+                             num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels,
+                             prefill_buckets=DEFAULT_PREFILL_BUCKETS if prefill_graphs_wanted(kv_specs) else ())
     runner.capture()
     return runner

@@ -1,3 +1,5 @@
+import numpy as np
+
 from openinfer.kv import BlockPool, KVCacheManager, hash_block_tokens
 from openinfer.kv.block_pool import NULL_BLOCK_ID, token_bytes
 
@@ -151,3 +153,22 @@ def test_a_request_restarted_or_retried_reuses_its_hashes_and_salts_stay_apart(m
     assert manager.find_cached_prefix(tokens)[1] == prefix.hashes[:5]
     manager.free_request("u")
     assert pool.num_used_blocks == 0
+
+
+def test_memoized_chain_hashes_equal_the_hash_chain_and_the_memo_stays_bounded(monkeypatch):
+    from openinfer.kv import block_pool
+
+    memo = block_pool._HashMemo(capacity=8)
+    monkeypatch.setattr(block_pool, "_MEMO", memo)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 50_000, 4 * 6).tolist()
+    for round_ in range(4):  # the same prefix again (memo hits), then new tails (misses, trimming)
+        tokens = shared + rng.integers(0, 50_000, 4 * round_).tolist()
+        expected, parent = [], None
+        for i in range(len(tokens) // 4):
+            parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], "k")
+            expected.append(parent)
+        got = block_pool.chain_block_hashes(None, block_pool.token_bytes(tokens), 4, "k")
+        assert got == expected
+        assert len(memo.table) <= memo.capacity
+    assert memo.table  # it remembers the latest blocks

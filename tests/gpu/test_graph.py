@@ -87,3 +87,52 @@ def test_prefill_falls_back_to_eager(cuda_backend, model_and_kv):
     batch = decode_batch(np.random.default_rng(1), 2)
     batch.max_query_len = 2  # not a decode step
     assert runner.bucket_for(batch) is None
+
+
+def short_prefill_step(rng: np.random.Generator, new: list[int]) -> ForwardBatch:
+    """Sequence i has a random cached context and runs ``new[i]`` tokens (a warm prefix's last
+    block, or 1 for a decoding neighbour), over its own blocks."""
+    cached = [int(rng.integers(0, MAX_BLOCKS * BLOCK_SIZE - n)) for n in new]
+    width = max(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    tables = np.zeros((len(new), width), np.int32)
+    for i, (c, n) in enumerate(zip(cached, new, strict=True)):
+        used = -(-(c + n) // BLOCK_SIZE)
+        tables[i, :used] = 1 + i * MAX_BLOCKS + np.arange(used)
+    ids = rng.integers(0, SMALL["vocab_size"], size=sum(new)).astype(np.int32)
+    return ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE, token_ids=ids)
+
+
+@pytest.mark.parametrize("short_query", ["1", "0"])
+def test_short_prefill_graph_replay_equals_eager(cuda_backend, model_and_kv, monkeypatch, short_query):
+    """A few new tokens per sequence replay a short-prefill graph: bit-identical to the same
+    padded inputs launched op by op, close to the unpadded eager step; with the short-query
+    kernel and with the prefill kernel over the static batch's fixed tiles."""
+    from openinfer.backend.cuda.kernel_choices import SHORT_QUERY_ENV, refresh_kernel_choices
+    from openinfer.graph import CudaGraphRunner, short_prefill_tokens
+
+    monkeypatch.setenv(SHORT_QUERY_ENV, short_query)
+    refresh_kernel_choices()
+    try:
+        model, kv = model_and_kv
+        runner = CudaGraphRunner(cuda_backend, lambda batch: model.forward(batch, kv), max_num_seqs=8,
+                                 max_blocks_per_seq=MAX_BLOCKS, buckets=(1, 2, 4, 8), prefill_buckets=(1, 2, 4, 8))
+        runner.capture()
+        assert sorted(runner.prefill_graphs) == [1, 2, 4, 8]
+        rng = np.random.default_rng(7)
+        for new, bucket in (([8], 1), ([16], 1), ([2], 1), ([1, 9, 1], 4), ([3, 3], 2), ([1, 1, 1, 1, 1, 16], 8)):
+            batch = short_prefill_step(rng, new)
+            assert runner.bucket_for(batch) is None and runner.prefill_bucket_for(batch) == bucket
+            assert batch.num_tokens <= short_prefill_tokens(bucket)
+            replayed = cuda_backend.to_host(runner.run(batch)).copy()
+            eager = cuda_backend.to_host(runner.run_padded_eager(batch))
+            assert replayed.shape == (len(new), SMALL["vocab_size"])
+            assert np.isfinite(replayed).all()
+            assert np.array_equal(replayed, eager), f"graph and eager differ for new tokens {new}"
+            unpadded = cuda_backend.to_host(model.forward(cuda_backend.prepare_batch(batch), kv))
+            assert np.abs(unpadded - replayed).max() < 0.05 * np.abs(replayed).max(), f"new tokens {new}"
+        # a decode step still takes its decode graph; 17 new tokens run eagerly
+        assert runner.bucket_for(decode_batch(rng, 3)) == 4
+        assert runner.prefill_bucket_for(short_prefill_step(rng, [17])) is None
+    finally:
+        monkeypatch.undo()
+        refresh_kernel_choices()

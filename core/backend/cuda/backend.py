@@ -17,7 +17,7 @@ import numpy as np
 
 from openinfer.backend.base import AttentionSpec, ForwardBatch, KVLayer, StateLayer, allocate_cache
 from openinfer.backend.cuda import attention as attention_ops
-from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch
+from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, StaticPrefillBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.linear import (
@@ -134,6 +134,11 @@ class CudaBackend:
         """Fixed-address decode inputs for a CUDA graph of ``num_seqs`` sequences (per KV cache
         group tables when ``num_groups`` > 1, state slots when ``with_state``)."""
         return StaticBatch(self.uploader, num_seqs, max_blocks_per_seq, num_groups, with_state)
+
+    def static_prefill_batch(self, num_seqs: int, num_tokens: int, max_blocks_per_seq: int,
+                             max_query_len: int) -> StaticPrefillBatch:
+        """Fixed-address inputs for a CUDA graph of a short prefill step (``StaticPrefillBatch``)."""
+        return StaticPrefillBatch(self.uploader, num_seqs, num_tokens, max_blocks_per_seq, max_query_len)
 
     def allocate_kv(self, spec: Any, num_blocks: int, block_size: int = 0, *legacy: int) -> KVLayer | StateLayer:
         """One layer's cache for a ``KVCacheSpec`` (bf16 stored as uint16; see ``Backend.allocate_kv``)."""

@@ -273,3 +273,91 @@ class StaticBatch:
         if slots is not None:
             padded[:b] = slots
         return padded
+
+
+class StaticPrefillBatch:
+    """A short prefill step at fixed device addresses (CUDA graphs): at most ``num_seqs``
+    sequences of at most ``max_query_len`` new tokens each, ``num_tokens`` tokens in all (a
+    warm prefix's last block, riding along with decode rows).
+
+    Every section has a fixed size: ``num_tokens`` tokens, ``num_seqs`` sequences, one prefill
+    tile per sequence (``tile_seq = 0..num_seqs-1``, ``tile_query = 0``: a sequence's <= 16 new
+    tokens fill one 128-query tile) and ``num_seqs`` logits rows. ``max_query_len`` is the
+    capture's, so the short-query kernel's grid covers any step that fits. ``fill`` packs a
+    smaller step at the front and pads: padded sequences have no tokens and context length 0;
+    padded token rows belong to no sequence (token 0, position 0, slot -1: no KV write), so
+    nothing reads them and their outputs are never sampled; padded logits rows read row 0.
+    The block table goes as a delta (``TableMirror``) like ``StaticBatch``'s.
+    """
+
+    def __init__(self, uploader: BatchUploader, num_seqs: int, num_tokens: int, max_blocks_per_seq: int,
+                 max_query_len: int):
+        if num_tokens < num_seqs or max_query_len < 1:
+            raise ValueError(f"a static prefill batch needs num_tokens >= num_seqs and max_query_len >= 1, got "
+                             f"{num_tokens} tokens, {num_seqs} sequences, max_query_len {max_query_len}")
+        self.uploader = uploader
+        self.num_seqs, self.num_tokens = num_seqs, num_tokens
+        self.max_blocks_per_seq, self.max_query_len = max_blocks_per_seq, max_query_len
+        n, t = num_seqs, num_tokens
+        self.sizes = [t, t, t, n + 1, n, n * max_blocks_per_seq, n, n, n, 0]
+        self.buffer = cupy.zeros(sum(self.sizes), dtype=cupy.int32)
+        views = _views(self.buffer, self.sizes, n, [max_blocks_per_seq])
+        self.batch = _batch_from_views(views, max_query_len, 1, None, False)
+        self._head = 3 * t + 2 * n + 1  # tokens, positions, slots, query_start, context_lens
+        self._logits_offset = self._head + n * max_blocks_per_seq
+        tiles = np.concatenate([np.arange(n, dtype=np.int32), np.zeros(n, np.int32)])
+        self.buffer[self._logits_offset + n:] = cupy.asarray(tiles)
+        self._mirror = TableMirror(n, max_blocks_per_seq)  # the device table is all null now
+        self._scatter = cupy.empty(2 * n * max_blocks_per_seq // 4 + 2, dtype=cupy.int32)
+        self.num_table_entries_sent = 0
+        self.fill(None)
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return (batch.num_seqs <= self.num_seqs and batch.num_tokens <= self.num_tokens
+                and batch.max_query_len <= self.max_query_len and batch.logits_rows.shape[0] <= self.num_seqs
+                and batch.block_tables.shape[1] <= self.max_blocks_per_seq
+                and not batch.kv_block_tables and not batch.state_slots.shape[0])
+
+    def fill(self, batch: ForwardBatch | None) -> None:
+        """Copy ``batch`` (a step that ``fits``) into the buffer, padded."""
+        if batch is not None and not self.fits(batch):
+            raise ValueError(f"a step of {batch.num_seqs} sequences, {batch.num_tokens} tokens (at most "
+                             f"{batch.max_query_len} per sequence) does not fit the static prefill batch of "
+                             f"{self.num_seqs} sequences, {self.num_tokens} tokens, {self.max_query_len} per sequence")
+        n, t = self.num_seqs, self.num_tokens
+        b = 0 if batch is None else batch.num_seqs
+        k = 0 if batch is None else batch.num_tokens
+        token_ids, positions, slots = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
+        query_start = np.full(n + 1, k, np.int32)
+        context_lens, logits_rows = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        if batch is not None:
+            token_ids[:k], positions[:k], slots[:k] = batch.token_ids, batch.positions, batch.slot_mapping
+            query_start[:b + 1] = batch.query_start
+            context_lens[:b] = batch.context_lens
+            logits_rows[:batch.logits_rows.shape[0]] = batch.logits_rows
+        head = [token_ids, positions, slots, query_start, context_lens]
+        delta = self._mirror.update(None if batch is None else batch.block_tables, b)
+        if delta is None:  # most of the table changed: every section up to the tiles in one copy
+            table = np.zeros((n, self.max_blocks_per_seq), np.int32)
+            if batch is not None:
+                table[:b, :batch.block_tables.shape[1]] = batch.block_tables
+            staging = self.uploader.stage([*head, table, logits_rows])
+            self.uploader.copy(staging, self.buffer)
+            self.num_table_entries_sent += table.size
+        else:
+            index, values = delta
+            count = int(index.size)
+            staging = self.uploader.stage([*head, logits_rows, index, values])
+            parts = [(0, self._head, self.buffer), (self._head, n, self.batch.logits_rows)]
+            if count:
+                if 2 * count > self._scatter.size:
+                    self._scatter = cupy.empty(2 * count, dtype=cupy.int32)
+                parts.append((self._head + n, 2 * count, self._scatter))
+            self.uploader.copy_parts(staging, parts)
+            if count:
+                kernel("static_batch.cu", "scatter_int32")(
+                    (min(1024, -(-count // 256)),), (256,),
+                    (self.batch.block_tables, self._scatter[:count], self._scatter[count:2 * count], np.int32(count)))
+            self.num_table_entries_sent += count
+        self.batch.max_context_len = 1 if batch is None else batch.max_context_len
+        self.batch.host = batch

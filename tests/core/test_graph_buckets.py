@@ -1,0 +1,162 @@
+"""Which CUDA graph a step replays (no GPU): decode buckets and short-prefill buckets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer.backend.base import ForwardBatch
+from openinfer.graph import (
+    PREFILL_GRAPHS_ENV,
+    SHORT_PREFILL_MAX_QUERY,
+    CudaGraphRunner,
+    decode_bucket,
+    prefill_graphs_wanted,
+    short_prefill_bucket,
+    short_prefill_tokens,
+)
+
+BLOCK_SIZE = 16
+MAX_BLOCKS = 64
+DECODE_BUCKETS = [1, 2, 4, 8, 16]
+PREFILL_BUCKETS = [1, 2, 4, 8]
+
+
+def step(cached: list[int], new: list[int]) -> ForwardBatch:
+    """Sequence i: ``cached[i]`` tokens cached, ``new[i]`` run now, over its own blocks."""
+    width = max(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    tables = np.zeros((len(new), width), np.int32)
+    for i, (c, n) in enumerate(zip(cached, new, strict=True)):
+        used = -(-(c + n) // BLOCK_SIZE)
+        tables[i, :used] = 1 + i * MAX_BLOCKS + np.arange(used)
+    return ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE)
+
+
+def test_decode_steps_take_the_smallest_decode_bucket_and_never_a_prefill_one():
+    for num_seqs, expected in ((1, 1), (3, 4), (8, 8), (9, 16)):
+        batch = step([100] * num_seqs, [1] * num_seqs)
+        assert decode_bucket(batch, DECODE_BUCKETS, MAX_BLOCKS) == expected
+        assert short_prefill_bucket(batch, PREFILL_BUCKETS, MAX_BLOCKS) is None
+    assert decode_bucket(step([5] * 17, [1] * 17), DECODE_BUCKETS, MAX_BLOCKS) is None  # past the largest
+
+
+def test_a_warm_prefix_alone_or_beside_decodes_takes_a_short_prefill_bucket():
+    # a warm prefix whose prompt is cached but for its last 8 tokens
+    warm = step([16376], [8])
+    assert warm.max_query_len == 8 and warm.max_context_len == 16384
+    assert decode_bucket(warm, DECODE_BUCKETS, 16384 // BLOCK_SIZE) is None
+    assert short_prefill_bucket(warm, PREFILL_BUCKETS, 16384 // BLOCK_SIZE) == 1
+    # the same beside 2 decoding sequences: 3 sequences, 10 tokens -> the 4-sequence bucket
+    mixed = step([300, 16376, 40], [1, 8, 1])
+    assert short_prefill_bucket(mixed, PREFILL_BUCKETS, 16384 // BLOCK_SIZE) == 4
+    # one sequence of the most new tokens fills the one-sequence bucket exactly
+    full = step([50], [SHORT_PREFILL_MAX_QUERY])
+    assert full.num_tokens == short_prefill_tokens(1)
+    assert short_prefill_bucket(full, PREFILL_BUCKETS, MAX_BLOCKS) == 1
+
+
+def test_more_tokens_than_a_bucket_holds_move_to_a_larger_bucket():
+    # 2 sequences of 16 new tokens: 32 tokens; buckets hold 2 -> 17, 4 -> 19, 8 -> 23 tokens
+    two = step([40, 90], [16, 16])
+    assert short_prefill_bucket(two, PREFILL_BUCKETS, MAX_BLOCKS) is None
+    assert short_prefill_tokens(32) >= two.num_tokens > short_prefill_tokens(16)  # 47 >= 32 > 31
+    assert short_prefill_bucket(two, [1, 2, 4, 8, 16, 32], MAX_BLOCKS) == 32
+
+
+def test_steps_a_short_prefill_graph_cannot_hold_run_eagerly():
+    assert short_prefill_bucket(step([0], [SHORT_PREFILL_MAX_QUERY + 1]), PREFILL_BUCKETS, MAX_BLOCKS) is None
+    assert short_prefill_bucket(step([0] * 9, [2] * 9), PREFILL_BUCKETS, MAX_BLOCKS) is None  # 9 > 8 sequences
+    wide = step([MAX_BLOCKS * BLOCK_SIZE], [4])  # its table is one block wider than the graph's
+    assert short_prefill_bucket(wide, PREFILL_BUCKETS, MAX_BLOCKS) is None
+    grouped = step([30], [4])
+    grouped.kv_block_tables, grouped.kv_slot_mappings = (grouped.block_tables,), (grouped.slot_mapping,)
+    assert short_prefill_bucket(grouped, PREFILL_BUCKETS, MAX_BLOCKS) is None
+    stateful = step([30], [4])
+    stateful.state_slots = np.array([3], np.int32)
+    assert short_prefill_bucket(stateful, PREFILL_BUCKETS, MAX_BLOCKS) is None
+    assert short_prefill_bucket(step([30], [4]), [], MAX_BLOCKS) is None
+
+
+def test_the_switch_reads_zero_or_one_and_serves_plain_full_attention_only(monkeypatch):
+    from openinfer.graph import PREFILL_GRAPHS_DEFAULT
+    from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec, SlidingWindowSpec
+
+    full = [FullAttentionSpec(8, 128, "bfloat16")] * 2
+    window = [*full, SlidingWindowSpec(8, 128, "bfloat16", window=512)]
+    mla = [MLALatentSpec(576, "bfloat16")]
+    monkeypatch.delenv(PREFILL_GRAPHS_ENV, raising=False)
+    assert prefill_graphs_wanted() is False  # unset, specs unknown
+    assert prefill_graphs_wanted(full) is PREFILL_GRAPHS_DEFAULT
+    assert prefill_graphs_wanted(mla) is False
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1")
+    assert prefill_graphs_wanted() is True
+    assert prefill_graphs_wanted(full) is True
+    assert prefill_graphs_wanted(window) is False and prefill_graphs_wanted(mla) is False
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "0")
+    assert prefill_graphs_wanted(full) is False
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "yes")
+    with pytest.raises(ValueError, match=PREFILL_GRAPHS_ENV):
+        prefill_graphs_wanted()
+
+
+class _Static:
+    def __init__(self) -> None:
+        self.filled: list[ForwardBatch] = []
+        self.batch = "static device batch"
+
+    def fill(self, batch: ForwardBatch) -> None:
+        self.filled.append(batch)
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+
+
+class _Backend:
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.prepared: list[ForwardBatch] = []
+
+    def prepare_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        self.prepared.append(batch)
+        return batch
+
+
+def test_the_runner_replays_the_short_prefill_graph_and_returns_one_logits_row_per_sampled_row():
+    from openinfer.graph import _Captured
+
+    backend = _Backend()
+    eager_logits = np.full((1, 5), 7.0)
+    runner = CudaGraphRunner(backend, lambda batch: eager_logits, max_num_seqs=8, max_blocks_per_seq=2048,
+                             buckets=(1, 2, 4, 8), prefill_buckets=(1, 4, 64))
+    assert runner.prefill_buckets == [1, 4]  # none past max_num_seqs
+    for bucket in (1, 4):
+        runner.prefill_graphs[bucket] = _Captured(_Static(), _Graph(), np.arange(bucket * 5.0).reshape(bucket, 5))
+    seen = []
+    runner.observer = lambda batch, graphed, began, returned: seen.append(graphed)
+    mixed = step([300, 16376, 40], [1, 8, 1])
+    logits = runner.run(mixed)
+    four = runner.prefill_graphs[4]
+    assert four.static.filled == [mixed] and four.graph.launches == 1 and not runner.prefill_graphs[1].graph.launches
+    np.testing.assert_array_equal(logits, np.arange(15.0).reshape(3, 5))
+    # a middle chunk of a chunked prefill samples nothing: no logits rows come back
+    chunk = step([64], [16])
+    chunk.logits_rows = np.zeros(0, np.int32)
+    assert runner.run(chunk).shape == (0, 5)
+    assert runner.prefill_graphs[1].graph.launches == 1
+    # too long for any short-prefill graph: eager
+    long = step([0], [17])
+    assert runner.run(long) is eager_logits and backend.prepared == [long]
+    assert seen == [True, True, False]
+
+
+def test_models_with_state_or_several_kv_groups_get_no_short_prefill_buckets():
+    for kwargs in ({"num_groups": 2}, {"with_state": True}):
+        runner = CudaGraphRunner(_Backend(), lambda batch: None, max_num_seqs=8, max_blocks_per_seq=MAX_BLOCKS,
+                                 prefill_buckets=(1, 2), **kwargs)
+        assert runner.prefill_buckets == []
