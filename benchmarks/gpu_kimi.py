@@ -187,6 +187,15 @@ def decode_batch(backend, batch: int, context: int, block_size: int = 64):
     return backend.prepare_batch(host), batch * blocks + 1
 
 
+def device_random_bf16(shape: tuple[int, ...]):
+    """N(0, 1) bf16 bits drawn on the device (a decode grid's latent caches are 10^8 values: host
+    RNG plus upload would take seconds of a short device window)."""
+    import cupy
+
+    values = cupy.random.standard_normal(shape, dtype=cupy.float32)
+    return (values.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
 def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, form: str):
     from openinfer.backend.cuda import mla as cuda_mla
 
@@ -219,7 +228,7 @@ def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
         norm = backend.weight(np.ones(512, np.float32))
         for batch_size, context in MLA_DECODES:
             batch, num_blocks = decode_batch(backend, batch_size, context)
-            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            cache = device_random_bf16((num_blocks, 64, 1, 576))
             q = backend.upload(rng.standard_normal((batch_size, heads * 192)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, 576)).astype(np.float32))
             point = {"heads": heads, "batch": batch_size, "context": context,
@@ -359,6 +368,22 @@ def graph_call_seconds(calls: list) -> tuple[float, str | None]:
         return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
 
 
+def warm_kernels(calls: list) -> None:
+    """Compile every CUDA module ``calls`` would launch, in parallel NVRTC threads: a dry pass
+    records them (core's discover_kernels; nothing runs), compile_kernels builds them. A fresh
+    machine otherwise compiles moe.cu once per format and kernel variant, one after the other."""
+    import cupy
+
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    started = time.perf_counter()
+    with discover_kernels() as found:
+        for call in calls:
+            call()
+    built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
+    print(f"compiled {built} CUDA modules in {time.perf_counter() - started:.1f} s", flush=True)
+
+
 def random_int4(backend, experts: int, n: int, k: int):
     import cupy
 
@@ -405,6 +430,20 @@ def run_gemv(args) -> dict:
 
     def rel(a, b):
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    # every module the sweep launches (kernel choice by format), on small weights of the same formats
+    small_fp8 = ExpertLinear("fp8", cupy.zeros((1, 128, 256), cupy.uint8), cupy.ones((1, 1, 2), cupy.float32), 128, 256)
+    small_int4 = random_int4(backend, 4, 128, 256)
+    small_x = backend.upload(np.ones((8, 256), np.float32))
+    small_grouping = cuda_moe.group_by_expert(cupy.asarray(np.arange(8, dtype=np.int32).reshape(4, 2) % 4),
+                                              cupy.ones((4, 2), cupy.float32), 4)
+    warm_kernels([partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, "gemv", gemv_kernel=name)
+                  for weight in (small_fp8, small_int4.expert(0)) for name in kernels]
+                 + [partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, GEMV_BASELINES["dense"])
+                    for weight in (small_fp8, small_int4.expert(0))]
+                 + [partial(cuda_moe.grouped_gemm, small_x, small_int4, small_grouping, True, True, gemv_kernel=name)
+                    for name in kernels]
+                 + [partial(cuda_moe.grouped_gemm, small_x, small_int4, small_grouping, True, False)])
 
     for label, (fmt, n, k) in LINEAR_SHAPES.items():
         stored = n * k * (1 if fmt == "fp8" else 0.5)
@@ -673,12 +712,30 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str]]:
     return variants
 
 
+def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
+    """One decode step of the layer: returns (attention output after o_proj, layer output)."""
+    import cupy
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    c = KIMI_LAYER
+    qkv_a = backend.linear(x, attention["qkv_a"])
+    q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), attention["q_a_norm"], 1e-6),
+                       attention["q_b"])
+    attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
+                                attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
+                                absorbed_kernel=absorbed_kernel)
+    h = backend.linear(attn, attention["o_proj"])
+    shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
+
+
 def run_layer(args) -> dict:
     import cupy
 
     from openinfer.backend.base import ForwardBatch
     from openinfer.backend.cuda import CudaBackend
-    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
@@ -708,20 +765,18 @@ def run_layer(args) -> dict:
                             max_query_len=1, max_context_len=args.context + 1)
         device_batch = backend.prepare_batch(host)
         x = backend.upload(rng.standard_normal((batch, c["hidden"])).astype(np.float32))
+        if not points:  # every variant's modules compiled in parallel before anything is timed
+            dry = []
+            for absorbed_kernel, gemv_kernel in variants:
+                dry.append(partial(os.environ.__setitem__, cuda_moe.GEMV_KERNEL_ENV, gemv_kernel))
+                dry.append(partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos,
+                                   sin, x, absorbed_kernel))
+            warm_kernels(dry)
         for absorbed_kernel, gemv_kernel in variants:
             os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel  # core's switch for the decode GEMV
 
-            def step(x=x, cache=cache, device_batch=device_batch, absorbed_kernel=absorbed_kernel):
-                qkv_a = backend.linear(x, attention["qkv_a"])
-                q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]),
-                                                    attention["q_a_norm"], 1e-6), attention["q_b"])
-                attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
-                                            attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin,
-                                            1e-6, backend.num_sms, absorbed_kernel=absorbed_kernel)
-                h = backend.linear(attn, attention["o_proj"])
-                shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
-                return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
-
+            step = partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
+                           absorbed_kernel)
             h, _ = step()
             ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
             active = int(cupy.unique(ids).size)

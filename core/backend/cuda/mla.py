@@ -154,16 +154,17 @@ def mma_decode_fits(spec: MLASpec) -> bool:
         and spec.qk_nope_dim % 8 == 0
 
 
-_smem_set: set[int] = set()
+_smem_set: dict[int, cupy.RawKernel] = {}  # id -> the kernel (held, so its id is never reused)
 
 
 def _mma_decode_kernel(spec: MLASpec):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
     smem = (MMA_DECODE_HEADS + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
     attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec))
-    if id(attention) not in _smem_set:
+    # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
+    if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
-        _smem_set.add(id(attention))
+        _smem_set[id(attention)] = attention
     return attention, smem
 
 
