@@ -320,7 +320,7 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
             point[f"{kernel_name}_ms"] = 1e3 * gpu_seconds(
                 partial(cuda_moe.grouped_gemm, x, weight, grouping, True, gemv=gemv), repeats=20)
         point["relative_difference"] = float(np.linalg.norm(outs["gemv"] - outs["tiles"]) / np.linalg.norm(outs["tiles"]))
-        point["chosen"] = "gemv" if tokens * c["top_k"] <= cuda_moe.GEMV_MAX_ROWS_PER_EXPERT * experts else "tiles"
+        point["chosen"] = "gemv" if cuda_moe.choose_gemv(tokens * c["top_k"] / experts, True) else "tiles"
         point["active_weight_bytes"] = point["active_experts"] * per_expert
         points.append(point)
         print(json.dumps(point), flush=True)
@@ -406,7 +406,7 @@ def run_gemv(args) -> dict:
     bandwidth = copy_bandwidth()
     kernels = list(cuda_moe.GEMV_KERNELS)
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "default": cuda_moe.DEFAULT_GEMV_KERNEL,
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
               "baselines": GEMV_BASELINES,
               "dense": [], "grouped": []}
 
@@ -423,6 +423,9 @@ def run_gemv(args) -> dict:
             if error:
                 point[f"{name}_graph_error"] = error
         point["fastest"] = min([*names, baseline], key=lambda name: point[f"{name}_us"])
+        point["chosen"] = (cuda_moe.choose_gemv(point["rows"], False) if "rows" in point else
+                           cuda_moe.choose_gemv(point["tokens"] * KIMI_LAYER["top_k"] / KIMI_LAYER["experts"], True)
+                           ) or baseline
         for name in [*names[1:], baseline]:
             point[f"{name}_speedup"] = point[f"{names[0]}_us"] / point[f"{name}_us"]
             point[f"{name}_relative_difference"] = compare(outputs[name], outputs[names[0]])
@@ -701,13 +704,15 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str]]:
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
-        return [(absorbed_kernel or cuda_mla.ABSORBED_KERNEL, cuda_moe.gemv_kernel_name())]
+        return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
+                 cuda_moe.forced_gemv_kernel() or "auto")]
     variants = []
     for item in text.split(","):
         absorbed, _, gemv = item.partition(":")
-        if absorbed not in ("cuda_cores", "mma") or gemv not in cuda_moe.GEMV_KERNELS:
-            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV with ABSORBED in cuda_cores, mma and "
-                             f"GEMV in {sorted(cuda_moe.GEMV_KERNELS)}")
+        if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS):
+            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV with ABSORBED in auto, "
+                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)} and GEMV in auto, "
+                             f"{', '.join(cuda_moe.GEMV_KERNELS)}")
         variants.append((absorbed, gemv))
     return variants
 
@@ -736,6 +741,7 @@ def run_layer(args) -> dict:
 
     from openinfer.backend.base import ForwardBatch
     from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
@@ -805,6 +811,8 @@ def run_layer(args) -> dict:
             needed = layer_bytes(attention, moe, shared, active, batch, args.context)
             roofline = needed / bandwidth
             points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
+                           "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
+                                                                                  absorbed_kernel),
                            "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
                            "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
                            "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
@@ -1090,8 +1098,8 @@ def main() -> None:
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
-    layer.add_argument("--absorbed-kernel", default="", choices=["", "cuda_cores", "mma"],
-                       help="MLA decode kernel (default: core's choice)")
+    layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
+                       help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
     layer.add_argument("--variants", default="",
                        help="side by side in one run: comma list of ABSORBED:GEMV, e.g. cuda_cores:moe_gemv,mma:mma "
                             "(MLA decode kernel, $OPENINFER_MOE_GEMV)")
