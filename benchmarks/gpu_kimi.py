@@ -335,8 +335,8 @@ GEMV_GROUPED_TOKENS = [1, 16, 64, 256, 512]  # 256: 5.3 slots per expert, where 
 # dense: the whole weight dequantised to a bf16 scratch + cuBLAS; grouped: the per-tile dequantising GEMM.
 GEMV_BASELINES = {"dense": "dequantize", "grouped": "tiles"}
 # Past this many tokens only the tensor-core GEMV runs against the baseline (the CUDA-core ones spend
-# an FMA per weight and row: 2-5x behind it from 64 tokens on an H100, W1 of 2026-11-23).
-CUDA_CORE_GEMV_MAX_TOKENS = 256
+# an FMA per weight and row: 2.9x behind it at 64 tokens, 5.2x at 256 on an H100, W1 of 2026-11-23).
+CUDA_CORE_GEMV_MAX_TOKENS = 64
 TENSOR_CORE_GEMVS = ["mma"]
 GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
 
@@ -406,7 +406,8 @@ def run_gemv(args) -> dict:
     bandwidth = copy_bandwidth()
     kernels = list(cuda_moe.GEMV_KERNELS)
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
+              "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
               "baselines": GEMV_BASELINES,
               "dense": [], "grouped": []}
 
