@@ -320,7 +320,7 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
             point[f"{kernel_name}_ms"] = 1e3 * gpu_seconds(
                 partial(cuda_moe.grouped_gemm, x, weight, grouping, True, gemv=gemv), repeats=20)
         point["relative_difference"] = float(np.linalg.norm(outs["gemv"] - outs["tiles"]) / np.linalg.norm(outs["tiles"]))
-        point["chosen"] = "gemv" if cuda_moe.choose_gemv(tokens * c["top_k"] / experts, True) else "tiles"
+        point["chosen"] = "gemv" if cuda_moe.choose_gemv(tokens * c["top_k"] / experts, True, "int4") else "tiles"
         point["active_weight_bytes"] = point["active_experts"] * per_expert
         points.append(point)
         print(json.dumps(point), flush=True)
@@ -424,9 +424,9 @@ def run_gemv(args) -> dict:
             if error:
                 point[f"{name}_graph_error"] = error
         point["fastest"] = min([*names, baseline], key=lambda name: point[f"{name}_us"])
-        point["chosen"] = (cuda_moe.choose_gemv(point["rows"], False) if "rows" in point else
-                           cuda_moe.choose_gemv(point["tokens"] * KIMI_LAYER["top_k"] / KIMI_LAYER["experts"], True)
-                           ) or baseline
+        point["chosen"] = (cuda_moe.choose_gemv(point["rows"], False, point["format"]) if "rows" in point else
+                           cuda_moe.choose_gemv(point["tokens"] * KIMI_LAYER["top_k"] / KIMI_LAYER["experts"], True,
+                                                point["format"])) or baseline
         for name in [*names[1:], baseline]:
             point[f"{name}_speedup"] = point[f"{names[0]}_us"] / point[f"{name}_us"]
             point[f"{name}_relative_difference"] = compare(outputs[name], outputs[names[0]])
@@ -464,7 +464,7 @@ def run_gemv(args) -> dict:
         stored = weights[0].data.nbytes + weights[0].scale.nbytes
         for rows in GEMV_DENSE_ROWS:
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "rows": rows, "copies": copies, "bytes": stored}
+            point = {"weight": label, "format": fmt, "rows": rows, "copies": copies, "bytes": stored}
             measure(point, lambda name, x=x, weights=weights: [
                 partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, "gemv",
                         gemv_kernel=name) if name in kernels else
@@ -484,7 +484,7 @@ def run_gemv(args) -> dict:
                 active.append(np.unique(ids).size)
             rows = tokens if gather else tokens * c["top_k"]
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "tokens": tokens, "active_experts_mean": float(np.mean(active)),
+            point = {"weight": label, "format": "int4", "tokens": tokens, "active_experts_mean": float(np.mean(active)),
                      "bytes_mean": float(np.mean(active)) * per_expert}
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else

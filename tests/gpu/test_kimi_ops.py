@@ -186,22 +186,24 @@ def test_gemv_kernel_choice(monkeypatch):
     moe = _moe_cuda()
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
     assert moe.forced_gemv_kernel() is None and set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
-    for table, grouped in ((moe.DENSE_GEMV_CHOICE, False), (moe.GROUPED_GEMV_CHOICE, True)):
-        bounds = [most_rows for most_rows, _ in table]
-        assert bounds == sorted(set(bounds)) and {name for _, name in table} <= set(moe.GEMV_KERNELS)
-        for most_rows, name in table:
-            assert moe.choose_gemv(most_rows, grouped) == name
-        assert moe.choose_gemv(bounds[-1] + 0.5, grouped) is None
-        assert moe.gemv_for(bounds[-1] + 0.5, grouped) == table[-1][1]
+    for tables, grouped in ((moe.DENSE_GEMV_CHOICE, False), (moe.GROUPED_GEMV_CHOICE, True)):
+        assert set(tables) == set(moe.FORMATS)
+        for fmt, table in tables.items():
+            bounds = [most_rows for most_rows, _ in table]
+            assert bounds == sorted(set(bounds)) and {name for _, name in table} <= set(moe.GEMV_KERNELS)
+            for most_rows, name in table:
+                assert moe.choose_gemv(most_rows, grouped, fmt) == name
+            assert moe.choose_gemv(bounds[-1] + 0.5, grouped, fmt) is None
+            assert moe.gemv_for(bounds[-1] + 0.5, grouped, fmt) == table[-1][1]
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "wide")
-    assert moe.choose_gemv(1, False) == "wide" and moe.choose_gemv(1, True, "wide2") == "wide2"
-    assert moe.choose_gemv(moe.GEMV_ROW_LIMITS["wide"][0] + 1, False) is None
-    assert moe.gemv_for(10**6, True) == "wide"
+    assert moe.choose_gemv(1, False, "fp8") == "wide" and moe.choose_gemv(1, True, "int4", "wide2") == "wide2"
+    assert moe.choose_gemv(moe.GEMV_ROW_LIMITS["wide"][0] + 1, False, "int4") is None
+    assert moe.gemv_for(10**6, True, "int4") == "wide"
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "auto")
     assert moe.forced_gemv_kernel() is None and moe.forced_gemv_kernel("mma") == "mma"
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "nope")
     with pytest.raises(ValueError, match="nope"):
-        moe.choose_gemv(1, False)
+        moe.choose_gemv(1, False, "bf16")
 
 
 def test_absorbed_kernel_choice(monkeypatch):

@@ -9,13 +9,14 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
     ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
-Which kernel multiplies depends on how many rows share each weight (thresholds measured on an
-H100, ``benchmarks/gpu_kimi.py kernels``)::
+Which kernel multiplies depends on the weight format and how many rows share each weight
+(thresholds measured on an H100, ``benchmarks/gpu_kimi.py gemv`` / ``kernels``; the decode GEMV
+is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
 
     rows per weight     dense (E = 1)                          grouped (experts)
-    few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
-                        from FP8 / INT4, no tensor cores
-                        (opt-in instead, GEMV_KERNELS: moe_gemv_wide; moe_gemv_mma on tensor cores)
+    few (decode)        a decode GEMV, weights read once       a decode GEMV over moe_sort's tiles
+                        straight from FP8 / INT4: moe_gemv,    (INT4: moe_gemv_mma on tensor cores,
+                        moe_gemv_wide (FP8: up to 4 rows)      else moe_gemv)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
                                                                cuBLAS per active expert (bf16 as stored,
@@ -66,12 +67,25 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # sm_90a ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills
     "mma": {"MMA_GEMV_NTILES": 2},
 }
-# The one place the decode GEMV is chosen: by rows per weight (dense: the linear's rows; grouped: the
-# step's slots averaged over the experts, T·k / E), the first entry whose bound holds; past the last,
-# no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle; grouped: the per-tile
-# GEMM). Measured on an H100 (benchmarks/gpu_kimi.py gemv and kernels; see GEMV_MAX_ROWS above).
-DENSE_GEMV_CHOICE: tuple[tuple[float, str], ...] = ((GEMV_MAX_ROWS, "moe_gemv"),)
-GROUPED_GEMV_CHOICE: tuple[tuple[float, str], ...] = ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),)
+# The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
+# rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
+# holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
+# grouped: the per-tile GEMM). H100, benchmarks/gpu_kimi.py, 2026-11-23 windows W1/W2 (GPU.md):
+#  * FP8 dense 7168x8192: wide2 29 / 60 us at 1 / 4 rows vs moe_gemv 39 / 71; at 8 rows dequantize +
+#    cuBLAS 114 us vs moe_gemv 117, wide2 118, mma 125; 16 and 32 rows: dequantize 111 us, mma 129 / 260.
+#  * INT4 experts (384 x top-8, Kimi-K2 layer, CUDA graph): moe_gemv_mma ahead of moe_gemv at 0.02 slots
+#    per expert (gate_up + down 0.17 vs 0.25 ms), at 1.3 (3.9 vs 9.4 ms) and, against the per-tile GEMM,
+#    at 5.3 (5.7 vs 19.9 ms); W1's down projection: 2.9x moe_gemv at 64 tokens, 5.2x at 256.
+# Unmeasured rows keep the earlier choice (moe_gemv up to GEMV_MAX_ROWS / GEMV_MAX_ROWS_PER_EXPERT).
+GemvChoice = tuple[tuple[float, str], ...]
+DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
+    "bf16": ((GEMV_MAX_ROWS, "moe_gemv"),), "int4": ((GEMV_MAX_ROWS, "moe_gemv"),),
+    "fp8": ((4, "wide2"), (7, "moe_gemv")),
+}
+GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
+    "bf16": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),), "int4": ((5.5, "mma"),),
+    "fp8": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),),
+}
 # A kernel forced (argument or GEMV_KERNEL_ENV) runs up to its own bounds: (dense rows, slots per
 # expert). The CUDA-core kernels spend an FMA per weight and row; moe_gemv_mma shares each weight
 # fragment among a pass's 16 rows.
@@ -209,24 +223,25 @@ def forced_gemv_kernel(gemv_kernel: str | None = None) -> str | None:
     return name
 
 
-def choose_gemv(rows_per_weight: float, grouped: bool, gemv_kernel: str | None = None) -> str | None:
+def choose_gemv(rows_per_weight: float, grouped: bool, weight_format: str, gemv_kernel: str | None = None) -> str | None:
     """The decode GEMV kernel for ``rows_per_weight`` (dense rows, or slots per expert when
-    ``grouped``), or None when a GEMM should run instead: a forced kernel (``forced_gemv_kernel``)
-    within its GEMV_ROW_LIMITS, else the first entry of DENSE_ / GROUPED_GEMV_CHOICE that holds."""
+    ``grouped``) of a ``weight_format`` weight, or None when a GEMM should run instead: a forced
+    kernel (``forced_gemv_kernel``) within its GEMV_ROW_LIMITS, else the first entry of the
+    format's DENSE_ / GROUPED_GEMV_CHOICE that holds."""
     forced = forced_gemv_kernel(gemv_kernel)
     if forced is not None:
         return forced if rows_per_weight <= GEMV_ROW_LIMITS[forced][grouped] else None
-    for most_rows, name in GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE:
+    for most_rows, name in (GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE)[weight_format]:
         if rows_per_weight <= most_rows:
             return name
     return None
 
 
-def gemv_for(rows_per_weight: float, grouped: bool, gemv_kernel: str | None = None) -> str:
+def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_kernel: str | None = None) -> str:
     """The kernel when a decode GEMV is required whatever the rows (``gemv=True``): ``choose_gemv``'s,
     else the forced one, else the table's last (the one chosen for the most rows)."""
-    table = GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE
-    return (choose_gemv(rows_per_weight, grouped, gemv_kernel) or forced_gemv_kernel(gemv_kernel)
+    table = (GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE)[weight_format]
+    return (choose_gemv(rows_per_weight, grouped, weight_format, gemv_kernel) or forced_gemv_kernel(gemv_kernel)
             or table[-1][1])
 
 
@@ -288,8 +303,8 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         _grouped_by_blas(a, weight, grouping, gather, blas, out)
         return out
     per_expert = num_slots / weight.num_experts
-    name = choose_gemv(per_expert, True, gemv_kernel) if gemv is None else \
-        gemv_for(per_expert, True, gemv_kernel) if gemv else None
+    name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
+        gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
@@ -315,8 +330,8 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     if rows == 0:
         return out
     x = cupy.ascontiguousarray(x)
-    name = choose_gemv(rows, False, gemv_kernel) if method is None else \
-        gemv_for(rows, False, gemv_kernel) if method == "gemv" else None
+    name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
+        gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
     if method is None:
         method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
