@@ -206,7 +206,7 @@ def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, s
                                 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel=form)
 
 
-def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
+def bench_mla_decode(backend, rng, bandwidth: float, heads_list: tuple[int, ...] = (16, 64)) -> list[dict]:
     """MLA decode three ways (MLA_DECODE_FORMS), whole mla_forward (latent write, W_UK or kv_b,
     attention, W_UV), against the latent cache's bytes over the copy bandwidth. The decompressed
     form is timed only where core's scratch cap lets it take every sequence (else its time would
@@ -221,7 +221,7 @@ def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
     rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
     cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
     points = []
-    for heads in (16, 64):
+    for heads in heads_list:
         spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
         w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
         w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
@@ -328,15 +328,24 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
 
 
 GEMV_DENSE_ROWS = [1, 4, 8, 16, 32]
-GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
-                "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
-GEMV_GROUPED_TOKENS = [1, 16, 64, 256, 512]  # 256: 5.3 slots per expert, where the CUDA-core GEMVs give way
+# label -> (format, gather (gate_up) or not (down), experts, top-k, N, K): Kimi-K2's INT4 experts and
+# Moonlight's bf16 ones (64 experts of 1408, top-6)
+GEMV_GROUPED = {
+    "int4 experts gate_up 384x4096x7168": ("int4", True, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
+                                           2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
+    "int4 experts down 384x7168x2048": ("int4", False, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
+                                        KIMI_LAYER["hidden"], KIMI_LAYER["inter"]),
+    "bf16 experts gate_up 64x2816x2048": ("bf16", True, 64, 6, 2816, 2048),
+    "bf16 experts down 64x2048x1408": ("bf16", False, 64, 6, 2048, 1408),
+}
+GEMV_GROUPED_TOKENS = [1, 16, 64, 256, 512]  # Kimi-K2 256: 5.3 slots per expert
 # What each shape takes when no decode GEMV does (the thresholds choose between them and the GEMVs):
 # dense: the whole weight dequantised to a bf16 scratch + cuBLAS; grouped: the per-tile dequantising GEMM.
 GEMV_BASELINES = {"dense": "dequantize", "grouped": "tiles"}
-# Past this many tokens only the tensor-core GEMV runs against the baseline (the CUDA-core ones spend
-# an FMA per weight and row: 2.9x behind it at 64 tokens, 5.2x at 256 on an H100, W1 of 2026-11-23).
-CUDA_CORE_GEMV_MAX_TOKENS = 64
+# Past this many slots per expert only the tensor-core GEMV runs against the baseline (the CUDA-core
+# ones spend an FMA per weight and row: 2.9x behind it at 1.3 slots per expert, 5.2x at 5.3 on an
+# H100, W1 of 2026-11-23).
+CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT = 1.5
 TENSOR_CORE_GEMVS = ["mma"]
 GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
 
@@ -425,8 +434,7 @@ def run_gemv(args) -> dict:
                 point[f"{name}_graph_error"] = error
         point["fastest"] = min([*names, baseline], key=lambda name: point[f"{name}_us"])
         point["chosen"] = (cuda_moe.choose_gemv(point["rows"], False, point["format"]) if "rows" in point else
-                           cuda_moe.choose_gemv(point["tokens"] * KIMI_LAYER["top_k"] / KIMI_LAYER["experts"], True,
-                                                point["format"])) or baseline
+                           cuda_moe.choose_gemv(point["slots_per_expert"], True, point["format"])) or baseline
         for name in [*names[1:], baseline]:
             point[f"{name}_speedup"] = point[f"{names[0]}_us"] / point[f"{name}_us"]
             point[f"{name}_relative_difference"] = compare(outputs[name], outputs[names[0]])
@@ -438,6 +446,7 @@ def run_gemv(args) -> dict:
     # every module the sweep launches (kernel choice by format), on small weights of the same formats
     small_fp8 = ExpertLinear("fp8", cupy.zeros((1, 128, 256), cupy.uint8), cupy.ones((1, 1, 2), cupy.float32), 128, 256)
     small_int4 = random_int4(backend, 4, 128, 256)
+    small_bf16 = ExpertLinear("bf16", device_random_bf16((4, 128, 256)), None, 128, 256)
     small_x = backend.upload(np.ones((8, 256), np.float32))
     small_grouping = cuda_moe.group_by_expert(cupy.asarray(np.arange(8, dtype=np.int32).reshape(4, 2) % 4),
                                               cupy.ones((4, 2), cupy.float32), 4)
@@ -445,11 +454,16 @@ def run_gemv(args) -> dict:
                   for weight in (small_fp8, small_int4.expert(0)) for name in kernels]
                  + [partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, GEMV_BASELINES["dense"])
                     for weight in (small_fp8, small_int4.expert(0))]
-                 + [partial(cuda_moe.grouped_gemm, small_x, small_int4, small_grouping, True, True, gemv_kernel=name)
-                    for name in kernels]
-                 + [partial(cuda_moe.grouped_gemm, small_x, small_int4, small_grouping, True, False)])
+                 + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, True, gemv_kernel=name)
+                    for weight in (small_int4, small_bf16) for name in kernels]
+                 + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, False)
+                    for weight in (small_int4, small_bf16)])
 
+    sections = args.sections.split(",")
+    tokens_list = [int(t) for t in args.tokens.split(",")]
     for label, (fmt, n, k) in LINEAR_SHAPES.items():
+        if "dense" not in sections:
+            break
         stored = n * k * (1 if fmt == "fp8" else 0.5)
         copies = max(2, int(-(-3 * 50e6 // stored)))  # together well past the 50 MB L2
         weights = []
@@ -471,26 +485,28 @@ def run_gemv(args) -> dict:
                 partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, name)
                 for i in range(GEMV_CALLS)], stored, rel, GEMV_BASELINES["dense"])
             report["dense"].append(point)
-    c = KIMI_LAYER
-    for label, (gather, n, k) in GEMV_GROUPED.items():
-        weight = random_int4(backend, c["experts"], n, k)
-        per_expert = (weight.data.nbytes + weight.scale.nbytes) / c["experts"]
-        for tokens in GEMV_GROUPED_TOKENS:
+    for label, (fmt, gather, experts, top_k, n, k) in GEMV_GROUPED.items():
+        if "grouped" not in sections or fmt not in args.grouped_formats.split(","):
+            continue
+        weight = random_int4(backend, experts, n, k) if fmt == "int4" else \
+            ExpertLinear("bf16", device_random_bf16((experts, n, k)), None, n, k)
+        per_expert = (weight.data.nbytes + (0 if weight.scale is None else weight.scale.nbytes)) / experts
+        for tokens in tokens_list:
             groupings, active = [], []
             for _ in range(GEMV_CALLS):
-                ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+                ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
                 groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
-                                                          cupy.ones(ids.shape, cupy.float32), c["experts"]))
+                                                          cupy.ones(ids.shape, cupy.float32), experts))
                 active.append(np.unique(ids).size)
-            rows = tokens if gather else tokens * c["top_k"]
+            rows = tokens if gather else tokens * top_k
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "format": "int4", "tokens": tokens, "active_experts_mean": float(np.mean(active)),
-                     "bytes_mean": float(np.mean(active)) * per_expert}
+            point = {"weight": label, "format": fmt, "tokens": tokens, "slots_per_expert": tokens * top_k / experts,
+                     "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
                 point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
-                kernels if tokens <= CUDA_CORE_GEMV_MAX_TOKENS else TENSOR_CORE_GEMVS)
+                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else TENSOR_CORE_GEMVS)
             report["grouped"].append(point)
     return report
 
@@ -529,7 +545,8 @@ def run_kernels(args) -> dict:
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
     sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
-                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth),
+                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth,
+                                                       tuple(int(h) for h in args.mla_heads.split(","))),
                 "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
                 "grouped_experts": lambda: bench_grouped_experts(backend, rng)}
     wanted = args.sections.split(",") if args.sections else list(sections)
@@ -1095,7 +1112,11 @@ def main() -> None:
     kernels = sub.add_parser("kernels")
     kernels.add_argument("--sections", default="",
                          help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
-    sub.add_parser("gemv")
+    kernels.add_argument("--mla-heads", default="16,64", help="head counts of the mla_decode section")
+    gemv = sub.add_parser("gemv")
+    gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
+    gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
+    gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
