@@ -328,15 +328,15 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
 
 
 GEMV_DENSE_ROWS = [1, 4, 8, 16, 32]
-# label -> (format, gather (gate_up) or not (down), experts, top-k, N, K): Kimi-K2's INT4 experts and
-# Moonlight's bf16 ones (64 experts of 1408, top-6)
+# label -> (format, gather (gate_up) or not (down), experts, top-k, N, K): Moonlight's bf16 experts (64
+# of 1408, top-6) and Kimi-K2's INT4 ones
 GEMV_GROUPED = {
+    "bf16 experts gate_up 64x2816x2048": ("bf16", True, 64, 6, 2816, 2048),
+    "bf16 experts down 64x2048x1408": ("bf16", False, 64, 6, 2048, 1408),
     "int4 experts gate_up 384x4096x7168": ("int4", True, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
                                            2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
     "int4 experts down 384x7168x2048": ("int4", False, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
                                         KIMI_LAYER["hidden"], KIMI_LAYER["inter"]),
-    "bf16 experts gate_up 64x2816x2048": ("bf16", True, 64, 6, 2816, 2048),
-    "bf16 experts down 64x2048x1408": ("bf16", False, 64, 6, 2048, 1408),
 }
 GEMV_GROUPED_TOKENS = [1, 16, 64, 256, 512]  # Kimi-K2 256: 5.3 slots per expert
 # What each shape takes when no decode GEMV does (the thresholds choose between them and the GEMVs):
