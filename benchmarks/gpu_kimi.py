@@ -1141,10 +1141,12 @@ def main() -> None:
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    if args.command == "kernels":
-        report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    if args.command == "kernels":  # a run of some sections only keeps the full run's file
+        report, plot = run_kernels(args), plot_kernels
+        name = "kimi_kernels" + (f"_{args.sections.replace(',', '_')}" if args.sections else "")
     elif args.command == "gemv":
-        report, name, plot = run_gemv(args), "kimi_gemv", plot_gemv
+        report, plot = run_gemv(args), plot_gemv
+        name = "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
     elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:
