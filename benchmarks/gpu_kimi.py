@@ -15,13 +15,16 @@ step must read (attention weights, the router, the shared expert, every expert s
 to, the batch's latent cache) over the measured device-to-device copy bandwidth.
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
+    python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
-of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``): dense FP8 / INT4 linears at Kimi-K2 shapes
-with 1/4/8 rows and the routed INT4 experts' gate_up and down at 1/16/64/256 tokens (top-8 of
-384), each call timed inside a CUDA graph of calls on rotating weight copies / routings (so neither
-host launch cost nor an L2-resident weight flatters the figure), against the bytes it must read
-over the copy bandwidth.
+of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``) and what runs without a GEMV (dense: bf16
+scratch + cuBLAS; grouped: the per-tile GEMM): dense FP8 / INT4 linears at Kimi-K2 shapes with
+1-32 rows and the routed INT4 experts' gate_up and down at 1-512 tokens (top-8 of 384), each call
+timed inside a CUDA graph of calls on rotating weight copies / routings (so neither host launch
+cost nor an L2-resident weight flatters the figure), against the bytes it must read over the copy
+bandwidth. ``kernels --sections mla_decode``: MLA decode naive (decompressed) vs absorbed on CUDA
+cores vs absorbed on tensor cores.
 
     python benchmarks/gpu_kimi.py gemv
 
@@ -162,7 +165,11 @@ def bench_mla_prefill(backend, rng) -> list[dict]:
     return points
 
 
-MLA_DECODES = [(1, 1024), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
+MLA_DECODES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
+# (key, plot label): the decompressed ("naive") form, kv_b expansion of the whole context + flash
+# attention, as a decode would take it with prefill_min_query 1; the absorbed form on each kernel.
+MLA_DECODE_FORMS = (("decompressed", "decompressed (naive)"), ("cuda_cores", "absorbed, CUDA cores"),
+                    ("mma", "absorbed, tensor cores"))
 
 
 def decode_batch(backend, batch: int, context: int, block_size: int = 64):
@@ -180,18 +187,33 @@ def decode_batch(backend, batch: int, context: int, block_size: int = 64):
     return backend.prepare_batch(host), batch * blocks + 1
 
 
-def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, absorbed_kernel: str):
-    from openinfer.backend.cuda import mla as cuda_mla
-
-    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
-                                1e-6, backend.num_sms, absorbed_kernel=absorbed_kernel)
-
-
-def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
-    """Absorbed MLA decode: CUDA-core kernel vs tensor-core kernel, whole mla_forward (latent write,
-    W_UK, attention, W_UV), against the latent cache's bytes over the copy bandwidth."""
+def device_random_bf16(shape: tuple[int, ...]):
+    """N(0, 1) bf16 bits drawn on the device (a decode grid's latent caches are 10^8 values: host
+    RNG plus upload would take seconds of a short device window)."""
     import cupy
 
+    values = cupy.random.standard_normal(shape, dtype=cupy.float32)
+    return (values.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, form: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if form == "decompressed":
+        return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                    1e-6, backend.num_sms, prefill_min_query=1)
+    return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
+                                1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel=form)
+
+
+def bench_mla_decode(backend, rng, bandwidth: float, heads_list: tuple[int, ...] = (16, 64)) -> list[dict]:
+    """MLA decode three ways (MLA_DECODE_FORMS), whole mla_forward (latent write, W_UK or kv_b,
+    attention, W_UV), against the latent cache's bytes over the copy bandwidth. The decompressed
+    form is timed only where core's scratch cap lets it take every sequence (else its time would
+    be a mix of both forms; ``decompressed_ms`` is then null and ``decompressed_skipped`` says why)."""
+    import cupy
+
+    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
     from openinfer.tools.ledger import gpu_seconds
@@ -199,25 +221,34 @@ def bench_mla_decode(backend, rng, bandwidth: float) -> list[dict]:
     rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
     cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
     points = []
-    for heads in (16, 64):
+    for heads in heads_list:
         spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
         w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
         w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
         norm = backend.weight(np.ones(512, np.float32))
         for batch_size, context in MLA_DECODES:
             batch, num_blocks = decode_batch(backend, batch_size, context)
-            cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, 576)).astype(np.float32))
+            cache = device_random_bf16((num_blocks, 64, 1, 576))
             q = backend.upload(rng.standard_normal((batch_size, heads * 192)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, 576)).astype(np.float32))
             point = {"heads": heads, "batch": batch_size, "context": context,
                      "cache_roofline_ms": 1e3 * batch_size * (context + 1) * 576 * 2 / bandwidth}
+            plan = cuda_mla.plan_prefill(batch.host, spec, 1)
             outputs = {}
-            for name in ("cuda_cores", "mma"):
-                run = partial(decode_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, name)
-                outputs[name] = backend.to_host(run())
-                point[f"{name}_ms"] = 1e3 * gpu_seconds(run, repeats=10)
-            point["relative_difference"] = float(np.linalg.norm(outputs["mma"] - outputs["cuda_cores"])
-                                                 / np.linalg.norm(outputs["cuda_cores"]))
+            for form, _ in MLA_DECODE_FORMS:
+                if form == "decompressed" and (plan is None or plan.absorbed_rows is not None):
+                    point["decompressed_ms"] = None
+                    point["decompressed_skipped"] = (f"expanded context past the {cuda_mla.PREFILL_SCRATCH_BYTES >> 20}"
+                                                     " MiB scratch cap: some sequences stay absorbed")
+                    continue
+                run = partial(decode_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin, form)
+                outputs[form] = backend.to_host(run())
+                point[f"{form}_ms"] = 1e3 * gpu_seconds(run, repeats=10)
+            reference = outputs["cuda_cores"]
+            for form in outputs.keys() - {"cuda_cores"}:
+                point[f"{form}_relative_difference"] = float(np.linalg.norm(outputs[form] - reference)
+                                                             / np.linalg.norm(reference))
+            point["mma_speedup"] = point["cuda_cores_ms"] / point["mma_ms"]
             points.append(point)
             print(json.dumps(point), flush=True)
     return points
@@ -289,17 +320,33 @@ def bench_grouped_experts(backend, rng) -> list[dict]:
             point[f"{kernel_name}_ms"] = 1e3 * gpu_seconds(
                 partial(cuda_moe.grouped_gemm, x, weight, grouping, True, gemv=gemv), repeats=20)
         point["relative_difference"] = float(np.linalg.norm(outs["gemv"] - outs["tiles"]) / np.linalg.norm(outs["tiles"]))
-        point["chosen"] = "gemv" if tokens * c["top_k"] <= cuda_moe.GEMV_MAX_ROWS_PER_EXPERT * experts else "tiles"
+        point["chosen"] = "gemv" if cuda_moe.choose_gemv(tokens * c["top_k"] / experts, True, "int4") else "tiles"
         point["active_weight_bytes"] = point["active_experts"] * per_expert
         points.append(point)
         print(json.dumps(point), flush=True)
     return points
 
 
-GEMV_DENSE_ROWS = [1, 4, 8]
-GEMV_GROUPED = {"int4 experts gate_up 384x4096x7168": (True, 2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
-                "int4 experts down 384x7168x2048": (False, KIMI_LAYER["hidden"], KIMI_LAYER["inter"])}
-GEMV_GROUPED_TOKENS = [1, 16, 64, 256]  # 256: 5.3 slots per expert, where the CUDA-core GEMVs give way
+GEMV_DENSE_ROWS = [1, 4, 8, 16, 32]
+# label -> (format, gather (gate_up) or not (down), experts, top-k, N, K): Moonlight's bf16 experts (64
+# of 1408, top-6) and Kimi-K2's INT4 ones
+GEMV_GROUPED = {
+    "bf16 experts gate_up 64x2816x2048": ("bf16", True, 64, 6, 2816, 2048),
+    "bf16 experts down 64x2048x1408": ("bf16", False, 64, 6, 2048, 1408),
+    "int4 experts gate_up 384x4096x7168": ("int4", True, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
+                                           2 * KIMI_LAYER["inter"], KIMI_LAYER["hidden"]),
+    "int4 experts down 384x7168x2048": ("int4", False, KIMI_LAYER["experts"], KIMI_LAYER["top_k"],
+                                        KIMI_LAYER["hidden"], KIMI_LAYER["inter"]),
+}
+GEMV_GROUPED_TOKENS = [1, 16, 64, 256, 512]  # Kimi-K2 256: 5.3 slots per expert
+# What each shape takes when no decode GEMV does (the thresholds choose between them and the GEMVs):
+# dense: the whole weight dequantised to a bf16 scratch + cuBLAS; grouped: the per-tile dequantising GEMM.
+GEMV_BASELINES = {"dense": "dequantize", "grouped": "tiles"}
+# Past this many slots per expert only the tensor-core GEMV runs against the baseline (the CUDA-core
+# ones spend an FMA per weight and row: 2.9x behind it at 1.3 slots per expert, 5.2x at 5.3 on an
+# H100, W1 of 2026-11-23).
+CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT = 1.5
+TENSOR_CORE_GEMVS = ["mma"]
 GEMV_CALLS = 16  # calls per timed graph, each on its own weight copy or routing
 
 
@@ -330,6 +377,22 @@ def graph_call_seconds(calls: list) -> tuple[float, str | None]:
         return gpu_seconds(run_all, repeats=5, warmup=1) / len(calls), f"{type(exc).__name__}: {exc}"
 
 
+def warm_kernels(calls: list) -> None:
+    """Compile every CUDA module ``calls`` would launch, in parallel NVRTC threads: a dry pass
+    records them (core's discover_kernels; nothing runs), compile_kernels builds them. A fresh
+    machine otherwise compiles moe.cu once per format and kernel variant, one after the other."""
+    import cupy
+
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    started = time.perf_counter()
+    with discover_kernels() as found:
+        for call in calls:
+            call()
+    built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
+    print(f"compiled {built} CUDA modules in {time.perf_counter() - started:.1f} s", flush=True)
+
+
 def random_int4(backend, experts: int, n: int, k: int):
     import cupy
 
@@ -352,12 +415,16 @@ def run_gemv(args) -> dict:
     bandwidth = copy_bandwidth()
     kernels = list(cuda_moe.GEMV_KERNELS)
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels}, "default": cuda_moe.DEFAULT_GEMV_KERNEL,
+              "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
+              "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
+              "baselines": GEMV_BASELINES,
               "dense": [], "grouped": []}
 
-    def measure(point: dict, make_calls, bytes_per_call: float, compare) -> None:
+    def measure(point: dict, make_calls, bytes_per_call: float, compare, baseline: str,
+                names: list[str] = kernels) -> None:
+        """Time ``names`` and ``baseline``; speedups and differences against the first of ``names``."""
         outputs = {}
-        for name in kernels:
+        for name in [*names, baseline]:
             calls = make_calls(name)
             outputs[name] = backend.to_host(calls[0]())
             seconds, error = graph_call_seconds(calls)
@@ -365,15 +432,38 @@ def run_gemv(args) -> dict:
             point[f"{name}_fraction_of_copy_bandwidth"] = bytes_per_call / seconds / bandwidth
             if error:
                 point[f"{name}_graph_error"] = error
-        for name in kernels[1:]:
-            point[f"{name}_speedup"] = point[f"{kernels[0]}_us"] / point[f"{name}_us"]
-            point[f"{name}_relative_difference"] = compare(outputs[name], outputs[kernels[0]])
+        point["fastest"] = min([*names, baseline], key=lambda name: point[f"{name}_us"])
+        point["chosen"] = (cuda_moe.choose_gemv(point["rows"], False, point["format"]) if "rows" in point else
+                           cuda_moe.choose_gemv(point["slots_per_expert"], True, point["format"])) or baseline
+        for name in [*names[1:], baseline]:
+            point[f"{name}_speedup"] = point[f"{names[0]}_us"] / point[f"{name}_us"]
+            point[f"{name}_relative_difference"] = compare(outputs[name], outputs[names[0]])
         print(json.dumps(point), flush=True)
 
     def rel(a, b):
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
+    # every module the sweep launches (kernel choice by format), on small weights of the same formats
+    small_fp8 = ExpertLinear("fp8", cupy.zeros((1, 128, 256), cupy.uint8), cupy.ones((1, 1, 2), cupy.float32), 128, 256)
+    small_int4 = random_int4(backend, 4, 128, 256)
+    small_bf16 = ExpertLinear("bf16", device_random_bf16((4, 128, 256)), None, 128, 256)
+    small_x = backend.upload(np.ones((8, 256), np.float32))
+    small_grouping = cuda_moe.group_by_expert(cupy.asarray(np.arange(8, dtype=np.int32).reshape(4, 2) % 4),
+                                              cupy.ones((4, 2), cupy.float32), 4)
+    warm_kernels([partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, "gemv", gemv_kernel=name)
+                  for weight in (small_fp8, small_int4.expert(0)) for name in kernels]
+                 + [partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, GEMV_BASELINES["dense"])
+                    for weight in (small_fp8, small_int4.expert(0))]
+                 + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, True, gemv_kernel=name)
+                    for weight in (small_int4, small_bf16) for name in kernels]
+                 + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, False)
+                    for weight in (small_int4, small_bf16)])
+
+    sections = args.sections.split(",")
+    tokens_list = [int(t) for t in args.tokens.split(",")]
     for label, (fmt, n, k) in LINEAR_SHAPES.items():
+        if "dense" not in sections:
+            break
         stored = n * k * (1 if fmt == "fp8" else 0.5)
         copies = max(2, int(-(-3 * 50e6 // stored)))  # together well past the 50 MB L2
         weights = []
@@ -388,29 +478,35 @@ def run_gemv(args) -> dict:
         stored = weights[0].data.nbytes + weights[0].scale.nbytes
         for rows in GEMV_DENSE_ROWS:
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "rows": rows, "copies": copies, "bytes": stored}
+            point = {"weight": label, "format": fmt, "rows": rows, "copies": copies, "bytes": stored}
             measure(point, lambda name, x=x, weights=weights: [
-                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], None, "gemv", gemv_kernel=name)
-                for i in range(GEMV_CALLS)], stored, rel)
+                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, "gemv",
+                        gemv_kernel=name) if name in kernels else
+                partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, name)
+                for i in range(GEMV_CALLS)], stored, rel, GEMV_BASELINES["dense"])
             report["dense"].append(point)
-    c = KIMI_LAYER
-    for label, (gather, n, k) in GEMV_GROUPED.items():
-        weight = random_int4(backend, c["experts"], n, k)
-        per_expert = (weight.data.nbytes + weight.scale.nbytes) / c["experts"]
-        for tokens in GEMV_GROUPED_TOKENS:
+    for label, (fmt, gather, experts, top_k, n, k) in GEMV_GROUPED.items():
+        if "grouped" not in sections or fmt not in args.grouped_formats.split(","):
+            continue
+        weight = random_int4(backend, experts, n, k) if fmt == "int4" else \
+            ExpertLinear("bf16", device_random_bf16((experts, n, k)), None, n, k)
+        per_expert = (weight.data.nbytes + (0 if weight.scale is None else weight.scale.nbytes)) / experts
+        for tokens in tokens_list:
             groupings, active = [], []
             for _ in range(GEMV_CALLS):
-                ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+                ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
                 groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
-                                                          cupy.ones(ids.shape, cupy.float32), c["experts"]))
+                                                          cupy.ones(ids.shape, cupy.float32), experts))
                 active.append(np.unique(ids).size)
-            rows = tokens if gather else tokens * c["top_k"]
+            rows = tokens if gather else tokens * top_k
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "tokens": tokens, "active_experts_mean": float(np.mean(active)),
-                     "bytes_mean": float(np.mean(active)) * per_expert}
+            point = {"weight": label, "format": fmt, "tokens": tokens, "slots_per_expert": tokens * top_k / experts,
+                     "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
-                partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) for g in groupings],
-                point["bytes_mean"], rel)
+                partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
+                partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
+                point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
+                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else TENSOR_CORE_GEMVS)
             report["grouped"].append(point)
     return report
 
@@ -425,10 +521,14 @@ def plot_gemv(report: dict, path: Path) -> None:
     labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
               for p in points]
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / len(report["kernels"])
-    for i, name in enumerate(report["kernels"]):
-        ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_fraction_of_copy_bandwidth"] for p in points], width,
-               label=name)
+    series = [*report["kernels"], "baseline"]
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        key = (lambda p: GEMV_BASELINES["dense" if "rows" in p else "grouped"]) if name == "baseline" else \
+            (lambda p, name=name: name)
+        ax.bar(np.arange(len(points)) + i * width, [p.get(f"{key(p)}_fraction_of_copy_bandwidth", np.nan)
+                                                    for p in points], width,
+               label="no GEMV (dense: dequantize + cuBLAS; grouped: tiles)" if name == "baseline" else name)
     ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, labels, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("bytes read / time / copy bandwidth")
     ax.set_title(f"Decode GEMV kernels, Kimi-K2 shapes ({report['device']})")
@@ -445,7 +545,8 @@ def run_kernels(args) -> dict:
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
     sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
-                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth),
+                "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth,
+                                                       tuple(int(h) for h in args.mla_heads.split(","))),
                 "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
                 "grouped_experts": lambda: bench_grouped_experts(backend, rng)}
     wanted = args.sections.split(",") if args.sections else list(sections)
@@ -460,46 +561,75 @@ def run_kernels(args) -> dict:
 
 
 def plot_kernels(report: dict, path: Path) -> None:
+    """One panel per section the report holds: a left-out section (--sections) gets no panel (an
+    empty series on a log axis makes matplotlib's tick locator raise)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
-    mla = report.get("mla_prefill", [])  # sections left out (--sections) plot empty
-    labels = [f"H{p['heads']} {p['cached']}+{p['new']}" for p in mla]
-    x = np.arange(len(mla))
-    axes[0].bar(x - 0.2, [p["absorbed_ms"] for p in mla], 0.4, label="absorbed")
-    axes[0].bar(x + 0.2, [p["decompressed_ms"] for p in mla], 0.4, label="decompressed")
-    axes[0].set(xticks=x, yscale="log", ylabel="ms", title="MLA prefill attention (cached+new)")
-    axes[0].set_xticklabels(labels, rotation=60, fontsize=7)
-    axes[0].legend()
-    for ax, name in zip(axes[1:3], LINEAR_SHAPES, strict=True):
-        pts = [p for p in report.get("quantized_linear", []) if p["weight"] == name]
-        rows = [p["rows"] for p in pts]
-        for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
-            xs = [p["rows"] for p in pts if f"{method}_ms" in p]
-            ax.plot(xs, [p[f"{method}_ms"] for p in pts if f"{method}_ms" in p], "o-", label=method)
-        ax.plot(rows, [p["stored_weight_roofline_ms"] for p in pts], "k--", label="weight bytes / copy bw")
-        ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
-        ax.legend(fontsize=7)
-    grouped = report.get("grouped_experts", [])
-    x = np.arange(len(grouped))
-    axes[3].bar(x - 0.2, [p["gemv_ms"] for p in grouped], 0.4, label="moe_gemv")
-    axes[3].bar(x + 0.2, [p["tiles_ms"] for p in grouped], 0.4, label="grouped GEMM (tiles)")
-    axes[3].set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in grouped], ylabel="ms",
-                title="384 INT4 experts gate_up, top-8")
-    axes[3].legend()
-    decode = report.get("mla_decode", [])
-    x = np.arange(len(decode))
-    axes[4].bar(x - 0.2, [p["cuda_cores_ms"] for p in decode], 0.4, label="absorbed, CUDA cores")
-    axes[4].bar(x + 0.2, [p["mma_ms"] for p in decode], 0.4, label="absorbed, tensor cores")
-    axes[4].set(xticks=x, yscale="log", ylabel="ms", title="MLA decode (heads, batch x context)")
-    axes[4].set_xticklabels([f"H{p['heads']} {p['batch']}x{p['context']}" for p in decode], rotation=60, fontsize=7)
-    axes[4].legend()
+    panels = []
+    if report.get("mla_prefill"):
+        panels.append(partial(_plot_mla_prefill, report["mla_prefill"]))
+    for name in LINEAR_SHAPES:
+        points = [p for p in report.get("quantized_linear", []) if p["weight"] == name]
+        if points:
+            panels.append(partial(_plot_quantized_linear, name, points))
+    if report.get("grouped_experts"):
+        panels.append(partial(_plot_grouped_experts, report["grouped_experts"]))
+    if report.get("mla_decode"):
+        panels.append(partial(_plot_mla_decode, report["mla_decode"]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, draw in zip(axes[0], panels, strict=True):
+        draw(ax)
     fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_mla_prefill(points: list[dict], ax) -> None:
+    x = np.arange(len(points))
+    ax.bar(x - 0.2, [p["absorbed_ms"] for p in points], 0.4, label="absorbed")
+    ax.bar(x + 0.2, [p["decompressed_ms"] for p in points], 0.4, label="decompressed")
+    ax.set(xticks=x, yscale="log", ylabel="ms", title="MLA prefill attention (cached+new)")
+    ax.set_xticklabels([f"H{p['heads']} {p['cached']}+{p['new']}" for p in points], rotation=60, fontsize=7)
+    ax.legend()
+
+
+def _plot_quantized_linear(name: str, points: list[dict], ax) -> None:
+    for method in ("gemv", "tiles", "dequantize", "cublas_bf16"):
+        measured = [p for p in points if f"{method}_ms" in p]
+        if measured:
+            ax.plot([p["rows"] for p in measured], [p[f"{method}_ms"] for p in measured], "o-", label=method)
+    ax.plot([p["rows"] for p in points], [p["stored_weight_roofline_ms"] for p in points], "k--",
+            label="weight bytes / copy bw")
+    ax.set(xscale="log", yscale="log", xlabel="rows (tokens)", ylabel="ms", title=name)
+    ax.legend(fontsize=7)
+
+
+def _plot_grouped_experts(points: list[dict], ax) -> None:
+    x = np.arange(len(points))
+    ax.bar(x - 0.2, [p["gemv_ms"] for p in points], 0.4, label="moe_gemv")
+    ax.bar(x + 0.2, [p["tiles_ms"] for p in points], 0.4, label="grouped GEMM (tiles)")
+    ax.set(xticks=x, xticklabels=[f"T={p['tokens']}" for p in points], ylabel="ms",
+           title="384 INT4 experts gate_up, top-8")
+    ax.legend()
+
+
+def _plot_mla_decode(points: list[dict], ax) -> None:
+    x = np.arange(len(points))
+    forms = [(key, label) for key, label in MLA_DECODE_FORMS if any(p.get(f"{key}_ms") for p in points)]
+    width = 0.8 / len(forms)
+    for i, (key, label) in enumerate(forms):
+        # a form that does not apply at a point (decompressed past its scratch cap) has no bar there
+        ax.bar(x + (i - (len(forms) - 1) / 2) * width, [p.get(f"{key}_ms") or np.nan for p in points], width,
+               label=label)
+    ax.plot(x, [p["cache_roofline_ms"] for p in points], "k_", markersize=14, label="latent cache bytes / copy bw")
+    ax.set(xticks=x, yscale="log", ylabel="ms (whole mla_forward)", title="MLA decode (heads, batch x context)")
+    ax.set_xticklabels([f"H{p['heads']} {p['batch']}x{p['context']}" for p in points], rotation=60, fontsize=7)
+    ax.legend(fontsize=7)
 
 
 # --- one Kimi-K2 layer ---------------------------------------------------------------------------
@@ -551,7 +681,7 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
 
 
 def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int,
-                    absorbed_kernel: str = "cuda_cores") -> dict:
+                    absorbed_kernel: str) -> dict:
     """Each part of the layer step timed alone (eager, CUDA events), in ms."""
     import cupy
 
@@ -585,6 +715,45 @@ def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, si
     return {name: 1e3 * gpu_seconds(fn, repeats=iters) for name, fn in parts.items()}
 
 
+def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str]]:
+    """``--variants`` ("absorbed:gemv,..."), else the one variant of ``--absorbed-kernel`` and
+    $OPENINFER_MOE_GEMV (each falling back to core's default)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    if not text:
+        return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
+                 cuda_moe.forced_gemv_kernel() or "auto")]
+    variants = []
+    for item in text.split(","):
+        absorbed, _, gemv = item.partition(":")
+        if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS):
+            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV with ABSORBED in auto, "
+                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)} and GEMV in auto, "
+                             f"{', '.join(cuda_moe.GEMV_KERNELS)}")
+        variants.append((absorbed, gemv))
+    return variants
+
+
+def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
+    """One decode step of the layer: returns (attention output after o_proj, layer output)."""
+    import cupy
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    c = KIMI_LAYER
+    qkv_a = backend.linear(x, attention["qkv_a"])
+    q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), attention["q_a_norm"], 1e-6),
+                       attention["q_b"])
+    attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
+                                attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
+                                absorbed_kernel=absorbed_kernel)
+    h = backend.linear(attn, attention["o_proj"])
+    shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
+
+
 def run_layer(args) -> dict:
     import cupy
 
@@ -596,6 +765,7 @@ def run_layer(args) -> dict:
     from openinfer.rope import RopeParameters, RotaryEmbedding
     from openinfer.tools.ledger import gpu_seconds
 
+    variants = layer_variants(args.variants, args.absorbed_kernel)
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     attention, moe, shared = build_layer(backend, rng)
@@ -619,53 +789,57 @@ def run_layer(args) -> dict:
                             max_query_len=1, max_context_len=args.context + 1)
         device_batch = backend.prepare_batch(host)
         x = backend.upload(rng.standard_normal((batch, c["hidden"])).astype(np.float32))
+        if not points:  # every variant's modules compiled in parallel before anything is timed
+            dry = []
+            for absorbed_kernel, gemv_kernel in variants:
+                dry.append(partial(os.environ.__setitem__, cuda_moe.GEMV_KERNEL_ENV, gemv_kernel))
+                dry.append(partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos,
+                                   sin, x, absorbed_kernel))
+            warm_kernels(dry)
+        for absorbed_kernel, gemv_kernel in variants:
+            os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel  # core's switch for the decode GEMV
 
-        def step(x=x, cache=cache, device_batch=device_batch):
-            qkv_a = backend.linear(x, attention["qkv_a"])
-            q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), attention["q_a_norm"],
-                                                1e-6), attention["q_b"])
-            attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
-                                        attention["w_uv"], attention["kv_a_norm"], spec, device_batch, cos, sin, 1e-6,
-                                        backend.num_sms, absorbed_kernel=args.absorbed_kernel)
-            h = backend.linear(attn, attention["o_proj"])
-            shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
-            return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
-
-        h, _ = step()
-        ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
-        active = int(cupy.unique(ids).size)
-        breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
-                                    args.iters, args.absorbed_kernel)
-        eager = gpu_seconds(step, repeats=args.iters, warmup=2)
-        graph_seconds, graph_error = None, None
-        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-        try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
-            with cupy.cuda.using_allocator(pool.malloc), stream:
-                step()
-                stream.synchronize()
-                mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-                if mode is None:
-                    stream.begin_capture()
-                else:
-                    stream.begin_capture(mode)
-                try:
+            step = partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
+                           absorbed_kernel)
+            h, _ = step()
+            ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
+            active = int(cupy.unique(ids).size)
+            breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
+                                        args.iters, absorbed_kernel)
+            eager = gpu_seconds(step, repeats=args.iters, warmup=2)
+            graph_seconds, graph_error = None, None
+            pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+            try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
+                with cupy.cuda.using_allocator(pool.malloc), stream:
                     step()
-                finally:
-                    graph = stream.end_capture()
-                graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
-        except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
-            graph_error = f"{type(exc).__name__}: {exc}"
-        seconds = graph_seconds or eager
-        needed = layer_bytes(attention, moe, shared, active, batch, args.context)
-        roofline = needed / bandwidth
-        points.append({"batch": batch, "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
-                       "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds, "graph_error": graph_error,
-                       "roofline_ms": 1e3 * roofline, "fraction_of_roofline": roofline / seconds,
-                       "active_experts": active, "bytes": needed, "breakdown_ms": breakdown})
-        print(json.dumps(points[-1]), flush=True)
+                    stream.synchronize()
+                    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+                    if mode is None:
+                        stream.begin_capture()
+                    else:
+                        stream.begin_capture(mode)
+                    try:
+                        step()
+                    finally:
+                        graph = stream.end_capture()
+                    graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
+                graph_error = f"{type(exc).__name__}: {exc}"
+            seconds = graph_seconds or eager
+            needed = layer_bytes(attention, moe, shared, active, batch, args.context)
+            roofline = needed / bandwidth
+            points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
+                           "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
+                                                                                  absorbed_kernel),
+                           "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
+                           "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
+                           "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
+                           "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
+                           "breakdown_ms": breakdown})
+            print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "absorbed_kernel": args.absorbed_kernel,
-            "gemv_kernel": cuda_moe.gemv_kernel_name(), "layer": KIMI_LAYER, "points": points}
+            "context": args.context, "variants": [f"{a}:{g}" for a, g in variants], "layer": KIMI_LAYER,
+            "points": points}
 
 
 def plot_layer(report: dict, path: Path) -> None:
@@ -675,15 +849,27 @@ def plot_layer(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = report["points"]
-    x = np.arange(len(points))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(x - 0.2, [p["step_ms"] for p in points], 0.4, label="openinfer (measured)")
-    ax.bar(x + 0.2, [p["roofline_ms"] for p in points], 0.4, label="HBM roofline")
-    for i, p in enumerate(points):
-        ax.text(i - 0.2, p["step_ms"], f"{100 * p['fraction_of_roofline']:.0f}%", ha="center", va="bottom")
-    ax.set(xticks=x, xticklabels=[f"batch {p['batch']}" for p in points], ylabel="ms per layer step",
+    batches = sorted({p["batch"] for p in points})
+    variants = report["variants"]
+    x = np.arange(len(batches))
+    width = 0.8 / (len(variants) + 1)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, variant in enumerate([*variants, "roofline"]):
+        offset = (i - len(variants) / 2) * width
+        for j, batch in enumerate(batches):
+            point = next((p for p in points if p["batch"] == batch
+                          and variant in (f"{p['absorbed_kernel']}:{p['gemv_kernel']}", "roofline")), None)
+            if point is None:
+                continue
+            value = point["roofline_ms"] if variant == "roofline" else point["step_ms"]
+            ax.bar(j + offset, value, width, color=f"C{i}", label=None if j else
+                   ("HBM roofline" if variant == "roofline" else f"MLA {variant.replace(':', ', GEMV ')}"))
+            if variant != "roofline":
+                ax.text(j + offset, value, f"{100 * point['fraction_of_roofline']:.0f}%", ha="center", va="bottom",
+                        fontsize=7)
+    ax.set(xticks=x, xticklabels=[f"batch {b}" for b in batches], ylabel="ms per layer step",
            title=f"one Kimi-K2 layer (MLA + 384 INT4 experts top-8), context {report['context']} — {report['device']}")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -926,12 +1112,19 @@ def main() -> None:
     kernels = sub.add_parser("kernels")
     kernels.add_argument("--sections", default="",
                          help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
-    sub.add_parser("gemv")
+    kernels.add_argument("--mla-heads", default="16,64", help="head counts of the mla_decode section")
+    gemv = sub.add_parser("gemv")
+    gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
+    gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
+    gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
-    layer.add_argument("--absorbed-kernel", default="cuda_cores", choices=["cuda_cores", "mma"],
-                       help="MLA decode kernel (core's default: cuda_cores)")
+    layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
+                       help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
+    layer.add_argument("--variants", default="",
+                       help="side by side in one run: comma list of ABSORBED:GEMV, e.g. cuda_cores:moe_gemv,mma:mma "
+                            "(MLA decode kernel, $OPENINFER_MOE_GEMV)")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",
                       help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
@@ -948,21 +1141,25 @@ def main() -> None:
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    if args.command == "kernels":
-        report, name, plot = run_kernels(args), "kimi_kernels", plot_kernels
+    if args.command == "kernels":  # a run of some sections only keeps the full run's file
+        report, plot = run_kernels(args), plot_kernels
+        name = "kimi_kernels" + (f"_{args.sections.replace(',', '_')}" if args.sections else "")
     elif args.command == "gemv":
-        report, name, plot = run_gemv(args), "kimi_gemv", plot_gemv
+        report, plot = run_gemv(args), plot_gemv
+        name = "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
     elif args.command == "layer":
         report, name, plot = run_layer(args), "kimi_layer", plot_layer
     else:
         report, plot = run_moonlight(args), plot_moonlight
         name = "moonlight_serving_tiny" if args.tiny else "moonlight_serving"
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    if out is not None:  # the measurements leave first: a failing plot must not lose them
+        shutil.copy(RESULTS / f"{name}.json", out / f"{name}.json")
     plot(report, RESULTS / f"{name}.png")
-    if os.environ.get("OUT"):
-        for suffix in (".json", ".png"):
-            shutil.copy(RESULTS / f"{name}{suffix}", Path(os.environ["OUT"]) / f"{name}{suffix}")
+    if out is not None and (RESULTS / f"{name}.png").exists():
+        shutil.copy(RESULTS / f"{name}.png", out / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,75 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
     }
 }
 
+// --- shared by mla_attention and mla_attention_mma ---------------------------------------------
+
+// The block table of step token `step_token`'s sequence (query_start[s] <= step_token <
+// query_start[s + 1], binary search) and this split's slice [begin, end) of its causal context
+// (positions[step_token] + 1 tokens), in whole TILE-key steps.
+template <int TILE>
+__device__ __forceinline__ const int* mla_split_context(const int* __restrict__ query_start, int num_seqs,
+                                                        const int* __restrict__ block_tables, int max_blocks_per_seq,
+                                                        const int* __restrict__ positions, int step_token,
+                                                        int num_splits, int split, int& begin, int& end) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
+    }
+    const int context = positions[step_token] + 1;
+    const int per_split = ((context + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+    begin = split * per_split;
+    end = min(context, begin + per_split);
+    return block_tables + (long long)lo * max_blocks_per_seq;
+}
+
+__device__ __forceinline__ void mla_zero(bf16& v) { v = __float2bfloat16_rn(0.f); }
+__device__ __forceinline__ void mla_zero(uint4& v) { v = make_uint4(0u, 0u, 0u, 0u); }
+
+// Element d of row r of a shared tile: a 2-D array (mla_attention) or a flat pointer to rows of
+// ROW bf16 (mla_attention_mma's dynamic shared memory); each kernel keeps its own address arithmetic.
+template <int ROW>
+__device__ __forceinline__ bf16* mla_tile_at(bf16 (*tile)[ROW], int r, int d) { return &tile[r][d]; }
+template <int ROW>
+__device__ __forceinline__ bf16* mla_tile_at(bf16* tile, int r, int d) { return tile + r * ROW + d; }
+
+// tile[h][0 .. LATENT) (rows of ROW bf16) = head0 + h's [q_latent | q_pe] of row t, zeros for h >=
+// heads; copied Vec (bf16 or 16-byte uint4) at a time by THREADS threads.
+template <typename Vec, int HEADS, int ROW, int THREADS, typename Tile>
+__device__ __forceinline__ void mla_load_query_tile(Tile tile, const bf16* __restrict__ q_latent,
+                                                    const bf16* __restrict__ q, int q_stride, int q_pe_offset, int t,
+                                                    int num_heads, int head0, int heads) {
+    constexpr int PER = sizeof(Vec) / sizeof(bf16);
+    for (int i = threadIdx.x; i < HEADS * LATENT / PER; i += THREADS) {
+        const int h = i / (LATENT / PER), d = (i % (LATENT / PER)) * PER;
+        Vec v;
+        mla_zero(v);
+        if (h < heads) {
+            const long long head = (long long)t * num_heads + head0 + h;
+            v = d < KV_LORA ? *reinterpret_cast<const Vec*>(q_latent + head * KV_LORA + d)
+                            : *reinterpret_cast<const Vec*>(q + head * q_stride + q_pe_offset + d - KV_LORA);
+        }
+        *reinterpret_cast<Vec*>(mla_tile_at<ROW>(tile, h, d)) = v;
+    }
+}
+
+// tile[r][0 .. LATENT) (rows of ROW bf16) = the cached latent of context position key0 + r
+// (zeros from `end` on), r < KEYS; copied Vec at a time by THREADS threads.
+template <typename Vec, int KEYS, int ROW, int THREADS, typename Tile>
+__device__ __forceinline__ void mla_load_key_tile(Tile tile, const bf16* __restrict__ cache,
+                                                  const int* __restrict__ table, int block_size, int key0, int end) {
+    constexpr int PER = sizeof(Vec) / sizeof(bf16);
+    for (int i = threadIdx.x; i < KEYS * LATENT / PER; i += THREADS) {
+        const int r = i / (LATENT / PER), d = (i % (LATENT / PER)) * PER, pos = key0 + r;
+        Vec v;
+        mla_zero(v);
+        if (pos < end)
+            v = *reinterpret_cast<const Vec*>(
+                cache + ((long long)table[pos / block_size] * block_size + pos % block_size) * LATENT + d);
+        *reinterpret_cast<Vec*>(mla_tile_at<ROW>(tile, r, d)) = v;
+    }
+}
+
 // grid (T, ceil(num_heads / HEADS_PER_BLOCK), num_splits), MLA_THREADS threads.
 // q_latent [T, num_heads, KV_LORA]; q_pe at q + (t·num_heads + h)·q_stride + q_pe_offset;
 // out [T, num_heads, KV_LORA]. A token's sequence is found in query_start (binary search); its
@@ -90,24 +159,12 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
     const int t = blockIdx.x, head0 = blockIdx.y * HEADS_PER_BLOCK;
     const int step_token = token_list ? token_list[t] : t;
     const int heads = min(HEADS_PER_BLOCK, num_heads - head0);
-    int lo = 0, hi = num_seqs - 1;  // the sequence s with query_start[s] <= step_token < query_start[s + 1]
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
-    }
-    const int* table = block_tables + (long long)lo * max_blocks_per_seq;
-    const int context = positions[step_token] + 1, split = blockIdx.z;
-    const int per_split = ((context + num_splits - 1) / num_splits + TOKENS_PER_TILE - 1) / TOKENS_PER_TILE * TOKENS_PER_TILE;
-    const int begin = split * per_split, end = min(context, begin + per_split);
-    for (int i = threadIdx.x; i < HEADS_PER_BLOCK * LATENT; i += MLA_THREADS) {
-        const int h = i / LATENT, d = i % LATENT;
-        bf16 v = __float2bfloat16_rn(0.f);
-        if (h < heads) {
-            const long long head = (long long)t * num_heads + head0 + h;
-            v = d < KV_LORA ? q_latent[head * KV_LORA + d] : q[head * q_stride + q_pe_offset + d - KV_LORA];
-        }
-        q_tile[h][d] = v;
-    }
+    const int split = blockIdx.z;
+    int begin, end;
+    const int* table = mla_split_context<TOKENS_PER_TILE>(query_start, num_seqs, block_tables, max_blocks_per_seq,
+                                                          positions, step_token, num_splits, split, begin, end);
+    mla_load_query_tile<bf16, HEADS_PER_BLOCK, LATENT, MLA_THREADS>(q_tile, q_latent, q, q_stride, q_pe_offset,
+                                                                     t, num_heads, head0, heads);
     const int my_head = threadIdx.x / TOKENS_PER_TILE, my_token = threadIdx.x % TOKENS_PER_TILE;
     // output dims of this thread: my_token, my_token + 16, ... (neighbouring threads, neighbouring dims)
     float acc[DIMS_PER_THREAD];
@@ -115,12 +172,8 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
     float running_max = -INFINITY, running_sum = 0.f;
     for (int start = begin; start < end; start += TOKENS_PER_TILE) {
         __syncthreads();
-        for (int i = threadIdx.x; i < TOKENS_PER_TILE * LATENT; i += MLA_THREADS) {
-            const int r = i / LATENT, d = i % LATENT, pos = start + r;
-            bf16 v = __float2bfloat16_rn(0.f);
-            if (pos < end) v = cache[((long long)table[pos / block_size] * block_size + pos % block_size) * LATENT + d];
-            kv_tile[r][d] = v;
-        }
+        mla_load_key_tile<bf16, TOKENS_PER_TILE, LATENT + 2, MLA_THREADS>(kv_tile, cache, table, block_size,
+                                                                          start, end);
         __syncthreads();
         float s = -INFINITY;
         if (start + my_token < end && my_head < heads) {
@@ -416,25 +469,12 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     const int step_token = token_list ? token_list[t] : t;
     const int head0 = (blockIdx.y / MMA_DECODE_PARTS) * MMA_DECODE_HEADS, part = blockIdx.y % MMA_DECODE_PARTS;
     const int heads = min(MMA_DECODE_HEADS, num_heads - head0);
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
-    }
-    const int* table = block_tables + (long long)lo * max_blocks_per_seq;
-    const int context = positions[step_token] + 1, split = blockIdx.z;
-    const int per_split = ((context + num_splits - 1) / num_splits + MMA_DECODE_KEYS - 1) / MMA_DECODE_KEYS * MMA_DECODE_KEYS;
-    const int begin = split * per_split, end = min(context, begin + per_split);
-    for (int i = threadIdx.x; i < MMA_DECODE_HEADS * LATENT / 8; i += MMA_DECODE_THREADS) {
-        const int h = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (h < heads) {
-            const long long head = (long long)t * num_heads + head0 + h;
-            v = d < KV_LORA ? *reinterpret_cast<const uint4*>(q_latent + head * KV_LORA + d)
-                            : *reinterpret_cast<const uint4*>(q + head * q_stride + q_pe_offset + d - KV_LORA);
-        }
-        *reinterpret_cast<uint4*>(q_tile + h * MMA_DECODE_ROW + d) = v;
-    }
+    const int split = blockIdx.z;
+    int begin, end;
+    const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
+                                                          positions, step_token, num_splits, split, begin, end);
+    mla_load_query_tile<uint4, MMA_DECODE_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
+        q_tile, q_latent, q, q_stride, q_pe_offset, t, num_heads, head0, heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, pair = (lane & 3) * 2;
     const int row0 = warp * 16 + group;  // this thread's heads (rows): row0, row0 + 8
@@ -446,14 +486,8 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     for (int key0 = begin; key0 < end; key0 += MMA_DECODE_KEYS) {
         __syncthreads();  // q_tile written (first step) / the previous step is done with k_tile
-        for (int i = threadIdx.x; i < MMA_DECODE_KEYS * LATENT / 8; i += MMA_DECODE_THREADS) {
-            const int r = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8, pos = key0 + r;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (pos < end)
-                v = *reinterpret_cast<const uint4*>(
-                    cache + ((long long)table[pos / block_size] * block_size + pos % block_size) * LATENT + d);
-            *reinterpret_cast<uint4*>(k_tile + r * MMA_DECODE_ROW + d) = v;
-        }
+        mla_load_key_tile<uint4, MMA_DECODE_KEYS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(k_tile, cache, table, block_size,
+                                                                                      key0, end);
         __syncthreads();
         float s[MMA_DECODE_KEYS / 8][4];
 #pragma unroll

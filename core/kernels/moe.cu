@@ -440,6 +440,33 @@ __device__ __forceinline__ void weight_decode(uint4 raw, const void* __restrict_
 
 #define GEMV_UNROLL 4  // weight loads in flight per lane before any is used
 
+// Activation row of expert-sorted slot p: token sorted_slots[p] / top_k when gathering, else row p.
+__device__ __forceinline__ const bf16* gemv_activation_row(const bf16* __restrict__ a, const int* __restrict__ sorted_slots,
+                                                           int top_k, int p, int K) {
+    return a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+}
+
+// moe_gemv_wide's and moe_gemv_mma's block row: tile blockIdx.y's expert and slots [row_begin,
+// row_end) (grouped; the tile's entries read beside the count, the arrays hold gridDim.y
+// entries), or expert 0 and all dense_rows rows (dense: one block row loops over them so a weight
+// is read from HBM once). False: the tile lies past the step's count.
+__device__ __forceinline__ bool gemv_block_rows(const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                                const int* __restrict__ num_tiles, const int* __restrict__ offsets,
+                                                int dense_rows, int& expert, int& row_begin, int& row_end) {
+    if (tile_expert) {
+        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
+        expert = tile_e;
+        row_begin = tile_r;
+        if ((int)blockIdx.y >= tiles) return false;
+        row_end = min(row_begin + BM, offsets[expert + 1]);
+    } else {
+        expert = 0;
+        row_begin = 0;
+        row_end = dense_rows;
+    }
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
          const void* __restrict__ weight, const void* __restrict__ scale,
@@ -467,7 +494,7 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) {
             const int p = chunk + min(r, rows - 1);
-            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+            a_row[r] = gemv_activation_row(a, sorted_slots, top_k, p, K);
         }
         float acc[GEMV_ROWS];
 #pragma unroll
@@ -607,18 +634,7 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
     const int n0 = (blockIdx.x * WIDE_WARPS + warp) * WIDE_COLUMNS;
     if (n0 >= N) return;  // whole warps only: the shuffles below stay warp-wide
     int expert, row_begin, row_end;
-    if (tile_expert) {
-        // the tile's entries are read beside the count (the arrays hold gridDim.y entries)
-        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
-        if ((int)blockIdx.y >= tiles) return;
-        expert = tile_e;
-        row_begin = tile_r;
-        row_end = min(row_begin + BM, offsets[expert + 1]);
-    } else {
-        expert = 0;
-        row_begin = 0;
-        row_end = dense_rows;
-    }
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     int column[WIDE_COLUMNS];  // past N: a valid row is read, the result dropped
 #pragma unroll
     for (int c = 0; c < WIDE_COLUMNS; ++c) column[c] = min(n0 + c, N - 1);
@@ -639,7 +655,7 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #pragma unroll
         for (int r = 0; r < WIDE_ROWS; ++r) {
             const int p = chunk + min(r, rows - 1);
-            a_row[r] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+            a_row[r] = gemv_activation_row(a, sorted_slots, top_k, p, K);
         }
         float acc[WIDE_ROWS][WIDE_COLUMNS];
 #pragma unroll
@@ -865,18 +881,7 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
     const int n0 = (blockIdx.x * MMA_GEMV_WARPS + warp) * 16;
     if (n0 >= N) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
-    if (tile_expert) {
-        // the tile's entries are read beside the count (the arrays hold gridDim.y entries)
-        const int tiles = *num_tiles, tile_e = tile_expert[blockIdx.y], tile_r = tile_row[blockIdx.y];
-        if ((int)blockIdx.y >= tiles) return;
-        expert = tile_e;
-        row_begin = tile_r;
-        row_end = min(row_begin + BM, offsets[expert + 1]);
-    } else {
-        expert = 0;
-        row_begin = 0;
-        row_end = dense_rows;
-    }
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int n_lo = min(n0 + g, N - 1), n_hi = min(n0 + g + 8, N - 1);  // past N: a valid row, result dropped
     constexpr int STEP = 4 * WEIGHT_CHUNK;                                // k per chunk (the quad's 4 lanes)
     for (int pass = row_begin; pass < row_end; pass += 8 * MMA_GEMV_NTILES) {
@@ -885,7 +890,7 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 #pragma unroll
         for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
             const int p = pass + min(8 * j + g, rows - 1);  // rows past the tile repeat its last row
-            b_row[j] = a + (long long)(sorted_slots ? sorted_slots[p] / top_k : p) * K;
+            b_row[j] = gemv_activation_row(a, sorted_slots, top_k, p, K);
         }
         float acc[MMA_GEMV_NTILES][4];
 #pragma unroll

@@ -180,16 +180,47 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
 
 
 def test_gemv_kernel_choice(monkeypatch):
+    """The decode GEMV is chosen in one place: DENSE_ / GROUPED_GEMV_CHOICE by rows per weight
+    (every entry reachable, none past the last), unless a kernel is forced (argument, then
+    $OPENINFER_MOE_GEMV), which then runs within its GEMV_ROW_LIMITS."""
     moe = _moe_cuda()
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
-    assert moe.gemv_kernel_name() == moe.DEFAULT_GEMV_KERNEL in moe.GEMV_KERNELS
+    assert moe.forced_gemv_kernel() is None and set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
+    for tables, grouped in ((moe.DENSE_GEMV_CHOICE, False), (moe.GROUPED_GEMV_CHOICE, True)):
+        assert set(tables) == set(moe.FORMATS)
+        for fmt, table in tables.items():
+            bounds = [most_rows for most_rows, _ in table]
+            assert bounds == sorted(set(bounds)) and {name for _, name in table} <= set(moe.GEMV_KERNELS)
+            for most_rows, name in table:
+                assert moe.choose_gemv(most_rows, grouped, fmt) == name
+            assert moe.choose_gemv(bounds[-1] + 0.5, grouped, fmt) is None
+            assert moe.gemv_for(bounds[-1] + 0.5, grouped, fmt) == table[-1][1]
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "wide")
-    assert moe.gemv_kernel_name() == "wide" and moe.gemv_kernel_name("wide2") == "wide2"
-    assert set(moe.GEMV_ROW_LIMITS) == set(moe.GEMV_KERNELS)
-    assert moe.gemv_row_limits() == moe.GEMV_ROW_LIMITS["wide"] and moe.gemv_row_limits("mma") == moe.GEMV_ROW_LIMITS["mma"]
+    assert moe.choose_gemv(1, False, "fp8") == "wide" and moe.choose_gemv(1, True, "int4", "wide2") == "wide2"
+    assert moe.choose_gemv(moe.GEMV_ROW_LIMITS["wide"][0] + 1, False, "int4") is None
+    assert moe.gemv_for(10**6, True, "int4") == "wide"
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "auto")
+    assert moe.forced_gemv_kernel() is None and moe.forced_gemv_kernel("mma") == "mma"
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "nope")
     with pytest.raises(ValueError, match="nope"):
-        moe.gemv_kernel_name()
+        moe.choose_gemv(1, False, "bf16")
+
+
+def test_absorbed_kernel_choice(monkeypatch):
+    """The absorbed MLA kernel is chosen in one place: ABSORBED_KERNEL_CHOICE by heads and rows
+    (every entry reachable), DEFAULT_ABSORBED_KERNEL past it, unless forced (argument, then
+    $OPENINFER_MLA_DECODE)."""
+    from openinfer.backend.cuda import mla
+
+    monkeypatch.delenv(mla.ABSORBED_KERNEL_ENV, raising=False)
+    for most_heads, most_tokens, name in mla.ABSORBED_KERNEL_CHOICE:
+        assert name in mla.ABSORBED_KERNELS and mla.choose_absorbed_kernel(most_heads, most_tokens) == name
+    assert mla.choose_absorbed_kernel(10**6, 10**9) == mla.DEFAULT_ABSORBED_KERNEL in mla.ABSORBED_KERNELS
+    monkeypatch.setenv(mla.ABSORBED_KERNEL_ENV, "mma")
+    assert mla.choose_absorbed_kernel(16, 1) == "mma" and mla.choose_absorbed_kernel(16, 1, "cuda_cores") == "cuda_cores"
+    monkeypatch.setenv(mla.ABSORBED_KERNEL_ENV, "tensor")
+    with pytest.raises(ValueError, match="tensor"):
+        mla.choose_absorbed_kernel(64, 1)
 
 
 MLA_BATCHES = {

@@ -22,6 +22,7 @@ host arrays.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -36,9 +37,19 @@ HEADS_PER_BLOCK = 16  # mla.cu
 MLA_THREADS = 256
 # mla_attention_mma (absorbed form on tensor cores): 64 heads x a quarter of the latent dims per block
 MMA_DECODE_HEADS, MMA_DECODE_KEYS, MMA_DECODE_PARTS, MMA_DECODE_THREADS = 64, 32, 4, 128
-# Which absorbed kernel runs: "cuda_cores" (mla_attention, measured on H100) or "mma"
-# (mla_attention_mma: host-emulated and compiled, not yet timed on a GPU).
-ABSORBED_KERNEL = "cuda_cores"
+# The absorbed form's attention kernel: "cuda_cores" (mla_attention) or "mma" (mla_attention_mma,
+# tensor cores, 64 heads per block). Chosen in one place, ``choose_absorbed_kernel``: a kernel
+# forced by the caller or by $OPENINFER_MLA_DECODE, else the first entry of ABSORBED_KERNEL_CHOICE
+# (most heads, most absorbed rows in the step, kernel) that holds, else DEFAULT_ABSORBED_KERNEL.
+ABSORBED_KERNELS = ("cuda_cores", "mma")
+ABSORBED_KERNEL_ENV = "OPENINFER_MLA_DECODE"
+DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per GPU is not measured yet
+# H100, benchmarks/gpu_kimi.py, 2026-11-23 window W2 (whole mla_forward, context 1024 unless said):
+# 16 heads: mma 0.132 vs 0.226 ms at batch 1 (0.181 vs 0.478 at context 4096), 0.555 vs 0.634 at 64,
+# 1.78 vs 1.66 at 256 (behind); 64 heads (Kimi-K2 layer): 0.222 vs 0.223 ms at batch 1, 0.555 vs
+# 1.815 at 64, 2.06 vs 6.33 at 256.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = (
+    (16, 64, "mma"), (16, 1 << 30, "cuda_cores"), (64, 1 << 30, "mma"))
 MAX_SPLITS = 16
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
@@ -47,6 +58,22 @@ PREFILL_THREADS = 128
 PREFILL_MIN_QUERY = 16
 # Cap on the expanded keys + values of one step (bytes); sequences past it stay absorbed.
 PREFILL_SCRATCH_BYTES = 2 << 30
+
+
+def choose_absorbed_kernel(num_heads: int, num_tokens: int, absorbed_kernel: str | None = None) -> str:
+    """The absorbed attention kernel for a step of ``num_tokens`` absorbed rows (see ABSORBED_KERNELS):
+    ``absorbed_kernel``, else $OPENINFER_MLA_DECODE, unless "auto"/unset: ABSORBED_KERNEL_CHOICE.
+    Depends on the row count only, so a captured decode graph keeps its choice."""
+    name = absorbed_kernel or os.environ.get(ABSORBED_KERNEL_ENV) or "auto"
+    if name == "auto":
+        for most_heads, most_tokens, choice in ABSORBED_KERNEL_CHOICE:
+            if num_heads <= most_heads and num_tokens <= most_tokens:
+                return choice
+        return DEFAULT_ABSORBED_KERNEL
+    if name not in ABSORBED_KERNELS:
+        raise ValueError(f"absorbed MLA kernel ({ABSORBED_KERNEL_ENV}) is auto, {', '.join(ABSORBED_KERNELS)}; "
+                         f"got {name!r}")
+    return name
 
 
 def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
@@ -118,12 +145,13 @@ def _step_plan(batch, spec: MLASpec, min_query: int) -> PrefillPlan | None:
 def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray,
                 w_uv: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray,
                 sin: cupy.ndarray, eps: float, num_sms: int = 132,
-                prefill_min_query: int = PREFILL_MIN_QUERY, absorbed_kernel: str = ABSORBED_KERNEL) -> cupy.ndarray:
+                prefill_min_query: int = PREFILL_MIN_QUERY, absorbed_kernel: str | None = None) -> cupy.ndarray:
     """``q [T, H·(nope+rope)]`` (rope dims not yet rotated; rotated on a copy here) and ``latent``
     ``[T, lora + rope]`` (a row view of kv_a's output, un-normed) → attention output ``[T, H·v]``.
     ``cache`` is the layer's ``[num_blocks, block_size, …, lora + rope]`` bf16 latent cache;
     ``w_uk [H, nope, lora]`` and ``w_uv [H, v, lora]`` are kv_b split per head (bf16). Sequences
-    with at least ``prefill_min_query`` new tokens take the decompressed form (module docstring)."""
+    with at least ``prefill_min_query`` new tokens take the decompressed form (module docstring);
+    ``absorbed_kernel`` forces the absorbed form's kernel (``choose_absorbed_kernel``)."""
     check_spec(spec)
     num_tokens = int(q.shape[0])
     heads, head_dim = spec.num_heads, spec.qk_head_dim
@@ -154,28 +182,27 @@ def mma_decode_fits(spec: MLASpec) -> bool:
         and spec.qk_nope_dim % 8 == 0
 
 
-_smem_set: set[int] = set()
+_smem_set: dict[int, cupy.RawKernel] = {}  # id -> the kernel (held, so its id is never reused)
 
 
 def _mma_decode_kernel(spec: MLASpec):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
     smem = (MMA_DECODE_HEADS + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
     attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec))
-    if id(attention) not in _smem_set:
+    # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
+    if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
-        _smem_set.add(id(attention))
+        _smem_set[id(attention)] = attention
     return attention, smem
 
 
 def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
               spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int,
-              absorbed_kernel: str = ABSORBED_KERNEL) -> None:
+              absorbed_kernel: str | None = None) -> None:
     """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
     each row's token in the step (None: row i is token i)."""
-    if absorbed_kernel not in ("cuda_cores", "mma"):
-        raise ValueError(f"absorbed_kernel is 'cuda_cores' or 'mma', got {absorbed_kernel!r}")
-    use_mma = absorbed_kernel == "mma" and mma_decode_fits(spec)
     num_tokens = int(q.shape[0])
+    use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
     heads, nope, lora, v = spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank, spec.v_head_dim
     head_dim = spec.qk_head_dim
     block_size = int(cache.shape[1])

@@ -9,13 +9,14 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
     ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
-Which kernel multiplies depends on how many rows share each weight (thresholds measured on an
-H100, ``benchmarks/gpu_kimi.py kernels``)::
+Which kernel multiplies depends on the weight format and how many rows share each weight
+(thresholds measured on an H100, ``benchmarks/gpu_kimi.py gemv`` / ``kernels``; the decode GEMV
+is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
 
     rows per weight     dense (E = 1)                          grouped (experts)
-    few (decode)        moe_gemv: weights read once, straight  moe_gemv over moe_sort's tiles
-                        from FP8 / INT4, no tensor cores
-                        (opt-in instead, GEMV_KERNELS: moe_gemv_wide; moe_gemv_mma on tensor cores)
+    few (decode)        a decode GEMV, weights read once       a decode GEMV over moe_sort's tiles
+                        straight from FP8 / INT4: moe_gemv,    (INT4: moe_gemv_mma on tensor cores,
+                        moe_gemv_wide (FP8: up to 4 rows)      else moe_gemv)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
                                                                cuBLAS per active expert (bf16 as stored,
@@ -55,23 +56,39 @@ GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at mos
 # captured (the counts are read on the host).
 BLAS_MIN_ROWS_PER_EXPERT = 64
 BLAS_ENV = "OPENINFER_MOE_BLAS"
-# Decode GEMV kernel: moe_gemv (one column per warp), or moe_gemv_wide (several columns per warp,
-# next chunk's loads in flight, no int->float conversions; moe.cu) in one of two shapes, chosen by
-# the ``gemv_kernel`` argument or the OPENINFER_MOE_GEMV environment variable. Name -> moe.cu defines.
-GEMV_KERNEL_ENV = "OPENINFER_MOE_GEMV"
+# Decode GEMV kernels: moe_gemv (one column per warp), moe_gemv_wide (several columns per warp, next
+# chunk's loads in flight, no int->float conversions; moe.cu) in two shapes, moe_gemv_mma (tensor
+# cores, 16 columns per warp, 16 rows per pass over the weights). Name -> moe.cu defines.
+GEMV_KERNEL_ENV = "OPENINFER_MOE_GEMV"  # force one kernel wherever a decode GEMV runs ("auto": the tables)
 GEMV_KERNELS: dict[str, dict[str, int]] = {
     "moe_gemv": {},
     "wide": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3},  # 12 warps per SM (INT4: 166 registers)
     "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
-    # moe_gemv_mma: tensor cores, 16 columns per warp, 16 rows per pass over the weights (sm_90a
-    # ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills)
+    # sm_90a ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills
     "mma": {"MMA_GEMV_NTILES": 2},
 }
-DEFAULT_GEMV_KERNEL = "moe_gemv"
-# Most rows a decode-GEMV call takes, per kernel: (dense rows, slots per expert on average when
-# grouped); past them quantized_linear / grouped_gemm take their GEMMs. The CUDA-core kernels spend
-# an FMA per weight and row (measured limits above); moe_gemv_mma shares each weight fragment among
-# a pass's 16 rows, so it should stay bound by the weight bytes further (not yet measured).
+# The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
+# rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
+# holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
+# grouped: the per-tile GEMM). H100, benchmarks/gpu_kimi.py, 2026-11-23 windows W1/W2 (GPU.md):
+#  * FP8 dense 7168x8192: wide2 29 / 60 us at 1 / 4 rows vs moe_gemv 39 / 71; at 8 rows dequantize +
+#    cuBLAS 114 us vs moe_gemv 117, wide2 118, mma 125; 16 and 32 rows: dequantize 111 us, mma 129 / 260.
+#  * INT4 experts (384 x top-8, Kimi-K2 layer, CUDA graph): moe_gemv_mma ahead of moe_gemv at 0.02 slots
+#    per expert (gate_up + down 0.17 vs 0.25 ms), at 1.3 (3.9 vs 9.4 ms) and, against the per-tile GEMM,
+#    at 5.3 (5.7 vs 19.9 ms); W1's down projection: 2.9x moe_gemv at 64 tokens, 5.2x at 256.
+# Unmeasured rows keep the earlier choice (moe_gemv up to GEMV_MAX_ROWS / GEMV_MAX_ROWS_PER_EXPERT).
+GemvChoice = tuple[tuple[float, str], ...]
+DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
+    "bf16": ((GEMV_MAX_ROWS, "moe_gemv"),), "int4": ((GEMV_MAX_ROWS, "moe_gemv"),),
+    "fp8": ((4, "wide2"), (7, "moe_gemv")),
+}
+GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
+    "bf16": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),), "int4": ((5.5, "mma"),),
+    "fp8": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),),
+}
+# A kernel forced (argument or GEMV_KERNEL_ENV) runs up to its own bounds: (dense rows, slots per
+# expert). The CUDA-core kernels spend an FMA per weight and row; moe_gemv_mma shares each weight
+# fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "mma": (32, 32)}
@@ -194,24 +211,44 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
     return grouping
 
 
-def gemv_kernel_name(gemv_kernel: str | None = None) -> str:
-    """The decode GEMV kernel to run: ``gemv_kernel``, else $OPENINFER_MOE_GEMV, else the default."""
-    name = gemv_kernel or os.environ.get(GEMV_KERNEL_ENV) or DEFAULT_GEMV_KERNEL
+def forced_gemv_kernel(gemv_kernel: str | None = None) -> str | None:
+    """The decode GEMV kernel forced by ``gemv_kernel``, else by $OPENINFER_MOE_GEMV; None (or
+    "auto"): chosen by rows (``choose_gemv``)."""
+    name = gemv_kernel or os.environ.get(GEMV_KERNEL_ENV) or "auto"
+    if name == "auto":
+        return None
     if name not in GEMV_KERNELS:
-        raise ValueError(f"unknown decode GEMV kernel {name!r} ({GEMV_KERNEL_ENV}); one of {sorted(GEMV_KERNELS)}")
+        raise ValueError(f"unknown decode GEMV kernel {name!r} ({GEMV_KERNEL_ENV}); one of auto, "
+                         f"{', '.join(sorted(GEMV_KERNELS))}")
     return name
 
 
-def gemv_row_limits(gemv_kernel: str | None = None) -> tuple[int, int]:
-    """(dense rows, average slots per expert) up to which the decode GEMV ``gemv_kernel`` (see
-    ``gemv_kernel_name``) is chosen."""
-    return GEMV_ROW_LIMITS[gemv_kernel_name(gemv_kernel)]
+def choose_gemv(rows_per_weight: float, grouped: bool, weight_format: str, gemv_kernel: str | None = None) -> str | None:
+    """The decode GEMV kernel for ``rows_per_weight`` (dense rows, or slots per expert when
+    ``grouped``) of a ``weight_format`` weight, or None when a GEMM should run instead: a forced
+    kernel (``forced_gemv_kernel``) within its GEMV_ROW_LIMITS, else the first entry of the
+    format's DENSE_ / GROUPED_GEMV_CHOICE that holds."""
+    forced = forced_gemv_kernel(gemv_kernel)
+    if forced is not None:
+        return forced if rows_per_weight <= GEMV_ROW_LIMITS[forced][grouped] else None
+    for most_rows, name in (GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE)[weight_format]:
+        if rows_per_weight <= most_rows:
+            return name
+    return None
 
 
-def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, gemv_kernel: str | None) -> None:
-    """moe_gemv / moe_gemv_wide / moe_gemv_mma over ``grid_rows`` tiles (grouped) or ``dense_rows``
-    rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared argument list."""
-    name = gemv_kernel_name(gemv_kernel)
+def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_kernel: str | None = None) -> str:
+    """The kernel when a decode GEMV is required whatever the rows (``gemv=True``): ``choose_gemv``'s,
+    else the forced one, else the table's last (the one chosen for the most rows)."""
+    table = (GROUPED_GEMV_CHOICE if grouped else DENSE_GEMV_CHOICE)[weight_format]
+    return (choose_gemv(rows_per_weight, grouped, weight_format, gemv_kernel) or forced_gemv_kernel(gemv_kernel)
+            or table[-1][1])
+
+
+def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
+    """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
+    (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
+    argument list."""
     if name == "moe_gemv":
         rows_grid = grid_rows or -(-dense_rows // GEMV_ROWS)
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
@@ -254,8 +291,8 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
-    (False) the decode GEMV; None picks it when the slots average at most
-    ``GEMV_MAX_ROWS_PER_EXPERT`` per expert. ``gemv_kernel``: which one (see ``GEMV_KERNELS``).
+    (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
+    ``gemv_kernel``: force one (see ``GEMV_KERNELS``; default: $OPENINFER_MOE_GEMV, else the table).
     ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
@@ -265,14 +302,15 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     if not gemv and blas_eligible(num_slots, weight, blas) and (weight.format == "bf16" or weight.gemv_ready(a)):
         _grouped_by_blas(a, weight, grouping, gather, blas, out)
         return out
-    if gemv is None:
-        gemv = num_slots <= gemv_row_limits(gemv_kernel)[1] * weight.num_experts
+    per_expert = num_slots / weight.num_experts
+    name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
+        gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
-    if gemv and weight.gemv_ready(a):
-        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, gemv_kernel)
+    if name is not None and weight.gemv_ready(a):
+        _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
         return out
     grid = (grouping.max_tiles, -(-weight.out_features // TILE_N))
     weight._kernel()(grid, (GEMM_THREADS,), head + tables + (np.int32(_vectorised(a, weight)),))
@@ -292,13 +330,15 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     if rows == 0:
         return out
     x = cupy.ascontiguousarray(x)
+    name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
+        gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
     if method is None:
-        method = "gemv" if rows <= gemv_row_limits(gemv_kernel)[0] else "dequantize" if blas is not None else "tiles"
+        method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
              np.int32(weight.in_features))
     head = (x, NULL, np.int32(1), weight.data, NULL if weight.scale is None else weight.scale)
     if method == "gemv" and weight.gemv_ready(x):
-        _launch_gemv(weight, head + dense, 0, rows, gemv_kernel)
+        _launch_gemv(weight, head + dense, 0, rows, name)
     elif method == "dequantize" and blas is not None and weight.gemv_ready(x):
         blas.matmul_nt(x, dequantize(weight), out)
     else:

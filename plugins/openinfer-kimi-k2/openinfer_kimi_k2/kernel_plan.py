@@ -32,22 +32,27 @@ is *long* when its step brings at least ``PREFILL_MIN_QUERY`` (16) tokens:
 op                     prefill, decode and mixed steps                                   from
 =====================  ================================================================  =======
 projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled or INT4   core
-                       checkpoints stay quantized: <= 16 rows ``moe_gemv`` (weights read
-                       once from their stored format), >= 256 rows ``moe_dequantize`` to
-                       a bf16 scratch + cuBLAS, between ``moe_grouped_gemm`` dense mode
+                       checkpoints stay quantized: a decode GEMV for few rows (weights
+                       read once from their stored format; FP8 ``moe_gemv_wide`` up to
+                       4 rows, then ``moe_gemv`` to 7; INT4 ``moe_gemv`` to 8), else
+                       ``moe_dequantize`` to a bf16 scratch + cuBLAS (core ``moe.
+                       choose_gemv``; ``OPENINFER_MOE_GEMV`` forces a kernel)
 latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
                        rotate q_pe in place)                                             core
 MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
                        per-head k_nope / v, ``mla_prefill_attention`` (tensor-core
                        causal flash attention, nope+rope / v head dims)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
-                       around ``mla_attention`` (each token over its causal context,
-                       latent tiles shared by 16 heads)
+                       around ``mla_attention_mma`` (tensor cores, 64 heads per block;
+                       up to 64 heads, and at most 64 tokens when <= 16 heads) or
+                       ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
+                       choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
 token grouping         ``moe_sort`` (counts, segments, GEMM tile list)                   core
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
-                       weights bf16 / INT4 / FP8 as stored: ``moe_gemv`` while the
-                       slots average <= 8 per expert (decode), else ``moe_grouped_gemm``
+                       weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
+                       slots average few per expert (INT4: ``moe_gemv_mma`` to 5.5,
+                       bf16 / FP8: ``moe_gemv`` to 3), else ``moe_grouped_gemm``
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 
