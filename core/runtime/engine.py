@@ -164,7 +164,8 @@ class PagedEngine:
                                         max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
                                         with_state=self.kv_groups.has_state,
-                                        discover_kernels=bool(getattr(model, "dry_run_safe", False)))
+                                        discover_kernels=bool(getattr(model, "dry_run_safe", False)),
+                                        kv_specs=self.kv_cache_specs)
         # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups
         self.startup_phases["graph_capture"] = getattr(self.runner, "capture_seconds", 0.0)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
