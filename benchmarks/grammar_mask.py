@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import statistics
@@ -276,8 +277,37 @@ STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"r
 # configurations measured side by side (alternating rounds): which rows carry the schema, and
 # whether the engine computes masks in the background as tokens are consumed (the default) or
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
-CONFIGS = {"plain": ("none", True), "schema_on_demand": ("all", False), "schema_background": ("all", True),
-           "mixed_half_background": ("half", True)}
+# when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before); device_wait:
+# background masks, grammar rows sampled ahead and the GPU waiting for their masks
+# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``)
+CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
+           "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
+           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait")}
+DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
+# the environment an engine of each mode is created under (masks in the background, waited for on the device)
+MODES = {"on_demand": ("0", "0"), "background": ("1", "0"), "device_wait": ("1", "1")}
+
+
+def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
+    """One engine per mode the configurations use, each created under its mode's environment."""
+    import os
+
+    from openinfer.structured import BACKGROUND_MASKS_ENV, DEVICE_WAIT_ENV
+
+    engines = {}
+    for mode in dict.fromkeys(mode for _, mode in configs.values()):
+        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode]
+        try:
+            engines[mode] = create()
+        finally:
+            os.environ.pop(BACKGROUND_MASKS_ENV)
+            os.environ.pop(DEVICE_WAIT_ENV)
+    return engines
+
+
+def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
+    return {name: {"rows_with_schema": rows, "background_masks": mode != "on_demand",
+                   "masks_waited_on_device": mode == "device_wait"} for name, (rows, mode) in configs.items()}
 
 
 def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
@@ -678,14 +708,14 @@ def compare_code_rounds(args: argparse.Namespace) -> dict:
     for index, batch in enumerate(args.batches):
         row: dict[str, Any] = {"batch": batch}
         for code, runs in results.items():
-            for name in CONFIGS:
+            for name in DEFAULT_CONFIGS:
                 values = [run["rows"][index][f"tpot_ms_{name}"] for run in runs]
                 row[f"{code}_tpot_ms_{name}"] = statistics.median(values)
                 row[f"{code}_tpot_ms_{name}_runs"] = [round(v, 3) for v in values]
                 row[f"{code}_tpot_ms_{name}_min"] = min(values)  # the least disturbed round (shared host)
                 row[f"{code}_cpu_ms_per_step_{name}"] = statistics.median(
                     run["rows"][index][f"cpu_ms_per_step_{name}"] for run in runs)
-            for name in list(CONFIGS)[1:]:
+            for name in DEFAULT_CONFIGS[1:]:
                 row[f"{code}_tpot_overhead_pct_{name}"] = 100.0 * (row[f"{code}_tpot_ms_{name}"]
                                                                    / row[f"{code}_tpot_ms_plain"] - 1)
                 row[f"{code}_tpot_overhead_pct_{name}_min"] = 100.0 * (row[f"{code}_tpot_ms_{name}_min"]
@@ -703,7 +733,7 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
         return compare_code_rounds(args)
     import os
 
-    from openinfer.structured import BACKGROUND_MASKS_ENV, GrammarCompiler
+    from openinfer.structured import GrammarCompiler
 
     directory = qwen3_4b_dummy(Path(args.model_path or "/tmp/openinfer-grammar-qwen3-4b"))
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
@@ -715,28 +745,25 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
     rows = []
     for batch in args.batches:
         forward_ms = args.forward_ms if args.forward_ms is not None else h100_forward_ms(batch)
-        engines = {}
-        for background in (False, True):
-            os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
-            engines[background] = stub_grammar_engine(directory, forward_ms, args.sample_ms, walks, max(args.batches),
-                                                      args.kv_blocks)
-        os.environ.pop(BACKGROUND_MASKS_ENV)
+        configs = {name: CONFIGS[name] for name in args.configs}
+        engines = create_engines(configs, functools.partial(
+            stub_grammar_engine, directory, forward_ms, args.sample_ms, walks, max(args.batches), args.kv_blocks))
         try:
             constraint = STUB_CONSTRAINTS[args.stub_constraint]
             for engine in engines.values():  # warm-up, grammar compiler built
                 decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all", constraint)
-            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):
-                for name, (constrained, background) in CONFIGS.items():
-                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained,
+                for name, (constrained, mode) in configs.items():
+                    runs[name].append(decode_tpot_ms(engines[mode], prompt, batch, args.tokens, constrained,
                                                      constraint))
             row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
                                    "mask_violations": sum(e.model.backend.violations for e in engines.values())}
-            for name in CONFIGS:
+            for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
-            for name in list(CONFIGS)[1:]:
+            for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
             assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
         finally:
@@ -750,8 +777,7 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
             "schema": "people: array of >= 30 PERSON objects; digits: the regex [0-9]{2000}; mixed_half: every "
             "other row has it", "host_cpu_count": os.cpu_count(),
             "host_load_average_1_5_15_min_at_end": os.getloadavg(),
-            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
-            "rows": rows}
+            "configs": configs_json({name: CONFIGS[name] for name in args.configs}), "rows": rows}
 
 
 def run_overhead(args: argparse.Namespace) -> dict:
@@ -761,7 +787,6 @@ def run_overhead(args: argparse.Namespace) -> dict:
         return compare_code_rounds(args)
 
     import openinfer
-    from openinfer.structured import BACKGROUND_MASKS_ENV
     from openinfer.tokenizer import Tokenizer
 
     dummy = args.model == "qwen3-4b-dummy"
@@ -776,13 +801,10 @@ def run_overhead(args: argparse.Namespace) -> dict:
     else:
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": (
             "Describe people as JSON with name, age, email, tags and address.")}]), add_special_tokens=False)
-    engines = {}
     options = {"device": args.device, "max_num_seqs": max(args.batches), "num_kv_blocks": args.kv_blocks,
                "load_format": "dummy" if dummy else "auto"}
-    for background in (False, True):
-        os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
-        engines[background] = openinfer.create_engine(str(directory), **options)
-    os.environ.pop(BACKGROUND_MASKS_ENV)
+    configs = {name: CONFIGS[name] for name in args.configs}
+    engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
     rows = []
     try:
         for batch in args.batches:
@@ -791,18 +813,18 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 masks["gil_check"] = gil_check(batch, vocab, tokenizer_json, eos)
             for engine in engines.values():
                 decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
-            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
-                for name, (constrained, background) in CONFIGS.items():
-                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained))
+                for name, (constrained, mode) in configs.items():
+                    runs[name].append(decode_tpot_ms(engines[mode], prompt, batch, args.tokens, constrained))
             row: dict[str, Any] = {"batch": batch, **masks}
-            for name in CONFIGS:
+            for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"tpot_ms_{name}_min"] = min(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
             plain = row["tpot_ms_plain"]
-            for name in list(CONFIGS)[1:]:
+            for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain
                 row[f"tpot_overhead_pct_{name}_min"] = 100.0 * (row[f"tpot_ms_{name}_min"] - row["tpot_ms_plain_min"]) / \
                     row["tpot_ms_plain_min"]
@@ -818,8 +840,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             if dummy else directory.name, "device": args.device, "tokens_per_request": args.tokens,
             "rounds": args.rounds, "schema": "array of >= 30 PERSON objects (nested object, enum array, "
             "pattern, format); mixed_half: every other row has it", "host_load_average_1_5_15_min_at_end": load,
-            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
-            "rows": rows}
+            "configs": configs_json(configs), "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -834,7 +855,7 @@ def plot(result: dict, path: Path) -> None:
         return
     labels = [f"batch {r['batch']}" for r in rows]
     x = np.arange(len(rows))
-    names = list(CONFIGS)
+    names = list(result["configs"])
     width = 0.8 / len(names)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for k, name in enumerate(names):
@@ -881,7 +902,7 @@ def plot_comparison(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = list(CONFIGS)[1:]
+    names = list(result["configs"])[1:]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
     for ax, row in zip(axes[0], rows, strict=True):
         x = np.arange(len(names))
@@ -918,6 +939,9 @@ def main() -> None:
                              "--model-path, default /tmp/openinfer-grammar-qwen3-4b; for the GPU)")
     parser.add_argument("--model-path", help="a model directory (default: the demo model)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS),
+                        help="configurations side by side (plain first: the others' overheads are against it); "
+                             "*_device_wait: OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1 (CUDA)")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request for TPOT")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for the dummy model")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per engine (two engines are loaded)")
