@@ -469,7 +469,7 @@ class GrammarCompiler:
                 masks._started = True
             masks.bitmask.fill(-1)
         masks._started = True
-        work = [(m.matcher, int(masks.mask_rows[row])) for m, row in matchers]
+        work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
         taken = [(m.matcher, int(token)) for m, token in consume]
         busy = {id(m): m for m, _ in matchers} | {id(m): m for m, _ in consume}
         for matcher in busy.values():

@@ -213,7 +213,8 @@ class PagedEngine:
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         # grammar rows sampled ahead too: the CUDA sampler queues their sampling at once and the
         # GPU waits there for the masks the host computes meanwhile (opt-in until measured)
-        self._masks_waited_on_device = (self._samples_async and model.backend.name == "cuda"
+        waits = getattr(model.backend, "waits_for_grammar_masks", model.backend.name == "cuda")
+        self._masks_waited_on_device = (self._samples_async and waits
                                         and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)

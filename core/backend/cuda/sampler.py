@@ -17,6 +17,7 @@ are built by ``runtime.sampler.device_sampling_inputs``.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,10 +68,10 @@ class _MaskGates:
     TIMEOUT_NS = 10_000_000_000
 
     def __init__(self) -> None:
-        self._flags = cupyx.empty_pinned((self.DEPTH,), np.int32)
-        self._flags[...] = 0
-        self._timed_out = cupyx.empty_pinned((self.DEPTH,), np.int32)
-        self._timed_out[...] = 0
+        # [flags | timed-out marks], mapped into the device's address space (kept for the process)
+        words, self._device_address = _mapped_host_int32(2 * self.DEPTH)
+        words[...] = 0
+        self._flags, self._timed_out = words[:self.DEPTH], words[self.DEPTH:]
         self._buffers: list[np.ndarray | None] = [None] * self.DEPTH
         self._next_slot = 0
         self._sequence = 0
@@ -98,8 +99,8 @@ class _MaskGates:
             self._flags[slot] = sequence
 
         kernel("logit_constraints.cu", "wait_for_host_flag")(
-            (1,), (1,), (np.uint64(self._flags.ctypes.data + 4 * slot), np.int32(sequence),
-                         np.uint64(self.TIMEOUT_NS), np.uint64(self._timed_out.ctypes.data + 4 * slot)))
+            (1,), (1,), (np.uint64(self._device_address + 4 * slot), np.int32(sequence),
+                         np.uint64(self.TIMEOUT_NS), np.uint64(self._device_address + 4 * (self.DEPTH + slot))))
         device = upload_pinned(host)
         masks.when_ready(release)
 
@@ -109,6 +110,20 @@ class _MaskGates:
             masks.wait()
 
         return device, check
+
+
+def _mapped_host_int32(count: int) -> tuple[np.ndarray, int]:
+    """``count`` int32 of pinned host memory mapped for the device (cudaHostAllocPortable |
+    cudaHostAllocMapped) and their device address (with unified addressing, the host's)."""
+    address = cupy.cuda.runtime.hostAlloc(4 * count, 3)
+    array = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(address))
+    device_pointer = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+    if device_pointer is not None:
+        try:
+            return array, int(device_pointer(address, 0))
+        except Exception:  # noqa: BLE001 (an older CuPy's signature): unified addressing, the host address
+            pass
+    return array, address
 
 
 _gates: _MaskGates | None = None
@@ -125,7 +140,8 @@ def upload_pinned(host: np.ndarray) -> cupy.ndarray:
     """``host`` (pinned memory) copied to a new device array on the current stream, asynchronously."""
     device = cupy.empty(host.shape, dtype=host.dtype)
     if host.nbytes:
-        device.data.copy_from_host_async(host.ctypes.data, host.nbytes, cupy.cuda.get_current_stream())
+        device.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), host.nbytes,
+                                         cupy.cuda.get_current_stream())
     return device
 
 
