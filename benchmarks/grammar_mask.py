@@ -621,40 +621,71 @@ def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, wa
                      max_model_len=4096, num_layers=1, num_kv_heads=1, head_dim=1, eos_token_ids=(vocab - 1,))
 
     class Device(StubBackend):
+        """A queue of work run in order, as a CUDA stream: each item starts when launched or when
+        the one before it is done, and a sampling whose grammar masks were still being computed
+        when it was queued (``waits_for_grammar_masks``: the engine samples grammar rows ahead
+        under OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1) also waits until they are."""
+
+        waits_for_grammar_masks = True
+
         def __init__(self) -> None:
             super().__init__(sample_ms / 1e3, vocab, spec.eos_token_ids)
             self.violations = 0
             self.staging = np.empty((max_num_seqs, (vocab + 31) // 32), np.int32)  # the upload's pinned copy
+            self.work: list[tuple[float, float, Any, list[float]]] = []  # launched at, seconds, masks, ready at
+            self.done_at: list[float] = []
 
-        def queue(self, seconds: float) -> float:
-            done = max(clock.perf_counter(), self.device_free_at) + seconds
-            self.device_free_at = done
-            return done
+        def queue(self, seconds: float, masks: Any = None) -> int:
+            ready_at: list[float] = []
+            if masks is not None:
+                masks.when_ready(lambda _: ready_at.append(clock.perf_counter()))
+            self.work.append((clock.perf_counter(), seconds, masks, ready_at))
+            return len(self.work) - 1
+
+        def finish_time(self, index: int) -> float:
+            """When item ``index`` is done (waiting for the masks it waits for to be computed)."""
+            while len(self.done_at) <= index:
+                launched, seconds, masks, ready_at = self.work[len(self.done_at)]
+                start = max(launched, self.done_at[-1] if self.done_at else 0.0)
+                if masks is not None:
+                    try:
+                        masks.wait()
+                    except RuntimeError:  # failed masks: the engine fails the step at read-back
+                        pass
+                    start = max(start, ready_at[0] if ready_at else start)
+                self.done_at.append(start + seconds)
+            return self.done_at[index]
 
         def sample_rows_async(self, logits: Any, rows: Any, masks: Any = None) -> tuple[np.ndarray, Any]:
+            pending = masks is not None and not getattr(masks, "is_ready", True)
             if device_sampling_inputs is not None:
                 inputs = device_sampling_inputs([row.request.sampling for row in rows], masks)
-                if inputs.masks is not None:
+                if inputs.masks is not None and not pending:
                     self.staging[:len(inputs.masks.bitmask)] = inputs.masks.bitmask
             else:
                 old_sampler_host_arrays(rows, masks)
             ids = np.empty(len(rows), np.int32)
+            checked = []  # (row, token) of grammar rows live at launch: their masks must allow the token
             for i, row in enumerate(rows):
                 request = row.request
                 if request.sampling.grammar is not None:
                     walk = walks[int(request.request_id.rsplit("-", 1)[1])]
                     token = walk[min(row.position + 1 - request.num_prompt_tokens, len(walk) - 1)]
-                    mask = masks.row(i) if masks is not None else None
-                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
-                        self.violations += not request.is_finished
+                    if not request.is_finished:
+                        checked.append((i, token))
                 else:
                     token = FIRST_PLAIN_ID + (row.position * 7) % (vocab - FIRST_PLAIN_ID - 1)
                 ids[i] = token
-            done = self.queue(self.step_s)
+            item = self.queue(self.step_s, masks if pending else None)
             self.num_device_steps += 1
 
             def read_back() -> list[RowSample]:
-                clock.sleep(max(0.0, done - clock.perf_counter()))
+                clock.sleep(max(0.0, self.finish_time(item) - clock.perf_counter()))
+                ready = masks.wait() if masks is not None else None
+                for i, token in checked:
+                    mask = ready.row(i) if ready is not None else None
+                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
+                        self.violations += 1
                 return [RowSample(int(token)) for token in ids]
 
             return ids, read_back

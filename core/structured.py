@@ -467,9 +467,12 @@ class GrammarCompiler:
                 if masks._started:
                     raise RuntimeError("these grammar masks were started already")
                 masks._started = True
-            masks.bitmask.fill(-1)
         masks._started = True
         work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
+        if into is not None and len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
+            idle = np.ones(len(masks.bitmask), bool)
+            idle[[j for _, j in work]] = False
+            masks.bitmask[idle] = -1
         taken = [(m.matcher, int(token)) for m, token in consume]
         busy = {id(m): m for m, _ in matchers} | {id(m): m for m, _ in consume}
         for matcher in busy.values():
