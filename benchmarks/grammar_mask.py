@@ -839,8 +839,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
     rows = []
     try:
         for batch in args.batches:
-            masks = mask_step_ms(batch, vocab, tokenizer_json, eos)
-            if batch == max(args.batches):
+            masks = {} if args.tpot_only else mask_step_ms(batch, vocab, tokenizer_json, eos)
+            if batch == max(args.batches) and not args.tpot_only:
                 masks["gil_check"] = gil_check(batch, vocab, tokenizer_json, eos)
             for engine in engines.values():
                 decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
@@ -848,6 +848,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
                     runs[name].append(decode_tpot_ms(engines[mode], prompt, batch, args.tokens, constrained))
+                    print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
@@ -970,6 +971,8 @@ def main() -> None:
                              "--model-path, default /tmp/openinfer-grammar-qwen3-4b; for the GPU)")
     parser.add_argument("--model-path", help="a model directory (default: the demo model)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--tpot-only", action="store_true",
+                        help="skip the mask work without a model (a): end-to-end TPOT only (a short GPU window)")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS),
                         help="configurations side by side (plain first: the others' overheads are against it); "
                              "*_device_wait: OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1 (CUDA)")

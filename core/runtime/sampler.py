@@ -96,7 +96,7 @@ def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache, bac
     the same job, off this thread. Without ``background``, computed before returning.
     ``into``: the step's pending masks (:func:`pending_grammar_masks`), started now."""
     constrained = _constrained_rows(rows)
-    if not constrained and into is None:
+    if not constrained and into is None and not consume:  # (tokens to consume: a preempted request's too)
         return None
     return compilers.get().start_masks(constrained, len(rows), background, consume, into)
 
