@@ -289,20 +289,46 @@ MODES = {"on_demand": ("0", "0"), "background": ("1", "0"), "device_wait": ("1",
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
-    """One engine per mode the configurations use, each created under its mode's environment."""
+    """An engine per mode the configurations use, created under its mode's environment; modes
+    differing only in the device wait share one engine (``grammar_masks_waited_on_device`` is
+    switched before each run, see :func:`use_mode`) where the engine has that switch."""
     import os
 
-    from openinfer.structured import BACKGROUND_MASKS_ENV, DEVICE_WAIT_ENV
+    from openinfer.structured import BACKGROUND_MASKS_ENV
 
-    engines = {}
+    try:
+        from openinfer.structured import DEVICE_WAIT_ENV
+    except ImportError:  # an engine from before the device wait (--compare-code): the variable is ignored
+        DEVICE_WAIT_ENV = "OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT"  # noqa: N806
+
+    engines: dict[str, Any] = {}
+    by_background: dict[str, Any] = {}
     for mode in dict.fromkeys(mode for _, mode in configs.values()):
+        background = MODES[mode][0]
+        shared = by_background.get(background)
+        if shared is not None and hasattr(shared, "grammar_masks_waited_on_device"):
+            engines[mode] = shared
+            continue
         os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode]
         try:
-            engines[mode] = create()
+            engines[mode] = by_background[background] = create()
         finally:
             os.environ.pop(BACKGROUND_MASKS_ENV)
             os.environ.pop(DEVICE_WAIT_ENV)
     return engines
+
+
+def use_mode(engines: dict[str, Any], mode: str) -> Any:
+    """The engine of ``mode``, its device wait switched on or off for it."""
+    engine = engines[mode]
+    if hasattr(engine, "grammar_masks_waited_on_device"):
+        engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
+    return engine
+
+
+def close_engines(engines: dict[str, Any]) -> None:
+    for engine in {id(e): e for e in engines.values()}.values():
+        asyncio.run(engine.close())
 
 
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
@@ -781,15 +807,16 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
             stub_grammar_engine, directory, forward_ms, args.sample_ms, walks, max(args.batches), args.kv_blocks))
         try:
             constraint = STUB_CONSTRAINTS[args.stub_constraint]
-            for engine in engines.values():  # warm-up, grammar compiler built
-                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all", constraint)
+            for mode in engines:  # warm-up, grammar compiler built
+                decode_tpot_ms(use_mode(engines, mode), prompt, min(batch, 4), 4, "all", constraint)
             runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):
                 for name, (constrained, mode) in configs.items():
-                    runs[name].append(decode_tpot_ms(engines[mode], prompt, batch, args.tokens, constrained,
-                                                     constraint))
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens,
+                                                     constrained, constraint))
             row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
-                                   "mask_violations": sum(e.model.backend.violations for e in engines.values())}
+                                   "mask_violations": sum(e.model.backend.violations
+                                                          for e in {id(e): e for e in engines.values()}.values())}
             for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
@@ -798,8 +825,7 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
             assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
         finally:
-            for engine in engines.values():
-                asyncio.run(engine.close())
+            close_engines(engines)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"model": "stub device: the engine on the CPU, forward/sampling times of the Qwen3-4B shape on an H100 "
@@ -842,12 +868,12 @@ def run_overhead(args: argparse.Namespace) -> dict:
             masks = {} if args.tpot_only else mask_step_ms(batch, vocab, tokenizer_json, eos)
             if batch == max(args.batches) and not args.tpot_only:
                 masks["gil_check"] = gil_check(batch, vocab, tokenizer_json, eos)
-            for engine in engines.values():
-                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
+            for mode in engines:  # warm-up, grammar compiler built (the device wait's kernel compiled)
+                decode_tpot_ms(use_mode(engines, mode), prompt, min(batch, 4), 4, "all")
             runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
-                    runs[name].append(decode_tpot_ms(engines[mode], prompt, batch, args.tokens, constrained))
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained))
                     print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
@@ -865,8 +891,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for engine in engines.values():
-            asyncio.run(engine.close())
+        close_engines(engines)
     load = os.getloadavg()
     return {"model": "Qwen3-4B shape, random bf16 weights, synthetic 151,936-token byte-level vocabulary"
             if dummy else directory.name, "device": args.device, "tokens_per_request": args.tokens,

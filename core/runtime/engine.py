@@ -213,9 +213,9 @@ class PagedEngine:
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         # grammar rows sampled ahead too: the CUDA sampler queues their sampling at once and the
         # GPU waits there for the masks the host computes meanwhile (opt-in until measured)
-        waits = getattr(model.backend, "waits_for_grammar_masks", model.backend.name == "cuda")
-        self._masks_waited_on_device = (self._samples_async and waits
-                                        and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
+        self._masks_waited_on_device = False
+        self.grammar_masks_waited_on_device = (self.can_wait_for_grammar_masks_on_device
+                                               and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
         # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
@@ -248,6 +248,26 @@ class PagedEngine:
         if self._stopping or not self._thread.is_alive():
             return pb.HealthResponse(healthy=False, message="engine is shut down")
         return pb.HealthResponse(healthy=True, message="ok")
+
+    @property
+    def can_wait_for_grammar_masks_on_device(self) -> bool:
+        """The backend samples asynchronously and its stream can wait for grammar masks the
+        host is still computing (CUDA: ``backend.cuda.sampler``)."""
+        backend = self.model.backend
+        return self._samples_async and bool(getattr(backend, "waits_for_grammar_masks", backend.name == "cuda"))
+
+    @property
+    def grammar_masks_waited_on_device(self) -> bool:
+        """Grammar rows are sampled ahead like the others and the device waits for their masks
+        (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` at creation); else their sampling waits on the
+        host. May be switched while no request runs (side-by-side measurements)."""
+        return self._masks_waited_on_device
+
+    @grammar_masks_waited_on_device.setter
+    def grammar_masks_waited_on_device(self, value: bool) -> None:
+        if value and not self.can_wait_for_grammar_masks_on_device:
+            raise ValueError(f"the {self.model.backend.name} backend cannot wait for grammar masks on the device")
+        self._masks_waited_on_device = bool(value)
 
     @property
     def step_timer(self) -> StepTimer | None:

@@ -147,3 +147,22 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish.reason for o in got] == [o.finish.reason for o in want]
     assert sum(queued_pending) >= 8, queued_pending  # the grammar rows' masks were waited for on the "device"
+
+
+def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, monkeypatch):
+    """``grammar_masks_waited_on_device``: off by default; the NumPy backend (no device stream)
+    refuses it, and the environment switch is ignored there."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer.structured import DEVICE_WAIT_ENV
+
+    monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
+    config = json.loads((model_dir / "config.json").read_text())
+    engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
+    try:
+        assert not engine.can_wait_for_grammar_masks_on_device and not engine.grammar_masks_waited_on_device
+        with pytest.raises(ValueError, match="cannot wait for grammar masks"):
+            engine.grammar_masks_waited_on_device = True
+        engine.grammar_masks_waited_on_device = False
+    finally:
+        engine.close_sync()
