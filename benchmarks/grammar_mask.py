@@ -24,7 +24,10 @@ max_tokens), measured side by side in one run:
     before); the schema with background masks (now); half the rows with the schema, half
     without, in the same batches. On a shared CPU the wall times swing with the other load
     (the JSON keeps every round, median and minimum, and the host's load average); the CPU time
-    per step is the steadier number. The goal is < 5 % TPOT at batch 64.
+    per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` adds
+    ``schema_device_wait`` / ``mixed_half_device_wait``: grammar rows sampled ahead, the GPU
+    waiting for their masks (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``; switched per run on one
+    engine); ``--tpot-only`` skips (a) for a short GPU window.
 
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA

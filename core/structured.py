@@ -10,12 +10,16 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
 * the engine owns one :class:`GrammarCompiler` per tokenizer (the vocabulary as llguidance sees
   it is built once from ``tokenizer.json``) and gives each constrained request a
   :class:`GrammarMatcher`;
-* after a step's tokens are read back, each matcher consumes its token (``SamplingState.record``)
-  and the engine hands the matchers of the step sampled next to :meth:`GrammarCompiler.start_masks`
-  at once: one parallel llguidance call fills their allowed-token bitmasks (one int32 word per
-  32 tokens, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed) on a background thread
-  (:class:`MaskWorker`) while the engine emits, schedules and builds the next batch and the
-  device runs the forward;
+* after a step's tokens are read back, the engine hands them and the matchers of the step
+  sampled next to :meth:`GrammarCompiler.start_masks` at once: on a background thread
+  (:class:`MaskWorker`), one parallel llguidance call advances the matchers by their tokens and
+  one fills their allowed-token bitmasks (one int32 word per 32 tokens, bit ``t % 32`` of word
+  ``t // 32`` set = token ``t`` allowed), the GIL released, while the engine emits, schedules
+  and builds the next batch and the device runs the forward;
+* with ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on CUDA, a step with grammar rows is sampled
+  ahead like any other, before its masks exist (:meth:`StepMasks.pending`): the GPU stream waits
+  for them (``backend.cuda.sampler``), so neither the mask work nor the engine's host work lies
+  between two device steps;
 * the samplers apply the step's compact masks (:class:`StepMasks`): :func:`apply_bitmasks` on
   NumPy, one kernel for the whole batch on CUDA, rows with and without a grammar together.
 

@@ -249,8 +249,9 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
     and an asynchronous copy of the ids into pinned memory.
 
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
-    work queued after it — or None when some row needs the host sampler. The engine calls it
-    for a row needing the previous token on the host (a grammar) only once that token is there.
+    work queued after it — or None when some row needs the host sampler. ``masks`` not computed
+    yet (the engine's device wait, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``) are waited for on
+    the GPU (``_MaskGates``); ``read_back()`` raises when they failed.
     """
     if not rows or not all(row.samples and kernel_can_sample(row.request) for row in rows):
         return None
