@@ -166,3 +166,35 @@ def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, mon
         engine.grammar_masks_waited_on_device = False
     finally:
         engine.close_sync()
+
+
+def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir):
+    """A KV pool too small for every request: requests are preempted and recomputed while their
+    grammar rows run ahead (the mask worker consumes each step's tokens, also of a request the
+    next step leaves out); outputs equal the synchronous engine's, each accepted by its grammar."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer.structured import GrammarCompiler
+
+    config = json.loads((model_dir / "config.json").read_text())
+    requests = []
+    for i in range(6):
+        request = generate_request(f"g{i}", [5 + i, 9, 11, 20 + i], max_tokens=44, ignore_eos=True)
+        request.structured_output.regex = "[a-z]{2,6}( [a-z]{2,6}){0,40}"
+        requests.append(request)
+    outputs = {}
+    for mode in (False, True):
+        engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(
+            device="cpu", async_scheduling=mode, num_kv_blocks=12, enable_prefix_cache=False))
+        try:
+            outputs[mode] = run_all(engine, requests)
+            assert engine.scheduler.num_preemptions > 0
+            eos = list(engine.info().eos_token_ids)
+        finally:
+            engine.close_sync()
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    compiler = GrammarCompiler.from_dir(str(model_dir), config["vocab_size"], eos)
+    for request, outcome in zip(requests, outputs[True], strict=True):
+        assert outcome.error is None and len(outcome.token_ids) == 44
+        matcher = compiler.compile(request.structured_output)
+        assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id
