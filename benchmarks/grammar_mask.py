@@ -24,7 +24,10 @@ max_tokens), measured side by side in one run:
     before); the schema with background masks (now); half the rows with the schema, half
     without, in the same batches. On a shared CPU the wall times swing with the other load
     (the JSON keeps every round, median and minimum, and the host's load average); the CPU time
-    per step is the steadier number. The goal is < 5 % TPOT at batch 64.
+    per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` adds
+    ``schema_device_wait`` / ``mixed_half_device_wait``: grammar rows sampled ahead, the GPU
+    waiting for their masks (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``; switched per run on one
+    engine); ``--tpot-only`` skips (a) for a short GPU window.
 
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import statistics
@@ -276,8 +280,63 @@ STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"r
 # configurations measured side by side (alternating rounds): which rows carry the schema, and
 # whether the engine computes masks in the background as tokens are consumed (the default) or
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
-CONFIGS = {"plain": ("none", True), "schema_on_demand": ("all", False), "schema_background": ("all", True),
-           "mixed_half_background": ("half", True)}
+# when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before); device_wait:
+# background masks, grammar rows sampled ahead and the GPU waiting for their masks
+# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``)
+CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
+           "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
+           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait")}
+DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
+# the environment an engine of each mode is created under (masks in the background, waited for on the device)
+MODES = {"on_demand": ("0", "0"), "background": ("1", "0"), "device_wait": ("1", "1")}
+
+
+def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
+    """An engine per mode the configurations use, created under its mode's environment; modes
+    differing only in the device wait share one engine (``grammar_masks_waited_on_device`` is
+    switched before each run, see :func:`use_mode`) where the engine has that switch."""
+    import os
+
+    from openinfer.structured import BACKGROUND_MASKS_ENV
+
+    try:
+        from openinfer.structured import DEVICE_WAIT_ENV
+    except ImportError:  # an engine from before the device wait (--compare-code): the variable is ignored
+        DEVICE_WAIT_ENV = "OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT"  # noqa: N806
+
+    engines: dict[str, Any] = {}
+    by_background: dict[str, Any] = {}
+    for mode in dict.fromkeys(mode for _, mode in configs.values()):
+        background = MODES[mode][0]
+        shared = by_background.get(background)
+        if shared is not None and hasattr(shared, "grammar_masks_waited_on_device"):
+            engines[mode] = shared
+            continue
+        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode]
+        try:
+            engines[mode] = by_background[background] = create()
+        finally:
+            os.environ.pop(BACKGROUND_MASKS_ENV)
+            os.environ.pop(DEVICE_WAIT_ENV)
+    return engines
+
+
+def use_mode(engines: dict[str, Any], mode: str) -> Any:
+    """The engine of ``mode``, its device wait switched on or off for it."""
+    engine = engines[mode]
+    if hasattr(engine, "grammar_masks_waited_on_device"):
+        engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
+    return engine
+
+
+def close_engines(engines: dict[str, Any]) -> None:
+    for engine in {id(e): e for e in engines.values()}.values():
+        asyncio.run(engine.close())
+
+
+def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
+    return {name: {"rows_with_schema": rows, "background_masks": mode != "on_demand",
+                   "masks_waited_on_device": mode == "device_wait"} for name, (rows, mode) in configs.items()}
 
 
 def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
@@ -591,40 +650,71 @@ def stub_grammar_engine(directory: Path, forward_ms: float, sample_ms: float, wa
                      max_model_len=4096, num_layers=1, num_kv_heads=1, head_dim=1, eos_token_ids=(vocab - 1,))
 
     class Device(StubBackend):
+        """A queue of work run in order, as a CUDA stream: each item starts when launched or when
+        the one before it is done, and a sampling whose grammar masks were still being computed
+        when it was queued (``waits_for_grammar_masks``: the engine samples grammar rows ahead
+        under OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1) also waits until they are."""
+
+        waits_for_grammar_masks = True
+
         def __init__(self) -> None:
             super().__init__(sample_ms / 1e3, vocab, spec.eos_token_ids)
             self.violations = 0
             self.staging = np.empty((max_num_seqs, (vocab + 31) // 32), np.int32)  # the upload's pinned copy
+            self.work: list[tuple[float, float, Any, list[float]]] = []  # launched at, seconds, masks, ready at
+            self.done_at: list[float] = []
 
-        def queue(self, seconds: float) -> float:
-            done = max(clock.perf_counter(), self.device_free_at) + seconds
-            self.device_free_at = done
-            return done
+        def queue(self, seconds: float, masks: Any = None) -> int:
+            ready_at: list[float] = []
+            if masks is not None:
+                masks.when_ready(lambda _: ready_at.append(clock.perf_counter()))
+            self.work.append((clock.perf_counter(), seconds, masks, ready_at))
+            return len(self.work) - 1
+
+        def finish_time(self, index: int) -> float:
+            """When item ``index`` is done (waiting for the masks it waits for to be computed)."""
+            while len(self.done_at) <= index:
+                launched, seconds, masks, ready_at = self.work[len(self.done_at)]
+                start = max(launched, self.done_at[-1] if self.done_at else 0.0)
+                if masks is not None:
+                    try:
+                        masks.wait()
+                    except RuntimeError:  # failed masks: the engine fails the step at read-back
+                        pass
+                    start = max(start, ready_at[0] if ready_at else start)
+                self.done_at.append(start + seconds)
+            return self.done_at[index]
 
         def sample_rows_async(self, logits: Any, rows: Any, masks: Any = None) -> tuple[np.ndarray, Any]:
+            pending = masks is not None and not getattr(masks, "is_ready", True)
             if device_sampling_inputs is not None:
                 inputs = device_sampling_inputs([row.request.sampling for row in rows], masks)
-                if inputs.masks is not None:
+                if inputs.masks is not None and not pending:
                     self.staging[:len(inputs.masks.bitmask)] = inputs.masks.bitmask
             else:
                 old_sampler_host_arrays(rows, masks)
             ids = np.empty(len(rows), np.int32)
+            checked = []  # (row, token) of grammar rows live at launch: their masks must allow the token
             for i, row in enumerate(rows):
                 request = row.request
                 if request.sampling.grammar is not None:
                     walk = walks[int(request.request_id.rsplit("-", 1)[1])]
                     token = walk[min(row.position + 1 - request.num_prompt_tokens, len(walk) - 1)]
-                    mask = masks.row(i) if masks is not None else None
-                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
-                        self.violations += not request.is_finished
+                    if not request.is_finished:
+                        checked.append((i, token))
                 else:
                     token = FIRST_PLAIN_ID + (row.position * 7) % (vocab - FIRST_PLAIN_ID - 1)
                 ids[i] = token
-            done = self.queue(self.step_s)
+            item = self.queue(self.step_s, masks if pending else None)
             self.num_device_steps += 1
 
             def read_back() -> list[RowSample]:
-                clock.sleep(max(0.0, done - clock.perf_counter()))
+                clock.sleep(max(0.0, self.finish_time(item) - clock.perf_counter()))
+                ready = masks.wait() if masks is not None else None
+                for i, token in checked:
+                    mask = ready.row(i) if ready is not None else None
+                    if mask is None or not (int(mask[token >> 5]) >> (token & 31)) & 1:
+                        self.violations += 1
                 return [RowSample(int(token)) for token in ids]
 
             return ids, read_back
@@ -678,14 +768,14 @@ def compare_code_rounds(args: argparse.Namespace) -> dict:
     for index, batch in enumerate(args.batches):
         row: dict[str, Any] = {"batch": batch}
         for code, runs in results.items():
-            for name in CONFIGS:
+            for name in DEFAULT_CONFIGS:
                 values = [run["rows"][index][f"tpot_ms_{name}"] for run in runs]
                 row[f"{code}_tpot_ms_{name}"] = statistics.median(values)
                 row[f"{code}_tpot_ms_{name}_runs"] = [round(v, 3) for v in values]
                 row[f"{code}_tpot_ms_{name}_min"] = min(values)  # the least disturbed round (shared host)
                 row[f"{code}_cpu_ms_per_step_{name}"] = statistics.median(
                     run["rows"][index][f"cpu_ms_per_step_{name}"] for run in runs)
-            for name in list(CONFIGS)[1:]:
+            for name in DEFAULT_CONFIGS[1:]:
                 row[f"{code}_tpot_overhead_pct_{name}"] = 100.0 * (row[f"{code}_tpot_ms_{name}"]
                                                                    / row[f"{code}_tpot_ms_plain"] - 1)
                 row[f"{code}_tpot_overhead_pct_{name}_min"] = 100.0 * (row[f"{code}_tpot_ms_{name}_min"]
@@ -703,7 +793,7 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
         return compare_code_rounds(args)
     import os
 
-    from openinfer.structured import BACKGROUND_MASKS_ENV, GrammarCompiler
+    from openinfer.structured import GrammarCompiler
 
     directory = qwen3_4b_dummy(Path(args.model_path or "/tmp/openinfer-grammar-qwen3-4b"))
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
@@ -715,33 +805,30 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
     rows = []
     for batch in args.batches:
         forward_ms = args.forward_ms if args.forward_ms is not None else h100_forward_ms(batch)
-        engines = {}
-        for background in (False, True):
-            os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
-            engines[background] = stub_grammar_engine(directory, forward_ms, args.sample_ms, walks, max(args.batches),
-                                                      args.kv_blocks)
-        os.environ.pop(BACKGROUND_MASKS_ENV)
+        configs = {name: CONFIGS[name] for name in args.configs}
+        engines = create_engines(configs, functools.partial(
+            stub_grammar_engine, directory, forward_ms, args.sample_ms, walks, max(args.batches), args.kv_blocks))
         try:
             constraint = STUB_CONSTRAINTS[args.stub_constraint]
-            for engine in engines.values():  # warm-up, grammar compiler built
-                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all", constraint)
-            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            for mode in engines:  # warm-up, grammar compiler built
+                decode_tpot_ms(use_mode(engines, mode), prompt, min(batch, 4), 4, "all", constraint)
+            runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):
-                for name, (constrained, background) in CONFIGS.items():
-                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained,
-                                                     constraint))
+                for name, (constrained, mode) in configs.items():
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens,
+                                                     constrained, constraint))
             row: dict[str, Any] = {"batch": batch, "device_forward_ms": forward_ms, "device_sample_ms": args.sample_ms,
-                                   "mask_violations": sum(e.model.backend.violations for e in engines.values())}
-            for name in CONFIGS:
+                                   "mask_violations": sum(e.model.backend.violations
+                                                          for e in {id(e): e for e in engines.values()}.values())}
+            for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
-            for name in list(CONFIGS)[1:]:
+            for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
             assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
         finally:
-            for engine in engines.values():
-                asyncio.run(engine.close())
+            close_engines(engines)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"model": "stub device: the engine on the CPU, forward/sampling times of the Qwen3-4B shape on an H100 "
@@ -750,8 +837,7 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
             "schema": "people: array of >= 30 PERSON objects; digits: the regex [0-9]{2000}; mixed_half: every "
             "other row has it", "host_cpu_count": os.cpu_count(),
             "host_load_average_1_5_15_min_at_end": os.getloadavg(),
-            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
-            "rows": rows}
+            "configs": configs_json({name: CONFIGS[name] for name in args.configs}), "rows": rows}
 
 
 def run_overhead(args: argparse.Namespace) -> dict:
@@ -761,7 +847,6 @@ def run_overhead(args: argparse.Namespace) -> dict:
         return compare_code_rounds(args)
 
     import openinfer
-    from openinfer.structured import BACKGROUND_MASKS_ENV
     from openinfer.tokenizer import Tokenizer
 
     dummy = args.model == "qwen3-4b-dummy"
@@ -776,33 +861,31 @@ def run_overhead(args: argparse.Namespace) -> dict:
     else:
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": (
             "Describe people as JSON with name, age, email, tags and address.")}]), add_special_tokens=False)
-    engines = {}
     options = {"device": args.device, "max_num_seqs": max(args.batches), "num_kv_blocks": args.kv_blocks,
                "load_format": "dummy" if dummy else "auto"}
-    for background in (False, True):
-        os.environ[BACKGROUND_MASKS_ENV] = "1" if background else "0"
-        engines[background] = openinfer.create_engine(str(directory), **options)
-    os.environ.pop(BACKGROUND_MASKS_ENV)
+    configs = {name: CONFIGS[name] for name in args.configs}
+    engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
     rows = []
     try:
         for batch in args.batches:
-            masks = mask_step_ms(batch, vocab, tokenizer_json, eos)
-            if batch == max(args.batches):
+            masks = {} if args.tpot_only else mask_step_ms(batch, vocab, tokenizer_json, eos)
+            if batch == max(args.batches) and not args.tpot_only:
                 masks["gil_check"] = gil_check(batch, vocab, tokenizer_json, eos)
-            for engine in engines.values():
-                decode_tpot_ms(engine, prompt, min(batch, 4), 4, "all")  # warm-up, grammar compiler built
-            runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+            for mode in engines:  # warm-up, grammar compiler built (the device wait's kernel compiled)
+                decode_tpot_ms(use_mode(engines, mode), prompt, min(batch, 4), 4, "all")
+            runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
-                for name, (constrained, background) in CONFIGS.items():
-                    runs[name].append(decode_tpot_ms(engines[background], prompt, batch, args.tokens, constrained))
+                for name, (constrained, mode) in configs.items():
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained))
+                    print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
-            for name in CONFIGS:
+            for name in configs:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"tpot_ms_{name}_min"] = min(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
             plain = row["tpot_ms_plain"]
-            for name in list(CONFIGS)[1:]:
+            for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain
                 row[f"tpot_overhead_pct_{name}_min"] = 100.0 * (row[f"tpot_ms_{name}_min"] - row["tpot_ms_plain_min"]) / \
                     row["tpot_ms_plain_min"]
@@ -811,15 +894,13 @@ def run_overhead(args: argparse.Namespace) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for engine in engines.values():
-            asyncio.run(engine.close())
+        close_engines(engines)
     load = os.getloadavg()
     return {"model": "Qwen3-4B shape, random bf16 weights, synthetic 151,936-token byte-level vocabulary"
             if dummy else directory.name, "device": args.device, "tokens_per_request": args.tokens,
             "rounds": args.rounds, "schema": "array of >= 30 PERSON objects (nested object, enum array, "
             "pattern, format); mixed_half: every other row has it", "host_load_average_1_5_15_min_at_end": load,
-            "configs": {name: {"rows_with_schema": c, "background_masks": b} for name, (c, b) in CONFIGS.items()},
-            "rows": rows}
+            "configs": configs_json(configs), "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -834,7 +915,7 @@ def plot(result: dict, path: Path) -> None:
         return
     labels = [f"batch {r['batch']}" for r in rows]
     x = np.arange(len(rows))
-    names = list(CONFIGS)
+    names = list(result["configs"])
     width = 0.8 / len(names)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for k, name in enumerate(names):
@@ -881,7 +962,7 @@ def plot_comparison(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = list(CONFIGS)[1:]
+    names = list(result["configs"])[1:]
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
     for ax, row in zip(axes[0], rows, strict=True):
         x = np.arange(len(names))
@@ -918,6 +999,11 @@ def main() -> None:
                              "--model-path, default /tmp/openinfer-grammar-qwen3-4b; for the GPU)")
     parser.add_argument("--model-path", help="a model directory (default: the demo model)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--tpot-only", action="store_true",
+                        help="skip the mask work without a model (a): end-to-end TPOT only (a short GPU window)")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS),
+                        help="configurations side by side (plain first: the others' overheads are against it); "
+                             "*_device_wait: OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1 (CUDA)")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request for TPOT")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for the dummy model")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV pool per engine (two engines are loaded)")

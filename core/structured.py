@@ -10,12 +10,16 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
 * the engine owns one :class:`GrammarCompiler` per tokenizer (the vocabulary as llguidance sees
   it is built once from ``tokenizer.json``) and gives each constrained request a
   :class:`GrammarMatcher`;
-* after a step's tokens are read back, each matcher consumes its token (``SamplingState.record``)
-  and the engine hands the matchers of the step sampled next to :meth:`GrammarCompiler.start_masks`
-  at once: one parallel llguidance call fills their allowed-token bitmasks (one int32 word per
-  32 tokens, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed) on a background thread
-  (:class:`MaskWorker`) while the engine emits, schedules and builds the next batch and the
-  device runs the forward;
+* after a step's tokens are read back, the engine hands them and the matchers of the step
+  sampled next to :meth:`GrammarCompiler.start_masks` at once: on a background thread
+  (:class:`MaskWorker`), one parallel llguidance call advances the matchers by their tokens and
+  one fills their allowed-token bitmasks (one int32 word per 32 tokens, bit ``t % 32`` of word
+  ``t // 32`` set = token ``t`` allowed), the GIL released, while the engine emits, schedules
+  and builds the next batch and the device runs the forward;
+* with ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on CUDA, a step with grammar rows is sampled
+  ahead like any other, before its masks exist (:meth:`StepMasks.pending`): the GPU stream waits
+  for them (``backend.cuda.sampler``), so neither the mask work nor the engine's host work lies
+  between two device steps;
 * the samplers apply the step's compact masks (:class:`StepMasks`): :func:`apply_bitmasks` on
   NumPy, one kernel for the whole batch on CUDA, rows with and without a grammar together.
 
@@ -164,6 +168,75 @@ class StepMasks:
         self.mask_rows = mask_rows  # [rows] int32
         self._done = done
         self._failed = False
+        self._started = True  # False for pending masks (see ``pending``) until they are started
+        self._filled = done is None  # computed (or failed): the ready callbacks have run
+        self._ready_callbacks: list = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def pending(cls, rows: Sequence[int], num_rows: int, words: int) -> StepMasks:
+        """The masks of the logits rows ``rows`` of a step sampled before its matchers consumed
+        the previous step's tokens: a device sampler queues its sampling behind them
+        (:meth:`when_ready`), :meth:`GrammarCompiler.start_masks` (``into``) computes them later."""
+        mask_rows = np.full(num_rows, -1, np.int32)
+        mask_rows[np.asarray(rows, dtype=np.int64)] = np.arange(len(rows), dtype=np.int32)
+        masks = cls(np.empty((len(rows), words), np.int32), mask_rows, threading.Event())
+        masks._started = False
+        return masks
+
+    @property
+    def is_ready(self) -> bool:
+        return self._filled
+
+    @property
+    def is_started(self) -> bool:
+        return self._started
+
+    def when_ready(self, callback) -> None:
+        """Call ``callback(self)`` once the masks are computed (or failed: ``failed``), on the
+        thread that finished them, or at once when they are."""
+        with self._lock:
+            if not self._filled:
+                self._ready_callbacks.append(callback)
+                return
+        callback(self)
+
+    def compute_into(self, buffer: np.ndarray) -> bool:
+        """Pending masks not started yet are computed straight into ``buffer`` (e.g. pinned
+        memory a device copies from; same shape and dtype); False when already started."""
+        with self._lock:
+            if self._started or buffer.shape != self.bitmask.shape or buffer.dtype != self.bitmask.dtype:
+                return False
+            self.bitmask = buffer
+            return True
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+    def _finish(self, failed: bool = False) -> None:
+        """Computed (or failed): run the ready callbacks, then wake the waiters."""
+        with self._lock:
+            self._failed = self._failed or failed
+            self._filled = True
+            callbacks, self._ready_callbacks = self._ready_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a device sampler's release: logged, the step fails at read-back
+                logger.exception("a grammar-mask ready callback failed")
+        if self._done is not None:
+            self._done.set()
+
+    def abandon(self) -> None:
+        """Give up pending masks that were never started (their step's requests fail): every
+        row allows everything, the ready callbacks run and ``wait`` raises."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self.bitmask.fill(-1)
+        self._finish(failed=True)
 
     @classmethod
     def from_rows(cls, bitmask: np.ndarray, constrained: Iterable[int]) -> StepMasks:
@@ -182,7 +255,6 @@ class StepMasks:
         """The masks, once computed; raises ``RuntimeError`` when the computation failed."""
         if self._done is not None:
             self._done.wait()
-            self._done = None
         if self._failed:
             raise RuntimeError("computing the step's grammar masks failed (see the log)")
         return self
@@ -192,8 +264,9 @@ class StepMasks:
         return self.bitmask[j] if j >= 0 else None
 
     def subset(self, indices: Sequence[int]) -> StepMasks:
-        """The masks of the logits rows ``indices``, renumbered 0..len(indices) - 1."""
-        return StepMasks(self.bitmask, self.mask_rows[np.asarray(indices, dtype=np.int64)])
+        """The masks of the logits rows ``indices``, renumbered 0..len(indices) - 1 (computed
+        ones: ``wait`` first)."""
+        return StepMasks(self.wait().bitmask, self.mask_rows[np.asarray(indices, dtype=np.int64)])
 
 
 class MaskWorker:
@@ -216,19 +289,22 @@ class MaskWorker:
     def __init__(self, executor: llg.LLExecutor):
         self._executor = executor
         self._wakeup = threading.Condition()
-        self._jobs: list[tuple[list[tuple[llg.LLMatcher, int]], StepMasks, threading.Event, threading.Event]] = []
+        self._jobs: list[tuple[list[tuple[llg.LLMatcher, int]], list[tuple[llg.LLMatcher, int]], StepMasks,
+                               threading.Event]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
         _OPEN_MASK_WORKERS.add(self)
 
-    def submit(self, matchers: list[tuple[llg.LLMatcher, int]], masks: StepMasks, done: threading.Event) -> bool:
-        """Fill ``masks.bitmask`` for ``matchers`` (matcher, bitmask row) and set ``done``; False
-        when closed (nothing was started)."""
+    def submit(self, consume: list[tuple[llg.LLMatcher, int]], matchers: list[tuple[llg.LLMatcher, int]],
+               masks: StepMasks) -> bool:
+        """Advance the matchers of ``consume`` (matcher, token id) by their tokens, then fill
+        ``masks.bitmask`` for ``matchers`` (matcher, bitmask row) and finish ``masks``; False when
+        closed (nothing was started)."""
         taken = threading.Event()
         with self._wakeup:
             if self._closed:
                 return False
-            self._jobs.append((matchers, masks, done, taken))
+            self._jobs.append((consume, matchers, masks, taken))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="openinfer-grammar-masks", daemon=True)
                 self._thread.start()
@@ -254,14 +330,37 @@ class MaskWorker:
                 if not self._jobs:
                     self._thread = None
                     return
-                matchers, masks, done, taken = self._jobs.pop(0)
+                consume, matchers, masks, taken = self._jobs.pop(0)
             taken.set()
+            failed = False
             try:
-                llg_numpy.fill_next_token_bitmask_par(self._executor, matchers, masks.bitmask)
+                fill_masks(self._executor, consume, matchers, masks.bitmask)
             except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
                 logger.exception("computing grammar masks in the background failed")
-                masks._failed = True
-            done.set()
+                failed = True
+            masks._finish(failed)
+
+
+def consume_tokens(executor: llg.LLExecutor, consume: Sequence[tuple[llg.LLMatcher, int]]) -> None:
+    """Advance each matcher by its token, in parallel (the GIL released), as
+    :meth:`GrammarMatcher.accept` does one: a completed grammar consumes nothing (what follows
+    is a stop token), a forbidden token leaves the matcher in its error state (logged)."""
+    live = [(matcher, token) for matcher, token in consume if not matcher.is_stopped()]
+    if not live:
+        return
+    accepted = llg_numpy.consume_token_par(executor, live)
+    for (matcher, token), ok in zip(live, accepted, strict=True):
+        if not ok:
+            logger.warning("the grammar refused token %d: %s", token, matcher.get_error())
+
+
+def fill_masks(executor: llg.LLExecutor, consume: Sequence[tuple[llg.LLMatcher, int]],
+               matchers: list[tuple[llg.LLMatcher, int]], bitmask: np.ndarray) -> None:
+    """``consume_tokens(consume)``, then each matcher's allowed tokens into ``bitmask[row]``."""
+    if consume:
+        consume_tokens(executor, consume)
+    if matchers:
+        llg_numpy.fill_next_token_bitmask_par(executor, matchers, bitmask)
 
 
 _OPEN_MASK_WORKERS: weakref.WeakSet[MaskWorker] = weakref.WeakSet()
@@ -355,27 +454,46 @@ class GrammarCompiler:
         return GrammarMatcher(matcher)
 
     def start_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], num_rows: int,
-                    background: bool = True) -> StepMasks:
+                    background: bool = True, consume: Sequence[tuple[GrammarMatcher, int]] = (),
+                    into: StepMasks | None = None) -> StepMasks:
         """Start computing the masks of one step of ``num_rows`` logits rows, ``matchers`` giving
         (matcher, logits row): with ``background`` and a worker, on the worker (``wait()`` on the
         result before reading it; the matchers wait too before they consume a token), else here,
-        in parallel on llguidance's threads (the GIL is released)."""
-        mask_rows = np.full(num_rows, -1, np.int32)
-        for j, (_, row) in enumerate(matchers):
-            mask_rows[row] = j
-        masks = StepMasks(np.empty((len(matchers), bitmask_words(self.vocab_size)), np.int32), mask_rows)
-        work = [(m.matcher, j) for j, (m, _) in enumerate(matchers)]
+        in parallel on llguidance's threads (the GIL is released). ``consume``: (matcher, token
+        id) pairs to advance first, in the same job (the previous step's tokens, read back just
+        now). ``into``: pending masks (:meth:`StepMasks.pending`) to compute, whose rows not in
+        ``matchers`` (requests finished meanwhile) allow everything."""
+        if into is None:
+            masks = StepMasks.pending([row for _, row in matchers], num_rows, bitmask_words(self.vocab_size))
+        else:
+            masks = into
+            with masks._lock:
+                if masks._started:
+                    raise RuntimeError("these grammar masks were started already")
+                masks._started = True
+        masks._started = True
+        work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
+        if into is not None and len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
+            idle = np.ones(len(masks.bitmask), bool)
+            idle[[j for _, j in work]] = False
+            masks.bitmask[idle] = -1
+        taken = [(m.matcher, int(token)) for m, token in consume]
+        busy = {id(m): m for m, _ in matchers} | {id(m): m for m, _ in consume}
+        for matcher in busy.values():
+            matcher._wait_until_free()
         if background and self._worker is not None:
-            done = threading.Event()
-            for matcher, _ in matchers:
-                matcher._wait_until_free()
-                matcher._in_use = done
-            if self._worker.submit(work, masks, done):
-                masks._done = done
+            for matcher in busy.values():
+                matcher._in_use = masks._done
+            if self._worker.submit(taken, work, masks):
                 return masks
-            for matcher, _ in matchers:  # the worker is closed: computed here
+            for matcher in busy.values():  # the worker is closed: computed here
                 matcher._in_use = None
-        llg_numpy.fill_next_token_bitmask_par(self._executor, work, masks.bitmask)
+        try:
+            fill_masks(self._executor, taken, work, masks.bitmask)
+        except BaseException:
+            masks._finish(failed=True)
+            raise
+        masks._finish()
         return masks
 
     def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
@@ -387,6 +505,9 @@ class GrammarCompiler:
 
 
 BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
+# =1: on CUDA, grammar rows are sampled ahead like the others and the GPU waits for their masks
+# (``backend.cuda.sampler``) instead of the engine thread (opt-in until measured on a GPU)
+DEVICE_WAIT_ENV = "OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT"
 
 
 class CompilerCache:

@@ -24,3 +24,24 @@ extern "C" __global__ void apply_logit_constraints(
         if (!((bits[t >> 5] >> (t & 31)) & 1)) row[t] = minus_inf;
     }
 }
+
+// The device side of a step sampled before its grammar masks exist (the host computes them while
+// the forward runs): one thread polls a flag in pinned host memory (mapped: unified addressing)
+// until the host wrote ``expected`` there, after copying the step's masks next to it; the copy of
+// those masks and the sampling are queued behind this kernel on the same stream. After
+// ``timeout_ns`` it gives up and sets ``*timed_out`` (the host then fails the step at read-back)
+// rather than hold the GPU forever.
+extern "C" __global__ void wait_for_host_flag(const volatile int* flag, int expected,
+                                              unsigned long long timeout_ns, volatile int* timed_out) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (*flag != expected) {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) {
+            *timed_out = 1;
+            return;
+        }
+    }
+    __threadfence_system();
+}

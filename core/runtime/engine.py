@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,15 +37,17 @@ from openinfer.runtime.sampler import (
     GrammarMasks,
     SampledStep,
     needs_host_history,
+    pending_grammar_masks,
     sample_step,
     samples_on_device,
+    samples_on_device_behind_masks,
     start_grammar_masks,
 )
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
-from openinfer.structured import CompilerCache, GrammarMatcher
+from openinfer.structured import DEVICE_WAIT_ENV, CompilerCache, GrammarMatcher
 from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
@@ -86,6 +89,7 @@ class _LaunchedStep:
     rows: list[LogitsRow]
     samples: SampledStep
     trace: Any = None  # EngineTracer.on_launch's record when tracing
+    masks: GrammarMasks | None = None  # pending grammar masks the device waits for (started at read-back)
 
 
 def _no_host_history(request: Request) -> bool:
@@ -208,6 +212,11 @@ class PagedEngine:
         # previous tokens on the host (one predicate: samples_on_device); a host sampler reads
         # every row back anyway, so there only rows needing the previous step's tokens wait
         self._samples_async = hasattr(model.backend, "sample_rows_async")
+        # grammar rows sampled ahead too: the CUDA sampler queues their sampling at once and the
+        # GPU waits there for the masks the host computes meanwhile (opt-in until measured)
+        self._masks_waited_on_device = False
+        self.grammar_masks_waited_on_device = (self.can_wait_for_grammar_masks_on_device
+                                               and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
         # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
@@ -246,6 +255,26 @@ class PagedEngine:
         if self._stopping or not self._thread.is_alive():
             return pb.HealthResponse(healthy=False, message="engine is shut down")
         return pb.HealthResponse(healthy=True, message="ok")
+
+    @property
+    def can_wait_for_grammar_masks_on_device(self) -> bool:
+        """The backend samples asynchronously and its stream can wait for grammar masks the
+        host is still computing (CUDA: ``backend.cuda.sampler``)."""
+        backend = self.model.backend
+        return self._samples_async and bool(getattr(backend, "waits_for_grammar_masks", backend.name == "cuda"))
+
+    @property
+    def grammar_masks_waited_on_device(self) -> bool:
+        """Grammar rows are sampled ahead like the others and the device waits for their masks
+        (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` at creation); else their sampling waits on the
+        host. May be switched while no request runs (side-by-side measurements)."""
+        return self._masks_waited_on_device
+
+    @grammar_masks_waited_on_device.setter
+    def grammar_masks_waited_on_device(self, value: bool) -> None:
+        if value and not self.can_wait_for_grammar_masks_on_device:
+            raise ValueError(f"the {self.model.backend.name} backend cannot wait for grammar masks on the device")
+        self._masks_waited_on_device = bool(value)
 
     @property
     def step_timer(self) -> StepTimer | None:
@@ -488,12 +517,13 @@ class PagedEngine:
             logger.exception("model step failed; failing the %d requests in it", len(plan.chunks))
             failure = exc
         if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
-            launched, failure = self._sample_or_fail(forward)
+            launched, failure = self._sample_or_fail(forward, ahead=in_flight is not None)
         defer = forward is not None and launched is None and failure is None and self.async_scheduling
         if in_flight is not None:
             self.num_steps_launched_ahead += forward is not None
             # the CPU reads step N back while the device runs N+1 (and starts N+1's masks)
-            self._resolve(in_flight, forward if defer else None)
+            pending = launched if launched is not None and launched.masks is not None else None
+            self._resolve(in_flight, forward if defer else pending)
         if forward is not None and launched is None and failure is None:
             if defer:
                 try:
@@ -523,7 +553,10 @@ class PagedEngine:
         needs that step's tokens on the host (a grammar, penalties, prompt logprobs) and, on a
         backend that samples asynchronously, the kernel samples every row (else sampling reads
         the step back at once, better done after the previous step's read-back)."""
-        ready = samples_on_device if self._samples_async else _no_host_history
+        if self._masks_waited_on_device:
+            ready = samples_on_device_behind_masks
+        else:
+            ready = samples_on_device if self._samples_async else _no_host_history
         return all(ready(c.request) for c in plan.chunks)
 
     def _build_forward(self, plan: SchedulerOutput) -> _BuiltForward:
@@ -547,9 +580,10 @@ class PagedEngine:
         forward_end = self._step_timer.start() if self._step_timer else None
         return _LaunchedForward(plan, built.rows, logits, start, forward_end, built.trace)
 
-    def _sample_or_fail(self, forward: _LaunchedForward) -> tuple[_LaunchedStep | None, Exception | None]:
+    def _sample_or_fail(self, forward: _LaunchedForward,
+                        ahead: bool = False) -> tuple[_LaunchedStep | None, Exception | None]:
         try:
-            return self._sample(forward), None
+            return self._sample(forward, ahead), None
         except Exception as exc:
             logger.exception("sampling failed; failing the %d requests in the step", len(forward.plan.chunks))
             return None, exc
@@ -576,31 +610,62 @@ class PagedEngine:
         self._account(forward)
         self._unsampled = forward
 
-    def _sample(self, forward: _LaunchedForward) -> _LaunchedStep:
+    def _sample(self, forward: _LaunchedForward, ahead: bool = False) -> _LaunchedStep:
         """Start sampling a launched forward (accounting it first, unless deferred sampling did).
         Rows of requests finished meanwhile (the previous step stopped them) are sampled and
-        discarded."""
+        discarded. ``ahead``: the previous step is not read back yet (its tokens not consumed by
+        the matchers: only when the device waits for the masks, see ``_masks_waited_on_device``)."""
         plan, rows = forward.plan, forward.rows
         # grammar masks: computed on the CPU while the device runs the forward (on a background
         # thread from the moment the matchers consumed the previous tokens, see ``structured``)
-        # (needed at once: computed on this thread, sparing the hand-over to the worker)
-        masks = forward.masks if forward.accounted else start_grammar_masks(rows, self._grammars, background=False)
-        if masks is not None:
+        pending = None
+        if forward.accounted:
+            masks = forward.masks
+        elif self._masks_waited_on_device:  # the device waits for them: started now, or at the read-back
+            masks = pending = (pending_grammar_masks(rows, self._grammars) if ahead
+                               else start_grammar_masks(rows, self._grammars))
+            if not ahead:
+                pending = None
+        else:  # needed at once: computed on this thread, sparing the hand-over to the worker
+            masks = start_grammar_masks(rows, self._grammars, background=False)
+        if masks is not None and not self._masks_waited_on_device:
             masks.wait()
         sampling_start = self._step_timer.start() if self._step_timer else None
-        samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
-                              self.async_scheduling, masks)
+        try:
+            samples = sample_step(self.model.backend, forward.logits, rows, self.model.spec.eos_token_ids,
+                                  self.async_scheduling, masks)
+        except BaseException:
+            if pending is not None:
+                pending.abandon()
+            raise
         if self._step_timer:  # the device may have waited for the CPU between the forward and the sampling
             self._step_timer.stop(forward.timer_start, (forward.forward_end, sampling_start))
         self.num_steps += 1
         self._account(forward)
-        return _LaunchedStep(plan, rows, samples, forward.trace)
+        return _LaunchedStep(plan, rows, samples, forward.trace, pending)
 
-    def _resolve(self, launched: _LaunchedStep, next_forward: _LaunchedForward | None = None) -> None:
-        """Read a launched step back: publish its full KV blocks, fill placeholders, check
-        stops, emit. Blocks are published first so a request finishing here still leaves its
-        prefix in the cache. ``next_forward``: the launched step sampled next, whose grammar
-        masks start as soon as the matchers consumed this step's tokens, before the rest."""
+    def _resolve(self, launched: _LaunchedStep, following: _LaunchedForward | _LaunchedStep | None = None) -> None:
+        """Read a launched step back: fill placeholders, publish full KV blocks, check stops,
+        emit. ``following``: the step launched next, whose grammar masks start as soon as the
+        matchers consumed this step's tokens, before the rest (a forward whose sampling waits,
+        or a step sampled ahead whose pending masks the device waits for: those are always
+        started or abandoned here, never left for the device to wait on)."""
+        try:
+            try:
+                results = launched.samples.results()
+            except Exception as exc:  # e.g. the step's grammar masks failed
+                logger.exception("reading the step back failed; failing the %d requests in it",
+                                 len(launched.plan.chunks))
+                self._fail_plan(launched.plan, exc)
+                return
+            if launched.trace is not None:
+                self.tracer.on_resolved(launched.trace)
+            recorded = self._start_next_masks(launched, results, following) if following is not None else ()
+        finally:
+            if isinstance(following, _LaunchedStep) and following.masks is not None:
+                following.masks.abandon()  # a no-op once started
+        # blocks are published before emitting, so a request finishing here still leaves its
+        # prefix in the cache (after the masks started: publishing does not delay them)
         if self.options.enable_prefix_cache:
             for chunk in launched.plan.chunks:
                 request = chunk.request
@@ -610,10 +675,6 @@ class PagedEngine:
                     if full != request.num_full_blocks_published:  # else publishing is a no-op
                         request.num_full_blocks_published = full
                         self.kv.publish_full_blocks(request.request_id, request.token_ids, computed)
-        results = launched.samples.results()
-        if launched.trace is not None:
-            self.tracer.on_resolved(launched.trace)
-        recorded = self._start_next_masks(launched, results, next_forward) if next_forward is not None else ()
         for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
             request = row.request
             if request.status is RequestStatus.FINISHED:
@@ -623,21 +684,31 @@ class PagedEngine:
                 continue
             self._accept_token(request, row.position + 1, sample, index in recorded)
 
-    def _start_next_masks(self, launched: _LaunchedStep, results: list, next_forward: _LaunchedForward) -> set[int]:
-        """The grammar rows' matchers consume their tokens first, then the next step's masks start
-        in the background (the mask work is the longest stretch between two forwards); the rows
-        recorded here are returned. A failure is left for ``_defer_sampling`` to meet again."""
+    def _start_next_masks(self, launched: _LaunchedStep, results: list,
+                          following: _LaunchedForward | _LaunchedStep) -> set[int]:
+        """The next step's masks start on the mask worker, which first advances the grammar rows'
+        matchers by this step's tokens (one parallel llguidance call; the mask work is the
+        longest stretch between two forwards); the rows recorded here are returned. A failure
+        fails the following step's masks (its sampling then fails its requests)."""
         recorded = set()
+        consume = []
         for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
             request = row.request
             if row.samples and request.sampling.grammar is not None and request.status is not RequestStatus.FINISHED:
-                request.sampling.record(sample.token_id)
+                counts = request.sampling.output_counts  # what ``SamplingState.record`` counts; the worker consumes
+                counts[sample.token_id] = counts.get(sample.token_id, 0) + 1
+                consume.append((request.sampling.grammar, sample.token_id))
                 recorded.add(index)
-        if recorded:
+        into = following.masks if isinstance(following, _LaunchedStep) else None
+        if recorded or into is not None:
             try:
-                next_forward.masks = start_grammar_masks(next_forward.rows, self._grammars)
+                masks = start_grammar_masks(following.rows, self._grammars, consume=consume, into=into)
             except Exception:
                 logger.exception("starting the grammar masks failed")
+                masks = into or GrammarMasks.pending([], len(following.rows), 0)
+                masks.abandon()  # its sampling (or read-back) raises: the step's requests fail
+            if into is None:
+                following.masks = masks
         return recorded
 
     def _accept_token(self, request: Request, index: int, sample, recorded: bool = False) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import SamplingState, log_softmax, sample_row, top_logprobs
-from openinfer.structured import CompilerCache, StepMasks, apply_bitmasks
+from openinfer.structured import CompilerCache, StepMasks, apply_bitmasks, bitmask_words
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -26,9 +26,9 @@ class RowSample:
                                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (self.top or [])])
 
 
-def _sampling_traits(request: Any) -> tuple[bool, bool]:
+def _sampling_traits(request: Any) -> tuple[bool, bool, bool]:
     """(the sampling kernel implements the row apart from a pending ``min_tokens``, sampling
-    reads the request's history on the host): fixed for a request's life, so computed once
+    reads the request's history on the host, it does for more than a grammar): fixed for a request's life, so computed once
     and kept on it (``Request.sampling_traits``) — the engine asks twice per row per step."""
     traits = getattr(request, "sampling_traits", None)
     if traits is None:
@@ -36,8 +36,8 @@ def _sampling_traits(request: Any) -> tuple[bool, bool]:
         penalties = bool(params.repetition_penalty not in (0.0, 1.0) or params.presence_penalty
                          or params.frequency_penalty)
         kernel = not (request.want_prompt_logprobs or penalties or request.want_logprobs or request.num_logprobs > 0)
-        history = bool(request.want_prompt_logprobs or penalties or request.sampling.needs_host_history)
-        traits = (kernel, history)
+        besides_grammar = bool(request.want_prompt_logprobs or penalties)
+        traits = (kernel, besides_grammar or request.sampling.needs_host_history, besides_grammar)
         try:
             request.sampling_traits = traits
         except AttributeError:  # a read-only stand-in: computed again next time
@@ -70,21 +70,46 @@ def samples_on_device(request: Any) -> bool:
     return not _sampling_traits(request)[1] and kernel_can_sample(request)
 
 
+def samples_on_device_behind_masks(request: Any) -> bool:
+    """:func:`samples_on_device` for a device sampler that waits for grammar masks on the device
+    (the sampling is queued at once, the GPU holds it until the host finished the step's masks):
+    a grammar alone does not hold the row back."""
+    return not _sampling_traits(request)[2] and kernel_can_sample(request)
+
+
 # a step's structured-output masks, compact (see ``openinfer.structured.StepMasks``)
 GrammarMasks = StepMasks
 
 
-def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache,
-                        background: bool = True) -> GrammarMasks | None:
+def _constrained_rows(rows: Sequence[LogitsRow]) -> list[tuple[Any, int]]:
+    # a request finished meanwhile (its previous step stopped it) has nothing left to mask
+    return [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
+            if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
+
+
+def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache, background: bool = True,
+                        consume: Sequence[tuple[Any, int]] = (), into: GrammarMasks | None = None
+                        ) -> GrammarMasks | None:
     """Start computing the masks of every sampling row whose request has a grammar (None when no
     row has one); ``wait()`` on the result before sampling. Every such matcher must have
-    consumed the previous step's token. Without ``background``, computed before returning."""
-    # a request finished meanwhile (its previous step stopped it) has nothing left to mask
-    constrained = [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
-                   if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
+    consumed the previous step's token, or be in ``consume`` (matcher, token id): consumed in
+    the same job, off this thread. Without ``background``, computed before returning.
+    ``into``: the step's pending masks (:func:`pending_grammar_masks`), started now."""
+    constrained = _constrained_rows(rows)
+    if not constrained and into is None and not consume:  # (tokens to consume: a preempted request's too)
+        return None
+    return compilers.get().start_masks(constrained, len(rows), background, consume, into)
+
+
+def pending_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache) -> GrammarMasks | None:
+    """The masks of a step sampled before its matchers consumed the previous step's tokens
+    (None when no row has a grammar): a device sampler queues the sampling behind them, and
+    :func:`start_grammar_masks` (``into``) computes them once the tokens are read back."""
+    constrained = _constrained_rows(rows)
     if not constrained:
         return None
-    return compilers.get().start_masks(constrained, len(rows), background)
+    return GrammarMasks.pending([row for _, row in constrained], len(rows),
+                                bitmask_words(compilers.get().vocab_size))
 
 
 def sample_rows(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],

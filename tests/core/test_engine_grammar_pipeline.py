@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import openinfer.runtime.engine as engine_module
@@ -71,3 +72,129 @@ def test_next_batch_is_built_before_the_deferred_sampling_and_its_forward_follow
     deferred_masks = [k for k, e in enumerate(events) if e == "masks"][1:]
     assert deferred_masks and all(events[k + 1] == "emit" for k in deferred_masks), events
     assert engine.num_steps_launched_ahead >= engine.num_steps - 3
+
+
+class _LazyIds:
+    """Token ids "on the device": computed when the next forward reads them."""
+
+    def __init__(self, compute):
+        self._compute, self._ids = compute, None
+
+    def get(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = self._compute()
+        return self._ids
+
+    def __array__(self, dtype=None, copy=None):
+        return self.get() if dtype is None else self.get().astype(dtype)
+
+
+def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch):
+    """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on a backend that waits for grammar masks on the
+    device (here a NumPy "device" that samples once the masks are computed, as the CUDA stream
+    does behind ``wait_for_host_flag``): every decode step is sampled ahead, its masks pending
+    when the sampling is queued and started only after the previous step is read back, and the
+    tokens equal the synchronous engine's exactly — seeded random rows, grammar rows (regex and
+    JSON Schema) and plain rows in the same batches, requests ending at different steps."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer.backend.numpy_backend import NumpyBackend
+    from openinfer.runtime.sampler import sample_rows
+    from openinfer.structured import DEVICE_WAIT_ENV
+
+    queued_pending: list[bool] = []
+
+    def sample_rows_async(self, logits, rows, masks=None):
+        queued_pending.append(masks is not None and not masks.is_ready)
+        eos = self._test_eos
+
+        def sample():
+            return sample_rows(self, logits, rows, eos, masks.wait() if masks is not None else None)
+
+        results = _LazyIds(sample)
+        ids = _LazyIds(lambda: np.fromiter((r.token_id for r in results.get()), np.int32, len(rows)))
+        return ids, results.get
+
+    config = json.loads((model_dir / "config.json").read_text())
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "k": {"enum": ["a", "bb"]}},
+              "required": ["n", "k"], "additionalProperties": False}
+    requests = []
+    for i in range(6):
+        request = generate_request(f"r{i}", [5 + i, 9, 11], max_tokens=10 + 3 * i, ignore_eos=i % 3 == 2)
+        request.sampling.temperature = 0.0 if i % 2 else 1.0
+        request.sampling.seed = i
+        if i % 3 == 0:
+            request.structured_output.regex = "[a-z]{3,30}"
+        elif i % 3 == 1:
+            request.structured_output.json_schema = json.dumps(schema)
+        requests.append(request)
+    sync = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=False))
+    try:
+        want = run_all(sync, requests)
+    finally:
+        sync.close_sync()
+    monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
+    monkeypatch.setattr(NumpyBackend, "sample_rows_async", sample_rows_async, raising=False)
+    monkeypatch.setattr(NumpyBackend, "waits_for_grammar_masks", True, raising=False)
+    engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
+    engine.model.backend._test_eos = engine.info().eos_token_ids
+    try:
+        got = run_all(engine, requests)
+        assert engine.num_steps_launched_ahead >= engine.num_steps - 4
+    finally:
+        engine.close_sync()
+    assert [o.error for o in got] == [None] * len(requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish.reason for o in got] == [o.finish.reason for o in want]
+    assert sum(queued_pending) >= 8, queued_pending  # the grammar rows' masks were waited for on the "device"
+
+
+def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, monkeypatch):
+    """``grammar_masks_waited_on_device``: off by default; the NumPy backend (no device stream)
+    refuses it, and the environment switch is ignored there."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer.structured import DEVICE_WAIT_ENV
+
+    monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
+    config = json.loads((model_dir / "config.json").read_text())
+    engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
+    try:
+        assert not engine.can_wait_for_grammar_masks_on_device and not engine.grammar_masks_waited_on_device
+        with pytest.raises(ValueError, match="cannot wait for grammar masks"):
+            engine.grammar_masks_waited_on_device = True
+        engine.grammar_masks_waited_on_device = False
+    finally:
+        engine.close_sync()
+
+
+def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir):
+    """A KV pool too small for every request: requests are preempted and recomputed while their
+    grammar rows run ahead (the mask worker consumes each step's tokens, also of a request the
+    next step leaves out); outputs equal the synchronous engine's, each accepted by its grammar."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer.structured import GrammarCompiler
+
+    config = json.loads((model_dir / "config.json").read_text())
+    requests = []
+    for i in range(6):
+        request = generate_request(f"g{i}", [5 + i, 9, 11, 20 + i], max_tokens=44, ignore_eos=True)
+        request.structured_output.regex = "[a-z]{2,6}( [a-z]{2,6}){0,40}"
+        requests.append(request)
+    outputs = {}
+    for mode in (False, True):
+        engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(
+            device="cpu", async_scheduling=mode, num_kv_blocks=12, enable_prefix_cache=False))
+        try:
+            outputs[mode] = run_all(engine, requests)
+            assert engine.scheduler.num_preemptions > 0
+            eos = list(engine.info().eos_token_ids)
+        finally:
+            engine.close_sync()
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    compiler = GrammarCompiler.from_dir(str(model_dir), config["vocab_size"], eos)
+    for request, outcome in zip(requests, outputs[True], strict=True):
+        assert outcome.error is None and len(outcome.token_ids) == 44
+        matcher = compiler.compile(request.structured_output)
+        assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id

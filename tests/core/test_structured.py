@@ -12,6 +12,7 @@ from openinfer.errors import InvalidRequestError
 from openinfer.sampling import SamplingState, sample_row, validate_sampling
 from openinfer.structured import (
     GrammarCompiler,
+    StepMasks,
     allocate_bitmask,
     allowed_tokens,
     apply_bitmask,
@@ -366,3 +367,49 @@ def test_step_sampler_with_packed_masks_equals_masking_row_by_row():
             batched[i].sampling.record(got[i].token_id)
             request.num_output_tokens += 1
             batched[i].num_output_tokens += 1
+
+
+def test_pending_masks_consume_then_fill_in_one_job(tokenizer):
+    """``StepMasks.pending`` (a step sampled before its matchers consumed the previous tokens):
+    ``start_masks(consume=..., into=...)`` advances the matchers by their tokens and fills the
+    pending masks in one job on the worker; the masks equal those of matchers that accepted the
+    same tokens one by one, rows whose request finished meanwhile allow everything, the ready
+    callbacks run once (at once when registered after), a second start is refused, and
+    abandoning a started step is a no-op while abandoning an unstarted one fails its ``wait``."""
+    vocab = tokenizer.get_vocab_size() + 5
+    eos = [tokenizer.token_to_id("<eos>")]
+    constraints = [pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}"),
+                   pb.StructuredOutput(json_object=True), pb.StructuredOutput(regex="[a-z]{2,12}")]
+    background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
+                             for flag in (True, False))
+    walkers = [(background.compile(c), reference.compile(c)) for c in constraints]
+    rng = np.random.default_rng(3)
+    rows = [1, 2, 4]  # logits rows 0 and 3 carry no grammar
+    first = background.start_masks([(w, row) for (w, _), row in zip(walkers, rows, strict=True)], 5).wait()
+    tokens = [int(rng.choice(np.flatnonzero(allowed_tokens(first.row(row), vocab)))) for row in rows]
+    pending = StepMasks.pending(rows, 5, first.bitmask.shape[1])
+    assert not pending.is_ready and not pending.is_started
+    seen = []
+    pending.when_ready(lambda masks: seen.append(masks.is_ready))
+    live = [(walkers[k][0], rows[k]) for k in (0, 1)]  # the third request finished meanwhile
+    started = background.start_masks(live, 5, consume=[(w, t) for (w, _), t in zip(walkers, tokens, strict=True)], into=pending)
+    assert started is pending
+    with pytest.raises(RuntimeError, match="started already"):
+        background.start_masks(live, 5, into=pending)
+    pending.abandon()  # started: nothing happens
+    pending.wait()
+    assert seen == [True] and not pending.failed
+    pending.when_ready(lambda masks: seen.append("late"))
+    assert seen == [True, "late"]
+    for k, ((_, walker), token) in enumerate(zip(walkers, tokens, strict=True)):
+        assert walker.accept(token)
+        if k < 2:
+            expected = allocate_bitmask(1, vocab)
+            walker.fill(expected[0])
+            assert np.array_equal(pending.row(rows[k]), expected[0])
+    assert np.all(pending.row(4) == -1) and pending.row(0) is None and pending.row(3) is None
+    abandoned = StepMasks.pending(rows, 5, first.bitmask.shape[1])
+    abandoned.abandon()
+    assert abandoned.is_ready and abandoned.failed
+    with pytest.raises(RuntimeError, match="grammar masks failed"):
+        abandoned.wait()

@@ -162,3 +162,52 @@ def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
         reference.close_sync()
     print("divergences at near-ties (request, position, reference gap to the runner-up in std):", divergences)
     print("step timer, async off / on:", reports[False], reports[True])
+
+
+def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path, monkeypatch):
+    """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``: grammar rows are sampled ahead like plain ones
+    (the GPU waits for their masks): the same tokens as the default pipeline (deferred sampling)
+    up to bf16 near-ties, every grammar row's output accepted by its grammar, nearly every
+    step launched ahead."""
+    pytest.importorskip("cupy")
+    import sys
+    from pathlib import Path
+
+    from openinfer_qwen3 import plugin
+
+    from openinfer import EngineOptions
+    from openinfer.structured import DEVICE_WAIT_ENV, GrammarCompiler
+    from tests.helpers.engine_utils import run_all
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
+    from agent_checkpoints import write_family_tokenizer
+
+    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32, vocab_size=512, dtype="bfloat16")
+    write_family_tokenizer(path, "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    requests = grammar_requests()
+    outputs = {}
+    for wait_on_device in (False, True):
+        monkeypatch.setenv(DEVICE_WAIT_ENV, "1" if wait_on_device else "0")
+        engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cuda", async_scheduling=True))
+        try:
+            outputs[wait_on_device] = run_all(engine, requests)
+            assert engine.num_steps_launched_ahead >= engine.num_steps - 4
+            assert engine.load().kv_blocks_used == 0
+        finally:
+            engine.close_sync()
+    reference = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu"))
+    try:
+        compiler = GrammarCompiler.from_dir(str(path), config["vocab_size"], reference.info().eos_token_ids)
+        for request, outcome in zip(requests, outputs[True], strict=True):
+            assert outcome.error is None
+            if request.HasField("structured_output"):
+                matcher = compiler.compile(request.structured_output)
+                assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id
+        divergences = check_divergences_at_near_ties(reference.model, compiler, requests,
+                                                     [o.token_ids for o in outputs[True]],
+                                                     [o.token_ids for o in outputs[False]])
+    finally:
+        reference.close_sync()
+    print("divergences at near-ties, device wait vs deferred sampling:", divergences)

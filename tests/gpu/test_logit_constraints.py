@@ -136,3 +136,54 @@ def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab
         expected[r] = bf16_to_float32(float32_to_bf16(biased))
     expected[masked] = apply_bitmasks(expected[masked], bitmask[masked])
     assert np.array_equal(ours, expected)
+
+
+def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_device(cuda_backend, rng):
+    """Pending masks (``StepMasks.pending``, the engine's grammar rows sampled ahead with
+    ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``): the sampling is queued before the masks exist, the
+    GPU waits for the host's flag, and the tokens equal those sampled with the masks known up
+    front — for several steps in a row (the slots' reuse), the masks written by another thread
+    after a delay; a step whose masks are abandoned fails at read-back instead of hanging."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from openinfer.backend.cuda.sampler import sample_rows_async
+
+    rows, vocab = 16, 151936
+    masked = [r for r in range(rows) if r % 4 != 3]
+    params = [pb.SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r) for r in range(rows)]
+
+    def sampling_rows():  # fresh states: each run draws the same numbers
+        return [SimpleNamespace(samples=True, request=SimpleNamespace(
+            sampling=SamplingState.create(p, [1], 0, i), want_prompt_logprobs=False, want_logprobs=False,
+            num_logprobs=0, num_output_tokens=0, stop=pb.StopConditions()))
+            for i, p in enumerate(params)]
+
+    def compute_later(pending: StepMasks, bitmask: np.ndarray) -> None:
+        time.sleep(0.05)
+        assert pending.compute_into(pending.bitmask)  # not started yet: nothing waited on the host
+        pending.bitmask[...] = bitmask[masked]
+        pending._started = True
+        pending._finish()
+
+    for step in range(6):  # more steps than _MaskGates.DEPTH
+        logits = cupy.asarray(bf16_random(rng, rows, vocab, scale=3.0))
+        bitmask = random_bitmask(rng, rows, vocab, keep=0.01 if step % 2 else 0.5)
+        known = sample_rows_async(logits, sampling_rows(), StepMasks.from_rows(bitmask, masked))
+        expected = [s.token_id for s in known[1]()]
+        pending = StepMasks.pending(masked, rows, bitmask.shape[1])
+        launched = sample_rows_async(logits, sampling_rows(), pending)
+        assert launched is not None
+        writer = threading.Thread(target=compute_later, args=(pending, bitmask))
+        writer.start()
+        tokens = [s.token_id for s in launched[1]()]
+        writer.join()
+        assert tokens == expected
+        for r in masked:
+            assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
+    abandoned = StepMasks.pending(masked, rows, bitmask.shape[1])
+    launched = sample_rows_async(logits, sampling_rows(), abandoned)
+    abandoned.abandon()
+    with pytest.raises(RuntimeError, match="grammar masks"):
+        launched[1]()

@@ -17,7 +17,9 @@ are built by ``runtime.sampler.device_sampling_inputs``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cupy
@@ -51,10 +53,105 @@ def sample_device_rows(logits: cupy.ndarray, states: Sequence[SamplingState],
     return launch_device_sampling(logits, states, masks).get()
 
 
-def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs) -> cupy.ndarray:
+class _MaskGates:
+    """Masks not computed yet when their step's sampling is queued (``StepMasks.is_ready``
+    False: the engine samples grammar rows ahead, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT``): the
+    stream waits for them on the GPU, not the engine thread on the host. Each such step takes
+    one of ``DEPTH`` slots in turn: a pinned buffer the masks are computed straight into (or
+    copied into, when their computation had started) and a pinned flag the ``wait_for_host_flag``
+    kernel polls; the host writes the step's sequence number there once the masks are in the
+    buffer, and the buffer's copy to the device and the sampling follow the kernel on the stream.
+    A slot is used again ``DEPTH`` steps later: its previous copy finished long before (that
+    step was read back before the masks of the steps after it even started)."""
+
+    DEPTH = 4
+    TIMEOUT_NS = 10_000_000_000
+
+    def __init__(self) -> None:
+        # [flags | timed-out marks], mapped into the device's address space (kept for the process)
+        words, self._device_address = _mapped_host_int32(2 * self.DEPTH)
+        words[...] = 0
+        self._flags, self._timed_out = words[:self.DEPTH], words[self.DEPTH:]
+        self._buffers: list[np.ndarray | None] = [None] * self.DEPTH
+        self._next_slot = 0
+        self._sequence = 0
+        self._lock = threading.Lock()
+
+    def queue_wait(self, masks: GrammarMasks) -> tuple[cupy.ndarray, Callable[[], None]]:
+        """Queue the wait for ``masks`` and their upload; returns the device bitmask and the
+        check for the read-back (raises when the masks failed or the wait timed out)."""
+        with self._lock:
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % self.DEPTH
+            self._sequence = self._sequence % (1 << 30) + 1
+            sequence = self._sequence
+        shape, size = masks.bitmask.shape, masks.bitmask.size
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.size < size:
+            buffer = self._buffers[slot] = cupyx.empty_pinned((max(size, 1),), np.int32)
+        host = buffer[:size].reshape(shape)
+        self._timed_out[slot] = 0
+        masks.compute_into(host)
+
+        def release(ready: GrammarMasks) -> None:  # on the thread that finished the masks
+            if ready.bitmask is not host:
+                np.copyto(host, ready.bitmask)
+            self._flags[slot] = sequence
+
+        kernel("logit_constraints.cu", "wait_for_host_flag")(
+            (1,), (1,), (np.uint64(self._device_address + 4 * slot), np.int32(sequence),
+                         np.uint64(self.TIMEOUT_NS), np.uint64(self._device_address + 4 * (self.DEPTH + slot))))
+        device = upload_pinned(host)
+        masks.when_ready(release)
+
+        def check() -> None:
+            if self._timed_out[slot]:
+                raise RuntimeError("the GPU gave up waiting for the step's grammar masks")
+            masks.wait()
+
+        return device, check
+
+
+def _mapped_host_int32(count: int) -> tuple[np.ndarray, int]:
+    """``count`` int32 of pinned host memory mapped for the device (cudaHostAllocPortable |
+    cudaHostAllocMapped) and their device address (with unified addressing, the host's)."""
+    address = cupy.cuda.runtime.hostAlloc(4 * count, 3)
+    array = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(address))
+    device_pointer = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+    if device_pointer is not None:
+        try:
+            return array, int(device_pointer(address, 0))
+        except Exception:  # noqa: BLE001 (an older CuPy's signature): unified addressing, the host address
+            pass
+    return array, address
+
+
+_gates: _MaskGates | None = None
+
+
+def mask_gates() -> _MaskGates:
+    global _gates
+    if _gates is None:
+        _gates = _MaskGates()
+    return _gates
+
+
+def upload_pinned(host: np.ndarray) -> cupy.ndarray:
+    """``host`` (pinned memory) copied to a new device array on the current stream, asynchronously."""
+    device = cupy.empty(host.shape, dtype=host.dtype)
+    if host.nbytes:
+        device.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), host.nbytes,
+                                         cupy.cuda.get_current_stream())
+    return device
+
+
+def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs,
+                  checks: list[Callable[[], None]] | None = None) -> cupy.ndarray:
     """``logits`` with the rows' logit_bias added and grammar masks applied: a new array when any
     row has either, ``logits`` itself (untouched) when none has. The host arrays go up by
-    CuPy's staged asynchronous copies: nothing here waits for the device."""
+    CuPy's staged asynchronous copies: nothing here waits for the device. Masks not computed
+    yet are waited for on the device (``_MaskGates``; needs ``checks``, which gets the check
+    to run at read-back)."""
     if not inputs.constrains:
         return logits
     rows, vocab = logits.shape
@@ -68,7 +165,11 @@ def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs) -> cupy.nd
     if masks is not None and masks.bitmask.shape[0]:
         if masks.mask_rows.shape[0] != rows:
             raise ValueError(f"grammar masks for {masks.mask_rows.shape[0]} rows, logits have {rows}")
-        bitmask = cupy.asarray(np.ascontiguousarray(masks.bitmask, np.int32))
+        if masks.is_ready or checks is None:
+            bitmask = cupy.asarray(np.ascontiguousarray(masks.wait().bitmask, np.int32))
+        else:
+            bitmask, check = mask_gates().queue_wait(masks)
+            checks.append(check)
         mask_rows = cupy.asarray(np.ascontiguousarray(masks.mask_rows, np.int32))
         words = masks.bitmask.shape[1]
     else:
@@ -89,10 +190,13 @@ def apply_logit_constraints(logits: cupy.ndarray, states: Sequence[SamplingState
 
 
 def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState],
-                           masks: GrammarMasks | None = None) -> cupy.ndarray:
-    """Queue the sampling kernel; the token ids [rows] stay on the device (int32)."""
+                           masks: GrammarMasks | None = None,
+                           checks: list[Callable[[], None]] | None = None) -> cupy.ndarray:
+    """Queue the sampling kernel; the token ids [rows] stay on the device (int32). ``checks``:
+    masks still being computed are waited for on the device, and the check to run at read-back
+    is appended here (without, they are waited for here)."""
     inputs = device_sampling_inputs(states, masks)
-    logits = _apply_inputs(logits, inputs)
+    logits = _apply_inputs(logits, inputs, checks)
     rows, vocab = logits.shape
     device_params = cupy.asarray(inputs.params)
     tokens = cupy.empty(rows, dtype=cupy.int32)
@@ -145,14 +249,16 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
     and an asynchronous copy of the ids into pinned memory.
 
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
-    work queued after it — or None when some row needs the host sampler. The engine calls it
-    for a row needing the previous token on the host (a grammar) only once that token is there.
+    work queued after it — or None when some row needs the host sampler. ``masks`` not computed
+    yet (the engine's device wait, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``) are waited for on
+    the GPU (``_MaskGates``); ``read_back()`` raises when they failed.
     """
     if not rows or not all(row.samples and kernel_can_sample(row.request) for row in rows):
         return None
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
-    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows], masks)
+    checks: list[Callable[[], None]] = []
+    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows], masks, checks)
     pinned = cupyx.empty_pinned(tokens.shape, dtype=np.int32)
     stream = cupy.cuda.get_current_stream()
     tokens.get(stream=stream, out=pinned, blocking=False)
@@ -161,6 +267,8 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
 
     def read_back() -> list[RowSample]:
         copied.synchronize()
+        for check in checks:
+            check()
         return [RowSample(int(token)) for token in pinned]
 
     return tokens, read_back

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from openinfer import EngineOptions
+from openinfer import EngineOptions, structured
 from openinfer.structured import GrammarMatcher
 from openinfer.v1 import engine_pb2 as pb
 from tests.helpers.engine_utils import collect, make_request, run_all
@@ -102,6 +102,13 @@ def test_the_next_forward_runs_before_the_matcher_consumes_the_previous_token(mo
         return accept(self, token_id)
 
     monkeypatch.setattr(GrammarMatcher, "accept", recording_accept)
+    consume_tokens = structured.consume_tokens
+
+    def recording_consume(executor, consume):  # the mask worker's: the step's tokens, then its masks
+        events.extend(["accept"] * len(consume))
+        return consume_tokens(executor, consume)
+
+    monkeypatch.setattr(structured, "consume_tokens", recording_consume)
     engine = build(model_dir, async_scheduling=True)
     forward = engine.model.forward
 
