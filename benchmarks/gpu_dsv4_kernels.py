@@ -24,8 +24,8 @@ the whole layer; and the FP4 expert GEMMs alone (moe_fp4.cu's stream and tiles k
 projections, batch 1 / 64 / 256) against the bytes they must read.
 
 ``--fp4-gemm`` sets ``OPENINFER_DSV4_FP4_GEMM`` for the layer rows (auto: the stream kernel for
-steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (1: one
-run of keys per block, the default; auto: split while the blocks do not fill the GPU). Writes benchmarks/results/NAME.json and .png (NAME defaults to
+steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (auto, the
+default: split while the blocks do not fill the GPU; 1: one run of keys per block). Writes benchmarks/results/NAME.json and .png (NAME defaults to
 gpu_dsv4_kernels; copies under $OUT when set).
 """
 
@@ -402,7 +402,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
     parser.add_argument("--fp4-gemm", choices=("auto", "stream", "tiles"), default="auto",
                         help="the FP4 expert GEMM of the layer rows (OPENINFER_DSV4_FP4_GEMM)")
-    parser.add_argument("--attention-splits", default="1",
+    parser.add_argument("--attention-splits", default="auto",
                         help="sparse attention runs of keys for the layer rows: 1, auto or a count "
                              "(OPENINFER_DSV4_ATTENTION_SPLITS)")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")

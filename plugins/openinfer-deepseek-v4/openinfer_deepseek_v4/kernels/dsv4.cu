@@ -74,7 +74,8 @@ extern "C" __global__ void dsv4_compress_entries(
 // --- indexer scores: attention.index_scores ------------------------------------------------------
 // grid (T, ⌈max_entries / entries_per_block⌉). scores[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s]) for
 // the visible entries s < (pos + 1) / rate; NEG_BIG beyond. The token's q sits in shared memory
-// transposed ([dim][heads]: the lanes of a warp, one head each, read consecutive words), keys
+// transposed ([dim][heads + 1]: the lanes of a warp, one head each, read consecutive words; the
+// pad word keeps the transposing stores of consecutive channels off one bank), keys
 // come in chunks of INDEX_KEY_FLOATS; each warp scores its own keys of a chunk (no block barrier
 // per key), lanes splitting the heads, one warp reduction per key.
 #define INDEX_KEY_FLOATS 2048
@@ -85,13 +86,13 @@ extern "C" __global__ void dsv4_indexer_scores(
     const bf16* __restrict__ keys, const int* __restrict__ tables, int table_stride, int block_size,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int rate,
     float* __restrict__ scores, int heads, int dim, int max_entries, int entries_per_block) {
-    __shared__ float q_t[MAX_INDEX_QK];
+    __shared__ float q_t[MAX_INDEX_QK + MAX_DIM];  // [dim][heads + 1]
     __shared__ float weight[MAX_INDEX_HEADS];
     __shared__ float key_chunk[INDEX_KEY_FLOATS];
     const int t = blockIdx.x, seq = token_seq[t], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate;
+    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate, q_stride = heads + 1;
     for (int i = threadIdx.x; i < heads * dim; i += blockDim.x)
-        q_t[(i % dim) * heads + i / dim] = to_f(q[(long long)t * heads * dim + i]);
+        q_t[(i % dim) * q_stride + i / dim] = to_f(q[(long long)t * heads * dim + i]);
     for (int h = threadIdx.x; h < heads; h += blockDim.x) weight[h] = head_weights[(long long)t * heads + h];
     const int chunk = INDEX_KEY_FLOATS / dim;
     const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
@@ -110,7 +111,7 @@ extern "C" __global__ void dsv4_indexer_scores(
             if (s < visible) {  // warp-uniform
                 for (int h = lane; h < heads; h += 32) {
                     float dot = 0.f;
-                    for (int c = 0; c < dim; ++c) dot += q_t[c * heads + h] * key_chunk[k * dim + c];
+                    for (int c = 0; c < dim; ++c) dot += q_t[c * q_stride + h] * key_chunk[k * dim + c];
                     part += fmaxf(dot, 0.f) * weight[h];
                 }
             }
@@ -367,44 +368,47 @@ extern "C" __global__ void dsv4_hc_collapse(
     int hc, int dim, int head, int sinkhorn_iters, float hc_eps) {
     __shared__ float mix[MAX_MIX];
     __shared__ float pre[MAX_HC];
-    const int t = blockIdx.x, n = hc * dim;
+    __shared__ float comb[2][MAX_HC * MAX_HC];  // Sinkhorn ping-pong: read one, write the other
+    const int t = blockIdx.x, n = hc * dim, i = threadIdx.x, cells = hc * hc;
     const float* flat = streams + (long long)t * n;
     const int num_mix = head ? hc : (2 + hc) * hc;
-    for (int o = threadIdx.x; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
+    for (int o = i; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int j = 0; j < hc; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
-        if (!head) {
-            float comb[MAX_HC * MAX_HC];
-            for (int j = 0; j < hc; ++j) post_out[(long long)t * hc + j] = 2.f * sigmoid_f(mix[hc + j] * scale[1] + base[hc + j]);
-            for (int r = 0; r < hc; ++r) {  // row softmax + eps
-                float peak = NEG_BIG, total = 0.f;
-                for (int c = 0; c < hc; ++c) {
-                    comb[r * hc + c] = mix[2 * hc + r * hc + c] * scale[2] + base[2 * hc + r * hc + c];
-                    peak = fmaxf(peak, comb[r * hc + c]);
-                }
-                for (int c = 0; c < hc; ++c) total += (comb[r * hc + c] = __expf(comb[r * hc + c] - peak));
-                for (int c = 0; c < hc; ++c) comb[r * hc + c] = comb[r * hc + c] / total + hc_eps;
-            }
-            for (int iter = 0; iter < sinkhorn_iters; ++iter) {  // columns first, then rows + columns
-                if (iter > 0) {
-                    for (int r = 0; r < hc; ++r) {
-                        float total = 0.f;
-                        for (int c = 0; c < hc; ++c) total += comb[r * hc + c];
-                        for (int c = 0; c < hc; ++c) comb[r * hc + c] /= total + hc_eps;
-                    }
-                }
-                for (int c = 0; c < hc; ++c) {
-                    float total = 0.f;
-                    for (int r = 0; r < hc; ++r) total += comb[r * hc + c];
-                    for (int r = 0; r < hc; ++r) comb[r * hc + c] /= total + hc_eps;
-                }
-            }
-            for (int i = 0; i < hc * hc; ++i) comb_out[(long long)t * hc * hc + i] = comb[i];
-        }
+    if (i < hc) {
+        pre[i] = sigmoid_f(mix[i] * scale[0] + base[i]) + hc_eps;
+        if (!head) post_out[(long long)t * hc + i] = 2.f * sigmoid_f(mix[hc + i] * scale[1] + base[hc + i]);
     }
-    __syncthreads();
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    if (!head) {  // block-uniform: every thread meets the barriers below
+        // Sinkhorn with one thread per cell (a single thread doing the 20 iterations' 640 divisions
+        // one after another took ~50 us, the whole mHC collapse + expand 68 us at batch 1 on H100).
+        // Each cell sums its row / column in index order, as the serial loop (and NumPy) did.
+        if (i < hc) {  // row softmax + eps, a thread per row
+            const float* logits = mix + 2 * hc + i * hc;
+            const float* bias = base + 2 * hc + i * hc;
+            float peak = NEG_BIG, total = 0.f, row[MAX_HC];
+            for (int c = 0; c < hc; ++c) peak = fmaxf(peak, row[c] = logits[c] * scale[2] + bias[c]);
+            for (int c = 0; c < hc; ++c) total += (row[c] = __expf(row[c] - peak));
+            for (int c = 0; c < hc; ++c) comb[0][i * hc + c] = row[c] / total + hc_eps;
+        }
+        __syncthreads();
+        int current = 0;
+        for (int iter = 0; iter < sinkhorn_iters; ++iter) {  // columns first, then rows + columns
+            for (int pass = iter > 0 ? 0 : 1; pass < 2; ++pass) {  // pass 0: rows, 1: columns
+                if (i < cells) {
+                    const int r = i / hc, c = i % hc;
+                    const float* from = comb[current];
+                    float total = 0.f;
+                    for (int j = 0; j < hc; ++j) total += pass == 0 ? from[r * hc + j] : from[j * hc + c];
+                    comb[current ^ 1][i] = from[i] / (total + hc_eps);
+                }
+                current ^= 1;
+                __syncthreads();
+            }
+        }
+        if (i < cells) comb_out[(long long)t * cells + i] = comb[current][i];
+    }
+    __syncthreads();  // pre
+    for (int d = i; d < dim; d += blockDim.x) {
         float x = 0.f;
         for (int j = 0; j < hc; ++j) x += pre[j] * flat[j * dim + d];
         x_out[(long long)t * dim + d] = to_bf(x);
