@@ -42,23 +42,13 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from openinfer_deepseek_v4.config import flash_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 64
 VOCAB = 1024
-FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": VOCAB,
-    "hidden_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
-    "num_hash_layers": 0, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+# DeepSeek-V4-Flash (the plugin's one copy of its config.json), one layer, a small vocab, no hash routing
+FLASH = {**flash_config(), "vocab_size": VOCAB, "num_hidden_layers": 1, "num_hash_layers": 0}
 RATES = {"sliding": 0, "csa": 4, "hca": 128}
 
 
