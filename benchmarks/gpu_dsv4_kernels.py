@@ -449,14 +449,13 @@ def main() -> None:
                           "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
                           "indexer_split": args.indexer_split, "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
-    parts = []
+    report["breakdown"] = parts = []
     for kind in kinds:
         for batch in [b for b in batches if b <= 64]:
             parts.append(breakdown(backend, kind, moe, batch, 4096))
             print(json.dumps(parts[-1]), flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
-    report["breakdown"] = parts
-    out.write_text(json.dumps(report, indent=1))
+            out.write_text(json.dumps(report, indent=1))
     if not args.no_fp4_gemms:
         report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
         out.write_text(json.dumps(report, indent=1))
