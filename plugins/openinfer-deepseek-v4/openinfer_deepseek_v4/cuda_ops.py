@@ -101,9 +101,9 @@ def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray
     _dim(dim, "index head dim")
     tables = _check(tables, np.int32, 2, "tables")
     scores = cupy.empty((tokens, max(max_entries, 1)), np.float32)
-    selected = cupy.full((tokens, k), -1, np.int32)
     if tokens == 0 or max_entries == 0:
-        return scores[:, :max_entries], selected
+        return scores[:, :max_entries], cupy.full((tokens, k), -1, np.int32)
+    selected = cupy.empty((tokens, k), np.int32)  # dsv4_topk writes all k (−1 past the visible entries)
     per_block = kernel_plan.indexer_entries_per_block(INDEXER_SPLIT if split is None else split, tokens,
                                                       max_entries, _multiprocessors())
     kernel("dsv4_indexer_scores")(

@@ -197,6 +197,26 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 
 __device__ __forceinline__ float shuffle_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
+// 16 bytes of a key row into shared memory by cp.async (sm_80+): a thread's copies are all in
+// flight at once, no registers held. A plain load + store waited out the memory latency once per
+// piece, which with the few warps per SM of a batch-1 step was most of the kernel's time.
+// The host emulation (no __CUDA_ARCH__) copies directly.
+__device__ __forceinline__ void stage_key_piece(bf16* smem, const bf16* gmem) {
+#ifdef __CUDA_ARCH__
+    const unsigned address = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void wait_key_pieces() {  // this thread's copies have landed
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // One head's normalised output (lane l: channels l + 32j) with RoPE⁻¹ at p, to bf16.
 __device__ __forceinline__ void write_head(const float* acc, float denom, int per, int lane, int p,
                                            const float* __restrict__ inv_freq, int rope_dim, int dim, bf16* oh) {
@@ -261,13 +281,14 @@ extern "C" __global__ void dsv4_sparse_attention(
             key_rows[k] = row;  // ≥ 0: a window row; ≤ −2: entry row −2 − r; −1: skipped
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte load
+        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte copy
             const int k = i / (dim / 8), c = (i % (dim / 8)) * 8;
             const long long row = key_rows[k];
             if (row == -1) continue;
             const bf16* src = row >= 0 ? window_cache + row * dim : entry_cache + (-2 - row) * dim;
-            *reinterpret_cast<uint4*>(&key_chunk[k * dim + c]) = *reinterpret_cast<const uint4*>(src + c);
+            stage_key_piece(&key_chunk[k * dim + c], src + c);
         }
+        wait_key_pieces();
         __syncthreads();
         if (!active) continue;
         for (int k = 0; k < count; ++k) {
