@@ -91,11 +91,15 @@ extern "C" __global__ void dsv4_indexer_scores(
     __shared__ float key_chunk[INDEX_KEY_FLOATS];
     const int t = blockIdx.x, seq = token_seq[t], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate, q_stride = heads + 1;
+    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
+    if (first >= visible) {  // block-uniform: a captured graph sizes the grid for max_model_len, not this context
+        for (int s = first + threadIdx.x; s < last; s += blockDim.x) scores[(long long)t * max_entries + s] = NEG_BIG;
+        return;
+    }
     for (int i = threadIdx.x; i < heads * dim; i += blockDim.x)
         q_t[(i % dim) * q_stride + i / dim] = to_f(q[(long long)t * heads * dim + i]);
     for (int h = threadIdx.x; h < heads; h += blockDim.x) weight[h] = head_weights[(long long)t * heads + h];
     const int chunk = INDEX_KEY_FLOATS / dim;
-    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
     for (int s0 = first; s0 < last; s0 += chunk) {
         const int count = min(chunk, last - s0);
         __syncthreads();  // q_t is loaded; the previous chunk is no longer read
