@@ -15,17 +15,19 @@ expert, and the routed experts the batch touches: E·(1 − (1 − k/E)^B) of th
 the sliding window, the compressed entries attention reads (HCA: all; CSA: the 512 picked) and,
 for CSA, every indexer key — over the measured device copy bandwidth.
 
-    python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--name NAME]
+    python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--attention-splits auto|1|N]
+        [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--no-fp4-gemms] [--name NAME]
 
 Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
 CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
-(router, grouping, both FP4 expert GEMMs, shared expert), the indexer, sparse attention — next to
+(router, grouping, both FP4 expert GEMMs, shared expert), the indexer (fixed 256 entries per block
+and the ``auto`` split), sparse attention (one run and the ``auto`` split) — next to
 the whole layer; and the FP4 expert GEMMs alone (moe_fp4.cu's stream and tiles kernels, both
 projections, batch 1 / 64 / 256) against the bytes they must read.
 
 ``--fp4-gemm`` sets ``OPENINFER_DSV4_FP4_GEMM`` for the layer rows (auto: the stream kernel for
-steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (1: one
-run of keys per block, the default; auto: split while the blocks do not fill the GPU). Writes benchmarks/results/NAME.json and .png (NAME defaults to
+steps of at most 256 tokens), ``--attention-splits`` ``OPENINFER_DSV4_ATTENTION_SPLITS`` (auto, the
+default: split while the blocks do not fill the GPU; 1: one run of keys per block). Writes benchmarks/results/NAME.json and .png (NAME defaults to
 gpu_dsv4_kernels; copies under $OUT when set).
 """
 
@@ -40,23 +42,13 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from openinfer_deepseek_v4.config import flash_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 64
 VOCAB = 1024
-FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": VOCAB,
-    "hidden_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
-    "num_hash_layers": 0, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+# DeepSeek-V4-Flash (the plugin's one copy of its config.json), one layer, a small vocab, no hash routing
+FLASH = {**flash_config(), "vocab_size": VOCAB, "num_hidden_layers": 1, "num_hash_layers": 0}
 RATES = {"sliding": 0, "csa": 4, "hca": 128}
 
 
@@ -328,11 +320,12 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
         index_q = bf16_random((batch, index.num_heads, index.head_dim))
         head_weights = cupy.random.standard_normal((batch, index.num_heads), dtype=cupy.float32)
 
-        def pick():
+        def pick(split: str = "fixed"):
             return cuda_ops.indexer_topk(index_q, head_weights, keys, key_tables, BLOCK, token_seq, device.positions,
-                                         rate, context // rate, index.topk)
+                                         rate, context // rate, index.topk, split=split)
 
         times["indexer scores + top-k"] = graph_seconds(pick)
+        times["indexer scores + top-k, split over entries (auto)"] = graph_seconds(partial(pick, "auto"))
         selected = pick()[1]
     q = bf16_random((batch, c.num_attention_heads, c.head_dim))
     sinks = cupy.asarray(attn.sink, cupy.float32)
@@ -402,20 +395,41 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
     parser.add_argument("--fp4-gemm", choices=("auto", "stream", "tiles"), default="auto",
                         help="the FP4 expert GEMM of the layer rows (OPENINFER_DSV4_FP4_GEMM)")
-    parser.add_argument("--attention-splits", default="1",
+    parser.add_argument("--attention-splits", default="auto",
                         help="sparse attention runs of keys for the layer rows: 1, auto or a count "
                              "(OPENINFER_DSV4_ATTENTION_SPLITS)")
+    parser.add_argument("--indexer-split", choices=("fixed", "auto"), default="fixed",
+                        help="indexer entries per scoring block for the layer rows (OPENINFER_DSV4_INDEXER_SPLIT)")
+    parser.add_argument("--layers", default=",".join(RATES), help="comma-separated layer kinds (sliding,csa,hca)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes of the layer rows and "
+                        "breakdown (default 1,64,256; --quick 1,64)")
+    parser.add_argument("--no-fp4-gemms", action="store_true", help="skip the FP4 expert GEMMs alone")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
+    from openinfer_deepseek_v4.kernel_plan import attention_splits_setting
+
+    try:
+        attention_splits_setting({"OPENINFER_DSV4_ATTENTION_SPLITS": args.attention_splits})
+    except ValueError as error:
+        parser.error(str(error))
+    kinds = args.layers.split(",")
+    if not kinds or any(kind not in RATES for kind in kinds):
+        parser.error(f"--layers {args.layers!r}: expected a comma-separated subset of {','.join(RATES)}")
+    try:
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 64] if args.quick else [1, 64, 256]
+    except ValueError:
+        parser.error(f"--batches {args.batches!r}: expected comma-separated positive integers")
+    if not batches or min(batches) < 1:
+        parser.error(f"--batches {args.batches!r}: expected comma-separated positive integers")
     os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # both read when the plugin's cuda modules load
     os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
+    os.environ["OPENINFER_DSV4_INDEXER_SPLIT"] = args.indexer_split
     import cupy
     from openinfer_deepseek_v4.config import DeepseekV4Config
 
     from openinfer import create_backend
 
     backend = create_backend("cuda")
-    batches = [1, 64] if args.quick else [1, 64, 256]
     contexts = [4096] if args.quick else [4096, 65536]
     bandwidth = copy_bandwidth()
     moe, moe_bytes, per_expert = build_moe(backend, np.random.default_rng(0),
@@ -423,7 +437,7 @@ def main() -> None:
     rows: list[dict] = []
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{args.name}.json"
-    for kind in RATES:
+    for kind in kinds:
         for batch in batches:
             for context in contexts:
                 rows.append(bench_layer(backend, kind, moe, moe_bytes, per_expert, batch, context, bandwidth))
@@ -432,18 +446,19 @@ def main() -> None:
                 report = {"gpu": backend.device_name, "cupy": cupy.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                           "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
-                          "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits, "rows": rows}
+                          "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
+                          "indexer_split": args.indexer_split, "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
-    parts = []
-    for kind in RATES:
-        for batch in (1, 64):
+    report["breakdown"] = parts = []
+    for kind in kinds:
+        for batch in [b for b in batches if b <= 64]:
             parts.append(breakdown(backend, kind, moe, batch, 4096))
             print(json.dumps(parts[-1]), flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
-    report["breakdown"] = parts
-    out.write_text(json.dumps(report, indent=1))
-    report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
-    out.write_text(json.dumps(report, indent=1))
+            out.write_text(json.dumps(report, indent=1))
+    if not args.no_fp4_gemms:
+        report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
+        out.write_text(json.dumps(report, indent=1))
     plot(rows, out.with_suffix(".png"))
     if os.environ.get("OUT"):
         for path in (out, out.with_suffix(".png")):

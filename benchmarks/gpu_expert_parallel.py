@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from gpu_kimi import MOONLIGHT  # noqa: E402  (the released Moonlight-16B-A3B shape)
 from gpu_tensor_parallel import decode_and_prefill  # noqa: E402
+from openinfer_deepseek_v4.config import flash_config  # noqa: E402
 
 H200_GIB = 140.0  # what an H200 reports as total memory (141 GB)
 
@@ -47,24 +48,7 @@ TINY_MOONLIGHT = {**MOONLIGHT, "vocab_size": 512, "hidden_size": 64, "intermedia
                   "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
                   "bos_token_id": 0, "eos_token_id": 1}
 
-# the released DeepSeek-V4-Flash config.json's shape fields (MTP block not served)
-DSV4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
-    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
-    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 3, "sliding_window": 128,
-    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                     "beta_slow": 1},
-    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
-    "eos_token_id": 1, "num_nextn_predict_layers": 1,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-}
+DSV4_FLASH = flash_config()  # the released DeepSeek-V4-Flash config.json (the plugin's one copy)
 TINY_DSV4 = {**DSV4_FLASH, "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8,
              "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 32,
              "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hash_layers": 1,

@@ -147,21 +147,20 @@ def test_kimi_ep2_greedy_equals_ep1_until_near_tie(two_gpus, tmp_path):
 
 # mid-size DeepSeek-V4 (the Flash per-head sizes, hash + biased routing, CSA and HCA layers):
 # 32 FP4 experts top-6 (dummy packed codes), 16 per rank at EP=2
-MID_DSV4 = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 32000,
-    "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 256,
-    "n_routed_experts": 32, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 512,
-    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 1, "sliding_window": 128,
-    "index_n_heads": 16, "index_head_dim": 128, "index_topk": 64, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6, "compress_ratios": [0, 4, 128, 0], "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+def mid_dsv4() -> dict:
+    """DeepSeek-V4-Flash's config (the plugin's ``flash_config``) cut to 4 layers of hidden 1024, the
+    Flash per-head sizes kept; no YaRN, no MTP block, dummy bf16 / FP4-coded weights."""
+    from openinfer_deepseek_v4.config import flash_config
+
+    dropped = ("quantization_config", "rope_scaling", "num_nextn_predict_layers", "expert_dtype")
+    return {**{key: value for key, value in flash_config().items() if key not in dropped},
+            "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,
+            "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 256, "n_routed_experts": 32,
+            "moe_intermediate_size": 512, "num_hash_layers": 1, "index_n_heads": 16, "index_topk": 64,
+            "compress_ratios": [0, 4, 128, 0], "max_position_embeddings": 4096}
 
 
 def test_deepseek_v4_ep2_greedy_equals_ep1_until_near_tie(two_gpus, tmp_path):
     pytest.importorskip("openinfer_deepseek_v4")
-    outputs = greedy_runs(tmp_path, MID_DSV4, parallel="expert_parallel_size")
+    outputs = greedy_runs(tmp_path, mid_dsv4(), parallel="expert_parallel_size")
     assert assert_equal_until_near_tie(outputs[1], outputs[2]) >= 24

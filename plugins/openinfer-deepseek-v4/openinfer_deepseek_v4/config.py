@@ -16,6 +16,7 @@ entry per ``compress_rates[CSA]`` tokens chosen per query by the indexer, HCA la
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,34 @@ MLP_LAYER_TYPES = (HASH_MOE, MOE)
 DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+# The published DeepSeek-V4-Flash config.json (legacy keys), less fields nothing here reads. The one
+# copy behind flash_config(): benchmarks and tests of Flash shapes derive their configs from it.
+_FLASH_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_hash_layers": 3, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "num_nextn_predict_layers": 1, "expert_dtype": "fp4",
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                            "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+def flash_config() -> dict[str, Any]:
+    """A fresh copy of DeepSeek-V4-Flash's config.json (legacy keys: 43 layers, hidden 4096, 64 heads
+    of 512, 256 FP4 experts top-6 + 1 shared, FP8 e4m3 linears): the shape benchmarks and tests
+    build on (``{**flash_config(), "num_hidden_layers": 1, ...}``)."""
+    return copy.deepcopy(_FLASH_CONFIG)
 
 
 @dataclass(frozen=True)

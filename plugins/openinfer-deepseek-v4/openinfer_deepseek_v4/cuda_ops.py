@@ -16,6 +16,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda import kernel_include_options
+from openinfer_deepseek_v4 import kernel_plan
 
 SOURCE = "dsv4.cu"
 THREADS = 128
@@ -24,25 +25,13 @@ COLLAPSE_THREADS = 256
 MAX_DIM = 1024
 MAX_INDEX_QK = 8192
 MAX_HC = 8
-ENTRIES_PER_BLOCK = 256  # indexer keys scored per block (the token's q is loaded once per block)
+MAX_MIX = 32  # mixing logits per token the collapse kernel holds: (2 + hc)·hc, so hc ≤ 4 for layers
 INDEX_THREADS = 256
 MAX_INDEX_HEADS = 256
 ATTENTION_WARPS = 8  # heads per block (one warp each) once the step has enough tokens to fill the GPU
-MIN_KEYS_PER_RUN = 32  # split attention: a run of keys is worth a block only past this many
-MAX_ATTENTION_SPLITS = 16
 NULL = np.uint64(0)
-
-
-def _attention_splits_setting() -> str:
-    """``OPENINFER_DSV4_ATTENTION_SPLITS``: ``1`` (default: one run of keys per block), ``auto``
-    (split while the step's blocks do not fill the GPU twice over) or a fixed count."""
-    value = os.environ.get("OPENINFER_DSV4_ATTENTION_SPLITS", "1")
-    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_ATTENTION_SPLITS):
-        raise ValueError(f"OPENINFER_DSV4_ATTENTION_SPLITS={value!r}: expected auto or 1..{MAX_ATTENTION_SPLITS}")
-    return value
-
-
-ATTENTION_SPLITS = _attention_splits_setting()
+ATTENTION_SPLITS = kernel_plan.attention_splits_setting(os.environ)
+INDEXER_SPLIT = kernel_plan.indexer_split_setting(os.environ)
 
 
 @functools.cache
@@ -51,13 +40,9 @@ def _multiprocessors() -> int:
 
 
 def attention_splits(blocks: int, max_keys: int, setting: str | int | None = None) -> int:
-    """Runs of keys per (token, head block) for ``sparse_attention``: ``blocks`` = tokens × head
-    blocks, ``max_keys`` the most keys a token can attend to (window + picks or entries)."""
-    setting = ATTENTION_SPLITS if setting is None else setting
-    if setting != "auto":
-        return max(1, min(int(setting), MAX_ATTENTION_SPLITS))
-    wanted = -(-2 * _multiprocessors() // max(blocks, 1))
-    return max(1, min(wanted, -(-max_keys // MIN_KEYS_PER_RUN), MAX_ATTENTION_SPLITS))
+    """``kernel_plan.attention_splits`` on this GPU (``setting`` None: ``OPENINFER_DSV4_ATTENTION_SPLITS``)."""
+    return kernel_plan.attention_splits(ATTENTION_SPLITS if setting is None else setting, blocks, max_keys,
+                                        _multiprocessors())
 
 
 @functools.cache
@@ -105,23 +90,27 @@ def compress_entries(slot_kv: cupy.ndarray, slot_gate: cupy.ndarray, norm: cupy.
 
 def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray, tables: cupy.ndarray,
                  block_size: int, token_seq: cupy.ndarray, positions: cupy.ndarray, rate: int, max_entries: int,
-                 k: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+                 k: int, split: str | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``attention.index_scores`` then ``top_k_visible``: (scores [T, max_entries] fp32, picks
-    [T, k] int32, −1 where a query sees fewer than k entries)."""
+    [T, k] int32, −1 where a query sees fewer than k entries). ``split`` (None:
+    ``OPENINFER_DSV4_INDEXER_SPLIT``): ``fixed`` or ``auto`` entries per scoring block."""
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(heads * dim, "index heads × index head dim", MAX_INDEX_QK)
     _dim(heads, "index heads", MAX_INDEX_HEADS)
+    _dim(dim, "index head dim")
     tables = _check(tables, np.int32, 2, "tables")
     scores = cupy.empty((tokens, max(max_entries, 1)), np.float32)
-    selected = cupy.full((tokens, k), -1, np.int32)
     if tokens == 0 or max_entries == 0:
-        return scores[:, :max_entries], selected
+        return scores[:, :max_entries], cupy.full((tokens, k), -1, np.int32)
+    selected = cupy.empty((tokens, k), np.int32)  # dsv4_topk writes all k (−1 past the visible entries)
+    per_block = kernel_plan.indexer_entries_per_block(INDEXER_SPLIT if split is None else split, tokens,
+                                                      max_entries, _multiprocessors())
     kernel("dsv4_indexer_scores")(
-        (tokens, -(-max_entries // ENTRIES_PER_BLOCK)), (INDEX_THREADS,),
+        (tokens, -(-max_entries // per_block)), (INDEX_THREADS,),
         (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
          np.int32(block_size), _check(token_seq, np.int32, 1, "token_seq"), _check(positions, np.int32, 1, "positions"),
-         np.int32(rate), scores, np.int32(heads), np.int32(dim), np.int32(max_entries), np.int32(ENTRIES_PER_BLOCK)))
+         np.int32(rate), scores, np.int32(heads), np.int32(dim), np.int32(max_entries), np.int32(per_block)))
     kernel("dsv4_topk")((tokens,), (THREADS,), (scores, positions, np.int32(rate), np.int32(max_entries), np.int32(k),
                                                selected))
     return scores, selected
@@ -182,6 +171,8 @@ def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, sca
     if hc > MAX_HC:
         raise ValueError(f"hc_mult {hc} exceeds {MAX_HC}")
     num_mix = hc if head else (2 + hc) * hc
+    if num_mix > MAX_MIX:
+        raise ValueError(f"hc_mult {hc}: {num_mix} mixing logits exceed the kernel's {MAX_MIX}")
     if fn.shape != (num_mix, hc * dim):
         raise ValueError(f"hc fn is {tuple(fn.shape)}, expected ({num_mix}, {hc * dim})")
     x = cupy.empty((tokens, dim), np.uint16)

@@ -21,7 +21,7 @@ compressor (entries +    ``attention.compress`` per sequence     ``dsv4_compress
 indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_scores`` / ``dsv4_topk``
 sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
   + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory;
-                                                                 opt-in split over keys +
+                                                                 few tokens: split over keys +
                                                                  ``dsv4_attention_combine``)
 grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
 MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
@@ -44,10 +44,58 @@ keys are paged (block tables per KV cache group); each compressor's open window 
 
 Status: both columns serve (``device=cpu`` / ``device=cuda``). The CUDA model matches the NumPy
 reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100);
-speed (``benchmarks/gpu_dsv4_kernels.py``, H100) was 5–11 % of the HBM roofline per layer before
-the FP4 stream GEMM, the tiled FP4 GEMM taking most of a step; the new kernels await a GPU run.
+speed (``benchmarks/gpu_dsv4_kernels.py``, H100 W1): 15–22 % of the HBM roofline per layer at batch 1,
+28–44 % at batch 64, context 4k (README.md: the breakdown and what changed since).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 SUPPORTED_BACKENDS = ("numpy", "cuda")
+
+# --- launch shapes of the kernels whose grid is chosen per step (pure rules; cuda_ops applies them) ---
+
+MIN_KEYS_PER_RUN = 32  # split attention: a run of keys is worth a block only past this many
+MAX_ATTENTION_SPLITS = 16
+INDEX_ENTRIES_PER_BLOCK = 256  # the indexer's fixed split: entries scored per block
+INDEX_MIN_ENTRIES_PER_BLOCK = 8  # one entry per warp of the 8-warp block
+
+
+def attention_splits_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_ATTENTION_SPLITS``: ``auto`` (default: split while the step's blocks do not
+    fill the GPU twice over; H100, batch 1, context 4k: CSA layer 1458 -> 860 us, batch 64 equal),
+    ``1`` (one run of keys per block) or a fixed count."""
+    value = environ.get("OPENINFER_DSV4_ATTENTION_SPLITS", "auto")
+    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_ATTENTION_SPLITS):
+        raise ValueError(f"OPENINFER_DSV4_ATTENTION_SPLITS={value!r}: expected auto or 1..{MAX_ATTENTION_SPLITS}")
+    return value
+
+
+def attention_splits(setting: str | int, blocks: int, max_keys: int, multiprocessors: int) -> int:
+    """Runs of keys per (token, head block) for ``dsv4_sparse_attention``: ``blocks`` = tokens ×
+    head blocks, ``max_keys`` the most keys a token can attend to (window + picks or entries)."""
+    if setting != "auto":
+        return max(1, min(int(setting), MAX_ATTENTION_SPLITS))
+    wanted = -(-2 * multiprocessors // max(blocks, 1))
+    return max(1, min(wanted, -(-max_keys // MIN_KEYS_PER_RUN), MAX_ATTENTION_SPLITS))
+
+
+def indexer_split_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_INDEXER_SPLIT``: ``fixed`` (default: 256 entries per block, so batch 1 at
+    context 4k scores its 1024 entries on 4 blocks) or ``auto`` (fewer entries per block until the
+    step's blocks fill the GPU twice over; opt-in until measured)."""
+    value = environ.get("OPENINFER_DSV4_INDEXER_SPLIT", "fixed")
+    if value not in ("fixed", "auto"):
+        raise ValueError(f"OPENINFER_DSV4_INDEXER_SPLIT={value!r}: expected fixed or auto")
+    return value
+
+
+def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multiprocessors: int) -> int:
+    """Entries each ``dsv4_indexer_scores`` block scores (grid (tokens, ⌈max_entries / this⌉))."""
+    if setting == "fixed":
+        return INDEX_ENTRIES_PER_BLOCK
+    blocks_per_token = -(-2 * multiprocessors // max(tokens, 1))
+    wanted = -(-max(max_entries, 1) // blocks_per_token)
+    rounded = -(-wanted // INDEX_MIN_ENTRIES_PER_BLOCK) * INDEX_MIN_ENTRIES_PER_BLOCK
+    return max(INDEX_MIN_ENTRIES_PER_BLOCK, min(rounded, INDEX_ENTRIES_PER_BLOCK))

@@ -56,7 +56,8 @@ def test_compress_entries(ops):
     np.testing.assert_allclose(host(cache)[dest], expected, rtol=1e-2, atol=1e-2)
 
 
-def test_indexer_scores_and_top_k(ops):
+@pytest.mark.parametrize("split", ["fixed", "auto"])
+def test_indexer_scores_and_top_k(ops, split):
     rng = np.random.default_rng(1)
     heads, dim, rate, block_size, k = 64, 128, 4, 16, 512
     positions = np.array([3, 900, 2047, 4095, 100], np.int32)
@@ -67,7 +68,7 @@ def test_indexer_scores_and_top_k(ops):
     weights = rng.standard_normal((len(positions), heads)).astype(np.float32)
     scores, selected = ops.indexer_topk(dev_bf16(q), cupy.asarray(weights), dev_bf16(keys), cupy.asarray(tables),
                                         block_size, cupy.asarray(token_seq), cupy.asarray(positions), rate,
-                                        max(lengths), k)
+                                        max(lengths), k, split=split)
     scores, selected = host(scores), host(selected)
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         visible = (p + 1) // rate

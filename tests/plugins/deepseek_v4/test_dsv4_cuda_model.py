@@ -78,9 +78,17 @@ def judge(path, cuda_backend, label: str) -> dict:
     return report
 
 
-def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend):
+@pytest.mark.parametrize(("attention_splits", "indexer_split"), [("auto", "fixed"), ("1", "auto")])
+def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
+                                                           indexer_split):
+    """The defaults (split attention ``auto``, indexer ``fixed``) and the other settings of both
+    switches (``OPENINFER_DSV4_ATTENTION_SPLITS=1``, ``OPENINFER_DSV4_INDEXER_SPLIT=auto``)."""
+    from openinfer_deepseek_v4 import cuda_ops
+
+    monkeypatch.setattr(cuda_ops, "ATTENTION_SPLITS", attention_splits)
+    monkeypatch.setattr(cuda_ops, "INDEXER_SPLIT", indexer_split)
     path, _ = tiny
-    judge(path, cuda_backend, "hf-saved bf16/fp32")
+    judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}")
 
 
 def test_fp8_linears_and_fp4_experts(tiny, cuda_backend, tmp_path):

@@ -74,7 +74,8 @@ extern "C" __global__ void dsv4_compress_entries(
 // --- indexer scores: attention.index_scores ------------------------------------------------------
 // grid (T, ⌈max_entries / entries_per_block⌉). scores[t, s] = Σ_h w[t, h]·relu(q[t, h]·k[s]) for
 // the visible entries s < (pos + 1) / rate; NEG_BIG beyond. The token's q sits in shared memory
-// transposed ([dim][heads]: the lanes of a warp, one head each, read consecutive words), keys
+// transposed ([dim][heads + 1]: the lanes of a warp, one head each, read consecutive words; the
+// pad word keeps the transposing stores of consecutive channels off one bank), keys
 // come in chunks of INDEX_KEY_FLOATS; each warp scores its own keys of a chunk (no block barrier
 // per key), lanes splitting the heads, one warp reduction per key.
 #define INDEX_KEY_FLOATS 2048
@@ -85,16 +86,20 @@ extern "C" __global__ void dsv4_indexer_scores(
     const bf16* __restrict__ keys, const int* __restrict__ tables, int table_stride, int block_size,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int rate,
     float* __restrict__ scores, int heads, int dim, int max_entries, int entries_per_block) {
-    __shared__ float q_t[MAX_INDEX_QK];
+    __shared__ float q_t[MAX_INDEX_QK + MAX_DIM];  // [dim][heads + 1]
     __shared__ float weight[MAX_INDEX_HEADS];
     __shared__ float key_chunk[INDEX_KEY_FLOATS];
     const int t = blockIdx.x, seq = token_seq[t], lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate;
+    const int num_warps = blockDim.x >> 5, visible = (positions[t] + 1) / rate, q_stride = heads + 1;
+    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
+    if (first >= visible) {  // block-uniform: a captured graph sizes the grid for max_model_len, not this context
+        for (int s = first + threadIdx.x; s < last; s += blockDim.x) scores[(long long)t * max_entries + s] = NEG_BIG;
+        return;
+    }
     for (int i = threadIdx.x; i < heads * dim; i += blockDim.x)
-        q_t[(i % dim) * heads + i / dim] = to_f(q[(long long)t * heads * dim + i]);
+        q_t[(i % dim) * q_stride + i / dim] = to_f(q[(long long)t * heads * dim + i]);
     for (int h = threadIdx.x; h < heads; h += blockDim.x) weight[h] = head_weights[(long long)t * heads + h];
     const int chunk = INDEX_KEY_FLOATS / dim;
-    const int first = blockIdx.y * entries_per_block, last = min(first + entries_per_block, max_entries);
     for (int s0 = first; s0 < last; s0 += chunk) {
         const int count = min(chunk, last - s0);
         __syncthreads();  // q_t is loaded; the previous chunk is no longer read
@@ -110,7 +115,7 @@ extern "C" __global__ void dsv4_indexer_scores(
             if (s < visible) {  // warp-uniform
                 for (int h = lane; h < heads; h += 32) {
                     float dot = 0.f;
-                    for (int c = 0; c < dim; ++c) dot += q_t[c * heads + h] * key_chunk[k * dim + c];
+                    for (int c = 0; c < dim; ++c) dot += q_t[c * q_stride + h] * key_chunk[k * dim + c];
                     part += fmaxf(dot, 0.f) * weight[h];
                 }
             }
@@ -196,6 +201,26 @@ extern "C" __global__ void dsv4_topk(const float* __restrict__ scores, const int
 
 __device__ __forceinline__ float shuffle_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
+// 16 bytes of a key row into shared memory by cp.async (sm_80+): a thread's copies are all in
+// flight at once, no registers held. A plain load + store waited out the memory latency once per
+// piece, which with the few warps per SM of a batch-1 step was most of the kernel's time.
+// The host emulation (no __CUDA_ARCH__) copies directly.
+__device__ __forceinline__ void stage_key_piece(bf16* smem, const bf16* gmem) {
+#ifdef __CUDA_ARCH__
+    const unsigned address = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void wait_key_pieces() {  // this thread's copies have landed
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // One head's normalised output (lane l: channels l + 32j) with RoPE⁻¹ at p, to bf16.
 __device__ __forceinline__ void write_head(const float* acc, float denom, int per, int lane, int p,
                                            const float* __restrict__ inv_freq, int rope_dim, int dim, bf16* oh) {
@@ -260,13 +285,14 @@ extern "C" __global__ void dsv4_sparse_attention(
             key_rows[k] = row;  // ≥ 0: a window row; ≤ −2: entry row −2 − r; −1: skipped
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte load
+        for (int i = threadIdx.x; i < count * (dim / 8); i += blockDim.x) {  // 8 bf16 per 16-byte copy
             const int k = i / (dim / 8), c = (i % (dim / 8)) * 8;
             const long long row = key_rows[k];
             if (row == -1) continue;
             const bf16* src = row >= 0 ? window_cache + row * dim : entry_cache + (-2 - row) * dim;
-            *reinterpret_cast<uint4*>(&key_chunk[k * dim + c]) = *reinterpret_cast<const uint4*>(src + c);
+            stage_key_piece(&key_chunk[k * dim + c], src + c);
         }
+        wait_key_pieces();
         __syncthreads();
         if (!active) continue;
         for (int k = 0; k < count; ++k) {
@@ -367,44 +393,47 @@ extern "C" __global__ void dsv4_hc_collapse(
     int hc, int dim, int head, int sinkhorn_iters, float hc_eps) {
     __shared__ float mix[MAX_MIX];
     __shared__ float pre[MAX_HC];
-    const int t = blockIdx.x, n = hc * dim;
+    __shared__ float comb[2][MAX_HC * MAX_HC];  // Sinkhorn ping-pong: read one, write the other
+    const int t = blockIdx.x, n = hc * dim, i = threadIdx.x, cells = hc * hc;
     const float* flat = streams + (long long)t * n;
     const int num_mix = head ? hc : (2 + hc) * hc;
-    for (int o = threadIdx.x; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
+    for (int o = i; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int j = 0; j < hc; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
-        if (!head) {
-            float comb[MAX_HC * MAX_HC];
-            for (int j = 0; j < hc; ++j) post_out[(long long)t * hc + j] = 2.f * sigmoid_f(mix[hc + j] * scale[1] + base[hc + j]);
-            for (int r = 0; r < hc; ++r) {  // row softmax + eps
-                float peak = NEG_BIG, total = 0.f;
-                for (int c = 0; c < hc; ++c) {
-                    comb[r * hc + c] = mix[2 * hc + r * hc + c] * scale[2] + base[2 * hc + r * hc + c];
-                    peak = fmaxf(peak, comb[r * hc + c]);
-                }
-                for (int c = 0; c < hc; ++c) total += (comb[r * hc + c] = __expf(comb[r * hc + c] - peak));
-                for (int c = 0; c < hc; ++c) comb[r * hc + c] = comb[r * hc + c] / total + hc_eps;
-            }
-            for (int iter = 0; iter < sinkhorn_iters; ++iter) {  // columns first, then rows + columns
-                if (iter > 0) {
-                    for (int r = 0; r < hc; ++r) {
-                        float total = 0.f;
-                        for (int c = 0; c < hc; ++c) total += comb[r * hc + c];
-                        for (int c = 0; c < hc; ++c) comb[r * hc + c] /= total + hc_eps;
-                    }
-                }
-                for (int c = 0; c < hc; ++c) {
-                    float total = 0.f;
-                    for (int r = 0; r < hc; ++r) total += comb[r * hc + c];
-                    for (int r = 0; r < hc; ++r) comb[r * hc + c] /= total + hc_eps;
-                }
-            }
-            for (int i = 0; i < hc * hc; ++i) comb_out[(long long)t * hc * hc + i] = comb[i];
-        }
+    if (i < hc) {
+        pre[i] = sigmoid_f(mix[i] * scale[0] + base[i]) + hc_eps;
+        if (!head) post_out[(long long)t * hc + i] = 2.f * sigmoid_f(mix[hc + i] * scale[1] + base[hc + i]);
     }
-    __syncthreads();
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    if (!head) {  // block-uniform: every thread meets the barriers below
+        // Sinkhorn with one thread per cell (a single thread doing the 20 iterations' 640 divisions
+        // one after another took ~50 us, the whole mHC collapse + expand 68 us at batch 1 on H100).
+        // Each cell sums its row / column in index order, as the serial loop (and NumPy) did.
+        if (i < hc) {  // row softmax + eps, a thread per row
+            const float* logits = mix + 2 * hc + i * hc;
+            const float* bias = base + 2 * hc + i * hc;
+            float peak = NEG_BIG, total = 0.f, row[MAX_HC];
+            for (int c = 0; c < hc; ++c) peak = fmaxf(peak, row[c] = logits[c] * scale[2] + bias[c]);
+            for (int c = 0; c < hc; ++c) total += (row[c] = __expf(row[c] - peak));
+            for (int c = 0; c < hc; ++c) comb[0][i * hc + c] = row[c] / total + hc_eps;
+        }
+        __syncthreads();
+        int current = 0;
+        for (int iter = 0; iter < sinkhorn_iters; ++iter) {  // columns first, then rows + columns
+            for (int pass = iter > 0 ? 0 : 1; pass < 2; ++pass) {  // pass 0: rows, 1: columns
+                if (i < cells) {
+                    const int r = i / hc, c = i % hc;
+                    const float* from = comb[current];
+                    float total = 0.f;
+                    for (int j = 0; j < hc; ++j) total += pass == 0 ? from[r * hc + j] : from[j * hc + c];
+                    comb[current ^ 1][i] = from[i] / (total + hc_eps);
+                }
+                current ^= 1;
+                __syncthreads();
+            }
+        }
+        if (i < cells) comb_out[(long long)t * cells + i] = comb[current][i];
+    }
+    __syncthreads();  // pre
+    for (int d = i; d < dim; d += blockDim.x) {
         float x = 0.f;
         for (int j = 0; j < hc; ++j) x += pre[j] * flat[j * dim + d];
         x_out[(long long)t * dim + d] = to_bf(x);

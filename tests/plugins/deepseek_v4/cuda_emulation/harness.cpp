@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
         auto token_seq = load<int>(dir, "token_seq.bin");
         auto positions = load<int>(dir, "positions.bin");
         std::vector<float> scores(static_cast<size_t>(tokens) * max_entries);
-        std::vector<int> selected(static_cast<size_t>(tokens) * k);
+        std::vector<int> selected(static_cast<size_t>(tokens) * k, -7);  // dsv4_topk must write every slot
         launch(tokens, (max_entries + per_block - 1) / per_block, 1, threads, [&] {
             dsv4_indexer_scores(q.data(), weights.data(), keys.data(), tables.data(), stride, block_size,
                                 token_seq.data(), positions.data(), rate, scores.data(), heads, dim, max_entries,

@@ -1,0 +1,38 @@
+"""The CUDA launch-shape rules of ``kernel_plan`` (pure Python, so they are checked on the CPU): the
+switches' defaults and errors, and the grids they pick at DeepSeek-V4-Flash shapes on an H100 (132 SMs)."""
+
+import pytest
+from openinfer_deepseek_v4 import kernel_plan
+
+H100_SMS = 132
+
+
+def test_attention_splits_default_is_auto_and_one_forces_a_single_run():
+    assert kernel_plan.attention_splits_setting({}) == "auto"
+    assert kernel_plan.attention_splits_setting({"OPENINFER_DSV4_ATTENTION_SPLITS": "1"}) == "1"
+    # batch 1, 64 heads in 2-warp blocks: 32 blocks, so split until 2 × 132 blocks (9 runs), capped by keys
+    assert kernel_plan.attention_splits("auto", 32, 128 + 512, H100_SMS) == 9
+    assert kernel_plan.attention_splits("auto", 32, 40, H100_SMS) == 2  # a run needs 32 keys
+    assert kernel_plan.attention_splits("auto", 64 * 8, 640, H100_SMS) == 1  # batch 64 fills the GPU
+    assert kernel_plan.attention_splits("1", 32, 640, H100_SMS) == 1
+    assert kernel_plan.attention_splits(4, 32, 640, H100_SMS) == 4
+
+
+@pytest.mark.parametrize("value", ["0", "17", "two", ""])
+def test_attention_splits_bad_setting_is_a_clear_error(value):
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_ATTENTION_SPLITS"):
+        kernel_plan.attention_splits_setting({"OPENINFER_DSV4_ATTENTION_SPLITS": value})
+
+
+def test_indexer_split():
+    assert kernel_plan.indexer_split_setting({}) == "fixed"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_INDEXER_SPLIT"):
+        kernel_plan.indexer_split_setting({"OPENINFER_DSV4_INDEXER_SPLIT": "many"})
+    fixed = kernel_plan.indexer_entries_per_block("fixed", 1, 1024, H100_SMS)
+    assert fixed == kernel_plan.INDEX_ENTRIES_PER_BLOCK
+    # batch 1 at context 4k (1024 entries): 128 blocks of 8 instead of 4 blocks of 256
+    assert kernel_plan.indexer_entries_per_block("auto", 1, 1024, H100_SMS) == 8
+    for tokens, entries in [(1, 1), (3, 1040), (64, 1040), (256, 16384), (4096, 262144)]:
+        per_block = kernel_plan.indexer_entries_per_block("auto", tokens, entries, H100_SMS)
+        assert kernel_plan.INDEX_MIN_ENTRIES_PER_BLOCK <= per_block <= fixed and per_block % 8 == 0
+        assert tokens * -(-entries // per_block) >= min(H100_SMS, tokens * -(-entries // 8))  # fills the GPU
