@@ -87,7 +87,7 @@ def test_min_decode_rows_is_a_parameter():
 def test_short_query_threshold():
     assert wants_short_query("auto", SHORT_QUERY_MIN_CONTEXT)
     assert not wants_short_query("auto", SHORT_QUERY_MIN_CONTEXT - 1)
-    assert wants_short_query("auto", 32768) and not wants_short_query("auto", 1024)
+    assert wants_short_query("auto", 32768) and not wants_short_query("auto", 512)
     assert wants_short_query("on", 20) and not wants_short_query("off", 32768)
     assert wants_short_query("auto", 3000, min_context=4096) is False
     assert wants_short_query("auto", None) and not wants_short_query("off", None)  # a graph, any context

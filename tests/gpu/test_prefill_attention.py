@@ -192,13 +192,15 @@ def test_short_query_kernel_rejects_long_steps(cuda_backend, rng):
                                   SHORT_QUERY_MAX_TOKENS + 1, 0.1, cuda_backend.num_sms)
 
 
+DECODE_CONTEXTS = [300, 47, 900, 16, 1, 250, 0, 33, 129, 64, 700, 5, 15, 17, 400, 90]  # MIXED_MIN_DECODE_ROWS
 MIXED_CASES = {
     # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence):
     # running decodes first (1 new token each), then prompt chunks, as the scheduler orders a step
-    "decodes-then-chunk": (128, 8, 2, [300, 47, 900, 16, 1, 250, 0], [1, 1, 1, 1, 1, 1, 300]),
-    "decodes-then-chunks-and-a-late-decode": (128, 8, 2, [64, 700, 33, 129, 0, 500, 90], [1, 1, 1, 1, 200, 130, 1]),
-    "d256-decodes-then-chunk": (256, 4, 2, [200, 31, 400, 5, 100], [1, 1, 1, 1, 129]),
-    "d64-gqa4": (64, 8, 2, [90, 333, 7, 512, 48], [1, 1, 1, 1, 260]),
+    "decodes-then-chunk": (128, 8, 2, DECODE_CONTEXTS + [0], [1] * 16 + [300]),
+    "decodes-then-chunks-and-a-late-decode": (128, 8, 2, DECODE_CONTEXTS[::-1] + [1, 0, 500, 90],
+                                              [1] * 17 + [200, 130, 1]),
+    "d256-decodes-then-chunk": (256, 4, 2, DECODE_CONTEXTS + [100], [1] * 16 + [129]),
+    "d64-gqa4": (64, 8, 2, DECODE_CONTEXTS + [48], [1] * 16 + [260]),
 }
 
 

@@ -8,9 +8,10 @@ kernel (prefill_attention_sm90.cu, built for sm_90a), elsewhere the mma.sync ker
 (prefill_attention.cu). Two routings (``attention_routing.py``) take rows away from it:
 steps of at most ``SHORT_QUERY_MAX_TOKENS`` new tokens per sequence (a warm prefix's last block)
 run the split-KV short-query kernel from ``SHORT_QUERY_MIN_CONTEXT`` tokens of context on
-(``OPENINFER_SHORT_QUERY_ATTENTION=1`` / ``0`` forces it on / off); with
-``OPENINFER_MIXED_DECODE_ATTENTION=1`` a mixed step's leading 1-token rows (its running decodes)
-run the decode kernel and only the prompt chunks' tiles the prefill kernel.
+(``OPENINFER_SHORT_QUERY_ATTENTION=1`` / ``0`` forces it on / off); a mixed step's leading
+1-token rows (its running decodes, ``MIXED_MIN_DECODE_ROWS`` or more) run the decode kernel and
+only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTENTION=0``: all rows
+on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
 
@@ -211,7 +212,7 @@ _step_splits = _StepSplits()
 
 
 def mixed_split(batch: CudaBatch) -> MixedSplit | None:
-    """How ``attend`` splits this (not plain decode) step when OPENINFER_MIXED_DECODE_ATTENTION is on."""
+    """How ``attend`` splits this (not plain decode) step (OPENINFER_MIXED_DECODE_ATTENTION on, the default)."""
     return _step_splits.get(batch)
 
 

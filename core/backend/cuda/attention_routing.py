@@ -15,12 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 # A few decode rows are cheaper inside the prefill launch than as a second kernel launch plus
-# the copy of their rows; from this many on they go to the decode kernel.
-MIXED_MIN_DECODE_ROWS = 4
-# "auto": the short-query kernel from this longest context on. W1 (H100, one sequence, 16 new
-# tokens): 0.70x the prefill kernel's speed at 1008 cached tokens, 1.92x at 4080, 3.4x at 16k;
-# both times are about linear in the context, so they cross near 1.9k tokens.
-SHORT_QUERY_MIN_CONTEXT = 2048
+# the copy of their rows; from this many on they go to the decode kernel. W3a (H100, per layer,
+# gpu_prefill_attention.py --routing): 4 decodes at 1k + a 2k chunk 0.91x (slower), 16 decodes at
+# 4k + a 512 chunk 1.47x, 64 at 1k + 2k 1.69x, 256 at 1k + 512 2.20x, 256 at 1k + 2k 2.54x.
+MIXED_MIN_DECODE_ROWS = 16
+# "auto": the short-query kernel from this longest context on. W3a (H100, 16 new tokens, the
+# short-query kernel against the prefill kernel): 1.06x at 1008 cached, 1.27x at 1520, 1.35x at
+# 2032, 1.60x at 3056, 1.86x at 4080; 8 sequences 1.32x at 1008; 32 x (1020 + 4) 2.37x (W1's 0.70x
+# at 1008 was its first, cold case). Below 1k its split-KV floor (~45 us) is not measured to win.
+SHORT_QUERY_MIN_CONTEXT = 1024
 SHORT_QUERY_MODES = ("auto", "on", "off")
 
 

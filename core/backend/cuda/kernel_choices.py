@@ -1,7 +1,7 @@
 """The attention kernels' run-time switches, read from the environment once per process.
 
 ``OPENINFER_PREFILL_KERNEL`` ("auto" | "mma"), ``OPENINFER_SHORT_QUERY_ATTENTION`` ("auto" | "0" | "1"),
-``OPENINFER_MIXED_DECODE_ATTENTION`` ("0" | "1": a mixed step's 1-token rows on the decode kernel),
+``OPENINFER_MIXED_DECODE_ATTENTION`` ("1", the default | "0": a mixed step's 1-token rows on the decode kernel),
 ``OPENINFER_SM90_*`` (variants of the Hopper prefill kernel) and ``OPENINFER_DECODE_ATTENTION``
 ("mma" | "split") are parsed and validated at their first use and then kept: a prefill step does
 not look at the environment. ``refresh_kernel_choices()`` re-reads them all, for benchmarks and
@@ -32,11 +32,13 @@ PREFILL_KERNELS = ("auto", "sm90", "mma")
 PREFILL_KERNEL_ENV = "OPENINFER_PREFILL_KERNEL"  # "auto" (default) or "mma"
 SHORT_QUERY_ENV = "OPENINFER_SHORT_QUERY_ATTENTION"  # "1" / "0": force the short-query kernel on / off
 # "auto": the short-query kernel for short steps from attention_routing.SHORT_QUERY_MIN_CONTEXT on
-# (W1 on H100: 1.9x-4.1x the prefill kernel from 4k context, 0.70x at 1k)
+# (H100: 1.06x-1.86x the prefill kernel at 1k-4k context in W3a, 3.4x-4.1x at 16k-32k in W1)
 SHORT_QUERY_DEFAULT = "auto"
 SHORT_QUERY_VALUES = {"auto": "auto", "1": "on", "0": "off"}
-MIXED_DECODE_ENV = "OPENINFER_MIXED_DECODE_ATTENTION"  # "1": a mixed step's decode rows on the decode kernel
-MIXED_DECODE_DEFAULT = False  # until measured faster on a GPU (benchmarks/gpu_prefill_attention.py --routing)
+MIXED_DECODE_ENV = "OPENINFER_MIXED_DECODE_ATTENTION"  # "0": a mixed step's decode rows stay on the prefill kernel
+# on: W3a (H100, gpu_prefill_attention.py --routing) 1.47x-2.54x attention per layer for mixed steps
+# of 16-256 decode rows beside a prompt chunk; "0" gives every row to the prefill kernel
+MIXED_DECODE_DEFAULT = True
 
 
 @dataclass(frozen=True)
