@@ -125,7 +125,8 @@ def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path],
                     "through": "EngineHandle in process (no HTTP)", "engine_start_s": time.perf_counter() - began,
                     "short_query_attention": os.environ.get("OPENINFER_SHORT_QUERY_ATTENTION", "default"),
                     "prefill_graph_buckets": sorted(getattr(runner, "prefill_graphs", {})),
-                    "prefill_graph_capture_error": capture_error, "contexts": []}
+                    "prefill_graph_capture_error": capture_error,
+                    "engine_start_phases_s": dict(getattr(engine, "startup_phases", {})), "contexts": []}
     launches: list[tuple[int, int, bool, float]] = []  # (tokens, max query, graphed, launch ms) of the last request
     outer = runner.observer
 
