@@ -46,8 +46,8 @@ ABSORBED_KERNEL_ENV = "OPENINFER_MLA_DECODE"
 DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per GPU is not measured yet
 # H100, benchmarks/gpu_kimi.py, 2026-11-23 window W2 (whole mla_forward, context 1024 unless said):
 # 16 heads: mma 0.132 vs 0.226 ms at batch 1 (0.181 vs 0.478 at context 4096), 0.555 vs 0.634 at 64,
-# 1.78 vs 1.66 at 256 (behind); 64 heads (Kimi-K2 layer): 0.222 vs 0.223 ms at batch 1, 0.555 vs
-# 1.815 at 64, 2.06 vs 6.33 at 256.
+# 1.78 vs 1.66 at 256 (behind); 64 heads, W3a: 0.188 vs 0.271 ms at batch 1 (0.240 vs 0.538 at
+# context 4096), 0.590 vs 1.705 at 64 (1.69 vs 6.48 at context 4096), 1.94 vs 6.28 at 256.
 ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = (
     (16, 64, "mma"), (16, 1 << 30, "cuda_cores"), (64, 1 << 30, "mma"))
 MAX_SPLITS = 16

@@ -16,7 +16,8 @@ is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        a decode GEMV, weights read once       a decode GEMV over moe_sort's tiles
                         straight from FP8 / INT4: moe_gemv,    (INT4: moe_gemv_mma on tensor cores,
-                        moe_gemv_wide (FP8: up to 4 rows)      else moe_gemv)
+                        moe_gemv_wide (FP8: up to 4 rows)      bf16: moe_gemv_wide then mma,
+                                                               FP8: moe_gemv)
     middle              moe_grouped_gemm dense mode            moe_grouped_gemm
     many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
                                                                cuBLAS per active expert (bf16 as stored,
@@ -75,7 +76,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
 #    cuBLAS 114 us vs moe_gemv 117, wide2 118, mma 125; 16 and 32 rows: dequantize 111 us, mma 129 / 260.
 #  * INT4 experts (384 x top-8, Kimi-K2 layer, CUDA graph): moe_gemv_mma ahead of moe_gemv at 0.02 slots
 #    per expert (gate_up + down 0.17 vs 0.25 ms), at 1.3 (3.9 vs 9.4 ms) and, against the per-tile GEMM,
-#    at 5.3 (5.7 vs 19.9 ms); W1's down projection: 2.9x moe_gemv at 64 tokens, 5.2x at 256.
+#    at 5.3 (5.7 vs 19.9 ms); W1's down projection: 2.9x moe_gemv at 64 tokens, 5.2x at 256. W3a,
+#    gate_up alone: mma 87 / 1018 / 2574 / 3654 / 4083 us at 0.02 / 0.3 / 1.3 / 5.3 / 10.7 slots per
+#    expert vs moe_gemv 121 / 1725 / 5466 and the per-tile GEMM 12899 / 13207 at 5.3 / 10.7.
+#  * bf16 experts (Moonlight, 64 x top-6), W3a: moe_gemv_wide (4 columns per warp) ahead at 0.1 and 1.5
+#    slots per expert (gate_up 26 vs moe_gemv 31 us, 204 vs 247; down 16 vs 19, 121 vs 174), mma at 6
+#    (gate_up 380 vs the per-tile GEMM 416 us, down 190 vs 236); the per-tile GEMM from 24 (467 vs 779).
 # Unmeasured rows keep the earlier choice (moe_gemv up to GEMV_MAX_ROWS / GEMV_MAX_ROWS_PER_EXPERT).
 GemvChoice = tuple[tuple[float, str], ...]
 DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
@@ -83,7 +89,7 @@ DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
     "fp8": ((4, "wide2"), (7, "moe_gemv")),
 }
 GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
-    "bf16": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),), "int4": ((5.5, "mma"),),
+    "bf16": ((1.5, "wide"), (6, "mma")), "int4": ((11, "mma"),),
     "fp8": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),),
 }
 # A kernel forced (argument or GEMV_KERNEL_ENV) runs up to its own bounds: (dense rows, slots per

@@ -51,8 +51,9 @@ MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited t
 token grouping         ``moe_sort`` (counts, segments, GEMM tile list)                   core
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
-                       slots average few per expert (INT4: ``moe_gemv_mma`` to 5.5,
-                       bf16 / FP8: ``moe_gemv`` to 3), else ``moe_grouped_gemm``
+                       slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
+                       bf16: ``moe_gemv_wide`` to 1.5, ``moe_gemv_mma`` to 6; FP8:
+                       ``moe_gemv`` to 3), else ``moe_grouped_gemm``
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 
