@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--attention-splits", default="auto",
                         help="sparse attention runs of keys for the layer rows: 1, auto or a count "
                              "(OPENINFER_DSV4_ATTENTION_SPLITS)")
-    parser.add_argument("--indexer-split", choices=("fixed", "auto"), default="fixed",
+    parser.add_argument("--indexer-split", choices=("fixed", "auto"), default="auto",
                         help="indexer entries per scoring block for the layer rows (OPENINFER_DSV4_INDEXER_SPLIT)")
     parser.add_argument("--layers", default=",".join(RATES), help="comma-separated layer kinds (sliding,csa,hca)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes of the layer rows and "

@@ -81,8 +81,8 @@ def judge(path, cuda_backend, label: str) -> dict:
 @pytest.mark.parametrize(("attention_splits", "indexer_split"), [("auto", "fixed"), ("1", "auto")])
 def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
                                                            indexer_split):
-    """The defaults (split attention ``auto``, indexer ``fixed``) and the other settings of both
-    switches (``OPENINFER_DSV4_ATTENTION_SPLITS=1``, ``OPENINFER_DSV4_INDEXER_SPLIT=auto``)."""
+    """Both settings of both switches: split attention ``auto`` (default) / ``1``, indexer split
+    ``auto`` (default) / ``fixed``."""
     from openinfer_deepseek_v4 import cuda_ops
 
     monkeypatch.setattr(cuda_ops, "ATTENTION_SPLITS", attention_splits)

@@ -25,7 +25,8 @@ def test_attention_splits_bad_setting_is_a_clear_error(value):
 
 
 def test_indexer_split():
-    assert kernel_plan.indexer_split_setting({}) == "fixed"
+    assert kernel_plan.indexer_split_setting({}) == "auto"
+    assert kernel_plan.indexer_split_setting({"OPENINFER_DSV4_INDEXER_SPLIT": "fixed"}) == "fixed"
     with pytest.raises(ValueError, match="OPENINFER_DSV4_INDEXER_SPLIT"):
         kernel_plan.indexer_split_setting({"OPENINFER_DSV4_INDEXER_SPLIT": "many"})
     fixed = kernel_plan.indexer_entries_per_block("fixed", 1, 1024, H100_SMS)
