@@ -213,7 +213,7 @@ class PagedEngine:
         # every row back anyway, so there only rows needing the previous step's tokens wait
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         # grammar rows sampled ahead too: the CUDA sampler queues their sampling at once and the
-        # GPU waits there for the masks the host computes meanwhile (opt-in until measured)
+        # GPU waits there for the masks the host computes meanwhile (opt-in: see structured.DEVICE_WAIT_ENV)
         self._masks_waited_on_device = False
         self.grammar_masks_waited_on_device = (self.can_wait_for_grammar_masks_on_device
                                                and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
