@@ -51,9 +51,9 @@ class Request:
     num_placeholders: int = 0
     # full blocks at the last prefix-cache publish: the engine publishes only when it grows
     num_full_blocks_published: int = -1
-    # (the sampling kernel can sample it, sampling needs its history on the host): fixed for
-    # the request's life; set on first use by ``openinfer.runtime.sampler``
-    sampling_traits: tuple[bool, bool] | None = None
+    # (the sampling kernel can sample it, sampling needs its history on the host, it does for
+    # more than a grammar): fixed for the request's life; set on first use by ``openinfer.runtime.sampler``
+    sampling_traits: tuple[bool, bool, bool] | None = None
     # the hashes of its token blocks, computed once (the scheduler's prefix lookups while it
     # waits, its start, every publish and a restart after preemption share them)
     prefix_hashes: PrefixHashes | None = None
