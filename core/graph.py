@@ -195,17 +195,8 @@ class CudaGraphRunner:
             warm = {max(self.buckets), min(self.buckets)}  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
                 static = statics[bucket]
-                if bucket in warm:
-                    self.forward(static.batch)  # warm-up: compiles what discovery missed, fills the pool
-                try:
-                    self.graphs[bucket] = self._capture_one(cupy, static)
-                except Exception:  # e.g. an allocation capture refuses: warm this bucket up and retry
-                    if bucket in warm:
-                        raise
-                    logger.debug("capturing bucket %d without a warm-up failed; retrying after one", bucket,
-                                 exc_info=True)
-                    self.forward(static.batch)
-                    self.graphs[bucket] = self._capture_one(cupy, static)
+                self.graphs[bucket] = self._capture_warmed(cupy, static, warmed=bucket in warm,
+                                                           what=f"bucket {bucket}")
             self._capture_prefill(cupy)
             self.stream.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -219,17 +210,23 @@ class CudaGraphRunner:
         for bucket in sorted(self.prefill_buckets, reverse=True):
             static = self.backend.static_prefill_batch(bucket, short_prefill_tokens(bucket), self.max_blocks_per_seq,
                                                        SHORT_PREFILL_MAX_QUERY)
-            if bucket in warm:
-                self.forward(static.batch)
-            try:
-                self.prefill_graphs[bucket] = self._capture_one(cupy, static)
-            except Exception:
-                if bucket in warm:
-                    raise
-                logger.debug("capturing prefill bucket %d without a warm-up failed; retrying after one", bucket,
-                             exc_info=True)
-                self.forward(static.batch)
-                self.prefill_graphs[bucket] = self._capture_one(cupy, static)
+            self.prefill_graphs[bucket] = self._capture_warmed(cupy, static, warmed=bucket in warm,
+                                                               what=f"prefill bucket {bucket}")
+
+    def _capture_warmed(self, cupy: Any, static: Any, *, warmed: bool, what: str) -> _Captured:
+        """Capture one bucket; ``warmed`` ones run once first (compiling what kernel discovery
+        missed, filling the memory pool). An unwarmed bucket whose capture fails (e.g. an
+        allocation the capture refuses) is warmed up and captured again."""
+        if warmed:
+            self.forward(static.batch)
+        try:
+            return self._capture_one(cupy, static)
+        except Exception:
+            if warmed:
+                raise
+            logger.debug("capturing %s without a warm-up failed; retrying after one", what, exc_info=True)
+            self.forward(static.batch)
+            return self._capture_one(cupy, static)
 
     def _capture_one(self, cupy: Any, static: Any) -> _Captured:
         self.stream.synchronize()

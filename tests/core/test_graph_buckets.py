@@ -160,3 +160,38 @@ def test_models_with_state_or_several_kv_groups_get_no_short_prefill_buckets():
         runner = CudaGraphRunner(_Backend(), lambda batch: None, max_num_seqs=8, max_blocks_per_seq=MAX_BLOCKS,
                                  prefill_buckets=(1, 2), **kwargs)
         assert runner.prefill_buckets == []
+
+
+class _CaptureProbe:
+    """Stands in for a CudaGraphRunner while one bucket is captured: counts warm-ups and fails
+    the first ``failures`` captures."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.forwards = 0
+        self.captures = 0
+
+    def forward(self, batch: object) -> None:
+        self.forwards += 1
+
+    def _capture_one(self, cupy: object, static: object) -> str:
+        self.captures += 1
+        if self.captures <= self.failures:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return "graph"
+
+
+@pytest.mark.parametrize("warmed", [True, False])
+def test_capture_warms_up_first_or_retries_after_a_warm_up(warmed: bool) -> None:
+    static = type("Static", (), {"batch": object()})()
+    ok = _CaptureProbe(failures=0)
+    assert CudaGraphRunner._capture_warmed(ok, None, static, warmed=warmed, what="bucket 4") == "graph"
+    assert (ok.forwards, ok.captures) == ((1, 1) if warmed else (0, 1))
+
+    retried = _CaptureProbe(failures=1)
+    if warmed:  # a warmed bucket that still fails is a real error
+        with pytest.raises(RuntimeError, match="capturing"):
+            CudaGraphRunner._capture_warmed(retried, None, static, warmed=True, what="bucket 4")
+    else:
+        assert CudaGraphRunner._capture_warmed(retried, None, static, warmed=False, what="bucket 4") == "graph"
+        assert (retried.forwards, retried.captures) == (1, 2)
