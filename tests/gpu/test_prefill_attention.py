@@ -146,6 +146,18 @@ def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):
         prefill_attention(cupy.zeros((8, 2, 64), cupy.uint16), spec, kv, batch, implementation="sm90")
 
 
+def paged_problem(rng, head_dim, num_heads, num_kv_heads, cached, new):
+    """A paged step over random bf16 K/V (three spare blocks) and its NumPy attention:
+    (batch, k_cache, v_cache, q, scale, expected)."""
+    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
+    batch = paged_batch(rng, cached, new, num_blocks)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
+    scale = head_dim**-0.5
+    return batch, k_cache, v_cache, q, scale, reference_attention(q, k_cache, v_cache, batch, scale)
+
+
 SHORT_QUERY_CASES = {
     # name: (head_dim, num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence)
     "warm-tail-16k-like": (128, 32, 8, [4080], [16]),
@@ -162,13 +174,7 @@ def test_short_query_kernel_matches_numpy(cuda_backend, rng, case, splits):
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
 
     head_dim, num_heads, num_kv_heads, cached, new = SHORT_QUERY_CASES[case]
-    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
-    batch = paged_batch(rng, cached, new, num_blocks)
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
-    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
-    scale = head_dim**-0.5
-    expected = reference_attention(q, k_cache, v_cache, batch, scale)
+    batch, k_cache, v_cache, q, scale, expected = paged_problem(rng, head_dim, num_heads, num_kv_heads, cached, new)
     device_batch = cuda_backend.prepare_batch(batch)
     out = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
     short_query_attention_mma(cupy.asarray(float_to_bf16_bits(q)), cuda_backend.upload(k_cache),
@@ -218,13 +224,7 @@ def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, mo
     )
 
     head_dim, num_heads, num_kv_heads, cached, new = MIXED_CASES[case]
-    num_blocks = 3 + sum(-(-(c + n) // BLOCK_SIZE) for c, n in zip(cached, new, strict=True))
-    batch = paged_batch(rng, cached, new, num_blocks)
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
-    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
-    scale = head_dim**-0.5
-    expected = reference_attention(q, k_cache, v_cache, batch, scale)
+    batch, k_cache, v_cache, q, scale, expected = paged_problem(rng, head_dim, num_heads, num_kv_heads, cached, new)
     spec = AttentionSpec(num_heads, num_kv_heads, head_dim, None, scale, None, None, 1e-6)
     kv = KVLayer(cuda_backend.upload(k_cache), cuda_backend.upload(v_cache))
     q_device = cupy.asarray(float_to_bf16_bits(q))
