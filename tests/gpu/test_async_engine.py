@@ -111,6 +111,22 @@ def grammar_requests() -> list:
     return requests
 
 
+def grammar_checkpoint(tmp_path):
+    """A tiny bf16 Qwen3 with the Qwen3 family's tokenizer: (its directory, its config). bf16
+    weights, so the float32 reference computes with the very weights the GPU holds."""
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
+    from agent_checkpoints import write_family_tokenizer
+
+    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32, vocab_size=512, dtype="bfloat16")
+    write_family_tokenizer(path, "qwen3")
+    return path, json.loads((path / "config.json").read_text())
+
+
 def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
     """Grammar rows next to plain rows: every step's forward is queued before the previous step
     is read back (a grammar step's sampling deferred until the next batch is built), tokens as
@@ -118,23 +134,14 @@ def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
     different steps), checked against the float32 reference (``check_divergences_at_near_ties``);
     every grammar row's output is accepted by its grammar."""
     pytest.importorskip("cupy")
-    import sys
-    from pathlib import Path
 
     from openinfer_qwen3 import plugin
 
     from openinfer import EngineOptions
     from openinfer.structured import GrammarCompiler
     from tests.helpers.engine_utils import run_all
-    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
-    from agent_checkpoints import write_family_tokenizer
-
-    # bf16 weights: the float32 reference computes with the very weights the GPU holds
-    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32, vocab_size=512, dtype="bfloat16")
-    write_family_tokenizer(path, "qwen3")
-    config = json.loads((path / "config.json").read_text())
+    path, config = grammar_checkpoint(tmp_path)
     requests = grammar_requests()
     outputs, reports = {}, {}
     for mode in (False, True):
@@ -170,22 +177,14 @@ def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path
     up to bf16 near-ties, every grammar row's output accepted by its grammar, nearly every
     step launched ahead."""
     pytest.importorskip("cupy")
-    import sys
-    from pathlib import Path
 
     from openinfer_qwen3 import plugin
 
     from openinfer import EngineOptions
     from openinfer.structured import DEVICE_WAIT_ENV, GrammarCompiler
     from tests.helpers.engine_utils import run_all
-    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
-    from agent_checkpoints import write_family_tokenizer
-
-    path = write_tiny_qwen3(tmp_path / "q", seed=3, head_dim=32, vocab_size=512, dtype="bfloat16")
-    write_family_tokenizer(path, "qwen3")
-    config = json.loads((path / "config.json").read_text())
+    path, config = grammar_checkpoint(tmp_path)
     requests = grammar_requests()
     outputs = {}
     for wait_on_device in (False, True):
