@@ -440,13 +440,24 @@ def bench_mixed_steps(backend, rows: list[dict], save) -> list[dict]:
     return rows
 
 
-def plot_routing(report: dict, path: Path) -> None:
+def two_panels():
+    """A figure with two side-by-side panels, drawn off-screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    return fig, (left, right)
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_routing(report: dict, path: Path) -> None:
+    fig, (left, right) = two_panels()
     mixed = report["mixed_steps"]
     x = np.arange(len(mixed))
     left.bar(x - 0.2, [r["before_us"] for r in mixed], 0.4, label="all rows on the prefill kernel")
@@ -468,8 +479,7 @@ def plot_routing(report: dict, path: Path) -> None:
     right.set_ylabel("short-query speed-up over the prefill kernel")
     right.set_title("short steps (<= 16 new tokens per sequence)")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def bench_warm_step(backend, context: int = 16384, new_tokens: int = 16) -> dict:
@@ -528,12 +538,7 @@ def bench_warm_step(backend, context: int = 16384, new_tokens: int = 16) -> dict
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right) = two_panels()
     rows = report["attention"]
     x = np.arange(len(rows))
     series = [k[:-len("_tflops")] for k in ("mma_tflops", "sm90_tflops", "torch_flash_tflops", "torch_cudnn_tflops")
@@ -558,8 +563,7 @@ def plot(report: dict, path: Path) -> None:
         right.set_ylabel("TTFT ms (one prefill step)")
         right.set_title("Qwen3-4B-shaped model, cold prefill")
         right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def write_json(report: dict, out_dirs: list[Path], name: str) -> None:
