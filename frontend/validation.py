@@ -32,11 +32,14 @@ def default_max_tokens(num_prompt_tokens: int, info: pb.ModelInfo) -> int:
     return max(1, (info.max_model_len or num_prompt_tokens + 1) - num_prompt_tokens)
 
 
-def check_generate_request(request: pb.GenerateRequest, info: pb.ModelInfo) -> None:
-    """Raise ``InvalidRequestError`` naming the field for anything the engine cannot honour."""
+def check_generate_request(request: pb.GenerateRequest, info: pb.ModelInfo, prompt_checked: bool = False) -> None:
+    """Raise ``InvalidRequestError`` naming the field for anything the engine cannot honour.
+    ``prompt_checked``: the caller has passed these very prompt ids through ``check_prompt``
+    already (a second pass over a 16k-id protobuf field costs ~1 ms)."""
     if not request.request_id:
         raise InvalidRequestError("request_id must not be empty", "request_id")
-    check_prompt(request.prompt_token_ids, info, "prompt_token_ids")
+    if not prompt_checked:
+        check_prompt(request.prompt_token_ids, info, "prompt_token_ids")
     validate_sampling(request.sampling)
     stop = request.stop
     num_prompt = len(request.prompt_token_ids)

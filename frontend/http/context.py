@@ -142,7 +142,7 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
             )
             if structured_output is not None:
                 request.structured_output.CopyFrom(structured_output)
-            check_generate_request(request, info)
+            check_generate_request(request, info, prompt_checked=True)  # check_prompt above
             skip = body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
             plans.append(ChoicePlan(index, request, body.stop_strings(), skip))
     return plans
