@@ -7,7 +7,9 @@ random Qwen3 with a 32k context, a cold request of ``--context`` tokens, then ``
 sharing all but the last 8 tokens. Reports each warm request's host TTFT and a profile of the
 engine loop's steps (cumulative time per function, per warm request). ``--http`` sends the same
 requests as token-id prompts to the HTTP app in-process (the demo model's tokenizer, vocab 49152)
-and profiles the event loop's thread too: what the API server adds before and after the engine.
+and profiles the event loop's thread too: what the API server adds before and after the engine
+(``--text``: the prompt as text, which the server tokenizes). Bodies are JSON-encoded before each
+request's clock starts, as a client in another process would.
 
     python benchmarks/warm_prefix_host.py --context 16384 --out benchmarks/results/warm_prefix_host.json
 """
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--warm", type=int, default=5)
     parser.add_argument("--http", action="store_true", help="through the HTTP app (in-process ASGI)")
+    parser.add_argument("--text", action="store_true", help="with --http: the prompt as text (the prefix's ids "
+                                                              "decoded), tokenized by the server")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "warm_prefix_host.json"))
     parser.add_argument("--compare", help="a JSON of an earlier run (e.g. before a change): plotted next to "
                                           "this one in a PNG beside --out")
@@ -95,11 +99,16 @@ def main() -> None:
 
     frontend_profile = cProfile.Profile()
 
+    text_prefix = {}  # --text: the prefix as text (decoded once), each request adding a few words
+
     async def one_http(http, request_id: str) -> float:
-        body = {"prompt": prefix + rng.integers(3, 90, 8).tolist(), "max_tokens": 1, "temperature": 0.0,
-                "stream": True}
+        suffix = rng.integers(3, 90, 8).tolist()
+        prompt = text_prefix["text"] + " " + " ".join(map(str, suffix)) if args.text else prefix + suffix
+        # encoded before the clock starts: a real client does that in its own process
+        body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}).encode()
         began, began_cpu, first = time.perf_counter(), time.process_time(), None
-        async with http.stream("POST", "/v1/completions", json=body) as response:
+        async with http.stream("POST", "/v1/completions", content=body,
+                               headers={"content-type": "application/json"}) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and first is None:
                     first = time.perf_counter() - began
@@ -121,7 +130,9 @@ def main() -> None:
         from openinfer.frontend.http import create_app
         from openinfer.tokenizer import Tokenizer
 
-        app = create_app(engine, Tokenizer.from_dir(path), "tiny")
+        tokenizer = Tokenizer.from_dir(path)
+        text_prefix["text"] = tokenizer.decode(prefix)
+        app = create_app(engine, tokenizer, "tiny")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://b", timeout=600) as http:
             cold = await one_http(http, "cold")
             warm = [await one_http(http, f"warm{i}") for i in range(args.warm)]
@@ -151,7 +162,8 @@ def main() -> None:
                 for (filename, line, function), (_, calls, _, cumulative, _) in pstats.Stats(profile).stats.items()]
 
     rows = top(profile, str(Path(openinfer.__file__).resolve().parent))  # the package's own frames
-    result = {"context": n, "through": "HTTP app (ASGI, token-id prompt, streamed)" if args.http else "EngineHandle",
+    result = {"context": n, "through": (f"HTTP app (ASGI, {'text' if args.text else 'token-id'} prompt, streamed)" if args.http
+                                         else "EngineHandle"),
               "cold_host_ttft_ms": 1e3 * cold, "warm_host_ttft_ms": [1e3 * w for w in warm],
               "warm_host_ttft_ms_median": 1e3 * float(np.median(warm)),
               "warm_host_ttft_ms_min": 1e3 * float(np.min(warm)), "engine_step_profile": rows,

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from openinfer.engine import EngineHandle
 from openinfer.errors import EngineDeadError
+from openinfer.frontend.http.body import FastJsonRoute
 from openinfer.frontend.http.chat import create_chat_completion, render_chat_prompt
 from openinfer.frontend.http.completions import create_completion
 from openinfer.frontend.http.context import ServerContext, ServerLimits
@@ -59,6 +60,7 @@ def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: st
     app = FastAPI(title="openinfer", version="1", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of one served model. Every error is OpenAI's error "
                               "object; invalid requests are 400 (never 422).")
+    app.router.route_class = FastJsonRoute  # msgspec for JSON bodies (a 16k-id prompt: ~1 ms less)
     tracer = FrontendTracer(TraceWriter(trace_dir)) if trace_dir else None
     ctx = ServerContext(engine, tokenizer, served_model_name, FrontendMetrics(engine, served_model_name, processes),
                         limits or ServerLimits(), tracer)
