@@ -25,6 +25,17 @@ extern "C" __global__ void apply_logit_constraints(
     }
 }
 
+// the GPU's nanosecond clock
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__)
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+#else  // the host emulation (tests/helpers/cuda_host) compiles this file with g++
+    return emulated_globaltimer_ns();
+#endif
+}
+
 // The device side of a step sampled before its grammar masks exist (the host computes them while
 // the forward runs): one thread polls a flag in pinned host memory (mapped: unified addressing)
 // until the host wrote ``expected`` there, after copying the step's masks next to it; the copy of
@@ -33,12 +44,10 @@ extern "C" __global__ void apply_logit_constraints(
 // rather than hold the GPU forever.
 extern "C" __global__ void wait_for_host_flag(const volatile int* flag, int expected,
                                               unsigned long long timeout_ns, volatile int* timed_out) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    const unsigned long long start = global_timer_ns();
     while (*flag != expected) {
         __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > timeout_ns) {
+        if (global_timer_ns() - start > timeout_ns) {
             *timed_out = 1;
             return;
         }

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
@@ -68,5 +70,12 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 using std::min;
 
 inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
+// the host-wait kernel's built-ins (logit_constraints.cu): a sleep, a full fence, the global timer
+inline void __nanosleep(unsigned ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned long long emulated_globaltimer_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 void __syncthreads();
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask);
