@@ -127,6 +127,29 @@ def grammar_checkpoint(tmp_path):
     return path, json.loads((path / "config.json").read_text())
 
 
+def check_grammar_outputs(path, config, requests, tested, baseline) -> list:
+    """Every ``tested`` outcome ends without error and each grammar row's tokens are accepted by
+    its grammar; where ``tested`` and ``baseline`` differ, only at bf16 near-ties of the float32
+    reference (``check_divergences_at_near_ties``, whose divergences are returned)."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer import EngineOptions
+    from openinfer.structured import GrammarCompiler
+
+    reference = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu"))
+    try:
+        compiler = GrammarCompiler.from_dir(str(path), config["vocab_size"], reference.info().eos_token_ids)
+        for request, outcome in zip(requests, tested, strict=True):
+            assert outcome.error is None
+            if request.HasField("structured_output"):
+                matcher = compiler.compile(request.structured_output)
+                assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id
+        return check_divergences_at_near_ties(reference.model, compiler, requests,
+                                              [o.token_ids for o in tested], [o.token_ids for o in baseline])
+    finally:
+        reference.close_sync()
+
+
 def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
     """Grammar rows next to plain rows: every step's forward is queued before the previous step
     is read back (a grammar step's sampling deferred until the next batch is built), tokens as
@@ -138,7 +161,6 @@ def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
     from openinfer_qwen3 import plugin
 
     from openinfer import EngineOptions
-    from openinfer.structured import GrammarCompiler
     from tests.helpers.engine_utils import run_all
 
     path, config = grammar_checkpoint(tmp_path)
@@ -154,19 +176,7 @@ def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
             assert engine.load().kv_blocks_used == 0
         finally:
             engine.close_sync()
-    reference = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu"))
-    try:
-        compiler = GrammarCompiler.from_dir(str(path), config["vocab_size"], reference.info().eos_token_ids)
-        for request, outcome in zip(requests, outputs[True], strict=True):
-            assert outcome.error is None
-            if request.HasField("structured_output"):
-                matcher = compiler.compile(request.structured_output)
-                assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id
-        divergences = check_divergences_at_near_ties(reference.model, compiler, requests,
-                                                     [o.token_ids for o in outputs[True]],
-                                                     [o.token_ids for o in outputs[False]])
-    finally:
-        reference.close_sync()
+    divergences = check_grammar_outputs(path, config, requests, outputs[True], outputs[False])
     print("divergences at near-ties (request, position, reference gap to the runner-up in std):", divergences)
     print("step timer, async off / on:", reports[False], reports[True])
 
@@ -181,7 +191,7 @@ def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path
     from openinfer_qwen3 import plugin
 
     from openinfer import EngineOptions
-    from openinfer.structured import DEVICE_WAIT_ENV, GrammarCompiler
+    from openinfer.structured import DEVICE_WAIT_ENV
     from tests.helpers.engine_utils import run_all
 
     path, config = grammar_checkpoint(tmp_path)
@@ -196,17 +206,5 @@ def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path
             assert engine.load().kv_blocks_used == 0
         finally:
             engine.close_sync()
-    reference = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cpu"))
-    try:
-        compiler = GrammarCompiler.from_dir(str(path), config["vocab_size"], reference.info().eos_token_ids)
-        for request, outcome in zip(requests, outputs[True], strict=True):
-            assert outcome.error is None
-            if request.HasField("structured_output"):
-                matcher = compiler.compile(request.structured_output)
-                assert all(matcher.accept(t) for t in outcome.token_ids), request.request_id
-        divergences = check_divergences_at_near_ties(reference.model, compiler, requests,
-                                                     [o.token_ids for o in outputs[True]],
-                                                     [o.token_ids for o in outputs[False]])
-    finally:
-        reference.close_sync()
+    divergences = check_grammar_outputs(path, config, requests, outputs[True], outputs[False])
     print("divergences at near-ties, device wait vs deferred sampling:", divergences)
