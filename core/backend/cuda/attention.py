@@ -28,7 +28,7 @@ import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
 from openinfer.backend.cuda.attention_routing import MixedSplit, split_mixed_step, wants_short_query
-from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch, prefill_tiles
+from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
 from openinfer.backend.cuda.decode_attention import (
     LOG2E,
     SHORT_QUERY_MAX_TOKENS,
@@ -189,22 +189,20 @@ def runs_short_query_kernel(spec: AttentionSpec, batch: CudaBatch) -> bool:
 
 class _StepSplits:
     """The mixed split of the latest step seen (every layer of a step asks about the same batch):
-    computed once per step on the host, never from device arrays; a batch refilled with another
-    host step (a reused static batch) is computed again."""
+    computed once per step on the host from the tiles the batch was uploaded with, never from
+    device arrays. Only an eagerly uploaded batch (``host_tile_seq``, fixed for its life) is split;
+    the static batches of CUDA graphs are not."""
 
     def __init__(self) -> None:
-        self._key: tuple[CudaBatch, object] | None = None
+        self._batch: CudaBatch | None = None
         self._split: MixedSplit | None = None
 
     def get(self, batch: CudaBatch) -> MixedSplit | None:
-        host = batch.host
-        if self._key is None or self._key[0] is not batch or self._key[1] is not host:
-            self._split = None
-            if host is not None:
-                tile_seq = prefill_tiles(host.query_start)[0]
-                if tile_seq.shape[0] == batch.num_tiles:  # the tiles the batch was uploaded with
-                    self._split = split_mixed_step(host.query_start, tile_seq)
-            self._key = (batch, host)
+        if batch is not self._batch:
+            tiles = batch.host_tile_seq
+            self._split = None if batch.host is None or tiles is None else \
+                split_mixed_step(batch.host.query_start, tiles)
+            self._batch = batch
         return self._split
 
 

@@ -43,6 +43,8 @@ class CudaBatch:
     max_query_len: int
     max_context_len: int
     host: ForwardBatch | None = field(default=None, repr=False)
+    # the host copy of ``tile_seq`` as uploaded (eager batches; None for the static ones of graphs)
+    host_tile_seq: np.ndarray | None = field(default=None, repr=False)
     state_slots: cupy.ndarray | None = None  # [B] each sequence's state slot (models with state)
     kv_block_tables: tuple[cupy.ndarray, ...] = ()  # per KV cache group (several groups only)
     kv_slot_mappings: tuple[cupy.ndarray, ...] = ()
@@ -156,8 +158,10 @@ class BatchUploader:
         self.copy(staging, device)
         widths = [batch.block_tables.shape[1]] + [t.shape[1] for t in batch.kv_block_tables]
         views = _views(device, [int(s.size) for s in sections], batch.num_seqs, widths)
-        return _batch_from_views(views, batch.max_query_len, batch.max_context_len, batch,
-                                 batch.state_slots.shape[0] > 0)
+        uploaded = _batch_from_views(views, batch.max_query_len, batch.max_context_len, batch,
+                                     batch.state_slots.shape[0] > 0)
+        uploaded.host_tile_seq = sections[7]
+        return uploaded
 
 
 class StaticBatch:
