@@ -60,9 +60,14 @@ class SamplingState:
         return self.grammar is not None
 
     def record(self, token_id: int) -> None:
-        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        self.count(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def count(self, token_id: int) -> None:
+        """Count an output token (penalties read the counts) without advancing the grammar: for
+        a caller that hands the grammar's advance to the mask worker."""
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 
 
 @dataclass

@@ -695,8 +695,7 @@ class PagedEngine:
         for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):
             request = row.request
             if row.samples and request.sampling.grammar is not None and request.status is not RequestStatus.FINISHED:
-                counts = request.sampling.output_counts  # what ``SamplingState.record`` counts; the worker consumes
-                counts[sample.token_id] = counts.get(sample.token_id, 0) + 1
+                request.sampling.count(sample.token_id)  # the mask worker advances the grammar
                 consume.append((request.sampling.grammar, sample.token_id))
                 recorded.add(index)
         into = following.masks if isinstance(following, _LaunchedStep) else None
