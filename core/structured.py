@@ -465,13 +465,13 @@ class GrammarCompiler:
         ``matchers`` (requests finished meanwhile) allow everything."""
         if into is None:
             masks = StepMasks.pending([row for _, row in matchers], num_rows, bitmask_words(self.vocab_size))
+            masks._started = True
         else:
             masks = into
             with masks._lock:
                 if masks._started:
                     raise RuntimeError("these grammar masks were started already")
                 masks._started = True
-        masks._started = True
         work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
         if into is not None and len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
             idle = np.ones(len(masks.bitmask), bool)
