@@ -28,14 +28,33 @@ the clients' last token (``client_lag_s``); the raw log is kept next to the JSON
 (``mixed``, the default / ``split`` / ``prefill_first``), recorded in the run (``scheduler_policy``)
 and its label.
 
-    python benchmarks/gpu_concurrency.py
-    python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
-        vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
-        --gpu-memory-utilization 0.85"
+TTFT rows (``--ttft-contexts 1024,4096,16384``), per server right after its sweep, one request at a
+time with the lean client: cold (a fresh random prompt of that many tokens) and warm-prefix (that
+prompt again with only its last token changed, so all its full KV blocks are cached: issue #16's
+row), medians over ``--ttft-repeats``, with each response's ``cached_tokens`` (vLLM reports them
+with ``--enable-prompt-tokens-details``) so a warm row shows it hit the cache. The JSON, the PNG's
+third panel and the markdown table (printed at the end; ``--table`` prints it from the JSON alone)
+carry them. Both servers need ``--max-model-len`` above the longest context.
+
+Issue #16 / #12 side by side on one GPU machine (two calls, the second appends to the first's JSON;
+the table at the end of the second compares both):
+
+    python benchmarks/gpu_concurrency.py --streams 1,16,64,256 --api-server-counts 1 --clients lean \
+        --ttft-contexts 1024,4096,16384 --max-model-len 20480 --tag side_by_side_h200
+    python benchmarks/gpu_concurrency.py --streams 1,16,64,256 --api-server-counts 0 --append --clients lean \
+        --ttft-contexts 1024,4096,16384 --max-model-len 20480 --tag side_by_side_h200 --vllm-start-timeout 540 \
+        --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server \
+        --model {model} --port {port} --max-model-len 20480 --gpu-memory-utilization 0.85 \
+        --enable-prompt-tokens-details"
+    python benchmarks/gpu_concurrency.py --table --tag side_by_side_h200       # the README table again
+
+Other uses:
+
     python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 --clients lean,httpx \
         --serve-args "--scheduler-policy split" --append     # another scheduler policy, in the same JSON
-    python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
-Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
+    python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1 --clients lean \
+        --ttft-contexts 1024,8192 --max-model-len 20480       # CPU dry run (stub engine, 14.5 ms steps)
+Writes benchmarks/results/TAG.json and .png (``--results-dir``; copies under $OUT when set).
 """
 
 from __future__ import annotations
@@ -67,6 +86,7 @@ from serve import sweep_rate  # noqa: E402  (benchmarks/serve.py: the streaming 
 from sse_client import stream_completion  # noqa: E402  (the lean client)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
+TTFT_OUTPUT_TOKENS = 1  # a TTFT request's max_tokens: its first token is all it is timed by
 
 
 def free_port() -> int:
@@ -150,7 +170,14 @@ async def lean_stream(port: int, body: bytes) -> dict:
     if not record.ok:
         return {"ok": False, "error": record.error}
     return {"ok": True, "ttft": record.first - record.start, "latency": record.last - record.start,
-            "tokens": record.tokens, "events": record.events, "itl": record.gaps}
+            "tokens": record.tokens, "events": record.events, "itl": record.gaps,
+            "cached_tokens": record.cached_tokens}
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
+    """A streaming /v1/completions request for a token-id prompt, greedy, ``max_tokens`` out."""
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
 
 
 def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
@@ -169,9 +196,7 @@ def lean_burst(url: str, model: str, prompts: list[list[int]], output_len: int, 
     import multiprocessing
 
     port = int(url.rsplit(":", 1)[1])
-    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
-                          "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-              for p in prompts]
+    bodies = [completion_body(model, p, output_len) for p in prompts]
     procs = max(1, min(procs, len(bodies)))
     context = multiprocessing.get_context("fork")
     out = context.Queue()
@@ -231,6 +256,54 @@ def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: 
     return rows
 
 
+def ttft_rows(url: str, model: str, contexts: list[int], repeats: int, vocab: int, seed: int = 1) -> list[dict]:
+    """Cold and warm TTFT per context length, one request at a time, with the lean client.
+
+    Cold: a fresh random prompt of ``context`` tokens (never sent before: ``seed`` differs from the
+    sweep's). Warm: that same prompt re-sent with only its last token changed, so all of it but
+    the last token can come from the prefix cache (issue #16's warm-prefix row); its
+    ``cached_tokens`` (where the server reports them) show whether it did. Medians over
+    ``repeats`` fresh prompts; before them one discarded fresh prompt per context, so a kernel that
+    compiles or a graph that is captured on a prefill length's first use is not in a cold row."""
+    port = int(url.rsplit(":", 1)[1])
+    rng = np.random.default_rng(seed)
+
+    def send(prompt: list[int]) -> dict:
+        try:
+            return asyncio.run(lean_stream(port, completion_body(model, prompt, TTFT_OUTPUT_TOKENS)))
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # a row fails, the run goes on
+            return {"ok": False, "error": repr(exc)}
+
+    def fresh(context: int) -> list[int]:
+        return rng.integers(100, vocab - 100, size=context).tolist()
+
+    rows = []
+    for context in contexts:
+        send(fresh(context))  # the discarded first use of this length
+        cold, warm, errors = [], [], []
+        for _ in range(repeats):
+            prompt = fresh(context)
+            cold.append(send(prompt))
+            last = prompt[-1]
+            prompt[-1] = last + 1 if last + 1 < vocab - 100 else last - 1
+            warm.append(send(prompt))
+        errors = sorted({r["error"] for r in cold + warm if not r["ok"]})
+        cold_ms = [1e3 * r["ttft"] for r in cold if r["ok"]]
+        warm_ms = [1e3 * r["ttft"] for r in warm if r["ok"]]
+        row = {"context": context, "repeats": repeats,
+               "cold_ttft_ms": float(np.median(cold_ms)) if cold_ms else float("nan"),
+               "warm_ttft_ms": float(np.median(warm_ms)) if warm_ms else float("nan"),
+               "cold_ttft_ms_each": cold_ms, "warm_ttft_ms_each": warm_ms,
+               "cold_cached_tokens": [r["cached_tokens"] for r in cold if r["ok"]],
+               "warm_cached_tokens": [r["cached_tokens"] for r in warm if r["ok"]],
+               "num_failed": len(cold) + len(warm) - len(cold_ms) - len(warm_ms)}
+        if errors:
+            row["errors"] = errors[:5]
+        print(json.dumps({"ttft": row}), flush=True)
+        rows.append(row)
+    return rows
+
+
 def attach_step_log(rows: list[dict], path: Path) -> None:
     """Each row's ``engine_steps``: the steps that began during its burst."""
     if not path.exists():
@@ -282,6 +355,7 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
             print(f"  start-up of {role}: {report.get('phases')}", flush=True)
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
                      args.client_procs)
+        ttft = ttft_rows(url, model, args.ttft_contexts, args.ttft_repeats, vocab)
     finally:
         stop(process)
     for _ in range(100):  # the engine core writes its step log as it shuts down
@@ -295,7 +369,7 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
             "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": scheduler_policy(args.serve_args),
-            "sweep": rows}
+            "sweep": rows, "ttft": ttft}
 
 
 def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], vocab: int) -> dict:
@@ -315,11 +389,12 @@ def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], voc
         rss = process_tree_rss(process.pid) if process is not None else None
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
                      args.client_procs)
+        ttft = ttft_rows(url, model, args.ttft_contexts, args.ttft_repeats, vocab)
     finally:
         if process is not None:
             stop(process)
     return {"server": "vllm", "label": "vLLM", "cold_start_to_http_ready_s": ready_s if process else None,
-            "idle_rss_bytes": {"total": rss} if rss else None, "sweep": rows}
+            "idle_rss_bytes": {"total": rss} if rss else None, "sweep": rows, "ttft": ttft}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -328,7 +403,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_ttft = [run for run in report["runs"] if run.get("ttft")]
+    fig, axes = plt.subplots(1, 3 if with_ttft else 2, figsize=(18 if with_ttft else 12, 4.5))
+    left, right = axes[0], axes[1]
     for run in report["runs"]:
         clients = list(dict.fromkeys(r.get("client", "httpx") for r in run["sweep"]))
         for client in clients:
@@ -343,9 +420,103 @@ def plot(report: dict, path: Path) -> None:
         axis.legend()
     left.set(ylabel="output tokens/s", title="throughput")
     right.set(ylabel="ms", title="e2e TPOT p50")
+    if with_ttft:
+        plot_ttft(axes[2], with_ttft)
     fig.suptitle(f"{report['device']} — {report['model']} — {report['input_len']} in / {report['output_len']} out")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_ttft(axis, runs: list[dict]) -> None:
+    """Grouped bars: per context, each run's cold TTFT (solid) and warm-prefix TTFT (hatched)."""
+    contexts = sorted({row["context"] for run in runs for row in run["ttft"]})
+    width = 0.8 / (2 * len(runs))
+    for index, run in enumerate(runs):
+        by_context = {row["context"]: row for row in run["ttft"]}
+        for kind, hatch in (("cold", ""), ("warm", "//")):
+            offset = (2 * index + (kind == "warm") - len(runs) + 0.5) * width
+            values = [by_context[c][f"{kind}_ttft_ms"] if c in by_context else np.nan for c in contexts]
+            axis.bar(np.arange(len(contexts)) + offset, values, width, hatch=hatch,
+                     color=f"C{index}", alpha=1.0 if kind == "cold" else 0.55, label=f"{run['label']} {kind}")
+    axis.set(xticks=np.arange(len(contexts)), xticklabels=[f"{c:,}" for c in contexts], yscale="log",
+             xlabel="prompt tokens", ylabel="ms", title="TTFT: cold prompt / warm prefix (all but the last token cached)")
+    axis.legend(fontsize=8)
+
+
+def sweep_rows_of(run: dict) -> dict[int, dict]:
+    """A run's sweep rows by stream count, from the lean client where it ran (it measures the
+    server, not the client), else from the first client the run used."""
+    clients = [r.get("client", "httpx") for r in run["sweep"]]
+    chosen = "lean" if "lean" in clients else (clients[0] if clients else None)
+    return {r["streams"]: r for r in run["sweep"] if r.get("client", "httpx") == chosen}
+
+
+def comparison_table(report: dict) -> str:
+    """Issue #16's and #12's side by side as a markdown table: the first openinfer run against
+    the last vLLM run of ``report``. Ratio > 1 means openinfer is better (throughput: ours ÷
+    vLLM; times and memory: vLLM ÷ ours)."""
+    ours = next((run for run in report["runs"] if run["server"] == "openinfer"), None)
+    peer = next((run for run in reversed(report["runs"]) if run["server"] == "vllm"), None)
+    runs = [run for run in (ours, peer) if run is not None]
+    lines = [f"{report['device']}, {report['model']}, bursts of {report['input_len']} in / "
+             f"{report['output_len']} out; " + " vs ".join(run["label"] for run in runs), "",
+             "| | openinfer | vLLM | ratio |", "|---|---|---|---|"]
+
+    def number(value: float | None, digits: int) -> str:
+        return "—" if value is None or not np.isfinite(value) else f"{value:,.{digits}f}"
+
+    def add(name: str, pick, digits: int, higher_is_better: bool, note=None) -> None:
+        values = [pick(run) if run is not None else None for run in (ours, peer)]
+        cells = [number(v, digits) + (note(run) if note and run is not None and v is not None else "")
+                 for v, run in zip(values, (ours, peer), strict=True)]
+        mine, theirs = values
+        ratio = "—"
+        if mine and theirs and np.isfinite(mine) and np.isfinite(theirs):
+            ratio = f"{(mine / theirs if higher_is_better else theirs / mine):.2f}×"
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+
+    def stream_value(count: int, metric: str):
+        def pick(run: dict) -> float | None:
+            row = sweep_rows_of(run).get(count)
+            if row is None:
+                return None
+            return row["output_throughput"] if metric == "throughput" else row["tpot_ms"]["p50"]
+        return pick
+
+    def ttft_value(context: int, kind: str):
+        def pick(run: dict) -> float | None:
+            row = next((r for r in run.get("ttft") or [] if r["context"] == context), None)
+            return row[f"{kind}_ttft_ms"] if row else None
+        return pick
+
+    def cached_note(context: int):
+        def note(run: dict) -> str:
+            row = next((r for r in run.get("ttft") or [] if r["context"] == context), None)
+            cached = [c for c in (row or {}).get("warm_cached_tokens", []) if c is not None]
+            return f" ({int(np.median(cached)):,} cached)" if cached else ""
+        return note
+
+    streams = sorted({count for run in runs for count in sweep_rows_of(run)})
+    if 1 in streams:
+        add("bs=1 TPOT p50 (ms)", stream_value(1, "tpot"), 2, False)
+    for count in (c for c in streams if c > 1):
+        add(f"{count} streams: output tok/s", stream_value(count, "throughput"), 0, True)
+        add(f"{count} streams: TPOT p50 (ms)", stream_value(count, "tpot"), 1, False)
+    contexts = sorted({row["context"] for run in runs for row in run.get("ttft") or []})
+    for context in contexts:
+        add(f"cold TTFT, {context:,}-token prompt (ms)", ttft_value(context, "cold"), 1, False)
+    for context in contexts:
+        add(f"warm-prefix TTFT, {context:,}-token prompt, last token changed (ms)", ttft_value(context, "warm"), 1,
+            False, cached_note(context))
+
+    def rss(run: dict) -> float | None:
+        total = (run.get("idle_rss_bytes") or {}).get("total")
+        return total / 2**20 if total else None
+
+    add("idle RSS, all processes (MiB)", rss, 0, False)
+    add("cold start → HTTP ready (s)", lambda run: run.get("cold_start_to_http_ready_s"), 1, False)
+    lines += ["", "ratio > 1: openinfer better (tok/s: ours ÷ vLLM; ms, MiB, s: vLLM ÷ ours)"]
+    return "\n".join(lines)
 
 
 def gpu_name() -> str:
@@ -379,7 +550,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the checkpoint is, for the report and the plot (e.g. 'Qwen3.5-4B shape')")
     parser.add_argument("--append", action="store_true",
                         help="add to the runs already in results/TAG.json (e.g. vLLM in a later device call)")
+    parser.add_argument("--ttft-contexts", default="",
+                        help="comma list of prompt lengths for cold / warm-prefix TTFT rows after each sweep (default: none)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="fresh prompts per TTFT context (median)")
+    parser.add_argument("--results-dir", default=str(HERE / "results"), help="where TAG.json and TAG.png go")
+    parser.add_argument("--table", action="store_true",
+                        help="only print the markdown comparison table of results/TAG.json (runs nothing)")
     args = parser.parse_args(argv)
+    results = Path(args.results_dir)
+    if args.table:
+        print(comparison_table(json.loads((results / f"{args.tag}.json").read_text())))
+        return 0
+    args.ttft_contexts = [int(c) for c in args.ttft_contexts.split(",") if c.strip()]
+    if args.ttft_repeats < 1 or any(c < 2 for c in args.ttft_contexts):
+        parser.error("--ttft-repeats >= 1; each --ttft-contexts length >= 2 (a warm prompt changes the last token)")
     unknown = set(args.clients.split(",")) - {"httpx", "lean"}
     if unknown or args.client_procs < 1:
         parser.error(f"--clients takes httpx and/or lean (got {sorted(unknown)}); --client-procs >= 1")
@@ -389,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         from openinfer.demo import ensure_demo_model
         from openinfer.engine_core.stub import write_stub_model
 
-        checkpoint = write_stub_model(Path("/tmp/openinfer-stub-concurrency"), ensure_demo_model(), step_ms=14.5)
+        checkpoint = write_stub_model(Path("/tmp/openinfer-stub-concurrency"), ensure_demo_model(), step_ms=14.5,
+                                      max_model_len=args.max_model_len)
     elif not (checkpoint / "config.json").exists():
         # a child process, so torch's CUDA memory is gone before the servers size their KV pools
         subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
@@ -406,8 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device, "model": "stub" if args.stub else args.model_label,
               "input_len": args.input_len, "output_len": args.output_len, "streams": streams, "runs": [],
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    results = HERE / "results"
-    results.mkdir(exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
     previous = results / f"{args.tag}.json"
     if args.append and previous.exists():
         report["runs"] = json.loads(previous.read_text()).get("runs", [])
@@ -434,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("failures", []).append(f"vllm: {exc!r}")
         save()
     print(f"wrote {results / (args.tag + '.json')} and .png")
+    if report["runs"]:
+        print(comparison_table(report))
     return 0
 
 
