@@ -82,11 +82,10 @@ from openinfer.sched.scheduler import DEFAULT_POLICY
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serve import sweep_rate  # noqa: E402  (benchmarks/serve.py: the streaming client)
-from sse_client import stream_completion  # noqa: E402  (the lean client)
+from serve import sweep_rate, ttft_rows  # noqa: E402  (benchmarks/serve.py: the httpx client, TTFT rows)
+from sse_client import completion_body, stream_completion  # noqa: E402  (the lean client)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
-TTFT_OUTPUT_TOKENS = 1  # a TTFT request's max_tokens: its first token is all it is timed by
 
 
 def free_port() -> int:
@@ -174,12 +173,6 @@ async def lean_stream(port: int, body: bytes) -> dict:
             "cached_tokens": record.cached_tokens}
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
-    """A streaming /v1/completions request for a token-id prompt, greedy, ``max_tokens`` out."""
-    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-
-
 def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
     async def run() -> list[dict]:
         return await asyncio.gather(*(lean_stream(port, body) for body in bodies))
@@ -253,54 +246,6 @@ def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: 
             print(json.dumps({k: v for k, v in summary.items() if k != "errors" or v}), flush=True)
             rows.append(summary)
             time.sleep(0.5)  # the engine's last step of this burst is over before the next one begins
-    return rows
-
-
-def ttft_rows(url: str, model: str, contexts: list[int], repeats: int, vocab: int, seed: int = 1) -> list[dict]:
-    """Cold and warm TTFT per context length, one request at a time, with the lean client.
-
-    Cold: a fresh random prompt of ``context`` tokens (never sent before: ``seed`` differs from the
-    sweep's). Warm: that same prompt re-sent with only its last token changed, so all of it but
-    the last token can come from the prefix cache (issue #16's warm-prefix row); its
-    ``cached_tokens`` (where the server reports them) show whether it did. Medians over
-    ``repeats`` fresh prompts; before them one discarded fresh prompt per context, so a kernel that
-    compiles or a graph that is captured on a prefill length's first use is not in a cold row."""
-    port = int(url.rsplit(":", 1)[1])
-    rng = np.random.default_rng(seed)
-
-    def send(prompt: list[int]) -> dict:
-        try:
-            return asyncio.run(lean_stream(port, completion_body(model, prompt, TTFT_OUTPUT_TOKENS)))
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # a row fails, the run goes on
-            return {"ok": False, "error": repr(exc)}
-
-    def fresh(context: int) -> list[int]:
-        return rng.integers(100, vocab - 100, size=context).tolist()
-
-    rows = []
-    for context in contexts:
-        send(fresh(context))  # the discarded first use of this length
-        cold, warm, errors = [], [], []
-        for _ in range(repeats):
-            prompt = fresh(context)
-            cold.append(send(prompt))
-            last = prompt[-1]
-            prompt[-1] = last + 1 if last + 1 < vocab - 100 else last - 1
-            warm.append(send(prompt))
-        errors = sorted({r["error"] for r in cold + warm if not r["ok"]})
-        cold_ms = [1e3 * r["ttft"] for r in cold if r["ok"]]
-        warm_ms = [1e3 * r["ttft"] for r in warm if r["ok"]]
-        row = {"context": context, "repeats": repeats,
-               "cold_ttft_ms": float(np.median(cold_ms)) if cold_ms else float("nan"),
-               "warm_ttft_ms": float(np.median(warm_ms)) if warm_ms else float("nan"),
-               "cold_ttft_ms_each": cold_ms, "warm_ttft_ms_each": warm_ms,
-               "cold_cached_tokens": [r["cached_tokens"] for r in cold if r["ok"]],
-               "warm_cached_tokens": [r["cached_tokens"] for r in warm if r["ok"]],
-               "num_failed": len(cold) + len(warm) - len(cold_ms) - len(warm_ms)}
-        if errors:
-            row["errors"] = errors[:5]
-        print(json.dumps({"ttft": row}), flush=True)
-        rows.append(row)
     return rows
 
 

@@ -12,6 +12,7 @@ figures from it (``benchmarks/gpu_concurrency.py``, ``benchmarks/stub_serving.py
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,13 @@ class StreamRecord:
     @property
     def ok(self) -> bool:
         return self.first is not None and not self.error
+
+
+def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> bytes:
+    """A streaming /v1/completions request: greedy, ``max_tokens`` out whatever the model samples
+    (ignore_eos), usage in the last chunk."""
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
 
 
 def completion_tokens(frame: bytes) -> int | None:
