@@ -72,6 +72,15 @@ def test_the_table_compares_the_first_openinfer_run_with_vllm(tmp_path, capsys):
         name = f"warm-prefix TTFT, {context:,}-token prompt, last token changed (ms)"
         check(name, ours["ttft"][index]["warm_ttft_ms"], peer["ttft"][index]["warm_ttft_ms"], False, 1)
         assert all(cell.endswith(f"({context - 16:,} cached)") for cell in rows[name][:2])
+    # the full-batch decode step comes from openinfer's step log only: no vLLM cell, no ratio
+    full = lean(ours, 256)["full_batch_decode"] = {"num_steps": 90, "busy_ms_p50": 14.6,
+                                                   "tpot_over_step": lean(ours, 256)["tpot_ms"]["p50"] / 14.6}
+    (tmp_path / "side.json").write_text(json.dumps(report))
+    gpu_concurrency.main(["--table", "--results-dir", str(tmp_path), "--tag", "side"])
+    rows = table_cells(capsys.readouterr().out)
+    assert rows["256 streams: full-batch decode step, same run (ms)"] == ["14.60 (GPU time)", "—", "—"]
+    assert rows["256 streams: TPOT p50 ÷ that step"] == [f"{full['tpot_over_step']:.2f}", "—", "—"]
+    assert "64 streams: TPOT p50 ÷ that step" not in rows
     check("idle RSS, all processes (MiB)", ours["idle_rss_bytes"]["total"] / 2**20,
           peer["idle_rss_bytes"]["total"] / 2**20, False, 0)
     check("cold start → HTTP ready (s)", ours["cold_start_to_http_ready_s"], peer["cold_start_to_http_ready_s"],
@@ -81,7 +90,7 @@ def test_the_table_compares_the_first_openinfer_run_with_vllm(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_stub_run_and_an_appended_peer_both_get_ttft_rows(tmp_path, capsys):
     common = ["--stub", "--streams", "2", "--clients", "lean", "--client-procs", "1", "--input-len", "16",
-              "--output-len", "4", "--ttft-contexts", "40,300", "--ttft-repeats", "2", "--max-model-len", "1024",
+              "--output-len", "24", "--ttft-contexts", "40,300", "--ttft-repeats", "2", "--max-model-len", "1024",
               "--results-dir", str(tmp_path), "--tag", "stub"]
     assert gpu_concurrency.main(common + ["--api-server-counts", "1"]) == 0
     # the peer: another `openinfer serve` of the stub model, in vLLM's place (--vllm-url)
@@ -106,6 +115,12 @@ def test_a_stub_run_and_an_appended_peer_both_get_ttft_rows(tmp_path, capsys):
             assert row["cold_cached_tokens"] == [0, 0]  # fresh prompts: nothing cached
             # the warm prompt differs only in its last token: every full block before it is cached
             assert all(0 < cached < row["context"] for cached in row["warm_cached_tokens"])
+    # the stub's step takes 14.5 ms: in steady state its full-batch decode steps (2 streams decoding) come
+    # that far apart (the first launches of a burst queue ahead of the "device": 24 tokens keep them a minority)
+    burst = report["runs"][0]["sweep"][0]
+    full = burst["full_batch_decode"]
+    assert full["num_steps"] >= 1 and full["period_ms_p50"] >= 14.0
+    assert full["tpot_over_step"] == pytest.approx(burst["tpot_ms"]["p50"] / full["period_ms_p50"])
     rows = table_cells(capsys.readouterr().out.rsplit("| | openinfer | vLLM | ratio |", 1)[1])
     assert rows["cold TTFT, 300-token prompt (ms)"][2].endswith("×")  # both servers in the last table
     assert (tmp_path / "stub.png").stat().st_size > 0
