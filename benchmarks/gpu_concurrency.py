@@ -251,21 +251,24 @@ def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: 
     return rows
 
 
-def full_batch_decode(log: dict, since: float, until: float, streams: int) -> dict:
+def full_batch_decode(log: dict, since: float, until: float) -> dict:
     """The decode step issue #12's TPOT goal is set against, measured in the burst itself: the
-    steps that began in ``[since, until]`` with every one of the burst's ``streams`` decoding one
-    token and nothing else (no prompt chunk riding along). ``period_ms_p50``: launch to the next
+    steps that began in ``[since, until]`` with the largest batch of them all decoding one token
+    and nothing else (no prompt chunk riding along); ``seqs`` is that batch, the burst's stream
+    count unless the scheduler never ran them all at once. ``period_ms_p50``: launch to the next
     launch when that one is also such a step (the engine's token cadence at full batch);
     ``busy_ms_p50``: their device time (CUDA backends only), the GPU step time at that batch."""
     index = {name: i for i, name in enumerate(log["columns"])}
-    full = [position for position, row in enumerate(log["steps"])
-            if since <= row[index["began"]] <= until and row[index["tokens"]] == row[index["seqs"]] == streams]
-    if not full:
-        return {"num_steps": 0}
     steps = log["steps"]
+    decodes = [position for position, row in enumerate(steps)
+               if since <= row[index["began"]] <= until and row[index["tokens"]] == row[index["seqs"]]]
+    if not decodes:
+        return {"num_steps": 0}
+    seqs = max(steps[p][index["seqs"]] for p in decodes)
+    full = [p for p in decodes if steps[p][index["seqs"]] == seqs]
     chosen = set(full)
     periods = [1e3 * (steps[p + 1][index["began"]] - steps[p][index["began"]]) for p in full if p + 1 in chosen]
-    out = {"num_steps": len(full), "seqs": streams,
+    out = {"num_steps": len(full), "seqs": seqs,
            "host_ms_p50": float(np.median([steps[p][index["host_ms"]] for p in full]))}
     if periods:
         out["period_ms_p50"] = float(np.median(periods))
@@ -287,7 +290,7 @@ def attach_step_log(rows: list[dict], path: Path) -> None:
         if steps.get("last_step_end_estimate"):
             steps["client_lag_s"] = row["burst_ended"] - steps["last_step_end_estimate"]
         row["engine_steps"] = steps
-        full = full_batch_decode(log, row["burst_began"], row["burst_ended"], row["streams"])
+        full = full_batch_decode(log, row["burst_began"], row["burst_ended"])
         step_ms = full.get("busy_ms_p50", full.get("period_ms_p50"))
         if step_ms:
             full["tpot_over_step"] = row["tpot_ms"]["p50"] / step_ms
@@ -472,7 +475,8 @@ def comparison_table(report: dict) -> str:
     def step_note(count: int):
         def note(run: dict) -> str:
             full = sweep_rows_of(run).get(count, {}).get("full_batch_decode") or {}
-            return " (GPU time)" if "busy_ms_p50" in full else " (launch period)"
+            batch = f", batch {full['seqs']}" if full.get("seqs") != count else ""
+            return (" (GPU time" if "busy_ms_p50" in full else " (launch period") + batch + ")"
         return note
 
     def ttft_value(context: int, kind: str):

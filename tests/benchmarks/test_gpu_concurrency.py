@@ -73,7 +73,7 @@ def test_the_table_compares_the_first_openinfer_run_with_vllm(tmp_path, capsys):
         check(name, ours["ttft"][index]["warm_ttft_ms"], peer["ttft"][index]["warm_ttft_ms"], False, 1)
         assert all(cell.endswith(f"({context - 16:,} cached)") for cell in rows[name][:2])
     # the full-batch decode step comes from openinfer's step log only: no vLLM cell, no ratio
-    full = lean(ours, 256)["full_batch_decode"] = {"num_steps": 90, "busy_ms_p50": 14.6,
+    full = lean(ours, 256)["full_batch_decode"] = {"num_steps": 90, "seqs": 256, "busy_ms_p50": 14.6,
                                                    "tpot_over_step": lean(ours, 256)["tpot_ms"]["p50"] / 14.6}
     (tmp_path / "side.json").write_text(json.dumps(report))
     gpu_concurrency.main(["--table", "--results-dir", str(tmp_path), "--tag", "side"])
@@ -119,7 +119,7 @@ def test_a_stub_run_and_an_appended_peer_both_get_ttft_rows(tmp_path, capsys):
     # that far apart (the first launches of a burst queue ahead of the "device": 24 tokens keep them a minority)
     burst = report["runs"][0]["sweep"][0]
     full = burst["full_batch_decode"]
-    assert full["num_steps"] >= 1 and full["period_ms_p50"] >= 14.0
+    assert full["num_steps"] >= 1 and full["seqs"] == 2 and full["period_ms_p50"] >= 14.0
     assert full["tpot_over_step"] == pytest.approx(burst["tpot_ms"]["p50"] / full["period_ms_p50"])
     rows = table_cells(capsys.readouterr().out.rsplit("| | openinfer | vLLM | ratio |", 1)[1])
     assert rows["cold TTFT, 300-token prompt (ms)"][2].endswith("×")  # both servers in the last table
