@@ -420,7 +420,7 @@ def plot_ttft(axis, runs: list[dict]) -> None:
             axis.bar(np.arange(len(contexts)) + offset, values, width, hatch=hatch,
                      color=f"C{index}", alpha=1.0 if kind == "cold" else 0.55, label=f"{run['label']} {kind}")
     axis.set(xticks=np.arange(len(contexts)), xticklabels=[f"{c:,}" for c in contexts], yscale="log",
-             xlabel="prompt tokens", ylabel="ms", title="TTFT: cold prompt / warm prefix (all but the last token cached)")
+             xlabel="prompt tokens", ylabel="ms", title="TTFT: cold prompt (solid) / same prompt, last token changed (hatched)")
     axis.legend(fontsize=8)
 
 
