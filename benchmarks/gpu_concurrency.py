@@ -518,6 +518,7 @@ def comparison_table(report: dict) -> str:
     lines += ["", "ratio > 1: openinfer better (tok/s: ours ÷ vLLM; ms, MiB, s: vLLM ÷ ours). Full-batch decode "
               "step: the median step in that burst with all its streams decoding and no prompt chunk, from "
               "openinfer's step log (issue #12's goal: TPOT p50 ≤ 1.2× it at 256 streams)"]
+    lines += [f"failed: {failure}" for failure in report.get("failures", [])]
     return "\n".join(lines)
 
 

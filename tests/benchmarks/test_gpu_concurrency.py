@@ -73,11 +73,14 @@ def test_the_table_compares_the_first_openinfer_run_with_vllm(tmp_path, capsys):
         check(name, ours["ttft"][index]["warm_ttft_ms"], peer["ttft"][index]["warm_ttft_ms"], False, 1)
         assert all(cell.endswith(f"({context - 16:,} cached)") for cell in rows[name][:2])
     # the full-batch decode step comes from openinfer's step log only: no vLLM cell, no ratio
+    report["failures"] = ["openinfer ×2: TimeoutError('not ready')"]
     full = lean(ours, 256)["full_batch_decode"] = {"num_steps": 90, "seqs": 256, "busy_ms_p50": 14.6,
                                                    "tpot_over_step": lean(ours, 256)["tpot_ms"]["p50"] / 14.6}
     (tmp_path / "side.json").write_text(json.dumps(report))
     gpu_concurrency.main(["--table", "--results-dir", str(tmp_path), "--tag", "side"])
-    rows = table_cells(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("failed: openinfer ×2: TimeoutError('not ready')")
+    rows = table_cells(printed)
     assert rows["256 streams: full-batch decode step, same run (ms)"] == ["14.60 (GPU time)", "—", "—"]
     assert rows["256 streams: TPOT p50 ÷ that step"] == [f"{full['tpot_over_step']:.2f}", "—", "—"]
     assert "64 streams: TPOT p50 ÷ that step" not in rows
