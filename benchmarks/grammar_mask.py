@@ -291,13 +291,19 @@ STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"r
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before); device_wait:
 # background masks, grammar rows sampled ahead and the GPU waiting for their masks
-# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``)
+# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``); *_engine_consumes: the
+# engine thread advances the matchers by the step's tokens before handing the fill to the mask worker
+# (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0; switched per run on one engine)
 CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
            "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
-           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait")}
+           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait"),
+           "schema_background_engine_consumes": ("all", "background_engine_consumes"),
+           "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
-# the environment an engine of each mode is created under (masks in the background, waited for on the device)
-MODES = {"on_demand": ("0", "0"), "background": ("1", "0"), "device_wait": ("1", "1")}
+# each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
+# worker); the first is the environment its engine is created under, the others are switched per run
+MODES = {"on_demand": ("0", "0", "1"), "background": ("1", "0", "1"), "device_wait": ("1", "1", "1"),
+         "background_engine_consumes": ("1", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0")}
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
@@ -321,7 +327,7 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
         if shared is not None and hasattr(shared, "grammar_masks_waited_on_device"):
             engines[mode] = shared
             continue
-        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode]
+        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode][:2]
         try:
             engines[mode] = by_background[background] = create()
         finally:
@@ -331,10 +337,12 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
 
 
 def use_mode(engines: dict[str, Any], mode: str) -> Any:
-    """The engine of ``mode``, its device wait switched on or off for it."""
+    """The engine of ``mode``, its device wait and where it consumes the step's tokens switched for it."""
     engine = engines[mode]
     if hasattr(engine, "grammar_masks_waited_on_device"):
         engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
+    if hasattr(engine, "grammar_tokens_consumed_on_worker"):
+        engine.grammar_tokens_consumed_on_worker = MODES[mode][2] == "1"
     return engine
 
 
@@ -344,8 +352,9 @@ def close_engines(engines: dict[str, Any]) -> None:
 
 
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
-    return {name: {"rows_with_schema": rows, "background_masks": mode != "on_demand",
-                   "masks_waited_on_device": mode == "device_wait"} for name, (rows, mode) in configs.items()}
+    return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
+                   "masks_waited_on_device": MODES[mode][1] == "1",
+                   "tokens_consumed_on_worker": MODES[mode][2] == "1"} for name, (rows, mode) in configs.items()}
 
 
 def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

@@ -411,13 +411,26 @@ class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
+    tokens_consumed_on_worker: bool
+    """With background masks, where :meth:`start_masks` advances the matchers by the previous
+    step's tokens: True, on the worker, in the same job as the fill (the caller returns at
+    once); False, on the calling thread first (in parallel, the GIL released: it waits that
+    long). On the worker the two llguidance calls have Python between them, so the worker needs
+    the GIL back after consuming, and an engine thread busy in Python (emitting, scheduling,
+    building the next batch) gives it up only when it blocks or at the next forced switch
+    (``sys.getswitchinterval()``, 5 ms): the fill then starts after the engine's work instead
+    of beside it. Switchable between steps."""
+
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 background_masks: bool = True, mask_threads: int | None = None):
+                 background_masks: bool = True, mask_threads: int | None = None,
+                 tokens_consumed_on_worker: bool = True):
         """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer;
         ``background_masks``: :meth:`start_masks` computes a step's masks on a background
         thread (:class:`MaskWorker`); off, on the calling thread before it returns;
-        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`)."""
+        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`);
+        ``tokens_consumed_on_worker``: see :attr:`tokens_consumed_on_worker`."""
         self.vocab_size = vocab_size
+        self.tokens_consumed_on_worker = tokens_consumed_on_worker
         if isinstance(tokenizer, str):
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
                                         eos_token=list(eos_token_ids) or None)
@@ -481,7 +494,16 @@ class GrammarCompiler:
         busy = {id(m): m for m, _ in matchers} | {id(m): m for m, _ in consume}
         for matcher in busy.values():
             matcher._wait_until_free()
-        if background and self._worker is not None:
+        on_worker = background and self._worker is not None
+        if on_worker and taken and not self.tokens_consumed_on_worker:
+            try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
+                consume_tokens(self._executor, taken)
+            except BaseException:
+                masks.bitmask.fill(-1)  # a device waiting for these masks is released; sampling fails
+                masks._finish(failed=True)
+                raise
+            taken = []
+        if on_worker:
             for matcher in busy.values():
                 matcher._in_use = masks._done
             if self._worker.submit(taken, work, masks):
@@ -505,6 +527,10 @@ class GrammarCompiler:
 
 
 BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
+# =0: with background masks, the engine thread advances the matchers by a step's tokens (in parallel,
+# the GIL released) before handing the fill to the mask worker, instead of the worker doing both
+# (GrammarCompiler.tokens_consumed_on_worker); read when the engine is created
+CONSUME_ON_WORKER_ENV = "OPENINFER_GRAMMAR_CONSUME_ON_WORKER"
 # =1: on CUDA, grammar rows are sampled ahead like the others and the GPU waits for their masks
 # (``backend.cuda.sampler``) instead of the engine thread. Opt-in: on an H100 at batch 64 it
 # measured +26 % TPOT median against +20 % for the default (noisy: 2 runs, 5.45 and 7.13 ms;
@@ -523,8 +549,21 @@ class CompilerCache:
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
         self._mask_threads = default_mask_threads(device_forward)
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
+        self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "1") != "0"
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
+
+    @property
+    def tokens_consumed_on_worker(self) -> bool:
+        """:attr:`GrammarCompiler.tokens_consumed_on_worker` of the compiler (built or to be built)."""
+        return self._tokens_consumed_on_worker
+
+    @tokens_consumed_on_worker.setter
+    def tokens_consumed_on_worker(self, value: bool) -> None:
+        with self._lock:
+            self._tokens_consumed_on_worker = bool(value)
+            if self._compiler is not None:
+                self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
 
     def get(self) -> GrammarCompiler:
         with self._lock:
@@ -532,6 +571,7 @@ class CompilerCache:
                 try:
                     self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks,
                                                               mask_threads=self._mask_threads)
+                    self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
                 except InvalidRequestError:
                     raise
                 except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read

@@ -277,6 +277,19 @@ class PagedEngine:
         self._masks_waited_on_device = bool(value)
 
     @property
+    def grammar_tokens_consumed_on_worker(self) -> bool:
+        """Whether the grammar-mask worker advances the matchers by a step's tokens before
+        filling their masks (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` unset or 1 at creation), or
+        the engine thread does, in parallel with the GIL released, before handing over the fill
+        (0; ``structured.GrammarCompiler.tokens_consumed_on_worker`` says why). May be switched
+        while no request runs (side-by-side measurements)."""
+        return self._grammars.tokens_consumed_on_worker
+
+    @grammar_tokens_consumed_on_worker.setter
+    def grammar_tokens_consumed_on_worker(self, value: bool) -> None:
+        self._grammars.tokens_consumed_on_worker = value
+
+    @property
     def step_timer(self) -> StepTimer | None:
         """CUDA-event timing of each step and of the device's idle gaps between steps (None on
         the NumPy backend): ``reset()`` it, run a load, read ``report()``."""

@@ -369,19 +369,21 @@ def test_step_sampler_with_packed_masks_equals_masking_row_by_row():
             batched[i].num_output_tokens += 1
 
 
-def test_pending_masks_consume_then_fill_in_one_job(tokenizer):
+@pytest.mark.parametrize("on_worker", [True, False], ids=["worker_consumes", "caller_consumes"])
+def test_pending_masks_consume_then_fill(tokenizer, on_worker):
     """``StepMasks.pending`` (a step sampled before its matchers consumed the previous tokens):
-    ``start_masks(consume=..., into=...)`` advances the matchers by their tokens and fills the
-    pending masks in one job on the worker; the masks equal those of matchers that accepted the
-    same tokens one by one, rows whose request finished meanwhile allow everything, the ready
-    callbacks run once (at once when registered after), a second start is refused, and
-    abandoning a started step is a no-op while abandoning an unstarted one fails its ``wait``."""
+    ``start_masks(consume=..., into=...)`` advances the matchers by their tokens (in the worker's
+    job, or first on the calling thread: ``tokens_consumed_on_worker``) and fills the pending
+    masks on the worker; the masks equal those of matchers that accepted the same tokens one by
+    one, rows whose request finished meanwhile allow everything, the ready callbacks run once
+    (at once when registered after), a second start is refused, and abandoning a started step
+    is a no-op while abandoning an unstarted one fails its ``wait``."""
     vocab = tokenizer.get_vocab_size() + 5
     eos = [tokenizer.token_to_id("<eos>")]
     constraints = [pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}"),
                    pb.StructuredOutput(json_object=True), pb.StructuredOutput(regex="[a-z]{2,12}")]
-    background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
-                             for flag in (True, False))
+    background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag,
+                                             tokens_consumed_on_worker=on_worker) for flag in (True, False))
     walkers = [(background.compile(c), reference.compile(c)) for c in constraints]
     rng = np.random.default_rng(3)
     rows = [1, 2, 4]  # logits rows 0 and 3 carry no grammar
@@ -413,3 +415,22 @@ def test_pending_masks_consume_then_fill_in_one_job(tokenizer):
     assert abandoned.is_ready and abandoned.failed
     with pytest.raises(RuntimeError, match="grammar masks failed"):
         abandoned.wait()
+
+
+def test_tokens_consumed_by_the_caller_failing_fail_the_pending_masks(tokenizer):
+    """With the step's tokens consumed on the calling thread, a consume that raises (here a
+    matcher without an llguidance state) raises to the caller and leaves the pending masks failed
+    with every token allowed, so a device waiting for them is released and the sampling fails,
+    instead of a step started but never finished."""
+    from openinfer.structured import GrammarMatcher
+
+    vocab = tokenizer.get_vocab_size() + 5
+    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")],
+                               tokens_consumed_on_worker=False)
+    walker = compiler.compile(pb.StructuredOutput(regex="[a-z]{2,12}"))
+    pending = StepMasks.pending([0], 1, (vocab + 31) // 32)
+    with pytest.raises(AttributeError):
+        compiler.start_masks([(walker, 0)], 1, consume=[(GrammarMatcher(None), 5)], into=pending)
+    assert pending.is_started and pending.is_ready and pending.failed and np.all(pending.bitmask == -1)
+    with pytest.raises(RuntimeError, match="grammar masks failed"):
+        pending.wait()
