@@ -293,17 +293,23 @@ STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"r
 # background masks, grammar rows sampled ahead and the GPU waiting for their masks
 # (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``); *_engine_consumes: the
 # engine thread advances the matchers by the step's tokens before handing the fill to the mask worker
-# (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0; switched per run on one engine)
+# (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0; switched per run on one engine); *_length_slices: matchers
+# mask through structured.string_length_slices (OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1; switched per run)
 CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
            "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
            "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait"),
            "schema_background_engine_consumes": ("all", "background_engine_consumes"),
-           "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes")}
+           "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes"),
+           "schema_engine_consumes_length_slices": ("all", "background_engine_consumes_length_slices"),
+           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
-# worker); the first is the environment its engine is created under, the others are switched per run
-MODES = {"on_demand": ("0", "0", "1"), "background": ("1", "0", "1"), "device_wait": ("1", "1", "1"),
-         "background_engine_consumes": ("1", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0")}
+# worker, string length slices); the first is the environment its engine is created under, the others
+# are switched per run
+MODES = {"on_demand": ("0", "0", "1", "0"), "background": ("1", "0", "1", "0"), "device_wait": ("1", "1", "1", "0"),
+         "background_engine_consumes": ("1", "0", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0", "0"),
+         "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
+         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1")}
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
@@ -337,12 +343,15 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
 
 
 def use_mode(engines: dict[str, Any], mode: str) -> Any:
-    """The engine of ``mode``, its device wait and where it consumes the step's tokens switched for it."""
+    """The engine of ``mode``, its device wait, where it consumes the step's tokens and its slices
+    switched for it."""
     engine = engines[mode]
     if hasattr(engine, "grammar_masks_waited_on_device"):
         engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
     if hasattr(engine, "grammar_tokens_consumed_on_worker"):
         engine.grammar_tokens_consumed_on_worker = MODES[mode][2] == "1"
+    if hasattr(engine, "grammar_string_length_slices"):
+        engine.grammar_string_length_slices = MODES[mode][3] == "1"
     return engine
 
 
@@ -354,7 +363,8 @@ def close_engines(engines: dict[str, Any]) -> None:
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
     return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
                    "masks_waited_on_device": MODES[mode][1] == "1",
-                   "tokens_consumed_on_worker": MODES[mode][2] == "1"} for name, (rows, mode) in configs.items()}
+                   "tokens_consumed_on_worker": MODES[mode][2] == "1", "string_length_slices": MODES[mode][3] == "1"}
+            for name, (rows, mode) in configs.items()}
 
 
 def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

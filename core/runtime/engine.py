@@ -290,6 +290,17 @@ class PagedEngine:
         self._grammars.tokens_consumed_on_worker = value
 
     @property
+    def grammar_string_length_slices(self) -> bool:
+        """Whether new grammar matchers mask through ``structured.string_length_slices``
+        (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1`` at creation): the same masks, less work in
+        length-bounded strings. May be switched while no request runs (side-by-side measurements)."""
+        return self._grammars.string_length_slices
+
+    @grammar_string_length_slices.setter
+    def grammar_string_length_slices(self, value: bool) -> None:
+        self._grammars.string_length_slices = value
+
+    @property
     def step_timer(self) -> StepTimer | None:
         """CUDA-event timing of each step and of the device's idle gaps between steps (None on
         the NumPy backend): ``reset()`` it, run a load, read ``report()``."""

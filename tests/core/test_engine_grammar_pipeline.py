@@ -173,12 +173,14 @@ def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, mon
         engine.close_sync()
 
 
-@pytest.mark.parametrize("consume_on_worker", [True, False], ids=["worker_consumes", "engine_consumes"])
-def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir, consume_on_worker):
+@pytest.mark.parametrize(("consume_on_worker", "length_slices"), [(True, False), (False, False), (False, True)],
+                         ids=["worker_consumes", "engine_consumes", "engine_consumes_length_slices"])
+def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir, consume_on_worker, length_slices):
     """A KV pool too small for every request: requests are preempted and recomputed while their
     grammar rows run ahead (each step's tokens are consumed, also of a request the next step
-    leaves out, on the mask worker or by the engine thread, switched on the running engine);
-    outputs equal the synchronous engine's, each accepted by its grammar."""
+    leaves out, on the mask worker or by the engine thread, the matchers with or without the
+    string length slices: switched on the running engine); outputs equal the synchronous
+    engine's, each accepted by its grammar."""
     from openinfer_qwen3 import plugin
 
     from openinfer.structured import GrammarCompiler
@@ -194,6 +196,7 @@ def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir
         engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(
             device="cpu", async_scheduling=mode, num_kv_blocks=12, enable_prefix_cache=False))
         engine.grammar_tokens_consumed_on_worker = consume_on_worker
+        engine.grammar_string_length_slices = length_slices
         try:
             outputs[mode] = run_all(engine, requests)
             assert engine.scheduler.num_preemptions > 0

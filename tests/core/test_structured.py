@@ -434,3 +434,55 @@ def test_tokens_consumed_by_the_caller_failing_fail_the_pending_masks(tokenizer)
     assert pending.is_started and pending.is_ready and pending.failed and np.all(pending.bitmask == -1)
     with pytest.raises(RuntimeError, match="grammar masks failed"):
         pending.wait()
+
+
+def test_string_length_slices_give_the_same_masks(tokenizer):
+    """Matchers compiled with ``string_length_slices`` set mask exactly as those with llguidance's
+    general slices, along seeded random walks through length-bounded strings (every length left
+    from the bound down to 0), an unbounded one and a regex; the switch applies to matchers
+    compiled after it, each keeping its own."""
+    vocab = tokenizer.get_vocab_size() + 5
+    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")], background_masks=False)
+    schema = {"type": "array", "minItems": 3, "items": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "string"},
+                                         "c": {"type": "string", "minLength": 2, "maxLength": 4}},
+        "required": ["a", "b", "c"], "additionalProperties": False}}
+    constraints = [pb.StructuredOutput(json_schema=json.dumps(schema)), pb.StructuredOutput(regex="[a-z ]{3,15}")]
+    rng = np.random.default_rng(5)
+    for constraint in constraints:
+        for _ in range(4):
+            compiler.string_length_slices = False
+            general = compiler.compile(constraint)
+            compiler.string_length_slices = True
+            sliced = compiler.compile(constraint)
+            assert sliced.matcher is not general.matcher
+            for _ in range(60):
+                if general.is_terminated():
+                    assert sliced.is_terminated()
+                    break
+                masks = [allocate_bitmask(1, vocab) for _ in range(2)]
+                general.fill(masks[0][0])
+                sliced.fill(masks[1][0])
+                assert np.array_equal(masks[0], masks[1])
+                token = int(rng.choice(np.flatnonzero(allowed_tokens(masks[0][0], vocab))))
+                assert general.accept(token) and sliced.accept(token)
+
+
+def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeypatch):
+    """``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` / ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES`` set the
+    compiler's switches when the cache is created; setting them on the cache afterwards reaches
+    the compiler, built before or after."""
+    from openinfer.structured import CONSUME_ON_WORKER_ENV, STRING_LENGTH_SLICES_ENV, CompilerCache
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size() + 5
+    assert CompilerCache(str(tmp_path), vocab, [0]).get().tokens_consumed_on_worker
+    assert not CompilerCache(str(tmp_path), vocab, [0]).get().string_length_slices
+    monkeypatch.setenv(CONSUME_ON_WORKER_ENV, "0")
+    monkeypatch.setenv(STRING_LENGTH_SLICES_ENV, "1")
+    cache = CompilerCache(str(tmp_path), vocab, [0])
+    assert not cache.tokens_consumed_on_worker and cache.string_length_slices
+    built = cache.get()
+    assert not built.tokens_consumed_on_worker and built.string_length_slices
+    cache.tokens_consumed_on_worker, cache.string_length_slices = True, False
+    assert built.tokens_consumed_on_worker and not built.string_length_slices
