@@ -27,7 +27,11 @@ max_tokens), measured side by side in one run:
     per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` adds
     ``schema_device_wait`` / ``mixed_half_device_wait``: grammar rows sampled ahead, the GPU
     waiting for their masks (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``; switched per run on one
-    engine); ``--tpot-only`` skips (a) for a short GPU window.
+    engine); ``schema_background_engine_consumes`` / ``schema_device_wait_engine_consumes``: the
+    engine thread advances the matchers by the step's tokens before handing the fill to the mask
+    worker (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0``); ``*_length_slices``: besides, matchers
+    mask through ``structured.string_length_slices`` (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1``),
+    both switched per run on the same engine; ``--tpot-only`` skips (a) for a short GPU window.
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after

@@ -15,7 +15,9 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
   (:class:`MaskWorker`), one parallel llguidance call advances the matchers by their tokens and
   one fills their allowed-token bitmasks (one int32 word per 32 tokens, bit ``t % 32`` of word
   ``t // 32`` set = token ``t`` allowed), the GIL released, while the engine emits, schedules
-  and builds the next batch and the device runs the forward;
+  and builds the next batch and the device runs the forward (with
+  ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0`` the engine thread makes the first call itself:
+  :attr:`GrammarCompiler.tokens_consumed_on_worker` says why);
 * with ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on CUDA, a step with grammar rows is sampled
   ahead like any other, before its masks exist (:meth:`StepMasks.pending`): the GPU stream waits
   for them (``backend.cuda.sampler``), so neither the mask work nor the engine's host work lies
