@@ -425,6 +425,9 @@ def string_length_slices() -> list[str]:
             + [f"{_STRING_CHARACTER}{{1,30}}", f"{_STRING_CHARACTER}+"])
 
 
+_STRING_LENGTH_SLICES = string_length_slices()
+
+
 class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
@@ -442,35 +445,44 @@ class GrammarCompiler:
     string_length_slices: bool
     """New matchers mask through :func:`string_length_slices` instead of llguidance's general
     slices (the same masks, less work near the end of a length-bounded string). Switchable
-    between requests; off by default."""
+    between requests (the other tokenizer is built when first asked for)."""
 
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
                  background_masks: bool = True, mask_threads: int | None = None,
-                 tokens_consumed_on_worker: bool = True):
-        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer;
-        ``background_masks``: :meth:`start_masks` computes a step's masks on a background
-        thread (:class:`MaskWorker`); off, on the calling thread before it returns;
+                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False):
+        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer (with the
+        general slices); ``background_masks``: :meth:`start_masks` computes a step's masks on a
+        background thread (:class:`MaskWorker`); off, on the calling thread before it returns;
         ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`);
-        ``tokens_consumed_on_worker``: see :attr:`tokens_consumed_on_worker`."""
+        ``tokens_consumed_on_worker``, ``string_length_slices``: the switches of the same names."""
         self.vocab_size = vocab_size
         self.tokens_consumed_on_worker = tokens_consumed_on_worker
+        self.string_length_slices = string_length_slices
+        # the tokenizers new matchers use, by ``string_length_slices``
+        self._tokenizers: dict[bool, llg.LLTokenizer] = {}
         if isinstance(tokenizer, str):
+            sliced = string_length_slices
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
-                                        eos_token=list(eos_token_ids) or None)
-        self.tokenizer = tokenizer
-        self._length_sliced: llg.LLTokenizer | None = None  # built when first asked for
-        self.string_length_slices = False
+                                        eos_token=list(eos_token_ids) or None,
+                                        slices=_STRING_LENGTH_SLICES if sliced else None)
+        else:
+            sliced = False
+        self._tokenizers[sliced] = tokenizer
+        self._tokenizers_lock = threading.Lock()
         self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
         self._worker = MaskWorker(self._executor) if background_masks else None
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 background_masks: bool = True, mask_threads: int | None = None) -> GrammarCompiler:
+                 background_masks: bool = True, mask_threads: int | None = None,
+                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False) -> GrammarCompiler:
         """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
         directory = Path(tokenizer_dir)
+        switches = {"tokens_consumed_on_worker": tokens_consumed_on_worker,
+                    "string_length_slices": string_length_slices}
         if (directory / "tokenizer.json").is_file():
             return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids,
-                       background_masks, mask_threads)
+                       background_masks, mask_threads, **switches)
         if (directory / "tiktoken.model").is_file():
             from openinfer.tiktoken_tokenizer import tiktoken_encoding
 
@@ -480,19 +492,23 @@ class GrammarCompiler:
             return cls(llg.LLTokenizer.from_tiktoken(
                 encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
                 pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
-                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads)
+                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads,
+                **switches)
         raise InvalidRequestError(
             f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
             f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
 
     def _matcher_tokenizer(self) -> llg.LLTokenizer:
         """The tokenizer new matchers use: with :func:`string_length_slices` when
-        ``string_length_slices`` is set (switchable between requests; a matcher keeps its own)."""
-        if not self.string_length_slices:
-            return self.tokenizer
-        if self._length_sliced is None:
-            self._length_sliced = self.tokenizer.with_slices(string_length_slices())
-        return self._length_sliced
+        ``string_length_slices`` is set, else llguidance's general slices (a matcher keeps its own)."""
+        sliced = self.string_length_slices
+        with self._tokenizers_lock:
+            tokenizer = self._tokenizers.get(sliced)
+            if tokenizer is None:
+                built = next(iter(self._tokenizers.values()))
+                tokenizer = self._tokenizers[sliced] = built.with_slices(
+                    _STRING_LENGTH_SLICES if sliced else llg.LLTokenizer.general_slices())
+            return tokenizer
 
     def compile(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
         matcher = llg.LLMatcher(self._matcher_tokenizer(), grammar_of(constraint), log_level=0)
@@ -619,10 +635,10 @@ class CompilerCache:
         with self._lock:
             if self._compiler is None:
                 try:
-                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks,
-                                                              mask_threads=self._mask_threads)
-                    self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
-                    self._compiler.string_length_slices = self._string_length_slices
+                    self._compiler = GrammarCompiler.from_dir(
+                        *self._args, background_masks=self._background_masks, mask_threads=self._mask_threads,
+                        tokens_consumed_on_worker=self._tokens_consumed_on_worker,
+                        string_length_slices=self._string_length_slices)
                 except InvalidRequestError:
                     raise
                 except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -440,17 +441,18 @@ def test_string_length_slices_give_the_same_masks(tokenizer):
     """Matchers compiled with ``string_length_slices`` set mask exactly as those with llguidance's
     general slices, along seeded random walks through length-bounded strings (every length left
     from the bound down to 0), an unbounded one and a regex; the switch applies to matchers
-    compiled after it, each keeping its own."""
+    compiled after it, each keeping its own, whichever slices the compiler was built with."""
     vocab = tokenizer.get_vocab_size() + 5
-    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")], background_masks=False)
+    compilers = [GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")], background_masks=False,
+                                 string_length_slices=built_sliced) for built_sliced in (False, True)]
     schema = {"type": "array", "minItems": 3, "items": {
         "type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "string"},
                                          "c": {"type": "string", "minLength": 2, "maxLength": 4}},
         "required": ["a", "b", "c"], "additionalProperties": False}}
     constraints = [pb.StructuredOutput(json_schema=json.dumps(schema)), pb.StructuredOutput(regex="[a-z ]{3,15}")]
     rng = np.random.default_rng(5)
-    for constraint in constraints:
-        for _ in range(4):
+    for compiler, constraint in itertools.product(compilers, constraints):
+        for _ in range(3):
             compiler.string_length_slices = False
             general = compiler.compile(constraint)
             compiler.string_length_slices = True
