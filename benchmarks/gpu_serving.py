@@ -85,10 +85,20 @@ def measure_idle_gap(checkpoint: Path, async_scheduling: bool, num_requests: int
     return report
 
 
+def start_phases(engine: object, start_seconds: float) -> dict[str, float]:
+    """The engine's start-up phases (KV planning and allocation, kernel compile, decode and
+    short-prefill graph capture) plus ``model_load``, the rest of ``start_seconds`` (plugin,
+    weights; random ones under ``load_format="dummy"``)."""
+    phases = {k: float(v) for k, v in getattr(engine, "startup_phases", {}).items()}
+    return {"model_load": max(0.0, start_seconds - sum(phases.values())), **phases}
+
+
 def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path], device: str = "cuda",
-                        tiny: bool = False) -> dict:
+                        tiny: bool = False, max_num_seqs: int = 1) -> dict:
     """Warm prefix TTFT through the engine, short-prefill graphs off and on (see the docstring);
-    the JSON is rewritten after each context, so a run cut short keeps what it measured."""
+    the JSON is rewritten after each context, so a run cut short keeps what it measured.
+    ``max_num_seqs`` sets the graph buckets captured at start (1: one decode and one
+    short-prefill graph; 256, the serving default: 13 and 7)."""
     import tempfile
 
     import numpy as np
@@ -104,8 +114,8 @@ def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path],
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3_4B, "bos_token_id": 1, "eos_token_id": 2}
     path = write_config_dir(Path(tempfile.mkdtemp()) / "qwen3-4b", config)
     began = time.perf_counter()
-    # one sequence at a time: the decode and short-prefill graphs of batch 1 only, a short start
-    options = dict(device=device, load_format="dummy", max_model_len=max(contexts) + 64, max_num_seqs=1)
+    # the requests run one at a time; max_num_seqs only sets which graphs the start captures
+    options = dict(device=device, load_format="dummy", max_model_len=max(contexts) + 64, max_num_seqs=max_num_seqs)
     capture_error = None
     try:
         engine = openinfer.create_engine(str(path), **options)
@@ -120,13 +130,19 @@ def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path],
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
     gpu = gpu or "unknown GPU"
+    start_seconds = time.perf_counter() - began
+    phases = start_phases(engine, start_seconds)
     report: dict = {"device": gpu if device == "cuda" else "cpu (dry run)",
                     "model": f"{'tiny Qwen3' if tiny else 'Qwen3-4B-shaped'}, random weights (load_format dummy)",
-                    "through": "EngineHandle in process (no HTTP)", "engine_start_s": time.perf_counter() - began,
+                    "through": "EngineHandle in process (no HTTP)", "engine_start_s": start_seconds,
+                    "max_num_seqs": max_num_seqs, "decode_graph_buckets": sorted(getattr(runner, "graphs", {})),
                     "short_query_attention": os.environ.get("OPENINFER_SHORT_QUERY_ATTENTION", "default"),
                     "prefill_graph_buckets": sorted(getattr(runner, "prefill_graphs", {})),
                     "prefill_graph_capture_error": capture_error,
-                    "engine_start_phases_s": dict(getattr(engine, "startup_phases", {})), "contexts": []}
+                    "engine_start_phases_s": phases,
+                    # the same engine without short-prefill graphs skips exactly that phase
+                    "engine_start_without_prefill_graphs_s": start_seconds - phases.get("prefill_graph_capture", 0.0),
+                    "contexts": []}
     launches: list[tuple[int, int, bool, float]] = []  # (tokens, max query, graphed, launch ms) of the last request
     outer = runner.observer
 
@@ -136,7 +152,8 @@ def measure_warm_prefix(contexts: list[int], repeats: int, out_dirs: list[Path],
             outer(batch, graphed, start, end)
 
     runner.observer = observe
-    print(f"engine started in {report['engine_start_s']:.1f} s; short-prefill graphs "
+    print(f"engine started in {start_seconds:.1f} s ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())}); "
+          f"decode graphs {report['decode_graph_buckets'] or 'none'}, short-prefill graphs "
           f"{report['prefill_graph_buckets'] or 'none'}", flush=True)
     rng = np.random.default_rng(0)
     vocab = config["vocab_size"]
@@ -236,10 +253,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of --warm-prefix-engine (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 instead of the Qwen3-4B shape")
+    parser.add_argument("--max-num-seqs", type=int, default=1,
+                        help="--warm-prefix-engine: the engine's max_num_seqs, which sets the graphs captured at "
+                             "start (256 is the serving default)")
     args = parser.parse_args()
     if args.warm_prefix_engine:
         out = [Path(os.environ["OUT"])] if os.environ.get("OUT") else [HERE / "results"]
-        measure_warm_prefix([int(c) for c in args.contexts.split(",") if c], args.repeats, out, args.device, args.tiny)
+        if args.max_num_seqs < 1:
+            parser.error("--max-num-seqs must be at least 1")
+        measure_warm_prefix([int(c) for c in args.contexts.split(",") if c], args.repeats, out, args.device, args.tiny,
+                            args.max_num_seqs)
         return
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").exists():

@@ -119,6 +119,11 @@ def short_prefill_bucket(batch: ForwardBatch, buckets: Sequence[int], max_blocks
     return None
 
 
+def _ends(buckets: Sequence[int]) -> set[int]:
+    """The largest and the smallest of ``buckets`` (none of none)."""
+    return {max(buckets), min(buckets)} if buckets else set()
+
+
 def prefill_graphs_wanted(kv_specs: Sequence[Any] | None = None) -> bool:
     """Whether to capture short-prefill graphs: ``OPENINFER_PREFILL_GRAPHS`` ("0" | "1"; unset:
     ``PREFILL_GRAPHS_DEFAULT``; anything else is an error), and only for models whose every KV
@@ -166,17 +171,22 @@ class CudaGraphRunner:
         self.use_prefill_graphs = True  # False: short-prefill steps run eagerly (side-by-side measurements)
         self.eager = EagerRunner(backend, forward)
         self.capture_seconds = 0.0
+        # seconds of the start-up phases: "kernel_compile" (the dry forwards and the parallel
+        # compile), "graph_capture" (decode buckets), "prefill_graph_capture" (short-prefill ones)
+        self.capture_phases: dict[str, float] = {}
         self.num_precompiled_modules = 0
         self.discover_kernels = discover_kernels  # the forward may run dry (see ``capture``)
         self.observer: LaunchObserver | None = None
 
     def capture(self) -> None:
-        """Capture every bucket, largest first (its pool blocks then serve the smaller ones).
-        With ``discover_kernels`` (a forward that computes no indices on the device), first a
-        dry forward of the largest and smallest buckets finds the kernels the step uses, and
-        the backend compiles them in parallel (``precompile_kernels``). Those two
-        buckets get a warm-up forward before their capture, the others are captured at once
-        (a failed capture is retried after a warm-up)."""
+        """Capture every bucket, decode ones largest first (its pool blocks then serve the
+        smaller ones), then the short-prefill ones. With ``discover_kernels`` (a forward that
+        computes no indices on the device), first a dry forward of the largest and smallest
+        decode and short-prefill buckets finds the kernels the steps use, and the backend
+        compiles them in parallel (``precompile_kernels``): no kernel is compiled one at a time
+        inside a warm-up. Those buckets get a warm-up forward before their capture, the others
+        are captured at once (a failed capture is retried after a warm-up). ``capture_phases``
+        then holds the seconds of each part (the engine reports them as start-up phases)."""
         import cupy
 
         start = time.perf_counter()
@@ -188,29 +198,39 @@ class CudaGraphRunner:
                                 if self.num_groups > 1 or self.with_state
                                 else self.backend.static_batch(bucket, self.max_blocks_per_seq))
                        for bucket in self.buckets}
+            prefill_statics = {bucket: self.backend.static_prefill_batch(
+                bucket, short_prefill_tokens(bucket), self.max_blocks_per_seq, SHORT_PREFILL_MAX_QUERY)
+                for bucket in self.prefill_buckets}
+            # the largest and the smallest bucket of each kind take different kernels
+            ends = [statics[b] for b in _ends(self.buckets)] + [prefill_statics[b] for b in _ends(self.prefill_buckets)]
             precompile = getattr(self.backend, "precompile_kernels", None) if self.discover_kernels else None
-            if precompile is not None:  # the largest and the smallest bucket take different kernels
-                ends = {max(self.buckets), min(self.buckets)}
-                self.num_precompiled_modules = precompile(lambda: [self.forward(statics[b].batch) for b in ends])
-            warm = {max(self.buckets), min(self.buckets)}  # the others reuse their pool blocks and kernels
+            if precompile is not None:
+                self.num_precompiled_modules = precompile(lambda: [self.forward(s.batch) for s in ends])
+            compiled = time.perf_counter()
+            warm = _ends(self.buckets)  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
-                static = statics[bucket]
-                self.graphs[bucket] = self._capture_warmed(cupy, static, warmed=bucket in warm,
+                self.graphs[bucket] = self._capture_warmed(cupy, statics[bucket], warmed=bucket in warm,
                                                            what=f"bucket {bucket}")
-            self._capture_prefill(cupy)
             self.stream.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (%d of them short-prefill) in %.1f s",
-                    len(self.graphs) + len(self.prefill_graphs), len(self.prefill_graphs), self.capture_seconds)
+            decode_done = time.perf_counter()
+            self._capture_prefill(cupy, prefill_statics)
+            self.stream.synchronize()
+        end = time.perf_counter()
+        self.capture_seconds = end - start
+        self.capture_phases = {"kernel_compile": compiled - start, "graph_capture": decode_done - compiled}
+        if self.prefill_buckets:
+            self.capture_phases["prefill_graph_capture"] = end - decode_done
+        logger.info("captured %d CUDA graphs (%d of them short-prefill) in %.1f s (%s)",
+                    len(self.graphs) + len(self.prefill_graphs), len(self.prefill_graphs), self.capture_seconds,
+                    ", ".join(f"{k} {v:.2f} s" for k, v in self.capture_phases.items()))
 
-    def _capture_prefill(self, cupy: Any) -> None:
+    def _capture_prefill(self, cupy: Any, statics: dict[int, Any]) -> None:
         """The short-prefill buckets, largest first; the largest and the smallest warmed up
-        first (the short-query kernels are new to the capture), the others retried after one."""
-        warm = {max(self.prefill_buckets), min(self.prefill_buckets)} if self.prefill_buckets else set()
+        first (their first GEMMs of more than one row, their pool blocks), the others retried
+        after one."""
+        warm = _ends(self.prefill_buckets)
         for bucket in sorted(self.prefill_buckets, reverse=True):
-            static = self.backend.static_prefill_batch(bucket, short_prefill_tokens(bucket), self.max_blocks_per_seq,
-                                                       SHORT_PREFILL_MAX_QUERY)
-            self.prefill_graphs[bucket] = self._capture_warmed(cupy, static, warmed=bucket in warm,
+            self.prefill_graphs[bucket] = self._capture_warmed(cupy, statics[bucket], warmed=bucket in warm,
                                                                what=f"prefill bucket {bucket}")
 
     def _capture_warmed(self, cupy: Any, static: Any, *, warmed: bool, what: str) -> _Captured:

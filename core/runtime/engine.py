@@ -170,8 +170,10 @@ class PagedEngine:
                                         with_state=self.kv_groups.has_state,
                                         discover_kernels=bool(getattr(model, "dry_run_safe", False)),
                                         kv_specs=self.kv_cache_specs)
-        # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups
-        self.startup_phases["graph_capture"] = getattr(self.runner, "capture_seconds", 0.0)
+        # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups;
+        # a CudaGraphRunner splits it into kernel_compile, graph_capture and prefill_graph_capture
+        phases = getattr(self.runner, "capture_phases", None)
+        self.startup_phases.update(phases or {"graph_capture": getattr(self.runner, "capture_seconds", 0.0)})
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -195,3 +199,98 @@ def test_capture_warms_up_first_or_retries_after_a_warm_up(warmed: bool) -> None
     else:
         assert CudaGraphRunner._capture_warmed(retried, None, static, warmed=False, what="bucket 4") == "graph"
         assert (retried.forwards, retried.captures) == (1, 2)
+
+
+class _StandInStream:
+    """The part of ``cupy.cuda.Stream`` a capture uses; ``end_capture`` hands back a graph."""
+
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.capturing = False
+
+    def __enter__(self) -> _StandInStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def begin_capture(self) -> None:
+        self.capturing = True
+
+    def end_capture(self) -> _Graph:
+        self.capturing = False
+        return _Graph()
+
+
+def _stand_in_cupy() -> types.SimpleNamespace:
+    cuda = types.SimpleNamespace(MemoryPool=lambda: types.SimpleNamespace(malloc=None), Stream=_StandInStream,
+                                 using_allocator=lambda malloc: contextlib.nullcontext(),
+                                 runtime=types.SimpleNamespace())
+    return types.SimpleNamespace(cuda=cuda)
+
+
+class _CapturingBackend(_Backend):
+    """Static batches named by kind and bucket; records every forward, whether it ran dry
+    (inside ``precompile_kernels``), during a capture, or as a warm-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dry = False
+        self.prefill_shapes: list[tuple[int, int, int, int]] = []
+
+    def static_batch(self, num_seqs: int, max_blocks_per_seq: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(batch=("decode", num_seqs))
+
+    def static_prefill_batch(self, num_seqs: int, num_tokens: int, max_blocks_per_seq: int,
+                             max_query_len: int) -> types.SimpleNamespace:
+        self.prefill_shapes.append((num_seqs, num_tokens, max_blocks_per_seq, max_query_len))
+        return types.SimpleNamespace(batch=("prefill", num_seqs))
+
+    def precompile_kernels(self, dry_run) -> int:
+        self.dry = True
+        try:
+            dry_run()
+        finally:
+            self.dry = False
+        return 3
+
+
+@pytest.mark.parametrize("prefill_buckets", [(1, 2, 4, 8), ()])
+def test_capture_compiles_both_kinds_at_once_and_reports_each_phase(monkeypatch, prefill_buckets):
+    monkeypatch.setitem(sys.modules, "cupy", _stand_in_cupy())
+    backend = _CapturingBackend()
+    forwards: list[tuple[str, tuple[str, int]]] = []
+
+    def forward(batch: tuple[str, int]) -> str:
+        stream = runner.stream if hasattr(runner, "stream") else None
+        how = "dry" if backend.dry else "captured" if stream is not None and stream.capturing else "warm-up"
+        forwards.append((how, batch))
+        return f"logits of {batch}"
+
+    runner = CudaGraphRunner(backend, forward, max_num_seqs=16, max_blocks_per_seq=MAX_BLOCKS,
+                             buckets=DECODE_BUCKETS, discover_kernels=True, prefill_buckets=prefill_buckets)
+    runner.capture()
+    decode_ends = {("decode", 1), ("decode", 16)}
+    prefill_ends = {("prefill", 1), ("prefill", 8)} if prefill_buckets else set()
+    # one dry run finds the kernels of both kinds, before any warm-up or capture
+    dry = [batch for how, batch in forwards if how == "dry"]
+    assert set(dry) == decode_ends | prefill_ends and forwards[:len(dry)] == [("dry", b) for b in dry]
+    assert runner.num_precompiled_modules == 3
+    # the ends of each kind are warmed up once; every bucket is captured once, largest first per kind
+    assert sorted(b for how, b in forwards if how == "warm-up") == sorted(decode_ends | prefill_ends)
+    captured = [b for how, b in forwards if how == "captured"]
+    assert captured == [("decode", b) for b in sorted(DECODE_BUCKETS, reverse=True)] + \
+        [("prefill", b) for b in sorted(prefill_buckets, reverse=True)]
+    assert sorted(runner.graphs) == DECODE_BUCKETS and sorted(runner.prefill_graphs) == list(prefill_buckets)
+    for kind, graphs in (("decode", runner.graphs), ("prefill", runner.prefill_graphs)):
+        for bucket, graph in graphs.items():  # each replay returns its own capture's logits
+            assert graph.logits == f"logits of {(kind, bucket)}"
+    assert backend.prefill_shapes == [(b, short_prefill_tokens(b), MAX_BLOCKS, SHORT_PREFILL_MAX_QUERY)
+                                      for b in prefill_buckets]
+    # the start-up report's phases: the short-prefill capture is its own phase, when there is one
+    expected = {"kernel_compile", "graph_capture"} | ({"prefill_graph_capture"} if prefill_buckets else set())
+    assert set(runner.capture_phases) == expected
+    assert all(seconds >= 0 for seconds in runner.capture_phases.values())
+    assert sum(runner.capture_phases.values()) == pytest.approx(runner.capture_seconds, abs=1e-3)

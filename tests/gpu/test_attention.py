@@ -276,3 +276,41 @@ def test_decode_attention_in_a_captured_graph(cuda_backend, rng, kernel_name):
             assert relative_error(result, expected) < 1e-2, lengths
             empty = np.asarray(lengths) == 0
             assert np.array_equal(result[empty], np.zeros_like(result[empty]))
+
+
+@pytest.mark.parametrize(("kernel_name", "splits"), [("mma", 1), ("mma", 5), ("split", None)])
+def test_decode_attention_writes_out_in_place(cuda_backend, rng, kernel_name, splits):
+    """``out=`` a view of the first rows of a larger output (a mixed step's decode rows): the same
+    bits as a fresh output, the rows after it untouched, the view itself returned."""
+    from openinfer.backend.cuda.decode_attention import decode_attention_mma, paged_decode_attention
+
+    lengths = [1, 17, 300, 1000, 64]
+    q, k, v, tables, lens = _decode_inputs(rng, lengths, 32, 8, 128, 16)
+    tables, lens = cupy.asarray(tables), cupy.asarray(lens)
+    whole = cupy.full((len(lengths) + 3, 32 * 128), 0x3F80, dtype=cupy.uint16)  # 1.0 in bf16
+    rows = whole[:len(lengths)]
+    if kernel_name == "mma":  # an explicit split count: one (the kernel writes out) and several (the merge does)
+        fresh = decode_attention_mma(q, k, v, tables, lens, 0.1, cuda_backend.num_sms, splits=splits)
+        result = decode_attention_mma(q, k, v, tables, lens, 0.1, cuda_backend.num_sms, splits=splits, out=rows)
+    else:
+        fresh = paged_decode_attention(q, k, v, tables, lens, 0.1, cuda_backend.num_sms, kernel_name="split")
+        result = paged_decode_attention(q, k, v, tables, lens, 0.1, cuda_backend.num_sms, kernel_name="split",
+                                        out=rows)
+    assert result.data.ptr == whole.data.ptr and result.shape == fresh.shape
+    assert cupy.array_equal(whole[:len(lengths)], fresh)
+    assert bool((whole[len(lengths):] == 0x3F80).all())
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode_attention(q, k, v, tables, lens, 0.1, cuda_backend.num_sms, kernel_name=kernel_name,
+                               out=whole[:, :64])
+
+
+def test_a_mixed_step_uploads_its_chunk_tiles_as_one_range(cuda_backend, rng):
+    """The uploaded tiles put the leading decodes' last: the mixed split runs one prefill launch."""
+    from openinfer.backend.cuda.attention import mixed_split
+
+    batch = paged_batch(rng, [100] * 20 + [0, 40], [1] * 20 + [300, 5], num_blocks=400)
+    device_batch = cuda_backend.prepare_batch(batch)
+    split = mixed_split(device_batch)
+    assert split is not None and split.decode_rows == 20 and split.prefill_tile_ranges == ((0, 4),)
+    assert np.array_equal(cupy.asnumpy(device_batch.tile_seq), device_batch.host_tile_seq)
+    assert cupy.asnumpy(device_batch.tile_seq)[4:].tolist() == list(range(20))

@@ -136,3 +136,72 @@ def test_short_prefill_graph_replay_equals_eager(cuda_backend, model_and_kv, mon
     finally:
         monkeypatch.undo()
         refresh_kernel_choices()
+
+
+NEAR_TIE = 0.1  # top-2 logprob gap within which graph and eager (other GEMM shapes) may pick differently
+
+
+def diverges_beyond_tie(ours, reference) -> int | None:
+    """The first step where ``ours`` picks another greedy token than ``reference`` while
+    ``reference``'s top two were further apart than NEAR_TIE; None if there is none."""
+    for step, (a, b) in enumerate(zip(ours.token_ids, reference.token_ids, strict=True)):
+        if a != b:
+            top = reference.logprobs[step].top
+            return None if top[0].logprob - top[1].logprob <= NEAR_TIE else step
+    return None
+
+
+def test_engine_warm_prefixes_replay_short_prefill_graphs_with_the_eager_tokens(tmp_path, monkeypatch):
+    """OPENINFER_PREFILL_GRAPHS=1 through the engine: warm prefixes (prompt cached but its last
+    partial block), one alone and three at once, replay short-prefill graphs and give the greedy
+    tokens of the same requests run with those graphs switched off (the short-query kernel both
+    ways, so only the padded GEMM shapes differ)."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer import EngineOptions
+    from openinfer.backend.cuda.kernel_choices import SHORT_QUERY_ENV, refresh_kernel_choices
+    from openinfer.graph import PREFILL_GRAPHS_ENV
+    from tests.helpers.engine_utils import make_request, run_all
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1")
+    monkeypatch.setenv(SHORT_QUERY_ENV, "1")
+    refresh_kernel_choices()
+    path = write_tiny_qwen3(tmp_path, seed=11, dtype="bfloat16", **SMALL)
+    config = json.loads((path / "config.json").read_text())
+    engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(
+        device="cuda", max_model_len=512, max_num_seqs=8, num_kv_blocks=512))
+    try:
+        runner = engine.runner
+        assert sorted(runner.prefill_graphs) == [1, 2, 4, 8]
+        assert {"kernel_compile", "graph_capture", "prefill_graph_capture"} <= set(engine.startup_phases)
+        short_steps: list[tuple[int, bool]] = []  # (sequences, replayed) of steps of 2..16 new tokens per sequence
+
+        def observe(batch, graphed, began, returned):
+            if 1 < batch.max_query_len <= 16:
+                short_steps.append((batch.num_seqs, graphed))
+
+        runner.observer = observe
+        rng = np.random.default_rng(3)
+        # 6, 5 and 4 tokens past their cached blocks: all three at once fit the 4-sequence bucket (19 tokens)
+        prompts = [rng.integers(3, SMALL["vocab_size"], size=n).tolist() for n in (150, 197, 84)]
+        run_all(engine, [make_request(f"cold{i}", p, max_tokens=1) for i, p in enumerate(prompts)])
+        outcomes = {}
+        for graphs in (True, False):
+            runner.use_prefill_graphs = graphs
+            short_steps.clear()
+            alone = run_all(engine, [make_request(f"alone{graphs}", prompts[0], max_tokens=12, logprobs=2)])
+            together = run_all(engine, [make_request(f"t{graphs}{i}", p, max_tokens=12, logprobs=2)
+                                        for i, p in enumerate(prompts)])
+            assert alone[0].cached_tokens == 144 and all(o.cached_tokens for o in together)
+            assert short_steps and all(graphed == graphs for _, graphed in short_steps), short_steps
+            outcomes[graphs] = alone + together
+        assert any(seqs > 1 for seqs, _ in short_steps), "the three warm prefixes never shared a step"
+        for replayed, eager in zip(outcomes[True], outcomes[False], strict=True):
+            assert len(replayed.token_ids) == 12 and replayed.error is None
+            step = diverges_beyond_tie(replayed, eager)
+            assert step is None, f"graph {replayed.token_ids} vs eager {eager.token_ids} differ at step {step}"
+    finally:
+        engine.close_sync()
+        monkeypatch.undo()
+        refresh_kernel_choices()

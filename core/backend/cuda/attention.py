@@ -217,14 +217,15 @@ def mixed_split(batch: CudaBatch) -> MixedSplit | None:
 def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: MixedSplit,
                     num_sms: int) -> cupy.ndarray:
     """A mixed step: the leading ``split.decode_rows`` 1-token rows through the decode kernel, the
-    prompt chunks' tiles through the prefill kernel, into one ``[T, nh d]`` output. Both read the
+    prompt chunks' tiles (one range: ``prefill_tiles`` orders the decodes' tiles last) through the
+    prefill kernel, both writing their rows of one ``[T, nh d]`` output in place. Both read the
     K/V that ``write_qkv`` stored before, so their order does not matter."""
     rows = split.decode_rows
     out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
     for tile_range in split.prefill_tile_ranges:
         prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
-    out[:rows] = paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows],
-                                        spec.scale, num_sms)
+    paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows], spec.scale,
+                           num_sms, out=out[:rows])
     return out
 
 

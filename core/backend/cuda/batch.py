@@ -8,8 +8,9 @@ sent with one host-to-device copy.
       block_tables B*max_blocks | logits_rows R | tile_seq N | tile_query N | state_slots B or 0 |
       (per KV cache group g, only with several groups) block table g B*max_blocks_g | slots g T ]
 
-``tile_seq`` / ``tile_query`` list the prefill-attention tiles (128 queries of one sequence,
-longest-running first); decode batches have none. A *static* batch (``StaticBatch``) keeps
+``tile_seq`` / ``tile_query`` list the prefill-attention tiles (128 queries of one sequence, in
+``prefill_tiles``' launch order: most keys first, a mixed step's leading decodes last); decode
+batches have none. A *static* batch (``StaticBatch``) keeps
 one device buffer at fixed addresses for a CUDA graph: refilling it never moves a field.
 """
 
@@ -22,9 +23,10 @@ import numpy as np
 
 from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.prefill_tiles import PREFILL_TILE, prefill_tiles
 from openinfer.backend.cuda.table_delta import TableMirror
 
-PREFILL_TILE = 128  # queries per prefill-attention tile (BLOCK_M of prefill_attention_sm90.cu)
+__all__ = ["PREFILL_TILE", "BatchUploader", "CudaBatch", "StaticBatch", "StaticPrefillBatch", "prefill_tiles"]
 
 
 @dataclass
@@ -70,16 +72,6 @@ class CudaBatch:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
-
-
-def prefill_tiles(query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(tile_seq, tile_query) for every 128-query tile, tiles with the most keys first."""
-    counts = np.diff(query_start)
-    seqs = np.repeat(np.arange(counts.shape[0], dtype=np.int32), -(-counts // PREFILL_TILE))
-    starts = np.concatenate([np.arange(0, n, PREFILL_TILE, dtype=np.int32) for n in counts]) \
-        if counts.size else np.zeros(0, np.int32)
-    order = np.argsort(-starts, kind="stable")
-    return seqs[order].astype(np.int32), starts[order].astype(np.int32)
 
 
 def _sections(batch: ForwardBatch, with_tiles: bool) -> list[np.ndarray]:

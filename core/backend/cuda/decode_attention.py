@@ -17,6 +17,9 @@ captured for a batch-size bucket stays valid for any context up to its block-tab
 heads, split over the keys like decode: a warm prefix's last block or a short chunk over a long
 cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks.
 
+Every entry point takes ``out=``: a C-contiguous ``[rows, num_heads * head_dim]`` bf16 array
+(e.g. the first rows of a mixed step's output) written in place instead of a new one.
+
 ``OPENINFER_DECODE_ATTENTION=split`` selects the CUDA-core kernel everywhere (read once per
 process; ``openinfer.backend.cuda.kernel_choices.refresh_kernel_choices()`` re-reads it, so a
 benchmark can capture one graph with each).
@@ -90,11 +93,12 @@ def choose_kernel(head_dim: int, group: int) -> str:
 
 def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
                          context_lens: cupy.ndarray, scale: float, num_sms: int, *, warps: int = MMA_WARPS,
-                         stages: int | None = None, splits: int | None = None) -> cupy.ndarray:
+                         stages: int | None = None, splits: int | None = None,
+                         out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``q [B, nh, d]`` bf16 over ``k/v_cache [blocks, block_size, nkv, d]`` -> ``[B, nh * d]`` bf16.
 
     ``block_tables [B, W]`` and ``context_lens [B]`` are int32 device arrays; ``warps``, ``stages``
-    and ``splits`` override the tuned defaults (benchmarks)."""
+    and ``splits`` override the tuned defaults (benchmarks); ``out`` is written and returned if given."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -107,17 +111,32 @@ def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.n
         splits = split_count(num_seqs * num_kv_heads, num_sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    out = output_rows(out, num_seqs, num_heads, head_dim)
     fn = kernel("decode_attention_mma.cu", "decode_attention_mma", HEAD_DIM=head_dim, GROUP=group,
                 DECODE_WARPS=warps, DECODE_STAGES=stages)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
     partial_out, partial_ml = _partials(out, num_heads, head_dim, splits)
     fn((splits, num_kv_heads, num_seqs), (warps * 32,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, out, partial_out,
         partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits), np.float32(scale * LOG2E)),
        shared_mem=shared)
     _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
+    return out
+
+
+def output_rows(out: cupy.ndarray | None, num_rows: int, num_heads: int, head_dim: int) -> cupy.ndarray:
+    """``out`` checked as what a kernel here writes, ``[num_rows, num_heads * head_dim]`` bf16 and
+    C-contiguous (the kernels address row r at ``r * num_heads * head_dim``), or a new such array."""
+    shape = (num_rows, num_heads * head_dim)
+    if out is None:
+        return cupy.empty(shape, dtype=cupy.uint16)
+    if not isinstance(out, cupy.ndarray) or out.dtype != cupy.uint16 or tuple(out.shape) != shape \
+            or not out.flags.c_contiguous:
+        got = f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}"
+        if isinstance(out, cupy.ndarray) and not out.flags.c_contiguous:
+            got += " (strided)"
+        raise ValueError(f"out must be a C-contiguous bf16 (uint16) CuPy array of shape {shape}, got {got}")
     return out
 
 
@@ -147,7 +166,8 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
 
     ``query_start [B + 1]`` (int32, device) gives each sequence's rows of ``q``; its new tokens are
     the last ``query_len`` positions of ``context_lens`` (their K/V already in the cache), at most
-    ``max_query_len`` (<= SHORT_QUERY_MAX_TOKENS) each. ``splits`` overrides the tuned split count."""
+    ``max_query_len`` (<= SHORT_QUERY_MAX_TOKENS) each. ``splits`` overrides the tuned split count;
+    ``out`` is written and returned if given."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = context_lens.shape[0]
@@ -166,12 +186,11 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
     stages = mma_stages(head_dim)
     shared = mma_shared_bytes(head_dim, tokens_per_block * group, MMA_WARPS, stages)
+    out = output_rows(out, num_tokens, num_heads, head_dim)
     fn = kernel("decode_attention_mma.cu", "short_query_attention_mma", HEAD_DIM=head_dim, GROUP=group,
                 DECODE_WARPS=MMA_WARPS, DECODE_STAGES=stages)
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    if out is None:
-        out = cupy.empty((num_tokens, num_heads * head_dim), dtype=cupy.uint16)
     partial_out, partial_ml = _partials(out, num_heads, head_dim, splits)
     fn((splits * row_blocks, num_kv_heads, num_seqs), (MMA_WARPS * 32,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
@@ -182,9 +201,11 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
 
 
 def decode_attention_split(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, block_tables: cupy.ndarray,
-                           context_lens: cupy.ndarray, scale: float, num_sms: int) -> cupy.ndarray:
+                           context_lens: cupy.ndarray, scale: float, num_sms: int, *,
+                           out: cupy.ndarray | None = None) -> cupy.ndarray:
     """The CUDA-core kernel; same arguments and result as ``decode_attention_mma``."""
     num_seqs, num_heads, head_dim = q.shape
+    out = output_rows(out, num_seqs, num_heads, head_dim)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     splits = legacy_splits(num_seqs, num_kv_heads, num_sms)
@@ -195,7 +216,6 @@ def decode_attention_split(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy
         (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens,
          partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits),
          np.float32(scale * LOG2E)))
-    out = cupy.empty((num_seqs, num_heads * head_dim), dtype=cupy.uint16)
     kernel("decode_attention.cu", "decode_attention_combine", HEAD_DIM=head_dim, GROUP=group)(
         (num_heads, num_seqs), (min(128, head_dim),),
         (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
@@ -204,11 +224,12 @@ def decode_attention_split(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy
 
 def paged_decode_attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                            block_tables: cupy.ndarray, context_lens: cupy.ndarray, scale: float, num_sms: int,
-                           kernel_name: str | None = None) -> cupy.ndarray:
-    """Decode attention with the chosen kernel (``choose_kernel`` when ``kernel_name`` is None)."""
+                           kernel_name: str | None = None, *, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """Decode attention with the chosen kernel (``choose_kernel`` when ``kernel_name`` is None),
+    into ``out`` when given (see ``output_rows``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     name = kernel_name or choose_kernel(head_dim, num_heads // k_cache.shape[2])
     if name not in KERNELS:
         raise ValueError(f"unknown decode attention kernel {name!r}; choose one of {KERNELS}")
     launch = decode_attention_mma if name == "mma" else decode_attention_split
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_sms)
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_sms, out=out)

@@ -40,6 +40,12 @@ def write_preset_config(preset: str, path: Path) -> Path:
     return path
 
 
+# cuda attention's rows: the q/k norm + RoPE + KV write, then whichever routing ``attend`` takes
+# (a mixed step's is one row: its decode-kernel and prefill-kernel launches together)
+CUDA_ATTENTION_CALLS = ("write_qkv", "decode_attention", "short_query_attention", "mixed_attention",
+                        "prefill_attention")
+
+
 class Ledger:
     """Measures steps of one engine's model: records a forward's op calls, times them, builds the
     per-op rows (kernels, shape, bytes, FLOPs, % roofline) and the measured whole step."""
@@ -57,8 +63,7 @@ class Ledger:
         if cuda:  # attention as its two launches: q/k norm + RoPE + KV write, then the kernel
             from openinfer.backend.cuda import attention
 
-            expand = {"attention": (attention, ("write_qkv", "decode_attention", "short_query_attention",
-                                                "prefill_attention"))}
+            expand = {"attention": (attention, CUDA_ATTENTION_CALLS)}
         self.recorder = OpRecorder({"backend": self.backend}, self.model, kernel_names=cuda, expand=expand)
         self.graphs = getattr(engine.runner, "graphs", {})
 

@@ -19,6 +19,11 @@ NOT_OPS = frozenset({"upload", "weight", "linear_weight", "prepare_batch", "stat
                      "release_request", "load", "kv_cache_specs"})
 
 
+# attention over the whole step from ``q``, each through its kernels (``mixed_attention``: the decode
+# rows on the decode kernel, the chunks on the prefill kernel)
+ATTENTION_KERNEL_CALLS = ("prefill_attention", "decode_attention", "short_query_attention", "mixed_attention")
+
+
 @dataclass
 class OpCall:
     owner: str  # "backend" or "plan"
@@ -203,7 +208,7 @@ def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
         qkv, spec = call.args[0], call.args[1]
         tokens = qkv.shape[0]
         return float(qkv.nbytes + tokens * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * 2), 0.0
-    if call.name in ("prefill_attention", "decode_attention", "short_query_attention"):  # (q, spec, kv, batch, ...)
+    if call.name in ATTENTION_KERNEL_CALLS:  # (q, spec, kv, batch, ...): every row of the step
         q, spec = call.args[0], call.args[1]
         context = host.context_lens.astype(np.float64)
         query = np.diff(host.query_start).astype(np.float64)

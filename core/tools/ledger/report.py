@@ -7,13 +7,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from openinfer.tools.ledger.recording import ATTENTION_KERNEL_CALLS
 from openinfer.tools.ledger.step_model import predict_checks
 
 # what an op is, by its name (the op key up to its weight shape); first match wins
 OP_KINDS = (
     ("projections (GEMM)", ("linear", "add_rms_norm_linear", "silu_mul_linear")),
     ("attention (q/k norm, RoPE, KV write, attention)", ("attention", "mla_attention")),
-    ("attention kernels", ("prefill_attention", "decode_attention", "short_query_attention")),
+    ("attention kernels", ATTENTION_KERNEL_CALLS),
     ("q/k norm, RoPE, KV write", ("write_qkv",)),
     ("Gated DeltaNet", ("delta_net",)),
     ("norms", ("rms_norm", "add_rms_norm")),
