@@ -752,6 +752,9 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #ifndef MMA_GEMV_NTILES
 #define MMA_GEMV_NTILES 2  // 8-row n-tiles accumulated per pass over the weights
 #endif
+#ifndef MMA_GEMV_DEPTH
+#define MMA_GEMV_DEPTH 2  // chunks per lane in flight or in use: a ring of registers (one multiplied, the rest loading)
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
 #define MMA_GEMV_SCALES 4  // INT4 groups not whole chunks: a scale per 8-weight word (GROUP % 8 == 0)
 #else
@@ -897,15 +900,22 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
         for (int j = 0; j < MMA_GEMV_NTILES; ++j)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
-        // two chunk buffers in turn: the next chunk's loads fly while one is multiplied
+        // a ring of MMA_GEMV_DEPTH chunk buffers: while one is multiplied the next DEPTH - 1 chunks'
+        // loads fly (a batch-1 step has few warps per SM, so the bytes in flight come from depth)
         const int lane_k = t * WEIGHT_CHUNK;
-        MmaGemvChunk even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, lane_k, N, K), odd;
-        for (int k0 = 0; k0 < K; k0 += 2 * STEP) {  // k0 is warp-uniform: every lane takes every branch
-            const bool has_odd = k0 + STEP < K;
-            if (has_odd) odd = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + STEP + lane_k, N, K);
-            mma_gemv_chunk(acc, even, b_row, ntiles, k0 + lane_k, K);
-            if (k0 + 2 * STEP < K) even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + 2 * STEP + lane_k, N, K);
-            if (has_odd) mma_gemv_chunk(acc, odd, b_row, ntiles, k0 + STEP + lane_k, K);
+        MmaGemvChunk ring[MMA_GEMV_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < MMA_GEMV_DEPTH; ++d)  // zeros past K (mma_gemv_load reads nothing there)
+            ring[d] = mma_gemv_load(weight, scale, expert, n_lo, n_hi, d * STEP + lane_k, N, K);
+        for (int k0 = 0; k0 < K; k0 += MMA_GEMV_DEPTH * STEP) {  // k0 is warp-uniform: every lane takes every branch
+#pragma unroll
+            for (int d = 0; d < MMA_GEMV_DEPTH; ++d) {
+                const int ahead = k0 + (d + MMA_GEMV_DEPTH - 1) * STEP;  // refills the slot multiplied last
+                if (ahead < K)
+                    ring[(d + MMA_GEMV_DEPTH - 1) % MMA_GEMV_DEPTH] =
+                        mma_gemv_load(weight, scale, expert, n_lo, n_hi, ahead + lane_k, N, K);
+                if (k0 + d * STEP < K) mma_gemv_chunk(acc, ring[d], b_row, ntiles, k0 + d * STEP + lane_k, K);
+            }
         }
         // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
 #pragma unroll

@@ -63,7 +63,13 @@ CASES = {
     "fp8-sqrtsoftplus": ("fp8", RouterSpec(6, 2, "sqrtsoftplus", routed_scaling_factor=1.5)),
     # INT4 groups of 16: smaller than moe_gemv_wide's 32-weight chunk (a scale per 8-weight piece)
     "int4-group16-sigmoid": ("int4", RouterSpec(6, 2, "sigmoid")),
+    # moe_gemv_mma with a ring of 3 chunks per lane: gate_up's K = 160 is five 32-weight bf16 chunks
+    # (two turns of the ring, the second partly empty), down's 64 two (the ring never fills); the
+    # ring does not depend on the format (GPU tests: INT4 / FP8 / bf16 at K = 1152)
+    "bf16-mma-depth3": ("bf16", RouterSpec(6, 2, "softmax")),
 }
+# (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
+CASE_SHAPES = {"bf16-mma-depth3": (160, 64, {"MMA_GEMV_DEPTH": 3})}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,9 +77,10 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     fmt, spec = CASES[case]
     group = 16 if "group16" in case else 32
     rng = np.random.default_rng(len(case))
-    tokens, hidden, inter = 70, 96, 64  # N of down = 96: ragged against 64-wide tiles
+    hidden, inter, defines = CASE_SHAPES.get(case, (96, 64, {}))  # N of down = 96: ragged against 64-wide tiles
+    tokens = 70
     binary = build(tmp_path, "moe", {"MOE": 1, "USE_MMA": 0, "WEIGHT_FORMAT": FORMATS[fmt], "GROUP": group,
-                                     "FP8_BLOCK": 128})
+                                     "FP8_BLOCK": 128, **defines})
     x = bf16(rng.standard_normal((tokens, hidden)))
     gate = bf16(0.2 * rng.standard_normal((spec.num_experts, hidden)))
     bias = np.zeros(spec.num_experts, np.float32)

@@ -88,8 +88,8 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "blas"],
-                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "blas"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "mma_depth4", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "gemv-mma-depth4", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
 def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
@@ -162,17 +162,20 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma"])
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
     """moe_gemv_wide and moe_gemv_mma in dense mode: 300 output columns (a partial block of columns,
     a partial 16-column warp and a partial FP8 scale block), K = 384 (an odd number of 32-weight
     chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
-    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv."""
+    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv. The deeper
+    rings of moe_gemv_mma take K = 1152: 9 INT4 chunks per lane group (the ring wraps, its last
+    turn partly empty)."""
     moe = _moe_cuda()
-    weight, reference = _expert_weights(rng, fmt, 1, 300, 384, group=group or 32)
-    x = cuda_backend.upload(bf16_random(rng, rows, 384))
+    in_features = 1152 if "depth" in gemv_kernel else 384
+    weight, reference = _expert_weights(rng, fmt, 1, 300, in_features, group=group or 32)
+    x = cuda_backend.upload(bf16_random(rng, rows, in_features))
     out = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel=gemv_kernel))
     assert relative_error(out, cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
     old = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel="moe_gemv"))

@@ -67,7 +67,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
     # sm_90a ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills
     "mma": {"MMA_GEMV_NTILES": 2},
+    # the same with more chunks in flight per lane (a ring of MMA_GEMV_DEPTH; "mma" has 2): a batch-1
+    # step has few warps per SM, so HBM sees only their loads. Opt-in until measured. sm_90a ptxas,
+    # INT4: 96 / 126 / 168 registers at depth 3 / 4 / 8 (72 at 2), no spills
+    "mma_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 3},
+    "mma_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 4},
+    "mma_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 8},
 }
+TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -97,7 +104,7 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "mma": (32, 32)}
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
@@ -260,7 +267,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
-    if name == "mma":  # dense mode: one block row loops over all rows
+    if name in TENSOR_CORE_GEMVS:  # dense mode: one block row loops over all rows
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                    (MMA_GEMV_WARPS * 32,), args)
