@@ -401,12 +401,14 @@ def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16)
     import cupy
 
     from openinfer.backend.cuda import moe as cuda_moe
-    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
 
     started = time.perf_counter()
     weights = [cuda_moe.ExpertLinear(fmt, None, None, 0, 0, group)
                for fmt in cuda_moe.FORMATS for group in (groups if fmt == "int4" else (32,))]
     with discover_kernels() as found:
+        kernel("moe.cu", "moe_sort")  # routing: the format-free module, and the opt-in router shape
+        kernel("moe.cu", "moe_router_logits", ROUTER_LOADS=cuda_moe.FAST_ROUTER_LOADS)
         for weight in weights:
             weight._kernel()
             weight._kernel("moe_dequantize")
@@ -761,32 +763,48 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
             "event_cost_ms": 1e3 * timed["event_cost_s"], "step_host_ms": 1e3 * timed["forward_host_s"]}
 
 
-def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, bool]]:
-    """``--variants`` ("absorbed:gemv[:fused],..."), else the one variant of ``--absorbed-kernel``,
-    $OPENINFER_MOE_GEMV (each falling back to core's default) and $OPENINFER_FUSED_DECODE. ``fused``:
-    the backend fuses decode rows' norm / SwiGLU into the next GEMV (``CudaBackend(fuse_decode=True)``)."""
+LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
+    "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
+    "fast_routing": "moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING=1)",
+}
+
+
+def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS), else the one
+    variant of ``--absorbed-kernel``, $OPENINFER_MOE_GEMV (each falling back to core's default),
+    $OPENINFER_FUSED_DECODE and $OPENINFER_MOE_FAST_ROUTING."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
+        on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV))
+              if os.environ.get(env, "0") in ("1", "true", "on")]
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
-                 cuda_moe.forced_gemv_kernel() or "auto",
-                 os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on"))]
+                 cuda_moe.forced_gemv_kernel() or "auto", tuple(on))]
     variants = []
     for item in text.split(","):
         absorbed, _, rest = item.partition(":")
-        gemv, _, fused = rest.partition(":")
+        gemv, _, options = rest.partition(":")
+        chosen = tuple(options.split("+")) if options else ()
         if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS) \
-                or fused not in ("", "fused"):
-            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV[:fused] with ABSORBED in auto, "
-                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)} and GEMV in auto, "
-                             f"{', '.join(cuda_moe.GEMV_KERNELS)}")
-        variants.append((absorbed, gemv, fused == "fused"))
+                or not set(chosen) <= set(LAYER_OPTIONS):
+            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV[:OPTION+...] with ABSORBED in auto, "
+                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)}, GEMV in auto, "
+                             f"{', '.join(cuda_moe.GEMV_KERNELS)} and OPTION in {', '.join(LAYER_OPTIONS)}")
+        variants.append((absorbed, gemv, chosen))
     return variants
 
 
-def variant_label(absorbed_kernel: str, gemv_kernel: str, fused: bool) -> str:
-    return f"{absorbed_kernel}:{gemv_kernel}" + (":fused" if fused else "")
+def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ...]) -> str:
+    return f"{absorbed_kernel}:{gemv_kernel}" + (f":{'+'.join(options)}" if options else "")
+
+
+def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
+    """Core's switches for a variant: the decode GEMV and the routing kernels (read at each call)."""
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
+    os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
@@ -847,14 +865,14 @@ def run_layer(args) -> dict:
         x = backend.upload(rng.standard_normal((batch, c["hidden"])).astype(np.float32))
         if not points:  # every variant's modules compiled in parallel before anything is timed
             dry = []
-            for absorbed_kernel, gemv_kernel, fused in variants:
-                dry.append(partial(os.environ.__setitem__, cuda_moe.GEMV_KERNEL_ENV, gemv_kernel))
-                dry.append(partial(layer_step, backends[fused], attention, moe, shared, spec, cache, device_batch,
-                                   cos, sin, x, absorbed_kernel))
+            for absorbed_kernel, gemv_kernel, options in variants:
+                dry.append(partial(use_variant, gemv_kernel, options))
+                dry.append(partial(layer_step, backends["fused" in options], attention, moe, shared, spec, cache,
+                                   device_batch, cos, sin, x, absorbed_kernel))
             warm_kernels(dry)
-        for absorbed_kernel, gemv_kernel, fused in variants:
-            os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel  # core's switch for the decode GEMV
-            ops = backends[fused]
+        for absorbed_kernel, gemv_kernel, options in variants:
+            use_variant(gemv_kernel, options)
+            ops = backends["fused" in options]
             step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
@@ -885,7 +903,7 @@ def run_layer(args) -> dict:
             needed = layer_bytes(attention, moe, shared, active, batch, args.context)
             roofline = needed / bandwidth
             points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
-                           "fused_decode": fused, "variant": variant_label(absorbed_kernel, gemv_kernel, fused),
+                           "options": list(options), "variant": variant_label(absorbed_kernel, gemv_kernel, options),
                            "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
                                                                                   absorbed_kernel),
                            "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
@@ -900,8 +918,8 @@ def run_layer(args) -> dict:
 
 
 def _variant_name(variant: str) -> str:
-    absorbed, gemv, *fused = variant.split(":")
-    return f"MLA {absorbed}, GEMV {gemv}" + (", fused norms" if fused else "")
+    absorbed, gemv, *options = variant.split(":")
+    return f"MLA {absorbed}, GEMV {gemv}" + "".join(f", {o}" for o in "+".join(options).split("+") if o)
 
 
 def plot_layer(report: dict, path: Path) -> None:
@@ -1205,9 +1223,9 @@ def main() -> None:
     layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
                        help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
     layer.add_argument("--variants", default="",
-                       help="side by side in one run: comma list of ABSORBED:GEMV[:fused], e.g. "
-                            "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused (MLA decode kernel, $OPENINFER_MOE_GEMV, "
-                            "norms / SwiGLU fused into the next GEMV for decode rows)")
+                       help="side by side in one run: comma list of ABSORBED:GEMV[:OPTION+...], e.g. "
+                            "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused+fast_routing (MLA decode kernel, "
+                            f"$OPENINFER_MOE_GEMV, options: {'; '.join(f'{k}: {v}' for k, v in LAYER_OPTIONS.items())})")
     sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",

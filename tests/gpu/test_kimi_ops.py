@@ -55,6 +55,39 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
                        rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
+    """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 4 loads in flight gives the same ids and
+    weights bit for bit (same sums, same order), and moe_sort_parallel moe_sort's offsets and tile
+    list, with each expert's segment holding exactly its slots. Kimi-K2's 384 experts top-8 at 7168
+    wide (K past the 4 loads' 1024-wide step); 256 tokens: experts with more than one 64-row tile."""
+    moe = _moe_cuda()
+    spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
+    x = cuda_backend.upload(bf16_random(rng, tokens, 7168))
+    gate = cuda_backend.weight(bf16_random(rng, 384, 7168, scale=0.05))
+    bias = cupy.asarray((0.3 * rng.standard_normal(384)).astype(np.float32))
+    if tokens == 256:
+        bias[:3] += 100.0  # experts 0-2 take every token: 4 tiles each
+    results = {}
+    for fast in ("0", "1"):
+        monkeypatch.setenv(moe.FAST_ROUTING_ENV, fast)
+        ids, weights = moe.route(x, gate, spec, bias)
+        grouping = moe.group_by_expert(ids, weights, 384)
+        count = int(grouping.num_tiles.get()[0])
+        results[fast] = (ids.get(), weights.get(), grouping.offsets.get(), grouping.tile_expert.get()[:count],
+                         grouping.tile_row.get()[:count], grouping.sorted_slots.get(), grouping.slot_pos.get())
+    (ids, weights, offsets, *tiles, _, _), fast = results["0"], results["1"]
+    assert np.array_equal(fast[0], ids) and np.array_equal(fast[1], weights)
+    assert np.array_equal(fast[2], offsets)
+    assert all(np.array_equal(a, b) for a, b in zip(fast[3:5], tiles, strict=True))
+    if tokens == 256:
+        assert np.count_nonzero(tiles[0] == 0) == 4
+    sorted_slots, slot_pos = fast[5], fast[6]
+    assert np.array_equal(slot_pos[sorted_slots], np.arange(ids.size))
+    for e in np.flatnonzero(np.diff(offsets)):
+        assert np.all(ids.reshape(-1)[sorted_slots[offsets[e]:offsets[e + 1]]] == e)
+
+
 def test_moe_hash_routing(cuda_backend, rng):
     moe = _moe_cuda()
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)

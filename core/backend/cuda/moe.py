@@ -108,6 +108,13 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
+# Opt-in until measured: moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's
+# thread 0 walks all experts through global memory, tens of microseconds at 384 experts whatever
+# the batch: DeepSeek-V4's 256 took 26 us on an H100, gpu_dsv4_w3a.json) and ROUTER_LOADS gate
+# loads per lane in flight in moe_router_logits (the same sums in the same order).
+FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
+FAST_ROUTER_LOADS = 4  # sm_90a: 78 registers (32 at 1), no spills
+SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
 MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
@@ -181,6 +188,11 @@ def max_tiles(num_slots: int, num_experts: int) -> int:
     return -(-num_slots // TILE_M) + min(num_experts, num_slots)
 
 
+def fast_routing() -> bool:
+    """Whether routing takes moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING)."""
+    return os.environ.get(FAST_ROUTING_ENV, "0") in ("1", "true", "on")
+
+
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
           token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -197,7 +209,8 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
         if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
             # the [E, H] router product spread over blocks (a decode step has few tokens)
             logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
-            kernel("moe.cu", "moe_router_logits")(
+            loads = {"ROUTER_LOADS": FAST_ROUTER_LOADS} if fast_routing() else {}
+            kernel("moe.cu", "moe_router_logits", **loads)(
                 (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
                 (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
@@ -213,14 +226,21 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
 def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) -> ExpertGroupingDevice:
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
-    counts = cupy.empty(num_experts, dtype=cupy.int32)
     grouping = ExpertGroupingDevice(
         ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
         cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
         cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
-    kernel("moe.cu", "moe_sort")((1,), (1024,), (
-        ids, np.int32(num_slots), np.int32(num_experts), counts, grouping.offsets, grouping.sorted_slots,
-        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+    layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+              grouping.num_tiles, np.int32(tiles))
+    if fast_routing():
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_sort_parallel keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        kernel("moe.cu", "moe_sort_parallel")((1,), (SORT_THREADS,), (ids, np.int32(num_slots),
+                                                                      np.int32(num_experts), *layout))
+    else:
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe.cu", "moe_sort")((1,), (1024,), (ids, np.int32(num_slots), np.int32(num_experts), counts,
+                                                     *layout))
     return grouping
 
 
