@@ -766,6 +766,8 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
 LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
     "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
     "fast_routing": "moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING=1)",
+    "mla_splits32": "up to 32 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=32; default 16)",
+    "mla_splits64": "up to 64 (at 1k context: 33 splits of one 32-key tile, x4 latent quarters = 132 blocks)",
 }
 
 
@@ -779,6 +781,8 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tupl
     if not text:
         on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV))
               if os.environ.get(env, "0") in ("1", "true", "on")]
+        splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
+        on += [splits] if splits in LAYER_OPTIONS else []
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
                  cuda_moe.forced_gemv_kernel() or "auto", tuple(on))]
     variants = []
@@ -800,11 +804,15 @@ def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ..
 
 
 def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
-    """Core's switches for a variant: the decode GEMV and the routing kernels (read at each call)."""
+    """Core's switches for a variant: the decode GEMV, the routing kernels, the MLA splits (read at
+    each call)."""
+    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
+    splits = [o.removeprefix("mla_splits") for o in options if o.startswith("mla_splits")]
+    os.environ[cuda_mla.MAX_SPLITS_ENV] = splits[-1] if splits else ""
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):

@@ -264,19 +264,29 @@ MLA_BATCHES = {
     "small": ([0, 16, 31, 70], [5, 1, 1, 3]),
     # a 150-token prompt (3 query tiles, the last partial), a 70-token chunk on 100 cached, decodes
     "long": ([0, 100, 57, 3], [150, 70, 1, 1]),
+    # decodes only, up to 1k context: 4 tokens, so the absorbed kernels split each context many ways
+    "decodes": ([700, 1030, 33, 5], [1, 1, 1, 1]),
 }
 
 
-@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel", [
-    ("small", 10**6, "cuda_cores"), ("small", 2, "cuda_cores"), ("long", 16, "cuda_cores"),
-    ("small", 10**6, "mma"), ("long", 16, "mma")],
-    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma"])
+@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits", [
+    ("small", 10**6, "cuda_cores", ""), ("small", 2, "cuda_cores", ""), ("long", 16, "cuda_cores", ""),
+    ("small", 10**6, "mma", ""), ("long", 16, "mma", ""), ("decodes", 10**6, "mma", ""),
+    ("decodes", 10**6, "mma", "64"), ("decodes", 10**6, "cuda_cores", "64")],
+    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma", "decodes-mma",
+         "decodes-mma-splits64", "decodes-splits64"])
 def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
-                                                         absorbed_kernel):
+                                                         absorbed_kernel, max_splits, monkeypatch):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
-    (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads."""
+    (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads.
+    $OPENINFER_MLA_MAX_SPLITS=64 on 4 decodes: 17 splits (mma) / 33 (CUDA cores), many empty at 5 tokens."""
+    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
+
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    if max_splits:
+        assert cuda_mla.num_splits(4, 4, 132) > cuda_mla.MAX_SPLITS
 
     spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
                    scale=192 ** -0.5 * 1.3)
@@ -303,7 +313,7 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
     kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
     weights = MLAWeights.from_kv_b(kv_b, spec)
-    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), 256)
+    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), max(256, int(positions.max()) + 1))
     # NumPy reference (fp32)
     cos, sin = rope.cos[positions], rope.sin[positions]
     q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
