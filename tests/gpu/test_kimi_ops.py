@@ -57,10 +57,10 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
 
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
-    """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 4 loads in flight gives the same ids and
+    """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 7 loads in flight gives the same ids and
     weights bit for bit (same sums, same order), and moe_sort_parallel moe_sort's offsets and tile
     list, with each expert's segment holding exactly its slots. Kimi-K2's 384 experts top-8 at 7168
-    wide (K past the 4 loads' 1024-wide step); 256 tokens: experts with more than one 64-row tile."""
+    wide (four passes of 7 loads, 1792 wide each); 256 tokens: experts with more than one 64-row tile."""
     moe = _moe_cuda()
     spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
     x = cuda_backend.upload(bf16_random(rng, tokens, 7168))

@@ -113,7 +113,7 @@ ROUTER_WARPS = 8  # moe.cu
 # the batch: DeepSeek-V4's 256 took 26 us on an H100, gpu_dsv4_w3a.json) and ROUTER_LOADS gate
 # loads per lane in flight in moe_router_logits (the same sums in the same order).
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
-FAST_ROUTER_LOADS = 4  # sm_90a: 78 registers (32 at 1), no spills
+FAST_ROUTER_LOADS = 7  # Kimi-K2 7168 wide: 4 passes of 7 loads, not 28 of 1; sm_90a: 134 registers (32 at 1), no spills
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
