@@ -16,7 +16,8 @@ the sliding window, the compressed entries attention reads (HCA: all; CSA: the 5
 for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--attention-splits auto|1|N]
-        [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--no-fp4-gemms] [--name NAME]
+        [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--contexts 4096,65536]
+        [--no-fp4-gemms] [--no-breakdown] [--name NAME]
 
 Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
 CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
@@ -34,6 +35,7 @@ gpu_dsv4_kernels; copies under $OUT when set).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -63,6 +65,16 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / gpu_seconds(lambda: dst.__setitem__(Ellipsis, src), 10, 2)
 
 
+POOL_VALUES = 1 << 26  # the largest linear (wq_b, wo_b: 32M values) fits
+
+
+@functools.cache
+def random_pool() -> np.ndarray:
+    """N(0, 1) values drawn once: the dense linears are slices of it, since speed does not depend
+    on the values and drawing ~130M values per layer kind would take most of a short device job."""
+    return np.random.default_rng(1).standard_normal(POOL_VALUES, np.float32)
+
+
 class Weights:
     """Random weights of one layer kind (the MoE shared across kinds), with their byte count."""
 
@@ -71,8 +83,8 @@ class Weights:
 
     def linear(self, out_features: int, in_features: int):
         self.bytes += 2 * out_features * in_features
-        return self.backend.linear_weight(self.rng.standard_normal((out_features, in_features), np.float32)
-                                          / np.float32(np.sqrt(in_features)))
+        values = random_pool()[:out_features * in_features].reshape(out_features, in_features)
+        return self.backend.linear_weight(values / np.float32(np.sqrt(in_features)))
 
     def norm(self, size: int):
         self.bytes += 2 * size
@@ -210,12 +222,13 @@ def kv_bytes(kind: str, batch: int, context: int, c) -> int:
     return batch * per_seq
 
 
-def bench_layer(backend, kind: str, moe, moe_bytes: int, per_expert: int, batch: int, context: int,
+def bench_layer(backend, kind: str, built: tuple, moe_bytes: int, per_expert: int, batch: int, context: int,
                 bandwidth: float) -> dict:
+    """``built``: ``build_model``'s (model, attention bytes) for this kind and context."""
     from openinfer.graph import CudaGraphRunner
     from openinfer.tools.ledger import gpu_seconds
 
-    model, attention_bytes = build_model(backend, kind, moe, context + BLOCK)
+    model, attention_bytes = built
     kv_cache, step, width, num_groups = decode_setup(backend, model, batch, context)
     runner = CudaGraphRunner(backend, lambda b: model.forward(b, kv_cache), max_num_seqs=batch,
                              max_blocks_per_seq=width, buckets=(batch,), num_groups=num_groups, with_state=True)
@@ -390,6 +403,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def sizes(parser: argparse.ArgumentParser, flag: str, text: str | None, default: list[int], least: int) -> list[int]:
+    """A comma-separated list of integers of at least ``least`` (``default`` when not given)."""
+    if text is None:
+        return default
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        parser.error(f"{flag} {text!r}: expected comma-separated integers of at least {least}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64, context 4k only")
@@ -404,6 +430,10 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes of the layer rows and "
                         "breakdown (default 1,64,256; --quick 1,64)")
     parser.add_argument("--no-fp4-gemms", action="store_true", help="skip the FP4 expert GEMMs alone")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="skip the per-part breakdown (the layer rows only)")
+    parser.add_argument("--contexts", default=None, help="comma-separated contexts of the layer rows "
+                        "(default 4096,65536; --quick 4096)")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
     from openinfer_deepseek_v4.kernel_plan import attention_splits_setting
@@ -415,12 +445,8 @@ def main() -> None:
     kinds = args.layers.split(",")
     if not kinds or any(kind not in RATES for kind in kinds):
         parser.error(f"--layers {args.layers!r}: expected a comma-separated subset of {','.join(RATES)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 64] if args.quick else [1, 64, 256]
-    except ValueError:
-        parser.error(f"--batches {args.batches!r}: expected comma-separated positive integers")
-    if not batches or min(batches) < 1:
-        parser.error(f"--batches {args.batches!r}: expected comma-separated positive integers")
+    batches = sizes(parser, "--batches", args.batches, [1, 64] if args.quick else [1, 64, 256], 1)
+    contexts = sizes(parser, "--contexts", args.contexts, [4096] if args.quick else [4096, 65536], 2)
     os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # both read when the plugin's cuda modules load
     os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
     os.environ["OPENINFER_DSV4_INDEXER_SPLIT"] = args.indexer_split
@@ -430,7 +456,6 @@ def main() -> None:
     from openinfer import create_backend
 
     backend = create_backend("cuda")
-    contexts = [4096] if args.quick else [4096, 65536]
     bandwidth = copy_bandwidth()
     moe, moe_bytes, per_expert = build_moe(backend, np.random.default_rng(0),
                                            DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [0, 0]}))
@@ -438,9 +463,10 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{args.name}.json"
     for kind in kinds:
-        for batch in batches:
-            for context in contexts:
-                rows.append(bench_layer(backend, kind, moe, moe_bytes, per_expert, batch, context, bandwidth))
+        for context in contexts:
+            built = build_model(backend, kind, moe, context + BLOCK)  # one model serves every batch
+            for batch in batches:
+                rows.append(bench_layer(backend, kind, built, moe_bytes, per_expert, batch, context, bandwidth))
                 print(json.dumps(rows[-1]), flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
                 report = {"gpu": backend.device_name, "cupy": cupy.__version__,
@@ -450,7 +476,7 @@ def main() -> None:
                           "indexer_split": args.indexer_split, "rows": rows}
                 out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
     report["breakdown"] = parts = []
-    for kind in kinds:
+    for kind in kinds if args.breakdown else []:
         for batch in [b for b in batches if b <= 64]:
             parts.append(breakdown(backend, kind, moe, batch, 4096))
             print(json.dumps(parts[-1]), flush=True)
