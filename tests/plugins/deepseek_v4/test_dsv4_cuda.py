@@ -253,3 +253,26 @@ def test_fp4_moe_layer(ops, tokens):
             hidden_e = bf16(swiglu(bf16(x[t : t + 1] @ gate_up_dense[e].T), limit))
             expected[t] += weights[t, j] * bf16(hidden_e @ down_dense[e].T)[0]
     np.testing.assert_allclose(out, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+# --- FP8 dense linears kept as stored (cuda_linears, core kernels/moe_fp4.cu fp8_stream_linear) ------
+
+@pytest.mark.parametrize("method", ["stream", "dequantize"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 100, 300])
+def test_fp8_linear(ops, method, rows):
+    """Both paths equal x · dequantised(W)ᵀ at a V4-Flash-like width (N past a 64-row block and a
+    128-row scale block), rows from one decode token to past a 64-row block row and the stream
+    bound; the scales straddle 2^7, where the stream kernel takes a second multiply."""
+    from openinfer_deepseek_v4.cuda_linears import fp8_linear, upload_fp8_linear
+
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.quant import dequantize_fp8_block, e8m0_to_float32
+    from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import random_fp8_linear
+
+    rng = np.random.default_rng(rows)
+    out_features, in_features = 1000, 1024
+    codes, scales = random_fp8_linear(rng, out_features, in_features, [110, 115, 120, 127, 134, 135])
+    x = bf16(rng.standard_normal((rows, in_features)))
+    y = fp8_linear(dev_bf16(x), upload_fp8_linear(codes, scales), Cublas(), method)
+    expected = x.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
+    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=1e-5 * np.abs(expected).max())

@@ -350,3 +350,53 @@ def test_fp4_decode_every_code(fp4_harness, tmp_path):
                                                        "offsets")})
         out = read_array(tmp_path, "out", np.uint16, (3, out_features))
         np.testing.assert_array_equal(out, expected, err_msg=kernel)
+
+
+# --- core kernels/moe_fp4.cu: fp8_stream_linear, the FP8 dense linears' decode GEMM ------------------
+
+FP8_NAN = (0x7F, 0xFF)
+
+
+def random_fp8_linear(rng, out_features: int, in_features: int, exponents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every finite e4m3 code (subnormals and ±0 included) and e8m0 block scales drawn from
+    ``exponents``: on both sides of 2^7, the largest the one-multiply path takes."""
+    codes = rng.integers(0, 256, (out_features, in_features), dtype=np.uint8)
+    codes[np.isin(codes, FP8_NAN)] = 0x01
+    scales = rng.choice(np.array(exponents, np.uint8), (-(-out_features // 128), -(-in_features // 128)))
+    return codes, scales
+
+
+def run_fp8_linear(binary: Path, directory: Path, a: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    (rows, in_features), out_features = a.shape, codes.shape[0]
+    run_harness(binary, directory, "fp8", out_features, in_features, rows, a=float32_to_bf16(a), weight=codes,
+                scale=scales)
+    return read_array(directory, "out", np.uint16, (rows, out_features))
+
+
+@pytest.mark.parametrize("rows", [3, 70], ids=["decode", "two-block-rows"])
+def test_fp8_stream_linear(fp4_harness, tmp_path, rows):
+    """x · dequantised(W)ᵀ for an FP8 weight with N past a 64-row block and a 128-row scale block,
+    K past a 128-wide scale block (a last K step of three 32-k groups), rows past a 64-row block."""
+    rng = np.random.default_rng(11)
+    out_features, in_features = 200, 352
+    codes, scales = random_fp8_linear(rng, out_features, in_features, [100, 112, 120, 127, 134, 135, 140])
+    a = bf16(rng.standard_normal((rows, in_features)))
+    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales)
+    expected = a.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=8e-3, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block_scales", [(127, 135), (100, 141)], ids=["one-multiply", "two-multiplies"])
+def test_fp8_decode_every_code(fp4_harness, tmp_path, block_scales):
+    """Weight row n holds code n at every k (NaN codes left out), one scale per 128-row block: a
+    unit input picks each decoded value out exactly, subnormals and the two-multiply scales included."""
+    in_features = 128
+    code_of_row = np.array([c for c in range(256) if c not in FP8_NAN], np.uint8)
+    codes = np.repeat(code_of_row[:, None], in_features, axis=1)
+    scales = np.array(block_scales, np.uint8)[:, None]
+    a = np.zeros((2, in_features), np.float32)
+    a[0, 0] = 1.0
+    a[1, 77] = -1.0
+    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales)
+    expected = a @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T
+    np.testing.assert_array_equal(out, expected)
