@@ -33,6 +33,7 @@ from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import MoEWeights
 from openinfer.parallel.expert_cuda import local_grouping, zero_other_slots
 from openinfer.quant import e8m0_to_float32
+from openinfer_deepseek_v4.cuda_linears import linear
 
 FP4_GROUP = 32
 TILE = 64  # moe_fp4.cu's output tile
@@ -195,7 +196,7 @@ def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELay
     x = cupy.ascontiguousarray(x)
     shared = None
     if layer.shared is not None and (rank is None or rank.comm.rank == 0):
-        shared = ops.linear(swiglu_clamp(ops.linear(x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
+        shared = linear(ops, swiglu_clamp(linear(ops, x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
     ids, weights = core_moe.route(x, device.gate, layer.router, device.correction_bias,
                                   token_ids if device.tid2eid is not None else None, device.tid2eid)
     if rank is None:

@@ -9,7 +9,11 @@ op                       NumPy (the reference)                   CUDA (``cuda_mo
 =======================  ======================================  =====================================
 embedding, norms         core ``embedding`` / ``rms_norm``       core kernels
 projections              core ``linear`` (BLAS; FP8 linears      core ``linear`` (cuBLAS, bf16: FP8
-                         dequantised to fp32 at load)            linears dequantised to bf16 at load)
+                         dequantised to fp32 at load)            linears dequantised to bf16 at load);
+                                                                 opt-in ``OPENINFER_DSV4_FP8_LINEAR=
+                                                                 stream``: kept FP8, ``cuda_linears``
+                                                                 (core ``moe_fp4.cu``
+                                                                 ``fp8_stream_linear`` ≤ 256 rows)
 mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (a block per token and
                                                                  mixing logit) + ``dsv4_hc_collapse``
 mHC expand / head        ``expand`` / ``collapse_head``          ``dsv4_hc_expand`` / the same two, head
@@ -99,3 +103,17 @@ def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multi
     wanted = -(-max(max_entries, 1) // blocks_per_token)
     rounded = -(-wanted // INDEX_MIN_ENTRIES_PER_BLOCK) * INDEX_MIN_ENTRIES_PER_BLOCK
     return max(INDEX_MIN_ENTRIES_PER_BLOCK, min(rounded, INDEX_ENTRIES_PER_BLOCK))
+
+
+FP8_LINEAR_SETTINGS = ("bf16", "stream")
+
+
+def fp8_linear_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_FP8_LINEAR``: ``bf16`` (default: the checkpoint's FP8 dense linears —
+    attention projections, shared experts — dequantised to bf16 at load, cuBLAS) or ``stream``
+    (kept FP8, half the bytes: ``cuda_linears.fp8_linear``, the codes decoded to bf16 in registers
+    for the tensor cores). Opt-in until measured on a GPU."""
+    value = environ.get("OPENINFER_DSV4_FP8_LINEAR", "bf16")
+    if value not in FP8_LINEAR_SETTINGS:
+        raise ValueError(f"OPENINFER_DSV4_FP8_LINEAR={value!r}: expected one of {', '.join(FP8_LINEAR_SETTINGS)}")
+    return value

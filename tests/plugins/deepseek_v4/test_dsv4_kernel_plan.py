@@ -37,3 +37,10 @@ def test_indexer_split():
         per_block = kernel_plan.indexer_entries_per_block("auto", tokens, entries, H100_SMS)
         assert kernel_plan.INDEX_MIN_ENTRIES_PER_BLOCK <= per_block <= fixed and per_block % 8 == 0
         assert tokens * -(-entries // per_block) >= min(H100_SMS, tokens * -(-entries // 8))  # fills the GPU
+
+
+def test_fp8_linear_default_is_bf16_and_stream_is_opt_in():
+    assert kernel_plan.fp8_linear_setting({}) == "bf16"
+    assert kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "stream"}) == "stream"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_FP8_LINEAR"):
+        kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "fp8"})
