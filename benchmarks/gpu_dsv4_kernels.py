@@ -17,7 +17,7 @@ for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--attention-splits auto|1|N]
         [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--contexts 4096,65536]
-        [--no-fp4-gemms] [--no-breakdown] [--name NAME]
+        [--no-fp4-gemms] [--no-breakdown] [--fp8-linears bf16|stream|bf16,stream] [--name NAME]
 
 Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
 CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
@@ -75,13 +75,32 @@ def random_pool() -> np.ndarray:
     return np.random.default_rng(1).standard_normal(POOL_VALUES, np.float32)
 
 
+def random_fp8_linear(out_features: int, in_features: int):
+    """An FP8 linear (``cuda_linears.Fp8Linear``) of random e4m3 codes of magnitude 0.25 .. 3.75 and
+    one e8m0 scale 2^−round(log2(in)/2) per block: values of the bf16 linears' size, no NaN codes."""
+    import cupy
+    from openinfer_deepseek_v4.cuda_linears import upload_fp8_linear
+
+    codes = cupy.random.randint(5 << 3, 9 << 3, (out_features, in_features), dtype=cupy.int32)
+    codes |= cupy.random.randint(0, 2, (out_features, in_features), dtype=cupy.int32) << 7
+    scale = 127 - round(np.log2(in_features) / 2)
+    return upload_fp8_linear(codes.astype(cupy.uint8), np.full((-(-out_features // 128), -(-in_features // 128)),
+                                                               scale, np.uint8))
+
+
 class Weights:
-    """Random weights of one layer kind (the MoE shared across kinds), with their byte count."""
+    """Random weights of one layer kind (the MoE shared across kinds), with their byte count.
+    ``fp8``: the dense linears FP8 as the checkpoint stores them (kept so on the GPU:
+    ``OPENINFER_DSV4_FP8_LINEAR=stream``) instead of bf16."""
 
-    def __init__(self, backend, rng):
-        self.backend, self.rng, self.bytes = backend, rng, 0
+    def __init__(self, backend, rng, fp8: bool = False):
+        self.backend, self.rng, self.bytes, self.fp8 = backend, rng, 0, fp8
 
-    def linear(self, out_features: int, in_features: int):
+    def linear(self, out_features: int, in_features: int, stored_fp8: bool = True):
+        """``stored_fp8`` False: a linear V4-Flash ships in BF16 (compressor, indexer weights_proj)."""
+        if self.fp8 and stored_fp8:
+            self.bytes += out_features * in_features + -(-out_features // 128) * -(-in_features // 128)
+            return random_fp8_linear(out_features, in_features)
         self.bytes += 2 * out_features * in_features
         values = random_pool()[:out_features * in_features].reshape(out_features, in_features)
         return self.backend.linear_weight(values / np.float32(np.sqrt(in_features)))
@@ -123,7 +142,19 @@ def build_moe(backend, rng, c):
     return moe, w.bytes, per_expert
 
 
-def build_model(backend, kind: str, moe, max_model_len: int):
+def with_fp8_shared_expert(backend, moe, moe_bytes: int) -> tuple:
+    """The same MoE with its shared expert FP8 as stored (``Weights(fp8=True)``), and its bytes."""
+    import dataclasses
+
+    from openinfer.moe import ExpertWeights
+
+    w = Weights(backend, None, fp8=True)
+    inter, hidden = moe.shared.down.in_features, moe.shared.down.out_features
+    shared = ExpertWeights(w.linear(2 * inter, hidden), w.linear(hidden, inter))
+    return dataclasses.replace(moe, shared=shared), moe_bytes - 2 * 3 * inter * hidden + w.bytes
+
+
+def build_model(backend, kind: str, moe, max_model_len: int, fp8: bool = False):
     from openinfer_deepseek_v4.config import DeepseekV4Config
     from openinfer_deepseek_v4.model import DeepseekV4Model
     from openinfer_deepseek_v4.weights import (
@@ -136,7 +167,7 @@ def build_model(backend, kind: str, moe, max_model_len: int):
     )
 
     c = DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [RATES[kind], 0]})
-    w = Weights(backend, np.random.default_rng(1))
+    w = Weights(backend, np.random.default_rng(1), fp8)
     hidden, heads, dim, hc = c.hidden_size, c.num_attention_heads, c.head_dim, c.hc_mult
 
     def hyper(rows: int, scales: int) -> HyperConnectionWeights:
@@ -145,7 +176,8 @@ def build_model(backend, kind: str, moe, max_model_len: int):
 
     def compressor(width: int, rate: int, overlap: bool) -> CompressorWeights:
         c_width = (2 if overlap else 1) * width
-        return CompressorWeights(w.linear(c_width, hidden), w.linear(c_width, hidden), w.host(rate, c_width, scale=0.3),
+        return CompressorWeights(w.linear(c_width, hidden, False), w.linear(c_width, hidden, False),
+                                 w.host(rate, c_width, scale=0.3),
                                  w.norm(width), rate, width, overlap)
 
     rate = RATES[kind]
@@ -156,7 +188,7 @@ def build_model(backend, kind: str, moe, max_model_len: int):
         wo_b=w.linear(hidden, c.o_groups * c.o_lora_rank), sink=w.host(heads),
         compressor=compressor(dim, rate, kind == "csa") if rate else None,
         indexer=IndexerWeights(w.linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-                               w.linear(c.index_n_heads, hidden), compressor(c.index_head_dim, rate, True),
+                               w.linear(c.index_n_heads, hidden, False), compressor(c.index_head_dim, rate, True),
                                c.index_n_heads, c.index_head_dim, c.index_topk) if kind == "csa" else None)
     w.bytes -= 2 * c.o_lora_rank * heads * dim  # wo_a: counted as fp32 on the host, bf16 on the device
     layer = LayerWeights(w.norm(hidden), w.norm(hidden), hyper((2 + hc) * hc, 3), hyper((2 + hc) * hc, 3), attn, moe)
@@ -268,14 +300,15 @@ def bf16_random(shape: tuple[int, ...]):
     return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
 
 
-def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
+def breakdown(backend, kind: str, moe, batch: int, context: int, fp8: bool = False) -> dict:
     """The layer's parts timed alone (eager, CUDA events) on its own caches: where the step goes."""
     import cupy
     from openinfer_deepseek_v4 import cuda_experts, cuda_ops
+    from openinfer_deepseek_v4.cuda_linears import linear
 
     from openinfer.backend.cuda import moe as core_moe
 
-    model, _ = build_model(backend, kind, moe, context + BLOCK)
+    model, _ = build_model(backend, kind, moe, context + BLOCK, fp8)
     kv_cache, step, _, _ = decode_setup(backend, model, batch, context)
     device = backend.prepare_batch(step)
     c, layer, where = model.config, model.weights.layers[0], model.cache_index[0]
@@ -306,12 +339,13 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
     hidden_rows = bf16_random((grouping.sorted_slots.size, ffn.stacked[1].in_features))
 
     def shared() -> None:
-        backend.linear(cuda_experts.swiglu_clamp(backend.linear(x, ffn.shared.gate_up), ffn.swiglu_limit),
-                       ffn.shared.down)
+        linear(backend, cuda_experts.swiglu_clamp(linear(backend, x, ffn.shared.gate_up), ffn.swiglu_limit),
+               ffn.shared.down)
 
     times = {
         "mhc collapse + expand (x1 of 2)": graph_seconds(mhc),
-        "dense projections (cuBLAS, bf16)": graph_seconds(lambda: [backend.linear(a, w) for a, w in projections]),
+        "dense projections (FP8 stream)" if fp8 else "dense projections (cuBLAS, bf16)": graph_seconds(
+            lambda: [linear(backend, a, w) for a, w in projections]),
         "moe (route + FP4 experts + shared)": graph_seconds(
             lambda: cuda_experts.moe_layer(backend, x, ffn, moe_device, device.token_ids)),
         "moe: router (core moe_route)": graph_seconds(lambda: core_moe.route(x, moe_device.gate, ffn.router,
@@ -321,7 +355,7 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
         "moe: FP4 gate_up": graph_seconds(lambda: cuda_experts.grouped_gemm(x, moe_device.gate_up, grouping, True)),
         "moe: FP4 down": graph_seconds(lambda: cuda_experts.grouped_gemm(hidden_rows, moe_device.down, grouping,
                                                                          False)),
-        "moe: shared expert (cuBLAS, bf16)": graph_seconds(shared),
+        "moe: shared expert (FP8 stream)" if fp8 else "moe: shared expert (cuBLAS, bf16)": graph_seconds(shared),
     }
     entries = entry_tables = selected = None
     if rate:
@@ -350,7 +384,8 @@ def breakdown(backend, kind: str, moe, batch: int, context: int) -> dict:
             selected, max(rate, 1), token_seq, device.positions, sinks, inv_freq, c.rope_head_dim, c.sliding_window,
             BLOCK, splits=splits))
     times["whole layer"] = graph_seconds(lambda: model.forward(device, kv_cache), 10)
-    return {"layer": kind, "batch": batch, "context": context, "seconds": times}
+    return {"layer": kind, "batch": batch, "context": context, "fp8_linears": "stream" if fp8 else "bf16",
+            "seconds": times}
 
 
 def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
@@ -389,7 +424,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"{r['layer']}\nb{r['batch']} {r['context'] // 1024}k" for r in rows]
+    modes = {r.get("fp8_linears", "bf16") for r in rows}
+    labels = [f"{r['layer']}\nb{r['batch']} {r['context'] // 1024}k" + (f"\n{r['fp8_linears']}" if len(modes) > 1 else "")
+              for r in rows]
     axes[0].bar(range(len(rows)), [1e3 * r["seconds"] for r in rows], label="measured")
     axes[0].bar(range(len(rows)), [1e3 * r["roofline_seconds"] for r in rows], alpha=0.6, label="HBM roofline")
     axes[0].set_ylabel("ms per decode step (one layer + MoE)")
@@ -434,8 +471,15 @@ def main() -> None:
                         help="skip the per-part breakdown (the layer rows only)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts of the layer rows "
                         "(default 4096,65536; --quick 4096)")
+    parser.add_argument("--fp8-linears", default="bf16",
+                        help="the dense linears (attention projections, shared expert): bf16 (default, "
+                             "dequantised at load), stream (FP8 as stored, OPENINFER_DSV4_FP8_LINEAR=stream) "
+                             "or bf16,stream (both, side by side in one run)")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
+    modes = args.fp8_linears.split(",")
+    if not modes or any(mode not in ("bf16", "stream") for mode in modes):
+        parser.error(f"--fp8-linears {args.fp8_linears!r}: expected bf16, stream or bf16,stream")
     from openinfer_deepseek_v4.kernel_plan import attention_splits_setting
 
     try:
@@ -462,26 +506,35 @@ def main() -> None:
     rows: list[dict] = []
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{args.name}.json"
+    moes = {mode: (moe, moe_bytes) if mode == "bf16" else with_fp8_shared_expert(backend, moe, moe_bytes)
+            for mode in modes}
+    report = {}
     for kind in kinds:
         for context in contexts:
-            built = build_model(backend, kind, moe, context + BLOCK)  # one model serves every batch
+            built = {mode: build_model(backend, kind, moes[mode][0], context + BLOCK, mode == "stream")
+                     for mode in modes}  # one model per mode serves every batch
             for batch in batches:
-                rows.append(bench_layer(backend, kind, built, moe_bytes, per_expert, batch, context, bandwidth))
-                print(json.dumps(rows[-1]), flush=True)
-                cupy.get_default_memory_pool().free_all_blocks()
-                report = {"gpu": backend.device_name, "cupy": cupy.__version__,
-                          "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                          "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
-                          "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
-                          "indexer_split": args.indexer_split, "rows": rows}
-                out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
+                for mode in modes:  # side by side: the modes' rows alternate
+                    row = bench_layer(backend, kind, built[mode], moes[mode][1], per_expert, batch, context,
+                                      bandwidth)
+                    rows.append({**row, "fp8_linears": mode})
+                    print(json.dumps(rows[-1]), flush=True)
+                    cupy.get_default_memory_pool().free_all_blocks()
+                    report = {"gpu": backend.device_name, "cupy": cupy.__version__,
+                              "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
+                              "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
+                              "indexer_split": args.indexer_split, "fp8_linears": args.fp8_linears, "rows": rows}
+                    out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
+            del built
     report["breakdown"] = parts = []
     for kind in kinds if args.breakdown else []:
         for batch in [b for b in batches if b <= 64]:
-            parts.append(breakdown(backend, kind, moe, batch, 4096))
-            print(json.dumps(parts[-1]), flush=True)
-            cupy.get_default_memory_pool().free_all_blocks()
-            out.write_text(json.dumps(report, indent=1))
+            for mode in modes:
+                parts.append(breakdown(backend, kind, moes[mode][0], batch, 4096, mode == "stream"))
+                print(json.dumps(parts[-1]), flush=True)
+                cupy.get_default_memory_pool().free_all_blocks()
+                out.write_text(json.dumps(report, indent=1))
     if not args.no_fp4_gemms:
         report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
         out.write_text(json.dumps(report, indent=1))

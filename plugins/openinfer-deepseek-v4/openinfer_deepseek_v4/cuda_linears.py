@@ -52,17 +52,19 @@ class Fp8Linear:
         return int(self.codes.shape[1])
 
 
-def upload_fp8_linear(codes: np.ndarray, scales: np.ndarray) -> Fp8Linear:
-    """Host e4m3 codes ``[N, K]`` and e8m0 block scales ``[⌈N/128⌉, ⌈K/128⌉]`` (both uint8) → device."""
+def upload_fp8_linear(codes: Any, scales: Any) -> Fp8Linear:
+    """e4m3 codes ``[N, K]`` and e8m0 block scales ``[⌈N/128⌉, ⌈K/128⌉]`` (both uint8, host or
+    device arrays) → device."""
     out_features, in_features = codes.shape
     blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
     if tuple(scales.shape) != blocks or in_features % STREAM_K_MULTIPLE:
         raise WeightLoadError(f"FP8 linear [{out_features}, {in_features}]: scales {tuple(scales.shape)}, expected "
                               f"{blocks} and in_features a multiple of {STREAM_K_MULTIPLE}")
-    device_codes = cupy.asarray(np.ascontiguousarray(codes, np.uint8))
-    wide = cupy.asarray(e8m0_to_float32(np.ascontiguousarray(scales, np.uint8)))
+    device_codes = cupy.ascontiguousarray(cupy.asarray(codes, dtype=cupy.uint8))
+    host_scales = np.ascontiguousarray(cupy.asnumpy(scales), np.uint8)
+    wide = cupy.asarray(e8m0_to_float32(host_scales))
     core = core_moe.ExpertLinear("fp8", device_codes[None], wide[None], out_features, in_features, block=FP8_BLOCK)
-    return Fp8Linear(device_codes, cupy.asarray(np.ascontiguousarray(scales, np.uint8)), core)
+    return Fp8Linear(device_codes, cupy.asarray(host_scales), core)
 
 
 def stored_fp8_linear(ckpt: Any, modules: Sequence[str], shape: tuple[int, int]) -> Fp8Linear | None:
