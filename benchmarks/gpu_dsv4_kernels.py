@@ -17,7 +17,8 @@ for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--attention-splits auto|1|N]
         [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--contexts 4096,65536]
-        [--no-fp4-gemms] [--no-breakdown] [--fp8-linears bf16|stream|bf16,stream] [--name NAME]
+        [--no-fp4-gemms] [--no-breakdown] [--hc-split 1|auto] [--fp8-linears bf16|stream|bf16,stream]
+        [--name NAME]
 
 Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
 CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
@@ -388,6 +389,36 @@ def breakdown(backend, kind: str, moe, batch: int, context: int, fp8: bool = Fal
             "seconds": times}
 
 
+def mhc_rows(batches: list[int], hidden: int, hc: int, sinkhorn_iters: int) -> list[dict]:
+    """One mHC use (collapse: mixing logits, Sinkhorn, x; then expand) alone at each batch, both
+    ``OPENINFER_DSV4_HC_SPLIT`` settings side by side: one block per dot product / token (``1``)
+    and the dot products cut into slices, x over several blocks (``auto``)."""
+    import cupy
+    from openinfer_deepseek_v4 import cuda_ops
+
+    rng = np.random.default_rng(3)
+    num_mix = (2 + hc) * hc
+    fn = cupy.asarray((0.01 * rng.standard_normal((num_mix, hc * hidden))).astype(np.float32))
+    base = cupy.asarray((0.3 * rng.standard_normal(num_mix)).astype(np.float32))
+    scale = cupy.full(3, 0.7, cupy.float32)
+    rows = []
+    for batch in batches:
+        streams = cupy.random.standard_normal((batch, hc, hidden), dtype=cupy.float32)
+        mixed = cupy.empty_like(streams)
+        for split in ("1", "auto"):
+            use = partial(mhc_use, cuda_ops, streams, mixed, (fn, base, scale), sinkhorn_iters, split)
+            rows.append({"batch": batch, "hc_split": split, "seconds": graph_seconds(use)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mhc_use(cuda_ops, streams, mixed, weights: tuple, sinkhorn_iters: int, split: str) -> None:
+    """hc_collapse of ``streams`` (weights: fn, base, scale), then hc_expand of its x into ``mixed``."""
+    x, post, comb = cuda_ops.hc_collapse(streams, *weights, sinkhorn_iters=sinkhorn_iters, hc_eps=1e-6,
+                                         norm_eps=1e-6, split=split)
+    cuda_ops.hc_expand(streams, x, post, comb, out=mixed)
+
+
 def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
     """Each FP4 expert projection alone, both kernels, on a uniform random routing of ``batch``
     tokens (top-6 of 256, distinct per token): seconds and the fraction of the copy bandwidth its
@@ -471,6 +502,8 @@ def main() -> None:
                         help="skip the per-part breakdown (the layer rows only)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts of the layer rows "
                         "(default 4096,65536; --quick 4096)")
+    parser.add_argument("--hc-split", choices=("1", "auto"), default="1",
+                        help="mHC mixing dot products and x per block for the layer rows (OPENINFER_DSV4_HC_SPLIT)")
     parser.add_argument("--fp8-linears", default="bf16",
                         help="the dense linears (attention projections, shared expert): bf16 (default, "
                              "dequantised at load), stream (FP8 as stored, OPENINFER_DSV4_FP8_LINEAR=stream) "
@@ -494,6 +527,7 @@ def main() -> None:
     os.environ["OPENINFER_DSV4_FP4_GEMM"] = args.fp4_gemm  # both read when the plugin's cuda modules load
     os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
     os.environ["OPENINFER_DSV4_INDEXER_SPLIT"] = args.indexer_split
+    os.environ["OPENINFER_DSV4_HC_SPLIT"] = args.hc_split
     import cupy
     from openinfer_deepseek_v4.config import DeepseekV4Config
 
@@ -524,9 +558,13 @@ def main() -> None:
                               "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                               "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
                               "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
-                              "indexer_split": args.indexer_split, "fp8_linears": args.fp8_linears, "rows": rows}
+                              "indexer_split": args.indexer_split, "hc_split": args.hc_split,
+                              "fp8_linears": args.fp8_linears, "rows": rows}
                     out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
             del built
+    flash = DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [0, 0]})
+    report["mhc"] = mhc_rows(batches, flash.hidden_size, flash.hc_mult, flash.hc_sinkhorn_iters)
+    out.write_text(json.dumps(report, indent=1))
     report["breakdown"] = parts = []
     for kind in kinds if args.breakdown else []:
         for batch in [b for b in batches if b <= 64]:

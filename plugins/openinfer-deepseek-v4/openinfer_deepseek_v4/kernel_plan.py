@@ -14,8 +14,10 @@ projections              core ``linear`` (BLAS; FP8 linears      core ``linear``
                                                                  stream``: kept FP8, ``cuda_linears``
                                                                  (core ``moe_fp4.cu``
                                                                  ``fp8_stream_linear`` ≤ 256 rows)
-mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (a block per token and
-                                                                 mixing logit) + ``dsv4_hc_collapse``
+mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (blocks per token,
+                                                                 mixing logit and slice: ``hc_mix_
+                                                                 splits``) + ``dsv4_hc_collapse`` (x
+                                                                 over blocks; Sinkhorn in block 0)
 mHC expand / head        ``expand`` / ``collapse_head``          ``dsv4_hc_expand`` / the same two, head
 q / kv head norms, RoPE  ``attention.attention``                 ``dsv4_head_norm_rope``
 sliding-window write     ``SequenceLayerCache.write_keys``       ``dsv4_write_window``
@@ -103,6 +105,28 @@ def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multi
     wanted = -(-max(max_entries, 1) // blocks_per_token)
     rounded = -(-wanted // INDEX_MIN_ENTRIES_PER_BLOCK) * INDEX_MIN_ENTRIES_PER_BLOCK
     return max(INDEX_MIN_ENTRIES_PER_BLOCK, min(rounded, INDEX_ENTRIES_PER_BLOCK))
+
+
+MAX_MIX_SPLITS = 16
+
+
+def hc_split_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_HC_SPLIT``: ``1`` (default: each mHC mixing dot product on one block, x of a
+    token on one block) or ``auto`` (dot products cut into ``hc_mix_splits`` slices, x over
+    ⌈hidden / 256⌉ blocks; same math, the partial sums added in slice order). Opt-in until
+    measured on a GPU."""
+    value = environ.get("OPENINFER_DSV4_HC_SPLIT", "1")
+    if value not in ("1", "auto"):
+        raise ValueError(f"OPENINFER_DSV4_HC_SPLIT={value!r}: expected 1 or auto")
+    return value
+
+
+def hc_mix_splits(tokens: int, num_mix: int, multiprocessors: int) -> int:
+    """Slices each mHC mixing dot product (hc·hidden long) is cut into for ``dsv4_hc_mix`` (grid
+    (tokens, num_mix, this)): enough blocks to fill the GPU twice over (batch 1, 24 logits, 132
+    SMs: 11), one slice once the tokens do."""
+    wanted = -(-2 * multiprocessors // max(tokens * num_mix, 1))
+    return max(1, min(wanted, MAX_MIX_SPLITS))
 
 
 FP8_LINEAR_SETTINGS = ("bf16", "stream")

@@ -112,7 +112,10 @@ def test_sparse_attention(ops, mode, splits):
         np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
 
 
-def test_hyper_connection(ops):
+@pytest.mark.parametrize("split", ["1", "auto"])
+def test_hyper_connection(ops, split):
+    """Both ``OPENINFER_DSV4_HC_SPLIT`` settings (``auto`` at 5 tokens: each dot product in
+    several slices, x over 16 blocks)."""
     rng = np.random.default_rng(3)
     tokens, hc, dim = 5, 4, 4096
     streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
@@ -121,7 +124,8 @@ def test_hyper_connection(ops):
                                    rng.uniform(0.5, 1.0, 3).astype(np.float32))
     head = HyperConnectionWeights(layer.fn[:hc].copy(), layer.base[:hc].copy(), layer.scale[:1].copy())
     x, post, comb = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(layer.fn), cupy.asarray(layer.base),
-                                    cupy.asarray(layer.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+                                    cupy.asarray(layer.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6,
+                                    split=split)
     expected_x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-6)
     np.testing.assert_allclose(host(x), expected_x, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(host(comb), mixing.comb, rtol=1e-3, atol=1e-5)
@@ -129,7 +133,8 @@ def test_hyper_connection(ops):
     expanded = ops.hc_expand(cupy.asarray(streams), dev_bf16(y), post, comb)
     np.testing.assert_allclose(host(expanded), expand(streams, y, mixing), rtol=1e-3, atol=1e-3)
     head_x, _, _ = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(head.fn), cupy.asarray(head.base),
-                                   cupy.asarray(head.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, head=True)
+                                   cupy.asarray(head.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, head=True,
+                                   split=split)
     np.testing.assert_allclose(host(head_x), collapse_head(streams, head, hc_eps=1e-6, norm_eps=1e-6),
                                rtol=1e-2, atol=1e-2)
 

@@ -146,12 +146,14 @@ def test_sparse_attention(harness, tmp_path, mode, splits):
         np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("hc", [2, 3, 4])
-def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc):
+def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc, splits):
     """Sinkhorn runs a thread per cell of the hc × hc matrix: every hc the kernels take (the
-    mixing logits (2 + hc)·hc fit the kernel's 32 up to hc 4)."""
+    mixing logits (2 + hc)·hc fit the kernel's 32 up to hc 4); the mixing dot products whole or
+    cut into 3 uneven slices; x spread over 3 blocks (the last one partly idle)."""
     rng = np.random.default_rng(5)
-    tokens, dim, iters = 3, 64, 20
+    tokens, dim, iters = 3, 320, 20
     streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
     layer = HyperConnectionWeights((0.3 * rng.standard_normal(((2 + hc) * hc, hc * dim))).astype(np.float32),
                                    (0.3 * rng.standard_normal((2 + hc) * hc)).astype(np.float32),
@@ -160,7 +162,7 @@ def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc):
                                   (0.3 * rng.standard_normal(hc)).astype(np.float32),
                                   rng.uniform(0.5, 1.0, 1).astype(np.float32))
     y = bf16(rng.standard_normal((tokens, dim)))
-    run(harness, tmp_path, "hc", tokens, hc, dim, iters, 1e-6, 1e-6, streams=streams, y=float32_to_bf16(y),
+    run(harness, tmp_path, "hc", tokens, hc, dim, iters, 1e-6, 1e-6, splits, streams=streams, y=float32_to_bf16(y),
         fn=layer.fn, base=layer.base, scale=layer.scale, head_fn=head.fn, head_base=head.base,
         head_scale=head.scale)
     x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=iters, norm_eps=1e-6)

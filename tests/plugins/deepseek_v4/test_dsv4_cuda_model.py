@@ -78,17 +78,20 @@ def judge(path, cuda_backend, label: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize(("attention_splits", "indexer_split"), [("auto", "fixed"), ("1", "auto")])
+@pytest.mark.parametrize(("attention_splits", "indexer_split", "hc_split"),
+                         [("auto", "fixed", "1"), ("1", "auto", "auto")])
 def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
-                                                           indexer_split):
-    """Both settings of both switches: split attention ``auto`` (default) / ``1``, indexer split
-    ``auto`` (default) / ``fixed``."""
+                                                           indexer_split, hc_split):
+    """Both settings of each switch: split attention ``auto`` (default) / ``1``, indexer split
+    ``auto`` (default) / ``fixed``, mHC split ``1`` (default) / ``auto``."""
     from openinfer_deepseek_v4 import cuda_ops
 
     monkeypatch.setattr(cuda_ops, "ATTENTION_SPLITS", attention_splits)
     monkeypatch.setattr(cuda_ops, "INDEXER_SPLIT", indexer_split)
+    monkeypatch.setattr(cuda_ops, "HC_SPLIT", hc_split)
     path, _ = tiny
-    judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}")
+    judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}, "
+                              f"mHC split {hc_split}")
 
 
 @pytest.mark.parametrize("fp8_linears", ["bf16", "stream"])

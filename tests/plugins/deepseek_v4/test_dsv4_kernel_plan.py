@@ -44,3 +44,14 @@ def test_fp8_linear_default_is_bf16_and_stream_is_opt_in():
     assert kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "stream"}) == "stream"
     with pytest.raises(ValueError, match="OPENINFER_DSV4_FP8_LINEAR"):
         kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "fp8"})
+
+
+def test_hc_split_default_is_one_block_and_auto_fills_the_gpu():
+    assert kernel_plan.hc_split_setting({}) == "1"
+    assert kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "auto"}) == "auto"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_HC_SPLIT"):
+        kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "2"})
+    # batch 1, 24 mixing logits: 11 slices each -> 264 blocks = 2 x 132; the head's 4 logits: capped at 16
+    assert kernel_plan.hc_mix_splits(1, 24, H100_SMS) == 11
+    assert kernel_plan.hc_mix_splits(1, 4, H100_SMS) == kernel_plan.MAX_MIX_SPLITS
+    assert kernel_plan.hc_mix_splits(64, 24, H100_SMS) == 1  # 1536 blocks already
