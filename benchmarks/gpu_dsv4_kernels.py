@@ -502,18 +502,26 @@ def main() -> None:
                         help="skip the per-part breakdown (the layer rows only)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts of the layer rows "
                         "(default 4096,65536; --quick 4096)")
-    parser.add_argument("--hc-split", choices=("1", "auto"), default="1",
-                        help="mHC mixing dot products and x per block for the layer rows (OPENINFER_DSV4_HC_SPLIT)")
-    parser.add_argument("--fp8-linears", default="bf16",
-                        help="the dense linears (attention projections, shared expert): bf16 (default, "
-                             "dequantised at load), stream (FP8 as stored, OPENINFER_DSV4_FP8_LINEAR=stream) "
-                             "or bf16,stream (both, side by side in one run)")
+    parser.add_argument("--hc-split", choices=("1", "auto"), default=None,
+                        help="mHC mixing dot products and x per block for the layer rows (OPENINFER_DSV4_HC_SPLIT; "
+                             "default: the plugin's)")
+    parser.add_argument("--fp8-linears", default=None,
+                        help="the dense linears (attention projections, shared expert): bf16 (dequantised at "
+                             "load), stream (FP8 as stored, OPENINFER_DSV4_FP8_LINEAR=stream) or bf16,stream (both, "
+                             "side by side in one run); default: the plugin's setting")
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
+    from openinfer_deepseek_v4.kernel_plan import (
+        attention_splits_setting,
+        fp8_linear_setting,
+        hc_split_setting,
+    )
+
+    args.fp8_linears = args.fp8_linears or fp8_linear_setting(os.environ)
+    args.hc_split = args.hc_split or hc_split_setting(os.environ)
     modes = args.fp8_linears.split(",")
     if not modes or any(mode not in ("bf16", "stream") for mode in modes):
         parser.error(f"--fp8-linears {args.fp8_linears!r}: expected bf16, stream or bf16,stream")
-    from openinfer_deepseek_v4.kernel_plan import attention_splits_setting
 
     try:
         attention_splits_setting({"OPENINFER_DSV4_ATTENTION_SPLITS": args.attention_splits})
