@@ -384,20 +384,22 @@ __device__ __forceinline__ void stream_mma(float (&acc)[STREAM_CHUNKS][4], const
 }
 
 // One block's work: weight rows blockIdx.x · 64 .. +63 of `expert` times `tile_rows` rows of
-// `a` (row r: sorted_slots[first_row + r] / top_k, or first_row + r without sorted_slots), into
-// out rows first_row .. first_row + tile_rows − 1. Warp w owns weight rows n0 + 16w .. +15; the
-// rows are taken 8·STREAM_CHUNKS at a time (one pass over the weights each): the launcher picks
-// STREAM_CHUNKS to cover the most rows a tile can hold in its step.
+// `a` (row r: sorted_slots[first_row + r] / top_k, or first_row + r without sorted_slots), over
+// K steps first_step .. end_step − 1 (128 k each), into out rows first_row .. first_row +
+// tile_rows − 1 — or, with `partial` (split K), fp32 sums into partial rows instead. Warp w owns
+// weight rows n0 + 16w .. +15; the rows are taken 8·STREAM_CHUNKS at a time (one pass over the
+// weights each): the launcher picks STREAM_CHUNKS to cover the most rows a tile can hold in its step.
 template <class Format>
 __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                                             const unsigned char* __restrict__ weight,
                                             const unsigned char* __restrict__ scale, int expert, int first_row,
-                                            int tile_rows, bf16* __restrict__ out, int N, int K) {
+                                            int tile_rows, int first_step, int end_step, bf16* __restrict__ out,
+                                            float* __restrict__ partial, int N, int K) {
     __shared__ __align__(16) unsigned char staged[2][8 * STREAM_CHUNKS * X_ROW_BYTES];
     __shared__ int a_rows[8 * STREAM_CHUNKS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int n_lo = blockIdx.x * STREAM_N + 16 * warp + g;
-    const int groups = K / 32, steps = (K + STREAM_K - 1) / STREAM_K;
+    const int groups = K / 32;
     const typename Format::Cursor weights = Format::cursor(weight, scale, expert, n_lo, N, K, q);
     for (int row_begin = first_row, done = 0; done < tile_rows; done += 8 * STREAM_CHUNKS, row_begin += 8 * STREAM_CHUNKS) {
         const int rows = min(8 * STREAM_CHUNKS, tile_rows - done), chunks = (rows + 7) / 8;
@@ -407,7 +409,8 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
         float acc[STREAM_CHUNKS][4] = {};
         typename Format::Step ring[Format::DEPTH];
 #pragma unroll
-        for (int d = 0; d < Format::DEPTH; ++d) ring[d] = Format::load(weights, d, 4 * d + q < groups);
+        for (int d = 0; d < Format::DEPTH; ++d)  // (a step past end_step but inside K: read, unused)
+            ring[d] = Format::load(weights, first_step + d, 4 * (first_step + d) + q < groups);
         __syncthreads();  // a_rows
         StageCursor stage;
         {
@@ -421,18 +424,18 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
                 stage.source[j] = src >= 0 ? a + (long long)src * K + stage.k : nullptr;
             }
         }
-        stage_rows(stage, chunks, 0, K, staged[0]);
+        stage_rows(stage, chunks, first_step, K, staged[first_step & 1]);
         stage_wait();
         __syncthreads();
-        for (int s0 = 0; s0 < steps; s0 += Format::DEPTH) {
+        for (int s0 = first_step; s0 < end_step; s0 += Format::DEPTH) {
 #pragma unroll
             for (int d = 0; d < Format::DEPTH; ++d) {  // unrolled: ring[d] stays in registers
                 const int s = s0 + d;
-                if (s < steps) {  // the same for every thread of the block
-                    if (s + 1 < steps) stage_rows(stage, chunks, s + 1, K, staged[(s + 1) & 1]);
+                if (s < end_step) {  // the same for every thread of the block
+                    if (s + 1 < end_step) stage_rows(stage, chunks, s + 1, K, staged[(s + 1) & 1]);
                     const typename Format::Step current = ring[d];
                     const int ahead = s + Format::DEPTH;
-                    if (ahead < steps) ring[d] = Format::load(weights, ahead, 4 * ahead + q < groups);
+                    if (ahead < end_step) ring[d] = Format::load(weights, ahead, 4 * ahead + q < groups);
                     StreamFragments frag;
                     Format::fragments(current, frag);
                     stream_mma(acc, frag, staged[s & 1], chunks, g, q);
@@ -448,8 +451,10 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int token = 8 * c + 2 * q + (e & 1), n = n_lo + 8 * (e >> 1);
-                    if (token < rows && n < N)
-                        out[(long long)(row_begin + token) * N + n] = __float2bfloat16_rn(acc[c][e]);
+                    if (token < rows && n < N) {
+                        if (partial) partial[(long long)(row_begin + token) * N + n] = acc[c][e];
+                        else out[(long long)(row_begin + token) * N + n] = __float2bfloat16_rn(acc[c][e]);
+                    }
                 }
             }
         }
@@ -467,16 +472,35 @@ moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_s
     if (tile >= *num_tiles) return;
     const int expert = tile_expert[tile];
     const int tile_rows = min(STREAM_TOKENS, offsets[expert + 1] - tile_row[tile]);
-    stream_gemm<Fp4Stream>(a, sorted_slots, top_k, weight, scale, expert, tile_row[tile], tile_rows, out, N, K);
+    stream_gemm<Fp4Stream>(a, sorted_slots, top_k, weight, scale, expert, tile_row[tile], tile_rows, 0,
+                           (K + STREAM_K - 1) / STREAM_K, out, nullptr, N, K);
 }
 
 // out [M, N] = a [M, K] · W^T for one FP8 weight (W8A16: the codes decoded to bf16 in registers;
-// K a multiple of 32). grid (⌈N / 64⌉, ⌈M / 64⌉), STREAM_THREADS threads: rows 64·blockIdx.y ...
+// K a multiple of 32). grid (⌈N / 64⌉, ⌈M / 64⌉, splits), STREAM_THREADS threads: rows
+// 64·blockIdx.y .. +63, K steps of split blockIdx.z. splits > 1 (few blocks: a decode step of a
+// narrow weight): each split writes fp32 sums to partial [splits, M, N] and fp8_stream_reduce
+// adds them in split order.
 extern "C" __global__ void STREAM_LAUNCH_BOUNDS
 fp8_stream_linear(const bf16* __restrict__ a, const unsigned char* __restrict__ weight,
-                  const unsigned char* __restrict__ scale, bf16* __restrict__ out, int M, int N, int K) {
-    const int first_row = STREAM_TOKENS * blockIdx.y;
-    stream_gemm<Fp8Stream>(a, nullptr, 1, weight, scale, 0, first_row, min(STREAM_TOKENS, M - first_row), out, N, K);
+                  const unsigned char* __restrict__ scale, bf16* __restrict__ out, float* __restrict__ partial,
+                  int M, int N, int K) {
+    const int first_row = STREAM_TOKENS * blockIdx.y, steps = (K + STREAM_K - 1) / STREAM_K;
+    // an empty split (first_step ≥ steps; the launcher avoids them) writes zeros
+    const int per_split = (steps + gridDim.z - 1) / gridDim.z, first_step = blockIdx.z * per_split;
+    stream_gemm<Fp8Stream>(a, nullptr, 1, weight, scale, 0, first_row, min(STREAM_TOKENS, M - first_row), first_step,
+                           min(steps, first_step + per_split), out,
+                           partial ? partial + (long long)blockIdx.z * M * N : nullptr, N, K);
+}
+
+// out [M, N] (bf16) = Σ_z partial [z, M, N] in z order; grid-stride over M·N.
+extern "C" __global__ void fp8_stream_reduce(const float* __restrict__ partial, bf16* __restrict__ out, long long size,
+                                             int splits) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < size; i += (long long)gridDim.x * blockDim.x) {
+        float total = 0.f;
+        for (int z = 0; z < splits; ++z) total += partial[z * size + i];
+        out[i] = __float2bfloat16_rn(total);
+    }
 }
 
 extern "C" __global__ void swiglu_clamp(const bf16* __restrict__ gate_up, bf16* __restrict__ out, long long rows,

@@ -15,6 +15,7 @@ MMA's A operand (W8A16, the same products as the dequantised weight), for steps 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from openinfer import WeightLoadError
 from openinfer.backend.cuda import moe as core_moe
 from openinfer.backend.cuda.loader import kernel
 from openinfer.quant import e8m0_to_float32
+from openinfer_deepseek_v4 import kernel_plan
 
 FP8_BLOCK = 128
 STREAM_N = 64  # moe_fp4.cu: weight rows per stream block
@@ -33,6 +35,12 @@ STREAM_ROWS = 64  # moe_fp4.cu: rows of a block row (STREAM_TOKENS)
 STREAM_THREADS = 128
 STREAM_MAX_ROWS = 256  # steps up to this many rows take the stream kernel (each block row re-reads the weight)
 STREAM_K_MULTIPLE = 32  # a lane reads whole 32-code groups
+NULL = np.uint64(0)
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"])
 
 
 @dataclass
@@ -82,9 +90,11 @@ def stored_fp8_linear(ckpt: Any, modules: Sequence[str], shape: tuple[int, int])
     return upload_fp8_linear(codes, np.concatenate([s[2] for s in stored]))
 
 
-def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None = None) -> cupy.ndarray:
+def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None = None,
+               splits: int | None = None) -> cupy.ndarray:
     """``x [M, K] @ dequantize(W)ᵀ`` as bf16 ``[M, N]``. ``method`` (None: by M): ``stream``
-    (``fp8_stream_linear``) or ``dequantize`` (bf16 scratch + cuBLAS)."""
+    (``fp8_stream_linear``) or ``dequantize`` (bf16 scratch + cuBLAS). ``splits``: the stream
+    kernel's K splits (None: ``kernel_plan.fp8_linear_splits``)."""
     if x.ndim != 2 or x.shape[1] != weight.in_features or x.dtype != np.uint16:
         raise ValueError(f"an FP8 linear takes bf16 [rows, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
     rows = int(x.shape[0])
@@ -99,10 +109,16 @@ def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None
     if rows:
         # rows of a block row in passes of 8 · chunks: up to 16 rows two passes' worth, else all 64 at once
         chunks = 1 if rows <= 8 else 2 if rows <= 16 else 8
+        splits = kernel_plan.fp8_linear_splits(rows, weight.out_features, weight.in_features, _multiprocessors()) \
+            if splits is None else splits
+        partial = cupy.empty((splits, rows, weight.out_features), np.float32) if splits > 1 else None
         kernel("moe_fp4.cu", "fp8_stream_linear", STREAM_CHUNKS=chunks)(
-            (-(-weight.out_features // STREAM_N), -(-rows // STREAM_ROWS)), (STREAM_THREADS,),
-            (x, weight.codes, weight.scales, out, np.int32(rows), np.int32(weight.out_features),
-             np.int32(weight.in_features)))
+            (-(-weight.out_features // STREAM_N), -(-rows // STREAM_ROWS), splits), (STREAM_THREADS,),
+            (x, weight.codes, weight.scales, out, NULL if partial is None else partial, np.int32(rows),
+             np.int32(weight.out_features), np.int32(weight.in_features)))
+        if partial is not None:
+            kernel("moe_fp4.cu", "fp8_stream_reduce")((min(-(-out.size // 256), 1024),), (256,),
+                                                     (partial, out, np.int64(out.size), np.int32(splits)))
     return out
 
 

@@ -129,6 +129,25 @@ def hc_mix_splits(tokens: int, num_mix: int, multiprocessors: int) -> int:
     return max(1, min(wanted, MAX_MIX_SPLITS))
 
 
+MAX_FP8_SPLITS = 16
+FP8_STREAM_K = 128  # moe_fp4.cu: k per stream step
+FP8_STREAM_TILE = 64  # moe_fp4.cu: weight rows and token rows per stream block
+
+
+def fp8_linear_splits(rows: int, out_features: int, in_features: int, multiprocessors: int) -> int:
+    """K splits of ``fp8_stream_linear`` (grid z): a narrow weight at a decode step fills few blocks
+    (wq_a 1024×4096: 16), so split K until the blocks fill the GPU twice over, keeping at least two
+    128-k steps per split; none past 16 rows (the fp32 partials then cost more than they save)."""
+    if rows > 16:
+        return 1
+    blocks = -(-out_features // FP8_STREAM_TILE) * -(-rows // FP8_STREAM_TILE)
+    wanted = -(-2 * multiprocessors // blocks)
+    steps = -(-in_features // FP8_STREAM_K)
+    splits = max(1, min(wanted, steps // 2, MAX_FP8_SPLITS))
+    per_split = -(-steps // splits)
+    return -(-steps // per_split)  # no empty split: 12 steps in 5 would be 3 + 3 + 3 + 3 + 0
+
+
 FP8_LINEAR_SETTINGS = ("bf16", "stream")
 
 

@@ -368,22 +368,26 @@ def random_fp8_linear(rng, out_features: int, in_features: int, exponents: list[
     return codes, scales
 
 
-def run_fp8_linear(binary: Path, directory: Path, a: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def run_fp8_linear(binary: Path, directory: Path, a: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+                   splits: int = 1) -> np.ndarray:
     (rows, in_features), out_features = a.shape, codes.shape[0]
-    run_harness(binary, directory, "fp8", out_features, in_features, rows, a=float32_to_bf16(a), weight=codes,
+    run_harness(binary, directory, "fp8", out_features, in_features, rows, splits, a=float32_to_bf16(a), weight=codes,
                 scale=scales)
     return read_array(directory, "out", np.uint16, (rows, out_features))
 
 
-@pytest.mark.parametrize("rows", [3, 70], ids=["decode", "two-block-rows"])
-def test_fp8_stream_linear(fp4_harness, tmp_path, rows):
+@pytest.mark.parametrize(("rows", "splits"), [(3, 1), (70, 1), (3, 2), (5, 3), (2, 4)],
+                         ids=["decode", "two-block-rows", "split-k-2", "split-k-3", "split-k-4-one-empty"])
+def test_fp8_stream_linear(fp4_harness, tmp_path, rows, splits):
     """x · dequantised(W)ᵀ for an FP8 weight with N past a 64-row block and a 128-row scale block,
-    K past a 128-wide scale block (a last K step of three 32-k groups), rows past a 64-row block."""
+    K past a 128-wide scale block (a last K step of three 32-k groups), rows past a 64-row block;
+    K's 3 steps split 2 + 1, 1 + 1 + 1 and 1 + 1 + 1 + 0 (an empty split adds zeros), the fp32
+    partials added by fp8_stream_reduce."""
     rng = np.random.default_rng(11)
     out_features, in_features = 200, 352
     codes, scales = random_fp8_linear(rng, out_features, in_features, [100, 112, 120, 127, 134, 135, 140])
     a = bf16(rng.standard_normal((rows, in_features)))
-    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales)
+    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales, splits)
     expected = a.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=8e-3, atol=1e-6 * np.abs(expected).max())
 

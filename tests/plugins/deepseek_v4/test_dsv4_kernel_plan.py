@@ -55,3 +55,16 @@ def test_hc_split_default_is_one_block_and_auto_fills_the_gpu():
     assert kernel_plan.hc_mix_splits(1, 24, H100_SMS) == 11
     assert kernel_plan.hc_mix_splits(1, 4, H100_SMS) == kernel_plan.MAX_MIX_SPLITS
     assert kernel_plan.hc_mix_splits(64, 24, H100_SMS) == 1  # 1536 blocks already
+
+
+def test_fp8_linear_splits_fill_the_gpu_at_decode_and_leave_no_split_empty():
+    # V4-Flash at batch 1 on 132 SMs: wq_a [1024, 4096] is 16 blocks -> 16 splits of 2 of its 32 steps
+    assert kernel_plan.fp8_linear_splits(1, 1024, 4096, H100_SMS) == 16
+    assert kernel_plan.fp8_linear_splits(1, 4096, 8192, H100_SMS) == 5  # wo_b: 64 blocks
+    assert kernel_plan.fp8_linear_splits(1, 32768, 1024, H100_SMS) == 1  # wq_b: 512 blocks
+    assert kernel_plan.fp8_linear_splits(64, 1024, 4096, H100_SMS) == 1  # past 16 rows: no split
+    for out_features in (64, 512, 1024, 4096):
+        for in_features in (256, 1536, 4096):
+            splits = kernel_plan.fp8_linear_splits(1, out_features, in_features, H100_SMS)
+            steps = -(-in_features // 128)
+            assert (splits - 1) * -(-steps // splits) < steps  # the last split has a step
