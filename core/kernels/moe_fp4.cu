@@ -160,18 +160,32 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #define X_GROUP_BYTES 80
 #define X_ROW_BYTES (4 * X_GROUP_BYTES)
 
+// Staging buffers of the activation rows, a ring over K steps: step s + STREAM_STAGES − 1 is
+// copied while step s multiplies. 2 (the default): one step ahead, so every step waits out the
+// latency of its rows' copy; 4 (STREAM_STAGES=4 from the launcher, for 1–2 chunks: 4 × 5 KB at
+// most) keeps three steps of copies in flight.
+#ifndef STREAM_STAGES
+#define STREAM_STAGES 2
+#endif
+static_assert(STREAM_STAGES >= 2 && STREAM_STAGES * 8 * STREAM_CHUNKS * 320 <= 48 * 1024,
+              "the staging ring must fit in 48 KB of static shared memory (320 B: X_ROW_BYTES)");
+
 #ifdef MMA_HOST_STANDIN
 __device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
     for (int i = 0; i < 16; ++i) smem[i] = valid ? gmem[i] : 0;
 }
+__device__ __forceinline__ void stage_commit() {}
 __device__ __forceinline__ void stage_wait() {}
 #else
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
     cp_async16(reinterpret_cast<bf16*>(smem), reinterpret_cast<const bf16*>(gmem), valid);
 }
+// Close the thread's copies issued since the last call into one group, then wait until at most
+// STREAM_STAGES − 2 groups (the newest steps' copies) are still in flight.
 __device__ __forceinline__ void stage_wait() {
     asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STREAM_STAGES - 2) : "memory");
 }
 #endif
 
@@ -395,7 +409,7 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
                                             const unsigned char* __restrict__ scale, int expert, int first_row,
                                             int tile_rows, int first_step, int end_step, bf16* __restrict__ out,
                                             float* __restrict__ partial, int N, int K) {
-    __shared__ __align__(16) unsigned char staged[2][8 * STREAM_CHUNKS * X_ROW_BYTES];
+    __shared__ __align__(16) unsigned char staged[STREAM_STAGES][8 * STREAM_CHUNKS * X_ROW_BYTES];
     __shared__ int a_rows[8 * STREAM_CHUNKS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int n_lo = blockIdx.x * STREAM_N + 16 * warp + g;
@@ -424,7 +438,12 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
                 stage.source[j] = src >= 0 ? a + (long long)src * K + stage.k : nullptr;
             }
         }
-        stage_rows(stage, chunks, first_step, K, staged[first_step & 1]);
+        // steps first_step .. + STREAM_STAGES − 2 in flight, one group each; the first one landed
+#pragma unroll
+        for (int p = 0; p < STREAM_STAGES - 1; ++p) {
+            if (p > 0) stage_commit();  // (a step past end_step: zeros past K, else read and unused)
+            stage_rows(stage, chunks, first_step + p, K, staged[(unsigned)(first_step + p) % STREAM_STAGES]);
+        }
         stage_wait();
         __syncthreads();
         for (int s0 = first_step; s0 < end_step; s0 += Format::DEPTH) {
@@ -432,13 +451,15 @@ __device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const in
             for (int d = 0; d < Format::DEPTH; ++d) {  // unrolled: ring[d] stays in registers
                 const int s = s0 + d;
                 if (s < end_step) {  // the same for every thread of the block
-                    if (s + 1 < end_step) stage_rows(stage, chunks, s + 1, K, staged[(s + 1) & 1]);
+                    // into the buffer step s − 1 used: every thread is past it (the barrier below)
+                    if (s + STREAM_STAGES - 1 < end_step)
+                        stage_rows(stage, chunks, s + STREAM_STAGES - 1, K, staged[(unsigned)(s + STREAM_STAGES - 1) % STREAM_STAGES]);
                     const typename Format::Step current = ring[d];
                     const int ahead = s + Format::DEPTH;
                     if (ahead < end_step) ring[d] = Format::load(weights, ahead, 4 * ahead + q < groups);
                     StreamFragments frag;
                     Format::fragments(current, frag);
-                    stream_mma(acc, frag, staged[s & 1], chunks, g, q);
+                    stream_mma(acc, frag, staged[(unsigned)s % STREAM_STAGES], chunks, g, q);
                     stage_wait();
                     __syncthreads();
                 }

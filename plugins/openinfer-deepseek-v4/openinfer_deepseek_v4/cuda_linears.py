@@ -16,6 +16,7 @@ MMA's A operand (W8A16, the same products as the dequantised weight), for steps 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,17 @@ STREAM_THREADS = 128
 STREAM_MAX_ROWS = 256  # steps up to this many rows take the stream kernel (each block row re-reads the weight)
 STREAM_K_MULTIPLE = 32  # a lane reads whole 32-code groups
 NULL = np.uint64(0)
+
+
+STREAM_STAGES = kernel_plan.stream_stages_setting(os.environ)
+
+
+def stream_defines(chunks: int, stages: str | None = None) -> dict[str, int]:
+    """moe_fp4.cu's defines for a stream GEMM (FP4 experts or FP8 linear) of ``chunks`` column
+    blocks (``stages`` None: ``OPENINFER_DSV4_STREAM_STAGES``); the default ring of 2 is the
+    source's own, not a define, so the default kernels compile as before."""
+    depth = kernel_plan.stream_stages(STREAM_STAGES if stages is None else stages, chunks)
+    return {"STREAM_CHUNKS": chunks, **({"STREAM_STAGES": depth} if depth != 2 else {})}
 
 
 @functools.cache
@@ -91,10 +103,11 @@ def stored_fp8_linear(ckpt: Any, modules: Sequence[str], shape: tuple[int, int])
 
 
 def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None = None,
-               splits: int | None = None) -> cupy.ndarray:
+               splits: int | None = None, stages: str | None = None) -> cupy.ndarray:
     """``x [M, K] @ dequantize(W)ᵀ`` as bf16 ``[M, N]``. ``method`` (None: by M): ``stream``
     (``fp8_stream_linear``) or ``dequantize`` (bf16 scratch + cuBLAS). ``splits``: the stream
-    kernel's K splits (None: ``kernel_plan.fp8_linear_splits``)."""
+    kernel's K splits (None: ``kernel_plan.fp8_linear_splits``); ``stages``: its staging ring
+    (None: ``OPENINFER_DSV4_STREAM_STAGES``)."""
     if x.ndim != 2 or x.shape[1] != weight.in_features or x.dtype != np.uint16:
         raise ValueError(f"an FP8 linear takes bf16 [rows, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
     rows = int(x.shape[0])
@@ -112,7 +125,7 @@ def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None
         splits = kernel_plan.fp8_linear_splits(rows, weight.out_features, weight.in_features, _multiprocessors()) \
             if splits is None else splits
         partial = cupy.empty((splits, rows, weight.out_features), np.float32) if splits > 1 else None
-        kernel("moe_fp4.cu", "fp8_stream_linear", STREAM_CHUNKS=chunks)(
+        kernel("moe_fp4.cu", "fp8_stream_linear", **stream_defines(chunks, stages))(
             (-(-weight.out_features // STREAM_N), -(-rows // STREAM_ROWS), splits), (STREAM_THREADS,),
             (x, weight.codes, weight.scales, out, NULL if partial is None else partial, np.int32(rows),
              np.int32(weight.out_features), np.int32(weight.in_features)))

@@ -148,6 +148,25 @@ def fp8_linear_splits(rows: int, out_features: int, in_features: int, multiproce
     return -(-steps // per_split)  # no empty split: 12 steps in 5 would be 3 + 3 + 3 + 3 + 0
 
 
+STREAM_STAGE_SETTINGS = ("2", "4")
+STREAM_STAGES_MAX_CHUNKS = 2  # a 4-deep ring of 8·chunks staged rows fits 48 KB of shared memory up to 2 chunks
+
+
+def stream_stages_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_STREAM_STAGES``: staged activation steps of the stream GEMMs (FP4 experts,
+    FP8 linears): ``2`` (default: the next step's rows copied while a step multiplies) or ``4``
+    (three steps of copies in flight, for passes of at most 16 rows). Opt-in until measured."""
+    value = environ.get("OPENINFER_DSV4_STREAM_STAGES", "2")
+    if value not in STREAM_STAGE_SETTINGS:
+        raise ValueError(f"OPENINFER_DSV4_STREAM_STAGES={value!r}: expected 2 or 4")
+    return value
+
+
+def stream_stages(setting: str, chunks: int) -> int:
+    """The ring depth a stream GEMM launch compiles with (its ``STREAM_STAGES``)."""
+    return 4 if setting == "4" and chunks <= STREAM_STAGES_MAX_CHUNKS else 2
+
+
 FP8_LINEAR_SETTINGS = ("bf16", "stream")
 
 

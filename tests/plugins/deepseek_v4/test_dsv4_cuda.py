@@ -281,3 +281,29 @@ def test_fp8_linear(ops, method, rows):
     y = fp8_linear(dev_bf16(x), upload_fp8_linear(codes, scales), Cublas(), method)
     expected = x.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
     np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_stream_stages_four_equal_two_bit_for_bit(ops, tokens):
+    """``OPENINFER_DSV4_STREAM_STAGES=4`` only copies the activation rows further ahead: the FP4
+    expert GEMM and the FP8 linear (split K and not) give the very bits of the 2-stage ring, with
+    K long enough (32 steps) for the ring to wrap many times."""
+    from openinfer_deepseek_v4.cuda_experts import fp4_grouped_gemm
+    from openinfer_deepseek_v4.cuda_linears import fp8_linear, upload_fp8_linear
+
+    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda.cublas import Cublas
+    from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import random_fp8_linear
+
+    rng = np.random.default_rng(20 + tokens)
+    experts, _ = fp4_experts(rng, 8, 512, 4096)
+    ids = distinct_ids(rng, tokens, 8, 6)
+    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)), 8)
+    x = dev_bf16(bf16(rng.standard_normal((tokens, 4096))))
+    two, four = (cupy.asnumpy(fp4_grouped_gemm(x, experts, grouping, gather=True, method="stream", stages=stages))
+                 for stages in ("2", "4"))
+    np.testing.assert_array_equal(four, two)
+    weight = upload_fp8_linear(*random_fp8_linear(rng, 1000, 4096, [118, 121, 124]))
+    for splits in (1, 4):
+        two, four = (cupy.asnumpy(fp8_linear(x, weight, Cublas(), "stream", splits, stages)) for stages in ("2", "4"))
+        np.testing.assert_array_equal(four, two, err_msg=f"splits {splits}")

@@ -263,14 +263,17 @@ FP4_HARNESS = Path(__file__).parent / "cuda_emulation" / "moe_fp4_harness.cpp"
 FP4_TILE = 64  # rows of a moe_sort tile
 
 
-@pytest.fixture(scope="module", params=[1, 8], ids=["stream-1-chunk", "stream-8-chunks"])
+@pytest.fixture(scope="module", params=[{"STREAM_CHUNKS": 1}, {"STREAM_CHUNKS": 8},
+                                        {"STREAM_CHUNKS": 2, "STREAM_STAGES": 4}],
+                ids=["stream-1-chunk", "stream-8-chunks", "stream-2-chunks-4-stages"])
 def fp4_harness(request, tmp_path_factory) -> Path:
     """The harness with STREAM_CHUNKS = 1 (a tile's rows in passes of 8: every pass re-reads the
-    weights) and 8 (a whole 64-row tile in one pass)."""
+    weights), 8 (a whole 64-row tile in one pass) and 2 with a 4-deep staging ring (the opt-in
+    OPENINFER_DSV4_STREAM_STAGES=4; K of 1–3 steps here, fewer than the ring)."""
     from openinfer.backend.cuda import kernel_include_dir
 
     binary = tmp_path_factory.mktemp("moe-fp4-harness") / "harness"
-    return compile_harness(FP4_HARNESS, kernel_include_dir(), binary, {"STREAM_CHUNKS": request.param})
+    return compile_harness(FP4_HARNESS, kernel_include_dir(), binary, request.param)
 
 
 def sort_by_expert(ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
@@ -376,15 +379,17 @@ def run_fp8_linear(binary: Path, directory: Path, a: np.ndarray, codes: np.ndarr
     return read_array(directory, "out", np.uint16, (rows, out_features))
 
 
-@pytest.mark.parametrize(("rows", "splits"), [(3, 1), (70, 1), (3, 2), (5, 3), (2, 4)],
-                         ids=["decode", "two-block-rows", "split-k-2", "split-k-3", "split-k-4-one-empty"])
-def test_fp8_stream_linear(fp4_harness, tmp_path, rows, splits):
+@pytest.mark.parametrize(("rows", "splits", "in_features"),
+                         [(3, 1, 352), (70, 1, 352), (3, 2, 352), (5, 3, 352), (2, 4, 352), (3, 1, 1120), (9, 3, 1120)],
+                         ids=["decode", "two-block-rows", "split-k-2", "split-k-3", "split-k-4-one-empty", "long-k",
+                              "long-k-split-3"])
+def test_fp8_stream_linear(fp4_harness, tmp_path, rows, splits, in_features):
     """x · dequantised(W)ᵀ for an FP8 weight with N past a 64-row block and a 128-row scale block,
-    K past a 128-wide scale block (a last K step of three 32-k groups), rows past a 64-row block;
-    K's 3 steps split 2 + 1, 1 + 1 + 1 and 1 + 1 + 1 + 0 (an empty split adds zeros), the fp32
-    partials added by fp8_stream_reduce."""
+    K past a 128-wide scale block (a last K step of one or three 32-k groups), rows past a 64-row
+    block; K's 3 steps split 2 + 1, 1 + 1 + 1 and 1 + 1 + 1 + 0 (an empty split adds zeros), the
+    fp32 partials added by fp8_stream_reduce; 9 steps (3 + 3 + 3): more than the staging ring holds."""
     rng = np.random.default_rng(11)
-    out_features, in_features = 200, 352
+    out_features = 200
     codes, scales = random_fp8_linear(rng, out_features, in_features, [100, 112, 120, 127, 134, 135, 140])
     a = bf16(rng.standard_normal((rows, in_features)))
     out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales, splits)

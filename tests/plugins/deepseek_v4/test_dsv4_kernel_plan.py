@@ -68,3 +68,12 @@ def test_fp8_linear_splits_fill_the_gpu_at_decode_and_leave_no_split_empty():
             splits = kernel_plan.fp8_linear_splits(1, out_features, in_features, H100_SMS)
             steps = -(-in_features // 128)
             assert (splits - 1) * -(-steps // splits) < steps  # the last split has a step
+
+
+def test_stream_stages_default_two_and_four_only_where_the_ring_fits():
+    assert kernel_plan.stream_stages_setting({}) == "2"
+    assert kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "4"}) == "4"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_STREAM_STAGES"):
+        kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "3"})
+    assert [kernel_plan.stream_stages("4", chunks) for chunks in (1, 2, 8)] == [4, 4, 2]
+    assert kernel_plan.stream_stages("2", 1) == 2
