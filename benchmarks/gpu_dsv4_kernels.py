@@ -420,7 +420,8 @@ def mhc_use(cuda_ops, streams, mixed, weights: tuple, sinkhorn_iters: int, split
 
 
 def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
-    """Each FP4 expert projection alone, both kernels, on a uniform random routing of ``batch``
+    """Each FP4 expert projection alone, both kernels (the stream one with 2- and 4-stage
+    activation staging, ``OPENINFER_DSV4_STREAM_STAGES``), on a uniform random routing of ``batch``
     tokens (top-6 of 256, distinct per token): seconds and the fraction of the copy bandwidth its
     bytes (the touched experts' codes and scales, the rows read and written) take."""
     import cupy
@@ -439,9 +440,11 @@ def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
         a = bf16_random((batch if gather else batch * router.top_k, weight.in_features))
         moved = (touched * weight.out_features * (weight.in_features // 2 + weight.in_features // 32)
                  + 2 * a.size + 2 * batch * router.top_k * weight.out_features)
-        for method in ("stream", "tiles"):
-            seconds = graph_seconds(partial(cuda_experts.fp4_grouped_gemm, a, weight, grouping, gather, method=method))
-            rows.append({"projection": name, "batch": batch, "method": method, "experts_touched": touched,
+        for method, stages in (("stream", "2"), ("stream", "4"), ("tiles", "2")):
+            seconds = graph_seconds(partial(cuda_experts.fp4_grouped_gemm, a, weight, grouping, gather, method=method,
+                                            stages=stages))
+            label = method if stages == "2" else f"{method} ({stages}-stage staging)"
+            rows.append({"projection": name, "batch": batch, "method": label, "experts_touched": touched,
                          "seconds": seconds, "bytes": int(moved), "fraction_of_copy_bandwidth": moved / bandwidth
                          / seconds})
             print(json.dumps(rows[-1]), flush=True)
