@@ -17,8 +17,8 @@ for CSA, every indexer key — over the measured device copy bandwidth.
 
     python benchmarks/gpu_dsv4_kernels.py [--quick] [--fp4-gemm auto|stream|tiles] [--attention-splits auto|1|N]
         [--indexer-split fixed|auto] [--layers sliding,csa,hca] [--batches 1,64] [--contexts 4096,65536]
-        [--no-fp4-gemms] [--no-breakdown] [--hc-split 1|auto] [--fp8-linears bf16|stream|bf16,stream]
-        [--name NAME]
+        [--no-fp4-gemms] [--no-breakdown] [--no-linears] [--no-layers] [--hc-split 1|auto]
+        [--stream-stages 2|4] [--fp8-linears bf16|stream|bf16,stream] [--name NAME]
 
 Then a breakdown at context 4k, batch 1 and 64: the layer's parts timed alone, each captured in a
 CUDA graph (device time, no host launch cost) — mHC, the dense projections, the MoE and its parts
@@ -419,6 +419,36 @@ def mhc_use(cuda_ops, streams, mixed, weights: tuple, sinkhorn_iters: int, split
     cuda_ops.hc_expand(streams, x, post, comb, out=mixed)
 
 
+# V4-Flash's FP8 dense linears [out, in] (the shared expert's gate_up fused)
+FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+               "indexer.wq_b": (8192, 1024), "shared gate_up": (4096, 4096), "shared down": (4096, 2048)}
+
+
+def linear_rows(backend, batches: list[int], bandwidth: float) -> list[dict]:
+    """Each FP8 dense linear alone at each batch: bf16 on cuBLAS (the default, dequantised at load)
+    vs FP8 as stored on ``fp8_stream_linear`` (split K by ``kernel_plan.fp8_linear_splits`` and
+    not; 2- and 4-stage staging), with the fraction of the copy bandwidth its weight bytes take."""
+    from openinfer_deepseek_v4.cuda_linears import fp8_linear
+
+    rows = []
+    for name, (out_features, in_features) in FP8_LINEARS.items():
+        dense = Weights(backend, None).linear(out_features, in_features)
+        fp8 = random_fp8_linear(out_features, in_features)
+        for batch in batches:
+            x = bf16_random((batch, in_features))
+            variants = {"bf16 cuBLAS": (partial(backend.linear, x, dense), 2),
+                        "fp8 stream": (partial(fp8_linear, x, fp8, backend.blas, "stream", None, "2"), 1),
+                        "fp8 stream, no split": (partial(fp8_linear, x, fp8, backend.blas, "stream", 1, "2"), 1),
+                        "fp8 stream, 4 stages": (partial(fp8_linear, x, fp8, backend.blas, "stream", None, "4"), 1)}
+            for variant, (run, weight_bytes) in variants.items():
+                seconds = graph_seconds(run)
+                moved = weight_bytes * out_features * in_features
+                rows.append({"linear": name, "batch": batch, "variant": variant, "seconds": seconds,
+                             "fraction_of_copy_bandwidth": moved / bandwidth / seconds})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def fp4_gemms(backend, moe, batch: int, bandwidth: float) -> list[dict]:
     """Each FP4 expert projection alone, both kernels (the stream one with 2- and 4-stage
     activation staging, ``OPENINFER_DSV4_STREAM_STAGES``), on a uniform random routing of ``batch``
@@ -501,6 +531,10 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes of the layer rows and "
                         "breakdown (default 1,64,256; --quick 1,64)")
     parser.add_argument("--no-fp4-gemms", action="store_true", help="skip the FP4 expert GEMMs alone")
+    parser.add_argument("--no-linears", dest="linears", action="store_false",
+                        help="skip the FP8 dense linears alone (bf16 cuBLAS vs FP8 stream)")
+    parser.add_argument("--no-layers", dest="layers_rows", action="store_false",
+                        help="skip the layer rows (the parts alone only)")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip the per-part breakdown (the layer rows only)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts of the layer rows "
@@ -508,6 +542,9 @@ def main() -> None:
     parser.add_argument("--hc-split", choices=("1", "auto"), default=None,
                         help="mHC mixing dot products and x per block for the layer rows (OPENINFER_DSV4_HC_SPLIT; "
                              "default: the plugin's)")
+    parser.add_argument("--stream-stages", choices=("2", "4"), default=None,
+                        help="activation staging of the stream GEMMs for the layer rows "
+                             "(OPENINFER_DSV4_STREAM_STAGES; default: the plugin's)")
     parser.add_argument("--fp8-linears", default=None,
                         help="the dense linears (attention projections, shared expert): bf16 (dequantised at "
                              "load), stream (FP8 as stored, OPENINFER_DSV4_FP8_LINEAR=stream) or bf16,stream (both, "
@@ -539,6 +576,8 @@ def main() -> None:
     os.environ["OPENINFER_DSV4_ATTENTION_SPLITS"] = args.attention_splits
     os.environ["OPENINFER_DSV4_INDEXER_SPLIT"] = args.indexer_split
     os.environ["OPENINFER_DSV4_HC_SPLIT"] = args.hc_split
+    if args.stream_stages:
+        os.environ["OPENINFER_DSV4_STREAM_STAGES"] = args.stream_stages
     import cupy
     from openinfer_deepseek_v4.config import DeepseekV4Config
 
@@ -553,8 +592,13 @@ def main() -> None:
     out = RESULTS / f"{args.name}.json"
     moes = {mode: (moe, moe_bytes) if mode == "bf16" else with_fp8_shared_expert(backend, moe, moe_bytes)
             for mode in modes}
-    report = {}
-    for kind in kinds:
+    report = {"gpu": backend.device_name, "cupy": cupy.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
+              "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
+              "indexer_split": args.indexer_split, "hc_split": args.hc_split, "fp8_linears": args.fp8_linears,
+              "stream_stages": os.environ.get("OPENINFER_DSV4_STREAM_STAGES", "2"), "rows": rows}
+    for kind in kinds if args.layers_rows else []:
         for context in contexts:
             built = {mode: build_model(backend, kind, moes[mode][0], context + BLOCK, mode == "stream")
                      for mode in modes}  # one model per mode serves every batch
@@ -565,12 +609,6 @@ def main() -> None:
                     rows.append({**row, "fp8_linears": mode})
                     print(json.dumps(rows[-1]), flush=True)
                     cupy.get_default_memory_pool().free_all_blocks()
-                    report = {"gpu": backend.device_name, "cupy": cupy.__version__,
-                              "copy_bandwidth_bytes_per_s": bandwidth, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                              "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
-                              "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
-                              "indexer_split": args.indexer_split, "hc_split": args.hc_split,
-                              "fp8_linears": args.fp8_linears, "rows": rows}
                     out.write_text(json.dumps(report, indent=1))  # after every row: a cut-off run keeps its rows
             del built
     flash = DeepseekV4Config.from_dict({**FLASH, "compress_ratios": [0, 0]})
@@ -584,13 +622,18 @@ def main() -> None:
                 print(json.dumps(parts[-1]), flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
                 out.write_text(json.dumps(report, indent=1))
+    if args.linears:
+        report["linears"] = linear_rows(backend, batches, bandwidth)
+        out.write_text(json.dumps(report, indent=1))
     if not args.no_fp4_gemms:
         report["fp4_gemms"] = [row for batch in batches for row in fp4_gemms(backend, moe, batch, bandwidth)]
         out.write_text(json.dumps(report, indent=1))
-    plot(rows, out.with_suffix(".png"))
+    if rows:
+        plot(rows, out.with_suffix(".png"))
     if os.environ.get("OUT"):
         for path in (out, out.with_suffix(".png")):
-            shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+            if path.exists():
+                shutil.copy(path, Path(os.environ["OUT"]) / path.name)
 
 
 if __name__ == "__main__":
