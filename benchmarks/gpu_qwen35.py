@@ -24,24 +24,49 @@ the engine is up (weights loaded, graphs captured; breakdown from /proc) and a s
     python benchmarks/gpu_qwen35.py [--checkpoint /tmp/qwen35-4b-mm] [--quick]
 Writes benchmarks/results/gpu_qwen35.json and .png (copies under $OUT when set).
 
-Side by side with vLLM (issue 17's goal), on one warm GPU machine, in this order:
+Side by side with vLLM (issue 17's goal): two device calls on one warm GPU machine (vLLM
+carried and installed as ``../shared/tools/vllm-peer.sh`` says), each under 550 s, from the repo
+root with ``PYTHONUNBUFFERED=1``; results under $OUT. Call 1, ours (~4 min on a fresh machine):
 
-    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --write-checkpoint-only
-    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
-        --api-server-counts 1 --tag gpu_concurrency_qwen35
-    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --multi-turn-only
-    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
-        --api-server-counts 0 --append --tag gpu_concurrency_qwen35 --vllm-start-timeout 540 --vllm-cmd \
-        "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server --model {model} \
-        --port {port} --max-model-len 4096 --gpu-memory-utilization 0.85 --language-model-only \
-        --gdn-prefill-backend triton"
+    C=/tmp/qwen35-4b-mm; L="Qwen3.5-4B shape (multimodal layout, random bf16, fp32 GDN state)"
+    timeout 150 python benchmarks/gpu_qwen35.py --checkpoint $C --write-checkpoint-only
+    timeout 240 python benchmarks/gpu_concurrency.py --checkpoint $C --streams 1,16,64 \
+        --api-server-counts 1 --clients lean --model-label "$L" --tag gpu_concurrency_qwen35
+    cp benchmarks/results/gpu_concurrency_qwen35.json /tmp/
+    timeout 120 python benchmarks/gpu_qwen35.py --checkpoint $C --multi-turn-only
 
-The second line serves our engine (``openinfer serve``: bursts of 1 / 16 / 64 streams, 1k in /
-128 out, idle RSS of every process); the third writes results/gpu_qwen35_multi_turn.json (+ .png):
-engine start, idle RSS and a second chat turn (4,000-token history + 50 new tokens) warm from the
-prefix cache vs cold, medians of ``--repeats``; the last adds vLLM's run on the same checkpoint to
-results/gpu_concurrency_qwen35.json. ``--shape tiny`` (a toy checkpoint) with ``--device cpu``
-dry-runs the third line on the NumPy backend (results/gpu_qwen35_multi_turn_cpu_dry_run.json).
+Call 2, vLLM 0.26.0 on the same checkpoint with the same lean client (first start ~5 min of
+Triton autotuning; ``--append`` puts its run beside ours in one JSON + PNG):
+
+    C=/tmp/qwen35-4b-mm; L="Qwen3.5-4B shape (multimodal layout, random bf16, fp32 GDN state)"
+    cp /tmp/gpu_concurrency_qwen35.json benchmarks/results/
+    timeout 530 python benchmarks/gpu_concurrency.py --checkpoint $C --streams 1,16,64 \
+        --api-server-counts 0 --clients lean --append --model-label "$L" --tag gpu_concurrency_qwen35 \
+        --vllm-start-timeout 420 --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
+        vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
+        --gpu-memory-utilization 0.85 --language-model-only --gdn-prefill-backend triton \
+        --mamba-ssm-cache-dtype float32"
+
+What each line gives: the checkpoint (random bf16, ``mamba_ssm_dtype: float32`` as the released
+configs: vLLM then keeps the delta-rule state in fp32 as we do, and the last flag says so again);
+``openinfer serve`` under bursts of 1 / 16 / 64 streams (1k in / 128 out: out tok/s, TPOT and
+TTFT p50/p99 — the 1-stream TPOT is bs=1 decode through HTTP), its cold start and the idle RSS of
+every process (results/gpu_concurrency_qwen35.json + .png); then, in-process
+(results/gpu_qwen35_multi_turn.json + .png): engine start, idle RSS with its anonymous /
+file-mapped / shared parts, bs=1 TPOT (1k-token prompt, 128 new tokens) and a second chat turn
+(4,000-token history + 50 new tokens) warm from the prefix cache vs cold, medians of
+``--repeats``; call 2 adds vLLM's run (cold start, idle RSS of its process tree, the same rows).
+
+CPU dry runs of every step (a toy checkpoint in the same layout, the NumPy engine):
+
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-tiny --shape tiny --write-checkpoint-only
+    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-tiny --streams 1,4 --api-server-counts 1 \
+        --clients lean --input-len 64 --output-len 8 --max-model-len 512 --serve-args "--device cpu" --tag dry
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-tiny --shape tiny --multi-turn-only \
+        --device cpu --history 256 --new-turn 16 --repeats 2
+
+and call 2 with ``--vllm-cmd "env PYTHONPATH=... python -m openinfer.cli serve --model-path {model}
+--port {port} --device cpu --grpc-port 0"`` standing in for vLLM.
 """
 
 from __future__ import annotations
@@ -93,6 +118,7 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
 VARIANTS = {"after": None, "before": "recurrent"}
+BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
 def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None = None, device: str | None = None) -> float:
@@ -452,18 +478,21 @@ def device_name(device: str) -> str:
 
 
 def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
-    """The default engine's start, idle RSS and a warm vs cold second chat turn, nothing else:
-    the part of this benchmark that goes beside gpu_concurrency.py's vLLM side by side."""
+    """The default engine's start, idle RSS (with CuPy's pinned / device pools: what a "shared"
+    part would be), bs=1 TPOT and a warm vs cold second chat turn, nothing else: the part of this
+    benchmark that goes beside gpu_concurrency.py's vLLM side by side."""
     import openinfer
+    from openinfer.engine_core.startup import memory_breakdown
 
     results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device)}
     start = time.perf_counter()
-    engine = openinfer.create_engine(path, device=args.device, max_model_len=args.history + args.new_turn + 64,
-                                     max_num_seqs=64)
+    max_model_len = max(args.history + args.new_turn + 64, BS1_PROMPT + BS1_NEW_TOKENS + 64)
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
     results["engine_start_s"] = time.perf_counter() - start
     try:
         gc.collect()
         results["idle_rss_bytes"] = process_rss()
+        results["memory_breakdown"] = memory_breakdown()
         results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
                               "num_state_slots": engine.kv_plan.num_state_slots,
                               "num_snapshot_slots": engine.kv_plan.num_snapshot_slots}
@@ -471,6 +500,9 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
               f"{results['kv_plan']}", flush=True)
         prompts = Prompts(args.vocab_size)
         prefill_ttft(engine, prompts, min(512, args.history), 1, "warm-up")
+        # bs=1 decode in this process: beside gpu_concurrency's 1-stream row, the HTTP path's share
+        results["decode_tpot_ms_bs1"] = tpot(engine, prompts, 1, BS1_PROMPT, BS1_NEW_TOKENS, "bs1")
+        print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
         results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
     finally:
@@ -487,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-checkpoint-only", action="store_true",
                         help="write the checkpoint (if missing) and exit: for gpu_concurrency.py and vLLM")
     parser.add_argument("--multi-turn-only", action="store_true",
-                        help="engine start, idle RSS and the warm vs cold second turn only "
+                        help="engine start, idle RSS, bs=1 TPOT and the warm vs cold second turn only "
                              "(results/gpu_qwen35_multi_turn.json)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
