@@ -117,7 +117,11 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
-VARIANTS = {"after": None, "before": "recurrent"}
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "pipelined" = the persistent decode kernel
+VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_ENV)
+# each variant's environment; "pipelined": the default kernels but gdn_decode_step_pipelined for decode
+KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "pipelined": {DECODE_ENV: "pipelined"}}
+DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -270,13 +274,12 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
 
 
 def set_kernels(variant: str) -> None:
-    if VARIANTS[variant] is None:
-        os.environ.pop(KERNELS_ENV, None)
-    else:
-        os.environ[KERNELS_ENV] = VARIANTS[variant]
+    for name in (KERNELS_ENV, DECODE_ENV):
+        os.environ.pop(name, None)
+    os.environ.update(KERNEL_ENVIRONMENTS[variant])
 
 
-def layer_core_timings(args: argparse.Namespace) -> dict:
+def layer_core_timings(args: argparse.Namespace, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
     norm; no projections) at the 4B shape, per variant: decode batches and single prompts.
     Decode is timed twice: back-to-back launches (``decode_us``: at small batches that is CuPy's
@@ -342,7 +345,7 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
         return cupy.cuda.get_elapsed_time(start, stop) / (replays * calls)
 
     timings: dict = {}
-    for variant in VARIANTS:
+    for variant in variants:
         set_kernels(variant)
         decode, decode_graph, prefill = {}, {}, {}
         for rows in args.streams:
@@ -511,6 +514,51 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
     return results
 
 
+def run_decode_kernels_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's decode step at the 4B shape, the plain kernel (one block per sequence and
+    value head) against ``OPENINFER_QWEN35_GDN_DECODE=pipelined``, at ``DECODE_ROWS`` rows:
+    back-to-back launches and CUDA-graph replay (results/gpu_qwen35_decode_kernels.json + .png)."""
+    args.streams, args.prefill = DECODE_ROWS, ()
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
+                     "device": device_name("cuda"),
+                     "variants": {"after": "gdn_decode_step, grid (rows, 32), 2 blocks of 512 threads per SM",
+                                  "pipelined": f"{DECODE_ENV}=pipelined: gdn_decode_step_pipelined, persistent grid, "
+                                               "next row's state loaded during the current one"}}
+    results["gdn_layer_core"] = layer_core_timings(args, ("after", "pipelined"))
+    replay = {v: results["gdn_layer_core"][v]["decode_graph_us"] for v in ("after", "pipelined")}
+    results["pipelined_speedup_graph"] = {rows: replay["after"][rows] / replay["pipelined"][rows]
+                                          for rows in replay["after"] if replay["after"][rows] and replay["pipelined"][rows]}
+    # state bytes each step moves (read + write, fp32), over the replayed time: the kernel's bandwidth
+    state_bytes = 2 * 32 * 128 * 128 * 4
+    results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
+                                           for rows, us in replay[v].items() if us} for v in replay}
+    print(json.dumps({k: results[k] for k in ("pipelined_speedup_graph", "state_bandwidth_tb_s")}), flush=True)
+    write_results(results, "gpu_qwen35_decode_kernels", plot_decode_kernels)
+    return results
+
+
+def plot_decode_kernels(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for variant, label in (("after", "plain (default)"), ("pipelined", "pipelined (opt-in)")):
+        measured = {int(r): us for r, us in results["gdn_layer_core"][variant]["decode_graph_us"].items() if us}
+        axis.plot(list(measured), list(measured.values()), marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("decode rows")
+    axis.set_ylabel("µs per layer (CUDA-graph replay)")
+    axis.set_title(f"GDN decode step, one layer, {results['device']}", fontsize=9)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen35-4b-mm")
@@ -521,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multi-turn-only", action="store_true",
                         help="engine start, idle RSS, bs=1 TPOT and the warm vs cold second turn only "
                              "(results/gpu_qwen35_multi_turn.json)")
+    parser.add_argument("--decode-kernels-only", action="store_true",
+                        help="one GDN layer's decode step, plain vs pipelined kernel, at 1-256 rows "
+                             "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -532,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cpu runs only with --multi-turn-only (the kernel timings need a GPU)")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
+    if args.decode_kernels_only:
+        run_decode_kernels_only(args)
+        return 0
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:
         if not (path / "config.json").exists():
