@@ -119,8 +119,11 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "pipelined" = the persistent decode kernel
 VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_ENV)
-# each variant's environment; "pipelined": the default kernels but gdn_decode_step_pipelined for decode
-KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "pipelined": {DECODE_ENV: "pipelined"}}
+# each variant's environment ("after": the defaults); "plain" / "pipelined": the default kernels with
+# that fused decode kernel (gdn_decode_step / gdn_decode_step_pipelined) whichever is the default
+KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
+                       "pipelined": {DECODE_ENV: "pipelined"}}
+DECODE_VARIANTS = ("plain", "pipelined")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
@@ -515,25 +518,72 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
 
 
 def run_decode_kernels_only(args: argparse.Namespace) -> dict:
-    """One GDN layer's decode step at the 4B shape, the plain kernel (one block per sequence and
-    value head) against ``OPENINFER_QWEN35_GDN_DECODE=pipelined``, at ``DECODE_ROWS`` rows:
+    """One GDN layer's decode step at the 4B shape, ``OPENINFER_QWEN35_GDN_DECODE`` plain (one
+    block per sequence and value head) against pipelined, at ``DECODE_ROWS`` rows:
     back-to-back launches and CUDA-graph replay (results/gpu_qwen35_decode_kernels.json + .png)."""
     args.streams, args.prefill = DECODE_ROWS, ()
     results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
                      "device": device_name("cuda"),
-                     "variants": {"after": "gdn_decode_step, grid (rows, 32), 2 blocks of 512 threads per SM",
+                     "variants": {"plain": f"{DECODE_ENV}=plain: gdn_decode_step, grid (rows, 32), "
+                                           "2 blocks of 512 threads per SM",
                                   "pipelined": f"{DECODE_ENV}=pipelined: gdn_decode_step_pipelined, persistent grid, "
                                                "next row's state loaded during the current one"}}
-    results["gdn_layer_core"] = layer_core_timings(args, ("after", "pipelined"))
-    replay = {v: results["gdn_layer_core"][v]["decode_graph_us"] for v in ("after", "pipelined")}
-    results["pipelined_speedup_graph"] = {rows: replay["after"][rows] / replay["pipelined"][rows]
-                                          for rows in replay["after"] if replay["after"][rows] and replay["pipelined"][rows]}
+    results["gdn_layer_core"] = layer_core_timings(args, DECODE_VARIANTS)
+    replay = {v: results["gdn_layer_core"][v]["decode_graph_us"] for v in DECODE_VARIANTS}
+    results["pipelined_speedup_graph"] = {rows: replay["plain"][rows] / replay["pipelined"][rows]
+                                          for rows in replay["plain"] if replay["plain"][rows] and replay["pipelined"][rows]}
     # state bytes each step moves (read + write, fp32), over the replayed time: the kernel's bandwidth
     state_bytes = 2 * 32 * 128 * 128 * 4
     results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
                                            for rows, us in replay[v].items() if us} for v in replay}
     print(json.dumps({k: results[k] for k in ("pipelined_speedup_graph", "state_bandwidth_tb_s")}), flush=True)
     write_results(results, "gpu_qwen35_decode_kernels", plot_decode_kernels)
+    return results
+
+
+def write_dummy_config(path: Path, shape: str) -> None:
+    """Only a config.json (the multimodal layout's, without torch): the engine then loads random
+    weights at the real shapes (``load_format="dummy"``), so a timing needs no checkpoint write."""
+    text, vision = SHAPES[shape]
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": vision,
+              "tie_word_embeddings": text["tie_word_embeddings"], "vocab_size": text["vocab_size"]}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def run_decode_tpot_only(args: argparse.Namespace) -> dict:
+    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams,
+    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs pipelined (each variant's engine captures its own graphs),
+    on random weights at the ``--shape``'s real shapes (results/gpu_qwen35_decode_tpot.json)."""
+    import openinfer
+
+    path = Path(args.checkpoint)
+    write_dummy_config(path, args.shape)
+    args.vocab_size = SHAPES[args.shape][0]["vocab_size"]
+    streams = (1, 16, 64)
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
+                     "device": device_name(args.device), "prompt_tokens": 512, "new_tokens": 64,
+                     "decode_tpot_ms": {}, "engine_start_s": {}}
+    for variant in DECODE_VARIANTS:
+        set_kernels(variant)
+        start = time.perf_counter()
+        engine = openinfer.create_engine(path, device=args.device, max_model_len=1024, max_num_seqs=64,
+                                         load_format="dummy")
+        results["engine_start_s"][variant] = time.perf_counter() - start
+        try:
+            prompts = Prompts(args.vocab_size)
+            tpot(engine, prompts, 2, 64, 8, f"warm-{variant}")
+            results["decode_tpot_ms"][variant] = {str(n): tpot(engine, prompts, n, 512, 64, f"{variant}-{n}")
+                                                  for n in streams}
+            print(f"{variant}: TPOT ms {results['decode_tpot_ms'][variant]}", flush=True)
+        finally:
+            engine.close_sync()
+    set_kernels("after")
+    timed = results["decode_tpot_ms"]
+    results["pipelined_speedup"] = {n: timed["plain"][n] / timed["pipelined"][n] for n in timed["plain"]}
+    print(f"pipelined speed-up: {results['pipelined_speedup']}", flush=True)
+    write_results(results, "gpu_qwen35_decode_tpot" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
     return results
 
 
@@ -546,7 +596,7 @@ def plot_decode_kernels(results: dict, path: Path) -> None:
     except ImportError:
         return
     fig, axis = plt.subplots(figsize=(6, 4))
-    for variant, label in (("after", "plain (default)"), ("pipelined", "pipelined (opt-in)")):
+    for variant, label in (("plain", "plain: one block per row and head"), ("pipelined", "pipelined: persistent")):
         measured = {int(r): us for r, us in results["gdn_layer_core"][variant]["decode_graph_us"].items() if us}
         axis.plot(list(measured), list(measured.values()), marker="o", label=label)
     axis.set_xscale("log", base=2)
@@ -572,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-kernels-only", action="store_true",
                         help="one GDN layer's decode step, plain vs pipelined kernel, at 1-256 rows "
                              "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
+    parser.add_argument("--decode-tpot-only", action="store_true",
+                        help="engine decode TPOT at 1/16/64 streams, plain vs pipelined GDN decode kernel, on random "
+                             "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -579,12 +632,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not args.multi_turn_only:
-        parser.error("--device cpu runs only with --multi-turn-only (the kernel timings need a GPU)")
+    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
+        parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:
         run_decode_kernels_only(args)
+        return 0
+    if args.decode_tpot_only:
+        run_decode_tpot_only(args)
         return 0
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:

@@ -220,10 +220,7 @@ def test_pipelined_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch):
     slots = rng.permutation(rows).astype(np.int64)
 
     def decode(layer: Layer, proj, seqs, variant: str):
-        if variant == "pipelined":
-            monkeypatch.setenv(cuda_ops.DECODE_ENV, "pipelined")
-        else:
-            monkeypatch.delenv(cuda_ops.DECODE_ENV, raising=False)
+        monkeypatch.setenv(cuda_ops.DECODE_ENV, variant)
         return cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv, layer.device_ssm, seqs, config)
 
     def assert_same_states() -> None:

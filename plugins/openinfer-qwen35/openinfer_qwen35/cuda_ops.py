@@ -13,7 +13,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       OPENINFER_QWEN35_GDN_DECODE=pipelined: the same step on a
                                       persistent grid that loads the next sequence's state while
                                       it works on the current one (gdn_decode_step_pipelined;
-                                      opt-in until measured on a GPU)
+                                      DEFAULT_DECODE_KERNEL says which one is the default)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -58,7 +58,8 @@ CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the t
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
-DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # "pipelined": gdn_decode_step_pipelined (opt-in)
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # "plain" | "pipelined": which fused decode kernel
+DEFAULT_DECODE_KERNEL = "plain"  # gdn_decode_step_pipelined stays opt-in until measured faster on a GPU
 PIPELINED_MAX_KEY_HEAD_DIM = 128  # two state columns of DK / SPLIT rows each fit its 128 registers
 
 
@@ -87,10 +88,13 @@ def use_recurrent_kernels() -> bool:
 
 
 def use_pipelined_decode() -> bool:
-    """Whether ``OPENINFER_QWEN35_GDN_DECODE=pipelined`` asks for the persistent decode kernel
-    (read at each eager launch or capture, like ``use_recurrent_kernels``: a graph keeps the
-    kernel it was captured with)."""
-    return os.environ.get(DECODE_ENV, "").strip().lower() == "pipelined"
+    """Whether decode steps take the persistent kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain``
+    or ``pipelined``), else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
+    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with)."""
+    choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
+    if choice not in ("plain", "pipelined"):
+        raise ValueError(f"{DECODE_ENV}={choice!r}: expected 'plain' or 'pipelined'")
+    return choice == "pipelined"
 
 
 @functools.cache
