@@ -119,20 +119,24 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// This warp's weight row of tile `tile` (M = 1: one column per warp), 128-byte lines, into L2.
-__device__ __forceinline__ void prefetch_tile_l2(const bf16* __restrict__ w, int N, int K, int tile) {
+// The first `bytes` of this warp's weight row of tile `tile` (M = 1: one column per warp), in
+// 128-byte lines, into L2. Whole rows of every resident block can exceed L2 (down-proj: 320
+// blocks x 155 KB) and evict each other before use, so the host picks how much (0: none).
+__device__ __forceinline__ void prefetch_tile_l2(const bf16* __restrict__ w, int N, int K, int tile, int bytes) {
     const int n = tile * WARPS_PER_BLOCK + (threadIdx.x >> 5);
     if (n >= N) return;
     const char* row = reinterpret_cast<const char*>(w + (size_t)n * K);
-    for (int offset = (threadIdx.x & 31) * 128; offset < K * 2; offset += 32 * 128) prefetch_l2(row + offset);
+    const int end = min(bytes, K * 2);
+    for (int offset = (threadIdx.x & 31) * 128; offset < end; offset += 32 * 128) prefetch_l2(row + offset);
 }
 
 // The tiles after the prologue: blockIdx.x, blockIdx.x + gridDim.x, ... of ceil(N / WARPS_PER_BLOCK).
 __device__ __forceinline__ void gemv_m1_tiles(const bf16* __restrict__ xs, const bf16* __restrict__ w,
-                                              const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+                                              const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K,
+                                              int prefetch_bytes) {
     const int tiles = (N + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        if (tile + gridDim.x < tiles) prefetch_tile_l2(w, N, K, tile + gridDim.x);
+        if (tile + gridDim.x < tiles) prefetch_tile_l2(w, N, K, tile + gridDim.x, prefetch_bytes);
         gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K, tile);
     }
 }
@@ -145,12 +149,12 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     gemv_m1_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ residual,
                          const bf16* __restrict__ norm_weight, float eps, int norm_threads,
                          const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y,
-                         bf16* __restrict__ residual_out, int N, int K) {
+                         bf16* __restrict__ residual_out, int N, int K, int prefetch_bytes) {
     GEMV_DYNAMIC_SHARED(fused_smem);
     bf16* xs = reinterpret_cast<bf16*>(fused_smem);
     __shared__ float warp_sums[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    prefetch_tile_l2(w, N, K, blockIdx.x);
+    prefetch_tile_l2(w, N, K, blockIdx.x, prefetch_bytes);
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float h = residual != nullptr ? __bfloat162float(x[c]) + __bfloat162float(residual[c])
                                             : __bfloat162float(x[c]);
@@ -178,16 +182,17 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
         xs[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
     }
     __syncthreads();
-    gemv_m1_tiles(xs, w, bias, y, N, K);
+    gemv_m1_tiles(xs, w, bias, y, N, K, prefetch_bytes);
 }
 
 // y = (silu(gate) * up) @ w^T (+ bias), gate_up = [gate | up] of 2K values (elementwise.cu's silu_mul).
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     gemv_m1_silu_mul(const bf16* __restrict__ gate_up, const bf16* __restrict__ w,
-                     const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+                     const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K,
+                     int prefetch_bytes) {
     GEMV_DYNAMIC_SHARED(fused_smem);
     bf16* xs = reinterpret_cast<bf16*>(fused_smem);
-    prefetch_tile_l2(w, N, K, blockIdx.x);
+    prefetch_tile_l2(w, N, K, blockIdx.x, prefetch_bytes);
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float g = __bfloat162float(gate_up[c]);
         const float u = __bfloat162float(gate_up[K + c]);
@@ -195,5 +200,5 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
         xs[c] = __float2bfloat16_rn(s * u);
     }
     __syncthreads();
-    gemv_m1_tiles(xs, w, bias, y, N, K);
+    gemv_m1_tiles(xs, w, bias, y, N, K, prefetch_bytes);
 }

@@ -25,17 +25,18 @@ def _bits(backend, x) -> np.ndarray:
     return cupy.asnumpy(x).view(np.uint16)
 
 
-# blocks per SM of the fused launch: the default, and 1 (with 1 SM: one block loops over every tile)
-GRIDS = [("default", None), ("1 per SM", (None, 1)), ("one block", (1, 1))]
+# fused launch shapes: the default; 1 block per SM with whole-row prefetches; one block over all
+# tiles, no prefetch
+GRIDS = [("default", None), ("1 per SM", (None, 1, 1 << 20)), ("one block", (1, 1, 0))]
 
 
 def _grid_args(cuda_backend, grid) -> dict:
-    from openinfer.backend.cuda.linear import FUSED_BLOCKS_PER_SM
+    from openinfer.backend.cuda.linear import FUSED_LAUNCH, FusedLaunch
 
     if grid is None:
-        return {"num_sms": cuda_backend.num_sms, "blocks_per_sm": FUSED_BLOCKS_PER_SM}
-    sms, per_sm = grid
-    return {"num_sms": sms or cuda_backend.num_sms, "blocks_per_sm": per_sm}
+        return {"num_sms": cuda_backend.num_sms, "launch": FUSED_LAUNCH}
+    sms, per_sm, prefetch = grid
+    return {"num_sms": sms or cuda_backend.num_sms, "launch": FusedLaunch(per_sm, prefetch)}
 
 
 @pytest.mark.parametrize("k,n", [(64, 96), (1000, 1001), (2560, 6144), (4096, 768)])

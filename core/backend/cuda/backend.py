@@ -21,8 +21,9 @@ from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, 
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.linear import (
-    FUSED_BLOCKS_PER_SM,
+    FUSED_LAUNCH,
     CudaLinear,
+    FusedLaunch,
     fusable,
     fused_add_rms_norm_gemv,
     fused_silu_mul_gemv,
@@ -45,12 +46,12 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 32) * 32 // 2))
 
 
-def _positive_int_env(name: str, default: int) -> int:
+def _int_env(name: str, default: int, minimum: int) -> int:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
     return int(raw)
 
 
@@ -82,12 +83,15 @@ class CudaBackend:
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
-        # the second (L2 prefetch before the prologue, one prologue per resident block) is unmeasured
+        # the second (whole-row L2 prefetch, 4 blocks per SM) was slower still on an H200 (3.10 -> 4.31 ms,
+        # D2); the third (4 KB prefetches, 8 blocks per SM) is unmeasured
         if fuse_decode is None:
             fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on")
         self.fuse_decode = fuse_decode and use_gemv
-        # blocks per SM of a fused launch (each builds its input row once, then loops over tiles)
-        self.fused_blocks_per_sm = _positive_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_BLOCKS_PER_SM)
+        # the fused launches' shape (OPENINFER_FUSED_DECODE_BLOCKS_PER_SM / _PREFETCH_BYTES, for measuring)
+        self.fused_launch = FusedLaunch(
+            blocks_per_sm=_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_LAUNCH.blocks_per_sm, minimum=1),
+            prefetch_bytes=_int_env("OPENINFER_FUSED_DECODE_PREFETCH_BYTES", FUSED_LAUNCH.prefetch_bytes, minimum=0))
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -218,7 +222,7 @@ class CudaBackend:
                     raise ValueError(f"add_rms_norm_linear: x {tuple(x.shape)} and residual "
                                      f"{tuple(residual.shape)} differ")
             return fused_add_rms_norm_gemv(x, residual, weight, eps, _norm_threads(x.shape[1]), layer,
-                                           self.num_sms, self.fused_blocks_per_sm)
+                                           self.num_sms, self.fused_launch)
         if residual is None:
             return self.linear(self.rms_norm(x, weight, eps), layer), x
         h, residual = self.add_rms_norm(x, residual, weight, eps)
@@ -229,7 +233,7 @@ class CudaBackend:
         gate_up = _bf16(gate_up, "silu_mul_linear input")
         if (self.fuse_decode and gate_up.ndim == 2 and gate_up.shape[1] == 2 * layer.in_features
                 and fusable(gate_up[:, : layer.in_features], layer)):
-            return fused_silu_mul_gemv(gate_up, layer, self.num_sms, self.fused_blocks_per_sm)
+            return fused_silu_mul_gemv(gate_up, layer, self.num_sms, self.fused_launch)
         return self.linear(self.silu_mul(gate_up), layer)
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:

@@ -41,9 +41,9 @@ int main(int argc, char** argv) {
         std::vector<bf16> fused_norm(N), fused_residual(K), fused_silu(N);
         launch(grid, 1, 1, threads, [&] {
             gemv_m1_add_rms_norm(x.data(), res, norm.data(), eps, norm_threads, w.data(), nullptr, fused_norm.data(),
-                                 with_residual ? fused_residual.data() : nullptr, N, K);
+                                 with_residual ? fused_residual.data() : nullptr, N, K, 4096);
         });
-        launch(grid, 1, 1, threads, [&] { gemv_m1_silu_mul(gate_up.data(), w.data(), nullptr, fused_silu.data(), N, K); });
+        launch(grid, 1, 1, threads, [&] { gemv_m1_silu_mul(gate_up.data(), w.data(), nullptr, fused_silu.data(), N, K, 0); });
         save(dir, ("fused_norm_" + std::to_string(g) + ".bin").c_str(), fused_norm);
         save(dir, ("fused_residual_" + std::to_string(g) + ".bin").c_str(), with_residual ? fused_residual : x);
         save(dir, ("fused_silu_" + std::to_string(g) + ".bin").c_str(), fused_silu);
