@@ -21,27 +21,29 @@ max_tokens), measured side by side in one run:
     assignment);
 (b) end to end, decode TPOT and process CPU time per step of four configurations in alternating
     rounds: no schema; the schema with masks on demand (``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0``,
-    before); the schema with background masks (now); half the rows with the schema, half
+    first); the schema with the engine's defaults (now); half the rows with the schema, half
     without, in the same batches. On a shared CPU the wall times swing with the other load
     (the JSON keeps every round, median and minimum, and the host's load average); the CPU time
-    per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` adds
-    ``schema_device_wait`` / ``mixed_half_device_wait``: grammar rows sampled ahead, the GPU
-    waiting for their masks (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``; switched per run on one
-    engine); ``*_worker_consumes`` / ``*_engine_consumes``: the mask worker advances the matchers
-    by the step's tokens before it fills their masks, or the engine thread does before handing the
-    fill over (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1`` / ``0``); ``*_length_slices``: besides,
-    matchers mask through ``structured.string_length_slices``
-    (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1``), all switched per run on the same engine (names
-    without them: the engine's defaults); ``--tpot-only`` skips (a) for a short GPU window.
+    per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` names
+    each switch (``CONFIGS``), all switched per run on one engine: ``background`` / ``device_wait``
+    (the engine thread or the GPU waits for a step's masks, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT``),
+    ``worker_consumes`` / ``engine_consumes`` (who advances the matchers by the step's tokens,
+    ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``), ``length_slices`` (``structured.string_length_slices``,
+    ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``); ``--tpot-only`` skips (a) for a short GPU window.
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
     the mask worker consumed the tokens): TPOT with every row under the schema +37 % -> +20 %
     (6.75 -> 6.01 ms; plain 4.93 / 5.01 ms); the device wait +26 % median (runs 5.45 and 7.13 ms,
-    +14 % against the fastest plain run), so it stays opt-in. What is left is llguidance's own
-    work: ~15 ms of CPU per step at batch 64, most of it in the steps where many rows sit near
-    the end of a length-bounded string (a full walk of the 152k-token trie, 2-4 ms a row) — the
-    batch starts in lockstep, so those steps come together.
+    +14 % against the fastest plain run). What is left is llguidance's own work: ~15 ms of CPU
+    per step at batch 64, most of it in the steps where many rows sit near the end of a
+    length-bounded string (a full walk of the 152k-token trie, 2-4 ms a row) — the batch starts
+    in lockstep, so those steps come together.
+
+    H200, same shape, batch 64, 40 tokens, 3 rounds (``results/grammar_mask_cuda_d2_h200.json``):
+    plain 4.04 ms; worker consuming, general slices, host wait (the former default) 5.43 ms
+    (+34 %); engine thread consuming 5.34 ms (+32 %); + string length slices 4.92 ms (+22 %);
+    engine consuming + the GPU waiting 4.83 ms (+20 %). The three are now the defaults.
 
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA
@@ -291,16 +293,18 @@ PEOPLE = {"type": "array", "items": PERSON, "minItems": 30}
 # the stub device's constraints: PEOPLE, or digits only (a regex whose masks llguidance computes in
 # microseconds: what is left is the engine's own cost of a grammar step, apart from the mask work)
 STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"regex": "[0-9]{2000}"}}
-# configurations measured side by side (alternating rounds): which rows carry the schema, and
-# whether the engine computes masks in the background as tokens are consumed (the default) or
-# when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before); device_wait:
-# background masks, grammar rows sampled ahead and the GPU waiting for their masks
-# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``); *_worker_consumes /
-# *_engine_consumes: the mask worker advances the matchers by the step's tokens before filling, or the
-# engine thread does before handing the fill over (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1 / 0);
-# *_length_slices: matchers mask through structured.string_length_slices
-# (OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1); without those words, the engine's defaults
-CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
+# configurations measured side by side (alternating rounds): which rows carry the schema, and how the
+# engine computes their masks. schema_on_demand: when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0,
+# how it worked first); schema_default / mixed_half_default: the engine's defaults. The others name each
+# switch: background / device_wait: the engine thread waits for a step's masks before queueing its
+# sampling, or the GPU waits for them (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=0 / 1, CUDA only);
+# worker_consumes / engine_consumes: the mask worker advances the matchers by the step's tokens before
+# filling, or the engine thread does before handing the fill over (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1 / 0);
+# with "length_slices" matchers mask through structured.string_length_slices, else through llguidance's
+# general slices (OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1 / 0). schema_background /
+# schema_device_wait / mixed_half_*: the switch named, the others at the engine's defaults.
+CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"),
+           "schema_default": ("all", "default"), "mixed_half_default": ("half", "default"),
            "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
            "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait"),
            "schema_background_worker_consumes": ("all", "background_worker_consumes"),
@@ -309,32 +313,29 @@ CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_dema
            "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes"),
            "schema_engine_consumes_length_slices": ("all", "background_engine_consumes_length_slices"),
            "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices")}
-DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
+DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
 # are switched per run ("": the engine's own setting when it was created)
-MODES = {"on_demand": ("0", "0", "", ""), "background": ("1", "0", "", ""), "device_wait": ("1", "1", "", ""),
-         "background_worker_consumes": ("1", "0", "1", ""), "device_wait_worker_consumes": ("1", "1", "1", ""),
-         "background_engine_consumes": ("1", "0", "0", ""), "device_wait_engine_consumes": ("1", "1", "0", ""),
+MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
+         "background": ("1", "0", "", ""), "device_wait": ("1", "1", "", ""),
+         "background_worker_consumes": ("1", "0", "1", "0"), "device_wait_worker_consumes": ("1", "1", "1", "0"),
+         "background_engine_consumes": ("1", "0", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0", "0"),
          "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
          "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1")}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
 _CREATED_SWITCHES: dict[int, dict[str, bool]] = {}
-_SWITCHES = {2: "grammar_tokens_consumed_on_worker", 3: "grammar_string_length_slices"}
+_SWITCHES = {1: "grammar_masks_waited_on_device", 2: "grammar_tokens_consumed_on_worker",
+             3: "grammar_string_length_slices"}
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
-    """An engine per mode the configurations use, created under its mode's environment; modes
-    differing only in the device wait share one engine (``grammar_masks_waited_on_device`` is
-    switched before each run, see :func:`use_mode`) where the engine has that switch."""
+    """An engine per mode the configurations use, created with background masks or not as the
+    mode says and every other switch at its default (recorded); modes differing only in switches
+    the engine has share one engine (switched before each run, see :func:`use_mode`)."""
     import os
 
     from openinfer.structured import BACKGROUND_MASKS_ENV
-
-    try:
-        from openinfer.structured import DEVICE_WAIT_ENV
-    except ImportError:  # an engine from before the device wait (--compare-code): the variable is ignored
-        DEVICE_WAIT_ENV = "OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT"  # noqa: N806
 
     engines: dict[str, Any] = {}
     by_background: dict[str, Any] = {}
@@ -344,14 +345,13 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
         if shared is not None and hasattr(shared, "grammar_masks_waited_on_device"):
             engines[mode] = shared
             continue
-        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode][:2]
+        os.environ[BACKGROUND_MASKS_ENV] = MODES[mode][0]  # (the other switches: the engine's defaults)
         try:
             engines[mode] = by_background[background] = engine = create()
             _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name) for name in _SWITCHES.values()
                                              if hasattr(engine, name)}
         finally:
             os.environ.pop(BACKGROUND_MASKS_ENV)
-            os.environ.pop(DEVICE_WAIT_ENV)
     return engines
 
 
@@ -359,8 +359,6 @@ def use_mode(engines: dict[str, Any], mode: str) -> Any:
     """The engine of ``mode``, its device wait, where it consumes the step's tokens and its slices
     switched for it."""
     engine = engines[mode]
-    if hasattr(engine, "grammar_masks_waited_on_device"):
-        engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
     created = _CREATED_SWITCHES.get(id(engine), {})
     for position, name in _SWITCHES.items():
         if name in created:

@@ -15,10 +15,10 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
   (:class:`MaskWorker`), one parallel llguidance call advances the matchers by their tokens and
   one fills their allowed-token bitmasks (one int32 word per 32 tokens, bit ``t % 32`` of word
   ``t // 32`` set = token ``t`` allowed), the GIL released, while the engine emits, schedules
-  and builds the next batch and the device runs the forward (with
-  ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0`` the engine thread makes the first call itself:
+  and builds the next batch and the device runs the forward (the first call is made by the
+  engine thread itself unless ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1``:
   :attr:`GrammarCompiler.tokens_consumed_on_worker` says why);
-* with ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on CUDA, a step with grammar rows is sampled
+* on CUDA (unless ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=0``), a step with grammar rows is sampled
   ahead like any other, before its masks exist (:meth:`StepMasks.pending`): the GPU stream waits
   for them (``backend.cuda.sampler``), so neither the mask work nor the engine's host work lies
   between two device steps;
@@ -445,11 +445,11 @@ class GrammarCompiler:
     string_length_slices: bool
     """New matchers mask through :func:`string_length_slices` instead of llguidance's general
     slices (the same masks, less work near the end of a length-bounded string). Switchable
-    between requests (the other tokenizer is built when first asked for)."""
+    between requests (the other tokenizer is built when first asked for); on by default."""
 
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
                  background_masks: bool = True, mask_threads: int | None = None,
-                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False):
+                 tokens_consumed_on_worker: bool = False, string_length_slices: bool = True):
         """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer (with the
         general slices); ``background_masks``: :meth:`start_masks` computes a step's masks on a
         background thread (:class:`MaskWorker`); off, on the calling thread before it returns;
@@ -475,7 +475,7 @@ class GrammarCompiler:
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
                  background_masks: bool = True, mask_threads: int | None = None,
-                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False) -> GrammarCompiler:
+                 tokens_consumed_on_worker: bool = False, string_length_slices: bool = True) -> GrammarCompiler:
         """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
         directory = Path(tokenizer_dir)
         switches = {"tokens_consumed_on_worker": tokens_consumed_on_worker,
@@ -577,17 +577,23 @@ class GrammarCompiler:
 
 
 BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
-# =0: with background masks, the engine thread advances the matchers by a step's tokens (in parallel,
-# the GIL released) before handing the fill to the mask worker, instead of the worker doing both
-# (GrammarCompiler.tokens_consumed_on_worker); read when the engine is created
+# The three switches below are on by default since an H200 run at batch 64, every row under the
+# benchmark's schema (benchmarks/grammar_mask.py overhead --device cuda, D2 2026-11-23, 3 alternating
+# rounds, benchmarks/results/grammar_mask_cuda_d2_h200.json): TPOT plain 4.04 ms; the former default
+# (the worker consumes, general slices, the engine thread waits for the masks) 5.43 ms (+34 %); the
+# engine thread consuming 5.34 ms (+32 %); and with the length slices 4.92 ms (+22 %); or with the GPU
+# waiting 4.83 ms (+20 %). Each is read when the engine is created and can be switched on it.
+# =1: the mask worker advances the matchers by a step's tokens before filling (the former default);
+# else the engine thread does, in parallel with the GIL released, before handing the fill over
+# (GrammarCompiler.tokens_consumed_on_worker)
 CONSUME_ON_WORKER_ENV = "OPENINFER_GRAMMAR_CONSUME_ON_WORKER"
-# =1: matchers mask through string_length_slices() instead of llguidance's general slices (same masks,
-# less work in length-bounded strings); read when the engine is created, switchable (engine.grammar_string_length_slices)
+# =0: matchers mask through llguidance's general slices instead of string_length_slices() (same masks,
+# more work in length-bounded strings; engine.grammar_string_length_slices)
 STRING_LENGTH_SLICES_ENV = "OPENINFER_GRAMMAR_STRING_LENGTH_SLICES"
-# =1: on CUDA, grammar rows are sampled ahead like the others and the GPU waits for their masks
-# (``backend.cuda.sampler``) instead of the engine thread. Opt-in: on an H100 at batch 64 it
-# measured +26 % TPOT median against +20 % for the default (noisy: 2 runs, 5.45 and 7.13 ms;
-# benchmarks/results/grammar_mask_cuda_w3a_4516ef7.json)
+# =0: on CUDA, grammar rows wait for their masks on the host before their sampling is queued (the
+# former default); else they are sampled ahead like the others and the GPU waits for their masks
+# (``backend.cuda.sampler``). On an H100 (W3a, worker consuming) it measured +26 % against +20 %,
+# noisy; on the H200 with the engine thread consuming, faster in each of 3 rounds (above)
 DEVICE_WAIT_ENV = "OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT"
 
 
@@ -602,8 +608,8 @@ class CompilerCache:
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
         self._mask_threads = default_mask_threads(device_forward)
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
-        self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "1") != "0"
-        self._string_length_slices = os.environ.get(STRING_LENGTH_SLICES_ENV, "0") == "1"
+        self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "0") == "1"
+        self._string_length_slices = os.environ.get(STRING_LENGTH_SLICES_ENV, "1") != "0"
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 

@@ -215,10 +215,10 @@ class PagedEngine:
         # every row back anyway, so there only rows needing the previous step's tokens wait
         self._samples_async = hasattr(model.backend, "sample_rows_async")
         # grammar rows sampled ahead too: the CUDA sampler queues their sampling at once and the
-        # GPU waits there for the masks the host computes meanwhile (opt-in: see structured.DEVICE_WAIT_ENV)
+        # GPU waits there for the masks the host computes meanwhile (structured.DEVICE_WAIT_ENV=0 turns it off)
         self._masks_waited_on_device = False
         self.grammar_masks_waited_on_device = (self.can_wait_for_grammar_masks_on_device
-                                               and os.environ.get(DEVICE_WAIT_ENV, "0") == "1")
+                                               and os.environ.get(DEVICE_WAIT_ENV, "1") != "0")
         self.num_steps_launched_ahead = 0
         self._step_timer = StepTimer.create(model.backend)
         # per-request Chrome traces (--trace-dir): engine-side spans, written off this loop
@@ -268,8 +268,8 @@ class PagedEngine:
     @property
     def grammar_masks_waited_on_device(self) -> bool:
         """Grammar rows are sampled ahead like the others and the device waits for their masks
-        (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` at creation); else their sampling waits on the
-        host. May be switched while no request runs (side-by-side measurements)."""
+        (the default where the backend can: ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=0`` at creation
+        turns it off); else their sampling waits on the host. May be switched while no request runs (side-by-side measurements)."""
         return self._masks_waited_on_device
 
     @grammar_masks_waited_on_device.setter
@@ -281,9 +281,9 @@ class PagedEngine:
     @property
     def grammar_tokens_consumed_on_worker(self) -> bool:
         """Whether the grammar-mask worker advances the matchers by a step's tokens before
-        filling their masks (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` unset or 1 at creation), or
-        the engine thread does, in parallel with the GIL released, before handing over the fill
-        (0; ``structured.GrammarCompiler.tokens_consumed_on_worker`` says why). May be switched
+        filling their masks (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1`` at creation), or the
+        engine thread does, in parallel with the GIL released, before handing over the fill (the
+        default; ``structured.GrammarCompiler.tokens_consumed_on_worker`` says why). May be switched
         while no request runs (side-by-side measurements)."""
         return self._grammars.tokens_consumed_on_worker
 
@@ -294,8 +294,8 @@ class PagedEngine:
     @property
     def grammar_string_length_slices(self) -> bool:
         """Whether new grammar matchers mask through ``structured.string_length_slices``
-        (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1`` at creation): the same masks, less work in
-        length-bounded strings. May be switched while no request runs (side-by-side measurements)."""
+        (the default; ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=0`` at creation: the general
+        slices): the same masks, less work in length-bounded strings. May be switched while no request runs (side-by-side measurements)."""
         return self._grammars.string_length_slices
 
     @grammar_string_length_slices.setter

@@ -471,20 +471,21 @@ def test_string_length_slices_give_the_same_masks(tokenizer):
 
 
 def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeypatch):
-    """``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` / ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES`` set the
-    compiler's switches when the cache is created; setting them on the cache afterwards reaches
-    the compiler, built before or after."""
+    """By default the engine thread consumes a step's tokens and matchers use the string length
+    slices; ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1`` / ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=0``
+    set the compiler's switches the other way when the cache is created; setting them on the
+    cache afterwards reaches the compiler, built before or after."""
     from openinfer.structured import CONSUME_ON_WORKER_ENV, STRING_LENGTH_SLICES_ENV, CompilerCache
 
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size() + 5
-    assert CompilerCache(str(tmp_path), vocab, [0]).get().tokens_consumed_on_worker
-    assert not CompilerCache(str(tmp_path), vocab, [0]).get().string_length_slices
-    monkeypatch.setenv(CONSUME_ON_WORKER_ENV, "0")
-    monkeypatch.setenv(STRING_LENGTH_SLICES_ENV, "1")
+    default = CompilerCache(str(tmp_path), vocab, [0]).get()
+    assert not default.tokens_consumed_on_worker and default.string_length_slices
+    monkeypatch.setenv(CONSUME_ON_WORKER_ENV, "1")
+    monkeypatch.setenv(STRING_LENGTH_SLICES_ENV, "0")
     cache = CompilerCache(str(tmp_path), vocab, [0])
-    assert not cache.tokens_consumed_on_worker and cache.string_length_slices
+    assert cache.tokens_consumed_on_worker and not cache.string_length_slices
     built = cache.get()
-    assert not built.tokens_consumed_on_worker and built.string_length_slices
-    cache.tokens_consumed_on_worker, cache.string_length_slices = True, False
     assert built.tokens_consumed_on_worker and not built.string_length_slices
+    cache.tokens_consumed_on_worker, cache.string_length_slices = False, True
+    assert not built.tokens_consumed_on_worker and built.string_length_slices

@@ -250,7 +250,7 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
 
     Returns (device ids, read_back) — ``read_back()`` waits only for this step's copy, not for
     work queued after it — or None when some row needs the host sampler. ``masks`` not computed
-    yet (the engine's device wait, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``) are waited for on
+    yet (the engine's device wait, on unless ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=0``) are waited for on
     the GPU (``_MaskGates``); ``read_back()`` raises when they failed.
     """
     if not rows or not all(row.samples and kernel_can_sample(row.request) for row in rows):
