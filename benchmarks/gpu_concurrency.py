@@ -23,19 +23,40 @@ SSE chunks per token.
 openinfer's engine core logs every step (``OPENINFER_STEP_LOG``, see
 ``openinfer.engine_core.step_log``): each row gets ``engine_steps`` — decode-only and mixed
 steps, their device time, idle gaps, and when the engine's last step of the burst ended against
-the clients' last token (``client_lag_s``); the raw log is kept next to the JSON
-(``TAG.steps-*.json``). ``--serve-args "--scheduler-policy split"`` picks the scheduler's policy
+the clients' last token (``client_lag_s``); and ``full_batch_decode``: the burst's steps with all
+its streams decoding and no prompt chunk (their device time, launch period) with the row's TPOT
+p50 over that step (``tpot_over_step``, issue #12's goal: <= 1.2 at 256 streams), the reference
+measured in the same run. The raw log is kept next to the JSON (``TAG.steps-*.json``). ``--serve-args "--scheduler-policy split"`` picks the scheduler's policy
 (``mixed``, the default / ``split`` / ``prefill_first``), recorded in the run (``scheduler_policy``)
 and its label.
 
-    python benchmarks/gpu_concurrency.py
-    python benchmarks/gpu_concurrency.py --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
-        vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
-        --gpu-memory-utilization 0.85"
+TTFT rows (``--ttft-contexts 1024,4096,16384``), per server right after its sweep, one request at a
+time with the lean client: cold (a fresh random prompt of that many tokens) and warm-prefix (that
+prompt again with only its last token changed, so all its full KV blocks are cached: issue #16's
+row), medians over ``--ttft-repeats``, with each response's ``cached_tokens`` (vLLM reports them
+with ``--enable-prompt-tokens-details``) so a warm row shows it hit the cache. The JSON, the PNG's
+third panel and the markdown table (printed at the end; ``--table`` prints it from the JSON alone)
+carry them. Both servers need ``--max-model-len`` above the longest context.
+
+Issue #16 / #12 side by side on one GPU machine (two calls, the second appends to the first's JSON;
+the table at the end of the second compares both):
+
+    python benchmarks/gpu_concurrency.py --streams 1,16,64,256 --api-server-counts 1 --clients lean \
+        --ttft-contexts 1024,4096,16384 --max-model-len 20480 --tag side_by_side_h200
+    python benchmarks/gpu_concurrency.py --streams 1,16,64,256 --api-server-counts 0 --append --clients lean \
+        --ttft-contexts 1024,4096,16384 --max-model-len 20480 --tag side_by_side_h200 --vllm-start-timeout 540 \
+        --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server \
+        --model {model} --port {port} --max-model-len 20480 --gpu-memory-utilization 0.85 \
+        --enable-prompt-tokens-details"
+    python benchmarks/gpu_concurrency.py --table --tag side_by_side_h200       # the README table again
+
+Other uses:
+
     python benchmarks/gpu_concurrency.py --streams 64,256 --api-server-counts 1 --clients lean,httpx \
         --serve-args "--scheduler-policy split" --append     # another scheduler policy, in the same JSON
-    python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1   # CPU dry run
-Writes benchmarks/results/gpu_concurrency.json and .png (copies under $OUT when set).
+    python benchmarks/gpu_concurrency.py --stub --streams 4,16 --api-server-counts 1 --clients lean \
+        --ttft-contexts 1024,8192 --max-model-len 20480       # CPU dry run (stub engine, 14.5 ms steps)
+Writes benchmarks/results/TAG.json and .png (``--results-dir``; copies under $OUT when set).
 """
 
 from __future__ import annotations
@@ -63,8 +84,8 @@ from openinfer.sched.scheduler import DEFAULT_POLICY
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serve import sweep_rate  # noqa: E402  (benchmarks/serve.py: the streaming client)
-from sse_client import stream_completion  # noqa: E402  (the lean client)
+from serve import sweep_rate, ttft_rows  # noqa: E402  (benchmarks/serve.py: the httpx client, TTFT rows)
+from sse_client import completion_body, stream_completion  # noqa: E402  (the lean client)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
 
@@ -150,7 +171,8 @@ async def lean_stream(port: int, body: bytes) -> dict:
     if not record.ok:
         return {"ok": False, "error": record.error}
     return {"ok": True, "ttft": record.first - record.start, "latency": record.last - record.start,
-            "tokens": record.tokens, "events": record.events, "itl": record.gaps}
+            "tokens": record.tokens, "events": record.events, "itl": record.gaps,
+            "cached_tokens": record.cached_tokens}
 
 
 def lean_client_process(port: int, bodies: list[bytes], start_at: float, out) -> None:
@@ -169,9 +191,7 @@ def lean_burst(url: str, model: str, prompts: list[list[int]], output_len: int, 
     import multiprocessing
 
     port = int(url.rsplit(":", 1)[1])
-    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
-                          "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-              for p in prompts]
+    bodies = [completion_body(model, p, output_len) for p in prompts]
     procs = max(1, min(procs, len(bodies)))
     context = multiprocessing.get_context("fork")
     out = context.Queue()
@@ -231,8 +251,37 @@ def sweep(url: str, model: str, streams: list[int], input_len: int, output_len: 
     return rows
 
 
+def full_batch_decode(log: dict, since: float, until: float) -> dict:
+    """The decode step issue #12's TPOT goal is set against, measured in the burst itself: the
+    steps that began in ``[since, until]`` with the largest batch of them all decoding one token
+    and nothing else (no prompt chunk riding along); ``seqs`` is that batch, the burst's stream
+    count unless the scheduler never ran them all at once. ``period_ms_p50``: launch to the next
+    launch when that one is also such a step (the engine's token cadence at full batch);
+    ``busy_ms_p50``: their device time (CUDA backends only), the GPU step time at that batch."""
+    index = {name: i for i, name in enumerate(log["columns"])}
+    steps = log["steps"]
+    decodes = [position for position, row in enumerate(steps)
+               if since <= row[index["began"]] <= until and row[index["tokens"]] == row[index["seqs"]]]
+    if not decodes:
+        return {"num_steps": 0}
+    seqs = max(steps[p][index["seqs"]] for p in decodes)
+    full = [p for p in decodes if steps[p][index["seqs"]] == seqs]
+    chosen = set(full)
+    periods = [1e3 * (steps[p + 1][index["began"]] - steps[p][index["began"]]) for p in full if p + 1 in chosen]
+    out = {"num_steps": len(full), "seqs": seqs,
+           "host_ms_p50": float(np.median([steps[p][index["host_ms"]] for p in full]))}
+    if periods:
+        out["period_ms_p50"] = float(np.median(periods))
+    busy = [steps[p][index["busy_ms"]] for p in full if "busy_ms" in index and steps[p][index["busy_ms"]] is not None]
+    if busy:
+        out["busy_ms_p50"] = float(np.median(busy))
+    return out
+
+
 def attach_step_log(rows: list[dict], path: Path) -> None:
-    """Each row's ``engine_steps``: the steps that began during its burst."""
+    """Each row's ``engine_steps`` (the steps that began during its burst) and ``full_batch_decode``
+    with the row's TPOT p50 over that step (``tpot_over_step``: over its device time where measured,
+    else over its launch period; issue #12's goal is <= 1.2 at 256 streams)."""
     if not path.exists():
         return
     log = json.loads(path.read_text())
@@ -241,6 +290,11 @@ def attach_step_log(rows: list[dict], path: Path) -> None:
         if steps.get("last_step_end_estimate"):
             steps["client_lag_s"] = row["burst_ended"] - steps["last_step_end_estimate"]
         row["engine_steps"] = steps
+        full = full_batch_decode(log, row["burst_began"], row["burst_ended"])
+        step_ms = full.get("busy_ms_p50", full.get("period_ms_p50"))
+        if step_ms:
+            full["tpot_over_step"] = row["tpot_ms"]["p50"] / step_ms
+        row["full_batch_decode"] = full
 
 
 def scheduler_policy(serve_args: str) -> str:
@@ -282,6 +336,7 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
             print(f"  start-up of {role}: {report.get('phases')}", flush=True)
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
                      args.client_procs)
+        ttft = ttft_rows(url, model, args.ttft_contexts, args.ttft_repeats, vocab)
     finally:
         stop(process)
     for _ in range(100):  # the engine core writes its step log as it shuts down
@@ -295,7 +350,7 @@ def run_openinfer(args: argparse.Namespace, checkpoint: Path, api_servers: int, 
     return {"server": "openinfer", "label": f"openinfer ({api_servers} API server{'s' if api_servers > 1 else ''}{extra})",
             "api_server_count": api_servers, "cold_start_to_http_ready_s": ready_s, "startup": startup,
             "idle_rss_bytes": {"total": sum(rss.values()), **rss}, "scheduler_policy": scheduler_policy(args.serve_args),
-            "sweep": rows}
+            "sweep": rows, "ttft": ttft}
 
 
 def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], vocab: int) -> dict:
@@ -315,11 +370,12 @@ def run_vllm(args: argparse.Namespace, checkpoint: Path, streams: list[int], voc
         rss = process_tree_rss(process.pid) if process is not None else None
         rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, args.clients.split(","),
                      args.client_procs)
+        ttft = ttft_rows(url, model, args.ttft_contexts, args.ttft_repeats, vocab)
     finally:
         if process is not None:
             stop(process)
     return {"server": "vllm", "label": "vLLM", "cold_start_to_http_ready_s": ready_s if process else None,
-            "idle_rss_bytes": {"total": rss} if rss else None, "sweep": rows}
+            "idle_rss_bytes": {"total": rss} if rss else None, "sweep": rows, "ttft": ttft}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -328,7 +384,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_ttft = [run for run in report["runs"] if run.get("ttft")]
+    fig, axes = plt.subplots(1, 3 if with_ttft else 2, figsize=(18 if with_ttft else 12, 4.5))
+    left, right = axes[0], axes[1]
     for run in report["runs"]:
         clients = list(dict.fromkeys(r.get("client", "httpx") for r in run["sweep"]))
         for client in clients:
@@ -343,9 +401,125 @@ def plot(report: dict, path: Path) -> None:
         axis.legend()
     left.set(ylabel="output tokens/s", title="throughput")
     right.set(ylabel="ms", title="e2e TPOT p50")
+    if with_ttft:
+        plot_ttft(axes[2], with_ttft)
     fig.suptitle(f"{report['device']} — {report['model']} — {report['input_len']} in / {report['output_len']} out")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_ttft(axis, runs: list[dict]) -> None:
+    """Grouped bars: per context, each run's cold TTFT (solid) and warm-prefix TTFT (hatched)."""
+    contexts = sorted({row["context"] for run in runs for row in run["ttft"]})
+    width = 0.8 / (2 * len(runs))
+    for index, run in enumerate(runs):
+        by_context = {row["context"]: row for row in run["ttft"]}
+        for kind, hatch in (("cold", ""), ("warm", "//")):
+            offset = (2 * index + (kind == "warm") - len(runs) + 0.5) * width
+            values = [by_context[c][f"{kind}_ttft_ms"] if c in by_context else np.nan for c in contexts]
+            axis.bar(np.arange(len(contexts)) + offset, values, width, hatch=hatch,
+                     color=f"C{index}", alpha=1.0 if kind == "cold" else 0.55, label=f"{run['label']} {kind}")
+    axis.set(xticks=np.arange(len(contexts)), xticklabels=[f"{c:,}" for c in contexts], yscale="log",
+             xlabel="prompt tokens", ylabel="ms", title="TTFT: cold prompt (solid) / same prompt, last token changed (hatched)")
+    axis.legend(fontsize=8)
+
+
+def sweep_rows_of(run: dict) -> dict[int, dict]:
+    """A run's sweep rows by stream count, from the lean client where it ran (it measures the
+    server, not the client), else from the first client the run used."""
+    clients = [r.get("client", "httpx") for r in run["sweep"]]
+    chosen = "lean" if "lean" in clients else (clients[0] if clients else None)
+    return {r["streams"]: r for r in run["sweep"] if r.get("client", "httpx") == chosen}
+
+
+def comparison_table(report: dict) -> str:
+    """Issue #16's and #12's side by side as a markdown table: the first openinfer run against
+    the last vLLM run of ``report``. Ratio > 1 means openinfer is better (throughput: ours ÷
+    vLLM; times and memory: vLLM ÷ ours)."""
+    ours = next((run for run in report["runs"] if run["server"] == "openinfer"), None)
+    peer = next((run for run in reversed(report["runs"]) if run["server"] == "vllm"), None)
+    runs = [run for run in (ours, peer) if run is not None]
+    lines = [f"{report['device']}, {report['model']}, bursts of {report['input_len']} in / "
+             f"{report['output_len']} out; " + " vs ".join(run["label"] for run in runs), "",
+             "| | openinfer | vLLM | ratio |", "|---|---|---|---|"]
+
+    def number(value: float | None, digits: int) -> str:
+        return "—" if value is None or not np.isfinite(value) else f"{value:,.{digits}f}"
+
+    def add(name: str, pick, digits: int, higher_is_better: bool, note=None) -> None:
+        values = [pick(run) if run is not None else None for run in (ours, peer)]
+        cells = [number(v, digits) + (note(run) if note and run is not None and v is not None else "")
+                 for v, run in zip(values, (ours, peer), strict=True)]
+        mine, theirs = values
+        ratio = "—"
+        if mine and theirs and np.isfinite(mine) and np.isfinite(theirs):
+            ratio = f"{(mine / theirs if higher_is_better else theirs / mine):.2f}×"
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+
+    def stream_value(count: int, metric: str):
+        def pick(run: dict) -> float | None:
+            row = sweep_rows_of(run).get(count)
+            if row is None:
+                return None
+            return row["output_throughput"] if metric == "throughput" else row["tpot_ms"]["p50"]
+        return pick
+
+    def full_batch_value(count: int, metric: str):
+        def pick(run: dict) -> float | None:
+            full = sweep_rows_of(run).get(count, {}).get("full_batch_decode") or {}
+            if metric == "ratio":
+                return full.get("tpot_over_step")
+            return full.get("busy_ms_p50", full.get("period_ms_p50"))
+        return pick
+
+    def step_note(count: int):
+        def note(run: dict) -> str:
+            full = sweep_rows_of(run).get(count, {}).get("full_batch_decode") or {}
+            batch = f", batch {full['seqs']}" if full.get("seqs") != count else ""
+            return (" (GPU time" if "busy_ms_p50" in full else " (launch period") + batch + ")"
+        return note
+
+    def ttft_value(context: int, kind: str):
+        def pick(run: dict) -> float | None:
+            row = next((r for r in run.get("ttft") or [] if r["context"] == context), None)
+            return row[f"{kind}_ttft_ms"] if row else None
+        return pick
+
+    def cached_note(context: int):
+        def note(run: dict) -> str:
+            row = next((r for r in run.get("ttft") or [] if r["context"] == context), None)
+            cached = [c for c in (row or {}).get("warm_cached_tokens", []) if c is not None]
+            return f" ({int(np.median(cached)):,} cached)" if cached else ""
+        return note
+
+    streams = sorted({count for run in runs for count in sweep_rows_of(run)})
+    if 1 in streams:
+        add("bs=1 TPOT p50 (ms)", stream_value(1, "tpot"), 2, False)
+    for count in (c for c in streams if c > 1):
+        add(f"{count} streams: output tok/s", stream_value(count, "throughput"), 0, True)
+        add(f"{count} streams: TPOT p50 (ms)", stream_value(count, "tpot"), 1, False)
+        if any(sweep_rows_of(run).get(count, {}).get("full_batch_decode", {}).get("num_steps") for run in runs):
+            add(f"{count} streams: full-batch decode step, same run (ms)", full_batch_value(count, "step"), 2,
+                False, step_note(count))
+            add(f"{count} streams: TPOT p50 ÷ that step", full_batch_value(count, "ratio"), 2, False)
+    contexts = sorted({row["context"] for run in runs for row in run.get("ttft") or []})
+    for context in contexts:
+        add(f"cold TTFT, {context:,}-token prompt (ms)", ttft_value(context, "cold"), 1, False)
+    for context in contexts:
+        add(f"warm-prefix TTFT, {context:,}-token prompt, last token changed (ms)", ttft_value(context, "warm"), 1,
+            False, cached_note(context))
+
+    def rss(run: dict) -> float | None:
+        total = (run.get("idle_rss_bytes") or {}).get("total")
+        return total / 2**20 if total else None
+
+    add("idle RSS, all processes (MiB)", rss, 0, False)
+    add("cold start → HTTP ready (s)", lambda run: run.get("cold_start_to_http_ready_s"), 1, False)
+    lines += ["", "ratio > 1: openinfer better (tok/s: ours ÷ vLLM; ms, MiB, s: vLLM ÷ ours). Full-batch decode "
+              "step: the median step in that burst with all its streams decoding and no prompt chunk, from "
+              "openinfer's step log (issue #12's goal: TPOT p50 ≤ 1.2× it at 256 streams)"]
+    lines += [f"failed: {failure}" for failure in report.get("failures", [])]
+    return "\n".join(lines)
 
 
 def gpu_name() -> str:
@@ -379,7 +553,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the checkpoint is, for the report and the plot (e.g. 'Qwen3.5-4B shape')")
     parser.add_argument("--append", action="store_true",
                         help="add to the runs already in results/TAG.json (e.g. vLLM in a later device call)")
+    parser.add_argument("--ttft-contexts", default="",
+                        help="comma list of prompt lengths for cold / warm-prefix TTFT rows after each sweep (default: none)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="fresh prompts per TTFT context (median)")
+    parser.add_argument("--results-dir", default=str(HERE / "results"), help="where TAG.json and TAG.png go")
+    parser.add_argument("--table", action="store_true",
+                        help="only print the markdown comparison table of results/TAG.json (runs nothing)")
     args = parser.parse_args(argv)
+    results = Path(args.results_dir)
+    if args.table:
+        print(comparison_table(json.loads((results / f"{args.tag}.json").read_text())))
+        return 0
+    args.ttft_contexts = [int(c) for c in args.ttft_contexts.split(",") if c.strip()]
+    if args.ttft_repeats < 1 or any(c < 2 for c in args.ttft_contexts):
+        parser.error("--ttft-repeats >= 1; each --ttft-contexts length >= 2 (a warm prompt changes the last token)")
     unknown = set(args.clients.split(",")) - {"httpx", "lean"}
     if unknown or args.client_procs < 1:
         parser.error(f"--clients takes httpx and/or lean (got {sorted(unknown)}); --client-procs >= 1")
@@ -389,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         from openinfer.demo import ensure_demo_model
         from openinfer.engine_core.stub import write_stub_model
 
-        checkpoint = write_stub_model(Path("/tmp/openinfer-stub-concurrency"), ensure_demo_model(), step_ms=14.5)
+        checkpoint = write_stub_model(Path("/tmp/openinfer-stub-concurrency"), ensure_demo_model(), step_ms=14.5,
+                                      max_model_len=args.max_model_len)
     elif not (checkpoint / "config.json").exists():
         # a child process, so torch's CUDA memory is gone before the servers size their KV pools
         subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
@@ -406,8 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device, "model": "stub" if args.stub else args.model_label,
               "input_len": args.input_len, "output_len": args.output_len, "streams": streams, "runs": [],
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    results = HERE / "results"
-    results.mkdir(exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
     previous = results / f"{args.tag}.json"
     if args.append and previous.exists():
         report["runs"] = json.loads(previous.read_text()).get("runs", [])
@@ -434,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("failures", []).append(f"vllm: {exc!r}")
         save()
     print(f"wrote {results / (args.tag + '.json')} and .png")
+    if report["runs"]:
+        print(comparison_table(report))
     return 0
 
 

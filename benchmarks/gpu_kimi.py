@@ -393,6 +393,34 @@ def warm_kernels(calls: list) -> None:
     print(f"compiled {built} CUDA modules in {time.perf_counter() - started:.1f} s", flush=True)
 
 
+def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16) -> int:
+    """Compile moe.cu's decode GEMVs and tiled GEMM for every weight format (INT4 at each group in
+    ``groups``) and every ``GEMV_KERNELS`` shape in parallel NVRTC threads, into CuPy's disk cache:
+    later processes on the machine (the GPU tests, the benchmarks) then load instead of compiling
+    them one after the other."""
+    import cupy
+
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
+
+    started = time.perf_counter()
+    weights = [cuda_moe.ExpertLinear(fmt, None, None, 0, 0, group)
+               for fmt in cuda_moe.FORMATS for group in (groups if fmt == "int4" else (32,))]
+    with discover_kernels() as found:
+        kernel("moe.cu", "moe_sort")  # routing: the format-free module, and the opt-in router shape
+        kernel("moe.cu", "moe_router_logits", ROUTER_LOADS=cuda_moe.FAST_ROUTER_LOADS)
+        for weight in weights:
+            weight._kernel()
+            weight._kernel("moe_dequantize")
+            for name, defines in cuda_moe.GEMV_KERNELS.items():
+                kernel_name = name if name == "moe_gemv" else \
+                    "moe_gemv_mma" if name in cuda_moe.TENSOR_CORE_GEMVS else "moe_gemv_wide"
+                weight._kernel(kernel_name, **defines)
+    built = compile_kernels(found, cupy.cuda.Device().id, threads=threads)
+    print(f"compiled {built} moe.cu modules in {time.perf_counter() - started:.1f} s", flush=True)
+    return built
+
+
 def random_int4(backend, experts: int, n: int, k: int):
     import cupy
 
@@ -680,63 +708,116 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
     return weights + active_experts * per_expert + kv
 
 
-def layer_breakdown(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, h, iters: int,
-                    absorbed_kernel: str) -> dict:
-    """Each part of the layer step timed alone (eager, CUDA events), in ms."""
-    import cupy
-
+def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str) -> list:
+    """The layer step's ops in step order (``layer_step``'s calls), each a (name, closure) on inputs
+    computed here once, so each op can be replayed alone."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
-    from openinfer.tools.ledger import gpu_seconds
 
     c = KIMI_LAYER
+    mla = partial(cuda_mla.mla_forward, backend.blas)
+    mla_rest = (attention["w_uk"], attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
+                backend.num_sms)
     qkv_a = backend.linear(x, attention["qkv_a"])
-    q_a = cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]])
-    q = backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"])
-    attn = cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
-                                attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms)
+    q_a = qkv_a[:, :c["q_lora"]].copy()
+    latent = qkv_a[:, c["q_lora"]:]
+    q = backend.add_rms_norm_linear(q_a, None, attention["q_a_norm"], 1e-6, attention["q_b"])[0]
+    attn = mla(q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)
+    h = backend.linear(attn, attention["o_proj"])
+    shared_hidden = backend.linear(h, shared[0])
+    shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
     ids, weights = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)
     grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
-    gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True)
+    gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(gate_up)
-    parts = {
-        "qkv_a": partial(backend.linear, x, attention["qkv_a"]),
-        "q_a_norm+q_b": lambda: backend.linear(backend.rms_norm(q_a, attention["q_a_norm"], 1e-6), attention["q_b"]),
-        "mla": lambda: cuda_mla.mla_forward(backend.blas, q.copy(), qkv_a[:, c["q_lora"]:], cache, attention["w_uk"],
-                                            attention["w_uv"], attention["kv_a_norm"], spec, batch, cos, sin, 1e-6,
-                                            backend.num_sms, absorbed_kernel=absorbed_kernel),
-        "o_proj": partial(backend.linear, attn, attention["o_proj"]),
-        "shared_expert": lambda: backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1]),
-        "route": partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias),
-        "group": partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts),
-        "experts_gate_up": partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True),
-        "experts_down": partial(cuda_moe.grouped_gemm, activated, moe.down, grouping, False),
-    }
-    return {name: 1e3 * gpu_seconds(fn, repeats=iters) for name, fn in parts.items()}
+    y = cuda_moe.grouped_gemm(activated, moe.down, grouping, gather=False, blas=backend.blas)
+    return [
+        ("qkv_a", partial(backend.linear, x, attention["qkv_a"])),
+        ("q_a_norm+q_b", partial(backend.add_rms_norm_linear, q_a, None, attention["q_a_norm"], 1e-6,
+                                 attention["q_b"])),
+        # rotates q's rope dims in place again on each call: other numbers, the same work
+        ("mla", partial(mla, q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)),
+        ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
+        ("shared_gate_up", partial(backend.linear, h, shared[0])),
+        ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
+        ("route", partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias)),
+        ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts)),
+        ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
+        ("experts_silu", partial(backend.silu_mul, gate_up)),
+        ("experts_down", partial(cuda_moe.grouped_gemm, activated, moe.down, grouping, False, blas=backend.blas)),
+        ("combine", partial(cuda_moe.combine, y, grouping, shared_out, c["hidden"])),
+    ]
 
 
-def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str]]:
-    """``--variants`` ("absorbed:gemv,..."), else the one variant of ``--absorbed-kernel`` and
-    $OPENINFER_MOE_GEMV (each falling back to core's default)."""
+def layer_breakdown(parts: list, step, iters: int) -> dict:
+    """Each op's device time in ms, the ops replayed in step order behind a spin kernel that holds
+    the stream with an event between consecutive ops (core's ledger timer): the host has enqueued
+    the whole step before the device starts, so no host launch cost is counted, and each op finds
+    its weights cold in L2 as in a real step. Also each op's host enqueue time."""
+    from openinfer.tools.ledger import OpCall, Timer
+
+    calls = [OpCall("plan", name, fn, (), {}, None) for name, fn in parts]
+    timed = Timer().ops(calls, iters, step)
+    return {"breakdown_ms": {name: 1e3 * t for (name, _), t in zip(parts, timed["device_s"], strict=True)},
+            "breakdown_host_ms": {name: 1e3 * t for (name, _), t in zip(parts, timed["host_s"], strict=True)},
+            "event_cost_ms": 1e3 * timed["event_cost_s"], "step_host_ms": 1e3 * timed["forward_host_s"]}
+
+
+LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
+    "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
+    "fast_routing": "moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING=1)",
+    "mla_splits32": "up to 32 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=32; default 16)",
+    "mla_splits64": "up to 64 (at 1k context: 33 splits of one 32-key tile, x4 latent quarters = 132 blocks)",
+}
+
+
+def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS), else the one
+    variant of ``--absorbed-kernel``, $OPENINFER_MOE_GEMV (each falling back to core's default),
+    $OPENINFER_FUSED_DECODE and $OPENINFER_MOE_FAST_ROUTING."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
+        on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV))
+              if os.environ.get(env, "0") in ("1", "true", "on")]
+        splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
+        on += [splits] if splits in LAYER_OPTIONS else []
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
-                 cuda_moe.forced_gemv_kernel() or "auto")]
+                 cuda_moe.forced_gemv_kernel() or "auto", tuple(on))]
     variants = []
     for item in text.split(","):
-        absorbed, _, gemv = item.partition(":")
-        if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS):
-            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV with ABSORBED in auto, "
-                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)} and GEMV in auto, "
-                             f"{', '.join(cuda_moe.GEMV_KERNELS)}")
-        variants.append((absorbed, gemv))
+        absorbed, _, rest = item.partition(":")
+        gemv, _, options = rest.partition(":")
+        chosen = tuple(options.split("+")) if options else ()
+        if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS) \
+                or not set(chosen) <= set(LAYER_OPTIONS):
+            raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV[:OPTION+...] with ABSORBED in auto, "
+                             f"{', '.join(cuda_mla.ABSORBED_KERNELS)}, GEMV in auto, "
+                             f"{', '.join(cuda_moe.GEMV_KERNELS)} and OPTION in {', '.join(LAYER_OPTIONS)}")
+        variants.append((absorbed, gemv, chosen))
     return variants
 
 
+def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ...]) -> str:
+    return f"{absorbed_kernel}:{gemv_kernel}" + (f":{'+'.join(options)}" if options else "")
+
+
+def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
+    """Core's switches for a variant: the decode GEMV, the routing kernels, the MLA splits (read at
+    each call)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
+    os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
+    splits = [o.removeprefix("mla_splits") for o in options if o.startswith("mla_splits")]
+    os.environ[cuda_mla.MAX_SPLITS_ENV] = splits[-1] if splits else ""
+
+
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
-    """One decode step of the layer: returns (attention output after o_proj, layer output)."""
+    """One decode step of the layer, as the plugin's CUDA plan runs it: returns (attention output
+    after o_proj, layer output)."""
     import cupy
 
     from openinfer.backend.cuda import mla as cuda_mla
@@ -744,13 +825,13 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
 
     c = KIMI_LAYER
     qkv_a = backend.linear(x, attention["qkv_a"])
-    q = backend.linear(backend.rms_norm(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), attention["q_a_norm"], 1e-6),
-                       attention["q_b"])
+    q = backend.add_rms_norm_linear(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), None, attention["q_a_norm"],
+                                    1e-6, attention["q_b"])[0]
     attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
-    shared_out = backend.linear(backend.silu_mul(backend.linear(h, shared[0])), shared[1])
+    shared_out = backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
     return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
 
 
@@ -767,6 +848,7 @@ def run_layer(args) -> dict:
 
     variants = layer_variants(args.variants, args.absorbed_kernel)
     backend = CudaBackend()
+    backends = {False: backend, True: CudaBackend(fuse_decode=True)}  # by variant's ``fused``: same weights
     rng = np.random.default_rng(0)
     attention, moe, shared = build_layer(backend, rng)
     c = KIMI_LAYER
@@ -775,7 +857,7 @@ def run_layer(args) -> dict:
     cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
     bandwidth = copy_bandwidth()
     points = []
-    for batch in (1, 64, 256):
+    for batch in (int(b) for b in args.batches.split(",")):
         block_size = 64
         blocks_per_seq = -(-(args.context + 1) // block_size)
         cache = cupy.zeros((batch * blocks_per_seq + 1, block_size, c["kv_lora"] + c["rope"]), cupy.uint16)
@@ -791,21 +873,21 @@ def run_layer(args) -> dict:
         x = backend.upload(rng.standard_normal((batch, c["hidden"])).astype(np.float32))
         if not points:  # every variant's modules compiled in parallel before anything is timed
             dry = []
-            for absorbed_kernel, gemv_kernel in variants:
-                dry.append(partial(os.environ.__setitem__, cuda_moe.GEMV_KERNEL_ENV, gemv_kernel))
-                dry.append(partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos,
-                                   sin, x, absorbed_kernel))
+            for absorbed_kernel, gemv_kernel, options in variants:
+                dry.append(partial(use_variant, gemv_kernel, options))
+                dry.append(partial(layer_step, backends["fused" in options], attention, moe, shared, spec, cache,
+                                   device_batch, cos, sin, x, absorbed_kernel))
             warm_kernels(dry)
-        for absorbed_kernel, gemv_kernel in variants:
-            os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel  # core's switch for the decode GEMV
-
-            step = partial(layer_step, backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
+        for absorbed_kernel, gemv_kernel, options in variants:
+            use_variant(gemv_kernel, options)
+            ops = backends["fused" in options]
+            step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
             ids, _ = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)  # the experts the step reads
             active = int(cupy.unique(ids).size)
-            breakdown = layer_breakdown(backend, attention, moe, shared, spec, cache, device_batch, cos, sin, x, h,
-                                        args.iters, absorbed_kernel)
+            breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
+                                                    x, absorbed_kernel), step, args.iters)
             eager = gpu_seconds(step, repeats=args.iters, warmup=2)
             graph_seconds, graph_error = None, None
             pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -829,20 +911,28 @@ def run_layer(args) -> dict:
             needed = layer_bytes(attention, moe, shared, active, batch, args.context)
             roofline = needed / bandwidth
             points.append({"batch": batch, "absorbed_kernel": absorbed_kernel, "gemv_kernel": gemv_kernel,
+                           "options": list(options), "variant": variant_label(absorbed_kernel, gemv_kernel, options),
                            "absorbed_kernel_run": cuda_mla.choose_absorbed_kernel(spec.num_heads, batch,
                                                                                   absorbed_kernel),
                            "step_ms": 1e3 * seconds, "eager_ms": 1e3 * eager,
                            "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
                            "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
                            "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
-                           "breakdown_ms": breakdown})
+                           "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown})
             print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "context": args.context, "variants": [f"{a}:{g}" for a, g in variants], "layer": KIMI_LAYER,
+            "context": args.context, "variants": [variant_label(*v) for v in variants], "layer": KIMI_LAYER,
             "points": points}
 
 
+def _variant_name(variant: str) -> str:
+    absorbed, gemv, *options = variant.split(":")
+    return f"MLA {absorbed}, GEMV {gemv}" + "".join(f", {o}" for o in "+".join(options).split("+") if o)
+
+
 def plot_layer(report: dict, path: Path) -> None:
+    """Step time per batch and variant against the roofline; beside it the smallest batch's
+    per-op device times (when the points carry them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -851,25 +941,41 @@ def plot_layer(report: dict, path: Path) -> None:
     points = report["points"]
     batches = sorted({p["batch"] for p in points})
     variants = report["variants"]
+
+    def point_of(batch: int, variant: str):
+        return next((p for p in points if p["batch"] == batch
+                     and variant == p.get("variant", f"{p['absorbed_kernel']}:{p['gemv_kernel']}")), None)
+
     x = np.arange(len(batches))
     width = 0.8 / (len(variants) + 1)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (ax, ops_ax) = plt.subplots(1, 2, figsize=(14, 4.5))
     for i, variant in enumerate([*variants, "roofline"]):
         offset = (i - len(variants) / 2) * width
         for j, batch in enumerate(batches):
-            point = next((p for p in points if p["batch"] == batch
-                          and variant in (f"{p['absorbed_kernel']}:{p['gemv_kernel']}", "roofline")), None)
+            point = point_of(batch, variants[0] if variant == "roofline" else variant)
             if point is None:
                 continue
             value = point["roofline_ms"] if variant == "roofline" else point["step_ms"]
             ax.bar(j + offset, value, width, color=f"C{i}", label=None if j else
-                   ("HBM roofline" if variant == "roofline" else f"MLA {variant.replace(':', ', GEMV ')}"))
+                   ("HBM roofline" if variant == "roofline" else _variant_name(variant)))
             if variant != "roofline":
                 ax.text(j + offset, value, f"{100 * point['fraction_of_roofline']:.0f}%", ha="center", va="bottom",
                         fontsize=7)
-    ax.set(xticks=x, xticklabels=[f"batch {b}" for b in batches], ylabel="ms per layer step",
-           title=f"one Kimi-K2 layer (MLA + 384 INT4 experts top-8), context {report['context']} — {report['device']}")
+    ax.set(xticks=x, xticklabels=[f"batch {b}" for b in batches], ylabel="ms per layer step (graph replay)",
+           title=f"one Kimi-K2 layer, context {report['context']} — {report['device']}")
     ax.legend(fontsize=7)
+    first = [point_of(batches[0], v) for v in variants]
+    ops = list(first[0]["breakdown_ms"]) if first[0] else []
+    y = np.arange(len(ops))
+    height = 0.8 / len(variants)
+    for i, point in enumerate(first):
+        if point is not None:
+            ops_ax.barh(y + i * height, [1e3 * point["breakdown_ms"].get(op, 0.0) for op in ops], height,
+                        color=f"C{i}", label=_variant_name(variants[i]))
+    ops_ax.set(yticks=y + 0.4 - height / 2, yticklabels=ops, xlabel="µs per op (device, held stream)",
+               title=f"batch {batches[0]}: each op")
+    ops_ax.invert_yaxis()
+    ops_ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -1120,11 +1226,15 @@ def main() -> None:
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
+    layer.add_argument("--batches", default="1,64,256", help="comma list of decode batch sizes")
+    layer.add_argument("--name", default="kimi_layer", help="results file name (JSON + PNG)")
     layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
                        help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
     layer.add_argument("--variants", default="",
-                       help="side by side in one run: comma list of ABSORBED:GEMV, e.g. cuda_cores:moe_gemv,mma:mma "
-                            "(MLA decode kernel, $OPENINFER_MOE_GEMV)")
+                       help="side by side in one run: comma list of ABSORBED:GEMV[:OPTION+...], e.g. "
+                            "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused+fast_routing (MLA decode kernel, "
+                            f"$OPENINFER_MOE_GEMV, options: {'; '.join(f'{k}: {v}' for k, v in LAYER_OPTIONS.items())})")
+    sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",
                       help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
@@ -1140,6 +1250,9 @@ def main() -> None:
                       help="a moonlight_serving.json whose runs to keep (e.g. openinfer's, when vLLM runs later)")
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
     args = parser.parse_args()
+    if args.command == "warm":
+        warm_moe_modules()
+        return
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":  # a run of some sections only keeps the full run's file
         report, plot = run_kernels(args), plot_kernels
@@ -1148,7 +1261,7 @@ def main() -> None:
         report, plot = run_gemv(args), plot_gemv
         name = "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
     elif args.command == "layer":
-        report, name, plot = run_layer(args), "kimi_layer", plot_layer
+        report, name, plot = run_layer(args), args.name, plot_layer
     else:
         report, plot = run_moonlight(args), plot_moonlight
         name = "moonlight_serving_tiny" if args.tiny else "moonlight_serving"

@@ -24,24 +24,49 @@ the engine is up (weights loaded, graphs captured; breakdown from /proc) and a s
     python benchmarks/gpu_qwen35.py [--checkpoint /tmp/qwen35-4b-mm] [--quick]
 Writes benchmarks/results/gpu_qwen35.json and .png (copies under $OUT when set).
 
-Side by side with vLLM (issue 17's goal), on one warm GPU machine, in this order:
+Side by side with vLLM (issue 17's goal): two device calls on one warm GPU machine (vLLM
+carried and installed as ``../shared/tools/vllm-peer.sh`` says), each under 550 s, from the repo
+root with ``PYTHONUNBUFFERED=1``; results under $OUT. Call 1, ours (~4 min on a fresh machine):
 
-    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --write-checkpoint-only
-    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
-        --api-server-counts 1 --tag gpu_concurrency_qwen35
-    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-4b-mm --multi-turn-only
-    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-4b-mm --streams 1,16,64 \
-        --api-server-counts 0 --append --tag gpu_concurrency_qwen35 --vllm-start-timeout 540 --vllm-cmd \
-        "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server --model {model} \
-        --port {port} --max-model-len 4096 --gpu-memory-utilization 0.85 --language-model-only \
-        --gdn-prefill-backend triton"
+    C=/tmp/qwen35-4b-mm; L="Qwen3.5-4B shape (multimodal layout, random bf16, fp32 GDN state)"
+    timeout 150 python benchmarks/gpu_qwen35.py --checkpoint $C --write-checkpoint-only
+    timeout 240 python benchmarks/gpu_concurrency.py --checkpoint $C --streams 1,16,64 \
+        --api-server-counts 1 --clients lean --model-label "$L" --tag gpu_concurrency_qwen35
+    cp benchmarks/results/gpu_concurrency_qwen35.json /tmp/
+    timeout 120 python benchmarks/gpu_qwen35.py --checkpoint $C --multi-turn-only
 
-The second line serves our engine (``openinfer serve``: bursts of 1 / 16 / 64 streams, 1k in /
-128 out, idle RSS of every process); the third writes results/gpu_qwen35_multi_turn.json (+ .png):
-engine start, idle RSS and a second chat turn (4,000-token history + 50 new tokens) warm from the
-prefix cache vs cold, medians of ``--repeats``; the last adds vLLM's run on the same checkpoint to
-results/gpu_concurrency_qwen35.json. ``--shape tiny`` (a toy checkpoint) with ``--device cpu``
-dry-runs the third line on the NumPy backend (results/gpu_qwen35_multi_turn_cpu_dry_run.json).
+Call 2, vLLM 0.26.0 on the same checkpoint with the same lean client (first start ~5 min of
+Triton autotuning; ``--append`` puts its run beside ours in one JSON + PNG):
+
+    C=/tmp/qwen35-4b-mm; L="Qwen3.5-4B shape (multimodal layout, random bf16, fp32 GDN state)"
+    cp /tmp/gpu_concurrency_qwen35.json benchmarks/results/
+    timeout 530 python benchmarks/gpu_concurrency.py --checkpoint $C --streams 1,16,64 \
+        --api-server-counts 0 --clients lean --append --model-label "$L" --tag gpu_concurrency_qwen35 \
+        --vllm-start-timeout 420 --vllm-cmd "env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m \
+        vllm.entrypoints.openai.api_server --model {model} --port {port} --max-model-len 4096 \
+        --gpu-memory-utilization 0.85 --language-model-only --gdn-prefill-backend triton \
+        --mamba-ssm-cache-dtype float32"
+
+What each line gives: the checkpoint (random bf16, ``mamba_ssm_dtype: float32`` as the released
+configs: vLLM then keeps the delta-rule state in fp32 as we do, and the last flag says so again);
+``openinfer serve`` under bursts of 1 / 16 / 64 streams (1k in / 128 out: out tok/s, TPOT and
+TTFT p50/p99 — the 1-stream TPOT is bs=1 decode through HTTP), its cold start and the idle RSS of
+every process (results/gpu_concurrency_qwen35.json + .png); then, in-process
+(results/gpu_qwen35_multi_turn.json + .png): engine start, idle RSS with its anonymous /
+file-mapped / shared parts, bs=1 TPOT (1k-token prompt, 128 new tokens) and a second chat turn
+(4,000-token history + 50 new tokens) warm from the prefix cache vs cold, medians of
+``--repeats``; call 2 adds vLLM's run (cold start, idle RSS of its process tree, the same rows).
+
+CPU dry runs of every step (a toy checkpoint in the same layout, the NumPy engine):
+
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-tiny --shape tiny --write-checkpoint-only
+    python benchmarks/gpu_concurrency.py --checkpoint /tmp/qwen35-tiny --streams 1,4 --api-server-counts 1 \
+        --clients lean --input-len 64 --output-len 8 --max-model-len 512 --serve-args "--device cpu" --tag dry
+    python benchmarks/gpu_qwen35.py --checkpoint /tmp/qwen35-tiny --shape tiny --multi-turn-only \
+        --device cpu --history 256 --new-turn 16 --repeats 2
+
+and call 2 with ``--vllm-cmd "env PYTHONPATH=... python -m openinfer.cli serve --model-path {model}
+--port {port} --device cpu --grpc-port 0"`` standing in for vLLM.
 """
 
 from __future__ import annotations
@@ -92,7 +117,15 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
-VARIANTS = {"after": None, "before": "recurrent"}
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "pipelined" = the persistent decode kernel
+VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_ENV)
+# each variant's environment ("after": the defaults); "plain" / "pipelined": the default kernels with
+# that fused decode kernel (gdn_decode_step / gdn_decode_step_pipelined) whichever is the default
+KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
+                       "pipelined": {DECODE_ENV: "pipelined"}}
+DECODE_VARIANTS = ("plain", "pipelined")
+DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
+BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
 def write_checkpoint(path: Path, text: dict | None = None, vision: dict | None = None, device: str | None = None) -> float:
@@ -244,13 +277,12 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
 
 
 def set_kernels(variant: str) -> None:
-    if VARIANTS[variant] is None:
-        os.environ.pop(KERNELS_ENV, None)
-    else:
-        os.environ[KERNELS_ENV] = VARIANTS[variant]
+    for name in (KERNELS_ENV, DECODE_ENV):
+        os.environ.pop(name, None)
+    os.environ.update(KERNEL_ENVIRONMENTS[variant])
 
 
-def layer_core_timings(args: argparse.Namespace) -> dict:
+def layer_core_timings(args: argparse.Namespace, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
     norm; no projections) at the 4B shape, per variant: decode batches and single prompts.
     Decode is timed twice: back-to-back launches (``decode_us``: at small batches that is CuPy's
@@ -316,7 +348,7 @@ def layer_core_timings(args: argparse.Namespace) -> dict:
         return cupy.cuda.get_elapsed_time(start, stop) / (replays * calls)
 
     timings: dict = {}
-    for variant in VARIANTS:
+    for variant in variants:
         set_kernels(variant)
         decode, decode_graph, prefill = {}, {}, {}
         for rows in args.streams:
@@ -452,18 +484,21 @@ def device_name(device: str) -> str:
 
 
 def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
-    """The default engine's start, idle RSS and a warm vs cold second chat turn, nothing else:
-    the part of this benchmark that goes beside gpu_concurrency.py's vLLM side by side."""
+    """The default engine's start, idle RSS (with CuPy's pinned / device pools: what a "shared"
+    part would be), bs=1 TPOT and a warm vs cold second chat turn, nothing else: the part of this
+    benchmark that goes beside gpu_concurrency.py's vLLM side by side."""
     import openinfer
+    from openinfer.engine_core.startup import memory_breakdown
 
     results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device)}
     start = time.perf_counter()
-    engine = openinfer.create_engine(path, device=args.device, max_model_len=args.history + args.new_turn + 64,
-                                     max_num_seqs=64)
+    max_model_len = max(args.history + args.new_turn + 64, BS1_PROMPT + BS1_NEW_TOKENS + 64)
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
     results["engine_start_s"] = time.perf_counter() - start
     try:
         gc.collect()
         results["idle_rss_bytes"] = process_rss()
+        results["memory_breakdown"] = memory_breakdown()
         results["kv_plan"] = {"num_blocks": engine.kv_plan.num_blocks,
                               "num_state_slots": engine.kv_plan.num_state_slots,
                               "num_snapshot_slots": engine.kv_plan.num_snapshot_slots}
@@ -471,12 +506,110 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
               f"{results['kv_plan']}", flush=True)
         prompts = Prompts(args.vocab_size)
         prefill_ttft(engine, prompts, min(512, args.history), 1, "warm-up")
+        # bs=1 decode in this process: beside gpu_concurrency's 1-stream row, the HTTP path's share
+        results["decode_tpot_ms_bs1"] = tpot(engine, prompts, 1, BS1_PROMPT, BS1_NEW_TOKENS, "bs1")
+        print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
         results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
     finally:
         engine.close_sync()
     write_results(results, "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else ""), plot_multi_turn)
     return results
+
+
+def run_decode_kernels_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's decode step at the 4B shape, ``OPENINFER_QWEN35_GDN_DECODE`` plain (one
+    block per sequence and value head) against pipelined, at ``DECODE_ROWS`` rows:
+    back-to-back launches and CUDA-graph replay (results/gpu_qwen35_decode_kernels.json + .png)."""
+    args.streams, args.prefill = DECODE_ROWS, ()
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
+                     "device": device_name("cuda"),
+                     "variants": {"plain": f"{DECODE_ENV}=plain: gdn_decode_step, grid (rows, 32), "
+                                           "2 blocks of 512 threads per SM",
+                                  "pipelined": f"{DECODE_ENV}=pipelined: gdn_decode_step_pipelined, persistent grid, "
+                                               "next row's state loaded during the current one"}}
+    results["gdn_layer_core"] = layer_core_timings(args, DECODE_VARIANTS)
+    # graph replay where it was measured, else back-to-back launches (device-bound from 16 rows)
+    replay = {v: {rows: graphed or results["gdn_layer_core"][v]["decode_us"][rows]
+                  for rows, graphed in results["gdn_layer_core"][v]["decode_graph_us"].items()}
+              for v in DECODE_VARIANTS}
+    results["pipelined_speedup_graph"] = {rows: replay["plain"][rows] / replay["pipelined"][rows]
+                                          for rows in replay["plain"] if replay["plain"][rows] and replay["pipelined"][rows]}
+    # state bytes each step moves (read + write, fp32), over the replayed time: the kernel's bandwidth
+    state_bytes = 2 * 32 * 128 * 128 * 4
+    results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
+                                           for rows, us in replay[v].items() if us} for v in replay}
+    print(json.dumps({k: results[k] for k in ("pipelined_speedup_graph", "state_bandwidth_tb_s")}), flush=True)
+    write_results(results, "gpu_qwen35_decode_kernels", plot_decode_kernels)
+    return results
+
+
+def write_dummy_config(path: Path, shape: str) -> None:
+    """Only a config.json (the multimodal layout's, without torch): the engine then loads random
+    weights at the real shapes (``load_format="dummy"``), so a timing needs no checkpoint write."""
+    text, vision = SHAPES[shape]
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": vision,
+              "tie_word_embeddings": text["tie_word_embeddings"], "vocab_size": text["vocab_size"]}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def run_decode_tpot_only(args: argparse.Namespace) -> dict:
+    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams,
+    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs pipelined (each variant's engine captures its own graphs),
+    on random weights at the ``--shape``'s real shapes (results/gpu_qwen35_decode_tpot.json)."""
+    import openinfer
+
+    path = Path(args.checkpoint)
+    write_dummy_config(path, args.shape)
+    args.vocab_size = SHAPES[args.shape][0]["vocab_size"]
+    streams = (1, 16, 64)
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
+                     "device": device_name(args.device), "prompt_tokens": 512, "new_tokens": 64,
+                     "decode_tpot_ms": {}, "engine_start_s": {}}
+    for variant in DECODE_VARIANTS:
+        set_kernels(variant)
+        start = time.perf_counter()
+        engine = openinfer.create_engine(path, device=args.device, max_model_len=1024, max_num_seqs=64,
+                                         load_format="dummy")
+        results["engine_start_s"][variant] = time.perf_counter() - start
+        try:
+            prompts = Prompts(args.vocab_size)
+            tpot(engine, prompts, 2, 64, 8, f"warm-{variant}")
+            results["decode_tpot_ms"][variant] = {str(n): tpot(engine, prompts, n, 512, 64, f"{variant}-{n}")
+                                                  for n in streams}
+            print(f"{variant}: TPOT ms {results['decode_tpot_ms'][variant]}", flush=True)
+        finally:
+            engine.close_sync()
+    set_kernels("after")
+    timed = results["decode_tpot_ms"]
+    results["pipelined_speedup"] = {n: timed["plain"][n] / timed["pipelined"][n] for n in timed["plain"]}
+    print(f"pipelined speed-up: {results['pipelined_speedup']}", flush=True)
+    write_results(results, "gpu_qwen35_decode_tpot" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
+    return results
+
+
+def plot_decode_kernels(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for variant, label in (("plain", "plain: one block per row and head"), ("pipelined", "pipelined: persistent")):
+        measured = {int(r): us for r, us in results["gdn_layer_core"][variant]["decode_graph_us"].items() if us}
+        axis.plot(list(measured), list(measured.values()), marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("decode rows")
+    axis.set_ylabel("µs per layer (CUDA-graph replay)")
+    axis.set_title(f"GDN decode step, one layer, {results['device']}", fontsize=9)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,8 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-checkpoint-only", action="store_true",
                         help="write the checkpoint (if missing) and exit: for gpu_concurrency.py and vLLM")
     parser.add_argument("--multi-turn-only", action="store_true",
-                        help="engine start, idle RSS and the warm vs cold second turn only "
+                        help="engine start, idle RSS, bs=1 TPOT and the warm vs cold second turn only "
                              "(results/gpu_qwen35_multi_turn.json)")
+    parser.add_argument("--decode-kernels-only", action="store_true",
+                        help="one GDN layer's decode step, plain vs pipelined kernel, at 1-256 rows "
+                             "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
+    parser.add_argument("--decode-tpot-only", action="store_true",
+                        help="engine decode TPOT at 1/16/64 streams, plain vs pipelined GDN decode kernel, on random "
+                             "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -496,10 +635,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not args.multi_turn_only:
-        parser.error("--device cpu runs only with --multi-turn-only (the kernel timings need a GPU)")
+    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
+        parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
+    if args.decode_kernels_only:
+        run_decode_kernels_only(args)
+        return 0
+    if args.decode_tpot_only:
+        run_decode_tpot_only(args)
+        return 0
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:
         if not (path / "config.json").exists():

@@ -27,7 +27,12 @@ max_tokens), measured side by side in one run:
     per step is the steadier number. The goal is < 5 % TPOT at batch 64. ``--configs`` adds
     ``schema_device_wait`` / ``mixed_half_device_wait``: grammar rows sampled ahead, the GPU
     waiting for their masks (``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``; switched per run on one
-    engine); ``--tpot-only`` skips (a) for a short GPU window.
+    engine); ``*_worker_consumes`` / ``*_engine_consumes``: the mask worker advances the matchers
+    by the step's tokens before it fills their masks, or the engine thread does before handing the
+    fill over (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1`` / ``0``); ``*_length_slices``: besides,
+    matchers mask through ``structured.string_length_slices``
+    (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1``), all switched per run on the same engine (names
+    without them: the engine's defaults); ``--tpot-only`` skips (a) for a short GPU window.
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
@@ -288,16 +293,34 @@ PEOPLE = {"type": "array", "items": PERSON, "minItems": 30}
 STUB_CONSTRAINTS = {"people": {"json_schema": json.dumps(PEOPLE)}, "digits": {"regex": "[0-9]{2000}"}}
 # configurations measured side by side (alternating rounds): which rows carry the schema, and
 # whether the engine computes masks in the background as tokens are consumed (the default) or
-# when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before)
 # when each step samples (OPENINFER_BACKGROUND_GRAMMAR_MASKS=0, how it worked before); device_wait:
 # background masks, grammar rows sampled ahead and the GPU waiting for their masks
-# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``)
+# (OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1; CUDA only, opt-in: ``--configs``); *_worker_consumes /
+# *_engine_consumes: the mask worker advances the matchers by the step's tokens before filling, or the
+# engine thread does before handing the fill over (OPENINFER_GRAMMAR_CONSUME_ON_WORKER=1 / 0);
+# *_length_slices: matchers mask through structured.string_length_slices
+# (OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1); without those words, the engine's defaults
 CONFIGS = {"plain": ("none", "background"), "schema_on_demand": ("all", "on_demand"),
            "schema_background": ("all", "background"), "mixed_half_background": ("half", "background"),
-           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait")}
+           "schema_device_wait": ("all", "device_wait"), "mixed_half_device_wait": ("half", "device_wait"),
+           "schema_background_worker_consumes": ("all", "background_worker_consumes"),
+           "schema_background_engine_consumes": ("all", "background_engine_consumes"),
+           "schema_device_wait_worker_consumes": ("all", "device_wait_worker_consumes"),
+           "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes"),
+           "schema_engine_consumes_length_slices": ("all", "background_engine_consumes_length_slices"),
+           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_background", "mixed_half_background"]
-# the environment an engine of each mode is created under (masks in the background, waited for on the device)
-MODES = {"on_demand": ("0", "0"), "background": ("1", "0"), "device_wait": ("1", "1")}
+# each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
+# worker, string length slices); the first is the environment its engine is created under, the others
+# are switched per run ("": the engine's own setting when it was created)
+MODES = {"on_demand": ("0", "0", "", ""), "background": ("1", "0", "", ""), "device_wait": ("1", "1", "", ""),
+         "background_worker_consumes": ("1", "0", "1", ""), "device_wait_worker_consumes": ("1", "1", "1", ""),
+         "background_engine_consumes": ("1", "0", "0", ""), "device_wait_engine_consumes": ("1", "1", "0", ""),
+         "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
+         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1")}
+# per engine (id), the switches use_mode sets, as the engine was created: what "" restores
+_CREATED_SWITCHES: dict[int, dict[str, bool]] = {}
+_SWITCHES = {2: "grammar_tokens_consumed_on_worker", 3: "grammar_string_length_slices"}
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
@@ -321,9 +344,11 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
         if shared is not None and hasattr(shared, "grammar_masks_waited_on_device"):
             engines[mode] = shared
             continue
-        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode]
+        os.environ[BACKGROUND_MASKS_ENV], os.environ[DEVICE_WAIT_ENV] = MODES[mode][:2]
         try:
-            engines[mode] = by_background[background] = create()
+            engines[mode] = by_background[background] = engine = create()
+            _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name) for name in _SWITCHES.values()
+                                             if hasattr(engine, name)}
         finally:
             os.environ.pop(BACKGROUND_MASKS_ENV)
             os.environ.pop(DEVICE_WAIT_ENV)
@@ -331,10 +356,16 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
 
 
 def use_mode(engines: dict[str, Any], mode: str) -> Any:
-    """The engine of ``mode``, its device wait switched on or off for it."""
+    """The engine of ``mode``, its device wait, where it consumes the step's tokens and its slices
+    switched for it."""
     engine = engines[mode]
     if hasattr(engine, "grammar_masks_waited_on_device"):
         engine.grammar_masks_waited_on_device = MODES[mode][1] == "1"
+    created = _CREATED_SWITCHES.get(id(engine), {})
+    for position, name in _SWITCHES.items():
+        if name in created:
+            setting = MODES[mode][position]
+            setattr(engine, name, created[name] if setting == "" else setting == "1")
     return engine
 
 
@@ -344,8 +375,11 @@ def close_engines(engines: dict[str, Any]) -> None:
 
 
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
-    return {name: {"rows_with_schema": rows, "background_masks": mode != "on_demand",
-                   "masks_waited_on_device": mode == "device_wait"} for name, (rows, mode) in configs.items()}
+    return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
+                   "masks_waited_on_device": MODES[mode][1] == "1",
+                   "tokens_consumed_on_worker": {"1": True, "0": False, "": "engine default"}[MODES[mode][2]],
+                   "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]]}
+            for name, (rows, mode) in configs.items()}
 
 
 def boolean_assignment_apply(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
@@ -846,7 +880,8 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
             "schema": "people: array of >= 30 PERSON objects; digits: the regex [0-9]{2000}; mixed_half: every "
             "other row has it", "host_cpu_count": os.cpu_count(),
             "host_load_average_1_5_15_min_at_end": os.getloadavg(),
-            "configs": configs_json({name: CONFIGS[name] for name in args.configs}), "rows": rows}
+            "configs": configs_json({name: CONFIGS[name] for name in args.configs}),
+            "engine_defaults": list(_CREATED_SWITCHES.values()), "rows": rows}
 
 
 def run_overhead(args: argparse.Namespace) -> dict:
@@ -909,7 +944,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             if dummy else directory.name, "device": args.device, "tokens_per_request": args.tokens,
             "rounds": args.rounds, "schema": "array of >= 30 PERSON objects (nested object, enum array, "
             "pattern, format); mixed_half: every other row has it", "host_load_average_1_5_15_min_at_end": load,
-            "configs": configs_json(configs), "rows": rows}
+            "configs": configs_json(configs), "engine_defaults": list(_CREATED_SWITCHES.values()), "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -1,8 +1,10 @@
 """Serving benchmark: an async OpenAI-API client with seeded Poisson arrivals.
 
 Sweeps request rates up to saturation and reports TTFT, TPOT, ITL (p50/p99), request and
-output-token throughput; then the warm prefix-cache TTFT at several context lengths (a second
-request sharing the first one's prefix). Writes JSON + PNG into benchmarks/results/.
+output-token throughput; then cold and warm-prefix TTFT at several context lengths (``ttft_rows``:
+a fresh prompt, then that prompt with only its last token changed, through the lean client of
+``sse_client.py``; ``gpu_concurrency.py`` takes its TTFT rows from here too). Writes JSON + PNG
+into benchmarks/results/.
 
     python benchmarks/serve.py --url http://127.0.0.1:8000 --input-len 1024 --output-len 128 \
         --rates 1,2,4,8,16,32,inf --num-requests 200
@@ -21,11 +23,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sse_client import StreamRecord, completion_body, stream_completion  # noqa: E402  (the lean client)
+
 RESULTS = Path(__file__).resolve().parent / "results"
+TTFT_OUTPUT_TOKENS = 1  # a TTFT request's max_tokens: its first token is all it is timed by
 
 
 @dataclass
@@ -108,14 +116,53 @@ async def sweep_rate(url: str, model: str, rate: float, prompts: list[list[int]]
         return summarize(rate, results, time.perf_counter() - start)
 
 
-async def warm_prefix_ttft(url: str, model: str, context: int, vocab: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed + context)
-    prefix = rng.integers(100, vocab - 100, size=context - 8).tolist()
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
-        cold = await one_request(client, model, prefix + rng.integers(100, vocab - 100, size=8).tolist(), 1)
-        warm = await one_request(client, model, prefix + rng.integers(100, vocab - 100, size=8).tolist(), 1)
-    return {"context": context, "cold_ttft_ms": 1e3 * cold.ttft, "warm_ttft_ms": 1e3 * warm.ttft,
-            "warm_cached_tokens": warm.cached_tokens, "ok": cold.ok and warm.ok, "error": cold.error or warm.error}
+def ttft_rows(url: str, model: str, contexts: list[int], repeats: int, vocab: int, seed: int = 1) -> list[dict]:
+    """Cold and warm-prefix TTFT per context length, one request at a time, with the lean client
+    (``sse_client``).
+
+    Cold: a fresh random prompt of ``context`` tokens (never sent before: a load generated from
+    another seed shares no prefix with it). Warm: that same prompt re-sent with only its last token
+    changed, so every full KV block before it can come from the prefix cache (issue #16's
+    warm-prefix row); its ``cached_tokens`` (where the server reports them) show whether it did.
+    Medians over ``repeats`` fresh prompts; before them one discarded fresh prompt per context, so a
+    kernel compiled or a graph captured on a prefill length's first use is not in a cold row."""
+    parsed = urlsplit(url)
+    rng = np.random.default_rng(seed)
+
+    def send(prompt: list[int]) -> StreamRecord:
+        body = completion_body(model, prompt, TTFT_OUTPUT_TOKENS)
+        try:
+            return asyncio.run(stream_completion(parsed.port or 80, body, host=parsed.hostname or "127.0.0.1"))
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # a row fails, the run goes on
+            return StreamRecord(start=0.0, error=repr(exc))
+
+    def fresh(context: int) -> list[int]:
+        return rng.integers(100, vocab - 100, size=context).tolist()
+
+    rows = []
+    for context in contexts:
+        send(fresh(context))  # the discarded first use of this length
+        cold, warm = [], []
+        for _ in range(repeats):
+            prompt = fresh(context)
+            cold.append(send(prompt))
+            prompt[-1] = prompt[-1] + 1 if prompt[-1] + 1 < vocab - 100 else prompt[-1] - 1
+            warm.append(send(prompt))
+        cold_ms = [1e3 * (r.first - r.start) for r in cold if r.ok]
+        warm_ms = [1e3 * (r.first - r.start) for r in warm if r.ok]
+        row = {"context": context, "repeats": repeats,
+               "cold_ttft_ms": float(np.median(cold_ms)) if cold_ms else float("nan"),
+               "warm_ttft_ms": float(np.median(warm_ms)) if warm_ms else float("nan"),
+               "cold_ttft_ms_each": cold_ms, "warm_ttft_ms_each": warm_ms,
+               "cold_cached_tokens": [r.cached_tokens for r in cold if r.ok],
+               "warm_cached_tokens": [r.cached_tokens for r in warm if r.ok],
+               "num_failed": len(cold) + len(warm) - len(cold_ms) - len(warm_ms)}
+        errors = sorted({r.error for r in cold + warm if not r.ok})
+        if errors:
+            row["errors"] = errors[:5]
+        print(json.dumps({"ttft": row}), flush=True)
+        rows.append(row)
+    return rows
 
 
 def plot(report: dict, path: Path) -> None:
@@ -162,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--rates", default="1,2,4,8,16,32,inf")
-    parser.add_argument("--prefix-contexts", default="1024,4096,16384")
+    parser.add_argument("--prefix-contexts", default="1024,4096,16384",
+                        help="prompt lengths of the cold / warm-prefix TTFT rows (see ttft_rows)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="fresh prompts per TTFT context (median)")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--device-name", default=None, help="recorded in the JSON (default: from the server)")
     parser.add_argument("--seed", type=int, default=0)
@@ -189,13 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             summary = asyncio.run(sweep_rate(args.url, model, rate, prompts, args.output_len, args.seed))
             print(json.dumps(summary), flush=True)
             sweep.append(summary)
-        prefix = [asyncio.run(warm_prefix_ttft(args.url, model, int(c), args.vocab_size, args.seed))
-                  for c in args.prefix_contexts.split(",") if c]
-        for row in prefix:
-            print(json.dumps(row), flush=True)
+        ttft = ttft_rows(args.url, model, [int(c) for c in args.prefix_contexts.split(",") if c],
+                         args.ttft_repeats, args.vocab_size, args.seed + 1)
         report = {"device": args.device_name or platform.node(), "model": model, "input_len": args.input_len,
                   "output_len": args.output_len, "num_requests": args.num_requests, "sweep": sweep,
-                  "warm_prefix_ttft": prefix, "python": platform.python_version(),
+                  "ttft": ttft, "python": platform.python_version(),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"{args.tag}.json").write_text(json.dumps(report, indent=2))

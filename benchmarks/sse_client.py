@@ -2,19 +2,22 @@
 the socket (chunked or not), JSON parsed for no frame. Cheap enough that a few client
 processes can drive hundreds of streams and measure the server, not the client.
 
-``stream_completion(port, body)`` returns a ``StreamRecord`` of when each text frame arrived
-and the ``completion_tokens`` the server reported (from the usage chunk, or from every chunk
-with ``stream_options.continuous_usage_stats``); each benchmark derives its own figures from it
-(``benchmarks/gpu_concurrency.py``, ``benchmarks/stub_serving.py``).
+``stream_completion(port, body)`` returns a ``StreamRecord`` of when each text frame arrived,
+the ``completion_tokens`` the server reported (from the usage chunk, or from every chunk with
+``stream_options.continuous_usage_stats``) and the prompt's ``cached_tokens``
+(``usage.prompt_tokens_details``, where the server reports it); each benchmark derives its own
+figures from it (``benchmarks/gpu_concurrency.py``, ``benchmarks/stub_serving.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
 COMPLETION_TOKENS_KEY = b'"completion_tokens":'
+CACHED_TOKENS_KEY = b'"cached_tokens":'
 ERROR_PREFIXES = (b'data: {"error"', b'data: {"object":"error"')
 
 
@@ -28,6 +31,7 @@ class StreamRecord:
     events: int = 0  # text frames (the usage-only chunk is not one)
     tokens: int = 0  # the last completion_tokens the server reported
     first_tokens: int = 0  # completion_tokens reported with the first text frame (0: not reported)
+    cached_tokens: int | None = None  # the prompt's tokens served from the prefix cache (None: not reported)
     gaps: list[float] = field(default_factory=list)  # between consecutive text frames
     error: str = ""
 
@@ -36,12 +40,25 @@ class StreamRecord:
         return self.first is not None and not self.error
 
 
+def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> bytes:
+    """A streaming /v1/completions request: greedy, ``max_tokens`` out whatever the model samples
+    (ignore_eos), usage in the last chunk."""
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
 def completion_tokens(frame: bytes) -> int | None:
     """The ``completion_tokens`` of an SSE frame's usage, without parsing its JSON."""
-    at = frame.find(COMPLETION_TOKENS_KEY)
+    return usage_count(frame, COMPLETION_TOKENS_KEY)
+
+
+def usage_count(frame: bytes, key: bytes) -> int | None:
+    """The integer after ``key`` (a JSON key with its colon) in an SSE frame, without parsing its
+    JSON; None where the key is absent or its value is not a number (``null``)."""
+    at = frame.find(key)
     if at < 0:
         return None
-    begin = end = at + len(COMPLETION_TOKENS_KEY)
+    begin = end = at + len(key)
     while end < len(frame) and frame[end:end + 1] == b" ":
         begin = end = end + 1
     while end < len(frame) and frame[end:end + 1].isdigit():
@@ -117,6 +134,9 @@ async def stream_completion(port: int, body: bytes, *, host: str = "127.0.0.1",
                     record.last = now
                 if count is not None:
                     record.tokens = count
+                cached = usage_count(frame, CACHED_TOKENS_KEY)
+                if cached is not None:
+                    record.cached_tokens = cached
     finally:
         writer.close()
     if record.first is None and not record.error:

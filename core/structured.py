@@ -15,7 +15,9 @@ The grammar engine is llguidance (chosen over xgrammar by measured mask time and
   (:class:`MaskWorker`), one parallel llguidance call advances the matchers by their tokens and
   one fills their allowed-token bitmasks (one int32 word per 32 tokens, bit ``t % 32`` of word
   ``t // 32`` set = token ``t`` allowed), the GIL released, while the engine emits, schedules
-  and builds the next batch and the device runs the forward;
+  and builds the next batch and the device runs the forward (with
+  ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER=0`` the engine thread makes the first call itself:
+  :attr:`GrammarCompiler.tokens_consumed_on_worker` says why);
 * with ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on CUDA, a step with grammar rows is sampled
   ahead like any other, before its masks exist (:meth:`StepMasks.pending`): the GPU stream waits
   for them (``backend.cuda.sampler``), so neither the mask work nor the engine's host work lies
@@ -407,32 +409,80 @@ def default_mask_threads(device_forward: bool) -> int:
     return max(2, min(16, cores - 2)) if device_forward else max(2, min(8, cores // 2))
 
 
+# one character of a JSON string that needs no escape
+_STRING_CHARACTER = '[^"\\\\\\x00-\\x1F\\x7F]'
+
+
+def string_length_slices() -> list[str]:
+    """llguidance's token "slices" (``LLTokenizer.general_slices``: JSON whitespace, then tokens
+    of 1-10, 11-30 and more unescaped string characters) with the 1-10 slice split by length.
+    A mask walks the token trie except the slices the lexer state accepts whole; inside a string
+    of bounded length (``maxLength``: ``"name"`` of the benchmark's ``PERSON``) with fewer than
+    10 characters left, no slice of the general set is accepted whole and the mask walks all
+    152k tokens of a Qwen3 vocabulary (2-4 ms a row), while here the lengths that still fit are
+    taken at once. Same masks either way."""
+    return (['[\\x20\\x0A\\x0D\\x09]+'] + [f"{_STRING_CHARACTER}{{1,{n}}}" for n in range(1, 11)]
+            + [f"{_STRING_CHARACTER}{{1,30}}", f"{_STRING_CHARACTER}+"])
+
+
+_STRING_LENGTH_SLICES = string_length_slices()
+
+
 class GrammarCompiler:
     """Builds matchers for one vocabulary. ``vocab_size`` is the model's (logit rows may be wider
     than the tokenizer: padding ids are never allowed)."""
 
+    tokens_consumed_on_worker: bool
+    """With background masks, where :meth:`start_masks` advances the matchers by the previous
+    step's tokens: True, on the worker, in the same job as the fill (the caller returns at
+    once); False, on the calling thread first (in parallel, the GIL released: it waits that
+    long). On the worker the two llguidance calls have Python between them, so the worker needs
+    the GIL back after consuming, and an engine thread busy in Python (emitting, scheduling,
+    building the next batch) gives it up only when it blocks or at the next forced switch
+    (``sys.getswitchinterval()``, 5 ms): the fill then starts after the engine's work instead
+    of beside it. Switchable between steps."""
+
+    string_length_slices: bool
+    """New matchers mask through :func:`string_length_slices` instead of llguidance's general
+    slices (the same masks, less work near the end of a length-bounded string). Switchable
+    between requests (the other tokenizer is built when first asked for)."""
+
     def __init__(self, tokenizer: str | llg.LLTokenizer, vocab_size: int, eos_token_ids: Sequence[int] = (),
-                 background_masks: bool = True, mask_threads: int | None = None):
-        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer;
-        ``background_masks``: :meth:`start_masks` computes a step's masks on a background
-        thread (:class:`MaskWorker`); off, on the calling thread before it returns;
-        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`)."""
+                 background_masks: bool = True, mask_threads: int | None = None,
+                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False):
+        """``tokenizer``: the text of a ``tokenizer.json``, or an llguidance tokenizer (with the
+        general slices); ``background_masks``: :meth:`start_masks` computes a step's masks on a
+        background thread (:class:`MaskWorker`); off, on the calling thread before it returns;
+        ``mask_threads``: llguidance's threads for a step's masks (default :func:`mask_threads`);
+        ``tokens_consumed_on_worker``, ``string_length_slices``: the switches of the same names."""
         self.vocab_size = vocab_size
+        self.tokens_consumed_on_worker = tokens_consumed_on_worker
+        self.string_length_slices = string_length_slices
+        # the tokenizers new matchers use, by ``string_length_slices``
+        self._tokenizers: dict[bool, llg.LLTokenizer] = {}
         if isinstance(tokenizer, str):
+            sliced = string_length_slices
             tokenizer = llg.LLTokenizer(grammar_tokenizer_json(tokenizer), n_vocab=vocab_size,
-                                        eos_token=list(eos_token_ids) or None)
-        self.tokenizer = tokenizer
+                                        eos_token=list(eos_token_ids) or None,
+                                        slices=_STRING_LENGTH_SLICES if sliced else None)
+        else:
+            sliced = False
+        self._tokenizers[sliced] = tokenizer
+        self._tokenizers_lock = threading.Lock()
         self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
         self._worker = MaskWorker(self._executor) if background_masks else None
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 background_masks: bool = True, mask_threads: int | None = None) -> GrammarCompiler:
+                 background_masks: bool = True, mask_threads: int | None = None,
+                 tokens_consumed_on_worker: bool = True, string_length_slices: bool = False) -> GrammarCompiler:
         """From ``tokenizer.json``, or a tiktoken vocabulary (``tiktoken.model``: Kimi-K2)."""
         directory = Path(tokenizer_dir)
+        switches = {"tokens_consumed_on_worker": tokens_consumed_on_worker,
+                    "string_length_slices": string_length_slices}
         if (directory / "tokenizer.json").is_file():
             return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), vocab_size, eos_token_ids,
-                       background_masks, mask_threads)
+                       background_masks, mask_threads, **switches)
         if (directory / "tiktoken.model").is_file():
             from openinfer.tiktoken_tokenizer import tiktoken_encoding
 
@@ -442,13 +492,26 @@ class GrammarCompiler:
             return cls(llg.LLTokenizer.from_tiktoken(
                 encoder=encoding._mergeable_ranks, special_tokens=encoding._special_tokens,
                 pattern=encoding._pat_str, eos_token=list(eos_token_ids) or encoding.eot_token,
-                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads)
+                n_vocab=vocab_size), vocab_size, background_masks=background_masks, mask_threads=mask_threads,
+                **switches)
         raise InvalidRequestError(
             f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model), which is not in "
             f"{tokenizer_dir!r}; serve a model directory with a tokenizer (or pass --tokenizer)", FIELD)
 
+    def _matcher_tokenizer(self) -> llg.LLTokenizer:
+        """The tokenizer new matchers use: with :func:`string_length_slices` when
+        ``string_length_slices`` is set, else llguidance's general slices (a matcher keeps its own)."""
+        sliced = self.string_length_slices
+        with self._tokenizers_lock:
+            tokenizer = self._tokenizers.get(sliced)
+            if tokenizer is None:
+                built = next(iter(self._tokenizers.values()))
+                tokenizer = self._tokenizers[sliced] = built.with_slices(
+                    _STRING_LENGTH_SLICES if sliced else llg.LLTokenizer.general_slices())
+            return tokenizer
+
     def compile(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
-        matcher = llg.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
+        matcher = llg.LLMatcher(self._matcher_tokenizer(), grammar_of(constraint), log_level=0)
         if matcher.is_error():
             raise _refuse(constraint.WhichOneof("kind"), matcher.get_error().strip())
         return GrammarMatcher(matcher)
@@ -481,7 +544,16 @@ class GrammarCompiler:
         busy = {id(m): m for m, _ in matchers} | {id(m): m for m, _ in consume}
         for matcher in busy.values():
             matcher._wait_until_free()
-        if background and self._worker is not None:
+        on_worker = background and self._worker is not None
+        if on_worker and taken and not self.tokens_consumed_on_worker:
+            try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
+                consume_tokens(self._executor, taken)
+            except BaseException:
+                masks.bitmask.fill(-1)  # a device waiting for these masks is released; sampling fails
+                masks._finish(failed=True)
+                raise
+            taken = []
+        if on_worker:
             for matcher in busy.values():
                 matcher._in_use = masks._done
             if self._worker.submit(taken, work, masks):
@@ -505,6 +577,13 @@ class GrammarCompiler:
 
 
 BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
+# =0: with background masks, the engine thread advances the matchers by a step's tokens (in parallel,
+# the GIL released) before handing the fill to the mask worker, instead of the worker doing both
+# (GrammarCompiler.tokens_consumed_on_worker); read when the engine is created
+CONSUME_ON_WORKER_ENV = "OPENINFER_GRAMMAR_CONSUME_ON_WORKER"
+# =1: matchers mask through string_length_slices() instead of llguidance's general slices (same masks,
+# less work in length-bounded strings); read when the engine is created, switchable (engine.grammar_string_length_slices)
+STRING_LENGTH_SLICES_ENV = "OPENINFER_GRAMMAR_STRING_LENGTH_SLICES"
 # =1: on CUDA, grammar rows are sampled ahead like the others and the GPU waits for their masks
 # (``backend.cuda.sampler``) instead of the engine thread. Opt-in: on an H100 at batch 64 it
 # measured +26 % TPOT median against +20 % for the default (noisy: 2 runs, 5.45 and 7.13 ms;
@@ -523,15 +602,43 @@ class CompilerCache:
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
         self._mask_threads = default_mask_threads(device_forward)
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
+        self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "1") != "0"
+        self._string_length_slices = os.environ.get(STRING_LENGTH_SLICES_ENV, "0") == "1"
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
+
+    @property
+    def tokens_consumed_on_worker(self) -> bool:
+        """:attr:`GrammarCompiler.tokens_consumed_on_worker` of the compiler (built or to be built)."""
+        return self._tokens_consumed_on_worker
+
+    @tokens_consumed_on_worker.setter
+    def tokens_consumed_on_worker(self, value: bool) -> None:
+        with self._lock:
+            self._tokens_consumed_on_worker = bool(value)
+            if self._compiler is not None:
+                self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
+
+    @property
+    def string_length_slices(self) -> bool:
+        """:attr:`GrammarCompiler.string_length_slices` of the compiler (built or to be built)."""
+        return self._string_length_slices
+
+    @string_length_slices.setter
+    def string_length_slices(self, value: bool) -> None:
+        with self._lock:
+            self._string_length_slices = bool(value)
+            if self._compiler is not None:
+                self._compiler.string_length_slices = self._string_length_slices
 
     def get(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 try:
-                    self._compiler = GrammarCompiler.from_dir(*self._args, background_masks=self._background_masks,
-                                                              mask_threads=self._mask_threads)
+                    self._compiler = GrammarCompiler.from_dir(
+                        *self._args, background_masks=self._background_masks, mask_threads=self._mask_threads,
+                        tokens_consumed_on_worker=self._tokens_consumed_on_worker,
+                        string_length_slices=self._string_length_slices)
                 except InvalidRequestError:
                     raise
                 except (ValueError, OSError) as exc:  # a vocabulary llguidance cannot read

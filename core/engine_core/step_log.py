@@ -62,10 +62,12 @@ class StepLog:
         count = min(len(rows), len(steps))
         steps, first = steps[-count:], steps[-count][0]
         previous_end = None
-        for row, (start, end) in zip(rows[-count:], steps, strict=True):
+        for row, (start, end, pause) in zip(rows[-count:], steps, strict=True):
             start_ms = elapsed(first, start)
             gap = start_ms - previous_end if previous_end is not None else math.nan
-            row += [start_ms, elapsed(start, end), gap]
+            # a step sampled after the previous read-back may wait for the CPU inside its span
+            waited = elapsed(*pause) if pause is not None else 0.0
+            row += [start_ms, elapsed(start, end) - waited, gap]
             previous_end = elapsed(first, end)
         return rows
 

@@ -8,12 +8,13 @@
 
 #define WARPS_PER_BLOCK 8
 
+// Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
 template <int ROWS, int COLS, int UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
-                                          int N, int K) {
+                                          int N, int K, int tile) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * WARPS_PER_BLOCK + warp) * COLS;
+    const int n0 = (tile * WARPS_PER_BLOCK + warp) * COLS;
     if (n0 >= N) return;
     const bf16* wrow[COLS];
 #pragma unroll
@@ -84,7 +85,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
     extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)                            \
         gemv_m##ROWS(const bf16* __restrict__ x, const bf16* __restrict__ w,                      \
                      const bf16* __restrict__ bias, bf16* __restrict__ y, int M, int N, int K) {  \
-        gemv_tile<ROWS, COLS, UNROLL>(x, w, bias, y, M, N, K);                                     \
+        gemv_tile<ROWS, COLS, UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);                                     \
     }
 
 #ifndef GEMV_M1_UNROLL
@@ -99,6 +100,42 @@ DEFINE_GEMV(8, 4, 1)
 // The block first builds the GEMV's input row in shared memory, bit-identical to what the unfused
 // kernels write to global memory, then runs the same gemv_tile over it: one launch instead of two,
 // the same result. Dynamic shared memory: K bf16 values (K <= 24576 in 48 KB).
+// The first design (one tile per block, the prologue before any weight load) was slower than the
+// two launches it replaced: every block's weight stream waited on its own prologue. So a block
+// now (1) asks L2 for its first tile's weight rows before the prologue, so HBM streams them while
+// it builds the row, (2) builds the row once and then loops over tiles blockIdx.x, + gridDim.x, ...
+// (the host sizes the grid to what stays resident), prefetching each next tile before computing
+// the current one. Per column the arithmetic is unchanged, so results do not depend on the grid.
+
+#ifndef GEMV_DYNAMIC_SHARED  // the host emulation supplies a static buffer
+#define GEMV_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else  // host emulation: no cache to warm
+    (void)p;
+#endif
+}
+
+// This warp's weight row of tile `tile` (M = 1: one column per warp), 128-byte lines, into L2.
+__device__ __forceinline__ void prefetch_tile_l2(const bf16* __restrict__ w, int N, int K, int tile) {
+    const int n = tile * WARPS_PER_BLOCK + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const char* row = reinterpret_cast<const char*>(w + (size_t)n * K);
+    for (int offset = (threadIdx.x & 31) * 128; offset < K * 2; offset += 32 * 128) prefetch_l2(row + offset);
+}
+
+// The tiles after the prologue: blockIdx.x, blockIdx.x + gridDim.x, ... of ceil(N / WARPS_PER_BLOCK).
+__device__ __forceinline__ void gemv_m1_tiles(const bf16* __restrict__ xs, const bf16* __restrict__ w,
+                                              const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+    const int tiles = (N + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        if (tile + gridDim.x < tiles) prefetch_tile_l2(w, N, K, tile + gridDim.x);
+        gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K, tile);
+    }
+}
 
 // y = rms_norm(x + residual) @ w^T (+ bias); residual_out = x + residual, written by block 0.
 // residual may be null (y = rms_norm(x) @ w^T; residual_out unused). The sum of squares follows
@@ -109,10 +146,11 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
                          const bf16* __restrict__ norm_weight, float eps, int norm_threads,
                          const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y,
                          bf16* __restrict__ residual_out, int N, int K) {
-    extern __shared__ __align__(16) unsigned char fused_smem[];
+    GEMV_DYNAMIC_SHARED(fused_smem);
     bf16* xs = reinterpret_cast<bf16*>(fused_smem);
     __shared__ float warp_sums[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    prefetch_tile_l2(w, N, K, blockIdx.x);
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float h = residual != nullptr ? __bfloat162float(x[c]) + __bfloat162float(residual[c])
                                             : __bfloat162float(x[c]);
@@ -140,15 +178,16 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
         xs[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
     }
     __syncthreads();
-    gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K);
+    gemv_m1_tiles(xs, w, bias, y, N, K);
 }
 
 // y = (silu(gate) * up) @ w^T (+ bias), gate_up = [gate | up] of 2K values (elementwise.cu's silu_mul).
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     gemv_m1_silu_mul(const bf16* __restrict__ gate_up, const bf16* __restrict__ w,
                      const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
-    extern __shared__ __align__(16) unsigned char fused_smem[];
+    GEMV_DYNAMIC_SHARED(fused_smem);
     bf16* xs = reinterpret_cast<bf16*>(fused_smem);
+    prefetch_tile_l2(w, N, K, blockIdx.x);
     for (int c = threadIdx.x; c < K; c += blockDim.x) {
         const float g = __bfloat162float(gate_up[c]);
         const float u = __bfloat162float(gate_up[K + c]);
@@ -156,5 +195,5 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
         xs[c] = __float2bfloat16_rn(s * u);
     }
     __syncthreads();
-    gemv_tile<1, 1, GEMV_M1_UNROLL>(xs, w, bias, y, 1, N, K);
+    gemv_m1_tiles(xs, w, bias, y, N, K);
 }

@@ -16,6 +16,7 @@ extern "C" __global__ void apply_logit_constraints(
         const int t = bias_ids[i];
         row[t] = __float2bfloat16_rn(__bfloat162float(row[t]) + bias_values[i]);
     }
+    __syncthreads();  // a masked token's -inf must land after its bias, which another thread wrote
     const int m = mask_row[r];
     if (m < 0) return;
     const int* bits = bitmask + (size_t)m * words;

@@ -52,6 +52,9 @@
 // 16-byte loads (hidden % 8 == 0 and 16-byte aligned rows: the caller checks). A decode step's
 // few tokens would otherwise leave the whole [E, H] router matrix to one block per token.
 #define ROUTER_WARPS 8
+#ifndef ROUTER_LOADS
+#define ROUTER_LOADS 1  // 16-byte loads of the gate row per lane in flight (the sum's order is the same)
+#endif
 extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate, int hidden,
                                              int num_experts, float* __restrict__ logits) {
     const int t = blockIdx.x, e = blockIdx.y * ROUTER_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -59,12 +62,21 @@ extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const b
     const bf16* row = x + (long long)t * hidden;
     const bf16* w = gate + (long long)e * hidden;
     float acc = 0.f;
-    for (int i = lane * 8; i < hidden; i += 32 * 8) {
-        float a[8], b[8];
-        load8(row + i, a);
-        load8(w + i, b);
+    for (int i0 = lane * 8; i0 < hidden; i0 += 32 * 8 * ROUTER_LOADS) {
+        float a[ROUTER_LOADS][8], b[ROUTER_LOADS][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
+        for (int u = 0; u < ROUTER_LOADS; ++u) {
+            const int i = i0 + 32 * 8 * u;
+            if (u == 0 || i < hidden) {
+                load8(row + i, a[u]);
+                load8(w + i, b[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; ++u)
+            if (u == 0 || i0 + 32 * 8 * u < hidden)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc += a[u][j] * b[u][j];
     }
     acc = warp_sum(acc);
     if (lane == 0) logits[(long long)t * num_experts + e] = acc;
@@ -222,6 +234,64 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, int num_slots, 
     for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
         const int e = ids[i];
         const int p = offsets[e] + atomicAdd(&counts[e], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
+    }
+}
+
+// moe_sort's layout with nothing serial (a block of up to 1024 threads): counts in shared memory,
+// each thread a run of consecutive experts, one block-wide scan of (rows, tiles) gives each expert
+// its offset and its first tile. The same offsets and tile list as moe_sort; a slot's place in its
+// expert's segment is the order atomics hand out, as there. moe_sort's thread 0 walks every
+// expert reading global memory, one round trip after another, whatever the batch.
+#define SORT_MAX_THREADS 1024
+extern "C" __global__ void moe_sort_parallel(const int* __restrict__ ids, int num_slots, int num_experts,
+                                             int* __restrict__ offsets /* [E+1] */, int* __restrict__ sorted_slots,
+                                             int* __restrict__ slot_pos, int* __restrict__ tile_expert,
+                                             int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ int count[MAX_EXPERTS];  // rows per expert, then each expert's next free row
+    __shared__ int row_scan[SORT_MAX_THREADS], tile_scan[SORT_MAX_THREADS];
+    const int tid = threadIdx.x, threads = blockDim.x;
+    for (int e = tid; e < num_experts; e += threads) count[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < num_slots; i += threads) atomicAdd(&count[ids[i]], 1);
+    __syncthreads();
+    const int per_thread = (num_experts + threads - 1) / threads;
+    const int first = min(num_experts, tid * per_thread), last = min(num_experts, first + per_thread);
+    int rows = 0, tiles = 0;
+    for (int e = first; e < last; ++e) {
+        rows += count[e];
+        tiles += (count[e] + BM - 1) / BM;
+    }
+    row_scan[tid] = rows;
+    tile_scan[tid] = tiles;
+    __syncthreads();
+    for (int o = 1; o < threads; o <<= 1) {  // inclusive scan over the threads (Hillis-Steele)
+        const int r = tid >= o ? row_scan[tid - o] : 0, t = tid >= o ? tile_scan[tid - o] : 0;
+        __syncthreads();
+        row_scan[tid] += r;
+        tile_scan[tid] += t;
+        __syncthreads();
+    }
+    int row = row_scan[tid] - rows, tile = tile_scan[tid] - tiles;
+    for (int e = first; e < last; ++e) {
+        const int n = count[e];
+        offsets[e] = row;
+        for (int r = 0; r < n; r += BM, ++tile)
+            if (tile < max_tiles) {
+                tile_expert[tile] = e;
+                tile_row[tile] = row + r;
+            }
+        count[e] = row;
+        row += n;
+    }
+    if (tid == 0) {
+        offsets[num_experts] = row_scan[threads - 1];
+        *num_tiles = min(tile_scan[threads - 1], max_tiles);
+    }
+    __syncthreads();
+    for (int i = tid; i < num_slots; i += threads) {
+        const int p = atomicAdd(&count[ids[i]], 1);
         sorted_slots[p] = i;
         slot_pos[i] = p;
     }
@@ -752,6 +822,9 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #ifndef MMA_GEMV_NTILES
 #define MMA_GEMV_NTILES 2  // 8-row n-tiles accumulated per pass over the weights
 #endif
+#ifndef MMA_GEMV_DEPTH
+#define MMA_GEMV_DEPTH 2  // chunks per lane in flight or in use: a ring of registers (one multiplied, the rest loading)
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
 #define MMA_GEMV_SCALES 4  // INT4 groups not whole chunks: a scale per 8-weight word (GROUP % 8 == 0)
 #else
@@ -897,15 +970,22 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
         for (int j = 0; j < MMA_GEMV_NTILES; ++j)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
-        // two chunk buffers in turn: the next chunk's loads fly while one is multiplied
+        // a ring of MMA_GEMV_DEPTH chunk buffers: while one is multiplied the next DEPTH - 1 chunks'
+        // loads fly (a batch-1 step has few warps per SM, so the bytes in flight come from depth)
         const int lane_k = t * WEIGHT_CHUNK;
-        MmaGemvChunk even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, lane_k, N, K), odd;
-        for (int k0 = 0; k0 < K; k0 += 2 * STEP) {  // k0 is warp-uniform: every lane takes every branch
-            const bool has_odd = k0 + STEP < K;
-            if (has_odd) odd = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + STEP + lane_k, N, K);
-            mma_gemv_chunk(acc, even, b_row, ntiles, k0 + lane_k, K);
-            if (k0 + 2 * STEP < K) even = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k0 + 2 * STEP + lane_k, N, K);
-            if (has_odd) mma_gemv_chunk(acc, odd, b_row, ntiles, k0 + STEP + lane_k, K);
+        MmaGemvChunk ring[MMA_GEMV_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < MMA_GEMV_DEPTH; ++d)  // zeros past K (mma_gemv_load reads nothing there)
+            ring[d] = mma_gemv_load(weight, scale, expert, n_lo, n_hi, d * STEP + lane_k, N, K);
+        for (int k0 = 0; k0 < K; k0 += MMA_GEMV_DEPTH * STEP) {  // k0 is warp-uniform: every lane takes every branch
+#pragma unroll
+            for (int d = 0; d < MMA_GEMV_DEPTH; ++d) {
+                const int ahead = k0 + (d + MMA_GEMV_DEPTH - 1) * STEP;  // refills the slot multiplied last
+                if (ahead < K)
+                    ring[(d + MMA_GEMV_DEPTH - 1) % MMA_GEMV_DEPTH] =
+                        mma_gemv_load(weight, scale, expert, n_lo, n_hi, ahead + lane_k, N, K);
+                if (k0 + d * STEP < K) mma_gemv_chunk(acc, ring[d], b_row, ntiles, k0 + d * STEP + lane_k, K);
+            }
         }
         // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
 #pragma unroll

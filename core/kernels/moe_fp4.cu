@@ -138,14 +138,13 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
     }
 }
 
-// ---- moe_fp4_stream_gemm ----------------------------------------------------------------------
+// ---- the stream GEMMs: moe_fp4_stream_gemm, fp8_stream_linear -------------------------------------
 
 #define STREAM_WARPS 4
 #define STREAM_THREADS (STREAM_WARPS * 32)  // = 8 rows × 16 copies of 16 bytes: one staged row chunk per step
 #define STREAM_N (16 * STREAM_WARPS)  // weight rows (output columns) per block
-#define STREAM_K 128                  // k per step: 4 lanes × one 32-code scale group
-#define STREAM_DEPTH 3                // K steps of weights in flight per lane
-#define STREAM_TOKENS TILE            // rows of a moe_sort tile
+#define STREAM_K 128                  // k per step: 4 lanes × one 32-k group
+#define STREAM_TOKENS TILE            // rows of a moe_sort tile (and of a dense block row)
 #ifndef STREAM_CHUNKS
 #define STREAM_CHUNKS (STREAM_TOKENS / 8)  // 8-token column blocks kept: the launcher's bound on rows per tile
 #endif
@@ -161,48 +160,202 @@ moe_fp4_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #define X_GROUP_BYTES 80
 #define X_ROW_BYTES (4 * X_GROUP_BYTES)
 
+// Staging buffers of the activation rows, a ring over K steps: step s + STREAM_STAGES − 1 is
+// copied while step s multiplies. 2 (the default): one step ahead, so every step waits out the
+// latency of its rows' copy; 4 (STREAM_STAGES=4 from the launcher, for 1–2 chunks: 4 × 5 KB at
+// most) keeps three steps of copies in flight.
+#ifndef STREAM_STAGES
+#define STREAM_STAGES 2
+#endif
+static_assert(STREAM_STAGES >= 2 && STREAM_STAGES * 8 * STREAM_CHUNKS * 320 <= 48 * 1024,
+              "the staging ring must fit in 48 KB of static shared memory (320 B: X_ROW_BYTES)");
+
 #ifdef MMA_HOST_STANDIN
 __device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
     for (int i = 0; i < 16; ++i) smem[i] = valid ? gmem[i] : 0;
 }
+__device__ __forceinline__ void stage_commit() {}
 __device__ __forceinline__ void stage_wait() {}
 #else
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void stage16(unsigned char* smem, const unsigned char* gmem, bool valid) {
     cp_async16(reinterpret_cast<bf16*>(smem), reinterpret_cast<const bf16*>(gmem), valid);
 }
+// Close the thread's copies issued since the last call into one group, then wait until at most
+// STREAM_STAGES − 2 groups (the newest steps' copies) are still in flight.
 __device__ __forceinline__ void stage_wait() {
     asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STREAM_STAGES - 2) : "memory");
 }
 #endif
 
-// One lane's share of a K step: 32 codes (16 bytes) and the scale of weight rows g and g + 8.
-struct StreamWeights {
-    uint4 lo, hi;
-    unsigned scale_lo, scale_hi;
+// A lane's A fragments of one K step: frag[m][h] is the mma k-step (m, h) of weight rows g and
+// g + 8; its columns (2q, 2q+1, 2q+8, 2q+9) are k (8m + 2h, 8m + 2h + 4, 8m + 2h + 1, 8m + 2h + 5)
+// of the lane's 32-k group q of the step (any order of k serves, the B operand is paired the same).
+typedef unsigned StreamFragments[4][2][4];
+
+// A weight format of the stream GEMM: `Step` is one lane's share of a K step (its 32-k group of
+// weight rows g and g + 8), `Cursor` where it reads that share at step 0, `load` a step's share
+// (zeros for a row past N or a group past K), `fragments` its 8 A fragments, `DEPTH` the steps a
+// lane keeps in flight.
+
+// FP4 e2m1 codes [E, N, K/2] with an e8m0 scale per 32 codes [E, N, K/32]: a group is 16 bytes
+// and one scale per row.
+struct Fp4Stream {
+    static constexpr int DEPTH = 3;
+    struct Step {
+        uint4 lo, hi;
+        unsigned scale_lo, scale_hi;
+    };
+    struct Cursor {
+        const unsigned char* codes_lo;  // null: a row past N
+        const unsigned char* codes_hi;
+        const unsigned char* scale_lo;
+        const unsigned char* scale_hi;
+    };
+    __device__ __forceinline__ static Cursor cursor(const unsigned char* weight, const unsigned char* scale, int expert,
+                                                    int n_lo, int N, int K, int q) {
+        const long long row_lo = (long long)expert * N + n_lo;
+        const int groups = K / 32;
+        return Cursor{n_lo < N ? weight + row_lo * (K / 2) + 16 * q : nullptr,
+                      n_lo + 8 < N ? weight + (row_lo + 8) * (K / 2) + 16 * q : nullptr, scale + row_lo * groups + q,
+                      scale + (row_lo + 8) * groups + q};
+    }
+    __device__ __forceinline__ static Step load(const Cursor& at, int step, bool group_ok) {
+        Step w{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), 127u, 127u};
+        if (group_ok && at.codes_lo) {
+            w.lo = *reinterpret_cast<const uint4*>(at.codes_lo + 64 * step);
+            w.scale_lo = at.scale_lo[4 * step];
+        }
+        if (group_ok && at.codes_hi) {
+            w.hi = *reinterpret_cast<const uint4*>(at.codes_hi + 64 * step);
+            w.scale_hi = at.scale_hi[4 * step];
+        }
+        return w;
+    }
+    // The lane's 64 codes decoded once (32 registers); each word holds k 8m .. 8m + 7.
+    __device__ __forceinline__ static void fragments(const Step& w, StreamFragments& frag) {
+        unsigned lo_first, lo_second, hi_first, hi_second;
+        const bool twice = fp4_scale_factors(w.scale_lo, lo_first, lo_second) |
+                           fp4_scale_factors(w.scale_hi, hi_first, hi_second);
+        const unsigned lo_words[4] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w}, hi_words[4] = {w.hi.x, w.hi.y, w.hi.z, w.hi.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            unsigned lo[4], hi[4];
+            fp4x8_pairs(lo_words[m], lo);
+            fp4x8_pairs(hi_words[m], hi);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                frag[m][h][0] = bf16x2_mul(lo[2 * h], lo_first);
+                frag[m][h][1] = bf16x2_mul(hi[2 * h], hi_first);
+                frag[m][h][2] = bf16x2_mul(lo[2 * h + 1], lo_first);
+                frag[m][h][3] = bf16x2_mul(hi[2 * h + 1], hi_first);
+            }
+        }
+        if (twice) {  // scales above 2^1: a second factor (1 for the row that needs none)
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        frag[m][h][i] = bf16x2_mul(frag[m][h][i], (i & 1) ? hi_second : lo_second);
+        }
+    }
 };
 
-// Where a lane reads its weights: rows g and g + 8 of its warp at its 32-code group of step 0
-// (null: a row past N, read as zeros); each step moves 64 code bytes and 4 scales on.
-struct StreamCursor {
-    const unsigned char* codes_lo;
-    const unsigned char* codes_hi;
-    const unsigned char* scale_lo;
-    const unsigned char* scale_hi;
-};
+// ---- e4m3 decoding ------------------------------------------------------------------------------
 
-__device__ __forceinline__ StreamWeights load_stream_weights(const StreamCursor& at, int step, bool group_ok) {
-    StreamWeights w{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), 127u, 127u};
-    if (group_ok && at.codes_lo) {
-        w.lo = *reinterpret_cast<const uint4*>(at.codes_lo + 64 * step);
-        w.scale_lo = at.scale_lo[4 * step];
-    }
-    if (group_ok && at.codes_hi) {
-        w.hi = *reinterpret_cast<const uint4*>(at.codes_hi + 64 * step);
-        w.scale_hi = at.scale_hi[4 * step];
-    }
-    return w;
+// Byte i of `a` in byte 0 and byte i of `b` in byte 2 (bytes 1 and 3: don't care): one PRMT.
+__device__ __forceinline__ unsigned byte_pair(unsigned a, unsigned b, int i) {
+#ifdef MMA_HOST_STANDIN
+    return ((a >> (8 * i)) & 0xFFu) | (((b >> (8 * i)) & 0xFFu) << 16);
+#else
+    return __byte_perm(a, b, (unsigned)(i | ((4 + i) << 8)));
+#endif
 }
+
+// The e4m3 codes in bytes 0 and 2 of `t` as a bf16x2 pair of (value · 2^−120): the code's 7
+// exponent-and-mantissa bits move to bf16 bits 4..10 (its 4-bit exponent, bias 7, becomes an
+// 8-bit one, bias 127; the subnormals land on bf16 subnormals the same way), the sign to bit 15.
+// NaN codes (0x7F, 0xFF) come out as ±480 · 2^−120: a checkpoint never holds them.
+__device__ __forceinline__ unsigned fp8x2_pair(unsigned t) {
+    return ((t << 4) & 0x07F007F0u) | ((t << 8) & 0x80008000u);
+}
+
+// The factors of e8m0 `s` (2^(s − 127)) for values carrying 2^−`bias`: 2^(s − 127 + bias) in
+// `first`, or 2^126 in `first` and the rest in `second` when one bf16 cannot hold it; `second`
+// is 1 when unused. Returns whether `second` is needed. (fp4_scale_factors is bias 126.)
+__device__ __forceinline__ bool scale_factors(unsigned s, int bias, unsigned& first, unsigned& second) {
+    const int e = (int)s - 127 + bias;
+    const bool twice = e > 127;
+    first = bf16x2_power_of_two(twice ? 126 : e);
+    second = bf16x2_power_of_two(twice ? e - 126 : 0);
+    return twice;
+}
+
+// FP8 e4m3 codes [E, N, K] with e8m0 scales per 128×128 block [E, ⌈N/128⌉, ⌈K/128⌉]: a group is
+// 32 bytes; a warp's 16 rows and a step's 128 k lie in one scale block, so one scale per step.
+struct Fp8Stream {
+    static constexpr int DEPTH = 2;  // 64 bytes a step per lane: twice FP4's, so one step fewer in flight
+    struct Step {
+        uint4 lo[2], hi[2];
+        unsigned scale;
+    };
+    struct Cursor {
+        const unsigned char* codes_lo;  // null: a row past N
+        const unsigned char* codes_hi;
+        const unsigned char* scale;  // the warp's block row, step 0
+    };
+    __device__ __forceinline__ static Cursor cursor(const unsigned char* weight, const unsigned char* scale, int expert,
+                                                    int n_lo, int N, int K, int q) {
+        const long long row_lo = (long long)expert * N + n_lo;
+        const int block_rows = (N + 127) / 128, block_cols = (K + 127) / 128;
+        return Cursor{n_lo < N ? weight + row_lo * K + 32 * q : nullptr,
+                      n_lo + 8 < N ? weight + (row_lo + 8) * K + 32 * q : nullptr,
+                      scale + ((long long)expert * block_rows + n_lo / 128) * block_cols};
+    }
+    __device__ __forceinline__ static Step load(const Cursor& at, int step, bool group_ok) {
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        Step w{{zero, zero}, {zero, zero}, 127u};
+        if (group_ok && at.codes_lo) {
+            const uint4* codes = reinterpret_cast<const uint4*>(at.codes_lo + STREAM_K * step);
+            w.lo[0] = codes[0];
+            w.lo[1] = codes[1];
+            w.scale = at.scale[step];
+        }
+        if (group_ok && at.codes_hi) {
+            const uint4* codes = reinterpret_cast<const uint4*>(at.codes_hi + STREAM_K * step);
+            w.hi[0] = codes[0];
+            w.hi[1] = codes[1];
+        }
+        return w;
+    }
+    // Words 2m and 2m + 1 hold k 8m .. 8m + 3 and 8m + 4 .. 8m + 7: pair i is (k 8m + i, 8m + i + 4).
+    __device__ __forceinline__ static void fragments(const Step& w, StreamFragments& frag) {
+        unsigned first, second;
+        const bool twice = scale_factors(w.scale, 120, first, second);
+        const unsigned lo[8] = {w.lo[0].x, w.lo[0].y, w.lo[0].z, w.lo[0].w, w.lo[1].x, w.lo[1].y, w.lo[1].z, w.lo[1].w};
+        const unsigned hi[8] = {w.hi[0].x, w.hi[0].y, w.hi[0].z, w.hi[0].w, w.hi[1].x, w.hi[1].y, w.hi[1].z, w.hi[1].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                frag[m][h][0] = bf16x2_mul(fp8x2_pair(byte_pair(lo[2 * m], lo[2 * m + 1], 2 * h)), first);
+                frag[m][h][1] = bf16x2_mul(fp8x2_pair(byte_pair(hi[2 * m], hi[2 * m + 1], 2 * h)), first);
+                frag[m][h][2] = bf16x2_mul(fp8x2_pair(byte_pair(lo[2 * m], lo[2 * m + 1], 2 * h + 1)), first);
+                frag[m][h][3] = bf16x2_mul(fp8x2_pair(byte_pair(hi[2 * m], hi[2 * m + 1], 2 * h + 1)), first);
+            }
+        if (twice) {  // scales above 2^7
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) frag[m][h][i] = bf16x2_mul(frag[m][h][i], second);
+        }
+    }
+};
 
 // The thread's 16-byte copies of a step's staged rows: copy j is row 8j + tid / 16 (a chunk
 // each), values 8 · (tid % 16) .. +7 of the step's 128 k; `source[j]` is that row's step-0
@@ -227,37 +380,8 @@ __device__ __forceinline__ void stage_rows(const StageCursor& at, int chunks, in
 }
 
 // acc[c] += W[16 rows, this step's 128 k] · X[8 tokens of chunk c, same k]^T for c < chunks.
-// The lane's 64 codes are decoded once (32 registers), then multiplied with each chunk.
-__device__ __forceinline__ void stream_step(float (&acc)[STREAM_CHUNKS][4], const StreamWeights& w,
-                                            const unsigned char* buffer, int chunks, int g, int q) {
-    unsigned lo_first, lo_second, hi_first, hi_second;
-    const bool twice = fp4_scale_factors(w.scale_lo, lo_first, lo_second) | fp4_scale_factors(w.scale_hi, hi_first,
-                                                                                                hi_second);
-    const unsigned lo_words[4] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w}, hi_words[4] = {w.hi.x, w.hi.y, w.hi.z, w.hi.w};
-    // frag[m][h]: the A fragment of mma k-step (m, h); its columns (2q, 2q+1, 2q+8, 2q+9) are
-    // k (8m + 2h, 8m + 2h + 4, 8m + 2h + 1, 8m + 2h + 5) of the lane's 32-code group
-    unsigned frag[4][2][4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        unsigned lo[4], hi[4];
-        fp4x8_pairs(lo_words[m], lo);
-        fp4x8_pairs(hi_words[m], hi);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            frag[m][h][0] = bf16x2_mul(lo[2 * h], lo_first);
-            frag[m][h][1] = bf16x2_mul(hi[2 * h], hi_first);
-            frag[m][h][2] = bf16x2_mul(lo[2 * h + 1], lo_first);
-            frag[m][h][3] = bf16x2_mul(hi[2 * h + 1], hi_first);
-        }
-    }
-    if (twice) {  // scales above 2^1: a second factor (1 for the row that needs none)
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) frag[m][h][i] = bf16x2_mul(frag[m][h][i], (i & 1) ? hi_second : lo_second);
-    }
+__device__ __forceinline__ void stream_mma(float (&acc)[STREAM_CHUNKS][4], const StreamFragments& frag,
+                                           const unsigned char* buffer, int chunks, int g, int q) {
 #pragma unroll
     for (int c = 0; c < STREAM_CHUNKS; ++c) {
         if (c < chunks) {
@@ -273,38 +397,34 @@ __device__ __forceinline__ void stream_step(float (&acc)[STREAM_CHUNKS][4], cons
     }
 }
 
-// grid (⌈N / 64⌉, max_tiles), STREAM_THREADS threads; warp w owns weight rows n0 + 16w .. +15.
-// A tile's rows are taken 8·STREAM_CHUNKS at a time (one pass over the weights each): the
-// launcher picks STREAM_CHUNKS to cover the most rows a tile can hold in its step.
-extern "C" __global__ void STREAM_LAUNCH_BOUNDS
-moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
-                    const unsigned char* __restrict__ weight, const unsigned char* __restrict__ scale,
-                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-                    const int* __restrict__ num_tiles, const int* __restrict__ offsets,
-                    bf16* __restrict__ out, int N, int K) {
-    __shared__ __align__(16) unsigned char staged[2][8 * STREAM_CHUNKS * X_ROW_BYTES];
+// One block's work: weight rows blockIdx.x · 64 .. +63 of `expert` times `tile_rows` rows of
+// `a` (row r: sorted_slots[first_row + r] / top_k, or first_row + r without sorted_slots), over
+// K steps first_step .. end_step − 1 (128 k each), into out rows first_row .. first_row +
+// tile_rows − 1 — or, with `partial` (split K), fp32 sums into partial rows instead. Warp w owns
+// weight rows n0 + 16w .. +15; the rows are taken 8·STREAM_CHUNKS at a time (one pass over the
+// weights each): the launcher picks STREAM_CHUNKS to cover the most rows a tile can hold in its step.
+template <class Format>
+__device__ __forceinline__ void stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                                            const unsigned char* __restrict__ weight,
+                                            const unsigned char* __restrict__ scale, int expert, int first_row,
+                                            int tile_rows, int first_step, int end_step, bf16* __restrict__ out,
+                                            float* __restrict__ partial, int N, int K) {
+    __shared__ __align__(16) unsigned char staged[STREAM_STAGES][8 * STREAM_CHUNKS * X_ROW_BYTES];
     __shared__ int a_rows[8 * STREAM_CHUNKS];
-    const int tile = blockIdx.y;
-    if (tile >= *num_tiles) return;
-    const int expert = tile_expert[tile];
-    const int tile_rows = min(STREAM_TOKENS, offsets[expert + 1] - tile_row[tile]);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int n_lo = blockIdx.x * STREAM_N + 16 * warp + g;
-    const long long row_lo = (long long)expert * N + n_lo;
-    const bool lo_ok = n_lo < N, hi_ok = n_lo + 8 < N;
-    const int groups = K / 32, steps = (K + STREAM_K - 1) / STREAM_K;
-    const StreamCursor weights{lo_ok ? weight + row_lo * (K / 2) + 16 * q : nullptr,
-                               hi_ok ? weight + (row_lo + 8) * (K / 2) + 16 * q : nullptr,
-                               scale + row_lo * groups + q, scale + (row_lo + 8) * groups + q};
-    for (int row_begin = tile_row[tile], done = 0; done < tile_rows; done += 8 * STREAM_CHUNKS, row_begin += 8 * STREAM_CHUNKS) {
+    const int groups = K / 32;
+    const typename Format::Cursor weights = Format::cursor(weight, scale, expert, n_lo, N, K, q);
+    for (int row_begin = first_row, done = 0; done < tile_rows; done += 8 * STREAM_CHUNKS, row_begin += 8 * STREAM_CHUNKS) {
         const int rows = min(8 * STREAM_CHUNKS, tile_rows - done), chunks = (rows + 7) / 8;
         __syncthreads();  // the previous pass is done with a_rows and the staging buffers
         for (int r = threadIdx.x; r < 8 * STREAM_CHUNKS; r += STREAM_THREADS)
             a_rows[r] = r < rows ? (sorted_slots ? sorted_slots[row_begin + r] / top_k : row_begin + r) : -1;
         float acc[STREAM_CHUNKS][4] = {};
-        StreamWeights ring[STREAM_DEPTH];
+        typename Format::Step ring[Format::DEPTH];
 #pragma unroll
-        for (int d = 0; d < STREAM_DEPTH; ++d) ring[d] = load_stream_weights(weights, d, 4 * d + q < groups);
+        for (int d = 0; d < Format::DEPTH; ++d)  // (a step past end_step but inside K: read, unused)
+            ring[d] = Format::load(weights, first_step + d, 4 * (first_step + d) + q < groups);
         __syncthreads();  // a_rows
         StageCursor stage;
         {
@@ -318,19 +438,28 @@ moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 stage.source[j] = src >= 0 ? a + (long long)src * K + stage.k : nullptr;
             }
         }
-        stage_rows(stage, chunks, 0, K, staged[0]);
+        // steps first_step .. + STREAM_STAGES − 2 in flight, one group each; the first one landed
+#pragma unroll
+        for (int p = 0; p < STREAM_STAGES - 1; ++p) {
+            if (p > 0) stage_commit();  // (a step past end_step: zeros past K, else read and unused)
+            stage_rows(stage, chunks, first_step + p, K, staged[(unsigned)(first_step + p) % STREAM_STAGES]);
+        }
         stage_wait();
         __syncthreads();
-        for (int s0 = 0; s0 < steps; s0 += STREAM_DEPTH) {
+        for (int s0 = first_step; s0 < end_step; s0 += Format::DEPTH) {
 #pragma unroll
-            for (int d = 0; d < STREAM_DEPTH; ++d) {  // unrolled: ring[d] stays in registers
+            for (int d = 0; d < Format::DEPTH; ++d) {  // unrolled: ring[d] stays in registers
                 const int s = s0 + d;
-                if (s < steps) {  // the same for every thread of the block
-                    if (s + 1 < steps) stage_rows(stage, chunks, s + 1, K, staged[(s + 1) & 1]);
-                    const StreamWeights current = ring[d];
-                    const int ahead = s + STREAM_DEPTH;
-                    if (ahead < steps) ring[d] = load_stream_weights(weights, ahead, 4 * ahead + q < groups);
-                    stream_step(acc, current, staged[s & 1], chunks, g, q);
+                if (s < end_step) {  // the same for every thread of the block
+                    // into the buffer step s − 1 used: every thread is past it (the barrier below)
+                    if (s + STREAM_STAGES - 1 < end_step)
+                        stage_rows(stage, chunks, s + STREAM_STAGES - 1, K, staged[(unsigned)(s + STREAM_STAGES - 1) % STREAM_STAGES]);
+                    const typename Format::Step current = ring[d];
+                    const int ahead = s + Format::DEPTH;
+                    if (ahead < end_step) ring[d] = Format::load(weights, ahead, 4 * ahead + q < groups);
+                    StreamFragments frag;
+                    Format::fragments(current, frag);
+                    stream_mma(acc, frag, staged[(unsigned)s % STREAM_STAGES], chunks, g, q);
                     stage_wait();
                     __syncthreads();
                 }
@@ -343,11 +472,55 @@ moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int token = 8 * c + 2 * q + (e & 1), n = n_lo + 8 * (e >> 1);
-                    if (token < rows && n < N)
-                        out[(long long)(row_begin + token) * N + n] = __float2bfloat16_rn(acc[c][e]);
+                    if (token < rows && n < N) {
+                        if (partial) partial[(long long)(row_begin + token) * N + n] = acc[c][e];
+                        else out[(long long)(row_begin + token) * N + n] = __float2bfloat16_rn(acc[c][e]);
+                    }
                 }
             }
         }
+    }
+}
+
+// grid (⌈N / 64⌉, max_tiles), STREAM_THREADS threads: tile blockIdx.y of moe_sort's layout.
+extern "C" __global__ void STREAM_LAUNCH_BOUNDS
+moe_fp4_stream_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                    const unsigned char* __restrict__ weight, const unsigned char* __restrict__ scale,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ num_tiles, const int* __restrict__ offsets,
+                    bf16* __restrict__ out, int N, int K) {
+    const int tile = blockIdx.y;
+    if (tile >= *num_tiles) return;
+    const int expert = tile_expert[tile];
+    const int tile_rows = min(STREAM_TOKENS, offsets[expert + 1] - tile_row[tile]);
+    stream_gemm<Fp4Stream>(a, sorted_slots, top_k, weight, scale, expert, tile_row[tile], tile_rows, 0,
+                           (K + STREAM_K - 1) / STREAM_K, out, nullptr, N, K);
+}
+
+// out [M, N] = a [M, K] · W^T for one FP8 weight (W8A16: the codes decoded to bf16 in registers;
+// K a multiple of 32). grid (⌈N / 64⌉, ⌈M / 64⌉, splits), STREAM_THREADS threads: rows
+// 64·blockIdx.y .. +63, K steps of split blockIdx.z. splits > 1 (few blocks: a decode step of a
+// narrow weight): each split writes fp32 sums to partial [splits, M, N] and fp8_stream_reduce
+// adds them in split order.
+extern "C" __global__ void STREAM_LAUNCH_BOUNDS
+fp8_stream_linear(const bf16* __restrict__ a, const unsigned char* __restrict__ weight,
+                  const unsigned char* __restrict__ scale, bf16* __restrict__ out, float* __restrict__ partial,
+                  int M, int N, int K) {
+    const int first_row = STREAM_TOKENS * blockIdx.y, steps = (K + STREAM_K - 1) / STREAM_K;
+    // an empty split (first_step ≥ steps; the launcher avoids them) writes zeros
+    const int per_split = (steps + gridDim.z - 1) / gridDim.z, first_step = blockIdx.z * per_split;
+    stream_gemm<Fp8Stream>(a, nullptr, 1, weight, scale, 0, first_row, min(STREAM_TOKENS, M - first_row), first_step,
+                           min(steps, first_step + per_split), out,
+                           partial ? partial + (long long)blockIdx.z * M * N : nullptr, N, K);
+}
+
+// out [M, N] (bf16) = Σ_z partial [z, M, N] in z order; grid-stride over M·N.
+extern "C" __global__ void fp8_stream_reduce(const float* __restrict__ partial, bf16* __restrict__ out, long long size,
+                                             int splits) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < size; i += (long long)gridDim.x * blockDim.x) {
+        float total = 0.f;
+        for (int z = 0; z < splits; ++z) total += partial[z * size + i];
+        out[i] = __float2bfloat16_rn(total);
     }
 }
 

@@ -29,7 +29,14 @@ class DummyCheckpoint:
         self._dtype = dtype
         largest = max((int(np.prod(s, dtype=np.int64)) for s in self.shapes.values()), default=1)
         rng = np.random.default_rng(seed)
-        self._pool = (rng.standard_normal(largest + _POOL_SLACK, dtype=np.float32) * NOISE_SCALE)
+        noise = rng.standard_normal(largest + _POOL_SLACK, dtype=np.float32) * NOISE_SCALE
+        # The pool holds bf16-representable values (low 16 bits cleared) and their bf16 bits, so
+        # ``raw`` is a view too: converting every tensor float32 -> bf16 on one core was most of
+        # a dummy start (~25 s for Qwen3-4B); ``raw(name)`` stays equal to bf16(``get(name)``).
+        bits = noise.view(np.uint32)
+        bits &= np.uint32(0xFFFF0000)
+        self._pool = noise
+        self._pool_bf16 = (bits >> np.uint32(16)).astype(np.uint16)
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -53,16 +60,24 @@ class DummyCheckpoint:
         if self.shape(name) != tuple(shape):
             raise WeightLoadError(f"dummy tensor {name!r} has shape {self.shape(name)}, expected {tuple(shape)}")
 
-    def get(self, name: str) -> np.ndarray:
+    def _window(self, name: str) -> tuple[tuple[int, ...], slice]:
         shape = self.shape(name)
-        count = int(np.prod(shape, dtype=np.int64))
         offset = zlib.crc32(name.encode()) % _POOL_SLACK
-        values = self._pool[offset: offset + count].reshape(shape)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            return values + 1.0
-        return values
+        return shape, slice(offset, offset + int(np.prod(shape, dtype=np.int64)))
+
+    @staticmethod
+    def _is_norm(name: str) -> bool:
+        return name.endswith("norm.weight") or name.endswith("layernorm.weight")
+
+    def get(self, name: str) -> np.ndarray:
+        shape, window = self._window(name)
+        values = self._pool[window].reshape(shape)
+        return values + 1.0 if self._is_norm(name) else values
 
     def raw(self, name: str) -> np.ndarray:
         from openinfer.weights import float32_to_bf16
 
-        return float32_to_bf16(self.get(name))
+        if self._is_norm(name):  # 1 + noise: small vectors, converted
+            return float32_to_bf16(self.get(name))
+        shape, window = self._window(name)
+        return self._pool_bf16[window].reshape(shape)

@@ -279,6 +279,30 @@ class PagedEngine:
         self._masks_waited_on_device = bool(value)
 
     @property
+    def grammar_tokens_consumed_on_worker(self) -> bool:
+        """Whether the grammar-mask worker advances the matchers by a step's tokens before
+        filling their masks (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` unset or 1 at creation), or
+        the engine thread does, in parallel with the GIL released, before handing over the fill
+        (0; ``structured.GrammarCompiler.tokens_consumed_on_worker`` says why). May be switched
+        while no request runs (side-by-side measurements)."""
+        return self._grammars.tokens_consumed_on_worker
+
+    @grammar_tokens_consumed_on_worker.setter
+    def grammar_tokens_consumed_on_worker(self, value: bool) -> None:
+        self._grammars.tokens_consumed_on_worker = value
+
+    @property
+    def grammar_string_length_slices(self) -> bool:
+        """Whether new grammar matchers mask through ``structured.string_length_slices``
+        (``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=1`` at creation): the same masks, less work in
+        length-bounded strings. May be switched while no request runs (side-by-side measurements)."""
+        return self._grammars.string_length_slices
+
+    @grammar_string_length_slices.setter
+    def grammar_string_length_slices(self, value: bool) -> None:
+        self._grammars.string_length_slices = value
+
+    @property
     def step_timer(self) -> StepTimer | None:
         """CUDA-event timing of each step and of the device's idle gaps between steps (None on
         the NumPy backend): ``reset()`` it, run a load, read ``report()``."""

@@ -89,18 +89,21 @@ class _LazyIds:
         return self.get() if dtype is None else self.get().astype(dtype)
 
 
-def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch):
+@pytest.mark.parametrize("consume_on_worker", ["1", "0"], ids=["worker_consumes", "engine_consumes"])
+def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker):
     """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on a backend that waits for grammar masks on the
     device (here a NumPy "device" that samples once the masks are computed, as the CUDA stream
     does behind ``wait_for_host_flag``): every decode step is sampled ahead, its masks pending
     when the sampling is queued and started only after the previous step is read back, and the
     tokens equal the synchronous engine's exactly — seeded random rows, grammar rows (regex and
-    JSON Schema) and plain rows in the same batches, requests ending at different steps."""
+    JSON Schema) and plain rows in the same batches, requests ending at different steps; with
+    the step's tokens consumed on the mask worker or by the engine thread before the hand-over
+    (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``)."""
     from openinfer_qwen3 import plugin
 
     from openinfer.backend.numpy_backend import NumpyBackend
     from openinfer.runtime.sampler import sample_rows
-    from openinfer.structured import DEVICE_WAIT_ENV
+    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV
 
     queued_pending: list[bool] = []
 
@@ -134,10 +137,12 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     finally:
         sync.close_sync()
     monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
+    monkeypatch.setenv(CONSUME_ON_WORKER_ENV, consume_on_worker)
     monkeypatch.setattr(NumpyBackend, "sample_rows_async", sample_rows_async, raising=False)
     monkeypatch.setattr(NumpyBackend, "waits_for_grammar_masks", True, raising=False)
     engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
     engine.model.backend._test_eos = engine.info().eos_token_ids
+    assert engine.grammar_tokens_consumed_on_worker == (consume_on_worker == "1")
     try:
         got = run_all(engine, requests)
         assert engine.num_steps_launched_ahead >= engine.num_steps - 4
@@ -168,10 +173,14 @@ def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, mon
         engine.close_sync()
 
 
-def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir):
+@pytest.mark.parametrize(("consume_on_worker", "length_slices"), [(True, False), (False, False), (False, True)],
+                         ids=["worker_consumes", "engine_consumes", "engine_consumes_length_slices"])
+def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir, consume_on_worker, length_slices):
     """A KV pool too small for every request: requests are preempted and recomputed while their
-    grammar rows run ahead (the mask worker consumes each step's tokens, also of a request the
-    next step leaves out); outputs equal the synchronous engine's, each accepted by its grammar."""
+    grammar rows run ahead (each step's tokens are consumed, also of a request the next step
+    leaves out, on the mask worker or by the engine thread, the matchers with or without the
+    string length slices: switched on the running engine); outputs equal the synchronous
+    engine's, each accepted by its grammar."""
     from openinfer_qwen3 import plugin
 
     from openinfer.structured import GrammarCompiler
@@ -186,6 +195,8 @@ def test_preempted_grammar_requests_keep_every_token_in_their_matchers(model_dir
     for mode in (False, True):
         engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(
             device="cpu", async_scheduling=mode, num_kv_blocks=12, enable_prefix_cache=False))
+        engine.grammar_tokens_consumed_on_worker = consume_on_worker
+        engine.grammar_string_length_slices = length_slices
         try:
             outputs[mode] = run_all(engine, requests)
             assert engine.scheduler.num_preemptions > 0

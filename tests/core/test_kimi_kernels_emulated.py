@@ -63,7 +63,26 @@ CASES = {
     "fp8-sqrtsoftplus": ("fp8", RouterSpec(6, 2, "sqrtsoftplus", routed_scaling_factor=1.5)),
     # INT4 groups of 16: smaller than moe_gemv_wide's 32-weight chunk (a scale per 8-weight piece)
     "int4-group16-sigmoid": ("int4", RouterSpec(6, 2, "sigmoid")),
+    # moe_gemv_mma with a ring of 3 chunks per lane: gate_up's K = 320 is ten 32-weight bf16 chunks
+    # (four turns of the ring, the last partly empty), down's 64 two (the ring never fills); the ring
+    # does not depend on the format (GPU tests: INT4 / FP8 / bf16 at K = 1152). moe_router_logits
+    # with 2 loads per lane in flight: the second one past K = 320 for most lanes
+    "bf16-mma-depth3": ("bf16", RouterSpec(6, 2, "softmax")),
 }
+# (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
+CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3, "ROUTER_LOADS": 2})}
+
+
+def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:
+    """The harness's flat copy of a moe_sort layout, split into its arrays (tile lists cut to the count)."""
+    parts, at = {}, 0
+    for name, size in (("offsets", num_experts + 1), ("sorted", slots), ("pos", slots), ("tile_expert", tiles),
+                       ("tile_row", tiles), ("num_tiles", 1)):
+        parts[name] = flat[at:at + size]
+        at += size
+    count = int(parts["num_tiles"][0])
+    parts["tile_expert"], parts["tile_row"] = parts["tile_expert"][:count], parts["tile_row"][:count]
+    return parts
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,9 +90,10 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     fmt, spec = CASES[case]
     group = 16 if "group16" in case else 32
     rng = np.random.default_rng(len(case))
-    tokens, hidden, inter = 70, 96, 64  # N of down = 96: ragged against 64-wide tiles
+    hidden, inter, defines = CASE_SHAPES.get(case, (96, 64, {}))  # N of down = 96: ragged against 64-wide tiles
+    tokens = 70
     binary = build(tmp_path, "moe", {"MOE": 1, "USE_MMA": 0, "WEIGHT_FORMAT": FORMATS[fmt], "GROUP": group,
-                                     "FP8_BLOCK": 128})
+                                     "FP8_BLOCK": 128, **defines})
     x = bf16(rng.standard_normal((tokens, hidden)))
     gate = bf16(0.2 * rng.standard_normal((spec.num_experts, hidden)))
     bias = np.zeros(spec.num_experts, np.float32)
@@ -99,6 +119,19 @@ def test_moe_kernels_match_numpy(tmp_path, case):
                        rtol=1e-5, atol=1e-6)
     offsets = read_array(tmp_path, "offsets", np.int32, -1)
     assert np.array_equal(np.diff(offsets), np.bincount(ref_ids.reshape(-1), minlength=spec.num_experts))
+    # moe_sort_parallel: moe_sort's offsets and tile list; each expert's segment holds its slots
+    slots, tiles = tokens * spec.top_k, -(-tokens * spec.top_k // 64) + min(spec.num_experts, tokens * spec.top_k)
+    serial = sort_layout(read_array(tmp_path, "serial_sort", np.int32, -1), spec.num_experts, slots, tiles)
+    flat_ids = ids.reshape(-1)
+    for threads in (4, 256):
+        layout = sort_layout(read_array(tmp_path, f"parallel_sort_{threads}", np.int32, -1), spec.num_experts,
+                             slots, tiles)
+        for name in ("offsets", "tile_expert", "tile_row", "num_tiles"):
+            assert np.array_equal(layout[name], serial[name]), (threads, name)
+        assert np.array_equal(layout["pos"][layout["sorted"]], np.arange(slots))
+        for e in range(spec.num_experts):
+            segment = layout["sorted"][offsets[e]:offsets[e + 1]]
+            assert np.all(flat_ids[segment] == e)
     if use_bias:
         assert offsets[1] > 64
     out = read_array(tmp_path, "out", np.uint16, (tokens, hidden))

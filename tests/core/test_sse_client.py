@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gpu_concurrency  # noqa: E402
 import stub_serving  # noqa: E402
-from sse_client import completion_tokens, stream_completion  # noqa: E402
+from sse_client import CACHED_TOKENS_KEY, completion_tokens, stream_completion, usage_count  # noqa: E402
 
 
 def text_frame(text: str, completion: int | None = None) -> bytes:
@@ -26,8 +26,10 @@ def text_frame(text: str, completion: int | None = None) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_frame(completion: int) -> bytes:
+def usage_frame(completion: int, cached: int | None = None) -> bytes:
     usage = {"prompt_tokens": 3, "total_tokens": 3 + completion, "completion_tokens": completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return b"data: " + json.dumps({"choices": [], "usage": usage}, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -83,6 +85,15 @@ def test_text_frames_timed_and_tokens_from_the_usage_chunk(chunked):
     assert record.ok and record.events == 3 and record.tokens == 3 and record.first_tokens == 0
     assert record.start < record.first < record.last and len(record.gaps) == 2
     assert sum(record.gaps) == pytest.approx(record.last - record.first)
+
+
+def test_cached_tokens_come_from_the_usage_details_where_reported():
+    assert usage_count(usage_frame(4, cached=1008), CACHED_TOKENS_KEY) == 1008
+    assert usage_count(b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":null}}}', CACHED_TOKENS_KEY) is None
+    record, _ = run_against([text_frame("a"), usage_frame(1, cached=32)], stream_completion)
+    assert record.ok and record.cached_tokens == 32 and record.tokens == 1
+    record, _ = run_against([text_frame("a"), usage_frame(1)], stream_completion)
+    assert record.ok and record.cached_tokens is None  # a server that does not report them
 
 
 def test_continuous_usage_counts_tokens_per_frame():

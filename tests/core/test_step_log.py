@@ -41,10 +41,13 @@ class FakeEvent:
 
 
 class FakeTimer:
-    """A StepTimer's shape: ``steps`` of (start, end) events and ``cupy.cuda.get_elapsed_time``."""
+    """A StepTimer's shape: ``steps`` of (start, end, pause) events, pause None or (forward end,
+    sampling start), and ``cupy.cuda.get_elapsed_time``."""
 
-    def __init__(self, spans: list[tuple[float, float]]):
-        self.steps = [(FakeEvent(a), FakeEvent(b)) for a, b in spans]
+    def __init__(self, spans: list[tuple[float, float]], pauses: dict[int, tuple[float, float]] | None = None):
+        pauses = pauses or {}
+        self.steps = [(FakeEvent(a), FakeEvent(b), tuple(map(FakeEvent, pauses[i])) if i in pauses else None)
+                      for i, (a, b) in enumerate(spans)]
 
         class Cuda:
             @staticmethod
@@ -81,6 +84,15 @@ def test_device_columns_come_from_the_step_timer_newest_first_and_gaps_between_s
     written = json.loads(path.read_text())
     assert written["columns"] == list(STEP_COLUMNS) + list(DEVICE_COLUMNS)
     assert written["steps"][0][-1] is None  # NaN is not JSON
+
+
+def test_a_step_that_waited_for_the_cpu_counts_only_its_busy_time():
+    log = StepLog()
+    for lens in ([1, 1], [1, 1]):
+        log.observe(batch(lens), True, 100.0, 100.001)
+    # the second step's forward ended at 14, its sampling began at 17: 3 ms waiting for grammar masks
+    timer = FakeTimer([(0.0, 5.0), (10.0, 20.0)], pauses={1: (14.0, 17.0)})
+    assert [r[len(STEP_COLUMNS):] for r in log.rows(timer)][1] == [10.0, 7.0, 5.0]
 
 
 def test_summary_splits_decode_and_mixed_steps_inside_the_burst_window():

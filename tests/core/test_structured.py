@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -369,19 +370,21 @@ def test_step_sampler_with_packed_masks_equals_masking_row_by_row():
             batched[i].num_output_tokens += 1
 
 
-def test_pending_masks_consume_then_fill_in_one_job(tokenizer):
+@pytest.mark.parametrize("on_worker", [True, False], ids=["worker_consumes", "caller_consumes"])
+def test_pending_masks_consume_then_fill(tokenizer, on_worker):
     """``StepMasks.pending`` (a step sampled before its matchers consumed the previous tokens):
-    ``start_masks(consume=..., into=...)`` advances the matchers by their tokens and fills the
-    pending masks in one job on the worker; the masks equal those of matchers that accepted the
-    same tokens one by one, rows whose request finished meanwhile allow everything, the ready
-    callbacks run once (at once when registered after), a second start is refused, and
-    abandoning a started step is a no-op while abandoning an unstarted one fails its ``wait``."""
+    ``start_masks(consume=..., into=...)`` advances the matchers by their tokens (in the worker's
+    job, or first on the calling thread: ``tokens_consumed_on_worker``) and fills the pending
+    masks on the worker; the masks equal those of matchers that accepted the same tokens one by
+    one, rows whose request finished meanwhile allow everything, the ready callbacks run once
+    (at once when registered after), a second start is refused, and abandoning a started step
+    is a no-op while abandoning an unstarted one fails its ``wait``."""
     vocab = tokenizer.get_vocab_size() + 5
     eos = [tokenizer.token_to_id("<eos>")]
     constraints = [pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}"),
                    pb.StructuredOutput(json_object=True), pb.StructuredOutput(regex="[a-z]{2,12}")]
-    background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
-                             for flag in (True, False))
+    background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag,
+                                             tokens_consumed_on_worker=on_worker) for flag in (True, False))
     walkers = [(background.compile(c), reference.compile(c)) for c in constraints]
     rng = np.random.default_rng(3)
     rows = [1, 2, 4]  # logits rows 0 and 3 carry no grammar
@@ -413,3 +416,75 @@ def test_pending_masks_consume_then_fill_in_one_job(tokenizer):
     assert abandoned.is_ready and abandoned.failed
     with pytest.raises(RuntimeError, match="grammar masks failed"):
         abandoned.wait()
+
+
+def test_tokens_consumed_by_the_caller_failing_fail_the_pending_masks(tokenizer):
+    """With the step's tokens consumed on the calling thread, a consume that raises (here a
+    matcher without an llguidance state) raises to the caller and leaves the pending masks failed
+    with every token allowed, so a device waiting for them is released and the sampling fails,
+    instead of a step started but never finished."""
+    from openinfer.structured import GrammarMatcher
+
+    vocab = tokenizer.get_vocab_size() + 5
+    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")],
+                               tokens_consumed_on_worker=False)
+    walker = compiler.compile(pb.StructuredOutput(regex="[a-z]{2,12}"))
+    pending = StepMasks.pending([0], 1, (vocab + 31) // 32)
+    with pytest.raises(AttributeError):
+        compiler.start_masks([(walker, 0)], 1, consume=[(GrammarMatcher(None), 5)], into=pending)
+    assert pending.is_started and pending.is_ready and pending.failed and np.all(pending.bitmask == -1)
+    with pytest.raises(RuntimeError, match="grammar masks failed"):
+        pending.wait()
+
+
+def test_string_length_slices_give_the_same_masks(tokenizer):
+    """Matchers compiled with ``string_length_slices`` set mask exactly as those with llguidance's
+    general slices, along seeded random walks through length-bounded strings (every length left
+    from the bound down to 0), an unbounded one and a regex; the switch applies to matchers
+    compiled after it, each keeping its own, whichever slices the compiler was built with."""
+    vocab = tokenizer.get_vocab_size() + 5
+    compilers = [GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")], background_masks=False,
+                                 string_length_slices=built_sliced) for built_sliced in (False, True)]
+    schema = {"type": "array", "minItems": 3, "items": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "string"},
+                                         "c": {"type": "string", "minLength": 2, "maxLength": 4}},
+        "required": ["a", "b", "c"], "additionalProperties": False}}
+    constraints = [pb.StructuredOutput(json_schema=json.dumps(schema)), pb.StructuredOutput(regex="[a-z ]{3,15}")]
+    rng = np.random.default_rng(5)
+    for compiler, constraint in itertools.product(compilers, constraints):
+        for _ in range(3):
+            compiler.string_length_slices = False
+            general = compiler.compile(constraint)
+            compiler.string_length_slices = True
+            sliced = compiler.compile(constraint)
+            assert sliced.matcher is not general.matcher
+            for _ in range(60):
+                if general.is_terminated():
+                    assert sliced.is_terminated()
+                    break
+                masks = [allocate_bitmask(1, vocab) for _ in range(2)]
+                general.fill(masks[0][0])
+                sliced.fill(masks[1][0])
+                assert np.array_equal(masks[0], masks[1])
+                token = int(rng.choice(np.flatnonzero(allowed_tokens(masks[0][0], vocab))))
+                assert general.accept(token) and sliced.accept(token)
+
+
+def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeypatch):
+    """``OPENINFER_GRAMMAR_CONSUME_ON_WORKER`` / ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES`` set the
+    compiler's switches when the cache is created; setting them on the cache afterwards reaches
+    the compiler, built before or after."""
+    from openinfer.structured import CONSUME_ON_WORKER_ENV, STRING_LENGTH_SLICES_ENV, CompilerCache
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size() + 5
+    assert CompilerCache(str(tmp_path), vocab, [0]).get().tokens_consumed_on_worker
+    assert not CompilerCache(str(tmp_path), vocab, [0]).get().string_length_slices
+    monkeypatch.setenv(CONSUME_ON_WORKER_ENV, "0")
+    monkeypatch.setenv(STRING_LENGTH_SLICES_ENV, "1")
+    cache = CompilerCache(str(tmp_path), vocab, [0])
+    assert not cache.tokens_consumed_on_worker and cache.string_length_slices
+    built = cache.get()
+    assert not built.tokens_consumed_on_worker and built.string_length_slices
+    cache.tokens_consumed_on_worker, cache.string_length_slices = True, False
+    assert built.tokens_consumed_on_worker and not built.string_length_slices

@@ -25,10 +25,24 @@ def _bits(backend, x) -> np.ndarray:
     return cupy.asnumpy(x).view(np.uint16)
 
 
+# blocks per SM of the fused launch: the default, and 1 (with 1 SM: one block loops over every tile)
+GRIDS = [("default", None), ("1 per SM", (None, 1)), ("one block", (1, 1))]
+
+
+def _grid_args(cuda_backend, grid) -> dict:
+    from openinfer.backend.cuda.linear import FUSED_BLOCKS_PER_SM
+
+    if grid is None:
+        return {"num_sms": cuda_backend.num_sms, "blocks_per_sm": FUSED_BLOCKS_PER_SM}
+    sms, per_sm = grid
+    return {"num_sms": sms or cuda_backend.num_sms, "blocks_per_sm": per_sm}
+
+
 @pytest.mark.parametrize("k,n", [(64, 96), (1000, 1001), (2560, 6144), (4096, 768)])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_add_rms_norm_linear_fused(cuda_backend, rng, k, n, with_residual, bias):
+@pytest.mark.parametrize("grid", [g for _, g in GRIDS], ids=[name for name, _ in GRIDS])
+def test_add_rms_norm_linear_fused(cuda_backend, rng, k, n, with_residual, bias, grid):
     from openinfer.backend.cuda.backend import _norm_threads
     from openinfer.backend.cuda.linear import fused_add_rms_norm_gemv
 
@@ -37,7 +51,7 @@ def test_add_rms_norm_linear_fused(cuda_backend, rng, k, n, with_residual, bias)
     w, b = bf16_random(rng, n, k, scale=0.05), (bf16_random(rng, n) if bias else None)
     layer, weight = cuda_backend.linear_weight(w, b), cuda_backend.weight(norm)
     dx, dr = cuda_backend.upload(x), cuda_backend.upload(r) if with_residual else None
-    y, residual = fused_add_rms_norm_gemv(dx, dr, weight, 1e-6, _norm_threads(k), layer)
+    y, residual = fused_add_rms_norm_gemv(dx, dr, weight, 1e-6, _norm_threads(k), layer, **_grid_args(cuda_backend, grid))
     # the NumPy composition, on the bf16 values the GPU holds
     h = round_to_bf16(x + r) if with_residual else x
     reference = REF.linear(round_to_bf16(REF.rms_norm(h, norm, 1e-6)), REF.linear_weight(w, b))
@@ -52,16 +66,17 @@ def test_add_rms_norm_linear_fused(cuda_backend, rng, k, n, with_residual, bias)
     assert np.array_equal(_bits(cuda_backend, residual), _bits(cuda_backend, residual_dev))
 
 
-@pytest.mark.parametrize("k,n", [(96, 64), (9728, 2560), (1000, 333)])
+@pytest.mark.parametrize("k,n", [(96, 64), (9728, 2560), (1000, 333), (2560, 19456)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_mul_linear_fused(cuda_backend, rng, k, n, bias):
+@pytest.mark.parametrize("grid", [g for _, g in GRIDS], ids=[name for name, _ in GRIDS])
+def test_silu_mul_linear_fused(cuda_backend, rng, k, n, bias, grid):
     from openinfer.backend.cuda.linear import fused_silu_mul_gemv
 
     gate_up = bf16_random(rng, 1, 2 * k)
     w, b = bf16_random(rng, n, k, scale=0.05), (bf16_random(rng, n) if bias else None)
     layer = cuda_backend.linear_weight(w, b)
     dgu = cuda_backend.upload(gate_up)
-    y = fused_silu_mul_gemv(dgu, layer)
+    y = fused_silu_mul_gemv(dgu, layer, **_grid_args(cuda_backend, grid))
     reference = REF.linear(round_to_bf16(REF.silu_mul(gate_up)), REF.linear_weight(w, b))
     assert relative_error(cuda_backend.to_host(y), reference) < BF16_TOL
     unfused = cuda_backend.linear(cuda_backend.silu_mul(dgu), layer)

@@ -55,6 +55,39 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
                        rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
+    """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 7 loads in flight gives the same ids and
+    weights bit for bit (same sums, same order), and moe_sort_parallel moe_sort's offsets and tile
+    list, with each expert's segment holding exactly its slots. Kimi-K2's 384 experts top-8 at 7168
+    wide (four passes of 7 loads, 1792 wide each); 256 tokens: experts with more than one 64-row tile."""
+    moe = _moe_cuda()
+    spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
+    x = cuda_backend.upload(bf16_random(rng, tokens, 7168))
+    gate = cuda_backend.weight(bf16_random(rng, 384, 7168, scale=0.05))
+    bias = cupy.asarray((0.3 * rng.standard_normal(384)).astype(np.float32))
+    if tokens == 256:
+        bias[:3] += 100.0  # experts 0-2 take every token: 4 tiles each
+    results = {}
+    for fast in ("0", "1"):
+        monkeypatch.setenv(moe.FAST_ROUTING_ENV, fast)
+        ids, weights = moe.route(x, gate, spec, bias)
+        grouping = moe.group_by_expert(ids, weights, 384)
+        count = int(grouping.num_tiles.get()[0])
+        results[fast] = (ids.get(), weights.get(), grouping.offsets.get(), grouping.tile_expert.get()[:count],
+                         grouping.tile_row.get()[:count], grouping.sorted_slots.get(), grouping.slot_pos.get())
+    (ids, weights, offsets, *tiles, _, _), fast = results["0"], results["1"]
+    assert np.array_equal(fast[0], ids) and np.array_equal(fast[1], weights)
+    assert np.array_equal(fast[2], offsets)
+    assert all(np.array_equal(a, b) for a, b in zip(fast[3:5], tiles, strict=True))
+    if tokens == 256:
+        assert np.count_nonzero(tiles[0] == 0) == 4
+    sorted_slots, slot_pos = fast[5], fast[6]
+    assert np.array_equal(slot_pos[sorted_slots], np.arange(ids.size))
+    for e in np.flatnonzero(np.diff(offsets)):
+        assert np.all(ids.reshape(-1)[sorted_slots[offsets[e]:offsets[e + 1]]] == e)
+
+
 def test_moe_hash_routing(cuda_backend, rng):
     moe = _moe_cuda()
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
@@ -88,8 +121,8 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "blas"],
-                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "blas"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "mma_depth4", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "gemv-mma-depth4", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
 def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
@@ -162,17 +195,20 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma"])
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
     """moe_gemv_wide and moe_gemv_mma in dense mode: 300 output columns (a partial block of columns,
     a partial 16-column warp and a partial FP8 scale block), K = 384 (an odd number of 32-weight
     chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
-    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv."""
+    groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv. The deeper
+    rings of moe_gemv_mma take K = 1152: 9 INT4 chunks per lane group (the ring wraps, its last
+    turn partly empty)."""
     moe = _moe_cuda()
-    weight, reference = _expert_weights(rng, fmt, 1, 300, 384, group=group or 32)
-    x = cuda_backend.upload(bf16_random(rng, rows, 384))
+    in_features = 1152 if "depth" in gemv_kernel else 384
+    weight, reference = _expert_weights(rng, fmt, 1, 300, in_features, group=group or 32)
+    x = cuda_backend.upload(bf16_random(rng, rows, in_features))
     out = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel=gemv_kernel))
     assert relative_error(out, cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
     old = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel="moe_gemv"))
@@ -228,19 +264,29 @@ MLA_BATCHES = {
     "small": ([0, 16, 31, 70], [5, 1, 1, 3]),
     # a 150-token prompt (3 query tiles, the last partial), a 70-token chunk on 100 cached, decodes
     "long": ([0, 100, 57, 3], [150, 70, 1, 1]),
+    # decodes only, up to 1k context: 4 tokens, so the absorbed kernels split each context many ways
+    "decodes": ([700, 1030, 33, 5], [1, 1, 1, 1]),
 }
 
 
-@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel", [
-    ("small", 10**6, "cuda_cores"), ("small", 2, "cuda_cores"), ("long", 16, "cuda_cores"),
-    ("small", 10**6, "mma"), ("long", 16, "mma")],
-    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma"])
+@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits", [
+    ("small", 10**6, "cuda_cores", ""), ("small", 2, "cuda_cores", ""), ("long", 16, "cuda_cores", ""),
+    ("small", 10**6, "mma", ""), ("long", 16, "mma", ""), ("decodes", 10**6, "mma", ""),
+    ("decodes", 10**6, "mma", "64"), ("decodes", 10**6, "cuda_cores", "64")],
+    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma", "decodes-mma",
+         "decodes-mma-splits64", "decodes-splits64"])
 def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
-                                                         absorbed_kernel):
+                                                         absorbed_kernel, max_splits, monkeypatch):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
-    (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads."""
+    (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads.
+    $OPENINFER_MLA_MAX_SPLITS=64 on 4 decodes: 17 splits (mma) / 33 (CUDA cores), many empty at 5 tokens."""
+    from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
+
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    if max_splits:
+        assert cuda_mla.num_splits(4, 4, 132) > cuda_mla.MAX_SPLITS
 
     spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
                    scale=192 ** -0.5 * 1.3)
@@ -267,7 +313,7 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
     kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
     weights = MLAWeights.from_kv_b(kv_b, spec)
-    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), 256)
+    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), max(256, int(positions.max()) + 1))
     # NumPy reference (fp32)
     cos, sin = rope.cos[positions], rope.sin[positions]
     q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)

@@ -21,6 +21,7 @@ from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, 
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.linear import (
+    FUSED_BLOCKS_PER_SM,
     CudaLinear,
     fusable,
     fused_add_rms_norm_gemv,
@@ -42,6 +43,15 @@ STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "ap
 def _norm_threads(features: int) -> int:
     """rms_norm.cu's block size for a row of ``features`` (the fused GEMV reproduces its sum order)."""
     return min(1024, max(32, -(-features // 32) * 32 // 2))
+
+
+def _positive_int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return int(raw)
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -70,12 +80,14 @@ class CudaBackend:
         self.blas = Cublas()
         self.use_gemv = use_gemv
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
-        # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: measured on an
-        # H200 (benchmarks/GPU.md) the per-block prologue delays each block's weight stream, and
-        # bs=1 decode went from 3.29 to 4.26 ms; kept, tested, for the next design to beat
+        # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
+        # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
+        # the second (L2 prefetch before the prologue, one prologue per resident block) is unmeasured
         if fuse_decode is None:
             fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on")
         self.fuse_decode = fuse_decode and use_gemv
+        # blocks per SM of a fused launch (each builds its input row once, then loops over tiles)
+        self.fused_blocks_per_sm = _positive_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_BLOCKS_PER_SM)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -205,7 +217,8 @@ class CudaBackend:
                 if residual.shape != x.shape:
                     raise ValueError(f"add_rms_norm_linear: x {tuple(x.shape)} and residual "
                                      f"{tuple(residual.shape)} differ")
-            return fused_add_rms_norm_gemv(x, residual, weight, eps, _norm_threads(x.shape[1]), layer)
+            return fused_add_rms_norm_gemv(x, residual, weight, eps, _norm_threads(x.shape[1]), layer,
+                                           self.num_sms, self.fused_blocks_per_sm)
         if residual is None:
             return self.linear(self.rms_norm(x, weight, eps), layer), x
         h, residual = self.add_rms_norm(x, residual, weight, eps)
@@ -216,7 +229,7 @@ class CudaBackend:
         gate_up = _bf16(gate_up, "silu_mul_linear input")
         if (self.fuse_decode and gate_up.ndim == 2 and gate_up.shape[1] == 2 * layer.in_features
                 and fusable(gate_up[:, : layer.in_features], layer)):
-            return fused_silu_mul_gemv(gate_up, layer)
+            return fused_silu_mul_gemv(gate_up, layer, self.num_sms, self.fused_blocks_per_sm)
         return self.linear(self.silu_mul(gate_up), layer)
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:

@@ -49,6 +49,9 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
 
 
 FUSED_MAX_IN_FEATURES = 24576  # the fused GEMVs keep their bf16 input row in 48 KB of shared memory
+# Blocks per SM the fused GEMVs are launched with (each builds its input row once, then loops over
+# column tiles): 44-50 registers x 256 threads and <= 48 KB of shared memory leave room for 4.
+FUSED_BLOCKS_PER_SM = 4
 
 
 def fusable(x: cupy.ndarray, layer: CudaLinear) -> bool:
@@ -57,17 +60,27 @@ def fusable(x: cupy.ndarray, layer: CudaLinear) -> bool:
     return x.shape[0] == 1 and GEMV_MAX_ROWS >= 1 and k % 8 == 0 and k <= FUSED_MAX_IN_FEATURES
 
 
+def fused_grid(out_features: int, num_sms: int, blocks_per_sm: int = FUSED_BLOCKS_PER_SM) -> int:
+    """Blocks for a fused GEMV of ``out_features`` columns: at most ``num_sms * blocks_per_sm``
+    (all resident at once), and as few as give every block the same number of column tiles, so
+    no block builds its input row for less work than the others."""
+    tiles = -(-out_features // GEMV_WARPS_PER_BLOCK)
+    most = max(1, num_sms * blocks_per_sm)
+    tiles_per_block = -(-tiles // most)
+    return -(-tiles // tiles_per_block)
+
+
 def fused_add_rms_norm_gemv(x: cupy.ndarray, residual: cupy.ndarray | None, norm_weight: cupy.ndarray, eps: float,
-                            norm_threads: int, layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
+                            norm_threads: int, layer: CudaLinear, num_sms: int,
+                            blocks_per_sm: int = FUSED_BLOCKS_PER_SM) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``(rms_norm(x + residual) @ W^T (+ bias), x + residual)`` for one row, in one launch
     (gemv.cu ``gemv_m1_add_rms_norm``); with ``residual`` None: ``(rms_norm(x) @ W^T, x)``.
-    Bit-identical to ``add_rms_norm`` then ``linear``."""
+    Bit-identical to ``add_rms_norm`` then ``linear``, whatever the grid."""
     k, n = layer.in_features, layer.out_features
     out = cupy.empty((1, n), dtype=cupy.uint16)
     residual_out = cupy.empty_like(x) if residual is not None else x
-    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[1]
     kernel("gemv.cu", "gemv_m1_add_rms_norm")(
-        ((n + columns_per_block - 1) // columns_per_block,), (GEMV_WARPS_PER_BLOCK * 32,),
+        (fused_grid(n, num_sms, blocks_per_sm),), (GEMV_WARPS_PER_BLOCK * 32,),
         (x, residual if residual is not None else NULL, norm_weight, np.float32(eps), np.int32(norm_threads),
          layer.weight, layer.bias if layer.bias is not None else NULL, out,
          residual_out if residual is not None else NULL, np.int32(n), np.int32(k)),
@@ -75,14 +88,14 @@ def fused_add_rms_norm_gemv(x: cupy.ndarray, residual: cupy.ndarray | None, norm
     return out, residual_out
 
 
-def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear) -> cupy.ndarray:
+def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear, num_sms: int,
+                        blocks_per_sm: int = FUSED_BLOCKS_PER_SM) -> cupy.ndarray:
     """``silu_mul(gate_up) @ W^T (+ bias)`` for one row in one launch (``gemv_m1_silu_mul``),
-    bit-identical to ``silu_mul`` then ``linear``."""
+    bit-identical to ``silu_mul`` then ``linear``, whatever the grid."""
     k, n = layer.in_features, layer.out_features
     out = cupy.empty((1, n), dtype=cupy.uint16)
-    columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[1]
     kernel("gemv.cu", "gemv_m1_silu_mul")(
-        ((n + columns_per_block - 1) // columns_per_block,), (GEMV_WARPS_PER_BLOCK * 32,),
+        (fused_grid(n, num_sms, blocks_per_sm),), (GEMV_WARPS_PER_BLOCK * 32,),
         (gate_up, layer.weight, layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)),
         shared_mem=2 * k)
     return out

@@ -51,6 +51,9 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = (
     (16, 64, "mma"), (16, 1 << 30, "cuda_cores"), (64, 1 << 30, "mma"))
 MAX_SPLITS = 16
+# Opt-in until measured: more context splits for the absorbed kernels (a batch-1 step of 64 heads on
+# tensor cores fills 4 x 16 = 64 blocks of 132 SMs at 16). mla_combine_splits takes any count.
+MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -77,10 +80,13 @@ def choose_absorbed_kernel(num_heads: int, num_tokens: int, absorbed_kernel: str
 
 
 def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
-    """Context splits per token: about two waves of blocks over the SMs, at most 16, 1 for
-    prefill-sized steps. Depends on the token count only, so a captured decode graph stays valid
-    for every context length."""
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // (num_tokens * head_chunks))))
+    """Context splits per token: about two waves of blocks over the SMs, at most MAX_SPLITS (or
+    $OPENINFER_MLA_MAX_SPLITS), 1 for prefill-sized steps. Depends on the token count only, so a
+    captured decode graph stays valid for every context length."""
+    most = int(os.environ.get(MAX_SPLITS_ENV) or MAX_SPLITS)
+    if most < 1:
+        raise ValueError(f"{MAX_SPLITS_ENV} must be at least 1, got {most}")
+    return max(1, min(most, -(-2 * num_sms // (num_tokens * head_chunks))))
 
 
 def _defines(spec: MLASpec) -> dict[str, int]:

@@ -67,7 +67,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "wide2": {"WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},  # 16 warps per SM
     # sm_90a ptxas: 80 / 50 / 72 registers for INT4 / bf16 / FP8, no spills
     "mma": {"MMA_GEMV_NTILES": 2},
+    # the same with more chunks in flight per lane (a ring of MMA_GEMV_DEPTH; "mma" has 2): a batch-1
+    # step has few warps per SM, so HBM sees only their loads. Opt-in until measured. sm_90a ptxas,
+    # INT4: 96 / 126 / 168 registers at depth 3 / 4 / 8 (72 at 2), no spills
+    "mma_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 3},
+    "mma_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 4},
+    "mma_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 8},
 }
+TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -97,10 +104,17 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "mma": (32, 32)}
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
+# Opt-in until measured: moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's
+# thread 0 walks all experts through global memory, tens of microseconds at 384 experts whatever
+# the batch: DeepSeek-V4's 256 took 26 us on an H100, gpu_dsv4_w3a.json) and ROUTER_LOADS gate
+# loads per lane in flight in moe_router_logits (the same sums in the same order).
+FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
+FAST_ROUTER_LOADS = 7  # Kimi-K2 7168 wide: 4 passes of 7 loads, not 28 of 1; sm_90a: 134 registers (32 at 1), no spills
+SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
 MAX_EXPERTS = 512  # moe_route keeps one layer's scores in shared memory
@@ -174,6 +188,11 @@ def max_tiles(num_slots: int, num_experts: int) -> int:
     return -(-num_slots // TILE_M) + min(num_experts, num_slots)
 
 
+def fast_routing() -> bool:
+    """Whether routing takes moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING)."""
+    return os.environ.get(FAST_ROUTING_ENV, "0") in ("1", "true", "on")
+
+
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
           token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -190,7 +209,8 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
         if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
             # the [E, H] router product spread over blocks (a decode step has few tokens)
             logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
-            kernel("moe.cu", "moe_router_logits")(
+            loads = {"ROUTER_LOADS": FAST_ROUTER_LOADS} if fast_routing() else {}
+            kernel("moe.cu", "moe_router_logits", **loads)(
                 (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
                 (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
@@ -206,14 +226,21 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
 def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) -> ExpertGroupingDevice:
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
-    counts = cupy.empty(num_experts, dtype=cupy.int32)
     grouping = ExpertGroupingDevice(
         ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
         cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
         cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
-    kernel("moe.cu", "moe_sort")((1,), (1024,), (
-        ids, np.int32(num_slots), np.int32(num_experts), counts, grouping.offsets, grouping.sorted_slots,
-        grouping.slot_pos, grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+    layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+              grouping.num_tiles, np.int32(tiles))
+    if fast_routing():
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_sort_parallel keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        kernel("moe.cu", "moe_sort_parallel")((1,), (SORT_THREADS,), (ids, np.int32(num_slots),
+                                                                      np.int32(num_experts), *layout))
+    else:
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe.cu", "moe_sort")((1,), (1024,), (ids, np.int32(num_slots), np.int32(num_experts), counts,
+                                                     *layout))
     return grouping
 
 
@@ -260,7 +287,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
-    if name == "mma":  # dense mode: one block row loops over all rows
+    if name in TENSOR_CORE_GEMVS:  # dense mode: one block row loops over all rows
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                    (MMA_GEMV_WARPS * 32,), args)

@@ -33,6 +33,7 @@ from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import MoEWeights
 from openinfer.parallel.expert_cuda import local_grouping, zero_other_slots
 from openinfer.quant import e8m0_to_float32
+from openinfer_deepseek_v4.cuda_linears import linear, stream_defines
 
 FP4_GROUP = 32
 TILE = 64  # moe_fp4.cu's output tile
@@ -140,10 +141,12 @@ def fp4_gemm_method(a: cupy.ndarray, weight: Fp4Experts, num_tokens: int, method
 
 
 def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.ExpertGroupingDevice,
-                     gather: bool, distinct_experts: bool = True, method: str | None = None) -> cupy.ndarray:
+                     gather: bool, distinct_experts: bool = True, method: str | None = None,
+                     stages: str | None = None) -> cupy.ndarray:
     """``core_moe.grouped_gemm`` for FP4 weights: rows in expert order, ``[T·k, N]`` bf16.
     ``distinct_experts``: no token routes two slots to one expert, so an expert's rows are at
-    most the step's tokens (the stream kernel sizes its passes by that bound)."""
+    most the step's tokens (the stream kernel sizes its passes by that bound). ``stages``: the
+    stream kernel's staging ring (None: ``OPENINFER_DSV4_STREAM_STAGES``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -158,7 +161,7 @@ def fp4_grouped_gemm(a: cupy.ndarray, weight: Fp4Experts, grouping: core_moe.Exp
     if fp4_gemm_method(a, weight, num_tokens, method) == "stream":
         rows_per_expert = num_tokens if distinct_experts else num_slots
         chunks = 1 if rows_per_expert <= 8 else 2  # more rows than 16: further passes over the weights
-        kernel("moe_fp4.cu", "moe_fp4_stream_gemm", STREAM_CHUNKS=chunks)(
+        kernel("moe_fp4.cu", "moe_fp4_stream_gemm", **stream_defines(chunks, stages))(
             (-(-weight.out_features // STREAM_N), grouping.max_tiles), (STREAM_THREADS,), args)
     else:
         kernel("moe_fp4.cu", "moe_fp4_grouped_gemm")(
@@ -195,7 +198,7 @@ def moe_layer(ops: Any, x: cupy.ndarray, layer: MoEWeights, device: DeviceMoELay
     x = cupy.ascontiguousarray(x)
     shared = None
     if layer.shared is not None and (rank is None or rank.comm.rank == 0):
-        shared = ops.linear(swiglu_clamp(ops.linear(x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
+        shared = linear(ops, swiglu_clamp(linear(ops, x, layer.shared.gate_up), layer.swiglu_limit), layer.shared.down)
     ids, weights = core_moe.route(x, device.gate, layer.router, device.correction_bias,
                                   token_ids if device.tid2eid is not None else None, device.tid2eid)
     if rank is None:

@@ -33,6 +33,7 @@ from openinfer import OpenInferError
 from openinfer_deepseek_v4 import cuda_ops
 from openinfer_deepseek_v4.config import SLIDING
 from openinfer_deepseek_v4.cuda_experts import DeviceMoELayer, device_layer, moe_layer
+from openinfer_deepseek_v4.cuda_linears import linear
 from openinfer_deepseek_v4.state import LayerCacheIndex
 from openinfer_deepseek_v4.weights import AttentionWeights, CompressorWeights, HyperConnectionWeights
 
@@ -155,10 +156,10 @@ class CudaForward:
         batch, eps, tokens = step.batch, c.rms_norm_eps, int(x.shape[0])
         heads, dim, rope_dim = c.num_attention_heads, c.head_dim, c.rope_head_dim
         inv_freq = self.inv_freq[c.layer_types[index] != SLIDING]
-        qr = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)
-        q = cuda_ops.head_norm_rope(ops.linear(qr, w.wq_b), heads, batch.positions, inv_freq, rope_dim, norm=True,
+        qr = ops.rms_norm(linear(ops, x, w.wq_a), w.q_norm, eps)
+        q = cuda_ops.head_norm_rope(linear(ops, qr, w.wq_b), heads, batch.positions, inv_freq, rope_dim, norm=True,
                                     eps=eps)
-        kv = cuda_ops.head_norm_rope(ops.linear(x, w.wkv), 1, batch.positions, inv_freq, rope_dim, norm=True,
+        kv = cuda_ops.head_norm_rope(linear(ops, x, w.wkv), 1, batch.positions, inv_freq, rope_dim, norm=True,
                                      weight=w.kv_norm, eps=eps)
         window = kv_cache[where.window].k  # [blocks, block_size, 1, D]
         block_size = int(window.shape[1])
@@ -177,17 +178,17 @@ class CudaForward:
                 keys_tables = batch.group_block_tables(where.index_keys_group)
                 self._compress(x, w.indexer.compressor, device.index_compressor, state, "index_", keys, keys_tables,
                                inv_freq, step)
-                index_q = cuda_ops.head_norm_rope(ops.linear(qr, w.indexer.wq_b), w.indexer.num_heads,
+                index_q = cuda_ops.head_norm_rope(linear(ops, qr, w.indexer.wq_b), w.indexer.num_heads,
                                                   batch.positions, inv_freq, rope_dim, norm=False)
                 scale = np.float32(w.indexer.num_heads**-0.5 * w.indexer.head_dim**-0.5)
-                head_weights = bf16_to_f32(ops.linear(x, w.indexer.weights_proj)) * scale
+                head_weights = bf16_to_f32(linear(ops, x, w.indexer.weights_proj)) * scale
                 _, selected = cuda_ops.indexer_topk(
                     index_q.reshape(tokens, w.indexer.num_heads, w.indexer.head_dim), head_weights, keys, keys_tables,
                     block_size, step.token_seq, batch.positions, rate, step.max_context // rate, w.indexer.topk)
         out = cuda_ops.sparse_attention(q.reshape(tokens, heads, dim), window, window_tables, entries, entry_tables,
                                         selected, rate, step.token_seq, batch.positions, device.sink, inv_freq,
                                         rope_dim, c.sliding_window, block_size)
-        return ops.linear(self._grouped_output(out.reshape(tokens, heads * dim), device.wo_a), w.wo_b)
+        return linear(ops, self._grouped_output(out.reshape(tokens, heads * dim), device.wo_a), w.wo_b)
 
     def _grouped_output(self, out: cupy.ndarray, wo_a: cupy.ndarray) -> cupy.ndarray:
         """``[T, groups·o_lora]``: group g of the heads' outputs times ``wo_a[g]ᵀ``, all groups in one
@@ -206,7 +207,7 @@ class CudaForward:
                   step: StepLayout) -> None:
         ops, c, batch = self.model.backend, self.model.config, step.batch
         cuda_ops.compressor_step(
-            ops.linear(x, w.wkv), ops.linear(x, w.wgate), device.ape, state, prefix, device.norm, inv_freq,
+            linear(ops, x, w.wkv), linear(ops, x, w.wgate), device.ape, state, prefix, device.norm, inv_freq,
             c.rope_head_dim, c.rms_norm_eps, token_seq=step.token_seq, positions=batch.positions,
             query_start=batch.query_start, state_slots=batch.state_slots, cache=cache, tables=tables,
             block_size=int(cache.shape[1]), rate=w.ratio, dim=w.head_dim, overlap=w.overlap)

@@ -25,13 +25,14 @@ COLLAPSE_THREADS = 256
 MAX_DIM = 1024
 MAX_INDEX_QK = 8192
 MAX_HC = 8
-MAX_MIX = 32  # mixing logits per token the collapse kernel holds: (2 + hc)·hc, so hc ≤ 4 for layers
+MAX_MIX = 32  # mixing logits + the norm per token the collapse kernel holds: (2 + hc)·hc + 1, so hc ≤ 4
 INDEX_THREADS = 256
 MAX_INDEX_HEADS = 256
 ATTENTION_WARPS = 8  # heads per block (one warp each) once the step has enough tokens to fill the GPU
 NULL = np.uint64(0)
 ATTENTION_SPLITS = kernel_plan.attention_splits_setting(os.environ)
 INDEXER_SPLIT = kernel_plan.indexer_split_setting(os.environ)
+HC_SPLIT = kernel_plan.hc_split_setting(os.environ)
 
 
 @functools.cache
@@ -161,32 +162,39 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
 
 
 def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, scale: cupy.ndarray, *,
-                sinkhorn_iters: int, hc_eps: float, norm_eps: float, head: bool = False
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float, head: bool = False, split: str | None = None
                 ) -> tuple[cupy.ndarray, cupy.ndarray | None, cupy.ndarray | None]:
     """``hyper_connection.collapse`` (``head``: ``collapse_head``): (x [T, D] bf16, post [T, hc],
-    comb [T, hc, hc]; None for the head)."""
+    comb [T, hc, hc]; None for the head). ``split`` (None: ``OPENINFER_DSV4_HC_SPLIT``): ``1`` or
+    ``auto`` (see ``kernel_plan.hc_split_setting``)."""
     streams = _check(streams, np.float32, 3, "streams")
     fn = _check(fn, np.float32, 2, "fn")
     tokens, hc, dim = streams.shape
     if hc > MAX_HC:
         raise ValueError(f"hc_mult {hc} exceeds {MAX_HC}")
     num_mix = hc if head else (2 + hc) * hc
-    if num_mix > MAX_MIX:
-        raise ValueError(f"hc_mult {hc}: {num_mix} mixing logits exceed the kernel's {MAX_MIX}")
+    if num_mix + 1 > MAX_MIX:
+        raise ValueError(f"hc_mult {hc}: {num_mix} mixing logits (+ the norm) exceed the kernel's {MAX_MIX}")
     if fn.shape != (num_mix, hc * dim):
         raise ValueError(f"hc fn is {tuple(fn.shape)}, expected ({num_mix}, {hc * dim})")
     x = cupy.empty((tokens, dim), np.uint16)
     post = None if head else cupy.empty((tokens, hc), np.float32)
     comb = None if head else cupy.empty((tokens, hc, hc), np.float32)
     if tokens:
-        mix = cupy.empty((tokens, num_mix), np.float32)
-        kernel("dsv4_hc_mix")((tokens, num_mix), (MIX_THREADS,),
-                              (streams, fn, mix, np.int32(hc * dim), np.int32(num_mix), np.float32(norm_eps)))
+        split = HC_SPLIT if split is None else split
+        if split not in ("1", "auto"):
+            raise ValueError(f"hc_collapse split {split!r}: expected 1 or auto")
+        splits = 1 if split == "1" else kernel_plan.hc_mix_splits(tokens, num_mix, _multiprocessors())
+        x_blocks = 1 if split == "1" else -(-dim // COLLAPSE_THREADS)
+        partial = cupy.empty((tokens, num_mix + 1, splits), np.float32)
+        kernel("dsv4_hc_mix")((tokens, num_mix, splits), (MIX_THREADS,),
+                              (streams, fn, partial, np.int32(hc * dim), np.int32(num_mix)))
         kernel("dsv4_hc_collapse")(
-            (tokens,), (COLLAPSE_THREADS,),
-            (streams, mix, _check(base, np.float32, 1, "base"), _check(scale, np.float32, 1, "scale"), x,
-             NULL if head else post, NULL if head else comb, np.int32(hc), np.int32(dim), np.int32(1 if head else 0),
-             np.int32(sinkhorn_iters), np.float32(hc_eps)))
+            (tokens, x_blocks), (COLLAPSE_THREADS,),
+            (streams, partial, np.int32(splits), _check(base, np.float32, 1, "base"),
+             _check(scale, np.float32, 1, "scale"), x, NULL if head else post, NULL if head else comb, np.int32(hc),
+             np.int32(dim), np.int32(1 if head else 0), np.int32(sinkhorn_iters), np.float32(hc_eps),
+             np.float32(norm_eps)))
     return x, post, comb
 
 

@@ -9,9 +9,15 @@ op                       NumPy (the reference)                   CUDA (``cuda_mo
 =======================  ======================================  =====================================
 embedding, norms         core ``embedding`` / ``rms_norm``       core kernels
 projections              core ``linear`` (BLAS; FP8 linears      core ``linear`` (cuBLAS, bf16: FP8
-                         dequantised to fp32 at load)            linears dequantised to bf16 at load)
-mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (a block per token and
-                                                                 mixing logit) + ``dsv4_hc_collapse``
+                         dequantised to fp32 at load)            linears dequantised to bf16 at load);
+                                                                 opt-in ``OPENINFER_DSV4_FP8_LINEAR=
+                                                                 stream``: kept FP8, ``cuda_linears``
+                                                                 (core ``moe_fp4.cu``
+                                                                 ``fp8_stream_linear`` ≤ 256 rows)
+mHC collapse + Sinkhorn  ``hyper_connection.collapse``           ``dsv4_hc_mix`` (blocks per token,
+                                                                 mixing logit and slice: ``hc_mix_
+                                                                 splits``) + ``dsv4_hc_collapse`` (x
+                                                                 over blocks; Sinkhorn in block 0)
 mHC expand / head        ``expand`` / ``collapse_head``          ``dsv4_hc_expand`` / the same two, head
 q / kv head norms, RoPE  ``attention.attention``                 ``dsv4_head_norm_rope``
 sliding-window write     ``SequenceLayerCache.write_keys``       ``dsv4_write_window``
@@ -99,3 +105,77 @@ def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multi
     wanted = -(-max(max_entries, 1) // blocks_per_token)
     rounded = -(-wanted // INDEX_MIN_ENTRIES_PER_BLOCK) * INDEX_MIN_ENTRIES_PER_BLOCK
     return max(INDEX_MIN_ENTRIES_PER_BLOCK, min(rounded, INDEX_ENTRIES_PER_BLOCK))
+
+
+MAX_MIX_SPLITS = 16
+
+
+def hc_split_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_HC_SPLIT``: ``1`` (default: each mHC mixing dot product on one block, x of a
+    token on one block) or ``auto`` (dot products cut into ``hc_mix_splits`` slices, x over
+    ⌈hidden / 256⌉ blocks; same math, the partial sums added in slice order). Opt-in until
+    measured on a GPU."""
+    value = environ.get("OPENINFER_DSV4_HC_SPLIT", "1")
+    if value not in ("1", "auto"):
+        raise ValueError(f"OPENINFER_DSV4_HC_SPLIT={value!r}: expected 1 or auto")
+    return value
+
+
+def hc_mix_splits(tokens: int, num_mix: int, multiprocessors: int) -> int:
+    """Slices each mHC mixing dot product (hc·hidden long) is cut into for ``dsv4_hc_mix`` (grid
+    (tokens, num_mix, this)): enough blocks to fill the GPU twice over (batch 1, 24 logits, 132
+    SMs: 11), one slice once the tokens do."""
+    wanted = -(-2 * multiprocessors // max(tokens * num_mix, 1))
+    return max(1, min(wanted, MAX_MIX_SPLITS))
+
+
+MAX_FP8_SPLITS = 16
+FP8_STREAM_K = 128  # moe_fp4.cu: k per stream step
+FP8_STREAM_TILE = 64  # moe_fp4.cu: weight rows and token rows per stream block
+
+
+def fp8_linear_splits(rows: int, out_features: int, in_features: int, multiprocessors: int) -> int:
+    """K splits of ``fp8_stream_linear`` (grid z): a narrow weight at a decode step fills few blocks
+    (wq_a 1024×4096: 16), so split K until the blocks fill the GPU twice over, keeping at least two
+    128-k steps per split; none past 16 rows (the fp32 partials then cost more than they save)."""
+    if rows > 16:
+        return 1
+    blocks = -(-out_features // FP8_STREAM_TILE) * -(-rows // FP8_STREAM_TILE)
+    wanted = -(-2 * multiprocessors // blocks)
+    steps = -(-in_features // FP8_STREAM_K)
+    splits = max(1, min(wanted, steps // 2, MAX_FP8_SPLITS))
+    per_split = -(-steps // splits)
+    return -(-steps // per_split)  # no empty split: 12 steps in 5 would be 3 + 3 + 3 + 3 + 0
+
+
+STREAM_STAGE_SETTINGS = ("2", "4")
+STREAM_STAGES_MAX_CHUNKS = 2  # a 4-deep ring of 8·chunks staged rows fits 48 KB of shared memory up to 2 chunks
+
+
+def stream_stages_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_STREAM_STAGES``: staged activation steps of the stream GEMMs (FP4 experts,
+    FP8 linears): ``2`` (default: the next step's rows copied while a step multiplies) or ``4``
+    (three steps of copies in flight, for passes of at most 16 rows). Opt-in until measured."""
+    value = environ.get("OPENINFER_DSV4_STREAM_STAGES", "2")
+    if value not in STREAM_STAGE_SETTINGS:
+        raise ValueError(f"OPENINFER_DSV4_STREAM_STAGES={value!r}: expected 2 or 4")
+    return value
+
+
+def stream_stages(setting: str, chunks: int) -> int:
+    """The ring depth a stream GEMM launch compiles with (its ``STREAM_STAGES``)."""
+    return 4 if setting == "4" and chunks <= STREAM_STAGES_MAX_CHUNKS else 2
+
+
+FP8_LINEAR_SETTINGS = ("bf16", "stream")
+
+
+def fp8_linear_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_FP8_LINEAR``: ``bf16`` (default: the checkpoint's FP8 dense linears —
+    attention projections, shared experts — dequantised to bf16 at load, cuBLAS) or ``stream``
+    (kept FP8, half the bytes: ``cuda_linears.fp8_linear``, the codes decoded to bf16 in registers
+    for the tensor cores). Opt-in until measured on a GPU."""
+    value = environ.get("OPENINFER_DSV4_FP8_LINEAR", "bf16")
+    if value not in FP8_LINEAR_SETTINGS:
+        raise ValueError(f"OPENINFER_DSV4_FP8_LINEAR={value!r}: expected one of {', '.join(FP8_LINEAR_SETTINGS)}")
+    return value

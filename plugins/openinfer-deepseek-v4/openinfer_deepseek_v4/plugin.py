@@ -8,6 +8,7 @@ state snapshots) need nothing DeepSeek-specific here.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from openinfer_deepseek_v4.chat import DeepseekV4ChatEncoder
 from openinfer_deepseek_v4.checkpoint import DeepseekV4Checkpoint
 from openinfer_deepseek_v4.config import ARCHITECTURES, MODEL_TYPES, DeepseekV4Config
 from openinfer_deepseek_v4.dummy import DummyDeepseekV4Checkpoint
+from openinfer_deepseek_v4.kernel_plan import fp8_linear_setting
 from openinfer_deepseek_v4.memory import deepseek_v4_model_memory
 from openinfer_deepseek_v4.model import DeepseekV4Model
 from openinfer_deepseek_v4.weights import load_weights
@@ -48,13 +50,16 @@ def build_model(model_path: str | Path, config: dict[str, Any], backend: Backend
         raise ParallelConfigError("openinfer-deepseek-v4 splits the model by experts only: use "
                                   "--expert-parallel-size and leave --tensor-parallel-size at 1")
     held = rank.expert.experts(dsv4.n_routed_experts) if rank.expert.size > 1 else None
-    stack_experts = None
+    stack_experts = dense_linear = None
     if backend.name == "cuda":  # routed experts stay in their stored format (FP4 / FP8), stacked per layer
         from openinfer_deepseek_v4.cuda_experts import stack_experts
+
+        if fp8_linear_setting(os.environ) == "stream":  # FP8 dense linears too (opt-in)
+            from openinfer_deepseek_v4.cuda_linears import stored_fp8_linear as dense_linear
     dummy = "dummy" in (options.load_format, rank.load_format)  # noise at the real shapes, no files
     checkpoint = DummyDeepseekV4Checkpoint(dsv4) if dummy else DeepseekV4Checkpoint(model_path)
-    weights = load_weights(checkpoint, dsv4, backend, experts=held,
-                           stack_experts=stack_experts)
+    weights = load_weights(checkpoint, dsv4, backend, experts=held, stack_experts=stack_experts,
+                           dense_linear=dense_linear)
     max_len = min(options.max_model_len or dsv4.max_position_embeddings, dsv4.max_position_embeddings)
     architectures = tuple(config.get("architectures") or ARCHITECTURES)
     return DeepseekV4Model(dsv4, weights, backend, max_model_len=max_len, architectures=architectures,

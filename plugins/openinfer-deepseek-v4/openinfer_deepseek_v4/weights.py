@@ -104,20 +104,34 @@ class DeepseekV4Weights:
 # (checkpoint, the layer's expert module prefixes "layers.{i}.ffn.experts.{e}.", in/out sizes)
 # -> a backend's stacked copy of every expert (``MoEWeights.stacked``)
 ExpertStacker = Callable[[DeepseekV4Checkpoint, list[str], int, int], Any]
+# (checkpoint, modules whose rows make one linear (several: a fused gate_up), [out, in]) -> the
+# backend's copy of that linear in its stored format, or None to take it dequantised
+DenseLinearLoader = Callable[[DeepseekV4Checkpoint, list[str], tuple[int, int]], Any]
 
 
 def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: Backend,
                  progress: bool = False, experts: slice | None = None,
-                 stack_experts: ExpertStacker | None = None) -> DeepseekV4Weights:
+                 stack_experts: ExpertStacker | None = None,
+                 dense_linear: DenseLinearLoader | None = None) -> DeepseekV4Weights:
     """``experts``: the routed experts this rank holds under expert parallelism (the others stay
     ``None``); default all. ``stack_experts``: a backend that runs the experts as one grouped
-    GEMM in their stored format (cuda) gets them stacked by it instead of one linear each."""
+    GEMM in their stored format (cuda) gets them stacked by it instead of one linear each.
+    ``dense_linear``: a backend that runs quantised dense linears as stored (cuda, FP8) gets
+    first say over each one (and the shared experts' fused gate_up)."""
     c = config
     held = experts or slice(0, c.n_routed_experts)
     hc_flat = c.hc_mult * c.hidden_size
 
+    def fused_linear(modules: list[str], shape: tuple[int, int]) -> Any:
+        kept = None if dense_linear is None else dense_linear(ckpt, modules, shape)
+        if kept is not None:
+            return kept
+        part = (shape[0] // len(modules), shape[1])
+        rows = [ckpt.weight(m, part) for m in modules]
+        return backend.linear_weight(rows[0] if len(rows) == 1 else np.concatenate(rows))
+
     def linear(module: str, shape: tuple[int, int]) -> Any:
-        return backend.linear_weight(ckpt.weight(module, shape))
+        return fused_linear([module], shape)
 
     def norm(name: str, size: int) -> Any:
         return backend.weight(ckpt.vector(name, (size,)))
@@ -133,7 +147,7 @@ def load_weights(ckpt: DeepseekV4Checkpoint, config: DeepseekV4Config, backend: 
             attn_norm=norm(p + "attn_norm.weight", c.hidden_size), ffn_norm=norm(p + "ffn_norm.weight", c.hidden_size),
             hc_attn=hyper(p + "hc_attn", mix, 3), hc_ffn=hyper(p + "hc_ffn", mix, 3),
             attn=_attention(ckpt, c, p, kind, linear, norm),
-            ffn=_moe(ckpt, c, p, hashed, linear, backend, held, stack_experts))
+            ffn=_moe(ckpt, c, p, hashed, fused_linear, held, stack_experts))
 
     layers = [layer(f"layers.{i}.", c.layer_types[i], c.mlp_layer_types[i] == HASH_MOE)
               for i in range(c.num_hidden_layers)]
@@ -189,8 +203,8 @@ def _attention(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, kind
         sink=ckpt.vector(p + "attn_sink", (c.num_attention_heads,)), compressor=compressor, indexer=indexer)
 
 
-def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, linear: Any,
-         backend: Backend, held: slice, stack_experts: ExpertStacker | None = None) -> MoEWeights:
+def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: bool, fused_linear: Any,
+         held: slice, stack_experts: ExpertStacker | None = None) -> MoEWeights:
     """Core's MoE layer: sqrt-softplus (or the configured) scores, hash or biased top-k choice,
     weights always renormalised (the reference divides by their sum whatever norm_topk_prob
     says) and scaled, SwiGLU clamped at swiglu_limit; experts' w1/w3 fused into gate_up."""
@@ -198,9 +212,8 @@ def _moe(ckpt: DeepseekV4Checkpoint, c: DeepseekV4Config, layer: str, is_hash: b
     inter = c.moe_intermediate_size
 
     def expert(prefix: str, width: int) -> ExpertWeights:
-        gate_up = np.concatenate([ckpt.weight(prefix + "w1", (width, c.hidden_size)),
-                                  ckpt.weight(prefix + "w3", (width, c.hidden_size))])
-        return ExpertWeights(gate_up=backend.linear_weight(gate_up), down=linear(prefix + "w2", (c.hidden_size, width)))
+        return ExpertWeights(gate_up=fused_linear([prefix + "w1", prefix + "w3"], (2 * width, c.hidden_size)),
+                             down=fused_linear([prefix + "w2"], (c.hidden_size, width)))
 
     tid2eid = bias = None
     if is_hash:

@@ -115,10 +115,27 @@ def cuda_linear(ops: Any, x: cupy.ndarray, weight: Any) -> cupy.ndarray:
     return ops.linear(x, weight)
 
 
+def cuda_norm_linear(ops: Any, x: cupy.ndarray, norm: cupy.ndarray, eps: float, weight: Any) -> cupy.ndarray:
+    """``linear(rms_norm(x))``: for a bf16 weight core's ``add_rms_norm_linear``, one launch for a
+    decode row where the backend fuses decode ops (OPENINFER_FUSED_DECODE), the same numbers."""
+    if isinstance(weight, ExpertLinear):
+        return cuda_linear(ops, ops.rms_norm(x, norm, eps), weight)
+    return ops.add_rms_norm_linear(x, None, norm, eps, weight)[0]
+
+
+def cuda_swiglu_mlp(ops: Any, h: cupy.ndarray, gate_up: Any, down: Any) -> cupy.ndarray:
+    """``down(silu_mul(gate_up(h)))``: for a bf16 down projection core's ``silu_mul_linear`` (one
+    launch for a decode row where the backend fuses decode ops, the same numbers)."""
+    hidden = cuda_linear(ops, h, gate_up)
+    if isinstance(down, ExpertLinear):
+        return cuda_linear(ops, ops.silu_mul(hidden), down)
+    return ops.silu_mul_linear(hidden, down)
+
+
 def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, spec: Any, rope: Any,
                    q_lora_rank: int | None, eps: float) -> cupy.ndarray:
     if q_lora_rank:
-        q = cuda_linear(ops, ops.rms_norm(cupy.ascontiguousarray(qkv_a[:, :q_lora_rank]), w.q_a_norm, eps), w.q_b)
+        q = cuda_norm_linear(ops, cupy.ascontiguousarray(qkv_a[:, :q_lora_rank]), w.q_a_norm, eps, w.q_b)
         latent = qkv_a[:, q_lora_rank:]
     else:
         q, latent = qkv_a[:, : -spec.latent_dim], qkv_a[:, -spec.latent_dim:]
@@ -143,7 +160,7 @@ def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> 
     device = layer.stacked
     shared = None
     if layer.shared is not None:
-        shared = cuda_linear(ops, ops.silu_mul(cuda_linear(ops, h, layer.shared.gate_up)), layer.shared.down)
+        shared = cuda_swiglu_mlp(ops, h, layer.shared.gate_up, layer.shared.down)
     return cuda_moe.moe_forward(ops, h, device, shared, batch.token_ids)
 
 

@@ -36,7 +36,10 @@ projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled o
                        read once from their stored format; FP8 ``moe_gemv_wide`` up to
                        4 rows, then ``moe_gemv`` to 7; INT4 ``moe_gemv`` to 8), else
                        ``moe_dequantize`` to a bf16 scratch + cuBLAS (core ``moe.
-                       choose_gemv``; ``OPENINFER_MOE_GEMV`` forces a kernel)
+                       choose_gemv``; ``OPENINFER_MOE_GEMV`` forces a kernel). bf16
+                       q_b and shared-expert down: core ``add_rms_norm_linear`` /
+                       ``silu_mul_linear`` (one launch per decode row under
+                       ``OPENINFER_FUSED_DECODE``, else the two ops)
 latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
                        rotate q_pe in place)                                             core
 MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
@@ -48,12 +51,14 @@ MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs ove
                        ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
                        choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
-token grouping         ``moe_sort`` (counts, segments, GEMM tile list)                   core
+token grouping         ``moe_sort`` (counts, segments, GEMM tile list); opt-in           core
+                       ``moe_sort_parallel`` (``OPENINFER_MOE_FAST_ROUTING``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
                        bf16: ``moe_gemv_wide`` to 1.5, ``moe_gemv_mma`` to 6; FP8:
-                       ``moe_gemv`` to 3), else ``moe_grouped_gemm``
+                       ``moe_gemv`` to 3), else ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV=
+                       mma_depth3|4|8``: ``moe_gemv_mma`` with more chunks in flight
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 

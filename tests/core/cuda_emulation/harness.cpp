@@ -51,6 +51,26 @@ int main(int argc, char** argv) {
         moe_sort(ids.data(), slots, E, counts.data(), offsets.data(), sorted.data(), pos.data(), tile_expert.data(),
                  tile_row.data(), num_tiles.data(), max_tiles);
     });
+    // moe_sort's layout (offsets, sorted slots, slot positions, tile experts, tile rows, tile count),
+    // then moe_sort_parallel's with 4 threads (two experts per thread) and with 256
+    {
+        std::vector<int> layout(offsets);
+        for (const auto* part : {&sorted, &pos, &tile_expert, &tile_row, &num_tiles})
+            layout.insert(layout.end(), part->begin(), part->end());
+        save(dir, "serial_sort.bin", layout.data(), layout.size());
+    }
+    for (const unsigned threads : {4u, 256u}) {
+        std::vector<int> p_offsets(E + 1), p_sorted(slots), p_pos(slots), p_tile_expert(max_tiles), p_tile_row(max_tiles),
+            p_num_tiles(1);
+        launch(1, 1, 1, threads, [&] {
+            moe_sort_parallel(ids.data(), slots, E, p_offsets.data(), p_sorted.data(), p_pos.data(),
+                              p_tile_expert.data(), p_tile_row.data(), p_num_tiles.data(), max_tiles);
+        });
+        std::vector<int> layout(p_offsets);
+        for (const auto* part : {&p_sorted, &p_pos, &p_tile_expert, &p_tile_row, &p_num_tiles})
+            layout.insert(layout.end(), part->begin(), part->end());
+        save(dir, threads == 4 ? "parallel_sort_4.bin" : "parallel_sort_256.bin", layout.data(), layout.size());
+    }
     std::vector<bf16> h(size_t(slots) * N1), act(size_t(slots) * K2), y(size_t(slots) * N2), out(size_t(T) * H);
     launch(max_tiles, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
         moe_grouped_gemm(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),

@@ -112,7 +112,10 @@ def test_sparse_attention(ops, mode, splits):
         np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
 
 
-def test_hyper_connection(ops):
+@pytest.mark.parametrize("split", ["1", "auto"])
+def test_hyper_connection(ops, split):
+    """Both ``OPENINFER_DSV4_HC_SPLIT`` settings (``auto`` at 5 tokens: each dot product in
+    several slices, x over 16 blocks)."""
     rng = np.random.default_rng(3)
     tokens, hc, dim = 5, 4, 4096
     streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
@@ -121,7 +124,8 @@ def test_hyper_connection(ops):
                                    rng.uniform(0.5, 1.0, 3).astype(np.float32))
     head = HyperConnectionWeights(layer.fn[:hc].copy(), layer.base[:hc].copy(), layer.scale[:1].copy())
     x, post, comb = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(layer.fn), cupy.asarray(layer.base),
-                                    cupy.asarray(layer.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+                                    cupy.asarray(layer.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6,
+                                    split=split)
     expected_x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-6)
     np.testing.assert_allclose(host(x), expected_x, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(host(comb), mixing.comb, rtol=1e-3, atol=1e-5)
@@ -129,7 +133,8 @@ def test_hyper_connection(ops):
     expanded = ops.hc_expand(cupy.asarray(streams), dev_bf16(y), post, comb)
     np.testing.assert_allclose(host(expanded), expand(streams, y, mixing), rtol=1e-3, atol=1e-3)
     head_x, _, _ = ops.hc_collapse(cupy.asarray(streams), cupy.asarray(head.fn), cupy.asarray(head.base),
-                                   cupy.asarray(head.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, head=True)
+                                   cupy.asarray(head.scale), sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, head=True,
+                                   split=split)
     np.testing.assert_allclose(host(head_x), collapse_head(streams, head, hc_eps=1e-6, norm_eps=1e-6),
                                rtol=1e-2, atol=1e-2)
 
@@ -253,3 +258,52 @@ def test_fp4_moe_layer(ops, tokens):
             hidden_e = bf16(swiglu(bf16(x[t : t + 1] @ gate_up_dense[e].T), limit))
             expected[t] += weights[t, j] * bf16(hidden_e @ down_dense[e].T)[0]
     np.testing.assert_allclose(out, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+# --- FP8 dense linears kept as stored (cuda_linears, core kernels/moe_fp4.cu fp8_stream_linear) ------
+
+@pytest.mark.parametrize("method", ["stream", "dequantize"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 100, 300])
+def test_fp8_linear(ops, method, rows):
+    """Both paths equal x · dequantised(W)ᵀ at a V4-Flash-like width (N past a 64-row block and a
+    128-row scale block), rows from one decode token to past a 64-row block row and the stream
+    bound; the scales straddle 2^7, where the stream kernel takes a second multiply."""
+    from openinfer_deepseek_v4.cuda_linears import fp8_linear, upload_fp8_linear
+
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.quant import dequantize_fp8_block, e8m0_to_float32
+    from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import random_fp8_linear
+
+    rng = np.random.default_rng(rows)
+    out_features, in_features = 1000, 1024
+    codes, scales = random_fp8_linear(rng, out_features, in_features, [110, 115, 120, 127, 134, 135])
+    x = bf16(rng.standard_normal((rows, in_features)))
+    y = fp8_linear(dev_bf16(x), upload_fp8_linear(codes, scales), Cublas(), method)
+    expected = x.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
+    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_stream_stages_four_equal_two_bit_for_bit(ops, tokens):
+    """``OPENINFER_DSV4_STREAM_STAGES=4`` only copies the activation rows further ahead: the FP4
+    expert GEMM and the FP8 linear (split K and not) give the very bits of the 2-stage ring, with
+    K long enough (32 steps) for the ring to wrap many times."""
+    from openinfer_deepseek_v4.cuda_experts import fp4_grouped_gemm
+    from openinfer_deepseek_v4.cuda_linears import fp8_linear, upload_fp8_linear
+
+    from openinfer.backend.cuda import moe as core_moe
+    from openinfer.backend.cuda.cublas import Cublas
+    from tests.plugins.deepseek_v4.test_dsv4_cuda_emulated import random_fp8_linear
+
+    rng = np.random.default_rng(20 + tokens)
+    experts, _ = fp4_experts(rng, 8, 512, 4096)
+    ids = distinct_ids(rng, tokens, 8, 6)
+    grouping = core_moe.group_by_expert(cupy.asarray(ids), cupy.asarray(rng.random(ids.shape, np.float32)), 8)
+    x = dev_bf16(bf16(rng.standard_normal((tokens, 4096))))
+    two, four = (cupy.asnumpy(fp4_grouped_gemm(x, experts, grouping, gather=True, method="stream", stages=stages))
+                 for stages in ("2", "4"))
+    np.testing.assert_array_equal(four, two)
+    weight = upload_fp8_linear(*random_fp8_linear(rng, 1000, 4096, [118, 121, 124]))
+    for splits in (1, 4):
+        two, four = (cupy.asnumpy(fp8_linear(x, weight, Cublas(), "stream", splits, stages)) for stages in ("2", "4"))
+        np.testing.assert_array_equal(four, two, err_msg=f"splits {splits}")

@@ -146,12 +146,14 @@ def test_sparse_attention(harness, tmp_path, mode, splits):
         np.testing.assert_allclose(out[t], expected[0], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("hc", [2, 3, 4])
-def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc):
+def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc, splits):
     """Sinkhorn runs a thread per cell of the hc × hc matrix: every hc the kernels take (the
-    mixing logits (2 + hc)·hc fit the kernel's 32 up to hc 4)."""
+    mixing logits (2 + hc)·hc fit the kernel's 32 up to hc 4); the mixing dot products whole or
+    cut into 3 uneven slices; x spread over 3 blocks (the last one partly idle)."""
     rng = np.random.default_rng(5)
-    tokens, dim, iters = 3, 64, 20
+    tokens, dim, iters = 3, 320, 20
     streams = rng.standard_normal((tokens, hc, dim)).astype(np.float32)
     layer = HyperConnectionWeights((0.3 * rng.standard_normal(((2 + hc) * hc, hc * dim))).astype(np.float32),
                                    (0.3 * rng.standard_normal((2 + hc) * hc)).astype(np.float32),
@@ -160,7 +162,7 @@ def test_hyper_connection_collapse_expand_and_head(harness, tmp_path, hc):
                                   (0.3 * rng.standard_normal(hc)).astype(np.float32),
                                   rng.uniform(0.5, 1.0, 1).astype(np.float32))
     y = bf16(rng.standard_normal((tokens, dim)))
-    run(harness, tmp_path, "hc", tokens, hc, dim, iters, 1e-6, 1e-6, streams=streams, y=float32_to_bf16(y),
+    run(harness, tmp_path, "hc", tokens, hc, dim, iters, 1e-6, 1e-6, splits, streams=streams, y=float32_to_bf16(y),
         fn=layer.fn, base=layer.base, scale=layer.scale, head_fn=head.fn, head_base=head.base,
         head_scale=head.scale)
     x, mixing = collapse(streams, layer, hc_eps=1e-6, sinkhorn_iters=iters, norm_eps=1e-6)
@@ -261,14 +263,17 @@ FP4_HARNESS = Path(__file__).parent / "cuda_emulation" / "moe_fp4_harness.cpp"
 FP4_TILE = 64  # rows of a moe_sort tile
 
 
-@pytest.fixture(scope="module", params=[1, 8], ids=["stream-1-chunk", "stream-8-chunks"])
+@pytest.fixture(scope="module", params=[{"STREAM_CHUNKS": 1}, {"STREAM_CHUNKS": 8},
+                                        {"STREAM_CHUNKS": 2, "STREAM_STAGES": 4}],
+                ids=["stream-1-chunk", "stream-8-chunks", "stream-2-chunks-4-stages"])
 def fp4_harness(request, tmp_path_factory) -> Path:
     """The harness with STREAM_CHUNKS = 1 (a tile's rows in passes of 8: every pass re-reads the
-    weights) and 8 (a whole 64-row tile in one pass)."""
+    weights), 8 (a whole 64-row tile in one pass) and 2 with a 4-deep staging ring (the opt-in
+    OPENINFER_DSV4_STREAM_STAGES=4; K of 1–3 steps here, fewer than the ring)."""
     from openinfer.backend.cuda import kernel_include_dir
 
     binary = tmp_path_factory.mktemp("moe-fp4-harness") / "harness"
-    return compile_harness(FP4_HARNESS, kernel_include_dir(), binary, {"STREAM_CHUNKS": request.param})
+    return compile_harness(FP4_HARNESS, kernel_include_dir(), binary, request.param)
 
 
 def sort_by_expert(ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
@@ -350,3 +355,59 @@ def test_fp4_decode_every_code(fp4_harness, tmp_path):
                                                        "offsets")})
         out = read_array(tmp_path, "out", np.uint16, (3, out_features))
         np.testing.assert_array_equal(out, expected, err_msg=kernel)
+
+
+# --- core kernels/moe_fp4.cu: fp8_stream_linear, the FP8 dense linears' decode GEMM ------------------
+
+FP8_NAN = (0x7F, 0xFF)
+
+
+def random_fp8_linear(rng, out_features: int, in_features: int, exponents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every finite e4m3 code (subnormals and ±0 included) and e8m0 block scales drawn from
+    ``exponents``: on both sides of 2^7, the largest the one-multiply path takes."""
+    codes = rng.integers(0, 256, (out_features, in_features), dtype=np.uint8)
+    codes[np.isin(codes, FP8_NAN)] = 0x01
+    scales = rng.choice(np.array(exponents, np.uint8), (-(-out_features // 128), -(-in_features // 128)))
+    return codes, scales
+
+
+def run_fp8_linear(binary: Path, directory: Path, a: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+                   splits: int = 1) -> np.ndarray:
+    (rows, in_features), out_features = a.shape, codes.shape[0]
+    run_harness(binary, directory, "fp8", out_features, in_features, rows, splits, a=float32_to_bf16(a), weight=codes,
+                scale=scales)
+    return read_array(directory, "out", np.uint16, (rows, out_features))
+
+
+@pytest.mark.parametrize(("rows", "splits", "in_features"),
+                         [(3, 1, 352), (70, 1, 352), (3, 2, 352), (5, 3, 352), (2, 4, 352), (3, 1, 1120), (9, 3, 1120)],
+                         ids=["decode", "two-block-rows", "split-k-2", "split-k-3", "split-k-4-one-empty", "long-k",
+                              "long-k-split-3"])
+def test_fp8_stream_linear(fp4_harness, tmp_path, rows, splits, in_features):
+    """x · dequantised(W)ᵀ for an FP8 weight with N past a 64-row block and a 128-row scale block,
+    K past a 128-wide scale block (a last K step of one or three 32-k groups), rows past a 64-row
+    block; K's 3 steps split 2 + 1, 1 + 1 + 1 and 1 + 1 + 1 + 0 (an empty split adds zeros), the
+    fp32 partials added by fp8_stream_reduce; 9 steps (3 + 3 + 3): more than the staging ring holds."""
+    rng = np.random.default_rng(11)
+    out_features = 200
+    codes, scales = random_fp8_linear(rng, out_features, in_features, [100, 112, 120, 127, 134, 135, 140])
+    a = bf16(rng.standard_normal((rows, in_features)))
+    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales, splits)
+    expected = a.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=8e-3, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block_scales", [(127, 135), (100, 141)], ids=["one-multiply", "two-multiplies"])
+def test_fp8_decode_every_code(fp4_harness, tmp_path, block_scales):
+    """Weight row n holds code n at every k (NaN codes left out), one scale per 128-row block: a
+    unit input picks each decoded value out exactly, subnormals and the two-multiply scales included."""
+    in_features = 128
+    code_of_row = np.array([c for c in range(256) if c not in FP8_NAN], np.uint8)
+    codes = np.repeat(code_of_row[:, None], in_features, axis=1)
+    scales = np.array(block_scales, np.uint8)[:, None]
+    a = np.zeros((2, in_features), np.float32)
+    a[0, 0] = 1.0
+    a[1, 77] = -1.0
+    out = run_fp8_linear(fp4_harness, tmp_path, a, codes, scales)
+    expected = a @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T
+    np.testing.assert_array_equal(out, expected)

@@ -78,28 +78,37 @@ def judge(path, cuda_backend, label: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize(("attention_splits", "indexer_split"), [("auto", "fixed"), ("1", "auto")])
+@pytest.mark.parametrize(("attention_splits", "indexer_split", "hc_split"),
+                         [("auto", "fixed", "1"), ("1", "auto", "auto")])
 def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
-                                                           indexer_split):
-    """Both settings of both switches: split attention ``auto`` (default) / ``1``, indexer split
-    ``auto`` (default) / ``fixed``."""
+                                                           indexer_split, hc_split):
+    """Both settings of each switch: split attention ``auto`` (default) / ``1``, indexer split
+    ``auto`` (default) / ``fixed``, mHC split ``1`` (default) / ``auto``."""
     from openinfer_deepseek_v4 import cuda_ops
 
     monkeypatch.setattr(cuda_ops, "ATTENTION_SPLITS", attention_splits)
     monkeypatch.setattr(cuda_ops, "INDEXER_SPLIT", indexer_split)
+    monkeypatch.setattr(cuda_ops, "HC_SPLIT", hc_split)
     path, _ = tiny
-    judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}")
+    judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}, "
+                              f"mHC split {hc_split}")
 
 
-def test_fp8_linears_and_fp4_experts(tiny, cuda_backend, tmp_path):
-    """The official layout: FP8 attention linears (dequantised to bf16 at load), FP4 routed
-    experts kept packed and decoded inside the grouped GEMM (core kernels/moe_fp4.cu)."""
+@pytest.mark.parametrize("fp8_linears", ["bf16", "stream"])
+def test_fp8_linears_and_fp4_experts(tiny, cuda_backend, tmp_path, monkeypatch, fp8_linears):
+    """The official layout: FP8 attention linears and shared experts (dequantised to bf16 at load,
+    or with ``OPENINFER_DSV4_FP8_LINEAR=stream`` kept FP8: cuda_linears), FP4 routed experts kept
+    packed and decoded inside the grouped GEMM (core kernels/moe_fp4.cu)."""
     from openinfer_deepseek_v4.cuda_experts import Fp4Experts
+    from openinfer_deepseek_v4.cuda_linears import Fp8Linear
 
+    monkeypatch.setenv("OPENINFER_DSV4_FP8_LINEAR", fp8_linears)
     path, _ = write_quantized(tiny[0], tmp_path / "fp4")
     model = load_model(path, backend=cuda_backend)
     assert all(isinstance(layer.ffn.stacked[0], Fp4Experts) for layer in model.weights.layers)
-    judge(path, cuda_backend, "official FP8 + FP4 experts")
+    kept = [isinstance(layer.attn.wq_b, Fp8Linear) for layer in model.weights.layers]
+    assert all(kept) if fp8_linears == "stream" else not any(kept)
+    judge(path, cuda_backend, f"official FP8 + FP4 experts, FP8 linears {fp8_linears}")
 
 
 def test_graph_replay_equals_eager(tiny, cuda_backend):

@@ -37,3 +37,43 @@ def test_indexer_split():
         per_block = kernel_plan.indexer_entries_per_block("auto", tokens, entries, H100_SMS)
         assert kernel_plan.INDEX_MIN_ENTRIES_PER_BLOCK <= per_block <= fixed and per_block % 8 == 0
         assert tokens * -(-entries // per_block) >= min(H100_SMS, tokens * -(-entries // 8))  # fills the GPU
+
+
+def test_fp8_linear_default_is_bf16_and_stream_is_opt_in():
+    assert kernel_plan.fp8_linear_setting({}) == "bf16"
+    assert kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "stream"}) == "stream"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_FP8_LINEAR"):
+        kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "fp8"})
+
+
+def test_hc_split_default_is_one_block_and_auto_fills_the_gpu():
+    assert kernel_plan.hc_split_setting({}) == "1"
+    assert kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "auto"}) == "auto"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_HC_SPLIT"):
+        kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "2"})
+    # batch 1, 24 mixing logits: 11 slices each -> 264 blocks = 2 x 132; the head's 4 logits: capped at 16
+    assert kernel_plan.hc_mix_splits(1, 24, H100_SMS) == 11
+    assert kernel_plan.hc_mix_splits(1, 4, H100_SMS) == kernel_plan.MAX_MIX_SPLITS
+    assert kernel_plan.hc_mix_splits(64, 24, H100_SMS) == 1  # 1536 blocks already
+
+
+def test_fp8_linear_splits_fill_the_gpu_at_decode_and_leave_no_split_empty():
+    # V4-Flash at batch 1 on 132 SMs: wq_a [1024, 4096] is 16 blocks -> 16 splits of 2 of its 32 steps
+    assert kernel_plan.fp8_linear_splits(1, 1024, 4096, H100_SMS) == 16
+    assert kernel_plan.fp8_linear_splits(1, 4096, 8192, H100_SMS) == 5  # wo_b: 64 blocks
+    assert kernel_plan.fp8_linear_splits(1, 32768, 1024, H100_SMS) == 1  # wq_b: 512 blocks
+    assert kernel_plan.fp8_linear_splits(64, 1024, 4096, H100_SMS) == 1  # past 16 rows: no split
+    for out_features in (64, 512, 1024, 4096):
+        for in_features in (256, 1536, 4096):
+            splits = kernel_plan.fp8_linear_splits(1, out_features, in_features, H100_SMS)
+            steps = -(-in_features // 128)
+            assert (splits - 1) * -(-steps // splits) < steps  # the last split has a step
+
+
+def test_stream_stages_default_two_and_four_only_where_the_ring_fits():
+    assert kernel_plan.stream_stages_setting({}) == "2"
+    assert kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "4"}) == "4"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_STREAM_STAGES"):
+        kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "3"})
+    assert [kernel_plan.stream_stages("4", chunks) for chunks in (1, 2, 8)] == [4, 4, 2]
+    assert kernel_plan.stream_stages("2", 1) == 2

@@ -135,3 +135,37 @@ def test_mtp_block_is_loaded_and_unused(tiny, tmp_path, ids_and_logits):
     del state["mtp.0.h_proj.weight"]
     with pytest.raises(WeightLoadError, match=r"mtp\.0\.h_proj"):
         load_runner(write_official(path, tmp_path / "broken-mtp", state))
+
+
+def test_dense_linear_loader_gets_first_say(tiny, tmp_path):
+    """A backend's ``dense_linear`` loader (cuda keeps FP8 as stored) is asked for every dense
+    linear, the shared experts' gate_up as its two stored parts; what it declines (here the BF16
+    compressor weights) is dequantised as before, and the model still equals the plain load."""
+    from openinfer_deepseek_v4.config import DeepseekV4Config
+    from openinfer_deepseek_v4.weights import load_weights
+
+    from openinfer import create_backend
+
+    quantized, _ = write_quantized(tiny[0], tmp_path / "fp8-fp4")
+    config = DeepseekV4Config.from_dict(json.loads((quantized / "config.json").read_text()))
+    ckpt = DeepseekV4Checkpoint(quantized)
+    asked: list[tuple[str, ...]] = []
+
+    def keep_fp8(checkpoint, modules, shape):
+        asked.append(tuple(modules))
+        stored = [checkpoint.stored_quantized(m) for m in modules]
+        if any(s is None or s[0] != "fp8" for s in stored):
+            return None
+        return ("kept", tuple(modules), shape)
+
+    backend = create_backend("cpu")
+    weights = load_weights(ckpt, config, backend, dense_linear=keep_fp8)
+    c = config
+    assert weights.layers[0].attn.wq_a == ("kept", ("layers.0.attn.wq_a",), (c.q_lora_rank, c.hidden_size))
+    shared_parts = ("layers.0.ffn.shared_experts.w1", "layers.0.ffn.shared_experts.w3")
+    assert weights.layers[0].ffn.shared.gate_up == ("kept", shared_parts, (2 * c.moe_intermediate_size, c.hidden_size))
+    assert ("layers.1.attn.compressor.wkv",) in asked
+    plain = load_weights(ckpt, config, backend)
+    np.testing.assert_array_equal(weights.layers[1].attn.compressor.wkv.weight_t,
+                                  plain.layers[1].attn.compressor.wkv.weight_t)
+    assert weights.layers[3].attn.compressor.wkv[0] == "kept"  # FP8 in this file (Flash-Base style)

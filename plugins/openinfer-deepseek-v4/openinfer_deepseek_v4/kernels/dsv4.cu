@@ -353,57 +353,73 @@ extern "C" __global__ void dsv4_attention_combine(const float* __restrict__ part
 }
 
 // --- mHC: hyper_connection.collapse / collapse_head -----------------------------------------------
-// Two launches. dsv4_hc_mix, grid (T, num_mix): one block per (token, mixing logit) reduces the
-// token's flat streams against one row of fn — m[t, o] = rms(flat)·(flat · fn[o]) — so the 24
-// dot products of a token run side by side instead of one after another (a block reducing them
-// in turn waits on memory latency 24 times: ~1.8 ms per collapse at batch 1, measured on H100).
-// dsv4_hc_collapse, grid (T): pre/post/Sinkhorn(comb) (layers) or pre (the head, head != 0)
-// from those logits; x = Σ_j pre_j·H_j.
+// Two launches. dsv4_hc_mix, grid (T, num_mix, splits): block (t, o, z) reduces slice z of the
+// token's flat streams against row o of fn, so the 24 dot products of a token (and, at small
+// batch, pieces of each) run side by side: a block walking 16k floats waits on memory latency at
+// every step (one block per logit: ~10 us per launch at batch 1, H100 W3a). Partials
+//   partial[t][o][z]        dot of slice z with fn row o      (o < num_mix)
+//   partial[t][num_mix][z]  sum of squares of slice z          (written by the o = 0 blocks)
+// dsv4_hc_collapse, grid (T, ⌈dim / blockDim⌉): every block sums the partials into
+// m[t, o] = rms(flat)·(flat · fn[o]) and pre; block y = 0 also writes post and Sinkhorn(comb)
+// (layers) — the head (head != 0) has pre only; each block writes its slice of x = Σ_j pre_j·H_j.
 extern "C" __global__ void dsv4_hc_mix(const float* __restrict__ streams, const float* __restrict__ fn,
-                                       float* __restrict__ mix_out, int n, int num_mix, float norm_eps) {
+                                       float* __restrict__ partial, int n, int num_mix) {
     __shared__ float scratch[32];  // block_sum's one slot per warp
-    const int t = blockIdx.x, o = blockIdx.y;
+    const int t = blockIdx.x, o = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
     const float* flat = streams + (long long)t * n;
     const float* row = fn + (long long)o * n;
     float sumsq = 0.f, dot = 0.f;
     if ((n & 3) == 0) {  // 16-byte loads (n % 4 == 0 keeps every row 16-byte aligned)
+        const int quads = n / 4, per = (quads + splits - 1) / splits, end = min(quads, (z + 1) * per);
         const float4* f4 = reinterpret_cast<const float4*>(flat);
         const float4* w4 = reinterpret_cast<const float4*>(row);
-        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+        for (int i = z * per + threadIdx.x; i < end; i += blockDim.x) {
             const float4 a = f4[i], b = w4[i];
             sumsq += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
             dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
         }
     } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int per = (n + splits - 1) / splits, end = min(n, (z + 1) * per);
+        for (int i = z * per + threadIdx.x; i < end; i += blockDim.x) {
             sumsq += flat[i] * flat[i];
             dot += flat[i] * row[i];
         }
     }
     const float total_sq = block_sum(sumsq, scratch);
     const float total_dot = block_sum(dot, scratch);
-    if (threadIdx.x == 0) mix_out[(long long)t * num_mix + o] = total_dot * rsqrtf(total_sq / n + norm_eps);
+    if (threadIdx.x == 0) {
+        float* own = partial + (long long)t * (num_mix + 1) * splits;
+        own[o * splits + z] = total_dot;
+        if (o == 0) own[num_mix * splits + z] = total_sq;
+    }
 }
 
 extern "C" __global__ void dsv4_hc_collapse(
     const float* __restrict__ streams,  // [T, hc, dim]
-    const float* __restrict__ mix_in,   // [T, num_mix] from dsv4_hc_mix
-    const float* __restrict__ base, const float* __restrict__ scale,
+    const float* __restrict__ partial,  // [T, num_mix + 1, splits] from dsv4_hc_mix
+    int splits, const float* __restrict__ base, const float* __restrict__ scale,
     bf16* __restrict__ x_out, float* __restrict__ post_out, float* __restrict__ comb_out,
-    int hc, int dim, int head, int sinkhorn_iters, float hc_eps) {
+    int hc, int dim, int head, int sinkhorn_iters, float hc_eps, float norm_eps) {
     __shared__ float mix[MAX_MIX];
     __shared__ float pre[MAX_HC];
     __shared__ float comb[2][MAX_HC * MAX_HC];  // Sinkhorn ping-pong: read one, write the other
     const int t = blockIdx.x, n = hc * dim, i = threadIdx.x, cells = hc * hc;
     const float* flat = streams + (long long)t * n;
     const int num_mix = head ? hc : (2 + hc) * hc;
-    for (int o = i; o < num_mix; o += blockDim.x) mix[o] = mix_in[(long long)t * num_mix + o];
+    const float* own = partial + (long long)t * (num_mix + 1) * splits;
+    if (i <= num_mix) {  // the dot products, and (i = num_mix) the sum of squares, in slice order
+        float total = 0.f;
+        for (int z = 0; z < splits; ++z) total += own[i * splits + z];
+        mix[i] = total;
+    }
+    __syncthreads();
+    if (i < num_mix) mix[i] *= rsqrtf(mix[num_mix] / n + norm_eps);
     __syncthreads();
     if (i < hc) {
         pre[i] = sigmoid_f(mix[i] * scale[0] + base[i]) + hc_eps;
-        if (!head) post_out[(long long)t * hc + i] = 2.f * sigmoid_f(mix[hc + i] * scale[1] + base[hc + i]);
+        if (!head && blockIdx.y == 0) post_out[(long long)t * hc + i] = 2.f * sigmoid_f(mix[hc + i] * scale[1] + base[hc + i]);
     }
-    if (!head) {  // block-uniform: every thread meets the barriers below
+    if (!head && blockIdx.y == 0) {  // block-uniform: every thread of the block meets the barriers below
         // Sinkhorn with one thread per cell (a single thread doing the 20 iterations' 640 divisions
         // one after another took ~50 us, the whole mHC collapse + expand 68 us at batch 1 on H100).
         // Each cell sums its row / column in index order, as the serial loop (and NumPy) did.
@@ -433,7 +449,7 @@ extern "C" __global__ void dsv4_hc_collapse(
         if (i < cells) comb_out[(long long)t * cells + i] = comb[current][i];
     }
     __syncthreads();  // pre
-    for (int d = i; d < dim; d += blockDim.x) {
+    for (int d = blockIdx.y * blockDim.x + i; d < dim; d += gridDim.y * blockDim.x) {
         float x = 0.f;
         for (int j = 0; j < hc; ++j) x += pre[j] * flat[j * dim + d];
         x_out[(long long)t * dim + d] = to_bf(x);
@@ -448,12 +464,15 @@ extern "C" __global__ void dsv4_hc_expand(const float* streams, const bf16* __re
                                           float* out, int hc, int dim) {
     const int t = blockIdx.x, d = blockIdx.y * blockDim.x + threadIdx.x;
     if (d >= dim) return;
-    float column[MAX_HC];
-    for (int j = 0; j < hc; ++j) column[j] = streams[((long long)t * hc + j) * dim + d];
+    float column[MAX_HC];  // unrolled to MAX_HC with guards: registers, not a local-memory array
+#pragma unroll
+    for (int j = 0; j < MAX_HC; ++j) column[j] = j < hc ? streams[((long long)t * hc + j) * dim + d] : 0.f;
     const float value = to_f(y[(long long)t * dim + d]);
     for (int k = 0; k < hc; ++k) {
         float mixed = post[(long long)t * hc + k] * value;
-        for (int j = 0; j < hc; ++j) mixed += comb[((long long)t * hc + j) * hc + k] * column[j];
+#pragma unroll
+        for (int j = 0; j < MAX_HC; ++j)
+            if (j < hc) mixed += comb[((long long)t * hc + j) * hc + k] * column[j];
         out[((long long)t * hc + k) * dim + d] = mixed;
     }
 }

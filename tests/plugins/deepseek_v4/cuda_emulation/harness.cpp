@@ -5,7 +5,7 @@
 //   harness DIR indexer   T heads dim max_entries rate block_size stride k entries_per_block
 //   harness DIR attention T heads dim window rate block_size wstride estride num_selected mode rd scale splits
 //                         (splits > 1: the split-over-keys runs, then dsv4_attention_combine)
-//   harness DIR hc        T hc dim iters hc_eps norm_eps
+//   harness DIR hc        T hc dim iters hc_eps norm_eps splits
 //   harness DIR quant     N in out fp4
 //   harness DIR compressor rate dim overlap rope_dim eps steps stride block_size slots
 //                          (dsv4_token_seq, dsv4_compress_step and dsv4_compress_state over a schedule
@@ -101,6 +101,7 @@ int main(int argc, char** argv) {
     } else if (which == "hc") {
         const int tokens = arg(argv, 3), hc = arg(argv, 4), dim = arg(argv, 5), iters = arg(argv, 6);
         const float hc_eps = farg(argv, 7), norm_eps = farg(argv, 8);
+        const int splits = arg(argv, 9);  // slices of each mixing dot product (dsv4_hc_mix's grid z)
         auto streams = load<float>(dir, "streams.bin");
         auto y = load<bf16>(dir, "y.bin");
         std::vector<bf16> x(static_cast<size_t>(tokens) * dim), head_x(x.size());
@@ -112,21 +113,22 @@ int main(int argc, char** argv) {
         auto head_fn = load<float>(dir, "head_fn.bin");
         auto head_base = load<float>(dir, "head_base.bin");
         auto head_scale = load<float>(dir, "head_scale.bin");
-        const int num_mix = (2 + hc) * hc;
-        std::vector<float> mix(static_cast<size_t>(tokens) * num_mix), head_mix(static_cast<size_t>(tokens) * hc);
-        launch(tokens, num_mix, 1, threads, [&] {
-            dsv4_hc_mix(streams.data(), fn.data(), mix.data(), hc * dim, num_mix, norm_eps);
+        const int num_mix = (2 + hc) * hc, x_blocks = (dim + threads - 1) / threads;
+        std::vector<float> mix(static_cast<size_t>(tokens) * (num_mix + 1) * splits);
+        std::vector<float> head_mix(static_cast<size_t>(tokens) * (hc + 1) * splits);
+        launch(tokens, num_mix, splits, threads, [&] {
+            dsv4_hc_mix(streams.data(), fn.data(), mix.data(), hc * dim, num_mix);
         });
-        launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), mix.data(), base.data(), scale.data(), x.data(), post.data(), comb.data(),
-                             hc, dim, 0, iters, hc_eps);
+        launch(tokens, x_blocks, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), mix.data(), splits, base.data(), scale.data(), x.data(), post.data(),
+                             comb.data(), hc, dim, 0, iters, hc_eps, norm_eps);
         });
-        launch(tokens, hc, 1, threads, [&] {
-            dsv4_hc_mix(streams.data(), head_fn.data(), head_mix.data(), hc * dim, hc, norm_eps);
+        launch(tokens, hc, splits, threads, [&] {
+            dsv4_hc_mix(streams.data(), head_fn.data(), head_mix.data(), hc * dim, hc);
         });
-        launch(tokens, 1, 1, threads, [&] {
-            dsv4_hc_collapse(streams.data(), head_mix.data(), head_base.data(), head_scale.data(), head_x.data(),
-                             nullptr, nullptr, hc, dim, 1, iters, hc_eps);
+        launch(tokens, x_blocks, 1, threads, [&] {
+            dsv4_hc_collapse(streams.data(), head_mix.data(), splits, head_base.data(), head_scale.data(),
+                             head_x.data(), nullptr, nullptr, hc, dim, 1, iters, hc_eps, norm_eps);
         });
         launch(tokens, (dim + threads - 1) / threads, 1, threads, [&] {
             dsv4_hc_expand(streams.data(), y.data(), post.data(), comb.data(), expanded.data(), hc, dim);

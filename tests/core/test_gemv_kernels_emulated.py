@@ -1,0 +1,61 @@
+"""core's ``kernels/gemv.cu`` fused decode GEMVs compiled with g++ against the host stand-in for the
+CUDA built-ins (tests/helpers/cuda_host) and run on the CPU: at every grid size — one block per
+column tile, a few blocks each looping over several tiles, one block looping over all — the fused
+``gemv_m1_add_rms_norm`` and ``gemv_m1_silu_mul`` give exactly the bits of the unfused kernels
+they replace (rms_norm.cu / elementwise.cu, then ``gemv_m1``), and those match the NumPy
+composition. The GPU tests (tests/gpu/test_fused_decode.py) check the same on the device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from openinfer import float32_to_bf16
+from openinfer.backend.numpy_backend import NumpyBackend
+from tests.helpers.cuda_emulation import bf16, compile_harness, read_array, run_harness
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).parent / "cuda_emulation" / "gemv_harness.cpp"
+WARPS_PER_BLOCK = 8  # gemv.cu: a block's tile is 8 columns at M = 1
+
+
+def norm_threads(features: int) -> int:
+    """rms_norm.cu's block size, as the CUDA backend picks it (backend._norm_threads)."""
+    return min(1024, max(32, -(-features // 32) * 32 // 2))
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    return compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp("gemv") / "harness")
+
+
+@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_gemvs_equal_unfused_bits_at_every_grid(harness, tmp_path, k, n, with_residual):
+    rng = np.random.default_rng(k + n + with_residual)
+    x, residual = bf16(rng.standard_normal(k)), bf16(rng.standard_normal(k))
+    norm = bf16(1 + 0.3 * rng.standard_normal(k))
+    gate_up = bf16(3.0 * rng.standard_normal(2 * k))
+    w = bf16(0.05 * rng.standard_normal((n, k)))
+    tiles = -(-n // WARPS_PER_BLOCK)
+    grids = [tiles, 3, 1]
+    run_harness(harness, tmp_path, params=np.array([k, n, norm_threads(k), int(with_residual), *grids], np.int32),
+                x=float32_to_bf16(x), residual=float32_to_bf16(residual), norm=float32_to_bf16(norm),
+                gate_up=float32_to_bf16(gate_up), w=float32_to_bf16(w))
+
+    def bits(name: str, size: int) -> np.ndarray:
+        return np.fromfile(tmp_path / f"{name}.bin", np.uint16)[:size]
+
+    for g in range(len(grids)):
+        assert np.array_equal(bits(f"fused_norm_{g}", n), bits("unfused_norm", n)), f"grid {grids[g]}"
+        assert np.array_equal(bits(f"fused_residual_{g}", k), bits("unfused_residual", k)), f"grid {grids[g]}"
+        assert np.array_equal(bits(f"fused_silu_{g}", n), bits("unfused_silu", n)), f"grid {grids[g]}"
+    ref = NumpyBackend()
+    h = bf16(x + residual) if with_residual else x
+    expected_norm = ref.linear(bf16(ref.rms_norm(h[None], norm, 1e-6)), ref.linear_weight(w, None))[0]
+    gate, up = gate_up[:k], gate_up[k:]
+    expected_silu = ref.linear(bf16(bf16(gate / (1 + np.exp(-gate))) * up)[None], ref.linear_weight(w, None))[0]
+    assert np.allclose(read_array(tmp_path, "fused_norm_2", np.uint16, (n,)), expected_norm, rtol=2e-2, atol=2e-2)
+    assert np.allclose(read_array(tmp_path, "fused_silu_2", np.uint16, (n,)), expected_silu, rtol=2e-2, atol=2e-2)
