@@ -57,7 +57,7 @@ PREFILL_GRAPHS_ENV = "OPENINFER_PREFILL_GRAPHS"  # "1" / "0": short-prefill grap
 # warm prefix TTFT eager -> graph 16k 12.9 -> 8.6 ms, 4k 18.2 -> 6.0, 1k 15.1 -> 5.0 (medians of 4),
 # greedy tokens equal 5 of 5 rounds at each context; the 7 short-prefill graphs cost 0.14 s of a 9.2 s
 # start (model_load 8.4 s, kernel compile with both kinds' dry runs 0.37 s, 9 decode graphs 0.22 s).
-# The earlier H100 run's 33.7 s start (phases not recorded then) was the dummy load of that day: a
+# The earlier H100 run's 33.7 s start (phases not recorded then) was most likely that day's dummy load: a
 # float32 -> bf16 conversion per tensor on one core (4 G values), now a view of one bf16 pool.
 PREFILL_GRAPHS_DEFAULT = True
 
