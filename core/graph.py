@@ -9,10 +9,10 @@
       state slot 0 (models with recurrent state read their slots from the static batch's
       ``state_slots``, so a replay reads and writes each request's fixed slot)
 
-Short prefill steps (``OPENINFER_PREFILL_GRAPHS=1``; plain full-attention models, one KV cache
-group, no recurrent state; see ``prefill_graphs_wanted``): every sequence runs at most
-``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a warm prefix whose prompt is cached but for its
-last block, alone or next to decode rows::
+Short prefill steps (on by default, ``OPENINFER_PREFILL_GRAPHS=0`` turns them off; plain
+full-attention models, one KV cache group, no recurrent state; see ``prefill_graphs_wanted``):
+every sequence runs at most ``SHORT_PREFILL_MAX_QUERY`` new tokens, e.g. a warm prefix whose
+prompt is cached but for its last block, alone or next to decode rows::
 
     prefill buckets   1 2 4 8 16 32 64 sequences (up to max_num_seqs), each holding
                       sequences + SHORT_PREFILL_MAX_QUERY - 1 tokens, 16 new tokens per sequence at most
@@ -52,11 +52,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_PREFILL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences of a short-prefill graph
 SHORT_PREFILL_MAX_QUERY = 16  # new tokens per sequence in a short-prefill graph (the short-query kernel's limit)
 PREFILL_GRAPHS_ENV = "OPENINFER_PREFILL_GRAPHS"  # "1" / "0": short-prefill graphs on / off
-# unset: off. Measured on an H100 (benchmarks/results/warm_prefix_gpu.json, Qwen3-4B shape, engine in
-# process, short-query attention on): warm prefix TTFT 16k 11.6 -> 9.0 ms, 4k 10.7 -> 6.3, 1k 9.2 -> 5.4
-# with the graphs, greedy tokens equal; kept opt-in until a full GPU suite and the engine start time
-# (33.7 s in that run, dummy weights, cold kernel cache; its phases were not recorded) are checked with them on.
-PREFILL_GRAPHS_DEFAULT = False
+# unset: on (plain full-attention models). Measured on an H200 in window D2 (benchmarks/gpu_serving.py
+# --warm-prefix-engine --max-num-seqs 64, Qwen3-4B shape, dummy weights, short-query attention auto):
+# warm prefix TTFT eager -> graph 16k 12.9 -> 8.6 ms, 4k 18.2 -> 6.0, 1k 15.1 -> 5.0 (medians of 4),
+# greedy tokens equal 5 of 5 rounds at each context; the 7 short-prefill graphs cost 0.14 s of a 9.2 s
+# start (model_load 8.4 s, kernel compile with both kinds' dry runs 0.37 s, 9 decode graphs 0.22 s).
+# The earlier H100 run's 33.7 s start (phases not recorded then) was most likely that day's dummy load: a
+# float32 -> bf16 conversion per tensor on one core (4 G values), now a view of one bf16 pool.
+PREFILL_GRAPHS_DEFAULT = True
 
 Forward = Callable[[Any], Any]  # device batch -> logits
 # (batch, replayed by a graph, launch began, launch returned): wall-clock seconds
