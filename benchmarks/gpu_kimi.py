@@ -12,10 +12,15 @@ bf16 cuBLAS baseline) over the row count; the routed INT4 experts' gate_up GEMM 
 cache, 384 INT4 experts top-8 + 1 shared expert; random weights, speed does not depend on the
 values) timed alone with CUDA events at batch 1/64/256, against its HBM roofline: the bytes a
 step must read (attention weights, the router, the shared expert, every expert some token routes
-to, the batch's latent cache) over the measured device-to-device copy bandwidth.
+to, the batch's latent cache) over the measured device-to-device copy bandwidth. The step is timed
+as a CUDA graph replay; each op (the MLA's latent write, W_UK, attention and W_UV apart) by its
+device time in step order with the stream held behind a spin kernel (core's ledger timer: no host
+launch gaps, weights cold in L2 as in a real step).
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
     python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
+    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:auto:fast_routing+spread_rope+mla_splits64
+    python benchmarks/gpu_kimi.py warm   # moe.cu's modules compiled in parallel into CuPy's disk cache first
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
 of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``) and what runs without a GEMV (dense: bf16
