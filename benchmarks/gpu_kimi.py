@@ -12,10 +12,15 @@ bf16 cuBLAS baseline) over the row count; the routed INT4 experts' gate_up GEMM 
 cache, 384 INT4 experts top-8 + 1 shared expert; random weights, speed does not depend on the
 values) timed alone with CUDA events at batch 1/64/256, against its HBM roofline: the bytes a
 step must read (attention weights, the router, the shared expert, every expert some token routes
-to, the batch's latent cache) over the measured device-to-device copy bandwidth.
+to, the batch's latent cache) over the measured device-to-device copy bandwidth. The step is timed
+as a CUDA graph replay; each op (the MLA's latent write, W_UK, attention and W_UV apart) by its
+device time in step order with the stream held behind a spin kernel (core's ledger timer: no host
+launch gaps, weights cold in L2 as in a real step).
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
     python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
+    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:auto:fast_routing+spread_rope+mla_splits64
+    python benchmarks/gpu_kimi.py warm   # moe.cu's modules compiled in parallel into CuPy's disk cache first
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
 of ``moe_gemv_wide``, the tensor-core ``moe_gemv_mma``) and what runs without a GEMV (dense: bf16
@@ -711,6 +716,8 @@ def layer_bytes(attention, moe, shared, active_experts: int, batch: int, context
 def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str) -> list:
     """The layer step's ops in step order (``layer_step``'s calls), each a (name, closure) on inputs
     computed here once, so each op can be replayed alone."""
+    import cupy
+
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
@@ -723,6 +730,8 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     latent = qkv_a[:, c["q_lora"]:]
     q = backend.add_rms_norm_linear(q_a, None, attention["q_a_norm"], 1e-6, attention["q_b"])[0]
     attn = mla(q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)
+    q_latent = cuda_mla.absorb_queries(backend.blas, q, attention["w_uk"], spec)
+    o_latent = cuda_mla.absorbed_attention(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
@@ -735,8 +744,15 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("qkv_a", partial(backend.linear, x, attention["qkv_a"])),
         ("q_a_norm+q_b", partial(backend.add_rms_norm_linear, q_a, None, attention["q_a_norm"], 1e-6,
                                  attention["q_b"])),
-        # rotates q's rope dims in place again on each call: other numbers, the same work
-        ("mla", partial(mla, q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)),
+        # mla_forward's absorbed steps; the latent write rotates q's rope dims in place again on each
+        # call: other numbers, the same work
+        ("mla_write_latent", partial(cuda_mla.write_latent, q, latent, cache, attention["kv_a_norm"], spec, batch,
+                                     cos, sin, 1e-6)),
+        ("mla_w_uk", partial(cuda_mla.absorb_queries, backend.blas, q, attention["w_uk"], spec)),
+        ("mla_attention", partial(cuda_mla.absorbed_attention, q_latent, q, cache, spec, batch, None,
+                                  backend.num_sms, absorbed_kernel)),
+        ("mla_w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, attention["w_uv"], spec,
+                             cupy.empty_like(attn))),
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
@@ -765,7 +781,9 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
 
 LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
     "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
-    "fast_routing": "moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING=1)",
+    "fast_routing": "moe_sort_parallel, the multi-load router logits, moe_combine over a block per 256 columns "
+                    "($OPENINFER_MOE_FAST_ROUTING=1)",
+    "spread_rope": "mla_write_latent's q_pe rotation over a block per 128 head pairs ($OPENINFER_MLA_SPREAD_ROPE=1)",
     "mla_splits32": "up to 32 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=32; default 16)",
     "mla_splits64": "up to 64 (at 1k context: 33 splits of one 32-key tile, x4 latent quarters = 132 blocks)",
 }
@@ -779,7 +797,8 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tupl
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
-        on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV))
+        on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV),
+                                     ("spread_rope", cuda_mla.SPREAD_ROPE_ENV))
               if os.environ.get(env, "0") in ("1", "true", "on")]
         splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
         on += [splits] if splits in LAYER_OPTIONS else []
@@ -811,6 +830,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
+    os.environ[cuda_mla.SPREAD_ROPE_ENV] = "1" if "spread_rope" in options else "0"
     splits = [o.removeprefix("mla_splits") for o in options if o.startswith("mla_splits")]
     os.environ[cuda_mla.MAX_SPLITS_ENV] = splits[-1] if splits else ""
 

@@ -30,7 +30,8 @@
 #define MLA_THREADS (HEADS_PER_BLOCK * TOKENS_PER_TILE)
 #define DIMS_PER_THREAD (KV_LORA / TOKENS_PER_TILE)
 
-// One block per new token; q [T, num_heads, q_stride] with q_pe at q_pe_offset of each head.
+// Blocks (new token, part of its heads' q_pe): part 0 also writes the latent row; q [T, num_heads,
+// q_stride] with q_pe at q_pe_offset of each head.
 extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */, int kv_a_stride,
                                             const bf16* __restrict__ norm_weight, float eps,
                                             bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset,
@@ -40,25 +41,30 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
     __shared__ float scratch[32];
     const int t = blockIdx.x;
     const bf16* row = kv_a + (long long)t * kv_a_stride;
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-        const float v = __bfloat162float(row[i]);
-        sum += v * v;
-    }
-    const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-    const int slot = slot_mapping[t];  // -1: a padding row of a captured batch, nothing to store
-    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
-        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
-    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
-        const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
-        out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
-        out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
+    if (blockIdx.y == 0) {  // the latent row: block 0 of the token's gridDim.y (block-uniform)
+        float sum = 0.f;
+        for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
+            const float v = __bfloat162float(row[i]);
+            sum += v * v;
+        }
+        const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
+        const int slot = slot_mapping[t];  // -1: a padding row of a captured batch, nothing to store
+        bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
+        for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
+            out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) *
+                                         __bfloat162float(norm_weight[i]));
+        for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
+            const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
+            out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
+            out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
+        }
     }
-    for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
+    // every head's q_pe, shared by the token's gridDim.y blocks (in place, so one block's loop runs
+    // its rounds one after another: gridDim.y > 1 spreads them)
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
         const int h = i / half, d = i % half;
         bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
         const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);

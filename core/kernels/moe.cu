@@ -160,7 +160,9 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
         __syncthreads();
     }
     if (warp == 0) {  // top-k by repeated argmax over the warp (k ≤ 16), or the hash table's experts
-        int picked[MAX_TOPK];  // every lane ends each round with the same pick: no warp sync needed
+        // bit m: this lane's expert lane + 32·m is taken (MAX_EXPERTS / 32 bits; a register, where a
+        // list of the picks, scanned per expert, lived in local memory)
+        unsigned taken = 0u;
         for (int j = 0; j < top_k; ++j) {
             int arg = -1;
             if (tid2eid) {
@@ -168,10 +170,8 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
             } else {
                 // each lane's best untaken expert (lowest index on ties), then the warp's
                 float best = -INFINITY;
-                for (int e = lane; e < num_experts; e += 32) {
-                    bool taken = false;
-                    for (int i = 0; i < j; ++i) taken |= picked[i] == e;
-                    if (!taken && (arg < 0 || choice[e] > best)) {
+                for (int e = lane, m = 0; e < num_experts; e += 32, ++m) {
+                    if (!((taken >> m) & 1u) && (arg < 0 || choice[e] > best)) {
                         best = choice[e];
                         arg = e;
                     }
@@ -186,7 +186,8 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
                     }
                 }
             }
-            picked[j] = arg;
+            // every lane ends each round with the same pick: no warp sync needed
+            if (arg >= 0 && (arg & 31) == lane) taken |= 1u << (arg >> 5);
             if (lane == 0) chosen[j] = arg;
         }
     }
@@ -1018,8 +1019,8 @@ extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
                                        const float* __restrict__ weights, const bf16* __restrict__ shared,
                                        int top_k, int hidden, bf16* __restrict__ out) {
-    const int t = blockIdx.x;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    const int t = blockIdx.x;  // gridDim.y blocks share a token's columns (1: one block walks them all)
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < hidden; c += gridDim.y * blockDim.x) {
         float sum = 0.f;
         for (int j = 0; j < top_k; ++j)
             sum += weights[t * top_k + j] * __bfloat162float(y[(long long)slot_pos[t * top_k + j] * hidden + c]);

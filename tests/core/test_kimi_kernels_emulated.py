@@ -135,6 +135,7 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     if use_bias:
         assert offsets[1] > 64
     out = read_array(tmp_path, "out", np.uint16, (tokens, hidden))
+    assert np.array_equal(read_array(tmp_path, "out_wide", np.uint16, out.shape), out)  # combine over 3 blocks
     experts = [ExpertWeights(REF.linear_weight(w1_ref[e]), REF.linear_weight(w2_ref[e]))
                for e in range(spec.num_experts)]
     reference = run_experts(REF, x, ref_weights, group_by_expert(ref_ids, spec.num_experts), experts)

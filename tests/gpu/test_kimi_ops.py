@@ -58,8 +58,9 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
     """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 7 loads in flight gives the same ids and
-    weights bit for bit (same sums, same order), and moe_sort_parallel moe_sort's offsets and tile
-    list, with each expert's segment holding exactly its slots. Kimi-K2's 384 experts top-8 at 7168
+    weights bit for bit (same sums, same order), moe_sort_parallel moe_sort's offsets and tile
+    list, with each expert's segment holding exactly its slots, and moe_combine over a block per 256
+    columns the same output. Kimi-K2's 384 experts top-8 at 7168
     wide (four passes of 7 loads, 1792 wide each); 256 tokens: experts with more than one 64-row tile."""
     moe = _moe_cuda()
     spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
@@ -68,7 +69,9 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
     bias = cupy.asarray((0.3 * rng.standard_normal(384)).astype(np.float32))
     if tokens == 256:
         bias[:3] += 100.0  # experts 0-2 take every token: 4 tiles each
-    results = {}
+    results, combined = {}, {}
+    slot_rows = bf16_random(rng, tokens * 8, 7168)  # each slot's expert output, by slot
+    shared = cuda_backend.upload(bf16_random(rng, tokens, 7168))
     for fast in ("0", "1"):
         monkeypatch.setenv(moe.FAST_ROUTING_ENV, fast)
         ids, weights = moe.route(x, gate, spec, bias)
@@ -76,6 +79,9 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
         count = int(grouping.num_tiles.get()[0])
         results[fast] = (ids.get(), weights.get(), grouping.offsets.get(), grouping.tile_expert.get()[:count],
                          grouping.tile_row.get()[:count], grouping.sorted_slots.get(), grouping.slot_pos.get())
+        y = cuda_backend.upload(slot_rows[grouping.sorted_slots.get()])  # in this setting's expert order
+        combined[fast] = cuda_backend.to_host(moe.combine(y, grouping, shared, 7168))
+    assert np.array_equal(combined["1"], combined["0"])  # moe_combine over 28 blocks: the same sums
     (ids, weights, offsets, *tiles, _, _), fast = results["0"], results["1"]
     assert np.array_equal(fast[0], ids) and np.array_equal(fast[1], weights)
     assert np.array_equal(fast[2], offsets)
@@ -280,11 +286,13 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
     (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads.
-    $OPENINFER_MLA_MAX_SPLITS=64 on 4 decodes: 17 splits (mma) / 33 (CUDA cores), many empty at 5 tokens."""
+    $OPENINFER_MLA_MAX_SPLITS=64 on 4 decodes: 17 splits (mma) / 33 (CUDA cores), many empty at 5 tokens;
+    with it $OPENINFER_MLA_SPREAD_ROPE=1 (q_pe rotated by 20 x 32 / 128 = 5 blocks per token)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(cuda_mla.SPREAD_ROPE_ENV, "1" if max_splits else "0")  # the other batch-1 opt-in
     if max_splits:
         assert cuda_mla.num_splits(4, 4, 132) > cuda_mla.MAX_SPLITS
 

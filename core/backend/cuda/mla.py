@@ -54,6 +54,8 @@ MAX_SPLITS = 16
 # Opt-in until measured: more context splits for the absorbed kernels (a batch-1 step of 64 heads on
 # tensor cores fills 4 x 16 = 64 blocks of 132 SMs at 16). mla_combine_splits takes any count.
 MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
+# Opt-in until measured: mla_write_latent's q_pe rotation over a block per 128 head pairs.
+SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -160,14 +162,12 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     ``absorbed_kernel`` forces the absorbed form's kernel (``choose_absorbed_kernel``)."""
     check_spec(spec)
     num_tokens = int(q.shape[0])
-    heads, head_dim = spec.num_heads, spec.qk_head_dim
+    heads = spec.num_heads
     out = cupy.empty((num_tokens, heads * spec.v_head_dim), dtype=cupy.uint16)
     if num_tokens == 0:
         return out
     q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-    kernel("mla.cu", "mla_write_latent", **_defines(spec))((num_tokens,), (128,), (
-        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
-        np.int32(head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     plan = _step_plan(batch, spec, prefill_min_query)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
@@ -180,6 +180,19 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
                   absorbed_kernel)
         out[rows] = rest
     return out
+
+
+def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray, spec: MLASpec,
+                 batch, cos: cupy.ndarray, sin: cupy.ndarray, eps: float) -> None:
+    """``mla_write_latent``: the step's latent rows (RMS-normed c_kv, rotated k_pe) into their cache
+    slots, and every head's q_pe of contiguous ``q`` rotated in place."""
+    heads = spec.num_heads
+    # spread: each thread rotates one head pair of q_pe (one block per token rotates all 64 heads'
+    # in 16 dependent in-place rounds)
+    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if os.environ.get(SPREAD_ROPE_ENV, "0") == "1" else 1
+    kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
+        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
+        np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
 
 
 def mma_decode_fits(spec: MLASpec) -> bool:
@@ -202,20 +215,25 @@ def _mma_decode_kernel(spec: MLASpec):
     return attention, smem
 
 
-def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
-              spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int,
-              absorbed_kernel: str | None = None) -> None:
-    """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
-    each row's token in the step (None: row i is token i)."""
-    num_tokens = int(q.shape[0])
-    use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
-    heads, nope, lora, v = spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank, spec.v_head_dim
-    head_dim = spec.qk_head_dim
-    block_size = int(cache.shape[1])
+def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLASpec) -> cupy.ndarray:
+    """W_UK: ``q_latent [T, H, lora]`` from the nope dims of ``q [T, H·(nope+rope)]`` (one strided-batched GEMM)."""
+    num_tokens, heads, nope, lora = int(q.shape[0]), spec.num_heads, spec.qk_nope_dim, spec.kv_lora_rank
     q_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     # q_latent_h^T [lora x T] = W_UK[h]^T [lora x nope] . q_nope_h^T [nope x T]   (column-major)
     blas.matmul_strided_batched(False, False, lora, num_tokens, nope, w_uk, lora, nope * lora,
-                                q, heads * head_dim, head_dim, q_latent, heads * lora, lora, heads)
+                                q, heads * spec.qk_head_dim, spec.qk_head_dim, q_latent, heads * lora, lora, heads)
+    return q_latent
+
+
+def absorbed_attention(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
+                       token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None
+                       ) -> cupy.ndarray:
+    """``o_latent [T, H, lora]``: attention of the rows' absorbed queries (``q_latent``, and q's
+    rotated rope dims) over their sequences' cached latents, split over the context and combined.
+    ``token_rows``: each row's token in the step (None: row i is token i)."""
+    num_tokens = int(q.shape[0])
+    use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
+    heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
     head_chunks = (-(-heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS if use_mma else -(-heads // HEADS_PER_BLOCK))
     splits = num_splits(num_tokens, head_chunks, num_sms)
@@ -223,8 +241,8 @@ def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.nda
     if splits > 1:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
-    args = (q_latent, q, np.int32(head_dim), np.int32(nope), cache, batch.block_tables,
-            np.int32(batch.block_tables.shape[1]), np.int32(block_size), batch.query_start, np.int32(batch.num_seqs),
+    args = (q_latent, q, np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), cache, batch.block_tables,
+            np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if use_mma:
@@ -235,9 +253,25 @@ def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.nda
     if splits > 1:
         kernel("mla.cu", "mla_combine_splits", **_defines(spec))((num_tokens * heads,), (128,), (
             partial_o, partial_ml, np.int32(splits), o_latent))
+    return o_latent
+
+
+def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec, out: cupy.ndarray) -> None:
+    """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM)."""
+    num_tokens, heads, v, lora = int(o_latent.shape[0]), spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)
+
+
+def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
+              spec: MLASpec, batch, out: cupy.ndarray, token_rows: cupy.ndarray | None, num_sms: int,
+              absorbed_kernel: str | None = None) -> None:
+    """Absorbed form for the rows of ``q`` (rope rotated), written to ``out``; ``token_rows``:
+    each row's token in the step (None: row i is token i)."""
+    q_latent = absorb_queries(blas, q, w_uk, spec)
+    o_latent = absorbed_attention(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel)
+    expand_values(blas, o_latent, w_uv, spec, out)
 
 
 def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,

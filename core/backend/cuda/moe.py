@@ -109,9 +109,9 @@ WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
 # Opt-in until measured: moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's
-# thread 0 walks all experts through global memory, tens of microseconds at 384 experts whatever
-# the batch: DeepSeek-V4's 256 took 26 us on an H100, gpu_dsv4_w3a.json) and ROUTER_LOADS gate
-# loads per lane in flight in moe_router_logits (the same sums in the same order).
+# thread 0 walks all experts through global memory: 32 -> 6 us at batch 1 on an H200, D2), ROUTER_LOADS
+# gate loads per lane in flight in moe_router_logits (the same sums in the same order) and
+# moe_combine over a block per 256 columns (the same sums).
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
 FAST_ROUTER_LOADS = 7  # Kimi-K2 7168 wide: 4 passes of 7 loads, not 28 of 1; sm_90a: 134 registers (32 at 1), no spills
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
@@ -395,7 +395,10 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
     if num_tokens:
-        kernel("moe.cu", "moe_combine")((num_tokens,), (256,), (
+        # fast routing: one column per thread (a lone block walks a 7168-wide row in 28 dependent
+        # rounds of 8 slot loads: 42 us at batch 1 on an H200, D2)
+        column_blocks = -(-hidden // 256) if fast_routing() else 1
+        kernel("moe.cu", "moe_combine")((num_tokens, column_blocks), (256,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared,
             np.int32(grouping.top_k), np.int32(hidden), out))
     return out

@@ -86,6 +86,9 @@ int main(int argc, char** argv) {
                          num_tiles.data(), offsets.data(), 0, y.data(), N2, K2, 1);
     });
     launch(T, 1, 1, 64, [&] { moe_combine(y.data(), pos.data(), weights.data(), nullptr, k, H, out.data()); });
+    std::vector<bf16> out_wide(size_t(T) * H);  // a token's columns over 3 blocks of 32 threads
+    launch(T, 3, 1, 32, [&] { moe_combine(y.data(), pos.data(), weights.data(), nullptr, k, H, out_wide.data()); });
+    save(dir, "out_wide.bin", out_wide);
     // dense mode on the first expert's gate_up weight, element-wise (unvectorised) loads
     std::vector<bf16> dense(size_t(T) * N1);
     launch((T + BM - 1) / BM, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {
@@ -187,7 +190,7 @@ int main(int argc, char** argv) {
     auto query_start = load<int>(dir, "query_start.bin");
     auto cos_table = load<float>(dir, "cos.bin");
     auto sin_table = load<float>(dir, "sin.bin");
-    launch(T, 1, 1, 128, [&] {
+    launch(T, splits, 1, 128, [&] {  // q_pe spread over `splits` blocks per token (1: one block does all)
         mla_write_latent(latent.data(), LATENT, norm.data(), 1e-6f, q.data(), heads, q_stride, q_pe_offset,
                          positions.data(), slots.data(), cos_table.data(), sin_table.data(), cache.data());
     });
