@@ -33,6 +33,7 @@ NULL = np.uint64(0)
 ATTENTION_SPLITS = kernel_plan.attention_splits_setting(os.environ)
 INDEXER_SPLIT = kernel_plan.indexer_split_setting(os.environ)
 HC_SPLIT = kernel_plan.hc_split_setting(os.environ)
+ATTENTION_KERNEL = kernel_plan.attention_kernel_setting(os.environ)
 
 
 @functools.cache
@@ -121,11 +122,13 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
                      entry_cache: cupy.ndarray | None, entry_tables: cupy.ndarray | None,
                      selected: cupy.ndarray | None, rate: int, token_seq: cupy.ndarray, positions: cupy.ndarray,
                      sinks: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, window: int,
-                     block_size: int, splits: str | int | None = None) -> cupy.ndarray:
+                     block_size: int, splits: str | int | None = None, kernel_setting: str | None = None
+                     ) -> cupy.ndarray:
     """``attention.attend`` for every token and head: [T, heads, dim] bf16. ``entry_cache`` None:
     sliding only; ``selected`` None: every visible entry (HCA); else the indexer's picks (CSA).
     ``splits`` (None: ``OPENINFER_DSV4_ATTENTION_SPLITS``): runs of keys per token and head
-    block, merged by ``dsv4_attention_combine`` when more than one."""
+    block, merged by ``dsv4_attention_combine`` when more than one. ``kernel_setting`` (None:
+    ``OPENINFER_DSV4_ATTENTION_KERNEL``): ``generic`` or ``auto`` (see ``kernel_plan``)."""
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(dim, "head_dim")
@@ -146,7 +149,8 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     positions = _check(positions, np.int32, 1, "positions")
     inv_freq = _check(inv_freq, np.float32, 1, "inv_freq")
     partial = cupy.empty((tokens, heads, runs, dim + 2), np.float32) if runs > 1 else None
-    kernel("dsv4_sparse_attention")(
+    name = kernel_plan.attention_kernel(ATTENTION_KERNEL if kernel_setting is None else kernel_setting, dim)
+    kernel(name)(
         (tokens, head_blocks, runs), (32 * warps,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,

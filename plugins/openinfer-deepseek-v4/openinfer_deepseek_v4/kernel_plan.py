@@ -110,6 +110,23 @@ def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multi
 MAX_MIX_SPLITS = 16
 
 
+def attention_kernel_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_ATTENTION_KERNEL``: ``generic`` (default: ``dsv4_sparse_attention``, its
+    per-lane arrays sized for head_dim 1024 with run-time guards — half the loop predicated off
+    at 512, 127 registers and local memory) or ``auto`` (``dsv4_sparse_attention_d512`` for
+    head_dim 512: the same sums in the same order, 16 channels per lane fixed at compile time,
+    72 registers; ptxas sm_90a). Opt-in until measured."""
+    value = environ.get("OPENINFER_DSV4_ATTENTION_KERNEL", "generic")
+    if value not in ("generic", "auto"):
+        raise ValueError(f"OPENINFER_DSV4_ATTENTION_KERNEL={value!r}: expected generic or auto")
+    return value
+
+
+def attention_kernel(setting: str, head_dim: int) -> str:
+    """The sparse attention kernel's name for ``head_dim``."""
+    return "dsv4_sparse_attention_d512" if setting == "auto" and head_dim == 512 else "dsv4_sparse_attention"
+
+
 def hc_split_setting(environ: Mapping[str, str]) -> str:
     """``OPENINFER_DSV4_HC_SPLIT``: ``1`` (default: each mHC mixing dot product on one block, x of a
     token on one block) or ``auto`` (dot products cut into ``hc_mix_splits`` slices, x over

@@ -77,3 +77,12 @@ def test_stream_stages_default_two_and_four_only_where_the_ring_fits():
         kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "3"})
     assert [kernel_plan.stream_stages("4", chunks) for chunks in (1, 2, 8)] == [4, 4, 2]
     assert kernel_plan.stream_stages("2", 1) == 2
+
+
+def test_attention_kernel_default_generic_and_auto_specialises_head_dim_512():
+    assert kernel_plan.attention_kernel_setting({}) == "generic"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_ATTENTION_KERNEL"):
+        kernel_plan.attention_kernel_setting({"OPENINFER_DSV4_ATTENTION_KERNEL": "d512"})
+    assert kernel_plan.attention_kernel("auto", 512) == "dsv4_sparse_attention_d512"
+    assert kernel_plan.attention_kernel("auto", 128) == "dsv4_sparse_attention"
+    assert kernel_plan.attention_kernel("generic", 512) == "dsv4_sparse_attention"
