@@ -83,7 +83,7 @@ def judge(path, cuda_backend, label: str) -> dict:
 def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
                                                            indexer_split, hc_split):
     """Both settings of each switch: split attention ``auto`` (default) / ``1``, indexer split
-    ``auto`` (default) / ``fixed``, mHC split ``1`` (default) / ``auto`` (with the attention kernel
+    ``auto`` (default) / ``fixed``, mHC split ``auto`` (default) / ``1`` (with the attention kernel
     ``auto``, specialised when head_dim is 512; the tiny model's is not, so it takes the generic one)."""
     from openinfer_deepseek_v4 import cuda_ops
 
