@@ -286,7 +286,10 @@ def test_fp8_linear(ops, method, rows):
     x = bf16(rng.standard_normal((rows, in_features)))
     y = fp8_linear(dev_bf16(x), upload_fp8_linear(codes, scales), Cublas(), method)
     expected = x.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
-    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=1e-5 * np.abs(expected).max())
+    # cuBLAS may split K and add bf16-rounded partial sums (H200 D2: 16, 64 and 300 rows missed
+    # 1e-5 of the largest output, 1, 5 and 100 did not): two bf16 steps of the largest output
+    atol = (1e-5 if method == "stream" else 8e-3) * np.abs(expected).max()
+    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=atol)
 
 
 @pytest.mark.parametrize("tokens", [1, 12])
