@@ -28,13 +28,15 @@ indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_
 sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
   + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory;
                                                                  few tokens: split over keys +
-                                                                 ``dsv4_attention_combine``)
+                                                                 ``dsv4_attention_combine``; opt-in
+                                                                 ``_d512`` for head_dim 512)
 grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
 MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
   (sqrt-softplus, hash)                                          sqrt-softplus, on the device)
 MoE experts              core ``run_experts`` (per expert        ``cuda_experts``: FP4 → core
                          GEMMs, clamped SwiGLU)                  ``moe_fp4.cu`` (``moe_fp4_stream_gemm``
-                                                                 for ≤ 256 tokens, else the tiled
+                                                                 for ≤ 256 tokens, 4-stage activation
+                                                                 staging, else the tiled
                                                                  ``moe_fp4_grouped_gemm``); FP8 / bf16
                                                                  → core ``moe.cu``; ``swiglu_clamp``
 =======================  ======================================  =====================================
@@ -49,9 +51,11 @@ Caches (``state.kv_cache_specs``): the sliding window, the compressed entries an
 keys are paged (block tables per KV cache group); each compressor's open window is a state slot.
 
 Status: both columns serve (``device=cpu`` / ``device=cuda``). The CUDA model matches the NumPy
-reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100);
-speed (``benchmarks/gpu_dsv4_kernels.py``, H100 W1): 15–22 % of the HBM roofline per layer at batch 1,
-28–44 % at batch 64, context 4k (README.md: the breakdown and what changed since).
+reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100/H200);
+speed (``benchmarks/gpu_dsv4_kernels.py``): CSA layer at context 4k on an H200 (D2) 610 us at batch 1,
+3.44 ms at batch 64 — 15 % / 21 % of its HBM roofline (README.md: the breakdown and what changed since).
+Switches: every ``*_setting`` below reads one ``OPENINFER_DSV4_*`` variable; its docstring gives
+the default and the measurement that set it.
 """
 
 from __future__ import annotations
