@@ -37,14 +37,15 @@ ATTENTION_KERNEL = kernel_plan.attention_kernel_setting(os.environ)
 
 
 @functools.cache
-def _multiprocessors() -> int:
+def multiprocessors() -> int:
+    """This GPU's streaming multiprocessors (the launch-shape rules of ``kernel_plan`` take it)."""
     return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"])
 
 
 def attention_splits(blocks: int, max_keys: int, setting: str | int | None = None) -> int:
     """``kernel_plan.attention_splits`` on this GPU (``setting`` None: ``OPENINFER_DSV4_ATTENTION_SPLITS``)."""
     return kernel_plan.attention_splits(ATTENTION_SPLITS if setting is None else setting, blocks, max_keys,
-                                        _multiprocessors())
+                                        multiprocessors())
 
 
 @functools.cache
@@ -107,7 +108,7 @@ def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray
         return scores[:, :max_entries], cupy.full((tokens, k), -1, np.int32)
     selected = cupy.empty((tokens, k), np.int32)  # dsv4_topk writes all k (−1 past the visible entries)
     per_block = kernel_plan.indexer_entries_per_block(INDEXER_SPLIT if split is None else split, tokens,
-                                                      max_entries, _multiprocessors())
+                                                      max_entries, multiprocessors())
     kernel("dsv4_indexer_scores")(
         (tokens, -(-max_entries // per_block)), (INDEX_THREADS,),
         (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
@@ -188,7 +189,7 @@ def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, sca
         split = HC_SPLIT if split is None else split
         if split not in ("1", "auto"):
             raise ValueError(f"hc_collapse split {split!r}: expected 1 or auto")
-        splits = 1 if split == "1" else kernel_plan.hc_mix_splits(tokens, num_mix, _multiprocessors())
+        splits = 1 if split == "1" else kernel_plan.hc_mix_splits(tokens, num_mix, multiprocessors())
         x_blocks = 1 if split == "1" else -(-dim // COLLAPSE_THREADS)
         partial = cupy.empty((tokens, num_mix + 1, splits), np.float32)
         kernel("dsv4_hc_mix")((tokens, num_mix, splits), (MIX_THREADS,),
