@@ -15,7 +15,6 @@ MMA's A operand (W8A16, the same products as the dequantised weight), for steps 
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from openinfer.backend.cuda import moe as core_moe
 from openinfer.backend.cuda.loader import kernel
 from openinfer.quant import e8m0_to_float32
 from openinfer_deepseek_v4 import kernel_plan
+from openinfer_deepseek_v4.cuda_ops import multiprocessors
 
 FP8_BLOCK = 128
 STREAM_N = 64  # moe_fp4.cu: weight rows per stream block
@@ -37,22 +37,15 @@ STREAM_THREADS = 128
 STREAM_MAX_ROWS = 256  # steps up to this many rows take the stream kernel (each block row re-reads the weight)
 STREAM_K_MULTIPLE = 32  # a lane reads whole 32-code groups
 NULL = np.uint64(0)
-
-
 STREAM_STAGES = kernel_plan.stream_stages_setting(os.environ)
 
 
 def stream_defines(chunks: int, stages: str | None = None) -> dict[str, int]:
     """moe_fp4.cu's defines for a stream GEMM (FP4 experts or FP8 linear) of ``chunks`` column
-    blocks (``stages`` None: ``OPENINFER_DSV4_STREAM_STAGES``); the default ring of 2 is the
-    source's own, not a define, so the default kernels compile as before."""
+    blocks (``stages`` None: ``OPENINFER_DSV4_STREAM_STAGES``); a ring of 2 is the source's own
+    (no define: the kernels compile exactly as before the ring existed)."""
     depth = kernel_plan.stream_stages(STREAM_STAGES if stages is None else stages, chunks)
     return {"STREAM_CHUNKS": chunks, **({"STREAM_STAGES": depth} if depth != 2 else {})}
-
-
-@functools.cache
-def _multiprocessors() -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"])
 
 
 @dataclass
@@ -122,7 +115,7 @@ def fp8_linear(x: cupy.ndarray, weight: Fp8Linear, blas: Any, method: str | None
     if rows:
         # rows of a block row in passes of 8 · chunks: up to 16 rows two passes' worth, else all 64 at once
         chunks = 1 if rows <= 8 else 2 if rows <= 16 else 8
-        splits = kernel_plan.fp8_linear_splits(rows, weight.out_features, weight.in_features, _multiprocessors()) \
+        splits = kernel_plan.fp8_linear_splits(rows, weight.out_features, weight.in_features, multiprocessors()) \
             if splits is None else splits
         partial = cupy.empty((splits, rows, weight.out_features), np.float32) if splits > 1 else None
         kernel("moe_fp4.cu", "fp8_stream_linear", **stream_defines(chunks, stages))(

@@ -33,17 +33,19 @@ NULL = np.uint64(0)
 ATTENTION_SPLITS = kernel_plan.attention_splits_setting(os.environ)
 INDEXER_SPLIT = kernel_plan.indexer_split_setting(os.environ)
 HC_SPLIT = kernel_plan.hc_split_setting(os.environ)
+ATTENTION_KERNEL = kernel_plan.attention_kernel_setting(os.environ)
 
 
 @functools.cache
-def _multiprocessors() -> int:
+def multiprocessors() -> int:
+    """This GPU's streaming multiprocessors (the launch-shape rules of ``kernel_plan`` take it)."""
     return int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"])
 
 
 def attention_splits(blocks: int, max_keys: int, setting: str | int | None = None) -> int:
     """``kernel_plan.attention_splits`` on this GPU (``setting`` None: ``OPENINFER_DSV4_ATTENTION_SPLITS``)."""
     return kernel_plan.attention_splits(ATTENTION_SPLITS if setting is None else setting, blocks, max_keys,
-                                        _multiprocessors())
+                                        multiprocessors())
 
 
 @functools.cache
@@ -106,7 +108,7 @@ def indexer_topk(q: cupy.ndarray, head_weights: cupy.ndarray, keys: cupy.ndarray
         return scores[:, :max_entries], cupy.full((tokens, k), -1, np.int32)
     selected = cupy.empty((tokens, k), np.int32)  # dsv4_topk writes all k (−1 past the visible entries)
     per_block = kernel_plan.indexer_entries_per_block(INDEXER_SPLIT if split is None else split, tokens,
-                                                      max_entries, _multiprocessors())
+                                                      max_entries, multiprocessors())
     kernel("dsv4_indexer_scores")(
         (tokens, -(-max_entries // per_block)), (INDEX_THREADS,),
         (q, _check(head_weights, np.float32, 2, "head_weights"), keys, tables, np.int32(tables.shape[1]),
@@ -121,11 +123,13 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
                      entry_cache: cupy.ndarray | None, entry_tables: cupy.ndarray | None,
                      selected: cupy.ndarray | None, rate: int, token_seq: cupy.ndarray, positions: cupy.ndarray,
                      sinks: cupy.ndarray, inv_freq: cupy.ndarray, rope_dim: int, window: int,
-                     block_size: int, splits: str | int | None = None) -> cupy.ndarray:
+                     block_size: int, splits: str | int | None = None, kernel_setting: str | None = None
+                     ) -> cupy.ndarray:
     """``attention.attend`` for every token and head: [T, heads, dim] bf16. ``entry_cache`` None:
     sliding only; ``selected`` None: every visible entry (HCA); else the indexer's picks (CSA).
     ``splits`` (None: ``OPENINFER_DSV4_ATTENTION_SPLITS``): runs of keys per token and head
-    block, merged by ``dsv4_attention_combine`` when more than one."""
+    block, merged by ``dsv4_attention_combine`` when more than one. ``kernel_setting`` (None:
+    ``OPENINFER_DSV4_ATTENTION_KERNEL``): ``generic`` or ``auto`` (see ``kernel_plan``)."""
     q = _check(q, np.uint16, 3, "q (bf16)")
     tokens, heads, dim = q.shape
     _dim(dim, "head_dim")
@@ -146,7 +150,8 @@ def sparse_attention(q: cupy.ndarray, window_cache: cupy.ndarray, window_tables:
     positions = _check(positions, np.int32, 1, "positions")
     inv_freq = _check(inv_freq, np.float32, 1, "inv_freq")
     partial = cupy.empty((tokens, heads, runs, dim + 2), np.float32) if runs > 1 else None
-    kernel("dsv4_sparse_attention")(
+    name = kernel_plan.attention_kernel(ATTENTION_KERNEL if kernel_setting is None else kernel_setting, dim)
+    kernel(name)(
         (tokens, head_blocks, runs), (32 * warps,),
         (q, window_cache, window_tables, np.int32(window_tables.shape[1]),
          NULL if entry_cache is None else entry_cache, NULL if entry_tables is None else entry_tables,
@@ -184,7 +189,7 @@ def hc_collapse(streams: cupy.ndarray, fn: cupy.ndarray, base: cupy.ndarray, sca
         split = HC_SPLIT if split is None else split
         if split not in ("1", "auto"):
             raise ValueError(f"hc_collapse split {split!r}: expected 1 or auto")
-        splits = 1 if split == "1" else kernel_plan.hc_mix_splits(tokens, num_mix, _multiprocessors())
+        splits = 1 if split == "1" else kernel_plan.hc_mix_splits(tokens, num_mix, multiprocessors())
         x_blocks = 1 if split == "1" else -(-dim // COLLAPSE_THREADS)
         partial = cupy.empty((tokens, num_mix + 1, splits), np.float32)
         kernel("dsv4_hc_mix")((tokens, num_mix, splits), (MIX_THREADS,),

@@ -28,13 +28,15 @@ indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_
 sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
   + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory;
                                                                  few tokens: split over keys +
-                                                                 ``dsv4_attention_combine``)
+                                                                 ``dsv4_attention_combine``; opt-in
+                                                                 ``_d512`` for head_dim 512)
 grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
 MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
   (sqrt-softplus, hash)                                          sqrt-softplus, on the device)
 MoE experts              core ``run_experts`` (per expert        ``cuda_experts``: FP4 → core
                          GEMMs, clamped SwiGLU)                  ``moe_fp4.cu`` (``moe_fp4_stream_gemm``
-                                                                 for ≤ 256 tokens, else the tiled
+                                                                 for ≤ 256 tokens, 4-stage activation
+                                                                 staging, else the tiled
                                                                  ``moe_fp4_grouped_gemm``); FP8 / bf16
                                                                  → core ``moe.cu``; ``swiglu_clamp``
 =======================  ======================================  =====================================
@@ -49,9 +51,11 @@ Caches (``state.kv_cache_specs``): the sliding window, the compressed entries an
 keys are paged (block tables per KV cache group); each compressor's open window is a state slot.
 
 Status: both columns serve (``device=cpu`` / ``device=cuda``). The CUDA model matches the NumPy
-reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100);
-speed (``benchmarks/gpu_dsv4_kernels.py``, H100 W1): 15–22 % of the HBM roofline per layer at batch 1,
-28–44 % at batch 64, context 4k (README.md: the breakdown and what changed since).
+reference within the bf16 noise (``tests/plugins/deepseek_v4/test_dsv4_cuda_model.py``, H100/H200);
+speed (``benchmarks/gpu_dsv4_kernels.py``): CSA layer at context 4k on an H200 (D2) 610 us at batch 1,
+3.44 ms at batch 64 — 15 % / 21 % of its HBM roofline (README.md: the breakdown and what changed since).
+Switches: every ``*_setting`` below reads one ``OPENINFER_DSV4_*`` variable; its docstring gives
+the default and the measurement that set it.
 """
 
 from __future__ import annotations
@@ -110,12 +114,29 @@ def indexer_entries_per_block(setting: str, tokens: int, max_entries: int, multi
 MAX_MIX_SPLITS = 16
 
 
+def attention_kernel_setting(environ: Mapping[str, str]) -> str:
+    """``OPENINFER_DSV4_ATTENTION_KERNEL``: ``generic`` (default: ``dsv4_sparse_attention``, its
+    per-lane arrays sized for head_dim 1024 with run-time guards — half the loop predicated off
+    at 512, 127 registers and local memory) or ``auto`` (``dsv4_sparse_attention_d512`` for
+    head_dim 512: the same sums in the same order, 16 channels per lane fixed at compile time,
+    72 registers; ptxas sm_90a). Opt-in until measured."""
+    value = environ.get("OPENINFER_DSV4_ATTENTION_KERNEL", "generic")
+    if value not in ("generic", "auto"):
+        raise ValueError(f"OPENINFER_DSV4_ATTENTION_KERNEL={value!r}: expected generic or auto")
+    return value
+
+
+def attention_kernel(setting: str, head_dim: int) -> str:
+    """The sparse attention kernel's name for ``head_dim``."""
+    return "dsv4_sparse_attention_d512" if setting == "auto" and head_dim == 512 else "dsv4_sparse_attention"
+
+
 def hc_split_setting(environ: Mapping[str, str]) -> str:
-    """``OPENINFER_DSV4_HC_SPLIT``: ``1`` (default: each mHC mixing dot product on one block, x of a
-    token on one block) or ``auto`` (dot products cut into ``hc_mix_splits`` slices, x over
-    ⌈hidden / 256⌉ blocks; same math, the partial sums added in slice order). Opt-in until
-    measured on a GPU."""
-    value = environ.get("OPENINFER_DSV4_HC_SPLIT", "1")
+    """``OPENINFER_DSV4_HC_SPLIT``: ``auto`` (default: dot products cut into ``hc_mix_splits``
+    slices, x over ⌈hidden / 256⌉ blocks; same math, the partial sums added in slice order) or
+    ``1`` (each mHC mixing dot product on one block, x of a token on one block). H200 (D2, one
+    mHC use, V4-Flash widths): batch 1 30.5 -> 23.4 us, batch 64 47.8 -> 43.6 us."""
+    value = environ.get("OPENINFER_DSV4_HC_SPLIT", "auto")
     if value not in ("1", "auto"):
         raise ValueError(f"OPENINFER_DSV4_HC_SPLIT={value!r}: expected 1 or auto")
     return value
@@ -137,8 +158,9 @@ FP8_STREAM_TILE = 64  # moe_fp4.cu: weight rows and token rows per stream block
 def fp8_linear_splits(rows: int, out_features: int, in_features: int, multiprocessors: int) -> int:
     """K splits of ``fp8_stream_linear`` (grid z): a narrow weight at a decode step fills few blocks
     (wq_a 1024×4096: 16), so split K until the blocks fill the GPU twice over, keeping at least two
-    128-k steps per split; none past 16 rows (the fp32 partials then cost more than they save)."""
-    if rows > 16:
+    128-k steps per split; none past one 64-row block row. H200 (D2), wq_a at batch 1: 19.7 us
+    unsplit, 8.5 us in 16 splits; at batch 64 unsplit (the rule then stopped at 16 rows): 74 us."""
+    if rows > FP8_STREAM_TILE:
         return 1
     blocks = -(-out_features // FP8_STREAM_TILE) * -(-rows // FP8_STREAM_TILE)
     wanted = -(-2 * multiprocessors // blocks)
@@ -154,9 +176,11 @@ STREAM_STAGES_MAX_CHUNKS = 2  # a 4-deep ring of 8·chunks staged rows fits 48 K
 
 def stream_stages_setting(environ: Mapping[str, str]) -> str:
     """``OPENINFER_DSV4_STREAM_STAGES``: staged activation steps of the stream GEMMs (FP4 experts,
-    FP8 linears): ``2`` (default: the next step's rows copied while a step multiplies) or ``4``
-    (three steps of copies in flight, for passes of at most 16 rows). Opt-in until measured."""
-    value = environ.get("OPENINFER_DSV4_STREAM_STAGES", "2")
+    FP8 linears): ``4`` (default: three steps of copies in flight, for passes of at most 16 rows)
+    or ``2`` (the next step's rows copied while a step multiplies). Same bits either way. H200
+    (D2, V4-Flash FP4 experts alone): batch 64 gate_up 937 -> 882 us, down 470 -> 446 us; batch 1
+    gate_up 37.8 -> 36.4 us, down 18.3 -> 18.9 us."""
+    value = environ.get("OPENINFER_DSV4_STREAM_STAGES", "4")
     if value not in STREAM_STAGE_SETTINGS:
         raise ValueError(f"OPENINFER_DSV4_STREAM_STAGES={value!r}: expected 2 or 4")
     return value

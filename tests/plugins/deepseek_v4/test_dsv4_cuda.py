@@ -83,7 +83,9 @@ def test_indexer_scores_and_top_k(ops, split):
 @pytest.mark.parametrize("splits", [1, 4, "auto"])
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
 def test_sparse_attention(ops, mode, splits):
-    """Also split over keys (runs merged by dsv4_attention_combine): 4 runs, and ``auto``."""
+    """Also split over keys (runs merged by dsv4_attention_combine): 4 runs, and ``auto``; the
+    kernel specialised for head_dim 512 (``OPENINFER_DSV4_ATTENTION_KERNEL=auto``) gives the very
+    bits of the generic one."""
     rng = np.random.default_rng(2)
     heads, dim, window, rate, block_size, rope_dim, num_selected = 8, 512, 128, 4, 16, 64, 16
     positions = np.array([0, 77, 300, 301, 40], np.int32)
@@ -94,12 +96,16 @@ def test_sparse_attention(ops, mode, splits):
     sinks = rng.standard_normal(heads).astype(np.float32)
     selected = np.stack([rng.permutation(np.arange(-1, 80))[:num_selected] for _ in positions]).astype(np.int32)
     r = rope(rope_dim, 160000.0)
-    out = ops.sparse_attention(
-        dev_bf16(q), dev_bf16(window_cache), cupy.asarray(window_tables),
-        None if mode == "sliding" else dev_bf16(entry_cache), None if mode == "sliding" else cupy.asarray(entry_tables),
-        cupy.asarray(selected) if mode == "csa" else None, rate, cupy.asarray(token_seq), cupy.asarray(positions),
-        cupy.asarray(sinks), cupy.asarray(r.inv_freq), rope_dim, window, block_size, splits=splits)
-    out = host(out)
+    def attend_on_gpu(kernel_setting: str) -> np.ndarray:
+        return host(ops.sparse_attention(
+            dev_bf16(q), dev_bf16(window_cache), cupy.asarray(window_tables),
+            None if mode == "sliding" else dev_bf16(entry_cache),
+            None if mode == "sliding" else cupy.asarray(entry_tables), cupy.asarray(selected) if mode == "csa" else None,
+            rate, cupy.asarray(token_seq), cupy.asarray(positions), cupy.asarray(sinks), cupy.asarray(r.inv_freq),
+            rope_dim, window, block_size, splits=splits, kernel_setting=kernel_setting))
+
+    out = attend_on_gpu("generic")
+    np.testing.assert_array_equal(attend_on_gpu("auto"), out)
     for t, (p, seq) in enumerate(zip(positions, token_seq, strict=True)):
         keys = [window_keys[seq][max(0, p - window + 1) : p + 1]]
         visible = (p + 1) // rate
@@ -280,7 +286,10 @@ def test_fp8_linear(ops, method, rows):
     x = bf16(rng.standard_normal((rows, in_features)))
     y = fp8_linear(dev_bf16(x), upload_fp8_linear(codes, scales), Cublas(), method)
     expected = x.astype(np.float64) @ dequantize_fp8_block(codes, e8m0_to_float32(scales)).T.astype(np.float64)
-    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=1e-5 * np.abs(expected).max())
+    # cuBLAS may split K and add bf16-rounded partial sums (H200 D2: 16, 64 and 300 rows missed
+    # 1e-5 of the largest output, 1, 5 and 100 did not): two bf16 steps of the largest output
+    atol = (1e-5 if method == "stream" else 8e-3) * np.abs(expected).max()
+    np.testing.assert_allclose(host(y), expected, rtol=1e-2, atol=atol)
 
 
 @pytest.mark.parametrize("tokens", [1, 12])

@@ -111,13 +111,15 @@ def test_indexer_scores_and_top_k(harness, tmp_path, entries_per_block):
         assert set(got[got >= 0].tolist()) == want and (got < 0).sum() == k - len(want)
 
 
+@pytest.mark.parametrize("dim", [64, 512], ids=["generic", "d512"])
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-run", "split-3"])
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-def test_sparse_attention(harness, tmp_path, mode, splits):
+def test_sparse_attention(harness, tmp_path, mode, splits, dim):
     """Split over keys (3 runs, some of them empty for the short rows, the sink in run 0 only)
-    and merged by dsv4_attention_combine equals the one-run kernel's reference too."""
+    and merged by dsv4_attention_combine equals the one-run kernel's reference too; head_dim 512
+    runs the kernel specialised for it (dsv4_sparse_attention_d512)."""
     rng = np.random.default_rng({"sliding": 2, "hca": 3, "csa": 4}[mode])
-    heads, dim, window, rate, block_size, rope_dim, num_selected = 4, 64, 8, 4, 4, 16, 3
+    heads, window, rate, block_size, rope_dim, num_selected = 4, 8, 4, 4, 16, 3
     positions = np.array([0, 6, 21, 22, 30, 11], np.int32)
     token_seq = np.array([0, 0, 0, 0, 0, 1], np.int32)
     window_cache, window_tables, wstride, window_keys = paged(rng, [31, 12], dim, block_size)
@@ -128,7 +130,8 @@ def test_sparse_attention(harness, tmp_path, mode, splits):
     selected = np.stack([rng.permutation(np.arange(-1, 8))[:num_selected] for _ in positions]).astype(np.int32)
     r = rope(rope_dim, 160000.0)
     run(harness, tmp_path, "attention", len(positions), heads, dim, window, rate, block_size, wstride, estride,
-        num_selected, {"sliding": 0, "hca": 1, "csa": 2}[mode], rope_dim, dim**-0.5, splits, q=float32_to_bf16(q),
+        num_selected, {"sliding": 0, "hca": 1, "csa": 2}[mode], rope_dim, dim**-0.5, splits, int(dim == 512),
+        q=float32_to_bf16(q),
         window_cache=float32_to_bf16(window_cache), window_tables=window_tables,
         entry_cache=float32_to_bf16(entry_cache), entry_tables=entry_tables, selected=selected,
         token_seq=token_seq, positions=positions, sinks=sinks, inv_freq=r.inv_freq)

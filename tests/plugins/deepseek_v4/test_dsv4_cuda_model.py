@@ -83,12 +83,14 @@ def judge(path, cuda_backend, label: str) -> dict:
 def test_teacher_forced_bf16_logits_within_the_bf16_noise(tiny, cuda_backend, monkeypatch, attention_splits,
                                                            indexer_split, hc_split):
     """Both settings of each switch: split attention ``auto`` (default) / ``1``, indexer split
-    ``auto`` (default) / ``fixed``, mHC split ``1`` (default) / ``auto``."""
+    ``auto`` (default) / ``fixed``, mHC split ``auto`` (default) / ``1`` (with the attention kernel
+    ``auto``, specialised when head_dim is 512; the tiny model's is not, so it takes the generic one)."""
     from openinfer_deepseek_v4 import cuda_ops
 
     monkeypatch.setattr(cuda_ops, "ATTENTION_SPLITS", attention_splits)
     monkeypatch.setattr(cuda_ops, "INDEXER_SPLIT", indexer_split)
     monkeypatch.setattr(cuda_ops, "HC_SPLIT", hc_split)
+    monkeypatch.setattr(cuda_ops, "ATTENTION_KERNEL", "auto" if hc_split == "auto" else "generic")
     path, _ = tiny
     judge(path, cuda_backend, f"hf-saved bf16/fp32, attention splits {attention_splits}, indexer {indexer_split}, "
                               f"mHC split {hc_split}")

@@ -46,9 +46,9 @@ def test_fp8_linear_default_is_bf16_and_stream_is_opt_in():
         kernel_plan.fp8_linear_setting({"OPENINFER_DSV4_FP8_LINEAR": "fp8"})
 
 
-def test_hc_split_default_is_one_block_and_auto_fills_the_gpu():
-    assert kernel_plan.hc_split_setting({}) == "1"
-    assert kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "auto"}) == "auto"
+def test_hc_split_default_is_auto_and_auto_fills_the_gpu():
+    assert kernel_plan.hc_split_setting({}) == "auto"
+    assert kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "1"}) == "1"
     with pytest.raises(ValueError, match="OPENINFER_DSV4_HC_SPLIT"):
         kernel_plan.hc_split_setting({"OPENINFER_DSV4_HC_SPLIT": "2"})
     # batch 1, 24 mixing logits: 11 slices each -> 264 blocks = 2 x 132; the head's 4 logits: capped at 16
@@ -62,7 +62,8 @@ def test_fp8_linear_splits_fill_the_gpu_at_decode_and_leave_no_split_empty():
     assert kernel_plan.fp8_linear_splits(1, 1024, 4096, H100_SMS) == 16
     assert kernel_plan.fp8_linear_splits(1, 4096, 8192, H100_SMS) == 5  # wo_b: 64 blocks
     assert kernel_plan.fp8_linear_splits(1, 32768, 1024, H100_SMS) == 1  # wq_b: 512 blocks
-    assert kernel_plan.fp8_linear_splits(64, 1024, 4096, H100_SMS) == 1  # past 16 rows: no split
+    assert kernel_plan.fp8_linear_splits(64, 1024, 4096, H100_SMS) == 16  # one block row: as at batch 1
+    assert kernel_plan.fp8_linear_splits(65, 1024, 4096, H100_SMS) == 1  # past one block row: no split
     for out_features in (64, 512, 1024, 4096):
         for in_features in (256, 1536, 4096):
             splits = kernel_plan.fp8_linear_splits(1, out_features, in_features, H100_SMS)
@@ -70,10 +71,19 @@ def test_fp8_linear_splits_fill_the_gpu_at_decode_and_leave_no_split_empty():
             assert (splits - 1) * -(-steps // splits) < steps  # the last split has a step
 
 
-def test_stream_stages_default_two_and_four_only_where_the_ring_fits():
-    assert kernel_plan.stream_stages_setting({}) == "2"
-    assert kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "4"}) == "4"
+def test_stream_stages_default_four_only_where_the_ring_fits():
+    assert kernel_plan.stream_stages_setting({}) == "4"
+    assert kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "2"}) == "2"
     with pytest.raises(ValueError, match="OPENINFER_DSV4_STREAM_STAGES"):
         kernel_plan.stream_stages_setting({"OPENINFER_DSV4_STREAM_STAGES": "3"})
     assert [kernel_plan.stream_stages("4", chunks) for chunks in (1, 2, 8)] == [4, 4, 2]
     assert kernel_plan.stream_stages("2", 1) == 2
+
+
+def test_attention_kernel_default_generic_and_auto_specialises_head_dim_512():
+    assert kernel_plan.attention_kernel_setting({}) == "generic"
+    with pytest.raises(ValueError, match="OPENINFER_DSV4_ATTENTION_KERNEL"):
+        kernel_plan.attention_kernel_setting({"OPENINFER_DSV4_ATTENTION_KERNEL": "d512"})
+    assert kernel_plan.attention_kernel("auto", 512) == "dsv4_sparse_attention_d512"
+    assert kernel_plan.attention_kernel("auto", 128) == "dsv4_sparse_attention"
+    assert kernel_plan.attention_kernel("generic", 512) == "dsv4_sparse_attention"

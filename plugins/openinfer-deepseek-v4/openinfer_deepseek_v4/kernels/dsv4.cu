@@ -221,12 +221,14 @@ __device__ __forceinline__ void wait_key_pieces() {  // this thread's copies hav
 #endif
 }
 
-// One head's normalised output (lane l: channels l + 32j) with RoPE⁻¹ at p, to bf16.
+// One head's normalised output (lane l: channels l + 32j) with RoPE⁻¹ at p, to bf16. LANE_VALUES:
+// the per-lane count the arrays hold (MAX_PER_LANE, or exactly dim / 32 in a specialised kernel).
+template <int LANE_VALUES = MAX_PER_LANE>
 __device__ __forceinline__ void write_head(const float* acc, float denom, int per, int lane, int p,
                                            const float* __restrict__ inv_freq, int rope_dim, int dim, bf16* oh) {
     const int base = dim - rope_dim;
 #pragma unroll
-    for (int j = 0; j < MAX_PER_LANE; ++j) {
+    for (int j = 0; j < LANE_VALUES; ++j) {
         if (j >= per) continue;  // uniform: every lane has the same per
         const int c = lane + 32 * j;
         const float v = acc[j] / denom;
@@ -241,7 +243,11 @@ __device__ __forceinline__ void write_head(const float* acc, float denom, int pe
     }
 }
 
-extern "C" __global__ void dsv4_sparse_attention(
+// LANE_VALUES: the channels a lane holds, dim / 32 — MAX_PER_LANE for any dim (loops guarded by
+// the runtime count: at head_dim 512 half their iterations are predicated off, and the arrays
+// spill to local memory) or exactly dim / 32 (dsv4_sparse_attention_d512: no guards, registers).
+template <int LANE_VALUES>
+__device__ __forceinline__ void sparse_attention(
     const bf16* __restrict__ q,  // [T, heads, dim]
     const bf16* __restrict__ window_cache, const int* __restrict__ window_tables, int window_stride,
     const bf16* __restrict__ entry_cache, const int* __restrict__ entry_tables, int entry_stride,
@@ -252,12 +258,13 @@ extern "C" __global__ void dsv4_sparse_attention(
     __shared__ __align__(16) bf16 key_chunk[KEY_CHUNK_ELEMENTS];
     __shared__ long long key_rows[MAX_KEY_CHUNK];
     const int t = blockIdx.x, seq = token_seq[t], p = positions[t];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5, per = dim >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    const int per = LANE_VALUES == MAX_PER_LANE ? dim >> 5 : LANE_VALUES;
     const int h = blockIdx.y * num_warps + warp;
     const bool active = h < heads;  // warp-uniform; idle warps still load keys and meet the barriers
-    float qr[MAX_PER_LANE], acc[MAX_PER_LANE];
+    float qr[LANE_VALUES], acc[LANE_VALUES];
 #pragma unroll
-    for (int j = 0; j < MAX_PER_LANE; ++j) {
+    for (int j = 0; j < LANE_VALUES; ++j) {
         qr[j] = active && j < per ? to_f(q[((long long)t * heads + h) * dim + lane + 32 * j]) : 0.f;
         acc[j] = 0.f;
     }
@@ -299,14 +306,14 @@ extern "C" __global__ void dsv4_sparse_attention(
             if (key_rows[k] == -1) continue;  // warp-uniform
             float part = 0.f;
 #pragma unroll
-            for (int j = 0; j < MAX_PER_LANE; ++j)
+            for (int j = 0; j < LANE_VALUES; ++j)
                 if (j < per) part += qr[j] * to_f(key_chunk[k * dim + lane + 32 * j]);
             const float logit = warp_sum(part) * scale;
             const float new_peak = fmaxf(peak, logit);
             const float correction = __expf(peak - new_peak), weight = __expf(logit - new_peak);
             denom = denom * correction + weight;
 #pragma unroll
-            for (int j = 0; j < MAX_PER_LANE; ++j)
+            for (int j = 0; j < LANE_VALUES; ++j)
                 if (j < per) acc[j] = acc[j] * correction + weight * to_f(key_chunk[k * dim + lane + 32 * j]);
             peak = new_peak;
         }
@@ -319,12 +326,35 @@ extern "C" __global__ void dsv4_sparse_attention(
             run_out[1] = denom;
         }
 #pragma unroll
-        for (int j = 0; j < MAX_PER_LANE; ++j)
+        for (int j = 0; j < LANE_VALUES; ++j)
             if (j < per) run_out[2 + lane + 32 * j] = acc[j];
         return;
     }
-    write_head(acc, denom, per, lane, p, inv_freq, rope_dim, dim, out + ((long long)t * heads + h) * dim);
+    write_head<LANE_VALUES>(acc, denom, per, lane, p, inv_freq, rope_dim, dim, out + ((long long)t * heads + h) * dim);
 }
+
+#define SPARSE_ATTENTION_ARGS                                                                               \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ window_cache, const int *__restrict__ window_tables,  \
+        int window_stride, const bf16 *__restrict__ entry_cache, const int *__restrict__ entry_tables,       \
+        int entry_stride, const int *__restrict__ selected, int num_selected, int rate,                      \
+        const int *__restrict__ token_seq, const int *__restrict__ positions, const float *__restrict__ sinks, \
+        const float *__restrict__ inv_freq, int rope_dim, bf16 *__restrict__ out, int heads, int dim, int window, \
+        int block_size, float scale, float *__restrict__ partial
+#define SPARSE_ATTENTION_CALL                                                                                 \
+    q, window_cache, window_tables, window_stride, entry_cache, entry_tables, entry_stride, selected,         \
+        num_selected, rate, token_seq, positions, sinks, inv_freq, rope_dim, out, heads, dim, window, block_size, \
+        scale, partial
+
+extern "C" __global__ void dsv4_sparse_attention(SPARSE_ATTENTION_ARGS) {
+    sparse_attention<MAX_PER_LANE>(SPARSE_ATTENTION_CALL);
+}
+
+// head_dim 512 exactly (DeepSeek-V4): 16 channels per lane, known at compile time
+extern "C" __global__ void dsv4_sparse_attention_d512(SPARSE_ATTENTION_ARGS) {
+    sparse_attention<16>(SPARSE_ATTENTION_CALL);
+}
+
+
 
 // The runs of a split dsv4_sparse_attention merged (rescaled to their common peak), then RoPE⁻¹.
 // grid (T, ⌈heads / warps⌉), a warp per head.

@@ -82,11 +82,12 @@ int main(int argc, char** argv) {
         auto sinks = load<float>(dir, "sinks.bin");
         auto inv_freq = load<float>(dir, "inv_freq.bin");
         const int splits = argc > 15 ? arg(argv, 15) : 1;
+        const bool d512 = argc > 16 && arg(argv, 16) != 0;  // dsv4_sparse_attention_d512 (dim must be 512)
         std::vector<bf16> out(q.size());
         std::vector<float> partial(static_cast<size_t>(tokens) * heads * splits * (dim + 2));
         const unsigned head_blocks = (heads + threads / 32 - 1) / (threads / 32);
         launch(tokens, head_blocks, splits, threads, [&] {  // a warp per head
-            dsv4_sparse_attention(q.data(), window_cache.data(), window_tables.data(), wstride,
+            (d512 ? dsv4_sparse_attention_d512 : dsv4_sparse_attention)(q.data(), window_cache.data(), window_tables.data(), wstride,
                                   mode == 0 ? nullptr : entry_cache.data(), entry_tables.data(), estride,
                                   mode == 2 ? selected.data() : nullptr, num_selected, rate, token_seq.data(),
                                   positions.data(), sinks.data(), inv_freq.data(), rope_dim, out.data(), heads, dim,
