@@ -412,13 +412,21 @@ def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dic
         os.environ.pop(KERNELS_ENV, None)
 
 
-def plot(results: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is missing (no plot then)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (prefill, decode, core, turn_axis) = plt.subplots(1, 4, figsize=(20, 4.2))
     lengths = list(results["prefill_ttft_ms"]["after"])
@@ -464,12 +472,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def plot_multi_turn(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     turn = results["multi_turn"]
     fig, axis = plt.subplots(figsize=(5, 4))
@@ -598,12 +602,8 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
 
 
 def plot_decode_kernels(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axis = plt.subplots(figsize=(6, 4))
     for variant, label in (("plain", "plain"), ("early_loads", "early loads (scalars beside the state)")):
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine decode TPOT at 1/16/64 streams, plain vs early-loads GDN decode kernel, on random "
                              "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
+                        help="cpu: only with --multi-turn-only or --decode-tpot-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
