@@ -66,7 +66,14 @@ CPU dry runs of every step (a toy checkpoint in the same layout, the NumPy engin
         --device cpu --history 256 --new-turn 16 --repeats 2
 
 and call 2 with ``--vllm-cmd "env PYTHONPATH=... python -m openinfer.cli serve --model-path {model}
---port {port} --device cpu --grpc-port 0"`` standing in for vLLM.
+--port {port} --device cpu --grpc-port 0"`` standing in for vLLM. Measured so (H200, D2 window of
+2026-11-23 evening): 1 / 16 / 64 streams 1.23x / 1.04x / 0.84x vLLM's out tok/s, idle RSS 869 vs
+4,087 MiB, second turn 38 ms warm vs 92 ms cold (plugins/openinfer-qwen35/README.md).
+
+Decode-kernel variants (``OPENINFER_QWEN35_GDN_DECODE``, each against ``plain``):
+
+    python benchmarks/gpu_qwen35.py --decode-kernels-only   # one GDN layer, 1-256 rows, graph replay (~20 s)
+    python benchmarks/gpu_qwen35.py --decode-tpot-only      # engine TPOT at 1/16/64 streams, random weights
 """
 
 from __future__ import annotations
@@ -117,13 +124,13 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
-DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "pipelined" = the persistent decode kernel
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "plain" | "early_loads" decode kernel
 VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_ENV)
-# each variant's environment ("after": the defaults); "plain" / "pipelined": the default kernels with
-# that fused decode kernel (gdn_decode_step / gdn_decode_step_pipelined) whichever is the default
+# each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
+# that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "pipelined": {DECODE_ENV: "pipelined"}}
-DECODE_VARIANTS = ("plain", "pipelined")
+                       "early_loads": {DECODE_ENV: "early_loads"}}
+DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
@@ -405,13 +412,21 @@ def run_variant(path: Path, variant: str, args: argparse.Namespace, results: dic
         os.environ.pop(KERNELS_ENV, None)
 
 
-def plot(results: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is missing (no plot then)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (prefill, decode, core, turn_axis) = plt.subplots(1, 4, figsize=(20, 4.2))
     lengths = list(results["prefill_ttft_ms"]["after"])
@@ -457,12 +472,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def plot_multi_turn(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     turn = results["multi_turn"]
     fig, axis = plt.subplots(figsize=(5, 4))
@@ -518,28 +529,28 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
 
 
 def run_decode_kernels_only(args: argparse.Namespace) -> dict:
-    """One GDN layer's decode step at the 4B shape, ``OPENINFER_QWEN35_GDN_DECODE`` plain (one
-    block per sequence and value head) against pipelined, at ``DECODE_ROWS`` rows:
+    """One GDN layer's decode step at the 4B shape, ``OPENINFER_QWEN35_GDN_DECODE`` plain against
+    early_loads (the token's scalars read beside the state column), at ``DECODE_ROWS`` rows:
     back-to-back launches and CUDA-graph replay (results/gpu_qwen35_decode_kernels.json + .png)."""
     args.streams, args.prefill = DECODE_ROWS, ()
     results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
                      "device": device_name("cuda"),
                      "variants": {"plain": f"{DECODE_ENV}=plain: gdn_decode_step, grid (rows, 32), "
                                            "2 blocks of 512 threads per SM",
-                                  "pipelined": f"{DECODE_ENV}=pipelined: gdn_decode_step_pipelined, persistent grid, "
-                                               "next row's state loaded during the current one"}}
+                                  "early_loads": f"{DECODE_ENV}=early_loads: gdn_decode_step_early_loads, the same "
+                                                 "grid, gate inputs / z / norm weight read beside the state column"}}
     results["gdn_layer_core"] = layer_core_timings(args, DECODE_VARIANTS)
     # graph replay where it was measured, else back-to-back launches (device-bound from 16 rows)
     replay = {v: {rows: graphed or results["gdn_layer_core"][v]["decode_us"][rows]
                   for rows, graphed in results["gdn_layer_core"][v]["decode_graph_us"].items()}
               for v in DECODE_VARIANTS}
-    results["pipelined_speedup_graph"] = {rows: replay["plain"][rows] / replay["pipelined"][rows]
-                                          for rows in replay["plain"] if replay["plain"][rows] and replay["pipelined"][rows]}
+    results["early_loads_speedup_graph"] = {rows: replay["plain"][rows] / replay["early_loads"][rows]
+                                            for rows in replay["plain"] if replay["plain"][rows] and replay["early_loads"][rows]}
     # state bytes each step moves (read + write, fp32), over the replayed time: the kernel's bandwidth
     state_bytes = 2 * 32 * 128 * 128 * 4
     results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
                                            for rows, us in replay[v].items() if us} for v in replay}
-    print(json.dumps({k: results[k] for k in ("pipelined_speedup_graph", "state_bandwidth_tb_s")}), flush=True)
+    print(json.dumps({k: results[k] for k in ("early_loads_speedup_graph", "state_bandwidth_tb_s")}), flush=True)
     write_results(results, "gpu_qwen35_decode_kernels", plot_decode_kernels)
     return results
 
@@ -557,7 +568,7 @@ def write_dummy_config(path: Path, shape: str) -> None:
 
 def run_decode_tpot_only(args: argparse.Namespace) -> dict:
     """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams,
-    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs pipelined (each variant's engine captures its own graphs),
+    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs early_loads (each variant's engine captures its own graphs),
     on random weights at the ``--shape``'s real shapes (results/gpu_qwen35_decode_tpot.json)."""
     import openinfer
 
@@ -584,22 +595,18 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
             engine.close_sync()
     set_kernels("after")
     timed = results["decode_tpot_ms"]
-    results["pipelined_speedup"] = {n: timed["plain"][n] / timed["pipelined"][n] for n in timed["plain"]}
-    print(f"pipelined speed-up: {results['pipelined_speedup']}", flush=True)
+    results["early_loads_speedup"] = {n: timed["plain"][n] / timed["early_loads"][n] for n in timed["plain"]}
+    print(f"early-loads speed-up: {results['early_loads_speedup']}", flush=True)
     write_results(results, "gpu_qwen35_decode_tpot" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
     return results
 
 
 def plot_decode_kernels(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axis = plt.subplots(figsize=(6, 4))
-    for variant, label in (("plain", "plain: one block per row and head"), ("pipelined", "pipelined: persistent")):
+    for variant, label in (("plain", "plain"), ("early_loads", "early loads (scalars beside the state)")):
         measured = {int(r): us for r, us in results["gdn_layer_core"][variant]["decode_graph_us"].items() if us}
         axis.plot(list(measured), list(measured.values()), marker="o", label=label)
     axis.set_xscale("log", base=2)
@@ -623,13 +630,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine start, idle RSS, bs=1 TPOT and the warm vs cold second turn only "
                              "(results/gpu_qwen35_multi_turn.json)")
     parser.add_argument("--decode-kernels-only", action="store_true",
-                        help="one GDN layer's decode step, plain vs pipelined kernel, at 1-256 rows "
+                        help="one GDN layer's decode step, plain vs early-loads kernel, at 1-256 rows "
                              "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
     parser.add_argument("--decode-tpot-only", action="store_true",
-                        help="engine decode TPOT at 1/16/64 streams, plain vs pipelined GDN decode kernel, on random "
+                        help="engine decode TPOT at 1/16/64 streams, plain vs early-loads GDN decode kernel, on random "
                              "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: only with --multi-turn-only (a dry run on the NumPy backend)")
+                        help="cpu: only with --multi-turn-only or --decode-tpot-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")

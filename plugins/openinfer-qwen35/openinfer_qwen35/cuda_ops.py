@@ -10,10 +10,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
 
     decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
                                       gated norm in one kernel (captured in the decode graphs);
-                                      OPENINFER_QWEN35_GDN_DECODE=pipelined: the same step on a
-                                      persistent grid that loads the next sequence's state while
-                                      it works on the current one (gdn_decode_step_pipelined;
-                                      DEFAULT_DECODE_KERNEL says which one is the default)
+                                      OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
+                                      the token's scalars read beside the state column
+                                      (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
+                                      which one is the default)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -47,7 +47,7 @@ KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_scan"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_pipelined")}
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -58,9 +58,10 @@ CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the t
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
-DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # "plain" | "pipelined": which fused decode kernel
-DEFAULT_DECODE_KERNEL = "plain"  # gdn_decode_step_pipelined stays opt-in until measured faster on a GPU
-PIPELINED_MAX_KEY_HEAD_DIM = 128  # two state columns of DK / SPLIT rows each fit its 128 registers
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # "plain" | "early_loads": which fused decode kernel
+# gdn_decode_step_early_loads stays opt-in until measured faster on a GPU
+DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads"}
+DEFAULT_DECODE_KERNEL = "plain"
 
 
 @functools.cache
@@ -87,25 +88,14 @@ def use_recurrent_kernels() -> bool:
     return os.environ.get(KERNELS_ENV, "").strip().lower() == "recurrent"
 
 
-def use_pipelined_decode() -> bool:
-    """Whether decode steps take the persistent kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain``
-    or ``pipelined``), else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
+def decode_kernel() -> str:
+    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain`` or ``early_loads``),
+    else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
     ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
-    if choice not in ("plain", "pipelined"):
-        raise ValueError(f"{DECODE_ENV}={choice!r}: expected 'plain' or 'pipelined'")
-    return choice == "pipelined"
-
-
-@functools.cache
-def _multiprocessors(device_id: int) -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
-
-
-def pipelined_blocks_per_head(num_seqs: int, num_value_heads: int, multiprocessors: int) -> int:
-    """gdn_decode_step_pipelined's blocks per value head: one block per SM over all heads (its
-    two state columns take the whole register file), never more than there are sequences."""
-    return max(1, min(num_seqs, multiprocessors // num_value_heads))
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
+    return DECODE_KERNELS[choice]
 
 
 def _round_128(size: int) -> int:
@@ -165,10 +155,9 @@ def warm_up(config: Qwen35Config) -> None:
         kernel("gdn_chunk_prepare", dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
     if fused_decode_supported(config):
-        kernel("gdn_decode_step", dk, 0, config.linear_conv_kernel_dim)
-        kernel("gdn_decode_step_pipelined", dk, 0, config.linear_conv_kernel_dim)
+        for name in DECODE_KERNELS.values():
+            kernel(name, dk, 0, config.linear_conv_kernel_dim)
         arrival_counters(config)
-        _multiprocessors(cupy.cuda.Device().id)  # its grid's size, asked before any capture
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -244,12 +233,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         args = (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
-        blocks = pipelined_blocks_per_head(num_seqs, nv, _multiprocessors(cupy.cuda.Device().id))
-        if use_pipelined_decode() and dk <= PIPELINED_MAX_KEY_HEAD_DIM and blocks < num_seqs:
-            kernel("gdn_decode_step_pipelined", dk, 0, width)(
-                (blocks, nv), (fused_decode_threads(config),), (*args, np.int32(num_seqs)))
-        else:  # one block per (sequence, value head)
-            kernel("gdn_decode_step", dk, 0, width)((num_seqs, nv), (fused_decode_threads(config),), args)
+        kernel(decode_kernel(), dk, 0, width)((num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm

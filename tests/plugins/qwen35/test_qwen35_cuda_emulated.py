@@ -108,7 +108,7 @@ def fast_harness(tmp_path_factory) -> Path:
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     """The tensor-core chunked prefill (mma emulated lane by lane) over prompts that are not a
     multiple of 64, a chunk continuing a saved state and a one-token row; the fused decode step
-    over fresh and continuing sequences sharing key heads, and its pipelined variant (the same
+    over fresh and continuing sequences sharing key heads, and its early-loads variant (the same
     bits)."""
     config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
                                      "linear_value_head_dim": FAST_VALUE_DIM})
@@ -180,10 +180,10 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     assert np.abs(ssm[d_slots] - d_host_ssm[d_slots]).max() <= 0.03 * max(1.0, float(np.abs(d_host_ssm).max()))
     # every key head's last block reset its arrival counter for the next step
     np.testing.assert_array_equal(read_array(tmp_path, "decode_arrivals", np.int32, (6 * nk,)), 0)
-    # the pipelined kernel (2 blocks per value head walking 3 sequences each) computes the same
-    # step: bit for bit the plain kernel's outputs and states
+    # the early-loads kernel (the token's scalars read first) computes the same step: bit for bit
+    # the plain kernel's outputs and states
     for name, dtype, shape in (("out", np.uint16, d_expected.shape), ("conv_state_out", np.uint16, d_conv.shape),
                                ("ssm_state_out", np.float32, d_ssm.shape)):
-        np.testing.assert_array_equal(read_array(tmp_path, f"pipelined_{name}", dtype, shape),
+        np.testing.assert_array_equal(read_array(tmp_path, f"early_loads_{name}", dtype, shape),
                                       read_array(tmp_path, f"decode_{name}", dtype, shape))
-    np.testing.assert_array_equal(read_array(tmp_path, "pipelined_arrivals", np.int32, (6 * nk,)), 0)
+    np.testing.assert_array_equal(read_array(tmp_path, "early_loads_arrivals", np.int32, (6 * nk,)), 0)

@@ -1,5 +1,5 @@
 // Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
-// the pipelined kernel on the same inputs) on the CPU
+// the early-loads kernel on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -98,19 +98,19 @@ int main(int argc, char** argv) {
         save(dir, "decode_ssm_state_out.bin", ssm);
         save(dir, "decode_arrivals.bin", arrivals);
 
-        // the pipelined kernel on the same inputs: 2 blocks per value head, 3 sequences each
-        auto p_conv_state = load<bf16>(dir, "decode_conv_state.bin");
-        auto p_ssm = load<float>(dir, "decode_ssm_state.bin");
-        std::vector<bf16> p_out(out.size());
-        launch(2, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
-            gdn_decode_step_pipelined(proj.data(), proj_stride, weight.data(), p_conv_state.data(), p_ssm.data(),
-                                      rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
-                                      fresh.data(), arrivals.data(), p_out.data(), nk, nv, dv, width, eps, num_seqs);
+        // the early-loads kernel on the same inputs
+        auto e_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto e_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> e_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_early_loads(proj.data(), proj_stride, weight.data(), e_conv_state.data(), e_ssm.data(),
+                                        rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                        fresh.data(), arrivals.data(), e_out.data(), nk, nv, dv, width, eps);
         });
-        save(dir, "pipelined_out.bin", p_out);
-        save(dir, "pipelined_conv_state_out.bin", p_conv_state);
-        save(dir, "pipelined_ssm_state_out.bin", p_ssm);
-        save(dir, "pipelined_arrivals.bin", arrivals);
+        save(dir, "early_loads_out.bin", e_out);
+        save(dir, "early_loads_conv_state_out.bin", e_conv_state);
+        save(dir, "early_loads_ssm_state_out.bin", e_ssm);
+        save(dir, "early_loads_arrivals.bin", arrivals);
     }
     return 0;
 }
