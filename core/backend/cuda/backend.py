@@ -83,8 +83,8 @@ class CudaBackend:
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
-        # the second (whole-row L2 prefetch, 4 blocks per SM) was slower still on an H200 (3.10 -> 4.31 ms,
-        # D2); the third (4 KB prefetches, 8 blocks per SM) is unmeasured
+        # the second and third (one prologue per resident block looping over tiles, with whole-row /
+        # 4 KB / no L2 prefetches) too: 3.09 -> 4.31 / 4.55 / 4.21 ms (H200, benchmarks/GPU.md)
         if fuse_decode is None:
             fuse_decode = os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on")
         self.fuse_decode = fuse_decode and use_gemv
