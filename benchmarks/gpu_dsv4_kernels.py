@@ -552,9 +552,11 @@ def main() -> None:
     parser.add_argument("--name", default="gpu_dsv4_kernels", help="results file name (no suffix)")
     args = parser.parse_args()
     from openinfer_deepseek_v4.kernel_plan import (
+        attention_kernel_setting,
         attention_splits_setting,
         fp8_linear_setting,
         hc_split_setting,
+        stream_stages_setting,
     )
 
     args.fp8_linears = args.fp8_linears or fp8_linear_setting(os.environ)
@@ -597,7 +599,8 @@ def main() -> None:
               "what": "one DeepSeek-V4-Flash layer + MoE, decode step (graph replay)",
               "fp4_gemm": args.fp4_gemm, "attention_splits": args.attention_splits,
               "indexer_split": args.indexer_split, "hc_split": args.hc_split, "fp8_linears": args.fp8_linears,
-              "stream_stages": os.environ.get("OPENINFER_DSV4_STREAM_STAGES", "2"), "rows": rows}
+              "stream_stages": stream_stages_setting(os.environ),
+              "attention_kernel": attention_kernel_setting(os.environ), "rows": rows}
     for kind in kinds if args.layers_rows else []:
         for context in contexts:
             built = {mode: build_model(backend, kind, moes[mode][0], context + BLOCK, mode == "stream")

@@ -28,7 +28,7 @@ indexer scores / top-k   ``index_scores`` / ``top_k_visible``    ``dsv4_indexer_
 sparse attention         ``attention.attend`` (window + picked   ``dsv4_sparse_attention`` (a warp per
   + sinks + RoPE⁻¹       / all entries, K = V)                   head, keys shared in shared memory;
                                                                  few tokens: split over keys +
-                                                                 ``dsv4_attention_combine``; opt-in
+                                                                 ``dsv4_attention_combine``;
                                                                  ``_d512`` for head_dim 512)
 grouped output proj.     einsum over ``wo_a`` groups + ``wo_b``  one cuBLAS strided-batched GEMM + GEMM
 MoE routing              core ``openinfer.moe.route``            core ``moe.cu`` ``moe_route`` (hash /
@@ -115,12 +115,15 @@ MAX_MIX_SPLITS = 16
 
 
 def attention_kernel_setting(environ: Mapping[str, str]) -> str:
-    """``OPENINFER_DSV4_ATTENTION_KERNEL``: ``generic`` (default: ``dsv4_sparse_attention``, its
-    per-lane arrays sized for head_dim 1024 with run-time guards — half the loop predicated off
-    at 512, 127 registers and local memory) or ``auto`` (``dsv4_sparse_attention_d512`` for
-    head_dim 512: the same sums in the same order, 16 channels per lane fixed at compile time,
-    72 registers; ptxas sm_90a). Opt-in until measured."""
-    value = environ.get("OPENINFER_DSV4_ATTENTION_KERNEL", "generic")
+    """``OPENINFER_DSV4_ATTENTION_KERNEL``: ``auto`` (default: ``dsv4_sparse_attention_d512`` for
+    head_dim 512 — the same sums in the same order, 16 channels per lane fixed at compile time, 72
+    registers; ptxas sm_90a) or ``generic`` (``dsv4_sparse_attention`` everywhere: per-lane arrays
+    sized for head_dim 1024 with run-time guards, half the loop predicated off at 512, 127
+    registers and local memory). H200 (D3, one V4-Flash layer + MoE, graph replay), generic ->
+    auto: CSA at 4k 593 -> 558 / 3,416 -> 2,574 / 8,308 -> 5,113 us at batch 1 / 64 / 256; at 64k
+    712 -> 660 / 5,810 -> 5,144 / 18,560 -> 15,343 us; HCA at 64k 508 -> 413 / 3,202 -> 2,460 /
+    8,242 -> 5,112 us."""
+    value = environ.get("OPENINFER_DSV4_ATTENTION_KERNEL", "auto")
     if value not in ("generic", "auto"):
         raise ValueError(f"OPENINFER_DSV4_ATTENTION_KERNEL={value!r}: expected generic or auto")
     return value

@@ -80,8 +80,9 @@ def test_stream_stages_default_four_only_where_the_ring_fits():
     assert kernel_plan.stream_stages("2", 1) == 2
 
 
-def test_attention_kernel_default_generic_and_auto_specialises_head_dim_512():
-    assert kernel_plan.attention_kernel_setting({}) == "generic"
+def test_attention_kernel_default_auto_specialises_head_dim_512():
+    assert kernel_plan.attention_kernel_setting({}) == "auto"
+    assert kernel_plan.attention_kernel_setting({"OPENINFER_DSV4_ATTENTION_KERNEL": "generic"}) == "generic"
     with pytest.raises(ValueError, match="OPENINFER_DSV4_ATTENTION_KERNEL"):
         kernel_plan.attention_kernel_setting({"OPENINFER_DSV4_ATTENTION_KERNEL": "d512"})
     assert kernel_plan.attention_kernel("auto", 512) == "dsv4_sparse_attention_d512"
