@@ -43,7 +43,11 @@ max_tokens), measured side by side in one run:
     H200, same shape, batch 64, 40 tokens, 3 rounds (``results/grammar_mask_cuda_d2_h200.json``):
     plain 4.04 ms; worker consuming, general slices, host wait (the former default) 5.43 ms
     (+34 %); engine thread consuming 5.34 ms (+32 %); + string length slices 4.92 ms (+22 %);
-    engine consuming + the GPU waiting 4.83 ms (+20 %). The three are now the defaults.
+    engine consuming + the GPU waiting 4.83 ms (+20 %). The three are now the defaults; on merged
+    main, 5 rounds (``results/grammar_mask_cuda_d3_h200.json``): plain 3.89 ms, the defaults 4.23 ms
+    (+8.8 %; runs 4.12-4.32 and one 5.57), the former default 5.61 ms (+44 %), without the device
+    wait 4.73 ms (+22 %), without the length slices 4.72 ms (+21 %); batch 1: 3.08 -> 3.23-3.26 ms
+    (+5-6 %) in every configuration. The < 5 % goal at batch 64 is not met yet.
 
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA

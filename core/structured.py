@@ -582,7 +582,9 @@ BACKGROUND_MASKS_ENV = "OPENINFER_BACKGROUND_GRAMMAR_MASKS"
 # rounds, benchmarks/results/grammar_mask_cuda_d2_h200.json): TPOT plain 4.04 ms; the former default
 # (the worker consumes, general slices, the engine thread waits for the masks) 5.43 ms (+34 %); the
 # engine thread consuming 5.34 ms (+32 %); and with the length slices 4.92 ms (+22 %); or with the GPU
-# waiting 4.83 ms (+20 %). Each is read when the engine is created and can be switched on it.
+# waiting 4.83 ms (+20 %); all three on (D3, 5 rounds, grammar_mask_cuda_d3_h200.json): 4.23 ms against
+# plain 3.89 (+8.8 %), the former default 5.61 (+44 %). Each is read when the engine is created and can be
+# switched on it.
 # =1: the mask worker advances the matchers by a step's tokens before filling (the former default);
 # else the engine thread does, in parallel with the GIL released, before handing the fill over
 # (GrammarCompiler.tokens_consumed_on_worker)
