@@ -412,8 +412,7 @@ def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16)
     weights = [cuda_moe.ExpertLinear(fmt, None, None, 0, 0, group)
                for fmt in cuda_moe.FORMATS for group in (groups if fmt == "int4" else (32,))]
     with discover_kernels() as found:
-        kernel("moe.cu", "moe_sort")  # routing: the format-free module, and the opt-in router shape
-        kernel("moe.cu", "moe_router_logits", ROUTER_LOADS=cuda_moe.FAST_ROUTER_LOADS)
+        kernel("moe.cu", "moe_sort")  # routing: the format-free module
         for weight in weights:
             weight._kernel()
             weight._kernel("moe_dequantize")
@@ -781,11 +780,12 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
 
 LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
     "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
-    "fast_routing": "moe_sort_parallel, the multi-load router logits, moe_combine over a block per 256 columns "
-                    "($OPENINFER_MOE_FAST_ROUTING=1)",
-    "spread_rope": "mla_write_latent's q_pe rotation over a block per 128 head pairs ($OPENINFER_MLA_SPREAD_ROPE=1)",
-    "mla_splits32": "up to 32 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=32; default 16)",
-    "mla_splits64": "up to 64 (at 1k context: 33 splits of one 32-key tile, x4 latent quarters = 132 blocks)",
+    "fast_routing": "moe_sort_parallel and moe_combine over a block per 256 columns ($OPENINFER_MOE_FAST_ROUTING=1; "
+                    "the default since D3, 2026-11-23; without it: =0)",
+    "spread_rope": "mla_write_latent's q_pe rotation over a block per 128 head pairs ($OPENINFER_MLA_SPREAD_ROPE=1; "
+                   "default since D3; without it: =0)",
+    "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
+    "mla_splits64": "up to 64 (the default since D3; at 1k context 33 splits of one 32-key tile, x 4 latent quarters)",
 }
 
 
@@ -797,9 +797,9 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tupl
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
-        on = [name for name, env in (("fused", "OPENINFER_FUSED_DECODE"), ("fast_routing", cuda_moe.FAST_ROUTING_ENV),
-                                     ("spread_rope", cuda_mla.SPREAD_ROPE_ENV))
-              if os.environ.get(env, "0") in ("1", "true", "on")]
+        on = ["fused"] if os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on") else []
+        on += [name for name, env in (("fast_routing", cuda_moe.FAST_ROUTING_ENV), ("spread_rope", cuda_mla.SPREAD_ROPE_ENV))
+               if os.environ.get(env, "1") not in ("0", "false", "off")]  # on by default
         splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
         on += [splits] if splits in LAYER_OPTIONS else []
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",

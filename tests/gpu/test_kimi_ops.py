@@ -57,11 +57,10 @@ def test_moe_route_matches_numpy(cuda_backend, rng, spec):
 
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
-    """$OPENINFER_MOE_FAST_ROUTING: moe_router_logits with 7 loads in flight gives the same ids and
-    weights bit for bit (same sums, same order), moe_sort_parallel moe_sort's offsets and tile
-    list, with each expert's segment holding exactly its slots, and moe_combine over a block per 256
-    columns the same output. Kimi-K2's 384 experts top-8 at 7168
-    wide (four passes of 7 loads, 1792 wide each); 256 tokens: experts with more than one 64-row tile."""
+    """$OPENINFER_MOE_FAST_ROUTING (default) against =0: the same ids and weights, moe_sort_parallel
+    gives moe_sort's offsets and tile list, each expert's segment holding exactly its slots, and
+    moe_combine over a block per 256 columns the same output. Kimi-K2's 384 experts top-8 at 7168
+    wide; 256 tokens: experts with more than one 64-row tile."""
     moe = _moe_cuda()
     spec = RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827)
     x = cuda_backend.upload(bf16_random(rng, tokens, 7168))
@@ -278,23 +277,24 @@ MLA_BATCHES = {
 @pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits", [
     ("small", 10**6, "cuda_cores", ""), ("small", 2, "cuda_cores", ""), ("long", 16, "cuda_cores", ""),
     ("small", 10**6, "mma", ""), ("long", 16, "mma", ""), ("decodes", 10**6, "mma", ""),
-    ("decodes", 10**6, "mma", "64"), ("decodes", 10**6, "cuda_cores", "64")],
-    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma", "decodes-mma",
-         "decodes-mma-splits64", "decodes-splits64"])
+    ("decodes", 10**6, "mma", "16"), ("decodes", 10**6, "cuda_cores", "")],
+    ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma", "decodes-mma-splits64",
+         "decodes-mma-splits16", "decodes-splits64"])
 def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
                                                          absorbed_kernel, max_splits, monkeypatch):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
     (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads.
-    $OPENINFER_MLA_MAX_SPLITS=64 on 4 decodes: 17 splits (mma) / 33 (CUDA cores), many empty at 5 tokens;
-    with it $OPENINFER_MLA_SPREAD_ROPE=1 (q_pe rotated by 20 x 32 / 128 = 5 blocks per token)."""
+    4 decodes up to 1k context: up to 64 splits (now the default; 17 on the mma kernel, 33 on CUDA
+    cores, many empty at 5 tokens) with q_pe rotated by 20 x 32 / 128 = 5 blocks per token, and the
+    settings before (16 splits, one rotating block per token)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
-    monkeypatch.setenv(cuda_mla.SPREAD_ROPE_ENV, "1" if max_splits else "0")  # the other batch-1 opt-in
-    if max_splits:
-        assert cuda_mla.num_splits(4, 4, 132) > cuda_mla.MAX_SPLITS
+    monkeypatch.setenv(cuda_mla.SPREAD_ROPE_ENV, "0" if max_splits else "1")  # the settings before D3, or now
+    if batch_name == "decodes" and not max_splits:
+        assert cuda_mla.num_splits(4, 4, 132) > 16
 
     spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
                    scale=192 ** -0.5 * 1.3)

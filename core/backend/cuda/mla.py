@@ -50,11 +50,15 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # context 4096), 0.590 vs 1.705 at 64 (1.69 vs 6.48 at context 4096), 1.94 vs 6.28 at 256.
 ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = (
     (16, 64, "mma"), (16, 1 << 30, "cuda_cores"), (64, 1 << 30, "mma"))
-MAX_SPLITS = 16
-# Opt-in until measured: more context splits for the absorbed kernels (a batch-1 step of 64 heads on
-# tensor cores fills 4 x 16 = 64 blocks of 132 SMs at 16). mla_combine_splits takes any count.
+# Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
+# at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
+# window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
+# 256 tokens split 2 / 1 ways either way. $OPENINFER_MLA_MAX_SPLITS lowers it.
+MAX_SPLITS = 64
 MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
-# Opt-in until measured: mla_write_latent's q_pe rotation over a block per 128 head pairs.
+# mla_write_latent's q_pe rotation over a block per 128 head pairs (default; one block rotated 64 heads
+# in 16 dependent in-place rounds): 12.3 -> 6.7 / 13.4 -> 6.9 / 13.4 -> 6.9 us at batch 1 / 64 / 256
+# (H200, D3). $OPENINFER_MLA_SPREAD_ROPE=0: one block per token.
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
@@ -189,7 +193,8 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     heads = spec.num_heads
     # spread: each thread rotates one head pair of q_pe (one block per token rotates all 64 heads'
     # in 16 dependent in-place rounds)
-    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if os.environ.get(SPREAD_ROPE_ENV, "0") == "1" else 1
+    spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
+    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
     kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))

@@ -108,12 +108,14 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 ROUTER_WARPS = 8  # moe.cu
-# Opt-in until measured: moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's
-# thread 0 walks all experts through global memory: 32 -> 6 us at batch 1 on an H200, D2), ROUTER_LOADS
-# gate loads per lane in flight in moe_router_logits (the same sums in the same order) and
-# moe_combine over a block per 256 columns (the same sums).
+# On by default (H200, window D3 of 2026-11-23, one Kimi-K2 layer at 1k context, per-op device time):
+# moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's thread 0 walks every
+# expert through global memory): grouping 32.7 -> 5.6 / 46.0 -> 5.9 / 52.2 -> 7.9 us at batch 1 / 64 /
+# 256; moe_combine over a block per 256 columns: 41.5 -> 3.9 / 44.6 -> 7.8 / 46.1 -> 19.1 us; layer step
+# at batch 1 379 -> 322 us. OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels. (moe_router_logits'
+# ROUTER_LOADS = 7 ran with them in that window: no gain at batch 1, route 45 -> 113 / 136 -> 351 us at
+# 64 / 256, so the router keeps one load per lane.)
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
-FAST_ROUTER_LOADS = 7  # Kimi-K2 7168 wide: 4 passes of 7 loads, not 28 of 1; sm_90a: 134 registers (32 at 1), no spills
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -189,8 +191,9 @@ def max_tiles(num_slots: int, num_experts: int) -> int:
 
 
 def fast_routing() -> bool:
-    """Whether routing takes moe_sort_parallel and the multi-load router logits ($OPENINFER_MOE_FAST_ROUTING)."""
-    return os.environ.get(FAST_ROUTING_ENV, "0") in ("1", "true", "on")
+    """Whether grouping and combine take moe_sort_parallel and the multi-block moe_combine (default;
+    $OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels)."""
+    return os.environ.get(FAST_ROUTING_ENV, "1") not in ("0", "false", "off")
 
 
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
@@ -209,8 +212,7 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
         if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
             # the [E, H] router product spread over blocks (a decode step has few tokens)
             logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
-            loads = {"ROUTER_LOADS": FAST_ROUTER_LOADS} if fast_routing() else {}
-            kernel("moe.cu", "moe_router_logits", **loads)(
+            kernel("moe.cu", "moe_router_logits")(
                 (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
                 (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
@@ -395,8 +397,8 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
     if num_tokens:
-        # fast routing: one column per thread (a lone block walks a 7168-wide row in 28 dependent
-        # rounds of 8 slot loads: 42 us at batch 1 on an H200, D2)
+        # one column per thread (a lone block walks a 7168-wide row in 28 dependent rounds of 8
+        # slot loads: 42 us at batch 1 on an H200)
         column_blocks = -(-hidden // 256) if fast_routing() else 1
         kernel("moe.cu", "moe_combine")((num_tokens, column_blocks), (256,), (
             y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared,

@@ -51,8 +51,8 @@ MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs ove
                        ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
                        choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
-token grouping         ``moe_sort`` (counts, segments, GEMM tile list); opt-in           core
-                       ``moe_sort_parallel`` (``OPENINFER_MOE_FAST_ROUTING``)
+token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
+                       block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
