@@ -602,7 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (results / f"{args.tag}.json").write_text(json.dumps(report, indent=2))
         if report["runs"]:
-            plot(report, results / f"{args.tag}.png")
+            try:
+                plot(report, results / f"{args.tag}.png")
+            except ModuleNotFoundError as error:  # the JSON is the result; the PNG needs matplotlib
+                print(f"no {args.tag}.png: {error} (pip install matplotlib)", file=sys.stderr)
         if os.environ.get("OUT"):
             for suffix in (".json", ".png"):
                 if (results / f"{args.tag}{suffix}").exists():

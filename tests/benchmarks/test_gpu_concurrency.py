@@ -126,4 +126,9 @@ def test_a_stub_run_and_an_appended_peer_both_get_ttft_rows(tmp_path, capsys):
     assert full["tpot_over_step"] == pytest.approx(burst["tpot_ms"]["p50"] / full["period_ms_p50"])
     rows = table_cells(capsys.readouterr().out.rsplit("| | openinfer | vLLM | ratio |", 1)[1])
     assert rows["cold TTFT, 300-token prompt (ms)"][2].endswith("×")  # both servers in the last table
-    assert (tmp_path / "stub.png").stat().st_size > 0
+    try:  # the PNG is written where matplotlib is installed (not on CI)
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        assert not (tmp_path / "stub.png").exists()
+    else:
+        assert (tmp_path / "stub.png").stat().st_size > 0
