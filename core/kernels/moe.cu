@@ -52,10 +52,6 @@
 // 16-byte loads (hidden % 8 == 0 and 16-byte aligned rows: the caller checks). A decode step's
 // few tokens would otherwise leave the whole [E, H] router matrix to one block per token.
 #define ROUTER_WARPS 8
-#ifndef ROUTER_LOADS
-#define ROUTER_LOADS 1  // 16-byte loads of the gate row per lane in flight (the sum's order is the same;
-                        // 7 measured no faster at batch 1 and 2.5x slower at 64-256 tokens on an H200)
-#endif
 extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const bf16* __restrict__ gate, int hidden,
                                              int num_experts, float* __restrict__ logits) {
     const int t = blockIdx.x, e = blockIdx.y * ROUTER_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -63,21 +59,12 @@ extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const b
     const bf16* row = x + (long long)t * hidden;
     const bf16* w = gate + (long long)e * hidden;
     float acc = 0.f;
-    for (int i0 = lane * 8; i0 < hidden; i0 += 32 * 8 * ROUTER_LOADS) {
-        float a[ROUTER_LOADS][8], b[ROUTER_LOADS][8];
+    for (int i = lane * 8; i < hidden; i += 32 * 8) {
+        float a[8], b[8];
+        load8(row + i, a);
+        load8(w + i, b);
 #pragma unroll
-        for (int u = 0; u < ROUTER_LOADS; ++u) {
-            const int i = i0 + 32 * 8 * u;
-            if (u == 0 || i < hidden) {
-                load8(row + i, a[u]);
-                load8(w + i, b[u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ROUTER_LOADS; ++u)
-            if (u == 0 || i0 + 32 * 8 * u < hidden)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc += a[u][j] * b[u][j];
+        for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
     }
     acc = warp_sum(acc);
     if (lane == 0) logits[(long long)t * num_experts + e] = acc;

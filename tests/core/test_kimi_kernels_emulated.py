@@ -70,7 +70,7 @@ CASES = {
     "bf16-mma-depth3": ("bf16", RouterSpec(6, 2, "softmax")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
-CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3, "ROUTER_LOADS": 2})}
+CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:

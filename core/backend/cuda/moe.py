@@ -112,9 +112,9 @@ ROUTER_WARPS = 8  # moe.cu
 # moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's thread 0 walks every
 # expert through global memory): grouping 32.7 -> 5.6 / 46.0 -> 5.9 / 52.2 -> 7.9 us at batch 1 / 64 /
 # 256; moe_combine over a block per 256 columns: 41.5 -> 3.9 / 44.6 -> 7.8 / 46.1 -> 19.1 us; layer step
-# at batch 1 379 -> 322 us. OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels. (moe_router_logits'
-# ROUTER_LOADS = 7 ran with them in that window: no gain at batch 1, route 45 -> 113 / 136 -> 351 us at
-# 64 / 256, so the router keeps one load per lane.)
+# at batch 1 379 -> 322 us. OPENINFER_MOE_FAST_ROUTING=0: the single-block kernels. (moe_router_logits
+# with 7 gate loads per lane in flight ran with them in that window: no gain at batch 1, route 45 -> 113 /
+# 136 -> 351 us at 64 / 256, so that variant was removed: one load per lane.)
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
