@@ -67,7 +67,7 @@ class DummyCheckpoint:
 
     @staticmethod
     def _is_norm(name: str) -> bool:
-        return name.endswith("norm.weight") or name.endswith("layernorm.weight")
+        return name.endswith("norm.weight")  # layernorm.weight too
 
     def get(self, name: str) -> np.ndarray:
         shape, window = self._window(name)
