@@ -49,13 +49,15 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 64) * 32))
 
 
-ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "1": rms_norm / add_rms_norm of 2+ rows one warp per row
-ROW_NORM_MAX_VECTORS_PER_LANE = 16  # rms_norm.cu's row kernels hold a row in registers: <= 4096 features
+ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "1": rms_norm / add_rms_norm one warp per row
+# rms_norm.cu's row kernels hold a row (and the norm weight) in registers: up to 3072 features
+# (12 vectors per lane: 177 / 208 registers, no spills; 16 spill)
+ROW_NORM_MAX_VECTORS_PER_LANE = 12
 
 
 def row_norm_vectors_per_lane(features: int, *arrays: cupy.ndarray) -> int:
     """VECS_PER_LANE of rms_norm.cu's one-warp-per-row kernels for rows of ``features``, or 0
-    where they do not apply (a width not a multiple of 8, wider than 4096, or an unaligned array)."""
+    where they do not apply (a width not a multiple of 8, wider than 3072, or an unaligned array)."""
     vectors = -(-features // 256)
     if features % 8 or vectors > ROW_NORM_MAX_VECTORS_PER_LANE or any(a.data.ptr % 16 for a in arrays):
         return 0
@@ -108,9 +110,9 @@ class CudaBackend:
         self.fused_launch = FusedLaunch(
             blocks_per_sm=_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_LAUNCH.blocks_per_sm, minimum=1),
             prefetch_bytes=_int_env("OPENINFER_FUSED_DECODE_PREFETCH_BYTES", FUSED_LAUNCH.prefetch_bytes, minimum=0))
-        # rms_norm / add_rms_norm of two or more rows on rms_norm.cu's one-warp-per-row kernels
-        # (16-byte accesses, the row in registers) instead of one block per row; one decode row stays
-        # on the block kernel, whose sum order the fused decode GEMV reproduces. Opt-in
+        # rms_norm / add_rms_norm on rms_norm.cu's one-warp-per-row kernels (16-byte accesses, the
+        # row and weight in registers) instead of one block per row; with fused decode on, one decode
+        # row stays on the block kernel, whose sum order the fused GEMV reproduces. Opt-in
         # (OPENINFER_ROW_NORMS=1) until measured; benchmarks/gpu_elementwise.py times both.
         self.row_norms = os.environ.get(ROW_NORMS_ENV, "0") in ("1", "true", "on")
         self.uploader = BatchUploader()
@@ -204,12 +206,15 @@ class CudaBackend:
     def embedding(self, table: cupy.ndarray, token_ids: Any) -> cupy.ndarray:
         return self.gather_rows(table, token_ids)
 
+    def _row_norms_for(self, rows: int) -> bool:
+        return self.row_norms and rows > 0 and (rows > 1 or not self.fuse_decode)
+
     def rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
         x = _bf16(x, "rms_norm input")
         features = x.shape[-1]
         out = cupy.empty_like(x)
         rows = x.size // features
-        vectors = row_norm_vectors_per_lane(features, x, weight) if self.row_norms and rows > 1 else 0
+        vectors = row_norm_vectors_per_lane(features, x, weight) if self._row_norms_for(rows) else 0
         if vectors:
             kernel("rms_norm.cu", "rms_norm_rows", VECS_PER_LANE=vectors)(
                 (-(-rows // NORM_ROWS_PER_BLOCK),), (32 * NORM_ROWS_PER_BLOCK,),
@@ -228,7 +233,7 @@ class CudaBackend:
         out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
         rows = x.size // features
         vectors = (row_norm_vectors_per_lane(features, x, residual, weight)
-                   if self.row_norms and rows > 1 else 0)
+                   if self._row_norms_for(rows) else 0)
         if vectors:
             kernel("rms_norm.cu", "add_rms_norm_rows", VECS_PER_LANE=vectors)(
                 (-(-rows // NORM_ROWS_PER_BLOCK),), (32 * NORM_ROWS_PER_BLOCK,),
