@@ -4,7 +4,7 @@ by side in one run, from a decode row to a 16k-token prefill (M = 1 .. 16384 row
   ceiling       device copy bandwidth (bytes read + written, 2 GiB buffers);
   rms_norm      [M, 2560] -> [M, 2560]                block kernel | rows (OPENINFER_ROW_NORMS)
   add_rms_norm  [M, 2560] x 2 -> [M, 2560] x 2        block kernel | rows
-  silu_mul      [M, 19456] -> [M, 9728]               vec8 (the only one)
+  silu_mul      [M, 19456] -> [M, 9728]               vec8 | rows (OPENINFER_SILU_MUL_ROWS)
   write_qkv     [M, 6144] -> q [M, 32, 128] + K/V pages (8 heads, block 16), q/k RMSNorm + NeoX RoPE:
                 qk_norm_rope_write_kv (a warp per head) | qk_norm_rope_write_kv_vec
                 (16-byte accesses; OPENINFER_VECTOR_QKV_WRITE)
@@ -128,7 +128,15 @@ class Workload:
                 return call
             return {"block": with_row_norms(False), "rows": with_row_norms(True)}
         if self.op == "silu_mul":
-            return {"vec8" if backend.name == "cuda" else "numpy": self.call}
+            if backend.name != "cuda":
+                return {"numpy": self.call}
+
+            def with_silu_rows(on: bool) -> Callable[[int], Any]:
+                def call(i: int) -> Any:
+                    backend.silu_mul_rows = on
+                    return self.call(i)
+                return call
+            return {"vec8": with_silu_rows(False), "rows": with_silu_rows(True)}
         if backend.name != "cuda":
             return {"numpy": lambda i: numpy_write_qkv(backend, self.qkv[i], self.spec, self.kv[i], self.batch)}
         from openinfer.backend.cuda.attention import write_qkv
@@ -216,7 +224,7 @@ def run(device: str, rows_grid: tuple[int, ...], ops: tuple[str, ...]) -> dict:
             if device == "cuda":
                 cupy.get_default_memory_pool().free_all_blocks()
     if backend.name == "cuda":
-        backend.row_norms = False
+        backend.row_norms = backend.silu_mul_rows = False
     return report
 
 

@@ -1,5 +1,7 @@
 """The prefill-width elementwise kernels on the GPU against NumPy: rms_norm.cu's one-warp-per-row
-norms (``CudaBackend.row_norms``, OPENINFER_ROW_NORMS) and qk_norm_rope.cu's 16-byte q/k/v write
+norms (``CudaBackend.row_norms``, OPENINFER_ROW_NORMS), elementwise.cu's silu_mul_rows
+(``CudaBackend.silu_mul_rows``, OPENINFER_SILU_MUL_ROWS: the bits of silu_mul_vec8) and
+qk_norm_rope.cu's 16-byte q/k/v write
 (``qkv_write.write_qkv_vectorized``, OPENINFER_VECTOR_QKV_WRITE), beside the kernels they would
 replace: residual sums and v bit-exact, normalised values within a bf16 step (another fp32
 summation order). The same index math runs emulated on the CPU in
@@ -57,6 +59,21 @@ def test_row_norms_match_numpy_and_the_block_kernels(row_norms, rng, rows, featu
     for block, row in zip(results[False][:2], results[True][:2], strict=True):
         # at most one bf16 step apart (the sum of squares in another order)
         assert np.abs(row - block).max() <= 2**-7 * max(np.abs(block).max(), 1e-30)
+
+
+@pytest.mark.parametrize(("rows", "half"), [(1, 9728), (3, 8), (257, 1032), (1024, 9728)])
+def test_silu_mul_rows_gives_the_bits_of_silu_mul_vec8(cuda_backend, rng, rows, half):
+    gate_up = bf16_random(rng, rows, 2 * half, scale=3.0)
+    before = cuda_backend.silu_mul_rows
+    try:
+        outputs = []
+        for on in (False, True):
+            cuda_backend.silu_mul_rows = on
+            outputs.append(cuda_backend.to_host(cuda_backend.silu_mul(cuda_backend.upload(gate_up))))
+    finally:
+        cuda_backend.silu_mul_rows = before
+    assert np.array_equal(outputs[0], outputs[1])
+    assert relative_error(outputs[1], REF.silu_mul(gate_up)) < 1e-2
 
 
 # head_dim, num_heads, num_kv_heads, cached, new, qk_norm, rotary_factor

@@ -35,6 +35,8 @@ from openinfer.backend.cuda.weight_upload import uploader
 
 logger = logging.getLogger("openinfer.backend.cuda")
 
+SILU_MUL_ROWS_ENV = "OPENINFER_SILU_MUL_ROWS"  # "1": silu_mul over a (row, chunk) grid
+SILU_MUL_ROWS_THREADS = 128  # silu_mul_rows: 2 x 128 vectors (2048 outputs) per block
 NORM_ROWS_PER_BLOCK = 4  # rms_norm.cu's row kernels: one warp per row, 4 rows per block
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 # what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
@@ -115,6 +117,9 @@ class CudaBackend:
         # row stays on the block kernel, whose sum order the fused GEMV reproduces. Opt-in
         # (OPENINFER_ROW_NORMS=1) until measured; benchmarks/gpu_elementwise.py times both.
         self.row_norms = os.environ.get(ROW_NORMS_ENV, "0") in ("1", "true", "on")
+        # silu_mul on elementwise.cu's silu_mul_rows (a 2-D grid, two 16-byte vectors per thread, no
+        # grid-stride loop; the same bits as silu_mul_vec8). Opt-in (OPENINFER_SILU_MUL_ROWS=1) until measured.
+        self.silu_mul_rows = os.environ.get(SILU_MUL_ROWS_ENV, "0") in ("1", "true", "on")
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -278,7 +283,11 @@ class CudaBackend:
         half = gate_up.shape[-1] // 2
         rows = gate_up.size // gate_up.shape[-1]
         out = cupy.empty((*gate_up.shape[:-1], half), dtype=cupy.uint16)
-        if out.size and half % 8 == 0 and out.size // 8 < 2**30 and gate_up.data.ptr % 16 == 0:
+        if self.silu_mul_rows and out.size and half % 8 == 0 and gate_up.data.ptr % 16 == 0:
+            chunks = -(-(half // 8) // (2 * SILU_MUL_ROWS_THREADS))
+            kernel("elementwise.cu", "silu_mul_rows")((rows, chunks), (SILU_MUL_ROWS_THREADS,),
+                                                      (gate_up, out, np.int32(half // 8)))
+        elif out.size and half % 8 == 0 and out.size // 8 < 2**30 and gate_up.data.ptr % 16 == 0:
             # 8 outputs per thread, 16-byte accesses (same bits as silu_mul)
             kernel("elementwise.cu", "silu_mul_vec8")((_blocks(out.size // 8),), (256,),
                                                       (gate_up, out, np.int32(out.size // 8), np.int32(half // 8)))
