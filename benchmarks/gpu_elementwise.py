@@ -191,7 +191,9 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.nbytes / seconds
 
 
-def run(device: str, rows_grid: tuple[int, ...], ops: tuple[str, ...]) -> dict:
+def run(device: str, rows_grid: tuple[int, ...], ops: tuple[str, ...], save: Callable[[dict], None]) -> dict:
+    """Every op at every M, each variant; ``save(report)`` after each (op, M), so a run cut short
+    keeps what it measured."""
     if device == "cuda":
         import cupy
 
@@ -220,6 +222,7 @@ def run(device: str, rows_grid: tuple[int, ...], ops: tuple[str, ...]) -> dict:
                                           "bytes": nbytes, "copy_fraction": nbytes / seconds / bandwidth})
             log(f"{op:13s} M={rows:6d}: " + "  ".join(
                 f"{v} {s * 1e6:9.1f} us ({100 * nbytes / s / bandwidth:5.1f} %)" for v, s in timings.items()))
+            save(report)
             del work
             if device == "cuda":
                 cupy.get_default_memory_pool().free_all_blocks()
@@ -274,12 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
     if any(r < 1 for r in rows):
         parser.error("--rows: every M must be >= 1")
-    report = run(args.device, rows, ops)
     stem = "gpu_elementwise" + ("_cpu_dry_run" if args.device == "cpu" else "")
     outs = [RESULTS] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for out in outs:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+
+    def save(report: dict) -> None:
+        for out in outs:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    report = run(args.device, rows, ops, save)
     try:
         for out in outs:
             plot(report, out / f"{stem}.png")
