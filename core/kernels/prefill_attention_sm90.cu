@@ -46,8 +46,14 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers)
 #endif
+#ifndef TMA_KV_LOADS
+#define TMA_KV_LOADS 0  // 1: K/V tiles whose rows are all keys come by TMA, one box per page (see the producer)
+#endif
 #ifndef SKIP_KV_LOADS
 #define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
+#endif
+#if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
+#error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
 #endif
 #if INTRA_WG_OVERLAP && STAGES < 2
 #error "the overlapped consumer loop needs at least 2 K/V stages"
@@ -100,6 +106,27 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
+}
+
+// The barrier's phase also waits for `bytes` more bytes of asynchronous (TMA) copies.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// The tensor map was written to global memory by a host copy: order that write before the
+// tensor-map proxy reads it.
+__device__ __forceinline__ void tensor_map_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(map) : "memory");
+}
+
+// One TMA box (3-d tensor map: element, KV head, cache token) to shared memory; its bytes count
+// towards `bar`'s transaction count. The map's 128-byte swizzle is the one wgmma reads.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
 }
 
 // ---- wgmma -----------------------------------------------------------------------------------------
@@ -283,7 +310,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                        int max_blocks_per_seq, const int* __restrict__ query_start,
                        const int* __restrict__ context_lens, const int* __restrict__ tile_seq,
                        const int* __restrict__ tile_query, bf16* __restrict__ out, int num_heads,
-                       int num_kv_heads, int block_size, float scale_log2) {
+                       int num_kv_heads, int block_size, float scale_log2, const void* k_map,
+                       const void* v_map) {
     extern __shared__ uint4 smem_raw[];
     const u32 raw_base = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 base = (raw_base + 1023) & ~1023u;
@@ -298,7 +326,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #else
     const int head = blockIdx.x, tile = blockIdx.y;
 #endif
-#if BATCHED_PAGE_READS
+#if BATCHED_PAGE_READS || TMA_KV_LOADS
     if (block_size != PAGE_SIZE) __trap();  // compiled for another KV block size
 #endif
     const int seq = tile_seq[tile], q0 = tile_query[tile];
@@ -347,12 +375,47 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         constexpr int PAGE_BATCH = HEAD_DIM == 256 ? 4 : 8;  // what fits the producer's 40 registers
         static_assert(ROWS % PAGE_BATCH == 0, "K/V rows per producer thread come in whole batches");
 #endif
+#if TMA_KV_LOADS
+        // Tiles whose BLOCK_N rows are all keys (every one but a ragged last tile) come by TMA:
+        // lane p of warp 0 copies page p of the tile, one [PAGE_SIZE rows x 64 dims] box per
+        // 128-byte column block of K and of V, into the rows the cp.async path would fill (a page
+        // is a multiple of 8 rows, so the swizzle atoms line up). The other producer threads only
+        // arrive; the ragged last tile takes the cp.async path below, which zero-fills its rows
+        // past the last key (their P is 0, but stale V bits could be NaN).
+        constexpr int PAGES = BLOCK_N / PAGE_SIZE;
+        const int full_kv_tiles = kv_end / BLOCK_N;
+        if (t < 32) {
+            tensor_map_acquire(k_map);
+            tensor_map_acquire(v_map);
+        }
+#endif
         for (int kt = 0; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES;
             if (kt >= STAGES) mbar_wait(bar_empty + 8 * stage, ((kt / STAGES) - 1) & 1);
             const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES + (chunk / 8) * (BLOCK_N * 128);
             const u32 v_smem = k_smem + KV_TILE_BYTES;
             const int k0 = kt * BLOCK_N;
+#if TMA_KV_LOADS
+            if (kt < full_kv_tiles) {
+                if (t < 32) {
+                    const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
+                    if (t == 0) mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
+                    __syncwarp();  // the expected bytes are counted before any copy can land
+                    if (t < PAGES) {
+                        const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+#pragma unroll
+                        for (int c = 0; c < D_BLOCKS; ++c) {
+                            tma_load_3d(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head, page * PAGE_SIZE,
+                                        bar_full + 8 * stage);
+                            tma_load_3d(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64, kv_head,
+                                        page * PAGE_SIZE, bar_full + 8 * stage);
+                        }
+                    }
+                }
+                if (t != 0) mbar_arrive(bar_full + 8 * stage);
+                continue;
+            }
+#endif
 #if BATCHED_PAGE_READS
             // block-table reads in batches (in flight together), then their copies; rows past the
             // last query read block 0 for an address and copy zeros

@@ -42,6 +42,11 @@ SM90_VARIANTS = {
     "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
     "pingpong": {"pingpong": "1"},
     "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
+    # K/V tiles by TMA page boxes (the ragged last tile by cp.async) over the default and the others
+    "tma": {"kv_loads": "tma"},
+    "tma-no-overlap": {"kv_loads": "tma", "overlap": "0"},
+    "tma-head-grid-no-pingpong": {"kv_loads": "tma", "grid": "head", "pingpong": "0"},
+    "tma-2-stages": {"kv_loads": "tma", "stages": "2"},
 }
 
 

@@ -13,7 +13,8 @@ run the split-KV short-query kernel from ``SHORT_QUERY_MIN_CONTEXT`` tokens of c
 only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTENTION=0``: all rows
 on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
-``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
+``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``; ``OPENINFER_SM90_KV_LOADS``
+here: TMA or cp.async K/V copies) for measurements.
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
@@ -22,6 +23,7 @@ These switches are read once per process (a prefill step does not look at the en
 from __future__ import annotations
 
 import functools
+import os
 
 import cupy
 import numpy as np
@@ -42,15 +44,56 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     PREFILL_KERNELS,
     SHORT_QUERY_ENV,
     SM90_BLOCK_M,
-    SM90_ENV,
     SM90_HEAD_DIMS,
     kernel_choices,
-    refresh_kernel_choices,
     sm90_shared_bytes,
     sm90_variant,
 )
+from openinfer.backend.cuda.kernel_choices import SM90_ENV as _CORE_SM90_ENV
+from openinfer.backend.cuda.kernel_choices import refresh_kernel_choices as _refresh_core_choices
 from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.tensor_maps import page_maps
 from openinfer.rope import RotaryEmbedding
+
+# OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
+# cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
+# "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
+# last tile by cp.async. TMA needs the KV block size to divide the kernel's K/V tile (128 tokens
+# at head_dim 128, 64 at 256) and to be a multiple of 8; other caches keep cp.async.
+SM90_KV_LOADS = "cp_async"
+SM90_KV_LOAD_MODES = ("cp_async", "tma")
+SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS"}
+
+
+@functools.cache
+def sm90_kv_loads() -> str:
+    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, or "tma"), read once per process."""
+    value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
+    if value not in SM90_KV_LOAD_MODES:
+        raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
+    return value
+
+
+def refresh_kernel_choices() -> None:
+    """Re-read every attention kernel switch (kernel_choices.refresh_kernel_choices) and
+    OPENINFER_SM90_KV_LOADS at their next use."""
+    _refresh_core_choices()
+    sm90_kv_loads.cache_clear()
+
+
+def _tma_kv_loads(head_dim: int, kv: KVLayer) -> bool:
+    """Whether this launch takes TMA K/V loads: asked for, a cache layout they copy page by page,
+    and the maps already made or makeable (nothing is uploaded while a CUDA graph is captured)."""
+    block_size = int(kv.k.shape[1])
+    block_n = 64 if head_dim == 256 else 128
+    if sm90_kv_loads() != "tma" or block_n % block_size or block_size % 8:
+        return False
+    if not (kv.k.flags.c_contiguous and kv.v.flags.c_contiguous):
+        return False
+    if cupy.cuda.get_current_stream().is_capturing():
+        return page_maps.cached(kv.k) is not None and page_maps.cached(kv.v) is not None
+    return True
+
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 NULL = np.uint64(0)
@@ -159,13 +202,16 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if implementation == "sm90":
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
+        tma = _tma_kv_loads(spec.head_dim, kv)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
-                         **variant.defines(spec.head_dim, int(kv.k.shape[1])))
+                         **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma))
         if variant.kv_head_major_grid:
             grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:
             grid = (spec.num_heads, num_tiles)
-        fn(grid, (384,), args, shared_mem=shared)
+        maps = (np.uint64(page_maps.get(kv.k).data.ptr), np.uint64(page_maps.get(kv.v).data.ptr)) if tma \
+            else (NULL, NULL)
+        fn(grid, (384,), (*args, *maps), shared_mem=shared)
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
     shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)
