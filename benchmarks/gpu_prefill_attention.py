@@ -11,8 +11,9 @@
 Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under $OUT when set).
 
   --sm90-variants  instead: TFLOP/s of run-time variants of the sm90 kernel (OPENINFER_SM90_*:
-             intra-warpgroup overlap, K/V loads by TMA page boxes or cp.async, persistent CTAs; plus a no-K/V-load
-             timing diagnostic) on the same cases and 8 prompts of 1k, two interleaved
+             intra-warpgroup overlap, K/V loads by TMA page boxes (or shared by CTA pairs) or cp.async,
+             persistent CTAs; plus a no-K/V-load timing diagnostic) on the same cases and 8 prompts
+             of 1k, two interleaved
              rounds (best median kept), each output compared with the default's, torch SDPA alongside;
              writes gpu_prefill_attention_variants.json.
 
@@ -171,6 +172,7 @@ SM90_VARIANTS = {
     "no-overlap": {"overlap": "0"},
     "tma": {"kv_loads": "tma"},
     "tma-no-overlap": {"kv_loads": "tma", "overlap": "0"},
+    "tma-multicast": {"kv_loads": "tma_multicast"},
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give

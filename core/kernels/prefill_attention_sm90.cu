@@ -49,6 +49,9 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef TMA_KV_LOADS
 #define TMA_KV_LOADS 0  // 1: K/V tiles whose rows are all keys come by TMA, one box per page (see the producer)
 #endif
+#ifndef KV_MULTICAST
+#define KV_MULTICAST 0  // 1 (with TMA_KV_LOADS): CTA pairs of two query heads share their K/V tiles, see the kernel
+#endif
 #ifndef PERSISTENT
 #define PERSISTENT 0  // 1: one CTA per SM loops over work items (grid and scheduler: see the kernel's comment)
 #endif
@@ -57,6 +60,9 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #endif
 #if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
 #error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
+#endif
+#if KV_MULTICAST && (!TMA_KV_LOADS || !KV_HEAD_MAJOR_GRID || PERSISTENT)
+#error "K/V multicast takes TMA loads on the KV-head-major grid, one work item per CTA pair"
 #endif
 #if PERSISTENT && HEAD_DIM != 128
 #error "the persistent schedule is built for head_dim 128 (at 256 its consumers spill registers)"
@@ -133,6 +139,48 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
         ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
         : "memory");
+}
+
+// The same TMA box to the same shared-memory offset of every CTA in `cta_mask` (of this cluster),
+// each copy counted on the mbarrier at `bar`'s offset in its CTA.
+__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const void* map, int x, int y, int z, u32 bar,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
+// One arrival on the mbarrier at `bar`'s offset in cluster CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
+        : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_cta_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// A consumer warp is done with a K/V stage. KV_MULTICAST: the next copies into it come from both
+// CTAs of the pair, so both CTAs' empty barriers hear of it (one arrival per warp).
+__device__ __forceinline__ void release_stage(u32 bar, int lane) {
+#if KV_MULTICAST
+    __syncwarp();
+    if (lane == 0) {
+        mbar_arrive_cluster(bar, 0);
+        mbar_arrive_cluster(bar, 1);
+    }
+#else
+    mbar_arrive(bar);
+#endif
 }
 
 // ---- wgmma -----------------------------------------------------------------------------------------
@@ -345,13 +393,20 @@ __device__ __forceinline__ void item_head_tile(int item, int num_tiles, int num_
 // blocks run KV head by KV head, so the CTAs resident at once stream one KV head's K/V (8 MB at
 // 16k tokens, L2-resident) rather than every head's; inside a KV head, tiles in the same order
 // with the group's query heads next to each other.
+// KV_MULTICAST: clusters of 2 CTAs along x, i.e. query heads 2i and 2i+1 of one KV head on the same
+// tile (group even): each TMA tile is copied once for the pair, half the pages from each CTA.
 // PERSISTENT: grid (min(SMs, items), 1); CTA b takes work item b, then the next unclaimed one
 // (in the same order: longest first, so greedy, as the hardware dispatches blocks) from the
 // counter scheduler[0], until none is left. The producer claims the next item while it loads the
 // current one and loads its Q tile as soon as the consumers' last Q K^T is done, so one item's
 // last softmax, P V and stores overlap the next one's first loads. The last CTA to finish
 // resets scheduler[0..1] to 0 for the next launch (launches sharing a scheduler must not overlap).
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+#if KV_MULTICAST
+#define CLUSTER_ATTRIBUTE __cluster_dims__(2, 1, 1)
+#else
+#define CLUSTER_ATTRIBUTE
+#endif
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) CLUSTER_ATTRIBUTE
 prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
                        int max_blocks_per_seq, const int* __restrict__ query_start,
@@ -383,7 +438,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
+#if KV_MULTICAST
+            mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
+#else
             mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
+#endif
         }
 #if PERSISTENT
         mbar_init(bar_q_free, 256);
@@ -391,7 +450,12 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #endif
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+#if KV_MULTICAST
+    cluster_sync();  // the pair's barriers are ready before either's copies reach them
+    const u32 pair_rank = cluster_cta_rank();
+#else
     __syncthreads();
+#endif
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
@@ -450,6 +514,20 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                         const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
                         if (t == 0) mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
                         __syncwarp();  // the expected bytes are counted before any copy can land
+#if KV_MULTICAST
+                        // the pair's two query heads read the same K/V tile: each CTA copies every
+                        // other page into both CTAs' stage, so each tile crosses from L2 once
+                        if (t < PAGES && (t & 1) == (int)pair_rank) {
+                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+#pragma unroll
+                            for (int c = 0; c < D_BLOCKS; ++c) {
+                                tma_load_3d_multicast(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head,
+                                                      page * PAGE_SIZE, bar_full + 8 * stage, 3);
+                                tma_load_3d_multicast(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64,
+                                                      kv_head, page * PAGE_SIZE, bar_full + 8 * stage, 3);
+                            }
+                        }
+#else
                         if (t < PAGES) {
                             const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
 #pragma unroll
@@ -460,6 +538,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                                             page * PAGE_SIZE, bar_full + 8 * stage);
                             }
                         }
+#endif
                     }
                     if (t != 0) mbar_arrive(bar_full + 8 * stage);
                     continue;
@@ -600,7 +679,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 wgmma_wait<0>();  // P V of tile kt-1
-                mbar_arrive(bar_empty + 8 * previous);
+                release_stage(bar_empty + 8 * previous, lane);
                 pack_p(s, p);
                 rescale(o, correction);
             }
@@ -609,7 +688,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
             if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
             wgmma_wait<0>();
-            mbar_arrive(bar_empty + 8 * last);
+            release_stage(bar_empty + 8 * last, lane);
 #else
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             for (int kt = 0; kt < num_kv_tiles; ++kt) {
@@ -627,7 +706,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 rescale(o, correction);
                 issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
                 wgmma_wait<0>();
-                mbar_arrive(bar_empty + 8 * stage);
+                release_stage(bar_empty + 8 * stage, lane);
             }
             if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
 #endif
@@ -673,4 +752,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         consume(work_item(head, tile, tile_seq, tile_query, query_start, context_lens), 0, 0);
 #endif
     }
+#if KV_MULTICAST
+    cluster_sync();  // neither CTA of the pair exits while the other may still arrive on its barriers
+#endif
 }

@@ -49,6 +49,9 @@ SM90_VARIANTS = {
     "tma-no-overlap": {"kv_loads": "tma", "overlap": "0"},
     "tma-head-grid-no-pingpong": {"kv_loads": "tma", "grid": "head", "pingpong": "0"},
     "tma-2-stages": {"kv_loads": "tma", "stages": "2"},
+    # CTA pairs share each TMA K/V tile (cluster multicast); MHA / odd groups fall back to "tma"
+    "tma-multicast": {"kv_loads": "tma_multicast"},
+    "tma-multicast-no-overlap": {"kv_loads": "tma_multicast", "overlap": "0"},
     # persistent CTAs claiming work items from a device counter (head_dim 256 keeps the grid)
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},

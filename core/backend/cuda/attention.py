@@ -59,10 +59,13 @@ from openinfer.rope import RotaryEmbedding
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
 # cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
 # "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
-# last tile by cp.async. TMA needs the KV block size to divide the kernel's K/V tile (128 tokens
-# at head_dim 128, 64 at 256) and to be a multiple of 8; other caches keep cp.async.
+# last tile by cp.async; "tma_multicast": the same, and CTA pairs (query heads 2i, 2i+1 of one KV
+# head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
+# GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
+# kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
+# keep cp.async.
 SM90_KV_LOADS = "cp_async"
-SM90_KV_LOAD_MODES = ("cp_async", "tma")
+SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast")
 # OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
 # (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
 # the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
@@ -73,7 +76,7 @@ SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS", "schedule":
 
 @functools.cache
 def sm90_kv_loads() -> str:
-    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, or "tma"), read once per process."""
+    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, "tma" or "tma_multicast"), read once per process."""
     value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
     if value not in SM90_KV_LOAD_MODES:
         raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
@@ -125,7 +128,7 @@ def _tma_kv_loads(head_dim: int, kv: KVLayer) -> bool:
     and the maps already made or makeable (nothing is uploaded while a CUDA graph is captured)."""
     block_size = int(kv.k.shape[1])
     block_n = 64 if head_dim == 256 else 128
-    if sm90_kv_loads() != "tma" or block_n % block_size or block_size % 8:
+    if sm90_kv_loads() == "cp_async" or block_n % block_size or block_size % 8:
         return False
     if not (kv.k.flags.c_contiguous and kv.v.flags.c_contiguous):
         return False
@@ -243,9 +246,11 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         tma = _tma_kv_loads(spec.head_dim, kv)
         scheduler = _persistent_scheduler(spec.head_dim)
+        multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
+                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
-                         PERSISTENT=int(scheduler is not None))
+                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast))
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:
