@@ -202,10 +202,13 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("variant", ["early_loads", "split32", "split64"])
+def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
-    norm weight read beside the state column): 200 rows, fresh and continuing, over 6 steps give
-    the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA graph."""
+    norm weight read beside the state column) and split32 / split64 (a head's state columns over
+    4 / 2 blocks, the last to finish norming the head): 200 rows, fresh and continuing, over 6
+    steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
+    graph."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -217,8 +220,8 @@ def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch
     rng = np.random.default_rng(6)
     slots = rng.permutation(rows).astype(np.int64)
 
-    def decode(layer: Layer, proj, seqs, variant: str):
-        monkeypatch.setenv(cuda_ops.DECODE_ENV, variant)
+    def decode(layer: Layer, proj, seqs, choice: str):
+        monkeypatch.setenv(cuda_ops.DECODE_ENV, choice)
         return cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv, layer.device_ssm, seqs, config)
 
     def assert_same_states() -> None:
@@ -229,16 +232,16 @@ def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch
         fresh = rng.integers(0, 2, rows).astype(bool) if step == 0 else np.zeros(rows, bool)
         seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, fresh))
         proj = device_bf16(rng.standard_normal((rows, plain.features)))
-        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, "early_loads")
+        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, variant)
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         assert_same_states()
-    # captured with the early-loads kernel, replayed on new inputs: still the plain kernel's bits
+    # captured with the variant, replayed on new inputs: still the plain kernel's bits
     seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, np.zeros(rows, bool)))
     proj = cupy.empty((rows, plain.features), dtype=cupy.uint16)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        out = decode(early, proj, seqs, "early_loads")
+        out = decode(early, proj, seqs, variant)
         graph = stream.end_capture()
     for _ in range(3):
         with stream:
