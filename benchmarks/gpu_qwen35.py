@@ -138,7 +138,8 @@ DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 GDN_DECODE_VARIANTS = ("plain", "early_loads", "split32", "split64")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024), (1, 1024))
-PREFILL_VARIANTS = {"default": {}}  # the prefill path's kernel choices, each an environment
+PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
+PREFILL_VARIANTS = {"plain": {PREFILL_ENV: "plain"}, "staged": {PREFILL_ENV: "staged"}}  # each an environment
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 

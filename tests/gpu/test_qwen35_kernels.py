@@ -251,3 +251,31 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
         assert_same_states()
+
+
+def test_staged_prefill_equals_the_plain_kernels_bit_for_bit(monkeypatch):
+    """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
+    issued first): prompts from scratch, then continued beside decodes, and a 2,048-token prompt
+    of fast-decaying heads give the plain kernels' outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    rng = np.random.default_rng(11)
+    for fast_decay, steps in ((False, [([200, 1, 64, 9], [3, 1, 4, 2], True), ([130, 1, 70, 1, 65], [3, 1, 4, 2, 6], False)]),
+                              (True, [([2048], [5], True)])):
+        plain, staged = Layer(np.random.default_rng(12), fast_decay), Layer(np.random.default_rng(12), fast_decay)
+        for lengths, slots, fresh in steps:
+            query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.asarray(slots, np.int64),
+                                                            np.full(len(slots), fresh)))
+            proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
+            outs = []
+            for layer, choice in ((plain, "plain"), (staged, "staged")):
+                monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
+                outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                            layer.device_ssm, seqs, plain.config)))
+            np.testing.assert_array_equal(outs[1], outs[0])
+            np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
+            np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))

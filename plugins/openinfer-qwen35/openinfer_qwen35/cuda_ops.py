@@ -17,7 +17,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       state columns over dv / 32 (dv / 64) smaller blocks
                                       (gdn_decode_step_split32 / _split64, the same bits)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
-                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm
+                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
+                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_chunk_prepare_staged
+                                      (every global read issued first, the same bits)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -50,7 +52,7 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
-           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_scan"),
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_split32",
                              "gdn_decode_step_split64")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -67,6 +69,9 @@ DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fus
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
                   "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
 SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
+PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
+PREFILL_KERNELS = {"plain": "gdn_chunk_prepare", "staged": "gdn_chunk_prepare_staged"}
+DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 DEFAULT_DECODE_KERNEL = "early_loads"
@@ -145,6 +150,18 @@ def _launch(name: str, function: cupy.RawKernel, grid: tuple, block: tuple, args
     _kernel_events.append((name, start, stop))
 
 
+def prefill_prepare_kernel(config: Qwen35Config | None = None) -> str:
+    """The chunked prefill's prepare kernel: ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of
+    ``PREFILL_KERNELS``), else ``DEFAULT_PREFILL_KERNELS``. The staged kernel holds a chunk's v
+    rows in registers, so a value head dim above the key head dim gives way to the plain one."""
+    choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {sorted(PREFILL_KERNELS)}")
+    if config is not None and config.linear_value_head_dim > config.linear_key_head_dim:
+        return PREFILL_KERNELS["plain"]
+    return PREFILL_KERNELS[choice]
+
+
 def _round_128(size: int) -> int:
     return -(-size // 128) * 128
 
@@ -205,7 +222,8 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if chunked_supported(config):
-        kernel("gdn_chunk_prepare", dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
+        for name in PREFILL_KERNELS.values():
+            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
     if fused_decode_supported(config):
         for name in DECODE_KERNELS.values():
@@ -340,7 +358,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
-    _launch("gdn_chunk_prepare", kernel("gdn_chunk_prepare", dk, prepare_bytes),
+    prepare = prefill_prepare_kernel(config)
+    _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)

@@ -106,14 +106,25 @@ __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 1
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_prepare: grid (N, nv), 128 threads (4 warps; warp w owns rows 16w..16w+15).
 // Dynamic shared memory: gdn_chunk_prepare_smem(dv) bytes (the launcher computes the same sum).
-extern "C" __global__ void __launch_bounds__(128)
-gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
-                  const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
-                  const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
-                  bf16* __restrict__ qn, bf16* __restrict__ kn, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
-                  bf16* __restrict__ p_out, float* __restrict__ cum_out, int num_key_heads, int num_value_heads,
-                  int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+//
+// STAGED (gdn_chunk_prepare_staged, OPENINFER_QWEN35_GDN_PREFILL=staged): the same arithmetic
+// with every global read of the block issued at its start — the raw q and k rows by 16-byte
+// loads straight into their shared tiles (normalised there in place), the chunk's v rows by
+// 16-byte loads into registers (held until (beta V)^T is written) — where the plain kernel
+// loads q / k a row per warp at a time (16 dependent round trips a warp) and V element by
+// element after the triangular solve. The same bits.
+#define PREPARE_PARAMS                                                                                       \
+    const bf16 *__restrict__ conv_out, const bf16 *__restrict__ proj, int proj_stride,                        \
+        const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias,                          \
+        const int *__restrict__ chunk_start, const int *__restrict__ chunk_len, bf16 *__restrict__ qn,        \
+        bf16 *__restrict__ kn, bf16 *__restrict__ w_out, bf16 *__restrict__ u_out, bf16 *__restrict__ p_out,  \
+        float *__restrict__ cum_out, int num_key_heads, int num_value_heads, int dv
+#define PREPARE_ARGS                                                                                         \
+    conv_out, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len, qn, kn, w_out, u_out, p_out, \
+        cum_out, num_key_heads, num_value_heads, dv
+#define PREPARE_MAX_DV DK  // the staged kernel's v registers: dv <= DK (the launcher checks)
+template <bool STAGED>
+__device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y;
     const int t0 = chunk_start[c], n = chunk_len[c];
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
@@ -144,6 +155,35 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
     at += round_up_128(CHUNK * 4);
     float* gate = reinterpret_cast<float*>(at);  // [64]
 
+    // staged: the chunk's raw q / k rows into qs / ks and its v rows into registers, all in flight at once
+    constexpr int ROW_VECS = DK / 8, QK_LOADS = CHUNK * ROW_VECS / 128;
+    constexpr int V_LOADS = CHUNK * (PREPARE_MAX_DV / 8) / 128;
+    uint4 v_rows[STAGED ? V_LOADS : 1];
+    if (STAGED) {
+#pragma unroll
+        for (int it = 0; it < QK_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
+            uint4 qv = make_uint4(0, 0, 0, 0), kv = qv;
+            if (r < n) {
+                qv = *reinterpret_cast<const uint4*>(src + key_head * DK + i);
+                kv = *reinterpret_cast<const uint4*>(src + key_dim + key_head * DK + i);
+            }
+            *reinterpret_cast<uint4*>(qs + r * LDK + i) = qv;
+            *reinterpret_cast<uint4*>(ks + r * LDK + i) = kv;
+        }
+        const int v_vecs = dv / 8;
+#pragma unroll
+        for (int it = 0; it < V_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e / v_vecs, jv = (e % v_vecs) * 8;
+            v_rows[it] = make_uint4(0, 0, 0, 0);
+            if (e < CHUNK * v_vecs && r < n)
+                v_rows[it] = *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim +
+                                                             h * dv + jv);
+        }
+        __syncthreads();
+    }
+
     // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end
     const float q_scale = rsqrtf((float)DK);
     for (int r = warp; r < CHUNK; r += 4) {
@@ -153,8 +193,13 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
 #pragma unroll
         for (int e = 0; e < DK / 32; ++e) {
             const int i = lane + 32 * e;
-            qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
-            kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+            if (STAGED) {  // zeros past the end were staged too
+                qv[e] = to_f(qs[r * LDK + i]);
+                kv[e] = to_f(ks[r * LDK + i]);
+            } else {
+                qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
+                kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+            }
             q_sq += qv[e] * qv[e];
             k_sq += kv[e] * kv[e];
         }
@@ -247,10 +292,23 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
         tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
     }
     // (beta V)^T over the finished Q tile, (beta exp(c) K)^T from the K tile
-    for (int e = threadIdx.x; e < CHUNK * dv; e += blockDim.x) {
-        const int r = e / dv, jv = e % dv;
-        const float x = r < n ? to_f(conv_out[(size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + jv]) : 0.f;
-        vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
+    if (STAGED) {
+        const int v_vecs = dv / 8;
+#pragma unroll
+        for (int it = 0; it < V_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e / v_vecs, jv = (e % v_vecs) * 8;
+            if (e < CHUNK * v_vecs) {
+                const bf16* x = reinterpret_cast<const bf16*>(&v_rows[it]);
+#pragma unroll
+                for (int m = 0; m < 8; ++m) vt[(jv + m) * LDC + r] = __float2bfloat16_rn(beta[r] * to_f(x[m]));
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * dv; e += blockDim.x) {
+            const int r = e / dv, jv = e % dv;
+            const float x = r < n ? to_f(conv_out[(size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + jv]) : 0.f;
+            vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
+        }
     }
     for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
         const int r = e / DK, i = e % DK;
@@ -281,6 +339,16 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
             if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare<false>(smem, PREPARE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare_staged(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare<true>(smem, PREPARE_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------------

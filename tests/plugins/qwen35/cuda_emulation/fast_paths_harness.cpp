@@ -17,6 +17,8 @@ inline void __threadfence() {}
 
 #include "harness.h"
 
+#include <cstring>
+
 int main(int argc, char** argv) {
     if (argc != 7) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps\n"); return 1; }
     const std::string dir = argv[1];
@@ -74,6 +76,22 @@ int main(int argc, char** argv) {
         save(dir, "prefill_out.bin", out);
         save(dir, "prefill_conv_state.bin", conv_state);
         save(dir, "prefill_ssm_state.bin", ssm);
+
+        // the staged prepare kernel on the same conv output: the same qn, kn, W, U, P and c
+        std::vector<bf16> s_qn(qn.size()), s_kn(kn.size()), s_w(w.size()), s_u(u.size()), s_p(p.size());
+        std::vector<float> s_cum(cum.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_prepare_staged(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                     chunk_start.data(), chunk_len.data(), s_qn.data(), s_kn.data(), s_w.data(),
+                                     s_u.data(), s_p.data(), s_cum.data(), nk, nv, dv);
+        });
+        auto bits_equal = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+        };
+        const bool same = bits_equal(s_qn, qn) && bits_equal(s_kn, kn) && bits_equal(s_w, w) && bits_equal(s_u, u) &&
+                          bits_equal(s_p, p) && bits_equal(s_cum, cum);
+        std::vector<int> staged_same{same ? 1 : 0};
+        save(dir, "staged_prepare_same.bin", staged_same);
     }
 
     // decode: one fused kernel
