@@ -139,7 +139,7 @@ GDN_DECODE_VARIANTS = ("plain", "early_loads", "split32", "split64")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024), (1, 1024))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
-PREFILL_VARIANTS = {"plain": {PREFILL_ENV: "plain"}, "staged": {PREFILL_ENV: "staged"}}  # each an environment
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "staged", "split")}  # each an environment
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 

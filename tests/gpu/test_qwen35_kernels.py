@@ -253,10 +253,12 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         assert_same_states()
 
 
-def test_staged_prefill_equals_the_plain_kernels_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("variant", ["staged", "split"])
+def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
-    issued first): prompts from scratch, then continued beside decodes, and a 2,048-token prompt
-    of fast-decaying heads give the plain kernels' outputs and states bit for bit."""
+    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output):
+    prompts from scratch, then continued beside decodes, and a 2,048-token prompt of fast-decaying
+    heads give the plain kernels' outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -272,7 +274,7 @@ def test_staged_prefill_equals_the_plain_kernels_bit_for_bit(monkeypatch):
                                                             np.full(len(slots), fresh)))
             proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
             outs = []
-            for layer, choice in ((plain, "plain"), (staged, "staged")):
+            for layer, choice in ((plain, "plain"), (staged, variant)):
                 monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
                 outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
                                                             layer.device_ssm, seqs, plain.config)))

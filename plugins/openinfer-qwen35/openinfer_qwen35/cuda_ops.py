@@ -19,7 +19,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
                                       OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_chunk_prepare_staged
-                                      (every global read issued first, the same bits)
+                                      (every global read issued first, the same bits); =split:
+                                      that, then the scan split in gdn_chunk_states (the
+                                      sequential state walk alone) and gdn_chunk_output (O for
+                                      every chunk at once; the same bits)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -52,7 +55,8 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
-           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan"),
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
+                              "gdn_chunk_output"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_split32",
                              "gdn_decode_step_split64")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -70,7 +74,9 @@ DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_ea
                   "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
 SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
-PREFILL_KERNELS = {"plain": "gdn_chunk_prepare", "staged": "gdn_chunk_prepare_staged"}
+# the chunked prefill's prepare kernel, and whether the scan is split into states + output
+PREFILL_KERNELS = {"plain": ("gdn_chunk_prepare", False), "staged": ("gdn_chunk_prepare_staged", False),
+                   "split": ("gdn_chunk_prepare_staged", True)}
 DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
@@ -150,16 +156,18 @@ def _launch(name: str, function: cupy.RawKernel, grid: tuple, block: tuple, args
     _kernel_events.append((name, start, stop))
 
 
-def prefill_prepare_kernel(config: Qwen35Config | None = None) -> str:
-    """The chunked prefill's prepare kernel: ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of
-    ``PREFILL_KERNELS``), else ``DEFAULT_PREFILL_KERNELS``. The staged kernel holds a chunk's v
-    rows in registers, so a value head dim above the key head dim gives way to the plain one."""
+def prefill_kernels(config: Qwen35Config | None = None) -> tuple[str, bool]:
+    """The chunked prefill's prepare kernel and whether its scan is split (gdn_chunk_states +
+    gdn_chunk_output): ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of ``PREFILL_KERNELS``), else
+    ``DEFAULT_PREFILL_KERNELS``. The staged prepare holds a chunk's v rows in registers, so a
+    value head dim above the key head dim takes the plain one (the split scan stays)."""
     choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {sorted(PREFILL_KERNELS)}")
+    prepare, split = PREFILL_KERNELS[choice]
     if config is not None and config.linear_value_head_dim > config.linear_key_head_dim:
-        return PREFILL_KERNELS["plain"]
-    return PREFILL_KERNELS[choice]
+        prepare = PREFILL_KERNELS["plain"][0]
+    return prepare, split
 
 
 def _round_128(size: int) -> int:
@@ -180,6 +188,20 @@ def chunk_scan_shared_bytes(dk: int) -> int:
     return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
             + 3 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2)
             + 2 * _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
+def chunk_states_shared_bytes(dk: int) -> int:
+    """gdn_chunk_states' dynamic shared memory (its carve, in order)."""
+    row_k, row_c = dk + 8, CHUNK_SIZE + 8
+    return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
+            + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
+def chunk_output_shared_bytes(dk: int) -> int:
+    """gdn_chunk_output's dynamic shared memory (its carve, in order)."""
+    row_k, row_c = dk + 8, CHUNK_SIZE + 8
+    return (_round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2) + _round_128(SCAN_TILE * row_k * 2)
+            + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
 def chunked_supported(config: Qwen35Config) -> bool:
@@ -222,9 +244,11 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if chunked_supported(config):
-        for name in PREFILL_KERNELS.values():
+        for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
+        kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
         for name in DECODE_KERNELS.values():
             kernel(name, dk, 0, config.linear_conv_kernel_dim)
@@ -358,11 +382,24 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
-    prepare = prefill_prepare_kernel(config)
+    prepare, split_scan = prefill_kernels(config)
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    if split_scan:
+        states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
+        v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
+        states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
+        _launch("gdn_chunk_states", kernel("gdn_chunk_states", dk, states_bytes),
+                (num_seqs, nv, dv // SCAN_TILE), (128,),
+                (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, seqs.device["slots"], seqs.device["fresh"],
+                 ssm_state, states, v_new, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
+        _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),
+                (num_chunks, nv), (128,),
+                (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv), np.int32(dv)),
+                shared_mem=output_bytes)
+        return
     scan_bytes = chunk_scan_shared_bytes(dk)
     _launch("gdn_chunk_scan", kernel("gdn_chunk_scan", dk, scan_bytes),
             (num_seqs, nv, dv // SCAN_TILE), (128,),

@@ -171,6 +171,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
     # the staged prepare kernel (every global read first) writes the plain one's arrays bit for bit
     assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
+    # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
+    assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
     out = read_array(tmp_path, "decode_out", np.uint16, d_expected.shape)
     scale = max(1.0, float(np.abs(d_expected).max()))

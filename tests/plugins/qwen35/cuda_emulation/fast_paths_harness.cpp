@@ -92,6 +92,23 @@ int main(int argc, char** argv) {
                           bits_equal(s_p, p) && bits_equal(s_cum, cum);
         std::vector<int> staged_same{same ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
+
+        // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
+        // core output and final states
+        auto split_ssm = load<float>(dir, "ssm_state.bin");
+        std::vector<bf16> states(static_cast<size_t>(num_chunks) * nv * dv * DK), v_new(core.size());
+        std::vector<bf16> split_core(core.size());
+        launch(num_seqs, nv, dv / SCAN_TILE, 128, [&] {
+            gdn_chunk_states(s_kn.data(), s_w.data(), s_u.data(), s_cum.data(), chunk_start.data(), chunk_len.data(),
+                             seq_chunks.data(), slots.data(), fresh.data(), split_ssm.data(), states.data(),
+                             v_new.data(), nk, nv, dv);
+        });
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), states.data(), v_new.data(), chunk_start.data(),
+                             chunk_len.data(), split_core.data(), nk, nv, dv);
+        });
+        std::vector<int> split_same{bits_equal(split_core, core) && bits_equal(split_ssm, ssm) ? 1 : 0};
+        save(dir, "split_scan_same.bin", split_same);
     }
 
     // decode: one fused kernel
