@@ -18,8 +18,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       (gdn_decode_step_split32 / _split64, the same bits)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
-                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_chunk_prepare_staged
-                                      (every global read issued first, the same bits); =split:
+                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
+                                      channels a thread) and gdn_chunk_prepare_staged (every
+                                      global read issued first), the same bits; =split:
                                       that, then the scan split in gdn_chunk_states (the
                                       sequential state walk alone) and gdn_chunk_output (O for
                                       every chunk at once; the same bits)
@@ -40,7 +41,7 @@ import os
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
@@ -53,7 +54,7 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
@@ -74,9 +75,17 @@ DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_ea
                   "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
 SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
-# the chunked prefill's prepare kernel, and whether the scan is split into states + output
-PREFILL_KERNELS = {"plain": ("gdn_chunk_prepare", False), "staged": ("gdn_chunk_prepare_staged", False),
-                   "split": ("gdn_chunk_prepare_staged", True)}
+
+
+class PrefillKernels(NamedTuple):
+    conv: str  # the varlen conv (every prefill step)
+    prepare: str  # the chunked path's per-chunk kernel
+    split_scan: bool  # the chunk walk as gdn_chunk_states + gdn_chunk_output instead of gdn_chunk_scan
+
+
+PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False),
+                   "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False),
+                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True)}
 DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
@@ -156,18 +165,24 @@ def _launch(name: str, function: cupy.RawKernel, grid: tuple, block: tuple, args
     _kernel_events.append((name, start, stop))
 
 
-def prefill_kernels(config: Qwen35Config | None = None) -> tuple[str, bool]:
-    """The chunked prefill's prepare kernel and whether its scan is split (gdn_chunk_states +
-    gdn_chunk_output): ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of ``PREFILL_KERNELS``), else
-    ``DEFAULT_PREFILL_KERNELS``. The staged prepare holds a chunk's v rows in registers, so a
-    value head dim above the key head dim takes the plain one (the split scan stays)."""
+def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
+    """The prefill path's kernels: ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of ``PREFILL_KERNELS``),
+    else ``DEFAULT_PREFILL_KERNELS``; ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` keeps the plain
+    ones. Shapes a fast kernel does not take get the plain one: the 8-channel conv needs conv_dim
+    and the projection's row stride in multiples of 8, the staged prepare (a chunk's v rows in
+    registers) a value head dim no larger than the key head dim."""
     choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {sorted(PREFILL_KERNELS)}")
-    prepare, split = PREFILL_KERNELS[choice]
-    if config is not None and config.linear_value_head_dim > config.linear_key_head_dim:
-        prepare = PREFILL_KERNELS["plain"][0]
-    return prepare, split
+    plain = PREFILL_KERNELS["plain"]
+    if use_recurrent_kernels():
+        return plain
+    kernels = PREFILL_KERNELS[choice]
+    if config.conv_dim % 8 or proj_stride % 8:
+        kernels = kernels._replace(conv=plain.conv)
+    if config.linear_value_head_dim > config.linear_key_head_dim:
+        kernels = kernels._replace(prepare=plain.prepare)
+    return kernels
 
 
 def _round_128(size: int) -> int:
@@ -339,8 +354,12 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
-    _launch("gdn_conv1d", kernel("gdn_conv1d", dk),
-            (_blocks(num_tokens * conv_dim),), (256,),
+    prefill = prefill_kernels(config, proj.shape[1])
+    if prefill.conv == "gdn_conv1d_vec" and (proj.data.ptr % 16 or conv_state.data.ptr % 16):
+        prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
+    conv_grid, conv_block = (((num_tokens, -(-conv_dim // 1024)), (128,)) if prefill.conv == "gdn_conv1d_vec"
+                             else ((_blocks(num_tokens * conv_dim),), (256,)))
+    _launch(prefill.conv, kernel(prefill.conv, dk), conv_grid, conv_block,
             (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
              device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
     _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
@@ -350,7 +369,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     host_query_start = seqs.query_start
     if (not recurrent and host_query_start is not None and chunked_supported(config)
             and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
-        _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core)
+        _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
     else:
         tile_dv = min(dv, TILE_DV)
         _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk),
@@ -365,7 +384,8 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
 
 
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
-                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray) -> None:
+                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray,
+                        prefill: PrefillKernels) -> None:
     """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence cut
     into chunks of 64 from its first row; ``core`` gets the output O, the slots the new state."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
@@ -382,12 +402,12 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
-    prepare, split_scan = prefill_kernels(config)
+    prepare = prefill.prepare
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
-    if split_scan:
+    if prefill.split_scan:
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
         states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
