@@ -172,10 +172,12 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             *reinterpret_cast<uint4*>(qs + r * LDK + i) = qv;
             *reinterpret_cast<uint4*>(ks + r * LDK + i) = kv;
         }
+        // lane = row: a warp holds 32 consecutive rows of one 8-column group, so its transposed
+        // stores into (beta V)^T below hit consecutive bf16 (row-major lanes: 16-way bank conflicts)
         const int v_vecs = dv / 8;
 #pragma unroll
         for (int it = 0; it < V_LOADS; ++it) {
-            const int e = threadIdx.x + it * 128, r = e / v_vecs, jv = (e % v_vecs) * 8;
+            const int e = threadIdx.x + it * 128, r = e % CHUNK, jv = (e / CHUNK) * 8;
             v_rows[it] = make_uint4(0, 0, 0, 0);
             if (e < CHUNK * v_vecs && r < n)
                 v_rows[it] = *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim +
@@ -296,7 +298,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         const int v_vecs = dv / 8;
 #pragma unroll
         for (int it = 0; it < V_LOADS; ++it) {
-            const int e = threadIdx.x + it * 128, r = e / v_vecs, jv = (e % v_vecs) * 8;
+            const int e = threadIdx.x + it * 128, r = e % CHUNK, jv = (e / CHUNK) * 8;
             if (e < CHUNK * v_vecs) {
                 const bf16* x = reinterpret_cast<const bf16*>(&v_rows[it]);
 #pragma unroll
