@@ -551,11 +551,12 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
 //                     it stores each chunk's entering S^T (bf16, as the mma reads it) and V'
 //   gdn_chunk_output  (grid (N, nv), 128 threads): every chunk at once,
 //                     O = diag(exp(c)) Q S + P V'  for the head's dv / 32 tiles in turn
-// The chain per chunk loses Q S, P V', the O stores and a barrier, and the walk's block needs
-// 67 instead of 98 KiB of shared memory (3 blocks per SM instead of 2). Every product is the
+// The chain per chunk loses Q S, P V', the O stores and a barrier (and U is prefetched with W
+// and K), and the walk's block needs 67 instead of 98 KiB of shared memory and at most 168
+// registers a thread: 3 blocks per SM instead of 2. Every product is the
 // same mma sequence on the same bf16 operands as gdn_chunk_scan's: the same bits.
 //   states [N, nv, dv, DK] bf16 (S^T entering each chunk), v_new [T, nv, dv] bf16 (V')
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 3)
 gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
                  const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
                  const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks, const int* __restrict__ slots,
@@ -591,9 +592,18 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
     constexpr int ROW_VECS = DK / 8;  // uint4 per row of W, K
     constexpr int ROW_LOADS = CHUNK * ROW_VECS / SCAN_THREADS, STATE_LOADS = SCAN_TILE * ROW_VECS / SCAN_THREADS;
     uint4 w_next[ROW_LOADS], k_next[ROW_LOADS];
+    unsigned u_next[2][SCAN_TILE / 8];  // this lane's U pairs (bf16x2) of the mma layout
     float cum_next = 0.f;
     auto prefetch = [&](int c) {  // chunk c's rows into registers; rows past its end as zeros
         const int t0 = chunk_start[c], n = chunk_len[c];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = 16 * warp + g + 8 * half;
+            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                u_next[half][nt] = r < n ? *reinterpret_cast<const unsigned*>(u + nt * 8 + 2 * q4) : 0u;
+        }
 #pragma unroll
         for (int it = 0; it < ROW_LOADS; ++it) {
             const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
@@ -619,6 +629,15 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
             *reinterpret_cast<uint4*>(ks + r * LDK + i) = k_next[it];
         }
         if (threadIdx.x < CHUNK) cum[threadIdx.x] = cum_next;
+        float u_pairs[2][SCAN_TILE / 8][2];  // this chunk's U from registers, before the next prefetch
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&u_next[half][nt]);
+                u_pairs[half][nt][0] = to_f(pair.x);
+                u_pairs[half][nt][1] = to_f(pair.y);
+            }
         for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
             const int i = e / SCAN_TILE, j = e % SCAN_TILE;
             sbt[j * LDK + i] = __float2bfloat16_rn(st[i * LDS + j]);
@@ -636,21 +655,6 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
 
         // V' = U - W S, warp w rows 16w..: to v_new (bf16) and, decayed to the chunk's end, to vkt
         const int r0 = 16 * warp;
-        float u_pairs[2][SCAN_TILE / 8][2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = r0 + g + 8 * half;
-            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
-#pragma unroll
-            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
-                u_pairs[half][nt][0] = u_pairs[half][nt][1] = 0.f;
-                if (r < n) {
-                    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(u + nt * 8 + 2 * q4);
-                    u_pairs[half][nt][0] = to_f(pair.x);
-                    u_pairs[half][nt][1] = to_f(pair.y);
-                }
-            }
-        }
         float acc_v[1][SCAN_TILE / 8][4] = {};
         warp_strip_mma<DK, SCAN_TILE / 8, 1>(
             acc_v, [&](int, int k0, unsigned* a) { load_a(a, ws + r0 * LDK + k0, LDK); }, sbt, LDK);
