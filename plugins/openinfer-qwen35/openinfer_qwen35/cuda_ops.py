@@ -19,8 +19,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
                                       OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
-                                      channels a thread) and gdn_chunk_prepare_staged (every
-                                      global read issued first), the same bits; =split:
+                                      channels a thread), gdn_chunk_prepare_staged (every
+                                      global read issued first) and gdn_gated_norm_warp (a warp
+                                      per token and head), the same bits; =split:
                                       that, then the scan split in gdn_chunk_states (the
                                       sequential state walk alone) and gdn_chunk_output (O for
                                       every chunk at once; the same bits)
@@ -54,7 +55,8 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm",
+                                 "gdn_gated_norm_warp", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
@@ -81,11 +83,12 @@ class PrefillKernels(NamedTuple):
     conv: str  # the varlen conv (every prefill step)
     prepare: str  # the chunked path's per-chunk kernel
     split_scan: bool  # the chunk walk as gdn_chunk_states + gdn_chunk_output instead of gdn_chunk_scan
+    norm: str  # the gated RMSNorm (every prefill step)
 
 
-PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False),
-                   "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False),
-                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True)}
+PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
+                   "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False, "gdn_gated_norm_warp"),
+                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp")}
 DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
@@ -170,7 +173,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     else ``DEFAULT_PREFILL_KERNELS``; ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` keeps the plain
     ones. Shapes a fast kernel does not take get the plain one: the 8-channel conv needs conv_dim
     and the projection's row stride in multiples of 8, the staged prepare (a chunk's v rows in
-    registers) a value head dim no larger than the key head dim."""
+    registers) a value head dim no larger than the key head dim, the warp-per-head norm a value
+    head dim that is a multiple of 32 up to 256."""
     choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {sorted(PREFILL_KERNELS)}")
@@ -182,6 +186,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(conv=plain.conv)
     if config.linear_value_head_dim > config.linear_key_head_dim:
         kernels = kernels._replace(prepare=plain.prepare)
+    if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
+        kernels = kernels._replace(norm=plain.norm)
     return kernels
 
 
@@ -376,10 +382,15 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
                 (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
                  device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
-    _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
-            (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
-            (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
-             np.float32(config.rms_norm_eps)))
+    if prefill.norm == "gdn_gated_norm_warp":
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,),
+                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
+                 np.float32(config.rms_norm_eps)))
+    else:
+        _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
+                (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
+                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
+                 np.float32(config.rms_norm_eps)))
     return out
 
 

@@ -169,8 +169,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(ssm[untouched], ssm_before[untouched])
 
     check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
-    # the 8-channel conv and the staged prepare kernel (every global read first) write the plain
-    # ones' arrays bit for bit
+    # the 8-channel conv, the staged prepare kernel (every global read first) and the warp-per-head
+    # gated norm write the plain ones' arrays bit for bit
     assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1

@@ -175,6 +175,52 @@ extern "C" __global__ void gdn_gated_norm(const bf16* __restrict__ core, const b
     }
 }
 
+// gdn_gated_norm with one warp per (token, head) and 4 heads a block (OPENINFER_QWEN35_GDN_PREFILL=
+// staged | split): grid (T, ceil(nv / 4)), 128 threads, no barrier; a lane reads its dv / 32
+// elements of o, z and the weight up front (one global round trip where the block kernel makes
+// two, with two barriers between). For dv a multiple of 32 up to 256, where gdn_gated_norm's
+// block is dv threads: lane l's element 32 e + l is that block's warp e, lane l, so summing each
+// e over the warp and then the dv / 32 warp sums by a 32-lane butterfly (block_sum's order) gives
+// the same bits.
+#define GATED_NORM_MAX_WARPS 8  // dv <= 256
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                    const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                    int num_value_heads, int dv, float eps) {
+    const int t = blockIdx.x, h = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (h >= num_value_heads) return;  // a whole warp
+    const int warps = dv / 32;
+    const bf16* o = core + (size_t)t * value_dim + (size_t)h * dv;
+    const bf16* z = proj + (size_t)t * proj_stride + conv_dim + (size_t)h * dv;
+    float ov[GATED_NORM_MAX_WARPS], zv[GATED_NORM_MAX_WARPS], wv[GATED_NORM_MAX_WARPS];
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        ov[e] = zv[e] = wv[e] = 0.f;
+        if (e < warps) {
+            ov[e] = to_f(o[32 * e + lane]);
+            zv[e] = to_f(z[32 * e + lane]);
+            wv[e] = to_f(norm_weight[32 * e + lane]);
+        }
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        if (e < warps) {
+            const float warp_total = warp_sum(ov[e] * ov[e]);
+            if (lane == e) total = warp_total;
+        }
+    }
+    const float inv_rms = rsqrtf(warp_sum(total) / (float)dv + eps);
+    bf16* dst = out + (size_t)t * value_dim + (size_t)h * dv;
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        if (e < warps) {
+            const float normed = round_bf16(ov[e] * inv_rms);
+            dst[32 * e + lane] = __float2bfloat16_rn(round_bf16(wv[e] * normed) * silu_f(zv[e]));
+        }
+    }
+}
+
 // out[t, c] = x[t, c] * sigmoid(gate[t, c]); gate rows are gate_stride apart (a column slice).
 extern "C" __global__ void sigmoid_mul(const bf16* __restrict__ x, const bf16* __restrict__ gate, int gate_stride,
                                        bf16* __restrict__ out, long long rows, int features) {

@@ -97,7 +97,12 @@ int main(int argc, char** argv) {
         };
         const bool same = bits_equal(s_qn, qn) && bits_equal(s_kn, kn) && bits_equal(s_w, w) && bits_equal(s_u, u) &&
                           bits_equal(s_p, p) && bits_equal(s_cum, cum);
-        std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) ? 1 : 0};
+        std::vector<bf16> warp_out(out.size());
+        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((nv + 3) / 4), 1, 128, [&] {
+            gdn_gated_norm_warp(core.data(), proj.data(), proj_stride, norm.data(), warp_out.data(), conv_dim,
+                                value_dim, nv, dv, eps);
+        });
+        std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
 
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
