@@ -134,12 +134,13 @@ KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
-# these (sequences, tokens each) steps, fresh prompts as a mixed step's
+# these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
+# mixed steps hold 8 prompts of ~1k and up to ~58 decodes
 GDN_DECODE_VARIANTS = ("plain", "early_loads", "split32", "split64")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
-GDN_PREFILL_STEPS = ((8, 1024), (1, 1024))
+GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
-PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "staged", "split")}  # each an environment
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "staged", "split", "split_rows")}  # environments
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -565,7 +566,7 @@ def run_decode_kernels_only(args: argparse.Namespace) -> dict:
 
 def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
     """One GDN layer's prefill path at the 4B shape, per kernel (``cuda_ops.kernel_timer``: CUDA
-    events around each launch), for each (sequences, tokens each) step of fresh prompts and each
+    events around each launch), for each (prompts, tokens each, decode rows) step and each
     PREFILL_VARIANTS environment: the median over ``repeats`` calls of each kernel's ms and the
     whole call's (events around ``delta_net``, so launch gaps included)."""
     import cupy
@@ -594,12 +595,15 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
             os.environ.pop(name, None)
         os.environ.update(environment)
         per_step = {}
-        for num_seqs, length in steps:
+        for num_prompts, length, decodes in steps:
+            num_seqs = num_prompts + decodes
             conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
             ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
-            seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(num_seqs + 1) * length,
-                                                            np.arange(1, num_seqs + 1), np.ones(num_seqs, bool)))
-            proj = bf16((num_seqs * length, features))
+            query_start = np.concatenate([np.arange(num_prompts + 1) * length,
+                                          num_prompts * length + np.arange(1, decodes + 1)])
+            fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
+            proj = bf16((int(query_start[-1]), features))
             cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
             kernels: dict[str, list[float]] = {}
             totals = []
@@ -613,9 +617,10 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
                 totals.append(cupy.cuda.get_elapsed_time(start, stop))
                 for name, ms in times.items():
                     kernels.setdefault(name, []).append(ms)
-            per_step[f"{num_seqs}x{length}"] = {"total_ms": statistics.median(totals),
-                                                "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
-            print(f"prefill {variant} {num_seqs}x{length}: {per_step[f'{num_seqs}x{length}']}", flush=True)
+            step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
+            per_step[step] = {"total_ms": statistics.median(totals),
+                              "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
+            print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
         results[variant] = per_step
         for name in environment:
             os.environ.pop(name, None)
@@ -652,7 +657,7 @@ def plot_gdn_kernels(results: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [1, 2]})
     for variant, measured in results["decode_replay_us"].items():
         decode.plot([int(r) for r in measured], list(measured.values()), marker="o", label=variant)
     decode.set_xscale("log", base=2)
@@ -671,7 +676,8 @@ def plot_gdn_kernels(results: dict, path: Path) -> None:
         prefill.bar([label for label, _ in bars], values, bottom=bottoms, label=name)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     prefill.set_ylabel("ms per layer (CUDA events per kernel)")
-    prefill.set_title("GDN prefill path, fresh prompts")
+    prefill.set_title("GDN prefill path (fresh prompts, + continuing decode rows)")
+    prefill.tick_params(axis="x", labelsize=7)
     if names:
         prefill.legend(fontsize=7)
     fig.suptitle(f"{results['shape']}, {results['device']}", fontsize=9)

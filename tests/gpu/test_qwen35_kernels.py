@@ -93,14 +93,19 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows"])
 def kernels(request, monkeypatch):
-    """Each test on the fast kernels and on the earlier ones (the benchmark's baseline)."""
+    """Each test on the fast kernels, on the earlier ones (the benchmark's baseline) and on
+    OPENINFER_QWEN35_GDN_PREFILL=split_rows (a mixed step's one-token rows token by token)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
+    if request.param == "split_rows":
+        monkeypatch.setenv(cuda_ops.KERNELS_ENV, "chunked")
+        monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows")
+    else:
+        monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
     return request.param
 
 

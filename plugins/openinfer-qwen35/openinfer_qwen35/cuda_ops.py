@@ -24,7 +24,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       per token and head), the same bits; =split:
                                       that, then the scan split in gdn_chunk_states (the
                                       sequential state walk alone) and gdn_chunk_output (O for
-                                      every chunk at once; the same bits)
+                                      every chunk at once; the same bits); =split_rows: that,
+                                      and a mixed step's one-token rows through
+                                      gdn_delta_rule_rows (token by token) instead of a
+                                      one-row chunk each (within bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -55,7 +58,8 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+                                 "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
@@ -84,11 +88,16 @@ class PrefillKernels(NamedTuple):
     prepare: str  # the chunked path's per-chunk kernel
     split_scan: bool  # the chunk walk as gdn_chunk_states + gdn_chunk_output instead of gdn_chunk_scan
     norm: str  # the gated RMSNorm (every prefill step)
+    # a chunked step's one-token rows (a mixed step's decodes) through gdn_delta_rule_rows instead
+    # of a one-row chunk each (a whole chunk's work: a prepare block a head, a scan walk a tile)
+    rows_apart: bool = False
 
 
 PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
                    "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False, "gdn_gated_norm_warp"),
-                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp")}
+                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
+                   "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
+                                                "gdn_gated_norm_warp", True)}
 DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
@@ -373,15 +382,26 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
             (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
              np.int32(conv_dim), np.int32(width)))
     host_query_start = seqs.query_start
+    tile_dv = min(dv, TILE_DV)
+    delta_rule_grid, delta_rule_block = (nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,)
+    delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
+                       device["slots"], device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv),
+                       np.int32(tile_dv))
     if (not recurrent and host_query_start is not None and chunked_supported(config)
             and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
-        _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
+        lengths = np.diff(host_query_start)
+        if prefill.rows_apart and (lengths == 1).any():
+            single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+            ids = cupy.asarray(np.concatenate([single, chunked]).astype(np.int32))
+            _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
+                    delta_rule_block, (*delta_rule_args, ids[: len(single)]))
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill,
+                                (chunked, ids[len(single) :]))
+        else:
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
     else:
-        tile_dv = min(dv, TILE_DV)
-        _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk),
-                (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
-                (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
-                 device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
+        _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
+                delta_rule_args)
     if prefill.norm == "gdn_gated_norm_warp":
         _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,),
                 (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
@@ -395,14 +415,23 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
 
 
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
-                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray,
-                        prefill: PrefillKernels) -> None:
-    """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence cut
-    into chunks of 64 from its first row; ``core`` gets the output O, the slots the new state."""
+                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray, prefill: PrefillKernels,
+                        subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
+    """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
+    ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
+    ``core`` gets the output O, the slots the new state."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
-    num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
-    chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
+    num_tokens = proj.shape[0]
+    slots, fresh = seqs.device["slots"], seqs.device["fresh"]
+    if subset is None:
+        num_seqs = len(seqs.slots)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
+    else:
+        host_ids, device_ids = subset
+        num_seqs = len(host_ids)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=host_ids)
+        slots, fresh = slots[device_ids], fresh[device_ids]
     num_chunks = len(chunk_start)
     layout = cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
@@ -424,8 +453,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
         _launch("gdn_chunk_states", kernel("gdn_chunk_states", dk, states_bytes),
                 (num_seqs, nv, dv // SCAN_TILE), (128,),
-                (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, seqs.device["slots"], seqs.device["fresh"],
-                 ssm_state, states, v_new, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
+                (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
+                 np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
         _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),
                 (num_chunks, nv), (128,),
                 (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv), np.int32(dv)),
@@ -434,8 +463,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     scan_bytes = chunk_scan_shared_bytes(dk)
     _launch("gdn_chunk_scan", kernel("gdn_chunk_scan", dk, scan_bytes),
             (num_seqs, nv, dv // SCAN_TILE), (128,),
-            (qn, kn, w_chunks, u_chunks, p_chunks, cum, starts, lengths, per_seq, seqs.device["slots"],
-             seqs.device["fresh"], ssm_state, core, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
+            (qn, kn, w_chunks, u_chunks, p_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, core,
+             np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
 def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:

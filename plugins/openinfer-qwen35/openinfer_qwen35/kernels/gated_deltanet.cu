@@ -102,16 +102,18 @@ extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int pro
 // DK/SPLIT) of the state column S[:, j] in registers (part = t % SPLIT), and the SPLIT partial
 // dot products meet by shuffles — a short serial chain per token, which bounds prefill speed.
 // Writes the core output o (bf16, as HF hands it to the norm) for gdn_gated_norm.
-extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int proj_stride,
-                                          const bf16* __restrict__ conv_out, float* __restrict__ ssm_state,
-                                          const float* __restrict__ neg_decay_rate,
-                                          const float* __restrict__ dt_bias, const int* __restrict__ query_start,
-                                          const int* __restrict__ slots, const int* __restrict__ fresh,
-                                          bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv,
-                                          int tile_dv) {
+#define DELTA_RULE_PARAMS                                                                                    \
+    const bf16 *__restrict__ proj, int proj_stride, const bf16 *__restrict__ conv_out,                         \
+        float *__restrict__ ssm_state, const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias, \
+        const int *__restrict__ query_start, const int *__restrict__ slots, const int *__restrict__ fresh,        \
+        bf16 *__restrict__ core, int num_key_heads, int num_value_heads, int dv, int tile_dv
+#define DELTA_RULE_ARGS                                                                                      \
+    proj, proj_stride, conv_out, ssm_state, neg_decay_rate, dt_bias, query_start, slots, fresh, core,          \
+        num_key_heads, num_value_heads, dv, tile_dv
+__device__ __forceinline__ void delta_rule_sequence(int s, DELTA_RULE_PARAMS) {
     constexpr int ROWS = DK / SPLIT;
     __shared__ float q[DK], k[DK], scratch[32];
-    const int s = blockIdx.x, h = blockIdx.y;
+    const int h = blockIdx.y;
     const int local = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
     const int j = blockIdx.z * tile_dv + local;
     const bool active = local < tile_dv && j < dv;
@@ -151,6 +153,14 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
     }
+}
+
+extern "C" __global__ void gdn_delta_rule(DELTA_RULE_PARAMS) { delta_rule_sequence(blockIdx.x, DELTA_RULE_ARGS); }
+
+// gdn_delta_rule over the sequences seq_ids[blockIdx.x] of the step (OPENINFER_QWEN35_GDN_PREFILL=
+// split_rows: a mixed step's one-token rows, while its prompts take the chunked kernels).
+extern "C" __global__ void gdn_delta_rule_rows(DELTA_RULE_PARAMS, const int* __restrict__ seq_ids) {
+    delta_rule_sequence(seq_ids[blockIdx.x], DELTA_RULE_ARGS);
 }
 
 // out[t, h, :] = RMSNorm(o[t, h, :]) * w * silu(z[t, h, :]), rounding as HF's bf16 RMSNormGated.
