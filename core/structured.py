@@ -35,6 +35,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -325,22 +326,93 @@ class MaskWorker:
             thread.join()
 
     def _run(self) -> None:
-        while True:
-            with self._wakeup:
-                if not self._jobs and not self._closed:
-                    self._wakeup.wait(self.IDLE_EXIT_S)
-                if not self._jobs:
-                    self._thread = None
-                    return
-                consume, matchers, masks, taken = self._jobs.pop(0)
-            taken.set()
-            failed = False
-            try:
-                fill_masks(self._executor, consume, matchers, masks.bitmask)
-            except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
-                logger.exception("computing grammar masks in the background failed")
-                failed = True
-            masks._finish(failed)
+        lowered = False  # this worker holds the GIL switch interval lowered (gil_switch_interval_s)
+        try:
+            while True:
+                with self._wakeup:
+                    if not self._jobs and not self._closed:
+                        if lowered:  # idle: the interpreter's own interval again
+                            _restore_switch_interval()
+                            lowered = False
+                        self._wakeup.wait(self.IDLE_EXIT_S)
+                    if not self._jobs:
+                        self._thread = None
+                        return
+                    consume, matchers, masks, taken = self._jobs.pop(0)
+                interval = gil_switch_interval_s()
+                if interval is not None:
+                    _lower_switch_interval(interval, already=lowered)
+                    lowered = True
+                elif lowered:
+                    _restore_switch_interval()
+                    lowered = False
+                taken.set()
+                failed = False
+                try:
+                    fill_masks(self._executor, consume, matchers, masks.bitmask)
+                except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
+                    logger.exception("computing grammar masks in the background failed")
+                    failed = True
+                masks._finish(failed)
+        finally:
+            if lowered:
+                _restore_switch_interval()
+
+
+# =N (microseconds): while the mask worker has masks to compute, the interpreter's GIL switch interval
+# (sys.setswitchinterval, 5 ms by default) is N us. When llguidance returns, the worker needs the GIL
+# to release the device (StepMasks._finish: the flag the GPU polls); an engine thread busy in Python
+# hands it over only when it blocks or when the interval ends, so a late hand-over idles the GPU.
+# Read at every mask job (switchable between runs); unset: the interval is left alone (opt-in until
+# measured on a GPU)
+GIL_SWITCH_INTERVAL_ENV = "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US"
+
+
+def gil_switch_interval_s() -> float | None:
+    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US`` in seconds, or None (unset, empty, 0 or invalid:
+    the interval is left alone; an invalid value is logged once)."""
+    raw = os.environ.get(GIL_SWITCH_INTERVAL_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value == value):
+        if raw not in _REPORTED_INTERVALS:
+            _REPORTED_INTERVALS.add(raw)
+            logger.warning("%s=%r is not a number of microseconds; the GIL switch interval is left alone",
+                           GIL_SWITCH_INTERVAL_ENV, raw)
+        return None
+    return value / 1e6 if value > 0 else None
+
+
+_REPORTED_INTERVALS: set[str] = set()
+
+
+_SWITCH_INTERVAL_LOCK = threading.Lock()
+_switch_interval_users = 0  # mask workers holding the interval lowered
+_saved_switch_interval = 0.0  # the interpreter's interval before the first of them
+
+
+def _lower_switch_interval(interval: float, already: bool) -> None:
+    """The GIL switch interval becomes ``interval`` for a mask worker (``already``: it holds it)."""
+    global _switch_interval_users, _saved_switch_interval
+    with _SWITCH_INTERVAL_LOCK:
+        if not already:
+            if _switch_interval_users == 0:
+                _saved_switch_interval = sys.getswitchinterval()
+            _switch_interval_users += 1
+        sys.setswitchinterval(interval)
+
+
+def _restore_switch_interval() -> None:
+    """A mask worker lets go of the lowered interval; the last one restores the interpreter's."""
+    global _switch_interval_users
+    with _SWITCH_INTERVAL_LOCK:
+        _switch_interval_users -= 1
+        if _switch_interval_users == 0:
+            sys.setswitchinterval(_saved_switch_interval)
 
 
 def consume_tokens(executor: llg.LLExecutor, consume: Sequence[tuple[llg.LLMatcher, int]]) -> None:

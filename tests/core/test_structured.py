@@ -489,3 +489,40 @@ def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeyp
     assert built.tokens_consumed_on_worker and not built.string_length_slices
     cache.tokens_consumed_on_worker, cache.string_length_slices = False, True
     assert not built.tokens_consumed_on_worker and built.string_length_slices
+
+
+def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monkeypatch, caplog):
+    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: while the mask worker has a job, the GIL switch
+    interval is the value asked for (seen from a ready callback, which runs on the worker before it
+    goes idle); once idle, the interpreter's own interval again; the masks are the same. Unset, 0 or
+    not a number (logged): left alone."""
+    import sys
+    import time
+
+    from openinfer.structured import GIL_SWITCH_INTERVAL_ENV, MaskWorker, gil_switch_interval_s
+
+    for raw, expected in (("", None), ("0", None), ("250", 250e-6), ("1.5", 1.5e-6), ("fast", None), ("-3", None),
+                          ("nan", None)):
+        monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
+        assert gil_switch_interval_s() == expected, raw
+    assert "is not a number of microseconds" in caplog.text
+    vocab = tokenizer.get_vocab_size() + 5
+    eos = [tokenizer.token_to_id("<eos>")]
+    constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
+    original = sys.getswitchinterval()
+    monkeypatch.setattr(MaskWorker, "IDLE_EXIT_S", 0.05)
+    for raw, during in (("250", 250e-6), ("", original)):
+        monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
+        background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
+                                 for flag in (True, False))
+        expected = reference.start_masks([(reference.compile(constraint), 0)], 1).wait()
+        masks = StepMasks.pending([0], 1, expected.bitmask.shape[1])
+        seen = []  # the callback runs on the worker, in its job
+        masks.when_ready(lambda _, seen=seen: seen.append(sys.getswitchinterval()))
+        background.start_masks([(background.compile(constraint), 0)], 1, into=masks)
+        assert np.array_equal(masks.wait().bitmask, expected.bitmask)
+        assert seen == [pytest.approx(during)]
+        deadline = time.monotonic() + 5
+        while sys.getswitchinterval() != original and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker restores the interval when it is idle
+        assert sys.getswitchinterval() == original

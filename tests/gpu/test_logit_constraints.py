@@ -104,13 +104,17 @@ def test_engine_mixes_constrained_and_free_rows_on_cuda(tmp_path):
             assert set(outcome.token_ids) == {77}
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("vocab", [4099, 151936])
-def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab):
+def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab, tiled, monkeypatch):
     """The step's packed int32 bitmask applied on the device (``apply_logit_constraints``, bias
-    first) gives bit for bit the logits of the NumPy sampler's ``apply_logit_bias`` +
-    ``apply_bitmasks`` (bf16 rounding of the biased values included), for random masks of
-    every kind (dense, all / none allowed, a few allowed, a few forbidden)."""
-    from openinfer.backend.cuda.sampler import apply_logit_constraints
+    first; or its tiled variant, ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``) gives bit for bit the
+    logits of the NumPy sampler's ``apply_logit_bias`` + ``apply_bitmasks`` (bf16 rounding of the
+    biased values included), for random masks of every kind (dense, all / none allowed, a few
+    allowed, a few forbidden)."""
+    from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, apply_logit_constraints
+
+    monkeypatch.setenv(TILED_CONSTRAINTS_ENV, "1" if tiled else "0")
     from openinfer.sampling import apply_logit_bias
     from openinfer.structured import apply_bitmasks
     from openinfer.weights import bf16_to_float32, float32_to_bf16
@@ -148,9 +152,10 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
     import time
     from types import SimpleNamespace
 
-    from openinfer.backend.cuda.sampler import sample_rows_async
+    from openinfer.backend.cuda.sampler import mask_gates, sample_rows_async
 
     rows, vocab = 16, 151936
+    waited_before, waits_before = mask_gates().device_wait_ms
     masked = [r for r in range(rows) if r % 4 != 3]
     params = [pb.SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r) for r in range(rows)]
 
@@ -182,6 +187,8 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
         assert tokens == expected
         for r in masked:
             assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
+    waited, waits = mask_gates().device_wait_ms  # the GPU waited out each 50 ms delay, less its own work
+    assert waits - waits_before == 6 and 6 * 10 < waited - waited_before < 6 * 5000
     abandoned = StepMasks.pending(masked, rows, bitmask.shape[1])
     launched = sample_rows_async(logits, sampling_rows(), abandoned)
     abandoned.abandon()
