@@ -78,6 +78,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -316,7 +317,10 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_device_wait_worker_consumes": ("all", "device_wait_worker_consumes"),
            "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes"),
            "schema_engine_consumes_length_slices": ("all", "background_engine_consumes_length_slices"),
-           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices")}
+           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices"),
+           "schema_tiled": ("all", "default_tiled"), "schema_gil_interval": ("all", "default_gil_interval"),
+           "schema_tiled_gil_interval": ("all", "default_tiled_gil_interval"),
+           "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -326,7 +330,18 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "background_worker_consumes": ("1", "0", "1", "0"), "device_wait_worker_consumes": ("1", "1", "1", "0"),
          "background_engine_consumes": ("1", "0", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0", "0"),
          "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
-         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1")}
+         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1"),
+         "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
+         "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", "")}
+# switches read from the environment at every step, set per run by use_mode (unset for the modes not
+# named): the tiled logit-constraints kernel (CUDA) and the GIL switch interval while masks are computed
+GIL_INTERVAL_US = "200"
+ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1"},
+                        "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
+                            "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
+                            "worker_consumes_gil_interval": GIL_INTERVAL_US}}
+# the job's own environment for those (the engine defaults of a run that sets none)
+_ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
 _CREATED_SWITCHES: dict[int, dict[str, bool]] = {}
 _SWITCHES = {1: "grammar_masks_waited_on_device", 2: "grammar_tokens_consumed_on_worker",
@@ -362,12 +377,20 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
 def use_mode(engines: dict[str, Any], mode: str) -> Any:
     """The engine of ``mode``, its device wait, where it consumes the step's tokens and its slices
     switched for it."""
+    import os
+
     engine = engines[mode]
     created = _CREATED_SWITCHES.get(id(engine), {})
     for position, name in _SWITCHES.items():
         if name in created:
             setting = MODES[mode][position]
             setattr(engine, name, created[name] if setting == "" else setting == "1")
+    for variable, values in ENVIRONMENT_SWITCHES.items():
+        value = values.get(mode, _ENVIRONMENT_AT_START[variable])
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
     return engine
 
 
@@ -515,12 +538,14 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
 
 
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
-                   constraint: dict | None = None) -> dict:
+                   constraint: dict | None = None, device_wait: Any = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
     a constrained request is compiled there — stay out of it), and the process CPU time per step
-    over the same window."""
+    over the same window. ``device_wait``: on CUDA, ``mask_gates().device_wait_ms`` (the GPU's time
+    spent waiting for grammar masks, and its count of such steps, so far): the run's share of it,
+    per step that waited, over the whole run."""
     from openinfer.v1 import engine_pb2 as pb
 
     marks: dict[str, float] = {}
@@ -547,12 +572,18 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
+    waited_before = device_wait() if device_wait is not None else None
     stamps = asyncio.run(run())
     all_started = max(row[0] for row in stamps)
     gaps = [b - a for row in stamps for a, b in zip(row, row[1:], strict=False) if a >= all_started]
     steps = max(1, statistics.median(len([t for t in row if t > all_started]) for row in stamps))
-    return {"tpot_ms": statistics.fmean(gaps) * 1e3,
-            "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    result = {"tpot_ms": statistics.fmean(gaps) * 1e3,
+              "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    if waited_before is not None:
+        waited, waits = (now - before for now, before in zip(device_wait(), waited_before, strict=True))
+        result["device_mask_wait_ms_per_waiting_step"] = waited / waits if waits else 0.0
+        result["device_steps_waiting_for_masks"] = waits
+    return result
 
 
 def synthetic_vocabulary(directory: Path, vocab_size: int) -> None:
@@ -911,6 +942,12 @@ def run_overhead(args: argparse.Namespace) -> dict:
                "load_format": "dummy" if dummy else "auto"}
     configs = {name: CONFIGS[name] for name in args.configs}
     engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
+    device_wait = None
+    if args.device == "cuda":
+        from openinfer.backend.cuda.sampler import mask_gates
+
+        def device_wait() -> tuple[float, int]:
+            return mask_gates().device_wait_ms
     rows = []
     try:
         for batch in args.batches:
@@ -922,7 +959,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
             runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
-                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained))
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained,
+                                                     device_wait=device_wait))
                     print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
@@ -930,6 +968,9 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 row[f"tpot_ms_{name}_min"] = min(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+                if "device_mask_wait_ms_per_waiting_step" in runs[name][0]:
+                    row[f"device_mask_wait_ms_per_waiting_step_{name}"] = statistics.median(
+                        r["device_mask_wait_ms_per_waiting_step"] for r in runs[name])
             plain = row["tpot_ms_plain"]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain
