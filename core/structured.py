@@ -296,6 +296,7 @@ class MaskWorker:
                                threading.Event]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._interval_held = False  # hold_switch_interval lowered the GIL switch interval
         _OPEN_MASK_WORKERS.add(self)
 
     def submit(self, consume: list[tuple[llg.LLMatcher, int]], matchers: list[tuple[llg.LLMatcher, int]],
@@ -325,27 +326,32 @@ class MaskWorker:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
+    def hold_switch_interval(self, interval: float) -> None:
+        """Lower the GIL switch interval to ``interval`` (:func:`gil_switch_interval_s`) until this
+        worker is next idle: from the engine thread, before a step's tokens are consumed, so every
+        hand-over of the GIL in the step's mask work (the caller's return from consuming, the
+        worker's start and its return from filling) comes within ``interval``."""
+        with self._wakeup:
+            _lower_switch_interval(interval, already=self._interval_held)
+            self._interval_held = True
+
+    def _release_switch_interval(self) -> None:
+        """(holding ``_wakeup``) The interpreter's own interval again, if this worker lowered it."""
+        if self._interval_held:
+            _restore_switch_interval()
+            self._interval_held = False
+
     def _run(self) -> None:
-        lowered = False  # this worker holds the GIL switch interval lowered (gil_switch_interval_s)
         try:
             while True:
                 with self._wakeup:
                     if not self._jobs and not self._closed:
-                        if lowered:  # idle: the interpreter's own interval again
-                            _restore_switch_interval()
-                            lowered = False
+                        self._release_switch_interval()  # idle: nothing to hand over
                         self._wakeup.wait(self.IDLE_EXIT_S)
                     if not self._jobs:
                         self._thread = None
                         return
                     consume, matchers, masks, taken = self._jobs.pop(0)
-                interval = gil_switch_interval_s()
-                if interval is not None:
-                    _lower_switch_interval(interval, already=lowered)
-                    lowered = True
-                elif lowered:
-                    _restore_switch_interval()
-                    lowered = False
                 taken.set()
                 failed = False
                 try:
@@ -355,16 +361,18 @@ class MaskWorker:
                     failed = True
                 masks._finish(failed)
         finally:
-            if lowered:
-                _restore_switch_interval()
+            with self._wakeup:
+                self._release_switch_interval()
 
 
-# =N (microseconds): while the mask worker has masks to compute, the interpreter's GIL switch interval
-# (sys.setswitchinterval, 5 ms by default) is N us. When llguidance returns, the worker needs the GIL
-# to release the device (StepMasks._finish: the flag the GPU polls); an engine thread busy in Python
-# hands it over only when it blocks or when the interval ends, so a late hand-over idles the GPU.
-# Read at every mask job (switchable between runs); unset: the interval is left alone (opt-in until
-# measured on a GPU)
+# =N (microseconds): from the start of a step's background mask work (GrammarCompiler.start_masks)
+# until the mask worker is idle again, the interpreter's GIL switch interval (sys.setswitchinterval,
+# 5 ms by default) is N us. Each llguidance call returns needing the GIL, and the worker's start needs
+# it too; when it is done the worker needs it to release the device (StepMasks._finish: the flag the
+# GPU polls). A thread busy in Python (the engine's emission and scheduling, the frontend's event
+# loop) hands the GIL over only when it blocks or when the interval ends, so a late hand-over idles
+# the GPU. Read at every step (switchable between runs); unset: the interval is left alone (opt-in
+# until measured on a GPU)
 GIL_SWITCH_INTERVAL_ENV = "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US"
 
 
@@ -617,6 +625,9 @@ class GrammarCompiler:
         for matcher in busy.values():
             matcher._wait_until_free()
         on_worker = background and self._worker is not None
+        interval = gil_switch_interval_s() if on_worker else None
+        if interval is not None:
+            self._worker.hold_switch_interval(interval)
         if on_worker and taken and not self.tokens_consumed_on_worker:
             try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
                 consume_tokens(self._executor, taken)

@@ -492,10 +492,10 @@ def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeyp
 
 
 def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monkeypatch, caplog):
-    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: while the mask worker has a job, the GIL switch
-    interval is the value asked for (seen from a ready callback, which runs on the worker before it
-    goes idle); once idle, the interpreter's own interval again; the masks are the same. Unset, 0 or
-    not a number (logged): left alone."""
+    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: from ``start_masks`` until the mask worker is
+    idle, the GIL switch interval is the value asked for (seen from a ready callback, which runs on
+    the worker in its job); once idle, the interpreter's own interval again; the masks are the same.
+    Unset, 0 or not a number (logged): left alone."""
     import sys
     import time
 
