@@ -194,3 +194,39 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
     abandoned.abandon()
     with pytest.raises(RuntimeError, match="grammar masks"):
         launched[1]()
+
+
+def test_tiled_in_place_constraints_sample_what_the_copying_kernel_samples(cuda_backend, rng, monkeypatch):
+    """``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``: the engine's asynchronous sampling applies the bias and
+    masks with the tiled kernel to the forward's logits in place; the tokens equal those of the
+    one-block-per-row kernel on a copy, for seeded random and greedy rows, with and without a mask
+    or a bias, and every masked row samples an allowed token."""
+    from types import SimpleNamespace
+
+    from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, sample_rows_async
+
+    rows, vocab = 24, 151936
+    logits = bf16_random(rng, rows, vocab, scale=3.0)
+    bitmask = random_bitmask(rng, rows, vocab, keep=0.05)
+    masked = [r for r in range(rows) if r % 3 != 0]
+    params = []
+    for r in range(rows):
+        p = pb.SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r)
+        if r % 4 == 1:
+            p.logit_bias[int(rng.integers(vocab))] = 30.0
+        params.append(p)
+
+    def sampled(tiled: str) -> list[int]:
+        monkeypatch.setenv(TILED_CONSTRAINTS_ENV, tiled)
+        batch = [SimpleNamespace(samples=True, request=SimpleNamespace(
+            sampling=SamplingState.create(p, [1], 0, i), want_prompt_logprobs=False, want_logprobs=False,
+            num_logprobs=0, num_output_tokens=0, stop=pb.StopConditions()))
+            for i, p in enumerate(params)]
+        launched = sample_rows_async(cupy.asarray(logits), batch, StepMasks.from_rows(bitmask, masked))
+        assert launched is not None
+        return [s.token_id for s in launched[1]()]
+
+    tokens = sampled("1")
+    assert tokens == sampled("0")
+    for r in masked:
+        assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
