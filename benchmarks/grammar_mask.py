@@ -29,7 +29,13 @@ max_tokens), measured side by side in one run:
     (the engine thread or the GPU waits for a step's masks, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT``),
     ``worker_consumes`` / ``engine_consumes`` (who advances the matchers by the step's tokens,
     ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``), ``length_slices`` (``structured.string_length_slices``,
-    ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``); ``--tpot-only`` skips (a) for a short GPU window.
+    ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``), ``tiled`` (the CUDA sampler's bias and masks applied
+    by ``apply_logit_constraints_tiled``, a row over many blocks, in place on the forward's logits:
+    ``OPENINFER_TILED_LOGIT_CONSTRAINTS``), ``gil_interval`` (the GIL switch interval at
+    ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``);
+    ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
+    the GPU spent waiting for its masks per waiting step (``wait_for_host_flag`` measures it): what
+    of the overhead is masks late, apart from the device's own extra work.
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
