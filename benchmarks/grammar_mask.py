@@ -32,7 +32,8 @@ max_tokens), measured side by side in one run:
     ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``), ``tiled`` (the CUDA sampler's bias and masks applied
     by ``apply_logit_constraints_tiled``, a row over many blocks, in place on the forward's logits:
     ``OPENINFER_TILED_LOGIT_CONSTRAINTS``), ``gil_interval`` (the GIL switch interval at
-    ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``);
+    ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``),
+    ``16_threads`` (llguidance's threads for the masks, ``OPENINFER_GRAMMAR_MASK_THREADS``);
     ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
     the GPU spent waiting for its masks per waiting step (``wait_for_host_flag`` measures it): what
     of the overhead is masks late, apart from the device's own extra work.
@@ -326,7 +327,8 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices"),
            "schema_tiled": ("all", "default_tiled"), "schema_gil_interval": ("all", "default_gil_interval"),
            "schema_tiled_gil_interval": ("all", "default_tiled_gil_interval"),
-           "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval")}
+           "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval"),
+           "schema_gil_interval_16_threads": ("all", "gil_interval_16_threads")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -338,20 +340,24 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
          "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1"),
          "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
-         "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", "")}
+         "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
+         "gil_interval_16_threads": ("1", "", "", "")}
+# llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
+MASK_THREADS = {"gil_interval_16_threads": 16}
 # switches read from the environment at every step, set per run by use_mode (unset for the modes not
 # named): the tiled logit-constraints kernel (CUDA) and the GIL switch interval while masks are computed
 GIL_INTERVAL_US = "200"
 ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1"},
                         "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
                             "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
-                            "worker_consumes_gil_interval": GIL_INTERVAL_US}}
+                            "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US}}
 # the job's own environment for those (the engine defaults of a run that sets none)
 _ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
 _CREATED_SWITCHES: dict[int, dict[str, bool]] = {}
 _SWITCHES = {1: "grammar_masks_waited_on_device", 2: "grammar_tokens_consumed_on_worker",
              3: "grammar_string_length_slices"}
+_THREADS_SWITCH = "grammar_mask_threads"
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
@@ -373,7 +379,8 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
         os.environ[BACKGROUND_MASKS_ENV] = MODES[mode][0]  # (the other switches: the engine's defaults)
         try:
             engines[mode] = by_background[background] = engine = create()
-            _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name) for name in _SWITCHES.values()
+            _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name)
+                                             for name in [*_SWITCHES.values(), _THREADS_SWITCH]
                                              if hasattr(engine, name)}
         finally:
             os.environ.pop(BACKGROUND_MASKS_ENV)
@@ -391,6 +398,8 @@ def use_mode(engines: dict[str, Any], mode: str) -> Any:
         if name in created:
             setting = MODES[mode][position]
             setattr(engine, name, created[name] if setting == "" else setting == "1")
+    if _THREADS_SWITCH in created:
+        setattr(engine, _THREADS_SWITCH, MASK_THREADS.get(mode, created[_THREADS_SWITCH]))
     for variable, values in ENVIRONMENT_SWITCHES.items():
         value = values.get(mode, _ENVIRONMENT_AT_START[variable])
         if value is None:
@@ -409,7 +418,10 @@ def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
     return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
                    "masks_waited_on_device": MODES[mode][1] == "1",
                    "tokens_consumed_on_worker": {"1": True, "0": False, "": "engine default"}[MODES[mode][2]],
-                   "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]]}
+                   "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]],
+                   "mask_threads": MASK_THREADS.get(mode, "engine default"),
+                   "environment": {variable: values[mode] for variable, values in ENVIRONMENT_SWITCHES.items()
+                                   if mode in values}}
             for name, (rows, mode) in configs.items()}
 
 

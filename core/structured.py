@@ -290,7 +290,7 @@ class MaskWorker:
     IDLE_EXIT_S = 2.0
 
     def __init__(self, executor: llg.LLExecutor):
-        self._executor = executor
+        self.executor = executor  # switched between steps only (GrammarCompiler.mask_threads)
         self._wakeup = threading.Condition()
         self._jobs: list[tuple[list[tuple[llg.LLMatcher, int]], list[tuple[llg.LLMatcher, int]], StepMasks,
                                threading.Event]] = []
@@ -355,7 +355,7 @@ class MaskWorker:
                 taken.set()
                 failed = False
                 try:
-                    fill_masks(self._executor, consume, matchers, masks.bitmask)
+                    fill_masks(self.executor, consume, matchers, masks.bitmask)
                 except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
                     logger.exception("computing grammar masks in the background failed")
                     failed = True
@@ -481,6 +481,23 @@ def grammar_tokenizer_json(tokenizer_json: str) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+# =N: llguidance's threads for a step's masks (default: default_mask_threads), read when the engine is
+# created (engine.grammar_mask_threads switches it)
+MASK_THREADS_ENV = "OPENINFER_GRAMMAR_MASK_THREADS"
+
+
+def mask_threads_from_environment(default: int) -> int:
+    """``OPENINFER_GRAMMAR_MASK_THREADS`` when set to a positive integer, else ``default`` (an invalid
+    value is logged)."""
+    raw = os.environ.get(MASK_THREADS_ENV, "").strip()
+    if not raw:
+        return default
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    logger.warning("%s=%r is not a positive integer; %d mask threads", MASK_THREADS_ENV, raw, default)
+    return default
+
+
 def default_mask_threads(device_forward: bool) -> int:
     """Threads filling a step's masks in parallel: with the forward on a GPU every core but two
     (the engine thread and the frontend's) up to 16; with the forward on the CPU half the cores
@@ -549,8 +566,25 @@ class GrammarCompiler:
             sliced = False
         self._tokenizers[sliced] = tokenizer
         self._tokenizers_lock = threading.Lock()
-        self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
+        self._mask_threads = mask_threads or default_mask_threads(device_forward=False)
+        self._executor = llg.LLExecutor(num_threads=self._mask_threads)
         self._worker = MaskWorker(self._executor) if background_masks else None
+
+    @property
+    def mask_threads(self) -> int:
+        """llguidance's threads for a step's masks. Switchable between steps (a new thread pool)."""
+        return self._mask_threads
+
+    @mask_threads.setter
+    def mask_threads(self, value: int) -> None:
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"mask_threads must be >= 1, got {value}")
+        if value != self._mask_threads:
+            self._executor = llg.LLExecutor(num_threads=value)
+            if self._worker is not None:
+                self._worker.executor = self._executor
+            self._mask_threads = value
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
@@ -691,7 +725,7 @@ class CompilerCache:
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int], device_forward: bool = False):
         """``device_forward``: the model runs on a GPU (more cores for the masks)."""
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
-        self._mask_threads = default_mask_threads(device_forward)
+        self._mask_threads = mask_threads_from_environment(default_mask_threads(device_forward))
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
         self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "0") == "1"
         self._string_length_slices = os.environ.get(STRING_LENGTH_SLICES_ENV, "1") != "0"
@@ -709,6 +743,20 @@ class CompilerCache:
             self._tokens_consumed_on_worker = bool(value)
             if self._compiler is not None:
                 self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
+
+    @property
+    def mask_threads(self) -> int:
+        """:attr:`GrammarCompiler.mask_threads` of the compiler (built or to be built)."""
+        return self._mask_threads
+
+    @mask_threads.setter
+    def mask_threads(self, value: int) -> None:
+        if int(value) < 1:
+            raise ValueError(f"mask_threads must be >= 1, got {value}")
+        with self._lock:
+            self._mask_threads = int(value)
+            if self._compiler is not None:
+                self._compiler.mask_threads = self._mask_threads
 
     @property
     def string_length_slices(self) -> bool:

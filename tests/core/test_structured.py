@@ -491,6 +491,30 @@ def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeyp
     assert not built.tokens_consumed_on_worker and built.string_length_slices
 
 
+def test_mask_threads_switch_reaches_the_worker_and_keeps_the_masks(tokenizer, tmp_path, monkeypatch, caplog):
+    """``OPENINFER_GRAMMAR_MASK_THREADS`` sets llguidance's thread count when the cache is created
+    (an invalid value is logged and the default kept); switching it on the cache reaches the built
+    compiler and its mask worker (a new pool), and the masks stay the same; < 1 is refused."""
+    from openinfer.structured import MASK_THREADS_ENV, CompilerCache, default_mask_threads
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size() + 5
+    monkeypatch.setenv(MASK_THREADS_ENV, "lots")
+    assert CompilerCache(str(tmp_path), vocab, [0]).mask_threads == default_mask_threads(False)
+    assert "not a positive integer" in caplog.text
+    monkeypatch.setenv(MASK_THREADS_ENV, "3")
+    cache = CompilerCache(str(tmp_path), vocab, [0])
+    compiler = cache.get()
+    assert cache.mask_threads == compiler.mask_threads == 3
+    constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
+    before = compiler.start_masks([(compiler.compile(constraint), 0)], 1).wait().bitmask.copy()
+    cache.mask_threads = 2
+    assert compiler.mask_threads == 2 and compiler._worker.executor is compiler._executor
+    assert np.array_equal(compiler.start_masks([(compiler.compile(constraint), 0)], 1).wait().bitmask, before)
+    with pytest.raises(ValueError, match=">= 1"):
+        cache.mask_threads = 0
+
+
 def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monkeypatch, caplog):
     """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: from ``start_masks`` until the mask worker is
     idle, the GIL switch interval is the value asked for (seen from a ready callback, which runs on
