@@ -416,7 +416,7 @@ def close_engines(engines: dict[str, Any]) -> None:
 
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
     return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
-                   "masks_waited_on_device": MODES[mode][1] == "1",
+                   "masks_waited_on_device": {"1": True, "0": False, "": "engine default"}[MODES[mode][1]],
                    "tokens_consumed_on_worker": {"1": True, "0": False, "": "engine default"}[MODES[mode][2]],
                    "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]],
                    "mask_threads": MASK_THREADS.get(mode, "engine default"),
