@@ -335,6 +335,12 @@ class MaskWorker:
             _lower_switch_interval(interval, already=self._interval_held)
             self._interval_held = True
 
+    def release_switch_interval(self) -> None:
+        """The interpreter's own interval again, if this worker lowered it (done by the worker
+        itself when idle)."""
+        with self._wakeup:
+            self._release_switch_interval()
+
     def _release_switch_interval(self) -> None:
         """(holding ``_wakeup``) The interpreter's own interval again, if this worker lowered it."""
         if self._interval_held:
@@ -677,6 +683,7 @@ class GrammarCompiler:
                 return masks
             for matcher in busy.values():  # the worker is closed: computed here
                 matcher._in_use = None
+            self._worker.release_switch_interval()  # it will not run again to do it
         try:
             fill_masks(self._executor, taken, work, masks.bitmask)
         except BaseException:

@@ -550,3 +550,7 @@ def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monk
         while sys.getswitchinterval() != original and time.monotonic() < deadline:
             time.sleep(0.01)  # the worker restores the interval when it is idle
         assert sys.getswitchinterval() == original
+    monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, "250")
+    background._worker.close()  # masks after the worker closed: computed on the caller, interval restored
+    masks = background.start_masks([(background.compile(constraint), 0)], 1)
+    assert np.array_equal(masks.wait().bitmask, expected.bitmask) and sys.getswitchinterval() == original
