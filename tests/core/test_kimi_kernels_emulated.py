@@ -68,9 +68,16 @@ CASES = {
     # does not depend on the format (GPU tests: INT4 / FP8 / bf16 at K = 1152). moe_router_logits
     # with 2 loads per lane in flight: the second one past K = 320 for most lanes
     "bf16-mma-depth3": ("bf16", RouterSpec(6, 2, "softmax")),
+    # moe_gemv_mma with K split over the block's warps (summed in shared memory): INT4 with K = 320,
+    # three 128-weight chunks over 4 slices (one slice empty) and the last chunk partial; down's
+    # K = 64 is one chunk (three slices empty); two slices with a ring of 3 on FP8
+    "int4-mma-split4": ("int4", RouterSpec(6, 2, "sigmoid")),
+    "fp8-mma-split2-depth3": ("fp8", RouterSpec(6, 2, "softmax")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
-CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3})}
+CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
+               "int4-mma-split4": (320, 64, {"MMA_GEMV_KSPLIT": 4}),
+               "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:

@@ -73,6 +73,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 3},
     "mma_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 4},
     "mma_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 8},
+    # split K (opt-in until measured): the block's 4 warps share fewer columns, each over a slice of K,
+    # summed through shared memory, so a batch-1 step (8 experts x N/64 blocks: ~16 warps per SM) runs
+    # 2-4x the warps and as many 16-row weight streams at once; "mma1": one n-tile (8 rows per pass,
+    # fewer registers) for the smallest steps
+    "mma_split2": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 2},
+    "mma_split4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
+    "mma_split4_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 3},
+    "mma1_split4": {"MMA_GEMV_NTILES": 1, "MMA_GEMV_KSPLIT": 4},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
@@ -290,7 +298,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         return
     defines = GEMV_KERNELS[name]
     if name in TENSOR_CORE_GEMVS:  # dense mode: one block row loops over all rows
-        columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
+        columns = MMA_GEMV_WARPS // defines.get("MMA_GEMV_KSPLIT", 1) * MMA_GEMV_COLUMNS
         weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                    (MMA_GEMV_WARPS * 32,), args)
         return
