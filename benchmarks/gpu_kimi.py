@@ -19,7 +19,8 @@ launch gaps, weights cold in L2 as in a real step).
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
     python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
-    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:auto:fast_routing+spread_rope+mla_splits64
+    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:mma_split4:mla_async+mla_combine_shared
+    # a variant's options change core's defaults (LAYER_OPTIONS); without options it runs what ships
     python benchmarks/gpu_kimi.py warm   # moe.cu's modules compiled in parallel into CuPy's disk cache first
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
@@ -474,7 +475,11 @@ def run_gemv(args) -> dict:
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()
-    kernels = list(cuda_moe.GEMV_KERNELS)
+    kernels = args.kernels.split(",") if args.kernels else list(cuda_moe.GEMV_KERNELS)
+    unknown = set(kernels) - set(cuda_moe.GEMV_KERNELS)
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(cuda_moe.GEMV_KERNELS)}")
+    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS] or TENSOR_CORE_GEMVS
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
               "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
@@ -567,7 +572,7 @@ def run_gemv(args) -> dict:
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
                 point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
-                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else TENSOR_CORE_GEMVS)
+                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core)
             report["grouped"].append(point)
     return report
 
@@ -760,6 +765,7 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     attn = mla(q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)
     q_latent = cuda_mla.absorb_queries(backend.blas, q, attention["w_uk"], spec)
     o_latent = cuda_mla.absorbed_attention(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)
+    partials = cuda_mla.attend_splits(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)[1]
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
@@ -777,8 +783,10 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("mla_write_latent", partial(cuda_mla.write_latent, q, latent, cache, attention["kv_a_norm"], spec, batch,
                                      cos, sin, 1e-6)),
         ("mla_w_uk", partial(cuda_mla.absorb_queries, backend.blas, q, attention["w_uk"], spec)),
-        ("mla_attention", partial(cuda_mla.absorbed_attention, q_latent, q, cache, spec, batch, None,
-                                  backend.num_sms, absorbed_kernel)),
+        ("mla_attention", partial(cuda_mla.attend_splits, q_latent, q, cache, spec, batch, None, backend.num_sms,
+                                  absorbed_kernel)),
+        *([("mla_combine", partial(cuda_mla.combine_splits, partials, cupy.empty_like(q_latent), spec))]
+          if partials is not None else []),
         ("mla_w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, attention["w_uv"], spec,
                              cupy.empty_like(attn))),
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
@@ -807,37 +815,38 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
             "event_cost_ms": 1e3 * timed["event_cost_s"], "step_host_ms": 1e3 * timed["forward_host_s"]}
 
 
-LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
+LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option changes from core's defaults
     "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
-    "fast_routing": "moe_sort_parallel and moe_combine over a block per 256 columns ($OPENINFER_MOE_FAST_ROUTING=1; "
-                    "the default since D3, 2026-11-23; without it: =0)",
-    "spread_rope": "mla_write_latent's q_pe rotation over a block per 128 head pairs ($OPENINFER_MLA_SPREAD_ROPE=1; "
-                   "default since D3; without it: =0)",
+    "no_fast_routing": "moe_sort and the one-block moe_combine ($OPENINFER_MOE_FAST_ROUTING=0; the parallel ones "
+                       "are the default since D3, 2026-11-23)",
+    "no_spread_rope": "mla_write_latent's q_pe rotation by one block per token ($OPENINFER_MLA_SPREAD_ROPE=0; "
+                      "spread over blocks is the default since D3)",
     "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
-    "mla_splits64": "up to 64 (the default since D3; at 1k context 33 splits of one 32-key tile, x 4 latent quarters)",
+    "mla_async": "mla_attention_mma's tiles by cp.async, empty splits leave at once ($OPENINFER_MLA_ASYNC_TILES=1)",
+    "mla_combine_shared": "mla_combine_splits_shared ($OPENINFER_MLA_COMBINE=shared)",
 }
+# Earlier spellings that name a default (kept so older commands still parse; they change nothing)
+LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64")
 
 
 def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
-    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS), else the one
-    variant of ``--absorbed-kernel``, $OPENINFER_MOE_GEMV (each falling back to core's default),
-    $OPENINFER_FUSED_DECODE and $OPENINFER_MOE_FAST_ROUTING."""
+    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS, each a change
+    from core's defaults: a variant without options runs what ships), else the one variant of
+    ``--absorbed-kernel`` and $OPENINFER_MOE_GEMV (each falling back to core's default) with what
+    the environment switches (``fused`` from $OPENINFER_FUSED_DECODE=1; the other switches stay
+    as set)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
-        on = ["fused"] if os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on") else []
-        on += [name for name, env in (("fast_routing", cuda_moe.FAST_ROUTING_ENV), ("spread_rope", cuda_mla.SPREAD_ROPE_ENV))
-               if os.environ.get(env, "1") not in ("0", "false", "off")]  # on by default
-        splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
-        on += [splits] if splits in LAYER_OPTIONS else []
+        on = ("fused",) if os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on") else ()
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
-                 cuda_moe.forced_gemv_kernel() or "auto", tuple(on))]
+                 cuda_moe.forced_gemv_kernel() or "auto", on)]
     variants = []
     for item in text.split(","):
         absorbed, _, rest = item.partition(":")
         gemv, _, options = rest.partition(":")
-        chosen = tuple(options.split("+")) if options else ()
+        chosen = tuple(o for o in options.split("+") if o and o not in LAYER_DEFAULT_OPTIONS) if options else ()
         if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS) \
                 or not set(chosen) <= set(LAYER_OPTIONS):
             raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV[:OPTION+...] with ABSORBED in auto, "
@@ -852,16 +861,20 @@ def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ..
 
 
 def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
-    """Core's switches for a variant: the decode GEMV, the routing kernels, the MLA splits (read at
-    each call)."""
+    """Core's switches for a variant: the decode GEMV and each option's variable (read at each call);
+    without its option a variable is unset, so core's default runs."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
-    os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
-    os.environ[cuda_mla.SPREAD_ROPE_ENV] = "1" if "spread_rope" in options else "0"
-    splits = [o.removeprefix("mla_splits") for o in options if o.startswith("mla_splits")]
-    os.environ[cuda_mla.MAX_SPLITS_ENV] = splits[-1] if splits else ""
+    switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
+                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "mla_async": (cuda_mla.ASYNC_TILES_ENV, "1"),
+                "mla_combine_shared": (cuda_mla.COMBINE_ENV, "shared")}
+    for option, (env, value) in switches.items():
+        if option in options:
+            os.environ[env] = value
+        else:
+            os.environ.pop(env, None)
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
@@ -1395,6 +1408,9 @@ def main() -> None:
     gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
     gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
     gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
+    gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
+                                                    "(default: all)")
+    gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
@@ -1436,7 +1452,7 @@ def main() -> None:
         name = "kimi_kernels" + (f"_{args.sections.replace(',', '_')}" if args.sections else "")
     elif args.command == "gemv":
         report, plot = run_gemv(args), plot_gemv
-        name = "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
+        name = args.name or "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
     elif args.command == "layer":
         report, name, plot = run_layer(args), args.name, plot_layer
     else:

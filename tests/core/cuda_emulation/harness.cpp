@@ -210,6 +210,10 @@ int main(int argc, char** argv) {
                           splits, partial_o.data(), partial_ml.data(), nullptr);
     });
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out_mma.data()); });
+    // the same partials combined by mla_combine_splits_shared (two warps: one walks the dims twice)
+    std::vector<bf16> out_mma_shared(out_mma);
+    if (splits > 1) launch(T * heads, 1, 1, 64, [&] { mla_combine_splits_shared(partial_o.data(), partial_ml.data(), splits, out_mma_shared.data()); });
+    save(dir, "out_mma_shared.bin", out_mma_shared);
     save(dir, "out_mma.bin", out_mma);
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
     save(dir, "cache_out.bin", cache);
