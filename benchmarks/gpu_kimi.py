@@ -769,7 +769,8 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
-    ids, weights = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)
+    logits = cuda_moe.router_logits(h, moe.gate, moe.router)
+    ids, weights = cuda_moe.select_experts(h, moe.gate, moe.router, moe.correction_bias, logits)
     grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
     gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(gate_up)
@@ -792,7 +793,9 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
-        ("route", partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias)),
+        # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k)
+        ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
+        ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
         ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts)),
         ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
         ("experts_silu", partial(backend.silu_mul, gate_up)),
