@@ -19,7 +19,8 @@ launch gaps, weights cold in L2 as in a real step).
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
     python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
-    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:auto:fast_routing+spread_rope+mla_splits64
+    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:mma_split4:mla_async+mla_combine_shared
+    # a variant's options change core's defaults (LAYER_OPTIONS); without options it runs what ships
     python benchmarks/gpu_kimi.py warm   # moe.cu's modules compiled in parallel into CuPy's disk cache first
 
 ``gemv``: the decode GEMV kernels side by side (core's ``moe_gemv`` and the opt-in ones: the shapes
@@ -44,6 +45,31 @@ TPOT p50 and output throughput, and their ratios when both ran.
 
     python benchmarks/gpu_kimi.py moonlight [--engines openinfer,vllm]
     python benchmarks/gpu_kimi.py moonlight --tiny --streams 1,4 --input-len 64 --output-len 8  # CPU dry run
+
+Both servers get ``--max-model-len 4096`` (``{max_model_len}`` in ``--vllm-cmd``), the same prompts
+(token-id lists, fresh per point) and greedy ignore_eos requests from the lean multi-process SSE
+client. The checkpoint: config.json as published (``q_lora_rank: null``, no rope_scaling, no
+auto_map: vLLM's own DeepseekV3 model, no --trust-remote-code), HF tensor names (transformers'
+DeepseekV3ForCausalLM loads it with nothing missing or unexpected: tests/benchmarks), a word-level
+tokenizer.json with ``PreTrainedTokenizerFast`` (as the Qwen3 side by side), no
+generation_config.json (both engines keep their defaults). It goes to /dev/shm when that has 40 GB
+free, else /tmp, written by 16 threads (``--write-threads``); a copy of the same config is reused.
+Each server's output goes to ``$OUT/moonlight_ENGINE.log`` (the last lines are printed when it
+fails to start); SIGTERM (``timeout``) stops the running server first.
+
+The two device calls (E2, one warm H200; vLLM installed at /tmp/vsite; the second call finds the
+checkpoint and the first call's JSON on the same machine):
+
+    mkdir -p $OUT/moonlight && timeout 60 python3 benchmarks/gpu_kimi.py warm; \
+    OUT=$OUT/moonlight timeout 470 python3 benchmarks/gpu_kimi.py moonlight --engines openinfer \
+        --start-timeout 300; cp benchmarks/results/moonlight_serving.json /tmp/moonlight_openinfer.json
+    mkdir -p $OUT/moonlight && OUT=$OUT/moonlight timeout 570 python3 benchmarks/gpu_kimi.py moonlight \
+        --engines vllm --append /tmp/moonlight_openinfer.json --start-timeout 450
+
+Where the second call ran without the first's JSON, combine the two afterwards (no device):
+``python benchmarks/gpu_kimi.py moonlight --engines none --append OURS.json,VLLM.json``.
+openinfer's ``--load-format dummy`` would skip the file but serve other weights than vLLM (other
+expert routing); the file costs one write and vLLM needs it anyway, so both read it.
 """
 
 from __future__ import annotations
@@ -53,8 +79,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -77,6 +105,8 @@ MOONLIGHT = {
     "moe_layer_freq": 1, "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
     "norm_topk_prob": True, "max_position_embeddings": 8192, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585, "torch_dtype": "bfloat16",
+    # as in the published config.json (both engines also default to these)
+    "hidden_act": "silu", "rope_scaling": None, "attention_bias": False, "num_nextn_predict_layers": 0,
 }
 
 
@@ -445,7 +475,11 @@ def run_gemv(args) -> dict:
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()
-    kernels = list(cuda_moe.GEMV_KERNELS)
+    kernels = args.kernels.split(",") if args.kernels else list(cuda_moe.GEMV_KERNELS)
+    unknown = set(kernels) - set(cuda_moe.GEMV_KERNELS)
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(cuda_moe.GEMV_KERNELS)}")
+    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS] or TENSOR_CORE_GEMVS
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
               "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
@@ -538,7 +572,7 @@ def run_gemv(args) -> dict:
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
                 point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
-                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else TENSOR_CORE_GEMVS)
+                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core)
             report["grouped"].append(point)
     return report
 
@@ -731,10 +765,12 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
     attn = mla(q, latent, cache, *mla_rest, absorbed_kernel=absorbed_kernel)
     q_latent = cuda_mla.absorb_queries(backend.blas, q, attention["w_uk"], spec)
     o_latent = cuda_mla.absorbed_attention(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)
+    partials = cuda_mla.attend_splits(q_latent, q, cache, spec, batch, None, backend.num_sms, absorbed_kernel)[1]
     h = backend.linear(attn, attention["o_proj"])
     shared_hidden = backend.linear(h, shared[0])
     shared_out = backend.silu_mul_linear(shared_hidden, shared[1])
-    ids, weights = cuda_moe.route(h, moe.gate, moe.router, moe.correction_bias)
+    logits = cuda_moe.router_logits(h, moe.gate, moe.router)
+    ids, weights = cuda_moe.select_experts(h, moe.gate, moe.router, moe.correction_bias, logits)
     grouping = cuda_moe.group_by_expert(ids, weights, moe.router.num_experts)
     gate_up = cuda_moe.grouped_gemm(h, moe.gate_up, grouping, gather=True, blas=backend.blas)
     activated = backend.silu_mul(gate_up)
@@ -748,14 +784,18 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("mla_write_latent", partial(cuda_mla.write_latent, q, latent, cache, attention["kv_a_norm"], spec, batch,
                                      cos, sin, 1e-6)),
         ("mla_w_uk", partial(cuda_mla.absorb_queries, backend.blas, q, attention["w_uk"], spec)),
-        ("mla_attention", partial(cuda_mla.absorbed_attention, q_latent, q, cache, spec, batch, None,
-                                  backend.num_sms, absorbed_kernel)),
+        ("mla_attention", partial(cuda_mla.attend_splits, q_latent, q, cache, spec, batch, None, backend.num_sms,
+                                  absorbed_kernel)),
+        *([("mla_combine", partial(cuda_mla.combine_splits, partials, cupy.empty_like(q_latent), spec))]
+          if partials is not None else []),
         ("mla_w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, attention["w_uv"], spec,
                              cupy.empty_like(attn))),
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
-        ("route", partial(cuda_moe.route, h, moe.gate, moe.router, moe.correction_bias)),
+        # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k)
+        ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
+        ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
         ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts)),
         ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
         ("experts_silu", partial(backend.silu_mul, gate_up)),
@@ -778,37 +818,38 @@ def layer_breakdown(parts: list, step, iters: int) -> dict:
             "event_cost_ms": 1e3 * timed["event_cost_s"], "step_host_ms": 1e3 * timed["forward_host_s"]}
 
 
-LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option switches on
+LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option changes from core's defaults
     "fused": "norms / SwiGLU fused into the next GEMV for decode rows (CudaBackend(fuse_decode=True))",
-    "fast_routing": "moe_sort_parallel and moe_combine over a block per 256 columns ($OPENINFER_MOE_FAST_ROUTING=1; "
-                    "the default since D3, 2026-11-23; without it: =0)",
-    "spread_rope": "mla_write_latent's q_pe rotation over a block per 128 head pairs ($OPENINFER_MLA_SPREAD_ROPE=1; "
-                   "default since D3; without it: =0)",
+    "no_fast_routing": "moe_sort and the one-block moe_combine ($OPENINFER_MOE_FAST_ROUTING=0; the parallel ones "
+                       "are the default since D3, 2026-11-23)",
+    "no_spread_rope": "mla_write_latent's q_pe rotation by one block per token ($OPENINFER_MLA_SPREAD_ROPE=0; "
+                      "spread over blocks is the default since D3)",
     "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
-    "mla_splits64": "up to 64 (the default since D3; at 1k context 33 splits of one 32-key tile, x 4 latent quarters)",
+    "mla_async": "mla_attention_mma's tiles by cp.async, empty splits leave at once ($OPENINFER_MLA_ASYNC_TILES=1)",
+    "mla_combine_shared": "mla_combine_splits_shared ($OPENINFER_MLA_COMBINE=shared)",
 }
+# Earlier spellings that name a default (kept so older commands still parse; they change nothing)
+LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64")
 
 
 def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
-    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS), else the one
-    variant of ``--absorbed-kernel``, $OPENINFER_MOE_GEMV (each falling back to core's default),
-    $OPENINFER_FUSED_DECODE and $OPENINFER_MOE_FAST_ROUTING."""
+    """``--variants`` ("absorbed:gemv[:option+option],..."; options in LAYER_OPTIONS, each a change
+    from core's defaults: a variant without options runs what ships), else the one variant of
+    ``--absorbed-kernel`` and $OPENINFER_MOE_GEMV (each falling back to core's default) with what
+    the environment switches (``fused`` from $OPENINFER_FUSED_DECODE=1; the other switches stay
+    as set)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     if not text:
-        on = ["fused"] if os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on") else []
-        on += [name for name, env in (("fast_routing", cuda_moe.FAST_ROUTING_ENV), ("spread_rope", cuda_mla.SPREAD_ROPE_ENV))
-               if os.environ.get(env, "1") not in ("0", "false", "off")]  # on by default
-        splits = f"mla_splits{os.environ.get(cuda_mla.MAX_SPLITS_ENV)}"
-        on += [splits] if splits in LAYER_OPTIONS else []
+        on = ("fused",) if os.environ.get("OPENINFER_FUSED_DECODE", "0") in ("1", "true", "on") else ()
         return [(absorbed_kernel or os.environ.get(cuda_mla.ABSORBED_KERNEL_ENV) or "auto",
-                 cuda_moe.forced_gemv_kernel() or "auto", tuple(on))]
+                 cuda_moe.forced_gemv_kernel() or "auto", on)]
     variants = []
     for item in text.split(","):
         absorbed, _, rest = item.partition(":")
         gemv, _, options = rest.partition(":")
-        chosen = tuple(options.split("+")) if options else ()
+        chosen = tuple(o for o in options.split("+") if o and o not in LAYER_DEFAULT_OPTIONS) if options else ()
         if absorbed not in ("auto", *cuda_mla.ABSORBED_KERNELS) or gemv not in ("auto", *cuda_moe.GEMV_KERNELS) \
                 or not set(chosen) <= set(LAYER_OPTIONS):
             raise SystemExit(f"--variants item {item!r}: want ABSORBED:GEMV[:OPTION+...] with ABSORBED in auto, "
@@ -823,16 +864,20 @@ def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ..
 
 
 def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
-    """Core's switches for a variant: the decode GEMV, the routing kernels, the MLA splits (read at
-    each call)."""
+    """Core's switches for a variant: the decode GEMV and each option's variable (read at each call);
+    without its option a variable is unset, so core's default runs."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
-    os.environ[cuda_moe.FAST_ROUTING_ENV] = "1" if "fast_routing" in options else "0"
-    os.environ[cuda_mla.SPREAD_ROPE_ENV] = "1" if "spread_rope" in options else "0"
-    splits = [o.removeprefix("mla_splits") for o in options if o.startswith("mla_splits")]
-    os.environ[cuda_mla.MAX_SPLITS_ENV] = splits[-1] if splits else ""
+    switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
+                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "mla_async": (cuda_mla.ASYNC_TILES_ENV, "1"),
+                "mla_combine_shared": (cuda_mla.COMBINE_ENV, "shared")}
+    for option, (env, value) in switches.items():
+        if option in options:
+            os.environ[env] = value
+        else:
+            os.environ.pop(env, None)
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
@@ -1005,7 +1050,7 @@ def plot_layer(report: dict, path: Path) -> None:
 # vLLM 0.26.0 as installed by ../shared/tools/vllm-peer.sh; {model} and {port} are filled in. Moonlight's
 # config.json says model_type deepseek_v3 with no auto_map: vLLM's own DeepseekV3 model, no --trust-remote-code.
 VLLM_COMMAND = ("env PYTHONPATH=/tmp/vsite:/tmp/site python3 -m vllm.entrypoints.openai.api_server --model {model} "
-                "--port {port} --max-model-len 4096 --gpu-memory-utilization 0.9")
+                "--port {port} --max-model-len {max_model_len} --gpu-memory-utilization 0.9")
 # A CPU dry run of the whole path (checkpoint writer, both server launches' plumbing, the client) at toy size.
 MOONLIGHT_TINY = {**MOONLIGHT, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
                   "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -1015,6 +1060,7 @@ MOONLIGHT_TINY = {**MOONLIGHT, "vocab_size": 512, "hidden_size": 64, "intermedia
 WEIGHT_STD = 0.02  # keeps the residual stream bounded through 27 random layers
 POOL_VALUES = 1 << 26  # random bf16 values every weight tensor is cut from (128 MiB)
 SHARD_BYTES = 4 << 30
+WRITE_THREADS = 16  # the device's CPU cores
 CHECKPOINT_PLACES = ("/dev/shm/moonlight-random", "/tmp/moonlight-random")  # tmpfs first: written at memory speed
 
 
@@ -1072,12 +1118,78 @@ def deepseek_v3_tensors(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return tensors
 
 
-def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> float | None:
+def checkpoint_layout(config: dict) -> tuple[list[tuple[str, bytes, list[tuple[str, tuple[int, ...], str, int]]]],
+                                              dict[str, str], int]:
+    """Shards of ``deepseek_v3_tensors(config)`` (at most SHARD_BYTES each): (file name, header
+    bytes, [(tensor, shape, fill, file offset)]), the index's weight map, and the total bytes."""
+    tensors = deepseek_v3_tensors(config)
+    groups: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    shard_bytes = 0
+    for tensor in tensors:
+        size = tensor_bytes(tensor[1], tensor[2])
+        if groups[-1] and shard_bytes + size > SHARD_BYTES:
+            groups.append([])
+            shard_bytes = 0
+        groups[-1].append(tensor)
+        shard_bytes += size
+    shards, weight_map = [], {}
+    for index, group in enumerate(groups):
+        name = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tensor, shape, fill in group:
+            size = tensor_bytes(shape, fill)
+            header[tensor] = {"dtype": "F32" if fill == "bias" else "BF16", "shape": list(shape),
+                              "data_offsets": [offset, offset + size]}
+            offset += size
+            weight_map[tensor] = name
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        text = len(text).to_bytes(8, "little") + text
+        placed, at = [], len(text)
+        for tensor, shape, fill in group:
+            placed.append((tensor, shape, fill, at))
+            at += tensor_bytes(shape, fill)
+        shards.append((name, text, placed))
+    return shards, weight_map, sum(tensor_bytes(s, f) for _, s, f in tensors)
+
+
+def tensor_bytes(shape: tuple[int, ...], fill: str) -> int:
+    return int(np.prod(shape)) * (4 if fill == "bias" else 2)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):  # a write may be short (Linux caps one at ~2 GiB)
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs (its pages are memory: no page cache to warm)."""
+    best, kind = "", ""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    resolved = str(path.resolve())
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2 and (resolved == fields[1] or resolved.startswith(fields[1].rstrip("/") + "/")) \
+                and len(fields[1]) > len(best):
+            best, kind = fields[1], fields[2]
+    return kind == "tmpfs"
+
+
+def write_random_checkpoint(path: Path, config: dict, seed: int = 0, threads: int = WRITE_THREADS) -> float | None:
     """A random bf16 checkpoint of ``config`` (sharded safetensors + index, config.json, a word-level
     tokenizer over the vocabulary) that openinfer and vLLM both load, so both serve the same weights
     and route tokens to the same experts. Weights are slices of one pool of N(0, 0.02) bf16 values at
-    random offsets (speed does not depend on the values; writing 32 GB must not wait on an RNG).
+    random offsets (speed does not depend on the values; writing 32 GB must not wait on an RNG),
+    written by ``threads`` threads with ``os.pwrite`` at each tensor's offset (one Python thread
+    reached ~1-2 GB/s into tmpfs; the copies run in parallel outside the GIL).
     Returns the seconds spent, or None when a complete copy of the same config is there already."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from gpu_serving import write_tokenizer
 
     marker = path / ".complete"
@@ -1087,51 +1199,41 @@ def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> float | 
     started = time.perf_counter()
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    tensors = deepseek_v3_tensors(config)
-    total = sum(int(np.prod(s)) * (4 if f == "bias" else 2) for _, s, f in tensors)
+    shards, weight_map, total = checkpoint_layout(config)
     if shutil.disk_usage(path).free < total + (1 << 30):
         raise SystemExit(f"{path}: {shutil.disk_usage(path).free / 1e9:.1f} GB free, the checkpoint needs "
                          f"{total / 1e9:.1f} GB")
     rng = np.random.default_rng(seed)
     pool_size = min(POOL_VALUES, max(1 << 16, total // 2))
     pool = ((WEIGHT_STD * rng.standard_normal(pool_size, dtype=np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-    ones = np.full(max(config["hidden_size"], config["kv_lora_rank"], config["q_lora_rank"] or 0), 0x3F80, np.uint16)
-    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
-    shard_bytes = 0
-    for tensor in tensors:
-        size = int(np.prod(tensor[1])) * (4 if tensor[2] == "bias" else 2)
-        if shards[-1] and shard_bytes + size > SHARD_BYTES:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(tensor)
-        shard_bytes += size
-    weight_map = {}
-    for index, shard in enumerate(shards):
-        name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for tensor, shape, fill in shard:
-            size = int(np.prod(shape)) * (4 if fill == "bias" else 2)
-            header[tensor] = {"dtype": "F32" if fill == "bias" else "BF16", "shape": list(shape),
-                              "data_offsets": [offset, offset + size]}
-            offset += size
-            weight_map[tensor] = name
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        with open(path / name, "wb") as handle:
-            handle.write(len(text).to_bytes(8, "little") + text)
-            for _, shape, fill in shard:
-                count = int(np.prod(shape))
+    pool_bytes = memoryview(pool).cast("B")
+    ones = memoryview(np.full(max(config["hidden_size"], config["kv_lora_rank"], config["q_lora_rank"] or 0),
+                              0x3F80, np.uint16)).cast("B")
+    jobs: list[tuple[int, memoryview, int]] = []  # (fd, bytes, file offset)
+    fds = []
+    try:
+        for name, header, placed in shards:
+            fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            jobs.append((fd, memoryview(header), 0))
+            for _, shape, fill, offset in placed:
+                size = tensor_bytes(shape, fill)
                 if fill == "ones":
-                    handle.write(ones[:count].tobytes())
+                    jobs.append((fd, ones[:size], offset))
                 elif fill == "bias":
-                    handle.write((1e-3 * rng.standard_normal(count)).astype(np.float32).tobytes())
-                else:
-                    start = int(rng.integers(pool_size))
-                    while count:
-                        piece = min(count, pool_size - start)
-                        handle.write(memoryview(pool[start:start + piece]))
-                        count -= piece
-                        start = 0
+                    values = (1e-3 * rng.standard_normal(size // 4)).astype(np.float32)
+                    jobs.append((fd, memoryview(values).cast("B"), offset))
+                else:  # a pool slice from a random even offset, wrapping round the pool's end
+                    start = 2 * int(rng.integers(pool_size))
+                    while size:
+                        piece = min(size, len(pool_bytes) - start)
+                        jobs.append((fd, pool_bytes[start:start + piece], offset))
+                        size, offset, start = size - piece, offset + piece, 0
+        with ThreadPoolExecutor(max(1, threads)) as executor:  # map's results re-raise a failed write
+            list(executor.map(lambda job: pwrite_all(*job), jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -1140,60 +1242,126 @@ def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> float | 
     return time.perf_counter() - started
 
 
-def serve_engine(command: list[str] | str, streams: list[int], args, vocab: int) -> dict:
-    """Start one server (its own process group), wait for HTTP ready, run the burst sweep of
-    ``gpu_concurrency`` (fresh 1k-token prompts per point, ignore_eos), stop it."""
-    from gpu_concurrency import free_port, process_tree_rss, stop, sweep, wait_ready
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_bytes()[-16384:].decode(errors="replace").replace("\r", "\n")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def serve_engine(engine: str, command: list[str] | str, streams: list[int], args, vocab: int,
+                 log_dir: Path) -> dict:
+    """Start one server (its own process group, output into ``log_dir/moonlight_ENGINE.log``), wait
+    for HTTP ready, run the burst sweep of ``gpu_concurrency`` with its lean multi-process client
+    (fresh prompts of token ids per point, ignore_eos), stop it. openinfer's runs also carry the
+    start-up phases and the engine's step log summarised per burst."""
+    from gpu_concurrency import attach_step_log, free_port, process_tree_rss, stop, sweep, wait_ready
+
+    from openinfer.engine_core.step_log import STEP_LOG_ENV
 
     port = free_port()
+    env = dict(os.environ)
+    log_path = log_dir / f"moonlight_{engine}.log"
+    startup_report, step_log = log_dir / f"moonlight_{engine}.startup.json", log_dir / f"moonlight_{engine}.steps.json"
     if isinstance(command, str):
-        command = command.format(model=shlex.quote(str(args.checkpoint)), port=port)
-        process = subprocess.Popen(command, shell=True, start_new_session=True)
+        command = command.format(model=shlex.quote(str(args.checkpoint)), port=port, max_model_len=args.max_model_len)
+        popen_args: dict = {"args": command, "shell": True}
     else:
-        process = subprocess.Popen(command + ["--port", str(port)], start_new_session=True)
+        command = [*command, "--port", str(port)]
+        if engine == "openinfer":
+            command += ["--startup-report", str(startup_report)]
+            env[STEP_LOG_ENV] = str(step_log)
+        popen_args = {"args": command}
+    print(f"{engine}: {command if isinstance(command, str) else shlex.join(command)}", flush=True)
     url = f"http://127.0.0.1:{port}"
+    rss, startup = 0, None
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(**popen_args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=env)
     try:
-        ready_s = wait_ready(url, process, args.start_timeout)
+        try:
+            ready_s = wait_ready(url, process, args.start_timeout)
+        except Exception:
+            print(f"--- last lines of {log_path}:\n{log_tail(log_path)}", flush=True)
+            raise
         import httpx
 
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         rss = process_tree_rss(process.pid)
-        print(f"ready in {ready_s:.1f} s, RSS {rss / 2**20:.0f} MiB", flush=True)
-        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab)
+        if startup_report.exists():
+            startup = json.loads(startup_report.read_text())
+        print(f"{engine} ready in {ready_s:.1f} s, RSS {rss / 2**20:.0f} MiB", flush=True)
+        rows = sweep(url, model, streams, args.input_len, args.output_len, vocab, ["lean"], args.client_procs)
     finally:
         stop(process)
-    return {"command": command if isinstance(command, str) else " ".join(command), "cold_start_to_http_ready_s": ready_s,
-            "idle_rss_bytes": rss, "sweep": rows}
+    for _ in range(100):  # the engine core writes its step log as it shuts down
+        if engine != "openinfer" or step_log.exists():
+            break
+        time.sleep(0.1)
+    if engine == "openinfer":
+        attach_step_log(rows, step_log)
+    return {"command": command if isinstance(command, str) else shlex.join(command),
+            "cold_start_to_http_ready_s": ready_s, "startup": startup, "idle_rss_bytes": rss, "log": str(log_path),
+            "sweep": rows}
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (``timeout``): unwinds through ``serve_engine``'s clean-up."""
+
+
+def stop_on_sigterm(signum: int, frame) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 def run_moonlight(args) -> dict:
-    from gpu_concurrency import warm_page_cache
-
     config = MOONLIGHT_TINY if args.tiny else MOONLIGHT
+    engines = [e for e in args.engines.split(",") if e and e != "none"]
+    unknown = set(engines) - {"openinfer", "vllm"}
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from openinfer, vllm (or none)")
     checkpoint = Path(args.checkpoint or default_checkpoint())
     args.checkpoint = str(checkpoint)
-    write_s = write_random_checkpoint(checkpoint, config)
-    print(f"checkpoint {checkpoint}: " + ("present" if write_s is None else f"written in {write_s:.1f} s"), flush=True)
-    warm_page_cache(checkpoint)
-    streams = [int(s) for s in args.streams.split(",")]
-    report = {"benchmark": "moonlight_serving", "device": "cpu (tiny config)" if args.tiny else device_name(),
+    device = "cpu (tiny config)" if args.tiny else (device_name() if engines else "")
+    report = {"benchmark": "moonlight_serving", "device": device,
               "model": "Moonlight-16B-A3B shape, random bf16 checkpoint" + (" (tiny dry run)" if args.tiny else ""),
-              "checkpoint": str(checkpoint), "checkpoint_write_s": write_s, "input_len": args.input_len,
-              "output_len": args.output_len, "streams": streams, "runs": {}}
-    previous = Path(args.append) if args.append else None
-    if previous is not None and previous.exists():
-        report["runs"] = json.loads(previous.read_text()).get("runs", {})
-    for engine in args.engines.split(","):
-        if engine == "openinfer":
-            command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--grpc-port",
-                       "0", "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-                       "--device", "cpu" if args.tiny else "cuda", *args.serve_args.split()]
-        elif engine == "vllm":
-            command = args.vllm_cmd
+              "checkpoint": str(checkpoint), "input_len": args.input_len, "output_len": args.output_len,
+              "max_model_len": args.max_model_len, "client": f"lean, {args.client_procs} processes",
+              "streams": [int(s) for s in args.streams.split(",")], "runs": {}}
+    for previous in filter(None, args.append.split(",")):
+        if Path(previous).exists():
+            earlier = json.loads(Path(previous).read_text())
+            report["runs"].update(earlier.get("runs", {}))
+            report["device"] = report["device"] or earlier.get("device", "")
         else:
-            raise SystemExit(f"unknown engine {engine!r}; choose from openinfer, vllm")
+            print(f"--append {previous}: no such file, its runs are not kept", flush=True)
+    if engines:
+        write_s = write_random_checkpoint(checkpoint, config, threads=args.write_threads)
+        print(f"checkpoint {checkpoint}: " + ("present" if write_s is None else f"written in {write_s:.1f} s"),
+              flush=True)
+        report["checkpoint_write_s"] = write_s
+        report["checkpoint_on_tmpfs"] = on_tmpfs(checkpoint)
+        if write_s is None and not on_tmpfs(checkpoint):  # a fresh copy is in the page cache already
+            from gpu_concurrency import warm_page_cache
+
+            warm_page_cache(checkpoint)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    log_dir = Path(args.log_dir) if args.log_dir else (out or Path(tempfile.mkdtemp(prefix="moonlight-logs-")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # `timeout` stops this script with SIGTERM: the running server (its own session) must stop with
+    # it, or the next device call finds the GPU taken
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    for engine in engines:
+        if engine == "openinfer":
+            command: list[str] | str = [
+                sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--grpc-port", "0",
+                "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+                "--device", "cpu" if args.tiny else "cuda", *shlex.split(args.serve_args)]
+        else:
+            command = args.vllm_cmd
         try:
-            report["runs"][engine] = serve_engine(command, streams, args, config["vocab_size"])
+            report["runs"][engine] = serve_engine(engine, command, report["streams"], args, config["vocab_size"],
+                                                  log_dir)
         except Exception as exc:  # noqa: BLE001 - keep what the other engine measured; say what failed
             report["runs"][engine] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{engine} failed: {exc!r}", flush=True)
@@ -1243,6 +1411,9 @@ def main() -> None:
     gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
     gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
     gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
+    gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
+                                                    "(default: all)")
+    gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
@@ -1258,16 +1429,21 @@ def main() -> None:
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",
                       help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
-    moon.add_argument("--engines", default="openinfer", help="comma list of openinfer,vllm (run in this order)")
+    moon.add_argument("--engines", default="openinfer",
+                      help="comma list of openinfer,vllm (run in this order), or none (only --append's files)")
     moon.add_argument("--streams", default="1,16,64,256", help="concurrency points (bursts)")
     moon.add_argument("--input-len", type=int, default=1024)
     moon.add_argument("--output-len", type=int, default=128)
     moon.add_argument("--max-model-len", type=int, default=4096)
-    moon.add_argument("--start-timeout", type=float, default=900.0, help="seconds to HTTP ready, per server")
+    moon.add_argument("--start-timeout", type=float, default=420.0, help="seconds to HTTP ready, per server")
+    moon.add_argument("--client-procs", type=int, default=4, help="processes of the lean streaming client")
+    moon.add_argument("--write-threads", type=int, default=WRITE_THREADS, help="threads writing the checkpoint")
+    moon.add_argument("--log-dir", default="", help="where each server's output goes (default: $OUT, else a temp dir)")
     moon.add_argument("--serve-args", default="", help="extra `openinfer serve` flags")
     moon.add_argument("--vllm-cmd", default=VLLM_COMMAND, help="vLLM launch command; {model} and {port} filled in")
     moon.add_argument("--append", default="",
-                      help="a moonlight_serving.json whose runs to keep (e.g. openinfer's, when vLLM runs later)")
+                      help="comma list of moonlight_serving JSON files whose runs to keep (e.g. openinfer's, when "
+                           "vLLM runs in a later call); with --engines none only these are combined")
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
     args = parser.parse_args()
     if args.command == "warm":
@@ -1279,7 +1455,7 @@ def main() -> None:
         name = "kimi_kernels" + (f"_{args.sections.replace(',', '_')}" if args.sections else "")
     elif args.command == "gemv":
         report, plot = run_gemv(args), plot_gemv
-        name = "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
+        name = args.name or "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
     elif args.command == "layer":
         report, name, plot = run_layer(args), args.name, plot_layer
     else:

@@ -240,6 +240,46 @@ extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_
     }
 }
 
+// mla_combine_splits again, with each split's weight e^(m_z − m)·l_z computed once per block (warp 0,
+// into shared memory) instead of once per output dim and split, and the splits' partial rows read
+// with loads in flight together; the same sums in the same order (bit-equal). Blocks of 128 threads.
+#define COMBINE_MAX_SPLITS 64  // core's MAX_SPLITS
+extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ partial_o,
+                                                     const float* __restrict__ partial_ml, int num_splits,
+                                                     bf16* __restrict__ out) {
+    __shared__ float weight[COMBINE_MAX_SPLITS];  // < 0: an empty split
+    __shared__ float total_of_head;
+    const long long head = blockIdx.x;
+    const float* ml = partial_ml + head * num_splits * 2;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            if (ml[2 * z + 1] > 0.f) m = fmaxf(m, ml[2 * z]);
+        m = warp_max(m);
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            weight[z] = ml[2 * z + 1] > 0.f ? __expf(ml[2 * z] - m) * ml[2 * z + 1] : -1.f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // summed in split order, as mla_combine_splits sums
+        float total = 0.f;
+        for (int z = 0; z < num_splits; ++z)
+            if (weight[z] >= 0.f) total += weight[z];
+        total_of_head = total;
+    }
+    __syncthreads();
+    const float total = total_of_head;
+    for (int d = threadIdx.x; d < KV_LORA; d += blockDim.x) {
+        const float* column = partial_o + head * num_splits * KV_LORA + d;
+        float sum = 0.f;
+#pragma unroll 8
+        for (int z = 0; z < num_splits; ++z) {
+            const float o = column[(long long)z * KV_LORA];
+            if (weight[z] >= 0.f) sum += weight[z] * o;
+        }
+        out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
 //
@@ -453,6 +493,51 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
 #define MMA_DECODE_ROW (LATENT + 8)  // padded row (bf16): fragment loads of neighbouring rows, different banks
 #define MMA_DECODE_SMEM ((MMA_DECODE_HEADS + MMA_DECODE_KEYS) * MMA_DECODE_ROW * 2)
 
+#ifndef MLA_ASYNC_TILES
+#define MLA_ASYNC_TILES 0  // 1: tiles copied by cp.async, all of a tile's 16-byte copies in flight at once
+#endif
+
+#if MLA_ASYNC_TILES
+#ifdef MMA_HOST_STANDIN  // the host emulation copies at once
+__device__ __forceinline__ void mla_copy16(bf16* smem, const bf16* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+__device__ __forceinline__ void mla_copies_wait() {}
+#else
+__device__ __forceinline__ void mla_copy16(bf16* smem, const bf16* gmem, bool valid) { cp_async16(smem, gmem, valid); }
+// this thread's copies landed (the barrier after it makes every thread's visible)
+__device__ __forceinline__ void mla_copies_wait() {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+}
+#endif
+
+// mla_load_query_tile's rows by cp.async (16 bytes each; zeros for h >= heads)
+template <int HEADS, int ROW, int THREADS>
+__device__ __forceinline__ void mla_copy_query_tile(bf16* tile, const bf16* __restrict__ q_latent,
+                                                    const bf16* __restrict__ q, int q_stride, int q_pe_offset, int t,
+                                                    int num_heads, int head0, int heads) {
+    for (int i = threadIdx.x; i < HEADS * LATENT / 8; i += THREADS) {
+        const int h = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8;
+        const long long head = (long long)t * num_heads + head0 + min(h, heads - 1);
+        const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d : q + head * q_stride + q_pe_offset + d - KV_LORA;
+        mla_copy16(tile + h * ROW + d, src, h < heads);
+    }
+}
+
+// mla_load_key_tile's rows by cp.async (zeros from `end` on)
+template <int KEYS, int ROW, int THREADS>
+__device__ __forceinline__ void mla_copy_key_tile(bf16* tile, const bf16* __restrict__ cache,
+                                                  const int* __restrict__ table, int block_size, int key0, int end) {
+    for (int i = threadIdx.x; i < KEYS * LATENT / 8; i += THREADS) {
+        const int r = i / (LATENT / 8), d = (i % (LATENT / 8)) * 8, pos = min(key0 + r, end - 1);
+        mla_copy16(tile + r * ROW + d,
+                   cache + ((long long)table[pos / block_size] * block_size + pos % block_size) * LATENT + d,
+                   key0 + r < end);
+    }
+}
+#endif
+
 __device__ __forceinline__ unsigned mla_pair_of(const bf16* lo, const bf16* hi) {  // two bf16 from two rows
     return (unsigned)__bfloat16_as_ushort(*lo) | ((unsigned)__bfloat16_as_ushort(*hi) << 16);
 }
@@ -479,8 +564,23 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+#if MLA_ASYNC_TILES
+    if (begin >= end && num_splits > 1) {  // a split past a short context: no loads, its (max, sum) say empty
+        if (part == 0)
+            for (int h = threadIdx.x; h < heads; h += MMA_DECODE_THREADS) {
+                const long long head = (long long)t * num_heads + head0 + h;
+                partial_ml[(head * num_splits + split) * 2] = -INFINITY;
+                partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
+            }
+        return;  // block-uniform
+    }
+    // the query tile's copies fly with the first key tile's (waited for in the loop)
+    mla_copy_query_tile<MMA_DECODE_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
+        q_tile, q_latent, q, q_stride, q_pe_offset, t, num_heads, head0, heads);
+#else
     mla_load_query_tile<uint4, MMA_DECODE_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
         q_tile, q_latent, q, q_stride, q_pe_offset, t, num_heads, head0, heads);
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, pair = (lane & 3) * 2;
     const int row0 = warp * 16 + group;  // this thread's heads (rows): row0, row0 + 8
@@ -492,8 +592,14 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     for (int key0 = begin; key0 < end; key0 += MMA_DECODE_KEYS) {
         __syncthreads();  // q_tile written (first step) / the previous step is done with k_tile
+#if MLA_ASYNC_TILES
+        mla_copy_key_tile<MMA_DECODE_KEYS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(k_tile, cache, table, block_size, key0,
+                                                                               end);
+        mla_copies_wait();
+#else
         mla_load_key_tile<uint4, MMA_DECODE_KEYS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(k_tile, cache, table, block_size,
                                                                                       key0, end);
+#endif
         __syncthreads();
         float s[MMA_DECODE_KEYS / 8][4];
 #pragma unroll

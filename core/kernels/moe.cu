@@ -814,6 +814,13 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #ifndef MMA_GEMV_DEPTH
 #define MMA_GEMV_DEPTH 2  // chunks per lane in flight or in use: a ring of registers (one multiplied, the rest loading)
 #endif
+#ifndef MMA_GEMV_KSPLIT
+#define MMA_GEMV_KSPLIT 1  // warps sharing a block's 16 columns, each over one slice of K (summed in shared memory)
+#endif
+#define MMA_GEMV_BLOCK_COLUMNS (16 * MMA_GEMV_WARPS / MMA_GEMV_KSPLIT)
+#if MMA_GEMV_WARPS % MMA_GEMV_KSPLIT != 0
+#error "MMA_GEMV_KSPLIT must divide MMA_GEMV_WARPS"
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
 #define MMA_GEMV_SCALES 4  // INT4 groups not whole chunks: a scale per 8-weight word (GROUP % 8 == 0)
 #else
@@ -940,12 +947,18 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
              const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
              bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.x * MMA_GEMV_WARPS + warp) * 16;
+    const int slice = warp % MMA_GEMV_KSPLIT;  // this warp's slice of K (KSPLIT 1: all of it)
+    const int n0 = blockIdx.x * MMA_GEMV_BLOCK_COLUMNS + warp / MMA_GEMV_KSPLIT * 16;
+#if MMA_GEMV_KSPLIT == 1
     if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+#endif  // (split K: a warp past N still meets the block's barriers, its rows clamped, its result dropped)
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int n_lo = min(n0 + g, N - 1), n_hi = min(n0 + g + 8, N - 1);  // past N: a valid row, result dropped
     constexpr int STEP = 4 * WEIGHT_CHUNK;                                // k per chunk (the quad's 4 lanes)
+    // whole chunks per slice, so only the last chunk of K is ever partial
+    const int slice_chunks = ((K + STEP - 1) / STEP + MMA_GEMV_KSPLIT - 1) / MMA_GEMV_KSPLIT;
+    const int k_begin = slice * slice_chunks * STEP, k_end = min(K, k_begin + slice_chunks * STEP);
     for (int pass = row_begin; pass < row_end; pass += 8 * MMA_GEMV_NTILES) {
         const int rows = min(8 * MMA_GEMV_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
         const bf16* b_row[MMA_GEMV_NTILES];
@@ -965,17 +978,39 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
         MmaGemvChunk ring[MMA_GEMV_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < MMA_GEMV_DEPTH; ++d)  // zeros past K (mma_gemv_load reads nothing there)
-            ring[d] = mma_gemv_load(weight, scale, expert, n_lo, n_hi, d * STEP + lane_k, N, K);
-        for (int k0 = 0; k0 < K; k0 += MMA_GEMV_DEPTH * STEP) {  // k0 is warp-uniform: every lane takes every branch
+            if (k_begin + d * STEP < k_end)
+                ring[d] = mma_gemv_load(weight, scale, expert, n_lo, n_hi, k_begin + d * STEP + lane_k, N, K);
+        for (int k0 = k_begin; k0 < k_end; k0 += MMA_GEMV_DEPTH * STEP) {  // warp-uniform: every lane takes every branch
 #pragma unroll
             for (int d = 0; d < MMA_GEMV_DEPTH; ++d) {
                 const int ahead = k0 + (d + MMA_GEMV_DEPTH - 1) * STEP;  // refills the slot multiplied last
-                if (ahead < K)
+                if (ahead < k_end)
                     ring[(d + MMA_GEMV_DEPTH - 1) % MMA_GEMV_DEPTH] =
                         mma_gemv_load(weight, scale, expert, n_lo, n_hi, ahead + lane_k, N, K);
-                if (k0 + d * STEP < K) mma_gemv_chunk(acc, ring[d], b_row, ntiles, k0 + d * STEP + lane_k, K);
+                if (k0 + d * STEP < k_end) mma_gemv_chunk(acc, ring[d], b_row, ntiles, k0 + d * STEP + lane_k, K);
             }
         }
+#if MMA_GEMV_KSPLIT > 1
+        // the slices' sums meet in shared memory; the block's first warp of each column group adds them
+        __shared__ float slice_acc[MMA_GEMV_WARPS][MMA_GEMV_NTILES][4][32];
+        if (slice) {
+#pragma unroll
+            for (int j = 0; j < MMA_GEMV_NTILES; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) slice_acc[warp][j][v][lane] = acc[j][v];
+        }
+        __syncthreads();
+        if (slice == 0) {
+#pragma unroll
+            for (int other = 1; other < MMA_GEMV_KSPLIT; ++other)
+#pragma unroll
+                for (int j = 0; j < MMA_GEMV_NTILES; ++j)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) acc[j][v] += slice_acc[warp + other][j][v][lane];
+        }
+        __syncthreads();  // read before the next pass writes
+        if (slice) continue;
+#endif
         // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
 #pragma unroll
         for (int j = 0; j < MMA_GEMV_NTILES; ++j) {

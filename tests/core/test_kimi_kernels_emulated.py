@@ -68,9 +68,16 @@ CASES = {
     # does not depend on the format (GPU tests: INT4 / FP8 / bf16 at K = 1152). moe_router_logits
     # with 2 loads per lane in flight: the second one past K = 320 for most lanes
     "bf16-mma-depth3": ("bf16", RouterSpec(6, 2, "softmax")),
+    # moe_gemv_mma with K split over the block's warps (summed in shared memory): INT4 with K = 320,
+    # three 128-weight chunks over 4 slices (one slice empty) and the last chunk partial; down's
+    # K = 64 is one chunk (three slices empty); two slices with a ring of 3 on FP8
+    "int4-mma-split4": ("int4", RouterSpec(6, 2, "sigmoid")),
+    "fp8-mma-split2-depth3": ("fp8", RouterSpec(6, 2, "softmax")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
-CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3})}
+CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
+               "int4-mma-split4": (320, 64, {"MMA_GEMV_KSPLIT": 4}),
+               "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:
@@ -159,13 +166,22 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_mla_kernels_match_numpy(tmp_path, splits):
+# (splits, mla_attention_mma's tiles by cp.async, long contexts): a long context of 72 has three
+# non-empty 32-key splits, one of 41 two and an empty third (left at once under async tiles)
+MLA_CASES = {"splits1": (1, False, False), "splits3": (3, False, False), "async-splits1": (1, True, False),
+             "async-splits3-long": (3, True, True)}
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_mla_kernels_match_numpy(tmp_path, case):
+    splits, async_tiles, long_contexts = MLA_CASES[case]
     rng = np.random.default_rng(0)
-    lora, rope_dim, nope, heads, block_size = 32, 16, 16, 20, 4  # 20 heads: a partial 16-head chunk
-    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim})
+    lora, rope_dim, nope, heads = 32, 16, 16, 20  # 20 heads: a partial 16-head chunk
+    block_size = 16 if long_contexts else 4
+    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim, "MLA_ASYNC_TILES": int(async_tiles)})
     latent_dim, q_stride = lora + rope_dim, nope + rope_dim
-    cached, new = [0, 4, 7, 13], [5, 1, 1, 3]  # fresh prompt, decodes, a chunk on cached context
+    # fresh prompt, decodes, a chunk on cached context
+    cached, new = ([0, 40, 70, 13] if long_contexts else [0, 4, 7, 13]), [5, 1, 1, 3]
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
     tokens, num_blocks = len(positions), 16
     tables = np.zeros((4, 5), np.int32)
@@ -181,7 +197,7 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     norm = bf16(1 + 0.2 * rng.standard_normal(lora))
     q = bf16(rng.standard_normal((tokens, heads, q_stride)))
     q_latent = bf16(rng.standard_normal((tokens, heads, lora)))
-    rope = RotaryEmbedding.create(rope_dim, RopeParameters(10000.0), 64)
+    rope = RotaryEmbedding.create(rope_dim, RopeParameters(10000.0), 128)
     scale = 0.17
     run_harness(binary, tmp_path, **{"params": np.array([tokens, heads, q_stride, nope, 4, tables.shape[1], block_size, splits], np.int32),
              "scale": np.array([scale], np.float32), "latent": float32_to_bf16(latent), "norm": float32_to_bf16(norm),
@@ -213,6 +229,8 @@ def test_mla_kernels_match_numpy(tmp_path, splits):
     # mla_attention_mma (tensor cores; bf16 probabilities) on the same step
     out_mma = read_array(tmp_path, "out_mma", np.uint16, (tokens, heads, lora))
     assert relative_error(out_mma, reference) < 2e-2
+    # mla_combine_splits_shared: the same bits from the same partials
+    assert np.array_equal(read_array(tmp_path, "out_mma_shared", np.uint16, out_mma.shape), out_mma)
 
 
 def test_mla_decompressed_prefill_matches_numpy(tmp_path):

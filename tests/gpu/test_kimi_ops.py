@@ -126,8 +126,9 @@ def _expert_weights(rng, fmt, num_experts, out_features, in_features, group=32):
                                     (out_features, in_features), block=128), deq
 
 
-@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "mma_depth4", "blas"],
-                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "gemv-mma-depth4", "blas"])
+@pytest.mark.parametrize("gemv", [False, "moe_gemv", "wide", "wide2", "mma", "mma_depth4", "mma_split4", "blas"],
+                         ids=["tiles", "gemv", "gemv-wide", "gemv-wide2", "gemv-mma", "gemv-mma-depth4",
+                              "gemv-mma-split4", "blas"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8"])
 def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypatch):
     """Ragged expert loads: an expert with no token, one with more than a 64-row tile; N and K
@@ -200,7 +201,8 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8"])
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
+                                         "mma_split4", "mma_split4_depth3", "mma1_split4"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
@@ -209,9 +211,10 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
     chunks per lane group; the mma kernel's last 128-weight INT4 chunk), several row passes; INT4
     groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv. The deeper
     rings of moe_gemv_mma take K = 1152: 9 INT4 chunks per lane group (the ring wraps, its last
-    turn partly empty)."""
+    turn partly empty); so do its split-K shapes (INT4: 9 chunks over 2 slices of 5 and 4, over 4
+    of 3, 3, 3 and none)."""
     moe = _moe_cuda()
-    in_features = 1152 if "depth" in gemv_kernel else 384
+    in_features = 1152 if "depth" in gemv_kernel or "split" in gemv_kernel else 384
     weight, reference = _expert_weights(rng, fmt, 1, 300, in_features, group=group or 32)
     x = cuda_backend.upload(bf16_random(rng, rows, in_features))
     out = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel=gemv_kernel))
@@ -274,20 +277,22 @@ MLA_BATCHES = {
 }
 
 
-@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits", [
-    ("small", 10**6, "cuda_cores", ""), ("small", 2, "cuda_cores", ""), ("long", 16, "cuda_cores", ""),
-    ("small", 10**6, "mma", ""), ("long", 16, "mma", ""), ("decodes", 10**6, "mma", ""),
-    ("decodes", 10**6, "mma", "16"), ("decodes", 10**6, "cuda_cores", "")],
+@pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits,async_tiles", [
+    ("small", 10**6, "cuda_cores", "", False), ("small", 2, "cuda_cores", "", False),
+    ("long", 16, "cuda_cores", "", False), ("small", 10**6, "mma", "", False), ("long", 16, "mma", "", False),
+    ("decodes", 10**6, "mma", "", False), ("decodes", 10**6, "mma", "16", False),
+    ("decodes", 10**6, "cuda_cores", "", False), ("decodes", 10**6, "mma", "", True), ("long", 16, "mma", "", True)],
     ids=["absorbed", "mixed-forms", "long-prefill", "absorbed-mma", "long-prefill-mma", "decodes-mma-splits64",
-         "decodes-mma-splits16", "decodes-splits64"])
+         "decodes-mma-splits16", "decodes-splits64", "decodes-mma-async", "long-prefill-mma-async"])
 def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batch_name, prefill_min_query,
-                                                         absorbed_kernel, max_splits, monkeypatch):
+                                                         absorbed_kernel, max_splits, async_tiles, monkeypatch):
     """The absorbed form alone, and decompressed prefills (sequences with >= prefill_min_query
     new tokens) beside absorbed decodes in one step; contexts crossing 16-token blocks; 20 heads
     (a partial 16-head chunk of the absorbed kernel); DeepSeek's 512 + 64 latent, 192 / 128 heads.
     4 decodes up to 1k context: up to 64 splits (now the default; 17 on the mma kernel, 33 on CUDA
     cores, many empty at 5 tokens) with q_pe rotated by 20 x 32 / 128 = 5 blocks per token, and the
-    settings before (16 splits, one rotating block per token)."""
+    settings before (16 splits, one rotating block per token). Async: mla_attention_mma's tiles by
+    cp.async with mla_combine_splits_shared (opt-in), the same bits as the default kernels."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
@@ -339,6 +344,15 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
     written = cuda_backend.to_host(device_cache).reshape(-1, spec.latent_dim)[slots]
     assert relative_error(written, ref_cache.reshape(-1, spec.latent_dim)[slots]) < BF16_TOL
+    if async_tiles:  # the same step again (same cache: the latent write is idempotent) on the opt-in kernels
+        monkeypatch.setenv(cuda_mla.ASYNC_TILES_ENV, "1")
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, "shared")
+        again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
+                            cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
+                            cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),
+                            cupy.asarray(rope.sin), 1e-6, prefill_min_query=prefill_min_query,
+                            absorbed_kernel=absorbed_kernel)
+        assert np.array_equal(cuda_backend.to_host(again), cuda_backend.to_host(out))
 
 
 # --- the whole model ---------------------------------------------------------------------------

@@ -60,6 +60,16 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 # in 16 dependent in-place rounds): 12.3 -> 6.7 / 13.4 -> 6.9 / 13.4 -> 6.9 us at batch 1 / 64 / 256
 # (H200, D3). $OPENINFER_MLA_SPREAD_ROPE=0: one block per token.
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
+# Opt-in until measured (a batch-1 step of 64 heads at 1k context spends ~61 us in attention + combine
+# on an H200, D3, for 1.2 MB of latents): OPENINFER_MLA_ASYNC_TILES=1 builds mla_attention_mma with its
+# query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once; the plain
+# loop waits on a few loads at a time) and splits past a short context leaving at once;
+# OPENINFER_MLA_COMBINE=shared takes mla_combine_splits_shared (each split's weight once per head in
+# shared memory, the partial rows' loads in flight together; bit-equal to mla_combine_splits).
+ASYNC_TILES_ENV = "OPENINFER_MLA_ASYNC_TILES"
+COMBINE_ENV = "OPENINFER_MLA_COMBINE"
+COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
+COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -209,10 +219,23 @@ def mma_decode_fits(spec: MLASpec) -> bool:
 _smem_set: dict[int, cupy.RawKernel] = {}  # id -> the kernel (held, so its id is never reused)
 
 
+def async_tiles() -> bool:
+    """Whether mla_attention_mma copies its tiles by cp.async ($OPENINFER_MLA_ASYNC_TILES=1; opt-in)."""
+    return os.environ.get(ASYNC_TILES_ENV, "0") in ("1", "true", "on")
+
+
+def combine_kernel() -> str:
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: loop, the default, or shared)."""
+    name = os.environ.get(COMBINE_ENV) or "loop"
+    if name not in COMBINE_KERNELS:
+        raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
+    return COMBINE_KERNELS[name]
+
+
 def _mma_decode_kernel(spec: MLASpec):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
     smem = (MMA_DECODE_HEADS + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
-    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec))
+    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
@@ -230,12 +253,42 @@ def absorb_queries(blas: Cublas, q: cupy.ndarray, w_uk: cupy.ndarray, spec: MLAS
     return q_latent
 
 
+@dataclass(frozen=True)
+class SplitPartials:
+    """The context splits' normalised outputs and (max, sum) per head, for ``combine_splits``."""
+
+    partial_o: cupy.ndarray  # [T, H, splits, lora] fp32
+    partial_ml: cupy.ndarray  # [T, H, splits, 2] fp32
+    splits: int
+
+
 def absorbed_attention(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
                        token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None
                        ) -> cupy.ndarray:
     """``o_latent [T, H, lora]``: attention of the rows' absorbed queries (``q_latent``, and q's
     rotated rope dims) over their sequences' cached latents, split over the context and combined.
     ``token_rows``: each row's token in the step (None: row i is token i)."""
+    o_latent, partials = attend_splits(q_latent, q, cache, spec, batch, token_rows, num_sms, absorbed_kernel)
+    if partials is not None:
+        combine_splits(partials, o_latent, spec)
+    return o_latent
+
+
+def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpec) -> None:
+    """``o_latent`` from the splits' partials (``combine_kernel``'s kernel)."""
+    rows = int(partials.partial_ml.shape[0] * partials.partial_ml.shape[1])
+    name = combine_kernel()
+    if partials.splits > COMBINE_SHARED_MAX_SPLITS:
+        name = COMBINE_KERNELS["loop"]
+    kernel("mla.cu", name, **_defines(spec))((rows,), (128,), (
+        partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent))
+
+
+def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
+                  token_rows: cupy.ndarray | None, num_sms: int, absorbed_kernel: str | None = None
+                  ) -> tuple[cupy.ndarray, SplitPartials | None]:
+    """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits)
+    and the splits' partials to combine (None: one split)."""
     num_tokens = int(q.shape[0])
     use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
     heads, lora = spec.num_heads, spec.kv_lora_rank
@@ -255,10 +308,7 @@ def absorbed_attention(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndar
         attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
         kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
-    if splits > 1:
-        kernel("mla.cu", "mla_combine_splits", **_defines(spec))((num_tokens * heads,), (128,), (
-            partial_o, partial_ml, np.int32(splits), o_latent))
-    return o_latent
+    return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 else None
 
 
 def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec, out: cupy.ndarray) -> None:

@@ -73,6 +73,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 3},
     "mma_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 4},
     "mma_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_DEPTH": 8},
+    # split K (opt-in until measured): the block's 4 warps share fewer columns, each over a slice of K,
+    # summed through shared memory, so a batch-1 step (8 experts x N/64 blocks: ~16 warps per SM) runs
+    # 2-4x the warps and as many 16-row weight streams at once; "mma1": one n-tile (8 rows per pass,
+    # fewer registers) for the smallest steps. sm_90a ptxas, INT4: 72 / 80 / 96 / 72 registers, no spills
+    "mma_split2": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 2},
+    "mma_split4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
+    "mma_split4_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 3},
+    "mma1_split4": {"MMA_GEMV_NTILES": 1, "MMA_GEMV_KSPLIT": 4},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
@@ -201,24 +209,45 @@ def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
     top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32."""
-    num_tokens, hidden = x.shape
+    check_router(spec)
+    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid)
+
+
+def check_router(spec: RouterSpec) -> None:
     if spec.top_k > MAX_TOPK or spec.num_groups > 64 or spec.num_experts > MAX_EXPERTS:
         raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK}, n_group <= 64 and at most {MAX_EXPERTS} "
                          f"experts; got top_k={spec.top_k}, n_group={spec.num_groups}, {spec.num_experts} experts")
+
+
+def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
+                  tid2eid: cupy.ndarray | None = None) -> cupy.ndarray | None:
+    """``moe_router_logits``: the [E, H] router product spread over blocks (a decode step has few
+    tokens), fp32 ``[T, E]``; None where ``select_experts``' one block per token computes it
+    (unaligned rows, hash routing, no tokens)."""
+    num_tokens, hidden = x.shape
+    if not num_tokens or hidden % 8 or x.data.ptr % 16 or gate.data.ptr % 16 or tid2eid is not None:
+        return None
+    logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+    kernel("moe.cu", "moe_router_logits")(
+        (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
+        (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
+    return logits
+
+
+def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
+                   logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
+                   tid2eid: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
+    group-limited top-k, weights (``route``'s second half)."""
+    num_tokens, hidden = x.shape
+    check_router(spec)
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
     if num_tokens:
-        logits = NULL
-        if hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0 and tid2eid is None:
-            # the [E, H] router product spread over blocks (a decode step has few tokens)
-            logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
-            kernel("moe.cu", "moe_router_logits")(
-                (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
-                (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
         kernel("moe.cu", "moe_route")(
             (num_tokens,), (256,),
-            (x, gate, logits, NULL if correction_bias is None else correction_bias, np.int32(hidden),
-             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
+             np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
              np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor),
              NULL if token_ids is None else token_ids, NULL if tid2eid is None else tid2eid, ids, weights))
@@ -290,7 +319,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         return
     defines = GEMV_KERNELS[name]
     if name in TENSOR_CORE_GEMVS:  # dense mode: one block row loops over all rows
-        columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
+        columns = MMA_GEMV_WARPS // defines.get("MMA_GEMV_KSPLIT", 1) * MMA_GEMV_COLUMNS
         weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                    (MMA_GEMV_WARPS * 32,), args)
         return

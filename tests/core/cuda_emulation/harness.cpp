@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
     // moe_gemv_mma on the same tiles, in dense mode, and in dense mode on the first N1 - 8 rows of
     // the weight (a warp whose 16 columns run past N)
     std::vector<bf16> h_gemv_mma(size_t(slots) * N1), dense_gemv_mma(size_t(T) * N1), narrow_gemv_mma(size_t(T) * (N1 - 8));
-    const unsigned mma_columns = MMA_GEMV_WARPS * 16;
+    const unsigned mma_columns = MMA_GEMV_BLOCK_COLUMNS;
     launch((N1 + mma_columns - 1) / mma_columns, max_tiles, 1, MMA_GEMV_WARPS * 32, [&] {
         moe_gemv_mma(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
                      num_tiles.data(), offsets.data(), 0, h_gemv_mma.data(), N1, H);
@@ -210,6 +210,10 @@ int main(int argc, char** argv) {
                           splits, partial_o.data(), partial_ml.data(), nullptr);
     });
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out_mma.data()); });
+    // the same partials combined by mla_combine_splits_shared (two warps: one walks the dims twice)
+    std::vector<bf16> out_mma_shared(out_mma);
+    if (splits > 1) launch(T * heads, 1, 1, 64, [&] { mla_combine_splits_shared(partial_o.data(), partial_ml.data(), splits, out_mma_shared.data()); });
+    save(dir, "out_mma_shared.bin", out_mma_shared);
     save(dir, "out_mma.bin", out_mma);
     save(dir, "q_out.bin", q.data(), size_t(T) * heads * q_stride);
     save(dir, "cache_out.bin", cache);
