@@ -53,6 +53,11 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
 from openinfer.backend.cuda.kernel_choices import SM90_ENV as _CORE_SM90_ENV
 from openinfer.backend.cuda.kernel_choices import refresh_kernel_choices as _refresh_core_choices
 from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.qkv_write import (
+    vector_qkv_write_supported,
+    wants_vector_qkv_write,
+    write_qkv_vectorized,
+)
 from openinfer.backend.cuda.tensor_maps import page_maps
 from openinfer.rope import RotaryEmbedding
 
@@ -170,6 +175,8 @@ def _check(spec: AttentionSpec, kv: KVLayer) -> None:
 def write_qkv(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
               ropes: RopeTables) -> cupy.ndarray:
     """Norm + rotate q and k, store k/v at the batch's slots; returns q ``[T, nh, d]``."""
+    if wants_vector_qkv_write() and vector_qkv_write_supported(spec):  # opt-in: OPENINFER_VECTOR_QKV_WRITE=1
+        return write_qkv_vectorized(qkv, spec, kv, batch, ropes)
     num_tokens = qkv.shape[0]
     if qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
         raise ValueError(f"qkv has {qkv.shape[1]} features, expected q+k+v = {spec.q_size + 2 * spec.kv_size}")
