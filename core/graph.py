@@ -219,6 +219,11 @@ class CudaGraphRunner:
             self._capture_prefill(cupy, prefill_statics)
             self.stream.synchronize()
         end = time.perf_counter()
+        # eager GEMMs of fewer rows than a bucket run padded to it: cuBLAS kernels loaded by the
+        # capture, never loaded mid-serving (a load waits for the whole device, see linear.linear)
+        set_buckets = getattr(self.backend, "set_gemm_row_buckets", None)
+        if set_buckets is not None:
+            set_buckets([*self.buckets, *(short_prefill_tokens(b) for b in self.prefill_buckets)])
         self.capture_seconds = end - start
         self.capture_phases = {"kernel_compile": compiled - start, "graph_capture": decode_done - compiled}
         if self.prefill_buckets:

@@ -239,6 +239,10 @@ class _CapturingBackend(_Backend):
         super().__init__()
         self.dry = False
         self.prefill_shapes: list[tuple[int, int, int, int]] = []
+        self.gemm_row_buckets: list[int] = []
+
+    def set_gemm_row_buckets(self, buckets) -> None:
+        self.gemm_row_buckets = sorted(set(buckets))
 
     def static_batch(self, num_seqs: int, max_blocks_per_seq: int) -> types.SimpleNamespace:
         return types.SimpleNamespace(batch=("decode", num_seqs))
@@ -294,3 +298,5 @@ def test_capture_compiles_both_kinds_at_once_and_reports_each_phase(monkeypatch,
     assert set(runner.capture_phases) == expected
     assert all(seconds >= 0 for seconds in runner.capture_phases.values())
     assert sum(runner.capture_phases.values()) == pytest.approx(runner.capture_seconds, abs=1e-3)
+    # eager GEMMs are padded to row counts the capture ran: every decode bucket, every short-prefill shape
+    assert backend.gemm_row_buckets == sorted({*DECODE_BUCKETS, *(short_prefill_tokens(b) for b in prefill_buckets)})

@@ -48,6 +48,21 @@ def test_linear(cuda_backend, rng, rows, bias):
     assert relative_error(out, REF.linear(x, REF.linear_weight(w, b))) < BF16_TOL
 
 
+@pytest.mark.parametrize("rows", [2, 3, 9, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_padded_to_row_buckets(cuda_backend, rng, rows, bias):
+    """Rows padded up to a bucket (a kernel graph capture loaded): same [rows, n] result."""
+    from openinfer.backend.cuda.linear import linear
+
+    k, n = 1024, 768
+    x, w = bf16_random(rng, rows, k), bf16_random(rng, n, k, scale=0.05)
+    b = bf16_random(rng, n) if bias else None
+    layer = cuda_backend.linear_weight(w, b)
+    out = linear(cuda_backend.upload(x), layer, cuda_backend.blas, row_buckets=(1, 4, 16, 24, 64))
+    assert out.shape == (rows, n) and out.flags.c_contiguous
+    assert relative_error(cuda_backend.to_host(out), REF.linear(x, REF.linear_weight(w, b))) < BF16_TOL
+
+
 def test_linear_odd_in_features_uses_cublas(cuda_backend, rng):
     x, w = bf16_random(rng, 4, 100), bf16_random(rng, 48, 100)
     out = cuda_backend.to_host(cuda_backend.linear(cuda_backend.upload(x), cuda_backend.linear_weight(w)))

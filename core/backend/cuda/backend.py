@@ -100,6 +100,7 @@ class CudaBackend:
         self.num_sms = int(props["multiProcessorCount"])
         self.blas = Cublas()
         self.use_gemv = use_gemv
+        self.gemm_row_buckets: tuple[int, ...] = ()  # set_gemm_row_buckets
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -250,7 +251,12 @@ class CudaBackend:
         return out, residual_out
 
     def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
-        return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv)
+        return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv, self.gemm_row_buckets)
+
+    def set_gemm_row_buckets(self, buckets: Sequence[int]) -> None:
+        """Row counts whose cuBLAS kernels are loaded (the CUDA graphs' buckets, after capture):
+        smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding."""
+        self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:

@@ -8,6 +8,7 @@ skinny kernel, which reads each weight byte once at close to copy bandwidth; the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cupy
@@ -15,6 +16,7 @@ import numpy as np
 
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.row_buckets import padded_rows
 
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
 GEMV_WARPS_PER_BLOCK = 8
@@ -119,19 +121,31 @@ def _add_bias(out: cupy.ndarray, bias: cupy.ndarray) -> None:
     kernel("elementwise.cu", "add_bias_bf16")((blocks,), (256,), (out, bias, np.int64(rows), np.int32(features)))
 
 
-def linear(x: cupy.ndarray, layer: CudaLinear, blas: Cublas, use_gemv: bool = True) -> cupy.ndarray:
-    """``x [M, in] @ W^T (+ bias) -> [M, out]`` in bf16."""
+def linear(x: cupy.ndarray, layer: CudaLinear, blas: Cublas, use_gemv: bool = True,
+           row_buckets: Sequence[int] = ()) -> cupy.ndarray:
+    """``x [M, in] @ W^T (+ bias) -> [M, out]`` in bf16.
+
+    ``row_buckets`` (sorted): a cuBLAS GEMM of M rows runs as the smallest bucket holding M (the
+    extra rows computed and dropped), so that it takes a kernel already loaded (``row_buckets``
+    module: a first use waits for the whole device)."""
     if x.ndim != 2 or x.shape[1] != layer.in_features:
         raise ValueError(f"linear expects x of shape [tokens, {layer.in_features}], got {tuple(x.shape)}")
     x = cupy.ascontiguousarray(x)
     m = x.shape[0]
-    out = cupy.empty((m, layer.out_features), dtype=cupy.uint16)
     if m == 0:
-        return out
+        return cupy.empty((0, layer.out_features), dtype=cupy.uint16)
     if use_gemv and m <= GEMV_MAX_ROWS and layer.in_features % 8 == 0:
+        out = cupy.empty((m, layer.out_features), dtype=cupy.uint16)
         skinny_gemm(x, layer, out)
         return out
+    rows = padded_rows(m, row_buckets)
+    if rows != m:  # the extra rows' inputs are left as they are: rows of a GEMM do not mix
+        padded = cupy.empty((rows, layer.in_features), dtype=cupy.uint16)
+        padded[:m] = x
+        x = padded
+    out = cupy.empty((rows, layer.out_features), dtype=cupy.uint16)
     blas.matmul_nt(x, layer.weight, out)
+    out = out[:m]
     if layer.bias is not None:
         _add_bias(out, layer.bias)
     return out
