@@ -7,7 +7,8 @@ by side in one run, from a decode row to a 16k-token prefill (M = 1 .. 16384 row
   silu_mul      [M, 19456] -> [M, 9728]               vec8 | rows (OPENINFER_SILU_MUL_ROWS)
   write_qkv     [M, 6144] -> q [M, 32, 128] + K/V pages (8 heads, block 16), q/k RMSNorm + NeoX RoPE:
                 qk_norm_rope_write_kv (a warp per head) | qk_norm_rope_write_kv_vec (16-byte
-                accesses, the default) with 1 | 2 | 4 tokens per thread
+                accesses, the default) with 1 | 2 | 4 tokens per thread, cos / sin loaded
+                after the norm | with the row (-prefetch)
 
 Time per call: a CUDA graph of 8 calls, each over its own buffers (so a shape that fits in L2 is
 not read back from it), replayed; bytes = activations read + written once (norm weights, cos/sin
@@ -149,10 +150,15 @@ class Workload:
             finally:
                 set_vector_qkv_write(None)
 
-        def vectorized(tokens_per_thread: int) -> Callable[[int], Any]:
+        def vectorized(tokens_per_thread: int, prefetch_rope: bool) -> Callable[[int], Any]:
             return lambda i: write_qkv_vectorized(self.qkv[i], self.spec, self.kv[i], self.batch, backend.ropes,
-                                                  tokens_per_thread)
-        return {"warp": warp, "vec": vectorized(1), "vec-2tok": vectorized(2), "vec-4tok": vectorized(4)}
+                                                  tokens_per_thread, prefetch_rope)
+        variants = {"warp": warp}
+        for tokens in (1, 2, 4):
+            for prefetch in (False, True):
+                name = "vec" + (f"-{tokens}tok" if tokens > 1 else "") + ("-prefetch" if prefetch else "")
+                variants[name] = vectorized(tokens, prefetch)
+        return variants
 
 
 def time_cuda(calls: list[Callable[[], Any]]) -> float:

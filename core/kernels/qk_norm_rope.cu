@@ -98,8 +98,19 @@ qk_norm_rope_write_kv(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
 #ifndef QKV_TOKENS_PER_THREAD
 #define QKV_TOKENS_PER_THREAD 1
 #endif
+#ifndef QKV_PREFETCH_ROPE  // 1: cos / sin loaded with the row (more registers, one wait for memory)
+#define QKV_PREFETCH_ROPE 0
+#endif
 constexpr int LANES_PER_HEAD = HEAD_DIM / 8;
 static_assert(32 % LANES_PER_HEAD == 0, "qk_norm_rope_write_kv_vec: HEAD_DIM / 8 must divide a warp");
+
+// 8 floats from a 16-byte aligned address, as two 16-byte loads.
+__device__ __forceinline__ void load_floats8(const float* p, float* f) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p), b = *reinterpret_cast<const uint4*>(p + 4);
+    const unsigned words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __int_as_float(static_cast<int>(words[i]));
+}
 
 extern "C" __global__ void __launch_bounds__(256)
 qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out, bf16* __restrict__ k_cache,
@@ -114,16 +125,30 @@ qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out
     const bool is_q = head < num_heads, is_v = head >= num_heads + num_kv_heads;
     const bf16* norm = is_q ? q_norm : k_norm;
     const int first_token = blockIdx.x * QKV_TOKENS_PER_THREAD;
-    // no lane returns before the shuffles below (they take the whole warp)
-    float x[QKV_TOKENS_PER_THREAD][8];
+    const bool rotate = cos_table != nullptr && rotary_dim > 0;  // the same for the whole grid
+    const int half = rotary_dim / 2;
+    const bool rotates_lane = valid_head && !is_v && rotate && e0 < rotary_dim;
+    const int table_column = e0 < half ? e0 : e0 - half;
+    // loads that do not depend on the row's values go out with the row: the qkv vectors, the norm
+    // weight, the tokens' slots and (QKV_PREFETCH_ROPE) cos / sin, 16-byte loads (rows of half
+    // floats, e0 a multiple of 8); else cos / sin are loaded after the norm, as the rotation needs them
+    float x[QKV_TOKENS_PER_THREAD][8], c[QKV_TOKENS_PER_THREAD][8], sn[QKV_TOKENS_PER_THREAD][8];
+    int slot[QKV_TOKENS_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < QKV_TOKENS_PER_THREAD; ++k) {
         const int t = first_token + k;
         if (valid_head && t < num_tokens) {
             load8(qkv + (size_t)t * heads_per_token * HEAD_DIM + (size_t)head * HEAD_DIM + e0, x[k]);
+            slot[k] = is_q ? 0 : slot_mapping[t];
+            if (QKV_PREFETCH_ROPE && rotates_lane) {
+                const size_t at = (size_t)positions[t] * half + table_column;
+                load_floats8(cos_table + at, c[k]);
+                load_floats8(sin_table + at, sn[k]);
+            }
         } else {
 #pragma unroll
             for (int i = 0; i < 8; ++i) x[k][i] = 0.f;
+            slot[k] = -1;
         }
     }
     float w[8];
@@ -143,20 +168,21 @@ qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out
 #pragma unroll
             for (int i = 0; i < 8; ++i) x[k][i] = round_bf16(round_bf16(x[k][i] * inv) * w[i]);
         }
-        if (cos_table != nullptr && rotary_dim > 0) {  // the same for the whole grid
-            const int half = rotary_dim / 2;
+        if (rotate) {
             float partner[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, x[k][i], half / 8);
-            if (valid && !is_v && e0 < rotary_dim) {
-                const int position = positions[t];
+            if (valid && rotates_lane) {
+                if (!QKV_PREFETCH_ROPE) {
+                    const size_t at = (size_t)positions[t] * half + table_column;
+                    load_floats8(cos_table + at, c[k]);
+                    load_floats8(sin_table + at, sn[k]);
+                }
                 const bool first = e0 < half;
-                const float* cos_row = cos_table + (size_t)position * half + (first ? e0 : e0 - half);
-                const float* sin_row = sin_table + (size_t)position * half + (first ? e0 : e0 - half);
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
-                    x[k][i] = first ? x[k][i] * cos_row[i] - partner[i] * sin_row[i]
-                                    : x[k][i] * cos_row[i] + partner[i] * sin_row[i];
+                    x[k][i] = first ? x[k][i] * c[k][i] - partner[i] * sn[k][i]
+                                    : x[k][i] * c[k][i] + partner[i] * sn[k][i];
             }
         }
         if (!valid) continue;
@@ -164,10 +190,9 @@ qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out
         if (is_q) {
             dst = q_out + ((size_t)t * num_heads + head) * HEAD_DIM;
         } else {
-            const int slot = slot_mapping[t];
-            if (slot < 0) continue;  // padding: no KV write
+            if (slot[k] < 0) continue;  // padding: no KV write
             dst = (is_v ? v_cache : k_cache) +
-                  ((size_t)slot * num_kv_heads + (head - num_heads - (is_v ? num_kv_heads : 0))) * HEAD_DIM;
+                  ((size_t)slot[k] * num_kv_heads + (head - num_heads - (is_v ? num_kv_heads : 0))) * HEAD_DIM;
         }
         store8(dst + e0, x[k]);
     }
