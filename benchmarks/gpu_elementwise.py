@@ -6,8 +6,9 @@ by side in one run, from a decode row to a 16k-token prefill (M = 1 .. 16384 row
   add_rms_norm  [M, 2560] x 2 -> [M, 2560] x 2        block kernel | rows
   silu_mul      [M, 19456] -> [M, 9728]               vec8 | rows (OPENINFER_SILU_MUL_ROWS)
   write_qkv     [M, 6144] -> q [M, 32, 128] + K/V pages (8 heads, block 16), q/k RMSNorm + NeoX RoPE:
-                qk_norm_rope_write_kv (a warp per head) | qk_norm_rope_write_kv_vec
-                (16-byte accesses; OPENINFER_VECTOR_QKV_WRITE)
+                qk_norm_rope_write_kv (a warp per head) | qk_norm_rope_write_kv_vec (16-byte
+                accesses, the default) with 1 | 2 | 4 tokens per thread, cos / sin loaded
+                after the norm | with the row (-prefetch)
 
 Time per call: a CUDA graph of 8 calls, each over its own buffers (so a shape that fits in L2 is
 not read back from it), replayed; bytes = activations read + written once (norm weights, cos/sin
@@ -140,10 +141,24 @@ class Workload:
         if backend.name != "cuda":
             return {"numpy": lambda i: numpy_write_qkv(backend, self.qkv[i], self.spec, self.kv[i], self.batch)}
         from openinfer.backend.cuda.attention import write_qkv
-        from openinfer.backend.cuda.qkv_write import write_qkv_vectorized
+        from openinfer.backend.cuda.qkv_write import set_vector_qkv_write, write_qkv_vectorized
 
-        return {name: (lambda i, write=write: write(self.qkv[i], self.spec, self.kv[i], self.batch, backend.ropes))
-                for name, write in (("warp", write_qkv), ("vec", write_qkv_vectorized))}
+        def warp(i: int) -> Any:
+            set_vector_qkv_write(False)
+            try:
+                return write_qkv(self.qkv[i], self.spec, self.kv[i], self.batch, backend.ropes)
+            finally:
+                set_vector_qkv_write(None)
+
+        def vectorized(tokens_per_thread: int, prefetch_rope: bool) -> Callable[[int], Any]:
+            return lambda i: write_qkv_vectorized(self.qkv[i], self.spec, self.kv[i], self.batch, backend.ropes,
+                                                  tokens_per_thread, prefetch_rope)
+        variants = {"warp": warp}
+        for tokens in (1, 2, 4):
+            for prefetch in (False, True):
+                name = "vec" + (f"-{tokens}tok" if tokens > 1 else "") + ("-prefetch" if prefetch else "")
+                variants[name] = vectorized(tokens, prefetch)
+        return variants
 
 
 def time_cuda(calls: list[Callable[[], Any]]) -> float:
@@ -227,7 +242,7 @@ def run(device: str, rows_grid: tuple[int, ...], ops: tuple[str, ...], save: Cal
             if device == "cuda":
                 cupy.get_default_memory_pool().free_all_blocks()
     if backend.name == "cuda":
-        backend.row_norms = backend.silu_mul_rows = False
+        backend.row_norms = backend.silu_mul_rows = None  # back to auto
     return report
 
 

@@ -87,8 +87,25 @@ QKV_CASES = {
 }
 
 
+@pytest.fixture
+def warp_qkv_write():
+    """``attention.write_qkv`` on the warp-per-head kernel (the 16-byte one is the default)."""
+    from openinfer.backend.cuda.attention import write_qkv
+    from openinfer.backend.cuda.qkv_write import set_vector_qkv_write
+
+    def write(*args):
+        set_vector_qkv_write(False)
+        try:
+            return write_qkv(*args)
+        finally:
+            set_vector_qkv_write(None)
+    return write
+
+
+@pytest.mark.parametrize(("tokens_per_thread", "prefetch_rope"), [(1, False), (1, True), (2, True), (4, False)])
 @pytest.mark.parametrize("case", list(QKV_CASES))
-def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, case):
+def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, warp_qkv_write, case,
+                                                           tokens_per_thread, prefetch_rope):
     from openinfer.backend.cuda.attention import write_qkv
     from openinfer.backend.cuda.qkv_write import vector_qkv_write_supported, write_qkv_vectorized
 
@@ -123,7 +140,11 @@ def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, c
     slots = batch.slot_mapping[written]
 
     outputs = {}
-    for name, write in (("warp", write_qkv), ("vec", write_qkv_vectorized)):
+    def vectorized(*args):
+        return write_qkv_vectorized(*args, tokens_per_thread=tokens_per_thread, prefetch_rope=prefetch_rope)
+
+    # the default path (attention.write_qkv: the 16-byte kernel) beside both kernels named
+    for name, write in (("warp", warp_qkv_write), ("vec", vectorized), ("default", write_qkv)):
         kv = KVLayer(cuda_backend.upload(k_init), cuda_backend.upload(v_init))
         device_q = write(cuda_backend.upload(qkv), spec, kv, cuda_backend.prepare_batch(batch), cuda_backend.ropes)
         q_out = cuda_backend.to_host(device_q)
@@ -138,6 +159,11 @@ def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, c
         outputs[name] = q_out, k_out[slots]
     for warp, vec in zip(outputs["warp"], outputs["vec"], strict=True):
         assert np.abs(vec - warp).max() <= 2**-6 * max(np.abs(warp).max(), 1e-30)
+    for vec, default in zip(outputs["vec"], outputs["default"], strict=True):
+        if (tokens_per_thread, prefetch_rope) == (1, False):  # the default path runs this very launch
+            assert np.array_equal(vec, default)
+        else:  # the same arithmetic in another code shape (the compiler may contract it otherwise)
+            assert np.abs(vec - default).max() <= 2**-6 * max(np.abs(default).max(), 1e-30)
 
 
 def test_vector_qkv_write_refuses_what_it_cannot_pair(cuda_backend):

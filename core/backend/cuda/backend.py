@@ -35,8 +35,11 @@ from openinfer.backend.cuda.weight_upload import uploader
 
 logger = logging.getLogger("openinfer.backend.cuda")
 
-SILU_MUL_ROWS_ENV = "OPENINFER_SILU_MUL_ROWS"  # "1": silu_mul over a (row, chunk) grid
+SILU_MUL_ROWS_ENV = "OPENINFER_SILU_MUL_ROWS"  # "auto" (default) | "1" | "0": silu_mul over a (row, chunk) grid
 SILU_MUL_ROWS_THREADS = 128  # silu_mul_rows: 2 x 128 vectors (2048 outputs) per block
+# E2 (H200, gpu_elementwise.py, 9728 outputs per row): silu_mul_rows / vec8 1.04x at 1k rows, 1.35x at
+# 8k, 1.54x at 16k (362 -> 235 us, 64 -> 98 % of copy bandwidth); 0.87x / 0.88x at 256 / 1 row
+SILU_MUL_ROWS_MIN_ROWS = 1024
 NORM_ROWS_PER_BLOCK = 4  # rms_norm.cu's row kernels: one warp per row, 4 rows per block
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 # what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
@@ -51,7 +54,10 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 64) * 32))
 
 
-ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "1": rms_norm / add_rms_norm one warp per row
+ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
+# E2 (H200, gpu_elementwise.py, 2560 features): add_rms_norm rows / block 1.05x at 256 rows, 2.1x at
+# 1k, 2.5x at 8k / 16k (214 -> 84 us, 38 -> 97 % of copy bandwidth); rms_norm 3.2x at 16k; equal at 1-64
+ROW_NORMS_MIN_ROWS = 256
 # rms_norm.cu's row kernels hold a row (and the norm weight) in registers: up to 3072 features
 # (12 vectors per lane: 177 / 208 registers, no spills; 16 spill)
 ROW_NORM_MAX_VECTORS_PER_LANE = 12
@@ -64,6 +70,14 @@ def row_norm_vectors_per_lane(features: int, *arrays: cupy.ndarray) -> int:
     if features % 8 or vectors > ROW_NORM_MAX_VECTORS_PER_LANE or any(a.data.ptr % 16 for a in arrays):
         return 0
     return vectors
+
+
+def auto_switch(name: str) -> bool | None:
+    """An "auto" | "1" | "0" environment switch: None (auto: the backend decides by size), True, False."""
+    raw = os.environ.get(name, "auto")
+    if raw not in ("auto", "1", "0"):
+        raise ValueError(f"{name}={raw!r}: expected 'auto', '1' or '0'")
+    return None if raw == "auto" else raw == "1"
 
 
 def _int_env(name: str, default: int, minimum: int) -> int:
@@ -114,13 +128,15 @@ class CudaBackend:
             blocks_per_sm=_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_LAUNCH.blocks_per_sm, minimum=1),
             prefetch_bytes=_int_env("OPENINFER_FUSED_DECODE_PREFETCH_BYTES", FUSED_LAUNCH.prefetch_bytes, minimum=0))
         # rms_norm / add_rms_norm on rms_norm.cu's one-warp-per-row kernels (16-byte accesses, the
-        # row and weight in registers) instead of one block per row; with fused decode on, one decode
-        # row stays on the block kernel, whose sum order the fused GEMV reproduces. Opt-in
-        # (OPENINFER_ROW_NORMS=1) until measured; benchmarks/gpu_elementwise.py times both.
-        self.row_norms = os.environ.get(ROW_NORMS_ENV, "0") in ("1", "true", "on")
+        # row and weight in registers) instead of one block per row: None (auto) from
+        # ROW_NORMS_MIN_ROWS rows (below, the block kernel is as fast and decode keeps its bits),
+        # True for any rows (but a lone decode row under fused decode, whose GEMV reproduces the
+        # block kernel's sum order), False never. OPENINFER_ROW_NORMS; gpu_elementwise.py times both.
+        self.row_norms: bool | None = auto_switch(ROW_NORMS_ENV)
         # silu_mul on elementwise.cu's silu_mul_rows (a 2-D grid, two 16-byte vectors per thread, no
-        # grid-stride loop; the same bits as silu_mul_vec8). Opt-in (OPENINFER_SILU_MUL_ROWS=1) until measured.
-        self.silu_mul_rows = os.environ.get(SILU_MUL_ROWS_ENV, "0") in ("1", "true", "on")
+        # grid-stride loop; the same bits as silu_mul_vec8): None (auto) from SILU_MUL_ROWS_MIN_ROWS
+        # rows, True always, False never (OPENINFER_SILU_MUL_ROWS)
+        self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -213,6 +229,8 @@ class CudaBackend:
         return self.gather_rows(table, token_ids)
 
     def _row_norms_for(self, rows: int) -> bool:
+        if self.row_norms is None:
+            return rows >= ROW_NORMS_MIN_ROWS
         return self.row_norms and rows > 0 and (rows > 1 or not self.fuse_decode)
 
     def rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
@@ -289,7 +307,8 @@ class CudaBackend:
         half = gate_up.shape[-1] // 2
         rows = gate_up.size // gate_up.shape[-1]
         out = cupy.empty((*gate_up.shape[:-1], half), dtype=cupy.uint16)
-        if self.silu_mul_rows and out.size and half % 8 == 0 and gate_up.data.ptr % 16 == 0:
+        by_rows = rows >= SILU_MUL_ROWS_MIN_ROWS if self.silu_mul_rows is None else self.silu_mul_rows
+        if by_rows and out.size and half % 8 == 0 and gate_up.data.ptr % 16 == 0:
             chunks = -(-(half // 8) // (2 * SILU_MUL_ROWS_THREADS))
             kernel("elementwise.cu", "silu_mul_rows")((rows, chunks), (SILU_MUL_ROWS_THREADS,),
                                                       (gate_up, out, np.int32(half // 8)))

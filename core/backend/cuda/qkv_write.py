@@ -1,10 +1,14 @@
 """q/k RMSNorm + RoPE + paged KV write with 16-byte accesses: ``qk_norm_rope.cu``'s
-``qk_norm_rope_write_kv_vec`` (HEAD_DIM / 8 lanes per head, one 16-byte load and store per lane)
-beside ``attention.write_qkv``'s one-warp-per-head kernel (2-byte accesses).
+``qk_norm_rope_write_kv_vec`` (HEAD_DIM / 8 lanes per head, one 16-byte load and store per lane and
+token) beside ``attention.write_qkv``'s one-warp-per-head kernel (2-byte accesses).
 
-Opt-in (``OPENINFER_VECTOR_QKV_WRITE=1``) until measured on a GPU; ``benchmarks/gpu_elementwise.py``
-times both. The results equal the warp kernel's up to the last bit of q / k (the head's sum of
-squares is taken in another order); v is copied bit for bit.
+The default where the head layout allows it (``OPENINFER_VECTOR_QKV_WRITE=0`` reverts): E2 (H200,
+``benchmarks/gpu_elementwise.py``, Qwen3-4B's 32 + 8 + 8 heads) measured it 1.6x the warp kernel
+at 1k-16k tokens (16k: 231 -> 141 us, 42 -> 69 % of copy bandwidth), 1.4x at 256, equal at 1-64.
+The results equal the warp kernel's up to the last bit of q / k (the head's sum of squares is taken
+in another order); v is copied bit for bit. For measuring: ``OPENINFER_QKV_TOKENS_PER_THREAD``
+(1, 2 or 4) gives each thread that many tokens' loads in flight, ``OPENINFER_QKV_PREFETCH_ROPE=1``
+loads cos / sin with the row (the same arithmetic in other code shapes).
 """
 
 from __future__ import annotations
@@ -24,16 +28,51 @@ if TYPE_CHECKING:
     from openinfer.backend.cuda.batch import CudaBatch
 
 VECTOR_QKV_WRITE_ENV = "OPENINFER_VECTOR_QKV_WRITE"
+TOKENS_PER_THREAD_ENV = "OPENINFER_QKV_TOKENS_PER_THREAD"
+TOKENS_PER_THREAD_CHOICES = (1, 2, 4)
+PREFETCH_ROPE_ENV = "OPENINFER_QKV_PREFETCH_ROPE"
 MAX_THREADS = 256  # qk_norm_rope_write_kv_vec's __launch_bounds__
 NULL = np.uint64(0)  # a null pointer argument
 
 
+_override: list[bool | None] = [None]  # set_vector_qkv_write's choice, above the environment
+
+
 @functools.cache
-def wants_vector_qkv_write() -> bool:
-    """OPENINFER_VECTOR_QKV_WRITE ("1" / "0", default "0"), read once per process."""
-    raw = os.environ.get(VECTOR_QKV_WRITE_ENV, "0")
+def _vector_qkv_write_env() -> bool:
+    raw = os.environ.get(VECTOR_QKV_WRITE_ENV, "1")
     if raw not in ("0", "1"):
         raise ValueError(f"{VECTOR_QKV_WRITE_ENV}={raw!r}: expected '0' or '1'")
+    return raw == "1"
+
+
+def wants_vector_qkv_write() -> bool:
+    """Whether ``attention.write_qkv`` takes the 16-byte kernel: ``set_vector_qkv_write``'s choice,
+    else OPENINFER_VECTOR_QKV_WRITE ("1", the default, or "0"), read once per process."""
+    return _vector_qkv_write_env() if _override[0] is None else _override[0]
+
+
+def set_vector_qkv_write(on: bool | None) -> None:
+    """Force the 16-byte kernel on or off for this process (benchmarks and tests timing or checking
+    both kernels); None goes back to the environment's choice."""
+    _override[0] = on
+
+
+@functools.cache
+def default_tokens_per_thread() -> int:
+    """OPENINFER_QKV_TOKENS_PER_THREAD (1, the default, 2 or 4), read once per process."""
+    raw = os.environ.get(TOKENS_PER_THREAD_ENV, "1")
+    if raw not in tuple(map(str, TOKENS_PER_THREAD_CHOICES)):
+        raise ValueError(f"{TOKENS_PER_THREAD_ENV}={raw!r}: expected one of {TOKENS_PER_THREAD_CHOICES}")
+    return int(raw)
+
+
+@functools.cache
+def default_prefetch_rope() -> bool:
+    """OPENINFER_QKV_PREFETCH_ROPE ("0", the default, or "1"), read once per process."""
+    raw = os.environ.get(PREFETCH_ROPE_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PREFETCH_ROPE_ENV}={raw!r}: expected '0' or '1'")
     return raw == "1"
 
 
@@ -52,9 +91,18 @@ def vector_qkv_write_supported(spec: AttentionSpec) -> bool:
 
 
 def write_qkv_vectorized(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
-                         ropes: RopeTables) -> cupy.ndarray:
+                         ropes: RopeTables, tokens_per_thread: int | None = None,
+                         prefetch_rope: bool | None = None) -> cupy.ndarray:
     """``attention.write_qkv`` on the 16-byte kernel: norm + rotate q and k, store k / v at the
-    batch's slots (a negative slot writes nothing); returns q ``[T, nh, d]``."""
+    batch's slots (a negative slot writes nothing); returns q ``[T, nh, d]``. ``tokens_per_thread``:
+    1, 2 or 4 (None: ``OPENINFER_QKV_TOKENS_PER_THREAD``, default 1); ``prefetch_rope``: cos / sin
+    loaded with the row (None: ``OPENINFER_QKV_PREFETCH_ROPE``, default off)."""
+    if tokens_per_thread is None:
+        tokens_per_thread = default_tokens_per_thread()
+    if prefetch_rope is None:
+        prefetch_rope = default_prefetch_rope()
+    if tokens_per_thread not in TOKENS_PER_THREAD_CHOICES:
+        raise ValueError(f"tokens_per_thread must be one of {TOKENS_PER_THREAD_CHOICES}, got {tokens_per_thread}")
     if not vector_qkv_write_supported(spec):
         raise ValueError(f"the 16-byte q/k/v write does not take head_dim {spec.head_dim} with rotary_dim "
                          f"{0 if spec.rope is None else spec.rope.rotary_dim}; use attention.write_qkv")
@@ -74,10 +122,11 @@ def write_qkv_vectorized(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, ba
         rotary_dim = 0
     lanes = heads_per_token * (spec.head_dim // 8)
     threads = min(MAX_THREADS, -(-lanes // 32) * 32)
-    kernel("qk_norm_rope.cu", "qk_norm_rope_write_kv_vec", HEAD_DIM=spec.head_dim)(
-        (num_tokens, -(-lanes // threads)), (threads,),
+    kernel("qk_norm_rope.cu", "qk_norm_rope_write_kv_vec", HEAD_DIM=spec.head_dim,
+           QKV_TOKENS_PER_THREAD=tokens_per_thread, QKV_PREFETCH_ROPE=int(prefetch_rope))(
+        (-(-num_tokens // tokens_per_thread), -(-lanes // threads)), (threads,),
         (qkv, q, kv.k, kv.v,
          spec.q_norm if spec.q_norm is not None else NULL, spec.k_norm if spec.k_norm is not None else NULL,
          np.float32(spec.norm_eps), cos, sin, np.int32(rotary_dim), batch.positions, batch.slot_mapping,
-         np.int32(spec.num_heads), np.int32(spec.num_kv_heads)))
+         np.int32(num_tokens), np.int32(spec.num_heads), np.int32(spec.num_kv_heads)))
     return q

@@ -1,7 +1,8 @@
 // Runs core's rms_norm.cu (block-per-row rms_norm / add_rms_norm and the one-warp-per-row
 // rms_norm_rows / add_rms_norm_rows) and qk_norm_rope.cu (the warp-per-head qk_norm_rope_write_kv and
 // the 16-byte qk_norm_rope_write_kv_vec) on the CPU (tests/helpers/cuda_host), for
-// tests/core/test_norm_qkv_kernels_emulated.py. Build with -DHEAD_DIM and -DVECS_PER_LANE.
+// tests/core/test_norm_qkv_kernels_emulated.py. Build with -DHEAD_DIM, -DVECS_PER_LANE and
+// -DQKV_TOKENS_PER_THREAD.
 #include <cuda_bf16.h>
 void __syncwarp();  // qk_norm_rope_write_kv's; defined below on the harness's per-warp barrier
 #include "rms_norm.cu"
@@ -64,9 +65,10 @@ int main(int argc, char** argv) {
                               rotary_dim, positions.data(), slots.data(), tokens, num_heads, num_kv_heads);
     });
     const unsigned lanes = heads * LANES_PER_HEAD;
-    launch(tokens, (lanes + vec_threads - 1) / vec_threads, 1, vec_threads, [&] {
+    const unsigned token_groups = (tokens + QKV_TOKENS_PER_THREAD - 1) / QKV_TOKENS_PER_THREAD;
+    launch(token_groups, (lanes + vec_threads - 1) / vec_threads, 1, vec_threads, [&] {
         qk_norm_rope_write_kv_vec(qkv.data(), vec_q.data(), vec_k.data(), vec_v.data(), qn, kn, eps, cos_arg, sin_arg,
-                                  rotary_dim, positions.data(), slots.data(), num_heads, num_kv_heads);
+                                  rotary_dim, positions.data(), slots.data(), tokens, num_heads, num_kv_heads);
     });
     save(dir, "warp_q.bin", warp_q);
     save(dir, "warp_k.bin", warp_k);
