@@ -129,17 +129,12 @@ def _persistent_scheduler(head_dim: int) -> cupy.ndarray | None:
 
 
 def _tma_kv_loads(head_dim: int, kv: KVLayer) -> bool:
-    """Whether this launch takes TMA K/V loads: asked for, a cache layout they copy page by page,
-    and the maps already made or makeable (nothing is uploaded while a CUDA graph is captured)."""
+    """Whether this launch takes TMA K/V loads: asked for, and a cache layout they copy page by page."""
     block_size = int(kv.k.shape[1])
     block_n = 64 if head_dim == 256 else 128
     if sm90_kv_loads() == "cp_async" or block_n % block_size or block_size % 8:
         return False
-    if not (kv.k.flags.c_contiguous and kv.v.flags.c_contiguous):
-        return False
-    if cupy.cuda.get_current_stream().is_capturing():
-        return page_maps.cached(kv.k) is not None and page_maps.cached(kv.v) is not None
-    return True
+    return bool(kv.k.flags.c_contiguous and kv.v.flags.c_contiguous)
 
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -264,8 +259,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
             grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:
             grid = (spec.num_heads, num_tiles)
-        maps = (np.uint64(page_maps.get(kv.k).data.ptr), np.uint64(page_maps.get(kv.v).data.ptr)) if tma \
-            else (NULL, NULL)
+        maps = (page_maps.get(kv.k), page_maps.get(kv.v)) if tma else (NULL, NULL)
         fn(grid, (384,), (*args, *maps, np.int32(num_tiles), NULL if scheduler is None else scheduler),
            shared_mem=shared)
         return out
