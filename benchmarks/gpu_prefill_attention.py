@@ -173,6 +173,7 @@ SM90_VARIANTS = {
     "tma": {"kv_loads": "tma"},
     "tma-no-overlap": {"kv_loads": "tma", "overlap": "0"},
     "tma-multicast": {"kv_loads": "tma_multicast"},
+    "tma-auto": {"kv_loads": "auto"},
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give

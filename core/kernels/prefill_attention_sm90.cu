@@ -126,10 +126,14 @@ __device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
                  : "memory");
 }
 
-// The tensor map was written to global memory by a host copy: order that write before the
-// tensor-map proxy reads it.
-__device__ __forceinline__ void tensor_map_acquire(const void* map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(map) : "memory");
+// A CUtensorMap (cuda.h's opaque 128 bytes), passed by value as a __grid_constant__ kernel
+// parameter: the TMA unit reads it from the parameter bank, no copy or fence per launch.
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }
 
 // One TMA box (3-d tensor map: element, KV head, cache token) to shared memory; its bytes count
@@ -397,10 +401,11 @@ __device__ __forceinline__ void item_head_tile(int item, int num_tiles, int num_
 // tile (group even): each TMA tile is copied once for the pair, half the pages from each CTA.
 // PERSISTENT: grid (min(SMs, items), 1); CTA b takes work item b, then the next unclaimed one
 // (in the same order: longest first, so greedy, as the hardware dispatches blocks) from the
-// counter scheduler[0], until none is left. The producer claims the next item while it loads the
-// current one and loads its Q tile as soon as the consumers' last Q K^T is done, so one item's
-// last softmax, P V and stores overlap the next one's first loads. The last CTA to finish
-// resets scheduler[0..1] to 0 for the next launch (launches sharing a scheduler must not overlap).
+// counter scheduler[0], until none is left. The producer claims the next item once it has issued
+// the current one's loads and loads its Q tile as soon as the consumers' last Q K^T is done, so
+// one item's last softmax, P V and stores overlap the next one's first loads. The last CTA to
+// finish resets scheduler[0..1] to 0 for the next launch (launches sharing a scheduler must not
+// overlap).
 #if KV_MULTICAST
 #define CLUSTER_ATTRIBUTE __cluster_dims__(2, 1, 1)
 #else
@@ -412,8 +417,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                        int max_blocks_per_seq, const int* __restrict__ query_start,
                        const int* __restrict__ context_lens, const int* __restrict__ tile_seq,
                        const int* __restrict__ tile_query, bf16* __restrict__ out, int num_heads,
-                       int num_kv_heads, int block_size, float scale_log2, const void* k_map,
-                       const void* v_map, int num_tiles, int* __restrict__ scheduler) {
+                       int num_kv_heads, int block_size, float scale_log2,
+#if TMA_KV_LOADS
+                       const __grid_constant__ TensorMap k_map_param, const __grid_constant__ TensorMap v_map_param,
+#else
+                       const void* k_map_param, const void* v_map_param,  // NULL: unused
+#endif
+                       int num_tiles, int* __restrict__ scheduler) {
     extern __shared__ uint4 smem_raw[];
     const u32 raw_base = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 base = (raw_base + 1023) & ~1023u;
@@ -473,9 +483,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #endif
 #if TMA_KV_LOADS
         constexpr int PAGES = BLOCK_N / PAGE_SIZE;
-        if (t < 32) {
-            tensor_map_acquire(k_map);
-            tensor_map_acquire(v_map);
+        const void* k_map = &k_map_param;
+        const void* v_map = &v_map_param;
+        if (t == 0) {
+            prefetch_tensor_map(k_map);
+            prefetch_tensor_map(v_map);
         }
 #endif
         // One work item's Q tile, then its K/V tiles into the ring from ring position g0 on.
@@ -591,15 +603,15 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 mbar_arrive(bar_item);
             }
             if (item >= num_items) break;
-            int claimed = 0;
-            if (t == 0) claimed = atomicAdd(scheduler, 1) + gridDim.x;  // in flight while this item loads
             int head, tile;
             item_head_tile(item, num_tiles, num_heads, num_kv_heads, head, tile);
             const WorkItem w = work_item(head, tile, tile_seq, tile_query, query_start, context_lens);
             produce(w, ring);
             ring += w.num_kv_tiles;
-            // thread 0's claim to every producer thread
-            if (t == 0) claimed_item = claimed;
+            // Claimed once this item's loads are issued, i.e. about STAGES tiles before its consumers
+            // finish, so items go to the CTA that frees up first (greedy, longest first), and the
+            // claim's latency hides behind those last tiles. To every producer thread:
+            if (t == 0) claimed_item = atomicAdd(scheduler, 1) + gridDim.x;
             asm volatile("bar.sync 3, 128;\n" ::: "memory");
             item = claimed_item;
             asm volatile("bar.sync 3, 128;\n" ::: "memory");  // read before thread 0 republishes it

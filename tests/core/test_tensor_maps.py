@@ -37,3 +37,12 @@ def test_layouts_tma_cannot_copy_are_clear_errors():
         page_box_layout((10, 16, 8, 32), strides_of((10, 16, 8, 32)), 2)
     with pytest.raises(ValueError, match="bf16"):
         page_box_layout((10, 16, 128), (4096, 256, 2), 2)
+
+
+def test_a_map_is_one_128_byte_kernel_argument():
+    from openinfer.backend.cuda.tensor_maps import MAP_BYTES, TENSOR_MAP_PARAM
+
+    param = np.arange(MAP_BYTES, dtype=np.uint8).view(TENSOR_MAP_PARAM)
+    # CuPy passes a size-1 NumPy array by value: its bytes, in order, are the kernel's parameter
+    assert param.shape == (1,) and param.itemsize == MAP_BYTES
+    assert bytes(param.tobytes()) == bytes(range(MAP_BYTES))

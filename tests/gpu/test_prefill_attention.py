@@ -52,6 +52,7 @@ SM90_VARIANTS = {
     # CTA pairs share each TMA K/V tile (cluster multicast); MHA / odd groups fall back to "tma"
     "tma-multicast": {"kv_loads": "tma_multicast"},
     "tma-multicast-no-overlap": {"kv_loads": "tma_multicast", "overlap": "0"},
+    "tma-auto": {"kv_loads": "auto"},  # TMA from 2048 tokens of context ("chunk-long-offset" here)
     # persistent CTAs claiming work items from a device counter (head_dim 256 keeps the grid)
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},

@@ -68,9 +68,13 @@ from openinfer.rope import RotaryEmbedding
 # head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
 # GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
 # kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
-# keep cp.async.
+# keep cp.async. "auto": "tma" for steps whose longest context reaches SM90_TMA_MIN_CONTEXT tokens,
+# cp.async below (and where the context is not known on the host: a captured graph's batch).
 SM90_KV_LOADS = "cp_async"
-SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast")
+SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
+# E2 (H200, TMA against cp.async per launch): 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at
+# 8 x 2k and 4k, 1.09x at 16k, 1.23x for a 4k chunk on 12k cached
+SM90_TMA_MIN_CONTEXT = 2048
 # OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
 # (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
 # the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
@@ -81,7 +85,7 @@ SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS", "schedule":
 
 @functools.cache
 def sm90_kv_loads() -> str:
-    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, "tma" or "tma_multicast"), read once per process."""
+    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, "tma", "tma_multicast" or "auto"), read once per process."""
     value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
     if value not in SM90_KV_LOAD_MODES:
         raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
@@ -128,18 +132,17 @@ def _persistent_scheduler(head_dim: int) -> cupy.ndarray | None:
     return found
 
 
-def _tma_kv_loads(head_dim: int, kv: KVLayer) -> bool:
-    """Whether this launch takes TMA K/V loads: asked for, a cache layout they copy page by page,
-    and the maps already made or makeable (nothing is uploaded while a CUDA graph is captured)."""
+def _tma_kv_loads(head_dim: int, kv: KVLayer, batch: CudaBatch) -> bool:
+    """Whether this launch takes TMA K/V loads: asked for ("auto": a long enough context, a host
+    count), and a cache layout they copy page by page."""
     block_size = int(kv.k.shape[1])
     block_n = 64 if head_dim == 256 else 128
-    if sm90_kv_loads() == "cp_async" or block_n % block_size or block_size % 8:
+    mode = sm90_kv_loads()
+    if mode == "cp_async" or block_n % block_size or block_size % 8:
         return False
-    if not (kv.k.flags.c_contiguous and kv.v.flags.c_contiguous):
+    if mode == "auto" and (batch.host is None or batch.max_context_len < SM90_TMA_MIN_CONTEXT):
         return False
-    if cupy.cuda.get_current_stream().is_capturing():
-        return page_maps.cached(kv.k) is not None and page_maps.cached(kv.v) is not None
-    return True
+    return bool(kv.k.flags.c_contiguous and kv.v.flags.c_contiguous)
 
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -251,7 +254,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if implementation == "sm90":
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
-        tma = _tma_kv_loads(spec.head_dim, kv)
+        tma = _tma_kv_loads(spec.head_dim, kv, batch)
         scheduler = _persistent_scheduler(spec.head_dim)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
@@ -264,8 +267,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
             grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:
             grid = (spec.num_heads, num_tiles)
-        maps = (np.uint64(page_maps.get(kv.k).data.ptr), np.uint64(page_maps.get(kv.v).data.ptr)) if tma \
-            else (NULL, NULL)
+        maps = (page_maps.get(kv.k), page_maps.get(kv.v)) if tma else (NULL, NULL)
         fn(grid, (384,), (*args, *maps, np.int32(num_tiles), NULL if scheduler is None else scheduler),
            shared_mem=shared)
         return out

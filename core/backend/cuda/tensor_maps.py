@@ -4,8 +4,8 @@ A map describes one layer's K (or V) cache ``[num_blocks, block_size, num_kv_hea
 (bf16, contiguous) as a 3-d tensor (element, KV head, cache token) whose box is one page of one
 KV head, 64 elements (128 bytes, the 128-byte swizzle wgmma reads) wide: the kernel copies page
 ``p``'s column block ``c`` with coordinates ``(64 c, kv_head, p * block_size)``. The driver encodes
-it (``cuTensorMapEncodeTiled`` through ctypes: CuPy does not wrap it); the 128-byte map is copied
-to device memory once per cache array and passed to the kernel by pointer.
+it (``cuTensorMapEncodeTiled`` through ctypes: CuPy does not wrap it) once per cache array, and the
+kernel takes the 128-byte map by value (a ``__grid_constant__`` parameter).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # CuPy only where a map is uploaded: CPU CI tests the layout without it
+if TYPE_CHECKING:  # no CuPy at run time: CPU CI tests the layout
     import cupy
 
 BOX_ELEMENTS = 64  # 128 bytes of bf16: the widest box the 128-byte swizzle takes
@@ -81,26 +81,26 @@ def encode_page_map(address: int, layout: PageBoxLayout) -> np.ndarray:
     return out
 
 
+# One CUtensorMap as a size-1 NumPy array: CuPy passes it to the kernel by value (its 128 bytes
+# become the kernel's __grid_constant__ TensorMap parameter).
+TENSOR_MAP_PARAM = np.dtype([("opaque", np.uint8, MAP_BYTES)])
+
+
 class PageMaps:
-    """Device copies of the page-box tensor maps of each cache array, made once per array.
+    """The page-box tensor map of each cache array, encoded once per array (host bytes: a map is
+    a kernel parameter, so nothing is uploaded and a CUDA graph captures it like any argument).
     Keyed by device address and layout (a map holds nothing else), so a cache freed and
     reallocated at the same address with the same shape reuses a map that is still right."""
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[int, PageBoxLayout], cupy.ndarray] = {}
+        self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
-    def cached(self, cache: cupy.ndarray) -> cupy.ndarray | None:
-        """The device map of ``cache`` if it was made before (under graph capture nothing new is made)."""
-        return self._maps.get((cache.data.ptr, page_box_layout(cache.shape, cache.strides, cache.itemsize)))
-
-    def get(self, cache: cupy.ndarray) -> cupy.ndarray:
-        """The device map of ``cache`` (128 bytes), encoded and uploaded at its first use."""
+    def get(self, cache: cupy.ndarray) -> np.ndarray:
+        """The tensor map of ``cache`` as a kernel argument (a size-1 array of TENSOR_MAP_PARAM)."""
         key = (cache.data.ptr, page_box_layout(cache.shape, cache.strides, cache.itemsize))
         found = self._maps.get(key)
         if found is None:
-            import cupy
-
-            found = cupy.asarray(encode_page_map(*key))
+            found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
             self._maps[key] = found
         return found
 
