@@ -72,6 +72,7 @@ MAX_KEY_HEAD_DIM = 256
 SPLIT = 4  # threads per value channel in gdn_delta_rule (each holds DK / SPLIT state rows)
 TILE_DV = 32  # value channels per gdn_delta_rule block (a head spreads over dv / 32 blocks)
 SCAN_TILE = 32  # value channels per gdn_chunk_scan block (gdn_chunked.cu)
+CONV_TOKENS = 16  # tokens a thread of gdn_conv1d_vec (gated_deltanet.cu)
 CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the token-by-token kernel
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
@@ -273,6 +274,8 @@ def warm_up(config: Qwen35Config) -> None:
     dk = config.linear_key_head_dim
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
+    if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
+        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
         for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
@@ -372,9 +375,12 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     prefill = prefill_kernels(config, proj.shape[1])
     if prefill.conv == "gdn_conv1d_vec" and (proj.data.ptr % 16 or conv_state.data.ptr % 16):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    conv_grid, conv_block = (((num_tokens, -(-conv_dim // 1024)), (128,)) if prefill.conv == "gdn_conv1d_vec"
-                             else ((_blocks(num_tokens * conv_dim),), (256,)))
-    _launch(prefill.conv, kernel(prefill.conv, dk), conv_grid, conv_block,
+    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
+        conv_kernel = kernel(prefill.conv, dk, 0, width)
+        conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
+    else:
+        conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
+    _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
             (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
              device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
     _launch("gdn_conv_state", kernel("gdn_conv_state", dk),

@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
         });
         // the 8-channel conv (run before the window update, as the launcher does): the same conv_out
         std::vector<bf16> vec_conv_out(conv_out.size());
-        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+        launch(static_cast<unsigned>((num_tokens + CONV_TOKENS - 1) / CONV_TOKENS),
+               static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
             gdn_conv1d_vec(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(),
                            slots.data(), fresh.data(), token_seq.data(), vec_conv_out.data(), num_tokens, conv_dim,
                            width);
