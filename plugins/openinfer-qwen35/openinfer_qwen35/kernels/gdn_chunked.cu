@@ -112,7 +112,8 @@ __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 1
 // loads straight into their shared tiles (normalised there in place), the chunk's v rows by
 // 16-byte loads into registers (held until (beta V)^T is written) — where the plain kernel
 // loads q / k a row per warp at a time (16 dependent round trips a warp) and V element by
-// element after the triangular solve. The same bits.
+// element after the triangular solve; the triangular solve's loads batched 16 at a time ahead of
+// its adds, the cumulative decay summed from registers. The same bits.
 #define PREPARE_PARAMS                                                                                       \
     const bf16 *__restrict__ conv_out, const bf16 *__restrict__ proj, int proj_stride,                        \
         const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias,                          \
@@ -233,11 +234,24 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     // c_t reaches -1000 within a chunk for fast-forgetting heads: sum in fp64 so that the
     // differences c_i - c_j keep their precision
     if (threadIdx.x == 0) {
-        double acc = 0.0;
-        for (int r = 0; r < CHUNK; ++r) {
-            acc += (double)gate[r];
-            cum[r] = acc;
-            if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+        if (STAGED) {  // the gates into registers first: no shared-memory round trip per add
+            float g[CHUNK];
+#pragma unroll
+            for (int r = 0; r < CHUNK; ++r) g[r] = gate[r];
+            double acc = 0.0;
+#pragma unroll
+            for (int r = 0; r < CHUNK; ++r) {
+                acc += (double)g[r];
+                cum[r] = acc;
+                if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+            }
+        } else {
+            double acc = 0.0;
+            for (int r = 0; r < CHUNK; ++r) {
+                acc += (double)gate[r];
+                cum[r] = acc;
+                if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+            }
         }
     }
     __syncthreads();
@@ -280,6 +294,21 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         for (int i = j + 1; i < CHUNK; ++i) {
             float acc0 = -amat[i * LDF + j], acc1 = 0.f;
             int m = j + 1;
+            if (STAGED) {  // 8 pairs' loads issued before their adds (the same adds in the same order)
+                for (; m + 15 < i; m += 16) {
+                    float a[16], tv[16];
+#pragma unroll
+                    for (int u = 0; u < 16; ++u) {
+                        a[u] = amat[i * LDF + m + u];
+                        tv[u] = tinv[(m + u) * LDF + j];
+                    }
+#pragma unroll
+                    for (int u = 0; u < 16; u += 2) {
+                        acc0 -= a[u] * tv[u];
+                        acc1 -= a[u + 1] * tv[u + 1];
+                    }
+                }
+            }
             for (; m + 1 < i; m += 2) {  // two partial sums: half the dependent-add chain
                 acc0 -= amat[i * LDF + m] * tinv[m * LDF + j];
                 acc1 -= amat[i * LDF + m + 1] * tinv[(m + 1) * LDF + j];
@@ -312,9 +341,18 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
         }
     }
-    for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
-        const int r = e / DK, i = e % DK;
-        kt[i * LDC + r] = __float2bfloat16_rn(beta[r] * __expf((float)cum[r]) * to_f(ks[r * LDK + i]));
+    if (STAGED) {  // beta exp(c) once a row, into the dead gate[] (the same product: it is evaluated first)
+        if (threadIdx.x < CHUNK) gate[threadIdx.x] = beta[threadIdx.x] * __expf((float)cum[threadIdx.x]);
+        __syncthreads();
+        for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
+            const int r = e / DK, i = e % DK;
+            kt[i * LDC + r] = __float2bfloat16_rn(gate[r] * to_f(ks[r * LDK + i]));
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
+            const int r = e / DK, i = e % DK;
+            kt[i * LDC + r] = __float2bfloat16_rn(beta[r] * __expf((float)cum[r]) * to_f(ks[r * LDK + i]));
+        }
     }
     __syncthreads();
 
