@@ -318,9 +318,25 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
-        const int i = e / CHUNK, j = e % CHUNK;
-        tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
+    if (STAGED) {  // 8 loads ahead of their stores (the compiler cannot move loads past stores that may alias)
+        for (int e0 = threadIdx.x; e0 < CHUNK * CHUNK; e0 += 8 * 128) {
+            float x[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                x[u] = tinv[(e / CHUNK) * LDF + e % CHUNK];
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                tb[(e / CHUNK) * LDC + e % CHUNK] = __float2bfloat16_rn(x[u]);
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+            const int i = e / CHUNK, j = e % CHUNK;
+            tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
+        }
     }
     // (beta V)^T over the finished Q tile, (beta exp(c) K)^T from the K tile
     if (STAGED) {
@@ -344,9 +360,18 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     if (STAGED) {  // beta exp(c) once a row, into the dead gate[] (the same product: it is evaluated first)
         if (threadIdx.x < CHUNK) gate[threadIdx.x] = beta[threadIdx.x] * __expf((float)cum[threadIdx.x]);
         __syncthreads();
-        for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
-            const int r = e / DK, i = e % DK;
-            kt[i * LDC + r] = __float2bfloat16_rn(gate[r] * to_f(ks[r * LDK + i]));
+        for (int e0 = threadIdx.x; e0 < CHUNK * DK; e0 += 8 * 128) {  // 8 loads ahead of their stores
+            float x[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128, r = e / DK, i = e % DK;
+                x[u] = gate[r] * to_f(ks[r * LDK + i]);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                kt[(e % DK) * LDC + e / DK] = __float2bfloat16_rn(x[u]);
+            }
         }
     } else {
         for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
@@ -361,22 +386,31 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     unsigned t_frag[CHUNK / 16][4];
 #pragma unroll
     for (int kk = 0; kk < CHUNK / 16; ++kk) load_a(t_frag[kk], tb + r0 * LDC + kk * 16, LDC);
-    for (int target = 0; target < 2; ++target) {
+    // U = T (beta V) (target 0), W = T (beta exp(c) K) (target 1), 8 columns an mma chain; staged: 4
+    // column tiles' independent chains interleaved (dv and DK are multiples of 32 there)
+    auto column_tile = [&](int target, int nt) {
         const bf16* bt = target == 0 ? vt : kt;
         const int width = target == 0 ? dv : DK;
         bf16* dst = target == 0 ? u_out + (size_t)h * dv : w_out + (size_t)h * DK;
         const size_t row_stride = (size_t)num_value_heads * width;
-        for (int nt = 0; nt < width / 8; ++nt) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < CHUNK / 16; ++kk) {
-                unsigned b[2];
-                load_b(b, bt + nt * 8 * LDC + kk * 16, LDC);
-                mma_bf16_16816(acc, t_frag[kk], b[0], b[1]);
-            }
-            const int j = nt * 8 + 2 * q4;
-            if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[0], acc[1]);
-            if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
+        for (int kk = 0; kk < CHUNK / 16; ++kk) {
+            unsigned b[2];
+            load_b(b, bt + nt * 8 * LDC + kk * 16, LDC);
+            mma_bf16_16816(acc, t_frag[kk], b[0], b[1]);
+        }
+        const int j = nt * 8 + 2 * q4;
+        if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[0], acc[1]);
+        if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
+    };
+    for (int target = 0; target < 2; ++target) {
+        const int tiles = (target == 0 ? dv : DK) / 8;
+        if (STAGED) {
+#pragma unroll 4
+            for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
+        } else {
+            for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
         }
     }
 }
