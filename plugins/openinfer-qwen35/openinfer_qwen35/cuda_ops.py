@@ -13,9 +13,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
                                       the token's scalars read beside the state column
                                       (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default); split32 / split64: a head's
-                                      state columns over dv / 32 (dv / 64) smaller blocks
-                                      (gdn_decode_step_split32 / _split64, the same bits)
+                                      which one is the default)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
                                       OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
@@ -64,8 +62,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_split32",
-                             "gdn_decode_step_split64")}
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -78,9 +75,7 @@ MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_dec
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
-DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
-SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
+DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads"}
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
 
@@ -129,19 +124,14 @@ def use_recurrent_kernels() -> bool:
     return os.environ.get(KERNELS_ENV, "").strip().lower() == "recurrent"
 
 
-def decode_kernel(config: Qwen35Config | None = None) -> str:
-    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
+def decode_kernel() -> str:
+    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain`` or ``early_loads``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
-    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). A split kernel
-    whose tile does not divide ``config``'s value head dim gives way to early_loads."""
+    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
-    name = DECODE_KERNELS[choice]
-    tile = SPLIT_DECODE_TILES.get(name)
-    if tile and config is not None and config.linear_value_head_dim % tile:
-        return DECODE_KERNELS["early_loads"]
-    return name
+    return DECODE_KERNELS[choice]
 
 
 _kernel_events: list | None = None  # (name, start, stop) of each launch while kernel_timer() is active
@@ -251,10 +241,9 @@ def fused_decode_supported(config: Qwen35Config) -> bool:
 
 
 @functools.cache
-def _arrivals(device_id: int, size: int, per: str = "key head") -> cupy.ndarray:
-    """gdn_decode_step's per (row, key head) arrival counters (the split kernels' per (row,
-    value head) ones too): zero between launches (the last block to arrive resets its own), so
-    one buffer serves every layer and replay."""
+def _arrivals(device_id: int, size: int) -> cupy.ndarray:
+    """gdn_decode_step's per (row, key head) arrival counters: zero between launches (the
+    last block of each key head resets its own), so one buffer serves every layer and replay."""
     with cupy.cuda.Device(device_id):
         return cupy.zeros(size, dtype=cupy.int32)
 
@@ -262,10 +251,6 @@ def _arrivals(device_id: int, size: int, per: str = "key head") -> cupy.ndarray:
 def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
     return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_key_heads)
 
-
-def head_arrival_counters(config: Qwen35Config) -> cupy.ndarray:
-    """The split decode kernels' per (row, value head) counters: the last tile block norms the head."""
-    return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_value_heads, "value head")
 
 
 def warm_up(config: Qwen35Config) -> None:
@@ -286,7 +271,6 @@ def warm_up(config: Qwen35Config) -> None:
         for name in DECODE_KERNELS.values():
             kernel(name, dk, 0, config.linear_conv_kernel_dim)
         arrival_counters(config)
-        head_arrival_counters(config)
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -362,13 +346,8 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         args = (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
-        name = decode_kernel(config)
-        tile = SPLIT_DECODE_TILES.get(name)
-        if tile:
-            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv, dv // tile), (tile * SPLIT,),
-                    (*args, head_arrival_counters(config)))
-        else:
-            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
+        name = decode_kernel()
+        _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm

@@ -1,5 +1,5 @@
-// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain,
-// early-loads and split kernels on the same inputs) on the CPU
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
+// the early-loads kernel on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -160,25 +160,6 @@ int main(int argc, char** argv) {
         save(dir, "early_loads_ssm_state_out.bin", e_ssm);
         save(dir, "early_loads_arrivals.bin", arrivals);
 
-        // the split kernels (a head's columns over dv / TILE blocks) on the same inputs
-        std::vector<int> head_arrivals(static_cast<size_t>(num_seqs) * nv, 0);
-        auto split = [&](int tile, auto kernel, const std::string& prefix) {
-            auto s_conv_state = load<bf16>(dir, "decode_conv_state.bin");
-            auto s_ssm = load<float>(dir, "decode_ssm_state.bin");
-            std::vector<bf16> s_out(out.size());
-            launch(num_seqs, nv, dv / tile, static_cast<unsigned>(tile * SPLIT), [&] {
-                kernel(proj.data(), proj_stride, weight.data(), s_conv_state.data(), s_ssm.data(), rate.data(),
-                       bias.data(), norm.data(), query_start.data(), slots.data(), fresh.data(), arrivals.data(),
-                       s_out.data(), nk, nv, dv, width, eps, head_arrivals.data());
-            });
-            save(dir, (prefix + "_out.bin").c_str(), s_out);
-            save(dir, (prefix + "_conv_state_out.bin").c_str(), s_conv_state);
-            save(dir, (prefix + "_ssm_state_out.bin").c_str(), s_ssm);
-            save(dir, (prefix + "_arrivals.bin").c_str(), arrivals);
-            save(dir, (prefix + "_head_arrivals.bin").c_str(), head_arrivals);
-        };
-        split(32, gdn_decode_step_split32, "split32");
-        split(64, gdn_decode_step_split64, "split64");
     }
     return 0;
 }
