@@ -94,7 +94,12 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True)}
-DEFAULT_PREFILL_KERNELS = "plain"
+# split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
+# kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
+# 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
+# the same bits as plain but a mixed step's one-token rows (tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_GDN_PREFILL=plain reverts.
+DEFAULT_PREFILL_KERNELS = "split_rows"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 DEFAULT_DECODE_KERNEL = "early_loads"
