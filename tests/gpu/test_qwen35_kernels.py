@@ -95,17 +95,15 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 @pytest.fixture(params=["chunked", "recurrent", "split_rows"])
 def kernels(request, monkeypatch):
-    """Each test on the fast kernels, on the earlier ones (the benchmark's baseline) and on
-    OPENINFER_QWEN35_GDN_PREFILL=split_rows (a mixed step's one-token rows token by token)."""
+    """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
+    token-by-token kernels (the benchmark's baseline) and on the default prefill (split_rows: the
+    chunk walk split from the output, a mixed step's one-token rows token by token)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    if request.param == "split_rows":
-        monkeypatch.setenv(cuda_ops.KERNELS_ENV, "chunked")
-        monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows")
-    else:
-        monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
+    monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows" if request.param == "split_rows" else "plain")
     return request.param
 
 
