@@ -187,35 +187,51 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         __syncthreads();
     }
 
-    // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end
+    // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end. Warp w takes rows
+    //    w, w + 4, ...; staged: 4 of them at a time (their warp sums interleave), the same math a row
     const float q_scale = rsqrtf((float)DK);
-    for (int r = warp; r < CHUNK; r += 4) {
-        const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
-        float qv[DK / 32], kv[DK / 32];
-        float q_sq = 0.f, k_sq = 0.f;
+    constexpr int ROWS_AT_ONCE = STAGED ? 4 : 1;
+    for (int r0 = warp; r0 < CHUNK; r0 += 4 * ROWS_AT_ONCE) {
+        float qv[ROWS_AT_ONCE][DK / 32], kv[ROWS_AT_ONCE][DK / 32], qf[ROWS_AT_ONCE], kf[ROWS_AT_ONCE];
 #pragma unroll
-        for (int e = 0; e < DK / 32; ++e) {
-            const int i = lane + 32 * e;
-            if (STAGED) {  // zeros past the end were staged too
-                qv[e] = to_f(qs[r * LDK + i]);
-                kv[e] = to_f(ks[r * LDK + i]);
-            } else {
-                qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
-                kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            const int r = r0 + 4 * rr;
+            const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
+            float q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+            for (int e = 0; e < DK / 32; ++e) {
+                const int i = lane + 32 * e;
+                if (STAGED) {  // zeros past the end were staged too
+                    qv[rr][e] = to_f(qs[r * LDK + i]);
+                    kv[rr][e] = to_f(ks[r * LDK + i]);
+                } else {
+                    qv[rr][e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
+                    kv[rr][e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+                }
+                q_sq += qv[rr][e] * qv[rr][e];
+                k_sq += kv[rr][e] * kv[rr][e];
             }
-            q_sq += qv[e] * qv[e];
-            k_sq += kv[e] * kv[e];
+            qf[rr] = q_sq;
+            kf[rr] = k_sq;
         }
-        const float qf = rsqrtf(warp_sum(q_sq) + L2_NORM_EPS) * q_scale, kf = rsqrtf(warp_sum(k_sq) + L2_NORM_EPS);
 #pragma unroll
-        for (int e = 0; e < DK / 32; ++e) {
-            const int i = lane + 32 * e;
-            const bf16 qb = __float2bfloat16_rn(qv[e] * qf), kb = __float2bfloat16_rn(kv[e] * kf);
-            qs[r * LDK + i] = qb;
-            ks[r * LDK + i] = kb;
-            if (r < n && h % ratio == 0) {  // one value head of the group writes its key head's rows
-                qn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = qb;
-                kn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = kb;
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            qf[rr] = rsqrtf(warp_sum(qf[rr]) + L2_NORM_EPS) * q_scale;
+            kf[rr] = rsqrtf(warp_sum(kf[rr]) + L2_NORM_EPS);
+        }
+#pragma unroll
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            const int r = r0 + 4 * rr;
+#pragma unroll
+            for (int e = 0; e < DK / 32; ++e) {
+                const int i = lane + 32 * e;
+                const bf16 qb = __float2bfloat16_rn(qv[rr][e] * qf[rr]), kb = __float2bfloat16_rn(kv[rr][e] * kf[rr]);
+                qs[r * LDK + i] = qb;
+                ks[r * LDK + i] = kb;
+                if (r < n && h % ratio == 0) {  // one value head of the group writes its key head's rows
+                    qn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = qb;
+                    kn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = kb;
+                }
             }
         }
     }
