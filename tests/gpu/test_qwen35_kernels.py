@@ -281,3 +281,27 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(outs[1], outs[0])
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
+
+
+def test_vec_row_kernels_match_the_plain_ones(monkeypatch):
+    """OPENINFER_QWEN35_ROW_KERNELS=vec (8 features a thread): the attention gate bit for bit, the
+    add + zero-centred RMSNorm with the same residual sum and its norm within a bf16 rounding, at
+    the 4B width (4,096) and a narrow one (256), from 1 to 300 rows; a gate slice of a wider row."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    rng = np.random.default_rng(13)
+    for rows, features in ((1, 4096), (64, 4096), (300, 256)):
+        x, residual = device_bf16(rng.standard_normal((rows, features))), device_bf16(rng.standard_normal((rows, features)))
+        wide = device_bf16(rng.standard_normal((rows, 3 * features)))
+        weight = cupy.asarray((1.0 + 0.3 * rng.standard_normal(features)).astype(np.float32))
+        results = {}
+        for choice in ("plain", "vec"):
+            monkeypatch.setenv(cuda_ops.ROW_KERNELS_ENV, choice)
+            gated = cuda_ops.sigmoid_mul(x, wide[:, 2 * features :])
+            normed, summed = cuda_ops.add_rms_norm(x, residual, weight, 1e-6)
+            results[choice] = [cupy.asnumpy(a) for a in (gated, summed)] + [host(normed)]
+        np.testing.assert_array_equal(results["vec"][0], results["plain"][0])
+        np.testing.assert_array_equal(results["vec"][1], results["plain"][1])
+        np.testing.assert_allclose(results["vec"][2], results["plain"][2], rtol=8e-3, atol=1e-6)

@@ -58,8 +58,8 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "sigmoid_mul",
-                                 "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
+                                 "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads")}
@@ -76,6 +76,7 @@ FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two block
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads"}
+ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "plain" | "vec": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
 
@@ -457,6 +458,20 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
              np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
+def vec_row_kernels() -> bool:
+    """``OPENINFER_QWEN35_ROW_KERNELS=vec``: sigmoid_mul_vec and zero_centred_add_rms_norm_vec
+    (8 features a thread, 16-byte loads) where the shapes allow; ``plain`` (the default) or unset:
+    the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
+    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or "plain"
+    if choice not in ("plain", "vec"):
+        raise ValueError(f"{ROW_KERNELS_ENV}={choice!r}: expected 'plain' or 'vec'")
+    return choice == "vec"
+
+
+def _aligned(*arrays: cupy.ndarray) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
     """``x · sigmoid(gate)``; ``gate`` may be a column slice of a wider array (row stride kept)."""
     x = cupy.ascontiguousarray(_bf16(x, "sigmoid_mul input"))
@@ -465,10 +480,13 @@ def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
         raise ValueError(f"sigmoid_mul: gate {tuple(gate.shape)} (strides {gate.strides}) must match x "
                          f"{tuple(x.shape)} with contiguous rows")
     out = cupy.empty_like(x)
-    if x.size:
+    stride = gate.strides[0] // 2
+    if x.size and vec_row_kernels() and x.shape[1] % 8 == 0 and stride % 8 == 0 and _aligned(x, gate, out):
+        kernel("sigmoid_mul_vec")((_blocks(x.size // 8),), (256,),
+                                  (x, gate, np.int32(stride), out, np.int64(x.shape[0]), np.int32(x.shape[1])))
+    elif x.size:
         kernel("sigmoid_mul")((_blocks(x.size),), (256,),
-                              (x, gate, np.int32(gate.strides[0] // 2), out, np.int64(x.shape[0]),
-                               np.int32(x.shape[1])))
+                              (x, gate, np.int32(stride), out, np.int64(x.shape[0]), np.int32(x.shape[1])))
     return out
 
 
@@ -492,7 +510,13 @@ def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
     out, summed = cupy.empty_like(x), cupy.empty_like(x)
     features = x.shape[-1]
-    if x.size:
+    threads = features // 8
+    if (x.size and vec_row_kernels() and features % 8 == 0 and threads % 32 == 0 and threads <= 1024
+            and _aligned(x, residual, weight, out, summed)):
+        kernel("zero_centred_add_rms_norm_vec")((x.size // features,), (threads,),
+                                                (x, residual, weight, out, summed, np.int32(features),
+                                                 np.float32(eps)))
+    elif x.size:
         kernel("zero_centred_add_rms_norm")((x.size // features,), (min(1024, -(-features // 32) * 32),),
                                             (x, residual, weight, out, summed, np.int32(features), np.float32(eps)))
     return out, summed
