@@ -644,7 +644,8 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
 // registers a thread: 3 blocks per SM instead of 2. Every product is the
 // same mma sequence on the same bf16 operands as gdn_chunk_scan's: the same bits.
 //   states [N, nv, dv, DK] bf16 (S^T entering each chunk), v_new [T, nv, dv] bf16 (V')
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 3)
+// 3 blocks per SM at DK <= 128 (168 registers); wider key heads' W / K prefetch needs more registers
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, DK <= 128 ? 3 : 1)
 gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
                  const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
                  const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks, const int* __restrict__ slots,
