@@ -129,13 +129,13 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "early_loads": {DECODE_ENV: "early_loads"}}
+                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels

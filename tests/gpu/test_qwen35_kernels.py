@@ -205,16 +205,19 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("variant", ["early_loads", "coalesced"])
+def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
-    norm weight read beside the state column): 200 rows, fresh and continuing, over 6 steps give
-    the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA graph."""
+    norm weight read beside the state column) and =coalesced (that, with a column's threads dv
+    apart and their partial sums met in shared memory): 200 rows, fresh and continuing, over 6
+    steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
+    graph."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
-    variant, rows = "early_loads", 200
+    rows = 200
     plain, early = Layer(np.random.default_rng(5), num_slots=rows), Layer(np.random.default_rng(5), num_slots=rows)
     config = plain.config
     rng = np.random.default_rng(6)

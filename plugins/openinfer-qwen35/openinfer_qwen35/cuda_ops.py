@@ -13,7 +13,8 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
                                       the token's scalars read beside the state column
                                       (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default)
+                                      which one is the default); =coalesced: that with a
+                                      column's threads dv apart (128-byte state rows a warp)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
                                       gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
                                       OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
@@ -62,7 +63,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads")}
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -75,7 +76,8 @@ MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_dec
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
-DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads"}
+DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
+                  "coalesced": "gdn_decode_step_coalesced"}
 ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "plain" | "vec": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
@@ -130,13 +132,16 @@ def use_recurrent_kernels() -> bool:
     return os.environ.get(KERNELS_ENV, "").strip().lower() == "recurrent"
 
 
-def decode_kernel() -> str:
-    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain`` or ``early_loads``),
+def decode_kernel(config: Qwen35Config | None = None) -> str:
+    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
-    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with)."""
+    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
+    kernel takes value head dims that are multiples of 32 (else early_loads runs)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
+    if choice == "coalesced" and config is not None and config.linear_value_head_dim % 32:
+        choice = "early_loads"
     return DECODE_KERNELS[choice]
 
 
@@ -352,7 +357,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         args = (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
-        name = decode_kernel()
+        name = decode_kernel(config)
         _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)

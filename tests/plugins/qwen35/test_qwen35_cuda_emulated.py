@@ -192,3 +192,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(read_array(tmp_path, f"early_loads_{name}", dtype, shape),
                                       read_array(tmp_path, f"decode_{name}", dtype, shape))
     np.testing.assert_array_equal(read_array(tmp_path, "early_loads_arrivals", np.int32, (6 * nk,)), 0)
+    # the coalesced kernel (a column's threads dv apart, partial sums in shared memory): the same bits
+    for name, dtype, shape in (("out", np.uint16, d_expected.shape), ("conv_state_out", np.uint16, d_conv.shape),
+                               ("ssm_state_out", np.float32, d_ssm.shape)):
+        np.testing.assert_array_equal(read_array(tmp_path, f"coalesced_{name}", dtype, shape),
+                                      read_array(tmp_path, f"decode_{name}", dtype, shape))

@@ -47,9 +47,9 @@ constexpr int STATE_ROWS = DK / SPLIT;  // state rows of a column per thread
 // One decode token of sequence s through value head h; every thread of the block calls it.
 // `column`: this thread's rows of the head's state column (loaded here, first, so their loads are
 // in flight while the conv runs). EARLY_LOADS: the token's scalars read beside them (see above).
-template <bool EARLY_LOADS>
+template <bool EARLY_LOADS, bool COALESCED = false>
 __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&column)[STATE_ROWS], float* q, float* k,
-                                                     float* v, float* scratch, int& last_to_arrive,
+                                                     float* v, float* scratch, int& last_to_arrive, float* partials,
                                                      const bf16* __restrict__ proj, int proj_stride,
                                                      const bf16* __restrict__ conv_weight, bf16* __restrict__ conv_state,
                                                      float* __restrict__ ssm_state,
@@ -73,8 +73,13 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
     const int conv_dim = 2 * key_dim + value_dim;
     const int slot = slots[s];
     const bool is_fresh = fresh[s] != 0;
-    const int local = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
-    const bool active = local < dv;
+    // SPLIT threads per column j: adjacent lanes (their partial sums meet by shuffles), or, COALESCED,
+    // thread part * dv + j (a warp's loads of a state row are 128 contiguous bytes; the partial sums
+    // meet in shared memory, `partials` [2][SPLIT][256], in the shuffles' order: the same bits)
+    const bool beyond = COALESCED && threadIdx.x >= (unsigned)(dv * SPLIT);  // conv-only threads
+    const int local = COALESCED ? threadIdx.x % (unsigned)dv : threadIdx.x / SPLIT;
+    const int part = COALESCED ? (beyond ? 0 : threadIdx.x / (unsigned)dv) : threadIdx.x % SPLIT, row0 = part * ROWS;
+    const bool active = COALESCED ? !beyond : local < dv;
     const int j = active ? local : 0;
     float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv;
 #pragma unroll
@@ -146,8 +151,41 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
                                                            neg_decay_rate[h], dt_bias[h]));
 
     // the delta rule on column j
-    float o = gdn_delta_step(column, q + row0, q_scale, k + row0, k_scale, [&] { return active ? v[j] : 0.f; },
-                             beta, decay);
+    float o;
+    if (COALESCED) {
+        // gdn_delta_step with its SPLIT-lane shuffle sums as a tree over shared memory: ((p0 + p1) + (p2 + p3))
+        auto tree = [&](float* slots_of_j) {
+            float x[SPLIT];
+#pragma unroll
+            for (int p = 0; p < SPLIT; ++p) x[p] = slots_of_j[p * 256];
+#pragma unroll
+            for (int w = 1; w < SPLIT; w <<= 1)
+#pragma unroll
+                for (int p = 0; p < SPLIT; p += 2 * w) x[p] = x[p] + x[p + w];
+            return x[0];
+        };
+        float predicted = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            column[i] *= decay;
+            predicted += column[i] * (k[row0 + i] * k_scale);
+        }
+        if (active) partials[part * 256 + j] = predicted;
+        __syncthreads();
+        const float delta = ((active ? v[j] : 0.f) - tree(partials + j)) * beta;
+        float o_part = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            column[i] += (k[row0 + i] * k_scale) * delta;
+            o_part += column[i] * (q[row0 + i] * q_scale);
+        }
+        if (active) partials[SPLIT * 256 + part * 256 + j] = o_part;
+        __syncthreads();
+        o = tree(partials + SPLIT * 256 + j);
+    } else {
+        o = gdn_delta_step(column, q + row0, q_scale, k + row0, k_scale, [&] { return active ? v[j] : 0.f; },
+                           beta, decay);
+    }
     if (active) {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) state[(size_t)(row0 + i) * dv + j] = column[i];
@@ -155,7 +193,27 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
 
     // gated RMSNorm over the head's dv outputs (o rounded to bf16 first, as HF hands it over)
     o = round_bf16(o);
-    const float inv_rms = rsqrtf(block_sum(active && part == 0 ? o * o : 0.f, scratch) / (float)dv + eps);
+    float inv_rms;
+    if (COALESCED) {
+        // block_sum's order over the adjacent-lane layout (column c on lane 4 (c % 8) of warp c / 8):
+        // 8 columns by xor 4, 2, 1, then the dv / 8 group sums by a 32-lane butterfly
+        float group = active && part == 0 ? o * o : 0.f;
+#pragma unroll
+        for (int lane = 4; lane > 0; lane >>= 1) group += __shfl_xor_sync(0xffffffffu, group, lane);
+        __syncthreads();  // the l2 norms' block_sum reads of scratch are done
+        if (active && part == 0 && j % 8 == 0) scratch[j / 8] = group;
+        __syncthreads();
+        float total = 0.f;
+        if (threadIdx.x < 32) {
+            total = warp_sum((int)threadIdx.x < dv / 8 ? scratch[threadIdx.x] : 0.f);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) scratch[0] = total;
+        __syncthreads();
+        inv_rms = rsqrtf(scratch[0] / (float)dv + eps);
+    } else {
+        inv_rms = rsqrtf(block_sum(active && part == 0 ? o * o : 0.f, scratch) / (float)dv + eps);
+    }
     if (active && part == 0) {
         const float z = EARLY_LOADS ? z_in : to_f(row[conv_dim + h * dv + j]);
         const float normed = round_bf16(o * inv_rms);
@@ -180,12 +238,27 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
 extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step(GDN_DECODE_PARAMS) {
     DECODE_SHARED;
     float column[STATE_ROWS];
-    decode_sequence_head<false>(blockIdx.x, blockIdx.y, column, q, k, v, scratch, last_to_arrive, GDN_DECODE_ARGS);
+    decode_sequence_head<false>(blockIdx.x, blockIdx.y, column, q, k, v, scratch, last_to_arrive, nullptr,
+                                GDN_DECODE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_early_loads(GDN_DECODE_PARAMS) {
     DECODE_SHARED;
     float column[STATE_ROWS];
-    decode_sequence_head<true>(blockIdx.x, blockIdx.y, column, q, k, v, scratch, last_to_arrive, GDN_DECODE_ARGS);
+    decode_sequence_head<true>(blockIdx.x, blockIdx.y, column, q, k, v, scratch, last_to_arrive, nullptr,
+                               GDN_DECODE_ARGS);
+}
+
+// gdn_decode_step_coalesced (OPENINFER_QWEN35_GDN_DECODE=coalesced): the early-loads step with a
+// column's SPLIT threads dv apart instead of adjacent, so that a warp's load or store of the
+// state covers 128 contiguous bytes of one row (adjacent lanes covered 32 bytes of 4 rows 32
+// rows apart); the state moved at ~2.1 TB/s whatever the block shapes (E2). The partial sums
+// meet in shared memory in the shuffles' order: the same bits (dv a multiple of 32, dv <= 256).
+extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_coalesced(GDN_DECODE_PARAMS) {
+    DECODE_SHARED;
+    __shared__ float partials[2 * SPLIT * 256];
+    float column[STATE_ROWS];
+    decode_sequence_head<true, true>(blockIdx.x, blockIdx.y, column, q, k, v, scratch, last_to_arrive, partials,
+                                     GDN_DECODE_ARGS);
 }
 

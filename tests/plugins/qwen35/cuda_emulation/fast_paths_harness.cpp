@@ -160,6 +160,19 @@ int main(int argc, char** argv) {
         save(dir, "early_loads_ssm_state_out.bin", e_ssm);
         save(dir, "early_loads_arrivals.bin", arrivals);
 
+        // the coalesced kernel (a column's threads dv apart) on the same inputs
+        auto c_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto c_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> c_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_coalesced(proj.data(), proj_stride, weight.data(), c_conv_state.data(), c_ssm.data(),
+                                      rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                      fresh.data(), arrivals.data(), c_out.data(), nk, nv, dv, width, eps);
+        });
+        save(dir, "coalesced_out.bin", c_out);
+        save(dir, "coalesced_conv_state_out.bin", c_conv_state);
+        save(dir, "coalesced_ssm_state_out.bin", c_ssm);
+
     }
     return 0;
 }
