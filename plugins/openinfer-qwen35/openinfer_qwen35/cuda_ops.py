@@ -15,18 +15,18 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
                                       which one is the default); =coalesced: that with a
                                       column's threads dv apart (128-byte state rows a warp)
-    prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
-                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
-                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
-                                      channels a thread), gdn_chunk_prepare_staged (every
+    prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
+                                      split_rows) =plain: gdn_conv1d, gdn_conv_state,
+                                      gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
+                                      64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
+                                      and 16 tokens a thread), gdn_chunk_prepare_staged (every
                                       global read issued first) and gdn_gated_norm_warp (a warp
-                                      per token and head), the same bits; =split:
-                                      that, then the scan split in gdn_chunk_states (the
-                                      sequential state walk alone) and gdn_chunk_output (O for
-                                      every chunk at once; the same bits); =split_rows: that,
-                                      and a mixed step's one-token rows through
-                                      gdn_delta_rule_rows (token by token) instead of a
-                                      one-row chunk each (within bf16 tolerance)
+                                      per token and head), the same bits; =split: that, with the
+                                      scan split in gdn_chunk_states (the sequential state walk
+                                      alone) and gdn_chunk_output (O for every chunk at once;
+                                      the same bits); =split_rows: that, and a mixed step's
+                                      one-token rows through gdn_delta_rule_rows (token by
+                                      token) instead of a one-row chunk each (bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 

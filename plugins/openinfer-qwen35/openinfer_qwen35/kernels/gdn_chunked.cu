@@ -12,10 +12,12 @@
 //   O  = diag(exp(c)) Q S + P V',          P = lower(Q K^T * D)   (diagonal included)
 //   S <- exp(c_C) S + K^T diag(exp(c_C - c)) V'
 //
-// Two kernels: gdn_chunk_prepare (grid: chunks x value heads, all independent) computes the l2-
-// normalised q and k, c, P, U and W of every chunk; gdn_chunk_scan (grid: sequences x value
-// heads x dv/32) walks a sequence's chunks in order for 32 value channels (the delta rule is
-// independent per value channel), keeping S in shared memory (fp32; a bf16 copy feeds the mma).
+// gdn_chunk_prepare (grid: chunks x value heads, all independent; gdn_chunk_prepare_staged the
+// same faster) computes the l2-normalised q and k, c, P, U and W of every chunk; gdn_chunk_scan
+// (grid: sequences x value heads x dv/32) walks a sequence's chunks in order for 32 value channels
+// (the delta rule is independent per value channel), keeping S in shared memory (fp32; a bf16 copy
+// feeds the mma) — or, split (the default path, see below), gdn_chunk_states walks the chunks for
+// S and V' only and gdn_chunk_output computes every chunk's O at once.
 // The last chunk of a sequence may be short: its missing rows are zeros (g = 0, beta = 0).
 //
 // Layouts (T tokens of the step, N chunks; the step's chunks listed by the host):
