@@ -206,12 +206,14 @@ def _round_128(size: int) -> int:
     return -(-size // 128) * 128
 
 
-def chunk_prepare_shared_bytes(dk: int, dv: int) -> int:
-    """gdn_chunk_prepare's dynamic shared memory (its carve, in order)."""
+def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
+    """gdn_chunk_prepare's dynamic shared memory (its carve, in order); ``staged``:
+    gdn_chunk_prepare_staged's, whose T copy and (beta exp(c) K)^T reuse the solve's A and T."""
     row_k, row_c, row_f = dk + 8, CHUNK_SIZE + 8, CHUNK_SIZE + 4
+    tri, tb, kt = _round_128(CHUNK_SIZE * row_f * 4), _round_128(CHUNK_SIZE * row_c * 2), _round_128(dk * row_c * 2)
+    middle = max(2 * tri, tb + kt) if staged else kt + 2 * tri + tb
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(dv * row_c * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
-            + _round_128(dk * row_c * 2) + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * row_c * 2)
-            + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
+            + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -274,7 +276,8 @@ def warm_up(config: Qwen35Config) -> None:
         kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
         for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
-            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
+            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
+                                                        name == "gdn_chunk_prepare_staged"))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
@@ -437,8 +440,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     u_chunks = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
     prepare = prefill.prepare
+    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare == "gdn_chunk_prepare_staged")
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
