@@ -366,7 +366,7 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     prefill = prefill_kernels(config, proj.shape[1])
-    if prefill.conv == "gdn_conv1d_vec" and (proj.data.ptr % 16 or conv_state.data.ptr % 16):
+    if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
     if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
         conv_kernel = kernel(prefill.conv, dk, 0, width)
