@@ -129,14 +129,13 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "early_loads": {DECODE_ENV: "early_loads"}, "split32": {DECODE_ENV: "split32"},
-                       "split64": {DECODE_ENV: "split64"}}
+                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads", "split32", "split64")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
@@ -627,6 +626,47 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
     return results
 
 
+ROW_KERNEL_ROWS = (64, 1024, 8192)  # a decode batch, a 1k prefill, a mixed step of the burst
+
+
+def row_kernel_timings(rows=ROW_KERNEL_ROWS, features: int = 4096, calls: int = 20) -> dict:
+    """The plugin's row kernels at the 4B width, ``OPENINFER_QWEN35_ROW_KERNELS`` plain vs vec:
+    mean µs a call of ``add_rms_norm`` (the 63 a forward) and ``sigmoid_mul`` (the gate a column
+    slice of a wider row, as the attention's q|gate projection), back-to-back launches, by CUDA
+    events."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+
+    rng = np.random.default_rng(0)
+
+    def bf16(shape):
+        return cupy.asarray((rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+    weight = cupy.asarray((1.0 + 0.3 * rng.standard_normal(features)).astype(np.float32))
+    results: dict = {}
+    for choice in ("plain", "vec"):
+        os.environ[cuda_ops.ROW_KERNELS_ENV] = choice
+        timed = {}
+        for m in rows:
+            x, residual, wide = bf16((m, features)), bf16((m, features)), bf16((m, 2 * features))
+            ops = {"add_rms_norm": lambda: cuda_ops.add_rms_norm(x, residual, weight, 1e-6),  # noqa: B023
+                   "sigmoid_mul": lambda: cuda_ops.sigmoid_mul(x, wide[:, features:])}  # noqa: B023
+            for name, op in ops.items():
+                op()
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                for _ in range(calls):
+                    op()
+                stop.record()
+                stop.synchronize()
+                timed.setdefault(name, {})[str(m)] = 1000 * cupy.cuda.get_elapsed_time(start, stop) / calls
+        results[choice] = timed
+        print(f"row kernels {choice}: {timed}", flush=True)
+    os.environ.pop(cuda_ops.ROW_KERNELS_ENV, None)
+    return results
+
+
 def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     """One GDN layer at the 4B shape, kernel by kernel (issue 17's 64-stream burst): every fused
     decode kernel at GDN_DECODE_ROWS rows (CUDA-graph replay, against plain), and the prefill
@@ -649,6 +689,8 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s")}), flush=True)
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)  # the decode half survives a prefill failure
     results["prefill_kernels"] = prefill_kernel_timings()
+    write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)
+    results["row_kernels_us"] = row_kernel_timings()
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)
     return results
 

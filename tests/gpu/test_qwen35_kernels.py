@@ -95,17 +95,15 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 @pytest.fixture(params=["chunked", "recurrent", "split_rows"])
 def kernels(request, monkeypatch):
-    """Each test on the fast kernels, on the earlier ones (the benchmark's baseline) and on
-    OPENINFER_QWEN35_GDN_PREFILL=split_rows (a mixed step's one-token rows token by token)."""
+    """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
+    token-by-token kernels (the benchmark's baseline) and on the default prefill (split_rows: the
+    chunk walk split from the output, a mixed step's one-token rows token by token)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    if request.param == "split_rows":
-        monkeypatch.setenv(cuda_ops.KERNELS_ENV, "chunked")
-        monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows")
-    else:
-        monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
+    monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows" if request.param == "split_rows" else "plain")
     return request.param
 
 
@@ -207,11 +205,11 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-@pytest.mark.parametrize("variant", ["early_loads", "split32", "split64"])
+@pytest.mark.parametrize("variant", ["early_loads", "coalesced"])
 def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
-    norm weight read beside the state column) and split32 / split64 (a head's state columns over
-    4 / 2 blocks, the last to finish norming the head): 200 rows, fresh and continuing, over 6
+    norm weight read beside the state column) and =coalesced (that, with a column's threads dv
+    apart and their partial sums met in shared memory): 200 rows, fresh and continuing, over 6
     steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
     graph."""
     from openinfer_qwen35 import cuda_ops
@@ -286,3 +284,27 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(outs[1], outs[0])
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
+
+
+def test_vec_row_kernels_match_the_plain_ones(monkeypatch):
+    """OPENINFER_QWEN35_ROW_KERNELS=vec (8 features a thread): the attention gate bit for bit, the
+    add + zero-centred RMSNorm with the same residual sum and its norm within a bf16 rounding, at
+    the 4B width (4,096) and a narrow one (256), from 1 to 300 rows; a gate slice of a wider row."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    rng = np.random.default_rng(13)
+    for rows, features in ((1, 4096), (64, 4096), (300, 256)):
+        x, residual = device_bf16(rng.standard_normal((rows, features))), device_bf16(rng.standard_normal((rows, features)))
+        wide = device_bf16(rng.standard_normal((rows, 3 * features)))
+        weight = cupy.asarray((1.0 + 0.3 * rng.standard_normal(features)).astype(np.float32))
+        results = {}
+        for choice in ("plain", "vec"):
+            monkeypatch.setenv(cuda_ops.ROW_KERNELS_ENV, choice)
+            gated = cuda_ops.sigmoid_mul(x, wide[:, 2 * features :])
+            normed, summed = cuda_ops.add_rms_norm(x, residual, weight, 1e-6)
+            results[choice] = [cupy.asnumpy(a) for a in (gated, summed)] + [host(normed)]
+        np.testing.assert_array_equal(results["vec"][0], results["plain"][0])
+        np.testing.assert_array_equal(results["vec"][1], results["plain"][1])
+        np.testing.assert_allclose(results["vec"][2], results["plain"][2], rtol=8e-3, atol=1e-6)

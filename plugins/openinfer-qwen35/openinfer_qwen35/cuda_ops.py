@@ -13,21 +13,20 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
                                       the token's scalars read beside the state column
                                       (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default); split32 / split64: a head's
-                                      state columns over dv / 32 (dv / 64) smaller blocks
-                                      (gdn_decode_step_split32 / _split64, the same bits)
-    prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
-                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
-                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
-                                      channels a thread), gdn_chunk_prepare_staged (every
+                                      which one is the default); =coalesced: that with a
+                                      column's threads dv apart (128-byte state rows a warp)
+    prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
+                                      split_rows) =plain: gdn_conv1d, gdn_conv_state,
+                                      gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
+                                      64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
+                                      and 16 tokens a thread), gdn_chunk_prepare_staged (every
                                       global read issued first) and gdn_gated_norm_warp (a warp
-                                      per token and head), the same bits; =split:
-                                      that, then the scan split in gdn_chunk_states (the
-                                      sequential state walk alone) and gdn_chunk_output (O for
-                                      every chunk at once; the same bits); =split_rows: that,
-                                      and a mixed step's one-token rows through
-                                      gdn_delta_rule_rows (token by token) instead of a
-                                      one-row chunk each (within bf16 tolerance)
+                                      per token and head), the same bits; =split: that, with the
+                                      scan split in gdn_chunk_states (the sequential state walk
+                                      alone) and gdn_chunk_output (O for every chunk at once;
+                                      the same bits); =split_rows: that, and a mixed step's
+                                      one-token rows through gdn_delta_rule_rows (token by
+                                      token) instead of a one-row chunk each (bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -60,26 +59,26 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "sigmoid_mul",
-                                 "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
+                                 "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_split32",
-                             "gdn_decode_step_split64")}
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
 SPLIT = 4  # threads per value channel in gdn_delta_rule (each holds DK / SPLIT state rows)
 TILE_DV = 32  # value channels per gdn_delta_rule block (a head spreads over dv / 32 blocks)
 SCAN_TILE = 32  # value channels per gdn_chunk_scan block (gdn_chunked.cu)
+CONV_TOKENS = 16  # tokens a thread of gdn_conv1d_vec (gated_deltanet.cu)
 CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the token-by-token kernel
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
-SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
+                  "coalesced": "gdn_decode_step_coalesced"}
+ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "plain" | "vec": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
 
@@ -98,7 +97,12 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True)}
-DEFAULT_PREFILL_KERNELS = "plain"
+# split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
+# kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
+# 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
+# the same bits as plain but a mixed step's one-token rows (tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_GDN_PREFILL=plain reverts.
+DEFAULT_PREFILL_KERNELS = "split_rows"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 DEFAULT_DECODE_KERNEL = "early_loads"
@@ -131,16 +135,14 @@ def use_recurrent_kernels() -> bool:
 def decode_kernel(config: Qwen35Config | None = None) -> str:
     """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
-    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). A split kernel
-    whose tile does not divide ``config``'s value head dim gives way to early_loads."""
+    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
+    kernel takes value head dims that are multiples of 32 (else early_loads runs)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
-    name = DECODE_KERNELS[choice]
-    tile = SPLIT_DECODE_TILES.get(name)
-    if tile and config is not None and config.linear_value_head_dim % tile:
-        return DECODE_KERNELS["early_loads"]
-    return name
+    if choice == "coalesced" and config is not None and config.linear_value_head_dim % 32:
+        choice = "early_loads"
+    return DECODE_KERNELS[choice]
 
 
 _kernel_events: list | None = None  # (name, start, stop) of each launch while kernel_timer() is active
@@ -204,12 +206,14 @@ def _round_128(size: int) -> int:
     return -(-size // 128) * 128
 
 
-def chunk_prepare_shared_bytes(dk: int, dv: int) -> int:
-    """gdn_chunk_prepare's dynamic shared memory (its carve, in order)."""
+def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
+    """gdn_chunk_prepare's dynamic shared memory (its carve, in order); ``staged``:
+    gdn_chunk_prepare_staged's, whose T copy and (beta exp(c) K)^T reuse the solve's A and T."""
     row_k, row_c, row_f = dk + 8, CHUNK_SIZE + 8, CHUNK_SIZE + 4
+    tri, tb, kt = _round_128(CHUNK_SIZE * row_f * 4), _round_128(CHUNK_SIZE * row_c * 2), _round_128(dk * row_c * 2)
+    middle = max(2 * tri, tb + kt) if staged else kt + 2 * tri + tb
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(dv * row_c * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
-            + _round_128(dk * row_c * 2) + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * row_c * 2)
-            + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
+            + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -250,10 +254,9 @@ def fused_decode_supported(config: Qwen35Config) -> bool:
 
 
 @functools.cache
-def _arrivals(device_id: int, size: int, per: str = "key head") -> cupy.ndarray:
-    """gdn_decode_step's per (row, key head) arrival counters (the split kernels' per (row,
-    value head) ones too): zero between launches (the last block to arrive resets its own), so
-    one buffer serves every layer and replay."""
+def _arrivals(device_id: int, size: int) -> cupy.ndarray:
+    """gdn_decode_step's per (row, key head) arrival counters: zero between launches (the
+    last block of each key head resets its own), so one buffer serves every layer and replay."""
     with cupy.cuda.Device(device_id):
         return cupy.zeros(size, dtype=cupy.int32)
 
@@ -262,10 +265,6 @@ def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
     return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_key_heads)
 
 
-def head_arrival_counters(config: Qwen35Config) -> cupy.ndarray:
-    """The split decode kernels' per (row, value head) counters: the last tile block norms the head."""
-    return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_value_heads, "value head")
-
 
 def warm_up(config: Qwen35Config) -> None:
     """Compile the kernels this config runs and allocate the decode counters — before any CUDA
@@ -273,9 +272,12 @@ def warm_up(config: Qwen35Config) -> None:
     dk = config.linear_key_head_dim
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
+    if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
+        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
         for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
-            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
+            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
+                                                        name == "gdn_chunk_prepare_staged"))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
@@ -283,7 +285,6 @@ def warm_up(config: Qwen35Config) -> None:
         for name in DECODE_KERNELS.values():
             kernel(name, dk, 0, config.linear_conv_kernel_dim)
         arrival_counters(config)
-        head_arrival_counters(config)
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -360,21 +361,19 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
         name = decode_kernel(config)
-        tile = SPLIT_DECODE_TILES.get(name)
-        if tile:
-            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv, dv // tile), (tile * SPLIT,),
-                    (*args, head_arrival_counters(config)))
-        else:
-            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
+        _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     prefill = prefill_kernels(config, proj.shape[1])
-    if prefill.conv == "gdn_conv1d_vec" and (proj.data.ptr % 16 or conv_state.data.ptr % 16):
+    if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    conv_grid, conv_block = (((num_tokens, -(-conv_dim // 1024)), (128,)) if prefill.conv == "gdn_conv1d_vec"
-                             else ((_blocks(num_tokens * conv_dim),), (256,)))
-    _launch(prefill.conv, kernel(prefill.conv, dk), conv_grid, conv_block,
+    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
+        conv_kernel = kernel(prefill.conv, dk, 0, width)
+        conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
+    else:
+        conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
+    _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
             (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
              device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
     _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
@@ -441,8 +440,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     u_chunks = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
     prepare = prefill.prepare
+    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare == "gdn_chunk_prepare_staged")
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
@@ -467,6 +466,20 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
              np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
+def vec_row_kernels() -> bool:
+    """``OPENINFER_QWEN35_ROW_KERNELS=vec``: sigmoid_mul_vec and zero_centred_add_rms_norm_vec
+    (8 features a thread, 16-byte loads) where the shapes allow; ``plain`` (the default) or unset:
+    the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
+    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or "plain"
+    if choice not in ("plain", "vec"):
+        raise ValueError(f"{ROW_KERNELS_ENV}={choice!r}: expected 'plain' or 'vec'")
+    return choice == "vec"
+
+
+def _aligned(*arrays: cupy.ndarray) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
     """``x · sigmoid(gate)``; ``gate`` may be a column slice of a wider array (row stride kept)."""
     x = cupy.ascontiguousarray(_bf16(x, "sigmoid_mul input"))
@@ -475,10 +488,13 @@ def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
         raise ValueError(f"sigmoid_mul: gate {tuple(gate.shape)} (strides {gate.strides}) must match x "
                          f"{tuple(x.shape)} with contiguous rows")
     out = cupy.empty_like(x)
-    if x.size:
+    stride = gate.strides[0] // 2
+    if x.size and vec_row_kernels() and x.shape[1] % 8 == 0 and stride % 8 == 0 and _aligned(x, gate, out):
+        kernel("sigmoid_mul_vec")((_blocks(x.size // 8),), (256,),
+                                  (x, gate, np.int32(stride), out, np.int64(x.shape[0]), np.int32(x.shape[1])))
+    elif x.size:
         kernel("sigmoid_mul")((_blocks(x.size),), (256,),
-                              (x, gate, np.int32(gate.strides[0] // 2), out, np.int64(x.shape[0]),
-                               np.int32(x.shape[1])))
+                              (x, gate, np.int32(stride), out, np.int64(x.shape[0]), np.int32(x.shape[1])))
     return out
 
 
@@ -502,7 +518,13 @@ def add_rms_norm(x: cupy.ndarray, residual: cupy.ndarray, weight: cupy.ndarray,
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
     out, summed = cupy.empty_like(x), cupy.empty_like(x)
     features = x.shape[-1]
-    if x.size:
+    threads = features // 8
+    if (x.size and vec_row_kernels() and features % 8 == 0 and threads % 32 == 0 and threads <= 1024
+            and _aligned(x, residual, weight, out, summed)):
+        kernel("zero_centred_add_rms_norm_vec")((x.size // features,), (threads,),
+                                                (x, residual, weight, out, summed, np.int32(features),
+                                                 np.float32(eps)))
+    elif x.size:
         kernel("zero_centred_add_rms_norm")((x.size // features,), (min(1024, -(-features // 32) * 32),),
                                             (x, residual, weight, out, summed, np.int32(features), np.float32(eps)))
     return out, summed

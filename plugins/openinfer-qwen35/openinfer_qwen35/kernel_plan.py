@@ -19,25 +19,29 @@ GDN layer core         ``delta_net``:                                           
   numpy                conv1d + chunked delta rule     conv1d step + recurrent step
                        (UT transform, chunk 64), one   (batched over sequences)
                        sequence at a time
-  cuda                 ``gdn_conv1d`` (varlen) →       ``gdn_decode_step``: conv,
+  cuda                 ``gdn_conv1d_vec`` (varlen) →   ``gdn_decode_step``: conv,
                        ``gdn_conv_state`` →            window, gates, l2 norm, delta
-                       ``gdn_chunk_prepare`` (per      rule and gated norm in one
-                       chunk of 64: l2 norm, gates,    kernel per (sequence, value
-                       P, T = (I + A)^-1, U, W) →      head), captured in the
-                       ``gdn_chunk_scan`` (chunks in   decode graphs
-                       order, S in shared memory,
-                       tensor cores) →
-                       ``gdn_gated_norm``; rows
+                       ``gdn_chunk_prepare_staged``    rule and gated norm in one
+                       (per chunk of 64: l2 norm,      kernel per (sequence, value
+                       gates, P, T = (I + A)^-1, U,    head), captured in the
+                       W) → ``gdn_chunk_states``       decode graphs
+                       (chunks in order: S, V') →
+                       ``gdn_chunk_output`` (O, all
+                       chunks at once; tensor cores)
+                       → ``gdn_gated_norm_warp``; a
+                       mixed step's one-token rows:
+                       ``gdn_delta_rule_rows``; rows
                        shorter than 8: the token-by-
                        token ``gdn_delta_rule``
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
-Opt-in variants, the same bits (``cuda_ops``): ``OPENINFER_QWEN35_GDN_DECODE=split32|split64``
-(a head's state columns over several blocks) and ``OPENINFER_QWEN35_GDN_PREFILL=staged|split``
-(``gdn_conv1d_vec``, ``gdn_chunk_prepare_staged``, ``gdn_gated_norm_warp``; ``split``: ``gdn_chunk_scan`` as
-``gdn_chunk_states`` + ``gdn_chunk_output``); ``split_rows``: that, and a mixed step's
-one-token rows token by token (``gdn_delta_rule_rows``; within bf16 tolerance).
+The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=split_rows``, the default
+(``cuda_ops.PREFILL_KERNELS`` names each choice's kernels): ``plain`` is the earlier chunked path
+(``gdn_conv1d`` → ``gdn_conv_state`` → ``gdn_chunk_prepare`` → ``gdn_chunk_scan``, chunks in order
+with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows as one-row chunks);
+``staged`` and ``split`` are the steps between (the same bits as plain); ``split_rows`` differs from
+them only in a mixed step's one-token rows (token by token, within bf16 tolerance).
 
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
 ``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``

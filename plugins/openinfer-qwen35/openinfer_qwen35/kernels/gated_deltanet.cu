@@ -37,38 +37,72 @@ extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_st
     }
 }
 
-// gdn_conv1d with 8 adjacent channels a thread (OPENINFER_QWEN35_GDN_PREFILL=staged | split): grid
-// (T, ceil(conv_dim / 1024)), 128 threads; each input row and window row read by one 16-byte
-// load, the 8 outputs written by one, no 64-bit division per element. The same sums in the same
-// order: the same bits. The launcher takes it when conv_dim and proj_stride are multiples of 8
-// and the arrays are 16-byte aligned.
+// gdn_conv1d with 8 adjacent channels and CONV_TOKENS consecutive tokens a thread
+// (OPENINFER_QWEN35_GDN_PREFILL=staged | split | split_rows): grid (ceil(T / CONV_TOKENS),
+// ceil(conv_dim / 1024)), 128 threads. The 8 channels' weights are read once (16-byte loads) and
+// kept as floats; each tap of a token is one 16-byte load (the taps the previous token read hit
+// L1), the 8 outputs one 16-byte store. Per output element gdn_conv1d made 2 width scalar loads,
+// its weight loads 64 bytes apart across a warp: 0.56 ms for 8 x 1k tokens at the 4B shape on
+// the H200, as a first 8-channel version that still read its weights per token (E2). The same
+// sums in the same order: the same bits. The launcher takes it when conv_dim and proj_stride are
+// multiples of 8 and the arrays 16-byte aligned; CONV_WIDTH compiled in (else read at run time).
+#define CONV_TOKENS 16
+#define CONV_MAX_WIDTH 9
 extern "C" __global__ void __launch_bounds__(128)
 gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
                const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
                const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
-               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int width) {
-    const int t = blockIdx.x, c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
+#ifdef CONV_WIDTH
+    constexpr int width = CONV_WIDTH;
+#else
+    const int width = conv_width;
+#endif
+    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (c0 >= conv_dim) return;
-    const int s = token_seq[t], first = query_start[s], pos = t - first;
-    const bool is_fresh = fresh[s] != 0;
-    const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
-    float acc[8];
+    float w[8][CONV_MAX_WIDTH];  // w[e][j] = weight[c0 + e, j]: 8 width contiguous bf16
+    {
+        const uint4* src = reinterpret_cast<const uint4*>(weight + (size_t)c0 * width);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    for (int j = 0; j < width; ++j) {
-        const int m = pos - (width - 1) + j;  // row within this step's tokens of the sequence
-        uint4 xv = make_uint4(0, 0, 0, 0);    // a fresh sequence's window reads as zeros
-        if (m >= 0) xv = *reinterpret_cast<const uint4*>(proj + (size_t)(first + m) * proj_stride + c0);
-        else if (!is_fresh) xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
-        const bf16* x = reinterpret_cast<const bf16*>(&xv);
+        for (int v = 0; v < CONV_MAX_WIDTH; ++v) {
+            if (v < width) {  // 8 width bf16 = width 16-byte vectors
+                const uint4 raw = src[v];
+                const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += to_f(weight[(size_t)(c0 + e) * width + j]) * to_f(x[e]);
+                for (int k = 0; k < 8; ++k) {
+                    const int flat = 8 * v + k;
+                    w[flat / width][flat % width] = to_f(x[k]);
+                }
+            }
+        }
     }
-    uint4 yv;
-    bf16* y = reinterpret_cast<bf16*>(&yv);
+    const int t_end = min(num_tokens, (int)(blockIdx.x + 1) * CONV_TOKENS);
+    for (int t = blockIdx.x * CONV_TOKENS; t < t_end; ++t) {
+        const int s = token_seq[t], first = query_start[s], pos = t - first;
+        const bool is_fresh = fresh[s] != 0;
+        const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
+        float acc[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
-    *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_WIDTH; ++j) {
+            if (j < width) {
+                const int m = pos - (width - 1) + j;  // row within this step's tokens of the sequence
+                uint4 xv = make_uint4(0, 0, 0, 0);    // a fresh sequence's window reads as zeros
+                if (m >= 0) xv = *reinterpret_cast<const uint4*>(proj + (size_t)(first + m) * proj_stride + c0);
+                else if (!is_fresh)
+                    xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
+                const bf16* x = reinterpret_cast<const bf16*>(&xv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] += w[e][j] * to_f(x[e]);
+            }
+        }
+        uint4 yv;
+        bf16* y = reinterpret_cast<bf16*>(&yv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
+        *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
+    }
 }
 
 // After gdn_conv1d: each sequence's slot keeps the last K-1 conv inputs. One thread per
@@ -331,4 +365,66 @@ zero_centred_add_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ r
         }
     }
     zero_centred_row_from_registers(v, sq, weight, out, features, eps, scratch);
+}
+
+// OPENINFER_QWEN35_ROW_KERNELS=vec: the attention gate and the add + zero-centred RMSNorm with 8
+// adjacent features a thread, 16-byte loads and stores (the kernels above read 2 bytes a thread
+// per instruction: 26 % and 40 % of the H200's copy bandwidth in a 1k prefill, E1 ledger).
+// sigmoid_mul_vec: the same bits. zero_centred_add_rms_norm_vec: the same residual sum; the
+// sum of squares adds a thread's 8 features in turn, then block_sum (another order than the
+// strided kernel's), so the norm may differ by a bf16 rounding. One block of features / 8
+// threads a row (the launcher: features % 8 == 0, features / 8 a multiple of 32 up to 1,024, the
+// arrays 16-byte aligned).
+extern "C" __global__ void sigmoid_mul_vec(const bf16* __restrict__ x, const bf16* __restrict__ gate,
+                                           int gate_stride, bf16* __restrict__ out, long long rows, int features) {
+    const int vecs = features / 8;
+    const long long n = rows * vecs;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / vecs;
+        const int c = (int)(i - r * vecs) * 8;
+        const uint4 xv = *reinterpret_cast<const uint4*>(x + r * features + c);
+        const uint4 gv = *reinterpret_cast<const uint4*>(gate + r * gate_stride + c);
+        const bf16* xe = reinterpret_cast<const bf16*>(&xv);
+        const bf16* ge = reinterpret_cast<const bf16*>(&gv);
+        uint4 ov;
+        bf16* oe = reinterpret_cast<bf16*>(&ov);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) oe[e] = __float2bfloat16_rn(to_f(xe[e]) * round_bf16(sigmoid_f(to_f(ge[e]))));
+        *reinterpret_cast<uint4*>(out + r * features + c) = ov;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+zero_centred_add_rms_norm_vec(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                              const float* __restrict__ weight, bf16* __restrict__ out,
+                              bf16* __restrict__ residual_out, int features, float eps) {
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * features;
+    const int c = threadIdx.x * 8;
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + base + c);
+    const uint4 rv = *reinterpret_cast<const uint4*>(residual + base + c);
+    // the fp32 weights by two 16-byte loads (uint4: the host emulation has no float4)
+    const uint4 w0 = *reinterpret_cast<const uint4*>(weight + c), w1 = *reinterpret_cast<const uint4*>(weight + c + 4);
+    const bf16* xe = reinterpret_cast<const bf16*>(&xv);
+    const bf16* re = reinterpret_cast<const bf16*>(&rv);
+    float v[8], sq = 0.f;
+    uint4 sv;
+    bf16* se = reinterpret_cast<bf16*>(&sv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        se[e] = __float2bfloat16_rn(to_f(xe[e]) + to_f(re[e]));
+        v[e] = to_f(se[e]);
+        sq += v[e] * v[e];
+    }
+    *reinterpret_cast<uint4*>(residual_out + base + c) = sv;
+    const float inv_rms = rsqrtf(block_sum(sq, scratch) / (float)features + eps);
+    const float w[8] = {__int_as_float((int)w0.x), __int_as_float((int)w0.y), __int_as_float((int)w0.z),
+                        __int_as_float((int)w0.w), __int_as_float((int)w1.x), __int_as_float((int)w1.y),
+                        __int_as_float((int)w1.z), __int_as_float((int)w1.w)};
+    uint4 ov;
+    bf16* oe = reinterpret_cast<bf16*>(&ov);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) oe[e] = __float2bfloat16_rn(v[e] * inv_rms * w[e]);
+    *reinterpret_cast<uint4*>(out + base + c) = ov;
 }

@@ -12,10 +12,12 @@
 //   O  = diag(exp(c)) Q S + P V',          P = lower(Q K^T * D)   (diagonal included)
 //   S <- exp(c_C) S + K^T diag(exp(c_C - c)) V'
 //
-// Two kernels: gdn_chunk_prepare (grid: chunks x value heads, all independent) computes the l2-
-// normalised q and k, c, P, U and W of every chunk; gdn_chunk_scan (grid: sequences x value
-// heads x dv/32) walks a sequence's chunks in order for 32 value channels (the delta rule is
-// independent per value channel), keeping S in shared memory (fp32; a bf16 copy feeds the mma).
+// gdn_chunk_prepare (grid: chunks x value heads, all independent; gdn_chunk_prepare_staged the
+// same faster) computes the l2-normalised q and k, c, P, U and W of every chunk; gdn_chunk_scan
+// (grid: sequences x value heads x dv/32) walks a sequence's chunks in order for 32 value channels
+// (the delta rule is independent per value channel), keeping S in shared memory (fp32; a bf16 copy
+// feeds the mma) — or, split (the default path, see below), gdn_chunk_states walks the chunks for
+// S and V' only and gdn_chunk_output computes every chunk's O at once.
 // The last chunk of a sequence may be short: its missing rows are zeros (g = 0, beta = 0).
 //
 // Layouts (T tokens of the step, N chunks; the step's chunks listed by the host):
@@ -112,7 +114,8 @@ __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 1
 // loads straight into their shared tiles (normalised there in place), the chunk's v rows by
 // 16-byte loads into registers (held until (beta V)^T is written) — where the plain kernel
 // loads q / k a row per warp at a time (16 dependent round trips a warp) and V element by
-// element after the triangular solve. The same bits.
+// element after the triangular solve; the triangular solve's loads batched 16 at a time ahead of
+// its adds, the cumulative decay summed from registers. The same bits.
 #define PREPARE_PARAMS                                                                                       \
     const bf16 *__restrict__ conv_out, const bf16 *__restrict__ proj, int proj_stride,                        \
         const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias,                          \
@@ -141,14 +144,28 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     at += region0;
     bf16* ks = reinterpret_cast<bf16*>(at);   // [64][LDK]
     at += round_up_128((size_t)CHUNK * LDK * 2);
-    bf16* kt = reinterpret_cast<bf16*>(at);   // [DK][LDC] = (beta exp(c) K)^T
-    at += round_up_128((size_t)DK * LDC * 2);
-    float* amat = reinterpret_cast<float*>(at);  // [64][LDF]
-    at += round_up_128((size_t)CHUNK * LDF * 4);
-    float* tinv = reinterpret_cast<float*>(at);  // [64][LDF]
-    at += round_up_128((size_t)CHUNK * LDF * 4);
-    bf16* tb = reinterpret_cast<bf16*>(at);  // [64][LDC]
-    at += round_up_128((size_t)CHUNK * LDC * 2);
+    bf16 *kt, *tb;
+    float *amat, *tinv;
+    if (STAGED) {
+        // A and T, then over them once the solve is done (A dead; T once copied to bf16): Tb, then
+        // (beta exp(c) K)^T — 72 instead of 99 KiB at DK 128: 3 blocks per SM instead of 2
+        const size_t tri = round_up_128((size_t)CHUNK * LDF * 4), tb_bytes = round_up_128((size_t)CHUNK * LDC * 2);
+        const size_t kt_bytes = round_up_128((size_t)DK * LDC * 2);
+        amat = reinterpret_cast<float*>(at);  // [64][LDF]
+        tinv = reinterpret_cast<float*>(at + tri);  // [64][LDF]
+        tb = reinterpret_cast<bf16*>(at);  // [64][LDC], written after the solve
+        kt = reinterpret_cast<bf16*>(at + tb_bytes);  // [DK][LDC], written after T's copy
+        at += 2 * tri > tb_bytes + kt_bytes ? 2 * tri : tb_bytes + kt_bytes;
+    } else {
+        kt = reinterpret_cast<bf16*>(at);   // [DK][LDC] = (beta exp(c) K)^T
+        at += round_up_128((size_t)DK * LDC * 2);
+        amat = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        tinv = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        tb = reinterpret_cast<bf16*>(at);  // [64][LDC]
+        at += round_up_128((size_t)CHUNK * LDC * 2);
+    }
     double* cum = reinterpret_cast<double*>(at);  // [64]
     at += round_up_128(CHUNK * 8);
     float* beta = reinterpret_cast<float*>(at);  // [64]
@@ -186,35 +203,51 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         __syncthreads();
     }
 
-    // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end
+    // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end. Warp w takes rows
+    //    w, w + 4, ...; staged: 4 of them at a time (their warp sums interleave), the same math a row
     const float q_scale = rsqrtf((float)DK);
-    for (int r = warp; r < CHUNK; r += 4) {
-        const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
-        float qv[DK / 32], kv[DK / 32];
-        float q_sq = 0.f, k_sq = 0.f;
+    constexpr int ROWS_AT_ONCE = STAGED ? 4 : 1;
+    for (int r0 = warp; r0 < CHUNK; r0 += 4 * ROWS_AT_ONCE) {
+        float qv[ROWS_AT_ONCE][DK / 32], kv[ROWS_AT_ONCE][DK / 32], qf[ROWS_AT_ONCE], kf[ROWS_AT_ONCE];
 #pragma unroll
-        for (int e = 0; e < DK / 32; ++e) {
-            const int i = lane + 32 * e;
-            if (STAGED) {  // zeros past the end were staged too
-                qv[e] = to_f(qs[r * LDK + i]);
-                kv[e] = to_f(ks[r * LDK + i]);
-            } else {
-                qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
-                kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            const int r = r0 + 4 * rr;
+            const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
+            float q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+            for (int e = 0; e < DK / 32; ++e) {
+                const int i = lane + 32 * e;
+                if (STAGED) {  // zeros past the end were staged too
+                    qv[rr][e] = to_f(qs[r * LDK + i]);
+                    kv[rr][e] = to_f(ks[r * LDK + i]);
+                } else {
+                    qv[rr][e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
+                    kv[rr][e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+                }
+                q_sq += qv[rr][e] * qv[rr][e];
+                k_sq += kv[rr][e] * kv[rr][e];
             }
-            q_sq += qv[e] * qv[e];
-            k_sq += kv[e] * kv[e];
+            qf[rr] = q_sq;
+            kf[rr] = k_sq;
         }
-        const float qf = rsqrtf(warp_sum(q_sq) + L2_NORM_EPS) * q_scale, kf = rsqrtf(warp_sum(k_sq) + L2_NORM_EPS);
 #pragma unroll
-        for (int e = 0; e < DK / 32; ++e) {
-            const int i = lane + 32 * e;
-            const bf16 qb = __float2bfloat16_rn(qv[e] * qf), kb = __float2bfloat16_rn(kv[e] * kf);
-            qs[r * LDK + i] = qb;
-            ks[r * LDK + i] = kb;
-            if (r < n && h % ratio == 0) {  // one value head of the group writes its key head's rows
-                qn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = qb;
-                kn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = kb;
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            qf[rr] = rsqrtf(warp_sum(qf[rr]) + L2_NORM_EPS) * q_scale;
+            kf[rr] = rsqrtf(warp_sum(kf[rr]) + L2_NORM_EPS);
+        }
+#pragma unroll
+        for (int rr = 0; rr < ROWS_AT_ONCE; ++rr) {
+            const int r = r0 + 4 * rr;
+#pragma unroll
+            for (int e = 0; e < DK / 32; ++e) {
+                const int i = lane + 32 * e;
+                const bf16 qb = __float2bfloat16_rn(qv[rr][e] * qf[rr]), kb = __float2bfloat16_rn(kv[rr][e] * kf[rr]);
+                qs[r * LDK + i] = qb;
+                ks[r * LDK + i] = kb;
+                if (r < n && h % ratio == 0) {  // one value head of the group writes its key head's rows
+                    qn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = qb;
+                    kn[((size_t)(t0 + r) * num_key_heads + key_head) * DK + i] = kb;
+                }
             }
         }
     }
@@ -233,11 +266,24 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     // c_t reaches -1000 within a chunk for fast-forgetting heads: sum in fp64 so that the
     // differences c_i - c_j keep their precision
     if (threadIdx.x == 0) {
-        double acc = 0.0;
-        for (int r = 0; r < CHUNK; ++r) {
-            acc += (double)gate[r];
-            cum[r] = acc;
-            if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+        if (STAGED) {  // the gates into registers first: no shared-memory round trip per add
+            float g[CHUNK];
+#pragma unroll
+            for (int r = 0; r < CHUNK; ++r) g[r] = gate[r];
+            double acc = 0.0;
+#pragma unroll
+            for (int r = 0; r < CHUNK; ++r) {
+                acc += (double)g[r];
+                cum[r] = acc;
+                if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+            }
+        } else {
+            double acc = 0.0;
+            for (int r = 0; r < CHUNK; ++r) {
+                acc += (double)gate[r];
+                cum[r] = acc;
+                if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)acc;
+            }
         }
     }
     __syncthreads();
@@ -280,6 +326,21 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         for (int i = j + 1; i < CHUNK; ++i) {
             float acc0 = -amat[i * LDF + j], acc1 = 0.f;
             int m = j + 1;
+            if (STAGED) {  // 8 pairs' loads issued before their adds (the same adds in the same order)
+                for (; m + 15 < i; m += 16) {
+                    float a[16], tv[16];
+#pragma unroll
+                    for (int u = 0; u < 16; ++u) {
+                        a[u] = amat[i * LDF + m + u];
+                        tv[u] = tinv[(m + u) * LDF + j];
+                    }
+#pragma unroll
+                    for (int u = 0; u < 16; u += 2) {
+                        acc0 -= a[u] * tv[u];
+                        acc1 -= a[u + 1] * tv[u + 1];
+                    }
+                }
+            }
             for (; m + 1 < i; m += 2) {  // two partial sums: half the dependent-add chain
                 acc0 -= amat[i * LDF + m] * tinv[m * LDF + j];
                 acc1 -= amat[i * LDF + m + 1] * tinv[(m + 1) * LDF + j];
@@ -289,9 +350,25 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
-        const int i = e / CHUNK, j = e % CHUNK;
-        tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
+    if (STAGED) {  // 8 loads ahead of their stores (the compiler cannot move loads past stores that may alias)
+        for (int e0 = threadIdx.x; e0 < CHUNK * CHUNK; e0 += 8 * 128) {
+            float x[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                x[u] = tinv[(e / CHUNK) * LDF + e % CHUNK];
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                tb[(e / CHUNK) * LDC + e % CHUNK] = __float2bfloat16_rn(x[u]);
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+            const int i = e / CHUNK, j = e % CHUNK;
+            tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
+        }
     }
     // (beta V)^T over the finished Q tile, (beta exp(c) K)^T from the K tile
     if (STAGED) {
@@ -312,9 +389,27 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
         }
     }
-    for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
-        const int r = e / DK, i = e % DK;
-        kt[i * LDC + r] = __float2bfloat16_rn(beta[r] * __expf((float)cum[r]) * to_f(ks[r * LDK + i]));
+    if (STAGED) {  // beta exp(c) once a row, into the dead gate[] (the same product: it is evaluated first)
+        if (threadIdx.x < CHUNK) gate[threadIdx.x] = beta[threadIdx.x] * __expf((float)cum[threadIdx.x]);
+        __syncthreads();
+        for (int e0 = threadIdx.x; e0 < CHUNK * DK; e0 += 8 * 128) {  // 8 loads ahead of their stores
+            float x[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128, r = e / DK, i = e % DK;
+                x[u] = gate[r] * to_f(ks[r * LDK + i]);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int e = e0 + u * 128;
+                kt[(e % DK) * LDC + e / DK] = __float2bfloat16_rn(x[u]);
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
+            const int r = e / DK, i = e % DK;
+            kt[i * LDC + r] = __float2bfloat16_rn(beta[r] * __expf((float)cum[r]) * to_f(ks[r * LDK + i]));
+        }
     }
     __syncthreads();
 
@@ -323,22 +418,31 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     unsigned t_frag[CHUNK / 16][4];
 #pragma unroll
     for (int kk = 0; kk < CHUNK / 16; ++kk) load_a(t_frag[kk], tb + r0 * LDC + kk * 16, LDC);
-    for (int target = 0; target < 2; ++target) {
+    // U = T (beta V) (target 0), W = T (beta exp(c) K) (target 1), 8 columns an mma chain; staged: 4
+    // column tiles' independent chains interleaved (dv and DK are multiples of 32 there)
+    auto column_tile = [&](int target, int nt) {
         const bf16* bt = target == 0 ? vt : kt;
         const int width = target == 0 ? dv : DK;
         bf16* dst = target == 0 ? u_out + (size_t)h * dv : w_out + (size_t)h * DK;
         const size_t row_stride = (size_t)num_value_heads * width;
-        for (int nt = 0; nt < width / 8; ++nt) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < CHUNK / 16; ++kk) {
-                unsigned b[2];
-                load_b(b, bt + nt * 8 * LDC + kk * 16, LDC);
-                mma_bf16_16816(acc, t_frag[kk], b[0], b[1]);
-            }
-            const int j = nt * 8 + 2 * q4;
-            if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[0], acc[1]);
-            if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
+        for (int kk = 0; kk < CHUNK / 16; ++kk) {
+            unsigned b[2];
+            load_b(b, bt + nt * 8 * LDC + kk * 16, LDC);
+            mma_bf16_16816(acc, t_frag[kk], b[0], b[1]);
+        }
+        const int j = nt * 8 + 2 * q4;
+        if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[0], acc[1]);
+        if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
+    };
+    for (int target = 0; target < 2; ++target) {
+        const int tiles = (target == 0 ? dv : DK) / 8;
+        if (STAGED) {
+#pragma unroll 4
+            for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
+        } else {
+            for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
         }
     }
 }
@@ -556,7 +660,8 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
 // registers a thread: 3 blocks per SM instead of 2. Every product is the
 // same mma sequence on the same bf16 operands as gdn_chunk_scan's: the same bits.
 //   states [N, nv, dv, DK] bf16 (S^T entering each chunk), v_new [T, nv, dv] bf16 (V')
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 3)
+// 3 blocks per SM at DK <= 128 (168 registers); wider key heads' W / K prefetch needs more registers
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, DK <= 128 ? 3 : 1)
 gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
                  const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
                  const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks, const int* __restrict__ slots,

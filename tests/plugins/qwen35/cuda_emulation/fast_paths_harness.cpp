@@ -1,5 +1,5 @@
-// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain,
-// early-loads and split kernels on the same inputs) on the CPU
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
+// the early-loads kernel on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
         });
         // the 8-channel conv (run before the window update, as the launcher does): the same conv_out
         std::vector<bf16> vec_conv_out(conv_out.size());
-        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+        launch(static_cast<unsigned>((num_tokens + CONV_TOKENS - 1) / CONV_TOKENS),
+               static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
             gdn_conv1d_vec(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(),
                            slots.data(), fresh.data(), token_seq.data(), vec_conv_out.data(), num_tokens, conv_dim,
                            width);
@@ -159,25 +160,19 @@ int main(int argc, char** argv) {
         save(dir, "early_loads_ssm_state_out.bin", e_ssm);
         save(dir, "early_loads_arrivals.bin", arrivals);
 
-        // the split kernels (a head's columns over dv / TILE blocks) on the same inputs
-        std::vector<int> head_arrivals(static_cast<size_t>(num_seqs) * nv, 0);
-        auto split = [&](int tile, auto kernel, const std::string& prefix) {
-            auto s_conv_state = load<bf16>(dir, "decode_conv_state.bin");
-            auto s_ssm = load<float>(dir, "decode_ssm_state.bin");
-            std::vector<bf16> s_out(out.size());
-            launch(num_seqs, nv, dv / tile, static_cast<unsigned>(tile * SPLIT), [&] {
-                kernel(proj.data(), proj_stride, weight.data(), s_conv_state.data(), s_ssm.data(), rate.data(),
-                       bias.data(), norm.data(), query_start.data(), slots.data(), fresh.data(), arrivals.data(),
-                       s_out.data(), nk, nv, dv, width, eps, head_arrivals.data());
-            });
-            save(dir, (prefix + "_out.bin").c_str(), s_out);
-            save(dir, (prefix + "_conv_state_out.bin").c_str(), s_conv_state);
-            save(dir, (prefix + "_ssm_state_out.bin").c_str(), s_ssm);
-            save(dir, (prefix + "_arrivals.bin").c_str(), arrivals);
-            save(dir, (prefix + "_head_arrivals.bin").c_str(), head_arrivals);
-        };
-        split(32, gdn_decode_step_split32, "split32");
-        split(64, gdn_decode_step_split64, "split64");
+        // the coalesced kernel (a column's threads dv apart) on the same inputs
+        auto c_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto c_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> c_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_coalesced(proj.data(), proj_stride, weight.data(), c_conv_state.data(), c_ssm.data(),
+                                      rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                      fresh.data(), arrivals.data(), c_out.data(), nk, nv, dv, width, eps);
+        });
+        save(dir, "coalesced_out.bin", c_out);
+        save(dir, "coalesced_conv_state_out.bin", c_conv_state);
+        save(dir, "coalesced_ssm_state_out.bin", c_ssm);
+
     }
     return 0;
 }
