@@ -145,18 +145,22 @@ def _mapped_host_int32(count: int) -> tuple[np.ndarray, int]:
 
 
 _gates: _MaskGates | None = None
-# =1: logit_bias and grammar masks applied by ``apply_logit_constraints_tiled`` (a row spread over
-# blocks of CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD tokens) instead of one block per row,
-# and in the engine's asynchronous sampling to the forward's logits in place (no copy of them); read
-# at every step (benchmarks switch it between runs); opt-in until measured on a GPU
+# logit_bias and grammar masks are applied by ``apply_logit_constraints_tiled`` (a row spread over
+# blocks of CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD tokens), in the engine's asynchronous
+# sampling to the forward's logits in place (no copy of them); =0: one block per row on a copy (the
+# former way). Default by E2 (H200, merged main d5bcefd, benchmarks/grammar_mask.py overhead, Qwen3-4B
+# shape, every row under the schema, 4 alternating rounds, results/grammar_mask_cuda_e2_h200.json):
+# TPOT overhead at batch 1 +5.6 % -> +0.8 % (3.248 -> 3.102 ms, plain 3.076), at batch 64 +9.8 % ->
+# +5.1 % (4.282 -> 4.099 ms, plain 3.901), faster in every round. Read at every step (benchmarks
+# switch it between runs)
 TILED_CONSTRAINTS_ENV = "OPENINFER_TILED_LOGIT_CONSTRAINTS"
 CONSTRAINT_THREADS = 256
 CONSTRAINT_TOKENS_PER_THREAD = 8  # TOKENS_PER_THREAD of logit_constraints.cu
 
 
 def tiled_logit_constraints() -> bool:
-    """Whether ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1`` is set (now)."""
-    return os.environ.get(TILED_CONSTRAINTS_ENV) == "1"
+    """Whether the tiled kernel applies the constraints (now): unless ``OPENINFER_TILED_LOGIT_CONSTRAINTS=0``."""
+    return os.environ.get(TILED_CONSTRAINTS_ENV, "1") != "0"
 
 
 def mask_gates() -> _MaskGates:
