@@ -330,7 +330,10 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_tiled_gil_interval": ("all", "default_tiled_gil_interval"),
            "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval"),
            "schema_gil_interval_16_threads": ("all", "gil_interval_16_threads"),
-           "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads")}
+           "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads"),
+           "schema_untiled": ("all", "default_untiled"),
+           "schema_on_demand_device_wait": ("all", "on_demand_device_wait"),
+           "schema_on_demand_device_wait_gil_interval": ("all", "on_demand_device_wait_gil_interval")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -343,17 +346,21 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1"),
          "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
          "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
-         "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", "")}
+         "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", ""),
+         "default_untiled": ("1", "", "", ""), "on_demand_device_wait": ("0", "1", "", ""),
+         "on_demand_device_wait_gil_interval": ("0", "1", "", "")}
 # llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
 MASK_THREADS = {"gil_interval_16_threads": 16, "gil_interval_8_threads": 8}
 # switches read from the environment at every step, set per run by use_mode (unset for the modes not
 # named): the tiled logit-constraints kernel (CUDA) and the GIL switch interval while masks are computed
 GIL_INTERVAL_US = "200"
-ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1"},
+ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1",
+                                                              "default_untiled": "0"},
                         "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
                             "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
                             "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US,
-                            "gil_interval_8_threads": GIL_INTERVAL_US}}
+                            "gil_interval_8_threads": GIL_INTERVAL_US,
+                            "on_demand_device_wait_gil_interval": GIL_INTERVAL_US}}
 # the job's own environment for those (the engine defaults of a run that sets none)
 _ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
@@ -559,14 +566,14 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
 
 
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
-                   constraint: dict | None = None, device_wait: Any = None) -> dict:
+                   constraint: dict | None = None, gates: Any = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
     a constrained request is compiled there — stay out of it), and the process CPU time per step
-    over the same window. ``device_wait``: on CUDA, ``mask_gates().device_wait_ms`` (the GPU's time
-    spent waiting for grammar masks, and its count of such steps, so far): the run's share of it,
-    per step that waited, over the whole run."""
+    over the same window. ``gates``: on CUDA, the sampler's ``mask_gates()`` (the GPU's time spent
+    waiting for grammar masks, step by step): the run's waits over the whole run, their mean per
+    step that waited, median, 90th percentile, maximum and sum."""
     from openinfer.v1 import engine_pb2 as pb
 
     marks: dict[str, float] = {}
@@ -593,7 +600,7 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
-    waited_before = device_wait() if device_wait is not None else None
+    waited_before = gates.device_wait_ms if gates is not None else None
     stamps = asyncio.run(run())
     all_started = max(row[0] for row in stamps)
     gaps = [b - a for row in stamps for a, b in zip(row, row[1:], strict=False) if a >= all_started]
@@ -601,9 +608,14 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     result = {"tpot_ms": statistics.fmean(gaps) * 1e3,
               "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
     if waited_before is not None:
-        waited, waits = (now - before for now, before in zip(device_wait(), waited_before, strict=True))
+        waited, waits = (now - before for now, before in zip(gates.device_wait_ms, waited_before, strict=True))
+        samples = gates.device_wait_samples_ms(waits)
         result["device_mask_wait_ms_per_waiting_step"] = waited / waits if waits else 0.0
         result["device_steps_waiting_for_masks"] = waits
+        if samples:
+            result["device_mask_wait_ms_p50_p90_max_sum"] = [round(float(np.percentile(samples, 50)), 4),
+                                                             round(float(np.percentile(samples, 90)), 4),
+                                                             round(max(samples), 4), round(sum(samples), 3)]
     return result
 
 
@@ -963,12 +975,11 @@ def run_overhead(args: argparse.Namespace) -> dict:
                "load_format": "dummy" if dummy else "auto"}
     configs = {name: CONFIGS[name] for name in args.configs}
     engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
-    device_wait = None
+    gates = None
     if args.device == "cuda":
         from openinfer.backend.cuda.sampler import mask_gates
 
-        def device_wait() -> tuple[float, int]:
-            return mask_gates().device_wait_ms
+        gates = mask_gates()
     rows = []
     try:
         for batch in args.batches:
@@ -981,7 +992,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
                     runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained,
-                                                     device_wait=device_wait))
+                                                     gates=gates))
                     print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
@@ -992,6 +1003,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 if "device_mask_wait_ms_per_waiting_step" in runs[name][0]:
                     row[f"device_mask_wait_ms_per_waiting_step_{name}"] = statistics.median(
                         r["device_mask_wait_ms_per_waiting_step"] for r in runs[name])
+                    row[f"device_mask_wait_ms_p50_p90_max_sum_{name}_runs"] = [
+                        r.get("device_mask_wait_ms_p50_p90_max_sum") for r in runs[name]]
             plain = row["tpot_ms_plain"]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain

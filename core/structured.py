@@ -372,7 +372,8 @@ class MaskWorker:
 
 
 # =N (microseconds): from the start of a step's background mask work (GrammarCompiler.start_masks)
-# until the mask worker is idle again, the interpreter's GIL switch interval (sys.setswitchinterval,
+# until the mask worker is idle again (without a worker: during start_masks' llguidance calls), the
+# interpreter's GIL switch interval (sys.setswitchinterval,
 # 5 ms by default) is N us. Each llguidance call returns needing the GIL, and the worker's start needs
 # it too; when it is done the worker needs it to release the device (StepMasks._finish: the flag the
 # GPU polls). A thread busy in Python (the engine's emission and scheduling, the frontend's event
@@ -665,8 +666,8 @@ class GrammarCompiler:
         for matcher in busy.values():
             matcher._wait_until_free()
         on_worker = background and self._worker is not None
-        interval = gil_switch_interval_s() if on_worker else None
-        if interval is not None:
+        interval = gil_switch_interval_s()
+        if interval is not None and on_worker:  # until the worker is idle
             self._worker.hold_switch_interval(interval)
         if on_worker and taken and not self.tokens_consumed_on_worker:
             try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
@@ -674,6 +675,7 @@ class GrammarCompiler:
             except BaseException:
                 masks.bitmask.fill(-1)  # a device waiting for these masks is released; sampling fails
                 masks._finish(failed=True)
+                self._worker.release_switch_interval()
                 raise
             taken = []
         if on_worker:
@@ -684,11 +686,16 @@ class GrammarCompiler:
             for matcher in busy.values():  # the worker is closed: computed here
                 matcher._in_use = None
             self._worker.release_switch_interval()  # it will not run again to do it
+        elif interval is not None:  # computed here: the GIL comes back within the interval
+            _lower_switch_interval(interval, already=False)
         try:
             fill_masks(self._executor, taken, work, masks.bitmask)
         except BaseException:
             masks._finish(failed=True)
             raise
+        finally:
+            if interval is not None and not on_worker:
+                _restore_switch_interval()
         masks._finish()
         return masks
 

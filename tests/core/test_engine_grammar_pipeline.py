@@ -89,10 +89,12 @@ class _LazyIds:
         return self.get() if dtype is None else self.get().astype(dtype)
 
 
-@pytest.mark.parametrize(("consume_on_worker", "gil_interval_us"), [("1", ""), ("0", ""), ("0", "200")],
-                         ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval"])
+@pytest.mark.parametrize(("consume_on_worker", "gil_interval_us", "background"),
+                         [("1", "", "1"), ("0", "", "1"), ("0", "200", "1"), ("0", "200", "0")],
+                         ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval",
+                              "engine_computes_gil_interval"])
 def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker,
-                                                                           gil_interval_us):
+                                                                           gil_interval_us, background):
     """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on a backend that waits for grammar masks on the
     device (here a NumPy "device" that samples once the masks are computed, as the CUDA stream
     does behind ``wait_for_host_flag``): every decode step is sampled ahead, its masks pending
@@ -101,7 +103,9 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     JSON Schema) and plain rows in the same batches, requests ending at different steps; with
     the step's tokens consumed on the mask worker or by the engine thread before the hand-over
     (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``); and with the GIL switch interval lowered during the
-    mask work (``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``), restored once the mask worker is idle."""
+    mask work (``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``), restored once the mask worker is idle;
+    and without a mask worker (``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0``: the engine thread computes the
+    masks at the read-back, the device still waiting for them)."""
     import sys
     import time
 
@@ -109,7 +113,12 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
 
     from openinfer.backend.numpy_backend import NumpyBackend
     from openinfer.runtime.sampler import sample_rows
-    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV, GIL_SWITCH_INTERVAL_ENV
+    from openinfer.structured import (
+        BACKGROUND_MASKS_ENV,
+        CONSUME_ON_WORKER_ENV,
+        DEVICE_WAIT_ENV,
+        GIL_SWITCH_INTERVAL_ENV,
+    )
 
     queued_pending: list[bool] = []
 
@@ -145,6 +154,7 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
     monkeypatch.setenv(CONSUME_ON_WORKER_ENV, consume_on_worker)
     monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, gil_interval_us)
+    monkeypatch.setenv(BACKGROUND_MASKS_ENV, background)
     interval = sys.getswitchinterval()
     monkeypatch.setattr(NumpyBackend, "sample_rows_async", sample_rows_async, raising=False)
     monkeypatch.setattr(NumpyBackend, "waits_for_grammar_masks", True, raising=False)

@@ -189,6 +189,9 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
             assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
     waited, waits = mask_gates().device_wait_ms  # the GPU waited out each 50 ms delay, less its own work
     assert waits - waits_before == 6 and 6 * 10 < waited - waited_before < 6 * 5000
+    samples = mask_gates().device_wait_samples_ms(6)
+    assert len(samples) == 6 and all(10 < w < 5000 for w in samples)
+    assert sum(samples) == pytest.approx(waited - waited_before, rel=1e-6)
     abandoned = StepMasks.pending(masked, rows, bitmask.shape[1])
     launched = sample_rows_async(logits, sampling_rows(), abandoned)
     abandoned.abandon()

@@ -17,6 +17,7 @@ are built by ``runtime.sampler.device_sampling_inputs``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import threading
@@ -67,6 +68,7 @@ class _MaskGates:
 
     DEPTH = 4
     TIMEOUT_NS = 10_000_000_000
+    RECENT_WAITS = 8192  # the last waits kept one by one (device_wait_samples_ms)
 
     def __init__(self) -> None:
         # [flags | timed-out marks | waited ns (uint64)], mapped into the device's address space (kept
@@ -81,6 +83,7 @@ class _MaskGates:
         self._lock = threading.Lock()
         self._device_wait_ns = 0
         self._device_waits = 0
+        self._recent_waits_ms: collections.deque[float] = collections.deque(maxlen=self.RECENT_WAITS)
 
     @property
     def device_wait_ms(self) -> tuple[float, int]:
@@ -89,6 +92,13 @@ class _MaskGates:
         difference around a run)."""
         with self._lock:
             return self._device_wait_ns / 1e6, self._device_waits
+
+    def device_wait_samples_ms(self, last: int) -> list[float]:
+        """The GPU's waits (ms) of the ``last`` steps read back that waited for masks (at most
+        ``RECENT_WAITS``), oldest first: how the waiting spreads over steps."""
+        with self._lock:
+            kept = list(self._recent_waits_ms)
+        return kept[len(kept) - min(last, len(kept)):] if last > 0 else []
 
     def queue_wait(self, masks: GrammarMasks) -> tuple[cupy.ndarray, Callable[[], None]]:
         """Queue the wait for ``masks`` and their upload; returns the device bitmask and the
@@ -120,9 +130,11 @@ class _MaskGates:
         masks.when_ready(release)
 
         def check() -> None:  # at read-back: the wait kernel ran long before
+            waited = int(self._waited_ns[slot])
             with self._lock:
-                self._device_wait_ns += int(self._waited_ns[slot])
+                self._device_wait_ns += waited
                 self._device_waits += 1
+                self._recent_waits_ms.append(waited / 1e6)
             if self._timed_out[slot]:
                 raise RuntimeError("the GPU gave up waiting for the step's grammar masks")
             masks.wait()
