@@ -57,6 +57,15 @@ max_tokens), measured side by side in one run:
     wait 4.73 ms (+22 %), without the length slices 4.72 ms (+21 %); batch 1: 3.08 -> 3.23-3.26 ms
     (+5-6 %) in every configuration. The < 5 % goal at batch 64 is not met yet.
 
+    E2 (H200, merged main d5bcefd, 40 tokens, 4 rounds, ``results/grammar_mask_cuda_e2_h200.json``),
+    with the GPU's wait for the masks measured: at batch 1 the GPU hardly waits (3-16 us per step)
+    and the +5.6 % was the mask application itself (one block per row over 152k logits, on a copy):
+    the tiled kernel in place gives +0.8 % (3.248 -> 3.102 ms, plain 3.076). At batch 64 it gives
+    +5.1 % (4.282 -> 4.099 ms, plain 3.901; every round faster; now the default) and what is left is
+    the GPU waiting for late masks (~0.25 ms per step); the lowered GIL interval +4.4 % with the tiled
+    kernel (noisy: runs 3.95-4.09 ms), 16 or 8 mask threads instead of 14 no different, the worker
+    consuming worse (+14 %).
+
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA
 sampler applying the masks):
