@@ -37,7 +37,10 @@ max_tokens), measured side by side in one run:
     by default every core but two, up to 16);
     ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
     the GPU spent waiting for its masks per waiting step (``wait_for_host_flag`` measures it): what
-    of the overhead is masks late, apart from the device's own extra work.
+    of the overhead is masks late, apart from the device's own extra work; on every device, the
+    host's side per step (median / p90 / max): how long a read-back waited for the device
+    (``runtime.sampler.READ_BACKS``: ~0 when the host comes late) and from the start of a step's
+    masks to their release (``structured.MASK_LATENCIES``).
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
@@ -574,6 +577,12 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
             "cpu_count": os.cpu_count()}
 
 
+def _spread(values: list[float]) -> list[float]:
+    """Median, 90th percentile and maximum (ms, rounded): how a per-step time spreads over a run."""
+    return [round(float(np.percentile(values, 50)), 4), round(float(np.percentile(values, 90)), 4),
+            round(max(values), 4)]
+
+
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
                    constraint: dict | None = None, gates: Any = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
@@ -609,6 +618,11 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
+    from openinfer.runtime.sampler import READ_BACKS
+    from openinfer.structured import MASK_LATENCIES
+
+    logs = {"host_read_back_wait_ms": READ_BACKS, "host_mask_latency_ms": MASK_LATENCIES}
+    logged_before = {name: log.count for name, log in logs.items()}
     waited_before = gates.device_wait_ms if gates is not None else None
     stamps = asyncio.run(run())
     all_started = max(row[0] for row in stamps)
@@ -616,15 +630,17 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     steps = max(1, statistics.median(len([t for t in row if t > all_started]) for row in stamps))
     result = {"tpot_ms": statistics.fmean(gaps) * 1e3,
               "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    for name, log in logs.items():  # the host's side of each step: see _spread
+        values = log.last(log.count - logged_before[name])
+        if values:
+            result[f"{name}_p50_p90_max"] = _spread(values)
     if waited_before is not None:
         waited, waits = (now - before for now, before in zip(gates.device_wait_ms, waited_before, strict=True))
         samples = gates.device_wait_samples_ms(waits)
         result["device_mask_wait_ms_per_waiting_step"] = waited / waits if waits else 0.0
         result["device_steps_waiting_for_masks"] = waits
         if samples:
-            result["device_mask_wait_ms_p50_p90_max_sum"] = [round(float(np.percentile(samples, 50)), 4),
-                                                             round(float(np.percentile(samples, 90)), 4),
-                                                             round(max(samples), 4), round(sum(samples), 3)]
+            result["device_mask_wait_ms_p50_p90_max_sum"] = [*_spread(samples), round(sum(samples), 3)]
     return result
 
 
@@ -942,6 +958,8 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+                for key in ("host_read_back_wait_ms_p50_p90_max", "host_mask_latency_ms_p50_p90_max"):
+                    row[f"{key}_{name}_runs"] = [r.get(key) for r in runs[name]]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
             assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
@@ -1014,6 +1032,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
                         r["device_mask_wait_ms_per_waiting_step"] for r in runs[name])
                     row[f"device_mask_wait_ms_p50_p90_max_sum_{name}_runs"] = [
                         r.get("device_mask_wait_ms_p50_p90_max_sum") for r in runs[name]]
+                for key in ("host_read_back_wait_ms_p50_p90_max", "host_mask_latency_ms_p50_p90_max"):
+                    row[f"{key}_{name}_runs"] = [r.get(key) for r in runs[name]]
             plain = row["tpot_ms_plain"]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain

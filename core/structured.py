@@ -32,11 +32,13 @@ whitespace, so a sampled output can neither stall in whitespace nor differ betwe
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -126,6 +128,36 @@ def check_constraint(constraint: pb.StructuredOutput) -> None:
         raise _refuse(constraint.WhichOneof("kind"), problem.strip())
 
 
+class TimingLog:
+    """The last ``keep`` durations (ms) of something that happens once a step, and how many were
+    logged in all: a benchmark takes the ones of its run (``last(count_after - count_before)``)."""
+
+    def __init__(self, keep: int = 8192):
+        self._recent: collections.deque[float] = collections.deque(maxlen=keep)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, milliseconds: float) -> None:
+        with self._lock:
+            self._recent.append(milliseconds)
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def last(self, count: int) -> list[float]:
+        """The last ``count`` durations logged (at most ``keep``), oldest first."""
+        with self._lock:
+            kept = list(self._recent)
+        return kept[len(kept) - min(count, len(kept)):] if count > 0 else []
+
+
+# per step of background or pending masks: from GrammarCompiler.start_masks (the previous step's tokens
+# read back, not yet consumed) until the masks are ready (the device released): the host's mask latency
+MASK_LATENCIES = TimingLog()
+
+
 class GrammarMatcher:
     """One request's position in its grammar. ``accept`` advances it by a sampled token; its next
     mask is computed with the other rows of its step (:meth:`GrammarCompiler.start_masks`)."""
@@ -175,6 +207,7 @@ class StepMasks:
         self._filled = done is None  # computed (or failed): the ready callbacks have run
         self._ready_callbacks: list = []
         self._lock = threading.Lock()
+        self._started_at: float | None = None  # perf_counter() at start_masks (MASK_LATENCIES)
 
     @classmethod
     def pending(cls, rows: Sequence[int], num_rows: int, words: int) -> StepMasks:
@@ -228,6 +261,8 @@ class StepMasks:
                 callback(self)
             except Exception:  # a device sampler's release: logged, the step fails at read-back
                 logger.exception("a grammar-mask ready callback failed")
+        if self._started_at is not None and not failed:  # (before the waiters wake: they may read it)
+            MASK_LATENCIES.add((time.perf_counter() - self._started_at) * 1e3)
         if self._done is not None:
             self._done.set()
 
@@ -647,6 +682,7 @@ class GrammarCompiler:
         id) pairs to advance first, in the same job (the previous step's tokens, read back just
         now). ``into``: pending masks (:meth:`StepMasks.pending`) to compute, whose rows not in
         ``matchers`` (requests finished meanwhile) allow everything."""
+        started_at = time.perf_counter()
         if into is None:
             masks = StepMasks.pending([row for _, row in matchers], num_rows, bitmask_words(self.vocab_size))
             masks._started = True
@@ -656,6 +692,7 @@ class GrammarCompiler:
                 if masks._started:
                     raise RuntimeError("these grammar masks were started already")
                 masks._started = True
+        masks._started_at = started_at
         work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
         if into is not None and len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
             idle = np.ones(len(masks.bitmask), bool)

@@ -3,6 +3,7 @@ the NumPy path below is the reference."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import SamplingState, log_softmax, sample_row, top_logprobs
-from openinfer.structured import CompilerCache, StepMasks, apply_bitmasks, bitmask_words
+from openinfer.structured import CompilerCache, StepMasks, TimingLog, apply_bitmasks, bitmask_words
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -210,8 +211,15 @@ class SampledStep:
     def results(self) -> list[RowSample]:
         if self._results is None:
             assert self._read_back is not None
+            started = time.perf_counter()
             self._results = self._read_back()
+            READ_BACKS.add((time.perf_counter() - started) * 1e3)
         return self._results
+
+
+# per deferred read-back: how long the host waited for the step's tokens (~0: the device had finished
+# before the host asked, the host is the step's bottleneck)
+READ_BACKS = TimingLog()
 
 
 def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],
