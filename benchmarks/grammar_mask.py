@@ -33,6 +33,8 @@ max_tokens), measured side by side in one run:
     by ``apply_logit_constraints_tiled``, a row over many blocks, in place on the forward's logits:
     ``OPENINFER_TILED_LOGIT_CONSTRAINTS``), ``gil_interval`` (the GIL switch interval at
     ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``),
+    ``early`` (a step sampled ahead hands its masks to the worker before the previous step's
+    read-back, the worker waiting for the tokens: ``OPENINFER_GRAMMAR_EARLY_MASKS``),
     ``16_threads`` / ``8_threads`` (llguidance's threads for the masks, ``OPENINFER_GRAMMAR_MASK_THREADS``;
     by default every core but two, up to 16);
     ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
@@ -345,7 +347,8 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads"),
            "schema_untiled": ("all", "default_untiled"),
            "schema_on_demand_device_wait": ("all", "on_demand_device_wait"),
-           "schema_on_demand_device_wait_gil_interval": ("all", "on_demand_device_wait_gil_interval")}
+           "schema_on_demand_device_wait_gil_interval": ("all", "on_demand_device_wait_gil_interval"),
+           "schema_early": ("all", "early"), "schema_early_gil_interval": ("all", "early_gil_interval")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -360,7 +363,8 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
          "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", ""),
          "default_untiled": ("1", "", "", ""), "on_demand_device_wait": ("0", "1", "", ""),
-         "on_demand_device_wait_gil_interval": ("0", "1", "", "")}
+         "on_demand_device_wait_gil_interval": ("0", "1", "", ""), "early": ("1", "1", "", ""),
+         "early_gil_interval": ("1", "1", "", "")}
 # llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
 MASK_THREADS = {"gil_interval_16_threads": 16, "gil_interval_8_threads": 8}
 # switches read from the environment at every step, set per run by use_mode (unset for the modes not
@@ -372,7 +376,9 @@ ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "
                             "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
                             "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US,
                             "gil_interval_8_threads": GIL_INTERVAL_US,
-                            "on_demand_device_wait_gil_interval": GIL_INTERVAL_US}}
+                            "on_demand_device_wait_gil_interval": GIL_INTERVAL_US,
+                            "early_gil_interval": GIL_INTERVAL_US},
+                        "OPENINFER_GRAMMAR_EARLY_MASKS": {"early": "1", "early_gil_interval": "1"}}
 # the job's own environment for those (the engine defaults of a run that sets none)
 _ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores

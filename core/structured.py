@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import llguidance as llg
@@ -334,11 +334,12 @@ class MaskWorker:
         self._interval_held = False  # hold_switch_interval lowered the GIL switch interval
         _OPEN_MASK_WORKERS.add(self)
 
-    def submit(self, consume: list[tuple[llg.LLMatcher, int]], matchers: list[tuple[llg.LLMatcher, int]],
-               masks: StepMasks) -> bool:
+    def submit(self, consume: list[tuple[llg.LLMatcher, int]] | Callable[[], list[tuple[llg.LLMatcher, int]]],
+               matchers: list[tuple[llg.LLMatcher, int]], masks: StepMasks) -> bool:
         """Advance the matchers of ``consume`` (matcher, token id) by their tokens, then fill
         ``masks.bitmask`` for ``matchers`` (matcher, bitmask row) and finish ``masks``; False when
-        closed (nothing was started)."""
+        closed (nothing was started). ``consume`` may be a function returning those pairs, called
+        on the worker first (it may wait: for the previous step's tokens)."""
         taken = threading.Event()
         with self._wakeup:
             if self._closed:
@@ -396,6 +397,9 @@ class MaskWorker:
                 taken.set()
                 failed = False
                 try:
+                    if callable(consume):
+                        consume = consume()
+                        masks._started_at = time.perf_counter()  # the masks' latency from the tokens on
                     fill_masks(self.executor, consume, matchers, masks.bitmask)
                 except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
                     logger.exception("computing grammar masks in the background failed")
@@ -438,6 +442,17 @@ def gil_switch_interval_s() -> float | None:
 
 
 _REPORTED_INTERVALS: set[str] = set()
+
+# =1: with the device waiting for grammar masks, a step sampled ahead hands its pending masks to the
+# mask worker at once, before the previous step is read back (GrammarCompiler.start_masks_after): the
+# worker waits for the tokens itself, so the mask work starts when the device has sampled them even
+# while the engine thread is still busy in Python. Read at every step; opt-in until measured on a GPU
+EARLY_MASKS_ENV = "OPENINFER_GRAMMAR_EARLY_MASKS"
+
+
+def early_grammar_masks() -> bool:
+    """Whether ``OPENINFER_GRAMMAR_EARLY_MASKS=1`` is set (now)."""
+    return os.environ.get(EARLY_MASKS_ENV) == "1"
 
 
 _SWITCH_INTERVAL_LOCK = threading.Lock()
@@ -735,6 +750,51 @@ class GrammarCompiler:
                 _restore_switch_interval()
         masks._finish()
         return masks
+
+    def start_masks_after(self, tokens: Callable[[], Sequence[int]], consumers: Sequence[GrammarMatcher],
+                          matchers: Sequence[tuple[GrammarMatcher, int]], into: StepMasks) -> bool:
+        """:meth:`start_masks` (``into``) of a step sampled ahead, handed to the mask worker before
+        the previous step is read back: there ``tokens()`` waits for that step's tokens (one per
+        matcher of ``consumers``, in order), the consumers consume them and the masks are filled, so
+        the mask work starts when the device has sampled, whatever the calling thread does then.
+        False (nothing started, ``into`` untouched) without a worker; raises when ``into`` was
+        started already. The consumers and matchers wait for the job before any other use."""
+        if self._worker is None:
+            return False
+        masks = into
+        with masks._lock:
+            if masks._started:
+                raise RuntimeError("these grammar masks were started already")
+            masks._started = True
+        work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
+        if len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
+            idle = np.ones(len(masks.bitmask), bool)
+            idle[[j for _, j in work]] = False
+            masks.bitmask[idle] = -1
+        busy = {id(m): m for m, _ in matchers} | {id(m): m for m in consumers}
+        for matcher in busy.values():
+            matcher._wait_until_free()
+        interval = gil_switch_interval_s()
+        if interval is not None:
+            self._worker.hold_switch_interval(interval)
+        consumed = [m.matcher for m in consumers]
+
+        def consume() -> list[tuple[llg.LLMatcher, int]]:
+            ids = list(tokens())
+            if len(ids) != len(consumed):
+                raise RuntimeError(f"{len(ids)} tokens for {len(consumed)} grammar matchers")
+            return list(zip(consumed, (int(t) for t in ids), strict=True))
+
+        for matcher in busy.values():
+            matcher._in_use = masks._done
+        if self._worker.submit(consume, work, masks):
+            return True
+        for matcher in busy.values():  # the worker is closed: the caller starts them later
+            matcher._in_use = None
+        self._worker.release_switch_interval()
+        with masks._lock:
+            masks._started = False
+        return False
 
     def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed tokens into ``bitmask[row]`` now (rows not named stay as
