@@ -33,11 +33,16 @@ max_tokens), measured side by side in one run:
     by ``apply_logit_constraints_tiled``, a row over many blocks, in place on the forward's logits:
     ``OPENINFER_TILED_LOGIT_CONSTRAINTS``), ``gil_interval`` (the GIL switch interval at
     ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``),
+    ``early`` (a step sampled ahead hands its masks to the worker before the previous step's
+    read-back, the worker waiting for the tokens: ``OPENINFER_GRAMMAR_EARLY_MASKS``),
     ``16_threads`` / ``8_threads`` (llguidance's threads for the masks, ``OPENINFER_GRAMMAR_MASK_THREADS``;
     by default every core but two, up to 16);
     ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
     the GPU spent waiting for its masks per waiting step (``wait_for_host_flag`` measures it): what
-    of the overhead is masks late, apart from the device's own extra work.
+    of the overhead is masks late, apart from the device's own extra work; on every device, the
+    host's side per step (median / p90 / max): how long a read-back waited for the device
+    (``runtime.sampler.READ_BACKS``: ~0 when the host comes late) and from the start of a step's
+    masks to their release (``structured.MASK_LATENCIES``).
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
@@ -56,6 +61,15 @@ max_tokens), measured side by side in one run:
     (+8.8 %; runs 4.12-4.32 and one 5.57), the former default 5.61 ms (+44 %), without the device
     wait 4.73 ms (+22 %), without the length slices 4.72 ms (+21 %); batch 1: 3.08 -> 3.23-3.26 ms
     (+5-6 %) in every configuration. The < 5 % goal at batch 64 is not met yet.
+
+    E2 (H200, merged main d5bcefd, 40 tokens, 4 rounds, ``results/grammar_mask_cuda_e2_h200.json``),
+    with the GPU's wait for the masks measured: at batch 1 the GPU hardly waits (3-16 us per step)
+    and the +5.6 % was the mask application itself (one block per row over 152k logits, on a copy):
+    the tiled kernel in place gives +0.8 % (3.248 -> 3.102 ms, plain 3.076). At batch 64 it gives
+    +5.1 % (4.282 -> 4.099 ms, plain 3.901; every round faster; now the default) and what is left is
+    the GPU waiting for late masks (~0.25 ms per step); the lowered GIL interval +4.4 % with the tiled
+    kernel (noisy: runs 3.95-4.09 ms), 16 or 8 mask threads instead of 14 no different, the worker
+    consuming worse (+14 %).
 
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA
@@ -330,7 +344,11 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_tiled_gil_interval": ("all", "default_tiled_gil_interval"),
            "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval"),
            "schema_gil_interval_16_threads": ("all", "gil_interval_16_threads"),
-           "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads")}
+           "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads"),
+           "schema_untiled": ("all", "default_untiled"),
+           "schema_on_demand_device_wait": ("all", "on_demand_device_wait"),
+           "schema_on_demand_device_wait_gil_interval": ("all", "on_demand_device_wait_gil_interval"),
+           "schema_early": ("all", "early"), "schema_early_gil_interval": ("all", "early_gil_interval")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -343,17 +361,24 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1"),
          "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
          "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
-         "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", "")}
+         "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", ""),
+         "default_untiled": ("1", "", "", ""), "on_demand_device_wait": ("0", "1", "", ""),
+         "on_demand_device_wait_gil_interval": ("0", "1", "", ""), "early": ("1", "1", "", ""),
+         "early_gil_interval": ("1", "1", "", "")}
 # llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
 MASK_THREADS = {"gil_interval_16_threads": 16, "gil_interval_8_threads": 8}
 # switches read from the environment at every step, set per run by use_mode (unset for the modes not
 # named): the tiled logit-constraints kernel (CUDA) and the GIL switch interval while masks are computed
 GIL_INTERVAL_US = "200"
-ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1"},
+ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1",
+                                                              "default_untiled": "0"},
                         "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
                             "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
                             "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US,
-                            "gil_interval_8_threads": GIL_INTERVAL_US}}
+                            "gil_interval_8_threads": GIL_INTERVAL_US,
+                            "on_demand_device_wait_gil_interval": GIL_INTERVAL_US,
+                            "early_gil_interval": GIL_INTERVAL_US},
+                        "OPENINFER_GRAMMAR_EARLY_MASKS": {"early": "1", "early_gil_interval": "1"}}
 # the job's own environment for those (the engine defaults of a run that sets none)
 _ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
@@ -558,15 +583,21 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
             "cpu_count": os.cpu_count()}
 
 
+def _spread(values: list[float]) -> list[float]:
+    """Median, 90th percentile and maximum (ms, rounded): how a per-step time spreads over a run."""
+    return [round(float(np.percentile(values, 50)), 4), round(float(np.percentile(values, 90)), 4),
+            round(max(values), 4)]
+
+
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
-                   constraint: dict | None = None, device_wait: Any = None) -> dict:
+                   constraint: dict | None = None, gates: Any = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
     a constrained request is compiled there — stay out of it), and the process CPU time per step
-    over the same window. ``device_wait``: on CUDA, ``mask_gates().device_wait_ms`` (the GPU's time
-    spent waiting for grammar masks, and its count of such steps, so far): the run's share of it,
-    per step that waited, over the whole run."""
+    over the same window. ``gates``: on CUDA, the sampler's ``mask_gates()`` (the GPU's time spent
+    waiting for grammar masks, step by step): the run's waits over the whole run, their mean per
+    step that waited, median, 90th percentile, maximum and sum."""
     from openinfer.v1 import engine_pb2 as pb
 
     marks: dict[str, float] = {}
@@ -593,17 +624,29 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
-    waited_before = device_wait() if device_wait is not None else None
+    from openinfer.runtime.sampler import READ_BACKS
+    from openinfer.structured import MASK_LATENCIES
+
+    logs = {"host_read_back_wait_ms": READ_BACKS, "host_mask_latency_ms": MASK_LATENCIES}
+    logged_before = {name: log.count for name, log in logs.items()}
+    waited_before = gates.device_wait_ms if gates is not None else None
     stamps = asyncio.run(run())
     all_started = max(row[0] for row in stamps)
     gaps = [b - a for row in stamps for a, b in zip(row, row[1:], strict=False) if a >= all_started]
     steps = max(1, statistics.median(len([t for t in row if t > all_started]) for row in stamps))
     result = {"tpot_ms": statistics.fmean(gaps) * 1e3,
               "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    for name, log in logs.items():  # the host's side of each step: see _spread
+        values = log.last(log.count - logged_before[name])
+        if values:
+            result[f"{name}_p50_p90_max"] = _spread(values)
     if waited_before is not None:
-        waited, waits = (now - before for now, before in zip(device_wait(), waited_before, strict=True))
+        waited, waits = (now - before for now, before in zip(gates.device_wait_ms, waited_before, strict=True))
+        samples = gates.device_wait_samples_ms(waits)
         result["device_mask_wait_ms_per_waiting_step"] = waited / waits if waits else 0.0
         result["device_steps_waiting_for_masks"] = waits
+        if samples:
+            result["device_mask_wait_ms_p50_p90_max_sum"] = [*_spread(samples), round(sum(samples), 3)]
     return result
 
 
@@ -921,6 +964,8 @@ def run_stub_overhead(args: argparse.Namespace) -> dict:
                 row[f"tpot_ms_{name}"] = statistics.median(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+                for key in ("host_read_back_wait_ms_p50_p90_max", "host_mask_latency_ms_p50_p90_max"):
+                    row[f"{key}_{name}_runs"] = [r.get(key) for r in runs[name]]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] / row["tpot_ms_plain"] - 1)
             assert row["mask_violations"] == 0, "the stub device sampled a token its row's mask forbids"
@@ -963,12 +1008,11 @@ def run_overhead(args: argparse.Namespace) -> dict:
                "load_format": "dummy" if dummy else "auto"}
     configs = {name: CONFIGS[name] for name in args.configs}
     engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
-    device_wait = None
+    gates = None
     if args.device == "cuda":
         from openinfer.backend.cuda.sampler import mask_gates
 
-        def device_wait() -> tuple[float, int]:
-            return mask_gates().device_wait_ms
+        gates = mask_gates()
     rows = []
     try:
         for batch in args.batches:
@@ -981,7 +1025,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
                     runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained,
-                                                     device_wait=device_wait))
+                                                     gates=gates))
                     print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
@@ -992,6 +1036,10 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 if "device_mask_wait_ms_per_waiting_step" in runs[name][0]:
                     row[f"device_mask_wait_ms_per_waiting_step_{name}"] = statistics.median(
                         r["device_mask_wait_ms_per_waiting_step"] for r in runs[name])
+                    row[f"device_mask_wait_ms_p50_p90_max_sum_{name}_runs"] = [
+                        r.get("device_mask_wait_ms_p50_p90_max_sum") for r in runs[name]]
+                for key in ("host_read_back_wait_ms_p50_p90_max", "host_mask_latency_ms_p50_p90_max"):
+                    row[f"{key}_{name}_runs"] = [r.get(key) for r in runs[name]]
             plain = row["tpot_ms_plain"]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain

@@ -32,13 +32,15 @@ whitespace, so a sampled output can neither stall in whitespace nor differ betwe
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import os
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import llguidance as llg
@@ -126,6 +128,36 @@ def check_constraint(constraint: pb.StructuredOutput) -> None:
         raise _refuse(constraint.WhichOneof("kind"), problem.strip())
 
 
+class TimingLog:
+    """The last ``keep`` durations (ms) of something that happens once a step, and how many were
+    logged in all: a benchmark takes the ones of its run (``last(count_after - count_before)``)."""
+
+    def __init__(self, keep: int = 8192):
+        self._recent: collections.deque[float] = collections.deque(maxlen=keep)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, milliseconds: float) -> None:
+        with self._lock:
+            self._recent.append(milliseconds)
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def last(self, count: int) -> list[float]:
+        """The last ``count`` durations logged (at most ``keep``), oldest first."""
+        with self._lock:
+            kept = list(self._recent)
+        return kept[len(kept) - min(count, len(kept)):] if count > 0 else []
+
+
+# per step of background or pending masks: from GrammarCompiler.start_masks (the previous step's tokens
+# read back, not yet consumed) until the masks are ready (the device released): the host's mask latency
+MASK_LATENCIES = TimingLog()
+
+
 class GrammarMatcher:
     """One request's position in its grammar. ``accept`` advances it by a sampled token; its next
     mask is computed with the other rows of its step (:meth:`GrammarCompiler.start_masks`)."""
@@ -175,6 +207,7 @@ class StepMasks:
         self._filled = done is None  # computed (or failed): the ready callbacks have run
         self._ready_callbacks: list = []
         self._lock = threading.Lock()
+        self._started_at: float | None = None  # perf_counter() at start_masks (MASK_LATENCIES)
 
     @classmethod
     def pending(cls, rows: Sequence[int], num_rows: int, words: int) -> StepMasks:
@@ -228,6 +261,8 @@ class StepMasks:
                 callback(self)
             except Exception:  # a device sampler's release: logged, the step fails at read-back
                 logger.exception("a grammar-mask ready callback failed")
+        if self._started_at is not None and not failed:  # (before the waiters wake: they may read it)
+            MASK_LATENCIES.add((time.perf_counter() - self._started_at) * 1e3)
         if self._done is not None:
             self._done.set()
 
@@ -299,11 +334,12 @@ class MaskWorker:
         self._interval_held = False  # hold_switch_interval lowered the GIL switch interval
         _OPEN_MASK_WORKERS.add(self)
 
-    def submit(self, consume: list[tuple[llg.LLMatcher, int]], matchers: list[tuple[llg.LLMatcher, int]],
-               masks: StepMasks) -> bool:
+    def submit(self, consume: list[tuple[llg.LLMatcher, int]] | Callable[[], list[tuple[llg.LLMatcher, int]]],
+               matchers: list[tuple[llg.LLMatcher, int]], masks: StepMasks) -> bool:
         """Advance the matchers of ``consume`` (matcher, token id) by their tokens, then fill
         ``masks.bitmask`` for ``matchers`` (matcher, bitmask row) and finish ``masks``; False when
-        closed (nothing was started)."""
+        closed (nothing was started). ``consume`` may be a function returning those pairs, called
+        on the worker first (it may wait: for the previous step's tokens)."""
         taken = threading.Event()
         with self._wakeup:
             if self._closed:
@@ -361,6 +397,9 @@ class MaskWorker:
                 taken.set()
                 failed = False
                 try:
+                    if callable(consume):
+                        consume = consume()
+                        masks._started_at = time.perf_counter()  # the masks' latency from the tokens on
                     fill_masks(self.executor, consume, matchers, masks.bitmask)
                 except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
                     logger.exception("computing grammar masks in the background failed")
@@ -372,7 +411,8 @@ class MaskWorker:
 
 
 # =N (microseconds): from the start of a step's background mask work (GrammarCompiler.start_masks)
-# until the mask worker is idle again, the interpreter's GIL switch interval (sys.setswitchinterval,
+# until the mask worker is idle again (without a worker: during start_masks' llguidance calls), the
+# interpreter's GIL switch interval (sys.setswitchinterval,
 # 5 ms by default) is N us. Each llguidance call returns needing the GIL, and the worker's start needs
 # it too; when it is done the worker needs it to release the device (StepMasks._finish: the flag the
 # GPU polls). A thread busy in Python (the engine's emission and scheduling, the frontend's event
@@ -402,6 +442,17 @@ def gil_switch_interval_s() -> float | None:
 
 
 _REPORTED_INTERVALS: set[str] = set()
+
+# =1: with the device waiting for grammar masks, a step sampled ahead hands its pending masks to the
+# mask worker at once, before the previous step is read back (GrammarCompiler.start_masks_after): the
+# worker waits for the tokens itself, so the mask work starts when the device has sampled them even
+# while the engine thread is still busy in Python. Read at every step; opt-in until measured on a GPU
+EARLY_MASKS_ENV = "OPENINFER_GRAMMAR_EARLY_MASKS"
+
+
+def early_grammar_masks() -> bool:
+    """Whether ``OPENINFER_GRAMMAR_EARLY_MASKS=1`` is set (now)."""
+    return os.environ.get(EARLY_MASKS_ENV) == "1"
 
 
 _SWITCH_INTERVAL_LOCK = threading.Lock()
@@ -646,6 +697,7 @@ class GrammarCompiler:
         id) pairs to advance first, in the same job (the previous step's tokens, read back just
         now). ``into``: pending masks (:meth:`StepMasks.pending`) to compute, whose rows not in
         ``matchers`` (requests finished meanwhile) allow everything."""
+        started_at = time.perf_counter()
         if into is None:
             masks = StepMasks.pending([row for _, row in matchers], num_rows, bitmask_words(self.vocab_size))
             masks._started = True
@@ -655,6 +707,7 @@ class GrammarCompiler:
                 if masks._started:
                     raise RuntimeError("these grammar masks were started already")
                 masks._started = True
+        masks._started_at = started_at
         work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
         if into is not None and len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
             idle = np.ones(len(masks.bitmask), bool)
@@ -665,8 +718,8 @@ class GrammarCompiler:
         for matcher in busy.values():
             matcher._wait_until_free()
         on_worker = background and self._worker is not None
-        interval = gil_switch_interval_s() if on_worker else None
-        if interval is not None:
+        interval = gil_switch_interval_s()
+        if interval is not None and on_worker:  # until the worker is idle
             self._worker.hold_switch_interval(interval)
         if on_worker and taken and not self.tokens_consumed_on_worker:
             try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
@@ -674,6 +727,7 @@ class GrammarCompiler:
             except BaseException:
                 masks.bitmask.fill(-1)  # a device waiting for these masks is released; sampling fails
                 masks._finish(failed=True)
+                self._worker.release_switch_interval()
                 raise
             taken = []
         if on_worker:
@@ -684,13 +738,63 @@ class GrammarCompiler:
             for matcher in busy.values():  # the worker is closed: computed here
                 matcher._in_use = None
             self._worker.release_switch_interval()  # it will not run again to do it
+        elif interval is not None:  # computed here: the GIL comes back within the interval
+            _lower_switch_interval(interval, already=False)
         try:
             fill_masks(self._executor, taken, work, masks.bitmask)
         except BaseException:
             masks._finish(failed=True)
             raise
+        finally:
+            if interval is not None and not on_worker:
+                _restore_switch_interval()
         masks._finish()
         return masks
+
+    def start_masks_after(self, tokens: Callable[[], Sequence[int]], consumers: Sequence[GrammarMatcher],
+                          matchers: Sequence[tuple[GrammarMatcher, int]], into: StepMasks) -> bool:
+        """:meth:`start_masks` (``into``) of a step sampled ahead, handed to the mask worker before
+        the previous step is read back: there ``tokens()`` waits for that step's tokens (one per
+        matcher of ``consumers``, in order), the consumers consume them and the masks are filled, so
+        the mask work starts when the device has sampled, whatever the calling thread does then.
+        False (nothing started, ``into`` untouched) without a worker; raises when ``into`` was
+        started already. The consumers and matchers wait for the job before any other use."""
+        if self._worker is None:
+            return False
+        masks = into
+        with masks._lock:
+            if masks._started:
+                raise RuntimeError("these grammar masks were started already")
+            masks._started = True
+        work = [(m.matcher, j) for m, row in matchers if (j := int(masks.mask_rows[row])) >= 0]
+        if len(work) < len(masks.bitmask):  # rows finished meanwhile allow everything
+            idle = np.ones(len(masks.bitmask), bool)
+            idle[[j for _, j in work]] = False
+            masks.bitmask[idle] = -1
+        busy = {id(m): m for m, _ in matchers} | {id(m): m for m in consumers}
+        for matcher in busy.values():
+            matcher._wait_until_free()
+        interval = gil_switch_interval_s()
+        if interval is not None:
+            self._worker.hold_switch_interval(interval)
+        consumed = [m.matcher for m in consumers]
+
+        def consume() -> list[tuple[llg.LLMatcher, int]]:
+            ids = list(tokens())
+            if len(ids) != len(consumed):
+                raise RuntimeError(f"{len(ids)} tokens for {len(consumed)} grammar matchers")
+            return list(zip(consumed, (int(t) for t in ids), strict=True))
+
+        for matcher in busy.values():
+            matcher._in_use = masks._done
+        if self._worker.submit(consume, work, masks):
+            return True
+        for matcher in busy.values():  # the worker is closed: the caller starts them later
+            matcher._in_use = None
+        self._worker.release_switch_interval()
+        with masks._lock:
+            masks._started = False
+        return False
 
     def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed tokens into ``bitmask[row]`` now (rows not named stay as

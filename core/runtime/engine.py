@@ -36,6 +36,7 @@ from openinfer.runtime.model import PagedModel, RequestStateModel, kv_cache_spec
 from openinfer.runtime.sampler import (
     GrammarMasks,
     SampledStep,
+    grammar_rows,
     needs_host_history,
     pending_grammar_masks,
     sample_step,
@@ -47,7 +48,7 @@ from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
-from openinfer.structured import DEVICE_WAIT_ENV, CompilerCache, GrammarMatcher
+from openinfer.structured import DEVICE_WAIT_ENV, CompilerCache, GrammarMatcher, early_grammar_masks
 from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
 
@@ -90,6 +91,9 @@ class _LaunchedStep:
     samples: SampledStep
     trace: Any = None  # EngineTracer.on_launch's record when tracing
     masks: GrammarMasks | None = None  # pending grammar masks the device waits for (started at read-back)
+    # rows of the previous step whose tokens the mask worker consumes for these masks, when they were
+    # handed to it before that step's read-back (structured.EARLY_MASKS_ENV)
+    early_consumers: list[int] | None = None
 
 
 def _no_host_history(request: Request) -> bool:
@@ -555,6 +559,8 @@ class PagedEngine:
             failure = exc
         if forward is not None and (in_flight is None or self._may_sample_ahead(plan)):
             launched, failure = self._sample_or_fail(forward, ahead=in_flight is not None)
+            if in_flight is not None and launched is not None and launched.masks is not None and early_grammar_masks():
+                self._start_masks_early(in_flight, launched)
         defer = forward is not None and launched is None and failure is None and self.async_scheduling
         if in_flight is not None:
             self.num_steps_launched_ahead += forward is not None
@@ -721,12 +727,41 @@ class PagedEngine:
                 continue
             self._accept_token(request, row.position + 1, sample, index in recorded)
 
+    def _start_masks_early(self, previous: _LaunchedStep, following: _LaunchedStep) -> None:
+        """Hand ``following``'s pending masks to the mask worker now, before ``previous`` is read
+        back: the worker waits for its tokens, the grammar rows' matchers consume them and the
+        masks are filled, whatever this thread does meanwhile (``_start_next_masks`` then only
+        counts the tokens). Without a worker, or when handing over fails, they start at the
+        read-back as usual."""
+        consumers = [index for index, row in enumerate(previous.rows)
+                     if row.samples and row.request.sampling.grammar is not None
+                     and row.request.status is not RequestStatus.FINISHED]
+        samples = previous.samples
+
+        def tokens() -> list[int]:
+            results = samples.results()
+            return [results[index].token_id for index in consumers]
+
+        try:
+            started = self._grammars.get().start_masks_after(
+                tokens, [previous.rows[index].request.sampling.grammar for index in consumers],
+                grammar_rows(following.rows), following.masks)
+        except Exception:
+            logger.exception("handing the grammar masks over early failed; they start at the read-back")
+            return
+        if started:
+            following.early_consumers = consumers
+
     def _start_next_masks(self, launched: _LaunchedStep, results: list,
                           following: _LaunchedForward | _LaunchedStep) -> set[int]:
         """The next step's masks start on the mask worker, which first advances the grammar rows'
         matchers by this step's tokens (one parallel llguidance call; the mask work is the
         longest stretch between two forwards); the rows recorded here are returned. A failure
         fails the following step's masks (its sampling then fails its requests)."""
+        if isinstance(following, _LaunchedStep) and following.early_consumers is not None:
+            for index in following.early_consumers:  # consumed on the mask worker already
+                launched.rows[index].request.sampling.count(results[index].token_id)
+            return set(following.early_consumers)
         recorded = set()
         consume = []
         for index, (row, sample) in enumerate(zip(launched.rows, results, strict=True)):

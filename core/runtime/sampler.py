@@ -3,15 +3,17 @@ the NumPy path below is the reference."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from openinfer.runtime.batch_builder import LogitsRow
 from openinfer.sampling import SamplingState, log_softmax, sample_row, top_logprobs
-from openinfer.structured import CompilerCache, StepMasks, apply_bitmasks, bitmask_words
+from openinfer.structured import CompilerCache, StepMasks, TimingLog, apply_bitmasks, bitmask_words
 from openinfer.v1 import engine_pb2 as pb
 
 
@@ -81,8 +83,9 @@ def samples_on_device_behind_masks(request: Any) -> bool:
 GrammarMasks = StepMasks
 
 
-def _constrained_rows(rows: Sequence[LogitsRow]) -> list[tuple[Any, int]]:
-    # a request finished meanwhile (its previous step stopped it) has nothing left to mask
+def grammar_rows(rows: Sequence[LogitsRow]) -> list[tuple[Any, int]]:
+    """(grammar matcher, row index) of the sampling rows whose request has a grammar (a request
+    finished meanwhile, its previous step stopped it, has nothing left to mask)."""
     return [(row.request.sampling.grammar, i) for i, row in enumerate(rows)
             if row.samples and row.request.sampling.grammar is not None and not row.request.is_finished]
 
@@ -95,7 +98,7 @@ def start_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache, bac
     consumed the previous step's token, or be in ``consume`` (matcher, token id): consumed in
     the same job, off this thread. Without ``background``, computed before returning.
     ``into``: the step's pending masks (:func:`pending_grammar_masks`), started now."""
-    constrained = _constrained_rows(rows)
+    constrained = grammar_rows(rows)
     if not constrained and into is None and not consume:  # (tokens to consume: a preempted request's too)
         return None
     return compilers.get().start_masks(constrained, len(rows), background, consume, into)
@@ -105,7 +108,7 @@ def pending_grammar_masks(rows: Sequence[LogitsRow], compilers: CompilerCache) -
     """The masks of a step sampled before its matchers consumed the previous step's tokens
     (None when no row has a grammar): a device sampler queues the sampling behind them, and
     :func:`start_grammar_masks` (``into``) computes them once the tokens are read back."""
-    constrained = _constrained_rows(rows)
+    constrained = grammar_rows(rows)
     if not constrained:
         return None
     return GrammarMasks.pending([row for _, row in constrained], len(rows),
@@ -206,12 +209,23 @@ class SampledStep:
     device_token_ids: Any
     _results: list[RowSample] | None = None
     _read_back: Callable[[], list[RowSample]] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def results(self) -> list[RowSample]:
+        """(Once, from any thread: the mask worker may read a step back before the engine does.)"""
         if self._results is None:
-            assert self._read_back is not None
-            self._results = self._read_back()
+            with self._lock:
+                if self._results is None:
+                    assert self._read_back is not None
+                    started = time.perf_counter()
+                    self._results = self._read_back()
+                    READ_BACKS.add((time.perf_counter() - started) * 1e3)
         return self._results
+
+
+# per deferred read-back: how long the host waited for the step's tokens (~0: the device had finished
+# before the host asked, the host is the step's bottleneck)
+READ_BACKS = TimingLog()
 
 
 def sample_step(backend: Any, logits: Any, rows: Sequence[LogitsRow], eos_token_ids: Sequence[int],

@@ -68,9 +68,11 @@ class _Kernels:
 
     def __init__(self) -> None:
         self.draws: list[np.ndarray] = []
+        self.names: list[str] = []
 
     def __call__(self, source: str, name: str):
-        if name == "apply_logit_constraints":
+        self.names.append(name)
+        if name in ("apply_logit_constraints", "apply_logit_constraints_tiled"):  # grid[0]: the rows, both
             return _apply_logit_constraints
 
         def sample(grid, block, args) -> None:
@@ -113,16 +115,27 @@ def _random_masks(rng: np.random.Generator, rows: int, vocab: int, constrained: 
     return StepMasks.from_rows(bitmask, constrained)
 
 
-def test_async_path_applies_each_rows_mask_and_bias(cuda_sampler):
+@pytest.mark.parametrize("tiled", ["", "0"], ids=["tiled_in_place", "one_block_per_row_on_a_copy"])
+def test_async_path_applies_each_rows_mask_and_bias(cuda_sampler, monkeypatch, tiled):
+    """The engine's asynchronous sampling: by default the tiled kernel on the forward's logits in
+    place; ``OPENINFER_TILED_LOGIT_CONSTRAINTS=0``: one block per row on a copy. Same tokens."""
     module, kernels = cuda_sampler
+    if tiled:
+        monkeypatch.setenv(module.TILED_CONSTRAINTS_ENV, tiled)
+    else:
+        monkeypatch.delenv(module.TILED_CONSTRAINTS_ENV, raising=False)
     rng = np.random.default_rng(0)
     rows, vocab = 9, 1000
     logits = rng.standard_normal((rows, vocab)).astype(np.float32)
     requests = [_request(i, {int(np.argmax(logits[i])): -100.0} if i % 3 == 0 else None) for i in range(rows)]
     batch = [LogitsRow(r, 1, True) for r in requests]
     masks = _random_masks(rng, rows, vocab, [1, 2, 5, 8])
-    ids, read_back = module.sample_rows_async(_device(logits), batch, masks)
+    forward_logits = _device(logits)
+    ids, read_back = module.sample_rows_async(forward_logits, batch, masks)
     got = [s.token_id for s in read_back()]
+    in_place = not tiled
+    assert ("apply_logit_constraints_tiled" if in_place else "apply_logit_constraints") in kernels.names
+    assert np.isneginf(np.asarray(forward_logits)[1]).any() == in_place
     want = [s.token_id for s in sample_rows_reference(SimpleNamespace(to_host=np.asarray), logits.copy(), batch,
                                                       [0], masks)]
     assert got == want == np.asarray(ids).tolist()

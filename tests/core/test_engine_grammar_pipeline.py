@@ -89,10 +89,13 @@ class _LazyIds:
         return self.get() if dtype is None else self.get().astype(dtype)
 
 
-@pytest.mark.parametrize(("consume_on_worker", "gil_interval_us"), [("1", ""), ("0", ""), ("0", "200")],
-                         ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval"])
+@pytest.mark.parametrize(("consume_on_worker", "gil_interval_us", "background", "early"),
+                         [("1", "", "1", ""), ("0", "", "1", ""), ("0", "200", "1", ""), ("0", "200", "0", ""),
+                          ("0", "", "1", "1"), ("0", "200", "1", "1")],
+                         ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval",
+                              "engine_computes_gil_interval", "early", "early_gil_interval"])
 def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker,
-                                                                           gil_interval_us):
+                                                                           gil_interval_us, background, early):
     """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on a backend that waits for grammar masks on the
     device (here a NumPy "device" that samples once the masks are computed, as the CUDA stream
     does behind ``wait_for_host_flag``): every decode step is sampled ahead, its masks pending
@@ -101,7 +104,10 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     JSON Schema) and plain rows in the same batches, requests ending at different steps; with
     the step's tokens consumed on the mask worker or by the engine thread before the hand-over
     (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``); and with the GIL switch interval lowered during the
-    mask work (``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``), restored once the mask worker is idle."""
+    mask work (``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``), restored once the mask worker is idle;
+    and without a mask worker (``OPENINFER_BACKGROUND_GRAMMAR_MASKS=0``: the engine thread computes the
+    masks at the read-back, the device still waiting for them); and with the masks handed to the
+    worker before the read-back, the worker waiting for the tokens (``OPENINFER_GRAMMAR_EARLY_MASKS=1``)."""
     import sys
     import time
 
@@ -109,7 +115,14 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
 
     from openinfer.backend.numpy_backend import NumpyBackend
     from openinfer.runtime.sampler import sample_rows
-    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV, GIL_SWITCH_INTERVAL_ENV
+    from openinfer.structured import (
+        BACKGROUND_MASKS_ENV,
+        CONSUME_ON_WORKER_ENV,
+        DEVICE_WAIT_ENV,
+        EARLY_MASKS_ENV,
+        GIL_SWITCH_INTERVAL_ENV,
+        MASK_LATENCIES,
+    )
 
     queued_pending: list[bool] = []
 
@@ -145,6 +158,19 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
     monkeypatch.setenv(CONSUME_ON_WORKER_ENV, consume_on_worker)
     monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, gil_interval_us)
+    monkeypatch.setenv(BACKGROUND_MASKS_ENV, background)
+    monkeypatch.setenv(EARLY_MASKS_ENV, early)
+    handed_early = []
+    if early:
+        from openinfer.structured import GrammarCompiler
+
+        original = GrammarCompiler.start_masks_after
+
+        def start_masks_after(self, *args, **kwargs):
+            handed_early.append(original(self, *args, **kwargs))
+            return handed_early[-1]
+        monkeypatch.setattr(GrammarCompiler, "start_masks_after", start_masks_after)
+    latencies = MASK_LATENCIES.count
     interval = sys.getswitchinterval()
     monkeypatch.setattr(NumpyBackend, "sample_rows_async", sample_rows_async, raising=False)
     monkeypatch.setattr(NumpyBackend, "waits_for_grammar_masks", True, raising=False)
@@ -160,6 +186,9 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish.reason for o in got] == [o.finish.reason for o in want]
     assert sum(queued_pending) >= 8, queued_pending  # the grammar rows' masks were waited for on the "device"
+    assert MASK_LATENCIES.count > latencies
+    if early:  # every step sampled ahead with grammar rows was handed over before its read-back
+        assert len(handed_early) >= 8 and all(handed_early), handed_early
     deadline = time.monotonic() + 5
     while sys.getswitchinterval() != interval and time.monotonic() < deadline:
         time.sleep(0.01)  # the mask worker restores it once idle after the last step

@@ -554,3 +554,23 @@ def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monk
     background._worker.close()  # masks after the worker closed: computed on the caller, interval restored
     masks = background.start_masks([(background.compile(constraint), 0)], 1)
     assert np.array_equal(masks.wait().bitmask, expected.bitmask) and sys.getswitchinterval() == original
+
+
+def test_timing_logs_keep_the_last_durations_and_masks_log_their_latency(tokenizer):
+    """``TimingLog``: the last ``keep`` values oldest first, the count of all; every step's masks
+    log the time from ``start_masks`` to their release in ``MASK_LATENCIES`` (failed ones not)."""
+    from openinfer.structured import MASK_LATENCIES, TimingLog
+
+    log = TimingLog(keep=3)
+    for value in (1.0, 2.0, 3.0, 4.0):
+        log.add(value)
+    assert log.count == 4 and log.last(2) == [3.0, 4.0] and log.last(10) == [2.0, 3.0, 4.0] and log.last(0) == []
+    vocab = tokenizer.get_vocab_size() + 5
+    compiler = GrammarCompiler(tokenizer.to_str(), vocab, [tokenizer.token_to_id("<eos>")])
+    constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
+    before = MASK_LATENCIES.count
+    compiler.start_masks([(compiler.compile(constraint), 0)], 1).wait()
+    compiler.start_masks([(compiler.compile(constraint), 0)], 1, background=False).wait()
+    assert MASK_LATENCIES.count == before + 2 and all(0 <= ms < 10_000 for ms in MASK_LATENCIES.last(2))
+    StepMasks.pending([0], 1, 1).abandon()
+    assert MASK_LATENCIES.count == before + 2

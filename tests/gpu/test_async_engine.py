@@ -181,25 +181,29 @@ def test_grammar_rows_launch_ahead_on_cuda_with_the_same_tokens(tmp_path):
     print("step timer, async off / on:", reports[False], reports[True])
 
 
-@pytest.mark.parametrize("consume_on_worker", ["1", "0"], ids=["worker_consumes", "engine_consumes"])
-def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path, monkeypatch, consume_on_worker):
+@pytest.mark.parametrize(("consume_on_worker", "early"), [("1", ""), ("0", ""), ("0", "1")],
+                         ids=["worker_consumes", "engine_consumes", "early_masks"])
+def test_grammar_rows_sampled_ahead_with_masks_waited_for_on_the_device(tmp_path, monkeypatch, consume_on_worker,
+                                                                        early):
     """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1``: grammar rows are sampled ahead like plain ones
     (the GPU waits for their masks): the same tokens as the default pipeline (deferred sampling)
     up to bf16 near-ties, every grammar row's output accepted by its grammar, nearly every
     step launched ahead; both with the step's tokens consumed on the mask worker and by the
-    engine thread (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``)."""
+    engine thread (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``), and with the masks handed to the
+    worker before the read-back (``OPENINFER_GRAMMAR_EARLY_MASKS=1``)."""
     pytest.importorskip("cupy")
 
     from openinfer_qwen3 import plugin
 
     from openinfer import EngineOptions
-    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV
+    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV, EARLY_MASKS_ENV
     from tests.helpers.engine_utils import run_all
 
     path, config = grammar_checkpoint(tmp_path)
     requests = grammar_requests()
     outputs = {}
     monkeypatch.setenv(CONSUME_ON_WORKER_ENV, consume_on_worker)
+    monkeypatch.setenv(EARLY_MASKS_ENV, early)
     for wait_on_device in (False, True):
         monkeypatch.setenv(DEVICE_WAIT_ENV, "1" if wait_on_device else "0")
         engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(device="cuda", async_scheduling=True))

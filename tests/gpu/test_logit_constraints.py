@@ -108,10 +108,10 @@ def test_engine_mixes_constrained_and_free_rows_on_cuda(tmp_path):
 @pytest.mark.parametrize("vocab", [4099, 151936])
 def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab, tiled, monkeypatch):
     """The step's packed int32 bitmask applied on the device (``apply_logit_constraints``, bias
-    first; or its tiled variant, ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``) gives bit for bit the
-    logits of the NumPy sampler's ``apply_logit_bias`` + ``apply_bitmasks`` (bf16 rounding of the
-    biased values included), for random masks of every kind (dense, all / none allowed, a few
-    allowed, a few forbidden)."""
+    first: by the tiled kernel, the default, or one block per row with
+    ``OPENINFER_TILED_LOGIT_CONSTRAINTS=0``) gives bit for bit the logits of the NumPy sampler's
+    ``apply_logit_bias`` + ``apply_bitmasks`` (bf16 rounding of the biased values included), for
+    random masks of every kind (dense, all / none allowed, a few allowed, a few forbidden)."""
     from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, apply_logit_constraints
 
     monkeypatch.setenv(TILED_CONSTRAINTS_ENV, "1" if tiled else "0")
@@ -189,6 +189,9 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
             assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
     waited, waits = mask_gates().device_wait_ms  # the GPU waited out each 50 ms delay, less its own work
     assert waits - waits_before == 6 and 6 * 10 < waited - waited_before < 6 * 5000
+    samples = mask_gates().device_wait_samples_ms(6)
+    assert len(samples) == 6 and all(10 < w < 5000 for w in samples)
+    assert sum(samples) == pytest.approx(waited - waited_before, rel=1e-6)
     abandoned = StepMasks.pending(masked, rows, bitmask.shape[1])
     launched = sample_rows_async(logits, sampling_rows(), abandoned)
     abandoned.abandon()
@@ -197,10 +200,10 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
 
 
 def test_tiled_in_place_constraints_sample_what_the_copying_kernel_samples(cuda_backend, rng, monkeypatch):
-    """``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``: the engine's asynchronous sampling applies the bias and
-    masks with the tiled kernel to the forward's logits in place; the tokens equal those of the
-    one-block-per-row kernel on a copy, for seeded random and greedy rows, with and without a mask
-    or a bias, and every masked row samples an allowed token."""
+    """By default the engine's asynchronous sampling applies the bias and masks with the tiled
+    kernel to the forward's logits in place; the tokens equal those of the one-block-per-row kernel
+    on a copy (``OPENINFER_TILED_LOGIT_CONSTRAINTS=0``), for seeded random and greedy rows, with and
+    without a mask or a bias, and every masked row samples an allowed token."""
     from types import SimpleNamespace
 
     from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, sample_rows_async

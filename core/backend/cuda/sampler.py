@@ -17,6 +17,7 @@ are built by ``runtime.sampler.device_sampling_inputs``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import threading
@@ -67,6 +68,7 @@ class _MaskGates:
 
     DEPTH = 4
     TIMEOUT_NS = 10_000_000_000
+    RECENT_WAITS = 8192  # the last waits kept one by one (device_wait_samples_ms)
 
     def __init__(self) -> None:
         # [flags | timed-out marks | waited ns (uint64)], mapped into the device's address space (kept
@@ -81,6 +83,7 @@ class _MaskGates:
         self._lock = threading.Lock()
         self._device_wait_ns = 0
         self._device_waits = 0
+        self._recent_waits_ms: collections.deque[float] = collections.deque(maxlen=self.RECENT_WAITS)
 
     @property
     def device_wait_ms(self) -> tuple[float, int]:
@@ -89,6 +92,13 @@ class _MaskGates:
         difference around a run)."""
         with self._lock:
             return self._device_wait_ns / 1e6, self._device_waits
+
+    def device_wait_samples_ms(self, last: int) -> list[float]:
+        """The GPU's waits (ms) of the ``last`` steps read back that waited for masks (at most
+        ``RECENT_WAITS``), oldest first: how the waiting spreads over steps."""
+        with self._lock:
+            kept = list(self._recent_waits_ms)
+        return kept[len(kept) - min(last, len(kept)):] if last > 0 else []
 
     def queue_wait(self, masks: GrammarMasks) -> tuple[cupy.ndarray, Callable[[], None]]:
         """Queue the wait for ``masks`` and their upload; returns the device bitmask and the
@@ -120,9 +130,11 @@ class _MaskGates:
         masks.when_ready(release)
 
         def check() -> None:  # at read-back: the wait kernel ran long before
+            waited = int(self._waited_ns[slot])
             with self._lock:
-                self._device_wait_ns += int(self._waited_ns[slot])
+                self._device_wait_ns += waited
                 self._device_waits += 1
+                self._recent_waits_ms.append(waited / 1e6)
             if self._timed_out[slot]:
                 raise RuntimeError("the GPU gave up waiting for the step's grammar masks")
             masks.wait()
@@ -145,18 +157,22 @@ def _mapped_host_int32(count: int) -> tuple[np.ndarray, int]:
 
 
 _gates: _MaskGates | None = None
-# =1: logit_bias and grammar masks applied by ``apply_logit_constraints_tiled`` (a row spread over
-# blocks of CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD tokens) instead of one block per row,
-# and in the engine's asynchronous sampling to the forward's logits in place (no copy of them); read
-# at every step (benchmarks switch it between runs); opt-in until measured on a GPU
+# logit_bias and grammar masks are applied by ``apply_logit_constraints_tiled`` (a row spread over
+# blocks of CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD tokens), in the engine's asynchronous
+# sampling to the forward's logits in place (no copy of them); =0: one block per row on a copy (the
+# former way). Default by E2 (H200, merged main d5bcefd, benchmarks/grammar_mask.py overhead, Qwen3-4B
+# shape, every row under the schema, 4 alternating rounds, results/grammar_mask_cuda_e2_h200.json):
+# TPOT overhead at batch 1 +5.6 % -> +0.8 % (3.248 -> 3.102 ms, plain 3.076), at batch 64 +9.8 % ->
+# +5.1 % (4.282 -> 4.099 ms, plain 3.901), faster in every round. Read at every step (benchmarks
+# switch it between runs)
 TILED_CONSTRAINTS_ENV = "OPENINFER_TILED_LOGIT_CONSTRAINTS"
 CONSTRAINT_THREADS = 256
 CONSTRAINT_TOKENS_PER_THREAD = 8  # TOKENS_PER_THREAD of logit_constraints.cu
 
 
 def tiled_logit_constraints() -> bool:
-    """Whether ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1`` is set (now)."""
-    return os.environ.get(TILED_CONSTRAINTS_ENV) == "1"
+    """Whether the tiled kernel applies the constraints (now): unless ``OPENINFER_TILED_LOGIT_CONSTRAINTS=0``."""
+    return os.environ.get(TILED_CONSTRAINTS_ENV, "1") != "0"
 
 
 def mask_gates() -> _MaskGates:
