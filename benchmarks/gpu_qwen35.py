@@ -124,14 +124,23 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"  # openinfer_qwen35.cuda_ops: "recurrent" = the earlier kernels
-DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: "plain" | "early_loads" decode kernel
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # openinfer_qwen35.cuda_ops: which fused decode kernel
 VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_ENV)
 # each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "early_loads": {DECODE_ENV: "early_loads"}}
+                       "early_loads": {DECODE_ENV: "early_loads"}, "split32": {DECODE_ENV: "split32"},
+                       "split64": {DECODE_ENV: "split64"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
+# --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
+# these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
+# mixed steps hold 8 prompts of ~1k and up to ~58 decodes
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "split32", "split64")
+GDN_DECODE_ROWS = (1, 16, 64, 256)
+GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
+PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "staged", "split", "split_rows")}  # environments
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -555,6 +564,127 @@ def run_decode_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
+def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
+    """One GDN layer's prefill path at the 4B shape, per kernel (``cuda_ops.kernel_timer``: CUDA
+    events around each launch), for each (prompts, tokens each, decode rows) step and each
+    PREFILL_VARIANTS environment: the median over ``repeats`` calls of each kernel's ms and the
+    whole call's (events around ``delta_net``, so launch gaps included)."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.state import StepSequences
+    from openinfer_qwen35.weights import DeltaNetWeights
+
+    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
+    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+                         config.linear_conv_kernel_dim)
+    features = config.conv_dim + config.linear_value_dim + 2 * nv
+    rng = np.random.default_rng(0)
+
+    def bf16(shape, scale=1.0):
+        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
+        return cupy.asarray(bits.astype(np.uint16))
+
+    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
+                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
+                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    results: dict = {}
+    for variant, environment in PREFILL_VARIANTS.items():
+        for name in environment:
+            os.environ.pop(name, None)
+        os.environ.update(environment)
+        per_step = {}
+        for num_prompts, length, decodes in steps:
+            num_seqs = num_prompts + decodes
+            conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
+            ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
+            query_start = np.concatenate([np.arange(num_prompts + 1) * length,
+                                          num_prompts * length + np.arange(1, decodes + 1)])
+            fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
+            proj = bf16((int(query_start[-1]), features))
+            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
+            kernels: dict[str, list[float]] = {}
+            totals = []
+            for _ in range(repeats):
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                with cuda_ops.kernel_timer() as times:
+                    start.record()
+                    cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+                    stop.record()
+                stop.synchronize()
+                totals.append(cupy.cuda.get_elapsed_time(start, stop))
+                for name, ms in times.items():
+                    kernels.setdefault(name, []).append(ms)
+            step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
+            per_step[step] = {"total_ms": statistics.median(totals),
+                              "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
+            print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
+        results[variant] = per_step
+        for name in environment:
+            os.environ.pop(name, None)
+    return results
+
+
+def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
+    """One GDN layer at the 4B shape, kernel by kernel (issue 17's 64-stream burst): every fused
+    decode kernel at GDN_DECODE_ROWS rows (CUDA-graph replay, against plain), and the prefill
+    path's kernels for GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_kernels.json + .png)."""
+    args.streams, args.prefill = GDN_DECODE_ROWS, ()
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (16 key / 32 value heads of 128, fp32 128x128 state)",
+                     "device": device_name("cuda"),
+                     "decode_variants": {v: KERNEL_ENVIRONMENTS[v] for v in GDN_DECODE_VARIANTS},
+                     "prefill_variants": PREFILL_VARIANTS}
+    results["gdn_layer_core"] = layer_core_timings(args, GDN_DECODE_VARIANTS)
+    replay = {v: {rows: graphed or results["gdn_layer_core"][v]["decode_us"][rows]
+                  for rows, graphed in results["gdn_layer_core"][v]["decode_graph_us"].items()}
+              for v in GDN_DECODE_VARIANTS}
+    results["decode_replay_us"] = replay
+    results["decode_speedup_over_plain"] = {v: {rows: replay["plain"][rows] / us for rows, us in replay[v].items()
+                                                if us and replay["plain"][rows]} for v in GDN_DECODE_VARIANTS}
+    state_bytes = 2 * 32 * 128 * 128 * 4  # fp32 state read + written per row
+    results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
+                                           for rows, us in replay[v].items() if us} for v in replay}
+    print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s")}), flush=True)
+    write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)  # the decode half survives a prefill failure
+    results["prefill_kernels"] = prefill_kernel_timings()
+    write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)
+    return results
+
+
+def plot_gdn_kernels(results: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [1, 2]})
+    for variant, measured in results["decode_replay_us"].items():
+        decode.plot([int(r) for r in measured], list(measured.values()), marker="o", label=variant)
+    decode.set_xscale("log", base=2)
+    decode.set_yscale("log")
+    decode.set_xlabel("decode rows")
+    decode.set_ylabel("µs per layer (CUDA-graph replay)")
+    decode.set_title("GDN decode step, one layer")
+    decode.legend()
+    timed = results.get("prefill_kernels") or {}
+    bars = [(f"{variant}\n{step}", entry["kernel_ms"]) for variant, steps in timed.items()
+            for step, entry in steps.items()]
+    names = sorted({name for _, kernels in bars for name in kernels})
+    bottoms = [0.0] * len(bars)
+    for name in names:
+        values = [kernels.get(name, 0.0) for _, kernels in bars]
+        prefill.bar([label for label, _ in bars], values, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    prefill.set_ylabel("ms per layer (CUDA events per kernel)")
+    prefill.set_title("GDN prefill path (fresh prompts, + continuing decode rows)")
+    prefill.tick_params(axis="x", labelsize=7)
+    if names:
+        prefill.legend(fontsize=7)
+    fig.suptitle(f"{results['shape']}, {results['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def write_dummy_config(path: Path, shape: str) -> None:
     """Only a config.json (the multimodal layout's, without torch): the engine then loads random
     weights at the real shapes (``load_format="dummy"``), so a timing needs no checkpoint write."""
@@ -635,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tpot-only", action="store_true",
                         help="engine decode TPOT at 1/16/64 streams, plain vs early-loads GDN decode kernel, on random "
                              "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
+    parser.add_argument("--gdn-kernels-only", action="store_true",
+                        help="one GDN layer kernel by kernel: every fused decode kernel at 1-256 rows and the "
+                             "prefill path's kernels at 8 x 1k (results/gpu_qwen35_gdn_kernels.json; no checkpoint)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only or --decode-tpot-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -648,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:
         run_decode_kernels_only(args)
+        return 0
+    if args.gdn_kernels_only:
+        run_gdn_kernels_only(args)
         return 0
     if args.decode_tpot_only:
         run_decode_tpot_only(args)

@@ -29,7 +29,15 @@ max_tokens), measured side by side in one run:
     (the engine thread or the GPU waits for a step's masks, ``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT``),
     ``worker_consumes`` / ``engine_consumes`` (who advances the matchers by the step's tokens,
     ``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``), ``length_slices`` (``structured.string_length_slices``,
-    ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``); ``--tpot-only`` skips (a) for a short GPU window.
+    ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES``), ``tiled`` (the CUDA sampler's bias and masks applied
+    by ``apply_logit_constraints_tiled``, a row over many blocks, in place on the forward's logits:
+    ``OPENINFER_TILED_LOGIT_CONSTRAINTS``), ``gil_interval`` (the GIL switch interval at
+    ``GIL_INTERVAL_US`` during a step's mask work: ``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``),
+    ``16_threads`` / ``8_threads`` (llguidance's threads for the masks, ``OPENINFER_GRAMMAR_MASK_THREADS``;
+    by default every core but two, up to 16);
+    ``--tpot-only`` skips (a) for a short GPU window. On CUDA each configuration also gets the time
+    the GPU spent waiting for its masks per waiting step (``wait_for_host_flag`` measures it): what
+    of the overhead is masks late, apart from the device's own extra work.
 
     H100, Qwen3-4B shape, batch 64 (``results/grammar_mask_cuda_w1_c744ad6.json``, 48 tokens, 2
     rounds, before; ``results/grammar_mask_cuda_w3a_4516ef7.json``, 40 tokens, 2 rounds, after
@@ -78,6 +86,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -316,7 +325,12 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_device_wait_worker_consumes": ("all", "device_wait_worker_consumes"),
            "schema_device_wait_engine_consumes": ("all", "device_wait_engine_consumes"),
            "schema_engine_consumes_length_slices": ("all", "background_engine_consumes_length_slices"),
-           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices")}
+           "schema_device_wait_engine_consumes_length_slices": ("all", "device_wait_engine_consumes_length_slices"),
+           "schema_tiled": ("all", "default_tiled"), "schema_gil_interval": ("all", "default_gil_interval"),
+           "schema_tiled_gil_interval": ("all", "default_tiled_gil_interval"),
+           "schema_worker_consumes_gil_interval": ("all", "worker_consumes_gil_interval"),
+           "schema_gil_interval_16_threads": ("all", "gil_interval_16_threads"),
+           "schema_gil_interval_8_threads": ("all", "gil_interval_8_threads")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
 # worker, string length slices); the first is the environment its engine is created under, the others
@@ -326,11 +340,27 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "background_worker_consumes": ("1", "0", "1", "0"), "device_wait_worker_consumes": ("1", "1", "1", "0"),
          "background_engine_consumes": ("1", "0", "0", "0"), "device_wait_engine_consumes": ("1", "1", "0", "0"),
          "background_engine_consumes_length_slices": ("1", "0", "0", "1"),
-         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1")}
+         "device_wait_engine_consumes_length_slices": ("1", "1", "0", "1"),
+         "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
+         "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
+         "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", "")}
+# llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
+MASK_THREADS = {"gil_interval_16_threads": 16, "gil_interval_8_threads": 8}
+# switches read from the environment at every step, set per run by use_mode (unset for the modes not
+# named): the tiled logit-constraints kernel (CUDA) and the GIL switch interval while masks are computed
+GIL_INTERVAL_US = "200"
+ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1"},
+                        "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
+                            "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
+                            "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US,
+                            "gil_interval_8_threads": GIL_INTERVAL_US}}
+# the job's own environment for those (the engine defaults of a run that sets none)
+_ENVIRONMENT_AT_START = {name: os.environ.get(name) for name in ENVIRONMENT_SWITCHES}
 # per engine (id), the switches use_mode sets, as the engine was created: what "" restores
 _CREATED_SWITCHES: dict[int, dict[str, bool]] = {}
 _SWITCHES = {1: "grammar_masks_waited_on_device", 2: "grammar_tokens_consumed_on_worker",
              3: "grammar_string_length_slices"}
+_THREADS_SWITCH = "grammar_mask_threads"
 
 
 def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str, Any]:
@@ -352,7 +382,8 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
         os.environ[BACKGROUND_MASKS_ENV] = MODES[mode][0]  # (the other switches: the engine's defaults)
         try:
             engines[mode] = by_background[background] = engine = create()
-            _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name) for name in _SWITCHES.values()
+            _CREATED_SWITCHES[id(engine)] = {name: getattr(engine, name)
+                                             for name in [*_SWITCHES.values(), _THREADS_SWITCH]
                                              if hasattr(engine, name)}
         finally:
             os.environ.pop(BACKGROUND_MASKS_ENV)
@@ -362,12 +393,22 @@ def create_engines(configs: dict[str, tuple[str, str]], create: Any) -> dict[str
 def use_mode(engines: dict[str, Any], mode: str) -> Any:
     """The engine of ``mode``, its device wait, where it consumes the step's tokens and its slices
     switched for it."""
+    import os
+
     engine = engines[mode]
     created = _CREATED_SWITCHES.get(id(engine), {})
     for position, name in _SWITCHES.items():
         if name in created:
             setting = MODES[mode][position]
             setattr(engine, name, created[name] if setting == "" else setting == "1")
+    if _THREADS_SWITCH in created:
+        setattr(engine, _THREADS_SWITCH, MASK_THREADS.get(mode, created[_THREADS_SWITCH]))
+    for variable, values in ENVIRONMENT_SWITCHES.items():
+        value = values.get(mode, _ENVIRONMENT_AT_START[variable])
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
     return engine
 
 
@@ -378,9 +419,12 @@ def close_engines(engines: dict[str, Any]) -> None:
 
 def configs_json(configs: dict[str, tuple[str, str]]) -> dict:
     return {name: {"rows_with_schema": rows, "background_masks": MODES[mode][0] == "1",
-                   "masks_waited_on_device": MODES[mode][1] == "1",
+                   "masks_waited_on_device": {"1": True, "0": False, "": "engine default"}[MODES[mode][1]],
                    "tokens_consumed_on_worker": {"1": True, "0": False, "": "engine default"}[MODES[mode][2]],
-                   "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]]}
+                   "string_length_slices": {"1": True, "0": False, "": "engine default"}[MODES[mode][3]],
+                   "mask_threads": MASK_THREADS.get(mode, "engine default"),
+                   "environment": {variable: values[mode] for variable, values in ENVIRONMENT_SWITCHES.items()
+                                   if mode in values}}
             for name, (rows, mode) in configs.items()}
 
 
@@ -515,12 +559,14 @@ def gil_check(batch: int, vocab: int, tokenizer_json: str, eos: list[int]) -> di
 
 
 def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, constrained: str,
-                   constraint: dict | None = None) -> dict:
+                   constraint: dict | None = None, device_wait: Any = None) -> dict:
     """Steady-state decode of ``batch`` concurrent requests (``constrained``: "none", "all" or
     "half" of them under ``PEOPLE``): the mean gap between a request's tokens, counting only gaps
     after every request has its first token (so prefill chunks of late arrivals, and admission —
     a constrained request is compiled there — stay out of it), and the process CPU time per step
-    over the same window."""
+    over the same window. ``device_wait``: on CUDA, ``mask_gates().device_wait_ms`` (the GPU's time
+    spent waiting for grammar masks, and its count of such steps, so far): the run's share of it,
+    per step that waited, over the whole run."""
     from openinfer.v1 import engine_pb2 as pb
 
     marks: dict[str, float] = {}
@@ -547,12 +593,18 @@ def decode_tpot_ms(engine: Any, prompt: list[int], batch: int, tokens: int, cons
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i) for i in range(batch)))
 
+    waited_before = device_wait() if device_wait is not None else None
     stamps = asyncio.run(run())
     all_started = max(row[0] for row in stamps)
     gaps = [b - a for row in stamps for a, b in zip(row, row[1:], strict=False) if a >= all_started]
     steps = max(1, statistics.median(len([t for t in row if t > all_started]) for row in stamps))
-    return {"tpot_ms": statistics.fmean(gaps) * 1e3,
-            "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    result = {"tpot_ms": statistics.fmean(gaps) * 1e3,
+              "cpu_ms_per_step": (marks["cpu_end"] - marks["cpu_start"]) * 1e3 / steps}
+    if waited_before is not None:
+        waited, waits = (now - before for now, before in zip(device_wait(), waited_before, strict=True))
+        result["device_mask_wait_ms_per_waiting_step"] = waited / waits if waits else 0.0
+        result["device_steps_waiting_for_masks"] = waits
+    return result
 
 
 def synthetic_vocabulary(directory: Path, vocab_size: int) -> None:
@@ -911,6 +963,12 @@ def run_overhead(args: argparse.Namespace) -> dict:
                "load_format": "dummy" if dummy else "auto"}
     configs = {name: CONFIGS[name] for name in args.configs}
     engines = create_engines(configs, lambda: openinfer.create_engine(str(directory), **options))
+    device_wait = None
+    if args.device == "cuda":
+        from openinfer.backend.cuda.sampler import mask_gates
+
+        def device_wait() -> tuple[float, int]:
+            return mask_gates().device_wait_ms
     rows = []
     try:
         for batch in args.batches:
@@ -922,7 +980,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
             runs: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):  # alternating, so background load hits every configuration alike
                 for name, (constrained, mode) in configs.items():
-                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained))
+                    runs[name].append(decode_tpot_ms(use_mode(engines, mode), prompt, batch, args.tokens, constrained,
+                                                     device_wait=device_wait))
                     print(json.dumps({"batch": batch, "config": name, **runs[name][-1]}), flush=True)  # kept if cut
             row: dict[str, Any] = {"batch": batch, **masks}
             for name in configs:
@@ -930,6 +989,9 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 row[f"tpot_ms_{name}_min"] = min(r["tpot_ms"] for r in runs[name])
                 row[f"cpu_ms_per_step_{name}"] = statistics.median(r["cpu_ms_per_step"] for r in runs[name])
                 row[f"tpot_ms_{name}_runs"] = [round(r["tpot_ms"], 3) for r in runs[name]]
+                if "device_mask_wait_ms_per_waiting_step" in runs[name][0]:
+                    row[f"device_mask_wait_ms_per_waiting_step_{name}"] = statistics.median(
+                        r["device_mask_wait_ms_per_waiting_step"] for r in runs[name])
             plain = row["tpot_ms_plain"]
             for name in list(configs)[1:]:
                 row[f"tpot_overhead_pct_{name}"] = 100.0 * (row[f"tpot_ms_{name}"] - plain) / plain

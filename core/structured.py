@@ -35,6 +35,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -289,12 +290,13 @@ class MaskWorker:
     IDLE_EXIT_S = 2.0
 
     def __init__(self, executor: llg.LLExecutor):
-        self._executor = executor
+        self.executor = executor  # switched between steps only (GrammarCompiler.mask_threads)
         self._wakeup = threading.Condition()
         self._jobs: list[tuple[list[tuple[llg.LLMatcher, int]], list[tuple[llg.LLMatcher, int]], StepMasks,
                                threading.Event]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._interval_held = False  # hold_switch_interval lowered the GIL switch interval
         _OPEN_MASK_WORKERS.add(self)
 
     def submit(self, consume: list[tuple[llg.LLMatcher, int]], matchers: list[tuple[llg.LLMatcher, int]],
@@ -324,23 +326,107 @@ class MaskWorker:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
+    def hold_switch_interval(self, interval: float) -> None:
+        """Lower the GIL switch interval to ``interval`` (:func:`gil_switch_interval_s`) until this
+        worker is next idle: from the engine thread, before a step's tokens are consumed, so every
+        hand-over of the GIL in the step's mask work (the caller's return from consuming, the
+        worker's start and its return from filling) comes within ``interval``."""
+        with self._wakeup:
+            _lower_switch_interval(interval, already=self._interval_held)
+            self._interval_held = True
+
+    def release_switch_interval(self) -> None:
+        """The interpreter's own interval again, if this worker lowered it (done by the worker
+        itself when idle)."""
+        with self._wakeup:
+            self._release_switch_interval()
+
+    def _release_switch_interval(self) -> None:
+        """(holding ``_wakeup``) The interpreter's own interval again, if this worker lowered it."""
+        if self._interval_held:
+            _restore_switch_interval()
+            self._interval_held = False
+
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._wakeup:
+                    if not self._jobs and not self._closed:
+                        self._release_switch_interval()  # idle: nothing to hand over
+                        self._wakeup.wait(self.IDLE_EXIT_S)
+                    if not self._jobs:
+                        self._thread = None
+                        return
+                    consume, matchers, masks, taken = self._jobs.pop(0)
+                taken.set()
+                failed = False
+                try:
+                    fill_masks(self.executor, consume, matchers, masks.bitmask)
+                except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
+                    logger.exception("computing grammar masks in the background failed")
+                    failed = True
+                masks._finish(failed)
+        finally:
             with self._wakeup:
-                if not self._jobs and not self._closed:
-                    self._wakeup.wait(self.IDLE_EXIT_S)
-                if not self._jobs:
-                    self._thread = None
-                    return
-                consume, matchers, masks, taken = self._jobs.pop(0)
-            taken.set()
-            failed = False
-            try:
-                fill_masks(self._executor, consume, matchers, masks.bitmask)
-            except Exception:  # the engine then fails the step's requests (StepMasks.wait raises)
-                logger.exception("computing grammar masks in the background failed")
-                failed = True
-            masks._finish(failed)
+                self._release_switch_interval()
+
+
+# =N (microseconds): from the start of a step's background mask work (GrammarCompiler.start_masks)
+# until the mask worker is idle again, the interpreter's GIL switch interval (sys.setswitchinterval,
+# 5 ms by default) is N us. Each llguidance call returns needing the GIL, and the worker's start needs
+# it too; when it is done the worker needs it to release the device (StepMasks._finish: the flag the
+# GPU polls). A thread busy in Python (the engine's emission and scheduling, the frontend's event
+# loop) hands the GIL over only when it blocks or when the interval ends, so a late hand-over idles
+# the GPU. Read at every step (switchable between runs); unset: the interval is left alone (opt-in
+# until measured on a GPU)
+GIL_SWITCH_INTERVAL_ENV = "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US"
+
+
+def gil_switch_interval_s() -> float | None:
+    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US`` in seconds, or None (unset, empty, 0 or invalid:
+    the interval is left alone; an invalid value is logged once)."""
+    raw = os.environ.get(GIL_SWITCH_INTERVAL_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value == value):
+        if raw not in _REPORTED_INTERVALS:
+            _REPORTED_INTERVALS.add(raw)
+            logger.warning("%s=%r is not a number of microseconds; the GIL switch interval is left alone",
+                           GIL_SWITCH_INTERVAL_ENV, raw)
+        return None
+    return value / 1e6 if value > 0 else None
+
+
+_REPORTED_INTERVALS: set[str] = set()
+
+
+_SWITCH_INTERVAL_LOCK = threading.Lock()
+_switch_interval_users = 0  # mask workers holding the interval lowered
+_saved_switch_interval = 0.0  # the interpreter's interval before the first of them
+
+
+def _lower_switch_interval(interval: float, already: bool) -> None:
+    """The GIL switch interval becomes ``interval`` for a mask worker (``already``: it holds it)."""
+    global _switch_interval_users, _saved_switch_interval
+    with _SWITCH_INTERVAL_LOCK:
+        if not already:
+            if _switch_interval_users == 0:
+                _saved_switch_interval = sys.getswitchinterval()
+            _switch_interval_users += 1
+        sys.setswitchinterval(interval)
+
+
+def _restore_switch_interval() -> None:
+    """A mask worker lets go of the lowered interval; the last one restores the interpreter's."""
+    global _switch_interval_users
+    with _SWITCH_INTERVAL_LOCK:
+        _switch_interval_users -= 1
+        if _switch_interval_users == 0:
+            sys.setswitchinterval(_saved_switch_interval)
 
 
 def consume_tokens(executor: llg.LLExecutor, consume: Sequence[tuple[llg.LLMatcher, int]]) -> None:
@@ -399,6 +485,23 @@ def grammar_tokenizer_json(tokenizer_json: str) -> str:
             kept.append(token)
     data["added_tokens"] = kept
     return json.dumps(data, ensure_ascii=False)
+
+
+# =N: llguidance's threads for a step's masks (default: default_mask_threads), read when the engine is
+# created (engine.grammar_mask_threads switches it)
+MASK_THREADS_ENV = "OPENINFER_GRAMMAR_MASK_THREADS"
+
+
+def mask_threads_from_environment(default: int) -> int:
+    """``OPENINFER_GRAMMAR_MASK_THREADS`` when set to a positive integer, else ``default`` (an invalid
+    value is logged)."""
+    raw = os.environ.get(MASK_THREADS_ENV, "").strip()
+    if not raw:
+        return default
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    logger.warning("%s=%r is not a positive integer; %d mask threads", MASK_THREADS_ENV, raw, default)
+    return default
 
 
 def default_mask_threads(device_forward: bool) -> int:
@@ -469,8 +572,25 @@ class GrammarCompiler:
             sliced = False
         self._tokenizers[sliced] = tokenizer
         self._tokenizers_lock = threading.Lock()
-        self._executor = llg.LLExecutor(num_threads=mask_threads or default_mask_threads(device_forward=False))
+        self._mask_threads = mask_threads or default_mask_threads(device_forward=False)
+        self._executor = llg.LLExecutor(num_threads=self._mask_threads)
         self._worker = MaskWorker(self._executor) if background_masks else None
+
+    @property
+    def mask_threads(self) -> int:
+        """llguidance's threads for a step's masks. Switchable between steps (a new thread pool)."""
+        return self._mask_threads
+
+    @mask_threads.setter
+    def mask_threads(self, value: int) -> None:
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"mask_threads must be >= 1, got {value}")
+        if value != self._mask_threads:
+            self._executor = llg.LLExecutor(num_threads=value)
+            if self._worker is not None:
+                self._worker.executor = self._executor
+            self._mask_threads = value
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int],
@@ -545,6 +665,9 @@ class GrammarCompiler:
         for matcher in busy.values():
             matcher._wait_until_free()
         on_worker = background and self._worker is not None
+        interval = gil_switch_interval_s() if on_worker else None
+        if interval is not None:
+            self._worker.hold_switch_interval(interval)
         if on_worker and taken and not self.tokens_consumed_on_worker:
             try:  # here, in parallel with the GIL released: the worker then needs no GIL until its fill ends
                 consume_tokens(self._executor, taken)
@@ -560,6 +683,7 @@ class GrammarCompiler:
                 return masks
             for matcher in busy.values():  # the worker is closed: computed here
                 matcher._in_use = None
+            self._worker.release_switch_interval()  # it will not run again to do it
         try:
             fill_masks(self._executor, taken, work, masks.bitmask)
         except BaseException:
@@ -608,7 +732,7 @@ class CompilerCache:
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int], device_forward: bool = False):
         """``device_forward``: the model runs on a GPU (more cores for the masks)."""
         self._args = (tokenizer_dir, vocab_size, list(eos_token_ids))
-        self._mask_threads = default_mask_threads(device_forward)
+        self._mask_threads = mask_threads_from_environment(default_mask_threads(device_forward))
         self._background_masks = os.environ.get(BACKGROUND_MASKS_ENV, "1") != "0"
         self._tokens_consumed_on_worker = os.environ.get(CONSUME_ON_WORKER_ENV, "0") == "1"
         self._string_length_slices = os.environ.get(STRING_LENGTH_SLICES_ENV, "1") != "0"
@@ -626,6 +750,20 @@ class CompilerCache:
             self._tokens_consumed_on_worker = bool(value)
             if self._compiler is not None:
                 self._compiler.tokens_consumed_on_worker = self._tokens_consumed_on_worker
+
+    @property
+    def mask_threads(self) -> int:
+        """:attr:`GrammarCompiler.mask_threads` of the compiler (built or to be built)."""
+        return self._mask_threads
+
+    @mask_threads.setter
+    def mask_threads(self, value: int) -> None:
+        if int(value) < 1:
+            raise ValueError(f"mask_threads must be >= 1, got {value}")
+        with self._lock:
+            self._mask_threads = int(value)
+            if self._compiler is not None:
+                self._compiler.mask_threads = self._mask_threads
 
     @property
     def string_length_slices(self) -> bool:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from openinfer.engine import EngineHandle
+from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
 from openinfer.engine_core.startup import API_STARTUP_FILE, StartupPhases, memory_breakdown
 from openinfer.frontend.serve import exit_status_of
 
@@ -156,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**json.loads(ours.args_json))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{ours.index}]: %(message)s")
+    samples_path = os.environ.get(STACK_SAMPLES_ENV)  # the engine core writes PATH, API server i PATH.api-i
+    sampler = StackSampler().start() if samples_path else None
     try:
         return exit_status_of(lambda: _run(serve_api(args, ours.listen_fd, ours.run_dir, ours.index, phases)), logger)
     except KeyboardInterrupt:
         return 0
+    finally:
+        if sampler is not None:
+            sampler.stop()
+            sampler.write(f"{samples_path}.api-{ours.index}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ sends every client ONE message with all of that step's entries for its requests.
 thread touches a socket, so there is no lock and no GIL hand-over per message.
 
 With ``OPENINFER_STEP_LOG=PATH`` in the environment, every launch is logged and written to PATH
-on shutdown (``openinfer.engine_core.step_log``).
+on shutdown (``openinfer.engine_core.step_log``); with ``OPENINFER_STACK_SAMPLES=PATH``, every
+thread's Python stack is sampled and the heaviest stacks written to PATH on shutdown
+(``openinfer.engine_core.stack_sampler``).
 
 Start-up protocol: the process writes one JSON line to ``--ready-fd`` — ``{"ok": true,
 "pid": ...}`` once it serves, or ``{"ok": false, "error": ..., "exit_code": 2}`` when the model
@@ -46,6 +48,7 @@ from openinfer.engine_core.protocol import (
     load_fields,
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
+from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
 from openinfer.engine_core.startup import StartupPhases, memory_breakdown
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
@@ -280,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_breakdown()
     step_log_path = os.environ.get(STEP_LOG_ENV)
     step_log = StepLog.attach(engine) if step_log_path else None
+    stack_samples_path = os.environ.get(STACK_SAMPLES_ENV)
+    sampler = StackSampler().start() if stack_samples_path else None
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
     phases.mark("transport")
@@ -301,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             step_log.write(step_log_path, getattr(engine, "step_timer", None))
         except OSError as exc:
             logger.error("cannot write the step log to %s: %s", step_log_path, exc)
+    if sampler is not None:
+        sampler.stop()
+        try:
+            sampler.write(stack_samples_path)
+        except OSError as exc:
+            logger.error("cannot write the stack samples to %s: %s", stack_samples_path, exc)
     return code
 
 

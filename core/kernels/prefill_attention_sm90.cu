@@ -46,8 +46,26 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers)
 #endif
+#ifndef TMA_KV_LOADS
+#define TMA_KV_LOADS 0  // 1: K/V tiles whose rows are all keys come by TMA, one box per page (see the producer)
+#endif
+#ifndef KV_MULTICAST
+#define KV_MULTICAST 0  // 1 (with TMA_KV_LOADS): CTA pairs of two query heads share their K/V tiles, see the kernel
+#endif
+#ifndef PERSISTENT
+#define PERSISTENT 0  // 1: one CTA per SM loops over work items (grid and scheduler: see the kernel's comment)
+#endif
 #ifndef SKIP_KV_LOADS
 #define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
+#endif
+#if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
+#error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
+#endif
+#if KV_MULTICAST && (!TMA_KV_LOADS || !KV_HEAD_MAJOR_GRID || PERSISTENT)
+#error "K/V multicast takes TMA loads on the KV-head-major grid, one work item per CTA pair"
+#endif
+#if PERSISTENT && HEAD_DIM != 128
+#error "the persistent schedule is built for head_dim 128 (at 256 its consumers spill registers)"
 #endif
 #if INTRA_WG_OVERLAP && STAGES < 2
 #error "the overlapped consumer loop needs at least 2 K/V stages"
@@ -100,6 +118,69 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
+}
+
+// The barrier's phase also waits for `bytes` more bytes of asynchronous (TMA) copies.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// The tensor map was written to global memory by a host copy: order that write before the
+// tensor-map proxy reads it.
+__device__ __forceinline__ void tensor_map_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(map) : "memory");
+}
+
+// One TMA box (3-d tensor map: element, KV head, cache token) to shared memory; its bytes count
+// towards `bar`'s transaction count. The map's 128-byte swizzle is the one wgmma reads.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+
+// The same TMA box to the same shared-memory offset of every CTA in `cta_mask` (of this cluster),
+// each copy counted on the mbarrier at `bar`'s offset in its CTA.
+__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const void* map, int x, int y, int z, u32 bar,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
+// One arrival on the mbarrier at `bar`'s offset in cluster CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
+        : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_cta_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// A consumer warp is done with a K/V stage. KV_MULTICAST: the next copies into it come from both
+// CTAs of the pair, so both CTAs' empty barriers hear of it (one arrival per warp).
+__device__ __forceinline__ void release_stage(u32 bar, int lane) {
+#if KV_MULTICAST
+    __syncwarp();
+    if (lane == 0) {
+        mbar_arrive_cluster(bar, 0);
+        mbar_arrive_cluster(bar, 1);
+    }
+#else
+    mbar_arrive(bar);
+#endif
 }
 
 // ---- wgmma -----------------------------------------------------------------------------------------
@@ -271,19 +352,68 @@ __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&
 
 // ---- the kernel ------------------------------------------------------------------------------------
 
+// One unit of work: BLOCK_M queries of one sequence (prefill tile `tile`) and one query head.
+struct WorkItem {
+    int head, seq, first_token, q0, rows, context_start, kv_end, num_kv_tiles;
+};
+
+__device__ __forceinline__ WorkItem work_item(int head, int tile, const int* __restrict__ tile_seq,
+                                              const int* __restrict__ tile_query, const int* __restrict__ query_start,
+                                              const int* __restrict__ context_lens) {
+    WorkItem w;
+    w.head = head;
+    w.seq = tile_seq[tile];
+    w.q0 = tile_query[tile];
+    w.first_token = query_start[w.seq];
+    const int num_new = query_start[w.seq + 1] - w.first_token;
+    w.context_start = context_lens[w.seq] - num_new;  // position of the first new token
+    w.rows = min(BLOCK_M, num_new - w.q0);
+    w.kv_end = w.context_start + w.q0 + w.rows;  // last query position + 1
+    w.num_kv_tiles = (w.kv_end + BLOCK_N - 1) / BLOCK_N;
+    return w;
+}
+
+// Work item `item` of the launch's num_heads * num_tiles in the grid's order (below).
+__device__ __forceinline__ void item_head_tile(int item, int num_tiles, int num_heads, int num_kv_heads, int& head,
+                                               int& tile) {
+#if KV_HEAD_MAJOR_GRID
+    const int group = num_heads / num_kv_heads;
+    const int x = item % (group * num_tiles), y = item / (group * num_tiles);
+    head = y * group + x % group;
+    tile = x / group;
+#else
+    head = item % num_heads;
+    tile = item / num_heads;
+#endif
+}
+
 // Grid (num_heads, num_tiles): the heads of one tile run next to each other (GQA heads share K/V
 // in L2), tiles in the order of tile_seq / tile_query (longest key range first).
 // KV_HEAD_MAJOR_GRID: grid (group * num_tiles, num_kv_heads), group = num_heads / num_kv_heads:
 // blocks run KV head by KV head, so the CTAs resident at once stream one KV head's K/V (8 MB at
 // 16k tokens, L2-resident) rather than every head's; inside a KV head, tiles in the same order
 // with the group's query heads next to each other.
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+// KV_MULTICAST: clusters of 2 CTAs along x, i.e. query heads 2i and 2i+1 of one KV head on the same
+// tile (group even): each TMA tile is copied once for the pair, half the pages from each CTA.
+// PERSISTENT: grid (min(SMs, items), 1); CTA b takes work item b, then the next unclaimed one
+// (in the same order: longest first, so greedy, as the hardware dispatches blocks) from the
+// counter scheduler[0], until none is left. The producer claims the next item while it loads the
+// current one and loads its Q tile as soon as the consumers' last Q K^T is done, so one item's
+// last softmax, P V and stores overlap the next one's first loads. The last CTA to finish
+// resets scheduler[0..1] to 0 for the next launch (launches sharing a scheduler must not overlap).
+#if KV_MULTICAST
+#define CLUSTER_ATTRIBUTE __cluster_dims__(2, 1, 1)
+#else
+#define CLUSTER_ATTRIBUTE
+#endif
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) CLUSTER_ATTRIBUTE
 prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
                        int max_blocks_per_seq, const int* __restrict__ query_start,
                        const int* __restrict__ context_lens, const int* __restrict__ tile_seq,
                        const int* __restrict__ tile_query, bf16* __restrict__ out, int num_heads,
-                       int num_kv_heads, int block_size, float scale_log2) {
+                       int num_kv_heads, int block_size, float scale_log2, const void* k_map,
+                       const void* v_map, int num_tiles, int* __restrict__ scheduler) {
     extern __shared__ uint4 smem_raw[];
     const u32 raw_base = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 base = (raw_base + 1023) & ~1023u;
@@ -291,34 +421,41 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     const u32 bar_q = base + BARRIER_OFFSET;
     const u32 bar_full = bar_q + 8;                // [STAGES]
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
-
-#if KV_HEAD_MAJOR_GRID
-    const int group = num_heads / num_kv_heads;
-    const int head = blockIdx.y * group + blockIdx.x % group, tile = blockIdx.x / group;
-#else
-    const int head = blockIdx.x, tile = blockIdx.y;
+#if PERSISTENT
+    // the consumers are done reading the Q tile; the producer has published the next item
+    __shared__ alignas(8) u64 persistent_bars[2];
+    __shared__ int published_item;  // the consumers' next item (written after they read the previous one)
+    __shared__ int claimed_item;    // producer thread 0's claim, to the other producer threads
+    const u32 bar_q_free = (u32)__cvta_generic_to_shared(&persistent_bars[0]);
+    const u32 bar_item = (u32)__cvta_generic_to_shared(&persistent_bars[1]);
+    const int num_items = num_heads * num_tiles;
 #endif
-#if BATCHED_PAGE_READS
+#if BATCHED_PAGE_READS || TMA_KV_LOADS
     if (block_size != PAGE_SIZE) __trap();  // compiled for another KV block size
 #endif
-    const int seq = tile_seq[tile], q0 = tile_query[tile];
-    const int first_token = query_start[seq];
-    const int num_new = query_start[seq + 1] - first_token;
-    const int length = context_lens[seq];
-    const int context_start = length - num_new;             // position of the first new token
-    const int rows = min(BLOCK_M, num_new - q0);
-    const int kv_end = context_start + q0 + rows;           // last query position + 1
-    const int num_kv_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
 
     if (threadIdx.x == 0) {
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
+#if KV_MULTICAST
+            mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
+#else
             mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
+#endif
         }
+#if PERSISTENT
+        mbar_init(bar_q_free, 256);
+        mbar_init(bar_item, 1);
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+#if KV_MULTICAST
+    cluster_sync();  // the pair's barriers are ready before either's copies reach them
+    const u32 pair_rank = cluster_cta_rank();
+#else
     __syncthreads();
+#endif
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
@@ -328,69 +465,161 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
         constexpr int ROWS_PER_PASS = 128 / CHUNKS;
         const int chunk = t % CHUNKS, row0 = t / CHUNKS;
-        const int kv_head = head / (num_heads / num_kv_heads);
         const size_t token_stride = (size_t)num_kv_heads * HEAD_DIM;
-        const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
-
-        // Q tile
-        for (int r = row0; r < BLOCK_M; r += ROWS_PER_PASS) {
-            const bool valid = r < rows;
-            const bf16* src = valid ? q + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + chunk * 8 : q;
-            cp_async16(q_smem + (chunk / 8) * (BLOCK_M * 128) + swizzled(r, chunk % 8), src, valid);
-        }
-        mbar_arrive_on_copies(bar_q);
-
-        const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
-        const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
 #if BATCHED_PAGE_READS
         constexpr int ROWS = BLOCK_N / ROWS_PER_PASS;  // rows of a K/V tile this thread copies
         constexpr int PAGE_BATCH = HEAD_DIM == 256 ? 4 : 8;  // what fits the producer's 40 registers
         static_assert(ROWS % PAGE_BATCH == 0, "K/V rows per producer thread come in whole batches");
 #endif
-        for (int kt = 0; kt < num_kv_tiles; ++kt) {
-            const int stage = kt % STAGES;
-            if (kt >= STAGES) mbar_wait(bar_empty + 8 * stage, ((kt / STAGES) - 1) & 1);
-            const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES + (chunk / 8) * (BLOCK_N * 128);
-            const u32 v_smem = k_smem + KV_TILE_BYTES;
-            const int k0 = kt * BLOCK_N;
-#if BATCHED_PAGE_READS
-            // block-table reads in batches (in flight together), then their copies; rows past the
-            // last query read block 0 for an address and copy zeros
+#if TMA_KV_LOADS
+        constexpr int PAGES = BLOCK_N / PAGE_SIZE;
+        if (t < 32) {
+            tensor_map_acquire(k_map);
+            tensor_map_acquire(v_map);
+        }
+#endif
+        // One work item's Q tile, then its K/V tiles into the ring from ring position g0 on.
+        auto produce = [&](const WorkItem& w, int g0) {
+            const int kv_head = w.head / (num_heads / num_kv_heads);
+            const int* table = block_tables + (size_t)w.seq * max_blocks_per_seq;
+            const int kv_end = w.kv_end;
+            for (int r = row0; r < BLOCK_M; r += ROWS_PER_PASS) {
+                const bool valid = r < w.rows;
+                const bf16* src =
+                    valid ? q + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + chunk * 8 : q;
+                cp_async16(q_smem + (chunk / 8) * (BLOCK_M * 128) + swizzled(r, chunk % 8), src, valid);
+            }
+            mbar_arrive_on_copies(bar_q);
+
+            const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
+            const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM + chunk * 8;
+#if TMA_KV_LOADS
+            // Tiles whose BLOCK_N rows are all keys (every one but a ragged last tile) come by TMA:
+            // lane p of warp 0 copies page p of the tile, one [PAGE_SIZE rows x 64 dims] box per
+            // 128-byte column block of K and of V, into the rows the cp.async path would fill (a
+            // page is a multiple of 8 rows, so the swizzle atoms line up). The other producer
+            // threads only arrive; the ragged last tile takes the cp.async path below, which
+            // zero-fills its rows past the last key (their P is 0, but stale V bits could be NaN).
+            const int full_kv_tiles = kv_end / BLOCK_N;
+#endif
+            for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
+                const int g = g0 + kt, stage = g % STAGES;
+                if (g >= STAGES) mbar_wait(bar_empty + 8 * stage, ((g / STAGES) - 1) & 1);
+                const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES + (chunk / 8) * (BLOCK_N * 128);
+                const u32 v_smem = k_smem + KV_TILE_BYTES;
+                const int k0 = kt * BLOCK_N;
+#if TMA_KV_LOADS
+                if (kt < full_kv_tiles) {
+                    if (t < 32) {
+                        const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
+                        if (t == 0) mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
+                        __syncwarp();  // the expected bytes are counted before any copy can land
+#if KV_MULTICAST
+                        // the pair's two query heads read the same K/V tile: each CTA copies every
+                        // other page into both CTAs' stage, so each tile crosses from L2 once
+                        if (t < PAGES && (t & 1) == (int)pair_rank) {
+                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
 #pragma unroll
-            for (int batch = 0; batch < ROWS; batch += PAGE_BATCH) {
-                int page[PAGE_BATCH];
+                            for (int c = 0; c < D_BLOCKS; ++c) {
+                                tma_load_3d_multicast(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head,
+                                                      page * PAGE_SIZE, bar_full + 8 * stage, 3);
+                                tma_load_3d_multicast(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64,
+                                                      kv_head, page * PAGE_SIZE, bar_full + 8 * stage, 3);
+                            }
+                        }
+#else
+                        if (t < PAGES) {
+                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
 #pragma unroll
-                for (int i = 0; i < PAGE_BATCH; ++i) {
-                    const int token = k0 + row0 + (batch + i) * ROWS_PER_PASS;
-                    page[i] = token < kv_end ? table[token / PAGE_SIZE] : 0;
+                            for (int c = 0; c < D_BLOCKS; ++c) {
+                                tma_load_3d(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head, page * PAGE_SIZE,
+                                            bar_full + 8 * stage);
+                                tma_load_3d(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64, kv_head,
+                                            page * PAGE_SIZE, bar_full + 8 * stage);
+                            }
+                        }
+#endif
+                    }
+                    if (t != 0) mbar_arrive(bar_full + 8 * stage);
+                    continue;
                 }
+#endif
+#if BATCHED_PAGE_READS
+                // block-table reads in batches (in flight together), then their copies; rows past
+                // the last query read block 0 for an address and copy zeros
 #pragma unroll
-                for (int i = 0; i < PAGE_BATCH; ++i) {
-                    const int r = row0 + (batch + i) * ROWS_PER_PASS, token = k0 + r;
-                    const size_t offset = ((size_t)page[i] * PAGE_SIZE + token % PAGE_SIZE) * token_stride;
-                    const u32 dst = swizzled(r, chunk % 8);
-                    if (!SKIP_KV_LOADS) {
-                        cp_async16(k_smem + dst, k_head + offset, token < kv_end);
-                        cp_async16(v_smem + dst, v_head + offset, token < kv_end);
+                for (int batch = 0; batch < ROWS; batch += PAGE_BATCH) {
+                    int page[PAGE_BATCH];
+#pragma unroll
+                    for (int i = 0; i < PAGE_BATCH; ++i) {
+                        const int token = k0 + row0 + (batch + i) * ROWS_PER_PASS;
+                        page[i] = token < kv_end ? table[token / PAGE_SIZE] : 0;
+                    }
+#pragma unroll
+                    for (int i = 0; i < PAGE_BATCH; ++i) {
+                        const int r = row0 + (batch + i) * ROWS_PER_PASS, token = k0 + r;
+                        const size_t offset = ((size_t)page[i] * PAGE_SIZE + token % PAGE_SIZE) * token_stride;
+                        const u32 dst = swizzled(r, chunk % 8);
+                        if (!SKIP_KV_LOADS) {
+                            cp_async16(k_smem + dst, k_head + offset, token < kv_end);
+                            cp_async16(v_smem + dst, v_head + offset, token < kv_end);
+                        }
                     }
                 }
-            }
 #else
-            for (int r = row0; r < BLOCK_N; r += ROWS_PER_PASS) {
-                const int token = k0 + r;
-                const bool valid = token < kv_end;
-                const size_t offset =
-                    valid ? ((size_t)table[token / block_size] * block_size + token % block_size) * token_stride : 0;
-                const u32 dst = swizzled(r, chunk % 8);
-                if (!SKIP_KV_LOADS) {
-                    cp_async16(k_smem + dst, k_head + offset, valid);
-                    cp_async16(v_smem + dst, v_head + offset, valid);
+                for (int r = row0; r < BLOCK_N; r += ROWS_PER_PASS) {
+                    const int token = k0 + r;
+                    const bool valid = token < kv_end;
+                    const size_t offset =
+                        valid ? ((size_t)table[token / block_size] * block_size + token % block_size) * token_stride : 0;
+                    const u32 dst = swizzled(r, chunk % 8);
+                    if (!SKIP_KV_LOADS) {
+                        cp_async16(k_smem + dst, k_head + offset, valid);
+                        cp_async16(v_smem + dst, v_head + offset, valid);
+                    }
                 }
-            }
 #endif
-            mbar_arrive_on_copies(bar_full + 8 * stage);
+                mbar_arrive_on_copies(bar_full + 8 * stage);
+            }
+        };
+#if PERSISTENT
+        int item = blockIdx.x, ring = 0;
+        for (int j = 0;; ++j) {
+            if (j > 0) mbar_wait(bar_q_free, (j - 1) & 1);  // also: every thread has read the previous item
+            if (t == 0) {
+                published_item = item;
+                mbar_arrive(bar_item);
+            }
+            if (item >= num_items) break;
+            int claimed = 0;
+            if (t == 0) claimed = atomicAdd(scheduler, 1) + gridDim.x;  // in flight while this item loads
+            int head, tile;
+            item_head_tile(item, num_tiles, num_heads, num_kv_heads, head, tile);
+            const WorkItem w = work_item(head, tile, tile_seq, tile_query, query_start, context_lens);
+            produce(w, ring);
+            ring += w.num_kv_tiles;
+            // thread 0's claim to every producer thread
+            if (t == 0) claimed_item = claimed;
+            asm volatile("bar.sync 3, 128;\n" ::: "memory");
+            item = claimed_item;
+            asm volatile("bar.sync 3, 128;\n" ::: "memory");  // read before thread 0 republishes it
         }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if (t == 0) __threadfence();  // this CTA's claims are performed before it counts itself done
+        if (t == 0 && atomicAdd(scheduler + 1, 1) == (int)gridDim.x - 1) {  // every CTA has claimed its last
+            atomicExch(scheduler, 0);
+            atomicExch(scheduler + 1, 0);
+        }
+#else
+#if KV_HEAD_MAJOR_GRID
+        const int group = num_heads / num_kv_heads;
+        const int head = blockIdx.y * group + blockIdx.x % group, tile = blockIdx.x / group;
+#else
+        const int head = blockIdx.x, tile = blockIdx.y;
+#endif
+        produce(work_item(head, tile, tile_seq, tile_query, query_start, context_lens), 0);
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
+#endif
     } else {
         // ---------------- consumers ----------------
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
@@ -398,93 +627,132 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         const int t = threadIdx.x % 128;
         const int warp = t / 32, lane = t % 32;
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
-        SoftmaxState state;
-        state.query_pos = context_start + q0 + row;
-        state.first_query_pos = context_start + q0 + wg * 64;
-        state.col = 2 * (lane % 4);
-        state.m[0] = state.m[1] = -INFINITY;
-        state.l[0] = state.l[1] = 0.f;
-
-        float o[O_CHUNKS][64];
-#pragma unroll
-        for (int c = 0; c < O_CHUNKS; ++c)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) o[c][i] = 0.f;
-        float s[BLOCK_N / 2];
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
-        u32 p[BLOCK_N / 16][4];  // A fragments of P for keys 16kk .. 16kk+15
-        float correction[2];
-
-        mbar_wait(bar_q, 0);
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
-#if INTRA_WG_OVERLAP
-        // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
-        // cores; P and O are touched only after that wgmma has landed.
-        if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
-        mbar_wait(bar_full, 0);
-        take_turn(wg);
-        issue_qk(s, q_rows, stages);
-        pass_turn(wg);
-        wgmma_wait<0>();
-        softmax_in_place(s, correction, state, 0, scale_log2);
-        pack_p(s, p);
-        for (int kt = 1; kt < num_kv_tiles; ++kt) {
-            const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
-            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
-            take_turn(wg);
-            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
-            issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
-            pass_turn(wg);
-            wgmma_wait<1>();  // S of tile kt
-            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
-            wgmma_wait<0>();  // P V of tile kt-1
-            mbar_arrive(bar_empty + 8 * previous);
-            pack_p(s, p);
-            rescale(o, correction);
-        }
-        take_turn(wg);
-        issue_pv(o, p, stages + ((num_kv_tiles - 1) % STAGES) * STAGE_BYTES + KV_TILE_BYTES);
-        if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
-        wgmma_wait<0>();
-        mbar_arrive(bar_empty + 8 * ((num_kv_tiles - 1) % STAGES));
-#else
-        if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
-        for (int kt = 0; kt < num_kv_tiles; ++kt) {
-            const int stage = kt % STAGES;
-            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
-            take_turn(wg);
-            issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
-            pass_turn(wg);
-            wgmma_wait<0>();
-            softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
-            pack_p(s, p);
-            rescale(o, correction);
-            issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
-            wgmma_wait<0>();
-            mbar_arrive(bar_empty + 8 * stage);
-        }
-        if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
-#endif
-        float* l = state.l;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row + 8 * h;
-            if (r >= rows) continue;
-            const float inv = 1.f / l[h];
-            bf16* dst = out + ((size_t)(first_token + q0 + r) * num_heads + head) * HEAD_DIM + state.col;
+
+        // One work item (its j-th on this CTA) with K/V tiles at ring positions g0, g0 + 1, ...
+        auto consume = [&](const WorkItem& w, int g0, int j) {
+            const int num_kv_tiles = w.num_kv_tiles;
+            SoftmaxState state;
+            state.query_pos = w.context_start + w.q0 + row;
+            state.first_query_pos = w.context_start + w.q0 + wg * 64;
+            state.col = 2 * (lane % 4);
+            state.m[0] = state.m[1] = -INFINITY;
+            state.l[0] = state.l[1] = 0.f;
+
+            float o[O_CHUNKS][64];
 #pragma unroll
             for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    *reinterpret_cast<__nv_bfloat162*>(dst + c * 128 + 8 * j) =
-                        __floats2bfloat162_rn(o[c][4 * j + 2 * h] * inv, o[c][4 * j + 2 * h + 1] * inv);
+                for (int i = 0; i < 64; ++i) o[c][i] = 0.f;
+            float s[BLOCK_N / 2];
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 2; ++i) s[i] = 0.f;
+            u32 p[BLOCK_N / 16][4];  // A fragments of P for keys 16kk .. 16kk+15
+            float correction[2];
+
+            mbar_wait(bar_q, j & 1);
+#if INTRA_WG_OVERLAP
+            // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
+            // cores; P and O are touched only after that wgmma has landed.
+            if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
+            mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
+            take_turn(wg);
+            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
+            pass_turn(wg);
+            wgmma_wait<0>();
+#if PERSISTENT
+            if (num_kv_tiles == 1) mbar_arrive(bar_q_free);  // the last Q K^T has landed
+#endif
+            softmax_in_place(s, correction, state, 0, scale_log2);
+            pack_p(s, p);
+            for (int kt = 1; kt < num_kv_tiles; ++kt) {
+                const int g = g0 + kt, stage = g % STAGES, previous = (g - 1) % STAGES;
+                mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
+                take_turn(wg);
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
+                pass_turn(wg);
+                wgmma_wait<1>();  // S of tile kt
+#if PERSISTENT
+                if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
+#endif
+                softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+                wgmma_wait<0>();  // P V of tile kt-1
+                release_stage(bar_empty + 8 * previous, lane);
+                pack_p(s, p);
+                rescale(o, correction);
+            }
+            const int last = (g0 + num_kv_tiles - 1) % STAGES;
+            take_turn(wg);
+            issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
+            if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
+            wgmma_wait<0>();
+            release_stage(bar_empty + 8 * last, lane);
+#else
+            if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
+            for (int kt = 0; kt < num_kv_tiles; ++kt) {
+                const int g = g0 + kt, stage = g % STAGES;
+                mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
+                take_turn(wg);
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                pass_turn(wg);
+                wgmma_wait<0>();
+#if PERSISTENT
+                if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
+#endif
+                softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+                pack_p(s, p);
+                rescale(o, correction);
+                issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
+                wgmma_wait<0>();
+                release_stage(bar_empty + 8 * stage, lane);
+            }
+            if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
+#endif
+            float* l = state.l;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+                l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row + 8 * h;
+                if (r >= w.rows) continue;
+                const float inv = 1.f / l[h];
+                bf16* dst = out + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + state.col;
+#pragma unroll
+                for (int c = 0; c < O_CHUNKS; ++c)
+#pragma unroll
+                    for (int jj = 0; jj < 16; ++jj)
+                        *reinterpret_cast<__nv_bfloat162*>(dst + c * 128 + 8 * jj) =
+                            __floats2bfloat162_rn(o[c][4 * jj + 2 * h] * inv, o[c][4 * jj + 2 * h + 1] * inv);
+            }
+        };
+#if PERSISTENT
+        int ring = 0;
+        for (int j = 0;; ++j) {
+            mbar_wait(bar_item, j & 1);
+            const int item = *(volatile int*)&published_item;
+            if (item >= num_items) break;
+            int head, tile;
+            item_head_tile(item, num_tiles, num_heads, num_kv_heads, head, tile);
+            const WorkItem w = work_item(head, tile, tile_seq, tile_query, query_start, context_lens);
+            consume(w, ring, j);
+            ring += w.num_kv_tiles;
         }
+#else
+#if KV_HEAD_MAJOR_GRID
+        const int group = num_heads / num_kv_heads;
+        const int head = blockIdx.y * group + blockIdx.x % group, tile = blockIdx.x / group;
+#else
+        const int head = blockIdx.x, tile = blockIdx.y;
+#endif
+        consume(work_item(head, tile, tile_seq, tile_query, query_start, context_lens), 0, 0);
+#endif
     }
+#if KV_MULTICAST
+    cluster_sync();  // neither CTA of the pair exits while the other may still arrive on its barriers
+#endif
 }

@@ -83,3 +83,72 @@ qk_norm_rope_write_kv(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
         dst[e] = __float2bfloat16_rn(y);
     }
 }
+
+// --- The same op with 16-byte accesses (qk_norm_rope_write_kv_vec) -------------------------------
+// HEAD_DIM / 8 lanes per head, each lane 8 consecutive elements: one 16-byte load of the qkv row and
+// one 16-byte store into q_out / the K or V page per lane. Grid (num_tokens, head chunks), any
+// multiple of 32 threads per block: lane g of a token's chunk runs head g / LANES_PER_HEAD, so a
+// head's lanes sit in one warp and the norm sums and the RoPE partner exchange are warp shuffles
+// (xor within a head's lanes). NeoX pairs element e with e + rotary_dim / 2, i.e. lane j with lane
+// j ^ (rotary_dim / 16): the launcher takes this kernel only where rotary_dim / 16 is a power of two
+// (or no rotation). Same arithmetic per element as above; the head's sum of squares is taken in
+// another order (per lane, then xor over its lanes), so q / k can differ in the last bit.
+constexpr int LANES_PER_HEAD = HEAD_DIM / 8;
+static_assert(32 % LANES_PER_HEAD == 0, "qk_norm_rope_write_kv_vec: HEAD_DIM / 8 must divide a warp");
+
+extern "C" __global__ void __launch_bounds__(256)
+qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out, bf16* __restrict__ k_cache,
+                          bf16* __restrict__ v_cache, const bf16* __restrict__ q_norm,
+                          const bf16* __restrict__ k_norm, float eps, const float* __restrict__ cos_table,
+                          const float* __restrict__ sin_table, int rotary_dim, const int* __restrict__ positions,
+                          const int* __restrict__ slot_mapping, int num_heads, int num_kv_heads) {
+    const int t = blockIdx.x;
+    const int heads_per_token = num_heads + 2 * num_kv_heads;
+    const int g = blockIdx.y * blockDim.x + threadIdx.x;
+    const int head = g / LANES_PER_HEAD, e0 = (g % LANES_PER_HEAD) * 8;
+    const bool valid = head < heads_per_token;
+    const bool is_q = head < num_heads, is_v = head >= num_heads + num_kv_heads;
+    // no lane returns before the shuffles below (they take the whole warp)
+    float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (valid) load8(qkv + (size_t)t * heads_per_token * HEAD_DIM + (size_t)head * HEAD_DIM + e0, x);
+
+    const bf16* norm = is_q ? q_norm : k_norm;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
+#pragma unroll
+    for (int o = LANES_PER_HEAD / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (valid && !is_v && norm != nullptr) {
+        const float inv = rsqrtf(ss / HEAD_DIM + eps);
+        float w[8];
+        load8(norm + e0, w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = round_bf16(round_bf16(x[i] * inv) * w[i]);
+    }
+    if (cos_table != nullptr && rotary_dim > 0) {  // the same for the whole grid
+        const int half = rotary_dim / 2;
+        float partner[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, x[i], half / 8);
+        if (valid && !is_v && e0 < rotary_dim) {
+            const int position = positions[t];
+            const bool first = e0 < half;
+            const float* cos_row = cos_table + (size_t)position * half + (first ? e0 : e0 - half);
+            const float* sin_row = sin_table + (size_t)position * half + (first ? e0 : e0 - half);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                x[i] = first ? x[i] * cos_row[i] - partner[i] * sin_row[i] : x[i] * cos_row[i] + partner[i] * sin_row[i];
+        }
+    }
+    if (!valid) return;
+    bf16* dst;
+    if (is_q) {
+        dst = q_out + ((size_t)t * num_heads + head) * HEAD_DIM;
+    } else {
+        const int slot = slot_mapping[t];
+        if (slot < 0) return;  // padding: no KV write
+        dst = (is_v ? v_cache : k_cache) +
+              ((size_t)slot * num_kv_heads + (head - num_heads - (is_v ? num_kv_heads : 0))) * HEAD_DIM;
+    }
+    store8(dst + e0, x);
+}

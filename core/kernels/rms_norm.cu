@@ -37,3 +37,124 @@ extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* 
     __syncthreads();  // each thread re-reads only what it wrote, but keep the row consistent
     normalize_row(ro, weight, out + row * features, features, eps);
 }
+
+// --- Row-per-warp variants for many rows (prefill, mixed steps) ---------------------------------
+// One warp per row, NORM_ROWS_PER_BLOCK rows per block, 16-byte loads and stores, the row held in
+// registers (VECS_PER_LANE 16-byte vectors per lane, so features <= 256 * VECS_PER_LANE and a
+// multiple of 8; rows 16-byte aligned; 151-208 registers at 10-12 vectors, no spills): add_rms_norm reads x and residual once and writes each
+// output once (the block kernels above re-read the sum and move 2 bytes per access). Same
+// arithmetic per element; the fp32 sum of squares is taken in another order (per lane, then the
+// warp), so a result can differ from the block kernels' in the last bit.
+#ifndef VECS_PER_LANE
+#define VECS_PER_LANE 10
+#endif
+#define NORM_ROWS_PER_BLOCK 4
+
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 t = __bfloat1622float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+}
+
+// row[] / weight[] hold this lane's vectors (lane + 32 i) of one row and of the norm weight;
+// writes rms_norm(row) * weight to out. The weight is loaded with the row, before the warp's sum, so
+// a lone row (decode) waits for memory once.
+__device__ __forceinline__ void normalize_row_in_registers(const uint4* row, const uint4* weight, float ss,
+                                                           bf16* __restrict__ out, int num_vectors, int features,
+                                                           float eps) {
+    const int lane = threadIdx.x & 31;
+    const float inv = rsqrtf(warp_sum(ss) / features + eps);
+#pragma unroll
+    for (int i = 0; i < VECS_PER_LANE; ++i) {
+        const int v = lane + 32 * i;
+        if (v < num_vectors) {
+            float x[8], w[8];
+            unpack8(row[i], x);
+            unpack8(weight[i], w);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[e] = round_bf16(x[e] * inv) * w[e];
+            *reinterpret_cast<uint4*>(out + 8 * v) = pack8(x);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_ROWS_PER_BLOCK * 32)
+rms_norm_rows(const bf16* __restrict__ x, const bf16* __restrict__ weight, bf16* __restrict__ out, int num_rows,
+              int features, float eps) {
+    const size_t row = (size_t)blockIdx.x * NORM_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= (size_t)num_rows) return;  // a whole warp leaves together
+    const int lane = threadIdx.x & 31, num_vectors = features >> 3;
+    const bf16* xr = x + row * features;
+    uint4 v[VECS_PER_LANE], w[VECS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < VECS_PER_LANE; ++i) {
+        const int c = lane + 32 * i;
+        if (c < num_vectors) {
+            v[i] = *reinterpret_cast<const uint4*>(xr + 8 * c);
+            w[i] = *reinterpret_cast<const uint4*>(weight + 8 * c);
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VECS_PER_LANE; ++i) {
+        if (lane + 32 * i < num_vectors) {
+            float f[8];
+            unpack8(v[i], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+        }
+    }
+    normalize_row_in_registers(v, w, ss, out + row * features, num_vectors, features, eps);
+}
+
+// residual_out = x + residual (bf16); out = rms_norm(residual_out), each row by one warp.
+extern "C" __global__ void __launch_bounds__(NORM_ROWS_PER_BLOCK * 32)
+add_rms_norm_rows(const bf16* __restrict__ x, const bf16* __restrict__ residual, const bf16* __restrict__ weight,
+                  bf16* __restrict__ out, bf16* __restrict__ residual_out, int num_rows, int features, float eps) {
+    const size_t row = (size_t)blockIdx.x * NORM_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= (size_t)num_rows) return;
+    const int lane = threadIdx.x & 31, num_vectors = features >> 3;
+    const bf16* xr = x + row * features;
+    const bf16* rr = residual + row * features;
+    bf16* ro = residual_out + row * features;
+    uint4 a[VECS_PER_LANE], b[VECS_PER_LANE], w[VECS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < VECS_PER_LANE; ++i) {  // every load issued before the first use
+        const int v = lane + 32 * i;
+        if (v < num_vectors) {
+            a[i] = *reinterpret_cast<const uint4*>(xr + 8 * v);
+            b[i] = *reinterpret_cast<const uint4*>(rr + 8 * v);
+            w[i] = *reinterpret_cast<const uint4*>(weight + 8 * v);
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VECS_PER_LANE; ++i) {
+        const int v = lane + 32 * i;
+        if (v < num_vectors) {
+            float fa[8], fb[8];
+            unpack8(a[i], fa);
+            unpack8(b[i], fb);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                fa[e] = round_bf16(fa[e] + fb[e]);
+                ss += fa[e] * fa[e];
+            }
+            a[i] = pack8(fa);
+            *reinterpret_cast<uint4*>(ro + 8 * v) = a[i];
+        }
+    }
+    normalize_row_in_registers(a, w, ss, out + row * features, num_vectors, features, eps);
+}

@@ -292,6 +292,17 @@ class PagedEngine:
         self._grammars.tokens_consumed_on_worker = value
 
     @property
+    def grammar_mask_threads(self) -> int:
+        """llguidance's threads for a step's grammar masks (``structured.default_mask_threads``, or
+        ``OPENINFER_GRAMMAR_MASK_THREADS`` at creation). May be switched while no request runs
+        (side-by-side measurements)."""
+        return self._grammars.mask_threads
+
+    @grammar_mask_threads.setter
+    def grammar_mask_threads(self, value: int) -> None:
+        self._grammars.mask_threads = value
+
+    @property
     def grammar_string_length_slices(self) -> bool:
         """Whether new grammar matchers mask through ``structured.string_length_slices``
         (the default; ``OPENINFER_GRAMMAR_STRING_LENGTH_SLICES=0`` at creation: the general

@@ -74,6 +74,12 @@ def from_structured_outputs(options: dict[str, Any] | None) -> pb.StructuredOutp
     return _checked(constraint, "structured_outputs")
 
 
+def may_constrain(body: Any) -> bool:
+    """Whether ``constraint_of`` has anything to compile or check (else it returns None at once:
+    no need to send it to a worker thread)."""
+    return bool(body.response_format or body.structured_outputs)
+
+
 def constraint_of(body: Any) -> pb.StructuredOutput | None:
     """The request's constraint (``response_format`` or ``structured_outputs``, not both)."""
     by_format = from_response_format(body.response_format)

@@ -25,15 +25,21 @@ VARIANTS = {
     "prefill_attention.cu": [{"HEAD_DIM": 64}, {"HEAD_DIM": 128}],
     "moe.cu": [{"WEIGHT_FORMAT": 0}, {"WEIGHT_FORMAT": 1, "GROUP": 32}, {"WEIGHT_FORMAT": 2, "FP8_BLOCK": 128},
                # moe_gemv_wide's "wide2" shape, INT4 groups below its 32-weight chunk
-               {"WEIGHT_FORMAT": 1, "GROUP": 16, "WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4}],
-    "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}],
+               {"WEIGHT_FORMAT": 1, "GROUP": 16, "WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},
+               # the INT4 tensor-core GEMV with two N tiles and a four-way K split (kimi13)
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4}],
+    "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],
     "prefill_attention_sm90.cu": [{"HEAD_DIM": 128}, {"HEAD_DIM": 256},
                                   {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1},
                                   {"HEAD_DIM": 256, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
                                    "INTRA_WG_OVERLAP": 0},
-                                  {"HEAD_DIM": 128, "STAGES": 2, "SKIP_KV_LOADS": 1}],
+                                  {"HEAD_DIM": 128, "STAGES": 2, "SKIP_KV_LOADS": 1},
+                                  # attn16's TMA K/V loads and persistent schedule, and TMA at head_dim 256
+                                  {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "TMA_KV_LOADS": 1, "PERSISTENT": 1},
+                                  {"HEAD_DIM": 256, "TMA_KV_LOADS": 1}],
 }
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90
 ARCH_FLAGS = {"prefill_attention_sm90.cu": ["-gencode=arch=compute_90a,code=sm_90a"]}

@@ -89,8 +89,10 @@ class _LazyIds:
         return self.get() if dtype is None else self.get().astype(dtype)
 
 
-@pytest.mark.parametrize("consume_on_worker", ["1", "0"], ids=["worker_consumes", "engine_consumes"])
-def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker):
+@pytest.mark.parametrize(("consume_on_worker", "gil_interval_us"), [("1", ""), ("0", ""), ("0", "200")],
+                         ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval"])
+def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker,
+                                                                           gil_interval_us):
     """``OPENINFER_GRAMMAR_MASKS_DEVICE_WAIT=1`` on a backend that waits for grammar masks on the
     device (here a NumPy "device" that samples once the masks are computed, as the CUDA stream
     does behind ``wait_for_host_flag``): every decode step is sampled ahead, its masks pending
@@ -98,12 +100,16 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     tokens equal the synchronous engine's exactly — seeded random rows, grammar rows (regex and
     JSON Schema) and plain rows in the same batches, requests ending at different steps; with
     the step's tokens consumed on the mask worker or by the engine thread before the hand-over
-    (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``)."""
+    (``OPENINFER_GRAMMAR_CONSUME_ON_WORKER``); and with the GIL switch interval lowered during the
+    mask work (``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``), restored once the mask worker is idle."""
+    import sys
+    import time
+
     from openinfer_qwen3 import plugin
 
     from openinfer.backend.numpy_backend import NumpyBackend
     from openinfer.runtime.sampler import sample_rows
-    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV
+    from openinfer.structured import CONSUME_ON_WORKER_ENV, DEVICE_WAIT_ENV, GIL_SWITCH_INTERVAL_ENV
 
     queued_pending: list[bool] = []
 
@@ -138,6 +144,8 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
         sync.close_sync()
     monkeypatch.setenv(DEVICE_WAIT_ENV, "1")
     monkeypatch.setenv(CONSUME_ON_WORKER_ENV, consume_on_worker)
+    monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, gil_interval_us)
+    interval = sys.getswitchinterval()
     monkeypatch.setattr(NumpyBackend, "sample_rows_async", sample_rows_async, raising=False)
     monkeypatch.setattr(NumpyBackend, "waits_for_grammar_masks", True, raising=False)
     engine = plugin.openinfer_create_engine(str(model_dir), config, EngineOptions(device="cpu", async_scheduling=True))
@@ -152,6 +160,10 @@ def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish.reason for o in got] == [o.finish.reason for o in want]
     assert sum(queued_pending) >= 8, queued_pending  # the grammar rows' masks were waited for on the "device"
+    deadline = time.monotonic() + 5
+    while sys.getswitchinterval() != interval and time.monotonic() < deadline:
+        time.sleep(0.01)  # the mask worker restores it once idle after the last step
+    assert sys.getswitchinterval() == interval
 
 
 def test_the_device_wait_is_refused_where_the_backend_cannot_wait(model_dir, monkeypatch):

@@ -19,8 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).parent / "cuda_emulation" / "logit_constraints_harness.cpp"
 
 
-@pytest.mark.parametrize("vocab", [70, 4099])
-def test_logit_constraints_kernel_matches_numpy(tmp_path, vocab):
+@pytest.mark.parametrize(("vocab", "tiled", "threads"), [(70, False, 256), (4099, False, 256), (70, True, 4),
+                                                     (4099, True, 64)])
+def test_logit_constraints_kernel_matches_numpy(tmp_path, vocab, tiled, threads):
+    """Both kernels; the tiled one over tiles of threads * 8 tokens whose last one is partial (70 =
+    32 + 32 + 6 tokens, 4099 = 8 * 512 + 3), a row's bias ids falling into several tiles."""
     rng = np.random.default_rng(vocab)
     rows, words = 7, bitmask_words(vocab)
     logits = float32_to_bf16(rng.standard_normal((rows, vocab)).astype(np.float32) * 3)
@@ -37,7 +40,7 @@ def test_logit_constraints_kernel_matches_numpy(tmp_path, vocab):
     bias_values = np.concatenate([biases[r][1] for r in sorted(biases)])
 
     binary = compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path / "logit_constraints")
-    run_harness(binary, tmp_path, params=np.array([rows, vocab, words, 256], np.int32), logits=logits,
+    run_harness(binary, tmp_path, params=np.array([rows, vocab, words, threads, int(tiled)], np.int32), logits=logits,
                 bias_start=bias_start, bias_ids=bias_ids, bias_values=bias_values, bitmask=bitmask,
                 mask_row=mask_row)
     ours = read_array(tmp_path, "out", np.uint16, (rows, vocab))

@@ -489,3 +489,68 @@ def test_compiler_cache_switches_reach_the_compiler(tokenizer, tmp_path, monkeyp
     assert built.tokens_consumed_on_worker and not built.string_length_slices
     cache.tokens_consumed_on_worker, cache.string_length_slices = False, True
     assert not built.tokens_consumed_on_worker and built.string_length_slices
+
+
+def test_mask_threads_switch_reaches_the_worker_and_keeps_the_masks(tokenizer, tmp_path, monkeypatch, caplog):
+    """``OPENINFER_GRAMMAR_MASK_THREADS`` sets llguidance's thread count when the cache is created
+    (an invalid value is logged and the default kept); switching it on the cache reaches the built
+    compiler and its mask worker (a new pool), and the masks stay the same; < 1 is refused."""
+    from openinfer.structured import MASK_THREADS_ENV, CompilerCache, default_mask_threads
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size() + 5
+    monkeypatch.setenv(MASK_THREADS_ENV, "lots")
+    assert CompilerCache(str(tmp_path), vocab, [0]).mask_threads == default_mask_threads(False)
+    assert "not a positive integer" in caplog.text
+    monkeypatch.setenv(MASK_THREADS_ENV, "3")
+    cache = CompilerCache(str(tmp_path), vocab, [0])
+    compiler = cache.get()
+    assert cache.mask_threads == compiler.mask_threads == 3
+    constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
+    before = compiler.start_masks([(compiler.compile(constraint), 0)], 1).wait().bitmask.copy()
+    cache.mask_threads = 2
+    assert compiler.mask_threads == 2 and compiler._worker.executor is compiler._executor
+    assert np.array_equal(compiler.start_masks([(compiler.compile(constraint), 0)], 1).wait().bitmask, before)
+    with pytest.raises(ValueError, match=">= 1"):
+        cache.mask_threads = 0
+
+
+def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monkeypatch, caplog):
+    """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: from ``start_masks`` until the mask worker is
+    idle, the GIL switch interval is the value asked for (seen from a ready callback, which runs on
+    the worker in its job); once idle, the interpreter's own interval again; the masks are the same.
+    Unset, 0 or not a number (logged): left alone."""
+    import sys
+    import time
+
+    from openinfer.structured import GIL_SWITCH_INTERVAL_ENV, MaskWorker, gil_switch_interval_s
+
+    for raw, expected in (("", None), ("0", None), ("250", 250e-6), ("1.5", 1.5e-6), ("fast", None), ("-3", None),
+                          ("nan", None)):
+        monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
+        assert gil_switch_interval_s() == expected, raw
+    assert "is not a number of microseconds" in caplog.text
+    vocab = tokenizer.get_vocab_size() + 5
+    eos = [tokenizer.token_to_id("<eos>")]
+    constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
+    original = sys.getswitchinterval()
+    monkeypatch.setattr(MaskWorker, "IDLE_EXIT_S", 0.05)
+    for raw, during in (("250", 250e-6), ("", original)):
+        monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
+        background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
+                                 for flag in (True, False))
+        expected = reference.start_masks([(reference.compile(constraint), 0)], 1).wait()
+        masks = StepMasks.pending([0], 1, expected.bitmask.shape[1])
+        seen = []  # the callback runs on the worker, in its job
+        masks.when_ready(lambda _, seen=seen: seen.append(sys.getswitchinterval()))
+        background.start_masks([(background.compile(constraint), 0)], 1, into=masks)
+        assert np.array_equal(masks.wait().bitmask, expected.bitmask)
+        assert seen == [pytest.approx(during)]
+        deadline = time.monotonic() + 5
+        while sys.getswitchinterval() != original and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker restores the interval when it is idle
+        assert sys.getswitchinterval() == original
+    monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, "250")
+    background._worker.close()  # masks after the worker closed: computed on the caller, interval restored
+    masks = background.start_masks([(background.compile(constraint), 0)], 1)
+    assert np.array_equal(masks.wait().bitmask, expected.bitmask) and sys.getswitchinterval() == original

@@ -104,13 +104,17 @@ def test_engine_mixes_constrained_and_free_rows_on_cuda(tmp_path):
             assert set(outcome.token_ids) == {77}
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("vocab", [4099, 151936])
-def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab):
+def test_packed_masks_on_the_device_equal_numpy_exactly(cuda_backend, rng, vocab, tiled, monkeypatch):
     """The step's packed int32 bitmask applied on the device (``apply_logit_constraints``, bias
-    first) gives bit for bit the logits of the NumPy sampler's ``apply_logit_bias`` +
-    ``apply_bitmasks`` (bf16 rounding of the biased values included), for random masks of
-    every kind (dense, all / none allowed, a few allowed, a few forbidden)."""
-    from openinfer.backend.cuda.sampler import apply_logit_constraints
+    first; or its tiled variant, ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``) gives bit for bit the
+    logits of the NumPy sampler's ``apply_logit_bias`` + ``apply_bitmasks`` (bf16 rounding of the
+    biased values included), for random masks of every kind (dense, all / none allowed, a few
+    allowed, a few forbidden)."""
+    from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, apply_logit_constraints
+
+    monkeypatch.setenv(TILED_CONSTRAINTS_ENV, "1" if tiled else "0")
     from openinfer.sampling import apply_logit_bias
     from openinfer.structured import apply_bitmasks
     from openinfer.weights import bf16_to_float32, float32_to_bf16
@@ -148,9 +152,10 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
     import time
     from types import SimpleNamespace
 
-    from openinfer.backend.cuda.sampler import sample_rows_async
+    from openinfer.backend.cuda.sampler import mask_gates, sample_rows_async
 
     rows, vocab = 16, 151936
+    waited_before, waits_before = mask_gates().device_wait_ms
     masked = [r for r in range(rows) if r % 4 != 3]
     params = [pb.SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r) for r in range(rows)]
 
@@ -182,8 +187,46 @@ def test_masks_computed_after_the_sampling_is_queued_are_waited_for_on_the_devic
         assert tokens == expected
         for r in masked:
             assert allowed_tokens(bitmask[r], vocab)[tokens[r]]
+    waited, waits = mask_gates().device_wait_ms  # the GPU waited out each 50 ms delay, less its own work
+    assert waits - waits_before == 6 and 6 * 10 < waited - waited_before < 6 * 5000
     abandoned = StepMasks.pending(masked, rows, bitmask.shape[1])
     launched = sample_rows_async(logits, sampling_rows(), abandoned)
     abandoned.abandon()
     with pytest.raises(RuntimeError, match="grammar masks"):
         launched[1]()
+
+
+def test_tiled_in_place_constraints_sample_what_the_copying_kernel_samples(cuda_backend, rng, monkeypatch):
+    """``OPENINFER_TILED_LOGIT_CONSTRAINTS=1``: the engine's asynchronous sampling applies the bias and
+    masks with the tiled kernel to the forward's logits in place; the tokens equal those of the
+    one-block-per-row kernel on a copy, for seeded random and greedy rows, with and without a mask
+    or a bias, and every masked row samples an allowed token."""
+    from types import SimpleNamespace
+
+    from openinfer.backend.cuda.sampler import TILED_CONSTRAINTS_ENV, sample_rows_async
+
+    rows, vocab = 24, 151936
+    logits = bf16_random(rng, rows, vocab, scale=3.0)
+    bitmask = random_bitmask(rng, rows, vocab, keep=0.05)
+    masked = [r for r in range(rows) if r % 3 != 0]
+    params = []
+    for r in range(rows):
+        p = pb.SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r)
+        if r % 4 == 1:
+            p.logit_bias[int(rng.integers(vocab))] = 30.0
+        params.append(p)
+
+    def sampled(tiled: str) -> list[int]:
+        monkeypatch.setenv(TILED_CONSTRAINTS_ENV, tiled)
+        batch = [SimpleNamespace(samples=True, request=SimpleNamespace(
+            sampling=SamplingState.create(p, [1], 0, i), want_prompt_logprobs=False, want_logprobs=False,
+            num_logprobs=0, num_output_tokens=0, stop=pb.StopConditions()))
+            for i, p in enumerate(params)]
+        launched = sample_rows_async(cupy.asarray(logits), batch, StepMasks.from_rows(bitmask, masked))
+        assert launched is not None
+        return [s.token_id for s in launched[1]()]
+
+    tokens = sampled("1")
+    assert tokens == sampled("0")
+    for r in masked:
+        assert allowed_tokens(bitmask[r], vocab)[tokens[r]]

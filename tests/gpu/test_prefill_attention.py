@@ -3,8 +3,10 @@ causal attention over the same paged cache: fresh and chunked (offset) queries, 
 of different lengths in one batch, GQA and MHA, head_dim 128 and 256, shuffled non-contiguous
 blocks, and an output poisoned with NaN before each run so every unwritten element shows. The
 sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables, re-read through
-refresh_kernel_choices) each pass the same cases; the short-query kernel (decode_attention.py) on
-short steps over long and short cached contexts, at every split count."""
+refresh_kernel_choices: grid order, page reads, ping-pong, overlap, stages, TMA K/V loads,
+persistent schedule) each pass the same cases, and persistent launches in a row each cover all
+their items; the short-query kernel (decode_attention.py) on short steps over long and short
+cached contexts, at every split count."""
 
 from __future__ import annotations
 
@@ -42,6 +44,19 @@ SM90_VARIANTS = {
     "l2-2-stages": {"grid": "kv_head", "page_reads": "batched", "stages": "2"},
     "pingpong": {"pingpong": "1"},
     "no-overlap-pingpong": {"overlap": "0", "pingpong": "1"},
+    # K/V tiles by TMA page boxes (the ragged last tile by cp.async) over the default and the others
+    "tma": {"kv_loads": "tma"},
+    "tma-no-overlap": {"kv_loads": "tma", "overlap": "0"},
+    "tma-head-grid-no-pingpong": {"kv_loads": "tma", "grid": "head", "pingpong": "0"},
+    "tma-2-stages": {"kv_loads": "tma", "stages": "2"},
+    # CTA pairs share each TMA K/V tile (cluster multicast); MHA / odd groups fall back to "tma"
+    "tma-multicast": {"kv_loads": "tma_multicast"},
+    "tma-multicast-no-overlap": {"kv_loads": "tma_multicast", "overlap": "0"},
+    # persistent CTAs claiming work items from a device counter (head_dim 256 keeps the grid)
+    "persistent": {"schedule": "persistent"},
+    "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
+    "persistent-no-overlap": {"schedule": "persistent", "overlap": "0"},
+    "persistent-head-grid-no-pingpong": {"schedule": "persistent", "grid": "head", "pingpong": "0"},
 }
 
 
@@ -132,6 +147,23 @@ def test_sm90_variant_matches_numpy(cuda_backend, rng, case, variant, monkeypatc
         monkeypatch.setenv(SM90_ENV[key], value)
     refresh_kernel_choices()
     check_against_numpy(cuda_backend, rng, case, ["sm90"])
+
+
+@pytest.mark.parametrize("kv_loads", ["cp_async", "tma"])
+def test_persistent_schedule_repeats(cuda_backend, rng, kv_loads, monkeypatch):
+    """The persistent kernel's counter is back to zero after each launch: launches in a row,
+    of different sizes, each cover all their work items (an item skipped leaves NaN rows)."""
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_prefill_supported
+
+    if not sm90_prefill_supported(128):
+        pytest.skip("the sm90 kernel does not run here")
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(SM90_ENV["schedule"], "persistent")
+    monkeypatch.setenv(SM90_ENV["kv_loads"], kv_loads)
+    refresh_kernel_choices()
+    for case in ("gqa8-many-prompts", "fresh-128-exact-tile", "chunk-long-offset", "gqa8-many-prompts"):
+        check_against_numpy(cuda_backend, rng, case, ["sm90"])
 
 
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):

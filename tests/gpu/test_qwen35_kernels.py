@@ -93,14 +93,19 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows"])
 def kernels(request, monkeypatch):
-    """Each test on the fast kernels and on the earlier ones (the benchmark's baseline)."""
+    """Each test on the fast kernels, on the earlier ones (the benchmark's baseline) and on
+    OPENINFER_QWEN35_GDN_PREFILL=split_rows (a mixed step's one-token rows token by token)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
+    if request.param == "split_rows":
+        monkeypatch.setenv(cuda_ops.KERNELS_ENV, "chunked")
+        monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows")
+    else:
+        monkeypatch.setenv(cuda_ops.KERNELS_ENV, request.param)
     return request.param
 
 
@@ -202,10 +207,13 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("variant", ["early_loads", "split32", "split64"])
+def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
-    norm weight read beside the state column): 200 rows, fresh and continuing, over 6 steps give
-    the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA graph."""
+    norm weight read beside the state column) and split32 / split64 (a head's state columns over
+    4 / 2 blocks, the last to finish norming the head): 200 rows, fresh and continuing, over 6
+    steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
+    graph."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -217,8 +225,8 @@ def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch
     rng = np.random.default_rng(6)
     slots = rng.permutation(rows).astype(np.int64)
 
-    def decode(layer: Layer, proj, seqs, variant: str):
-        monkeypatch.setenv(cuda_ops.DECODE_ENV, variant)
+    def decode(layer: Layer, proj, seqs, choice: str):
+        monkeypatch.setenv(cuda_ops.DECODE_ENV, choice)
         return cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv, layer.device_ssm, seqs, config)
 
     def assert_same_states() -> None:
@@ -229,16 +237,16 @@ def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch
         fresh = rng.integers(0, 2, rows).astype(bool) if step == 0 else np.zeros(rows, bool)
         seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, fresh))
         proj = device_bf16(rng.standard_normal((rows, plain.features)))
-        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, "early_loads")
+        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, variant)
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         assert_same_states()
-    # captured with the early-loads kernel, replayed on new inputs: still the plain kernel's bits
+    # captured with the variant, replayed on new inputs: still the plain kernel's bits
     seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, np.zeros(rows, bool)))
     proj = cupy.empty((rows, plain.features), dtype=cupy.uint16)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        out = decode(early, proj, seqs, "early_loads")
+        out = decode(early, proj, seqs, variant)
         graph = stream.end_capture()
     for _ in range(3):
         with stream:
@@ -248,3 +256,33 @@ def test_early_loads_decode_step_equals_the_plain_kernel_bit_for_bit(monkeypatch
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
         assert_same_states()
+
+
+@pytest.mark.parametrize("variant", ["staged", "split"])
+def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant):
+    """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
+    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output):
+    prompts from scratch, then continued beside decodes, and a 2,048-token prompt of fast-decaying
+    heads give the plain kernels' outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    rng = np.random.default_rng(11)
+    for fast_decay, steps in ((False, [([200, 1, 64, 9], [3, 1, 4, 2], True), ([130, 1, 70, 1, 65], [3, 1, 4, 2, 6], False)]),
+                              (True, [([2048], [5], True)])):
+        plain, staged = Layer(np.random.default_rng(12), fast_decay), Layer(np.random.default_rng(12), fast_decay)
+        for lengths, slots, fresh in steps:
+            query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.asarray(slots, np.int64),
+                                                            np.full(len(slots), fresh)))
+            proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
+            outs = []
+            for layer, choice in ((plain, "plain"), (staged, variant)):
+                monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
+                outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                            layer.device_ssm, seqs, plain.config)))
+            np.testing.assert_array_equal(outs[1], outs[0])
+            np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
+            np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))

@@ -13,7 +13,9 @@ run the split-KV short-query kernel from ``SHORT_QUERY_MIN_CONTEXT`` tokens of c
 only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTENTION=0``: all rows
 on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
-``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``) for measurements.
+``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``; here
+``OPENINFER_SM90_KV_LOADS``: TMA or cp.async K/V copies, ``OPENINFER_SM90_SCHEDULE``: a CTA per work
+item or persistent CTAs) for measurements.
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
@@ -22,6 +24,7 @@ These switches are read once per process (a prefill step does not look at the en
 from __future__ import annotations
 
 import functools
+import os
 
 import cupy
 import numpy as np
@@ -42,15 +45,102 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     PREFILL_KERNELS,
     SHORT_QUERY_ENV,
     SM90_BLOCK_M,
-    SM90_ENV,
     SM90_HEAD_DIMS,
     kernel_choices,
-    refresh_kernel_choices,
     sm90_shared_bytes,
     sm90_variant,
 )
+from openinfer.backend.cuda.kernel_choices import SM90_ENV as _CORE_SM90_ENV
+from openinfer.backend.cuda.kernel_choices import refresh_kernel_choices as _refresh_core_choices
 from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.qkv_write import (
+    vector_qkv_write_supported,
+    wants_vector_qkv_write,
+    write_qkv_vectorized,
+)
+from openinfer.backend.cuda.tensor_maps import page_maps
 from openinfer.rope import RotaryEmbedding
+
+# OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
+# cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
+# "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
+# last tile by cp.async; "tma_multicast": the same, and CTA pairs (query heads 2i, 2i+1 of one KV
+# head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
+# GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
+# kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
+# keep cp.async.
+SM90_KV_LOADS = "cp_async"
+SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast")
+# OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
+# (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
+# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
+SM90_SCHEDULE = "grid"
+SM90_SCHEDULES = ("grid", "persistent")
+SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS", "schedule": "OPENINFER_SM90_SCHEDULE"}
+
+
+@functools.cache
+def sm90_kv_loads() -> str:
+    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, "tma" or "tma_multicast"), read once per process."""
+    value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
+    if value not in SM90_KV_LOAD_MODES:
+        raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
+    return value
+
+
+@functools.cache
+def sm90_schedule() -> str:
+    """OPENINFER_SM90_SCHEDULE ("grid", the default, or "persistent"), read once per process."""
+    value = os.environ.get(SM90_ENV["schedule"], SM90_SCHEDULE)
+    if value not in SM90_SCHEDULES:
+        raise ValueError(f"{SM90_ENV['schedule']} must be one of {SM90_SCHEDULES}, got {value!r}")
+    return value
+
+
+def refresh_kernel_choices() -> None:
+    """Re-read every attention kernel switch (kernel_choices.refresh_kernel_choices),
+    OPENINFER_SM90_KV_LOADS and OPENINFER_SM90_SCHEDULE at their next use."""
+    _refresh_core_choices()
+    sm90_kv_loads.cache_clear()
+    sm90_schedule.cache_clear()
+
+
+@functools.cache
+def _num_sms(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+# The persistent kernel's work counter and finished-CTA count, per device: zero between launches
+# (the last CTA of each launch resets them), so launches on one device must not overlap (the
+# engine runs a device's steps on one stream).
+_schedulers: dict[int, cupy.ndarray] = {}
+
+
+def _persistent_scheduler(head_dim: int) -> cupy.ndarray | None:
+    """The device counter of a persistent launch, or None for the grid schedule (not asked for,
+    another head size, or a CUDA graph being captured before the counter exists)."""
+    if sm90_schedule() != "persistent" or head_dim != 128:
+        return None
+    device_id = cupy.cuda.Device().id
+    found = _schedulers.get(device_id)
+    if found is None and not cupy.cuda.get_current_stream().is_capturing():
+        found = _schedulers[device_id] = cupy.zeros(2, dtype=cupy.int32)
+    return found
+
+
+def _tma_kv_loads(head_dim: int, kv: KVLayer) -> bool:
+    """Whether this launch takes TMA K/V loads: asked for, a cache layout they copy page by page,
+    and the maps already made or makeable (nothing is uploaded while a CUDA graph is captured)."""
+    block_size = int(kv.k.shape[1])
+    block_n = 64 if head_dim == 256 else 128
+    if sm90_kv_loads() == "cp_async" or block_n % block_size or block_size % 8:
+        return False
+    if not (kv.k.flags.c_contiguous and kv.v.flags.c_contiguous):
+        return False
+    if cupy.cuda.get_current_stream().is_capturing():
+        return page_maps.cached(kv.k) is not None and page_maps.cached(kv.v) is not None
+    return True
+
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 NULL = np.uint64(0)
@@ -85,6 +175,8 @@ def _check(spec: AttentionSpec, kv: KVLayer) -> None:
 def write_qkv(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
               ropes: RopeTables) -> cupy.ndarray:
     """Norm + rotate q and k, store k/v at the batch's slots; returns q ``[T, nh, d]``."""
+    if wants_vector_qkv_write() and vector_qkv_write_supported(spec):  # opt-in: OPENINFER_VECTOR_QKV_WRITE=1
+        return write_qkv_vectorized(qkv, spec, kv, batch, ropes)
     num_tokens = qkv.shape[0]
     if qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
         raise ValueError(f"qkv has {qkv.shape[1]} features, expected q+k+v = {spec.q_size + 2 * spec.kv_size}")
@@ -159,13 +251,23 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
     if implementation == "sm90":
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
+        tma = _tma_kv_loads(spec.head_dim, kv)
+        scheduler = _persistent_scheduler(spec.head_dim)
+        multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
+                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
-                         **variant.defines(spec.head_dim, int(kv.k.shape[1])))
-        if variant.kv_head_major_grid:
+                         **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
+                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast))
+        if scheduler is not None:
+            grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
+        elif variant.kv_head_major_grid:
             grid = (spec.num_heads // spec.num_kv_heads * num_tiles, spec.num_kv_heads)
         else:
             grid = (spec.num_heads, num_tiles)
-        fn(grid, (384,), args, shared_mem=shared)
+        maps = (np.uint64(page_maps.get(kv.k).data.ptr), np.uint64(page_maps.get(kv.v).data.ptr)) if tma \
+            else (NULL, NULL)
+        fn(grid, (384,), (*args, *maps, np.int32(num_tiles), NULL if scheduler is None else scheduler),
+           shared_mem=shared)
         return out
     fn = kernel("prefill_attention.cu", "prefill_attention", HEAD_DIM=spec.head_dim)
     shared = 5 * 64 * (spec.head_dim + 8) * 2  # Q + two stages of K and V, 64 rows each (prefill_attention.cu)

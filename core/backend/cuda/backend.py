@@ -35,6 +35,9 @@ from openinfer.backend.cuda.weight_upload import uploader
 
 logger = logging.getLogger("openinfer.backend.cuda")
 
+SILU_MUL_ROWS_ENV = "OPENINFER_SILU_MUL_ROWS"  # "1": silu_mul over a (row, chunk) grid
+SILU_MUL_ROWS_THREADS = 128  # silu_mul_rows: 2 x 128 vectors (2048 outputs) per block
+NORM_ROWS_PER_BLOCK = 4  # rms_norm.cu's row kernels: one warp per row, 4 rows per block
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 # what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
 STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()),
@@ -42,8 +45,25 @@ STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "ap
 
 
 def _norm_threads(features: int) -> int:
-    """rms_norm.cu's block size for a row of ``features`` (the fused GEMV reproduces its sum order)."""
-    return min(1024, max(32, -(-features // 32) * 32 // 2))
+    """rms_norm.cu's block size for a row of ``features`` (the fused GEMV reproduces its sum order):
+    about two elements per thread, whole warps (block_sum's shuffles take all 32 lanes; the former
+    ``ceil(features / 32) * 32 // 2`` gave half a warp for e.g. 520 features, a wrong sum)."""
+    return min(1024, max(32, -(-features // 64) * 32))
+
+
+ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "1": rms_norm / add_rms_norm one warp per row
+# rms_norm.cu's row kernels hold a row (and the norm weight) in registers: up to 3072 features
+# (12 vectors per lane: 177 / 208 registers, no spills; 16 spill)
+ROW_NORM_MAX_VECTORS_PER_LANE = 12
+
+
+def row_norm_vectors_per_lane(features: int, *arrays: cupy.ndarray) -> int:
+    """VECS_PER_LANE of rms_norm.cu's one-warp-per-row kernels for rows of ``features``, or 0
+    where they do not apply (a width not a multiple of 8, wider than 3072, or an unaligned array)."""
+    vectors = -(-features // 256)
+    if features % 8 or vectors > ROW_NORM_MAX_VECTORS_PER_LANE or any(a.data.ptr % 16 for a in arrays):
+        return 0
+    return vectors
 
 
 def _int_env(name: str, default: int, minimum: int) -> int:
@@ -92,6 +112,14 @@ class CudaBackend:
         self.fused_launch = FusedLaunch(
             blocks_per_sm=_int_env("OPENINFER_FUSED_DECODE_BLOCKS_PER_SM", FUSED_LAUNCH.blocks_per_sm, minimum=1),
             prefetch_bytes=_int_env("OPENINFER_FUSED_DECODE_PREFETCH_BYTES", FUSED_LAUNCH.prefetch_bytes, minimum=0))
+        # rms_norm / add_rms_norm on rms_norm.cu's one-warp-per-row kernels (16-byte accesses, the
+        # row and weight in registers) instead of one block per row; with fused decode on, one decode
+        # row stays on the block kernel, whose sum order the fused GEMV reproduces. Opt-in
+        # (OPENINFER_ROW_NORMS=1) until measured; benchmarks/gpu_elementwise.py times both.
+        self.row_norms = os.environ.get(ROW_NORMS_ENV, "0") in ("1", "true", "on")
+        # silu_mul on elementwise.cu's silu_mul_rows (a 2-D grid, two 16-byte vectors per thread, no
+        # grid-stride loop; the same bits as silu_mul_vec8). Opt-in (OPENINFER_SILU_MUL_ROWS=1) until measured.
+        self.silu_mul_rows = os.environ.get(SILU_MUL_ROWS_ENV, "0") in ("1", "true", "on")
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
 
@@ -183,12 +211,20 @@ class CudaBackend:
     def embedding(self, table: cupy.ndarray, token_ids: Any) -> cupy.ndarray:
         return self.gather_rows(table, token_ids)
 
+    def _row_norms_for(self, rows: int) -> bool:
+        return self.row_norms and rows > 0 and (rows > 1 or not self.fuse_decode)
+
     def rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
         x = _bf16(x, "rms_norm input")
         features = x.shape[-1]
         out = cupy.empty_like(x)
         rows = x.size // features
-        if rows:
+        vectors = row_norm_vectors_per_lane(features, x, weight) if self._row_norms_for(rows) else 0
+        if vectors:
+            kernel("rms_norm.cu", "rms_norm_rows", VECS_PER_LANE=vectors)(
+                (-(-rows // NORM_ROWS_PER_BLOCK),), (32 * NORM_ROWS_PER_BLOCK,),
+                (x, weight, out, np.int32(rows), np.int32(features), np.float32(eps)))
+        elif rows:
             kernel("rms_norm.cu", "rms_norm")((rows,), (_norm_threads(features),),
                                               (x, weight, out, np.int32(features), np.float32(eps)))
         return out
@@ -201,7 +237,13 @@ class CudaBackend:
         features = x.shape[-1]
         out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
         rows = x.size // features
-        if rows:
+        vectors = (row_norm_vectors_per_lane(features, x, residual, weight)
+                   if self._row_norms_for(rows) else 0)
+        if vectors:
+            kernel("rms_norm.cu", "add_rms_norm_rows", VECS_PER_LANE=vectors)(
+                (-(-rows // NORM_ROWS_PER_BLOCK),), (32 * NORM_ROWS_PER_BLOCK,),
+                (x, residual, weight, out, residual_out, np.int32(rows), np.int32(features), np.float32(eps)))
+        elif rows:
             kernel("rms_norm.cu", "add_rms_norm")(
                 (rows,), (_norm_threads(features),),
                 (x, residual, weight, out, residual_out, np.int32(features), np.float32(eps)))
@@ -241,7 +283,11 @@ class CudaBackend:
         half = gate_up.shape[-1] // 2
         rows = gate_up.size // gate_up.shape[-1]
         out = cupy.empty((*gate_up.shape[:-1], half), dtype=cupy.uint16)
-        if out.size and half % 8 == 0 and out.size // 8 < 2**30 and gate_up.data.ptr % 16 == 0:
+        if self.silu_mul_rows and out.size and half % 8 == 0 and gate_up.data.ptr % 16 == 0:
+            chunks = -(-(half // 8) // (2 * SILU_MUL_ROWS_THREADS))
+            kernel("elementwise.cu", "silu_mul_rows")((rows, chunks), (SILU_MUL_ROWS_THREADS,),
+                                                      (gate_up, out, np.int32(half // 8)))
+        elif out.size and half % 8 == 0 and out.size // 8 < 2**30 and gate_up.data.ptr % 16 == 0:
             # 8 outputs per thread, 16-byte accesses (same bits as silu_mul)
             kernel("elementwise.cu", "silu_mul_vec8")((_blocks(out.size // 8),), (256,),
                                                       (gate_up, out, np.int32(out.size // 8), np.int32(half // 8)))

@@ -18,6 +18,7 @@ are built by ``runtime.sampler.device_sampling_inputs``.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,14 +69,26 @@ class _MaskGates:
     TIMEOUT_NS = 10_000_000_000
 
     def __init__(self) -> None:
-        # [flags | timed-out marks], mapped into the device's address space (kept for the process)
-        words, self._device_address = _mapped_host_int32(2 * self.DEPTH)
+        # [flags | timed-out marks | waited ns (uint64)], mapped into the device's address space (kept
+        # for the process)
+        words, self._device_address = _mapped_host_int32(4 * self.DEPTH)
         words[...] = 0
-        self._flags, self._timed_out = words[:self.DEPTH], words[self.DEPTH:]
+        self._flags, self._timed_out = words[:self.DEPTH], words[self.DEPTH:2 * self.DEPTH]
+        self._waited_ns = words[2 * self.DEPTH:].view(np.uint64)
         self._buffers: list[np.ndarray | None] = [None] * self.DEPTH
         self._next_slot = 0
         self._sequence = 0
         self._lock = threading.Lock()
+        self._device_wait_ns = 0
+        self._device_waits = 0
+
+    @property
+    def device_wait_ms(self) -> tuple[float, int]:
+        """The GPU's time spent waiting for grammar masks (ms) and the number of steps that queued
+        such a wait, over the steps read back since the process started (for benchmarks: take the
+        difference around a run)."""
+        with self._lock:
+            return self._device_wait_ns / 1e6, self._device_waits
 
     def queue_wait(self, masks: GrammarMasks) -> tuple[cupy.ndarray, Callable[[], None]]:
         """Queue the wait for ``masks`` and their upload; returns the device bitmask and the
@@ -91,6 +104,7 @@ class _MaskGates:
             buffer = self._buffers[slot] = cupyx.empty_pinned((max(size, 1),), np.int32)
         host = buffer[:size].reshape(shape)
         self._timed_out[slot] = 0
+        self._waited_ns[slot] = 0
         masks.compute_into(host)
 
         def release(ready: GrammarMasks) -> None:  # on the thread that finished the masks
@@ -100,11 +114,15 @@ class _MaskGates:
 
         kernel("logit_constraints.cu", "wait_for_host_flag")(
             (1,), (1,), (np.uint64(self._device_address + 4 * slot), np.int32(sequence),
-                         np.uint64(self.TIMEOUT_NS), np.uint64(self._device_address + 4 * (self.DEPTH + slot))))
+                         np.uint64(self.TIMEOUT_NS), np.uint64(self._device_address + 4 * (self.DEPTH + slot)),
+                         np.uint64(self._device_address + 4 * 2 * self.DEPTH + 8 * slot)))
         device = upload_pinned(host)
         masks.when_ready(release)
 
-        def check() -> None:
+        def check() -> None:  # at read-back: the wait kernel ran long before
+            with self._lock:
+                self._device_wait_ns += int(self._waited_ns[slot])
+                self._device_waits += 1
             if self._timed_out[slot]:
                 raise RuntimeError("the GPU gave up waiting for the step's grammar masks")
             masks.wait()
@@ -127,6 +145,18 @@ def _mapped_host_int32(count: int) -> tuple[np.ndarray, int]:
 
 
 _gates: _MaskGates | None = None
+# =1: logit_bias and grammar masks applied by ``apply_logit_constraints_tiled`` (a row spread over
+# blocks of CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD tokens) instead of one block per row,
+# and in the engine's asynchronous sampling to the forward's logits in place (no copy of them); read
+# at every step (benchmarks switch it between runs); opt-in until measured on a GPU
+TILED_CONSTRAINTS_ENV = "OPENINFER_TILED_LOGIT_CONSTRAINTS"
+CONSTRAINT_THREADS = 256
+CONSTRAINT_TOKENS_PER_THREAD = 8  # TOKENS_PER_THREAD of logit_constraints.cu
+
+
+def tiled_logit_constraints() -> bool:
+    """Whether ``OPENINFER_TILED_LOGIT_CONSTRAINTS=1`` is set (now)."""
+    return os.environ.get(TILED_CONSTRAINTS_ENV) == "1"
 
 
 def mask_gates() -> _MaskGates:
@@ -146,9 +176,10 @@ def upload_pinned(host: np.ndarray) -> cupy.ndarray:
 
 
 def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs,
-                  checks: list[Callable[[], None]] | None = None) -> cupy.ndarray:
+                  checks: list[Callable[[], None]] | None = None, in_place: bool = False) -> cupy.ndarray:
     """``logits`` with the rows' logit_bias added and grammar masks applied: a new array when any
-    row has either, ``logits`` itself (untouched) when none has. The host arrays go up by
+    row has either (``in_place``: ``logits`` itself when C-contiguous), ``logits`` itself
+    (untouched) when none has. The host arrays go up by
     CuPy's staged asynchronous copies: nothing here waits for the device. Masks not computed
     yet are waited for on the device (``_MaskGates``; needs ``checks``, which gets the check
     to run at read-back)."""
@@ -175,10 +206,13 @@ def _apply_inputs(logits: cupy.ndarray, inputs: DeviceSamplingInputs,
     else:
         mask_rows = cupy.full(rows, -1, cupy.int32)
         bitmask, words = mask_rows, 0
-    adjusted = cupy.array(logits, copy=True, order="C")
-    kernel("logit_constraints.cu", "apply_logit_constraints")(
-        (rows,), (256,), (adjusted, np.int32(vocab), bias_start, bias_ids, bias_values, bitmask, np.int32(words),
-                          mask_rows))
+    adjusted = logits if in_place and logits.flags.c_contiguous else cupy.array(logits, copy=True, order="C")
+    arguments = (adjusted, np.int32(vocab), bias_start, bias_ids, bias_values, bitmask, np.int32(words), mask_rows)
+    if tiled_logit_constraints():
+        tiles = -(-vocab // (CONSTRAINT_THREADS * CONSTRAINT_TOKENS_PER_THREAD))
+        kernel("logit_constraints.cu", "apply_logit_constraints_tiled")((rows, tiles), (CONSTRAINT_THREADS,), arguments)
+    else:
+        kernel("logit_constraints.cu", "apply_logit_constraints")((rows,), (CONSTRAINT_THREADS,), arguments)
     return adjusted
 
 
@@ -191,12 +225,13 @@ def apply_logit_constraints(logits: cupy.ndarray, states: Sequence[SamplingState
 
 def launch_device_sampling(logits: cupy.ndarray, states: Sequence[SamplingState],
                            masks: GrammarMasks | None = None,
-                           checks: list[Callable[[], None]] | None = None) -> cupy.ndarray:
+                           checks: list[Callable[[], None]] | None = None, in_place: bool = False) -> cupy.ndarray:
     """Queue the sampling kernel; the token ids [rows] stay on the device (int32). ``checks``:
     masks still being computed are waited for on the device, and the check to run at read-back
-    is appended here (without, they are waited for here)."""
+    is appended here (without, they are waited for here). ``in_place``: the bias and masks may be
+    applied to ``logits`` itself (nothing reads them after the sampling)."""
     inputs = device_sampling_inputs(states, masks)
-    logits = _apply_inputs(logits, inputs, checks)
+    logits = _apply_inputs(logits, inputs, checks, in_place)
     rows, vocab = logits.shape
     device_params = cupy.asarray(inputs.params)
     tokens = cupy.empty(rows, dtype=cupy.int32)
@@ -258,7 +293,9 @@ def sample_rows_async(logits: cupy.ndarray, rows: Sequence[LogitsRow],
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
     checks: list[Callable[[], None]] = []
-    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows], masks, checks)
+    # the step's logits are read by this sampling only: the tiled kernel masks them in place
+    tokens = launch_device_sampling(logits, [row.request.sampling for row in rows], masks, checks,
+                                    in_place=tiled_logit_constraints())
     pinned = cupyx.empty_pinned(tokens.shape, dtype=np.int32)
     stream = cupy.cuda.get_current_stream()
     tokens.get(stream=stream, out=pinned, blocking=False)

@@ -13,9 +13,21 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
                                       the token's scalars read beside the state column
                                       (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default)
+                                      which one is the default); split32 / split64: a head's
+                                      state columns over dv / 32 (dv / 64) smaller blocks
+                                      (gdn_decode_step_split32 / _split64, the same bits)
     prefill, longest row >= 8 tokens  gdn_conv1d, gdn_conv_state, gdn_chunk_prepare,
-                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm
+                                      gdn_chunk_scan (tensor cores, chunks of 64), gdn_gated_norm;
+                                      OPENINFER_QWEN35_GDN_PREFILL=staged: gdn_conv1d_vec (8
+                                      channels a thread), gdn_chunk_prepare_staged (every
+                                      global read issued first) and gdn_gated_norm_warp (a warp
+                                      per token and head), the same bits; =split:
+                                      that, then the scan split in gdn_chunk_states (the
+                                      sequential state walk alone) and gdn_chunk_output (O for
+                                      every chunk at once; the same bits); =split_rows: that,
+                                      and a mixed step's one-token rows through
+                                      gdn_delta_rule_rows (token by token) instead of a
+                                      one-row chunk each (within bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -27,11 +39,13 @@ value head dim not a multiple of 32) use them too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
@@ -44,10 +58,14 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv_state", "gdn_delta_rule", "gdn_gated_norm", "sigmoid_mul",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+                                 "gdn_gated_norm",
+                                 "gdn_gated_norm_warp", "sigmoid_mul",
                                  "zero_centred_rms_norm", "zero_centred_add_rms_norm"),
-           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_scan"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads")}
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
+                              "gdn_chunk_output"),
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_split32",
+                             "gdn_decode_step_split64")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -58,8 +76,29 @@ CHUNKED_MIN_TOKENS = 8  # a prefill step whose longest row is shorter runs the t
 MAX_FUSED_DECODE_ROWS = 1024  # decode batches up to this many rows take gdn_decode_step
 FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two blocks per SM)
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
-DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # "plain" | "early_loads": which fused decode kernel
-DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads"}
+DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
+DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
+                  "split32": "gdn_decode_step_split32", "split64": "gdn_decode_step_split64"}
+SPLIT_DECODE_TILES = {"gdn_decode_step_split32": 32, "gdn_decode_step_split64": 64}  # state columns a block
+PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
+
+
+class PrefillKernels(NamedTuple):
+    conv: str  # the varlen conv (every prefill step)
+    prepare: str  # the chunked path's per-chunk kernel
+    split_scan: bool  # the chunk walk as gdn_chunk_states + gdn_chunk_output instead of gdn_chunk_scan
+    norm: str  # the gated RMSNorm (every prefill step)
+    # a chunked step's one-token rows (a mixed step's decodes) through gdn_delta_rule_rows instead
+    # of a one-row chunk each (a whole chunk's work: a prepare block a head, a scan walk a tile)
+    rows_apart: bool = False
+
+
+PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
+                   "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False, "gdn_gated_norm_warp"),
+                   "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
+                   "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
+                                                "gdn_gated_norm_warp", True)}
+DEFAULT_PREFILL_KERNELS = "plain"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 DEFAULT_DECODE_KERNEL = "early_loads"
@@ -89,14 +128,76 @@ def use_recurrent_kernels() -> bool:
     return os.environ.get(KERNELS_ENV, "").strip().lower() == "recurrent"
 
 
-def decode_kernel() -> str:
-    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (``plain`` or ``early_loads``),
+def decode_kernel(config: Qwen35Config | None = None) -> str:
+    """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
-    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with)."""
+    ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). A split kernel
+    whose tile does not divide ``config``'s value head dim gives way to early_loads."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
-    return DECODE_KERNELS[choice]
+    name = DECODE_KERNELS[choice]
+    tile = SPLIT_DECODE_TILES.get(name)
+    if tile and config is not None and config.linear_value_head_dim % tile:
+        return DECODE_KERNELS["early_loads"]
+    return name
+
+
+_kernel_events: list | None = None  # (name, start, stop) of each launch while kernel_timer() is active
+
+
+@contextlib.contextmanager
+def kernel_timer() -> Iterator[dict[str, float]]:
+    """Device time per kernel of the ``delta_net`` calls made inside the block (eager launches
+    only): each launch is bracketed by CUDA events, and on exit the yielded dict maps each
+    kernel name to its summed milliseconds (the benchmark's per-kernel breakdown)."""
+    global _kernel_events
+    if _kernel_events is not None:
+        raise RuntimeError("kernel_timer() blocks do not nest")
+    _kernel_events = []
+    times: dict[str, float] = {}
+    try:
+        yield times
+    finally:
+        events, _kernel_events = _kernel_events, None
+        if events:
+            events[-1][2].synchronize()
+        for name, start, stop in events:
+            times[name] = times.get(name, 0.0) + cupy.cuda.get_elapsed_time(start, stop)
+
+
+def _launch(name: str, function: cupy.RawKernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    if _kernel_events is None:
+        function(grid, block, args, shared_mem=shared_mem)
+        return
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    function(grid, block, args, shared_mem=shared_mem)
+    stop.record()
+    _kernel_events.append((name, start, stop))
+
+
+def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
+    """The prefill path's kernels: ``OPENINFER_QWEN35_GDN_PREFILL`` (a key of ``PREFILL_KERNELS``),
+    else ``DEFAULT_PREFILL_KERNELS``; ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` keeps the plain
+    ones. Shapes a fast kernel does not take get the plain one: the 8-channel conv needs conv_dim
+    and the projection's row stride in multiples of 8, the staged prepare (a chunk's v rows in
+    registers) a value head dim no larger than the key head dim, the warp-per-head norm a value
+    head dim that is a multiple of 32 up to 256."""
+    choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {sorted(PREFILL_KERNELS)}")
+    plain = PREFILL_KERNELS["plain"]
+    if use_recurrent_kernels():
+        return plain
+    kernels = PREFILL_KERNELS[choice]
+    if config.conv_dim % 8 or proj_stride % 8:
+        kernels = kernels._replace(conv=plain.conv)
+    if config.linear_value_head_dim > config.linear_key_head_dim:
+        kernels = kernels._replace(prepare=plain.prepare)
+    if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
+        kernels = kernels._replace(norm=plain.norm)
+    return kernels
 
 
 def _round_128(size: int) -> int:
@@ -119,6 +220,20 @@ def chunk_scan_shared_bytes(dk: int) -> int:
             + 2 * _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
+def chunk_states_shared_bytes(dk: int) -> int:
+    """gdn_chunk_states' dynamic shared memory (its carve, in order)."""
+    row_k, row_c = dk + 8, CHUNK_SIZE + 8
+    return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
+            + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
+def chunk_output_shared_bytes(dk: int) -> int:
+    """gdn_chunk_output's dynamic shared memory (its carve, in order)."""
+    row_k, row_c = dk + 8, CHUNK_SIZE + 8
+    return (_round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2) + _round_128(SCAN_TILE * row_k * 2)
+            + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
 def chunked_supported(config: Qwen35Config) -> bool:
     return config.linear_key_head_dim % 64 == 0 and config.linear_value_head_dim % SCAN_TILE == 0
 
@@ -135,15 +250,21 @@ def fused_decode_supported(config: Qwen35Config) -> bool:
 
 
 @functools.cache
-def _arrivals(device_id: int, size: int) -> cupy.ndarray:
-    """gdn_decode_step's per (row, key head) arrival counters: zero between launches (the
-    last block of each key head resets its own), so one buffer serves every layer and replay."""
+def _arrivals(device_id: int, size: int, per: str = "key head") -> cupy.ndarray:
+    """gdn_decode_step's per (row, key head) arrival counters (the split kernels' per (row,
+    value head) ones too): zero between launches (the last block to arrive resets its own), so
+    one buffer serves every layer and replay."""
     with cupy.cuda.Device(device_id):
         return cupy.zeros(size, dtype=cupy.int32)
 
 
 def arrival_counters(config: Qwen35Config) -> cupy.ndarray:
     return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_key_heads)
+
+
+def head_arrival_counters(config: Qwen35Config) -> cupy.ndarray:
+    """The split decode kernels' per (row, value head) counters: the last tile block norms the head."""
+    return _arrivals(cupy.cuda.Device().id, MAX_FUSED_DECODE_ROWS * config.linear_num_value_heads, "value head")
 
 
 def warm_up(config: Qwen35Config) -> None:
@@ -153,12 +274,16 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if chunked_supported(config):
-        kernel("gdn_chunk_prepare", dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
+        for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
+            kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
+        kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
         for name in DECODE_KERNELS.values():
             kernel(name, dk, 0, config.linear_conv_kernel_dim)
         arrival_counters(config)
+        head_arrival_counters(config)
 
 
 def _blocks(n: int, threads: int = 256, cap: int = 8192) -> int:
@@ -234,43 +359,79 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
         args = (proj, stride, w.conv_weight, conv_state, ssm_state, w.neg_decay_rate, w.dt_bias, w.norm,
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
-        kernel(decode_kernel(), dk, 0, width)((num_seqs, nv), (fused_decode_threads(config),), args)
+        name = decode_kernel(config)
+        tile = SPLIT_DECODE_TILES.get(name)
+        if tile:
+            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv, dv // tile), (tile * SPLIT,),
+                    (*args, head_arrival_counters(config)))
+        else:
+            _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
-    kernel("gdn_conv1d", dk)(
-        (_blocks(num_tokens * conv_dim),), (256,),
-        (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
-         device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
-    kernel("gdn_conv_state", dk)(
-        (_blocks(num_seqs * conv_dim),), (256,),
-        (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
-         np.int32(conv_dim), np.int32(width)))
+    prefill = prefill_kernels(config, proj.shape[1])
+    if prefill.conv == "gdn_conv1d_vec" and (proj.data.ptr % 16 or conv_state.data.ptr % 16):
+        prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
+    conv_grid, conv_block = (((num_tokens, -(-conv_dim // 1024)), (128,)) if prefill.conv == "gdn_conv1d_vec"
+                             else ((_blocks(num_tokens * conv_dim),), (256,)))
+    _launch(prefill.conv, kernel(prefill.conv, dk), conv_grid, conv_block,
+            (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
+             device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
+    _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
+            (_blocks(num_seqs * conv_dim),), (256,),
+            (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
+             np.int32(conv_dim), np.int32(width)))
     host_query_start = seqs.query_start
+    tile_dv = min(dv, TILE_DV)
+    delta_rule_grid, delta_rule_block = (nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,)
+    delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
+                       device["slots"], device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv),
+                       np.int32(tile_dv))
     if (not recurrent and host_query_start is not None and chunked_supported(config)
             and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
-        _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core)
+        lengths = np.diff(host_query_start)
+        if prefill.rows_apart and (lengths == 1).any():
+            single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+            ids = cupy.asarray(np.concatenate([single, chunked]).astype(np.int32))
+            _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
+                    delta_rule_block, (*delta_rule_args, ids[: len(single)]))
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill,
+                                (chunked, ids[len(single) :]))
+        else:
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
     else:
-        tile_dv = min(dv, TILE_DV)
-        kernel("gdn_delta_rule", dk)(
-            (num_seqs, nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,),
-            (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"], device["slots"],
-             device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv), np.int32(tile_dv)))
-    kernel("gdn_gated_norm", dk)(
-        (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
-        (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
-         np.float32(config.rms_norm_eps)))
+        _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
+                delta_rule_args)
+    if prefill.norm == "gdn_gated_norm_warp":
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,),
+                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
+                 np.float32(config.rms_norm_eps)))
+    else:
+        _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
+                (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
+                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(dv),
+                 np.float32(config.rms_norm_eps)))
     return out
 
 
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
-                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray) -> None:
-    """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence cut
-    into chunks of 64 from its first row; ``core`` gets the output O, the slots the new state."""
+                        seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray, prefill: PrefillKernels,
+                        subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
+    """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
+    ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
+    ``core`` gets the output O, the slots the new state."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
-    num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
-    chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
+    num_tokens = proj.shape[0]
+    slots, fresh = seqs.device["slots"], seqs.device["fresh"]
+    if subset is None:
+        num_seqs = len(seqs.slots)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
+    else:
+        host_ids, device_ids = subset
+        num_seqs = len(host_ids)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=host_ids)
+        slots, fresh = slots[device_ids], fresh[device_ids]
     num_chunks = len(chunk_start)
     layout = cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
@@ -281,15 +442,29 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare_bytes = chunk_prepare_shared_bytes(dk, dv)
-    kernel("gdn_chunk_prepare", dk, prepare_bytes)(
-        (num_chunks, nv), (128,),
-        (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
-         u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    prepare = prefill.prepare
+    _launch(prepare, kernel(prepare, dk, prepare_bytes),
+            (num_chunks, nv), (128,),
+            (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
+             u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    if prefill.split_scan:
+        states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
+        v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
+        states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
+        _launch("gdn_chunk_states", kernel("gdn_chunk_states", dk, states_bytes),
+                (num_seqs, nv, dv // SCAN_TILE), (128,),
+                (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
+                 np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
+        _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),
+                (num_chunks, nv), (128,),
+                (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv), np.int32(dv)),
+                shared_mem=output_bytes)
+        return
     scan_bytes = chunk_scan_shared_bytes(dk)
-    kernel("gdn_chunk_scan", dk, scan_bytes)(
-        (num_seqs, nv, dv // SCAN_TILE), (128,),
-        (qn, kn, w_chunks, u_chunks, p_chunks, cum, starts, lengths, per_seq, seqs.device["slots"],
-         seqs.device["fresh"], ssm_state, core, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
+    _launch("gdn_chunk_scan", kernel("gdn_chunk_scan", dk, scan_bytes),
+            (num_seqs, nv, dv // SCAN_TILE), (128,),
+            (qn, kn, w_chunks, u_chunks, p_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, core,
+             np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
 def sigmoid_mul(x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:

@@ -90,19 +90,22 @@ def causal_conv1d_step(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarra
 # --- the gated delta rule ----------------------------------------------------------------------
 
 
-def chunk_layout(query_start: np.ndarray, chunk_size: int = CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chunk_layout(query_start: np.ndarray, chunk_size: int = CHUNK_SIZE,
+                 seq_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The chunks of a step's sequences (rows ``query_start[s]:query_start[s+1]``), as the CUDA
     chunked prefill walks them: ``(chunk_start [N], chunk_len [N], seq_chunks [B+1])`` int32 —
     each sequence's tokens cut into chunks of ``chunk_size`` from its first row (the last one
-    shorter), sequence s owning chunks ``seq_chunks[s]:seq_chunks[s+1]``."""
+    shorter), sequence s owning chunks ``seq_chunks[s]:seq_chunks[s+1]``. With ``seq_ids``, only
+    those sequences, in that order (``seq_chunks`` then indexes ``seq_ids``)."""
     query_start = np.asarray(query_start, np.int64)
-    lengths = np.diff(query_start)
-    counts = -(-lengths // chunk_size)
+    ids = np.arange(len(query_start) - 1) if seq_ids is None else np.asarray(seq_ids, np.int64)
+    firsts, ends = query_start[ids], query_start[ids + 1]
+    counts = -(-(ends - firsts) // chunk_size)
     seq_chunks = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    owner = np.repeat(np.arange(len(lengths)), counts)
+    owner = np.repeat(np.arange(len(ids)), counts)
     index = np.arange(int(seq_chunks[-1])) - seq_chunks[owner]  # chunk number within its sequence
-    chunk_start = query_start[owner] + index * chunk_size
-    chunk_len = np.minimum(chunk_size, query_start[owner + 1] - chunk_start)
+    chunk_start = firsts[owner] + index * chunk_size
+    chunk_len = np.minimum(chunk_size, ends[owner] - chunk_start)
     return chunk_start.astype(np.int32), chunk_len.astype(np.int32), seq_chunks
 
 

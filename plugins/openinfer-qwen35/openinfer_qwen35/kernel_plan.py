@@ -33,6 +33,12 @@ GDN layer core         ``delta_net``:                                           
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
+Opt-in variants, the same bits (``cuda_ops``): ``OPENINFER_QWEN35_GDN_DECODE=split32|split64``
+(a head's state columns over several blocks) and ``OPENINFER_QWEN35_GDN_PREFILL=staged|split``
+(``gdn_conv1d_vec``, ``gdn_chunk_prepare_staged``, ``gdn_gated_norm_warp``; ``split``: ``gdn_chunk_scan`` as
+``gdn_chunk_states`` + ``gdn_chunk_output``); ``split_rows``: that, and a mixed step's
+one-token rows token by token (``gdn_delta_rule_rows``; within bf16 tolerance).
+
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
 ``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``
 (kernels in ``kernels/*.cu``). ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` runs the earlier

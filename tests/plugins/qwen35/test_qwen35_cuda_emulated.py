@@ -108,8 +108,8 @@ def fast_harness(tmp_path_factory) -> Path:
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     """The tensor-core chunked prefill (mma emulated lane by lane) over prompts that are not a
     multiple of 64, a chunk continuing a saved state and a one-token row; the fused decode step
-    over fresh and continuing sequences sharing key heads, and its early-loads variant (the same
-    bits)."""
+    over fresh and continuing sequences sharing key heads, and its early-loads and split
+    variants (the same bits)."""
     config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
                                      "linear_value_head_dim": FAST_VALUE_DIM})
     rng = np.random.default_rng(3)
@@ -169,6 +169,11 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(ssm[untouched], ssm_before[untouched])
 
     check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
+    # the 8-channel conv, the staged prepare kernel (every global read first) and the warp-per-head
+    # gated norm write the plain ones' arrays bit for bit
+    assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
+    # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
+    assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
     out = read_array(tmp_path, "decode_out", np.uint16, d_expected.shape)
     scale = max(1.0, float(np.abs(d_expected).max()))
@@ -187,3 +192,12 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(read_array(tmp_path, f"early_loads_{name}", dtype, shape),
                                       read_array(tmp_path, f"decode_{name}", dtype, shape))
     np.testing.assert_array_equal(read_array(tmp_path, "early_loads_arrivals", np.int32, (6 * nk,)), 0)
+    # the split kernels (dv / 32 and dv / 64 blocks a head, the last tile norming the head): the
+    # same bits too, and every counter back at zero
+    for prefix in ("split32", "split64"):
+        for name, dtype, shape in (("out", np.uint16, d_expected.shape), ("conv_state_out", np.uint16, d_conv.shape),
+                                   ("ssm_state_out", np.float32, d_ssm.shape)):
+            np.testing.assert_array_equal(read_array(tmp_path, f"{prefix}_{name}", dtype, shape),
+                                          read_array(tmp_path, f"decode_{name}", dtype, shape))
+        np.testing.assert_array_equal(read_array(tmp_path, f"{prefix}_arrivals", np.int32, (6 * nk,)), 0)
+        np.testing.assert_array_equal(read_array(tmp_path, f"{prefix}_head_arrivals", np.int32, (6 * nv,)), 0)

@@ -37,6 +37,40 @@ extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_st
     }
 }
 
+// gdn_conv1d with 8 adjacent channels a thread (OPENINFER_QWEN35_GDN_PREFILL=staged | split): grid
+// (T, ceil(conv_dim / 1024)), 128 threads; each input row and window row read by one 16-byte
+// load, the 8 outputs written by one, no 64-bit division per element. The same sums in the same
+// order: the same bits. The launcher takes it when conv_dim and proj_stride are multiples of 8
+// and the arrays are 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
+               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+               const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
+               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int width) {
+    const int t = blockIdx.x, c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c0 >= conv_dim) return;
+    const int s = token_seq[t], first = query_start[s], pos = t - first;
+    const bool is_fresh = fresh[s] != 0;
+    const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int j = 0; j < width; ++j) {
+        const int m = pos - (width - 1) + j;  // row within this step's tokens of the sequence
+        uint4 xv = make_uint4(0, 0, 0, 0);    // a fresh sequence's window reads as zeros
+        if (m >= 0) xv = *reinterpret_cast<const uint4*>(proj + (size_t)(first + m) * proj_stride + c0);
+        else if (!is_fresh) xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
+        const bf16* x = reinterpret_cast<const bf16*>(&xv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += to_f(weight[(size_t)(c0 + e) * width + j]) * to_f(x[e]);
+    }
+    uint4 yv;
+    bf16* y = reinterpret_cast<bf16*>(&yv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
+    *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
+}
+
 // After gdn_conv1d: each sequence's slot keeps the last K-1 conv inputs. One thread per
 // (sequence, channel), which reads its old window before writing it.
 extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int proj_stride,
@@ -68,16 +102,18 @@ extern "C" __global__ void gdn_conv_state(const bf16* __restrict__ proj, int pro
 // DK/SPLIT) of the state column S[:, j] in registers (part = t % SPLIT), and the SPLIT partial
 // dot products meet by shuffles — a short serial chain per token, which bounds prefill speed.
 // Writes the core output o (bf16, as HF hands it to the norm) for gdn_gated_norm.
-extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int proj_stride,
-                                          const bf16* __restrict__ conv_out, float* __restrict__ ssm_state,
-                                          const float* __restrict__ neg_decay_rate,
-                                          const float* __restrict__ dt_bias, const int* __restrict__ query_start,
-                                          const int* __restrict__ slots, const int* __restrict__ fresh,
-                                          bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv,
-                                          int tile_dv) {
+#define DELTA_RULE_PARAMS                                                                                    \
+    const bf16 *__restrict__ proj, int proj_stride, const bf16 *__restrict__ conv_out,                         \
+        float *__restrict__ ssm_state, const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias, \
+        const int *__restrict__ query_start, const int *__restrict__ slots, const int *__restrict__ fresh,        \
+        bf16 *__restrict__ core, int num_key_heads, int num_value_heads, int dv, int tile_dv
+#define DELTA_RULE_ARGS                                                                                      \
+    proj, proj_stride, conv_out, ssm_state, neg_decay_rate, dt_bias, query_start, slots, fresh, core,          \
+        num_key_heads, num_value_heads, dv, tile_dv
+__device__ __forceinline__ void delta_rule_sequence(int s, DELTA_RULE_PARAMS) {
     constexpr int ROWS = DK / SPLIT;
     __shared__ float q[DK], k[DK], scratch[32];
-    const int s = blockIdx.x, h = blockIdx.y;
+    const int h = blockIdx.y;
     const int local = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, row0 = part * ROWS;
     const int j = blockIdx.z * tile_dv + local;
     const bool active = local < tile_dv && j < dv;
@@ -119,6 +155,14 @@ extern "C" __global__ void gdn_delta_rule(const bf16* __restrict__ proj, int pro
     }
 }
 
+extern "C" __global__ void gdn_delta_rule(DELTA_RULE_PARAMS) { delta_rule_sequence(blockIdx.x, DELTA_RULE_ARGS); }
+
+// gdn_delta_rule over the sequences seq_ids[blockIdx.x] of the step (OPENINFER_QWEN35_GDN_PREFILL=
+// split_rows: a mixed step's one-token rows, while its prompts take the chunked kernels).
+extern "C" __global__ void gdn_delta_rule_rows(DELTA_RULE_PARAMS, const int* __restrict__ seq_ids) {
+    delta_rule_sequence(seq_ids[blockIdx.x], DELTA_RULE_ARGS);
+}
+
 // out[t, h, :] = RMSNorm(o[t, h, :]) * w * silu(z[t, h, :]), rounding as HF's bf16 RMSNormGated.
 // Grid (num_tokens, nv); blockDim.x a multiple of 32.
 extern "C" __global__ void gdn_gated_norm(const bf16* __restrict__ core, const bf16* __restrict__ proj,
@@ -138,6 +182,52 @@ extern "C" __global__ void gdn_gated_norm(const bf16* __restrict__ core, const b
         const float normed = round_bf16(to_f(o[c]) * inv_rms);
         out[(size_t)t * value_dim + (size_t)h * dv + c] =
             __float2bfloat16_rn(round_bf16(to_f(norm_weight[c]) * normed) * silu_f(to_f(z[c])));
+    }
+}
+
+// gdn_gated_norm with one warp per (token, head) and 4 heads a block (OPENINFER_QWEN35_GDN_PREFILL=
+// staged | split): grid (T, ceil(nv / 4)), 128 threads, no barrier; a lane reads its dv / 32
+// elements of o, z and the weight up front (one global round trip where the block kernel makes
+// two, with two barriers between). For dv a multiple of 32 up to 256, where gdn_gated_norm's
+// block is dv threads: lane l's element 32 e + l is that block's warp e, lane l, so summing each
+// e over the warp and then the dv / 32 warp sums by a 32-lane butterfly (block_sum's order) gives
+// the same bits.
+#define GATED_NORM_MAX_WARPS 8  // dv <= 256
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                    const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                    int num_value_heads, int dv, float eps) {
+    const int t = blockIdx.x, h = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (h >= num_value_heads) return;  // a whole warp
+    const int warps = dv / 32;
+    const bf16* o = core + (size_t)t * value_dim + (size_t)h * dv;
+    const bf16* z = proj + (size_t)t * proj_stride + conv_dim + (size_t)h * dv;
+    float ov[GATED_NORM_MAX_WARPS], zv[GATED_NORM_MAX_WARPS], wv[GATED_NORM_MAX_WARPS];
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        ov[e] = zv[e] = wv[e] = 0.f;
+        if (e < warps) {
+            ov[e] = to_f(o[32 * e + lane]);
+            zv[e] = to_f(z[32 * e + lane]);
+            wv[e] = to_f(norm_weight[32 * e + lane]);
+        }
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        if (e < warps) {
+            const float warp_total = warp_sum(ov[e] * ov[e]);
+            if (lane == e) total = warp_total;
+        }
+    }
+    const float inv_rms = rsqrtf(warp_sum(total) / (float)dv + eps);
+    bf16* dst = out + (size_t)t * value_dim + (size_t)h * dv;
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_MAX_WARPS; ++e) {
+        if (e < warps) {
+            const float normed = round_bf16(ov[e] * inv_rms);
+            dst[32 * e + lane] = __float2bfloat16_rn(round_bf16(wv[e] * normed) * silu_f(zv[e]));
+        }
     }
 }
 

@@ -106,14 +106,25 @@ __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 1
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_prepare: grid (N, nv), 128 threads (4 warps; warp w owns rows 16w..16w+15).
 // Dynamic shared memory: gdn_chunk_prepare_smem(dv) bytes (the launcher computes the same sum).
-extern "C" __global__ void __launch_bounds__(128)
-gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
-                  const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
-                  const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
-                  bf16* __restrict__ qn, bf16* __restrict__ kn, bf16* __restrict__ w_out, bf16* __restrict__ u_out,
-                  bf16* __restrict__ p_out, float* __restrict__ cum_out, int num_key_heads, int num_value_heads,
-                  int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+//
+// STAGED (gdn_chunk_prepare_staged, OPENINFER_QWEN35_GDN_PREFILL=staged): the same arithmetic
+// with every global read of the block issued at its start — the raw q and k rows by 16-byte
+// loads straight into their shared tiles (normalised there in place), the chunk's v rows by
+// 16-byte loads into registers (held until (beta V)^T is written) — where the plain kernel
+// loads q / k a row per warp at a time (16 dependent round trips a warp) and V element by
+// element after the triangular solve. The same bits.
+#define PREPARE_PARAMS                                                                                       \
+    const bf16 *__restrict__ conv_out, const bf16 *__restrict__ proj, int proj_stride,                        \
+        const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias,                          \
+        const int *__restrict__ chunk_start, const int *__restrict__ chunk_len, bf16 *__restrict__ qn,        \
+        bf16 *__restrict__ kn, bf16 *__restrict__ w_out, bf16 *__restrict__ u_out, bf16 *__restrict__ p_out,  \
+        float *__restrict__ cum_out, int num_key_heads, int num_value_heads, int dv
+#define PREPARE_ARGS                                                                                         \
+    conv_out, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len, qn, kn, w_out, u_out, p_out, \
+        cum_out, num_key_heads, num_value_heads, dv
+#define PREPARE_MAX_DV DK  // the staged kernel's v registers: dv <= DK (the launcher checks)
+template <bool STAGED>
+__device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y;
     const int t0 = chunk_start[c], n = chunk_len[c];
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
@@ -144,6 +155,37 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
     at += round_up_128(CHUNK * 4);
     float* gate = reinterpret_cast<float*>(at);  // [64]
 
+    // staged: the chunk's raw q / k rows into qs / ks and its v rows into registers, all in flight at once
+    constexpr int ROW_VECS = DK / 8, QK_LOADS = CHUNK * ROW_VECS / 128;
+    constexpr int V_LOADS = CHUNK * (PREPARE_MAX_DV / 8) / 128;
+    uint4 v_rows[STAGED ? V_LOADS : 1];
+    if (STAGED) {
+#pragma unroll
+        for (int it = 0; it < QK_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            const bf16* src = conv_out + (size_t)(t0 + r) * conv_dim;
+            uint4 qv = make_uint4(0, 0, 0, 0), kv = qv;
+            if (r < n) {
+                qv = *reinterpret_cast<const uint4*>(src + key_head * DK + i);
+                kv = *reinterpret_cast<const uint4*>(src + key_dim + key_head * DK + i);
+            }
+            *reinterpret_cast<uint4*>(qs + r * LDK + i) = qv;
+            *reinterpret_cast<uint4*>(ks + r * LDK + i) = kv;
+        }
+        // lane = row: a warp holds 32 consecutive rows of one 8-column group, so its transposed
+        // stores into (beta V)^T below hit consecutive bf16 (row-major lanes: 16-way bank conflicts)
+        const int v_vecs = dv / 8;
+#pragma unroll
+        for (int it = 0; it < V_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e % CHUNK, jv = (e / CHUNK) * 8;
+            v_rows[it] = make_uint4(0, 0, 0, 0);
+            if (e < CHUNK * v_vecs && r < n)
+                v_rows[it] = *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim +
+                                                             h * dv + jv);
+        }
+        __syncthreads();
+    }
+
     // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end
     const float q_scale = rsqrtf((float)DK);
     for (int r = warp; r < CHUNK; r += 4) {
@@ -153,8 +195,13 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
 #pragma unroll
         for (int e = 0; e < DK / 32; ++e) {
             const int i = lane + 32 * e;
-            qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
-            kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+            if (STAGED) {  // zeros past the end were staged too
+                qv[e] = to_f(qs[r * LDK + i]);
+                kv[e] = to_f(ks[r * LDK + i]);
+            } else {
+                qv[e] = r < n ? to_f(src[key_head * DK + i]) : 0.f;
+                kv[e] = r < n ? to_f(src[key_dim + key_head * DK + i]) : 0.f;
+            }
             q_sq += qv[e] * qv[e];
             k_sq += kv[e] * kv[e];
         }
@@ -247,10 +294,23 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
         tb[i * LDC + j] = __float2bfloat16_rn(tinv[i * LDF + j]);
     }
     // (beta V)^T over the finished Q tile, (beta exp(c) K)^T from the K tile
-    for (int e = threadIdx.x; e < CHUNK * dv; e += blockDim.x) {
-        const int r = e / dv, jv = e % dv;
-        const float x = r < n ? to_f(conv_out[(size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + jv]) : 0.f;
-        vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
+    if (STAGED) {
+        const int v_vecs = dv / 8;
+#pragma unroll
+        for (int it = 0; it < V_LOADS; ++it) {
+            const int e = threadIdx.x + it * 128, r = e % CHUNK, jv = (e / CHUNK) * 8;
+            if (e < CHUNK * v_vecs) {
+                const bf16* x = reinterpret_cast<const bf16*>(&v_rows[it]);
+#pragma unroll
+                for (int m = 0; m < 8; ++m) vt[(jv + m) * LDC + r] = __float2bfloat16_rn(beta[r] * to_f(x[m]));
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < CHUNK * dv; e += blockDim.x) {
+            const int r = e / dv, jv = e % dv;
+            const float x = r < n ? to_f(conv_out[(size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + jv]) : 0.f;
+            vt[jv * LDC + r] = __float2bfloat16_rn(beta[r] * x);
+        }
     }
     for (int e = threadIdx.x; e < CHUNK * DK; e += blockDim.x) {
         const int r = e / DK, i = e % DK;
@@ -281,6 +341,16 @@ gdn_chunk_prepare(const bf16* __restrict__ conv_out, const bf16* __restrict__ pr
             if (r0 + g + 8 < n) store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[2], acc[3]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare<false>(smem, PREPARE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare_staged(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare<true>(smem, PREPARE_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -470,5 +540,255 @@ gdn_chunk_scan(const bf16* __restrict__ qn, const bf16* __restrict__ kn, const b
     for (int e = threadIdx.x; e < DK * SCAN_TILE; e += blockDim.x) {
         const int i = e / SCAN_TILE, j = e % SCAN_TILE;
         state[(size_t)i * dv + j] = st[i * LDS + j];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scan split in two (OPENINFER_QWEN35_GDN_PREFILL=split), as FLA's chunk_gated_delta_rule
+// splits its forward pass: only the state recurrence is sequential, so
+//   gdn_chunk_states  (grid (B, nv, dv / 32), 128 threads): walks a sequence's chunks for 32
+//                     value channels doing only  V' = U - W S  and  S <- exp(c_C) S + K^T ...;
+//                     it stores each chunk's entering S^T (bf16, as the mma reads it) and V'
+//   gdn_chunk_output  (grid (N, nv), 128 threads): every chunk at once,
+//                     O = diag(exp(c)) Q S + P V'  for the head's dv / 32 tiles in turn
+// The chain per chunk loses Q S, P V', the O stores and a barrier (and U is prefetched with W
+// and K), and the walk's block needs 67 instead of 98 KiB of shared memory and at most 168
+// registers a thread: 3 blocks per SM instead of 2. Every product is the
+// same mma sequence on the same bf16 operands as gdn_chunk_scan's: the same bits.
+//   states [N, nv, dv, DK] bf16 (S^T entering each chunk), v_new [T, nv, dv] bf16 (V')
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 3)
+gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
+                 const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
+                 const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks, const int* __restrict__ slots,
+                 const int* __restrict__ fresh, float* __restrict__ ssm_state, bf16* __restrict__ states,
+                 bf16* __restrict__ v_new, int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * SCAN_TILE;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+
+    unsigned char* at = smem;
+    float* st = reinterpret_cast<float*>(at);  // S [DK][LDS] fp32
+    at += round_up_128((size_t)DK * LDS * 4);
+    bf16* sbt = reinterpret_cast<bf16*>(at);  // S^T [32][LDK] bf16
+    at += round_up_128((size_t)SCAN_TILE * LDK * 2);
+    bf16* ws = reinterpret_cast<bf16*>(at);  // W [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ks = reinterpret_cast<bf16*>(at);  // K [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* vkt = reinterpret_cast<bf16*>(at);  // (diag(exp(c_C - c)) V')^T [32][LDC]
+    at += round_up_128((size_t)SCAN_TILE * LDC * 2);
+    float* cum = reinterpret_cast<float*>(at);  // [64]
+
+    const int slot = slots[s];
+    float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv + j0;
+    const bool is_fresh = fresh[s] != 0;
+    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
+        const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+        st[i * LDS + j] = is_fresh ? 0.f : state[(size_t)i * dv + j];
+    }
+
+    const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    constexpr int ROW_VECS = DK / 8;  // uint4 per row of W, K
+    constexpr int ROW_LOADS = CHUNK * ROW_VECS / SCAN_THREADS, STATE_LOADS = SCAN_TILE * ROW_VECS / SCAN_THREADS;
+    uint4 w_next[ROW_LOADS], k_next[ROW_LOADS];
+    unsigned u_next[2][SCAN_TILE / 8];  // this lane's U pairs (bf16x2) of the mma layout
+    float cum_next = 0.f;
+    auto prefetch = [&](int c) {  // chunk c's rows into registers; rows past its end as zeros
+        const int t0 = chunk_start[c], n = chunk_len[c];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = 16 * warp + g + 8 * half;
+            const bf16* u = u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                u_next[half][nt] = r < n ? *reinterpret_cast<const unsigned*>(u + nt * 8 + 2 * q4) : 0u;
+        }
+#pragma unroll
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            w_next[it] = k_next[it] = make_uint4(0, 0, 0, 0);
+            if (r < n) {
+                w_next[it] = *reinterpret_cast<const uint4*>(w_in + ((size_t)(t0 + r) * num_value_heads + h) * DK + i);
+                k_next[it] = *reinterpret_cast<const uint4*>(kn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+            }
+        }
+        if (threadIdx.x < CHUNK) {  // padding rows: no decay after the end
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum_next = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+        }
+    };
+    if (first < last) prefetch(first);
+    for (int c = first; c < last; ++c) {
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        __syncthreads();  // the previous chunk's readers are done; S is complete
+#pragma unroll
+        for (int it = 0; it < ROW_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            *reinterpret_cast<uint4*>(ws + r * LDK + i) = w_next[it];
+            *reinterpret_cast<uint4*>(ks + r * LDK + i) = k_next[it];
+        }
+        if (threadIdx.x < CHUNK) cum[threadIdx.x] = cum_next;
+        float u_pairs[2][SCAN_TILE / 8][2];  // this chunk's U from registers, before the next prefetch
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&u_next[half][nt]);
+                u_pairs[half][nt][0] = to_f(pair.x);
+                u_pairs[half][nt][1] = to_f(pair.y);
+            }
+        for (int e = threadIdx.x; e < DK * SCAN_TILE; e += SCAN_THREADS) {
+            const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+            sbt[j * LDK + i] = __float2bfloat16_rn(st[i * LDS + j]);
+        }
+        __syncthreads();
+        if (c + 1 < last) prefetch(c + 1);  // in flight during this chunk's math
+        const float c_last = cum[CHUNK - 1];
+        // the entering S^T for gdn_chunk_output, 16 bytes a store
+        bf16* state_out = states + (((size_t)c * num_value_heads + h) * dv + j0) * DK;
+#pragma unroll
+        for (int it = 0; it < STATE_LOADS; ++it) {
+            const int e = threadIdx.x + it * SCAN_THREADS, j = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            *reinterpret_cast<uint4*>(state_out + (size_t)j * DK + i) = *reinterpret_cast<const uint4*>(sbt + j * LDK + i);
+        }
+
+        // V' = U - W S, warp w rows 16w..: to v_new (bf16) and, decayed to the chunk's end, to vkt
+        const int r0 = 16 * warp;
+        float acc_v[1][SCAN_TILE / 8][4] = {};
+        warp_strip_mma<DK, SCAN_TILE / 8, 1>(
+            acc_v, [&](int, int k0, unsigned* a) { load_a(a, ws + r0 * LDK + k0, LDK); }, sbt, LDK);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            const float tail_decay = __expf(c_last - cum[r]);
+            bf16* v_row = v_new + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0;
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                const float v0 = r < n ? u_pairs[half][nt][0] - acc_v[0][nt][2 * half] : 0.f;
+                const float v1 = r < n ? u_pairs[half][nt][1] - acc_v[0][nt][2 * half + 1] : 0.f;
+                if (r < n) store_pair(v_row + j, v0, v1);
+                vkt[j * LDC + r] = __float2bfloat16_rn(v0 * tail_decay);
+                vkt[(j + 1) * LDC + r] = __float2bfloat16_rn(v1 * tail_decay);
+            }
+        }
+        __syncthreads();  // every row of vkt is needed by every warp below
+
+        // S <- exp(c_C) S + K^T (diag(exp(c_C - c)) V'); warp w: state rows DK/4 w ..
+        const float chunk_decay = __expf(c_last);
+#pragma unroll
+        for (int mt = 0; mt < DK / 64; ++mt) {
+            const int i0 = (DK / 4) * warp + 16 * mt;
+            float acc[SCAN_TILE / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                acc[nt][0] = chunk_decay * st[(i0 + g) * LDS + j];
+                acc[nt][1] = chunk_decay * st[(i0 + g) * LDS + j + 1];
+                acc[nt][2] = chunk_decay * st[(i0 + g + 8) * LDS + j];
+                acc[nt][3] = chunk_decay * st[(i0 + g + 8) * LDS + j + 1];
+            }
+            warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
+                &acc, [&](int, int k0, unsigned* a) { load_a_transposed(a, ks + k0 * LDK + i0, LDK); }, vkt, LDC);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                const int j = nt * 8 + 2 * q4;
+                st[(i0 + g) * LDS + j] = acc[nt][0];
+                st[(i0 + g) * LDS + j + 1] = acc[nt][1];
+                st[(i0 + g + 8) * LDS + j] = acc[nt][2];
+                st[(i0 + g + 8) * LDS + j + 1] = acc[nt][3];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DK * SCAN_TILE; e += blockDim.x) {
+        const int i = e / SCAN_TILE, j = e % SCAN_TILE;
+        state[(size_t)i * dv + j] = st[i * LDS + j];
+    }
+}
+
+// gdn_chunk_output: grid (N, nv), 128 threads (warp w: rows 16w..). Q and P once, then the
+// head's dv / 32 tiles of S^T and V' in turn.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                 const bf16* __restrict__ states, const bf16* __restrict__ v_new, const int* __restrict__ chunk_start,
+                 const int* __restrict__ chunk_len, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
+                 int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int value_dim = num_value_heads * dv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int t0 = chunk_start[c], n = chunk_len[c];
+
+    unsigned char* at = smem;
+    bf16* qs = reinterpret_cast<bf16*>(at);  // Q [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ps = reinterpret_cast<bf16*>(at);  // P [64][LDC]
+    at += round_up_128((size_t)CHUNK * LDC * 2);
+    bf16* sbt = reinterpret_cast<bf16*>(at);  // S^T [32][LDK]
+    at += round_up_128((size_t)SCAN_TILE * LDK * 2);
+    bf16* vnt = reinterpret_cast<bf16*>(at);  // V'^T [32][LDC]
+    at += round_up_128((size_t)SCAN_TILE * LDC * 2);
+    float* cum = reinterpret_cast<float*>(at);  // [64]
+
+    constexpr int ROW_VECS = DK / 8;
+    for (int e = threadIdx.x; e < CHUNK * ROW_VECS; e += SCAN_THREADS) {
+        const int r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+        uint4 qv = make_uint4(0, 0, 0, 0);
+        if (r < n) qv = *reinterpret_cast<const uint4*>(qn + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i);
+        *reinterpret_cast<uint4*>(qs + r * LDK + i) = qv;
+    }
+    const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+    for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += SCAN_THREADS) {
+        const int r = e / (CHUNK / 8), j = (e % (CHUNK / 8)) * 8;
+        *reinterpret_cast<uint4*>(ps + r * LDC + j) = *reinterpret_cast<const uint4*>(p + e * 8);
+    }
+    if (threadIdx.x < CHUNK) {  // padding rows: the last row's c, as gdn_chunk_scan
+        const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+        cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+    }
+    const int r0 = 16 * warp;
+    for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+        __syncthreads();  // the previous tile's readers are done (and, first, Q, P and c are in)
+        const bf16* state_in = states + (((size_t)c * num_value_heads + h) * dv + j0) * DK;
+        for (int e = threadIdx.x; e < SCAN_TILE * ROW_VECS; e += SCAN_THREADS) {
+            const int j = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+            *reinterpret_cast<uint4*>(sbt + j * LDK + i) = *reinterpret_cast<const uint4*>(state_in + (size_t)j * DK + i);
+        }
+        for (int e = threadIdx.x; e < CHUNK * SCAN_TILE / 8; e += SCAN_THREADS) {  // V' rows, transposed
+            const int r = e / (SCAN_TILE / 8), j = (e % (SCAN_TILE / 8)) * 8;
+            uint4 vv = make_uint4(0, 0, 0, 0);
+            if (r < n) vv = *reinterpret_cast<const uint4*>(v_new + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j);
+            const bf16* x = reinterpret_cast<const bf16*>(&vv);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) vnt[(j + m) * LDC + r] = x[m];
+        }
+        __syncthreads();
+        float acc_o[1][SCAN_TILE / 8][4] = {};
+        warp_strip_mma<DK, SCAN_TILE / 8, 1>(
+            acc_o, [&](int, int k0, unsigned* a) { load_a(a, qs + r0 * LDK + k0, LDK); }, sbt, LDK);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float row_decay = __expf(cum[r0 + g + 8 * half]);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                acc_o[0][nt][2 * half] *= row_decay;
+                acc_o[0][nt][2 * half + 1] *= row_decay;
+            }
+        }
+        warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
+            acc_o, [&](int, int k0, unsigned* a) { load_a(a, ps + r0 * LDC + k0, LDC); }, vnt, LDC);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            if (r < n) {
+                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                    store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+            }
+        }
     }
 }

@@ -1,5 +1,5 @@
-// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
-// the early-loads kernel on the same inputs) on the CPU
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain,
+// early-loads and split kernels on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -16,6 +16,8 @@ inline void __threadfence() {}
 #include "gdn_decode.cu"
 
 #include "harness.h"
+
+#include <cstring>
 
 int main(int argc, char** argv) {
     if (argc != 7) { std::fprintf(stderr, "usage: harness DIR nk nv dv width eps\n"); return 1; }
@@ -53,6 +55,13 @@ int main(int argc, char** argv) {
             gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
                        fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
         });
+        // the 8-channel conv (run before the window update, as the launcher does): the same conv_out
+        std::vector<bf16> vec_conv_out(conv_out.size());
+        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+            gdn_conv1d_vec(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(),
+                           slots.data(), fresh.data(), token_seq.data(), vec_conv_out.data(), num_tokens, conv_dim,
+                           width);
+        });
         launch(1, 1, 1, 1, [&] {
             gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(),
                            fresh.data(), num_seqs, conv_dim, width);
@@ -74,6 +83,44 @@ int main(int argc, char** argv) {
         save(dir, "prefill_out.bin", out);
         save(dir, "prefill_conv_state.bin", conv_state);
         save(dir, "prefill_ssm_state.bin", ssm);
+
+        // the staged prepare kernel on the same conv output: the same qn, kn, W, U, P and c
+        std::vector<bf16> s_qn(qn.size()), s_kn(kn.size()), s_w(w.size()), s_u(u.size()), s_p(p.size());
+        std::vector<float> s_cum(cum.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_prepare_staged(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                     chunk_start.data(), chunk_len.data(), s_qn.data(), s_kn.data(), s_w.data(),
+                                     s_u.data(), s_p.data(), s_cum.data(), nk, nv, dv);
+        });
+        auto bits_equal = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+        };
+        const bool same = bits_equal(s_qn, qn) && bits_equal(s_kn, kn) && bits_equal(s_w, w) && bits_equal(s_u, u) &&
+                          bits_equal(s_p, p) && bits_equal(s_cum, cum);
+        std::vector<bf16> warp_out(out.size());
+        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((nv + 3) / 4), 1, 128, [&] {
+            gdn_gated_norm_warp(core.data(), proj.data(), proj_stride, norm.data(), warp_out.data(), conv_dim,
+                                value_dim, nv, dv, eps);
+        });
+        std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
+        save(dir, "staged_prepare_same.bin", staged_same);
+
+        // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
+        // core output and final states
+        auto split_ssm = load<float>(dir, "ssm_state.bin");
+        std::vector<bf16> states(static_cast<size_t>(num_chunks) * nv * dv * DK), v_new(core.size());
+        std::vector<bf16> split_core(core.size());
+        launch(num_seqs, nv, dv / SCAN_TILE, 128, [&] {
+            gdn_chunk_states(s_kn.data(), s_w.data(), s_u.data(), s_cum.data(), chunk_start.data(), chunk_len.data(),
+                             seq_chunks.data(), slots.data(), fresh.data(), split_ssm.data(), states.data(),
+                             v_new.data(), nk, nv, dv);
+        });
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), states.data(), v_new.data(), chunk_start.data(),
+                             chunk_len.data(), split_core.data(), nk, nv, dv);
+        });
+        std::vector<int> split_same{bits_equal(split_core, core) && bits_equal(split_ssm, ssm) ? 1 : 0};
+        save(dir, "split_scan_same.bin", split_same);
     }
 
     // decode: one fused kernel
@@ -111,6 +158,26 @@ int main(int argc, char** argv) {
         save(dir, "early_loads_conv_state_out.bin", e_conv_state);
         save(dir, "early_loads_ssm_state_out.bin", e_ssm);
         save(dir, "early_loads_arrivals.bin", arrivals);
+
+        // the split kernels (a head's columns over dv / TILE blocks) on the same inputs
+        std::vector<int> head_arrivals(static_cast<size_t>(num_seqs) * nv, 0);
+        auto split = [&](int tile, auto kernel, const std::string& prefix) {
+            auto s_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+            auto s_ssm = load<float>(dir, "decode_ssm_state.bin");
+            std::vector<bf16> s_out(out.size());
+            launch(num_seqs, nv, dv / tile, static_cast<unsigned>(tile * SPLIT), [&] {
+                kernel(proj.data(), proj_stride, weight.data(), s_conv_state.data(), s_ssm.data(), rate.data(),
+                       bias.data(), norm.data(), query_start.data(), slots.data(), fresh.data(), arrivals.data(),
+                       s_out.data(), nk, nv, dv, width, eps, head_arrivals.data());
+            });
+            save(dir, (prefix + "_out.bin").c_str(), s_out);
+            save(dir, (prefix + "_conv_state_out.bin").c_str(), s_conv_state);
+            save(dir, (prefix + "_ssm_state_out.bin").c_str(), s_ssm);
+            save(dir, (prefix + "_arrivals.bin").c_str(), arrivals);
+            save(dir, (prefix + "_head_arrivals.bin").c_str(), head_arrivals);
+        };
+        split(32, gdn_decode_step_split32, "split32");
+        split(64, gdn_decode_step_split64, "split64");
     }
     return 0;
 }
