@@ -204,7 +204,8 @@ MLA_DECODES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (64, 4096)]  # (ba
 # (key, plot label): the decompressed ("naive") form, kv_b expansion of the whole context + flash
 # attention, as a decode would take it with prefill_min_query 1; the absorbed form on each kernel.
 MLA_DECODE_FORMS = (("decompressed", "decompressed (naive)"), ("cuda_cores", "absorbed, CUDA cores"),
-                    ("mma", "absorbed, tensor cores"))
+                    ("mma", "absorbed, tensor cores"),
+                    ("mma_async", "absorbed, tensor cores, cp.async tiles + shared combine (opt-in)"))
 
 
 def decode_batch(backend, batch: int, context: int, block_size: int = 64):
@@ -237,6 +238,19 @@ def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, s
     if form == "decompressed":
         return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
                                     1e-6, backend.num_sms, prefill_min_query=1)
+    if form == "mma_async":  # the opt-in kernels by their switches, for this call only
+        switches = {cuda_mla.ASYNC_TILES_ENV: "1", cuda_mla.COMBINE_ENV: "shared"}
+        before = {name: os.environ.get(name) for name in switches}
+        os.environ.update(switches)
+        try:
+            return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos,
+                                        sin, 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel="mma")
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
                                 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel=form)
 
@@ -284,6 +298,7 @@ def bench_mla_decode(backend, rng, bandwidth: float, heads_list: tuple[int, ...]
                 point[f"{form}_relative_difference"] = float(np.linalg.norm(outputs[form] - reference)
                                                              / np.linalg.norm(reference))
             point["mma_speedup"] = point["cuda_cores_ms"] / point["mma_ms"]
+            point["mma_async_speedup"] = point["mma_ms"] / point["mma_async_ms"]
             points.append(point)
             print(json.dumps(point), flush=True)
     return points
