@@ -1317,6 +1317,7 @@ def serve_engine(engine: str, command: list[str] | str, streams: list[int], args
     if engine == "openinfer":
         attach_step_log(rows, step_log)
     return {"command": command if isinstance(command, str) else shlex.join(command),
+            "env": {name: value for name, value in sorted(env.items()) if name.startswith("OPENINFER_")},
             "cold_start_to_http_ready_s": ready_s, "startup": startup, "idle_rss_bytes": rss, "log": str(log_path),
             "sweep": rows}
 
@@ -1460,6 +1461,7 @@ def main() -> None:
                       help="comma list of moonlight_serving JSON files whose runs to keep (e.g. openinfer's, when "
                            "vLLM runs in a later call); with --engines none only these are combined")
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
+    moon.add_argument("--name", default="", help="results file name (default: moonlight_serving[_tiny])")
     args = parser.parse_args()
     if args.command == "warm":
         warm_moe_modules()
@@ -1475,7 +1477,7 @@ def main() -> None:
         report, name, plot = run_layer(args), args.name, plot_layer
     else:
         report, plot = run_moonlight(args), plot_moonlight
-        name = "moonlight_serving_tiny" if args.tiny else "moonlight_serving"
+        name = args.name or ("moonlight_serving_tiny" if args.tiny else "moonlight_serving")
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
