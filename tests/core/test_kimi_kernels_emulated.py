@@ -177,7 +177,7 @@ def test_moe_kernels_match_numpy(tmp_path, case):
 # (splits, mla_attention_mma's tiles by cp.async, long contexts): a long context of 72 has three
 # non-empty 32-key splits, one of 41 two and an empty third (left at once under async tiles)
 MLA_CASES = {"splits1": (1, False, False), "splits3": (3, False, False), "async-splits1": (1, True, False),
-             "async-splits3-long": (3, True, True)}
+             "async-splits3-long": (3, True, True), "heads16-async-splits3-long": (3, True, True)}
 
 
 @pytest.mark.parametrize("case", list(MLA_CASES))
@@ -186,7 +186,9 @@ def test_mla_kernels_match_numpy(tmp_path, case):
     rng = np.random.default_rng(0)
     lora, rope_dim, nope, heads = 32, 16, 16, 20  # 20 heads: a partial 16-head chunk
     block_size = 16 if long_contexts else 4
-    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim, "MLA_ASYNC_TILES": int(async_tiles)})
+    # heads16: mla_attention_mma's blocks of 16 heads (20 heads: 16 + a partial 4), a warp per output quarter
+    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim, "MLA_ASYNC_TILES": int(async_tiles),
+                                     "MLA_HEADS16": int("heads16" in case)})
     latent_dim, q_stride = lora + rope_dim, nope + rope_dim
     # fresh prompt, decodes, a chunk on cached context
     cached, new = ([0, 40, 70, 13] if long_contexts else [0, 4, 7, 13]), [5, 1, 1, 3]

@@ -321,7 +321,8 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     4 decodes up to 1k context: up to 64 splits (now the default; 17 on the mma kernel, 33 on CUDA
     cores, many empty at 5 tokens) with q_pe rotated by 20 x 32 / 128 = 5 blocks per token, and the
     settings before (16 splits, one rotating block per token). Async: mla_attention_mma's tiles by
-    cp.async with mla_combine_splits_shared (opt-in), the same bits as the default kernels."""
+    cp.async with mla_combine_splits_shared (opt-in), then also in blocks of 16 heads: the same bits
+    as the default kernels."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
@@ -376,6 +377,13 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     if async_tiles:  # the same step again (same cache: the latent write is idempotent) on the opt-in kernels
         monkeypatch.setenv(cuda_mla.ASYNC_TILES_ENV, "1")
         monkeypatch.setenv(cuda_mla.COMBINE_ENV, "shared")
+        again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
+                            cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
+                            cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),
+                            cupy.asarray(rope.sin), 1e-6, prefill_min_query=prefill_min_query,
+                            absorbed_kernel=absorbed_kernel)
+        assert np.array_equal(cuda_backend.to_host(again), cuda_backend.to_host(out))
+        monkeypatch.setenv(cuda_mla.HEADS16_ENV, "1")  # blocks of 16 heads (20: 16 + 4), a warp per quarter
         again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
                             cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
                             cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),

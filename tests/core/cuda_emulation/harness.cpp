@@ -221,7 +221,7 @@ int main(int argc, char** argv) {
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
     // the tensor-core absorbed kernel on the same inputs (after the latent write, like the GPU)
     std::vector<bf16> out_mma(size_t(T) * heads * KV_LORA);
-    launch(T, (heads + MMA_DECODE_HEADS - 1) / MMA_DECODE_HEADS * MMA_DECODE_PARTS, splits, MMA_DECODE_THREADS, [&] {
+    launch(T, MMA_DECODE_HEAD_CHUNKS(heads), splits, MMA_DECODE_THREADS, [&] {
         mla_attention_mma(q_latent.data(), q.data(), q_stride, q_pe_offset, cache.data(), tables.data(), max_blocks,
                           block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out_mma.data(),
                           splits, partial_o.data(), partial_ml.data(), nullptr);
