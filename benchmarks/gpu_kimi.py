@@ -204,7 +204,9 @@ MLA_DECODES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (64, 4096)]  # (ba
 # (key, plot label): the decompressed ("naive") form, kv_b expansion of the whole context + flash
 # attention, as a decode would take it with prefill_min_query 1; the absorbed form on each kernel.
 MLA_DECODE_FORMS = (("decompressed", "decompressed (naive)"), ("cuda_cores", "absorbed, CUDA cores"),
-                    ("mma", "absorbed, tensor cores"))
+                    ("mma", "absorbed, tensor cores"),
+                    ("mma_async", "absorbed, tensor cores, cp.async tiles + shared combine (opt-in)"),
+                    ("mma16_async", "the same in blocks of 16 heads (opt-in)"))
 
 
 def decode_batch(backend, batch: int, context: int, block_size: int = 64):
@@ -237,6 +239,20 @@ def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, s
     if form == "decompressed":
         return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
                                     1e-6, backend.num_sms, prefill_min_query=1)
+    if form in ("mma_async", "mma16_async"):  # the opt-in kernels by their switches, for this call only
+        switches = {cuda_mla.ASYNC_TILES_ENV: "1", cuda_mla.COMBINE_ENV: "shared",
+                    cuda_mla.HEADS16_ENV: "1" if form == "mma16_async" else "0"}
+        before = {name: os.environ.get(name) for name in switches}
+        os.environ.update(switches)
+        try:
+            return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos,
+                                        sin, 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel="mma")
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
                                 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel=form)
 
@@ -284,6 +300,8 @@ def bench_mla_decode(backend, rng, bandwidth: float, heads_list: tuple[int, ...]
                 point[f"{form}_relative_difference"] = float(np.linalg.norm(outputs[form] - reference)
                                                              / np.linalg.norm(reference))
             point["mma_speedup"] = point["cuda_cores_ms"] / point["mma_ms"]
+            point["mma_async_speedup"] = point["mma_ms"] / point["mma_async_ms"]
+            point["mma16_async_speedup"] = point["mma_ms"] / point["mma16_async_ms"]
             points.append(point)
             print(json.dumps(point), flush=True)
     return points
@@ -827,6 +845,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
     "mla_async": "mla_attention_mma's tiles by cp.async, empty splits leave at once ($OPENINFER_MLA_ASYNC_TILES=1)",
     "mla_combine_shared": "mla_combine_splits_shared ($OPENINFER_MLA_COMBINE=shared)",
+    "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64")
@@ -872,7 +891,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
                 "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "mla_async": (cuda_mla.ASYNC_TILES_ENV, "1"),
-                "mla_combine_shared": (cuda_mla.COMBINE_ENV, "shared")}
+                "mla_combine_shared": (cuda_mla.COMBINE_ENV, "shared"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1")}
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value
@@ -1302,6 +1321,7 @@ def serve_engine(engine: str, command: list[str] | str, streams: list[int], args
     if engine == "openinfer":
         attach_step_log(rows, step_log)
     return {"command": command if isinstance(command, str) else shlex.join(command),
+            "env": {name: value for name, value in sorted(env.items()) if name.startswith("OPENINFER_")},
             "cold_start_to_http_ready_s": ready_s, "startup": startup, "idle_rss_bytes": rss, "log": str(log_path),
             "sweep": rows}
 
@@ -1445,6 +1465,7 @@ def main() -> None:
                       help="comma list of moonlight_serving JSON files whose runs to keep (e.g. openinfer's, when "
                            "vLLM runs in a later call); with --engines none only these are combined")
     moon.add_argument("--tiny", action="store_true", help="CPU dry run at toy size (checks the script)")
+    moon.add_argument("--name", default="", help="results file name (default: moonlight_serving[_tiny])")
     args = parser.parse_args()
     if args.command == "warm":
         warm_moe_modules()
@@ -1460,7 +1481,7 @@ def main() -> None:
         report, name, plot = run_layer(args), args.name, plot_layer
     else:
         report, plot = run_moonlight(args), plot_moonlight
-        name = "moonlight_serving_tiny" if args.tiny else "moonlight_serving"
+        name = args.name or ("moonlight_serving_tiny" if args.tiny else "moonlight_serving")
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))

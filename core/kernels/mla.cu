@@ -491,7 +491,17 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
 #define MMA_DECODE_PARTS 4
 #define MMA_DECODE_PART (KV_LORA / MMA_DECODE_PARTS)
 #define MMA_DECODE_ROW (LATENT + 8)  // padded row (bf16): fragment loads of neighbouring rows, different banks
-#define MMA_DECODE_SMEM ((MMA_DECODE_HEADS + MMA_DECODE_KEYS) * MMA_DECODE_ROW * 2)
+#ifndef MLA_HEADS16
+#define MLA_HEADS16 0  // 1: 16 heads per block, its 4 warps the 4 output quarters (one key tile serves all four)
+#endif
+#if MLA_HEADS16
+#define MMA_DECODE_BLOCK_HEADS 16
+#define MMA_DECODE_HEAD_CHUNKS(heads) (((heads) + 15) / 16)  // grid.y
+#else
+#define MMA_DECODE_BLOCK_HEADS MMA_DECODE_HEADS
+#define MMA_DECODE_HEAD_CHUNKS(heads) (((heads) + MMA_DECODE_HEADS - 1) / MMA_DECODE_HEADS * MMA_DECODE_PARTS)
+#endif
+#define MMA_DECODE_SMEM ((MMA_DECODE_BLOCK_HEADS + MMA_DECODE_KEYS) * MMA_DECODE_ROW * 2)
 
 #ifndef MLA_ASYNC_TILES
 #define MLA_ASYNC_TILES 0  // 1: tiles copied by cp.async, all of a tile's 16-byte copies in flight at once
@@ -554,12 +564,17 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #else
     extern __shared__ __align__(16) bf16 smem[];
 #endif
-    bf16* q_tile = smem;                                        // [64][MMA_DECODE_ROW]
-    bf16* k_tile = smem + MMA_DECODE_HEADS * MMA_DECODE_ROW;    // [32][MMA_DECODE_ROW]
+    bf16* q_tile = smem;                                            // [BLOCK_HEADS][MMA_DECODE_ROW]
+    bf16* k_tile = smem + MMA_DECODE_BLOCK_HEADS * MMA_DECODE_ROW;  // [32][MMA_DECODE_ROW]
     const int t = blockIdx.x;
     const int step_token = token_list ? token_list[t] : t;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if MLA_HEADS16  // warp w: the block's 16 heads, output quarter w
+    const int head0 = blockIdx.y * 16, part = warp;
+#else  // warp w: heads 16w .. 16w + 15 of the block's 64, the block's quarter
     const int head0 = (blockIdx.y / MMA_DECODE_PARTS) * MMA_DECODE_HEADS, part = blockIdx.y % MMA_DECODE_PARTS;
-    const int heads = min(MMA_DECODE_HEADS, num_heads - head0);
+#endif
+    const int heads = min(MMA_DECODE_BLOCK_HEADS, num_heads - head0);
     const int split = blockIdx.z;
     int begin, end;
     const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
@@ -575,15 +590,14 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         return;  // block-uniform
     }
     // the query tile's copies fly with the first key tile's (waited for in the loop)
-    mla_copy_query_tile<MMA_DECODE_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
+    mla_copy_query_tile<MMA_DECODE_BLOCK_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
         q_tile, q_latent, q, q_stride, q_pe_offset, t, num_heads, head0, heads);
 #else
-    mla_load_query_tile<uint4, MMA_DECODE_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
+    mla_load_query_tile<uint4, MMA_DECODE_BLOCK_HEADS, MMA_DECODE_ROW, MMA_DECODE_THREADS>(
         q_tile, q_latent, q, q_stride, q_pe_offset, t, num_heads, head0, heads);
 #endif
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, pair = (lane & 3) * 2;
-    const int row0 = warp * 16 + group;  // this thread's heads (rows): row0, row0 + 8
+    const int row0 = (MLA_HEADS16 ? 0 : warp * 16) + group;  // this thread's heads (rows): row0, row0 + 8
     float acc[MMA_DECODE_PART / 8][4];
 #pragma unroll
     for (int j = 0; j < MMA_DECODE_PART / 8; ++j)

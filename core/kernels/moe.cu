@@ -1024,6 +1024,145 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_mma_staged: moe_gemv_mma for INT4 weights with group-32 scales, its weights staged per
+// warp in shared memory by cp.async. moe_gemv_mma's lanes read 64 contiguous bytes of a row per
+// load (a quad's 4 × 16 bytes; the next 64 come a chunk later), so HBM sees many short scattered
+// reads; here all 32 lanes copy 256 contiguous bytes of two rows per instruction (STAGED_CHUNKS
+// chunks of every row of the warp, and their scales, per stage), a ring of STAGED_STAGES stages
+// per warp (one computed while the rest fly), synchronised by the warp alone. The compute is
+// moe_gemv_mma's (mma_gemv_chunk on fragments read from the stage; same k order, same bits).
+// Same arguments, rows and tile list as moe_gemv_mma; needs K % (STAGED_CHUNKS · 128) == 0 (the
+// caller checks) and whole warps of columns (a warp past N leaves).
+// ---------------------------------------------------------------------------------------------
+#if WEIGHT_FORMAT == 1 && GROUP == 32
+#ifndef STAGED_CHUNKS
+#define STAGED_CHUNKS 4  // 128-weight chunks per stage: 256 contiguous bytes of each row
+#endif
+#ifndef STAGED_STAGES
+#define STAGED_STAGES 2
+#endif
+#define STAGED_WARPS 4
+#define STAGED_ROW_BYTES (STAGED_CHUNKS * 64)
+#define STAGED_ROW_PITCH (STAGED_ROW_BYTES + 64)  // rows 16 banks apart: a quad phase's 8 lanes, 32 banks
+#define STAGED_SCALE_BYTES (STAGED_CHUNKS * 8)     // 4 bf16 scales per 128-weight chunk
+#define STAGED_SCALE_PITCH (((STAGED_SCALE_BYTES + 16 + 15) / 16) * 16)  // 16-byte aligned, shifted banks
+#define STAGED_STAGE_BYTES (16 * (STAGED_ROW_PITCH + STAGED_SCALE_PITCH))
+static_assert(STAGED_WARPS * STAGED_STAGES * STAGED_STAGE_BYTES <= 48 * 1024, "static shared memory");
+static_assert(STAGED_SCALE_BYTES % 16 == 0, "whole 16-byte scale copies");
+
+#ifdef MMA_HOST_STANDIN  // the host emulation copies at once; a warp meets at its shuffle barrier
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+__device__ __forceinline__ void staged_commit() {}
+__device__ __forceinline__ void staged_wait() {}
+__device__ __forceinline__ void staged_warp_sync() { (void)__shfl_xor_sync(0xffffffffu, 0.f, 1); }
+#else
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+}
+__device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// this lane's copies of all but the STAGED_STAGES - 1 newest groups landed
+__device__ __forceinline__ void staged_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGED_STAGES - 1)); }
+__device__ __forceinline__ void staged_warp_sync() { __syncwarp(); }
+#endif
+
+// Stage `k` (STAGED_CHUNKS chunks from weight k on) of the warp's 16 rows into `stage`: weights,
+// then scales; lane l copies 16 bytes of row 2i + l/16 in turn i (whole 256-byte row runs).
+__device__ __forceinline__ void staged_issue(unsigned char* stage, const void* __restrict__ weight,
+                                             const void* __restrict__ scale, long long e, int n0, int N, int K,
+                                             int k, int lane) {
+    constexpr int PIECES = STAGED_ROW_BYTES / 16;  // per row
+#pragma unroll
+    for (int i = 0; i < 16 * PIECES / 32; ++i) {
+        const int index = i * 32 + lane, r = index / PIECES, piece = index % PIECES;
+        const long long row = e * N + min(n0 + r, N - 1);
+        staged_copy16(stage + r * STAGED_ROW_PITCH + piece * 16,
+                      (const unsigned char*)weight + row * (K / 2) + k / 2 + piece * 16);
+    }
+    constexpr int SCALE_PIECES = STAGED_SCALE_BYTES / 16;
+    unsigned char* scales = stage + 16 * STAGED_ROW_PITCH;
+    for (int index = lane; index < 16 * SCALE_PIECES; index += 32) {
+        const int r = index / SCALE_PIECES, piece = index % SCALE_PIECES;
+        const long long row = e * N + min(n0 + r, N - 1);
+        staged_copy16(scales + r * STAGED_SCALE_PITCH + piece * 16,
+                      (const unsigned char*)scale + (row * (K / GROUP) + k / GROUP) * 2 + piece * 16);
+    }
+}
+
+// Lane (g, t)'s MmaGemvChunk of chunk c of a landed stage: rows g and g + 8, bytes 64c + 16t
+// (weights k + 128c + 32t ..), the group scale of each (group 4c + t of the stage)
+__device__ __forceinline__ MmaGemvChunk staged_chunk(const unsigned char* stage, int c, int g, int t) {
+    MmaGemvChunk chunk;
+    chunk.lo = *reinterpret_cast<const uint4*>(stage + g * STAGED_ROW_PITCH + c * 64 + t * 16);
+    chunk.hi = *reinterpret_cast<const uint4*>(stage + (g + 8) * STAGED_ROW_PITCH + c * 64 + t * 16);
+    const unsigned char* scales = stage + 16 * STAGED_ROW_PITCH;
+    chunk.s_lo[0] = __bfloat162float(*reinterpret_cast<const bf16*>(scales + g * STAGED_SCALE_PITCH + (4 * c + t) * 2));
+    chunk.s_hi[0] =
+        __bfloat162float(*reinterpret_cast<const bf16*>(scales + (g + 8) * STAGED_SCALE_PITCH + (4 * c + t) * 2));
+    return chunk;
+}
+
+extern "C" __global__ void __launch_bounds__(STAGED_WARPS * 32)
+moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                    const void* __restrict__ weight, const void* __restrict__ scale,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                    bf16* __restrict__ out, int N, int K) {
+    __shared__ __align__(16) unsigned char staged[STAGED_WARPS][STAGED_STAGES][STAGED_STAGE_BYTES];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.x * STAGED_WARPS + warp) * 16;
+    if (n0 >= N) return;  // the warp syncs with itself only
+    int expert, row_begin, row_end;
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+    constexpr int STAGE_K = STAGED_CHUNKS * 4 * WEIGHT_CHUNK;  // weights per stage
+    const int stages = K / STAGE_K;
+    for (int pass = row_begin; pass < row_end; pass += 8 * MMA_GEMV_NTILES) {
+        const int rows = min(8 * MMA_GEMV_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
+        const bf16* b_row[MMA_GEMV_NTILES];
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
+            const int p = pass + min(8 * j + g, rows - 1);
+            b_row[j] = gemv_activation_row(a, sorted_slots, top_k, p, K);
+        }
+        float acc[MMA_GEMV_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+#pragma unroll
+        for (int s = 0; s + 1 < STAGED_STAGES; ++s) {  // every turn commits a group, empty or not
+            if (s < stages) staged_issue(staged[warp][s], weight, scale, expert, n0, N, K, s * STAGE_K, lane);
+            staged_commit();
+        }
+        for (int i = 0; i < stages; ++i) {
+            const int ahead = i + STAGED_STAGES - 1;  // refills the stage computed last turn
+            if (ahead < stages)
+                staged_issue(staged[warp][ahead % STAGED_STAGES], weight, scale, expert, n0, N, K, ahead * STAGE_K,
+                             lane);
+            staged_commit();
+            staged_wait();
+            staged_warp_sync();  // every lane's copies of stage i visible to the warp
+            const unsigned char* stage = staged[warp][i % STAGED_STAGES];
+#pragma unroll
+            for (int c = 0; c < STAGED_CHUNKS; ++c)
+                mma_gemv_chunk(acc, staged_chunk(stage, c, g, t), b_row, ntiles,
+                               i * STAGE_K + c * 4 * WEIGHT_CHUNK + t * WEIGHT_CHUNK, K);
+            staged_warp_sync();  // read before the next turn's copies overwrite it
+        }
+#pragma unroll
+        for (int j = 0; j < MMA_GEMV_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows && n < N) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    }
+}
+#endif
+
 // Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one
 // WEIGHT_CHUNK per thread, grid-stride.
 extern "C" __global__ void moe_dequantize(const void* __restrict__ weight, const void* __restrict__ scale, int N, int K,

@@ -73,11 +73,14 @@ CASES = {
     # K = 64 is one chunk (three slices empty); two slices with a ring of 3 on FP8
     "int4-mma-split4": ("int4", RouterSpec(6, 2, "sigmoid")),
     "fp8-mma-split2-depth3": ("fp8", RouterSpec(6, 2, "softmax")),
+    # moe_gemv_mma_staged (INT4 group 32): K = 1024 in four 2-chunk stages through a ring of 2
+    "int4-mma-staged": ("int4", RouterSpec(6, 2, "sigmoid")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
 CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
                "int4-mma-split4": (320, 64, {"MMA_GEMV_KSPLIT": 4}),
-               "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3})}
+               "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3}),
+               "int4-mma-staged": (1024, 64, {"STAGED_CHUNKS": 2, "STAGED_STAGES": 2})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:
@@ -164,12 +167,17 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     narrow = read_array(tmp_path, "narrow_gemv_mma", np.uint16, (tokens, 2 * inter - 8))
     assert relative_error(narrow, dense[:, :-8]) < 1e-2
     assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
+    if "staged" in case:  # the same chunks in the same k order as moe_gemv_mma: the same bits
+        assert np.array_equal(read_array(tmp_path, "h_gemv_staged", np.uint16, h.shape),
+                              read_array(tmp_path, "h_gemv_mma", np.uint16, h.shape))
+        assert np.array_equal(read_array(tmp_path, "dense_gemv_staged", np.uint16, dense.shape),
+                              read_array(tmp_path, "dense_gemv_mma", np.uint16, dense.shape))
 
 
 # (splits, mla_attention_mma's tiles by cp.async, long contexts): a long context of 72 has three
 # non-empty 32-key splits, one of 41 two and an empty third (left at once under async tiles)
 MLA_CASES = {"splits1": (1, False, False), "splits3": (3, False, False), "async-splits1": (1, True, False),
-             "async-splits3-long": (3, True, True)}
+             "async-splits3-long": (3, True, True), "heads16-async-splits3-long": (3, True, True)}
 
 
 @pytest.mark.parametrize("case", list(MLA_CASES))
@@ -178,7 +186,9 @@ def test_mla_kernels_match_numpy(tmp_path, case):
     rng = np.random.default_rng(0)
     lora, rope_dim, nope, heads = 32, 16, 16, 20  # 20 heads: a partial 16-head chunk
     block_size = 16 if long_contexts else 4
-    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim, "MLA_ASYNC_TILES": int(async_tiles)})
+    # heads16: mla_attention_mma's blocks of 16 heads (20 heads: 16 + a partial 4), a warp per output quarter
+    binary = build(tmp_path, "mla", {"MLA": 1, "KV_LORA": lora, "ROPE_DIM": rope_dim, "MLA_ASYNC_TILES": int(async_tiles),
+                                     "MLA_HEADS16": int("heads16" in case)})
     latent_dim, q_stride = lora + rope_dim, nope + rope_dim
     # fresh prompt, decodes, a chunk on cached context
     cached, new = ([0, 40, 70, 13] if long_contexts else [0, 4, 7, 13]), [5, 1, 1, 3]

@@ -202,7 +202,8 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
 
 
 @pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
-                                         "mma_split4", "mma_split4_depth3", "mma1_split4"])
+                                         "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged",
+                                         "mma_staged2x3"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, rows, gemv_kernel):
@@ -212,15 +213,43 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
     groups smaller than, equal to and larger than a 32-weight chunk. Same as moe_gemv. The deeper
     rings of moe_gemv_mma take K = 1152: 9 INT4 chunks per lane group (the ring wraps, its last
     turn partly empty); so do its split-K shapes (INT4: 9 chunks over 2 slices of 5 and 4, over 4
-    of 3, 3, 3 and none)."""
+    of 3, 3, 3 and none); the staged ones K = 1536 (INT4 group 32: three 512-weight stages through a
+    ring of 2, six 256-weight ones through a ring of 3; other formats and groups run moe_gemv_mma),
+    the same bits as moe_gemv_mma."""
     moe = _moe_cuda()
-    in_features = 1152 if "depth" in gemv_kernel or "split" in gemv_kernel else 384
+    in_features = 1536 if "staged" in gemv_kernel else 1152 if "depth" in gemv_kernel or "split" in gemv_kernel \
+        else 384
     weight, reference = _expert_weights(rng, fmt, 1, 300, in_features, group=group or 32)
     x = cuda_backend.upload(bf16_random(rng, rows, in_features))
     out = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel=gemv_kernel))
     assert relative_error(out, cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
     old = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel="moe_gemv"))
     assert relative_error(out, old) < 1e-2
+    if "staged" in gemv_kernel:
+        assert moe.staged_ready(weight, moe.GEMV_KERNELS[gemv_kernel]["STAGED_CHUNKS"]) == ((fmt, group) == ("int4", 32))
+        mma = cuda_backend.to_host(moe.quantized_linear(x, weight, method="gemv", gemv_kernel="mma"))
+        assert np.array_equal(out, mma)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["mma_staged", "mma_staged2x3"])
+def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, rng, gemv_kernel):
+    """moe_gemv_mma_staged over moe_sort's tiles (gathered token rows, an empty expert, a 70-row
+    tile in five passes): the bits of moe_gemv_mma, and the dequantized product."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features, tokens = 8, 2, 96, 1024, 40
+    weight, reference = _expert_weights(rng, "int4", num_experts, out_features, in_features)
+    assert moe.staged_ready(weight, moe.GEMV_KERNELS[gemv_kernel]["STAGED_CHUNKS"])
+    x = bf16_random(rng, tokens, in_features)
+    ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    ids[:, 0] = 1  # expert 1: 40 rows
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    outs = {name: cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True,
+                                                        gemv=True, gemv_kernel=name))
+            for name in (gemv_kernel, "mma")}
+    assert np.array_equal(outs[gemv_kernel], outs["mma"])
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    assert relative_error(outs[gemv_kernel], expected) < BF16_TOL
 
 
 def test_gemv_kernel_choice(monkeypatch):
@@ -292,7 +321,8 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     4 decodes up to 1k context: up to 64 splits (now the default; 17 on the mma kernel, 33 on CUDA
     cores, many empty at 5 tokens) with q_pe rotated by 20 x 32 / 128 = 5 blocks per token, and the
     settings before (16 splits, one rotating block per token). Async: mla_attention_mma's tiles by
-    cp.async with mla_combine_splits_shared (opt-in), the same bits as the default kernels."""
+    cp.async with mla_combine_splits_shared (opt-in), then also in blocks of 16 heads: the same bits
+    as the default kernels."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
@@ -347,6 +377,13 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     if async_tiles:  # the same step again (same cache: the latent write is idempotent) on the opt-in kernels
         monkeypatch.setenv(cuda_mla.ASYNC_TILES_ENV, "1")
         monkeypatch.setenv(cuda_mla.COMBINE_ENV, "shared")
+        again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
+                            cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
+                            cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),
+                            cupy.asarray(rope.sin), 1e-6, prefill_min_query=prefill_min_query,
+                            absorbed_kernel=absorbed_kernel)
+        assert np.array_equal(cuda_backend.to_host(again), cuda_backend.to_host(out))
+        monkeypatch.setenv(cuda_mla.HEADS16_ENV, "1")  # blocks of 16 heads (20: 16 + 4), a warp per quarter
         again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
                             cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
                             cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),

@@ -67,6 +67,10 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # OPENINFER_MLA_COMBINE=shared takes mla_combine_splits_shared (each split's weight once per head in
 # shared memory, the partial rows' loads in flight together; bit-equal to mla_combine_splits).
 ASYNC_TILES_ENV = "OPENINFER_MLA_ASYNC_TILES"
+# Opt-in until measured: OPENINFER_MLA_HEADS16=1 builds mla_attention_mma with blocks of 16 heads whose 4
+# warps take the 4 output quarters (one key tile read serves them: 64-head blocks are a quarter each, so
+# Moonlight's 16 heads read every key tile 4 times and fill a quarter of each 64-row mma tile).
+HEADS16_ENV = "OPENINFER_MLA_HEADS16"
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
@@ -224,6 +228,18 @@ def async_tiles() -> bool:
     return os.environ.get(ASYNC_TILES_ENV, "0") in ("1", "true", "on")
 
 
+def heads16() -> bool:
+    """Whether mla_attention_mma runs blocks of 16 heads ($OPENINFER_MLA_HEADS16=1; opt-in)."""
+    return os.environ.get(HEADS16_ENV, "0") in ("1", "true", "on")
+
+
+def mma_decode_head_chunks(num_heads: int) -> int:
+    """mla_attention_mma's grid.y: head blocks x output quarters (64-head blocks), or 16-head blocks."""
+    if heads16():
+        return -(-num_heads // 16)
+    return -(-num_heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS
+
+
 def combine_kernel() -> str:
     """The split combine's kernel ($OPENINFER_MLA_COMBINE: loop, the default, or shared)."""
     name = os.environ.get(COMBINE_ENV) or "loop"
@@ -234,8 +250,9 @@ def combine_kernel() -> str:
 
 def _mma_decode_kernel(spec: MLASpec):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
-    smem = (MMA_DECODE_HEADS + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
-    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}))
+    smem = ((16 if heads16() else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
+    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
+                       **({"MLA_HEADS16": 1} if heads16() else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
@@ -293,7 +310,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    head_chunks = (-(-heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS if use_mma else -(-heads // HEADS_PER_BLOCK))
+    head_chunks = mma_decode_head_chunks(heads) if use_mma else -(-heads // HEADS_PER_BLOCK)
     splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
     if splits > 1:

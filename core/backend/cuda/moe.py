@@ -81,6 +81,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_split4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
     "mma_split4_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 3},
     "mma1_split4": {"MMA_GEMV_NTILES": 1, "MMA_GEMV_KSPLIT": 4},
+    # INT4 with group-32 scales (Kimi's experts), opt-in until measured: moe_gemv_mma_staged, each
+    # warp's weights copied to shared memory by cp.async in runs of STAGED_CHUNKS x 64 contiguous
+    # bytes per row (moe_gemv_mma's lanes read 64 bytes of a row per load; the H100's INT4 and bf16
+    # mma GEMVs reached 43-50 % of the copy bandwidth at one token where bf16 moe_gemv_wide, 512-byte
+    # row runs, reached 87 %); other formats and shapes run moe_gemv_mma. sm_90a ptxas: 126 / 96
+    # registers, 46 / 42 KB shared, no spills
+    "mma_staged": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2},
+    "mma_staged2x3": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 2, "STAGED_STAGES": 3},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
@@ -318,6 +326,13 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if "STAGED_CHUNKS" in defines:
+        if staged_ready(weight, defines["STAGED_CHUNKS"]):
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu STAGED_WARPS x 16
+            weight._kernel("moe_gemv_mma_staged", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                              (MMA_GEMV_WARPS * 32,), args)
+            return
+        defines = {"MMA_GEMV_NTILES": defines["MMA_GEMV_NTILES"]}  # elsewhere: moe_gemv_mma
     if name in TENSOR_CORE_GEMVS:  # dense mode: one block row loops over all rows
         columns = MMA_GEMV_WARPS // defines.get("MMA_GEMV_KSPLIT", 1) * MMA_GEMV_COLUMNS
         weight._kernel("moe_gemv_mma", **defines)((-(-weight.out_features // columns), grid_rows or 1),
@@ -326,6 +341,12 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     columns = WIDE_WARPS * defines["WIDE_COLUMNS"]  # dense mode: one block row loops over all rows
     weight._kernel("moe_gemv_wide", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                 (WIDE_WARPS * 32,), args)
+
+
+def staged_ready(weight: ExpertLinear, chunks: int) -> bool:
+    """moe_gemv_mma_staged's needs: INT4 with group-32 scales, K whole stages of ``chunks`` x 128
+    weights (so 16-byte aligned weight and scale rows)."""
+    return weight.format == "int4" and weight.group == 32 and weight.in_features % (chunks * 128) == 0
 
 
 def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:

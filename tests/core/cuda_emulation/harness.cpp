@@ -136,6 +136,23 @@ int main(int argc, char** argv) {
         moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
                      narrow_gemv_mma.data(), N1 - 8, H);
     });
+#if WEIGHT_FORMAT == 1 && GROUP == 32
+    // moe_gemv_mma_staged (INT4 group 32, K whole stages) on the same tiles and in dense mode
+    if (H % (STAGED_CHUNKS * 4 * WEIGHT_CHUNK) == 0) {
+        std::vector<bf16> h_gemv_staged(size_t(slots) * N1), dense_gemv_staged(size_t(T) * N1);
+        const unsigned staged_columns = STAGED_WARPS * 16;
+        launch((N1 + staged_columns - 1) / staged_columns, max_tiles, 1, STAGED_WARPS * 32, [&] {
+            moe_gemv_mma_staged(x.data(), sorted.data(), k, w1.data(), s1.data(), tile_expert.data(), tile_row.data(),
+                                num_tiles.data(), offsets.data(), 0, h_gemv_staged.data(), N1, H);
+        });
+        launch((N1 + staged_columns - 1) / staged_columns, 1, 1, STAGED_WARPS * 32, [&] {
+            moe_gemv_mma_staged(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
+                                dense_gemv_staged.data(), N1, H);
+        });
+        save(dir, "h_gemv_staged.bin", h_gemv_staged);
+        save(dir, "dense_gemv_staged.bin", dense_gemv_staged);
+    }
+#endif
     save(dir, "h_gemv_mma.bin", h_gemv_mma);
     save(dir, "dense_gemv_mma.bin", dense_gemv_mma);
     save(dir, "narrow_gemv_mma.bin", narrow_gemv_mma);
@@ -204,7 +221,7 @@ int main(int argc, char** argv) {
     if (splits > 1) launch(T * heads, 1, 1, 32, [&] { mla_combine_splits(partial_o.data(), partial_ml.data(), splits, out.data()); });
     // the tensor-core absorbed kernel on the same inputs (after the latent write, like the GPU)
     std::vector<bf16> out_mma(size_t(T) * heads * KV_LORA);
-    launch(T, (heads + MMA_DECODE_HEADS - 1) / MMA_DECODE_HEADS * MMA_DECODE_PARTS, splits, MMA_DECODE_THREADS, [&] {
+    launch(T, MMA_DECODE_HEAD_CHUNKS(heads), splits, MMA_DECODE_THREADS, [&] {
         mla_attention_mma(q_latent.data(), q.data(), q_stride, q_pe_offset, cache.data(), tables.data(), max_blocks,
                           block_size, query_start.data(), num_seqs, positions.data(), heads, scale, out_mma.data(),
                           splits, partial_o.data(), partial_ml.data(), nullptr);
