@@ -71,6 +71,17 @@ max_tokens), measured side by side in one run:
     kernel (noisy: runs 3.95-4.09 ms), 16 or 8 mask threads instead of 14 no different, the worker
     consuming worse (+14 %).
 
+    E3 (H200, merged main e0c0aad, 5 rounds, ``results/grammar_mask_cuda_e3_h200.json``) confirms the
+    tiled default: batch 1 +0.3 % (3.203 ms; untiled +5.2 %, plain 3.193), batch 64 +7.1 % (4.275 ms;
+    untiled +11.0 %, plain 3.991), faster in every round. With the lowered GIL interval +4.6 % at batch
+    64 (4.174 ms; +4.4 % in E2: better than the default in both windows, still opt-in); the engine
+    thread computing the masks itself +51 %; the masks handed over before the read-back (early) +10.4 %,
+    with the GIL interval +6.8 %. Where the rest goes: the GPU waits for masks in a minority of steps
+    (per run p50 0, p90 0.6-1.3 ms, max ~5 ms, ~22 ms in all), while the host's mask latency (tokens
+    read back to masks released) is p50 ~2.5 ms, p90 ~4.3 ms against a 3.9 ms forward, and the host
+    waits for the device at read-back (p50 0.6-1 ms): not the hand-overs or the engine loop but
+    llguidance's own time for the slowest rows of the lockstep steps (strings near their maxLength).
+
 On the GPU one command measures the same on a Qwen3-4B-shaped model with random weights and a
 synthetic vocabulary of Qwen3's size (rows with and without grammars in one batch, the CUDA
 sampler applying the masks):

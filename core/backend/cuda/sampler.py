@@ -163,8 +163,9 @@ _gates: _MaskGates | None = None
 # former way). Default by E2 (H200, merged main d5bcefd, benchmarks/grammar_mask.py overhead, Qwen3-4B
 # shape, every row under the schema, 4 alternating rounds, results/grammar_mask_cuda_e2_h200.json):
 # TPOT overhead at batch 1 +5.6 % -> +0.8 % (3.248 -> 3.102 ms, plain 3.076), at batch 64 +9.8 % ->
-# +5.1 % (4.282 -> 4.099 ms, plain 3.901), faster in every round. Read at every step (benchmarks
-# switch it between runs)
+# +5.1 % (4.282 -> 4.099 ms, plain 3.901), faster in every round; confirmed by E3 (merged main e0c0aad,
+# 5 rounds, grammar_mask_cuda_e3_h200.json: batch 1 +5.2 -> +0.3 %, batch 64 +11.0 -> +7.1 %). Read at
+# every step (benchmarks switch it between runs)
 TILED_CONSTRAINTS_ENV = "OPENINFER_TILED_LOGIT_CONSTRAINTS"
 CONSTRAINT_THREADS = 256
 CONSTRAINT_TOKENS_PER_THREAD = 8  # TOKENS_PER_THREAD of logit_constraints.cu
