@@ -359,6 +359,7 @@ CONFIGS = {"plain": ("none", "default"), "schema_on_demand": ("all", "on_demand"
            "schema_untiled": ("all", "default_untiled"),
            "schema_on_demand_device_wait": ("all", "on_demand_device_wait"),
            "schema_on_demand_device_wait_gil_interval": ("all", "on_demand_device_wait_gil_interval"),
+           "schema_no_gil_interval": ("all", "default_no_gil_interval"),
            "schema_early": ("all", "early"), "schema_early_gil_interval": ("all", "early_gil_interval")}
 DEFAULT_CONFIGS = ["plain", "schema_on_demand", "schema_default", "mixed_half_default"]
 # each mode: (masks in the background, waited for on the device, the step's tokens consumed on the mask
@@ -373,7 +374,7 @@ MODES = {"on_demand": ("0", "0", "", ""), "default": ("1", "", "", ""),
          "default_tiled": ("1", "", "", ""), "default_gil_interval": ("1", "", "", ""),
          "default_tiled_gil_interval": ("1", "", "", ""), "worker_consumes_gil_interval": ("1", "", "1", ""),
          "gil_interval_16_threads": ("1", "", "", ""), "gil_interval_8_threads": ("1", "", "", ""),
-         "default_untiled": ("1", "", "", ""), "on_demand_device_wait": ("0", "1", "", ""),
+         "default_untiled": ("1", "", "", ""), "default_no_gil_interval": ("1", "", "", ""), "on_demand_device_wait": ("0", "1", "", ""),
          "on_demand_device_wait_gil_interval": ("0", "1", "", ""), "early": ("1", "1", "", ""),
          "early_gil_interval": ("1", "1", "", "")}
 # llguidance's threads for the masks per mode (engine.grammar_mask_threads; the others: the engine's own)
@@ -384,6 +385,7 @@ GIL_INTERVAL_US = "200"
 ENVIRONMENT_SWITCHES = {"OPENINFER_TILED_LOGIT_CONSTRAINTS": {"default_tiled": "1", "default_tiled_gil_interval": "1",
                                                               "default_untiled": "0"},
                         "OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US": {
+                            "default_no_gil_interval": "0", "default_untiled": "0",
                             "default_gil_interval": GIL_INTERVAL_US, "default_tiled_gil_interval": GIL_INTERVAL_US,
                             "worker_consumes_gil_interval": GIL_INTERVAL_US, "gil_interval_16_threads": GIL_INTERVAL_US,
                             "gil_interval_8_threads": GIL_INTERVAL_US,

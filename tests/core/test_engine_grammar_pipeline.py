@@ -90,8 +90,8 @@ class _LazyIds:
 
 
 @pytest.mark.parametrize(("consume_on_worker", "gil_interval_us", "background", "early"),
-                         [("1", "", "1", ""), ("0", "", "1", ""), ("0", "200", "1", ""), ("0", "200", "0", ""),
-                          ("0", "", "1", "1"), ("0", "200", "1", "1")],
+                         [("1", "0", "1", ""), ("0", "0", "1", ""), ("0", "200", "1", ""), ("0", "200", "0", ""),
+                          ("0", "0", "1", "1"), ("0", "200", "1", "1")],
                          ids=["worker_consumes", "engine_consumes", "engine_consumes_gil_interval",
                               "engine_computes_gil_interval", "early", "early_gil_interval"])
 def test_grammar_rows_sampled_ahead_while_the_device_waits_for_their_masks(model_dir, monkeypatch, consume_on_worker,

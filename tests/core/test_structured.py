@@ -519,13 +519,13 @@ def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monk
     """``OPENINFER_GRAMMAR_GIL_SWITCH_INTERVAL_US``: from ``start_masks`` until the mask worker is
     idle, the GIL switch interval is the value asked for (seen from a ready callback, which runs on
     the worker in its job); once idle, the interpreter's own interval again; the masks are the same.
-    Unset, 0 or not a number (logged): left alone."""
+    Unset: the default (200 us); 0 or not a number (logged): left alone."""
     import sys
     import time
 
     from openinfer.structured import GIL_SWITCH_INTERVAL_ENV, MaskWorker, gil_switch_interval_s
 
-    for raw, expected in (("", None), ("0", None), ("250", 250e-6), ("1.5", 1.5e-6), ("fast", None), ("-3", None),
+    for raw, expected in (("", 200e-6), ("0", None), ("250", 250e-6), ("1.5", 1.5e-6), ("fast", None), ("-3", None),
                           ("nan", None)):
         monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
         assert gil_switch_interval_s() == expected, raw
@@ -535,7 +535,7 @@ def test_gil_switch_interval_is_lowered_while_masks_are_computed(tokenizer, monk
     constraint = pb.StructuredOutput(regex="(yes|no|maybe)( (yes|no|maybe)){0,8}")
     original = sys.getswitchinterval()
     monkeypatch.setattr(MaskWorker, "IDLE_EXIT_S", 0.05)
-    for raw, during in (("250", 250e-6), ("", original)):
+    for raw, during in (("250", 250e-6), ("0", original)):
         monkeypatch.setenv(GIL_SWITCH_INTERVAL_ENV, raw)
         background, reference = (GrammarCompiler(tokenizer.to_str(), vocab, eos, background_masks=flag)
                                  for flag in (True, False))
