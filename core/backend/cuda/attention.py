@@ -178,7 +178,7 @@ def _check(spec: AttentionSpec, kv: KVLayer) -> None:
 def write_qkv(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
               ropes: RopeTables) -> cupy.ndarray:
     """Norm + rotate q and k, store k/v at the batch's slots; returns q ``[T, nh, d]``."""
-    if wants_vector_qkv_write() and vector_qkv_write_supported(spec):  # opt-in: OPENINFER_VECTOR_QKV_WRITE=1
+    if wants_vector_qkv_write() and vector_qkv_write_supported(spec):  # default; OPENINFER_VECTOR_QKV_WRITE=0 reverts
         return write_qkv_vectorized(qkv, spec, kv, batch, ropes)
     num_tokens = qkv.shape[0]
     if qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
