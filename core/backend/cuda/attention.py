@@ -70,10 +70,13 @@ from openinfer.rope import RotaryEmbedding
 # kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
 # keep cp.async. "auto": "tma" for steps whose longest context reaches SM90_TMA_MIN_CONTEXT tokens,
 # cp.async below (and where the context is not known on the host: a captured graph's batch).
-SM90_KV_LOADS = "cp_async"
+# Default "auto" by E2 + E3 (H200; benchmarks/results/gpu_prefill_attention.md). TMA against cp.async
+# per launch, E2: 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at 8 x 2k and 4k, 1.09x at 16k, 1.23x
+# for a 4k chunk on 12k cached. E3, "auto" against cp.async: 1.00x at 1k and 8 x 1k, 1.03x at 4k,
+# 1.04x at 16k and 8 x 2k, 1.15x on the chunk; whole Qwen3-4B-shape model, 16k prefill attention
+# 178.4 -> 155.9 ms, step 361.3 -> 350.1 ms. OPENINFER_SM90_KV_LOADS=cp_async reverts.
+SM90_KV_LOADS = "auto"
 SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
-# E2 (H200, TMA against cp.async per launch): 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at
-# 8 x 2k and 4k, 1.09x at 16k, 1.23x for a 4k chunk on 12k cached
 SM90_TMA_MIN_CONTEXT = 2048
 # OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
 # (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
@@ -85,7 +88,7 @@ SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS", "schedule":
 
 @functools.cache
 def sm90_kv_loads() -> str:
-    """OPENINFER_SM90_KV_LOADS ("cp_async", the default, "tma", "tma_multicast" or "auto"), read once per process."""
+    """OPENINFER_SM90_KV_LOADS ("auto", the default, "cp_async", "tma" or "tma_multicast"), read once per process."""
     value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
     if value not in SM90_KV_LOAD_MODES:
         raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
