@@ -19,7 +19,7 @@ launch gaps, weights cold in L2 as in a real step).
 
     python benchmarks/gpu_kimi.py layer [--context 1024] [--absorbed-kernel mma]   # OPENINFER_MOE_GEMV=mma: the tensor-core GEMV
     python benchmarks/gpu_kimi.py layer --variants cuda_cores:moe_gemv,mma:mma      # side by side, one run
-    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:mma_split4:mla_async+mla_combine_shared
+    python benchmarks/gpu_kimi.py layer --batches 1 --variants auto:auto,auto:mma:no_mla_async+mla_combine_loop
     # a variant's options change core's defaults (LAYER_OPTIONS); without options it runs what ships
     python benchmarks/gpu_kimi.py warm   # moe.cu's modules compiled in parallel into CuPy's disk cache first
 
@@ -843,12 +843,14 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_spread_rope": "mla_write_latent's q_pe rotation by one block per token ($OPENINFER_MLA_SPREAD_ROPE=0; "
                       "spread over blocks is the default since D3)",
     "mla_splits16": "at most 16 context splits in the absorbed MLA decode ($OPENINFER_MLA_MAX_SPLITS=16; before D3)",
-    "mla_async": "mla_attention_mma's tiles by cp.async, empty splits leave at once ($OPENINFER_MLA_ASYNC_TILES=1)",
-    "mla_combine_shared": "mla_combine_splits_shared ($OPENINFER_MLA_COMBINE=shared)",
+    "no_mla_async": "mla_attention_mma's plain tile loads ($OPENINFER_MLA_ASYNC_TILES=0; cp.async tiles are the "
+                    "default since E3, 2026-11-24)",
+    "mla_combine_loop": "mla_combine_splits ($OPENINFER_MLA_COMBINE=loop; the shared-memory combine is the default "
+                        "since E3)",
     "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
-LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64")
+LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
 
 
 def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -890,8 +892,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
-                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "mla_async": (cuda_mla.ASYNC_TILES_ENV, "1"),
-                "mla_combine_shared": (cuda_mla.COMBINE_ENV, "shared"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1")}
+                "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
+                "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1")}
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value

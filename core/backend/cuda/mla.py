@@ -48,8 +48,9 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # 16 heads: mma 0.132 vs 0.226 ms at batch 1 (0.181 vs 0.478 at context 4096), 0.555 vs 0.634 at 64,
 # 1.78 vs 1.66 at 256 (behind); 64 heads, W3a: 0.188 vs 0.271 ms at batch 1 (0.240 vs 0.538 at
 # context 4096), 0.590 vs 1.705 at 64 (1.69 vs 6.48 at context 4096), 1.94 vs 6.28 at 256.
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = (
-    (16, 64, "mma"), (16, 1 << 30, "cuda_cores"), (64, 1 << 30, "mma"))
+# H200 E3 (2026-11-24, results/kimi_kernels_mla_decode_e3_h200.json), with the async tiles below: 16 heads
+# mma 0.148 vs CUDA cores 0.176 ms at batch 1, 0.309 vs 0.730 at 64, 0.814 vs 1.652 at 256: mma throughout.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((64, 1 << 30, "mma"),)
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
@@ -60,16 +61,20 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 # in 16 dependent in-place rounds): 12.3 -> 6.7 / 13.4 -> 6.9 / 13.4 -> 6.9 us at batch 1 / 64 / 256
 # (H200, D3). $OPENINFER_MLA_SPREAD_ROPE=0: one block per token.
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
-# Opt-in until measured (a batch-1 step of 64 heads at 1k context spends ~61 us in attention + combine
-# on an H200, D3, for 1.2 MB of latents): OPENINFER_MLA_ASYNC_TILES=1 builds mla_attention_mma with its
-# query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once; the plain
-# loop waits on a few loads at a time) and splits past a short context leaving at once;
-# OPENINFER_MLA_COMBINE=shared takes mla_combine_splits_shared (each split's weight once per head in
-# shared memory, the partial rows' loads in flight together; bit-equal to mla_combine_splits).
+# Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
+# with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
+# splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
+# mla_combine_splits_shared (each split's weight once per head in shared memory; OPENINFER_MLA_COMBINE=loop:
+# mla_combine_splits). One Kimi-K2 layer at batch 1 (results/kimi_layer_b1_e3_h200.json): attention 34.8 ->
+# 14.5 us, combine 41.1 -> 21.7 us, layer 334 -> 303 us; whole mla_forward, 64 heads, 1k context: 0.150 ->
+# 0.144 / 0.543 -> 0.321 / 1.847 -> 0.849 ms at batch 1 / 64 / 256; 16 heads 0.531 -> 0.309 at 64.
 ASYNC_TILES_ENV = "OPENINFER_MLA_ASYNC_TILES"
-# Opt-in until measured: OPENINFER_MLA_HEADS16=1 builds mla_attention_mma with blocks of 16 heads whose 4
-# warps take the 4 output quarters (one key tile read serves them: 64-head blocks are a quarter each, so
-# Moonlight's 16 heads read every key tile 4 times and fill a quarter of each 64-row mma tile).
+# Opt-in: OPENINFER_MLA_HEADS16=1 builds mla_attention_mma with blocks of 16 heads whose 4 warps take the 4
+# output quarters (one key tile read serves them: 64-head blocks are a quarter each, so Moonlight's 16
+# heads read every key tile 4 times and fill a quarter of each 64-row mma tile). H200 E3, whole
+# mla_forward with the async tiles: 16 heads 0.148 -> 0.206 ms at batch 1 (behind), 0.309 -> 0.173 at 64,
+# 0.814 -> 0.282 at 256; 64 heads 0.144 -> 0.145 / 0.321 -> 0.279 / 0.849 -> 0.705. Fewer head blocks
+# mean more context splits, so the bits differ from the 64-head blocks where the split count does.
 HEADS16_ENV = "OPENINFER_MLA_HEADS16"
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
@@ -224,8 +229,8 @@ _smem_set: dict[int, cupy.RawKernel] = {}  # id -> the kernel (held, so its id i
 
 
 def async_tiles() -> bool:
-    """Whether mla_attention_mma copies its tiles by cp.async ($OPENINFER_MLA_ASYNC_TILES=1; opt-in)."""
-    return os.environ.get(ASYNC_TILES_ENV, "0") in ("1", "true", "on")
+    """Whether mla_attention_mma copies its tiles by cp.async (default; $OPENINFER_MLA_ASYNC_TILES=0: not)."""
+    return os.environ.get(ASYNC_TILES_ENV, "1") not in ("0", "false", "off")
 
 
 def heads16() -> bool:
@@ -241,8 +246,8 @@ def mma_decode_head_chunks(num_heads: int) -> int:
 
 
 def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: loop, the default, or shared)."""
-    name = os.environ.get(COMBINE_ENV) or "loop"
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: shared, the default, or loop)."""
+    name = os.environ.get(COMBINE_ENV) or "shared"
     if name not in COMBINE_KERNELS:
         raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
     return COMBINE_KERNELS[name]

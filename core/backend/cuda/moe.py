@@ -51,11 +51,13 @@ WEIGHT_CHUNK = {"bf16": 8, "int4": 32, "fp8": 16}  # weights per 16-byte load in
 # top-8: moe_gemv ahead at 1.3 slots per expert (5.96 vs 9.83 ms), behind at 5.3 (17.7 vs 12.8 ms).
 GEMV_MAX_ROWS = 8  # dense linears with at most this many rows take moe_gemv
 GEMV_MAX_ROWS_PER_EXPERT = 3  # grouped: moe_gemv while the slots average at most this per expert
-# Opt-in (OPENINFER_MOE_BLAS=1; not yet measured end to end): grouped, eager steps whose slots average
-# at least this many per expert take cuBLAS per active expert (moe_grouped_gemm peaks near 75 TFLOP/s
-# on an H100, cuBLAS bf16 past 700 at 4096 rows; kimi_kernels.json). Never while a CUDA graph is being
-# captured (the counts are read on the host).
-BLAS_MIN_ROWS_PER_EXPERT = 64
+# On by default since E3 (H200, 2026-11-24; OPENINFER_MOE_BLAS=0 turns it off): grouped, eager steps whose
+# slots average at least this many per expert take cuBLAS per active expert (moe_grouped_gemm peaks near
+# 75 TFLOP/s). Moonlight served (bf16 64 x top-6, results/moonlight_ours_optin_e3_h200.json): 8k-token
+# mixed steps ~300 -> ~150-170 ms; a lone 1k-token prompt (96 slots per expert) went 58 -> 163 ms (a
+# host read of the counts per layer), hence the bound: an 8k step has 768. Never while a CUDA graph is
+# being captured (the counts are read on the host).
+BLAS_MIN_ROWS_PER_EXPERT = 512
 BLAS_ENV = "OPENINFER_MOE_BLAS"
 # Decode GEMV kernels: moe_gemv (one column per warp), moe_gemv_wide (several columns per warp, next
 # chunk's loads in flight, no int->float conversions; moe.cu) in two shapes, moe_gemv_mma (tensor
@@ -105,6 +107,10 @@ TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA
 #  * bf16 experts (Moonlight, 64 x top-6), W3a: moe_gemv_wide (4 columns per warp) ahead at 0.1 and 1.5
 #    slots per expert (gate_up 26 vs moe_gemv 31 us, 204 vs 247; down 16 vs 19, 121 vs 174), mma at 6
 #    (gate_up 380 vs the per-tile GEMM 416 us, down 190 vs 236); the per-tile GEMM from 24 (467 vs 779).
+#  * INT4 experts, H200 E3 (2026-11-24, one Kimi-K2 layer, results/kimi_layer_b1_e3_h200.json / _b64_):
+#    moe_gemv_mma_staged (falls back to moe_gemv_mma where the scales are not group 32 or K not whole
+#    stages) gate_up 92 -> 73 / 2328 -> 2134 / 3398 -> 3246 us, down 55 -> 44 / 1161 -> 1134 / 1688 ->
+#    1682 us at batch 1 / 64 / 256 (split K, mma_split4: 79 / 44 at batch 1). OPENINFER_MOE_GEMV=mma: before.
 # Unmeasured rows keep the earlier choice (moe_gemv up to GEMV_MAX_ROWS / GEMV_MAX_ROWS_PER_EXPERT).
 GemvChoice = tuple[tuple[float, str], ...]
 DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
@@ -112,7 +118,7 @@ DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
     "fp8": ((4, "wide2"), (7, "moe_gemv")),
 }
 GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
-    "bf16": ((1.5, "wide"), (6, "mma")), "int4": ((11, "mma"),),
+    "bf16": ((1.5, "wide"), (6, "mma")), "int4": ((11, "mma_staged"),),
     "fp8": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),),
 }
 # A kernel forced (argument or GEMV_KERNEL_ENV) runs up to its own bounds: (dense rows, slots per
@@ -357,7 +363,8 @@ def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
 def blas_eligible(num_slots: int, weight: ExpertLinear, blas) -> bool:
     """Whether ``grouped_gemm`` with ``blas`` takes cuBLAS per expert (see BLAS_MIN_ROWS_PER_EXPERT)."""
     return (blas is not None and num_slots >= max(1, BLAS_MIN_ROWS_PER_EXPERT * weight.num_experts)
-            and os.environ.get(BLAS_ENV, "0") == "1" and not cupy.cuda.get_current_stream().is_capturing())
+            and os.environ.get(BLAS_ENV, "1") not in ("0", "false", "off")
+            and not cupy.cuda.get_current_stream().is_capturing())
 
 
 def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool, blas,
