@@ -105,6 +105,8 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
 DEFAULT_PREFILL_KERNELS = "split_rows"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
+# coalesced measured 1.40 / 1.23 / 1.15x plain at 16 / 64 / 256 rows (H200, E3 2026-11-24, the same bits;
+# benchmarks/results/gpu_qwen35_gdn_kernels.json), after this session's last flips: opt-in until the next
 DEFAULT_DECODE_KERNEL = "early_loads"
 
 
