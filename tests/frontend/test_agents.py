@@ -263,6 +263,7 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_calls(served, family
     model = served[family]
     body = {"tools": TOOLS, "temperature": 1.0, "max_tokens": 300,
             "extra_body": {"structured_outputs": {"grammar": NATIVE_CALLS[family]}}}
+    pieces = []
     for seed in range(3):
         whole = chat(model, seed=seed, **body).choices[0]
         streamed = stream_chat(model, seed=seed, **body)
@@ -272,9 +273,14 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_calls(served, family
         assert streamed["content"] == whole.message.content
         assert whole.finish_reason == streamed["finish_reason"] == "tool_calls"
         assert not any(FORMATS[family].start in (text or "") for text in (whole.message.content,))
-        assert len(streamed["argument_pieces"]) == len(calls) and min(streamed["argument_pieces"]) >= 2
+        assert len(streamed["argument_pieces"]) == len(calls) and min(streamed["argument_pieces"]) >= 1
+        pieces += streamed["argument_pieces"]
         if family == "kimi_k2":  # Kimi's ids are the model's own, the same either way
             assert streamed["ids"] == [call.id for call in whole.message.tool_calls]
+    # streamed as written: a request's tokens that reach the frontend between two reads merge into one
+    # delta (by design), so on a loaded machine one call's arguments may come whole; over three
+    # requests at least one arrives in pieces
+    assert max(pieces) >= 2, pieces
     assert chat(model, tools=TOOLS, tool_choice="none", max_tokens=8).choices[0].message.tool_calls is None
 
 
