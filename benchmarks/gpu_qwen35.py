@@ -89,6 +89,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -297,6 +298,32 @@ def set_kernels(variant: str) -> None:
     os.environ.update(KERNEL_ENVIRONMENTS[variant])
 
 
+def random_gdn_layer(seed: int = 0) -> SimpleNamespace:
+    """One GDN layer's core weights at the 4B shape, random (conv weight, A_log, dt bias, norm
+    weight, drawn in that order), with its shapes and the ``bf16(shape, scale)`` maker that keeps
+    drawing from the same generator for the caller's inputs."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35.config import Qwen35Config
+    from openinfer_qwen35.weights import DeltaNetWeights
+
+    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
+    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+                         config.linear_conv_kernel_dim)
+    features = config.conv_dim + config.linear_value_dim + 2 * nv
+    rng = np.random.default_rng(seed)
+
+    def bf16(shape, scale=1.0):
+        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
+        return cupy.asarray(bits.astype(np.uint16))
+
+    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
+                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
+                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    return SimpleNamespace(config=config, nv=nv, dk=dk, dv=dv, width=width, features=features, bf16=bf16,
+                           weights=weights)
+
+
 def layer_core_timings(args: argparse.Namespace, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     """Device time of one GDN layer's core (``cuda_ops.delta_net``: conv, delta rule, gated
     norm; no projections) at the 4B shape, per variant: decode batches and single prompts.
@@ -306,23 +333,11 @@ def layer_core_timings(args: argparse.Namespace, variants: tuple[str, ...] = tup
     import cupy
     import numpy as np
     from openinfer_qwen35 import cuda_ops
-    from openinfer_qwen35.config import Qwen35Config
     from openinfer_qwen35.state import StepSequences
-    from openinfer_qwen35.weights import DeltaNetWeights
 
-    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
-    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
-                         config.linear_conv_kernel_dim)
-    features = config.conv_dim + config.linear_value_dim + 2 * nv
-    rng = np.random.default_rng(0)
-
-    def bf16(shape, scale=1.0):
-        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
-        return cupy.asarray(bits.astype(np.uint16))
-
-    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
-                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
-                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    layer = random_gdn_layer()
+    config, bf16, weights = layer.config, layer.bf16, layer.weights
+    nv, dk, dv, width, features = layer.nv, layer.dk, layer.dv, layer.width, layer.features
     slots = max(args.streams) + 1
     conv_state = bf16((slots, width - 1, config.conv_dim))
     ssm_state = cupy.zeros((slots, nv, dk, dv), dtype=cupy.float32)
@@ -571,23 +586,11 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
     import cupy
     import numpy as np
     from openinfer_qwen35 import cuda_ops
-    from openinfer_qwen35.config import Qwen35Config
     from openinfer_qwen35.state import StepSequences
-    from openinfer_qwen35.weights import DeltaNetWeights
 
-    config = Qwen35Config.from_dict(QWEN35_4B_TEXT)
-    nv, dk, dv, width = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
-                         config.linear_conv_kernel_dim)
-    features = config.conv_dim + config.linear_value_dim + 2 * nv
-    rng = np.random.default_rng(0)
-
-    def bf16(shape, scale=1.0):
-        bits = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
-        return cupy.asarray(bits.astype(np.uint16))
-
-    weights = DeltaNetWeights(None, bf16((config.conv_dim, width), 0.4),
-                              cupy.asarray(-np.exp(rng.uniform(-4, 2, nv)).astype(np.float32)),
-                              cupy.asarray(rng.standard_normal(nv).astype(np.float32)), bf16((dv,), 0.3), None)
+    layer = random_gdn_layer()
+    config, bf16, weights = layer.config, layer.bf16, layer.weights
+    nv, dk, dv, width, features = layer.nv, layer.dk, layer.dv, layer.width, layer.features
     results: dict = {}
     for variant, environment in PREFILL_VARIANTS.items():
         for name in environment:
