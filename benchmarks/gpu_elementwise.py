@@ -162,22 +162,11 @@ class Workload:
 
 
 def time_cuda(calls: list[Callable[[], Any]]) -> float:
-    """Seconds per call: one CUDA graph of ``calls`` on a private pool, median replay / len(calls)."""
-    import cupy
+    """Seconds per call: one CUDA graph of ``calls`` on a private pool, median replay / len(calls)
+    (the decode-attention benchmark's timer)."""
+    from gpu_decode_attention import graph_seconds_per_call
 
-    from openinfer.tools.ledger import gpu_seconds
-
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        for call in calls:  # compiles, fills the pool
-            call()
-        stream.synchronize()
-        stream.begin_capture()
-        for call in calls:
-            call()
-        graph = stream.end_capture()
-        seconds = gpu_seconds(lambda: graph.launch(stream), 20, 3)
-    return seconds / len(calls)
+    return graph_seconds_per_call(calls)
 
 
 def time_host(calls: list[Callable[[], Any]], repeats: int = 3) -> float:
