@@ -21,6 +21,7 @@ from openinfer.tools.ledger import (
     main,
     prefill_batch,
 )
+from tests.helpers.tiny_deepseek_v3 import tiny_config
 from tests.helpers.tiny_qwen3 import TINY_QWEN3
 from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35
 
@@ -61,7 +62,9 @@ def test_committed_ledger_rederives(name: str, tmp_path: Path) -> None:
 
 # the ops each model's step must show in its ledger rows (besides its linears)
 TINY_MODELS = {"qwen3": (TINY_QWEN3, {"attention", "embedding"}),
-               "qwen35": (TINY_QWEN35, {"attention", "delta_net", "embedding"})}
+               "qwen35": (TINY_QWEN35, {"attention", "delta_net", "embedding"}),
+               # MLA + routed experts: the plan's ops take the backend first, ``(ops, x, ...)``
+               "deepseek_v3": (tiny_config(num_hidden_layers=3, vocab_size=200), {"attention", "moe", "embedding"})}
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
@@ -92,6 +95,8 @@ def test_ledger_runs_end_to_end_on_the_numpy_backend(name: str, tmp_path: Path) 
             rows = row["flops"] / (2.0 * out_features * in_features * row["calls"])
             assert rows in (entry["tokens"], entry["batch"]), row["op"]
         assert ops["attention"]["flops"] > 0 and entry["measured_s"] > 0
+        if "moe" in ops:
+            assert ops["moe"]["bytes"] > 0 and ops["moe"]["flops"] > 0
         kinds = breakdown(entry)  # every device op counted once, by kind
         assert sum(kinds.values()) == pytest.approx(sum(r["time_s"] for r in entry["ops"]))
         assert "projections (GEMM)" in kinds and "norms" in kinds
@@ -151,3 +156,47 @@ def test_an_expanded_op_is_recorded_as_the_calls_it_makes() -> None:
         ("attention", "write", (5,), 6), ("attention", "attend", (6,), 12), ("backend", "rms_norm", (12,), 9)]
     assert [c.fn(*c.args) for c in calls] == [6, 12, 9]  # replayed unwrapped
     assert backend.attention(1) == 4 and not recorder.recording  # outside recording: plain calls
+
+
+def test_moe_and_mla_costs_count_what_the_step_must_touch() -> None:
+    """A MoE layer's bytes: the experts its tokens reach (all of them once tokens x top_k far
+    exceeds the expert count), the shared expert and router; its FLOPs: top_k experts per token.
+    MLA's FLOPs take the cheaper form: absorbed for one decode token, decompressed for a long
+    prompt with no cached context."""
+    import types
+
+    import numpy as np
+
+    from openinfer.mla import MLASpec, MLAWeights
+    from openinfer.moe import ExpertWeights, MoEWeights, RouterSpec
+    from openinfer.tools.ledger.recording import mla_cost, moe_cost
+
+    def dense(out_features: int, in_features: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(weight=np.zeros((out_features, in_features), np.float32))
+
+    hidden, inner, experts, top_k = 8, 4, 16, 2
+    layer = MoEWeights(router=RouterSpec(num_experts=experts, top_k=top_k), gate=np.zeros((experts, hidden), np.float32),
+                       experts=[ExpertWeights(dense(2 * inner, hidden), dense(hidden, inner))] * experts,
+                       shared=ExpertWeights(dense(2 * inner, hidden), dense(hidden, inner)))
+    per_expert = 4 * (2 * inner * hidden + hidden * inner)
+    many = np.zeros((1000, hidden), np.float32)
+    moved, flops = moe_cost((many, layer, None))
+    assert moved == pytest.approx((experts + 1) * per_expert + experts * hidden * 4 + 2 * many.nbytes, rel=1e-6)
+    assert flops == pytest.approx(2 * 1000 * (experts * hidden + (top_k + 1) * 3 * inner * hidden))
+    one = np.zeros((1, hidden), np.float32)
+    assert moe_cost((one, layer, None))[0] == pytest.approx((top_k + 1) * per_expert + experts * hidden * 4 + 2 * one.nbytes)
+
+    spec = MLASpec(num_heads=2, qk_nope_dim=4, qk_rope_dim=2, v_head_dim=4, kv_lora_rank=8, scale=1.0)
+    weights = types.SimpleNamespace(mla=MLAWeights(np.zeros((2, 4, 8), np.float32), np.zeros((2, 4, 8), np.float32)))
+    kv = types.SimpleNamespace(k=np.zeros((4, 16, 10), np.float32))
+
+    def step(new: list[int], context: list[int]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(query_start=np.concatenate(([0], np.cumsum(new))), context_lens=np.array(context))
+
+    decode = mla_cost((np.zeros((1, 4 + 10)), weights, kv, None, spec, None, None, 1e-6), step([1], [100]))
+    absorbed = 2 * 2 * 8 * (4 + 4) + 100 * 2 * 2 * (8 + 2 + 8)
+    assert decode[1] == pytest.approx(absorbed)
+    assert decode[0] == pytest.approx(14 * 8 + 2 * 4 * 8 + 2 * 64 * 4 + 100 * 10 * 4)
+    prompt = mla_cost((np.zeros((64, 14)), weights, kv, None, spec, None, None, 1e-6), step([64], [64]))
+    pairs = 64 * 65 / 2
+    assert prompt[1] == pytest.approx(2 * 64 * 8 * 2 * 8 + pairs * 2 * 2 * (4 + 2 + 4))

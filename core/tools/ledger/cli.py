@@ -23,6 +23,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # transformers' default Qwen3_5TextConfig (a 9B-class hybrid: 3 Gated DeltaNet layers per full
     # attention); the rest of its config.json is filled from transformers when it is written
     "qwen3.5-default": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text"),
+    # Moonlight-16B-A3B's published shape (the DeepSeek-V3 architecture of Kimi-K2: MLA, 64 routed
+    # experts top-6 + 2 shared, a dense first layer); needs openinfer-kimi-k2
+    "moonlight": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840,
+                      hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27,
+                      num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                      num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                      moe_layer_freq=1, routed_scaling_factor=2.446, scoring_func="sigmoid", topk_method="noaux_tc",
+                      norm_topk_prob=True, max_position_embeddings=8192, rope_theta=50000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163585, torch_dtype="bfloat16",
+                      hidden_act="silu", rope_scaling=None, attention_bias=False, num_nextn_predict_layers=0),
 }
 
 

@@ -179,11 +179,77 @@ def _arrays(value: Any) -> list[Any]:
 
 def _linear_weight(layer: Any) -> tuple[int, int, int]:
     """(out features, in features, weight bytes) of a backend's linear layer (cuda: ``weight
-    [out, in]``; numpy: ``weight_t [in, out]``)."""
+    [out, in]``; numpy: ``weight_t [in, out]``; packed FP8 / INT4 ``data`` + ``scale``: the bytes
+    as stored, which is what the GEMM reads)."""
     weight = getattr(layer, "weight", None)
     if weight is not None:
         return int(weight.shape[0]), int(weight.shape[1]), int(weight.nbytes)
+    data = getattr(layer, "data", None)
+    if data is not None:
+        scale = getattr(layer, "scale", None)
+        stored = int(data.nbytes) + (0 if scale is None else int(scale.nbytes))
+        return int(layer.out_features), int(layer.in_features), stored
     return int(layer.out_features), int(layer.in_features), int(layer.weight_t.nbytes)
+
+
+def _op_args(call: OpCall) -> tuple:
+    """A call's arguments without a model plan's leading ``ops`` (the backend) argument: plan ops
+    are ``(ops, x, ...)`` where backend ops are ``(x, ...)``."""
+    args = call.args
+    if call.owner == "plan" and args and not isinstance(args[0], _array_types()) and hasattr(args[0], "linear"):
+        return args[1:]
+    return args
+
+
+def _sequence_shape(host: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's (new tokens, context length incl. them) as float arrays."""
+    return np.diff(host.query_start).astype(np.float64), host.context_lens.astype(np.float64)
+
+
+def mla_cost(args: tuple, host: Any) -> tuple[float, float]:
+    """(bytes, FLOPs) of one MLA attention op ``(qkv_a, w, kv, batch, spec, rope, q_lora_rank,
+    eps)``: q_b (when the model has a q LoRA), the per-head W_UK / W_UV, the context's latents
+    read once, q in and the heads' output out. FLOPs per sequence take the cheaper of the two
+    forms (absorbed: queries into the 576-wide latent space; decompressed: the context's keys and
+    values expanded per head), the least any kernel must do."""
+    qkv_a, w, kv, spec, q_lora_rank = args[0], args[1], args[2], args[4], args[6]
+    tokens, heads = float(qkv_a.shape[0]), spec.num_heads
+    lora, nope, rope_dim, v = spec.kv_lora_rank, spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
+    moved = float(qkv_a.nbytes) + tokens * heads * v * qkv_a.itemsize
+    flops = 0.0
+    if q_lora_rank:
+        out_features, in_features, weight_bytes = _linear_weight(w.q_b)
+        moved += weight_bytes
+        flops += 2.0 * tokens * out_features * in_features
+    moved += float(sum(a.nbytes for a in _arrays(w.mla)))
+    query, context = _sequence_shape(host)
+    moved += float(context.sum()) * spec.latent_dim * kv.k.itemsize
+    pairs = query * (context - query) + query * (query + 1) / 2
+    absorbed = 2.0 * query * heads * lora * (nope + v) + pairs * heads * 2.0 * (lora + rope_dim + lora)
+    decompressed = 2.0 * context * lora * heads * (nope + v) + pairs * heads * 2.0 * (nope + rope_dim + v)
+    return moved, flops + float(np.minimum(absorbed, decompressed).sum())
+
+
+def moe_cost(args: tuple) -> tuple[float, float]:
+    """(bytes, FLOPs) of one MoE layer op ``(h, MoEWeights, batch)``: the router, the routed
+    experts the step's tokens reach (expected distinct experts of ``tokens x top_k`` uniform
+    draws: random weights route about uniformly; a real model's skew only lowers it), the shared
+    experts, the hidden rows in and out."""
+    h, layer = args[0], args[1]
+    tokens = float(h.shape[0])
+    experts, top_k = layer.router.num_experts, layer.router.top_k
+    expert = next(e for e in layer.experts if e is not None)
+    up_out, hidden, up_bytes = _linear_weight(expert.gate_up)
+    _, inner, down_bytes = _linear_weight(expert.down)
+    reached = experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+    moved = reached * (up_bytes + down_bytes) + float(np.asarray(layer.gate).nbytes) + 2.0 * h.nbytes
+    flops = 2.0 * tokens * (experts * hidden + top_k * (up_out * hidden + hidden * inner))
+    if layer.shared is not None:
+        shared_out, _, shared_up = _linear_weight(layer.shared.gate_up)
+        _, shared_inner, shared_down = _linear_weight(layer.shared.down)
+        moved += shared_up + shared_down
+        flops += 2.0 * tokens * (shared_out * hidden + hidden * shared_inner)
+    return moved, flops
 
 
 def shape_of(value: Any) -> str:
@@ -193,41 +259,46 @@ def shape_of(value: Any) -> str:
         return "W" + "x".join(map(str, value.weight.shape))
     if hasattr(value, "weight_t") and isinstance(value.weight_t, _array_types()):
         return f"W{value.out_features}x{value.in_features}"
+    if hasattr(value, "data") and hasattr(value, "out_features"):  # packed FP8 / INT4 (or stacked experts)
+        return f"W{value.out_features}x{value.in_features}"
     return ""
 
 
 def op_cost(call: OpCall, host: Any) -> tuple[float, float]:
     """(bytes moved at least, FLOPs) of one op call; ``host`` is the step's ForwardBatch."""
+    args = _op_args(call)
+    if call.name == "attention" and len(args) >= 7 and hasattr(args[4], "kv_lora_rank"):  # MLA (a plan op)
+        return mla_cost(args, host)
+    if call.name == "moe" and len(args) >= 2 and hasattr(args[1], "router"):
+        return moe_cost(args)
     if call.name in ("linear", "add_rms_norm_linear", "silu_mul_linear"):  # the fused ones end in a linear
-        x, layer = call.args[0], call.args[-1]
+        x, layer = args[0], args[-1]
         m = x.shape[0]
         n, k, weight_bytes = _linear_weight(layer)
         extra = 0 if call.name == "linear" else (m * k if call.name == "silu_mul_linear" else 2 * m * k)
         return float(x.itemsize * (m * k + m * n + extra) + weight_bytes), 2.0 * m * n * k
     if call.name == "write_qkv":  # (qkv, spec, kv, batch, ropes): q/k norm + RoPE to q, K/V into the cache
-        qkv, spec = call.args[0], call.args[1]
+        qkv, spec = args[0], args[1]
         tokens = qkv.shape[0]
         return float(qkv.nbytes + tokens * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * 2), 0.0
     if call.name in ATTENTION_KERNEL_CALLS:  # (q, spec, kv, batch, ...): every row of the step
-        q, spec = call.args[0], call.args[1]
-        context = host.context_lens.astype(np.float64)
-        query = np.diff(host.query_start).astype(np.float64)
+        q, spec = args[0], args[1]
+        query, context = _sequence_shape(host)
         pairs = float(np.sum(query * (context - query) + query * (query + 1) / 2))
         kv_token = 2 * spec.num_kv_heads * spec.head_dim * 2
         return float(2 * q.nbytes) + float(context.sum()) * kv_token, 4.0 * spec.num_heads * spec.head_dim * pairs
     if call.name == "attention":
-        qkv, spec = call.args[0], call.args[1]
+        qkv, spec = args[0], args[1]
         tokens = qkv.shape[0]
         kv_token = 2 * spec.num_kv_heads * spec.head_dim * 2  # K and V, bf16
-        context = host.context_lens.astype(np.float64)
-        query = np.diff(host.query_start).astype(np.float64)
+        query, context = _sequence_shape(host)
         # each query attends to its causal prefix: sum over queries of (context - query + i + 1)
         pairs = float(np.sum(query * (context - query) + query * (query + 1) / 2))
         flops = 4.0 * spec.num_heads * spec.head_dim * pairs
         io = qkv.nbytes + tokens * spec.num_heads * spec.head_dim * 2 + tokens * kv_token
         return io + float(context.sum()) * kv_token, flops
-    if call.name == "delta_net" and len(call.args) >= 4:  # (proj, weights, conv_state, ssm_state, seqs, config)
-        proj, conv, ssm = call.args[0], call.args[2], call.args[3]
+    if call.name == "delta_net" and len(args) >= 4:  # (proj, weights, conv_state, ssm_state, seqs, config)
+        proj, conv, ssm = args[0], args[2], args[3]
         per_seq = conv.nbytes / max(1, conv.shape[0]) + ssm.nbytes / max(1, ssm.shape[0])
         # the step's projections in, the core out, each sequence's state read and written
         return float(proj.nbytes + sum(a.nbytes for a in _arrays(call.result)) + 2 * per_seq * host.num_seqs), 0.0
