@@ -156,6 +156,14 @@ def test_an_expanded_op_is_recorded_as_the_calls_it_makes() -> None:
         ("attention", "write", (5,), 6), ("attention", "attend", (6,), 12), ("backend", "rms_norm", (12,), 9)]
     assert [c.fn(*c.args) for c in calls] == [6, 12, 9]  # replayed unwrapped
     assert backend.attention(1) == 4 and not recorder.recording  # outside recording: plain calls
+    # a model plan's op of the same name (MLA attention) is one row of its own, not dropped
+    plan = types.SimpleNamespace(attention=lambda ops, x: x * 10)
+    model = types.SimpleNamespace()
+    recorder = OpRecorder({"backend": Backend()}, model=model, kernel_names=False,
+                          expand={"attention": (kernels, ("write", "attend"))})
+    model.attention = recorder._wrap("plan", "attention", plan.attention)
+    calls = recorder.record(lambda: model.attention(None, 2))
+    assert [(c.owner, c.name, c.result) for c in calls] == [("plan", "attention", 20)]
 
 
 def test_moe_and_mla_costs_count_what_the_step_must_touch() -> None:

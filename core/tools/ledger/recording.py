@@ -93,7 +93,9 @@ class OpRecorder:
                     return method(*args, **kwargs)
                 finally:
                     self._depth -= 1
-            if name in self._expanded:  # recorded through the calls it makes (at top level)
+            # recorded through the calls it makes (at top level); only the backend's op of that name
+            # (a model plan's own "attention", e.g. MLA, does not call the expanded functions)
+            if owner == "backend" and name in self._expanded:
                 return method(*args, **kwargs)
             call = OpCall(owner, name, method, args, kwargs, None)
             self._current = call
