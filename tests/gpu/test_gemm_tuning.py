@@ -111,3 +111,16 @@ def test_backend_linear_under_the_switch(monkeypatch, rng):
     out = backend.to_host(backend.linear(backend.upload(x), backend.linear_weight(w)))
     assert (32, 768, 512) in backend.blas.tuned.shapes
     assert relative_error(out, x.astype(np.float64) @ w.astype(np.float64).T) < 1e-2
+
+
+def test_operand_off_the_256_byte_alignment_stays_on_gemm_ex(blas_pair, rng):
+    plain, tuned = blas_pair
+    m, n, k = 32, 256, 520  # a row of 1040 bytes: the second row starts off the 256-byte grid
+    x = cupy.asarray(float_to_bf16_bits(bf16_random(rng, m + 1, k)))[1:]
+    _, _, _, wd = _operands(rng, m, n, k)
+    assert x.data.ptr % 256 and x.flags.c_contiguous
+    ours, reference = cupy.empty((m, n), dtype=cupy.uint16), cupy.empty((m, n), dtype=cupy.uint16)
+    tuned.matmul_nt(x, wd, ours)
+    plain.matmul_nt(x, wd, reference)
+    assert (m, n, k) not in tuned.tuned.shapes
+    assert cupy.array_equal(ours, reference)

@@ -33,6 +33,7 @@ GEMM_TUNING_ENV = "OPENINFER_GEMM_TUNING"
 TUNED_MAX_ROWS = 256  # the largest default decode bucket; eager GEMMs below it are padded to buckets
 CANDIDATES = 16  # heuristic algorithms timed per shape
 TIMING_REPEATS = 5  # launches timed per candidate, after one untimed
+POINTER_ALIGNMENT = 256  # bytes: what cuBLASLt's heuristics assume of A, B and C unless told less
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
@@ -167,11 +168,14 @@ class LtTunedGemm:
 
     def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> bool:
         """``out = x @ weight^T`` on the tuned path; False when the shape is not for it (the caller
-        then runs gemmEx). Operands must be C-contiguous bf16 with 16-byte aligned rows."""
+        then runs gemmEx: rows past ``max_rows``, rows not 16-byte aligned, an operand not 256-byte
+        aligned). Operands are C-contiguous bf16."""
         m, k = x.shape
         n = weight.shape[0]
         if not tunable(m, self.max_rows) or k % 8 or n % 8:
             return False
+        if (x.data.ptr | weight.data.ptr | out.data.ptr) % POINTER_ALIGNMENT:
+            return False  # the heuristics assume 256-byte aligned operands (cuBLASLt's default)
         key = (m, n, k)
         shape = self.shapes.get(key)
         if shape is None:
