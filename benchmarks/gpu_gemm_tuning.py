@@ -101,7 +101,8 @@ def measure(rows: list[int]) -> dict:
             row = {"projection": label, "rows": m, "n": n, "k": k, "gemm_ex_us": 1e6 * plain_s,
                    "tuned_us": 1e6 * tuned_s, "speedup": plain_s / tuned_s, "roofline_us": 1e6 * roofline,
                    "gemm_ex_roofline_fraction": roofline / plain_s, "tuned_roofline_fraction": roofline / tuned_s,
-                   "candidates": chosen.candidates if chosen else 0}
+                   "candidates": chosen.candidates if chosen else 0, "chosen_rank": chosen.chosen if chosen else -1,
+                   "first_pick_us_while_tuning": chosen.first_pick_microseconds if chosen else 0.0}
             print(json.dumps(row), flush=True)
             results.append(row)
             step["gemm_ex_ms"] += 1e3 * per_step * plain_s

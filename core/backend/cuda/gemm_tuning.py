@@ -79,8 +79,10 @@ class _Shape:
 
     layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     algo: MatmulAlgo | None
-    candidates: int = 0
-    microseconds: float = 0.0
+    candidates: int = 0  # how many heuristic candidates ran
+    chosen: int = -1  # the kept one's rank in cuBLASLt's heuristic order (0: its own first pick)
+    microseconds: float = 0.0  # the kept one's time
+    first_pick_microseconds: float = 0.0  # the heuristic's first pick's time (what tuning saves)
 
 
 def _load_lt() -> ctypes.CDLL:
@@ -225,12 +227,15 @@ class LtTunedGemm:
         if best is not None:
             chosen = MatmulAlgo()
             ctypes.memmove(ctypes.byref(chosen), ctypes.byref(results[best].algo), ctypes.sizeof(MatmulAlgo))
-            shape.algo, shape.candidates, shape.microseconds = chosen, len(timings), timings[best]
+            shape.algo, shape.candidates, shape.chosen, shape.microseconds = chosen, len(timings), best, timings[best]
+            shape.first_pick_microseconds = timings.get(0, 0.0)
             logger.debug("cuBLASLt %dx%dx%d: candidate %d of %d, %.1f us (heuristic first: %.1f us)", m, n, k, best,
                          len(timings), timings[best], timings.get(0, float("nan")))
         return shape
 
     def report(self) -> list[dict]:
-        """Per tuned shape: rows, N, K, how many candidates ran and the chosen one's microseconds."""
-        return [{"m": m, "n": n, "k": k, "candidates": s.candidates, "us": s.microseconds, "tuned": s.algo is not None}
+        """Per tuned shape: rows, N, K, how many candidates ran, the kept one's heuristic rank and
+        microseconds, and the heuristic's first pick's microseconds."""
+        return [{"m": m, "n": n, "k": k, "tuned": s.algo is not None, "candidates": s.candidates, "chosen": s.chosen,
+                 "us": s.microseconds, "first_pick_us": s.first_pick_microseconds}
                 for (m, n, k), s in sorted(self.shapes.items())]
