@@ -111,6 +111,9 @@ def test_backend_linear_under_the_switch(monkeypatch, rng):
     out = backend.to_host(backend.linear(backend.upload(x), backend.linear_weight(w)))
     assert (32, 768, 512) in backend.blas.tuned.shapes
     assert relative_error(out, x.astype(np.float64) @ w.astype(np.float64).T) < 1e-2
+    assert backend.blas.tuned.tuning_seconds > 0
+    backend.set_gemm_row_buckets([32])  # logs the tuning summary (after graph capture in the engine)
+    assert backend.gemm_row_buckets == (32,)
 
 
 def test_operand_off_the_256_byte_alignment_stays_on_gemm_ex(blas_pair, rng):

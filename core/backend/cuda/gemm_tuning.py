@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,7 @@ class LtTunedGemm:
         self.workspace = workspace
         self.max_rows = max_rows
         self.shapes: dict[tuple[int, int, int], _Shape] = {}
+        self.tuning_seconds = 0.0  # host time spent timing candidates, all shapes
         import cupy
 
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
@@ -181,7 +183,9 @@ class LtTunedGemm:
         key = (m, n, k)
         shape = self.shapes.get(key)
         if shape is None:
+            began = time.perf_counter()
             shape = self.shapes[key] = self._tune(x, weight, out)
+            self.tuning_seconds += time.perf_counter() - began
         if shape.algo is None:
             return False
         import cupy
