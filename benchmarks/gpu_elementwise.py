@@ -150,14 +150,15 @@ class Workload:
             finally:
                 set_vector_qkv_write(None)
 
-        def vectorized(tokens_per_thread: int, prefetch_rope: bool) -> Callable[[int], Any]:
+        def vectorized(tokens_per_thread: int, prefetch_rope: bool, scalar_rope: bool = False) -> Callable[[int], Any]:
             return lambda i: write_qkv_vectorized(self.qkv[i], self.spec, self.kv[i], self.batch, backend.ropes,
-                                                  tokens_per_thread, prefetch_rope)
+                                                  tokens_per_thread, prefetch_rope, scalar_rope)
         variants = {"warp": warp}
         for tokens in (1, 2, 4):
             for prefetch in (False, True):
                 name = "vec" + (f"-{tokens}tok" if tokens > 1 else "") + ("-prefetch" if prefetch else "")
                 variants[name] = vectorized(tokens, prefetch)
+        variants["vec-scalar-rope"] = vectorized(1, False, True)  # 32 registers (vec: 40-48)
         return variants
 
 

@@ -101,6 +101,9 @@ qk_norm_rope_write_kv(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
 #ifndef QKV_PREFETCH_ROPE  // 1: cos / sin loaded with the row (more registers, one wait for memory)
 #define QKV_PREFETCH_ROPE 0
 #endif
+#ifndef QKV_SCALAR_ROPE  // 1: cos / sin read per element inside the rotation (fewer registers)
+#define QKV_SCALAR_ROPE 0
+#endif
 constexpr int LANES_PER_HEAD = HEAD_DIM / 8;
 static_assert(32 % LANES_PER_HEAD == 0, "qk_norm_rope_write_kv_vec: HEAD_DIM / 8 must divide a warp");
 
@@ -173,16 +176,26 @@ qk_norm_rope_write_kv_vec(const bf16* __restrict__ qkv, bf16* __restrict__ q_out
 #pragma unroll
             for (int i = 0; i < 8; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, x[k][i], half / 8);
             if (valid && rotates_lane) {
-                if (!QKV_PREFETCH_ROPE) {
-                    const size_t at = (size_t)positions[t] * half + table_column;
-                    load_floats8(cos_table + at, c[k]);
-                    load_floats8(sin_table + at, sn[k]);
-                }
                 const bool first = e0 < half;
+                if (QKV_SCALAR_ROPE && !QKV_PREFETCH_ROPE) {
+                    // cos / sin read element by element as the rotation consumes them: no 16 floats
+                    // live at once (32 registers instead of 40-48 at one token per thread)
+                    const size_t at = (size_t)positions[t] * half + table_column;
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    x[k][i] = first ? x[k][i] * c[k][i] - partner[i] * sn[k][i]
-                                    : x[k][i] * c[k][i] + partner[i] * sn[k][i];
+                    for (int i = 0; i < 8; ++i)
+                        x[k][i] = first ? x[k][i] * cos_table[at + i] - partner[i] * sin_table[at + i]
+                                        : x[k][i] * cos_table[at + i] + partner[i] * sin_table[at + i];
+                } else {
+                    if (!QKV_PREFETCH_ROPE) {
+                        const size_t at = (size_t)positions[t] * half + table_column;
+                        load_floats8(cos_table + at, c[k]);
+                        load_floats8(sin_table + at, sn[k]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        x[k][i] = first ? x[k][i] * c[k][i] - partner[i] * sn[k][i]
+                                        : x[k][i] * c[k][i] + partner[i] * sn[k][i];
+                }
             }
         }
         if (!valid) continue;

@@ -17,10 +17,13 @@ Policies (``policy``, from ``EngineOptions.scheduler_policy`` / ``--scheduler-po
   A mixed step runs eagerly and sends its decode rows through the prefill attention kernel
   (one query tile each), which costs more than a separate graphed decode step when many
   requests decode; with only one kind of work, steps are the same as ``mixed``'s.
-* ``prefill_first`` — prompt chunks only while any can run; decodes run when none can (SGLang's
-  default order). A burst's last first token comes soonest, and so does its end (its makespan is
-  the prompt work plus the last request's decode steps), at the price of stalling every running
-  request's tokens for as long as prompts keep arriving.
+* ``prefill_first`` — prompt chunks take the budget first; running decodes take what the prompts
+  leave (none while prompts fill whole steps; all of them when no prompt can run), placed before
+  the chunks in the step. A burst's last first token comes soonest, and so does its end (its
+  makespan is the prompt work plus the last request's decode steps), at the price of stalling
+  every running request's tokens while prompts fill whole steps (SGLang's default order); a
+  trickle of short prompts rides with the decodes as under ``mixed``. Decodes filling a prompt
+  step never preempt: one that cannot grow its KV waits for the next step.
 
 For models with recurrent state and the prefix cache on, prefill chunks end on block
 boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
@@ -121,7 +124,13 @@ class Scheduler:
             return self._schedule(decodes=True, prompts=True)
         if self.policy == "prefill_first":
             out = self._schedule(decodes=False, prompts=True)
-            return out if out.chunks or out.preempted else self._schedule(decodes=True, prompts=False)
+            if not out.chunks and not out.preempted:
+                return self._schedule(decodes=True, prompts=False)
+            left = self.max_num_batched_tokens - out.num_tokens
+            if left > 0 and not out.preempted:
+                fill = self._schedule(decodes=True, prompts=False, budget=left, preempt=False)
+                out.chunks[:0] = fill.chunks  # decodes lead the step (attention_routing splits a leading run)
+            return out
         decode_turn = self._decode_turn  # split: alternate
         out = self._schedule(decodes=decode_turn, prompts=not decode_turn)
         if not out.chunks and not out.preempted:  # nothing of that kind can run now
@@ -142,12 +151,15 @@ class Scheduler:
                 return True
         return False
 
-    def _schedule(self, *, decodes: bool, prompts: bool) -> SchedulerOutput:
+    def _schedule(self, *, decodes: bool, prompts: bool, budget: int | None = None,
+                  preempt: bool = True) -> SchedulerOutput:
         """Plan one step; ``decodes`` / ``prompts`` say which running requests may take part
         (decoding: at most one uncomputed token; else a prompt, or tokens to recompute after a
-        preemption), and ``prompts`` also whether waiting ones start."""
+        preemption), and ``prompts`` also whether waiting ones start. ``budget``: tokens to plan
+        (default the whole step's); ``preempt`` False: a request whose KV cannot grow ends the
+        plan instead of preempting the newest running request."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else budget
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -161,6 +173,8 @@ class Scheduler:
                 continue
             while not self.kv.grow(request.request_id, request.num_computed_tokens + num_new,
                                    request.num_computed_tokens):
+                if not preempt:
+                    return out
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

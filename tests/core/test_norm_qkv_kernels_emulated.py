@@ -29,16 +29,18 @@ def norm_threads(features: int) -> int:
 
 @pytest.fixture(scope="module")
 def harnesses(tmp_path_factory):
-    built: dict[tuple[int, int, int, int], Path] = {}
+    built: dict[tuple[int, int, int, int, int], Path] = {}
 
-    def build(head_dim: int, vectors_per_lane: int, tokens_per_thread: int, prefetch_rope: int) -> Path:
-        key = (head_dim, vectors_per_lane, tokens_per_thread, prefetch_rope)
+    def build(head_dim: int, vectors_per_lane: int, tokens_per_thread: int, prefetch_rope: int,
+              scalar_rope: int) -> Path:
+        key = (head_dim, vectors_per_lane, tokens_per_thread, prefetch_rope, scalar_rope)
         if key not in built:
             folder = tmp_path_factory.mktemp("norm_qkv_" + "_".join(map(str, key)))
             built[key] = compile_harness(HARNESS, REPO / "core" / "kernels", folder / "harness",
                                          {"HEAD_DIM": head_dim, "VECS_PER_LANE": vectors_per_lane,
                                           "QKV_TOKENS_PER_THREAD": tokens_per_thread,
-                                          "QKV_PREFETCH_ROPE": prefetch_rope})
+                                          "QKV_PREFETCH_ROPE": prefetch_rope,
+                                          "QKV_SCALAR_ROPE": scalar_rope})
         return built[key]
     return build
 
@@ -70,13 +72,15 @@ def reference_qkv(qkv, q_norm, k_norm, cos, sin, positions, rotary_dim, num_head
 
 # rows, features: a row of 1 vector (lanes 1..31 idle), a tail of lanes (65 vectors), Qwen3-4B's 2560
 NORM_CASES = [(3, 8), (5, 520), (6, 2560)]
-# head_dim, num_heads, num_kv_heads, tokens, rotary_dim, with_norm, tokens per thread, cos/sin prefetched
-QKV_CASES = [(128, 4, 2, 5, 128, True, 1, 0),     # 8 heads x 16 lanes: one block of 128 threads
-             (128, 16, 4, 3, 128, True, 2, 1),    # 24 heads: 2 chunks of 256 lanes, the second half idle;
-                                                  # 2 tokens per thread, the last group with one
-             (64, 6, 3, 4, 64, True, 4, 1),       # 8 lanes per head, 4 heads per warp, 96 lanes; one group
-             (128, 4, 2, 3, 64, False, 2, 0),     # partial RoPE (partners 4 lanes apart), no q/k norm
-             (256, 2, 1, 3, 0, True, 1, 1)]       # a whole warp per head, no RoPE
+# head_dim, num_heads, num_kv_heads, tokens, rotary_dim, with_norm, tokens per thread, cos/sin prefetched,
+# cos/sin read per element
+QKV_CASES = [(128, 4, 2, 5, 128, True, 1, 0, 0),  # 8 heads x 16 lanes: one block of 128 threads
+             (128, 16, 4, 3, 128, True, 2, 1, 0),  # 24 heads: 2 chunks of 256 lanes, the second half idle;
+                                                   # 2 tokens per thread, the last group with one
+             (64, 6, 3, 4, 64, True, 4, 1, 0),    # 8 lanes per head, 4 heads per warp, 96 lanes; one group
+             (128, 4, 2, 3, 64, False, 2, 0, 1),  # partial RoPE (partners 4 lanes apart), no q/k norm
+             (256, 2, 1, 3, 0, True, 1, 1, 0),    # a whole warp per head, no RoPE
+             (128, 4, 2, 5, 128, True, 1, 0, 1)]  # the first case with cos/sin read per element
 
 
 # each q/k/v case beside one norm case (each harness run does both)
@@ -86,7 +90,8 @@ CASES = [(NORM_CASES[i % len(NORM_CASES)], qkv_case) for i, qkv_case in enumerat
 @pytest.mark.parametrize(("norm_case", "qkv_case"), CASES)
 def test_row_norms_and_vector_qkv_write_match_their_reference(harnesses, tmp_path, norm_case, qkv_case):
     rows, features = norm_case
-    head_dim, num_heads, num_kv_heads, tokens, rotary_dim, with_norm, tokens_per_thread, prefetch_rope = qkv_case
+    (head_dim, num_heads, num_kv_heads, tokens, rotary_dim, with_norm, tokens_per_thread, prefetch_rope,
+     scalar_rope) = qkv_case
     rng = np.random.default_rng(rows * features + head_dim * num_heads + tokens)
     x, residual = bf16(2 * rng.standard_normal((rows, features))), bf16(rng.standard_normal((rows, features)))
     weight = bf16(1 + 0.3 * rng.standard_normal(features))
@@ -107,7 +112,7 @@ def test_row_norms_and_vector_qkv_write_match_their_reference(harnesses, tmp_pat
 
     params = [rows, features, norm_threads(features), tokens, num_heads, num_kv_heads, rotary_dim, int(with_norm),
               vec_threads]
-    binary = harnesses(head_dim, -(-features // 256), tokens_per_thread, prefetch_rope)
+    binary = harnesses(head_dim, -(-features // 256), tokens_per_thread, prefetch_rope, scalar_rope)
     run_harness(binary, tmp_path, params=np.array(params, np.int32), x=float32_to_bf16(x),
                 residual=float32_to_bf16(residual), weight=float32_to_bf16(weight), qkv=float32_to_bf16(qkv),
                 q_norm=float32_to_bf16(q_norm), k_norm=float32_to_bf16(k_norm), cos=cos, sin=sin,

@@ -155,3 +155,47 @@ def test_unknown_scheduler_policy_is_refused(monkeypatch):
     # the policy comes from the engine's options alone: the environment variable of old is ignored
     monkeypatch.setenv("OPENINFER_SCHEDULER_POLICY", "split")
     assert scheduler().policy == "mixed"
+
+
+def prefill_first_scheduler(**kwargs) -> Scheduler:
+    sched = scheduler(**kwargs)
+    return Scheduler(sched.kv, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                     max_model_len=sched.max_model_len, max_queue=sched.max_queue, policy="prefill_first")
+
+
+def test_prefill_first_gives_prompts_the_budget_and_decodes_what_they_leave():
+    sched = prefill_first_scheduler(num_blocks=20, budget=8)
+    a, b = make("a", 3, max_tokens=8), make("b", 2, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    advance(sched, sched.schedule())  # both prompts in one step; both decode now
+    sched.add(make("long", 20))
+    plan = sched.schedule()  # the prompt fills the step: the decodes wait
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 8)]
+    advance(sched, plan)
+    advance(sched, sched.schedule())
+    sched.add(make("short", 3))
+    plan = sched.schedule()  # 4 + 3 prompt tokens leave 1: the oldest decode takes it, ahead of the chunks
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("long", 4), ("short", 3)]
+    assert plan.chunks[0].samples and plan.chunks[1].samples and plan.chunks[2].samples
+    advance(sched, plan)
+    plan = sched.schedule()  # no prompt left: every decode
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 1), ("long", 1),
+                                                                          ("short", 1)]
+
+
+def test_prefill_first_decodes_filling_a_prompt_step_never_preempt():
+    # 6 usable blocks of 4 slots; "a" holds 8 computed tokens (2 blocks) and needs a third for its next
+    sched = prefill_first_scheduler(num_blocks=7, block_size=4, budget=16)
+    a = make("a", 8, max_tokens=8)
+    sched.add(a)
+    advance(sched, sched.schedule())
+    assert a.num_tokens == 9 and a.num_uncomputed_tokens == 1
+    sched.add(make("p", 14))  # 4 blocks: the pool is full, "a" cannot grow
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("p", 14)]
+    assert not plan.preempted and a in sched.running
+    advance(sched, plan)
+    plan = sched.schedule()  # no prompt left: the decodes alone, preempting the newest ("p") for "a"
+    assert [r.request_id for r in plan.preempted] == ["p"]
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1)]

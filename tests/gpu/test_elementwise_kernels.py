@@ -102,10 +102,12 @@ def warp_qkv_write():
     return write
 
 
-@pytest.mark.parametrize(("tokens_per_thread", "prefetch_rope"), [(1, False), (1, True), (2, True), (4, False)])
+@pytest.mark.parametrize(("tokens_per_thread", "prefetch_rope", "scalar_rope"),
+                         [(1, False, False), (1, True, False), (2, True, False), (4, False, False), (1, False, True),
+                          (2, False, True)])
 @pytest.mark.parametrize("case", list(QKV_CASES))
 def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, warp_qkv_write, case,
-                                                           tokens_per_thread, prefetch_rope):
+                                                           tokens_per_thread, prefetch_rope, scalar_rope):
     from openinfer.backend.cuda.attention import write_qkv
     from openinfer.backend.cuda.qkv_write import vector_qkv_write_supported, write_qkv_vectorized
 
@@ -141,7 +143,8 @@ def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, w
 
     outputs = {}
     def vectorized(*args):
-        return write_qkv_vectorized(*args, tokens_per_thread=tokens_per_thread, prefetch_rope=prefetch_rope)
+        return write_qkv_vectorized(*args, tokens_per_thread=tokens_per_thread, prefetch_rope=prefetch_rope,
+                                    scalar_rope=scalar_rope)
 
     # the default path (attention.write_qkv: the 16-byte kernel) beside both kernels named
     for name, write in (("warp", warp_qkv_write), ("vec", vectorized), ("default", write_qkv)):
@@ -160,7 +163,7 @@ def test_vector_qkv_write_matches_numpy_and_the_warp_kernel(cuda_backend, rng, w
     for warp, vec in zip(outputs["warp"], outputs["vec"], strict=True):
         assert np.abs(vec - warp).max() <= 2**-6 * max(np.abs(warp).max(), 1e-30)
     for vec, default in zip(outputs["vec"], outputs["default"], strict=True):
-        if (tokens_per_thread, prefetch_rope) == (1, False):  # the default path runs this very launch
+        if (tokens_per_thread, prefetch_rope, scalar_rope) == (1, False, False):  # the default path's launch
             assert np.array_equal(vec, default)
         else:  # the same arithmetic in another code shape (the compiler may contract it otherwise)
             assert np.abs(vec - default).max() <= 2**-6 * max(np.abs(default).max(), 1e-30)

@@ -275,6 +275,10 @@ class CudaBackend:
         """Row counts whose cuBLAS kernels are loaded (the CUDA graphs' buckets, after capture):
         smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding."""
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
+        tuned = self.blas.tuned
+        if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
+            logger.info("cuBLASLt timed %d GEMM shapes in %.2f s (%d kept a pick other than the heuristic's first)",
+                        len(tuned.shapes), tuned.tuning_seconds, sum(1 for s in tuned.report() if s["chosen"] > 0))
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:

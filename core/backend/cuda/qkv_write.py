@@ -8,7 +8,10 @@ at 1k-16k tokens (16k: 231 -> 141 us, 42 -> 69 % of copy bandwidth), 1.4x at 256
 The results equal the warp kernel's up to the last bit of q / k (the head's sum of squares is taken
 in another order); v is copied bit for bit. For measuring: ``OPENINFER_QKV_TOKENS_PER_THREAD``
 (1, 2 or 4) gives each thread that many tokens' loads in flight, ``OPENINFER_QKV_PREFETCH_ROPE=1``
-loads cos / sin with the row (the same arithmetic in other code shapes).
+loads cos / sin with the row, ``OPENINFER_QKV_SCALAR_ROPE=1`` reads them element by element inside
+the rotation (32 registers at one token per thread instead of 40-48 with the 16-byte cos / sin
+loads of 057af7b: more resident warps, so more row loads in flight; the same arithmetic in other
+code shapes).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ VECTOR_QKV_WRITE_ENV = "OPENINFER_VECTOR_QKV_WRITE"
 TOKENS_PER_THREAD_ENV = "OPENINFER_QKV_TOKENS_PER_THREAD"
 TOKENS_PER_THREAD_CHOICES = (1, 2, 4)
 PREFETCH_ROPE_ENV = "OPENINFER_QKV_PREFETCH_ROPE"
+SCALAR_ROPE_ENV = "OPENINFER_QKV_SCALAR_ROPE"
 MAX_THREADS = 256  # qk_norm_rope_write_kv_vec's __launch_bounds__
 NULL = np.uint64(0)  # a null pointer argument
 
@@ -76,6 +80,15 @@ def default_prefetch_rope() -> bool:
     return raw == "1"
 
 
+@functools.cache
+def default_scalar_rope() -> bool:
+    """OPENINFER_QKV_SCALAR_ROPE ("0", the default, or "1"), read once per process."""
+    raw = os.environ.get(SCALAR_ROPE_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{SCALAR_ROPE_ENV}={raw!r}: expected '0' or '1'")
+    return raw == "1"
+
+
 def vector_qkv_write_supported(spec: AttentionSpec) -> bool:
     """Whether the 16-byte kernel runs this head layout: HEAD_DIM / 8 lanes must divide a warp, and
     NeoX partners (lane j and j + rotary_dim / 16) must be an xor apart (rotary_dim / 16 a power of two)."""
@@ -92,15 +105,19 @@ def vector_qkv_write_supported(spec: AttentionSpec) -> bool:
 
 def write_qkv_vectorized(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
                          ropes: RopeTables, tokens_per_thread: int | None = None,
-                         prefetch_rope: bool | None = None) -> cupy.ndarray:
+                         prefetch_rope: bool | None = None, scalar_rope: bool | None = None) -> cupy.ndarray:
     """``attention.write_qkv`` on the 16-byte kernel: norm + rotate q and k, store k / v at the
     batch's slots (a negative slot writes nothing); returns q ``[T, nh, d]``. ``tokens_per_thread``:
     1, 2 or 4 (None: ``OPENINFER_QKV_TOKENS_PER_THREAD``, default 1); ``prefetch_rope``: cos / sin
-    loaded with the row (None: ``OPENINFER_QKV_PREFETCH_ROPE``, default off)."""
+    loaded with the row (None: ``OPENINFER_QKV_PREFETCH_ROPE``, default off); ``scalar_rope``: cos /
+    sin read per element in the rotation, unless prefetched (None: ``OPENINFER_QKV_SCALAR_ROPE``,
+    default off)."""
     if tokens_per_thread is None:
         tokens_per_thread = default_tokens_per_thread()
     if prefetch_rope is None:
         prefetch_rope = default_prefetch_rope()
+    if scalar_rope is None:
+        scalar_rope = default_scalar_rope()
     if tokens_per_thread not in TOKENS_PER_THREAD_CHOICES:
         raise ValueError(f"tokens_per_thread must be one of {TOKENS_PER_THREAD_CHOICES}, got {tokens_per_thread}")
     if not vector_qkv_write_supported(spec):
@@ -123,7 +140,8 @@ def write_qkv_vectorized(qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, ba
     lanes = heads_per_token * (spec.head_dim // 8)
     threads = min(MAX_THREADS, -(-lanes // 32) * 32)
     kernel("qk_norm_rope.cu", "qk_norm_rope_write_kv_vec", HEAD_DIM=spec.head_dim,
-           QKV_TOKENS_PER_THREAD=tokens_per_thread, QKV_PREFETCH_ROPE=int(prefetch_rope))(
+           QKV_TOKENS_PER_THREAD=tokens_per_thread, QKV_PREFETCH_ROPE=int(prefetch_rope),
+           QKV_SCALAR_ROPE=int(scalar_rope))(
         (-(-num_tokens // tokens_per_thread), -(-lanes // threads)), (threads,),
         (qkv, q, kv.k, kv.v,
          spec.q_norm if spec.q_norm is not None else NULL, spec.k_norm if spec.k_norm is not None else NULL,

@@ -1,0 +1,245 @@
+"""cuBLASLt GEMMs whose algorithm is timed once per shape (``OPENINFER_GEMM_TUNING=1``).
+
+``out[M, N] = x[M, K] @ W[N, K]^T`` in bf16 with fp32 accumulation, as ``Cublas.matmul_nt``, for
+``M <= TUNED_MAX_ROWS``. The first GEMM of an (M, N, K) asks cuBLASLt for up to
+``CANDIDATES`` heuristic algorithms that fit the workspace, times each on a side stream with
+the call's own buffers, and keeps the fastest; later calls (and CUDA graph captures) launch it
+directly. Timing on a side stream keeps it legal inside a graph capture (the engine captures in
+relaxed mode, which allows a side stream's work and synchronisation); the captured stream sees
+only the final GEMM. Anything cuBLASLt refuses returns False and the caller runs ``gemmEx``.
+
+Larger M (prefill and mixed steps: cuBLAS's default runs them at 87-99 % of its own peak) stay on
+``gemmEx``, and so does every M when the switch is off: the default path is unchanged.
+
+Column-major view of the row-major product (as ``Cublas.matmul_nt``)::
+
+    out^T [N, M] = op_T(W) [N, K] . x^T [K, M]
+    A = W:  K x N, ld K, transposed      B = x:  K x M, ld K      C = D = out:  N x M, ld N
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # CuPy is imported where it is used: CPU CI checks the pure helpers here
+    import cupy
+
+logger = logging.getLogger(__name__)
+
+GEMM_TUNING_ENV = "OPENINFER_GEMM_TUNING"
+TUNED_MAX_ROWS = 256  # the largest default decode bucket; eager GEMMs below it are padded to buckets
+CANDIDATES = 16  # heuristic algorithms timed per shape
+TIMING_REPEATS = 5  # launches timed per candidate, after one untimed
+POINTER_ALIGNMENT = 256  # bytes: what cuBLASLt's heuristics assume of A, B and C unless told less
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
+
+
+class MatmulAlgo(ctypes.Structure):
+    """cublasLtMatmulAlgo_t: an opaque 64-byte value."""
+
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [("algo", MatmulAlgo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def tuning_wanted(value: str | None) -> bool:
+    """The switch's value: "1" / "true" / "on" turn tuning on; unset or anything else leaves it off."""
+    return (value or "").strip().lower() in ("1", "true", "on")
+
+
+def tunable(rows: int, max_rows: int = TUNED_MAX_ROWS) -> bool:
+    """Whether a GEMM of ``rows`` rows takes the tuned path (decode-sized: 1..max_rows; larger
+    ones gemmEx; ``linear`` gives a lone row to the skinny GEMV before it gets here)."""
+    return 1 <= rows <= max_rows
+
+
+def fastest(timings: dict[int, float]) -> int | None:
+    """The candidate index with the smallest time (the lowest index among equals), None if none ran."""
+    if not timings:
+        return None
+    return min(timings, key=lambda index: (timings[index], index))
+
+
+@dataclass
+class _Shape:
+    """A tuned (M, N, K): its layouts and chosen algorithm (None: cuBLASLt had none, use gemmEx)."""
+
+    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    algo: MatmulAlgo | None
+    candidates: int = 0  # how many heuristic candidates ran
+    chosen: int = -1  # the kept one's rank in cuBLASLt's heuristic order (0: its own first pick)
+    microseconds: float = 0.0  # the kept one's time
+    first_pick_microseconds: float = 0.0  # the heuristic's first pick's time (what tuning saves)
+
+
+def _load_lt() -> ctypes.CDLL:
+    errors = []
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+    try:  # the nvidia wheels' copy, as for libcublas
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return ctypes.CDLL(load_nvidia_dynamic_lib("cublasLt").abs_path)
+    except Exception as exc:  # noqa: BLE001
+        raise OSError("; ".join([*errors, str(exc)])) from exc
+
+
+class LtTunedGemm:
+    """One cuBLASLt handle, one matmul descriptor (bf16 in/out, fp32 compute, A transposed) and
+    the tuned shapes, sharing ``Cublas``'s workspace (callers hold its lock)."""
+
+    def __init__(self, lib: ctypes.CDLL, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS):
+        self.lib = lib
+        self.workspace = workspace
+        self.max_rows = max_rows
+        self.shapes: dict[tuple[int, int, int], _Shape] = {}
+        self.tuning_seconds = 0.0  # host time spent timing candidates, all shapes
+        import cupy
+
+        self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self._alpha = ctypes.c_float(1.0)
+        self._beta = ctypes.c_float(0.0)
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                                                   ctypes.c_uint64, ctypes.c_int64]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(HeuristicResult), ctypes.POINTER(ctypes.c_int)]
+        lib.cublasLtMatmul.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.POINTER(MatmulAlgo), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.handle = ctypes.c_void_p()
+        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.desc = ctypes.c_void_p()
+        self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                    "cublasLtMatmulDescCreate")
+        for attribute, value in ((MATMUL_DESC_TRANSA, CUBLAS_OP_T), (MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
+            op = ctypes.c_int32(value)
+            self._check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op),
+                                                           ctypes.c_size_t(4)), "cublasLtMatmulDescSetAttribute")
+        self.preference = ctypes.c_void_p()
+        self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
+        size = ctypes.c_size_t(workspace.nbytes)
+        self._check(lib.cublasLtMatmulPreferenceSetAttribute(self.preference, PREF_MAX_WORKSPACE_BYTES,
+                                                             ctypes.byref(size), ctypes.c_size_t(8)),
+                    "cublasLtMatmulPreferenceSetAttribute")
+
+    @classmethod
+    def create(cls, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS) -> LtTunedGemm | None:
+        """The tuned path, or None (logged) when cuBLASLt cannot be loaded or set up."""
+        try:
+            return cls(_load_lt(), workspace, max_rows)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            logger.warning("%s=1 but cuBLASLt is unavailable (%s); GEMMs stay on cublasGemmEx", GEMM_TUNING_ENV, exc)
+            return None
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def _layout(self, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_R_16BF, rows, cols, ld),
+                    "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def _launch(self, shape: _Shape, algo: MatmulAlgo, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray,
+                stream: int) -> int:
+        a_layout, b_layout, c_layout = shape.layouts
+        return self.lib.cublasLtMatmul(
+            self.handle, self.desc, ctypes.byref(self._alpha), ctypes.c_void_p(weight.data.ptr), a_layout,
+            ctypes.c_void_p(x.data.ptr), b_layout, ctypes.byref(self._beta), ctypes.c_void_p(out.data.ptr), c_layout,
+            ctypes.c_void_p(out.data.ptr), c_layout, ctypes.byref(algo), ctypes.c_void_p(self.workspace.data.ptr),
+            ctypes.c_size_t(self.workspace.nbytes), ctypes.c_void_p(stream))
+
+    def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> bool:
+        """``out = x @ weight^T`` on the tuned path; False when the shape is not for it (the caller
+        then runs gemmEx: rows past ``max_rows``, rows not 16-byte aligned, an operand not 256-byte
+        aligned). Operands are C-contiguous bf16."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if not tunable(m, self.max_rows) or k % 8 or n % 8:
+            return False
+        if (x.data.ptr | weight.data.ptr | out.data.ptr) % POINTER_ALIGNMENT:
+            return False  # the heuristics assume 256-byte aligned operands (cuBLASLt's default)
+        key = (m, n, k)
+        shape = self.shapes.get(key)
+        if shape is None:
+            began = time.perf_counter()
+            shape = self.shapes[key] = self._tune(x, weight, out)
+            self.tuning_seconds += time.perf_counter() - began
+        if shape.algo is None:
+            return False
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        self._check(self._launch(shape, shape.algo, x, weight, out, stream.ptr), "cublasLtMatmul")
+        return True
+
+    def _tune(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> _Shape:
+        """Time the heuristic candidates for ``x``'s shape on the side stream; keep the fastest."""
+        m, k = x.shape
+        n = weight.shape[0]
+        shape = _Shape((self._layout(k, n, k), self._layout(k, m, k), self._layout(n, m, n)), None)
+        results = (HeuristicResult * CANDIDATES)()
+        found = ctypes.c_int(0)
+        a_layout, b_layout, c_layout = shape.layouts
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a_layout, b_layout, c_layout,
+                                                         c_layout, self.preference, CANDIDATES, results,
+                                                         ctypes.byref(found))
+        if status != 0 or found.value == 0:
+            logger.info("cuBLASLt has no algorithm for %dx%dx%d (status %d); gemmEx", m, n, k, status)
+            return shape
+        import cupy
+
+        current = cupy.cuda.get_current_stream()
+        if not current.is_capturing():
+            current.synchronize()  # the side stream then times on a quiet device
+        timings: dict[int, float] = {}
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        for index in range(found.value):
+            candidate = results[index]
+            if candidate.state != 0 or candidate.workspace_size > self.workspace.nbytes:
+                continue
+            if self._launch(shape, candidate.algo, x, weight, out, self.side_stream.ptr) != 0:
+                continue  # refused at launch: not a candidate
+            start.record(self.side_stream)
+            for _ in range(TIMING_REPEATS):
+                self._launch(shape, candidate.algo, x, weight, out, self.side_stream.ptr)
+            end.record(self.side_stream)
+            end.synchronize()
+            timings[index] = cupy.cuda.get_elapsed_time(start, end) * 1e3 / TIMING_REPEATS
+        best = fastest(timings)
+        if best is not None:
+            chosen = MatmulAlgo()
+            ctypes.memmove(ctypes.byref(chosen), ctypes.byref(results[best].algo), ctypes.sizeof(MatmulAlgo))
+            shape.algo, shape.candidates, shape.chosen, shape.microseconds = chosen, len(timings), best, timings[best]
+            shape.first_pick_microseconds = timings.get(0, 0.0)
+            logger.debug("cuBLASLt %dx%dx%d: candidate %d of %d, %.1f us (heuristic first: %.1f us)", m, n, k, best,
+                         len(timings), timings[best], timings.get(0, float("nan")))
+        return shape
+
+    def report(self) -> list[dict]:
+        """Per tuned shape: rows, N, K, how many candidates ran, the kept one's heuristic rank and
+        microseconds, and the heuristic's first pick's microseconds."""
+        return [{"m": m, "n": n, "k": k, "tuned": s.algo is not None, "candidates": s.candidates, "chosen": s.chosen,
+                 "us": s.microseconds, "first_pick_us": s.first_pick_microseconds}
+                for (m, n, k), s in sorted(self.shapes.items())]

@@ -1,0 +1,129 @@
+"""cuBLASLt GEMMs with a timed algorithm (OPENINFER_GEMM_TUNING=1) against NumPy and gemmEx,
+eager and inside a CUDA graph capture (a shape first seen while capturing is timed on the side
+stream; the graph then replays the same bits as an eager call)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+from tests.gpu.conftest import bf16_random, relative_error
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def blas_pair():
+    from openinfer.backend import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs CuPy and an NVIDIA GPU")
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm
+
+    plain = Cublas()
+    plain.tuned = None
+    tuned = Cublas()
+    tuned.tuned = LtTunedGemm.create(tuned.workspace)
+    if tuned.tuned is None:
+        pytest.fail("cuBLASLt could not be loaded next to cuBLAS")
+    return plain, tuned
+
+
+def _operands(rng, m, n, k):
+    x = bf16_random(rng, m, k)
+    w = bf16_random(rng, n, k, scale=1 / np.sqrt(k))
+    return x, w, cupy.asarray(float_to_bf16_bits(x)), cupy.asarray(float_to_bf16_bits(w))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(2, 256, 512), (48, 2560, 4096), (256, 2560, 9728), (256, 6144, 2560),
+                                           (96, 1000, 2048)])
+def test_tuned_gemm_matches_numpy_and_gemm_ex(blas_pair, rng, m, n, k):
+    plain, tuned = blas_pair
+    x, w, xd, wd = _operands(rng, m, n, k)
+    ours = cupy.empty((m, n), dtype=cupy.uint16)
+    reference = cupy.empty((m, n), dtype=cupy.uint16)
+    tuned.matmul_nt(xd, wd, ours)
+    plain.matmul_nt(xd, wd, reference)
+    shape = tuned.tuned.shapes[(m, n, k)]
+    assert shape.algo is not None and shape.candidates >= 1 and shape.microseconds > 0
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert relative_error(bf16_bits_to_float(ours.get()), expected) < 1e-2
+    # the same sums up to summation order: within a few bf16 roundings of gemmEx
+    assert relative_error(bf16_bits_to_float(ours.get()), bf16_bits_to_float(reference.get())) < 1e-2
+    again = cupy.empty_like(ours)
+    tuned.matmul_nt(xd, wd, again)  # the kept algorithm: the same bits every call
+    assert cupy.array_equal(again, ours)
+
+
+def test_rows_past_the_limit_stay_on_gemm_ex(blas_pair, rng):
+    plain, tuned = blas_pair
+    from openinfer.backend.cuda.gemm_tuning import TUNED_MAX_ROWS
+
+    m = TUNED_MAX_ROWS + 8
+    _, _, xd, wd = _operands(rng, m, 512, 256)
+    ours, reference = cupy.empty((m, 512), dtype=cupy.uint16), cupy.empty((m, 512), dtype=cupy.uint16)
+    tuned.matmul_nt(xd, wd, ours)
+    plain.matmul_nt(xd, wd, reference)
+    assert (m, 512, 256) not in tuned.tuned.shapes
+    assert cupy.array_equal(ours, reference)
+
+
+def test_shape_first_seen_inside_a_graph_capture(blas_pair, rng):
+    _, tuned = blas_pair
+    m, n, k = 64, 1536, 2560
+    x, w, xd, wd = _operands(rng, m, n, k)
+    assert (m, n, k) not in tuned.tuned.shapes
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cupy.zeros((m, n), dtype=cupy.uint16)
+        stream.synchronize()
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            tuned.matmul_nt(xd, wd, out)
+        finally:
+            graph = stream.end_capture()
+        out.fill(0)
+        graph.launch()
+        stream.synchronize()
+    assert tuned.tuned.shapes[(m, n, k)].algo is not None
+    eager = cupy.empty_like(out)
+    tuned.matmul_nt(xd, wd, eager)
+    cupy.cuda.get_current_stream().synchronize()
+    assert cupy.array_equal(out, eager)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert relative_error(bf16_bits_to_float(out.get()), expected) < 1e-2
+
+
+def test_backend_linear_under_the_switch(monkeypatch, rng):
+    from openinfer.backend import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs CuPy and an NVIDIA GPU")
+    monkeypatch.setenv("OPENINFER_GEMM_TUNING", "1")
+    from openinfer.backend.cuda import CudaBackend
+
+    backend = CudaBackend()
+    assert backend.blas.tuned is not None
+    x, w = bf16_random(rng, 32, 512), bf16_random(rng, 768, 512, scale=0.05)
+    out = backend.to_host(backend.linear(backend.upload(x), backend.linear_weight(w)))
+    assert (32, 768, 512) in backend.blas.tuned.shapes
+    assert relative_error(out, x.astype(np.float64) @ w.astype(np.float64).T) < 1e-2
+    assert backend.blas.tuned.tuning_seconds > 0
+    backend.set_gemm_row_buckets([32])  # logs the tuning summary (after graph capture in the engine)
+    assert backend.gemm_row_buckets == (32,)
+
+
+def test_operand_off_the_256_byte_alignment_stays_on_gemm_ex(blas_pair, rng):
+    plain, tuned = blas_pair
+    m, n, k = 32, 256, 520  # a row of 1040 bytes: the second row starts off the 256-byte grid
+    x = cupy.asarray(float_to_bf16_bits(bf16_random(rng, m + 1, k)))[1:]
+    _, _, _, wd = _operands(rng, m, n, k)
+    assert x.data.ptr % 256 and x.flags.c_contiguous
+    ours, reference = cupy.empty((m, n), dtype=cupy.uint16), cupy.empty((m, n), dtype=cupy.uint16)
+    tuned.matmul_nt(x, wd, ours)
+    plain.matmul_nt(x, wd, reference)
+    assert (m, n, k) not in tuned.tuned.shapes
+    assert cupy.array_equal(ours, reference)
