@@ -235,15 +235,20 @@ def main() -> None:
               "note": "kernel: per call, graph of 8 calls over different KV regions; step: graph replay medians"}
     log(f"{report['gpu']}: {backend.num_sms} SMs, copy {bandwidth / 1e12:.2f} TB/s")
     report["kernel"] = bench_kernel(backend.num_sms, bandwidth, args.batches, args.contexts)
+    write_report(report, args.out)  # the kernel rows stand even if the step runs out of time
     if not args.no_step:
         report["step"] = bench_step(backend, args.step_contexts)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
+        write_report(report, args.out)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
     if os.environ.get("OUT"):
         for suffix in (".json", ".png"):
-            shutil.copy(args.out.with_suffix(suffix), Path(os.environ["OUT"]) / args.out.with_suffix(suffix).name)
-    log(f"wrote {args.out}")
+            shutil.copy(out.with_suffix(suffix), Path(os.environ["OUT"]) / out.with_suffix(suffix).name)
+    log(f"wrote {out}")
 
 
 if __name__ == "__main__":
