@@ -108,11 +108,15 @@ class PrefixHashes:
     and extended as the sequence grows: a request keeps one, so every prefix lookup while it
     waits, its start and each publish of its blocks hash each of its blocks once."""
 
-    def __init__(self, block_size: int, extra_key: str = ""):
+    def __init__(self, block_size: int, extra_key: str = "", known_tokens: np.ndarray | None = None):
+        """``known_tokens``: the first token ids of every sequence this will hash (a request's
+        prompt, as the array it arrived in), read instead of converting ``token_ids``' list
+        (a 16k-token prompt: ~0.3-0.5 ms of a warm request's start)."""
         self.block_size = block_size
         self.extra_key = extra_key
         self.hashes: list[bytes] = []
         self._data = bytearray()  # token_bytes of the hashed blocks
+        self._known = None if known_tokens is None else np.asarray(known_tokens, np.int64)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
         """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
@@ -120,8 +124,11 @@ class PrefixHashes:
         id: a token not read back yet) and those after it are left unhashed."""
         have, bs = len(self.hashes), self.block_size
         if num_blocks > have:
-            chunk = token_ids[have * bs : num_blocks * bs]
-            tokens = np.fromiter(chunk, np.int64, len(chunk))
+            if self._known is not None and num_blocks * bs <= len(self._known):
+                tokens = self._known[have * bs : num_blocks * bs]
+            else:
+                chunk = token_ids[have * bs : num_blocks * bs]
+                tokens = np.fromiter(chunk, np.int64, len(chunk))
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]

@@ -172,3 +172,23 @@ def test_memoized_chain_hashes_equal_the_hash_chain_and_the_memo_stays_bounded(m
         assert got == expected
         assert len(memo.table) <= memo.capacity
     assert memo.table  # it remembers the latest blocks
+
+
+def test_prefix_hashes_from_the_prompt_array_equal_those_from_the_token_list():
+    """A request's hash cache made with its prompt's array (the engine's) gives the same hashes
+    as one reading token_ids' list, for the prompt's blocks and for blocks past it (generated
+    tokens, read from the list), and stops at a placeholder the same way."""
+    from openinfer.kv import block_pool
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 50_000, 16 * 9 + 5)
+    tokens = prompt.tolist() + rng.integers(0, 50_000, 40).tolist()
+    from_list = block_pool.PrefixHashes(block_size=16, extra_key="k")
+    from_array = block_pool.PrefixHashes(block_size=16, extra_key="k", known_tokens=prompt.astype(np.int32))
+    for num_blocks in (3, 9, 12):  # inside the prompt, its last full block, past it
+        assert from_array.extend(tokens, num_blocks) == from_list.extend(tokens, num_blocks)
+        assert from_array.token_bytes(0, num_blocks) == from_list.token_bytes(0, num_blocks)
+    expected = [hash_block_tokens(None, tokens[:16], "k")]
+    assert from_array.hashes[0] == expected[0]
+    waiting = block_pool.PrefixHashes(block_size=16, known_tokens=prompt)
+    assert len(waiting.extend(tokens[:16 * 9 + 5] + [-1] * 40, 12)) == 9  # placeholders stop it
