@@ -192,3 +192,39 @@ def test_prefix_hashes_from_the_prompt_array_equal_those_from_the_token_list():
     assert from_array.hashes[0] == expected[0]
     waiting = block_pool.PrefixHashes(block_size=16, known_tokens=prompt)
     assert len(waiting.extend(tokens[:16 * 9 + 5] + [-1] * 40, 12)) == 9  # placeholders stop it
+
+
+def test_a_prompt_starting_like_an_earlier_one_takes_its_chain_with_the_same_hashes(monkeypatch):
+    """The chain memo: a sequence whose leading blocks equal a remembered one's takes those
+    hashes from it (no per-block hashing), hashes the rest itself, and every hash equals the
+    plain block chain's, whether the two diverge in the first, a middle or no block; at most
+    ``capacity`` chains are remembered."""
+    from openinfer.kv import block_pool
+
+    monkeypatch.setattr(block_pool, "_CHAINS", block_pool._ChainMemo(2))
+    hashed: list[int] = []
+    chain = block_pool.chain_block_hashes
+    monkeypatch.setattr(block_pool, "chain_block_hashes",
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (block_pool.TOKEN_WIDTH * bs))
+                        or chain(parent, data, bs, key))
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 50_000, 8 * 20).tolist()
+
+    def plain(tokens: list[int], num_blocks: int, key: str) -> list[bytes]:
+        hashes, parent = [], None
+        for i in range(num_blocks):
+            parent = hash_block_tokens(parent, tokens[8 * i : 8 * i + 8], key)
+            hashes.append(parent)
+        return hashes
+
+    first = block_pool.PrefixHashes(8, "k")
+    assert first.extend(base, 12) == plain(base, 12, "k") and hashed == [12]
+    assert first.extend(base, 20) == plain(base, 20, "k") and hashed == [12, 8]
+    for diverge_at, expected_hashed in ((20, []), (13, [7]), (1, [19])):  # tokens from this block on differ
+        other = base[: 8 * diverge_at] + [t + 1 for t in base[8 * diverge_at :]]
+        hashed.clear()
+        assert block_pool.PrefixHashes(8, "k").extend(other, 20) == plain(other, 20, "k")
+        assert hashed == expected_hashed
+    hashed.clear()  # another key: nothing shared
+    assert block_pool.PrefixHashes(8, "other").extend(base, 20) == plain(base, 20, "other") and hashed == [20]
+    assert len(block_pool._CHAINS.chains) == 2
