@@ -2,7 +2,7 @@
 tiles "warp" and "shared") against a float64 NumPy causal attention over the same paged cache:
 warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32 query,
 8 KV, head_dim 128), several sequences of ragged contexts and query lengths, GQA 16 (several row
-groups of the shared layout), head_dim 64 and 256, at the tuned split count and at 1, 3 and 32
+groups of the shared layout), head_dim 64 and 256 (Qwen3.5's full-attention heads), at the tuned split count and at 1, 3 and 32
 splits; an output poisoned with NaN before each run so every unwritten element shows. The
 OPENINFER_SHORT_QUERY_TILES switch is parsed and checked."""
 
@@ -30,6 +30,7 @@ CASES = {
     "gqa16-row-groups": (128, 16, 1, [3000, 200], [16, 11]),
     "d64-mha": (64, 4, 4, [130, 0], [16, 7]),
     "d256-gqa2": (256, 4, 2, [333, 17], [5, 16]),
+    "d256-gqa4-qwen35-full-attention": (256, 16, 4, [5000], [16]),
 }
 
 
