@@ -9,9 +9,14 @@ engine loop's steps (cumulative time per function, per warm request). ``--http``
 requests as token-id prompts to the HTTP app in-process (the demo model's tokenizer, vocab 49152)
 and profiles the event loop's thread too: what the API server adds before and after the engine
 (``--text``: the prompt as text, which the server tokenizes). Bodies are JSON-encoded before each
-request's clock starts, as a client in another process would.
+request's clock starts, as a client in another process would. ``--serve``: the whole served path
+instead, ``openinfer serve`` (an API-server process and the engine-core process) with the stub
+engine (``openinfer.engine_core.stub``, a fixed ``--stub-step-ms`` per step), cold and warm TTFT
+rows of benchmarks/serve.py's lean client at each ``--contexts`` length: warm TTFT minus the stub
+step is the host's part of a warm request on this machine's CPU.
 
     python benchmarks/warm_prefix_host.py --context 16384 --out benchmarks/results/warm_prefix_host.json
+    python benchmarks/warm_prefix_host.py --serve --contexts 1024 16384 --out /tmp/warm_prefix_serve.json
 """
 
 from __future__ import annotations
@@ -44,7 +49,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "warm_prefix_host.json"))
     parser.add_argument("--compare", help="a JSON of an earlier run (e.g. before a change): plotted next to "
                                           "this one in a PNG beside --out")
+    parser.add_argument("--serve", action="store_true", help="the served path: openinfer serve with the stub engine")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="with --serve: prompt lengths")
+    parser.add_argument("--repeats", type=int, default=7, help="with --serve: fresh prompts per context (median)")
+    parser.add_argument("--stub-step-ms", type=float, default=1.0, help="with --serve: the stub's device step")
     args = parser.parse_args()
+    if args.serve:
+        if args.repeats < 1 or any(c < 2 for c in args.contexts) or args.stub_step_ms < 0:
+            parser.error("--repeats >= 1, --contexts >= 2 tokens each, --stub-step-ms >= 0")
+        serve_rows(args)
+        return
 
     import openinfer
     from openinfer.v1 import engine_pb2 as pb
@@ -194,6 +208,52 @@ def main() -> None:
             print(name)
             for row in result[name][:14]:
                 print(f"  {row['cumulative_ms_per_request']:8.2f} ms  {row['calls']:6d}  {row['function']}")
+
+
+def serve_rows(args: argparse.Namespace) -> None:
+    """Cold and warm TTFT rows through ``openinfer serve`` with the stub engine."""
+    import os
+    import signal
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_concurrency import free_port, wait_ready
+    from serve import ttft_rows
+
+    from openinfer.demo import ensure_demo_model
+    from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
+
+    max_len = max(args.contexts) + 64
+    checkpoint = write_stub_model(Path(tempfile.mkdtemp()) / "stub", ensure_demo_model(progress=False),
+                                  step_ms=args.stub_step_ms, max_model_len=max_len)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    port = free_port()
+    command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--port", str(port),
+               "--grpc-port", "0", "--max-model-len", str(max_len), "--api-server-count", "1", "--log-level",
+               "warning", "--engine-factory", FACTORY_SPEC, "--device", "cpu",
+               "--num-kv-blocks", str(4 * max_len // 16 + 64)]
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, process, 300)
+        import httpx
+
+        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        rows = ttft_rows(url, model, args.contexts, args.repeats, vocab)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+    for row in rows:
+        row["warm_host_ms"] = row["warm_ttft_ms"] - args.stub_step_ms
+        row["warm_host_ms_min"] = min(row["warm_ttft_ms_each"], default=float("nan")) - args.stub_step_ms
+    result = {"through": "openinfer serve (API server + engine-core processes), stub engine", "stub_step_ms":
+              args.stub_step_ms, "ttft": rows, "note": "warm_host_ms = warm TTFT - the stub's step; this CPU"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for row in rows:
+        print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
+              f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
+              f"cold {row['cold_ttft_ms']:.2f} ms; cached {row['warm_cached_tokens']}")
 
 
 def plot_comparison(result: dict, path: Path) -> None:

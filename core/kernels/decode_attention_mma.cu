@@ -66,6 +66,76 @@ __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_grou
 // Offset (bf16 elements) of 16-byte chunk `chunk` of key row `row` inside a swizzled tile.
 __device__ __forceinline__ int tile_offset(int row, int chunk) { return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3); }
 
+// One 16-key tile of a warp's online softmax over its 16 query rows: S = Q K^T in the log2 domain
+// (keys at or past a row's limit masked), the running max and sum rescaled, O += P V; the S
+// accumulators become P's A fragments in registers. `limit[h]`: the keys fragment row
+// frag_row + 8h sees; HALVES: the fragment row halves holding real rows (1: rows 8-15 are zero).
+template <int HALVES>
+__device__ __forceinline__ void attend_key_tile(const unsigned int (&qa)[HEAD_DIM / 16][4], const bf16* k_tile,
+                                                const bf16* v_tile, int token0, const int (&limit)[2],
+                                                float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                float (&l)[2]) {
+    const int lane = threadIdx.x & 31, frag_col = (lane & 3) * 2;
+    // ldmatrix lane addresses: K (non-transposed) gives S's B fragments for keys 0-7 | 8-15,
+    // V (transposed) gives O's B fragments for two 8-wide dim tiles.
+    const int k_row = ((lane >> 4) & 1) * 8 + (lane & 7), k_chunk_lo = (lane >> 3) & 1;
+    const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk_lo = lane >> 4;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        unsigned int b[4];
+        ldmatrix_x4(b, k_tile + tile_offset(k_row, 2 * ks + k_chunk_lo));
+        mma_bf16_16816(s[0], qa[ks], b[0], b[1]);
+        mma_bf16_16816(s[1], qa[ks], b[2], b[3]);
+    }
+    float row_max[2] = {NEG_BIG, NEG_BIG};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = token0 + n * 8 + frag_col + (e & 1);
+            s[n][e] = key < limit[e >> 1] ? s[n][e] * scale_log2 : -INFINITY;
+            row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
+        }
+    }
+    float correction[2];
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        // finite: m starts at NEG_BIG (a short query's row may see none of a tile's keys)
+        const float m_new = fmaxf(m[h], row_max[h]);
+        correction[h] = exp2f(m[h] - m_new);
+        m[h] = m_new;
+        l[h] *= correction[h];
+    }
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            o[n][2 * h] *= correction[h];
+            o[n][2 * h + 1] *= correction[h];
+        }
+    }
+    unsigned int pa[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            const float p0 = exp2f(s[n][2 * h] - m[h]), p1 = exp2f(s[n][2 * h + 1] - m[h]);
+            l[h] += p0 + p1;
+            pa[2 * n + h] = pack_bf16x2(p0, p1);  // a0/a1: keys 0-7 rows r/r+8; a2/a3: keys 8-15
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 16; ++j) {
+        unsigned int b[4];
+        ldmatrix_x4_trans(b, v_tile + tile_offset(v_row, 2 * j + v_chunk_lo));
+        mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
+        mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
+    }
+}
+
 // One block's work: KV head `kv_head` of sequence `seq`, split `split` of its keys, for the
 // query rows of one mma row block. MULTI_QUERY false (decode): the rows are the GROUP query
 // heads of the sequence's one new token. MULTI_QUERY true (short queries): row r is head
@@ -90,7 +160,7 @@ __device__ __forceinline__ void attend_rows(const bf16* __restrict__ q, const bf
     int length = context_lens[seq];
     // short queries: this block's tokens are query rows first_row .. first_row + block_tokens - 1
     // of the step; the lane's two fragment rows see keys below limit[0] / limit[1]
-    int first_row = 0, block_tokens = 1, limit[2] = {0, 0};
+    int first_row = 0, block_tokens = 1, limit[2] = {length, length};  // decode: every key of the context
     if constexpr (MULTI_QUERY) {
         const int query_begin = query_start[seq], query_len = query_start[seq + 1] - query_begin;
         const int first_token = row_block * ROW_TOKENS;
@@ -181,11 +251,6 @@ __device__ __forceinline__ void attend_rows(const bf16* __restrict__ q, const bf
     for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};  // rows frag_row and frag_row + 8
 
-    // ldmatrix lane addresses: K (non-transposed) gives S's B fragments for keys 0-7 | 8-15,
-    // V (transposed) gives O's B fragments for two 8-wide dim tiles.
-    const int k_row = ((lane >> 4) & 1) * 8 + (lane & 7), k_chunk_lo = (lane >> 3) & 1;
-    const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk_lo = lane >> 4;
-
     for (int i = 0; i < my_tiles; ++i) {
         const int ahead = i + DECODE_STAGES - 1;
         if (ahead < my_tiles) {
@@ -198,62 +263,7 @@ __device__ __forceinline__ void attend_rows(const bf16* __restrict__ q, const bf
         const bf16* k_tile = my_stages + (i % DECODE_STAGES) * 2 * TILE_ELEMS;
         const bf16* v_tile = k_tile + TILE_ELEMS;
 
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            unsigned int b[4];
-            ldmatrix_x4(b, k_tile + tile_offset(k_row, 2 * ks + k_chunk_lo));
-            mma_bf16_16816(s[0], qa[ks], b[0], b[1]);
-            mma_bf16_16816(s[1], qa[ks], b[2], b[3]);
-        }
-        const int token0 = tile_token(i);
-        float row_max[2] = {NEG_BIG, NEG_BIG};
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = token0 + n * 8 + frag_col + (e & 1);
-                const bool visible = MULTI_QUERY ? key < limit[e >> 1] : key < length;
-                s[n][e] = visible ? s[n][e] * scale_log2 : -INFINITY;
-                row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
-            }
-        }
-        float correction[2];
-#pragma unroll
-        for (int h = 0; h < HALVES; ++h) {
-            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-            // finite: m starts at NEG_BIG (a short query's row may see none of a tile's keys)
-            const float m_new = fmaxf(m[h], row_max[h]);
-            correction[h] = exp2f(m[h] - m_new);
-            m[h] = m_new;
-            l[h] *= correction[h];
-        }
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) {
-#pragma unroll
-            for (int h = 0; h < HALVES; ++h) {
-                o[n][2 * h] *= correction[h];
-                o[n][2 * h + 1] *= correction[h];
-            }
-        }
-        unsigned int pa[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int h = 0; h < HALVES; ++h) {
-                const float p0 = exp2f(s[n][2 * h] - m[h]), p1 = exp2f(s[n][2 * h + 1] - m[h]);
-                l[h] += p0 + p1;
-                pa[2 * n + h] = pack_bf16x2(p0, p1);  // a0/a1: keys 0-7 rows r/r+8; a2/a3: keys 8-15
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 16; ++j) {
-            unsigned int b[4];
-            ldmatrix_x4_trans(b, v_tile + tile_offset(v_row, 2 * j + v_chunk_lo));
-            mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
-            mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
-        }
+        attend_key_tile<HALVES>(qa, k_tile, v_tile, tile_token(i), limit, scale_log2, o, m, l);
         __syncwarp();  // every lane has read this stage before it is refilled
     }
     wait_copies<0>();
@@ -338,6 +348,170 @@ short_query_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k
     attend_rows<true>(q, k_cache, v_cache, block_tables, max_blocks_per_seq, context_lens, query_start, out,
                       partial_out, partial_ml, num_kv_heads, block_size, num_splits, scale_log2,
                       blockIdx.x / row_blocks, blockIdx.x % row_blocks);
+}
+
+// ---- Short queries with the block's KV tiles shared by its warps -----------------------------
+// short_query_attention_shared: grid (num_splits * row_groups, num_kv_heads, num_seqs), 4 warps.
+// A block owns one KV head of one sequence, one split of the keys and up to 4 mma row blocks of
+// query rows (warp w: tokens row_group * 4 * ROW_TOKENS + w * ROW_TOKENS .. + ROW_TOKENS - 1 of
+// the sequence's new tokens, ROW_TOKENS = 16 / GROUP, each with its GROUP heads). All 128 threads
+// copy each SQ_TILE_KEYS-key K/V tile of the split into a SQ_STAGES-deep cp.async ring, and every
+// warp runs its rows over the whole tile (attend_key_tile per 16 keys), so a tile is read from
+// HBM once for up to 64 query rows (16 tokens of a GQA-4 model), where short_query_attention_mma
+// reads it once per 16 rows. Each warp owns all of its rows' keys of the split: it writes its
+// output (one split) or partials (several; decode_attention_merge) from registers, no block merge.
+//
+// Shared memory, per stage: [ K tile: SQ_TILE_KEYS keys x HEAD_DIM | V tile: the same ], bf16,
+// 16-byte chunks swizzled by tile_offset (key row r's chunk c at c ^ (r & 7)).
+constexpr int SQ_WARPS = 4;
+constexpr int SQ_THREADS = SQ_WARPS * 32;
+constexpr int SQ_TILE_KEYS = HEAD_DIM <= 128 ? 64 : 32;  // 32 KiB of K + V per stage at HEAD_DIM 128 and 256
+constexpr int SQ_STAGES = 3;
+constexpr int SQ_TILE_ELEMS = SQ_TILE_KEYS * HEAD_DIM;
+constexpr int SQ_ROWS_PER_PASS = SQ_THREADS / ROW_CHUNKS;  // key rows one block-wide copy covers
+constexpr int SQ_PASSES = SQ_TILE_KEYS / SQ_ROWS_PER_PASS;
+static_assert(SQ_TILE_KEYS % SQ_ROWS_PER_PASS == 0 && SQ_TILE_KEYS % TILE_KEYS == 0, "tile copy shape");
+
+extern "C" __global__ void __launch_bounds__(SQ_THREADS)
+short_query_attention_shared(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                             const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                             int max_blocks_per_seq, const int* __restrict__ context_lens,
+                             const int* __restrict__ query_start, int row_groups, bf16* __restrict__ out,
+                             float* __restrict__ partial_out, float* __restrict__ partial_ml, int num_kv_heads,
+                             int block_size, int num_splits, float scale_log2) {
+    DECODE_DYNAMIC_SHARED(smem_raw);
+    constexpr int ROW_TOKENS = 16 / GROUP;  // new tokens of one warp
+    constexpr int ROWS = ROW_TOKENS * GROUP;
+    constexpr int HALVES = ROWS > 8 ? 2 : 1;
+    constexpr int BLOCK_TOKENS = SQ_WARPS * ROW_TOKENS;
+    const int split = blockIdx.x / row_groups, row_group = blockIdx.x % row_groups;
+    const int kv_head = blockIdx.y, seq = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int frag_row = lane >> 2, frag_col = (lane & 3) * 2;
+    const int num_heads = num_kv_heads * GROUP;
+    const int query_begin = query_start[seq], query_len = query_start[seq + 1] - query_begin;
+    const int block_first_token = row_group * BLOCK_TOKENS;
+    if (block_first_token >= query_len) return;  // the whole block: before any barrier
+    const int cached = context_lens[seq] - query_len;  // new token t sees keys 0 .. cached + t
+    // the block loads the keys its last token sees; a warp computes on those its own rows see
+    const int length = cached + min(query_len, block_first_token + BLOCK_TOKENS);
+    const int warp_first_token = block_first_token + warp * ROW_TOKENS;
+    const int warp_tokens = max(0, min(ROW_TOKENS, query_len - warp_first_token));
+    const int warp_length = warp_tokens > 0 ? cached + warp_first_token + warp_tokens : 0;
+    int limit[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = frag_row + 8 * h, token = row / GROUP;
+        limit[h] = row < ROWS && token < warp_tokens ? cached + warp_first_token + token + 1 : 0;
+    }
+
+    const int num_tiles = (length + SQ_TILE_KEYS - 1) / SQ_TILE_KEYS;
+    const int tiles_per_split = (num_tiles + num_splits - 1) / num_splits;
+    const int tile_begin = min(num_tiles, split * tiles_per_split);
+    const int my_tiles = min(num_tiles, tile_begin + tiles_per_split) - tile_begin;
+
+    bf16* stages = reinterpret_cast<bf16*>(smem_raw);
+    const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
+    const size_t token_stride = (size_t)num_kv_heads * HEAD_DIM;
+    const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM;
+    const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM;
+    const int copy_chunk = threadIdx.x % ROW_CHUNKS, copy_row = threadIdx.x / ROW_CHUNKS;
+
+    // cache slots of this thread's key rows of tile i (-1 past the keys), read one tile ahead of
+    // their copies so that the block-table loads stay off the loop's critical path
+    auto tile_slots = [&](int i, int (&slots)[SQ_PASSES]) {
+#pragma unroll
+        for (int j = 0; j < SQ_PASSES; ++j) {
+            const int token = (tile_begin + i) * SQ_TILE_KEYS + copy_row + j * SQ_ROWS_PER_PASS;
+            slots[j] = i < my_tiles && token < length ? table[token / block_size] * block_size + token % block_size : -1;
+        }
+    };
+    auto issue_tile = [&](int i, const int (&slots)[SQ_PASSES]) {
+        bf16* k_dst = stages + (i % SQ_STAGES) * 2 * SQ_TILE_ELEMS;
+        bf16* v_dst = k_dst + SQ_TILE_ELEMS;
+#pragma unroll
+        for (int j = 0; j < SQ_PASSES; ++j) {
+            const int row = copy_row + j * SQ_ROWS_PER_PASS;
+            const size_t offset = slots[j] >= 0 ? (size_t)slots[j] * token_stride + copy_chunk * 8 : 0;
+            cp_async16(k_dst + tile_offset(row, copy_chunk), k_head + offset, slots[j] >= 0);
+            cp_async16(v_dst + tile_offset(row, copy_chunk), v_head + offset, slots[j] >= 0);
+        }
+    };
+    int slots[SQ_PASSES];
+#pragma unroll
+    for (int i = 0; i < SQ_STAGES - 1; ++i) {
+        tile_slots(i, slots);
+        if (i < my_tiles) issue_tile(i, slots);
+        commit_copies();
+    }
+    tile_slots(SQ_STAGES - 1, slots);
+
+    // Q as A fragments: row r = head r % GROUP of the warp's token r / GROUP (rows past its
+    // tokens are zero)
+    unsigned int qa[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = frag_row + (e & 1) * 8, col = ks * 16 + (e >> 1) * 8 + frag_col;
+            const bool real = row < ROWS && row / GROUP < warp_tokens;
+            const bf16* q_row = q + ((size_t)(query_begin + warp_first_token + row / GROUP) * num_heads
+                                     + kv_head * GROUP + row % GROUP) * HEAD_DIM;
+            qa[ks][e] = real ? *reinterpret_cast<const unsigned int*>(q_row + col) : 0u;
+        }
+    }
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};  // rows frag_row and frag_row + 8
+
+    for (int i = 0; i < my_tiles; ++i) {
+        wait_copies<SQ_STAGES - 2>();  // tile i has landed (this thread's copies) ...
+        __syncthreads();               // ... every thread's; and tile i - 1's stage is read by all
+        if (i + SQ_STAGES - 1 < my_tiles) issue_tile(i + SQ_STAGES - 1, slots);
+        commit_copies();
+        tile_slots(i + SQ_STAGES, slots);
+        const bf16* k_tile = stages + (i % SQ_STAGES) * 2 * SQ_TILE_ELEMS;
+        const int token0 = (tile_begin + i) * SQ_TILE_KEYS;
+#pragma unroll
+        for (int t = 0; t < SQ_TILE_KEYS / TILE_KEYS; ++t) {
+            if (token0 + t * TILE_KEYS < warp_length)  // warp-uniform: keys some row of the warp sees
+                attend_key_tile<HALVES>(qa, k_tile + t * TILE_ELEMS, k_tile + SQ_TILE_ELEMS + t * TILE_ELEMS,
+                                        token0 + t * TILE_KEYS, limit, scale_log2, o, m, l);
+        }
+    }
+    wait_copies<0>();
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        const int row = frag_row + 8 * h;
+        if (row >= ROWS || row / GROUP >= warp_tokens) continue;
+        const size_t head_row = (size_t)(query_begin + warp_first_token + row / GROUP) * num_heads
+                                + kv_head * GROUP + row % GROUP;
+        if (num_splits == 1) {
+            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                bf16* dst = out + head_row * HEAD_DIM + n * 8 + frag_col;
+                dst[0] = __float2bfloat16_rn(o[n][2 * h] * inv);
+                dst[1] = __float2bfloat16_rn(o[n][2 * h + 1] * inv);
+            }
+        } else {
+            const size_t part = head_row * num_splits + split;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n)
+                *reinterpret_cast<float2*>(partial_out + part * HEAD_DIM + n * 8 + frag_col) =
+                    make_float2(o[n][2 * h], o[n][2 * h + 1]);
+            if ((lane & 3) == 0) {
+                partial_ml[part * 2] = m[h];
+                partial_ml[part * 2 + 1] = l[h];
+            }
+        }
+    }
 }
 
 // out[seq, head, :] = the splits' partials merged; a sequence with no keys gets zeros.

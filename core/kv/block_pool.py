@@ -103,16 +103,60 @@ def chain_block_hashes(parent_hash: bytes | None, data: bytes, block_size: int, 
     return hashes
 
 
+class _ChainMemo:
+    """The latest ``PrefixHashes`` that started with each first block (its hash input), at most
+    ``capacity``: a request whose tokens begin like an earlier one's takes that one's hashes for
+    the blocks they share after one comparison of their token bytes, instead of a memo probe per
+    block (a warm 16k prompt: 1023 probes, ~0.3-0.7 ms). The chains are append-only and their
+    hashes a pure function of the tokens, so a shared chain is only read."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.chains: OrderedDict[bytes, PrefixHashes] = OrderedDict()
+
+    def remember(self, first_key: bytes, chain: PrefixHashes) -> None:
+        self.chains[first_key] = chain
+        self.chains.move_to_end(first_key)
+        while len(self.chains) > self.capacity:
+            self.chains.popitem(last=False)
+
+    def shared_hashes(self, first_key: bytes, data: bytes, stride: int) -> list[bytes]:
+        """The remembered chain's hashes of the leading blocks of ``data`` whose bytes it holds."""
+        chain = self.chains.get(first_key)
+        if chain is None:
+            return []
+        num_blocks = min(len(chain.hashes), len(chain._data) // stride, len(data) // stride)
+        known = chain._data
+        if known[: num_blocks * stride] != data[: num_blocks * stride]:  # diverged: the longest common run
+            low, high = 1, num_blocks  # block 0 is shared (it is the key); find the last shared count
+            while low < high:
+                middle = (low + high + 1) // 2
+                if known[: middle * stride] == data[: middle * stride]:
+                    low = middle
+                else:
+                    high = middle - 1
+            num_blocks = low
+        return chain.hashes[:num_blocks]
+
+
+# 256 distinct first blocks, each chain alive as long as it is remembered (a 16k prompt's: ~0.1 MB)
+_CHAINS = _ChainMemo(256)
+
+
 class PrefixHashes:
     """One token sequence's chained block hashes (and the token bytes they cover), computed once
     and extended as the sequence grows: a request keeps one, so every prefix lookup while it
     waits, its start and each publish of its blocks hash each of its blocks once."""
 
-    def __init__(self, block_size: int, extra_key: str = ""):
+    def __init__(self, block_size: int, extra_key: str = "", known_tokens: np.ndarray | None = None):
+        """``known_tokens``: the first token ids of every sequence this will hash (a request's
+        prompt, as the array it arrived in), read instead of converting ``token_ids``' list
+        (a 16k-token prompt: ~0.3-0.5 ms of a warm request's start)."""
         self.block_size = block_size
         self.extra_key = extra_key
         self.hashes: list[bytes] = []
         self._data = bytearray()  # token_bytes of the hashed blocks
+        self._known = None if known_tokens is None else np.asarray(known_tokens, np.int64)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
         """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
@@ -120,13 +164,25 @@ class PrefixHashes:
         id: a token not read back yet) and those after it are left unhashed."""
         have, bs = len(self.hashes), self.block_size
         if num_blocks > have:
-            chunk = token_ids[have * bs : num_blocks * bs]
-            tokens = np.fromiter(chunk, np.int64, len(chunk))
+            if self._known is not None and num_blocks * bs <= len(self._known):
+                tokens = self._known[have * bs : num_blocks * bs]
+            else:
+                chunk = token_ids[have * bs : num_blocks * bs]
+                tokens = np.fromiter(chunk, np.int64, len(chunk))
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]
             data = tokens.astype(TOKEN_DTYPE).tobytes()
-            self.hashes.extend(chain_block_hashes(self.hashes[-1] if have else None, data, bs, self.extra_key))
+            stride, shared = TOKEN_WIDTH * bs, []
+            if not have and len(data) >= stride:
+                first_key = self.extra_key.encode() + b"|" + data[:stride]
+                shared = _CHAINS.shared_hashes(first_key, data, stride)
+                _CHAINS.remember(first_key, self)
+            rest = data[len(shared) * stride :]
+            parent = shared[-1] if shared else (self.hashes[-1] if have else None)
+            self.hashes.extend(shared)
+            if rest:
+                self.hashes.extend(chain_block_hashes(parent, rest, bs, self.extra_key))
             self._data += data
         return self.hashes
 

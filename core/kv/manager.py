@@ -154,9 +154,10 @@ class KVCacheManager:
         """What besides token ids goes into a request's block hashes."""
         return f"{self.extra_key}|{cache_salt}" if cache_salt else self.extra_key
 
-    def prefix_hashes(self, cache_salt: str = "") -> PrefixHashes:
-        """An empty hash cache for a request's token blocks (pass it to ``start_request``)."""
-        return PrefixHashes(self.block_size, self.request_key(cache_salt))
+    def prefix_hashes(self, cache_salt: str = "", known_tokens: np.ndarray | None = None) -> PrefixHashes:
+        """An empty hash cache for a request's token blocks (pass it to ``start_request``);
+        ``known_tokens``: its prompt's ids as an array (``PrefixHashes``)."""
+        return PrefixHashes(self.block_size, self.request_key(cache_salt), known_tokens)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """State-slot copies ``(src, dst)`` queued since the last call (snapshot restores and

@@ -414,7 +414,9 @@ class PagedEngine:
             num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
             sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
             want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,
-            cache_salt=request.cache_salt)
+            cache_salt=request.cache_salt,
+            # its block hashes read the prompt from this array, not from token_ids' list
+            prefix_hashes=self.kv.prefix_hashes(request.cache_salt, prompt))
 
     def _emit(self, request_id: str, kind: int, payload: Any, final: bool = False) -> None:
         with self._streams_lock:

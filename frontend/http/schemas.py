@@ -11,7 +11,15 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import msgspec
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from openinfer.sampling import MAX_LOGPROBS
 
@@ -37,6 +45,32 @@ class RefusedField(ValueError):
 
 
 _SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+# what a TokenId is, for msgspec: an int (never a bool or a float) in [0, INT32_LIMIT)
+_TOKEN_ID_LIST = list[Annotated[int, msgspec.Meta(ge=0, lt=INT32_LIMIT)]]
+
+
+class TokenIds(list):
+    """A prompt of token ids whose every element was already checked to be a ``TokenId``, in one
+    C pass (``checked_token_ids``): the prompt field takes it as it is (``_pass_checked_ids``)
+    instead of validating 16k ints one by one in pydantic (~1-3 ms of a warm 16k request)."""
+
+
+def _pass_checked_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Checked ids as they are; anything else through the field's own validation (its errors and
+    JSON schema unchanged)."""
+    return value if isinstance(value, TokenIds) else handler(value)
+
+
+def checked_token_ids(value: Any) -> TokenIds | None:
+    """``value`` as ``TokenIds`` when it is a non-empty list of ``TokenId``s, else None (pydantic
+    then validates it as before, with its own messages for what is wrong)."""
+    if type(value) is not list or not value or type(value[0]) is not int:
+        return None
+    try:
+        msgspec.convert(value, _TOKEN_ID_LIST)
+    except Exception:  # noqa: BLE001 - not all TokenIds (a lone surrogate's str even fails the message): pydantic says why
+        return None
+    return TokenIds(value)
 
 
 def _find_lone_surrogate(value: Any, path: str) -> str | None:
@@ -52,6 +86,8 @@ def _find_lone_surrogate(value: Any, path: str) -> str | None:
             found = _find_lone_surrogate(item, where)
             if found:
                 return found
+    elif isinstance(value, TokenIds):  # ints only, checked
+        return None
     elif isinstance(value, list):
         # a prompt of token ids is a list of 16k ints: one C-level pass over the element types
         # answers "no text in here" (walking it item by item cost ~1 us per token id)
@@ -149,12 +185,23 @@ class SamplingFields(TopLevelRequest):
 class CompletionRequest(SamplingFields):
     # left to right, token ids before strings: a 16k-id prompt tried as list[str] first (pydantic's
     # smart union) built 16k errors before matching, ~10 ms per request
-    prompt: str | list[TokenId] | list[list[TokenId]] | list[str] = Field(union_mode="left_to_right")
+    # (a list of token ids checked by _token_id_prompt is taken as it is)
+    prompt: Annotated[str | list[TokenId] | list[list[TokenId]] | list[str],
+                      WrapValidator(_pass_checked_ids)] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1, lt=INT32_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_id_prompt(cls, data: Any) -> Any:
+        """A prompt of token ids checked in one C pass (runs before the lone-surrogate walk, which
+        then skips it)."""
+        if isinstance(data, dict) and (ids := checked_token_ids(data.get("prompt"))) is not None:
+            data = {**data, "prompt": ids}
+        return data
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).parent / "cuda_emulation" / "attention_harness.cpp"
 LOG2E = 1.4426950408889634
 MMA_ROWS = 16  # rows of one mma row block (decode_attention_mma.cu)
+SHARED_TILE_WARPS = 4  # mma row blocks of one short_query_attention_shared block
 
 # name: (head_dim, group, num_kv_heads, cached tokens per sequence, new tokens per sequence, block size, splits)
 SHORT_QUERY_CASES = {
@@ -89,7 +90,7 @@ def harnesses(tmp_path_factory):
     return get
 
 
-def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool) -> None:
+def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool, shared_tiles: bool = False) -> None:
     head_dim, group, num_kv_heads, cached, new, block_size, splits = case
     rng = np.random.default_rng(sum(cached) * 31 + head_dim + group)
     tables, lengths, query_start, num_blocks = paged_case(rng, cached, new, block_size)
@@ -98,9 +99,12 @@ def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool) -> None:
     v_cache = bf16(rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)))
     q = bf16(2.0 * rng.standard_normal((num_tokens, num_heads, head_dim)))  # sharp softmax rows too
     scale = head_dim**-0.5
-    # the launcher's row blocks: 16 // group new tokens each (decode_attention.py)
+    # the launcher's row blocks: 16 // group new tokens each (decode_attention.py); the shared-tile
+    # kernel's row groups: 4 such blocks each
     row_blocks = math.ceil(max(new) / (MMA_ROWS // group)) if short_query else 1
-    params = np.array([int(short_query), len(lengths), num_tokens, num_kv_heads, block_size, tables.shape[1],
+    if shared_tiles:
+        row_blocks = math.ceil(row_blocks / SHARED_TILE_WARPS)
+    params = np.array([2 if shared_tiles else int(short_query), len(lengths), num_tokens, num_kv_heads, block_size, tables.shape[1],
                        splits, row_blocks], np.int32)
     run_harness(harnesses(head_dim, group), tmp_path, params=params,
                 scale_log2=np.array([scale * LOG2E], np.float32), q=float32_to_bf16(q),
@@ -116,6 +120,24 @@ def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool) -> None:
 @pytest.mark.parametrize("name", list(SHORT_QUERY_CASES))
 def test_short_query_kernel_matches_numpy(harnesses, tmp_path, name):
     run_case(harnesses, tmp_path, SHORT_QUERY_CASES[name], short_query=True)
+
+
+# the shared-tile kernel's own shapes besides the cases above: several row groups (group 8 and 16:
+# 2 and 1 tokens a warp), a split boundary inside a 64-key tile's reach, warps with no tokens
+# (3 new tokens at group 4: one of four warps busy), 32 splits over a long context
+SHARED_TILE_CASES = {
+    **SHORT_QUERY_CASES,
+    "group16-row-groups": (64, 16, 1, [90, 33], [16, 9], 16, 3),
+    "group8-d128-two-groups": (128, 8, 1, [200], [16], 16, 4),
+    "gqa4-one-busy-warp": (64, 4, 2, [150, 70], [3, 16], 16, 2),
+    "gqa4-32-splits-long": (64, 4, 1, [2300], [16], 16, 32),
+    "d256-gqa2": (256, 2, 1, [100], [12], 16, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_TILE_CASES))
+def test_shared_tile_short_query_kernel_matches_numpy(harnesses, tmp_path, name):
+    run_case(harnesses, tmp_path, SHARED_TILE_CASES[name], short_query=True, shared_tiles=True)
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))

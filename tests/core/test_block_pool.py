@@ -172,3 +172,59 @@ def test_memoized_chain_hashes_equal_the_hash_chain_and_the_memo_stays_bounded(m
         assert got == expected
         assert len(memo.table) <= memo.capacity
     assert memo.table  # it remembers the latest blocks
+
+
+def test_prefix_hashes_from_the_prompt_array_equal_those_from_the_token_list():
+    """A request's hash cache made with its prompt's array (the engine's) gives the same hashes
+    as one reading token_ids' list, for the prompt's blocks and for blocks past it (generated
+    tokens, read from the list), and stops at a placeholder the same way."""
+    from openinfer.kv import block_pool
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 50_000, 16 * 9 + 5)
+    tokens = prompt.tolist() + rng.integers(0, 50_000, 40).tolist()
+    from_list = block_pool.PrefixHashes(block_size=16, extra_key="k")
+    from_array = block_pool.PrefixHashes(block_size=16, extra_key="k", known_tokens=prompt.astype(np.int32))
+    for num_blocks in (3, 9, 12):  # inside the prompt, its last full block, past it
+        assert from_array.extend(tokens, num_blocks) == from_list.extend(tokens, num_blocks)
+        assert from_array.token_bytes(0, num_blocks) == from_list.token_bytes(0, num_blocks)
+    expected = [hash_block_tokens(None, tokens[:16], "k")]
+    assert from_array.hashes[0] == expected[0]
+    waiting = block_pool.PrefixHashes(block_size=16, known_tokens=prompt)
+    assert len(waiting.extend(tokens[:16 * 9 + 5] + [-1] * 40, 12)) == 9  # placeholders stop it
+
+
+def test_a_prompt_starting_like_an_earlier_one_takes_its_chain_with_the_same_hashes(monkeypatch):
+    """The chain memo: a sequence whose leading blocks equal a remembered one's takes those
+    hashes from it (no per-block hashing), hashes the rest itself, and every hash equals the
+    plain block chain's, whether the two diverge in the first, a middle or no block; at most
+    ``capacity`` chains are remembered."""
+    from openinfer.kv import block_pool
+
+    monkeypatch.setattr(block_pool, "_CHAINS", block_pool._ChainMemo(2))
+    hashed: list[int] = []
+    chain = block_pool.chain_block_hashes
+    monkeypatch.setattr(block_pool, "chain_block_hashes",
+                        lambda parent, data, bs, key="": hashed.append(len(data) // (block_pool.TOKEN_WIDTH * bs))
+                        or chain(parent, data, bs, key))
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 50_000, 8 * 20).tolist()
+
+    def plain(tokens: list[int], num_blocks: int, key: str) -> list[bytes]:
+        hashes, parent = [], None
+        for i in range(num_blocks):
+            parent = hash_block_tokens(parent, tokens[8 * i : 8 * i + 8], key)
+            hashes.append(parent)
+        return hashes
+
+    first = block_pool.PrefixHashes(8, "k")
+    assert first.extend(base, 12) == plain(base, 12, "k") and hashed == [12]
+    assert first.extend(base, 20) == plain(base, 20, "k") and hashed == [12, 8]
+    for diverge_at, expected_hashed in ((20, []), (13, [7]), (1, [19])):  # tokens from this block on differ
+        other = base[: 8 * diverge_at] + [t + 1 for t in base[8 * diverge_at :]]
+        hashed.clear()
+        assert block_pool.PrefixHashes(8, "k").extend(other, 20) == plain(other, 20, "k")
+        assert hashed == expected_hashed
+    hashed.clear()  # another key: nothing shared
+    assert block_pool.PrefixHashes(8, "other").extend(base, 20) == plain(base, 20, "other") and hashed == [20]
+    assert len(block_pool._CHAINS.chains) == 2

@@ -65,6 +65,7 @@ class _Kernel:
 FINAL_OUTPUT = {
     "decode_attention_mma": lambda args: 6 if int(args[11]) == 1 else None,
     "short_query_attention_mma": lambda args: 8 if int(args[13]) == 1 else None,
+    "short_query_attention_shared": lambda args: 8 if int(args[13]) == 1 else None,
     "decode_attention_merge": lambda args: 2,
     "decode_attention_combine": lambda args: 2,
 }
@@ -168,3 +169,23 @@ def test_a_mixed_step_writes_its_decode_rows_in_place_and_its_chunks_in_one_pref
     name, args = launches[-1]
     written = args[FINAL_OUTPUT[name](args)]
     assert np.shares_memory(written, out) and written.shape == (20, WIDTH)
+
+
+@pytest.mark.parametrize("tiles", ["warp", "shared"])
+@pytest.mark.parametrize("num_sms", [1, 132])  # one split / several (partials merged into out)
+def test_short_queries_write_the_given_rows_in_place_with_either_layout(modules, tiles, num_sms):
+    decode, _, launches = modules
+    seqs, new = 2, 16
+    rows = seqs * new
+    whole = _device(np.full((rows + 3, WIDTH), UNTOUCHED, np.uint16))
+    q = _device(np.zeros((rows, NUM_HEADS, HEAD_DIM), np.uint16))
+    _, k, v, tables, lens = decode_inputs(seqs)
+    query_start = _device(np.arange(0, rows + 1, new, dtype=np.int32))
+    result = decode.short_query_attention_mma(q, k, v, tables, lens, query_start, new, 0.125, num_sms, tiles=tiles,
+                                              out=whole[:rows])
+    assert np.shares_memory(result, whole)
+    assert np.all(whole[:rows] == DECODE_MARK) and np.all(whole[rows:] == UNTOUCHED)
+    expected = "short_query_attention_shared" if tiles == "shared" else "short_query_attention_mma"
+    assert launches[0][0] == expected
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        decode.short_query_attention_mma(q, k, v, tables, lens, query_start, new, 0.125, num_sms, tiles="wide")

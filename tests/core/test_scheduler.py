@@ -94,6 +94,7 @@ def test_a_request_waiting_for_blocks_hashes_its_prompt_once(monkeypatch):
     chain = block_pool.chain_block_hashes
     monkeypatch.setattr(block_pool, "chain_block_hashes",
                         lambda parent, data, bs, key="": hashed.append(len(data) // (block_pool.TOKEN_WIDTH * bs)) or chain(parent, data, bs, key))
+    monkeypatch.setattr(block_pool, "_CHAINS", block_pool._ChainMemo(256))  # no chain from an earlier test
     sched = scheduler(num_blocks=9, block_size=4, budget=64)
     first, second = make("first", 17), make("second", 17)
     sched.add(first)
@@ -102,7 +103,8 @@ def test_a_request_waiting_for_blocks_hashes_its_prompt_once(monkeypatch):
     for _ in range(3):  # no room for "second": looked up and refused every step
         assert [c.request.request_id for c in sched.schedule().chunks] == ["first"]
     assert second.prefix_hashes is not None and len(second.prefix_hashes.hashes) == 4
-    assert hashed == [4, 4]  # each prompt's 4 full blocks, once
+    # the first prompt's 4 full blocks, once; the second (the same tokens) takes the first's chain
+    assert hashed == [4]
 
 
 def split_scheduler(**kwargs) -> Scheduler:

@@ -15,7 +15,13 @@ captured for a batch-size bucket stays valid for any context up to its block-tab
 ``short_query_attention_mma``: the mma kernel's blocks for a few new tokens per sequence (up to
 ``SHORT_QUERY_MAX_TOKENS``, each token with its causal limit), rows = 16 // group tokens x group
 heads, split over the keys like decode: a warm prefix's last block or a short chunk over a long
-cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks.
+cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks. Two
+layouts (``SHORT_QUERY_TILES``): "warp" (decode_attention_mma.cu's short_query_attention_mma: a block per 16
+rows, its warps taking 16-key tiles round-robin, so the keys are read once per 16 rows) and
+"shared" (short_query_attention_shared: a block per 64 rows, one warp per 16, all four running
+over each 64-key tile the block copies once, with up to 32 splits to fill the GPU at batch 1).
+``OPENINFER_SHORT_QUERY_TILES`` picks the default; a step whose rows fit one 16-row block always
+takes "warp" (it reads the keys once already, and its four warps share them).
 
 Every entry point takes ``out=``: a C-contiguous ``[rows, num_heads * head_dim]`` bf16 array
 (e.g. the first rows of a mixed step's output) written in place instead of a new one.
@@ -27,63 +33,28 @@ benchmark can capture one graph with each).
 
 from __future__ import annotations
 
-import math
-
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.decode_attention_plan import (
+    LOG2E,
+    MAX_SPLITS,
+    MMA_HEAD_DIMS,
+    MMA_MAX_GROUP,
+    MMA_WARPS,
+    SHORT_QUERY_MAX_TOKENS,
+    legacy_splits,
+    mma_shared_bytes,
+    mma_stages,
+    mma_supports,
+    short_query_launch,
+    split_count,
+    wanted_short_query_tiles,
+)
 from openinfer.backend.cuda.kernel_choices import DECODE_KERNELS, wanted_decode_kernel
 from openinfer.backend.cuda.loader import kernel
 
-LOG2E = 1.4426950408889634
 KERNELS = DECODE_KERNELS
-MMA_HEAD_DIMS = (64, 128, 256)
-MMA_MAX_GROUP = 16  # query heads one mma row block holds
-MMA_TILE_KEYS = 16
-MMA_ROWS = 16  # rows of one mma row block: query heads (decode) or (token, head) pairs (short queries)
-SHORT_QUERY_MAX_TOKENS = 16  # new tokens per sequence the short-query kernel takes (one KV block)
-MAX_SPLITS = 32  # decode_attention_merge's MERGE_MAX_SPLITS
-DEFAULT_MAX_SPLITS = 16
-MMA_WARPS = 4
-
-
-def mma_stages(head_dim: int) -> int:
-    """Pipeline depth per warp (decode_attention_mma.cu's default DECODE_STAGES)."""
-    return 3 if head_dim <= 128 else 2
-
-
-def mma_shared_bytes(head_dim: int, rows: int, warps: int = MMA_WARPS, stages: int | None = None) -> int:
-    """Dynamic shared memory of one mma block: the warps' K/V stages, reused for the merge of
-    its ``rows`` query rows (the group's heads; for short queries, ``short_query_rows``)."""
-    stages = mma_stages(head_dim) if stages is None else stages
-    pipeline = warps * stages * 2 * MMA_TILE_KEYS * head_dim * 2
-    merge = warps * rows * (head_dim + 2) * 4
-    return max(pipeline, merge)
-
-
-def short_query_tokens_per_block(group: int) -> int:
-    """New tokens one short-query block computes: its 16 mma rows hold that many tokens' heads."""
-    return MMA_ROWS // group
-
-
-def split_count(num_units: int, num_sms: int, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
-    """Splits per (sequence, KV head) unit: about two blocks per multiprocessor, at most 16.
-
-    Measured on an H100 (benchmarks/gpu_kernel_variants.py, Qwen3-4B heads): from about one
-    block per SM on, equal contexts stream near the copy bandwidth and each further split only
-    adds partials and a merge (batch 64 x 1k: 95 us at 1 split, 100 at 2, 222 at 32); ragged
-    contexts want the second block per SM (batch 16, lengths 1..2k: 44 us at 1 split, 36 at 2,
-    34 at 8); batch 1 x 4k is fastest at 16 (12.2 us; 13.2 at 32)."""
-    return max(1, min(max_splits, math.ceil(1.8 * num_sms / max(1, num_units))))
-
-
-def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """KV splits of the CUDA-core kernel: enough blocks for about two waves, at most 16."""
-    return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
-
-
-def mma_supports(head_dim: int, group: int) -> bool:
-    return head_dim in MMA_HEAD_DIMS and 1 <= group <= MMA_MAX_GROUP
 
 
 def choose_kernel(head_dim: int, group: int) -> str:
@@ -161,13 +132,14 @@ def _merge(partial_out: cupy.ndarray, partial_ml: cupy.ndarray, out: cupy.ndarra
 def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                               block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
                               max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
-                              out: cupy.ndarray | None = None) -> cupy.ndarray:
+                              tiles: str | None = None, out: cupy.ndarray | None = None) -> cupy.ndarray:
     """Causal attention of a few new tokens per sequence, ``q [T, nh, d]`` -> ``[T, nh * d]`` bf16.
 
     ``query_start [B + 1]`` (int32, device) gives each sequence's rows of ``q``; its new tokens are
     the last ``query_len`` positions of ``context_lens`` (their K/V already in the cache), at most
-    ``max_query_len`` (<= SHORT_QUERY_MAX_TOKENS) each. ``splits`` overrides the tuned split count;
-    ``out`` is written and returned if given."""
+    ``max_query_len`` (<= SHORT_QUERY_MAX_TOKENS) each. ``tiles`` ("warp" | "shared"; None: the
+    OPENINFER_SHORT_QUERY_TILES default) picks the layout, ``splits`` overrides the tuned split
+    count; ``out`` is written and returned if given."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = context_lens.shape[0]
@@ -178,24 +150,22 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
     if not 1 <= max_query_len <= SHORT_QUERY_MAX_TOKENS:
         raise ValueError(f"the short-query kernel takes 1..{SHORT_QUERY_MAX_TOKENS} new tokens per sequence, "
                          f"got {max_query_len}")
-    tokens_per_block = short_query_tokens_per_block(group)
-    row_blocks = -(-max_query_len // tokens_per_block)
-    if splits is None:
-        splits = split_count(num_seqs * num_kv_heads * row_blocks, num_sms)
-    if not 1 <= splits <= MAX_SPLITS:
+    if splits is not None and not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
-    stages = mma_stages(head_dim)
-    shared = mma_shared_bytes(head_dim, tokens_per_block * group, MMA_WARPS, stages)
+    plan = short_query_launch(wanted_short_query_tiles() if tiles is None else tiles, num_seqs, num_kv_heads, group,
+                              head_dim, max_query_len, num_sms, splits)
     out = output_rows(out, num_tokens, num_heads, head_dim)
-    fn = kernel("decode_attention_mma.cu", "short_query_attention_mma", HEAD_DIM=head_dim, GROUP=group,
-                DECODE_WARPS=MMA_WARPS, DECODE_STAGES=stages)
-    if fn.max_dynamic_shared_size_bytes < shared:
-        fn.max_dynamic_shared_size_bytes = shared
+    # both entries in one module (the "warp" kernel's defines)
+    fn = kernel("decode_attention_mma.cu", plan.kernel, HEAD_DIM=head_dim, GROUP=group, DECODE_WARPS=MMA_WARPS,
+                DECODE_STAGES=mma_stages(head_dim))
+    if fn.max_dynamic_shared_size_bytes < plan.shared_bytes:
+        fn.max_dynamic_shared_size_bytes = plan.shared_bytes
+    splits = plan.splits
     partial_out, partial_ml = _partials(out, num_heads, head_dim, splits)
-    fn((splits * row_blocks, num_kv_heads, num_seqs), (MMA_WARPS * 32,),
+    fn(plan.grid(num_seqs, num_kv_heads), (plan.threads,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
-        np.int32(row_blocks), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
-        np.int32(splits), np.float32(scale * LOG2E)), shared_mem=shared)
+        np.int32(plan.row_blocks_arg), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
+        np.int32(splits), np.float32(scale * LOG2E)), shared_mem=plan.shared_bytes)
     _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
     return out
 

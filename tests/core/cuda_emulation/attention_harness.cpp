@@ -54,7 +54,7 @@ void ldmatrix_x4_trans(unsigned* r, const bf16* p) { ldmatrix(r, p, true); }
 
 int main(int argc, char** argv) {
     const std::string dir = argv[1];
-    // params: short_query num_seqs num_tokens num_kv_heads block_size max_blocks splits row_blocks
+    // params: short_query (0 decode, 1 short_query_attention_mma, 2 short_query_attention_shared) num_seqs num_tokens num_kv_heads block_size max_blocks splits row_blocks
     auto params = load<int>(dir, "params.bin");
     const int short_query = params[0], num_seqs = params[1], num_tokens = params[2], num_kv_heads = params[3];
     const int block_size = params[4], max_blocks = params[5], splits = params[6], row_blocks = params[7];
@@ -69,7 +69,14 @@ int main(int argc, char** argv) {
     std::vector<bf16> out(size_t(num_tokens) * num_heads * HEAD_DIM, bf16{0x7FC0});  // NaN: unwritten shows
     std::vector<float> partial_out(size_t(num_tokens) * num_heads * splits * HEAD_DIM);
     std::vector<float> partial_ml(size_t(num_tokens) * num_heads * splits * 2);
-    if (short_query) {
+    if (short_query == 2) {  // row_blocks: the shared-tile kernel's row groups
+        launch(splits * row_blocks, num_kv_heads, num_seqs, SQ_THREADS, [&] {
+            short_query_attention_shared(q.data(), k_cache.data(), v_cache.data(), tables.data(), max_blocks,
+                                         context_lens.data(), query_start.data(), row_blocks, out.data(),
+                                         partial_out.data(), partial_ml.data(), num_kv_heads, block_size, splits,
+                                         scale_log2);
+        });
+    } else if (short_query) {
         launch(splits * row_blocks, num_kv_heads, num_seqs, DECODE_WARPS * 32, [&] {
             short_query_attention_mma(q.data(), k_cache.data(), v_cache.data(), tables.data(), max_blocks,
                                       context_lens.data(), query_start.data(), row_blocks, out.data(),

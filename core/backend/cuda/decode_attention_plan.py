@@ -1,0 +1,128 @@
+"""Launch plans of decode_attention.py's kernels, host-only (no CuPy: CPU CI checks them and
+benchmarks dry-run them): their constants, split counts, shared-memory sizes, and the short-query
+kernel's layout choice (``short_query_launch``), from host counts alone, so a CUDA graph captured
+for a batch bucket keeps its plan at any context length."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+LOG2E = 1.4426950408889634
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_MAX_GROUP = 16  # query heads one mma row block holds
+MMA_TILE_KEYS = 16
+MMA_ROWS = 16  # rows of one mma row block: query heads (decode) or (token, head) pairs (short queries)
+SHORT_QUERY_MAX_TOKENS = 16  # new tokens per sequence the short-query kernel takes (one KV block)
+MAX_SPLITS = 32  # decode_attention_merge's MERGE_MAX_SPLITS
+DEFAULT_MAX_SPLITS = 16
+MMA_WARPS = 4
+SHORT_QUERY_TILES = ("warp", "shared")
+SHORT_QUERY_TILES_ENV = "OPENINFER_SHORT_QUERY_TILES"
+SHORT_QUERY_TILES_DEFAULT = "warp"
+SHARED_TILE_WARPS = 4  # short_query_attention_shared: one warp per 16-row mma block
+SHARED_TILE_STAGES = 3  # its cp.async ring (SQ_STAGES)
+
+
+def shared_tile_keys(head_dim: int) -> int:
+    """Keys of one of short_query_attention_shared's K/V tiles (SQ_TILE_KEYS)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def shared_tile_bytes(head_dim: int) -> int:
+    """short_query_attention_shared's dynamic shared memory: SQ_STAGES K + V tiles, bf16."""
+    return SHARED_TILE_STAGES * 2 * shared_tile_keys(head_dim) * head_dim * 2
+
+
+@functools.cache
+def wanted_short_query_tiles() -> str:
+    """OPENINFER_SHORT_QUERY_TILES ("warp" or "shared"), read once per process
+    (``wanted_short_query_tiles.cache_clear()`` re-reads it)."""
+    wanted = os.environ.get(SHORT_QUERY_TILES_ENV, SHORT_QUERY_TILES_DEFAULT)
+    if wanted not in SHORT_QUERY_TILES:
+        raise ValueError(f"{SHORT_QUERY_TILES_ENV}={wanted!r}; choose one of {SHORT_QUERY_TILES}")
+    return wanted
+
+
+def mma_stages(head_dim: int) -> int:
+    """Pipeline depth per warp (decode_attention_mma.cu's default DECODE_STAGES)."""
+    return 3 if head_dim <= 128 else 2
+
+
+def mma_shared_bytes(head_dim: int, rows: int, warps: int = MMA_WARPS, stages: int | None = None) -> int:
+    """Dynamic shared memory of one mma block: the warps' K/V stages, reused for the merge of
+    its ``rows`` query rows (the group's heads; for short queries, ``short_query_rows``)."""
+    stages = mma_stages(head_dim) if stages is None else stages
+    pipeline = warps * stages * 2 * MMA_TILE_KEYS * head_dim * 2
+    merge = warps * rows * (head_dim + 2) * 4
+    return max(pipeline, merge)
+
+
+def short_query_tokens_per_block(group: int) -> int:
+    """New tokens one short-query block computes: its 16 mma rows hold that many tokens' heads."""
+    return MMA_ROWS // group
+
+
+def split_count(num_units: int, num_sms: int, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
+    """Splits per (sequence, KV head) unit: about two blocks per multiprocessor, at most 16.
+
+    Measured on an H100 (benchmarks/gpu_kernel_variants.py, Qwen3-4B heads): from about one
+    block per SM on, equal contexts stream near the copy bandwidth and each further split only
+    adds partials and a merge (batch 64 x 1k: 95 us at 1 split, 100 at 2, 222 at 32); ragged
+    contexts want the second block per SM (batch 16, lengths 1..2k: 44 us at 1 split, 36 at 2,
+    34 at 8); batch 1 x 4k is fastest at 16 (12.2 us; 13.2 at 32)."""
+    return max(1, min(max_splits, math.ceil(1.8 * num_sms / max(1, num_units))))
+
+
+def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV splits of the CUDA-core kernel: enough blocks for about two waves, at most 16."""
+    return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
+
+
+def mma_supports(head_dim: int, group: int) -> bool:
+    return head_dim in MMA_HEAD_DIMS and 1 <= group <= MMA_MAX_GROUP
+
+
+@dataclass(frozen=True)
+class ShortQueryLaunch:
+    """One short-query launch: ``kernel`` (a decode_attention_mma.cu entry) over a grid of
+    ``(splits * row_blocks_arg, num_kv_heads, num_seqs)`` blocks of ``threads``, ``shared_bytes``
+    of dynamic shared memory; ``row_blocks_arg`` is the kernel's row_blocks / row_groups argument;
+    ``row_blocks`` the blocks per (split, KV head, sequence), each reading its keys once."""
+
+    kernel: str
+    splits: int
+    row_blocks_arg: int
+    threads: int
+    shared_bytes: int
+
+    @property
+    def row_blocks(self) -> int:
+        return self.row_blocks_arg
+
+    def grid(self, num_seqs: int, num_kv_heads: int) -> tuple[int, int, int]:
+        return (self.splits * self.row_blocks_arg, num_kv_heads, num_seqs)
+
+
+def short_query_launch(tiles: str, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+                       max_query_len: int, num_sms: int, splits: int | None = None) -> ShortQueryLaunch:
+    """The launch of ``max_query_len`` new tokens per sequence in layout ``tiles``: "warp" (one
+    16-row block per row block, 16 // group tokens each, up to 16 splits) or "shared" (a block per
+    four row blocks sharing its K/V tiles, up to MAX_SPLITS splits: at batch 1 its 8 KV heads need
+    ~30 splits to fill an H200's 132 SMs twice). Rows that fit one 16-row block always take "warp":
+    it reads the keys once already. ``splits`` overrides the tuned count."""
+    if tiles not in SHORT_QUERY_TILES:
+        raise ValueError(f"short-query tiles must be one of {SHORT_QUERY_TILES}, got {tiles!r}")
+    row_blocks = math.ceil(max_query_len / short_query_tokens_per_block(group))
+    if tiles == "shared" and row_blocks > 1:
+        row_groups = math.ceil(row_blocks / SHARED_TILE_WARPS)
+        if splits is None:
+            splits = split_count(num_seqs * num_kv_heads * row_groups, num_sms, MAX_SPLITS)
+        return ShortQueryLaunch("short_query_attention_shared", splits, row_groups, SHARED_TILE_WARPS * 32,
+                                shared_tile_bytes(head_dim))
+    if splits is None:
+        splits = split_count(num_seqs * num_kv_heads * row_blocks, num_sms)
+    return ShortQueryLaunch("short_query_attention_mma", splits, row_blocks, MMA_WARPS * 32,
+                            mma_shared_bytes(head_dim, short_query_tokens_per_block(group) * group))
