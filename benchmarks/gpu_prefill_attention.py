@@ -176,6 +176,15 @@ SM90_VARIANTS = {
     "tma-auto": {"kv_loads": "auto"},
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
+    "persistent-auto": {"schedule": "persistent", "kv_loads": "auto"},  # TMA from 2k context, persistent CTAs
+    # session 6's opt-in refinements (kernel_choices.py), one at a time over the default, then together
+    "page-prefetch": {"page_prefetch": "1"},
+    "split-kv-wait": {"split_kv_wait": "1"},
+    "early-rescale": {"early_rescale": "1"},
+    "warp-release": {"warp_release": "1"},
+    "refined": {"page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+    "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv_wait": "1",
+                           "early_rescale": "1", "warp_release": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
 }
 

@@ -58,6 +58,18 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef SKIP_KV_LOADS
 #define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
 #endif
+#ifndef PAGE_ID_PREFETCH
+#define PAGE_ID_PREFETCH 0  // 1 (with TMA_KV_LOADS): the next tile's block-table entries are read before the stage wait
+#endif
+#ifndef SPLIT_KV_WAIT
+#define SPLIT_KV_WAIT 0  // 1: K and V of a stage land on their own "full" barriers (Q K^T waits for K only)
+#endif
+#ifndef EARLY_RESCALE
+#define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
+#endif
+#ifndef WARP_RELEASE
+#define WARP_RELEASE 0  // 1: one "empty" arrival per consumer warp instead of per thread
+#endif
 #if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
 #error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
 #endif
@@ -81,7 +93,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #define STAGE_BYTES (2 * KV_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
 // + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 2 * STAGES) + 1024)
+// mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES] (SPLIT_KV_WAIT; reserved either way)
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 3 * STAGES) + 1024)
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -182,6 +195,9 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
         mbar_arrive_cluster(bar, 0);
         mbar_arrive_cluster(bar, 1);
     }
+#elif WARP_RELEASE
+    __syncwarp();  // every lane's wgmma reads of the stage are complete (each waited on its group)
+    if (lane == 0) mbar_arrive(bar);
 #else
     mbar_arrive(bar);
 #endif
@@ -431,6 +447,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     const u32 bar_q = base + BARRIER_OFFSET;
     const u32 bar_full = bar_q + 8;                // [STAGES]
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+    // SPLIT_KV_WAIT: K copies arrive on bar_full, V copies on bar_full_v; otherwise both on bar_full
+#if SPLIT_KV_WAIT
+    const u32 bar_full_v = bar_empty + 8 * STAGES;  // [STAGES]
+#else
+    const u32 bar_full_v = bar_full;
+    (void)bar_full_v;
+#endif
 #if PERSISTENT
     // the consumers are done reading the Q tile; the producer has published the next item
     __shared__ alignas(8) u64 persistent_bars[2];
@@ -448,8 +471,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
+#if SPLIT_KV_WAIT
+            mbar_init(bar_full_v + 8 * s, 128);
+#endif
 #if KV_MULTICAST
             mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
+#elif WARP_RELEASE
+            mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
 #else
             mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
 #endif
@@ -513,6 +541,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             // threads only arrive; the ragged last tile takes the cp.async path below, which
             // zero-fills its rows past the last key (their P is 0, but stale V bits could be NaN).
             const int full_kv_tiles = kv_end / BLOCK_N;
+#if PAGE_ID_PREFETCH
+            // lane p's page of the next TMA tile, read one tile ahead: its latency overlaps the wait
+            // for a free stage instead of following it
+            int next_page = t < PAGES && full_kv_tiles > 0 ? table[t] : 0;
+#endif
 #endif
             for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
                 const int g = g0 + kt, stage = g % STAGES;
@@ -523,8 +556,20 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #if TMA_KV_LOADS
                 if (kt < full_kv_tiles) {
                     if (t < 32) {
+#if PAGE_ID_PREFETCH
+                        const int page = next_page;
+                        next_page = t < PAGES && kt + 1 < full_kv_tiles ? table[(k0 + BLOCK_N) / PAGE_SIZE + t] : 0;
+#else
                         const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
-                        if (t == 0) mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
+#endif
+                        if (t == 0) {
+#if SPLIT_KV_WAIT
+                            mbar_arrive_expect_bytes(bar_full + 8 * stage, KV_TILE_BYTES);
+                            mbar_arrive_expect_bytes(bar_full_v + 8 * stage, KV_TILE_BYTES);
+#else
+                            mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
+#endif
+                        }
                         __syncwarp();  // the expected bytes are counted before any copy can land
 #if KV_MULTICAST
                         // the pair's two query heads read the same K/V tile: each CTA copies every
@@ -532,27 +577,34 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                         if (t < PAGES && (t & 1) == (int)pair_rank) {
                             const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
 #pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c) {
+                            for (int c = 0; c < D_BLOCKS; ++c)
                                 tma_load_3d_multicast(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head,
                                                       page * PAGE_SIZE, bar_full + 8 * stage, 3);
+#pragma unroll
+                            for (int c = 0; c < D_BLOCKS; ++c)
                                 tma_load_3d_multicast(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64,
-                                                      kv_head, page * PAGE_SIZE, bar_full + 8 * stage, 3);
-                            }
+                                                      kv_head, page * PAGE_SIZE, bar_full_v + 8 * stage, 3);
                         }
 #else
                         if (t < PAGES) {
                             const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
 #pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c) {
+                            for (int c = 0; c < D_BLOCKS; ++c)  // K first: Q K^T can start on it (SPLIT_KV_WAIT)
                                 tma_load_3d(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head, page * PAGE_SIZE,
                                             bar_full + 8 * stage);
+#pragma unroll
+                            for (int c = 0; c < D_BLOCKS; ++c)
                                 tma_load_3d(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64, kv_head,
-                                            page * PAGE_SIZE, bar_full + 8 * stage);
-                            }
+                                            page * PAGE_SIZE, bar_full_v + 8 * stage);
                         }
 #endif
                     }
-                    if (t != 0) mbar_arrive(bar_full + 8 * stage);
+                    if (t != 0) {
+                        mbar_arrive(bar_full + 8 * stage);
+#if SPLIT_KV_WAIT
+                        mbar_arrive(bar_full_v + 8 * stage);
+#endif
+                    }
                     continue;
                 }
 #endif
@@ -592,6 +644,10 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 }
 #endif
                 mbar_arrive_on_copies(bar_full + 8 * stage);
+#if SPLIT_KV_WAIT
+                // the cp.async tiles (short contexts, a ragged last tile) land K and V together
+                mbar_arrive_on_copies(bar_full_v + 8 * stage);
+#endif
             }
         };
 #if PERSISTENT
@@ -683,6 +739,12 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
                 issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+#if SPLIT_KV_WAIT
+                mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
+#endif
+#if EARLY_RESCALE
+                rescale(o, correction);  // tile kt-1's correction, while Q K^T runs
+#endif
                 issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<1>();  // S of tile kt
@@ -693,9 +755,17 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 wgmma_wait<0>();  // P V of tile kt-1
                 release_stage(bar_empty + 8 * previous, lane);
                 pack_p(s, p);
+#if !EARLY_RESCALE
                 rescale(o, correction);
+#endif
             }
             const int last = (g0 + num_kv_tiles - 1) % STAGES;
+#if SPLIT_KV_WAIT
+            mbar_wait(bar_full_v + 8 * last, ((g0 + num_kv_tiles - 1) / STAGES) & 1);
+#endif
+#if EARLY_RESCALE
+            rescale(o, correction);
+#endif
             take_turn(wg);
             issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
             if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
@@ -716,6 +786,9 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 pack_p(s, p);
                 rescale(o, correction);
+#if SPLIT_KV_WAIT
+                mbar_wait(bar_full_v + 8 * stage, (g / STAGES) & 1);
+#endif
                 issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
                 wgmma_wait<0>();
                 release_stage(bar_empty + 8 * stage, lane);

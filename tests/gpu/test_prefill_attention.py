@@ -58,6 +58,20 @@ SM90_VARIANTS = {
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "persistent-no-overlap": {"schedule": "persistent", "overlap": "0"},
     "persistent-head-grid-no-pingpong": {"schedule": "persistent", "grid": "head", "pingpong": "0"},
+    # session 6's refinements (kernel_choices.py), alone and together, over both K/V load paths
+    "page-prefetch-tma": {"kv_loads": "tma", "page_prefetch": "1"},
+    "split-kv-wait": {"split_kv_wait": "1"},
+    "split-kv-wait-tma": {"kv_loads": "tma", "split_kv_wait": "1"},
+    "split-kv-wait-tma-no-overlap": {"kv_loads": "tma", "split_kv_wait": "1", "overlap": "0"},
+    "early-rescale": {"early_rescale": "1"},
+    "warp-release": {"warp_release": "1"},
+    "refined-tma": {"kv_loads": "tma", "page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1",
+                    "warp_release": "1"},
+    "refined-persistent-auto": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1",
+                                "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+    "refined-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "page_prefetch": "1",
+                               "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+    "refined-multicast": {"kv_loads": "tma_multicast", "split_kv_wait": "1", "page_prefetch": "1"},
 }
 
 

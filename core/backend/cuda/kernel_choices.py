@@ -72,6 +72,8 @@ def refresh_kernel_choices() -> None:
     environment at their next use."""
     kernel_choices.cache_clear()
     sm90_variant.cache_clear()
+    sm90_kv_loads.cache_clear()
+    sm90_schedule.cache_clear()
     wanted_decode_kernel.cache_clear()
 
 
@@ -89,8 +91,21 @@ SM90_PINGPONG = True  # OPENINFER_SM90_PINGPONG=0: the two consumer warpgroups i
 SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
 SM90_GRIDS = ("head", "kv_head")
 SM90_PAGE_READ_MODES = ("row", "batched")
+# attn16's opt-in consumer / producer refinements (session 6, not measured yet; each its own switch):
+# OPENINFER_SM90_PAGE_PREFETCH=1: with TMA K/V loads, the producer reads the next tile's block-table
+#   entries before waiting for a free stage (their latency no longer follows the wait);
+# OPENINFER_SM90_SPLIT_KV_WAIT=1: K and V of a stage land on their own barriers (TMA tiles), so Q K^T
+#   waits for K only and P V for V;
+# OPENINFER_SM90_EARLY_RESCALE=1 (head_dim 128, with the overlap): O is rescaled while Q K^T of the
+#   next tile runs (FlashAttention-3's order) instead of after P V has landed;
+# OPENINFER_SM90_WARP_RELEASE=1: consumers release a stage with one arrival per warp, not per thread.
+SM90_PAGE_PREFETCH = False
+SM90_SPLIT_KV_WAIT = False
+SM90_EARLY_RESCALE = False
+SM90_WARP_RELEASE = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
-            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads")}
+            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
+                         "schedule", "page_prefetch", "split_kv_wait", "early_rescale", "warp_release")}
 
 
 @dataclass(frozen=True)
@@ -103,12 +118,20 @@ class Sm90Variant:
     intra_wg_overlap: bool
     stages: int
     skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
+    page_prefetch: bool = False
+    split_kv_wait: bool = False
+    early_rescale: bool = False
+    warp_release: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
+        # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
+        early_rescale = self.early_rescale and self.intra_wg_overlap and head_dim == 128
         return {"HEAD_DIM": head_dim, "STAGES": self.stages, "KV_HEAD_MAJOR_GRID": int(self.kv_head_major_grid),
                 "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
-                "SKIP_KV_LOADS": int(self.skip_kv_loads)}
+                "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
+                "SPLIT_KV_WAIT": int(self.split_kv_wait), "EARLY_RESCALE": int(early_rescale),
+                "WARP_RELEASE": int(self.warp_release)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -135,7 +158,47 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         kv_head_major_grid=_env_choice("grid", SM90_GRID, SM90_GRIDS) == "kv_head",
         batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
         pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
-        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False))
+        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False),
+        page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
+        split_kv_wait=_env_flag("split_kv_wait", SM90_SPLIT_KV_WAIT),
+        early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
+        warp_release=_env_flag("warp_release", SM90_WARP_RELEASE))
+
+
+# OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
+# cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
+# "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
+# last tile by cp.async; "tma_multicast": the same, and CTA pairs (query heads 2i, 2i+1 of one KV
+# head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
+# GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
+# kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
+# keep cp.async. "auto": "tma" for steps whose longest context reaches SM90_TMA_MIN_CONTEXT tokens,
+# cp.async below (and where the context is not known on the host: a captured graph's batch).
+# Default "auto" by E2 + E3 (H200; benchmarks/results/gpu_prefill_attention.md). TMA against cp.async
+# per launch, E2: 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at 8 x 2k and 4k, 1.09x at 16k, 1.23x
+# for a 4k chunk on 12k cached. E3, "auto" against cp.async: 1.00x at 1k and 8 x 1k, 1.03x at 4k,
+# 1.04x at 16k and 8 x 2k, 1.15x on the chunk; whole Qwen3-4B-shape model, 16k prefill attention
+# 178.4 -> 155.9 ms, step 361.3 -> 350.1 ms. OPENINFER_SM90_KV_LOADS=cp_async reverts.
+SM90_KV_LOADS = "auto"
+SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
+SM90_TMA_MIN_CONTEXT = 2048
+# OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
+# (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
+# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
+SM90_SCHEDULE = "grid"
+SM90_SCHEDULES = ("grid", "persistent")
+
+
+@functools.cache
+def sm90_kv_loads() -> str:
+    """OPENINFER_SM90_KV_LOADS ("auto", the default, "cp_async", "tma" or "tma_multicast"), read once per process."""
+    return _env_choice("kv_loads", SM90_KV_LOADS, SM90_KV_LOAD_MODES)
+
+
+@functools.cache
+def sm90_schedule() -> str:
+    """OPENINFER_SM90_SCHEDULE ("grid", the default, or "persistent"), read once per process."""
+    return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
 
 
 def sm90_shared_bytes(head_dim: int, stages: int) -> int:
@@ -143,4 +206,4 @@ def sm90_shared_bytes(head_dim: int, stages: int) -> int:
     block_n = 64 if head_dim == 256 else 128
     q_tile = SM90_BLOCK_M * head_dim * 2
     kv_tile = block_n * head_dim * 2
-    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 3 * stages) + 1024  # mbarriers: Q, 3 per stage
