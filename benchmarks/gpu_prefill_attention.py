@@ -181,10 +181,10 @@ SM90_VARIANTS = {
     "page-prefetch": {"page_prefetch": "1"},
     "split-kv-wait": {"split_kv_wait": "1"},
     "early-rescale": {"early_rescale": "1"},
-    "warp-release": {"warp_release": "1"},
-    "refined": {"page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+    "lean-arrivals": {"lean_arrivals": "1"},
+    "refined": {"page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv_wait": "1",
-                           "early_rescale": "1", "warp_release": "1"},
+                           "early_rescale": "1", "lean_arrivals": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
 }
 

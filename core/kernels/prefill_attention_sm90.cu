@@ -67,8 +67,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef EARLY_RESCALE
 #define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
 #endif
-#ifndef WARP_RELEASE
-#define WARP_RELEASE 0  // 1: one "empty" arrival per consumer warp instead of per thread
+#ifndef LEAN_ARRIVALS
+#define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
 #if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
 #error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
@@ -133,6 +133,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// `count` arrivals at once.
+__device__ __forceinline__ void mbar_arrive_count(u32 bar, u32 count) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(count) : "memory");
+}
+
 // The barrier's phase also waits for `bytes` more bytes of asynchronous (TMA) copies.
 __device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
@@ -195,7 +200,7 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
         mbar_arrive_cluster(bar, 0);
         mbar_arrive_cluster(bar, 1);
     }
-#elif WARP_RELEASE
+#elif LEAN_ARRIVALS
     __syncwarp();  // every lane's wgmma reads of the stage are complete (each waited on its group)
     if (lane == 0) mbar_arrive(bar);
 #else
@@ -476,7 +481,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #endif
 #if KV_MULTICAST
             mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
-#elif WARP_RELEASE
+#elif LEAN_ARRIVALS
             mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
 #else
             mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
@@ -569,6 +574,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #else
                             mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
 #endif
+#if LEAN_ARRIVALS
+                            // the other producer threads' arrivals, counted after the expected bytes
+                            mbar_arrive_count(bar_full + 8 * stage, 127);
+#if SPLIT_KV_WAIT
+                            mbar_arrive_count(bar_full_v + 8 * stage, 127);
+#endif
+#endif
                         }
                         __syncwarp();  // the expected bytes are counted before any copy can land
 #if KV_MULTICAST
@@ -599,12 +611,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                         }
 #endif
                     }
+#if !LEAN_ARRIVALS
                     if (t != 0) {
                         mbar_arrive(bar_full + 8 * stage);
 #if SPLIT_KV_WAIT
                         mbar_arrive(bar_full_v + 8 * stage);
 #endif
                     }
+#endif
                     continue;
                 }
 #endif

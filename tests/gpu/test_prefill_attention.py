@@ -64,13 +64,13 @@ SM90_VARIANTS = {
     "split-kv-wait-tma": {"kv_loads": "tma", "split_kv_wait": "1"},
     "split-kv-wait-tma-no-overlap": {"kv_loads": "tma", "split_kv_wait": "1", "overlap": "0"},
     "early-rescale": {"early_rescale": "1"},
-    "warp-release": {"warp_release": "1"},
+    "lean-arrivals": {"lean_arrivals": "1"},
     "refined-tma": {"kv_loads": "tma", "page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1",
-                    "warp_release": "1"},
+                    "lean_arrivals": "1"},
     "refined-persistent-auto": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1",
-                                "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+                                "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "refined-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "page_prefetch": "1",
-                               "split_kv_wait": "1", "early_rescale": "1", "warp_release": "1"},
+                               "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv_wait": "1", "page_prefetch": "1"},
 }
 

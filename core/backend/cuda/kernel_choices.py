@@ -98,14 +98,15 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   waits for K only and P V for V;
 # OPENINFER_SM90_EARLY_RESCALE=1 (head_dim 128, with the overlap): O is rescaled while Q K^T of the
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
-# OPENINFER_SM90_WARP_RELEASE=1: consumers release a stage with one arrival per warp, not per thread.
+# OPENINFER_SM90_LEAN_ARRIVALS=1: consumers release a stage with one arrival per warp, not per thread,
+#   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
 SM90_PAGE_PREFETCH = False
 SM90_SPLIT_KV_WAIT = False
 SM90_EARLY_RESCALE = False
-SM90_WARP_RELEASE = False
+SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv_wait", "early_rescale", "warp_release")}
+                         "schedule", "page_prefetch", "split_kv_wait", "early_rescale", "lean_arrivals")}
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Sm90Variant:
     page_prefetch: bool = False
     split_kv_wait: bool = False
     early_rescale: bool = False
-    warp_release: bool = False
+    lean_arrivals: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -131,7 +132,7 @@ class Sm90Variant:
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV_WAIT": int(self.split_kv_wait), "EARLY_RESCALE": int(early_rescale),
-                "WARP_RELEASE": int(self.warp_release)}
+                "LEAN_ARRIVALS": int(self.lean_arrivals)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -162,7 +163,7 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
         split_kv_wait=_env_flag("split_kv_wait", SM90_SPLIT_KV_WAIT),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
-        warp_release=_env_flag("warp_release", SM90_WARP_RELEASE))
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
