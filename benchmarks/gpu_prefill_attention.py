@@ -177,6 +177,7 @@ SM90_VARIANTS = {
     "persistent": {"schedule": "persistent"},
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "persistent-auto": {"schedule": "persistent", "kv_loads": "auto"},  # TMA from 2k context, persistent CTAs
+    "auto-schedule": {"schedule": "auto"},  # persistent CTAs below 8k tokens of context, the grid from there
     # session 6's opt-in refinements (kernel_choices.py), one at a time over the default, then together
     "page-prefetch": {"page_prefetch": "1"},
     "split-kv-wait": {"split_kv_wait": "1"},

@@ -71,6 +71,8 @@ SM90_VARIANTS = {
                                 "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "refined-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "page_prefetch": "1",
                                "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1",
+                              "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv_wait": "1", "page_prefetch": "1"},
 }
 

@@ -47,6 +47,7 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     SM90_HEAD_DIMS,
     SM90_KV_LOAD_MODES,
     SM90_KV_LOADS,
+    SM90_PERSISTENT_MAX_CONTEXT,
     SM90_SCHEDULE,
     SM90_SCHEDULES,
     SM90_TMA_MIN_CONTEXT,
@@ -78,10 +79,15 @@ def _num_sms(device_id: int) -> int:
 _schedulers: dict[int, cupy.ndarray] = {}
 
 
-def _persistent_scheduler(head_dim: int) -> cupy.ndarray | None:
-    """The device counter of a persistent launch, or None for the grid schedule (not asked for,
-    another head size, or a CUDA graph being captured before the counter exists)."""
-    if sm90_schedule() != "persistent" or head_dim != 128:
+def _persistent_scheduler(head_dim: int, batch: CudaBatch) -> cupy.ndarray | None:
+    """The device counter of a persistent launch, or None for the grid schedule (not asked for:
+    "auto" with a long or unknown context; another head size, or a CUDA graph being captured before
+    the counter exists)."""
+    schedule = sm90_schedule()
+    if schedule == "auto":
+        short = batch.host is not None and batch.max_context_len < SM90_PERSISTENT_MAX_CONTEXT
+        schedule = "persistent" if short else "grid"
+    if schedule != "persistent" or head_dim != 128:
         return None
     device_id = cupy.cuda.Device().id
     found = _schedulers.get(device_id)
@@ -213,7 +219,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         tma = _tma_kv_loads(spec.head_dim, kv, batch)
-        scheduler = _persistent_scheduler(spec.head_dim)
+        scheduler = _persistent_scheduler(spec.head_dim, batch)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,

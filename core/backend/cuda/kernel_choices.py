@@ -185,9 +185,13 @@ SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
 SM90_TMA_MIN_CONTEXT = 2048
 # OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
 # (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
-# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
+# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid");
+# "auto": "persistent" for steps whose longest context is below SM90_PERSISTENT_MAX_CONTEXT tokens
+# (many short items, where an item's start and end are a large share of it), "grid" from there on
+# and where the context is not known on the host (a captured graph's batch).
 SM90_SCHEDULE = "grid"
-SM90_SCHEDULES = ("grid", "persistent")
+SM90_SCHEDULES = ("grid", "persistent", "auto")
+SM90_PERSISTENT_MAX_CONTEXT = 8192
 
 
 @functools.cache
@@ -198,7 +202,7 @@ def sm90_kv_loads() -> str:
 
 @functools.cache
 def sm90_schedule() -> str:
-    """OPENINFER_SM90_SCHEDULE ("grid", the default, or "persistent"), read once per process."""
+    """OPENINFER_SM90_SCHEDULE ("grid", the default, "persistent" or "auto"), read once per process."""
     return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
 
 
