@@ -180,11 +180,11 @@ SM90_VARIANTS = {
     "auto-schedule": {"schedule": "auto"},  # persistent CTAs below 8k tokens of context, the grid from there
     # session 6's opt-in refinements (kernel_choices.py), one at a time over the default, then together
     "page-prefetch": {"page_prefetch": "1"},
-    "split-kv-wait": {"split_kv_wait": "1"},
+    "split-kv": {"split_kv": "1"},
     "early-rescale": {"early_rescale": "1"},
     "lean-arrivals": {"lean_arrivals": "1"},
-    "refined": {"page_prefetch": "1", "split_kv_wait": "1", "early_rescale": "1", "lean_arrivals": "1"},
-    "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv_wait": "1",
+    "refined": {"page_prefetch": "1", "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv": "1",
                            "early_rescale": "1", "lean_arrivals": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
 }

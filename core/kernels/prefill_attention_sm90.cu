@@ -61,8 +61,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef PAGE_ID_PREFETCH
 #define PAGE_ID_PREFETCH 0  // 1 (with TMA_KV_LOADS): the next tile's block-table entries are read before the stage wait
 #endif
-#ifndef SPLIT_KV_WAIT
-#define SPLIT_KV_WAIT 0  // 1: K and V of a stage land on their own "full" barriers (Q K^T waits for K only)
+#ifndef SPLIT_KV
+#define SPLIT_KV 0  // 1: K and V halves of a stage have their own full / empty barriers (FA3's two pipelines)
 #endif
 #ifndef EARLY_RESCALE
 #define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
@@ -93,8 +93,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #define STAGE_BYTES (2 * KV_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
 // + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
-// mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES] (SPLIT_KV_WAIT; reserved either way)
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 3 * STAGES) + 1024)
+// mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either way)
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -452,11 +452,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     const u32 bar_q = base + BARRIER_OFFSET;
     const u32 bar_full = bar_q + 8;                // [STAGES]
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
-    // SPLIT_KV_WAIT: K copies arrive on bar_full, V copies on bar_full_v; otherwise both on bar_full
-#if SPLIT_KV_WAIT
-    const u32 bar_full_v = bar_empty + 8 * STAGES;  // [STAGES]
+    // SPLIT_KV: bar_full / bar_empty track a stage's K half, bar_full_v / bar_empty_v its V half (Q K^T
+    // waits for K only, and K is released once S has landed); otherwise the first two track both
+#if SPLIT_KV
+    const u32 bar_full_v = bar_empty + 8 * STAGES;     // [STAGES]
+    const u32 bar_empty_v = bar_full_v + 8 * STAGES;  // [STAGES]
 #else
-    const u32 bar_full_v = bar_full;
+    const u32 bar_full_v = bar_full, bar_empty_v = bar_empty;
     (void)bar_full_v;
 #endif
 #if PERSISTENT
@@ -476,15 +478,17 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
-#if SPLIT_KV_WAIT
-            mbar_init(bar_full_v + 8 * s, 128);
-#endif
 #if KV_MULTICAST
-            mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
+            constexpr u32 releases = 16;  // one arrival per consumer warp of both CTAs of the pair
 #elif LEAN_ARRIVALS
-            mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+            constexpr u32 releases = 8;  // one arrival per consumer warp
 #else
-            mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
+            constexpr u32 releases = 256;  // one arrival per consumer thread
+#endif
+            mbar_init(bar_empty + 8 * s, releases);
+#if SPLIT_KV
+            mbar_init(bar_full_v + 8 * s, 128);
+            mbar_init(bar_empty_v + 8 * s, releases);
 #endif
         }
 #if PERSISTENT
@@ -560,67 +564,60 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int k0 = kt * BLOCK_N;
 #if TMA_KV_LOADS
                 if (kt < full_kv_tiles) {
-                    if (t < 32) {
 #if PAGE_ID_PREFETCH
-                        const int page = next_page;
-                        next_page = t < PAGES && kt + 1 < full_kv_tiles ? table[(k0 + BLOCK_N) / PAGE_SIZE + t] : 0;
+                    const int page = next_page;
+                    next_page = t < PAGES && kt + 1 < full_kv_tiles ? table[(k0 + BLOCK_N) / PAGE_SIZE + t] : 0;
 #else
-                        const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
+                    const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
 #endif
-                        if (t == 0) {
-#if SPLIT_KV_WAIT
-                            mbar_arrive_expect_bytes(bar_full + 8 * stage, KV_TILE_BYTES);
-                            mbar_arrive_expect_bytes(bar_full_v + 8 * stage, KV_TILE_BYTES);
-#else
-                            mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
-#endif
+                    // the TMA boxes of halves first_half .. last_half (0: K, 1: V) of the tile, counted on `bar`
+                    auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
+                        if (t < 32) {
+                            if (t == 0) {
+                                mbar_arrive_expect_bytes(bar, bytes);
 #if LEAN_ARRIVALS
-                            // the other producer threads' arrivals, counted after the expected bytes
-                            mbar_arrive_count(bar_full + 8 * stage, 127);
-#if SPLIT_KV_WAIT
-                            mbar_arrive_count(bar_full_v + 8 * stage, 127);
+                                mbar_arrive_count(bar, 127);  // the other producer threads', after the bytes
 #endif
-#endif
-                        }
-                        __syncwarp();  // the expected bytes are counted before any copy can land
+                            }
+                            __syncwarp();  // the expected bytes are counted before any copy can land
 #if KV_MULTICAST
-                        // the pair's two query heads read the same K/V tile: each CTA copies every
-                        // other page into both CTAs' stage, so each tile crosses from L2 once
-                        if (t < PAGES && (t & 1) == (int)pair_rank) {
-                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
-#pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c)
-                                tma_load_3d_multicast(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head,
-                                                      page * PAGE_SIZE, bar_full + 8 * stage, 3);
-#pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c)
-                                tma_load_3d_multicast(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64,
-                                                      kv_head, page * PAGE_SIZE, bar_full_v + 8 * stage, 3);
-                        }
+                            // the pair's two query heads read the same K/V tile: each CTA copies every
+                            // other page into both CTAs' stage, so each tile crosses from L2 once
+                            if (t < PAGES && (t & 1) == (int)pair_rank) {
 #else
-                        if (t < PAGES) {
-                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+                            if (t < PAGES) {
+#endif
+                                const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+                                for (int half = first_half; half <= last_half; ++half)
 #pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c)  // K first: Q K^T can start on it (SPLIT_KV_WAIT)
-                                tma_load_3d(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head, page * PAGE_SIZE,
-                                            bar_full + 8 * stage);
-#pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c)
-                                tma_load_3d(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64, kv_head,
-                                            page * PAGE_SIZE, bar_full_v + 8 * stage);
+                                    for (int c = 0; c < D_BLOCKS; ++c) {
+                                        const u32 dst = k_page + half * KV_TILE_BYTES + c * (BLOCK_N * 128);
+                                        const void* map = half ? v_map : k_map;
+#if KV_MULTICAST
+                                        tma_load_3d_multicast(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar, 3);
+#else
+                                        tma_load_3d(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar);
+#endif
+                                    }
+                            }
                         }
-#endif
-                    }
 #if !LEAN_ARRIVALS
-                    if (t != 0) {
-                        mbar_arrive(bar_full + 8 * stage);
-#if SPLIT_KV_WAIT
-                        mbar_arrive(bar_full_v + 8 * stage);
+                        if (t != 0) mbar_arrive(bar);
 #endif
-                    }
+                    };
+#if SPLIT_KV
+                    // K as soon as its half of the stage is free, V once the other half is
+                    copy_boxes(0, 0, bar_full + 8 * stage, KV_TILE_BYTES);
+                    if (g >= STAGES) mbar_wait(bar_empty_v + 8 * stage, ((g / STAGES) - 1) & 1);
+                    copy_boxes(1, 1, bar_full_v + 8 * stage, KV_TILE_BYTES);
+#else
+                    copy_boxes(0, 1, bar_full + 8 * stage, STAGE_BYTES);
 #endif
                     continue;
                 }
+#endif
+#if SPLIT_KV
+                if (g >= STAGES) mbar_wait(bar_empty_v + 8 * stage, ((g / STAGES) - 1) & 1);
 #endif
 #if BATCHED_PAGE_READS
                 // block-table reads in batches (in flight together), then their copies; rows past
@@ -658,7 +655,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 }
 #endif
                 mbar_arrive_on_copies(bar_full + 8 * stage);
-#if SPLIT_KV_WAIT
+#if SPLIT_KV
                 // the cp.async tiles (short contexts, a ragged last tile) land K and V together
                 mbar_arrive_on_copies(bar_full_v + 8 * stage);
 #endif
@@ -743,6 +740,9 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
             pass_turn(wg);
             wgmma_wait<0>();
+#if SPLIT_KV
+            release_stage(bar_empty + 8 * (g0 % STAGES), lane);  // K of the first tile is read
+#endif
 #if PERSISTENT
             if (num_kv_tiles == 1) mbar_arrive(bar_q_free);  // the last Q K^T has landed
 #endif
@@ -753,7 +753,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
                 issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
-#if SPLIT_KV_WAIT
+#if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
 #endif
 #if EARLY_RESCALE
@@ -762,19 +762,22 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<1>();  // S of tile kt
+#if SPLIT_KV
+                release_stage(bar_empty + 8 * stage, lane);  // K of tile kt is read
+#endif
 #if PERSISTENT
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 wgmma_wait<0>();  // P V of tile kt-1
-                release_stage(bar_empty + 8 * previous, lane);
+                release_stage(bar_empty_v + 8 * previous, lane);  // (the whole stage without SPLIT_KV)
                 pack_p(s, p);
 #if !EARLY_RESCALE
                 rescale(o, correction);
 #endif
             }
             const int last = (g0 + num_kv_tiles - 1) % STAGES;
-#if SPLIT_KV_WAIT
+#if SPLIT_KV
             mbar_wait(bar_full_v + 8 * last, ((g0 + num_kv_tiles - 1) / STAGES) & 1);
 #endif
 #if EARLY_RESCALE
@@ -784,7 +787,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
             if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
             wgmma_wait<0>();
-            release_stage(bar_empty + 8 * last, lane);
+            release_stage(bar_empty_v + 8 * last, lane);
 #else
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             for (int kt = 0; kt < num_kv_tiles; ++kt) {
@@ -794,18 +797,21 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<0>();
+#if SPLIT_KV
+                release_stage(bar_empty + 8 * stage, lane);  // K of tile kt is read
+#endif
 #if PERSISTENT
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 pack_p(s, p);
                 rescale(o, correction);
-#if SPLIT_KV_WAIT
+#if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * stage, (g / STAGES) & 1);
 #endif
                 issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
                 wgmma_wait<0>();
-                release_stage(bar_empty + 8 * stage, lane);
+                release_stage(bar_empty_v + 8 * stage, lane);
             }
             if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
 #endif

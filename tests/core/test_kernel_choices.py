@@ -49,8 +49,8 @@ def test_defaults_where_the_environment_is_silent():
     assert default.stages == choices.SM90_STAGES[128] and not default.skip_kv_loads
     assert (sm90_kv_loads(), sm90_schedule()) == (choices.SM90_KV_LOADS, choices.SM90_SCHEDULE)
     defines = default.defines(128, 16)
-    assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV_WAIT"], defines["EARLY_RESCALE"],
-            defines["LEAN_ARRIVALS"]) == (int(choices.SM90_PAGE_PREFETCH), int(choices.SM90_SPLIT_KV_WAIT),
+    assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV"], defines["EARLY_RESCALE"],
+            defines["LEAN_ARRIVALS"]) == (int(choices.SM90_PAGE_PREFETCH), int(choices.SM90_SPLIT_KV),
                                          int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
@@ -116,11 +116,11 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
 
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
-    for key in ("page_prefetch", "split_kv_wait", "early_rescale", "lean_arrivals"):
+    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals"):
         monkeypatch.setenv(SM90_ENV[key], "1")
     refresh_kernel_choices()
     defines = sm90_variant(128).defines(128, 16)
-    assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV_WAIT"] == defines["LEAN_ARRIVALS"] == 1
+    assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
     assert defines["EARLY_RESCALE"] == 1
     # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the
     # early rescale needs the overlapped loop

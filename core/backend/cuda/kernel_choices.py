@@ -94,19 +94,20 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 # attn16's opt-in consumer / producer refinements (session 6, not measured yet; each its own switch):
 # OPENINFER_SM90_PAGE_PREFETCH=1: with TMA K/V loads, the producer reads the next tile's block-table
 #   entries before waiting for a free stage (their latency no longer follows the wait);
-# OPENINFER_SM90_SPLIT_KV_WAIT=1: K and V of a stage land on their own barriers (TMA tiles), so Q K^T
-#   waits for K only and P V for V;
+# OPENINFER_SM90_SPLIT_KV=1: the K and V halves of a stage have their own full and empty barriers
+#   (FlashAttention-3's two pipelines): Q K^T waits for K only, K is released once S has landed and the
+#   producer refills it while P V still reads V (TMA tiles; cp.async tiles copy both halves together);
 # OPENINFER_SM90_EARLY_RESCALE=1 (head_dim 128, with the overlap): O is rescaled while Q K^T of the
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
 # OPENINFER_SM90_LEAN_ARRIVALS=1: consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
 SM90_PAGE_PREFETCH = False
-SM90_SPLIT_KV_WAIT = False
+SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
 SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv_wait", "early_rescale", "lean_arrivals")}
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals")}
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Sm90Variant:
     stages: int
     skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
     page_prefetch: bool = False
-    split_kv_wait: bool = False
+    split_kv: bool = False
     early_rescale: bool = False
     lean_arrivals: bool = False
 
@@ -131,7 +132,7 @@ class Sm90Variant:
                 "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
-                "SPLIT_KV_WAIT": int(self.split_kv_wait), "EARLY_RESCALE": int(early_rescale),
+                "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
                 "LEAN_ARRIVALS": int(self.lean_arrivals)}
 
 
@@ -161,7 +162,7 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
         stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False),
         page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
-        split_kv_wait=_env_flag("split_kv_wait", SM90_SPLIT_KV_WAIT),
+        split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
         lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
 
@@ -211,4 +212,4 @@ def sm90_shared_bytes(head_dim: int, stages: int) -> int:
     block_n = 64 if head_dim == 256 else 128
     q_tile = SM90_BLOCK_M * head_dim * 2
     kv_tile = block_n * head_dim * 2
-    return q_tile + stages * 2 * kv_tile + 8 * (1 + 3 * stages) + 1024  # mbarriers: Q, 3 per stage
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 4 * stages) + 1024  # mbarriers: Q, 4 per stage
