@@ -58,6 +58,21 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef SKIP_KV_LOADS
 #define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
 #endif
+#ifndef PAGE_ID_PREFETCH
+#define PAGE_ID_PREFETCH 0  // 1 (with TMA_KV_LOADS): the next tile's block-table entries are read before the stage wait
+#endif
+#ifndef SPLIT_KV
+#define SPLIT_KV 0  // 1: K and V halves of a stage have their own full / empty barriers (FA3's two pipelines)
+#endif
+#ifndef EARLY_RESCALE
+#define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
+#endif
+#ifndef DIAGONAL_HALF
+#define DIAGONAL_HALF 0  // 1 (head_dim 128): a warpgroup skips the keys of a tile's upper half that all its rows mask
+#endif
+#ifndef LEAN_ARRIVALS
+#define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
+#endif
 #if TMA_KV_LOADS && (BLOCK_N % PAGE_SIZE != 0 || PAGE_SIZE % 8 != 0 || PAGE_SIZE > 256)
 #error "TMA K/V loads need whole pages of a multiple of 8 tokens per K/V tile"
 #endif
@@ -81,7 +96,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #define STAGE_BYTES (2 * KV_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
 // + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 2 * STAGES) + 1024)
+// mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either way)
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -118,6 +134,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
+}
+
+// `count` arrivals at once.
+__device__ __forceinline__ void mbar_arrive_count(u32 bar, u32 count) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(count) : "memory");
 }
 
 // The barrier's phase also waits for `bytes` more bytes of asynchronous (TMA) copies.
@@ -182,6 +203,9 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
         mbar_arrive_cluster(bar, 0);
         mbar_arrive_cluster(bar, 1);
     }
+#elif LEAN_ARRIVALS
+    __syncwarp();  // every lane's wgmma reads of the stage are complete (each waited on its group)
+    if (lane == 0) mbar_arrive(bar);
 #else
     mbar_arrive(bar);
 #endif
@@ -267,8 +291,23 @@ struct SoftmaxState {
 };
 
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
-__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
+// `half` (warpgroup-uniform): only the tile's first 64 keys (S columns 0..63, s[0..31]); the
+// causal mask then sets the other columns to -inf whatever they held.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem, bool half = false) {
     wgmma_fence();
+#if BLOCK_N == 128 && DIAGONAL_HALF
+    if (half) {
+        float(&low)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
+            const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
+            wgmma_ss_n64(low, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        return;
+    }
+#endif
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
@@ -283,15 +322,24 @@ __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u3
 }
 
 // O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
-__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
+// `half`: keys 0..63 only (P is 0 on the others).
+__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem,
+                                         bool half = false) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        if (DIAGONAL_HALF && half && kk >= 4) break;
 #pragma unroll
         for (int c = 0; c < O_CHUNKS; ++c)
             wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
                                                     BLOCK_N * 128, 1024));
+    }
     wgmma_commit();
+}
+
+// Whether every row of this warpgroup masks keys k0 + 64 .. k0 + 127 (DIAGONAL_HALF, 128-key tiles).
+__device__ __forceinline__ bool upper_half_masked(int k0, int first_query_pos) {
+    return DIAGONAL_HALF && BLOCK_N == 128 && k0 + 64 > first_query_pos + 63;
 }
 
 // Causal mask (only on tiles reaching past the warpgroup's first query), running max / sum, and
@@ -431,6 +479,15 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
     const u32 bar_q = base + BARRIER_OFFSET;
     const u32 bar_full = bar_q + 8;                // [STAGES]
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+    // SPLIT_KV: bar_full / bar_empty track a stage's K half, bar_full_v / bar_empty_v its V half (Q K^T
+    // waits for K only, and K is released once S has landed); otherwise the first two track both
+#if SPLIT_KV
+    const u32 bar_full_v = bar_empty + 8 * STAGES;     // [STAGES]
+    const u32 bar_empty_v = bar_full_v + 8 * STAGES;  // [STAGES]
+#else
+    const u32 bar_full_v = bar_full, bar_empty_v = bar_empty;
+    (void)bar_full_v;
+#endif
 #if PERSISTENT
     // the consumers are done reading the Q tile; the producer has published the next item
     __shared__ alignas(8) u64 persistent_bars[2];
@@ -449,9 +506,16 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
 #if KV_MULTICAST
-            mbar_init(bar_empty + 8 * s, 16);  // one arrival per consumer warp of both CTAs of the pair
+            constexpr u32 releases = 16;  // one arrival per consumer warp of both CTAs of the pair
+#elif LEAN_ARRIVALS
+            constexpr u32 releases = 8;  // one arrival per consumer warp
 #else
-            mbar_init(bar_empty + 8 * s, 256);  // one arrival per consumer thread
+            constexpr u32 releases = 256;  // one arrival per consumer thread
+#endif
+            mbar_init(bar_empty + 8 * s, releases);
+#if SPLIT_KV
+            mbar_init(bar_full_v + 8 * s, 128);
+            mbar_init(bar_empty_v + 8 * s, releases);
 #endif
         }
 #if PERSISTENT
@@ -513,6 +577,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             // threads only arrive; the ragged last tile takes the cp.async path below, which
             // zero-fills its rows past the last key (their P is 0, but stale V bits could be NaN).
             const int full_kv_tiles = kv_end / BLOCK_N;
+#if PAGE_ID_PREFETCH
+            // lane p's page of the next TMA tile, read one tile ahead: its latency overlaps the wait
+            // for a free stage instead of following it
+            int next_page = t < PAGES && full_kv_tiles > 0 ? table[t] : 0;
+#endif
 #endif
             for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
                 const int g = g0 + kt, stage = g % STAGES;
@@ -522,39 +591,60 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int k0 = kt * BLOCK_N;
 #if TMA_KV_LOADS
                 if (kt < full_kv_tiles) {
-                    if (t < 32) {
-                        const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
-                        if (t == 0) mbar_arrive_expect_bytes(bar_full + 8 * stage, STAGE_BYTES);
-                        __syncwarp();  // the expected bytes are counted before any copy can land
-#if KV_MULTICAST
-                        // the pair's two query heads read the same K/V tile: each CTA copies every
-                        // other page into both CTAs' stage, so each tile crosses from L2 once
-                        if (t < PAGES && (t & 1) == (int)pair_rank) {
-                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
-#pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c) {
-                                tma_load_3d_multicast(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head,
-                                                      page * PAGE_SIZE, bar_full + 8 * stage, 3);
-                                tma_load_3d_multicast(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64,
-                                                      kv_head, page * PAGE_SIZE, bar_full + 8 * stage, 3);
-                            }
-                        }
+#if PAGE_ID_PREFETCH
+                    const int page = next_page;
+                    next_page = t < PAGES && kt + 1 < full_kv_tiles ? table[(k0 + BLOCK_N) / PAGE_SIZE + t] : 0;
 #else
-                        if (t < PAGES) {
-                            const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+                    const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
+#endif
+                    // the TMA boxes of halves first_half .. last_half (0: K, 1: V) of the tile, counted on `bar`
+                    auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
+                        if (t < 32) {
+                            if (t == 0) {
+                                mbar_arrive_expect_bytes(bar, bytes);
+#if LEAN_ARRIVALS
+                                mbar_arrive_count(bar, 127);  // the other producer threads', after the bytes
+#endif
+                            }
+                            __syncwarp();  // the expected bytes are counted before any copy can land
+#if KV_MULTICAST
+                            // the pair's two query heads read the same K/V tile: each CTA copies every
+                            // other page into both CTAs' stage, so each tile crosses from L2 once
+                            if (t < PAGES && (t & 1) == (int)pair_rank) {
+#else
+                            if (t < PAGES) {
+#endif
+                                const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
+                                for (int half = first_half; half <= last_half; ++half)
 #pragma unroll
-                            for (int c = 0; c < D_BLOCKS; ++c) {
-                                tma_load_3d(k_page + c * (BLOCK_N * 128), k_map, c * 64, kv_head, page * PAGE_SIZE,
-                                            bar_full + 8 * stage);
-                                tma_load_3d(k_page + KV_TILE_BYTES + c * (BLOCK_N * 128), v_map, c * 64, kv_head,
-                                            page * PAGE_SIZE, bar_full + 8 * stage);
+                                    for (int c = 0; c < D_BLOCKS; ++c) {
+                                        const u32 dst = k_page + half * KV_TILE_BYTES + c * (BLOCK_N * 128);
+                                        const void* map = half ? v_map : k_map;
+#if KV_MULTICAST
+                                        tma_load_3d_multicast(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar, 3);
+#else
+                                        tma_load_3d(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar);
+#endif
+                                    }
                             }
                         }
+#if !LEAN_ARRIVALS
+                        if (t != 0) mbar_arrive(bar);
 #endif
-                    }
-                    if (t != 0) mbar_arrive(bar_full + 8 * stage);
+                    };
+#if SPLIT_KV
+                    // K as soon as its half of the stage is free, V once the other half is
+                    copy_boxes(0, 0, bar_full + 8 * stage, KV_TILE_BYTES);
+                    if (g >= STAGES) mbar_wait(bar_empty_v + 8 * stage, ((g / STAGES) - 1) & 1);
+                    copy_boxes(1, 1, bar_full_v + 8 * stage, KV_TILE_BYTES);
+#else
+                    copy_boxes(0, 1, bar_full + 8 * stage, STAGE_BYTES);
+#endif
                     continue;
                 }
+#endif
+#if SPLIT_KV
+                if (g >= STAGES) mbar_wait(bar_empty_v + 8 * stage, ((g / STAGES) - 1) & 1);
 #endif
 #if BATCHED_PAGE_READS
                 // block-table reads in batches (in flight together), then their copies; rows past
@@ -592,6 +682,10 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 }
 #endif
                 mbar_arrive_on_copies(bar_full + 8 * stage);
+#if SPLIT_KV
+                // the cp.async tiles (short contexts, a ragged last tile) land K and V together
+                mbar_arrive_on_copies(bar_full_v + 8 * stage);
+#endif
             }
         };
 #if PERSISTENT
@@ -670,9 +764,12 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
             take_turn(wg);
-            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
+            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES, upper_half_masked(0, state.first_query_pos));
             pass_turn(wg);
             wgmma_wait<0>();
+#if SPLIT_KV
+            release_stage(bar_empty + 8 * (g0 % STAGES), lane);  // K of the first tile is read
+#endif
 #if PERSISTENT
             if (num_kv_tiles == 1) mbar_arrive(bar_q_free);  // the last Q K^T has landed
 #endif
@@ -682,43 +779,69 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES, previous = (g - 1) % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
-                issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES, upper_half_masked(kt * BLOCK_N, state.first_query_pos));
+#if SPLIT_KV
+                mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
+#endif
+#if EARLY_RESCALE
+                rescale(o, correction);  // tile kt-1's correction, while Q K^T runs
+#endif
+                issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES,
+                         upper_half_masked((kt - 1) * BLOCK_N, state.first_query_pos));
                 pass_turn(wg);
                 wgmma_wait<1>();  // S of tile kt
+#if SPLIT_KV
+                release_stage(bar_empty + 8 * stage, lane);  // K of tile kt is read
+#endif
 #if PERSISTENT
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 wgmma_wait<0>();  // P V of tile kt-1
-                release_stage(bar_empty + 8 * previous, lane);
+                release_stage(bar_empty_v + 8 * previous, lane);  // (the whole stage without SPLIT_KV)
                 pack_p(s, p);
+#if !EARLY_RESCALE
                 rescale(o, correction);
+#endif
             }
             const int last = (g0 + num_kv_tiles - 1) % STAGES;
+#if SPLIT_KV
+            mbar_wait(bar_full_v + 8 * last, ((g0 + num_kv_tiles - 1) / STAGES) & 1);
+#endif
+#if EARLY_RESCALE
+            rescale(o, correction);
+#endif
             take_turn(wg);
-            issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
+            issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES,
+                     upper_half_masked((num_kv_tiles - 1) * BLOCK_N, state.first_query_pos));
             if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
             wgmma_wait<0>();
-            release_stage(bar_empty + 8 * last, lane);
+            release_stage(bar_empty_v + 8 * last, lane);
 #else
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             for (int kt = 0; kt < num_kv_tiles; ++kt) {
                 const int g = g0 + kt, stage = g % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES, upper_half_masked(kt * BLOCK_N, state.first_query_pos));
                 pass_turn(wg);
                 wgmma_wait<0>();
+#if SPLIT_KV
+                release_stage(bar_empty + 8 * stage, lane);  // K of tile kt is read
+#endif
 #if PERSISTENT
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
                 pack_p(s, p);
                 rescale(o, correction);
-                issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
+#if SPLIT_KV
+                mbar_wait(bar_full_v + 8 * stage, (g / STAGES) & 1);
+#endif
+                issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES,
+                         upper_half_masked(kt * BLOCK_N, state.first_query_pos));
                 wgmma_wait<0>();
-                release_stage(bar_empty + 8 * stage, lane);
+                release_stage(bar_empty_v + 8 * stage, lane);
             }
             if (wg == 0) take_turn(wg);  // consumes warpgroup 1's last turn: every arrival is matched
 #endif

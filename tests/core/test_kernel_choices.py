@@ -4,6 +4,8 @@ refresh_kernel_choices(), and the sm90 shared-memory budget."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from openinfer.backend.cuda import kernel_choices as choices
@@ -15,6 +17,8 @@ from openinfer.backend.cuda.kernel_choices import (
     SM90_ENV,
     kernel_choices,
     refresh_kernel_choices,
+    sm90_kv_loads,
+    sm90_schedule,
     sm90_shared_bytes,
     sm90_variant,
     wanted_decode_kernel,
@@ -43,6 +47,11 @@ def test_defaults_where_the_environment_is_silent():
     assert default.batched_page_reads == (choices.SM90_PAGE_READS == "batched")
     assert (default.pingpong, default.intra_wg_overlap) == (choices.SM90_PINGPONG, choices.SM90_OVERLAP)
     assert default.stages == choices.SM90_STAGES[128] and not default.skip_kv_loads
+    assert (sm90_kv_loads(), sm90_schedule()) == (choices.SM90_KV_LOADS, choices.SM90_SCHEDULE)
+    defines = default.defines(128, 16)
+    assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV"], defines["EARLY_RESCALE"],
+            defines["LEAN_ARRIVALS"]) == (int(choices.SM90_PAGE_PREFETCH), int(choices.SM90_SPLIT_KV),
+                                         int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
 
@@ -71,7 +80,8 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
                                         (MIXED_DECODE_ENV, "on"),
                                         (DECODE_KERNEL_ENV, "flash"), (SM90_ENV["grid"], "tile"),
                                         (SM90_ENV["pingpong"], "true"), (SM90_ENV["stages"], "1"),
-                                        (SM90_ENV["stages"], "x")])
+                                        (SM90_ENV["stages"], "x"), (SM90_ENV["kv_loads"], "bulk"),
+                                        (SM90_ENV["schedule"], "dynamic"), (SM90_ENV["early_rescale"], "yes")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     refresh_kernel_choices()
@@ -79,6 +89,8 @@ def test_bad_values_name_the_variable(monkeypatch, name, value):
         kernel_choices()
         wanted_decode_kernel()
         sm90_variant(128)
+        sm90_kv_loads()
+        sm90_schedule()
 
 
 def test_sm90_stages_must_fit_the_shared_memory(monkeypatch):
@@ -87,3 +99,32 @@ def test_sm90_stages_must_fit_the_shared_memory(monkeypatch):
     assert sm90_variant(128).stages == 3
     with pytest.raises(ValueError, match="shared memory"):
         sm90_variant(256)  # 3 stages of 64 KB + the 64 KB Q tile do not fit
+
+
+def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
+    """OPENINFER_SM90_KV_LOADS / OPENINFER_SM90_SCHEDULE (read here beside the other switches, used by
+    attention.py): every value accepted after a refresh, then kept until the next one."""
+    assert (sm90_kv_loads(), sm90_schedule()) == (choices.SM90_KV_LOADS, choices.SM90_SCHEDULE)
+    for loads, schedule in itertools.product(choices.SM90_KV_LOAD_MODES, choices.SM90_SCHEDULES):
+        monkeypatch.setenv(SM90_ENV["kv_loads"], loads)
+        monkeypatch.setenv(SM90_ENV["schedule"], schedule)
+        refresh_kernel_choices()
+        assert (sm90_kv_loads(), sm90_schedule()) == (loads, schedule)
+    monkeypatch.setenv(SM90_ENV["kv_loads"], "cp_async")
+    monkeypatch.setenv(SM90_ENV["schedule"], "grid")
+    assert (sm90_kv_loads(), sm90_schedule()) == (loads, schedule)  # no re-read before a refresh
+
+
+def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
+    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half"):
+        monkeypatch.setenv(SM90_ENV[key], "1")
+    refresh_kernel_choices()
+    defines = sm90_variant(128).defines(128, 16)
+    assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
+    assert defines["EARLY_RESCALE"] == defines["DIAGONAL_HALF"] == 1
+    # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the
+    # early rescale needs the overlapped loop
+    assert sm90_variant(256).defines(256, 16)["EARLY_RESCALE"] == 0
+    monkeypatch.setenv(SM90_ENV["overlap"], "0")
+    refresh_kernel_choices()
+    assert sm90_variant(128).defines(128, 16)["EARLY_RESCALE"] == 0

@@ -58,6 +58,27 @@ SM90_VARIANTS = {
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "persistent-no-overlap": {"schedule": "persistent", "overlap": "0"},
     "persistent-head-grid-no-pingpong": {"schedule": "persistent", "grid": "head", "pingpong": "0"},
+    # session 6's refinements (kernel_choices.py), alone and together, over both K/V load paths
+    "page-prefetch-tma": {"kv_loads": "tma", "page_prefetch": "1"},
+    "split-kv": {"split_kv": "1"},
+    "split-kv-tma": {"kv_loads": "tma", "split_kv": "1"},
+    "split-kv-tma-no-overlap": {"kv_loads": "tma", "split_kv": "1", "overlap": "0"},
+    "early-rescale": {"early_rescale": "1"},
+    "lean-arrivals": {"lean_arrivals": "1"},
+    "refined-tma": {"kv_loads": "tma", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
+                    "lean_arrivals": "1"},
+    "refined-persistent-auto": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1",
+                                "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "refined-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "page_prefetch": "1",
+                               "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
+                              "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
+    "diagonal-half": {"diagonal_half": "1"},
+    "diagonal-half-no-overlap": {"diagonal_half": "1", "overlap": "0"},
+    "diagonal-half-refined-persistent-tma": {"diagonal_half": "1", "schedule": "persistent", "kv_loads": "tma",
+                                             "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
+                                             "lean_arrivals": "1"},
+    "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
 }
 
 

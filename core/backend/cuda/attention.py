@@ -13,9 +13,8 @@ run the split-KV short-query kernel from ``SHORT_QUERY_MIN_CONTEXT`` tokens of c
 only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTENTION=0``: all rows
 on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
-``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``sm90_variant``; here
-``OPENINFER_SM90_KV_LOADS``: TMA or cp.async K/V copies, ``OPENINFER_SM90_SCHEDULE``: a CTA per work
-item or persistent CTAs) for measurements.
+``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``kernel_choices.py``: ``sm90_variant``,
+``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs).
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
@@ -24,7 +23,6 @@ These switches are read once per process (a prefill step does not look at the en
 from __future__ import annotations
 
 import functools
-import os
 
 import cupy
 import numpy as np
@@ -45,13 +43,21 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     PREFILL_KERNELS,
     SHORT_QUERY_ENV,
     SM90_BLOCK_M,
+    SM90_ENV,
     SM90_HEAD_DIMS,
+    SM90_KV_LOAD_MODES,
+    SM90_KV_LOADS,
+    SM90_PERSISTENT_MAX_CONTEXT,
+    SM90_SCHEDULE,
+    SM90_SCHEDULES,
+    SM90_TMA_MIN_CONTEXT,
     kernel_choices,
+    refresh_kernel_choices,
+    sm90_kv_loads,
+    sm90_schedule,
     sm90_shared_bytes,
     sm90_variant,
 )
-from openinfer.backend.cuda.kernel_choices import SM90_ENV as _CORE_SM90_ENV
-from openinfer.backend.cuda.kernel_choices import refresh_kernel_choices as _refresh_core_choices
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.backend.cuda.qkv_write import (
     vector_qkv_write_supported,
@@ -60,56 +66,6 @@ from openinfer.backend.cuda.qkv_write import (
 )
 from openinfer.backend.cuda.tensor_maps import page_maps
 from openinfer.rope import RotaryEmbedding
-
-# OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
-# cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
-# "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
-# last tile by cp.async; "tma_multicast": the same, and CTA pairs (query heads 2i, 2i+1 of one KV
-# head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
-# GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
-# kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
-# keep cp.async. "auto": "tma" for steps whose longest context reaches SM90_TMA_MIN_CONTEXT tokens,
-# cp.async below (and where the context is not known on the host: a captured graph's batch).
-# Default "auto" by E2 + E3 (H200; benchmarks/results/gpu_prefill_attention.md). TMA against cp.async
-# per launch, E2: 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at 8 x 2k and 4k, 1.09x at 16k, 1.23x
-# for a 4k chunk on 12k cached. E3, "auto" against cp.async: 1.00x at 1k and 8 x 1k, 1.03x at 4k,
-# 1.04x at 16k and 8 x 2k, 1.15x on the chunk; whole Qwen3-4B-shape model, 16k prefill attention
-# 178.4 -> 155.9 ms, step 361.3 -> 350.1 ms. OPENINFER_SM90_KV_LOADS=cp_async reverts.
-SM90_KV_LOADS = "auto"
-SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
-SM90_TMA_MIN_CONTEXT = 2048
-# OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
-# (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
-# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid").
-SM90_SCHEDULE = "grid"
-SM90_SCHEDULES = ("grid", "persistent")
-SM90_ENV = {**_CORE_SM90_ENV, "kv_loads": "OPENINFER_SM90_KV_LOADS", "schedule": "OPENINFER_SM90_SCHEDULE"}
-
-
-@functools.cache
-def sm90_kv_loads() -> str:
-    """OPENINFER_SM90_KV_LOADS ("auto", the default, "cp_async", "tma" or "tma_multicast"), read once per process."""
-    value = os.environ.get(SM90_ENV["kv_loads"], SM90_KV_LOADS)
-    if value not in SM90_KV_LOAD_MODES:
-        raise ValueError(f"{SM90_ENV['kv_loads']} must be one of {SM90_KV_LOAD_MODES}, got {value!r}")
-    return value
-
-
-@functools.cache
-def sm90_schedule() -> str:
-    """OPENINFER_SM90_SCHEDULE ("grid", the default, or "persistent"), read once per process."""
-    value = os.environ.get(SM90_ENV["schedule"], SM90_SCHEDULE)
-    if value not in SM90_SCHEDULES:
-        raise ValueError(f"{SM90_ENV['schedule']} must be one of {SM90_SCHEDULES}, got {value!r}")
-    return value
-
-
-def refresh_kernel_choices() -> None:
-    """Re-read every attention kernel switch (kernel_choices.refresh_kernel_choices),
-    OPENINFER_SM90_KV_LOADS and OPENINFER_SM90_SCHEDULE at their next use."""
-    _refresh_core_choices()
-    sm90_kv_loads.cache_clear()
-    sm90_schedule.cache_clear()
 
 
 @functools.cache
@@ -123,10 +79,15 @@ def _num_sms(device_id: int) -> int:
 _schedulers: dict[int, cupy.ndarray] = {}
 
 
-def _persistent_scheduler(head_dim: int) -> cupy.ndarray | None:
-    """The device counter of a persistent launch, or None for the grid schedule (not asked for,
-    another head size, or a CUDA graph being captured before the counter exists)."""
-    if sm90_schedule() != "persistent" or head_dim != 128:
+def _persistent_scheduler(head_dim: int, batch: CudaBatch) -> cupy.ndarray | None:
+    """The device counter of a persistent launch, or None for the grid schedule (not asked for:
+    "auto" with a long or unknown context; another head size, or a CUDA graph being captured before
+    the counter exists)."""
+    schedule = sm90_schedule()
+    if schedule == "auto":
+        short = batch.host is not None and batch.max_context_len < SM90_PERSISTENT_MAX_CONTEXT
+        schedule = "persistent" if short else "grid"
+    if schedule != "persistent" or head_dim != 128:
         return None
     device_id = cupy.cuda.Device().id
     found = _schedulers.get(device_id)
@@ -258,7 +219,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         variant = sm90_variant(spec.head_dim)
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         tma = _tma_kv_loads(spec.head_dim, kv, batch)
-        scheduler = _persistent_scheduler(spec.head_dim)
+        scheduler = _persistent_scheduler(spec.head_dim, batch)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,

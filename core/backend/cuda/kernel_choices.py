@@ -72,6 +72,8 @@ def refresh_kernel_choices() -> None:
     environment at their next use."""
     kernel_choices.cache_clear()
     sm90_variant.cache_clear()
+    sm90_kv_loads.cache_clear()
+    sm90_schedule.cache_clear()
     wanted_decode_kernel.cache_clear()
 
 
@@ -89,8 +91,26 @@ SM90_PINGPONG = True  # OPENINFER_SM90_PINGPONG=0: the two consumer warpgroups i
 SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
 SM90_GRIDS = ("head", "kv_head")
 SM90_PAGE_READ_MODES = ("row", "batched")
+# attn16's opt-in consumer / producer refinements (session 6, not measured yet; each its own switch):
+# OPENINFER_SM90_PAGE_PREFETCH=1: with TMA K/V loads, the producer reads the next tile's block-table
+#   entries before waiting for a free stage (their latency no longer follows the wait);
+# OPENINFER_SM90_SPLIT_KV=1: the K and V halves of a stage have their own full and empty barriers
+#   (FlashAttention-3's two pipelines): Q K^T waits for K only, K is released once S has landed and the
+#   producer refills it while P V still reads V (TMA tiles; cp.async tiles copy both halves together);
+# OPENINFER_SM90_EARLY_RESCALE=1 (head_dim 128, with the overlap): O is rescaled while Q K^T of the
+#   next tile runs (FlashAttention-3's order) instead of after P V has landed;
+# OPENINFER_SM90_LEAN_ARRIVALS=1: consumers release a stage with one arrival per warp, not per thread,
+#   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
+# OPENINFER_SM90_DIAGONAL_HALF=1 (head_dim 128): on a tile whose last 64 keys every row of a consumer
+#   warpgroup masks (the causal diagonal), that warpgroup's Q K^T and P V cover only the first 64 keys.
+SM90_PAGE_PREFETCH = False
+SM90_SPLIT_KV = False
+SM90_EARLY_RESCALE = False
+SM90_LEAN_ARRIVALS = False
+SM90_DIAGONAL_HALF = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
-            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads")}
+            for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half")}
 
 
 @dataclass(frozen=True)
@@ -103,12 +123,21 @@ class Sm90Variant:
     intra_wg_overlap: bool
     stages: int
     skip_kv_loads: bool  # a timing diagnostic only: no K/V copies, wrong output
+    page_prefetch: bool = False
+    split_kv: bool = False
+    early_rescale: bool = False
+    lean_arrivals: bool = False
+    diagonal_half: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
+        # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
+        early_rescale = self.early_rescale and self.intra_wg_overlap and head_dim == 128
         return {"HEAD_DIM": head_dim, "STAGES": self.stages, "KV_HEAD_MAJOR_GRID": int(self.kv_head_major_grid),
                 "BATCHED_PAGE_READS": int(self.batched_page_reads), "PAGE_SIZE": page_size,
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
-                "SKIP_KV_LOADS": int(self.skip_kv_loads)}
+                "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
+                "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
+                "LEAN_ARRIVALS": int(self.lean_arrivals), "DIAGONAL_HALF": int(self.diagonal_half)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -135,7 +164,52 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         kv_head_major_grid=_env_choice("grid", SM90_GRID, SM90_GRIDS) == "kv_head",
         batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
         pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
-        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False))
+        stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False),
+        page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
+        split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
+        early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
+        diagonal_half=_env_flag("diagonal_half", SM90_DIAGONAL_HALF))
+
+
+# OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
+# cp.async copies by the producer warpgroup's 128 threads (page reads per SM90_PAGE_READS);
+# "tma": one TMA box per 16-token page and 128-byte column block (tensor_maps.py), the ragged
+# last tile by cp.async; "tma_multicast": the same, and CTA pairs (query heads 2i, 2i+1 of one KV
+# head, same tile, a cluster of 2) copy each K/V tile once into both CTAs (KV-head-major grid, even
+# GQA group and the grid schedule; otherwise "tma"). TMA needs the KV block size to divide the
+# kernel's K/V tile (128 tokens at head_dim 128, 64 at 256) and to be a multiple of 8; other caches
+# keep cp.async. "auto": "tma" for steps whose longest context reaches SM90_TMA_MIN_CONTEXT tokens,
+# cp.async below (and where the context is not known on the host: a captured graph's batch).
+# Default "auto" by E2 + E3 (H200; benchmarks/results/gpu_prefill_attention.md). TMA against cp.async
+# per launch, E2: 0.80x at one 1k prompt, 0.96x at 8 x 1k, 1.05x at 8 x 2k and 4k, 1.09x at 16k, 1.23x
+# for a 4k chunk on 12k cached. E3, "auto" against cp.async: 1.00x at 1k and 8 x 1k, 1.03x at 4k,
+# 1.04x at 16k and 8 x 2k, 1.15x on the chunk; whole Qwen3-4B-shape model, 16k prefill attention
+# 178.4 -> 155.9 ms, step 361.3 -> 350.1 ms. OPENINFER_SM90_KV_LOADS=cp_async reverts.
+SM90_KV_LOADS = "auto"
+SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
+SM90_TMA_MIN_CONTEXT = 2048
+# OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
+# (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
+# the next item's Q and K/V while it finishes the current one; other head sizes keep "grid");
+# "auto": "persistent" for steps whose longest context is below SM90_PERSISTENT_MAX_CONTEXT tokens
+# (many short items, where an item's start and end are a large share of it), "grid" from there on
+# and where the context is not known on the host (a captured graph's batch).
+SM90_SCHEDULE = "grid"
+SM90_SCHEDULES = ("grid", "persistent", "auto")
+SM90_PERSISTENT_MAX_CONTEXT = 8192
+
+
+@functools.cache
+def sm90_kv_loads() -> str:
+    """OPENINFER_SM90_KV_LOADS ("auto", the default, "cp_async", "tma" or "tma_multicast"), read once per process."""
+    return _env_choice("kv_loads", SM90_KV_LOADS, SM90_KV_LOAD_MODES)
+
+
+@functools.cache
+def sm90_schedule() -> str:
+    """OPENINFER_SM90_SCHEDULE ("grid", the default, "persistent" or "auto"), read once per process."""
+    return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
 
 
 def sm90_shared_bytes(head_dim: int, stages: int) -> int:
@@ -143,4 +217,4 @@ def sm90_shared_bytes(head_dim: int, stages: int) -> int:
     block_n = 64 if head_dim == 256 else 128
     q_tile = SM90_BLOCK_M * head_dim * 2
     kv_tile = block_n * head_dim * 2
-    return q_tile + stages * 2 * kv_tile + 8 * (1 + 2 * stages) + 1024
+    return q_tile + stages * 2 * kv_tile + 8 * (1 + 4 * stages) + 1024  # mbarriers: Q, 4 per stage
