@@ -10,11 +10,11 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
 
     decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
                                       gated norm in one kernel (captured in the decode graphs);
-                                      OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
-                                      the token's scalars read beside the state column
-                                      (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default); =coalesced: that with a
-                                      column's threads dv apart (128-byte state rows a warp)
+                                      OPENINFER_QWEN35_GDN_DECODE=coalesced (the default,
+                                      DEFAULT_DECODE_KERNEL): the step with the token's scalars
+                                      read beside the state column and a column's threads dv
+                                      apart (128-byte state rows a warp); =early_loads: without
+                                      the latter; =plain: neither (the same bits, all three)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
                                       split_rows) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
@@ -105,9 +105,11 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
 DEFAULT_PREFILL_KERNELS = "split_rows"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
-# coalesced measured 1.40 / 1.23 / 1.15x plain at 16 / 64 / 256 rows (H200, E3 2026-11-24, the same bits;
-# benchmarks/results/gpu_qwen35_gdn_kernels.json), after this session's last flips: opt-in until the next
-DEFAULT_DECODE_KERNEL = "early_loads"
+# coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
+# and 1.34 / 1.19 / 1.08x early_loads at 16 / 64 / 256 rows (64 rows 129.2 -> 108.8 us, 2.47 TB/s of
+# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels.json; tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_GDN_DECODE=early_loads reverts.
+DEFAULT_DECODE_KERNEL = "coalesced"
 
 
 @functools.cache
