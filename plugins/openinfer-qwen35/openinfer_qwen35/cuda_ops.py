@@ -78,7 +78,7 @@ KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
                   "coalesced": "gdn_decode_step_coalesced"}
-ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "plain" | "vec": sigmoid_mul and add_rms_norm
+ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "vec" (default) | "plain": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
 
@@ -470,11 +470,18 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
              np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
+# vec by measurement (H200, E3 2026-11-24, main e0c0aad, 4,096 features): at 8,192 rows add_rms_norm
+# 145.2 -> 68.2 us, sigmoid_mul 142.8 -> 53.0 us; 64 / 1,024 rows no slower (host-bound launches);
+# sigmoid_mul the same bits, add_rms_norm within a bf16 rounding (tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_ROW_KERNELS=plain reverts.
+DEFAULT_ROW_KERNELS = "vec"
+
+
 def vec_row_kernels() -> bool:
-    """``OPENINFER_QWEN35_ROW_KERNELS=vec``: sigmoid_mul_vec and zero_centred_add_rms_norm_vec
-    (8 features a thread, 16-byte loads) where the shapes allow; ``plain`` (the default) or unset:
-    the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
-    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or "plain"
+    """``OPENINFER_QWEN35_ROW_KERNELS=vec`` (the default, ``DEFAULT_ROW_KERNELS``): sigmoid_mul_vec
+    and zero_centred_add_rms_norm_vec (8 features a thread, 16-byte loads) where the shapes allow;
+    ``plain``: the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
+    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or DEFAULT_ROW_KERNELS
     if choice not in ("plain", "vec"):
         raise ValueError(f"{ROW_KERNELS_ENV}={choice!r}: expected 'plain' or 'vec'")
     return choice == "vec"
