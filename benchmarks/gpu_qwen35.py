@@ -130,13 +130,14 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"}}
+                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"},
+                       "vec4": {DECODE_ENV: "vec4"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
@@ -670,6 +671,22 @@ def row_kernel_timings(rows=ROW_KERNEL_ROWS, features: int = 4096, calls: int = 
     return results
 
 
+def copy_bandwidth_tb_s(nbytes: int, repeats: int = 20) -> float:
+    """Device-to-device copy rate (bytes read + written per second, TB/s) of an ``nbytes`` buffer:
+    the bandwidth floor a decode step's state read and write can reach."""
+    import cupy
+
+    source, target = cupy.ones(nbytes // 4, dtype=cupy.float32), cupy.empty(nbytes // 4, dtype=cupy.float32)
+    target[...] = source
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        target[...] = source
+    stop.record()
+    stop.synchronize()
+    return 2 * nbytes * repeats / (cupy.cuda.get_elapsed_time(start, stop) * 1e-3) / 1e12
+
+
 def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     """One GDN layer at the 4B shape, kernel by kernel (issue 17's 64-stream burst): every fused
     decode kernel at GDN_DECODE_ROWS rows (CUDA-graph replay, against plain), and the prefill
@@ -689,7 +706,9 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     state_bytes = 2 * 32 * 128 * 128 * 4  # fp32 state read + written per row
     results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
                                            for rows, us in replay[v].items() if us} for v in replay}
-    print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s")}), flush=True)
+    results["copy_tb_s"] = copy_bandwidth_tb_s(max(GDN_DECODE_ROWS) * state_bytes // 2)  # the floor, same run
+    print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s", "copy_tb_s")}),
+          flush=True)
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)  # the decode half survives a prefill failure
     results["prefill_kernels"] = prefill_kernel_timings()
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)

@@ -14,7 +14,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       DEFAULT_DECODE_KERNEL): the step with the token's scalars
                                       read beside the state column and a column's threads dv
                                       apart (128-byte state rows a warp); =early_loads: without
-                                      the latter; =plain: neither (the same bits, all three)
+                                      the latter; =plain: neither (the same bits, all three);
+                                      =vec4: coalesced with 16-byte state accesses (a column's
+                                      partial sums in another order: fp32 rounding apart)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
                                       split_rows) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
@@ -63,7 +65,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
                               "gdn_chunk_output"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced")}
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
+                             "gdn_decode_step_vec4")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -77,7 +80,8 @@ FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two block
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "coalesced": "gdn_decode_step_coalesced"}
+                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4"}
+VEC4_MAX_KEY_HEAD_DIM = 128  # gdn_decode_step_vec4 holds DK / 4 state floats a thread (two blocks per SM)
 ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "vec" (default) | "plain": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
@@ -140,12 +144,17 @@ def decode_kernel(config: Qwen35Config | None = None) -> str:
     """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
     ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
-    kernel takes value head dims that are multiples of 32 (else early_loads runs)."""
+    kernel takes value head dims that are multiples of 32 (else early_loads runs); vec4 also key
+    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
-    if choice == "coalesced" and config is not None and config.linear_value_head_dim % 32:
-        choice = "early_loads"
+    if config is not None:
+        dk = config.linear_key_head_dim
+        if choice == "vec4" and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
+            choice = "coalesced"
+        if choice in ("coalesced", "vec4") and config.linear_value_head_dim % 32:
+            choice = "early_loads"
     return DECODE_KERNELS[choice]
 
 
@@ -365,6 +374,8 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
         name = decode_kernel(config)
+        if name == DECODE_KERNELS["vec4"] and not _aligned(ssm_state):  # its 16-byte state accesses
+            name = DECODE_KERNELS["coalesced"]
         _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)

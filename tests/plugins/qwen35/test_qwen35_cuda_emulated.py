@@ -108,8 +108,8 @@ def fast_harness(tmp_path_factory) -> Path:
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     """The tensor-core chunked prefill (mma emulated lane by lane) over prompts that are not a
     multiple of 64, a chunk continuing a saved state and a one-token row; the fused decode step
-    over fresh and continuing sequences sharing key heads, and its early-loads variant (the same
-    bits)."""
+    over fresh and continuing sequences sharing key heads, its early-loads and coalesced variants
+    (the same bits) and its vec4 variant (16-byte state accesses: to fp32 rounding)."""
     config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
                                      "linear_value_head_dim": FAST_VALUE_DIM})
     rng = np.random.default_rng(3)
@@ -197,3 +197,13 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
                                ("ssm_state_out", np.float32, d_ssm.shape)):
         np.testing.assert_array_equal(read_array(tmp_path, f"coalesced_{name}", dtype, shape),
                                       read_array(tmp_path, f"decode_{name}", dtype, shape))
+    # the vec4 kernel (16-byte state accesses; a column's 16 partial sums in another order): the
+    # plain kernel's conv window bit for bit, its state to fp32 rounding, its outputs to a bf16 rounding
+    np.testing.assert_array_equal(read_array(tmp_path, "vec4_conv_state_out", np.uint16, d_conv.shape),
+                                  read_array(tmp_path, "decode_conv_state_out", np.uint16, d_conv.shape))
+    np.testing.assert_allclose(read_array(tmp_path, "vec4_ssm_state_out", np.float32, d_ssm.shape),
+                               read_array(tmp_path, "decode_ssm_state_out", np.float32, d_ssm.shape),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(read_array(tmp_path, "vec4_out", np.uint16, d_expected.shape),
+                               read_array(tmp_path, "decode_out", np.uint16, d_expected.shape), rtol=8e-3, atol=1e-5)
+    np.testing.assert_array_equal(read_array(tmp_path, "vec4_arrivals", np.int32, (6 * nk,)), 0)

@@ -1,5 +1,5 @@
-// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
-// the early-loads kernel on the same inputs) on the CPU
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain,
+// early-loads, coalesced and vec4 kernels on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -10,6 +10,9 @@ inline void __threadfence() {}
 #include <cuda_bf16.h>
 #undef __launch_bounds__
 #define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
+struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
+    float x, y, z, w;
+};
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
@@ -172,6 +175,20 @@ int main(int argc, char** argv) {
         save(dir, "coalesced_out.bin", c_out);
         save(dir, "coalesced_conv_state_out.bin", c_conv_state);
         save(dir, "coalesced_ssm_state_out.bin", c_ssm);
+
+        // the vec4 kernel (16-byte state accesses, 16 partial sums a column) on the same inputs
+        auto v_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto v_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> v_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_vec4(proj.data(), proj_stride, weight.data(), v_conv_state.data(), v_ssm.data(),
+                                 rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                 fresh.data(), arrivals.data(), v_out.data(), nk, nv, dv, width, eps);
+        });
+        save(dir, "vec4_out.bin", v_out);
+        save(dir, "vec4_conv_state_out.bin", v_conv_state);
+        save(dir, "vec4_ssm_state_out.bin", v_ssm);
+        save(dir, "vec4_arrivals.bin", arrivals);
 
     }
     return 0;
