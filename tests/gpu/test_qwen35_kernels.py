@@ -93,17 +93,18 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
-    token-by-token kernels (the benchmark's baseline) and on the default prefill (split_rows: the
-    chunk walk split from the output, a mixed step's one-token rows token by token)."""
+    token-by-token kernels (the benchmark's baseline), on the default prefill (split_rows: the
+    chunk walk split from the output, a mixed step's one-token rows token by token) and on
+    blocked (split_rows with the triangular solve by 16 x 16 blocks)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
-    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows" if request.param == "split_rows" else "plain")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, request.param if request.param in ("split_rows", "blocked") else "plain")
     return request.param
 
 

@@ -28,7 +28,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       alone) and gdn_chunk_output (O for every chunk at once;
                                       the same bits); =split_rows: that, and a mixed step's
                                       one-token rows through gdn_delta_rule_rows (token by
-                                      token) instead of a one-row chunk each (bf16 tolerance)
+                                      token) instead of a one-row chunk each (bf16 tolerance);
+                                      =blocked: split_rows with gdn_chunk_prepare_blocked (the
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -63,8 +65,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
-           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
-                              "gdn_chunk_output"),
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
+                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_output"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -100,7 +102,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False, "gdn_gated_norm_warp"),
                    "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
-                                                "gdn_gated_norm_warp", True)}
+                                                "gdn_gated_norm_warp", True),
+                   "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
+                                             "gdn_gated_norm_warp", True)}
+STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
 # 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
@@ -288,9 +293,9 @@ def warm_up(config: Qwen35Config) -> None:
     if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
         kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
-        for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
+        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
-                                                        name == "gdn_chunk_prepare_staged"))
+                                                        name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
@@ -456,7 +461,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare == "gdn_chunk_prepare_staged")
+    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,

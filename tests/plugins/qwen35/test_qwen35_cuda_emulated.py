@@ -172,6 +172,15 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     # the 8-channel conv, the staged prepare kernel (every global read first) and the warp-per-head
     # gated norm write the plain ones' arrays bit for bit
     assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
+    # the blocked triangular solve: qn, kn, P and c bit for bit; W and U (T times bf16 rows, rounded
+    # to bf16) within a bf16 rounding or two of the substitution's
+    assert read_array(tmp_path, "blocked_prepare_same", np.int32, (1,))[0] == 1
+    num_tokens = int(query_start[-1])
+    for name, width in (("w", FAST_KEY_DIM), ("u", FAST_VALUE_DIM)):
+        want = read_array(tmp_path, f"prepare_{name}", np.uint16, (num_tokens, nv, width))
+        got = read_array(tmp_path, f"blocked_{name}", np.uint16, (num_tokens, nv, width))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * max(1.0, float(np.abs(want).max())))
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"

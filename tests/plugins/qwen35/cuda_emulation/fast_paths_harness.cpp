@@ -109,6 +109,23 @@ int main(int argc, char** argv) {
         std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
 
+        // the blocked triangular solve (gdn_chunk_prepare_blocked) on the same conv output: qn, kn,
+        // P and c bit for bit (the solve comes after them), W and U (from T) for the test to compare
+        std::vector<bf16> b_qn(qn.size()), b_kn(kn.size()), b_w(w.size()), b_u(u.size()), b_p(p.size());
+        std::vector<float> b_cum(cum.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_prepare_blocked(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                      chunk_start.data(), chunk_len.data(), b_qn.data(), b_kn.data(), b_w.data(),
+                                      b_u.data(), b_p.data(), b_cum.data(), nk, nv, dv);
+        });
+        std::vector<int> blocked_same{bits_equal(b_qn, qn) && bits_equal(b_kn, kn) && bits_equal(b_p, p) &&
+                                      bits_equal(b_cum, cum) ? 1 : 0};
+        save(dir, "blocked_prepare_same.bin", blocked_same);
+        save(dir, "prepare_w.bin", w);
+        save(dir, "prepare_u.bin", u);
+        save(dir, "blocked_w.bin", b_w);
+        save(dir, "blocked_u.bin", b_u);
+
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
         // core output and final states
         auto split_ssm = load<float>(dir, "ssm_state.bin");
