@@ -339,8 +339,24 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
     }
     decode_conv(s, h, is_fresh, row, window, q, k, v, last_to_arrive, conv_weight, arrivals, num_key_heads, ratio,
                 key_head, key_dim, conv_dim, dv, width);
-    float q_scale, k_scale;
-    decode_l2_scales(q, k, scratch, q_scale, k_scale);
+    // the l2 norms' two block sums in one pass (decode_l2_scales' sums, in its order, with one
+    // barrier pair instead of two: the second sum's warp totals go to the not yet used deltas)
+    float q_sq = 0.f, k_sq = 0.f;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        q_sq += q[i] * q[i];
+        k_sq += k[i] * k[i];
+    }
+    q_sq = warp_sum(q_sq);
+    k_sq = warp_sum(k_sq);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    if (lane == 0) {
+        scratch[warp] = q_sq;
+        deltas[warp] = k_sq;
+    }
+    __syncthreads();
+    q_sq = warp_sum(lane < num_warps ? scratch[lane] : 0.f);
+    k_sq = warp_sum(lane < num_warps ? deltas[lane] : 0.f);
+    const float q_scale = rsqrtf(q_sq + L2_NORM_EPS) * rsqrtf((float)DK), k_scale = rsqrtf(k_sq + L2_NORM_EPS);
     const float beta = gdn_beta(b_in), decay = __expf(gdn_log_decay(a_in, rate, bias));
 
     // S <- decay S; predicted_j = S[:, j]^T k: 16 partials a column, summed by thread j
@@ -359,7 +375,7 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
     }
     float4* partials4 = reinterpret_cast<float4*>(partials);  // [VEC_PARTS][dv]
     if (active) partials4[part * groups + g] = predicted;
-    __syncthreads();
+    __syncthreads();  // also: every read of the l2 sums' warp totals in deltas is done
     if (j < dv) {
         float total = 0.f;
 #pragma unroll
