@@ -73,7 +73,8 @@ and call 2 with ``--vllm-cmd "env PYTHONPATH=... python -m openinfer.cli serve -
 Decode-kernel variants (``OPENINFER_QWEN35_GDN_DECODE``, each against ``plain``):
 
     python benchmarks/gpu_qwen35.py --decode-kernels-only   # one GDN layer, 1-256 rows, graph replay (~20 s)
-    python benchmarks/gpu_qwen35.py --decode-tpot-only      # engine TPOT at 1/16/64 streams, random weights
+    python benchmarks/gpu_qwen35.py --decode-tpot-only --decode-variants early_loads,coalesced,vec4
+                                                             # engine TPOT at 1/16/64 streams, random weights
 """
 
 from __future__ import annotations
@@ -763,9 +764,10 @@ def write_dummy_config(path: Path, shape: str) -> None:
 
 
 def run_decode_tpot_only(args: argparse.Namespace) -> dict:
-    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams,
-    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs early_loads (each variant's engine captures its own graphs),
-    on random weights at the ``--shape``'s real shapes (results/gpu_qwen35_decode_tpot.json)."""
+    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams, for each
+    ``--decode-variants`` environment (``OPENINFER_QWEN35_GDN_DECODE``; each variant's engine
+    captures its own graphs; speed-ups over the first), on random weights at the ``--shape``'s
+    real shapes (results/gpu_qwen35_decode_tpot.json)."""
     import openinfer
 
     path = Path(args.checkpoint)
@@ -775,7 +777,8 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
     results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
                      "device": device_name(args.device), "prompt_tokens": 512, "new_tokens": 64,
                      "decode_tpot_ms": {}, "engine_start_s": {}}
-    for variant in DECODE_VARIANTS:
+    variants = tuple(args.decode_variants.split(","))
+    for variant in variants:
         set_kernels(variant)
         start = time.perf_counter()
         engine = openinfer.create_engine(path, device=args.device, max_model_len=1024, max_num_seqs=64,
@@ -790,9 +793,10 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
         finally:
             engine.close_sync()
     set_kernels("after")
-    timed = results["decode_tpot_ms"]
-    results["early_loads_speedup"] = {n: timed["plain"][n] / timed["early_loads"][n] for n in timed["plain"]}
-    print(f"early-loads speed-up: {results['early_loads_speedup']}", flush=True)
+    timed, baseline = results["decode_tpot_ms"], variants[0]
+    results["speedup_over"] = baseline
+    results["speedup"] = {v: {n: timed[baseline][n] / ms for n, ms in timed[v].items()} for v in variants}
+    print(f"speed-up over {baseline}: {results['speedup']}", flush=True)
     write_results(results, "gpu_qwen35_decode_tpot" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
     return results
 
@@ -829,11 +833,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="one GDN layer's decode step, plain vs early-loads kernel, at 1-256 rows "
                              "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
     parser.add_argument("--decode-tpot-only", action="store_true",
-                        help="engine decode TPOT at 1/16/64 streams, plain vs early-loads GDN decode kernel, on random "
+                        help="engine decode TPOT at 1/16/64 streams per --decode-variants GDN decode kernel, on random "
                              "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--gdn-kernels-only", action="store_true",
                         help="one GDN layer kernel by kernel: every fused decode kernel at 1-256 rows and the "
                              "prefill path's kernels at 8 x 1k (results/gpu_qwen35_gdn_kernels.json; no checkpoint)")
+    parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
+                        help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
+                             f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only or --decode-tpot-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -843,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
         parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
+    if not args.decode_variants or any(v not in GDN_DECODE_VARIANTS for v in args.decode_variants.split(",")):
+        parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:
