@@ -73,7 +73,8 @@ and call 2 with ``--vllm-cmd "env PYTHONPATH=... python -m openinfer.cli serve -
 Decode-kernel variants (``OPENINFER_QWEN35_GDN_DECODE``, each against ``plain``):
 
     python benchmarks/gpu_qwen35.py --decode-kernels-only   # one GDN layer, 1-256 rows, graph replay (~20 s)
-    python benchmarks/gpu_qwen35.py --decode-tpot-only      # engine TPOT at 1/16/64 streams, random weights
+    python benchmarks/gpu_qwen35.py --decode-tpot-only --decode-variants early_loads,coalesced,vec4
+                                                             # engine TPOT at 1/16/64 streams, random weights
 """
 
 from __future__ import annotations
@@ -130,17 +131,21 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # each variant's environment ("after": the defaults); "plain" / "early_loads": the default kernels with
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
-                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"}}
+                       "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"},
+                       "vec4": {DECODE_ENV: "vec4"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
-PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "staged", "split", "split_rows")}  # environments
+# environments: the earlier path, the default, blocked (split_rows with the triangular solve by
+# 16 x 16 blocks) and window (split_rows with the register-window conv); staged and split (the
+# steps between) were measured in E3 (2026-11-24)
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked", "window")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -670,6 +675,22 @@ def row_kernel_timings(rows=ROW_KERNEL_ROWS, features: int = 4096, calls: int = 
     return results
 
 
+def copy_bandwidth_tb_s(nbytes: int, repeats: int = 20) -> float:
+    """Device-to-device copy rate (bytes read + written per second, TB/s) of an ``nbytes`` buffer:
+    the bandwidth floor a decode step's state read and write can reach."""
+    import cupy
+
+    source, target = cupy.ones(nbytes // 4, dtype=cupy.float32), cupy.empty(nbytes // 4, dtype=cupy.float32)
+    target[...] = source
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        target[...] = source
+    stop.record()
+    stop.synchronize()
+    return 2 * nbytes * repeats / (cupy.cuda.get_elapsed_time(start, stop) * 1e-3) / 1e12
+
+
 def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     """One GDN layer at the 4B shape, kernel by kernel (issue 17's 64-stream burst): every fused
     decode kernel at GDN_DECODE_ROWS rows (CUDA-graph replay, against plain), and the prefill
@@ -689,7 +710,9 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     state_bytes = 2 * 32 * 128 * 128 * 4  # fp32 state read + written per row
     results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
                                            for rows, us in replay[v].items() if us} for v in replay}
-    print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s")}), flush=True)
+    results["copy_tb_s"] = copy_bandwidth_tb_s(max(GDN_DECODE_ROWS) * state_bytes // 2)  # the floor, same run
+    print(json.dumps({k: results[k] for k in ("decode_speedup_over_plain", "state_bandwidth_tb_s", "copy_tb_s")}),
+          flush=True)
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)  # the decode half survives a prefill failure
     results["prefill_kernels"] = prefill_kernel_timings()
     write_results(results, "gpu_qwen35_gdn_kernels", plot_gdn_kernels)
@@ -742,9 +765,10 @@ def write_dummy_config(path: Path, shape: str) -> None:
 
 
 def run_decode_tpot_only(args: argparse.Namespace) -> dict:
-    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams,
-    ``OPENINFER_QWEN35_GDN_DECODE`` plain vs early_loads (each variant's engine captures its own graphs),
-    on random weights at the ``--shape``'s real shapes (results/gpu_qwen35_decode_tpot.json)."""
+    """Decode TPOT through the default engine (CUDA graphs) at 1 / 16 / 64 streams, for each
+    ``--decode-variants`` environment (``OPENINFER_QWEN35_GDN_DECODE``; each variant's engine
+    captures its own graphs; speed-ups over the first), on random weights at the ``--shape``'s
+    real shapes (results/gpu_qwen35_decode_tpot.json)."""
     import openinfer
 
     path = Path(args.checkpoint)
@@ -754,7 +778,8 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
     results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
                      "device": device_name(args.device), "prompt_tokens": 512, "new_tokens": 64,
                      "decode_tpot_ms": {}, "engine_start_s": {}}
-    for variant in DECODE_VARIANTS:
+    variants = tuple(args.decode_variants.split(","))
+    for variant in variants:
         set_kernels(variant)
         start = time.perf_counter()
         engine = openinfer.create_engine(path, device=args.device, max_model_len=1024, max_num_seqs=64,
@@ -769,9 +794,10 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
         finally:
             engine.close_sync()
     set_kernels("after")
-    timed = results["decode_tpot_ms"]
-    results["early_loads_speedup"] = {n: timed["plain"][n] / timed["early_loads"][n] for n in timed["plain"]}
-    print(f"early-loads speed-up: {results['early_loads_speedup']}", flush=True)
+    timed, baseline = results["decode_tpot_ms"], variants[0]
+    results["speedup_over"] = baseline
+    results["speedup"] = {v: {n: timed[baseline][n] / ms for n, ms in timed[v].items()} for v in variants}
+    print(f"speed-up over {baseline}: {results['speedup']}", flush=True)
     write_results(results, "gpu_qwen35_decode_tpot" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
     return results
 
@@ -808,11 +834,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="one GDN layer's decode step, plain vs early-loads kernel, at 1-256 rows "
                              "(results/gpu_qwen35_decode_kernels.json; no checkpoint)")
     parser.add_argument("--decode-tpot-only", action="store_true",
-                        help="engine decode TPOT at 1/16/64 streams, plain vs early-loads GDN decode kernel, on random "
+                        help="engine decode TPOT at 1/16/64 streams per --decode-variants GDN decode kernel, on random "
                              "weights (writes only CHECKPOINT/config.json; results/gpu_qwen35_decode_tpot.json)")
     parser.add_argument("--gdn-kernels-only", action="store_true",
                         help="one GDN layer kernel by kernel: every fused decode kernel at 1-256 rows and the "
                              "prefill path's kernels at 8 x 1k (results/gpu_qwen35_gdn_kernels.json; no checkpoint)")
+    parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
+                        help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
+                             f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: only with --multi-turn-only or --decode-tpot-only (a dry run on the NumPy backend)")
     parser.add_argument("--history", type=int, default=4000, help="--multi-turn-only: history tokens")
@@ -822,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
         parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
+    if not args.decode_variants or any(v not in GDN_DECODE_VARIANTS for v in args.decode_variants.split(",")):
+        parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:

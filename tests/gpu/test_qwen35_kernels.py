@@ -93,17 +93,18 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
-    token-by-token kernels (the benchmark's baseline) and on the default prefill (split_rows: the
-    chunk walk split from the output, a mixed step's one-token rows token by token)."""
+    token-by-token kernels (the benchmark's baseline), on the default prefill (split_rows: the
+    chunk walk split from the output, a mixed step's one-token rows token by token) and on
+    blocked (split_rows with the triangular solve by 16 x 16 blocks)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
-    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "split_rows" if request.param == "split_rows" else "plain")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, request.param if request.param in ("split_rows", "blocked") else "plain")
     return request.param
 
 
@@ -256,12 +257,67 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         assert_same_states()
 
 
-@pytest.mark.parametrize("variant", ["staged", "split"])
-def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant):
+def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
+    """OPENINFER_QWEN35_GDN_DECODE=vec4 (16-byte state loads and stores, a column's 16 partial sums
+    met in another order): 200 rows, fresh and continuing, over 6 steps within bf16 tolerance of
+    NumPy, and of the plain kernel's states to fp32 rounding (conv windows bit for bit); replayed
+    from a CUDA graph, bit for bit its own eager launches."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    rows = 200
+    layers = {name: Layer(np.random.default_rng(7), num_slots=rows) for name in ("plain", "vec4", "replayed")}
+    config = layers["plain"].config
+    rng = np.random.default_rng(8)
+    slots = rng.permutation(rows).astype(np.int64)
+
+    def decode(name: str, proj, seqs, choice: str | None = None):
+        monkeypatch.setenv(cuda_ops.DECODE_ENV, choice or name)
+        layer = layers[name]
+        return cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv, layer.device_ssm, seqs, config)
+
+    for step in range(6):
+        fresh = rng.integers(0, 2, rows).astype(bool) if step == 0 else np.zeros(rows, bool)
+        proj = bf16(rng.standard_normal((rows, layers["vec4"].features)))
+        monkeypatch.setenv(cuda_ops.DECODE_ENV, "vec4")
+        assert cuda_ops.decode_kernel(config) == "gdn_decode_step_vec4"
+        got, expected = layers["vec4"].step(proj, [1] * rows, slots.tolist(), fresh.tolist())
+        assert_close(got, expected)
+        seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, fresh))
+        decode("plain", device_bf16(proj), seqs)
+        decode("replayed", device_bf16(proj), seqs, "vec4")
+    layers["vec4"].assert_states_match(slots.tolist())
+    np.testing.assert_array_equal(cupy.asnumpy(layers["vec4"].device_conv), cupy.asnumpy(layers["plain"].device_conv))
+    np.testing.assert_allclose(cupy.asnumpy(layers["vec4"].device_ssm), cupy.asnumpy(layers["plain"].device_ssm),
+                               rtol=1e-4, atol=1e-5)
+    # captured with vec4, replayed on new inputs: the eager vec4 launches' bits
+    seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, np.zeros(rows, bool)))
+    proj = cupy.empty((rows, layers["vec4"].features), dtype=cupy.uint16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        out = decode("replayed", proj, seqs, "vec4")
+        graph = stream.end_capture()
+    for _ in range(3):
+        with stream:
+            proj[...] = device_bf16(rng.standard_normal((rows, layers["vec4"].features)))
+            graph.launch(stream)
+            want = decode("vec4", proj, seqs)
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
+        np.testing.assert_array_equal(cupy.asnumpy(layers["replayed"].device_ssm),
+                                      cupy.asnumpy(layers["vec4"].device_ssm))
+
+
+@pytest.mark.parametrize("variant, baseline", [("staged", "plain"), ("split", "plain"), ("window", "split_rows")])
+def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, baseline):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
     issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output):
     prompts from scratch, then continued beside decodes, and a 2,048-token prompt of fast-decaying
-    heads give the plain kernels' outputs and states bit for bit."""
+    heads give the plain kernels' outputs and states bit for bit; =window (gdn_conv1d_window: each
+    input row read once) those of split_rows, whose kernels it shares otherwise."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -277,7 +333,7 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
                                                             np.full(len(slots), fresh)))
             proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
             outs = []
-            for layer, choice in ((plain, "plain"), (staged, variant)):
+            for layer, choice in ((plain, baseline), (staged, variant)):
                 monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
                 outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
                                                             layer.device_ssm, seqs, plain.config)))

@@ -10,11 +10,13 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
 
     decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
                                       gated norm in one kernel (captured in the decode graphs);
-                                      OPENINFER_QWEN35_GDN_DECODE=early_loads: the same step with
-                                      the token's scalars read beside the state column
-                                      (gdn_decode_step_early_loads; DEFAULT_DECODE_KERNEL says
-                                      which one is the default); =coalesced: that with a
-                                      column's threads dv apart (128-byte state rows a warp)
+                                      OPENINFER_QWEN35_GDN_DECODE=coalesced (the default,
+                                      DEFAULT_DECODE_KERNEL): the step with the token's scalars
+                                      read beside the state column and a column's threads dv
+                                      apart (128-byte state rows a warp); =early_loads: without
+                                      the latter; =plain: neither (the same bits, all three);
+                                      =vec4: coalesced with 16-byte state accesses (a column's
+                                      partial sums in another order: fp32 rounding apart)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
                                       split_rows) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
@@ -26,7 +28,11 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       alone) and gdn_chunk_output (O for every chunk at once;
                                       the same bits); =split_rows: that, and a mixed step's
                                       one-token rows through gdn_delta_rule_rows (token by
-                                      token) instead of a one-row chunk each (bf16 tolerance)
+                                      token) instead of a one-row chunk each (bf16 tolerance);
+                                      =blocked: split_rows with gdn_chunk_prepare_blocked (the
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance);
+                                      =window: split_rows with gdn_conv1d_window (each input
+                                      row read once, the window in registers; the same bits)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -57,13 +63,14 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_window", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
-           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_scan", "gdn_chunk_states",
-                              "gdn_chunk_output"),
-           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced")}
+           "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
+                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_output"),
+           "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
+                             "gdn_decode_step_vec4")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -77,8 +84,9 @@ FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two block
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "coalesced": "gdn_decode_step_coalesced"}
-ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "plain" | "vec": sigmoid_mul and add_rms_norm
+                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4"}
+VEC4_MAX_KEY_HEAD_DIM = 128  # gdn_decode_step_vec4 holds DK / 4 state floats a thread (two blocks per SM)
+ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "vec" (default) | "plain": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
 
 
@@ -96,7 +104,13 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", False, "gdn_gated_norm_warp"),
                    "split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True, "gdn_gated_norm_warp"),
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
-                                                "gdn_gated_norm_warp", True)}
+                                                "gdn_gated_norm_warp", True),
+                   "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
+                                             "gdn_gated_norm_warp", True),
+                   "window": PrefillKernels("gdn_conv1d_window", "gdn_chunk_prepare_staged", True,
+                                            "gdn_gated_norm_warp", True)}
+VEC_CONV_KERNELS = ("gdn_conv1d_vec", "gdn_conv1d_window")  # 8 channels x CONV_TOKENS tokens a thread
+STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
 # 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
@@ -105,9 +119,11 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
 DEFAULT_PREFILL_KERNELS = "split_rows"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
-# coalesced measured 1.40 / 1.23 / 1.15x plain at 16 / 64 / 256 rows (H200, E3 2026-11-24, the same bits;
-# benchmarks/results/gpu_qwen35_gdn_kernels.json), after this session's last flips: opt-in until the next
-DEFAULT_DECODE_KERNEL = "early_loads"
+# coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
+# and 1.34 / 1.19 / 1.08x early_loads at 16 / 64 / 256 rows (64 rows 129.2 -> 108.8 us, 2.47 TB/s of
+# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels.json; tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_GDN_DECODE=early_loads reverts.
+DEFAULT_DECODE_KERNEL = "coalesced"
 
 
 @functools.cache
@@ -138,12 +154,17 @@ def decode_kernel(config: Qwen35Config | None = None) -> str:
     """The fused decode kernel: ``OPENINFER_QWEN35_GDN_DECODE`` (a key of ``DECODE_KERNELS``),
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
     ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
-    kernel takes value head dims that are multiples of 32 (else early_loads runs)."""
+    kernel takes value head dims that are multiples of 32 (else early_loads runs); vec4 also key
+    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
-    if choice == "coalesced" and config is not None and config.linear_value_head_dim % 32:
-        choice = "early_loads"
+    if config is not None:
+        dk = config.linear_key_head_dim
+        if choice == "vec4" and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
+            choice = "coalesced"
+        if choice in ("coalesced", "vec4") and config.linear_value_head_dim % 32:
+            choice = "early_loads"
     return DECODE_KERNELS[choice]
 
 
@@ -275,11 +296,12 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
-        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
+        for name in VEC_CONV_KERNELS:
+            kernel(name, dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
-        for name in ("gdn_chunk_prepare", "gdn_chunk_prepare_staged"):
+        for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
-                                                        name == "gdn_chunk_prepare_staged"))
+                                                        name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
@@ -363,14 +385,16 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
         name = decode_kernel(config)
+        if name == DECODE_KERNELS["vec4"] and not _aligned(ssm_state):  # its 16-byte state accesses
+            name = DECODE_KERNELS["coalesced"]
         _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     prefill = prefill_kernels(config, proj.shape[1])
-    if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
+    if prefill.conv in VEC_CONV_KERNELS and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
+    if prefill.conv in VEC_CONV_KERNELS:  # the conv width compiled in; CONV_TOKENS tokens a thread
         conv_kernel = kernel(prefill.conv, dk, 0, width)
         conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
     else:
@@ -443,7 +467,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare == "gdn_chunk_prepare_staged")
+    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
@@ -468,11 +492,18 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
              np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=scan_bytes)
 
 
+# vec by measurement (H200, E3 2026-11-24, main e0c0aad, 4,096 features): at 8,192 rows add_rms_norm
+# 145.2 -> 68.2 us, sigmoid_mul 142.8 -> 53.0 us; 64 / 1,024 rows no slower (host-bound launches);
+# sigmoid_mul the same bits, add_rms_norm within a bf16 rounding (tests/gpu/test_qwen35_kernels.py).
+# OPENINFER_QWEN35_ROW_KERNELS=plain reverts.
+DEFAULT_ROW_KERNELS = "vec"
+
+
 def vec_row_kernels() -> bool:
-    """``OPENINFER_QWEN35_ROW_KERNELS=vec``: sigmoid_mul_vec and zero_centred_add_rms_norm_vec
-    (8 features a thread, 16-byte loads) where the shapes allow; ``plain`` (the default) or unset:
-    the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
-    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or "plain"
+    """``OPENINFER_QWEN35_ROW_KERNELS=vec`` (the default, ``DEFAULT_ROW_KERNELS``): sigmoid_mul_vec
+    and zero_centred_add_rms_norm_vec (8 features a thread, 16-byte loads) where the shapes allow;
+    ``plain``: the 2-byte kernels. Read at each launch (a graph keeps what it captured)."""
+    choice = os.environ.get(ROW_KERNELS_ENV, "").strip().lower() or DEFAULT_ROW_KERNELS
     if choice not in ("plain", "vec"):
         raise ValueError(f"{ROW_KERNELS_ENV}={choice!r}: expected 'plain' or 'vec'")
     return choice == "vec"

@@ -108,8 +108,8 @@ def fast_harness(tmp_path_factory) -> Path:
 def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     """The tensor-core chunked prefill (mma emulated lane by lane) over prompts that are not a
     multiple of 64, a chunk continuing a saved state and a one-token row; the fused decode step
-    over fresh and continuing sequences sharing key heads, and its early-loads variant (the same
-    bits)."""
+    over fresh and continuing sequences sharing key heads, its early-loads and coalesced variants
+    (the same bits) and its vec4 variant (16-byte state accesses: to fp32 rounding)."""
     config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
                                      "linear_value_head_dim": FAST_VALUE_DIM})
     rng = np.random.default_rng(3)
@@ -169,9 +169,18 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(ssm[untouched], ssm_before[untouched])
 
     check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
-    # the 8-channel conv, the staged prepare kernel (every global read first) and the warp-per-head
-    # gated norm write the plain ones' arrays bit for bit
+    # the 8-channel convs (gdn_conv1d_vec, gdn_conv1d_window), the staged prepare kernel (every
+    # global read first) and the warp-per-head gated norm write the plain ones' arrays bit for bit
     assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
+    # the blocked triangular solve: qn, kn, P and c bit for bit; W and U (T times bf16 rows, rounded
+    # to bf16) within a bf16 rounding or two of the substitution's
+    assert read_array(tmp_path, "blocked_prepare_same", np.int32, (1,))[0] == 1
+    num_tokens = int(query_start[-1])
+    for name, width in (("w", FAST_KEY_DIM), ("u", FAST_VALUE_DIM)):
+        want = read_array(tmp_path, f"prepare_{name}", np.uint16, (num_tokens, nv, width))
+        got = read_array(tmp_path, f"blocked_{name}", np.uint16, (num_tokens, nv, width))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * max(1.0, float(np.abs(want).max())))
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
@@ -197,3 +206,13 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
                                ("ssm_state_out", np.float32, d_ssm.shape)):
         np.testing.assert_array_equal(read_array(tmp_path, f"coalesced_{name}", dtype, shape),
                                       read_array(tmp_path, f"decode_{name}", dtype, shape))
+    # the vec4 kernel (16-byte state accesses; a column's 16 partial sums in another order): the
+    # plain kernel's conv window bit for bit, its state to fp32 rounding, its outputs to a bf16 rounding
+    np.testing.assert_array_equal(read_array(tmp_path, "vec4_conv_state_out", np.uint16, d_conv.shape),
+                                  read_array(tmp_path, "decode_conv_state_out", np.uint16, d_conv.shape))
+    np.testing.assert_allclose(read_array(tmp_path, "vec4_ssm_state_out", np.float32, d_ssm.shape),
+                               read_array(tmp_path, "decode_ssm_state_out", np.float32, d_ssm.shape),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(read_array(tmp_path, "vec4_out", np.uint16, d_expected.shape),
+                               read_array(tmp_path, "decode_out", np.uint16, d_expected.shape), rtol=8e-3, atol=1e-5)
+    np.testing.assert_array_equal(read_array(tmp_path, "vec4_arrivals", np.int32, (6 * nk,)), 0)

@@ -126,7 +126,48 @@ __device__ __forceinline__ size_t round_up_128(size_t bytes) { return (bytes + 1
     conv_out, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len, qn, kn, w_out, u_out, p_out, \
         cum_out, num_key_heads, num_value_heads, dv
 #define PREPARE_MAX_DV DK  // the staged kernel's v registers: dv <= DK (the launcher checks)
-template <bool STAGED>
+// T = (I + A)^-1 for the strictly lower 64 x 64 A (fp32, leading dim LDF) in 16 x 16 blocks, all
+// 128 threads busy, the longest serial chain ~120 multiply-adds (the column-per-thread
+// substitution's is ~2,000, on 64 threads):
+//   (a) each diagonal block's inverse T_bb by forward substitution, a thread per (block, column);
+//   (b) block row by block row, i = 1..3, every j < i at once:
+//         M_ij = sum_{j<=k<i} A_ik T_kj            (kept in A's unused upper triangle, block (j, i))
+//         T_ij = -T_ii M_ij
+// The same T in another order of fp32 adds. Writes every element of T (zeros above the diagonal).
+__device__ __forceinline__ void solve_blocked(float* amat, float* tinv) {
+    constexpr int B = 16, NB = CHUNK / B;
+    if (threadIdx.x < CHUNK) {
+        const int base = (threadIdx.x / B) * B, j = threadIdx.x;
+        for (int i = 0; i <= j; ++i) tinv[i * LDF + j] = i == j ? 1.f : 0.f;
+        for (int i = j + 1; i < base + B; ++i) {
+            float acc = -amat[i * LDF + j];
+            for (int m = j + 1; m < i; ++m) acc -= amat[i * LDF + m] * tinv[m * LDF + j];
+            tinv[i * LDF + j] = acc;
+        }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int ib = 1; ib < NB; ++ib) {
+        for (int e = threadIdx.x; e < ib * B * B; e += blockDim.x) {
+            const int jb = e / (B * B), r = (e / B) % B, c = e % B;
+            const float* a_row = amat + (ib * B + r) * LDF;
+            float acc = 0.f;
+            for (int m = jb * B; m < ib * B; ++m) acc += a_row[m] * tinv[m * LDF + jb * B + c];
+            amat[(jb * B + r) * LDF + ib * B + c] = acc;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < ib * B * B; e += blockDim.x) {
+            const int jb = e / (B * B), r = (e / B) % B, c = e % B;
+            const float* t_row = tinv + (ib * B + r) * LDF + ib * B;  // T_ii's row r: unit diagonal
+            float acc = amat[(jb * B + r) * LDF + ib * B + c];
+            for (int m = 0; m < r; ++m) acc += t_row[m] * amat[(jb * B + m) * LDF + ib * B + c];
+            tinv[(ib * B + r) * LDF + jb * B + c] = -acc;
+        }
+        __syncthreads();
+    }
+}
+
+template <bool STAGED, bool BLOCKED_SOLVE = false>
 __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y;
     const int t0 = chunk_start[c], n = chunk_len[c];
@@ -320,7 +361,10 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
 
     // 3. T = (I + A)^-1 by forward substitution. Column j of T depends on column j alone, so
     //    thread j solves it top-down with no barrier: T[i][j] = -A[i][j] - sum_{j<m<i} A[i][m] T[m][j]
-    if (threadIdx.x < CHUNK) {
+    //    BLOCKED_SOLVE: by 16 x 16 blocks instead (solve_blocked)
+    if (BLOCKED_SOLVE) {
+        solve_blocked(amat, tinv);
+    } else if (threadIdx.x < CHUNK) {
         const int j = threadIdx.x;
         for (int i = 0; i <= j; ++i) tinv[i * LDF + j] = i == j ? 1.f : 0.f;
         for (int i = j + 1; i < CHUNK; ++i) {
@@ -455,6 +499,14 @@ extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare(PREPARE_PARA
 extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare_staged(PREPARE_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
     chunk_prepare<true>(smem, PREPARE_ARGS);
+}
+
+// gdn_chunk_prepare_blocked (OPENINFER_QWEN35_GDN_PREFILL=blocked): the staged kernel with the
+// triangular solve by 16 x 16 blocks (solve_blocked): T in another order of fp32 adds (bf16
+// tolerance of the others, not their bits).
+extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare_blocked(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare<true, true>(smem, PREPARE_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@
 // instructions). Without it (a plain compile) the width is read at run time.
 //
 //
-// gdn_decode_step_early_loads (the default; OPENINFER_QWEN35_GDN_DECODE=plain for the other) is the same step
+// gdn_decode_step_early_loads (OPENINFER_QWEN35_GDN_DECODE=early_loads) is the same step
 // with the token's gate inputs (b, a), its decay parameters, the norm weight and z read at the
 // start, beside the state column, instead of after the block sums (the b / a loads) and after the
 // norm's reduction (z, the norm weight): two dependent global-memory round trips fewer on each
@@ -44,6 +44,73 @@ constexpr int STATE_ROWS = DK / SPLIT;  // state rows of a column per thread
 // A block's shared memory for one (sequence, value head) step: the conv outputs q, k, v, the
 // reduction scratch and whether the block was the last of its key head to read the conv window.
 #define DECODE_SHARED __shared__ float q[DK], k[DK], v[256], scratch[32]; __shared__ int last_to_arrive
+// The conv of one decode token over a block's channels (thread c: c < DK → q, c < 2 DK → k,
+// c < 2 DK + dv → v, one channel a thread), SiLU, into q / k / v in shared memory, and the conv
+// window's update: a v channel's by its own block, a key head's q / k channels by the last of its
+// value heads' blocks to arrive (see above). Every thread of the block calls it.
+// `window`: the sequence's conv window (width - 1 rows of conv_dim).
+__device__ __forceinline__ void decode_conv(int s, int h, bool is_fresh, const bf16* row, bf16* window, float* q,
+                                            float* k, float* v, int& last_to_arrive, const bf16* __restrict__ conv_weight,
+                                            int* __restrict__ arrivals, int num_key_heads, int ratio, int key_head,
+                                            int key_dim, int conv_dim, int dv, int conv_width) {
+#ifdef CONV_WIDTH
+    constexpr int width = CONV_WIDTH;
+#else
+    const int width = conv_width;
+#endif
+    const int c = threadIdx.x;
+    int channel = -1;
+    if (c < DK) channel = key_head * DK + c;
+    else if (c < 2 * DK) channel = key_dim + key_head * DK + (c - DK);
+    else if (c < 2 * DK + dv) channel = 2 * key_dim + h * dv + (c - 2 * DK);
+    float old[MAX_WINDOW];
+    float x_new = 0.f;
+    if (channel >= 0) {
+        x_new = to_f(row[channel]);
+        float acc = to_f(conv_weight[(size_t)channel * width + width - 1]) * x_new;
+        for (int m = 0; m < width - 1; ++m) {
+            old[m] = is_fresh ? 0.f : to_f(window[(size_t)m * conv_dim + channel]);
+            acc += to_f(conv_weight[(size_t)channel * width + m]) * old[m];
+        }
+        const float y = round_bf16(silu_f(round_bf16(acc)));  // conv output is bf16 in HF
+        if (c < DK) q[c] = y;
+        else if (c < 2 * DK) k[c - DK] = y;
+        else {
+            v[c - 2 * DK] = y;
+            // a value channel is this block's alone: shift its window now
+            for (int m = 0; m < width - 1; ++m)
+                window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
+        }
+    }
+    __syncthreads();  // q, k, v published; this block's window reads are done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const int arrived = atomicAdd(arrivals + s * num_key_heads + key_head, 1);
+        last_to_arrive = arrived == ratio - 1;
+        if (last_to_arrive) arrivals[s * num_key_heads + key_head] = 0;
+    }
+    __syncthreads();
+    if (last_to_arrive && c < 2 * DK) {
+        for (int m = 0; m < width - 1; ++m)
+            window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
+    }
+}
+
+// The l2-norm scales of the token's q (times 1 / sqrt(DK)) and k in shared memory; every thread
+// of the block calls it and gets both.
+__device__ __forceinline__ void decode_l2_scales(const float* q, const float* k, float* scratch, float& q_scale,
+                                                 float& k_scale) {
+    float q_sq = 0.f, k_sq = 0.f;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        q_sq += q[i] * q[i];
+        k_sq += k[i] * k[i];
+    }
+    q_sq = block_sum(q_sq, scratch);
+    k_sq = block_sum(k_sq, scratch);
+    q_scale = rsqrtf(q_sq + L2_NORM_EPS) * rsqrtf((float)DK);
+    k_scale = rsqrtf(k_sq + L2_NORM_EPS);
+}
+
 // One decode token of sequence s through value head h; every thread of the block calls it.
 // `column`: this thread's rows of the head's state column (loaded here, first, so their loads are
 // in flight while the conv runs). EARLY_LOADS: the token's scalars read beside them (see above).
@@ -85,7 +152,6 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) column[i] = (active && !is_fresh) ? state[(size_t)(row0 + i) * dv + j] : 0.f;
 
-    // conv over this block's channels: c < DK → q, c < 2 DK → k, else v (one channel a thread)
     const bf16* row = proj + (size_t)t * proj_stride;
     bf16* window = conv_state + (size_t)slot * (width - 1) * conv_dim;
     float b_in = 0.f, a_in = 0.f, rate = 0.f, bias = 0.f, z_in = 0.f, weight_j = 0.f;
@@ -99,52 +165,12 @@ __device__ __forceinline__ void decode_sequence_head(int s, int h, float (&colum
             weight_j = to_f(norm_weight[j]);
         }
     }
-    const int c = threadIdx.x;
-    int channel = -1;
-    if (c < DK) channel = key_head * DK + c;
-    else if (c < 2 * DK) channel = key_dim + key_head * DK + (c - DK);
-    else if (c < 2 * DK + dv) channel = 2 * key_dim + h * dv + (c - 2 * DK);
-    float old[MAX_WINDOW];
-    float x_new = 0.f;
-    if (channel >= 0) {
-        x_new = to_f(row[channel]);
-        float acc = to_f(conv_weight[(size_t)channel * width + width - 1]) * x_new;
-        for (int m = 0; m < width - 1; ++m) {
-            old[m] = is_fresh ? 0.f : to_f(window[(size_t)m * conv_dim + channel]);
-            acc += to_f(conv_weight[(size_t)channel * width + m]) * old[m];
-        }
-        const float y = round_bf16(silu_f(round_bf16(acc)));  // conv output is bf16 in HF
-        if (c < DK) q[c] = y;
-        else if (c < 2 * DK) k[c - DK] = y;
-        else {
-            v[c - 2 * DK] = y;
-            // a value channel is this block's alone: shift its window now
-            for (int m = 0; m < width - 1; ++m)
-                window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
-        }
-    }
-    __syncthreads();  // q, k, v published; this block's window reads are done
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const int arrived = atomicAdd(arrivals + s * num_key_heads + key_head, 1);
-        last_to_arrive = arrived == ratio - 1;
-        if (last_to_arrive) arrivals[s * num_key_heads + key_head] = 0;
-    }
-    __syncthreads();
-    if (last_to_arrive && c < 2 * DK) {
-        for (int m = 0; m < width - 1; ++m)
-            window[(size_t)m * conv_dim + channel] = __float2bfloat16_rn(m + 1 < width - 1 ? old[m + 1] : x_new);
-    }
+    decode_conv(s, h, is_fresh, row, window, q, k, v, last_to_arrive, conv_weight, arrivals, num_key_heads, ratio,
+                key_head, key_dim, conv_dim, dv, width);
 
     // l2 norms of q and k; gates
-    float q_sq = 0.f, k_sq = 0.f;
-    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-        q_sq += q[i] * q[i];
-        k_sq += k[i] * k[i];
-    }
-    q_sq = block_sum(q_sq, scratch);
-    k_sq = block_sum(k_sq, scratch);
-    const float q_scale = rsqrtf(q_sq + L2_NORM_EPS) * rsqrtf((float)DK), k_scale = rsqrtf(k_sq + L2_NORM_EPS);
+    float q_scale, k_scale;
+    decode_l2_scales(q, k, scratch, q_scale, k_scale);
     const float beta = gdn_beta(EARLY_LOADS ? b_in : to_f(row[conv_dim + value_dim + h]));
     const float decay = EARLY_LOADS ? __expf(gdn_log_decay(a_in, rate, bias))
                                     : __expf(gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]),
@@ -249,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_early_loads
                                GDN_DECODE_ARGS);
 }
 
-// gdn_decode_step_coalesced (OPENINFER_QWEN35_GDN_DECODE=coalesced): the early-loads step with a
+// gdn_decode_step_coalesced (the default since E3 2026-11-24: 1.23x plain at 64 rows): the early-loads step with a
 // column's SPLIT threads dv apart instead of adjacent, so that a warp's load or store of the
 // state covers 128 contiguous bytes of one row (adjacent lanes covered 32 bytes of 4 rows 32
 // rows apart); the state moved at ~2.1 TB/s whatever the block shapes (E2). The partial sums
@@ -262,3 +288,143 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_coalesced(G
                                      GDN_DECODE_ARGS);
 }
 
+
+// gdn_decode_step_vec4 (OPENINFER_QWEN35_GDN_DECODE=vec4): the coalesced step with the state
+// moved by 16-byte loads and stores. Thread g + part * dv/4 holds columns 4g..4g+3 of rows
+// part * DK/16 .. +DK/16 (as float4s: DK/4 registers, as many as the other kernels' one column of
+// DK/4 rows), so a warp's load covers 512 contiguous bytes of a state row (128 before) in a
+// quarter of the instructions. A column's 16 partial sums meet in shared memory, summed in part
+// order by one thread per column (not the SPLIT-lane order of the others: the state and the
+// outputs agree with theirs to fp32 rounding, not bit for bit). Needs dv a multiple of 32 up to
+// 256, DK a multiple of 16 up to 128 and a 16-byte aligned state.
+constexpr int VEC_PARTS = 16;                 // threads sharing a group of 4 columns
+constexpr int VEC_ROWS = DK >= VEC_PARTS ? DK / VEC_PARTS : 1;  // float4 rows a thread holds
+static_assert(VEC_PARTS == 4 * SPLIT, "gdn_decode_step_vec4 fills the dv * SPLIT state threads of the block");
+
+__device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q, float* k, float* v, float* scratch,
+                                                          int& last_to_arrive, float* partials, float* deltas,
+                                                          GDN_DECODE_PARAMS) {
+#ifdef CONV_WIDTH
+    constexpr int width = CONV_WIDTH;
+#else
+    const int width = conv_width;
+#endif
+    const int t = query_start[s];
+    if (query_start[s + 1] == t) return;  // no token: every block of this sequence leaves alike
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
+    const int slot = slots[s];
+    const bool is_fresh = fresh[s] != 0;
+    const int groups = dv / 4, g = threadIdx.x % (unsigned)groups, part = threadIdx.x / (unsigned)groups;
+    const bool active = part < VEC_PARTS;  // the threads beyond dv * SPLIT only convolve
+    const int row0 = (active ? part : 0) * VEC_ROWS;
+    const float4 zero = {0.f, 0.f, 0.f, 0.f};
+    float4* state = reinterpret_cast<float4*>(ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv);
+    float4 column[VEC_ROWS];
+#pragma unroll
+    for (int i = 0; i < VEC_ROWS; ++i)
+        column[i] = (active && !is_fresh) ? state[(size_t)(row0 + i) * groups + g] : zero;
+
+    // the token's scalars beside the state (as early_loads); thread j < dv finishes column j
+    const bf16* row = proj + (size_t)t * proj_stride;
+    bf16* window = conv_state + (size_t)slot * (width - 1) * conv_dim;
+    const int j = threadIdx.x;
+    const float b_in = to_f(row[conv_dim + value_dim + h]);
+    const float a_in = to_f(row[conv_dim + value_dim + num_value_heads + h]);
+    const float rate = neg_decay_rate[h], bias = dt_bias[h];
+    float z_in = 0.f, weight_j = 0.f;
+    if (j < dv) {
+        z_in = to_f(row[conv_dim + h * dv + j]);
+        weight_j = to_f(norm_weight[j]);
+    }
+    decode_conv(s, h, is_fresh, row, window, q, k, v, last_to_arrive, conv_weight, arrivals, num_key_heads, ratio,
+                key_head, key_dim, conv_dim, dv, width);
+    // the l2 norms' two block sums in one pass (decode_l2_scales' sums, in its order, with one
+    // barrier pair instead of two: the second sum's warp totals go to the not yet used deltas)
+    float q_sq = 0.f, k_sq = 0.f;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        q_sq += q[i] * q[i];
+        k_sq += k[i] * k[i];
+    }
+    q_sq = warp_sum(q_sq);
+    k_sq = warp_sum(k_sq);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    if (lane == 0) {
+        scratch[warp] = q_sq;
+        deltas[warp] = k_sq;
+    }
+    __syncthreads();
+    q_sq = warp_sum(lane < num_warps ? scratch[lane] : 0.f);
+    k_sq = warp_sum(lane < num_warps ? deltas[lane] : 0.f);
+    const float q_scale = rsqrtf(q_sq + L2_NORM_EPS) * rsqrtf((float)DK), k_scale = rsqrtf(k_sq + L2_NORM_EPS);
+    const float beta = gdn_beta(b_in), decay = __expf(gdn_log_decay(a_in, rate, bias));
+
+    // S <- decay S; predicted_j = S[:, j]^T k: 16 partials a column, summed by thread j
+    float4 predicted = zero;
+#pragma unroll
+    for (int i = 0; i < VEC_ROWS; ++i) {
+        const float key = k[row0 + i] * k_scale;
+        column[i].x *= decay;
+        column[i].y *= decay;
+        column[i].z *= decay;
+        column[i].w *= decay;
+        predicted.x += column[i].x * key;
+        predicted.y += column[i].y * key;
+        predicted.z += column[i].z * key;
+        predicted.w += column[i].w * key;
+    }
+    float4* partials4 = reinterpret_cast<float4*>(partials);  // [VEC_PARTS][dv]
+    if (active) partials4[part * groups + g] = predicted;
+    __syncthreads();  // also: every read of the l2 sums' warp totals in deltas is done
+    if (j < dv) {
+        float total = 0.f;
+#pragma unroll
+        for (int p = 0; p < VEC_PARTS; ++p) total += partials[p * dv + j];
+        deltas[j] = (v[j] - total) * beta;
+    }
+    __syncthreads();  // deltas published; the partials' reads are done
+
+    // S += k delta^T; o_j = S[:, j]^T q
+    const float4 delta = active ? reinterpret_cast<const float4*>(deltas)[g] : zero;
+    float4 o = zero;
+#pragma unroll
+    for (int i = 0; i < VEC_ROWS; ++i) {
+        const float key = k[row0 + i] * k_scale, query = q[row0 + i] * q_scale;
+        column[i].x += key * delta.x;
+        column[i].y += key * delta.y;
+        column[i].z += key * delta.z;
+        column[i].w += key * delta.w;
+        o.x += column[i].x * query;
+        o.y += column[i].y * query;
+        o.z += column[i].z * query;
+        o.w += column[i].w * query;
+    }
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < VEC_ROWS; ++i) state[(size_t)(row0 + i) * groups + g] = column[i];
+        partials4[part * groups + g] = o;
+    }
+    __syncthreads();
+    float o_j = 0.f;
+    if (j < dv) {
+#pragma unroll
+        for (int p = 0; p < VEC_PARTS; ++p) o_j += partials[p * dv + j];
+        o_j = round_bf16(o_j);  // o is bf16 when HF hands it to the norm
+    }
+
+    // gated RMSNorm over the head's dv outputs
+    const float inv_rms = rsqrtf(block_sum(j < dv ? o_j * o_j : 0.f, scratch) / (float)dv + eps);
+    if (j < dv) {
+        const float normed = round_bf16(o_j * inv_rms);
+        out[(size_t)t * value_dim + (size_t)h * dv + j] =
+            __float2bfloat16_rn(round_bf16(weight_j * normed) * silu_f(z_in));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_vec4(GDN_DECODE_PARAMS) {
+    DECODE_SHARED;
+    __shared__ __align__(16) float partials[VEC_PARTS * 256];
+    __shared__ __align__(16) float deltas[256];
+    decode_sequence_head_vec4(blockIdx.x, blockIdx.y, q, k, v, scratch, last_to_arrive, partials, deltas,
+                              GDN_DECODE_ARGS);
+}

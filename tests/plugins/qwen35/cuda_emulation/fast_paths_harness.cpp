@@ -1,5 +1,5 @@
-// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain and
-// the early-loads kernel on the same inputs) on the CPU
+// Runs the chunked prefill (gdn_chunked.cu) and the fused decode step (gdn_decode.cu: the plain,
+// early-loads, coalesced and vec4 kernels on the same inputs) on the CPU
 // (tests/helpers/cuda_host) on arrays written by test_qwen35_cuda_emulated.py, and writes the
 // outputs back. The tensor-core mma is emulated lane by lane: each lane publishes its fragment
 // registers at its warp's barrier and computes its own four outputs from the 16x16 and 16x8
@@ -10,6 +10,9 @@ inline void __threadfence() {}
 #include <cuda_bf16.h>
 #undef __launch_bounds__
 #define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
+struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
+    float x, y, z, w;
+};
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
@@ -63,6 +66,14 @@ int main(int argc, char** argv) {
                            slots.data(), fresh.data(), token_seq.data(), vec_conv_out.data(), num_tokens, conv_dim,
                            width);
         });
+        // the register-window conv (also before the window update): the same conv_out
+        std::vector<bf16> window_conv_out(conv_out.size());
+        launch(static_cast<unsigned>((num_tokens + CONV_TOKENS - 1) / CONV_TOKENS),
+               static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+            gdn_conv1d_window(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(),
+                              slots.data(), fresh.data(), token_seq.data(), window_conv_out.data(), num_tokens,
+                              conv_dim, width);
+        });
         launch(1, 1, 1, 1, [&] {
             gdn_conv_state(proj.data(), proj_stride, conv_state.data(), query_start.data(), slots.data(),
                            fresh.data(), num_seqs, conv_dim, width);
@@ -103,8 +114,26 @@ int main(int argc, char** argv) {
             gdn_gated_norm_warp(core.data(), proj.data(), proj_stride, norm.data(), warp_out.data(), conv_dim,
                                 value_dim, nv, dv, eps);
         });
-        std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
+        std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(window_conv_out, conv_out) &&
+                                     bits_equal(warp_out, out) ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
+
+        // the blocked triangular solve (gdn_chunk_prepare_blocked) on the same conv output: qn, kn,
+        // P and c bit for bit (the solve comes after them), W and U (from T) for the test to compare
+        std::vector<bf16> b_qn(qn.size()), b_kn(kn.size()), b_w(w.size()), b_u(u.size()), b_p(p.size());
+        std::vector<float> b_cum(cum.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_prepare_blocked(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                      chunk_start.data(), chunk_len.data(), b_qn.data(), b_kn.data(), b_w.data(),
+                                      b_u.data(), b_p.data(), b_cum.data(), nk, nv, dv);
+        });
+        std::vector<int> blocked_same{bits_equal(b_qn, qn) && bits_equal(b_kn, kn) && bits_equal(b_p, p) &&
+                                      bits_equal(b_cum, cum) ? 1 : 0};
+        save(dir, "blocked_prepare_same.bin", blocked_same);
+        save(dir, "prepare_w.bin", w);
+        save(dir, "prepare_u.bin", u);
+        save(dir, "blocked_w.bin", b_w);
+        save(dir, "blocked_u.bin", b_u);
 
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
         // core output and final states
@@ -172,6 +201,20 @@ int main(int argc, char** argv) {
         save(dir, "coalesced_out.bin", c_out);
         save(dir, "coalesced_conv_state_out.bin", c_conv_state);
         save(dir, "coalesced_ssm_state_out.bin", c_ssm);
+
+        // the vec4 kernel (16-byte state accesses, 16 partial sums a column) on the same inputs
+        auto v_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto v_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> v_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_vec4(proj.data(), proj_stride, weight.data(), v_conv_state.data(), v_ssm.data(),
+                                 rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                 fresh.data(), arrivals.data(), v_out.data(), nk, nv, dv, width, eps);
+        });
+        save(dir, "vec4_out.bin", v_out);
+        save(dir, "vec4_conv_state_out.bin", v_conv_state);
+        save(dir, "vec4_ssm_state_out.bin", v_ssm);
+        save(dir, "vec4_arrivals.bin", arrivals);
 
     }
     return 0;
