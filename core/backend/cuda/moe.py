@@ -441,14 +441,14 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
-    pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
-                 and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
-                                       and per_expert >= PIPELINED_MIN_ROWS_PER_EXPERT)))
+    use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
+                     and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
+                                           and per_expert >= PIPELINED_MIN_ROWS_PER_EXPERT)))
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
-    if pipelined:
+    if use_pipelined:
         _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False)
         return out
     if name is not None and weight.gemv_ready(a):
