@@ -46,8 +46,9 @@ MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into
                        per-head k_nope / v, ``mla_prefill_attention`` (tensor-core
                        causal flash attention, nope+rope / v head dims)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
-                       around ``mla_attention_mma`` (tensor cores, 64 heads per block;
-                       up to 64 heads, and at most 64 tokens when <= 16 heads) or
+                       around ``mla_attention_mma`` (tensor cores, up to 64 heads; 64
+                       heads per block below 64 absorbed rows, blocks of 16 heads from
+                       64: core ``mla.heads16``, ``OPENINFER_MLA_HEADS16``) or
                        ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
                        choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
@@ -57,8 +58,12 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
                        bf16: ``moe_gemv_wide`` to 1.5, ``moe_gemv_mma`` to 6; FP8:
-                       ``moe_gemv`` to 3), else ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV=
-                       mma_depth3|4|8``: ``moe_gemv_mma`` with more chunks in flight
+                       ``moe_gemv`` to 3), else ``moe_grouped_gemm`` (bf16 under
+                       ``OPENINFER_MOE_PIPELINED=tiles|fused``: ``moe_grouped_gemm_
+                       pipelined`` from 1.5 slots per expert, fused: gate_up with SiLU·mul
+                       in one launch); eager steps from 512 slots per expert: cuBLAS per
+                       expert; ``OPENINFER_MOE_GEMV=mma_depth3|4|8``: ``moe_gemv_mma``
+                       with more chunks in flight
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 
