@@ -478,6 +478,234 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
 }
 
 // ---------------------------------------------------------------------------------------------
+// mla_prefill_attention again, built for throughput (same grid, tile list, arguments and outputs;
+// dynamic shared memory PREFILL2_SMEM bytes): 64-key steps whose K ([k_nope | k_pe]) and V tiles are
+// copied by cp.async one step ahead (two stages), fragments by ldmatrix (V transposed by ldmatrix
+// .trans, not element by element), the query tile's fragments in registers, the causal mask only on
+// the key steps that cross the tile's diagonal, softmax in base 2 with the scale folded in.
+// ---------------------------------------------------------------------------------------------
+#define PREFILL2_KEYS 64
+#define PREFILL2_QK_ROW (QK_DIM + 8)  // padded rows: ldmatrix's 8 row addresses on distinct banks
+#define PREFILL2_V_ROW (V_DIM + 8)
+#define PREFILL2_K_ELEMS (PREFILL2_KEYS * PREFILL2_QK_ROW)
+#define PREFILL2_STAGE_ELEMS (PREFILL2_K_ELEMS + PREFILL2_KEYS * PREFILL2_V_ROW)
+#define PREFILL2_SMEM ((PREFILL_BLOCK_M * PREFILL2_QK_ROW + 2 * PREFILL2_STAGE_ELEMS) * 2)
+#ifndef PREFILL2_DYNAMIC_SHARED  // a host harness defines it as a static array
+#define PREFILL2_DYNAMIC_SHARED(name) extern __shared__ __align__(16) bf16 name[]
+#endif
+
+#ifdef MMA_HOST_STANDIN  // the host emulation copies at once; fragments read element-wise in mma's layout
+__device__ __forceinline__ void prefill2_copy16(bf16* smem, const bf16* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+__device__ __forceinline__ void prefill2_commit() {}
+__device__ __forceinline__ void prefill2_wait_one() {}
+// A fragment (16 rows from r0, 16 columns from c) of a row-major tile with row pitch `pitch`
+__device__ __forceinline__ void prefill2_a_fragment(unsigned* r, const bf16* tile, int pitch, int r0, int c, int lane) {
+    const int g = lane >> 2, q = (lane & 3) * 2;
+    r[0] = mla_load_pair(tile + (r0 + g) * pitch + c + q);
+    r[1] = mla_load_pair(tile + (r0 + g + 8) * pitch + c + q);
+    r[2] = mla_load_pair(tile + (r0 + g) * pitch + c + q + 8);
+    r[3] = mla_load_pair(tile + (r0 + g + 8) * pitch + c + q + 8);
+}
+// B fragments of two n8 tiles (rows n0 .. n0 + 15 of a [n][k] tile, k from c): {b0, b1} each
+__device__ __forceinline__ void prefill2_b_fragments(unsigned* r, const bf16* tile, int pitch, int n0, int c, int lane) {
+    const int g = lane >> 2, q = (lane & 3) * 2;
+    r[0] = mla_load_pair(tile + (n0 + g) * pitch + c + q);
+    r[1] = mla_load_pair(tile + (n0 + g) * pitch + c + q + 8);
+    r[2] = mla_load_pair(tile + (n0 + 8 + g) * pitch + c + q);
+    r[3] = mla_load_pair(tile + (n0 + 8 + g) * pitch + c + q + 8);
+}
+// B fragments of two n8 tiles (columns d0 .. d0 + 15) of a [k][n] tile (k = keys from k0)
+__device__ __forceinline__ void prefill2_bt_fragments(unsigned* r, const bf16* tile, int pitch, int k0, int d0, int lane) {
+    const int g = lane >> 2, q = (lane & 3) * 2;
+    auto pair = [&](int k, int d) {
+        return (unsigned)__bfloat16_as_ushort(tile[k * pitch + d]) |
+               ((unsigned)__bfloat16_as_ushort(tile[(k + 1) * pitch + d]) << 16);
+    };
+    r[0] = pair(k0 + q, d0 + g);
+    r[1] = pair(k0 + 8 + q, d0 + g);
+    r[2] = pair(k0 + q, d0 + 8 + g);
+    r[3] = pair(k0 + 8 + q, d0 + 8 + g);
+}
+#else
+__device__ __forceinline__ void prefill2_copy16(bf16* smem, const bf16* gmem, bool valid) { cp_async16(smem, gmem, valid); }
+__device__ __forceinline__ void prefill2_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// this thread's copies of all but the newest group landed
+__device__ __forceinline__ void prefill2_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void prefill2_a_fragment(unsigned* r, const bf16* tile, int pitch, int r0, int c, int lane) {
+    ldmatrix_x4(r, tile + (r0 + (lane & 15)) * pitch + c + (lane >> 4) * 8);
+}
+__device__ __forceinline__ void prefill2_b_fragments(unsigned* r, const bf16* tile, int pitch, int n0, int c, int lane) {
+    ldmatrix_x4(r, tile + (n0 + (lane >> 4) * 8 + (lane & 7)) * pitch + c + ((lane >> 3) & 1) * 8);
+}
+// ldmatrix .trans over [key][dim] rows: matrices (keys k0.., d0), (k0 + 8.., d0), (k0.., d0 + 8), (k0 + 8.., d0 + 8)
+__device__ __forceinline__ void prefill2_bt_fragments(unsigned* r, const bf16* tile, int pitch, int k0, int d0, int lane) {
+    ldmatrix_x4_trans(r, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + d0 + (lane >> 4) * 8);
+}
+#endif
+
+// Key step `key0` of the sequence's context (rows ctx_first + key0 ..) into a stage: K = [k_nope of
+// `head` | k_pe], V; zeros past key_end.
+__device__ __forceinline__ void prefill2_issue(bf16* stage, const bf16* __restrict__ k_nope, const bf16* __restrict__ k_pe,
+                                               const bf16* __restrict__ values, long long ctx_first, int key0,
+                                               int key_end, int head, int num_heads) {
+    constexpr int K_PIECES = QK_DIM / 8, V_PIECES = V_DIM / 8;
+    for (int i = threadIdx.x; i < PREFILL2_KEYS * K_PIECES; i += PREFILL_THREADS) {
+        const int r = i / K_PIECES, c = (i % K_PIECES) * 8;
+        const bool valid = key0 + r < key_end;
+        const long long key = ctx_first + key0 + (valid ? r : 0);
+        const bf16* src = c < NOPE_DIM ? k_nope + (key * num_heads + head) * NOPE_DIM + c : k_pe + key * ROPE_DIM + c - NOPE_DIM;
+        prefill2_copy16(stage + r * PREFILL2_QK_ROW + c, src, valid);
+    }
+    bf16* v_tile = stage + PREFILL2_K_ELEMS;
+    for (int i = threadIdx.x; i < PREFILL2_KEYS * V_PIECES; i += PREFILL_THREADS) {
+        const int r = i / V_PIECES, c = (i % V_PIECES) * 8;
+        const bool valid = key0 + r < key_end;
+        const long long key = ctx_first + key0 + (valid ? r : 0);
+        prefill2_copy16(v_tile + r * PREFILL2_V_ROW + c, values + (key * num_heads + head) * V_DIM + c, valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
+mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restrict__ k_nope,
+                                const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
+                                const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,
+                                const int* __restrict__ tile_query, int num_heads, float scale,
+                                bf16* __restrict__ out) {
+    PREFILL2_DYNAMIC_SHARED(prefill2_smem);  // Q tile, then two (K, V) stages
+    bf16* q_tile = prefill2_smem;
+    bf16* stages = prefill2_smem + PREFILL_BLOCK_M * PREFILL2_QK_ROW;
+    const int* seq = prefill_seqs + tile_seq[blockIdx.x] * PREFILL_SEQ_FIELDS;
+    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
+    const int tile_q = tile_query[blockIdx.x], head = blockIdx.y;
+    const int tile_rows = min(PREFILL_BLOCK_M, num_queries - tile_q);
+    const int offset = context - num_queries;  // position of query 0
+    const int key_end = min(context, offset + tile_q + tile_rows);  // keys up to the tile's last query
+    const int steps = (key_end + PREFILL2_KEYS - 1) / PREFILL2_KEYS;
+    for (int i = threadIdx.x; i < PREFILL_BLOCK_M * (QK_DIM / 8); i += PREFILL_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        const bool valid = r < tile_rows;
+        prefill2_copy16(q_tile + r * PREFILL2_QK_ROW + c,
+                        q + ((long long)(q_first + tile_q + (valid ? r : 0)) * num_heads + head) * QK_DIM + c, valid);
+    }
+    prefill2_issue(stages, k_nope, k_pe, values, ctx_first, 0, key_end, head, num_heads);
+    prefill2_commit();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
+    const int first_pos = offset + tile_q + warp * 16;  // the warp's first query position
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float acc[V_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < V_DIM / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    unsigned qf[QK_DIM / 16][4];
+    for (int step = 0; step < steps; ++step) {
+        const int key0 = step * PREFILL2_KEYS;
+        if (step + 1 < steps)  // the stage read last turn (the barrier at its end) gets the next step
+            prefill2_issue(stages + ((step + 1) & 1) * PREFILL2_STAGE_ELEMS, k_nope, k_pe, values, ctx_first,
+                           key0 + PREFILL2_KEYS, key_end, head, num_heads);
+        prefill2_commit();
+        prefill2_wait_one();
+        __syncthreads();  // step `step` (and the Q tile) landed for every thread
+        if (step == 0) {
+#pragma unroll
+            for (int kk = 0; kk < QK_DIM / 16; ++kk) prefill2_a_fragment(qf[kk], q_tile, PREFILL2_QK_ROW, warp * 16, 16 * kk, lane);
+        }
+        const bf16* k_tile = stages + (step & 1) * PREFILL2_STAGE_ELEMS;
+        const bf16* v_tile = k_tile + PREFILL2_K_ELEMS;
+        float s[PREFILL2_KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < PREFILL2_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[j][v] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < QK_DIM / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < PREFILL2_KEYS / 16; ++j) {
+                unsigned kf[4];
+                prefill2_b_fragments(kf, k_tile, PREFILL2_QK_ROW, 16 * j, 16 * kk, lane);
+                mma_bf16_16816(s[2 * j], qf[kk], kf[0], kf[1]);
+                mma_bf16_16816(s[2 * j + 1], qf[kk], kf[2], kf[3]);
+            }
+        // scaled to base 2; masked (causal, past the context) only where the step reaches the
+        // warp's diagonal or the context's end
+        const bool masked = key0 + PREFILL2_KEYS > min(first_pos + 1, key_end);
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < PREFILL2_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1, key = key0 + 8 * j + pair + (v & 1);
+                const int query_pos = offset + tile_q + row0 + 8 * r;
+                s[j][v] = !masked || (key < key_end && key <= query_pos) ? s[j][v] * scale_log2 : -INFINITY;
+                tile_max[r] = fmaxf(tile_max[r], s[j][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : exp2f(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < PREFILL2_KEYS / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1;
+                s[j][v] = s[j][v] == -INFINITY ? 0.f : exp2f(s[j][v] - row_max[r]);
+                tile_sum[r] += s[j][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // acc += P · V: the score accumulators are the A fragments of P (keys 16·ks ... 16·ks + 15)
+#pragma unroll
+        for (int ks = 0; ks < PREFILL2_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int j = 0; j < V_DIM / 16; ++j) {
+                unsigned vf[4];
+                prefill2_bt_fragments(vf, v_tile, PREFILL2_V_ROW, 16 * ks, 16 * j, lane);
+                mma_bf16_16816(acc[2 * j], pf, vf[0], vf[1]);
+                mma_bf16_16816(acc[2 * j + 1], pf, vf[2], vf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before the next turn refills it
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= tile_rows) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j)
+            *reinterpret_cast<unsigned*>(dst + 8 * j + pair) = pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Absorbed attention on tensor cores (decode): per (token, 64 heads, quarter of the latent output
 // dims, context split) one block of 4 warps, 16 heads each: S = Q̃ · latentᵀ over 576-wide rows
 // (bf16 mma.sync m16n8k16, fp32), online softmax, O += P · c_kv[:, quarter]. The four quarters
