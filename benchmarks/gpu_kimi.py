@@ -686,6 +686,7 @@ EXPERT_VARIANTS = {
     "pipelined": "moe_grouped_gemm_pipelined (tiles mode), gate_up then silu_mul",
     "fused": "moe_grouped_gemm_pipelined, gate_up with SiLU·mul fused (fused mode)",
     "pipelined_s3": "moe_grouped_gemm_pipelined with 3 stages, gate_up with SiLU·mul fused",
+    "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
     "blas": "cuBLAS per active expert (eager only)",
 }
 
@@ -718,8 +719,9 @@ def run_experts(args) -> dict:
 
     def experts_call(x, grouping, gate_up, down, variant: str):
         def call():
-            if variant in ("fused", "pipelined_s3"):
-                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping,
+            shape = "n256" if variant == "fused_n256" else "n128"
+            if variant in ("fused", "pipelined_s3", "fused_n256"):
+                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping, shape=shape,
                                                         stages=3 if variant == "pipelined_s3" else cuda_moe.PIPE_STAGES)
                 down_mode = "tiles"
             else:
@@ -727,12 +729,12 @@ def run_experts(args) -> dict:
                 gemv = False if variant in ("tiles", "pipelined") else None
                 blas = backend.blas if variant in ("blas", "chosen") else None
                 activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, gemv, blas=blas,
-                                                                   pipelined=mode))
+                                                                   pipelined=mode, pipe_shape=shape))
                 down_mode = mode
             return cuda_moe.grouped_gemm(activated, down, grouping, False,
-                                         False if variant in ("tiles", "pipelined", "fused", "pipelined_s3") else None,
+                                         None if variant in ("blas", "chosen") else False,
                                          blas=backend.blas if variant in ("blas", "chosen") else None,
-                                         pipelined=down_mode)
+                                         pipelined=down_mode, pipe_shape=shape)
         return call
 
     for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -3,12 +3,13 @@
 // Same arguments and tile list as moe_grouped_gemm (moe_sort's 64-row tiles of one expert):
 //   out[p, n] = Σ_k A[row(p), k] · W_e[n, k],  row(p) = sorted_slots[p] / top_k (gather) or p.
 // A block: 4 warps, one 64-row tile × PIPE_TILE_N weight rows; each warp owns 8·PIPE_WARP_N8
-// weight rows and all the tile's rows, so a decode tile of 6-24 rows multiplies only its 1-2 used
+// weight rows (4 n8 tiles: 128 per block; 8: 256, fewer shared-memory fragment reads per mma for
+// prefill-sized tiles) and all the tile's rows, so a decode tile of 6-24 rows multiplies only its 1-2 used
 // m16 slices (warp-uniform skip) and the block streams its weight rows from HBM PIPE_STAGES - 1
 // k-tiles ahead. Unused rows of a used m16 slice are zero-filled (cp.async source size 0).
 //
-// PIPE_FUSE_SILU=1 (gate_up only, W = [gate; up] with N = 2I): warp w's 32 weight rows are gate
-// rows c0 + 16w .. +16 and the up rows I + c0 + 16w .. +16, so each lane holds gate and up of the
+// PIPE_FUSE_SILU=1 (gate_up only, W = [gate; up] with N = 2I): warp w's 8·PIPE_WARP_N8 weight rows
+// are gate rows c0 + h·w .. + h and the up rows I + c0 + h·w .. + h (h = 4·PIPE_WARP_N8), so each lane holds gate and up of the
 // same output columns in registers and writes silu(gate)·up ([T·k, I]) directly: the same
 // roundings as grouped_gemm → silu_mul (gate and up rounded to bf16, silu rounded, product rounded).
 //
@@ -21,12 +22,16 @@
 #ifndef PIPE_FUSE_SILU
 #define PIPE_FUSE_SILU 0
 #endif
+#ifndef PIPE_WARP_N8
+#define PIPE_WARP_N8 4  // n8 mma tiles per warp (4 or 8): 32 or 64 weight rows
+#endif
+#ifndef PIPE_TILE_K
+#define PIPE_TILE_K 64  // 64 or 32
+#endif
 #define PIPE_WARPS 4
-#define PIPE_WARP_N8 4                            // n8 mma tiles per warp: 32 weight rows
-#define PIPE_TILE_M 64                            // moe_sort's tile (BM in moe.cu)
-#define PIPE_TILE_N (PIPE_WARPS * PIPE_WARP_N8 * 8)  // 128 weight rows per block
-#define PIPE_TILE_K 64
-#define PIPE_PITCH (PIPE_TILE_K + 8)              // 144-byte rows: ldmatrix's 8 row addresses hit distinct banks
+#define PIPE_TILE_M 64                               // moe_sort's tile (BM in moe.cu)
+#define PIPE_TILE_N (PIPE_WARPS * PIPE_WARP_N8 * 8)  // 128 or 256 weight rows per block
+#define PIPE_PITCH (PIPE_TILE_K + 8)  // 144- / 80-byte rows: ldmatrix's 8 row addresses hit distinct banks
 #define PIPE_STAGE_ELEMS ((PIPE_TILE_M + PIPE_TILE_N) * PIPE_PITCH)
 #if PIPE_FUSE_SILU
 #define PIPE_OUT_N (PIPE_TILE_N / 2)  // output columns per block
@@ -79,9 +84,10 @@ __device__ __forceinline__ void pipe_b_fragments(unsigned* r, const bf16* tile, 
 // The weight row (of N) behind row r of the block's B tile, or -1 past the weight.
 __device__ __forceinline__ int pipe_weight_row(int r, int N) {
 #if PIPE_FUSE_SILU
-    const int half = N / 2, within = r % 32;
-    const int column = blockIdx.y * PIPE_OUT_N + (r / 32) * 16 + within % 16;
-    return column < half ? column + (within >= 16 ? half : 0) : -1;
+    constexpr int WARP_ROWS = 8 * PIPE_WARP_N8, WARP_COLUMNS = WARP_ROWS / 2;
+    const int half = N / 2, within = r % WARP_ROWS;
+    const int column = blockIdx.y * PIPE_OUT_N + (r / WARP_ROWS) * WARP_COLUMNS + within % WARP_COLUMNS;
+    return column < half ? column + (within >= WARP_COLUMNS ? half : 0) : -1;
 #else
     const int n = blockIdx.y * PIPE_TILE_N + r;
     return n < N ? n : -1;
@@ -186,7 +192,7 @@ moe_grouped_gemm_pipelined(const bf16* __restrict__ a, const int* __restrict__ s
 #if PIPE_FUSE_SILU
 #pragma unroll
             for (int j = 0; j < PIPE_WARP_N8 / 2; ++j) {  // gate tile j, up tile j + PIPE_WARP_N8 / 2
-                const int c = blockIdx.y * PIPE_OUT_N + warp * 16 + 8 * j + q;
+                const int c = blockIdx.y * PIPE_OUT_N + warp * 4 * PIPE_WARP_N8 + 8 * j + q;
                 float o[2];
 #pragma unroll
                 for (int v = 0; v < 2; ++v) {

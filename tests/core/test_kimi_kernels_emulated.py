@@ -80,6 +80,8 @@ CASES = {
     # I = 72 (a 64-column block and an 8-column one) through a ring of 2
     "bf16-pipelined": ("bf16", RouterSpec(6, 2, "sigmoid")),
     "bf16-pipelined-fused": ("bf16", RouterSpec(6, 2, "softmax")),
+    # the 256 x 32 block shape: K = 96 in three k-tiles, N = 144 and I = 72 in one partial block each
+    "bf16-pipelined-n256-fused": ("bf16", RouterSpec(6, 2, "sigmoid")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
 CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
@@ -87,7 +89,9 @@ CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
                "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3}),
                "int4-mma-staged": (1024, 64, {"STAGED_CHUNKS": 2, "STAGED_STAGES": 2}),
                "bf16-pipelined": (96, 72, {"PIPE_STAGES": 3}),
-               "bf16-pipelined-fused": (96, 72, {"PIPE_STAGES": 2, "PIPE_FUSE_SILU": 1})}
+               "bf16-pipelined-fused": (96, 72, {"PIPE_STAGES": 2, "PIPE_FUSE_SILU": 1}),
+               "bf16-pipelined-n256-fused": (96, 72, {"PIPE_STAGES": 4, "PIPE_FUSE_SILU": 1, "PIPE_WARP_N8": 8,
+                                                       "PIPE_TILE_K": 32})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:

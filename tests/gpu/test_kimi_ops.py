@@ -164,8 +164,8 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     assert relative_error(out, reference) < BF16_TOL
 
 
-@pytest.mark.parametrize("stages", [4, 3])
-def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, monkeypatch):
+@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256")])
+def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, shape, monkeypatch):
     """moe_grouped_gemm_pipelined on the ragged experts of test_fused_moe_matches_numpy_experts (an
     empty expert, one past a 64-row tile, 1-15-row tiles; N and K not multiples of its 128 x 64 tile;
     fused: I = 224, a half-used last block): the same bits as the per-tile GEMM (the same mma k order),
@@ -185,10 +185,11 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stage
 
     def experts(mode: str):
         if mode == "fused":
-            activated = moe.fused_gate_up_silu(x, gate_up, grouping, stages=stages)
+            activated = moe.fused_gate_up_silu(x, gate_up, grouping, stages=stages, shape=shape)
         else:
-            activated = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, True, False, pipelined=mode))
-        return activated, moe.grouped_gemm(activated, down, grouping, False, False, pipelined=mode)
+            activated = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, True, False, pipelined=mode,
+                                                               pipe_shape=shape))
+        return activated, moe.grouped_gemm(activated, down, grouping, False, False, pipelined=mode, pipe_shape=shape)
 
     (act_tiles, y_tiles), (act_pipe, y_pipe), (act_fused, _) = experts("off"), experts("tiles"), experts("fused")
     assert np.array_equal(act_pipe.get(), act_tiles.get()) and np.array_equal(y_pipe.get(), y_tiles.get())

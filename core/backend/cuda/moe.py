@@ -137,8 +137,20 @@ MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output colu
 PIPELINED_ENV = "OPENINFER_MOE_PIPELINED"
 PIPELINED_MODES = ("off", "tiles", "fused")
 PIPELINED_MIN_ROWS_PER_EXPERT = 1.5  # below: moe_gemv_wide (bf16 table), whatever the mode
-PIPE_WARPS, PIPE_TILE_N, PIPE_TILE_K, PIPE_PITCH = 4, 128, 64, 72  # moe_pipelined.cu
+PIPE_WARPS = 4  # moe_pipelined.cu
 PIPE_STAGES = 4
+# Block shapes (moe_pipelined.cu defines): 128 weight rows x 64-wide k-tiles (a warp: 4 n8 mma tiles),
+# or 256 x 32 (8 n8 tiles: fewer shared-memory fragment reads per mma, for prefill-sized tiles); both
+# 2 blocks per SM at 4 stages. Chosen by slots per expert (the first entry whose bound holds); the
+# wide shape is unmeasured: n128 throughout until a window measures it.
+PIPE_SHAPES: dict[str, dict[str, int]] = {"n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
+                                          "n256": {"PIPE_WARP_N8": 8, "PIPE_TILE_K": 32}}
+PIPE_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "n128"),)
+
+
+def pipe_shape_for(slots_per_expert: float) -> str:
+    """The moe_pipelined.cu block shape (PIPE_SHAPES) for a step's slots per expert."""
+    return next(name for most, name in PIPE_SHAPE_CHOICE if slots_per_expert <= most)
 
 
 def pipelined_mode(mode: str | None = None) -> str:
@@ -157,14 +169,18 @@ def pipelined_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = Fal
             and weight.data.data.ptr % 16 == 0 and weight.out_features % (4 if fuse_silu else 2) == 0)
 
 
-def _launch_pipelined(weight: ExpertLinear, grid_rows: int, args: tuple, fuse_silu: bool,
+def _launch_pipelined(weight: ExpertLinear, grid_rows: int, args: tuple, fuse_silu: bool, shape: str,
                       stages: int = PIPE_STAGES) -> None:
-    """moe_grouped_gemm_pipelined over ``grid_rows`` 64-row tiles; ``args`` its argument list."""
-    fn = kernel("moe_pipelined.cu", "moe_grouped_gemm_pipelined", PIPE_STAGES=stages, PIPE_FUSE_SILU=int(fuse_silu))
-    shared = stages * (TILE_M + PIPE_TILE_N) * PIPE_PITCH * 2
+    """moe_grouped_gemm_pipelined (block shape ``shape``) over ``grid_rows`` 64-row tiles; ``args``
+    its argument list."""
+    defines = PIPE_SHAPES[shape]
+    fn = kernel("moe_pipelined.cu", "moe_grouped_gemm_pipelined", PIPE_STAGES=stages, PIPE_FUSE_SILU=int(fuse_silu),
+                **defines)
+    tile_n = PIPE_WARPS * defines["PIPE_WARP_N8"] * 8
+    shared = stages * (TILE_M + tile_n) * (defines["PIPE_TILE_K"] + 8) * 2
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    columns = PIPE_TILE_N // 2 if fuse_silu else PIPE_TILE_N
+    columns = tile_n // 2 if fuse_silu else tile_n
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     fn((grid_rows, -(-out_features // columns)), (PIPE_WARPS * 32,), args, shared_mem=shared)
 
@@ -421,7 +437,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
-                 pipelined: str | None = None) -> cupy.ndarray:
+                 pipelined: str | None = None, pipe_shape: str | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -429,7 +445,8 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``).
     ``pipelined`` (default $OPENINFER_MOE_PIPELINED): "tiles"/"fused" runs bf16 experts' GEMM
     through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
-    chosen decode GEMV from PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (unless one is forced)."""
+    chosen decode GEMV from PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (unless one is forced);
+    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -449,7 +466,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
     if use_pipelined:
-        _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False)
+        _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False, pipe_shape or pipe_shape_for(per_expert))
         return out
     if name is not None and weight.gemv_ready(a):
         _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
@@ -535,9 +552,10 @@ def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
 
 
 def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice,
-                       stages: int = PIPE_STAGES) -> cupy.ndarray:
+                       stages: int = PIPE_STAGES, shape: str | None = None) -> cupy.ndarray:
     """``silu_mul(grouped_gemm(a, weight, grouping, gather=True))`` in one moe_grouped_gemm_pipelined
-    launch (bf16 ``weight`` = [gate; up], ``pipelined_ready(a, weight, fuse_silu=True)``): ``[T·k, I]``."""
+    launch (bf16 ``weight`` = [gate; up], ``pipelined_ready(a, weight, fuse_silu=True)``): ``[T·k, I]``.
+    ``shape``: the block shape (PIPE_SHAPES; default ``pipe_shape_for`` the slots per expert)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features // 2), dtype=cupy.uint16)
     if num_slots:
@@ -545,7 +563,7 @@ def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGr
         _launch_pipelined(weight, grouping.max_tiles, (
             a, grouping.sorted_slots, np.int32(grouping.top_k), weight.data, grouping.tile_expert, grouping.tile_row,
             grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(weight.out_features),
-            np.int32(weight.in_features)), True, stages)
+            np.int32(weight.in_features)), True, shape or pipe_shape_for(num_slots / weight.num_experts), stages)
     return out
 
 
