@@ -200,84 +200,6 @@ def bench_mla_prefill(backend, rng) -> list[dict]:
     return points
 
 
-# prompts of one decompressed prefill step at Moonlight's 16 heads (and Kimi-K2's 64): a 1k prompt, 8 of
-# them (a 256-stream burst's mixed step), one of 8k
-MLA_PREFILL_STEPS = {"1x1024": [1024], "8x1024": [1024] * 8, "1x8192": [8192]}
-
-
-def prefill_batch(backend, lengths: list[int], block_size: int = 64):
-    """A step of fresh prompts of ``lengths`` tokens, each on its own run of cache blocks."""
-    from openinfer.backend.base import ForwardBatch
-
-    blocks = [-(-n // block_size) for n in lengths]
-    tables = np.zeros((len(lengths), max(blocks)), np.int32)
-    first = 1
-    for s, count in enumerate(blocks):
-        tables[s, :count] = first + np.arange(count)
-        first += count
-    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
-    owner = np.repeat(np.arange(len(lengths)), lengths)
-    host = ForwardBatch(token_ids=np.zeros(positions.size, np.int32), positions=positions,
-                        query_start=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-                        context_lens=np.array(lengths, np.int32), block_tables=tables,
-                        slot_mapping=(tables[owner, positions // block_size] * block_size + positions % block_size
-                                      ).astype(np.int32),
-                        logits_rows=(np.cumsum(lengths) - 1).astype(np.int32), max_query_len=max(lengths),
-                        max_context_len=max(lengths))
-    return backend.prepare_batch(host), first
-
-
-def bench_mla_prefill_kernels(backend, rng) -> list[dict]:
-    """The decompressed form's attention kernel (OPENINFER_MLA_PREFILL: tiles vs pipelined) on whole
-    prefill steps (MLA_PREFILL_STEPS): mla_forward with the latent write, gather, kv_b expansions."""
-    import cupy
-
-    from openinfer.backend.cuda import mla as cuda_mla
-    from openinfer.mla import MLASpec
-    from openinfer.rope import RopeParameters, RotaryEmbedding
-    from openinfer.tools.ledger import gpu_seconds
-
-    points = []
-    rope = RotaryEmbedding.create(64, RopeParameters(50000.0), 8192)
-    cos, sin = cupy.asarray(rope.cos), cupy.asarray(rope.sin)
-    before = os.environ.get(cuda_mla.PREFILL_KERNEL_ENV)
-    try:
-        for heads in (16, 64):
-            spec = MLASpec(heads, 128, 64, 128, 512, 192 ** -0.5)
-            w_uk = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
-            w_uv = backend.weight((0.05 * rng.standard_normal((heads, 128, 512))).astype(np.float32))
-            norm = backend.weight(np.ones(512, np.float32))
-            for label, lengths in MLA_PREFILL_STEPS.items():
-                batch, num_blocks = prefill_batch(backend, lengths)
-                tokens = sum(lengths)
-                cache = device_random_bf16((num_blocks, 64, 1, 576))
-                q = device_random_bf16((tokens, heads * 192))
-                latent = device_random_bf16((tokens, 576))
-                # causal attention FLOPs: QK^T over 192 dims and PV over 128, half the square per prompt
-                flops = sum(n * (n + 1) / 2 for n in lengths) * heads * 2 * (192 + 128)
-                point = {"heads": heads, "step": label, "tokens": tokens, "attention_gflop": flops / 1e9}
-                outputs = {}
-                for name in cuda_mla.PREFILL_KERNELS:
-                    os.environ[cuda_mla.PREFILL_KERNEL_ENV] = name
-                    attend = partial(attend_once, backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos,
-                                     sin, 1)
-                    outputs[name] = backend.to_host(attend())
-                    seconds = gpu_seconds(attend, repeats=3 if tokens > 4096 else 10)
-                    point[f"{name}_ms"] = 1e3 * seconds
-                    point[f"{name}_attention_tflops_upper_bound"] = flops / seconds / 1e12
-                point["pipelined_speedup"] = point["tiles_ms"] / point["pipelined_ms"]
-                ref = outputs["tiles"]
-                point["relative_difference"] = float(np.linalg.norm(outputs["pipelined"] - ref) / np.linalg.norm(ref))
-                points.append(point)
-                print(json.dumps(point), flush=True)
-    finally:
-        if before is None:
-            os.environ.pop(cuda_mla.PREFILL_KERNEL_ENV, None)
-        else:
-            os.environ[cuda_mla.PREFILL_KERNEL_ENV] = before
-    return points
-
-
 MLA_DECODES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (64, 4096)]  # (batch, context)
 # (key, plot label): the decompressed ("naive") form, kv_b expansion of the whole context + flash
 # attention, as a decode would take it with prefill_min_query 1; the absorbed form on each kernel.
@@ -830,7 +752,6 @@ def run_kernels(args) -> dict:
     bandwidth = copy_bandwidth()
     report = {"benchmark": "kimi_kernels", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9}
     sections = {"mla_prefill": lambda: bench_mla_prefill(backend, rng),
-                "mla_prefill_kernels": lambda: bench_mla_prefill_kernels(backend, rng),
                 "mla_decode": lambda: bench_mla_decode(backend, rng, bandwidth,
                                                        tuple(int(h) for h in args.mla_heads.split(","))),
                 "quantized_linear": lambda: bench_quantized_linears(backend, rng, bandwidth),
@@ -865,8 +786,6 @@ def plot_kernels(report: dict, path: Path) -> None:
         panels.append(partial(_plot_grouped_experts, report["grouped_experts"]))
     if report.get("mla_decode"):
         panels.append(partial(_plot_mla_decode, report["mla_decode"]))
-    if report.get("mla_prefill_kernels"):
-        panels.append(partial(_plot_mla_prefill_kernels, report["mla_prefill_kernels"]))
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
@@ -875,17 +794,6 @@ def plot_kernels(report: dict, path: Path) -> None:
     fig.suptitle(f"Kimi-K2 kernel choices — {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _plot_mla_prefill_kernels(points: list[dict], ax) -> None:
-    x = np.arange(len(points))
-    ax.bar(x - 0.2, [p["tiles_ms"] for p in points], 0.4, label="mla_prefill_attention")
-    ax.bar(x + 0.2, [p["pipelined_ms"] for p in points], 0.4, label="mla_prefill_attention_pipelined")
-    ax.set_xticks(x, [f"{p['heads']}h {p['step']}" for p in points], rotation=45, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("mla_forward, decompressed (ms)")
-    ax.set_title("MLA prefill attention kernel")
-    ax.legend(fontsize=8)
 
 
 def _plot_mla_prefill(points: list[dict], ax) -> None:
@@ -1642,8 +1550,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     kernels = sub.add_parser("kernels")
     kernels.add_argument("--sections", default="",
-                         help="comma list of mla_prefill,mla_prefill_kernels,mla_decode,quantized_linear,"
-                              "grouped_experts (default: all)")
+                         help="comma list of mla_prefill,mla_decode,quantized_linear,grouped_experts (default: all)")
     kernels.add_argument("--mla-heads", default="16,64", help="head counts of the mla_decode section")
     gemv = sub.add_parser("gemv")
     gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
