@@ -492,19 +492,6 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
                             cupy.asarray(rope.sin), 1e-6, prefill_min_query=prefill_min_query,
                             absorbed_kernel=absorbed_kernel)
         assert relative_error(cuda_backend.to_host(again), reference) < BF16_TOL
-    if prefill_min_query < 10**6:  # prefills again on mla_prefill_attention_pipelined (64-key steps: the
-        # 70-token chunk's diagonal inside a step, keys past the context zero-filled, a partial query tile)
-        monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")
-        again = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
-                            cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv),
-                            cuda_backend.weight(norm), spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos),
-                            cupy.asarray(rope.sin), 1e-6, prefill_min_query=prefill_min_query,
-                            absorbed_kernel=absorbed_kernel)
-        assert relative_error(cuda_backend.to_host(again), reference) < BF16_TOL
-        assert relative_error(cuda_backend.to_host(again), cuda_backend.to_host(out)) < 1e-2
-        monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "wavy")
-        with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
-            cuda_mla.prefill_kernel()
 
 
 # --- the whole model ---------------------------------------------------------------------------

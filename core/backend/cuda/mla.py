@@ -84,30 +84,6 @@ COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_s
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
-# The decompressed form's attention kernel (opt-in until measured): OPENINFER_MLA_PREFILL=pipelined takes
-# mla_prefill_attention_pipelined (64-key steps copied by cp.async a step ahead, ldmatrix fragments, V
-# transposed by ldmatrix .trans, the causal mask only on diagonal steps, base-2 softmax) over
-# mla_prefill_attention (32-key steps loaded then multiplied, V transposed element by element in shared
-# memory), which the kernel ledger (window E0, H200) put at 148 of a 283 ms Moonlight 8k prefill.
-PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
-PREFILL_KERNELS = {"tiles": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
-PREFILL2_KEYS, PREFILL_BLOCK_M = 64, 64  # mla.cu
-
-
-def prefill_kernel() -> str:
-    """The decompressed form's attention kernel name ($OPENINFER_MLA_PREFILL: tiles, the default, or pipelined)."""
-    name = os.environ.get(PREFILL_KERNEL_ENV) or "tiles"
-    if name not in PREFILL_KERNELS:
-        raise ValueError(f"{PREFILL_KERNEL_ENV} is one of {', '.join(PREFILL_KERNELS)}; got {name!r}")
-    return PREFILL_KERNELS[name]
-
-
-def prefill_shared_bytes(spec: MLASpec) -> int:
-    """mla_prefill_attention_pipelined's dynamic shared memory: the Q tile and two (K, V) stages (PREFILL2_SMEM)."""
-    qk_row, v_row = spec.qk_head_dim + 8, spec.v_head_dim + 8
-    return (PREFILL_BLOCK_M * qk_row + 2 * PREFILL2_KEYS * (qk_row + v_row)) * 2
-
-
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
 # an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
 PREFILL_MIN_QUERY = 16
@@ -402,12 +378,7 @@ def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy
     values = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
     blas.matmul_nt(c_kv, w_uk.reshape(heads * spec.qk_nope_dim, lora), k_nope)
     blas.matmul_nt(c_kv, w_uv.reshape(heads * spec.v_head_dim, lora), values)
-    name = prefill_kernel()
-    attention = kernel("mla.cu", name, **_defines(spec))
-    shared = prefill_shared_bytes(spec) if name == PREFILL_KERNELS["pipelined"] else 0
-    # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
-    if shared and isinstance(attention, cupy.RawKernel) and attention.max_dynamic_shared_size_bytes < shared:
-        attention.max_dynamic_shared_size_bytes = shared
-    attention((int(plan.tile_seq.shape[0]), heads), (PREFILL_THREADS,), (
+    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), heads),
+                                                                (PREFILL_THREADS,), (
         q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(heads),
-        np.float32(spec.scale), out), shared_mem=shared)
+        np.float32(spec.scale), out))

@@ -9,7 +9,6 @@
 #include "moe_pipelined.cu"
 #endif
 #else
-#define PREFILL2_DYNAMIC_SHARED(name) alignas(16) static bf16 name[PREFILL2_SMEM / 2]
 #include "mla.cu"
 #endif
 
@@ -216,12 +215,6 @@ int main(int argc, char** argv) {
         mla_prefill_attention(q.data(), k_nope.data(), k_pe.data(), values.data(), seqs.data(), tile_seq.data(),
                               tile_query.data(), heads, scale, out.data());
     });
-    std::vector<bf16> out_pipelined(size_t(T) * heads * V_DIM);  // the same tiles on the pipelined kernel
-    launch(tiles, heads, 1, PREFILL_THREADS, [&] {
-        mla_prefill_attention_pipelined(q.data(), k_nope.data(), k_pe.data(), values.data(), seqs.data(),
-                                        tile_seq.data(), tile_query.data(), heads, scale, out_pipelined.data());
-    });
-    save(dir, "out_pipelined.bin", out_pipelined);
     save(dir, "c_kv.bin", c_kv);
     save(dir, "k_pe.bin", k_pe);
     save(dir, "out.bin", out);
