@@ -385,23 +385,6 @@ MLA_BATCHES = {
 }
 
 
-def test_heads16_choice(monkeypatch):
-    """mla_attention_mma's 16-head blocks: from HEADS16_MIN_TOKENS absorbed rows by default (by the
-    row count only: a captured graph keeps its choice), always / never when forced, else an error."""
-    from openinfer.backend.cuda import mla as cuda_mla
-
-    monkeypatch.delenv(cuda_mla.HEADS16_ENV, raising=False)
-    assert not cuda_mla.heads16(cuda_mla.HEADS16_MIN_TOKENS - 1) and cuda_mla.heads16(cuda_mla.HEADS16_MIN_TOKENS)
-    assert cuda_mla.mma_decode_head_chunks(16, 256) == 1 and cuda_mla.mma_decode_head_chunks(16, 1) == 4
-    monkeypatch.setenv(cuda_mla.HEADS16_ENV, "1")
-    assert cuda_mla.heads16(1)
-    monkeypatch.setenv(cuda_mla.HEADS16_ENV, "0")
-    assert not cuda_mla.heads16(256)
-    monkeypatch.setenv(cuda_mla.HEADS16_ENV, "maybe")
-    with pytest.raises(ValueError, match="OPENINFER_MLA_HEADS16"):
-        cuda_mla.heads16(64)
-
-
 @pytest.mark.parametrize("batch_name,prefill_min_query,absorbed_kernel,max_splits,async_tiles", [
     ("small", 10**6, "cuda_cores", "", False), ("small", 2, "cuda_cores", "", False),
     ("long", 16, "cuda_cores", "", False), ("small", 10**6, "mma", "", False), ("long", 16, "mma", "", False),
@@ -418,14 +401,12 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     cores, many empty at 5 tokens) with q_pe rotated by 20 x 32 / 128 = 5 blocks per token, and the
     settings before (16 splits, one rotating block per token). Async: mla_attention_mma's tiles by
     cp.async with mla_combine_splits_shared (the defaults) give the bits of the former kernels; in
-    blocks of 16 heads (forced here; the default from 64 rows) within the bf16 tolerance (more splits:
-    another summation order)."""
+    blocks of 16 heads (opt-in) within the bf16 tolerance (more splits: another summation order)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.mla import mla_forward
 
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(cuda_mla.SPREAD_ROPE_ENV, "0" if max_splits else "1")  # the settings before D3, or now
-    monkeypatch.setenv(cuda_mla.HEADS16_ENV, "0")  # 64-head blocks whatever the row count; 16-head ones below
     if batch_name == "decodes" and not max_splits:
         assert cuda_mla.num_splits(4, 4, 132) > 16
 

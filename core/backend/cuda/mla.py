@@ -69,16 +69,13 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # 14.5 us, combine 41.1 -> 21.7 us, layer 334 -> 303 us; whole mla_forward, 64 heads, 1k context: 0.150 ->
 # 0.144 / 0.543 -> 0.321 / 1.847 -> 0.849 ms at batch 1 / 64 / 256; 16 heads 0.531 -> 0.309 at 64.
 ASYNC_TILES_ENV = "OPENINFER_MLA_ASYNC_TILES"
-# mla_attention_mma with blocks of 16 heads whose 4 warps take the 4 output quarters (one key tile read
-# serves them: 64-head blocks are a quarter each, so Moonlight's 16 heads read every key tile 4 times and
-# fill a quarter of each 64-row mma tile): the default from HEADS16_MIN_TOKENS absorbed rows in the step.
-# H200 E3 (2026-11-24, results/kimi_kernels_mla_decode_e3_h200.json), whole mla_forward with the async
-# tiles: 16 heads 0.148 -> 0.206 ms at batch 1 (behind), 0.309 -> 0.173 at 64, 0.814 -> 0.282 at 256
-# (context 4096: 0.801 -> 0.308 at 64); 64 heads 0.144 -> 0.145 / 0.321 -> 0.279 / 0.849 -> 0.705.
-# Fewer head blocks mean more context splits, so the bits differ from the 64-head blocks where the split
-# count does (both within bf16 of NumPy, GPU-tested). OPENINFER_MLA_HEADS16=1: at every batch; =0: never.
+# Opt-in: OPENINFER_MLA_HEADS16=1 builds mla_attention_mma with blocks of 16 heads whose 4 warps take the 4
+# output quarters (one key tile read serves them: 64-head blocks are a quarter each, so Moonlight's 16
+# heads read every key tile 4 times and fill a quarter of each 64-row mma tile). H200 E3, whole
+# mla_forward with the async tiles: 16 heads 0.148 -> 0.206 ms at batch 1 (behind), 0.309 -> 0.173 at 64,
+# 0.814 -> 0.282 at 256; 64 heads 0.144 -> 0.145 / 0.321 -> 0.279 / 0.849 -> 0.705. Fewer head blocks
+# mean more context splits, so the bits differ from the 64-head blocks where the split count does.
 HEADS16_ENV = "OPENINFER_MLA_HEADS16"
-HEADS16_MIN_TOKENS = 64  # measured ahead at 64 and 256 rows, behind at 1 (16 and 32: not measured)
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
@@ -236,23 +233,14 @@ def async_tiles() -> bool:
     return os.environ.get(ASYNC_TILES_ENV, "1") not in ("0", "false", "off")
 
 
-def heads16(num_tokens: int) -> bool:
-    """Whether mla_attention_mma runs blocks of 16 heads for a step of ``num_tokens`` absorbed rows:
-    from HEADS16_MIN_TOKENS ($OPENINFER_MLA_HEADS16=1: always, =0: never). Depends on the row count
-    only, so a captured decode graph keeps its choice."""
-    name = os.environ.get(HEADS16_ENV) or "auto"
-    if name in ("1", "true", "on"):
-        return True
-    if name in ("0", "false", "off"):
-        return False
-    if name != "auto":
-        raise ValueError(f"{HEADS16_ENV} is auto, 1 or 0; got {name!r}")
-    return num_tokens >= HEADS16_MIN_TOKENS
+def heads16() -> bool:
+    """Whether mla_attention_mma runs blocks of 16 heads ($OPENINFER_MLA_HEADS16=1; opt-in)."""
+    return os.environ.get(HEADS16_ENV, "0") in ("1", "true", "on")
 
 
-def mma_decode_head_chunks(num_heads: int, num_tokens: int) -> int:
+def mma_decode_head_chunks(num_heads: int) -> int:
     """mla_attention_mma's grid.y: head blocks x output quarters (64-head blocks), or 16-head blocks."""
-    if heads16(num_tokens):
+    if heads16():
         return -(-num_heads // 16)
     return -(-num_heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS
 
@@ -265,12 +253,11 @@ def combine_kernel() -> str:
     return COMBINE_KERNELS[name]
 
 
-def _mma_decode_kernel(spec: MLASpec, num_tokens: int):
+def _mma_decode_kernel(spec: MLASpec):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
-    blocks16 = heads16(num_tokens)
-    smem = ((16 if blocks16 else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
+    smem = ((16 if heads16() else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
     attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
-                       **({"MLA_HEADS16": 1} if blocks16 else {}))
+                       **({"MLA_HEADS16": 1} if heads16() else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
@@ -328,7 +315,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    head_chunks = mma_decode_head_chunks(heads, num_tokens) if use_mma else -(-heads // HEADS_PER_BLOCK)
+    head_chunks = mma_decode_head_chunks(heads) if use_mma else -(-heads // HEADS_PER_BLOCK)
     splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
     if splits > 1:
@@ -339,7 +326,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if use_mma:
-        attention, smem = _mma_decode_kernel(spec, num_tokens)
+        attention, smem = _mma_decode_kernel(spec)
         attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
         kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
