@@ -46,9 +46,8 @@ MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into
                        per-head k_nope / v, ``mla_prefill_attention`` (tensor-core
                        causal flash attention, nope+rope / v head dims)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
-                       around ``mla_attention_mma`` (tensor cores, up to 64 heads; 64
-                       heads per block below 64 absorbed rows, blocks of 16 heads from
-                       64: core ``mla.heads16``, ``OPENINFER_MLA_HEADS16``) or
+                       around ``mla_attention_mma`` (tensor cores, 64 heads per block;
+                       up to 64 heads, and at most 64 tokens when <= 16 heads) or
                        ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
                        choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
