@@ -599,7 +599,7 @@ def run_gemv(args) -> dict:
 # decode batches (1.5-24 slots per expert, inside CUDA graphs) and an 8k-token prefill (768, eager: the
 # cuBLAS-per-expert path reads the counts on the host)
 EXPERTS_SHAPE = {"experts": 64, "top_k": 6, "hidden": 2048, "inter": 1408}
-EXPERTS_TOKENS = [16, 32, 64, 128, 256, 1024, 8192]
+EXPERTS_TOKENS = [1, 4, 16, 32, 64, 128, 256, 1024, 8192]
 EXPERTS_GRAPH_MAX_TOKENS = 1024  # above: timed eagerly (cuBLAS per expert cannot be captured)
 # variant -> (what gate_up runs, what down runs); "+silu" adds core's silu_mul after gate_up
 EXPERT_VARIANTS = {
