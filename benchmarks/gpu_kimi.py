@@ -620,6 +620,7 @@ def run_experts(args) -> dict:
     from openinfer.backend.cuda import CudaBackend
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.moe import ExpertLinear
+    from openinfer.moe import RouterSpec
     from openinfer.tools.ledger import gpu_seconds
 
     backend = CudaBackend()
@@ -636,6 +637,9 @@ def run_experts(args) -> dict:
     downs = [ExpertLinear("bf16", device_random_bf16((c["experts"], c["hidden"], c["inter"])), None,
                           c["hidden"], c["inter"]) for _ in range(copies)]
     per_expert = 2 * (3 * c["inter"] * c["hidden"])
+    router = RouterSpec(c["experts"], c["top_k"], "sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
+    router_gate = device_random_bf16((c["experts"], c["hidden"]))
+    router_bias = cupy.zeros(c["experts"], cupy.float32)
     report = {"benchmark": "kimi_experts", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "shape": c, "variants": {name: EXPERT_VARIANTS[name] for name in variants}, "points": []}
 
@@ -692,6 +696,15 @@ def run_experts(args) -> dict:
             point[f"{variant}_relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
             point[f"{variant}_bit_equal_tiles"] = bool(np.array_equal(out, reference))
         point["fastest"] = min(outputs, key=lambda name: point[f"{name}_us"])
+        # the rest of the routed path: router + top-k (moe_route), grouping (moe_sort_parallel), combine
+        def routing(x=x, y_rows=device_random_bf16((tokens * c["top_k"], c["hidden"]))):
+            ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
+            grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+            return cuda_moe.combine(y_rows, grouping, None, c["hidden"])
+        if point["graph"]:
+            point["routing_us"] = 1e6 * graph_call_seconds([routing] * 4)[0]
+        else:
+            point["routing_us"] = 1e6 * gpu_seconds(routing, repeats=3, warmup=1)
         print(json.dumps(point), flush=True)
         report["points"].append(point)
     return report
