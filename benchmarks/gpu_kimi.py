@@ -595,6 +595,142 @@ def run_gemv(args) -> dict:
     return report
 
 
+# Moonlight's routed experts (bf16, 64 x top-6, hidden 2048, moe_intermediate 1408) by grouped kernel:
+# decode batches (1.5-24 slots per expert, inside CUDA graphs) and an 8k-token prefill (768, eager: the
+# cuBLAS-per-expert path reads the counts on the host)
+EXPERTS_SHAPE = {"experts": 64, "top_k": 6, "hidden": 2048, "inter": 1408}
+EXPERTS_TOKENS = [1, 4, 16, 32, 64, 128, 256, 1024, 8192]
+EXPERTS_GRAPH_MAX_TOKENS = 1024  # above: timed eagerly (cuBLAS per expert cannot be captured)
+# variant -> (what gate_up runs, what down runs); "+silu" adds core's silu_mul after gate_up
+EXPERT_VARIANTS = {
+    "chosen": "what ships with OPENINFER_MOE_PIPELINED unset (decode GEMV / per-tile GEMM / cuBLAS per expert)",
+    "tiles": "moe_grouped_gemm (the per-tile GEMM)",
+    "pipelined": "moe_grouped_gemm_pipelined (tiles mode), gate_up then silu_mul",
+    "fused": "moe_grouped_gemm_pipelined, gate_up with SiLU·mul fused (fused mode)",
+    "pipelined_s3": "moe_grouped_gemm_pipelined with 3 stages, gate_up with SiLU·mul fused",
+    "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
+    "blas": "cuBLAS per active expert (eager only)",
+}
+
+
+def run_experts(args) -> dict:
+    """Moonlight's routed experts, gate_up (+ SiLU·mul) and down, by grouped kernel; see EXPERT_VARIANTS."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import ExpertLinear
+    from openinfer.moe import RouterSpec
+    from openinfer.tools.ledger import gpu_seconds
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    c = EXPERTS_SHAPE
+    variants = args.variants.split(",") if args.variants else list(EXPERT_VARIANTS)
+    unknown = set(variants) - set(EXPERT_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(EXPERT_VARIANTS)}")
+    copies = 2  # 2 x 1.1 GB of weights: far past the 50 MB L2
+    gate_ups = [ExpertLinear("bf16", device_random_bf16((c["experts"], 2 * c["inter"], c["hidden"])), None,
+                             2 * c["inter"], c["hidden"]) for _ in range(copies)]
+    downs = [ExpertLinear("bf16", device_random_bf16((c["experts"], c["hidden"], c["inter"])), None,
+                          c["hidden"], c["inter"]) for _ in range(copies)]
+    per_expert = 2 * (3 * c["inter"] * c["hidden"])
+    router = RouterSpec(c["experts"], c["top_k"], "sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
+    router_gate = device_random_bf16((c["experts"], c["hidden"]))
+    router_bias = cupy.zeros(c["experts"], cupy.float32)
+    report = {"benchmark": "kimi_experts", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+              "shape": c, "variants": {name: EXPERT_VARIANTS[name] for name in variants}, "points": []}
+
+    def experts_call(x, grouping, gate_up, down, variant: str):
+        def call():
+            shape = "n256" if variant == "fused_n256" else "n128"
+            if variant in ("fused", "pipelined_s3", "fused_n256"):
+                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping, shape=shape,
+                                                        stages=3 if variant == "pipelined_s3" else cuda_moe.PIPE_STAGES)
+                down_mode = "tiles"
+            else:
+                mode = "tiles" if variant == "pipelined" else "off"
+                gemv = False if variant in ("tiles", "pipelined") else None
+                blas = backend.blas if variant in ("blas", "chosen") else None
+                activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, gemv, blas=blas,
+                                                                   pipelined=mode, pipe_shape=shape))
+                down_mode = mode
+            return cuda_moe.grouped_gemm(activated, down, grouping, False,
+                                         None if variant in ("blas", "chosen") else False,
+                                         blas=backend.blas if variant in ("blas", "chosen") else None,
+                                         pipelined=down_mode, pipe_shape=shape)
+        return call
+
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        groupings, active = [], []
+        for _ in range(GEMV_CALLS if tokens <= EXPERTS_GRAPH_MAX_TOKENS else 2):
+            ids = np.stack([rng.choice(c["experts"], c["top_k"], replace=False) for _ in range(tokens)])
+            groupings.append(cuda_moe.group_by_expert(cupy.asarray(ids.astype(np.int32)),
+                                                      cupy.ones(ids.shape, cupy.float32), c["experts"]))
+            active.append(np.unique(ids).size)
+        x = backend.upload(rng.standard_normal((tokens, c["hidden"])).astype(np.float32) * 0.5)
+        point = {"tokens": tokens, "slots_per_expert": tokens * c["top_k"] / c["experts"],
+                 "bytes_mean": float(np.mean(active)) * per_expert,
+                 "graph": tokens <= EXPERTS_GRAPH_MAX_TOKENS}
+        outputs = {}
+        for variant in variants:
+            if variant == "blas" and point["graph"]:
+                continue
+            calls = [experts_call(x, g, gate_ups[i % copies], downs[i % copies], variant)
+                     for i, g in enumerate(groupings)]
+            outputs[variant] = backend.to_host(calls[0]())
+            if point["graph"]:
+                seconds, error = graph_call_seconds(calls)
+                if error:
+                    point[f"{variant}_graph_error"] = error
+            else:
+                seconds = gpu_seconds(lambda calls=calls: [call() for call in calls], repeats=3, warmup=1) / len(calls)
+            point[f"{variant}_us"] = 1e6 * seconds
+            point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes_mean"] / seconds / bandwidth
+            point[f"{variant}_tflops"] = 2 * tokens * c["top_k"] * 3 * c["inter"] * c["hidden"] / seconds / 1e12
+        reference = outputs.get("tiles", next(iter(outputs.values())))
+        for variant, out in outputs.items():
+            point[f"{variant}_speedup_vs_chosen"] = point.get("chosen_us", np.nan) / point[f"{variant}_us"]
+            point[f"{variant}_relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+            point[f"{variant}_bit_equal_tiles"] = bool(np.array_equal(out, reference))
+        point["fastest"] = min(outputs, key=lambda name: point[f"{name}_us"])
+        # the rest of the routed path: router + top-k (moe_route), grouping (moe_sort_parallel), combine
+        def routing(x=x, y_rows=device_random_bf16((tokens * c["top_k"], c["hidden"]))):
+            ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
+            grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+            return cuda_moe.combine(y_rows, grouping, None, c["hidden"])
+        if point["graph"]:
+            point["routing_us"] = 1e6 * graph_call_seconds([routing] * 4)[0]
+        else:
+            point["routing_us"] = 1e6 * gpu_seconds(routing, repeats=3, warmup=1)
+        print(json.dumps(point), flush=True)
+        report["points"].append(point)
+    return report
+
+
+def plot_experts(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["points"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(report["variants"]))
+    for i, name in enumerate(report["variants"]):
+        ax.bar(np.arange(len(points)) + i * width, [p.get(f"{name}_us", np.nan) for p in points], width, label=name)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2,
+                  [f"{p['tokens']} tokens ({p['slots_per_expert']:.1f}/expert)" for p in points])
+    ax.set_yscale("log")
+    ax.set_ylabel("gate_up + SiLU·mul + down, us per layer")
+    ax.set_title(f"Moonlight routed experts (bf16, 64 x top-6) by kernel ({report['device']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_gemv(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -1436,6 +1572,10 @@ def main() -> None:
     gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
                                                     "(default: all)")
     gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")
+    experts = sub.add_parser("experts", help="Moonlight's bf16 routed experts by grouped kernel")
+    experts.add_argument("--tokens", default=",".join(map(str, EXPERTS_TOKENS)), help="comma list of token counts")
+    experts.add_argument("--variants", default="", help=f"comma list of {', '.join(EXPERT_VARIANTS)} (default: all)")
+    experts.add_argument("--name", default="kimi_experts", help="results file name (JSON + PNG)")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)
@@ -1479,6 +1619,8 @@ def main() -> None:
     elif args.command == "gemv":
         report, plot = run_gemv(args), plot_gemv
         name = args.name or "kimi_gemv" + ("" if args.sections == "dense,grouped" else f"_{args.sections.replace(',', '_')}")
+    elif args.command == "experts":
+        report, name, plot = run_experts(args), args.name, plot_experts
     elif args.command == "layer":
         report, name, plot = run_layer(args), args.name, plot_layer
     else:

@@ -75,12 +75,23 @@ CASES = {
     "fp8-mma-split2-depth3": ("fp8", RouterSpec(6, 2, "softmax")),
     # moe_gemv_mma_staged (INT4 group 32): K = 1024 in four 2-chunk stages through a ring of 2
     "int4-mma-staged": ("int4", RouterSpec(6, 2, "sigmoid")),
+    # moe_grouped_gemm_pipelined (bf16): gate_up K = 96 (a 64-wide k-tile and a half one) through a
+    # ring of 3, N = 144 (a 128-row block and a 16-row one); down K = 72, N = 96; fused SiLU·mul with
+    # I = 72 (a 64-column block and an 8-column one) through a ring of 2
+    "bf16-pipelined": ("bf16", RouterSpec(6, 2, "sigmoid")),
+    "bf16-pipelined-fused": ("bf16", RouterSpec(6, 2, "softmax")),
+    # the 256 x 32 block shape: K = 96 in three k-tiles, N = 144 and I = 72 in one partial block each
+    "bf16-pipelined-n256-fused": ("bf16", RouterSpec(6, 2, "sigmoid")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
 CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
                "int4-mma-split4": (320, 64, {"MMA_GEMV_KSPLIT": 4}),
                "fp8-mma-split2-depth3": (320, 64, {"MMA_GEMV_KSPLIT": 2, "MMA_GEMV_DEPTH": 3}),
-               "int4-mma-staged": (1024, 64, {"STAGED_CHUNKS": 2, "STAGED_STAGES": 2})}
+               "int4-mma-staged": (1024, 64, {"STAGED_CHUNKS": 2, "STAGED_STAGES": 2}),
+               "bf16-pipelined": (96, 72, {"PIPE_STAGES": 3}),
+               "bf16-pipelined-fused": (96, 72, {"PIPE_STAGES": 2, "PIPE_FUSE_SILU": 1}),
+               "bf16-pipelined-n256-fused": (96, 72, {"PIPE_STAGES": 4, "PIPE_FUSE_SILU": 1, "PIPE_WARP_N8": 8,
+                                                       "PIPE_TILE_K": 32})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:
@@ -167,6 +178,14 @@ def test_moe_kernels_match_numpy(tmp_path, case):
     narrow = read_array(tmp_path, "narrow_gemv_mma", np.uint16, (tokens, 2 * inter - 8))
     assert relative_error(narrow, dense[:, :-8]) < 1e-2
     assert relative_error(read_array(tmp_path, "w1_bf16", np.uint16, w1_ref[0].shape), w1_ref[0]) < 4e-3
+    if "pipelined" in case:  # tensor cores (the warp stand-in) vs the plain-FMA tiles: summation order apart
+        act = read_array(tmp_path, "act", np.uint16, (tokens * spec.top_k, inter))
+        if "fused" in case:
+            assert relative_error(read_array(tmp_path, "h_pipe", np.uint16, act.shape), act) < 1e-2
+        else:
+            assert relative_error(read_array(tmp_path, "h_pipe", np.uint16, h.shape), h) < 1e-2
+            y = read_array(tmp_path, "y", np.uint16, (tokens * spec.top_k, hidden))
+            assert relative_error(read_array(tmp_path, "y_pipe", np.uint16, y.shape), y) < 1e-2
     if "staged" in case:  # the same chunks in the same k order as moe_gemv_mma: the same bits
         assert np.array_equal(read_array(tmp_path, "h_gemv_staged", np.uint16, h.shape),
                               read_array(tmp_path, "h_gemv_mma", np.uint16, h.shape))

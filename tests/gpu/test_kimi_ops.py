@@ -164,6 +164,85 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     assert relative_error(out, reference) < BF16_TOL
 
 
+@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256")])
+def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, shape, monkeypatch):
+    """moe_grouped_gemm_pipelined on the ragged experts of test_fused_moe_matches_numpy_experts (an
+    empty expert, one past a 64-row tile, 1-15-row tiles; N and K not multiples of its 128 x 64 tile;
+    fused: I = 224, a half-used last block): the same bits as the per-tile GEMM (the same mma k order),
+    the fused gate_up the same bits as gate_up then silu_mul, the whole experts within bf16 of NumPy,
+    and a CUDA graph replay of the pipelined experts equal to the eager run."""
+    moe = _moe_cuda()
+    monkeypatch.setattr(moe, "PIPE_STAGES", stages)
+    num_experts, top_k, hidden, inter, tokens = 8, 3, 160, 224, 90
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids = rng.choice([0, 1, 2, 3, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    ids[:70, 0] = 1
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    assert moe.pipelined_ready(x, gate_up, fuse_silu=True)
+
+    def experts(mode: str):
+        if mode == "fused":
+            activated = moe.fused_gate_up_silu(x, gate_up, grouping, stages=stages, shape=shape)
+        else:
+            activated = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, True, False, pipelined=mode,
+                                                               pipe_shape=shape))
+        return activated, moe.grouped_gemm(activated, down, grouping, False, False, pipelined=mode, pipe_shape=shape)
+
+    (act_tiles, y_tiles), (act_pipe, y_pipe), (act_fused, _) = experts("off"), experts("tiles"), experts("fused")
+    assert np.array_equal(act_pipe.get(), act_tiles.get()) and np.array_equal(y_pipe.get(), y_tiles.get())
+    assert np.array_equal(act_fused.get(), act_tiles.get())
+    out = cuda_backend.to_host(moe.combine(y_pipe, grouping, None, hidden))
+    reference = run_experts(REF, cuda_backend.to_host(x), weights, group_by_expert(ids, num_experts),
+                            [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
+                             for e in range(num_experts)])
+    assert relative_error(out, reference) < BF16_TOL
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        experts("fused")  # modules loaded and the pool's blocks cached before capture
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        _, y_graph = experts("fused")
+        graph = stream.end_capture()
+        y_graph[...] = 0
+        graph.launch()
+        stream.synchronize()
+    assert np.array_equal(y_graph.get(), y_tiles.get())
+
+
+def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
+    """OPENINFER_MOE_PIPELINED: off by default; tiles/fused take the pipelined kernel from
+    PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (below, the decode GEMV), never for other formats
+    or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear error."""
+    moe = _moe_cuda()
+    monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    assert moe.pipelined_mode() == "off"
+    monkeypatch.setenv(moe.PIPELINED_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_PIPELINED"):
+        moe.pipelined_mode()
+    monkeypatch.setenv(moe.PIPELINED_ENV, "fused")
+    weight, _ = _expert_weights(rng, "bf16", 4, 64, 64)
+    few = moe.group_by_expert(cupy.asarray(np.arange(4, dtype=np.int32).reshape(4, 1)), cupy.ones((4, 1), cupy.float32), 4)
+    many = moe.group_by_expert(cupy.asarray((np.arange(32) % 4).astype(np.int32).reshape(32, 1)),
+                               cupy.ones((32, 1), cupy.float32), 4)
+    x_few, x_many = (cuda_backend.upload(bf16_random(rng, n, 64)) for n in (4, 32))
+    assert not moe.pipelined_gate_up(x_few, weight, few, None)  # 1 slot per expert: the GEMV
+    assert moe.pipelined_gate_up(x_many, weight, many, None)
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")
+    assert not moe.pipelined_gate_up(x_many, weight, many, None)
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV)
+    int4, _ = _expert_weights(rng, "int4", 4, 64, 64)
+    assert not moe.pipelined_ready(x_many, int4)
+    monkeypatch.setenv(moe.PIPELINED_ENV, "tiles")
+    assert not moe.pipelined_gate_up(x_many, weight, many, None)
+    on = moe.grouped_gemm(x_many, weight, many, True)
+    monkeypatch.setenv(moe.PIPELINED_ENV, "0")
+    assert np.array_equal(on.get(), moe.grouped_gemm(x_many, weight, many, True, False).get())
+
+
 def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):
     """cuBLAS per expert reads the routing's counts on the host: on by default (OPENINFER_MOE_BLAS=0
     turns it off), never for small steps, never while a CUDA graph is captured."""

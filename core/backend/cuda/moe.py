@@ -129,6 +129,62 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
+# moe_pipelined.cu's grouped GEMM for bf16 experts (opt-in until measured: OPENINFER_MOE_PIPELINED=tiles
+# takes it wherever the per-tile moe_grouped_gemm ran and, from PIPELINED_MIN_ROWS_PER_EXPERT slots per
+# expert, instead of the decode GEMV; =fused also fuses gate_up with SiLU·mul): moe_grouped_gemm loads a
+# tile, waits, multiplies (one 8 KB weight tile in flight per block); this one keeps PIPE_STAGES - 1
+# k-tiles of 128 weight rows in flight (cp.async) and multiplies only the m16 slices a tile's rows use.
+PIPELINED_ENV = "OPENINFER_MOE_PIPELINED"
+PIPELINED_MODES = ("off", "tiles", "fused")
+PIPELINED_MIN_ROWS_PER_EXPERT = 1.5  # below: moe_gemv_wide (bf16 table), whatever the mode
+PIPE_WARPS = 4  # moe_pipelined.cu
+PIPE_STAGES = 4
+# Block shapes (moe_pipelined.cu defines): 128 weight rows x 64-wide k-tiles (a warp: 4 n8 mma tiles),
+# or 256 x 32 (8 n8 tiles: fewer shared-memory fragment reads per mma, for prefill-sized tiles); both
+# 2 blocks per SM at 4 stages. Chosen by slots per expert (the first entry whose bound holds); the
+# wide shape is unmeasured: n128 throughout until a window measures it.
+PIPE_SHAPES: dict[str, dict[str, int]] = {"n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
+                                          "n256": {"PIPE_WARP_N8": 8, "PIPE_TILE_K": 32}}
+PIPE_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "n128"),)
+
+
+def pipe_shape_for(slots_per_expert: float) -> str:
+    """The moe_pipelined.cu block shape (PIPE_SHAPES) for a step's slots per expert."""
+    return next(name for most, name in PIPE_SHAPE_CHOICE if slots_per_expert <= most)
+
+
+def pipelined_mode(mode: str | None = None) -> str:
+    """``mode``, else $OPENINFER_MOE_PIPELINED ("off" when unset; "0"/"1" spell off/tiles)."""
+    name = mode or os.environ.get(PIPELINED_ENV) or "off"
+    name = {"0": "off", "false": "off", "1": "tiles", "true": "tiles"}.get(name, name)
+    if name not in PIPELINED_MODES:
+        raise ValueError(f"unknown {PIPELINED_ENV} mode {name!r}; one of {', '.join(PIPELINED_MODES)}")
+    return name
+
+
+def pipelined_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -> bool:
+    """moe_grouped_gemm_pipelined's needs: bf16 weights, whole 16-byte pieces of K, 16-byte aligned
+    rows of A and the weight, an even N (4-byte output stores); fused: N = 2I with I even."""
+    return (weight.format == "bf16" and weight.in_features % 8 == 0 and a.data.ptr % 16 == 0
+            and weight.data.data.ptr % 16 == 0 and weight.out_features % (4 if fuse_silu else 2) == 0)
+
+
+def _launch_pipelined(weight: ExpertLinear, grid_rows: int, args: tuple, fuse_silu: bool, shape: str,
+                      stages: int = PIPE_STAGES) -> None:
+    """moe_grouped_gemm_pipelined (block shape ``shape``) over ``grid_rows`` 64-row tiles; ``args``
+    its argument list."""
+    defines = PIPE_SHAPES[shape]
+    fn = kernel("moe_pipelined.cu", "moe_grouped_gemm_pipelined", PIPE_STAGES=stages, PIPE_FUSE_SILU=int(fuse_silu),
+                **defines)
+    tile_n = PIPE_WARPS * defines["PIPE_WARP_N8"] * 8
+    shared = stages * (TILE_M + tile_n) * (defines["PIPE_TILE_K"] + 8) * 2
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    columns = tile_n // 2 if fuse_silu else tile_n
+    out_features = weight.out_features // 2 if fuse_silu else weight.out_features
+    fn((grid_rows, -(-out_features // columns)), (PIPE_WARPS * 32,), args, shared_mem=shared)
+
+
 ROUTER_WARPS = 8  # moe.cu
 # On by default (H200, window D3 of 2026-11-23, one Kimi-K2 layer at 1k context, per-op device time):
 # moe_sort_parallel (counts in shared memory, one block-wide scan; moe_sort's thread 0 walks every
@@ -380,12 +436,17 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                 gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None) -> cupy.ndarray:
+                 gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
+                 pipelined: str | None = None, pipe_shape: str | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
     ``gemv_kernel``: force one (see ``GEMV_KERNELS``; default: $OPENINFER_MOE_GEMV, else the table).
-    ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``)."""
+    ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``).
+    ``pipelined`` (default $OPENINFER_MOE_PIPELINED): "tiles"/"fused" runs bf16 experts' GEMM
+    through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
+    chosen decode GEMV from PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (unless one is forced);
+    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
@@ -397,10 +458,16 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
+    use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
+                     and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
+                                           and per_expert >= PIPELINED_MIN_ROWS_PER_EXPERT)))
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
             NULL if weight.scale is None else weight.scale)
+    if use_pipelined:
+        _launch_pipelined(weight, grouping.max_tiles, head[:4] + tables, False, pipe_shape or pipe_shape_for(per_expert))
+        return out
     if name is not None and weight.gemv_ready(a):
         _launch_gemv(weight, head + tables, grouping.max_tiles, 0, name)
         return out
@@ -475,14 +542,42 @@ class DeviceMoE:
     tid2eid: cupy.ndarray | None = None  # [vocab, k] int64
 
 
+def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
+    """Whether ``moe_forward`` fuses gate_up and SwiGLU: OPENINFER_MOE_PIPELINED=fused, bf16 experts,
+    no forced GEMV, at least PIPELINED_MIN_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""
+    num_slots = int(grouping.sorted_slots.size)
+    return (pipelined_mode() == "fused" and forced_gemv_kernel() is None and pipelined_ready(x, gate_up, True)
+            and num_slots >= PIPELINED_MIN_ROWS_PER_EXPERT * gate_up.num_experts
+            and not blas_eligible(num_slots, gate_up, blas))
+
+
+def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice,
+                       stages: int = PIPE_STAGES, shape: str | None = None) -> cupy.ndarray:
+    """``silu_mul(grouped_gemm(a, weight, grouping, gather=True))`` in one moe_grouped_gemm_pipelined
+    launch (bf16 ``weight`` = [gate; up], ``pipelined_ready(a, weight, fuse_silu=True)``): ``[T·k, I]``.
+    ``shape``: the block shape (PIPE_SHAPES; default ``pipe_shape_for`` the slots per expert)."""
+    num_slots = int(grouping.sorted_slots.size)
+    out = cupy.empty((num_slots, weight.out_features // 2), dtype=cupy.uint16)
+    if num_slots:
+        a = cupy.ascontiguousarray(a)
+        _launch_pipelined(weight, grouping.max_tiles, (
+            a, grouping.sorted_slots, np.int32(grouping.top_k), weight.data, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(weight.out_features),
+            np.int32(weight.in_features)), True, shape or pipe_shape_for(num_slots / weight.num_experts), stages)
+    return out
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
                 token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
-    (+ the shared experts' output ``shared``, already computed)."""
+    (+ the shared experts' output ``shared``, already computed). OPENINFER_MOE_PIPELINED=fused: the
+    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``)."""
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    hidden = grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas)
-    activated = backend.silu_mul(hidden)
+    if pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
+        activated = fused_gate_up_silu(x, layer.gate_up, grouping)
+    else:
+        activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
     y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
     return combine(y, grouping, shared, int(x.shape[1]))

@@ -57,8 +57,12 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
                        bf16: ``moe_gemv_wide`` to 1.5, ``moe_gemv_mma`` to 6; FP8:
-                       ``moe_gemv`` to 3), else ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV=
-                       mma_depth3|4|8``: ``moe_gemv_mma`` with more chunks in flight
+                       ``moe_gemv`` to 3), else ``moe_grouped_gemm`` (bf16 under
+                       ``OPENINFER_MOE_PIPELINED=tiles|fused``: ``moe_grouped_gemm_
+                       pipelined`` from 1.5 slots per expert, fused: gate_up with SiLU·mul
+                       in one launch); eager steps from 512 slots per expert: cuBLAS per
+                       expert; ``OPENINFER_MOE_GEMV=mma_depth3|4|8``: ``moe_gemv_mma``
+                       with more chunks in flight
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 

@@ -4,6 +4,10 @@
 #define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #ifdef MOE
 #include "moe.cu"
+#if WEIGHT_FORMAT == 0 && defined(PIPE_STAGES)  // bf16: moe_pipelined.cu's grouped GEMM too
+#define PIPE_DYNAMIC_SHARED(name) alignas(16) static bf16 name[PIPE_STAGES * PIPE_STAGE_ELEMS]
+#include "moe_pipelined.cu"
+#endif
 #else
 #include "mla.cu"
 #endif
@@ -136,6 +140,29 @@ int main(int argc, char** argv) {
         moe_gemv_mma(x.data(), nullptr, 1, w1.data(), s1.data(), nullptr, nullptr, nullptr, nullptr, T,
                      narrow_gemv_mma.data(), N1 - 8, H);
     });
+#if WEIGHT_FORMAT == 0 && defined(PIPE_STAGES)
+    // moe_grouped_gemm_pipelined on the same tiles: gate_up (gathering token rows; PIPE_FUSE_SILU:
+    // silu(gate)·up, [slots, K2]) and down on the per-tile GEMM's activations
+    {
+        const int gate_up_columns = PIPE_FUSE_SILU ? K2 : N1;
+        std::vector<bf16> h_pipe(size_t(slots) * gate_up_columns), y_pipe(size_t(slots) * N2);
+        launch(max_tiles, (gate_up_columns + PIPE_OUT_N - 1) / PIPE_OUT_N, 1, PIPE_WARPS * 32, [&] {
+            moe_grouped_gemm_pipelined(x.data(), sorted.data(), k, reinterpret_cast<const bf16*>(w1.data()),
+                                       tile_expert.data(), tile_row.data(), num_tiles.data(), offsets.data(), 0,
+                                       h_pipe.data(), N1, H);
+        });
+        if (!PIPE_FUSE_SILU)
+            launch(max_tiles, (N2 + PIPE_OUT_N - 1) / PIPE_OUT_N, 1, PIPE_WARPS * 32, [&] {
+                moe_grouped_gemm_pipelined(act.data(), nullptr, k, reinterpret_cast<const bf16*>(w2.data()),
+                                           tile_expert.data(), tile_row.data(), num_tiles.data(), offsets.data(), 0,
+                                           y_pipe.data(), N2, K2);
+            });
+        save(dir, "h_pipe.bin", h_pipe);
+        save(dir, "y_pipe.bin", y_pipe);
+        save(dir, "act.bin", act);
+        save(dir, "y.bin", y);
+    }
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP == 32
     // moe_gemv_mma_staged (INT4 group 32, K whole stages) on the same tiles and in dense mode
     if (H % (STAGED_CHUNKS * 4 * WEIGHT_CHUNK) == 0) {
