@@ -405,21 +405,42 @@ def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.nda
     expand_values(blas, o_latent, w_uv, spec, out)
 
 
-def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
-                  spec: MLASpec, batch, plan: PrefillPlan, out: cupy.ndarray) -> None:
-    """Decompressed form for the plan's sequences (q's rope dims already rotated)."""
-    heads, lora = spec.num_heads, spec.kv_lora_rank
+def gather_context(cache: cupy.ndarray, spec: MLASpec, batch, plan: PrefillPlan) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``mla_gather_context``: the plan's sequences' whole contexts out of the paged cache, contiguous
+    ``c_kv [C, lora]`` and ``k_pe [C, rope]``."""
     rows = plan.context_rows
-    c_kv = cupy.empty((rows, lora), dtype=cupy.uint16)
+    c_kv = cupy.empty((rows, spec.kv_lora_rank), dtype=cupy.uint16)
     k_pe = cupy.empty((rows, spec.qk_rope_dim), dtype=cupy.uint16)
     kernel("mla.cu", "mla_gather_context", **_defines(spec))((rows,), (128,), (
         cache, batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), plan.seqs,
         np.int32(plan.seqs.shape[0]), c_kv, k_pe))
+    return c_kv, k_pe
+
+
+def expand_context(blas: Cublas, c_kv: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec
+                   ) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """kv_b by cuBLAS: per-head keys ``k_nope [C, H·nope]`` and ``values [C, H·v]`` from ``c_kv``."""
+    heads, lora, rows = spec.num_heads, spec.kv_lora_rank, int(c_kv.shape[0])
     k_nope = cupy.empty((rows, heads * spec.qk_nope_dim), dtype=cupy.uint16)
     values = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
     blas.matmul_nt(c_kv, w_uk.reshape(heads * spec.qk_nope_dim, lora), k_nope)
     blas.matmul_nt(c_kv, w_uv.reshape(heads * spec.v_head_dim, lora), values)
-    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), heads),
+    return k_nope, values
+
+
+def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
+                      plan: PrefillPlan, out: cupy.ndarray) -> None:
+    """``mla_prefill_attention``: causal flash attention of the plan's query tiles over their expanded
+    contexts, into their rows of ``out [T, H·v]``."""
+    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), spec.num_heads),
                                                                 (PREFILL_THREADS,), (
-        q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(heads),
+        q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
         np.float32(spec.scale), out))
+
+
+def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
+                  spec: MLASpec, batch, plan: PrefillPlan, out: cupy.ndarray) -> None:
+    """Decompressed form for the plan's sequences (q's rope dims already rotated)."""
+    c_kv, k_pe = gather_context(cache, spec, batch, plan)
+    k_nope, values = expand_context(blas, c_kv, w_uk, w_uv, spec)
+    prefill_attention(q, k_nope, k_pe, values, spec, plan, out)
