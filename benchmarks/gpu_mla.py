@@ -10,8 +10,9 @@ attention kernel, the split combine, W_UV (cuBLAS); against the latent cache's b
 measured copy bandwidth.
 
 ``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
-by cuBLAS into per-head keys and values, mla_prefill_attention) kernel by kernel with the causal
-attention's TFLOP/s, and the absorbed form of the whole forward beside it where it is short.
+by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
+TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined:
+mla_prefill_attention_pipelined), and the absorbed form of the whole forward beside it where it is short.
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
@@ -51,6 +52,7 @@ DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 # names against these copies, a GPU run that they still match core's)
 KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
+PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -105,7 +107,7 @@ def plan(args) -> dict:
     return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
             "prefill": [{"tokens": n, "attention_gflop": prefill_flops(n) / 1e9} for n in args.prefill]
-            if "prefill" in args.sections else [],
+            if "prefill" in args.sections else [], "prefill_kernels": args.prefill_kernels,
             "variants": variants}
 
 
@@ -190,6 +192,21 @@ def cupy_empty_like_out(rows: int):
     return cupy.empty((rows, HEADS * V_DIM), dtype=cupy.uint16)
 
 
+@contextlib.contextmanager
+def prefill_env(name: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    before = os.environ.get(cuda_mla.PREFILL_KERNEL_ENV)
+    os.environ[cuda_mla.PREFILL_KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(cuda_mla.PREFILL_KERNEL_ENV, None)
+        else:
+            os.environ[cuda_mla.PREFILL_KERNEL_ENV] = before
+
+
 def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     from gpu_kimi import layer_breakdown, one_sequence_batch
 
@@ -205,7 +222,6 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
         latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
         forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                           cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
-        out = backend.to_host(forward())
         plan_ = cuda_mla.plan_prefill(batch.host, spec)
         q_rot = q.copy()
         cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
@@ -216,13 +232,23 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                                               sin, 1e-6)),
                  ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
                  ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
-                 ("mla_prefill_attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec,
-                                                   plan_, scratch))]
-        breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
-        seconds = gpu_seconds(forward, repeats=args.iters)
-        point = {"tokens": tokens, "decompressed_ms": 1e3 * seconds, "breakdown_ms": breakdown,
-                 "attention_tflops": prefill_flops(tokens) / breakdown["mla_prefill_attention"] / 1e9,
-                 "absorbed": {}}
+                 ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
+                                       scratch))]
+        point = {"tokens": tokens, "kernels": {}, "absorbed": {}}
+        reference = None
+        for name in args.prefill_kernels:
+            with prefill_env(name):
+                out = backend.to_host(forward())
+                breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
+                entry = {"forward_ms": 1e3 * gpu_seconds(forward, repeats=args.iters), "breakdown_ms": breakdown,
+                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9}
+            if reference is None:
+                reference = out
+            else:
+                entry["relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                entry["attention_speedup_vs_first"] = (point["kernels"][args.prefill_kernels[0]]["breakdown_ms"]
+                                                       ["attention"] / breakdown["attention"])
+            point["kernels"][name] = entry
         if tokens <= ABSORBED_PREFILL_MAX:
             for variant in variants:
                 kernel = None if variant["kernel"] == "auto" else variant["kernel"]
@@ -233,7 +259,8 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                     absorbed_out = backend.to_host(absorbed())
                     point["absorbed"][variant["name"]] = {
                         "ms": 1e3 * gpu_seconds(absorbed, repeats=args.iters),
-                        "relative_difference": float(np.linalg.norm(absorbed_out - out) / np.linalg.norm(out))}
+                        "relative_difference": float(np.linalg.norm(absorbed_out - reference)
+                                                     / np.linalg.norm(reference))}
         points.append(point)
         print(json.dumps(point), flush=True)
     return points
@@ -266,14 +293,17 @@ def plot(report: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     if prefill:
         ax = axes[0][panels - 1]
-        parts = list(prefill[0]["breakdown_ms"])
-        bottom = np.zeros(len(prefill))
+        kernels = list(prefill[0]["kernels"])
+        bars = [(p, k) for p in prefill for k in kernels]
+        parts = list(prefill[0]["kernels"][kernels[0]]["breakdown_ms"])
+        bottom = np.zeros(len(bars))
         for part in parts:
-            values = np.array([p["breakdown_ms"][part] for p in prefill])
-            ax.bar(range(len(prefill)), values, bottom=bottom, label=part)
+            values = np.array([p["kernels"][k]["breakdown_ms"][part] for p, k in bars])
+            ax.bar(range(len(bars)), values, bottom=bottom, label=part)
             bottom += values
-        ax.set(xticks=range(len(prefill)), ylabel="ms per layer", title="MLA prefill, decompressed form")
-        ax.set_xticklabels([f"{p['tokens']} tokens\n{p['attention_tflops']:.0f} TFLOP/s attention" for p in prefill])
+        ax.set(xticks=range(len(bars)), ylabel="ms per layer", title="MLA prefill, decompressed form")
+        ax.set_xticklabels([f"{p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s" for p, k in bars],
+                           fontsize=7)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -287,6 +317,8 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
+    parser.add_argument("--prefill-kernels", default="plain,pipelined",
+                        help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; no GPU")
@@ -298,6 +330,9 @@ def main() -> None:
         args.batches = [int(v) for v in args.batches.split(",") if v]
         args.contexts = [int(v) for v in args.contexts.split(",") if v]
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
+        args.prefill_kernels = [v for v in args.prefill_kernels.split(",") if v]
+        if not args.prefill_kernels or set(args.prefill_kernels) - set(PREFILL_KERNELS):
+            raise ValueError(f"prefill kernels are {', '.join(PREFILL_KERNELS)}, got {args.prefill_kernels}")
         if min(args.batches + args.contexts + args.prefill + [args.iters], default=1) < 1:
             raise ValueError("batches, contexts, prompt lengths and --iters are positive")
         report = {"plan": plan(args)}
@@ -311,8 +346,9 @@ def main() -> None:
     from openinfer.backend.cuda import CudaBackend
     from openinfer.backend.cuda import mla as cuda_mla
 
-    if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES)) != (KERNELS, SHARED_KEYS):
-        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS no longer match core's mla.py: update them")
+    if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS)) != (
+            KERNELS, SHARED_KEYS, PREFILL_KERNELS):
+        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS no longer match core's mla.py")
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth()

@@ -919,3 +919,175 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     }
 }
 #endif  // MMA_HOST_STANDIN
+
+// ---------------------------------------------------------------------------------------------
+// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments,
+// grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
+// while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
+// the query fragments in registers, and the heaviest query tiles (a sequence's last) scheduled first.
+// PTX only: not built under the host emulation.
+// ---------------------------------------------------------------------------------------------
+#ifndef MMA_HOST_STANDIN
+#define PIPE_KEYS 64
+#define PIPE_QK_ROW (QK_DIM + PREFILL_PAD)  // 400 bytes (DeepSeek-V3): 25 16-byte units, ldmatrix rows in distinct banks
+#define PIPE_V_ROW (V_DIM + PREFILL_PAD)    // 272 bytes: 17 units
+#define PIPE_PREFILL_SMEM ((PREFILL_BLOCK_M * PIPE_QK_ROW + 2 * PIPE_KEYS * (PIPE_QK_ROW + PIPE_V_ROW)) * 2)
+
+// rows [key0, key0 + PIPE_KEYS) of the head's K = [k_nope | k_pe] and V into shared tiles (zeros from key_end on)
+__device__ __forceinline__ void mla_copy_prefill_kv(bf16* k_tile, bf16* v_tile, const bf16* __restrict__ k_nope,
+                                                    const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
+                                                    long long ctx_first, int key0, int key_end, int head, int num_heads) {
+    for (int i = threadIdx.x; i < PIPE_KEYS * QK_DIM / 8; i += PREFILL_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        const long long key = ctx_first + min(key0 + r, key_end - 1);
+        const bf16* src = c < NOPE_DIM ? k_nope + key * num_heads * NOPE_DIM + (long long)head * NOPE_DIM + c
+                                       : k_pe + key * ROPE_DIM + c - NOPE_DIM;
+        cp_async16(k_tile + r * PIPE_QK_ROW + c, src, key0 + r < key_end);
+    }
+    for (int i = threadIdx.x; i < PIPE_KEYS * V_DIM / 8; i += PREFILL_THREADS) {
+        const int r = i / (V_DIM / 8), c = (i % (V_DIM / 8)) * 8;
+        const long long key = ctx_first + min(key0 + r, key_end - 1);
+        cp_async16(v_tile + r * PIPE_V_ROW + c, values + key * num_heads * V_DIM + (long long)head * V_DIM + c,
+                   key0 + r < key_end);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
+mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restrict__ k_nope,
+                                const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
+                                const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,
+                                const int* __restrict__ tile_query, int num_heads, float scale, bf16* __restrict__ out) {
+    extern __shared__ __align__(16) bf16 smem[];
+    bf16* q_tile = smem;                                        // [64][PIPE_QK_ROW]
+    bf16* k_tiles = q_tile + PREFILL_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
+    bf16* v_tiles = k_tiles + 2 * PIPE_KEYS * PIPE_QK_ROW;      // [2][PIPE_KEYS][PIPE_V_ROW]
+    const int tile = gridDim.x - 1 - blockIdx.x;  // a sequence's later tiles see more keys: they start first
+    const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
+    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
+    const int tile_q = tile_query[tile], head = blockIdx.y;
+    const int tile_rows = min(PREFILL_BLOCK_M, num_queries - tile_q);
+    const int offset = context - num_queries;  // position of query 0
+    const int key_end = min(context, offset + tile_q + tile_rows);  // keys this tile needs
+    const long long q_row_stride = (long long)num_heads * QK_DIM;
+    for (int i = threadIdx.x; i < PREFILL_BLOCK_M * QK_DIM / 8; i += PREFILL_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        cp_async16(q_tile + r * PIPE_QK_ROW + c,
+                   q + (q_first + tile_q + min(r, tile_rows - 1)) * q_row_stride + (long long)head * QK_DIM + c,
+                   r < tile_rows);
+    }
+    mla_copy_prefill_kv(k_tiles, v_tiles, k_nope, k_pe, values, ctx_first, 0, key_end, head, num_heads);
+    mla_commit_copies();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
+    const int query_pos0 = offset + tile_q + row0;
+    const int k_row = lane & 7, k_col = 8 * (lane >> 3);                         // K fragments (ldmatrix)
+    const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V fragments (.trans)
+    float acc[V_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < V_DIM / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    unsigned qf[QK_DIM / 16][4];
+    int stage = 0;
+    for (int key0 = 0; key0 < key_end; key0 += PIPE_KEYS, stage ^= 1) {
+        if (key0 + PIPE_KEYS < key_end)
+            mla_copy_prefill_kv(k_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_QK_ROW,
+                                v_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_V_ROW, k_nope, k_pe, values, ctx_first,
+                                key0 + PIPE_KEYS, key_end, head, num_heads);
+        mla_commit_copies();
+        mla_wait_all_but_last_copies();
+        __syncthreads();
+        if (key0 == 0) {
+#pragma unroll
+            for (int kk = 0; kk < QK_DIM / 16; ++kk)
+                ldmatrix_x4(qf[kk], q_tile + (warp * 16 + (lane & 15)) * PIPE_QK_ROW + 16 * kk + 8 * (lane >> 4));
+        }
+        const bf16* k_tile = k_tiles + stage * PIPE_KEYS * PIPE_QK_ROW;
+        const bf16* v_tile = v_tiles + stage * PIPE_KEYS * PIPE_V_ROW;
+        float s[PIPE_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[n][v] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < QK_DIM / 32; ++kk)
+#pragma unroll
+            for (int n = 0; n < PIPE_KEYS / 8; ++n) {
+                unsigned kf[4];  // keys 8n .. 8n + 7, dims 32kk .. 32kk + 31
+                ldmatrix_x4(kf, k_tile + (8 * n + k_row) * PIPE_QK_ROW + 32 * kk + k_col);
+                mma_bf16_16816(s[n], qf[2 * kk], kf[0], kf[1]);
+                mma_bf16_16816(s[n], qf[2 * kk + 1], kf[2], kf[3]);
+            }
+        // mask (causal, past the context) and online softmax; each row's scores sit in the 4 lanes of a quad
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1, key = key0 + 8 * n + pair + (v & 1);
+                s[n][v] = key < key_end && key <= query_pos0 + 8 * r ? s[n][v] * scale : -INFINITY;
+                tile_max[r] = fmaxf(tile_max[r], s[n][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1;
+                s[n][v] = s[n][v] == -INFINITY ? 0.f : __expf(s[n][v] - row_max[r]);
+                tile_sum[r] += s[n][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // acc += P · V: the score accumulators are the A fragments of P (keys 16ks .. 16ks + 15)
+#pragma unroll
+        for (int ks = 0; ks < PIPE_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int j = 0; j < V_DIM / 16; ++j) {
+                unsigned vf[4];  // keys 16ks .. 16ks + 15, dims 16j .. 16j + 15
+                ldmatrix_x4_trans(vf, v_tile + (16 * ks + v_row) * PIPE_V_ROW + 16 * j + v_col);
+                mma_bf16_16816(acc[2 * j], pf, vf[0], vf[1]);
+                mma_bf16_16816(acc[2 * j + 1], pf, vf[2], vf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage's tiles
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= tile_rows) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j)
+            *reinterpret_cast<unsigned*>(dst + 8 * j + pair) = pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+    }
+}
+#endif  // MMA_HOST_STANDIN

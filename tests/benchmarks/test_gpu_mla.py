@@ -37,6 +37,7 @@ def test_device_cpu_is_a_dry_run():
 
 def test_bad_arguments_exit_2():
     for args in (["--variants", "tensor"], ["--variants", "mma_shared:48"], ["--variants", "mma:32:0"],
-                 ["--batches", "x"], ["--batches", "0"], ["warp"], ["--variants", ","]):
+                 ["--batches", "x"], ["--batches", "0"], ["warp"], ["--variants", ","],
+                 ["--prefill-kernels", "fast"], ["--prefill-kernels", ""]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -102,6 +102,30 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles, the last
+# partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one tile exactly, one
+# past it, a 300-token chunk on 37 cached, and a decode that stays absorbed
+PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
+
+
+@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined"])
+@pytest.mark.parametrize("heads", [16, 20])
+def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
+    """Both decompressed prefill attention kernels on ragged prompts and chunks beside a decode."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
+    spec = _spec(heads)
+    assert cuda_mla.prefill_kernel(spec) == prefill_kernel
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *PREFILLS)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        None, min_query=16))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
 def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):
     """mla_attention_mma_shared on the absorbed rows of a mixed step (token_rows: decodes beside a
     decompressed 70-token chunk and a 150-token prompt)."""
@@ -157,3 +181,8 @@ def test_absorbed_kernel_choice(monkeypatch):
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "48")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_KEYS"):
         cuda_mla.shared_keys()
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
+        cuda_mla.prefill_kernel(_spec(16))
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")  # nope + rope of 16-wide steps only: plain
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"

@@ -91,6 +91,13 @@ COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_s
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
+# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "plain" (mla_prefill_attention) or
+# "pipelined" (mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix
+# fragments, heaviest query tiles first; opt-in until measured).
+PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
+PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
+DEFAULT_PREFILL_KERNEL = "plain"
+PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
 # an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
 PREFILL_MIN_QUERY = 16
@@ -428,14 +435,40 @@ def expand_context(blas: Cublas, c_kv: cupy.ndarray, w_uk: cupy.ndarray, w_uv: c
     return k_nope, values
 
 
+def prefill_kernel(spec: MLASpec) -> str:
+    """The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL: plain or pipelined); the
+    pipelined one needs nope + rope in 32-wide steps, else plain runs."""
+    name = os.environ.get(PREFILL_KERNEL_ENV) or DEFAULT_PREFILL_KERNEL
+    if name not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL_ENV} is one of {', '.join(PREFILL_KERNELS)}; got {name!r}")
+    if name == "pipelined" and spec.qk_head_dim % 32:
+        return "plain"
+    return name
+
+
+def pipelined_prefill_smem(spec: MLASpec) -> int:
+    """mla_prefill_attention_pipelined's dynamic shared memory (mla.cu PIPE_PREFILL_SMEM): the query
+    tile and two K and V tiles, rows padded by 8 bf16."""
+    qk_row, v_row = spec.qk_head_dim + 8, spec.v_head_dim + 8
+    return (64 * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
+
+
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
                       plan: PrefillPlan, out: cupy.ndarray) -> None:
-    """``mla_prefill_attention``: causal flash attention of the plan's query tiles over their expanded
-    contexts, into their rows of ``out [T, H·v]``."""
-    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), spec.num_heads),
-                                                                (PREFILL_THREADS,), (
-        q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
-        np.float32(spec.scale), out))
+    """Causal flash attention of the plan's query tiles over their expanded contexts, into their rows
+    of ``out [T, H·v]`` (``prefill_kernel``'s kernel)."""
+    grid = (int(plan.tile_seq.shape[0]), spec.num_heads)
+    args = (q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
+            np.float32(spec.scale), out)
+    if prefill_kernel(spec) == "plain":
+        kernel("mla.cu", "mla_prefill_attention", **_defines(spec))(grid, (PREFILL_THREADS,), args)
+        return
+    smem = pipelined_prefill_smem(spec)
+    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec))
+    if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
+        attention.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(attention)] = attention
+    attention(grid, (PREFILL_THREADS,), args, shared_mem=smem)
 
 
 def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
