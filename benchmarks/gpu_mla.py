@@ -266,6 +266,47 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     return points
 
 
+def warm(backend, rng) -> int:
+    """Compile every MLA kernel module the decode / prefill variants (and core's other switches:
+    async tiles, combine) can launch, in parallel NVRTC threads into CuPy's disk cache: dry steps
+    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them."""
+    import cupy
+    from gpu_kimi import one_sequence_batch
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    batch, num_blocks = one_sequence_batch(backend, 60, 100)
+    cache = cupy.zeros((num_blocks, 64, 1, spec.latent_dim), dtype=cupy.uint16)
+    q = cupy.zeros((100, HEADS * spec.qk_head_dim), dtype=cupy.uint16)
+    latent = cupy.zeros((100, spec.latent_dim), dtype=cupy.uint16)
+    started = time.perf_counter()
+    settings = [{cuda_mla.ASYNC_TILES_ENV: a, cuda_mla.COMBINE_ENV: c, cuda_mla.SHARED_KEYS_ENV: str(k),
+                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
+                for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
+                for h in ("0", "1")]
+    before = {name: os.environ.get(name) for name in settings[0]}
+    with discover_kernels() as found:
+        try:
+            for setting in settings:
+                os.environ.update(setting)
+                for kernel in KERNELS:
+                    for min_query in (16, 10**9):  # decompressed beside absorbed rows; all absorbed
+                        cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
+                                             cos, sin, 1e-6, backend.num_sms, prefill_min_query=min_query,
+                                             absorbed_kernel=kernel)
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
+    print(f"compiled {built} MLA modules in {time.perf_counter() - started:.1f} s", flush=True)
+    return built
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -312,7 +353,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", default=["decode", "prefill"], help="decode and/or prefill")
+    parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
+                        help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of kernel[:keys[:max_splits]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
@@ -325,8 +367,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same as --dry-run")
     args = parser.parse_args()
     try:
-        if set(args.sections) - {"decode", "prefill"}:
-            raise ValueError(f"sections are decode and prefill, got {args.sections}")
+        if set(args.sections) - {"decode", "prefill", "warm"}:
+            raise ValueError(f"sections are decode, prefill and warm, got {args.sections}")
         args.batches = [int(v) for v in args.batches.split(",") if v]
         args.contexts = [int(v) for v in args.contexts.split(",") if v]
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
@@ -351,6 +393,9 @@ def main() -> None:
         raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS no longer match core's mla.py")
     backend = CudaBackend()
     rng = np.random.default_rng(0)
+    if "warm" in args.sections:
+        warm(backend, rng)
+        return
     bandwidth = copy_bandwidth()
     variants = report["plan"]["variants"]
     report.update({"device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "num_sms": backend.num_sms})
