@@ -924,7 +924,8 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 // mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments,
 // grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
 // while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
-// the query fragments in registers, and the heaviest query tiles (a sequence's last) scheduled first.
+// the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
+// softmax in base 2 with the scale folded in, and the heaviest query tiles (a sequence's last) first.
 // PTX only: not built under the host emulation.
 // ---------------------------------------------------------------------------------------------
 #ifndef MMA_HOST_STANDIN
@@ -981,6 +982,8 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
     const int group = lane >> 2, pair = (lane & 3) * 2;
     const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
     const int query_pos0 = offset + tile_q + row0;
+    const int warp_first_pos = offset + tile_q + warp * 16;  // the warp's first query position
+    const float scale_log2 = scale * 1.4426950408889634f;    // softmax in base 2, the scale folded in
     const int k_row = lane & 7, k_col = 8 * (lane >> 3);                         // K fragments (ldmatrix)
     const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V fragments (.trans)
     float acc[V_DIM / 8][4];
@@ -1020,14 +1023,16 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
                 mma_bf16_16816(s[n], qf[2 * kk], kf[0], kf[1]);
                 mma_bf16_16816(s[n], qf[2 * kk + 1], kf[2], kf[3]);
             }
-        // mask (causal, past the context) and online softmax; each row's scores sit in the 4 lanes of a quad
+        // mask (causal, past the context) only on the steps that reach the warp's diagonal or the
+        // context's end; online softmax, each row's scores in the 4 lanes of a quad
+        const bool masked = key0 + PIPE_KEYS > min(warp_first_pos + 1, key_end);
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < PIPE_KEYS / 8; ++n)
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 const int r = v >> 1, key = key0 + 8 * n + pair + (v & 1);
-                s[n][v] = key < key_end && key <= query_pos0 + 8 * r ? s[n][v] * scale : -INFINITY;
+                s[n][v] = !masked || (key < key_end && key <= query_pos0 + 8 * r) ? s[n][v] * scale_log2 : -INFINITY;
                 tile_max[r] = fmaxf(tile_max[r], s[n][v]);
             }
         float correction[2];
@@ -1036,7 +1041,7 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
             const float new_max = fmaxf(row_max[r], tile_max[r]);
-            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
+            correction[r] = new_max == -INFINITY ? 1.f : exp2f(row_max[r] - new_max);
             row_max[r] = new_max;
         }
         float tile_sum[2] = {0.f, 0.f};
@@ -1045,7 +1050,7 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 const int r = v >> 1;
-                s[n][v] = s[n][v] == -INFINITY ? 0.f : __expf(s[n][v] - row_max[r]);
+                s[n][v] = s[n][v] == -INFINITY ? 0.f : exp2f(s[n][v] - row_max[r]);
                 tile_sum[r] += s[n][v];
             }
 #pragma unroll
