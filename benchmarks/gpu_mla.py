@@ -2,7 +2,7 @@
 into benchmarks/results/ (and $OUT).
 
 ``decode``: one layer's absorbed decode (16 heads, kv_lora 512 + rope 64, nope 128, v 128) at batch
-1/16/64/256 x context 1k/4k, each variant (an absorbed kernel, optionally its key tile and a cap on
+1/16/64/256 x context 1k/4k over a paged cache of 16-token blocks (the engine's), each variant (an absorbed kernel, optionally its key tile and a cap on
 the context splits) side by side in one process: the whole ``mla_forward`` as a CUDA-graph replay
 (as the engine's decode steps run it) and each kernel's device time in step order (the ledger's
 timer: ops behind a spin kernel, an event between each): mla_write_latent, W_UK (cuBLAS), the
@@ -46,7 +46,8 @@ LATENT_BYTES = (KV_LORA + ROPE) * 2
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
 PREFILL_TOKENS = (1024, 8192)
-ABSORBED_PREFILL_MAX = 2048  # the absorbed form of a prompt is timed up to this many tokens
+ABSORBED_PREFILL_MAX = 2048
+BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absorbed form of a prompt is timed up to this many tokens
 DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 # core's ABSORBED_KERNELS and SHARED_KEYS_CHOICES (openinfer.backend.cuda.mla needs CuPy: a dry run checks
 # names against these copies, a GPU run that they still match core's)
@@ -134,8 +135,8 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
     points = []
     for batch_size in args.batches:
         for context in args.contexts:
-            batch, num_blocks = decode_batch(backend, batch_size, context)
-            cache = device_random_bf16((num_blocks, 64, 1, spec.latent_dim))
+            batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
+            cache = device_random_bf16((num_blocks, BLOCK_SIZE, 1, spec.latent_dim))
             q = backend.upload(rng.standard_normal((batch_size, HEADS * spec.qk_head_dim)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, spec.latent_dim)).astype(np.float32))
             point = {"batch": batch_size, "context": context,
@@ -216,8 +217,8 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
     points = []
     for tokens in args.prefill:
-        batch, num_blocks = one_sequence_batch(backend, 0, tokens)
-        cache = backend.upload(rng.standard_normal((num_blocks, 64, 1, spec.latent_dim)).astype(np.float32))
+        batch, num_blocks = one_sequence_batch(backend, 0, tokens, BLOCK_SIZE)
+        cache = backend.upload(rng.standard_normal((num_blocks, BLOCK_SIZE, 1, spec.latent_dim)).astype(np.float32))
         q = backend.upload(rng.standard_normal((tokens, HEADS * spec.qk_head_dim)).astype(np.float32))
         latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
         forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
@@ -277,8 +278,8 @@ def warm(backend, rng) -> int:
     from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
 
     spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
-    batch, num_blocks = one_sequence_batch(backend, 60, 100)
-    cache = cupy.zeros((num_blocks, 64, 1, spec.latent_dim), dtype=cupy.uint16)
+    batch, num_blocks = one_sequence_batch(backend, 60, 100, BLOCK_SIZE)
+    cache = cupy.zeros((num_blocks, BLOCK_SIZE, 1, spec.latent_dim), dtype=cupy.uint16)
     q = cupy.zeros((100, HEADS * spec.qk_head_dim), dtype=cupy.uint16)
     latent = cupy.zeros((100, spec.latent_dim), dtype=cupy.uint16)
     started = time.perf_counter()

@@ -739,6 +739,20 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                          MLA_SHARED_HEADS * MLA_SHARED_P_ROW * 2 + 2 * 4 * MLA_SHARED_HEADS * 4)
 
 __device__ __forceinline__ void mla_commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// mla_copy_key_tile with a warp per latent row: one block-table lookup and slot division per row and
+// warp (not per 16-byte piece and thread), the row's 72 pieces by the warp's lanes.
+template <int KEYS, int ROW, int THREADS>
+__device__ __forceinline__ void mla_copy_key_rows(bf16* tile, const bf16* __restrict__ cache,
+                                                  const int* __restrict__ table, int block_size, int key0, int end) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < KEYS; r += THREADS / 32) {
+        const int pos = min(key0 + r, end - 1), block = pos / block_size;
+        const bf16* src = cache + ((long long)table[block] * block_size + (pos - block * block_size)) * LATENT;
+        const bool valid = key0 + r < end;
+        for (int c = lane; c < LATENT / 8; c += 32) cp_async16(tile + r * ROW + 8 * c, src + 8 * c, valid);
+    }
+}
 __device__ __forceinline__ void mla_wait_all_but_last_copies() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 extern "C" __global__ void __launch_bounds__(MLA_SHARED_THREADS)
@@ -773,7 +787,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     }
     mla_copy_query_tile<MLA_SHARED_HEADS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(q_tile, q_latent, q, q_stride,
                                                                               q_pe_offset, t, num_heads, head0, heads);
-    mla_copy_key_tile<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(k_tiles, cache, table, block_size, begin,
+    mla_copy_key_rows<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(k_tiles, cache, table, block_size, begin,
                                                                            end);
     mla_commit_copies();
     const int group = lane >> 2, pair = (lane & 3) * 2;
@@ -790,7 +804,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     int stage = 0;
     for (int key0 = begin; key0 < end; key0 += MLA_SHARED_KEYS, stage ^= 1) {
         if (key0 + MLA_SHARED_KEYS < end)  // the next tile into the other buffer (freed by the last barrier)
-            mla_copy_key_tile<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(
+            mla_copy_key_rows<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(
                 k_tiles + (stage ^ 1) * MLA_SHARED_KEYS * MMA_DECODE_ROW, cache, table, block_size,
                 key0 + MLA_SHARED_KEYS, end);
         mla_commit_copies();
