@@ -18,9 +18,10 @@ mla_prefill_attention_pipelined), and the absorbed form of the whole forward bes
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits]]``: kernel ``auto`` (what ships) or one of core's
-ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps the
-context splits ($OPENINFER_MLA_MAX_SPLITS). Each variant's output is compared to the first's.
+A decode variant is ``kernel[:keys[:max_splits[:policy]]]``: kernel ``auto`` (what ships) or one of
+core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps the
+context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
+$OPENINFER_MLA_SHARED_SPLITS). Each variant's output is compared to the first's.
 """
 
 from __future__ import annotations
@@ -53,24 +54,27 @@ DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 # names against these copies, a GPU run that they still match core's)
 KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
+SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits]]`` comma list → dicts; bad names exit 2 through argparse's error."""
+    """``kernel[:keys[:max_splits[:policy]]]`` comma list → dicts; bad names exit 2 through argparse's error."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 3:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits]]")
-        kernel, keys, splits = (fields + ["", ""])[:3]
+        if len(fields) > 4:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy]]]")
+        kernel, keys, splits, policy = (fields + ["", "", ""])[:4]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
             raise ValueError(f"variant {item!r}: keys is one of {SHARED_KEYS}")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
-        variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits})
+        if policy and policy not in SPLIT_POLICIES:
+            raise ValueError(f"variant {item!r}: policy is one of {', '.join(SPLIT_POLICIES)}")
+        variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -81,7 +85,8 @@ def variant_env(variant: dict):
     """Core's switches for one variant (restored after)."""
     from openinfer.backend.cuda import mla as cuda_mla
 
-    switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"]}
+    switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"]}
     before = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
     try:
@@ -356,7 +361,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of kernel[:keys[:max_splits]]")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help="comma list of kernel[:keys[:max_splits[:policy]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")

@@ -78,18 +78,21 @@ def _spec(heads: int) -> MLASpec:
                    scale=192 ** -0.5 * 1.3)
 
 
-@pytest.mark.parametrize("kernel,keys", [("mma", ""), ("mma16", ""), ("mma_shared", "32"), ("mma_shared", "64")])
+@pytest.mark.parametrize("kernel,keys,policy", [("mma", "", ""), ("mma16", "", ""), ("mma_shared", "32", ""),
+                                               ("mma_shared", "64", ""), ("mma_shared", "32", "waves")])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 @pytest.mark.parametrize("max_splits", ["1", ""])
-def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, heads, decodes, max_splits):
+def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, heads, decodes,
+                                       max_splits):
     """Each absorbed decode kernel on a ragged batch of decodes: one context split (every key tile of a
-    context in one block) and the default split count (up to 64, many splits empty at short contexts);
-    20 heads: a partial second 16-head block."""
+    context in one block) and the default split count (up to 64, many splits empty at short contexts;
+    mma_shared's resident and waves policies); 20 heads: a partial second 16-head block."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, policy)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
@@ -181,6 +184,16 @@ def test_absorbed_kernel_choice(monkeypatch):
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "48")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_KEYS"):
         cuda_mla.shared_keys()
+    # resident: every block in one wave (2 per SM of 32-key tiles), capped by MAX_SPLITS; waves: num_splits
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.SHARED_SPLITS_ENV, raising=False)
+    assert [cuda_mla.resident_splits(t, 1, 132, 2) for t in (1, 16, 64, 256, 300)] == [64, 16, 4, 1, 1]
+    assert cuda_mla.resident_splits(64, 4, 132, 1) == 1
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "waves")
+    assert cuda_mla.resident_splits(64, 1, 132, 2) == cuda_mla.num_splits(64, 1, 132) == 5
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "often")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_SPLITS"):
+        cuda_mla.resident_splits(1, 1, 132, 2)
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
         cuda_mla.prefill_kernel(_spec(16))

@@ -86,6 +86,7 @@ HEADS16_ENV = "OPENINFER_MLA_HEADS16"
 SHARED_KEYS_ENV = "OPENINFER_MLA_SHARED_KEYS"
 SHARED_KEYS_CHOICES = (32, 64)
 SHARED_HEADS, SHARED_THREADS = 16, 128
+SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
@@ -129,6 +130,21 @@ def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
     if most < 1:
         raise ValueError(f"{MAX_SPLITS_ENV} must be at least 1, got {most}")
     return max(1, min(most, -(-2 * num_sms // (num_tokens * head_chunks))))
+
+
+def resident_splits(num_tokens: int, head_chunks: int, num_sms: int, blocks_per_sm: int) -> int:
+    """mla_attention_mma_shared's context splits ($OPENINFER_MLA_SHARED_SPLITS=resident, its default):
+    as many as keep every block resident at once (one wave: ``blocks_per_sm`` per SM), at least 1, at most
+    MAX_SPLITS ($OPENINFER_MLA_MAX_SPLITS); =waves: ``num_splits``' two waves. Row count only (graph-safe)."""
+    policy = os.environ.get(SHARED_SPLITS_ENV) or "resident"
+    if policy not in ("resident", "waves"):
+        raise ValueError(f"{SHARED_SPLITS_ENV} is resident or waves; got {policy!r}")
+    if policy == "waves":
+        return num_splits(num_tokens, head_chunks, num_sms)
+    most = int(os.environ.get(MAX_SPLITS_ENV) or MAX_SPLITS)
+    if most < 1:
+        raise ValueError(f"{MAX_SPLITS_ENV} must be at least 1, got {most}")
+    return max(1, min(most, blocks_per_sm * num_sms // (num_tokens * head_chunks)))
 
 
 def _defines(spec: MLASpec) -> dict[str, int]:
@@ -374,7 +390,10 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
     else:
         head_chunks = -(-heads // HEADS_PER_BLOCK)
-    splits = num_splits(num_tokens, head_chunks, num_sms)
+    if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
+        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if shared_keys() == 32 else 1)
+    else:
+        splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
     if splits > 1:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
