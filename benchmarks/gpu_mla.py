@@ -417,11 +417,11 @@ def main() -> None:
         if out is not None:
             shutil.copy(path, out / path.name)
 
-    if "decode" in args.sections:
-        report["decode"] = bench_decode(backend, rng, args, variants, bandwidth)
-        save()
-    if "prefill" in args.sections:
-        report["prefill"] = bench_prefill(backend, rng, args, variants)
+    for section in dict.fromkeys(args.sections):  # in the order given
+        if section == "decode":
+            report["decode"] = bench_decode(backend, rng, args, variants, bandwidth)
+        else:
+            report["prefill"] = bench_prefill(backend, rng, args, variants)
         save()
     plot(report, RESULTS / f"{args.name}.png")
     if out is not None and (RESULTS / f"{args.name}.png").exists():
