@@ -939,8 +939,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 // grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
 // while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
 // the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
-// softmax in base 2 with the scale folded in, and the heaviest query tiles (a sequence's last) first.
-// PTX only: not built under the host emulation.
+// and softmax in base 2 with the scale folded in. PTX only: not built under the host emulation.
 // ---------------------------------------------------------------------------------------------
 #ifndef MMA_HOST_STANDIN
 #define PIPE_KEYS 64
@@ -976,7 +975,7 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
     bf16* q_tile = smem;                                        // [64][PIPE_QK_ROW]
     bf16* k_tiles = q_tile + PREFILL_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
     bf16* v_tiles = k_tiles + 2 * PIPE_KEYS * PIPE_QK_ROW;      // [2][PIPE_KEYS][PIPE_V_ROW]
-    const int tile = gridDim.x - 1 - blockIdx.x;  // a sequence's later tiles see more keys: they start first
+    const int tile = blockIdx.x;  // the plan lists the tiles with the most keys first
     const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
     const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
     const int tile_q = tile_query[tile], head = blockIdx.y;

@@ -94,7 +94,7 @@ NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "plain" (mla_prefill_attention) or
 # "pipelined" (mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix
-# fragments, heaviest query tiles first; opt-in until measured).
+# fragments, causal mask on diagonal steps only; opt-in until measured).
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
 PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
 DEFAULT_PREFILL_KERNEL = "plain"
