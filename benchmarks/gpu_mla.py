@@ -11,8 +11,8 @@ measured copy bandwidth.
 
 ``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
-TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined:
-mla_prefill_attention_pipelined), and the absorbed form of the whole forward beside it where it is short.
+TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined /
+pipelined128: mla_prefill_attention_pipelined on 64- / 128-query tiles), and the absorbed form of the whole forward beside it where it is short.
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
@@ -55,7 +55,7 @@ DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
-PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
+PREFILL_KERNELS = ("plain", "pipelined", "pipelined128")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -228,26 +228,28 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
         latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
         forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                           cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
-        plan_ = cuda_mla.plan_prefill(batch.host, spec)
-        q_rot = q.copy()
-        cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
-        c_kv, k_pe = cuda_mla.gather_context(cache, spec, batch, plan_)
-        k_nope, values = cuda_mla.expand_context(backend.blas, c_kv, w_uk, w_uv, spec)
-        scratch = cupy_empty_like_out(tokens)
-        parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm, spec, batch, cos,
-                                              sin, 1e-6)),
-                 ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
-                 ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
-                 ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
-                                       scratch))]
         point = {"tokens": tokens, "kernels": {}, "absorbed": {}}
         reference = None
         for name in args.prefill_kernels:
-            with prefill_env(name):
-                out = backend.to_host(forward())
+            with prefill_env(name):  # the plan is laid out for the kernel (its tile size)
+                plan_ = cuda_mla.plan_prefill(batch.host, spec)
+                q_rot = q.copy()
+                cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
+                c_kv, k_pe = cuda_mla.gather_context(cache, spec, batch, plan_)
+                k_nope, values = cuda_mla.expand_context(backend.blas, c_kv, w_uk, w_uv, spec)
+                parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm, spec,
+                                                      batch, cos, sin, 1e-6)),
+                         ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
+                         ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
+                         ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
+                                               cupy_empty_like_out(tokens)))]
+                # the output from unrotated queries (mla_forward rotates its q's rope dims in place)
+                out = backend.to_host(cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
+                                                           spec, batch, cos, sin, 1e-6, backend.num_sms))
                 breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
                 entry = {"forward_ms": 1e3 * gpu_seconds(forward, repeats=args.iters), "breakdown_ms": breakdown,
-                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9}
+                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9,
+                         "plan_kernel": plan_.kernel}
             if reference is None:
                 reference = out
             else:
@@ -366,7 +368,7 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
-    parser.add_argument("--prefill-kernels", default="plain,pipelined",
+    parser.add_argument("--prefill-kernels", default="plain,pipelined,pipelined128",
                         help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")

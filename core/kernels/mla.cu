@@ -935,30 +935,35 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 #endif  // MMA_HOST_STANDIN
 
 // ---------------------------------------------------------------------------------------------
-// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments,
-// grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
+// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments and
+// outputs; PIPE_WARPS x 16-query tiles, PIPE_WARPS x 32 threads) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
 // while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
 // the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
 // and softmax in base 2 with the scale folded in. PTX only: not built under the host emulation.
 // ---------------------------------------------------------------------------------------------
 #ifndef MMA_HOST_STANDIN
 #define PIPE_KEYS 64
+#ifndef PIPE_WARPS
+#define PIPE_WARPS 4  // 16 query rows each: 64-query tiles (2 blocks per SM), or 8: 128 (1 block, half the K/V reads)
+#endif
+#define PIPE_THREADS (32 * PIPE_WARPS)
+#define PIPE_BLOCK_M (16 * PIPE_WARPS)
 #define PIPE_QK_ROW (QK_DIM + PREFILL_PAD)  // 400 bytes (DeepSeek-V3): 25 16-byte units, ldmatrix rows in distinct banks
 #define PIPE_V_ROW (V_DIM + PREFILL_PAD)    // 272 bytes: 17 units
-#define PIPE_PREFILL_SMEM ((PREFILL_BLOCK_M * PIPE_QK_ROW + 2 * PIPE_KEYS * (PIPE_QK_ROW + PIPE_V_ROW)) * 2)
+#define PIPE_PREFILL_SMEM ((PIPE_BLOCK_M * PIPE_QK_ROW + 2 * PIPE_KEYS * (PIPE_QK_ROW + PIPE_V_ROW)) * 2)
 
 // rows [key0, key0 + PIPE_KEYS) of the head's K = [k_nope | k_pe] and V into shared tiles (zeros from key_end on)
 __device__ __forceinline__ void mla_copy_prefill_kv(bf16* k_tile, bf16* v_tile, const bf16* __restrict__ k_nope,
                                                     const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
                                                     long long ctx_first, int key0, int key_end, int head, int num_heads) {
-    for (int i = threadIdx.x; i < PIPE_KEYS * QK_DIM / 8; i += PREFILL_THREADS) {
+    for (int i = threadIdx.x; i < PIPE_KEYS * QK_DIM / 8; i += PIPE_THREADS) {
         const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
         const long long key = ctx_first + min(key0 + r, key_end - 1);
         const bf16* src = c < NOPE_DIM ? k_nope + key * num_heads * NOPE_DIM + (long long)head * NOPE_DIM + c
                                        : k_pe + key * ROPE_DIM + c - NOPE_DIM;
         cp_async16(k_tile + r * PIPE_QK_ROW + c, src, key0 + r < key_end);
     }
-    for (int i = threadIdx.x; i < PIPE_KEYS * V_DIM / 8; i += PREFILL_THREADS) {
+    for (int i = threadIdx.x; i < PIPE_KEYS * V_DIM / 8; i += PIPE_THREADS) {
         const int r = i / (V_DIM / 8), c = (i % (V_DIM / 8)) * 8;
         const long long key = ctx_first + min(key0 + r, key_end - 1);
         cp_async16(v_tile + r * PIPE_V_ROW + c, values + key * num_heads * V_DIM + (long long)head * V_DIM + c,
@@ -966,24 +971,24 @@ __device__ __forceinline__ void mla_copy_prefill_kv(bf16* k_tile, bf16* v_tile, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 8 / PIPE_WARPS)
 mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restrict__ k_nope,
                                 const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
                                 const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,
                                 const int* __restrict__ tile_query, int num_heads, float scale, bf16* __restrict__ out) {
     extern __shared__ __align__(16) bf16 smem[];
-    bf16* q_tile = smem;                                        // [64][PIPE_QK_ROW]
-    bf16* k_tiles = q_tile + PREFILL_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
+    bf16* q_tile = smem;                                     // [PIPE_BLOCK_M][PIPE_QK_ROW]
+    bf16* k_tiles = q_tile + PIPE_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
     bf16* v_tiles = k_tiles + 2 * PIPE_KEYS * PIPE_QK_ROW;      // [2][PIPE_KEYS][PIPE_V_ROW]
     const int tile = blockIdx.x;  // the plan lists the tiles with the most keys first
     const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
     const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
     const int tile_q = tile_query[tile], head = blockIdx.y;
-    const int tile_rows = min(PREFILL_BLOCK_M, num_queries - tile_q);
+    const int tile_rows = min(PIPE_BLOCK_M, num_queries - tile_q);
     const int offset = context - num_queries;  // position of query 0
     const int key_end = min(context, offset + tile_q + tile_rows);  // keys this tile needs
     const long long q_row_stride = (long long)num_heads * QK_DIM;
-    for (int i = threadIdx.x; i < PREFILL_BLOCK_M * QK_DIM / 8; i += PREFILL_THREADS) {
+    for (int i = threadIdx.x; i < PIPE_BLOCK_M * QK_DIM / 8; i += PIPE_THREADS) {
         const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
         cp_async16(q_tile + r * PIPE_QK_ROW + c,
                    q + (q_first + tile_q + min(r, tile_rows - 1)) * q_row_stride + (long long)head * QK_DIM + c,

@@ -94,9 +94,12 @@ NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "plain" (mla_prefill_attention) or
 # "pipelined" (mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix
-# fragments, causal mask on diagonal steps only; opt-in until measured).
+# fragments, causal mask on diagonal steps only; 64-query tiles of 4 warps) or "pipelined128" (the same
+# with 128-query tiles of 8 warps: each K / V tile read once for twice the queries); opt-in until measured.
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
-PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
+PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
+                   "pipelined128": "mla_prefill_attention_pipelined"}
+PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "pipelined128": 128}  # queries per block
 DEFAULT_PREFILL_KERNEL = "plain"
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -174,19 +177,21 @@ class PrefillPlan:
     query_rows: cupy.ndarray
     absorbed_rows: cupy.ndarray | None
     context_rows: int
+    kernel: str  # the attention kernel it is laid out for (PREFILL_KERNELS)
 
 
 def plan_prefill(host: ForwardBatch | None, spec: MLASpec, min_query: int = PREFILL_MIN_QUERY,
                  scratch_bytes: int = PREFILL_SCRATCH_BYTES) -> PrefillPlan | None:
     if host is None or host.max_query_len < min_query or not decompressed_fits(spec):
         return None
-    layout = decompressed_prefill_layout(host, spec, min_query, scratch_bytes)
+    attention = prefill_kernel(spec)
+    layout = decompressed_prefill_layout(host, spec, min_query, scratch_bytes, PREFILL_KERNEL_TILE[attention])
     if layout is None:
         return None
     return PrefillPlan(cupy.asarray(layout.seqs), cupy.asarray(layout.tile_seq), cupy.asarray(layout.tile_query),
                        cupy.asarray(layout.query_rows),
                        cupy.asarray(layout.absorbed_rows) if layout.absorbed_rows.size else None,
-                       layout.context_rows)
+                       layout.context_rows, attention)
 
 
 _last_plan: tuple[object, PrefillPlan | None] | None = None
@@ -198,7 +203,7 @@ def _step_plan(batch, spec: MLASpec, min_query: int) -> PrefillPlan | None:
     host = getattr(batch, "host", None)
     if host is None or host.max_query_len < min_query:
         return None
-    key = (id(batch), spec.num_heads, spec.qk_head_dim, spec.v_head_dim, min_query)
+    key = (id(batch), spec.num_heads, spec.qk_head_dim, spec.v_head_dim, min_query, prefill_kernel(spec))
     if _last_plan is not None and _last_plan[0][0] is batch and _last_plan[0][1:] == key[1:]:
         return _last_plan[1]
     plan = plan_prefill(host, spec, min_query)
@@ -460,34 +465,36 @@ def prefill_kernel(spec: MLASpec) -> str:
     name = os.environ.get(PREFILL_KERNEL_ENV) or DEFAULT_PREFILL_KERNEL
     if name not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_KERNEL_ENV} is one of {', '.join(PREFILL_KERNELS)}; got {name!r}")
-    if name == "pipelined" and spec.qk_head_dim % 32:
+    if name != "plain" and spec.qk_head_dim % 32:
         return "plain"
     return name
 
 
-def pipelined_prefill_smem(spec: MLASpec) -> int:
+def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
     """mla_prefill_attention_pipelined's dynamic shared memory (mla.cu PIPE_PREFILL_SMEM): the query
     tile and two K and V tiles, rows padded by 8 bf16."""
     qk_row, v_row = spec.qk_head_dim + 8, spec.v_head_dim + 8
-    return (64 * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
+    return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
 
 
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
                       plan: PrefillPlan, out: cupy.ndarray) -> None:
     """Causal flash attention of the plan's query tiles over their expanded contexts, into their rows
-    of ``out [T, H·v]`` (``prefill_kernel``'s kernel)."""
+    of ``out [T, H·v]`` (the kernel the plan was laid out for: ``prefill_kernel``'s)."""
     grid = (int(plan.tile_seq.shape[0]), spec.num_heads)
     args = (q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
             np.float32(spec.scale), out)
-    if prefill_kernel(spec) == "plain":
+    if plan.kernel == "plain":
         kernel("mla.cu", "mla_prefill_attention", **_defines(spec))(grid, (PREFILL_THREADS,), args)
         return
-    smem = pipelined_prefill_smem(spec)
-    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec))
+    tile = PREFILL_KERNEL_TILE[plan.kernel]
+    smem = pipelined_prefill_smem(spec, tile)
+    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec),
+                       **({"PIPE_WARPS": tile // 16} if tile != 64 else {}))  # 4 warps: mla.cu's default
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
-    attention(grid, (PREFILL_THREADS,), args, shared_mem=smem)
+    attention(grid, (2 * tile,), args, shared_mem=smem)
 
 
 def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
