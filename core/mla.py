@@ -140,16 +140,17 @@ class DecompressedPrefill:
 
     seqs: np.ndarray  # [S, PREFILL_SEQ_FIELDS]
     tile_seq: np.ndarray  # [tiles] row of ``seqs``; tiles with the most keys first
-    tile_query: np.ndarray  # [tiles] first query of the tile (a multiple of PREFILL_TILE)
+    tile_query: np.ndarray  # [tiles] first query of the tile (a multiple of the tile size)
     query_rows: np.ndarray  # the step's token rows of these sequences
     absorbed_rows: np.ndarray  # the step's other token rows
     context_rows: int  # their contexts' total length
 
 
 def decompressed_prefill_layout(batch: ForwardBatch, spec: MLASpec, min_query: int,
-                                scratch_bytes: int) -> DecompressedPrefill | None:
+                                scratch_bytes: int, tile: int = PREFILL_TILE) -> DecompressedPrefill | None:
     """Sequences bringing at least ``min_query`` new tokens, in batch order while their expanded
-    keys and values (plus gathered latents) fit ``scratch_bytes`` (the first always); None if none."""
+    keys and values (plus gathered latents) fit ``scratch_bytes`` (the first always); None if none.
+    ``tile``: queries per tile (the kernel's block rows)."""
     counts = np.diff(batch.query_start)
     row_bytes = 2 * spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim) + 2 * spec.latent_dim
     chosen: list[int] = []
@@ -169,7 +170,7 @@ def decompressed_prefill_layout(batch: ForwardBatch, spec: MLASpec, min_query: i
         queries, context = int(counts[s]), int(batch.context_lens[s])
         seqs[i] = (s, batch.query_start[s], queries, context, context_first)
         context_first += context
-        starts = np.arange(0, queries, PREFILL_TILE)
+        starts = np.arange(0, queries, tile)
         tile_seq.append(np.full(len(starts), i))
         tile_query.append(starts)
     all_seq, all_query = np.concatenate(tile_seq), np.concatenate(tile_query)

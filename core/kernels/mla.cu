@@ -507,7 +507,7 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
 #define MLA_ASYNC_TILES 0  // 1: tiles copied by cp.async, all of a tile's 16-byte copies in flight at once
 #endif
 
-#if MLA_ASYNC_TILES
+// the cp.async tile copies (mla_attention_mma under MLA_ASYNC_TILES, mla_attention_mma_shared always)
 #ifdef MMA_HOST_STANDIN  // the host emulation copies at once
 __device__ __forceinline__ void mla_copy16(bf16* smem, const bf16* gmem, bool valid) {
     if (valid) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
@@ -546,7 +546,6 @@ __device__ __forceinline__ void mla_copy_key_tile(bf16* tile, const bf16* __rest
                    key0 + r < end);
     }
 }
-#endif
 
 __device__ __forceinline__ unsigned mla_pair_of(const bf16* lo, const bf16* hi) {  // two bf16 from two rows
     return (unsigned)__bfloat16_as_ushort(*lo) | ((unsigned)__bfloat16_as_ushort(*hi) << 16);
@@ -717,3 +716,401 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// mla_attention_mma_shared: the absorbed decode on tensor cores with every latent tile read once for
+// a block's 16 heads and each score computed once. Blocks of (token, 16 heads, context split), 4
+// warps; key tiles of MLA_SHARED_KEYS latents double-buffered by cp.async (the next tile's copies fly
+// while this one is scored). Per tile, warp w scores its quarter of the keys for the 16 heads over
+// the 576 dims; the warps trade their row maxima and bf16 probabilities through shared memory; then
+// warp w accumulates output quarter w (128 latent dims) = P · c_kv[:, quarter]. Fragments by ldmatrix.
+// Same arguments and outputs as mla_attention_mma (partials for the combine included); dynamic
+// shared memory MLA_SHARED_SMEM bytes. PTX only: not built under the host emulation.
+// ---------------------------------------------------------------------------------------------
+#ifndef MMA_HOST_STANDIN
+#ifndef MLA_SHARED_KEYS
+#define MLA_SHARED_KEYS 32  // keys per tile: 32 (2 blocks per SM) or 64 (1)
+#endif
+#define MLA_SHARED_HEADS 16
+#define MLA_SHARED_THREADS 128
+#define MLA_SHARED_WARP_KEYS (MLA_SHARED_KEYS / 4)  // keys each warp scores per tile
+#define MLA_SHARED_P_ROW (MLA_SHARED_KEYS + 8)      // padded probability row (bf16): ldmatrix rows in distinct banks
+#define MLA_SHARED_SMEM ((MLA_SHARED_HEADS + 2 * MLA_SHARED_KEYS) * MMA_DECODE_ROW * 2 + \
+                         MLA_SHARED_HEADS * MLA_SHARED_P_ROW * 2 + 2 * 4 * MLA_SHARED_HEADS * 4)
+
+__device__ __forceinline__ void mla_commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// mla_copy_key_tile with a warp per latent row: one block-table lookup and slot division per row and
+// warp (not per 16-byte piece and thread), the row's 72 pieces by the warp's lanes.
+template <int KEYS, int ROW, int THREADS>
+__device__ __forceinline__ void mla_copy_key_rows(bf16* tile, const bf16* __restrict__ cache,
+                                                  const int* __restrict__ table, int block_size, int key0, int end) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < KEYS; r += THREADS / 32) {
+        const int pos = min(key0 + r, end - 1), block = pos / block_size;
+        const bf16* src = cache + ((long long)table[block] * block_size + (pos - block * block_size)) * LATENT;
+        const bool valid = key0 + r < end;
+        for (int c = lane; c < LATENT / 8; c += 32) cp_async16(tile + r * ROW + 8 * c, src + 8 * c, valid);
+    }
+}
+__device__ __forceinline__ void mla_wait_all_but_last_copies() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+extern "C" __global__ void __launch_bounds__(MLA_SHARED_THREADS)
+mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride,
+                         int q_pe_offset, const bf16* __restrict__ cache, const int* __restrict__ block_tables,
+                         int max_blocks_per_seq, int block_size, const int* __restrict__ query_start, int num_seqs,
+                         const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
+                         int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
+                         const int* __restrict__ token_list) {
+    extern __shared__ __align__(16) bf16 smem[];
+    bf16* q_tile = smem;                                       // [16][MMA_DECODE_ROW]
+    bf16* k_tiles = q_tile + MLA_SHARED_HEADS * MMA_DECODE_ROW;  // [2][KEYS][MMA_DECODE_ROW]
+    bf16* p_tile = k_tiles + 2 * MLA_SHARED_KEYS * MMA_DECODE_ROW;  // [16][MLA_SHARED_P_ROW]
+    float* warp_max = reinterpret_cast<float*>(p_tile + MLA_SHARED_HEADS * MLA_SHARED_P_ROW);  // [4][16]
+    float* warp_sum = warp_max + 4 * MLA_SHARED_HEADS;                                           // [4][16]
+    const int t = blockIdx.x;
+    const int step_token = token_list ? token_list[t] : t;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head0 = blockIdx.y * MLA_SHARED_HEADS;
+    const int heads = min(MLA_SHARED_HEADS, num_heads - head0);
+    const int split = blockIdx.z;
+    int begin, end;
+    const int* table = mla_split_context<MLA_SHARED_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
+                                                          positions, step_token, num_splits, split, begin, end);
+    if (begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
+        for (int h = threadIdx.x; h < heads; h += MLA_SHARED_THREADS) {
+            const long long head = (long long)t * num_heads + head0 + h;
+            partial_ml[(head * num_splits + split) * 2] = -INFINITY;
+            partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
+        }
+        return;  // block-uniform
+    }
+    mla_copy_query_tile<MLA_SHARED_HEADS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(q_tile, q_latent, q, q_stride,
+                                                                              q_pe_offset, t, num_heads, head0, heads);
+    mla_copy_key_rows<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(k_tiles, cache, table, block_size, begin,
+                                                                           end);
+    mla_commit_copies();
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    // ldmatrix row addresses: A fragments (16 rows x 16 columns) and this warp's B fragments
+    const int a_row = lane & 15, a_col = 8 * (lane >> 4);
+    const int score_key = warp * MLA_SHARED_WARP_KEYS + (lane & 7), score_dim = 8 * (lane >> 3);
+    const int value_key = (lane & 7) + 8 * ((lane >> 3) & 1), value_dim = warp * MMA_DECODE_PART + 8 * (lane >> 4);
+    float acc[MMA_DECODE_PART / 8][4];
+#pragma unroll
+    for (int j = 0; j < MMA_DECODE_PART / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    int stage = 0;
+    for (int key0 = begin; key0 < end; key0 += MLA_SHARED_KEYS, stage ^= 1) {
+        if (key0 + MLA_SHARED_KEYS < end)  // the next tile into the other buffer (freed by the last barrier)
+            mla_copy_key_rows<MLA_SHARED_KEYS, MMA_DECODE_ROW, MLA_SHARED_THREADS>(
+                k_tiles + (stage ^ 1) * MLA_SHARED_KEYS * MMA_DECODE_ROW, cache, table, block_size,
+                key0 + MLA_SHARED_KEYS, end);
+        mla_commit_copies();
+        mla_wait_all_but_last_copies();  // this tile (and the query tile) landed
+        __syncthreads();
+        const bf16* k_tile = k_tiles + stage * MLA_SHARED_KEYS * MMA_DECODE_ROW;
+        // this warp's scores: 16 heads x MLA_SHARED_WARP_KEYS keys over the 576 latent dims
+        float s[MLA_SHARED_WARP_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[n][v] = 0.f;
+#pragma unroll 6
+        for (int kk = 0; kk < LATENT / 32; ++kk) {
+            unsigned qf0[4], qf1[4];
+            ldmatrix_x4(qf0, q_tile + a_row * MMA_DECODE_ROW + 32 * kk + a_col);
+            ldmatrix_x4(qf1, q_tile + a_row * MMA_DECODE_ROW + 32 * kk + 16 + a_col);
+#pragma unroll
+            for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n) {
+                unsigned kf[4];  // keys 8n.. of this warp, dims 32kk .. 32kk + 31
+                ldmatrix_x4(kf, k_tile + (score_key + 8 * n) * MMA_DECODE_ROW + 32 * kk + score_dim);
+                mma_bf16_16816(s[n], qf0, kf[0], kf[1]);
+                mma_bf16_16816(s[n], qf1, kf[2], kf[3]);
+            }
+        }
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int key = key0 + warp * MLA_SHARED_WARP_KEYS + 8 * n + pair + (v & 1);
+                s[n][v] = key < end ? s[n][v] * scale : -INFINITY;
+                tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[n][v]);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        }
+        if (pair == 0) {
+            warp_max[warp * MLA_SHARED_HEADS + group] = tile_max[0];
+            warp_max[warp * MLA_SHARED_HEADS + group + 8] = tile_max[1];
+        }
+        __syncthreads();
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m = row_max[r];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) m = fmaxf(m, warp_max[w * MLA_SHARED_HEADS + group + 8 * r]);
+            correction[r] = m == -INFINITY ? 1.f : __expf(row_max[r] - m);
+            row_max[r] = m;
+        }
+        float my_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n) {
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                s[n][v] = s[n][v] == -INFINITY ? 0.f : __expf(s[n][v] - row_max[v >> 1]);
+                my_sum[v >> 1] += s[n][v];
+            }
+            const int key = warp * MLA_SHARED_WARP_KEYS + 8 * n + pair;
+            *reinterpret_cast<unsigned*>(p_tile + group * MLA_SHARED_P_ROW + key) = pack_bf16x2(s[n][0], s[n][1]);
+            *reinterpret_cast<unsigned*>(p_tile + (group + 8) * MLA_SHARED_P_ROW + key) = pack_bf16x2(s[n][2], s[n][3]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            my_sum[r] += __shfl_xor_sync(0xffffffffu, my_sum[r], 1);
+            my_sum[r] += __shfl_xor_sync(0xffffffffu, my_sum[r], 2);
+        }
+        if (pair == 0) {
+            warp_sum[warp * MLA_SHARED_HEADS + group] = my_sum[0];
+            warp_sum[warp * MLA_SHARED_HEADS + group + 8] = my_sum[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float tile_sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) tile_sum += warp_sum[w * MLA_SHARED_HEADS + group + 8 * r];
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum;
+        }
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // O[:, quarter] += P · c_kv[keys, quarter]: B fragments of the key-major tile by ldmatrix.trans
+#pragma unroll
+        for (int ks = 0; ks < MLA_SHARED_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            ldmatrix_x4(pf, p_tile + a_row * MLA_SHARED_P_ROW + 16 * ks + a_col);
+#pragma unroll
+            for (int j = 0; j < MMA_DECODE_PART / 16; ++j) {
+                unsigned vf[4];  // dims 16j .. 16j + 15 of the quarter, keys 16ks .. 16ks + 15
+                ldmatrix_x4_trans(vf, k_tile + (16 * ks + value_key) * MMA_DECODE_ROW + value_dim + 16 * j);
+                mma_bf16_16816(acc[2 * j], pf, vf[0], vf[1]);
+                mma_bf16_16816(acc[2 * j + 1], pf, vf[2], vf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this tile, the probabilities and the maxima
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = group + 8 * r;
+        if (h >= heads) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        const long long head = (long long)t * num_heads + head0 + h;
+#pragma unroll
+        for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
+            const int dim = warp * MMA_DECODE_PART + 8 * j + pair;
+            if (num_splits == 1) {
+                *reinterpret_cast<unsigned*>(out + head * KV_LORA + dim) =
+                    pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+            } else {
+                *reinterpret_cast<float2*>(partial_o + (head * num_splits + split) * KV_LORA + dim) =
+                    make_float2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+            }
+        }
+        if (num_splits > 1 && warp == 0 && pair == 0) {
+            partial_ml[(head * num_splits + split) * 2] = row_max[r];
+            partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
+        }
+    }
+}
+#endif  // MMA_HOST_STANDIN
+
+// ---------------------------------------------------------------------------------------------
+// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments and
+// outputs; PIPE_WARPS x 16-query tiles, PIPE_WARPS x 32 threads) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
+// while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
+// the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
+// and softmax in base 2 with the scale folded in. PTX only: not built under the host emulation.
+// ---------------------------------------------------------------------------------------------
+#ifndef MMA_HOST_STANDIN
+#define PIPE_KEYS 64
+#ifndef PIPE_WARPS
+#define PIPE_WARPS 4  // 16 query rows each: 64-query tiles (2 blocks per SM), or 8: 128 (1 block, half the K/V reads)
+#endif
+#define PIPE_THREADS (32 * PIPE_WARPS)
+#define PIPE_BLOCK_M (16 * PIPE_WARPS)
+#define PIPE_QK_ROW (QK_DIM + PREFILL_PAD)  // 400 bytes (DeepSeek-V3): 25 16-byte units, ldmatrix rows in distinct banks
+#define PIPE_V_ROW (V_DIM + PREFILL_PAD)    // 272 bytes: 17 units
+#define PIPE_PREFILL_SMEM ((PIPE_BLOCK_M * PIPE_QK_ROW + 2 * PIPE_KEYS * (PIPE_QK_ROW + PIPE_V_ROW)) * 2)
+
+// rows [key0, key0 + PIPE_KEYS) of the head's K = [k_nope | k_pe] and V into shared tiles (zeros from key_end on)
+__device__ __forceinline__ void mla_copy_prefill_kv(bf16* k_tile, bf16* v_tile, const bf16* __restrict__ k_nope,
+                                                    const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
+                                                    long long ctx_first, int key0, int key_end, int head, int num_heads) {
+    for (int i = threadIdx.x; i < PIPE_KEYS * QK_DIM / 8; i += PIPE_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        const long long key = ctx_first + min(key0 + r, key_end - 1);
+        const bf16* src = c < NOPE_DIM ? k_nope + key * num_heads * NOPE_DIM + (long long)head * NOPE_DIM + c
+                                       : k_pe + key * ROPE_DIM + c - NOPE_DIM;
+        cp_async16(k_tile + r * PIPE_QK_ROW + c, src, key0 + r < key_end);
+    }
+    for (int i = threadIdx.x; i < PIPE_KEYS * V_DIM / 8; i += PIPE_THREADS) {
+        const int r = i / (V_DIM / 8), c = (i % (V_DIM / 8)) * 8;
+        const long long key = ctx_first + min(key0 + r, key_end - 1);
+        cp_async16(v_tile + r * PIPE_V_ROW + c, values + key * num_heads * V_DIM + (long long)head * V_DIM + c,
+                   key0 + r < key_end);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 8 / PIPE_WARPS)
+mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restrict__ k_nope,
+                                const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
+                                const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,
+                                const int* __restrict__ tile_query, int num_heads, float scale, bf16* __restrict__ out) {
+    extern __shared__ __align__(16) bf16 smem[];
+    bf16* q_tile = smem;                                     // [PIPE_BLOCK_M][PIPE_QK_ROW]
+    bf16* k_tiles = q_tile + PIPE_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
+    bf16* v_tiles = k_tiles + 2 * PIPE_KEYS * PIPE_QK_ROW;      // [2][PIPE_KEYS][PIPE_V_ROW]
+    const int tile = blockIdx.x;  // the plan lists the tiles with the most keys first
+    const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
+    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
+    const int tile_q = tile_query[tile], head = blockIdx.y;
+    const int tile_rows = min(PIPE_BLOCK_M, num_queries - tile_q);
+    const int offset = context - num_queries;  // position of query 0
+    const int key_end = min(context, offset + tile_q + tile_rows);  // keys this tile needs
+    const long long q_row_stride = (long long)num_heads * QK_DIM;
+    for (int i = threadIdx.x; i < PIPE_BLOCK_M * QK_DIM / 8; i += PIPE_THREADS) {
+        const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
+        cp_async16(q_tile + r * PIPE_QK_ROW + c,
+                   q + (q_first + tile_q + min(r, tile_rows - 1)) * q_row_stride + (long long)head * QK_DIM + c,
+                   r < tile_rows);
+    }
+    mla_copy_prefill_kv(k_tiles, v_tiles, k_nope, k_pe, values, ctx_first, 0, key_end, head, num_heads);
+    mla_commit_copies();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
+    const int query_pos0 = offset + tile_q + row0;
+    const int warp_first_pos = offset + tile_q + warp * 16;  // the warp's first query position
+    const float scale_log2 = scale * 1.4426950408889634f;    // softmax in base 2, the scale folded in
+    const int k_row = lane & 7, k_col = 8 * (lane >> 3);                         // K fragments (ldmatrix)
+    const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V fragments (.trans)
+    float acc[V_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < V_DIM / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    unsigned qf[QK_DIM / 16][4];
+    int stage = 0;
+    for (int key0 = 0; key0 < key_end; key0 += PIPE_KEYS, stage ^= 1) {
+        if (key0 + PIPE_KEYS < key_end)
+            mla_copy_prefill_kv(k_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_QK_ROW,
+                                v_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_V_ROW, k_nope, k_pe, values, ctx_first,
+                                key0 + PIPE_KEYS, key_end, head, num_heads);
+        mla_commit_copies();
+        mla_wait_all_but_last_copies();
+        __syncthreads();
+        if (key0 == 0) {
+#pragma unroll
+            for (int kk = 0; kk < QK_DIM / 16; ++kk)
+                ldmatrix_x4(qf[kk], q_tile + (warp * 16 + (lane & 15)) * PIPE_QK_ROW + 16 * kk + 8 * (lane >> 4));
+        }
+        const bf16* k_tile = k_tiles + stage * PIPE_KEYS * PIPE_QK_ROW;
+        const bf16* v_tile = v_tiles + stage * PIPE_KEYS * PIPE_V_ROW;
+        float s[PIPE_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) s[n][v] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < QK_DIM / 32; ++kk)
+#pragma unroll
+            for (int n = 0; n < PIPE_KEYS / 8; ++n) {
+                unsigned kf[4];  // keys 8n .. 8n + 7, dims 32kk .. 32kk + 31
+                ldmatrix_x4(kf, k_tile + (8 * n + k_row) * PIPE_QK_ROW + 32 * kk + k_col);
+                mma_bf16_16816(s[n], qf[2 * kk], kf[0], kf[1]);
+                mma_bf16_16816(s[n], qf[2 * kk + 1], kf[2], kf[3]);
+            }
+        // mask (causal, past the context) only on the steps that reach the warp's diagonal or the
+        // context's end; online softmax, each row's scores in the 4 lanes of a quad
+        const bool masked = key0 + PIPE_KEYS > min(warp_first_pos + 1, key_end);
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1, key = key0 + 8 * n + pair + (v & 1);
+                s[n][v] = !masked || (key < key_end && key <= query_pos0 + 8 * r) ? s[n][v] * scale_log2 : -INFINITY;
+                tile_max[r] = fmaxf(tile_max[r], s[n][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : exp2f(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < PIPE_KEYS / 8; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = v >> 1;
+                s[n][v] = s[n][v] == -INFINITY ? 0.f : exp2f(s[n][v] - row_max[r]);
+                tile_sum[r] += s[n][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        // acc += P · V: the score accumulators are the A fragments of P (keys 16ks .. 16ks + 15)
+#pragma unroll
+        for (int ks = 0; ks < PIPE_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int j = 0; j < V_DIM / 16; ++j) {
+                unsigned vf[4];  // keys 16ks .. 16ks + 15, dims 16j .. 16j + 15
+                ldmatrix_x4_trans(vf, v_tile + (16 * ks + v_row) * PIPE_V_ROW + 16 * j + v_col);
+                mma_bf16_16816(acc[2 * j], pf, vf[0], vf[1]);
+                mma_bf16_16816(acc[2 * j + 1], pf, vf[2], vf[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage's tiles
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= tile_rows) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j)
+            *reinterpret_cast<unsigned*>(dst + 8 * j + pair) = pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+    }
+}
+#endif  // MMA_HOST_STANDIN

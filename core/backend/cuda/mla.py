@@ -37,11 +37,14 @@ HEADS_PER_BLOCK = 16  # mla.cu
 MLA_THREADS = 256
 # mla_attention_mma (absorbed form on tensor cores): 64 heads x a quarter of the latent dims per block
 MMA_DECODE_HEADS, MMA_DECODE_KEYS, MMA_DECODE_PARTS, MMA_DECODE_THREADS = 64, 32, 4, 128
-# The absorbed form's attention kernel: "cuda_cores" (mla_attention) or "mma" (mla_attention_mma,
-# tensor cores, 64 heads per block). Chosen in one place, ``choose_absorbed_kernel``: a kernel
-# forced by the caller or by $OPENINFER_MLA_DECODE, else the first entry of ABSORBED_KERNEL_CHOICE
-# (most heads, most absorbed rows in the step, kernel) that holds, else DEFAULT_ABSORBED_KERNEL.
-ABSORBED_KERNELS = ("cuda_cores", "mma")
+# The absorbed form's attention kernel: "cuda_cores" (mla_attention), "mma" (mla_attention_mma,
+# tensor cores, 64 heads per block, or 16 under $OPENINFER_MLA_HEADS16=1), "mma16" (mla_attention_mma
+# in blocks of 16 heads, a warp per output quarter) or "mma_shared" (mla_attention_mma_shared: 16-head
+# blocks scoring each key once, double-buffered tiles). Chosen in one place, ``choose_absorbed_kernel``:
+# a kernel forced by the caller or by $OPENINFER_MLA_DECODE, else the first entry of
+# ABSORBED_KERNEL_CHOICE (most heads, most absorbed rows in the step, kernel) that holds, else
+# DEFAULT_ABSORBED_KERNEL.
+ABSORBED_KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 ABSORBED_KERNEL_ENV = "OPENINFER_MLA_DECODE"
 DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per GPU is not measured yet
 # H100, benchmarks/gpu_kimi.py, 2026-11-23 window W2 (whole mla_forward, context 1024 unless said):
@@ -49,8 +52,10 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # 1.78 vs 1.66 at 256 (behind); 64 heads, W3a: 0.188 vs 0.271 ms at batch 1 (0.240 vs 0.538 at
 # context 4096), 0.590 vs 1.705 at 64 (1.69 vs 6.48 at context 4096), 1.94 vs 6.28 at 256.
 # H200 E3 (2026-11-24, results/kimi_kernels_mla_decode_e3_h200.json), with the async tiles below: 16 heads
-# mma 0.148 vs CUDA cores 0.176 ms at batch 1, 0.309 vs 0.730 at 64, 0.814 vs 1.652 at 256: mma throughout.
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((64, 1 << 30, "mma"),)
+# mma 0.148 vs CUDA cores 0.176 ms at batch 1, 0.309 vs 0.730 at 64, 0.814 vs 1.652 at 256: mma throughout;
+# in 16-head blocks (mma16) 0.206 at batch 1 (behind), 0.173 at 64 and 0.282 at 256: mma16 from 64 rows.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 63, "mma"), (16, 1 << 30, "mma16"),
+                                                            (64, 1 << 30, "mma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
@@ -76,11 +81,27 @@ ASYNC_TILES_ENV = "OPENINFER_MLA_ASYNC_TILES"
 # 0.814 -> 0.282 at 256; 64 heads 0.144 -> 0.145 / 0.321 -> 0.279 / 0.849 -> 0.705. Fewer head blocks
 # mean more context splits, so the bits differ from the 64-head blocks where the split count does.
 HEADS16_ENV = "OPENINFER_MLA_HEADS16"
+# mla_attention_mma_shared's keys per tile: 32 (default; 93 KB of shared memory, 2 blocks per SM) or 64
+# (168 KB, 1 block per SM); $OPENINFER_MLA_SHARED_KEYS.
+SHARED_KEYS_ENV = "OPENINFER_MLA_SHARED_KEYS"
+SHARED_KEYS_CHOICES = (32, 64)
+SHARED_HEADS, SHARED_THREADS = 16, 128
+SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
+# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "plain" (mla_prefill_attention) or
+# "pipelined" (mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix
+# fragments, causal mask on diagonal steps only; 64-query tiles of 4 warps) or "pipelined128" (the same
+# with 128-query tiles of 8 warps: each K / V tile read once for twice the queries); opt-in until measured.
+PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
+PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
+                   "pipelined128": "mla_prefill_attention_pipelined"}
+PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "pipelined128": 128}  # queries per block
+DEFAULT_PREFILL_KERNEL = "plain"
+PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
 # an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
 PREFILL_MIN_QUERY = 16
@@ -114,6 +135,21 @@ def num_splits(num_tokens: int, head_chunks: int, num_sms: int) -> int:
     return max(1, min(most, -(-2 * num_sms // (num_tokens * head_chunks))))
 
 
+def resident_splits(num_tokens: int, head_chunks: int, num_sms: int, blocks_per_sm: int) -> int:
+    """mla_attention_mma_shared's context splits ($OPENINFER_MLA_SHARED_SPLITS=resident, its default):
+    as many as keep every block resident at once (one wave: ``blocks_per_sm`` per SM), at least 1, at most
+    MAX_SPLITS ($OPENINFER_MLA_MAX_SPLITS); =waves: ``num_splits``' two waves. Row count only (graph-safe)."""
+    policy = os.environ.get(SHARED_SPLITS_ENV) or "resident"
+    if policy not in ("resident", "waves"):
+        raise ValueError(f"{SHARED_SPLITS_ENV} is resident or waves; got {policy!r}")
+    if policy == "waves":
+        return num_splits(num_tokens, head_chunks, num_sms)
+    most = int(os.environ.get(MAX_SPLITS_ENV) or MAX_SPLITS)
+    if most < 1:
+        raise ValueError(f"{MAX_SPLITS_ENV} must be at least 1, got {most}")
+    return max(1, min(most, blocks_per_sm * num_sms // (num_tokens * head_chunks)))
+
+
 def _defines(spec: MLASpec) -> dict[str, int]:
     return {"KV_LORA": spec.kv_lora_rank, "ROPE_DIM": spec.qk_rope_dim, "NOPE_DIM": spec.qk_nope_dim,
             "V_DIM": spec.v_head_dim}
@@ -141,19 +177,21 @@ class PrefillPlan:
     query_rows: cupy.ndarray
     absorbed_rows: cupy.ndarray | None
     context_rows: int
+    kernel: str  # the attention kernel it is laid out for (PREFILL_KERNELS)
 
 
 def plan_prefill(host: ForwardBatch | None, spec: MLASpec, min_query: int = PREFILL_MIN_QUERY,
                  scratch_bytes: int = PREFILL_SCRATCH_BYTES) -> PrefillPlan | None:
     if host is None or host.max_query_len < min_query or not decompressed_fits(spec):
         return None
-    layout = decompressed_prefill_layout(host, spec, min_query, scratch_bytes)
+    attention = prefill_kernel(spec)
+    layout = decompressed_prefill_layout(host, spec, min_query, scratch_bytes, PREFILL_KERNEL_TILE[attention])
     if layout is None:
         return None
     return PrefillPlan(cupy.asarray(layout.seqs), cupy.asarray(layout.tile_seq), cupy.asarray(layout.tile_query),
                        cupy.asarray(layout.query_rows),
                        cupy.asarray(layout.absorbed_rows) if layout.absorbed_rows.size else None,
-                       layout.context_rows)
+                       layout.context_rows, attention)
 
 
 _last_plan: tuple[object, PrefillPlan | None] | None = None
@@ -165,7 +203,7 @@ def _step_plan(batch, spec: MLASpec, min_query: int) -> PrefillPlan | None:
     host = getattr(batch, "host", None)
     if host is None or host.max_query_len < min_query:
         return None
-    key = (id(batch), spec.num_heads, spec.qk_head_dim, spec.v_head_dim, min_query)
+    key = (id(batch), spec.num_heads, spec.qk_head_dim, spec.v_head_dim, min_query, prefill_kernel(spec))
     if _last_plan is not None and _last_plan[0][0] is batch and _last_plan[0][1:] == key[1:]:
         return _last_plan[1]
     plan = plan_prefill(host, spec, min_query)
@@ -225,6 +263,12 @@ def mma_decode_fits(spec: MLASpec) -> bool:
         and spec.qk_nope_dim % 8 == 0
 
 
+def shared_decode_fits(spec: MLASpec) -> bool:
+    """mla_attention_mma_shared's shape limits: 32-wide score steps over the latent, output quarters of
+    16-wide steps."""
+    return mma_decode_fits(spec) and spec.latent_dim % 32 == 0 and spec.kv_lora_rank % 64 == 0
+
+
 _smem_set: dict[int, cupy.RawKernel] = {}  # id -> the kernel (held, so its id is never reused)
 
 
@@ -234,15 +278,40 @@ def async_tiles() -> bool:
 
 
 def heads16() -> bool:
-    """Whether mla_attention_mma runs blocks of 16 heads ($OPENINFER_MLA_HEADS16=1; opt-in)."""
+    """Whether the "mma" kernel runs blocks of 16 heads ($OPENINFER_MLA_HEADS16=1; "mma16" always does)."""
     return os.environ.get(HEADS16_ENV, "0") in ("1", "true", "on")
 
 
-def mma_decode_head_chunks(num_heads: int) -> int:
+def mma_decode_head_chunks(num_heads: int, blocks_of_16: bool | None = None) -> int:
     """mla_attention_mma's grid.y: head blocks x output quarters (64-head blocks), or 16-head blocks."""
-    if heads16():
+    if heads16() if blocks_of_16 is None else blocks_of_16:
         return -(-num_heads // 16)
     return -(-num_heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS
+
+
+def shared_keys() -> int:
+    """mla_attention_mma_shared's keys per tile ($OPENINFER_MLA_SHARED_KEYS, default 32)."""
+    text = os.environ.get(SHARED_KEYS_ENV) or "32"
+    if not text.isdigit() or int(text) not in SHARED_KEYS_CHOICES:
+        raise ValueError(f"{SHARED_KEYS_ENV} is one of {', '.join(map(str, SHARED_KEYS_CHOICES))}; got {text!r}")
+    return int(text)
+
+
+def shared_decode_smem(spec: MLASpec, keys: int) -> int:
+    """mla_attention_mma_shared's dynamic shared memory (mla.cu MLA_SHARED_SMEM): the query tile, two
+    key tiles (padded rows), the bf16 probabilities and the warps' row maxima and sums."""
+    row = spec.latent_dim + 8
+    return (SHARED_HEADS + 2 * keys) * row * 2 + SHARED_HEADS * (keys + 8) * 2 + 2 * 4 * SHARED_HEADS * 4
+
+
+def _shared_decode_kernel(spec: MLASpec):
+    keys = shared_keys()
+    smem = shared_decode_smem(spec, keys)
+    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys)
+    if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
+        attention.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(attention)] = attention
+    return attention, smem
 
 
 def combine_kernel() -> str:
@@ -253,11 +322,11 @@ def combine_kernel() -> str:
     return COMBINE_KERNELS[name]
 
 
-def _mma_decode_kernel(spec: MLASpec):
+def _mma_decode_kernel(spec: MLASpec, blocks_of_16: bool):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
-    smem = ((16 if heads16() else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
+    smem = ((16 if blocks_of_16 else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
     attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
-                       **({"MLA_HEADS16": 1} if heads16() else {}))
+                       **({"MLA_HEADS16": 1} if blocks_of_16 else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
@@ -312,11 +381,24 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     """``absorbed_attention``'s attention kernel alone: ``o_latent`` (written only without splits)
     and the splits' partials to combine (None: one split)."""
     num_tokens = int(q.shape[0])
-    use_mma = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel) == "mma" and mma_decode_fits(spec)
+    name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
+    if name == "mma_shared" and not shared_decode_fits(spec):
+        name = "mma"
+    if name != "cuda_cores" and not mma_decode_fits(spec):
+        name = "cuda_cores"
+    blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    head_chunks = mma_decode_head_chunks(heads) if use_mma else -(-heads // HEADS_PER_BLOCK)
-    splits = num_splits(num_tokens, head_chunks, num_sms)
+    if name == "mma_shared":
+        head_chunks = -(-heads // SHARED_HEADS)
+    elif name in ("mma", "mma16"):
+        head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
+    else:
+        head_chunks = -(-heads // HEADS_PER_BLOCK)
+    if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
+        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if shared_keys() == 32 else 1)
+    else:
+        splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
     if splits > 1:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
@@ -325,8 +407,11 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
-    if use_mma:
-        attention, smem = _mma_decode_kernel(spec)
+    if name == "mma_shared":
+        attention, smem = _shared_decode_kernel(spec)
+        attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
+    elif name in ("mma", "mma16"):
+        attention, smem = _mma_decode_kernel(spec, blocks_of_16)
         attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
         kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
@@ -351,21 +436,70 @@ def _absorbed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.nda
     expand_values(blas, o_latent, w_uv, spec, out)
 
 
-def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
-                  spec: MLASpec, batch, plan: PrefillPlan, out: cupy.ndarray) -> None:
-    """Decompressed form for the plan's sequences (q's rope dims already rotated)."""
-    heads, lora = spec.num_heads, spec.kv_lora_rank
+def gather_context(cache: cupy.ndarray, spec: MLASpec, batch, plan: PrefillPlan) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``mla_gather_context``: the plan's sequences' whole contexts out of the paged cache, contiguous
+    ``c_kv [C, lora]`` and ``k_pe [C, rope]``."""
     rows = plan.context_rows
-    c_kv = cupy.empty((rows, lora), dtype=cupy.uint16)
+    c_kv = cupy.empty((rows, spec.kv_lora_rank), dtype=cupy.uint16)
     k_pe = cupy.empty((rows, spec.qk_rope_dim), dtype=cupy.uint16)
     kernel("mla.cu", "mla_gather_context", **_defines(spec))((rows,), (128,), (
         cache, batch.block_tables, np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), plan.seqs,
         np.int32(plan.seqs.shape[0]), c_kv, k_pe))
+    return c_kv, k_pe
+
+
+def expand_context(blas: Cublas, c_kv: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec
+                   ) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """kv_b by cuBLAS: per-head keys ``k_nope [C, H·nope]`` and ``values [C, H·v]`` from ``c_kv``."""
+    heads, lora, rows = spec.num_heads, spec.kv_lora_rank, int(c_kv.shape[0])
     k_nope = cupy.empty((rows, heads * spec.qk_nope_dim), dtype=cupy.uint16)
     values = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
     blas.matmul_nt(c_kv, w_uk.reshape(heads * spec.qk_nope_dim, lora), k_nope)
     blas.matmul_nt(c_kv, w_uv.reshape(heads * spec.v_head_dim, lora), values)
-    kernel("mla.cu", "mla_prefill_attention", **_defines(spec))((int(plan.tile_seq.shape[0]), heads),
-                                                                (PREFILL_THREADS,), (
-        q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(heads),
-        np.float32(spec.scale), out))
+    return k_nope, values
+
+
+def prefill_kernel(spec: MLASpec) -> str:
+    """The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL: plain or pipelined); the
+    pipelined one needs nope + rope in 32-wide steps, else plain runs."""
+    name = os.environ.get(PREFILL_KERNEL_ENV) or DEFAULT_PREFILL_KERNEL
+    if name not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL_ENV} is one of {', '.join(PREFILL_KERNELS)}; got {name!r}")
+    if name != "plain" and spec.qk_head_dim % 32:
+        return "plain"
+    return name
+
+
+def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
+    """mla_prefill_attention_pipelined's dynamic shared memory (mla.cu PIPE_PREFILL_SMEM): the query
+    tile and two K and V tiles, rows padded by 8 bf16."""
+    qk_row, v_row = spec.qk_head_dim + 8, spec.v_head_dim + 8
+    return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
+
+
+def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
+                      plan: PrefillPlan, out: cupy.ndarray) -> None:
+    """Causal flash attention of the plan's query tiles over their expanded contexts, into their rows
+    of ``out [T, H·v]`` (the kernel the plan was laid out for: ``prefill_kernel``'s)."""
+    grid = (int(plan.tile_seq.shape[0]), spec.num_heads)
+    args = (q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
+            np.float32(spec.scale), out)
+    if plan.kernel == "plain":
+        kernel("mla.cu", "mla_prefill_attention", **_defines(spec))(grid, (PREFILL_THREADS,), args)
+        return
+    tile = PREFILL_KERNEL_TILE[plan.kernel]
+    smem = pipelined_prefill_smem(spec, tile)
+    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec),
+                       **({"PIPE_WARPS": tile // 16} if tile != 64 else {}))  # 4 warps: mla.cu's default
+    if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
+        attention.max_dynamic_shared_size_bytes = smem
+        _smem_set[id(attention)] = attention
+    attention(grid, (2 * tile,), args, shared_mem=smem)
+
+
+def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
+                  spec: MLASpec, batch, plan: PrefillPlan, out: cupy.ndarray) -> None:
+    """Decompressed form for the plan's sequences (q's rope dims already rotated)."""
+    c_kv, k_pe = gather_context(cache, spec, batch, plan)
+    k_nope, values = expand_context(blas, c_kv, w_uk, w_uv, spec)
+    prefill_attention(q, k_nope, k_pe, values, spec, plan, out)

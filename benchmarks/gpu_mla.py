@@ -1,0 +1,434 @@
+"""MLA attention of the Moonlight-16B-A3B / DeepSeek-V3 shape (issue 13), kernel by kernel, JSON + PNG
+into benchmarks/results/ (and $OUT).
+
+``decode``: one layer's absorbed decode (16 heads, kv_lora 512 + rope 64, nope 128, v 128) at batch
+1/16/64/256 x context 1k/4k over a paged cache of 16-token blocks (the engine's), each variant (an absorbed kernel, optionally its key tile and a cap on
+the context splits) side by side in one process: the whole ``mla_forward`` as a CUDA-graph replay
+(as the engine's decode steps run it) and each kernel's device time in step order (the ledger's
+timer: ops behind a spin kernel, an event between each): mla_write_latent, W_UK (cuBLAS), the
+attention kernel, the split combine, W_UV (cuBLAS); against the latent cache's bytes over the
+measured copy bandwidth.
+
+``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
+by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
+TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined /
+pipelined128: mla_prefill_attention_pipelined on 64- / 128-query tiles), and the absorbed form of the whole forward beside it where it is short.
+
+    python benchmarks/gpu_mla.py                          # both sections, default variants
+    python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
+    python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
+
+A decode variant is ``kernel[:keys[:max_splits[:policy]]]``: kernel ``auto`` (what ships) or one of
+core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps the
+context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
+$OPENINFER_MLA_SHARED_SPLITS). Each variant's output is compared to the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+RESULTS = HERE / "results"
+
+HEADS, NOPE, ROPE, V_DIM, KV_LORA = 16, 128, 64, 128, 512  # Moonlight-16B-A3B
+LATENT_BYTES = (KV_LORA + ROPE) * 2
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (1024, 4096)
+PREFILL_TOKENS = (1024, 8192)
+ABSORBED_PREFILL_MAX = 2048
+BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absorbed form of a prompt is timed up to this many tokens
+DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
+# core's ABSORBED_KERNELS and SHARED_KEYS_CHOICES (openinfer.backend.cuda.mla needs CuPy: a dry run checks
+# names against these copies, a GPU run that they still match core's)
+KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
+SHARED_KEYS = (32, 64)
+SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
+PREFILL_KERNELS = ("plain", "pipelined", "pipelined128")  # core's PREFILL_KERNELS
+
+
+def parse_variants(text: str) -> list[dict]:
+    """``kernel[:keys[:max_splits[:policy]]]`` comma list → dicts; bad names exit 2 through argparse's error."""
+    variants = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        if len(fields) > 4:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy]]]")
+        kernel, keys, splits, policy = (fields + ["", "", ""])[:4]
+        if kernel not in ("auto", *KERNELS):
+            raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
+        if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
+            raise ValueError(f"variant {item!r}: keys is one of {SHARED_KEYS}")
+        if splits and (not splits.isdigit() or int(splits) < 1):
+            raise ValueError(f"variant {item!r}: max_splits is a positive integer")
+        if policy and policy not in SPLIT_POLICIES:
+            raise ValueError(f"variant {item!r}: policy is one of {', '.join(SPLIT_POLICIES)}")
+        variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy})
+    if not variants:
+        raise ValueError("no variants")
+    return variants
+
+
+@contextlib.contextmanager
+def variant_env(variant: dict):
+    """Core's switches for one variant (restored after)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"]}
+    before = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def decode_bytes(batch: int, context: int) -> int:
+    return batch * (context + 1) * LATENT_BYTES
+
+
+def prefill_flops(tokens: int) -> float:
+    """Causal attention FLOPs of one prompt: QK (nope + rope) and PV per visible (query, key) pair."""
+    return 2.0 * HEADS * (NOPE + ROPE + V_DIM) * tokens * (tokens + 1) / 2
+
+
+def plan(args) -> dict:
+    variants = parse_variants(args.variants)
+    return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
+                       for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
+            "prefill": [{"tokens": n, "attention_gflop": prefill_flops(n) / 1e9} for n in args.prefill]
+            if "prefill" in args.sections else [], "prefill_kernels": args.prefill_kernels,
+            "variants": variants}
+
+
+def mla_inputs(backend, rng):
+    import cupy
+
+    from openinfer.mla import MLASpec
+    from openinfer.rope import RopeParameters, RotaryEmbedding
+
+    spec = MLASpec(HEADS, NOPE, ROPE, V_DIM, KV_LORA, (NOPE + ROPE) ** -0.5)
+    w_uk = backend.weight((0.05 * rng.standard_normal((HEADS, NOPE, KV_LORA))).astype(np.float32))
+    w_uv = backend.weight((0.05 * rng.standard_normal((HEADS, V_DIM, KV_LORA))).astype(np.float32))
+    norm = backend.weight(np.ones(KV_LORA, np.float32))
+    rope = RotaryEmbedding.create(ROPE, RopeParameters(50000.0), 16384)
+    return spec, w_uk, w_uv, norm, cupy.asarray(rope.cos), cupy.asarray(rope.sin)
+
+
+def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> list[dict]:
+    from gpu_kimi import decode_batch, device_random_bf16, graph_call_seconds, layer_breakdown
+
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    points = []
+    for batch_size in args.batches:
+        for context in args.contexts:
+            batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
+            cache = device_random_bf16((num_blocks, BLOCK_SIZE, 1, spec.latent_dim))
+            q = backend.upload(rng.standard_normal((batch_size, HEADS * spec.qk_head_dim)).astype(np.float32))
+            latent = backend.upload(rng.standard_normal((batch_size, spec.latent_dim)).astype(np.float32))
+            point = {"batch": batch_size, "context": context,
+                     "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context) / bandwidth, "variants": {}}
+            reference = None
+            for variant in variants:
+                kernel = None if variant["kernel"] == "auto" else variant["kernel"]
+                with variant_env(variant):
+                    forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
+                                      spec, batch, cos, sin, 1e-6, backend.num_sms, prefill_min_query=10**9,
+                                      absorbed_kernel=kernel)
+                    out = backend.to_host(forward())
+                    seconds, graph_error = graph_call_seconds([forward])
+                    q_rot = q.copy()
+                    cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
+                    q_latent = cuda_mla.absorb_queries(backend.blas, q_rot, w_uk, spec)
+                    o_latent, partials = cuda_mla.attend_splits(q_latent, q_rot, cache, spec, batch, None,
+                                                                backend.num_sms, kernel)
+                    parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm, spec,
+                                                          batch, cos, sin, 1e-6)),
+                             ("w_uk", partial(cuda_mla.absorb_queries, backend.blas, q_rot, w_uk, spec)),
+                             ("attention", partial(cuda_mla.attend_splits, q_latent, q_rot, cache, spec, batch, None,
+                                                   backend.num_sms, kernel))]
+                    if partials is not None:
+                        parts.append(("combine", partial(cuda_mla.combine_splits, partials, o_latent, spec)))
+                    parts.append(("w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, w_uv, spec,
+                                                  cupy_empty_like_out(batch_size))))
+                    breakdown = layer_breakdown(parts, forward, args.iters)
+                    ran = cuda_mla.choose_absorbed_kernel(HEADS, batch_size, kernel)
+                    splits = partials.splits if partials is not None else 1
+                entry = {"forward_ms": 1e3 * seconds, "kernel_run": ran, "splits": splits,
+                         "breakdown_ms": breakdown["breakdown_ms"],
+                         "attention_share_of_roofline": point["cache_roofline_ms"]
+                         / max(breakdown["breakdown_ms"]["attention"], 1e-9)}
+                if graph_error:
+                    entry["graph_error"] = graph_error
+                if reference is None:
+                    reference = out
+                else:
+                    entry["relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                point["variants"][variant["name"]] = entry
+            first = point["variants"][variants[0]["name"]]["forward_ms"]
+            for entry in point["variants"].values():
+                entry["speedup_vs_first"] = first / entry["forward_ms"]
+            points.append(point)
+            print(json.dumps(point), flush=True)
+            del cache
+    return points
+
+
+def cupy_empty_like_out(rows: int):
+    import cupy
+
+    return cupy.empty((rows, HEADS * V_DIM), dtype=cupy.uint16)
+
+
+@contextlib.contextmanager
+def prefill_env(name: str):
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    before = os.environ.get(cuda_mla.PREFILL_KERNEL_ENV)
+    os.environ[cuda_mla.PREFILL_KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(cuda_mla.PREFILL_KERNEL_ENV, None)
+        else:
+            os.environ[cuda_mla.PREFILL_KERNEL_ENV] = before
+
+
+def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
+    from gpu_kimi import layer_breakdown, one_sequence_batch
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.tools.ledger import gpu_seconds
+
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    points = []
+    for tokens in args.prefill:
+        batch, num_blocks = one_sequence_batch(backend, 0, tokens, BLOCK_SIZE)
+        cache = backend.upload(rng.standard_normal((num_blocks, BLOCK_SIZE, 1, spec.latent_dim)).astype(np.float32))
+        q = backend.upload(rng.standard_normal((tokens, HEADS * spec.qk_head_dim)).astype(np.float32))
+        latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
+        forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
+                          cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
+        point = {"tokens": tokens, "kernels": {}, "absorbed": {}}
+        reference = None
+        for name in args.prefill_kernels:
+            with prefill_env(name):  # the plan is laid out for the kernel (its tile size)
+                plan_ = cuda_mla.plan_prefill(batch.host, spec)
+                q_rot = q.copy()
+                cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
+                c_kv, k_pe = cuda_mla.gather_context(cache, spec, batch, plan_)
+                k_nope, values = cuda_mla.expand_context(backend.blas, c_kv, w_uk, w_uv, spec)
+                parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm, spec,
+                                                      batch, cos, sin, 1e-6)),
+                         ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
+                         ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
+                         ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
+                                               cupy_empty_like_out(tokens)))]
+                # the output from unrotated queries (mla_forward rotates its q's rope dims in place)
+                out = backend.to_host(cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
+                                                           spec, batch, cos, sin, 1e-6, backend.num_sms))
+                breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
+                entry = {"forward_ms": 1e3 * gpu_seconds(forward, repeats=args.iters), "breakdown_ms": breakdown,
+                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9,
+                         "plan_kernel": plan_.kernel}
+            if reference is None:
+                reference = out
+            else:
+                entry["relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                entry["attention_speedup_vs_first"] = (point["kernels"][args.prefill_kernels[0]]["breakdown_ms"]
+                                                       ["attention"] / breakdown["attention"])
+            point["kernels"][name] = entry
+        if tokens <= ABSORBED_PREFILL_MAX:
+            for variant in variants:
+                kernel = None if variant["kernel"] == "auto" else variant["kernel"]
+                with variant_env(variant):
+                    absorbed = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
+                                       spec, batch, cos, sin, 1e-6, backend.num_sms, prefill_min_query=10**9,
+                                       absorbed_kernel=kernel)
+                    absorbed_out = backend.to_host(absorbed())
+                    point["absorbed"][variant["name"]] = {
+                        "ms": 1e3 * gpu_seconds(absorbed, repeats=args.iters),
+                        "relative_difference": float(np.linalg.norm(absorbed_out - reference)
+                                                     / np.linalg.norm(reference))}
+        points.append(point)
+        print(json.dumps(point), flush=True)
+    return points
+
+
+def warm(backend, rng) -> int:
+    """Compile every MLA kernel module the decode / prefill variants (and core's other switches:
+    async tiles, combine) can launch, in parallel NVRTC threads into CuPy's disk cache: dry steps
+    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them."""
+    import cupy
+    from gpu_kimi import one_sequence_batch
+
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    batch, num_blocks = one_sequence_batch(backend, 60, 100, BLOCK_SIZE)
+    cache = cupy.zeros((num_blocks, BLOCK_SIZE, 1, spec.latent_dim), dtype=cupy.uint16)
+    q = cupy.zeros((100, HEADS * spec.qk_head_dim), dtype=cupy.uint16)
+    latent = cupy.zeros((100, spec.latent_dim), dtype=cupy.uint16)
+    started = time.perf_counter()
+    settings = [{cuda_mla.ASYNC_TILES_ENV: a, cuda_mla.COMBINE_ENV: c, cuda_mla.SHARED_KEYS_ENV: str(k),
+                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
+                for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
+                for h in ("0", "1")]
+    before = {name: os.environ.get(name) for name in settings[0]}
+    with discover_kernels() as found:
+        try:
+            for setting in settings:
+                os.environ.update(setting)
+                for kernel in KERNELS:
+                    for min_query in (16, 10**9):  # decompressed beside absorbed rows; all absorbed
+                        cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
+                                             cos, sin, 1e-6, backend.num_sms, prefill_min_query=min_query,
+                                             absorbed_kernel=kernel)
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
+    print(f"compiled {built} MLA modules in {time.perf_counter() - started:.1f} s", flush=True)
+    return built
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode, prefill = report.get("decode", []), report.get("prefill", [])
+    panels = (1 if decode else 0) + (1 if prefill else 0)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 5), squeeze=False)
+    ax = axes[0][0]
+    if decode:
+        names = list(decode[0]["variants"])
+        x = np.arange(len(decode))
+        width = 0.8 / (len(names) + 1)
+        for i, name in enumerate(names):
+            ax.bar(x + i * width, [p["variants"][name]["breakdown_ms"]["attention"] for p in decode], width,
+                   label=f"attention kernel, {name}")
+        ax.bar(x + len(names) * width, [p["cache_roofline_ms"] for p in decode], width, color="k",
+               label="latent bytes / copy rate")
+        ax.set(xticks=x + 0.4, yscale="log", ylabel="ms per layer",
+               title=f"MLA decode, 16 heads ({report.get('device', '')})")
+        ax.set_xticklabels([f"b{p['batch']} c{p['context']}" for p in decode], rotation=30)
+        ax.legend(fontsize=7)
+    if prefill:
+        ax = axes[0][panels - 1]
+        kernels = list(prefill[0]["kernels"])
+        bars = [(p, k) for p in prefill for k in kernels]
+        parts = list(prefill[0]["kernels"][kernels[0]]["breakdown_ms"])
+        bottom = np.zeros(len(bars))
+        for part in parts:
+            values = np.array([p["kernels"][k]["breakdown_ms"][part] for p, k in bars])
+            ax.bar(range(len(bars)), values, bottom=bottom, label=part)
+            bottom += values
+        ax.set(xticks=range(len(bars)), ylabel="ms per layer", title="MLA prefill, decompressed form")
+        ax.set_xticklabels([f"{p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s" for p, k in bars],
+                           fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
+                        help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help="comma list of kernel[:keys[:max_splits[:policy]]]")
+    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
+    parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
+    parser.add_argument("--prefill-kernels", default="plain,pipelined,pipelined128",
+                        help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--name", default="gpu_mla", help="results file name")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; no GPU")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same as --dry-run")
+    args = parser.parse_args()
+    try:
+        if set(args.sections) - {"decode", "prefill", "warm"}:
+            raise ValueError(f"sections are decode, prefill and warm, got {args.sections}")
+        args.batches = [int(v) for v in args.batches.split(",") if v]
+        args.contexts = [int(v) for v in args.contexts.split(",") if v]
+        args.prefill = [int(v) for v in args.prefill.split(",") if v]
+        args.prefill_kernels = [v for v in args.prefill_kernels.split(",") if v]
+        if not args.prefill_kernels or set(args.prefill_kernels) - set(PREFILL_KERNELS):
+            raise ValueError(f"prefill kernels are {', '.join(PREFILL_KERNELS)}, got {args.prefill_kernels}")
+        if min(args.batches + args.contexts + args.prefill + [args.iters], default=1) < 1:
+            raise ValueError("batches, contexts, prompt lengths and --iters are positive")
+        report = {"plan": plan(args)}
+    except ValueError as error:
+        parser.error(str(error))
+    if args.dry_run or args.device == "cpu":
+        print(json.dumps(report, indent=1))
+        return
+    from gpu_kimi import copy_bandwidth, device_name
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS)) != (
+            KERNELS, SHARED_KEYS, PREFILL_KERNELS):
+        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS no longer match core's mla.py")
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    if "warm" in args.sections:
+        warm(backend, rng)
+        return
+    bandwidth = copy_bandwidth()
+    variants = report["plan"]["variants"]
+    report.update({"device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "num_sms": backend.num_sms})
+    print(json.dumps({k: report[k] for k in ("device", "copy_bandwidth_gbs")}), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    path = RESULTS / f"{args.name}.json"
+
+    def save() -> None:  # after each section: a later failure keeps what was measured
+        report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        path.write_text(json.dumps(report, indent=2))
+        if out is not None:
+            shutil.copy(path, out / path.name)
+
+    for section in dict.fromkeys(args.sections):  # in the order given
+        if section == "decode":
+            report["decode"] = bench_decode(backend, rng, args, variants, bandwidth)
+        else:
+            report["prefill"] = bench_prefill(backend, rng, args, variants)
+        save()
+    plot(report, RESULTS / f"{args.name}.png")
+    if out is not None and (RESULTS / f"{args.name}.png").exists():
+        shutil.copy(RESULTS / f"{args.name}.png", out / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

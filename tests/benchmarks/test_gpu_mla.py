@@ -1,0 +1,45 @@
+"""benchmarks/gpu_mla.py's CPU side: its plan (points, variants, roofline bytes and FLOPs) as a dry
+run, and bad arguments refused with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_mla.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_the_plan():
+    result = run("--dry-run", "--batches", "1,256", "--contexts", "1024", "--prefill", "1024",
+                 "--variants", "auto,mma_shared:64,mma_shared:32:16,mma_shared:::waves")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert [(p["batch"], p["context"]) for p in plan["decode"]] == [(1, 1024), (256, 1024)]
+    # 576 bf16 latents per token of context (the new token's included)
+    assert plan["decode"][1]["cache_bytes"] == 256 * 1025 * 576 * 2
+    # causal: 16 heads x (192 + 128) dims x 2 FLOPs per visible (query, key) pair
+    assert plan["prefill"][0]["attention_gflop"] == 2 * 16 * 320 * 1024 * 1025 / 2 / 1e9
+    assert [(v["kernel"], v["keys"], v["max_splits"], v["policy"]) for v in plan["variants"]] == [
+        ("auto", "", "", ""), ("mma_shared", "64", "", ""), ("mma_shared", "32", "16", ""),
+        ("mma_shared", "", "", "waves")]
+
+
+def test_device_cpu_is_a_dry_run():
+    result = run("decode", "--device", "cpu", "--batches", "16")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plan"]["prefill"] == []
+
+
+def test_bad_arguments_exit_2():
+    for args in (["--variants", "tensor"], ["--variants", "mma_shared:48"], ["--variants", "mma:32:0"],
+                 ["--batches", "x"], ["--batches", "0"], ["warp"], ["--variants", ","],
+                 ["--prefill-kernels", "fast"], ["--prefill-kernels", ""],
+                 ["--variants", "mma_shared:32:4:often"], ["--variants", "mma:32:4:waves:x"]):
+        result = run("--dry-run", *args)
+        assert result.returncode == 2 and "error" in result.stderr, args

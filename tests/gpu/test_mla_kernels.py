@@ -1,0 +1,202 @@
+"""The absorbed MLA decode kernels (mla_attention_mma in 64- and 16-head blocks, mla_attention_mma_shared
+with 32- and 64-key tiles) and the decompressed prefill against the NumPy reference: ragged batches
+whose contexts end on, before and after tile and cache-block boundaries, partial head blocks,
+context splits from 1 to many, and a CUDA-graph replay equal to the eager step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer import RotaryEmbedding
+from openinfer.backend.base import ForwardBatch
+from openinfer.backend.numpy_backend import NumpyBackend
+from openinfer.mla import MLASpec, MLAWeights, mla_attention, rotate_half_rope
+from openinfer.rope import RopeParameters
+from tests.gpu.conftest import bf16_random, relative_error
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+REF = NumpyBackend()
+BF16_TOL = 2e-2
+BLOCK_SIZE = 16
+# (cached, new) per sequence
+DECODES = {
+    # contexts ending one short of, on, and one past the 32- and 64-key tiles, a 1-token context, ~1k
+    "ragged": ([0, 30, 31, 32, 62, 63, 64, 700, 1030], [1] * 9),
+    # 1 decode of a long context: many splits of one sequence
+    "one-long": ([2100], [1]),
+}
+
+
+def _step(rng, spec: MLASpec, cached: list[int], new: list[int]):
+    """A paged batch over shuffled cache blocks, its inputs and the NumPy reference output."""
+    max_blocks = -(-max(np.add(cached, new)) // BLOCK_SIZE)
+    num_blocks = len(cached) * max_blocks + 1
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
+    tables = np.zeros((len(cached), max_blocks), np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    for s, total in enumerate(np.add(cached, new)):
+        for b in range(-(-total // BLOCK_SIZE)):
+            tables[s, b] = next(free)
+    slots = np.concatenate([tables[s, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                            for s, p in enumerate(np.split(positions, np.cumsum(new)[:-1]))]).astype(np.int32)
+    batch = ForwardBatch(token_ids=np.zeros(len(positions), np.int32), positions=positions,
+                         query_start=np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+                         context_lens=np.add(cached, new).astype(np.int32), block_tables=tables, slot_mapping=slots,
+                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=max(new),
+                         max_context_len=int(np.max(np.add(cached, new))))
+    cache = bf16_random(rng, num_blocks, BLOCK_SIZE, spec.latent_dim)
+    q = bf16_random(rng, len(positions), spec.num_heads * spec.qk_head_dim)
+    latent = bf16_random(rng, len(positions), spec.latent_dim)
+    norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
+    kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
+    weights = MLAWeights.from_kv_b(kv_b, spec)
+    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), max(256, int(positions.max()) + 1))
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
+    nope = spec.qk_nope_dim
+    q_ref = np.concatenate([q3[..., :nope], rotate_half_rope(q3[..., nope:], cos, sin)], -1)
+    c_kv = REF.rms_norm(latent[:, :spec.kv_lora_rank], norm, 1e-6)
+    k_pe = rotate_half_rope(latent[:, None, spec.kv_lora_rank:], cos, sin)[:, 0]
+    reference = mla_attention(q_ref, np.concatenate([c_kv, k_pe], -1), cache.copy(), weights, spec, batch)
+    return batch, cache, q, latent, norm, weights, rope, reference
+
+
+def _forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope, kernel, min_query=10**6):
+    from openinfer.backend.cuda.mla import mla_forward
+
+    return mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,
+                       cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm),
+                       spec, cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6,
+                       prefill_min_query=min_query, absorbed_kernel=kernel)
+
+
+def _spec(heads: int) -> MLASpec:
+    return MLASpec(num_heads=heads, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
+                   scale=192 ** -0.5 * 1.3)
+
+
+@pytest.mark.parametrize("kernel,keys,policy", [("mma", "", ""), ("mma16", "", ""), ("mma_shared", "32", ""),
+                                               ("mma_shared", "64", ""), ("mma_shared", "32", "waves")])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", sorted(DECODES))
+@pytest.mark.parametrize("max_splits", ["1", ""])
+def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, heads, decodes,
+                                       max_splits):
+    """Each absorbed decode kernel on a ragged batch of decodes: one context split (every key tile of a
+    context in one block) and the default split count (up to 64, many splits empty at short contexts;
+    mma_shared's resident and waves policies); 20 heads: a partial second 16-head block."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, policy)
+    spec = _spec(heads)
+    cached, new = DECODES[decodes]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        kernel))
+    assert relative_error(out, reference) < BF16_TOL
+    # per token too: a wrong tile or split of one short context would hide in the whole batch's norm
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles, the last
+# partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one tile exactly, one
+# past it, a 300-token chunk on 37 cached, and a decode that stays absorbed
+PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
+
+
+@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined", "pipelined128"])
+@pytest.mark.parametrize("heads", [16, 20])
+def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
+    """Each decompressed prefill attention kernel (and tile size) on ragged prompts and chunks beside a
+    decode."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
+    spec = _spec(heads)
+    assert cuda_mla.prefill_kernel(spec) == prefill_kernel
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *PREFILLS)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        None, min_query=16))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):
+    """mla_attention_mma_shared on the absorbed rows of a mixed step (token_rows: decodes beside a
+    decompressed 70-token chunk and a 150-token prompt)."""
+    spec = _spec(16)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, [0, 100, 57, 3, 40], [150, 70, 1, 1, 1])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = _forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope, "mma_shared", min_query=16)
+    assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
+
+
+@pytest.mark.parametrize("kernel", ["mma16", "mma_shared"])
+def test_absorbed_decode_graph_replay_equals_eager(cuda_backend, rng, kernel):
+    """A decode step captured in a CUDA graph and replayed gives the eager step's bits (the kernel and
+    split count depend on the row count only)."""
+    from openinfer.backend.cuda.mla import mla_forward
+
+    spec = _spec(16)
+    cached, new = DECODES["ragged"]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    q_dev, latent_dev = cuda_backend.upload(q), cuda_backend.upload(latent)
+    eager = mla_forward(cuda_backend.blas, q_dev.copy(), latent_dev, device_cache, *args, absorbed_kernel=kernel)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q_in = q_dev.copy()
+        mla_forward(cuda_backend.blas, q_in.copy(), latent_dev, device_cache, *args, absorbed_kernel=kernel)  # warm
+        stream.synchronize()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        try:
+            captured = mla_forward(cuda_backend.blas, q_in, latent_dev, device_cache, *args, absorbed_kernel=kernel)
+        finally:
+            graph = stream.end_capture()
+        q_in[...] = q_dev  # the step rotates q's rope dims in place: fresh inputs for the replay
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(cuda_backend.to_host(captured), cuda_backend.to_host(eager))
+    assert relative_error(cuda_backend.to_host(captured), reference) < BF16_TOL
+
+
+def test_absorbed_kernel_choice(monkeypatch):
+    """The table's entries choose their kernels; a forced kernel wins; an unknown name is refused."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.delenv(cuda_mla.ABSORBED_KERNEL_ENV, raising=False)
+    for most_heads, most_tokens, name in cuda_mla.ABSORBED_KERNEL_CHOICE:
+        assert name in cuda_mla.ABSORBED_KERNELS
+        assert cuda_mla.choose_absorbed_kernel(most_heads, most_tokens) == name
+    monkeypatch.setenv(cuda_mla.ABSORBED_KERNEL_ENV, "mma_shared")
+    assert cuda_mla.choose_absorbed_kernel(16, 256) == "mma_shared"
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "48")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_KEYS"):
+        cuda_mla.shared_keys()
+    # resident: every block in one wave (2 per SM of 32-key tiles), capped by MAX_SPLITS; waves: num_splits
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.SHARED_SPLITS_ENV, raising=False)
+    assert [cuda_mla.resident_splits(t, 1, 132, 2) for t in (1, 16, 64, 256, 300)] == [64, 16, 4, 1, 1]
+    assert cuda_mla.resident_splits(64, 4, 132, 1) == 1
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "waves")
+    assert cuda_mla.resident_splits(64, 1, 132, 2) == cuda_mla.num_splits(64, 1, 132) == 5
+    monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "often")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_SPLITS"):
+        cuda_mla.resident_splits(1, 1, 132, 2)
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
+        cuda_mla.prefill_kernel(_spec(16))
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")  # nope + rope of 16-wide steps only: plain
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
