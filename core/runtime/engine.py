@@ -45,7 +45,9 @@ from openinfer.runtime.sampler import (
     start_grammar_masks,
 )
 from openinfer.runtime.step_timer import StepTimer
+from openinfer.runtime.synthetic_batches import StepLayout
 from openinfer.runtime.validation import resolve_max_tokens, validate_request
+from openinfer.runtime.warmup import warm_up_prefill, warmup_enabled, warmup_steps
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
 from openinfer.structured import DEVICE_WAIT_ENV, CompilerCache, GrammarMatcher, early_grammar_masks
@@ -178,6 +180,8 @@ class PagedEngine:
         # a CudaGraphRunner splits it into kernel_compile, graph_capture and prefill_graph_capture
         phases = getattr(self.runner, "capture_phases", None)
         self.startup_phases.update(phases or {"graph_capture": getattr(self.runner, "capture_seconds", 0.0)})
+        if create_step_runner is None and not is_cpu and warmup_enabled():
+            self._warm_up_prefill(spec, model)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,
@@ -824,6 +828,24 @@ class PagedEngine:
 
     def _forward(self, device_batch):
         return self.model.forward(device_batch, self.kv_cache)
+
+    def _warm_up_prefill(self, spec: Any, model: Any) -> None:
+        """Long-prompt and mixed steps once on synthetic tokens (``openinfer.runtime.warmup``), so
+        the first request builds no kernel; a start-up phase of its own."""
+        began = time.perf_counter()
+        paged = [n for g, n in zip(self.kv_groups.groups, self.kv_plan.group_blocks, strict=True) if g.paged]
+        steps = warmup_steps(self.max_model_len, min(paged) if paged else 0, self.kv_plan.num_state_slots,
+                             self.kv_groups.has_state)
+        layout = StepLayout(int(spec.vocab_size), tuple(bool(g.paged) for g in self.kv_groups.groups),
+                            bool(self.kv_groups.has_state))
+        try:
+            ran = warm_up_prefill(model.backend, self.runner.run, self._forward, layout, steps,
+                                  dry_run_safe=bool(getattr(model, "dry_run_safe", False)))
+        except Exception:  # noqa: BLE001 — an optimisation only: the first long prompt builds what it needs
+            logger.warning("prefill warm-up failed; kernels build at first use instead", exc_info=True)
+            ran = 0
+        self.startup_phases["prefill_warmup"] = time.perf_counter() - began
+        logger.info("prefill warm-up: %d steps in %.2f s", ran, self.startup_phases["prefill_warmup"])
 
     def _fail(self, request: Request, message: str) -> None:
         if not request.was_scheduled:
