@@ -205,3 +205,35 @@ def test_engine_warm_prefixes_replay_short_prefill_graphs_with_the_eager_tokens(
         engine.close_sync()
         monkeypatch.undo()
         refresh_kernel_choices()
+
+
+def test_start_up_prefill_warm_up_changes_no_token(tmp_path, monkeypatch):
+    """The start-up prefill warm-up writes synthetic K/V into blocks nothing owns yet: the same
+    requests give the same greedy tokens (logprobs up to near-ties) with it on and off, and only
+    the engine with it reports the start-up phase."""
+    from openinfer_qwen3 import plugin
+
+    from openinfer import EngineOptions
+    from openinfer.runtime.warmup import WARMUP_ENV
+    from tests.helpers.engine_utils import make_request, run_all
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    path = write_tiny_qwen3(tmp_path, seed=12, dtype="bfloat16", **SMALL)
+    config = json.loads((path / "config.json").read_text())
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, SMALL["vocab_size"], size=n).tolist() for n in (300, 41)]
+    outcomes = {}
+    for warm in ("1", "0"):
+        monkeypatch.setenv(WARMUP_ENV, warm)
+        engine = plugin.openinfer_create_engine(str(path), config, EngineOptions(
+            device="cuda", max_model_len=512, max_num_seqs=8, num_kv_blocks=512))
+        try:
+            assert ("prefill_warmup" in engine.startup_phases) == (warm == "1")
+            outcomes[warm] = run_all(engine, [make_request(f"r{warm}{i}", p, max_tokens=12, logprobs=2)
+                                              for i, p in enumerate(prompts)])
+        finally:
+            engine.close_sync()
+    for warmed, plain in zip(outcomes["1"], outcomes["0"], strict=True):
+        assert len(warmed.token_ids) == 12 and warmed.error is None
+        step = diverges_beyond_tie(warmed, plain)
+        assert step is None, f"warm-up on {warmed.token_ids} vs off {plain.token_ids} differ at step {step}"
