@@ -23,7 +23,11 @@ Policies (``policy``, from ``EngineOptions.scheduler_policy`` / ``--scheduler-po
   makespan is the prompt work plus the last request's decode steps), at the price of stalling
   every running request's tokens while prompts fill whole steps (SGLang's default order); a
   trickle of short prompts rides with the decodes as under ``mixed``. Decodes filling a prompt
-  step never preempt: one that cannot grow its KV waits for the next step.
+  step never preempt: one that cannot grow its KV waits for the next step. E1 (H200, Qwen3-4B,
+  256 x 1k-in/128-out, with a 16,384-token budget) against ``mixed`` at 8,192: 1.1 % less device
+  time (5,123 vs 5,182 ms) but 6,094 vs 6,231 tok/s end to end and TPOT p50 27.2 vs 25.9 ms
+  (every stream ends in the same step; the frontend then closes 256 streams at once), so not the
+  default.
 
 For models with recurrent state and the prefix cache on, prefill chunks end on block
 boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
