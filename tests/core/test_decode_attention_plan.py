@@ -68,3 +68,20 @@ def test_the_tiles_switch(monkeypatch):
         assert plan.wanted_short_query_tiles() == plan.SHORT_QUERY_TILES_DEFAULT
     finally:
         plan.wanted_short_query_tiles.cache_clear()
+
+
+def test_the_tile_softmax_switch(monkeypatch):
+    try:
+        for value, expected in (("tile", True), ("subtile", False)):
+            monkeypatch.setenv(plan.SHORT_QUERY_SOFTMAX_ENV, value)
+            plan.wanted_tile_softmax.cache_clear()
+            assert plan.wanted_tile_softmax() is expected
+        monkeypatch.setenv(plan.SHORT_QUERY_SOFTMAX_ENV, "wide")
+        plan.wanted_tile_softmax.cache_clear()
+        with pytest.raises(ValueError, match=plan.SHORT_QUERY_SOFTMAX_ENV):
+            plan.wanted_tile_softmax()
+        monkeypatch.delenv(plan.SHORT_QUERY_SOFTMAX_ENV)
+        plan.wanted_tile_softmax.cache_clear()
+        assert plan.wanted_tile_softmax() is False  # the default: per 16 keys
+    finally:
+        plan.wanted_tile_softmax.cache_clear()

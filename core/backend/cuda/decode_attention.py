@@ -50,6 +50,7 @@ from openinfer.backend.cuda.decode_attention_plan import (
     short_query_launch,
     split_count,
     wanted_short_query_tiles,
+    wanted_tile_softmax,
 )
 from openinfer.backend.cuda.kernel_choices import DECODE_KERNELS, wanted_decode_kernel
 from openinfer.backend.cuda.loader import kernel
@@ -155,9 +156,11 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
     plan = short_query_launch(wanted_short_query_tiles() if tiles is None else tiles, num_seqs, num_kv_heads, group,
                               head_dim, max_query_len, num_sms, splits)
     out = output_rows(out, num_tokens, num_heads, head_dim)
-    # both entries in one module (the "warp" kernel's defines)
+    # both entries in one module (the "warp" kernel's defines; the opt-in whole-tile softmax its own)
+    tile_softmax = {"SQ_TILE_SOFTMAX": 1} if plan.kernel == "short_query_attention_shared" and wanted_tile_softmax() \
+        else {}
     fn = kernel("decode_attention_mma.cu", plan.kernel, HEAD_DIM=head_dim, GROUP=group, DECODE_WARPS=MMA_WARPS,
-                DECODE_STAGES=mma_stages(head_dim))
+                DECODE_STAGES=mma_stages(head_dim), **tile_softmax)
     if fn.max_dynamic_shared_size_bytes < plan.shared_bytes:
         fn.max_dynamic_shared_size_bytes = plan.shared_bytes
     splits = plan.splits

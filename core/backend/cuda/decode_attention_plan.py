@@ -40,6 +40,20 @@ def shared_tile_bytes(head_dim: int) -> int:
     return SHARED_TILE_STAGES * 2 * shared_tile_keys(head_dim) * head_dim * 2
 
 
+SHORT_QUERY_SOFTMAX_ENV = "OPENINFER_SHORT_QUERY_SOFTMAX"  # "tile": opt-in, "subtile": the default
+
+
+@functools.cache
+def wanted_tile_softmax() -> bool:
+    """OPENINFER_SHORT_QUERY_SOFTMAX="tile": the shared-tile kernel updates its softmax once per
+    64-key tile (SQ_TILE_SOFTMAX=1; head_dim <= 128) instead of per 16 keys ("subtile", the
+    default). Read once per process (``wanted_tile_softmax.cache_clear()`` re-reads it)."""
+    wanted = os.environ.get(SHORT_QUERY_SOFTMAX_ENV, "subtile")
+    if wanted not in ("subtile", "tile"):
+        raise ValueError(f"{SHORT_QUERY_SOFTMAX_ENV}={wanted!r}; choose 'subtile' or 'tile'")
+    return wanted == "tile"
+
+
 @functools.cache
 def wanted_short_query_tiles() -> str:
     """OPENINFER_SHORT_QUERY_TILES ("warp" or "shared"), read once per process
