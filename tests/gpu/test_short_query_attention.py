@@ -2,8 +2,8 @@
 tiles "warp" and "shared") against a float64 NumPy causal attention over the same paged cache:
 warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32 query,
 8 KV, head_dim 128), several sequences of ragged contexts and query lengths, GQA 16 (several row
-groups of the shared layout), head_dim 64 and 256 (Qwen3.5's full-attention heads), at the tuned split count and at 1 and 32
-splits; an output poisoned with NaN before each run so every unwritten element shows. The
+groups of the shared layout), head_dim 64 and 256 (Qwen3.5's full-attention heads), at the tuned
+split count and at 1 and 32 splits; an output poisoned with NaN before each run so every unwritten element shows. The
 OPENINFER_SHORT_QUERY_TILES switch is parsed and checked; the shared layout also with the opt-in
 softmax per 64-key tile (OPENINFER_SHORT_QUERY_SOFTMAX=tile)."""
 
