@@ -36,6 +36,20 @@ RESULTS = Path(__file__).parent / "results"
 NEW_TOKENS = 16
 CALLS_PER_GRAPH = 8
 LAYOUTS = ("warp", "shared")
+TILE_SOFTMAX = "shared_tile_softmax"  # the shared layout with OPENINFER_SHORT_QUERY_SOFTMAX=tile (opt-in)
+STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX)
+
+
+def set_tile_softmax(name: str | None) -> str:
+    """Sets OPENINFER_SHORT_QUERY_SOFTMAX for variant ``name`` (None: unset); returns its layout."""
+    from openinfer.backend.cuda import decode_attention_plan
+
+    if name == TILE_SOFTMAX:
+        os.environ[decode_attention_plan.SHORT_QUERY_SOFTMAX_ENV] = "tile"
+    else:
+        os.environ.pop(decode_attention_plan.SHORT_QUERY_SOFTMAX_ENV, None)
+    decode_attention_plan.wanted_tile_softmax.cache_clear()
+    return "shared" if name == TILE_SOFTMAX else (name or "shared")
 H200_SMS = 132  # the dry run's split counts
 
 
@@ -71,16 +85,18 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
             query_start = cupy.arange(0, NEW_TOKENS * (batch + 1), NEW_TOKENS, dtype=cupy.int32)
             queries = [random_bf16((batch * NEW_TOKENS, nh, d)) for _ in tables]
             outs = [cupy.empty((batch * NEW_TOKENS, nh * d), cupy.uint16) for _ in tables]
-            variants = [(layout, None) for layout in LAYOUTS] + [("shared", s) for s in (16, 32)]
+            variants = [(layout, None) for layout in LAYOUTS] + [("shared", s) for s in (16, 32)] + [(TILE_SOFTMAX, None)]
             row = {"batch_size": batch, "context": context, "new_tokens": NEW_TOKENS,
                    "kv_bytes": kv_bytes(batch, context)}
-            for layout, splits in variants:
+            for name, splits in variants:
+                layout = set_tile_softmax(name)
                 def call(q, t, o, lens=lens, query_start=query_start, layout=layout, splits=splits):
                     return short_query_attention_mma(q, pool.k, pool.v, t, lens, query_start, NEW_TOKENS, d**-0.5,
                                                      num_sms, splits=splits, tiles=layout, out=o)
                 calls = [functools.partial(call, q, t, o) for q, t, o in zip(queries, tables, outs, strict=True)]
                 seconds = graph_seconds_per_call(calls)
-                name = layout if splits is None else f"{layout}_splits{splits}"
+                set_tile_softmax(None)
+                name = name if splits is None else f"{layout}_splits{splits}"
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
                              "splits": splits or planned_splits(layout, batch, num_sms)}
@@ -92,13 +108,15 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
             as_float = lambda x: (x.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
             row["max_abs_difference"] = float(cupy.abs(as_float(new) - as_float(ref)).max())
             row["speedup"] = row["warp"]["us"] / row["shared"]["us"]
+            row["tile_softmax_speedup"] = row["shared"]["us"] / row[TILE_SOFTMAX]["us"]
             row["per_step_saving_ms_36_layers"] = 36 * (row["warp"]["us"] - row["shared"]["us"]) / 1e3
             rows.append(row)
             log(f"kernel bs={batch} ctx={context:5d}: warp {row['warp']['us']:7.1f} us "
                 f"({row['warp']['copy_fraction']:4.0%}, {row['warp']['splits']} splits) | shared "
                 f"{row['shared']['us']:7.1f} us ({row['shared']['copy_fraction']:4.0%}, {row['shared']['splits']} "
                 f"splits; 16: {row['shared_splits16']['us']:.1f}, 32: {row['shared_splits32']['us']:.1f}) "
-                f"x{row['speedup']:.2f}, max |diff| {row['max_abs_difference']:.2e}")
+                f"x{row['speedup']:.2f}, max |diff| {row['max_abs_difference']:.2e}; tile softmax "
+                f"{row[TILE_SOFTMAX]['us']:.1f} us (x{row['tile_softmax_speedup']:.2f} vs shared)")
     return rows
 
 
@@ -123,12 +141,14 @@ def bench_step(backend, contexts) -> list[dict]:
         kv.append(layer)
     log("built the Qwen3-4B-shaped model and its KV")
     runners = {}
-    for layout in LAYOUTS:  # the layout is chosen when each graph is captured
+    for name in STEP_VARIANTS:  # the kernel is chosen when each graph is captured
+        layout = set_tile_softmax(name)
         os.environ[decode_attention_plan.SHORT_QUERY_TILES_ENV] = layout
         decode_attention_plan.wanted_short_query_tiles.cache_clear()
-        runners[layout] = CudaGraphRunner(backend, lambda batch: model.forward(backend, batch, kv), max_num_seqs=1,
-                                          max_blocks_per_seq=max_blocks, buckets=(1,), prefill_buckets=(1,))
-        runners[layout].capture()
+        runners[name] = CudaGraphRunner(backend, lambda batch: model.forward(backend, batch, kv), max_num_seqs=1,
+                                        max_blocks_per_seq=max_blocks, buckets=(1,), prefill_buckets=(1,))
+        runners[name].capture()
+    set_tile_softmax(None)
     os.environ.pop(decode_attention_plan.SHORT_QUERY_TILES_ENV)
     decode_attention_plan.wanted_short_query_tiles.cache_clear()
     rows = []
@@ -137,7 +157,7 @@ def bench_step(backend, contexts) -> list[dict]:
         tables[0, :-(-context // BLOCK_SIZE)] = 1 + np.arange(-(-context // BLOCK_SIZE))
         token_ids = np.random.default_rng(context).integers(0, c["vocab_size"], NEW_TOKENS).astype(np.int32)
         host = ForwardBatch.over_blocks(tables, [context - NEW_TOKENS], [NEW_TOKENS], BLOCK_SIZE, token_ids)
-        times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+        times: dict[str, list[float]] = {name: [] for name in STEP_VARIANTS}
         for _ in range(3):  # interleaved, so drift hits both alike
             for layout, runner in runners.items():
                 assert runner.prefill_bucket_for(host) == 1, "the step does not replay in the short-prefill graph"
@@ -145,13 +165,12 @@ def bench_step(backend, contexts) -> list[dict]:
                 graph = runner.prefill_graphs[1].graph
                 times[layout].append(gpu_seconds(graph.launch, 20, 2))
         row = {"context": context, "new_tokens": NEW_TOKENS}
-        for layout in LAYOUTS:
-            row[layout] = {"step_ms": float(np.median(times[layout])) * 1e3,
-                           "runs_ms": [t * 1e3 for t in times[layout]]}
+        for name in STEP_VARIANTS:
+            row[name] = {"step_ms": float(np.median(times[name])) * 1e3, "runs_ms": [t * 1e3 for t in times[name]]}
         row["speedup"] = row["warp"]["step_ms"] / row["shared"]["step_ms"]
         rows.append(row)
         log(f"step ctx={context:5d}: warp {row['warp']['step_ms']:.3f} ms | shared {row['shared']['step_ms']:.3f} ms"
-            f" | x{row['speedup']:.2f}")
+            f" | x{row['speedup']:.2f} | tile softmax {row[TILE_SOFTMAX]['step_ms']:.3f} ms")
     return rows
 
 

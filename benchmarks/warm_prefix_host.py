@@ -222,10 +222,19 @@ def serve_rows(args: argparse.Namespace) -> None:
 
     from openinfer.demo import ensure_demo_model
     from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
+    from openinfer.errors import DemoModelUnavailableError
 
     max_len = max(args.contexts) + 64
-    checkpoint = write_stub_model(Path(tempfile.mkdtemp()) / "stub", ensure_demo_model(progress=False),
-                                  step_ms=args.stub_step_ms, max_model_len=max_len)
+    work = Path(tempfile.mkdtemp())
+    try:
+        tokenizer_dir = ensure_demo_model(progress=False)
+    except DemoModelUnavailableError:  # (a GPU machine without the demo package) a generated word-level one
+        from gpu_serving import write_tokenizer
+
+        tokenizer_dir = work / "tokenizer"
+        tokenizer_dir.mkdir()
+        write_tokenizer(tokenizer_dir, 32000)
+    checkpoint = write_stub_model(work / "stub", tokenizer_dir, step_ms=args.stub_step_ms, max_model_len=max_len)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     port = free_port()
     command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--port", str(port),

@@ -350,6 +350,80 @@ short_query_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k
                       blockIdx.x / row_blocks, blockIdx.x % row_blocks);
 }
 
+// attend_key_tile over SUBTILES 16-key tiles at once (SQ_TILE_SOFTMAX=1): all of S first, then
+// one running-max update, one rescale of O and of the sum per SUBTILES * 16 keys (instead of one
+// per 16), then O += P V tile by tile. The same attention up to the order of the sums.
+template <int HALVES, int SUBTILES>
+__device__ __forceinline__ void attend_wide_tile(const unsigned int (&qa)[HEAD_DIM / 16][4], const bf16* k_tile,
+                                                 const bf16* v_tile, int token0, const int (&limit)[2],
+                                                 float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                 float (&l)[2]) {
+    const int lane = threadIdx.x & 31, frag_col = (lane & 3) * 2;
+    const int k_row = ((lane >> 4) & 1) * 8 + (lane & 7), k_chunk_lo = (lane >> 3) & 1;
+    const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk_lo = lane >> 4;
+    float s[2 * SUBTILES][4];
+#pragma unroll
+    for (int n = 0; n < 2 * SUBTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+        for (int t = 0; t < SUBTILES; ++t) {
+            unsigned int b[4];
+            ldmatrix_x4(b, k_tile + t * TILE_ELEMS + tile_offset(k_row, 2 * ks + k_chunk_lo));
+            mma_bf16_16816(s[2 * t], qa[ks], b[0], b[1]);
+            mma_bf16_16816(s[2 * t + 1], qa[ks], b[2], b[3]);
+        }
+    }
+    float row_max[2] = {NEG_BIG, NEG_BIG};
+#pragma unroll
+    for (int n = 0; n < 2 * SUBTILES; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = token0 + n * 8 + frag_col + (e & 1);
+            s[n][e] = key < limit[e >> 1] ? s[n][e] * scale_log2 : -INFINITY;
+            row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
+        }
+    }
+    float correction[2];
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        const float m_new = fmaxf(m[h], row_max[h]);  // finite: m starts at NEG_BIG
+        correction[h] = exp2f(m[h] - m_new);
+        m[h] = m_new;
+        l[h] *= correction[h];
+    }
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            o[n][2 * h] *= correction[h];
+            o[n][2 * h + 1] *= correction[h];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < SUBTILES; ++t) {
+        unsigned int pa[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) {
+                const float p0 = exp2f(s[2 * t + n][2 * h] - m[h]), p1 = exp2f(s[2 * t + n][2 * h + 1] - m[h]);
+                l[h] += p0 + p1;
+                pa[2 * n + h] = pack_bf16x2(p0, p1);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 16; ++j) {
+            unsigned int b[4];
+            ldmatrix_x4_trans(b, v_tile + t * TILE_ELEMS + tile_offset(v_row, 2 * j + v_chunk_lo));
+            mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
+            mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
+        }
+    }
+}
+
 // ---- Short queries with the block's KV tiles shared by its warps -----------------------------
 // short_query_attention_shared: grid (num_splits * row_groups, num_kv_heads, num_seqs), 4 warps.
 // A block owns one KV head of one sequence, one split of the keys and up to 4 mma row blocks of
@@ -367,6 +441,9 @@ constexpr int SQ_WARPS = 4;
 constexpr int SQ_THREADS = SQ_WARPS * 32;
 constexpr int SQ_TILE_KEYS = HEAD_DIM <= 128 ? 64 : 32;  // 32 KiB of K + V per stage at HEAD_DIM 128 and 256
 constexpr int SQ_STAGES = 3;
+#ifndef SQ_TILE_SOFTMAX  // 1: one softmax update per SQ_TILE_KEYS keys (attend_wide_tile), 0: per 16
+#define SQ_TILE_SOFTMAX 0
+#endif
 constexpr int SQ_TILE_ELEMS = SQ_TILE_KEYS * HEAD_DIM;
 constexpr int SQ_ROWS_PER_PASS = SQ_THREADS / ROW_CHUNKS;  // key rows one block-wide copy covers
 constexpr int SQ_PASSES = SQ_TILE_KEYS / SQ_ROWS_PER_PASS;
@@ -473,12 +550,18 @@ short_query_attention_shared(const bf16* __restrict__ q, const bf16* __restrict_
         tile_slots(i + SQ_STAGES, slots);
         const bf16* k_tile = stages + (i % SQ_STAGES) * 2 * SQ_TILE_ELEMS;
         const int token0 = (tile_begin + i) * SQ_TILE_KEYS;
+#if SQ_TILE_SOFTMAX && HEAD_DIM <= 128  // (at 256 its S and O spill)
+        if (token0 < warp_length)  // warp-uniform: keys some row of the warp sees
+            attend_wide_tile<HALVES, SQ_TILE_KEYS / TILE_KEYS>(qa, k_tile, k_tile + SQ_TILE_ELEMS, token0, limit,
+                                                               scale_log2, o, m, l);
+#else
 #pragma unroll
         for (int t = 0; t < SQ_TILE_KEYS / TILE_KEYS; ++t) {
             if (token0 + t * TILE_KEYS < warp_length)  // warp-uniform: keys some row of the warp sees
                 attend_key_tile<HALVES>(qa, k_tile + t * TILE_ELEMS, k_tile + SQ_TILE_ELEMS + t * TILE_ELEMS,
                                         token0 + t * TILE_KEYS, limit, scale_log2, o, m, l);
         }
+#endif
     }
     wait_copies<0>();
 #pragma unroll

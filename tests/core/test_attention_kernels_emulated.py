@@ -81,16 +81,18 @@ def reference(q, k_cache, v_cache, tables, lengths, query_start, block_size, sca
 def harnesses(tmp_path_factory):
     built: dict[tuple[int, int], Path] = {}
 
-    def get(head_dim: int, group: int) -> Path:
-        if (head_dim, group) not in built:
-            tmp = tmp_path_factory.mktemp(f"attention-{head_dim}-{group}")
-            built[(head_dim, group)] = compile_harness(HARNESS, REPO / "core" / "kernels", tmp / "harness",
-                                                       {"HEAD_DIM": head_dim, "GROUP": group})
-        return built[(head_dim, group)]
+    def get(head_dim: int, group: int, tile_softmax: int = 0) -> Path:
+        key = (head_dim, group, tile_softmax)
+        if key not in built:
+            tmp = tmp_path_factory.mktemp(f"attention-{head_dim}-{group}-{tile_softmax}")
+            built[key] = compile_harness(HARNESS, REPO / "core" / "kernels", tmp / "harness",
+                                         {"HEAD_DIM": head_dim, "GROUP": group, "SQ_TILE_SOFTMAX": tile_softmax})
+        return built[key]
     return get
 
 
-def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool, shared_tiles: bool = False) -> None:
+def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool, shared_tiles: bool = False,
+             tile_softmax: int = 0) -> None:
     head_dim, group, num_kv_heads, cached, new, block_size, splits = case
     rng = np.random.default_rng(sum(cached) * 31 + head_dim + group)
     tables, lengths, query_start, num_blocks = paged_case(rng, cached, new, block_size)
@@ -106,7 +108,7 @@ def run_case(harnesses, tmp_path: Path, case: tuple, short_query: bool, shared_t
         row_blocks = math.ceil(row_blocks / SHARED_TILE_WARPS)
     params = np.array([2 if shared_tiles else int(short_query), len(lengths), num_tokens, num_kv_heads, block_size, tables.shape[1],
                        splits, row_blocks], np.int32)
-    run_harness(harnesses(head_dim, group), tmp_path, params=params,
+    run_harness(harnesses(head_dim, group, tile_softmax), tmp_path, params=params,
                 scale_log2=np.array([scale * LOG2E], np.float32), q=float32_to_bf16(q),
                 k_cache=float32_to_bf16(k_cache), v_cache=float32_to_bf16(v_cache), block_tables=tables,
                 context_lens=lengths, query_start=query_start)
@@ -135,9 +137,11 @@ SHARED_TILE_CASES = {
 }
 
 
+@pytest.mark.parametrize("tile_softmax", [0, 1])  # SQ_TILE_SOFTMAX: the softmax per 16 keys / per 64-key tile
 @pytest.mark.parametrize("name", list(SHARED_TILE_CASES))
-def test_shared_tile_short_query_kernel_matches_numpy(harnesses, tmp_path, name):
-    run_case(harnesses, tmp_path, SHARED_TILE_CASES[name], short_query=True, shared_tiles=True)
+def test_shared_tile_short_query_kernel_matches_numpy(harnesses, tmp_path, name, tile_softmax):
+    run_case(harnesses, tmp_path, SHARED_TILE_CASES[name], short_query=True, shared_tiles=True,
+             tile_softmax=tile_softmax)
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))

@@ -24,13 +24,19 @@ def test_the_shared_layout_reads_the_keys_once_per_four_row_blocks(group, new_to
 
 
 def test_a_batch_one_warm_tail_fills_the_gpu_with_splits():
-    """Qwen3-4B heads (8 KV heads, groups of 4), 16 new tokens: 8 units need ~30 splits for two
-    blocks per SM; the warp layout's 32 row-block units stay at 8."""
+    """Qwen3-4B heads (8 KV heads, groups of 4), 16 new tokens: 8 units take 32 splits (a power of
+    two up to two blocks per SM: 33 -> 32), 4 sequences 8 (8.25 -> 8); the warp layout's 32
+    row-block units stay at 8."""
     shared = plan.short_query_launch("shared", 1, 8, 4, 128, 16, H200_SMS)
-    assert shared.splits == math.ceil(1.8 * H200_SMS / 8) == 30
-    assert shared.grid(1, 8) == (30, 8, 1)
+    assert shared.splits == 32 and shared.grid(1, 8) == (32, 8, 1)
+    assert plan.short_query_launch("shared", 4, 8, 4, 128, 16, H200_SMS).splits == 8
+    assert plan.short_query_launch("shared", 2, 8, 4, 128, 16, H200_SMS).splits == 16
     assert plan.short_query_launch("warp", 1, 8, 4, 128, 16, H200_SMS).grid(1, 8) == (32, 8, 1)
     assert plan.short_query_launch("shared", 64, 8, 4, 128, 16, H200_SMS).splits == 1  # many sequences: one each
+    assert plan.short_query_launch("shared", 1, 8, 4, 128, 16, 1000).splits == plan.MAX_SPLITS
+    for units in range(1, 300):
+        count = plan.shared_split_count(units, H200_SMS)
+        assert count & (count - 1) == 0 and count <= max(1, 2 * H200_SMS // units) and count <= plan.MAX_SPLITS
     assert plan.short_query_launch("shared", 1, 8, 4, 128, 16, H200_SMS, splits=5).splits == 5
 
 
@@ -62,3 +68,20 @@ def test_the_tiles_switch(monkeypatch):
         assert plan.wanted_short_query_tiles() == plan.SHORT_QUERY_TILES_DEFAULT
     finally:
         plan.wanted_short_query_tiles.cache_clear()
+
+
+def test_the_tile_softmax_switch(monkeypatch):
+    try:
+        for value, expected in (("tile", True), ("subtile", False)):
+            monkeypatch.setenv(plan.SHORT_QUERY_SOFTMAX_ENV, value)
+            plan.wanted_tile_softmax.cache_clear()
+            assert plan.wanted_tile_softmax() is expected
+        monkeypatch.setenv(plan.SHORT_QUERY_SOFTMAX_ENV, "wide")
+        plan.wanted_tile_softmax.cache_clear()
+        with pytest.raises(ValueError, match=plan.SHORT_QUERY_SOFTMAX_ENV):
+            plan.wanted_tile_softmax()
+        monkeypatch.delenv(plan.SHORT_QUERY_SOFTMAX_ENV)
+        plan.wanted_tile_softmax.cache_clear()
+        assert plan.wanted_tile_softmax() is False  # the default: per 16 keys
+    finally:
+        plan.wanted_tile_softmax.cache_clear()

@@ -2,9 +2,10 @@
 tiles "warp" and "shared") against a float64 NumPy causal attention over the same paged cache:
 warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32 query,
 8 KV, head_dim 128), several sequences of ragged contexts and query lengths, GQA 16 (several row
-groups of the shared layout), head_dim 64 and 256 (Qwen3.5's full-attention heads), at the tuned split count and at 1, 3 and 32
-splits; an output poisoned with NaN before each run so every unwritten element shows. The
-OPENINFER_SHORT_QUERY_TILES switch is parsed and checked."""
+groups of the shared layout), head_dim 64 and 256 (Qwen3.5's full-attention heads), at the tuned
+split count and at 1 and 32 splits; an output poisoned with NaN before each run so every unwritten element shows. The
+OPENINFER_SHORT_QUERY_TILES switch is parsed and checked; the shared layout also with the opt-in
+softmax per 64-key tile (OPENINFER_SHORT_QUERY_SOFTMAX=tile)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,17 @@ def problem(case: str) -> tuple:
                          cached, new)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3, 32])
-@pytest.mark.parametrize("tiles", ["warp", "shared"])
+@pytest.mark.parametrize("splits", [None, 1, 32])  # (odd counts: tests/core/test_attention_kernels_emulated.py)
+@pytest.mark.parametrize("tiles", ["warp", "shared", "shared-tile-softmax"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_short_query_layouts_match_numpy(cuda_backend, case, tiles, splits):
+def test_short_query_layouts_match_numpy(cuda_backend, case, tiles, splits, monkeypatch):
+    from openinfer.backend.cuda import decode_attention_plan
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+
+    if tiles == "shared-tile-softmax":  # the opt-in softmax per 64-key tile (OPENINFER_SHORT_QUERY_SOFTMAX=tile)
+        monkeypatch.setenv(decode_attention_plan.SHORT_QUERY_SOFTMAX_ENV, "tile")
+        tiles = "shared"
+    decode_attention_plan.wanted_tile_softmax.cache_clear()
 
     num_heads, head_dim = CASES[case][1], CASES[case][0]
     batch, k_cache, v_cache, q, scale, expected = problem(case)
@@ -57,6 +64,7 @@ def test_short_query_layouts_match_numpy(cuda_backend, case, tiles, splits):
                                        cuda_backend.upload(v_cache), device_batch.block_tables,
                                        device_batch.context_lens, device_batch.query_start, batch.max_query_len,
                                        scale, cuda_backend.num_sms, splits=splits, tiles=tiles, out=out)
+    decode_attention_plan.wanted_tile_softmax.cache_clear()  # the switch as the environment has it again
     assert result is out
     ours = bf16_bits_to_float(cupy.asnumpy(out))
     assert relative_error(ours, expected) < 1e-2

@@ -16,12 +16,12 @@ captured for a batch-size bucket stays valid for any context up to its block-tab
 ``SHORT_QUERY_MAX_TOKENS``, each token with its causal limit), rows = 16 // group tokens x group
 heads, split over the keys like decode: a warm prefix's last block or a short chunk over a long
 cached context, where prefill's 128-query tiles would run mostly empty rows on few blocks. Two
-layouts (``SHORT_QUERY_TILES``): "warp" (decode_attention_mma.cu's short_query_attention_mma: a block per 16
-rows, its warps taking 16-key tiles round-robin, so the keys are read once per 16 rows) and
-"shared" (short_query_attention_shared: a block per 64 rows, one warp per 16, all four running
-over each 64-key tile the block copies once, with up to 32 splits to fill the GPU at batch 1).
-``OPENINFER_SHORT_QUERY_TILES`` picks the default; a step whose rows fit one 16-row block always
-takes "warp" (it reads the keys once already, and its four warps share them).
+layouts (``SHORT_QUERY_TILES``): "warp" (decode_attention_mma.cu's short_query_attention_mma: a
+block per 16 rows, its warps taking 16-key tiles round-robin, so the keys are read once per 16
+rows) and "shared" (short_query_attention_shared: a block per 64 rows, one warp per 16, all four
+running over each 64-key tile the block copies once, with up to 32 splits to fill the GPU at
+batch 1). ``OPENINFER_SHORT_QUERY_TILES`` ("shared", the default, or "warp") picks it; a step
+whose rows fit one 16-row block always takes "warp" (it reads the keys once already).
 
 Every entry point takes ``out=``: a C-contiguous ``[rows, num_heads * head_dim]`` bf16 array
 (e.g. the first rows of a mixed step's output) written in place instead of a new one.
@@ -50,6 +50,7 @@ from openinfer.backend.cuda.decode_attention_plan import (
     short_query_launch,
     split_count,
     wanted_short_query_tiles,
+    wanted_tile_softmax,
 )
 from openinfer.backend.cuda.kernel_choices import DECODE_KERNELS, wanted_decode_kernel
 from openinfer.backend.cuda.loader import kernel
@@ -155,9 +156,11 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
     plan = short_query_launch(wanted_short_query_tiles() if tiles is None else tiles, num_seqs, num_kv_heads, group,
                               head_dim, max_query_len, num_sms, splits)
     out = output_rows(out, num_tokens, num_heads, head_dim)
-    # both entries in one module (the "warp" kernel's defines)
+    # both entries in one module (the "warp" kernel's defines; the opt-in whole-tile softmax its own)
+    tile_softmax = {"SQ_TILE_SOFTMAX": 1} if plan.kernel == "short_query_attention_shared" and wanted_tile_softmax() \
+        else {}
     fn = kernel("decode_attention_mma.cu", plan.kernel, HEAD_DIM=head_dim, GROUP=group, DECODE_WARPS=MMA_WARPS,
-                DECODE_STAGES=mma_stages(head_dim))
+                DECODE_STAGES=mma_stages(head_dim), **tile_softmax)
     if fn.max_dynamic_shared_size_bytes < plan.shared_bytes:
         fn.max_dynamic_shared_size_bytes = plan.shared_bytes
     splits = plan.splits

@@ -21,7 +21,11 @@ DEFAULT_MAX_SPLITS = 16
 MMA_WARPS = 4
 SHORT_QUERY_TILES = ("warp", "shared")
 SHORT_QUERY_TILES_ENV = "OPENINFER_SHORT_QUERY_TILES"
-SHORT_QUERY_TILES_DEFAULT = "warp"
+# "shared": E1 (H200, 16 new tokens, Qwen3-4B heads, per layer, kernel + merge) against "warp":
+# batch 1 at 32 splits 0.95x / 1.14x / 1.34x / 1.40x at 1k / 4k / 16k / 32k of context (12.9 vs
+# 12.2 us ... 44.7 vs 60.0 us at 16k), batch 4 1.20x-1.46x; the whole Qwen3-4B short-prefill graph
+# step of a 16-token tail at 16k 5.37 -> 5.02 ms (30 splits then; 1k / 4k 0.98x).
+SHORT_QUERY_TILES_DEFAULT = "shared"
 SHARED_TILE_WARPS = 4  # short_query_attention_shared: one warp per 16-row mma block
 SHARED_TILE_STAGES = 3  # its cp.async ring (SQ_STAGES)
 
@@ -34,6 +38,20 @@ def shared_tile_keys(head_dim: int) -> int:
 def shared_tile_bytes(head_dim: int) -> int:
     """short_query_attention_shared's dynamic shared memory: SQ_STAGES K + V tiles, bf16."""
     return SHARED_TILE_STAGES * 2 * shared_tile_keys(head_dim) * head_dim * 2
+
+
+SHORT_QUERY_SOFTMAX_ENV = "OPENINFER_SHORT_QUERY_SOFTMAX"  # "tile": opt-in, "subtile": the default
+
+
+@functools.cache
+def wanted_tile_softmax() -> bool:
+    """OPENINFER_SHORT_QUERY_SOFTMAX="tile": the shared-tile kernel updates its softmax once per
+    64-key tile (SQ_TILE_SOFTMAX=1; head_dim <= 128) instead of per 16 keys ("subtile", the
+    default). Read once per process (``wanted_tile_softmax.cache_clear()`` re-reads it)."""
+    wanted = os.environ.get(SHORT_QUERY_SOFTMAX_ENV, "subtile")
+    if wanted not in ("subtile", "tile"):
+        raise ValueError(f"{SHORT_QUERY_SOFTMAX_ENV}={wanted!r}; choose 'subtile' or 'tile'")
+    return wanted == "tile"
 
 
 @functools.cache
@@ -76,6 +94,17 @@ def split_count(num_units: int, num_sms: int, max_splits: int = DEFAULT_MAX_SPLI
     return max(1, min(max_splits, math.ceil(1.8 * num_sms / max(1, num_units))))
 
 
+def shared_split_count(num_units: int, num_sms: int) -> int:
+    """Splits of the shared-tile short-query kernel per (sequence, KV head, row group) unit: the
+    largest power of two up to two blocks per SM, at most MAX_SPLITS (a power of two divides a
+    context's 64-key tiles evenly, so no split runs a tile more than the others). E1 (H200, 16
+    new tokens, Qwen3-4B heads, per layer): batch 1 at 32 splits 12.9 / 18.9 / 44.7 / 78.7 us at
+    1k / 4k / 16k / 32k of context (30 splits: 13.5 / 22.2 / 49.5 / 87.8; 16: 10.8 / 20.9 / 64.1
+    / 119.5); batch 4 at 8 splits 18.7 / 44.5 / 145.9 / 278.5 us (16: 24.0 / 49.5 / 151.3 / 284.0)."""
+    most = max(1, min(MAX_SPLITS, (2 * num_sms) // max(1, num_units)))
+    return 1 << (most.bit_length() - 1)
+
+
 def legacy_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """KV splits of the CUDA-core kernel: enough blocks for about two waves, at most 16."""
     return max(1, min(16, math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))))
@@ -110,8 +139,8 @@ def short_query_launch(tiles: str, num_seqs: int, num_kv_heads: int, group: int,
                        max_query_len: int, num_sms: int, splits: int | None = None) -> ShortQueryLaunch:
     """The launch of ``max_query_len`` new tokens per sequence in layout ``tiles``: "warp" (one
     16-row block per row block, 16 // group tokens each, up to 16 splits) or "shared" (a block per
-    four row blocks sharing its K/V tiles, up to MAX_SPLITS splits: at batch 1 its 8 KV heads need
-    ~30 splits to fill an H200's 132 SMs twice). Rows that fit one 16-row block always take "warp":
+    four row blocks sharing its K/V tiles, ``shared_split_count``: at batch 1 its 8 KV heads take
+    32 splits, two blocks on each of an H200's 132 SMs). Rows that fit one 16-row block always take "warp":
     it reads the keys once already. ``splits`` overrides the tuned count."""
     if tiles not in SHORT_QUERY_TILES:
         raise ValueError(f"short-query tiles must be one of {SHORT_QUERY_TILES}, got {tiles!r}")
@@ -119,7 +148,7 @@ def short_query_launch(tiles: str, num_seqs: int, num_kv_heads: int, group: int,
     if tiles == "shared" and row_blocks > 1:
         row_groups = math.ceil(row_blocks / SHARED_TILE_WARPS)
         if splits is None:
-            splits = split_count(num_seqs * num_kv_heads * row_groups, num_sms, MAX_SPLITS)
+            splits = shared_split_count(num_seqs * num_kv_heads * row_groups, num_sms)
         return ShortQueryLaunch("short_query_attention_shared", splits, row_groups, SHARED_TILE_WARPS * 32,
                                 shared_tile_bytes(head_dim))
     if splits is None:
