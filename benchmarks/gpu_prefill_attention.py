@@ -187,9 +187,6 @@ SM90_VARIANTS = {
     "refined": {"page_prefetch": "1", "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv": "1",
                            "early_rescale": "1", "lean_arrivals": "1"},
-    "diagonal-half": {"diagonal_half": "1"},
-    "persistent-refined-diagonal": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv": "1",
-                                    "early_rescale": "1", "lean_arrivals": "1", "diagonal_half": "1"},
     # TMA at every context with the refinements (TMA was 0.8-0.96x cp.async on 1k prompts before them)
     "tma-refined": {"kv_loads": "tma", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                     "lean_arrivals": "1"},

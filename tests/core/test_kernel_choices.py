@@ -116,12 +116,12 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
 
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
-    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half"):
+    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals"):
         monkeypatch.setenv(SM90_ENV[key], "1")
     refresh_kernel_choices()
     defines = sm90_variant(128).defines(128, 16)
     assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
-    assert defines["EARLY_RESCALE"] == defines["DIAGONAL_HALF"] == 1
+    assert defines["EARLY_RESCALE"] == 1
     # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the
     # early rescale needs the overlapped loop
     assert sm90_variant(256).defines(256, 16)["EARLY_RESCALE"] == 0

@@ -73,11 +73,6 @@ SM90_VARIANTS = {
                                "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                               "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
-    "diagonal-half": {"diagonal_half": "1"},
-    "diagonal-half-no-overlap": {"diagonal_half": "1", "overlap": "0"},
-    "diagonal-half-refined-persistent-tma": {"diagonal_half": "1", "schedule": "persistent", "kv_loads": "tma",
-                                             "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
-                                             "lean_arrivals": "1"},
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
 }
 

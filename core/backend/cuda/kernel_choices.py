@@ -101,16 +101,13 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
 # OPENINFER_SM90_LEAN_ARRIVALS=1: consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
-# OPENINFER_SM90_DIAGONAL_HALF=1 (head_dim 128): on a tile whose last 64 keys every row of a consumer
-#   warpgroup masks (the causal diagonal), that warpgroup's Q K^T and P V cover only the first 64 keys.
 SM90_PAGE_PREFETCH = False
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
 SM90_LEAN_ARRIVALS = False
-SM90_DIAGONAL_HALF = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half")}
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals")}
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,6 @@ class Sm90Variant:
     split_kv: bool = False
     early_rescale: bool = False
     lean_arrivals: bool = False
-    diagonal_half: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -137,7 +133,7 @@ class Sm90Variant:
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
-                "LEAN_ARRIVALS": int(self.lean_arrivals), "DIAGONAL_HALF": int(self.diagonal_half)}
+                "LEAN_ARRIVALS": int(self.lean_arrivals)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -168,8 +164,7 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
         split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
-        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
-        diagonal_half=_env_flag("diagonal_half", SM90_DIAGONAL_HALF))
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
