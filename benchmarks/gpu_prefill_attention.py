@@ -187,14 +187,16 @@ SM90_VARIANTS = {
     "refined": {"page_prefetch": "1", "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "persistent-refined": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv": "1",
                            "early_rescale": "1", "lean_arrivals": "1"},
-    "diagonal-half": {"diagonal_half": "1"},
-    "persistent-refined-diagonal": {"schedule": "persistent", "kv_loads": "auto", "page_prefetch": "1", "split_kv": "1",
-                                    "early_rescale": "1", "lean_arrivals": "1", "diagonal_half": "1"},
     # TMA at every context with the refinements (TMA was 0.8-0.96x cp.async on 1k prompts before them)
     "tma-refined": {"kv_loads": "tma", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                     "lean_arrivals": "1"},
     "persistent-tma-refined": {"schedule": "persistent", "kv_loads": "tma", "page_prefetch": "1", "split_kv": "1",
                                "early_rescale": "1", "lean_arrivals": "1"},
+    # the E1 flips one at a time against the new default, and session 5's defaults
+    "session5-defaults": {"schedule": "grid", "page_prefetch": "0", "tma_min_context": "2048"},
+    "grid": {"schedule": "grid"},
+    "no-page-prefetch": {"page_prefetch": "0"},
+    "tma-from-2k": {"tma_min_context": "2048"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
 }
 

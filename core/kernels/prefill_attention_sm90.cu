@@ -67,9 +67,6 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef EARLY_RESCALE
 #define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
 #endif
-#ifndef DIAGONAL_HALF
-#define DIAGONAL_HALF 0  // 1 (head_dim 128): a warpgroup skips the keys of a tile's upper half that all its rows mask
-#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -291,23 +288,8 @@ struct SoftmaxState {
 };
 
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
-// `half` (warpgroup-uniform): only the tile's first 64 keys (S columns 0..63, s[0..31]); the
-// causal mask then sets the other columns to -inf whatever they held.
-__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem, bool half = false) {
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
     wgmma_fence();
-#if BLOCK_N == 128 && DIAGONAL_HALF
-    if (half) {
-        float(&low)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
-            const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
-            wgmma_ss_n64(low, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-        return;
-    }
-#endif
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
@@ -322,24 +304,15 @@ __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u3
 }
 
 // O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
-// `half`: keys 0..63 only (P is 0 on the others).
-__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem,
-                                         bool half = false) {
+__device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        if (DIAGONAL_HALF && half && kk >= 4) break;
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
 #pragma unroll
         for (int c = 0; c < O_CHUNKS; ++c)
             wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
                                                     BLOCK_N * 128, 1024));
-    }
     wgmma_commit();
-}
-
-// Whether every row of this warpgroup masks keys k0 + 64 .. k0 + 127 (DIAGONAL_HALF, 128-key tiles).
-__device__ __forceinline__ bool upper_half_masked(int k0, int first_query_pos) {
-    return DIAGONAL_HALF && BLOCK_N == 128 && k0 + 64 > first_query_pos + 63;
 }
 
 // Causal mask (only on tiles reaching past the warpgroup's first query), running max / sum, and
@@ -764,7 +737,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
             take_turn(wg);
-            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES, upper_half_masked(0, state.first_query_pos));
+            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
             pass_turn(wg);
             wgmma_wait<0>();
 #if SPLIT_KV
@@ -779,15 +752,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES, previous = (g - 1) % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES, upper_half_masked(kt * BLOCK_N, state.first_query_pos));
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
 #if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
 #endif
 #if EARLY_RESCALE
                 rescale(o, correction);  // tile kt-1's correction, while Q K^T runs
 #endif
-                issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES,
-                         upper_half_masked((kt - 1) * BLOCK_N, state.first_query_pos));
+                issue_pv(o, p, stages + previous * STAGE_BYTES + KV_TILE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<1>();  // S of tile kt
 #if SPLIT_KV
@@ -812,8 +784,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             rescale(o, correction);
 #endif
             take_turn(wg);
-            issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES,
-                     upper_half_masked((num_kv_tiles - 1) * BLOCK_N, state.first_query_pos));
+            issue_pv(o, p, stages + last * STAGE_BYTES + KV_TILE_BYTES);
             if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
             wgmma_wait<0>();
             release_stage(bar_empty_v + 8 * last, lane);
@@ -823,7 +794,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES, upper_half_masked(kt * BLOCK_N, state.first_query_pos));
+                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<0>();
 #if SPLIT_KV
@@ -838,8 +809,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * stage, (g / STAGES) & 1);
 #endif
-                issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES,
-                         upper_half_masked(kt * BLOCK_N, state.first_query_pos));
+                issue_pv(o, p, stages + stage * STAGE_BYTES + KV_TILE_BYTES);
                 wgmma_wait<0>();
                 release_stage(bar_empty_v + 8 * stage, lane);
             }

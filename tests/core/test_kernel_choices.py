@@ -20,6 +20,7 @@ from openinfer.backend.cuda.kernel_choices import (
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
+    sm90_tma_min_context,
     sm90_variant,
     wanted_decode_kernel,
 )
@@ -50,7 +51,7 @@ def test_defaults_where_the_environment_is_silent():
     assert (sm90_kv_loads(), sm90_schedule()) == (choices.SM90_KV_LOADS, choices.SM90_SCHEDULE)
     defines = default.defines(128, 16)
     assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV"], defines["EARLY_RESCALE"],
-            defines["LEAN_ARRIVALS"]) == (int(choices.SM90_PAGE_PREFETCH), int(choices.SM90_SPLIT_KV),
+            defines["LEAN_ARRIVALS"]) == (int(128 in choices.SM90_PAGE_PREFETCH_HEAD_DIMS), int(choices.SM90_SPLIT_KV),
                                          int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
@@ -81,7 +82,8 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
                                         (DECODE_KERNEL_ENV, "flash"), (SM90_ENV["grid"], "tile"),
                                         (SM90_ENV["pingpong"], "true"), (SM90_ENV["stages"], "1"),
                                         (SM90_ENV["stages"], "x"), (SM90_ENV["kv_loads"], "bulk"),
-                                        (SM90_ENV["schedule"], "dynamic"), (SM90_ENV["early_rescale"], "yes")])
+                                        (SM90_ENV["schedule"], "dynamic"), (SM90_ENV["early_rescale"], "yes"),
+                                        (SM90_ENV["tma_min_context"], "-1"), (SM90_ENV["tma_min_context"], "2k")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     refresh_kernel_choices()
@@ -91,6 +93,7 @@ def test_bad_values_name_the_variable(monkeypatch, name, value):
         sm90_variant(128)
         sm90_kv_loads()
         sm90_schedule()
+        sm90_tma_min_context(128)
 
 
 def test_sm90_stages_must_fit_the_shared_memory(monkeypatch):
@@ -116,15 +119,30 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
 
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
-    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half"):
+    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals"):
         monkeypatch.setenv(SM90_ENV[key], "1")
     refresh_kernel_choices()
     defines = sm90_variant(128).defines(128, 16)
     assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
-    assert defines["EARLY_RESCALE"] == defines["DIAGONAL_HALF"] == 1
+    assert defines["EARLY_RESCALE"] == 1
     # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the
     # early rescale needs the overlapped loop
     assert sm90_variant(256).defines(256, 16)["EARLY_RESCALE"] == 0
     monkeypatch.setenv(SM90_ENV["overlap"], "0")
     refresh_kernel_choices()
     assert sm90_variant(128).defines(128, 16)["EARLY_RESCALE"] == 0
+
+
+def test_tma_min_context_per_head_size_until_the_environment_sets_it(monkeypatch):
+    """auto's TMA threshold: SM90_TMA_MIN_CONTEXT's per head size (every context at 128 since E1),
+    OPENINFER_SM90_TMA_MIN_CONTEXT for every head size once set (read once, like the others); the
+    page-id prefetch follows SM90_PAGE_PREFETCH_HEAD_DIMS unless its own variable says otherwise."""
+    for head_dim, tokens in choices.SM90_TMA_MIN_CONTEXT.items():
+        assert sm90_tma_min_context(head_dim) == tokens
+        assert sm90_variant(head_dim).page_prefetch == (head_dim in choices.SM90_PAGE_PREFETCH_HEAD_DIMS)
+    monkeypatch.setenv(SM90_ENV["tma_min_context"], "4096")
+    monkeypatch.setenv(SM90_ENV["page_prefetch"], "0")
+    assert sm90_tma_min_context(128) == choices.SM90_TMA_MIN_CONTEXT[128]  # not re-read yet
+    refresh_kernel_choices()
+    assert sm90_tma_min_context(128) == sm90_tma_min_context(256) == 4096
+    assert not sm90_variant(128).page_prefetch

@@ -58,6 +58,12 @@ SM90_VARIANTS = {
     "persistent-tma": {"schedule": "persistent", "kv_loads": "tma"},
     "persistent-no-overlap": {"schedule": "persistent", "overlap": "0"},
     "persistent-head-grid-no-pingpong": {"schedule": "persistent", "grid": "head", "pingpong": "0"},
+    # the grid schedule and cp.async loads (the defaults take persistent CTAs and TMA loads on short steps),
+    # and session 5's defaults (grid; TMA from 2k tokens; no page-id prefetch)
+    "grid": {"schedule": "grid"},
+    "grid-cp-async": {"schedule": "grid", "kv_loads": "cp_async"},
+    "persistent-cp-async": {"schedule": "persistent", "kv_loads": "cp_async"},
+    "session5-defaults": {"schedule": "grid", "page_prefetch": "0", "tma_min_context": "2048"},
     # session 6's refinements (kernel_choices.py), alone and together, over both K/V load paths
     "page-prefetch-tma": {"kv_loads": "tma", "page_prefetch": "1"},
     "split-kv": {"split_kv": "1"},
@@ -73,11 +79,6 @@ SM90_VARIANTS = {
                                "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
     "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                               "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
-    "diagonal-half": {"diagonal_half": "1"},
-    "diagonal-half-no-overlap": {"diagonal_half": "1", "overlap": "0"},
-    "diagonal-half-refined-persistent-tma": {"diagonal_half": "1", "schedule": "persistent", "kv_loads": "tma",
-                                             "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
-                                             "lean_arrivals": "1"},
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
 }
 

@@ -56,6 +56,7 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
+    sm90_tma_min_context,
     sm90_variant,
 )
 from openinfer.backend.cuda.loader import arch_kernel, kernel
@@ -104,7 +105,7 @@ def _tma_kv_loads(head_dim: int, kv: KVLayer, batch: CudaBatch) -> bool:
     mode = sm90_kv_loads()
     if mode == "cp_async" or block_n % block_size or block_size % 8:
         return False
-    if mode == "auto" and (batch.host is None or batch.max_context_len < SM90_TMA_MIN_CONTEXT):
+    if mode == "auto" and (batch.host is None or batch.max_context_len < sm90_tma_min_context(head_dim)):
         return False
     return bool(kv.k.flags.c_contiguous and kv.v.flags.c_contiguous)
 

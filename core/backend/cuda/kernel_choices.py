@@ -74,6 +74,7 @@ def refresh_kernel_choices() -> None:
     sm90_variant.cache_clear()
     sm90_kv_loads.cache_clear()
     sm90_schedule.cache_clear()
+    sm90_tma_min_context.cache_clear()
     wanted_decode_kernel.cache_clear()
 
 
@@ -91,26 +92,27 @@ SM90_PINGPONG = True  # OPENINFER_SM90_PINGPONG=0: the two consumer warpgroups i
 SM90_OVERLAP = True  # OPENINFER_SM90_OVERLAP=0: no overlap of tile k's softmax with tile k-1's P V
 SM90_GRIDS = ("head", "kv_head")
 SM90_PAGE_READ_MODES = ("row", "batched")
-# attn16's opt-in consumer / producer refinements (session 6, not measured yet; each its own switch):
-# OPENINFER_SM90_PAGE_PREFETCH=1: with TMA K/V loads, the producer reads the next tile's block-table
-#   entries before waiting for a free stage (their latency no longer follows the wait);
-# OPENINFER_SM90_SPLIT_KV=1: the K and V halves of a stage have their own full and empty barriers
-#   (FlashAttention-3's two pipelines): Q K^T waits for K only, K is released once S has landed and the
-#   producer refills it while P V still reads V (TMA tiles; cp.async tiles copy both halves together);
-# OPENINFER_SM90_EARLY_RESCALE=1 (head_dim 128, with the overlap): O is rescaled while Q K^T of the
+# Session 6's consumer / producer refinements, each its own switch, timed in E1 (H200, device time per
+# call, gpu_prefill_attention --sm90-variants over 1k / 4k / 16k / 4k chunk on 12k / 8 x 2k / 8 x 1k):
+# OPENINFER_SM90_PAGE_PREFETCH: with TMA K/V loads, the producer reads the next tile's block-table
+#   entries before waiting for a free stage (their latency no longer follows the wait). Default at
+#   head_dim 128 (SM90_PAGE_PREFETCH_HEAD_DIMS) by E1: 1.012x geomean, 1.03x at 4k and 8 x 2k, 1.01x on
+#   the chunk, 1.00x at 16k; =0 turns it off, =1 on at every head size.
+# Opt-in, measured slower in E1 (geomean over the six cases):
+# OPENINFER_SM90_SPLIT_KV=1 (0.93x; 16k 515 vs 575 TFLOP/s): the K and V halves of a stage have their own
+#   full and empty barriers (FlashAttention-3's two pipelines): Q K^T waits for K only, K is released once
+#   S has landed and the producer refills it while P V still reads V (cp.async tiles: both halves together);
+# OPENINFER_SM90_EARLY_RESCALE=1 (0.98x; head_dim 128, with the overlap): O is rescaled while Q K^T of the
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
-# OPENINFER_SM90_LEAN_ARRIVALS=1: consumers release a stage with one arrival per warp, not per thread,
+# OPENINFER_SM90_LEAN_ARRIVALS=1 (1.00x; 16k 0.97x): consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
-# OPENINFER_SM90_DIAGONAL_HALF=1 (head_dim 128): on a tile whose last 64 keys every row of a consumer
-#   warpgroup masks (the causal diagonal), that warpgroup's Q K^T and P V cover only the first 64 keys.
-SM90_PAGE_PREFETCH = False
+SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
 SM90_LEAN_ARRIVALS = False
-SM90_DIAGONAL_HALF = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "diagonal_half")}
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context")}
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,6 @@ class Sm90Variant:
     split_kv: bool = False
     early_rescale: bool = False
     lean_arrivals: bool = False
-    diagonal_half: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -137,7 +138,7 @@ class Sm90Variant:
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
-                "LEAN_ARRIVALS": int(self.lean_arrivals), "DIAGONAL_HALF": int(self.diagonal_half)}
+                "LEAN_ARRIVALS": int(self.lean_arrivals)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -165,11 +166,10 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         batched_page_reads=_env_choice("page_reads", SM90_PAGE_READS, SM90_PAGE_READ_MODES) == "batched",
         pingpong=_env_flag("pingpong", SM90_PINGPONG), intra_wg_overlap=_env_flag("overlap", SM90_OVERLAP),
         stages=stages, skip_kv_loads=_env_flag("skip_kv_loads", False),
-        page_prefetch=_env_flag("page_prefetch", SM90_PAGE_PREFETCH),
+        page_prefetch=_env_flag("page_prefetch", head_dim in SM90_PAGE_PREFETCH_HEAD_DIMS),
         split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
-        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
-        diagonal_half=_env_flag("diagonal_half", SM90_DIAGONAL_HALF))
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
@@ -188,14 +188,21 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
 # 178.4 -> 155.9 ms, step 361.3 -> 350.1 ms. OPENINFER_SM90_KV_LOADS=cp_async reverts.
 SM90_KV_LOADS = "auto"
 SM90_KV_LOAD_MODES = ("cp_async", "tma", "tma_multicast", "auto")
-SM90_TMA_MIN_CONTEXT = 2048
+# "auto"'s threshold per head size; OPENINFER_SM90_TMA_MIN_CONTEXT (tokens) sets it for every head size.
+# head_dim 128: TMA at every context by E1 (H200, device time; TMA against cp.async, both with the
+# session-6 refinements on: 1.09x at one 1k prompt, 1.08x at 8 x 1k on the grid, 1.05x / 1.05x with
+# persistent CTAs; the 0.78-0.80x of E2 / E3 at 1k was their timer's host launch path). Was 2048.
+SM90_TMA_MIN_CONTEXT = {128: 0, 256: 2048}
 # OPENINFER_SM90_SCHEDULE: "grid" (one CTA per work item: 128 queries x one head) or "persistent"
 # (head_dim 128: one CTA per SM claims work items from a device counter, longest first, and loads
 # the next item's Q and K/V while it finishes the current one; other head sizes keep "grid");
 # "auto": "persistent" for steps whose longest context is below SM90_PERSISTENT_MAX_CONTEXT tokens
 # (many short items, where an item's start and end are a large share of it), "grid" from there on
 # and where the context is not known on the host (a captured graph's batch).
-SM90_SCHEDULE = "grid"
+# Default "auto" by E1 (H200, device time, persistent CTAs against the grid, auto K/V loads): 1.05x at one
+# 1k prompt, 1.04x at 4k, 1.06x at 8 x 2k, 1.09x at 8 x 1k (a 256-stream burst's mixed step), 0.99x at
+# 16k and 1.01x on the 4k chunk over 12k (both grid under "auto"). "grid" reverts.
+SM90_SCHEDULE = "auto"
 SM90_SCHEDULES = ("grid", "persistent", "auto")
 SM90_PERSISTENT_MAX_CONTEXT = 8192
 
@@ -207,8 +214,20 @@ def sm90_kv_loads() -> str:
 
 
 @functools.cache
+def sm90_tma_min_context(head_dim: int) -> int:
+    """The context (tokens) from which OPENINFER_SM90_KV_LOADS=auto takes TMA K/V loads:
+    OPENINFER_SM90_TMA_MIN_CONTEXT if set (a count >= 0), else SM90_TMA_MIN_CONTEXT's for the head size."""
+    text = os.environ.get(SM90_ENV["tma_min_context"])
+    if text is None:
+        return SM90_TMA_MIN_CONTEXT.get(head_dim, 2048)
+    if not text.isdigit():
+        raise ValueError(f"{SM90_ENV['tma_min_context']} must be a token count >= 0, got {text!r}")
+    return int(text)
+
+
+@functools.cache
 def sm90_schedule() -> str:
-    """OPENINFER_SM90_SCHEDULE ("grid", the default, "persistent" or "auto"), read once per process."""
+    """OPENINFER_SM90_SCHEDULE ("auto", the default, "grid" or "persistent"), read once per process."""
     return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
 
 
