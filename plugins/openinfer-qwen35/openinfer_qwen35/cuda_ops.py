@@ -30,9 +30,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       one-token rows through gdn_delta_rule_rows (token by
                                       token) instead of a one-row chunk each (bf16 tolerance);
                                       =blocked: split_rows with gdn_chunk_prepare_blocked (the
-                                      triangular solve by 16 x 16 blocks; bf16 tolerance);
-                                      =window: split_rows with gdn_conv1d_window (each input
-                                      row read once, the window in registers; the same bits)
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -63,7 +61,7 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_window", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
@@ -106,10 +104,7 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True),
                    "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
-                                             "gdn_gated_norm_warp", True),
-                   "window": PrefillKernels("gdn_conv1d_window", "gdn_chunk_prepare_staged", True,
-                                            "gdn_gated_norm_warp", True)}
-VEC_CONV_KERNELS = ("gdn_conv1d_vec", "gdn_conv1d_window")  # 8 channels x CONV_TOKENS tokens a thread
+                                             "gdn_gated_norm_warp", True)}
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
@@ -296,8 +291,7 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
-        for name in VEC_CONV_KERNELS:
-            kernel(name, dk, 0, config.linear_conv_kernel_dim)
+        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
         for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
@@ -392,9 +386,9 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     prefill = prefill_kernels(config, proj.shape[1])
-    if prefill.conv in VEC_CONV_KERNELS and not _aligned(proj, conv_state, w.conv_weight):
+    if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    if prefill.conv in VEC_CONV_KERNELS:  # the conv width compiled in; CONV_TOKENS tokens a thread
+    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
         conv_kernel = kernel(prefill.conv, dk, 0, width)
         conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
     else:
