@@ -96,9 +96,9 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 @pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
-    token-by-token kernels (the benchmark's baseline), on the default prefill (split_rows: the
-    chunk walk split from the output, a mixed step's one-token rows token by token) and on
-    blocked (split_rows with the triangular solve by 16 x 16 blocks)."""
+    token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
+    the output, a mixed step's one-token rows token by token) and on the default, blocked
+    (split_rows with the triangular solve by 16 x 16 blocks)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():

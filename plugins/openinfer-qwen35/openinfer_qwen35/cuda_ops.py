@@ -10,15 +10,16 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
 
     decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
                                       gated norm in one kernel (captured in the decode graphs);
-                                      OPENINFER_QWEN35_GDN_DECODE=coalesced (the default,
+                                      OPENINFER_QWEN35_GDN_DECODE=vec4 (the default,
                                       DEFAULT_DECODE_KERNEL): the step with the token's scalars
-                                      read beside the state column and a column's threads dv
-                                      apart (128-byte state rows a warp); =early_loads: without
-                                      the latter; =plain: neither (the same bits, all three);
-                                      =vec4: coalesced with 16-byte state accesses (a column's
-                                      partial sums in another order: fp32 rounding apart)
+                                      read beside the state and the state by 16-byte accesses
+                                      (a column's partial sums in another order: fp32 rounding
+                                      apart from the others); =coalesced: 4-byte accesses, a
+                                      column's threads dv apart (128-byte state rows a warp);
+                                      =early_loads: adjacent threads; =plain: neither (the same
+                                      bits, those three)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      split_rows) =plain: gdn_conv1d, gdn_conv_state,
+                                      blocked) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -110,15 +111,23 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
 # 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
 # the same bits as plain but a mixed step's one-token rows (tests/gpu/test_qwen35_kernels.py).
-# OPENINFER_QWEN35_GDN_PREFILL=plain reverts.
-DEFAULT_PREFILL_KERNELS = "split_rows"
+# blocked by measurement (H200, E1 2026-11-24, merged main bce1c73, the same benchmark): the prepare
+# kernel 0.607 -> 0.486 ms at 8 x 1k (1.25x), 0.118 -> 0.098 ms at 1 x 1k; the layer's call 1.42 -> 1.30
+# ms at 8 x 1k, 1.55 -> 1.43 ms at 8 x 1k + 48 decode rows (benchmarks/results/gpu_qwen35_gdn_kernels.json);
+# within bf16 tolerance of NumPy (tests/gpu/test_qwen35_kernels.py). =split_rows (the solve column by
+# column) or =plain reverts.
+DEFAULT_PREFILL_KERNELS = "blocked"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
 # and 1.34 / 1.19 / 1.08x early_loads at 16 / 64 / 256 rows (64 rows 129.2 -> 108.8 us, 2.47 TB/s of
-# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels.json; tests/gpu/test_qwen35_kernels.py).
-# OPENINFER_QWEN35_GDN_DECODE=early_loads reverts.
-DEFAULT_DECODE_KERNEL = "coalesced"
+# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels_e3_h200.json).
+# vec4 by measurement (H200, E1 2026-11-24, merged main bce1c73, graph replay of 24 calls): 1.19 / 1.20 /
+# 1.22 / 1.28x coalesced at 1 / 16 / 64 / 256 rows (64 rows 109.1 -> 89.1 us: the state at 3.01 TB/s
+# of the 4.20 TB/s a copy reached in the same run; 256 rows 429.7 -> 334.6 us, 3.21 TB/s), 1.50x plain
+# at 64 rows (benchmarks/results/gpu_qwen35_gdn_kernels.json); within fp32 rounding of plain, not its
+# bits (tests/gpu/test_qwen35_kernels.py). OPENINFER_QWEN35_GDN_DECODE=coalesced reverts.
+DEFAULT_DECODE_KERNEL = "vec4"
 
 
 @functools.cache
