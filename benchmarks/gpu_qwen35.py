@@ -792,6 +792,12 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
             print(f"{variant}: TPOT ms {results['decode_tpot_ms'][variant]}", flush=True)
         finally:
             engine.close_sync()
+            del engine  # its device memory back before the next variant's engine plans its KV cache
+            gc.collect()
+            if args.device == "cuda":
+                import cupy
+
+                cupy.get_default_memory_pool().free_all_blocks()
     set_kernels("after")
     timed, baseline = results["decode_tpot_ms"], variants[0]
     results["speedup_over"] = baseline
