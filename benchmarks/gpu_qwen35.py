@@ -142,10 +142,9 @@ GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
-# environments: the earlier path, the default, blocked (split_rows with the triangular solve by
-# 16 x 16 blocks) and window (split_rows with the register-window conv); staged and split (the
-# steps between) were measured in E3 (2026-11-24)
-PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked", "window")}
+# environments: the earlier path, split_rows and the default, blocked (split_rows with the triangular
+# solve by 16 x 16 blocks); staged and split (the steps between) were measured in E3 (2026-11-24)
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -793,6 +792,12 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
             print(f"{variant}: TPOT ms {results['decode_tpot_ms'][variant]}", flush=True)
         finally:
             engine.close_sync()
+            del engine  # its device memory back before the next variant's engine plans its KV cache
+            gc.collect()
+            if args.device == "cuda":
+                import cupy
+
+                cupy.get_default_memory_pool().free_all_blocks()
     set_kernels("after")
     timed, baseline = results["decode_tpot_ms"], variants[0]
     results["speedup_over"] = baseline

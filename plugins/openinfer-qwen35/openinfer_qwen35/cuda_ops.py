@@ -10,15 +10,16 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
 
     decode (one token per sequence)   gdn_decode_step: conv + window + gates + delta rule +
                                       gated norm in one kernel (captured in the decode graphs);
-                                      OPENINFER_QWEN35_GDN_DECODE=coalesced (the default,
+                                      OPENINFER_QWEN35_GDN_DECODE=vec4 (the default,
                                       DEFAULT_DECODE_KERNEL): the step with the token's scalars
-                                      read beside the state column and a column's threads dv
-                                      apart (128-byte state rows a warp); =early_loads: without
-                                      the latter; =plain: neither (the same bits, all three);
-                                      =vec4: coalesced with 16-byte state accesses (a column's
-                                      partial sums in another order: fp32 rounding apart)
+                                      read beside the state and the state by 16-byte accesses
+                                      (a column's partial sums in another order: fp32 rounding
+                                      apart from the others); =coalesced: 4-byte accesses, a
+                                      column's threads dv apart (128-byte state rows a warp);
+                                      =early_loads: adjacent threads; =plain: neither (the same
+                                      bits, those three)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      split_rows) =plain: gdn_conv1d, gdn_conv_state,
+                                      blocked) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -30,9 +31,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       one-token rows through gdn_delta_rule_rows (token by
                                       token) instead of a one-row chunk each (bf16 tolerance);
                                       =blocked: split_rows with gdn_chunk_prepare_blocked (the
-                                      triangular solve by 16 x 16 blocks; bf16 tolerance);
-                                      =window: split_rows with gdn_conv1d_window (each input
-                                      row read once, the window in registers; the same bits)
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -63,7 +62,7 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_window", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
@@ -106,24 +105,29 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True),
                    "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
-                                             "gdn_gated_norm_warp", True),
-                   "window": PrefillKernels("gdn_conv1d_window", "gdn_chunk_prepare_staged", True,
-                                            "gdn_gated_norm_warp", True)}
-VEC_CONV_KERNELS = ("gdn_conv1d_vec", "gdn_conv1d_window")  # 8 channels x CONV_TOKENS tokens a thread
+                                             "gdn_gated_norm_warp", True)}
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
 # 8 x 1k 2.79 -> 2.14 ms, 1 x 1k 0.54 -> 0.41 ms (benchmarks/results/gpu_qwen35_gdn_kernels_e2_h200.json);
 # the same bits as plain but a mixed step's one-token rows (tests/gpu/test_qwen35_kernels.py).
-# OPENINFER_QWEN35_GDN_PREFILL=plain reverts.
-DEFAULT_PREFILL_KERNELS = "split_rows"
+# blocked by measurement (H200, E1 2026-11-24, merged main bce1c73, the same benchmark): the prepare
+# kernel 0.607 -> 0.486 ms at 8 x 1k (1.25x), 0.118 -> 0.098 ms at 1 x 1k; the layer's call 1.42 -> 1.30
+# ms at 8 x 1k, 1.55 -> 1.43 ms at 8 x 1k + 48 decode rows (benchmarks/results/gpu_qwen35_gdn_kernels.json);
+# within bf16 tolerance of NumPy (tests/gpu/test_qwen35_kernels.py). =split_rows (the solve column by
+# column) or =plain reverts.
+DEFAULT_PREFILL_KERNELS = "blocked"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
 # and 1.34 / 1.19 / 1.08x early_loads at 16 / 64 / 256 rows (64 rows 129.2 -> 108.8 us, 2.47 TB/s of
-# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels.json; tests/gpu/test_qwen35_kernels.py).
-# OPENINFER_QWEN35_GDN_DECODE=early_loads reverts.
-DEFAULT_DECODE_KERNEL = "coalesced"
+# state), the same bits (benchmarks/results/gpu_qwen35_gdn_kernels_e3_h200.json).
+# vec4 by measurement (H200, E1 2026-11-24, merged main bce1c73, graph replay of 24 calls): 1.19 / 1.20 /
+# 1.22 / 1.28x coalesced at 1 / 16 / 64 / 256 rows (64 rows 109.1 -> 89.1 us: the state at 3.01 TB/s
+# of the 4.20 TB/s a copy reached in the same run; 256 rows 429.7 -> 334.6 us, 3.21 TB/s), 1.50x plain
+# at 64 rows (benchmarks/results/gpu_qwen35_gdn_kernels.json); within fp32 rounding of plain, not its
+# bits (tests/gpu/test_qwen35_kernels.py). OPENINFER_QWEN35_GDN_DECODE=coalesced reverts.
+DEFAULT_DECODE_KERNEL = "vec4"
 
 
 @functools.cache
@@ -296,8 +300,7 @@ def warm_up(config: Qwen35Config) -> None:
     for name in SOURCES["gated_deltanet.cu"]:
         kernel(name, dk)
     if 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH:
-        for name in VEC_CONV_KERNELS:
-            kernel(name, dk, 0, config.linear_conv_kernel_dim)
+        kernel("gdn_conv1d_vec", dk, 0, config.linear_conv_kernel_dim)
     if chunked_supported(config):
         for name in ("gdn_chunk_prepare", *STAGED_PREPARE_KERNELS):
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
@@ -392,9 +395,9 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
     prefill = prefill_kernels(config, proj.shape[1])
-    if prefill.conv in VEC_CONV_KERNELS and not _aligned(proj, conv_state, w.conv_weight):
+    if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    if prefill.conv in VEC_CONV_KERNELS:  # the conv width compiled in; CONV_TOKENS tokens a thread
+    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
         conv_kernel = kernel(prefill.conv, dk, 0, width)
         conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
     else:

@@ -19,12 +19,13 @@ GDN layer core         ``delta_net``:                                           
   numpy                conv1d + chunked delta rule     conv1d step + recurrent step
                        (UT transform, chunk 64), one   (batched over sequences)
                        sequence at a time
-  cuda                 ``gdn_conv1d_vec`` (varlen) →   ``gdn_decode_step``: conv,
-                       ``gdn_conv_state`` →            window, gates, l2 norm, delta
-                       ``gdn_chunk_prepare_staged``    rule and gated norm in one
-                       (per chunk of 64: l2 norm,      kernel per (sequence, value
-                       gates, P, T = (I + A)^-1, U,    head), captured in the
-                       W) → ``gdn_chunk_states``       decode graphs
+  cuda                 ``gdn_conv1d_vec`` (varlen) →   ``gdn_decode_step_vec4``:
+                       ``gdn_conv_state`` →            conv, window, gates, l2 norm,
+                       ``gdn_chunk_prepare_blocked``   delta rule (fp32 state by
+                       (per chunk of 64: l2 norm,      16-byte accesses) and gated
+                       gates, P, T = (I + A)^-1 by     norm in one kernel per
+                       16 x 16 blocks, U, W) →         (sequence, value head),
+                       ``gdn_chunk_states``            captured in the decode graphs
                        (chunks in order: S, V') →
                        ``gdn_chunk_output`` (O, all
                        chunks at once; tensor cores)
@@ -36,12 +37,14 @@ GDN layer core         ``delta_net``:                                           
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
-The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=split_rows``, the default
+The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=blocked``, the default
 (``cuda_ops.PREFILL_KERNELS`` names each choice's kernels): ``plain`` is the earlier chunked path
 (``gdn_conv1d`` → ``gdn_conv_state`` → ``gdn_chunk_prepare`` → ``gdn_chunk_scan``, chunks in order
 with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows as one-row chunks);
 ``staged`` and ``split`` are the steps between (the same bits as plain); ``split_rows`` differs from
-them only in a mixed step's one-token rows (token by token, within bf16 tolerance).
+them only in a mixed step's one-token rows (token by token, within bf16 tolerance); ``blocked`` is
+``split_rows`` with the triangular solve by 16 x 16 blocks (within bf16 tolerance). The decode
+column is ``OPENINFER_QWEN35_GDN_DECODE=vec4``, the default (``cuda_ops.DECODE_KERNELS``).
 
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
 ``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``

@@ -169,8 +169,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         np.testing.assert_array_equal(ssm[untouched], ssm_before[untouched])
 
     check("prefill_", expected.shape, expected, conv_state.shape, host_conv, host_ssm, ssm_state, slots)
-    # the 8-channel convs (gdn_conv1d_vec, gdn_conv1d_window), the staged prepare kernel (every
-    # global read first) and the warp-per-head gated norm write the plain ones' arrays bit for bit
+    # the 8-channel conv, the staged prepare kernel (every global read first) and the warp-per-head
+    # gated norm write the plain ones' arrays bit for bit
     assert read_array(tmp_path, "staged_prepare_same", np.int32, (1,))[0] == 1
     # the blocked triangular solve: qn, kn, P and c bit for bit; W and U (T times bf16 rows, rounded
     # to bf16) within a bf16 rounding or two of the substitution's

@@ -46,6 +46,9 @@ extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_st
 // the H200, as a first 8-channel version that still read its weights per token (E2). The same
 // sums in the same order: the same bits. The launcher takes it when conv_dim and proj_stride are
 // multiples of 8 and the arrays 16-byte aligned; CONV_WIDTH compiled in (else read at run time).
+// (A version reading each input row once — the span's 16 rows loaded first, the window sliding in
+// registers, 157 registers — measured slower on the H200, E1 2026-11-24: 0.142 -> 0.180 ms at
+// 8 x 1k tokens; removed.)
 #define CONV_TOKENS 16
 #define CONV_MAX_WIDTH 9
 extern "C" __global__ void __launch_bounds__(128)
@@ -102,105 +105,6 @@ gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __res
 #pragma unroll
         for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
         *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
-    }
-}
-
-// gdn_conv1d_window (OPENINFER_QWEN35_GDN_PREFILL=blocked): gdn_conv1d_vec with each input row
-// read once. The span's CONV_TOKENS rows are loaded first (16 16-byte loads in flight a thread),
-// and the conv window slides in registers: the width - 1 inputs before a token are the previous
-// tokens' (or, at the span's first token or a sequence's start, read from proj / the slot's
-// window / zeros), where gdn_conv1d_vec reads width rows a token, one after another. The same
-// sums in the same order: the same bits as gdn_conv1d_vec.
-extern "C" __global__ void __launch_bounds__(128)
-gdn_conv1d_window(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
-                  const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
-                  const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
-                  bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
-#ifdef CONV_WIDTH
-    constexpr int width = CONV_WIDTH;
-#else
-    const int width = conv_width;
-#endif
-    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-    if (c0 >= conv_dim) return;
-    const int t_begin = blockIdx.x * CONV_TOKENS, t_end = min(num_tokens, t_begin + CONV_TOKENS);
-    uint4 rows[CONV_TOKENS];  // the span's inputs, all loads issued before any math
-    int seqs[CONV_TOKENS];
-#pragma unroll
-    for (int i = 0; i < CONV_TOKENS; ++i) {
-        rows[i] = make_uint4(0, 0, 0, 0);
-        seqs[i] = 0;
-        if (t_begin + i < t_end) {
-            rows[i] = *reinterpret_cast<const uint4*>(proj + (size_t)(t_begin + i) * proj_stride + c0);
-            seqs[i] = token_seq[t_begin + i];
-        }
-    }
-    float w[8][CONV_MAX_WIDTH];  // w[e][j] = weight[c0 + e, j]
-    {
-        const uint4* src = reinterpret_cast<const uint4*>(weight + (size_t)c0 * width);
-#pragma unroll
-        for (int v = 0; v < CONV_MAX_WIDTH; ++v) {
-            if (v < width) {
-                const uint4 raw = src[v];
-                const bf16* x = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    const int flat = 8 * v + k;
-                    w[flat / width][flat % width] = to_f(x[k]);
-                }
-            }
-        }
-    }
-    float prev[CONV_MAX_WIDTH - 1][8];  // prev[j]: the input width - 1 - j tokens before this one
-#pragma unroll
-    for (int i = 0; i < CONV_TOKENS; ++i) {
-        const int t = t_begin + i;
-        if (t < t_end) {
-            const int s = seqs[i], first = query_start[s], pos = t - first;
-            if (i == 0 || pos == 0) {  // the window before the span or a sequence's first token
-                const bool is_fresh = fresh[s] != 0;
-                const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
-#pragma unroll
-                for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j) {
-                    if (j < width - 1) {
-                        const int m = pos - (width - 1) + j;
-                        uint4 xv = make_uint4(0, 0, 0, 0);
-                        if (m >= 0) xv = *reinterpret_cast<const uint4*>(proj + (size_t)(first + m) * proj_stride + c0);
-                        else if (!is_fresh)
-                            xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
-                        const bf16* x = reinterpret_cast<const bf16*>(&xv);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) prev[j][e] = to_f(x[e]);
-                    }
-                }
-            }
-            const bf16* x = reinterpret_cast<const bf16*>(&rows[i]);
-            float acc[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-            for (int j = 0; j < CONV_MAX_WIDTH - 1; ++j)
-                if (j < width - 1) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] += w[e][j] * prev[j][e];
-                }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += w[e][width - 1] * to_f(x[e]);
-            // slide: this token becomes the newest input of the window
-#pragma unroll
-            for (int j = 0; j < CONV_MAX_WIDTH - 2; ++j)
-                if (j < width - 2) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) prev[j][e] = prev[j + 1][e];
-                }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) prev[width - 2][e] = to_f(x[e]);
-            uint4 yv;
-            bf16* y = reinterpret_cast<bf16*>(&yv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
-            *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
-        }
     }
 }
 
