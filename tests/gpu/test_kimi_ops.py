@@ -213,13 +213,13 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stage
 
 
 def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
-    """OPENINFER_MOE_PIPELINED: off by default; tiles/fused take the pipelined kernel from
+    """OPENINFER_MOE_PIPELINED: DEFAULT_PIPELINED_MODE when unset; tiles/fused take the pipelined kernel from
     PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (below, the decode GEMV), never for other formats
     or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear error."""
     moe = _moe_cuda()
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
-    assert moe.pipelined_mode() == "off"
+    assert moe.pipelined_mode() == moe.DEFAULT_PIPELINED_MODE
     monkeypatch.setenv(moe.PIPELINED_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_PIPELINED"):
         moe.pipelined_mode()

@@ -153,9 +153,15 @@ def pipe_shape_for(slots_per_expert: float) -> str:
     return next(name for most, name in PIPE_SHAPE_CHOICE if slots_per_expert <= most)
 
 
+DEFAULT_PIPELINED_MODE = "off"
+# Whether, in a pipelined mode, bf16 experts keep moe_grouped_gemm_pipelined even where cuBLAS per expert
+# would run (big eager steps, BLAS_MIN_ROWS_PER_EXPERT): no host read of the counts per layer.
+PIPELINED_BEFORE_BLAS = False
+
+
 def pipelined_mode(mode: str | None = None) -> str:
-    """``mode``, else $OPENINFER_MOE_PIPELINED ("off" when unset; "0"/"1" spell off/tiles)."""
-    name = mode or os.environ.get(PIPELINED_ENV) or "off"
+    """``mode``, else $OPENINFER_MOE_PIPELINED (DEFAULT_PIPELINED_MODE when unset; "0"/"1" spell off/tiles)."""
+    name = mode or os.environ.get(PIPELINED_ENV) or DEFAULT_PIPELINED_MODE
     name = {"0": "off", "false": "off", "1": "tiles", "true": "tiles"}.get(name, name)
     if name not in PIPELINED_MODES:
         raise ValueError(f"unknown {PIPELINED_ENV} mode {name!r}; one of {', '.join(PIPELINED_MODES)}")
@@ -452,7 +458,9 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
-    if not gemv and blas_eligible(num_slots, weight, blas) and (weight.format == "bf16" or weight.gemv_ready(a)):
+    pipelined_first = PIPELINED_BEFORE_BLAS and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
+    if (not gemv and not pipelined_first and blas_eligible(num_slots, weight, blas)
+            and (weight.format == "bf16" or weight.gemv_ready(a))):
         _grouped_by_blas(a, weight, grouping, gather, blas, out)
         return out
     per_expert = num_slots / weight.num_experts
@@ -548,7 +556,7 @@ def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
     num_slots = int(grouping.sorted_slots.size)
     return (pipelined_mode() == "fused" and forced_gemv_kernel() is None and pipelined_ready(x, gate_up, True)
             and num_slots >= PIPELINED_MIN_ROWS_PER_EXPERT * gate_up.num_experts
-            and not blas_eligible(num_slots, gate_up, blas))
+            and (PIPELINED_BEFORE_BLAS or not blas_eligible(num_slots, gate_up, blas)))
 
 
 def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice,
