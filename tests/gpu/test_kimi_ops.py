@@ -213,9 +213,10 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stage
 
 
 def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
-    """OPENINFER_MOE_PIPELINED: DEFAULT_PIPELINED_MODE when unset; tiles/fused take the pipelined kernel from
-    PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (below, the decode GEMV), never for other formats
-    or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear error."""
+    """OPENINFER_MOE_PIPELINED: DEFAULT_PIPELINED_MODE (fused) when unset; tiles/fused take the pipelined
+    kernel above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (up to it, the decode GEMV), never for
+    other formats or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear
+    error."""
     moe = _moe_cuda()
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
@@ -231,6 +232,10 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     x_few, x_many = (cuda_backend.upload(bf16_random(rng, n, 64)) for n in (4, 32))
     assert not moe.pipelined_gate_up(x_few, weight, few, None)  # 1 slot per expert: the GEMV
     assert moe.pipelined_gate_up(x_many, weight, many, None)
+    bound = int(moe.PIPELINED_ABOVE_ROWS_PER_EXPERT * 4)  # exactly at the bound: still the GEMV
+    at_bound = moe.group_by_expert(cupy.asarray((np.arange(bound) % 4).astype(np.int32).reshape(bound, 1)),
+                                   cupy.ones((bound, 1), cupy.float32), 4)
+    assert not moe.pipelined_gate_up(cuda_backend.upload(bf16_random(rng, bound, 64)), weight, at_bound, None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")
     assert not moe.pipelined_gate_up(x_many, weight, many, None)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV)
