@@ -610,7 +610,7 @@ EXPERT_VARIANTS = {
     "fused": "moe_grouped_gemm_pipelined, gate_up with SiLU·mul fused (fused mode)",
     "pipelined_s3": "moe_grouped_gemm_pipelined with 3 stages, gate_up with SiLU·mul fused",
     "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
-    "blas": "cuBLAS per active expert (eager only)",
+    "blas": "cuBLAS per active expert at any slots per expert (eager points only)",
 }
 
 
@@ -655,6 +655,14 @@ def run_experts(args) -> dict:
         def call():
             if variant == "chosen":
                 return shipped()
+            if variant == "blas":  # cuBLAS per expert whatever the slots per expert (eager points only)
+                bound, cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = cuda_moe.BLAS_MIN_ROWS_PER_EXPERT, 1
+                try:
+                    return cuda_moe.grouped_gemm(backend.silu_mul(cuda_moe.grouped_gemm(
+                        x, gate_up, grouping, True, blas=backend.blas, pipelined="off")), down, grouping, False,
+                        blas=backend.blas, pipelined="off")
+                finally:
+                    cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = bound
             shape = "n256" if variant == "fused_n256" else "n128"
             if variant in ("fused", "pipelined_s3", "fused_n256"):
                 activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping, shape=shape,
