@@ -610,6 +610,7 @@ EXPERT_VARIANTS = {
     "fused": "moe_grouped_gemm_pipelined, gate_up with SiLU·mul fused (fused mode)",
     "pipelined_s3": "moe_grouped_gemm_pipelined with 3 stages, gate_up with SiLU·mul fused",
     "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
+    "fused_n64": "moe_grouped_gemm_pipelined in 64 x 64 blocks (PIPE_SHAPES n64), gate_up fused",
     "blas": "cuBLAS per active expert at any slots per expert (eager points only)",
 }
 
@@ -663,8 +664,8 @@ def run_experts(args) -> dict:
                         blas=backend.blas, pipelined="off")
                 finally:
                     cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = bound
-            shape = "n256" if variant == "fused_n256" else "n128"
-            if variant in ("fused", "pipelined_s3", "fused_n256"):
+            shape = {"fused_n256": "n256", "fused_n64": "n64"}.get(variant, "n128")
+            if variant in ("fused", "pipelined_s3", "fused_n256", "fused_n64"):
                 activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping, shape=shape,
                                                         stages=3 if variant == "pipelined_s3" else cuda_moe.PIPE_STAGES)
                 down_mode = "tiles"

@@ -164,7 +164,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     assert relative_error(out, reference) < BF16_TOL
 
 
-@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256")])
+@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256"), (4, "n64")])
 def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, shape, monkeypatch):
     """moe_grouped_gemm_pipelined on the ragged experts of test_fused_moe_matches_numpy_experts (an
     empty expert, one past a 64-row tile, 1-15-row tiles; N and K not multiples of its 128 x 64 tile;

@@ -150,7 +150,9 @@ PIPE_STAGES = 4
 # 2 blocks per SM at 4 stages. Chosen by slots per expert (the first entry whose bound holds). H200 E1
 # (fused, same runs as above): n128 ahead up to 24 slots per expert (401 vs 503 us at 24, 319 vs 466 at
 # 6), n256 from 96 (815 vs 943 us at 96, 5018 vs 6232 at 768); the bound between is the midpoint.
-PIPE_SHAPES: dict[str, dict[str, int]] = {"n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
+# n64 (2 n8 tiles per warp: 3 blocks per SM, twice n128's blocks for a decode step) is unmeasured.
+PIPE_SHAPES: dict[str, dict[str, int]] = {"n64": {"PIPE_WARP_N8": 2, "PIPE_TILE_K": 64},
+                                          "n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
                                           "n256": {"PIPE_WARP_N8": 8, "PIPE_TILE_K": 32}}
 PIPE_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((48, "n128"), (float("inf"), "n256"))
 
