@@ -746,7 +746,7 @@ def plot_experts(report: dict, path: Path) -> None:
     for i, name in enumerate(report["variants"]):
         ax.bar(np.arange(len(points)) + i * width, [p.get(f"{name}_us", np.nan) for p in points], width, label=name)
     ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2,
-                  [f"{p['tokens']} tokens ({p['slots_per_expert']:.1f}/expert)" for p in points])
+                  [f"{p['tokens']} tok\n{p['slots_per_expert']:.1f}/expert" for p in points], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("gate_up + SiLU·mul + down, us per layer")
     ax.set_title(f"Moonlight routed experts (bf16, 64 x top-6) by kernel ({report['device']})")
