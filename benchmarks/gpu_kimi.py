@@ -603,13 +603,15 @@ EXPERTS_TOKENS = [1, 4, 16, 32, 64, 128, 256, 1024, 8192]
 EXPERTS_GRAPH_MAX_TOKENS = 1024  # above: timed eagerly (cuBLAS per expert cannot be captured)
 # variant -> (what gate_up runs, what down runs); "+silu" adds core's silu_mul after gate_up
 EXPERT_VARIANTS = {
-    "chosen": "what ships with OPENINFER_MOE_PIPELINED unset (decode GEMV / per-tile GEMM / cuBLAS per expert)",
+    "chosen": "what ships (moe_forward's choices with OPENINFER_MOE_PIPELINED unset)",
+    "off": "OPENINFER_MOE_PIPELINED=off, what shipped before E1 (decode GEMV / per-tile GEMM / cuBLAS per expert)",
     "tiles": "moe_grouped_gemm (the per-tile GEMM)",
     "pipelined": "moe_grouped_gemm_pipelined (tiles mode), gate_up then silu_mul",
     "fused": "moe_grouped_gemm_pipelined, gate_up with SiLU·mul fused (fused mode)",
     "pipelined_s3": "moe_grouped_gemm_pipelined with 3 stages, gate_up with SiLU·mul fused",
     "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
-    "blas": "cuBLAS per active expert (eager only)",
+    "fused_n64": "moe_grouped_gemm_pipelined in 64 x 64 blocks (PIPE_SHAPES n64), gate_up fused",
+    "blas": "cuBLAS per active expert at any slots per expert (eager points only)",
 }
 
 
@@ -644,22 +646,39 @@ def run_experts(args) -> dict:
               "shape": c, "variants": {name: EXPERT_VARIANTS[name] for name in variants}, "points": []}
 
     def experts_call(x, grouping, gate_up, down, variant: str):
+        def shipped():
+            if cuda_moe.pipelined_gate_up(x, gate_up, grouping, backend.blas):
+                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping)
+            else:
+                activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, blas=backend.blas))
+            return cuda_moe.grouped_gemm(activated, down, grouping, False, blas=backend.blas)
+
         def call():
-            shape = "n256" if variant == "fused_n256" else "n128"
-            if variant in ("fused", "pipelined_s3", "fused_n256"):
+            if variant == "chosen":
+                return shipped()
+            if variant == "blas":  # cuBLAS per expert whatever the slots per expert (eager points only)
+                bound, cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = cuda_moe.BLAS_MIN_ROWS_PER_EXPERT, 1
+                try:
+                    return cuda_moe.grouped_gemm(backend.silu_mul(cuda_moe.grouped_gemm(
+                        x, gate_up, grouping, True, blas=backend.blas, pipelined="off")), down, grouping, False,
+                        blas=backend.blas, pipelined="off")
+                finally:
+                    cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = bound
+            shape = {"fused_n256": "n256", "fused_n64": "n64"}.get(variant, "n128")
+            if variant in ("fused", "pipelined_s3", "fused_n256", "fused_n64"):
                 activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping, shape=shape,
                                                         stages=3 if variant == "pipelined_s3" else cuda_moe.PIPE_STAGES)
                 down_mode = "tiles"
             else:
                 mode = "tiles" if variant == "pipelined" else "off"
                 gemv = False if variant in ("tiles", "pipelined") else None
-                blas = backend.blas if variant in ("blas", "chosen") else None
+                blas = backend.blas if variant in ("blas", "off") else None
                 activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, gemv, blas=blas,
                                                                    pipelined=mode, pipe_shape=shape))
                 down_mode = mode
             return cuda_moe.grouped_gemm(activated, down, grouping, False,
-                                         None if variant in ("blas", "chosen") else False,
-                                         blas=backend.blas if variant in ("blas", "chosen") else None,
+                                         None if variant in ("blas", "off") else False,
+                                         blas=backend.blas if variant in ("blas", "off") else None,
                                          pipelined=down_mode, pipe_shape=shape)
         return call
 
@@ -693,18 +712,23 @@ def run_experts(args) -> dict:
         reference = outputs.get("tiles", next(iter(outputs.values())))
         for variant, out in outputs.items():
             point[f"{variant}_speedup_vs_chosen"] = point.get("chosen_us", np.nan) / point[f"{variant}_us"]
+            point[f"{variant}_speedup_vs_off"] = point.get("off_us", np.nan) / point[f"{variant}_us"]
             point[f"{variant}_relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
             point[f"{variant}_bit_equal_tiles"] = bool(np.array_equal(out, reference))
         point["fastest"] = min(outputs, key=lambda name: point[f"{name}_us"])
         # the rest of the routed path: router + top-k (moe_route), grouping (moe_sort_parallel), combine
-        def routing(x=x, y_rows=device_random_bf16((tokens * c["top_k"], c["hidden"]))):
-            ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
-            grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
-            return cuda_moe.combine(y_rows, grouping, None, c["hidden"])
-        if point["graph"]:
-            point["routing_us"] = 1e6 * graph_call_seconds([routing] * 4)[0]
-        else:
-            point["routing_us"] = 1e6 * gpu_seconds(routing, repeats=3, warmup=1)
+        y_rows = device_random_bf16((tokens * c["top_k"], c["hidden"]))
+        ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
+        grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+        parts = {"route": partial(cuda_moe.route, x, router_gate, router, router_bias),
+                 "group": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
+                 "combine": partial(cuda_moe.combine, y_rows, grouping, None, c["hidden"])}
+        for part, call in parts.items():
+            if point["graph"]:
+                point[f"routing_{part}_us"] = 1e6 * graph_call_seconds([call] * 4)[0]
+            else:
+                point[f"routing_{part}_us"] = 1e6 * gpu_seconds(call, repeats=3, warmup=1)
+        point["routing_us"] = sum(point[f"routing_{part}_us"] for part in parts)
         print(json.dumps(point), flush=True)
         report["points"].append(point)
     return report
@@ -722,7 +746,7 @@ def plot_experts(report: dict, path: Path) -> None:
     for i, name in enumerate(report["variants"]):
         ax.bar(np.arange(len(points)) + i * width, [p.get(f"{name}_us", np.nan) for p in points], width, label=name)
     ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2,
-                  [f"{p['tokens']} tokens ({p['slots_per_expert']:.1f}/expert)" for p in points])
+                  [f"{p['tokens']} tok\n{p['slots_per_expert']:.1f}/expert" for p in points], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("gate_up + SiLU·mul + down, us per layer")
     ax.set_title(f"Moonlight routed experts (bf16, 64 x top-6) by kernel ({report['device']})")

@@ -23,14 +23,14 @@
 #define PIPE_FUSE_SILU 0
 #endif
 #ifndef PIPE_WARP_N8
-#define PIPE_WARP_N8 4  // n8 mma tiles per warp (4 or 8): 32 or 64 weight rows
+#define PIPE_WARP_N8 4  // n8 mma tiles per warp (2, 4 or 8): 16, 32 or 64 weight rows
 #endif
 #ifndef PIPE_TILE_K
 #define PIPE_TILE_K 64  // 64 or 32
 #endif
 #define PIPE_WARPS 4
 #define PIPE_TILE_M 64                               // moe_sort's tile (BM in moe.cu)
-#define PIPE_TILE_N (PIPE_WARPS * PIPE_WARP_N8 * 8)  // 128 or 256 weight rows per block
+#define PIPE_TILE_N (PIPE_WARPS * PIPE_WARP_N8 * 8)  // 64, 128 or 256 weight rows per block
 #define PIPE_PITCH (PIPE_TILE_K + 8)  // 144- / 80-byte rows: ldmatrix's 8 row addresses hit distinct banks
 #define PIPE_STAGE_ELEMS ((PIPE_TILE_M + PIPE_TILE_N) * PIPE_PITCH)
 #if PIPE_FUSE_SILU

@@ -82,6 +82,8 @@ CASES = {
     "bf16-pipelined-fused": ("bf16", RouterSpec(6, 2, "softmax")),
     # the 256 x 32 block shape: K = 96 in three k-tiles, N = 144 and I = 72 in one partial block each
     "bf16-pipelined-n256-fused": ("bf16", RouterSpec(6, 2, "sigmoid")),
+    # the 64 x 64 block shape: N = 144 in three blocks (the last 16 rows), I = 72 in three
+    "bf16-pipelined-n64-fused": ("bf16", RouterSpec(6, 2, "softmax")),
 }
 # (hidden, moe_intermediate, extra moe.cu defines) where a case departs from the default shape
 CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
@@ -91,7 +93,8 @@ CASE_SHAPES = {"bf16-mma-depth3": (320, 64, {"MMA_GEMV_DEPTH": 3}),
                "bf16-pipelined": (96, 72, {"PIPE_STAGES": 3}),
                "bf16-pipelined-fused": (96, 72, {"PIPE_STAGES": 2, "PIPE_FUSE_SILU": 1}),
                "bf16-pipelined-n256-fused": (96, 72, {"PIPE_STAGES": 4, "PIPE_FUSE_SILU": 1, "PIPE_WARP_N8": 8,
-                                                       "PIPE_TILE_K": 32})}
+                                                       "PIPE_TILE_K": 32}),
+               "bf16-pipelined-n64-fused": (96, 72, {"PIPE_STAGES": 4, "PIPE_FUSE_SILU": 1, "PIPE_WARP_N8": 2})}
 
 
 def sort_layout(flat: np.ndarray, num_experts: int, slots: int, tiles: int) -> dict[str, np.ndarray]:

@@ -164,7 +164,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     assert relative_error(out, reference) < BF16_TOL
 
 
-@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256")])
+@pytest.mark.parametrize("stages,shape", [(4, "n128"), (3, "n128"), (4, "n256"), (4, "n64")])
 def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stages, shape, monkeypatch):
     """moe_grouped_gemm_pipelined on the ragged experts of test_fused_moe_matches_numpy_experts (an
     empty expert, one past a 64-row tile, 1-15-row tiles; N and K not multiples of its 128 x 64 tile;
@@ -213,13 +213,14 @@ def test_pipelined_grouped_gemm_matches_tiles_and_numpy(cuda_backend, rng, stage
 
 
 def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
-    """OPENINFER_MOE_PIPELINED: off by default; tiles/fused take the pipelined kernel from
-    PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (below, the decode GEMV), never for other formats
-    or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear error."""
+    """OPENINFER_MOE_PIPELINED: DEFAULT_PIPELINED_MODE (fused) when unset; tiles/fused take the pipelined
+    kernel above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (up to it, the decode GEMV), never for
+    other formats or a forced GEMV; moe_forward fuses gate_up only in fused mode; a bad value is a clear
+    error."""
     moe = _moe_cuda()
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
-    assert moe.pipelined_mode() == "off"
+    assert moe.pipelined_mode() == moe.DEFAULT_PIPELINED_MODE
     monkeypatch.setenv(moe.PIPELINED_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_PIPELINED"):
         moe.pipelined_mode()
@@ -231,6 +232,10 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     x_few, x_many = (cuda_backend.upload(bf16_random(rng, n, 64)) for n in (4, 32))
     assert not moe.pipelined_gate_up(x_few, weight, few, None)  # 1 slot per expert: the GEMV
     assert moe.pipelined_gate_up(x_many, weight, many, None)
+    bound = int(moe.PIPELINED_ABOVE_ROWS_PER_EXPERT * 4)  # exactly at the bound: still the GEMV
+    at_bound = moe.group_by_expert(cupy.asarray((np.arange(bound) % 4).astype(np.int32).reshape(bound, 1)),
+                                   cupy.ones((bound, 1), cupy.float32), 4)
+    assert not moe.pipelined_gate_up(cuda_backend.upload(bf16_random(rng, bound, 64)), weight, at_bound, None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")
     assert not moe.pipelined_gate_up(x_many, weight, many, None)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV)

@@ -16,17 +16,18 @@ is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
     rows per weight     dense (E = 1)                          grouped (experts)
     few (decode)        a decode GEMV, weights read once       a decode GEMV over moe_sort's tiles
                         straight from FP8 / INT4: moe_gemv,    (INT4: moe_gemv_mma on tensor cores,
-                        moe_gemv_wide (FP8: up to 4 rows)      bf16: moe_gemv_wide then mma,
-                                                               FP8: moe_gemv)
-    middle              moe_grouped_gemm dense mode            moe_grouped_gemm
-    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS moe_grouped_gemm, or (opt-in, BLAS_ENV)
-                                                               cuBLAS per active expert (bf16 as stored,
+                        moe_gemv_wide (FP8: up to 4 rows)      bf16: moe_gemv_wide, FP8: moe_gemv)
+    middle              moe_grouped_gemm dense mode            moe_grouped_gemm (bf16: moe_pipelined.cu's
+                                                               moe_grouped_gemm_pipelined, gate_up fused
+                                                               with SiLU·mul; see PIPELINED_ENV)
+    many (prefill)      moe_dequantize → bf16 scratch → cuBLAS cuBLAS per active expert (bf16 as stored,
                                                                else moe_dequantize'd) after one host
                                                                read of the per-expert row counts
+                                                               (BLAS_ENV=0: as in the middle row)
 
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
 be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
-routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer (opt-in, BLAS_ENV).
+routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer.
 """
 
 from __future__ import annotations
@@ -129,23 +130,31 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
-# moe_pipelined.cu's grouped GEMM for bf16 experts (opt-in until measured: OPENINFER_MOE_PIPELINED=tiles
-# takes it wherever the per-tile moe_grouped_gemm ran and, from PIPELINED_MIN_ROWS_PER_EXPERT slots per
-# expert, instead of the decode GEMV; =fused also fuses gate_up with SiLU·mul): moe_grouped_gemm loads a
-# tile, waits, multiplies (one 8 KB weight tile in flight per block); this one keeps PIPE_STAGES - 1
-# k-tiles of 128 weight rows in flight (cp.async) and multiplies only the m16 slices a tile's rows use.
+# moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
+# 8 KB weight tile in flight per block); this one keeps PIPE_STAGES - 1 k-tiles of 128 (or 256) weight rows
+# in flight (cp.async) and multiplies only the m16 slices a tile's rows use. OPENINFER_MOE_PIPELINED=tiles
+# takes it wherever the per-tile moe_grouped_gemm ran and, above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per
+# expert, instead of the decode GEMV; =fused (the default since E1) also fuses gate_up with SiLU·mul; =off:
+# before. H200 E1 (2026-11-24, results/kimi_experts_e1_h200.json; Moonlight's routed experts, one layer,
+# gate_up + SiLU·mul + down, CUDA graph): fused vs what ran before 319 vs 443 us at 64 tokens (6 slots per
+# expert, moe_gemv_mma), 338 vs 663 at 128, 401 vs 722 at 256 (24, per-tile GEMM: 36 -> 65 % of the copy
+# bandwidth), 815 vs 1352 at 1024 (96; 256-row blocks); behind moe_gemv_wide at 1 / 4 / 16 tokens (60 vs
+# 36, 123 vs 99, 270 vs 263 us) and cuBLAS per expert at 8192 (5018 vs 2892 us, eager).
 PIPELINED_ENV = "OPENINFER_MOE_PIPELINED"
 PIPELINED_MODES = ("off", "tiles", "fused")
-PIPELINED_MIN_ROWS_PER_EXPERT = 1.5  # below: moe_gemv_wide (bf16 table), whatever the mode
+PIPELINED_ABOVE_ROWS_PER_EXPERT = 1.5  # up to here: moe_gemv_wide (bf16 table), whatever the mode
 PIPE_WARPS = 4  # moe_pipelined.cu
 PIPE_STAGES = 4
 # Block shapes (moe_pipelined.cu defines): 128 weight rows x 64-wide k-tiles (a warp: 4 n8 mma tiles),
 # or 256 x 32 (8 n8 tiles: fewer shared-memory fragment reads per mma, for prefill-sized tiles); both
-# 2 blocks per SM at 4 stages. Chosen by slots per expert (the first entry whose bound holds); the
-# wide shape is unmeasured: n128 throughout until a window measures it.
-PIPE_SHAPES: dict[str, dict[str, int]] = {"n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
+# 2 blocks per SM at 4 stages. Chosen by slots per expert (the first entry whose bound holds). H200 E1
+# (fused, same runs as above): n128 ahead up to 24 slots per expert (401 vs 503 us at 24, 319 vs 466 at
+# 6), n256 from 96 (815 vs 943 us at 96, 5018 vs 6232 at 768); the bound between is the midpoint.
+# n64 (2 n8 tiles per warp: 3 blocks per SM, twice n128's blocks for a decode step) is unmeasured.
+PIPE_SHAPES: dict[str, dict[str, int]] = {"n64": {"PIPE_WARP_N8": 2, "PIPE_TILE_K": 64},
+                                          "n128": {"PIPE_WARP_N8": 4, "PIPE_TILE_K": 64},
                                           "n256": {"PIPE_WARP_N8": 8, "PIPE_TILE_K": 32}}
-PIPE_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "n128"),)
+PIPE_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((48, "n128"), (float("inf"), "n256"))
 
 
 def pipe_shape_for(slots_per_expert: float) -> str:
@@ -153,9 +162,15 @@ def pipe_shape_for(slots_per_expert: float) -> str:
     return next(name for most, name in PIPE_SHAPE_CHOICE if slots_per_expert <= most)
 
 
+DEFAULT_PIPELINED_MODE = "fused"
+# Whether, in a pipelined mode, bf16 experts keep moe_grouped_gemm_pipelined even where cuBLAS per expert
+# would run (big eager steps, BLAS_MIN_ROWS_PER_EXPERT): no host read of the counts per layer.
+PIPELINED_BEFORE_BLAS = False
+
+
 def pipelined_mode(mode: str | None = None) -> str:
-    """``mode``, else $OPENINFER_MOE_PIPELINED ("off" when unset; "0"/"1" spell off/tiles)."""
-    name = mode or os.environ.get(PIPELINED_ENV) or "off"
+    """``mode``, else $OPENINFER_MOE_PIPELINED (DEFAULT_PIPELINED_MODE when unset; "0"/"1" spell off/tiles)."""
+    name = mode or os.environ.get(PIPELINED_ENV) or DEFAULT_PIPELINED_MODE
     name = {"0": "off", "false": "off", "1": "tiles", "true": "tiles"}.get(name, name)
     if name not in PIPELINED_MODES:
         raise ValueError(f"unknown {PIPELINED_ENV} mode {name!r}; one of {', '.join(PIPELINED_MODES)}")
@@ -445,14 +460,16 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``blas`` (a cuBLAS handle): big eager steps take cuBLAS per expert (``blas_eligible``).
     ``pipelined`` (default $OPENINFER_MOE_PIPELINED): "tiles"/"fused" runs bf16 experts' GEMM
     through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
-    chosen decode GEMV from PIPELINED_MIN_ROWS_PER_EXPERT slots per expert (unless one is forced);
+    chosen decode GEMV above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (unless one is forced);
     ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``)."""
     num_slots = int(grouping.sorted_slots.size)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
-    if not gemv and blas_eligible(num_slots, weight, blas) and (weight.format == "bf16" or weight.gemv_ready(a)):
+    pipelined_first = PIPELINED_BEFORE_BLAS and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
+    if (not gemv and not pipelined_first and blas_eligible(num_slots, weight, blas)
+            and (weight.format == "bf16" or weight.gemv_ready(a))):
         _grouped_by_blas(a, weight, grouping, gather, blas, out)
         return out
     per_expert = num_slots / weight.num_experts
@@ -460,7 +477,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
-                                           and per_expert >= PIPELINED_MIN_ROWS_PER_EXPERT)))
+                                           and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
     tables = (grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
               np.int32(weight.out_features), np.int32(weight.in_features))
     head = (a, grouping.sorted_slots if gather else NULL, np.int32(grouping.top_k), weight.data,
@@ -544,11 +561,11 @@ class DeviceMoE:
 
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
     """Whether ``moe_forward`` fuses gate_up and SwiGLU: OPENINFER_MOE_PIPELINED=fused, bf16 experts,
-    no forced GEMV, at least PIPELINED_MIN_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""
+    no forced GEMV, more than PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""
     num_slots = int(grouping.sorted_slots.size)
     return (pipelined_mode() == "fused" and forced_gemv_kernel() is None and pipelined_ready(x, gate_up, True)
-            and num_slots >= PIPELINED_MIN_ROWS_PER_EXPERT * gate_up.num_experts
-            and not blas_eligible(num_slots, gate_up, blas))
+            and num_slots > PIPELINED_ABOVE_ROWS_PER_EXPERT * gate_up.num_experts
+            and (PIPELINED_BEFORE_BLAS or not blas_eligible(num_slots, gate_up, blas)))
 
 
 def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice,

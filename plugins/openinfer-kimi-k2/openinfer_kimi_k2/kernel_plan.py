@@ -43,26 +43,27 @@ projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled o
 latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
                        rotate q_pe in place)                                             core
 MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
-                       per-head k_nope / v, ``mla_prefill_attention`` (tensor-core
-                       causal flash attention, nope+rope / v head dims)
+                       per-head k_nope / v, ``mla_prefill_attention_pipelined``
+                       (tensor-core causal flash attention, nope+rope / v head dims;
+                       ``OPENINFER_MLA_PREFILL=plain``: ``mla_prefill_attention``)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
-                       around ``mla_attention_mma`` (tensor cores, 64 heads per block;
-                       up to 64 heads, and at most 64 tokens when <= 16 heads) or
-                       ``mla_attention`` (CUDA cores, 16 heads per block) (core ``mla.
-                       choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE`` forces one)
+                       around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads),
+                       ``mla_attention_mma`` (17-64 heads) or ``mla_attention`` (CUDA
+                       cores, 16 heads per block) (core ``mla.choose_absorbed_kernel``;
+                       ``OPENINFER_MLA_DECODE`` forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
                        block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
-                       bf16: ``moe_gemv_wide`` to 1.5, ``moe_gemv_mma`` to 6; FP8:
-                       ``moe_gemv`` to 3), else ``moe_grouped_gemm`` (bf16 under
-                       ``OPENINFER_MOE_PIPELINED=tiles|fused``: ``moe_grouped_gemm_
-                       pipelined`` from 1.5 slots per expert, fused: gate_up with SiLU·mul
-                       in one launch); eager steps from 512 slots per expert: cuBLAS per
-                       expert; ``OPENINFER_MOE_GEMV=mma_depth3|4|8``: ``moe_gemv_mma``
-                       with more chunks in flight
+                       bf16: ``moe_gemv_wide`` to 1.5; FP8: ``moe_gemv`` to 3), else
+                       bf16: ``moe_grouped_gemm_pipelined`` with gate_up and SiLU·mul
+                       in one launch (128-row blocks to 48 slots per expert, 256-row
+                       ones past; ``OPENINFER_MOE_PIPELINED=tiles``: unfused, ``=off``:
+                       ``moe_gemv_mma`` to 6 then ``moe_grouped_gemm``), INT4 / FP8:
+                       ``moe_grouped_gemm``; eager steps from 512 slots per expert:
+                       cuBLAS per expert; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 
