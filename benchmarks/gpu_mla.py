@@ -11,8 +11,9 @@ measured copy bandwidth.
 
 ``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
-TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined /
-pipelined128: mla_prefill_attention_pipelined on 64- / 128-query tiles), and the absorbed form of the whole forward beside it where it is short.
+TFLOP/s, for each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined,
+the default; plain: mla_prefill_attention), and the absorbed form of the whole forward beside it where
+it is short.
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
@@ -55,7 +56,7 @@ DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
-PREFILL_KERNELS = ("plain", "pipelined", "pipelined128")  # core's PREFILL_KERNELS
+PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -368,7 +369,7 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
-    parser.add_argument("--prefill-kernels", default="plain,pipelined,pipelined128",
+    parser.add_argument("--prefill-kernels", default="pipelined,plain",
                         help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")

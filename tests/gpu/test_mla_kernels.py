@@ -111,11 +111,10 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
 PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
 
 
-@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined", "pipelined128"])
+@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined"])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
-    """Each decompressed prefill attention kernel (and tile size) on ragged prompts and chunks beside a
-    decode."""
+    """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
