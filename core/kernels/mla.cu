@@ -280,6 +280,43 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     }
 }
 
+// mla_combine_splits_shared over more blocks: grid (T·H, KV_LORA / 128), each block 128 output dims of
+// one head (16 blocks of 512 dims left most SMs idle at batch 1), and only the non-empty splits' partial
+// rows read; the same sums in the same order (bit-equal). Blocks of 128 threads.
+extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ partial_o,
+                                                   const float* __restrict__ partial_ml, int num_splits,
+                                                   bf16* __restrict__ out) {
+    __shared__ float weight[COMBINE_MAX_SPLITS];  // < 0: an empty split
+    __shared__ float total_of_head;
+    const long long head = blockIdx.x;
+    const float* ml = partial_ml + head * num_splits * 2;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            if (ml[2 * z + 1] > 0.f) m = fmaxf(m, ml[2 * z]);
+        m = warp_max(m);
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            weight[z] = ml[2 * z + 1] > 0.f ? __expf(ml[2 * z] - m) * ml[2 * z + 1] : -1.f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // summed in split order, as mla_combine_splits sums
+        float total = 0.f;
+        for (int z = 0; z < num_splits; ++z)
+            if (weight[z] >= 0.f) total += weight[z];
+        total_of_head = total;
+    }
+    __syncthreads();
+    const float total = total_of_head;
+    const int d = blockIdx.y * blockDim.x + threadIdx.x;
+    if (d >= KV_LORA) return;
+    const float* column = partial_o + head * num_splits * KV_LORA + d;
+    float sum = 0.f;
+#pragma unroll 8
+    for (int z = 0; z < num_splits; ++z)
+        if (weight[z] >= 0.f) sum += weight[z] * column[(long long)z * KV_LORA];
+    out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
 //

@@ -129,6 +129,24 @@ def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, pref
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+@pytest.mark.parametrize("kernel", ["mma", "mma_shared"])
+def test_wide_combine_equals_shared(cuda_backend, rng, monkeypatch, kernel):
+    """mla_combine_splits_wide (more blocks, only non-empty splits read) gives the bits of the shared
+    combine on a ragged decode batch split up to 64 ways (many splits empty)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    spec = _spec(20)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *DECODES["ragged"])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = {}
+    for combine in ("shared", "wide"):
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        outs[combine] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm,
+                                                      weights, rope, kernel))
+    assert np.array_equal(outs["wide"], outs["shared"])
+    assert relative_error(outs["wide"], reference) < BF16_TOL
+
+
 def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):
     """mla_attention_mma_shared on the absorbed rows of a mixed step (token_rows: decodes beside a
     decompressed 70-token chunk and a 150-token prompt)."""

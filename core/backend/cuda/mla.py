@@ -92,7 +92,11 @@ SHARED_KEYS_CHOICES = (32, 64)
 SHARED_HEADS, SHARED_THREADS = 16, 128
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
-COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
+# "wide" (opt-in until measured): mla_combine_splits_shared over KV_LORA / 128 blocks per head, reading only
+# the non-empty splits (bit-equal)
+COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared",
+                   "wide": "mla_combine_splits_wide"}
+COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
@@ -319,7 +323,7 @@ def _shared_decode_kernel(spec: MLASpec):
 
 
 def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: shared, the default, or loop)."""
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: shared, the default, loop or wide)."""
     name = os.environ.get(COMBINE_ENV) or "shared"
     if name not in COMBINE_KERNELS:
         raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
@@ -375,7 +379,8 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
     name = combine_kernel()
     if partials.splits > COMBINE_SHARED_MAX_SPLITS:
         name = COMBINE_KERNELS["loop"]
-    kernel("mla.cu", name, **_defines(spec))((rows,), (128,), (
+    grid = (rows, -(-spec.kv_lora_rank // COMBINE_WIDE_DIMS)) if name == COMBINE_KERNELS["wide"] else (rows,)
+    kernel("mla.cu", name, **_defines(spec))(grid, (128,), (
         partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent))
 
 
