@@ -199,6 +199,11 @@ def test_absorbed_kernel_choice(monkeypatch):
         assert cuda_mla.choose_absorbed_kernel(most_heads, most_tokens) == name
     monkeypatch.setenv(cuda_mla.ABSORBED_KERNEL_ENV, "mma_shared")
     assert cuda_mla.choose_absorbed_kernel(16, 256) == "mma_shared"
+    monkeypatch.delenv(cuda_mla.SHARED_KEYS_ENV, raising=False)
+    for most_rows, keys in cuda_mla.SHARED_KEYS_BY_ROWS:
+        assert keys in cuda_mla.SHARED_KEYS_CHOICES and cuda_mla.shared_keys(most_rows) == keys
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "64")
+    assert cuda_mla.shared_keys(1) == cuda_mla.shared_keys(256) == 64
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "48")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_KEYS"):
         cuda_mla.shared_keys()

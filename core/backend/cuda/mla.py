@@ -89,6 +89,9 @@ HEADS16_ENV = "OPENINFER_MLA_HEADS16"
 # (168 KB, 1 block per SM); $OPENINFER_MLA_SHARED_KEYS.
 SHARED_KEYS_ENV = "OPENINFER_MLA_SHARED_KEYS"
 SHARED_KEYS_CHOICES = (32, 64)
+# (most absorbed rows in the step, keys per tile): the first entry that holds, unless $OPENINFER_MLA_SHARED_KEYS
+# says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
+SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
@@ -297,9 +300,12 @@ def mma_decode_head_chunks(num_heads: int, blocks_of_16: bool | None = None) -> 
     return -(-num_heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS
 
 
-def shared_keys() -> int:
-    """mla_attention_mma_shared's keys per tile ($OPENINFER_MLA_SHARED_KEYS, default 32)."""
-    text = os.environ.get(SHARED_KEYS_ENV) or "32"
+def shared_keys(num_tokens: int = 1 << 30) -> int:
+    """mla_attention_mma_shared's keys per tile for a step of ``num_tokens`` absorbed rows
+    ($OPENINFER_MLA_SHARED_KEYS, else SHARED_KEYS_BY_ROWS; row count only: graph-safe)."""
+    text = os.environ.get(SHARED_KEYS_ENV)
+    if not text:
+        return next(keys for most_rows, keys in SHARED_KEYS_BY_ROWS if num_tokens <= most_rows)
     if not text.isdigit() or int(text) not in SHARED_KEYS_CHOICES:
         raise ValueError(f"{SHARED_KEYS_ENV} is one of {', '.join(map(str, SHARED_KEYS_CHOICES))}; got {text!r}")
     return int(text)
@@ -312,8 +318,7 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
     return (SHARED_HEADS + 2 * keys) * row * 2 + SHARED_HEADS * (keys + 8) * 2 + 2 * 4 * SHARED_HEADS * 4
 
 
-def _shared_decode_kernel(spec: MLASpec):
-    keys = shared_keys()
+def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
     attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
@@ -405,7 +410,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     else:
         head_chunks = -(-heads // HEADS_PER_BLOCK)
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
-        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if shared_keys() == 32 else 1)
+        keys = shared_keys(num_tokens)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
@@ -417,7 +423,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if name == "mma_shared":
-        attention, smem = _shared_decode_kernel(spec)
+        attention, smem = _shared_decode_kernel(spec, keys)
         attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
     elif name in ("mma", "mma16"):
         attention, smem = _mma_decode_kernel(spec, blocks_of_16)
