@@ -11,17 +11,19 @@ measured copy bandwidth.
 
 ``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
-TFLOP/s, for each attention kernel of ``--prefill-kernels`` (plain: mla_prefill_attention; pipelined /
-pipelined128: mla_prefill_attention_pipelined on 64- / 128-query tiles), and the absorbed form of the whole forward beside it where it is short.
+TFLOP/s, for each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined,
+the default; plain: mla_prefill_attention), and the absorbed form of the whole forward beside it where
+it is short.
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy]]]``: kernel ``auto`` (what ships) or one of
-core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps the
-context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
-$OPENINFER_MLA_SHARED_SPLITS). Each variant's output is compared to the first's.
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine]]]]``: kernel ``auto`` (what ships) or
+one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
+the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
+$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE).
+Each variant's output is compared to the first's.
 """
 
 from __future__ import annotations
@@ -55,17 +57,18 @@ DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
-PREFILL_KERNELS = ("plain", "pipelined", "pipelined128")  # core's PREFILL_KERNELS
+COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
+PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy]]]`` comma list → dicts; bad names exit 2 through argparse's error."""
+    """``kernel[:keys[:max_splits[:policy[:combine]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 4:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy]]]")
-        kernel, keys, splits, policy = (fields + ["", "", ""])[:4]
+        if len(fields) > 5:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine]]]]")
+        kernel, keys, splits, policy, combine = (fields + ["", "", "", ""])[:5]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
@@ -74,7 +77,10 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
             raise ValueError(f"variant {item!r}: policy is one of {', '.join(SPLIT_POLICIES)}")
-        variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy})
+        if combine and combine not in COMBINES:
+            raise ValueError(f"variant {item!r}: combine is one of {', '.join(COMBINES)}")
+        variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
+                         "combine": combine})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -86,7 +92,7 @@ def variant_env(variant: dict):
     from openinfer.backend.cuda import mla as cuda_mla
 
     switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
-                cuda_mla.SHARED_SPLITS_ENV: variant["policy"]}
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"]}
     before = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
     try:
@@ -364,11 +370,11 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma list of kernel[:keys[:max_splits[:policy]]]")
+                        help="comma list of kernel[:keys[:max_splits[:policy[:combine]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
-    parser.add_argument("--prefill-kernels", default="plain,pipelined,pipelined128",
+    parser.add_argument("--prefill-kernels", default="pipelined,plain",
                         help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
@@ -397,9 +403,9 @@ def main() -> None:
     from openinfer.backend.cuda import CudaBackend
     from openinfer.backend.cuda import mla as cuda_mla
 
-    if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS)) != (
-            KERNELS, SHARED_KEYS, PREFILL_KERNELS):
-        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS no longer match core's mla.py")
+    if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS),
+            tuple(cuda_mla.COMBINE_KERNELS)) != (KERNELS, SHARED_KEYS, PREFILL_KERNELS, COMBINES):
+        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS / COMBINES no longer match core's")
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     if "warm" in args.sections:

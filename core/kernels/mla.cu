@@ -280,6 +280,43 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     }
 }
 
+// mla_combine_splits_shared over more blocks: grid (T·H, KV_LORA / 128), each block 128 output dims of
+// one head (16 blocks of 512 dims left most SMs idle at batch 1), and only the non-empty splits' partial
+// rows read; the same sums in the same order (bit-equal). Blocks of 128 threads.
+extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ partial_o,
+                                                   const float* __restrict__ partial_ml, int num_splits,
+                                                   bf16* __restrict__ out) {
+    __shared__ float weight[COMBINE_MAX_SPLITS];  // < 0: an empty split
+    __shared__ float total_of_head;
+    const long long head = blockIdx.x;
+    const float* ml = partial_ml + head * num_splits * 2;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            if (ml[2 * z + 1] > 0.f) m = fmaxf(m, ml[2 * z]);
+        m = warp_max(m);
+        for (int z = threadIdx.x; z < num_splits; z += 32)
+            weight[z] = ml[2 * z + 1] > 0.f ? __expf(ml[2 * z] - m) * ml[2 * z + 1] : -1.f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // summed in split order, as mla_combine_splits sums
+        float total = 0.f;
+        for (int z = 0; z < num_splits; ++z)
+            if (weight[z] >= 0.f) total += weight[z];
+        total_of_head = total;
+    }
+    __syncthreads();
+    const float total = total_of_head;
+    const int d = blockIdx.y * blockDim.x + threadIdx.x;
+    if (d >= KV_LORA) return;
+    const float* column = partial_o + head * num_splits * KV_LORA + d;
+    float sum = 0.f;
+#pragma unroll 8
+    for (int z = 0; z < num_splits; ++z)
+        if (weight[z] >= 0.f) sum += weight[z] * column[(long long)z * KV_LORA];
+    out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
 //
@@ -935,19 +972,16 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 #endif  // MMA_HOST_STANDIN
 
 // ---------------------------------------------------------------------------------------------
-// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments and
-// outputs; PIPE_WARPS x 16-query tiles, PIPE_WARPS x 32 threads) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
+// mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments,
+// grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
 // while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
 // the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
 // and softmax in base 2 with the scale folded in. PTX only: not built under the host emulation.
 // ---------------------------------------------------------------------------------------------
 #ifndef MMA_HOST_STANDIN
 #define PIPE_KEYS 64
-#ifndef PIPE_WARPS
-#define PIPE_WARPS 4  // 16 query rows each: 64-query tiles (2 blocks per SM), or 8: 128 (1 block, half the K/V reads)
-#endif
-#define PIPE_THREADS (32 * PIPE_WARPS)
-#define PIPE_BLOCK_M (16 * PIPE_WARPS)
+#define PIPE_THREADS PREFILL_THREADS  // 4 warps of 16 query rows
+#define PIPE_BLOCK_M PREFILL_BLOCK_M    // 64 queries per tile: 2 blocks per SM
 #define PIPE_QK_ROW (QK_DIM + PREFILL_PAD)  // 400 bytes (DeepSeek-V3): 25 16-byte units, ldmatrix rows in distinct banks
 #define PIPE_V_ROW (V_DIM + PREFILL_PAD)    // 272 bytes: 17 units
 #define PIPE_PREFILL_SMEM ((PIPE_BLOCK_M * PIPE_QK_ROW + 2 * PIPE_KEYS * (PIPE_QK_ROW + PIPE_V_ROW)) * 2)
@@ -971,7 +1005,7 @@ __device__ __forceinline__ void mla_copy_prefill_kv(bf16* k_tile, bf16* v_tile, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 8 / PIPE_WARPS)
+extern "C" __global__ void __launch_bounds__(PIPE_THREADS, 2)
 mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restrict__ k_nope,
                                 const bf16* __restrict__ k_pe, const bf16* __restrict__ values,
                                 const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,

@@ -17,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_the_plan():
     result = run("--dry-run", "--batches", "1,256", "--contexts", "1024", "--prefill", "1024",
-                 "--variants", "auto,mma_shared:64,mma_shared:32:16,mma_shared:::waves")
+                 "--variants", "auto,mma_shared:64,mma_shared:32:16,mma_shared:::waves,mma_shared::::wide")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
     assert [(p["batch"], p["context"]) for p in plan["decode"]] == [(1, 1024), (256, 1024)]
@@ -25,9 +25,9 @@ def test_dry_run_prints_the_plan():
     assert plan["decode"][1]["cache_bytes"] == 256 * 1025 * 576 * 2
     # causal: 16 heads x (192 + 128) dims x 2 FLOPs per visible (query, key) pair
     assert plan["prefill"][0]["attention_gflop"] == 2 * 16 * 320 * 1024 * 1025 / 2 / 1e9
-    assert [(v["kernel"], v["keys"], v["max_splits"], v["policy"]) for v in plan["variants"]] == [
-        ("auto", "", "", ""), ("mma_shared", "64", "", ""), ("mma_shared", "32", "16", ""),
-        ("mma_shared", "", "", "waves")]
+    assert [(v["kernel"], v["keys"], v["max_splits"], v["policy"], v["combine"]) for v in plan["variants"]] == [
+        ("auto", "", "", "", ""), ("mma_shared", "64", "", "", ""), ("mma_shared", "32", "16", "", ""),
+        ("mma_shared", "", "", "waves", ""), ("mma_shared", "", "", "", "wide")]
 
 
 def test_device_cpu_is_a_dry_run():
@@ -40,6 +40,7 @@ def test_bad_arguments_exit_2():
     for args in (["--variants", "tensor"], ["--variants", "mma_shared:48"], ["--variants", "mma:32:0"],
                  ["--batches", "x"], ["--batches", "0"], ["warp"], ["--variants", ","],
                  ["--prefill-kernels", "fast"], ["--prefill-kernels", ""],
-                 ["--variants", "mma_shared:32:4:often"], ["--variants", "mma:32:4:waves:x"]):
+                 ["--variants", "mma_shared:32:4:often"], ["--variants", "mma:32:4:waves:x"],
+                 ["--variants", "mma:32:4:waves:wide:y"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -111,11 +111,10 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
 PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
 
 
-@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined", "pipelined128"])
+@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined"])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
-    """Each decompressed prefill attention kernel (and tile size) on ragged prompts and chunks beside a
-    decode."""
+    """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
@@ -128,6 +127,24 @@ def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, pref
     assert relative_error(out, reference) < BF16_TOL
     for row in range(out.shape[0]):
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+@pytest.mark.parametrize("kernel", ["mma", "mma_shared"])
+def test_wide_combine_equals_shared(cuda_backend, rng, monkeypatch, kernel):
+    """mla_combine_splits_wide (more blocks, only non-empty splits read) gives the bits of the shared
+    combine on a ragged decode batch split up to 64 ways (many splits empty)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    spec = _spec(20)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *DECODES["ragged"])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = {}
+    for combine in ("shared", "wide"):
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        outs[combine] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm,
+                                                      weights, rope, kernel))
+    assert np.array_equal(outs["wide"], outs["shared"])
+    assert relative_error(outs["wide"], reference) < BF16_TOL
 
 
 def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):
@@ -182,6 +199,11 @@ def test_absorbed_kernel_choice(monkeypatch):
         assert cuda_mla.choose_absorbed_kernel(most_heads, most_tokens) == name
     monkeypatch.setenv(cuda_mla.ABSORBED_KERNEL_ENV, "mma_shared")
     assert cuda_mla.choose_absorbed_kernel(16, 256) == "mma_shared"
+    monkeypatch.delenv(cuda_mla.SHARED_KEYS_ENV, raising=False)
+    for most_rows, keys in cuda_mla.SHARED_KEYS_BY_ROWS:
+        assert keys in cuda_mla.SHARED_KEYS_CHOICES and cuda_mla.shared_keys(most_rows) == keys
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "64")
+    assert cuda_mla.shared_keys(1) == cuda_mla.shared_keys(256) == 64
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, "48")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_KEYS"):
         cuda_mla.shared_keys()

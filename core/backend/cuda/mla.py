@@ -53,9 +53,13 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # context 4096), 0.590 vs 1.705 at 64 (1.69 vs 6.48 at context 4096), 1.94 vs 6.28 at 256.
 # H200 E3 (2026-11-24, results/kimi_kernels_mla_decode_e3_h200.json), with the async tiles below: 16 heads
 # mma 0.148 vs CUDA cores 0.176 ms at batch 1, 0.309 vs 0.730 at 64, 0.814 vs 1.652 at 256: mma throughout;
-# in 16-head blocks (mma16) 0.206 at batch 1 (behind), 0.173 at 64 and 0.282 at 256: mma16 from 64 rows.
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 63, "mma"), (16, 1 << 30, "mma16"),
-                                                            (64, 1 << 30, "mma"))
+# in 16-head blocks (mma16) 0.206 at batch 1 (behind), 0.173 at 64 and 0.282 at 256.
+# H200 E1 (2026-11-24, benchmarks/gpu_mla.py, results/gpu_mla_e1_h200.json; Moonlight's 16 heads, 16-token
+# cache blocks; graph-replayed mla_forward, ms, context 1k / 4k): mma_shared vs the defaults before it
+# (mma below 64 rows, mma16 from 64): batch 1 0.0303 vs 0.0303 / 0.0383 vs 0.0461, 16 0.0349 vs 0.0855 /
+# 0.0635 vs 0.2852, 64 0.0636 vs 0.0791 / 0.150 vs 0.212, 256 0.143 vs 0.190 / 0.480 vs 0.598 (the
+# attention kernel alone at 256: 55 % / 61 % of the latent bytes over the copy rate): mma_shared throughout.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1 << 30, "mma_shared"), (64, 1 << 30, "mma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
@@ -85,22 +89,29 @@ HEADS16_ENV = "OPENINFER_MLA_HEADS16"
 # (168 KB, 1 block per SM); $OPENINFER_MLA_SHARED_KEYS.
 SHARED_KEYS_ENV = "OPENINFER_MLA_SHARED_KEYS"
 SHARED_KEYS_CHOICES = (32, 64)
+# (most absorbed rows in the step, keys per tile): the first entry that holds, unless $OPENINFER_MLA_SHARED_KEYS
+# says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
+SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
-COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared"}
+# "wide" (opt-in until measured): mla_combine_splits_shared over KV_LORA / 128 blocks per head, reading only
+# the non-empty splits (bit-equal)
+COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared",
+                   "wide": "mla_combine_splits_wide"}
+COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
-# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "plain" (mla_prefill_attention) or
-# "pipelined" (mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix
-# fragments, causal mask on diagonal steps only; 64-query tiles of 4 warps) or "pipelined128" (the same
-# with 128-query tiles of 8 warps: each K / V tile read once for twice the queries); opt-in until measured.
+# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "pipelined" (default;
+# mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix fragments, causal
+# mask on diagonal steps only) or "plain" (mla_prefill_attention, before). H200 E1 (gpu_mla.py, one
+# 16-head layer, attention kernel alone): 1k-token prompt 0.213 -> 0.064 ms, 8k 5.27 -> 1.94 ms (65 -> 177
+# TFLOP/s); the same kernel on 128-query tiles of 8 warps measured no faster (0.064 / 1.97 ms) and is gone.
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
-PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
-                   "pipelined128": "mla_prefill_attention_pipelined"}
-PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "pipelined128": 128}  # queries per block
-DEFAULT_PREFILL_KERNEL = "plain"
+PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
+PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64}  # queries per block
+DEFAULT_PREFILL_KERNEL = "pipelined"
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
 # an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
@@ -289,9 +300,12 @@ def mma_decode_head_chunks(num_heads: int, blocks_of_16: bool | None = None) -> 
     return -(-num_heads // MMA_DECODE_HEADS) * MMA_DECODE_PARTS
 
 
-def shared_keys() -> int:
-    """mla_attention_mma_shared's keys per tile ($OPENINFER_MLA_SHARED_KEYS, default 32)."""
-    text = os.environ.get(SHARED_KEYS_ENV) or "32"
+def shared_keys(num_tokens: int = 1 << 30) -> int:
+    """mla_attention_mma_shared's keys per tile for a step of ``num_tokens`` absorbed rows
+    ($OPENINFER_MLA_SHARED_KEYS, else SHARED_KEYS_BY_ROWS; row count only: graph-safe)."""
+    text = os.environ.get(SHARED_KEYS_ENV)
+    if not text:
+        return next(keys for most_rows, keys in SHARED_KEYS_BY_ROWS if num_tokens <= most_rows)
     if not text.isdigit() or int(text) not in SHARED_KEYS_CHOICES:
         raise ValueError(f"{SHARED_KEYS_ENV} is one of {', '.join(map(str, SHARED_KEYS_CHOICES))}; got {text!r}")
     return int(text)
@@ -304,8 +318,7 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
     return (SHARED_HEADS + 2 * keys) * row * 2 + SHARED_HEADS * (keys + 8) * 2 + 2 * 4 * SHARED_HEADS * 4
 
 
-def _shared_decode_kernel(spec: MLASpec):
-    keys = shared_keys()
+def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
     attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
@@ -315,7 +328,7 @@ def _shared_decode_kernel(spec: MLASpec):
 
 
 def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: shared, the default, or loop)."""
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: shared, the default, loop or wide)."""
     name = os.environ.get(COMBINE_ENV) or "shared"
     if name not in COMBINE_KERNELS:
         raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
@@ -371,7 +384,8 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
     name = combine_kernel()
     if partials.splits > COMBINE_SHARED_MAX_SPLITS:
         name = COMBINE_KERNELS["loop"]
-    kernel("mla.cu", name, **_defines(spec))((rows,), (128,), (
+    grid = (rows, -(-spec.kv_lora_rank // COMBINE_WIDE_DIMS)) if name == COMBINE_KERNELS["wide"] else (rows,)
+    kernel("mla.cu", name, **_defines(spec))(grid, (128,), (
         partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent))
 
 
@@ -396,7 +410,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     else:
         head_chunks = -(-heads // HEADS_PER_BLOCK)
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
-        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if shared_keys() == 32 else 1)
+        keys = shared_keys(num_tokens)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
@@ -408,7 +423,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if name == "mma_shared":
-        attention, smem = _shared_decode_kernel(spec)
+        attention, smem = _shared_decode_kernel(spec, keys)
         attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
     elif name in ("mma", "mma16"):
         attention, smem = _mma_decode_kernel(spec, blocks_of_16)
@@ -487,14 +502,12 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
     if plan.kernel == "plain":
         kernel("mla.cu", "mla_prefill_attention", **_defines(spec))(grid, (PREFILL_THREADS,), args)
         return
-    tile = PREFILL_KERNEL_TILE[plan.kernel]
-    smem = pipelined_prefill_smem(spec, tile)
-    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec),
-                       **({"PIPE_WARPS": tile // 16} if tile != 64 else {}))  # 4 warps: mla.cu's default
+    smem = pipelined_prefill_smem(spec, PREFILL_KERNEL_TILE[plan.kernel])
+    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec))
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
-    attention(grid, (2 * tile,), args, shared_mem=smem)
+    attention(grid, (PREFILL_THREADS,), args, shared_mem=smem)
 
 
 def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
