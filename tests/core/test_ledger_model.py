@@ -27,7 +27,8 @@ from tests.plugins.qwen35.qwen35_helpers import TINY_QWEN35
 
 ROOT = Path(__file__).resolve().parents[2]
 LEDGERS = {"qwen3": ROOT / "plugins/openinfer-qwen3/src/openinfer_qwen3/ledger.json",
-           "qwen35": ROOT / "plugins/openinfer-qwen35/openinfer_qwen35/ledger.json"}
+           "qwen35": ROOT / "plugins/openinfer-qwen35/openinfer_qwen35/ledger.json",
+           "kimi_k2": ROOT / "plugins/openinfer-kimi-k2/openinfer_kimi_k2/ledger.json"}
 
 
 def test_interpolation_linear_and_quadratic() -> None:
