@@ -6,7 +6,9 @@ workspace (no allocation inside capture).
 
 ``OPENINFER_GEMM_TUNING=1`` (opt-in; E1, H200, Qwen3-4B 256-stream burst against the default in
 the same window: 6,039 vs 6,231 tok/s, batch-256 decode step 14.02 vs 13.85 ms, graph capture
-+0.28 s, with candidates then timed L2-hot; now timed behind L2 flushes): GEMMs of at most
++0.28 s, with candidates then timed L2-hot; E2, timed behind L2 flushes: the projections of a
+batch-256 decode step 3.73 -> 3.59 ms alone, yet the burst 5,936 vs the default's 6,022 tok/s
+and graph capture 0.24 -> 2.08 s): GEMMs of at most
 ``TUNED_MAX_ROWS`` rows (decode batches, the CUDA graphs' buckets) go through cuBLASLt with the
 algorithm *timed* fastest among cuBLASLt's heuristic candidates for that exact (M, N, K), once
 per shape (``gemm_tuning``). cuBLAS's default pick for a few hundred rows covers an N of 2560
