@@ -82,6 +82,6 @@ def test_the_tile_softmax_switch(monkeypatch):
             plan.wanted_tile_softmax()
         monkeypatch.delenv(plan.SHORT_QUERY_SOFTMAX_ENV)
         plan.wanted_tile_softmax.cache_clear()
-        assert plan.wanted_tile_softmax() is False  # the default: per 16 keys
+        assert plan.wanted_tile_softmax() is True  # the default: per 64-key tile
     finally:
         plan.wanted_tile_softmax.cache_clear()
