@@ -75,6 +75,7 @@ expert routing); the file costs one write and vLLM needs it anyway, so both read
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -108,6 +109,21 @@ MOONLIGHT = {
     # as in the published config.json (both engines also default to these)
     "hidden_act": "silu", "rope_scaling": None, "attention_bias": False, "num_nextn_predict_layers": 0,
 }
+
+
+@contextlib.contextmanager
+def switched_env(switches: dict[str, str]):
+    """Environment switches set for the block, each restored (or removed) after it."""
+    before = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def device_name() -> str:
@@ -242,17 +258,9 @@ def decode_once(backend, q, latent, cache, w_uk, w_uv, norm, spec, batch, cos, s
     if form in ("mma_async", "mma16_async"):  # the opt-in kernels by their switches, for this call only
         switches = {cuda_mla.ASYNC_TILES_ENV: "1", cuda_mla.COMBINE_ENV: "shared",
                     cuda_mla.HEADS16_ENV: "1" if form == "mma16_async" else "0"}
-        before = {name: os.environ.get(name) for name in switches}
-        os.environ.update(switches)
-        try:
+        with switched_env(switches):
             return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos,
                                         sin, 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel="mma")
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     return cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch, cos, sin,
                                 1e-6, backend.num_sms, prefill_min_query=10**9, absorbed_kernel=form)
 

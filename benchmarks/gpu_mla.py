@@ -89,20 +89,14 @@ def parse_variants(text: str) -> list[dict]:
 @contextlib.contextmanager
 def variant_env(variant: dict):
     """Core's switches for one variant (restored after)."""
+    from gpu_kimi import switched_env
+
     from openinfer.backend.cuda import mla as cuda_mla
 
     switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"]}
-    before = {name: os.environ.get(name) for name in switches}
-    os.environ.update(switches)
-    try:
+    with switched_env(switches):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def decode_bytes(batch: int, context: int) -> int:
@@ -206,17 +200,12 @@ def cupy_empty_like_out(rows: int):
 
 @contextlib.contextmanager
 def prefill_env(name: str):
+    from gpu_kimi import switched_env
+
     from openinfer.backend.cuda import mla as cuda_mla
 
-    before = os.environ.get(cuda_mla.PREFILL_KERNEL_ENV)
-    os.environ[cuda_mla.PREFILL_KERNEL_ENV] = name
-    try:
+    with switched_env({cuda_mla.PREFILL_KERNEL_ENV: name}):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(cuda_mla.PREFILL_KERNEL_ENV, None)
-        else:
-            os.environ[cuda_mla.PREFILL_KERNEL_ENV] = before
 
 
 def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
@@ -285,7 +274,7 @@ def warm(backend, rng) -> int:
     async tiles, combine) can launch, in parallel NVRTC threads into CuPy's disk cache: dry steps
     (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them."""
     import cupy
-    from gpu_kimi import one_sequence_batch
+    from gpu_kimi import one_sequence_batch, switched_env
 
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
@@ -300,22 +289,14 @@ def warm(backend, rng) -> int:
                  cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
                 for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
                 for h in ("0", "1")]
-    before = {name: os.environ.get(name) for name in settings[0]}
     with discover_kernels() as found:
-        try:
-            for setting in settings:
-                os.environ.update(setting)
+        for setting in settings:
+            with switched_env(setting):
                 for kernel in KERNELS:
                     for min_query in (16, 10**9):  # decompressed beside absorbed rows; all absorbed
                         cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                                              cos, sin, 1e-6, backend.num_sms, prefill_min_query=min_query,
                                              absorbed_kernel=kernel)
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
     print(f"compiled {built} MLA modules in {time.perf_counter() - started:.1f} s", flush=True)
     return built
