@@ -8,10 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from openinfer import EngineOptions, PagedEngine, RotaryEmbedding, create_backend, float32_to_bf16
-from openinfer.backend.base import ForwardBatch
+from openinfer import EngineOptions, PagedEngine, create_backend, float32_to_bf16
 from openinfer.backend.numpy_backend import NumpyBackend
-from openinfer.mla import MLASpec, MLAWeights, mla_attention, rotate_half_rope
+from openinfer.mla import MLASpec
 from openinfer.moe import ExpertWeights, RouterSpec, group_by_expert, route, run_experts
 from openinfer.quant import (
     dequantize_fp8_block,
@@ -19,8 +18,8 @@ from openinfer.quant import (
     quantize_fp8_block,
     quantize_int4_group,
 )
-from openinfer.rope import RopeParameters
 from tests.gpu.conftest import bf16_random, relative_error
+from tests.gpu.mla_steps import ragged_mla_step
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -418,37 +417,11 @@ def test_mla_kernels_match_numpy_on_a_ragged_mixed_batch(cuda_backend, rng, batc
     spec = MLASpec(num_heads=20, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, kv_lora_rank=512,
                    scale=192 ** -0.5 * 1.3)
     cached, new = MLA_BATCHES[batch_name]
+    assert len(cached) == 4  # the pool of 4 x max_blocks + 1 this test always had
     block_size = 16
-    max_blocks = -(-max(np.add(cached, new)) // block_size)
-    num_blocks = 4 * max_blocks + 1
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    tables = np.zeros((4, max_blocks), np.int32)
-    free = iter(rng.permutation(np.arange(1, num_blocks)))
-    for s, total in enumerate(np.add(cached, new)):
-        for b in range(-(-total // block_size)):
-            tables[s, b] = next(free)
-    slots = np.concatenate([tables[s, p // block_size] * block_size + p % block_size
-                            for s, p in enumerate(np.split(positions, np.cumsum(new)[:-1]))]).astype(np.int32)
-    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    batch = ForwardBatch(token_ids=np.zeros(len(positions), np.int32), positions=positions, query_start=query_start,
-                         context_lens=np.add(cached, new).astype(np.int32), block_tables=tables, slot_mapping=slots,
-                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=max(new),
-                         max_context_len=int(np.max(np.add(cached, new))))
-    cache = bf16_random(rng, num_blocks, block_size, spec.latent_dim)
-    q = bf16_random(rng, len(positions), spec.num_heads * spec.qk_head_dim)
-    latent = bf16_random(rng, len(positions), spec.latent_dim)
-    norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
-    kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
-    weights = MLAWeights.from_kv_b(kv_b, spec)
-    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), max(256, int(positions.max()) + 1))
-    # NumPy reference (fp32)
-    cos, sin = rope.cos[positions], rope.sin[positions]
-    q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
-    q_ref = np.concatenate([q3[..., :128], rotate_half_rope(q3[..., 128:], cos, sin)], -1)
-    c_kv = REF.rms_norm(latent[:, :512], norm, 1e-6)
-    k_pe = rotate_half_rope(latent[:, None, 512:], cos, sin)[:, 0]
-    ref_cache = cache.copy()
-    reference = mla_attention(q_ref, np.concatenate([c_kv, k_pe], -1), ref_cache, weights, spec, batch)
+    batch, cache, q, latent, norm, weights, rope, reference, ref_cache = ragged_mla_step(rng, spec, cached, new,
+                                                                                         block_size)
+    num_blocks, slots = cache.shape[0], batch.slot_mapping
     # cuda
     device_cache = cuda_backend.upload(cache).reshape(num_blocks, block_size, 1, spec.latent_dim)
     out = mla_forward(cuda_backend.blas, cuda_backend.upload(q), cuda_backend.upload(latent), device_cache,

@@ -8,12 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from openinfer import RotaryEmbedding
-from openinfer.backend.base import ForwardBatch
 from openinfer.backend.numpy_backend import NumpyBackend
-from openinfer.mla import MLASpec, MLAWeights, mla_attention, rotate_half_rope
-from openinfer.rope import RopeParameters
-from tests.gpu.conftest import bf16_random, relative_error
+from openinfer.mla import MLASpec
+from tests.gpu.conftest import relative_error
+from tests.gpu.mla_steps import ragged_mla_step
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -32,36 +30,7 @@ DECODES = {
 
 def _step(rng, spec: MLASpec, cached: list[int], new: list[int]):
     """A paged batch over shuffled cache blocks, its inputs and the NumPy reference output."""
-    max_blocks = -(-max(np.add(cached, new)) // BLOCK_SIZE)
-    num_blocks = len(cached) * max_blocks + 1
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
-    tables = np.zeros((len(cached), max_blocks), np.int32)
-    free = iter(rng.permutation(np.arange(1, num_blocks)))
-    for s, total in enumerate(np.add(cached, new)):
-        for b in range(-(-total // BLOCK_SIZE)):
-            tables[s, b] = next(free)
-    slots = np.concatenate([tables[s, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                            for s, p in enumerate(np.split(positions, np.cumsum(new)[:-1]))]).astype(np.int32)
-    batch = ForwardBatch(token_ids=np.zeros(len(positions), np.int32), positions=positions,
-                         query_start=np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
-                         context_lens=np.add(cached, new).astype(np.int32), block_tables=tables, slot_mapping=slots,
-                         logits_rows=np.arange(len(positions), dtype=np.int32), max_query_len=max(new),
-                         max_context_len=int(np.max(np.add(cached, new))))
-    cache = bf16_random(rng, num_blocks, BLOCK_SIZE, spec.latent_dim)
-    q = bf16_random(rng, len(positions), spec.num_heads * spec.qk_head_dim)
-    latent = bf16_random(rng, len(positions), spec.latent_dim)
-    norm = 1 + bf16_random(rng, spec.kv_lora_rank, scale=0.2)
-    kv_b = bf16_random(rng, spec.num_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank, scale=0.05)
-    weights = MLAWeights.from_kv_b(kv_b, spec)
-    rope = RotaryEmbedding.create(spec.qk_rope_dim, RopeParameters(10000.0), max(256, int(positions.max()) + 1))
-    cos, sin = rope.cos[positions], rope.sin[positions]
-    q3 = q.reshape(-1, spec.num_heads, spec.qk_head_dim)
-    nope = spec.qk_nope_dim
-    q_ref = np.concatenate([q3[..., :nope], rotate_half_rope(q3[..., nope:], cos, sin)], -1)
-    c_kv = REF.rms_norm(latent[:, :spec.kv_lora_rank], norm, 1e-6)
-    k_pe = rotate_half_rope(latent[:, None, spec.kv_lora_rank:], cos, sin)[:, 0]
-    reference = mla_attention(q_ref, np.concatenate([c_kv, k_pe], -1), cache.copy(), weights, spec, batch)
-    return batch, cache, q, latent, norm, weights, rope, reference
+    return ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)[:8]
 
 
 def _forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope, kernel, min_query=10**6):
