@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
         vocab_parallel_logits,
         vocab_rows,
     )
-    from openinfer.plugin_glue import create_paged_engine, name_hooks
+    from openinfer.plugin_glue import DecoderPlugin, create_paged_engine, name_hooks
     from openinfer.plugins import (
         discover_plugins,
         read_generation_config,
@@ -152,6 +152,7 @@ _EXPORTS: dict[str, str] = {
     "vocab_parallel_logits": "openinfer.parallel.tensor",
     "vocab_rows": "openinfer.parallel.tensor",
     "create_paged_engine": "openinfer.plugin_glue",
+    "DecoderPlugin": "openinfer.plugin_glue",
     "name_hooks": "openinfer.plugin_glue",
     "discover_plugins": "openinfer.plugins",
     "read_generation_config": "openinfer.plugins",
@@ -217,5 +218,5 @@ __all__ = [
     "TensorShard", "VocabShard", "create_parallel_model", "SingleRank", "column_rows", "head_rows", "row_columns",
     "row_parallel_bias", "vocab_parallel_embedding", "vocab_parallel_logits", "vocab_rows", "ModelMemory",
     "TensorPlacement", "dense_model_memory", "decoder_model_memory", "decoder_tensor_shapes",
-    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError", "create_paged_engine", "name_hooks",
+    "expert_parallel_moe", "expert_parallel_moe_sharded", "ParallelConfigError", "create_paged_engine", "DecoderPlugin", "name_hooks",
 ]

@@ -6,7 +6,9 @@ default ``PagedEngine``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from openinfer.hookspecs import hookimpl
 from openinfer.options import EngineOptions
@@ -15,6 +17,11 @@ from openinfer.parallel.memory_plan import ModelMemory
 from openinfer.parallel.workers import RankModelFactory
 from openinfer.plugins import score_architectures
 from openinfer.runtime import PagedEngine
+
+if TYPE_CHECKING:
+    from openinfer.backend.base import Backend
+    from openinfer.decoder import DecoderConfig, DecoderLayout
+    from openinfer.parallel.rank import RankContext
 
 
 def name_hooks(architectures: tuple[str, ...], model_types: tuple[str, ...]
@@ -52,3 +59,54 @@ def create_paged_engine(plugin: str, model_path: str, options: EngineOptions, lo
 
         release_host_memory()
     return PagedEngine(model, engine_options or options, model_path=model_path, plugin=plugin)
+
+
+@dataclass(frozen=True)
+class DecoderPlugin:
+    """The engine hooks of a plugin whose model is a dense decoder built from one config class::
+
+        DECODER = DecoderPlugin("openinfer-qwen3", qwen3_config, Qwen3ForCausalLM.load, QWEN3_LAYOUT)
+        openinfer_create_engine, openinfer_model_memory = DECODER.hooks()
+
+    ``read_config(config_json, generation_config)`` builds the plugin's ``DecoderConfig``;
+    ``load(model_path, config, backend, max_model_len, rank)`` one rank's model. Both must be
+    module-level (or bound to a class) so ``load_rank_model`` partials pickle to worker processes."""
+
+    plugin: str
+    read_config: Callable[..., DecoderConfig]
+    load: Callable[..., Any]
+    layout: DecoderLayout
+    default_max_positions: int = 4096
+
+    def load_rank_model(self, model_path: str, config: dict[str, Any], max_model_len: int | None,
+                        backend: Backend, rank: RankContext) -> Any:
+        """One rank's model (the whole model when there is one rank); picklable as a partial."""
+        from openinfer.plugins import read_generation_config
+
+        decoder = self.read_config(config, read_generation_config(model_path))
+        return self.load(model_path, decoder, backend, max_model_len, rank)
+
+    def model_memory(self, config: dict[str, Any]) -> ModelMemory:
+        from openinfer.decoder import decoder_model_memory
+
+        return decoder_model_memory(self.read_config(config, None), self.layout)
+
+    def create_engine(self, model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
+        max_positions = int(config.get("max_position_embeddings") or self.default_max_positions)
+        return create_paged_engine(self.plugin, model_path, options,
+                                   partial(self.load_rank_model, model_path, config, options.max_model_len),
+                                   self.model_memory(config), max_model_len=max_positions)
+
+    def hooks(self) -> tuple[Callable[[str, dict[str, Any], EngineOptions], PagedEngine],
+                             Callable[[dict[str, Any]], ModelMemory]]:
+        """``openinfer_create_engine`` and ``openinfer_model_memory`` as hook implementations."""
+
+        @hookimpl
+        def openinfer_create_engine(model_path: str, config: dict[str, Any], options: EngineOptions) -> PagedEngine:
+            return self.create_engine(model_path, config, options)
+
+        @hookimpl
+        def openinfer_model_memory(config: dict[str, Any]) -> ModelMemory:
+            return self.model_memory(config)
+
+        return openinfer_create_engine, openinfer_model_memory
