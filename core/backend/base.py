@@ -33,8 +33,40 @@ STORAGE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.fl
                   "float8_e4m3": np.uint8, "uint8": np.uint8, "int8": np.int8}
 
 
+class BatchViews:
+    """What a step's batch answers the same way on the host (``ForwardBatch``, NumPy arrays) and on
+    the device (the CUDA backend's batch, CuPy arrays): the dataclass supplies the fields."""
+
+    token_ids: Any
+    context_lens: Any
+    block_tables: Any
+    slot_mapping: Any
+    kv_block_tables: tuple
+    kv_slot_mappings: tuple
+    max_query_len: int
+
+    def group_block_tables(self, group_id: int) -> Any:
+        """KV cache group ``group_id``'s block tables (the one table when there is one group)."""
+        return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
+
+    def group_slot_mapping(self, group_id: int) -> Any:
+        return self.kv_slot_mappings[group_id] if self.kv_slot_mappings else self.slot_mapping
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
 @dataclass
-class ForwardBatch:
+class ForwardBatch(BatchViews):
     """One step's input, built by the runner on the host (NumPy int32 arrays)."""
 
     token_ids: np.ndarray  # [T]
@@ -78,23 +110,6 @@ class ForwardBatch:
                    slot_mapping=slots.astype(np.int32), logits_rows=(query_start[1:] - 1).astype(np.int32),
                    max_query_len=max(new), max_context_len=max(lengths))
 
-    def group_block_tables(self, group_id: int) -> np.ndarray:
-        return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
-
-    def group_slot_mapping(self, group_id: int) -> np.ndarray:
-        return self.kv_slot_mappings[group_id] if self.kv_slot_mappings else self.slot_mapping
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.context_lens.shape[0])
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1
 
 
 DeviceBatch = Any  # a ForwardBatch whose arrays live on the backend's device

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import cupy
 import numpy as np
 
-from openinfer.backend.base import ForwardBatch
+from openinfer.backend.base import BatchViews, ForwardBatch
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.prefill_tiles import PREFILL_TILE, prefill_tiles
 from openinfer.backend.cuda.table_delta import TableMirror
@@ -30,7 +30,7 @@ __all__ = ["PREFILL_TILE", "BatchUploader", "CudaBatch", "StaticBatch", "StaticP
 
 
 @dataclass
-class CudaBatch:
+class CudaBatch(BatchViews):
     """Same field names as ``ForwardBatch``; arrays are int32 device views, counts are host ints."""
 
     token_ids: cupy.ndarray
@@ -51,27 +51,9 @@ class CudaBatch:
     kv_block_tables: tuple[cupy.ndarray, ...] = ()  # per KV cache group (several groups only)
     kv_slot_mappings: tuple[cupy.ndarray, ...] = ()
 
-    def group_block_tables(self, group_id: int) -> cupy.ndarray:
-        return self.kv_block_tables[group_id] if self.kv_block_tables else self.block_tables
-
-    def group_slot_mapping(self, group_id: int) -> cupy.ndarray:
-        return self.kv_slot_mappings[group_id] if self.kv_slot_mappings else self.slot_mapping
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.context_lens.shape[0])
-
     @property
     def num_tiles(self) -> int:
         return int(self.tile_seq.shape[0])
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1
 
 
 def _sections(batch: ForwardBatch, with_tiles: bool) -> list[np.ndarray]:
