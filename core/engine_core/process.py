@@ -49,7 +49,7 @@ from openinfer.engine_core.protocol import (
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
 from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
-from openinfer.engine_core.startup import StartupPhases, memory_breakdown
+from openinfer.engine_core.startup import StartupPhases, freeze_startup_heap, memory_breakdown
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
 from openinfer.v1 import engine_pb2 as pb
@@ -288,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
     phases.mark("transport")
+    frozen = freeze_startup_heap()
+    phases.mark("gc_freeze")
     _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory})
-    logger.info("engine core serving (pid %d); start-up %s; host memory %s", os.getpid(),
-                json.dumps(phases.as_dict()), json.dumps(memory))
+    logger.info("engine core serving (pid %d); start-up %s; host memory %s; %d start-up objects frozen for the GC",
+                os.getpid(), json.dumps(phases.as_dict()), json.dumps(memory), frozen)
     code = 0
     while not stop.wait(0.2):
         if not engine.health().healthy:

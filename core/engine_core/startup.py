@@ -110,6 +110,22 @@ def _malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
+GC_FREEZE_ENV = "OPENINFER_GC_FREEZE"
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive after start-up (modules, the model, graphs, plans: millions of them)
+    into the collector's permanent generation, so a full collection during serving walks only what
+    serving allocated: without it a gen-2 pass in the middle of a burst stalled one step's launch by
+    100-200 ms (the step log shows it). Returns how many objects were frozen (0 when
+    ``OPENINFER_GC_FREEZE=0``)."""
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+        return 0
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def release_host_memory() -> dict[str, int]:
     """Give back what loading the model left resident and serving never reads again; returns
     ``memory_breakdown()`` before and after (``before_*`` / ``after_*``)."""
