@@ -67,6 +67,12 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef EARLY_RESCALE
 #define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
 #endif
+#ifndef DESCRIPTOR_ADDS
+#define DESCRIPTOR_ADDS 0  // 1: each wgmma's shared-memory descriptor is a tile's base descriptor + a constant
+#endif
+#ifndef SKIP_UNIT_RESCALE
+#define SKIP_UNIT_RESCALE 0  // 1: a warp skips rescaling O when every correction of its rows is exactly 1
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -290,14 +296,23 @@ struct SoftmaxState {
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
 __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
     wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_q = smem_desc(q_rows, 16, 1024), desc_k = smem_desc(k_smem, 16, 1024);
+#endif
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
-        const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
-#if BLOCK_N == 128
-        wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#if DESCRIPTOR_ADDS
+        // the address field counts 16-byte units; no carry leaves it (shared addresses < 256 KB)
+        const u64 desc_a = desc_q + ((kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32) / 16;
+        const u64 desc_b = desc_k + ((kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32) / 16;
 #else
-        wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+        const u64 desc_a = smem_desc(q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32, 16, 1024);
+        const u64 desc_b = smem_desc(k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32, 16, 1024);
+#endif
+#if BLOCK_N == 128
+        wgmma_ss_n128(s, desc_a, desc_b, kk > 0);
+#else
+        wgmma_ss_n64(s, desc_a, desc_b, kk > 0);
 #endif
     }
     wgmma_commit();
@@ -306,12 +321,20 @@ __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u3
 // O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
 __device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
     wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_v = smem_desc(v_smem, BLOCK_N * 128, 1024);
+#endif
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
 #pragma unroll
-        for (int c = 0; c < O_CHUNKS; ++c)
-            wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
-                                                    BLOCK_N * 128, 1024));
+        for (int c = 0; c < O_CHUNKS; ++c) {
+#if DESCRIPTOR_ADDS
+            const u64 desc_b = desc_v + (c * 2 * (BLOCK_N * 128) + kk * 16 * 128) / 16;
+#else
+            const u64 desc_b = smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128, BLOCK_N * 128, 1024);
+#endif
+            wgmma_rs_n128_tb(o[c], p[kk], desc_b);
+        }
     wgmma_commit();
 }
 
@@ -364,6 +387,10 @@ __device__ __forceinline__ void pack_p(const float (&s)[BLOCK_N / 2], u32 (&p)[B
 }
 
 __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&correction)[2]) {
+#if SKIP_UNIT_RESCALE
+    // once a row's max has settled its correction is exactly 1: the 64 multiplies change nothing
+    if (!__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) return;
+#endif
 #pragma unroll
     for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll

@@ -80,6 +80,16 @@ SM90_VARIANTS = {
     "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                               "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
+    # session 7's consumer-loop refinements: alone, together on both schedules and K/V load paths, and
+    # beside session 6's
+    "descriptor-adds": {"descriptor_adds": "1"},
+    "skip-unit-rescale": {"skip_unit_rescale": "1"},
+    "lean-math-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "descriptor_adds": "1",
+                                 "skip_unit_rescale": "1"},
+    "lean-math-grid-cp-async": {"schedule": "grid", "kv_loads": "cp_async", "descriptor_adds": "1",
+                                "skip_unit_rescale": "1"},
+    "lean-math-refined": {"descriptor_adds": "1", "skip_unit_rescale": "1", "split_kv": "1", "early_rescale": "1",
+                          "lean_arrivals": "1"},
 }
 
 

@@ -106,13 +106,22 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
 # OPENINFER_SM90_LEAN_ARRIVALS=1 (1.00x; 16k 0.97x): consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
+# Session 7's consumer-loop refinements (opt-in until a device window times them):
+# OPENINFER_SM90_DESCRIPTOR_ADDS=1: each wgmma's shared-memory descriptor is its tile's base descriptor
+#   plus a compile-time constant (the per-wgmma mask / shift / or of the address drops out: the main loop
+#   goes from 534 to 461 instructions per K/V tile outside the diagonal, SASS of head_dim 128 + TMA);
+# OPENINFER_SM90_SKIP_UNIT_RESCALE=1: a warp skips O's 64 rescaling multiplies per tile when every
+#   correction of its rows is exactly 1 (their max has settled), same bits either way.
+SM90_DESCRIPTOR_ADDS = False
+SM90_SKIP_UNIT_RESCALE = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
 SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context")}
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context",
+                         "descriptor_adds", "skip_unit_rescale")}
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ class Sm90Variant:
     split_kv: bool = False
     early_rescale: bool = False
     lean_arrivals: bool = False
+    descriptor_adds: bool = False
+    skip_unit_rescale: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -138,7 +149,8 @@ class Sm90Variant:
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
-                "LEAN_ARRIVALS": int(self.lean_arrivals)}
+                "LEAN_ARRIVALS": int(self.lean_arrivals), "DESCRIPTOR_ADDS": int(self.descriptor_adds),
+                "SKIP_UNIT_RESCALE": int(self.skip_unit_rescale)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -169,7 +181,9 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         page_prefetch=_env_flag("page_prefetch", head_dim in SM90_PAGE_PREFETCH_HEAD_DIMS),
         split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
-        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
+        descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
+        skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
