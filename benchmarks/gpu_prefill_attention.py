@@ -200,8 +200,12 @@ SM90_VARIANTS = {
     # session 7's consumer-loop refinements (kernel_choices.py), alone, together, and with persistent CTAs
     "descriptor-adds": {"descriptor_adds": "1"},
     "skip-unit-rescale": {"skip_unit_rescale": "1"},
+    "ordered-softmax": {"ordered_softmax": "1"},
     "lean-math": {"descriptor_adds": "1", "skip_unit_rescale": "1"},
-    "persistent-lean-math": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1"},
+    "lean-ordered": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "ordered-early-rescale": {"ordered_softmax": "1", "early_rescale": "1"},  # FlashAttention-3's order
+    "persistent-lean-ordered": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                "ordered_softmax": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
 }
 

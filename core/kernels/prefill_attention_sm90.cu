@@ -73,6 +73,9 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef SKIP_UNIT_RESCALE
 #define SKIP_UNIT_RESCALE 0  // 1: a warp skips rescaling O when every correction of its rows is exactly 1
 #endif
+#ifndef ORDERED_SOFTMAX
+#define ORDERED_SOFTMAX 0  // 1 (with INTRA_WG_OVERLAP): tile k's softmax is kept before the wait for tile k-1's P V
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -735,6 +738,10 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
+#if ORDERED_SOFTMAX
+        __shared__ alignas(8) float order_sink_slot[2];  // written, never read: see the loop
+        const u32 order_sink = (u32)__cvta_generic_to_shared(order_sink_slot);
+#endif
 
         // One work item (its j-th on this CTA) with K/V tiles at ring positions g0, g0 + 1, ...
         auto consume = [&](const WorkItem& w, int g0, int j) {
@@ -796,6 +803,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+#if ORDERED_SOFTMAX
+                // ptxas otherwise hoists the wait below above the softmax (no data dependency between
+                // them), so the softmax would not overlap P V; a shared store of the row sums (they
+                // take every P value) is ordered before the wait
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(order_sink), "f"(state.l[0]), "f"(state.l[1])
+                             : "memory");
+#endif
                 wgmma_wait<0>();  // P V of tile kt-1
                 release_stage(bar_empty_v + 8 * previous, lane);  // (the whole stage without SPLIT_KV)
                 pack_p(s, p);

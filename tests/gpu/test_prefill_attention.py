@@ -84,12 +84,13 @@ SM90_VARIANTS = {
     # beside session 6's
     "descriptor-adds": {"descriptor_adds": "1"},
     "skip-unit-rescale": {"skip_unit_rescale": "1"},
-    "lean-math-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "descriptor_adds": "1",
-                                 "skip_unit_rescale": "1"},
-    "lean-math-grid-cp-async": {"schedule": "grid", "kv_loads": "cp_async", "descriptor_adds": "1",
-                                "skip_unit_rescale": "1"},
-    "lean-math-refined": {"descriptor_adds": "1", "skip_unit_rescale": "1", "split_kv": "1", "early_rescale": "1",
-                          "lean_arrivals": "1"},
+    "ordered-softmax": {"ordered_softmax": "1"},
+    "lean-ordered-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "descriptor_adds": "1",
+                                    "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-grid-cp-async": {"schedule": "grid", "kv_loads": "cp_async", "descriptor_adds": "1",
+                                   "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-refined": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1",
+                             "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
 }
 
 

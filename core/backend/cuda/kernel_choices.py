@@ -111,9 +111,13 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   plus a compile-time constant (the per-wgmma mask / shift / or of the address drops out: the main loop
 #   goes from 534 to 461 instructions per K/V tile outside the diagonal, SASS of head_dim 128 + TMA);
 # OPENINFER_SM90_SKIP_UNIT_RESCALE=1: a warp skips O's 64 rescaling multiplies per tile when every
-#   correction of its rows is exactly 1 (their max has settled), same bits either way.
+#   correction of its rows is exactly 1 (their max has settled), same bits either way;
+# OPENINFER_SM90_ORDERED_SOFTMAX=1 (with the overlap): ptxas hoists the wait for tile k-1's P V above
+#   tile k's softmax (nothing ties them), so the overlapped loop's softmax never ran beside its own P V;
+#   a shared store of the row sums pins the softmax before the wait (SASS: 66 ex2 before it, none before).
 SM90_DESCRIPTOR_ADDS = False
 SM90_SKIP_UNIT_RESCALE = False
+SM90_ORDERED_SOFTMAX = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
@@ -121,7 +125,7 @@ SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
                          "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context",
-                         "descriptor_adds", "skip_unit_rescale")}
+                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax")}
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class Sm90Variant:
     lean_arrivals: bool = False
     descriptor_adds: bool = False
     skip_unit_rescale: bool = False
+    ordered_softmax: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -150,7 +155,8 @@ class Sm90Variant:
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
                 "LEAN_ARRIVALS": int(self.lean_arrivals), "DESCRIPTOR_ADDS": int(self.descriptor_adds),
-                "SKIP_UNIT_RESCALE": int(self.skip_unit_rescale)}
+                "SKIP_UNIT_RESCALE": int(self.skip_unit_rescale),
+                "ORDERED_SOFTMAX": int(self.ordered_softmax and self.intra_wg_overlap)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -183,7 +189,8 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
         lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
         descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
-        skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE))
+        skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE),
+        ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
