@@ -207,6 +207,8 @@ SM90_VARIANTS = {
     "persistent-lean-ordered": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                 "ordered_softmax": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
+    "diag-no-kv-loads-lean-ordered": {"skip_kv_loads": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1"},
 }
 
 

@@ -56,7 +56,7 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #define PERSISTENT 0  // 1: one CTA per SM loops over work items (grid and scheduler: see the kernel's comment)
 #endif
 #ifndef SKIP_KV_LOADS
-#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
+#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies, cp.async or TMA: stale tiles, wrong output)
 #endif
 #ifndef PAGE_ID_PREFETCH
 #define PAGE_ID_PREFETCH 0  // 1 (with TMA_KV_LOADS): the next tile's block-table entries are read before the stage wait
@@ -604,7 +604,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                     auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
                         if (t < 32) {
                             if (t == 0) {
-                                mbar_arrive_expect_bytes(bar, bytes);
+                                mbar_arrive_expect_bytes(bar, SKIP_KV_LOADS ? 0 : bytes);
 #if LEAN_ARRIVALS
                                 mbar_arrive_count(bar, 127);  // the other producer threads', after the bytes
 #endif
@@ -613,10 +613,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #if KV_MULTICAST
                             // the pair's two query heads read the same K/V tile: each CTA copies every
                             // other page into both CTAs' stage, so each tile crosses from L2 once
-                            if (t < PAGES && (t & 1) == (int)pair_rank) {
+                            const bool copies = t < PAGES && (t & 1) == (int)pair_rank;
 #else
-                            if (t < PAGES) {
+                            const bool copies = t < PAGES;
 #endif
+                            if (copies && !SKIP_KV_LOADS) {
                                 const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
                                 for (int half = first_half; half <= last_half; ++half)
 #pragma unroll
