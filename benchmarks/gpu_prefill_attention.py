@@ -203,9 +203,13 @@ SM90_VARIANTS = {
     "ordered-softmax": {"ordered_softmax": "1"},
     "lean-math": {"descriptor_adds": "1", "skip_unit_rescale": "1"},
     "lean-ordered": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-slack": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1",
+                           "rescale_slack": "1"},
     "ordered-early-rescale": {"ordered_softmax": "1", "early_rescale": "1"},  # FlashAttention-3's order
     "persistent-lean-ordered": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                 "ordered_softmax": "1"},
+    "persistent-lean-ordered-slack": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
     "diag-no-kv-loads-lean-ordered": {"skip_kv_loads": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                       "ordered_softmax": "1"},

@@ -73,6 +73,9 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef SKIP_UNIT_RESCALE
 #define SKIP_UNIT_RESCALE 0  // 1: a warp skips rescaling O when every correction of its rows is exactly 1
 #endif
+#ifndef RESCALE_SLACK
+#define RESCALE_SLACK 0  // 1: a row's running max moves only when a tile's exceeds it by more than 8 (log2 units)
+#endif
 #ifndef ORDERED_SOFTMAX
 #define ORDERED_SOFTMAX 0  // 1 (with INTRA_WG_OVERLAP): tile k's softmax is kept before the wait for tile k-1's P V
 #endif
@@ -364,7 +367,14 @@ __device__ __forceinline__ void softmax_in_place(float (&s)[BLOCK_N / 2], float 
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
         // finite from the first tile on: key 0 is visible to every row
+#if RESCALE_SLACK
+        // the running max stays while the tile's exceeds it by at most 8 (P <= 2^8, exact in bf16's
+        // exponent range), so after the first tiles a row's correction is nearly always exactly 1
+        const float m_tile = row_max[h] * scale_log2;
+        const float m_new = m_tile > state.m[h] + 8.f ? m_tile : state.m[h];
+#else
         const float m_new = fmaxf(state.m[h], row_max[h] * scale_log2);
+#endif
         correction[h] = fast_exp2(state.m[h] - m_new);
         state.m[h] = m_new;
         neg_m[h] = -m_new;

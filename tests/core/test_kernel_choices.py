@@ -53,9 +53,10 @@ def test_defaults_where_the_environment_is_silent():
     assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV"], defines["EARLY_RESCALE"],
             defines["LEAN_ARRIVALS"]) == (int(128 in choices.SM90_PAGE_PREFETCH_HEAD_DIMS), int(choices.SM90_SPLIT_KV),
                                          int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
-    assert (defines["DESCRIPTOR_ADDS"], defines["SKIP_UNIT_RESCALE"], defines["ORDERED_SOFTMAX"]) == (
-        int(choices.SM90_DESCRIPTOR_ADDS), int(choices.SM90_SKIP_UNIT_RESCALE),
-        int(choices.SM90_ORDERED_SOFTMAX and choices.SM90_OVERLAP))
+    assert (defines["DESCRIPTOR_ADDS"], defines["SKIP_UNIT_RESCALE"], defines["ORDERED_SOFTMAX"],
+            defines["RESCALE_SLACK"]) == (int(choices.SM90_DESCRIPTOR_ADDS), int(choices.SM90_SKIP_UNIT_RESCALE),
+                                          int(choices.SM90_ORDERED_SOFTMAX and choices.SM90_OVERLAP),
+                                          int(choices.SM90_RESCALE_SLACK))
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
 
@@ -125,12 +126,13 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
     for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "descriptor_adds",
-                "skip_unit_rescale", "ordered_softmax"):
+                "skip_unit_rescale", "ordered_softmax", "rescale_slack"):
         monkeypatch.setenv(SM90_ENV[key], "1")
     refresh_kernel_choices()
     defines = sm90_variant(128).defines(128, 16)
     assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
     assert defines["DESCRIPTOR_ADDS"] == defines["SKIP_UNIT_RESCALE"] == defines["ORDERED_SOFTMAX"] == 1
+    assert defines["RESCALE_SLACK"] == 1
     assert sm90_variant(256).defines(256, 16)["DESCRIPTOR_ADDS"] == 1
     assert defines["EARLY_RESCALE"] == 1
     # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the

@@ -91,6 +91,9 @@ SM90_VARIANTS = {
                                    "skip_unit_rescale": "1", "ordered_softmax": "1"},
     "lean-ordered-refined": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1",
                              "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "rescale-slack": {"rescale_slack": "1"},
+    "lean-ordered-slack-persistent": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
 }
 
 

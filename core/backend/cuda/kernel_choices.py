@@ -117,7 +117,11 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   a shared store of the row sums pins the softmax before the wait (SASS: 66 ex2 before it, none before).
 SM90_DESCRIPTOR_ADDS = False
 SM90_SKIP_UNIT_RESCALE = False
+# OPENINFER_SM90_RESCALE_SLACK=1: a row's running max moves only when a tile's max exceeds it by more
+#   than 8 (log2 units; P values stay <= 256), so with SKIP_UNIT_RESCALE nearly every tile after the
+#   first skips O's rescale (FlashAttention-4's conditional rescale; other bits, same tolerance).
 SM90_ORDERED_SOFTMAX = False
+SM90_RESCALE_SLACK = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
@@ -125,7 +129,7 @@ SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
                          "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context",
-                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax")}
+                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax", "rescale_slack")}
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class Sm90Variant:
     descriptor_adds: bool = False
     skip_unit_rescale: bool = False
     ordered_softmax: bool = False
+    rescale_slack: bool = False
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -156,7 +161,8 @@ class Sm90Variant:
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
                 "LEAN_ARRIVALS": int(self.lean_arrivals), "DESCRIPTOR_ADDS": int(self.descriptor_adds),
                 "SKIP_UNIT_RESCALE": int(self.skip_unit_rescale),
-                "ORDERED_SOFTMAX": int(self.ordered_softmax and self.intra_wg_overlap)}
+                "ORDERED_SOFTMAX": int(self.ordered_softmax and self.intra_wg_overlap),
+                "RESCALE_SLACK": int(self.rescale_slack)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -190,7 +196,8 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
         descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
         skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE),
-        ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX))
+        ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX),
+        rescale_slack=_env_flag("rescale_slack", SM90_RESCALE_SLACK))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
