@@ -287,6 +287,7 @@ def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, mo
         MIXED_DECODE_ENV,
         SHORT_QUERY_ENV,
         attend,
+        mixed_attention,
         mixed_split,
         prefill_attention,
         refresh_kernel_choices,
@@ -318,6 +319,10 @@ def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, mo
     assert np.isfinite(mixed).all()
     assert relative_error(mixed, whole) < 1e-2
     assert relative_error(mixed, expected) < 1e-2
+    # the decode rows on a side stream beside the chunks (forked and joined by events): the same bits
+    side = cupy.cuda.Stream(non_blocking=True)
+    overlapped = mixed_attention(q_device, spec, kv, device_batch, split, cuda_backend.num_sms, decode_stream=side)
+    assert np.array_equal(bf16_bits_to_float(cupy.asnumpy(overlapped)), mixed)
     rows = np.abs(mixed - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
     assert rows.max() < 0.1, int(rows.argmax())
 

@@ -284,17 +284,33 @@ def mixed_split(batch: CudaBatch) -> MixedSplit | None:
 
 
 def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: MixedSplit,
-                    num_sms: int) -> cupy.ndarray:
+                    num_sms: int, decode_stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
     """A mixed step: the leading ``split.decode_rows`` 1-token rows through the decode kernel, the
     prompt chunks' tiles (one range: ``prefill_tiles`` orders the decodes' tiles last) through the
     prefill kernel, both writing their rows of one ``[T, nh d]`` output in place. Both read the
-    K/V that ``write_qkv`` stored before, so their order does not matter."""
+    K/V that ``write_qkv`` stored before, so their order does not matter: with ``decode_stream``
+    the decode rows run on it beside the chunks (forked after the current stream's work so far,
+    joined before the current stream goes on)."""
     rows = split.decode_rows
     out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    decodes = functools.partial(paged_decode_attention, q[:rows], kv.k, kv.v, batch.block_tables[:rows],
+                                batch.context_lens[:rows], spec.scale, num_sms, out=out[:rows])
+    if decode_stream is None:
+        for tile_range in split.prefill_tile_ranges:
+            prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
+        decodes()
+        return out
+    main = cupy.cuda.get_current_stream()
+    inputs_ready = cupy.cuda.Event(disable_timing=True)
+    inputs_ready.record(main)
+    decode_stream.wait_event(inputs_ready)
+    with decode_stream:
+        decodes()
+        decodes_done = cupy.cuda.Event(disable_timing=True)
+        decodes_done.record(decode_stream)
     for tile_range in split.prefill_tile_ranges:
         prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
-    paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows], spec.scale,
-                           num_sms, out=out[:rows])
+    main.wait_event(decodes_done)
     return out
 
 
