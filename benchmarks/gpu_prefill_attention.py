@@ -210,6 +210,11 @@ SM90_VARIANTS = {
                                 "ordered_softmax": "1"},
     "persistent-lean-ordered-slack": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                       "ordered_softmax": "1", "rescale_slack": "1"},
+    "head-pairs": {"head_pairs": "1"},
+    "head-pairs-lean-ordered": {"head_pairs": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                "ordered_softmax": "1"},
+    "persistent-head-pairs-lean-ordered": {"schedule": "persistent", "head_pairs": "1", "descriptor_adds": "1",
+                                           "skip_unit_rescale": "1", "ordered_softmax": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
     "diag-no-kv-loads-lean-ordered": {"skip_kv_loads": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                       "ordered_softmax": "1"},

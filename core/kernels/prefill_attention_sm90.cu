@@ -88,6 +88,13 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #if KV_MULTICAST && (!TMA_KV_LOADS || !KV_HEAD_MAJOR_GRID || PERSISTENT)
 #error "K/V multicast takes TMA loads on the KV-head-major grid, one work item per CTA pair"
 #endif
+#ifndef HEAD_PAIRS
+#define HEAD_PAIRS 0  // 1: a CTA's consumer warpgroups take two query heads of one KV head, 64 queries each
+#endif
+#if HEAD_PAIRS && (KV_MULTICAST || HEAD_DIM != 128)
+#error "head pairs are built for head_dim 128, without K/V multicast"
+#endif
+#define ITEM_ROWS (HEAD_PAIRS ? 64 : BLOCK_M)  // queries of one work item
 #if PERSISTENT && HEAD_DIM != 128
 #error "the persistent schedule is built for head_dim 128 (at 256 its consumers spill registers)"
 #endif
@@ -418,6 +425,10 @@ __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&
 // ---- the kernel ------------------------------------------------------------------------------------
 
 // One unit of work: BLOCK_M queries of one sequence (prefill tile `tile`) and one query head.
+// HEAD_PAIRS: ITEM_ROWS (64) queries, half `head & 1 ? 0 : 1` of the tile (the later half, with more
+// keys, for the even head), and query heads `head & ~1` (consumer warpgroup 0) and `(head & ~1) + 1`
+// (warpgroup 1), which share their KV head: each K/V tile is loaded once for both. The item count is
+// the same (two halves x half as many head pairs). A half past the tile's last query has no rows.
 struct WorkItem {
     int head, seq, first_token, q0, rows, context_start, kv_end, num_kv_tiles;
 };
@@ -426,15 +437,21 @@ __device__ __forceinline__ WorkItem work_item(int head, int tile, const int* __r
                                               const int* __restrict__ tile_query, const int* __restrict__ query_start,
                                               const int* __restrict__ context_lens) {
     WorkItem w;
-    w.head = head;
     w.seq = tile_seq[tile];
-    w.q0 = tile_query[tile];
     w.first_token = query_start[w.seq];
     const int num_new = query_start[w.seq + 1] - w.first_token;
     w.context_start = context_lens[w.seq] - num_new;  // position of the first new token
+#if HEAD_PAIRS
+    w.head = head & ~1;
+    w.q0 = tile_query[tile] + ((head & 1) ? 0 : ITEM_ROWS);
+    w.rows = max(0, min(ITEM_ROWS, num_new - w.q0));
+#else
+    w.head = head;
+    w.q0 = tile_query[tile];
     w.rows = min(BLOCK_M, num_new - w.q0);
+#endif
     w.kv_end = w.context_start + w.q0 + w.rows;  // last query position + 1
-    w.num_kv_tiles = (w.kv_end + BLOCK_N - 1) / BLOCK_N;
+    w.num_kv_tiles = w.rows > 0 ? (w.kv_end + BLOCK_N - 1) / BLOCK_N : 0;
     return w;
 }
 
@@ -573,9 +590,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             const int* table = block_tables + (size_t)w.seq * max_blocks_per_seq;
             const int kv_end = w.kv_end;
             for (int r = row0; r < BLOCK_M; r += ROWS_PER_PASS) {
-                const bool valid = r < w.rows;
+                // HEAD_PAIRS: rows 0-63 are the first head's queries, rows 64-127 the second's (same queries)
+                const int query = r % ITEM_ROWS, head = w.head + r / ITEM_ROWS;
+                const bool valid = query < w.rows;
                 const bf16* src =
-                    valid ? q + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + chunk * 8 : q;
+                    valid ? q + ((size_t)(w.first_token + w.q0 + query) * num_heads + head) * HEAD_DIM + chunk * 8 : q;
                 cp_async16(q_smem + (chunk / 8) * (BLOCK_M * 128) + swizzled(r, chunk % 8), src, valid);
             }
             mbar_arrive_on_copies(bar_q);
@@ -746,7 +765,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         const int wg = warpgroup - 1;  // 64-row half of the query tile
         const int t = threadIdx.x % 128;
         const int warp = t / 32, lane = t % 32;
-        const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
+        // fragment rows `row` and `row + 8` of the item's queries (HEAD_PAIRS: each warpgroup's head has them all)
+        const int row = (HEAD_PAIRS ? 0 : wg * 64) + warp * 16 + lane / 4;
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
 #if ORDERED_SOFTMAX
@@ -759,7 +779,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             const int num_kv_tiles = w.num_kv_tiles;
             SoftmaxState state;
             state.query_pos = w.context_start + w.q0 + row;
-            state.first_query_pos = w.context_start + w.q0 + wg * 64;
+            state.first_query_pos = w.context_start + w.q0 + (HEAD_PAIRS ? 0 : wg * 64);
             state.col = 2 * (lane % 4);
             state.m[0] = state.m[1] = -INFINITY;
             state.l[0] = state.l[1] = 0.f;
@@ -776,6 +796,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             float correction[2];
 
             mbar_wait(bar_q, j & 1);
+#if HEAD_PAIRS
+            if (num_kv_tiles == 0) {  // a half past the tile's last query: nothing to compute or store
+#if PERSISTENT
+                mbar_arrive(bar_q_free);
+#endif
+                return;
+            }
+#endif
 #if INTRA_WG_OVERLAP
             // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
             // cores; P and O are touched only after that wgmma has landed.
@@ -878,7 +906,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int r = row + 8 * h;
                 if (r >= w.rows) continue;
                 const float inv = 1.f / l[h];
-                bf16* dst = out + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + state.col;
+                bf16* dst = out + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head + (HEAD_PAIRS ? wg : 0)) *
+                                      HEAD_DIM + state.col;
 #pragma unroll
                 for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll

@@ -17,6 +17,7 @@ from openinfer.backend.cuda.kernel_choices import (
     SM90_ENV,
     kernel_choices,
     refresh_kernel_choices,
+    sm90_head_pairs,
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
@@ -88,7 +89,7 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
                                         (SM90_ENV["stages"], "x"), (SM90_ENV["kv_loads"], "bulk"),
                                         (SM90_ENV["schedule"], "dynamic"), (SM90_ENV["early_rescale"], "yes"),
                                         (SM90_ENV["skip_unit_rescale"], "on"), (SM90_ENV["descriptor_adds"], "2"),
-                                        (SM90_ENV["ordered_softmax"], "true"),
+                                        (SM90_ENV["ordered_softmax"], "true"), (SM90_ENV["head_pairs"], "2"),
                                         (SM90_ENV["tma_min_context"], "-1"), (SM90_ENV["tma_min_context"], "2k")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
@@ -142,6 +143,17 @@ def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
     refresh_kernel_choices()
     assert sm90_variant(128).defines(128, 16)["EARLY_RESCALE"] == 0
     assert sm90_variant(128).defines(128, 16)["ORDERED_SOFTMAX"] == 0  # pins the overlapped loop's order only
+
+
+def test_head_pairs_only_where_two_heads_share_a_kv_head(monkeypatch):
+    assert not sm90_head_pairs(sm90_variant(128), 128, 32, 8) or choices.SM90_HEAD_PAIRS
+    monkeypatch.setenv(SM90_ENV["head_pairs"], "1")
+    refresh_kernel_choices()
+    variant = sm90_variant(128)
+    assert sm90_head_pairs(variant, 128, 32, 8) and sm90_head_pairs(variant, 128, 16, 2)
+    assert not sm90_head_pairs(variant, 128, 4, 4)  # MHA: each head has its own K/V
+    assert not sm90_head_pairs(variant, 128, 12, 4)  # a group of 3 cannot pair up
+    assert not sm90_head_pairs(sm90_variant(256), 256, 32, 8)  # built for head_dim 128
 
 
 def test_tma_min_context_per_head_size_until_the_environment_sets_it(monkeypatch):

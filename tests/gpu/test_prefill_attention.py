@@ -94,6 +94,14 @@ SM90_VARIANTS = {
     "rescale-slack": {"rescale_slack": "1"},
     "lean-ordered-slack-persistent": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                       "ordered_softmax": "1", "rescale_slack": "1"},
+    # two query heads of one KV head per CTA, 64 queries each (MHA, odd groups and head_dim 256 keep one
+    # head): both grids and schedules, both K/V load paths; ragged tiles leave empty halves
+    "head-pairs": {"head_pairs": "1"},
+    "head-pairs-persistent-tma": {"head_pairs": "1", "schedule": "persistent", "kv_loads": "tma"},
+    "head-pairs-head-grid-cp-async": {"head_pairs": "1", "schedule": "grid", "grid": "head", "kv_loads": "cp_async"},
+    "head-pairs-lean-ordered-slack": {"head_pairs": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
+    "head-pairs-multicast": {"head_pairs": "1", "kv_loads": "tma_multicast", "schedule": "grid"},  # pairs win
 }
 
 

@@ -53,6 +53,7 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     SM90_TMA_MIN_CONTEXT,
     kernel_choices,
     refresh_kernel_choices,
+    sm90_head_pairs,
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
@@ -221,11 +222,13 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         tma = _tma_kv_loads(spec.head_dim, kv, batch)
         scheduler = _persistent_scheduler(spec.head_dim, batch)
+        head_pairs = sm90_head_pairs(variant, spec.head_dim, spec.num_heads, spec.num_kv_heads)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
-                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
+                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
-                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast))
+                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
+                         HEAD_PAIRS=int(head_pairs))
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:

@@ -120,8 +120,12 @@ SM90_SKIP_UNIT_RESCALE = False
 # OPENINFER_SM90_RESCALE_SLACK=1: a row's running max moves only when a tile's max exceeds it by more
 #   than 8 (log2 units; P values stay <= 256), so with SKIP_UNIT_RESCALE nearly every tile after the
 #   first skips O's rescale (FlashAttention-4's conditional rescale; other bits, same tolerance).
+# OPENINFER_SM90_HEAD_PAIRS=1 (head_dim 128, an even GQA group): a CTA's two consumer warpgroups take two
+#   query heads of one KV head at the same 64 queries instead of one head at 128, so each K/V tile crosses
+#   from L2 once per two heads (half the K/V copy traffic per FLOP; the same number of work items).
 SM90_ORDERED_SOFTMAX = False
 SM90_RESCALE_SLACK = False
+SM90_HEAD_PAIRS = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
@@ -129,7 +133,7 @@ SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
                          "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context",
-                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax", "rescale_slack")}
+                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax", "rescale_slack", "head_pairs")}
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class Sm90Variant:
     skip_unit_rescale: bool = False
     ordered_softmax: bool = False
     rescale_slack: bool = False
+    head_pairs: bool = False  # asked for; the launch applies it where the head size and GQA group allow
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -197,7 +202,8 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
         skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE),
         ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX),
-        rescale_slack=_env_flag("rescale_slack", SM90_RESCALE_SLACK))
+        rescale_slack=_env_flag("rescale_slack", SM90_RESCALE_SLACK),
+        head_pairs=_env_flag("head_pairs", SM90_HEAD_PAIRS))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
@@ -257,6 +263,11 @@ def sm90_tma_min_context(head_dim: int) -> int:
 def sm90_schedule() -> str:
     """OPENINFER_SM90_SCHEDULE ("auto", the default, "grid" or "persistent"), read once per process."""
     return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
+
+
+def sm90_head_pairs(variant: Sm90Variant, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a launch takes HEAD_PAIRS (asked for, head_dim 128, and an even number of query heads per KV head)."""
+    return variant.head_pairs and head_dim == 128 and (num_heads // num_kv_heads) % 2 == 0
 
 
 def sm90_shared_bytes(head_dim: int, stages: int) -> int:
