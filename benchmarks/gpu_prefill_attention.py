@@ -12,11 +12,12 @@ Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under 
 
   --sm90-variants  instead: TFLOP/s of run-time variants of the sm90 kernel (OPENINFER_SM90_*:
              intra-warpgroup overlap, K/V loads by TMA page boxes (or shared by CTA pairs) or cp.async,
-             persistent CTAs, the session-6 barrier / rescale refinements; plus a no-K/V-load timing
-             diagnostic) on the same cases and 8 prompts of 1k, --rounds interleaved rounds (2 by
-             default; best median kept), device time per call (calls queued behind a spin kernel: a 1k prompt's kernel is
-             shorter than the host's launch path), each output compared with the default's, torch
-             SDPA alongside; writes gpu_prefill_attention_variants.json.
+             persistent CTAs, the session-6 barrier / rescale refinements, session 7's consumer-loop
+             refinements and head pairs; plus a no-K/V-load timing diagnostic) on the same cases and
+             8 prompts of 1k, --rounds interleaved rounds (2 by default; best median kept), device
+             time per call (calls queued behind a spin kernel: a 1k prompt's kernel is shorter than
+             the host's launch path), each output compared with the default's, torch SDPA alongside;
+             writes gpu_prefill_attention_variants.json.
 
   --short-queries  instead: steps of a few new tokens over a long cached context (a warm prefix's
              last block): the prefill kernel (auto) against the split-KV short-query kernel, time and
