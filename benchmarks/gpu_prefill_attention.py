@@ -12,11 +12,12 @@ Writes benchmarks/results/gpu_prefill_attention.json and .png (and copies under 
 
   --sm90-variants  instead: TFLOP/s of run-time variants of the sm90 kernel (OPENINFER_SM90_*:
              intra-warpgroup overlap, K/V loads by TMA page boxes (or shared by CTA pairs) or cp.async,
-             persistent CTAs, the session-6 barrier / rescale refinements; plus a no-K/V-load timing
-             diagnostic) on the same cases and 8 prompts of 1k, two interleaved rounds (best median
-             kept), device time per call (calls queued behind a spin kernel: a 1k prompt's kernel is
-             shorter than the host's launch path), each output compared with the default's, torch
-             SDPA alongside; writes gpu_prefill_attention_variants.json.
+             persistent CTAs, the session-6 barrier / rescale refinements, session 7's consumer-loop
+             refinements and head pairs; plus a no-K/V-load timing diagnostic) on the same cases and
+             8 prompts of 1k, --rounds interleaved rounds (2 by default; best median kept), device
+             time per call (calls queued behind a spin kernel: a 1k prompt's kernel is shorter than
+             the host's launch path), each output compared with the default's, torch SDPA alongside;
+             writes gpu_prefill_attention_variants.json.
 
   --short-queries  instead: steps of a few new tokens over a long cached context (a warm prefix's
              last block): the prefill kernel (auto) against the split-KV short-query kernel, time and
@@ -197,7 +198,27 @@ SM90_VARIANTS = {
     "grid": {"schedule": "grid"},
     "no-page-prefetch": {"page_prefetch": "0"},
     "tma-from-2k": {"tma_min_context": "2048"},
+    # session 7's consumer-loop refinements (kernel_choices.py), alone, together, and with persistent CTAs
+    "descriptor-adds": {"descriptor_adds": "1"},
+    "skip-unit-rescale": {"skip_unit_rescale": "1"},
+    "ordered-softmax": {"ordered_softmax": "1"},
+    "lean-math": {"descriptor_adds": "1", "skip_unit_rescale": "1"},
+    "lean-ordered": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-slack": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1",
+                           "rescale_slack": "1"},
+    "ordered-early-rescale": {"ordered_softmax": "1", "early_rescale": "1"},  # FlashAttention-3's order
+    "persistent-lean-ordered": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                "ordered_softmax": "1"},
+    "persistent-lean-ordered-slack": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
+    "head-pairs": {"head_pairs": "1"},
+    "head-pairs-lean-ordered": {"head_pairs": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                "ordered_softmax": "1"},
+    "persistent-head-pairs-lean-ordered": {"schedule": "persistent", "head_pairs": "1", "descriptor_adds": "1",
+                                           "skip_unit_rescale": "1", "ordered_softmax": "1"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
+    "diag-no-kv-loads-lean-ordered": {"skip_kv_loads": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1"},
 }
 
 
@@ -257,7 +278,7 @@ def compile_variants(backend, spec, variants: dict[str, dict[str, str]]) -> None
     log(f"compiled {built} kernel modules for {len(variants)} variants")
 
 
-def bench_sm90_variants(backend, out_dirs: list[Path], names: list[str] | None = None) -> dict:
+def bench_sm90_variants(backend, out_dirs: list[Path], names: list[str] | None = None, rounds: int = 2) -> dict:
     import cupy
 
     from openinfer.backend.base import AttentionSpec
@@ -281,7 +302,7 @@ def bench_sm90_variants(backend, out_dirs: list[Path], names: list[str] | None =
         outputs = {variant: cupy.empty((batch.num_tokens, NUM_HEADS * HEAD_DIM), cupy.uint16)
                    for variant in variants}
         best: dict[str, float] = {}
-        for round_index in range(2):  # interleaved rounds: clock or thermal drift hits every variant alike
+        for round_index in range(rounds):  # interleaved rounds: clock or thermal drift hits every variant alike
             for variant, settings in variants.items():
                 set_sm90_variant(settings)
                 call = functools.partial(prefill_attention, q, spec, kv, device_batch, implementation="sm90",
@@ -677,12 +698,16 @@ def main() -> None:
     parser.add_argument("--variants", default=None,
                         help=f"with --sm90-variants: comma-separated names among {', '.join(SM90_VARIANTS)} "
                              "(default: all; 'default' is always timed, the others are compared with it)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --sm90-variants: interleaved timing rounds per case (best of them is kept)")
     parser.add_argument("--short-queries", action="store_true",
                         help="short steps over long contexts: prefill vs short-query kernel, and the warm 16k step")
     parser.add_argument("--routing", action="store_true",
                         help="mixed steps (decode rows on the decode kernel) and the short-query crossover")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     from openinfer.backend.cuda import CudaBackend
 
@@ -697,7 +722,7 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown --variants {unknown}; choose among {list(SM90_VARIANTS)}")
     if args.sm90_variants:
-        report["sm90_variants"] = bench_sm90_variants(backend, out_dirs, names)
+        report["sm90_variants"] = bench_sm90_variants(backend, out_dirs, names, args.rounds)
         write_variants(report, out_dirs)
         return
     if args.routing:

@@ -56,7 +56,7 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #define PERSISTENT 0  // 1: one CTA per SM loops over work items (grid and scheduler: see the kernel's comment)
 #endif
 #ifndef SKIP_KV_LOADS
-#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies: the math runs on stale tiles, wrong output)
+#define SKIP_KV_LOADS 0  // 1: a timing diagnostic only (no K/V copies, cp.async or TMA: stale tiles, wrong output)
 #endif
 #ifndef PAGE_ID_PREFETCH
 #define PAGE_ID_PREFETCH 0  // 1 (with TMA_KV_LOADS): the next tile's block-table entries are read before the stage wait
@@ -67,6 +67,18 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef EARLY_RESCALE
 #define EARLY_RESCALE 0  // 1 (with INTRA_WG_OVERLAP): O is rescaled while Q K^T runs, before P V is issued
 #endif
+#ifndef DESCRIPTOR_ADDS
+#define DESCRIPTOR_ADDS 0  // 1: each wgmma's shared-memory descriptor is a tile's base descriptor + a constant
+#endif
+#ifndef SKIP_UNIT_RESCALE
+#define SKIP_UNIT_RESCALE 0  // 1: a warp skips rescaling O when every correction of its rows is exactly 1
+#endif
+#ifndef RESCALE_SLACK
+#define RESCALE_SLACK 0  // 1: a row's running max moves only when a tile's exceeds it by more than 8 (log2 units)
+#endif
+#ifndef ORDERED_SOFTMAX
+#define ORDERED_SOFTMAX 0  // 1 (with INTRA_WG_OVERLAP): tile k's softmax is kept before the wait for tile k-1's P V
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -76,6 +88,13 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #if KV_MULTICAST && (!TMA_KV_LOADS || !KV_HEAD_MAJOR_GRID || PERSISTENT)
 #error "K/V multicast takes TMA loads on the KV-head-major grid, one work item per CTA pair"
 #endif
+#ifndef HEAD_PAIRS
+#define HEAD_PAIRS 0  // 1: a CTA's consumer warpgroups take two query heads of one KV head, 64 queries each
+#endif
+#if HEAD_PAIRS && (KV_MULTICAST || HEAD_DIM != 128)
+#error "head pairs are built for head_dim 128, without K/V multicast"
+#endif
+#define ITEM_ROWS (HEAD_PAIRS ? 64 : BLOCK_M)  // queries of one work item
 #if PERSISTENT && HEAD_DIM != 128
 #error "the persistent schedule is built for head_dim 128 (at 256 its consumers spill registers)"
 #endif
@@ -290,14 +309,23 @@ struct SoftmaxState {
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
 __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
     wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_q = smem_desc(q_rows, 16, 1024), desc_k = smem_desc(k_smem, 16, 1024);
+#endif
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
-        const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
-#if BLOCK_N == 128
-        wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#if DESCRIPTOR_ADDS
+        // the address field counts 16-byte units; no carry leaves it (shared addresses < 256 KB)
+        const u64 desc_a = desc_q + ((kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32) / 16;
+        const u64 desc_b = desc_k + ((kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32) / 16;
 #else
-        wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+        const u64 desc_a = smem_desc(q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32, 16, 1024);
+        const u64 desc_b = smem_desc(k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32, 16, 1024);
+#endif
+#if BLOCK_N == 128
+        wgmma_ss_n128(s, desc_a, desc_b, kk > 0);
+#else
+        wgmma_ss_n64(s, desc_a, desc_b, kk > 0);
 #endif
     }
     wgmma_commit();
@@ -306,12 +334,20 @@ __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u3
 // O += P V: the V tile is read N-major (its rows are keys, its 128-byte column blocks are dims).
 __device__ __forceinline__ void issue_pv(float (&o)[O_CHUNKS][64], const u32 (&p)[BLOCK_N / 16][4], u32 v_smem) {
     wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_v = smem_desc(v_smem, BLOCK_N * 128, 1024);
+#endif
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
 #pragma unroll
-        for (int c = 0; c < O_CHUNKS; ++c)
-            wgmma_rs_n128_tb(o[c], p[kk], smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128,
-                                                    BLOCK_N * 128, 1024));
+        for (int c = 0; c < O_CHUNKS; ++c) {
+#if DESCRIPTOR_ADDS
+            const u64 desc_b = desc_v + (c * 2 * (BLOCK_N * 128) + kk * 16 * 128) / 16;
+#else
+            const u64 desc_b = smem_desc(v_smem + c * 2 * (BLOCK_N * 128) + kk * 16 * 128, BLOCK_N * 128, 1024);
+#endif
+            wgmma_rs_n128_tb(o[c], p[kk], desc_b);
+        }
     wgmma_commit();
 }
 
@@ -338,7 +374,14 @@ __device__ __forceinline__ void softmax_in_place(float (&s)[BLOCK_N / 2], float 
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
         // finite from the first tile on: key 0 is visible to every row
+#if RESCALE_SLACK
+        // the running max stays while the tile's exceeds it by at most 8 (P <= 2^8, exact in bf16's
+        // exponent range), so after the first tiles a row's correction is nearly always exactly 1
+        const float m_tile = row_max[h] * scale_log2;
+        const float m_new = m_tile > state.m[h] + 8.f ? m_tile : state.m[h];
+#else
         const float m_new = fmaxf(state.m[h], row_max[h] * scale_log2);
+#endif
         correction[h] = fast_exp2(state.m[h] - m_new);
         state.m[h] = m_new;
         neg_m[h] = -m_new;
@@ -364,6 +407,10 @@ __device__ __forceinline__ void pack_p(const float (&s)[BLOCK_N / 2], u32 (&p)[B
 }
 
 __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&correction)[2]) {
+#if SKIP_UNIT_RESCALE
+    // once a row's max has settled its correction is exactly 1: the 64 multiplies change nothing
+    if (!__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) return;
+#endif
 #pragma unroll
     for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll
@@ -378,6 +425,10 @@ __device__ __forceinline__ void rescale(float (&o)[O_CHUNKS][64], const float (&
 // ---- the kernel ------------------------------------------------------------------------------------
 
 // One unit of work: BLOCK_M queries of one sequence (prefill tile `tile`) and one query head.
+// HEAD_PAIRS: ITEM_ROWS (64) queries, half `head & 1 ? 0 : 1` of the tile (the later half, with more
+// keys, for the even head), and query heads `head & ~1` (consumer warpgroup 0) and `(head & ~1) + 1`
+// (warpgroup 1), which share their KV head: each K/V tile is loaded once for both. The item count is
+// the same (two halves x half as many head pairs). A half past the tile's last query has no rows.
 struct WorkItem {
     int head, seq, first_token, q0, rows, context_start, kv_end, num_kv_tiles;
 };
@@ -386,15 +437,21 @@ __device__ __forceinline__ WorkItem work_item(int head, int tile, const int* __r
                                               const int* __restrict__ tile_query, const int* __restrict__ query_start,
                                               const int* __restrict__ context_lens) {
     WorkItem w;
-    w.head = head;
     w.seq = tile_seq[tile];
-    w.q0 = tile_query[tile];
     w.first_token = query_start[w.seq];
     const int num_new = query_start[w.seq + 1] - w.first_token;
     w.context_start = context_lens[w.seq] - num_new;  // position of the first new token
+#if HEAD_PAIRS
+    w.head = head & ~1;
+    w.q0 = tile_query[tile] + ((head & 1) ? 0 : ITEM_ROWS);
+    w.rows = max(0, min(ITEM_ROWS, num_new - w.q0));
+#else
+    w.head = head;
+    w.q0 = tile_query[tile];
     w.rows = min(BLOCK_M, num_new - w.q0);
+#endif
     w.kv_end = w.context_start + w.q0 + w.rows;  // last query position + 1
-    w.num_kv_tiles = (w.kv_end + BLOCK_N - 1) / BLOCK_N;
+    w.num_kv_tiles = w.rows > 0 ? (w.kv_end + BLOCK_N - 1) / BLOCK_N : 0;
     return w;
 }
 
@@ -533,9 +590,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             const int* table = block_tables + (size_t)w.seq * max_blocks_per_seq;
             const int kv_end = w.kv_end;
             for (int r = row0; r < BLOCK_M; r += ROWS_PER_PASS) {
-                const bool valid = r < w.rows;
+                // HEAD_PAIRS: rows 0-63 are the first head's queries, rows 64-127 the second's (same queries)
+                const int query = r % ITEM_ROWS, head = w.head + r / ITEM_ROWS;
+                const bool valid = query < w.rows;
                 const bf16* src =
-                    valid ? q + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + chunk * 8 : q;
+                    valid ? q + ((size_t)(w.first_token + w.q0 + query) * num_heads + head) * HEAD_DIM + chunk * 8 : q;
                 cp_async16(q_smem + (chunk / 8) * (BLOCK_M * 128) + swizzled(r, chunk % 8), src, valid);
             }
             mbar_arrive_on_copies(bar_q);
@@ -574,7 +633,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                     auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
                         if (t < 32) {
                             if (t == 0) {
-                                mbar_arrive_expect_bytes(bar, bytes);
+                                mbar_arrive_expect_bytes(bar, SKIP_KV_LOADS ? 0 : bytes);
 #if LEAN_ARRIVALS
                                 mbar_arrive_count(bar, 127);  // the other producer threads', after the bytes
 #endif
@@ -583,10 +642,11 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #if KV_MULTICAST
                             // the pair's two query heads read the same K/V tile: each CTA copies every
                             // other page into both CTAs' stage, so each tile crosses from L2 once
-                            if (t < PAGES && (t & 1) == (int)pair_rank) {
+                            const bool copies = t < PAGES && (t & 1) == (int)pair_rank;
 #else
-                            if (t < PAGES) {
+                            const bool copies = t < PAGES;
 #endif
+                            if (copies && !SKIP_KV_LOADS) {
                                 const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
                                 for (int half = first_half; half <= last_half; ++half)
 #pragma unroll
@@ -705,16 +765,21 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
         const int wg = warpgroup - 1;  // 64-row half of the query tile
         const int t = threadIdx.x % 128;
         const int warp = t / 32, lane = t % 32;
-        const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
+        // fragment rows `row` and `row + 8` of the item's queries (HEAD_PAIRS: each warpgroup's head has them all)
+        const int row = (HEAD_PAIRS ? 0 : wg * 64) + warp * 16 + lane / 4;
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
+#if ORDERED_SOFTMAX
+        __shared__ alignas(8) float order_sink_slot[2];  // written, never read: see the loop
+        const u32 order_sink = (u32)__cvta_generic_to_shared(order_sink_slot);
+#endif
 
         // One work item (its j-th on this CTA) with K/V tiles at ring positions g0, g0 + 1, ...
         auto consume = [&](const WorkItem& w, int g0, int j) {
             const int num_kv_tiles = w.num_kv_tiles;
             SoftmaxState state;
             state.query_pos = w.context_start + w.q0 + row;
-            state.first_query_pos = w.context_start + w.q0 + wg * 64;
+            state.first_query_pos = w.context_start + w.q0 + (HEAD_PAIRS ? 0 : wg * 64);
             state.col = 2 * (lane % 4);
             state.m[0] = state.m[1] = -INFINITY;
             state.l[0] = state.l[1] = 0.f;
@@ -731,6 +796,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             float correction[2];
 
             mbar_wait(bar_q, j & 1);
+#if HEAD_PAIRS
+            if (num_kv_tiles == 0) {  // a half past the tile's last query: nothing to compute or store
+#if PERSISTENT
+                mbar_arrive(bar_q_free);
+#endif
+                return;
+            }
+#endif
 #if INTRA_WG_OVERLAP
             // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
             // cores; P and O are touched only after that wgmma has landed.
@@ -769,6 +842,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 if (kt == num_kv_tiles - 1) mbar_arrive(bar_q_free);
 #endif
                 softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+#if ORDERED_SOFTMAX
+                // ptxas otherwise hoists the wait below above the softmax (no data dependency between
+                // them), so the softmax would not overlap P V; a shared store of the row sums (they
+                // take every P value) is ordered before the wait
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(order_sink), "f"(state.l[0]), "f"(state.l[1])
+                             : "memory");
+#endif
                 wgmma_wait<0>();  // P V of tile kt-1
                 release_stage(bar_empty_v + 8 * previous, lane);  // (the whole stage without SPLIT_KV)
                 pack_p(s, p);
@@ -826,7 +906,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int r = row + 8 * h;
                 if (r >= w.rows) continue;
                 const float inv = 1.f / l[h];
-                bf16* dst = out + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head) * HEAD_DIM + state.col;
+                bf16* dst = out + ((size_t)(w.first_token + w.q0 + r) * num_heads + w.head + (HEAD_PAIRS ? wg : 0)) *
+                                      HEAD_DIM + state.col;
 #pragma unroll
                 for (int c = 0; c < O_CHUNKS; ++c)
 #pragma unroll

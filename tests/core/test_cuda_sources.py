@@ -52,7 +52,20 @@ VARIANTS = {
                                    "TMA_KV_LOADS": 1, "PAGE_ID_PREFETCH": 1, "SPLIT_KV": 1, "LEAN_ARRIVALS": 1},
                                   {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
                                    "TMA_KV_LOADS": 1, "KV_MULTICAST": 1, "SPLIT_KV": 1},
-                                  {"HEAD_DIM": 128, "SPLIT_KV": 1, "INTRA_WG_OVERLAP": 0}],
+                                  {"HEAD_DIM": 128, "SPLIT_KV": 1, "INTRA_WG_OVERLAP": 0},
+                                  # attn16 session 7: the consumer-loop refinements on both head sizes and schedules
+                                  {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "TMA_KV_LOADS": 1, "PAGE_ID_PREFETCH": 1, "DESCRIPTOR_ADDS": 1,
+                                   "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1},
+                                  {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "TMA_KV_LOADS": 1, "PERSISTENT": 1, "DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1,
+                                   "ORDERED_SOFTMAX": 1},
+                                  {"HEAD_DIM": 256, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1, "RESCALE_SLACK": 1},
+                                  {"HEAD_DIM": 128, "TMA_KV_LOADS": 1, "SKIP_KV_LOADS": 1, "RESCALE_SLACK": 1},
+                                  {"HEAD_DIM": 128, "KV_HEAD_MAJOR_GRID": 1, "BATCHED_PAGE_READS": 1, "PINGPONG": 1,
+                                   "TMA_KV_LOADS": 1, "PERSISTENT": 1, "HEAD_PAIRS": 1, "ORDERED_SOFTMAX": 1},
+                                  {"HEAD_DIM": 128, "HEAD_PAIRS": 1, "INTRA_WG_OVERLAP": 0}],
 }
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90
 ARCH_FLAGS = {"prefill_attention_sm90.cu": ["-gencode=arch=compute_90a,code=sm_90a"]}

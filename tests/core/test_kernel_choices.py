@@ -17,6 +17,7 @@ from openinfer.backend.cuda.kernel_choices import (
     SM90_ENV,
     kernel_choices,
     refresh_kernel_choices,
+    sm90_head_pairs,
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
@@ -53,6 +54,10 @@ def test_defaults_where_the_environment_is_silent():
     assert (defines["PAGE_ID_PREFETCH"], defines["SPLIT_KV"], defines["EARLY_RESCALE"],
             defines["LEAN_ARRIVALS"]) == (int(128 in choices.SM90_PAGE_PREFETCH_HEAD_DIMS), int(choices.SM90_SPLIT_KV),
                                          int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
+    assert (defines["DESCRIPTOR_ADDS"], defines["SKIP_UNIT_RESCALE"], defines["ORDERED_SOFTMAX"],
+            defines["RESCALE_SLACK"]) == (int(choices.SM90_DESCRIPTOR_ADDS), int(choices.SM90_SKIP_UNIT_RESCALE),
+                                          int(choices.SM90_ORDERED_SOFTMAX and choices.SM90_OVERLAP),
+                                          int(choices.SM90_RESCALE_SLACK))
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
 
@@ -83,6 +88,8 @@ def test_switches_are_read_once_until_refreshed(monkeypatch):
                                         (SM90_ENV["pingpong"], "true"), (SM90_ENV["stages"], "1"),
                                         (SM90_ENV["stages"], "x"), (SM90_ENV["kv_loads"], "bulk"),
                                         (SM90_ENV["schedule"], "dynamic"), (SM90_ENV["early_rescale"], "yes"),
+                                        (SM90_ENV["skip_unit_rescale"], "on"), (SM90_ENV["descriptor_adds"], "2"),
+                                        (SM90_ENV["ordered_softmax"], "true"), (SM90_ENV["head_pairs"], "2"),
                                         (SM90_ENV["tma_min_context"], "-1"), (SM90_ENV["tma_min_context"], "2k")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
@@ -119,11 +126,15 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
 
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
-    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals"):
+    for key in ("page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "descriptor_adds",
+                "skip_unit_rescale", "ordered_softmax", "rescale_slack"):
         monkeypatch.setenv(SM90_ENV[key], "1")
     refresh_kernel_choices()
     defines = sm90_variant(128).defines(128, 16)
     assert defines["PAGE_ID_PREFETCH"] == defines["SPLIT_KV"] == defines["LEAN_ARRIVALS"] == 1
+    assert defines["DESCRIPTOR_ADDS"] == defines["SKIP_UNIT_RESCALE"] == defines["ORDERED_SOFTMAX"] == 1
+    assert defines["RESCALE_SLACK"] == 1
+    assert sm90_variant(256).defines(256, 16)["DESCRIPTOR_ADDS"] == 1
     assert defines["EARLY_RESCALE"] == 1
     # head_dim 256 keeps the late rescale (it would spill beside the TMA producer's options), and the
     # early rescale needs the overlapped loop
@@ -131,6 +142,18 @@ def test_sm90_refinement_switches_reach_the_defines(monkeypatch):
     monkeypatch.setenv(SM90_ENV["overlap"], "0")
     refresh_kernel_choices()
     assert sm90_variant(128).defines(128, 16)["EARLY_RESCALE"] == 0
+    assert sm90_variant(128).defines(128, 16)["ORDERED_SOFTMAX"] == 0  # pins the overlapped loop's order only
+
+
+def test_head_pairs_only_where_two_heads_share_a_kv_head(monkeypatch):
+    assert not sm90_head_pairs(sm90_variant(128), 128, 32, 8) or choices.SM90_HEAD_PAIRS
+    monkeypatch.setenv(SM90_ENV["head_pairs"], "1")
+    refresh_kernel_choices()
+    variant = sm90_variant(128)
+    assert sm90_head_pairs(variant, 128, 32, 8) and sm90_head_pairs(variant, 128, 16, 2)
+    assert not sm90_head_pairs(variant, 128, 4, 4)  # MHA: each head has its own K/V
+    assert not sm90_head_pairs(variant, 128, 12, 4)  # a group of 3 cannot pair up
+    assert not sm90_head_pairs(sm90_variant(256), 256, 32, 8)  # built for head_dim 128
 
 
 def test_tma_min_context_per_head_size_until_the_environment_sets_it(monkeypatch):

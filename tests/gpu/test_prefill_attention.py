@@ -80,6 +80,28 @@ SM90_VARIANTS = {
     "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                               "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
+    # session 7's consumer-loop refinements: alone, together on both schedules and K/V load paths, and
+    # beside session 6's
+    "descriptor-adds": {"descriptor_adds": "1"},
+    "skip-unit-rescale": {"skip_unit_rescale": "1"},
+    "ordered-softmax": {"ordered_softmax": "1"},
+    "lean-ordered-persistent-tma": {"schedule": "persistent", "kv_loads": "tma", "descriptor_adds": "1",
+                                    "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-grid-cp-async": {"schedule": "grid", "kv_loads": "cp_async", "descriptor_adds": "1",
+                                   "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    "lean-ordered-refined": {"descriptor_adds": "1", "skip_unit_rescale": "1", "ordered_softmax": "1",
+                             "split_kv": "1", "early_rescale": "1", "lean_arrivals": "1"},
+    "rescale-slack": {"rescale_slack": "1"},
+    "lean-ordered-slack-persistent": {"schedule": "persistent", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
+    # two query heads of one KV head per CTA, 64 queries each (MHA, odd groups and head_dim 256 keep one
+    # head): both grids and schedules, both K/V load paths; ragged tiles leave empty halves
+    "head-pairs": {"head_pairs": "1"},
+    "head-pairs-persistent-tma": {"head_pairs": "1", "schedule": "persistent", "kv_loads": "tma"},
+    "head-pairs-head-grid-cp-async": {"head_pairs": "1", "schedule": "grid", "grid": "head", "kv_loads": "cp_async"},
+    "head-pairs-lean-ordered-slack": {"head_pairs": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
+                                      "ordered_softmax": "1", "rescale_slack": "1"},
+    "head-pairs-multicast": {"head_pairs": "1", "kv_loads": "tma_multicast", "schedule": "grid"},  # pairs win
 }
 
 
@@ -273,6 +295,7 @@ def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, mo
         MIXED_DECODE_ENV,
         SHORT_QUERY_ENV,
         attend,
+        mixed_attention,
         mixed_split,
         prefill_attention,
         refresh_kernel_choices,
@@ -304,6 +327,10 @@ def test_mixed_step_decode_rows_on_the_decode_kernel(cuda_backend, rng, case, mo
     assert np.isfinite(mixed).all()
     assert relative_error(mixed, whole) < 1e-2
     assert relative_error(mixed, expected) < 1e-2
+    # the decode rows on a side stream beside the chunks (forked and joined by events): the same bits
+    side = cupy.cuda.Stream(non_blocking=True)
+    overlapped = mixed_attention(q_device, spec, kv, device_batch, split, cuda_backend.num_sms, decode_stream=side)
+    assert np.array_equal(bf16_bits_to_float(cupy.asnumpy(overlapped)), mixed)
     rows = np.abs(mixed - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
     assert rows.max() < 0.1, int(rows.argmax())
 

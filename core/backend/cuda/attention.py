@@ -53,6 +53,7 @@ from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported 
     SM90_TMA_MIN_CONTEXT,
     kernel_choices,
     refresh_kernel_choices,
+    sm90_head_pairs,
     sm90_kv_loads,
     sm90_schedule,
     sm90_shared_bytes,
@@ -221,11 +222,13 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         shared = sm90_shared_bytes(spec.head_dim, variant.stages)
         tma = _tma_kv_loads(spec.head_dim, kv, batch)
         scheduler = _persistent_scheduler(spec.head_dim, batch)
+        head_pairs = sm90_head_pairs(variant, spec.head_dim, spec.num_heads, spec.num_kv_heads)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
-                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0)
+                     and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
-                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast))
+                         PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
+                         HEAD_PAIRS=int(head_pairs))
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:
@@ -284,17 +287,33 @@ def mixed_split(batch: CudaBatch) -> MixedSplit | None:
 
 
 def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: MixedSplit,
-                    num_sms: int) -> cupy.ndarray:
+                    num_sms: int, decode_stream: cupy.cuda.Stream | None = None) -> cupy.ndarray:
     """A mixed step: the leading ``split.decode_rows`` 1-token rows through the decode kernel, the
     prompt chunks' tiles (one range: ``prefill_tiles`` orders the decodes' tiles last) through the
     prefill kernel, both writing their rows of one ``[T, nh d]`` output in place. Both read the
-    K/V that ``write_qkv`` stored before, so their order does not matter."""
+    K/V that ``write_qkv`` stored before, so their order does not matter: with ``decode_stream``
+    the decode rows run on it beside the chunks (forked after the current stream's work so far,
+    joined before the current stream goes on)."""
     rows = split.decode_rows
     out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    decodes = functools.partial(paged_decode_attention, q[:rows], kv.k, kv.v, batch.block_tables[:rows],
+                                batch.context_lens[:rows], spec.scale, num_sms, out=out[:rows])
+    if decode_stream is None:
+        for tile_range in split.prefill_tile_ranges:
+            prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
+        decodes()
+        return out
+    main = cupy.cuda.get_current_stream()
+    inputs_ready = cupy.cuda.Event(disable_timing=True)
+    inputs_ready.record(main)
+    decode_stream.wait_event(inputs_ready)
+    with decode_stream:
+        decodes()
+        decodes_done = cupy.cuda.Event(disable_timing=True)
+        decodes_done.record(decode_stream)
     for tile_range in split.prefill_tile_ranges:
         prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
-    paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows], spec.scale,
-                           num_sms, out=out[:rows])
+    main.wait_event(decodes_done)
     return out
 
 

@@ -106,13 +106,34 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
 # OPENINFER_SM90_LEAN_ARRIVALS=1 (1.00x; 16k 0.97x): consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
+# Session 7's consumer-loop refinements (opt-in until a device window times them):
+# OPENINFER_SM90_DESCRIPTOR_ADDS=1: each wgmma's shared-memory descriptor is its tile's base descriptor
+#   plus a compile-time constant (the per-wgmma mask / shift / or of the address drops out: the main loop
+#   goes from 534 to 461 instructions per K/V tile outside the diagonal, SASS of head_dim 128 + TMA);
+# OPENINFER_SM90_SKIP_UNIT_RESCALE=1: a warp skips O's 64 rescaling multiplies per tile when every
+#   correction of its rows is exactly 1 (their max has settled), same bits either way;
+# OPENINFER_SM90_ORDERED_SOFTMAX=1 (with the overlap): ptxas hoists the wait for tile k-1's P V above
+#   tile k's softmax (nothing ties them), so the overlapped loop's softmax never ran beside its own P V;
+#   a shared store of the row sums pins the softmax before the wait (SASS: 66 ex2 before it, none before).
+SM90_DESCRIPTOR_ADDS = False
+SM90_SKIP_UNIT_RESCALE = False
+# OPENINFER_SM90_RESCALE_SLACK=1: a row's running max moves only when a tile's max exceeds it by more
+#   than 8 (log2 units; P values stay <= 256), so with SKIP_UNIT_RESCALE nearly every tile after the
+#   first skips O's rescale (FlashAttention-4's conditional rescale; other bits, same tolerance).
+# OPENINFER_SM90_HEAD_PAIRS=1 (head_dim 128, an even GQA group): a CTA's two consumer warpgroups take two
+#   query heads of one KV head at the same 64 queries instead of one head at 128, so each K/V tile crosses
+#   from L2 once per two heads (half the K/V copy traffic per FLOP; the same number of work items).
+SM90_ORDERED_SOFTMAX = False
+SM90_RESCALE_SLACK = False
+SM90_HEAD_PAIRS = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
 SM90_EARLY_RESCALE = False
 SM90_LEAN_ARRIVALS = False
 SM90_ENV = {name: f"OPENINFER_SM90_{name.upper()}"
             for name in ("grid", "page_reads", "pingpong", "overlap", "stages", "skip_kv_loads", "kv_loads",
-                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context")}
+                         "schedule", "page_prefetch", "split_kv", "early_rescale", "lean_arrivals", "tma_min_context",
+                         "descriptor_adds", "skip_unit_rescale", "ordered_softmax", "rescale_slack", "head_pairs")}
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,11 @@ class Sm90Variant:
     split_kv: bool = False
     early_rescale: bool = False
     lean_arrivals: bool = False
+    descriptor_adds: bool = False
+    skip_unit_rescale: bool = False
+    ordered_softmax: bool = False
+    rescale_slack: bool = False
+    head_pairs: bool = False  # asked for; the launch applies it where the head size and GQA group allow
 
     def defines(self, head_dim: int, page_size: int) -> dict[str, int]:
         # early rescale at head_dim 256 (128 O registers) would spill with the TMA producer's options
@@ -138,7 +164,10 @@ class Sm90Variant:
                 "PINGPONG": int(self.pingpong), "INTRA_WG_OVERLAP": int(self.intra_wg_overlap),
                 "SKIP_KV_LOADS": int(self.skip_kv_loads), "PAGE_ID_PREFETCH": int(self.page_prefetch),
                 "SPLIT_KV": int(self.split_kv), "EARLY_RESCALE": int(early_rescale),
-                "LEAN_ARRIVALS": int(self.lean_arrivals)}
+                "LEAN_ARRIVALS": int(self.lean_arrivals), "DESCRIPTOR_ADDS": int(self.descriptor_adds),
+                "SKIP_UNIT_RESCALE": int(self.skip_unit_rescale),
+                "ORDERED_SOFTMAX": int(self.ordered_softmax and self.intra_wg_overlap),
+                "RESCALE_SLACK": int(self.rescale_slack)}
 
 
 def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -169,7 +198,12 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         page_prefetch=_env_flag("page_prefetch", head_dim in SM90_PAGE_PREFETCH_HEAD_DIMS),
         split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
-        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS))
+        lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
+        descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
+        skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE),
+        ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX),
+        rescale_slack=_env_flag("rescale_slack", SM90_RESCALE_SLACK),
+        head_pairs=_env_flag("head_pairs", SM90_HEAD_PAIRS))
 
 
 # OPENINFER_SM90_KV_LOADS: how the sm90 kernel's producer fills the K/V ring. "cp_async": 16-byte
@@ -229,6 +263,11 @@ def sm90_tma_min_context(head_dim: int) -> int:
 def sm90_schedule() -> str:
     """OPENINFER_SM90_SCHEDULE ("auto", the default, "grid" or "persistent"), read once per process."""
     return _env_choice("schedule", SM90_SCHEDULE, SM90_SCHEDULES)
+
+
+def sm90_head_pairs(variant: Sm90Variant, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a launch takes HEAD_PAIRS (asked for, head_dim 128, and an even number of query heads per KV head)."""
+    return variant.head_pairs and head_dim == 128 and (num_heads // num_kv_heads) % 2 == 0
 
 
 def sm90_shared_bytes(head_dim: int, stages: int) -> int:
