@@ -1,17 +1,19 @@
-"""GPU: where one mixed step of a 256-stream burst spends its device time, op by op against its
-roofline, next to a plain decode step at the burst's batch; and whether the mixed step's decode
-attention (memory bound) overlaps the prompts' prefill attention (compute bound) on two streams.
+"""GPU: where the mixed steps of a 256-stream burst spend their device time, op by op against
+their roofline, next to a plain decode step at the burst's batch; what the decodes riding in a
+mixed step cost (each mixed step against the one with no decodes, op by op); and whether the
+mixed step's decode attention (memory bound) overlaps the chunks' prefill attention (compute
+bound) on two streams (OPENINFER_MIXED_OVERLAP).
 
-A 256 x 1k-in / 128-out burst (benchmarks/gpu_concurrency.py) runs ~33 mixed steps of 8 prompt
-chunks of 1024 tokens + ~200 decodes at ~1k context (the 8k token budget), then ~126 decode steps at
-batch ~225. The ledger (``openinfer.tools.ledger``) times each op of one such step in step order
-(every call behind a spin kernel, an event between ops: no launch gaps), with bytes, FLOPs and %
-of roofline; the measured step is the eager forward (mixed) or the CUDA graph replay (decode).
+A 256 x 1k-in / 128-out burst (benchmarks/gpu_concurrency.py) runs ~33 mixed steps of 8192 tokens
+(the token budget: 0 to ~250 decodes first, then prompt pieces), then ~126 decode steps at batch
+~225. The ledger (``openinfer.tools.ledger``) times each op of one such step in step order (every
+call behind a spin kernel, an event between ops: no launch gaps), with bytes, FLOPs and % of
+roofline; the measured step is the eager forward (mixed) or the CUDA graph replay (decode).
 
-    python benchmarks/gpu_mixed_step.py [--prompts 8 --prompt-len 1024 --decodes 200 --context 1024]
-        [--decode-batch 224 --decode-context 1088] [--results-dir DIR] [--tag NAME]
-    python benchmarks/gpu_mixed_step.py --device cpu --model-path DIR --prompts 1 --prompt-len 16 \
-        --decodes 4 --context 32 --decode-batch 4 --decode-context 32     # checks the script
+    python benchmarks/gpu_mixed_step.py [--decodes 0,8,126,200 --budget 8192 --prompt-len 1024]
+        [--context 1088] [--decode-batch 224 --decode-context 1088] [--results-dir DIR] [--tag NAME]
+    python benchmarks/gpu_mixed_step.py --device cpu --model-path DIR --decodes 0,3 --budget 40 \
+        --prompt-len 16 --context 32 --decode-batch 4 --decode-context 32     # checks the script
 
 ``--random`` (default qwen3-4b): that ledger preset's shape with random weights. Writes
 ``mixed_step[_TAG].json`` + ``.md`` into ``--results-dir`` (default benchmarks/results).
@@ -43,14 +45,50 @@ RESULTS = Path(__file__).parent / "results"
 GEMM_KIND = "projections (GEMM)"
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") from exc
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts >= 0, got {text!r}")
+    return values
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def mixed_shape(prompts: int, prompt_len: int, decodes: int, context: int) -> tuple[list[int], list[int]]:
-    """New tokens and contexts per sequence of the mixed step: the decodes first (the scheduler's
-    order, and the one the mixed attention split takes), then the fresh prompt chunks."""
-    return [1] * decodes + [prompt_len] * prompts, [context] * decodes + [prompt_len] * prompts
+def burst_step(decodes: int, budget: int, prompt_len: int, context: int) -> tuple[list[int], list[int]]:
+    """New tokens and contexts per sequence of one mixed step of the burst, as the token budget
+    cuts it: the ``decodes`` first (the scheduler's order, and the one the mixed attention split
+    takes; each at ``context``), then, with decodes running, the rest of the prompt the previous
+    step cut (``min(decodes, prompt_len - 1)`` tokens over its cached start), whole fresh prompts,
+    and the first chunk of one more, to ``budget`` tokens."""
+    if not 0 <= decodes < budget:
+        raise ValueError(f"decodes must be in [0, {budget}), got {decodes}")
+    new, contexts = [1] * decodes, [context] * decodes
+    left = budget - decodes
+    rest = min(decodes, prompt_len - 1, left)
+    if rest:
+        new.append(rest)
+        contexts.append(prompt_len)
+        left -= rest
+    while left:
+        piece = min(prompt_len, left)
+        new.append(piece)
+        contexts.append(piece)
+        left -= piece
+    return new, contexts
+
+
+def compare(base: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per op, the device time of ``entry`` against ``base`` (ms), largest difference first."""
+    base_ms = {row["op"]: row["time_s"] * 1e3 for row in base["ops"] if not row["op"].startswith("(host")}
+    entry_ms = {row["op"]: row["time_s"] * 1e3 for row in entry["ops"] if not row["op"].startswith("(host")}
+    rows = [{"op": op, "base_ms": base_ms.get(op, 0.0), "ms": entry_ms.get(op, 0.0),
+             "difference_ms": entry_ms.get(op, 0.0) - base_ms.get(op, 0.0)} for op in {*base_ms, *entry_ms}]
+    return sorted(rows, key=lambda r: -abs(r["difference_ms"]))
 
 
 def overlap_probe(call: Any, repeats: int) -> dict[str, float]:
@@ -116,6 +154,11 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{row['time_s'] * 1e3:.3f} | {row['bytes'] / 1e9:.3f} | {row['flops'] / 1e9:.1f} | {pct} | "
                          f"{row['bound']} |")
         lines.append("")
+    for diff in report.get("comparisons", []):
+        lines += [f"## {diff['title']}", "", "| op | base ms | ms | difference ms |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['op']} | {r['base_ms']:.3f} | {r['ms']:.3f} | {r['difference_ms']:+.3f} |"
+                  for r in diff["ops"] if abs(r["difference_ms"]) >= 0.005]
+        lines.append("")
     probe = report.get("overlap")
     if probe:
         lines += ["## Mixed attention of one layer: decode part beside the prefill part", "",
@@ -135,20 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=None)
     parser.add_argument("--checkpoint-dir", default="/tmp/openinfer-ledger", help="where --random writes its config")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--prompts", type=int, default=8, help="prompt chunks in the mixed step")
+    parser.add_argument("--budget", type=int, default=8192, help="tokens per mixed step (the scheduler's budget)")
     parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--decodes", type=int, default=200, help="decode rows in the mixed step")
-    parser.add_argument("--context", type=int, default=1024, help="the decodes' context")
+    parser.add_argument("--decodes", type=_counts, default=[0, 8, 126, 200],
+                        help="decode rows of each mixed step measured (0: prompts only, the comparisons' base)")
+    parser.add_argument("--context", type=int, default=1088, help="the decodes' context")
     parser.add_argument("--decode-batch", type=int, default=224, help="the plain decode step's batch (0: none)")
     parser.add_argument("--decode-context", type=int, default=1088)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the output names (e.g. an opt-in measured)")
     args = parser.parse_args(argv)
-    if min(args.prompts, args.prompt_len, args.decodes, args.context, args.repeats) < 1 or args.decode_batch < 0 \
-            or args.decode_context < 1:
-        parser.error("--prompts, --prompt-len, --decodes, --context, --repeats and --decode-context must be "
-                     "positive (--decode-batch >= 0)")
+    if min(args.budget, args.prompt_len, args.context, args.repeats, args.decode_context) < 1 \
+            or args.decode_batch < 0:
+        parser.error("--budget, --prompt-len, --context, --repeats and --decode-context must be positive "
+                     "(--decode-batch >= 0)")
+    if max(args.decodes) >= args.budget:
+        parser.error(f"--decodes must stay below --budget {args.budget}, got {args.decodes}")
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
         parser.error(f"--tag takes letters, digits, '-' and '_', got {args.tag!r}")
     if args.device == "cuda":
@@ -167,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         write_preset_config(preset, path)
     elif not (path / "config.json").is_file():
         parser.error(f"no config.json in --model-path {args.model_path!r}")
-    new_tokens, contexts = mixed_shape(args.prompts, args.prompt_len, args.decodes, args.context)
-    mixed_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts)
+    shapes = {decodes: burst_step(decodes, args.budget, args.prompt_len, args.context) for decodes in args.decodes}
+    mixed_blocks = max(sum(-(-c // BLOCK_SIZE) for c in contexts) for _, contexts in shapes.values())
     decode_blocks = args.decode_batch * -(-args.decode_context // BLOCK_SIZE)
     max_context = max(args.prompt_len, args.context, args.decode_context)
-    engine = create_engine(str(path), device=args.device, max_num_seqs=max(len(new_tokens), args.decode_batch, 1),
+    max_seqs = max(len(new) for new, _ in shapes.values())
+    engine = create_engine(str(path), device=args.device, max_num_seqs=max(max_seqs, args.decode_batch),
                            max_model_len=max_context + BLOCK_SIZE, num_kv_blocks=max(mixed_blocks, decode_blocks) + 2,
                            enable_prefix_cache=False, load_format=args.load_format or ("dummy" if preset else "auto"))
     results = Path(args.results_dir)
@@ -184,12 +231,19 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {
             "name": preset or path.name, "device": getattr(engine.model.backend, "device_name", "CPU (numpy)"),
             "command": "python benchmarks/gpu_mixed_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "ceilings": peak, "entries": [], "summaries": []}
-        steps = [(f"mixed step: {args.decodes} decodes at context {args.context} + {args.prompts} x {args.prompt_len}-token "
-                  "prompts", "mixed", step_batch(new_tokens, contexts, ledger.layout))]
+            "ceilings": peak, "entries": [], "summaries": [], "comparisons": []}
+        # the decode step first: the last step recorded is then the mixed step with the most decodes,
+        # whose mixed attention calls the overlap probe replays
+        steps = []
         if args.decode_batch:
             steps.append((f"decode step: batch {args.decode_batch} at context {args.decode_context}", "decode",
                           ledger.decode(args.decode_batch, args.decode_context)))
+        for decodes, (new, contexts) in sorted(shapes.items()):
+            pieces = ", ".join(f"{n}" + (f" (of {c})" if c > n else "")
+                               for n, c in zip(new[decodes:], contexts[decodes:], strict=True))
+            steps.append((f"mixed step: {decodes} decodes at context {args.context} + prompt pieces {pieces}",
+                          "mixed", step_batch(new, contexts, ledger.layout)))
+        base = None
         for title, phase, host in steps:
             entry = ledger.measure(phase, host)
             entry["title"] = title
@@ -200,14 +254,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{summary['gemm_ms']:.3f} + other {summary['non_gemm_ms']:.3f}")
             for kind, ms in summary["by_kind_ms"].items():
                 log(f"    {kind:50s} {ms:9.3f} ms")
-            if phase == "mixed" and args.device == "cuda":
-                mixed_calls = [c for c in ledger.recorder.calls if c.name == "mixed_attention"]
-                if mixed_calls:
-                    report["overlap"] = overlap_probe(mixed_calls[0], max(10, args.repeats))
-                    log("one layer's mixed attention (us): " + ", ".join(
-                        f"{k} {v:.1f}" for k, v in report["overlap"].items()))
-                else:
-                    log("no mixed_attention call in this step (OPENINFER_MIXED_DECODE_ATTENTION off?): no overlap probe")
+            if phase == "mixed" and base is None:
+                base = entry
+            elif phase == "mixed":
+                report["comparisons"].append({"title": f"{title} against {base['title']}", "ops": compare(base, entry)})
+        if args.device == "cuda":
+            mixed_calls = [c for c in ledger.recorder.calls if c.name == "mixed_attention"]
+            if mixed_calls:
+                report["overlap"] = overlap_probe(mixed_calls[0], max(10, args.repeats))
+                log("one layer's mixed attention (us): " + ", ".join(f"{k} {v:.1f}" for k, v in report["overlap"].items()))
+            else:
+                log("no mixed_attention call in the last step (fewer than 16 decodes, or the split off): no overlap probe")
     finally:
         engine.close_sync()
     (results / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
