@@ -8,10 +8,13 @@ import ctypes
 import pytest
 
 from openinfer.backend.cuda.gemm_tuning import (
+    MAX_SPLIT_K,
+    SPLIT_K_ENV,
     TUNED_MAX_ROWS,
     HeuristicResult,
     MatmulAlgo,
     fastest,
+    split_k_counts,
     tunable,
     tuning_wanted,
 )
@@ -40,3 +43,12 @@ def test_struct_sizes_match_the_c_api():
     assert ctypes.sizeof(MatmulAlgo) == 64
     assert ctypes.sizeof(HeuristicResult) == 96
     assert HeuristicResult.workspace_size.offset == 64 and HeuristicResult.state.offset == 72
+
+
+def test_split_k_counts():
+    assert split_k_counts(None) == () and split_k_counts("") == () and split_k_counts("  ") == ()
+    assert split_k_counts("4,2, 3,2") == (2, 3, 4)  # sorted, each once
+    assert split_k_counts(str(MAX_SPLIT_K)) == (MAX_SPLIT_K,)
+    for bad in ("1", "2,x", f"{MAX_SPLIT_K + 1}", ",", "-2"):
+        with pytest.raises(ValueError, match=SPLIT_K_ENV):
+            split_k_counts(bad)

@@ -127,3 +127,32 @@ def test_operand_off_the_256_byte_alignment_stays_on_gemm_ex(blas_pair, rng):
     plain.matmul_nt(x, wd, reference)
     assert (m, n, k) not in tuned.tuned.shapes
     assert cupy.array_equal(ours, reference)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(256, 2560, 9728), (224, 2560, 4096), (64, 6144, 2560)])
+def test_split_k_copies_match_numpy_and_gemm_ex(blas_pair, rng, m, n, k):
+    """OPENINFER_GEMM_SPLIT_K: the heuristic candidates' split-K copies (fp32 reduction) are timed
+    beside them; whichever is kept gives numpy's product within bf16 rounding, the same bits on
+    every call, and reports its split count."""
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm
+
+    plain, _ = blas_pair
+    split = Cublas()
+    split.tuned = LtTunedGemm.create(split.workspace, split_k=(2, 3, 4))
+    x, w, xd, wd = _operands(rng, m, n, k)
+    ours = cupy.empty((m, n), dtype=cupy.uint16)
+    reference = cupy.empty((m, n), dtype=cupy.uint16)
+    split.matmul_nt(xd, wd, ours)
+    plain.matmul_nt(xd, wd, reference)
+    shape = split.tuned.shapes[(m, n, k)]
+    assert shape.algo is not None and shape.split_k in (1, 2, 3, 4)
+    assert shape.candidates >= 1 and shape.microseconds > 0
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert relative_error(bf16_bits_to_float(ours.get()), expected) < 1e-2
+    assert relative_error(bf16_bits_to_float(ours.get()), bf16_bits_to_float(reference.get())) < 1e-2
+    again = cupy.empty_like(ours)
+    split.matmul_nt(xd, wd, again)
+    assert cupy.array_equal(again, ours)
+    (row,) = [r for r in split.tuned.report() if (r["m"], r["n"], r["k"]) == (m, n, k)]
+    assert row["split_k"] == shape.split_k

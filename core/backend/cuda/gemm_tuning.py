@@ -9,6 +9,11 @@ directly. Timing on a side stream keeps it legal inside a graph capture (the eng
 relaxed mode, which allows a side stream's work and synchronisation); the captured stream sees
 only the final GEMM. Anything cuBLASLt refuses returns False and the caller runs ``gemmEx``.
 
+``OPENINFER_GEMM_SPLIT_K=2,3,4`` (with tuning on; default none) also times, for every heuristic
+candidate that supports split-K, a copy of it with each of those split counts (partial sums reduced
+in fp32 in the workspace): cuBLAS's own picks for an N of 2560 at a few hundred rows cover the
+machine with a few dozen output tiles.
+
 Larger M (prefill and mixed steps: cuBLAS's default runs them at 87-99 % of its own peak) stay on
 ``gemmEx``, and so does every M when the switch is off: the default path is unchanged.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +38,8 @@ if TYPE_CHECKING:  # CuPy is imported where it is used: CPU CI checks the pure h
 logger = logging.getLogger(__name__)
 
 GEMM_TUNING_ENV = "OPENINFER_GEMM_TUNING"
+SPLIT_K_ENV = "OPENINFER_GEMM_SPLIT_K"  # split counts timed beside the heuristic candidates
+MAX_SPLIT_K = 16
 TUNED_MAX_ROWS = 256  # the largest default decode bucket; eager GEMMs below it are padded to buckets
 CANDIDATES = 16  # heuristic algorithms timed per shape
 TIMING_REPEATS = 5  # launches timed per candidate, after one untimed
@@ -41,6 +49,9 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+ALGO_CONFIG_SPLITK_NUM, ALGO_CONFIG_REDUCTION_SCHEME = 2, 3  # cublasLtMatmulAlgoConfigAttributes_t
+ALGO_CAP_SPLITK_SUPPORT, ALGO_CAP_REDUCTION_SCHEME_MASK = 0, 1  # cublasLtMatmulAlgoCapAttributes_t
+REDUCTION_SCHEME_COMPUTE_TYPE = 2  # cublasLtReductionScheme_t: partial sums in fp32 in the workspace
 PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 
 
@@ -60,6 +71,20 @@ class HeuristicResult(ctypes.Structure):
 def tuning_wanted(value: str | None) -> bool:
     """The switch's value: "1" / "true" / "on" turn tuning on; unset or anything else leaves it off."""
     return (value or "").strip().lower() in ("1", "true", "on")
+
+
+def split_k_counts(value: str | None) -> tuple[int, ...]:
+    """OPENINFER_GEMM_SPLIT_K's split counts ("2,3,4"; unset or empty: none), each 2..MAX_SPLIT_K."""
+    text = (value or "").strip()
+    if not text:
+        return ()
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2 or max(counts) > MAX_SPLIT_K:
+        raise ValueError(f"{SPLIT_K_ENV}={value!r}: expected comma-separated split counts in 2..{MAX_SPLIT_K}")
+    return counts
 
 
 def tunable(rows: int, max_rows: int = TUNED_MAX_ROWS) -> bool:
@@ -82,9 +107,10 @@ class _Shape:
     layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     algo: MatmulAlgo | None
     candidates: int = 0  # how many heuristic candidates ran
-    chosen: int = -1  # the kept one's rank in cuBLASLt's heuristic order (0: its own first pick)
+    chosen: int = -1  # the kept one's rank in cuBLASLt's heuristic order (0: its own first pick; past its count: a split-K copy)
     microseconds: float = 0.0  # the kept one's time
     first_pick_microseconds: float = 0.0  # the heuristic's first pick's time (what tuning saves)
+    split_k: int = 1  # the kept algorithm's split count when it is one of the split-K copies, else 1
 
 
 def _load_lt() -> ctypes.CDLL:
@@ -106,10 +132,12 @@ class LtTunedGemm:
     """One cuBLASLt handle, one matmul descriptor (bf16 in/out, fp32 compute, A transposed) and
     the tuned shapes, sharing ``Cublas``'s workspace (callers hold its lock)."""
 
-    def __init__(self, lib: ctypes.CDLL, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS):
+    def __init__(self, lib: ctypes.CDLL, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS,
+                 split_k: tuple[int, ...] = ()):
         self.lib = lib
         self.workspace = workspace
         self.max_rows = max_rows
+        self.split_k = split_k
         self.shapes: dict[tuple[int, int, int], _Shape] = {}
         self.tuning_seconds = 0.0  # host time spent timing candidates, all shapes
         import cupy
@@ -131,6 +159,13 @@ class LtTunedGemm:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.POINTER(MatmulAlgo), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.POINTER(MatmulAlgo), ctypes.POINTER(HeuristicResult)]
+        lib.cublasLtMatmulAlgoConfigSetAttribute.argtypes = [ctypes.POINTER(MatmulAlgo), ctypes.c_int, ctypes.c_void_p,
+                                                             ctypes.c_size_t]
+        lib.cublasLtMatmulAlgoCapGetAttribute.argtypes = [ctypes.POINTER(MatmulAlgo), ctypes.c_int, ctypes.c_void_p,
+                                                          ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
         self.handle = ctypes.c_void_p()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.desc = ctypes.c_void_p()
@@ -148,10 +183,14 @@ class LtTunedGemm:
                     "cublasLtMatmulPreferenceSetAttribute")
 
     @classmethod
-    def create(cls, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS) -> LtTunedGemm | None:
-        """The tuned path, or None (logged) when cuBLASLt cannot be loaded or set up."""
+    def create(cls, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS,
+               split_k: tuple[int, ...] | None = None) -> LtTunedGemm | None:
+        """The tuned path, or None (logged) when cuBLASLt cannot be loaded or set up. ``split_k``:
+        split counts timed beside the heuristic candidates (None: OPENINFER_GEMM_SPLIT_K's)."""
+        if split_k is None:
+            split_k = split_k_counts(os.environ.get(SPLIT_K_ENV))
         try:
-            return cls(_load_lt(), workspace, max_rows)
+            return cls(_load_lt(), workspace, max_rows, split_k)
         except (OSError, RuntimeError, AttributeError) as exc:
             logger.warning("%s=1 but cuBLASLt is unavailable (%s); GEMMs stay on cublasGemmEx", GEMM_TUNING_ENV, exc)
             return None
@@ -205,6 +244,41 @@ class LtTunedGemm:
         self._check(self._launch(shape, shape.algo, x, weight, out, stream.ptr), "cublasLtMatmul")
         return True
 
+    def _split_copies(self, shape: _Shape, algo: MatmulAlgo) -> list[tuple[MatmulAlgo, int]]:
+        """Copies of ``algo`` with each of ``split_k``'s counts (fp32 reduction in the workspace)
+        that cuBLASLt accepts for this shape within the workspace; none if it has no split-K."""
+        supported = ctypes.c_int32(0)
+        written = ctypes.c_size_t(0)
+        if self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), ALGO_CAP_SPLITK_SUPPORT,
+                                                      ctypes.byref(supported), ctypes.c_size_t(4),
+                                                      ctypes.byref(written)) != 0 or not supported.value:
+            return []
+        schemes = ctypes.c_uint32(0)
+        if self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), ALGO_CAP_REDUCTION_SCHEME_MASK,
+                                                      ctypes.byref(schemes), ctypes.c_size_t(4),
+                                                      ctypes.byref(written)) != 0 \
+                or not schemes.value & REDUCTION_SCHEME_COMPUTE_TYPE:
+            return []
+        a_layout, b_layout, c_layout = shape.layouts
+        copies = []
+        for count in self.split_k:
+            copy = MatmulAlgo()
+            ctypes.memmove(ctypes.byref(copy), ctypes.byref(algo), ctypes.sizeof(MatmulAlgo))
+            splits, scheme = ctypes.c_uint32(count), ctypes.c_uint32(REDUCTION_SCHEME_COMPUTE_TYPE)
+            if self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(copy), ALGO_CONFIG_SPLITK_NUM,
+                                                             ctypes.byref(splits), ctypes.c_size_t(4)) != 0:
+                continue
+            if self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(copy), ALGO_CONFIG_REDUCTION_SCHEME,
+                                                             ctypes.byref(scheme), ctypes.c_size_t(4)) != 0:
+                continue
+            checked = HeuristicResult()
+            if self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a_layout, b_layout, c_layout, c_layout,
+                                                ctypes.byref(copy), ctypes.byref(checked)) != 0:
+                continue
+            if checked.state == 0 and checked.workspace_size <= self.workspace.nbytes:
+                copies.append((copy, count))
+        return copies
+
     def _tune(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> _Shape:
         """Time the heuristic candidates for ``x``'s shape on the side stream; keep the fastest."""
         m, k = x.shape
@@ -224,26 +298,34 @@ class LtTunedGemm:
         current = cupy.cuda.get_current_stream()
         if not current.is_capturing():
             current.synchronize()  # the side stream then times on a quiet device
-        timings: dict[int, float] = {}
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(TIMING_REPEATS)]
+        # the heuristic's candidates in its order (index = rank), then their split-K copies
+        candidates: list[tuple[MatmulAlgo, int]] = []
         for index in range(found.value):
             candidate = results[index]
-            if candidate.state != 0 or candidate.workspace_size > self.workspace.nbytes:
+            usable = candidate.state == 0 and candidate.workspace_size <= self.workspace.nbytes
+            candidates.append((candidate.algo, 1 if usable else 0))  # (algorithm, split count; 0: skip it)
+        if self.split_k:
+            candidates += [copy for algo, usable in list(candidates) if usable for copy in self._split_copies(shape, algo)]
+        timings: dict[int, float] = {}
+        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(TIMING_REPEATS)]
+        for index, (algo, splits) in enumerate(candidates):
+            if not splits:
                 continue
-            if self._launch(shape, candidate.algo, x, weight, out, self.side_stream.ptr) != 0:
+            if self._launch(shape, algo, x, weight, out, self.side_stream.ptr) != 0:
                 continue  # refused at launch: not a candidate
             for start, end in events:  # each launch timed alone, behind an L2 flush (weights from HBM)
                 self._flush_l2()
                 start.record(self.side_stream)
-                self._launch(shape, candidate.algo, x, weight, out, self.side_stream.ptr)
+                self._launch(shape, algo, x, weight, out, self.side_stream.ptr)
                 end.record(self.side_stream)
             events[-1][1].synchronize()
             timings[index] = sum(cupy.cuda.get_elapsed_time(a, b) for a, b in events) * 1e3 / TIMING_REPEATS
         best = fastest(timings)
         if best is not None:
             chosen = MatmulAlgo()
-            ctypes.memmove(ctypes.byref(chosen), ctypes.byref(results[best].algo), ctypes.sizeof(MatmulAlgo))
+            ctypes.memmove(ctypes.byref(chosen), ctypes.byref(candidates[best][0]), ctypes.sizeof(MatmulAlgo))
             shape.algo, shape.candidates, shape.chosen, shape.microseconds = chosen, len(timings), best, timings[best]
+            shape.split_k = candidates[best][1] if best >= found.value else 1
             shape.first_pick_microseconds = timings.get(0, 0.0)
             logger.debug("cuBLASLt %dx%dx%d: candidate %d of %d, %.1f us (heuristic first: %.1f us)", m, n, k, best,
                          len(timings), timings[best], timings.get(0, float("nan")))
@@ -253,5 +335,5 @@ class LtTunedGemm:
         """Per tuned shape: rows, N, K, how many candidates ran, the kept one's heuristic rank and
         microseconds, and the heuristic's first pick's microseconds."""
         return [{"m": m, "n": n, "k": k, "tuned": s.algo is not None, "candidates": s.candidates, "chosen": s.chosen,
-                 "us": s.microseconds, "first_pick_us": s.first_pick_microseconds}
+                 "split_k": s.split_k, "us": s.microseconds, "first_pick_us": s.first_pick_microseconds}
                 for (m, n, k), s in sorted(self.shapes.items())]
