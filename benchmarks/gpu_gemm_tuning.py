@@ -79,18 +79,19 @@ def measure(rows: list[int], split_k: tuple[int, ...] = ()) -> dict:
     import cupy
 
     from openinfer.backend.cuda.cublas import Cublas
-    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm, TuningCache
 
     plain = Cublas()
     plain.tuned = None
     tuned = Cublas()
-    tuned.tuned = LtTunedGemm.create(tuned.workspace, split_k=())
+    # in-memory caches: every shape is timed in this run, whatever an earlier one kept on disk
+    tuned.tuned = LtTunedGemm.create(tuned.workspace, split_k=(), cache=TuningCache(None))
     if tuned.tuned is None:
         raise SystemExit("cuBLASLt is unavailable: nothing to compare")
     split = None
     if split_k:
         split = Cublas()
-        split.tuned = LtTunedGemm.create(split.workspace, split_k=split_k)
+        split.tuned = LtTunedGemm.create(split.workspace, split_k=split_k, cache=TuningCache(None))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     flops_rate, bytes_rate = gemm_rate(plain), copy_rate()

@@ -309,8 +309,10 @@ class CudaBackend:
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
         tuned = self.blas.tuned
         if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
-            logger.info("cuBLASLt timed %d GEMM shapes in %.2f s (%d kept a pick other than the heuristic's first)",
-                        len(tuned.shapes), tuned.tuning_seconds, sum(1 for s in tuned.report() if s["chosen"] > 0))
+            logger.info("cuBLASLt tuned %d GEMM shapes in %.2f s (%d from the tuning cache; %d kept a pick other "
+                        "than the heuristic's first, %d a split-K copy)", len(tuned.shapes), tuned.tuning_seconds,
+                        tuned.cached_shapes, sum(1 for s in tuned.report() if s["chosen"] > 0),
+                        sum(1 for s in tuned.report() if s["split_k"] > 1))
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:

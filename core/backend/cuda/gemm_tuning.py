@@ -14,6 +14,13 @@ candidate that supports split-K, a copy of it with each of those split counts (p
 in fp32 in the workspace): cuBLAS's own picks for an N of 2560 at a few hundred rows cover the
 machine with a few dozen output tiles.
 
+The choices persist in a JSON file (``OPENINFER_GEMM_TUNING_CACHE``: a path, default
+``~/.cache/openinfer/gemm_tuning.json``; "off" keeps them in memory): one entry per device, cuBLASLt
+version, (M, N, K) and split counts offered, holding the kept algorithm's bytes. A later process
+checks a cached algorithm with ``cublasLtMatmulAlgoCheck`` and launches it without timing anything
+(graph capture then costs what it costs untuned); an entry cuBLASLt refuses, or a file that does
+not parse, is timed afresh and rewritten.
+
 Larger M (prefill and mixed steps: cuBLAS's default runs them at 87-99 % of its own peak) stay on
 ``gemmEx``, and so does every M when the switch is off: the default path is unchanged.
 
@@ -26,11 +33,14 @@ Column-major view of the row-major product (as ``Cublas.matmul_nt``)::
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # CuPy is imported where it is used: CPU CI checks the pure helpers here
     import cupy
@@ -39,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 GEMM_TUNING_ENV = "OPENINFER_GEMM_TUNING"
 SPLIT_K_ENV = "OPENINFER_GEMM_SPLIT_K"  # split counts timed beside the heuristic candidates
+TUNING_CACHE_ENV = "OPENINFER_GEMM_TUNING_CACHE"  # a JSON path, or "off"
+DEFAULT_TUNING_CACHE = Path("~/.cache/openinfer/gemm_tuning.json")
 MAX_SPLIT_K = 16
 TUNED_MAX_ROWS = 256  # the largest default decode bucket; eager GEMMs below it are padded to buckets
 CANDIDATES = 16  # heuristic algorithms timed per shape
@@ -87,6 +99,71 @@ def split_k_counts(value: str | None) -> tuple[int, ...]:
     return counts
 
 
+def tuning_cache_path(value: str | None) -> Path | None:
+    """OPENINFER_GEMM_TUNING_CACHE's file: unset or empty -> the default path, "off" / "0" -> None."""
+    text = (value or "").strip()
+    if text.lower() in ("off", "0", "false", "no"):
+        return None
+    return Path(text or DEFAULT_TUNING_CACHE).expanduser()
+
+
+class TuningCache:
+    """The kept algorithms on disk: ``{key: {"algo": hex of its 64 bytes, "split_k", "chosen",
+    "candidates", "us", "first_pick_us"}}`` under one JSON object. Unreadable or malformed content counts as
+    empty (logged), so a damaged file costs one tuning, never a failure; writes go through a
+    temporary file renamed into place."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        if path is None or not path.is_file():
+            return
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            logger.warning("GEMM tuning cache %s unreadable (%s): tuning afresh", path, exc)
+            return
+        if not isinstance(loaded, dict):
+            logger.warning("GEMM tuning cache %s is not a JSON object: tuning afresh", path)
+            return
+        self.entries = {key: entry for key, entry in loaded.items() if valid_entry(entry)}
+
+    @staticmethod
+    def key(device: str, lt_version: int, m: int, n: int, k: int, split_k: tuple[int, ...]) -> str:
+        return f"{device}|cublasLt {lt_version}|{m}x{n}x{k}|split_k {','.join(map(str, split_k)) or '-'}"
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        """Keep ``entry`` and rewrite the file (a failed write is logged: the choice stays in memory)."""
+        if not valid_entry(entry):
+            raise ValueError(f"not a tuning cache entry: {entry!r}")
+        self.entries[key] = entry
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=self.path.name, suffix=".tmp",
+                                             delete=False) as handle:
+                json.dump(self.entries, handle, indent=1, sort_keys=True)
+            os.replace(handle.name, self.path)
+        except OSError as exc:
+            logger.warning("cannot write the GEMM tuning cache %s: %s", self.path, exc)
+
+
+def valid_entry(entry: Any) -> bool:
+    """Whether ``entry`` holds an algorithm (64 bytes in hex) and the numbers reported with it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("algo"), str) or len(entry["algo"]) != 128:
+        return False
+    try:
+        bytes.fromhex(entry["algo"])
+    except ValueError:
+        return False
+    return all(isinstance(entry.get(name), int) for name in ("split_k", "chosen", "candidates")) and all(
+        isinstance(entry.get(name), (int, float)) for name in ("us", "first_pick_us"))
+
+
 def tunable(rows: int, max_rows: int = TUNED_MAX_ROWS) -> bool:
     """Whether a GEMM of ``rows`` rows takes the tuned path (decode-sized: 1..max_rows; larger
     ones gemmEx; ``linear`` gives a lone row to the skinny GEMV before it gets here)."""
@@ -133,11 +210,13 @@ class LtTunedGemm:
     the tuned shapes, sharing ``Cublas``'s workspace (callers hold its lock)."""
 
     def __init__(self, lib: ctypes.CDLL, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS,
-                 split_k: tuple[int, ...] = ()):
+                 split_k: tuple[int, ...] = (), cache: TuningCache | None = None):
         self.lib = lib
         self.workspace = workspace
         self.max_rows = max_rows
         self.split_k = split_k
+        self.cache = cache if cache is not None else TuningCache(None)
+        self.cached_shapes = 0  # shapes taken from the cache without timing
         self.shapes: dict[tuple[int, int, int], _Shape] = {}
         self.tuning_seconds = 0.0  # host time spent timing candidates, all shapes
         import cupy
@@ -168,6 +247,11 @@ class LtTunedGemm:
                                                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
         self.handle = ctypes.c_void_p()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        self.lt_version = int(lib.cublasLtGetVersion())
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.device = f"{name} sm{props['major']}{props['minor']}"
         self.desc = ctypes.c_void_p()
         self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
                     "cublasLtMatmulDescCreate")
@@ -184,13 +268,16 @@ class LtTunedGemm:
 
     @classmethod
     def create(cls, workspace: cupy.ndarray, max_rows: int = TUNED_MAX_ROWS,
-               split_k: tuple[int, ...] | None = None) -> LtTunedGemm | None:
+               split_k: tuple[int, ...] | None = None, cache: TuningCache | None = None) -> LtTunedGemm | None:
         """The tuned path, or None (logged) when cuBLASLt cannot be loaded or set up. ``split_k``:
-        split counts timed beside the heuristic candidates (None: OPENINFER_GEMM_SPLIT_K's)."""
+        split counts timed beside the heuristic candidates (None: OPENINFER_GEMM_SPLIT_K's);
+        ``cache``: where kept choices persist (None: OPENINFER_GEMM_TUNING_CACHE's file)."""
         if split_k is None:
             split_k = split_k_counts(os.environ.get(SPLIT_K_ENV))
+        if cache is None:
+            cache = TuningCache(tuning_cache_path(os.environ.get(TUNING_CACHE_ENV)))
         try:
-            return cls(_load_lt(), workspace, max_rows, split_k)
+            return cls(_load_lt(), workspace, max_rows, split_k, cache)
         except (OSError, RuntimeError, AttributeError) as exc:
             logger.warning("%s=1 but cuBLASLt is unavailable (%s); GEMMs stay on cublasGemmEx", GEMM_TUNING_ENV, exc)
             return None
@@ -234,7 +321,18 @@ class LtTunedGemm:
         shape = self.shapes.get(key)
         if shape is None:
             began = time.perf_counter()
-            shape = self.shapes[key] = self._tune(x, weight, out)
+            cache_key = TuningCache.key(self.device, self.lt_version, m, n, k, self.split_k)
+            shape = self._from_cache(m, n, k, self.cache.get(cache_key))
+            if shape is None:
+                shape = self._tune(x, weight, out)
+                if shape.algo is not None:
+                    self.cache.put(cache_key, {"algo": bytes(shape.algo).hex(), "split_k": shape.split_k,
+                                               "chosen": shape.chosen, "candidates": shape.candidates,
+                                               "us": shape.microseconds,
+                                               "first_pick_us": shape.first_pick_microseconds})
+            else:
+                self.cached_shapes += 1
+            self.shapes[key] = shape
             self.tuning_seconds += time.perf_counter() - began
         if shape.algo is None:
             return False
@@ -243,6 +341,27 @@ class LtTunedGemm:
         stream = cupy.cuda.get_current_stream()
         self._check(self._launch(shape, shape.algo, x, weight, out, stream.ptr), "cublasLtMatmul")
         return True
+
+    def _layouts(self, m: int, n: int, k: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]:
+        return self._layout(k, n, k), self._layout(k, m, k), self._layout(n, m, n)
+
+    def _from_cache(self, m: int, n: int, k: int, entry: dict[str, Any] | None) -> _Shape | None:
+        """The shape with a cached algorithm cuBLASLt still accepts here (None: time it)."""
+        if entry is None:
+            return None
+        algo = MatmulAlgo.from_buffer_copy(bytes.fromhex(entry["algo"]))
+        shape = _Shape(self._layouts(m, n, k), None)
+        a_layout, b_layout, c_layout = shape.layouts
+        checked = HeuristicResult()
+        if self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a_layout, b_layout, c_layout, c_layout,
+                                            ctypes.byref(algo), ctypes.byref(checked)) != 0 \
+                or checked.state != 0 or checked.workspace_size > self.workspace.nbytes:
+            logger.info("cached cuBLASLt algorithm for %dx%dx%d refused here: timing afresh", m, n, k)
+            return None
+        shape.algo, shape.split_k, shape.chosen = algo, entry["split_k"], entry["chosen"]
+        shape.candidates = entry["candidates"]
+        shape.microseconds, shape.first_pick_microseconds = float(entry["us"]), float(entry["first_pick_us"])
+        return shape
 
     def _split_copies(self, shape: _Shape, algo: MatmulAlgo) -> list[tuple[MatmulAlgo, int]]:
         """Copies of ``algo`` with each of ``split_k``'s counts (fp32 reduction in the workspace)
@@ -283,7 +402,7 @@ class LtTunedGemm:
         """Time the heuristic candidates for ``x``'s shape on the side stream; keep the fastest."""
         m, k = x.shape
         n = weight.shape[0]
-        shape = _Shape((self._layout(k, n, k), self._layout(k, m, k), self._layout(n, m, n)), None)
+        shape = _Shape(self._layouts(m, n, k), None)
         results = (HeuristicResult * CANDIDATES)()
         found = ctypes.c_int(0)
         a_layout, b_layout, c_layout = shape.layouts
