@@ -11,7 +11,7 @@ call behind a spin kernel, an event between ops: no launch gaps), with bytes, FL
 roofline; the measured step is the eager forward (mixed) or the CUDA graph replay (decode).
 
     python benchmarks/gpu_mixed_step.py [--decodes 0,8,126,200 --budget 8192 --prompt-len 1024]
-        [--context 1088] [--decode-batch 224 --decode-context 1088] [--results-dir DIR] [--tag NAME]
+        [--context 1088] [--decode-batch 192,224 --decode-context 1088] [--results-dir DIR] [--tag NAME]
     python benchmarks/gpu_mixed_step.py --device cpu --model-path DIR --decodes 0,3 --budget 40 \
         --prompt-len 16 --context 32 --decode-batch 4 --decode-context 32     # checks the script
 
@@ -183,16 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=_counts, default=[0, 8, 126, 200],
                         help="decode rows of each mixed step measured (0: prompts only, the comparisons' base)")
     parser.add_argument("--context", type=int, default=1088, help="the decodes' context")
-    parser.add_argument("--decode-batch", type=int, default=224, help="the plain decode step's batch (0: none)")
+    parser.add_argument("--decode-batch", type=_counts, default=[192, 224],
+                        help="plain decode steps' batches (0: none; the largest is the engine's max_num_seqs, so "
+                             "each is a CUDA graph bucket of its own size when it is one of the engine's buckets)")
     parser.add_argument("--decode-context", type=int, default=1088)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the output names (e.g. an opt-in measured)")
     args = parser.parse_args(argv)
-    if min(args.budget, args.prompt_len, args.context, args.repeats, args.decode_context) < 1 \
-            or args.decode_batch < 0:
-        parser.error("--budget, --prompt-len, --context, --repeats and --decode-context must be positive "
-                     "(--decode-batch >= 0)")
+    if min(args.budget, args.prompt_len, args.context, args.repeats, args.decode_context) < 1:
+        parser.error("--budget, --prompt-len, --context, --repeats and --decode-context must be positive")
     if max(args.decodes) >= args.budget:
         parser.error(f"--decodes must stay below --budget {args.budget}, got {args.decodes}")
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
@@ -215,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no config.json in --model-path {args.model_path!r}")
     shapes = {decodes: burst_step(decodes, args.budget, args.prompt_len, args.context) for decodes in args.decodes}
     mixed_blocks = max(sum(-(-c // BLOCK_SIZE) for c in contexts) for _, contexts in shapes.values())
-    decode_blocks = args.decode_batch * -(-args.decode_context // BLOCK_SIZE)
+    decode_batches = sorted({b for b in args.decode_batch if b > 0})
+    decode_blocks = max(decode_batches, default=0) * -(-args.decode_context // BLOCK_SIZE)
     max_context = max(args.prompt_len, args.context, args.decode_context)
     max_seqs = max(len(new) for new, _ in shapes.values())
-    engine = create_engine(str(path), device=args.device, max_num_seqs=max(max_seqs, args.decode_batch),
+    engine = create_engine(str(path), device=args.device, max_num_seqs=max(max_seqs, *decode_batches),
                            max_model_len=max_context + BLOCK_SIZE, num_kv_blocks=max(mixed_blocks, decode_blocks) + 2,
                            enable_prefix_cache=False, load_format=args.load_format or ("dummy" if preset else "auto"))
     results = Path(args.results_dir)
@@ -235,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         # the decode step first: the last step recorded is then the mixed step with the most decodes,
         # whose mixed attention calls the overlap probe replays
         steps = []
-        if args.decode_batch:
-            steps.append((f"decode step: batch {args.decode_batch} at context {args.decode_context}", "decode",
-                          ledger.decode(args.decode_batch, args.decode_context)))
+        for batch in decode_batches:
+            steps.append((f"decode step: batch {batch} at context {args.decode_context}", "decode",
+                          ledger.decode(batch, args.decode_context)))
         for decodes, (new, contexts) in sorted(shapes.items()):
             pieces = ", ".join(f"{n}" + (f" (of {c})" if c > n else "")
                                for n, c in zip(new[decodes:], contexts[decodes:], strict=True))
