@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                              "each is a CUDA graph bucket of its own size when it is one of the engine's buckets)")
     parser.add_argument("--decode-context", type=int, default=1088)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fused-rows", action="store_true",
+                        help="keep norm + projection and silu·mul + projection as one ledger row each")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the output names (e.g. an opt-in measured)")
     args = parser.parse_args(argv)
@@ -228,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         timer = Timer() if args.device == "cuda" else HostTimer()
         peak = ceilings(timer)
+        backend = engine.model.backend
+        if not args.fused_rows and not getattr(backend, "fuse_decode", False):
+            # norm + projection and silu·mul + projection as their two ops (the same kernels the fused
+            # ops launch here: they fuse only decode rows under OPENINFER_FUSED_DECODE=1), so the
+            # norms and the activation get rows of their own instead of hiding in the GEMMs'
+            backend.add_rms_norm_linear = None
+            backend.silu_mul_linear = None
         ledger = Ledger(engine, timer, peak, args.repeats)
         report: dict[str, Any] = {
             "name": preset or path.name, "device": getattr(engine.model.backend, "device_name", "CPU (numpy)"),
