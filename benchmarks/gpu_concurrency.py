@@ -606,10 +606,11 @@ def main(argv: list[str] | None = None) -> int:
                 plot(report, results / f"{args.tag}.png")
             except ModuleNotFoundError as error:  # the JSON is the result; the PNG needs matplotlib
                 print(f"no {args.tag}.png: {error} (pip install matplotlib)", file=sys.stderr)
-        if os.environ.get("OUT"):
+        out = os.environ.get("OUT")
+        if out and Path(out).resolve() != results.resolve():  # --results-dir $OUT: already there
             for suffix in (".json", ".png"):
                 if (results / f"{args.tag}{suffix}").exists():
-                    shutil.copy(results / f"{args.tag}{suffix}", os.environ["OUT"])
+                    shutil.copy(results / f"{args.tag}{suffix}", out)
 
     for count in [int(c) for c in args.api_server_counts.split(",") if c.strip() and int(c) > 0]:
         try:

@@ -6,9 +6,11 @@ Per (projection, rows M): both paths captured in one CUDA graph each (``CALLS`` 
 time per launch; the chosen candidate's count; the roofline (max of weight+activation bytes at
 the measured copy rate and FLOPs at gemmEx's own 8192^3 rate). Per M, a whole decode step's
 projections (36 layers x qkv/o/gate_up/down + the LM head) for both paths and their ratio.
+``--split-k 2,3,4``: a third path, the timed pick among the heuristic candidates and their split-K
+copies (``OPENINFER_GEMM_SPLIT_K``), timed the same way (``split_*`` fields).
 
     python benchmarks/gpu_gemm_tuning.py                     # M = 16,64,128,192,256
-    python benchmarks/gpu_gemm_tuning.py --rows 256 --out /tmp/x
+    python benchmarks/gpu_gemm_tuning.py --rows 256 --out /tmp/x [--split-k 2,3,4]
     python benchmarks/gpu_gemm_tuning.py --plot benchmarks/results/gpu_gemm_tuning.json
 Writes TAG.json and TAG.png into --out (default benchmarks/results).
 """
@@ -73,25 +75,30 @@ def time_projection(blas, m: int, n: int, k: int, copies: int) -> float:
     return graph_seconds_per_call(calls)
 
 
-def measure(rows: list[int]) -> dict:
+def measure(rows: list[int], split_k: tuple[int, ...] = ()) -> dict:
     import cupy
 
     from openinfer.backend.cuda.cublas import Cublas
-    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm, TuningCache
 
     plain = Cublas()
     plain.tuned = None
     tuned = Cublas()
-    tuned.tuned = LtTunedGemm.create(tuned.workspace)
+    # in-memory caches: every shape is timed in this run, whatever an earlier one kept on disk
+    tuned.tuned = LtTunedGemm.create(tuned.workspace, split_k=(), cache=TuningCache(None))
     if tuned.tuned is None:
         raise SystemExit("cuBLASLt is unavailable: nothing to compare")
+    split = None
+    if split_k:
+        split = Cublas()
+        split.tuned = LtTunedGemm.create(split.workspace, split_k=split_k, cache=TuningCache(None))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     flops_rate, bytes_rate = gemm_rate(plain), copy_rate()
     print(f"{name}: gemmEx 8192^3 {flops_rate / 1e12:.1f} TFLOP/s, copy {bytes_rate / 1e12:.2f} TB/s", flush=True)
     results, steps = [], []
     for m in rows:
-        step = {"rows": m, "gemm_ex_ms": 0.0, "tuned_ms": 0.0, "roofline_ms": 0.0}
+        step = {"rows": m, "gemm_ex_ms": 0.0, "tuned_ms": 0.0, "roofline_ms": 0.0, **({"split_ms": 0.0} if split else {})}
         for label, n, k, per_step in PROJECTIONS:
             copies = 2 if n * k > 10**8 else COPIES
             plain_s = time_projection(plain, m, n, k, copies)
@@ -103,15 +110,24 @@ def measure(rows: list[int]) -> dict:
                    "gemm_ex_roofline_fraction": roofline / plain_s, "tuned_roofline_fraction": roofline / tuned_s,
                    "candidates": chosen.candidates if chosen else 0, "chosen_rank": chosen.chosen if chosen else -1,
                    "first_pick_us_while_tuning": chosen.first_pick_microseconds if chosen else 0.0}
+            if split is not None:
+                split_s = time_projection(split, m, n, k, copies)
+                kept = split.tuned.shapes.get((m, n, k))
+                row.update(split_us=1e6 * split_s, split_speedup=plain_s / split_s,
+                           split_roofline_fraction=roofline / split_s, split_chosen_rank=kept.chosen if kept else -1,
+                           split_count=kept.split_k if kept else 1, split_candidates=kept.candidates if kept else 0)
+                step["split_ms"] += 1e3 * per_step * split_s
             print(json.dumps(row), flush=True)
             results.append(row)
             step["gemm_ex_ms"] += 1e3 * per_step * plain_s
             step["tuned_ms"] += 1e3 * per_step * tuned_s
             step["roofline_ms"] += 1e3 * per_step * roofline
         step["speedup"] = step["gemm_ex_ms"] / step["tuned_ms"]
+        if split is not None:
+            step["split_speedup"] = step["gemm_ex_ms"] / step["split_ms"]
         print(json.dumps(step), flush=True)
         steps.append(step)
-    return {"device": name, "gemm_ex_flops_per_s": flops_rate, "copy_bytes_per_s": bytes_rate,
+    return {"device": name, "split_k": list(split_k), "gemm_ex_flops_per_s": flops_rate, "copy_bytes_per_s": bytes_rate,
             "shape": "Qwen3-4B projections (hidden 2560, intermediate 9728, 32 q / 8 kv heads x 128, vocab 151936)",
             "calls_per_graph": CALLS, "projections": results, "decode_step_projections": steps,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -129,12 +145,16 @@ def plot(report: dict, path: Path) -> None:
         xs = [r["rows"] for r in rows]
         left.plot(xs, [r["gemm_ex_roofline_fraction"] for r in rows], "o--", label=f"{label} gemmEx")
         left.plot(xs, [r["tuned_roofline_fraction"] for r in rows], "s-", label=f"{label} tuned")
+        if rows and "split_roofline_fraction" in rows[0]:
+            left.plot(xs, [r["split_roofline_fraction"] for r in rows], "^:", label=f"{label} tuned + split-K")
     left.set(xlabel="rows M", ylabel="fraction of roofline", title="per projection")
     left.legend(fontsize=7, ncol=2)
     steps = report["decode_step_projections"]
     xs = [s["rows"] for s in steps]
     right.plot(xs, [s["gemm_ex_ms"] for s in steps], "o--", label="gemmEx")
     right.plot(xs, [s["tuned_ms"] for s in steps], "s-", label="cuBLASLt, timed pick")
+    if steps and "split_ms" in steps[0]:
+        right.plot(xs, [s["split_ms"] for s in steps], "^-", label="cuBLASLt, timed pick + split-K copies")
     right.plot(xs, [s["roofline_ms"] for s in steps], ":", label="roofline")
     right.set(xlabel="batch (rows M)", ylabel="ms per decode step", title="all projections of one decode step")
     right.legend(fontsize=8)
@@ -149,13 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for TAG.json / TAG.png")
     parser.add_argument("--tag", default="gpu_gemm_tuning")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of this JSON report")
+    parser.add_argument("--split-k", default="", help="split counts timed as a third path (e.g. 2,3,4)")
     args = parser.parse_args(argv)
     if args.plot:
         if not args.plot.is_file():
             parser.error(f"--plot: no such file {args.plot}")
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return 0
-    from openinfer.backend.cuda.gemm_tuning import TUNED_MAX_ROWS
+    from openinfer.backend.cuda.gemm_tuning import TUNED_MAX_ROWS, split_k_counts
+
+    try:
+        split_k = split_k_counts(args.split_k)
+    except ValueError as exc:
+        parser.error(f"--split-k: {exc}")
 
     try:
         rows = [int(r) for r in args.rows.split(",")]
@@ -169,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).parent))  # gpu_decode_attention's graph timer
-    report = measure(rows)
+    report = measure(rows, split_k)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.tag}.json"
     path.write_text(json.dumps(report, indent=2))

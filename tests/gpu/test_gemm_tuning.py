@@ -4,6 +4,8 @@ stream; the graph then replays the same bits as an eager call)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -21,12 +23,12 @@ def blas_pair():
     if not cuda_available():
         pytest.skip("needs CuPy and an NVIDIA GPU")
     from openinfer.backend.cuda.cublas import Cublas
-    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm, TuningCache
 
     plain = Cublas()
     plain.tuned = None
     tuned = Cublas()
-    tuned.tuned = LtTunedGemm.create(tuned.workspace)
+    tuned.tuned = LtTunedGemm.create(tuned.workspace, cache=TuningCache(None))  # timed here, not from disk
     if tuned.tuned is None:
         pytest.fail("cuBLASLt could not be loaded next to cuBLAS")
     return plain, tuned
@@ -127,3 +129,62 @@ def test_operand_off_the_256_byte_alignment_stays_on_gemm_ex(blas_pair, rng):
     plain.matmul_nt(x, wd, reference)
     assert (m, n, k) not in tuned.tuned.shapes
     assert cupy.array_equal(ours, reference)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(256, 2560, 9728), (224, 2560, 4096), (64, 6144, 2560)])
+def test_split_k_copies_match_numpy_and_gemm_ex(blas_pair, rng, m, n, k):
+    """OPENINFER_GEMM_SPLIT_K: the heuristic candidates' split-K copies (fp32 reduction) are timed
+    beside them; whichever is kept gives numpy's product within bf16 rounding, the same bits on
+    every call, and reports its split count."""
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm, TuningCache
+
+    plain, _ = blas_pair
+    split = Cublas()
+    split.tuned = LtTunedGemm.create(split.workspace, split_k=(2, 3, 4), cache=TuningCache(None))
+    x, w, xd, wd = _operands(rng, m, n, k)
+    ours = cupy.empty((m, n), dtype=cupy.uint16)
+    reference = cupy.empty((m, n), dtype=cupy.uint16)
+    split.matmul_nt(xd, wd, ours)
+    plain.matmul_nt(xd, wd, reference)
+    shape = split.tuned.shapes[(m, n, k)]
+    assert shape.algo is not None and shape.split_k in (1, 2, 3, 4)
+    assert shape.candidates >= 1 and shape.microseconds > 0
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert relative_error(bf16_bits_to_float(ours.get()), expected) < 1e-2
+    assert relative_error(bf16_bits_to_float(ours.get()), bf16_bits_to_float(reference.get())) < 1e-2
+    again = cupy.empty_like(ours)
+    split.matmul_nt(xd, wd, again)
+    assert cupy.array_equal(again, ours)
+    (row,) = [r for r in split.tuned.report() if (r["m"], r["n"], r["k"]) == (m, n, k)]
+    assert row["split_k"] == shape.split_k
+
+
+def test_a_second_process_takes_the_kept_algorithms_from_the_disk_cache(rng, tmp_path):
+    """OPENINFER_GEMM_TUNING_CACHE: the first tuner times the shape and writes its pick; a second
+    one over the same file launches that pick untimed (the same bits); a damaged file is timed afresh."""
+    from openinfer.backend.cuda.cublas import Cublas
+    from openinfer.backend.cuda.gemm_tuning import LtTunedGemm, TuningCache
+
+    path = tmp_path / "tuning.json"
+    m, n, k = 192, 2560, 4096
+    x, w, xd, wd = _operands(rng, m, n, k)
+    outputs = []
+    for run in range(2):
+        blas = Cublas()
+        blas.tuned = LtTunedGemm.create(blas.workspace, split_k=(2,), cache=TuningCache(path))
+        out = cupy.empty((m, n), dtype=cupy.uint16)
+        blas.matmul_nt(xd, wd, out)
+        outputs.append(out)
+        assert blas.tuned.cached_shapes == run  # timed the first time, from the file the second
+        assert blas.tuned.shapes[(m, n, k)].algo is not None
+    assert path.is_file() and len(json.loads(path.read_text())) == 1
+    assert cupy.array_equal(outputs[0], outputs[1])
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert relative_error(bf16_bits_to_float(outputs[1].get()), expected) < 1e-2
+    path.write_text("{not json")
+    blas = Cublas()
+    blas.tuned = LtTunedGemm.create(blas.workspace, split_k=(2,), cache=TuningCache(path))
+    out = cupy.empty((m, n), dtype=cupy.uint16)
+    blas.matmul_nt(xd, wd, out)
+    assert blas.tuned.cached_shapes == 0 and len(json.loads(path.read_text())) == 1

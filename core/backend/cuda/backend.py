@@ -20,6 +20,8 @@ from openinfer.backend.cuda import attention as attention_ops
 from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, StaticPrefillBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
+from openinfer.backend.cuda.decode_attention import paged_decode_attention
+from openinfer.backend.cuda.kernel_choices import kernel_choices
 from openinfer.backend.cuda.linear import (
     FUSED_LAUNCH,
     CudaLinear,
@@ -54,6 +56,9 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 64) * 32))
 
 
+# "1": a mixed step's decode rows attend on a second stream beside the prompt chunks' prefill
+# attention (memory bound beside compute bound); "0" (default): one after the other on one stream
+MIXED_OVERLAP_ENV = "OPENINFER_MIXED_OVERLAP"
 ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
 # E2 (H200, gpu_elementwise.py, 2560 features): add_rms_norm rows / block 1.05x at 256 rows, 2.1x at
 # 1k, 2.5x at 8k / 16k (214 -> 84 us, 38 -> 97 % of copy bandwidth); rms_norm 3.2x at 16k; equal at 1-64
@@ -100,6 +105,28 @@ def _bf16(x: Any, what: str) -> cupy.ndarray:
     return cupy.ascontiguousarray(x)
 
 
+def overlapped_mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: Any,
+                               num_sms: int, side: cupy.cuda.Stream) -> cupy.ndarray:
+    """``attention_ops.mixed_attention`` with its decode rows on ``side``, beside the prompt chunks'
+    prefill attention on the current stream (both only read the K/V ``write_qkv`` stored and write
+    disjoint rows of ``out``); the current stream waits for ``side`` before it goes on."""
+    rows = split.decode_rows
+    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
+    main = cupy.cuda.get_current_stream()
+    inputs_ready = cupy.cuda.Event(disable_timing=True)
+    inputs_ready.record(main)
+    side.wait_event(inputs_ready)
+    with side:
+        paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows],
+                               spec.scale, num_sms, out=out[:rows])
+        decodes_done = cupy.cuda.Event(disable_timing=True)
+        decodes_done.record(side)
+    for tile_range in split.prefill_tile_ranges:
+        attention_ops.prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
+    main.wait_event(decodes_done)
+    return out
+
+
 class CudaBackend:
     name = "cuda"
     xp = cupy
@@ -139,6 +166,11 @@ class CudaBackend:
         self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
+        overlap = os.environ.get(MIXED_OVERLAP_ENV, "0")
+        if overlap not in ("0", "1"):
+            raise ValueError(f"{MIXED_OVERLAP_ENV}={overlap!r}: expected '0' or '1'")
+        self.mixed_overlap = overlap == "1"
+        self._side_stream: cupy.cuda.Stream | None = None  # made on first use (OPENINFER_MIXED_OVERLAP=1)
 
     def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
@@ -277,8 +309,10 @@ class CudaBackend:
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
         tuned = self.blas.tuned
         if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
-            logger.info("cuBLASLt timed %d GEMM shapes in %.2f s (%d kept a pick other than the heuristic's first)",
-                        len(tuned.shapes), tuned.tuning_seconds, sum(1 for s in tuned.report() if s["chosen"] > 0))
+            logger.info("cuBLASLt tuned %d GEMM shapes in %.2f s (%d from the tuning cache; %d kept a pick other "
+                        "than the heuristic's first, %d a split-K copy)", len(tuned.shapes), tuned.tuning_seconds,
+                        tuned.cached_shapes, sum(1 for s in tuned.report() if s["chosen"] > 0),
+                        sum(1 for s in tuned.report() if s["split_k"] > 1))
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -335,7 +369,22 @@ class CudaBackend:
         return out
 
     def attention(self, qkv: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch) -> cupy.ndarray:
-        return attention_ops.attention(_bf16(qkv, "attention qkv"), spec, kv, batch, self.ropes, self.num_sms)
+        qkv = _bf16(qkv, "attention qkv")
+        split = self._overlapped_split(spec, batch) if self.mixed_overlap else None
+        if split is None:
+            return attention_ops.attention(qkv, spec, kv, batch, self.ropes, self.num_sms)
+        q = attention_ops.write_qkv(qkv, spec, kv, batch, self.ropes)
+        if self._side_stream is None:
+            self._side_stream = cupy.cuda.Stream(non_blocking=True)
+        return overlapped_mixed_attention(q, spec, kv, batch, split, self.num_sms, self._side_stream)
+
+    def _overlapped_split(self, spec: AttentionSpec, batch: CudaBatch) -> Any:
+        """The mixed split ``attention_ops.attend`` would take for this step, or None where it
+        routes the step elsewhere (plain decode, short queries, no leading decode rows)."""
+        if (batch.is_decode and batch.num_tokens == batch.num_seqs) or not kernel_choices().mixed_decode \
+                or attention_ops.runs_short_query_kernel(spec, batch):
+            return None
+        return attention_ops.mixed_split(batch)
 
     def sample_rows(self, logits: cupy.ndarray, rows: Sequence[Any], eos_token_ids: Sequence[int],
                     masks: Any = None) -> list[Any]:

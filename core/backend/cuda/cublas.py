@@ -11,7 +11,8 @@ batch-256 decode step 3.73 -> 3.59 ms alone, yet the burst 5,936 vs the default'
 and graph capture 0.24 -> 2.08 s): GEMMs of at most
 ``TUNED_MAX_ROWS`` rows (decode batches, the CUDA graphs' buckets) go through cuBLASLt with the
 algorithm *timed* fastest among cuBLASLt's heuristic candidates for that exact (M, N, K), once
-per shape (``gemm_tuning``). cuBLAS's default pick for a few hundred rows covers an N of 2560
+per shape (``gemm_tuning``; ``OPENINFER_GEMM_SPLIT_K`` adds split-K copies of the candidates, and
+the picks persist in ``OPENINFER_GEMM_TUNING_CACHE``'s file so a later start times nothing). cuBLAS's default pick for a few hundred rows covers an N of 2560
 with a few dozen output tiles on 132 SMs (H200 decode at batch 256: the o/down/qkv projections
 at 47-50 % of their roofline); a split-K or smaller-tile candidate fills the machine.
 """
