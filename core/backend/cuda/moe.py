@@ -39,6 +39,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_experts
 from openinfer.moe import RouterSpec
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
@@ -461,12 +462,17 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``pipelined`` (default $OPENINFER_MOE_PIPELINED): "tiles"/"fused" runs bf16 experts' GEMM
     through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
     chosen decode GEMV above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (unless one is forced);
-    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``)."""
+    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``).
+    OPENINFER_MOE_SM90=1: bf16 experts above SM90_ABOVE_ROWS_PER_EXPERT slots per expert take the
+    Hopper kernel (moe_sm90.py) first, unless a GEMV is forced."""
     num_slots = int(grouping.sorted_slots.size)
+    a = cupy.ascontiguousarray(a)
+    if (gemv is not True and gemv_kernel is None and forced_gemv_kernel() is None
+            and sm90_experts(a, weight, num_slots)):
+        return grouped_gemm_sm90(a, weight, grouping, gather)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
-    a = cupy.ascontiguousarray(a)
     pipelined_first = PIPELINED_BEFORE_BLAS and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
     if (not gemv and not pipelined_first and blas_eligible(num_slots, weight, blas)
             and (weight.format == "bf16" or weight.gemv_ready(a))):
@@ -588,11 +594,14 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                 token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output ``shared``, already computed). OPENINFER_MOE_PIPELINED=fused: the
-    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``)."""
+    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``);
+    OPENINFER_MOE_SM90=1: in the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    if pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
+    if forced_gemv_kernel() is None and sm90_experts(x, layer.gate_up, int(grouping.sorted_slots.size), True):
+        activated = grouped_gemm_sm90(x, layer.gate_up, grouping, True, fuse_silu=True)
+    elif pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
         activated = fused_gate_up_silu(x, layer.gate_up, grouping)
     else:
         activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
