@@ -743,10 +743,14 @@ def run_experts(args) -> dict:
         y_rows = device_random_bf16((tokens * c["top_k"], c["hidden"]))
         ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
         grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+        logits = cuda_moe.router_logits(x, router_gate, router)
         parts = {"route": partial(cuda_moe.route, x, router_gate, router, router_bias),
                  "group": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
                  "combine": partial(cuda_moe.combine, y_rows, grouping, None, c["hidden"])}
-        for part, call in parts.items():
+        # the route's two kernels apart (router logits, then scores + top-k): not summed again
+        halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router),
+                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits)}
+        for part, call in {**parts, **halves}.items():
             if point["graph"]:
                 point[f"routing_{part}_us"] = 1e6 * graph_call_seconds([call] * 4)[0]
             else:

@@ -184,6 +184,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         for (int kt = 0; kt < k_tiles; ++kt, ++step) {
             const int stage = step % SM90_STAGES;
             mbar_wait(bar_full + 8 * stage, (step / SM90_STAGES) & 1);
+            fence_proxy_async_shared();  // the gathered A rows came by cp.async (generic proxy)
             const u32 a_smem = base + stage * SM90_STAGE_BYTES + wg * 64 * 128, b_smem = base + stage * SM90_STAGE_BYTES + SM90_A_BYTES;
             wgmma_fence();
 #pragma unroll

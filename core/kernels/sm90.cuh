@@ -53,6 +53,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// Orders this thread's view of shared memory (cp.async's writes, acquired through an mbarrier)
+// before its later async-proxy reads of it (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // A CUtensorMap (cuda.h's opaque 128 bytes), passed by value as a __grid_constant__ kernel parameter.
 struct alignas(64) TensorMap {
     u64 opaque[16];
