@@ -747,9 +747,14 @@ def run_experts(args) -> dict:
         parts = {"route": partial(cuda_moe.route, x, router_gate, router, router_bias),
                  "group": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
                  "combine": partial(cuda_moe.combine, y_rows, grouping, None, c["hidden"])}
-        # the route's two kernels apart (router logits, then scores + top-k): not summed again
-        halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router),
-                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits)}
+        # the route's two kernels apart (router logits, then scores + top-k) and the opt-in prefill kernels
+        # (moe_routing.cu): not summed again
+        halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router, mma=False),
+                  "route_logits_mma": partial(cuda_moe.router_logits, x, router_gate, router, mma=True),
+                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits),
+                  "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
+                                                per_expert_blocks=False),
+                  "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True)}
         for part, call in {**parts, **halves}.items():
             if point["graph"]:
                 point[f"routing_{part}_us"] = 1e6 * graph_call_seconds([call] * 4)[0]

@@ -92,6 +92,53 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
         assert np.all(ids.reshape(-1)[sorted_slots[offsets[e]:offsets[e + 1]]] == e)
 
 
+@pytest.mark.parametrize("tokens,experts,hidden", [(77, 60, 264), (300, 64, 2048), (64, 384, 7168)])
+def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hidden):
+    """moe_router_logits_mma (64 tokens x 64 experts per block, tensor cores) against NumPy's fp32 logits
+    and moe_router_logits: token, expert and hidden counts off its 64-wide tiles (zeros past them), Moonlight's
+    and Kimi-K2's router shapes; the route it feeds picks the same experts."""
+    moe = _moe_cuda()
+    spec = RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446)
+    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
+    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
+    tiled = moe.router_logits(x_device, gate_device, spec, mma=True)
+    warps = moe.router_logits(x_device, gate_device, spec, mma=False)
+    reference = x @ gate.T
+    scale = np.abs(reference).max()
+    assert tiled.shape == (tokens, experts)
+    assert np.abs(tiled.get() - reference).max() <= 1e-5 * scale
+    assert np.abs(tiled.get() - warps.get()).max() <= 1e-5 * scale
+    ids, _ = moe.select_experts(x_device, gate_device, spec, None, tiled)
+    ref_ids = route(reference, spec)[1]
+    assert np.array_equal(np.sort(ids.get(), 1), np.sort(ref_ids, 1))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (2000, 7, 3)])
+def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, top_k):
+    """moe_expert_counts + moe_place_slots (one block per expert) against moe_sort_parallel: the same
+    offsets and tile list, each expert's segment its slots in slot order, slot_pos the inverse; an
+    expert with no slot, one with dozens of 64-row tiles."""
+    moe = _moe_cuda()
+    ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if tokens >= 700:
+        ids[:, 0] = experts - 1  # every token: ⌈tokens / 64⌉ tiles of the last expert
+    weights = cupy.ones(ids.shape, cupy.float32)
+    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=True)
+    single = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=False)
+    offsets = single.offsets.get()
+    assert offsets[1] == 0  # expert 0: no slot
+    assert np.array_equal(blocks.offsets.get(), offsets)
+    count = int(single.num_tiles.get()[0])
+    assert int(blocks.num_tiles.get()[0]) == count
+    assert np.array_equal(blocks.tile_expert.get()[:count], single.tile_expert.get()[:count])
+    assert np.array_equal(blocks.tile_row.get()[:count], single.tile_row.get()[:count])
+    sorted_slots, slot_pos, flat = blocks.sorted_slots.get(), blocks.slot_pos.get(), ids.reshape(-1)
+    for e in range(experts):
+        segment = sorted_slots[offsets[e]:offsets[e + 1]]
+        assert np.array_equal(segment, np.flatnonzero(flat == e))
+    assert np.array_equal(slot_pos[sorted_slots], np.arange(flat.size))
+
+
 def test_moe_hash_routing(cuda_backend, rng):
     moe = _moe_cuda()
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)

@@ -210,6 +210,14 @@ ROUTER_WARPS = 8  # moe.cu
 # with 7 gate loads per lane in flight ran with them in that window: no gain at batch 1, route 45 -> 113 /
 # 136 -> 351 us at 64 / 256, so that variant was removed: one load per lane.)
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
+# Prefill-sized steps (moe_routing.cu), opt-in until measured: OPENINFER_MOE_ROUTER_MMA=1 computes the
+# router logits of at least ROUTER_MMA_MIN_TOKENS tokens on tensor cores (64 x 64 tiles, x read once;
+# moe_router_logits re-reads a token's row per 8 experts); OPENINFER_MOE_GROUP_BLOCKS=1 groups at least
+# GROUP_BLOCKS_MIN_SLOTS slots with one block per expert and no atomics (moe_expert_counts +
+# moe_place_slots; moe_sort_parallel's one block spent 76 us on 8k tokens x top-6 in E2, H200).
+ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 64, 4
+GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
+ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -290,6 +298,25 @@ def fast_routing() -> bool:
     return os.environ.get(FAST_ROUTING_ENV, "1") not in ("0", "false", "off")
 
 
+def _switch(env: str) -> bool:
+    value = os.environ.get(env, "0").lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{env} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def router_mma_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_mma: $OPENINFER_MOE_ROUTER_MMA and at least
+    ROUTER_MMA_MIN_TOKENS tokens."""
+    return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV)
+
+
+def group_blocks_wanted(num_slots: int) -> bool:
+    """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
+    and at least GROUP_BLOCKS_MIN_SLOTS slots."""
+    return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV)
+
+
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
           token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -306,14 +333,23 @@ def check_router(spec: RouterSpec) -> None:
 
 
 def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
-                  tid2eid: cupy.ndarray | None = None) -> cupy.ndarray | None:
+                  tid2eid: cupy.ndarray | None = None, mma: bool | None = None) -> cupy.ndarray | None:
     """``moe_router_logits``: the [E, H] router product spread over blocks (a decode step has few
     tokens), fp32 ``[T, E]``; None where ``select_experts``' one block per token computes it
-    (unaligned rows, hash routing, no tokens)."""
+    (unaligned rows, hash routing, no tokens). ``mma`` (default ``router_mma_wanted``): the
+    tensor-core tiles of moe_routing.cu instead."""
     num_tokens, hidden = x.shape
     if not num_tokens or hidden % 8 or x.data.ptr % 16 or gate.data.ptr % 16 or tid2eid is not None:
         return None
     logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+    if router_mma_wanted(num_tokens) if mma is None else mma:
+        shared = ROUTER_STAGES * 2 * ROUTER_TILE * (ROUTER_TILE + 8) * 2
+        fn = kernel("moe_routing.cu", "moe_router_logits_mma", ROUTER_STAGES=ROUTER_STAGES)
+        if fn.max_dynamic_shared_size_bytes < shared:
+            fn.max_dynamic_shared_size_bytes = shared
+        fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
+           (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
+        return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
         (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
@@ -340,7 +376,11 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
     return ids, weights
 
 
-def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) -> ExpertGroupingDevice:
+def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
+                    per_expert_blocks: bool | None = None) -> ExpertGroupingDevice:
+    """Slots grouped by expert and the GEMM tile list (``ExpertGroupingDevice``): moe_sort_parallel
+    (one block), or with ``per_expert_blocks`` (default ``group_blocks_wanted``) moe_routing.cu's
+    block per expert (slots of an expert in slot order)."""
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
     grouping = ExpertGroupingDevice(
@@ -349,7 +389,15 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
         cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
     layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
               grouping.num_tiles, np.int32(tiles))
-    if fast_routing():
+    if (group_blocks_wanted(num_slots) if per_expert_blocks is None else per_expert_blocks) and num_slots:
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_place_slots scans at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe_routing.cu", "moe_expert_counts")((num_experts,), (GROUP_THREADS,), (ids, np.int32(num_slots),
+                                                                                       counts))
+        kernel("moe_routing.cu", "moe_place_slots")((num_experts,), (GROUP_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), counts, *layout))
+    elif fast_routing():
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"moe_sort_parallel keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
         kernel("moe.cu", "moe_sort_parallel")((1,), (SORT_THREADS,), (ids, np.int32(num_slots),
