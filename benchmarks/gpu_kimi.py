@@ -622,6 +622,7 @@ EXPERT_VARIANTS = {
     "blas": "cuBLAS per active expert at any slots per expert (eager points only)",
     "sm90": "moe_grouped_gemm_sm90 (wgmma + TMA, persistent), gate_up with SiLU·mul fused, 4 stages",
     "sm90_s3": "moe_grouped_gemm_sm90 with 3 stages, gate_up with SiLU·mul fused",
+    "sm90_pair": "moe_grouped_gemm_sm90 in CTA pairs sharing each weight tile (TMA multicast), gate_up fused",
 }
 # --kernel-times: gate_up (SiLU·mul fused where the kernel fuses it) and down timed apart, eagerly
 # (cuBLAS per expert cannot be captured), by kernel -> what it is
@@ -629,6 +630,7 @@ EXPERT_KERNELS = {
     "blas": "cuBLAS per active expert (gate_up without SiLU·mul)",
     "pipelined": "moe_grouped_gemm_pipelined, 256 x 32 blocks (n256), gate_up fused",
     "sm90": "moe_grouped_gemm_sm90, gate_up fused",
+    "sm90_pair": "moe_grouped_gemm_sm90 in CTA pairs (TMA multicast of the weight tiles), gate_up fused",
 }
 
 
@@ -673,10 +675,12 @@ def run_experts(args) -> dict:
         def call():
             if variant == "chosen":
                 return shipped()
-            if variant in ("sm90", "sm90_s3"):
+            if variant in ("sm90", "sm90_s3", "sm90_pair"):
                 stages = 3 if variant == "sm90_s3" else moe_sm90.SM90_STAGES
-                activated = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, stages=stages)
-                return moe_sm90.grouped_gemm_sm90(activated, down, grouping, False, stages=stages)
+                pair = variant == "sm90_pair"
+                activated = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, stages=stages,
+                                                       multicast=pair)
+                return moe_sm90.grouped_gemm_sm90(activated, down, grouping, False, stages=stages, multicast=pair)
             if variant == "blas":  # cuBLAS per expert whatever the slots per expert (eager points only)
                 bound, cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = cuda_moe.BLAS_MIN_ROWS_PER_EXPERT, 1
                 try:
@@ -792,8 +796,10 @@ def expert_kernel_times(backend, x, groupings: list, gate_ups: list, downs: list
         "pipelined": (lambda w, g: cuda_moe.fused_gate_up_silu(x, w, g, shape="n256"),
                       lambda w, g: cuda_moe.grouped_gemm(activated, w, g, False, False, pipelined="tiles",
                                                          pipe_shape="n256")),
-        "sm90": (lambda w, g: moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True),
-                 lambda w, g: moe_sm90.grouped_gemm_sm90(activated, w, g, False)),
+        "sm90": (lambda w, g: moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, multicast=False),
+                 lambda w, g: moe_sm90.grouped_gemm_sm90(activated, w, g, False, multicast=False)),
+        "sm90_pair": (lambda w, g: moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, multicast=True),
+                      lambda w, g: moe_sm90.grouped_gemm_sm90(activated, w, g, False, multicast=True)),
     }
     point, reference = {}, {}
     for name, (gate_up_call, down_call) in kernels.items():
@@ -812,6 +818,8 @@ def expert_kernel_times(backend, x, groupings: list, gate_ups: list, downs: list
             point[f"{key}_max_difference"] = float(np.abs(out - reference[projection]).max()
                                                    / np.abs(reference[projection]).max())
     for projection in ("gate_up", "down"):
+        point[f"kernel_sm90_pair_{projection}_speedup_vs_sm90"] = (point[f"kernel_sm90_{projection}_us"]
+                                                                   / point[f"kernel_sm90_pair_{projection}_us"])
         point[f"kernel_sm90_{projection}_speedup_vs_blas"] = (point[f"kernel_blas_{projection}_us"]
                                                               / point[f"kernel_sm90_{projection}_us"])
         point[f"kernel_sm90_{projection}_speedup_vs_pipelined"] = (point[f"kernel_pipelined_{projection}_us"]

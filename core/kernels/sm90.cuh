@@ -74,6 +74,35 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int
         : "memory");
 }
 
+// The same box into the same shared-memory offset of every CTA in `cta_mask` (of this cluster),
+// each copy counted on the mbarrier at `bar`'s offset in its CTA.
+__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const void* map, int x, int y, int z, u32 bar,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
+// One arrival on the mbarrier at `bar`'s offset in cluster CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
+        : "memory");
+}
+
+// Every thread of every CTA of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_cta_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand: start address, leading /
 // stride byte offsets (stride: 1024, one 8-row atom to the next).
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {

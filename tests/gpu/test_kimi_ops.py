@@ -312,15 +312,16 @@ def _expert_rows_reference(a: np.ndarray, weight: np.ndarray, sorted_slots: np.n
     return out
 
 
-@pytest.mark.parametrize("stages", [4, 3])
-def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages):
+@pytest.mark.parametrize("stages,multicast", [(4, False), (3, False), (4, True)], ids=["s4", "s3", "s4-pairs"])
+def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
     """moe_grouped_gemm_sm90 on ragged experts: an empty expert, one over two 128-slot tiles (a 200+
     row expert), tiles of 1-64 slots (the second consumer warpgroup all padding), K = 200 (a partial
     64-wide k-tile: TMA's and cp.async's zeros), N = 304 and I = 152 (partial 256- / 128-column tiles,
     the next expert's weight rows in the box, never stored). gate_up (gathered token rows), the fused
     SiLU·mul (the same bits as silu_mul of gate_up), down (rows in expert order) against NumPy fp32
     per expert; the whole experts + combine within bf16 of run_experts; a CUDA graph replay equals
-    the eager run (nothing read back on the host)."""
+    the eager run (nothing read back on the host). Pairs (TMA multicast): 256-slot units, expert 7's
+    5 slots leave the pair's second CTA without a slot."""
     moe, moe_sm90 = _moe_cuda(), _sm90_moe()
     num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
@@ -342,14 +343,15 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages):
         assert np.isfinite(ours).all()
         return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
-    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, stages=stages)
+    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, stages=stages, multicast=multicast)
     h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
     assert max_error(cuda_backend.to_host(h), h_ref) < 1e-2
-    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages)
+    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages,
+                                       multicast=multicast)
     activated = cuda_backend.silu_mul(h)
     assert fused.shape == (tokens * top_k, inter)
     assert np.array_equal(fused.get(), activated.get())
-    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, stages=stages)
+    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, stages=stages, multicast=multicast)
     y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
     assert max_error(cuda_backend.to_host(y), y_ref) < 1e-2
     out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
@@ -362,8 +364,8 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages):
         mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
         stream.begin_capture() if mode is None else stream.begin_capture(mode)
         graph_out = moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
-            x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages), down, grouping, gather=False,
-            stages=stages)
+            x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages, multicast=multicast), down, grouping,
+            gather=False, stages=stages, multicast=multicast)
         graph = stream.end_capture()
         graph_out[...] = 0
         graph.launch()

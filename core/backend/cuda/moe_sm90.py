@@ -44,6 +44,10 @@ SM90_MAX_EXPERTS = 512
 # Below this many slots per expert a 128-row tile is mostly padding: the pipelined kernel's 64-row
 # tiles or the decode GEMVs keep those steps (unmeasured bound).
 SM90_ABOVE_ROWS_PER_EXPERT = 24
+# CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
+# TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k-step column for 64 K MMAs,
+# a pair's CTA 512): unmeasured, off.
+SM90_MULTICAST = False
 
 
 def sm90_enabled() -> bool:
@@ -109,21 +113,24 @@ class WeightMaps:
 weight_maps = WeightMaps()
 
 
-def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool) -> int:
-    """Persistent CTAs: one per SM, fewer when the step has fewer tiles (bounded on the host as
-    ``max_tiles``: each active expert wastes at most one partial 128-slot tile)."""
+def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False) -> int:
+    """Persistent CTAs: one per SM (``multicast``: pairs), fewer when the step has fewer work units
+    (bounded on the host: each active expert wastes at most one partial unit of 128, or 256, slots)."""
+    cluster = 2 if multicast else 1
     columns = SM90_TILE_N // 2 if fuse_silu else SM90_TILE_N
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
-    m_tiles = -(-num_slots // SM90_TILE_M) + min(weight.num_experts, num_slots)
-    tiles = m_tiles * -(-out_features // columns)
-    return max(1, min(_device_traits(cupy.cuda.Device().id)[1], tiles))
+    m_units = -(-num_slots // (SM90_TILE_M * cluster)) + min(weight.num_experts, num_slots)
+    units = m_units * -(-out_features // columns)
+    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
 
 
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                      fuse_silu: bool = False, stages: int = SM90_STAGES) -> cupy.ndarray:
+                      fuse_silu: bool = False, stages: int = SM90_STAGES, multicast: bool | None = None) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
-    ``[T·k, N/2]``. The caller checks ``sm90_ready``."""
+    ``[T·k, N/2]``. ``multicast`` (default SM90_MULTICAST): CTA pairs share each weight tile (TMA
+    multicast). The caller checks ``sm90_ready``."""
+    multicast = SM90_MULTICAST if multicast is None else multicast
     num_slots = int(grouping.sorted_slots.size)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
@@ -132,8 +139,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     a = cupy.ascontiguousarray(a)
     shared = sm90_shared_bytes(stages)
     fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=stages,
-                     SM90_FUSE_SILU=int(fuse_silu))
-    fn((sm90_grid(num_slots, weight, fuse_silu),), (SM90_THREADS,), (
+                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast))
+    fn((sm90_grid(num_slots, weight, fuse_silu, multicast),), (SM90_THREADS,), (
         a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_maps.get(weight),
         grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
         np.int32(weight.in_features)), shared_mem=shared)
