@@ -22,6 +22,7 @@
 #define GROUP_THREADS 1024
 #define GROUP_MAX_EXPERTS 512
 
+#ifndef MMA_HOST_STANDIN  // cp.async: GPU only (the host emulation runs the grouping kernels below)
 extern "C" __global__ void __launch_bounds__(MMA_TILE_THREADS)
 moe_router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
                       int num_experts, float* __restrict__ logits) {
@@ -73,6 +74,7 @@ moe_router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ gate,
                 if (t < num_tokens && e < num_experts) logits[(long long)t * num_experts + e] = acc[i][j][v];
             }
 }
+#endif
 
 // Exclusive scan of one value per thread over the block (GROUP_THREADS threads); `scratch` holds
 // 32 ints. Returns this thread's exclusive prefix; *total the block's sum.
