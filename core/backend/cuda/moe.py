@@ -25,6 +25,10 @@ is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
                                                                read of the per-expert row counts
                                                                (BLAS_ENV=0: as in the middle row)
 
+On a Hopper GPU, OPENINFER_MOE_SM90=1 sends bf16 experts' middle and many rows (above
+``moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT`` slots per expert) to moe_sm90.cu's persistent wgmma kernel
+(gate_up fused with SiLU·mul in ``moe_forward``): no host read, capturable.
+
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
 be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
 routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer.
