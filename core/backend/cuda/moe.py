@@ -505,7 +505,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
-                 pipelined: str | None = None, pipe_shape: str | None = None) -> cupy.ndarray:
+                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -515,12 +515,16 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
     chosen decode GEMV above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (unless one is forced);
     ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``).
-    OPENINFER_MOE_SM90=1: bf16 experts above SM90_ABOVE_ROWS_PER_EXPERT slots per expert take the
-    Hopper kernel (moe_sm90.py) first, unless a GEMV is forced."""
+    ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
+    None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
+    SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
-    if (gemv is not True and gemv_kernel is None and forced_gemv_kernel() is None
-            and sm90_experts(a, weight, num_slots)):
+    if sm90 is None:
+        sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
+                and sm90_experts(a, weight, num_slots))
+    if sm90:
         return grouped_gemm_sm90(a, weight, grouping, gather)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
