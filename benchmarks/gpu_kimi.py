@@ -665,16 +665,9 @@ def run_experts(args) -> dict:
               "shape": c, "variants": {name: EXPERT_VARIANTS[name] for name in variants}, "points": []}
 
     def experts_call(x, grouping, gate_up, down, variant: str):
-        def shipped():
-            if cuda_moe.pipelined_gate_up(x, gate_up, grouping, backend.blas):
-                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping)
-            else:
-                activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, blas=backend.blas))
-            return cuda_moe.grouped_gemm(activated, down, grouping, False, blas=backend.blas)
-
         def call():
             if variant == "chosen":
-                return shipped()
+                return cuda_moe.routed_experts(backend, x, gate_up, down, grouping)
             if variant in ("sm90", "sm90_s3", "sm90_pair"):
                 stages = 3 if variant == "sm90_s3" else moe_sm90.SM90_STAGES
                 pair = variant == "sm90_pair"

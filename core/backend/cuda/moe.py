@@ -655,11 +655,18 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    if forced_gemv_kernel() is None and sm90_experts(x, layer.gate_up, int(grouping.sorted_slots.size), True):
-        activated = grouped_gemm_sm90(x, layer.gate_up, grouping, True, fuse_silu=True)
-    elif pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
-        activated = fused_gate_up_silu(x, layer.gate_up, grouping)
-    else:
-        activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
-    y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
+    y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     return combine(y, grouping, shared, int(x.shape[1]))
+
+
+def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: ExpertLinear,
+                   grouping: ExpertGroupingDevice) -> cupy.ndarray:
+    """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
+    each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
+    if forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True):
+        activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
+    elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
+        activated = fused_gate_up_silu(x, gate_up, grouping)
+    else:
+        activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas)
