@@ -359,13 +359,17 @@ def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
                for e in range(num_experts)]
     assert relative_error(out, run_experts(REF, x_host, weights, group_by_expert(ids, num_experts), experts)) < BF16_TOL
 
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-        stream.begin_capture() if mode is None else stream.begin_capture(mode)
-        graph_out = moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
+    def experts():
+        return moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
             x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages, multicast=multicast), down, grouping,
             gather=False, stages=stages, multicast=multicast)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        experts()  # the pool's blocks cached for this stream before capture
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        graph_out = experts()
         graph = stream.end_capture()
         graph_out[...] = 0
         graph.launch()
