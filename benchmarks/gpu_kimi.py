@@ -748,7 +748,10 @@ def run_experts(args) -> dict:
         # (moe_routing.cu): not summed again
         halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router, mma=False),
                   "route_logits_mma": partial(cuda_moe.router_logits, x, router_gate, router, mma=True),
-                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits),
+                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+                                          narrow=False),
+                  "route_select_narrow": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+                                                 narrow=True),
                   "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
                                                 per_expert_blocks=False),
                   "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True)}

@@ -96,7 +96,8 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
 def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hidden):
     """moe_router_logits_mma (64 tokens x 64 experts per block, tensor cores) against NumPy's fp32 logits
     and moe_router_logits: token, expert and hidden counts off its 64-wide tiles (zeros past them), Moonlight's
-    and Kimi-K2's router shapes; the route it feeds picks the same experts."""
+    and Kimi-K2's router shapes; the route it feeds picks the same experts, moe_route in blocks of a thread
+    per expert (``narrow``) the same ids and weights as in 256-thread blocks."""
     moe = _moe_cuda()
     spec = RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446)
     x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
@@ -108,9 +109,11 @@ def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hid
     assert tiled.shape == (tokens, experts)
     assert np.abs(tiled.get() - reference).max() <= 1e-5 * scale
     assert np.abs(tiled.get() - warps.get()).max() <= 1e-5 * scale
-    ids, _ = moe.select_experts(x_device, gate_device, spec, None, tiled)
+    ids, weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=False)
     ref_ids = route(reference, spec)[1]
     assert np.array_equal(np.sort(ids.get(), 1), np.sort(ref_ids, 1))
+    narrow_ids, narrow_weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=True)
+    assert np.array_equal(narrow_ids.get(), ids.get()) and np.array_equal(narrow_weights.get(), weights.get())
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (2000, 7, 3)])

@@ -362,16 +362,21 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
 
 def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
                    logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
-                   tid2eid: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
-    group-limited top-k, weights (``route``'s second half)."""
+    group-limited top-k, weights (``route``'s second half). ``narrow`` (default: with ``logits``, where
+    ``router_mma_wanted``): blocks of one thread per expert (at least 64: a thread per expert group)
+    instead of 256, as the block only reads the logits."""
     num_tokens, hidden = x.shape
     check_router(spec)
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
+    if narrow is None:
+        narrow = logits is not None and router_mma_wanted(num_tokens)
+    threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
         kernel("moe.cu", "moe_route")(
-            (num_tokens,), (256,),
+            (num_tokens,), (threads,),
             (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
              np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
