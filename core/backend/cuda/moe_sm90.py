@@ -45,9 +45,10 @@ SM90_MAX_EXPERTS = 512
 # tiles or the decode GEMVs keep those steps (unmeasured bound).
 SM90_ABOVE_ROWS_PER_EXPERT = 24
 # CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
-# TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k-step column for 64 K MMAs,
-# a pair's CTA 512): unmeasured, off.
-SM90_MULTICAST = False
+# TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
+# pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
+# second CTA idle); unmeasured, off (infinite).
+SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
 
 
 def sm90_enabled() -> bool:
@@ -129,10 +130,11 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
                       fuse_silu: bool = False, stages: int = SM90_STAGES, multicast: bool | None = None) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
-    ``[T·k, N/2]``. ``multicast`` (default SM90_MULTICAST): CTA pairs share each weight tile (TMA
-    multicast). The caller checks ``sm90_ready``."""
-    multicast = SM90_MULTICAST if multicast is None else multicast
+    ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
+    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
+    if multicast is None:
+        multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
