@@ -620,6 +620,17 @@ EXPERT_VARIANTS = {
     "fused_n256": "moe_grouped_gemm_pipelined in 256 x 32 blocks (PIPE_SHAPES n256), gate_up fused",
     "fused_n64": "moe_grouped_gemm_pipelined in 64 x 64 blocks (PIPE_SHAPES n64), gate_up fused",
     "blas": "cuBLAS per active expert at any slots per expert (eager points only)",
+    "sm90": "moe_grouped_gemm_sm90 (wgmma + TMA, persistent), gate_up with SiLU·mul fused, 4 stages",
+    "sm90_s3": "moe_grouped_gemm_sm90 with 3 stages, gate_up with SiLU·mul fused",
+    "sm90_pair": "moe_grouped_gemm_sm90 in CTA pairs sharing each weight tile (TMA multicast), gate_up fused",
+}
+# --kernel-times: gate_up (SiLU·mul fused where the kernel fuses it) and down timed apart, eagerly
+# (cuBLAS per expert cannot be captured), by kernel -> what it is
+EXPERT_KERNELS = {
+    "blas": "cuBLAS per active expert (gate_up without SiLU·mul)",
+    "pipelined": "moe_grouped_gemm_pipelined, 256 x 32 blocks (n256), gate_up fused",
+    "sm90": "moe_grouped_gemm_sm90, gate_up fused",
+    "sm90_pair": "moe_grouped_gemm_sm90 in CTA pairs (TMA multicast of the weight tiles), gate_up fused",
 }
 
 
@@ -627,7 +638,7 @@ def run_experts(args) -> dict:
     """Moonlight's routed experts, gate_up (+ SiLU·mul) and down, by grouped kernel; see EXPERT_VARIANTS."""
     import cupy
 
-    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import CudaBackend, moe_sm90
     from openinfer.backend.cuda import moe as cuda_moe
     from openinfer.backend.cuda.moe import ExpertLinear
     from openinfer.moe import RouterSpec
@@ -654,16 +665,15 @@ def run_experts(args) -> dict:
               "shape": c, "variants": {name: EXPERT_VARIANTS[name] for name in variants}, "points": []}
 
     def experts_call(x, grouping, gate_up, down, variant: str):
-        def shipped():
-            if cuda_moe.pipelined_gate_up(x, gate_up, grouping, backend.blas):
-                activated = cuda_moe.fused_gate_up_silu(x, gate_up, grouping)
-            else:
-                activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_up, grouping, True, blas=backend.blas))
-            return cuda_moe.grouped_gemm(activated, down, grouping, False, blas=backend.blas)
-
         def call():
             if variant == "chosen":
-                return shipped()
+                return cuda_moe.routed_experts(backend, x, gate_up, down, grouping)
+            if variant in ("sm90", "sm90_s3", "sm90_pair"):
+                stages = 3 if variant == "sm90_s3" else moe_sm90.SM90_STAGES
+                pair = variant == "sm90_pair"
+                activated = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, stages=stages,
+                                                       multicast=pair)
+                return moe_sm90.grouped_gemm_sm90(activated, down, grouping, False, stages=stages, multicast=pair)
             if variant == "blas":  # cuBLAS per expert whatever the slots per expert (eager points only)
                 bound, cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = cuda_moe.BLAS_MIN_ROWS_PER_EXPERT, 1
                 try:
@@ -717,6 +727,8 @@ def run_experts(args) -> dict:
             point[f"{variant}_us"] = 1e6 * seconds
             point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes_mean"] / seconds / bandwidth
             point[f"{variant}_tflops"] = 2 * tokens * c["top_k"] * 3 * c["inter"] * c["hidden"] / seconds / 1e12
+        if args.kernel_times:
+            point.update(expert_kernel_times(backend, x, groupings, gate_ups, downs, tokens))
         reference = outputs.get("tiles", next(iter(outputs.values())))
         for variant, out in outputs.items():
             point[f"{variant}_speedup_vs_chosen"] = point.get("chosen_us", np.nan) / point[f"{variant}_us"]
@@ -728,10 +740,22 @@ def run_experts(args) -> dict:
         y_rows = device_random_bf16((tokens * c["top_k"], c["hidden"]))
         ids, weights = cuda_moe.route(x, router_gate, router, router_bias)
         grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
+        logits = cuda_moe.router_logits(x, router_gate, router)
         parts = {"route": partial(cuda_moe.route, x, router_gate, router, router_bias),
                  "group": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
                  "combine": partial(cuda_moe.combine, y_rows, grouping, None, c["hidden"])}
-        for part, call in parts.items():
+        # the route's two kernels apart (router logits, then scores + top-k) and the opt-in prefill kernels
+        # (moe_routing.cu): not summed again
+        halves = {"route_logits": partial(cuda_moe.router_logits, x, router_gate, router, mma=False),
+                  "route_logits_mma": partial(cuda_moe.router_logits, x, router_gate, router, mma=True),
+                  "route_select": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+                                          narrow=False),
+                  "route_select_narrow": partial(cuda_moe.select_experts, x, router_gate, router, router_bias, logits,
+                                                 narrow=True),
+                  "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
+                                                per_expert_blocks=False),
+                  "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True)}
+        for part, call in {**parts, **halves}.items():
             if point["graph"]:
                 point[f"routing_{part}_us"] = 1e6 * graph_call_seconds([call] * 4)[0]
             else:
@@ -740,6 +764,63 @@ def run_experts(args) -> dict:
         print(json.dumps(point), flush=True)
         report["points"].append(point)
     return report
+
+
+def expert_kernel_times(backend, x, groupings: list, gate_ups: list, downs: list, tokens: int) -> dict:
+    """gate_up and down of Moonlight's experts timed apart by EXPERT_KERNELS (eager, on rotating
+    weight copies and routings): us, TFLOP/s and the largest difference from cuBLAS's output, relative to
+    its largest value (fused outputs against silu_mul of cuBLAS's gate_up)."""
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda import moe_sm90
+    from openinfer.tools.ledger import gpu_seconds
+
+    c = EXPERTS_SHAPE
+    slots = tokens * c["top_k"]
+    flops = {"gate_up": 2 * slots * 2 * c["inter"] * c["hidden"], "down": 2 * slots * c["hidden"] * c["inter"]}
+    copies = len(gate_ups)
+    activated = backend.silu_mul(cuda_moe.grouped_gemm(x, gate_ups[0], groupings[0], True, False, pipelined="off"))
+
+    def blas(a, weight, grouping, gather):
+        bound, cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = cuda_moe.BLAS_MIN_ROWS_PER_EXPERT, 1
+        try:
+            return cuda_moe.grouped_gemm(a, weight, grouping, gather, blas=backend.blas, pipelined="off")
+        finally:
+            cuda_moe.BLAS_MIN_ROWS_PER_EXPERT = bound
+
+    kernels = {
+        "blas": (lambda w, g: blas(x, w, g, True), lambda w, g: blas(activated, w, g, False)),
+        "pipelined": (lambda w, g: cuda_moe.fused_gate_up_silu(x, w, g, shape="n256"),
+                      lambda w, g: cuda_moe.grouped_gemm(activated, w, g, False, False, pipelined="tiles",
+                                                         pipe_shape="n256")),
+        "sm90": (lambda w, g: moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, multicast=False),
+                 lambda w, g: moe_sm90.grouped_gemm_sm90(activated, w, g, False, multicast=False)),
+        "sm90_pair": (lambda w, g: moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, multicast=True),
+                      lambda w, g: moe_sm90.grouped_gemm_sm90(activated, w, g, False, multicast=True)),
+    }
+    point, reference = {}, {}
+    for name, (gate_up_call, down_call) in kernels.items():
+        for projection, run, weights in (("gate_up", gate_up_call, gate_ups), ("down", down_call, downs)):
+            calls = [partial(run, weights[i % copies], g) for i, g in enumerate(groupings)]
+            first = calls[0]()
+            if name == "blas" and projection == "gate_up":  # compared as the fused kernels' output
+                first = backend.silu_mul(first)
+            out = backend.to_host(first)
+            if name == "blas":
+                reference[projection] = out
+            seconds = gpu_seconds(lambda calls=calls: [call() for call in calls], repeats=3, warmup=1) / len(calls)
+            key = f"kernel_{name}_{projection}"
+            point[f"{key}_us"] = 1e6 * seconds
+            point[f"{key}_tflops"] = flops[projection] / seconds / 1e12
+            point[f"{key}_max_difference"] = float(np.abs(out - reference[projection]).max()
+                                                   / np.abs(reference[projection]).max())
+    for projection in ("gate_up", "down"):
+        point[f"kernel_sm90_pair_{projection}_speedup_vs_sm90"] = (point[f"kernel_sm90_{projection}_us"]
+                                                                   / point[f"kernel_sm90_pair_{projection}_us"])
+        point[f"kernel_sm90_{projection}_speedup_vs_blas"] = (point[f"kernel_blas_{projection}_us"]
+                                                              / point[f"kernel_sm90_{projection}_us"])
+        point[f"kernel_sm90_{projection}_speedup_vs_pipelined"] = (point[f"kernel_pipelined_{projection}_us"]
+                                                                   / point[f"kernel_sm90_{projection}_us"])
+    return point
 
 
 def plot_experts(report: dict, path: Path) -> None:
@@ -1608,6 +1689,8 @@ def main() -> None:
     experts.add_argument("--tokens", default=",".join(map(str, EXPERTS_TOKENS)), help="comma list of token counts")
     experts.add_argument("--variants", default="", help=f"comma list of {', '.join(EXPERT_VARIANTS)} (default: all)")
     experts.add_argument("--name", default="kimi_experts", help="results file name (JSON + PNG)")
+    experts.add_argument("--kernel-times", action="store_true",
+                         help=f"also gate_up and down apart by kernel ({', '.join(EXPERT_KERNELS)}), TFLOP/s")
     layer = sub.add_parser("layer")
     layer.add_argument("--context", type=int, default=1024)
     layer.add_argument("--iters", type=int, default=20)

@@ -67,8 +67,11 @@ VARIANTS = {
                                    "TMA_KV_LOADS": 1, "PERSISTENT": 1, "HEAD_PAIRS": 1, "ORDERED_SOFTMAX": 1},
                                   {"HEAD_DIM": 128, "HEAD_PAIRS": 1, "INTRA_WG_OVERLAP": 0}],
 }
+# moe13's Hopper grouped expert GEMM: plain and with gate_up's SiLU·mul fused, 4 and 3 stages
+VARIANTS["moe_sm90.cu"] = [{"SM90_FUSE_SILU": 0}, {"SM90_FUSE_SILU": 1}, {"SM90_FUSE_SILU": 1, "SM90_STAGES": 3},
+                           {"SM90_FUSE_SILU": 0, "SM90_MULTICAST": 1}, {"SM90_FUSE_SILU": 1, "SM90_MULTICAST": 1}]
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90
-ARCH_FLAGS = {"prefill_attention_sm90.cu": ["-gencode=arch=compute_90a,code=sm_90a"]}
+ARCH_FLAGS = {name: ["-gencode=arch=compute_90a,code=sm_90a"] for name in ("prefill_attention_sm90.cu", "moe_sm90.cu")}
 
 
 def cases():

@@ -156,6 +156,15 @@ def test_moe_kernels_match_numpy(tmp_path, case):
         for e in range(spec.num_experts):
             segment = layout["sorted"][offsets[e]:offsets[e + 1]]
             assert np.all(flat_ids[segment] == e)
+    # moe_expert_counts + moe_place_slots: the same offsets and tile list; each expert's slots in slot order
+    for threads in (32, 64):
+        layout = sort_layout(read_array(tmp_path, f"block_sort_{threads}", np.int32, -1), spec.num_experts,
+                             slots, tiles)
+        for name in ("offsets", "tile_expert", "tile_row", "num_tiles"):
+            assert np.array_equal(layout[name], serial[name]), (threads, name)
+        for e in range(spec.num_experts):
+            assert np.array_equal(layout["sorted"][offsets[e]:offsets[e + 1]], np.flatnonzero(flat_ids == e))
+        assert np.array_equal(layout["pos"][layout["sorted"]], np.arange(slots))
     if use_bias:
         assert offsets[1] > 64
     out = read_array(tmp_path, "out", np.uint16, (tokens, hidden))

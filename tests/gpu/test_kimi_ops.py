@@ -92,6 +92,56 @@ def test_fast_routing_equals_default(cuda_backend, rng, monkeypatch, tokens):
         assert np.all(ids.reshape(-1)[sorted_slots[offsets[e]:offsets[e + 1]]] == e)
 
 
+@pytest.mark.parametrize("tokens,experts,hidden", [(77, 60, 264), (300, 64, 2048), (64, 384, 7168)])
+def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hidden):
+    """moe_router_logits_mma (64 tokens x 64 experts per block, tensor cores) against NumPy's fp32 logits
+    and moe_router_logits: token, expert and hidden counts off its 64-wide tiles (zeros past them), Moonlight's
+    and Kimi-K2's router shapes; the route it feeds picks the same experts, moe_route in blocks of a thread
+    per expert (``narrow``) the same ids and weights as in 256-thread blocks."""
+    moe = _moe_cuda()
+    spec = RouterSpec(experts, 6, "sigmoid", routed_scaling_factor=2.446)
+    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.05)
+    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
+    tiled = moe.router_logits(x_device, gate_device, spec, mma=True)
+    warps = moe.router_logits(x_device, gate_device, spec, mma=False)
+    reference = x @ gate.T
+    scale = np.abs(reference).max()
+    assert tiled.shape == (tokens, experts)
+    assert np.abs(tiled.get() - reference).max() <= 1e-5 * scale
+    assert np.abs(tiled.get() - warps.get()).max() <= 1e-5 * scale
+    ids, weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=False)
+    ref_ids = route(reference, spec)[1]
+    assert np.array_equal(np.sort(ids.get(), 1), np.sort(ref_ids, 1))
+    narrow_ids, narrow_weights = moe.select_experts(x_device, gate_device, spec, None, tiled, narrow=True)
+    assert np.array_equal(narrow_ids.get(), ids.get()) and np.array_equal(narrow_weights.get(), weights.get())
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (2000, 7, 3)])
+def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, top_k):
+    """moe_expert_counts + moe_place_slots (one block per expert) against moe_sort_parallel: the same
+    offsets and tile list, each expert's segment its slots in slot order, slot_pos the inverse; an
+    expert with no slot, one with dozens of 64-row tiles."""
+    moe = _moe_cuda()
+    ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if tokens >= 700:
+        ids[:, 0] = experts - 1  # every token: ⌈tokens / 64⌉ tiles of the last expert
+    weights = cupy.ones(ids.shape, cupy.float32)
+    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=True)
+    single = moe.group_by_expert(cupy.asarray(ids), weights, experts, per_expert_blocks=False)
+    offsets = single.offsets.get()
+    assert offsets[1] == 0  # expert 0: no slot
+    assert np.array_equal(blocks.offsets.get(), offsets)
+    count = int(single.num_tiles.get()[0])
+    assert int(blocks.num_tiles.get()[0]) == count
+    assert np.array_equal(blocks.tile_expert.get()[:count], single.tile_expert.get()[:count])
+    assert np.array_equal(blocks.tile_row.get()[:count], single.tile_row.get()[:count])
+    sorted_slots, slot_pos, flat = blocks.sorted_slots.get(), blocks.slot_pos.get(), ids.reshape(-1)
+    for e in range(experts):
+        segment = sorted_slots[offsets[e]:offsets[e + 1]]
+        assert np.array_equal(segment, np.flatnonzero(flat == e))
+    assert np.array_equal(slot_pos[sorted_slots], np.arange(flat.size))
+
+
 def test_moe_hash_routing(cuda_backend, rng):
     moe = _moe_cuda()
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
@@ -245,6 +295,123 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     on = moe.grouped_gemm(x_many, weight, many, True)
     monkeypatch.setenv(moe.PIPELINED_ENV, "0")
     assert np.array_equal(on.get(), moe.grouped_gemm(x_many, weight, many, True, False).get())
+
+
+def _sm90_moe():
+    from openinfer.backend.cuda import moe_sm90
+
+    if not moe_sm90.sm90_supported():
+        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    return moe_sm90
+
+
+def _expert_rows_reference(a: np.ndarray, weight: np.ndarray, sorted_slots: np.ndarray, offsets: np.ndarray,
+                           top_k: int, gather: bool) -> np.ndarray:
+    """fp32 ``A[row(p)] · W_e(p)^T`` for every slot p in expert order (the grouped GEMM's op)."""
+    rows = a[sorted_slots // top_k] if gather else a
+    out = np.zeros((rows.shape[0], weight.shape[1]), np.float32)
+    for e in range(weight.shape[0]):
+        out[offsets[e]:offsets[e + 1]] = rows[offsets[e]:offsets[e + 1]] @ weight[e].T
+    return out
+
+
+@pytest.mark.parametrize("stages,multicast", [(4, False), (3, False), (4, True)], ids=["s4", "s3", "s4-pairs"])
+def test_sm90_grouped_gemm_matches_numpy(cuda_backend, rng, stages, multicast):
+    """moe_grouped_gemm_sm90 on ragged experts: an empty expert, one over two 128-slot tiles (a 200+
+    row expert), tiles of 1-64 slots (the second consumer warpgroup all padding), K = 200 (a partial
+    64-wide k-tile: TMA's and cp.async's zeros), N = 304 and I = 152 (partial 256- / 128-column tiles,
+    the next expert's weight rows in the box, never stored). gate_up (gathered token rows), the fused
+    SiLU·mul (the same bits as silu_mul of gate_up), down (rows in expert order) against NumPy fp32
+    per expert; the whole experts + combine within bf16 of run_experts; a CUDA graph replay equals
+    the eager run (nothing read back on the host). Pairs (TMA multicast): 256-slot units, expert 7's
+    5 slots leave the pair's second CTA without a slot."""
+    moe, moe_sm90 = _moe_cuda(), _sm90_moe()
+    num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = np.stack([rng.choice([0, 2, 3, 5, 6], top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[:260, 0] = 1  # expert 1: 260 slots (three m-tiles)
+    ids[:5, 2] = 7  # expert 7: 5 slots; expert 4: none
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), num_experts)
+    offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
+    counts = np.diff(offsets)
+    assert counts[4] == 0 and counts[1] == 260 and counts[7] == 5
+    assert moe_sm90.sm90_ready(x, gate_up, fuse_silu=True) and moe_sm90.sm90_ready(x, down)
+
+    def max_error(ours, reference):
+        ours = np.asarray(ours, np.float64)
+        assert np.isfinite(ours).all()
+        return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, stages=stages, multicast=multicast)
+    h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
+    assert max_error(cuda_backend.to_host(h), h_ref) < 1e-2
+    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages,
+                                       multicast=multicast)
+    activated = cuda_backend.silu_mul(h)
+    assert fused.shape == (tokens * top_k, inter)
+    assert np.array_equal(fused.get(), activated.get())
+    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, stages=stages, multicast=multicast)
+    y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
+    assert max_error(cuda_backend.to_host(y), y_ref) < 1e-2
+    out = cuda_backend.to_host(moe.combine(y, grouping, None, hidden))
+    experts = [ExpertWeights(REF.linear_weight(gate_up_ref[e]), REF.linear_weight(down_ref[e]))
+               for e in range(num_experts)]
+    assert relative_error(out, run_experts(REF, x_host, weights, group_by_expert(ids, num_experts), experts)) < BF16_TOL
+
+    def experts():
+        return moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
+            x, gate_up, grouping, gather=True, fuse_silu=True, stages=stages, multicast=multicast), down, grouping,
+            gather=False, stages=stages, multicast=multicast)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        experts()  # the pool's blocks cached for this stream before capture
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        graph_out = experts()
+        graph = stream.end_capture()
+        graph_out[...] = 0
+        graph.launch()
+        stream.synchronize()
+    assert np.array_equal(graph_out.get(), y.get())
+
+
+def test_sm90_switch_and_dispatch(cuda_backend, rng, monkeypatch):
+    """OPENINFER_MOE_SM90: off by default; 1 sends bf16 grouped GEMMs above SM90_ABOVE_ROWS_PER_EXPERT
+    slots per expert (and moe_forward's fused gate_up) to the Hopper kernel, whose result matches the
+    per-tile GEMM; never INT4 weights, a forced GEMV or fewer slots; a bad value is a clear error."""
+    moe, moe_sm90 = _moe_cuda(), _sm90_moe()
+    monkeypatch.delenv(moe_sm90.SM90_ENV, raising=False)
+    monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    assert moe_sm90.sm90_enabled() is moe_sm90.DEFAULT_SM90
+    monkeypatch.setenv(moe_sm90.SM90_ENV, "maybe")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90"):
+        moe_sm90.sm90_enabled()
+    monkeypatch.setenv(moe_sm90.SM90_ENV, "1")
+    num_experts, hidden = 4, 64
+    weight, weight_ref = _expert_weights(rng, "bf16", num_experts, 128, hidden)
+    many_slots = (moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT + 8) * num_experts
+    ids = (np.arange(many_slots) % num_experts).astype(np.int32).reshape(-1, 1)
+    x_host = bf16_random(rng, many_slots, hidden)
+    x = cuda_backend.upload(x_host)
+    many = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    assert moe_sm90.sm90_experts(x, weight, many_slots)
+    assert not moe_sm90.sm90_experts(x, weight, moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT * num_experts)
+    int4, _ = _expert_weights(rng, "int4", num_experts, 128, hidden)
+    assert not moe_sm90.sm90_experts(x, int4, many_slots)
+    chosen = moe.grouped_gemm(x, weight, many, True)
+    assert np.array_equal(chosen.get(), moe_sm90.grouped_gemm_sm90(x, weight, many, True).get())
+    reference = _expert_rows_reference(x_host, weight_ref, many.sorted_slots.get(), many.offsets.get(), 1, True)
+    assert relative_error(cuda_backend.to_host(chosen), reference) < 1e-2
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")
+    forced = moe.grouped_gemm(x, weight, many, True)  # the forced GEMV, within its 32-slot bound
+    assert relative_error(cuda_backend.to_host(forced), reference) < 1e-2
+    monkeypatch.setenv(moe_sm90.SM90_ENV, "0")
+    assert not moe_sm90.sm90_experts(x, weight, many_slots)
 
 
 def test_blas_experts_only_in_big_eager_steps(cuda_backend, rng, monkeypatch):

@@ -25,6 +25,10 @@ is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
                                                                read of the per-expert row counts
                                                                (BLAS_ENV=0: as in the middle row)
 
+On a Hopper GPU, OPENINFER_MOE_SM90=1 sends bf16 experts' middle and many rows (above
+``moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT`` slots per expert) to moe_sm90.cu's persistent wgmma kernel
+(gate_up fused with SiLU·mul in ``moe_forward``): no host read, capturable.
+
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
 be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
 routing's counts back, where cuBLAS on each expert's rows is worth a sync per layer.
@@ -39,6 +43,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_experts
 from openinfer.moe import RouterSpec
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
@@ -209,6 +214,14 @@ ROUTER_WARPS = 8  # moe.cu
 # with 7 gate loads per lane in flight ran with them in that window: no gain at batch 1, route 45 -> 113 /
 # 136 -> 351 us at 64 / 256, so that variant was removed: one load per lane.)
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
+# Prefill-sized steps (moe_routing.cu), opt-in until measured: OPENINFER_MOE_ROUTER_MMA=1 computes the
+# router logits of at least ROUTER_MMA_MIN_TOKENS tokens on tensor cores (64 x 64 tiles, x read once;
+# moe_router_logits re-reads a token's row per 8 experts); OPENINFER_MOE_GROUP_BLOCKS=1 groups at least
+# GROUP_BLOCKS_MIN_SLOTS slots with one block per expert and no atomics (moe_expert_counts +
+# moe_place_slots; moe_sort_parallel's one block spent 76 us on 8k tokens x top-6 in E2, H200).
+ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 64, 4
+GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
+ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -289,6 +302,25 @@ def fast_routing() -> bool:
     return os.environ.get(FAST_ROUTING_ENV, "1") not in ("0", "false", "off")
 
 
+def _switch(env: str) -> bool:
+    value = os.environ.get(env, "0").lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{env} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def router_mma_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_mma: $OPENINFER_MOE_ROUTER_MMA and at least
+    ROUTER_MMA_MIN_TOKENS tokens."""
+    return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV)
+
+
+def group_blocks_wanted(num_slots: int) -> bool:
+    """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
+    and at least GROUP_BLOCKS_MIN_SLOTS slots."""
+    return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV)
+
+
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
           token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -305,14 +337,23 @@ def check_router(spec: RouterSpec) -> None:
 
 
 def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
-                  tid2eid: cupy.ndarray | None = None) -> cupy.ndarray | None:
+                  tid2eid: cupy.ndarray | None = None, mma: bool | None = None) -> cupy.ndarray | None:
     """``moe_router_logits``: the [E, H] router product spread over blocks (a decode step has few
     tokens), fp32 ``[T, E]``; None where ``select_experts``' one block per token computes it
-    (unaligned rows, hash routing, no tokens)."""
+    (unaligned rows, hash routing, no tokens). ``mma`` (default ``router_mma_wanted``): the
+    tensor-core tiles of moe_routing.cu instead."""
     num_tokens, hidden = x.shape
     if not num_tokens or hidden % 8 or x.data.ptr % 16 or gate.data.ptr % 16 or tid2eid is not None:
         return None
     logits = cupy.empty((num_tokens, spec.num_experts), dtype=cupy.float32)
+    if router_mma_wanted(num_tokens) if mma is None else mma:
+        shared = ROUTER_STAGES * 2 * ROUTER_TILE * (ROUTER_TILE + 8) * 2
+        fn = kernel("moe_routing.cu", "moe_router_logits_mma", ROUTER_STAGES=ROUTER_STAGES)
+        if fn.max_dynamic_shared_size_bytes < shared:
+            fn.max_dynamic_shared_size_bytes = shared
+        fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
+           (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
+        return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
         (x, gate, np.int32(hidden), np.int32(spec.num_experts), logits))
@@ -321,16 +362,21 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
 
 def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
                    logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
-                   tid2eid: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
-    group-limited top-k, weights (``route``'s second half)."""
+    group-limited top-k, weights (``route``'s second half). ``narrow`` (default: with ``logits``, where
+    ``router_mma_wanted``): blocks of one thread per expert (at least 64: a thread per expert group)
+    instead of 256, as the block only reads the logits."""
     num_tokens, hidden = x.shape
     check_router(spec)
     ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
+    if narrow is None:
+        narrow = logits is not None and router_mma_wanted(num_tokens)
+    threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
         kernel("moe.cu", "moe_route")(
-            (num_tokens,), (256,),
+            (num_tokens,), (threads,),
             (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
              np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
              np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
@@ -339,7 +385,11 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
     return ids, weights
 
 
-def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) -> ExpertGroupingDevice:
+def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
+                    per_expert_blocks: bool | None = None) -> ExpertGroupingDevice:
+    """Slots grouped by expert and the GEMM tile list (``ExpertGroupingDevice``): moe_sort_parallel
+    (one block), or with ``per_expert_blocks`` (default ``group_blocks_wanted``) moe_routing.cu's
+    block per expert (slots of an expert in slot order)."""
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
     grouping = ExpertGroupingDevice(
@@ -348,7 +398,15 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int) 
         cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
     layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
               grouping.num_tiles, np.int32(tiles))
-    if fast_routing():
+    if (group_blocks_wanted(num_slots) if per_expert_blocks is None else per_expert_blocks) and num_slots:
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_place_slots scans at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        counts = cupy.empty(num_experts, dtype=cupy.int32)
+        kernel("moe_routing.cu", "moe_expert_counts")((num_experts,), (GROUP_THREADS,), (ids, np.int32(num_slots),
+                                                                                       counts))
+        kernel("moe_routing.cu", "moe_place_slots")((num_experts,), (GROUP_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), counts, *layout))
+    elif fast_routing():
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"moe_sort_parallel keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
         kernel("moe.cu", "moe_sort_parallel")((1,), (SORT_THREADS,), (ids, np.int32(num_slots),
@@ -452,7 +510,7 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
-                 pipelined: str | None = None, pipe_shape: str | None = None) -> cupy.ndarray:
+                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -461,12 +519,21 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``pipelined`` (default $OPENINFER_MOE_PIPELINED): "tiles"/"fused" runs bf16 experts' GEMM
     through moe_grouped_gemm_pipelined wherever the per-tile GEMM would run, and instead of the
     chosen decode GEMV above PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert (unless one is forced);
-    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``)."""
+    ``pipe_shape`` forces its block shape (PIPE_SHAPES; default ``pipe_shape_for``).
+    ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
+    None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
+    SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced."""
     num_slots = int(grouping.sorted_slots.size)
+    a = cupy.ascontiguousarray(a)
+    if sm90 is None:
+        sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
+                and sm90_experts(a, weight, num_slots))
+    if sm90:
+        return grouped_gemm_sm90(a, weight, grouping, gather)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
-    a = cupy.ascontiguousarray(a)
     pipelined_first = PIPELINED_BEFORE_BLAS and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
     if (not gemv and not pipelined_first and blas_eligible(num_slots, weight, blas)
             and (weight.format == "bf16" or weight.gemv_ready(a))):
@@ -588,13 +655,23 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
                 token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output ``shared``, already computed). OPENINFER_MOE_PIPELINED=fused: the
-    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``)."""
+    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``);
+    OPENINFER_MOE_SM90=1: in the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
-    if pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
-        activated = fused_gate_up_silu(x, layer.gate_up, grouping)
-    else:
-        activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
-    y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
+    y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     return combine(y, grouping, shared, int(x.shape[1]))
+
+
+def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: ExpertLinear,
+                   grouping: ExpertGroupingDevice) -> cupy.ndarray:
+    """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
+    each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
+    if forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True):
+        activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
+    elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
+        activated = fused_gate_up_silu(x, gate_up, grouping)
+    else:
+        activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas)

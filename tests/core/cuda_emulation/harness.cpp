@@ -4,6 +4,7 @@
 #define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #ifdef MOE
 #include "moe.cu"
+#include "moe_routing.cu"  // the grouping kernels (one block per expert)
 #if WEIGHT_FORMAT == 0 && defined(PIPE_STAGES)  // bf16: moe_pipelined.cu's grouped GEMM too
 #define PIPE_DYNAMIC_SHARED(name) alignas(16) static bf16 name[PIPE_STAGES * PIPE_STAGE_ELEMS]
 #include "moe_pipelined.cu"
@@ -74,6 +75,20 @@ int main(int argc, char** argv) {
         for (const auto* part : {&p_sorted, &p_pos, &p_tile_expert, &p_tile_row, &p_num_tiles})
             layout.insert(layout.end(), part->begin(), part->end());
         save(dir, threads == 4 ? "parallel_sort_4.bin" : "parallel_sort_256.bin", layout.data(), layout.size());
+    }
+    // moe_expert_counts + moe_place_slots (a block per expert; the kernels need E <= threads)
+    for (const unsigned threads : {32u, 64u}) {
+        std::vector<int> b_counts(E), b_offsets(E + 1), b_sorted(slots), b_pos(slots), b_tile_expert(max_tiles),
+            b_tile_row(max_tiles), b_num_tiles(1);
+        launch(E, 1, 1, threads, [&] { moe_expert_counts(ids.data(), slots, b_counts.data()); });
+        launch(E, 1, 1, threads, [&] {
+            moe_place_slots(ids.data(), slots, E, b_counts.data(), b_offsets.data(), b_sorted.data(), b_pos.data(),
+                            b_tile_expert.data(), b_tile_row.data(), b_num_tiles.data(), max_tiles);
+        });
+        std::vector<int> layout(b_offsets);
+        for (const auto* part : {&b_sorted, &b_pos, &b_tile_expert, &b_tile_row, &b_num_tiles})
+            layout.insert(layout.end(), part->begin(), part->end());
+        save(dir, threads == 32 ? "block_sort_32.bin" : "block_sort_64.bin", layout.data(), layout.size());
     }
     std::vector<bf16> h(size_t(slots) * N1), act(size_t(slots) * K2), y(size_t(slots) * N2), out(size_t(T) * H);
     launch(max_tiles, (N1 + BN - 1) / BN, 1, GEMM_THREADS, [&] {

@@ -79,3 +79,5 @@ inline unsigned long long emulated_globaltimer_ns() {
 }
 void __syncthreads();
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask);
+int __shfl_up_sync(unsigned mask, int value, unsigned delta);
+int __shfl_sync(unsigned mask, int value, int src_lane);

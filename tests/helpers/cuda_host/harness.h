@@ -33,6 +33,26 @@ float __shfl_xor_sync(unsigned, float value, int lane_mask) {
     return shuffle_slots[(t & ~31u) | ((t & 31u) ^ static_cast<unsigned>(lane_mask))];
 }
 
+// Integer shuffles (block scans): lane - delta's value (a lane below delta keeps its own), lane src_lane's.
+static int shuffle_int_slots[1024];
+static int exchange_int(int value) {
+    const unsigned t = threadIdx.x;
+    std::barrier<>& warp = *warp_barriers[t / 32];
+    warp.arrive_and_wait();
+    shuffle_int_slots[t] = value;
+    warp.arrive_and_wait();
+    return value;
+}
+int __shfl_up_sync(unsigned, int value, unsigned delta) {
+    exchange_int(value);
+    const unsigned t = threadIdx.x;
+    return (t & 31u) >= delta ? shuffle_int_slots[t - delta] : value;
+}
+int __shfl_sync(unsigned, int value, int src_lane) {
+    exchange_int(value);
+    return shuffle_int_slots[(threadIdx.x & ~31u) | static_cast<unsigned>(src_lane & 31)];
+}
+
 // kernel<<<dim3(grid_x, grid_y, grid_z), threads>>>: blocks one after another (so __shared__
 // statics are private to the running block), a block's threads concurrently.
 template <class Kernel>

@@ -1,0 +1,157 @@
+"""The Hopper grouped expert GEMM for bf16 experts (``openinfer/kernels/moe_sm90.cu``, sm_90a).
+
+One persistent launch multiplies every expert's slots (``moe_sort``'s expert order) by its weight:
+128 slots x 256 weight rows per tile, wgmma from shared memory fed by a producer warpgroup (the
+gathered token rows by cp.async, the weight rows by TMA from one tensor map of the whole
+``[E, N, K]`` stack), fp32 accumulation, bf16 out; optionally gate_up with SiLU·mul fused
+(``[T·k, I]`` out). The tile list is counted from the routing's offsets on the device, so a step
+reads nothing back and can be captured in a CUDA graph (the cuBLAS-per-expert path cannot).
+
+The weight's tensor map (one per weight array, kept by address and shape) views ``[E·N, K]`` as the
+3-d tensor (element, 1, weight row) that ``tensor_maps.encode_page_map`` encodes, with a box of
+64 elements (the 128-byte swizzle wgmma reads) x 128 rows::
+
+    weight  [E, N, K] bf16  ->  rows e·N + n, K contiguous; box (k0 .. k0 + 63, rows r0 .. r0 + 127)
+
+OPENINFER_MOE_SM90=1 takes it for bf16 experts on a compute capability 9.0 GPU above
+SM90_ABOVE_ROWS_PER_EXPERT slots per expert, ahead of cuBLAS per expert and the pipelined kernel;
+unmeasured, so off by default (0: off).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.tensor_maps import TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
+
+if TYPE_CHECKING:
+    from openinfer.backend.cuda.moe import ExpertGroupingDevice, ExpertLinear
+
+SM90_ENV = "OPENINFER_MOE_SM90"
+DEFAULT_SM90 = False
+# moe_sm90.cu's shape: 128-slot x 256-weight-row tiles (fused: 128 gate + the same 128 up rows),
+# 64-wide k-tiles, 3 warpgroups, at most 512 experts (their offsets and tile counts in shared memory)
+SM90_TILE_M, SM90_TILE_N, SM90_BOX_ROWS, SM90_TILE_K = 128, 256, 128, 64
+SM90_THREADS = 384
+SM90_STAGES = 4
+SM90_MAX_EXPERTS = 512
+# Below this many slots per expert a 128-row tile is mostly padding: the pipelined kernel's 64-row
+# tiles or the decode GEMVs keep those steps (unmeasured bound).
+SM90_ABOVE_ROWS_PER_EXPERT = 24
+# CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
+# TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
+# pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
+# second CTA idle); unmeasured, off (infinite).
+SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
+
+
+def sm90_enabled() -> bool:
+    """$OPENINFER_MOE_SM90 ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90)."""
+    value = os.environ.get(SM90_ENV)
+    if value is None or value == "":
+        return DEFAULT_SM90
+    if value.lower() in ("1", "true", "on"):
+        return True
+    if value.lower() in ("0", "false", "off"):
+        return False
+    raise ValueError(f"{SM90_ENV} must be 1 or 0 (on / off), got {value!r}")
+
+
+@functools.cache
+def _device_traits(device_id: int) -> tuple[str, int]:
+    device = cupy.cuda.Device(device_id)
+    return device.compute_capability, int(device.attributes["MultiProcessorCount"])
+
+
+def sm90_supported() -> bool:
+    """Whether the current GPU runs sm_90a code (an H100 / H200)."""
+    return _device_traits(cupy.cuda.Device().id)[0] == "90"
+
+
+def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -> bool:
+    """moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS experts,
+    K % 8 == 0 (16-byte rows for cp.async and TMA), 16-byte aligned A rows and a contiguous, 16-byte
+    aligned weight (its tensor map), an even N
+    (fused: N = 2I with I even), row indices within int32."""
+    return (weight.format == "bf16" and weight.num_experts <= SM90_MAX_EXPERTS and weight.in_features % 8 == 0
+            and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
+            and weight.out_features % (4 if fuse_silu else 2) == 0
+            and weight.num_experts * weight.out_features < 2**31 and sm90_supported())
+
+
+def sm90_shared_bytes(stages: int = SM90_STAGES) -> int:
+    """moe_sm90.cu's dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
+    return stages * (SM90_TILE_M + SM90_TILE_N) * 128 + 16 * stages + 1024
+
+
+def weight_box_layout(weight: ExpertLinear) -> PageBoxLayout:
+    """The tensor-map layout of ``weight.data`` ``[E, N, K]``: rows of K elements, 64 x 128-row boxes."""
+    rows, k = weight.num_experts * weight.out_features, weight.in_features
+    return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, SM90_BOX_ROWS))
+
+
+class WeightMaps:
+    """The tensor map of each weight array, encoded once (host bytes: a kernel parameter). Keyed by
+    device address and layout, so an array freed and reallocated alike reuses a map still right."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
+
+    def get(self, weight: ExpertLinear) -> np.ndarray:
+        key = (weight.data.data.ptr, weight_box_layout(weight))
+        found = self._maps.get(key)
+        if found is None:
+            found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
+            self._maps[key] = found
+        return found
+
+
+weight_maps = WeightMaps()
+
+
+def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False) -> int:
+    """Persistent CTAs: one per SM (``multicast``: pairs), fewer when the step has fewer work units
+    (bounded on the host: each active expert wastes at most one partial unit of 128, or 256, slots)."""
+    cluster = 2 if multicast else 1
+    columns = SM90_TILE_N // 2 if fuse_silu else SM90_TILE_N
+    out_features = weight.out_features // 2 if fuse_silu else weight.out_features
+    m_units = -(-num_slots // (SM90_TILE_M * cluster)) + min(weight.num_experts, num_slots)
+    units = m_units * -(-out_features // columns)
+    return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
+
+
+def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
+                      fuse_silu: bool = False, stages: int = SM90_STAGES, multicast: bool | None = None) -> cupy.ndarray:
+    """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
+    every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
+    ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
+    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. The caller checks ``sm90_ready``."""
+    num_slots = int(grouping.sorted_slots.size)
+    if multicast is None:
+        multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
+    out_features = weight.out_features // 2 if fuse_silu else weight.out_features
+    out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
+    if num_slots == 0:
+        return out
+    a = cupy.ascontiguousarray(a)
+    shared = sm90_shared_bytes(stages)
+    fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=stages,
+                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast))
+    fn((sm90_grid(num_slots, weight, fuse_silu, multicast),), (SM90_THREADS,), (
+        a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_maps.get(weight),
+        grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
+        np.int32(weight.in_features)), shared_mem=shared)
+    return out
+
+
+def sm90_experts(a: cupy.ndarray, weight: ExpertLinear, num_slots: int, fuse_silu: bool = False) -> bool:
+    """Whether a grouped GEMM of ``num_slots`` slots takes moe_grouped_gemm_sm90: switched on
+    (``sm90_enabled``), ``sm90_ready`` and more than SM90_ABOVE_ROWS_PER_EXPERT slots per expert."""
+    return (sm90_enabled() and num_slots > SM90_ABOVE_ROWS_PER_EXPERT * weight.num_experts
+            and sm90_ready(a, weight, fuse_silu))

@@ -1,0 +1,167 @@
+// Routing and grouping kernels for prefill-sized MoE steps (thousands of tokens); moe.cu's
+// moe_router_logits (one warp per token and expert: every block re-reads its token's row and the
+// router rows) and moe_sort_parallel (one block, shared-memory atomics on a few counters) are
+// built for decode steps.
+//
+// moe_router_logits_mma: logits [T, E] fp32 = x [T, H] bf16 · gate [E, H]^T, 64 tokens x 64 experts
+//   per block on tensor cores (mma.cuh's 64x64 tile, fp32 accumulate), ROUTER_STAGES k-tiles of x and
+//   of the router rows in flight by cp.async; x is read once.
+// moe_expert_counts + moe_place_slots: moe_sort's layout (offsets [E+1], sorted_slots, slot_pos, the
+//   64-row GEMM tile list) over one block per expert and no atomics: block e counts the slots routed
+//   to e, then (second launch) every block scans the counts and block e writes e's slots in slot
+//   order (a stable, deterministic placement), its offsets entry and its tiles.
+// Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
+#include "mma.cuh"
+
+#ifndef ROUTER_STAGES
+#define ROUTER_STAGES 4
+#endif
+#define ROUTER_TILE MMA_TILE  // 64 tokens x 64 experts x 64-wide k-tiles
+#define ROUTER_LD (ROUTER_TILE + 8)
+#define GROUP_TILE_ROWS 64   // moe.cu's BM: rows of one expert per GEMM tile
+#define GROUP_THREADS 1024
+#define GROUP_MAX_EXPERTS 512
+
+#ifndef MMA_HOST_STANDIN  // cp.async: GPU only (the host emulation runs the grouping kernels below)
+extern "C" __global__ void __launch_bounds__(MMA_TILE_THREADS)
+moe_router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
+                      int num_experts, float* __restrict__ logits) {
+    extern __shared__ __align__(16) bf16 router_smem[];  // ROUTER_STAGES x (x tile, gate tile) [64][ROUTER_LD]
+    typedef bf16(*Tile)[ROUTER_LD];
+    const int t0 = blockIdx.x * ROUTER_TILE, e0 = blockIdx.y * ROUTER_TILE;
+    const int k_tiles = (hidden + ROUTER_TILE - 1) / ROUTER_TILE;
+    auto stage_tile = [&](int stage, int which) {
+        return reinterpret_cast<Tile>(router_smem + (2 * stage + which) * ROUTER_TILE * ROUTER_LD);
+    };
+    auto issue = [&](int kt) {  // k-tile kt of both operands, zeros past the tokens, experts or hidden
+        const int stage = kt % ROUTER_STAGES, k0 = kt * ROUTER_TILE;
+        Tile a_tile = stage_tile(stage, 0), b_tile = stage_tile(stage, 1);
+        for (int i = threadIdx.x; i < ROUTER_TILE * ROUTER_TILE / 8; i += MMA_TILE_THREADS) {
+            const int r = i / (ROUTER_TILE / 8), c = (i % (ROUTER_TILE / 8)) * 8, k = k0 + c;
+            const bool a_valid = t0 + r < num_tokens && k < hidden, b_valid = e0 + r < num_experts && k < hidden;
+            cp_async16(&a_tile[r][c], a_valid ? x + (long long)(t0 + r) * hidden + k : x, a_valid);
+            cp_async16(&b_tile[r][c], b_valid ? gate + (long long)(e0 + r) * hidden + k : gate, b_valid);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s + 1 < ROUTER_STAGES; ++s) {  // every turn commits a group, empty or not
+        if (s < k_tiles) issue(s);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    const MmaTileLane lane = mma_tile_lane();
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ROUTER_STAGES - 2));
+        __syncthreads();  // k-tile kt landed for every thread; the stage refilled below was read by every warp
+        if (kt + ROUTER_STAGES - 1 < k_tiles) issue(kt + ROUTER_STAGES - 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        mma_tile_step<ROUTER_LD>(acc, stage_tile(kt % ROUTER_STAGES, 0), stage_tile(kt % ROUTER_STAGES, 1), lane);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int t = t0 + lane.warp_m + 16 * i + lane.group + 8 * (v >> 1);
+                const int e = e0 + lane.warp_n + 8 * j + lane.pair + (v & 1);
+                if (t < num_tokens && e < num_experts) logits[(long long)t * num_experts + e] = acc[i][j][v];
+            }
+}
+#endif
+
+// Exclusive scan of one value per thread over the block (GROUP_THREADS threads); `scratch` holds
+// 32 ints. Returns this thread's exclusive prefix; *total the block's sum.
+__device__ __forceinline__ int block_exclusive_scan(int value, int* scratch, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int inclusive = value;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int below = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += below;
+    }
+    if (lane == 31) scratch[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < warps ? scratch[lane] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int below = __shfl_up_sync(0xffffffffu, w, d);
+            if (lane >= d) w += below;
+        }
+        scratch[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int warp_base = warp > 0 ? scratch[warp - 1] : 0;
+    *total = scratch[warps - 1];
+    __syncthreads();  // scratch free for the next scan
+    return warp_base + inclusive - value;
+}
+
+// Grid (E): counts[e] = the slots routed to expert e.
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+moe_expert_counts(const int* __restrict__ ids, int num_slots, int* __restrict__ counts) {
+    __shared__ int scratch[32];
+    const int e = blockIdx.x;
+    int mine = 0;
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) mine += ids[i] == e;
+    int total;
+    block_exclusive_scan(mine, scratch, &total);
+    if (threadIdx.x == 0) counts[e] = total;
+}
+
+// Grid (E), after moe_expert_counts: the same offsets, tile list and num_tiles as moe_sort; expert
+// e's slots in slot order (thread t walks slots t·R .. t·R + R - 1, R = ⌈S / threads⌉).
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, const int* __restrict__ counts,
+                int* __restrict__ offsets /* [E+1] */, int* __restrict__ sorted_slots, int* __restrict__ slot_pos,
+                int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles,
+                int max_tiles) {
+    __shared__ int scratch[32];
+    __shared__ int expert_row, expert_tile;
+    const int e = blockIdx.x, tid = threadIdx.x;
+    // experts' first rows and first tiles: thread i sums experts i, i + threads, ... (E <= 512 <= threads)
+    const int count = tid < num_experts ? counts[tid] : 0;
+    int rows_total, tiles_total;
+    const int row_before = block_exclusive_scan(count, scratch, &rows_total);
+    const int tile_before = block_exclusive_scan((count + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS, scratch, &tiles_total);
+    if (tid == e) {
+        expert_row = row_before;
+        expert_tile = tile_before;
+    }
+    if (e == 0) {
+        if (tid < num_experts) offsets[tid] = row_before;
+        if (tid == 0) {
+            offsets[num_experts] = rows_total;
+            *num_tiles = min(tiles_total, max_tiles);
+        }
+    }
+    __syncthreads();
+    const int first_row = expert_row, first_tile = expert_tile, rows = counts[e];
+    for (int r = tid * GROUP_TILE_ROWS; r < rows; r += blockDim.x * GROUP_TILE_ROWS) {
+        const int tile = first_tile + r / GROUP_TILE_ROWS;
+        if (tile < max_tiles) {
+            tile_expert[tile] = e;
+            tile_row[tile] = first_row + r;
+        }
+    }
+    const int run = (num_slots + blockDim.x - 1) / blockDim.x, begin = min(num_slots, tid * run),
+              end = min(num_slots, begin + run);
+    int mine = 0;
+    for (int i = begin; i < end; ++i) mine += ids[i] == e;
+    int total;
+    int p = first_row + block_exclusive_scan(mine, scratch, &total);
+    if (mine == 0) return;
+    for (int i = begin; i < end; ++i)
+        if (ids[i] == e) {
+            sorted_slots[p] = i;
+            slot_pos[i] = p;
+            ++p;
+        }
+}

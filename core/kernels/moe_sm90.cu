@@ -1,0 +1,270 @@
+// Grouped expert GEMM for bf16 experts on Hopper (sm_90a): wgmma from shared memory, a TMA +
+// cp.async producer warpgroup, an mbarrier ring of SM90_STAGES k-tiles, a persistent grid.
+//   out[p, n] = Σ_k A[row(p), k] · W_e(p)[n, k],  row(p) = sorted_slots[p] / top_k (gather) or p,
+// p over the slots in expert order (moe_sort's offsets: expert e owns slots offsets[e] .. offsets[e+1]).
+//
+// Work: tiles of 128 slots of one expert x 256 weight rows (SM90_FUSE_SILU: 128 gate rows and the
+// same 128 up rows), numbered m-tile-major (the CTAs resident at once share A rows and one or two
+// experts' weights in L2); CTA b takes tiles b, b + gridDim.x, ... An expert's m-tiles are counted
+// from `offsets` on the device (no host read: the launch can be captured in a CUDA graph).
+// One CTA = 3 warpgroups:
+//   warpgroup 0 (producer): per k-tile, the 128 gathered A rows by cp.async (zeros past the
+//     expert's rows or past K) and the 256 weight rows as two TMA boxes [128 rows x 64] of the
+//     weight's tensor map (rows past the expert are the next expert's or TMA's zeros: never stored);
+//     both land on the stage's "full" mbarrier (128 cp.async arrivals + thread 0's byte count).
+//   warpgroups 1, 2 (consumers): 64 rows each, D[64 x 256] += A·B^T by wgmma m64n256k16, both
+//     operands K-major in 128-byte-swizzled shared memory; a stage is released (its "empty"
+//     mbarrier, one arrival per warp) once the next stage's wgmmas are issued and its own retired.
+//     A warpgroup whose 64 rows hold no slot of the tile skips the math (still waits and releases).
+//     Epilogue from registers: fp32 -> bf16 (fused: silu(gate)·up, gate / up / silu each rounded to
+//     bf16 as grouped_gemm -> silu_mul rounds them), while the producer fills the next tile's stages.
+//
+// SM90_MULTICAST=1: clusters of 2 CTAs take 256-slot units of one expert, 128 slots each, against the
+// same 256 weight rows: CTA r copies box r by TMA multicast into both CTAs' stage, so each weight
+// tile crosses from L2 once per pair (a 128 x 256 tile reads 768 bytes from L2 per k for 64 K of
+// MMA work; the pair 512 per CTA). A stage is free once the consumers of both CTAs release it (16
+// arrivals); a CTA with no slot in its half of the unit still copies its box and computes zeros.
+//
+//   smem: [stage s: A 128 x 128 B | B 256 x 128 B] x SM90_STAGES, [full, empty mbarriers] (1024-aligned)
+//
+// Needs K % 8 == 0, 16-byte aligned rows of A, N even (fused: N = 2 I, I even); at most
+// SM90_MAX_EXPERTS experts.
+#include "mma.cuh"  // pack_bf16x2, round_bf16
+#include "sm90.cuh"
+
+#ifndef SM90_STAGES
+#define SM90_STAGES 4
+#endif
+#ifndef SM90_FUSE_SILU
+#define SM90_FUSE_SILU 0
+#endif
+#ifndef SM90_MULTICAST
+#define SM90_MULTICAST 0
+#endif
+#define SM90_CLUSTER (SM90_MULTICAST ? 2 : 1)
+#define SM90_THREADS 384
+#define SM90_TILE_M 128
+#define SM90_TILE_N 256   // weight rows per tile: two TMA boxes
+#define SM90_BOX_ROWS 128
+#define SM90_TILE_K 64    // one 128-byte swizzle row of bf16
+#define SM90_UNIT_M (SM90_TILE_M * SM90_CLUSTER)  // slots of one expert per work unit (a CTA or a pair)
+#define SM90_A_BYTES (SM90_TILE_M * 128)
+#define SM90_B_BYTES (SM90_TILE_N * 128)
+#define SM90_STAGE_BYTES (SM90_A_BYTES + SM90_B_BYTES)
+#define SM90_BARRIER_OFFSET (SM90_STAGES * SM90_STAGE_BYTES)
+// + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
+#define SM90_SHARED_BYTES (SM90_BARRIER_OFFSET + 16 * SM90_STAGES + 1024)
+#define SM90_MAX_EXPERTS 512
+#define SM90_PRODUCER_REGS 72
+#define SM90_CONSUMER_REGS 216  // 128 * 72 + 256 * 216 <= 65536
+#if SM90_FUSE_SILU
+#define SM90_OUT_TILE_N (SM90_TILE_N / 2)  // output columns per tile
+#else
+#define SM90_OUT_TILE_N SM90_TILE_N
+#endif
+
+struct ExpertTile {
+    int expert, row_begin, rows, column;  // rows: the CTA's slots (<= 0: none); column: first output column
+};
+
+// Work unit `tile` of the launch: m-unit tile / n_tiles (expert e's m-units of SM90_UNIT_M slots are
+// tile_start[e] .. tile_start[e + 1] - 1), output column block tile % n_tiles; cluster CTA `rank`
+// takes the unit's 128-slot part `rank`.
+__device__ __forceinline__ ExpertTile expert_tile(int tile, int n_tiles, const int* tile_start, const int* offsets,
+                                                  int num_experts, int rank) {
+    const int m = tile / n_tiles;
+    int lo = 0, hi = num_experts - 1;  // the last expert whose first m-tile is <= m (it has tiles)
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tile_start[mid] <= m) lo = mid;
+        else hi = mid - 1;
+    }
+    ExpertTile w;
+    w.expert = lo;
+    w.row_begin = offsets[lo] + (m - tile_start[lo]) * SM90_UNIT_M + rank * SM90_TILE_M;
+    w.rows = min(SM90_TILE_M, offsets[lo + 1] - w.row_begin);
+    w.column = (tile % n_tiles) * SM90_OUT_TILE_N;
+    return w;
+}
+
+// A consumer warp is done reading a stage. SM90_MULTICAST: the next copies into it come from both
+// CTAs of the pair, so both CTAs' empty barriers hear of it.
+__device__ __forceinline__ void release_stage(u32 bar, int lane) {
+    __syncwarp();
+#if SM90_MULTICAST
+    if (lane == 0) {
+        mbar_arrive_cluster(bar, 0);
+        mbar_arrive_cluster(bar, 1);
+    }
+#else
+    if (lane == 0) mbar_arrive(bar);
+#endif
+}
+
+#if SM90_MULTICAST
+#define SM90_CLUSTER_ATTRIBUTE __cluster_dims__(2, 1, 1)
+#else
+#define SM90_CLUSTER_ATTRIBUTE
+#endif
+extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1) SM90_CLUSTER_ATTRIBUTE
+moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                      const __grid_constant__ TensorMap weight_map, const int* __restrict__ offsets, int num_experts,
+                      bf16* __restrict__ out, int N, int K) {
+    extern __shared__ uint4 smem_raw[];
+    __shared__ int expert_offsets[SM90_MAX_EXPERTS + 1];
+    __shared__ int tile_start[SM90_MAX_EXPERTS + 1];
+    const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
+    const u32 bar_full = base + SM90_BARRIER_OFFSET;      // [SM90_STAGES]
+    const u32 bar_empty = bar_full + 8 * SM90_STAGES;     // [SM90_STAGES]
+
+    for (int e = threadIdx.x; e <= num_experts; e += SM90_THREADS) expert_offsets[e] = offsets[e];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SM90_STAGES; ++s) {
+            mbar_init(bar_full + 8 * s, 128 + 1);  // every producer thread's copies + thread 0's TMA bytes
+            mbar_init(bar_empty + 8 * s, 8 * SM90_CLUSTER);  // one arrival per consumer warp (of the pair)
+        }
+        mbar_init_fence();
+    }
+#if SM90_MULTICAST
+    cluster_sync();  // the pair's barriers are ready before either's copies or releases reach them
+    const int rank = (int)cluster_cta_rank();
+#else
+    __syncthreads();
+    const int rank = 0;
+#endif
+    const int unit0 = blockIdx.x / SM90_CLUSTER, units_stride = gridDim.x / SM90_CLUSTER;
+    if (threadIdx.x < 32) {  // tile_start: exclusive scan of the experts' m-tile counts, 32 experts a pass
+        const int lane = threadIdx.x;
+        int carry = 0;
+        if (lane == 0) tile_start[0] = 0;
+        for (int first = 0; first < num_experts; first += 32) {
+            const int e = first + lane;
+            int count = e < num_experts ? (expert_offsets[e + 1] - expert_offsets[e] + SM90_UNIT_M - 1) / SM90_UNIT_M : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int below = __shfl_up_sync(0xffffffffu, count, d);
+                if (lane >= d) count += below;
+            }
+            if (e < num_experts) tile_start[e + 1] = carry + count;
+            carry += __shfl_sync(0xffffffffu, count, 31);
+        }
+    }
+    __syncthreads();
+#if SM90_FUSE_SILU
+    const int out_features = N / 2;
+#else
+    const int out_features = N;
+#endif
+    const int n_tiles = (out_features + SM90_OUT_TILE_N - 1) / SM90_OUT_TILE_N;
+    const int num_tiles = tile_start[num_experts] * n_tiles;
+    const int k_tiles = (K + SM90_TILE_K - 1) / SM90_TILE_K;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (warpgroup == 0) {
+        // ---------------- producer ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SM90_PRODUCER_REGS));
+        const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
+        if (t == 0) prefetch_tensor_map(&weight_map);
+        int step = 0;  // k-tiles produced so far (ring position)
+        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
+            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            int source[SM90_TILE_M / 16];  // A row of each of this thread's tile rows, -1: past the expert
+#pragma unroll
+            for (int i = 0; i < SM90_TILE_M / 16; ++i) {
+                const int r = row0 + 16 * i;
+                source[i] = r < w.rows ? (sorted_slots ? sorted_slots[w.row_begin + r] / top_k : w.row_begin + r) : -1;
+            }
+            const int first_row = w.expert * N + w.column;  // weight rows of box 0; box 1 follows:
+#if SM90_FUSE_SILU
+            const int second_row = first_row + N / 2;  // the up rows of the same columns
+#else
+            const int second_row = first_row + SM90_BOX_ROWS;
+#endif
+            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+                const int stage = step % SM90_STAGES;
+                if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
+                const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
+                const u32 full = bar_full + 8 * stage;
+                const int k = kt * SM90_TILE_K + chunk * 8;
+#pragma unroll
+                for (int i = 0; i < SM90_TILE_M / 16; ++i) {
+                    const bool valid = source[i] >= 0 && k < K;
+                    cp_async16(a_smem + swizzled(row0 + 16 * i, chunk), valid ? a + (size_t)source[i] * K + k : a, valid);
+                }
+                mbar_arrive_on_copies(full);
+                if (t == 0) {
+                    mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
+#if SM90_MULTICAST
+                    tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
+                                          rank ? second_row : first_row, full, 3);
+#else
+                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
+                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+#endif
+                }
+            }
+        }
+        cp_async_wait_all();
+    } else {
+        // ---------------- consumers ----------------
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SM90_CONSUMER_REGS));
+        const int wg = warpgroup - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+        const int g = lane >> 2, q = (lane & 3) * 2;
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        int step = 0;
+        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
+            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+                const int stage = step % SM90_STAGES;
+                mbar_wait(bar_full + 8 * stage, (step / SM90_STAGES) & 1);
+                fence_proxy_async_shared();  // the gathered A rows came by cp.async (generic proxy)
+                const u32 a_smem = base + stage * SM90_STAGE_BYTES + wg * 64 * 128, b_smem = base + stage * SM90_STAGE_BYTES + SM90_A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < SM90_TILE_K / 16; ++kk)  // 16-wide k steps: 32 bytes along the swizzled rows
+                    wgmma_ss_n256(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
+                                  kt > 0 || kk > 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous stage's wgmmas retired: release it
+                if (kt > 0) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            }
+            wgmma_wait<0>();
+            release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            // lane (g, q) of warp `warp` holds rows 16 warp + g (+ 8), columns 8 j + q (+ 1) in acc[4 j + 2 half (+ 1)]
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 64 * wg + 16 * warp + g + 8 * half;
+                if (r >= w.rows) continue;
+                bf16* out_row = out + (size_t)(w.row_begin + r) * out_features;
+#if SM90_FUSE_SILU
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {  // gate column block j, its up block j + 16
+                    const int c = w.column + 8 * j + q;
+                    float o[2];
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        const float gate = round_bf16(acc[4 * j + 2 * half + v]);
+                        const float up = round_bf16(acc[4 * (j + 16) + 2 * half + v]);
+                        o[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
+                    }
+                    if (c + 1 < out_features) *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(o[0], o[1]);
+                    else if (c < out_features) out_row[c] = __float2bfloat16_rn(o[0]);
+                }
+#else
+#pragma unroll
+                for (int j = 0; j < 32; ++j) {
+                    const int c = w.column + 8 * j + q;
+                    if (c + 1 < out_features)
+                        *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+                    else if (c < out_features) out_row[c] = __float2bfloat16_rn(acc[4 * j + 2 * half]);
+                }
+#endif
+            }
+        }
+    }
+#if SM90_MULTICAST
+    cluster_sync();  // neither CTA of the pair exits while the other may still arrive on its barriers
+#endif
+}
