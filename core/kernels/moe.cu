@@ -34,6 +34,12 @@
 #ifndef FP8_BLOCK
 #define FP8_BLOCK 128
 #endif
+#ifndef INT4_TILED
+#define INT4_TILED 0  // INT4 words and scales in the GEMV-tiled layout (int4_word_index), not [N, K/8]
+#endif
+#if INT4_TILED && (WEIGHT_FORMAT != 1 || GROUP != 32)
+#error "the tiled INT4 layout holds group-32 INT4 weights only"
+#endif
 #define BM MMA_TILE  // mma.cuh's 64×64 block tile on 4 warps
 #define BN MMA_TILE
 #define BK MMA_TILE  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
@@ -298,15 +304,48 @@ __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
     return __int_as_float((int)bits) * 1.329227995784916e36f;  // 2^120
 }
 
+#if WEIGHT_FORMAT == 1
+// Where INT4 weight words and group scales live. Checkpoint layout (INT4_TILED 0): words [E, N, K/8]
+// (word k/8 of row n holds weights k .. k+7), scales [E, N, K/GROUP]. Tiled layout (INT4_TILED 1,
+// group 32, N % 16 == 0, K % 128 == 0; core/quant.py tile_int4_for_gemv builds it): the weights of
+// 16 rows × 128 k form one 1024-byte chunk, chunks ordered (expert, row block n/16, k/128), so the
+// decode GEMV's warp (16 rows) streams one contiguous run of HBM and its 32 lanes read 512
+// contiguous bytes per 16-byte load. Inside a chunk: half (n/8)%2, lane (n%8)·4 + (k/32)%4, word
+// (k/8)%4 — lane (g, t) of moe_gemv_mma finds its 32 weights of rows g and g + 8 at 16·lane and
+// 512 + 16·lane. Scales per chunk: 64 bf16 ordered (lane, half), rows g and g + 8 side by side.
+__device__ __forceinline__ long long int4_chunk_index(long long e, int n, int k, int N, int K) {
+    return (e * (N / 16) + n / 16) * (long long)(K / 128) + k / 128;
+}
+
+// Index of the int32 word holding weights k .. k+7 of row n (k % 8 == 0).
+__device__ __forceinline__ long long int4_word_index(long long e, int n, int k, int N, int K) {
+#if INT4_TILED
+    return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 5) & 3) * 4 +
+           ((k >> 3) & 3);
+#else
+    return (e * N + n) * (long long)(K / 8) + k / 8;
+#endif
+}
+
+// Index of the bf16 scale of weight (n, k)'s group.
+__device__ __forceinline__ long long int4_scale_index(long long e, int n, int k, int N, int K) {
+#if INT4_TILED
+    return ((int4_chunk_index(e, n, k, N, K) * 8 + (n & 7)) * 4 + ((k >> 5) & 3)) * 2 + ((n >> 3) & 1);
+#else
+    return (e * N + n) * (long long)(K / GROUP) + k / GROUP;
+#endif
+}
+#endif
+
 // Dequantise weight element (n, k) of expert e (n < N, k < K checked by the caller).
 __device__ __forceinline__ float weight_value(const void* __restrict__ weight, const void* __restrict__ scale,
                                              long long e, int n, int k, int N, int K) {
 #if WEIGHT_FORMAT == 0
     return __bfloat162float(((const bf16*)weight)[(e * N + n) * (long long)K + k]);
 #elif WEIGHT_FORMAT == 1
-    const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
+    const unsigned word = ((const unsigned*)weight)[int4_word_index(e, n, k & ~7, N, K)];
     const int q = (int)((word >> (4 * (k & 7))) & 0xF) - 8;
-    return (float)q * __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+    return (float)q * __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const unsigned char code = ((const unsigned char*)weight)[(e * N + n) * (long long)K + k];
@@ -329,8 +368,8 @@ __device__ __forceinline__ void load_b_tile_vec(const void* __restrict__ weight,
 #if WEIGHT_FORMAT == 0
             v = *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-            const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
-            const float s = __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+            const unsigned word = ((const unsigned*)weight)[int4_word_index(e, n, k, N, K)];
+            const float s = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k, N, K)]);
             float f[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) f[j] = (float)((int)((word >> (4 * j)) & 0xF) - 8) * s;
@@ -464,7 +503,7 @@ __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, lon
 #if WEIGHT_FORMAT == 0
     return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-    return *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
+    return *reinterpret_cast<const uint4*>((const unsigned*)weight + int4_word_index(e, n, k, N, K));
 #else
     return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
 #endif
@@ -482,10 +521,9 @@ __device__ __forceinline__ void weight_decode(uint4 raw, const void* __restrict_
         w[2 * i + 1] = __int_as_float((int)(word[i] & 0xFFFF0000u));
     }
 #elif WEIGHT_FORMAT == 1
-    const bf16* scales = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float s = __bfloat162float(scales[(k + 8 * i) / GROUP]);
+        const float s = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) w[8 * i + j] = (float)((int)((word[i] >> (4 * j)) & 0xF) - 8) * s;
     }
@@ -636,9 +674,8 @@ __device__ __forceinline__ void wide_scales(const void* __restrict__ scale, long
     (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
     s[0] = 1.f;
 #elif WEIGHT_FORMAT == 1
-    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
-    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK] * 1.329227995784916e36f;  // 2^120
@@ -840,9 +877,9 @@ __device__ __forceinline__ void mma_gemv_scales(const void* __restrict__ scale, 
     (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
     s[0] = 1.f;
 #elif WEIGHT_FORMAT == 1
-    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
-    for (int i = 0; i < MMA_GEMV_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+    for (int i = 0; i < MMA_GEMV_SCALES; ++i)
+        s[i] = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
@@ -859,8 +896,15 @@ __device__ __forceinline__ MmaGemvChunk mma_gemv_load(const void* __restrict__ w
     if (k < K) {
         c.lo = weight_raw(weight, e, n_lo, k, N, K);
         c.hi = weight_raw(weight, e, n_hi, k, N, K);
+#if INT4_TILED  // rows n_lo and n_lo + 8 (n_lo % 16 < 8): their scales side by side, one 4-byte load
+        (void)n_hi;
+        const unsigned pair = *reinterpret_cast<const unsigned*>((const bf16*)scale + int4_scale_index(e, n_lo, k, N, K));
+        c.s_lo[0] = bf16_low(pair);
+        c.s_hi[0] = bf16_high(pair);
+#else
         mma_gemv_scales(scale, e, n_lo, k, N, K, c.s_lo);
         mma_gemv_scales(scale, e, n_hi, k, N, K, c.s_hi);
+#endif
     }
     return c;
 }
@@ -954,7 +998,11 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 #endif  // (split K: a warp past N still meets the block's barriers, its rows clamped, its result dropped)
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+#if INT4_TILED  // N % 16 == 0: whole 16-row blocks (a split-K warp past N reads the last, result dropped)
+    const int n_lo = min(n0, N - 16) + g, n_hi = n_lo + 8;
+#else
     const int n_lo = min(n0 + g, N - 1), n_hi = min(n0 + g + 8, N - 1);  // past N: a valid row, result dropped
+#endif
     constexpr int STEP = 4 * WEIGHT_CHUNK;                                // k per chunk (the quad's 4 lanes)
     // whole chunks per slice, so only the last chunk of K is ever partial
     const int slice_chunks = ((K + STEP - 1) / STEP + MMA_GEMV_KSPLIT - 1) / MMA_GEMV_KSPLIT;
@@ -1035,7 +1083,7 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 // Same arguments, rows and tile list as moe_gemv_mma; needs K % (STAGED_CHUNKS · 128) == 0 (the
 // caller checks) and whole warps of columns (a warp past N leaves).
 // ---------------------------------------------------------------------------------------------
-#if WEIGHT_FORMAT == 1 && GROUP == 32
+#if WEIGHT_FORMAT == 1 && GROUP == 32 && !INT4_TILED  // reads the checkpoint layout's rows
 #ifndef STAGED_CHUNKS
 #define STAGED_CHUNKS 4  // 128-weight chunks per stage: 256 contiguous bytes of each row
 #endif

@@ -8,6 +8,11 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
     ExpertLinear.scale  None         | [E, N, K/group] bf16 | [E, ⌈N/b⌉, ⌈K/b⌉] fp32
     ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
 
+INT4 weights with group-32 scales may instead live in the decode GEMV's tiled layout
+(``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
+which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
+$OPENINFER_INT4_LAYOUT=tiled (opt-in until measured; default ``rows``, the checkpoint layout).
+
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
 (thresholds measured on an H100, ``benchmarks/gpu_kimi.py gemv`` / ``kernels``; the decode GEMV
@@ -40,6 +45,7 @@ import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
 from openinfer.moe import RouterSpec
+from openinfer.quant import int4_tiling_fits, tile_int4
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
@@ -227,6 +233,7 @@ class ExpertLinear:
     in_features: int
     group: int = 32  # INT4 group size
     block: int = 128  # FP8 block size
+    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]) or "tiled" (tile_int4)
 
     @property
     def num_experts(self) -> int:
@@ -234,11 +241,12 @@ class ExpertLinear:
 
     def expert(self, e: int) -> ExpertLinear:
         return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
-                            self.out_features, self.in_features, self.group, self.block)
+                            self.out_features, self.in_features, self.group, self.block, self.layout)
 
     def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
+        tiled = {"INT4_TILED": 1} if self.layout == "tiled" else {}
         return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
-                      **defines)
+                      **tiled, **defines)
 
     def gemv_ready(self, a: cupy.ndarray) -> bool:
         """moe_gemv's needs: whole 16-byte weight chunks per row (K a multiple of the chunk, one FP8
@@ -248,18 +256,45 @@ class ExpertLinear:
                 and a.data.ptr % 16 == 0 and self.data.data.ptr % 16 == 0)
 
 
+INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
+INT4_LAYOUTS = ("rows", "tiled")
+
+
+def int4_layout(layout: str | None = None) -> str:
+    """``layout``, else $OPENINFER_INT4_LAYOUT, else "rows" (checked against INT4_LAYOUTS)."""
+    name = layout or os.environ.get(INT4_LAYOUT_ENV) or "rows"
+    if name not in INT4_LAYOUTS:
+        raise ValueError(f"unknown INT4 layout {name!r} ({INT4_LAYOUT_ENV}); one of {', '.join(INT4_LAYOUTS)}")
+    return name
+
+
 def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None, shape: tuple[int, int],
-                         group: int = 32, block: int = 128) -> ExpertLinear:
+                         group: int = 32, block: int = 128, layout: str | None = None) -> ExpertLinear:
     """Host arrays (stacked over experts, as stored in the checkpoint) → device. ``bf16`` data is
-    uint16 bf16 bits; ``int4`` int32 words + uint16 (bf16) scales; ``fp8`` uint8 codes + fp32 scales."""
+    uint16 bf16 bits; ``int4`` int32 words + uint16 (bf16) scales; ``fp8`` uint8 codes + fp32 scales.
+    ``layout`` (INT4; default ``int4_layout()``): "tiled" repacks INT4 weights that fit it
+    (``int4_tiling_fits``) for the decode GEMV; others stay as stored."""
     if format not in FORMATS:
         raise ValueError(f"unknown expert weight format {format!r}; one of {sorted(FORMATS)}")
     out_features, in_features = shape
     if format == "int4" and (in_features % group or group % 8):
         raise ValueError(f"INT4 in_features {in_features} must be a multiple of the group size {group} (itself of 8)")
-    return ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
-                        None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
-                        out_features, in_features, group, block)
+    weight = ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
+                          None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
+                          out_features, in_features, group, block)
+    return tiled_int4(weight) if format == "int4" and int4_layout(layout) == "tiled" else weight
+
+
+def tiled_int4(weight: ExpertLinear) -> ExpertLinear:
+    """``weight`` (INT4, checkpoint layout) repacked on the device into the tiled layout, where it fits
+    (``int4_tiling_fits``); otherwise (or already tiled) ``weight`` itself. Takes a second copy while
+    it runs."""
+    if (weight.format != "int4" or weight.layout != "rows" or weight.scale is None
+            or not int4_tiling_fits(weight.out_features, weight.in_features, weight.group)):
+        return weight
+    words, scales = tile_int4(weight.data, weight.scale, xp=cupy)
+    return ExpertLinear("int4", words, scales, weight.out_features, weight.in_features, weight.group, weight.block,
+                        "tiled")
 
 
 @dataclass
@@ -423,7 +458,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
 def staged_ready(weight: ExpertLinear, chunks: int) -> bool:
     """moe_gemv_mma_staged's needs: INT4 with group-32 scales, K whole stages of ``chunks`` x 128
     weights (so 16-byte aligned weight and scale rows)."""
-    return weight.format == "int4" and weight.group == 32 and weight.in_features % (chunks * 128) == 0
+    return (weight.format == "int4" and weight.group == 32 and weight.in_features % (chunks * 128) == 0
+            and weight.layout == "rows")
 
 
 def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
