@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -92,6 +93,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+FORMATS_OF_WARM = ("bf16", "int4", "fp8")  # core's expert weight formats (cuda moe.FORMATS)
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
@@ -454,7 +456,8 @@ def warm_kernels(calls: list) -> None:
     print(f"compiled {built} CUDA modules in {time.perf_counter() - started:.1f} s", flush=True)
 
 
-def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16) -> int:
+def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16,
+                     formats: tuple[str, ...] = ("bf16", "int4", "fp8")) -> int:
     """Compile moe.cu's decode GEMVs and tiled GEMM for every weight format (INT4 at each group in
     ``groups``) and every ``GEMV_KERNELS`` shape in parallel NVRTC threads, into CuPy's disk cache:
     later processes on the machine (the GPU tests, the benchmarks) then load instead of compiling
@@ -466,7 +469,9 @@ def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16)
 
     started = time.perf_counter()
     weights = [cuda_moe.ExpertLinear(fmt, None, None, 0, 0, group)
-               for fmt in cuda_moe.FORMATS for group in (groups if fmt == "int4" else (32,))]
+               for fmt in formats for group in (groups if fmt == "int4" else (32,))]
+    if "int4" in formats and 32 in groups:  # tile_int4's layout
+        weights.append(cuda_moe.ExpertLinear("int4", None, None, 0, 0, 32, layout="tiled"))
     with discover_kernels() as found:
         kernel("moe.cu", "moe_sort")  # routing: the format-free module
         for weight in weights:
@@ -577,11 +582,19 @@ def run_gemv(args) -> dict:
                 partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, name)
                 for i in range(GEMV_CALLS)], stored, rel, GEMV_BASELINES["dense"])
             report["dense"].append(point)
-    for label, (fmt, gather, experts, top_k, n, k) in GEMV_GROUPED.items():
+    layouts = args.int4_layouts.split(",")
+    if set(layouts) - set(cuda_moe.INT4_LAYOUTS):
+        raise SystemExit(f"--int4-layouts: choose from {', '.join(cuda_moe.INT4_LAYOUTS)}")
+    grouped_points = [(label, layout) for label, (fmt, *_) in GEMV_GROUPED.items()
+                      for layout in (layouts if fmt == "int4" else ["rows"])]
+    for label, layout in grouped_points:
+        fmt, gather, experts, top_k, n, k = GEMV_GROUPED[label]
         if "grouped" not in sections or fmt not in args.grouped_formats.split(","):
             continue
         weight = random_int4(backend, experts, n, k) if fmt == "int4" else \
             ExpertLinear("bf16", device_random_bf16((experts, n, k)), None, n, k)
+        if layout == "tiled":  # the same random words, repacked for the decode GEMV
+            weight = cuda_moe.tiled_int4(weight)
         per_expert = (weight.data.nbytes + (0 if weight.scale is None else weight.scale.nbytes)) / experts
         for tokens in tokens_list:
             groupings, active = [], []
@@ -592,7 +605,8 @@ def run_gemv(args) -> dict:
                 active.append(np.unique(ids).size)
             rows = tokens if gather else tokens * top_k
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "format": fmt, "tokens": tokens, "slots_per_expert": tokens * top_k / experts,
+            point = {"weight": label, "format": fmt, "layout": weight.layout, "tokens": tokens,
+                     "slots_per_expert": tokens * top_k / experts,
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
@@ -1016,6 +1030,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "mla_combine_loop": "mla_combine_splits ($OPENINFER_MLA_COMBINE=loop; the shared-memory combine is the default "
                         "since E3)",
     "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
+    "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
+                  "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1105,6 +1121,10 @@ def run_layer(args) -> dict:
     backends = {False: backend, True: CudaBackend(fuse_decode=True)}  # by variant's ``fused``: same weights
     rng = np.random.default_rng(0)
     attention, moe, shared = build_layer(backend, rng)
+    moes = {False: moe}  # by variant's ``int4_tiled``: the same weights repacked
+    if any("int4_tiled" in options for _, _, options in variants):
+        moes[True] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up),
+                                         down=cuda_moe.tiled_int4(moe.down))
     c = KIMI_LAYER
     spec = MLASpec(c["heads"], c["nope"], c["rope"], c["v"], c["kv_lora"], (c["nope"] + c["rope"]) ** -0.5)
     rope = RotaryEmbedding.create(c["rope"], RopeParameters(50000.0), args.context + 8)
@@ -1129,12 +1149,12 @@ def run_layer(args) -> dict:
             dry = []
             for absorbed_kernel, gemv_kernel, options in variants:
                 dry.append(partial(use_variant, gemv_kernel, options))
-                dry.append(partial(layer_step, backends["fused" in options], attention, moe, shared, spec, cache,
-                                   device_batch, cos, sin, x, absorbed_kernel))
+                dry.append(partial(layer_step, backends["fused" in options], attention, moes["int4_tiled" in options],
+                                   shared, spec, cache, device_batch, cos, sin, x, absorbed_kernel))
             warm_kernels(dry)
         for absorbed_kernel, gemv_kernel, options in variants:
             use_variant(gemv_kernel, options)
-            ops = backends["fused" in options]
+            ops, moe = backends["fused" in options], moes["int4_tiled" in options]
             step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
@@ -1601,6 +1621,8 @@ def main() -> None:
     gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
     gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
     gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
+    gemv.add_argument("--int4-layouts", default="rows",
+                      help="INT4 experts' layouts to time, comma list of rows (checkpoint), tiled (tile_int4)")
     gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
                                                     "(default: all)")
     gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")
@@ -1619,7 +1641,9 @@ def main() -> None:
                        help="side by side in one run: comma list of ABSORBED:GEMV[:OPTION+...], e.g. "
                             "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused+fast_routing (MLA decode kernel, "
                             f"$OPENINFER_MOE_GEMV, options: {'; '.join(f'{k}: {v}' for k, v in LAYER_OPTIONS.items())})")
-    sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
+    warm = sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
+    warm.add_argument("--formats", default="bf16,int4,fp8", help="comma list of weight formats")
+    warm.add_argument("--groups", default="16,32,128", help="comma list of INT4 group sizes (32: the tiled layout too)")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",
                       help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
@@ -1642,7 +1666,12 @@ def main() -> None:
     moon.add_argument("--name", default="", help="results file name (default: moonlight_serving[_tiny])")
     args = parser.parse_args()
     if args.command == "warm":
-        warm_moe_modules()
+        formats = tuple(args.formats.split(","))
+        if set(formats) - set(FORMATS_OF_WARM):
+            raise SystemExit(f"--formats: choose from {', '.join(FORMATS_OF_WARM)}")
+        if not all(g.isdigit() and int(g) % 8 == 0 and int(g) > 0 for g in args.groups.split(",")):
+            raise SystemExit(f"--groups {args.groups!r}: want a comma list of positive multiples of 8")
+        warm_moe_modules(tuple(int(g) for g in args.groups.split(",")), formats=formats)
         return
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":  # a run of some sections only keeps the full run's file
