@@ -478,8 +478,13 @@ def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16,
             weight._kernel()
             weight._kernel("moe_dequantize")
             for name, defines in cuda_moe.GEMV_KERNELS.items():
-                kernel_name = name if name == "moe_gemv" else \
-                    "moe_gemv_mma" if name in cuda_moe.TENSOR_CORE_GEMVS else "moe_gemv_wide"
+                tiled = weight.layout == "tiled"
+                if name in cuda_moe.TILED_GEMVS and not tiled:
+                    continue  # checkpoint-layout weights run "mma" instead
+                if "STAGED_CHUNKS" in defines and tiled:
+                    defines = {"MMA_GEMV_NTILES": defines["MMA_GEMV_NTILES"]}  # what the tiled layout runs instead
+                kernel_name = name if name == "moe_gemv" else "moe_gemv_int4_tiled" if name in cuda_moe.TILED_GEMVS \
+                    else "moe_gemv_mma" if name in cuda_moe.TENSOR_CORE_GEMVS else "moe_gemv_wide"
                 weight._kernel(kernel_name, **defines)
     built = compile_kernels(found, cupy.cuda.Device().id, threads=threads)
     print(f"compiled {built} moe.cu modules in {time.perf_counter() - started:.1f} s", flush=True)

@@ -310,9 +310,10 @@ __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
 // group 32, N % 16 == 0, K % 128 == 0; core/quant.py tile_int4_for_gemv builds it): the weights of
 // 16 rows × 128 k form one 1024-byte chunk, chunks ordered (expert, row block n/16, k/128), so the
 // decode GEMV's warp (16 rows) streams one contiguous run of HBM and its 32 lanes read 512
-// contiguous bytes per 16-byte load. Inside a chunk: half (n/8)%2, lane (n%8)·4 + (k/32)%4, word
-// (k/8)%4 — lane (g, t) of moe_gemv_mma finds its 32 weights of rows g and g + 8 at 16·lane and
-// 512 + 16·lane. Scales per chunk: 64 bf16 ordered (lane, half), rows g and g + 8 side by side.
+// contiguous bytes per 16-byte load. Inside a chunk: half (n/8)%2, lane (n%8)·4 + (k/8)%4, word
+// (k/32)%4 — lane (g, t) of moe_gemv_int4_tiled finds at 16·lane (row g) and 512 + 16·lane (row
+// g + 8) one word (8 consecutive weights) of each of the chunk's 4 groups. Scales per chunk: 64
+// bf16 ordered (n%8, half, group): a lane's 8 scales (rows g and g + 8) in 16 bytes.
 __device__ __forceinline__ long long int4_chunk_index(long long e, int n, int k, int N, int K) {
     return (e * (N / 16) + n / 16) * (long long)(K / 128) + k / 128;
 }
@@ -320,8 +321,8 @@ __device__ __forceinline__ long long int4_chunk_index(long long e, int n, int k,
 // Index of the int32 word holding weights k .. k+7 of row n (k % 8 == 0).
 __device__ __forceinline__ long long int4_word_index(long long e, int n, int k, int N, int K) {
 #if INT4_TILED
-    return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 5) & 3) * 4 +
-           ((k >> 3) & 3);
+    return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 3) & 3) * 4 +
+           ((k >> 5) & 3);
 #else
     return (e * N + n) * (long long)(K / 8) + k / 8;
 #endif
@@ -330,7 +331,7 @@ __device__ __forceinline__ long long int4_word_index(long long e, int n, int k, 
 // Index of the bf16 scale of weight (n, k)'s group.
 __device__ __forceinline__ long long int4_scale_index(long long e, int n, int k, int N, int K) {
 #if INT4_TILED
-    return ((int4_chunk_index(e, n, k, N, K) * 8 + (n & 7)) * 4 + ((k >> 5) & 3)) * 2 + ((n >> 3) & 1);
+    return ((int4_chunk_index(e, n, k, N, K) * 8 + (n & 7)) * 2 + ((n >> 3) & 1)) * 4 + ((k >> 5) & 3);
 #else
     return (e * N + n) * (long long)(K / GROUP) + k / GROUP;
 #endif
@@ -503,7 +504,13 @@ __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, lon
 #if WEIGHT_FORMAT == 0
     return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
+#if INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
+    const unsigned* words = (const unsigned*)weight;
+    return make_uint4(words[int4_word_index(e, n, k, N, K)], words[int4_word_index(e, n, k + 8, N, K)],
+                      words[int4_word_index(e, n, k + 16, N, K)], words[int4_word_index(e, n, k + 24, N, K)]);
+#else
     return *reinterpret_cast<const uint4*>((const unsigned*)weight + int4_word_index(e, n, k, N, K));
+#endif
 #else
     return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
 #endif
@@ -896,15 +903,8 @@ __device__ __forceinline__ MmaGemvChunk mma_gemv_load(const void* __restrict__ w
     if (k < K) {
         c.lo = weight_raw(weight, e, n_lo, k, N, K);
         c.hi = weight_raw(weight, e, n_hi, k, N, K);
-#if INT4_TILED  // rows n_lo and n_lo + 8 (n_lo % 16 < 8): their scales side by side, one 4-byte load
-        (void)n_hi;
-        const unsigned pair = *reinterpret_cast<const unsigned*>((const bf16*)scale + int4_scale_index(e, n_lo, k, N, K));
-        c.s_lo[0] = bf16_low(pair);
-        c.s_hi[0] = bf16_high(pair);
-#else
         mma_gemv_scales(scale, e, n_lo, k, N, K, c.s_lo);
         mma_gemv_scales(scale, e, n_hi, k, N, K, c.s_hi);
-#endif
     }
     return c;
 }
@@ -998,11 +998,7 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 #endif  // (split K: a warp past N still meets the block's barriers, its rows clamped, its result dropped)
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
-#if INT4_TILED  // N % 16 == 0: whole 16-row blocks (a split-K warp past N reads the last, result dropped)
-    const int n_lo = min(n0, N - 16) + g, n_hi = n_lo + 8;
-#else
     const int n_lo = min(n0 + g, N - 1), n_hi = min(n0 + g + 8, N - 1);  // past N: a valid row, result dropped
-#endif
     constexpr int STEP = 4 * WEIGHT_CHUNK;                                // k per chunk (the quad's 4 lanes)
     // whole chunks per slice, so only the last chunk of K is ever partial
     const int slice_chunks = ((K + STEP - 1) / STEP + MMA_GEMV_KSPLIT - 1) / MMA_GEMV_KSPLIT;
@@ -1205,6 +1201,148 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             for (int v = 0; v < 4; ++v) {
                 const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
                 if (r < rows && n < N) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_int4_tiled: the decode GEMV on tensor cores for INT4 weights in the tiled layout
+// (INT4_TILED; same arguments, rows and tile list as moe_gemv_mma). A warp owns 16 output columns
+// = one row block of the layout and streams its chunks (1 KB of weights + 128 bytes of scales per
+// 128 k, contiguous over k): every lane loads 16 bytes of row g, 16 of row g + 8 and its 8 scales,
+// three fully coalesced loads, TILED_DEPTH chunks in flight in a ring of registers.
+// A lane's word j of a row holds 8 consecutive weights k0 .. k0+7 of group j (k0 = 32j + 8t), so
+// all 4 lanes of a quad feed one mma step from the same group; the scale then leaves the weights:
+// nibbles are or-ed into bf16 128 + q (exact, nothing else per weight pair but a shift), a group's
+// two mma steps sum Σ (128 + q)·x on top of two with the constant A = −136 (Σ −136·x), and the
+// group's fp32 sum (q − 8)·x takes its row's scale in one FMA per output. Step p of a group takes
+// the weights k0 + {2p, 2p+4 | 2p+1, 2p+5} (fragment slots 2t, 2t+1 | 2t+8, 2t+9, one shift and
+// one lop3 per pair) and the same activations (byte permutes of one 16-byte load of x[k0 ..]).
+// The products are exact in the tensor cores; the sums differ from moe_gemv_mma's (which rounds
+// each dequantised weight to bf16) by fp32 rounding only.
+// Needs INT4_TILED's shapes (N % 16 == 0, K % 128 == 0; the caller checks).
+// ---------------------------------------------------------------------------------------------
+#if INT4_TILED
+#ifndef TILED_NTILES
+#define TILED_NTILES 1  // 8-row n-tiles per pass over the weights
+#endif
+#ifndef TILED_DEPTH
+#define TILED_DEPTH 4  // chunks per lane in flight or in use
+#endif
+#define TILED_WARPS 4
+#define TILED_NEG136 0xC308C308u  // bf16 −136, twice
+
+struct TiledChunk {
+    uint4 lo, hi, scales;  // rows g, g + 8: one word per group; scales (row g: groups 0-3, row g + 8: 0-3)
+};
+
+__device__ __forceinline__ TiledChunk tiled_load(const unsigned* __restrict__ weight, const bf16* __restrict__ scale,
+                                                 long long chunk, int lane, int g) {
+    const uint4* w = reinterpret_cast<const uint4*>(weight + chunk * 256);
+    TiledChunk c;
+    c.lo = w[lane];
+    c.hi = w[32 + lane];
+    c.scales = reinterpret_cast<const uint4*>(scale + chunk * 64)[g];
+    return c;
+}
+
+// Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}).
+__device__ __forceinline__ unsigned tiled_pair(unsigned v, int s) {
+#ifdef MMA_HOST_STANDIN
+    return ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+#else
+    unsigned biased;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v >> (4 * s)), "n"(0x000F000F), "r"(0x43004300));
+    return biased;
+#endif
+}
+
+// acc[j] += chunk c's products with n-tile j's rows (x rows b_row[j], this lane's k from k_chunk + 8t).
+__device__ __forceinline__ void tiled_chunk(float (&acc)[TILED_NTILES][4], const TiledChunk& c,
+                                            const bf16* const (&b_row)[TILED_NTILES], int ntiles, int k_chunk, int t) {
+    const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
+    const unsigned sw[4] = {c.scales.x, c.scales.y, c.scales.z, c.scales.w};
+    const unsigned neg136[4] = {TILED_NEG136, TILED_NEG136, TILED_NEG136, TILED_NEG136};
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+        const float s_lo = (group & 1) ? bf16_high(sw[group >> 1]) : bf16_low(sw[group >> 1]);
+        const float s_hi = (group & 1) ? bf16_high(sw[2 + (group >> 1)]) : bf16_low(sw[2 + (group >> 1)]);
+        unsigned a[2][4];  // step p: rows g, g + 8 at slots (2t, 2t+1 | 2t+8, 2t+9)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            a[p][0] = tiled_pair(lo[group], 2 * p);
+            a[p][1] = tiled_pair(hi[group], 2 * p);
+            a[p][2] = tiled_pair(lo[group], 2 * p + 1);
+            a[p][3] = tiled_pair(hi[group], 2 * p + 1);
+        }
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;  // warp-uniform
+            const uint4 xv = *reinterpret_cast<const uint4*>(b_row[j] + k_chunk + 32 * group + 8 * t);
+            const unsigned x[4] = {xv.x, xv.y, xv.z, xv.w};
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {  // x[k0 + 2p], x[k0 + 2p + 4] | x[k0 + 2p + 1], x[k0 + 2p + 5]
+                const unsigned b0 = (x[p] & 0xFFFFu) | (x[p + 2] << 16), b1 = (x[p] >> 16) | (x[p + 2] & 0xFFFF0000u);
+                mma_bf16_16816(sum, neg136, b0, b1);
+                mma_bf16_16816(sum, a[p], b0, b1);
+            }
+            acc[j][0] += s_lo * sum[0];
+            acc[j][1] += s_lo * sum[1];
+            acc[j][2] += s_hi * sum[2];
+            acc[j][3] += s_hi * sum[3];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_WARPS * 32)
+moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                    const void* __restrict__ weight, const void* __restrict__ scale,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                    bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.x * TILED_WARPS + warp) * 16;
+    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+    const int chunks = K / 128;
+    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
+    const unsigned* words = (const unsigned*)weight;
+    const bf16* scales = (const bf16*)scale;
+    for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
+        const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
+        const bf16* b_row[TILED_NTILES];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)  // rows past the tile repeat its last row
+            b_row[j] = gemv_activation_row(a, sorted_slots, top_k, pass + min(8 * j + g, rows - 1), K);
+        float acc[TILED_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+        TiledChunk ring[TILED_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < chunks) ring[d] = tiled_load(words, scales, first + d, lane, g);
+        for (int c0 = 0; c0 < chunks; c0 += TILED_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < chunks) ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first + ahead, lane, g);
+                if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, (c0 + d) * 128, t);
+            }
+        }
+        // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
             }
         }
     }

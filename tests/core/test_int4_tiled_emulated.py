@@ -35,8 +35,8 @@ def test_tile_int4_round_trip_and_index():
     flat_words, flat_scales = tiled_words.reshape(-1), tiled_scales.reshape(-1)
     for e, row, col in [(0, 0, 0), (1, 47, 376), (0, 9, 136), (1, 23, 264), (0, 31, 96)]:
         chunk = (e * (n // 16) + row // 16) * (k // 128) + col // 128  # moe.cu int4_word_index / int4_scale_index
-        word = ((chunk * 2 + (row >> 3) % 2) * 8 + row % 8) * 16 + (col >> 5) % 4 * 4 + (col >> 3) % 4
-        scale = ((chunk * 8 + row % 8) * 4 + (col >> 5) % 4) * 2 + (row >> 3) % 2
+        word = ((chunk * 2 + (row >> 3) % 2) * 8 + row % 8) * 16 + (col >> 3) % 4 * 4 + (col >> 5) % 4
+        scale = ((chunk * 8 + row % 8) * 2 + (row >> 3) % 2) * 4 + (col >> 5) % 4
         assert flat_words[word] == words[e, row, col // 8] and flat_scales[scale] == scales[e, row, col // 32]
     back = untile_int4(tiled_words, tiled_scales, n, k)
     assert np.array_equal(back[0], words) and np.array_equal(back[1], scales)
@@ -49,9 +49,12 @@ def test_tile_int4_refuses_shapes_it_cannot_hold():
         tile_int4(np.zeros((1, 40, 32), np.int32), np.zeros((1, 40, 8), np.uint16))
 
 
-# moe.cu defines per case: the mma GEMV as shipped, with a ring of 3 chunks, with K split over two
-# warps (N = 48: the second block's last two warps lie past N and read the last row block)
-CASES = {"mma": {}, "mma-depth3": {"MMA_GEMV_DEPTH": 3}, "mma-split2": {"MMA_GEMV_KSPLIT": 2}}
+# moe.cu defines per case: moe_gemv_mma as shipped, with a ring of 3 chunks, with K split over two
+# warps (N = 48: the second block's last two warps lie past N); moe_gemv_int4_tiled with one n-tile
+# and a ring of 4 (K = 256: two chunks, the ring never fills), two n-tiles and a ring of 2
+CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4},
+         "mma-depth3": {"MMA_GEMV_DEPTH": 3, "TILED_NTILES": 2, "TILED_DEPTH": 2},
+         "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_DEPTH": 3}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -77,19 +80,25 @@ def test_int4_kernels_read_the_tiled_layout(tmp_path, case):
                     x=float32_to_bf16(x), ids=ids, w=w, s=s)
         outputs[tiled] = {name: read_array(folder, name, np.uint16, (-1, n)) for name in OUTPUTS}
         outputs[tiled]["w0"] = read_array(folder, "w0", np.uint16, (n, k))
+        if tiled:
+            outputs[tiled]["tiled"] = read_array(folder, "tiled", np.uint16, (-1, n))
+            outputs[tiled]["dense_tiled"] = read_array(folder, "dense_tiled", np.uint16, (-1, n))
         # grouped rows back in slot order (the order inside an expert's segment is the atomics')
         by_slot = np.empty(tokens * top_k, np.int64)
         by_slot[read_array(folder, "sorted", np.int32, -1)] = np.arange(tokens * top_k)
-        for name in ("tiles", "gemv", "wide", "mma"):
+        for name in ("tiles", "gemv", "wide", "mma", "tiled")[:4 + tiled]:
             outputs[tiled][name] = outputs[tiled][name][by_slot]
     for name in (*OUTPUTS, "w0"):  # the same values in the same order: the same bits
         assert np.array_equal(outputs[1][name], outputs[0][name]), name
     assert np.array_equal(outputs[1]["w0"], bf16(reference_weights[0]))
     grouped = np.stack([x[slot // top_k] @ reference_weights[e].T for slot, e in enumerate(ids.reshape(-1))])
-    for name in ("tiles", "gemv", "wide", "mma"):
+    for name in ("tiles", "gemv", "wide", "mma", "tiled"):
         got = outputs[1][name]
         assert float(np.linalg.norm(got - grouped) / np.linalg.norm(grouped)) < 1e-2, name
-    for name in ("dense_tiles", "dense_wide", "dense_mma"):
+    # moe_gemv_int4_tiled: scales after the mma, so fp32 rounding apart from moe_gemv_mma
+    for name, mma in (("tiled", "mma"), ("dense_tiled", "dense_mma")):
+        assert float(np.linalg.norm(outputs[1][name] - outputs[1][mma]) / np.linalg.norm(outputs[1][mma])) < 5e-3
+    for name in ("dense_tiles", "dense_wide", "dense_mma", "dense_tiled"):
         want = x @ reference_weights[0].T
         got = outputs[1][name]
         assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2, name

@@ -98,8 +98,21 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # registers, 46 / 42 KB shared, no spills
     "mma_staged": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2},
     "mma_staged2x3": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 2, "STAGED_STAGES": 3},
+    # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
+    # one contiguous stream, the group scales applied after the mma (a shift and a lop3 per weight pair,
+    # where moe_gemv_mma spends four); TILED_DEPTH chunks of 1 KB in flight per warp. Checkpoint-layout
+    # weights run moe_gemv_mma instead. Unmeasured. sm_90 ptxas: 111 / 128 / 90 / 120 registers, no spills
+    # (at most 128: 4 blocks per SM, a batch-1 gate_up's 512 blocks in one wave)
+    "tiled": {"TILED_NTILES": 2, "TILED_DEPTH": 4},
+    "tiled_depth6": {"TILED_NTILES": 2, "TILED_DEPTH": 6},
+    "tiled1": {"TILED_NTILES": 1, "TILED_DEPTH": 4},
+    "tiled1_depth6": {"TILED_NTILES": 1, "TILED_DEPTH": 6},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
+TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_DEPTH" in defines)
+# What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
+# kernels read that layout a word at a time.
+TILED_GEMV = "tiled"
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -133,7 +146,7 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 # moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
@@ -429,6 +442,14 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
             or table[-1][1])
 
 
+def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None) -> str | None:
+    """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
+    weights (unless a kernel is forced, ``forced_gemv_kernel``), else ``name``."""
+    if name is None or weight.layout != "tiled" or forced_gemv_kernel(gemv_kernel) is not None:
+        return name
+    return TILED_GEMV
+
+
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
     (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
@@ -438,6 +459,14 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if "TILED_DEPTH" in defines:
+        if weight.layout == "tiled":
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu TILED_WARPS x 16
+            weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                              (MMA_GEMV_WARPS * 32,), args)
+            return
+        defines = {"MMA_GEMV_NTILES": defines["TILED_NTILES"]}  # checkpoint layout: moe_gemv_mma
+        name = "mma"
     if "STAGED_CHUNKS" in defines:
         if staged_ready(weight, defines["STAGED_CHUNKS"]):
             columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu STAGED_WARPS x 16
@@ -511,6 +540,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
+    name = layout_gemv(weight, name, gemv_kernel)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -544,6 +574,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     x = cupy.ascontiguousarray(x)
     name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
         gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
+    name = layout_gemv(weight, name, gemv_kernel)
     if method is None:
         method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),

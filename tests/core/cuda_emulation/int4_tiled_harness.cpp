@@ -1,6 +1,7 @@
 // Runs moe.cu's INT4 kernels (USE_MMA=0 tiles GEMM, moe_gemv, moe_gemv_wide, moe_gemv_mma through
-// the warp stand-in, moe_dequantize) on the CPU over one weight, in whichever INT4 layout the build
-// names (INT4_TILED 0: checkpoint rows, 1: the GEMV-tiled layout), for
+// the warp stand-in, moe_dequantize; with INT4_TILED also moe_gemv_int4_tiled) on the CPU over one
+// weight, in whichever INT4 layout the build names (INT4_TILED 0: checkpoint rows, 1: the GEMV-tiled
+// layout), for
 // tests/core/test_int4_tiled_emulated.py. params: T E top_k N K; ids [T, top_k] route the tokens.
 #define MMA_HOST_STANDIN  // mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #include "moe.cu"
@@ -57,6 +58,20 @@ int main(int argc, char** argv) {
                      dense_mma.data(), N, K);
     });
     launch(4, 1, 1, 64, [&] { moe_dequantize(w.data(), s.data(), N, K, w0.data()); });
+#if INT4_TILED  // the tiled layout's own GEMV, on the same tiles and in dense mode
+    std::vector<bf16> tiled(size_t(slots) * N), dense_tiled(size_t(T) * N);
+    const unsigned tiled_columns = TILED_WARPS * 16;
+    launch((N + tiled_columns - 1) / tiled_columns, max_tiles, 1, TILED_WARPS * 32, [&] {
+        moe_gemv_int4_tiled(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
+                            num_tiles.data(), offsets.data(), 0, tiled.data(), N, K);
+    });
+    launch((N + tiled_columns - 1) / tiled_columns, 1, 1, TILED_WARPS * 32, [&] {
+        moe_gemv_int4_tiled(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
+                            dense_tiled.data(), N, K);
+    });
+    save(dir, "tiled.bin", tiled);
+    save(dir, "dense_tiled.bin", dense_tiled);
+#endif
     save(dir, "tiles.bin", tiles);
     save(dir, "dense_tiles.bin", dense_tiles);
     save(dir, "gemv.bin", gemv);
