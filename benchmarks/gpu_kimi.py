@@ -515,7 +515,8 @@ def run_gemv(args) -> dict:
     unknown = set(kernels) - set(cuda_moe.GEMV_KERNELS)
     if unknown:
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(cuda_moe.GEMV_KERNELS)}")
-    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS] or TENSOR_CORE_GEMVS
+    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS + cuda_moe.TILED_GEMVS] \
+        or TENSOR_CORE_GEMVS
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
               "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
@@ -557,7 +558,7 @@ def run_gemv(args) -> dict:
                  + [partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, GEMV_BASELINES["dense"])
                     for weight in (small_fp8, small_int4.expert(0))]
                  + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, True, gemv_kernel=name)
-                    for weight in (small_int4, small_bf16) for name in kernels]
+                    for weight in (small_int4, small_bf16, cuda_moe.tiled_int4(small_int4)) for name in kernels]
                  + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, False)
                     for weight in (small_int4, small_bf16)])
 
@@ -613,11 +614,13 @@ def run_gemv(args) -> dict:
             point = {"weight": label, "format": fmt, "layout": weight.layout, "tokens": tokens,
                      "slots_per_expert": tokens * top_k / experts,
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
+            names = kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core
+            if fmt == "int4":  # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
+                names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
-                point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
-                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core)
+                point["bytes_mean"], rel, GEMV_BASELINES["grouped"], names)
             report["grouped"].append(point)
     return report
 
