@@ -1038,6 +1038,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "mla_combine_loop": "mla_combine_splits ($OPENINFER_MLA_COMBINE=loop; the shared-memory combine is the default "
                         "since E3)",
     "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
+    "shared_overlap": "the shared expert on a side stream beside the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)",
     "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
                   "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
 }
@@ -1085,7 +1086,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
                 "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
-                "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1")}
+                "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
+                "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1")}
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value
@@ -1109,8 +1111,13 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
-    shared_out = backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
-    return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
+    shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
+
+
+def shared_mlp(backend, shared, h):
+    """The shared expert: down(silu_mul(gate_up(h)))."""
+    return backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
 
 
 def run_layer(args) -> dict:

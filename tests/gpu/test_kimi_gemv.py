@@ -117,3 +117,49 @@ def test_int4_layout_switch(rng, monkeypatch):
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "columns")
     with pytest.raises(ValueError, match="unknown INT4 layout"):
         _int4_experts(rng, 1, 64, 256, layout=None)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
+    """$OPENINFER_MOE_SHARED_OVERLAP=1: moe_forward runs the shared expert on a side stream beside the
+    routed ones; the same kernels on the same inputs give the same bits as inline, eagerly and
+    replayed from a CUDA graph captured across both streams."""
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts = 256, 128, 16
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    layer = moe.DeviceMoE(RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5),
+                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.zeros(experts, cupy.float32), gate_up, down)
+    shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
+    shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+
+    def shared_experts(h):
+        return cuda_backend.silu_mul_linear(cuda_backend.linear(h, shared_up), shared_down)
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
+
+    monkeypatch.delenv(moe.SHARED_OVERLAP_ENV, raising=False)
+    inline = cuda_backend.to_host(step())
+    assert np.array_equal(inline, cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer,
+                                                                        shared_experts(x))))
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
+    assert moe.shared_overlap()
+    assert np.array_equal(cuda_backend.to_host(step()), inline)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = step()
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cupy.asnumpy(out), inline)

@@ -651,12 +651,47 @@ def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGr
     return out
 
 
+# Opt-in until measured: moe_forward runs the shared experts (``shared_experts``) on a side stream while the
+# routed ones run (joined before the combine; inside CUDA-graph capture the two streams become parallel
+# branches). A decode step's routing, grouping and small launches leave HBM idle between kernels; the
+# shared experts' weight streams can fill those gaps. Same kernels, same numbers.
+SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
+_side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+
+def shared_overlap() -> bool:
+    """Whether moe_forward overlaps the shared experts with the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)."""
+    return os.environ.get(SHARED_OVERLAP_ENV, "0") in ("1", "true", "on")
+
+
+def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
+    """This device's side stream and its fork / join events (made once: not while a graph is captured)."""
+    device = cupy.cuda.Device().id
+    if device not in _side_streams:
+        _side_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                 cupy.cuda.Event(disable_timing=True))
+    return _side_streams[device]
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
-                token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
+                token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
-    (+ the shared experts' output ``shared``, already computed). OPENINFER_MOE_PIPELINED=fused: the
-    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``)."""
+    (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
+    run here — on a side stream beside the routed experts when ``shared_overlap()``).
+    OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU as one launch where the step would run
+    a GEMM (``pipelined_gate_up``)."""
     x = cupy.ascontiguousarray(x)
+    joined = None
+    if shared_experts is not None and shared is None:
+        if shared_overlap() and x.shape[0]:
+            side, forked, joined = _side_stream()
+            forked.record(cupy.cuda.get_current_stream())
+            side.wait_event(forked)
+            with side:
+                shared = shared_experts(x)
+                joined.record(side)
+        else:
+            shared = shared_experts(x)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
     if pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
@@ -664,4 +699,6 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     else:
         activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
     y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
+    if joined is not None:
+        cupy.cuda.get_current_stream().wait_event(joined)
     return combine(y, grouping, shared, int(x.shape[1]))
