@@ -673,25 +673,28 @@ def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
     return _side_streams[device]
 
 
+def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
+    """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
+    stream when ``shared_overlap()`` (event returned), else here (None)."""
+    if not shared_overlap() or not x.shape[0]:
+        return shared_experts(x), None
+    side, forked, joined = _side_stream()
+    forked.record(cupy.cuda.get_current_stream())
+    side.wait_event(forked)
+    with side:
+        shared = shared_experts(x)
+        joined.record(side)
+    return shared, joined
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
                 token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
-    run here — on a side stream beside the routed experts when ``shared_overlap()``).
-    OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU as one launch where the step would run
-    a GEMM (``pipelined_gate_up``)."""
+    run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the
+    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``)."""
     x = cupy.ascontiguousarray(x)
-    joined = None
-    if shared_experts is not None and shared is None:
-        if shared_overlap() and x.shape[0]:
-            side, forked, joined = _side_stream()
-            forked.record(cupy.cuda.get_current_stream())
-            side.wait_event(forked)
-            with side:
-                shared = shared_experts(x)
-                joined.record(side)
-        else:
-            shared = shared_experts(x)
+    shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
     if pipelined_gate_up(x, layer.gate_up, grouping, backend.blas):
@@ -699,6 +702,6 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     else:
         activated = backend.silu_mul(grouped_gemm(x, layer.gate_up, grouping, gather=True, blas=backend.blas))
     y = grouped_gemm(activated, layer.down, grouping, gather=False, blas=backend.blas)
-    if joined is not None:
+    if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
     return combine(y, grouping, shared, int(x.shape[1]))
