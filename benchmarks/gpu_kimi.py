@@ -793,7 +793,7 @@ def plot_gemv(report: dict, path: Path) -> None:
 
     points = report["dense"] + report["grouped"]
     labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
-              for p in points]
+              + (" tiled" if p.get("layout") == "tiled" else "") for p in points]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     series = [*report["kernels"], "baseline"]
     width = 0.8 / len(series)
@@ -1212,6 +1212,111 @@ def run_layer(args) -> dict:
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "variants": [variant_label(*v) for v in variants], "layer": KIMI_LAYER,
             "points": points}
+
+
+# --- one MoE block alone (routing, routed + shared experts, combine) ----------------------------------
+
+# Moonlight-16B-A3B (bf16, 64 x top-6, 2 shared of 1408) and Kimi-K2 (INT4, 384 x top-8, 1 shared of 2048)
+MOE_SHAPES = {
+    "moonlight": {"hidden": 2048, "inter": 1408, "experts": 64, "top_k": 6, "shared": 2, "format": "bf16",
+                  "scaling": 2.446, "copies": 4},
+    "kimi": {"hidden": 7168, "inter": 2048, "experts": 384, "top_k": 8, "shared": 1, "format": "int4",
+             "scaling": 2.827, "copies": 1},
+}
+# variant -> (environment switches, INT4 experts tiled); "inline": what ships
+MOE_VARIANTS = {"inline": ({}, False), "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
+                "tiled": ({}, True), "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
+
+
+def run_moe(args) -> dict:
+    """moe_forward of one MoE block with its shared experts (``shared_experts``) per variant, timed as
+    CUDA-graph replays of a decode step's block over ``copies`` weight copies (past L2)."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import DeviceMoE, ExpertLinear
+    from openinfer.moe import RouterSpec
+
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    if set(shapes) - set(MOE_SHAPES) or set(variants) - set(MOE_VARIANTS):
+        raise SystemExit(f"--shapes from {', '.join(MOE_SHAPES)}; --variants from {', '.join(MOE_VARIANTS)}")
+    tokens_list = args.tokens.split(",")
+    if not all(t.isdigit() and int(t) > 0 for t in tokens_list):
+        raise SystemExit(f"--tokens {args.tokens!r}: want a comma list of positive integers")
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    points = []
+    for shape in shapes:
+        c = MOE_SHAPES[shape]
+        h, inter, experts = c["hidden"], c["inter"], c["experts"]
+
+        def experts_weight(n, k, c=c):
+            if c["format"] == "int4":
+                return random_int4(backend, c["experts"], n, k)
+            return ExpertLinear("bf16", device_random_bf16((c["experts"], n, k)), None, n, k)
+
+        blocks = []
+        for _ in range(c["copies"]):
+            layer = DeviceMoE(RouterSpec(experts, c["top_k"], "sigmoid", routed_scaling_factor=c["scaling"]),
+                              backend.weight(0.05 * rng.standard_normal((experts, h)).astype(np.float32)),
+                              cupy.zeros(experts, cupy.float32), experts_weight(2 * inter, h), experts_weight(h, inter))
+            shared = (backend.linear_weight(0.02 * rng.standard_normal((2 * inter * c["shared"], h)).astype(np.float32)),
+                      backend.linear_weight(0.02 * rng.standard_normal((h, inter * c["shared"])).astype(np.float32)))
+            tiled = dataclasses.replace(layer, gate_up=cuda_moe.tiled_int4(layer.gate_up),
+                                        down=cuda_moe.tiled_int4(layer.down)) \
+                if any(MOE_VARIANTS[v][1] for v in variants) and c["format"] == "int4" else layer
+            blocks.append((layer, tiled, shared))
+        per_expert = sum(w.data[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
+                         for w in (blocks[0][0].gate_up, blocks[0][0].down))
+        shared_bytes = sum(w.weight.nbytes for w in blocks[0][2]) + blocks[0][0].gate.nbytes
+        for tokens in (int(t) for t in tokens_list):
+            x = backend.upload(rng.standard_normal((tokens, h)).astype(np.float32))
+            ids, _ = cuda_moe.route(x, blocks[0][0].gate, blocks[0][0].router, blocks[0][0].correction_bias)
+            active = int(cupy.unique(ids).size)
+            point = {"shape": shape, "tokens": tokens, "active_experts": active,
+                     "bytes": active * per_expert + shared_bytes}
+            outputs = {}
+            for variant in variants:
+                switches, use_tiled = MOE_VARIANTS[variant]
+                calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
+                                 shared_experts=partial(shared_mlp, backend, shared)) for layer, tiled, shared in blocks]
+                with switched_env(switches):
+                    outputs[variant] = backend.to_host(calls[0]())
+                    seconds, error = graph_call_seconds(calls)
+                point[f"{variant}_us"] = 1e6 * seconds
+                point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes"] / seconds / bandwidth
+                point[f"{variant}_speedup"] = point[f"{variants[0]}_us"] / point[f"{variant}_us"]
+                point[f"{variant}_max_abs_difference"] = float(np.abs(outputs[variant] - outputs[variants[0]]).max())
+                if error:
+                    point[f"{variant}_graph_error"] = error
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    return {"benchmark": "moe_block", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+            "shapes": {name: MOE_SHAPES[name] for name in shapes},
+            "variants": {name: MOE_VARIANTS[name][0] | {"int4_tiled": MOE_VARIANTS[name][1]} for name in variants},
+            "points": points}
+
+
+def plot_moe(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["points"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(report["variants"]))
+    for i, variant in enumerate(report["variants"]):
+        ax.bar(np.arange(len(points)) + i * width, [p.get(f"{variant}_us", np.nan) for p in points], width,
+               label=variant)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"{p['shape']} {p['tokens']}t" for p in points])
+    ax.set_ylabel("µs per MoE block (graph replay)")
+    ax.set_title(f"MoE block with shared experts ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _variant_name(variant: str) -> str:
@@ -1656,6 +1761,12 @@ def main() -> None:
                        help="side by side in one run: comma list of ABSORBED:GEMV[:OPTION+...], e.g. "
                             "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused+fast_routing (MLA decode kernel, "
                             f"$OPENINFER_MOE_GEMV, options: {'; '.join(f'{k}: {v}' for k, v in LAYER_OPTIONS.items())})")
+    moe_block = sub.add_parser("moe", help="one MoE block (routing, routed + shared experts, combine) by variant")
+    moe_block.add_argument("--shapes", default="moonlight,kimi", help=f"comma list of {', '.join(MOE_SHAPES)}")
+    moe_block.add_argument("--tokens", default="1,4,16", help="comma list of decode batch sizes")
+    moe_block.add_argument("--variants", default="inline,overlap",
+                           help=f"comma list of {', '.join(MOE_VARIANTS)} (the first the reference)")
+    moe_block.add_argument("--name", default="kimi_moe_block", help="results file name (JSON + PNG)")
     warm = sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
     warm.add_argument("--formats", default="bf16,int4,fp8", help="comma list of weight formats")
     warm.add_argument("--groups", default="16,32,128", help="comma list of INT4 group sizes (32: the tiled layout too)")
@@ -1699,6 +1810,8 @@ def main() -> None:
         report, name, plot = run_experts(args), args.name, plot_experts
     elif args.command == "layer":
         report, name, plot = run_layer(args), args.name, plot_layer
+    elif args.command == "moe":
+        report, name, plot = run_moe(args), args.name, plot_moe
     else:
         report, plot = run_moonlight(args), plot_moonlight
         name = args.name or ("moonlight_serving_tiny" if args.tiny else "moonlight_serving")
