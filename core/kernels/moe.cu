@@ -1231,6 +1231,9 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_DEPTH
 #define TILED_DEPTH 4  // chunks per lane in flight or in use
 #endif
+#ifndef TILED_STREAM_LOADS
+#define TILED_STREAM_LOADS 0  // 1: weight loads past L1 (read once) asking L2 for 256-byte lines
+#endif
 #define TILED_WARPS 4
 #define TILED_NEG136 0xC308C308u  // bf16 −136, twice
 
@@ -1238,12 +1241,23 @@ struct TiledChunk {
     uint4 lo, hi, scales;  // rows g, g + 8: one word per group; scales (row g: groups 0-3, row g + 8: 0-3)
 };
 
+__device__ __forceinline__ uint4 tiled_weight_load(const uint4* p) {
+#if TILED_STREAM_LOADS && !defined(MMA_HOST_STANDIN)
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
 __device__ __forceinline__ TiledChunk tiled_load(const unsigned* __restrict__ weight, const bf16* __restrict__ scale,
                                                  long long chunk, int lane, int g) {
     const uint4* w = reinterpret_cast<const uint4*>(weight + chunk * 256);
     TiledChunk c;
-    c.lo = w[lane];
-    c.hi = w[32 + lane];
+    c.lo = tiled_weight_load(w + lane);
+    c.hi = tiled_weight_load(w + 32 + lane);
     c.scales = reinterpret_cast<const uint4*>(scale + chunk * 64)[g];
     return c;
 }

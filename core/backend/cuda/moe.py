@@ -107,6 +107,8 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "tiled_depth6": {"TILED_NTILES": 2, "TILED_DEPTH": 6},
     "tiled1": {"TILED_NTILES": 1, "TILED_DEPTH": 4},
     "tiled1_depth6": {"TILED_NTILES": 1, "TILED_DEPTH": 6},
+    # the same with ld.global.nc.L1::no_allocate.L2::256B weight loads (read once: past L1, whole lines)
+    "tiled_nc": {"TILED_NTILES": 2, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_DEPTH" in defines)
