@@ -1041,6 +1041,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "shared_overlap": "the shared expert on a side stream beside the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)",
     "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
                   "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
+    "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1071,6 +1072,14 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tupl
                              f"{', '.join(cuda_moe.GEMV_KERNELS)} and OPTION in {', '.join(LAYER_OPTIONS)}")
         variants.append((absorbed, gemv, chosen))
     return variants
+
+
+def variant_layout(options: tuple[str, ...]) -> str:
+    """The routed INT4 experts' layout of a variant: its int4_tiled / int4_rows option, else what
+    ``upload_expert_linear`` gives ($OPENINFER_INT4_LAYOUT, else core's default)."""
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    return "tiled" if "int4_tiled" in options else "rows" if "int4_rows" in options else cuda_moe.int4_layout()
 
 
 def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ...]) -> str:
@@ -1136,10 +1145,13 @@ def run_layer(args) -> dict:
     backends = {False: backend, True: CudaBackend(fuse_decode=True)}  # by variant's ``fused``: same weights
     rng = np.random.default_rng(0)
     attention, moe, shared = build_layer(backend, rng)
-    moes = {False: moe}  # by variant's ``int4_tiled``: the same weights repacked
-    if any("int4_tiled" in options for _, _, options in variants):
-        moes[True] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up),
-                                         down=cuda_moe.tiled_int4(moe.down))
+    # the routed experts by INT4 layout (variant options int4_tiled / int4_rows, else what uploads take):
+    # the same random words, repacked
+    layouts = {variant_layout(options) for _, _, options in variants}
+    moes = {"rows": moe}
+    if "tiled" in layouts:
+        moes["tiled"] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up),
+                                            down=cuda_moe.tiled_int4(moe.down))
     c = KIMI_LAYER
     spec = MLASpec(c["heads"], c["nope"], c["rope"], c["v"], c["kv_lora"], (c["nope"] + c["rope"]) ** -0.5)
     rope = RotaryEmbedding.create(c["rope"], RopeParameters(50000.0), args.context + 8)
@@ -1164,12 +1176,12 @@ def run_layer(args) -> dict:
             dry = []
             for absorbed_kernel, gemv_kernel, options in variants:
                 dry.append(partial(use_variant, gemv_kernel, options))
-                dry.append(partial(layer_step, backends["fused" in options], attention, moes["int4_tiled" in options],
+                dry.append(partial(layer_step, backends["fused" in options], attention, moes[variant_layout(options)],
                                    shared, spec, cache, device_batch, cos, sin, x, absorbed_kernel))
             warm_kernels(dry)
         for absorbed_kernel, gemv_kernel, options in variants:
             use_variant(gemv_kernel, options)
-            ops, moe = backends["fused" in options], moes["int4_tiled" in options]
+            ops, moe = backends["fused" in options], moes[variant_layout(options)]
             step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
