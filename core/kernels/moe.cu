@@ -1079,6 +1079,23 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 // Same arguments, rows and tile list as moe_gemv_mma; needs K % (STAGED_CHUNKS · 128) == 0 (the
 // caller checks) and whole warps of columns (a warp past N leaves).
 // ---------------------------------------------------------------------------------------------
+// cp.async: 16 bytes global → shared, a commit group, and a wait until all but the PENDING newest
+// groups of this lane's copies landed (the host emulation copies at once).
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+__device__ __forceinline__ void staged_commit() {}
+template <int PENDING>
+__device__ __forceinline__ void staged_wait_pending() {}
+#else
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+}
+__device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void staged_wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+#endif
+
 #if WEIGHT_FORMAT == 1 && GROUP == 32 && !INT4_TILED  // reads the checkpoint layout's rows
 #ifndef STAGED_CHUNKS
 #define STAGED_CHUNKS 4  // 128-weight chunks per stage: 256 contiguous bytes of each row
@@ -1095,19 +1112,11 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 static_assert(STAGED_WARPS * STAGED_STAGES * STAGED_STAGE_BYTES <= 48 * 1024, "static shared memory");
 static_assert(STAGED_SCALE_BYTES % 16 == 0, "whole 16-byte scale copies");
 
-#ifdef MMA_HOST_STANDIN  // the host emulation copies at once; a warp meets at its shuffle barrier
-__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-__device__ __forceinline__ void staged_commit() {}
-__device__ __forceinline__ void staged_wait() {}
+// this lane's copies of all but the STAGED_STAGES - 1 newest groups landed
+__device__ __forceinline__ void staged_wait() { staged_wait_pending<STAGED_STAGES - 1>(); }
+#ifdef MMA_HOST_STANDIN  // a warp meets at its shuffle barrier
 __device__ __forceinline__ void staged_warp_sync() { (void)__shfl_xor_sync(0xffffffffu, 0.f, 1); }
 #else
-__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
-}
-__device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// this lane's copies of all but the STAGED_STAGES - 1 newest groups landed
-__device__ __forceinline__ void staged_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGED_STAGES - 1)); }
 __device__ __forceinline__ void staged_warp_sync() { __syncwarp(); }
 #endif
 
@@ -1212,7 +1221,8 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 // (INT4_TILED; same arguments, rows and tile list as moe_gemv_mma). A warp owns 16 output columns
 // = one row block of the layout and streams its chunks (1 KB of weights + 128 bytes of scales per
 // 128 k, contiguous over k): every lane loads 16 bytes of row g, 16 of row g + 8 and its 8 scales,
-// three fully coalesced loads, TILED_DEPTH chunks in flight in a ring of registers.
+// three fully coalesced loads, TILED_DEPTH chunks in flight in a ring of registers (or, with
+// TILED_STAGES, TILED_STAGES - 1 in flight to a ring in shared memory by cp.async).
 // A lane's word j of a row holds 8 consecutive weights k0 .. k0+7 of group j (k0 = 32j + 8t), so
 // all 4 lanes of a quad feed one mma step from the same group; the scale then leaves the weights:
 // nibbles are or-ed into bf16 128 + q (exact, nothing else per weight pair but a shift), a group's
@@ -1234,8 +1244,17 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_STREAM_LOADS
 #define TILED_STREAM_LOADS 0  // 1: weight loads past L1 (read once) asking L2 for 256-byte lines
 #endif
+#ifndef TILED_STAGES
+#define TILED_STAGES 0  // > 0: the ring of chunks in shared memory, filled by cp.async (TILED_DEPTH unused)
+#endif
+// A lane's share of a chunk in a shared-memory stage: the 16 bytes of row g, of row g + 8 and its
+// scales, each copied by the lane itself (so only its own cp.async groups need waiting for).
+#define TILED_STAGE_BYTES (3 * 32 * 16)
 #define TILED_WARPS 4
 #define TILED_NEG136 0xC308C308u  // bf16 −136, twice
+#if TILED_STAGES
+static_assert(TILED_WARPS * TILED_STAGES * TILED_STAGE_BYTES <= 48 * 1024, "static shared memory");
+#endif
 
 struct TiledChunk {
     uint4 lo, hi, scales;  // rows g, g + 8: one word per group; scales (row g: groups 0-3, row g + 8: 0-3)
@@ -1326,6 +1345,18 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
     const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
     const unsigned* words = (const unsigned*)weight;
     const bf16* scales = (const bf16*)scale;
+#if TILED_STAGES
+    __shared__ __align__(16) unsigned char tiled_ring[TILED_WARPS][TILED_STAGES][TILED_STAGE_BYTES];
+    unsigned char (*ring)[TILED_STAGE_BYTES] = tiled_ring[warp];
+    // chunk c of the warp's stream into stage c % TILED_STAGES (this lane's 48 bytes)
+    const auto issue = [&](int c) {
+        unsigned char* stage = ring[c % TILED_STAGES] + lane * 16;
+        const unsigned char* w = reinterpret_cast<const unsigned char*>(words + (first + c) * 256) + lane * 16;
+        staged_copy16(stage, w);
+        staged_copy16(stage + 512, w + 512);
+        staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + (first + c) * 64) + g * 16);
+    };
+#endif
     for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
         const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
         const bf16* b_row[TILED_NTILES];
@@ -1337,6 +1368,24 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
         for (int j = 0; j < TILED_NTILES; ++j)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+#if TILED_STAGES
+#pragma unroll
+        for (int c = 0; c + 1 < TILED_STAGES; ++c) {  // every turn commits a group, empty or not
+            if (c < chunks) issue(c);
+            staged_commit();
+        }
+        for (int c = 0; c < chunks; ++c) {
+            if (c + TILED_STAGES - 1 < chunks) issue(c + TILED_STAGES - 1);  // the stage read last turn
+            staged_commit();
+            staged_wait_pending<TILED_STAGES - 1>();  // chunk c landed (this lane's copies)
+            const unsigned char* stage = ring[c % TILED_STAGES] + lane * 16;
+            TiledChunk chunk;
+            chunk.lo = *reinterpret_cast<const uint4*>(stage);
+            chunk.hi = *reinterpret_cast<const uint4*>(stage + 512);
+            chunk.scales = *reinterpret_cast<const uint4*>(stage + 1024);
+            tiled_chunk(acc, chunk, b_row, ntiles, c * 128, t);
+        }
+#else
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < TILED_DEPTH; ++d)
@@ -1349,6 +1398,7 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, (c0 + d) * 128, t);
             }
         }
+#endif
         // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
 #pragma unroll
         for (int j = 0; j < TILED_NTILES; ++j) {

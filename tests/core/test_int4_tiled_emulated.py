@@ -50,17 +50,18 @@ def test_tile_int4_refuses_shapes_it_cannot_hold():
 
 
 # moe.cu defines per case: moe_gemv_mma as shipped, with a ring of 3 chunks, with K split over two
-# warps (N = 48: the second block's last two warps lie past N); moe_gemv_int4_tiled with one n-tile
-# and a ring of 4 (K = 256: two chunks, the ring never fills), two n-tiles and a ring of 2
+# warps (N = 48: the second block's last two warps lie past N); moe_gemv_int4_tiled (K = 384: three
+# chunks) with one n-tile and a register ring of 4 (never full), two n-tiles and a ring of 2 (wraps),
+# and its shared-memory ring of 2 stages (wraps)
 CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4},
          "mma-depth3": {"MMA_GEMV_DEPTH": 3, "TILED_NTILES": 2, "TILED_DEPTH": 2},
-         "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_DEPTH": 3}}
+         "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_STAGES": 2}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_kernels_read_the_tiled_layout(tmp_path, case):
     rng = np.random.default_rng(len(case))
-    experts, top_k, tokens, n, k = 3, 2, 12, 48, 256
+    experts, top_k, tokens, n, k = 3, 2, 12, 48, 384
     dense = [bf16(0.08 * rng.standard_normal((n, k))) for _ in range(experts)]
     packed = [quantize_int4_group(w, 32) for w in dense]
     words = np.stack([p for p, _ in packed])

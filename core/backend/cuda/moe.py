@@ -109,9 +109,14 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "tiled1_depth6": {"TILED_NTILES": 1, "TILED_DEPTH": 6},
     # the same with ld.global.nc.L1::no_allocate.L2::256B weight loads (read once: past L1, whole lines)
     "tiled_nc": {"TILED_NTILES": 2, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1},
+    # the ring in shared memory (TILED_STAGES chunks of 1.5 KB per warp, cp.async, each lane its own bytes):
+    # deeper than registers allow. sm_90 ptxas: 80 / 84 / 70 registers, 36 / 48 / 36 KB, no spills
+    "tiled_s6": {"TILED_NTILES": 2, "TILED_STAGES": 6},
+    "tiled_s8": {"TILED_NTILES": 2, "TILED_STAGES": 8},
+    "tiled1_s6": {"TILED_NTILES": 1, "TILED_STAGES": 6},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
-TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_DEPTH" in defines)
+TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
 # kernels read that layout a word at a time.
 TILED_GEMV = "tiled"
@@ -461,7 +466,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
-    if "TILED_DEPTH" in defines:
+    if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
             columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu TILED_WARPS x 16
             weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
