@@ -143,10 +143,15 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
     def step():
         return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
 
-    monkeypatch.delenv(moe.SHARED_OVERLAP_ENV, raising=False)
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
     inline = cuda_backend.to_host(step())
     assert np.array_equal(inline, cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer,
                                                                         shared_experts(x))))
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        moe.shared_overlap()
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
+    assert not moe.shared_overlap() and np.array_equal(cuda_backend.to_host(step()), inline)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
     assert moe.shared_overlap()
     assert np.array_equal(cuda_backend.to_host(step()), inline)

@@ -278,11 +278,12 @@ class ExpertLinear:
 
 INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
 INT4_LAYOUTS = ("rows", "tiled")
+DEFAULT_INT4_LAYOUT = "rows"
 
 
 def int4_layout(layout: str | None = None) -> str:
-    """``layout``, else $OPENINFER_INT4_LAYOUT, else "rows" (checked against INT4_LAYOUTS)."""
-    name = layout or os.environ.get(INT4_LAYOUT_ENV) or "rows"
+    """``layout``, else $OPENINFER_INT4_LAYOUT, else DEFAULT_INT4_LAYOUT (checked against INT4_LAYOUTS)."""
+    name = layout or os.environ.get(INT4_LAYOUT_ENV) or DEFAULT_INT4_LAYOUT
     if name not in INT4_LAYOUTS:
         raise ValueError(f"unknown INT4 layout {name!r} ({INT4_LAYOUT_ENV}); one of {', '.join(INT4_LAYOUTS)}")
     return name
@@ -663,12 +664,17 @@ def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGr
 # branches). A decode step's routing, grouping and small launches leave HBM idle between kernels; the
 # shared experts' weight streams can fill those gaps. Same kernels, same numbers.
 SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
+DEFAULT_SHARED_OVERLAP = False
 _side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
 
 
 def shared_overlap() -> bool:
-    """Whether moe_forward overlaps the shared experts with the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)."""
-    return os.environ.get(SHARED_OVERLAP_ENV, "0") in ("1", "true", "on")
+    """Whether moe_forward overlaps the shared experts with the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1 /
+    =0, else DEFAULT_SHARED_OVERLAP); another value is a clear error."""
+    value = os.environ.get(SHARED_OVERLAP_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{SHARED_OVERLAP_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return DEFAULT_SHARED_OVERLAP if value == "" else value in ("1", "true", "on")
 
 
 def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
