@@ -100,15 +100,16 @@ def test_tiled_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, 
 
 def test_int4_layout_switch(rng, monkeypatch):
     """$OPENINFER_INT4_LAYOUT=tiled tiles INT4 uploads that fit (group 32, N % 16, K % 128) and leaves
-    the rest as stored; the device repack is tile_int4's (untile_int4 gives the checkpoint arrays
-    back); an unknown layout is a clear error."""
+    the rest as stored; unset, uploads take DEFAULT_INT4_LAYOUT; the device repack is tile_int4's
+    (untile_int4 gives the checkpoint arrays back); an unknown layout is a clear error."""
     moe = _moe_cuda()
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "tiled")
     fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
     ragged, _ = _int4_experts(rng, 2, 40, 256, layout=None)
     assert fits.layout == "tiled" and ragged.layout == "rows"
     monkeypatch.delenv(moe.INT4_LAYOUT_ENV)
-    stored, _ = _int4_experts(rng, 2, 64, 256, layout=None)
+    assert _int4_experts(rng, 1, 64, 256, layout=None)[0].layout == moe.DEFAULT_INT4_LAYOUT
+    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
     assert stored.layout == "rows"
     tiled = moe.tiled_int4(stored)
     words, scales = untile_int4(cupy.asnumpy(tiled.data), cupy.asnumpy(tiled.scale), 64, 256)
