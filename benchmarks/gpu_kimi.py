@@ -1039,6 +1039,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
                         "since E3)",
     "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
     "shared_overlap": "the shared expert on a side stream beside the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)",
+    "no_shared_overlap": "the shared expert inline, before the routing ($OPENINFER_MOE_SHARED_OVERLAP=0)",
     "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
                   "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
@@ -1096,7 +1097,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
                 "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
-                "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1")}
+                "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
+                "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0")}
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value
@@ -1236,8 +1238,10 @@ MOE_SHAPES = {
              "scaling": 2.827, "copies": 1},
 }
 # variant -> (environment switches, INT4 experts tiled); "inline": what ships
-MOE_VARIANTS = {"inline": ({}, False), "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
-                "tiled": ({}, True), "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
+MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+                "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
+                "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
+                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
 
 
 def run_moe(args) -> dict:
