@@ -1099,11 +1099,11 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0")}
+    for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
+        os.environ.pop(env, None)
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value
-        else:
-            os.environ.pop(env, None)
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
