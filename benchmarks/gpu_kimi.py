@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -92,6 +93,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+FORMATS_OF_WARM = ("bf16", "int4", "fp8")  # core's expert weight formats (cuda moe.FORMATS)
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
@@ -454,7 +456,8 @@ def warm_kernels(calls: list) -> None:
     print(f"compiled {built} CUDA modules in {time.perf_counter() - started:.1f} s", flush=True)
 
 
-def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16) -> int:
+def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16,
+                     formats: tuple[str, ...] = ("bf16", "int4", "fp8")) -> int:
     """Compile moe.cu's decode GEMVs and tiled GEMM for every weight format (INT4 at each group in
     ``groups``) and every ``GEMV_KERNELS`` shape in parallel NVRTC threads, into CuPy's disk cache:
     later processes on the machine (the GPU tests, the benchmarks) then load instead of compiling
@@ -466,15 +469,22 @@ def warm_moe_modules(groups: tuple[int, ...] = (16, 32, 128), threads: int = 16)
 
     started = time.perf_counter()
     weights = [cuda_moe.ExpertLinear(fmt, None, None, 0, 0, group)
-               for fmt in cuda_moe.FORMATS for group in (groups if fmt == "int4" else (32,))]
+               for fmt in formats for group in (groups if fmt == "int4" else (32,))]
+    if "int4" in formats and 32 in groups:  # tile_int4's layout
+        weights.append(cuda_moe.ExpertLinear("int4", None, None, 0, 0, 32, layout="tiled"))
     with discover_kernels() as found:
         kernel("moe.cu", "moe_sort")  # routing: the format-free module
         for weight in weights:
             weight._kernel()
             weight._kernel("moe_dequantize")
             for name, defines in cuda_moe.GEMV_KERNELS.items():
-                kernel_name = name if name == "moe_gemv" else \
-                    "moe_gemv_mma" if name in cuda_moe.TENSOR_CORE_GEMVS else "moe_gemv_wide"
+                tiled = weight.layout == "tiled"
+                if name in cuda_moe.TILED_GEMVS and not tiled:
+                    continue  # checkpoint-layout weights run "mma" instead
+                if "STAGED_CHUNKS" in defines and tiled:
+                    defines = {"MMA_GEMV_NTILES": defines["MMA_GEMV_NTILES"]}  # what the tiled layout runs instead
+                kernel_name = name if name == "moe_gemv" else "moe_gemv_int4_tiled" if name in cuda_moe.TILED_GEMVS \
+                    else "moe_gemv_mma" if name in cuda_moe.TENSOR_CORE_GEMVS else "moe_gemv_wide"
                 weight._kernel(kernel_name, **defines)
     built = compile_kernels(found, cupy.cuda.Device().id, threads=threads)
     print(f"compiled {built} moe.cu modules in {time.perf_counter() - started:.1f} s", flush=True)
@@ -505,7 +515,8 @@ def run_gemv(args) -> dict:
     unknown = set(kernels) - set(cuda_moe.GEMV_KERNELS)
     if unknown:
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(cuda_moe.GEMV_KERNELS)}")
-    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS] or TENSOR_CORE_GEMVS
+    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS + cuda_moe.TILED_GEMVS] \
+        or TENSOR_CORE_GEMVS
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
               "choice": {"dense": cuda_moe.DENSE_GEMV_CHOICE, "grouped": cuda_moe.GROUPED_GEMV_CHOICE},
@@ -547,7 +558,7 @@ def run_gemv(args) -> dict:
                  + [partial(cuda_moe.quantized_linear, small_x, weight, backend.blas, GEMV_BASELINES["dense"])
                     for weight in (small_fp8, small_int4.expert(0))]
                  + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, True, gemv_kernel=name)
-                    for weight in (small_int4, small_bf16) for name in kernels]
+                    for weight in (small_int4, small_bf16, cuda_moe.tiled_int4(small_int4)) for name in kernels]
                  + [partial(cuda_moe.grouped_gemm, small_x, weight, small_grouping, True, False)
                     for weight in (small_int4, small_bf16)])
 
@@ -577,11 +588,19 @@ def run_gemv(args) -> dict:
                 partial(cuda_moe.quantized_linear, x, weights[i % len(weights)], backend.blas, name)
                 for i in range(GEMV_CALLS)], stored, rel, GEMV_BASELINES["dense"])
             report["dense"].append(point)
-    for label, (fmt, gather, experts, top_k, n, k) in GEMV_GROUPED.items():
+    layouts = args.int4_layouts.split(",")
+    if set(layouts) - set(cuda_moe.INT4_LAYOUTS):
+        raise SystemExit(f"--int4-layouts: choose from {', '.join(cuda_moe.INT4_LAYOUTS)}")
+    grouped_points = [(label, layout) for label, (fmt, *_) in GEMV_GROUPED.items()
+                      for layout in (layouts if fmt == "int4" else ["rows"])]
+    for label, layout in grouped_points:
+        fmt, gather, experts, top_k, n, k = GEMV_GROUPED[label]
         if "grouped" not in sections or fmt not in args.grouped_formats.split(","):
             continue
         weight = random_int4(backend, experts, n, k) if fmt == "int4" else \
             ExpertLinear("bf16", device_random_bf16((experts, n, k)), None, n, k)
+        if layout == "tiled":  # the same random words, repacked for the decode GEMV
+            weight = cuda_moe.tiled_int4(weight)
         per_expert = (weight.data.nbytes + (0 if weight.scale is None else weight.scale.nbytes)) / experts
         for tokens in tokens_list:
             groupings, active = [], []
@@ -592,13 +611,16 @@ def run_gemv(args) -> dict:
                 active.append(np.unique(ids).size)
             rows = tokens if gather else tokens * top_k
             x = backend.upload(rng.standard_normal((rows, k)).astype(np.float32))
-            point = {"weight": label, "format": fmt, "tokens": tokens, "slots_per_expert": tokens * top_k / experts,
+            point = {"weight": label, "format": fmt, "layout": weight.layout, "tokens": tokens,
+                     "slots_per_expert": tokens * top_k / experts,
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
+            names = kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core
+            if fmt == "int4":  # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
+                names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
-                point["bytes_mean"], rel, GEMV_BASELINES["grouped"],
-                kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core)
+                point["bytes_mean"], rel, GEMV_BASELINES["grouped"], names)
             report["grouped"].append(point)
     return report
 
@@ -852,7 +874,7 @@ def plot_gemv(report: dict, path: Path) -> None:
 
     points = report["dense"] + report["grouped"]
     labels = [f"{p['weight'].split()[0]} {p['weight'].split()[-2]} " + (f"{p['rows']}r" if "rows" in p else f"{p['tokens']}t")
-              for p in points]
+              + (" tiled" if p.get("layout") == "tiled" else "") for p in points]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     series = [*report["kernels"], "baseline"]
     width = 0.8 / len(series)
@@ -1097,6 +1119,11 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "mla_combine_loop": "mla_combine_splits ($OPENINFER_MLA_COMBINE=loop; the shared-memory combine is the default "
                         "since E3)",
     "mla_heads16": "mla_attention_mma in blocks of 16 heads, a warp per output quarter ($OPENINFER_MLA_HEADS16=1)",
+    "shared_overlap": "the shared expert on a side stream beside the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1)",
+    "no_shared_overlap": "the shared expert inline, before the routing ($OPENINFER_MOE_SHARED_OVERLAP=0)",
+    "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
+                  "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
+    "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1129,6 +1156,14 @@ def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tupl
     return variants
 
 
+def variant_layout(options: tuple[str, ...]) -> str:
+    """The routed INT4 experts' layout of a variant: its int4_tiled / int4_rows option, else what
+    ``upload_expert_linear`` gives ($OPENINFER_INT4_LAYOUT, else core's default)."""
+    from openinfer.backend.cuda import moe as cuda_moe
+
+    return "tiled" if "int4_tiled" in options else "rows" if "int4_rows" in options else cuda_moe.int4_layout()
+
+
 def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ...]) -> str:
     return f"{absorbed_kernel}:{gemv_kernel}" + (f":{'+'.join(options)}" if options else "")
 
@@ -1142,12 +1177,14 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
     os.environ[cuda_moe.GEMV_KERNEL_ENV] = gemv_kernel
     switches = {"no_fast_routing": (cuda_moe.FAST_ROUTING_ENV, "0"), "no_spread_rope": (cuda_mla.SPREAD_ROPE_ENV, "0"),
                 "mla_splits16": (cuda_mla.MAX_SPLITS_ENV, "16"), "no_mla_async": (cuda_mla.ASYNC_TILES_ENV, "0"),
-                "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1")}
+                "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
+                "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
+                "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0")}
+    for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
+        os.environ.pop(env, None)
     for option, (env, value) in switches.items():
         if option in options:
             os.environ[env] = value
-        else:
-            os.environ.pop(env, None)
 
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
@@ -1166,8 +1203,13 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
-    shared_out = backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
-    return h, cuda_moe.moe_forward(backend, h, moe, shared_out)
+    shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
+    return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
+
+
+def shared_mlp(backend, shared, h):
+    """The shared expert: down(silu_mul(gate_up(h)))."""
+    return backend.silu_mul_linear(backend.linear(h, shared[0]), shared[1])
 
 
 def run_layer(args) -> dict:
@@ -1186,6 +1228,13 @@ def run_layer(args) -> dict:
     backends = {False: backend, True: CudaBackend(fuse_decode=True)}  # by variant's ``fused``: same weights
     rng = np.random.default_rng(0)
     attention, moe, shared = build_layer(backend, rng)
+    # the routed experts by INT4 layout (variant options int4_tiled / int4_rows, else what uploads take):
+    # the same random words, repacked
+    layouts = {variant_layout(options) for _, _, options in variants}
+    moes = {"rows": moe}
+    if "tiled" in layouts:
+        moes["tiled"] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up),
+                                            down=cuda_moe.tiled_int4(moe.down))
     c = KIMI_LAYER
     spec = MLASpec(c["heads"], c["nope"], c["rope"], c["v"], c["kv_lora"], (c["nope"] + c["rope"]) ** -0.5)
     rope = RotaryEmbedding.create(c["rope"], RopeParameters(50000.0), args.context + 8)
@@ -1210,12 +1259,12 @@ def run_layer(args) -> dict:
             dry = []
             for absorbed_kernel, gemv_kernel, options in variants:
                 dry.append(partial(use_variant, gemv_kernel, options))
-                dry.append(partial(layer_step, backends["fused" in options], attention, moe, shared, spec, cache,
-                                   device_batch, cos, sin, x, absorbed_kernel))
+                dry.append(partial(layer_step, backends["fused" in options], attention, moes[variant_layout(options)],
+                                   shared, spec, cache, device_batch, cos, sin, x, absorbed_kernel))
             warm_kernels(dry)
         for absorbed_kernel, gemv_kernel, options in variants:
             use_variant(gemv_kernel, options)
-            ops = backends["fused" in options]
+            ops, moe = backends["fused" in options], moes[variant_layout(options)]
             step = partial(layer_step, ops, attention, moe, shared, spec, cache, device_batch, cos, sin, x,
                            absorbed_kernel)
             h, _ = step()
@@ -1258,6 +1307,113 @@ def run_layer(args) -> dict:
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "variants": [variant_label(*v) for v in variants], "layer": KIMI_LAYER,
             "points": points}
+
+
+# --- one MoE block alone (routing, routed + shared experts, combine) ----------------------------------
+
+# Moonlight-16B-A3B (bf16, 64 x top-6, 2 shared of 1408) and Kimi-K2 (INT4, 384 x top-8, 1 shared of 2048)
+MOE_SHAPES = {
+    "moonlight": {"hidden": 2048, "inter": 1408, "experts": 64, "top_k": 6, "shared": 2, "format": "bf16",
+                  "scaling": 2.446, "copies": 4},
+    "kimi": {"hidden": 7168, "inter": 2048, "experts": 384, "top_k": 8, "shared": 1, "format": "int4",
+             "scaling": 2.827, "copies": 1},
+}
+# variant -> (environment switches, INT4 experts tiled); "inline": what ships
+MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+                "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
+                "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
+                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
+
+
+def run_moe(args) -> dict:
+    """moe_forward of one MoE block with its shared experts (``shared_experts``) per variant, timed as
+    CUDA-graph replays of a decode step's block over ``copies`` weight copies (past L2)."""
+    import cupy
+
+    from openinfer.backend.cuda import CudaBackend
+    from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.moe import DeviceMoE, ExpertLinear
+    from openinfer.moe import RouterSpec
+
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    if set(shapes) - set(MOE_SHAPES) or set(variants) - set(MOE_VARIANTS):
+        raise SystemExit(f"--shapes from {', '.join(MOE_SHAPES)}; --variants from {', '.join(MOE_VARIANTS)}")
+    tokens_list = args.tokens.split(",")
+    if not all(t.isdigit() and int(t) > 0 for t in tokens_list):
+        raise SystemExit(f"--tokens {args.tokens!r}: want a comma list of positive integers")
+    backend = CudaBackend()
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth()
+    points = []
+    for shape in shapes:
+        c = MOE_SHAPES[shape]
+        h, inter, experts = c["hidden"], c["inter"], c["experts"]
+
+        def experts_weight(n, k, c=c):
+            if c["format"] == "int4":
+                return random_int4(backend, c["experts"], n, k)
+            return ExpertLinear("bf16", device_random_bf16((c["experts"], n, k)), None, n, k)
+
+        blocks = []
+        for _ in range(c["copies"]):
+            layer = DeviceMoE(RouterSpec(experts, c["top_k"], "sigmoid", routed_scaling_factor=c["scaling"]),
+                              backend.weight(0.05 * rng.standard_normal((experts, h)).astype(np.float32)),
+                              cupy.zeros(experts, cupy.float32), experts_weight(2 * inter, h), experts_weight(h, inter))
+            shared = (backend.linear_weight(0.02 * rng.standard_normal((2 * inter * c["shared"], h)).astype(np.float32)),
+                      backend.linear_weight(0.02 * rng.standard_normal((h, inter * c["shared"])).astype(np.float32)))
+            tiled = dataclasses.replace(layer, gate_up=cuda_moe.tiled_int4(layer.gate_up),
+                                        down=cuda_moe.tiled_int4(layer.down)) \
+                if any(MOE_VARIANTS[v][1] for v in variants) and c["format"] == "int4" else layer
+            blocks.append((layer, tiled, shared))
+        per_expert = sum(w.data[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
+                         for w in (blocks[0][0].gate_up, blocks[0][0].down))
+        shared_bytes = sum(w.weight.nbytes for w in blocks[0][2]) + blocks[0][0].gate.nbytes
+        for tokens in (int(t) for t in tokens_list):
+            x = backend.upload(rng.standard_normal((tokens, h)).astype(np.float32))
+            ids, _ = cuda_moe.route(x, blocks[0][0].gate, blocks[0][0].router, blocks[0][0].correction_bias)
+            active = int(cupy.unique(ids).size)
+            point = {"shape": shape, "tokens": tokens, "active_experts": active,
+                     "bytes": active * per_expert + shared_bytes}
+            outputs = {}
+            for variant in variants:
+                switches, use_tiled = MOE_VARIANTS[variant]
+                calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
+                                 shared_experts=partial(shared_mlp, backend, shared)) for layer, tiled, shared in blocks]
+                with switched_env(switches):
+                    outputs[variant] = backend.to_host(calls[0]())
+                    seconds, error = graph_call_seconds(calls)
+                point[f"{variant}_us"] = 1e6 * seconds
+                point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes"] / seconds / bandwidth
+                point[f"{variant}_speedup"] = point[f"{variants[0]}_us"] / point[f"{variant}_us"]
+                point[f"{variant}_max_abs_difference"] = float(np.abs(outputs[variant] - outputs[variants[0]]).max())
+                if error:
+                    point[f"{variant}_graph_error"] = error
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    return {"benchmark": "moe_block", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+            "shapes": {name: MOE_SHAPES[name] for name in shapes},
+            "variants": {name: MOE_VARIANTS[name][0] | {"int4_tiled": MOE_VARIANTS[name][1]} for name in variants},
+            "points": points}
+
+
+def plot_moe(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["points"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(report["variants"]))
+    for i, variant in enumerate(report["variants"]):
+        ax.bar(np.arange(len(points)) + i * width, [p.get(f"{variant}_us", np.nan) for p in points], width,
+               label=variant)
+    ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"{p['shape']} {p['tokens']}t" for p in points])
+    ax.set_ylabel("µs per MoE block (graph replay)")
+    ax.set_title(f"MoE block with shared experts ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _variant_name(variant: str) -> str:
@@ -1682,6 +1838,8 @@ def main() -> None:
     gemv.add_argument("--sections", default="dense,grouped", help="comma list of dense,grouped")
     gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
     gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
+    gemv.add_argument("--int4-layouts", default="rows",
+                      help="INT4 experts' layouts to time, comma list of rows (checkpoint), tiled (tile_int4)")
     gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
                                                     "(default: all)")
     gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")
@@ -1702,7 +1860,15 @@ def main() -> None:
                        help="side by side in one run: comma list of ABSORBED:GEMV[:OPTION+...], e.g. "
                             "cuda_cores:moe_gemv,mma:mma,auto:mma_depth4:fused+fast_routing (MLA decode kernel, "
                             f"$OPENINFER_MOE_GEMV, options: {'; '.join(f'{k}: {v}' for k, v in LAYER_OPTIONS.items())})")
-    sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
+    moe_block = sub.add_parser("moe", help="one MoE block (routing, routed + shared experts, combine) by variant")
+    moe_block.add_argument("--shapes", default="moonlight,kimi", help=f"comma list of {', '.join(MOE_SHAPES)}")
+    moe_block.add_argument("--tokens", default="1,4,16", help="comma list of decode batch sizes")
+    moe_block.add_argument("--variants", default="inline,overlap",
+                           help=f"comma list of {', '.join(MOE_VARIANTS)} (the first the reference)")
+    moe_block.add_argument("--name", default="kimi_moe_block", help="results file name (JSON + PNG)")
+    warm = sub.add_parser("warm", help="compile moe.cu's GEMV / GEMM modules in parallel into CuPy's disk cache")
+    warm.add_argument("--formats", default="bf16,int4,fp8", help="comma list of weight formats")
+    warm.add_argument("--groups", default="16,32,128", help="comma list of INT4 group sizes (32: the tiled layout too)")
     moon = sub.add_parser("moonlight")
     moon.add_argument("--checkpoint", default="",
                       help=f"where the random checkpoint is (written when absent); default: {' or '.join(CHECKPOINT_PLACES)}")
@@ -1725,7 +1891,12 @@ def main() -> None:
     moon.add_argument("--name", default="", help="results file name (default: moonlight_serving[_tiny])")
     args = parser.parse_args()
     if args.command == "warm":
-        warm_moe_modules()
+        formats = tuple(args.formats.split(","))
+        if set(formats) - set(FORMATS_OF_WARM):
+            raise SystemExit(f"--formats: choose from {', '.join(FORMATS_OF_WARM)}")
+        if not all(g.isdigit() and int(g) % 8 == 0 and int(g) > 0 for g in args.groups.split(",")):
+            raise SystemExit(f"--groups {args.groups!r}: want a comma list of positive multiples of 8")
+        warm_moe_modules(tuple(int(g) for g in args.groups.split(",")), formats=formats)
         return
     RESULTS.mkdir(exist_ok=True)
     if args.command == "kernels":  # a run of some sections only keeps the full run's file
@@ -1738,6 +1909,8 @@ def main() -> None:
         report, name, plot = run_experts(args), args.name, plot_experts
     elif args.command == "layer":
         report, name, plot = run_layer(args), args.name, plot_layer
+    elif args.command == "moe":
+        report, name, plot = run_moe(args), args.name, plot_moe
     else:
         report, plot = run_moonlight(args), plot_moonlight
         name = args.name or ("moonlight_serving_tiny" if args.tiny else "moonlight_serving")

@@ -144,6 +144,49 @@ def dequantize_int4_group(packed: np.ndarray, scales: np.ndarray, shape: tuple[i
     return q * np.repeat(np.asarray(scales, np.float32), group, axis=1)
 
 
+# The GPU decode GEMV's INT4 layout (core/kernels/moe.cu, INT4_TILED): 16 rows x 128 weights per
+# 1024-byte chunk, chunks in (row block, k block) order, so a warp of the GEMV streams contiguous
+# bytes. Group-32 scales only (a lane's 32 weights share one scale).
+INT4_TILE_ROWS, INT4_TILE_K, INT4_TILE_GROUP = 16, 128, 32
+
+
+def int4_tiling_fits(out_features: int, in_features: int, group: int) -> bool:
+    """Whether a weight of this shape and group size has a tiled INT4 layout (``tile_int4``)."""
+    return group == INT4_TILE_GROUP and out_features % INT4_TILE_ROWS == 0 and in_features % INT4_TILE_K == 0
+
+
+def tile_int4(words, scales, xp=np):
+    """Stacked checkpoint-layout INT4 ``words [E, N, K/8]`` int32 and group-32 ``scales [E, N, K/32]``
+    (any 2-byte dtype) → the tiled layout: words ``[E, N/16, K/128, 256]``, scales
+    ``[E, N/16, K/128, 64]``. Inside a chunk the word of row n, weights k .. k+7 sits at
+    ((n/8)%2, n%8, (k/8)%4, (k/32)%4) — a GEMV lane's 16 bytes hold 8 weights of each of the
+    chunk's 4 groups — and the scale of (n, k/32) at (n%8, (n/8)%2, (k/32)%4), which is where
+    moe.cu's int4_word_index / int4_scale_index look. ``xp``: numpy or cupy (a device repack)."""
+    experts, out_features, packed = words.shape
+    in_features = packed * 8
+    if not int4_tiling_fits(out_features, in_features, in_features // scales.shape[2]) \
+            or scales.shape[:2] != (experts, out_features):
+        raise ValueError(f"no tiled INT4 layout for words {tuple(words.shape)} with scales {tuple(scales.shape)}: "
+                         f"want group {INT4_TILE_GROUP}, out_features % {INT4_TILE_ROWS} == 0 and "
+                         f"in_features % {INT4_TILE_K} == 0")
+    blocks, kblocks = out_features // INT4_TILE_ROWS, in_features // INT4_TILE_K
+    # n = (block, half, row); word k/8 = (kblock, group, lane quarter); group k/32 = (kblock, group)
+    w = words.reshape(experts, blocks, 2, 8, kblocks, 4, 4).transpose(0, 1, 4, 2, 3, 6, 5)
+    s = scales.reshape(experts, blocks, 2, 8, kblocks, 4).transpose(0, 1, 4, 3, 2, 5)
+    return (xp.ascontiguousarray(w).reshape(experts, blocks, kblocks, 256),
+            xp.ascontiguousarray(s).reshape(experts, blocks, kblocks, 64))
+
+
+def untile_int4(words, scales, out_features: int, in_features: int, xp=np):
+    """``tile_int4``'s inverse: the checkpoint layout ``[E, N, K/8]`` words, ``[E, N, K/32]`` scales."""
+    experts = words.shape[0]
+    blocks, kblocks = out_features // INT4_TILE_ROWS, in_features // INT4_TILE_K
+    w = words.reshape(experts, blocks, kblocks, 2, 8, 4, 4).transpose(0, 1, 3, 4, 2, 6, 5)
+    s = scales.reshape(experts, blocks, kblocks, 8, 2, 4).transpose(0, 1, 4, 3, 2, 5)
+    return (xp.ascontiguousarray(w).reshape(experts, out_features, in_features // 8),
+            xp.ascontiguousarray(s).reshape(experts, out_features, in_features // INT4_TILE_GROUP))
+
+
 def quantize_int4_group(weight: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-group INT4: ``(packed int32 [out, in/8], scales float32 [out, in/group])`` with
     ``scale = absmax / 7`` (what compressed-tensors' symmetric int4 uses); values clipped to −8..7."""

@@ -34,6 +34,12 @@
 #ifndef FP8_BLOCK
 #define FP8_BLOCK 128
 #endif
+#ifndef INT4_TILED
+#define INT4_TILED 0  // INT4 words and scales in the GEMV-tiled layout (int4_word_index), not [N, K/8]
+#endif
+#if INT4_TILED && (WEIGHT_FORMAT != 1 || GROUP != 32)
+#error "the tiled INT4 layout holds group-32 INT4 weights only"
+#endif
 #define BM MMA_TILE  // mma.cuh's 64×64 block tile on 4 warps
 #define BN MMA_TILE
 #define BK MMA_TILE  // 64 bf16 = 128 B of an A row, 32 B of an INT4 weight row per tile step (whole sectors)
@@ -298,15 +304,49 @@ __device__ __forceinline__ float fp8_e4m3_value(unsigned char code) {
     return __int_as_float((int)bits) * 1.329227995784916e36f;  // 2^120
 }
 
+#if WEIGHT_FORMAT == 1
+// Where INT4 weight words and group scales live. Checkpoint layout (INT4_TILED 0): words [E, N, K/8]
+// (word k/8 of row n holds weights k .. k+7), scales [E, N, K/GROUP]. Tiled layout (INT4_TILED 1,
+// group 32, N % 16 == 0, K % 128 == 0; core/quant.py tile_int4_for_gemv builds it): the weights of
+// 16 rows × 128 k form one 1024-byte chunk, chunks ordered (expert, row block n/16, k/128), so the
+// decode GEMV's warp (16 rows) streams one contiguous run of HBM and its 32 lanes read 512
+// contiguous bytes per 16-byte load. Inside a chunk: half (n/8)%2, lane (n%8)·4 + (k/8)%4, word
+// (k/32)%4 — lane (g, t) of moe_gemv_int4_tiled finds at 16·lane (row g) and 512 + 16·lane (row
+// g + 8) one word (8 consecutive weights) of each of the chunk's 4 groups. Scales per chunk: 64
+// bf16 ordered (n%8, half, group): a lane's 8 scales (rows g and g + 8) in 16 bytes.
+__device__ __forceinline__ long long int4_chunk_index(long long e, int n, int k, int N, int K) {
+    return (e * (N / 16) + n / 16) * (long long)(K / 128) + k / 128;
+}
+
+// Index of the int32 word holding weights k .. k+7 of row n (k % 8 == 0).
+__device__ __forceinline__ long long int4_word_index(long long e, int n, int k, int N, int K) {
+#if INT4_TILED
+    return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 3) & 3) * 4 +
+           ((k >> 5) & 3);
+#else
+    return (e * N + n) * (long long)(K / 8) + k / 8;
+#endif
+}
+
+// Index of the bf16 scale of weight (n, k)'s group.
+__device__ __forceinline__ long long int4_scale_index(long long e, int n, int k, int N, int K) {
+#if INT4_TILED
+    return ((int4_chunk_index(e, n, k, N, K) * 8 + (n & 7)) * 2 + ((n >> 3) & 1)) * 4 + ((k >> 5) & 3);
+#else
+    return (e * N + n) * (long long)(K / GROUP) + k / GROUP;
+#endif
+}
+#endif
+
 // Dequantise weight element (n, k) of expert e (n < N, k < K checked by the caller).
 __device__ __forceinline__ float weight_value(const void* __restrict__ weight, const void* __restrict__ scale,
                                              long long e, int n, int k, int N, int K) {
 #if WEIGHT_FORMAT == 0
     return __bfloat162float(((const bf16*)weight)[(e * N + n) * (long long)K + k]);
 #elif WEIGHT_FORMAT == 1
-    const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
+    const unsigned word = ((const unsigned*)weight)[int4_word_index(e, n, k & ~7, N, K)];
     const int q = (int)((word >> (4 * (k & 7))) & 0xF) - 8;
-    return (float)q * __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+    return (float)q * __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const unsigned char code = ((const unsigned char*)weight)[(e * N + n) * (long long)K + k];
@@ -329,8 +369,8 @@ __device__ __forceinline__ void load_b_tile_vec(const void* __restrict__ weight,
 #if WEIGHT_FORMAT == 0
             v = *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-            const unsigned word = ((const unsigned*)weight)[(e * N + n) * (long long)(K / 8) + k / 8];
-            const float s = __bfloat162float(((const bf16*)scale)[(e * N + n) * (long long)(K / GROUP) + k / GROUP]);
+            const unsigned word = ((const unsigned*)weight)[int4_word_index(e, n, k, N, K)];
+            const float s = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k, N, K)]);
             float f[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) f[j] = (float)((int)((word >> (4 * j)) & 0xF) - 8) * s;
@@ -464,7 +504,13 @@ __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, lon
 #if WEIGHT_FORMAT == 0
     return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-    return *reinterpret_cast<const uint4*>((const unsigned*)weight + (e * N + n) * (long long)(K / 8) + k / 8);
+#if INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
+    const unsigned* words = (const unsigned*)weight;
+    return make_uint4(words[int4_word_index(e, n, k, N, K)], words[int4_word_index(e, n, k + 8, N, K)],
+                      words[int4_word_index(e, n, k + 16, N, K)], words[int4_word_index(e, n, k + 24, N, K)]);
+#else
+    return *reinterpret_cast<const uint4*>((const unsigned*)weight + int4_word_index(e, n, k, N, K));
+#endif
 #else
     return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
 #endif
@@ -482,10 +528,9 @@ __device__ __forceinline__ void weight_decode(uint4 raw, const void* __restrict_
         w[2 * i + 1] = __int_as_float((int)(word[i] & 0xFFFF0000u));
     }
 #elif WEIGHT_FORMAT == 1
-    const bf16* scales = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float s = __bfloat162float(scales[(k + 8 * i) / GROUP]);
+        const float s = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) w[8 * i + j] = (float)((int)((word[i] >> (4 * j)) & 0xF) - 8) * s;
     }
@@ -636,9 +681,8 @@ __device__ __forceinline__ void wide_scales(const void* __restrict__ scale, long
     (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
     s[0] = 1.f;
 #elif WEIGHT_FORMAT == 1
-    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
-    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+    for (int i = 0; i < WIDE_SCALES; ++i) s[i] = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK] * 1.329227995784916e36f;  // 2^120
@@ -840,9 +884,9 @@ __device__ __forceinline__ void mma_gemv_scales(const void* __restrict__ scale, 
     (void)scale, (void)e, (void)n, (void)k, (void)N, (void)K;
     s[0] = 1.f;
 #elif WEIGHT_FORMAT == 1
-    const bf16* row = (const bf16*)scale + (e * N + n) * (long long)(K / GROUP);
 #pragma unroll
-    for (int i = 0; i < MMA_GEMV_SCALES; ++i) s[i] = __bfloat162float(row[(k + 8 * i) / GROUP]);
+    for (int i = 0; i < MMA_GEMV_SCALES; ++i)
+        s[i] = __bfloat162float(((const bf16*)scale)[int4_scale_index(e, n, k + 8 * i, N, K)]);
 #else
     const int nb = (N + FP8_BLOCK - 1) / FP8_BLOCK, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     s[0] = ((const float*)scale)[(e * nb + n / FP8_BLOCK) * kb + k / FP8_BLOCK];
@@ -1035,7 +1079,24 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 // Same arguments, rows and tile list as moe_gemv_mma; needs K % (STAGED_CHUNKS · 128) == 0 (the
 // caller checks) and whole warps of columns (a warp past N leaves).
 // ---------------------------------------------------------------------------------------------
-#if WEIGHT_FORMAT == 1 && GROUP == 32
+// cp.async: 16 bytes global → shared, a commit group, and a wait until all but the PENDING newest
+// groups of this lane's copies landed (the host emulation copies at once).
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+__device__ __forceinline__ void staged_commit() {}
+template <int PENDING>
+__device__ __forceinline__ void staged_wait_pending() {}
+#else
+__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+}
+__device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void staged_wait_pending() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+#endif
+
+#if WEIGHT_FORMAT == 1 && GROUP == 32 && !INT4_TILED  // reads the checkpoint layout's rows
 #ifndef STAGED_CHUNKS
 #define STAGED_CHUNKS 4  // 128-weight chunks per stage: 256 contiguous bytes of each row
 #endif
@@ -1051,19 +1112,11 @@ moe_gemv_mma(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, i
 static_assert(STAGED_WARPS * STAGED_STAGES * STAGED_STAGE_BYTES <= 48 * 1024, "static shared memory");
 static_assert(STAGED_SCALE_BYTES % 16 == 0, "whole 16-byte scale copies");
 
-#ifdef MMA_HOST_STANDIN  // the host emulation copies at once; a warp meets at its shuffle barrier
-__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-__device__ __forceinline__ void staged_commit() {}
-__device__ __forceinline__ void staged_wait() {}
+// this lane's copies of all but the STAGED_STAGES - 1 newest groups landed
+__device__ __forceinline__ void staged_wait() { staged_wait_pending<STAGED_STAGES - 1>(); }
+#ifdef MMA_HOST_STANDIN  // a warp meets at its shuffle barrier
 __device__ __forceinline__ void staged_warp_sync() { (void)__shfl_xor_sync(0xffffffffu, 0.f, 1); }
 #else
-__device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
-}
-__device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// this lane's copies of all but the STAGED_STAGES - 1 newest groups landed
-__device__ __forceinline__ void staged_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGED_STAGES - 1)); }
 __device__ __forceinline__ void staged_warp_sync() { __syncwarp(); }
 #endif
 
@@ -1157,6 +1210,203 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             for (int v = 0; v < 4; ++v) {
                 const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
                 if (r < rows && n < N) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// moe_gemv_int4_tiled: the decode GEMV on tensor cores for INT4 weights in the tiled layout
+// (INT4_TILED; same arguments, rows and tile list as moe_gemv_mma). A warp owns 16 output columns
+// = one row block of the layout and streams its chunks (1 KB of weights + 128 bytes of scales per
+// 128 k, contiguous over k): every lane loads 16 bytes of row g, 16 of row g + 8 and its 8 scales,
+// three fully coalesced loads, TILED_DEPTH chunks in flight in a ring of registers (or, with
+// TILED_STAGES, TILED_STAGES - 1 in flight to a ring in shared memory by cp.async).
+// A lane's word j of a row holds 8 consecutive weights k0 .. k0+7 of group j (k0 = 32j + 8t), so
+// all 4 lanes of a quad feed one mma step from the same group; the scale then leaves the weights:
+// nibbles are or-ed into bf16 128 + q (exact, nothing else per weight pair but a shift), a group's
+// two mma steps sum Σ (128 + q)·x on top of two with the constant A = −136 (Σ −136·x), and the
+// group's fp32 sum (q − 8)·x takes its row's scale in one FMA per output. Step p of a group takes
+// the weights k0 + {2p, 2p+4 | 2p+1, 2p+5} (fragment slots 2t, 2t+1 | 2t+8, 2t+9, one shift and
+// one lop3 per pair) and the same activations (byte permutes of one 16-byte load of x[k0 ..]).
+// The products are exact in the tensor cores; the sums differ from moe_gemv_mma's (which rounds
+// each dequantised weight to bf16) by fp32 rounding only.
+// Needs INT4_TILED's shapes (N % 16 == 0, K % 128 == 0; the caller checks).
+// ---------------------------------------------------------------------------------------------
+#if INT4_TILED
+#ifndef TILED_NTILES
+#define TILED_NTILES 1  // 8-row n-tiles per pass over the weights
+#endif
+#ifndef TILED_DEPTH
+#define TILED_DEPTH 4  // chunks per lane in flight or in use
+#endif
+#ifndef TILED_STREAM_LOADS
+#define TILED_STREAM_LOADS 0  // 1: weight loads past L1 (read once) asking L2 for 256-byte lines
+#endif
+#ifndef TILED_STAGES
+#define TILED_STAGES 0  // > 0: the ring of chunks in shared memory, filled by cp.async (TILED_DEPTH unused)
+#endif
+// A lane's share of a chunk in a shared-memory stage: the 16 bytes of row g, of row g + 8 and its
+// scales, each copied by the lane itself (so only its own cp.async groups need waiting for).
+#define TILED_STAGE_BYTES (3 * 32 * 16)
+#define TILED_WARPS 4
+#define TILED_NEG136 0xC308C308u  // bf16 −136, twice
+#if TILED_STAGES
+static_assert(TILED_WARPS * TILED_STAGES * TILED_STAGE_BYTES <= 48 * 1024, "static shared memory");
+#endif
+
+struct TiledChunk {
+    uint4 lo, hi, scales;  // rows g, g + 8: one word per group; scales (row g: groups 0-3, row g + 8: 0-3)
+};
+
+__device__ __forceinline__ uint4 tiled_weight_load(const uint4* p) {
+#if TILED_STREAM_LOADS && !defined(MMA_HOST_STANDIN)
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+__device__ __forceinline__ TiledChunk tiled_load(const unsigned* __restrict__ weight, const bf16* __restrict__ scale,
+                                                 long long chunk, int lane, int g) {
+    const uint4* w = reinterpret_cast<const uint4*>(weight + chunk * 256);
+    TiledChunk c;
+    c.lo = tiled_weight_load(w + lane);
+    c.hi = tiled_weight_load(w + 32 + lane);
+    c.scales = reinterpret_cast<const uint4*>(scale + chunk * 64)[g];
+    return c;
+}
+
+// Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}).
+__device__ __forceinline__ unsigned tiled_pair(unsigned v, int s) {
+#ifdef MMA_HOST_STANDIN
+    return ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+#else
+    unsigned biased;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v >> (4 * s)), "n"(0x000F000F), "r"(0x43004300));
+    return biased;
+#endif
+}
+
+// acc[j] += chunk c's products with n-tile j's rows (x rows b_row[j], this lane's k from k_chunk + 8t).
+__device__ __forceinline__ void tiled_chunk(float (&acc)[TILED_NTILES][4], const TiledChunk& c,
+                                            const bf16* const (&b_row)[TILED_NTILES], int ntiles, int k_chunk, int t) {
+    const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
+    const unsigned sw[4] = {c.scales.x, c.scales.y, c.scales.z, c.scales.w};
+    const unsigned neg136[4] = {TILED_NEG136, TILED_NEG136, TILED_NEG136, TILED_NEG136};
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+        const float s_lo = (group & 1) ? bf16_high(sw[group >> 1]) : bf16_low(sw[group >> 1]);
+        const float s_hi = (group & 1) ? bf16_high(sw[2 + (group >> 1)]) : bf16_low(sw[2 + (group >> 1)]);
+        unsigned a[2][4];  // step p: rows g, g + 8 at slots (2t, 2t+1 | 2t+8, 2t+9)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            a[p][0] = tiled_pair(lo[group], 2 * p);
+            a[p][1] = tiled_pair(hi[group], 2 * p);
+            a[p][2] = tiled_pair(lo[group], 2 * p + 1);
+            a[p][3] = tiled_pair(hi[group], 2 * p + 1);
+        }
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;  // warp-uniform
+            const uint4 xv = *reinterpret_cast<const uint4*>(b_row[j] + k_chunk + 32 * group + 8 * t);
+            const unsigned x[4] = {xv.x, xv.y, xv.z, xv.w};
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {  // x[k0 + 2p], x[k0 + 2p + 4] | x[k0 + 2p + 1], x[k0 + 2p + 5]
+                const unsigned b0 = (x[p] & 0xFFFFu) | (x[p + 2] << 16), b1 = (x[p] >> 16) | (x[p + 2] & 0xFFFF0000u);
+                mma_bf16_16816(sum, neg136, b0, b1);
+                mma_bf16_16816(sum, a[p], b0, b1);
+            }
+            acc[j][0] += s_lo * sum[0];
+            acc[j][1] += s_lo * sum[1];
+            acc[j][2] += s_hi * sum[2];
+            acc[j][3] += s_hi * sum[3];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_WARPS * 32)
+moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                    const void* __restrict__ weight, const void* __restrict__ scale,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                    bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.x * TILED_WARPS + warp) * 16;
+    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+    const int chunks = K / 128;
+    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
+    const unsigned* words = (const unsigned*)weight;
+    const bf16* scales = (const bf16*)scale;
+#if TILED_STAGES
+    __shared__ __align__(16) unsigned char tiled_ring[TILED_WARPS][TILED_STAGES][TILED_STAGE_BYTES];
+    unsigned char (*ring)[TILED_STAGE_BYTES] = tiled_ring[warp];
+    // chunk c of the warp's stream into stage c % TILED_STAGES (this lane's 48 bytes)
+    const auto issue = [&](int c) {
+        unsigned char* stage = ring[c % TILED_STAGES] + lane * 16;
+        const unsigned char* w = reinterpret_cast<const unsigned char*>(words + (first + c) * 256) + lane * 16;
+        staged_copy16(stage, w);
+        staged_copy16(stage + 512, w + 512);
+        staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + (first + c) * 64) + g * 16);
+    };
+#endif
+    for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
+        const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
+        const bf16* b_row[TILED_NTILES];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)  // rows past the tile repeat its last row
+            b_row[j] = gemv_activation_row(a, sorted_slots, top_k, pass + min(8 * j + g, rows - 1), K);
+        float acc[TILED_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+#if TILED_STAGES
+#pragma unroll
+        for (int c = 0; c + 1 < TILED_STAGES; ++c) {  // every turn commits a group, empty or not
+            if (c < chunks) issue(c);
+            staged_commit();
+        }
+        for (int c = 0; c < chunks; ++c) {
+            if (c + TILED_STAGES - 1 < chunks) issue(c + TILED_STAGES - 1);  // the stage read last turn
+            staged_commit();
+            staged_wait_pending<TILED_STAGES - 1>();  // chunk c landed (this lane's copies)
+            const unsigned char* stage = ring[c % TILED_STAGES] + lane * 16;
+            TiledChunk chunk;
+            chunk.lo = *reinterpret_cast<const uint4*>(stage);
+            chunk.hi = *reinterpret_cast<const uint4*>(stage + 512);
+            chunk.scales = *reinterpret_cast<const uint4*>(stage + 1024);
+            tiled_chunk(acc, chunk, b_row, ntiles, c * 128, t);
+        }
+#else
+        TiledChunk ring[TILED_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < chunks) ring[d] = tiled_load(words, scales, first + d, lane, g);
+        for (int c0 = 0; c0 < chunks; c0 += TILED_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < chunks) ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first + ahead, lane, g);
+                if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, (c0 + d) * 128, t);
+            }
+        }
+#endif
+        // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
             }
         }
     }

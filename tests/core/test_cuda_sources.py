@@ -27,7 +27,11 @@ VARIANTS = {
                # moe_gemv_wide's "wide2" shape, INT4 groups below its 32-weight chunk
                {"WEIGHT_FORMAT": 1, "GROUP": 16, "WIDE_COLUMNS": 2, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 4},
                # the INT4 tensor-core GEMV with two N tiles and a four-way K split (kimi13)
-               {"WEIGHT_FORMAT": 1, "GROUP": 32, "MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4}],
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
+               # INT4 in the GEMV-tiled layout: every kernel through int4_word_index, moe_gemv_int4_tiled (kimi13)
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_DEPTH": 8,
+                "TILED_STREAM_LOADS": 1},
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_STAGES": 8}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],

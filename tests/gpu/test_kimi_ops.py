@@ -482,10 +482,12 @@ def test_decode_gemv_kernels_match_dequantized(cuda_backend, rng, fmt, group, ro
 
 
 @pytest.mark.parametrize("gemv_kernel", ["mma_staged", "mma_staged2x3"])
-def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, rng, gemv_kernel):
+def test_staged_gemv_on_expert_tiles_equals_mma(cuda_backend, rng, gemv_kernel, monkeypatch):
     """moe_gemv_mma_staged over moe_sort's tiles (gathered token rows, an empty expert, a 70-row
-    tile in five passes): the bits of moe_gemv_mma, and the dequantized product."""
+    tile in five passes): the bits of moe_gemv_mma, and the dequantized product. It reads the
+    checkpoint layout (uploads in it whatever $OPENINFER_INT4_LAYOUT says)."""
     moe = _moe_cuda()
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "rows")
     num_experts, top_k, out_features, in_features, tokens = 8, 2, 96, 1024, 40
     weight, reference = _expert_weights(rng, "int4", num_experts, out_features, in_features)
     assert moe.staged_ready(weight, moe.GEMV_KERNELS[gemv_kernel]["STAGED_CHUNKS"])

@@ -8,6 +8,11 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
     ExpertLinear.scale  None         | [E, N, K/group] bf16 | [E, ⌈N/b⌉, ⌈K/b⌉] fp32
     ExpertLinear.expert(e)  a view of expert e (expert parallelism hands ranks slices)
 
+INT4 weights with group-32 scales may instead live in the decode GEMV's tiled layout
+(``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
+which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
+$OPENINFER_INT4_LAYOUT=tiled (opt-in until measured; default ``rows``, the checkpoint layout).
+
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
 (thresholds measured on an H100, ``benchmarks/gpu_kimi.py gemv`` / ``kernels``; the decode GEMV
@@ -45,6 +50,7 @@ import numpy as np
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_experts
 from openinfer.moe import RouterSpec
+from openinfer.quant import int4_tiling_fits, tile_int4
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 TILE_M, TILE_N = 64, 64  # BM, BN in moe.cu
@@ -97,8 +103,28 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # registers, 46 / 42 KB shared, no spills
     "mma_staged": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2},
     "mma_staged2x3": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 2, "STAGED_STAGES": 3},
+    # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
+    # one contiguous stream, the group scales applied after the mma (a shift and a lop3 per weight pair,
+    # where moe_gemv_mma spends four); TILED_DEPTH chunks of 1 KB in flight per warp. Checkpoint-layout
+    # weights run moe_gemv_mma instead. Unmeasured. sm_90 ptxas: 111 / 128 / 90 / 120 registers, no spills
+    # (at most 128: 4 blocks per SM, a batch-1 gate_up's 512 blocks in one wave)
+    "tiled": {"TILED_NTILES": 2, "TILED_DEPTH": 4},
+    "tiled_depth6": {"TILED_NTILES": 2, "TILED_DEPTH": 6},
+    "tiled1": {"TILED_NTILES": 1, "TILED_DEPTH": 4},
+    "tiled1_depth6": {"TILED_NTILES": 1, "TILED_DEPTH": 6},
+    # the same with ld.global.nc.L1::no_allocate.L2::256B weight loads (read once: past L1, whole lines)
+    "tiled_nc": {"TILED_NTILES": 2, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1},
+    # the ring in shared memory (TILED_STAGES chunks of 1.5 KB per warp, cp.async, each lane its own bytes):
+    # deeper than registers allow. sm_90 ptxas: 80 / 84 / 70 registers, 36 / 48 / 36 KB, no spills
+    "tiled_s6": {"TILED_NTILES": 2, "TILED_STAGES": 6},
+    "tiled_s8": {"TILED_NTILES": 2, "TILED_STAGES": 8},
+    "tiled1_s6": {"TILED_NTILES": 1, "TILED_STAGES": 6},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
+TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
+# What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
+# kernels read that layout a word at a time.
+TILED_GEMV = "tiled"
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -132,7 +158,7 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS}}
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 # moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
@@ -240,6 +266,7 @@ class ExpertLinear:
     in_features: int
     group: int = 32  # INT4 group size
     block: int = 128  # FP8 block size
+    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]) or "tiled" (tile_int4)
 
     @property
     def num_experts(self) -> int:
@@ -247,11 +274,12 @@ class ExpertLinear:
 
     def expert(self, e: int) -> ExpertLinear:
         return ExpertLinear(self.format, self.data[e:e + 1], None if self.scale is None else self.scale[e:e + 1],
-                            self.out_features, self.in_features, self.group, self.block)
+                            self.out_features, self.in_features, self.group, self.block, self.layout)
 
     def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
+        tiled = {"INT4_TILED": 1} if self.layout == "tiled" else {}
         return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
-                      **defines)
+                      **tiled, **defines)
 
     def gemv_ready(self, a: cupy.ndarray) -> bool:
         """moe_gemv's needs: whole 16-byte weight chunks per row (K a multiple of the chunk, one FP8
@@ -261,18 +289,46 @@ class ExpertLinear:
                 and a.data.ptr % 16 == 0 and self.data.data.ptr % 16 == 0)
 
 
+INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
+INT4_LAYOUTS = ("rows", "tiled")
+DEFAULT_INT4_LAYOUT = "rows"
+
+
+def int4_layout(layout: str | None = None) -> str:
+    """``layout``, else $OPENINFER_INT4_LAYOUT, else DEFAULT_INT4_LAYOUT (checked against INT4_LAYOUTS)."""
+    name = layout or os.environ.get(INT4_LAYOUT_ENV) or DEFAULT_INT4_LAYOUT
+    if name not in INT4_LAYOUTS:
+        raise ValueError(f"unknown INT4 layout {name!r} ({INT4_LAYOUT_ENV}); one of {', '.join(INT4_LAYOUTS)}")
+    return name
+
+
 def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None, shape: tuple[int, int],
-                         group: int = 32, block: int = 128) -> ExpertLinear:
+                         group: int = 32, block: int = 128, layout: str | None = None) -> ExpertLinear:
     """Host arrays (stacked over experts, as stored in the checkpoint) → device. ``bf16`` data is
-    uint16 bf16 bits; ``int4`` int32 words + uint16 (bf16) scales; ``fp8`` uint8 codes + fp32 scales."""
+    uint16 bf16 bits; ``int4`` int32 words + uint16 (bf16) scales; ``fp8`` uint8 codes + fp32 scales.
+    ``layout`` (INT4; default ``int4_layout()``): "tiled" repacks INT4 weights that fit it
+    (``int4_tiling_fits``) for the decode GEMV; others stay as stored."""
     if format not in FORMATS:
         raise ValueError(f"unknown expert weight format {format!r}; one of {sorted(FORMATS)}")
     out_features, in_features = shape
     if format == "int4" and (in_features % group or group % 8):
         raise ValueError(f"INT4 in_features {in_features} must be a multiple of the group size {group} (itself of 8)")
-    return ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
-                        None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
-                        out_features, in_features, group, block)
+    weight = ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
+                          None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
+                          out_features, in_features, group, block)
+    return tiled_int4(weight) if format == "int4" and int4_layout(layout) == "tiled" else weight
+
+
+def tiled_int4(weight: ExpertLinear) -> ExpertLinear:
+    """``weight`` (INT4, checkpoint layout) repacked on the device into the tiled layout, where it fits
+    (``int4_tiling_fits``); otherwise (or already tiled) ``weight`` itself. Takes a second copy while
+    it runs."""
+    if (weight.format != "int4" or weight.layout != "rows" or weight.scale is None
+            or not int4_tiling_fits(weight.out_features, weight.in_features, weight.group)):
+        return weight
+    words, scales = tile_int4(weight.data, weight.scale, xp=cupy)
+    return ExpertLinear("int4", words, scales, weight.out_features, weight.in_features, weight.group, weight.block,
+                        "tiled")
 
 
 @dataclass
@@ -452,6 +508,14 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
             or table[-1][1])
 
 
+def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None) -> str | None:
+    """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
+    weights (unless a kernel is forced, ``forced_gemv_kernel``), else ``name``."""
+    if name is None or weight.layout != "tiled" or forced_gemv_kernel(gemv_kernel) is not None:
+        return name
+    return TILED_GEMV
+
+
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
     """GEMV kernel ``name`` (moe_gemv / moe_gemv_wide / moe_gemv_mma) over ``grid_rows`` tiles
     (grouped) or ``dense_rows`` rows (dense mode: ``grid_rows`` 0). ``args``: the kernels' shared
@@ -461,6 +525,14 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if "TILED_NTILES" in defines:
+        if weight.layout == "tiled":
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu TILED_WARPS x 16
+            weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+                                                              (MMA_GEMV_WARPS * 32,), args)
+            return
+        defines = {"MMA_GEMV_NTILES": defines["TILED_NTILES"]}  # checkpoint layout: moe_gemv_mma
+        name = "mma"
     if "STAGED_CHUNKS" in defines:
         if staged_ready(weight, defines["STAGED_CHUNKS"]):
             columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu STAGED_WARPS x 16
@@ -481,7 +553,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
 def staged_ready(weight: ExpertLinear, chunks: int) -> bool:
     """moe_gemv_mma_staged's needs: INT4 with group-32 scales, K whole stages of ``chunks`` x 128
     weights (so 16-byte aligned weight and scale rows)."""
-    return weight.format == "int4" and weight.group == 32 and weight.in_features % (chunks * 128) == 0
+    return (weight.format == "int4" and weight.group == 32 and weight.in_features % (chunks * 128) == 0
+            and weight.layout == "rows")
 
 
 def _vectorised(a: cupy.ndarray, weight: ExpertLinear) -> bool:
@@ -542,6 +615,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
+    name = layout_gemv(weight, name, gemv_kernel)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -575,6 +649,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     x = cupy.ascontiguousarray(x)
     name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
         gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
+    name = layout_gemv(weight, name, gemv_kernel)
     if method is None:
         method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
@@ -651,16 +726,61 @@ def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGr
     return out
 
 
+# Opt-in until measured: moe_forward runs the shared experts (``shared_experts``) on a side stream while the
+# routed ones run (joined before the combine; inside CUDA-graph capture the two streams become parallel
+# branches). A decode step's routing, grouping and small launches leave HBM idle between kernels; the
+# shared experts' weight streams can fill those gaps. Same kernels, same numbers.
+SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
+DEFAULT_SHARED_OVERLAP = False
+_side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+
+def shared_overlap() -> bool:
+    """Whether moe_forward overlaps the shared experts with the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1 /
+    =0, else DEFAULT_SHARED_OVERLAP); another value is a clear error."""
+    value = os.environ.get(SHARED_OVERLAP_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{SHARED_OVERLAP_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return DEFAULT_SHARED_OVERLAP if value == "" else value in ("1", "true", "on")
+
+
+def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
+    """This device's side stream and its fork / join events (made once: not while a graph is captured)."""
+    device = cupy.cuda.Device().id
+    if device not in _side_streams:
+        _side_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                 cupy.cuda.Event(disable_timing=True))
+    return _side_streams[device]
+
+
+def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
+    """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
+    stream when ``shared_overlap()`` (event returned), else here (None)."""
+    if not shared_overlap() or not x.shape[0]:
+        return shared_experts(x), None
+    side, forked, joined = _side_stream()
+    forked.record(cupy.cuda.get_current_stream())
+    side.wait_event(forked)
+    with side:
+        shared = shared_experts(x)
+        joined.record(side)
+    return shared, joined
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
-                token_ids: cupy.ndarray | None = None) -> cupy.ndarray:
+                token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
-    (+ the shared experts' output ``shared``, already computed). OPENINFER_MOE_PIPELINED=fused: the
-    gate_up GEMM and SwiGLU as one launch where the step would run a GEMM (``pipelined_gate_up``);
-    OPENINFER_MOE_SM90=1: in the Hopper kernel where it runs (``sm90_experts``)."""
+    (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
+    run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
+    as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
+    the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
+    shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
     ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
     grouping = group_by_expert(ids, weights, layer.router.num_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
+    if joined is not None:  # the shared experts' side stream
+        cupy.cuda.get_current_stream().wait_event(joined)
     return combine(y, grouping, shared, int(x.shape[1]))
 
 

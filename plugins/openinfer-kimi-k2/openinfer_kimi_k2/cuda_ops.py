@@ -10,6 +10,7 @@ bf16 (correct, just not packed).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import cupy
@@ -157,11 +158,10 @@ def prepare_weights(weights: Any, ops: Any) -> None:
 
 
 def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
-    device = layer.stacked
-    shared = None
-    if layer.shared is not None:
-        shared = cuda_swiglu_mlp(ops, h, layer.shared.gate_up, layer.shared.down)
-    return cuda_moe.moe_forward(ops, h, device, shared, batch.token_ids)
+    shared_experts = None
+    if layer.shared is not None:  # run by moe_forward (beside the routed experts with OPENINFER_MOE_SHARED_OVERLAP=1)
+        shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
+    return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
 
 CUDA_PLAN = KernelPlan(backend="cuda", attention=cuda_attention, moe=cuda_moe_layer, linear=cuda_linear,

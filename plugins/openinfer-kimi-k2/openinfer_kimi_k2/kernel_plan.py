@@ -56,14 +56,19 @@ token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; 
                        block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
-                       slots average few per expert (INT4: ``moe_gemv_mma`` to 11;
-                       bf16: ``moe_gemv_wide`` to 1.5; FP8: ``moe_gemv`` to 3), else
+                       slots average few per expert (INT4: ``moe_gemv_mma_staged`` to
+                       11, or with group-32 weights repacked at upload into the GEMV's
+                       tiled layout, ``OPENINFER_INT4_LAYOUT=tiled``: ``moe_gemv_int4_
+                       tiled``; bf16: ``moe_gemv_wide`` to 1.5; FP8: ``moe_gemv`` to 3), else
                        bf16: ``moe_grouped_gemm_pipelined`` with gate_up and SiLU·mul
                        in one launch (128-row blocks to 48 slots per expert, 256-row
                        ones past; ``OPENINFER_MOE_PIPELINED=tiles``: unfused, ``=off``:
                        ``moe_gemv_mma`` to 6 then ``moe_grouped_gemm``), INT4 / FP8:
                        ``moe_grouped_gemm``; eager steps from 512 slots per expert:
                        cuBLAS per expert; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
+shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``     core
+                       (``OPENINFER_MOE_SHARED_OVERLAP=1``: on a side stream beside the
+                       routing and the routed experts, joined before the combine)
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 

@@ -1,0 +1,171 @@
+"""INT4 expert weights in the decode GEMV's tiled layout (core/quant.py ``tile_int4``, moe.cu
+INT4_TILED) on the GPU: every INT4 kernel gives the bits it gives on the checkpoint layout (the
+same products in the same order), and the dequantized NumPy product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer import float32_to_bf16
+from openinfer.quant import dequantize_int4_group, quantize_int4_group, untile_int4
+from tests.gpu.conftest import bf16_random, relative_error
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 2e-2
+
+
+def _moe_cuda():
+    from openinfer.backend.cuda import moe
+
+    return moe
+
+
+def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, layout: str = "rows"):
+    """(device ExpertLinear in ``layout``, fp32 dequantized [E, N, K]); group 32."""
+    moe = _moe_cuda()
+    dense = [bf16_random(rng, out_features, in_features, scale=0.05) for _ in range(num_experts)]
+    packed = [quantize_int4_group(w, 32) for w in dense]
+    scales = [float32_to_bf16(s) for _, s in packed]
+    reference = np.stack([dequantize_int4_group(p, (s.astype(np.uint32) << 16).view(np.float32),
+                                                (out_features, in_features)) for (p, _), s in zip(packed, scales,
+                                                                                                 strict=True)])
+    weight = moe.upload_expert_linear("int4", np.stack([p for p, _ in packed]), np.stack(scales),
+                                      (out_features, in_features), group=32, layout=layout)
+    return weight, reference
+
+
+GROUPED_KERNELS = [False, "moe_gemv", "wide", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
+                   "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged", "tiled", "tiled_depth6", "tiled1",
+                   "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6"]
+
+
+@pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
+    """Grouped over moe_sort's tiles (gathered token rows, an idle expert, a 40-row tile at 40 tokens):
+    the tiled weight's output is the checkpoint layout's, bit for bit, for the per-tile GEMM and each
+    decode GEMV (moe_gemv_mma_staged, which reads checkpoint rows, runs moe_gemv_mma on tiled
+    weights); N = 96 (six 16-row blocks: split-K warps past N), K = 1152 (nine 128-weight chunks: the
+    rings wrap). The tiled layout's own GEMV (the "tiled" kernels; checkpoint-layout weights run
+    moe_gemv_mma there) applies the scales after the mma: fp32 rounding apart from moe_gemv_mma."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
+    rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
+    tiled = moe.tiled_int4(rows_weight)
+    assert tiled.layout == "tiled" and tiled.data.shape == (num_experts, 6, 9, 256)
+    x = bf16_random(rng, tokens, in_features)
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    gemv = gemv_kernel is not False
+    kernel = gemv_kernel or None
+    outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
+                                                  gemv_kernel=kernel)) for weight in (rows_weight, tiled)]
+    if gemv_kernel in moe.TILED_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    assert relative_error(outs[1], expected) < BF16_TOL
+
+
+@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "moe_gemv"), ("gemv", "wide"), ("gemv", "mma"),
+                                                ("gemv", "mma_depth4"), ("dequantize", None), ("tiles", None),
+                                                ("gemv", "tiled"), ("gemv", None), (None, None)])
+@pytest.mark.parametrize("rows", [1, 9, 20])
+def test_tiled_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
+    """A dense INT4 linear (E = 1) in the tiled layout: the checkpoint layout's bits by every method
+    (moe_gemv_int4_tiled, what tiled weights run unless a GEMV is forced: within fp32 rounding of
+    moe_gemv_mma), and the dequantized product; moe_dequantize gives the same bf16 weight."""
+    moe = _moe_cuda()
+    weight, reference = _int4_experts(rng, 1, 256, 512)
+    tiled = moe.tiled_int4(weight)
+    x = cuda_backend.upload(bf16_random(rng, rows, 512))
+    outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
+            for w in (weight, tiled)]
+    chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
+    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(tiled, chosen)
+    if ran in moe.TILED_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
+    assert np.array_equal(cupy.asnumpy(moe.dequantize(tiled)), cupy.asnumpy(moe.dequantize(weight)))
+
+
+def test_int4_layout_switch(rng, monkeypatch):
+    """$OPENINFER_INT4_LAYOUT=tiled tiles INT4 uploads that fit (group 32, N % 16, K % 128) and leaves
+    the rest as stored; unset, uploads take DEFAULT_INT4_LAYOUT; the device repack is tile_int4's
+    (untile_int4 gives the checkpoint arrays back); an unknown layout is a clear error."""
+    moe = _moe_cuda()
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "tiled")
+    fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
+    ragged, _ = _int4_experts(rng, 2, 40, 256, layout=None)
+    assert fits.layout == "tiled" and ragged.layout == "rows"
+    monkeypatch.delenv(moe.INT4_LAYOUT_ENV)
+    assert _int4_experts(rng, 1, 64, 256, layout=None)[0].layout == moe.DEFAULT_INT4_LAYOUT
+    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
+    assert stored.layout == "rows"
+    tiled = moe.tiled_int4(stored)
+    words, scales = untile_int4(cupy.asnumpy(tiled.data), cupy.asnumpy(tiled.scale), 64, 256)
+    assert np.array_equal(words, cupy.asnumpy(stored.data)) and np.array_equal(scales, cupy.asnumpy(stored.scale))
+    assert moe.tiled_int4(tiled) is tiled
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "columns")
+    with pytest.raises(ValueError, match="unknown INT4 layout"):
+        _int4_experts(rng, 1, 64, 256, layout=None)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
+    """$OPENINFER_MOE_SHARED_OVERLAP=1: moe_forward runs the shared expert on a side stream beside the
+    routed ones; the same kernels on the same inputs give the same bits as inline, eagerly and
+    replayed from a CUDA graph captured across both streams."""
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts = 256, 128, 16
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    layer = moe.DeviceMoE(RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5),
+                          cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.zeros(experts, cupy.float32), gate_up, down)
+    shared_up = cuda_backend.linear_weight(bf16_random(rng, 2 * inter, hidden, scale=0.05))
+    shared_down = cuda_backend.linear_weight(bf16_random(rng, hidden, inter, scale=0.05))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+
+    def shared_experts(h):
+        return cuda_backend.silu_mul_linear(cuda_backend.linear(h, shared_up), shared_down)
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_experts)
+
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
+    inline = cuda_backend.to_host(step())
+    assert np.array_equal(inline, cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer,
+                                                                        shared_experts(x))))
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        moe.shared_overlap()
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
+    assert not moe.shared_overlap() and np.array_equal(cuda_backend.to_host(step()), inline)
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
+    assert moe.shared_overlap()
+    assert np.array_equal(cuda_backend.to_host(step()), inline)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = step()
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cupy.asnumpy(out), inline)
