@@ -9,11 +9,12 @@ timer: ops behind a spin kernel, an event between each): mla_write_latent, W_UK 
 attention kernel, the split combine, W_UV (cuBLAS); against the latent cache's bytes over the
 measured copy bandwidth.
 
-``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
+``prefill``: one sequence's 1k / 4k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
-TFLOP/s, for each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined,
-the default; plain: mla_prefill_attention), and the absorbed form of the whole forward beside it where
-it is short.
+TFLOP/s, at each head count of ``--prefill-heads`` (16: Moonlight, 64: Kimi-K2 on 2 GPUs' share), for
+each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined, the default;
+wgmma: mla_prefill_attention_sm90, Hopper; plain: mla_prefill_attention), and the absorbed form of the
+whole forward beside it where it is short (``--prefill-absorbed``).
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
@@ -48,7 +49,8 @@ HEADS, NOPE, ROPE, V_DIM, KV_LORA = 16, 128, 64, 128, 512  # Moonlight-16B-A3B
 LATENT_BYTES = (KV_LORA + ROPE) * 2
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
-PREFILL_TOKENS = (1024, 8192)
+PREFILL_TOKENS = (1024, 4096, 8192)
+PREFILL_HEADS = (16, 64)
 ABSORBED_PREFILL_MAX = 2048
 BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absorbed form of a prompt is timed up to this many tokens
 DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
@@ -58,7 +60,7 @@ KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
-PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
+PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -103,29 +105,30 @@ def decode_bytes(batch: int, context: int) -> int:
     return batch * (context + 1) * LATENT_BYTES
 
 
-def prefill_flops(tokens: int) -> float:
+def prefill_flops(tokens: int, heads: int = HEADS) -> float:
     """Causal attention FLOPs of one prompt: QK (nope + rope) and PV per visible (query, key) pair."""
-    return 2.0 * HEADS * (NOPE + ROPE + V_DIM) * tokens * (tokens + 1) / 2
+    return 2.0 * heads * (NOPE + ROPE + V_DIM) * tokens * (tokens + 1) / 2
 
 
 def plan(args) -> dict:
     variants = parse_variants(args.variants)
     return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
-            "prefill": [{"tokens": n, "attention_gflop": prefill_flops(n) / 1e9} for n in args.prefill]
+            "prefill": [{"heads": h, "tokens": n, "attention_gflop": prefill_flops(n, h) / 1e9}
+                        for h in args.prefill_heads for n in args.prefill]
             if "prefill" in args.sections else [], "prefill_kernels": args.prefill_kernels,
             "variants": variants}
 
 
-def mla_inputs(backend, rng):
+def mla_inputs(backend, rng, heads: int = HEADS):
     import cupy
 
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
 
-    spec = MLASpec(HEADS, NOPE, ROPE, V_DIM, KV_LORA, (NOPE + ROPE) ** -0.5)
-    w_uk = backend.weight((0.05 * rng.standard_normal((HEADS, NOPE, KV_LORA))).astype(np.float32))
-    w_uv = backend.weight((0.05 * rng.standard_normal((HEADS, V_DIM, KV_LORA))).astype(np.float32))
+    spec = MLASpec(heads, NOPE, ROPE, V_DIM, KV_LORA, (NOPE + ROPE) ** -0.5)
+    w_uk = backend.weight((0.05 * rng.standard_normal((heads, NOPE, KV_LORA))).astype(np.float32))
+    w_uv = backend.weight((0.05 * rng.standard_normal((heads, V_DIM, KV_LORA))).astype(np.float32))
     norm = backend.weight(np.ones(KV_LORA, np.float32))
     rope = RotaryEmbedding.create(ROPE, RopeParameters(50000.0), 16384)
     return spec, w_uk, w_uv, norm, cupy.asarray(rope.cos), cupy.asarray(rope.sin)
@@ -192,10 +195,10 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
     return points
 
 
-def cupy_empty_like_out(rows: int):
+def cupy_empty_like_out(rows: int, heads: int = HEADS):
     import cupy
 
-    return cupy.empty((rows, HEADS * V_DIM), dtype=cupy.uint16)
+    return cupy.empty((rows, heads * V_DIM), dtype=cupy.uint16)
 
 
 @contextlib.contextmanager
@@ -214,16 +217,16 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.tools.ledger import gpu_seconds
 
-    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
     points = []
-    for tokens in args.prefill:
+    for heads, tokens in [(h, n) for h in args.prefill_heads for n in args.prefill]:
+        spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng, heads)
         batch, num_blocks = one_sequence_batch(backend, 0, tokens, BLOCK_SIZE)
         cache = backend.upload(rng.standard_normal((num_blocks, BLOCK_SIZE, 1, spec.latent_dim)).astype(np.float32))
-        q = backend.upload(rng.standard_normal((tokens, HEADS * spec.qk_head_dim)).astype(np.float32))
+        q = backend.upload(rng.standard_normal((tokens, heads * spec.qk_head_dim)).astype(np.float32))
         latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
         forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                           cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
-        point = {"tokens": tokens, "kernels": {}, "absorbed": {}}
+        point = {"heads": heads, "tokens": tokens, "kernels": {}, "absorbed": {}}
         reference = None
         for name in args.prefill_kernels:
             with prefill_env(name):  # the plan is laid out for the kernel (its tile size)
@@ -237,13 +240,13 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                          ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
                          ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
                          ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
-                                               cupy_empty_like_out(tokens)))]
+                                               cupy_empty_like_out(tokens, heads)))]
                 # the output from unrotated queries (mla_forward rotates its q's rope dims in place)
                 out = backend.to_host(cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
                                                            spec, batch, cos, sin, 1e-6, backend.num_sms))
                 breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
                 entry = {"forward_ms": 1e3 * gpu_seconds(forward, repeats=args.iters), "breakdown_ms": breakdown,
-                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9,
+                         "attention_tflops": prefill_flops(tokens, heads) / breakdown["attention"] / 1e9,
                          "plan_kernel": plan_.kernel}
             if reference is None:
                 reference = out
@@ -252,7 +255,7 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                 entry["attention_speedup_vs_first"] = (point["kernels"][args.prefill_kernels[0]]["breakdown_ms"]
                                                        ["attention"] / breakdown["attention"])
             point["kernels"][name] = entry
-        if tokens <= ABSORBED_PREFILL_MAX:
+        if args.prefill_absorbed and tokens <= ABSORBED_PREFILL_MAX:
             for variant in variants:
                 kernel = None if variant["kernel"] == "auto" else variant["kernel"]
                 with variant_env(variant):
@@ -338,8 +341,8 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(range(len(bars)), values, bottom=bottom, label=part)
             bottom += values
         ax.set(xticks=range(len(bars)), ylabel="ms per layer", title="MLA prefill, decompressed form")
-        ax.set_xticklabels([f"{p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s" for p, k in bars],
-                           fontsize=7)
+        ax.set_xticklabels([f"{p['heads']}h {p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s"
+                            for p, k in bars], fontsize=6, rotation=30)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -355,7 +358,10 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
-    parser.add_argument("--prefill-kernels", default="pipelined,plain",
+    parser.add_argument("--prefill-heads", default=",".join(map(str, PREFILL_HEADS)), help="head counts")
+    parser.add_argument("--prefill-absorbed", action="store_true",
+                        help="also time the absorbed form of prompts up to 2k tokens (each decode variant)")
+    parser.add_argument("--prefill-kernels", default="pipelined,wgmma",
                         help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
@@ -368,11 +374,12 @@ def main() -> None:
         args.batches = [int(v) for v in args.batches.split(",") if v]
         args.contexts = [int(v) for v in args.contexts.split(",") if v]
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
+        args.prefill_heads = [int(v) for v in args.prefill_heads.split(",") if v]
         args.prefill_kernels = [v for v in args.prefill_kernels.split(",") if v]
         if not args.prefill_kernels or set(args.prefill_kernels) - set(PREFILL_KERNELS):
             raise ValueError(f"prefill kernels are {', '.join(PREFILL_KERNELS)}, got {args.prefill_kernels}")
-        if min(args.batches + args.contexts + args.prefill + [args.iters], default=1) < 1:
-            raise ValueError("batches, contexts, prompt lengths and --iters are positive")
+        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters], default=1) < 1:
+            raise ValueError("batches, contexts, prompt lengths, head counts and --iters are positive")
         report = {"plan": plan(args)}
     except ValueError as error:
         parser.error(str(error))

@@ -74,22 +74,32 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
-# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles, the last
-# partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one tile exactly, one
-# past it, a 300-token chunk on 37 cached, and a decode that stays absorbed
+# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles of 64, the
+# last partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one 64-query tile
+# exactly, one past it, a 300-token chunk on 37 cached, and a decode that stays absorbed; for the wgmma
+# kernel's 128-query / 128-key tiles also one tile exactly, one past it, and a 500-token chunk on 600
+# cached (9 key tiles: its 2-stage ring wraps 4 times)
 PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
+WIDE_PREFILLS = ([0, 100, 0, 0, 37, 12, 0, 0, 600], [150, 70, 64, 65, 300, 1, 128, 129, 500])
 
 
-@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined"])
+def _hopper() -> bool:
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined", "wgmma"])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
+    if prefill_kernel == "wgmma" and not _hopper():
+        pytest.skip("the wgmma prefill kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
-    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *PREFILLS)
+    seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *seqs)
     device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
     out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
                                         None, min_query=16))
@@ -190,4 +200,10 @@ def test_absorbed_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
         cuda_mla.prefill_kernel(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")  # nope + rope of 16-wide steps only: plain
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
+    # wgmma takes whole 64-wide K column blocks and v 128 on Hopper; else pipelined (or plain) runs
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "wgmma")
+    assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 32, 128, 512, 0.1)) == "pipelined"
+    assert cuda_mla.prefill_kernel(MLASpec(16, 128, 64, 64, 512, 0.1)) == "pipelined"
     assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
