@@ -61,6 +61,7 @@ SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
 PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
+SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -201,13 +202,35 @@ def cupy_empty_like_out(rows: int, heads: int = HEADS):
     return cupy.empty((rows, heads * V_DIM), dtype=cupy.uint16)
 
 
+def parse_prefill_kernels(text: str) -> list[dict]:
+    """``kernel[:keys[:pingpong]]`` comma list → dicts (keys and pingpong: the wgmma kernel's tile and turn-taking,
+    $OPENINFER_MLA_SM90_KEYS / _PINGPONG; empty: core's defaults); bad names raise ValueError."""
+    kernels = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        if len(fields) > 3:
+            raise ValueError(f"prefill kernel {item!r}: kernel[:keys[:pingpong]]")
+        kernel, keys, pingpong = (fields + ["", ""])[:3]
+        if kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill kernel {item!r}: kernel is one of {', '.join(PREFILL_KERNELS)}")
+        if keys and keys not in SM90_KEYS:
+            raise ValueError(f"prefill kernel {item!r}: keys is one of {', '.join(SM90_KEYS)}")
+        if pingpong not in ("", "0", "1"):
+            raise ValueError(f"prefill kernel {item!r}: pingpong is 0 or 1")
+        kernels.append({"name": item, "kernel": kernel, "keys": keys, "pingpong": pingpong})
+    if not kernels:
+        raise ValueError("no prefill kernels")
+    return kernels
+
+
 @contextlib.contextmanager
-def prefill_env(name: str):
+def prefill_env(variant: dict):
     from gpu_kimi import switched_env
 
     from openinfer.backend.cuda import mla as cuda_mla
 
-    with switched_env({cuda_mla.PREFILL_KERNEL_ENV: name}):
+    with switched_env({cuda_mla.PREFILL_KERNEL_ENV: variant["kernel"], cuda_mla.SM90_KEYS_ENV: variant["keys"],
+                       cuda_mla.SM90_PINGPONG_ENV: variant["pingpong"]}):
         yield
 
 
@@ -228,8 +251,9 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                           cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
         point = {"heads": heads, "tokens": tokens, "kernels": {}, "absorbed": {}}
         reference = None
-        for name in args.prefill_kernels:
-            with prefill_env(name):  # the plan is laid out for the kernel (its tile size)
+        for prefill_variant in args.prefill_kernels:
+            name = prefill_variant["name"]
+            with prefill_env(prefill_variant):  # the plan is laid out for the kernel (its tile size)
                 plan_ = cuda_mla.plan_prefill(batch.host, spec)
                 q_rot = q.copy()
                 cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
@@ -252,8 +276,8 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                 reference = out
             else:
                 entry["relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
-                entry["attention_speedup_vs_first"] = (point["kernels"][args.prefill_kernels[0]]["breakdown_ms"]
-                                                       ["attention"] / breakdown["attention"])
+                first = point["kernels"][args.prefill_kernels[0]["name"]]
+                entry["attention_speedup_vs_first"] = first["breakdown_ms"]["attention"] / breakdown["attention"]
             point["kernels"][name] = entry
         if args.prefill_absorbed and tokens <= ABSORBED_PREFILL_MAX:
             for variant in variants:
@@ -292,6 +316,8 @@ def warm(backend, rng) -> int:
                  cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
                 for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
                 for h in ("0", "1")]
+    settings += [{cuda_mla.PREFILL_KERNEL_ENV: "wgmma", cuda_mla.SM90_KEYS_ENV: k, cuda_mla.SM90_PINGPONG_ENV: pp}
+                 for k in SM90_KEYS for pp in ("0", "1")]  # the wgmma kernel's variants
     with discover_kernels() as found:
         for setting in settings:
             with switched_env(setting):
@@ -362,7 +388,8 @@ def main() -> None:
     parser.add_argument("--prefill-absorbed", action="store_true",
                         help="also time the absorbed form of prompts up to 2k tokens (each decode variant)")
     parser.add_argument("--prefill-kernels", default="pipelined,wgmma",
-                        help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
+                        help="comma list of kernel[:keys[:pingpong]], the decompressed attention kernels "
+                             "($OPENINFER_MLA_PREFILL; wgmma's keys per tile 128 / 64 and turn-taking 0 / 1)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; no GPU")
@@ -375,9 +402,7 @@ def main() -> None:
         args.contexts = [int(v) for v in args.contexts.split(",") if v]
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
         args.prefill_heads = [int(v) for v in args.prefill_heads.split(",") if v]
-        args.prefill_kernels = [v for v in args.prefill_kernels.split(",") if v]
-        if not args.prefill_kernels or set(args.prefill_kernels) - set(PREFILL_KERNELS):
-            raise ValueError(f"prefill kernels are {', '.join(PREFILL_KERNELS)}, got {args.prefill_kernels}")
+        args.prefill_kernels = parse_prefill_kernels(args.prefill_kernels)
         if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters], default=1) < 1:
             raise ValueError("batches, contexts, prompt lengths, head counts and --iters are positive")
         report = {"plan": plan(args)}
@@ -392,8 +417,10 @@ def main() -> None:
     from openinfer.backend.cuda import mla as cuda_mla
 
     if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS),
-            tuple(cuda_mla.COMBINE_KERNELS)) != (KERNELS, SHARED_KEYS, PREFILL_KERNELS, COMBINES):
-        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS / COMBINES no longer match core's")
+            tuple(cuda_mla.COMBINE_KERNELS), tuple(map(str, cuda_mla.SM90_PREFILL_STAGES))) != (
+            KERNELS, SHARED_KEYS, PREFILL_KERNELS, COMBINES, SM90_KEYS):
+        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS / COMBINES / SM90_KEYS no longer "
+                         "match core's")
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     if "warm" in args.sections:

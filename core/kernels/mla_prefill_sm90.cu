@@ -38,9 +38,15 @@ static_assert(QK_DIM % 64 == 0 && NOPE_DIM % 8 == 0 && ROPE_DIM % 8 == 0,
 static_assert(V_DIM == 128, "O is one m64n128 accumulator per consumer warpgroup");
 #define PREFILL_SEQ_FIELDS 5
 #define BLOCK_M 128
-#define BLOCK_N 128
+#ifndef BLOCK_N
+#define BLOCK_N 128  // keys per K / V tile: 128 or 64 (S is BLOCK_N / 2 fp32 registers per consumer thread)
+#endif
+static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma accumulator");
 #ifndef STAGES
-#define STAGES 2  // 48 KB of Q + 2 x 80 KB of K / V at QK_DIM 192
+#define STAGES (BLOCK_N == 128 ? 2 : 4)  // 48 KB of Q + 2 x 80 KB (4 x 40 KB) of K / V at QK_DIM 192
+#endif
+#ifndef PINGPONG
+#define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers 1, 2)
 #endif
 static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still read");
 #define NUM_THREADS 384
@@ -86,14 +92,33 @@ __device__ __forceinline__ PrefillTile prefill_tile(const int* __restrict__ pref
 
 // ---- consumer steps --------------------------------------------------------------------------------
 
+#define S_REGS (BLOCK_N / 2)
+
+// Warpgroup turn-taking (PINGPONG): a warpgroup waits on its own named barrier before issuing its
+// wgmmas and arrives on the other's after, so one's softmax runs while the other's matmuls do.
+__device__ __forceinline__ void take_turn(int wg) {
+#if PINGPONG
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+#endif
+}
+__device__ __forceinline__ void pass_turn(int wg) {
+#if PINGPONG
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
+#endif
+}
+
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
-__device__ __forceinline__ void issue_qk(float (&s)[64], u32 q_rows, u32 k_smem) {
+__device__ __forceinline__ void issue_qk(float (&s)[S_REGS], u32 q_rows, u32 k_smem) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < QK_DIM / 16; ++kk) {
         const u32 block_a = q_rows + (kk / 4) * (BLOCK_M * 128) + (kk % 4) * 32;
         const u32 block_b = k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32;
+#if BLOCK_N == 128
         wgmma_ss_n128(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#else
+        wgmma_ss_n64(s, smem_desc(block_a, 16, 1024), smem_desc(block_b, 16, 1024), kk > 0);
+#endif
     }
     wgmma_commit();
 }
@@ -117,7 +142,7 @@ struct SoftmaxRows {
 
 // Causal mask (only on tiles reaching past the warpgroup's first query), running max and sum,
 // S <- exp2(S scale - m) in place; `correction` rescales O for the new max (l is rescaled here).
-__device__ __forceinline__ void softmax_in_place(float (&s)[64], float (&correction)[2], SoftmaxRows& state, int k0,
+__device__ __forceinline__ void softmax_in_place(float (&s)[S_REGS], float (&correction)[2], SoftmaxRows& state, int k0,
                                                  float scale_log2) {
     if (k0 + BLOCK_N - 1 > state.first_query_pos) {
 #pragma unroll
@@ -154,7 +179,7 @@ __device__ __forceinline__ void softmax_in_place(float (&s)[64], float (&correct
 }
 
 // P (in S's registers) -> bf16 A fragments: 8-column groups 2kk and 2kk+1 are keys 16kk .. 16kk+15.
-__device__ __forceinline__ void pack_p(const float (&s)[64], u32 (&p)[BLOCK_N / 16][4]) {
+__device__ __forceinline__ void pack_p(const float (&s)[S_REGS], u32 (&p)[BLOCK_N / 16][4]) {
 #pragma unroll
     for (int j = 0; j < BLOCK_N / 8; ++j) {
         p[j / 2][(j % 2) * 2] = pack_bf16x2(s[4 * j], s[4 * j + 1]);
@@ -265,23 +290,28 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         float o[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) o[i] = 0.f;
-        float s[64];
+        float s[S_REGS];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) s[i] = 0.f;
+        for (int i = 0; i < S_REGS; ++i) s[i] = 0.f;
         u32 p[BLOCK_N / 16][4];
         float correction[2];
 
         mbar_wait(bar_q, 0);
+        if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
         mbar_wait(bar_full, 0);
+        take_turn(wg);
         issue_qk(s, q_rows, stages);
+        pass_turn(wg);
         wgmma_wait<0>();
         softmax_in_place(s, correction, state, 0, scale_log2);
         pack_p(s, p);
         for (int kt = 1; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
             mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
             issue_pv(o, p, stages + previous * STAGE_BYTES + K_TILE_BYTES);
+            pass_turn(wg);
             wgmma_wait<1>();  // S of tile kt
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
             wgmma_wait<0>();  // P V of tile kt-1: its stage is free, P may be rewritten
@@ -290,7 +320,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             rescale(o, correction);
         }
         const int last = (num_kv_tiles - 1) % STAGES;
+        take_turn(wg);
         issue_pv(o, p, stages + last * STAGE_BYTES + K_TILE_BYTES);
+        if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
         wgmma_wait<0>();
         mbar_arrive(bar_empty + 8 * last);
 

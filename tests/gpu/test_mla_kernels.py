@@ -87,15 +87,20 @@ def _hopper() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined", "wgmma"])
+# kernel, and for wgmma its keys per tile and warpgroup turn-taking
+@pytest.mark.parametrize("prefill_kernel,keys,pingpong", [("plain", "", ""), ("pipelined", "", ""),
+                                                          ("wgmma", "128", "0"), ("wgmma", "64", "0"),
+                                                          ("wgmma", "128", "1"), ("wgmma", "64", "1")])
 @pytest.mark.parametrize("heads", [16, 20])
-def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
+def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, keys, pingpong, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     if prefill_kernel == "wgmma" and not _hopper():
         pytest.skip("the wgmma prefill kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, keys)
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, pingpong)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
     seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS
@@ -201,6 +206,17 @@ def test_absorbed_kernel_choice(monkeypatch):
         cuda_mla.prefill_kernel(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")  # nope + rope of 16-wide steps only: plain
     assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, "96")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_KEYS"):
+        cuda_mla.sm90_prefill_variant()
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, "64")
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_PINGPONG"):
+        cuda_mla.sm90_prefill_variant()
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, "1")
+    assert cuda_mla.sm90_prefill_variant() == (64, True)
+    # the ring fits one SM's 227 KB beside the 128-query tile at every keys choice (DeepSeek-V3's 192 + 128)
+    assert max(cuda_mla.sm90_prefill_smem(_spec(16), k) for k in cuda_mla.SM90_PREFILL_STAGES) <= 227 * 1024
     # wgmma takes whole 64-wide K column blocks and v 128 on Hopper; else pipelined (or plain) runs
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "wgmma")
     assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")

@@ -121,8 +121,12 @@ PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_a
 PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "wgmma": 128}  # queries per block
 DEFAULT_PREFILL_KERNEL = "pipelined"
 SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgroups
-SM90_PREFILL_STAGES = 2  # its K / V ring depth (STAGES)
-SM90_PREFILL_KEYS = 128  # its keys per tile (BLOCK_N)
+# Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
+# 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
+# consumer warpgroups take turns issuing wgmmas (PINGPONG).
+SM90_PREFILL_STAGES = {128: 2, 64: 4}
+SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
+SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -519,12 +523,25 @@ def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
     return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
 
 
-def sm90_prefill_smem(spec: MLASpec) -> int:
-    """mla_prefill_attention_sm90's dynamic shared memory (mla_prefill_sm90.cu SHARED_BYTES): the Q tile
-    and the K / V ring in 128-byte rows, its mbarriers, 1024 bytes to align the tiles."""
-    tile_rows = PREFILL_KERNEL_TILE["wgmma"] * 128
-    stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * SM90_PREFILL_KEYS * 128
-    return spec.qk_head_dim // 64 * tile_rows + SM90_PREFILL_STAGES * stage + 8 * (1 + 2 * SM90_PREFILL_STAGES) + 1024
+def sm90_prefill_variant() -> tuple[int, bool]:
+    """mla_prefill_attention_sm90's (keys per tile, ping-pong): $OPENINFER_MLA_SM90_KEYS (128 / 64) and
+    $OPENINFER_MLA_SM90_PINGPONG (0 / 1), else the defaults."""
+    keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
+    pingpong = os.environ.get(SM90_PINGPONG_ENV) or str(int(DEFAULT_SM90_PINGPONG))
+    if keys not in ("128", "64"):
+        raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
+    if pingpong not in ("0", "1"):
+        raise ValueError(f"{SM90_PINGPONG_ENV} is 0 or 1; got {pingpong!r}")
+    return int(keys), pingpong == "1"
+
+
+def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
+    """mla_prefill_attention_sm90's dynamic shared memory (mla_prefill_sm90.cu SHARED_BYTES) with ``keys``
+    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers, 1024 bytes of alignment."""
+    stages = SM90_PREFILL_STAGES[keys]
+    q_tile = spec.qk_head_dim // 64 * PREFILL_KERNEL_TILE["wgmma"] * 128
+    stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * keys * 128
+    return q_tile + stages * stage + 8 * (1 + 2 * stages) + 1024
 
 
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
@@ -538,10 +555,12 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
                                                                      (*args, np.float32(spec.scale), out))
         return
     if plan.kernel == "wgmma":
-        smem = sm90_prefill_smem(spec)
+        keys, pingpong = sm90_prefill_variant()
+        smem = sm90_prefill_smem(spec, keys)
         attention = arch_kernel("mla_prefill_sm90.cu", PREFILL_KERNELS["wgmma"], "sm_90a", smem,
                                 NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
-                                STAGES=SM90_PREFILL_STAGES, SM90A_TARGET=1)
+                                BLOCK_N=keys, STAGES=SM90_PREFILL_STAGES[keys], PINGPONG=int(pingpong),
+                                SM90A_TARGET=1)
         attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out), shared_mem=smem)
         return
     smem = pipelined_prefill_smem(spec, PREFILL_KERNEL_TILE[plan.kernel])
