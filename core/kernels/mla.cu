@@ -353,8 +353,14 @@ extern "C" __global__ void mla_gather_context(const bf16* __restrict__ cache, co
     const int pos = row - seq[4];
     const int block = block_tables[(long long)seq[0] * max_blocks_per_seq + pos / block_size];
     const bf16* src = cache + ((long long)block * block_size + pos % block_size) * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) c_kv[(long long)row * KV_LORA + i] = src[i];
-    for (int i = threadIdx.x; i < ROPE_DIM; i += blockDim.x) k_pe[(long long)row * ROPE_DIM + i] = src[KV_LORA + i];
+    // 16 bytes per thread and step (the decompressed path takes KV_LORA and ROPE_DIM in multiples of 8)
+    for (int i = threadIdx.x; i < LATENT / 8; i += blockDim.x) {
+        const uint4 piece = reinterpret_cast<const uint4*>(src)[i];
+        if (i < KV_LORA / 8)
+            reinterpret_cast<uint4*>(c_kv + (long long)row * KV_LORA)[i] = piece;
+        else
+            reinterpret_cast<uint4*>(k_pe + (long long)row * ROPE_DIM)[i - KV_LORA / 8] = piece;
+    }
 }
 
 // two neighbouring bf16 (4-byte aligned: even column, rows of an even width) as one register
