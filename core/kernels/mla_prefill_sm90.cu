@@ -48,6 +48,12 @@ static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: the two consumer warpgroups take turns issuing their wgmmas (named barriers 1, 2)
 #endif
+// 1: a stage's K and V halves have their own full / empty mbarriers. K of tile j is released once S of
+// tile j has landed (V only after P V), and the producer copies K one tile ahead of V (K j+1, then V j):
+// with 2 stages, tile j+1's K then loads while tile j is still being multiplied, rather than after it.
+#ifndef SPLIT_KV
+#define SPLIT_KV 0
+#endif
 static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still read");
 #define NUM_THREADS 384
 #define PRODUCER_REGS 40
@@ -60,8 +66,9 @@ static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still re
 #define V_TILE_BYTES (V_BLOCKS * BLOCK_N * 128)
 #define STAGE_BYTES (K_TILE_BYTES + V_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
-// mbarriers: Q, full[STAGES], empty[STAGES]; + 1024 so the tiles start on a swizzle atom
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 2 * STAGES) + 1024)
+// mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either
+// way); + 1024 so the tiles start on a swizzle atom
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
 static_assert(SHARED_BYTES <= 227 * 1024, "Q and the K / V ring fit one SM's shared memory");
 
 // The queries of one CTA: BLOCK_M queries (tile `tile` of the launch) of one sequence, one head.
@@ -213,13 +220,24 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
     const u32 q_smem = base;
     const u32 bar_q = base + BARRIER_OFFSET;
-    const u32 bar_full = bar_q + 8;                // [STAGES]
+    const u32 bar_full = bar_q + 8;                // [STAGES] (SPLIT_KV: a stage's K half)
     const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+#if SPLIT_KV
+    const u32 bar_full_v = bar_empty + 8 * STAGES;     // [STAGES]: a stage's V half
+    const u32 bar_empty_v = bar_full_v + 8 * STAGES;  // [STAGES]
+#else
+    const u32 bar_full_v = bar_full, bar_empty_v = bar_empty;
+    (void)bar_full_v;
+#endif
     if (threadIdx.x == 0) {
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
             mbar_init(bar_empty + 8 * s, 256);  // one per consumer thread
+#if SPLIT_KV
+            mbar_init(bar_full_v + 8 * s, 128);
+            mbar_init(bar_empty_v + 8 * s, 256);
+#endif
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -245,10 +263,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         const bf16* nope_rows = k_nope + (size_t)w.ctx_first * nope_stride + (size_t)head * NOPE_DIM;
         const bf16* pe_rows = k_pe + (size_t)w.ctx_first * ROPE_DIM;
         const bf16* v_rows = values + (size_t)w.ctx_first * v_stride + (size_t)head * V_DIM + chunk * 8;
-        for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
-            const int stage = kt % STAGES;
-            if (kt >= STAGES) mbar_wait(bar_empty + 8 * stage, ((kt / STAGES) - 1) & 1);
-            const u32 k_smem = base + Q_BYTES + stage * STAGE_BYTES, v_smem = k_smem + K_TILE_BYTES;
+        // tile kt's K rows into its stage (rows past the last key: zeros, so P V sees 0 x 0 there)
+        auto copy_k = [&](int kt) {
+            const u32 k_smem = base + Q_BYTES + (kt % STAGES) * STAGE_BYTES;
             const int k0 = kt * BLOCK_N;
             for (int b = 0; b < QK_BLOCKS; ++b) {
                 const int c = b * 8 + chunk;  // the chunk's 16 bytes along the K row
@@ -261,6 +278,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
                                valid);
                 }
             }
+        };
+        auto copy_v = [&](int kt) {
+            const u32 v_smem = base + Q_BYTES + (kt % STAGES) * STAGE_BYTES + K_TILE_BYTES;
+            const int k0 = kt * BLOCK_N;
             for (int b = 0; b < V_BLOCKS; ++b)
                 for (int r = row0; r < BLOCK_N; r += 16) {
                     const int key = k0 + r;
@@ -268,8 +289,34 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
                     cp_async16(v_smem + b * (BLOCK_N * 128) + swizzled(r, chunk),
                                v_rows + (valid ? key : 0) * v_stride + b * 64, valid);
                 }
-            mbar_arrive_on_copies(bar_full + 8 * stage);
+        };
+        // a tile's stage (or half of it) is free once the consumers have released its previous use
+        auto wait_free = [&](u32 bars, int kt) {
+            if (kt >= STAGES) mbar_wait(bars + 8 * (kt % STAGES), ((kt / STAGES) - 1) & 1);
+        };
+#if SPLIT_KV
+        // K 0, then K kt+1 before V kt: each arrival also waits for the thread's earlier copies, so
+        // V kt's barrier completes with K kt+1 landed too (the consumers need both at the same step)
+        copy_k(0);
+        mbar_arrive_on_copies(bar_full);
+        for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
+            if (kt + 1 < w.num_kv_tiles) {
+                wait_free(bar_empty, kt + 1);
+                copy_k(kt + 1);
+                mbar_arrive_on_copies(bar_full + 8 * ((kt + 1) % STAGES));
+            }
+            wait_free(bar_empty_v, kt);
+            copy_v(kt);
+            mbar_arrive_on_copies(bar_full_v + 8 * (kt % STAGES));
         }
+#else
+        for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
+            wait_free(bar_empty, kt);
+            copy_k(kt);
+            copy_v(kt);
+            mbar_arrive_on_copies(bar_full + 8 * (kt % STAGES));
+        }
+#endif
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
     } else {
         // ---------------- consumers ----------------
@@ -303,6 +350,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         issue_qk(s, q_rows, stages);
         pass_turn(wg);
         wgmma_wait<0>();
+#if SPLIT_KV
+        mbar_arrive(bar_empty);  // K of tile 0 is read
+#endif
         softmax_in_place(s, correction, state, 0, scale_log2);
         pack_p(s, p);
         for (int kt = 1; kt < num_kv_tiles; ++kt) {
@@ -310,21 +360,30 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
             take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+#if SPLIT_KV
+            mbar_wait(bar_full_v + 8 * previous, ((kt - 1) / STAGES) & 1);
+#endif
             issue_pv(o, p, stages + previous * STAGE_BYTES + K_TILE_BYTES);
             pass_turn(wg);
             wgmma_wait<1>();  // S of tile kt
+#if SPLIT_KV
+            mbar_arrive(bar_empty + 8 * stage);  // K of tile kt is read
+#endif
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
-            wgmma_wait<0>();  // P V of tile kt-1: its stage is free, P may be rewritten
-            mbar_arrive(bar_empty + 8 * previous);
+            wgmma_wait<0>();  // P V of tile kt-1: its stage (V half) is free, P may be rewritten
+            mbar_arrive(bar_empty_v + 8 * previous);
             pack_p(s, p);
             rescale(o, correction);
         }
         const int last = (num_kv_tiles - 1) % STAGES;
+#if SPLIT_KV
+        mbar_wait(bar_full_v + 8 * last, ((num_kv_tiles - 1) / STAGES) & 1);
+#endif
         take_turn(wg);
         issue_pv(o, p, stages + last * STAGE_BYTES + K_TILE_BYTES);
         if (wg == 0) pass_turn(wg);  // (warpgroup 1 issues last: every arrival is matched)
         wgmma_wait<0>();
-        mbar_arrive(bar_empty + 8 * last);
+        mbar_arrive(bar_empty_v + 8 * last);
 
         float* l = state.l;
 #pragma unroll

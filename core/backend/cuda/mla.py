@@ -123,10 +123,12 @@ DEFAULT_PREFILL_KERNEL = "pipelined"
 SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgroups
 # Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
 # 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
-# consumer warpgroups take turns issuing wgmmas (PINGPONG).
+# consumer warpgroups take turns issuing wgmmas (PINGPONG); $OPENINFER_MLA_SM90_SPLIT_KV=1: K and V halves of
+# a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV).
 SM90_PREFILL_STAGES = {128: 2, 64: 4}
 SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
 SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
+SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -523,16 +525,19 @@ def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
     return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
 
 
-def sm90_prefill_variant() -> tuple[int, bool]:
-    """mla_prefill_attention_sm90's (keys per tile, ping-pong): $OPENINFER_MLA_SM90_KEYS (128 / 64) and
-    $OPENINFER_MLA_SM90_PINGPONG (0 / 1), else the defaults."""
+def sm90_prefill_variant() -> tuple[int, bool, bool]:
+    """mla_prefill_attention_sm90's (keys per tile, ping-pong, split K / V barriers): $OPENINFER_MLA_SM90_KEYS
+    (128 / 64), $OPENINFER_MLA_SM90_PINGPONG and $OPENINFER_MLA_SM90_SPLIT_KV (0 / 1), else the defaults."""
     keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
-    pingpong = os.environ.get(SM90_PINGPONG_ENV) or str(int(DEFAULT_SM90_PINGPONG))
     if keys not in ("128", "64"):
         raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
-    if pingpong not in ("0", "1"):
-        raise ValueError(f"{SM90_PINGPONG_ENV} is 0 or 1; got {pingpong!r}")
-    return int(keys), pingpong == "1"
+    switches = []
+    for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV)):
+        value = os.environ.get(env) or str(int(default))
+        if value not in ("0", "1"):
+            raise ValueError(f"{env} is 0 or 1; got {value!r}")
+        switches.append(value == "1")
+    return int(keys), switches[0], switches[1]
 
 
 def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
@@ -541,7 +546,7 @@ def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
     stages = SM90_PREFILL_STAGES[keys]
     q_tile = spec.qk_head_dim // 64 * PREFILL_KERNEL_TILE["wgmma"] * 128
     stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * keys * 128
-    return q_tile + stages * stage + 8 * (1 + 2 * stages) + 1024
+    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 1024
 
 
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
@@ -555,12 +560,12 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
                                                                      (*args, np.float32(spec.scale), out))
         return
     if plan.kernel == "wgmma":
-        keys, pingpong = sm90_prefill_variant()
+        keys, pingpong, split_kv = sm90_prefill_variant()
         smem = sm90_prefill_smem(spec, keys)
         attention = arch_kernel("mla_prefill_sm90.cu", PREFILL_KERNELS["wgmma"], "sm_90a", smem,
                                 NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
                                 BLOCK_N=keys, STAGES=SM90_PREFILL_STAGES[keys], PINGPONG=int(pingpong),
-                                SM90A_TARGET=1)
+                                SPLIT_KV=int(split_kv), SM90A_TARGET=1)
         attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out), shared_mem=smem)
         return
     smem = pipelined_prefill_smem(spec, PREFILL_KERNEL_TILE[plan.kernel])
