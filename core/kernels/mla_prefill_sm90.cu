@@ -2,9 +2,8 @@
 // contract (causal attention of a prefill tile's queries over its sequence's expanded context, K =
 // [k_nope | k_pe] of QK_DIM = NOPE_DIM + ROPE_DIM, V of V_DIM) on wgmma instead of mma.sync.
 //
-// prefill_seqs [S, 5] int32 (core/mla.py DecompressedPrefill): table row, first query token in the
-// step, query count n, context length L, first row of its context in k_nope / k_pe / values. Query i
-// of a sequence sits at position L - n + i and sees context rows 0 ..= L - n + i.
+// prefill_seqs, tile_seq, tile_query: the work items of mla_prefill.cuh (a query tile of one sequence;
+// query i of a sequence sits at position L - n + i and sees context rows 0 ..= L - n + i).
 //   q [T, H, QK_DIM] (q_pe rotated)   k_nope [C, H, NOPE_DIM]   k_pe [C, ROPE_DIM] (every head's)
 //   values [C, H, V_DIM]              out [T, H, V_DIM] (only the tiles' query rows are written)
 //
@@ -20,6 +19,7 @@
 //
 //   smem: [Q: QK_BLOCKS x 128 x 128 B][stage s: K QK_BLOCKS x BLOCK_N x 128 B, V V_BLOCKS x ...]...[mbarriers]
 #include "hopper.cuh"
+#include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
 
 using namespace hopper;
 
@@ -36,7 +36,6 @@ using namespace hopper;
 static_assert(QK_DIM % 64 == 0 && NOPE_DIM % 8 == 0 && ROPE_DIM % 8 == 0,
               "K rows are whole 64-wide column blocks of 16-byte chunks");
 static_assert(V_DIM == 128, "O is one m64n128 accumulator per consumer warpgroup");
-#define PREFILL_SEQ_FIELDS 5
 #define BLOCK_M 128
 #ifndef BLOCK_N
 #define BLOCK_N 128  // keys per K / V tile: 128 or 64 (S is BLOCK_N / 2 fp32 registers per consumer thread)
@@ -70,32 +69,6 @@ static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still re
 // way); + 1024 so the tiles start on a swizzle atom
 #define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
 static_assert(SHARED_BYTES <= 227 * 1024, "Q and the K / V ring fit one SM's shared memory");
-
-// The queries of one CTA: BLOCK_M queries (tile `tile` of the launch) of one sequence, one head.
-struct PrefillTile {
-    int q_first;        // step row of the tile's first query
-    int rows;           // queries in the tile (BLOCK_M but in a sequence's last tile)
-    int context_start;  // position of the sequence's first new query
-    int first_query;    // position of the tile's first query
-    int ctx_first;      // the sequence's first context row in k_nope / k_pe / values
-    int kv_end;         // keys the tile sees: its last query's position + 1
-    int num_kv_tiles;
-};
-
-__device__ __forceinline__ PrefillTile prefill_tile(const int* __restrict__ prefill_seqs, const int* __restrict__ tile_seq,
-                                                    const int* __restrict__ tile_query, int tile) {
-    const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
-    const int q0 = tile_query[tile], num_new = seq[2];
-    PrefillTile w;
-    w.q_first = seq[1] + q0;
-    w.rows = min(BLOCK_M, num_new - q0);
-    w.context_start = seq[3] - num_new;
-    w.first_query = w.context_start + q0;
-    w.ctx_first = seq[4];
-    w.kv_end = w.first_query + w.rows;
-    w.num_kv_tiles = (w.kv_end + BLOCK_N - 1) / BLOCK_N;
-    return w;
-}
 
 // ---- consumer steps --------------------------------------------------------------------------------
 
@@ -243,7 +216,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
     }
     __syncthreads();
 
-    const PrefillTile w = prefill_tile(prefill_seqs, tile_seq, tile_query, blockIdx.x);
+    const MlaPrefillTile w = mla_prefill_tile(prefill_seqs, tile_seq, tile_query, blockIdx.x, BLOCK_M);
+    const int q_first = w.q_first + w.tile_q;         // step row of the tile's first query
+    const int first_query = w.offset + w.tile_q;      // its position
+    const int num_kv_tiles = (w.key_end + BLOCK_N - 1) / BLOCK_N;
     const int head = blockIdx.y;
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
@@ -254,7 +230,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         for (int b = 0; b < QK_BLOCKS; ++b)
             for (int r = row0; r < BLOCK_M; r += 16) {
                 const bool valid = r < w.rows;
-                const bf16* src = valid ? q + ((size_t)(w.q_first + r) * num_heads + head) * QK_DIM + b * 64 + chunk * 8 : q;
+                const bf16* src = valid ? q + ((size_t)(q_first + r) * num_heads + head) * QK_DIM + b * 64 + chunk * 8 : q;
                 cp_async16(q_smem + b * (BLOCK_M * 128) + swizzled(r, chunk), src, valid);
             }
         mbar_arrive_on_copies(bar_q);
@@ -273,7 +249,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
                 const size_t stride = c < NOPE_CHUNKS ? nope_stride : ROPE_DIM;
                 for (int r = row0; r < BLOCK_N; r += 16) {
                     const int key = k0 + r;
-                    const bool valid = key < w.kv_end;  // rows past the last key: zeros (P is 0 there)
+                    const bool valid = key < w.key_end;  // rows past the last key: zeros (P is 0 there)
                     cp_async16(k_smem + b * (BLOCK_N * 128) + swizzled(r, chunk), column + (valid ? key : 0) * stride,
                                valid);
                 }
@@ -285,7 +261,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             for (int b = 0; b < V_BLOCKS; ++b)
                 for (int r = row0; r < BLOCK_N; r += 16) {
                     const int key = k0 + r;
-                    const bool valid = key < w.kv_end;
+                    const bool valid = key < w.key_end;
                     cp_async16(v_smem + b * (BLOCK_N * 128) + swizzled(r, chunk),
                                v_rows + (valid ? key : 0) * v_stride + b * 64, valid);
                 }
@@ -299,8 +275,8 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         // V kt's barrier completes with K kt+1 landed too (the consumers need both at the same step)
         copy_k(0);
         mbar_arrive_on_copies(bar_full);
-        for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
-            if (kt + 1 < w.num_kv_tiles) {
+        for (int kt = 0; kt < num_kv_tiles; ++kt) {
+            if (kt + 1 < num_kv_tiles) {
                 wait_free(bar_empty, kt + 1);
                 copy_k(kt + 1);
                 mbar_arrive_on_copies(bar_full + 8 * ((kt + 1) % STAGES));
@@ -310,7 +286,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             mbar_arrive_on_copies(bar_full_v + 8 * (kt % STAGES));
         }
 #else
-        for (int kt = 0; kt < w.num_kv_tiles; ++kt) {
+        for (int kt = 0; kt < num_kv_tiles; ++kt) {
             wait_free(bar_empty, kt);
             copy_k(kt);
             copy_v(kt);
@@ -326,11 +302,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
-        const int num_kv_tiles = w.num_kv_tiles;
 
         SoftmaxRows state;
-        state.query_pos = w.first_query + row;
-        state.first_query_pos = w.first_query + wg * 64;
+        state.query_pos = first_query + row;
+        state.first_query_pos = first_query + wg * 64;
         state.col = 2 * (lane % 4);
         state.m[0] = state.m[1] = -INFINITY;
         state.l[0] = state.l[1] = 0.f;
@@ -396,7 +371,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             const int r = row + 8 * h;
             if (r >= w.rows) continue;
             const float inv = 1.f / l[h];
-            bf16* dst = out + ((size_t)(w.q_first + r) * num_heads + head) * V_DIM + state.col;
+            bf16* dst = out + ((size_t)(q_first + r) * num_heads + head) * V_DIM + state.col;
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj)
                 *reinterpret_cast<__nv_bfloat162*>(dst + 8 * jj) =
