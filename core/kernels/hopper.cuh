@@ -47,6 +47,29 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// `count` more bytes of asynchronous (TMA) copies complete this phase, and this thread arrives.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// A CUtensorMap (cuda.h's opaque 128 bytes) passed by value as a __grid_constant__ kernel parameter.
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
+// One TMA box of a 3-d tensor map to shared memory at `dst`, its bytes counted on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading / stride byte offsets.
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
     return (u64)((addr >> 4) & 0x3FFF) | ((u64)((leading_bytes >> 4) & 0x3FFF) << 16) |

@@ -53,6 +53,14 @@ static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma
 #ifndef SPLIT_KV
 #define SPLIT_KV 0
 #endif
+// 1: K / V tiles come by TMA (one 64-column box of BLOCK_N rows per column block, issued by one producer
+// thread; rows past the context are zero-filled, rows past the tile's last key are masked), cp.async else.
+#ifndef TMA_KV_LOADS
+#define TMA_KV_LOADS 0
+#endif
+#if TMA_KV_LOADS
+static_assert(NOPE_DIM % 64 == 0 && ROPE_DIM % 64 == 0, "TMA boxes of 64 columns: k_nope and k_pe in whole blocks");
+#endif
 static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still read");
 #define NUM_THREADS 384
 #define PRODUCER_REGS 40
@@ -68,6 +76,7 @@ static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still re
 // mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either
 // way); + 1024 so the tiles start on a swizzle atom
 #define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
+#define FULL_ARRIVALS (TMA_KV_LOADS ? 1 : 128)  // producer thread 0's expect-bytes arrival, or each producer thread's
 static_assert(SHARED_BYTES <= 227 * 1024, "Q and the K / V ring fit one SM's shared memory");
 
 // ---- consumer steps --------------------------------------------------------------------------------
@@ -185,7 +194,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_nope, const bf16* __restrict__ k_pe,
                            const bf16* __restrict__ values, const int* __restrict__ prefill_seqs,
                            const int* __restrict__ tile_seq, const int* __restrict__ tile_query, int num_heads,
-                           float scale_log2, bf16* __restrict__ out) {
+                           float scale_log2, bf16* __restrict__ out,
+#if TMA_KV_LOADS
+                           // 3-d maps (column, head, context row) of k_nope [C, H, NOPE], k_pe [C, 1, ROPE] and
+                           // values [C, H, V]: box 64 columns x 1 head x BLOCK_N rows, 128-byte swizzle
+                           const __grid_constant__ TensorMap k_nope_map, const __grid_constant__ TensorMap k_pe_map,
+                           const __grid_constant__ TensorMap v_map
+#else
+                           const void* k_nope_map, const void* k_pe_map, const void* v_map  // NULL: unused
+#endif
+) {
 // wgmma and setmaxnreg exist for sm_90a only; a build for another target (the CPU CI compiles every
 // source for plain sm_90 too) gets a kernel that traps. core builds it with SM90A_TARGET=1.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(SM90A_TARGET)
@@ -205,10 +223,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
     if (threadIdx.x == 0) {
         mbar_init(bar_q, 128);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bar_full + 8 * s, 128);   // one arrival per producer thread
+            mbar_init(bar_full + 8 * s, FULL_ARRIVALS);
             mbar_init(bar_empty + 8 * s, 256);  // one per consumer thread
 #if SPLIT_KV
-            mbar_init(bar_full_v + 8 * s, 128);
+            mbar_init(bar_full_v + 8 * s, FULL_ARRIVALS);
             mbar_init(bar_empty_v + 8 * s, 256);
 #endif
         }
@@ -235,6 +253,63 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             }
         mbar_arrive_on_copies(bar_q);
 
+#if TMA_KV_LOADS
+        if (t == 0) {
+            prefetch_tensor_map(&k_nope_map);
+            prefetch_tensor_map(&k_pe_map);
+            prefetch_tensor_map(&v_map);
+        }
+        // tile kt's K / V boxes into its stage, counted on `bar` (producer thread 0 only)
+        auto copy_k = [&](int kt, u32 bar) {
+            const u32 k_smem = base + Q_BYTES + (kt % STAGES) * STAGE_BYTES;
+            const int row = (int)w.ctx_first + kt * BLOCK_N;
+#pragma unroll
+            for (int b = 0; b < QK_BLOCKS; ++b) {
+                if (b * 64 < NOPE_DIM)
+                    tma_load_3d(k_smem + b * (BLOCK_N * 128), &k_nope_map, b * 64, head, row, bar);
+                else
+                    tma_load_3d(k_smem + b * (BLOCK_N * 128), &k_pe_map, b * 64 - NOPE_DIM, 0, row, bar);
+            }
+        };
+        auto copy_v = [&](int kt, u32 bar) {
+            const u32 v_smem = base + Q_BYTES + (kt % STAGES) * STAGE_BYTES + K_TILE_BYTES;
+            const int row = (int)w.ctx_first + kt * BLOCK_N;
+#pragma unroll
+            for (int b = 0; b < V_BLOCKS; ++b) tma_load_3d(v_smem + b * (BLOCK_N * 128), &v_map, b * 64, head, row, bar);
+        };
+        auto wait_free = [&](u32 bars, int kt) {
+            if (kt >= STAGES) mbar_wait(bars + 8 * (kt % STAGES), ((kt / STAGES) - 1) & 1);
+        };
+        if (t == 0) {
+#if SPLIT_KV
+            mbar_arrive_expect_bytes(bar_full, K_TILE_BYTES);
+            copy_k(0, bar_full);
+            for (int kt = 0; kt < num_kv_tiles; ++kt) {
+                if (kt + 1 < num_kv_tiles) {
+                    wait_free(bar_empty, kt + 1);
+                    const u32 bar = bar_full + 8 * ((kt + 1) % STAGES);
+                    mbar_arrive_expect_bytes(bar, K_TILE_BYTES);
+                    copy_k(kt + 1, bar);
+                }
+                wait_free(bar_empty_v, kt);
+                const u32 bar = bar_full_v + 8 * (kt % STAGES);
+                mbar_arrive_expect_bytes(bar, V_TILE_BYTES);
+                copy_v(kt, bar);
+            }
+#else
+            for (int kt = 0; kt < num_kv_tiles; ++kt) {
+                wait_free(bar_empty, kt);
+                const u32 bar = bar_full + 8 * (kt % STAGES);
+                mbar_arrive_expect_bytes(bar, STAGE_BYTES);
+                copy_k(kt, bar);
+                copy_v(kt, bar);
+            }
+#endif
+        }
+#else
+        (void)k_nope_map;
+        (void)k_pe_map;
+        (void)v_map;
         const size_t nope_stride = (size_t)num_heads * NOPE_DIM, v_stride = (size_t)num_heads * V_DIM;
         const bf16* nope_rows = k_nope + (size_t)w.ctx_first * nope_stride + (size_t)head * NOPE_DIM;
         const bf16* pe_rows = k_pe + (size_t)w.ctx_first * ROPE_DIM;
@@ -293,6 +368,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             mbar_arrive_on_copies(bar_full + 8 * (kt % STAGES));
         }
 #endif
+#endif  // TMA_KV_LOADS
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // exit with no copies in flight
     } else {
         // ---------------- consumers ----------------

@@ -87,13 +87,15 @@ def _hopper() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-# kernel, and for wgmma its keys per tile, warpgroup turn-taking and split K / V barriers
-@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv", [
-    ("plain", "", "", ""), ("pipelined", "", "", ""), ("wgmma", "128", "0", "0"), ("wgmma", "64", "0", "0"),
-    ("wgmma", "128", "1", "0"), ("wgmma", "64", "1", "0"), ("wgmma", "128", "0", "1"), ("wgmma", "64", "1", "1")])
+# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers and TMA K / V loads
+@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma", [
+    ("plain", "", "", "", ""), ("pipelined", "", "", "", ""), ("wgmma", "128", "0", "0", "0"),
+    ("wgmma", "64", "0", "0", "0"), ("wgmma", "128", "1", "0", "0"), ("wgmma", "64", "1", "0", "0"),
+    ("wgmma", "128", "0", "1", "0"), ("wgmma", "64", "1", "1", "0"), ("wgmma", "128", "0", "0", "1"),
+    ("wgmma", "128", "1", "1", "1"), ("wgmma", "64", "1", "1", "1")])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, keys, pingpong, split_kv,
-                                            heads):
+                                            tma, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
@@ -103,6 +105,7 @@ def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, pref
     monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, keys)
     monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, pingpong)
     monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, split_kv)
+    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, tma)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
     seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS
@@ -220,7 +223,8 @@ def test_absorbed_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_SPLIT_KV"):
         cuda_mla.sm90_prefill_variant()
     monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, "1")
-    assert cuda_mla.sm90_prefill_variant() == (64, True, True)
+    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, "1")
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(64, True, True, True)
     # the ring fits one SM's 227 KB beside the 128-query tile at every keys choice (DeepSeek-V3's 192 + 128)
     assert max(cuda_mla.sm90_prefill_smem(_spec(16), k) for k in cuda_mla.SM90_PREFILL_STAGES) <= 227 * 1024
     # wgmma takes whole 64-wide K column blocks and v 128 on Hopper; else pipelined (or plain) runs

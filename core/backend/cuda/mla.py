@@ -33,6 +33,7 @@ import numpy as np
 from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec, decompressed_prefill_layout
 
 HEADS_PER_BLOCK = 16  # mla.cu
@@ -124,11 +125,13 @@ SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgro
 # Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
 # 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
 # consumer warpgroups take turns issuing wgmmas (PINGPONG); $OPENINFER_MLA_SM90_SPLIT_KV=1: K and V halves of
-# a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV).
+# a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV); $OPENINFER_MLA_SM90_TMA=1: K / V tiles by
+# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async).
 SM90_PREFILL_STAGES = {128: 2, 64: 4}
 SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
 SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
 SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
+SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -525,19 +528,39 @@ def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
     return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
 
 
-def sm90_prefill_variant() -> tuple[int, bool, bool]:
-    """mla_prefill_attention_sm90's (keys per tile, ping-pong, split K / V barriers): $OPENINFER_MLA_SM90_KEYS
-    (128 / 64), $OPENINFER_MLA_SM90_PINGPONG and $OPENINFER_MLA_SM90_SPLIT_KV (0 / 1), else the defaults."""
+@dataclass(frozen=True)
+class Sm90PrefillVariant:
+    """mla_prefill_attention_sm90's compile-time choices (mla_prefill_sm90.cu's defines)."""
+
+    keys: int  # BLOCK_N
+    pingpong: bool
+    split_kv: bool
+    tma: bool  # TMA_KV_LOADS
+
+
+def sm90_prefill_variant() -> Sm90PrefillVariant:
+    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV and _TMA (0 / 1), else
+    the defaults."""
     keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
     if keys not in ("128", "64"):
         raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
     switches = []
-    for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV)):
+    for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV),
+                         (SM90_TMA_ENV, DEFAULT_SM90_TMA)):
         value = os.environ.get(env) or str(int(default))
         if value not in ("0", "1"):
             raise ValueError(f"{env} is 0 or 1; got {value!r}")
         switches.append(value == "1")
-    return int(keys), switches[0], switches[1]
+    return Sm90PrefillVariant(int(keys), *switches)
+
+
+def _tma_box_map(array: cupy.ndarray, heads: int, keys: int) -> np.ndarray:
+    """The tensor map of a contiguous ``[C, heads·width]`` bf16 array as (column, head, row), box 64 columns x
+    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument."""
+    rows, width = int(array.shape[0]), int(array.shape[1]) // heads
+    layout = PageBoxLayout(dims=(width, heads, rows), strides=(width * 2, heads * width * 2),
+                           box=(BOX_ELEMENTS, 1, keys))
+    return encode_page_map(array.data.ptr, layout).view(TENSOR_MAP_PARAM)
 
 
 def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
@@ -560,13 +583,17 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
                                                                      (*args, np.float32(spec.scale), out))
         return
     if plan.kernel == "wgmma":
-        keys, pingpong, split_kv = sm90_prefill_variant()
-        smem = sm90_prefill_smem(spec, keys)
+        variant = sm90_prefill_variant()
+        tma = variant.tma and spec.qk_nope_dim % BOX_ELEMENTS == 0 and spec.qk_rope_dim % BOX_ELEMENTS == 0
+        smem = sm90_prefill_smem(spec, variant.keys)
         attention = arch_kernel("mla_prefill_sm90.cu", PREFILL_KERNELS["wgmma"], "sm_90a", smem,
                                 NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
-                                BLOCK_N=keys, STAGES=SM90_PREFILL_STAGES[keys], PINGPONG=int(pingpong),
-                                SPLIT_KV=int(split_kv), SM90A_TARGET=1)
-        attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out), shared_mem=smem)
+                                BLOCK_N=variant.keys, STAGES=SM90_PREFILL_STAGES[variant.keys],
+                                PINGPONG=int(variant.pingpong), SPLIT_KV=int(variant.split_kv), TMA_KV_LOADS=int(tma),
+                                SM90A_TARGET=1)
+        maps = ((_tma_box_map(k_nope, spec.num_heads, variant.keys), _tma_box_map(k_pe, 1, variant.keys),
+                 _tma_box_map(values, spec.num_heads, variant.keys)) if tma else (NULL, NULL, NULL))
+        attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out, *maps), shared_mem=smem)
         return
     smem = pipelined_prefill_smem(spec, PREFILL_KERNEL_TILE[plan.kernel])
     attention = kernel("mla.cu", PREFILL_KERNELS["pipelined"], **_defines(spec))
