@@ -20,10 +20,11 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine]]]]``: kernel ``auto`` (what ships) or
-one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]``: kernel ``auto`` (what ships)
+or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
-$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE).
+$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
+q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
 Each variant's output is compared to the first's.
 """
 
@@ -65,13 +66,13 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 5:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine]]]]")
-        kernel, keys, splits, policy, combine = (fields + ["", "", "", ""])[:5]
+        if len(fields) > 6:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]")
+        kernel, keys, splits, policy, combine, q_regs = (fields + ["", "", "", "", ""])[:6]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
@@ -82,8 +83,10 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: policy is one of {', '.join(SPLIT_POLICIES)}")
         if combine and combine not in COMBINES:
             raise ValueError(f"variant {item!r}: combine is one of {', '.join(COMBINES)}")
+        if q_regs not in ("", "0", "1"):
+            raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine})
+                         "combine": combine, "q_regs": q_regs})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -97,7 +100,8 @@ def variant_env(variant: dict):
     from openinfer.backend.cuda import mla as cuda_mla
 
     switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
-                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"]}
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
+                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
     with switched_env(switches):
         yield
 
@@ -316,9 +320,9 @@ def warm(backend, rng) -> int:
     latent = cupy.zeros((100, spec.latent_dim), dtype=cupy.uint16)
     started = time.perf_counter()
     settings = [{cuda_mla.ASYNC_TILES_ENV: a, cuda_mla.COMBINE_ENV: c, cuda_mla.SHARED_KEYS_ENV: str(k),
-                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
+                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h, cuda_mla.SHARED_Q_REGS_ENV: qr}
                 for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
-                for h in ("0", "1")]
+                for h in ("0", "1") for qr in ("0", "1")]
     settings += [{cuda_mla.PREFILL_KERNEL_ENV: "wgmma", cuda_mla.SM90_KEYS_ENV: k, cuda_mla.SM90_PINGPONG_ENV: pp,
                   cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma}
                  for k in SM90_KEYS for pp in ("0", "1") for sk in ("0", "1")

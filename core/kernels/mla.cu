@@ -800,6 +800,9 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #ifndef MLA_SHARED_KEYS
 #define MLA_SHARED_KEYS 32  // keys per tile: 32 (2 blocks per SM) or 64 (1)
 #endif
+#ifndef MLA_SHARED_Q_REGS
+#define MLA_SHARED_Q_REGS 0  // 1: each warp keeps the query tile's A fragments in registers (144 per thread)
+#endif                       // instead of re-reading the tile from shared memory for every key tile
 #define MLA_SHARED_HEADS 16
 #define MLA_SHARED_THREADS 128
 #define MLA_SHARED_WARP_KEYS (MLA_SHARED_KEYS / 4)  // keys each warp scores per tile
@@ -870,6 +873,9 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+#if MLA_SHARED_Q_REGS
+    unsigned qf[LATENT / 16][4];  // loaded once the first tile (and the query tile) landed
+#endif
     int stage = 0;
     for (int key0 = begin; key0 < end; key0 += MLA_SHARED_KEYS, stage ^= 1) {
         if (key0 + MLA_SHARED_KEYS < end)  // the next tile into the other buffer (freed by the last barrier)
@@ -886,6 +892,23 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
         for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)
 #pragma unroll
             for (int v = 0; v < 4; ++v) s[n][v] = 0.f;
+#if MLA_SHARED_Q_REGS
+        if (key0 == begin) {
+#pragma unroll
+            for (int kk = 0; kk < LATENT / 16; ++kk)
+                ldmatrix_x4(qf[kk], q_tile + a_row * MMA_DECODE_ROW + 16 * kk + a_col);
+        }
+#pragma unroll
+        for (int kk = 0; kk < LATENT / 32; ++kk) {
+#pragma unroll
+            for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n) {
+                unsigned kf[4];  // keys 8n.. of this warp, dims 32kk .. 32kk + 31
+                ldmatrix_x4(kf, k_tile + (score_key + 8 * n) * MMA_DECODE_ROW + 32 * kk + score_dim);
+                mma_bf16_16816(s[n], qf[2 * kk], kf[0], kf[1]);
+                mma_bf16_16816(s[n], qf[2 * kk + 1], kf[2], kf[3]);
+            }
+        }
+#else
 #pragma unroll 6
         for (int kk = 0; kk < LATENT / 32; ++kk) {
             unsigned qf0[4], qf1[4];
@@ -899,6 +922,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
                 mma_bf16_16816(s[n], qf1, kf[2], kf[3]);
             }
         }
+#endif
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)

@@ -47,12 +47,14 @@ def _spec(heads: int) -> MLASpec:
                    scale=192 ** -0.5 * 1.3)
 
 
-@pytest.mark.parametrize("kernel,keys,policy", [("mma", "", ""), ("mma16", "", ""), ("mma_shared", "32", ""),
-                                               ("mma_shared", "64", ""), ("mma_shared", "32", "waves")])
+# kernel, mma_shared's keys per tile, split policy and query fragments in registers
+@pytest.mark.parametrize("kernel,keys,policy,q_regs", [
+    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", ""), ("mma_shared", "64", "", ""),
+    ("mma_shared", "32", "waves", ""), ("mma_shared", "32", "", "1"), ("mma_shared", "64", "", "1")])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 @pytest.mark.parametrize("max_splits", ["1", ""])
-def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, heads, decodes,
+def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, q_regs, heads, decodes,
                                        max_splits):
     """Each absorbed decode kernel on a ragged batch of decodes: one context split (every key tile of a
     context in one block) and the default split count (up to 64, many splits empty at short contexts;
@@ -62,6 +64,7 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
     monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, policy)
+    monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, q_regs)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
@@ -133,6 +136,29 @@ def test_wide_combine_equals_shared(cuda_backend, rng, monkeypatch, kernel):
                                                       weights, rope, kernel))
     assert np.array_equal(outs["wide"], outs["shared"])
     assert relative_error(outs["wide"], reference) < BF16_TOL
+
+
+@pytest.mark.parametrize("keys", ["32", "64"])
+def test_shared_decode_query_registers_bit_equal(cuda_backend, rng, monkeypatch, keys):
+    """mla_attention_mma_shared with its query fragments in registers gives the shared-memory build's bits
+    (the same fragments, multiplied in the same order)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
+    spec = _spec(20)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *DECODES["ragged"])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = []
+    for q_regs in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, q_regs)
+        assert cuda_mla.shared_q_regs(spec) == (q_regs == "1")
+        outs.append(cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights,
+                                                  rope, "mma_shared")))
+    assert np.array_equal(outs[0], outs[1])
+    assert relative_error(outs[1], reference) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_Q_REGS"):
+        cuda_mla.shared_q_regs(spec)
 
 
 def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):

@@ -96,6 +96,11 @@ SHARED_KEYS_CHOICES = (32, 64)
 # says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
 SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
+# Opt-in: OPENINFER_MLA_SHARED_Q_REGS=1 builds mla_attention_mma_shared with each warp's query A fragments held
+# in registers (144 per thread, 254 in all: still 2 blocks per SM) rather than re-read from shared memory for
+# every key tile (two thirds of its score-phase shared-memory reads); latents up to 576 wide.
+SHARED_Q_REGS_ENV = "OPENINFER_MLA_SHARED_Q_REGS"
+SHARED_Q_REGS_MAX_LATENT = 576
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 # "wide" (default since E2, H200): mla_combine_splits_shared over KV_LORA / 128 blocks per head, reading only
@@ -351,9 +356,19 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
     return (SHARED_HEADS + 2 * keys) * row * 2 + SHARED_HEADS * (keys + 8) * 2 + 2 * 4 * SHARED_HEADS * 4
 
 
+def shared_q_regs(spec: MLASpec) -> bool:
+    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS=1
+    and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
+    value = os.environ.get(SHARED_Q_REGS_ENV) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{SHARED_Q_REGS_ENV} is 0 or 1; got {value!r}")
+    return value == "1" and spec.latent_dim <= SHARED_Q_REGS_MAX_LATENT
+
+
 def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
-    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys)
+    q_regs = {"MLA_SHARED_Q_REGS": 1} if shared_q_regs(spec) else {}
+    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
