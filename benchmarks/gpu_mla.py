@@ -9,20 +9,22 @@ timer: ops behind a spin kernel, an event between each): mla_write_latent, W_UK 
 attention kernel, the split combine, W_UV (cuBLAS); against the latent cache's bytes over the
 measured copy bandwidth.
 
-``prefill``: one sequence's 1k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
+``prefill``: one sequence's 1k / 4k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
-TFLOP/s, for each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined,
-the default; plain: mla_prefill_attention), and the absorbed form of the whole forward beside it where
-it is short.
+TFLOP/s, at each head count of ``--prefill-heads`` (16: Moonlight, 64: Kimi-K2 on 2 GPUs' share), for
+each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined, the default;
+wgmma: mla_prefill_attention_sm90, Hopper; plain: mla_prefill_attention), and the absorbed form of the
+whole forward beside it where it is short (``--prefill-absorbed``).
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine]]]]``: kernel ``auto`` (what ships) or
-one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]``: kernel ``auto`` (what ships)
+or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
-$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE).
+$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
+q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
 Each variant's output is compared to the first's.
 """
 
@@ -48,7 +50,8 @@ HEADS, NOPE, ROPE, V_DIM, KV_LORA = 16, 128, 64, 128, 512  # Moonlight-16B-A3B
 LATENT_BYTES = (KV_LORA + ROPE) * 2
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
-PREFILL_TOKENS = (1024, 8192)
+PREFILL_TOKENS = (1024, 4096, 8192)
+PREFILL_HEADS = (16, 64)
 ABSORBED_PREFILL_MAX = 2048
 BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absorbed form of a prompt is timed up to this many tokens
 DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
@@ -58,17 +61,18 @@ KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
 SHARED_KEYS = (32, 64)
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
-PREFILL_KERNELS = ("plain", "pipelined")  # core's PREFILL_KERNELS
+PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
+SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 5:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine]]]]")
-        kernel, keys, splits, policy, combine = (fields + ["", "", "", ""])[:5]
+        if len(fields) > 6:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]")
+        kernel, keys, splits, policy, combine, q_regs = (fields + ["", "", "", "", ""])[:6]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
@@ -79,8 +83,10 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: policy is one of {', '.join(SPLIT_POLICIES)}")
         if combine and combine not in COMBINES:
             raise ValueError(f"variant {item!r}: combine is one of {', '.join(COMBINES)}")
+        if q_regs not in ("", "0", "1"):
+            raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine})
+                         "combine": combine, "q_regs": q_regs})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -94,7 +100,8 @@ def variant_env(variant: dict):
     from openinfer.backend.cuda import mla as cuda_mla
 
     switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
-                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"]}
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
+                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
     with switched_env(switches):
         yield
 
@@ -103,29 +110,30 @@ def decode_bytes(batch: int, context: int) -> int:
     return batch * (context + 1) * LATENT_BYTES
 
 
-def prefill_flops(tokens: int) -> float:
+def prefill_flops(tokens: int, heads: int = HEADS) -> float:
     """Causal attention FLOPs of one prompt: QK (nope + rope) and PV per visible (query, key) pair."""
-    return 2.0 * HEADS * (NOPE + ROPE + V_DIM) * tokens * (tokens + 1) / 2
+    return 2.0 * heads * (NOPE + ROPE + V_DIM) * tokens * (tokens + 1) / 2
 
 
 def plan(args) -> dict:
     variants = parse_variants(args.variants)
     return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
-            "prefill": [{"tokens": n, "attention_gflop": prefill_flops(n) / 1e9} for n in args.prefill]
+            "prefill": [{"heads": h, "tokens": n, "attention_gflop": prefill_flops(n, h) / 1e9}
+                        for h in args.prefill_heads for n in args.prefill]
             if "prefill" in args.sections else [], "prefill_kernels": args.prefill_kernels,
             "variants": variants}
 
 
-def mla_inputs(backend, rng):
+def mla_inputs(backend, rng, heads: int = HEADS):
     import cupy
 
     from openinfer.mla import MLASpec
     from openinfer.rope import RopeParameters, RotaryEmbedding
 
-    spec = MLASpec(HEADS, NOPE, ROPE, V_DIM, KV_LORA, (NOPE + ROPE) ** -0.5)
-    w_uk = backend.weight((0.05 * rng.standard_normal((HEADS, NOPE, KV_LORA))).astype(np.float32))
-    w_uv = backend.weight((0.05 * rng.standard_normal((HEADS, V_DIM, KV_LORA))).astype(np.float32))
+    spec = MLASpec(heads, NOPE, ROPE, V_DIM, KV_LORA, (NOPE + ROPE) ** -0.5)
+    w_uk = backend.weight((0.05 * rng.standard_normal((heads, NOPE, KV_LORA))).astype(np.float32))
+    w_uv = backend.weight((0.05 * rng.standard_normal((heads, V_DIM, KV_LORA))).astype(np.float32))
     norm = backend.weight(np.ones(KV_LORA, np.float32))
     rope = RotaryEmbedding.create(ROPE, RopeParameters(50000.0), 16384)
     return spec, w_uk, w_uv, norm, cupy.asarray(rope.cos), cupy.asarray(rope.sin)
@@ -192,19 +200,44 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
     return points
 
 
-def cupy_empty_like_out(rows: int):
+def cupy_empty_like_out(rows: int, heads: int = HEADS):
     import cupy
 
-    return cupy.empty((rows, HEADS * V_DIM), dtype=cupy.uint16)
+    return cupy.empty((rows, heads * V_DIM), dtype=cupy.uint16)
+
+
+def parse_prefill_kernels(text: str) -> list[dict]:
+    """``kernel[:keys[:pingpong[:split_kv[:tma]]]]`` comma list → dicts (the wgmma kernel's keys per tile,
+    turn-taking, split K / V barriers and TMA K / V loads, $OPENINFER_MLA_SM90_KEYS / _PINGPONG / _SPLIT_KV /
+    _TMA; empty: core's defaults); bad names raise ValueError."""
+    kernels = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        if len(fields) > 5:
+            raise ValueError(f"prefill kernel {item!r}: kernel[:keys[:pingpong[:split_kv[:tma]]]]")
+        kernel, keys, pingpong, split_kv, tma = (fields + ["", "", "", ""])[:5]
+        if kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill kernel {item!r}: kernel is one of {', '.join(PREFILL_KERNELS)}")
+        if keys and keys not in SM90_KEYS:
+            raise ValueError(f"prefill kernel {item!r}: keys is one of {', '.join(SM90_KEYS)}")
+        if {pingpong, split_kv, tma} - {"", "0", "1"}:
+            raise ValueError(f"prefill kernel {item!r}: pingpong, split_kv and tma are 0 or 1")
+        kernels.append({"name": item, "kernel": kernel, "keys": keys, "pingpong": pingpong, "split_kv": split_kv,
+                        "tma": tma})
+    if not kernels:
+        raise ValueError("no prefill kernels")
+    return kernels
 
 
 @contextlib.contextmanager
-def prefill_env(name: str):
+def prefill_env(variant: dict):
     from gpu_kimi import switched_env
 
     from openinfer.backend.cuda import mla as cuda_mla
 
-    with switched_env({cuda_mla.PREFILL_KERNEL_ENV: name}):
+    with switched_env({cuda_mla.PREFILL_KERNEL_ENV: variant["kernel"], cuda_mla.SM90_KEYS_ENV: variant["keys"],
+                       cuda_mla.SM90_PINGPONG_ENV: variant["pingpong"],
+                       cuda_mla.SM90_SPLIT_KV_ENV: variant["split_kv"], cuda_mla.SM90_TMA_ENV: variant["tma"]}):
         yield
 
 
@@ -214,19 +247,20 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.tools.ledger import gpu_seconds
 
-    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
     points = []
-    for tokens in args.prefill:
+    for heads, tokens in [(h, n) for h in args.prefill_heads for n in args.prefill]:
+        spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng, heads)
         batch, num_blocks = one_sequence_batch(backend, 0, tokens, BLOCK_SIZE)
         cache = backend.upload(rng.standard_normal((num_blocks, BLOCK_SIZE, 1, spec.latent_dim)).astype(np.float32))
-        q = backend.upload(rng.standard_normal((tokens, HEADS * spec.qk_head_dim)).astype(np.float32))
+        q = backend.upload(rng.standard_normal((tokens, heads * spec.qk_head_dim)).astype(np.float32))
         latent = backend.upload(rng.standard_normal((tokens, spec.latent_dim)).astype(np.float32))
         forward = partial(cuda_mla.mla_forward, backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                           cos, sin, 1e-6, backend.num_sms, prefill_min_query=cuda_mla.PREFILL_MIN_QUERY)
-        point = {"tokens": tokens, "kernels": {}, "absorbed": {}}
+        point = {"heads": heads, "tokens": tokens, "kernels": {}, "absorbed": {}}
         reference = None
-        for name in args.prefill_kernels:
-            with prefill_env(name):  # the plan is laid out for the kernel (its tile size)
+        for prefill_variant in args.prefill_kernels:
+            name = prefill_variant["name"]
+            with prefill_env(prefill_variant):  # the plan is laid out for the kernel (its tile size)
                 plan_ = cuda_mla.plan_prefill(batch.host, spec)
                 q_rot = q.copy()
                 cuda_mla.write_latent(q_rot, latent, cache, norm, spec, batch, cos, sin, 1e-6)
@@ -237,22 +271,22 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
                          ("mla_gather_context", partial(cuda_mla.gather_context, cache, spec, batch, plan_)),
                          ("kv_b", partial(cuda_mla.expand_context, backend.blas, c_kv, w_uk, w_uv, spec)),
                          ("attention", partial(cuda_mla.prefill_attention, q_rot, k_nope, k_pe, values, spec, plan_,
-                                               cupy_empty_like_out(tokens)))]
+                                               cupy_empty_like_out(tokens, heads)))]
                 # the output from unrotated queries (mla_forward rotates its q's rope dims in place)
                 out = backend.to_host(cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm,
                                                            spec, batch, cos, sin, 1e-6, backend.num_sms))
                 breakdown = layer_breakdown(parts, forward, args.iters)["breakdown_ms"]
                 entry = {"forward_ms": 1e3 * gpu_seconds(forward, repeats=args.iters), "breakdown_ms": breakdown,
-                         "attention_tflops": prefill_flops(tokens) / breakdown["attention"] / 1e9,
+                         "attention_tflops": prefill_flops(tokens, heads) / breakdown["attention"] / 1e9,
                          "plan_kernel": plan_.kernel}
             if reference is None:
                 reference = out
             else:
                 entry["relative_difference"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
-                entry["attention_speedup_vs_first"] = (point["kernels"][args.prefill_kernels[0]]["breakdown_ms"]
-                                                       ["attention"] / breakdown["attention"])
+                first = point["kernels"][args.prefill_kernels[0]["name"]]
+                entry["attention_speedup_vs_first"] = first["breakdown_ms"]["attention"] / breakdown["attention"]
             point["kernels"][name] = entry
-        if tokens <= ABSORBED_PREFILL_MAX:
+        if args.prefill_absorbed and tokens <= ABSORBED_PREFILL_MAX:
             for variant in variants:
                 kernel = None if variant["kernel"] == "auto" else variant["kernel"]
                 with variant_env(variant):
@@ -286,9 +320,13 @@ def warm(backend, rng) -> int:
     latent = cupy.zeros((100, spec.latent_dim), dtype=cupy.uint16)
     started = time.perf_counter()
     settings = [{cuda_mla.ASYNC_TILES_ENV: a, cuda_mla.COMBINE_ENV: c, cuda_mla.SHARED_KEYS_ENV: str(k),
-                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h}
+                 cuda_mla.PREFILL_KERNEL_ENV: p, cuda_mla.HEADS16_ENV: h, cuda_mla.SHARED_Q_REGS_ENV: qr}
                 for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
-                for h in ("0", "1")]
+                for h in ("0", "1") for qr in ("0", "1")]
+    settings += [{cuda_mla.PREFILL_KERNEL_ENV: "wgmma", cuda_mla.SM90_KEYS_ENV: k, cuda_mla.SM90_PINGPONG_ENV: pp,
+                  cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma}
+                 for k in SM90_KEYS for pp in ("0", "1") for sk in ("0", "1")
+                 for tma in ("0", "1")]  # the wgmma kernel's variants
     with discover_kernels() as found:
         for setting in settings:
             with switched_env(setting):
@@ -338,8 +376,8 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(range(len(bars)), values, bottom=bottom, label=part)
             bottom += values
         ax.set(xticks=range(len(bars)), ylabel="ms per layer", title="MLA prefill, decompressed form")
-        ax.set_xticklabels([f"{p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s" for p, k in bars],
-                           fontsize=7)
+        ax.set_xticklabels([f"{p['heads']}h {p['tokens']} {k}\n{p['kernels'][k]['attention_tflops']:.0f} TFLOP/s"
+                            for p, k in bars], fontsize=6, rotation=30)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -355,8 +393,13 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
-    parser.add_argument("--prefill-kernels", default="pipelined,plain",
-                        help="comma list of the decompressed attention kernels ($OPENINFER_MLA_PREFILL)")
+    parser.add_argument("--prefill-heads", default=",".join(map(str, PREFILL_HEADS)), help="head counts")
+    parser.add_argument("--prefill-absorbed", action="store_true",
+                        help="also time the absorbed form of prompts up to 2k tokens (each decode variant)")
+    parser.add_argument("--prefill-kernels", default="pipelined,wgmma",
+                        help="comma list of kernel[:keys[:pingpong[:split_kv[:tma]]]], the decompressed attention "
+                             "kernels ($OPENINFER_MLA_PREFILL; wgmma's keys per tile 128 / 64, turn-taking, split K / V "
+                             "barriers and TMA K / V loads 0 / 1)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; no GPU")
@@ -368,11 +411,10 @@ def main() -> None:
         args.batches = [int(v) for v in args.batches.split(",") if v]
         args.contexts = [int(v) for v in args.contexts.split(",") if v]
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
-        args.prefill_kernels = [v for v in args.prefill_kernels.split(",") if v]
-        if not args.prefill_kernels or set(args.prefill_kernels) - set(PREFILL_KERNELS):
-            raise ValueError(f"prefill kernels are {', '.join(PREFILL_KERNELS)}, got {args.prefill_kernels}")
-        if min(args.batches + args.contexts + args.prefill + [args.iters], default=1) < 1:
-            raise ValueError("batches, contexts, prompt lengths and --iters are positive")
+        args.prefill_heads = [int(v) for v in args.prefill_heads.split(",") if v]
+        args.prefill_kernels = parse_prefill_kernels(args.prefill_kernels)
+        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters], default=1) < 1:
+            raise ValueError("batches, contexts, prompt lengths, head counts and --iters are positive")
         report = {"plan": plan(args)}
     except ValueError as error:
         parser.error(str(error))
@@ -385,13 +427,17 @@ def main() -> None:
     from openinfer.backend.cuda import mla as cuda_mla
 
     if (tuple(cuda_mla.ABSORBED_KERNELS), tuple(cuda_mla.SHARED_KEYS_CHOICES), tuple(cuda_mla.PREFILL_KERNELS),
-            tuple(cuda_mla.COMBINE_KERNELS)) != (KERNELS, SHARED_KEYS, PREFILL_KERNELS, COMBINES):
-        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS / COMBINES no longer match core's")
+            tuple(cuda_mla.COMBINE_KERNELS), tuple(map(str, cuda_mla.SM90_PREFILL_STAGES))) != (
+            KERNELS, SHARED_KEYS, PREFILL_KERNELS, COMBINES, SM90_KEYS):
+        raise SystemExit("gpu_mla.py's KERNELS / SHARED_KEYS / PREFILL_KERNELS / COMBINES / SM90_KEYS no longer "
+                         "match core's")
     backend = CudaBackend()
     rng = np.random.default_rng(0)
     if "warm" in args.sections:
         warm(backend, rng)
         return
+    # every variant's kernels built up front in parallel threads (the sm_90a cubins have no disk cache)
+    report["warm_modules"] = warm(backend, rng)
     bandwidth = copy_bandwidth()
     variants = report["plan"]["variants"]
     report.update({"device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "num_sms": backend.num_sms})

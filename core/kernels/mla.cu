@@ -16,6 +16,7 @@
 //   per-head keys k_nope [C, H, NOPE] and values [C, H, V_DIM].
 // mla_prefill_attention: causal flash attention per (64-query tile, head) with K = [k_nope | k_pe]
 //   (192 wide for DeepSeek-V3) and V (128), bf16 mma.sync m16n8k16, fp32 online softmax.
+#include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
 #include "mma.cuh"
 
 #ifndef KV_LORA
@@ -332,7 +333,6 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 #define V_DIM 128
 #endif
 #define QK_DIM (NOPE_DIM + ROPE_DIM)
-#define PREFILL_SEQ_FIELDS 5
 #define PREFILL_BLOCK_M 64  // queries per block: 4 warps x 16 rows
 #define PREFILL_BLOCK_N 32  // keys per step
 #define PREFILL_THREADS 128
@@ -353,12 +353,99 @@ extern "C" __global__ void mla_gather_context(const bf16* __restrict__ cache, co
     const int pos = row - seq[4];
     const int block = block_tables[(long long)seq[0] * max_blocks_per_seq + pos / block_size];
     const bf16* src = cache + ((long long)block * block_size + pos % block_size) * LATENT;
-    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) c_kv[(long long)row * KV_LORA + i] = src[i];
-    for (int i = threadIdx.x; i < ROPE_DIM; i += blockDim.x) k_pe[(long long)row * ROPE_DIM + i] = src[KV_LORA + i];
+    // 16 bytes per thread and step (the decompressed path takes KV_LORA and ROPE_DIM in multiples of 8)
+    for (int i = threadIdx.x; i < LATENT / 8; i += blockDim.x) {
+        const uint4 piece = reinterpret_cast<const uint4*>(src)[i];
+        if (i < KV_LORA / 8)
+            reinterpret_cast<uint4*>(c_kv + (long long)row * KV_LORA)[i] = piece;
+        else
+            reinterpret_cast<uint4*>(k_pe + (long long)row * ROPE_DIM)[i - KV_LORA / 8] = piece;
+    }
 }
 
 // two neighbouring bf16 (4-byte aligned: even column, rows of an even width) as one register
 __device__ __forceinline__ unsigned mla_load_pair(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+// ---- shared by the decompressed prefill kernels (mla_prefill_attention, mla_prefill_attention_pipelined;
+// the tile decoding, mla_prefill.cuh, with mla_prefill_sm90.cu's too): one key step's online softmax and P
+// fragments, the output rows. Each warp holds
+// 16 query rows in the mma.m16n8k16 accumulator layout: this thread's rows row0 and row0 + 8, scores
+// s[n][v] of key 8n + pair + (v & 1) and row row0 + 8 (v >> 1).
+
+// One step of KEYS keys from key0: mask (causal, past key_end) where `masked`, running max and sum, s <- P in
+// base 2 (scale_log2: the softmax scale times log2 e), acc rescaled to the new max. query_pos0: row0's position.
+template <int KEYS>
+__device__ __forceinline__ void mla_prefill_softmax(float (&s)[KEYS / 8][4], float (&acc)[V_DIM / 8][4],
+                                                    float (&row_max)[2], float (&row_sum)[2], bool masked, int key0,
+                                                    int key_end, int query_pos0, int pair, float scale_log2) {
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = v >> 1, key = key0 + 8 * n + pair + (v & 1);
+            s[n][v] = !masked || (key < key_end && key <= query_pos0 + 8 * r) ? s[n][v] * scale_log2 : -INFINITY;
+            tile_max[r] = fmaxf(tile_max[r], s[n][v]);
+        }
+    float correction[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        correction[r] = new_max == -INFINITY ? 1.f : exp2f(row_max[r] - new_max);
+        row_max[r] = new_max;
+    }
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = v >> 1;
+            s[n][v] = s[n][v] == -INFINITY ? 0.f : exp2f(s[n][v] - row_max[r]);
+            tile_sum[r] += s[n][v];
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+        tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+        row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+    }
+#pragma unroll
+    for (int j = 0; j < V_DIM / 8; ++j) {
+        acc[j][0] *= correction[0];
+        acc[j][1] *= correction[0];
+        acc[j][2] *= correction[1];
+        acc[j][3] *= correction[1];
+    }
+}
+
+// The A fragment of P for keys 16ks .. 16ks + 15 (the score accumulators of n = 2ks, 2ks + 1), bf16.
+template <int KEYS>
+__device__ __forceinline__ void mla_pack_p(const float (&s)[KEYS / 8][4], int ks, unsigned (&pf)[4]) {
+    pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+    pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+    pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+    pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+}
+
+// This thread's two output rows (of the tile's real ones), normalised by their sums.
+__device__ __forceinline__ void mla_prefill_store(const float (&acc)[V_DIM / 8][4], const float (&row_sum)[2],
+                                                  const MlaPrefillTile& w, int row0, int pair, int head, int num_heads,
+                                                  bf16* __restrict__ out) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= w.rows) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        bf16* dst = out + ((long long)(w.q_first + w.tile_q + row) * num_heads + head) * V_DIM;
+#pragma unroll
+        for (int j = 0; j < V_DIM / 8; ++j) {
+            dst[8 * j + pair] = __float2bfloat16_rn(acc[j][2 * r] * inv);
+            dst[8 * j + pair + 1] = __float2bfloat16_rn(acc[j][2 * r + 1] * inv);
+        }
+    }
+}
 
 // grid (num_tiles, num_heads), PREFILL_THREADS threads. tile_seq / tile_query: the tile's row of
 // prefill_seqs and its first query (a multiple of 64). q [T, H, QK_DIM] (q_pe rotated);
@@ -372,30 +459,28 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
     __shared__ __align__(16) bf16 q_tile[PREFILL_BLOCK_M][QK_DIM + PREFILL_PAD];
     __shared__ __align__(16) bf16 k_tile[PREFILL_BLOCK_N][QK_DIM + PREFILL_PAD];
     __shared__ __align__(16) bf16 v_tile_t[V_DIM][PREFILL_BLOCK_N + PREFILL_PAD];  // transposed: [dim][key]
-    const int* seq = prefill_seqs + tile_seq[blockIdx.x] * PREFILL_SEQ_FIELDS;
-    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
-    const int tile_q = tile_query[blockIdx.x], head = blockIdx.y;
-    const int tile_rows = min(PREFILL_BLOCK_M, num_queries - tile_q);
-    const int offset = context - num_queries;  // position of query 0
+    const MlaPrefillTile w = mla_prefill_tile(prefill_seqs, tile_seq, tile_query, blockIdx.x, PREFILL_BLOCK_M);
+    const int head = blockIdx.y;
     const long long q_row_stride = (long long)num_heads * QK_DIM;
     for (int i = threadIdx.x; i < PREFILL_BLOCK_M * QK_DIM / 8; i += PREFILL_THREADS) {
         const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < tile_rows)
-            v = *reinterpret_cast<const uint4*>(q + (q_first + tile_q + r) * q_row_stride + (long long)head * QK_DIM + c);
+        if (r < w.rows)
+            v = *reinterpret_cast<const uint4*>(q + (w.q_first + w.tile_q + r) * q_row_stride + (long long)head * QK_DIM + c);
         *reinterpret_cast<uint4*>(&q_tile[r][c]) = v;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, pair = (lane & 3) * 2;
     const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
+    const int query_pos0 = w.offset + w.tile_q + row0;
+    const int warp_first_pos = w.offset + w.tile_q + warp * 16;
+    const float scale_log2 = scale * 1.4426950408889634f;  // softmax in base 2, the scale folded in
     float acc[V_DIM / 8][4];
 #pragma unroll
     for (int j = 0; j < V_DIM / 8; ++j)
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    // keys this tile needs: up to its last query's position
-    const int key_end = min(context, offset + tile_q + tile_rows);
     __syncthreads();
     unsigned qf[QK_DIM / 16][4];
 #pragma unroll
@@ -406,13 +491,13 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
         qf[kk][3] = mla_load_pair(&q_tile[row0 + 8][16 * kk + pair + 8]);
     }
     const long long kv_row_nope = (long long)num_heads * NOPE_DIM, kv_row_v = (long long)num_heads * V_DIM;
-    for (int key0 = 0; key0 < key_end; key0 += PREFILL_BLOCK_N) {
+    for (int key0 = 0; key0 < w.key_end; key0 += PREFILL_BLOCK_N) {
         __syncthreads();  // the previous step is done with k_tile / v_tile_t
         for (int i = threadIdx.x; i < PREFILL_BLOCK_N * QK_DIM / 8; i += PREFILL_THREADS) {
             const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
-            const long long key = ctx_first + key0 + r;
+            const long long key = w.ctx_first + key0 + r;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (key0 + r < key_end)
+            if (key0 + r < w.key_end)
                 v = c < NOPE_DIM ? *reinterpret_cast<const uint4*>(k_nope + key * kv_row_nope + (long long)head * NOPE_DIM + c)
                                  : *reinterpret_cast<const uint4*>(k_pe + key * ROPE_DIM + c - NOPE_DIM);
             *reinterpret_cast<uint4*>(&k_tile[r][c]) = v;
@@ -420,8 +505,8 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
         for (int i = threadIdx.x; i < PREFILL_BLOCK_N * V_DIM / 8; i += PREFILL_THREADS) {
             const int r = i / (V_DIM / 8), c = (i % (V_DIM / 8)) * 8;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (key0 + r < key_end)
-                v = *reinterpret_cast<const uint4*>(values + (ctx_first + key0 + r) * kv_row_v + (long long)head * V_DIM + c);
+            if (key0 + r < w.key_end)
+                v = *reinterpret_cast<const uint4*>(values + (w.ctx_first + key0 + r) * kv_row_v + (long long)head * V_DIM + c);
             const bf16* e = reinterpret_cast<const bf16*>(&v);
 #pragma unroll
             for (int j = 0; j < 8; ++j) v_tile_t[c + j][r] = e[j];
@@ -441,56 +526,14 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
                 mma_bf16_16816(s[j], qf[kk], kf);
             }
         }
-        // mask (causal, past the context) and online softmax; each row's 32 scores sit in the 4 lanes of a quad
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int j = 0; j < PREFILL_BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = v >> 1, key = key0 + 8 * j + pair + (v & 1);
-                const int query_pos = offset + tile_q + row0 + 8 * r;
-                s[j][v] = key < key_end && key <= query_pos ? s[j][v] * scale : -INFINITY;
-                tile_max[r] = fmaxf(tile_max[r], s[j][v]);
-            }
-        float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
-            row_max[r] = new_max;
-        }
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < PREFILL_BLOCK_N / 8; ++j)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = v >> 1;
-                s[j][v] = s[j][v] == -INFINITY ? 0.f : __expf(s[j][v] - row_max[r]);
-                tile_sum[r] += s[j][v];
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
-        }
-#pragma unroll
-        for (int j = 0; j < V_DIM / 8; ++j) {
-            acc[j][0] *= correction[0];
-            acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1];
-            acc[j][3] *= correction[1];
-        }
+        const bool masked = key0 + PREFILL_BLOCK_N > min(warp_first_pos + 1, w.key_end);
+        mla_prefill_softmax<PREFILL_BLOCK_N>(s, acc, row_max, row_sum, masked, key0, w.key_end, query_pos0, pair,
+                                             scale_log2);
         // acc += P · V: the score accumulators are the A fragments of P (keys 16·ks ... 16·ks + 15)
 #pragma unroll
         for (int ks = 0; ks < PREFILL_BLOCK_N / 16; ++ks) {
             unsigned pf[4];
-            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
-            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
-            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            mla_pack_p<PREFILL_BLOCK_N>(s, ks, pf);
 #pragma unroll
             for (int j = 0; j < V_DIM / 8; ++j) {
                 unsigned vf[2];
@@ -500,18 +543,7 @@ mla_prefill_attention(const bf16* __restrict__ q, const bf16* __restrict__ k_nop
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (row >= tile_rows) continue;
-        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
-#pragma unroll
-        for (int j = 0; j < V_DIM / 8; ++j) {
-            dst[8 * j + pair] = __float2bfloat16_rn(acc[j][2 * r] * inv);
-            dst[8 * j + pair + 1] = __float2bfloat16_rn(acc[j][2 * r + 1] * inv);
-        }
-    }
+    mla_prefill_store(acc, row_sum, w, row0, pair, head, num_heads, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -768,6 +800,9 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #ifndef MLA_SHARED_KEYS
 #define MLA_SHARED_KEYS 32  // keys per tile: 32 (2 blocks per SM) or 64 (1)
 #endif
+#ifndef MLA_SHARED_Q_REGS
+#define MLA_SHARED_Q_REGS 0  // 1: each warp keeps the query tile's A fragments in registers (144 per thread)
+#endif                       // instead of re-reading the tile from shared memory for every key tile
 #define MLA_SHARED_HEADS 16
 #define MLA_SHARED_THREADS 128
 #define MLA_SHARED_WARP_KEYS (MLA_SHARED_KEYS / 4)  // keys each warp scores per tile
@@ -838,6 +873,9 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+#if MLA_SHARED_Q_REGS
+    unsigned qf[LATENT / 16][4];  // loaded once the first tile (and the query tile) landed
+#endif
     int stage = 0;
     for (int key0 = begin; key0 < end; key0 += MLA_SHARED_KEYS, stage ^= 1) {
         if (key0 + MLA_SHARED_KEYS < end)  // the next tile into the other buffer (freed by the last barrier)
@@ -854,6 +892,23 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
         for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)
 #pragma unroll
             for (int v = 0; v < 4; ++v) s[n][v] = 0.f;
+#if MLA_SHARED_Q_REGS
+        if (key0 == begin) {
+#pragma unroll
+            for (int kk = 0; kk < LATENT / 16; ++kk)
+                ldmatrix_x4(qf[kk], q_tile + a_row * MMA_DECODE_ROW + 16 * kk + a_col);
+        }
+#pragma unroll
+        for (int kk = 0; kk < LATENT / 32; ++kk) {
+#pragma unroll
+            for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n) {
+                unsigned kf[4];  // keys 8n.. of this warp, dims 32kk .. 32kk + 31
+                ldmatrix_x4(kf, k_tile + (score_key + 8 * n) * MMA_DECODE_ROW + 32 * kk + score_dim);
+                mma_bf16_16816(s[n], qf[2 * kk], kf[0], kf[1]);
+                mma_bf16_16816(s[n], qf[2 * kk + 1], kf[2], kf[3]);
+            }
+        }
+#else
 #pragma unroll 6
         for (int kk = 0; kk < LATENT / 32; ++kk) {
             unsigned qf0[4], qf1[4];
@@ -867,6 +922,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
                 mma_bf16_16816(s[n], qf1, kf[2], kf[3]);
             }
         }
+#endif
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < MLA_SHARED_WARP_KEYS / 8; ++n)
@@ -973,10 +1029,10 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
 
 // ---------------------------------------------------------------------------------------------
 // mla_prefill_attention_pipelined: mla_prefill_attention's causal flash attention (same arguments,
-// grid and outputs) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly
-// while this one is multiplied), ldmatrix fragments (V's by ldmatrix.trans: no transposing stores),
-// the query fragments in registers, the causal mask only on key steps that reach a warp's diagonal,
-// and softmax in base 2 with the scale folded in. PTX only: not built under the host emulation.
+// grid and outputs, the same tile decoding, online softmax and output rows: the mla_prefill_* device
+// functions) with 64-key K / V tiles double-buffered by cp.async (the next tile's copies fly while
+// this one is multiplied) and ldmatrix fragments (V's by ldmatrix.trans: no transposing stores).
+// PTX only: not built under the host emulation (which builds mla_prefill_attention).
 // ---------------------------------------------------------------------------------------------
 #ifndef MMA_HOST_STANDIN
 #define PIPE_KEYS 64
@@ -1014,27 +1070,23 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
     bf16* q_tile = smem;                                     // [PIPE_BLOCK_M][PIPE_QK_ROW]
     bf16* k_tiles = q_tile + PIPE_BLOCK_M * PIPE_QK_ROW;     // [2][PIPE_KEYS][PIPE_QK_ROW]
     bf16* v_tiles = k_tiles + 2 * PIPE_KEYS * PIPE_QK_ROW;      // [2][PIPE_KEYS][PIPE_V_ROW]
-    const int tile = blockIdx.x;  // the plan lists the tiles with the most keys first
-    const int* seq = prefill_seqs + tile_seq[tile] * PREFILL_SEQ_FIELDS;
-    const int q_first = seq[1], num_queries = seq[2], context = seq[3], ctx_first = seq[4];
-    const int tile_q = tile_query[tile], head = blockIdx.y;
-    const int tile_rows = min(PIPE_BLOCK_M, num_queries - tile_q);
-    const int offset = context - num_queries;  // position of query 0
-    const int key_end = min(context, offset + tile_q + tile_rows);  // keys this tile needs
+    // the plan lists the tiles with the most keys first
+    const MlaPrefillTile w = mla_prefill_tile(prefill_seqs, tile_seq, tile_query, blockIdx.x, PIPE_BLOCK_M);
+    const int head = blockIdx.y, key_end = w.key_end;
     const long long q_row_stride = (long long)num_heads * QK_DIM;
     for (int i = threadIdx.x; i < PIPE_BLOCK_M * QK_DIM / 8; i += PIPE_THREADS) {
         const int r = i / (QK_DIM / 8), c = (i % (QK_DIM / 8)) * 8;
         cp_async16(q_tile + r * PIPE_QK_ROW + c,
-                   q + (q_first + tile_q + min(r, tile_rows - 1)) * q_row_stride + (long long)head * QK_DIM + c,
-                   r < tile_rows);
+                   q + (w.q_first + w.tile_q + min(r, w.rows - 1)) * q_row_stride + (long long)head * QK_DIM + c,
+                   r < w.rows);
     }
-    mla_copy_prefill_kv(k_tiles, v_tiles, k_nope, k_pe, values, ctx_first, 0, key_end, head, num_heads);
+    mla_copy_prefill_kv(k_tiles, v_tiles, k_nope, k_pe, values, w.ctx_first, 0, key_end, head, num_heads);
     mla_commit_copies();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, pair = (lane & 3) * 2;
     const int row0 = warp * 16 + group;  // this thread's two query rows: row0, row0 + 8
-    const int query_pos0 = offset + tile_q + row0;
-    const int warp_first_pos = offset + tile_q + warp * 16;  // the warp's first query position
+    const int query_pos0 = w.offset + w.tile_q + row0;
+    const int warp_first_pos = w.offset + w.tile_q + warp * 16;  // the warp's first query position
     const float scale_log2 = scale * 1.4426950408889634f;    // softmax in base 2, the scale folded in
     const int k_row = lane & 7, k_col = 8 * (lane >> 3);                         // K fragments (ldmatrix)
     const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);  // V fragments (.trans)
@@ -1049,7 +1101,7 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
     for (int key0 = 0; key0 < key_end; key0 += PIPE_KEYS, stage ^= 1) {
         if (key0 + PIPE_KEYS < key_end)
             mla_copy_prefill_kv(k_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_QK_ROW,
-                                v_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_V_ROW, k_nope, k_pe, values, ctx_first,
+                                v_tiles + (stage ^ 1) * PIPE_KEYS * PIPE_V_ROW, k_nope, k_pe, values, w.ctx_first,
                                 key0 + PIPE_KEYS, key_end, head, num_heads);
         mla_commit_copies();
         mla_wait_all_but_last_copies();
@@ -1078,54 +1130,12 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
         // mask (causal, past the context) only on the steps that reach the warp's diagonal or the
         // context's end; online softmax, each row's scores in the 4 lanes of a quad
         const bool masked = key0 + PIPE_KEYS > min(warp_first_pos + 1, key_end);
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < PIPE_KEYS / 8; ++n)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = v >> 1, key = key0 + 8 * n + pair + (v & 1);
-                s[n][v] = !masked || (key < key_end && key <= query_pos0 + 8 * r) ? s[n][v] * scale_log2 : -INFINITY;
-                tile_max[r] = fmaxf(tile_max[r], s[n][v]);
-            }
-        float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            correction[r] = new_max == -INFINITY ? 1.f : exp2f(row_max[r] - new_max);
-            row_max[r] = new_max;
-        }
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int n = 0; n < PIPE_KEYS / 8; ++n)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = v >> 1;
-                s[n][v] = s[n][v] == -INFINITY ? 0.f : exp2f(s[n][v] - row_max[r]);
-                tile_sum[r] += s[n][v];
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
-        }
-#pragma unroll
-        for (int j = 0; j < V_DIM / 8; ++j) {
-            acc[j][0] *= correction[0];
-            acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1];
-            acc[j][3] *= correction[1];
-        }
+        mla_prefill_softmax<PIPE_KEYS>(s, acc, row_max, row_sum, masked, key0, key_end, query_pos0, pair, scale_log2);
         // acc += P · V: the score accumulators are the A fragments of P (keys 16ks .. 16ks + 15)
 #pragma unroll
         for (int ks = 0; ks < PIPE_KEYS / 16; ++ks) {
             unsigned pf[4];
-            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
-            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
-            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            mla_pack_p<PIPE_KEYS>(s, ks, pf);
 #pragma unroll
             for (int j = 0; j < V_DIM / 16; ++j) {
                 unsigned vf[4];  // keys 16ks .. 16ks + 15, dims 16j .. 16j + 15
@@ -1136,15 +1146,6 @@ mla_prefill_attention_pipelined(const bf16* __restrict__ q, const bf16* __restri
         }
         __syncthreads();  // every warp is done with this stage's tiles
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (row >= tile_rows) continue;
-        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-        bf16* dst = out + ((long long)(q_first + tile_q + row) * num_heads + head) * V_DIM;
-#pragma unroll
-        for (int j = 0; j < V_DIM / 8; ++j)
-            *reinterpret_cast<unsigned*>(dst + 8 * j + pair) = pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
-    }
+    mla_prefill_store(acc, row_sum, w, row0, pair, head, num_heads, out);
 }
 #endif  // MMA_HOST_STANDIN

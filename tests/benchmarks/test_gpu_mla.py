@@ -30,6 +30,18 @@ def test_dry_run_prints_the_plan():
         ("mma_shared", "", "", "waves", ""), ("mma_shared", "", "", "", "wide")]
 
 
+def test_prefill_plan_heads_and_kernel_variants():
+    result = run("prefill", "--dry-run", "--prefill", "1024,8192", "--prefill-heads", "16,64",
+                 "--prefill-kernels", "pipelined,wgmma,wgmma:64:1:1:1", "--variants", "auto:::::1")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert [(p["heads"], p["tokens"]) for p in plan["prefill"]] == [(16, 1024), (16, 8192), (64, 1024), (64, 8192)]
+    assert plan["prefill"][3]["attention_gflop"] == 2 * 64 * 320 * 8192 * 8193 / 2 / 1e9
+    assert [(k["kernel"], k["keys"], k["pingpong"], k["split_kv"], k["tma"]) for k in plan["prefill_kernels"]] == [
+        ("pipelined", "", "", "", ""), ("wgmma", "", "", "", ""), ("wgmma", "64", "1", "1", "1")]
+    assert plan["variants"][0]["q_regs"] == "1"
+
+
 def test_device_cpu_is_a_dry_run():
     result = run("decode", "--device", "cpu", "--batches", "16")
     assert result.returncode == 0, result.stderr
@@ -41,6 +53,8 @@ def test_bad_arguments_exit_2():
                  ["--batches", "x"], ["--batches", "0"], ["warp"], ["--variants", ","],
                  ["--prefill-kernels", "fast"], ["--prefill-kernels", ""],
                  ["--variants", "mma_shared:32:4:often"], ["--variants", "mma:32:4:waves:x"],
-                 ["--variants", "mma:32:4:waves:wide:y"]):
+                 ["--variants", "mma:32:4:waves:wide:y"], ["--variants", "mma_shared:32:4:waves:wide:2"],
+                 ["--prefill-kernels", "wgmma:96"], ["--prefill-kernels", "wgmma:64:2"],
+                 ["--prefill-kernels", "wgmma:64:1:1:1:1"], ["--prefill-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

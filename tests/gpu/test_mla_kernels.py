@@ -47,12 +47,14 @@ def _spec(heads: int) -> MLASpec:
                    scale=192 ** -0.5 * 1.3)
 
 
-@pytest.mark.parametrize("kernel,keys,policy", [("mma", "", ""), ("mma16", "", ""), ("mma_shared", "32", ""),
-                                               ("mma_shared", "64", ""), ("mma_shared", "32", "waves")])
+# kernel, mma_shared's keys per tile, split policy and query fragments in registers
+@pytest.mark.parametrize("kernel,keys,policy,q_regs", [
+    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", ""), ("mma_shared", "64", "", ""),
+    ("mma_shared", "32", "waves", ""), ("mma_shared", "32", "", "1"), ("mma_shared", "64", "", "1")])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 @pytest.mark.parametrize("max_splits", ["1", ""])
-def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, heads, decodes,
+def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, keys, policy, q_regs, heads, decodes,
                                        max_splits):
     """Each absorbed decode kernel on a ragged batch of decodes: one context split (every key tile of a
     context in one block) and the default split count (up to 64, many splits empty at short contexts;
@@ -62,6 +64,7 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
     monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
     monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, policy)
+    monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, q_regs)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
@@ -74,22 +77,41 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
-# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles, the last
-# partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one tile exactly, one
-# past it, a 300-token chunk on 37 cached, and a decode that stays absorbed
+# (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles of 64, the
+# last partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one 64-query tile
+# exactly, one past it, a 300-token chunk on 37 cached, and a decode that stays absorbed; for the wgmma
+# kernel's 128-query / 128-key tiles also one tile exactly, one past it, and a 500-token chunk on 600
+# cached (9 key tiles: its 2-stage ring wraps 4 times)
 PREFILLS = ([0, 100, 0, 0, 37, 12], [150, 70, 64, 65, 300, 1])
+WIDE_PREFILLS = ([0, 100, 0, 0, 37, 12, 0, 0, 600], [150, 70, 64, 65, 300, 1, 128, 129, 500])
 
 
-@pytest.mark.parametrize("prefill_kernel", ["plain", "pipelined"])
+def _hopper() -> bool:
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers and TMA K / V loads
+@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma", [
+    ("plain", "", "", "", ""), ("pipelined", "", "", "", ""), ("wgmma", "128", "0", "0", "0"),
+    ("wgmma", "64", "0", "0", "0"), ("wgmma", "128", "1", "1", "0"), ("wgmma", "64", "1", "1", "0"),
+    ("wgmma", "128", "0", "0", "1"), ("wgmma", "128", "1", "1", "1"), ("wgmma", "64", "1", "1", "1")])
 @pytest.mark.parametrize("heads", [16, 20])
-def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, heads):
+def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, keys, pingpong, split_kv,
+                                            tma, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
+    if prefill_kernel == "wgmma" and not _hopper():
+        pytest.skip("the wgmma prefill kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, prefill_kernel)
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, keys)
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, pingpong)
+    monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, split_kv)
+    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, tma)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
-    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *PREFILLS)
+    seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *seqs)
     device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
     out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
                                         None, min_query=16))
@@ -114,6 +136,29 @@ def test_wide_combine_equals_shared(cuda_backend, rng, monkeypatch, kernel):
                                                       weights, rope, kernel))
     assert np.array_equal(outs["wide"], outs["shared"])
     assert relative_error(outs["wide"], reference) < BF16_TOL
+
+
+@pytest.mark.parametrize("keys", ["32", "64"])
+def test_shared_decode_query_registers_bit_equal(cuda_backend, rng, monkeypatch, keys):
+    """mla_attention_mma_shared with its query fragments in registers gives the shared-memory build's bits
+    (the same fragments, multiplied in the same order)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.SHARED_KEYS_ENV, keys)
+    spec = _spec(20)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, *DECODES["ragged"])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = []
+    for q_regs in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, q_regs)
+        assert cuda_mla.shared_q_regs(spec) == (q_regs == "1")
+        outs.append(cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights,
+                                                  rope, "mma_shared")))
+    assert np.array_equal(outs[0], outs[1])
+    assert relative_error(outs[1], reference) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.SHARED_Q_REGS_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_Q_REGS"):
+        cuda_mla.shared_q_regs(spec)
 
 
 def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatch):
@@ -190,4 +235,26 @@ def test_absorbed_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
         cuda_mla.prefill_kernel(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "pipelined")  # nope + rope of 16-wide steps only: plain
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, "96")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_KEYS"):
+        cuda_mla.sm90_prefill_variant()
+    monkeypatch.setenv(cuda_mla.SM90_KEYS_ENV, "64")
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_PINGPONG"):
+        cuda_mla.sm90_prefill_variant()
+    monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, "1")
+    monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, "2")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_SPLIT_KV"):
+        cuda_mla.sm90_prefill_variant()
+    monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, "1")
+    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, "1")
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(64, True, True, True)
+    # the ring fits one SM's 227 KB beside the 128-query tile at every keys choice (DeepSeek-V3's 192 + 128)
+    assert max(cuda_mla.sm90_prefill_smem(_spec(16), k) for k in cuda_mla.SM90_PREFILL_STAGES) <= 227 * 1024
+    # wgmma takes whole 64-wide K column blocks and v 128 on Hopper; else pipelined (or plain) runs
+    monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "wgmma")
+    assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")
+    assert cuda_mla.prefill_kernel(MLASpec(16, 64, 32, 128, 512, 0.1)) == "pipelined"
+    assert cuda_mla.prefill_kernel(MLASpec(16, 128, 64, 64, 512, 0.1)) == "pipelined"
     assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"

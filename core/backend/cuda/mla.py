@@ -13,7 +13,8 @@ decompressed form instead, where tensor cores pay for expanding the latents::
 
     mla_gather_context   the chunk's context latents → c_kv [C, lora], k_pe [C, rope]
     kv_b (cuBLAS)        k_nope = c_kv · W_UK^T [C, H·nope], values = c_kv · W_UV^T [C, H·v]
-    mla_prefill_attention  causal flash attention, K = [k_nope | k_pe] (nope + rope), V, per head
+    mla_prefill_attention_*  causal flash attention, K = [k_nope | k_pe] (nope + rope), V, per head
+                           (prefill_kernel: pipelined mma.sync, or wgmma on Hopper)
 
 The rest of the step (decodes, short chunks) keeps the absorbed form over its own token rows.
 Decode-only steps (and CUDA graphs, whose static batches carry no host copy) never look at the
@@ -22,6 +23,7 @@ host arrays.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -30,7 +32,8 @@ import numpy as np
 
 from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda.cublas import Cublas
-from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec, decompressed_prefill_layout
 
 HEADS_PER_BLOCK = 16  # mla.cu
@@ -93,6 +96,11 @@ SHARED_KEYS_CHOICES = (32, 64)
 # says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
 SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
+# Opt-in: OPENINFER_MLA_SHARED_Q_REGS=1 builds mla_attention_mma_shared with each warp's query A fragments held
+# in registers (144 per thread, 254 in all: still 2 blocks per SM) rather than re-read from shared memory for
+# every key tile (two thirds of its score-phase shared-memory reads); latents up to 576 wide.
+SHARED_Q_REGS_ENV = "OPENINFER_MLA_SHARED_Q_REGS"
+SHARED_Q_REGS_MAX_LATENT = 576
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
 COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 # "wide" (default since E2, H200): mla_combine_splits_shared over KV_LORA / 128 blocks per head, reading only
@@ -106,14 +114,30 @@ COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take th
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
 # The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "pipelined" (default;
-# mla_prefill_attention_pipelined: 64-key K / V tiles double-buffered by cp.async, ldmatrix fragments, causal
-# mask on diagonal steps only) or "plain" (mla_prefill_attention, before). H200 E1 (gpu_mla.py, one
-# 16-head layer, attention kernel alone): 1k-token prompt 0.213 -> 0.064 ms, 8k 5.27 -> 1.94 ms (65 -> 177
-# TFLOP/s); the same kernel on 128-query tiles of 8 warps measured no faster (0.064 / 1.97 ms) and is gone.
+# mla_prefill_attention_pipelined in mla.cu: 64-key K / V tiles double-buffered by cp.async, ldmatrix
+# fragments, mma.sync, causal mask on diagonal steps only), "wgmma" (mla_prefill_attention_sm90 in
+# mla_prefill_sm90.cu, Hopper only: 128-query tiles, a producer warpgroup filling a 2-stage ring of
+# 128-key tiles, two consumer warpgroups on wgmma; elsewhere, or for shapes it does not take, the
+# pipelined kernel runs) or "plain" (mla_prefill_attention, the first one; the CPU emulation's build).
+# H200 E1 of 2026-11-23 (gpu_mla.py, one 16-head layer, attention kernel alone): plain -> pipelined
+# 1k-token prompt 0.213 -> 0.064 ms, 8k 5.27 -> 1.94 ms (65 -> 177 TFLOP/s).
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
-PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined"}
-PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64}  # queries per block
+PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
+                   "wgmma": "mla_prefill_attention_sm90"}
+PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "wgmma": 128}  # queries per block
 DEFAULT_PREFILL_KERNEL = "pipelined"
+SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgroups
+# Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
+# 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
+# consumer warpgroups take turns issuing wgmmas (PINGPONG); $OPENINFER_MLA_SM90_SPLIT_KV=1: K and V halves of
+# a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV); $OPENINFER_MLA_SM90_TMA=1: K / V tiles by
+# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async).
+SM90_PREFILL_STAGES = {128: 2, 64: 4}
+SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
+SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
+SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
+SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", False
+LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
 # an H100, benchmarks/gpu_kimi.py kernels: see results/kimi_kernels.json).
@@ -178,6 +202,18 @@ def decompressed_fits(spec: MLASpec) -> bool:
     """mla_prefill_attention's shape limits: 16-wide mma steps over nope + rope and v, 8-wide loads."""
     return (spec.qk_head_dim % 16 == 0 and spec.v_head_dim % 16 == 0 and spec.qk_nope_dim % 8 == 0
             and spec.qk_rope_dim % 8 == 0)
+
+
+def sm90_prefill_fits(spec: MLASpec) -> bool:
+    """mla_prefill_attention_sm90's shape limits: K rows of whole 64-wide column blocks (8-wide nope and
+    rope parts), v 128 (one wgmma n=128 accumulator)."""
+    return (spec.qk_head_dim % 64 == 0 and spec.qk_nope_dim % 8 == 0 and spec.qk_rope_dim % 8 == 0
+            and spec.v_head_dim == 128)
+
+
+@functools.cache
+def _is_hopper(device_id: int) -> bool:
+    return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
 @dataclass(frozen=True)
@@ -320,9 +356,19 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
     return (SHARED_HEADS + 2 * keys) * row * 2 + SHARED_HEADS * (keys + 8) * 2 + 2 * 4 * SHARED_HEADS * 4
 
 
+def shared_q_regs(spec: MLASpec) -> bool:
+    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS=1
+    and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
+    value = os.environ.get(SHARED_Q_REGS_ENV) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{SHARED_Q_REGS_ENV} is 0 or 1; got {value!r}")
+    return value == "1" and spec.latent_dim <= SHARED_Q_REGS_MAX_LATENT
+
+
 def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
-    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys)
+    q_regs = {"MLA_SHARED_Q_REGS": 1} if shared_q_regs(spec) else {}
+    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
@@ -477,13 +523,16 @@ def expand_context(blas: Cublas, c_kv: cupy.ndarray, w_uk: cupy.ndarray, w_uv: c
 
 
 def prefill_kernel(spec: MLASpec) -> str:
-    """The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL: plain or pipelined); the
-    pipelined one needs nope + rope in 32-wide steps, else plain runs."""
+    """The decompressed prefill's attention kernel: $OPENINFER_MLA_PREFILL (a key of PREFILL_KERNELS), else
+    DEFAULT_PREFILL_KERNEL; "wgmma" off Hopper or on a shape it does not take runs "pipelined", which
+    needs nope + rope in 32-wide steps, else "plain" runs."""
     name = os.environ.get(PREFILL_KERNEL_ENV) or DEFAULT_PREFILL_KERNEL
     if name not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_KERNEL_ENV} is one of {', '.join(PREFILL_KERNELS)}; got {name!r}")
-    if name != "plain" and spec.qk_head_dim % 32:
-        return "plain"
+    if name == "wgmma" and not (sm90_prefill_fits(spec) and _is_hopper(cupy.cuda.Device().id)):
+        name = "pipelined"
+    if name == "pipelined" and spec.qk_head_dim % 32:
+        name = "plain"
     return name
 
 
@@ -494,22 +543,79 @@ def pipelined_prefill_smem(spec: MLASpec, tile: int) -> int:
     return (tile * qk_row + 2 * PIPELINED_PREFILL_KEYS * (qk_row + v_row)) * 2
 
 
+@dataclass(frozen=True)
+class Sm90PrefillVariant:
+    """mla_prefill_attention_sm90's compile-time choices (mla_prefill_sm90.cu's defines)."""
+
+    keys: int  # BLOCK_N
+    pingpong: bool
+    split_kv: bool
+    tma: bool  # TMA_KV_LOADS
+
+
+def sm90_prefill_variant() -> Sm90PrefillVariant:
+    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV and _TMA (0 / 1), else
+    the defaults."""
+    keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
+    if keys not in ("128", "64"):
+        raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
+    switches = []
+    for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV),
+                         (SM90_TMA_ENV, DEFAULT_SM90_TMA)):
+        value = os.environ.get(env) or str(int(default))
+        if value not in ("0", "1"):
+            raise ValueError(f"{env} is 0 or 1; got {value!r}")
+        switches.append(value == "1")
+    return Sm90PrefillVariant(int(keys), *switches)
+
+
+def _tma_box_map(array: cupy.ndarray, heads: int, keys: int) -> np.ndarray:
+    """The tensor map of a contiguous ``[C, heads·width]`` bf16 array as (column, head, row), box 64 columns x
+    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument."""
+    rows, width = int(array.shape[0]), int(array.shape[1]) // heads
+    layout = PageBoxLayout(dims=(width, heads, rows), strides=(width * 2, heads * width * 2),
+                           box=(BOX_ELEMENTS, 1, keys))
+    return encode_page_map(array.data.ptr, layout).view(TENSOR_MAP_PARAM)
+
+
+def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
+    """mla_prefill_attention_sm90's dynamic shared memory (mla_prefill_sm90.cu SHARED_BYTES) with ``keys``
+    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers, 1024 bytes of alignment."""
+    stages = SM90_PREFILL_STAGES[keys]
+    q_tile = spec.qk_head_dim // 64 * PREFILL_KERNEL_TILE["wgmma"] * 128
+    stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * keys * 128
+    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 1024
+
+
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
                       plan: PrefillPlan, out: cupy.ndarray) -> None:
     """Causal flash attention of the plan's query tiles over their expanded contexts, into their rows
     of ``out [T, H·v]`` (the kernel the plan was laid out for: ``prefill_kernel``'s)."""
     grid = (int(plan.tile_seq.shape[0]), spec.num_heads)
-    args = (q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads),
-            np.float32(spec.scale), out)
+    args = (q, k_nope, k_pe, values, plan.seqs, plan.tile_seq, plan.tile_query, np.int32(spec.num_heads))
     if plan.kernel == "plain":
-        kernel("mla.cu", "mla_prefill_attention", **_defines(spec))(grid, (PREFILL_THREADS,), args)
+        kernel("mla.cu", PREFILL_KERNELS["plain"], **_defines(spec))(grid, (PREFILL_THREADS,),
+                                                                     (*args, np.float32(spec.scale), out))
+        return
+    if plan.kernel == "wgmma":
+        variant = sm90_prefill_variant()
+        tma = variant.tma and spec.qk_nope_dim % BOX_ELEMENTS == 0 and spec.qk_rope_dim % BOX_ELEMENTS == 0
+        smem = sm90_prefill_smem(spec, variant.keys)
+        attention = arch_kernel("mla_prefill_sm90.cu", PREFILL_KERNELS["wgmma"], "sm_90a", smem,
+                                NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
+                                BLOCK_N=variant.keys, STAGES=SM90_PREFILL_STAGES[variant.keys],
+                                PINGPONG=int(variant.pingpong), SPLIT_KV=int(variant.split_kv), TMA_KV_LOADS=int(tma),
+                                SM90A_TARGET=1)
+        maps = ((_tma_box_map(k_nope, spec.num_heads, variant.keys), _tma_box_map(k_pe, 1, variant.keys),
+                 _tma_box_map(values, spec.num_heads, variant.keys)) if tma else (NULL, NULL, NULL))
+        attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out, *maps), shared_mem=smem)
         return
     smem = pipelined_prefill_smem(spec, PREFILL_KERNEL_TILE[plan.kernel])
-    attention = kernel("mla.cu", "mla_prefill_attention_pipelined", **_defines(spec))
+    attention = kernel("mla.cu", PREFILL_KERNELS["pipelined"], **_defines(spec))
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
-    attention(grid, (PREFILL_THREADS,), args, shared_mem=smem)
+    attention(grid, (PREFILL_THREADS,), (*args, np.float32(spec.scale), out), shared_mem=smem)
 
 
 def _decompressed(blas: Cublas, q: cupy.ndarray, cache: cupy.ndarray, w_uk: cupy.ndarray, w_uv: cupy.ndarray,
