@@ -144,7 +144,7 @@ GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
 # environments: the earlier path, split_rows and the default, blocked (split_rows with the triangular
 # solve by 16 x 16 blocks); staged and split (the steps between) were measured in E3 (2026-11-24)
-PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked")}
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked", "registers")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -807,6 +807,65 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
     return results
 
 
+# --step-ledger-only: a mixed step of the 64-stream burst (8 fresh ~1k prompts beside 48 decodes, as
+# the burst's steps 3-8 in the step logs) and a decode step of 64 streams at ~1.1k context
+LEDGER_PROMPTS, LEDGER_PROMPT_LEN, LEDGER_DECODES, LEDGER_DECODE_CONTEXT = 8, 1008, 48, 1100
+LEDGER_PREFILL_VARIANTS = ("blocked", "registers")
+
+
+def run_step_ledger_only(args: argparse.Namespace) -> dict:
+    """Where a 64-stream burst's device time goes: the engine's op ledger (``openinfer.tools.ledger``:
+    each op's device time in a real step's order, kernels, bytes, % roofline) of one mixed step
+    (LEDGER_PROMPTS x LEDGER_PROMPT_LEN fresh prompt tokens + LEDGER_DECODES decodes) per
+    ``OPENINFER_QWEN35_GDN_PREFILL`` choice of LEDGER_PREFILL_VARIANTS, and of a 64-row decode step
+    (graph replay), on random weights at the ``--shape``'s real shapes
+    (results/gpu_qwen35_step_ledger.json)."""
+    import openinfer
+    from openinfer.tools.ledger import HostTimer, Ledger, StepLayout, Timer, ceilings
+    from openinfer.tools.ledger.batches import step_batch
+
+    path = Path(args.checkpoint)
+    write_dummy_config(path, args.shape)
+    prompt_len = min(LEDGER_PROMPT_LEN, 96) if args.device == "cpu" else LEDGER_PROMPT_LEN
+    decode_context = min(LEDGER_DECODE_CONTEXT, 128) if args.device == "cpu" else LEDGER_DECODE_CONTEXT
+    prompts, decodes = (2, 4) if args.device == "cpu" else (LEDGER_PROMPTS, LEDGER_DECODES)
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=2048, max_num_seqs=64,
+                                     enable_prefix_cache=False, load_format="dummy")
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
+                     "device": device_name(args.device),
+                     "mixed_step": f"{prompts} x {prompt_len} fresh prompt tokens + {decodes} decodes at "
+                                   f"{decode_context} context",
+                     "decode_step": f"64 decodes at {decode_context} context", "steps": {}}
+    try:
+        timer = Timer() if args.device == "cuda" else HostTimer()
+        ledger = Ledger(engine, timer, ceilings(timer), args.repeats)
+        layout = StepLayout.of(engine)
+        mixed = step_batch([prompt_len] * prompts + [1] * decodes,
+                           [prompt_len] * prompts + [decode_context] * decodes, layout)
+        steps = [(f"mixed {variant}", variant, mixed) for variant in LEDGER_PREFILL_VARIANTS]
+        steps.append(("decode 64", None, ledger.decode(64, decode_context)))
+        for name, variant, batch in steps:
+            os.environ.pop(PREFILL_ENV, None)
+            if variant:
+                os.environ[PREFILL_ENV] = variant
+            entry = ledger.measure("step", batch)
+            ops = [{"op": row["op"], "kernels": row["kernels"], "calls": row["calls"],
+                    "ms": row["time_s"] * 1e3, "roofline_pct": row.get("roofline_pct")} for row in entry["ops"]]
+            results["steps"][name] = {"measured_ms": entry["measured_s"] * 1e3, "measured_how": entry["measured_how"],
+                                      "ops_sum_ms": entry["sum_device_s"] * 1e3, "ops": ops}
+            print(f"{name}: measured {entry['measured_s'] * 1e3:.3f} ms ({entry['measured_how']}), ops sum "
+                  f"{entry['sum_device_s'] * 1e3:.3f} ms", flush=True)
+            for op in ops[:12]:
+                pct = "" if op["roofline_pct"] is None else f" {op['roofline_pct']:.0f} %"
+                print(f"  {op['op']:<34} {op['ms']:8.3f} ms x{op['calls']:<3} {','.join(op['kernels'])}{pct}",
+                      flush=True)
+    finally:
+        os.environ.pop(PREFILL_ENV, None)
+        engine.close_sync()
+    write_results(results, "gpu_qwen35_step_ledger" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
+    return results
+
+
 def plot_decode_kernels(results: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -844,6 +903,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-kernels-only", action="store_true",
                         help="one GDN layer kernel by kernel: every fused decode kernel at 1-256 rows and the "
                              "prefill path's kernels at 8 x 1k (results/gpu_qwen35_gdn_kernels.json; no checkpoint)")
+    parser.add_argument("--step-ledger-only", action="store_true",
+                        help="op ledger of a 64-stream burst's mixed step per GDN prefill choice and of a 64-row "
+                             "decode step, random weights (writes only CHECKPOINT/config.json; "
+                             "results/gpu_qwen35_step_ledger.json)")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
                         help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
                              f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
@@ -854,8 +917,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
-        parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
+    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
+        parser.error("--device cpu runs only with --multi-turn-only, --decode-tpot-only or --step-ledger-only "
+                     "(a dry run)")
     if not args.decode_variants or any(v not in GDN_DECODE_VARIANTS for v in args.decode_variants.split(",")):
         parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
@@ -868,6 +932,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.decode_tpot_only:
         run_decode_tpot_only(args)
+        return 0
+    if args.step_ledger_only:
+        run_step_ledger_only(args)
         return 0
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:

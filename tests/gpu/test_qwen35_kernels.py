@@ -93,18 +93,20 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
-    the output, a mixed step's one-token rows token by token) and on the default, blocked
-    (split_rows with the triangular solve by 16 x 16 blocks)."""
+    the output, a mixed step's one-token rows token by token), on the default, blocked
+    (split_rows with the triangular solve by 16 x 16 blocks) and on registers (blocked with the
+    chunk walk's state in mma accumulator registers)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
-    monkeypatch.setenv(cuda_ops.PREFILL_ENV, request.param if request.param in ("split_rows", "blocked") else "plain")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV,
+                       request.param if request.param in ("split_rows", "blocked", "registers") else "plain")
     return request.param
 
 
@@ -311,12 +313,14 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
                                       cupy.asnumpy(layers["vec4"].device_ssm))
 
 
-@pytest.mark.parametrize("variant", ["staged", "split"])
-def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant):
+@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked")])
+def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
-    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output):
-    prompts from scratch, then continued beside decodes, and a 2,048-token prompt of fast-decaying
-    heads give the plain kernels' outputs and states bit for bit."""
+    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)
+    against plain; =registers (the walk's state in mma accumulators: the same products with the
+    operands swapped, in the same k order) against blocked: prompts from scratch, then continued
+    beside decodes, and a 2,048-token prompt of fast-decaying heads give the reference kernels'
+    outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -332,7 +336,7 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
                                                             np.full(len(slots), fresh)))
             proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
             outs = []
-            for layer, choice in ((plain, "plain"), (staged, variant)):
+            for layer, choice in ((plain, reference), (staged, variant)):
                 monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
                 outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
                                                             layer.device_ssm, seqs, plain.config)))

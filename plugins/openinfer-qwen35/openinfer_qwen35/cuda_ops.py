@@ -31,7 +31,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       one-token rows through gdn_delta_rule_rows (token by
                                       token) instead of a one-row chunk each (bf16 tolerance);
                                       =blocked: split_rows with gdn_chunk_prepare_blocked (the
-                                      triangular solve by 16 x 16 blocks; bf16 tolerance)
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance);
+                                      =registers: blocked with gdn_chunk_states_registers (the
+                                      walk's state in mma accumulator registers, a chunk's W /
+                                      K / U loaded a chunk ahead; key head dims up to 128)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -67,7 +70,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
-                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_output"),
+                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
+                              "gdn_chunk_output"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -97,6 +101,7 @@ class PrefillKernels(NamedTuple):
     # a chunked step's one-token rows (a mixed step's decodes) through gdn_delta_rule_rows instead
     # of a one-row chunk each (a whole chunk's work: a prepare block a head, a scan walk a tile)
     rows_apart: bool = False
+    states: str = "gdn_chunk_states"  # the split scan's state walk
 
 
 PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
@@ -105,7 +110,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True),
                    "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
-                                             "gdn_gated_norm_warp", True)}
+                                             "gdn_gated_norm_warp", True),
+                   "registers": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
+                                               "gdn_gated_norm_warp", True, "gdn_chunk_states_registers")}
+REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
@@ -226,6 +234,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(prepare=plain.prepare)
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
+    if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
+        kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
     return kernels
 
 
@@ -256,6 +266,17 @@ def chunk_states_shared_bytes(dk: int) -> int:
     row_k, row_c = dk + 8, CHUNK_SIZE + 8
     return (_round_128(dk * (SCAN_TILE + 4) * 4) + _round_128(SCAN_TILE * row_k * 2)
             + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
+
+
+def register_states_warps(dv: int) -> int:
+    """gdn_chunk_states_registers' warps a block (16 value channels each): up to 8, dividing dv / 16."""
+    return next(warps for warps in (8, 4, 2, 1) if (dv // 16) % warps == 0)
+
+
+def chunk_states_registers_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_states_registers' dynamic shared memory: two buffers of W, K, U and c."""
+    row_k, row_u = dk + 8, 16 * register_states_warps(dv) + 8
+    return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
 
 
 def chunk_output_shared_bytes(dk: int) -> int:
@@ -307,6 +328,9 @@ def warm_up(config: Qwen35Config) -> None:
                                                         name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
+            kernel("gdn_chunk_states_registers", dk,
+                   chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
         for name in DECODE_KERNELS.values():
@@ -478,9 +502,15 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     if prefill.split_scan:
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
-        states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
-        _launch("gdn_chunk_states", kernel("gdn_chunk_states", dk, states_bytes),
-                (num_seqs, nv, dv // SCAN_TILE), (128,),
+        output_bytes = chunk_output_shared_bytes(dk)
+        if prefill.states == "gdn_chunk_states_registers":
+            warps = register_states_warps(dv)
+            states_bytes = chunk_states_registers_shared_bytes(dk, dv)
+            states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
+        else:
+            states_bytes = chunk_states_shared_bytes(dk)
+            states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
+        _launch(prefill.states, kernel(prefill.states, dk, states_bytes), states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
         _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),

@@ -183,6 +183,9 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
+    # the walk with the state in mma accumulator registers (transposed products, the same operands
+    # in the same k order): the split walk's S^T per chunk, V', O and final states bit for bit
+    assert read_array(tmp_path, "registers_states_same", np.int32, (1,))[0] == 1
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
     out = read_array(tmp_path, "decode_out", np.uint16, d_expected.shape)
     scale = max(1.0, float(np.abs(d_expected).max()))

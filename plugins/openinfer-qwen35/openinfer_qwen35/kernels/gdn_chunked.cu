@@ -950,3 +950,206 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_states_registers (OPENINFER_QWEN35_GDN_PREFILL=registers): gdn_chunk_states with the
+// state in registers instead of shared memory. Transposed, the walk is
+//   V'^T = U^T - S^T W^T,   S^T <- exp(c_C) S^T + (diag(exp(c_C - c)) V')^T K
+// and a warp keeps its 16 value channels' S^T [16][DK] as mma accumulators (fp32) for the whole
+// walk: the accumulator layout of S^T W^T's and V'^T K's outputs (rows g, g+8; columns 2q, 2q+1
+// of each 8-wide tile) is the A-operand layout of the next product over 16 columns, so S^T and
+// V'^T become A fragments by packing pairs to bf16 — no shared-memory round trip of S, no
+// transposes, one barrier pair a chunk. A block is blockDim / 32 warps over 16 x warps channels
+// of one (sequence, value head) (grid (B, nv, dv / (16 warps))): W and K are loaded once for
+// all of them, a chunk ahead (cp.async into two buffers). The same products in the same k order
+// on the same bf16 operands as gdn_chunk_states (the emulation's outputs are its bits).
+// Shared memory per buffer: W, K [64][LDK], U -> V' [64][16 warps + PAD] bf16, c [64] fp32.
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void gdn_copy16(bf16* dst, const bf16* src, bool valid) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) v = *reinterpret_cast<const uint4*>(src);
+    *reinterpret_cast<uint4*>(dst) = v;
+}
+__device__ __forceinline__ void gdn_copy4(float* dst, const float* src) { *dst = *src; }
+__device__ __forceinline__ void gdn_commit_copies() {}
+template <int PENDING>
+__device__ __forceinline__ void gdn_wait_copies() {}
+// B tile 16(k) x 8(n) of a row-major [k][n] matrix at `base`: column g, rows 2q, 2q+1 and 2q+8, 2q+9
+__device__ __forceinline__ void load_b_row_major_pair(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned short* x = reinterpret_cast<const unsigned short*>(base);
+    for (int t = 0; t < 2; ++t) {  // n tiles at base and base + 8
+        auto pair = [&](int k) { return (unsigned)x[k * ld + 8 * t + g] | ((unsigned)x[(k + 1) * ld + 8 * t + g] << 16); };
+        b[2 * t] = pair(2 * q);
+        b[2 * t + 1] = pair(2 * q + 8);
+    }
+}
+#else
+__device__ __forceinline__ void gdn_copy16(bf16* dst, const bf16* src, bool valid) { cp_async16(dst, src, valid); }
+__device__ __forceinline__ void gdn_copy4(float* dst, const float* src) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(src));
+}
+__device__ __forceinline__ void gdn_commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void gdn_wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+// two B tiles 16(k) x 8(n) (n at base and base + 8) of a row-major [k][n] matrix: one ldmatrix.trans
+// (lanes 0-15 address rows 0-15 of the first tile, lanes 16-31 those of the second)
+__device__ __forceinline__ void load_b_row_major_pair(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(b, base + (lane & 15) * ld + 8 * (lane >> 4));
+}
+#endif
+
+__device__ __forceinline__ size_t chunk_states_registers_buffer_bytes(int channels) {
+    return 2 * round_up_128((size_t)CHUNK * LDK * 2) + round_up_128((size_t)CHUNK * (channels + PAD) * 2) + CHUNK * 4;
+}
+
+extern "C" __global__ void __launch_bounds__(256, DK <= 128 ? 2 : 1)
+gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
+                           const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
+                           const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks,
+                           const int* __restrict__ slots, const int* __restrict__ fresh, float* __restrict__ ssm_state,
+                           bf16* __restrict__ states, bf16* __restrict__ v_new, int num_key_heads, int num_value_heads,
+                           int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int warps = blockDim.x >> 5, channels = 16 * warps, ldu = channels + PAD;
+    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * channels;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int jw = 16 * warp;  // this warp's first channel within the block's
+    const size_t buffer_bytes = chunk_states_registers_buffer_bytes(channels);
+    auto w_tile = [&](int b) { return reinterpret_cast<bf16*>(smem + b * buffer_bytes); };
+    auto k_tile = [&](int b) { return w_tile(b) + round_up_128((size_t)CHUNK * LDK * 2) / 2; };
+    auto u_tile = [&](int b) { return k_tile(b) + round_up_128((size_t)CHUNK * LDK * 2) / 2; };
+    auto cum_tile = [&](int b) {
+        return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(u_tile(b)) +
+                                        round_up_128((size_t)CHUNK * ldu * 2));
+    };
+
+    constexpr int ROW_VECS = DK / 8;
+    auto load_chunk = [&](int c, int b) {  // rows past the chunk's end as zeros; c of the last row
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        bf16 *ws = w_tile(b), *ks = k_tile(b), *us = u_tile(b);
+        for (int e = threadIdx.x; e < CHUNK * ROW_VECS; e += blockDim.x) {
+            const int r = e / ROW_VECS, i = (e % ROW_VECS) * 8, row = t0 + (r < n ? r : 0);
+            gdn_copy16(ws + r * LDK + i, w_in + ((size_t)row * num_value_heads + h) * DK + i, r < n);
+            gdn_copy16(ks + r * LDK + i, kn + ((size_t)row * num_key_heads + key_head) * DK + i, r < n);
+        }
+        const int u_vecs = channels / 8;
+        for (int e = threadIdx.x; e < CHUNK * u_vecs; e += blockDim.x) {
+            const int r = e / u_vecs, j = (e % u_vecs) * 8, row = t0 + (r < n ? r : 0);
+            gdn_copy16(us + r * ldu + j, u_in + ((size_t)row * num_value_heads + h) * dv + j0 + j, r < n);
+        }
+        if (threadIdx.x < CHUNK) {
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            gdn_copy4(cum_tile(b) + threadIdx.x, cum_in + (size_t)(t0 + r) * num_value_heads + h);
+        }
+        gdn_commit_copies();
+    };
+
+    // S^T rows g, g + 8 of this warp's channels, columns 8 nt + 2 q4 (+1): st[nt][0..3]
+    const int slot = slots[s];
+    float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv + j0 + jw;
+    const bool is_fresh = fresh[s] != 0;
+    float st[DK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt) {
+        const int i = 8 * nt + 2 * q4;
+        st[nt][0] = is_fresh ? 0.f : state[(size_t)i * dv + g];
+        st[nt][1] = is_fresh ? 0.f : state[(size_t)(i + 1) * dv + g];
+        st[nt][2] = is_fresh ? 0.f : state[(size_t)i * dv + g + 8];
+        st[nt][3] = is_fresh ? 0.f : state[(size_t)(i + 1) * dv + g + 8];
+    }
+
+    const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    if (first < last) load_chunk(first, 0);
+    for (int c = first; c < last; ++c) {
+        const int b = (c - first) & 1, t0 = chunk_start[c], n = chunk_len[c];
+        if (c + 1 < last) {  // the other buffer's readers finished at the last iteration's end
+            load_chunk(c + 1, b ^ 1);
+            gdn_wait_copies<1>();
+        } else {
+            gdn_wait_copies<0>();
+        }
+        __syncthreads();  // chunk c's tiles are in
+        const bf16 *ws = w_tile(b), *ks = k_tile(b);
+        bf16* us = u_tile(b);
+        const float* cum = cum_tile(b);
+        const float c_last = cum[CHUNK - 1];
+
+        // S^T entering the chunk as bf16 A fragments (columns 16 kk ..), and to `states` for gdn_chunk_output
+        unsigned sa[DK / 16][4];
+        bf16* state_out = states + (((size_t)c * num_value_heads + h) * dv + j0 + jw) * DK;
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk) {
+            sa[kk][0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);
+            sa[kk][1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);
+            sa[kk][2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+            sa[kk][3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+            const int i = 16 * kk + 2 * q4;
+            *reinterpret_cast<unsigned*>(state_out + (size_t)g * DK + i) = sa[kk][0];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)(g + 8) * DK + i) = sa[kk][1];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)g * DK + i + 8) = sa[kk][2];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)(g + 8) * DK + i + 8) = sa[kk][3];
+        }
+        const float chunk_decay = __expf(c_last);
+#pragma unroll
+        for (int nt = 0; nt < DK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] *= chunk_decay;
+
+        // 16 chunk rows at a time: V'^T for them, then their part of the state update
+#pragma unroll 1
+        for (int rt = 0; rt < CHUNK / 16; ++rt) {
+            float acc[2][4] = {};  // S^T W^T: rows (channels) g, g + 8; columns 16 rt + 8 half + 2 q4 (+1)
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    unsigned bw[2];
+                    load_b(bw, ws + (16 * rt + 8 * half) * LDK + 16 * kk, LDK);
+                    mma_bf16_16816(acc[half], sa[kk], bw[0], bw[1]);
+                }
+            unsigned va[4];  // (diag(exp(c_C - c)) V')^T over these 16 rows: an A fragment
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 16 * rt + 8 * half + 2 * q4;
+                const float decay0 = __expf(c_last - cum[r]), decay1 = __expf(c_last - cum[r + 1]);
+#pragma unroll
+                for (int side = 0; side < 2; ++side) {  // channel g, then g + 8
+                    bf16* u = us + jw + g + 8 * side;
+                    const float v0 = r < n ? to_f(u[r * ldu]) - acc[half][2 * side] : 0.f;
+                    const float v1 = r + 1 < n ? to_f(u[(r + 1) * ldu]) - acc[half][2 * side + 1] : 0.f;
+                    u[r * ldu] = __float2bfloat16_rn(v0);  // V' for the copy-out below
+                    u[(r + 1) * ldu] = __float2bfloat16_rn(v1);
+                    va[2 * half + side] = pack_bf16x2(v0 * decay0, v1 * decay1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; nt += 2) {
+                unsigned bk[4];
+                load_b_row_major_pair(bk, ks + 16 * rt * LDK + 8 * nt, LDK);
+                mma_bf16_16816(st[nt], va, bk[0], bk[1]);
+                mma_bf16_16816(st[nt + 1], va, bk[2], bk[3]);
+            }
+        }
+        __syncthreads();  // every warp's V' is in the U tile
+        const int u_vecs = channels / 8;
+        for (int e = threadIdx.x; e < CHUNK * u_vecs; e += blockDim.x) {
+            const int r = e / u_vecs, j = (e % u_vecs) * 8;
+            if (r < n)
+                *reinterpret_cast<uint4*>(v_new + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j) =
+                    *reinterpret_cast<const uint4*>(us + r * ldu + j);
+        }
+        __syncthreads();  // this buffer is free for chunk c + 2's loads
+    }
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt) {
+        const int i = 8 * nt + 2 * q4;
+        state[(size_t)i * dv + g] = st[nt][0];
+        state[(size_t)(i + 1) * dv + g] = st[nt][1];
+        state[(size_t)i * dv + g + 8] = st[nt][2];
+        state[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
+    }
+}

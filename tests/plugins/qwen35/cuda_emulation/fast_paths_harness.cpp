@@ -142,6 +142,28 @@ int main(int argc, char** argv) {
         });
         std::vector<int> split_same{bits_equal(split_core, core) && bits_equal(split_ssm, ssm) ? 1 : 0};
         save(dir, "split_scan_same.bin", split_same);
+
+        // the walk with the state in registers (gdn_chunk_states_registers, 16 channels a warp, as
+        // many warps as dv / 16 allows up to 8) from the same slots: its S^T per chunk, V', the
+        // core output and the final states
+        auto reg_ssm = load<float>(dir, "ssm_state.bin");
+        std::vector<bf16> reg_states(states.size()), reg_v_new(v_new.size()), reg_core(core.size());
+        int warps = 8;
+        while ((dv / 16) % warps) warps /= 2;
+        launch(num_seqs, nv, dv / (16 * warps), 32 * warps, [&] {
+            gdn_chunk_states_registers(s_kn.data(), s_w.data(), s_u.data(), s_cum.data(), chunk_start.data(),
+                                       chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(),
+                                       reg_ssm.data(), reg_states.data(), reg_v_new.data(), nk, nv, dv);
+        });
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                             chunk_start.data(), chunk_len.data(), reg_core.data(), nk, nv, dv);
+        });
+        std::vector<int> registers_same{bits_equal(reg_states, states) && bits_equal(reg_v_new, v_new) &&
+                                        bits_equal(reg_core, core) && bits_equal(reg_ssm, ssm) ? 1 : 0};
+        save(dir, "registers_states_same.bin", registers_same);
+        save(dir, "registers_core.bin", reg_core);
+        save(dir, "registers_ssm.bin", reg_ssm);
     }
 
     // decode: one fused kernel
