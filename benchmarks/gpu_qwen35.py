@@ -582,7 +582,7 @@ def run_decode_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
-def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
+def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=tuple(PREFILL_VARIANTS)) -> dict:
     """One GDN layer's prefill path at the 4B shape, per kernel (``cuda_ops.kernel_timer``: CUDA
     events around each launch), for each (prompts, tokens each, decode rows) step and each
     PREFILL_VARIANTS environment: the median over ``repeats`` calls of each kernel's ms and the
@@ -596,7 +596,8 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
     config, bf16, weights = layer.config, layer.bf16, layer.weights
     nv, dk, dv, width, features = layer.nv, layer.dk, layer.dv, layer.width, layer.features
     results: dict = {}
-    for variant, environment in PREFILL_VARIANTS.items():
+    for variant in variants:
+        environment = PREFILL_VARIANTS[variant]
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
@@ -720,6 +721,23 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
+def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's prefill path at the 4B shape, kernel by kernel, for each ``--prefill-variants``
+    choice (OPENINFER_QWEN35_GDN_PREFILL) at GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_prefill.json)."""
+    variants = tuple(args.prefill_variants.split(","))
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (16 key / 32 value heads of 128, fp32 128x128 state)",
+                     "device": device_name("cuda"), "prefill_variants": {v: PREFILL_VARIANTS[v] for v in variants}}
+    results["prefill_kernels"] = prefill_kernel_timings(variants=variants)
+    base = variants[0]
+    results["total_speedup_over"] = base
+    results["total_speedup"] = {
+        v: {step: results["prefill_kernels"][base][step]["total_ms"] / timed["total_ms"] for step, timed in steps.items()}
+        for v, steps in results["prefill_kernels"].items()}
+    print(json.dumps(results["total_speedup"]), flush=True)
+    write_results(results, "gpu_qwen35_gdn_prefill", None)
+    return results
+
+
 def plot_gdn_kernels(results: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -836,6 +854,7 @@ def run_step_ledger_only(args: argparse.Namespace) -> dict:
                      "mixed_step": f"{prompts} x {prompt_len} fresh prompt tokens + {decodes} decodes at "
                                    f"{decode_context} context",
                      "decode_step": f"64 decodes at {decode_context} context", "steps": {}}
+    name_of_results = "gpu_qwen35_step_ledger" + ("_cpu_dry_run" if args.device == "cpu" else "")
     try:
         timer = Timer() if args.device == "cuda" else HostTimer()
         ledger = Ledger(engine, timer, ceilings(timer), args.repeats)
@@ -859,10 +878,10 @@ def run_step_ledger_only(args: argparse.Namespace) -> dict:
                 pct = "" if op["roofline_pct"] is None else f" {op['roofline_pct']:.0f} %"
                 print(f"  {op['op']:<34} {op['ms']:8.3f} ms x{op['calls']:<3} {','.join(op['kernels'])}{pct}",
                       flush=True)
+            write_results(results, name_of_results, None)  # what was measured survives a later time limit
     finally:
         os.environ.pop(PREFILL_ENV, None)
         engine.close_sync()
-    write_results(results, "gpu_qwen35_step_ledger" + ("_cpu_dry_run" if args.device == "cpu" else ""), None)
     return results
 
 
@@ -907,6 +926,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="op ledger of a 64-stream burst's mixed step per GDN prefill choice and of a 64-row "
                              "decode step, random weights (writes only CHECKPOINT/config.json; "
                              "results/gpu_qwen35_step_ledger.json)")
+    parser.add_argument("--gdn-prefill-only", action="store_true",
+                        help="one GDN layer's prefill kernels per --prefill-variants choice at 8 x 1k (+ 48 decode rows) "
+                             "and 1 x 1k (results/gpu_qwen35_gdn_prefill.json; no checkpoint)")
+    parser.add_argument("--prefill-variants", default="blocked,registers",
+                        help="--gdn-prefill-only: comma list of OPENINFER_QWEN35_GDN_PREFILL choices (the first is the "
+                             f"baseline; of {', '.join(PREFILL_VARIANTS)})")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
                         help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
                              f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
@@ -922,6 +947,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(a dry run)")
     if not args.decode_variants or any(v not in GDN_DECODE_VARIANTS for v in args.decode_variants.split(",")):
         parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
+    if not args.prefill_variants or any(v not in PREFILL_VARIANTS for v in args.prefill_variants.split(",")):
+        parser.error(f"--prefill-variants: a comma list of {', '.join(PREFILL_VARIANTS)}")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:
@@ -929,6 +956,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gdn_kernels_only:
         run_gdn_kernels_only(args)
+        return 0
+    if args.gdn_prefill_only:
+        run_gdn_prefill_only(args)
         return 0
     if args.decode_tpot_only:
         run_decode_tpot_only(args)
