@@ -132,13 +132,13 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
                        "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"},
-                       "vec4": {DECODE_ENV: "vec4"}}
+                       "vec4": {DECODE_ENV: "vec4"}, "bulk": {DECODE_ENV: "bulk"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4", "bulk")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
@@ -721,6 +721,31 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
+def run_gdn_decode_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's fused decode step at the 4B shape for each ``--decode-variants`` kernel at
+    GDN_DECODE_ROWS rows (24 calls in a CUDA graph, replayed), its state traffic against a copy
+    of the same bytes in the same run (results/gpu_qwen35_gdn_decode.json)."""
+    variants = tuple(args.decode_variants.split(","))
+    args.streams, args.prefill = GDN_DECODE_ROWS, ()
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
+                     "device": device_name("cuda"), "decode_variants": {v: KERNEL_ENVIRONMENTS[v] for v in variants}}
+    timings = layer_core_timings(args, variants)
+    replay = {v: {rows: graphed or timings[v]["decode_us"][rows] for rows, graphed in timings[v]["decode_graph_us"].items()}
+              for v in variants}
+    results["decode_replay_us"] = replay
+    base = variants[0]
+    results["speedup_over"] = base
+    results["speedup"] = {v: {rows: replay[base][rows] / us for rows, us in replay[v].items() if us and replay[base][rows]}
+                          for v in variants}
+    state_bytes = 2 * 32 * 128 * 128 * 4  # fp32 state read + written per row
+    results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
+                                           for rows, us in replay[v].items() if us} for v in replay}
+    results["copy_tb_s"] = copy_bandwidth_tb_s(max(GDN_DECODE_ROWS) * state_bytes // 2)  # the floor, same run
+    print(json.dumps({k: results[k] for k in ("speedup", "state_bandwidth_tb_s", "copy_tb_s")}), flush=True)
+    write_results(results, "gpu_qwen35_gdn_decode", None)
+    return results
+
+
 def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
     """One GDN layer's prefill path at the 4B shape, kernel by kernel, for each ``--prefill-variants``
     choice (OPENINFER_QWEN35_GDN_PREFILL) at GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_prefill.json)."""
@@ -926,6 +951,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="op ledger of a 64-stream burst's mixed step per GDN prefill choice and of a 64-row "
                              "decode step, random weights (writes only CHECKPOINT/config.json; "
                              "results/gpu_qwen35_step_ledger.json)")
+    parser.add_argument("--gdn-decode-only", action="store_true",
+                        help="one GDN layer's fused decode step per --decode-variants kernel at 1-256 rows, graph "
+                             "replay, against a copy (results/gpu_qwen35_gdn_decode.json; no checkpoint)")
     parser.add_argument("--gdn-prefill-only", action="store_true",
                         help="one GDN layer's prefill kernels per --prefill-variants choice at 8 x 1k (+ 48 decode rows) "
                              "and 1 x 1k (results/gpu_qwen35_gdn_prefill.json; no checkpoint)")
@@ -959,6 +987,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gdn_prefill_only:
         run_gdn_prefill_only(args)
+        return 0
+    if args.gdn_decode_only:
+        run_gdn_decode_only(args)
         return 0
     if args.decode_tpot_only:
         run_decode_tpot_only(args)

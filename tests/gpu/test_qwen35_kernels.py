@@ -208,13 +208,14 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-@pytest.mark.parametrize("variant", ["early_loads", "coalesced"])
-def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
+@pytest.mark.parametrize(("variant", "reference"), [("early_loads", "plain"), ("coalesced", "plain"), ("bulk", "vec4")])
+def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
     norm weight read beside the state column) and =coalesced (that, with a column's threads dv
-    apart and their partial sums met in shared memory): 200 rows, fresh and continuing, over 6
-    steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
-    graph."""
+    apart and their partial sums met in shared memory) against plain; =bulk (vec4 with the state
+    tile moved by bulk copies through shared memory) against vec4: 200 rows, fresh and continuing,
+    over 6 steps give the reference kernel's outputs and states bit for bit, eager and replayed
+    from a CUDA graph."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -238,7 +239,7 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         fresh = rng.integers(0, 2, rows).astype(bool) if step == 0 else np.zeros(rows, bool)
         seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, fresh))
         proj = device_bf16(rng.standard_normal((rows, plain.features)))
-        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, variant)
+        want, got = decode(plain, proj, seqs, reference), decode(early, proj, seqs, variant)
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         assert_same_states()
     # captured with the variant, replayed on new inputs: still the plain kernel's bits
@@ -253,7 +254,7 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         with stream:
             proj[...] = device_bf16(rng.standard_normal((rows, plain.features)))
             graph.launch(stream)
-            want = decode(plain, proj, seqs, "plain")
+            want = decode(plain, proj, seqs, reference)
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
         assert_same_states()

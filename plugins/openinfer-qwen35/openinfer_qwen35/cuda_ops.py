@@ -17,7 +17,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       apart from the others); =coalesced: 4-byte accesses, a
                                       column's threads dv apart (128-byte state rows a warp);
                                       =early_loads: adjacent threads; =plain: neither (the same
-                                      bits, those three)
+                                      bits, those three); =bulk: vec4 with the head's state tile
+                                      moved by one bulk copy each way through shared memory
+                                      (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
                                       blocked) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
@@ -73,7 +75,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
-                             "gdn_decode_step_vec4")}
+                             "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -87,7 +89,8 @@ FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two block
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4"}
+                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4",
+                  "bulk": "gdn_decode_step_bulk"}
 VEC4_MAX_KEY_HEAD_DIM = 128  # gdn_decode_step_vec4 holds DK / 4 state floats a thread (two blocks per SM)
 ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "vec" (default) | "plain": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
@@ -167,15 +170,21 @@ def decode_kernel(config: Qwen35Config | None = None) -> str:
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
     ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
     kernel takes value head dims that are multiples of 32 (else early_loads runs); vec4 also key
-    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs)."""
+    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs), and so
+    does bulk (the vec4 step with the state tile moved by bulk copies through shared memory)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
+    return decode_kernel_for(choice, config)
+
+
+def decode_kernel_for(choice: str, config: Qwen35Config | None) -> str:
+    """The kernel that runs for decode choice ``choice`` (a key of ``DECODE_KERNELS``) at ``config``'s shapes."""
     if config is not None:
         dk = config.linear_key_head_dim
-        if choice == "vec4" and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
+        if choice in ("vec4", "bulk") and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
             choice = "coalesced"
-        if choice in ("coalesced", "vec4") and config.linear_value_head_dim % 32:
+        if choice in ("coalesced", "vec4", "bulk") and config.linear_value_head_dim % 32:
             choice = "early_loads"
     return DECODE_KERNELS[choice]
 
@@ -296,6 +305,23 @@ def fused_decode_threads(config: Qwen35Config) -> int:
     return -(-max(dv * SPLIT, 2 * dk + dv) // 32) * 32
 
 
+def decode_bulk_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_decode_step_bulk's dynamic shared memory: the state tile, the partials, deltas, q, k, v (fp32)."""
+    return 4 * (dk * dv + 16 * dv + dv + 2 * dk + dv)
+
+
+def _decode_function(name: str, config: Qwen35Config) -> tuple[cupy.RawKernel, int]:
+    """The fused decode kernel ``name`` and its dynamic shared memory (bulk: all of it, with the
+    largest shared-memory carve-out so that three blocks fit an SM)."""
+    dk, width = config.linear_key_head_dim, config.linear_conv_kernel_dim
+    if name != DECODE_KERNELS["bulk"]:
+        return kernel(name, dk, 0, width), 0
+    shared = decode_bulk_shared_bytes(dk, config.linear_value_head_dim)
+    function = kernel(name, dk, shared, width)
+    function.preferred_shared_memory_carveout = 100
+    return function, shared
+
+
 def fused_decode_supported(config: Qwen35Config) -> bool:
     return (fused_decode_threads(config) <= FUSED_DECODE_MAX_THREADS and config.linear_value_head_dim <= 256
             and 2 <= config.linear_conv_kernel_dim <= MAX_CONV_WIDTH)  # compiled in: never an unsupported width
@@ -333,8 +359,10 @@ def warm_up(config: Qwen35Config) -> None:
                    chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
+        chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
-            kernel(name, dk, 0, config.linear_conv_kernel_dim)
+            if name != DECODE_KERNELS["bulk"] or chosen == name:  # bulk (opt-in): only when chosen
+                _decode_function(name, config)
         arrival_counters(config)
 
 
@@ -412,9 +440,10 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
         name = decode_kernel(config)
-        if name == DECODE_KERNELS["vec4"] and not _aligned(ssm_state):  # its 16-byte state accesses
+        if name in (DECODE_KERNELS["vec4"], DECODE_KERNELS["bulk"]) and not _aligned(ssm_state):  # 16-byte accesses
             name = DECODE_KERNELS["coalesced"]
-        _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
+        function, shared = _decode_function(name, config)
+        _launch(name, function, (num_seqs, nv), (fused_decode_threads(config),), args, shared_mem=shared)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm

@@ -219,3 +219,6 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     np.testing.assert_allclose(read_array(tmp_path, "vec4_out", np.uint16, d_expected.shape),
                                read_array(tmp_path, "decode_out", np.uint16, d_expected.shape), rtol=8e-3, atol=1e-5)
     np.testing.assert_array_equal(read_array(tmp_path, "vec4_arrivals", np.int32, (6 * nk,)), 0)
+    # the bulk kernel (state tile by bulk copies through shared memory): vec4's outputs, window and state bit for bit
+    assert read_array(tmp_path, "bulk_same", np.int32, (1,))[0] == 1
+    np.testing.assert_array_equal(read_array(tmp_path, "bulk_arrivals", np.int32, (6 * nk,)), 0)

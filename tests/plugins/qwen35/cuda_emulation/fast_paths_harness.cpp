@@ -8,6 +8,7 @@
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
 inline void __threadfence() {}
 #include <cuda_bf16.h>
+#include <cstring>  // gdn_decode_step_bulk's host stand-in copies
 #undef __launch_bounds__
 #define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
 struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
@@ -228,6 +229,23 @@ int main(int argc, char** argv) {
         save(dir, "vec4_conv_state_out.bin", v_conv_state);
         save(dir, "vec4_ssm_state_out.bin", v_ssm);
         save(dir, "vec4_arrivals.bin", arrivals);
+
+        // the bulk kernel (the state tile moved by bulk copies, both passes through shared memory)
+        auto b_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto b_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> b_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_bulk(proj.data(), proj_stride, weight.data(), b_conv_state.data(), b_ssm.data(),
+                                 rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                 fresh.data(), arrivals.data(), b_out.data(), nk, nv, dv, width, eps);
+        });
+        auto same_bits = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+        };
+        std::vector<int> bulk_same{
+            same_bits(b_out, v_out) && same_bits(b_conv_state, v_conv_state) && same_bits(b_ssm, v_ssm) ? 1 : 0};
+        save(dir, "bulk_same.bin", bulk_same);
+        save(dir, "bulk_arrivals.bin", arrivals);
 
     }
     return 0;
