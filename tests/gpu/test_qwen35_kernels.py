@@ -93,20 +93,21 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
     the output, a mixed step's one-token rows token by token), on the default, blocked
-    (split_rows with the triangular solve by 16 x 16 blocks) and on registers (blocked with the
-    chunk walk's state in mma accumulator registers)."""
+    (split_rows with the triangular solve by 16 x 16 blocks), on registers (blocked with the
+    chunk walk's state in mma accumulator registers) and on fused (registers with the gated norm
+    in the output kernel; a step's one-token rows normed apart)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
     monkeypatch.setenv(cuda_ops.PREFILL_ENV,
-                       request.param if request.param in ("split_rows", "blocked", "registers") else "plain")
+                       request.param if request.param in ("split_rows", "blocked", "registers", "fused") else "plain")
     return request.param
 
 

@@ -36,7 +36,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       triangular solve by 16 x 16 blocks; bf16 tolerance);
                                       =registers: blocked with gdn_chunk_states_registers (the
                                       walk's state in mma accumulator registers, a chunk's W /
-                                      K / U loaded a chunk ahead; key head dims up to 128)
+                                      K / U loaded a chunk ahead; key head dims up to 128);
+                                      =fused: registers with the gated norm in the output kernel
+                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -69,11 +71,11 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
-                              "gdn_chunk_output"),
+                              "gdn_chunk_output", "gdn_chunk_output_norm"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -105,6 +107,9 @@ class PrefillKernels(NamedTuple):
     # of a one-row chunk each (a whole chunk's work: a prepare block a head, a scan walk a tile)
     rows_apart: bool = False
     states: str = "gdn_chunk_states"  # the split scan's state walk
+    # the split scan's output: gdn_chunk_output_norm writes the gated-normed rows itself (then only a
+    # step's one-token rows go through gdn_gated_norm_rows)
+    output: str = "gdn_chunk_output"
 
 
 PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
@@ -115,7 +120,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
                                              "gdn_gated_norm_warp", True),
                    "registers": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
-                                               "gdn_gated_norm_warp", True, "gdn_chunk_states_registers")}
+                                               "gdn_gated_norm_warp", True, "gdn_chunk_states_registers"),
+                   "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
+                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm")}
+OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
@@ -243,6 +251,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(prepare=plain.prepare)
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
+    if kernels.norm != "gdn_gated_norm_warp" or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM:
+        kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
     return kernels
@@ -358,6 +368,7 @@ def warm_up(config: Qwen35Config) -> None:
             kernel("gdn_chunk_states_registers", dk,
                    chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
+        kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
         chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
@@ -468,25 +479,33 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
                        device["slots"], device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv),
                        np.int32(tile_dv))
+    norm_args = (proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
+                 np.float32(config.rms_norm_eps))
     if (not recurrent and host_query_start is not None and chunked_supported(config)
             and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
         lengths = np.diff(host_query_start)
+        fused_norm = prefill.output == "gdn_chunk_output_norm"
+        chunk_out = out if fused_norm else core  # the output kernel norms the chunked rows itself
         if prefill.rows_apart and (lengths == 1).any():
             single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
-            ids = cupy.asarray(np.concatenate([single, chunked]).astype(np.int32))
+            ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
             _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
                     delta_rule_block, (*delta_rule_args, ids[: len(single)]))
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill,
-                                (chunked, ids[len(single) :]))
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill,
+                                (chunked, ids[len(single) : len(lengths)]))
+            if fused_norm:  # the one-token rows' norm
+                _launch("gdn_gated_norm_rows", kernel("gdn_gated_norm_rows", dk), (len(single), -(-nv // 4)), (128,),
+                        (core, *norm_args, ids[len(lengths) :]))
+                return out
         else:
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill)
+            if fused_norm:
+                return out
     else:
         _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
                 delta_rule_args)
     if prefill.norm == "gdn_gated_norm_warp":
-        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,),
-                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
-                 np.float32(config.rms_norm_eps)))
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,), (core, *norm_args))
     else:
         _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
                 (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
@@ -500,7 +519,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                         subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
     """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
     ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
-    ``core`` gets the output O, the slots the new state."""
+    ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
+    the slots the new state."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
@@ -528,7 +548,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
-    if prefill.split_scan:
+    if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
         output_bytes = chunk_output_shared_bytes(dk)
@@ -542,9 +562,12 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         _launch(prefill.states, kernel(prefill.states, dk, states_bytes), states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
-        _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),
-                (num_chunks, nv), (128,),
-                (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv), np.int32(dv)),
+        output_args = (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv),
+                       np.int32(dv))
+        if prefill.output == "gdn_chunk_output_norm":
+            output_args += (proj, np.int32(proj.shape[1]), np.int32(config.conv_dim), w.norm,
+                            np.float32(config.rms_norm_eps))
+        _launch(prefill.output, kernel(prefill.output, dk, output_bytes), (num_chunks, nv), (128,), output_args,
                 shared_mem=output_bytes)
         return
     scan_bytes = chunk_scan_shared_bytes(dk)

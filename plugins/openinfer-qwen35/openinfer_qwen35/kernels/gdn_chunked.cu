@@ -868,12 +868,21 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
 
 // gdn_chunk_output: grid (N, nv), 128 threads (warp w: rows 16w..). Q and P once, then the
 // head's dv / 32 tiles of S^T and V' in turn.
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
-gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
-                 const bf16* __restrict__ states, const bf16* __restrict__ v_new, const int* __restrict__ chunk_start,
-                 const int* __restrict__ chunk_len, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
-                 int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+// NORM (gdn_chunk_output_norm, OPENINFER_QWEN35_GDN_PREFILL=fused): the gated RMSNorm fused in
+// (gdn_gated_norm_warp's arithmetic: o rounded to bf16, RMS over the head's dv, times the norm
+// weight, times silu(z)): a warp keeps its rows' O over every tile in registers (dv <= 128), a
+// row's sum of squares met over the 4 lanes holding it, and writes the layer's output instead of
+// O — no O round trip through global memory, no norm launch. The same O; the norm's sum in
+// another order (fp32 rounding of gdn_gated_norm_warp's).
+#define OUTPUT_NORM_MAX_TILES 4  // dv <= 128 for the fused norm
+template <bool NORM>
+__device__ __forceinline__ void chunk_output(unsigned char* smem, const bf16* __restrict__ qn,
+                                             const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                                             const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                                             const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                                             bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv,
+                                             const bf16* __restrict__ proj, int proj_stride, int conv_dim,
+                                             const bf16* __restrict__ norm_weight, float eps) {
     const int c = blockIdx.x, h = blockIdx.y;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int value_dim = num_value_heads * dv;
@@ -908,7 +917,8 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
         cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
     }
     const int r0 = 16 * warp;
-    for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+    // O of rows r0 + g (+ 8) for value channels j0 .. j0 + 31 into acc_o (every thread of the block calls it)
+    auto tile_output = [&](int j0, float (&acc_o)[1][SCAN_TILE / 8][4]) {
         __syncthreads();  // the previous tile's readers are done (and, first, Q, P and c are in)
         const bf16* state_in = states + (((size_t)c * num_value_heads + h) * dv + j0) * DK;
         for (int e = threadIdx.x; e < SCAN_TILE * ROW_VECS; e += SCAN_THREADS) {
@@ -924,7 +934,6 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
             for (int m = 0; m < 8; ++m) vnt[(j + m) * LDC + r] = x[m];
         }
         __syncthreads();
-        float acc_o[1][SCAN_TILE / 8][4] = {};
         warp_strip_mma<DK, SCAN_TILE / 8, 1>(
             acc_o, [&](int, int k0, unsigned* a) { load_a(a, qs + r0 * LDK + k0, LDK); }, sbt, LDK);
 #pragma unroll
@@ -938,17 +947,89 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
         }
         warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
             acc_o, [&](int, int k0, unsigned* a) { load_a(a, ps + r0 * LDC + k0, LDC); }, vnt, LDC);
+    };
+    if constexpr (!NORM) {
+        for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+            float acc_o[1][SCAN_TILE / 8][4] = {};
+            tile_output(j0, acc_o);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = r0 + g + 8 * half;
+                if (r < n) {
+                    bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+#pragma unroll
+                    for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                        store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+                }
+            }
+        }
+    } else {
+        float kept[OUTPUT_NORM_MAX_TILES][1][SCAN_TILE / 8][4] = {};  // this thread's O over every tile
+#pragma unroll
+        for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile) {
+            if (tile * SCAN_TILE >= dv) break;
+            tile_output(tile * SCAN_TILE, kept[tile]);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) kept[tile][0][nt][e] = round_bf16(kept[tile][0][nt][e]);  // bf16 o, as HF's norm
+        }
+        // the gated RMSNorm of rows r0 + g (half 0) and r0 + g + 8 (half 1) over the head's dv outputs
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int r = r0 + g + 8 * half;
-            if (r < n) {
-                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+            float sum_sq = 0.f;
 #pragma unroll
-                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
-                    store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+            for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile)
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)  // tiles past dv hold zeros
+                    sum_sq += kept[tile][0][nt][2 * half] * kept[tile][0][nt][2 * half] +
+                              kept[tile][0][nt][2 * half + 1] * kept[tile][0][nt][2 * half + 1];
+            sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);  // the row's 4 lanes
+            sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+            const float inv_rms = rsqrtf(sum_sq / (float)dv + eps);
+            const int r = r0 + g + 8 * half;
+            if (r >= n) continue;
+            const bf16* z = proj + (size_t)(t0 + r) * proj_stride + conv_dim + (size_t)h * dv;
+            bf16* dst = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv;
+#pragma unroll
+            for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile) {
+                if (tile * SCAN_TILE >= dv) break;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                    const int j = tile * SCAN_TILE + nt * 8 + 2 * q4;
+                    float y[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float normed = round_bf16(kept[tile][0][nt][2 * half + e] * inv_rms);
+                        y[e] = round_bf16(to_f(norm_weight[j + e]) * normed) * silu_f(to_f(z[j + e]));
+                    }
+                    store_pair(dst + j, y[0], y[1]);
+                }
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                 const bf16* __restrict__ states, const bf16* __restrict__ v_new, const int* __restrict__ chunk_start,
+                 const int* __restrict__ chunk_len, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
+                 int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_output<false>(smem, qn, p_in, cum_in, states, v_new, chunk_start, chunk_len, core, num_key_heads,
+                        num_value_heads, dv, nullptr, 0, 0, nullptr, 0.f);
+}
+
+// gdn_chunk_output_norm: `out` gets the gated-normed rows (the layer's output) instead of O.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_output_norm(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                      const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                      const int* __restrict__ chunk_start, const int* __restrict__ chunk_len, bf16* __restrict__ out,
+                      int num_key_heads, int num_value_heads, int dv, const bf16* __restrict__ proj, int proj_stride,
+                      int conv_dim, const bf16* __restrict__ norm_weight, float eps) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_output<true>(smem, qn, p_in, cum_in, states, v_new, chunk_start, chunk_len, out, num_key_heads,
+                       num_value_heads, dv, proj, proj_stride, conv_dim, norm_weight, eps);
 }
 
 // ---------------------------------------------------------------------------------------------

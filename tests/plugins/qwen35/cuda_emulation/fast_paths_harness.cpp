@@ -165,6 +165,16 @@ int main(int argc, char** argv) {
         save(dir, "registers_states_same.bin", registers_same);
         save(dir, "registers_core.bin", reg_core);
         save(dir, "registers_ssm.bin", reg_ssm);
+
+        // the output kernel with the gated norm fused in (gdn_chunk_output_norm) from the same walk:
+        // the layer's output rows (every row of this step is chunked: no one-token rows)
+        std::vector<bf16> fused_out(out.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output_norm(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                                  chunk_start.data(), chunk_len.data(), fused_out.data(), nk, nv, dv, proj.data(),
+                                  proj_stride, conv_dim, norm.data(), eps);
+        });
+        save(dir, "fused_out.bin", fused_out);
     }
 
     // decode: one fused kernel
