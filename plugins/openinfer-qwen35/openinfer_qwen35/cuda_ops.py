@@ -327,9 +327,14 @@ def _decode_function(name: str, config: Qwen35Config) -> tuple[cupy.RawKernel, i
     if name != DECODE_KERNELS["bulk"]:
         return kernel(name, dk, 0, width), 0
     shared = decode_bulk_shared_bytes(dk, config.linear_value_head_dim)
-    function = kernel(name, dk, shared, width)
-    function.preferred_shared_memory_carveout = 100
-    return function, shared
+    return _bulk_decode_kernel(dk, shared, width), shared
+
+
+@functools.cache
+def _bulk_decode_kernel(dk: int, shared: int, width: int) -> cupy.RawKernel:
+    function = kernel(DECODE_KERNELS["bulk"], dk, shared, width)
+    function.preferred_shared_memory_carveout = 100  # all 228 KiB: three 75 KiB blocks an SM
+    return function
 
 
 def fused_decode_supported(config: Qwen35Config) -> bool:
