@@ -887,7 +887,7 @@ def run_step_ledger_only(args: argparse.Namespace) -> dict:
         mixed = step_batch([prompt_len] * prompts + [1] * decodes,
                            [prompt_len] * prompts + [decode_context] * decodes, layout)
         steps = [(f"mixed {variant}", variant, mixed) for variant in LEDGER_PREFILL_VARIANTS]
-        steps.append(("decode 64", None, ledger.decode(64, decode_context)))
+        steps.insert(1, ("decode 64", None, ledger.decode(64, decode_context)))  # before the other variants
         for name, variant, batch in steps:
             os.environ.pop(PREFILL_ENV, None)
             if variant:
