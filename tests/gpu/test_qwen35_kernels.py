@@ -347,6 +347,37 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
 
 
+def test_register_walk_at_every_block_width_equals_blocked(monkeypatch):
+    """gdn_chunk_states_registers picks 8 warps a block when the step's sequences x heads fill the
+    SMs and narrower blocks otherwise: 48 prompts of 70 tokens, continued beside decodes (8 warps),
+    and 2 prompts (narrow) give blocked's outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    rng = np.random.default_rng(21)
+    nv, dv = CONFIG["linear_num_value_heads"], CONFIG["linear_value_head_dim"]
+    wide_sequences = 48
+    assert cuda_ops.register_states_warps(dv, wide_sequences * nv) == 8
+    assert cuda_ops.register_states_warps(dv, 2 * nv) < 8
+    blocked, registers = (Layer(np.random.default_rng(22), num_slots=wide_sequences + 1) for _ in range(2))
+    slots = np.arange(1, wide_sequences + 1)
+    for lengths, fresh in (([70] * wide_sequences, True), ([65] * (wide_sequences // 2) + [1] * (wide_sequences // 2), False),
+                           ([130, 70], True)):
+        step_slots = slots[: len(lengths)]
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seqs = cuda_ops.prepare_sequences(StepSequences(query_start, step_slots, np.full(len(lengths), fresh)))
+        proj = device_bf16(rng.standard_normal((sum(lengths), blocked.features)))
+        outs = []
+        for layer, choice in ((blocked, "blocked"), (registers, "registers")):
+            monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
+            outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                        layer.device_ssm, seqs, blocked.config)))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(cupy.asnumpy(registers.device_ssm), cupy.asnumpy(blocked.device_ssm))
+
+
 def test_vec_row_kernels_match_the_plain_ones(monkeypatch):
     """OPENINFER_QWEN35_ROW_KERNELS=vec (8 features a thread): the attention gate bit for bit, the
     add + zero-centred RMSNorm with the same residual sum and its norm within a bf16 rounding, at

@@ -287,14 +287,31 @@ def chunk_states_shared_bytes(dk: int) -> int:
             + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
-def register_states_warps(dv: int) -> int:
-    """gdn_chunk_states_registers' warps a block (16 value channels each): up to 8, dividing dv / 16."""
-    return next(warps for warps in (8, 4, 2, 1) if (dv // 16) % warps == 0)
+REGISTER_STATES_WARPS = (8, 4, 2)  # gdn_chunk_states_registers' block sizes, widest first
 
 
-def chunk_states_registers_shared_bytes(dk: int, dv: int) -> int:
-    """gdn_chunk_states_registers' dynamic shared memory: two buffers of W, K, U and c."""
-    row_k, row_u = dk + 8, 16 * register_states_warps(dv) + 8
+def register_states_warps(dv: int, heads: int | None = None) -> int:
+    """gdn_chunk_states_registers' warps a block (16 value channels each, dividing dv / 16): 8 (a
+    head's W / K tiles loaded once for 128 channels) unless the step's ``heads`` (sequences x value
+    heads) would then leave SMs idle — a lone prompt's walk spread over more, narrower blocks."""
+    fits = [warps for warps in REGISTER_STATES_WARPS if (dv // 16) % warps == 0] or [1]
+    if heads is not None:
+        for warps in fits:
+            if heads * (dv // (16 * warps)) >= _multiprocessors():
+                return warps
+        return fits[-1]
+    return fits[0]
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def chunk_states_registers_shared_bytes(dk: int, dv: int, warps: int | None = None) -> int:
+    """gdn_chunk_states_registers' dynamic shared memory at ``warps`` a block (default: the
+    widest): two buffers of W, K, U and c."""
+    row_k, row_u = dk + 8, 16 * (warps or register_states_warps(dv)) + 8
     return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
 
 
@@ -558,13 +575,16 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
         output_bytes = chunk_output_shared_bytes(dk)
         if prefill.states == "gdn_chunk_states_registers":
-            warps = register_states_warps(dv)
-            states_bytes = chunk_states_registers_shared_bytes(dk, dv)
+            warps = register_states_warps(dv, num_seqs * nv)
+            states_bytes = chunk_states_registers_shared_bytes(dk, dv, warps)
+            # the function's shared-memory limit is one attribute for every block size: the widest's
+            states_kernel = kernel(prefill.states, dk, chunk_states_registers_shared_bytes(dk, dv))
             states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
         else:
             states_bytes = chunk_states_shared_bytes(dk)
+            states_kernel = kernel(prefill.states, dk, states_bytes)
             states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
-        _launch(prefill.states, kernel(prefill.states, dk, states_bytes), states_grid, states_block,
+        _launch(prefill.states, states_kernel, states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
         output_args = (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv),
