@@ -746,6 +746,55 @@ def run_gdn_decode_only(args: argparse.Namespace) -> dict:
     return results
 
 
+PREPARE_PHASES = ("q / k / v staged", "q / k normed, gates", "cumulative decay", "P and A (tensor cores)",
+                  "T = (I + A)^-1", "T, (beta V)^T, (beta exp(c) K)^T to bf16", "U and W (tensor cores) stored")
+
+
+def prepare_phase_cycles(prompts: int = 8, length: int = 1024) -> dict:
+    """Where a gdn_chunk_prepare_blocked block's time goes (``prompts`` x ``length`` fresh tokens,
+    the 4B shape): the kernel built with GDN_PHASE_CLOCKS (thread 0 of each block adds each phase's
+    SM clock cycles to a device counter), launched once on random inputs; mean cycles a block per
+    phase, and µs at the device's clock rate."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.gated_deltanet import chunk_layout
+
+    from openinfer.backend.cuda import kernel_include_options
+
+    layer = random_gdn_layer()
+    config, bf16, weights = layer.config, layer.bf16, layer.weights
+    nk, nv, dk, dv = config.linear_num_key_heads, layer.nv, layer.dk, layer.dv
+    module = cupy.RawModule(code=(cuda_ops.KERNEL_DIR / "gdn_chunked.cu").read_text(),
+                            options=("-std=c++17", *kernel_include_options(cuda_ops.KERNEL_DIR), f"-DDK={dk}",
+                                     f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
+    prepare = module.get_function("gdn_chunk_prepare_blocked")
+    shared = cuda_ops.chunk_prepare_shared_bytes(dk, dv, staged=True)
+    prepare.max_dynamic_shared_size_bytes = shared
+    tokens = prompts * length
+    starts, lengths, _ = chunk_layout(np.arange(prompts + 1) * length)
+    num_chunks = len(starts)
+    conv_out, proj = bf16((tokens, config.conv_dim), 0.5), bf16((tokens, layer.features))
+    buffers = [cupy.empty((tokens, nk, dk), cupy.uint16), cupy.empty((tokens, nk, dk), cupy.uint16),
+               cupy.empty((tokens, nv, dk), cupy.uint16), cupy.empty((tokens, nv, dv), cupy.uint16),
+               cupy.empty((num_chunks, nv, 64, 64), cupy.uint16), cupy.empty((tokens, nv), cupy.float32)]
+    args = (conv_out, proj, np.int32(proj.shape[1]), weights.neg_decay_rate, weights.dt_bias,
+            cupy.asarray(starts.astype(np.int32)), cupy.asarray(lengths.astype(np.int32)), *buffers, np.int32(nk),
+            np.int32(nv), np.int32(dv))
+    counters = cupy.ndarray((8,), cupy.uint64, module.get_global("gdn_phase_cycles"))
+    prepare((num_chunks, nv), (128,), args, shared_mem=shared)  # warm
+    counters[...] = 0
+    prepare((num_chunks, nv), (128,), args, shared_mem=shared)
+    cupy.cuda.runtime.deviceSynchronize()
+    cycles = cupy.asnumpy(counters).astype(float)
+    blocks = cycles[0]
+    clock_mhz = cupy.cuda.Device().attributes["ClockRate"] / 1000
+    per_block = {name: cycles[k + 1] / blocks for k, name in enumerate(PREPARE_PHASES)}
+    return {"step": f"{prompts}x{length}", "blocks": int(blocks), "clock_mhz": clock_mhz,
+            "cycles_per_block": per_block, "us_per_block": {k: v / clock_mhz for k, v in per_block.items()},
+            "total_us_per_block": sum(per_block.values()) / clock_mhz}
+
+
 def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
     """One GDN layer's prefill path at the 4B shape, kernel by kernel, for each ``--prefill-variants``
     choice (OPENINFER_QWEN35_GDN_PREFILL) at GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_prefill.json)."""
@@ -759,6 +808,9 @@ def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
         v: {step: results["prefill_kernels"][base][step]["total_ms"] / timed["total_ms"] for step, timed in steps.items()}
         for v, steps in results["prefill_kernels"].items()}
     print(json.dumps(results["total_speedup"]), flush=True)
+    write_results(results, "gpu_qwen35_gdn_prefill", None)
+    results["prepare_phases"] = prepare_phase_cycles()
+    print(f"prepare phases: {json.dumps(results['prepare_phases'])}", flush=True)
     write_results(results, "gpu_qwen35_gdn_prefill", None)
     return results
 

@@ -167,6 +167,30 @@ __device__ __forceinline__ void solve_blocked(float* amat, float* tinv) {
     }
 }
 
+// GDN_PHASE_CLOCKS (a diagnostic build of benchmarks/gpu_qwen35.py --gdn-prefill-only, never the
+// plugin's): thread 0 of every prepare block adds each phase's SM clock cycles to
+// gdn_phase_cycles[phase] (phases 1..7 as marked below; [0] counts blocks) — where a block's time goes.
+#ifdef GDN_PHASE_CLOCKS
+extern "C" {
+__device__ unsigned long long gdn_phase_cycles[8];
+}
+#define GDN_PHASES_BEGIN() long long phase_clock = clock64()
+#define GDN_PHASE(k)                                                                    \
+    do {                                                                                \
+        if (threadIdx.x == 0) {                                                         \
+            const long long now = clock64();                                            \
+            atomicAdd(gdn_phase_cycles + (k), (unsigned long long)(now - phase_clock)); \
+            phase_clock = now;                                                          \
+        }                                                                               \
+    } while (0)
+#define GDN_PHASES_DONE() \
+    if (threadIdx.x == 0) atomicAdd(gdn_phase_cycles, 1ull)
+#else
+#define GDN_PHASES_BEGIN()
+#define GDN_PHASE(k)
+#define GDN_PHASES_DONE()
+#endif
+
 template <bool STAGED, bool BLOCKED_SOLVE = false>
 __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y;
@@ -175,6 +199,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
     const int conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    GDN_PHASES_BEGIN();
 
     // carve: [Qs | V^T] , Ks, (beta exp(c) K)^T, A (fp32), T (fp32), Tb, cum, beta
     unsigned char* at = smem;
@@ -242,6 +267,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
                                                              h * dv + jv);
         }
         __syncthreads();
+        GDN_PHASE(1);  // the chunk's q / k / v staged
     }
 
     // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end. Warp w takes rows
@@ -304,6 +330,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         gate[r] = lg;
     }
     __syncthreads();
+    GDN_PHASE(2);  // q / k normed, gates
     // c_t reaches -1000 within a chunk for fast-forgetting heads: sum in fp64 so that the
     // differences c_i - c_j keep their precision
     if (threadIdx.x == 0) {
@@ -328,6 +355,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(3);  // cumulative decay
 
     // 2. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared; warp w: rows 16w..
     {
@@ -358,6 +386,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             }
     }
     __syncthreads();
+    GDN_PHASE(4);  // P and A (tensor cores)
 
     // 3. T = (I + A)^-1 by forward substitution. Column j of T depends on column j alone, so
     //    thread j solves it top-down with no barrier: T[i][j] = -A[i][j] - sum_{j<m<i} A[i][m] T[m][j]
@@ -394,6 +423,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(5);  // T = (I + A)^-1
     if (STAGED) {  // 8 loads ahead of their stores (the compiler cannot move loads past stores that may alias)
         for (int e0 = threadIdx.x; e0 < CHUNK * CHUNK; e0 += 8 * 128) {
             float x[8];
@@ -456,6 +486,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(6);  // T, (beta V)^T, (beta exp(c) K)^T in bf16
 
     // 4. U = T (beta V), W = T (beta exp(c) K): warp w rows 16w.., 8 columns at a time
     const int r0 = 16 * warp;
@@ -489,6 +520,8 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
         }
     }
+    GDN_PHASE(7);  // U and W (tensor cores) stored
+    GDN_PHASES_DONE();
 }
 
 extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare(PREPARE_PARAMS) {
