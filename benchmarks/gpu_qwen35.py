@@ -132,19 +132,19 @@ VARIANTS = {"after": None, "before": "recurrent"}  # the engine runs (KERNELS_EN
 # that fused decode kernel (gdn_decode_step / gdn_decode_step_early_loads) whichever is the default
 KERNEL_ENVIRONMENTS = {"after": {}, "before": {KERNELS_ENV: "recurrent"}, "plain": {DECODE_ENV: "plain"},
                        "early_loads": {DECODE_ENV: "early_loads"}, "coalesced": {DECODE_ENV: "coalesced"},
-                       "vec4": {DECODE_ENV: "vec4"}}
+                       "vec4": {DECODE_ENV: "vec4"}, "bulk": {DECODE_ENV: "bulk"}}
 DECODE_VARIANTS = ("plain", "early_loads")
 DECODE_ROWS = (1, 16, 64, 128, 256)  # --decode-kernels-only
 # --gdn-kernels-only: every fused decode kernel at these rows; the prefill path per kernel for
 # these (fresh prompts, tokens each, one-token decode rows beside them) steps: the 64-stream burst's
 # mixed steps hold 8 prompts of ~1k and up to ~58 decodes
-GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4")
+GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4", "bulk")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
 # environments: the earlier path, split_rows and the default, blocked (split_rows with the triangular
 # solve by 16 x 16 blocks); staged and split (the steps between) were measured in E3 (2026-11-24)
-PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked")}
+PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked", "registers", "fused")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -582,7 +582,7 @@ def run_decode_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
-def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
+def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=tuple(PREFILL_VARIANTS)) -> dict:
     """One GDN layer's prefill path at the 4B shape, per kernel (``cuda_ops.kernel_timer``: CUDA
     events around each launch), for each (prompts, tokens each, decode rows) step and each
     PREFILL_VARIANTS environment: the median over ``repeats`` calls of each kernel's ms and the
@@ -596,7 +596,8 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5) -> dict:
     config, bf16, weights = layer.config, layer.bf16, layer.weights
     nv, dk, dv, width, features = layer.nv, layer.dk, layer.dv, layer.width, layer.features
     results: dict = {}
-    for variant, environment in PREFILL_VARIANTS.items():
+    for variant in variants:
+        environment = PREFILL_VARIANTS[variant]
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
@@ -720,6 +721,100 @@ def run_gdn_kernels_only(args: argparse.Namespace) -> dict:
     return results
 
 
+def run_gdn_decode_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's fused decode step at the 4B shape for each ``--decode-variants`` kernel at
+    GDN_DECODE_ROWS rows (24 calls in a CUDA graph, replayed), its state traffic against a copy
+    of the same bytes in the same run (results/gpu_qwen35_gdn_decode.json)."""
+    variants = tuple(args.decode_variants.split(","))
+    args.streams, args.prefill = GDN_DECODE_ROWS, ()
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (32 value heads of 128x128 fp32 state)",
+                     "device": device_name("cuda"), "decode_variants": {v: KERNEL_ENVIRONMENTS[v] for v in variants}}
+    timings = layer_core_timings(args, variants)
+    replay = {v: {rows: graphed or timings[v]["decode_us"][rows] for rows, graphed in timings[v]["decode_graph_us"].items()}
+              for v in variants}
+    results["decode_replay_us"] = replay
+    base = variants[0]
+    results["speedup_over"] = base
+    results["speedup"] = {v: {rows: replay[base][rows] / us for rows, us in replay[v].items() if us and replay[base][rows]}
+                          for v in variants}
+    state_bytes = 2 * 32 * 128 * 128 * 4  # fp32 state read + written per row
+    results["state_bandwidth_tb_s"] = {v: {rows: int(rows) * state_bytes / (us * 1e-6) / 1e12
+                                           for rows, us in replay[v].items() if us} for v in replay}
+    results["copy_tb_s"] = copy_bandwidth_tb_s(max(GDN_DECODE_ROWS) * state_bytes // 2)  # the floor, same run
+    print(json.dumps({k: results[k] for k in ("speedup", "state_bandwidth_tb_s", "copy_tb_s")}), flush=True)
+    write_results(results, "gpu_qwen35_gdn_decode", None)
+    return results
+
+
+PREPARE_PHASES = ("q / k / v staged", "q / k normed, gates", "cumulative decay", "P and A (tensor cores)",
+                  "T = (I + A)^-1", "T, (beta V)^T, (beta exp(c) K)^T to bf16", "U and W (tensor cores) stored")
+
+
+def prepare_phase_cycles(prompts: int = 8, length: int = 1024) -> dict:
+    """Where a gdn_chunk_prepare_blocked block's time goes (``prompts`` x ``length`` fresh tokens,
+    the 4B shape): the kernel built with GDN_PHASE_CLOCKS (thread 0 of each block adds each phase's
+    SM clock cycles to a device counter), launched once on random inputs; mean cycles a block per
+    phase, and µs at the device's clock rate."""
+    import cupy
+    import numpy as np
+    from openinfer_qwen35 import cuda_ops
+    from openinfer_qwen35.gated_deltanet import chunk_layout
+
+    from openinfer.backend.cuda import kernel_include_options
+
+    layer = random_gdn_layer()
+    config, bf16, weights = layer.config, layer.bf16, layer.weights
+    nk, nv, dk, dv = config.linear_num_key_heads, layer.nv, layer.dk, layer.dv
+    module = cupy.RawModule(code=(cuda_ops.KERNEL_DIR / "gdn_chunked.cu").read_text(),
+                            options=("-std=c++17", *kernel_include_options(cuda_ops.KERNEL_DIR), f"-DDK={dk}",
+                                     f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
+    prepare = module.get_function("gdn_chunk_prepare_blocked")
+    shared = cuda_ops.chunk_prepare_shared_bytes(dk, dv, staged=True)
+    prepare.max_dynamic_shared_size_bytes = shared
+    tokens = prompts * length
+    starts, lengths, _ = chunk_layout(np.arange(prompts + 1) * length)
+    num_chunks = len(starts)
+    conv_out, proj = bf16((tokens, config.conv_dim), 0.5), bf16((tokens, layer.features))
+    buffers = [cupy.empty((tokens, nk, dk), cupy.uint16), cupy.empty((tokens, nk, dk), cupy.uint16),
+               cupy.empty((tokens, nv, dk), cupy.uint16), cupy.empty((tokens, nv, dv), cupy.uint16),
+               cupy.empty((num_chunks, nv, 64, 64), cupy.uint16), cupy.empty((tokens, nv), cupy.float32)]
+    args = (conv_out, proj, np.int32(proj.shape[1]), weights.neg_decay_rate, weights.dt_bias,
+            cupy.asarray(starts.astype(np.int32)), cupy.asarray(lengths.astype(np.int32)), *buffers, np.int32(nk),
+            np.int32(nv), np.int32(dv))
+    counters = cupy.ndarray((8,), cupy.uint64, module.get_global("gdn_phase_cycles"))
+    prepare((num_chunks, nv), (128,), args, shared_mem=shared)  # warm
+    counters[...] = 0
+    prepare((num_chunks, nv), (128,), args, shared_mem=shared)
+    cupy.cuda.runtime.deviceSynchronize()
+    cycles = cupy.asnumpy(counters).astype(float)
+    blocks = cycles[0]
+    clock_mhz = cupy.cuda.Device().attributes["ClockRate"] / 1000
+    per_block = {name: cycles[k + 1] / blocks for k, name in enumerate(PREPARE_PHASES)}
+    return {"step": f"{prompts}x{length}", "blocks": int(blocks), "clock_mhz": clock_mhz,
+            "cycles_per_block": per_block, "us_per_block": {k: v / clock_mhz for k, v in per_block.items()},
+            "total_us_per_block": sum(per_block.values()) / clock_mhz}
+
+
+def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
+    """One GDN layer's prefill path at the 4B shape, kernel by kernel, for each ``--prefill-variants``
+    choice (OPENINFER_QWEN35_GDN_PREFILL) at GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_prefill.json)."""
+    variants = tuple(args.prefill_variants.split(","))
+    results: dict = {"shape": "Qwen3.5-4B GDN layer (16 key / 32 value heads of 128, fp32 128x128 state)",
+                     "device": device_name("cuda"), "prefill_variants": {v: PREFILL_VARIANTS[v] for v in variants}}
+    results["prefill_kernels"] = prefill_kernel_timings(variants=variants)
+    base = variants[0]
+    results["total_speedup_over"] = base
+    results["total_speedup"] = {
+        v: {step: results["prefill_kernels"][base][step]["total_ms"] / timed["total_ms"] for step, timed in steps.items()}
+        for v, steps in results["prefill_kernels"].items()}
+    print(json.dumps(results["total_speedup"]), flush=True)
+    write_results(results, "gpu_qwen35_gdn_prefill", None)
+    results["prepare_phases"] = prepare_phase_cycles()
+    print(f"prepare phases: {json.dumps(results['prepare_phases'])}", flush=True)
+    write_results(results, "gpu_qwen35_gdn_prefill", None)
+    return results
+
+
 def plot_gdn_kernels(results: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -807,6 +902,66 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
     return results
 
 
+# --step-ledger-only: a mixed step of the 64-stream burst (8 fresh ~1k prompts beside 48 decodes, as
+# the burst's steps 3-8 in the step logs) and a decode step of 64 streams at ~1.1k context
+LEDGER_PROMPTS, LEDGER_PROMPT_LEN, LEDGER_DECODES, LEDGER_DECODE_CONTEXT = 8, 1008, 48, 1100
+LEDGER_PREFILL_VARIANTS = ("blocked", "registers", "fused")
+
+
+def run_step_ledger_only(args: argparse.Namespace) -> dict:
+    """Where a 64-stream burst's device time goes: the engine's op ledger (``openinfer.tools.ledger``:
+    each op's device time in a real step's order, kernels, bytes, % roofline) of one mixed step
+    (LEDGER_PROMPTS x LEDGER_PROMPT_LEN fresh prompt tokens + LEDGER_DECODES decodes) per
+    ``OPENINFER_QWEN35_GDN_PREFILL`` choice of LEDGER_PREFILL_VARIANTS, and of a 64-row decode step
+    (graph replay), on random weights at the ``--shape``'s real shapes
+    (results/gpu_qwen35_step_ledger.json)."""
+    import openinfer
+    from openinfer.tools.ledger import HostTimer, Ledger, StepLayout, Timer, ceilings
+    from openinfer.tools.ledger.batches import step_batch
+
+    path = Path(args.checkpoint)
+    write_dummy_config(path, args.shape)
+    prompt_len = min(LEDGER_PROMPT_LEN, 96) if args.device == "cpu" else LEDGER_PROMPT_LEN
+    decode_context = min(LEDGER_DECODE_CONTEXT, 128) if args.device == "cpu" else LEDGER_DECODE_CONTEXT
+    prompts, decodes = (2, 4) if args.device == "cpu" else (LEDGER_PROMPTS, LEDGER_DECODES)
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=2048, max_num_seqs=64,
+                                     enable_prefix_cache=False, load_format="dummy")
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (random weights, load_format dummy)",
+                     "device": device_name(args.device),
+                     "mixed_step": f"{prompts} x {prompt_len} fresh prompt tokens + {decodes} decodes at "
+                                   f"{decode_context} context",
+                     "decode_step": f"64 decodes at {decode_context} context", "steps": {}}
+    name_of_results = "gpu_qwen35_step_ledger" + ("_cpu_dry_run" if args.device == "cpu" else "")
+    try:
+        timer = Timer() if args.device == "cuda" else HostTimer()
+        ledger = Ledger(engine, timer, ceilings(timer), args.repeats)
+        layout = StepLayout.of(engine)
+        mixed = step_batch([prompt_len] * prompts + [1] * decodes,
+                           [prompt_len] * prompts + [decode_context] * decodes, layout)
+        steps = [(f"mixed {variant}", variant, mixed) for variant in LEDGER_PREFILL_VARIANTS]
+        steps.insert(1, ("decode 64", None, ledger.decode(64, decode_context)))  # before the other variants
+        for name, variant, batch in steps:
+            os.environ.pop(PREFILL_ENV, None)
+            if variant:
+                os.environ[PREFILL_ENV] = variant
+            entry = ledger.measure("step", batch)
+            ops = [{"op": row["op"], "kernels": row["kernels"], "calls": row["calls"],
+                    "ms": row["time_s"] * 1e3, "roofline_pct": row.get("roofline_pct")} for row in entry["ops"]]
+            results["steps"][name] = {"measured_ms": entry["measured_s"] * 1e3, "measured_how": entry["measured_how"],
+                                      "ops_sum_ms": entry["sum_device_s"] * 1e3, "ops": ops}
+            print(f"{name}: measured {entry['measured_s'] * 1e3:.3f} ms ({entry['measured_how']}), ops sum "
+                  f"{entry['sum_device_s'] * 1e3:.3f} ms", flush=True)
+            for op in ops[:12]:
+                pct = "" if op["roofline_pct"] is None else f" {op['roofline_pct']:.0f} %"
+                print(f"  {op['op']:<34} {op['ms']:8.3f} ms x{op['calls']:<3} {','.join(op['kernels'])}{pct}",
+                      flush=True)
+            write_results(results, name_of_results, None)  # what was measured survives a later time limit
+    finally:
+        os.environ.pop(PREFILL_ENV, None)
+        engine.close_sync()
+    return results
+
+
 def plot_decode_kernels(results: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -844,6 +999,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-kernels-only", action="store_true",
                         help="one GDN layer kernel by kernel: every fused decode kernel at 1-256 rows and the "
                              "prefill path's kernels at 8 x 1k (results/gpu_qwen35_gdn_kernels.json; no checkpoint)")
+    parser.add_argument("--step-ledger-only", action="store_true",
+                        help="op ledger of a 64-stream burst's mixed step per GDN prefill choice and of a 64-row "
+                             "decode step, random weights (writes only CHECKPOINT/config.json; "
+                             "results/gpu_qwen35_step_ledger.json)")
+    parser.add_argument("--gdn-decode-only", action="store_true",
+                        help="one GDN layer's fused decode step per --decode-variants kernel at 1-256 rows, graph "
+                             "replay, against a copy (results/gpu_qwen35_gdn_decode.json; no checkpoint)")
+    parser.add_argument("--gdn-prefill-only", action="store_true",
+                        help="one GDN layer's prefill kernels per --prefill-variants choice at 8 x 1k (+ 48 decode rows) "
+                             "and 1 x 1k (results/gpu_qwen35_gdn_prefill.json; no checkpoint)")
+    parser.add_argument("--prefill-variants", default="blocked,registers,fused",
+                        help="--gdn-prefill-only: comma list of OPENINFER_QWEN35_GDN_PREFILL choices (the first is the "
+                             f"baseline; of {', '.join(PREFILL_VARIANTS)})")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
                         help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
                              f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
@@ -854,10 +1022,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only):
-        parser.error("--device cpu runs only with --multi-turn-only or --decode-tpot-only (a dry run)")
+    if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
+        parser.error("--device cpu runs only with --multi-turn-only, --decode-tpot-only or --step-ledger-only "
+                     "(a dry run)")
     if not args.decode_variants or any(v not in GDN_DECODE_VARIANTS for v in args.decode_variants.split(",")):
         parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
+    if not args.prefill_variants or any(v not in PREFILL_VARIANTS for v in args.prefill_variants.split(",")):
+        parser.error(f"--prefill-variants: a comma list of {', '.join(PREFILL_VARIANTS)}")
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:
@@ -866,8 +1037,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.gdn_kernels_only:
         run_gdn_kernels_only(args)
         return 0
+    if args.gdn_prefill_only:
+        run_gdn_prefill_only(args)
+        return 0
+    if args.gdn_decode_only:
+        run_gdn_decode_only(args)
+        return 0
     if args.decode_tpot_only:
         run_decode_tpot_only(args)
+        return 0
+    if args.step_ledger_only:
+        run_step_ledger_only(args)
         return 0
     path = Path(args.checkpoint)
     if args.write_checkpoint_only:

@@ -93,18 +93,21 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
-    the output, a mixed step's one-token rows token by token) and on the default, blocked
-    (split_rows with the triangular solve by 16 x 16 blocks)."""
+    the output, a mixed step's one-token rows token by token), on the default, blocked
+    (split_rows with the triangular solve by 16 x 16 blocks), on registers (blocked with the
+    chunk walk's state in mma accumulator registers) and on fused (registers with the gated norm
+    in the output kernel; a step's one-token rows normed apart)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
-    monkeypatch.setenv(cuda_ops.PREFILL_ENV, request.param if request.param in ("split_rows", "blocked") else "plain")
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV,
+                       request.param if request.param in ("split_rows", "blocked", "registers", "fused") else "plain")
     return request.param
 
 
@@ -206,13 +209,14 @@ def test_fused_decode_step_replays_in_a_cuda_graph(kernels):
         np.testing.assert_array_equal(cupy.asnumpy(graphed.device_conv), cupy.asnumpy(eager.device_conv))
 
 
-@pytest.mark.parametrize("variant", ["early_loads", "coalesced"])
-def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant):
+@pytest.mark.parametrize(("variant", "reference"), [("early_loads", "plain"), ("coalesced", "plain"), ("bulk", "vec4")])
+def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_DECODE=early_loads (the token's gate inputs, decay parameters, z and
     norm weight read beside the state column) and =coalesced (that, with a column's threads dv
-    apart and their partial sums met in shared memory): 200 rows, fresh and continuing, over 6
-    steps give the plain kernel's outputs and states bit for bit, eager and replayed from a CUDA
-    graph."""
+    apart and their partial sums met in shared memory) against plain; =bulk (vec4 with the state
+    tile moved by bulk copies through shared memory) against vec4: 200 rows, fresh and continuing,
+    over 6 steps give the reference kernel's outputs and states bit for bit, eager and replayed
+    from a CUDA graph."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -236,7 +240,7 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         fresh = rng.integers(0, 2, rows).astype(bool) if step == 0 else np.zeros(rows, bool)
         seqs = cuda_ops.prepare_sequences(StepSequences(np.arange(rows + 1, dtype=np.int64), slots, fresh))
         proj = device_bf16(rng.standard_normal((rows, plain.features)))
-        want, got = decode(plain, proj, seqs, "plain"), decode(early, proj, seqs, variant)
+        want, got = decode(plain, proj, seqs, reference), decode(early, proj, seqs, variant)
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         assert_same_states()
     # captured with the variant, replayed on new inputs: still the plain kernel's bits
@@ -251,7 +255,7 @@ def test_decode_step_variants_equal_the_plain_kernel_bit_for_bit(monkeypatch, va
         with stream:
             proj[...] = device_bf16(rng.standard_normal((rows, plain.features)))
             graph.launch(stream)
-            want = decode(plain, proj, seqs, "plain")
+            want = decode(plain, proj, seqs, reference)
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(want))
         assert_same_states()
@@ -311,12 +315,14 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
                                       cupy.asnumpy(layers["vec4"].device_ssm))
 
 
-@pytest.mark.parametrize("variant", ["staged", "split"])
-def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant):
+@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked")])
+def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
-    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output):
-    prompts from scratch, then continued beside decodes, and a 2,048-token prompt of fast-decaying
-    heads give the plain kernels' outputs and states bit for bit."""
+    issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)
+    against plain; =registers (the walk's state in mma accumulators: the same products with the
+    operands swapped, in the same k order) against blocked: prompts from scratch, then continued
+    beside decodes, and a 2,048-token prompt of fast-decaying heads give the reference kernels'
+    outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -332,13 +338,44 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
                                                             np.full(len(slots), fresh)))
             proj = device_bf16(rng.standard_normal((sum(lengths), plain.features)))
             outs = []
-            for layer, choice in ((plain, "plain"), (staged, variant)):
+            for layer, choice in ((plain, reference), (staged, variant)):
                 monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
                 outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
                                                             layer.device_ssm, seqs, plain.config)))
             np.testing.assert_array_equal(outs[1], outs[0])
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
+
+
+def test_register_walk_at_every_block_width_equals_blocked(monkeypatch):
+    """gdn_chunk_states_registers picks 8 warps a block when the step's sequences x heads fill the
+    SMs and narrower blocks otherwise: 48 prompts of 70 tokens, continued beside decodes (8 warps),
+    and 2 prompts (narrow) give blocked's outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    rng = np.random.default_rng(21)
+    nv, dv = CONFIG["linear_num_value_heads"], CONFIG["linear_value_head_dim"]
+    wide_sequences = 48
+    assert cuda_ops.register_states_warps(dv, wide_sequences * nv) == 8
+    assert cuda_ops.register_states_warps(dv, 2 * nv) < 8
+    blocked, registers = (Layer(np.random.default_rng(22), num_slots=wide_sequences + 1) for _ in range(2))
+    slots = np.arange(1, wide_sequences + 1)
+    for lengths, fresh in (([70] * wide_sequences, True), ([65] * (wide_sequences // 2) + [1] * (wide_sequences // 2), False),
+                           ([130, 70], True)):
+        step_slots = slots[: len(lengths)]
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seqs = cuda_ops.prepare_sequences(StepSequences(query_start, step_slots, np.full(len(lengths), fresh)))
+        proj = device_bf16(rng.standard_normal((sum(lengths), blocked.features)))
+        outs = []
+        for layer, choice in ((blocked, "blocked"), (registers, "registers")):
+            monkeypatch.setenv(cuda_ops.PREFILL_ENV, choice)
+            outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                        layer.device_ssm, seqs, blocked.config)))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(cupy.asnumpy(registers.device_ssm), cupy.asnumpy(blocked.device_ssm))
 
 
 def test_vec_row_kernels_match_the_plain_ones(monkeypatch):

@@ -17,7 +17,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       apart from the others); =coalesced: 4-byte accesses, a
                                       column's threads dv apart (128-byte state rows a warp);
                                       =early_loads: adjacent threads; =plain: neither (the same
-                                      bits, those three)
+                                      bits, those three); =bulk: vec4 with the head's state tile
+                                      moved by one bulk copy each way through shared memory
+                                      (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
                                       blocked) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
@@ -31,7 +33,12 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       one-token rows through gdn_delta_rule_rows (token by
                                       token) instead of a one-row chunk each (bf16 tolerance);
                                       =blocked: split_rows with gdn_chunk_prepare_blocked (the
-                                      triangular solve by 16 x 16 blocks; bf16 tolerance)
+                                      triangular solve by 16 x 16 blocks; bf16 tolerance);
+                                      =registers: blocked with gdn_chunk_states_registers (the
+                                      walk's state in mma accumulator registers, a chunk's W /
+                                      K / U loaded a chunk ahead; key head dims up to 128);
+                                      =fused: registers with the gated norm in the output kernel
+                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -64,12 +71,13 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
-                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_output"),
+                              "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
+                              "gdn_chunk_output", "gdn_chunk_output_norm"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
-                             "gdn_decode_step_vec4")}
+                             "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
 MAX_CONV_WIDTH = 9  # gdn_conv_state / gdn_decode_step keep K-1 <= 8 old inputs in registers
 MAX_KEY_HEAD_DIM = 256
@@ -83,7 +91,8 @@ FUSED_DECODE_MAX_THREADS = 512  # gdn_decode_step's __launch_bounds__ (two block
 KERNELS_ENV = "OPENINFER_QWEN35_GDN_KERNELS"
 DECODE_ENV = "OPENINFER_QWEN35_GDN_DECODE"  # a key of DECODE_KERNELS: which fused decode kernel
 DECODE_KERNELS = {"plain": "gdn_decode_step", "early_loads": "gdn_decode_step_early_loads",
-                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4"}
+                  "coalesced": "gdn_decode_step_coalesced", "vec4": "gdn_decode_step_vec4",
+                  "bulk": "gdn_decode_step_bulk"}
 VEC4_MAX_KEY_HEAD_DIM = 128  # gdn_decode_step_vec4 holds DK / 4 state floats a thread (two blocks per SM)
 ROW_KERNELS_ENV = "OPENINFER_QWEN35_ROW_KERNELS"  # "vec" (default) | "plain": sigmoid_mul and add_rms_norm
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # a key of PREFILL_KERNELS: the chunked prefill's kernels
@@ -97,6 +106,10 @@ class PrefillKernels(NamedTuple):
     # a chunked step's one-token rows (a mixed step's decodes) through gdn_delta_rule_rows instead
     # of a one-row chunk each (a whole chunk's work: a prepare block a head, a scan walk a tile)
     rows_apart: bool = False
+    states: str = "gdn_chunk_states"  # the split scan's state walk
+    # the split scan's output: gdn_chunk_output_norm writes the gated-normed rows itself (then only a
+    # step's one-token rows go through gdn_gated_norm_rows)
+    output: str = "gdn_chunk_output"
 
 
 PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
@@ -105,7 +118,13 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "split_rows": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_staged", True,
                                                 "gdn_gated_norm_warp", True),
                    "blocked": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
-                                             "gdn_gated_norm_warp", True)}
+                                             "gdn_gated_norm_warp", True),
+                   "registers": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
+                                               "gdn_gated_norm_warp", True, "gdn_chunk_states_registers"),
+                   "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
+                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm")}
+OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
+REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
 # split_rows by measurement (H200, E2 2026-11-23, one GDN layer of the 4B shape, CUDA events per
 # kernel): 8 prompts x 1k + 48 decode rows (the 64-stream burst's mixed steps) 3.40 -> 2.26 ms,
@@ -159,15 +178,21 @@ def decode_kernel(config: Qwen35Config | None = None) -> str:
     else ``DEFAULT_DECODE_KERNEL``; read at each eager launch or capture, like
     ``use_recurrent_kernels`` (a graph keeps the kernel it was captured with). The coalesced
     kernel takes value head dims that are multiples of 32 (else early_loads runs); vec4 also key
-    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs)."""
+    head dims that are multiples of 16 up to VEC4_MAX_KEY_HEAD_DIM (else coalesced runs), and so
+    does bulk (the vec4 step with the state tile moved by bulk copies through shared memory)."""
     choice = os.environ.get(DECODE_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_ENV}={choice!r}: expected one of {sorted(DECODE_KERNELS)}")
+    return decode_kernel_for(choice, config)
+
+
+def decode_kernel_for(choice: str, config: Qwen35Config | None) -> str:
+    """The kernel that runs for decode choice ``choice`` (a key of ``DECODE_KERNELS``) at ``config``'s shapes."""
     if config is not None:
         dk = config.linear_key_head_dim
-        if choice == "vec4" and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
+        if choice in ("vec4", "bulk") and (dk % 16 or dk > VEC4_MAX_KEY_HEAD_DIM):
             choice = "coalesced"
-        if choice in ("coalesced", "vec4") and config.linear_value_head_dim % 32:
+        if choice in ("coalesced", "vec4", "bulk") and config.linear_value_head_dim % 32:
             choice = "early_loads"
     return DECODE_KERNELS[choice]
 
@@ -226,6 +251,10 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(prepare=plain.prepare)
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
+    if kernels.norm != "gdn_gated_norm_warp" or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM:
+        kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
+    if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
+        kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
     return kernels
 
 
@@ -258,6 +287,34 @@ def chunk_states_shared_bytes(dk: int) -> int:
             + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
+REGISTER_STATES_WARPS = (8, 4, 2)  # gdn_chunk_states_registers' block sizes, widest first
+
+
+def register_states_warps(dv: int, heads: int | None = None) -> int:
+    """gdn_chunk_states_registers' warps a block (16 value channels each, dividing dv / 16): 8 (a
+    head's W / K tiles loaded once for 128 channels) unless the step's ``heads`` (sequences x value
+    heads) would then leave SMs idle — a lone prompt's walk spread over more, narrower blocks."""
+    fits = [warps for warps in REGISTER_STATES_WARPS if (dv // 16) % warps == 0] or [1]
+    if heads is not None:
+        for warps in fits:
+            if heads * (dv // (16 * warps)) >= _multiprocessors():
+                return warps
+        return fits[-1]
+    return fits[0]
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def chunk_states_registers_shared_bytes(dk: int, dv: int, warps: int | None = None) -> int:
+    """gdn_chunk_states_registers' dynamic shared memory at ``warps`` a block (default: the
+    widest): two buffers of W, K, U and c."""
+    row_k, row_u = dk + 8, 16 * (warps or register_states_warps(dv)) + 8
+    return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
+
+
 def chunk_output_shared_bytes(dk: int) -> int:
     """gdn_chunk_output's dynamic shared memory (its carve, in order)."""
     row_k, row_c = dk + 8, CHUNK_SIZE + 8
@@ -273,6 +330,28 @@ def fused_decode_threads(config: Qwen35Config) -> int:
     """gdn_decode_step's block: SPLIT threads per value channel and one per conv channel."""
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     return -(-max(dv * SPLIT, 2 * dk + dv) // 32) * 32
+
+
+def decode_bulk_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_decode_step_bulk's dynamic shared memory: the state tile, the partials, deltas, q, k, v (fp32)."""
+    return 4 * (dk * dv + 16 * dv + dv + 2 * dk + dv)
+
+
+def _decode_function(name: str, config: Qwen35Config) -> tuple[cupy.RawKernel, int]:
+    """The fused decode kernel ``name`` and its dynamic shared memory (bulk: all of it, with the
+    largest shared-memory carve-out so that three blocks fit an SM)."""
+    dk, width = config.linear_key_head_dim, config.linear_conv_kernel_dim
+    if name != DECODE_KERNELS["bulk"]:
+        return kernel(name, dk, 0, width), 0
+    shared = decode_bulk_shared_bytes(dk, config.linear_value_head_dim)
+    return _bulk_decode_kernel(dk, shared, width), shared
+
+
+@functools.cache
+def _bulk_decode_kernel(dk: int, shared: int, width: int) -> cupy.RawKernel:
+    function = kernel(DECODE_KERNELS["bulk"], dk, shared, width)
+    function.preferred_shared_memory_carveout = 100  # all 228 KiB: three 75 KiB blocks an SM
+    return function
 
 
 def fused_decode_supported(config: Qwen35Config) -> bool:
@@ -307,10 +386,16 @@ def warm_up(config: Qwen35Config) -> None:
                                                         name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
         kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
+            kernel("gdn_chunk_states_registers", dk,
+                   chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
+        kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
     if fused_decode_supported(config):
+        chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
-            kernel(name, dk, 0, config.linear_conv_kernel_dim)
+            if name != DECODE_KERNELS["bulk"] or chosen == name:  # bulk (opt-in): only when chosen
+                _decode_function(name, config)
         arrival_counters(config)
 
 
@@ -388,9 +473,10 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 device["query_start"], device["slots"], device["fresh"], arrival_counters(config), out, np.int32(nk),
                 np.int32(nv), np.int32(dv), np.int32(width), np.float32(config.rms_norm_eps))
         name = decode_kernel(config)
-        if name == DECODE_KERNELS["vec4"] and not _aligned(ssm_state):  # its 16-byte state accesses
+        if name in (DECODE_KERNELS["vec4"], DECODE_KERNELS["bulk"]) and not _aligned(ssm_state):  # 16-byte accesses
             name = DECODE_KERNELS["coalesced"]
-        _launch(name, kernel(name, dk, 0, width), (num_seqs, nv), (fused_decode_threads(config),), args)
+        function, shared = _decode_function(name, config)
+        _launch(name, function, (num_seqs, nv), (fused_decode_threads(config),), args, shared_mem=shared)
         return out
     conv_out = cupy.empty((num_tokens, conv_dim), dtype=cupy.uint16)
     core = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)  # delta-rule output, before the norm
@@ -415,25 +501,33 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
                        device["slots"], device["fresh"], core, np.int32(nk), np.int32(nv), np.int32(dv),
                        np.int32(tile_dv))
+    norm_args = (proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
+                 np.float32(config.rms_norm_eps))
     if (not recurrent and host_query_start is not None and chunked_supported(config)
             and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
         lengths = np.diff(host_query_start)
+        fused_norm = prefill.output == "gdn_chunk_output_norm"
+        chunk_out = out if fused_norm else core  # the output kernel norms the chunked rows itself
         if prefill.rows_apart and (lengths == 1).any():
             single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
-            ids = cupy.asarray(np.concatenate([single, chunked]).astype(np.int32))
+            ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
             _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
                     delta_rule_block, (*delta_rule_args, ids[: len(single)]))
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill,
-                                (chunked, ids[len(single) :]))
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill,
+                                (chunked, ids[len(single) : len(lengths)]))
+            if fused_norm:  # the one-token rows' norm
+                _launch("gdn_gated_norm_rows", kernel("gdn_gated_norm_rows", dk), (len(single), -(-nv // 4)), (128,),
+                        (core, *norm_args, ids[len(lengths) :]))
+                return out
         else:
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, core, prefill)
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill)
+            if fused_norm:
+                return out
     else:
         _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
                 delta_rule_args)
     if prefill.norm == "gdn_gated_norm_warp":
-        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,),
-                (core, proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
-                 np.float32(config.rms_norm_eps)))
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,), (core, *norm_args))
     else:
         _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
                 (num_tokens, nv), (min(256, -(-dv // 32) * 32),),
@@ -447,7 +541,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                         subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
     """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
     ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
-    ``core`` gets the output O, the slots the new state."""
+    ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
+    the slots the new state."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
@@ -475,17 +570,29 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
             (num_chunks, nv), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
-    if prefill.split_scan:
+    if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
-        states_bytes, output_bytes = chunk_states_shared_bytes(dk), chunk_output_shared_bytes(dk)
-        _launch("gdn_chunk_states", kernel("gdn_chunk_states", dk, states_bytes),
-                (num_seqs, nv, dv // SCAN_TILE), (128,),
+        output_bytes = chunk_output_shared_bytes(dk)
+        if prefill.states == "gdn_chunk_states_registers":
+            warps = register_states_warps(dv, num_seqs * nv)
+            states_bytes = chunk_states_registers_shared_bytes(dk, dv, warps)
+            # the function's shared-memory limit is one attribute for every block size: the widest's
+            states_kernel = kernel(prefill.states, dk, chunk_states_registers_shared_bytes(dk, dv))
+            states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
+        else:
+            states_bytes = chunk_states_shared_bytes(dk)
+            states_kernel = kernel(prefill.states, dk, states_bytes)
+            states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
+        _launch(prefill.states, states_kernel, states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
-        _launch("gdn_chunk_output", kernel("gdn_chunk_output", dk, output_bytes),
-                (num_chunks, nv), (128,),
-                (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv), np.int32(dv)),
+        output_args = (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv),
+                       np.int32(dv))
+        if prefill.output == "gdn_chunk_output_norm":
+            output_args += (proj, np.int32(proj.shape[1]), np.int32(config.conv_dim), w.norm,
+                            np.float32(config.rms_norm_eps))
+        _launch(prefill.output, kernel(prefill.output, dk, output_bytes), (num_chunks, nv), (128,), output_args,
                 shared_mem=output_bytes)
         return
     scan_bytes = chunk_scan_shared_bytes(dk)

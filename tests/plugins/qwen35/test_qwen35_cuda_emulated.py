@@ -183,6 +183,14 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
+    # the walk with the state in mma accumulator registers (transposed products, the same operands
+    # in the same k order): the split walk's S^T per chunk, V', O and final states bit for bit
+    assert read_array(tmp_path, "registers_states_same", np.int32, (1,))[0] == 1
+    # the output kernel with the gated norm fused in: the separate norm's rows (the RMS summed in another
+    # order: within a bf16 rounding)
+    fused = read_array(tmp_path, "fused_out", np.uint16, expected.shape)
+    separate = read_array(tmp_path, "prefill_out", np.uint16, expected.shape)
+    np.testing.assert_allclose(fused, separate, rtol=8e-3, atol=1e-5)
     # the decode harness writes "decode_conv_state_out" / "decode_ssm_state_out"
     out = read_array(tmp_path, "decode_out", np.uint16, d_expected.shape)
     scale = max(1.0, float(np.abs(d_expected).max()))
@@ -216,3 +224,6 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     np.testing.assert_allclose(read_array(tmp_path, "vec4_out", np.uint16, d_expected.shape),
                                read_array(tmp_path, "decode_out", np.uint16, d_expected.shape), rtol=8e-3, atol=1e-5)
     np.testing.assert_array_equal(read_array(tmp_path, "vec4_arrivals", np.int32, (6 * nk,)), 0)
+    # the bulk kernel (state tile by bulk copies through shared memory): vec4's outputs, window and state bit for bit
+    assert read_array(tmp_path, "bulk_same", np.int32, (1,))[0] == 1
+    np.testing.assert_array_equal(read_array(tmp_path, "bulk_arrivals", np.int32, (6 * nk,)), 0)

@@ -230,11 +230,11 @@ extern "C" __global__ void gdn_gated_norm(const bf16* __restrict__ core, const b
 // e over the warp and then the dv / 32 warp sums by a 32-lane butterfly (block_sum's order) gives
 // the same bits.
 #define GATED_NORM_MAX_WARPS 8  // dv <= 256
-extern "C" __global__ void __launch_bounds__(128)
-gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
-                    const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
-                    int num_value_heads, int dv, float eps) {
-    const int t = blockIdx.x, h = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+__device__ __forceinline__ void gated_norm_warp(int t, const bf16* __restrict__ core, const bf16* __restrict__ proj,
+                                                int proj_stride, const bf16* __restrict__ norm_weight,
+                                                bf16* __restrict__ out, int conv_dim, int value_dim,
+                                                int num_value_heads, int dv, float eps) {
+    const int h = blockIdx.y * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (h >= num_value_heads) return;  // a whole warp
     const int warps = dv / 32;
     const bf16* o = core + (size_t)t * value_dim + (size_t)h * dv;
@@ -266,6 +266,24 @@ gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj
             dst[32 * e + lane] = __float2bfloat16_rn(round_bf16(wv[e] * normed) * silu_f(zv[e]));
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                    const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                    int num_value_heads, int dv, float eps) {
+    gated_norm_warp(blockIdx.x, core, proj, proj_stride, norm_weight, out, conv_dim, value_dim, num_value_heads, dv,
+                    eps);
+}
+
+// gdn_gated_norm_warp over the listed token rows only (grid (len(rows), ceil(nv / 4))): a fused-norm
+// prefill step's one-token rows (gdn_chunk_output_norm norms the chunked rows itself)
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_rows(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                    const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                    int num_value_heads, int dv, float eps, const int* __restrict__ rows) {
+    gated_norm_warp(rows[blockIdx.x], core, proj, proj_stride, norm_weight, out, conv_dim, value_dim, num_value_heads,
+                    dv, eps);
 }
 
 // out[t, c] = x[t, c] * sigmoid(gate[t, c]); gate rows are gate_stride apart (a column slice).

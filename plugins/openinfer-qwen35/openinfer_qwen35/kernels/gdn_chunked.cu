@@ -167,6 +167,30 @@ __device__ __forceinline__ void solve_blocked(float* amat, float* tinv) {
     }
 }
 
+// GDN_PHASE_CLOCKS (a diagnostic build of benchmarks/gpu_qwen35.py --gdn-prefill-only, never the
+// plugin's): thread 0 of every prepare block adds each phase's SM clock cycles to
+// gdn_phase_cycles[phase] (phases 1..7 as marked below; [0] counts blocks) — where a block's time goes.
+#ifdef GDN_PHASE_CLOCKS
+extern "C" {
+__device__ unsigned long long gdn_phase_cycles[8];
+}
+#define GDN_PHASES_BEGIN() long long phase_clock = clock64()
+#define GDN_PHASE(k)                                                                    \
+    do {                                                                                \
+        if (threadIdx.x == 0) {                                                         \
+            const long long now = clock64();                                            \
+            atomicAdd(gdn_phase_cycles + (k), (unsigned long long)(now - phase_clock)); \
+            phase_clock = now;                                                          \
+        }                                                                               \
+    } while (0)
+#define GDN_PHASES_DONE() \
+    if (threadIdx.x == 0) atomicAdd(gdn_phase_cycles, 1ull)
+#else
+#define GDN_PHASES_BEGIN()
+#define GDN_PHASE(k)
+#define GDN_PHASES_DONE()
+#endif
+
 template <bool STAGED, bool BLOCKED_SOLVE = false>
 __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y;
@@ -175,6 +199,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
     const int conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    GDN_PHASES_BEGIN();
 
     // carve: [Qs | V^T] , Ks, (beta exp(c) K)^T, A (fp32), T (fp32), Tb, cum, beta
     unsigned char* at = smem;
@@ -242,6 +267,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
                                                              h * dv + jv);
         }
         __syncthreads();
+        GDN_PHASE(1);  // the chunk's q / k / v staged
     }
 
     // 1. q, k rows: l2 norm (q also x DK^-1/2), bf16; zeros past the chunk's end. Warp w takes rows
@@ -304,6 +330,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         gate[r] = lg;
     }
     __syncthreads();
+    GDN_PHASE(2);  // q / k normed, gates
     // c_t reaches -1000 within a chunk for fast-forgetting heads: sum in fp64 so that the
     // differences c_i - c_j keep their precision
     if (threadIdx.x == 0) {
@@ -328,6 +355,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(3);  // cumulative decay
 
     // 2. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared; warp w: rows 16w..
     {
@@ -358,6 +386,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             }
     }
     __syncthreads();
+    GDN_PHASE(4);  // P and A (tensor cores)
 
     // 3. T = (I + A)^-1 by forward substitution. Column j of T depends on column j alone, so
     //    thread j solves it top-down with no barrier: T[i][j] = -A[i][j] - sum_{j<m<i} A[i][m] T[m][j]
@@ -394,6 +423,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(5);  // T = (I + A)^-1
     if (STAGED) {  // 8 loads ahead of their stores (the compiler cannot move loads past stores that may alias)
         for (int e0 = threadIdx.x; e0 < CHUNK * CHUNK; e0 += 8 * 128) {
             float x[8];
@@ -456,6 +486,7 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
         }
     }
     __syncthreads();
+    GDN_PHASE(6);  // T, (beta V)^T, (beta exp(c) K)^T in bf16
 
     // 4. U = T (beta V), W = T (beta exp(c) K): warp w rows 16w.., 8 columns at a time
     const int r0 = 16 * warp;
@@ -489,6 +520,8 @@ __device__ __forceinline__ void chunk_prepare(unsigned char* smem, PREPARE_PARAM
             for (int nt = 0; nt < tiles; ++nt) column_tile(target, nt);
         }
     }
+    GDN_PHASE(7);  // U and W (tensor cores) stored
+    GDN_PHASES_DONE();
 }
 
 extern "C" __global__ void __launch_bounds__(128) gdn_chunk_prepare(PREPARE_PARAMS) {
@@ -868,12 +901,21 @@ gdn_chunk_states(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, con
 
 // gdn_chunk_output: grid (N, nv), 128 threads (warp w: rows 16w..). Q and P once, then the
 // head's dv / 32 tiles of S^T and V' in turn.
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
-gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
-                 const bf16* __restrict__ states, const bf16* __restrict__ v_new, const int* __restrict__ chunk_start,
-                 const int* __restrict__ chunk_len, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
-                 int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+// NORM (gdn_chunk_output_norm, OPENINFER_QWEN35_GDN_PREFILL=fused): the gated RMSNorm fused in
+// (gdn_gated_norm_warp's arithmetic: o rounded to bf16, RMS over the head's dv, times the norm
+// weight, times silu(z)): a warp keeps its rows' O over every tile in registers (dv <= 128), a
+// row's sum of squares met over the 4 lanes holding it, and writes the layer's output instead of
+// O — no O round trip through global memory, no norm launch. The same O; the norm's sum in
+// another order (fp32 rounding of gdn_gated_norm_warp's).
+#define OUTPUT_NORM_MAX_TILES 4  // dv <= 128 for the fused norm
+template <bool NORM>
+__device__ __forceinline__ void chunk_output(unsigned char* smem, const bf16* __restrict__ qn,
+                                             const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                                             const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                                             const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                                             bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv,
+                                             const bf16* __restrict__ proj, int proj_stride, int conv_dim,
+                                             const bf16* __restrict__ norm_weight, float eps) {
     const int c = blockIdx.x, h = blockIdx.y;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int value_dim = num_value_heads * dv;
@@ -908,7 +950,8 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
         cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
     }
     const int r0 = 16 * warp;
-    for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+    // O of rows r0 + g (+ 8) for value channels j0 .. j0 + 31 into acc_o (every thread of the block calls it)
+    auto tile_output = [&](int j0, float (&acc_o)[1][SCAN_TILE / 8][4]) {
         __syncthreads();  // the previous tile's readers are done (and, first, Q, P and c are in)
         const bf16* state_in = states + (((size_t)c * num_value_heads + h) * dv + j0) * DK;
         for (int e = threadIdx.x; e < SCAN_TILE * ROW_VECS; e += SCAN_THREADS) {
@@ -924,7 +967,6 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
             for (int m = 0; m < 8; ++m) vnt[(j + m) * LDC + r] = x[m];
         }
         __syncthreads();
-        float acc_o[1][SCAN_TILE / 8][4] = {};
         warp_strip_mma<DK, SCAN_TILE / 8, 1>(
             acc_o, [&](int, int k0, unsigned* a) { load_a(a, qs + r0 * LDK + k0, LDK); }, sbt, LDK);
 #pragma unroll
@@ -938,15 +980,290 @@ gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, con
         }
         warp_strip_mma<CHUNK, SCAN_TILE / 8, 1>(
             acc_o, [&](int, int k0, unsigned* a) { load_a(a, ps + r0 * LDC + k0, LDC); }, vnt, LDC);
+    };
+    if constexpr (!NORM) {
+        for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+            float acc_o[1][SCAN_TILE / 8][4] = {};
+            tile_output(j0, acc_o);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = r0 + g + 8 * half;
-            if (r < n) {
-                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+            for (int half = 0; half < 2; ++half) {
+                const int r = r0 + g + 8 * half;
+                if (r < n) {
+                    bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
 #pragma unroll
-                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
-                    store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+                    for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                        store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+                }
             }
         }
+    } else {
+        float kept[OUTPUT_NORM_MAX_TILES][1][SCAN_TILE / 8][4] = {};  // this thread's O over every tile
+#pragma unroll
+        for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile) {
+            if (tile * SCAN_TILE >= dv) break;
+            tile_output(tile * SCAN_TILE, kept[tile]);
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) kept[tile][0][nt][e] = round_bf16(kept[tile][0][nt][e]);  // bf16 o, as HF's norm
+        }
+        // the gated RMSNorm of rows r0 + g (half 0) and r0 + g + 8 (half 1) over the head's dv outputs
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float sum_sq = 0.f;
+#pragma unroll
+            for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile)
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)  // tiles past dv hold zeros
+                    sum_sq += kept[tile][0][nt][2 * half] * kept[tile][0][nt][2 * half] +
+                              kept[tile][0][nt][2 * half + 1] * kept[tile][0][nt][2 * half + 1];
+            sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);  // the row's 4 lanes
+            sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+            const float inv_rms = rsqrtf(sum_sq / (float)dv + eps);
+            const int r = r0 + g + 8 * half;
+            if (r >= n) continue;
+            const bf16* z = proj + (size_t)(t0 + r) * proj_stride + conv_dim + (size_t)h * dv;
+            bf16* dst = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv;
+#pragma unroll
+            for (int tile = 0; tile < OUTPUT_NORM_MAX_TILES; ++tile) {
+                if (tile * SCAN_TILE >= dv) break;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                    const int j = tile * SCAN_TILE + nt * 8 + 2 * q4;
+                    float y[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float normed = round_bf16(kept[tile][0][nt][2 * half + e] * inv_rms);
+                        y[e] = round_bf16(to_f(norm_weight[j + e]) * normed) * silu_f(to_f(z[j + e]));
+                    }
+                    store_pair(dst + j, y[0], y[1]);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_output(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                 const bf16* __restrict__ states, const bf16* __restrict__ v_new, const int* __restrict__ chunk_start,
+                 const int* __restrict__ chunk_len, bf16* __restrict__ core, int num_key_heads, int num_value_heads,
+                 int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_output<false>(smem, qn, p_in, cum_in, states, v_new, chunk_start, chunk_len, core, num_key_heads,
+                        num_value_heads, dv, nullptr, 0, 0, nullptr, 0.f);
+}
+
+// gdn_chunk_output_norm: `out` gets the gated-normed rows (the layer's output) instead of O.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+gdn_chunk_output_norm(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                      const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                      const int* __restrict__ chunk_start, const int* __restrict__ chunk_len, bf16* __restrict__ out,
+                      int num_key_heads, int num_value_heads, int dv, const bf16* __restrict__ proj, int proj_stride,
+                      int conv_dim, const bf16* __restrict__ norm_weight, float eps) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_output<true>(smem, qn, p_in, cum_in, states, v_new, chunk_start, chunk_len, out, num_key_heads,
+                       num_value_heads, dv, proj, proj_stride, conv_dim, norm_weight, eps);
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_states_registers (OPENINFER_QWEN35_GDN_PREFILL=registers): gdn_chunk_states with the
+// state in registers instead of shared memory. Transposed, the walk is
+//   V'^T = U^T - S^T W^T,   S^T <- exp(c_C) S^T + (diag(exp(c_C - c)) V')^T K
+// and a warp keeps its 16 value channels' S^T [16][DK] as mma accumulators (fp32) for the whole
+// walk: the accumulator layout of S^T W^T's and V'^T K's outputs (rows g, g+8; columns 2q, 2q+1
+// of each 8-wide tile) is the A-operand layout of the next product over 16 columns, so S^T and
+// V'^T become A fragments by packing pairs to bf16 — no shared-memory round trip of S, no
+// transposes, one barrier pair a chunk. A block is blockDim / 32 warps over 16 x warps channels
+// of one (sequence, value head) (grid (B, nv, dv / (16 warps))): W and K are loaded once for
+// all of them, a chunk ahead (cp.async into two buffers). The same products in the same k order
+// on the same bf16 operands as gdn_chunk_states (the emulation's outputs are its bits).
+// Shared memory per buffer: W, K [64][LDK], U -> V' [64][16 warps + PAD] bf16, c [64] fp32.
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void gdn_copy16(bf16* dst, const bf16* src, bool valid) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) v = *reinterpret_cast<const uint4*>(src);
+    *reinterpret_cast<uint4*>(dst) = v;
+}
+__device__ __forceinline__ void gdn_copy4(float* dst, const float* src) { *dst = *src; }
+__device__ __forceinline__ void gdn_commit_copies() {}
+template <int PENDING>
+__device__ __forceinline__ void gdn_wait_copies() {}
+// B tile 16(k) x 8(n) of a row-major [k][n] matrix at `base`: column g, rows 2q, 2q+1 and 2q+8, 2q+9
+__device__ __forceinline__ void load_b_row_major_pair(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned short* x = reinterpret_cast<const unsigned short*>(base);
+    for (int t = 0; t < 2; ++t) {  // n tiles at base and base + 8
+        auto pair = [&](int k) { return (unsigned)x[k * ld + 8 * t + g] | ((unsigned)x[(k + 1) * ld + 8 * t + g] << 16); };
+        b[2 * t] = pair(2 * q);
+        b[2 * t + 1] = pair(2 * q + 8);
+    }
+}
+#else
+__device__ __forceinline__ void gdn_copy16(bf16* dst, const bf16* src, bool valid) { cp_async16(dst, src, valid); }
+__device__ __forceinline__ void gdn_copy4(float* dst, const float* src) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(src));
+}
+__device__ __forceinline__ void gdn_commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void gdn_wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+// two B tiles 16(k) x 8(n) (n at base and base + 8) of a row-major [k][n] matrix: one ldmatrix.trans
+// (lanes 0-15 address rows 0-15 of the first tile, lanes 16-31 those of the second)
+__device__ __forceinline__ void load_b_row_major_pair(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(b, base + (lane & 15) * ld + 8 * (lane >> 4));
+}
+#endif
+
+__device__ __forceinline__ size_t chunk_states_registers_buffer_bytes(int channels) {
+    return 2 * round_up_128((size_t)CHUNK * LDK * 2) + round_up_128((size_t)CHUNK * (channels + PAD) * 2) + CHUNK * 4;
+}
+
+extern "C" __global__ void __launch_bounds__(256, DK <= 128 ? 2 : 1)
+gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__ w_in, const bf16* __restrict__ u_in,
+                           const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
+                           const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks,
+                           const int* __restrict__ slots, const int* __restrict__ fresh, float* __restrict__ ssm_state,
+                           bf16* __restrict__ states, bf16* __restrict__ v_new, int num_key_heads, int num_value_heads,
+                           int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int warps = blockDim.x >> 5, channels = 16 * warps, ldu = channels + PAD;
+    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * channels;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int jw = 16 * warp;  // this warp's first channel within the block's
+    const size_t buffer_bytes = chunk_states_registers_buffer_bytes(channels);
+    auto w_tile = [&](int b) { return reinterpret_cast<bf16*>(smem + b * buffer_bytes); };
+    auto k_tile = [&](int b) { return w_tile(b) + round_up_128((size_t)CHUNK * LDK * 2) / 2; };
+    auto u_tile = [&](int b) { return k_tile(b) + round_up_128((size_t)CHUNK * LDK * 2) / 2; };
+    auto cum_tile = [&](int b) {
+        return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(u_tile(b)) +
+                                        round_up_128((size_t)CHUNK * ldu * 2));
+    };
+
+    constexpr int ROW_VECS = DK / 8;
+    auto load_chunk = [&](int c, int b) {  // rows past the chunk's end as zeros; c of the last row
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        bf16 *ws = w_tile(b), *ks = k_tile(b), *us = u_tile(b);
+        for (int e = threadIdx.x; e < CHUNK * ROW_VECS; e += blockDim.x) {
+            const int r = e / ROW_VECS, i = (e % ROW_VECS) * 8, row = t0 + (r < n ? r : 0);
+            gdn_copy16(ws + r * LDK + i, w_in + ((size_t)row * num_value_heads + h) * DK + i, r < n);
+            gdn_copy16(ks + r * LDK + i, kn + ((size_t)row * num_key_heads + key_head) * DK + i, r < n);
+        }
+        const int u_vecs = channels / 8;
+        for (int e = threadIdx.x; e < CHUNK * u_vecs; e += blockDim.x) {
+            const int r = e / u_vecs, j = (e % u_vecs) * 8, row = t0 + (r < n ? r : 0);
+            gdn_copy16(us + r * ldu + j, u_in + ((size_t)row * num_value_heads + h) * dv + j0 + j, r < n);
+        }
+        if (threadIdx.x < CHUNK) {
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            gdn_copy4(cum_tile(b) + threadIdx.x, cum_in + (size_t)(t0 + r) * num_value_heads + h);
+        }
+        gdn_commit_copies();
+    };
+
+    // S^T rows g, g + 8 of this warp's channels, columns 8 nt + 2 q4 (+1): st[nt][0..3]
+    const int slot = slots[s];
+    float* state = ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv + j0 + jw;
+    const bool is_fresh = fresh[s] != 0;
+    float st[DK / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt) {
+        const int i = 8 * nt + 2 * q4;
+        st[nt][0] = is_fresh ? 0.f : state[(size_t)i * dv + g];
+        st[nt][1] = is_fresh ? 0.f : state[(size_t)(i + 1) * dv + g];
+        st[nt][2] = is_fresh ? 0.f : state[(size_t)i * dv + g + 8];
+        st[nt][3] = is_fresh ? 0.f : state[(size_t)(i + 1) * dv + g + 8];
+    }
+
+    const int first = seq_chunks[s], last = seq_chunks[s + 1];
+    if (first < last) load_chunk(first, 0);
+    for (int c = first; c < last; ++c) {
+        const int b = (c - first) & 1, t0 = chunk_start[c], n = chunk_len[c];
+        if (c + 1 < last) {  // the other buffer's readers finished at the last iteration's end
+            load_chunk(c + 1, b ^ 1);
+            gdn_wait_copies<1>();
+        } else {
+            gdn_wait_copies<0>();
+        }
+        __syncthreads();  // chunk c's tiles are in
+        const bf16 *ws = w_tile(b), *ks = k_tile(b);
+        bf16* us = u_tile(b);
+        const float* cum = cum_tile(b);
+        const float c_last = cum[CHUNK - 1];
+
+        // S^T entering the chunk as bf16 A fragments (columns 16 kk ..), and to `states` for gdn_chunk_output
+        unsigned sa[DK / 16][4];
+        bf16* state_out = states + (((size_t)c * num_value_heads + h) * dv + j0 + jw) * DK;
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk) {
+            sa[kk][0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);
+            sa[kk][1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);
+            sa[kk][2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+            sa[kk][3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+            const int i = 16 * kk + 2 * q4;
+            *reinterpret_cast<unsigned*>(state_out + (size_t)g * DK + i) = sa[kk][0];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)(g + 8) * DK + i) = sa[kk][1];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)g * DK + i + 8) = sa[kk][2];
+            *reinterpret_cast<unsigned*>(state_out + (size_t)(g + 8) * DK + i + 8) = sa[kk][3];
+        }
+        const float chunk_decay = __expf(c_last);
+#pragma unroll
+        for (int nt = 0; nt < DK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] *= chunk_decay;
+
+        // 16 chunk rows at a time: V'^T for them, then their part of the state update
+#pragma unroll 1
+        for (int rt = 0; rt < CHUNK / 16; ++rt) {
+            float acc[2][4] = {};  // S^T W^T: rows (channels) g, g + 8; columns 16 rt + 8 half + 2 q4 (+1)
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    unsigned bw[2];
+                    load_b(bw, ws + (16 * rt + 8 * half) * LDK + 16 * kk, LDK);
+                    mma_bf16_16816(acc[half], sa[kk], bw[0], bw[1]);
+                }
+            unsigned va[4];  // (diag(exp(c_C - c)) V')^T over these 16 rows: an A fragment
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 16 * rt + 8 * half + 2 * q4;
+                const float decay0 = __expf(c_last - cum[r]), decay1 = __expf(c_last - cum[r + 1]);
+#pragma unroll
+                for (int side = 0; side < 2; ++side) {  // channel g, then g + 8
+                    bf16* u = us + jw + g + 8 * side;
+                    const float v0 = r < n ? to_f(u[r * ldu]) - acc[half][2 * side] : 0.f;
+                    const float v1 = r + 1 < n ? to_f(u[(r + 1) * ldu]) - acc[half][2 * side + 1] : 0.f;
+                    u[r * ldu] = __float2bfloat16_rn(v0);  // V' for the copy-out below
+                    u[(r + 1) * ldu] = __float2bfloat16_rn(v1);
+                    va[2 * half + side] = pack_bf16x2(v0 * decay0, v1 * decay1);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; nt += 2) {
+                unsigned bk[4];
+                load_b_row_major_pair(bk, ks + 16 * rt * LDK + 8 * nt, LDK);
+                mma_bf16_16816(st[nt], va, bk[0], bk[1]);
+                mma_bf16_16816(st[nt + 1], va, bk[2], bk[3]);
+            }
+        }
+        __syncthreads();  // every warp's V' is in the U tile
+        const int u_vecs = channels / 8;
+        for (int e = threadIdx.x; e < CHUNK * u_vecs; e += blockDim.x) {
+            const int r = e / u_vecs, j = (e % u_vecs) * 8;
+            if (r < n)
+                *reinterpret_cast<uint4*>(v_new + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j) =
+                    *reinterpret_cast<const uint4*>(us + r * ldu + j);
+        }
+        __syncthreads();  // this buffer is free for chunk c + 2's loads
+    }
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt) {
+        const int i = 8 * nt + 2 * q4;
+        state[(size_t)i * dv + g] = st[nt][0];
+        state[(size_t)(i + 1) * dv + g] = st[nt][1];
+        state[(size_t)i * dv + g + 8] = st[nt][2];
+        state[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
     }
 }

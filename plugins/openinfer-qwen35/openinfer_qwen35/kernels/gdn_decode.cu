@@ -35,6 +35,9 @@
 #include "gdn_common.cuh"
 
 #define MAX_WINDOW 8  // conv width - 1
+#ifndef GDN_DYNAMIC_SHARED
+#define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 #ifdef CONV_WIDTH
 static_assert(CONV_WIDTH >= 2 && CONV_WIDTH - 1 <= MAX_WINDOW, "conv width 2..9");
 #endif
@@ -298,12 +301,63 @@ extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_coalesced(G
 // order by one thread per column (not the SPLIT-lane order of the others: the state and the
 // outputs agree with theirs to fp32 rounding, not bit for bit). Needs dv a multiple of 32 up to
 // 256, DK a multiple of 16 up to 128 and a 16-byte aligned state.
+// Bulk copies of a state tile (gdn_decode_step_bulk). The load: thread 0 arms the mbarrier with the
+// byte count and issues the copy; every thread waits on phase 0 (after a __syncthreads has published
+// the barrier's init). The store: every writer fences its tile writes to the async proxy, a
+// barrier, then thread 0 issues the copy and, before the block exits, waits until it has read the tile.
+#ifdef MMA_HOST_STANDIN
+#include <cstring>
+__device__ inline void bulk_load_state(float4* tile, const float4* state, unsigned bytes, unsigned long long*) {
+    std::memcpy(tile, state, bytes);
+}
+__device__ inline void wait_bulk_load(unsigned long long*) {}
+__device__ inline void bulk_store_fence() {}
+__device__ inline void bulk_store_state(float4* state, const float4* tile, unsigned bytes) {
+    std::memcpy(state, tile, bytes);
+}
+__device__ inline void wait_bulk_store() {}
+#else
+__device__ __forceinline__ void bulk_load_state(float4* tile, const float4* state, unsigned bytes,
+                                                unsigned long long* loaded) {
+    const unsigned bar = (unsigned)__cvta_generic_to_shared(loaded), dst = (unsigned)__cvta_generic_to_shared(tile);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(state), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void wait_bulk_load(unsigned long long* loaded) {
+    const unsigned bar = (unsigned)__cvta_generic_to_shared(loaded);
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_store_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_store_state(float4* state, const float4* tile, unsigned bytes) {
+    const unsigned src = (unsigned)__cvta_generic_to_shared(tile);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(state), "r"(src), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void wait_bulk_store() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+#endif
+
 constexpr int VEC_PARTS = 16;                 // threads sharing a group of 4 columns
 constexpr int VEC_ROWS = DK >= VEC_PARTS ? DK / VEC_PARTS : 1;  // float4 rows a thread holds
 static_assert(VEC_PARTS == 4 * SPLIT, "gdn_decode_step_vec4 fills the dv * SPLIT state threads of the block");
 
+// BULK (gdn_decode_step_bulk, OPENINFER_QWEN35_GDN_DECODE=bulk): the head's state [DK][dv] moves
+// between global and shared memory (`tile`) by one bulk copy each way (the Hopper copy engine,
+// cp.async.bulk + an mbarrier): the load issued by one thread at the block's start, in flight
+// through the conv; the store issued once the tile is updated and drained while the block norms
+// its outputs. The state is no longer held in registers between the two passes (each pass reads
+// its float4s from the tile, the first writes them back decayed), so three blocks fit an SM
+// (64 KiB of tile each) instead of two. The same arithmetic in the same order as vec4: its bits.
+template <bool BULK = false>
 __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q, float* k, float* v, float* scratch,
                                                           int& last_to_arrive, float* partials, float* deltas,
+                                                          float4* tile, unsigned long long* loaded,
                                                           GDN_DECODE_PARAMS) {
 #ifdef CONV_WIDTH
     constexpr int width = CONV_WIDTH;
@@ -321,10 +375,15 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
     const int row0 = (active ? part : 0) * VEC_ROWS;
     const float4 zero = {0.f, 0.f, 0.f, 0.f};
     float4* state = reinterpret_cast<float4*>(ssm_state + ((size_t)slot * num_value_heads + h) * DK * dv);
-    float4 column[VEC_ROWS];
+    const unsigned state_bytes = (unsigned)(DK * dv * sizeof(float));
+    float4 column[BULK ? 1 : VEC_ROWS];
+    if (BULK) {
+        if (threadIdx.x == 0 && !is_fresh) bulk_load_state(tile, state, state_bytes, loaded);
+    } else {
 #pragma unroll
-    for (int i = 0; i < VEC_ROWS; ++i)
-        column[i] = (active && !is_fresh) ? state[(size_t)(row0 + i) * groups + g] : zero;
+        for (int i = 0; i < VEC_ROWS; ++i)
+            column[BULK ? 0 : i] = (active && !is_fresh) ? state[(size_t)(row0 + i) * groups + g] : zero;
+    }
 
     // the token's scalars beside the state (as early_loads); thread j < dv finishes column j
     const bf16* row = proj + (size_t)t * proj_stride;
@@ -362,17 +421,21 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
 
     // S <- decay S; predicted_j = S[:, j]^T k: 16 partials a column, summed by thread j
     float4 predicted = zero;
+    if (BULK && !is_fresh) wait_bulk_load(loaded);
 #pragma unroll
     for (int i = 0; i < VEC_ROWS; ++i) {
         const float key = k[row0 + i] * k_scale;
-        column[i].x *= decay;
-        column[i].y *= decay;
-        column[i].z *= decay;
-        column[i].w *= decay;
-        predicted.x += column[i].x * key;
-        predicted.y += column[i].y * key;
-        predicted.z += column[i].z * key;
-        predicted.w += column[i].w * key;
+        float4& c = column[BULK ? 0 : i];
+        if (BULK) c = (active && !is_fresh) ? tile[(row0 + i) * groups + g] : zero;
+        c.x *= decay;
+        c.y *= decay;
+        c.z *= decay;
+        c.w *= decay;
+        predicted.x += c.x * key;
+        predicted.y += c.y * key;
+        predicted.z += c.z * key;
+        predicted.w += c.w * key;
+        if (BULK && active) tile[(row0 + i) * groups + g] = c;
     }
     float4* partials4 = reinterpret_cast<float4*>(partials);  // [VEC_PARTS][dv]
     if (active) partials4[part * groups + g] = predicted;
@@ -391,21 +454,28 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
 #pragma unroll
     for (int i = 0; i < VEC_ROWS; ++i) {
         const float key = k[row0 + i] * k_scale, query = q[row0 + i] * q_scale;
-        column[i].x += key * delta.x;
-        column[i].y += key * delta.y;
-        column[i].z += key * delta.z;
-        column[i].w += key * delta.w;
-        o.x += column[i].x * query;
-        o.y += column[i].y * query;
-        o.z += column[i].z * query;
-        o.w += column[i].w * query;
+        float4& c = column[BULK ? 0 : i];
+        if (BULK) c = active ? tile[(row0 + i) * groups + g] : zero;
+        c.x += key * delta.x;
+        c.y += key * delta.y;
+        c.z += key * delta.z;
+        c.w += key * delta.w;
+        o.x += c.x * query;
+        o.y += c.y * query;
+        o.z += c.z * query;
+        o.w += c.w * query;
+        if (BULK && active) tile[(row0 + i) * groups + g] = c;
     }
     if (active) {
+        if (!BULK) {
 #pragma unroll
-        for (int i = 0; i < VEC_ROWS; ++i) state[(size_t)(row0 + i) * groups + g] = column[i];
+            for (int i = 0; i < VEC_ROWS; ++i) state[(size_t)(row0 + i) * groups + g] = column[BULK ? 0 : i];
+        }
         partials4[part * groups + g] = o;
     }
+    if (BULK) bulk_store_fence();  // this thread's tile writes, visible to the copy engine after the barrier
     __syncthreads();
+    if (BULK && threadIdx.x == 0) bulk_store_state(state, tile, state_bytes);
     float o_j = 0.f;
     if (j < dv) {
 #pragma unroll
@@ -420,12 +490,30 @@ __device__ __forceinline__ void decode_sequence_head_vec4(int s, int h, float* q
         out[(size_t)t * value_dim + (size_t)h * dv + j] =
             __float2bfloat16_rn(round_bf16(weight_j * normed) * silu_f(z_in));
     }
+    if (BULK && threadIdx.x == 0) wait_bulk_store();  // the tile is read before the block's memory goes
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) gdn_decode_step_vec4(GDN_DECODE_PARAMS) {
     DECODE_SHARED;
     __shared__ __align__(16) float partials[VEC_PARTS * 256];
     __shared__ __align__(16) float deltas[256];
-    decode_sequence_head_vec4(blockIdx.x, blockIdx.y, q, k, v, scratch, last_to_arrive, partials, deltas,
-                              GDN_DECODE_ARGS);
+    decode_sequence_head_vec4(blockIdx.x, blockIdx.y, q, k, v, scratch, last_to_arrive, partials, deltas, nullptr,
+                              nullptr, GDN_DECODE_ARGS);
+}
+
+// gdn_decode_step_bulk: dynamic shared memory gdn_decode_bulk_smem(dv) bytes (the launcher computes
+// the same): the state tile [DK][dv] fp32, the partials [VEC_PARTS][dv], deltas, q, k, v.
+extern "C" __global__ void __launch_bounds__(512, 3) gdn_decode_step_bulk(GDN_DECODE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    __shared__ float scratch[32];
+    __shared__ int last_to_arrive;
+    __shared__ __align__(8) unsigned long long loaded;
+    float4* tile = reinterpret_cast<float4*>(smem);
+    float* partials = reinterpret_cast<float*>(smem) + DK * dv;
+    float* deltas = partials + VEC_PARTS * dv;
+    float* q = deltas + dv;
+    float* k = q + DK;
+    float* v = k + DK;
+    decode_sequence_head_vec4<true>(blockIdx.x, blockIdx.y, q, k, v, scratch, last_to_arrive, partials, deltas, tile,
+                                    &loaded, GDN_DECODE_ARGS);
 }

@@ -8,6 +8,7 @@
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
 inline void __threadfence() {}
 #include <cuda_bf16.h>
+#include <cstring>  // gdn_decode_step_bulk's host stand-in copies
 #undef __launch_bounds__
 #define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
 struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
@@ -142,6 +143,38 @@ int main(int argc, char** argv) {
         });
         std::vector<int> split_same{bits_equal(split_core, core) && bits_equal(split_ssm, ssm) ? 1 : 0};
         save(dir, "split_scan_same.bin", split_same);
+
+        // the walk with the state in registers (gdn_chunk_states_registers, 16 channels a warp, as
+        // many warps as dv / 16 allows up to 8) from the same slots: its S^T per chunk, V', the
+        // core output and the final states
+        auto reg_ssm = load<float>(dir, "ssm_state.bin");
+        std::vector<bf16> reg_states(states.size()), reg_v_new(v_new.size()), reg_core(core.size());
+        int warps = 8;
+        while ((dv / 16) % warps) warps /= 2;
+        launch(num_seqs, nv, dv / (16 * warps), 32 * warps, [&] {
+            gdn_chunk_states_registers(s_kn.data(), s_w.data(), s_u.data(), s_cum.data(), chunk_start.data(),
+                                       chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(),
+                                       reg_ssm.data(), reg_states.data(), reg_v_new.data(), nk, nv, dv);
+        });
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                             chunk_start.data(), chunk_len.data(), reg_core.data(), nk, nv, dv);
+        });
+        std::vector<int> registers_same{bits_equal(reg_states, states) && bits_equal(reg_v_new, v_new) &&
+                                        bits_equal(reg_core, core) && bits_equal(reg_ssm, ssm) ? 1 : 0};
+        save(dir, "registers_states_same.bin", registers_same);
+        save(dir, "registers_core.bin", reg_core);
+        save(dir, "registers_ssm.bin", reg_ssm);
+
+        // the output kernel with the gated norm fused in (gdn_chunk_output_norm) from the same walk:
+        // the layer's output rows (every row of this step is chunked: no one-token rows)
+        std::vector<bf16> fused_out(out.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output_norm(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                                  chunk_start.data(), chunk_len.data(), fused_out.data(), nk, nv, dv, proj.data(),
+                                  proj_stride, conv_dim, norm.data(), eps);
+        });
+        save(dir, "fused_out.bin", fused_out);
     }
 
     // decode: one fused kernel
@@ -206,6 +239,23 @@ int main(int argc, char** argv) {
         save(dir, "vec4_conv_state_out.bin", v_conv_state);
         save(dir, "vec4_ssm_state_out.bin", v_ssm);
         save(dir, "vec4_arrivals.bin", arrivals);
+
+        // the bulk kernel (the state tile moved by bulk copies, both passes through shared memory)
+        auto b_conv_state = load<bf16>(dir, "decode_conv_state.bin");
+        auto b_ssm = load<float>(dir, "decode_ssm_state.bin");
+        std::vector<bf16> b_out(out.size());
+        launch(num_seqs, nv, 1, static_cast<unsigned>((threads + 31) / 32 * 32), [&] {
+            gdn_decode_step_bulk(proj.data(), proj_stride, weight.data(), b_conv_state.data(), b_ssm.data(),
+                                 rate.data(), bias.data(), norm.data(), query_start.data(), slots.data(),
+                                 fresh.data(), arrivals.data(), b_out.data(), nk, nv, dv, width, eps);
+        });
+        auto same_bits = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+        };
+        std::vector<int> bulk_same{
+            same_bits(b_out, v_out) && same_bits(b_conv_state, v_conv_state) && same_bits(b_ssm, v_ssm) ? 1 : 0};
+        save(dir, "bulk_same.bin", bulk_same);
+        save(dir, "bulk_arrivals.bin", arrivals);
 
     }
     return 0;
