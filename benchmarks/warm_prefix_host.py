@@ -71,11 +71,9 @@ def main() -> None:
     if args.http:
         import shutil
 
-        from openinfer.demo import ensure_demo_model
-
-        demo = ensure_demo_model(progress=False)
+        tokenizer_dir = demo_or_generated_tokenizer(Path(tempfile.mkdtemp()))
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo / name, path / name)
+            shutil.copy(tokenizer_dir / name, path / name)
     engine = openinfer.create_engine(str(path), device="cpu", num_kv_blocks=n // 16 + 64, max_model_len=n + 64,
                                      max_num_batched_tokens=n + 16, load_format="dummy")
     vocab = engine.model.spec.vocab_size
@@ -220,20 +218,11 @@ def serve_rows(args: argparse.Namespace) -> None:
     from gpu_concurrency import free_port, wait_ready
     from serve import ttft_rows
 
-    from openinfer.demo import ensure_demo_model
     from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
-    from openinfer.errors import DemoModelUnavailableError
 
     max_len = max(args.contexts) + 64
     work = Path(tempfile.mkdtemp())
-    try:
-        tokenizer_dir = ensure_demo_model(progress=False)
-    except DemoModelUnavailableError:  # (a GPU machine without the demo package) a generated word-level one
-        from gpu_serving import write_tokenizer
-
-        tokenizer_dir = work / "tokenizer"
-        tokenizer_dir.mkdir()
-        write_tokenizer(tokenizer_dir, 32000)
+    tokenizer_dir = demo_or_generated_tokenizer(work)
     checkpoint = write_stub_model(work / "stub", tokenizer_dir, step_ms=args.stub_step_ms, max_model_len=max_len)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     port = free_port()
@@ -263,6 +252,24 @@ def serve_rows(args: argparse.Namespace) -> None:
         print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
               f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
               f"cold {row['cold_ttft_ms']:.2f} ms; cached {row['warm_cached_tokens']}")
+
+
+def demo_or_generated_tokenizer(work: Path) -> Path:
+    """The demo model's tokenizer directory, or (a GPU machine without the demo package) a
+    generated word-level one under ``work`` (vocab 32000)."""
+    from openinfer.demo import ensure_demo_model
+    from openinfer.errors import DemoModelUnavailableError
+
+    try:
+        return ensure_demo_model(progress=False)
+    except DemoModelUnavailableError:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gpu_serving import write_tokenizer
+
+        tokenizer_dir = work / "tokenizer"
+        tokenizer_dir.mkdir()
+        write_tokenizer(tokenizer_dir, 32000)
+        return tokenizer_dir
 
 
 def plot_comparison(result: dict, path: Path) -> None:
