@@ -364,6 +364,9 @@ class PagedEngine:
         each step's outbox ``[(destination, request_id, kind, payload)]`` goes to ``deliver``
         (called on the engine thread). Call before any request is submitted."""
         self._deliver = deliver
+        # a finished request's blocks go back after its last tokens are sent (``_flush``); the
+        # transport's load of that step still counts them, its next message does not
+        self.kv.defer_frees = True
         previous, self._inbox = self._inbox, inbox
         previous.put(("noop", None))  # wake the engine thread, idle in the old inbox
 
@@ -437,10 +440,12 @@ class PagedEngine:
             self._outbox.append((destination, request_id, kind, payload))
 
     def _flush(self) -> None:
-        """Deliver everything this step emitted, at once."""
+        """Deliver everything this step emitted, at once; then return the blocks of the requests
+        it finished (``KVCacheManager.defer_frees``)."""
         if self._outbox:
             entries, self._outbox = self._outbox, []
             self._deliver(entries)
+        self.kv.settle_frees()
 
     def _finish(self, request: Request, reason: int, matched_stop: int | None = None) -> None:
         request.drop_placeholders()  # tokens never read back are not counted
