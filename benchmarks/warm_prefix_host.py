@@ -121,11 +121,12 @@ def main() -> None:
     cpu_ms: list[float] = []  # CPU time of the whole process (every thread) to each warm first token
 
     async def one(request_id: str) -> float:
+        # the prompt as the int32 array beside the request, as the engine core receives it
+        prompt = np.array(prefix + rng.integers(3, 90, 8).tolist(), np.int32)
         began, began_cpu, first = time.perf_counter(), time.process_time(), None
-        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prefix + rng.integers(3, 90, 8).tolist(),
-                                     sampling=pb.SamplingParams(temperature=0.0),
+        request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(temperature=0.0),
                                      stop=pb.StopConditions(max_tokens=1, ignore_eos=True))
-        async for event in engine.generate(request):
+        async for event in engine.generate_prompt_array(request, prompt):
             if event.WhichOneof("event") == "tokens" and first is None:
                 first = time.perf_counter() - began
                 if not profiling["on"]:
