@@ -13,7 +13,10 @@ request's clock starts, as a client in another process would. ``--serve``: the w
 instead, ``openinfer serve`` (an API-server process and the engine-core process) with the stub
 engine (``openinfer.engine_core.stub``, a fixed ``--stub-step-ms`` per step), cold and warm TTFT
 rows of benchmarks/serve.py's lean client at each ``--contexts`` length: warm TTFT minus the stub
-step is the host's part of a warm request on this machine's CPU.
+step is the host's part of a warm request on this machine's CPU. ``--device cuda``: the engine path
+with a Qwen3-4B-shaped model on the GPU instead of the stub (random weights, short-prefill graphs
+on): the warm TTFT with its real device step, and where the engine's step spends its host time
+around it.
 
     python benchmarks/warm_prefix_host.py --context 16384 --out benchmarks/results/warm_prefix_host.json
     python benchmarks/warm_prefix_host.py --serve --contexts 1024 16384 --out /tmp/warm_prefix_serve.json
@@ -53,7 +56,13 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="with --serve: prompt lengths")
     parser.add_argument("--repeats", type=int, default=7, help="with --serve: fresh prompts per context (median)")
     parser.add_argument("--stub-step-ms", type=float, default=1.0, help="with --serve: the stub's device step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the engine path (no --http/--serve) with a Qwen3-4B-shaped model on the GPU "
+                             "(random weights, short-prefill graphs on) instead of the stubbed tiny model: the host "
+                             "work around a real warm step, the device step included in the TTFT")
     args = parser.parse_args()
+    if args.device == "cuda" and (args.http or args.serve):
+        parser.error("--device cuda measures the engine path only (no --http / --serve)")
     if args.serve:
         if args.repeats < 1 or any(c < 2 for c in args.contexts) or args.stub_step_ms < 0:
             parser.error("--repeats >= 1, --contexts >= 2 tokens each, --stub-step-ms >= 0")
@@ -66,20 +75,32 @@ def main() -> None:
     from model_shapes import TINY_QWEN3, write_config_dir
 
     n = args.context
-    path = write_config_dir(Path(tempfile.mkdtemp()) / "tiny", TINY_QWEN3, max_position_embeddings=32768,
-                            vocab_size=49152 if args.http else 96)
+    if args.device == "cuda":
+        import os
+
+        from gpu_bench import QWEN3_4B
+
+        os.environ.setdefault("OPENINFER_PREFILL_GRAPHS", "1")  # the warm step's short-prefill graph
+        path = write_config_dir(Path(tempfile.mkdtemp()) / "qwen3-4b", {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3_4B, "bos_token_id": 1,
+            "eos_token_id": 2}, max_position_embeddings=max(32768, n + 64))
+    else:
+        path = write_config_dir(Path(tempfile.mkdtemp()) / "tiny", TINY_QWEN3, max_position_embeddings=32768,
+                                vocab_size=49152 if args.http else 96)
     if args.http:
         import shutil
 
-        from openinfer.demo import ensure_demo_model
-
-        demo = ensure_demo_model(progress=False)
+        tokenizer_dir = demo_or_generated_tokenizer(Path(tempfile.mkdtemp()))
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo / name, path / name)
-    engine = openinfer.create_engine(str(path), device="cpu", num_kv_blocks=n // 16 + 64, max_model_len=n + 64,
-                                     max_num_batched_tokens=n + 16, load_format="dummy")
-    vocab = engine.model.spec.vocab_size
-    engine.model.forward = lambda batch, kv: np.zeros((len(batch.logits_rows), vocab), np.float32)
+            shutil.copy(tokenizer_dir / name, path / name)
+    if args.device == "cuda":
+        engine = openinfer.create_engine(str(path), device="cuda", max_model_len=n + 64, max_num_seqs=1,
+                                         load_format="dummy")
+    else:
+        engine = openinfer.create_engine(str(path), device="cpu", num_kv_blocks=n // 16 + 64, max_model_len=n + 64,
+                                         max_num_batched_tokens=n + 16, load_format="dummy")
+        vocab = engine.model.spec.vocab_size
+        engine.model.forward = lambda batch, kv: np.zeros((len(batch.logits_rows), vocab), np.float32)
     profile = cProfile.Profile()
     step = engine.step
     profiling = {"on": False}
@@ -100,11 +121,12 @@ def main() -> None:
     cpu_ms: list[float] = []  # CPU time of the whole process (every thread) to each warm first token
 
     async def one(request_id: str) -> float:
+        # the prompt as the int32 array beside the request, as the engine core receives it
+        prompt = np.array(prefix + rng.integers(3, 90, 8).tolist(), np.int32)
         began, began_cpu, first = time.perf_counter(), time.process_time(), None
-        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prefix + rng.integers(3, 90, 8).tolist(),
-                                     sampling=pb.SamplingParams(temperature=0.0),
+        request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(temperature=0.0),
                                      stop=pb.StopConditions(max_tokens=1, ignore_eos=True))
-        async for event in engine.generate(request):
+        async for event in engine.generate_prompt_array(request, prompt):
             if event.WhichOneof("event") == "tokens" and first is None:
                 first = time.perf_counter() - began
                 if not profiling["on"]:
@@ -176,13 +198,18 @@ def main() -> None:
                 for (filename, line, function), (_, calls, _, cumulative, _) in pstats.Stats(profile).stats.items()]
 
     rows = top(profile, str(Path(openinfer.__file__).resolve().parent))  # the package's own frames
-    result = {"context": n, "through": (f"HTTP app (ASGI, {'text' if args.text else 'token-id'} prompt, streamed)" if args.http
-                                         else "EngineHandle"),
+    if args.device == "cuda":  # and the plugins' and CuPy's (a device wait shows as a CuPy frame)
+        rows = sorted(rows + [r for r in top_all(profile) if "/plugins/" in r["function"] or "cupy" in r["function"]],
+                      key=lambda r: -r["cumulative_ms_per_request"])[:30]
+    result = {"context": n, "device": args.device,
+              "through": (f"HTTP app (ASGI, {'text' if args.text else 'token-id'} prompt, streamed)" if args.http
+                          else "EngineHandle"),
               "cold_host_ttft_ms": 1e3 * cold, "warm_host_ttft_ms": [1e3 * w for w in warm],
               "warm_host_ttft_ms_median": 1e3 * float(np.median(warm)),
               "warm_host_ttft_ms_min": 1e3 * float(np.min(warm)), "engine_step_profile": rows,
-              "note": "model forward stubbed: host time only, on the CPU of the machine that ran it; TTFTs "
-                      "unprofiled, profiles (cProfile, inflated by it) from a second round of the same requests"}
+              "note": ("Qwen3-4B-shaped model on the GPU: TTFT = host work + the device step" if args.device == "cuda"
+                       else "model forward stubbed: host time only") + ", on the CPU of the machine that ran it; "
+                      "TTFTs unprofiled, profiles (cProfile, inflated by it) from a second round of the same requests"}
     if cpu_ms:  # robust where the machine is shared: wall time includes waiting for a core
         result["warm_process_cpu_ms"] = cpu_ms[1:]
         result["warm_process_cpu_ms_median"] = float(np.median(cpu_ms[1:]))
@@ -220,20 +247,11 @@ def serve_rows(args: argparse.Namespace) -> None:
     from gpu_concurrency import free_port, wait_ready
     from serve import ttft_rows
 
-    from openinfer.demo import ensure_demo_model
     from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
-    from openinfer.errors import DemoModelUnavailableError
 
     max_len = max(args.contexts) + 64
     work = Path(tempfile.mkdtemp())
-    try:
-        tokenizer_dir = ensure_demo_model(progress=False)
-    except DemoModelUnavailableError:  # (a GPU machine without the demo package) a generated word-level one
-        from gpu_serving import write_tokenizer
-
-        tokenizer_dir = work / "tokenizer"
-        tokenizer_dir.mkdir()
-        write_tokenizer(tokenizer_dir, 32000)
+    tokenizer_dir = demo_or_generated_tokenizer(work)
     checkpoint = write_stub_model(work / "stub", tokenizer_dir, step_ms=args.stub_step_ms, max_model_len=max_len)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     port = free_port()
@@ -263,6 +281,24 @@ def serve_rows(args: argparse.Namespace) -> None:
         print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
               f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
               f"cold {row['cold_ttft_ms']:.2f} ms; cached {row['warm_cached_tokens']}")
+
+
+def demo_or_generated_tokenizer(work: Path) -> Path:
+    """The demo model's tokenizer directory, or (a GPU machine without the demo package) a
+    generated word-level one under ``work`` (vocab 32000)."""
+    from openinfer.demo import ensure_demo_model
+    from openinfer.errors import DemoModelUnavailableError
+
+    try:
+        return ensure_demo_model(progress=False)
+    except DemoModelUnavailableError:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gpu_serving import write_tokenizer
+
+        tokenizer_dir = work / "tokenizer"
+        tokenizer_dir.mkdir()
+        write_tokenizer(tokenizer_dir, 32000)
+        return tokenizer_dir
 
 
 def plot_comparison(result: dict, path: Path) -> None:

@@ -13,6 +13,8 @@ import asyncio
 import threading
 from typing import Any
 
+import numpy as np
+
 from openinfer.engine_core.slots import (
     ERROR,
     FINISHED,
@@ -50,9 +52,18 @@ class HandleAdapter:
     def load(self) -> pb.Load:
         return self.engine.load()
 
-    def admit(self, request: pb.GenerateRequest, destination: Any) -> None:
+    def admit(self, request: pb.GenerateRequest, destination: Any, prompt: np.ndarray | None = None) -> None:
+        """``prompt``: the ids that came beside the request (the engine-core protocol's prompt
+        buffer): the wrapped handle reads them from the request's ``prompt_token_ids``."""
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight", "request_id")
+        if prompt is not None:
+            if len(request.prompt_token_ids):
+                raise InvalidRequestError("the prompt came both beside the request and in prompt_token_ids; "
+                                          "send it once", "prompt_token_ids")
+            if len(prompt) and prompt.min() < 0:
+                raise InvalidRequestError(f"prompt token id {int(prompt.min())} is negative", "prompt_token_ids")
+            request.prompt_token_ids.extend(prompt.tolist())
         self._streams[request.request_id] = destination
         self._inbox.put(("add", request))
 

@@ -21,6 +21,7 @@ import struct
 import uuid
 from collections.abc import AsyncIterator
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -30,6 +31,7 @@ from openinfer.engine_core.protocol import (
     CORE_INPUT_SOCKET,
     HEARTBEAT,
     HELLO,
+    PROMPT_DTYPE,
     READY,
     STEP,
     decoder,
@@ -150,7 +152,7 @@ class EngineCoreClient:
         self._flush_scheduled = False
         commands, self._pending = self._pending, []
         if commands and not self._send(commands):
-            for command, argument in commands:
+            for command, argument, *_ in commands:
                 if command == ADD:
                     slot = self._slots.pop(pb.GenerateRequest.FromString(argument).request_id, None)
                     if slot is not None:
@@ -171,7 +173,16 @@ class EngineCoreClient:
     def load(self) -> pb.Load:
         return self._load
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        return self._generate(request, None)
+
+    def generate_prompt_array(self, request: pb.GenerateRequest, prompt_ids: np.ndarray
+                              ) -> AsyncIterator[pb.TokenEvent]:
+        """``generate`` with the prompt beside the request (its ``prompt_token_ids`` empty): sent to
+        the core as the array's bytes, little-endian int32 (``protocol`` ADD)."""
+        return self._generate(request, np.ascontiguousarray(prompt_ids, dtype=PROMPT_DTYPE).tobytes())
+
+    async def _generate(self, request: pb.GenerateRequest, prompt: bytes | None) -> AsyncIterator[pb.TokenEvent]:
         if not self._ready.is_set():
             raise EngineDeadError(f"the engine is unavailable: {self._engine_message}")
         request_id = request.request_id
@@ -181,7 +192,7 @@ class EngineCoreClient:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id")
         slot = RequestSlot(request_id, asyncio.get_running_loop())
         self._slots[request_id] = slot
-        self._queue([ADD, request.SerializeToString()])
+        self._queue([ADD, request.SerializeToString()] if prompt is None else [ADD, request.SerializeToString(), prompt])
         events = slot.events()
         finished = False
         try:

@@ -46,6 +46,7 @@ from openinfer.engine_core.protocol import (
     encoder,
     ipc_address,
     load_fields,
+    prompt_from_buffer,
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
 from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
@@ -117,11 +118,13 @@ class CoreTransport:
             self._heartbeat()
 
     def _handle(self, client_id: bytes, commands: list) -> None:
-        for command, argument in commands:
+        for command, argument, *rest in commands:
             if command == ADD:
                 request = pb.GenerateRequest.FromString(argument)
                 try:
-                    self.engine.admit(request, client_id)
+                    # the prompt as one buffer beside the request (protocol: ADD), read in place
+                    prompt = prompt_from_buffer(rest[0]) if rest else None
+                    self.engine.admit(request, client_id, prompt)
                 except InvalidRequestError as exc:
                     self.local.append(("reject", (client_id, request.request_id, REJECTED,
                                                   [pb.ERROR_CODE_INVALID_ARGUMENT, str(exc), exc.field or ""])))

@@ -66,31 +66,39 @@ __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_grou
 // Offset (bf16 elements) of 16-byte chunk `chunk` of key row `row` inside a swizzled tile.
 __device__ __forceinline__ int tile_offset(int row, int chunk) { return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3); }
 
-// One 16-key tile of a warp's online softmax over its 16 query rows: S = Q K^T in the log2 domain
-// (keys at or past a row's limit masked), the running max and sum rescaled, O += P V; the S
-// accumulators become P's A fragments in registers. `limit[h]`: the keys fragment row
-// frag_row + 8h sees; HALVES: the fragment row halves holding real rows (1: rows 8-15 are zero).
-template <int HALVES>
-__device__ __forceinline__ void attend_key_tile(const unsigned int (&qa)[HEAD_DIM / 16][4], const bf16* k_tile,
-                                                const bf16* v_tile, int token0, const int (&limit)[2],
-                                                float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
-                                                float (&l)[2]) {
+// SUBTILES consecutive 16-key tiles (k_tile / v_tile: SUBTILES tiles of TILE_ELEMS each) of a
+// warp's online softmax over its 16 query rows: S = Q K^T for all of them in the log2 domain (keys
+// at or past a row's limit masked), one running-max update and one rescale of O and of the sum,
+// then O += P V subtile by subtile; the S accumulators become P's A fragments in registers.
+// `limit[h]`: the keys fragment row frag_row + 8h sees; HALVES: the fragment row halves holding
+// real rows (1: rows 8-15 are zero). SUBTILES = 1 is the per-16-key update of the decode kernels;
+// more (the shared-tile kernel's SQ_TILE_SOFTMAX) the same attention up to the order of the sums.
+template <int HALVES, int SUBTILES>
+__device__ __forceinline__ void attend_key_tiles(const unsigned int (&qa)[HEAD_DIM / 16][4], const bf16* k_tile,
+                                                 const bf16* v_tile, int token0, const int (&limit)[2],
+                                                 float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                 float (&l)[2]) {
     const int lane = threadIdx.x & 31, frag_col = (lane & 3) * 2;
-    // ldmatrix lane addresses: K (non-transposed) gives S's B fragments for keys 0-7 | 8-15,
-    // V (transposed) gives O's B fragments for two 8-wide dim tiles.
+    // ldmatrix lane addresses: K (non-transposed) gives S's B fragments for keys 0-7 | 8-15 of a
+    // subtile, V (transposed) gives O's B fragments for two 8-wide dim tiles.
     const int k_row = ((lane >> 4) & 1) * 8 + (lane & 7), k_chunk_lo = (lane >> 3) & 1;
     const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk_lo = lane >> 4;
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s[2 * SUBTILES][4];
+#pragma unroll
+    for (int n = 0; n < 2 * SUBTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-        unsigned int b[4];
-        ldmatrix_x4(b, k_tile + tile_offset(k_row, 2 * ks + k_chunk_lo));
-        mma_bf16_16816(s[0], qa[ks], b[0], b[1]);
-        mma_bf16_16816(s[1], qa[ks], b[2], b[3]);
+#pragma unroll
+        for (int t = 0; t < SUBTILES; ++t) {
+            unsigned int b[4];
+            ldmatrix_x4(b, k_tile + t * TILE_ELEMS + tile_offset(k_row, 2 * ks + k_chunk_lo));
+            mma_bf16_16816(s[2 * t], qa[ks], b[0], b[1]);
+            mma_bf16_16816(s[2 * t + 1], qa[ks], b[2], b[3]);
+        }
     }
     float row_max[2] = {NEG_BIG, NEG_BIG};
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < 2 * SUBTILES; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = token0 + n * 8 + frag_col + (e & 1);
@@ -103,7 +111,7 @@ __device__ __forceinline__ void attend_key_tile(const unsigned int (&qa)[HEAD_DI
     for (int h = 0; h < HALVES; ++h) {
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-        // finite: m starts at NEG_BIG (a short query's row may see none of a tile's keys)
+        // finite: m starts at NEG_BIG (a short query's row may see none of the keys)
         const float m_new = fmaxf(m[h], row_max[h]);
         correction[h] = exp2f(m[h] - m_new);
         m[h] = m_new;
@@ -117,24 +125,28 @@ __device__ __forceinline__ void attend_key_tile(const unsigned int (&qa)[HEAD_DI
             o[n][2 * h + 1] *= correction[h];
         }
     }
-    unsigned int pa[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int t = 0; t < SUBTILES; ++t) {
+        unsigned int pa[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h) {
-            const float p0 = exp2f(s[n][2 * h] - m[h]), p1 = exp2f(s[n][2 * h + 1] - m[h]);
-            l[h] += p0 + p1;
-            pa[2 * n + h] = pack_bf16x2(p0, p1);  // a0/a1: keys 0-7 rows r/r+8; a2/a3: keys 8-15
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) {
+                const float p0 = exp2f(s[2 * t + n][2 * h] - m[h]), p1 = exp2f(s[2 * t + n][2 * h + 1] - m[h]);
+                l[h] += p0 + p1;
+                pa[2 * n + h] = pack_bf16x2(p0, p1);  // a0/a1: keys 0-7 rows r/r+8; a2/a3: keys 8-15
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 16; ++j) {
+            unsigned int b[4];
+            ldmatrix_x4_trans(b, v_tile + t * TILE_ELEMS + tile_offset(v_row, 2 * j + v_chunk_lo));
+            mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
+            mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
         }
     }
-#pragma unroll
-    for (int j = 0; j < HEAD_DIM / 16; ++j) {
-        unsigned int b[4];
-        ldmatrix_x4_trans(b, v_tile + tile_offset(v_row, 2 * j + v_chunk_lo));
-        mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
-        mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
-    }
 }
+
 
 // One block's work: KV head `kv_head` of sequence `seq`, split `split` of its keys, for the
 // query rows of one mma row block. MULTI_QUERY false (decode): the rows are the GROUP query
@@ -263,7 +275,7 @@ __device__ __forceinline__ void attend_rows(const bf16* __restrict__ q, const bf
         const bf16* k_tile = my_stages + (i % DECODE_STAGES) * 2 * TILE_ELEMS;
         const bf16* v_tile = k_tile + TILE_ELEMS;
 
-        attend_key_tile<HALVES>(qa, k_tile, v_tile, tile_token(i), limit, scale_log2, o, m, l);
+        attend_key_tiles<HALVES, 1>(qa, k_tile, v_tile, tile_token(i), limit, scale_log2, o, m, l);
         __syncwarp();  // every lane has read this stage before it is refilled
     }
     wait_copies<0>();
@@ -350,87 +362,13 @@ short_query_attention_mma(const bf16* __restrict__ q, const bf16* __restrict__ k
                       blockIdx.x / row_blocks, blockIdx.x % row_blocks);
 }
 
-// attend_key_tile over SUBTILES 16-key tiles at once (SQ_TILE_SOFTMAX=1): all of S first, then
-// one running-max update, one rescale of O and of the sum per SUBTILES * 16 keys (instead of one
-// per 16), then O += P V tile by tile. The same attention up to the order of the sums.
-template <int HALVES, int SUBTILES>
-__device__ __forceinline__ void attend_wide_tile(const unsigned int (&qa)[HEAD_DIM / 16][4], const bf16* k_tile,
-                                                 const bf16* v_tile, int token0, const int (&limit)[2],
-                                                 float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
-                                                 float (&l)[2]) {
-    const int lane = threadIdx.x & 31, frag_col = (lane & 3) * 2;
-    const int k_row = ((lane >> 4) & 1) * 8 + (lane & 7), k_chunk_lo = (lane >> 3) & 1;
-    const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_chunk_lo = lane >> 4;
-    float s[2 * SUBTILES][4];
-#pragma unroll
-    for (int n = 0; n < 2 * SUBTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-#pragma unroll
-        for (int t = 0; t < SUBTILES; ++t) {
-            unsigned int b[4];
-            ldmatrix_x4(b, k_tile + t * TILE_ELEMS + tile_offset(k_row, 2 * ks + k_chunk_lo));
-            mma_bf16_16816(s[2 * t], qa[ks], b[0], b[1]);
-            mma_bf16_16816(s[2 * t + 1], qa[ks], b[2], b[3]);
-        }
-    }
-    float row_max[2] = {NEG_BIG, NEG_BIG};
-#pragma unroll
-    for (int n = 0; n < 2 * SUBTILES; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = token0 + n * 8 + frag_col + (e & 1);
-            s[n][e] = key < limit[e >> 1] ? s[n][e] * scale_log2 : -INFINITY;
-            row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
-        }
-    }
-    float correction[2];
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-        const float m_new = fmaxf(m[h], row_max[h]);  // finite: m starts at NEG_BIG
-        correction[h] = exp2f(m[h] - m_new);
-        m[h] = m_new;
-        l[h] *= correction[h];
-    }
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) {
-#pragma unroll
-        for (int h = 0; h < HALVES; ++h) {
-            o[n][2 * h] *= correction[h];
-            o[n][2 * h + 1] *= correction[h];
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < SUBTILES; ++t) {
-        unsigned int pa[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int h = 0; h < HALVES; ++h) {
-                const float p0 = exp2f(s[2 * t + n][2 * h] - m[h]), p1 = exp2f(s[2 * t + n][2 * h + 1] - m[h]);
-                l[h] += p0 + p1;
-                pa[2 * n + h] = pack_bf16x2(p0, p1);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 16; ++j) {
-            unsigned int b[4];
-            ldmatrix_x4_trans(b, v_tile + t * TILE_ELEMS + tile_offset(v_row, 2 * j + v_chunk_lo));
-            mma_bf16_16816(o[2 * j], pa, b[0], b[1]);
-            mma_bf16_16816(o[2 * j + 1], pa, b[2], b[3]);
-        }
-    }
-}
-
 // ---- Short queries with the block's KV tiles shared by its warps -----------------------------
 // short_query_attention_shared: grid (num_splits * row_groups, num_kv_heads, num_seqs), 4 warps.
 // A block owns one KV head of one sequence, one split of the keys and up to 4 mma row blocks of
 // query rows (warp w: tokens row_group * 4 * ROW_TOKENS + w * ROW_TOKENS .. + ROW_TOKENS - 1 of
 // the sequence's new tokens, ROW_TOKENS = 16 / GROUP, each with its GROUP heads). All 128 threads
 // copy each SQ_TILE_KEYS-key K/V tile of the split into a SQ_STAGES-deep cp.async ring, and every
-// warp runs its rows over the whole tile (attend_key_tile per 16 keys), so a tile is read from
+// warp runs its rows over the whole tile (attend_key_tiles), so a tile is read from
 // HBM once for up to 64 query rows (16 tokens of a GQA-4 model), where short_query_attention_mma
 // reads it once per 16 rows. Each warp owns all of its rows' keys of the split: it writes its
 // output (one split) or partials (several; decode_attention_merge) from registers, no block merge.
@@ -441,7 +379,7 @@ constexpr int SQ_WARPS = 4;
 constexpr int SQ_THREADS = SQ_WARPS * 32;
 constexpr int SQ_TILE_KEYS = HEAD_DIM <= 128 ? 64 : 32;  // 32 KiB of K + V per stage at HEAD_DIM 128 and 256
 constexpr int SQ_STAGES = 3;
-#ifndef SQ_TILE_SOFTMAX  // 1: one softmax update per SQ_TILE_KEYS keys (attend_wide_tile), 0: per 16
+#ifndef SQ_TILE_SOFTMAX  // 1: one softmax update per SQ_TILE_KEYS keys, 0: per 16 (attend_key_tiles SUBTILES)
 #define SQ_TILE_SOFTMAX 0
 #endif
 constexpr int SQ_TILE_ELEMS = SQ_TILE_KEYS * HEAD_DIM;
@@ -552,14 +490,14 @@ short_query_attention_shared(const bf16* __restrict__ q, const bf16* __restrict_
         const int token0 = (tile_begin + i) * SQ_TILE_KEYS;
 #if SQ_TILE_SOFTMAX && HEAD_DIM <= 128  // (at 256 its S and O spill)
         if (token0 < warp_length)  // warp-uniform: keys some row of the warp sees
-            attend_wide_tile<HALVES, SQ_TILE_KEYS / TILE_KEYS>(qa, k_tile, k_tile + SQ_TILE_ELEMS, token0, limit,
+            attend_key_tiles<HALVES, SQ_TILE_KEYS / TILE_KEYS>(qa, k_tile, k_tile + SQ_TILE_ELEMS, token0, limit,
                                                                scale_log2, o, m, l);
 #else
 #pragma unroll
         for (int t = 0; t < SQ_TILE_KEYS / TILE_KEYS; ++t) {
             if (token0 + t * TILE_KEYS < warp_length)  // warp-uniform: keys some row of the warp sees
-                attend_key_tile<HALVES>(qa, k_tile + t * TILE_ELEMS, k_tile + SQ_TILE_ELEMS + t * TILE_ELEMS,
-                                        token0 + t * TILE_KEYS, limit, scale_log2, o, m, l);
+                attend_key_tiles<HALVES, 1>(qa, k_tile + t * TILE_ELEMS, k_tile + SQ_TILE_ELEMS + t * TILE_ELEMS,
+                                            token0 + t * TILE_KEYS, limit, scale_log2, o, m, l);
         }
 #endif
     }

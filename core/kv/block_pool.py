@@ -284,26 +284,26 @@ class BlockPool:
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cached blocks (a prefix hit); revives free ones."""
+        blocks, queue = self.blocks, self.free_queue  # (locals: this runs per block of a 16k prefix)
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
+            block = blocks[block_id]
+            if not block.ref_count:
+                del queue[block_id]
             block.ref_count += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block. Pass blocks in the order they should be
         evicted (callers pass a request's blocks tail-first so shared prefixes live longest)."""
+        blocks, queue = self.blocks, self.free_queue
         for block_id in block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             if block_id == NULL_BLOCK_ID or block.ref_count <= 0:
                 raise AssertionError(f"double free of KV block {block_id}")
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if not block.ref_count:
+                queue[block_id] = None
                 if block.block_hash is None:
-                    self.free_queue[block_id] = None
-                    self.free_queue.move_to_end(block_id, last=False)  # uncached: reuse first
-                else:
-                    self.free_queue[block_id] = None
+                    queue.move_to_end(block_id, last=False)  # uncached: reuse first
 
     def cache_full_block(self, block_id: int, block_hash: bytes, token_ids: TokenChunk) -> None:
         """Publish a now-full block under its chained hash (first writer wins)."""

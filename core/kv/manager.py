@@ -92,6 +92,12 @@ class KVCacheManager:
             raise ValueError("every group's pool must use the same block size")
         self.extra_key = extra_key
         self.requests: dict[str, RequestBlocks] = {}
+        # ``defer_frees``: free_request only queues a request's blocks; they go back to the pools
+        # at ``settle_frees()`` (the engine core calls it once a step's tokens are sent, so
+        # returning a 16k-token request's thousand blocks is not between its token and its
+        # client) or first thing in any call that allocates or takes blocks
+        self.defer_frees = False
+        self._pending_frees: list[list[list[int]]] = []
         self.table_rows = BlockTableRows(len(self.groups.groups))  # the tables as arrays, for batches
         # every group paged, one entry per token, no window (dense and MLA models): a request
         # needs ceil(tokens / block_size) blocks in each and never frees any early (``grow``'s fast path)
@@ -122,6 +128,7 @@ class KVCacheManager:
     def shortfall(self, num_tokens: int, chunk_tokens: int | None = None) -> tuple[int, int] | None:
         """(blocks needed, blocks the pool holds) of the first group whose whole pool cannot hold
         a request of ``num_tokens`` alone; None when every group's can."""
+        self._settle()
         for group in self.groups.paged_groups:
             needed = group.spec.max_live_blocks(num_tokens, self.block_size, chunk_tokens)
             usable = self.pools[group.group_id].num_usable_blocks
@@ -234,6 +241,7 @@ class KVCacheManager:
         cache (``prefix_hashes``), so its blocks are hashed once over its life. Raises
         MemoryError when the model keeps state and no state slot is free (check ``can_start``
         first)."""
+        self._settle()
         prefix = self._prefix_for(self.request_key(cache_salt), prefix)
         n, hashes, hits = self._find(token_ids, prefix) if use_cache else (0, [], [])
         bs = self.block_size
@@ -275,6 +283,7 @@ class KVCacheManager:
         return self.state_slots.num_free_slots - max(0, self.num_snapshot_slots - held)
 
     def can_grow(self, request_id: str, num_total_tokens: int, reserve: int = 0) -> bool:
+        self._settle()
         missing = self._missing(self.requests[request_id], num_total_tokens)
         return all(self.pools[g].can_allocate(n + reserve) for g, n in missing.items())
 
@@ -287,6 +296,7 @@ class KVCacheManager:
         """Make the request hold enough blocks for ``num_total_tokens``; False if the pool is
         short. With ``num_computed_tokens``, sliding-window blocks that no query from there on
         can see are freed first (their table entries become the null block)."""
+        self._settle()
         blocks = self.requests[request_id]
         if self._plain_groups:
             needed = -(-num_total_tokens // self.block_size)
@@ -306,6 +316,7 @@ class KVCacheManager:
 
     def release_behind_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Free every block wholly behind each sliding window; returns how many were freed."""
+        self._settle()
         blocks, freed = self.requests[request_id], 0
         for group in self.groups.paged_groups:
             gid, table = group.group_id, blocks.tables[group.group_id]
@@ -346,15 +357,32 @@ class KVCacheManager:
         if blocks is None:
             return
         self.table_rows.release(blocks.row)
-        for pool, table in zip(self.pools, blocks.tables, strict=True):
-            if pool is not None:
-                pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
+        if self.defer_frees:
+            self._pending_frees.append(blocks.tables)
+        else:
+            self._return_blocks(blocks.tables)
         if self.state_slots is not None:
             self.state_slots.free(request_id)
             for _, slot in blocks.pending_snapshots:
                 self._free_slot(slot)
             # a restore into the freed slot (a request that started but was not admitted) is moot
             self._state_copies = [c for c in self._state_copies if blocks.state_slot not in c]
+
+    def _return_blocks(self, tables: list[list[int]]) -> None:
+        for pool, table in zip(self.pools, tables, strict=True):
+            if pool is not None:
+                pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
+
+    def _settle(self) -> None:
+        if self._pending_frees:
+            self.settle_frees()
+
+    def settle_frees(self) -> None:
+        """Return the blocks of every request freed since the last call (``defer_frees``), in
+        the order they were freed: the pools end as if each had been freed at once."""
+        pending, self._pending_frees = self._pending_frees, []
+        for tables in pending:
+            self._return_blocks(tables)
 
     # --- state snapshots -------------------------------------------------------------------------
 

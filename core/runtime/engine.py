@@ -46,7 +46,7 @@ from openinfer.runtime.sampler import (
 )
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.synthetic_batches import StepLayout
-from openinfer.runtime.validation import resolve_max_tokens, validate_request
+from openinfer.runtime.validation import prompt_ids, resolve_max_tokens, validate_request
 from openinfer.runtime.warmup import warm_up_prefill, warmup_enabled, warmup_steps
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
@@ -334,14 +334,17 @@ class PagedEngine:
                        kv_blocks_total=sum(p.num_usable_blocks for p in pools),
                        max_queue=self.options.max_queue, kv_blocks_cached=sum(p.num_cached_blocks for p in pools))
 
-    def admit(self, request: pb.GenerateRequest, destination: Any) -> None:
+    def admit(self, request: pb.GenerateRequest, destination: Any, prompt: np.ndarray | None = None) -> None:
         """Validate and queue a request whose events go to ``destination``; raises
-        ``InvalidRequestError`` / ``QueueFullError`` / ``EngineDeadError`` when refused."""
+        ``InvalidRequestError`` / ``QueueFullError`` / ``EngineDeadError`` when refused.
+        ``prompt``: its ids as an int array beside it (its ``prompt_token_ids`` empty), e.g. the
+        engine-core protocol's prompt buffer, read without a copy."""
         if not self.health().healthy:
             raise EngineDeadError(self.health().message)
-        validate_request(request, self.model.spec.vocab_size, self.max_model_len)
-        max_tokens = resolve_max_tokens(request, self.max_model_len)
-        self.scheduler.check_fits(len(request.prompt_token_ids), max_tokens)
+        validate_request(request, self.model.spec.vocab_size, self.max_model_len, prompt)
+        prompt = prompt_ids(request, prompt)
+        max_tokens = resolve_max_tokens(request, self.max_model_len, len(prompt))
+        self.scheduler.check_fits(len(prompt), max_tokens)
         # a constraint is compiled here (about a millisecond; llguidance releases the GIL), so an
         # invalid one is refused before anything is queued
         grammar = self._compile_grammar(request.structured_output) if request.HasField("structured_output") else None
@@ -353,7 +356,7 @@ class PagedEngine:
                 raise QueueFullError(self.options.max_queue)
             self._streams[request_id] = destination
             self._num_queued += 1
-        self._inbox.put(("add", self._make_request(request, max_tokens, grammar)))
+        self._inbox.put(("add", self._make_request(request, prompt, max_tokens, grammar)))
 
     def attach_transport(self, inbox: Any, deliver: Callable[[list], None]) -> None:
         """Run behind the engine-core process: commands come from ``inbox`` (``get(timeout)``,
@@ -361,6 +364,9 @@ class PagedEngine:
         each step's outbox ``[(destination, request_id, kind, payload)]`` goes to ``deliver``
         (called on the engine thread). Call before any request is submitted."""
         self._deliver = deliver
+        # a finished request's blocks go back after its last tokens are sent (``_flush``); the
+        # transport's load of that step still counts them, its next message does not
+        self.kv.defer_frees = True
         previous, self._inbox = self._inbox, inbox
         previous.put(("noop", None))  # wake the engine thread, idle in the old inbox
 
@@ -369,9 +375,15 @@ class PagedEngine:
         with self._streams_lock:
             return [rid for rid, dest in self._streams.items() if dest == destination]
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+    def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenEvent]:
+        return self.generate_prompt_array(request, None)
+
+    async def generate_prompt_array(self, request: pb.GenerateRequest, prompt_ids: np.ndarray | None
+                                    ) -> AsyncIterator[pb.TokenEvent]:
+        """``generate`` with the prompt as an int array beside the request (its
+        ``prompt_token_ids`` empty); None: the request's own ids."""
         slot = RequestSlot(request.request_id, asyncio.get_running_loop())
-        self.admit(request, slot)
+        self.admit(request, slot, prompt_ids)
         try:
             async for event in slot.events():
                 yield event
@@ -407,15 +419,14 @@ class PagedEngine:
     def _compile_grammar(self, constraint: pb.StructuredOutput) -> GrammarMatcher:
         return self._grammars.get().compile(constraint)
 
-    def _make_request(self, request: pb.GenerateRequest, max_tokens: int,
+    def _make_request(self, request: pb.GenerateRequest, prompt: np.ndarray, max_tokens: int,
                       grammar: GrammarMatcher | None = None) -> Request:
+        """``prompt``: the request's validated ids as an array (``validation.prompt_ids``)."""
         arrival = next(self._arrivals)
-        # a protobuf repeated field converts to an array without a Python loop, the array to a list fast
-        prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
         state = SamplingState.create(request.sampling, prompt, self.options.seed, arrival, grammar)
         return Request(
             request_id=request.request_id, token_ids=prompt.tolist(),
-            num_prompt_tokens=len(request.prompt_token_ids), stop=request.stop, max_tokens=max_tokens,
+            num_prompt_tokens=len(prompt), stop=request.stop, max_tokens=max_tokens,
             sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
             want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,
             cache_salt=request.cache_salt,
@@ -429,10 +440,12 @@ class PagedEngine:
             self._outbox.append((destination, request_id, kind, payload))
 
     def _flush(self) -> None:
-        """Deliver everything this step emitted, at once."""
+        """Deliver everything this step emitted, at once; then return the blocks of the requests
+        it finished (``KVCacheManager.defer_frees``)."""
         if self._outbox:
             entries, self._outbox = self._outbox, []
             self._deliver(entries)
+        self.kv.settle_frees()
 
     def _finish(self, request: Request, reason: int, matched_stop: int | None = None) -> None:
         request.drop_placeholders()  # tokens never read back are not counted

@@ -9,20 +9,25 @@ from openinfer.sampling import MAX_LOGPROBS, validate_sampling
 from openinfer.v1 import engine_pb2 as pb
 
 
-def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> None:
+def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len: int,
+                     prompt: np.ndarray | None = None) -> None:
+    """``prompt``: the request's ids as an int array beside it (then its ``prompt_token_ids`` must
+    be empty), else its ``prompt_token_ids``."""
     if not request.request_id:
         raise InvalidRequestError("request_id must be a non-empty string", "request_id")
-    prompt = request.prompt_token_ids
-    if len(prompt) == 0:
+    if prompt is not None and len(request.prompt_token_ids):
+        raise InvalidRequestError("the prompt came both beside the request and in prompt_token_ids; send it once",
+                                  "prompt_token_ids")
+    ids = prompt_ids(request, prompt)
+    if len(ids) == 0:
         raise InvalidRequestError("the prompt is empty; send at least one token", "prompt_token_ids")
-    if len(prompt) >= max_model_len:
+    if len(ids) >= max_model_len:
         raise InvalidRequestError(
-            f"the prompt has {len(prompt)} tokens but the model's context is {max_model_len} tokens "
+            f"the prompt has {len(ids)} tokens but the model's context is {max_model_len} tokens "
             f"(at most {max_model_len - 1} prompt tokens leave room for one generated token)",
             "prompt_token_ids")
-    ids = np.asarray(prompt, dtype=np.int64)  # a protobuf repeated field: one copy, no Python loop
-    if ids.max() >= vocab_size:
-        bad = int(ids[np.argmax(ids >= vocab_size)])
+    if ids.max() >= vocab_size or ids.min() < 0:  # (an array beside the request may hold any int32)
+        bad = int(ids[np.argmax((ids >= vocab_size) | (ids < 0))])
         raise InvalidRequestError(f"prompt token id {bad} is out of the vocabulary [0, {vocab_size})",
                                   "prompt_token_ids")
     stop = request.stop
@@ -41,9 +46,15 @@ def validate_request(request: pb.GenerateRequest, vocab_size: int, max_model_len
     validate_sampling(request.sampling)
 
 
-def resolve_max_tokens(request: pb.GenerateRequest, max_model_len: int) -> int:
+def prompt_ids(request: pb.GenerateRequest, prompt: np.ndarray | None = None) -> np.ndarray:
+    """The request's prompt as an int array: ``prompt`` (given beside it) as it is, else its
+    ``prompt_token_ids`` (a protobuf repeated field converts without a Python loop)."""
+    return np.asarray(request.prompt_token_ids, dtype=np.int64) if prompt is None else prompt
+
+
+def resolve_max_tokens(request: pb.GenerateRequest, max_model_len: int, num_prompt_tokens: int | None = None) -> int:
     """Explicit max_tokens, else the rest of the context."""
-    remaining = max_model_len - len(request.prompt_token_ids)
+    remaining = max_model_len - (len(request.prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens)
     if request.stop.HasField("max_tokens"):
         return int(request.stop.max_tokens)
     return remaining

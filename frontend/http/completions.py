@@ -6,6 +6,7 @@ import codecs
 import json
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
 from starlette.requests import Request
 
 from openinfer.frontend.http.context import ServerContext, build_plans, new_request_id, usage_of
@@ -23,6 +24,7 @@ from openinfer.frontend.http.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    TokenIdArray,
 )
 from openinfer.frontend.http.sse import DONE_FRAME, EventStreamResponse, sse_frame
 from openinfer.frontend.http.structured import constraint_of, may_constrain
@@ -30,16 +32,21 @@ from openinfer.tokenizer import Tokenizer
 from openinfer.v1 import engine_pb2 as pb
 
 
-def is_token_ids(prompt: str | list) -> bool:
-    """A prompt given as token ids only (one list of ints, or a list of such lists)."""
+def is_token_ids(prompt: str | list | TokenIdArray) -> bool:
+    """A prompt given as token ids only (one list of ints or array, or a list of such lists)."""
+    if isinstance(prompt, TokenIdArray):
+        return True
     if isinstance(prompt, str) or not prompt:
         return False
     return isinstance(prompt[0], int) or all(not isinstance(p, str) for p in prompt)
 
 
-def prompt_inputs(ctx: ServerContext, prompt: str | list) -> list[tuple[str | None, list[int]]]:
-    """Every accepted prompt shape as (text if given as text, token ids). Blocking: run it
-    through ``ctx.run_text_work``."""
+def prompt_inputs(ctx: ServerContext, prompt: str | list | TokenIdArray
+                  ) -> list[tuple[str | None, Sequence[int] | np.ndarray]]:
+    """Every accepted prompt shape as (text if given as text, token ids: a list, or the body's
+    int32 array). Blocking: run it through ``ctx.run_text_work``."""
+    if isinstance(prompt, TokenIdArray):
+        return [(None, prompt.ids)]
     if isinstance(prompt, str):
         return [(prompt, ctx.encode_prompt(prompt))]
     if not prompt or isinstance(prompt[0], int):
@@ -112,6 +119,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, client:
     streams = await start_choices(ctx.engine, ctx.tokenizer, plans, ctx.metrics, ctx.limits.max_queue_wait_s,
                                   ctx.tracer)
     # the prompts' text only when it is echoed: decoding a 16k-token prompt costs ~4 ms of CPU
+    if body.echo:  # the echo paths read the prompt ids one by one: as ints
+        inputs = [(text, ids.tolist() if isinstance(ids, np.ndarray) else ids) for text, ids in inputs]
     echo_texts = (await ctx.run_text_work(lambda: [text if text is not None else ctx.tokenizer.decode(ids)
                                                    for text, ids in inputs]) if body.echo else [])
     if body.stream:
@@ -139,7 +148,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, client:
 
 
 async def stream_completion(ctx: ServerContext, body: CompletionRequest, streams: list[ChoiceStream],
-                            request_id: str, inputs: list[tuple[str | None, list[int]]],
+                            request_id: str, inputs: list[tuple[str | None, Sequence[int]]],
                             echo_texts: list[str]) -> AsyncIterator[str]:
     want_logprobs = body.logprobs is not None
     builders = {s.plan.index: LogprobsBuilder(ctx.tokenizer, body.logprobs or 0) for s in streams}

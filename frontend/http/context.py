@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import numpy as np
 
 from openinfer.engine import EngineHandle
 from openinfer.frontend.http.errors import OpenAIError
@@ -114,7 +115,16 @@ def sampling_params(body: SamplingFields, choice: int) -> pb.SamplingParams:
     return params
 
 
-def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequence[int]],
+def prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A prompt's ids as the read-only int32 array a ``ChoicePlan`` carries (the body's array as it is)."""
+    if isinstance(prompt_ids, np.ndarray) and prompt_ids.dtype == np.int32 and not prompt_ids.flags.writeable:
+        return prompt_ids
+    ids = np.array(prompt_ids, dtype=np.int32)  # ids are TokenIds (schemas): in [0, 2**31)
+    ids.flags.writeable = False
+    return ids
+
+
+def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequence[int] | np.ndarray],
                 max_tokens: int | None, request_id: str, logprobs: int = 0,
                 prompt_logprobs: bool = False, structured_output: pb.StructuredOutput | None = None,
                 skip_special_tokens: bool | None = None) -> list[ChoicePlan]:
@@ -123,15 +133,14 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
     info = ctx.engine.info()
     arrival = time.time()
     plans = []
-    for prompt_index, prompt_ids in enumerate(prompts):
-        prompt_ids = list(prompt_ids)
-        check_prompt(prompt_ids, info)
+    for prompt_index, prompt in enumerate(prompts):
+        check_prompt(prompt, info)
+        prompt_ids = prompt_array(prompt)
         limit = max_tokens if max_tokens is not None else ctx.default_max_tokens(len(prompt_ids))
         for sample in range(body.n):
             index = prompt_index * body.n + sample
-            request = pb.GenerateRequest(
+            request = pb.GenerateRequest(  # the prompt travels beside it (ChoicePlan.prompt_ids)
                 request_id=f"{request_id}-{index}",
-                prompt_token_ids=prompt_ids,
                 sampling=sampling_params(body, sample),
                 stop=pb.StopConditions(max_tokens=limit, stop_token_ids=body.stop_token_ids or [],
                                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens),
@@ -142,9 +151,10 @@ def build_plans(ctx: ServerContext, body: SamplingFields, prompts: Sequence[Sequ
             )
             if structured_output is not None:
                 request.structured_output.CopyFrom(structured_output)
-            check_generate_request(request, info, prompt_checked=True)  # check_prompt above
+            check_generate_request(request, info, prompt_checked=True,  # check_prompt above
+                                   num_prompt_tokens=len(prompt_ids))
             skip = body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
-            plans.append(ChoicePlan(index, request, body.stop_strings(), skip))
+            plans.append(ChoicePlan(index, request, prompt_ids, body.stop_strings(), skip))
     return plans
 
 

@@ -17,14 +17,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
+import numpy as np
 
 from openinfer.engine import EngineHandle, finish_reason_name
 from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from openinfer.frontend.http.errors import OpenAIError
 from openinfer.frontend.http.metrics import FrontendMetrics
-from openinfer.tokenizer import StopStringMatcher, Tokenizer
+from openinfer.tokenizer import DETOKENIZER_CONTEXT_TOKENS, StopStringMatcher, Tokenizer
 from openinfer.tracing import FrontendTracer
 from openinfer.v1 import engine_pb2 as pb
 
@@ -63,12 +65,37 @@ class ChoiceUsage:
 
 @dataclass
 class ChoicePlan:
-    """Everything one choice needs besides the engine: its request and the text-side options."""
+    """Everything one choice needs besides the engine: its request, its prompt and the text-side
+    options. ``prompt_ids`` (int32, read-only) travels beside ``request``, whose own
+    ``prompt_token_ids`` stay empty until ``submit`` hands both to the engine."""
 
     index: int
     request: pb.GenerateRequest
+    prompt_ids: np.ndarray
     stop_strings: Sequence[str] = ()
     skip_special_tokens: bool = True
+
+
+class PromptArrayEngine(Protocol):
+    """An ``EngineHandle`` that also takes a request's prompt as one int32 array beside it (the
+    request's ``prompt_token_ids`` empty): the engine-core client sends it to the core as one
+    buffer, the in-process engine reads it as it is (no protobuf field of 16k varints, no list)."""
+
+    def generate_prompt_array(self, request: pb.GenerateRequest, prompt_ids: np.ndarray
+                              ) -> AsyncIterator[pb.TokenEvent]: ...
+
+
+def submit(engine: EngineHandle, request: pb.GenerateRequest, prompt_ids: np.ndarray
+           ) -> AsyncIterator[pb.TokenEvent]:
+    """``engine.generate`` of ``request`` with ``prompt_ids`` as its prompt: beside it where the
+    engine takes arrays (``PromptArrayEngine``), else written into its ``prompt_token_ids``."""
+    generate_prompt_array = getattr(engine, "generate_prompt_array", None)
+    if generate_prompt_array is not None:
+        return generate_prompt_array(request, prompt_ids)
+    if len(request.prompt_token_ids) != len(prompt_ids):
+        del request.prompt_token_ids[:]
+        request.prompt_token_ids.extend(prompt_ids.tolist())
+    return engine.generate(request)
 
 
 class ChoiceStream:
@@ -79,8 +106,9 @@ class ChoiceStream:
         self.plan = plan
         self.metrics = metrics
         request = plan.request
-        self.usage = ChoiceUsage(prompt_tokens=len(request.prompt_token_ids))
-        self.detokenizer = tokenizer.detokenizer(request.prompt_token_ids, plan.skip_special_tokens)
+        self.usage = ChoiceUsage(prompt_tokens=len(plan.prompt_ids))
+        self.detokenizer = tokenizer.detokenizer(plan.prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:].tolist(),
+                                                 plan.skip_special_tokens)
         self.stop_matcher = StopStringMatcher(plan.stop_strings)
         terminal = set(request.stop.stop_token_ids)
         if not request.stop.ignore_eos:
@@ -96,7 +124,7 @@ class ChoiceStream:
 
     async def start(self) -> ChoiceStream:
         """Submit the request and wait for its first event; refusals raise here."""
-        self._events = aiter(self.engine.generate(self.plan.request))
+        self._events = aiter(submit(self.engine, self.plan.request, self.plan.prompt_ids))
         try:
             self._first = await anext(self._events)
         except (InvalidRequestError, QueueFullError, EngineDeadError):

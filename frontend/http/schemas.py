@@ -12,6 +12,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -55,10 +56,62 @@ class TokenIds(list):
     instead of validating 16k ints one by one in pydantic (~1-3 ms of a warm 16k request)."""
 
 
+class TokenIdArray:
+    """A prompt of token ids parsed from the request body straight into one read-only int32 array
+    (``token_id_array``), every id already checked to be a ``TokenId``: it goes to the engine as
+    that one buffer, never as a Python list of ints (a 16k-id prompt: ~1 ms less per request)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIdArray):
+            return np.array_equal(self.ids, other.ids)
+        return isinstance(other, list) and self.ids.tolist() == other
+
+    __hash__ = None  # mutable-looking, compared by value
+
+    def __repr__(self) -> str:
+        return f"TokenIdArray({len(self.ids)} ids)"
+
+
 def _pass_checked_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     """Checked ids as they are; anything else through the field's own validation (its errors and
     JSON schema unchanged)."""
-    return value if isinstance(value, TokenIds) else handler(value)
+    return value if isinstance(value, TokenIds | TokenIdArray) else handler(value)
+
+
+_JSON_WHITESPACE = b" \t\n\r"
+_ID_LIST_BYTES = b"0123456789," + _JSON_WHITESPACE  # all a flat list of non-negative ints holds
+
+
+def token_id_array(raw: bytes) -> np.ndarray | None:
+    """The ids of ``raw``, the JSON text of a non-empty flat list of ``TokenId``s (as msgspec
+    validated it: a ``msgspec.Raw`` of a decoded body), as a read-only int32 array, or None for
+    anything else (pydantic then validates the decoded value with its own messages). One C pass
+    to check that it holds only digits, commas and whitespace (so no sign, fraction, exponent,
+    bool or null: valid JSON made of those is non-negative integers), one to parse it."""
+    raw = bytes(raw).strip(_JSON_WHITESPACE)
+    if raw[:1] != b"[" or raw[-1:] != b"]":
+        return None
+    inner = raw[1:-1]
+    if inner.translate(None, _ID_LIST_BYTES) or not inner.strip(_JSON_WHITESPACE):
+        return None
+    try:
+        ids = np.fromstring(inner, dtype=np.int64, sep=",")  # text mode: C strtol per id
+    except ValueError:
+        return None
+    # an id too large for int64 saturates (caught by the limit), so the count and range decide
+    if len(ids) != inner.count(b",") + 1 or not 0 <= ids.min() or ids.max() >= INT32_LIMIT:
+        return None
+    ids = ids.astype(np.int32)
+    ids.flags.writeable = False
+    return ids
 
 
 def checked_token_ids(value: Any) -> TokenIds | None:
