@@ -199,6 +199,9 @@ SM90_VARIANTS = {
     "no-page-prefetch": {"page_prefetch": "0"},
     "tma-from-2k": {"tma_min_context": "2048"},
     # session 7's consumer-loop refinements (kernel_choices.py), alone, together, and with persistent CTAs
+    # the head_dim-128 consumer loop before E1 (session 7) turned the four refinements below on
+    "session6-consumer-loop": {"descriptor_adds": "0", "skip_unit_rescale": "0", "ordered_softmax": "0",
+                               "rescale_slack": "0"},
     "descriptor-adds": {"descriptor_adds": "1"},
     "skip-unit-rescale": {"skip_unit_rescale": "1"},
     "ordered-softmax": {"ordered_softmax": "1"},

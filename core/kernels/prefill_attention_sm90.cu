@@ -806,7 +806,8 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #endif
 #if INTRA_WG_OVERLAP
             // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
-            // cores; P and O are touched only after that wgmma has landed.
+            // cores (ORDERED_SOFTMAX keeps ptxas to that order); P and O are touched only after that
+            // wgmma has landed.
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
             take_turn(wg);

@@ -55,9 +55,10 @@ def test_defaults_where_the_environment_is_silent():
             defines["LEAN_ARRIVALS"]) == (int(128 in choices.SM90_PAGE_PREFETCH_HEAD_DIMS), int(choices.SM90_SPLIT_KV),
                                          int(choices.SM90_EARLY_RESCALE), int(choices.SM90_LEAN_ARRIVALS))
     assert (defines["DESCRIPTOR_ADDS"], defines["SKIP_UNIT_RESCALE"], defines["ORDERED_SOFTMAX"],
-            defines["RESCALE_SLACK"]) == (int(choices.SM90_DESCRIPTOR_ADDS), int(choices.SM90_SKIP_UNIT_RESCALE),
-                                          int(choices.SM90_ORDERED_SOFTMAX and choices.SM90_OVERLAP),
-                                          int(choices.SM90_RESCALE_SLACK))
+            defines["RESCALE_SLACK"]) == (int(128 in choices.SM90_LEAN_SOFTMAX_HEAD_DIMS),) * 2 + (
+                int(128 in choices.SM90_LEAN_SOFTMAX_HEAD_DIMS and choices.SM90_OVERLAP),
+                int(128 in choices.SM90_LEAN_SOFTMAX_HEAD_DIMS))
+    assert sm90_variant(256).defines(256, 16)["SKIP_UNIT_RESCALE"] == int(256 in choices.SM90_LEAN_SOFTMAX_HEAD_DIMS)
     for head_dim, stages in choices.SM90_STAGES.items():  # the default rings fit the shared memory
         assert sm90_shared_bytes(head_dim, stages) <= choices.SM90_MAX_SHARED_BYTES
 
@@ -123,6 +124,13 @@ def test_sm90_kv_loads_and_schedule_are_read_once(monkeypatch):
     monkeypatch.setenv(SM90_ENV["kv_loads"], "cp_async")
     monkeypatch.setenv(SM90_ENV["schedule"], "grid")
     assert (sm90_kv_loads(), sm90_schedule()) == (loads, schedule)  # no re-read before a refresh
+
+
+def test_session7_refinements_turn_off_one_by_one(monkeypatch):
+    for key in ("descriptor_adds", "skip_unit_rescale", "ordered_softmax", "rescale_slack"):
+        monkeypatch.setenv(SM90_ENV[key], "0")
+        refresh_kernel_choices()
+        assert sm90_variant(128).defines(128, 16)[key.upper()] == 0
 
 
 def test_sm90_refinement_switches_reach_the_defines(monkeypatch):

@@ -80,8 +80,10 @@ SM90_VARIANTS = {
     "auto-schedule-refined": {"schedule": "auto", "page_prefetch": "1", "split_kv": "1", "early_rescale": "1",
                               "lean_arrivals": "1"},  # persistent here (every case is below 8k tokens)
     "refined-multicast": {"kv_loads": "tma_multicast", "split_kv": "1", "page_prefetch": "1"},
-    # session 7's consumer-loop refinements: alone, together on both schedules and K/V load paths, and
-    # beside session 6's
+    # session 7's consumer-loop refinements (the head_dim-128 default since E1; "1" here turns them on at
+    # 256 too): alone, together on both schedules and K/V load paths, and beside session 6's
+    "session6-consumer-loop": {"descriptor_adds": "0", "skip_unit_rescale": "0", "ordered_softmax": "0",
+                               "rescale_slack": "0"},  # the head_dim-128 loop before session 7's defaults
     "descriptor-adds": {"descriptor_adds": "1"},
     "skip-unit-rescale": {"skip_unit_rescale": "1"},
     "ordered-softmax": {"ordered_softmax": "1"},

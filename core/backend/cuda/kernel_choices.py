@@ -106,25 +106,31 @@ SM90_PAGE_READ_MODES = ("row", "batched")
 #   next tile runs (FlashAttention-3's order) instead of after P V has landed;
 # OPENINFER_SM90_LEAN_ARRIVALS=1 (1.00x; 16k 0.97x): consumers release a stage with one arrival per warp, not per thread,
 #   and a TMA tile's 127 other producer arrivals come as one counted arrival from its issuing thread.
-# Session 7's consumer-loop refinements (opt-in until a device window times them):
-# OPENINFER_SM90_DESCRIPTOR_ADDS=1: each wgmma's shared-memory descriptor is its tile's base descriptor
+# Session 7's consumer-loop refinements. Default at head_dim 128 together (SM90_LEAN_SOFTMAX_HEAD_DIMS) by
+# E1 (H200, device time, gpu_prefill_attention --sm90-variants, 3 interleaved rounds, all four against the
+# session-6 kernel): 16k prompt 556 -> 616 TFLOP/s in the first round (1.11x; 1.04x / 1.06x in the two
+# hotter rounds), 1k 236 -> 243 (1.03x), 4k 522 -> 540 (1.04x), 4k chunk on 12k 1.02x, 8 x 2k 453 -> 469
+# (1.03x), 8 x 1k 348 -> 353 (1.02x); geomean 1.040x; output within 3.1e-3 of the old kernel's. Each one
+# is its own switch (=0 turns it off, =1 on at every head size):
+# OPENINFER_SM90_DESCRIPTOR_ADDS: each wgmma's shared-memory descriptor is its tile's base descriptor
 #   plus a compile-time constant (the per-wgmma mask / shift / or of the address drops out: the main loop
-#   goes from 534 to 461 instructions per K/V tile outside the diagonal, SASS of head_dim 128 + TMA);
-# OPENINFER_SM90_SKIP_UNIT_RESCALE=1: a warp skips O's 64 rescaling multiplies per tile when every
-#   correction of its rows is exactly 1 (their max has settled), same bits either way;
-# OPENINFER_SM90_ORDERED_SOFTMAX=1 (with the overlap): ptxas hoists the wait for tile k-1's P V above
+#   goes from 534 to 461 instructions per K/V tile outside the diagonal, SASS of head_dim 128 + TMA); alone 1.024x;
+# OPENINFER_SM90_SKIP_UNIT_RESCALE: a warp skips O's 64 rescaling multiplies per tile when every
+#   correction of its rows is exactly 1 (their max has settled), same bits either way; alone 1.029x;
+# OPENINFER_SM90_ORDERED_SOFTMAX (with the overlap): ptxas hoists the wait for tile k-1's P V above
 #   tile k's softmax (nothing ties them), so the overlapped loop's softmax never ran beside its own P V;
-#   a shared store of the row sums pins the softmax before the wait (SASS: 66 ex2 before it, none before).
-SM90_DESCRIPTOR_ADDS = False
-SM90_SKIP_UNIT_RESCALE = False
-# OPENINFER_SM90_RESCALE_SLACK=1: a row's running max moves only when a tile's max exceeds it by more
+#   a shared store of the row sums pins the softmax before the wait (SASS: 66 ex2 before it, none before);
+#   alone 1.009x (16k 1.05x in the first round);
+# OPENINFER_SM90_RESCALE_SLACK: a row's running max moves only when a tile's max exceeds it by more
 #   than 8 (log2 units; P values stay <= 256), so with SKIP_UNIT_RESCALE nearly every tile after the
-#   first skips O's rescale (FlashAttention-4's conditional rescale; other bits, same tolerance).
-# OPENINFER_SM90_HEAD_PAIRS=1 (head_dim 128, an even GQA group): a CTA's two consumer warpgroups take two
-#   query heads of one KV head at the same 64 queries instead of one head at 128, so each K/V tile crosses
-#   from L2 once per two heads (half the K/V copy traffic per FLOP; the same number of work items).
-SM90_ORDERED_SOFTMAX = False
-SM90_RESCALE_SLACK = False
+#   first skips O's rescale (FlashAttention-4's conditional rescale; other bits, same tolerance);
+#   1.040x with the three above vs 1.029x without.
+# Opt-in, not faster in E1: OPENINFER_SM90_HEAD_PAIRS=1 (1.001x alone, 1.024x with the three above vs their
+#   1.029x; head_dim 128, an even GQA group): a CTA's two consumer warpgroups take two query heads of one KV
+#   head at the same 64 queries instead of one head at 128, so each K/V tile crosses from L2 once per two
+#   heads (half the K/V copy traffic per FLOP; the same number of work items). E1's timing diagnostic with
+#   no K/V copies: 741 TFLOP/s at 16k with the refinements (694 without), cuDNN 657.
+SM90_LEAN_SOFTMAX_HEAD_DIMS = (128,)
 SM90_HEAD_PAIRS = False
 SM90_PAGE_PREFETCH_HEAD_DIMS = (128,)
 SM90_SPLIT_KV = False
@@ -199,10 +205,10 @@ def sm90_variant(head_dim: int) -> Sm90Variant:
         split_kv=_env_flag("split_kv", SM90_SPLIT_KV),
         early_rescale=_env_flag("early_rescale", SM90_EARLY_RESCALE),
         lean_arrivals=_env_flag("lean_arrivals", SM90_LEAN_ARRIVALS),
-        descriptor_adds=_env_flag("descriptor_adds", SM90_DESCRIPTOR_ADDS),
-        skip_unit_rescale=_env_flag("skip_unit_rescale", SM90_SKIP_UNIT_RESCALE),
-        ordered_softmax=_env_flag("ordered_softmax", SM90_ORDERED_SOFTMAX),
-        rescale_slack=_env_flag("rescale_slack", SM90_RESCALE_SLACK),
+        descriptor_adds=_env_flag("descriptor_adds", head_dim in SM90_LEAN_SOFTMAX_HEAD_DIMS),
+        skip_unit_rescale=_env_flag("skip_unit_rescale", head_dim in SM90_LEAN_SOFTMAX_HEAD_DIMS),
+        ordered_softmax=_env_flag("ordered_softmax", head_dim in SM90_LEAN_SOFTMAX_HEAD_DIMS),
+        rescale_slack=_env_flag("rescale_slack", head_dim in SM90_LEAN_SOFTMAX_HEAD_DIMS),
         head_pairs=_env_flag("head_pairs", SM90_HEAD_PAIRS))
 
 
