@@ -94,11 +94,10 @@ def compare(base: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]
 def overlap_probe(call: Any, repeats: int) -> dict[str, float]:
     """Times one layer's mixed attention (``mixed_attention``'s recorded call): as the engine runs
     it by default, its prefill and decode parts alone, and the decode part on a second stream
-    beside the prefill part (``overlapped_mixed_attention``, OPENINFER_MIXED_OVERLAP=1)."""
+    beside the prefill part (``mixed_attention``'s ``decode_stream``, OPENINFER_MIXED_OVERLAP=1)."""
     import cupy
 
     from openinfer.backend.cuda.attention import mixed_attention, prefill_attention
-    from openinfer.backend.cuda.backend import overlapped_mixed_attention
     from openinfer.backend.cuda.decode_attention import paged_decode_attention
 
     q, spec, kv, batch, split, num_sms = call.args
@@ -116,7 +115,7 @@ def overlap_probe(call: Any, repeats: int) -> dict[str, float]:
 
     timed = {"engine_us": lambda: mixed_attention(*call.args, **call.kwargs), "prefill_part_us": prefill_part,
              "decode_part_us": decode_part,
-             "two_streams_us": lambda: overlapped_mixed_attention(q, spec, kv, batch, split, num_sms, side)}
+             "two_streams_us": lambda: mixed_attention(q, spec, kv, batch, split, num_sms, decode_stream=side)}
     result = {name: gpu_seconds(fn, repeats, warmup=2) * 1e6 for name, fn in timed.items()}
     result["decode_rows"] = rows
     result["serial_sum_us"] = result["prefill_part_us"] + result["decode_part_us"]

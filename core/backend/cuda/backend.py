@@ -20,7 +20,6 @@ from openinfer.backend.cuda import attention as attention_ops
 from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, StaticPrefillBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
-from openinfer.backend.cuda.decode_attention import paged_decode_attention
 from openinfer.backend.cuda.kernel_choices import kernel_choices
 from openinfer.backend.cuda.linear import (
     FUSED_LAUNCH,
@@ -103,28 +102,6 @@ def _bf16(x: Any, what: str) -> cupy.ndarray:
         raise ValueError(f"{what} must be a bf16 (uint16) CuPy array from this backend, got "
                          f"{type(x).__name__} {getattr(x, 'dtype', '')}")
     return cupy.ascontiguousarray(x)
-
-
-def overlapped_mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: Any,
-                               num_sms: int, side: cupy.cuda.Stream) -> cupy.ndarray:
-    """``attention_ops.mixed_attention`` with its decode rows on ``side``, beside the prompt chunks'
-    prefill attention on the current stream (both only read the K/V ``write_qkv`` stored and write
-    disjoint rows of ``out``); the current stream waits for ``side`` before it goes on."""
-    rows = split.decode_rows
-    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
-    main = cupy.cuda.get_current_stream()
-    inputs_ready = cupy.cuda.Event(disable_timing=True)
-    inputs_ready.record(main)
-    side.wait_event(inputs_ready)
-    with side:
-        paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows],
-                               spec.scale, num_sms, out=out[:rows])
-        decodes_done = cupy.cuda.Event(disable_timing=True)
-        decodes_done.record(side)
-    for tile_range in split.prefill_tile_ranges:
-        attention_ops.prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
-    main.wait_event(decodes_done)
-    return out
 
 
 class CudaBackend:
@@ -376,7 +353,7 @@ class CudaBackend:
         q = attention_ops.write_qkv(qkv, spec, kv, batch, self.ropes)
         if self._side_stream is None:
             self._side_stream = cupy.cuda.Stream(non_blocking=True)
-        return overlapped_mixed_attention(q, spec, kv, batch, split, self.num_sms, self._side_stream)
+        return attention_ops.mixed_attention(q, spec, kv, batch, split, self.num_sms, decode_stream=self._side_stream)
 
     def _overlapped_split(self, spec: AttentionSpec, batch: CudaBatch) -> Any:
         """The mixed split ``attention_ops.attend`` would take for this step, or None where it
