@@ -55,8 +55,11 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 64) * 32))
 
 
-# "1": a mixed step's decode rows attend on a second stream beside the prompt chunks' prefill
-# attention (memory bound beside compute bound); "0" (default): one after the other on one stream
+# "1" (default): a mixed step's decode rows attend on a second stream beside the prompt chunks'
+# prefill attention (memory bound beside compute bound); "0": one after the other on one stream.
+# Default by E1 (H200, benchmarks/gpu_mixed_step.py, Qwen3-4B, one layer's mixed attention of an
+# 8192-token step with 200 decodes at 1088 context): 559.6 -> 496.9 us (prefill part 294.3 + decode
+# part 265.3 us alone), the same bits (tests/gpu/test_mixed_overlap.py)
 MIXED_OVERLAP_ENV = "OPENINFER_MIXED_OVERLAP"
 ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
 # E2 (H200, gpu_elementwise.py, 2560 features): add_rms_norm rows / block 1.05x at 256 rows, 2.1x at
@@ -143,11 +146,11 @@ class CudaBackend:
         self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
-        overlap = os.environ.get(MIXED_OVERLAP_ENV, "0")
+        overlap = os.environ.get(MIXED_OVERLAP_ENV, "1")
         if overlap not in ("0", "1"):
             raise ValueError(f"{MIXED_OVERLAP_ENV}={overlap!r}: expected '0' or '1'")
         self.mixed_overlap = overlap == "1"
-        self._side_stream: cupy.cuda.Stream | None = None  # made on first use (OPENINFER_MIXED_OVERLAP=1)
+        self._side_stream: cupy.cuda.Stream | None = None  # made at the first overlapped mixed step
 
     def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
