@@ -23,6 +23,7 @@ from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.kernel_choices import kernel_choices
 from openinfer.backend.cuda.linear import (
     FUSED_LAUNCH,
+    GEMV_MAX_ROWS,
     CudaLinear,
     FusedLaunch,
     fusable,
@@ -122,6 +123,8 @@ class CudaBackend:
         self.blas = Cublas()
         self.use_gemv = use_gemv
         self.gemm_row_buckets: tuple[int, ...] = ()  # set_gemm_row_buckets
+        self._gemm_weights: dict[tuple[int, int], cupy.ndarray] = {}  # weight shape -> a weight of it
+        self.gemm_warmups = 0  # bucket GEMMs set_gemm_row_buckets ran
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -281,18 +284,41 @@ class CudaBackend:
         return out, residual_out
 
     def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
+        if not self.gemm_row_buckets:  # until set_gemm_row_buckets: the weight shapes it loads kernels for
+            self._gemm_weights.setdefault(tuple(weight.weight.shape), weight.weight)
         return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv, self.gemm_row_buckets)
 
     def set_gemm_row_buckets(self, buckets: Sequence[int]) -> None:
         """Row counts whose cuBLAS kernels are loaded (the CUDA graphs' buckets, after capture):
-        smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding."""
+        smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding.
+
+        Each bucket then runs one GEMM with every weight shape seen so far: the captures load
+        only the (rows, weight) pairs they ran, yet an eager step pads e.g. its LM head's rows to
+        a short-prefill graph's token count (70 rows -> 79), a pair no capture ran, and a kernel's
+        first load waits for the whole device (E1, H200, 256-stream burst: that step's host
+        launch 220 ms, ~15 ms of device idle, in every run)."""
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.gemm_warmups = self._load_bucket_gemms()
         tuned = self.blas.tuned
         if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
             logger.info("cuBLASLt tuned %d GEMM shapes in %.2f s (%d from the tuning cache; %d kept a pick other "
                         "than the heuristic's first, %d a split-K copy)", len(tuned.shapes), tuned.tuning_seconds,
                         tuned.cached_shapes, sum(1 for s in tuned.report() if s["chosen"] > 0),
                         sum(1 for s in tuned.report() if s["split_k"] > 1))
+
+    def _load_bucket_gemms(self) -> int:
+        """One GEMM per (bucket past the GEMV rows, weight shape seen), on zero inputs (loads each
+        pair's cuBLAS kernel now, on an idle device); returns how many ran."""
+        count = 0
+        for (out_features, in_features), weight in self._gemm_weights.items():
+            for rows in self.gemm_row_buckets:
+                if rows <= GEMV_MAX_ROWS:
+                    continue
+                x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
+                self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
+                count += 1
+        cupy.cuda.get_current_stream().synchronize()
+        return count
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
