@@ -62,6 +62,7 @@ def _norm_threads(features: int) -> int:
 # 8192-token step with 200 decodes at 1088 context): 559.6 -> 496.9 us (prefill part 294.3 + decode
 # part 265.3 us alone), the same bits (tests/gpu/test_mixed_overlap.py)
 MIXED_OVERLAP_ENV = "OPENINFER_MIXED_OVERLAP"
+BUCKET_GEMM_LOADS_ENV = "OPENINFER_BUCKET_GEMM_LOADS"  # "0": set_gemm_row_buckets runs no GEMMs
 ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
 # E2 (H200, gpu_elementwise.py, 2560 features): add_rms_norm rows / block 1.05x at 256 rows, 2.1x at
 # 1k, 2.5x at 8k / 16k (214 -> 84 us, 38 -> 97 % of copy bandwidth); rms_norm 3.2x at 16k; equal at 1-64
@@ -298,7 +299,8 @@ class CudaBackend:
         first load waits for the whole device (E1, H200, 256-stream burst: that step's host
         launch 220 ms, ~15 ms of device idle, in every run)."""
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
-        self.gemm_warmups = self._load_bucket_gemms()
+        if os.environ.get(BUCKET_GEMM_LOADS_ENV, "1") != "0":
+            self.gemm_warmups = self._load_bucket_gemms()
         tuned = self.blas.tuned
         if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
             logger.info("cuBLASLt tuned %d GEMM shapes in %.2f s (%d from the tuning cache; %d kept a pick other "
