@@ -188,3 +188,23 @@ def test_a_second_process_takes_the_kept_algorithms_from_the_disk_cache(rng, tmp
     out = cupy.empty((m, n), dtype=cupy.uint16)
     blas.matmul_nt(xd, wd, out)
     assert blas.tuned.cached_shapes == 0 and len(json.loads(path.read_text())) == 1
+
+
+def test_row_buckets_load_every_seen_weight_shape(rng):
+    """``set_gemm_row_buckets`` runs one GEMM per (bucket past the GEMV rows, weight shape the
+    backend has seen), so an eager GEMM padded to a bucket no capture ran with that weight (an LM
+    head padded to a short-prefill graph's token count) finds its kernel loaded; results unchanged."""
+    from openinfer.backend.cuda import CudaBackend
+
+    backend = CudaBackend()
+    w1, w2 = bf16_random(rng, 96, 64, scale=0.125), bf16_random(rng, 40, 128, scale=0.1)
+    layer1, layer2 = backend.linear_weight(w1), backend.linear_weight(w2)
+    backend.linear(cupy.asarray(float_to_bf16_bits(bf16_random(rng, 3, 64))), layer1)
+    backend.linear(cupy.asarray(float_to_bf16_bits(bf16_random(rng, 5, 128))), layer2)
+    backend.linear(cupy.asarray(float_to_bf16_bits(bf16_random(rng, 7, 64))), layer1)  # the same shape again
+    backend.set_gemm_row_buckets([1, 16, 40])
+    assert backend.gemm_warmups == 2 * 2  # buckets 16 and 40 (1 row is the GEMV's) x two weight shapes
+    x = bf16_random(rng, 30, 64)
+    out = backend.to_host(backend.linear(cupy.asarray(float_to_bf16_bits(x)), layer1))
+    assert out.shape == (30, 96)
+    assert relative_error(out, x.astype(np.float64) @ w1.astype(np.float64).T) < 1e-2

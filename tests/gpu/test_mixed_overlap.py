@@ -1,4 +1,4 @@
-"""OPENINFER_MIXED_OVERLAP=1: a mixed step's decode rows attend on a second stream beside the
+"""OPENINFER_MIXED_OVERLAP (default "1"): a mixed step's decode rows attend on a second stream beside the
 prompt chunks' prefill attention. The same kernels on the same inputs: the same bits as the
 one-stream mixed attention, through the backend's attention op as through the function."""
 
@@ -48,7 +48,6 @@ def mixed_problem(rng, num_heads, num_kv_heads, cached, new, backend):
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_streams_give_the_one_stream_bits(cuda_backend, rng, case, mixed_choices):
     from openinfer.backend.cuda.attention import mixed_attention, mixed_split
-    from openinfer.backend.cuda.backend import overlapped_mixed_attention
 
     num_heads, num_kv_heads, cached, new = CASES[case]
     batch, kv, spec = mixed_problem(rng, num_heads, num_kv_heads, cached, new, cuda_backend)
@@ -59,8 +58,8 @@ def test_two_streams_give_the_one_stream_bits(cuda_backend, rng, case, mixed_cho
     one_stream = cupy.asnumpy(mixed_attention(q, spec, kv, device_batch, split, cuda_backend.num_sms))
     side = cupy.cuda.Stream(non_blocking=True)
     for _ in range(3):  # repeated: the side stream's rows are joined before each result is read
-        two_streams = cupy.asnumpy(overlapped_mixed_attention(q, spec, kv, device_batch, split,
-                                                              cuda_backend.num_sms, side))
+        two_streams = cupy.asnumpy(mixed_attention(q, spec, kv, device_batch, split, cuda_backend.num_sms,
+                                                   decode_stream=side))
         np.testing.assert_array_equal(two_streams, one_stream)
 
 

@@ -20,10 +20,10 @@ from openinfer.backend.cuda import attention as attention_ops
 from openinfer.backend.cuda.batch import BatchUploader, CudaBatch, StaticBatch, StaticPrefillBatch
 from openinfer.backend.cuda.bf16 import float_to_bf16_bits
 from openinfer.backend.cuda.cublas import Cublas
-from openinfer.backend.cuda.decode_attention import paged_decode_attention
 from openinfer.backend.cuda.kernel_choices import kernel_choices
 from openinfer.backend.cuda.linear import (
     FUSED_LAUNCH,
+    GEMV_MAX_ROWS,
     CudaLinear,
     FusedLaunch,
     fusable,
@@ -56,9 +56,13 @@ def _norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 64) * 32))
 
 
-# "1": a mixed step's decode rows attend on a second stream beside the prompt chunks' prefill
-# attention (memory bound beside compute bound); "0" (default): one after the other on one stream
+# "1" (default): a mixed step's decode rows attend on a second stream beside the prompt chunks'
+# prefill attention (memory bound beside compute bound); "0": one after the other on one stream.
+# Default by E1 (H200, benchmarks/gpu_mixed_step.py, Qwen3-4B, one layer's mixed attention of an
+# 8192-token step with 200 decodes at 1088 context): 559.6 -> 496.9 us (prefill part 294.3 + decode
+# part 265.3 us alone), the same bits (tests/gpu/test_mixed_overlap.py)
 MIXED_OVERLAP_ENV = "OPENINFER_MIXED_OVERLAP"
+BUCKET_GEMM_LOADS_ENV = "OPENINFER_BUCKET_GEMM_LOADS"  # "0": set_gemm_row_buckets runs no GEMMs
 ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
 # E2 (H200, gpu_elementwise.py, 2560 features): add_rms_norm rows / block 1.05x at 256 rows, 2.1x at
 # 1k, 2.5x at 8k / 16k (214 -> 84 us, 38 -> 97 % of copy bandwidth); rms_norm 3.2x at 16k; equal at 1-64
@@ -105,28 +109,6 @@ def _bf16(x: Any, what: str) -> cupy.ndarray:
     return cupy.ascontiguousarray(x)
 
 
-def overlapped_mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch, split: Any,
-                               num_sms: int, side: cupy.cuda.Stream) -> cupy.ndarray:
-    """``attention_ops.mixed_attention`` with its decode rows on ``side``, beside the prompt chunks'
-    prefill attention on the current stream (both only read the K/V ``write_qkv`` stored and write
-    disjoint rows of ``out``); the current stream waits for ``side`` before it goes on."""
-    rows = split.decode_rows
-    out = cupy.empty((batch.num_tokens, spec.num_heads * spec.head_dim), dtype=cupy.uint16)
-    main = cupy.cuda.get_current_stream()
-    inputs_ready = cupy.cuda.Event(disable_timing=True)
-    inputs_ready.record(main)
-    side.wait_event(inputs_ready)
-    with side:
-        paged_decode_attention(q[:rows], kv.k, kv.v, batch.block_tables[:rows], batch.context_lens[:rows],
-                               spec.scale, num_sms, out=out[:rows])
-        decodes_done = cupy.cuda.Event(disable_timing=True)
-        decodes_done.record(side)
-    for tile_range in split.prefill_tile_ranges:
-        attention_ops.prefill_attention(q, spec, kv, batch, out=out, tile_range=tile_range)
-    main.wait_event(decodes_done)
-    return out
-
-
 class CudaBackend:
     name = "cuda"
     xp = cupy
@@ -142,6 +124,8 @@ class CudaBackend:
         self.blas = Cublas()
         self.use_gemv = use_gemv
         self.gemm_row_buckets: tuple[int, ...] = ()  # set_gemm_row_buckets
+        self._gemm_weights: dict[tuple[int, int], cupy.ndarray] = {}  # weight shape -> a weight of it
+        self.gemm_warmups = 0  # bucket GEMMs set_gemm_row_buckets ran
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -166,11 +150,11 @@ class CudaBackend:
         self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
-        overlap = os.environ.get(MIXED_OVERLAP_ENV, "0")
+        overlap = os.environ.get(MIXED_OVERLAP_ENV, "1")
         if overlap not in ("0", "1"):
             raise ValueError(f"{MIXED_OVERLAP_ENV}={overlap!r}: expected '0' or '1'")
         self.mixed_overlap = overlap == "1"
-        self._side_stream: cupy.cuda.Stream | None = None  # made on first use (OPENINFER_MIXED_OVERLAP=1)
+        self._side_stream: cupy.cuda.Stream | None = None  # made at the first overlapped mixed step
 
     def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
@@ -301,18 +285,42 @@ class CudaBackend:
         return out, residual_out
 
     def linear(self, x: cupy.ndarray, weight: CudaLinear) -> cupy.ndarray:
+        if not self.gemm_row_buckets:  # until set_gemm_row_buckets: the weight shapes it loads kernels for
+            self._gemm_weights.setdefault(tuple(weight.weight.shape), weight.weight)
         return linear(_bf16(x, "linear input"), weight, self.blas, self.use_gemv, self.gemm_row_buckets)
 
     def set_gemm_row_buckets(self, buckets: Sequence[int]) -> None:
         """Row counts whose cuBLAS kernels are loaded (the CUDA graphs' buckets, after capture):
-        smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding."""
+        smaller GEMMs run padded to one of them (``linear.linear``). Empty: no padding.
+
+        Each bucket then runs one GEMM with every weight shape seen so far: the captures load
+        only the (rows, weight) pairs they ran, yet an eager step pads e.g. its LM head's rows to
+        a short-prefill graph's token count (70 rows -> 79), a pair no capture ran, and a kernel's
+        first load waits for the whole device (E1, H200, 256-stream burst: that step's host
+        launch 220 ms, ~15 ms of device idle, in every run)."""
         self.gemm_row_buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if os.environ.get(BUCKET_GEMM_LOADS_ENV, "1") != "0":
+            self.gemm_warmups = self._load_bucket_gemms()
         tuned = self.blas.tuned
         if tuned is not None:  # called after graph capture: the decode shapes are tuned by now
             logger.info("cuBLASLt tuned %d GEMM shapes in %.2f s (%d from the tuning cache; %d kept a pick other "
                         "than the heuristic's first, %d a split-K copy)", len(tuned.shapes), tuned.tuning_seconds,
                         tuned.cached_shapes, sum(1 for s in tuned.report() if s["chosen"] > 0),
                         sum(1 for s in tuned.report() if s["split_k"] > 1))
+
+    def _load_bucket_gemms(self) -> int:
+        """One GEMM per (bucket past the GEMV rows, weight shape seen), on zero inputs (loads each
+        pair's cuBLAS kernel now, on an idle device); returns how many ran."""
+        count = 0
+        for (out_features, in_features), weight in self._gemm_weights.items():
+            for rows in self.gemm_row_buckets:
+                if rows <= GEMV_MAX_ROWS:
+                    continue
+                x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
+                self.blas.matmul_nt(x, weight, cupy.empty((rows, out_features), dtype=cupy.uint16))
+                count += 1
+        cupy.cuda.get_current_stream().synchronize()
+        return count
 
     def add_rms_norm_linear(self, x: cupy.ndarray, residual: cupy.ndarray | None, weight: cupy.ndarray, eps: float,
                             layer: CudaLinear) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -376,7 +384,7 @@ class CudaBackend:
         q = attention_ops.write_qkv(qkv, spec, kv, batch, self.ropes)
         if self._side_stream is None:
             self._side_stream = cupy.cuda.Stream(non_blocking=True)
-        return overlapped_mixed_attention(q, spec, kv, batch, split, self.num_sms, self._side_stream)
+        return attention_ops.mixed_attention(q, spec, kv, batch, split, self.num_sms, decode_stream=self._side_stream)
 
     def _overlapped_split(self, spec: AttentionSpec, batch: CudaBatch) -> Any:
         """The mixed split ``attention_ops.attend`` would take for this step, or None where it
