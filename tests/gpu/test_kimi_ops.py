@@ -193,6 +193,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     if gemv == "blas":
         monkeypatch.setattr(moe, "BLAS_MIN_ROWS_PER_EXPERT", 1)
         monkeypatch.setenv(moe.BLAS_ENV, "1")
+        monkeypatch.setenv("OPENINFER_MOE_SM90", "0")  # else the Hopper kernel takes these 34 slots per expert
         blas, forced = cuda_backend.blas, None
         assert moe.blas_eligible(tokens * top_k, gate_up, blas)
     x = bf16_random(rng, tokens, hidden)
@@ -269,6 +270,7 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     moe = _moe_cuda()
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    monkeypatch.setenv("OPENINFER_MOE_SM90", "0")  # the pipelined kernel where the Hopper one would run
     assert moe.pipelined_mode() == moe.DEFAULT_PIPELINED_MODE
     monkeypatch.setenv(moe.PIPELINED_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_PIPELINED"):
