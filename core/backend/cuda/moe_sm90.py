@@ -82,11 +82,13 @@ def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -
     """moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS experts,
     K % 8 == 0 (16-byte rows for cp.async and TMA), 16-byte aligned A rows and a contiguous, 16-byte
     aligned weight (its tensor map), an even N
-    (fused: N = 2I with I even), row indices within int32."""
+    (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box)."""
     return (weight.format == "bf16" and weight.num_experts <= SM90_MAX_EXPERTS and weight.in_features % 8 == 0
             and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
             and weight.out_features % (4 if fuse_silu else 2) == 0
-            and weight.num_experts * weight.out_features < 2**31 and sm90_supported())
+            and weight.num_experts * weight.out_features < 2**31 and sm90_supported()
+            # the tensor map's box (64 x 128) inside the weight: toy shapes keep the other kernels
+            and weight.in_features >= SM90_TILE_K and weight.num_experts * weight.out_features >= SM90_BOX_ROWS)
 
 
 def sm90_shared_bytes(stages: int = SM90_STAGES) -> int:
