@@ -634,6 +634,7 @@ EXPERTS_GRAPH_MAX_TOKENS = 1024  # above: timed eagerly (cuBLAS per expert canno
 # variant -> (what gate_up runs, what down runs); "+silu" adds core's silu_mul after gate_up
 EXPERT_VARIANTS = {
     "chosen": "what ships (moe_forward's choices with OPENINFER_MOE_PIPELINED unset)",
+    "no_sm90": "what ships with OPENINFER_MOE_SM90=0 (before E1 of 2026-11-24: pipelined / cuBLAS per expert)",
     "off": "OPENINFER_MOE_PIPELINED=off, what shipped before E1 (decode GEMV / per-tile GEMM / cuBLAS per expert)",
     "tiles": "moe_grouped_gemm (the per-tile GEMM)",
     "pipelined": "moe_grouped_gemm_pipelined (tiles mode), gate_up then silu_mul",
@@ -690,6 +691,9 @@ def run_experts(args) -> dict:
         def call():
             if variant == "chosen":
                 return cuda_moe.routed_experts(backend, x, gate_up, down, grouping)
+            if variant == "no_sm90":
+                with switched_env({moe_sm90.SM90_ENV: "0"}):
+                    return cuda_moe.routed_experts(backend, x, gate_up, down, grouping)
             if variant in ("sm90", "sm90_s3", "sm90_pair"):
                 stages = 3 if variant == "sm90_s3" else moe_sm90.SM90_STAGES
                 pair = variant == "sm90_pair"

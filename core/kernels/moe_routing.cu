@@ -104,20 +104,40 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int* scratch, int
     return warp_base + inclusive - value;
 }
 
-// Grid (E): counts[e] = the slots routed to expert e.
+// Slots base .. base + 7 of `ids` (-1 past num_slots): two 16-byte loads where whole and aligned.
+__device__ __forceinline__ void load_eight_ids(const int* __restrict__ ids, int base, int num_slots, bool aligned,
+                                               int (&v)[8]) {
+    if (aligned && base + 8 <= num_slots) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(ids + base), hi = *reinterpret_cast<const uint4*>(ids + base + 4);
+        v[0] = (int)lo.x, v[1] = (int)lo.y, v[2] = (int)lo.z, v[3] = (int)lo.w;
+        v[4] = (int)hi.x, v[5] = (int)hi.y, v[6] = (int)hi.z, v[7] = (int)hi.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = base + j < num_slots ? ids[base + j] : -1;
+    }
+}
+
+// Grid (E): counts[e] = the slots routed to expert e (8 slots per thread and pass, loads in flight together).
 extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 moe_expert_counts(const int* __restrict__ ids, int num_slots, int* __restrict__ counts) {
     __shared__ int scratch[32];
     const int e = blockIdx.x;
+    const bool aligned = ((size_t)ids & 15) == 0;
     int mine = 0;
-    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) mine += ids[i] == e;
+    for (int base = threadIdx.x * 8; base < num_slots; base += blockDim.x * 8) {
+        int v[8];
+        load_eight_ids(ids, base, num_slots, aligned, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mine += v[j] == e;
+    }
     int total;
     block_exclusive_scan(mine, scratch, &total);
     if (threadIdx.x == 0) counts[e] = total;
 }
 
 // Grid (E), after moe_expert_counts: the same offsets, tile list and num_tiles as moe_sort; expert
-// e's slots in slot order (thread t walks slots t·R .. t·R + R - 1, R = ⌈S / threads⌉).
+// e's slots in slot order: passes over blockDim x 8 slots, thread t taking slots 8t .. 8t + 7 of the
+// pass, a block scan of the matches placing them.
 extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, const int* __restrict__ counts,
                 int* __restrict__ offsets /* [E+1] */, int* __restrict__ sorted_slots, int* __restrict__ slot_pos,
@@ -126,7 +146,7 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
     __shared__ int scratch[32];
     __shared__ int expert_row, expert_tile;
     const int e = blockIdx.x, tid = threadIdx.x;
-    // experts' first rows and first tiles: thread i sums experts i, i + threads, ... (E <= 512 <= threads)
+    // experts' first rows and first tiles: thread i holds expert i (E <= MAX_EXPERTS <= threads)
     const int count = tid < num_experts ? counts[tid] : 0;
     int rows_total, tiles_total;
     const int row_before = block_exclusive_scan(count, scratch, &rows_total);
@@ -151,17 +171,26 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
             tile_row[tile] = first_row + r;
         }
     }
-    const int run = (num_slots + blockDim.x - 1) / blockDim.x, begin = min(num_slots, tid * run),
-              end = min(num_slots, begin + run);
-    int mine = 0;
-    for (int i = begin; i < end; ++i) mine += ids[i] == e;
-    int total;
-    int p = first_row + block_exclusive_scan(mine, scratch, &total);
-    if (mine == 0) return;
-    for (int i = begin; i < end; ++i)
-        if (ids[i] == e) {
-            sorted_slots[p] = i;
-            slot_pos[i] = p;
-            ++p;
-        }
+    if (rows == 0) return;  // block-uniform
+    const bool aligned = ((size_t)ids & 15) == 0;
+    int placed = first_row;
+    for (int pass = 0; pass < num_slots; pass += blockDim.x * 8) {
+        const int base = pass + tid * 8;
+        int v[8];
+        load_eight_ids(ids, base, num_slots, aligned, v);
+        int mine = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mine += v[j] == e;
+        int total;
+        int p = placed + block_exclusive_scan(mine, scratch, &total);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (v[j] == e) {
+                sorted_slots[p] = base + j;
+                slot_pos[base + j] = p;
+                ++p;
+            }
+        placed += total;
+        if (placed == first_row + rows) break;  // block-uniform: every slot of e placed
+    }
 }

@@ -116,11 +116,12 @@ def test_router_logits_mma_matches_numpy(cuda_backend, rng, tokens, experts, hid
     assert np.array_equal(narrow_ids.get(), ids.get()) and np.array_equal(narrow_weights.get(), weights.get())
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (2000, 7, 3)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (1500, 384, 8), (3001, 7, 3)])
 def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, top_k):
     """moe_expert_counts + moe_place_slots (one block per expert) against moe_sort_parallel: the same
     offsets and tile list, each expert's segment its slots in slot order, slot_pos the inverse; an
-    expert with no slot, one with dozens of 64-row tiles."""
+    expert with no slot, one with dozens of 64-row tiles; 9003 slots: two passes of 1024 threads x 8
+    slots and a partial last group of 8."""
     moe = _moe_cuda()
     ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     if tokens >= 700:
@@ -193,6 +194,7 @@ def test_fused_moe_matches_numpy_experts(cuda_backend, rng, fmt, gemv, monkeypat
     if gemv == "blas":
         monkeypatch.setattr(moe, "BLAS_MIN_ROWS_PER_EXPERT", 1)
         monkeypatch.setenv(moe.BLAS_ENV, "1")
+        monkeypatch.setenv("OPENINFER_MOE_SM90", "0")  # else the Hopper kernel takes these 34 slots per expert
         blas, forced = cuda_backend.blas, None
         assert moe.blas_eligible(tokens * top_k, gate_up, blas)
     x = bf16_random(rng, tokens, hidden)
@@ -269,6 +271,7 @@ def test_pipelined_mode_switch(cuda_backend, rng, monkeypatch):
     moe = _moe_cuda()
     monkeypatch.delenv(moe.PIPELINED_ENV, raising=False)
     monkeypatch.delenv(moe.GEMV_KERNEL_ENV, raising=False)
+    monkeypatch.setenv("OPENINFER_MOE_SM90", "0")  # the pipelined kernel where the Hopper one would run
     assert moe.pipelined_mode() == moe.DEFAULT_PIPELINED_MODE
     monkeypatch.setenv(moe.PIPELINED_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_PIPELINED"):

@@ -30,9 +30,9 @@ is chosen in one place, ``choose_gemv``, and OPENINFER_MOE_GEMV forces one)::
                                                                read of the per-expert row counts
                                                                (BLAS_ENV=0: as in the middle row)
 
-On a Hopper GPU, OPENINFER_MOE_SM90=1 sends bf16 experts' middle and many rows (above
-``moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT`` slots per expert) to moe_sm90.cu's persistent wgmma kernel
-(gate_up fused with SiLU·mul in ``moe_forward``): no host read, capturable.
+On a Hopper GPU (default; OPENINFER_MOE_SM90=0: the table above) bf16 experts' middle and many rows
+(above ``moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT`` slots per expert) go to moe_sm90.cu's persistent
+wgmma kernel (gate_up fused with SiLU·mul in ``moe_forward``): no host read, capturable.
 
 Routing runs on the device too (``moe_route``), so a decode step never waits for the host and can
 be captured in a CUDA graph; only big eager steps (prefill, ``BLAS_MIN_ROWS_PER_EXPERT``) read the
@@ -240,12 +240,15 @@ ROUTER_WARPS = 8  # moe.cu
 # with 7 gate loads per lane in flight ran with them in that window: no gain at batch 1, route 45 -> 113 /
 # 136 -> 351 us at 64 / 256, so that variant was removed: one load per lane.)
 FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
-# Prefill-sized steps (moe_routing.cu), opt-in until measured: OPENINFER_MOE_ROUTER_MMA=1 computes the
-# router logits of at least ROUTER_MMA_MIN_TOKENS tokens on tensor cores (64 x 64 tiles, x read once;
-# moe_router_logits re-reads a token's row per 8 experts); OPENINFER_MOE_GROUP_BLOCKS=1 groups at least
+# Prefill-sized steps (moe_routing.cu). On by default since E1 (H200, 2026-11-24; OPENINFER_MOE_ROUTER_MMA=0
+# reverts): the router logits of at least ROUTER_MMA_MIN_TOKENS tokens on tensor cores (64 x 64 tiles,
+# x read once; moe_router_logits re-reads a token's row per 8 experts) and moe_route in blocks of a
+# thread per expert (``select_experts``' narrow). Moonlight's router (64 x 2048): logits 230.8 -> 46.0 /
+# 121.6 -> 37.0 / 29.7 -> 23.4 us at 8192 / 4096 / 1024 tokens (behind at 256: 23.6 vs 9.6); top-k
+# 59.7 -> 48.9 / 39.6 -> 34.6 / 6.8 -> 7.0 us. Opt-in OPENINFER_MOE_GROUP_BLOCKS=1 groups at least
 # GROUP_BLOCKS_MIN_SLOTS slots with one block per expert and no atomics (moe_expert_counts +
-# moe_place_slots; moe_sort_parallel's one block spent 76 us on 8k tokens x top-6 in E2, H200).
-ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 64, 4
+# moe_place_slots): E1 74.7 vs moe_sort_parallel's 74.0 us at 8192 tokens x top-6, 46.4 vs 52.7 at 4096.
+ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 1024, 4
 GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
 ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
@@ -358,17 +361,17 @@ def fast_routing() -> bool:
     return os.environ.get(FAST_ROUTING_ENV, "1") not in ("0", "false", "off")
 
 
-def _switch(env: str) -> bool:
-    value = os.environ.get(env, "0").lower()
+def _switch(env: str, default: bool = False) -> bool:
+    value = os.environ.get(env, "1" if default else "0").lower()
     if value not in ("0", "1", "false", "true", "off", "on", ""):
         raise ValueError(f"{env} must be 1 or 0 (on / off), got {value!r}")
     return value in ("1", "true", "on")
 
 
 def router_mma_wanted(num_tokens: int) -> bool:
-    """Whether ``router_logits`` takes moe_router_logits_mma: $OPENINFER_MOE_ROUTER_MMA and at least
-    ROUTER_MMA_MIN_TOKENS tokens."""
-    return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV)
+    """Whether ``router_logits`` takes moe_router_logits_mma: $OPENINFER_MOE_ROUTER_MMA (default on)
+    and at least ROUTER_MMA_MIN_TOKENS tokens."""
+    return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV, default=True)
 
 
 def group_blocks_wanted(num_slots: int) -> bool:

@@ -13,9 +13,12 @@ The weight's tensor map (one per weight array, kept by address and shape) views 
 
     weight  [E, N, K] bf16  ->  rows e·N + n, K contiguous; box (k0 .. k0 + 63, rows r0 .. r0 + 127)
 
-OPENINFER_MOE_SM90=1 takes it for bf16 experts on a compute capability 9.0 GPU above
-SM90_ABOVE_ROWS_PER_EXPERT slots per expert, ahead of cuBLAS per expert and the pipelined kernel;
-unmeasured, so off by default (0: off).
+On by default since E1 (H200, 2026-11-24; OPENINFER_MOE_SM90=0 reverts) for bf16 experts on a
+compute capability 9.0 GPU above SM90_ABOVE_ROWS_PER_EXPERT slots per expert, ahead of cuBLAS per
+expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up + SiLU·mul + down
+(benchmarks/gpu_kimi.py experts, results/kimi_experts_sm90_e1_h200.json), against what shipped:
+8192 tokens 3059 -> 1517 us (cuBLAS per expert, eager; 278 -> 561 TFLOP/s, gate_up alone 575, down
+524), 4096 2636 -> 837 us, 1024 820 -> 340 us (CUDA graph), 256 403 -> 313 us, 64 329 -> 290 us.
 """
 
 from __future__ import annotations
@@ -34,20 +37,21 @@ if TYPE_CHECKING:
     from openinfer.backend.cuda.moe import ExpertGroupingDevice, ExpertLinear
 
 SM90_ENV = "OPENINFER_MOE_SM90"
-DEFAULT_SM90 = False
+DEFAULT_SM90 = True
 # moe_sm90.cu's shape: 128-slot x 256-weight-row tiles (fused: 128 gate + the same 128 up rows),
 # 64-wide k-tiles, 3 warpgroups, at most 512 experts (their offsets and tile counts in shared memory)
 SM90_TILE_M, SM90_TILE_N, SM90_BOX_ROWS, SM90_TILE_K = 128, 256, 128, 64
 SM90_THREADS = 384
 SM90_STAGES = 4
 SM90_MAX_EXPERTS = 512
-# Below this many slots per expert a 128-row tile is mostly padding: the pipelined kernel's 64-row
-# tiles or the decode GEMVs keep those steps (unmeasured bound).
-SM90_ABOVE_ROWS_PER_EXPERT = 24
+# Down to 6 slots per expert (64 tokens x top-6 of 64) measured ahead of the pipelined kernel (E1:
+# 290 vs 329 us); below, unmeasured: the pipelined kernel or the decode GEMVs keep those steps.
+SM90_ABOVE_ROWS_PER_EXPERT = 5
 # CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
 # TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
 # pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
-# second CTA idle); unmeasured, off (infinite).
+# second CTA idle). Off (infinite): E1 (H200) measured the pairs behind single CTAs at every step,
+# 2709 vs 1517 us at 8192 tokens, 794 vs 340 at 1024, 764 vs 313 at 256.
 SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
 
 
@@ -78,11 +82,13 @@ def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -
     """moe_grouped_gemm_sm90's needs: an sm_90 GPU, bf16 weights of at most SM90_MAX_EXPERTS experts,
     K % 8 == 0 (16-byte rows for cp.async and TMA), 16-byte aligned A rows and a contiguous, 16-byte
     aligned weight (its tensor map), an even N
-    (fused: N = 2I with I even), row indices within int32."""
+    (fused: N = 2I with I even), row indices within int32, K >= 64 and E·N >= 128 (a whole TMA box)."""
     return (weight.format == "bf16" and weight.num_experts <= SM90_MAX_EXPERTS and weight.in_features % 8 == 0
             and a.data.ptr % 16 == 0 and weight.data.data.ptr % 16 == 0 and weight.data.flags.c_contiguous
             and weight.out_features % (4 if fuse_silu else 2) == 0
-            and weight.num_experts * weight.out_features < 2**31 and sm90_supported())
+            and weight.num_experts * weight.out_features < 2**31 and sm90_supported()
+            # the tensor map's box (64 x 128) inside the weight: toy shapes keep the other kernels
+            and weight.in_features >= SM90_TILE_K and weight.num_experts * weight.out_features >= SM90_BOX_ROWS)
 
 
 def sm90_shared_bytes(stages: int = SM90_STAGES) -> int:
