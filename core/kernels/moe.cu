@@ -499,20 +499,45 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
 #define WEIGHT_CHUNK 16
 #endif
 
+#ifndef GEMV_STREAM_LOADS
+#define GEMV_STREAM_LOADS 0  // 1: the decode GEMVs' 16-byte weight loads past L1, L2 asked for 256-byte lines
+#endif
+
+// 16 bytes read once (a weight): ld.global.nc.L1::no_allocate.L2::256B (the host emulation: a plain load).
+__device__ __forceinline__ uint4 stream_load16(const void* p) {
+#ifdef MMA_HOST_STANDIN
+    return *reinterpret_cast<const uint4*>(p);
+#else
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// 16 bytes at p, by stream_load16 under GEMV_STREAM_LOADS.
+__device__ __forceinline__ uint4 weight_load16(const void* p) {
+#if GEMV_STREAM_LOADS
+    return stream_load16(p);
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // The 16 bytes holding WEIGHT_CHUNK weights of row n (expert e) from k on, as stored.
 __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, long long e, int n, int k, int N, int K) {
 #if WEIGHT_FORMAT == 0
-    return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
+    return weight_load16((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
 #if INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
     const unsigned* words = (const unsigned*)weight;
     return make_uint4(words[int4_word_index(e, n, k, N, K)], words[int4_word_index(e, n, k + 8, N, K)],
                       words[int4_word_index(e, n, k + 16, N, K)], words[int4_word_index(e, n, k + 24, N, K)]);
 #else
-    return *reinterpret_cast<const uint4*>((const unsigned*)weight + int4_word_index(e, n, k, N, K));
+    return weight_load16((const unsigned*)weight + int4_word_index(e, n, k, N, K));
 #endif
 #else
-    return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
+    return weight_load16((const unsigned char*)weight + (e * N + n) * (long long)K + k);
 #endif
 }
 
@@ -1089,7 +1114,11 @@ __device__ __forceinline__ void staged_wait_pending() {}
 #else
 __device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
     const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+#if GEMV_STREAM_LOADS  // L2 asked for the whole 256-byte line
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+#endif
 }
 __device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
@@ -1261,11 +1290,8 @@ struct TiledChunk {
 };
 
 __device__ __forceinline__ uint4 tiled_weight_load(const uint4* p) {
-#if TILED_STREAM_LOADS && !defined(MMA_HOST_STANDIN)
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
+#if TILED_STREAM_LOADS
+    return stream_load16(p);
 #else
     return *p;
 #endif
