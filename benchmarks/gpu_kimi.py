@@ -1322,7 +1322,11 @@ MOE_SHAPES = {
 MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
-                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
+                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),
+                # the routed experts' decode GEMV with streaming weight loads (GEMV_STREAM_LOADS) where it runs
+                "overlap_wide_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "wide_nc"}, False),
+                "overlap_mma_staged_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "mma_staged_nc"},
+                                          False)}
 
 
 def run_moe(args) -> dict:
