@@ -615,8 +615,8 @@ def run_gemv(args) -> dict:
                      "slots_per_expert": tokens * top_k / experts,
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             names = kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core
-            if fmt == "int4":  # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
-                names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
+            # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
+            names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],

@@ -124,6 +124,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "tiled_s6": {"TILED_NTILES": 2, "TILED_STAGES": 6},
     "tiled_s8": {"TILED_NTILES": 2, "TILED_STAGES": 8},
     "tiled1_s6": {"TILED_NTILES": 1, "TILED_STAGES": 6},
+    # each warp starting its chunk stream at its own place (TILED_ROTATE; E1's tiled GEMVs trailed the
+    # checkpoint layout's, maybe lockstep warps reading addresses a row block's stride apart)
+    "tiled1_nc_rot": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
+    "tiled_s6_rot": {"TILED_NTILES": 2, "TILED_STAGES": 6, "TILED_ROTATE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
