@@ -615,8 +615,8 @@ def run_gemv(args) -> dict:
                      "slots_per_expert": tokens * top_k / experts,
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             names = kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core
-            if fmt == "int4":  # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
-                names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
+            # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
+            names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
@@ -1326,7 +1326,11 @@ MOE_SHAPES = {
 MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
-                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True)}
+                "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),
+                # the routed experts' decode GEMV with streaming weight loads (GEMV_STREAM_LOADS) where it runs
+                "overlap_wide_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "wide_nc"}, False),
+                "overlap_mma_staged_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "mma_staged_nc"},
+                                          False)}
 
 
 def run_moe(args) -> dict:

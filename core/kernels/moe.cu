@@ -499,20 +499,45 @@ moe_grouped_gemm(const bf16* __restrict__ a, const int* __restrict__ sorted_slot
 #define WEIGHT_CHUNK 16
 #endif
 
+#ifndef GEMV_STREAM_LOADS
+#define GEMV_STREAM_LOADS 0  // 1: the decode GEMVs' 16-byte weight loads past L1, L2 asked for 256-byte lines
+#endif
+
+// 16 bytes read once (a weight): ld.global.nc.L1::no_allocate.L2::256B (the host emulation: a plain load).
+__device__ __forceinline__ uint4 stream_load16(const void* p) {
+#ifdef MMA_HOST_STANDIN
+    return *reinterpret_cast<const uint4*>(p);
+#else
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// 16 bytes at p, by stream_load16 under GEMV_STREAM_LOADS.
+__device__ __forceinline__ uint4 weight_load16(const void* p) {
+#if GEMV_STREAM_LOADS
+    return stream_load16(p);
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
 // The 16 bytes holding WEIGHT_CHUNK weights of row n (expert e) from k on, as stored.
 __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, long long e, int n, int k, int N, int K) {
 #if WEIGHT_FORMAT == 0
-    return *reinterpret_cast<const uint4*>((const bf16*)weight + (e * N + n) * (long long)K + k);
+    return weight_load16((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
 #if INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
     const unsigned* words = (const unsigned*)weight;
     return make_uint4(words[int4_word_index(e, n, k, N, K)], words[int4_word_index(e, n, k + 8, N, K)],
                       words[int4_word_index(e, n, k + 16, N, K)], words[int4_word_index(e, n, k + 24, N, K)]);
 #else
-    return *reinterpret_cast<const uint4*>((const unsigned*)weight + int4_word_index(e, n, k, N, K));
+    return weight_load16((const unsigned*)weight + int4_word_index(e, n, k, N, K));
 #endif
 #else
-    return *reinterpret_cast<const uint4*>((const unsigned char*)weight + (e * N + n) * (long long)K + k);
+    return weight_load16((const unsigned char*)weight + (e * N + n) * (long long)K + k);
 #endif
 }
 
@@ -1089,7 +1114,11 @@ __device__ __forceinline__ void staged_wait_pending() {}
 #else
 __device__ __forceinline__ void staged_copy16(void* smem, const void* gmem) {
     const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+#if GEMV_STREAM_LOADS  // L2 asked for the whole 256-byte line
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+#endif
 }
 __device__ __forceinline__ void staged_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
@@ -1244,6 +1273,9 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_STREAM_LOADS
 #define TILED_STREAM_LOADS 0  // 1: weight loads past L1 (read once) asking L2 for 256-byte lines
 #endif
+#ifndef TILED_ROTATE
+#define TILED_ROTATE 0  // 1: each warp starts its chunk stream at its own place (37 chunks per row block on)
+#endif
 #ifndef TILED_STAGES
 #define TILED_STAGES 0  // > 0: the ring of chunks in shared memory, filled by cp.async (TILED_DEPTH unused)
 #endif
@@ -1261,11 +1293,8 @@ struct TiledChunk {
 };
 
 __device__ __forceinline__ uint4 tiled_weight_load(const uint4* p) {
-#if TILED_STREAM_LOADS && !defined(MMA_HOST_STANDIN)
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
+#if TILED_STREAM_LOADS
+    return stream_load16(p);
 #else
     return *p;
 #endif
@@ -1343,6 +1372,10 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int chunks = K / 128;
     const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
+    // the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE: warps in lockstep would
+    // otherwise read addresses a row block's stride apart)
+    const int start = TILED_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
+    const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
     const unsigned* words = (const unsigned*)weight;
     const bf16* scales = (const bf16*)scale;
 #if TILED_STAGES
@@ -1351,10 +1384,11 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
     // chunk c of the warp's stream into stage c % TILED_STAGES (this lane's 48 bytes)
     const auto issue = [&](int c) {
         unsigned char* stage = ring[c % TILED_STAGES] + lane * 16;
-        const unsigned char* w = reinterpret_cast<const unsigned char*>(words + (first + c) * 256) + lane * 16;
+        const long long at = first + chunk_at(c);
+        const unsigned char* w = reinterpret_cast<const unsigned char*>(words + at * 256) + lane * 16;
         staged_copy16(stage, w);
         staged_copy16(stage + 512, w + 512);
-        staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + (first + c) * 64) + g * 16);
+        staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + at * 64) + g * 16);
     };
 #endif
     for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
@@ -1383,19 +1417,20 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             chunk.lo = *reinterpret_cast<const uint4*>(stage);
             chunk.hi = *reinterpret_cast<const uint4*>(stage + 512);
             chunk.scales = *reinterpret_cast<const uint4*>(stage + 1024);
-            tiled_chunk(acc, chunk, b_row, ntiles, c * 128, t);
+            tiled_chunk(acc, chunk, b_row, ntiles, chunk_at(c) * 128, t);
         }
 #else
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < TILED_DEPTH; ++d)
-            if (d < chunks) ring[d] = tiled_load(words, scales, first + d, lane, g);
+            if (d < chunks) ring[d] = tiled_load(words, scales, first + chunk_at(d), lane, g);
         for (int c0 = 0; c0 < chunks; c0 += TILED_DEPTH) {  // warp-uniform
 #pragma unroll
             for (int d = 0; d < TILED_DEPTH; ++d) {
                 const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
-                if (ahead < chunks) ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first + ahead, lane, g);
-                if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, (c0 + d) * 128, t);
+                if (ahead < chunks)
+                    ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first + chunk_at(ahead), lane, g);
+                if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, chunk_at(c0 + d) * 128, t);
             }
         }
 #endif

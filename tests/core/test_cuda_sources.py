@@ -31,7 +31,9 @@ VARIANTS = {
                # INT4 in the GEMV-tiled layout: every kernel through int4_word_index, moe_gemv_int4_tiled (kimi13)
                {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_DEPTH": 8,
                 "TILED_STREAM_LOADS": 1},
-               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_STAGES": 8}],
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_STAGES": 8, "TILED_ROTATE": 1},
+               # the decode GEMVs' streaming weight loads (ld.global.nc / cp.async with L2::256B)
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "GEMV_STREAM_LOADS": 1, "MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],

@@ -37,9 +37,9 @@ def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, la
     return weight, reference
 
 
-GROUPED_KERNELS = [False, "moe_gemv", "wide", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
+GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_staged_nc", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                    "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged", "tiled", "tiled_depth6", "tiled1",
-                   "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6"]
+                   "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6", "tiled1_nc_rot", "tiled_s6_rot"]
 
 
 @pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
@@ -122,9 +122,9 @@ def test_int4_layout_switch(rng, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
-    """$OPENINFER_MOE_SHARED_OVERLAP=1: moe_forward runs the shared expert on a side stream beside the
-    routed ones; the same kernels on the same inputs give the same bits as inline, eagerly and
-    replayed from a CUDA graph captured across both streams."""
+    """$OPENINFER_MOE_SHARED_OVERLAP=1 (unset: up to SHARED_OVERLAP_MAX_TOKENS tokens): moe_forward runs
+    the shared expert on a side stream beside the routed ones; the same kernels on the same inputs give
+    the same bits as inline, eagerly and replayed from a CUDA graph captured across both streams."""
     from openinfer.moe import RouterSpec
 
     moe = _moe_cuda()
@@ -150,12 +150,16 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
                                                                         shared_experts(x))))
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "maybe")
     with pytest.raises(ValueError, match="must be 1 or 0"):
-        moe.shared_overlap()
+        moe.shared_overlap(1)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "0")
-    assert not moe.shared_overlap() and np.array_equal(cuda_backend.to_host(step()), inline)
+    assert not moe.shared_overlap(1) and np.array_equal(cuda_backend.to_host(step()), inline)
     monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
-    assert moe.shared_overlap()
+    assert moe.shared_overlap(10**6)
     assert np.array_equal(cuda_backend.to_host(step()), inline)
+    monkeypatch.delenv(moe.SHARED_OVERLAP_ENV)
+    assert moe.shared_overlap(moe.SHARED_OVERLAP_MAX_TOKENS) and not moe.shared_overlap(moe.SHARED_OVERLAP_MAX_TOKENS + 1)
+    assert np.array_equal(cuda_backend.to_host(step()), inline)
+    monkeypatch.setenv(moe.SHARED_OVERLAP_ENV, "1")
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(pool.malloc), stream:
         step()

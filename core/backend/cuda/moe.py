@@ -103,6 +103,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # registers, 46 / 42 KB shared, no spills
     "mma_staged": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2},
     "mma_staged2x3": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 2, "STAGED_STAGES": 3},
+    # weight loads past L1 with 256-byte L2 lines (GEMV_STREAM_LOADS: ld.global.nc.L1::no_allocate.L2::256B,
+    # cp.async .L2::256B), opt-in until measured: E1 (H200) took the tiled GEMV's batch-1 gate_up 106 -> 81 us
+    "mma_nc": {"MMA_GEMV_NTILES": 2, "GEMV_STREAM_LOADS": 1},
+    "mma_staged_nc": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2, "GEMV_STREAM_LOADS": 1},
+    "wide_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3, "GEMV_STREAM_LOADS": 1},
     # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
     # one contiguous stream, the group scales applied after the mma (a shift and a lop3 per weight pair,
     # where moe_gemv_mma spends four); TILED_DEPTH chunks of 1 KB in flight per warp. Checkpoint-layout
@@ -119,6 +124,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "tiled_s6": {"TILED_NTILES": 2, "TILED_STAGES": 6},
     "tiled_s8": {"TILED_NTILES": 2, "TILED_STAGES": 8},
     "tiled1_s6": {"TILED_NTILES": 1, "TILED_STAGES": 6},
+    # each warp starting its chunk stream at its own place (TILED_ROTATE; E1's tiled GEMVs trailed the
+    # checkpoint layout's, maybe lockstep warps reading addresses a row block's stride apart)
+    "tiled1_nc_rot": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
+    "tiled_s6_rot": {"TILED_NTILES": 2, "TILED_STAGES": 6, "TILED_ROTATE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -158,7 +167,8 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
+    "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
+    **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 # moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
@@ -734,17 +744,22 @@ def fused_gate_up_silu(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGr
 # branches). A decode step's routing, grouping and small launches leave HBM idle between kernels; the
 # shared experts' weight streams can fill those gaps. Same kernels, same numbers.
 SHARED_OVERLAP_ENV = "OPENINFER_MOE_SHARED_OVERLAP"
-DEFAULT_SHARED_OVERLAP = False
+# On by default (=1 forces it at any size, =0 off) for steps of at most this many tokens: E1 (H200,
+# results/kimi_layer_e1_h200.json, kimi_moe_block_e1_h200.json; same bits) Kimi-K2 layer at batch 1
+# 266.2 -> 249.9 us (1.07x), Moonlight MoE block (64 x top-6 + 2 shared, graph) 71.5 -> 62.8 / 140.0 ->
+# 129.5 / 298.4 -> 289.5 us at 1 / 4 / 16 tokens (1.14 / 1.08 / 1.03x); Kimi-K2 batch 64 1.00x, 256 0.99x.
+SHARED_OVERLAP_MAX_TOKENS = 16
 _side_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
 
 
-def shared_overlap() -> bool:
-    """Whether moe_forward overlaps the shared experts with the routed ones ($OPENINFER_MOE_SHARED_OVERLAP=1 /
-    =0, else DEFAULT_SHARED_OVERLAP); another value is a clear error."""
+def shared_overlap(tokens: int) -> bool:
+    """Whether moe_forward overlaps the shared experts with the routed ones for a step of ``tokens``:
+    $OPENINFER_MOE_SHARED_OVERLAP=1 / =0, unset: up to SHARED_OVERLAP_MAX_TOKENS; another value is a
+    clear error."""
     value = os.environ.get(SHARED_OVERLAP_ENV, "").lower()
     if value not in ("", "0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{SHARED_OVERLAP_ENV} must be 1 or 0 (on / off), got {value!r}")
-    return DEFAULT_SHARED_OVERLAP if value == "" else value in ("1", "true", "on")
+    return tokens <= SHARED_OVERLAP_MAX_TOKENS if value == "" else value in ("1", "true", "on")
 
 
 def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
@@ -758,8 +773,8 @@ def _side_stream() -> tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]:
 
 def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray, cupy.cuda.Event | None]:
     """``shared_experts(x)`` (a callable) and the event the combine must wait for: run on the side
-    stream when ``shared_overlap()`` (event returned), else here (None)."""
-    if not shared_overlap() or not x.shape[0]:
+    stream when ``shared_overlap`` (event returned), else here (None)."""
+    if not x.shape[0] or not shared_overlap(int(x.shape[0])):
         return shared_experts(x), None
     side, forked, joined = _side_stream()
     forked.record(cupy.cuda.get_current_stream())

@@ -159,7 +159,7 @@ def prepare_weights(weights: Any, ops: Any) -> None:
 
 def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
     shared_experts = None
-    if layer.shared is not None:  # run by moe_forward (beside the routed experts with OPENINFER_MOE_SHARED_OVERLAP=1)
+    if layer.shared is not None:  # run by moe_forward (small steps: on a side stream beside the routed experts)
         shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 

@@ -66,9 +66,10 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        ``moe_gemv_mma`` to 6 then ``moe_grouped_gemm``), INT4 / FP8:
                        ``moe_grouped_gemm``; eager steps from 512 slots per expert:
                        cuBLAS per expert; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
-shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``     core
-                       (``OPENINFER_MOE_SHARED_OVERLAP=1``: on a side stream beside the
-                       routing and the routed experts, joined before the combine)
+shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``:    core
+                       for steps of up to 16 tokens on a side stream beside the routing
+                       and the routed experts, joined before the combine (same bits;
+                       ``OPENINFER_MOE_SHARED_OVERLAP=1`` / ``=0``: always / never)
 combine                ``moe_combine`` (fixed slot order, + shared experts)              core
 =====================  ================================================================  =======
 
