@@ -58,6 +58,13 @@ static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma
 #ifndef TMA_KV_LOADS
 #define TMA_KV_LOADS 0
 #endif
+// 1: tile j's softmax is kept before the wait for tile j-1's P V. Nothing in the softmax depends on that wait,
+// so ptxas may hoist the wait above it and the two then run one after the other (attn16 found this in the
+// SASS of prefill_attention_sm90.cu); a shared-memory store of the row sums (which take every P value)
+// issued before the wait pins the order.
+#ifndef ORDERED_SOFTMAX
+#define ORDERED_SOFTMAX 0
+#endif
 #if TMA_KV_LOADS
 static_assert(NOPE_DIM % 64 == 0 && ROPE_DIM % 64 == 0, "TMA boxes of 64 columns: k_nope and k_pe in whole blocks");
 #endif
@@ -74,8 +81,8 @@ static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still re
 #define STAGE_BYTES (K_TILE_BYTES + V_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
 // mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either
-// way); + 1024 so the tiles start on a swizzle atom
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
+// way), then 8 bytes that ORDERED_SOFTMAX writes and nobody reads; + 1024 so the tiles start on a swizzle atom
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 8 + 1024)
 #define FULL_ARRIVALS (TMA_KV_LOADS ? 1 : 128)  // producer thread 0's expect-bytes arrival, or each producer thread's
 static_assert(SHARED_BYTES <= 227 * 1024, "Q and the K / V ring fit one SM's shared memory");
 
@@ -378,6 +385,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
+#if ORDERED_SOFTMAX
+        const u32 order_sink = bar_q + 8 * (1 + 4 * STAGES);
+#endif
 
         SoftmaxRows state;
         state.query_pos = first_query + row;
@@ -421,6 +431,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             mbar_arrive(bar_empty + 8 * stage);  // K of tile kt is read
 #endif
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+#if ORDERED_SOFTMAX
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(order_sink), "f"(state.l[0]), "f"(state.l[1])
+                         : "memory");
+#endif
             wgmma_wait<0>();  // P V of tile kt-1: its stage (V half) is free, P may be rewritten
             mbar_arrive(bar_empty_v + 8 * previous);
             pack_p(s, p);

@@ -90,14 +90,15 @@ def _hopper() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers and TMA K / V loads
-@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma", [
-    ("plain", "", "", "", ""), ("pipelined", "", "", "", ""), ("wgmma", "128", "0", "0", "0"),
-    ("wgmma", "64", "0", "0", "0"), ("wgmma", "128", "1", "1", "0"), ("wgmma", "64", "1", "1", "0"),
-    ("wgmma", "128", "0", "0", "1"), ("wgmma", "128", "1", "1", "1"), ("wgmma", "64", "1", "1", "1")])
+# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers, TMA K / V loads and
+# the softmax ordered before the previous P V's wait
+@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma,ordered", [
+    ("plain", "", "", "", "", ""), ("pipelined", "", "", "", "", ""), ("wgmma", "128", "0", "0", "0", "0"),
+    ("wgmma", "64", "0", "0", "0", "0"), ("wgmma", "128", "1", "1", "0", "0"), ("wgmma", "64", "1", "1", "0", "1"),
+    ("wgmma", "128", "0", "0", "1", "1"), ("wgmma", "128", "1", "1", "1", "1"), ("wgmma", "64", "1", "1", "1", "0")])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, keys, pingpong, split_kv,
-                                            tma, heads):
+                                            tma, ordered, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
@@ -108,6 +109,7 @@ def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, pref
     monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, pingpong)
     monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, split_kv)
     monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, tma)
+    monkeypatch.setenv(cuda_mla.SM90_ORDERED_ENV, ordered)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
     seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS

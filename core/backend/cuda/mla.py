@@ -131,12 +131,14 @@ SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgro
 # 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
 # consumer warpgroups take turns issuing wgmmas (PINGPONG); $OPENINFER_MLA_SM90_SPLIT_KV=1: K and V halves of
 # a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV); $OPENINFER_MLA_SM90_TMA=1: K / V tiles by
-# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async).
+# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async);
+# $OPENINFER_MLA_SM90_ORDERED=1: the softmax pinned before the wait for the previous P V (ORDERED_SOFTMAX).
 SM90_PREFILL_STAGES = {128: 2, 64: 4}
 SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
 SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
 SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
 SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", False
+SM90_ORDERED_ENV, DEFAULT_SM90_ORDERED = "OPENINFER_MLA_SM90_ORDERED", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -551,17 +553,18 @@ class Sm90PrefillVariant:
     pingpong: bool
     split_kv: bool
     tma: bool  # TMA_KV_LOADS
+    ordered: bool = False  # ORDERED_SOFTMAX
 
 
 def sm90_prefill_variant() -> Sm90PrefillVariant:
-    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV and _TMA (0 / 1), else
-    the defaults."""
+    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV, _TMA and _ORDERED (0 / 1),
+    else the defaults."""
     keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
     if keys not in ("128", "64"):
         raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
     switches = []
     for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV),
-                         (SM90_TMA_ENV, DEFAULT_SM90_TMA)):
+                         (SM90_TMA_ENV, DEFAULT_SM90_TMA), (SM90_ORDERED_ENV, DEFAULT_SM90_ORDERED)):
         value = os.environ.get(env) or str(int(default))
         if value not in ("0", "1"):
             raise ValueError(f"{env} is 0 or 1; got {value!r}")
@@ -580,11 +583,12 @@ def _tma_box_map(array: cupy.ndarray, heads: int, keys: int) -> np.ndarray:
 
 def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
     """mla_prefill_attention_sm90's dynamic shared memory (mla_prefill_sm90.cu SHARED_BYTES) with ``keys``
-    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers, 1024 bytes of alignment."""
+    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers and an 8-byte sink, 1024 bytes
+    of alignment."""
     stages = SM90_PREFILL_STAGES[keys]
     q_tile = spec.qk_head_dim // 64 * PREFILL_KERNEL_TILE["wgmma"] * 128
     stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * keys * 128
-    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 1024
+    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 8 + 1024
 
 
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
@@ -605,7 +609,7 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
                                 NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
                                 BLOCK_N=variant.keys, STAGES=SM90_PREFILL_STAGES[variant.keys],
                                 PINGPONG=int(variant.pingpong), SPLIT_KV=int(variant.split_kv), TMA_KV_LOADS=int(tma),
-                                SM90A_TARGET=1)
+                                ORDERED_SOFTMAX=int(variant.ordered), SM90A_TARGET=1)
         maps = ((_tma_box_map(k_nope, spec.num_heads, variant.keys), _tma_box_map(k_pe, 1, variant.keys),
                  _tma_box_map(values, spec.num_heads, variant.keys)) if tma else (NULL, NULL, NULL))
         attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out, *maps), shared_mem=smem)
