@@ -12,8 +12,8 @@ measured copy bandwidth.
 ``prefill``: one sequence's 1k / 4k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
 TFLOP/s, at each head count of ``--prefill-heads`` (16: Moonlight, 64: Kimi-K2 on 2 GPUs' share), for
-each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined, the default;
-wgmma: mla_prefill_attention_sm90, Hopper; plain: mla_prefill_attention), and the absorbed form of the
+each attention kernel of ``--prefill-kernels`` (wgmma: mla_prefill_attention_sm90, Hopper, the default;
+pipelined: mla_prefill_attention_pipelined; plain: mla_prefill_attention), and the absorbed form of the
 whole forward beside it where it is short (``--prefill-absorbed``).
 
     python benchmarks/gpu_mla.py                          # both sections, default variants

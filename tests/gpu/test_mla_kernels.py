@@ -49,7 +49,7 @@ def _spec(heads: int) -> MLASpec:
 
 # kernel, mma_shared's keys per tile, split policy and query fragments in registers
 @pytest.mark.parametrize("kernel,keys,policy,q_regs", [
-    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", ""), ("mma_shared", "64", "", ""),
+    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", "0"), ("mma_shared", "64", "", "0"),
     ("mma_shared", "32", "waves", ""), ("mma_shared", "32", "", "1"), ("mma_shared", "64", "", "1")])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
@@ -233,6 +233,13 @@ def test_absorbed_kernel_choice(monkeypatch):
     monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "often")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_SPLITS"):
         cuda_mla.resident_splits(1, 1, 132, 2)
+    # the defaults: wgmma on Hopper (128-key tiles, ping-pong, split K / V, TMA), query fragments in registers
+    for env in (cuda_mla.PREFILL_KERNEL_ENV, cuda_mla.SM90_KEYS_ENV, cuda_mla.SM90_PINGPONG_ENV,
+                cuda_mla.SM90_SPLIT_KV_ENV, cuda_mla.SM90_TMA_ENV, cuda_mla.SM90_ORDERED_ENV, cuda_mla.SHARED_Q_REGS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(128, True, True, True, False)
+    assert cuda_mla.shared_q_regs(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
         cuda_mla.prefill_kernel(_spec(16))

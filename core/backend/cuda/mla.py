@@ -96,9 +96,13 @@ SHARED_KEYS_CHOICES = (32, 64)
 # says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
 SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
-# Opt-in: OPENINFER_MLA_SHARED_Q_REGS=1 builds mla_attention_mma_shared with each warp's query A fragments held
-# in registers (144 per thread, 254 in all: still 2 blocks per SM) rather than re-read from shared memory for
-# every key tile (two thirds of its score-phase shared-memory reads); latents up to 576 wide.
+# mla_attention_mma_shared with each warp's query A fragments held in registers (144 per thread, 254 in all:
+# still 2 blocks per SM) rather than re-read from shared memory for every key tile (two thirds of its
+# score-phase shared-memory reads); latents up to 576 wide. Default since s7 E1 (H200, 2026-11-24, gpu_mla.py,
+# Moonlight's 16 heads; bit-equal): attention kernel 0.1303 -> 0.1194 ms at batch 256 x 1k (54 -> 59 % of the
+# latent bytes over the copy rate), 0.4681 -> 0.4296 at 256 x 4k (60 -> 66 %), 0.1294 -> 0.1186 at 64 x 4k
+# (55 -> 60 %), 0.0414 -> 0.0389 at 64 x 1k, 0.0407 -> 0.0381 at 16 x 4k, 0.0180 -> 0.0173 at 16 x 1k;
+# OPENINFER_MLA_SHARED_Q_REGS=0: the shared-memory reads.
 SHARED_Q_REGS_ENV = "OPENINFER_MLA_SHARED_Q_REGS"
 SHARED_Q_REGS_MAX_LATENT = 576
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
@@ -113,19 +117,21 @@ COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
-# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "pipelined" (default;
-# mla_prefill_attention_pipelined in mla.cu: 64-key K / V tiles double-buffered by cp.async, ldmatrix
-# fragments, mma.sync, causal mask on diagonal steps only), "wgmma" (mla_prefill_attention_sm90 in
-# mla_prefill_sm90.cu, Hopper only: 128-query tiles, a producer warpgroup filling a 2-stage ring of
-# 128-key tiles, two consumer warpgroups on wgmma; elsewhere, or for shapes it does not take, the
-# pipelined kernel runs) or "plain" (mla_prefill_attention, the first one; the CPU emulation's build).
-# H200 E1 of 2026-11-23 (gpu_mla.py, one 16-head layer, attention kernel alone): plain -> pipelined
-# 1k-token prompt 0.213 -> 0.064 ms, 8k 5.27 -> 1.94 ms (65 -> 177 TFLOP/s).
+# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "wgmma" (default; mla_prefill_attention_sm90
+# in mla_prefill_sm90.cu, Hopper only: 128-query tiles, a producer warpgroup filling a 2-stage ring of 128-key
+# tiles, two consumer warpgroups on wgmma; elsewhere, or for shapes it does not take, the pipelined kernel runs),
+# "pipelined" (mla_prefill_attention_pipelined in mla.cu: 64-key K / V tiles double-buffered by cp.async,
+# ldmatrix fragments, mma.sync) or "plain" (mla_prefill_attention, the first one; the CPU emulation's build).
+# H200, gpu_mla.py, attention kernel alone, one prompt: s6 E1 plain -> pipelined 16 heads 1k 0.213 -> 0.064 ms,
+# 8k 5.27 -> 1.94 ms; s7 E1 (2026-11-24, results/gpu_mla_s7_e1_h200.json) pipelined -> wgmma with its default
+# variant (ping-pong + split K / V + TMA) 16 heads 1k 0.0652 -> 0.0230 ms, 4k 0.578 -> 0.174, 8k 1.965 -> 0.540 ms
+# (175 -> 636 TFLOP/s, 3.64x); 64 heads (Kimi-K2) 1k 0.178 -> 0.069, 4k 1.941 -> 0.567, 8k 7.23 -> 2.01 ms (190 ->
+# 684 TFLOP/s).
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
 PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
                    "wgmma": "mla_prefill_attention_sm90"}
 PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "wgmma": 128}  # queries per block
-DEFAULT_PREFILL_KERNEL = "pipelined"
+DEFAULT_PREFILL_KERNEL = "wgmma"
 SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgroups
 # Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
 # 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
@@ -133,11 +139,14 @@ SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgro
 # a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV); $OPENINFER_MLA_SM90_TMA=1: K / V tiles by
 # TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async);
 # $OPENINFER_MLA_SM90_ORDERED=1: the softmax pinned before the wait for the previous P V (ORDERED_SOFTMAX).
+# Defaults by s7 E1 (H200, 16 heads, 8k prompt, attention ms): 128 keys 1.035, 64 keys (+ ping-pong + split)
+# 0.972, ping-pong 1.000, split 0.801, ping-pong + split 0.799, TMA 0.714, TMA + ping-pong + split 0.540 (the
+# best at every length and head count measured); =0 on each switch goes back. ORDERED: not measured yet (opt-in).
 SM90_PREFILL_STAGES = {128: 2, 64: 4}
 SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
-SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
-SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
-SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", False
+SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", True
+SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", True
+SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", True
 SM90_ORDERED_ENV, DEFAULT_SM90_ORDERED = "OPENINFER_MLA_SM90_ORDERED", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
@@ -359,9 +368,9 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
 
 
 def shared_q_regs(spec: MLASpec) -> bool:
-    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS=1
-    and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
-    value = os.environ.get(SHARED_Q_REGS_ENV) or "0"
+    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS,
+    default 1, and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
+    value = os.environ.get(SHARED_Q_REGS_ENV) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{SHARED_Q_REGS_ENV} is 0 or 1; got {value!r}")
     return value == "1" and spec.latent_dim <= SHARED_Q_REGS_MAX_LATENT
@@ -572,13 +581,24 @@ def sm90_prefill_variant() -> Sm90PrefillVariant:
     return Sm90PrefillVariant(int(keys), *switches)
 
 
+_tma_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
+TMA_MAPS_KEPT = 256  # encoded maps kept (a map is its address and layout: the pool hands the same scratch back)
+
+
 def _tma_box_map(array: cupy.ndarray, heads: int, keys: int) -> np.ndarray:
     """The tensor map of a contiguous ``[C, heads·width]`` bf16 array as (column, head, row), box 64 columns x
-    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument."""
+    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument; encoded once per
+    (address, layout): the memory pool returns the same scratch address layer after layer."""
     rows, width = int(array.shape[0]), int(array.shape[1]) // heads
     layout = PageBoxLayout(dims=(width, heads, rows), strides=(width * 2, heads * width * 2),
                            box=(BOX_ELEMENTS, 1, keys))
-    return encode_page_map(array.data.ptr, layout).view(TENSOR_MAP_PARAM)
+    key = (int(array.data.ptr), layout)
+    found = _tma_maps.get(key)
+    if found is None:
+        if len(_tma_maps) >= TMA_MAPS_KEPT:
+            _tma_maps.clear()
+        found = _tma_maps[key] = encode_page_map(*key).view(TENSOR_MAP_PARAM)
+    return found
 
 
 def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
