@@ -18,10 +18,8 @@
 //     P V of tile j-1, so the softmax of one tile runs while the tensor cores multiply the other.
 //
 //   smem: [Q: QK_BLOCKS x 128 x 128 B][stage s: K QK_BLOCKS x BLOCK_N x 128 B, V V_BLOCKS x ...]...[mbarriers]
-#include "hopper.cuh"
+#include "wgmma.cuh"  // wgmma shapes, exp2; sm90.cuh: mbarriers, copies, descriptors
 #include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
-
-using namespace hopper;
 
 #ifndef NOPE_DIM
 #define NOPE_DIM 128
@@ -68,6 +66,14 @@ static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma
 #if TMA_KV_LOADS
 static_assert(NOPE_DIM % 64 == 0 && ROPE_DIM % 64 == 0, "TMA boxes of 64 columns: k_nope and k_pe in whole blocks");
 #endif
+
+// Tiles written by cp.async (the generic proxy) are read by wgmma (the async proxy): each consumer thread fences
+// once their barrier has completed. TMA tiles are written by the async proxy and need none.
+__device__ __forceinline__ void wait_tile(u32 bar, u32 parity, bool by_cp_async) {
+    mbar_wait(bar, parity);
+    if (by_cp_async) fence_proxy_async_shared();
+}
+#define KV_BY_CP_ASYNC (!TMA_KV_LOADS)
 static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still read");
 #define NUM_THREADS 384
 #define PRODUCER_REGS 40
@@ -404,9 +410,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         u32 p[BLOCK_N / 16][4];
         float correction[2];
 
-        mbar_wait(bar_q, 0);
+        wait_tile(bar_q, 0, true);
         if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
-        mbar_wait(bar_full, 0);
+        wait_tile(bar_full, 0, KV_BY_CP_ASYNC);
         take_turn(wg);
         issue_qk(s, q_rows, stages);
         pass_turn(wg);
@@ -418,11 +424,11 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         pack_p(s, p);
         for (int kt = 1; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
-            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            wait_tile(bar_full + 8 * stage, (kt / STAGES) & 1, KV_BY_CP_ASYNC);
             take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
 #if SPLIT_KV
-            mbar_wait(bar_full_v + 8 * previous, ((kt - 1) / STAGES) & 1);
+            wait_tile(bar_full_v + 8 * previous, ((kt - 1) / STAGES) & 1, KV_BY_CP_ASYNC);
 #endif
             issue_pv(o, p, stages + previous * STAGE_BYTES + K_TILE_BYTES);
             pass_turn(wg);
@@ -442,7 +448,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         }
         const int last = (num_kv_tiles - 1) % STAGES;
 #if SPLIT_KV
-        mbar_wait(bar_full_v + 8 * last, ((num_kv_tiles - 1) / STAGES) & 1);
+        wait_tile(bar_full_v + 8 * last, ((num_kv_tiles - 1) / STAGES) & 1, KV_BY_CP_ASYNC);
 #endif
         take_turn(wg);
         issue_pv(o, p, stages + last * STAGE_BYTES + K_TILE_BYTES);
