@@ -1,5 +1,6 @@
 """Multi-head latent attention on the GPU, absorbed form, over the paged latent cache
-(kernels in ``openinfer/kernels/mla.cu``; the NumPy reference is ``openinfer.mla``).
+(kernels in ``openinfer/kernels/mla.cu`` and, for Hopper's decompressed prefill, ``mla_prefill_sm90.cu``; the
+NumPy reference is ``openinfer.mla``).
 
 One step, T new tokens, H heads::
 
@@ -14,7 +15,7 @@ decompressed form instead, where tensor cores pay for expanding the latents::
     mla_gather_context   the chunk's context latents → c_kv [C, lora], k_pe [C, rope]
     kv_b (cuBLAS)        k_nope = c_kv · W_UK^T [C, H·nope], values = c_kv · W_UV^T [C, H·v]
     mla_prefill_attention_*  causal flash attention, K = [k_nope | k_pe] (nope + rope), V, per head
-                           (prefill_kernel: pipelined mma.sync, or wgmma on Hopper)
+                           (prefill_kernel: wgmma on Hopper, else pipelined mma.sync)
 
 The rest of the step (decodes, short chunks) keeps the absorbed form over its own token rows.
 Decode-only steps (and CUDA graphs, whose static batches carry no host copy) never look at the
