@@ -12,8 +12,8 @@ measured copy bandwidth.
 ``prefill``: one sequence's 1k / 4k / 8k-token prompt in the decompressed form (mla_gather_context, kv_b
 by cuBLAS into per-head keys and values, the causal attention) kernel by kernel with the attention's
 TFLOP/s, at each head count of ``--prefill-heads`` (16: Moonlight, 64: Kimi-K2 on 2 GPUs' share), for
-each attention kernel of ``--prefill-kernels`` (pipelined: mla_prefill_attention_pipelined, the default;
-wgmma: mla_prefill_attention_sm90, Hopper; plain: mla_prefill_attention), and the absorbed form of the
+each attention kernel of ``--prefill-kernels`` (wgmma: mla_prefill_attention_sm90, Hopper, the default;
+pipelined: mla_prefill_attention_pipelined; plain: mla_prefill_attention), and the absorbed form of the
 whole forward beside it where it is short (``--prefill-absorbed``).
 
     python benchmarks/gpu_mla.py                          # both sections, default variants
@@ -207,23 +207,23 @@ def cupy_empty_like_out(rows: int, heads: int = HEADS):
 
 
 def parse_prefill_kernels(text: str) -> list[dict]:
-    """``kernel[:keys[:pingpong[:split_kv[:tma]]]]`` comma list → dicts (the wgmma kernel's keys per tile,
-    turn-taking, split K / V barriers and TMA K / V loads, $OPENINFER_MLA_SM90_KEYS / _PINGPONG / _SPLIT_KV /
-    _TMA; empty: core's defaults); bad names raise ValueError."""
+    """``kernel[:keys[:pingpong[:split_kv[:tma[:ordered]]]]]`` comma list → dicts (the wgmma kernel's keys per
+    tile, turn-taking, split K / V barriers, TMA K / V loads and ordered softmax, $OPENINFER_MLA_SM90_KEYS /
+    _PINGPONG / _SPLIT_KV / _TMA / _ORDERED; empty: core's defaults); bad names raise ValueError."""
     kernels = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 5:
-            raise ValueError(f"prefill kernel {item!r}: kernel[:keys[:pingpong[:split_kv[:tma]]]]")
-        kernel, keys, pingpong, split_kv, tma = (fields + ["", "", "", ""])[:5]
+        if len(fields) > 6:
+            raise ValueError(f"prefill kernel {item!r}: kernel[:keys[:pingpong[:split_kv[:tma[:ordered]]]]]")
+        kernel, keys, pingpong, split_kv, tma, ordered = (fields + ["", "", "", "", ""])[:6]
         if kernel not in PREFILL_KERNELS:
             raise ValueError(f"prefill kernel {item!r}: kernel is one of {', '.join(PREFILL_KERNELS)}")
         if keys and keys not in SM90_KEYS:
             raise ValueError(f"prefill kernel {item!r}: keys is one of {', '.join(SM90_KEYS)}")
-        if {pingpong, split_kv, tma} - {"", "0", "1"}:
-            raise ValueError(f"prefill kernel {item!r}: pingpong, split_kv and tma are 0 or 1")
+        if {pingpong, split_kv, tma, ordered} - {"", "0", "1"}:
+            raise ValueError(f"prefill kernel {item!r}: pingpong, split_kv, tma and ordered are 0 or 1")
         kernels.append({"name": item, "kernel": kernel, "keys": keys, "pingpong": pingpong, "split_kv": split_kv,
-                        "tma": tma})
+                        "tma": tma, "ordered": ordered})
     if not kernels:
         raise ValueError("no prefill kernels")
     return kernels
@@ -237,7 +237,8 @@ def prefill_env(variant: dict):
 
     with switched_env({cuda_mla.PREFILL_KERNEL_ENV: variant["kernel"], cuda_mla.SM90_KEYS_ENV: variant["keys"],
                        cuda_mla.SM90_PINGPONG_ENV: variant["pingpong"],
-                       cuda_mla.SM90_SPLIT_KV_ENV: variant["split_kv"], cuda_mla.SM90_TMA_ENV: variant["tma"]}):
+                       cuda_mla.SM90_SPLIT_KV_ENV: variant["split_kv"], cuda_mla.SM90_TMA_ENV: variant["tma"],
+                       cuda_mla.SM90_ORDERED_ENV: variant["ordered"]}):
         yield
 
 
@@ -324,9 +325,9 @@ def warm(backend, rng) -> int:
                 for a in ("0", "1") for c in cuda_mla.COMBINE_KERNELS for k in SHARED_KEYS for p in PREFILL_KERNELS
                 for h in ("0", "1") for qr in ("0", "1")]
     settings += [{cuda_mla.PREFILL_KERNEL_ENV: "wgmma", cuda_mla.SM90_KEYS_ENV: k, cuda_mla.SM90_PINGPONG_ENV: pp,
-                  cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma}
+                  cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma, cuda_mla.SM90_ORDERED_ENV: o}
                  for k in SM90_KEYS for pp in ("0", "1") for sk in ("0", "1")
-                 for tma in ("0", "1")]  # the wgmma kernel's variants
+                 for tma in ("0", "1") for o in ("0", "1")]  # the wgmma kernel's variants
     with discover_kernels() as found:
         for setting in settings:
             with switched_env(setting):
@@ -397,9 +398,9 @@ def main() -> None:
     parser.add_argument("--prefill-absorbed", action="store_true",
                         help="also time the absorbed form of prompts up to 2k tokens (each decode variant)")
     parser.add_argument("--prefill-kernels", default="pipelined,wgmma",
-                        help="comma list of kernel[:keys[:pingpong[:split_kv[:tma]]]], the decompressed attention "
-                             "kernels ($OPENINFER_MLA_PREFILL; wgmma's keys per tile 128 / 64, turn-taking, split K / V "
-                             "barriers and TMA K / V loads 0 / 1)")
+                        help="comma list of kernel[:keys[:pingpong[:split_kv[:tma[:ordered]]]]], the decompressed "
+                             "attention kernels ($OPENINFER_MLA_PREFILL; wgmma's keys per tile 128 / 64, turn-taking, "
+                             "split K / V barriers, TMA K / V loads and ordered softmax 0 / 1)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="gpu_mla", help="results file name")
     parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; no GPU")

@@ -18,10 +18,8 @@
 //     P V of tile j-1, so the softmax of one tile runs while the tensor cores multiply the other.
 //
 //   smem: [Q: QK_BLOCKS x 128 x 128 B][stage s: K QK_BLOCKS x BLOCK_N x 128 B, V V_BLOCKS x ...]...[mbarriers]
-#include "hopper.cuh"
+#include "wgmma.cuh"  // wgmma shapes, exp2; sm90.cuh: mbarriers, copies, descriptors
 #include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
-
-using namespace hopper;
 
 #ifndef NOPE_DIM
 #define NOPE_DIM 128
@@ -58,9 +56,24 @@ static_assert(BLOCK_N == 128 || BLOCK_N == 64, "S is one m64n128 or m64n64 wgmma
 #ifndef TMA_KV_LOADS
 #define TMA_KV_LOADS 0
 #endif
+// 1: tile j's softmax is kept before the wait for tile j-1's P V. Nothing in the softmax depends on that wait,
+// so ptxas may hoist the wait above it and the two then run one after the other (attn16 found this in the
+// SASS of prefill_attention_sm90.cu); a shared-memory store of the row sums (which take every P value)
+// issued before the wait pins the order.
+#ifndef ORDERED_SOFTMAX
+#define ORDERED_SOFTMAX 0
+#endif
 #if TMA_KV_LOADS
 static_assert(NOPE_DIM % 64 == 0 && ROPE_DIM % 64 == 0, "TMA boxes of 64 columns: k_nope and k_pe in whole blocks");
 #endif
+
+// Tiles written by cp.async (the generic proxy) are read by wgmma (the async proxy): each consumer thread fences
+// once their barrier has completed. TMA tiles are written by the async proxy and need none.
+__device__ __forceinline__ void wait_tile(u32 bar, u32 parity, bool by_cp_async) {
+    mbar_wait(bar, parity);
+    if (by_cp_async) fence_proxy_async_shared();
+}
+#define KV_BY_CP_ASYNC (!TMA_KV_LOADS)
 static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still read");
 #define NUM_THREADS 384
 #define PRODUCER_REGS 40
@@ -74,8 +87,8 @@ static_assert(STAGES >= 2, "S of tile j is issued while tile j-1's V is still re
 #define STAGE_BYTES (K_TILE_BYTES + V_TILE_BYTES)
 #define BARRIER_OFFSET (Q_BYTES + STAGES * STAGE_BYTES)
 // mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either
-// way); + 1024 so the tiles start on a swizzle atom
-#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
+// way), then 8 bytes that ORDERED_SOFTMAX writes and nobody reads; + 1024 so the tiles start on a swizzle atom
+#define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 8 + 1024)
 #define FULL_ARRIVALS (TMA_KV_LOADS ? 1 : 128)  // producer thread 0's expect-bytes arrival, or each producer thread's
 static_assert(SHARED_BYTES <= 227 * 1024, "Q and the K / V ring fit one SM's shared memory");
 
@@ -378,6 +391,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         const int row = wg * 64 + warp * 16 + lane / 4;  // fragment rows `row` and `row + 8`
         const u32 q_rows = q_smem + wg * 64 * 128;
         const u32 stages = base + Q_BYTES;
+#if ORDERED_SOFTMAX
+        const u32 order_sink = bar_q + 8 * (1 + 4 * STAGES);
+#endif
 
         SoftmaxRows state;
         state.query_pos = first_query + row;
@@ -394,9 +410,9 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         u32 p[BLOCK_N / 16][4];
         float correction[2];
 
-        mbar_wait(bar_q, 0);
+        wait_tile(bar_q, 0, true);
         if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
-        mbar_wait(bar_full, 0);
+        wait_tile(bar_full, 0, KV_BY_CP_ASYNC);
         take_turn(wg);
         issue_qk(s, q_rows, stages);
         pass_turn(wg);
@@ -408,11 +424,11 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         pack_p(s, p);
         for (int kt = 1; kt < num_kv_tiles; ++kt) {
             const int stage = kt % STAGES, previous = (kt - 1) % STAGES;
-            mbar_wait(bar_full + 8 * stage, (kt / STAGES) & 1);
+            wait_tile(bar_full + 8 * stage, (kt / STAGES) & 1, KV_BY_CP_ASYNC);
             take_turn(wg);
             issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
 #if SPLIT_KV
-            mbar_wait(bar_full_v + 8 * previous, ((kt - 1) / STAGES) & 1);
+            wait_tile(bar_full_v + 8 * previous, ((kt - 1) / STAGES) & 1, KV_BY_CP_ASYNC);
 #endif
             issue_pv(o, p, stages + previous * STAGE_BYTES + K_TILE_BYTES);
             pass_turn(wg);
@@ -421,6 +437,10 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             mbar_arrive(bar_empty + 8 * stage);  // K of tile kt is read
 #endif
             softmax_in_place(s, correction, state, kt * BLOCK_N, scale_log2);
+#if ORDERED_SOFTMAX
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(order_sink), "f"(state.l[0]), "f"(state.l[1])
+                         : "memory");
+#endif
             wgmma_wait<0>();  // P V of tile kt-1: its stage (V half) is free, P may be rewritten
             mbar_arrive(bar_empty_v + 8 * previous);
             pack_p(s, p);
@@ -428,7 +448,7 @@ mla_prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         }
         const int last = (num_kv_tiles - 1) % STAGES;
 #if SPLIT_KV
-        mbar_wait(bar_full_v + 8 * last, ((num_kv_tiles - 1) / STAGES) & 1);
+        wait_tile(bar_full_v + 8 * last, ((num_kv_tiles - 1) / STAGES) & 1, KV_BY_CP_ASYNC);
 #endif
         take_turn(wg);
         issue_pv(o, p, stages + last * STAGE_BYTES + K_TILE_BYTES);

@@ -55,6 +55,7 @@ def test_bad_arguments_exit_2():
                  ["--variants", "mma_shared:32:4:often"], ["--variants", "mma:32:4:waves:x"],
                  ["--variants", "mma:32:4:waves:wide:y"], ["--variants", "mma_shared:32:4:waves:wide:2"],
                  ["--prefill-kernels", "wgmma:96"], ["--prefill-kernels", "wgmma:64:2"],
-                 ["--prefill-kernels", "wgmma:64:1:1:1:1"], ["--prefill-heads", "0"]):
+                 ["--prefill-kernels", "wgmma:64:1:1:1:1:1"], ["--prefill-kernels", "wgmma:64:1:1:1:x"],
+                 ["--prefill-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -49,7 +49,7 @@ def _spec(heads: int) -> MLASpec:
 
 # kernel, mma_shared's keys per tile, split policy and query fragments in registers
 @pytest.mark.parametrize("kernel,keys,policy,q_regs", [
-    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", ""), ("mma_shared", "64", "", ""),
+    ("mma", "", "", ""), ("mma16", "", "", ""), ("mma_shared", "32", "", "0"), ("mma_shared", "64", "", "0"),
     ("mma_shared", "32", "waves", ""), ("mma_shared", "32", "", "1"), ("mma_shared", "64", "", "1")])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
@@ -90,14 +90,15 @@ def _hopper() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers and TMA K / V loads
-@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma", [
-    ("plain", "", "", "", ""), ("pipelined", "", "", "", ""), ("wgmma", "128", "0", "0", "0"),
-    ("wgmma", "64", "0", "0", "0"), ("wgmma", "128", "1", "1", "0"), ("wgmma", "64", "1", "1", "0"),
-    ("wgmma", "128", "0", "0", "1"), ("wgmma", "128", "1", "1", "1"), ("wgmma", "64", "1", "1", "1")])
+# kernel, and for wgmma its keys per tile, warpgroup turn-taking, split K / V barriers, TMA K / V loads and
+# the softmax ordered before the previous P V's wait
+@pytest.mark.parametrize("prefill_kernel,keys,pingpong,split_kv,tma,ordered", [
+    ("plain", "", "", "", "", ""), ("pipelined", "", "", "", "", ""), ("wgmma", "128", "0", "0", "0", "0"),
+    ("wgmma", "64", "0", "0", "0", "0"), ("wgmma", "128", "1", "1", "0", "0"), ("wgmma", "64", "1", "1", "0", "1"),
+    ("wgmma", "128", "0", "0", "1", "1"), ("wgmma", "128", "1", "1", "1", "1"), ("wgmma", "64", "1", "1", "1", "0")])
 @pytest.mark.parametrize("heads", [16, 20])
 def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, prefill_kernel, keys, pingpong, split_kv,
-                                            tma, heads):
+                                            tma, ordered, heads):
     """Each decompressed prefill attention kernel on ragged prompts and chunks beside a decode."""
     from openinfer.backend.cuda import mla as cuda_mla
 
@@ -108,6 +109,7 @@ def test_decompressed_prefill_matches_numpy(cuda_backend, rng, monkeypatch, pref
     monkeypatch.setenv(cuda_mla.SM90_PINGPONG_ENV, pingpong)
     monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, split_kv)
     monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, tma)
+    monkeypatch.setenv(cuda_mla.SM90_ORDERED_ENV, ordered)
     spec = _spec(heads)
     assert cuda_mla.prefill_kernel(spec) == prefill_kernel
     seqs = WIDE_PREFILLS if prefill_kernel == "wgmma" else PREFILLS
@@ -231,6 +233,13 @@ def test_absorbed_kernel_choice(monkeypatch):
     monkeypatch.setenv(cuda_mla.SHARED_SPLITS_ENV, "often")
     with pytest.raises(ValueError, match="OPENINFER_MLA_SHARED_SPLITS"):
         cuda_mla.resident_splits(1, 1, 132, 2)
+    # the defaults: wgmma on Hopper (128-key tiles, ping-pong, split K / V, TMA), query fragments in registers
+    for env in (cuda_mla.PREFILL_KERNEL_ENV, cuda_mla.SM90_KEYS_ENV, cuda_mla.SM90_PINGPONG_ENV,
+                cuda_mla.SM90_SPLIT_KV_ENV, cuda_mla.SM90_TMA_ENV, cuda_mla.SM90_ORDERED_ENV, cuda_mla.SHARED_Q_REGS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(128, True, True, True, False)
+    assert cuda_mla.shared_q_regs(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
         cuda_mla.prefill_kernel(_spec(16))

@@ -1,5 +1,6 @@
 """Multi-head latent attention on the GPU, absorbed form, over the paged latent cache
-(kernels in ``openinfer/kernels/mla.cu``; the NumPy reference is ``openinfer.mla``).
+(kernels in ``openinfer/kernels/mla.cu`` and, for Hopper's decompressed prefill, ``mla_prefill_sm90.cu``; the
+NumPy reference is ``openinfer.mla``).
 
 One step, T new tokens, H heads::
 
@@ -14,7 +15,7 @@ decompressed form instead, where tensor cores pay for expanding the latents::
     mla_gather_context   the chunk's context latents → c_kv [C, lora], k_pe [C, rope]
     kv_b (cuBLAS)        k_nope = c_kv · W_UK^T [C, H·nope], values = c_kv · W_UV^T [C, H·v]
     mla_prefill_attention_*  causal flash attention, K = [k_nope | k_pe] (nope + rope), V, per head
-                           (prefill_kernel: pipelined mma.sync, or wgmma on Hopper)
+                           (prefill_kernel: wgmma on Hopper, else pipelined mma.sync)
 
 The rest of the step (decodes, short chunks) keeps the absorbed form over its own token rows.
 Decode-only steps (and CUDA graphs, whose static batches carry no host copy) never look at the
@@ -96,9 +97,13 @@ SHARED_KEYS_CHOICES = (32, 64)
 # says. E1 (H200): 32 at every row count (64 keys: 0.0286 vs 0.0303 ms at batch 1, behind from 16 rows).
 SHARED_KEYS_BY_ROWS: tuple[tuple[int, int], ...] = ((1 << 30, 32),)
 SHARED_HEADS, SHARED_THREADS = 16, 128
-# Opt-in: OPENINFER_MLA_SHARED_Q_REGS=1 builds mla_attention_mma_shared with each warp's query A fragments held
-# in registers (144 per thread, 254 in all: still 2 blocks per SM) rather than re-read from shared memory for
-# every key tile (two thirds of its score-phase shared-memory reads); latents up to 576 wide.
+# mla_attention_mma_shared with each warp's query A fragments held in registers (144 per thread, 254 in all:
+# still 2 blocks per SM) rather than re-read from shared memory for every key tile (two thirds of its
+# score-phase shared-memory reads); latents up to 576 wide. Default since s7 E1 (H200, 2026-11-24, gpu_mla.py,
+# Moonlight's 16 heads; bit-equal): attention kernel 0.1303 -> 0.1194 ms at batch 256 x 1k (54 -> 59 % of the
+# latent bytes over the copy rate), 0.4681 -> 0.4296 at 256 x 4k (60 -> 66 %), 0.1294 -> 0.1186 at 64 x 4k
+# (55 -> 60 %), 0.0414 -> 0.0389 at 64 x 1k, 0.0407 -> 0.0381 at 16 x 4k, 0.0180 -> 0.0173 at 16 x 1k;
+# OPENINFER_MLA_SHARED_Q_REGS=0: the shared-memory reads.
 SHARED_Q_REGS_ENV = "OPENINFER_MLA_SHARED_Q_REGS"
 SHARED_Q_REGS_MAX_LATENT = 576
 SHARED_SPLITS_ENV = "OPENINFER_MLA_SHARED_SPLITS"  # resident (default) or waves: see resident_splits
@@ -113,30 +118,37 @@ COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
 PREFILL_THREADS = 128
-# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "pipelined" (default;
-# mla_prefill_attention_pipelined in mla.cu: 64-key K / V tiles double-buffered by cp.async, ldmatrix
-# fragments, mma.sync, causal mask on diagonal steps only), "wgmma" (mla_prefill_attention_sm90 in
-# mla_prefill_sm90.cu, Hopper only: 128-query tiles, a producer warpgroup filling a 2-stage ring of
-# 128-key tiles, two consumer warpgroups on wgmma; elsewhere, or for shapes it does not take, the
-# pipelined kernel runs) or "plain" (mla_prefill_attention, the first one; the CPU emulation's build).
-# H200 E1 of 2026-11-23 (gpu_mla.py, one 16-head layer, attention kernel alone): plain -> pipelined
-# 1k-token prompt 0.213 -> 0.064 ms, 8k 5.27 -> 1.94 ms (65 -> 177 TFLOP/s).
+# The decompressed prefill's attention kernel ($OPENINFER_MLA_PREFILL): "wgmma" (default; mla_prefill_attention_sm90
+# in mla_prefill_sm90.cu, Hopper only: 128-query tiles, a producer warpgroup filling a 2-stage ring of 128-key
+# tiles, two consumer warpgroups on wgmma; elsewhere, or for shapes it does not take, the pipelined kernel runs),
+# "pipelined" (mla_prefill_attention_pipelined in mla.cu: 64-key K / V tiles double-buffered by cp.async,
+# ldmatrix fragments, mma.sync) or "plain" (mla_prefill_attention, the first one; the CPU emulation's build).
+# H200, gpu_mla.py, attention kernel alone, one prompt: s6 E1 plain -> pipelined 16 heads 1k 0.213 -> 0.064 ms,
+# 8k 5.27 -> 1.94 ms; s7 E1 (2026-11-24, results/gpu_mla_s7_e1_h200.json) pipelined -> wgmma with its default
+# variant (ping-pong + split K / V + TMA) 16 heads 1k 0.0652 -> 0.0230 ms, 4k 0.578 -> 0.174, 8k 1.965 -> 0.540 ms
+# (175 -> 636 TFLOP/s, 3.64x); 64 heads (Kimi-K2) 1k 0.178 -> 0.069, 4k 1.941 -> 0.567, 8k 7.23 -> 2.01 ms (190 ->
+# 684 TFLOP/s).
 PREFILL_KERNEL_ENV = "OPENINFER_MLA_PREFILL"
 PREFILL_KERNELS = {"plain": "mla_prefill_attention", "pipelined": "mla_prefill_attention_pipelined",
                    "wgmma": "mla_prefill_attention_sm90"}
 PREFILL_KERNEL_TILE = {"plain": 64, "pipelined": 64, "wgmma": 128}  # queries per block
-DEFAULT_PREFILL_KERNEL = "pipelined"
+DEFAULT_PREFILL_KERNEL = "wgmma"
 SM90_PREFILL_THREADS = 384  # mla_prefill_sm90.cu: producer + 2 consumer warpgroups
 # Its keys per K / V tile (BLOCK_N) and ring depth (STAGES) that fit 227 KB beside the 128-query tile:
 # 128 keys in 2 stages (default) or 64 in 4 ($OPENINFER_MLA_SM90_KEYS); $OPENINFER_MLA_SM90_PINGPONG=1: the
 # consumer warpgroups take turns issuing wgmmas (PINGPONG); $OPENINFER_MLA_SM90_SPLIT_KV=1: K and V halves of
 # a stage on their own barriers, K copied a tile ahead of V (SPLIT_KV); $OPENINFER_MLA_SM90_TMA=1: K / V tiles by
-# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async).
+# TMA boxes from one producer thread (TMA_KV_LOADS; nope and rope in whole 64-column blocks, else cp.async);
+# $OPENINFER_MLA_SM90_ORDERED=1: the softmax pinned before the wait for the previous P V (ORDERED_SOFTMAX).
+# Defaults by s7 E1 (H200, 16 heads, 8k prompt, attention ms): 128 keys 1.035, 64 keys (+ ping-pong + split)
+# 0.972, ping-pong 1.000, split 0.801, ping-pong + split 0.799, TMA 0.714, TMA + ping-pong + split 0.540 (the
+# best at every length and head count measured); =0 on each switch goes back. ORDERED: not measured yet (opt-in).
 SM90_PREFILL_STAGES = {128: 2, 64: 4}
 SM90_KEYS_ENV, DEFAULT_SM90_KEYS = "OPENINFER_MLA_SM90_KEYS", 128
-SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", False
-SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", False
-SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", False
+SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG = "OPENINFER_MLA_SM90_PINGPONG", True
+SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV = "OPENINFER_MLA_SM90_SPLIT_KV", True
+SM90_TMA_ENV, DEFAULT_SM90_TMA = "OPENINFER_MLA_SM90_TMA", True
+SM90_ORDERED_ENV, DEFAULT_SM90_ORDERED = "OPENINFER_MLA_SM90_ORDERED", False
 LOG2E = 1.4426950408889634
 PIPELINED_PREFILL_KEYS = 64
 # A sequence whose step brings at least this many queries takes the decompressed form (measured on
@@ -357,9 +369,9 @@ def shared_decode_smem(spec: MLASpec, keys: int) -> int:
 
 
 def shared_q_regs(spec: MLASpec) -> bool:
-    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS=1
-    and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
-    value = os.environ.get(SHARED_Q_REGS_ENV) or "0"
+    """Whether mla_attention_mma_shared keeps the query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS,
+    default 1, and a latent of at most SHARED_Q_REGS_MAX_LATENT)."""
+    value = os.environ.get(SHARED_Q_REGS_ENV) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{SHARED_Q_REGS_ENV} is 0 or 1; got {value!r}")
     return value == "1" and spec.latent_dim <= SHARED_Q_REGS_MAX_LATENT
@@ -551,17 +563,18 @@ class Sm90PrefillVariant:
     pingpong: bool
     split_kv: bool
     tma: bool  # TMA_KV_LOADS
+    ordered: bool = False  # ORDERED_SOFTMAX
 
 
 def sm90_prefill_variant() -> Sm90PrefillVariant:
-    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV and _TMA (0 / 1), else
-    the defaults."""
+    """$OPENINFER_MLA_SM90_KEYS (128 / 64), $OPENINFER_MLA_SM90_PINGPONG, _SPLIT_KV, _TMA and _ORDERED (0 / 1),
+    else the defaults."""
     keys = os.environ.get(SM90_KEYS_ENV) or str(DEFAULT_SM90_KEYS)
     if keys not in ("128", "64"):
         raise ValueError(f"{SM90_KEYS_ENV} is 128 or 64; got {keys!r}")
     switches = []
     for env, default in ((SM90_PINGPONG_ENV, DEFAULT_SM90_PINGPONG), (SM90_SPLIT_KV_ENV, DEFAULT_SM90_SPLIT_KV),
-                         (SM90_TMA_ENV, DEFAULT_SM90_TMA)):
+                         (SM90_TMA_ENV, DEFAULT_SM90_TMA), (SM90_ORDERED_ENV, DEFAULT_SM90_ORDERED)):
         value = os.environ.get(env) or str(int(default))
         if value not in ("0", "1"):
             raise ValueError(f"{env} is 0 or 1; got {value!r}")
@@ -569,22 +582,34 @@ def sm90_prefill_variant() -> Sm90PrefillVariant:
     return Sm90PrefillVariant(int(keys), *switches)
 
 
+_tma_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
+TMA_MAPS_KEPT = 256  # encoded maps kept (a map is its address and layout: the pool hands the same scratch back)
+
+
 def _tma_box_map(array: cupy.ndarray, heads: int, keys: int) -> np.ndarray:
     """The tensor map of a contiguous ``[C, heads·width]`` bf16 array as (column, head, row), box 64 columns x
-    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument."""
+    1 head x ``keys`` rows (mla_prefill_sm90.cu's TMA_KV_LOADS), as a kernel argument; encoded once per
+    (address, layout): the memory pool returns the same scratch address layer after layer."""
     rows, width = int(array.shape[0]), int(array.shape[1]) // heads
     layout = PageBoxLayout(dims=(width, heads, rows), strides=(width * 2, heads * width * 2),
                            box=(BOX_ELEMENTS, 1, keys))
-    return encode_page_map(array.data.ptr, layout).view(TENSOR_MAP_PARAM)
+    key = (int(array.data.ptr), layout)
+    found = _tma_maps.get(key)
+    if found is None:
+        if len(_tma_maps) >= TMA_MAPS_KEPT:
+            _tma_maps.clear()
+        found = _tma_maps[key] = encode_page_map(*key).view(TENSOR_MAP_PARAM)
+    return found
 
 
 def sm90_prefill_smem(spec: MLASpec, keys: int) -> int:
     """mla_prefill_attention_sm90's dynamic shared memory (mla_prefill_sm90.cu SHARED_BYTES) with ``keys``
-    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers, 1024 bytes of alignment."""
+    per K / V tile: the Q tile and the K / V ring in 128-byte rows, its mbarriers and an 8-byte sink, 1024 bytes
+    of alignment."""
     stages = SM90_PREFILL_STAGES[keys]
     q_tile = spec.qk_head_dim // 64 * PREFILL_KERNEL_TILE["wgmma"] * 128
     stage = (spec.qk_head_dim + spec.v_head_dim) // 64 * keys * 128
-    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 1024
+    return q_tile + stages * stage + 8 * (1 + 4 * stages) + 8 + 1024
 
 
 def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray, values: cupy.ndarray, spec: MLASpec,
@@ -605,7 +630,7 @@ def prefill_attention(q: cupy.ndarray, k_nope: cupy.ndarray, k_pe: cupy.ndarray,
                                 NOPE_DIM=spec.qk_nope_dim, ROPE_DIM=spec.qk_rope_dim, V_DIM=spec.v_head_dim,
                                 BLOCK_N=variant.keys, STAGES=SM90_PREFILL_STAGES[variant.keys],
                                 PINGPONG=int(variant.pingpong), SPLIT_KV=int(variant.split_kv), TMA_KV_LOADS=int(tma),
-                                SM90A_TARGET=1)
+                                ORDERED_SOFTMAX=int(variant.ordered), SM90A_TARGET=1)
         maps = ((_tma_box_map(k_nope, spec.num_heads, variant.keys), _tma_box_map(k_pe, 1, variant.keys),
                  _tma_box_map(values, spec.num_heads, variant.keys)) if tma else (NULL, NULL, NULL))
         attention(grid, (SM90_PREFILL_THREADS,), (*args, np.float32(spec.scale * LOG2E), out, *maps), shared_mem=smem)
