@@ -142,8 +142,9 @@ GDN_DECODE_VARIANTS = ("plain", "early_loads", "coalesced", "vec4", "bulk")
 GDN_DECODE_ROWS = (1, 16, 64, 256)
 GDN_PREFILL_STEPS = ((8, 1024, 0), (8, 1024, 48), (1, 1024, 0))
 PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the chunked prefill's kernels
-# environments: the earlier path, split_rows and the default, blocked (split_rows with the triangular
-# solve by 16 x 16 blocks); staged and split (the steps between) were measured in E3 (2026-11-24)
+# environments: the earlier path, split_rows, blocked (split_rows with the triangular solve by 16 x 16
+# blocks), the default, registers (blocked with the chunk walk's state in mma registers) and fused (that
+# with the gated norm in the output kernel); staged and split were measured in E3 (2026-11-24)
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name} for name in ("plain", "split_rows", "blocked", "registers", "fused")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 

@@ -97,9 +97,9 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
-    the output, a mixed step's one-token rows token by token), on the default, blocked
-    (split_rows with the triangular solve by 16 x 16 blocks), on registers (blocked with the
-    chunk walk's state in mma accumulator registers) and on fused (registers with the gated norm
+    the output, a mixed step's one-token rows token by token), on blocked (split_rows with the
+    triangular solve by 16 x 16 blocks), on the default, registers (blocked with the chunk walk's
+    state in mma accumulator registers where a step fills the SMs) and on fused (registers with the gated norm
     in the output kernel; a step's one-token rows normed apart)."""
     from openinfer_qwen35 import cuda_ops
 
@@ -347,10 +347,11 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
 
 
-def test_register_walk_at_every_block_width_equals_blocked(monkeypatch):
-    """gdn_chunk_states_registers picks 8 warps a block when the step's sequences x heads fill the
-    SMs and narrower blocks otherwise: 48 prompts of 70 tokens, continued beside decodes (8 warps),
-    and 2 prompts (narrow) give blocked's outputs and states bit for bit."""
+def test_register_walk_and_its_small_step_fallback_equal_blocked(monkeypatch):
+    """=registers: gdn_chunk_states_registers (8 warps a block) where a step's sequences x heads
+    fill the SMs, gdn_chunk_states below that: 48 prompts of 70 tokens (the register walk), 24
+    continued beside 24 decodes and 2 prompts (the shared-memory walk) give blocked's outputs and
+    states bit for bit."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -359,8 +360,9 @@ def test_register_walk_at_every_block_width_equals_blocked(monkeypatch):
     rng = np.random.default_rng(21)
     nv, dv = CONFIG["linear_num_value_heads"], CONFIG["linear_value_head_dim"]
     wide_sequences = 48
-    assert cuda_ops.register_states_warps(dv, wide_sequences * nv) == 8
-    assert cuda_ops.register_states_warps(dv, 2 * nv) < 8
+    assert cuda_ops.register_states_warps(dv) == 8
+    assert cuda_ops.register_walk_fills_gpu(dv, wide_sequences * nv)
+    assert not cuda_ops.register_walk_fills_gpu(dv, 2 * nv)
     blocked, registers = (Layer(np.random.default_rng(22), num_slots=wide_sequences + 1) for _ in range(2))
     slots = np.arange(1, wide_sequences + 1)
     for lengths, fresh in (([70] * wide_sequences, True), ([65] * (wide_sequences // 2) + [1] * (wide_sequences // 2), False),

@@ -21,7 +21,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       moved by one bulk copy each way through shared memory
                                       (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      blocked) =plain: gdn_conv1d, gdn_conv_state,
+                                      registers) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -36,7 +36,8 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       triangular solve by 16 x 16 blocks; bf16 tolerance);
                                       =registers: blocked with gdn_chunk_states_registers (the
                                       walk's state in mma accumulator registers, a chunk's W /
-                                      K / U loaded a chunk ahead; key head dims up to 128);
+                                      K / U loaded a chunk ahead; key head dims up to 128; steps
+                                      too small to fill the SMs keep gdn_chunk_states);
                                       =fused: registers with the gated norm in the output kernel
                                       (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -135,7 +136,13 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # ms at 8 x 1k, 1.55 -> 1.43 ms at 8 x 1k + 48 decode rows (benchmarks/results/gpu_qwen35_gdn_kernels.json);
 # within bf16 tolerance of NumPy (tests/gpu/test_qwen35_kernels.py). =split_rows (the solve column by
 # column) or =plain reverts.
-DEFAULT_PREFILL_KERNELS = "blocked"
+# registers by measurement (H200, E1 2026-11-24, merged main 561353f, one GDN layer of the 4B shape):
+# the state walk 0.356 -> 0.193 ms at 8 x 1k tokens (1.84x), the layer 1.300 -> 1.134 ms (1.15x), 1.479
+# -> 1.270 ms with 48 decode rows (1.16x); the 64-stream burst's mixed step (8 x 1008 + 48 decodes,
+# op ledger) 128.6 -> 125.2 ms (results/gpu_qwen35_gdn_prefill.json, gpu_qwen35_step_ledger.json);
+# blocked's bits (tests/gpu/test_qwen35_kernels.py). Steps too small to fill the SMs with its widest
+# blocks keep gdn_chunk_states (1 x 1k: 0.062 vs 0.075 ms). =blocked reverts.
+DEFAULT_PREFILL_KERNELS = "registers"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
@@ -287,20 +294,18 @@ def chunk_states_shared_bytes(dk: int) -> int:
             + 2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(SCAN_TILE * row_c * 2) + CHUNK_SIZE * 4)
 
 
-REGISTER_STATES_WARPS = (8, 4, 2)  # gdn_chunk_states_registers' block sizes, widest first
+def register_states_warps(dv: int) -> int:
+    """gdn_chunk_states_registers' warps a block (16 value channels each): up to 8 (a head's W / K
+    tiles loaded once for 128 channels), dividing dv / 16."""
+    return next(warps for warps in (8, 4, 2, 1) if (dv // 16) % warps == 0)
 
 
-def register_states_warps(dv: int, heads: int | None = None) -> int:
-    """gdn_chunk_states_registers' warps a block (16 value channels each, dividing dv / 16): 8 (a
-    head's W / K tiles loaded once for 128 channels) unless the step's ``heads`` (sequences x value
-    heads) would then leave SMs idle — a lone prompt's walk spread over more, narrower blocks."""
-    fits = [warps for warps in REGISTER_STATES_WARPS if (dv // 16) % warps == 0] or [1]
-    if heads is not None:
-        for warps in fits:
-            if heads * (dv // (16 * warps)) >= _multiprocessors():
-                return warps
-        return fits[-1]
-    return fits[0]
+def register_walk_fills_gpu(dv: int, heads: int) -> bool:
+    """Whether a step's ``heads`` (sequences x value heads) give the register walk a block for every
+    SM — the shape it was measured faster at (H200, E1 2026-11-24: 8 x 1k tokens, the walk 0.356 ->
+    0.193 ms); a lone prompt's walk over 2-warp blocks measured slower than gdn_chunk_states (1 x
+    1k: 0.062 -> 0.075 ms), so smaller steps keep that."""
+    return heads * (dv // (16 * register_states_warps(dv))) >= _multiprocessors()
 
 
 @functools.cache
@@ -308,10 +313,9 @@ def _multiprocessors() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-def chunk_states_registers_shared_bytes(dk: int, dv: int, warps: int | None = None) -> int:
-    """gdn_chunk_states_registers' dynamic shared memory at ``warps`` a block (default: the
-    widest): two buffers of W, K, U and c."""
-    row_k, row_u = dk + 8, 16 * (warps or register_states_warps(dv)) + 8
+def chunk_states_registers_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_states_registers' dynamic shared memory: two buffers of W, K, U and c."""
+    row_k, row_u = dk + 8, 16 * register_states_warps(dv) + 8
     return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
 
 
@@ -574,11 +578,12 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
         output_bytes = chunk_output_shared_bytes(dk)
+        if prefill.states == "gdn_chunk_states_registers" and not register_walk_fills_gpu(dv, num_seqs * nv):
+            prefill = prefill._replace(states=PrefillKernels._field_defaults["states"])
         if prefill.states == "gdn_chunk_states_registers":
-            warps = register_states_warps(dv, num_seqs * nv)
-            states_bytes = chunk_states_registers_shared_bytes(dk, dv, warps)
-            # the function's shared-memory limit is one attribute for every block size: the widest's
-            states_kernel = kernel(prefill.states, dk, chunk_states_registers_shared_bytes(dk, dv))
+            warps = register_states_warps(dv)
+            states_bytes = chunk_states_registers_shared_bytes(dk, dv)
+            states_kernel = kernel(prefill.states, dk, states_bytes)
             states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
         else:
             states_bytes = chunk_states_shared_bytes(dk)

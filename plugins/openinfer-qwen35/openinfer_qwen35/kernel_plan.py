@@ -25,8 +25,10 @@ GDN layer core         ``delta_net``:                                           
                        (per chunk of 64: l2 norm,      16-byte accesses) and gated
                        gates, P, T = (I + A)^-1 by     norm in one kernel per
                        16 x 16 blocks, U, W) →         (sequence, value head),
-                       ``gdn_chunk_states``            captured in the decode graphs
-                       (chunks in order: S, V') →
+                       ``gdn_chunk_states_registers``  captured in the decode graphs
+                       (chunks in order: S, V'; S in
+                       mma registers; small steps:
+                       ``gdn_chunk_states``) →
                        ``gdn_chunk_output`` (O, all
                        chunks at once; tensor cores)
                        → ``gdn_gated_norm_warp``; a
@@ -37,13 +39,15 @@ GDN layer core         ``delta_net``:                                           
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
-The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=blocked``, the default
+The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=registers``, the default
 (``cuda_ops.PREFILL_KERNELS`` names each choice's kernels): ``plain`` is the earlier chunked path
 (``gdn_conv1d`` → ``gdn_conv_state`` → ``gdn_chunk_prepare`` → ``gdn_chunk_scan``, chunks in order
 with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows as one-row chunks);
 ``staged`` and ``split`` are the steps between (the same bits as plain); ``split_rows`` differs from
 them only in a mixed step's one-token rows (token by token, within bf16 tolerance); ``blocked`` is
-``split_rows`` with the triangular solve by 16 x 16 blocks (within bf16 tolerance). The decode
+``split_rows`` with the triangular solve by 16 x 16 blocks (within bf16 tolerance); ``registers``
+is ``blocked`` with the chunk walk's state in mma accumulator registers (blocked's bits); ``fused``
+that with the gated norm inside the output kernel (opt-in). The decode
 column is ``OPENINFER_QWEN35_GDN_DECODE=vec4``, the default (``cuda_ops.DECODE_KERNELS``).
 
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
