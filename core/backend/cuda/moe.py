@@ -152,6 +152,8 @@ TILED_GEMV = "tiled"
 #    moe_gemv_mma_staged (falls back to moe_gemv_mma where the scales are not group 32 or K not whole
 #    stages) gate_up 92 -> 73 / 2328 -> 2134 / 3398 -> 3246 us, down 55 -> 44 / 1161 -> 1134 / 1688 ->
 #    1682 us at batch 1 / 64 / 256 (split K, mma_split4: 79 / 44 at batch 1). OPENINFER_MOE_GEMV=mma: before.
+#  * bf16 experts, H200 E2 (results/kimi_gemv_e2_h200.json, kimi_moe_block_e2_h200.json): wide_nc gate_up 20.3 -> 19.9 / 156.6 -> 150.4 us, down 13.4 -> 13.1 / 103.0 -> 91.5 us at 1 / 16 tokens (Moonlight shapes, 1.02-1.13x); Moonlight MoE block (+ shared side stream) 63.1 -> 61.7 / 129.2 -> 128.1 / 288.5 -> 272.3 us at 1 / 4 / 16 tokens.
+#    OPENINFER_MOE_GEMV=wide: before.
 # Unmeasured rows keep the earlier choice (moe_gemv up to GEMV_MAX_ROWS / GEMV_MAX_ROWS_PER_EXPERT).
 GemvChoice = tuple[tuple[float, str], ...]
 DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
@@ -159,7 +161,7 @@ DENSE_GEMV_CHOICE: dict[str, GemvChoice] = {
     "fp8": ((4, "wide2"), (7, "moe_gemv")),
 }
 GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
-    "bf16": ((1.5, "wide"), (6, "mma")), "int4": ((11, "mma_staged"),),
+    "bf16": ((1.5, "wide_nc"), (6, "mma")), "int4": ((11, "mma_staged"),),
     "fp8": ((GEMV_MAX_ROWS_PER_EXPERT, "moe_gemv"),),
 }
 # A kernel forced (argument or GEMV_KERNEL_ENV) runs up to its own bounds: (dense rows, slots per
