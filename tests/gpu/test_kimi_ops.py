@@ -397,7 +397,7 @@ def test_sm90_switch_and_dispatch(cuda_backend, rng, monkeypatch):
     monkeypatch.setenv(moe_sm90.SM90_ENV, "1")
     num_experts, hidden = 4, 64
     weight, weight_ref = _expert_weights(rng, "bf16", num_experts, 128, hidden)
-    many_slots = (moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT + 8) * num_experts
+    many_slots = int((moe_sm90.SM90_ABOVE_ROWS_PER_EXPERT + 8) * num_experts)
     ids = (np.arange(many_slots) % num_experts).astype(np.int32).reshape(-1, 1)
     x_host = bf16_random(rng, many_slots, hidden)
     x = cuda_backend.upload(x_host)

@@ -257,9 +257,10 @@ FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
 # x read once; moe_router_logits re-reads a token's row per 8 experts) and moe_route in blocks of a
 # thread per expert (``select_experts``' narrow). Moonlight's router (64 x 2048): logits 230.8 -> 46.0 /
 # 121.6 -> 37.0 / 29.7 -> 23.4 us at 8192 / 4096 / 1024 tokens (behind at 256: 23.6 vs 9.6); top-k
-# 59.7 -> 48.9 / 39.6 -> 34.6 / 6.8 -> 7.0 us. Opt-in OPENINFER_MOE_GROUP_BLOCKS=1 groups at least
+# 59.7 -> 48.9 / 39.6 -> 34.6 / 6.8 -> 7.0 us. Default since E2 (=0 reverts): OPENINFER_MOE_GROUP_BLOCKS groups at least
 # GROUP_BLOCKS_MIN_SLOTS slots with one block per expert and no atomics (moe_expert_counts +
-# moe_place_slots): E1 74.7 vs moe_sort_parallel's 74.0 us at 8192 tokens x top-6, 46.4 vs 52.7 at 4096.
+# moe_place_slots, 8 slots per thread and pass): E2 (H200) 45.6 vs moe_sort_parallel's 71.9 us at 8192
+# tokens x top-6, 41.9 vs 54.6 at 4096, 7.8 vs 10.6 at 1024 (behind at 256: 7.5 vs 6.8).
 ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 1024, 4
 GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
 ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
@@ -388,8 +389,8 @@ def router_mma_wanted(num_tokens: int) -> bool:
 
 def group_blocks_wanted(num_slots: int) -> bool:
     """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
-    and at least GROUP_BLOCKS_MIN_SLOTS slots."""
-    return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV)
+    (default on) and at least GROUP_BLOCKS_MIN_SLOTS slots."""
+    return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV, default=True)
 
 
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,

@@ -44,9 +44,10 @@ SM90_TILE_M, SM90_TILE_N, SM90_BOX_ROWS, SM90_TILE_K = 128, 256, 128, 64
 SM90_THREADS = 384
 SM90_STAGES = 4
 SM90_MAX_EXPERTS = 512
-# Down to 6 slots per expert (64 tokens x top-6 of 64) measured ahead of the pipelined kernel (E1:
-# 290 vs 329 us); below, unmeasured: the pipelined kernel or the decode GEMVs keep those steps.
-SM90_ABOVE_ROWS_PER_EXPERT = 5
+# Down to 1.5 slots per expert (16 tokens x top-6 of 64) measured ahead in E2 (H200, CUDA graphs; vs what
+# ran before: 239 vs 257 us at 16 tokens (moe_gemv_wide), 276 vs 307 at 32, 285 vs 316 at 48, 287 vs 318
+# at 64); below, unmeasured: the decode GEMVs keep those steps.
+SM90_ABOVE_ROWS_PER_EXPERT = 1.4
 # CTA pairs (clusters of 2) on 256-slot units of one expert, each weight tile copied once for both by
 # TMA multicast (a lone CTA's 128 x 256 tile reads 768 bytes from L2 per k column for 64 K MMAs, a
 # pair's CTA 512), from this many slots per expert on (a pair's unit is 256 slots: fewer leave its
