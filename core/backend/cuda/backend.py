@@ -60,7 +60,8 @@ def _norm_threads(features: int) -> int:
 # prefill attention (memory bound beside compute bound); "0": one after the other on one stream.
 # Default by E1 (H200, benchmarks/gpu_mixed_step.py, Qwen3-4B, one layer's mixed attention of an
 # 8192-token step with 200 decodes at 1088 context): 559.6 -> 496.9 us (prefill part 294.3 + decode
-# part 265.3 us alone), the same bits (tests/gpu/test_mixed_overlap.py)
+# part 265.3 us alone), the same bits (tests/gpu/test_mixed_overlap.py). E2 (256-stream burst against =0, same
+# window): mixed steps' device time 3,584 vs 3,595 ms, output 6,192 vs 6,232 tok/s (within run-to-run noise)
 MIXED_OVERLAP_ENV = "OPENINFER_MIXED_OVERLAP"
 BUCKET_GEMM_LOADS_ENV = "OPENINFER_BUCKET_GEMM_LOADS"  # "0": set_gemm_row_buckets runs no GEMMs
 ROW_NORMS_ENV = "OPENINFER_ROW_NORMS"  # "auto" (default) | "1" | "0": rms_norm / add_rms_norm one warp per row
