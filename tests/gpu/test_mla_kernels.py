@@ -238,7 +238,7 @@ def test_absorbed_kernel_choice(monkeypatch):
                 cuda_mla.SM90_SPLIT_KV_ENV, cuda_mla.SM90_TMA_ENV, cuda_mla.SM90_ORDERED_ENV, cuda_mla.SHARED_Q_REGS_ENV):
         monkeypatch.delenv(env, raising=False)
     assert cuda_mla.prefill_kernel(_spec(16)) == ("wgmma" if _hopper() else "pipelined")
-    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(128, True, True, True, False)
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(128, True, True, True, True)
     assert cuda_mla.shared_q_regs(_spec(16))
     monkeypatch.setenv(cuda_mla.PREFILL_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PREFILL"):
