@@ -43,15 +43,17 @@ projections            bf16: cuBLAS / gemv (core ``linear``); FP8 block-scaled o
 latent write + RoPE    ``mla_write_latent`` (RMS-norm c_kv, rotate k_pe → cache slot,
                        rotate q_pe in place)                                             core
 MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into         core
-                       per-head k_nope / v, ``mla_prefill_attention_pipelined``
-                       (tensor-core causal flash attention, nope+rope / v head dims;
-                       ``OPENINFER_MLA_PREFILL=plain``: ``mla_prefill_attention``)
+                       per-head k_nope / v, on Hopper ``mla_prefill_attention_sm90``
+                       (wgmma, TMA producer, two ping-pong consumer warpgroups, split
+                       K/V stages), elsewhere ``mla_prefill_attention_pipelined``
+                       (mma.sync; ``OPENINFER_MLA_PREFILL=pipelined`` / ``=plain``)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
                        around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads),
                        ``mla_attention_mma`` (17-64 heads) or ``mla_attention`` (CUDA
                        cores, 16 heads per block) (core ``mla.choose_absorbed_kernel``;
                        ``OPENINFER_MLA_DECODE`` forces one)
-MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k)    core
+MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k;    core
+                       from 1,024 tokens the logits on tensor cores, ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
                        block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
@@ -59,13 +61,13 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        slots average few per expert (INT4: ``moe_gemv_mma_staged`` to
                        11, or with group-32 weights repacked at upload into the GEMV's
                        tiled layout, ``OPENINFER_INT4_LAYOUT=tiled``: ``moe_gemv_int4_
-                       tiled``; bf16: ``moe_gemv_wide`` to 1.5; FP8: ``moe_gemv`` to 3), else
-                       bf16: ``moe_grouped_gemm_pipelined`` with gate_up and SiLU·mul
-                       in one launch (128-row blocks to 48 slots per expert, 256-row
-                       ones past; ``OPENINFER_MOE_PIPELINED=tiles``: unfused, ``=off``:
-                       ``moe_gemv_mma`` to 6 then ``moe_grouped_gemm``), INT4 / FP8:
-                       ``moe_grouped_gemm``; eager steps from 512 slots per expert:
-                       cuBLAS per expert; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
+                       tiled``; bf16: ``moe_gemv_wide_nc`` to 1.5; FP8: ``moe_gemv`` to 3),
+                       else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent wgmma,
+                       TMA weight tiles, gate_up with SiLU·mul fused;
+                       ``OPENINFER_MOE_SM90=0``: off), elsewhere
+                       ``moe_grouped_gemm_pipelined`` (SiLU·mul fused) and cuBLAS per
+                       expert for eager steps from 512 slots per expert; INT4 / FP8:
+                       ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
 shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``:    core
                        for steps of up to 16 tokens on a side stream beside the routing
                        and the routed experts, joined before the combine (same bits;
