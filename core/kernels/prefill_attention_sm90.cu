@@ -19,7 +19,7 @@
 //   smem: [Q: D_BLOCKS x BLOCK_M x 128 B][stage 0: K, V: D_BLOCKS x BLOCK_N x 128 B each]...[mbarriers]
 //
 // Built with NVRTC for sm_90a only (wgmma, setmaxnreg); other GPUs use prefill_attention.cu.
-#include "mma.cuh"  // pack_bf16x2
+#include "wgmma.cuh"  // sm90.cuh's mbarriers, copies, TMA and descriptors; the wgmma shapes; mma.cuh's pack_bf16x2
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -115,99 +115,11 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 // mbarriers: Q, full[STAGES], empty[STAGES], full_v[STAGES], empty_v[STAGES] (SPLIT_KV; reserved either way)
 #define SHARED_BYTES (BARRIER_OFFSET + 8 * (1 + 4 * STAGES) + 1024)
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
 // ---- shared memory, mbarriers, async copies ----------------------------------------------------
-
-__device__ __forceinline__ u32 swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
-// 16-byte global -> shared copy to a shared-window address (mma.cuh's overload takes a bf16
-// pointer); a false `valid` writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-
-// The barrier counts one arrival for this thread once all its earlier cp.async copies have landed.
-__device__ __forceinline__ void mbar_arrive_on_copies(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
 
 // `count` arrivals at once.
 __device__ __forceinline__ void mbar_arrive_count(u32 bar, u32 count) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// The barrier's phase also waits for `bytes` more bytes of asynchronous (TMA) copies.
-__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-// A CUtensorMap (cuda.h's opaque 128 bytes), passed by value as a __grid_constant__ kernel
-// parameter: the TMA unit reads it from the parameter bank, no copy or fence per launch.
-struct alignas(64) TensorMap {
-    u64 opaque[16];
-};
-
-__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
-}
-
-// One TMA box (3-d tensor map: element, KV head, cache token) to shared memory; its bytes count
-// towards `bar`'s transaction count. The map's 128-byte swizzle is the one wgmma reads.
-__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int x, int y, int z, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-        ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
-        : "memory");
-}
-
-// The same TMA box to the same shared-memory offset of every CTA in `cta_mask` (of this cluster),
-// each copy counted on the mbarrier at `bar`'s offset in its CTA.
-__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const void* map, int x, int y, int z, u32 bar,
-                                                      unsigned short cta_mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(cta_mask)
-        : "memory");
-}
-
-// One arrival on the mbarrier at `bar`'s offset in cluster CTA `cta`.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
-    asm volatile(
-        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
-        : "memory");
-}
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-__device__ __forceinline__ u32 cluster_cta_rank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    return rank;
 }
 
 // A consumer warp is done with a K/V stage. KV_MULTICAST: the next copies into it come from both
@@ -229,20 +141,6 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
 
 // ---- wgmma -----------------------------------------------------------------------------------------
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading / stride byte offsets.
-__device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
-    return (u64)((addr >> 4) & 0x3FFF) | ((u64)((leading_bytes >> 4) & 0x3FFF) << 16) |
-           ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-// The accumulator operands of a wgmma asm statement: d[0..31] or d[0..63], read and written.
-#define WGMMA_ACC8(d, i) \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define WGMMA_ACC32(d) WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
-#define WGMMA_ACC64(d) WGMMA_ACC32(d), WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56)
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Warpgroup turn-taking: a warpgroup waits on its own named barrier (ids 1, 2) before issuing
 // its wgmmas and arrives on the other's after, so one's softmax overlaps the other's matmuls.
 __device__ __forceinline__ void take_turn(int wg) {
@@ -254,46 +152,6 @@ __device__ __forceinline__ void pass_turn(int wg) {
 #if PINGPONG
     asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
 #endif
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-
-// D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B from shared memory (both K-major);
-// scale_d == 0 overwrites D.
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_ACC32(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory (both K-major);
-// scale_d == 0 overwrites D.
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_ACC64(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D[64 x 128] += A[64 x 16] * B[16 x 128], A from registers (the mma.m16n8k16 A fragment per
-// warp), B from shared memory N-major (transposed).
-__device__ __forceinline__ void wgmma_rs_n128_tb(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : WGMMA_ACC64(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // ---- consumer steps --------------------------------------------------------------------------------
