@@ -12,7 +12,8 @@ from openinfer.tools.ledger.step_model import predict_checks
 
 # what an op is, by its name (the op key up to its weight shape); first match wins
 OP_KINDS = (
-    ("projections (GEMM)", ("linear", "add_rms_norm_linear", "silu_mul_linear")),
+    ("projections (GEMM)", ("linear", "add_rms_norm_linear", "silu_mul_linear", "linear_residual")),
+    ("MoE (routing, experts, combine)", ("moe",)),
     ("attention (q/k norm, RoPE, KV write, attention)", ("attention", "mla_attention")),
     ("attention kernels", ATTENTION_KERNEL_CALLS),
     ("q/k norm, RoPE, KV write", ("write_qkv",)),
