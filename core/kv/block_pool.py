@@ -167,8 +167,8 @@ class PrefixHashes:
             if self._known is not None and num_blocks * bs <= len(self._known):
                 tokens = self._known[have * bs : num_blocks * bs]
             else:
-                chunk = token_ids[have * bs : num_blocks * bs]
-                tokens = np.fromiter(chunk, np.int64, len(chunk))
+                # a list, or an int array (a request's ``TokenIds`` slice)
+                tokens = np.asarray(token_ids[have * bs : num_blocks * bs], np.int64)
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]
