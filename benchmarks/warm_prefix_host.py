@@ -64,7 +64,7 @@ def main() -> None:
                                           "this one in a PNG beside --out")
     parser.add_argument("--serve", action="store_true", help="the served path: openinfer serve with the stub engine")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
-                        help="with --serve (default 1024 16384) or --device cuda (default --context): prompt lengths")
+                        help="prompt lengths (--serve: default 1024 16384; the engine path: default --context)")
     parser.add_argument("--spans", action="store_true", help="with --serve: the warm requests' timelines through both "
                                                              "processes (a span probe; a second server run)")
     parser.add_argument("--repeats", type=int, default=7, help="with --serve: fresh prompts per context (median)")
@@ -76,8 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and (args.http or args.serve):
         parser.error("--device cuda measures the engine path only (no --http / --serve)")
-    if args.contexts is not None and not (args.serve or args.device == "cuda"):
-        parser.error("--contexts goes with --serve or --device cuda (else --context)")
+    if args.contexts is not None and args.http:
+        parser.error("--http takes one --context")
     if args.spans and not args.serve:
         parser.error("--spans goes with --serve")
     if args.serve:
@@ -234,7 +234,7 @@ def main() -> None:
                        else "model forward stubbed: host time only") + ", on the CPU of the machine that ran it; "
                       "TTFTs unprofiled, profiles (cProfile, inflated by it) from a second round of the same requests"}
     per_context[n] = (cold, warm)
-    if len(contexts) > 1 or args.device == "cuda":  # every length's TTFTs (the fields above: the longest's)
+    if args.contexts:  # every length's TTFTs (the fields above: the longest's)
         result["rows"] = [{"context": c, "cold_ttft_ms": 1e3 * c_cold, "warm_ttft_ms": [1e3 * w for w in c_warm],
                            "warm_ttft_ms_median": 1e3 * float(np.median(c_warm)),
                            "warm_ttft_ms_min": 1e3 * float(np.min(c_warm))}
@@ -252,9 +252,14 @@ def main() -> None:
         # the engine's thread and the tokenizer's worker threads left out
         result["warm_server_event_loop_ms_profiled"] = result["event_loop_profile"][0]["cumulative_ms_per_request"]
     if args.compare:
-        result["compared_with"] = {"path": args.compare, **{k: v for k, v in json.loads(Path(args.compare).read_text()).items()
-                                                           if k.startswith(("warm_", "cold_"))}}
-        plot_comparison(result, Path(args.out).with_suffix(".png"))
+        earlier = json.loads(Path(args.compare).read_text())
+        result["compared_with"] = {"path": args.compare, **{k: v for k, v in earlier.items()
+                                                           if k.startswith(("warm_", "cold_")) or k == "rows"}}
+        if "rows" in result and "rows" in earlier:  # per context length (e.g. eager vs short-prefill graphs)
+            plot_rows_comparison(earlier, result, Path(args.out).with_suffix(".png"), Path(args.compare).stem,
+                                 Path(args.out).stem)
+        else:
+            plot_comparison(result, Path(args.out).with_suffix(".png"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"context {n}: warm host TTFT median {result['warm_host_ttft_ms_median']:.1f} ms, "
@@ -288,6 +293,9 @@ def serve_rows(args: argparse.Namespace) -> None:
         result["spans"] = span_rows(args, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.compare:
+        plot_serve_comparison(json.loads(Path(args.compare).read_text()), result, Path(args.out).with_suffix(".png"),
+                              Path(args.compare).stem, Path(args.out).stem)
     for row in rows:
         print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
               f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
@@ -519,6 +527,69 @@ def demo_or_generated_tokenizer(work: Path) -> Path:
         tokenizer_dir.mkdir()
         write_tokenizer(tokenizer_dir, 32000)
         return tokenizer_dir
+
+
+def plot_serve_comparison(before: dict, after: dict, path: Path, before_name: str, after_name: str) -> None:
+    """Two ``--serve`` results side by side: the warm host part per context and, where both have
+    ``--spans``, the warm timeline's segments at the longest context."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with_spans = bool(before.get("spans") and after.get("spans"))
+    figure, axes = plt.subplots(1, 2 if with_spans else 1, figsize=(14 if with_spans else 6, 4.5), squeeze=False)
+    left = axes[0][0]
+    contexts = [row["context"] for row in after["ttft"]]
+    x = np.arange(len(contexts))
+    for offset, (name, result) in ((-0.2, (before_name, before)), (0.2, (after_name, after))):
+        by_context = {row["context"]: row["warm_host_ms"] for row in result["ttft"]}
+        left.bar(x + offset, [by_context.get(c, np.nan) for c in contexts], 0.4, label=name)
+    left.set_xticks(x, [str(c) for c in contexts])
+    left.set(xlabel="context (tokens)", ylabel="ms", title="warm TTFT minus the stub step (host part), median")
+    left.legend()
+    if with_spans:
+        right = axes[0][1]
+        longest = {name: max(result["spans"], key=lambda r: r["context"]) for name, result in
+                   ((before_name, before), (after_name, after))}
+        segments = list(longest[after_name]["segments_ms"])
+        y = np.arange(len(segments))
+        for offset, name in ((-0.2, before_name), (0.2, after_name)):
+            right.barh(y + offset, [longest[name]["segments_ms"].get(k, np.nan) for k in segments], 0.4, label=name)
+        right.set_yticks(y, segments, fontsize=7)
+        right.invert_yaxis()
+        right.set(xlabel="ms (median; span probe on)",
+                  title=f"warm {longest[after_name]['context']}-token request, milestone to milestone")
+        right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def plot_rows_comparison(before: dict, after: dict, path: Path, before_name: str, after_name: str) -> None:
+    """Two engine-path results with ``rows`` (one per context length): warm TTFT medians side by side."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [row["context"] for row in after["rows"]]
+    x = np.arange(len(contexts))
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for offset, (name, result) in ((-0.2, (before_name, before)), (0.2, (after_name, after))):
+        by_context = {row["context"]: row["warm_ttft_ms_median"] for row in result["rows"]}
+        bars = axes.bar(x + offset, [by_context.get(c, np.nan) for c in contexts], 0.4, label=name)
+        axes.bar_label(bars, fmt="%.2f", fontsize=8)
+    axes.set_xticks(x, [str(c) for c in contexts])
+    axes.set(xlabel="context (tokens)", ylabel="ms", title=f"warm-prefix TTFT, in-process engine ({after['device']})")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def plot_comparison(result: dict, path: Path) -> None:
