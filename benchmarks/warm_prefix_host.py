@@ -69,6 +69,9 @@ def main() -> None:
                                                              "processes (a span probe; a second server run)")
     parser.add_argument("--repeats", type=int, default=7, help="with --serve: fresh prompts per context (median)")
     parser.add_argument("--stub-step-ms", type=float, default=1.0, help="with --serve: the stub's device step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="with --serve: the engine's step budget (8192: the GPU default, so a cold prompt takes "
+                             "the steps it takes on a GPU; its host part is then cold TTFT minus those steps)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the engine path (no --http/--serve) with a Qwen3-4B-shaped model on the GPU "
                              "(random weights, short-prefill graphs on) instead of the stubbed tiny model: the host "
@@ -287,8 +290,12 @@ def serve_rows(args: argparse.Namespace) -> None:
     for row in rows:
         row["warm_host_ms"] = row["warm_ttft_ms"] - args.stub_step_ms
         row["warm_host_ms_min"] = min(row["warm_ttft_ms_each"], default=float("nan")) - args.stub_step_ms
+        if args.max_num_batched_tokens:  # the cold prompt's steps, as the scheduler chunks it
+            row["cold_steps"] = -(-row["context"] // args.max_num_batched_tokens)
+            row["cold_host_ms"] = row["cold_ttft_ms"] - row["cold_steps"] * args.stub_step_ms
     result = {"through": "openinfer serve (API server + engine-core processes), stub engine", "stub_step_ms":
-              args.stub_step_ms, "ttft": rows, "note": "warm_host_ms = warm TTFT - the stub's step; this CPU"}
+              args.stub_step_ms, "max_num_batched_tokens": args.max_num_batched_tokens, "ttft": rows,
+              "note": "warm_host_ms = warm TTFT - the stub's step; cold_host_ms = cold TTFT - its steps; this CPU"}
     if args.spans:
         result["spans"] = span_rows(args, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +306,9 @@ def serve_rows(args: argparse.Namespace) -> None:
     for row in rows:
         print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
               f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
-              f"cold {row['cold_ttft_ms']:.2f} ms; cached {row['warm_cached_tokens']}")
+              f"cold {row['cold_ttft_ms']:.2f} ms" + (f" (host part {row['cold_host_ms']:.2f} ms over "
+                                                      f"{row['cold_steps']} steps)" if "cold_host_ms" in row else "")
+              + f"; cached {row['warm_cached_tokens']}")
     for row in result.get("spans", []):
         print(f"context {row['context']}: warm timeline (span probe on; medians of {row['requests']}, ms): "
               + ", ".join(f"{name} {ms:.3f}" for name, ms in row["segments_ms"].items()))
@@ -331,6 +340,8 @@ class stub_server:
                    str(port), "--grpc-port", "0", "--max-model-len", str(max_len), "--api-server-count", "1",
                    "--log-level", "warning", "--engine-factory", FACTORY_SPEC, "--device", "cpu",
                    "--num-kv-blocks", str(4 * max_len // 16 + 64)]
+        if self.args.max_num_batched_tokens:
+            command += ["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)]
         self.process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **(self.env or {})})
         try:
             url = f"http://127.0.0.1:{port}"

@@ -158,10 +158,12 @@ class PrefixHashes:
         self._data = bytearray()  # token_bytes of the hashed blocks
         self._known = None if known_tokens is None else np.asarray(known_tokens, np.int64)
 
-    def extend(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+    def extend(self, token_ids: Sequence[int], num_blocks: int, max_new_hashes: int | None = None) -> list[bytes]:
         """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
         before), hashing only those not hashed yet. A block holding a placeholder (a negative
-        id: a token not read back yet) and those after it are left unhashed."""
+        id: a token not read back yet) and those after it are left unhashed. ``max_new_hashes``:
+        compute at most that many hashes this call (blocks shared with a remembered chain cost
+        none), so fewer than ``num_blocks`` may come back."""
         have, bs = len(self.hashes), self.block_size
         if num_blocks > have:
             if self._known is not None and num_blocks * bs <= len(self._known):
@@ -179,11 +181,13 @@ class PrefixHashes:
                 shared = _CHAINS.shared_hashes(first_key, data, stride)
                 _CHAINS.remember(first_key, self)
             rest = data[len(shared) * stride :]
+            if max_new_hashes is not None:
+                rest = rest[: max(0, max_new_hashes) * stride]
             parent = shared[-1] if shared else (self.hashes[-1] if have else None)
             self.hashes.extend(shared)
             if rest:
                 self.hashes.extend(chain_block_hashes(parent, rest, bs, self.extra_key))
-            self._data += data
+            self._data += data[: (len(self.hashes) - have) * stride]  # the hashed blocks' bytes only
         return self.hashes
 
     def token_bytes(self, first_block: int, end_block: int) -> bytes:
