@@ -277,13 +277,13 @@ class BlockPool:
         cached content). Raises when there are not enough; check ``can_allocate`` first."""
         if num_blocks > self.num_free_blocks:
             raise MemoryError(f"asked for {num_blocks} KV blocks, {self.num_free_blocks} free")
-        taken = []
-        for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            self._forget(block)
+        popitem, blocks = self.free_queue.popitem, self.blocks  # (locals: a cold 16k prompt takes 1,024)
+        taken = [popitem(last=False)[0] for _ in range(num_blocks)]
+        for block_id in taken:
+            block = blocks[block_id]
+            if block.block_hash is not None:
+                self._forget(block)
             block.ref_count = 1
-            taken.append(block_id)
         return taken
 
     def touch(self, block_ids: Sequence[int]) -> None:

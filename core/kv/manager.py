@@ -115,7 +115,7 @@ class KVCacheManager:
         # the group whose token block n-1 a snapshot at n blocks belongs to (evicted with it)
         per_token = [g.group_id for g in self.groups.paged_groups if g.spec.tokens_per_entry == 1]
         self._anchor_group = per_token[0] if per_token else None
-        if self._anchor_group is not None:
+        if self._anchor_group is not None and self.state_slots is not None:  # (no state: no snapshots)
             self.pools[self._anchor_group].on_evict = self._on_block_evicted
 
     # --- queries ---------------------------------------------------------------------------------
