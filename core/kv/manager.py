@@ -275,10 +275,12 @@ class KVCacheManager:
             count = spec.blocks_for(n * bs, bs)
             if isinstance(spec, CompressedSpec):
                 table = [hits[group.group_id][(j + 1) * spec.ratio - 1] for j in range(count)]
+                live = table
             else:
                 first = spec.first_live_block(n * bs, bs)
-                table = [NULL_BLOCK_ID] * first + hits[group.group_id][first:count]
-            self.pools[group.group_id].touch([b for b in table if b != NULL_BLOCK_ID])
+                live = hits[group.group_id][first:count]  # cached blocks: never the null block
+                table = [NULL_BLOCK_ID] * first + live if first else live
+            self.pools[group.group_id].touch(live)
             tables.append(table)
         blocks = RequestBlocks(prefix, tables, [len(t) for t in tables],
                                [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
@@ -391,8 +393,8 @@ class KVCacheManager:
 
     def _return_blocks(self, tables: list[list[int]]) -> None:
         for pool, table in zip(self.pools, tables, strict=True):
-            if pool is not None:
-                pool.free([b for b in reversed(table) if b != NULL_BLOCK_ID])
+            if pool is not None:  # (plain groups' tables never hold the null block)
+                pool.free(table[::-1] if self._plain_groups else [b for b in reversed(table) if b != NULL_BLOCK_ID])
 
     def _settle(self) -> None:
         if self._pending_frees:
