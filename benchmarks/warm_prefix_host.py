@@ -56,6 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--warm", type=int, default=5)
+    parser.add_argument("--cold", type=int, default=1, help="the engine path: cold requests per context (fresh "
+                                                            "prompts; the median is reported)")
     parser.add_argument("--http", action="store_true", help="through the HTTP app (in-process ASGI)")
     parser.add_argument("--text", action="store_true", help="with --http: the prompt as text (the prefix's ids "
                                                               "decoded), tokenized by the server")
@@ -81,6 +83,8 @@ def main() -> None:
         parser.error("--device cuda measures the engine path only (no --http / --serve)")
     if args.contexts is not None and args.http:
         parser.error("--http takes one --context")
+    if args.cold < 1 or args.warm < 1:
+        parser.error("--cold and --warm are >= 1")
     if args.spans and not args.serve:
         parser.error("--spans goes with --serve")
     if args.serve:
@@ -141,6 +145,7 @@ def main() -> None:
 
     cpu_ms: list[float] = []  # CPU time of the whole process (every thread) to each warm first token
     per_context: dict[int, tuple[float, list[float]]] = {}  # engine path: (cold, warm TTFTs) per length
+    cold_each: dict[int, list[float]] = {}  # engine path: every cold TTFT per length (--cold)
 
     async def one(request_id: str, prefix: list[int] = prefix) -> float:
         # the prompt as the int32 array beside the request, as the engine core receives it
@@ -177,11 +182,18 @@ def main() -> None:
     async def run() -> tuple[float, list[float]]:
         """TTFTs unprofiled; then the same warm requests again under the profilers."""
         if not args.http:
+            async def colds(c: int) -> float:
+                """``--cold`` - 1 fresh prompts of this length, then the one whose prefix the warm
+                requests share: their TTFTs kept (``cold_each``), the median returned."""
+                times = [await one(f"cold-{c}-{k}", rng.integers(3, 90, c - 8).tolist()) for k in range(args.cold - 1)]
+                times.append(await one(f"cold-{c}", prefixes[c]))
+                cold_each[c] = times
+                return float(np.median(times))
+
             for c in contexts[:-1]:  # the shorter lengths first: TTFTs only
-                per_context[c] = (await one(f"cold-{c}", prefixes[c]),
-                                  [await one(f"warm-{c}-{i}", prefixes[c]) for i in range(args.warm)])
+                per_context[c] = (await colds(c), [await one(f"warm-{c}-{i}", prefixes[c]) for i in range(args.warm)])
             cpu_ms.clear()
-            cold = await one("cold")
+            cold = await colds(n)
             warm = [await one(f"warm{i}") for i in range(args.warm)]
             profiling["on"] = True
             for i in range(args.warm):
@@ -238,7 +250,9 @@ def main() -> None:
                       "TTFTs unprofiled, profiles (cProfile, inflated by it) from a second round of the same requests"}
     per_context[n] = (cold, warm)
     if args.contexts:  # every length's TTFTs (the fields above: the longest's)
-        result["rows"] = [{"context": c, "cold_ttft_ms": 1e3 * c_cold, "warm_ttft_ms": [1e3 * w for w in c_warm],
+        result["rows"] = [{"context": c, "cold_ttft_ms": 1e3 * c_cold,
+                           "cold_ttft_ms_each": [1e3 * t for t in cold_each.get(c, [c_cold])],
+                           "warm_ttft_ms": [1e3 * w for w in c_warm],
                            "warm_ttft_ms_median": 1e3 * float(np.median(c_warm)),
                            "warm_ttft_ms_min": 1e3 * float(np.min(c_warm))}
                           for c, (c_cold, c_warm) in sorted(per_context.items())]
