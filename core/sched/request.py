@@ -48,6 +48,8 @@ class TokenIds:
                 return self.prompt[start:stop]
             if step == 1 and start >= num_prompt:
                 return np.asarray(self.generated[start - num_prompt : stop - num_prompt], np.int64)
+            if step == 1:  # across the end of the prompt (a recompute after preemption)
+                return np.concatenate((self.prompt[start:], np.asarray(self.generated[: stop - num_prompt], np.int64)))
             return np.asarray(self.tolist()[key], np.int64)
         index = key + len(self) if key < 0 else key
         if 0 <= index < num_prompt:
