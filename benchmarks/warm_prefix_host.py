@@ -16,10 +16,16 @@ rows of benchmarks/serve.py's lean client at each ``--contexts`` length: warm TT
 step is the host's part of a warm request on this machine's CPU. ``--device cuda``: the engine path
 with a Qwen3-4B-shaped model on the GPU instead of the stub (random weights, short-prefill graphs
 on): the warm TTFT with its real device step, and where the engine's step spends its host time
-around it.
+around it (``--contexts``: one engine, a cold and ``--warm`` warm requests at each length).
+``--serve --spans``: after the TTFT rows, the server again with a span probe in both processes
+(every call of the functions in ``SPAN_TARGETS`` timed, one line per call to a file): each warm
+request's timeline from the client's connect to its first token, cut into segments (HTTP parse,
+body decode, validation, the hop to the engine core, admission, scheduling, the device step, the
+hop back, the SSE write), medians per context length.
 
     python benchmarks/warm_prefix_host.py --context 16384 --out benchmarks/results/warm_prefix_host.json
-    python benchmarks/warm_prefix_host.py --serve --contexts 1024 16384 --out /tmp/warm_prefix_serve.json
+    python benchmarks/warm_prefix_host.py --serve --contexts 1024 16384 --spans --out /tmp/warm_prefix_serve.json
+    python benchmarks/warm_prefix_host.py --device cuda --contexts 1024 4096 16384 --out /tmp/warm_prefix_gpu.json
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
+import importlib.abc
+import inspect
 import json
+import os
 import pstats
 import sys
 import tempfile
@@ -46,6 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--warm", type=int, default=5)
+    parser.add_argument("--cold", type=int, default=1, help="the engine path: cold requests per context (fresh "
+                                                            "prompts; the median is reported)")
     parser.add_argument("--http", action="store_true", help="through the HTTP app (in-process ASGI)")
     parser.add_argument("--text", action="store_true", help="with --http: the prompt as text (the prefix's ids "
                                                               "decoded), tokenized by the server")
@@ -53,9 +65,15 @@ def main() -> None:
     parser.add_argument("--compare", help="a JSON of an earlier run (e.g. before a change): plotted next to "
                                           "this one in a PNG beside --out")
     parser.add_argument("--serve", action="store_true", help="the served path: openinfer serve with the stub engine")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="with --serve: prompt lengths")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="prompt lengths (--serve: default 1024 16384; the engine path: default --context)")
+    parser.add_argument("--spans", action="store_true", help="with --serve: the warm requests' timelines through both "
+                                                             "processes (a span probe; a second server run)")
     parser.add_argument("--repeats", type=int, default=7, help="with --serve: fresh prompts per context (median)")
     parser.add_argument("--stub-step-ms", type=float, default=1.0, help="with --serve: the stub's device step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="with --serve: the engine's step budget (8192: the GPU default, so a cold prompt takes "
+                             "the steps it takes on a GPU; its host part is then cold TTFT minus those steps)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the engine path (no --http/--serve) with a Qwen3-4B-shaped model on the GPU "
                              "(random weights, short-prefill graphs on) instead of the stubbed tiny model: the host "
@@ -63,7 +81,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and (args.http or args.serve):
         parser.error("--device cuda measures the engine path only (no --http / --serve)")
+    if args.contexts is not None and args.http:
+        parser.error("--http takes one --context")
+    if args.cold < 1 or args.warm < 1:
+        parser.error("--cold and --warm are >= 1")
+    if args.spans and not args.serve:
+        parser.error("--spans goes with --serve")
     if args.serve:
+        args.contexts = args.contexts or [1024, 16384]
         if args.repeats < 1 or any(c < 2 for c in args.contexts) or args.stub_step_ms < 0:
             parser.error("--repeats >= 1, --contexts >= 2 tokens each, --stub-step-ms >= 0")
         serve_rows(args)
@@ -74,10 +99,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from model_shapes import TINY_QWEN3, write_config_dir
 
-    n = args.context
+    contexts = sorted(set(args.contexts or [args.context]))
+    n = contexts[-1]  # the engine is sized for the longest; the profiles are of its warm requests
     if args.device == "cuda":
-        import os
-
         from gpu_bench import QWEN3_4B
 
         os.environ.setdefault("OPENINFER_PREFILL_GRAPHS", "1")  # the warm step's short-prefill graph
@@ -116,11 +140,14 @@ def main() -> None:
 
     engine.step = profiled_step
     rng = np.random.default_rng(0)
-    prefix = rng.integers(3, 90, n - 8).tolist()
+    prefixes = {c: rng.integers(3, 90, c - 8).tolist() for c in contexts}  # distinct per length
+    prefix = prefixes[n]
 
     cpu_ms: list[float] = []  # CPU time of the whole process (every thread) to each warm first token
+    per_context: dict[int, tuple[float, list[float]]] = {}  # engine path: (cold, warm TTFTs) per length
+    cold_each: dict[int, list[float]] = {}  # engine path: every cold TTFT per length (--cold)
 
-    async def one(request_id: str) -> float:
+    async def one(request_id: str, prefix: list[int] = prefix) -> float:
         # the prompt as the int32 array beside the request, as the engine core receives it
         prompt = np.array(prefix + rng.integers(3, 90, 8).tolist(), np.int32)
         began, began_cpu, first = time.perf_counter(), time.process_time(), None
@@ -155,7 +182,18 @@ def main() -> None:
     async def run() -> tuple[float, list[float]]:
         """TTFTs unprofiled; then the same warm requests again under the profilers."""
         if not args.http:
-            cold = await one("cold")
+            async def colds(c: int) -> float:
+                """``--cold`` - 1 fresh prompts of this length, then the one whose prefix the warm
+                requests share: their TTFTs kept (``cold_each``), the median returned."""
+                times = [await one(f"cold-{c}-{k}", rng.integers(3, 90, c - 8).tolist()) for k in range(args.cold - 1)]
+                times.append(await one(f"cold-{c}", prefixes[c]))
+                cold_each[c] = times
+                return float(np.median(times))
+
+            for c in contexts[:-1]:  # the shorter lengths first: TTFTs only
+                per_context[c] = (await colds(c), [await one(f"warm-{c}-{i}", prefixes[c]) for i in range(args.warm)])
+            cpu_ms.clear()
+            cold = await colds(n)
             warm = [await one(f"warm{i}") for i in range(args.warm)]
             profiling["on"] = True
             for i in range(args.warm):
@@ -210,6 +248,15 @@ def main() -> None:
               "note": ("Qwen3-4B-shaped model on the GPU: TTFT = host work + the device step" if args.device == "cuda"
                        else "model forward stubbed: host time only") + ", on the CPU of the machine that ran it; "
                       "TTFTs unprofiled, profiles (cProfile, inflated by it) from a second round of the same requests"}
+    per_context[n] = (cold, warm)
+    if args.contexts:  # every length's TTFTs (the fields above: the longest's)
+        result["rows"] = [{"context": c, "cold_ttft_ms": 1e3 * c_cold,
+                           "cold_ttft_ms_each": [1e3 * t for t in cold_each.get(c, [c_cold])],
+                           "warm_ttft_ms": [1e3 * w for w in c_warm],
+                           "warm_ttft_ms_median": 1e3 * float(np.median(c_warm)),
+                           "warm_ttft_ms_min": 1e3 * float(np.min(c_warm))}
+                          for c, (c_cold, c_warm) in sorted(per_context.items())]
+        result["prefill_graphs"] = os.environ.get("OPENINFER_PREFILL_GRAPHS", "default")
     if cpu_ms:  # robust where the machine is shared: wall time includes waiting for a core
         result["warm_process_cpu_ms"] = cpu_ms[1:]
         result["warm_process_cpu_ms_median"] = float(np.median(cpu_ms[1:]))
@@ -222,14 +269,22 @@ def main() -> None:
         # the engine's thread and the tokenizer's worker threads left out
         result["warm_server_event_loop_ms_profiled"] = result["event_loop_profile"][0]["cumulative_ms_per_request"]
     if args.compare:
-        result["compared_with"] = {"path": args.compare, **{k: v for k, v in json.loads(Path(args.compare).read_text()).items()
-                                                           if k.startswith(("warm_", "cold_"))}}
-        plot_comparison(result, Path(args.out).with_suffix(".png"))
+        earlier = json.loads(Path(args.compare).read_text())
+        result["compared_with"] = {"path": args.compare, **{k: v for k, v in earlier.items()
+                                                           if k.startswith(("warm_", "cold_")) or k == "rows"}}
+        if "rows" in result and "rows" in earlier:  # per context length (e.g. eager vs short-prefill graphs)
+            plot_rows_comparison(earlier, result, Path(args.out).with_suffix(".png"), Path(args.compare).stem,
+                                 Path(args.out).stem)
+        else:
+            plot_comparison(result, Path(args.out).with_suffix(".png"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"context {n}: warm host TTFT median {result['warm_host_ttft_ms_median']:.1f} ms, "
           f"min {result['warm_host_ttft_ms_min']:.1f} ms; process CPU per warm request median "
           f"{result.get('warm_process_cpu_ms_median', float('nan')):.1f} ms")
+    for row in result.get("rows", []):
+        print(f"context {row['context']}: warm TTFT median {row['warm_ttft_ms_median']:.2f} ms, min "
+              f"{row['warm_ttft_ms_min']:.2f} ms; cold {row['cold_ttft_ms']:.1f} ms")
     for name in ("engine_step_profile", "event_loop_profile"):
         if name in result:
             print(name)
@@ -238,49 +293,247 @@ def main() -> None:
 
 
 def serve_rows(args: argparse.Namespace) -> None:
-    """Cold and warm TTFT rows through ``openinfer serve`` with the stub engine."""
-    import os
-    import signal
-    import subprocess
-
+    """Cold and warm TTFT rows through ``openinfer serve`` with the stub engine (and with
+    ``--spans``, the warm requests' timelines from a second server run with the span probe)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_concurrency import free_port, wait_ready
     from serve import ttft_rows
 
-    from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
-
-    max_len = max(args.contexts) + 64
     work = Path(tempfile.mkdtemp())
-    tokenizer_dir = demo_or_generated_tokenizer(work)
-    checkpoint = write_stub_model(work / "stub", tokenizer_dir, step_ms=args.stub_step_ms, max_model_len=max_len)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    port = free_port()
-    command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--port", str(port),
-               "--grpc-port", "0", "--max-model-len", str(max_len), "--api-server-count", "1", "--log-level",
-               "warning", "--engine-factory", FACTORY_SPEC, "--device", "cpu",
-               "--num-kv-blocks", str(4 * max_len // 16 + 64)]
-    process = subprocess.Popen(command, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, process, 300)
-        import httpx
-
-        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    with stub_server(args, work) as (url, model, vocab):
         rows = ttft_rows(url, model, args.contexts, args.repeats, vocab)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
     for row in rows:
         row["warm_host_ms"] = row["warm_ttft_ms"] - args.stub_step_ms
         row["warm_host_ms_min"] = min(row["warm_ttft_ms_each"], default=float("nan")) - args.stub_step_ms
+        if args.max_num_batched_tokens:  # the cold prompt's steps, as the scheduler chunks it
+            row["cold_steps"] = -(-row["context"] // args.max_num_batched_tokens)
+            row["cold_host_ms"] = row["cold_ttft_ms"] - row["cold_steps"] * args.stub_step_ms
     result = {"through": "openinfer serve (API server + engine-core processes), stub engine", "stub_step_ms":
-              args.stub_step_ms, "ttft": rows, "note": "warm_host_ms = warm TTFT - the stub's step; this CPU"}
+              args.stub_step_ms, "max_num_batched_tokens": args.max_num_batched_tokens, "ttft": rows,
+              "note": "warm_host_ms = warm TTFT - the stub's step; cold_host_ms = cold TTFT - its steps; this CPU"}
+    if args.spans:
+        result["spans"] = span_rows(args, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.compare:
+        plot_serve_comparison(json.loads(Path(args.compare).read_text()), result, Path(args.out).with_suffix(".png"),
+                              Path(args.compare).stem, Path(args.out).stem)
     for row in rows:
         print(f"context {row['context']}: warm TTFT {row['warm_ttft_ms']:.2f} ms (min "
               f"{row['warm_host_ms_min'] + args.stub_step_ms:.2f}), host part {row['warm_host_ms']:.2f} ms; "
-              f"cold {row['cold_ttft_ms']:.2f} ms; cached {row['warm_cached_tokens']}")
+              f"cold {row['cold_ttft_ms']:.2f} ms" + (f" (host part {row['cold_host_ms']:.2f} ms over "
+                                                      f"{row['cold_steps']} steps)" if "cold_host_ms" in row else "")
+              + f"; cached {row['warm_cached_tokens']}")
+    for row in result.get("spans", []):
+        print(f"context {row['context']}: warm timeline (span probe on; medians of {row['requests']}, ms): "
+              + ", ".join(f"{name} {ms:.3f}" for name, ms in row["segments_ms"].items()))
+
+
+class stub_server:
+    """``openinfer serve`` of a stub model (``--stub-step-ms``) for ``args.contexts``: a context
+    manager giving (url, model name, vocab size); ``env``: extra environment of its processes."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, env: dict[str, str] | None = None):
+        self.args, self.work, self.env = args, work, env
+
+    def __enter__(self) -> tuple[str, str, int]:
+        import subprocess
+
+        import httpx
+        from gpu_concurrency import free_port, wait_ready
+
+        from openinfer.engine_core.stub import FACTORY_SPEC, write_stub_model
+
+        max_len = max(self.args.contexts) + 64
+        checkpoint = self.work / "stub"
+        if not checkpoint.exists():
+            write_stub_model(checkpoint, demo_or_generated_tokenizer(self.work), step_ms=self.args.stub_step_ms,
+                             max_model_len=max_len)
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        port = free_port()
+        command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--port",
+                   str(port), "--grpc-port", "0", "--max-model-len", str(max_len), "--api-server-count", "1",
+                   "--log-level", "warning", "--engine-factory", FACTORY_SPEC, "--device", "cpu",
+                   "--num-kv-blocks", str(4 * max_len // 16 + 64)]
+        if self.args.max_num_batched_tokens:
+            command += ["--max-num-batched-tokens", str(self.args.max_num_batched_tokens)]
+        self.process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **(self.env or {})})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, self.process, 300)
+            model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        except BaseException:
+            self.__exit__()
+            raise
+        return url, model, vocab
+
+    def __exit__(self, *_: object) -> None:
+        import signal
+
+        os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.wait(30)
+
+
+# --- the span probe (``--serve --spans``) -----------------------------------------------------
+
+# module -> functions (qualified names) whose every call the probe times in the served processes
+SPAN_TARGETS = {
+    "uvicorn.protocols.http.httptools_impl": ["HttpToolsProtocol.data_received", "RequestResponseCycle.send"],
+    "openinfer.frontend.http.middleware": ["BodySizeLimitMiddleware.__call__"],
+    "openinfer.frontend.http.body": ["decode_json_token_ids"],
+    "openinfer.frontend.http.completions": ["create_completion"],
+    "openinfer.frontend.http.context": ["build_plans"],
+    "openinfer.engine_core.client": ["EngineCoreClient._send"],
+    "openinfer.engine_core.slots": ["dispatch"],
+    "openinfer.engine_core.process": ["CoreTransport._handle", "CoreTransport.deliver"],
+    "openinfer.runtime.engine": ["PagedEngine.admit", "PagedEngine._step", "PagedEngine._resolve"],
+    "openinfer.sched.scheduler": ["Scheduler.schedule"],
+    "openinfer.kv.manager": ["KVCacheManager.start_request"],
+}
+SPAN_FILE_ENV = "OPENINFER_BENCH_SPAN_FILE"
+
+
+def install_span_probe(path: str) -> None:
+    """Wrap ``SPAN_TARGETS`` as their modules load: each call appends ``pid name begin_ns end_ns``
+    to ``path`` (perf_counter_ns: one clock for every process of the machine)."""
+    descriptor: list[int] = []
+
+    def record(name: str, began: int) -> None:
+        if not descriptor:
+            descriptor.append(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        os.write(descriptor[0], f"{os.getpid()} {name} {began} {time.perf_counter_ns()}\n".encode())
+
+    def timed(name: str, function):
+        if inspect.iscoroutinefunction(function):
+            @functools.wraps(function)
+            async def timed_coroutine(*args, **kwargs):
+                began = time.perf_counter_ns()
+                try:
+                    return await function(*args, **kwargs)
+                finally:
+                    record(name, began)
+            return timed_coroutine
+
+        @functools.wraps(function)
+        def timed_call(*args, **kwargs):
+            began = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                record(name, began)
+        return timed_call
+
+    class Loader(importlib.abc.Loader):
+        def __init__(self, inner, module_name: str):
+            self.inner, self.module_name = inner, module_name
+
+        def create_module(self, spec):
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module) -> None:
+            self.inner.exec_module(module)
+            for qualified in SPAN_TARGETS[self.module_name]:
+                *owners, attribute = qualified.split(".")
+                owner = module
+                for name in owners:
+                    owner = getattr(owner, name)
+                setattr(owner, attribute, timed(qualified, getattr(owner, attribute)))
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, search_path, target=None):
+            if fullname not in SPAN_TARGETS:
+                return None
+            for finder in sys.meta_path:
+                spec = finder.find_spec(fullname, search_path, target) if finder is not self and hasattr(
+                    finder, "find_spec") else None
+                if spec is not None:
+                    spec.loader = Loader(spec.loader, fullname)
+                    return spec
+            return None
+
+    sys.meta_path.insert(0, Finder())
+
+
+# a warm request's milestones: (name, span, which edge, after which milestone); each segment of
+# the report is the time from one milestone to the next
+MILESTONES = [
+    ("http_data", "HttpToolsProtocol.data_received", "begin", None),
+    ("asgi_app", "BodySizeLimitMiddleware.__call__", "begin", None),
+    ("body_decode", "decode_json_token_ids", "begin", None),
+    ("body_decoded", "decode_json_token_ids", "end", None),
+    ("handler", "create_completion", "begin", None),
+    ("plans_built", "build_plans", "end", None),
+    ("sent_to_core", "EngineCoreClient._send", "begin", None),
+    ("core_received", "CoreTransport._handle", "begin", None),
+    ("admitted", "PagedEngine.admit", "end", "core_received"),
+    ("scheduled", "Scheduler.schedule", "end", "admitted"),
+    ("launched", "PagedEngine._step", "end", "admitted"),
+    ("read_back", "PagedEngine._resolve", "end", "launched"),
+    ("token_sent", "CoreTransport.deliver", "end", "read_back"),
+    ("token_received", "dispatch", "begin", "token_sent"),
+    ("sse_write", "RequestResponseCycle.send", "begin", "token_received"),
+    ("sse_written", "RequestResponseCycle.send", "end", "token_received"),
+]
+
+
+def span_rows(args: argparse.Namespace, work: Path) -> list[dict]:
+    """Warm requests one at a time through a server with the span probe; per context, the
+    median time between consecutive milestones of each request (``MILESTONES``)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sse_client import completion_body, stream_completion
+
+    probe_dir = work / "span_probe"
+    probe_dir.mkdir(exist_ok=True)
+    (probe_dir / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"from warm_prefix_host import install_span_probe\n"
+        f"install_span_probe(os.environ[{SPAN_FILE_ENV!r}])\n")
+    span_file = work / "spans.txt"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])),
+           SPAN_FILE_ENV: str(span_file)}
+    rng = np.random.default_rng(2)
+    timelines: dict[int, list[tuple[float, float]]] = {}
+    with stub_server(args, work, env) as (url, model, vocab):
+        port = int(url.rsplit(":", 1)[1])
+
+        def send(prompt: list[int]):
+            return asyncio.run(stream_completion(port, completion_body(model, prompt, 1)))
+
+        for context in args.contexts:
+            send(rng.integers(100, vocab - 100, context).tolist())  # a length's first use
+            timelines[context] = []
+            for _ in range(args.repeats):
+                prompt = rng.integers(100, vocab - 100, context).tolist()
+                send(prompt)
+                time.sleep(0.05)  # the cold request's frees and stray messages settle
+                prompt[-1] = prompt[-1] + 1 if prompt[-1] + 1 < vocab - 100 else prompt[-1] - 1
+                record = send(prompt)
+                if record.ok:
+                    timelines[context].append((1e3 * record.start, 1e3 * record.first))
+                time.sleep(0.05)
+    spans = []
+    for line in span_file.read_text().splitlines():
+        _, name, began, ended = line.split()
+        spans.append((int(began) / 1e6, int(ended) / 1e6, name))
+    spans.sort()
+    rows = []
+    for context, requests in timelines.items():
+        segments: dict[str, list[float]] = {}
+        for start, first in requests:
+            inside = [(b - start, e - start, name) for b, e, name in spans if start <= b <= first]
+            at = {"client_start": 0.0}
+            for milestone, span, edge, after in MILESTONES:
+                floor = at.get(after, 0.0) if after else 0.0
+                at[milestone] = next((b if edge == "begin" else e for b, e, name in inside
+                                      if name == span and b >= floor), float("nan"))
+            at["client_first_token"] = first - start
+            names = list(at)
+            for earlier, later in zip(names, names[1:], strict=False):
+                segments.setdefault(f"{earlier}->{later}", []).append(at[later] - at[earlier])
+        rows.append({"context": context, "requests": len(requests),
+                     "ttft_ms_median": float(np.median([f - s for s, f in requests])) if requests else float("nan"),
+                     "segments_ms": {k: float(np.nanmedian(v)) for k, v in segments.items()}})
+    return rows
 
 
 def demo_or_generated_tokenizer(work: Path) -> Path:
@@ -299,6 +552,69 @@ def demo_or_generated_tokenizer(work: Path) -> Path:
         tokenizer_dir.mkdir()
         write_tokenizer(tokenizer_dir, 32000)
         return tokenizer_dir
+
+
+def plot_serve_comparison(before: dict, after: dict, path: Path, before_name: str, after_name: str) -> None:
+    """Two ``--serve`` results side by side: the warm host part per context and, where both have
+    ``--spans``, the warm timeline's segments at the longest context."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with_spans = bool(before.get("spans") and after.get("spans"))
+    figure, axes = plt.subplots(1, 2 if with_spans else 1, figsize=(14 if with_spans else 6, 4.5), squeeze=False)
+    left = axes[0][0]
+    contexts = [row["context"] for row in after["ttft"]]
+    x = np.arange(len(contexts))
+    for offset, (name, result) in ((-0.2, (before_name, before)), (0.2, (after_name, after))):
+        by_context = {row["context"]: row["warm_host_ms"] for row in result["ttft"]}
+        left.bar(x + offset, [by_context.get(c, np.nan) for c in contexts], 0.4, label=name)
+    left.set_xticks(x, [str(c) for c in contexts])
+    left.set(xlabel="context (tokens)", ylabel="ms", title="warm TTFT minus the stub step (host part), median")
+    left.legend()
+    if with_spans:
+        right = axes[0][1]
+        longest = {name: max(result["spans"], key=lambda r: r["context"]) for name, result in
+                   ((before_name, before), (after_name, after))}
+        segments = list(longest[after_name]["segments_ms"])
+        y = np.arange(len(segments))
+        for offset, name in ((-0.2, before_name), (0.2, after_name)):
+            right.barh(y + offset, [longest[name]["segments_ms"].get(k, np.nan) for k in segments], 0.4, label=name)
+        right.set_yticks(y, segments, fontsize=7)
+        right.invert_yaxis()
+        right.set(xlabel="ms (median; span probe on)",
+                  title=f"warm {longest[after_name]['context']}-token request, milestone to milestone")
+        right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def plot_rows_comparison(before: dict, after: dict, path: Path, before_name: str, after_name: str) -> None:
+    """Two engine-path results with ``rows`` (one per context length): warm TTFT medians side by side."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [row["context"] for row in after["rows"]]
+    x = np.arange(len(contexts))
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for offset, (name, result) in ((-0.2, (before_name, before)), (0.2, (after_name, after))):
+        by_context = {row["context"]: row["warm_ttft_ms_median"] for row in result["rows"]}
+        bars = axes.bar(x + offset, [by_context.get(c, np.nan) for c in contexts], 0.4, label=name)
+        axes.bar_label(bars, fmt="%.2f", fontsize=8)
+    axes.set_xticks(x, [str(c) for c in contexts])
+    axes.set(xlabel="context (tokens)", ylabel="ms", title=f"warm-prefix TTFT, in-process engine ({after['device']})")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def plot_comparison(result: dict, path: Path) -> None:

@@ -65,7 +65,9 @@ def _build_decode_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
     block_size = kv.block_size
     requests = [c.request for c in chunks]
     starts = np.fromiter((c.start for c in chunks), np.int64, count=count)
-    token_ids = np.fromiter((r.token_ids[c.start] for r, c in zip(requests, chunks, strict=True)), np.int32,
+    # (a decode's input is a generated token: read from the list inline, no call per request)
+    token_ids = np.fromiter((r.token_ids.generated[c.start - r.num_prompt_tokens] if c.start >= r.num_prompt_tokens
+                             else r.token_at(c.start) for r, c in zip(requests, chunks, strict=True)), np.int32,
                             count=count)
     pending = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN)
     token_sources = np.zeros((len(pending), 2), np.int32)

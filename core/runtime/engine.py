@@ -50,6 +50,7 @@ from openinfer.runtime.validation import prompt_ids, resolve_max_tokens, validat
 from openinfer.runtime.warmup import warm_up_prefill, warmup_enabled, warmup_steps
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
+from openinfer.sched.request import TokenIds
 from openinfer.structured import DEVICE_WAIT_ENV, CompilerCache, GrammarMatcher, early_grammar_masks
 from openinfer.tracing import EngineTracer, TraceWriter
 from openinfer.v1 import engine_pb2 as pb
@@ -425,7 +426,7 @@ class PagedEngine:
         arrival = next(self._arrivals)
         state = SamplingState.create(request.sampling, prompt, self.options.seed, arrival, grammar)
         return Request(
-            request_id=request.request_id, token_ids=prompt.tolist(),
+            request_id=request.request_id, token_ids=TokenIds(prompt),  # the prompt stays an array
             num_prompt_tokens=len(prompt), stop=request.stop, max_tokens=max_tokens,
             sampling=state, num_logprobs=int(request.logprobs), want_logprobs=request.logprobs > 0,
             want_prompt_logprobs=bool(request.prompt_logprobs), arrival_order=arrival,

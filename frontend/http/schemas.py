@@ -90,17 +90,40 @@ _JSON_WHITESPACE = b" \t\n\r"
 _ID_LIST_BYTES = b"0123456789," + _JSON_WHITESPACE  # all a flat list of non-negative ints holds
 
 
+def _fromstring_is_strict() -> bool:
+    """Whether ``np.fromstring`` raises on text it cannot read to its end (NumPy 2: a fraction,
+    exponent, string, bool, null or nested list among the ids) instead of warning and returning
+    the ids before it (NumPy 1.x)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            np.fromstring(b"1,2.5", dtype=np.int64, sep=",")
+    except ValueError:
+        return True
+    return False
+
+
+# NumPy raises on anything but integers: only signs are left to find (``token_id_array``)
+_STRICT_FROMSTRING = _fromstring_is_strict()
+
+
 def token_id_array(raw: bytes) -> np.ndarray | None:
     """The ids of ``raw``, the JSON text of a non-empty flat list of ``TokenId``s (as msgspec
     validated it: a ``msgspec.Raw`` of a decoded body), as a read-only int32 array, or None for
     anything else (pydantic then validates the decoded value with its own messages). One C pass
     to check that it holds only digits, commas and whitespace (so no sign, fraction, exponent,
-    bool or null: valid JSON made of those is non-negative integers), one to parse it."""
+    bool or null: valid JSON made of those is non-negative integers), one to parse it. Where
+    NumPy's parser raises on any non-integer (``_STRICT_FROMSTRING``), the check is only for
+    signs (two ``memchr`` scans instead of a translation of every byte: ~0.06 ms of a 16k-id body)."""
     raw = bytes(raw).strip(_JSON_WHITESPACE)
     if raw[:1] != b"[" or raw[-1:] != b"]":
         return None
     inner = raw[1:-1]
-    if inner.translate(None, _ID_LIST_BYTES) or not inner.strip(_JSON_WHITESPACE):
+    if not inner.strip(_JSON_WHITESPACE):
+        return None
+    if (b"-" in inner or b"+" in inner) if _STRICT_FROMSTRING else inner.translate(None, _ID_LIST_BYTES):
         return None
     try:
         ids = np.fromstring(inner, dtype=np.int64, sep=",")  # text mode: C strtol per id

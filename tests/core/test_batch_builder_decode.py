@@ -6,6 +6,9 @@ import numpy as np
 
 from openinfer.kv.table_rows import BlockTableRows
 from openinfer.runtime import batch_builder
+from openinfer.sampling import SamplingState
+from openinfer.sched.request import Request, TokenIds
+from openinfer.v1 import engine_pb2 as pb
 
 
 class _KV:
@@ -40,8 +43,14 @@ def test_decode_fast_path_equals_the_general_path(monkeypatch):
         tokens = rng.integers(0, 100, start + 1).tolist()
         if i % 3 == 0:
             tokens[-1] = batch_builder.PLACEHOLDER_TOKEN  # fed from the step in flight
-        request = SimpleNamespace(request_id=f"r{i}", token_ids=tokens, pending_sample_row=2 * i,
-                                  want_prompt_logprobs=False)
+        # the last token is a generated one (a decode's input), or the prompt's last (its first decode)
+        num_prompt = start + 1 if i % 4 == 1 else start
+        request = Request(request_id=f"r{i}", token_ids=tokens, num_prompt_tokens=num_prompt,
+                          stop=pb.StopConditions(), max_tokens=4, pending_sample_row=2 * i,
+                          sampling=SamplingState(pb.SamplingParams(), np.random.default_rng(0), np.asarray(tokens)))
+        if i % 3 == 0 and i % 4 == 1:  # a placeholder is never a prompt token
+            request.token_ids = TokenIds(np.asarray(tokens[:-1]), [batch_builder.PLACEHOLDER_TOKEN])
+            request.num_prompt_tokens = start
         chunks.append(SimpleNamespace(request=request, start=start, num_tokens=1, samples=True))
     kv = _KV(tables)
     assert batch_builder._is_plain_decode(chunks, kv)

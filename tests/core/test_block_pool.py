@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from openinfer.kv import BlockPool, KVCacheManager, hash_block_tokens
 from openinfer.kv.block_pool import NULL_BLOCK_ID, token_bytes
@@ -228,3 +229,45 @@ def test_a_prompt_starting_like_an_earlier_one_takes_its_chain_with_the_same_has
     hashed.clear()  # another key: nothing shared
     assert block_pool.PrefixHashes(8, "other").extend(base, 20) == plain(base, 20, "other") and hashed == [20]
     assert len(block_pool._CHAINS.chains) == 2
+
+
+def test_a_cold_prompt_hashes_only_a_few_blocks_before_its_first_step():
+    """Hashes are computed in doubling steps until one is not cached: the rest when published."""
+    pool = BlockPool(num_blocks=300, block_size=4)
+    kv = KVCacheManager(pool)
+    tokens = np.random.default_rng(0).integers(0, 1000, 4 * 256 + 3).astype(np.int32)
+    prefix = kv.prefix_hashes("", tokens)
+    assert kv.start_request("a", tokens.tolist(), prefix=prefix) == 0
+    assert len(prefix.hashes) == 16  # one step of 16: the first is not cached
+    assert kv.grow("a", len(tokens))
+    kv.publish_full_blocks("a", tokens.tolist(), len(tokens))
+    assert len(prefix.hashes) == 256 and pool.num_cached_blocks == 256
+    kv.free_request("a")
+    # the same prompt again (another request, a new hash cache): a full hit, every hash the same
+    again = kv.prefix_hashes("", tokens)
+    assert kv.start_request("b", tokens.tolist(), prefix=again) == 4 * 256
+    assert again.hashes == prefix.hashes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hits_are_those_of_hashing_every_block(seed):
+    """Random prompts sharing random prefixes: the stepped hashing finds exactly the hit the
+    whole prompt's hashes find, and publishes the same hashes."""
+    rng = np.random.default_rng(seed)
+    pools = [BlockPool(num_blocks=400, block_size=4) for _ in range(2)]
+    managers = [KVCacheManager(pool) for pool in pools]
+    stems = [rng.integers(0, 50, int(rng.integers(4, 300))).tolist() for _ in range(3)]
+    for i in range(25):
+        stem = stems[int(rng.integers(len(stems)))]
+        tokens = stem[: int(rng.integers(1, len(stem) + 1))] + rng.integers(0, 50, int(rng.integers(1, 90))).tolist()
+        hits = []
+        for j, kv in enumerate(managers):
+            prefix = kv.prefix_hashes("")
+            if j == 1:  # the reference: every block hashed before the lookup
+                prefix.extend(tokens, (len(tokens) - 1) // 4)
+            hits.append(kv.start_request(f"r{i}", tokens, prefix=prefix))
+            assert kv.grow(f"r{i}", len(tokens))
+            kv.publish_full_blocks(f"r{i}", tokens, len(tokens))
+            kv.free_request(f"r{i}")
+        assert hits[0] == hits[1]
+        assert sorted(pools[0].cached) == sorted(pools[1].cached)
