@@ -28,15 +28,23 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
-from openinfer.backend.cuda.attention_routing import MixedSplit, split_mixed_step, wants_short_query
+from openinfer.backend.cuda.attention_routing import (
+    MixedSplit,
+    sm90_short_query_row_groups,
+    split_mixed_step,
+    wanted_sm90_short_query,
+    wants_short_query,
+)
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
 from openinfer.backend.cuda.decode_attention import (
     LOG2E,
     SHORT_QUERY_MAX_TOKENS,
     mma_supports,
+    output_rows,
     paged_decode_attention,
     short_query_attention_mma,
 )
+from openinfer.backend.cuda.decode_attention_plan import MAX_SPLITS, shared_split_count
 from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported for tests and benchmarks)
     MIXED_DECODE_ENV,
     PREFILL_KERNEL_ENV,
@@ -317,9 +325,78 @@ def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: Cu
     return out
 
 
+# prefill_attention_sm90_short.cu: 64-key K/V tiles, SQ90_STAGES of them, + 1 KB to align the ring
+SM90_SHORT_QUERY_KEYS = 64
+SM90_SHORT_QUERY_STAGES = 3
+SM90_SHORT_QUERY_HEAD_DIMS = (128,)
+
+
+def sm90_short_query_supported(head_dim: int, group: int, k_cache: cupy.ndarray, v_cache: cupy.ndarray) -> bool:
+    """Whether the Hopper short-query kernel runs this shape: a compute capability 9.0 GPU, head_dim
+    128, a GQA group of at most 64, contiguous caches whose blocks are whole TMA pages of a 64-key tile."""
+    block_size = int(k_cache.shape[1])
+    return (_compute_capability(cupy.cuda.Device().id) == "90" and head_dim in SM90_SHORT_QUERY_HEAD_DIMS
+            and 1 <= group <= 64 and block_size % 8 == 0 and SM90_SHORT_QUERY_KEYS % block_size == 0
+            and bool(k_cache.flags.c_contiguous and v_cache.flags.c_contiguous))
+
+
+def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                               block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
+                               max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
+                               out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
+    causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
+    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about two CTAs per SM, a power of
+    two, at most MAX_SPLITS), the splits merged by decode_attention_mma.cu's merge kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if not sm90_short_query_supported(head_dim, group, k_cache, v_cache):
+        raise ValueError(f"the sm90 short-query kernel needs a compute capability 9.0 GPU, head_dim in "
+                         f"{SM90_SHORT_QUERY_HEAD_DIMS}, a GQA group <= 64 and contiguous caches of 8/16/32/64-token "
+                         f"blocks; got head_dim {head_dim}, group {group}, block size {block_size}")
+    if not 1 <= max_query_len <= SHORT_QUERY_MAX_TOKENS:
+        raise ValueError(f"the short-query kernel takes 1..{SHORT_QUERY_MAX_TOKENS} new tokens per sequence, "
+                         f"got {max_query_len}")
+    num_seqs = int(context_lens.shape[0])
+    row_groups = sm90_short_query_row_groups(max_query_len, group)
+    if splits is None:
+        splits = shared_split_count(num_seqs * num_kv_heads * row_groups, num_sms)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    out = output_rows(out, num_tokens, num_heads, head_dim)
+    if num_tokens == 0:
+        return out
+    shared = SM90_SHORT_QUERY_STAGES * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
+    fn = arch_kernel("prefill_attention_sm90_short.cu", "short_query_attention_sm90", "sm_90a", shared,
+                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=SM90_SHORT_QUERY_STAGES)
+    if splits == 1:
+        partial_out = partial_ml = out  # unused: the kernel writes ``out``
+    else:
+        partial_out = cupy.empty((num_tokens, num_heads, splits, head_dim), dtype=cupy.float32)
+        partial_ml = cupy.empty((num_tokens, num_heads, splits, 2), dtype=cupy.float32)
+    fn((splits * row_groups, num_kv_heads, num_seqs), (160,),
+       (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
+        np.int32(row_groups), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
+        np.int32(splits), np.float32(scale * LOG2E), page_maps.get(k_cache), page_maps.get(v_cache)),
+       shared_mem=shared)
+    if splits > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
+        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
+            (num_heads, num_tokens), (min(128, head_dim),),
+            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
+    return out
+
+
 def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
                           num_sms: int) -> cupy.ndarray:
-    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``)."""
+    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``; with
+    ``OPENINFER_SM90_SHORT_QUERY=1`` the Hopper kernel where it applies)."""
+    if wanted_sm90_short_query() and sm90_short_query_supported(spec.head_dim, spec.num_heads // spec.num_kv_heads,
+                                                                kv.k, kv.v):
+        return short_query_attention_sm90(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
+                                          batch.max_query_len, spec.scale, num_sms)
     return short_query_attention_mma(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
                                      batch.max_query_len, spec.scale, num_sms)
 

@@ -6,10 +6,15 @@ counts only (no device reads, no CuPy), so CPU CI tests them and a step never wa
   to the prefill kernel, instead of one 128-query prefill tile per decode row.
 * ``wants_short_query``: whether a short step (<= 16 new tokens per sequence) takes the split-KV
   short-query kernel; in "auto" mode only from a context length where it beats the prefill kernel.
+* ``wanted_sm90_short_query`` / ``sm90_short_query_row_groups``: whether such a step runs the Hopper
+  wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY=1``,
+  opt-in until measured faster), and its CTAs per (split, KV head, sequence).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,3 +78,28 @@ def wants_short_query(mode: str, max_context_len: int | None, min_context: int =
     if mode == "auto":
         return max_context_len is None or max_context_len >= min_context
     return mode == "on"
+
+
+SM90_SHORT_QUERY_ENV = "OPENINFER_SM90_SHORT_QUERY"
+SM90_SHORT_QUERY_ROWS = 64  # query rows per CTA of the sm90 short-query kernel: one wgmma M tile
+
+
+@functools.cache
+def wanted_sm90_short_query() -> bool:
+    """``OPENINFER_SM90_SHORT_QUERY``: "1" runs short steps on the Hopper wgmma short-query kernel
+    where it applies, "0" (the default) on decode_attention_mma.cu's. Read once per process;
+    ``wanted_sm90_short_query.cache_clear()`` re-reads it."""
+    value = os.environ.get(SM90_SHORT_QUERY_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{SM90_SHORT_QUERY_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
+    """CTAs of the sm90 short-query kernel per (split, KV head, sequence): each takes
+    ``SM90_SHORT_QUERY_ROWS // group`` new tokens with all ``group`` query heads of its KV head."""
+    if not 1 <= group <= SM90_SHORT_QUERY_ROWS:
+        raise ValueError(f"the sm90 short-query kernel takes GQA groups 1..{SM90_SHORT_QUERY_ROWS}, got {group}")
+    if max_query_len < 1:
+        raise ValueError(f"a short step has at least one new token per sequence, got {max_query_len}")
+    return -(-max_query_len // (SM90_SHORT_QUERY_ROWS // group))

@@ -1,0 +1,186 @@
+"""The Hopper short-query kernel (prefill_attention_sm90_short.cu through
+attention.short_query_attention_sm90) against a float64 NumPy causal attention over the same paged
+cache: warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32
+query, 8 KV, head_dim 128), ragged batches whose last 64-key tile or whole last split holds keys
+only some tokens see, GQA 8 / 16 (several row groups), a group that does not divide 64 (padding
+rows), MHA, and split counts 1, 3, 7, 32 and the default. Cache slots past each sequence's last
+key and the free blocks hold NaN bits, and the output is poisoned with NaN, so a V row that is not
+zeroed or an unwritten output element shows. Also: the OPENINFER_SM90_SHORT_QUERY switch and the
+routing through attend(), and (CPU, with nvcc) the source builds for sm_90a without spills."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from openinfer.backend.cuda.bf16 import bf16_bits_to_float, float_to_bf16_bits
+from tests.gpu.conftest import BLOCK_SIZE, relative_error
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
+BF16_NAN = 0x7FC0
+
+CASES = {
+    # name: (num_heads, num_kv_heads, cached tokens per sequence, new tokens per sequence)
+    "warm-tail-1k": (32, 8, [1008], [16]),
+    "warm-tail-4k": (32, 8, [4080], [16]),
+    "warm-tail-16k": (32, 8, [16368], [16]),
+    "one-token-16k": (32, 8, [16383], [1]),
+    # 16050 + 16: the last tile starts past token 0's last key; 37 + 5 and 59 + 9 end mid-tile
+    "ragged-tails": (32, 8, [16050, 37, 2100, 59, 0], [16, 5, 9, 9, 3]),
+    "gqa8-two-row-groups": (32, 4, [3000, 200], [16, 11]),
+    "gqa16-row-groups": (16, 1, [3000, 200], [16, 11]),
+    "gqa3-padding-rows": (6, 2, [900, 64], [16, 16]),
+    "mha": (4, 4, [130, 0], [16, 7]),
+}
+
+
+def poisoned_caches(cupy, cuda_backend, batch, k_cache, v_cache):
+    """The caches on the device with NaN bits in every slot no sequence owns: the free blocks and
+    each sequence's last block past its last key."""
+    k, v = cuda_backend.upload(k_cache), cuda_backend.upload(v_cache)
+    tables = np.asarray(batch.block_tables)
+    lengths = np.asarray(batch.context_lens)
+    owned = np.zeros(k.shape[0], bool)
+    for row, length in zip(tables, lengths, strict=True):
+        blocks = -(-int(length) // BLOCK_SIZE)
+        owned[row[:blocks]] = True
+        if length % BLOCK_SIZE:
+            for cache in (k, v):
+                cache[int(row[blocks - 1]), int(length) % BLOCK_SIZE:] = BF16_NAN
+    for cache in (k, v):
+        cache[cupy.asarray(np.flatnonzero(~owned))] = BF16_NAN
+    return k, v
+
+
+@functools.cache
+def problem(case: str) -> tuple:
+    """The case's paged step and NumPy reference, made once for all its split counts."""
+    from tests.gpu.test_prefill_attention import paged_problem
+
+    num_heads, num_kv_heads, cached, new = CASES[case]
+    return paged_problem(np.random.default_rng(zlib.crc32(case.encode())), 128, num_heads, num_kv_heads,
+                         cached, new)
+
+
+@pytest.fixture
+def sm90(cuda_backend):
+    cupy = pytest.importorskip("cupy")
+    from openinfer.backend.cuda.attention import _compute_capability
+
+    if _compute_capability(cupy.cuda.Device().id) != "90":
+        pytest.skip("the sm90 short-query kernel needs a compute capability 9.0 GPU")
+    return cupy
+
+
+def run_case(cupy, cuda_backend, case, splits):
+    from openinfer.backend.cuda.attention import short_query_attention_sm90
+
+    num_heads = CASES[case][0]
+    batch, k_cache, v_cache, q, scale, expected = problem(case)
+    device_batch = cuda_backend.prepare_batch(batch)
+    k, v = poisoned_caches(cupy, cuda_backend, batch, k_cache, v_cache)
+    out = cupy.full((batch.num_tokens, num_heads * 128), BF16_NAN, dtype=cupy.uint16)
+    result = short_query_attention_sm90(cupy.asarray(float_to_bf16_bits(q)), k, v, device_batch.block_tables,
+                                        device_batch.context_lens, device_batch.query_start, batch.max_query_len,
+                                        scale, cuda_backend.num_sms, splits=splits, out=out)
+    assert result is out
+    return bf16_bits_to_float(cupy.asnumpy(out)), expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 3, 7, 32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sm90_short_query_matches_numpy(sm90, cuda_backend, case, splits):
+    ours, expected = run_case(sm90, cuda_backend, case, splits)
+    assert relative_error(ours, expected) < 1e-2
+    rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.gpu
+def test_sm90_short_query_equals_the_mma_kernel(sm90, cuda_backend):
+    """Both short-query kernels agree closely (bf16 P rounding differs only in order)."""
+    from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+
+    batch, k_cache, v_cache, q, scale, _ = problem("ragged-tails")
+    device_batch = cuda_backend.prepare_batch(batch)
+    k, v = poisoned_caches(sm90, cuda_backend, batch, k_cache, v_cache)
+    reference = short_query_attention_mma(sm90.asarray(float_to_bf16_bits(q)), k, v, device_batch.block_tables,
+                                          device_batch.context_lens, device_batch.query_start, batch.max_query_len,
+                                          scale, cuda_backend.num_sms)
+    ours, _ = run_case(sm90, cuda_backend, "ragged-tails", None)
+    assert relative_error(ours, bf16_bits_to_float(sm90.asnumpy(reference))) < 1e-2
+
+
+@pytest.mark.gpu
+def test_the_switch_routes_short_steps(sm90, cuda_backend, monkeypatch):
+    """OPENINFER_SM90_SHORT_QUERY=1: attend() runs a short step on the sm90 kernel (the launch is
+    seen through a wrapper); =0 on decode_attention_mma.cu's."""
+    from openinfer.backend.base import AttentionSpec, KVLayer
+    from openinfer.backend.cuda import attention
+    from openinfer.backend.cuda.attention_routing import SM90_SHORT_QUERY_ENV, wanted_sm90_short_query
+
+    batch, k_cache, v_cache, q, scale, expected = problem("warm-tail-4k")
+    device_batch = cuda_backend.prepare_batch(batch)
+    k, v = poisoned_caches(sm90, cuda_backend, batch, k_cache, v_cache)
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, rope=None, scale=scale)
+    calls = []
+    real = attention.short_query_attention_sm90
+    monkeypatch.setattr(attention, "short_query_attention_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for value, expect_calls in (("1", 1), ("0", 1)):
+        monkeypatch.setenv(SM90_SHORT_QUERY_ENV, value)
+        wanted_sm90_short_query.cache_clear()
+        out = attention.attend(sm90.asarray(float_to_bf16_bits(q)), spec, KVLayer(k, v), device_batch,
+                               cuda_backend.num_sms)
+        assert len(calls) == expect_calls
+        assert relative_error(bf16_bits_to_float(sm90.asnumpy(out)), expected) < 1e-2
+    wanted_sm90_short_query.cache_clear()
+
+
+def test_the_switch_and_row_groups_are_checked(monkeypatch):
+    from openinfer.backend.cuda.attention_routing import (
+        SM90_SHORT_QUERY_ENV,
+        sm90_short_query_row_groups,
+        wanted_sm90_short_query,
+    )
+
+    for value, wanted in (("1", True), ("0", False), (" 1 ", True)):
+        monkeypatch.setenv(SM90_SHORT_QUERY_ENV, value)
+        wanted_sm90_short_query.cache_clear()
+        assert wanted_sm90_short_query() is wanted
+    monkeypatch.setenv(SM90_SHORT_QUERY_ENV, "yes")
+    wanted_sm90_short_query.cache_clear()
+    with pytest.raises(ValueError, match=SM90_SHORT_QUERY_ENV):
+        wanted_sm90_short_query()
+    monkeypatch.delenv(SM90_SHORT_QUERY_ENV)
+    wanted_sm90_short_query.cache_clear()
+    assert wanted_sm90_short_query() is False
+    assert sm90_short_query_row_groups(16, 4) == 1  # Qwen3-4B: 16 tokens x 4 heads = one M=64 tile
+    assert sm90_short_query_row_groups(16, 8) == 2
+    assert sm90_short_query_row_groups(11, 16) == 3
+    assert sm90_short_query_row_groups(16, 3) == 1  # 21 tokens x 3 heads, one padding row
+    for bad in ((0, 4), (16, 0), (16, 65)):
+        with pytest.raises(ValueError):
+            sm90_short_query_row_groups(*bad)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 16])
+def test_the_source_builds_for_sm90a_without_spills(group, tmp_path):
+    """ptxas on the sm_90a build: no local-memory spills at the register cap of two CTAs per SM."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    result = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}",
+                             f"-DGROUP={group}", "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "out.cubin"),
+                             str(KERNEL_DIR / "prefill_attention_sm90_short.cu")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", result.stderr)
+    assert spills and all(int(s) == 0 for s in spills), result.stderr
