@@ -39,6 +39,17 @@ LAYOUTS = ("warp", "shared")
 TILE_SOFTMAX = "shared_tile_softmax"  # the shared layout with OPENINFER_SHORT_QUERY_SOFTMAX=tile (opt-in)
 SM90 = "sm90"  # attention.short_query_attention_sm90: the Hopper wgmma kernel (OPENINFER_SM90_SHORT_QUERY=1)
 STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX, SM90)
+# the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB)
+SM90_VARIANTS = ((SM90, None, 3), ("sm90_splits16", 16, 3), ("sm90_splits8", 8, 3), ("sm90_stages2", None, 2),
+                 ("sm90_stages4", None, 4), ("sm90_stages6", None, 6))
+
+
+def sm90_default_splits(batch: int, stages: int, num_sms: int) -> int:
+    """The split count short_query_attention_sm90 picks for ``batch`` sequences of NEW_TOKENS."""
+    from openinfer.backend.cuda.decode_attention_plan import shared_split_count
+
+    per_sm = 2 if stages <= 3 else 1
+    return shared_split_count(batch * QWEN3_4B["num_key_value_heads"] * (2 // per_sm), num_sms)
 
 
 def set_sm90(on: bool) -> None:
@@ -89,6 +100,7 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
 
     from openinfer.backend.cuda.attention import short_query_attention_sm90, sm90_short_query_supported
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+    from openinfer.backend.cuda.loader import kernel
 
     nh, nkv, d = QWEN3_4B["num_attention_heads"], QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
     pool = KVPool(CALLS_PER_GRAPH * max(batches) * max(contexts), nkv, d)
@@ -116,16 +128,24 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
                              "splits": splits or planned_splits(layout, batch, num_sms)}
-            for splits in (None, 16, 8) if sm90 else ():
-                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits):
+            for name, splits, stages in SM90_VARIANTS if sm90 else ():
+                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages):
                     return short_query_attention_sm90(q, pool.k, pool.v, t, lens, query_start, NEW_TOKENS, d**-0.5,
-                                                      num_sms, splits=splits, out=o)
+                                                      num_sms, splits=splits, stages=stages, out=o)
                 calls = [functools.partial(call90, q, t, o) for q, t, o in zip(queries, tables, outs, strict=True)]
                 seconds = graph_seconds_per_call(calls)
-                name = SM90 if splits is None else f"{SM90}_splits{splits}"
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
-                             "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
-                             "splits": splits or planned_splits("shared", batch, num_sms)}
+                             "copy_fraction": row["kv_bytes"] / seconds / bandwidth, "stages": stages,
+                             "splits": splits or sm90_default_splits(batch, stages, num_sms)}
+            if sm90:  # the split merge alone (decode_attention_merge over the default split count's partials)
+                splits = row[SM90]["splits"]
+                rows_out = batch * NEW_TOKENS
+                partial_out = cupy.zeros((rows_out, nh, splits, d), cupy.float32)
+                partial_ml = cupy.zeros((rows_out, nh, splits, 2), cupy.float32)
+                merge = kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=d, GROUP=nh // nkv)
+                calls = [functools.partial(merge, (nh, rows_out), (128,),
+                                           (partial_out, partial_ml, o, np.int32(nh), np.int32(splits))) for o in outs]
+                row["sm90_merge_only"] = {"us": graph_seconds_per_call(calls) * 1e6, "splits": splits}
             # the same result both ways (last call's output of each layout)
             ref = short_query_attention_mma(queries[0], pool.k, pool.v, tables[0], lens, query_start, NEW_TOKENS,
                                             d**-0.5, num_sms, tiles="warp")
@@ -141,10 +161,11 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
                                                   d**-0.5, num_sms)
                 row["sm90_max_abs_difference"] = float(cupy.abs(as_float(ours) - as_float(ref)).max())
                 row["sm90_vs_tile_softmax"] = row[TILE_SOFTMAX]["us"] / row[SM90]["us"]
+                others = ", ".join(f"{name[len(SM90) + 1:]} {row[name]['us']:.1f}" for name, _, _ in SM90_VARIANTS[1:])
                 log(f"  sm90 bs={batch} ctx={context:5d}: {row[SM90]['us']:7.1f} us ({row[SM90]['copy_fraction']:4.0%}, "
-                    f"{row[SM90]['splits']} splits; 16: {row['sm90_splits16']['us']:.1f}, 8: "
-                    f"{row['sm90_splits8']['us']:.1f}) x{row['sm90_vs_tile_softmax']:.2f} vs tile softmax, "
-                    f"max |diff| vs warp {row['sm90_max_abs_difference']:.2e}")
+                    f"{row[SM90]['splits']} splits; {others}; merge alone {row['sm90_merge_only']['us']:.1f}) "
+                    f"x{row['sm90_vs_tile_softmax']:.2f} vs tile softmax, max |diff| vs warp "
+                    f"{row['sm90_max_abs_difference']:.2e}")
             rows.append(row)
             log(f"kernel bs={batch} ctx={context:5d}: warp {row['warp']['us']:7.1f} us "
                 f"({row['warp']['copy_fraction']:4.0%}, {row['warp']['splits']} splits) | shared "

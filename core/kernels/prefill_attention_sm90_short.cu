@@ -4,7 +4,7 @@
 // GROUP of token r / GROUP): at Qwen3-4B's GQA 4, 16 tokens fill one wgmma M=64 tile, so each K/V
 // tile crosses from HBM once for all 64 rows and the tensor cores run wgmma instead of mma.sync.
 //
-// Grid (num_splits * row_groups, num_kv_heads, num_seqs), 160 threads, two CTAs per SM:
+// Grid (num_splits * row_groups, num_kv_heads, num_seqs), 160 threads, two CTAs per SM (up to 3 stages):
 //   warps 0-3 (one consumer warpgroup): Q as wgmma A fragments in registers (loaded once from
 //     global memory), then per 64-key tile S = Q K^T (wgmma, K from shared memory), the causal
 //     mask on the tiles that reach past the first token's last key, online softmax in registers,
@@ -38,6 +38,7 @@
 #ifndef SQ90_STAGES
 #define SQ90_STAGES 3  // 3 x 32 KB: two CTAs fit an SM's shared memory
 #endif
+#define SQ90_CTAS_PER_SM (SQ90_STAGES <= 3 ? 2 : 1)  // deeper rings: one CTA per SM (the register cap rises)
 static_assert(HEAD_DIM == 128, "the sm90 short-query kernel is built for head_dim 128");
 static_assert(GROUP >= 1 && GROUP <= 64, "one CTA's 64 rows hold at least one token's query heads");
 #define SQ90_KEYS 64                        // keys per K/V tile
@@ -66,7 +67,7 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], 
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(SQ90_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(SQ90_THREADS, SQ90_CTAS_PER_SM)
 short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                            const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
                            int max_blocks_per_seq, const int* __restrict__ context_lens,

@@ -3,7 +3,7 @@ attention.short_query_attention_sm90) against a float64 NumPy causal attention o
 cache: warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32
 query, 8 KV, head_dim 128), ragged batches whose last 64-key tile or whole last split holds keys
 only some tokens see, GQA 8 / 16 (several row groups), a group that does not divide 64 (padding
-rows), MHA, and split counts 1, 3, 7, 32 and the default. Cache slots past each sequence's last
+rows), MHA, split counts 1, 3, 7, 32 and the default, and K/V rings of 2 to 6 stages. Cache slots past each sequence's last
 key and the free blocks hold NaN bits, and the output is poisoned with NaN, so a V row that is not
 zeroed or an unwritten output element shows. Also: the OPENINFER_SM90_SHORT_QUERY switch and the
 routing through attend(), and (CPU, with nvcc) the source builds for sm_90a without spills."""
@@ -32,8 +32,9 @@ CASES = {
     "warm-tail-4k": (32, 8, [4080], [16]),
     "warm-tail-16k": (32, 8, [16368], [16]),
     "one-token-16k": (32, 8, [16383], [1]),
-    # 16050 + 16: the last tile starts past token 0's last key; 37 + 5 and 59 + 9 end mid-tile
-    "ragged-tails": (32, 8, [16050, 37, 2100, 59, 0], [16, 5, 9, 9, 3]),
+    # 16050 + 16 and 50 + 16: the last tile starts past token 0's last key (at 1 key per split, 50 + 16's
+    # second split holds only keys of its last tokens, its third none); 37 + 5 and 59 + 9 end mid-tile
+    "ragged-tails": (32, 8, [16050, 37, 2100, 59, 0, 50], [16, 5, 9, 9, 3, 16]),
     "gqa8-two-row-groups": (32, 4, [3000, 200], [16, 11]),
     "gqa16-row-groups": (16, 1, [3000, 200], [16, 11]),
     "gqa3-padding-rows": (6, 2, [900, 64], [16, 16]),
@@ -79,7 +80,7 @@ def sm90(cuda_backend):
     return cupy
 
 
-def run_case(cupy, cuda_backend, case, splits):
+def run_case(cupy, cuda_backend, case, splits, stages=3):
     from openinfer.backend.cuda.attention import short_query_attention_sm90
 
     num_heads = CASES[case][0]
@@ -89,7 +90,7 @@ def run_case(cupy, cuda_backend, case, splits):
     out = cupy.full((batch.num_tokens, num_heads * 128), BF16_NAN, dtype=cupy.uint16)
     result = short_query_attention_sm90(cupy.asarray(float_to_bf16_bits(q)), k, v, device_batch.block_tables,
                                         device_batch.context_lens, device_batch.query_start, batch.max_query_len,
-                                        scale, cuda_backend.num_sms, splits=splits, out=out)
+                                        scale, cuda_backend.num_sms, splits=splits, stages=stages, out=out)
     assert result is out
     return bf16_bits_to_float(cupy.asnumpy(out)), expected
 
@@ -102,6 +103,15 @@ def test_sm90_short_query_matches_numpy(sm90, cuda_backend, case, splits):
     assert relative_error(ours, expected) < 1e-2
     rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
     assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 4, 6])
+@pytest.mark.parametrize("case", ["warm-tail-16k", "ragged-tails", "gqa16-row-groups"])
+def test_sm90_short_query_ring_depths(sm90, cuda_backend, case, stages):
+    """The K/V ring at 2 stages and at the one-CTA-per-SM depths (their default split count)."""
+    ours, expected = run_case(sm90, cuda_backend, case, None, stages)
+    assert relative_error(ours, expected) < 1e-2
 
 
 @pytest.mark.gpu
@@ -171,14 +181,14 @@ def test_the_switch_and_row_groups_are_checked(monkeypatch):
             sm90_short_query_row_groups(*bad)
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 16])
-def test_the_source_builds_for_sm90a_without_spills(group, tmp_path):
+@pytest.mark.parametrize(("group", "stages"), [(1, 3), (3, 3), (4, 3), (16, 3), (4, 6)])
+def test_the_source_builds_for_sm90a_without_spills(group, stages, tmp_path):
     """ptxas on the sm_90a build: no local-memory spills at the register cap of two CTAs per SM."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
     result = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}",
-                             f"-DGROUP={group}", "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "out.cubin"),
+                             f"-DGROUP={group}", f"-DSQ90_STAGES={stages}", "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "out.cubin"),
                              str(KERNEL_DIR / "prefill_attention_sm90_short.cu")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

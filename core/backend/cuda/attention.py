@@ -343,11 +343,13 @@ def sm90_short_query_supported(head_dim: int, group: int, k_cache: cupy.ndarray,
 def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                                block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
                                max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
+                               stages: int = SM90_SHORT_QUERY_STAGES,
                                out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
     causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
-    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about two CTAs per SM, a power of
-    two, at most MAX_SPLITS), the splits merged by decode_attention_mma.cu's merge kernel."""
+    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about one CTA per SM and 32 KB K/V
+    stage (two per SM up to 3 stages), a power of two, at most MAX_SPLITS), the splits merged by
+    decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
     if num_heads % num_kv_heads:
@@ -362,16 +364,19 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
                          f"got {max_query_len}")
     num_seqs = int(context_lens.shape[0])
     row_groups = sm90_short_query_row_groups(max_query_len, group)
-    if splits is None:
-        splits = shared_split_count(num_seqs * num_kv_heads * row_groups, num_sms)
+    if not 2 <= stages <= 6:
+        raise ValueError(f"stages must be 2..6 (32 KB each), got {stages}")
+    if splits is None:  # shared_split_count aims at two CTAs per SM; deeper rings fit one
+        ctas_per_sm = 2 if stages <= 3 else 1
+        splits = shared_split_count(num_seqs * num_kv_heads * row_groups * (2 // ctas_per_sm), num_sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
     out = output_rows(out, num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return out
-    shared = SM90_SHORT_QUERY_STAGES * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
+    shared = stages * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
     fn = arch_kernel("prefill_attention_sm90_short.cu", "short_query_attention_sm90", "sm_90a", shared,
-                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=SM90_SHORT_QUERY_STAGES)
+                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages)
     if splits == 1:
         partial_out = partial_ml = out  # unused: the kernel writes ``out``
     else:
