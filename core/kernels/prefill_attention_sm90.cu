@@ -79,6 +79,12 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef ORDERED_SOFTMAX
 #define ORDERED_SOFTMAX 0  // 1 (with INTRA_WG_OVERLAP): tile k's softmax is kept before the wait for tile k-1's P V
 #endif
+#ifndef KV_RUNS
+#define KV_RUNS 0  // 1 (with TMA_KV_LOADS): a tile whose pages are consecutive cache blocks comes in one box per column block
+#endif
+#if KV_RUNS && (!TMA_KV_LOADS || KV_MULTICAST)
+#error "K/V runs are a TMA load path (without multicast)"
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -356,6 +362,10 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                        int num_kv_heads, int block_size, float scale_log2,
 #if TMA_KV_LOADS
                        const __grid_constant__ TensorMap k_map_param, const __grid_constant__ TensorMap v_map_param,
+#if KV_RUNS
+                       // the same caches with a box of BLOCK_N tokens (tensor_maps.page_maps, box_tokens=BLOCK_N)
+                       const __grid_constant__ TensorMap k_run_map_param, const __grid_constant__ TensorMap v_run_map_param,
+#endif
 #else
                        const void* k_map_param, const void* v_map_param,  // NULL: unused
 #endif
@@ -441,6 +451,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             prefetch_tensor_map(k_map);
             prefetch_tensor_map(v_map);
         }
+#if KV_RUNS
+        const void* k_run_map = &k_run_map_param;
+        const void* v_run_map = &v_run_map_param;
+        if (t == 0) {
+            prefetch_tensor_map(k_run_map);
+            prefetch_tensor_map(v_run_map);
+        }
+#endif
 #endif
         // One work item's Q tile, then its K/V tiles into the ring from ring position g0 on.
         auto produce = [&](const WorkItem& w, int g0) {
@@ -487,6 +505,16 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #else
                     const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
 #endif
+#if KV_RUNS
+                    // the tile's pages are consecutive cache blocks (a fresh prompt's usually are: the block
+                    // pool hands out its free queue in order): one BLOCK_N-token box per column block of K
+                    // and of V (4 copies at head_dim 128) instead of one per page (32), each far larger
+                    bool run = false;
+                    if (t < 32) {
+                        const int first = __shfl_sync(0xffffffffu, page, 0);
+                        run = __all_sync(0xffffffffu, t >= PAGES || page == first + t);
+                    }
+#endif
                     // the TMA boxes of halves first_half .. last_half (0: K, 1: V) of the tile, counted on `bar`
                     auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
                         if (t < 32) {
@@ -503,6 +531,19 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                             const bool copies = t < PAGES && (t & 1) == (int)pair_rank;
 #else
                             const bool copies = t < PAGES;
+#endif
+#if KV_RUNS
+                            if (run) {
+                                if (t == 0 && !SKIP_KV_LOADS) {
+                                    const u32 tile = base + Q_BYTES + stage * STAGE_BYTES;
+                                    for (int half = first_half; half <= last_half; ++half)
+#pragma unroll
+                                        for (int c = 0; c < D_BLOCKS; ++c)
+                                            tma_load_3d(tile + half * KV_TILE_BYTES + c * (BLOCK_N * 128),
+                                                        half ? v_run_map : k_run_map, c * 64, kv_head,
+                                                        page * PAGE_SIZE, bar);
+                                }
+                            } else
 #endif
                             if (copies && !SKIP_KV_LOADS) {
                                 const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);

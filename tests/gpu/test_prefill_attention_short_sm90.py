@@ -6,7 +6,8 @@ only some tokens see, GQA 8 / 16 (several row groups), a group that does not div
 rows), MHA, split counts 1, 3, 7, 32 and the default, and K/V rings of 2 to 6 stages. Cache slots past each sequence's last
 key and the free blocks hold NaN bits, and the output is poisoned with NaN, so a V row that is not
 zeroed or an unwritten output element shows. Also: the OPENINFER_SM90_SHORT_QUERY switch and the
-routing through attend(), and (CPU, with nvcc) the source builds for sm_90a without spills."""
+routing through attend(), and (CPU, with nvcc) the source, and prefill_attention_sm90.cu's KV_RUNS
+variants, build for sm_90a without spills."""
 
 from __future__ import annotations
 
@@ -181,15 +182,27 @@ def test_the_switch_and_row_groups_are_checked(monkeypatch):
             sm90_short_query_row_groups(*bad)
 
 
-@pytest.mark.parametrize(("group", "stages"), [(1, 3), (3, 3), (4, 3), (16, 3), (4, 6)])
-def test_the_source_builds_for_sm90a_without_spills(group, stages, tmp_path):
-    """ptxas on the sm_90a build: no local-memory spills at the register cap of two CTAs per SM."""
+SM90A_BUILDS = [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_STAGES": stages})
+                for group, stages in ((1, 3), (3, 3), (4, 3), (16, 3), (4, 6))]
+# prefill_attention_sm90.cu's K/V runs (OPENINFER_SM90_KV_RUNS) over the default consumer loop, persistent
+# CTAs with split K/V barriers, head pairs, and head_dim 256
+_LEAN = {"DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1, "RESCALE_SLACK": 1, "PAGE_ID_PREFETCH": 1}
+SM90A_BUILDS += [("prefill_attention_sm90.cu", {"TMA_KV_LOADS": 1, "KV_RUNS": 1, **extra})
+                 for extra in ({**_LEAN, "KV_HEAD_MAJOR_GRID": 1}, {"PERSISTENT": 1, "SPLIT_KV": 1},
+                               {**_LEAN, "HEAD_PAIRS": 1}, {"HEAD_DIM": 256, "STAGES": 2})]
+
+
+@pytest.mark.parametrize(("source", "defines"), SM90A_BUILDS,
+                         ids=[f"{s.split('.')[0]}-" + "-".join(f"{k}{v}" for k, v in d.items()) for s, d in SM90A_BUILDS])
+def test_the_sources_build_for_sm90a_without_spills(source, defines, tmp_path):
+    """ptxas on the sm_90a builds (CPU CI's test_cuda_sources builds this short-query source for
+    plain sm_90, where its body is empty): no local-memory spills at the register caps."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
     result = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}",
-                             f"-DGROUP={group}", f"-DSQ90_STAGES={stages}", "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "out.cubin"),
-                             str(KERNEL_DIR / "prefill_attention_sm90_short.cu")],
+                             *(f"-D{k}={v}" for k, v in defines.items()), "-Xptxas", "-v", "-cubin",
+                             "-o", str(tmp_path / "out.cubin"), str(KERNEL_DIR / source)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     spills = re.findall(r"(\d+) bytes spill stores", result.stderr)

@@ -32,6 +32,7 @@ from openinfer.backend.cuda.attention_routing import (
     MixedSplit,
     sm90_short_query_row_groups,
     split_mixed_step,
+    wanted_sm90_kv_runs,
     wanted_sm90_short_query,
     wants_short_query,
 )
@@ -233,10 +234,13 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         head_pairs = sm90_head_pairs(variant, spec.head_dim, spec.num_heads, spec.num_kv_heads)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
+        # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
+        # define only when on, so the default build's kernel key is unchanged)
+        runs = tma and not multicast and wanted_sm90_kv_runs()
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
-                         HEAD_PAIRS=int(head_pairs))
+                         HEAD_PAIRS=int(head_pairs), **({"KV_RUNS": 1} if runs else {}))
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:
@@ -244,6 +248,9 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         else:
             grid = (spec.num_heads, num_tiles)
         maps = (page_maps.get(kv.k), page_maps.get(kv.v)) if tma else (NULL, NULL)
+        if runs:
+            block_n = 64 if spec.head_dim == 256 else 128
+            maps += (page_maps.get(kv.k, box_tokens=block_n), page_maps.get(kv.v, box_tokens=block_n))
         fn(grid, (384,), (*args, *maps, np.int32(num_tiles), NULL if scheduler is None else scheduler),
            shared_mem=shared)
         return out

@@ -9,6 +9,8 @@ counts only (no device reads, no CuPy), so CPU CI tests them and a step never wa
 * ``wanted_sm90_short_query`` / ``sm90_short_query_row_groups``: whether such a step runs the Hopper
   wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY=1``,
   opt-in until measured faster), and its CTAs per (split, KV head, sequence).
+* ``wanted_sm90_kv_runs``: whether the sm90 prefill kernel copies runs of consecutive KV blocks in
+  one TMA box (``OPENINFER_SM90_KV_RUNS=1``, opt-in until measured faster).
 """
 
 from __future__ import annotations
@@ -84,15 +86,30 @@ SM90_SHORT_QUERY_ENV = "OPENINFER_SM90_SHORT_QUERY"
 SM90_SHORT_QUERY_ROWS = 64  # query rows per CTA of the sm90 short-query kernel: one wgmma M tile
 
 
+SM90_KV_RUNS_ENV = "OPENINFER_SM90_KV_RUNS"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @functools.cache
 def wanted_sm90_short_query() -> bool:
     """``OPENINFER_SM90_SHORT_QUERY``: "1" runs short steps on the Hopper wgmma short-query kernel
     where it applies, "0" (the default) on decode_attention_mma.cu's. Read once per process;
     ``wanted_sm90_short_query.cache_clear()`` re-reads it."""
-    value = os.environ.get(SM90_SHORT_QUERY_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{SM90_SHORT_QUERY_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _env_flag(SM90_SHORT_QUERY_ENV, False)
+
+
+@functools.cache
+def wanted_sm90_kv_runs() -> bool:
+    """``OPENINFER_SM90_KV_RUNS``: "1" lets the sm90 prefill kernel's TMA loads copy a K/V tile whose
+    pages are consecutive cache blocks as one box per column block (KV_RUNS), "0" (the default) page
+    by page. Read once per process; ``wanted_sm90_kv_runs.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_KV_RUNS_ENV, False)
 
 
 def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
