@@ -39,9 +39,11 @@ LAYOUTS = ("warp", "shared")
 TILE_SOFTMAX = "shared_tile_softmax"  # the shared layout with OPENINFER_SHORT_QUERY_SOFTMAX=tile (opt-in)
 SM90 = "sm90"  # attention.short_query_attention_sm90: the Hopper wgmma kernel (OPENINFER_SM90_SHORT_QUERY=1)
 STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX, SM90)
-# the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB)
-SM90_VARIANTS = ((SM90, None, 3), ("sm90_splits16", 16, 3), ("sm90_splits8", 8, 3), ("sm90_stages2", None, 2),
-                 ("sm90_stages4", None, 4), ("sm90_stages6", None, 6))
+# the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB, K/V runs: a
+# tile of consecutive blocks, as KVPool's tables are, in one TMA box per column block)
+SM90_VARIANTS = ((SM90, None, 3, False), ("sm90_runs", None, 3, True), ("sm90_splits16", 16, 3, False),
+                 ("sm90_splits8", 8, 3, False), ("sm90_stages2", None, 2, False), ("sm90_stages4", None, 4, False),
+                 ("sm90_stages6_runs", None, 6, True))
 
 
 def sm90_default_splits(batch: int, stages: int, num_sms: int) -> int:
@@ -128,14 +130,14 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
                              "splits": splits or planned_splits(layout, batch, num_sms)}
-            for name, splits, stages in SM90_VARIANTS if sm90 else ():
-                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages):
+            for name, splits, stages, runs in SM90_VARIANTS if sm90 else ():
+                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages, runs=runs):
                     return short_query_attention_sm90(q, pool.k, pool.v, t, lens, query_start, NEW_TOKENS, d**-0.5,
-                                                      num_sms, splits=splits, stages=stages, out=o)
+                                                      num_sms, splits=splits, stages=stages, kv_runs=runs, out=o)
                 calls = [functools.partial(call90, q, t, o) for q, t, o in zip(queries, tables, outs, strict=True)]
                 seconds = graph_seconds_per_call(calls)
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
-                             "copy_fraction": row["kv_bytes"] / seconds / bandwidth, "stages": stages,
+                             "copy_fraction": row["kv_bytes"] / seconds / bandwidth, "stages": stages, "kv_runs": runs,
                              "splits": splits or sm90_default_splits(batch, stages, num_sms)}
             if sm90:  # the split merge alone (decode_attention_merge over the default split count's partials)
                 splits = row[SM90]["splits"]
@@ -158,10 +160,10 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
             row["per_step_saving_ms_36_layers"] = 36 * (row["warp"]["us"] - row["shared"]["us"]) / 1e3
             if sm90:
                 ours = short_query_attention_sm90(queries[0], pool.k, pool.v, tables[0], lens, query_start, NEW_TOKENS,
-                                                  d**-0.5, num_sms)
+                                                  d**-0.5, num_sms, kv_runs=True)
                 row["sm90_max_abs_difference"] = float(cupy.abs(as_float(ours) - as_float(ref)).max())
                 row["sm90_vs_tile_softmax"] = row[TILE_SOFTMAX]["us"] / row[SM90]["us"]
-                others = ", ".join(f"{name[len(SM90) + 1:]} {row[name]['us']:.1f}" for name, _, _ in SM90_VARIANTS[1:])
+                others = ", ".join(f"{name[len(SM90) + 1:]} {row[name]['us']:.1f}" for name, *_ in SM90_VARIANTS[1:])
                 log(f"  sm90 bs={batch} ctx={context:5d}: {row[SM90]['us']:7.1f} us ({row[SM90]['copy_fraction']:4.0%}, "
                     f"{row[SM90]['splits']} splits; {others}; merge alone {row['sm90_merge_only']['us']:.1f}) "
                     f"x{row['sm90_vs_tile_softmax']:.2f} vs tile softmax, max |diff| vs warp "

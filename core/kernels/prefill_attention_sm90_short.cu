@@ -10,7 +10,8 @@
 //     mask on the tiles that reach past the first token's last key, online softmax in registers,
 //     O += P V (wgmma, P from registers, V read N-major), and the stage released (one arrival per warp).
 //   warp 4 (producer): lane p copies page p (PAGE_SIZE keys) of each K and V tile by TMA, one
-//     [PAGE_SIZE x 64 dims] box per 128-byte column block, into a STAGES-deep ring.
+//     [PAGE_SIZE x 64 dims] box per 128-byte column block, into a STAGES-deep ring (SQ90_RUNS: a tile
+//     of consecutive cache blocks in one [64 keys x 64 dims] box per column block, lane 0).
 // The two co-resident CTAs overlap one's softmax with the other's wgmmas and copies.
 // Split s takes tiles [s * per_split, (s + 1) * per_split) of the CTA's keys; with one split the
 // CTA writes the normalised bf16 output, with several the unnormalised partials that
@@ -37,6 +38,9 @@
 #endif
 #ifndef SQ90_STAGES
 #define SQ90_STAGES 3  // 3 x 32 KB: two CTAs fit an SM's shared memory
+#endif
+#ifndef SQ90_RUNS
+#define SQ90_RUNS 0  // 1: a tile whose pages are consecutive cache blocks comes in one 64-token box per column block
 #endif
 #define SQ90_CTAS_PER_SM (SQ90_STAGES <= 3 ? 2 : 1)  // deeper rings: one CTA per SM (the register cap rises)
 static_assert(HEAD_DIM == 128, "the sm90 short-query kernel is built for head_dim 128");
@@ -74,7 +78,12 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
                            const int* __restrict__ query_start, int row_groups, bf16* __restrict__ out,
                            float* __restrict__ partial_out, float* __restrict__ partial_ml, int num_kv_heads,
                            int block_size, int num_splits, float scale_log2,
-                           const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
+                           const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map
+#if SQ90_RUNS
+                           // the same caches with a box of SQ90_KEYS tokens (tensor_maps.page_maps, box_tokens=64)
+                           , const __grid_constant__ TensorMap k_run_map, const __grid_constant__ TensorMap v_run_map
+#endif
+) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint4 smem_raw[];
     __shared__ alignas(8) u64 barriers[2 * SQ90_STAGES];  // full[STAGES], empty[STAGES]
@@ -112,6 +121,10 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         if (lane == 0) {
             prefetch_tensor_map(&k_map);
             prefetch_tensor_map(&v_map);
+#if SQ90_RUNS
+            prefetch_tensor_map(&k_run_map);
+            prefetch_tensor_map(&v_run_map);
+#endif
         }
         const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
         // lane p's page of tile i (its block-table entry read one tile ahead, off the stage wait's path)
@@ -125,10 +138,28 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             const int k0 = (tile_begin + i) * SQ90_KEYS;
             const int pages = min(PAGES, (length - k0 + PAGE_SIZE - 1) / PAGE_SIZE);
             const int next_page = page_of(i + 1);
+#if SQ90_RUNS
+            // a whole tile of consecutive cache blocks (a prefix the block pool handed out in order)
+            const int first = __shfl_sync(0xffffffffu, page, 0);
+            const bool run = pages == PAGES && __all_sync(0xffffffffu, lane >= PAGES || page == first + lane);
+#endif
             if (i >= SQ90_STAGES) mbar_wait(bar_empty + 8 * stage, ((i / SQ90_STAGES) - 1) & 1);
             const u32 bar = bar_full + 8 * stage;
             if (lane == 0) mbar_arrive_expect_bytes(bar, pages * PAGE_SIZE * HEAD_DIM * 2 * 2);
             __syncwarp();  // the expected bytes are counted before any copy can land
+#if SQ90_RUNS
+            if (run) {
+                if (lane == 0) {
+                    const u32 k_tile = base + stage * STAGE_BYTES;
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                        tma_load_3d(k_tile + c * (SQ90_KEYS * 128), &k_run_map, c * 64, kv_head, page * PAGE_SIZE, bar);
+                        tma_load_3d(k_tile + KV_TILE_BYTES + c * (SQ90_KEYS * 128), &v_run_map, c * 64, kv_head,
+                                    page * PAGE_SIZE, bar);
+                    }
+                }
+            } else
+#endif
             if (lane < pages) {
                 const u32 k_page = base + stage * STAGE_BYTES + lane * (PAGE_SIZE * 128);
 #pragma unroll

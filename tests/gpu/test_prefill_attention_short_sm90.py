@@ -3,7 +3,8 @@ attention.short_query_attention_sm90) against a float64 NumPy causal attention o
 cache: warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qwen3-4B heads (32
 query, 8 KV, head_dim 128), ragged batches whose last 64-key tile or whole last split holds keys
 only some tokens see, GQA 8 / 16 (several row groups), a group that does not divide 64 (padding
-rows), MHA, split counts 1, 3, 7, 32 and the default, and K/V rings of 2 to 6 stages. Cache slots past each sequence's last
+rows), MHA, split counts 1, 3, 7, 32 and the default, K/V rings of 2 to 6 stages, and tiles of
+consecutive KV blocks in one TMA box (kv_runs, whole and broken runs). Cache slots past each sequence's last
 key and the free blocks hold NaN bits, and the output is poisoned with NaN, so a V row that is not
 zeroed or an unwritten output element shows. Also: the OPENINFER_SM90_SHORT_QUERY switch and the
 routing through attend(), and (CPU, with nvcc) the source, and prefill_attention_sm90.cu's KV_RUNS
@@ -116,6 +117,38 @@ def test_sm90_short_query_ring_depths(sm90, cuda_backend, case, stages):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("case", ["warm-tail-4k", "ragged-tails", "gqa16-row-groups"])
+def test_sm90_short_query_kv_runs(sm90, cuda_backend, case, broken, splits):
+    """kv_runs=True over consecutive blocks (a 64-key tile of them in one TMA box per column block),
+    whole runs and runs broken inside two tiles (those tiles page by page)."""
+    from openinfer.backend.base import ForwardBatch
+    from openinfer.backend.cuda.attention import short_query_attention_sm90
+    from tests.gpu.conftest import bf16_random
+    from tests.gpu.test_prefill_attention import reference_attention, run_tables
+
+    num_heads, num_kv_heads, cached, new = CASES[case]
+    rng = np.random.default_rng(zlib.crc32(case.encode()) + broken)
+    tables = run_tables(cached, new, broken)
+    batch = ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE, np.zeros(sum(new)))
+    shape = (int(tables.max()) + 2, BLOCK_SIZE, num_kv_heads, 128)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, 128, scale=2.0)
+    expected = reference_attention(q, k_cache, v_cache, batch, 128**-0.5)
+    device_batch = cuda_backend.prepare_batch(batch)
+    k, v = poisoned_caches(sm90, cuda_backend, batch, k_cache, v_cache)
+    out = sm90.full((batch.num_tokens, num_heads * 128), BF16_NAN, dtype=sm90.uint16)
+    short_query_attention_sm90(sm90.asarray(float_to_bf16_bits(q)), k, v, device_batch.block_tables,
+                               device_batch.context_lens, device_batch.query_start, batch.max_query_len,
+                               128**-0.5, cuda_backend.num_sms, splits=splits, kv_runs=True, out=out)
+    ours = bf16_bits_to_float(sm90.asnumpy(out))
+    assert relative_error(ours, expected) < 1e-2
+    rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.gpu
 def test_sm90_short_query_equals_the_mma_kernel(sm90, cuda_backend):
     """Both short-query kernels agree closely (bf16 P rounding differs only in order)."""
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
@@ -182,8 +215,8 @@ def test_the_switch_and_row_groups_are_checked(monkeypatch):
             sm90_short_query_row_groups(*bad)
 
 
-SM90A_BUILDS = [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_STAGES": stages})
-                for group, stages in ((1, 3), (3, 3), (4, 3), (16, 3), (4, 6))]
+SM90A_BUILDS = [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_STAGES": stages, "SQ90_RUNS": runs})
+                for group, stages, runs in ((1, 3, 0), (3, 3, 0), (4, 3, 0), (16, 3, 1), (4, 3, 1), (4, 6, 1))]
 # prefill_attention_sm90.cu's K/V runs (OPENINFER_SM90_KV_RUNS) over the default consumer loop, persistent
 # CTAs with split K/V barriers, head pairs, and head_dim 256
 _LEAN = {"DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1, "RESCALE_SLACK": 1, "PAGE_ID_PREFETCH": 1}

@@ -350,13 +350,15 @@ def sm90_short_query_supported(head_dim: int, group: int, k_cache: cupy.ndarray,
 def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                                block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
                                max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
-                               stages: int = SM90_SHORT_QUERY_STAGES,
+                               stages: int = SM90_SHORT_QUERY_STAGES, kv_runs: bool | None = None,
                                out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
     causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
     ``[T, nh * d]`` bf16, split over the keys (``splits``: default about one CTA per SM and 32 KB K/V
     stage (two per SM up to 3 stages), a power of two, at most MAX_SPLITS), the splits merged by
-    decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks)."""
+    decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks);
+    ``kv_runs``: tiles of consecutive KV blocks in one TMA box per column block (None:
+    OPENINFER_SM90_KV_RUNS)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
     if num_heads % num_kv_heads:
@@ -382,8 +384,13 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
     if num_tokens == 0:
         return out
     shared = stages * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
+    runs = wanted_sm90_kv_runs() if kv_runs is None else kv_runs
     fn = arch_kernel("prefill_attention_sm90_short.cu", "short_query_attention_sm90", "sm_90a", shared,
-                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages)
+                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages, SQ90_RUNS=int(runs))
+    maps = (page_maps.get(k_cache), page_maps.get(v_cache))
+    if runs:
+        maps += (page_maps.get(k_cache, box_tokens=SM90_SHORT_QUERY_KEYS),
+                 page_maps.get(v_cache, box_tokens=SM90_SHORT_QUERY_KEYS))
     if splits == 1:
         partial_out = partial_ml = out  # unused: the kernel writes ``out``
     else:
@@ -392,7 +399,7 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
     fn((splits * row_groups, num_kv_heads, num_seqs), (160,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
         np.int32(row_groups), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
-        np.int32(splits), np.float32(scale * LOG2E), page_maps.get(k_cache), page_maps.get(v_cache)),
+        np.int32(splits), np.float32(scale * LOG2E), *maps),
        shared_mem=shared)
     if splits > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
         kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
