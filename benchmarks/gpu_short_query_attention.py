@@ -40,10 +40,11 @@ TILE_SOFTMAX = "shared_tile_softmax"  # the shared layout with OPENINFER_SHORT_Q
 SM90 = "sm90"  # attention.short_query_attention_sm90: the Hopper wgmma kernel (OPENINFER_SM90_SHORT_QUERY=1)
 STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX, SM90)
 # the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB, K/V runs: a
-# tile of consecutive blocks, as KVPool's tables are, in one TMA box per column block)
-SM90_VARIANTS = ((SM90, None, 3, False), ("sm90_runs", None, 3, True), ("sm90_splits16", 16, 3, False),
-                 ("sm90_splits8", 8, 3, False), ("sm90_stages2", None, 2, False), ("sm90_stages4", None, 4, False),
-                 ("sm90_stages6_runs", None, 6, True))
+# tile of consecutive blocks, as KVPool's tables are, in one TMA box per column block, splits per cluster)
+SM90_VARIANTS = ((SM90, None, 3, False, 1), ("sm90_runs", None, 3, True, 1), ("sm90_splits16", 16, 3, False, 1),
+                 ("sm90_splits8", 8, 3, False, 1), ("sm90_stages2", None, 2, False, 1),
+                 ("sm90_stages6_runs", None, 6, True, 1), ("sm90_runs_cluster2", None, 3, True, 2),
+                 ("sm90_runs_cluster4", None, 3, True, 4), ("sm90_runs_cluster8", None, 3, True, 8))
 
 
 def sm90_default_splits(batch: int, stages: int, num_sms: int) -> int:
@@ -130,14 +131,17 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
                              "splits": splits or planned_splits(layout, batch, num_sms)}
-            for name, splits, stages, runs in SM90_VARIANTS if sm90 else ():
-                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages, runs=runs):
+            for name, splits, stages, runs, cluster in SM90_VARIANTS if sm90 else ():
+                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages, runs=runs,
+                           cluster=cluster):
                     return short_query_attention_sm90(q, pool.k, pool.v, t, lens, query_start, NEW_TOKENS, d**-0.5,
-                                                      num_sms, splits=splits, stages=stages, kv_runs=runs, out=o)
+                                                      num_sms, splits=splits, stages=stages, kv_runs=runs,
+                                                      cluster=cluster, out=o)
                 calls = [functools.partial(call90, q, t, o) for q, t, o in zip(queries, tables, outs, strict=True)]
                 seconds = graph_seconds_per_call(calls)
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth, "stages": stages, "kv_runs": runs,
+                             "cluster": cluster,
                              "splits": splits or sm90_default_splits(batch, stages, num_sms)}
             if sm90:  # the split merge alone (decode_attention_merge over the default split count's partials)
                 splits = row[SM90]["splits"]

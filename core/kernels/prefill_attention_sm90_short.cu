@@ -42,6 +42,11 @@
 #ifndef SQ90_RUNS
 #define SQ90_RUNS 0  // 1: a tile whose pages are consecutive cache blocks comes in one 64-token box per column block
 #endif
+#ifndef SQ90_CLUSTER
+#define SQ90_CLUSTER 1  // 2, 4, 8: clusters of that many splits combine their partials through DSMEM (see the end)
+#endif
+static_assert(SQ90_CLUSTER == 1 || SQ90_CLUSTER == 2 || SQ90_CLUSTER == 4 || SQ90_CLUSTER == 8,
+              "a cluster of 1, 2, 4 or 8 splits");
 #define SQ90_CTAS_PER_SM (SQ90_STAGES <= 3 ? 2 : 1)  // deeper rings: one CTA per SM (the register cap rises)
 static_assert(HEAD_DIM == 128, "the sm90 short-query kernel is built for head_dim 128");
 static_assert(GROUP >= 1 && GROUP <= 64, "one CTA's 64 rows hold at least one token's query heads");
@@ -58,6 +63,26 @@ static_assert(GROUP >= 1 && GROUP <= 64, "one CTA's 64 rows hold at least one to
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+// 4 floats at this shared-memory address's offset in cluster CTA `rank` (distributed shared memory)
+__device__ __forceinline__ float4 ld_cluster_f32x4(u32 addr, u32 rank) {
+    float4 v;
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %4, %5;\n"
+        "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [remote];\n}\n"
+        : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+        : "r"(addr), "r"(rank)
+        : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
+    float v;
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\nld.shared::cluster.f32 %0, [remote];\n}\n"
+                 : "=f"(v)
+                 : "r"(addr), "r"(rank)
+                 : "memory");
+    return v;
+}
+
 constexpr float NEG_BIG = -1e30f;  // the running max before any key: finite, so exp2(NEG_BIG - NEG_BIG) = 1
 
 // D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A from registers (each warp's mma.m16n8k16 A fragment of
@@ -71,7 +96,12 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], 
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(SQ90_THREADS, SQ90_CTAS_PER_SM)
+#if SQ90_CLUSTER > 1
+#define SQ90_CLUSTER_ATTRIBUTE __cluster_dims__(SQ90_CLUSTER, 1, 1)
+#else
+#define SQ90_CLUSTER_ATTRIBUTE
+#endif
+extern "C" __global__ void __launch_bounds__(SQ90_THREADS, SQ90_CTAS_PER_SM) SQ90_CLUSTER_ATTRIBUTE
 short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                            const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
                            int max_blocks_per_seq, const int* __restrict__ context_lens,
@@ -91,12 +121,17 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
     const u32 bar_full = (u32)__cvta_generic_to_shared(barriers);
     const u32 bar_empty = bar_full + 8 * SQ90_STAGES;
 
+#if SQ90_CLUSTER > 1
+    // a cluster's CTAs are consecutive splits of one row group (num_splits is a multiple of SQ90_CLUSTER)
+    const int split = blockIdx.x % num_splits, row_group = blockIdx.x / num_splits;
+#else
     const int split = blockIdx.x / row_groups, row_group = blockIdx.x % row_groups;
+#endif
     const int kv_head = blockIdx.y, seq = blockIdx.z;
     const int num_heads = num_kv_heads * GROUP;
     const int query_begin = query_start[seq], query_len = query_start[seq + 1] - query_begin;
     const int first_token = row_group * ROW_TOKENS;
-    if (first_token >= query_len) return;  // the whole CTA, before any barrier: no rows here
+    if (first_token >= query_len) return;  // the whole CTA (cluster), before any barrier: no rows here
     if (block_size != PAGE_SIZE) __trap();  // compiled for another KV block size
     const int tokens = min(ROW_TOKENS, query_len - first_token);
     const int cached = context_lens[seq] - query_len;  // new token t sees keys 0 .. cached + t
@@ -171,6 +206,11 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             }
             page = next_page;
         }
+#if SQ90_CLUSTER > 1
+        // the cluster's two barriers below count every thread
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
         return;  // the consumers wait for every copy this warp issued
     }
 
@@ -286,6 +326,76 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
+#if SQ90_CLUSTER > 1
+    // The cluster's SQ90_CLUSTER splits combine here: each CTA puts its (O, m, l) in its shared memory
+    // (O over stage 0..: every tile is consumed, so no copy lands there any more), then CTA r merges
+    // rows r * ROWS_PER_CTA .. + ROWS_PER_CTA - 1 from all of them (distributed shared memory) and
+    // writes one partial per cluster (num_splits / SQ90_CLUSTER of them for decode_attention_merge),
+    // or the output when the cluster holds every split. The second cluster barrier keeps each CTA's
+    // shared memory alive until the others have read it.
+    {
+        __shared__ float cluster_m[SQ90_ROWS], cluster_l[SQ90_ROWS];
+        constexpr int ROWS_PER_CTA = SQ90_ROWS / SQ90_CLUSTER;
+        const u32 o_smem = base;  // [SQ90_ROWS][HEAD_DIM] fp32 (32 KB)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp * 16 + g + 8 * h;
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(o_smem + (row * HEAD_DIM + 8 * j + c2) * 4),
+                             "f"(o[4 * j + 2 * h]), "f"(o[4 * j + 2 * h + 1])
+                             : "memory");
+            if (lane % 4 == 0) {
+                cluster_m[row] = m[h];
+                cluster_l[row] = l[h];
+            }
+        }
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        const u32 rank = (u32)(split % SQ90_CLUSTER);
+        const u32 m_smem = (u32)__cvta_generic_to_shared(cluster_m), l_smem = (u32)__cvta_generic_to_shared(cluster_l);
+        const int col = 4 * (threadIdx.x % 32);  // 4 of the row's 128 dims per thread, a row per warp at a time
+        for (int row = rank * ROWS_PER_CTA + warp; row < (int)(rank + 1) * ROWS_PER_CTA; row += 4) {
+            const int token = row / GROUP;
+            if (row >= REAL_ROWS || token >= tokens) continue;  // warp-uniform
+            float mc[SQ90_CLUSTER], row_max = NEG_BIG;
+#pragma unroll
+            for (int c = 0; c < SQ90_CLUSTER; ++c) {
+                mc[c] = ld_cluster_f32(m_smem + row * 4, c);
+                row_max = fmaxf(row_max, mc[c]);
+            }
+            float sum = 0.f;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int c = 0; c < SQ90_CLUSTER; ++c) {
+                const float w = fast_exp2(mc[c] - row_max);
+                sum += w * ld_cluster_f32(l_smem + row * 4, c);
+                const float4 v = ld_cluster_f32x4(o_smem + (row * HEAD_DIM + col) * 4, c);
+                acc.x += w * v.x;
+                acc.y += w * v.y;
+                acc.z += w * v.z;
+                acc.w += w * v.w;
+            }
+            const size_t head_row =
+                (size_t)(query_begin + first_token + token) * num_heads + kv_head * GROUP + row % GROUP;
+            if (num_splits == SQ90_CLUSTER) {
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + head_row * HEAD_DIM + col);
+                dst[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+                dst[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+            } else {
+                const int parts = num_splits / SQ90_CLUSTER;
+                const size_t part = head_row * parts + split / SQ90_CLUSTER;
+                *reinterpret_cast<float4*>(partial_out + part * HEAD_DIM + col) = acc;
+                if (threadIdx.x % 32 == 0) {
+                    partial_ml[part * 2] = row_max;
+                    partial_ml[part * 2 + 1] = sum;
+                }
+            }
+        }
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        return;
+    }
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (!real[h]) continue;

@@ -4,7 +4,8 @@ cache: warm-prefix tails of 16 tokens over 1k / 4k / 16k cached tokens at the Qw
 query, 8 KV, head_dim 128), ragged batches whose last 64-key tile or whole last split holds keys
 only some tokens see, GQA 8 / 16 (several row groups), a group that does not divide 64 (padding
 rows), MHA, split counts 1, 3, 7, 32 and the default, K/V rings of 2 to 6 stages, and tiles of
-consecutive KV blocks in one TMA box (kv_runs, whole and broken runs). Cache slots past each sequence's last
+consecutive KV blocks in one TMA box (kv_runs, whole and broken runs), and clusters of 2-8 splits
+combining their partials in the kernel. Cache slots past each sequence's last
 key and the free blocks hold NaN bits, and the output is poisoned with NaN, so a V row that is not
 zeroed or an unwritten output element shows. Also: the OPENINFER_SM90_SHORT_QUERY switch and the
 routing through attend(), and (CPU, with nvcc) the source, and prefill_attention_sm90.cu's KV_RUNS
@@ -82,7 +83,7 @@ def sm90(cuda_backend):
     return cupy
 
 
-def run_case(cupy, cuda_backend, case, splits, stages=3):
+def run_case(cupy, cuda_backend, case, splits, stages=3, cluster=1):
     from openinfer.backend.cuda.attention import short_query_attention_sm90
 
     num_heads = CASES[case][0]
@@ -92,7 +93,8 @@ def run_case(cupy, cuda_backend, case, splits, stages=3):
     out = cupy.full((batch.num_tokens, num_heads * 128), BF16_NAN, dtype=cupy.uint16)
     result = short_query_attention_sm90(cupy.asarray(float_to_bf16_bits(q)), k, v, device_batch.block_tables,
                                         device_batch.context_lens, device_batch.query_start, batch.max_query_len,
-                                        scale, cuda_backend.num_sms, splits=splits, stages=stages, out=out)
+                                        scale, cuda_backend.num_sms, splits=splits, stages=stages, cluster=cluster,
+                                        out=out)
     assert result is out
     return bf16_bits_to_float(cupy.asnumpy(out)), expected
 
@@ -102,6 +104,18 @@ def run_case(cupy, cuda_backend, case, splits, stages=3):
 @pytest.mark.parametrize("case", list(CASES))
 def test_sm90_short_query_matches_numpy(sm90, cuda_backend, case, splits):
     ours, expected = run_case(sm90, cuda_backend, case, splits)
+    assert relative_error(ours, expected) < 1e-2
+    rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cluster", "splits"), [(2, None), (4, 4), (8, None), (8, 8), (8, 32), (4, 3), (2, 1)])
+@pytest.mark.parametrize("case", ["warm-tail-16k", "ragged-tails", "gqa16-row-groups", "gqa3-padding-rows"])
+def test_sm90_short_query_split_clusters(sm90, cuda_backend, case, cluster, splits):
+    """Clusters of splits combining in the kernel (DSMEM): a partial per cluster for the merge, or the
+    output when one cluster holds every split; a cluster that does not divide the splits shrinks."""
+    ours, expected = run_case(sm90, cuda_backend, case, splits, cluster=cluster)
     assert relative_error(ours, expected) < 1e-2
     rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
     assert rows.max() < 0.1, int(rows.argmax())
@@ -217,6 +231,8 @@ def test_the_switch_and_row_groups_are_checked(monkeypatch):
 
 SM90A_BUILDS = [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_STAGES": stages, "SQ90_RUNS": runs})
                 for group, stages, runs in ((1, 3, 0), (3, 3, 0), (4, 3, 0), (16, 3, 1), (4, 3, 1), (4, 6, 1))]
+SM90A_BUILDS += [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_CLUSTER": cluster, "SQ90_RUNS": 1})
+                 for group, cluster in ((4, 2), (4, 8), (3, 4))]
 # prefill_attention_sm90.cu's K/V runs (OPENINFER_SM90_KV_RUNS) over the default consumer loop, persistent
 # CTAs with split K/V barriers, head pairs, and head_dim 256
 _LEAN = {"DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1, "RESCALE_SLACK": 1, "PAGE_ID_PREFETCH": 1}

@@ -336,6 +336,7 @@ def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: Cu
 SM90_SHORT_QUERY_KEYS = 64
 SM90_SHORT_QUERY_STAGES = 3
 SM90_SHORT_QUERY_HEAD_DIMS = (128,)
+SM90_SHORT_QUERY_CLUSTER = 1  # splits per thread-block cluster that combine through DSMEM (1: none)
 
 
 def sm90_short_query_supported(head_dim: int, group: int, k_cache: cupy.ndarray, v_cache: cupy.ndarray) -> bool:
@@ -351,6 +352,7 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
                                block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
                                max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
                                stages: int = SM90_SHORT_QUERY_STAGES, kv_runs: bool | None = None,
+                               cluster: int = SM90_SHORT_QUERY_CLUSTER,
                                out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
     causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
@@ -358,7 +360,9 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
     stage (two per SM up to 3 stages), a power of two, at most MAX_SPLITS), the splits merged by
     decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks);
     ``kv_runs``: tiles of consecutive KV blocks in one TMA box per column block (None:
-    OPENINFER_SM90_KV_RUNS)."""
+    OPENINFER_SM90_KV_RUNS); ``cluster`` (1, 2, 4, 8): clusters of that many splits combine their
+    partials in the kernel (distributed shared memory), so the merge reads splits / cluster of them
+    (none when one cluster holds every split); the largest of 8, 4, 2, 1 up to it that divides the splits."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
     if num_heads % num_kv_heads:
@@ -380,31 +384,37 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
         splits = shared_split_count(num_seqs * num_kv_heads * row_groups * (2 // ctas_per_sm), num_sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    if cluster not in (1, 2, 4, 8):
+        raise ValueError(f"cluster must be 1, 2, 4 or 8 splits, got {cluster}")
+    while splits % cluster:
+        cluster //= 2
+    parts = splits // cluster  # partials the merge reads
     out = output_rows(out, num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return out
     shared = stages * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
     runs = wanted_sm90_kv_runs() if kv_runs is None else kv_runs
     fn = arch_kernel("prefill_attention_sm90_short.cu", "short_query_attention_sm90", "sm_90a", shared,
-                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages, SQ90_RUNS=int(runs))
+                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages, SQ90_RUNS=int(runs),
+                     SQ90_CLUSTER=cluster)
     maps = (page_maps.get(k_cache), page_maps.get(v_cache))
     if runs:
         maps += (page_maps.get(k_cache, box_tokens=SM90_SHORT_QUERY_KEYS),
                  page_maps.get(v_cache, box_tokens=SM90_SHORT_QUERY_KEYS))
-    if splits == 1:
+    if parts == 1:
         partial_out = partial_ml = out  # unused: the kernel writes ``out``
     else:
-        partial_out = cupy.empty((num_tokens, num_heads, splits, head_dim), dtype=cupy.float32)
-        partial_ml = cupy.empty((num_tokens, num_heads, splits, 2), dtype=cupy.float32)
+        partial_out = cupy.empty((num_tokens, num_heads, parts, head_dim), dtype=cupy.float32)
+        partial_ml = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)
     fn((splits * row_groups, num_kv_heads, num_seqs), (160,),
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
         np.int32(row_groups), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
         np.int32(splits), np.float32(scale * LOG2E), *maps),
        shared_mem=shared)
-    if splits > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
+    if parts > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
         kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
             (num_heads, num_tokens), (min(128, head_dim),),
-            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
+            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(parts)))
     return out
 
 
