@@ -207,9 +207,9 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
             page = next_page;
         }
 #if SQ90_CLUSTER > 1
-        // the cluster's two barriers below count every thread
-        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        // the cluster's two barriers below count every thread (this warp has nothing to publish: relaxed)
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
         return;  // the consumers wait for every copy this warp issued
     }
@@ -392,7 +392,8 @@ short_query_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ 
                 }
             }
         }
-        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        // (only keeps this CTA's shared memory alive for the others' reads: no ordering to publish)
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
         return;
     }
 #endif
