@@ -232,6 +232,10 @@ SM90_VARIANTS = {
     "kv-runs": {"kv_runs": "1"},
     "kv-runs-persistent": {"kv_runs": "1", "schedule": "persistent"},
     "kv-runs-head-pairs": {"kv_runs": "1", "head_pairs": "1"},
+    # Q K^T with Q as A fragments in registers (OPENINFER_SM90_Q_REGISTERS; head_dim 128): wgmma reads only K
+    "q-registers": {"q_registers": "1"},
+    "q-registers-kv-runs": {"q_registers": "1", "kv_runs": "1"},
+    "q-registers-persistent": {"q_registers": "1", "schedule": "persistent"},
     "tma-kv-runs": {"kv_loads": "tma", "kv_runs": "1"},
     "no-pingpong": {"pingpong": "0"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
@@ -264,15 +268,21 @@ def queued_device_seconds(fn, timer, calls: int, rounds: int = 3) -> float:
 
 def set_sm90_variant(settings: dict[str, str]) -> None:
     from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices
-    from openinfer.backend.cuda.attention_routing import SM90_KV_RUNS_ENV, wanted_sm90_kv_runs
+    from openinfer.backend.cuda.attention_routing import (
+        SM90_KV_RUNS_ENV,
+        SM90_Q_REGISTERS_ENV,
+        wanted_sm90_kv_runs,
+        wanted_sm90_q_registers,
+    )
 
-    for key, name in {**SM90_ENV, "kv_runs": SM90_KV_RUNS_ENV}.items():
+    for key, name in {**SM90_ENV, "kv_runs": SM90_KV_RUNS_ENV, "q_registers": SM90_Q_REGISTERS_ENV}.items():
         if key in settings:
             os.environ[name] = settings[key]
         else:
             os.environ.pop(name, None)
     refresh_kernel_choices()  # the switches are read once per process
     wanted_sm90_kv_runs.cache_clear()
+    wanted_sm90_q_registers.cache_clear()
 
 
 def compile_variants(backend, spec, variants: dict[str, dict[str, str]]) -> None:

@@ -85,6 +85,12 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #if KV_RUNS && (!TMA_KV_LOADS || KV_MULTICAST)
 #error "K/V runs are a TMA load path (without multicast)"
 #endif
+#ifndef Q_REGISTERS
+#define Q_REGISTERS 0  // 1 (head_dim 128): Q K^T takes Q as A fragments in registers, loaded once per work item
+#endif
+#if Q_REGISTERS && HEAD_DIM != 128
+#error "Q in registers is built for head_dim 128 (32 registers; 64 at 256 do not fit beside O)"
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -169,6 +175,49 @@ struct SoftmaxState {
     float m[2];           // running max (log2 units) of rows row, row + 8
     float l[2];           // running sum of this thread's P values of those rows
 };
+
+#if Q_REGISTERS
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], A from registers (each warp's mma.m16n8k16 A fragment),
+// B K-major in shared memory; scale_d == 0 overwrites D.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : HOPPER_ACC64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// This warpgroup's Q rows (64 of the tile from `q_rows`) as A fragments: qa[kk] holds dims
+// 16 kk .. 16 kk + 15 of rows warp * 16 + lane / 4 (+ 8), read from the 128-byte-swizzled Q tile.
+__device__ __forceinline__ void load_q_fragments(u32 (&qa)[HEAD_DIM / 16][4], u32 q_rows, int lane, int warp) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = warp * 16 + lane / 4 + 8 * (e & 1), col = kk * 16 + (e >> 1) * 8 + 2 * (lane % 4);
+            const u32 addr = q_rows + (col / 64) * (BLOCK_M * 128) + swizzled(row, (col % 64) / 8) + (col % 8) * 2;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qa[kk][e]) : "r"(addr));
+        }
+}
+
+// S = Q K^T with Q from registers (Q_REGISTERS): the wgmmas read only K from shared memory.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], const u32 (&qa)[HEAD_DIM / 16][4], u32 k_smem) {
+    wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_k = smem_desc(k_smem, 16, 1024);
+#endif
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#if DESCRIPTOR_ADDS
+        const u64 desc_b = desc_k + ((kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32) / 16;
+#else
+        const u64 desc_b = smem_desc(k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32, 16, 1024);
+#endif
+        wgmma_rs_n128(s, qa[kk], desc_b, kk > 0);
+    }
+    wgmma_commit();
+}
+#endif
 
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
 __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
@@ -703,6 +752,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 return;
             }
 #endif
+#if Q_REGISTERS
+            u32 qa[HEAD_DIM / 16][4];  // (the Q tile's shared memory is released as before, after the last Q K^T)
+            load_q_fragments(qa, q_rows, lane, warp);
+#define Q_OPERAND qa
+#else
+#define Q_OPERAND q_rows
+#endif
 #if INTRA_WG_OVERLAP
             // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
             // cores (ORDERED_SOFTMAX keeps ptxas to that order); P and O are touched only after that
@@ -710,7 +766,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
             take_turn(wg);
-            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
+            issue_qk(s, Q_OPERAND, stages + (g0 % STAGES) * STAGE_BYTES);
             pass_turn(wg);
             wgmma_wait<0>();
 #if SPLIT_KV
@@ -725,7 +781,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES, previous = (g - 1) % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_qk(s, Q_OPERAND, stages + stage * STAGE_BYTES);
 #if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
 #endif
@@ -774,7 +830,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_qk(s, Q_OPERAND, stages + stage * STAGE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<0>();
 #if SPLIT_KV

@@ -6,7 +6,7 @@ sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables, re-read
 refresh_kernel_choices: grid order, page reads, ping-pong, overlap, stages, TMA K/V loads,
 persistent schedule) each pass the same cases, and persistent launches in a row each cover all
 their items; runs of consecutive KV blocks in one TMA box (OPENINFER_SM90_KV_RUNS), whole and
-broken; the short-query kernel (decode_attention.py) on short steps over long and short cached
+broken; Q in registers (OPENINFER_SM90_Q_REGISTERS) over the consumer-loop variants; the short-query kernel (decode_attention.py) on short steps over long and short cached
 contexts, at every split count."""
 
 from __future__ import annotations
@@ -270,6 +270,31 @@ def test_kv_runs_match_numpy(cuda_backend, case, settings, broken, monkeypatch):
     assert relative_error(ours, expected) < 1e-2
     rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
     assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.parametrize("settings", [{}, {"schedule": "persistent"}, {"head_pairs": "1"}, {"overlap": "0"},
+                                      {"kv_loads": "tma", "split_kv": "1"}], ids=lambda s: "-".join(s) or "default")
+@pytest.mark.parametrize("case", list(CASES))
+def test_q_registers_match_numpy(cuda_backend, rng, case, settings, monkeypatch):
+    """OPENINFER_SM90_Q_REGISTERS=1: Q K^T with Q as A fragments in registers (head_dim 128; the
+    head_dim 256 cases run the default build) over the variants that change the consumer loop."""
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_prefill_supported
+    from openinfer.backend.cuda.attention_routing import SM90_Q_REGISTERS_ENV, wanted_sm90_q_registers
+
+    if not sm90_prefill_supported(CASES[case][0]):
+        pytest.skip("the sm90 kernel does not run here")
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    for key, value in settings.items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    monkeypatch.setenv(SM90_Q_REGISTERS_ENV, "1")
+    refresh_kernel_choices()
+    wanted_sm90_q_registers.cache_clear()
+    try:
+        check_against_numpy(cuda_backend, rng, case, ["sm90"])
+    finally:
+        monkeypatch.delenv(SM90_Q_REGISTERS_ENV)
+        wanted_sm90_q_registers.cache_clear()
 
 
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):

@@ -234,11 +234,14 @@ SM90A_BUILDS = [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_STAGE
 SM90A_BUILDS += [("prefill_attention_sm90_short.cu", {"GROUP": group, "SQ90_CLUSTER": cluster, "SQ90_RUNS": 1})
                  for group, cluster in ((4, 2), (4, 8), (3, 4))]
 # prefill_attention_sm90.cu's K/V runs (OPENINFER_SM90_KV_RUNS) over the default consumer loop, persistent
-# CTAs with split K/V barriers, head pairs, and head_dim 256
+# CTAs with split K/V barriers, head pairs, and head_dim 256; with Q in registers (OPENINFER_SM90_Q_REGISTERS)
 _LEAN = {"DESCRIPTOR_ADDS": 1, "SKIP_UNIT_RESCALE": 1, "ORDERED_SOFTMAX": 1, "RESCALE_SLACK": 1, "PAGE_ID_PREFETCH": 1}
 SM90A_BUILDS += [("prefill_attention_sm90.cu", {"TMA_KV_LOADS": 1, "KV_RUNS": 1, **extra})
                  for extra in ({**_LEAN, "KV_HEAD_MAJOR_GRID": 1}, {"PERSISTENT": 1, "SPLIT_KV": 1},
-                               {**_LEAN, "HEAD_PAIRS": 1}, {"HEAD_DIM": 256, "STAGES": 2})]
+                               {**_LEAN, "HEAD_PAIRS": 1}, {"HEAD_DIM": 256, "STAGES": 2},
+                               {**_LEAN, "KV_HEAD_MAJOR_GRID": 1, "Q_REGISTERS": 1},
+                               {**_LEAN, "PERSISTENT": 1, "HEAD_PAIRS": 1, "Q_REGISTERS": 1},
+                               {"INTRA_WG_OVERLAP": 0, "Q_REGISTERS": 1})]
 
 
 @pytest.mark.parametrize(("source", "defines"), SM90A_BUILDS,

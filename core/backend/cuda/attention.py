@@ -33,6 +33,7 @@ from openinfer.backend.cuda.attention_routing import (
     sm90_short_query_row_groups,
     split_mixed_step,
     wanted_sm90_kv_runs,
+    wanted_sm90_q_registers,
     wanted_sm90_short_query,
     wants_short_query,
 )
@@ -236,11 +237,14 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
         # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
         # define only when on, so the default build's kernel key is unchanged)
+        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128): Q K^T with Q from registers
         runs = tma and not multicast and wanted_sm90_kv_runs()
+        extra = ({"KV_RUNS": 1} if runs else {}) | \
+            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and wanted_sm90_q_registers() else {})
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
-                         HEAD_PAIRS=int(head_pairs), **({"KV_RUNS": 1} if runs else {}))
+                         HEAD_PAIRS=int(head_pairs), **extra)
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:

@@ -10,7 +10,8 @@ counts only (no device reads, no CuPy), so CPU CI tests them and a step never wa
   wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY=1``,
   opt-in until measured faster), and its CTAs per (split, KV head, sequence).
 * ``wanted_sm90_kv_runs``: whether the sm90 prefill kernel copies runs of consecutive KV blocks in
-  one TMA box (``OPENINFER_SM90_KV_RUNS=1``, opt-in until measured faster).
+  one TMA box (``OPENINFER_SM90_KV_RUNS=1``, opt-in until measured faster); ``wanted_sm90_q_registers``:
+  whether its Q K^T takes Q from registers (``OPENINFER_SM90_Q_REGISTERS=1``, opt-in).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ SM90_SHORT_QUERY_ROWS = 64  # query rows per CTA of the sm90 short-query kernel:
 
 
 SM90_KV_RUNS_ENV = "OPENINFER_SM90_KV_RUNS"
+SM90_Q_REGISTERS_ENV = "OPENINFER_SM90_Q_REGISTERS"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -120,3 +122,12 @@ def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
     if max_query_len < 1:
         raise ValueError(f"a short step has at least one new token per sequence, got {max_query_len}")
     return -(-max_query_len // (SM90_SHORT_QUERY_ROWS // group))
+
+
+@functools.cache
+def wanted_sm90_q_registers() -> bool:
+    """``OPENINFER_SM90_Q_REGISTERS``: "1" has the sm90 prefill kernel's consumers hold Q as wgmma A
+    fragments in registers at head_dim 128 (Q_REGISTERS: Q K^T reads only K from shared memory),
+    "0" (the default) both operands from shared memory. Read once per process;
+    ``wanted_sm90_q_registers.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_Q_REGISTERS_ENV, False)
