@@ -232,6 +232,8 @@ SM90_VARIANTS = {
     "kv-runs": {"kv_runs": "1"},
     "kv-runs-persistent": {"kv_runs": "1", "schedule": "persistent"},
     "kv-runs-head-pairs": {"kv_runs": "1", "head_pairs": "1"},
+    # CTA pairs (two query heads of a KV head) share each tile's run boxes: half the L2 -> SM K/V traffic
+    "kv-runs-multicast": {"kv_runs": "1", "kv_loads": "tma_multicast", "schedule": "grid"},
     # Q K^T with Q as A fragments in registers (OPENINFER_SM90_Q_REGISTERS; head_dim 128): wgmma reads only K
     "q-registers": {"q_registers": "1"},
     "q-registers-kv-runs": {"q_registers": "1", "kv_runs": "1"},

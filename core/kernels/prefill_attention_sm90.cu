@@ -82,8 +82,8 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef KV_RUNS
 #define KV_RUNS 0  // 1 (with TMA_KV_LOADS): a tile whose pages are consecutive cache blocks comes in one box per column block
 #endif
-#if KV_RUNS && (!TMA_KV_LOADS || KV_MULTICAST)
-#error "K/V runs are a TMA load path (without multicast)"
+#if KV_RUNS && !TMA_KV_LOADS
+#error "K/V runs are a TMA load path"
 #endif
 #ifndef Q_REGISTERS
 #define Q_REGISTERS 0  // 1 (head_dim 128): Q K^T takes Q as A fragments in registers, loaded once per work item
@@ -587,10 +587,19 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                                     const u32 tile = base + Q_BYTES + stage * STAGE_BYTES;
                                     for (int half = first_half; half <= last_half; ++half)
 #pragma unroll
-                                        for (int c = 0; c < D_BLOCKS; ++c)
-                                            tma_load_3d(tile + half * KV_TILE_BYTES + c * (BLOCK_N * 128),
-                                                        half ? v_run_map : k_run_map, c * 64, kv_head,
-                                                        page * PAGE_SIZE, bar);
+                                        for (int c = 0; c < D_BLOCKS; ++c) {
+                                            const u32 dst = tile + half * KV_TILE_BYTES + c * (BLOCK_N * 128);
+                                            const void* map = half ? v_run_map : k_run_map;
+#if KV_MULTICAST
+                                            // the pair's CTAs take alternate boxes, each into both CTAs
+                                            // (both read the same block table, so both see the run)
+                                            if (((half * D_BLOCKS + c) & 1) == (int)pair_rank)
+                                                tma_load_3d_multicast(dst, map, c * 64, kv_head, page * PAGE_SIZE,
+                                                                      bar, 3);
+#else
+                                            tma_load_3d(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar);
+#endif
+                                        }
                                 }
                             } else
 #endif

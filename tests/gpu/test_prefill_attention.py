@@ -232,7 +232,9 @@ def run_tables(cached: list[int], new: list[int], broken: bool) -> np.ndarray:
 
 @pytest.mark.parametrize("broken", [False, True])
 @pytest.mark.parametrize("settings", [{}, {"schedule": "persistent"}, {"head_pairs": "1"}, {"split_kv": "1"},
-                                      {"pingpong": "1", "grid": "head"}], ids=lambda s: "-".join(s) or "default")
+                                      {"pingpong": "1", "grid": "head"},
+                                      {"kv_loads": "tma_multicast", "schedule": "grid", "grid": "kv_head"}],
+                         ids=lambda s: "-".join(s) or "default")
 @pytest.mark.parametrize("case", ["chunk-long-offset", "mixed-lengths", "d256-chunk"])
 def test_kv_runs_match_numpy(cuda_backend, case, settings, broken, monkeypatch):
     """OPENINFER_SM90_KV_RUNS=1 with TMA loads: a tile of consecutive blocks comes in one box per

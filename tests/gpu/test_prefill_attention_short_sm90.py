@@ -241,7 +241,8 @@ SM90A_BUILDS += [("prefill_attention_sm90.cu", {"TMA_KV_LOADS": 1, "KV_RUNS": 1,
                                {**_LEAN, "HEAD_PAIRS": 1}, {"HEAD_DIM": 256, "STAGES": 2},
                                {**_LEAN, "KV_HEAD_MAJOR_GRID": 1, "Q_REGISTERS": 1},
                                {**_LEAN, "PERSISTENT": 1, "HEAD_PAIRS": 1, "Q_REGISTERS": 1},
-                               {"INTRA_WG_OVERLAP": 0, "Q_REGISTERS": 1})]
+                               {"INTRA_WG_OVERLAP": 0, "Q_REGISTERS": 1},
+                               {"KV_HEAD_MAJOR_GRID": 1, "KV_MULTICAST": 1, "SPLIT_KV": 1, "Q_REGISTERS": 1})]
 
 
 @pytest.mark.parametrize(("source", "defines"), SM90A_BUILDS,

@@ -238,7 +238,7 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
         # define only when on, so the default build's kernel key is unchanged)
         # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128): Q K^T with Q from registers
-        runs = tma and not multicast and wanted_sm90_kv_runs()
+        runs = tma and wanted_sm90_kv_runs()
         extra = ({"KV_RUNS": 1} if runs else {}) | \
             ({"Q_REGISTERS": 1} if spec.head_dim == 128 and wanted_sm90_q_registers() else {})
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
