@@ -260,3 +260,17 @@ def test_the_sources_build_for_sm90a_without_spills(source, defines, tmp_path):
     assert result.returncode == 0, result.stderr
     spills = re.findall(r"(\d+) bytes spill stores", result.stderr)
     assert spills and all(int(s) == 0 for s in spills), result.stderr
+
+
+def test_run_boxes_span_whole_pages():
+    """tensor_maps.page_box_layout's box_tokens (KV_RUNS / SQ90_RUNS maps): whole pages, at most 256."""
+    from openinfer.backend.cuda.tensor_maps import page_box_layout
+
+    shape = (100, BLOCK_SIZE, 8, 128)
+    strides = tuple(int(s) for s in np.empty(shape, np.uint16).strides)
+    assert page_box_layout(shape, strides, 2).box == (64, 1, BLOCK_SIZE)
+    assert page_box_layout(shape, strides, 2, box_tokens=128).box == (64, 1, 128)
+    assert page_box_layout(shape, strides, 2, box_tokens=64).dims == page_box_layout(shape, strides, 2).dims
+    for bad in (24, 0, 512):
+        with pytest.raises(ValueError, match="whole pages"):
+            page_box_layout(shape, strides, 2, box_tokens=bad)
