@@ -14,7 +14,12 @@ only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTEN
 on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``kernel_choices.py``: ``sm90_variant``,
-``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs).
+``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs;
+``attention_routing.py``: ``OPENINFER_SM90_KV_RUNS``, a K/V tile of consecutive cache blocks in one TMA
+box per column block, and ``OPENINFER_SM90_Q_REGISTERS``, Q K^T with Q in registers at head_dim 128).
+``OPENINFER_SM90_SHORT_QUERY=1`` runs short steps on the Hopper short-query kernel
+(prefill_attention_sm90_short.cu: 16 tokens x 4 heads of a KV head as one wgmma M tile, TMA K/V,
+split-KV) instead of decode_attention_mma.cu's, where it applies (head_dim 128, 16-token blocks).
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
