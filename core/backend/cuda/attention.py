@@ -19,7 +19,7 @@ on the prefill kernel).
 box per column block, and ``OPENINFER_SM90_Q_REGISTERS``, Q K^T with Q in registers at head_dim 128).
 ``OPENINFER_SM90_SHORT_QUERY=1`` runs short steps on the Hopper short-query kernel
 (prefill_attention_sm90_short.cu: 16 tokens x 4 heads of a KV head as one wgmma M tile, TMA K/V,
-split-KV) instead of decode_attention_mma.cu's, where it applies (head_dim 128, 16-token blocks).
+split-KV) instead of decode_attention_mma.cu's, where it applies (head_dim 128, KV blocks of 8-64 tokens).
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
