@@ -55,6 +55,10 @@ from gpu_bench import environment, log  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 LENGTHS = (1024, 4096, 16384)
+# --qwen35: Qwen3.5's gated full-attention layers (16 query / 4 KV heads, head_dim 256); --sm90-variants then
+# times a 64-stream burst's mixed-step prompts (8 x 1008) and single 4k / 16k prompts
+QWEN35_SHAPE = (16, 4, 256)
+QWEN35_CASES = [("8 prompts of 1008", [0] * 8, [1008] * 8), ("prompt 4096", [0], [4096]), ("prompt 16384", [0], [16384])]
 
 
 def random_bf16(shape: tuple[int, ...]):
@@ -63,14 +67,18 @@ def random_bf16(shape: tuple[int, ...]):
     return (cupy.random.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
 
 
+CONTIGUOUS_BLOCKS = False  # --contiguous-blocks: each sequence's blocks in order, as a fresh block pool hands them out
+
+
 def paged_case(cached: list[int], new: list[int]):
-    """A ForwardBatch over shuffled blocks plus random q and a random K/V cache for it."""
+    """A ForwardBatch over shuffled blocks (consecutive ones with CONTIGUOUS_BLOCKS) plus random q
+    and a random K/V cache for it."""
     from openinfer.backend.base import ForwardBatch, KVLayer
 
     rng = np.random.default_rng(sum(new))
     lengths = [c + n for c, n in zip(cached, new, strict=True)]
     blocks = [-(-length // BLOCK_SIZE) for length in lengths]
-    order = rng.permutation(sum(blocks)) + 1
+    order = np.arange(sum(blocks)) + 1 if CONTIGUOUS_BLOCKS else rng.permutation(sum(blocks)) + 1
     tables = np.zeros((len(lengths), max(blocks)), np.int32)
     start = 0
     for i, count in enumerate(blocks):
@@ -219,6 +227,19 @@ SM90_VARIANTS = {
                                 "ordered_softmax": "1"},
     "persistent-head-pairs-lean-ordered": {"schedule": "persistent", "head_pairs": "1", "descriptor_adds": "1",
                                            "skip_unit_rescale": "1", "ordered_softmax": "1"},
+    # attn16 session 8: a tile of consecutive KV blocks in one TMA box per column block (OPENINFER_SM90_KV_RUNS;
+    # the cases' blocks are shuffled unless --contiguous-blocks, as a fresh block pool hands them out)
+    "kv-runs": {"kv_runs": "1"},
+    "kv-runs-persistent": {"kv_runs": "1", "schedule": "persistent"},
+    "kv-runs-head-pairs": {"kv_runs": "1", "head_pairs": "1"},
+    # CTA pairs (two query heads of a KV head) share each tile's run boxes: half the L2 -> SM K/V traffic
+    "kv-runs-multicast": {"kv_runs": "1", "kv_loads": "tma_multicast", "schedule": "grid"},
+    # Q K^T with Q as A fragments in registers (OPENINFER_SM90_Q_REGISTERS; head_dim 128): wgmma reads only K
+    "q-registers": {"q_registers": "1"},
+    "q-registers-kv-runs": {"q_registers": "1", "kv_runs": "1"},
+    "q-registers-persistent": {"q_registers": "1", "schedule": "persistent"},
+    "tma-kv-runs": {"kv_loads": "tma", "kv_runs": "1"},
+    "no-pingpong": {"pingpong": "0"},
     "diag-no-kv-loads": {"skip_kv_loads": "1"},  # wrong output: bounds what removing K/V traffic could give
     "diag-no-kv-loads-lean-ordered": {"skip_kv_loads": "1", "descriptor_adds": "1", "skip_unit_rescale": "1",
                                       "ordered_softmax": "1"},
@@ -249,13 +270,21 @@ def queued_device_seconds(fn, timer, calls: int, rounds: int = 3) -> float:
 
 def set_sm90_variant(settings: dict[str, str]) -> None:
     from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices
+    from openinfer.backend.cuda.attention_routing import (
+        SM90_KV_RUNS_ENV,
+        SM90_Q_REGISTERS_ENV,
+        wanted_sm90_kv_runs,
+        wanted_sm90_q_registers,
+    )
 
-    for key, name in SM90_ENV.items():
+    for key, name in {**SM90_ENV, "kv_runs": SM90_KV_RUNS_ENV, "q_registers": SM90_Q_REGISTERS_ENV}.items():
         if key in settings:
             os.environ[name] = settings[key]
         else:
             os.environ.pop(name, None)
     refresh_kernel_choices()  # the switches are read once per process
+    wanted_sm90_kv_runs.cache_clear()
+    wanted_sm90_q_registers.cache_clear()
 
 
 def compile_variants(backend, spec, variants: dict[str, dict[str, str]]) -> None:
@@ -296,6 +325,8 @@ def bench_sm90_variants(backend, out_dirs: list[Path], names: list[str] | None =
     cases = [(f"prompt {n}", [0], [n]) for n in LENGTHS]
     cases += [("chunk 4096 on 12288 cached", [12288], [4096]), ("8 prompts of 2048", [0] * 8, [2048] * 8),
               ("8 prompts of 1024", [0] * 8, [1024] * 8)]  # a 256-stream burst's mixed step carries ~8 of them
+    if (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) == QWEN35_SHAPE:
+        cases = QWEN35_CASES
     compile_variants(backend, spec, variants)
     rows = []
     for name, cached, new in cases:
@@ -669,10 +700,15 @@ def write_json(report: dict, out_dirs: list[Path], name: str) -> None:
 def write_variants(report: dict, out_dirs: list[Path]) -> None:
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_prefill_attention_variants.json").write_text(json.dumps(report, indent=2))
+        name = ("gpu_prefill_attention_variants" + ("_contiguous" if CONTIGUOUS_BLOCKS else "")
+                + (f"_hd{HEAD_DIM}" if HEAD_DIM != 128 else "") + ".json")
+        (out / name).write_text(json.dumps({**report, "contiguous_blocks": CONTIGUOUS_BLOCKS,
+                                            "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                                                      "head_dim": HEAD_DIM}}, indent=2))
     result = report["sm90_variants"]
     cases = result["cases"]
-    print(f"\n sm90 variant TFLOP/s on {report['environment']['gpu']} (x = geomean speed-up over default)")
+    print(f"\n sm90 variant TFLOP/s on {report['environment']['gpu']} (x = geomean speed-up over default; "
+          f"{'consecutive' if CONTIGUOUS_BLOCKS else 'shuffled'} KV blocks)")
     print(f" {'variant':24s}" + "".join(f"{c['case'][:14]:>15s}" for c in cases) + "        x   max rel diff")
     for variant in result["settings"]:
         cells = "".join(f"{c['variants'][variant]['tflops']:15.1f}" for c in cases)
@@ -707,10 +743,18 @@ def main() -> None:
                         help="short steps over long contexts: prefill vs short-query kernel, and the warm 16k step")
     parser.add_argument("--routing", action="store_true",
                         help="mixed steps (decode rows on the decode kernel) and the short-query crossover")
+    parser.add_argument("--qwen35", action="store_true",
+                        help="Qwen3.5's full-attention shape (16 q / 4 KV heads, head_dim 256) instead of Qwen3-4B's")
+    parser.add_argument("--contiguous-blocks", action="store_true",
+                        help="each sequence's KV blocks in order (a fresh block pool's), not shuffled")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    global CONTIGUOUS_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    CONTIGUOUS_BLOCKS = args.contiguous_blocks
+    if args.qwen35:
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = QWEN35_SHAPE
 
     from openinfer.backend.cuda import CudaBackend
 

@@ -37,19 +37,47 @@ NEW_TOKENS = 16
 CALLS_PER_GRAPH = 8
 LAYOUTS = ("warp", "shared")
 TILE_SOFTMAX = "shared_tile_softmax"  # the shared layout with OPENINFER_SHORT_QUERY_SOFTMAX=tile (opt-in)
-STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX)
+SM90 = "sm90"  # attention.short_query_attention_sm90: the Hopper wgmma kernel (OPENINFER_SM90_SHORT_QUERY=1)
+STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX, SM90)
+# the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB, K/V runs: a
+# tile of consecutive blocks, as KVPool's tables are, in one TMA box per column block, splits per cluster)
+SM90_VARIANTS = ((SM90, None, 3, False, 1), ("sm90_runs", None, 3, True, 1), ("sm90_splits16", 16, 3, False, 1),
+                 ("sm90_splits8", 8, 3, False, 1), ("sm90_stages2", None, 2, False, 1),
+                 ("sm90_stages6_runs", None, 6, True, 1), ("sm90_runs_cluster2", None, 3, True, 2),
+                 ("sm90_runs_cluster4", None, 3, True, 4), ("sm90_runs_cluster8", None, 3, True, 8))
+
+
+def sm90_default_splits(batch: int, stages: int, num_sms: int) -> int:
+    """The split count short_query_attention_sm90 picks for ``batch`` sequences of NEW_TOKENS."""
+    from openinfer.backend.cuda.decode_attention_plan import shared_split_count
+
+    per_sm = 2 if stages <= 3 else 1
+    return shared_split_count(batch * QWEN3_4B["num_key_value_heads"] * (2 // per_sm), num_sms)
+
+
+def set_sm90(on: bool) -> None:
+    """Sets OPENINFER_SM90_SHORT_QUERY (the engine reads it when a graph is captured)."""
+    from openinfer.backend.cuda.attention_routing import SM90_SHORT_QUERY_ENV, wanted_sm90_short_query
+
+    if on:
+        os.environ[SM90_SHORT_QUERY_ENV] = "1"
+    else:
+        os.environ.pop(SM90_SHORT_QUERY_ENV, None)
+    wanted_sm90_short_query.cache_clear()
 
 
 def set_tile_softmax(name: str | None) -> str:
-    """Sets OPENINFER_SHORT_QUERY_SOFTMAX for variant ``name`` (None: unset); returns its layout."""
+    """Sets OPENINFER_SHORT_QUERY_SOFTMAX for variant ``name`` (None: unset); returns its layout
+    (the sm90 variant runs the default layout where the Hopper kernel does not apply)."""
     from openinfer.backend.cuda import decode_attention_plan
 
+    set_sm90(name == SM90)
     if name == TILE_SOFTMAX:
         os.environ[decode_attention_plan.SHORT_QUERY_SOFTMAX_ENV] = "tile"
     else:
         os.environ.pop(decode_attention_plan.SHORT_QUERY_SOFTMAX_ENV, None)
     decode_attention_plan.wanted_tile_softmax.cache_clear()
-    return "shared" if name == TILE_SOFTMAX else (name or "shared")
+    return "shared" if name in (TILE_SOFTMAX, SM90) else (name or "shared")
 H200_SMS = 132  # the dry run's split counts
 
 
@@ -73,10 +101,13 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
     import cupy
     from gpu_decode_attention import KVPool, graph_seconds_per_call, random_bf16
 
+    from openinfer.backend.cuda.attention import short_query_attention_sm90, sm90_short_query_supported
     from openinfer.backend.cuda.decode_attention import short_query_attention_mma
+    from openinfer.backend.cuda.loader import kernel
 
     nh, nkv, d = QWEN3_4B["num_attention_heads"], QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
     pool = KVPool(CALLS_PER_GRAPH * max(batches) * max(contexts), nkv, d)
+    sm90 = sm90_short_query_supported(d, nh // nkv, pool.k, pool.v)
     rows = []
     for context in contexts:
         for batch in batches:
@@ -100,6 +131,27 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
                 row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
                              "copy_fraction": row["kv_bytes"] / seconds / bandwidth,
                              "splits": splits or planned_splits(layout, batch, num_sms)}
+            for name, splits, stages, runs, cluster in SM90_VARIANTS if sm90 else ():
+                def call90(q, t, o, lens=lens, query_start=query_start, splits=splits, stages=stages, runs=runs,
+                           cluster=cluster):
+                    return short_query_attention_sm90(q, pool.k, pool.v, t, lens, query_start, NEW_TOKENS, d**-0.5,
+                                                      num_sms, splits=splits, stages=stages, kv_runs=runs,
+                                                      cluster=cluster, out=o)
+                calls = [functools.partial(call90, q, t, o) for q, t, o in zip(queries, tables, outs, strict=True)]
+                seconds = graph_seconds_per_call(calls)
+                row[name] = {"us": seconds * 1e6, "gb_per_s": row["kv_bytes"] / seconds / 1e9,
+                             "copy_fraction": row["kv_bytes"] / seconds / bandwidth, "stages": stages, "kv_runs": runs,
+                             "cluster": cluster,
+                             "splits": splits or sm90_default_splits(batch, stages, num_sms)}
+            if sm90:  # the split merge alone (decode_attention_merge over the default split count's partials)
+                splits = row[SM90]["splits"]
+                rows_out = batch * NEW_TOKENS
+                partial_out = cupy.zeros((rows_out, nh, splits, d), cupy.float32)
+                partial_ml = cupy.zeros((rows_out, nh, splits, 2), cupy.float32)
+                merge = kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=d, GROUP=nh // nkv)
+                calls = [functools.partial(merge, (nh, rows_out), (128,),
+                                           (partial_out, partial_ml, o, np.int32(nh), np.int32(splits))) for o in outs]
+                row["sm90_merge_only"] = {"us": graph_seconds_per_call(calls) * 1e6, "splits": splits}
             # the same result both ways (last call's output of each layout)
             ref = short_query_attention_mma(queries[0], pool.k, pool.v, tables[0], lens, query_start, NEW_TOKENS,
                                             d**-0.5, num_sms, tiles="warp")
@@ -110,6 +162,16 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
             row["speedup"] = row["warp"]["us"] / row["shared"]["us"]
             row["tile_softmax_speedup"] = row["shared"]["us"] / row[TILE_SOFTMAX]["us"]
             row["per_step_saving_ms_36_layers"] = 36 * (row["warp"]["us"] - row["shared"]["us"]) / 1e3
+            if sm90:
+                ours = short_query_attention_sm90(queries[0], pool.k, pool.v, tables[0], lens, query_start, NEW_TOKENS,
+                                                  d**-0.5, num_sms, kv_runs=True)
+                row["sm90_max_abs_difference"] = float(cupy.abs(as_float(ours) - as_float(ref)).max())
+                row["sm90_vs_tile_softmax"] = row[TILE_SOFTMAX]["us"] / row[SM90]["us"]
+                others = ", ".join(f"{name[len(SM90) + 1:]} {row[name]['us']:.1f}" for name, *_ in SM90_VARIANTS[1:])
+                log(f"  sm90 bs={batch} ctx={context:5d}: {row[SM90]['us']:7.1f} us ({row[SM90]['copy_fraction']:4.0%}, "
+                    f"{row[SM90]['splits']} splits; {others}; merge alone {row['sm90_merge_only']['us']:.1f}) "
+                    f"x{row['sm90_vs_tile_softmax']:.2f} vs tile softmax, max |diff| vs warp "
+                    f"{row['sm90_max_abs_difference']:.2e}")
             rows.append(row)
             log(f"kernel bs={batch} ctx={context:5d}: warp {row['warp']['us']:7.1f} us "
                 f"({row['warp']['copy_fraction']:4.0%}, {row['warp']['splits']} splits) | shared "
@@ -168,9 +230,11 @@ def bench_step(backend, contexts) -> list[dict]:
         for name in STEP_VARIANTS:
             row[name] = {"step_ms": float(np.median(times[name])) * 1e3, "runs_ms": [t * 1e3 for t in times[name]]}
         row["speedup"] = row["warp"]["step_ms"] / row["shared"]["step_ms"]
+        row["sm90_vs_tile_softmax"] = row[TILE_SOFTMAX]["step_ms"] / row[SM90]["step_ms"]
         rows.append(row)
         log(f"step ctx={context:5d}: warp {row['warp']['step_ms']:.3f} ms | shared {row['shared']['step_ms']:.3f} ms"
-            f" | x{row['speedup']:.2f} | tile softmax {row[TILE_SOFTMAX]['step_ms']:.3f} ms")
+            f" | x{row['speedup']:.2f} | tile softmax {row[TILE_SOFTMAX]['step_ms']:.3f} ms | sm90 "
+            f"{row[SM90]['step_ms']:.3f} ms (x{row['sm90_vs_tile_softmax']:.2f})")
     return rows
 
 
@@ -185,8 +249,11 @@ def plot(report: dict, path: Path) -> None:
     rows = [r for r in report["kernel"] if r["batch_size"] == 1]
     x = np.arange(len(rows))
     ax = axes[0][0]
-    for offset, layout in ((-0.2, "warp"), (0.2, "shared")):
-        ax.bar(x + offset, [r[layout]["us"] for r in rows], 0.4, label=f"{layout} ({rows[0][layout]['splits']} splits)")
+    layouts = [name for name in ("warp", "shared", TILE_SOFTMAX, SM90) if name in rows[0]]
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        ax.bar(x + (i - (len(layouts) - 1) / 2) * width, [r[layout]["us"] for r in rows], width,
+               label=f"{layout} ({rows[0][layout]['splits']} splits)")
     ax.set_xticks(x, [f"{r['context'] // 1024}k" for r in rows])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("us per layer")
@@ -196,8 +263,11 @@ def plot(report: dict, path: Path) -> None:
         ax = axes[0][1]
         steps = report["step"]
         x = np.arange(len(steps))
-        for offset, layout in ((-0.2, "warp"), (0.2, "shared")):
-            ax.bar(x + offset, [r[layout]["step_ms"] for r in steps], 0.4, label=layout)
+        layouts = [name for name in STEP_VARIANTS if name in steps[0]]
+        width = 0.8 / len(layouts)
+        for i, layout in enumerate(layouts):
+            ax.bar(x + (i - (len(layouts) - 1) / 2) * width, [r[layout]["step_ms"] for r in steps], width,
+                   label=layout)
         ax.set_xticks(x, [f"{r['context'] // 1024}k" for r in steps])
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per step (graph replay)")

@@ -79,6 +79,18 @@ static_assert(HEAD_DIM == 128 || HEAD_DIM == 256, "the sm90 prefill kernel cover
 #ifndef ORDERED_SOFTMAX
 #define ORDERED_SOFTMAX 0  // 1 (with INTRA_WG_OVERLAP): tile k's softmax is kept before the wait for tile k-1's P V
 #endif
+#ifndef KV_RUNS
+#define KV_RUNS 0  // 1 (with TMA_KV_LOADS): a tile whose pages are consecutive cache blocks comes in one box per column block
+#endif
+#if KV_RUNS && !TMA_KV_LOADS
+#error "K/V runs are a TMA load path"
+#endif
+#ifndef Q_REGISTERS
+#define Q_REGISTERS 0  // 1 (head_dim 128): Q K^T takes Q as A fragments in registers, loaded once per work item
+#endif
+#if Q_REGISTERS && HEAD_DIM != 128
+#error "Q in registers is built for head_dim 128 (32 registers; 64 at 256 do not fit beside O)"
+#endif
 #ifndef LEAN_ARRIVALS
 #define LEAN_ARRIVALS 0  // 1: one "empty" arrival per consumer warp, one counted "full" arrival per TMA tile
 #endif
@@ -163,6 +175,49 @@ struct SoftmaxState {
     float m[2];           // running max (log2 units) of rows row, row + 8
     float l[2];           // running sum of this thread's P values of those rows
 };
+
+#if Q_REGISTERS
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], A from registers (each warp's mma.m16n8k16 A fragment),
+// B K-major in shared memory; scale_d == 0 overwrites D.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : HOPPER_ACC64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// This warpgroup's Q rows (64 of the tile from `q_rows`) as A fragments: qa[kk] holds dims
+// 16 kk .. 16 kk + 15 of rows warp * 16 + lane / 4 (+ 8), read from the 128-byte-swizzled Q tile.
+__device__ __forceinline__ void load_q_fragments(u32 (&qa)[HEAD_DIM / 16][4], u32 q_rows, int lane, int warp) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = warp * 16 + lane / 4 + 8 * (e & 1), col = kk * 16 + (e >> 1) * 8 + 2 * (lane % 4);
+            const u32 addr = q_rows + (col / 64) * (BLOCK_M * 128) + swizzled(row, (col % 64) / 8) + (col % 8) * 2;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(qa[kk][e]) : "r"(addr));
+        }
+}
+
+// S = Q K^T with Q from registers (Q_REGISTERS): the wgmmas read only K from shared memory.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], const u32 (&qa)[HEAD_DIM / 16][4], u32 k_smem) {
+    wgmma_fence();
+#if DESCRIPTOR_ADDS
+    const u64 desc_k = smem_desc(k_smem, 16, 1024);
+#endif
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#if DESCRIPTOR_ADDS
+        const u64 desc_b = desc_k + ((kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32) / 16;
+#else
+        const u64 desc_b = smem_desc(k_smem + (kk / 4) * (BLOCK_N * 128) + (kk % 4) * 32, 16, 1024);
+#endif
+        wgmma_rs_n128(s, qa[kk], desc_b, kk > 0);
+    }
+    wgmma_commit();
+}
+#endif
 
 // S = Q K^T for this warpgroup's 64 rows: 16-wide k steps walk 32 bytes along the swizzled rows.
 __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 2], u32 q_rows, u32 k_smem) {
@@ -356,6 +411,10 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                        int num_kv_heads, int block_size, float scale_log2,
 #if TMA_KV_LOADS
                        const __grid_constant__ TensorMap k_map_param, const __grid_constant__ TensorMap v_map_param,
+#if KV_RUNS
+                       // the same caches with a box of BLOCK_N tokens (tensor_maps.page_maps, box_tokens=BLOCK_N)
+                       const __grid_constant__ TensorMap k_run_map_param, const __grid_constant__ TensorMap v_run_map_param,
+#endif
 #else
                        const void* k_map_param, const void* v_map_param,  // NULL: unused
 #endif
@@ -441,6 +500,14 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             prefetch_tensor_map(k_map);
             prefetch_tensor_map(v_map);
         }
+#if KV_RUNS
+        const void* k_run_map = &k_run_map_param;
+        const void* v_run_map = &v_run_map_param;
+        if (t == 0) {
+            prefetch_tensor_map(k_run_map);
+            prefetch_tensor_map(v_run_map);
+        }
+#endif
 #endif
         // One work item's Q tile, then its K/V tiles into the ring from ring position g0 on.
         auto produce = [&](const WorkItem& w, int g0) {
@@ -487,6 +554,16 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
 #else
                     const int page = t < PAGES ? table[k0 / PAGE_SIZE + t] : 0;
 #endif
+#if KV_RUNS
+                    // the tile's pages are consecutive cache blocks (a fresh prompt's usually are: the block
+                    // pool hands out its free queue in order): one BLOCK_N-token box per column block of K
+                    // and of V (4 copies at head_dim 128) instead of one per page (32), each far larger
+                    bool run = false;
+                    if (t < 32) {
+                        const int first = __shfl_sync(0xffffffffu, page, 0);
+                        run = __all_sync(0xffffffffu, t >= PAGES || page == first + t);
+                    }
+#endif
                     // the TMA boxes of halves first_half .. last_half (0: K, 1: V) of the tile, counted on `bar`
                     auto copy_boxes = [&](int first_half, int last_half, u32 bar, u32 bytes) {
                         if (t < 32) {
@@ -503,6 +580,28 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                             const bool copies = t < PAGES && (t & 1) == (int)pair_rank;
 #else
                             const bool copies = t < PAGES;
+#endif
+#if KV_RUNS
+                            if (run) {
+                                if (t == 0 && !SKIP_KV_LOADS) {
+                                    const u32 tile = base + Q_BYTES + stage * STAGE_BYTES;
+                                    for (int half = first_half; half <= last_half; ++half)
+#pragma unroll
+                                        for (int c = 0; c < D_BLOCKS; ++c) {
+                                            const u32 dst = tile + half * KV_TILE_BYTES + c * (BLOCK_N * 128);
+                                            const void* map = half ? v_run_map : k_run_map;
+#if KV_MULTICAST
+                                            // the pair's CTAs take alternate boxes, each into both CTAs
+                                            // (both read the same block table, so both see the run)
+                                            if (((half * D_BLOCKS + c) & 1) == (int)pair_rank)
+                                                tma_load_3d_multicast(dst, map, c * 64, kv_head, page * PAGE_SIZE,
+                                                                      bar, 3);
+#else
+                                            tma_load_3d(dst, map, c * 64, kv_head, page * PAGE_SIZE, bar);
+#endif
+                                        }
+                                }
+                            } else
 #endif
                             if (copies && !SKIP_KV_LOADS) {
                                 const u32 k_page = base + Q_BYTES + stage * STAGE_BYTES + t * (PAGE_SIZE * 128);
@@ -662,6 +761,13 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 return;
             }
 #endif
+#if Q_REGISTERS
+            u32 qa[HEAD_DIM / 16][4];  // (the Q tile's shared memory is released as before, after the last Q K^T)
+            load_q_fragments(qa, q_rows, lane, warp);
+#define Q_OPERAND qa
+#else
+#define Q_OPERAND q_rows
+#endif
 #if INTRA_WG_OVERLAP
             // S of tile kt is computed, then exponentiated, while P V of tile kt-1 runs on the tensor
             // cores (ORDERED_SOFTMAX keeps ptxas to that order); P and O are touched only after that
@@ -669,7 +775,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
             if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
             mbar_wait(bar_full + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
             take_turn(wg);
-            issue_qk(s, q_rows, stages + (g0 % STAGES) * STAGE_BYTES);
+            issue_qk(s, Q_OPERAND, stages + (g0 % STAGES) * STAGE_BYTES);
             pass_turn(wg);
             wgmma_wait<0>();
 #if SPLIT_KV
@@ -684,7 +790,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES, previous = (g - 1) % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_qk(s, Q_OPERAND, stages + stage * STAGE_BYTES);
 #if SPLIT_KV
                 mbar_wait(bar_full_v + 8 * previous, ((g - 1) / STAGES) & 1);
 #endif
@@ -733,7 +839,7 @@ prefill_attention_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k_ca
                 const int g = g0 + kt, stage = g % STAGES;
                 mbar_wait(bar_full + 8 * stage, (g / STAGES) & 1);
                 take_turn(wg);
-                issue_qk(s, q_rows, stages + stage * STAGE_BYTES);
+                issue_qk(s, Q_OPERAND, stages + stage * STAGE_BYTES);
                 pass_turn(wg);
                 wgmma_wait<0>();
 #if SPLIT_KV

@@ -5,8 +5,9 @@ blocks, and an output poisoned with NaN before each run so every unwritten eleme
 sm90 kernel's run-time variants (OPENINFER_SM90_* environment variables, re-read through
 refresh_kernel_choices: grid order, page reads, ping-pong, overlap, stages, TMA K/V loads,
 persistent schedule) each pass the same cases, and persistent launches in a row each cover all
-their items; the short-query kernel (decode_attention.py) on short steps over long and short
-cached contexts, at every split count."""
+their items; runs of consecutive KV blocks in one TMA box (OPENINFER_SM90_KV_RUNS), whole and
+broken; Q in registers (OPENINFER_SM90_Q_REGISTERS) over the consumer-loop variants; the short-query kernel (decode_attention.py) on short steps over long and short cached
+contexts, at every split count."""
 
 from __future__ import annotations
 
@@ -211,6 +212,91 @@ def test_persistent_schedule_repeats(cuda_backend, rng, kv_loads, monkeypatch):
     refresh_kernel_choices()
     for case in ("gqa8-many-prompts", "fresh-128-exact-tile", "chunk-long-offset", "gqa8-many-prompts"):
         check_against_numpy(cuda_backend, rng, case, ["sm90"])
+
+
+def run_tables(cached: list[int], new: list[int], broken: bool) -> np.ndarray:
+    """Block tables whose sequences own consecutive blocks (as a fresh block pool hands them out),
+    after a padded null entry each; ``broken``: in each sequence's second 128-token tile two pages
+    swap places, so that tile is not one run (the page-by-page path) while the others are."""
+    lengths = [c + n for c, n in zip(cached, new, strict=True)]
+    tables = np.zeros((len(lengths), max(-(-n // BLOCK_SIZE) for n in lengths) + 1), np.int32)
+    next_block = 1
+    for i, length in enumerate(lengths):
+        count = -(-length // BLOCK_SIZE)
+        tables[i, :count] = np.arange(next_block, next_block + count)
+        if broken and count >= 16:
+            tables[i, [9, 12]] = tables[i, [12, 9]]
+        next_block += count + 1  # a gap: runs never continue into the next sequence's blocks
+    return tables
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("settings", [{}, {"schedule": "persistent"}, {"head_pairs": "1"}, {"split_kv": "1"},
+                                      {"pingpong": "1", "grid": "head"},
+                                      {"kv_loads": "tma_multicast", "schedule": "grid", "grid": "kv_head"}],
+                         ids=lambda s: "-".join(s) or "default")
+@pytest.mark.parametrize("case", ["chunk-long-offset", "mixed-lengths", "d256-chunk"])
+def test_kv_runs_match_numpy(cuda_backend, case, settings, broken, monkeypatch):
+    """OPENINFER_SM90_KV_RUNS=1 with TMA loads: a tile of consecutive blocks comes in one box per
+    column block; tiles that are not one run, and the ragged last tile, as before."""
+    from openinfer.backend.cuda.attention import SM90_ENV, prefill_attention, refresh_kernel_choices
+    from openinfer.backend.cuda.attention_routing import SM90_KV_RUNS_ENV, wanted_sm90_kv_runs
+
+    head_dim, num_heads, num_kv_heads, cached, new = CASES[case]
+    if not implementations(head_dim)[-1] == "sm90":
+        pytest.skip("the sm90 kernel does not run here")
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    for key, value in {"kv_loads": "tma", **settings}.items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    monkeypatch.setenv(SM90_KV_RUNS_ENV, "1")
+    refresh_kernel_choices()
+    wanted_sm90_kv_runs.cache_clear()
+    rng = np.random.default_rng(len(case) + 7 * broken)
+    tables = run_tables(cached, new, broken)
+    batch = ForwardBatch.over_blocks(tables, cached, new, BLOCK_SIZE, np.zeros(sum(new)))
+    shape = (int(tables.max()) + 2, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = bf16_random(rng, *shape), bf16_random(rng, *shape)
+    q = bf16_random(rng, batch.num_tokens, num_heads, head_dim, scale=2.0)
+    expected = reference_attention(q, k_cache, v_cache, batch, head_dim**-0.5)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, None, head_dim**-0.5, None, None, 1e-6)
+    kv = KVLayer(cuda_backend.upload(k_cache), cuda_backend.upload(v_cache))
+    out = cupy.full((batch.num_tokens, num_heads * head_dim), 0x7FC0, dtype=cupy.uint16)  # bf16 NaN
+    try:
+        prefill_attention(cupy.asarray(float_to_bf16_bits(q)), spec, kv, cuda_backend.prepare_batch(batch),
+                          implementation="sm90", out=out)
+    finally:
+        monkeypatch.delenv(SM90_KV_RUNS_ENV)
+        wanted_sm90_kv_runs.cache_clear()
+    ours = bf16_bits_to_float(cupy.asnumpy(out))
+    assert relative_error(ours, expected) < 1e-2
+    rows = np.abs(ours - expected).max(axis=1) / (np.abs(expected).max(axis=1) + 1e-6)
+    assert rows.max() < 0.1, int(rows.argmax())
+
+
+@pytest.mark.parametrize("settings", [{}, {"schedule": "persistent"}, {"head_pairs": "1"}, {"overlap": "0"},
+                                      {"kv_loads": "tma", "split_kv": "1"}], ids=lambda s: "-".join(s) or "default")
+@pytest.mark.parametrize("case", list(CASES))
+def test_q_registers_match_numpy(cuda_backend, rng, case, settings, monkeypatch):
+    """OPENINFER_SM90_Q_REGISTERS=1: Q K^T with Q as A fragments in registers (head_dim 128; the
+    head_dim 256 cases run the default build) over the variants that change the consumer loop."""
+    from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_prefill_supported
+    from openinfer.backend.cuda.attention_routing import SM90_Q_REGISTERS_ENV, wanted_sm90_q_registers
+
+    if not sm90_prefill_supported(CASES[case][0]):
+        pytest.skip("the sm90 kernel does not run here")
+    for name in SM90_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    for key, value in settings.items():
+        monkeypatch.setenv(SM90_ENV[key], value)
+    monkeypatch.setenv(SM90_Q_REGISTERS_ENV, "1")
+    refresh_kernel_choices()
+    wanted_sm90_q_registers.cache_clear()
+    try:
+        check_against_numpy(cuda_backend, rng, case, ["sm90"])
+    finally:
+        monkeypatch.delenv(SM90_Q_REGISTERS_ENV)
+        wanted_sm90_q_registers.cache_clear()
 
 
 def test_unsupported_sm90_request_is_a_clear_error(cuda_backend):

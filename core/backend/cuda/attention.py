@@ -14,7 +14,12 @@ only the prompt chunks' tiles the prefill kernel (``OPENINFER_MIXED_DECODE_ATTEN
 on the prefill kernel).
 ``OPENINFER_PREFILL_KERNEL=mma`` forces the mma.sync kernel (for comparisons);
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``kernel_choices.py``: ``sm90_variant``,
-``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs).
+``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs;
+``attention_routing.py``: ``OPENINFER_SM90_KV_RUNS``, a K/V tile of consecutive cache blocks in one TMA
+box per column block, and ``OPENINFER_SM90_Q_REGISTERS``, Q K^T with Q in registers at head_dim 128).
+``OPENINFER_SM90_SHORT_QUERY=1`` runs short steps on the Hopper short-query kernel
+(prefill_attention_sm90_short.cu: 16 tokens x 4 heads of a KV head as one wgmma M tile, TMA K/V,
+split-KV) instead of decode_attention_mma.cu's, where it applies (head_dim 128, KV blocks of 8-64 tokens).
 
 These switches are read once per process (a prefill step does not look at the environment);
 ``refresh_kernel_choices()`` re-reads them, for benchmarks and tests that switch in one process.
@@ -28,15 +33,25 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import AttentionSpec, KVLayer
-from openinfer.backend.cuda.attention_routing import MixedSplit, split_mixed_step, wants_short_query
+from openinfer.backend.cuda.attention_routing import (
+    MixedSplit,
+    sm90_short_query_row_groups,
+    split_mixed_step,
+    wanted_sm90_kv_runs,
+    wanted_sm90_q_registers,
+    wanted_sm90_short_query,
+    wants_short_query,
+)
 from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
 from openinfer.backend.cuda.decode_attention import (
     LOG2E,
     SHORT_QUERY_MAX_TOKENS,
     mma_supports,
+    output_rows,
     paged_decode_attention,
     short_query_attention_mma,
 )
+from openinfer.backend.cuda.decode_attention_plan import MAX_SPLITS, shared_split_count
 from openinfer.backend.cuda.kernel_choices import (  # noqa: F401  (re-exported for tests and benchmarks)
     MIXED_DECODE_ENV,
     PREFILL_KERNEL_ENV,
@@ -225,10 +240,16 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         head_pairs = sm90_head_pairs(variant, spec.head_dim, spec.num_heads, spec.num_kv_heads)
         multicast = (tma and sm90_kv_loads() == "tma_multicast" and scheduler is None and variant.kv_head_major_grid
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
+        # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
+        # define only when on, so the default build's kernel key is unchanged)
+        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128): Q K^T with Q from registers
+        runs = tma and wanted_sm90_kv_runs()
+        extra = ({"KV_RUNS": 1} if runs else {}) | \
+            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and wanted_sm90_q_registers() else {})
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
-                         HEAD_PAIRS=int(head_pairs))
+                         HEAD_PAIRS=int(head_pairs), **extra)
         if scheduler is not None:
             grid = (min(_num_sms(cupy.cuda.Device().id), spec.num_heads * num_tiles), 1)
         elif variant.kv_head_major_grid:
@@ -236,6 +257,9 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
         else:
             grid = (spec.num_heads, num_tiles)
         maps = (page_maps.get(kv.k), page_maps.get(kv.v)) if tma else (NULL, NULL)
+        if runs:
+            block_n = 64 if spec.head_dim == 256 else 128
+            maps += (page_maps.get(kv.k, box_tokens=block_n), page_maps.get(kv.v, box_tokens=block_n))
         fn(grid, (384,), (*args, *maps, np.int32(num_tiles), NULL if scheduler is None else scheduler),
            shared_mem=shared)
         return out
@@ -317,9 +341,100 @@ def mixed_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: Cu
     return out
 
 
+# prefill_attention_sm90_short.cu: 64-key K/V tiles, SQ90_STAGES of them, + 1 KB to align the ring
+SM90_SHORT_QUERY_KEYS = 64
+SM90_SHORT_QUERY_STAGES = 3
+SM90_SHORT_QUERY_HEAD_DIMS = (128,)
+SM90_SHORT_QUERY_CLUSTER = 1  # splits per thread-block cluster that combine through DSMEM (1: none)
+
+
+def sm90_short_query_supported(head_dim: int, group: int, k_cache: cupy.ndarray, v_cache: cupy.ndarray) -> bool:
+    """Whether the Hopper short-query kernel runs this shape: a compute capability 9.0 GPU, head_dim
+    128, a GQA group of at most 64, contiguous caches whose blocks are whole TMA pages of a 64-key tile."""
+    block_size = int(k_cache.shape[1])
+    return (_compute_capability(cupy.cuda.Device().id) == "90" and head_dim in SM90_SHORT_QUERY_HEAD_DIMS
+            and 1 <= group <= 64 and block_size % 8 == 0 and SM90_SHORT_QUERY_KEYS % block_size == 0
+            and bool(k_cache.flags.c_contiguous and v_cache.flags.c_contiguous))
+
+
+def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                               block_tables: cupy.ndarray, context_lens: cupy.ndarray, query_start: cupy.ndarray,
+                               max_query_len: int, scale: float, num_sms: int, *, splits: int | None = None,
+                               stages: int = SM90_SHORT_QUERY_STAGES, kv_runs: bool | None = None,
+                               cluster: int = SM90_SHORT_QUERY_CLUSTER,
+                               out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
+    causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
+    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about one CTA per SM and 32 KB K/V
+    stage (two per SM up to 3 stages), a power of two, at most MAX_SPLITS), the splits merged by
+    decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks);
+    ``kv_runs``: tiles of consecutive KV blocks in one TMA box per column block (None:
+    OPENINFER_SM90_KV_RUNS); ``cluster`` (1, 2, 4, 8): clusters of that many splits combine their
+    partials in the kernel (distributed shared memory), so the merge reads splits / cluster of them
+    (none when one cluster holds every split); the largest of 8, 4, 2, 1 up to it that divides the splits."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if not sm90_short_query_supported(head_dim, group, k_cache, v_cache):
+        raise ValueError(f"the sm90 short-query kernel needs a compute capability 9.0 GPU, head_dim in "
+                         f"{SM90_SHORT_QUERY_HEAD_DIMS}, a GQA group <= 64 and contiguous caches of 8/16/32/64-token "
+                         f"blocks; got head_dim {head_dim}, group {group}, block size {block_size}")
+    if not 1 <= max_query_len <= SHORT_QUERY_MAX_TOKENS:
+        raise ValueError(f"the short-query kernel takes 1..{SHORT_QUERY_MAX_TOKENS} new tokens per sequence, "
+                         f"got {max_query_len}")
+    num_seqs = int(context_lens.shape[0])
+    row_groups = sm90_short_query_row_groups(max_query_len, group)
+    if not 2 <= stages <= 6:
+        raise ValueError(f"stages must be 2..6 (32 KB each), got {stages}")
+    if splits is None:  # shared_split_count aims at two CTAs per SM; deeper rings fit one
+        ctas_per_sm = 2 if stages <= 3 else 1
+        splits = shared_split_count(num_seqs * num_kv_heads * row_groups * (2 // ctas_per_sm), num_sms)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
+    if cluster not in (1, 2, 4, 8):
+        raise ValueError(f"cluster must be 1, 2, 4 or 8 splits, got {cluster}")
+    while splits % cluster:
+        cluster //= 2
+    parts = splits // cluster  # partials the merge reads
+    out = output_rows(out, num_tokens, num_heads, head_dim)
+    if num_tokens == 0:
+        return out
+    shared = stages * 2 * SM90_SHORT_QUERY_KEYS * head_dim * 2 + 1024
+    runs = wanted_sm90_kv_runs() if kv_runs is None else kv_runs
+    fn = arch_kernel("prefill_attention_sm90_short.cu", "short_query_attention_sm90", "sm_90a", shared,
+                     HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=block_size, SQ90_STAGES=stages, SQ90_RUNS=int(runs),
+                     SQ90_CLUSTER=cluster)
+    maps = (page_maps.get(k_cache), page_maps.get(v_cache))
+    if runs:
+        maps += (page_maps.get(k_cache, box_tokens=SM90_SHORT_QUERY_KEYS),
+                 page_maps.get(v_cache, box_tokens=SM90_SHORT_QUERY_KEYS))
+    if parts == 1:
+        partial_out = partial_ml = out  # unused: the kernel writes ``out``
+    else:
+        partial_out = cupy.empty((num_tokens, num_heads, parts, head_dim), dtype=cupy.float32)
+        partial_ml = cupy.empty((num_tokens, num_heads, parts, 2), dtype=cupy.float32)
+    fn((splits * row_groups, num_kv_heads, num_seqs), (160,),
+       (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
+        np.int32(row_groups), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
+        np.int32(splits), np.float32(scale * LOG2E), *maps),
+       shared_mem=shared)
+    if parts > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
+        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
+            (num_heads, num_tokens), (min(128, head_dim),),
+            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(parts)))
+    return out
+
+
 def short_query_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: CudaBatch,
                           num_sms: int) -> cupy.ndarray:
-    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``)."""
+    """A few new tokens per sequence: ``q [T, nh, d] -> [T, nh d]`` (``decode_attention.py``; with
+    ``OPENINFER_SM90_SHORT_QUERY=1`` the Hopper kernel where it applies)."""
+    if wanted_sm90_short_query() and sm90_short_query_supported(spec.head_dim, spec.num_heads // spec.num_kv_heads,
+                                                                kv.k, kv.v):
+        return short_query_attention_sm90(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
+                                          batch.max_query_len, spec.scale, num_sms)
     return short_query_attention_mma(q, kv.k, kv.v, batch.block_tables, batch.context_lens, batch.query_start,
                                      batch.max_query_len, spec.scale, num_sms)
 

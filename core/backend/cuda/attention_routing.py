@@ -6,10 +6,18 @@ counts only (no device reads, no CuPy), so CPU CI tests them and a step never wa
   to the prefill kernel, instead of one 128-query prefill tile per decode row.
 * ``wants_short_query``: whether a short step (<= 16 new tokens per sequence) takes the split-KV
   short-query kernel; in "auto" mode only from a context length where it beats the prefill kernel.
+* ``wanted_sm90_short_query`` / ``sm90_short_query_row_groups``: whether such a step runs the Hopper
+  wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY=1``,
+  opt-in until measured faster), and its CTAs per (split, KV head, sequence).
+* ``wanted_sm90_kv_runs``: whether the sm90 prefill kernel copies runs of consecutive KV blocks in
+  one TMA box (``OPENINFER_SM90_KV_RUNS=1``, opt-in until measured faster); ``wanted_sm90_q_registers``:
+  whether its Q K^T takes Q from registers (``OPENINFER_SM90_Q_REGISTERS=1``, opt-in).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,3 +81,53 @@ def wants_short_query(mode: str, max_context_len: int | None, min_context: int =
     if mode == "auto":
         return max_context_len is None or max_context_len >= min_context
     return mode == "on"
+
+
+SM90_SHORT_QUERY_ENV = "OPENINFER_SM90_SHORT_QUERY"
+SM90_SHORT_QUERY_ROWS = 64  # query rows per CTA of the sm90 short-query kernel: one wgmma M tile
+
+
+SM90_KV_RUNS_ENV = "OPENINFER_SM90_KV_RUNS"
+SM90_Q_REGISTERS_ENV = "OPENINFER_SM90_Q_REGISTERS"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@functools.cache
+def wanted_sm90_short_query() -> bool:
+    """``OPENINFER_SM90_SHORT_QUERY``: "1" runs short steps on the Hopper wgmma short-query kernel
+    where it applies, "0" (the default) on decode_attention_mma.cu's. Read once per process;
+    ``wanted_sm90_short_query.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_SHORT_QUERY_ENV, False)
+
+
+@functools.cache
+def wanted_sm90_kv_runs() -> bool:
+    """``OPENINFER_SM90_KV_RUNS``: "1" lets the sm90 prefill kernel's TMA loads copy a K/V tile whose
+    pages are consecutive cache blocks as one box per column block (KV_RUNS), "0" (the default) page
+    by page. Read once per process; ``wanted_sm90_kv_runs.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_KV_RUNS_ENV, False)
+
+
+def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
+    """CTAs of the sm90 short-query kernel per (split, KV head, sequence): each takes
+    ``SM90_SHORT_QUERY_ROWS // group`` new tokens with all ``group`` query heads of its KV head."""
+    if not 1 <= group <= SM90_SHORT_QUERY_ROWS:
+        raise ValueError(f"the sm90 short-query kernel takes GQA groups 1..{SM90_SHORT_QUERY_ROWS}, got {group}")
+    if max_query_len < 1:
+        raise ValueError(f"a short step has at least one new token per sequence, got {max_query_len}")
+    return -(-max_query_len // (SM90_SHORT_QUERY_ROWS // group))
+
+
+@functools.cache
+def wanted_sm90_q_registers() -> bool:
+    """``OPENINFER_SM90_Q_REGISTERS``: "1" has the sm90 prefill kernel's consumers hold Q as wgmma A
+    fragments in registers at head_dim 128 (Q_REGISTERS: Q K^T reads only K from shared memory),
+    "0" (the default) both operands from shared memory. Read once per process;
+    ``wanted_sm90_q_registers.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_Q_REGISTERS_ENV, False)

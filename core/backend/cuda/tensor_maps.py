@@ -39,9 +39,12 @@ class PageBoxLayout:
     box: tuple[int, int, int]  # 64 elements x 1 head x one page of tokens
 
 
-def page_box_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> PageBoxLayout:
+def page_box_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+                    box_tokens: int | None = None) -> PageBoxLayout:
     """The tensor-map layout of a KV cache array of ``shape`` ``[blocks, block_size, kv_heads, head_dim]``
-    with byte ``strides``; ValueError where TMA cannot copy it page by page."""
+    with byte ``strides``; ValueError where TMA cannot copy it page by page. ``box_tokens``: a box of
+    that many cache tokens (whole pages, at most 256) instead of one page, for runs of consecutive
+    blocks (prefill_attention_sm90.cu's KV_RUNS)."""
     if len(shape) != 4 or itemsize != 2:
         raise ValueError(f"a paged bf16 cache [blocks, block_size, kv_heads, head_dim] is needed, got {shape}")
     blocks, block_size, kv_heads, head_dim = shape
@@ -51,9 +54,13 @@ def page_box_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
     if head_dim % BOX_ELEMENTS or not 1 <= block_size <= 256:
         raise ValueError(f"TMA page copies need head_dim a multiple of {BOX_ELEMENTS} and at most 256 tokens "
                          f"per block, got head_dim {head_dim}, block size {block_size}")
+    if box_tokens is None:
+        box_tokens = block_size
+    if not 1 <= box_tokens <= 256 or box_tokens % block_size:
+        raise ValueError(f"a TMA box spans whole pages of {block_size} tokens, at most 256, got {box_tokens}")
     return PageBoxLayout(dims=(head_dim, kv_heads, blocks * block_size),
                          strides=(head_dim * 2, kv_heads * head_dim * 2),
-                         box=(BOX_ELEMENTS, 1, block_size))
+                         box=(BOX_ELEMENTS, 1, box_tokens))
 
 
 @functools.cache
@@ -95,9 +102,10 @@ class PageMaps:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
-    def get(self, cache: cupy.ndarray) -> np.ndarray:
-        """The tensor map of ``cache`` as a kernel argument (a size-1 array of TENSOR_MAP_PARAM)."""
-        key = (cache.data.ptr, page_box_layout(cache.shape, cache.strides, cache.itemsize))
+    def get(self, cache: cupy.ndarray, box_tokens: int | None = None) -> np.ndarray:
+        """The tensor map of ``cache`` as a kernel argument (a size-1 array of TENSOR_MAP_PARAM), its
+        box one page or ``box_tokens`` tokens (whole pages)."""
+        key = (cache.data.ptr, page_box_layout(cache.shape, cache.strides, cache.itemsize, box_tokens))
         found = self._maps.get(key)
         if found is None:
             found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
