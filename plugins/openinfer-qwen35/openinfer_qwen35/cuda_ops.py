@@ -39,7 +39,11 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       K / U loaded a chunk ahead; key head dims up to 128; steps
                                       too small to fill the SMs keep gdn_chunk_states);
                                       =fused: registers with the gated norm in the output kernel
-                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows)
+                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows);
+                                      =grouped: registers with gdn_chunk_prepare_grouped (a block
+                                      per chunk and key head for its group of value heads: q / k
+                                      normed and their scores once; T scaled into the A operands,
+                                      V and K as stored; key head dims 64 / 128; bf16 tolerance)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -75,6 +79,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
+                              "gdn_chunk_prepare_grouped",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
@@ -123,7 +128,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "registers": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
                                                "gdn_gated_norm_warp", True, "gdn_chunk_states_registers"),
                    "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
-                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm")}
+                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm"),
+                   "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_warp",
+                                             True, "gdn_chunk_states_registers")}
+GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # gdn_chunk_prepare_grouped: a q / k row's 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
@@ -254,6 +262,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     kernels = PREFILL_KERNELS[choice]
     if config.conv_dim % 8 or proj_stride % 8:
         kernels = kernels._replace(conv=plain.conv)
+    if kernels.prepare == "gdn_chunk_prepare_grouped" and config.linear_key_head_dim not in GROUPED_PREPARE_KEY_HEAD_DIMS:
+        kernels = kernels._replace(prepare=PREFILL_KERNELS["registers"].prepare)
     if config.linear_value_head_dim > config.linear_key_head_dim:
         kernels = kernels._replace(prepare=plain.prepare)
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
@@ -277,6 +287,15 @@ def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
     middle = max(2 * tri, tb + kt) if staged else kt + 2 * tri + tb
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(dv * row_c * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
             + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
+
+
+def chunk_prepare_grouped_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_prepare_grouped's dynamic shared memory (its carve, in order): q then V, k, A, T, c,
+    beta, beta exp(c)."""
+    row_k, row_v, row_f = dk + 8, dv + 8, CHUNK_SIZE + 4
+    return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(CHUNK_SIZE * row_v * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
+            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4)
+            + CHUNK_SIZE * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -569,9 +588,12 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
+    if prepare == "gdn_chunk_prepare_grouped":  # a block per chunk and key head
+        prepare_bytes, prepare_heads = chunk_prepare_grouped_shared_bytes(dk, dv), nk
+    else:
+        prepare_bytes, prepare_heads = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS), nv
     _launch(prepare, kernel(prepare, dk, prepare_bytes),
-            (num_chunks, nv), (128,),
+            (num_chunks, prepare_heads), (128,),
             (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
              u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)

@@ -181,6 +181,19 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         got = read_array(tmp_path, f"blocked_{name}", np.uint16, (num_tokens, nv, width))
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * max(1.0, float(np.abs(want).max())))
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
+    # the grouped prepare (a block per chunk and key head; q / k normed by 16-byte rows, T scaled into
+    # the A operands): blocked's arrays within a bf16 rounding or two (c to fp64 rounding)
+    num_chunks = len(chunk_start)
+    for name, dtype, shape in (("qn", np.uint16, (num_tokens, nk, FAST_KEY_DIM)),
+                               ("kn", np.uint16, (num_tokens, nk, FAST_KEY_DIM)),
+                               ("w", np.uint16, (num_tokens, nv, FAST_KEY_DIM)),
+                               ("u", np.uint16, (num_tokens, nv, FAST_VALUE_DIM)),
+                               ("p", np.uint16, (num_chunks, nv, 64, 64)), ("cum", np.float32, (num_tokens, nv))):
+        want = read_array(tmp_path, f"blocked_{name}", dtype, shape)
+        got = read_array(tmp_path, f"grouped_{name}", dtype, shape)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * scale, err_msg=name)
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the walk with the state in mma accumulator registers (transposed products, the same operands

@@ -1267,3 +1267,254 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
         state[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_prepare_grouped (OPENINFER_QWEN35_GDN_PREFILL=grouped): gdn_chunk_prepare_blocked's
+// outputs (qn, kn, W, U, P, c) from one block per chunk and KEY head, for every value head of its
+// group (nv / nk of them: 2 in the 4B shape) in turn — grid (N, nk), 128 threads (warp w: rows
+// 16w..16w+15). What the group shares is done once: q and k are read, l2-normed and written once
+// (16-byte accesses, a row's sum of squares met over the DK / 8 lanes holding it), and the raw
+// scores Q K^T and K K^T stay in mma accumulators across the group's heads; per value head only
+// the gates, the decays D, the triangular solve and U / W remain. The solve's result scales into
+// the A operands instead of the B operands:
+//   U = (T diag(beta)) V,   W = (T diag(beta exp(c))) K
+// so T's A fragments come straight from the fp32 solve (scaled, packed to bf16) and V and the
+// normed K are the B operands as stored, row-major (ldmatrix.trans): no bf16 copy of T, no
+// transposed (beta V)^T / (beta exp(c) K)^T tiles. The cumulative decay is a warp scan in fp64
+// (two rows a lane). bf16 tolerance of blocked (products rounded at other points), not its bits.
+// Shared memory: qs -> V [64][max(LDK, dv + PAD)] bf16, ks [64][LDK], A and T [64][LDF] fp32,
+// c [64] fp64, beta and beta exp(c) [64] fp32.
+#define GROUPED_PREPARE_OK (DK <= 128 && 32 % (DK / 8) == 0)  // a row's 16-byte vectors within a warp
+
+__device__ __forceinline__ double shfl_up_double(double x, unsigned delta) {
+#ifdef MMA_HOST_STANDIN
+    long long bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const int lo = __shfl_up_sync(0xffffffffu, (int)(bits & 0xffffffffll), delta);
+    const int hi = __shfl_up_sync(0xffffffffu, (int)(bits >> 32), delta);
+    bits = ((long long)hi << 32) | (long long)(unsigned)lo;
+    std::memcpy(&x, &bits, sizeof bits);
+    return x;
+#else
+    return __shfl_up_sync(0xffffffffu, x, delta);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(PREPARE_PARAMS) {
+    if constexpr (GROUPED_PREPARE_OK) {
+        GDN_DYNAMIC_SHARED(smem);
+        const int c = blockIdx.x, key_head = blockIdx.y;
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        const int ratio = num_value_heads / num_key_heads;
+        const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
+        const int conv_dim = 2 * key_dim + value_dim;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+        const int r0 = 16 * warp, ldv = dv + PAD;
+        GDN_PHASES_BEGIN();
+
+        unsigned char* at = smem;
+        const size_t region0 = round_up_128((size_t)CHUNK * LDK * 2) > round_up_128((size_t)CHUNK * ldv * 2)
+                                   ? round_up_128((size_t)CHUNK * LDK * 2) : round_up_128((size_t)CHUNK * ldv * 2);
+        bf16* qs = reinterpret_cast<bf16*>(at);  // [64][LDK] normed q; once the scores are done, V [64][ldv]
+        bf16* vs = qs;
+        at += region0;
+        bf16* ks = reinterpret_cast<bf16*>(at);  // [64][LDK] normed k
+        at += round_up_128((size_t)CHUNK * LDK * 2);
+        float* amat = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        float* tinv = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        double* cum = reinterpret_cast<double*>(at);  // [64]
+        at += round_up_128(CHUNK * 8);
+        float* beta = reinterpret_cast<float*>(at);  // [64]
+        at += round_up_128(CHUNK * 4);
+        float* beta_decay = reinterpret_cast<float*>(at);  // [64] beta exp(c)
+
+        // 1. q and k rows: 16-byte loads (ROW_VECS lanes a row, rows r, r + 128 / ROW_VECS, ...), the
+        //    row's sum of squares over its lanes, normed (q also x DK^-1/2) into qs / ks and qn / kn
+        constexpr int ROW_VECS = DK / 8, ROWS_A_PASS = 128 / ROW_VECS, PASSES = CHUNK / ROWS_A_PASS;
+        {
+            const int row_in_pass = threadIdx.x / ROW_VECS, i = (threadIdx.x % ROW_VECS) * 8;
+            uint4 qraw[PASSES], kraw[PASSES];
+#pragma unroll
+            for (int it = 0; it < PASSES; ++it) {
+                const int r = row_in_pass + ROWS_A_PASS * it;
+                const bf16* src = conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + key_head * DK + i;
+                qraw[it] = kraw[it] = make_uint4(0, 0, 0, 0);
+                if (r < n) {
+                    qraw[it] = *reinterpret_cast<const uint4*>(src);
+                    kraw[it] = *reinterpret_cast<const uint4*>(src + key_dim);
+                }
+            }
+            const float q_scale = rsqrtf((float)DK);
+#pragma unroll
+            for (int it = 0; it < PASSES; ++it) {
+                const int r = row_in_pass + ROWS_A_PASS * it;
+                const bf16* qh = reinterpret_cast<const bf16*>(&qraw[it]);
+                const bf16* kh = reinterpret_cast<const bf16*>(&kraw[it]);
+                float qf[8], kf[8], q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+                for (int m = 0; m < 8; ++m) {
+                    qf[m] = to_f(qh[m]);
+                    kf[m] = to_f(kh[m]);
+                    q_sq += qf[m] * qf[m];
+                    k_sq += kf[m] * kf[m];
+                }
+#pragma unroll
+                for (int offset = 1; offset < ROW_VECS; offset <<= 1) {
+                    q_sq += __shfl_xor_sync(0xffffffffu, q_sq, offset);
+                    k_sq += __shfl_xor_sync(0xffffffffu, k_sq, offset);
+                }
+                const float q_norm = rsqrtf(q_sq + L2_NORM_EPS) * q_scale, k_norm = rsqrtf(k_sq + L2_NORM_EPS);
+                uint4 qo, ko;
+                unsigned* qw = reinterpret_cast<unsigned*>(&qo);
+                unsigned* kw = reinterpret_cast<unsigned*>(&ko);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    qw[m] = pack_bf16x2(qf[2 * m] * q_norm, qf[2 * m + 1] * q_norm);
+                    kw[m] = pack_bf16x2(kf[2 * m] * k_norm, kf[2 * m + 1] * k_norm);
+                }
+                *reinterpret_cast<uint4*>(qs + r * LDK + i) = qo;
+                *reinterpret_cast<uint4*>(ks + r * LDK + i) = ko;
+                if (r < n) {
+                    const size_t row = ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i;
+                    *reinterpret_cast<uint4*>(qn + row) = qo;
+                    *reinterpret_cast<uint4*>(kn + row) = ko;
+                }
+            }
+        }
+        __syncthreads();
+        GDN_PHASE(1);  // q / k loaded and normed
+
+        // 2. raw scores Q K^T and K K^T, warp w rows 16w..: kept for every value head of the group
+        float scores[2][CHUNK / 8][4] = {};
+        warp_strip_mma<DK, CHUNK / 8, 2>(
+            scores, [&](int x, int k0, unsigned* a) { load_a(a, (x == 0 ? qs : ks) + r0 * LDK + k0, LDK); }, ks, LDK);
+        __syncthreads();  // qs is dead: V goes there
+        GDN_PHASE(2);  // scores (tensor cores)
+
+        const int v_vecs = dv / 8;
+        auto load_v = [&](int h) {  // head h's V rows [64][dv] into vs (zeros past the chunk's end)
+            for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                const int r = e / v_vecs, jv = (e % v_vecs) * 8;
+                gdn_copy16(vs + r * ldv + jv,
+                           conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + 2 * key_dim + h * dv + jv, r < n);
+            }
+            gdn_commit_copies();
+        };
+        load_v(key_head * ratio);
+        for (int h = key_head * ratio; h < (key_head + 1) * ratio; ++h) {
+            // 3. gates and the cumulative decay c (fp64: c_t reaches -1000 within a chunk for
+            //    fast-forgetting heads), warp 0: rows 2 lane, 2 lane + 1
+            if (warp == 0) {
+                float b[2], lg[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * lane + e;
+                    b[e] = lg[e] = 0.f;
+                    if (r < n) {
+                        const bf16* row = proj + (size_t)(t0 + r) * proj_stride;
+                        b[e] = gdn_beta(to_f(row[conv_dim + value_dim + h]));
+                        lg[e] = gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]), neg_decay_rate[h],
+                                              dt_bias[h]);
+                    }
+                }
+                const double pair = (double)lg[0] + (double)lg[1];
+                double inclusive = pair;
+#pragma unroll
+                for (unsigned offset = 1; offset < 32; offset <<= 1) {
+                    const double below = shfl_up_double(inclusive, offset);
+                    if (lane >= (int)offset) inclusive += below;
+                }
+                double before = shfl_up_double(inclusive, 1);
+                if (lane == 0) before = 0.0;
+                const double sums[2] = {before + (double)lg[0], inclusive};
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * lane + e;
+                    cum[r] = sums[e];
+                    beta[r] = b[e];
+                    beta_decay[r] = b[e] * __expf((float)sums[e]);
+                    if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)sums[e];
+                }
+            }
+            __syncthreads();
+            GDN_PHASE(3);  // gates, cumulative decay
+
+            // 4. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared
+            {
+                bf16* p = p_out + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+#pragma unroll
+                for (int nt = 0; nt < CHUNK / 8; ++nt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int i = r0 + g + 8 * half, j = nt * 8 + 2 * q4;
+                        float pv[2], av[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int jj = j + e;
+                            const float d = jj <= i ? __expf((float)(cum[i] - cum[jj])) : 0.f;
+                            pv[e] = scores[0][nt][2 * half + e] * d;
+                            av[e] = jj < i ? beta[i] * scores[1][nt][2 * half + e] * d : 0.f;
+                        }
+                        store_pair(p + i * CHUNK + j, pv[0], pv[1]);
+                        amat[i * LDF + j] = av[0];
+                        amat[i * LDF + j + 1] = av[1];
+                    }
+            }
+            __syncthreads();
+            GDN_PHASE(4);  // P and A
+
+            // 5. T = (I + A)^-1 by 16 x 16 blocks (ends at a barrier)
+            solve_blocked(amat, tinv);
+            GDN_PHASE(5);  // T
+
+            // 6. W = (T diag(beta exp(c))) K, then U = (T diag(beta)) V: warp w rows 16w.., 16 columns
+            //    an mma pair; T's A fragments scaled from the fp32 solve
+            auto scaled_t = [&](const float* scale, unsigned (*t_frag)[4]) {  // T diag(scale), A fragments
+#pragma unroll
+                for (int kk = 0; kk < CHUNK / 16; ++kk)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {  // columns 16 kk + 2 q4 (+1), then + 8
+                        const int j = 16 * kk + 2 * q4 + 8 * half;
+                        const float2 t_lo = *reinterpret_cast<const float2*>(tinv + (r0 + g) * LDF + j);
+                        const float2 t_hi = *reinterpret_cast<const float2*>(tinv + (r0 + g + 8) * LDF + j);
+                        const float2 s = *reinterpret_cast<const float2*>(scale + j);
+                        t_frag[kk][2 * half] = pack_bf16x2(t_lo.x * s.x, t_lo.y * s.y);
+                        t_frag[kk][2 * half + 1] = pack_bf16x2(t_hi.x * s.x, t_hi.y * s.y);
+                    }
+            };
+            auto product = [&](const unsigned (*t_frag)[4], const bf16* rows, int ld, int width, bf16* dst) {
+                const size_t row_stride = (size_t)num_value_heads * width;
+                for (int np = 0; np < width / 16; ++np) {
+                    float acc[2][4] = {};
+#pragma unroll
+                    for (int kk = 0; kk < CHUNK / 16; ++kk) {
+                        unsigned b[4];
+                        load_b_row_major_pair(b, rows + 16 * kk * ld + 16 * np, ld);
+                        mma_bf16_16816(acc[0], t_frag[kk], b[0], b[1]);
+                        mma_bf16_16816(acc[1], t_frag[kk], b[2], b[3]);
+                    }
+#pragma unroll
+                    for (int t = 0; t < 2; ++t) {
+                        const int j = 16 * np + 8 * t + 2 * q4;
+                        if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[t][0], acc[t][1]);
+                        if (r0 + g + 8 < n)
+                            store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[t][2], acc[t][3]);
+                    }
+                }
+            };
+            unsigned t_frag[CHUNK / 16][4];
+            scaled_t(beta_decay, t_frag);
+            product(t_frag, ks, LDK, DK, w_out + (size_t)h * DK);
+            scaled_t(beta, t_frag);
+            gdn_wait_copies<0>();
+            __syncthreads();  // head h's V is in
+            product(t_frag, vs, ldv, dv, u_out + (size_t)h * dv);
+            __syncthreads();  // V, T, c, beta are free for the next head
+            if (h + 1 < (key_head + 1) * ratio) load_v(h + 1);
+            GDN_PHASE(6);  // W and U (tensor cores) stored
+        }
+        GDN_PHASES_DONE();
+    }
+}

@@ -127,6 +127,26 @@ int main(int argc, char** argv) {
         save(dir, "blocked_w.bin", b_w);
         save(dir, "blocked_u.bin", b_u);
 
+        // the grouped prepare (a block per chunk and key head, gdn_chunk_prepare_grouped) on the same
+        // conv output: every array for the test to compare with blocked's
+        std::vector<bf16> g_qn(qn.size()), g_kn(kn.size()), g_w(w.size()), g_u(u.size()), g_p(p.size());
+        std::vector<float> g_cum(cum.size());
+        launch(num_chunks, nk, 1, 128, [&] {
+            gdn_chunk_prepare_grouped(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                      chunk_start.data(), chunk_len.data(), g_qn.data(), g_kn.data(), g_w.data(),
+                                      g_u.data(), g_p.data(), g_cum.data(), nk, nv, dv);
+        });
+        save(dir, "blocked_qn.bin", b_qn);
+        save(dir, "blocked_kn.bin", b_kn);
+        save(dir, "blocked_p.bin", b_p);
+        save(dir, "blocked_cum.bin", b_cum);
+        save(dir, "grouped_qn.bin", g_qn);
+        save(dir, "grouped_kn.bin", g_kn);
+        save(dir, "grouped_w.bin", g_w);
+        save(dir, "grouped_u.bin", g_u);
+        save(dir, "grouped_p.bin", g_p);
+        save(dir, "grouped_cum.bin", g_cum);
+
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
         // core output and final states
         auto split_ssm = load<float>(dir, "ssm_state.bin");
