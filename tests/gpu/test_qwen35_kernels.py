@@ -93,7 +93,7 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused", "grouped"])
+@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma"])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
@@ -101,14 +101,14 @@ def kernels(request, monkeypatch):
     triangular solve by 16 x 16 blocks), on the default, registers (blocked with the chunk walk's
     state in mma accumulator registers where a step fills the SMs), on fused (registers with the gated norm
     in the output kernel; a step's one-token rows normed apart) and on grouped (registers with a prepare
-    block per chunk and key head)."""
+    block per chunk and key head) and grouped_mma (that with the solve's block products on tensor cores)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
     monkeypatch.setenv(cuda_ops.PREFILL_ENV,
-                       request.param if request.param in ("split_rows", "blocked", "registers", "fused", "grouped") else "plain")
+                       request.param if request.param in ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma") else "plain")
     return request.param
 
 

@@ -43,7 +43,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       =grouped: registers with gdn_chunk_prepare_grouped (a block
                                       per chunk and key head for its group of value heads: q / k
                                       normed and their scores once; T scaled into the A operands,
-                                      V and K as stored; key head dims 64 / 128; bf16 tolerance)
+                                      V and K as stored; key head dims 64 / 128; bf16 tolerance);
+                                      =grouped_mma: grouped with the triangular solve's block
+                                      products on tensor cores (hi / lo bf16 splits: ~16 bits)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -79,7 +81,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state
                                  "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
-                              "gdn_chunk_prepare_grouped",
+                              "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
@@ -130,8 +132,11 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
                                            True, "gdn_chunk_states_registers", "gdn_chunk_output_norm"),
                    "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_warp",
-                                             True, "gdn_chunk_states_registers")}
-GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # gdn_chunk_prepare_grouped: a q / k row's 16-byte vectors within a warp
+                                             True, "gdn_chunk_states_registers"),
+                   "grouped_mma": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
+                                                 "gdn_gated_norm_warp", True, "gdn_chunk_states_registers")}
+GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma")  # grid (chunks, key heads)
+GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
@@ -262,7 +267,7 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     kernels = PREFILL_KERNELS[choice]
     if config.conv_dim % 8 or proj_stride % 8:
         kernels = kernels._replace(conv=plain.conv)
-    if kernels.prepare == "gdn_chunk_prepare_grouped" and config.linear_key_head_dim not in GROUPED_PREPARE_KEY_HEAD_DIMS:
+    if kernels.prepare in GROUPED_PREPARE_KERNELS and config.linear_key_head_dim not in GROUPED_PREPARE_KEY_HEAD_DIMS:
         kernels = kernels._replace(prepare=PREFILL_KERNELS["registers"].prepare)
     if config.linear_value_head_dim > config.linear_key_head_dim:
         kernels = kernels._replace(prepare=plain.prepare)
@@ -588,7 +593,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    if prepare == "gdn_chunk_prepare_grouped":  # a block per chunk and key head
+    if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head
         prepare_bytes, prepare_heads = chunk_prepare_grouped_shared_bytes(dk, dv), nk
     else:
         prepare_bytes, prepare_heads = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS), nv

@@ -194,6 +194,15 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * scale, err_msg=name)
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
+    # the grouped prepare with the solve's block products on tensor cores (hi / lo bf16 splits): the
+    # scalar solve's qn, kn, P and c bit for bit, W and U within a bf16 rounding of them
+    assert read_array(tmp_path, "grouped_mma_same", np.int32, (1,))[0] == 1
+    for name, width in (("w", FAST_KEY_DIM), ("u", FAST_VALUE_DIM)):
+        want = read_array(tmp_path, f"grouped_{name}", np.uint16, (num_tokens, nv, width))
+        got = read_array(tmp_path, f"grouped_mma_{name}", np.uint16, (num_tokens, nv, width))
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * scale, err_msg=name)
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the walk with the state in mma accumulator registers (transposed products, the same operands

@@ -1300,9 +1300,107 @@ __device__ __forceinline__ double shfl_up_double(double x, unsigned delta) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(PREPARE_PARAMS) {
+// x0, x1 as bf16 pairs hi + lo (hi = x rounded, lo = the rest rounded): an mma over such splits,
+// hi hi' + hi lo' + lo hi', keeps ~16 bits of each product instead of bf16's 8.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    const float h0 = round_bf16(x0), h1 = round_bf16(x1);
+    hi = pack_bf16x2(h0, h1);
+    lo = pack_bf16x2(x0 - h0, x1 - h1);
+}
+
+// acc += A B for one 16 x 8 tile from split fragments (the lo x lo term dropped)
+__device__ __forceinline__ void mma_split(float* acc, const unsigned* a_hi, const unsigned* a_lo, const unsigned* b_hi,
+                                          const unsigned* b_lo) {
+    mma_bf16_16816(acc, a_hi, b_hi[0], b_hi[1]);
+    mma_bf16_16816(acc, a_hi, b_lo[0], b_lo[1]);
+    mma_bf16_16816(acc, a_lo, b_hi[0], b_hi[1]);
+}
+
+// A fragment (16 x 16 at row0, col0) of an fp32 matrix in shared memory (leading dim ld), split
+__device__ __forceinline__ void load_a_split(unsigned* hi, unsigned* lo, const float* m, int ld, int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // rows g, g + 8; columns 2q, then 2q + 8
+        const float2 x = *reinterpret_cast<const float2*>(m + (row0 + g + 8 * (e & 1)) * ld + col0 + 2 * q + 8 * (e >> 1));
+        split_bf16x2(x.x, x.y, hi[e], lo[e]);
+    }
+}
+
+// B fragment (16(k) x 8(n) at row0, col0) of a row-major fp32 matrix in shared memory, split
+__device__ __forceinline__ void load_b_split(unsigned* hi, unsigned* lo, const float* m, int ld, int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // rows 2q, 2q + 1, then 2q + 8, 2q + 9; column g
+        const float* at = m + (row0 + 2 * q + 8 * e) * ld + col0 + g;
+        split_bf16x2(at[0], at[ld], hi[e], lo[e]);
+    }
+}
+
+// solve_blocked with its block products on tensor cores: (a) the diagonal blocks' inverses T_bb by
+// forward substitution as there; (b) block row i = 1..3, warp j < i:
+//   M_ij = sum_{j<=k<i} A_ik T_kj  (mma over hi / lo bf16 splits of the fp32 operands, fp32 sums;
+//                                   M kept in A's unused upper triangle, block (j, i))
+//   T_ij = -T_ii M_ij              (the same)
+// Each product keeps ~16 bits of its fp32 operands (the dropped lo x lo term ~2^-16 of it): T
+// within fp32-ish rounding of solve_blocked's, far inside the bf16 its users round it to.
+__device__ __forceinline__ void solve_blocked_mma(float* amat, float* tinv) {
+    constexpr int B = 16, NB = CHUNK / B;
+    if (threadIdx.x < CHUNK) {
+        const int base = (threadIdx.x / B) * B, j = threadIdx.x;
+        for (int i = 0; i <= j; ++i) tinv[i * LDF + j] = i == j ? 1.f : 0.f;
+        for (int i = j + 1; i < base + B; ++i) {
+            float acc = -amat[i * LDF + j];
+            for (int m = j + 1; m < i; ++m) acc -= amat[i * LDF + m] * tinv[m * LDF + j];
+            tinv[i * LDF + j] = acc;
+        }
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll 1
+    for (int ib = 1; ib < NB; ++ib) {
+        if (warp < ib) {
+            const int jb = warp;
+            float m_acc[2][4] = {};
+            for (int kb = jb; kb < ib; ++kb) {
+                unsigned a_hi[4], a_lo[4];
+                load_a_split(a_hi, a_lo, amat, LDF, ib * B, kb * B);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    unsigned b_hi[2], b_lo[2];
+                    load_b_split(b_hi, b_lo, tinv, LDF, kb * B, jb * B + 8 * nt);
+                    mma_split(m_acc[nt], a_hi, a_lo, b_hi, b_lo);
+                }
+            }
+            float* m_tile = amat + (jb * B) * LDF + ib * B;  // A's upper triangle: free
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    *reinterpret_cast<float2*>(m_tile + (g + 8 * half) * LDF + 8 * nt + 2 * q) =
+                        make_float2(m_acc[nt][2 * half], m_acc[nt][2 * half + 1]);
+                }
+            __syncwarp();
+            unsigned t_hi[4], t_lo[4];
+            load_a_split(t_hi, t_lo, tinv, LDF, ib * B, ib * B);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                unsigned b_hi[2], b_lo[2];
+                load_b_split(b_hi, b_lo, m_tile, LDF, 0, 8 * nt);
+                float t_acc[4] = {};
+                mma_split(t_acc, t_hi, t_lo, b_hi, b_lo);
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<float2*>(tinv + (ib * B + g + 8 * half) * LDF + jb * B + 8 * nt + 2 * q) =
+                        make_float2(-t_acc[2 * half], -t_acc[2 * half + 1]);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+template <bool MMA_SOLVE>
+__device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS) {
     if constexpr (GROUPED_PREPARE_OK) {
-        GDN_DYNAMIC_SHARED(smem);
         const int c = blockIdx.x, key_head = blockIdx.y;
         const int t0 = chunk_start[c], n = chunk_len[c];
         const int ratio = num_value_heads / num_key_heads;
@@ -1466,7 +1564,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(P
             GDN_PHASE(4);  // P and A
 
             // 5. T = (I + A)^-1 by 16 x 16 blocks (ends at a barrier)
-            solve_blocked(amat, tinv);
+            if (MMA_SOLVE) {
+                solve_blocked_mma(amat, tinv);
+            } else {
+                solve_blocked(amat, tinv);
+            }
             GDN_PHASE(5);  // T
 
             // 6. W = (T diag(beta exp(c))) K, then U = (T diag(beta)) V: warp w rows 16w.., 16 columns
@@ -1517,4 +1619,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(P
         }
         GDN_PHASES_DONE();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<false>(smem, PREPARE_ARGS);
+}
+
+// gdn_chunk_prepare_grouped_mma (OPENINFER_QWEN35_GDN_PREFILL=grouped_mma): the grouped kernel with
+// the triangular solve's block products on tensor cores (solve_blocked_mma)
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped_mma(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<true>(smem, PREPARE_ARGS);
 }

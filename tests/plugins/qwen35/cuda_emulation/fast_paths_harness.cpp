@@ -14,12 +14,16 @@ inline void __threadfence() {}
 struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
     float x, y, z, w;
 };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
 #include "gdn_decode.cu"
 
 #include "harness.h"
+
+void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 #include <cstring>
 
@@ -146,6 +150,19 @@ int main(int argc, char** argv) {
         save(dir, "grouped_u.bin", g_u);
         save(dir, "grouped_p.bin", g_p);
         save(dir, "grouped_cum.bin", g_cum);
+        // the same with the solve's block products on tensor cores (gdn_chunk_prepare_grouped_mma)
+        std::vector<bf16> m_qn(qn.size()), m_kn(kn.size()), m_w(w.size()), m_u(u.size()), m_p(p.size());
+        std::vector<float> m_cum(cum.size());
+        launch(num_chunks, nk, 1, 128, [&] {
+            gdn_chunk_prepare_grouped_mma(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                          chunk_start.data(), chunk_len.data(), m_qn.data(), m_kn.data(), m_w.data(),
+                                          m_u.data(), m_p.data(), m_cum.data(), nk, nv, dv);
+        });
+        std::vector<int> grouped_mma_same{bits_equal(m_qn, g_qn) && bits_equal(m_kn, g_kn) && bits_equal(m_p, g_p) &&
+                                          bits_equal(m_cum, g_cum) ? 1 : 0};
+        save(dir, "grouped_mma_same.bin", grouped_mma_same);
+        save(dir, "grouped_mma_w.bin", m_w);
+        save(dir, "grouped_mma_u.bin", m_u);
 
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
         // core output and final states
