@@ -45,7 +45,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       normed and their scores once; T scaled into the A operands,
                                       V and K as stored; key head dims 64 / 128; bf16 tolerance);
                                       =grouped_mma: grouped with the triangular solve's block
-                                      products on tensor cores (hi / lo bf16 splits: ~16 bits)
+                                      products on tensor cores (hi / lo bf16 splits: ~16 bits);
+                                      both with gdn_gated_norm_vec (8 channels a thread, 16-byte
+                                      accesses; the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -78,7 +80,7 @@ from openinfer_qwen35.weights import DeltaNetWeights
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
 SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "gdn_gated_norm_warp", "gdn_gated_norm_vec", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
@@ -131,10 +133,11 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                "gdn_gated_norm_warp", True, "gdn_chunk_states_registers"),
                    "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
                                            True, "gdn_chunk_states_registers", "gdn_chunk_output_norm"),
-                   "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_warp",
+                   "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_vec",
                                              True, "gdn_chunk_states_registers"),
                    "grouped_mma": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
-                                                 "gdn_gated_norm_warp", True, "gdn_chunk_states_registers")}
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers")}
+VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma")  # grid (chunks, key heads)
 GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
@@ -271,6 +274,9 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(prepare=PREFILL_KERNELS["registers"].prepare)
     if config.linear_value_head_dim > config.linear_key_head_dim:
         kernels = kernels._replace(prepare=plain.prepare)
+    if kernels.norm == "gdn_gated_norm_vec" and (config.linear_value_head_dim not in VEC_NORM_VALUE_HEAD_DIMS
+                                                 or config.conv_dim % 8 or proj_stride % 8):
+        kernels = kernels._replace(norm="gdn_gated_norm_warp")
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
     if kernels.norm != "gdn_gated_norm_warp" or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM:
@@ -554,7 +560,12 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     else:
         _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
                 delta_rule_args)
-    if prefill.norm == "gdn_gated_norm_warp":
+    if prefill.norm == "gdn_gated_norm_vec" and not _aligned(core, proj, out, w.norm):
+        prefill = prefill._replace(norm="gdn_gated_norm_warp")  # its 16-byte accesses need aligned rows
+    if prefill.norm == "gdn_gated_norm_vec":
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-(nv * dv // 8) // 128)), (128,),
+                (core, *norm_args))
+    elif prefill.norm == "gdn_gated_norm_warp":
         _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,), (core, *norm_args))
     else:
         _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),

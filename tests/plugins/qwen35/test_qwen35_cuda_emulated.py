@@ -208,6 +208,10 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     # the walk with the state in mma accumulator registers (transposed products, the same operands
     # in the same k order): the split walk's S^T per chunk, V', O and final states bit for bit
     assert read_array(tmp_path, "registers_states_same", np.int32, (1,))[0] == 1
+    # the 8-channel gated norm (16-byte accesses, the sum of squares in another order): within a bf16 rounding
+    vec_norm = read_array(tmp_path, "vec_norm_out", np.uint16, expected.shape)
+    np.testing.assert_allclose(vec_norm, read_array(tmp_path, "prefill_out", np.uint16, expected.shape),
+                               rtol=8e-3, atol=1e-5)
     # the output kernel with the gated norm fused in: the separate norm's rows (the RMS summed in another
     # order: within a bf16 rounding)
     fused = read_array(tmp_path, "fused_out", np.uint16, expected.shape)

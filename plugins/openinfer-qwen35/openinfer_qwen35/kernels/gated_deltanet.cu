@@ -276,6 +276,43 @@ gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj
                     eps);
 }
 
+// gdn_gated_norm_warp with 8 adjacent channels a thread (OPENINFER_QWEN35_GDN_PREFILL=grouped |
+// grouped_mma): o, z and the weight by 16-byte loads, the output by one 16-byte store; a head's dv / 8
+// lanes meet their sums of squares by shuffles. grid (T, ceil(nv dv / 1024)), 128 threads (1024
+// channels a block); dv / 8 a power of two up to 32 (the launcher checks). The norm's sum in another
+// order than gdn_gated_norm_warp's (fp32 rounding apart), the same arithmetic per element.
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_vec(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                   const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                   int num_value_heads, int dv, float eps) {
+    const int t = blockIdx.x, c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    const int head_lanes = dv / 8;
+    // whole heads per warp (head_lanes divides 32): a warp's lanes past value_dim skip the loads only
+    const bool active = c0 < value_dim;
+    uint4 ov = make_uint4(0, 0, 0, 0), zv = ov, wv = ov;
+    if (active) {
+        ov = *reinterpret_cast<const uint4*>(core + (size_t)t * value_dim + c0);
+        zv = *reinterpret_cast<const uint4*>(proj + (size_t)t * proj_stride + conv_dim + c0);
+        wv = *reinterpret_cast<const uint4*>(norm_weight + c0 % dv);
+    }
+    const bf16* o = reinterpret_cast<const bf16*>(&ov);
+    const bf16* z = reinterpret_cast<const bf16*>(&zv);
+    const bf16* w = reinterpret_cast<const bf16*>(&wv);
+    float sq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq += to_f(o[e]) * to_f(o[e]);
+    for (int offset = 1; offset < head_lanes; offset <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+    const float inv_rms = rsqrtf(sq / (float)dv + eps);
+    uint4 yv;
+    bf16* y = reinterpret_cast<bf16*>(&yv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float normed = round_bf16(to_f(o[e]) * inv_rms);
+        y[e] = __float2bfloat16_rn(round_bf16(to_f(w[e]) * normed) * silu_f(to_f(z[e])));
+    }
+    if (active) *reinterpret_cast<uint4*>(out + (size_t)t * value_dim + c0) = yv;
+}
+
 // gdn_gated_norm_warp over the listed token rows only (grid (len(rows), ceil(nv / 4))): a fused-norm
 // prefill step's one-token rows (gdn_chunk_output_norm norms the chunked rows itself)
 extern "C" __global__ void __launch_bounds__(128)

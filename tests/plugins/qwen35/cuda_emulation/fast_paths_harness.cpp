@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
         });
         std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
+        // the 8-channel gated norm (gdn_gated_norm_vec) on the same O: for the test to compare
+        std::vector<bf16> vec_norm_out(out.size());
+        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((value_dim / 8 + 127) / 128), 1, 128, [&] {
+            gdn_gated_norm_vec(core.data(), proj.data(), proj_stride, norm.data(), vec_norm_out.data(), conv_dim,
+                               value_dim, nv, dv, eps);
+        });
+        save(dir, "vec_norm_out.bin", vec_norm_out);
 
         // the blocked triangular solve (gdn_chunk_prepare_blocked) on the same conv output: qn, kn,
         // P and c bit for bit (the solve comes after them), W and U (from T) for the test to compare
