@@ -93,7 +93,10 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma"])
+FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv")
+
+
+@pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
@@ -101,14 +104,15 @@ def kernels(request, monkeypatch):
     triangular solve by 16 x 16 blocks), on the default, registers (blocked with the chunk walk's
     state in mma accumulator registers where a step fills the SMs), on fused (registers with the gated norm
     in the output kernel; a step's one-token rows normed apart) and on grouped (registers with a prepare
-    block per chunk and key head) and grouped_mma (that with the solve's block products on tensor cores)."""
+    block per chunk and key head), grouped_mma (that with the solve's block products on tensor cores) and
+    grouped_conv (that with the conv1d inside the prepare)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
     monkeypatch.setenv(cuda_ops.PREFILL_ENV,
-                       request.param if request.param in ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma") else "plain")
+                       request.param if request.param in FAST_PREFILL_CHOICES else "plain")
     return request.param
 
 
@@ -316,12 +320,14 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
                                       cupy.asnumpy(layers["vec4"].device_ssm))
 
 
-@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked")])
+@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked"),
+                                                    ("grouped_conv", "grouped_mma")])
 def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
     issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)
     against plain; =registers (the walk's state in mma accumulators: the same products with the
-    operands swapped, in the same k order) against blocked: prompts from scratch, then continued
+    operands swapped, in the same k order) against blocked; =grouped_conv (the conv1d inside the
+    prepare, the windows updated after it) against grouped_mma: prompts from scratch, then continued
     beside decodes, and a 2,048-token prompt of fast-decaying heads give the reference kernels'
     outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops

@@ -46,8 +46,13 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       V and K as stored; key head dims 64 / 128; bf16 tolerance);
                                       =grouped_mma: grouped with the triangular solve's block
                                       products on tensor cores (hi / lo bf16 splits: ~16 bits);
-                                      both with gdn_gated_norm_vec (8 channels a thread, 16-byte
-                                      accesses; the norm's sum in another order)
+                                      =grouped_conv: grouped_mma with the conv1d + SiLU inside
+                                      the prepare (gdn_chunk_prepare_grouped_conv reads the
+                                      projection and the old conv windows; gdn_conv_state after
+                                      it; one-token rows by gdn_conv1d_vec_rows): no conv_out
+                                      round trip for the chunked rows; all three with
+                                      gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
+                                      the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -78,12 +83,14 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_delta_rule",
+                                 "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "gdn_gated_norm_vec", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
+                              "gdn_chunk_prepare_grouped_conv",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
@@ -136,9 +143,13 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_vec",
                                              True, "gdn_chunk_states_registers"),
                    "grouped_mma": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
-                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers")}
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
+                   "grouped_conv": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
+                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers")}
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
-GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma")  # grid (chunks, key heads)
+CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
+GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
+                           CONV_PREPARE_KERNEL)  # grid (chunks, key heads)
 GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
@@ -517,19 +528,42 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     prefill = prefill_kernels(config, proj.shape[1])
     if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
-        conv_kernel = kernel(prefill.conv, dk, 0, width)
-        conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
-    else:
-        conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
-    _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
-            (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
-             device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
-    _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
-            (_blocks(num_seqs * conv_dim),), (256,),
-            (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
-             np.int32(conv_dim), np.int32(width)))
     host_query_start = seqs.query_start
+    chunked_step = (not recurrent and host_query_start is not None and chunked_supported(config)
+                    and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS)
+    if prefill.prepare == CONV_PREPARE_KERNEL and (not chunked_step or prefill.conv != "gdn_conv1d_vec"):
+        prefill = prefill._replace(prepare=PREFILL_KERNELS["grouped_mma"].prepare)  # the conv's 16-byte loads
+    conv_args = (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
+                 device["token_seq"], conv_out)
+    lengths = np.diff(host_query_start) if chunked_step else None
+    single = np.flatnonzero(lengths == 1) if chunked_step and prefill.rows_apart else np.zeros(0, np.int64)
+    # device ids: the one-token rows' sequences, the chunked sequences, the one-token rows' token rows
+    ids, chunked = None, None
+    if len(single):
+        chunked = np.flatnonzero(lengths > 1)
+        ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
+
+    def update_conv_windows() -> None:
+        _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
+                (_blocks(num_seqs * conv_dim),), (256,),
+                (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
+                 np.int32(conv_dim), np.int32(width)))
+
+    conv_in_prepare = prefill.prepare == CONV_PREPARE_KERNEL
+    if conv_in_prepare:  # only the one-token rows here; the prepare convolves the chunked rows
+        if len(single):
+            _launch("gdn_conv1d_vec_rows", kernel("gdn_conv1d_vec_rows", dk, 0, width),
+                    (-(-len(single) // CONV_TOKENS), -(-conv_dim // 1024)), (128,),
+                    (*conv_args, np.int32(len(single)), np.int32(conv_dim), np.int32(width), ids[len(lengths) :]))
+    else:
+        if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
+            conv_kernel = kernel(prefill.conv, dk, 0, width)
+            conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
+        else:
+            conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
+        _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
+                (*conv_args, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
+        update_conv_windows()
     tile_dv = min(dv, TILE_DV)
     delta_rule_grid, delta_rule_block = (nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,)
     delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
@@ -537,24 +571,22 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                        np.int32(tile_dv))
     norm_args = (proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
                  np.float32(config.rms_norm_eps))
-    if (not recurrent and host_query_start is not None and chunked_supported(config)
-            and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
-        lengths = np.diff(host_query_start)
+    if chunked_step:
         fused_norm = prefill.output == "gdn_chunk_output_norm"
         chunk_out = out if fused_norm else core  # the output kernel norms the chunked rows itself
-        if prefill.rows_apart and (lengths == 1).any():
-            single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
-            ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
+        # the fused conv reads the old windows: gdn_conv_state runs after the prepare
+        conv = (conv_state, width, update_conv_windows) if conv_in_prepare else None
+        if len(single):
             _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
                     delta_rule_block, (*delta_rule_args, ids[: len(single)]))
             _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill,
-                                (chunked, ids[len(single) : len(lengths)]))
+                                (chunked, ids[len(single) : len(lengths)]), conv)
             if fused_norm:  # the one-token rows' norm
                 _launch("gdn_gated_norm_rows", kernel("gdn_gated_norm_rows", dk), (len(single), -(-nv // 4)), (128,),
                         (core, *norm_args, ids[len(lengths) :]))
                 return out
         else:
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill)
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill, conv=conv)
             if fused_norm:
                 return out
     else:
@@ -577,11 +609,14 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
 
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
                         seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray, prefill: PrefillKernels,
-                        subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
+                        subset: tuple[np.ndarray, cupy.ndarray] | None = None,
+                        conv: tuple[cupy.ndarray, int, Any] | None = None) -> None:
     """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
     ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
     ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
-    the slots the new state."""
+    the slots the new state. ``conv`` (the conv state slots, the conv width and a launch of
+    gdn_conv_state) when ``prefill.prepare`` convolves the rows itself: the windows are updated
+    right after it."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
@@ -608,10 +643,19 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         prepare_bytes, prepare_heads = chunk_prepare_grouped_shared_bytes(dk, dv), nk
     else:
         prepare_bytes, prepare_heads = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS), nv
-    _launch(prepare, kernel(prepare, dk, prepare_bytes),
-            (num_chunks, prepare_heads), (128,),
-            (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
-             u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    outputs = (starts, lengths, qn, kn, w_chunks, u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv))
+    if prepare == CONV_PREPARE_KERNEL:
+        conv_state, width, update_conv_windows = conv
+        device = seqs.device
+        _launch(prepare, kernel(prepare, dk, prepare_bytes, width), (num_chunks, prepare_heads), (128,),
+                (proj, np.int32(proj.shape[1]), w.conv_weight, conv_state, device["query_start"], device["slots"],
+                 device["fresh"], device["token_seq"], np.int32(width), w.neg_decay_rate, w.dt_bias, *outputs),
+                shared_mem=prepare_bytes)
+        update_conv_windows()
+    else:
+        _launch(prepare, kernel(prepare, dk, prepare_bytes), (num_chunks, prepare_heads), (128,),
+                (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, *outputs),
+                shared_mem=prepare_bytes)
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)

@@ -203,6 +203,10 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * scale, err_msg=name)
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
+    # the conv fused into the grouped prepare (projection rows + the old windows): grouped_mma's arrays
+    # bit for bit; the one-token rows convolved alone: conv_out's rows bit for bit
+    assert read_array(tmp_path, "grouped_conv_same", np.int32, (1,))[0] == 1
+    assert read_array(tmp_path, "conv_rows_same", np.int32, (1,))[0] == 1
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the walk with the state in mma accumulator registers (transposed products, the same operands

@@ -51,11 +51,15 @@ extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_st
 // 8 x 1k tokens; removed.)
 #define CONV_TOKENS 16
 #define CONV_MAX_WIDTH 9
-extern "C" __global__ void __launch_bounds__(128)
-gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
-               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
-               const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
-               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
+// ROWS (gdn_conv1d_vec_rows): only the listed token rows, rows[0 .. num_tokens) (a step whose chunked
+// rows are convolved inside gdn_chunk_prepare_grouped_conv: its one-token rows)
+template <bool ROWS>
+__device__ __forceinline__ void conv1d_vec(const bf16* __restrict__ proj, int proj_stride,
+                                           const bf16* __restrict__ weight, const bf16* __restrict__ conv_state,
+                                           const int* __restrict__ query_start, const int* __restrict__ slots,
+                                           const int* __restrict__ fresh, const int* __restrict__ token_seq,
+                                           bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width,
+                                           const int* __restrict__ rows) {
 #ifdef CONV_WIDTH
     constexpr int width = CONV_WIDTH;
 #else
@@ -80,7 +84,8 @@ gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __res
         }
     }
     const int t_end = min(num_tokens, (int)(blockIdx.x + 1) * CONV_TOKENS);
-    for (int t = blockIdx.x * CONV_TOKENS; t < t_end; ++t) {
+    for (int k = blockIdx.x * CONV_TOKENS; k < t_end; ++k) {
+        const int t = ROWS ? rows[k] : k;
         const int s = token_seq[t], first = query_start[s], pos = t - first;
         const bool is_fresh = fresh[s] != 0;
         const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
@@ -106,6 +111,26 @@ gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __res
         for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
         *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
+               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+               const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
+               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
+    conv1d_vec<false>(proj, proj_stride, weight, conv_state, query_start, slots, fresh, token_seq, conv_out, num_tokens,
+                      conv_dim, conv_width, nullptr);
+}
+
+// gdn_conv1d_vec over the listed token rows (grid (ceil(num_rows / CONV_TOKENS), ceil(conv_dim / 1024)))
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_vec_rows(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
+                    const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                    const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
+                    bf16* __restrict__ conv_out, int num_rows, int conv_dim, int conv_width,
+                    const int* __restrict__ rows) {
+    conv1d_vec<true>(proj, proj_stride, weight, conv_state, query_start, slots, fresh, token_seq, conv_out, num_rows,
+                     conv_dim, conv_width, rows);
 }
 
 // After gdn_conv1d: each sequence's slot keeps the last K-1 conv inputs. One thread per

@@ -1398,8 +1398,21 @@ __device__ __forceinline__ void solve_blocked_mma(float* amat, float* tinv) {
     }
 }
 
-template <bool MMA_SOLVE>
-__device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS) {
+// The varlen causal conv1d + SiLU (gated_deltanet.cu's gdn_conv1d_vec, the same sums in the same
+// order) fused into the grouped prepare (CONV): its inputs. With it the prepare reads the projection
+// rows (q | k | v columns, proj_stride apart) where it read conv_out, and a chunk's first rows reach
+// back into the sequence's earlier rows of the step or its slot's conv window — which gdn_conv_state
+// must update only after the prepare ran.
+#define GDN_CONV_MAX_WIDTH 9
+struct GroupedConv {
+    const bf16* weight;  // [conv_dim][width]
+    const bf16* state;   // [slots][width - 1][conv_dim]
+    const int *query_start, *slots, *fresh, *token_seq;
+    int width;
+};
+
+template <bool MMA_SOLVE, bool CONV = false>
+__device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS, GroupedConv conv = {}) {
     if constexpr (GROUPED_PREPARE_OK) {
         const int c = blockIdx.x, key_head = blockIdx.y;
         const int t0 = chunk_start[c], n = chunk_len[c];
@@ -1408,7 +1421,64 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
         const int conv_dim = 2 * key_dim + value_dim;
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
         const int r0 = 16 * warp, ldv = dv + PAD;
+        // conv_out rows (conv_dim apart), or with CONV the projection's (proj_stride apart) to convolve
+        const int in_stride = CONV ? proj_stride : conv_dim;
         GDN_PHASES_BEGIN();
+#ifdef CONV_WIDTH
+        constexpr int width = CONV_WIDTH;
+#else
+        const int width = conv.width;
+#endif
+        int first = 0;  // CONV: the chunk's sequence's first row in this step, and its slot's window
+        bool is_fresh = true;
+        const bf16* window = nullptr;
+        if (CONV) {
+            const int s = conv.token_seq[t0];
+            first = conv.query_start[s];
+            is_fresh = conv.fresh[s] != 0;
+            window = conv.state + (size_t)conv.slots[s] * (width - 1) * conv_dim;
+        }
+        // CONV: channels c0 .. c0 + 7's taps, w[e][j] = weight[c0 + e][j] (8 width contiguous bf16)
+        auto load_taps = [&](int c0, float (&w)[8][GDN_CONV_MAX_WIDTH]) {
+            const uint4* src = reinterpret_cast<const uint4*>(conv.weight + (size_t)c0 * width);
+#pragma unroll
+            for (int v = 0; v < GDN_CONV_MAX_WIDTH; ++v) {
+                if (v < width) {
+                    const uint4 raw = src[v];
+                    const bf16* x = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) w[(8 * v + k) / width][(8 * v + k) % width] = to_f(x[k]);
+                }
+            }
+        };
+        // row r (< n) of the chunk at channels c0 .. c0 + 7: conv_out's 16 bytes, or with CONV the conv
+        // over the sequence's rows (the window's before its first, zeros if fresh), SiLU, bf16
+        auto input_row = [&](int r, int c0, const float (&w)[8][GDN_CONV_MAX_WIDTH]) -> uint4 {
+            if (!CONV) return *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * in_stride + c0);
+            const int pos = t0 + r - first;
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+            for (int j = 0; j < GDN_CONV_MAX_WIDTH; ++j) {
+                if (j < width) {
+                    const int m = pos - (width - 1) + j;
+                    uint4 xv = make_uint4(0, 0, 0, 0);
+                    if (m >= 0) xv = *reinterpret_cast<const uint4*>(conv_out + (size_t)(first + m) * in_stride + c0);
+                    else if (!is_fresh)
+                        xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
+                    const bf16* x = reinterpret_cast<const bf16*>(&xv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] += w[e][j] * to_f(x[e]);
+                }
+            }
+            uint4 yv;
+            unsigned* y = reinterpret_cast<unsigned*>(&yv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                y[e] = pack_bf16x2(silu_f(round_bf16(acc[2 * e])), silu_f(round_bf16(acc[2 * e + 1])));
+            return yv;
+        };
 
         unsigned char* at = smem;
         const size_t region0 = round_up_128((size_t)CHUNK * LDK * 2) > round_up_128((size_t)CHUNK * ldv * 2)
@@ -1428,56 +1498,48 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
         at += round_up_128(CHUNK * 4);
         float* beta_decay = reinterpret_cast<float*>(at);  // [64] beta exp(c)
 
-        // 1. q and k rows: 16-byte loads (ROW_VECS lanes a row, rows r, r + 128 / ROW_VECS, ...), the
-        //    row's sum of squares over its lanes, normed (q also x DK^-1/2) into qs / ks and qn / kn
+        // 1. q, then k rows: 16-byte loads (ROW_VECS lanes a row, rows r, r + 128 / ROW_VECS, ...; with
+        //    CONV convolved first), the row's sum of squares over its lanes, normed (q also x DK^-1/2)
+        //    into qs / ks and qn / kn
         constexpr int ROW_VECS = DK / 8, ROWS_A_PASS = 128 / ROW_VECS, PASSES = CHUNK / ROWS_A_PASS;
         {
             const int row_in_pass = threadIdx.x / ROW_VECS, i = (threadIdx.x % ROW_VECS) * 8;
-            uint4 qraw[PASSES], kraw[PASSES];
+#pragma unroll 1
+            for (int tensor = 0; tensor < 2; ++tensor) {  // q, k
+                const int c0 = tensor * key_dim + key_head * DK + i;
+                float taps[8][GDN_CONV_MAX_WIDTH];
+                if (CONV) load_taps(c0, taps);
+                uint4 raw[PASSES];
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int r = row_in_pass + ROWS_A_PASS * it;
-                const bf16* src = conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + key_head * DK + i;
-                qraw[it] = kraw[it] = make_uint4(0, 0, 0, 0);
-                if (r < n) {
-                    qraw[it] = *reinterpret_cast<const uint4*>(src);
-                    kraw[it] = *reinterpret_cast<const uint4*>(src + key_dim);
+                for (int it = 0; it < PASSES; ++it) {
+                    const int r = row_in_pass + ROWS_A_PASS * it;
+                    raw[it] = make_uint4(0, 0, 0, 0);
+                    if (r < n) raw[it] = input_row(r, c0, taps);
                 }
-            }
-            const float q_scale = rsqrtf((float)DK);
+                const float scale = tensor == 0 ? rsqrtf((float)DK) : 1.f;
+                bf16* tile = tensor == 0 ? qs : ks;
+                bf16* normed_rows = tensor == 0 ? qn : kn;
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int r = row_in_pass + ROWS_A_PASS * it;
-                const bf16* qh = reinterpret_cast<const bf16*>(&qraw[it]);
-                const bf16* kh = reinterpret_cast<const bf16*>(&kraw[it]);
-                float qf[8], kf[8], q_sq = 0.f, k_sq = 0.f;
+                for (int it = 0; it < PASSES; ++it) {
+                    const int r = row_in_pass + ROWS_A_PASS * it;
+                    const bf16* xh = reinterpret_cast<const bf16*>(&raw[it]);
+                    float xf[8], sq = 0.f;
 #pragma unroll
-                for (int m = 0; m < 8; ++m) {
-                    qf[m] = to_f(qh[m]);
-                    kf[m] = to_f(kh[m]);
-                    q_sq += qf[m] * qf[m];
-                    k_sq += kf[m] * kf[m];
-                }
+                    for (int m = 0; m < 8; ++m) {
+                        xf[m] = to_f(xh[m]);
+                        sq += xf[m] * xf[m];
+                    }
 #pragma unroll
-                for (int offset = 1; offset < ROW_VECS; offset <<= 1) {
-                    q_sq += __shfl_xor_sync(0xffffffffu, q_sq, offset);
-                    k_sq += __shfl_xor_sync(0xffffffffu, k_sq, offset);
-                }
-                const float q_norm = rsqrtf(q_sq + L2_NORM_EPS) * q_scale, k_norm = rsqrtf(k_sq + L2_NORM_EPS);
-                uint4 qo, ko;
-                unsigned* qw = reinterpret_cast<unsigned*>(&qo);
-                unsigned* kw = reinterpret_cast<unsigned*>(&ko);
+                    for (int offset = 1; offset < ROW_VECS; offset <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+                    const float norm = rsqrtf(sq + L2_NORM_EPS) * scale;
+                    uint4 xo;
+                    unsigned* xw = reinterpret_cast<unsigned*>(&xo);
 #pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    qw[m] = pack_bf16x2(qf[2 * m] * q_norm, qf[2 * m + 1] * q_norm);
-                    kw[m] = pack_bf16x2(kf[2 * m] * k_norm, kf[2 * m + 1] * k_norm);
-                }
-                *reinterpret_cast<uint4*>(qs + r * LDK + i) = qo;
-                *reinterpret_cast<uint4*>(ks + r * LDK + i) = ko;
-                if (r < n) {
-                    const size_t row = ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i;
-                    *reinterpret_cast<uint4*>(qn + row) = qo;
-                    *reinterpret_cast<uint4*>(kn + row) = ko;
+                    for (int m = 0; m < 4; ++m) xw[m] = pack_bf16x2(xf[2 * m] * norm, xf[2 * m + 1] * norm);
+                    *reinterpret_cast<uint4*>(tile + r * LDK + i) = xo;
+                    if (r < n)
+                        *reinterpret_cast<uint4*>(normed_rows + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i) =
+                            xo;
                 }
             }
         }
@@ -1493,12 +1555,27 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 
         const int v_vecs = dv / 8;
         auto load_v = [&](int h) {  // head h's V rows [64][dv] into vs (zeros past the chunk's end)
-            for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
-                const int r = e / v_vecs, jv = (e % v_vecs) * 8;
-                gdn_copy16(vs + r * ldv + jv,
-                           conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + 2 * key_dim + h * dv + jv, r < n);
+            if (CONV) {  // convolved here: registers, then shared memory (the taps reloaded per channel group)
+                float taps[8][GDN_CONV_MAX_WIDTH];
+                int tap_channel = -1;
+                for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                    const int r = e / v_vecs, c0 = 2 * key_dim + h * dv + (e % v_vecs) * 8;
+                    if (c0 != tap_channel) {
+                        load_taps(c0, taps);
+                        tap_channel = c0;
+                    }
+                    uint4 xv = make_uint4(0, 0, 0, 0);
+                    if (r < n) xv = input_row(r, c0, taps);
+                    *reinterpret_cast<uint4*>(vs + r * ldv + (e % v_vecs) * 8) = xv;
+                }
+            } else {
+                for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                    const int r = e / v_vecs, jv = (e % v_vecs) * 8;
+                    gdn_copy16(vs + r * ldv + jv,
+                               conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + 2 * key_dim + h * dv + jv, r < n);
+                }
+                gdn_commit_copies();
             }
-            gdn_commit_copies();
         };
         load_v(key_head * ratio);
         for (int h = key_head * ratio; h < (key_head + 1) * ratio; ++h) {
@@ -1631,4 +1708,24 @@ extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(P
 extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped_mma(PREPARE_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
     chunk_prepare_grouped<true>(smem, PREPARE_ARGS);
+}
+
+// gdn_chunk_prepare_grouped_conv (OPENINFER_QWEN35_GDN_PREFILL=grouped_conv): grouped_mma with the
+// conv1d + SiLU fused in (GroupedConv): reads the projection rows and the slots' conv windows instead
+// of conv_out, so a step's chunked rows need no gdn_conv1d_vec pass (no conv_out written and read
+// back); the launcher runs gdn_conv_state after it. conv_out's bits (the same sums in the same order).
+extern "C" __global__ void __launch_bounds__(128, 3)
+gdn_chunk_prepare_grouped_conv(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ conv_weight,
+                               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                               const int* __restrict__ slots, const int* __restrict__ fresh,
+                               const int* __restrict__ token_seq, int conv_width,
+                               const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
+                               const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                               bf16* __restrict__ qn, bf16* __restrict__ kn, bf16* __restrict__ w_out,
+                               bf16* __restrict__ u_out, bf16* __restrict__ p_out, float* __restrict__ cum_out,
+                               int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const GroupedConv conv{conv_weight, conv_state, query_start, slots, fresh, token_seq, conv_width};
+    chunk_prepare_grouped<true, true>(smem, proj, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len,
+                                      qn, kn, w_out, u_out, p_out, cum_out, num_key_heads, num_value_heads, dv, conv);
 }

@@ -168,6 +168,42 @@ int main(int argc, char** argv) {
         std::vector<int> grouped_mma_same{bits_equal(m_qn, g_qn) && bits_equal(m_kn, g_kn) && bits_equal(m_p, g_p) &&
                                           bits_equal(m_cum, g_cum) ? 1 : 0};
         save(dir, "grouped_mma_same.bin", grouped_mma_same);
+        // the conv fused in (gdn_chunk_prepare_grouped_conv) on the projection and the windows as they were
+        // before gdn_conv_state: grouped_mma's arrays bit for bit; the one-token rows' conv alone
+        // (gdn_conv1d_vec_rows) gives conv_out's rows
+        {
+            auto old_conv_state = load<bf16>(dir, "conv_state.bin");
+            std::vector<bf16> f_qn(qn.size()), f_kn(kn.size()), f_w(w.size()), f_u(u.size()), f_p(p.size());
+            std::vector<float> f_cum(cum.size());
+            launch(num_chunks, nk, 1, 128, [&] {
+                gdn_chunk_prepare_grouped_conv(proj.data(), proj_stride, weight.data(), old_conv_state.data(),
+                                               query_start.data(), slots.data(), fresh.data(), token_seq.data(), width,
+                                               rate.data(), bias.data(), chunk_start.data(), chunk_len.data(),
+                                               f_qn.data(), f_kn.data(), f_w.data(), f_u.data(), f_p.data(),
+                                               f_cum.data(), nk, nv, dv);
+            });
+            std::vector<int> one_token_rows;
+            for (int s = 0; s < num_seqs; ++s)
+                if (query_start[s + 1] - query_start[s] == 1) one_token_rows.push_back(query_start[s]);
+            std::vector<bf16> rows_conv_out(conv_out.size());
+            const int num_rows = static_cast<int>(one_token_rows.size());
+            launch(static_cast<unsigned>((num_rows + CONV_TOKENS - 1) / CONV_TOKENS),
+                   static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+                gdn_conv1d_vec_rows(proj.data(), proj_stride, weight.data(), old_conv_state.data(), query_start.data(),
+                                    slots.data(), fresh.data(), token_seq.data(), rows_conv_out.data(), num_rows,
+                                    conv_dim, width, one_token_rows.data());
+            });
+            bool rows_same = num_rows > 0;
+            for (int t : one_token_rows)
+                rows_same = rows_same && std::memcmp(rows_conv_out.data() + (size_t)t * conv_dim,
+                                                     conv_out.data() + (size_t)t * conv_dim, conv_dim * sizeof(bf16)) == 0;
+            std::vector<int> grouped_conv_same{bits_equal(f_qn, m_qn) && bits_equal(f_kn, m_kn) && bits_equal(f_w, m_w) &&
+                                               bits_equal(f_u, m_u) && bits_equal(f_p, m_p) && bits_equal(f_cum, m_cum)
+                                               ? 1 : 0};
+            std::vector<int> conv_rows_same{rows_same ? 1 : 0};
+            save(dir, "grouped_conv_same.bin", grouped_conv_same);
+            save(dir, "conv_rows_same.bin", conv_rows_same);
+        }
         save(dir, "grouped_mma_w.bin", m_w);
         save(dir, "grouped_mma_u.bin", m_u);
 
