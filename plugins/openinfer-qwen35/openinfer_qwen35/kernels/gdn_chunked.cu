@@ -1453,7 +1453,8 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
         };
         // row r (< n) of the chunk at channels c0 .. c0 + 7: conv_out's 16 bytes, or with CONV the conv
         // over the sequence's rows (the window's before its first, zeros if fresh), SiLU, bf16
-        auto input_row = [&](int r, int c0, const float (&w)[8][GDN_CONV_MAX_WIDTH]) -> uint4 {
+        // (w: the taps as floats, w(e, j) = weight[c0 + e][j])
+        auto input_row = [&](int r, int c0, auto w) -> uint4 {
             if (!CONV) return *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * in_stride + c0);
             const int pos = t0 + r - first;
             float acc[8];
@@ -1469,7 +1470,7 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                         xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
                     const bf16* x = reinterpret_cast<const bf16*>(&xv);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] += w[e][j] * to_f(x[e]);
+                    for (int e = 0; e < 8; ++e) acc[e] += w(e, j) * to_f(x[e]);
                 }
             }
             uint4 yv;
@@ -1514,7 +1515,7 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                 for (int it = 0; it < PASSES; ++it) {
                     const int r = row_in_pass + ROWS_A_PASS * it;
                     raw[it] = make_uint4(0, 0, 0, 0);
-                    if (r < n) raw[it] = input_row(r, c0, taps);
+                    if (r < n) raw[it] = input_row(r, c0, [&](int e, int j) { return taps[e][j]; });
                 }
                 const float scale = tensor == 0 ? rsqrtf((float)DK) : 1.f;
                 bf16* tile = tensor == 0 ? qs : ks;
@@ -1555,17 +1556,25 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 
         const int v_vecs = dv / 8;
         auto load_v = [&](int h) {  // head h's V rows [64][dv] into vs (zeros past the chunk's end)
-            if (CONV) {  // convolved here: registers, then shared memory (the taps reloaded per channel group)
-                float taps[8][GDN_CONV_MAX_WIDTH];
+            if (CONV) {  // convolved here: registers, then shared memory; the taps kept as bf16 (the
+                         // scores hold 64 registers here), reloaded per channel group
+                uint4 taps[GDN_CONV_MAX_WIDTH];  // weight[c0 ..][..]: 8 width contiguous bf16
                 int tap_channel = -1;
                 for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
                     const int r = e / v_vecs, c0 = 2 * key_dim + h * dv + (e % v_vecs) * 8;
                     if (c0 != tap_channel) {
-                        load_taps(c0, taps);
+                        const uint4* src = reinterpret_cast<const uint4*>(conv.weight + (size_t)c0 * width);
+#pragma unroll
+                        for (int v = 0; v < GDN_CONV_MAX_WIDTH; ++v)
+                            if (v < width) taps[v] = src[v];
                         tap_channel = c0;
                     }
                     uint4 xv = make_uint4(0, 0, 0, 0);
-                    if (r < n) xv = input_row(r, c0, taps);
+                    if (r < n)
+                        xv = input_row(r, c0, [&](int tap_e, int j) {
+                            const int flat = tap_e * width + j;
+                            return to_f(reinterpret_cast<const bf16*>(&taps[flat / 8])[flat % 8]);
+                        });
                     *reinterpret_cast<uint4*>(vs + r * ldv + (e % v_vecs) * 8) = xv;
                 }
             } else {
