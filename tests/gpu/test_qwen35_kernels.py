@@ -93,7 +93,8 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv")
+FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv",
+                        "grouped_out")
 
 
 @pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
@@ -105,7 +106,7 @@ def kernels(request, monkeypatch):
     state in mma accumulator registers where a step fills the SMs), on fused (registers with the gated norm
     in the output kernel; a step's one-token rows normed apart) and on grouped (registers with a prepare
     block per chunk and key head), grouped_mma (that with the solve's block products on tensor cores) and
-    grouped_conv (that with the conv1d inside the prepare)."""
+    grouped_conv (that with the conv1d inside the prepare) and grouped_out (that with the staged output kernel)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -321,13 +322,14 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked"),
-                                                    ("grouped_conv", "grouped_mma")])
+                                                    ("grouped_conv", "grouped_mma"), ("grouped_out", "grouped_conv")])
 def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
     issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)
     against plain; =registers (the walk's state in mma accumulators: the same products with the
     operands swapped, in the same k order) against blocked; =grouped_conv (the conv1d inside the
-    prepare, the windows updated after it) against grouped_mma: prompts from scratch, then continued
+    prepare, the windows updated after it) against grouped_mma; =grouped_out (the output kernel with
+    a block's operands loaded at once) against grouped_conv: prompts from scratch, then continued
     beside decodes, and a 2,048-token prompt of fast-decaying heads give the reference kernels'
     outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops

@@ -50,7 +50,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       the prepare (gdn_chunk_prepare_grouped_conv reads the
                                       projection and the old conv windows; gdn_conv_state after
                                       it; one-token rows by gdn_conv1d_vec_rows): no conv_out
-                                      round trip for the chunked rows; all three with
+                                      round trip for the chunked rows; =grouped_out: that with
+                                      gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
+                                      at once, V' as the row-major B operand: gdn_chunk_output's
+                                      bits); all four with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -92,7 +95,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
                               "gdn_chunk_prepare_grouped_conv",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
-                              "gdn_chunk_output", "gdn_chunk_output_norm"),
+                              "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -145,7 +148,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "grouped_mma": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
                    "grouped_conv": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
-                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers")}
+                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
+                   "grouped_out": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                 "gdn_chunk_output_staged")}
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
 GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
@@ -290,7 +296,8 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(norm="gdn_gated_norm_warp")
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
-    if kernels.norm != "gdn_gated_norm_warp" or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM:
+    if kernels.output == "gdn_chunk_output_norm" and (kernels.norm != "gdn_gated_norm_warp"
+                                                      or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM):
         kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
@@ -358,6 +365,13 @@ def chunk_states_registers_shared_bytes(dk: int, dv: int) -> int:
     """gdn_chunk_states_registers' dynamic shared memory: two buffers of W, K, U and c."""
     row_k, row_u = dk + 8, 16 * register_states_warps(dv) + 8
     return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
+
+
+def chunk_output_staged_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_output_staged's dynamic shared memory (its carve, in order): Q, P, S^T, V', c."""
+    row_k, row_c, row_v = dk + 8, CHUNK_SIZE + 8, dv + 8
+    return (_round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2) + _round_128(dv * row_k * 2)
+            + _round_128(CHUNK_SIZE * row_v * 2) + CHUNK_SIZE * 4)
 
 
 def chunk_output_shared_bytes(dk: int) -> int:
@@ -659,7 +673,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
-        output_bytes = chunk_output_shared_bytes(dk)
+        output_bytes = (chunk_output_staged_shared_bytes(dk, dv) if prefill.output == "gdn_chunk_output_staged"
+                        else chunk_output_shared_bytes(dk))
         if prefill.states == "gdn_chunk_states_registers" and not register_walk_fills_gpu(dv, num_seqs * nv):
             prefill = prefill._replace(states=PrefillKernels._field_defaults["states"])
         if prefill.states == "gdn_chunk_states_registers":

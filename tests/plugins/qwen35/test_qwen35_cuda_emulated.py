@@ -216,6 +216,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     vec_norm = read_array(tmp_path, "vec_norm_out", np.uint16, expected.shape)
     np.testing.assert_allclose(vec_norm, read_array(tmp_path, "prefill_out", np.uint16, expected.shape),
                                rtol=8e-3, atol=1e-5)
+    # the output kernel with a block's operands loaded at once (V' as the row-major B operand): its bits
+    assert read_array(tmp_path, "output_staged_same", np.int32, (1,))[0] == 1
     # the output kernel with the gated norm fused in: the separate norm's rows (the RMS summed in another
     # order: within a bf16 rounding)
     fused = read_array(tmp_path, "fused_out", np.uint16, expected.shape)

@@ -1738,3 +1738,97 @@ gdn_chunk_prepare_grouped_conv(const bf16* __restrict__ proj, int proj_stride, c
     chunk_prepare_grouped<true, true>(smem, proj, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len,
                                       qn, kn, w_out, u_out, p_out, cum_out, num_key_heads, num_value_heads, dv, conv);
 }
+
+// gdn_chunk_output_staged (OPENINFER_QWEN35_GDN_PREFILL=grouped_out): gdn_chunk_output with every
+// operand of the block — Q, P, the head's whole S^T [dv][DK] and V' [64][dv] — in flight at once
+// (cp.async, one wait) instead of a 32-channel tile of S^T / V' at a time behind two barriers, and
+// V' as the row-major B operand of P V' (ldmatrix.trans) instead of a transposed copy made by
+// scalar shared-memory stores. The same products in the same k order: gdn_chunk_output's bits.
+// grid (N, nv), 128 threads; shared: Q [64][LDK], P [64][LDC], S^T [dv][LDK], V' [64][dv + PAD]
+// bf16, c [64] fp32 (79 KiB at 128 / 128: 2 blocks an SM).
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 2)
+gdn_chunk_output_staged(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                        const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                        const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                        bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int value_dim = num_value_heads * dv, ldv = dv + PAD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int t0 = chunk_start[c], n = chunk_len[c];
+
+    unsigned char* at = smem;
+    bf16* qs = reinterpret_cast<bf16*>(at);  // Q [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ps = reinterpret_cast<bf16*>(at);  // P [64][LDC]
+    at += round_up_128((size_t)CHUNK * LDC * 2);
+    bf16* sbt = reinterpret_cast<bf16*>(at);  // S^T [dv][LDK]
+    at += round_up_128((size_t)dv * LDK * 2);
+    bf16* vs = reinterpret_cast<bf16*>(at);  // V' [64][ldv]
+    at += round_up_128((size_t)CHUNK * ldv * 2);
+    float* cum = reinterpret_cast<float*>(at);  // [64]
+
+    constexpr int ROW_VECS = DK / 8;
+    for (int e = threadIdx.x; e < CHUNK * ROW_VECS; e += SCAN_THREADS) {
+        const int r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+        gdn_copy16(qs + r * LDK + i, qn + ((size_t)(t0 + (r < n ? r : 0)) * num_key_heads + key_head) * DK + i, r < n);
+    }
+    const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+    for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += SCAN_THREADS)
+        gdn_copy16(ps + (e / (CHUNK / 8)) * LDC + (e % (CHUNK / 8)) * 8, p + e * 8, true);
+    const bf16* state_in = states + ((size_t)c * num_value_heads + h) * dv * DK;
+    for (int e = threadIdx.x; e < dv * ROW_VECS; e += SCAN_THREADS) {
+        const int j = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+        gdn_copy16(sbt + j * LDK + i, state_in + (size_t)j * DK + i, true);
+    }
+    const int v_vecs = dv / 8;
+    for (int e = threadIdx.x; e < CHUNK * v_vecs; e += SCAN_THREADS) {
+        const int r = e / v_vecs, j = (e % v_vecs) * 8;
+        gdn_copy16(vs + r * ldv + j, v_new + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j, r < n);
+    }
+    gdn_commit_copies();
+    if (threadIdx.x < CHUNK) {  // padding rows: the last row's c, as gdn_chunk_output
+        const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+        cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+    }
+    gdn_wait_copies<0>();
+    __syncthreads();
+
+    const int r0 = 16 * warp;
+    const float row_decay[2] = {__expf(cum[r0 + g]), __expf(cum[r0 + g + 8])};
+    for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+        float acc_o[1][SCAN_TILE / 8][4] = {};
+        warp_strip_mma<DK, SCAN_TILE / 8, 1>(
+            acc_o, [&](int, int k0, unsigned* a) { load_a(a, qs + r0 * LDK + k0, LDK); }, sbt + j0 * LDK, LDK);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                acc_o[0][nt][2 * half] *= row_decay[half];
+                acc_o[0][nt][2 * half + 1] *= row_decay[half];
+            }
+#pragma unroll
+        for (int k0 = 0; k0 < CHUNK; k0 += 16) {  // + P V', V' rows as the B operand (k = chunk row)
+            unsigned a[4];
+            load_a(a, ps + r0 * LDC + k0, LDC);
+#pragma unroll
+            for (int np = 0; np < SCAN_TILE / 16; ++np) {
+                unsigned b[4];
+                load_b_row_major_pair(b, vs + k0 * ldv + j0 + 16 * np, ldv);
+                mma_bf16_16816(acc_o[0][2 * np], a, b[0], b[1]);
+                mma_bf16_16816(acc_o[0][2 * np + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            if (r < n) {
+                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                    store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+            }
+        }
+    }
+}

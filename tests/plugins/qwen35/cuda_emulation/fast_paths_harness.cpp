@@ -240,6 +240,14 @@ int main(int argc, char** argv) {
             gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
                              chunk_start.data(), chunk_len.data(), reg_core.data(), nk, nv, dv);
         });
+        // the output kernel with all of a block's operands loaded at once (gdn_chunk_output_staged)
+        std::vector<bf16> staged_core(core.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output_staged(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                                    chunk_start.data(), chunk_len.data(), staged_core.data(), nk, nv, dv);
+        });
+        std::vector<int> output_staged_same{bits_equal(staged_core, reg_core) ? 1 : 0};
+        save(dir, "output_staged_same.bin", output_staged_same);
         std::vector<int> registers_same{bits_equal(reg_states, states) && bits_equal(reg_v_new, v_new) &&
                                         bits_equal(reg_core, core) && bits_equal(reg_ssm, ssm) ? 1 : 0};
         save(dir, "registers_states_same.bin", registers_same);
