@@ -550,12 +550,8 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     conv_args = (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
                  device["token_seq"], conv_out)
     lengths = np.diff(host_query_start) if chunked_step else None
-    single = np.flatnonzero(lengths == 1) if chunked_step and prefill.rows_apart else np.zeros(0, np.int64)
-    # device ids: the one-token rows' sequences, the chunked sequences, the one-token rows' token rows
-    ids, chunked = None, None
-    if len(single):
-        chunked = np.flatnonzero(lengths > 1)
-        ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
+    single, chunked, ids = (_one_token_rows(seqs) if chunked_step and prefill.rows_apart
+                            else (np.zeros(0, np.int64), None, None))
 
     def update_conv_windows() -> None:
         _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
@@ -621,6 +617,33 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     return out
 
 
+def _step_cached(seqs: StepSequences, key: str, make: Any) -> Any:
+    """``make()`` once per step: kept in the step's ``seqs.device`` dict (built per step, shared by
+    its layers), so the chunk layout and row ids are computed and uploaded once a step, not once
+    a layer (24 host → device copies from pageable memory fewer a mixed step of the 4B shape)."""
+    cache = seqs.device
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _one_token_rows(seqs: StepSequences) -> tuple[np.ndarray, np.ndarray | None, cupy.ndarray | None]:
+    """A chunked step's one-token rows (host sequence ids), its other sequences, and one device array
+    of the one-token rows' sequences, the chunked sequences and the one-token rows' token rows (or
+    empty, None, None when there are no one-token rows)."""
+
+    def make():
+        lengths = np.diff(seqs.query_start)
+        single = np.flatnonzero(lengths == 1)
+        if not len(single):
+            return single, None, None
+        chunked = np.flatnonzero(lengths > 1)
+        ids = cupy.asarray(np.concatenate([single, chunked, seqs.query_start[single]]).astype(np.int32))
+        return single, chunked, ids
+
+    return _step_cached(seqs, "qwen35_one_token_rows", make)
+
+
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
                         seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray, prefill: PrefillKernels,
                         subset: tuple[np.ndarray, cupy.ndarray] | None = None,
@@ -637,14 +660,18 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     slots, fresh = seqs.device["slots"], seqs.device["fresh"]
     if subset is None:
         num_seqs = len(seqs.slots)
-        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
     else:
         host_ids, device_ids = subset
         num_seqs = len(host_ids)
-        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=host_ids)
         slots, fresh = slots[device_ids], fresh[device_ids]
-    num_chunks = len(chunk_start)
-    layout = cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+
+    def make_layout() -> tuple[int, cupy.ndarray]:
+        chunk_start, chunk_len, seq_chunks = (chunk_layout(seqs.query_start) if subset is None
+                                              else chunk_layout(seqs.query_start, seq_ids=subset[0]))
+        return len(chunk_start), cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+
+    # the same every layer of the step (the subset is always the step's chunked sequences)
+    num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
     qn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
     kn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
