@@ -1337,7 +1337,8 @@ __device__ __forceinline__ void load_b_split(unsigned* hi, unsigned* lo, const f
 }
 
 // solve_blocked with its block products on tensor cores: (a) the diagonal blocks' inverses T_bb by
-// forward substitution as there; (b) block row i = 1..3, warp j < i:
+// forward substitution, a column in registers (fp32 sums in another order); (b) block row i = 1..3,
+// warp j < i:
 //   M_ij = sum_{j<=k<i} A_ik T_kj  (mma over hi / lo bf16 splits of the fp32 operands, fp32 sums;
 //                                   M kept in A's unused upper triangle, block (j, i))
 //   T_ij = -T_ii M_ij              (the same)
@@ -1346,13 +1347,26 @@ __device__ __forceinline__ void load_b_split(unsigned* hi, unsigned* lo, const f
 __device__ __forceinline__ void solve_blocked_mma(float* amat, float* tinv) {
     constexpr int B = 16, NB = CHUNK / B;
     if (threadIdx.x < CHUNK) {
-        const int base = (threadIdx.x / B) * B, j = threadIdx.x;
-        for (int i = 0; i <= j; ++i) tinv[i * LDF + j] = i == j ? 1.f : 0.f;
-        for (int i = j + 1; i < base + B; ++i) {
-            float acc = -amat[i * LDF + j];
-            for (int m = j + 1; m < i; ++m) acc -= amat[i * LDF + m] * tinv[m * LDF + j];
-            tinv[i * LDF + j] = acc;
+        // column jl of diagonal block `base` in registers, every thread through the same unrolled
+        // loop: t[i] = -sum_{m < i} A[i][m] t[m] below the diagonal (t[m] = 0 above it, 1 on it
+        // make the sum start at the diagonal), so A's loads (broadcast within the block's 16
+        // lanes) do not wait on t and each row adds its newest term last
+        const int base = (threadIdx.x / B) * B, jl = threadIdx.x % B, j = threadIdx.x;
+        float t[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int m = 0; m < i; ++m) {
+                const float a = amat[(base + i) * LDF + base + m];
+                if (m & 1) acc1 -= a * t[m];
+                else acc0 -= a * t[m];
+            }
+            t[i] = i > jl ? acc0 + acc1 : (i == jl ? 1.f : 0.f);
         }
+        for (int i = 0; i < base; ++i) tinv[i * LDF + j] = 0.f;  // above the diagonal block
+#pragma unroll
+        for (int i = 0; i < B; ++i) tinv[(base + i) * LDF + j] = t[i];
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
