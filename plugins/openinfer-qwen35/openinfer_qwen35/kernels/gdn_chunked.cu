@@ -1642,8 +1642,12 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
             // 4. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared
             {
                 bf16* p = p_out + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+                // the rows' c and beta once (the compiler cannot keep them across the stores to A)
+                const double cum_row[2] = {cum[r0 + g], cum[r0 + g + 8]};
+                const float beta_row[2] = {beta[r0 + g], beta[r0 + g + 8]};
 #pragma unroll
-                for (int nt = 0; nt < CHUNK / 8; ++nt)
+                for (int nt = 0; nt < CHUNK / 8; ++nt) {
+                    const double cum_col[2] = {cum[nt * 8 + 2 * q4], cum[nt * 8 + 2 * q4 + 1]};
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int i = r0 + g + 8 * half, j = nt * 8 + 2 * q4;
@@ -1651,14 +1655,14 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int jj = j + e;
-                            const float d = jj <= i ? __expf((float)(cum[i] - cum[jj])) : 0.f;
+                            const float d = jj <= i ? __expf((float)(cum_row[half] - cum_col[e])) : 0.f;
                             pv[e] = scores[0][nt][2 * half + e] * d;
-                            av[e] = jj < i ? beta[i] * scores[1][nt][2 * half + e] * d : 0.f;
+                            av[e] = jj < i ? beta_row[half] * scores[1][nt][2 * half + e] * d : 0.f;
                         }
                         store_pair(p + i * CHUNK + j, pv[0], pv[1]);
-                        amat[i * LDF + j] = av[0];
-                        amat[i * LDF + j + 1] = av[1];
+                        *reinterpret_cast<float2*>(amat + i * LDF + j) = make_float2(av[0], av[1]);
                     }
+                }
             }
             __syncthreads();
             GDN_PHASE(4);  // P and A
