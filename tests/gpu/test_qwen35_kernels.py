@@ -114,6 +114,8 @@ def kernels(request, monkeypatch):
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
     monkeypatch.setenv(cuda_ops.PREFILL_ENV,
                        request.param if request.param in FAST_PREFILL_CHOICES else "plain")
+    # the grouped prepares as a big step runs them (a block per key head); these steps are small
+    monkeypatch.setattr(cuda_ops, "GROUPED_PREPARE_BLOCKS_PER_SM", 0)
     return request.param
 
 
@@ -354,6 +356,31 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(outs[1], outs[0])
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
+
+
+def test_grouped_prepare_split_over_value_heads_equals_one_block_per_key_head(monkeypatch):
+    """A step too small to fill the GPU runs the grouped prepare with a block per value head (grid
+    z); a big one with a block per key head: the same outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "grouped_out")
+    rng = np.random.default_rng(31)
+    layers = {split: Layer(np.random.default_rng(32), fast_decay=True) for split in (False, True)}
+    for lengths, slots, fresh in (([200, 1, 64, 9], [3, 1, 4, 2], True), ([130, 1, 70, 1, 65], [3, 1, 4, 2, 6], False)):
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.asarray(slots, np.int64),
+                                                        np.full(len(slots), fresh)))
+        proj = device_bf16(rng.standard_normal((sum(lengths), layers[False].features)))
+        outs = []
+        for split, layer in layers.items():
+            monkeypatch.setattr(cuda_ops, "GROUPED_PREPARE_BLOCKS_PER_SM", 10**6 if split else 0)
+            outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                        layer.device_ssm, seqs, layer.config)))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(cupy.asnumpy(layers[True].device_ssm), cupy.asnumpy(layers[False].device_ssm))
 
 
 def test_register_walk_and_its_small_step_fallback_equal_blocked(monkeypatch):

@@ -356,6 +356,17 @@ def register_walk_fills_gpu(dv: int, heads: int) -> bool:
     return heads * (dv // (16 * register_states_warps(dv))) >= _multiprocessors()
 
 
+GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 69 KiB of shared memory and 168 registers a thread
+
+
+def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> int:
+    """Blocks a grouped prepare spreads each key head's value heads over: 1 (the group shares its
+    q / k work) when the step's chunks x key heads fill every SM's block slots, else ``ratio`` (a
+    block per value head, as the other prepare kernels: a lone 1k prompt's 16 chunks x 16 key heads
+    would leave most of the H200's 396 slots empty)."""
+    return 1 if num_chunks * num_key_heads >= GROUPED_PREPARE_BLOCKS_PER_SM * _multiprocessors() else ratio
+
+
 @functools.cache
 def _multiprocessors() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
@@ -680,21 +691,23 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head
-        prepare_bytes, prepare_heads = chunk_prepare_grouped_shared_bytes(dk, dv), nk
+    if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head (or per value head: small steps)
+        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv)
+        prepare_grid = (num_chunks, nk, grouped_prepare_split(num_chunks, nk, nv // nk))
     else:
-        prepare_bytes, prepare_heads = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS), nv
+        prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
+        prepare_grid = (num_chunks, nv)
     outputs = (starts, lengths, qn, kn, w_chunks, u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv))
     if prepare == CONV_PREPARE_KERNEL:
         conv_state, width, update_conv_windows = conv
         device = seqs.device
-        _launch(prepare, kernel(prepare, dk, prepare_bytes, width), (num_chunks, prepare_heads), (128,),
+        _launch(prepare, kernel(prepare, dk, prepare_bytes, width), prepare_grid, (128,),
                 (proj, np.int32(proj.shape[1]), w.conv_weight, conv_state, device["query_start"], device["slots"],
                  device["fresh"], device["token_seq"], np.int32(width), w.neg_decay_rate, w.dt_bias, *outputs),
                 shared_mem=prepare_bytes)
         update_conv_windows()
     else:
-        _launch(prepare, kernel(prepare, dk, prepare_bytes), (num_chunks, prepare_heads), (128,),
+        _launch(prepare, kernel(prepare, dk, prepare_bytes), prepare_grid, (128,),
                 (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, *outputs),
                 shared_mem=prepare_bytes)
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)

@@ -1274,7 +1274,8 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
 // group (nv / nk of them: 2 in the 4B shape) in turn — grid (N, nk), 128 threads (warp w: rows
 // 16w..16w+15). What the group shares is done once: q and k are read, l2-normed and written once
 // (16-byte accesses, a row's sum of squares met over the DK / 8 lanes holding it), and the raw
-// scores Q K^T and K K^T stay in mma accumulators across the group's heads; per value head only
+// scores Q K^T and K K^T stay in mma accumulators across the group's heads (a step too small to
+// fill the GPU splits the group over gridDim.z blocks instead: grid (N, nk, ratio)); per value head only
 // the gates, the decays D, the triangular solve and U / W remain. The solve's result scales into
 // the A operands instead of the B operands:
 //   U = (T diag(beta)) V,   W = (T diag(beta exp(c))) K
@@ -1552,7 +1553,7 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 #pragma unroll
                     for (int m = 0; m < 4; ++m) xw[m] = pack_bf16x2(xf[2 * m] * norm, xf[2 * m + 1] * norm);
                     *reinterpret_cast<uint4*>(tile + r * LDK + i) = xo;
-                    if (r < n)
+                    if (r < n && blockIdx.z == 0)  // one block of the group writes the key head's rows
                         *reinterpret_cast<uint4*>(normed_rows + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i) =
                             xo;
                 }
@@ -1600,8 +1601,12 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                 gdn_commit_copies();
             }
         };
-        load_v(key_head * ratio);
-        for (int h = key_head * ratio; h < (key_head + 1) * ratio; ++h) {
+        // the group's value heads this block takes: all of them, or (gridDim.z > 1: a step too small
+        // to fill the GPU, the launcher's choice) 1 / gridDim.z of them, the q / k work repeated
+        const int heads_per_block = ratio / gridDim.z;
+        const int h_begin = key_head * ratio + blockIdx.z * heads_per_block, h_end = h_begin + heads_per_block;
+        load_v(h_begin);
+        for (int h = h_begin; h < h_end; ++h) {
             // 3. gates and the cumulative decay c (fp64: c_t reaches -1000 within a chunk for
             //    fast-forgetting heads), warp 0: rows 2 lane, 2 lane + 1
             if (warp == 0) {
@@ -1718,7 +1723,7 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
             __syncthreads();  // head h's V is in
             product(t_frag, vs, ldv, dv, u_out + (size_t)h * dv);
             __syncthreads();  // V, T, c, beta are free for the next head
-            if (h + 1 < (key_head + 1) * ratio) load_v(h + 1);
+            if (h + 1 < h_end) load_v(h + 1);
             GDN_PHASE(6);  // W and U (tensor cores) stored
         }
         GDN_PHASES_DONE();

@@ -168,6 +168,20 @@ int main(int argc, char** argv) {
         std::vector<int> grouped_mma_same{bits_equal(m_qn, g_qn) && bits_equal(m_kn, g_kn) && bits_equal(m_p, g_p) &&
                                           bits_equal(m_cum, g_cum) ? 1 : 0};
         save(dir, "grouped_mma_same.bin", grouped_mma_same);
+        // the same with each key head's value heads split over blocks (grid z: a small step): its bits
+        {
+            std::vector<bf16> z_qn(qn.size()), z_kn(kn.size()), z_w(w.size()), z_u(u.size()), z_p(p.size());
+            std::vector<float> z_cum(cum.size());
+            launch(num_chunks, nk, nv / nk, 128, [&] {
+                gdn_chunk_prepare_grouped_mma(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                              chunk_start.data(), chunk_len.data(), z_qn.data(), z_kn.data(),
+                                              z_w.data(), z_u.data(), z_p.data(), z_cum.data(), nk, nv, dv);
+            });
+            std::vector<int> split_same{bits_equal(z_qn, m_qn) && bits_equal(z_kn, m_kn) && bits_equal(z_w, m_w) &&
+                                        bits_equal(z_u, m_u) && bits_equal(z_p, m_p) && bits_equal(z_cum, m_cum)
+                                        ? 1 : 0};
+            save(dir, "grouped_split_same.bin", split_same);
+        }
         // the conv fused in (gdn_chunk_prepare_grouped_conv) on the projection and the windows as they were
         // before gdn_conv_state: grouped_mma's arrays bit for bit; the one-token rows' conv alone
         // (gdn_conv1d_vec_rows) gives conv_out's rows
