@@ -93,21 +93,29 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(got - expected).mean() <= 0.006 * scale
 
 
-@pytest.fixture(params=["chunked", "recurrent", "split_rows", "blocked", "registers", "fused"])
+FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv",
+                        "grouped_out")
+
+
+@pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
 def kernels(request, monkeypatch):
     """Each test on the earlier chunked prefill (OPENINFER_QWEN35_GDN_PREFILL=plain), on the
     token-by-token kernels (the benchmark's baseline), on split_rows (the chunk walk split from
     the output, a mixed step's one-token rows token by token), on blocked (split_rows with the
     triangular solve by 16 x 16 blocks), on the default, registers (blocked with the chunk walk's
-    state in mma accumulator registers where a step fills the SMs) and on fused (registers with the gated norm
-    in the output kernel; a step's one-token rows normed apart)."""
+    state in mma accumulator registers where a step fills the SMs), on fused (registers with the gated norm
+    in the output kernel; a step's one-token rows normed apart) and on grouped (registers with a prepare
+    block per chunk and key head), grouped_mma (that with the solve's block products on tensor cores) and
+    grouped_conv (that with the conv1d inside the prepare) and grouped_out (that with the staged output kernel)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.setenv(cuda_ops.KERNELS_ENV, "recurrent" if request.param == "recurrent" else "chunked")
     monkeypatch.setenv(cuda_ops.PREFILL_ENV,
-                       request.param if request.param in ("split_rows", "blocked", "registers", "fused") else "plain")
+                       request.param if request.param in FAST_PREFILL_CHOICES else "plain")
+    # the grouped prepares as a big step runs them (a block per key head); these steps are small
+    monkeypatch.setattr(cuda_ops, "GROUPED_PREPARE_BLOCKS_PER_SM", 0)
     return request.param
 
 
@@ -315,12 +323,15 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
                                       cupy.asnumpy(layers["vec4"].device_ssm))
 
 
-@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked")])
+@pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked"),
+                                                    ("grouped_conv", "grouped_mma"), ("grouped_out", "grouped_conv")])
 def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
     issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)
     against plain; =registers (the walk's state in mma accumulators: the same products with the
-    operands swapped, in the same k order) against blocked: prompts from scratch, then continued
+    operands swapped, in the same k order) against blocked; =grouped_conv (the conv1d inside the
+    prepare, the windows updated after it) against grouped_mma; =grouped_out (the output kernel with
+    a block's operands loaded at once) against grouped_conv: prompts from scratch, then continued
     beside decodes, and a 2,048-token prompt of fast-decaying heads give the reference kernels'
     outputs and states bit for bit."""
     from openinfer_qwen35 import cuda_ops
@@ -345,6 +356,31 @@ def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, varia
             np.testing.assert_array_equal(outs[1], outs[0])
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_ssm), cupy.asnumpy(plain.device_ssm))
             np.testing.assert_array_equal(cupy.asnumpy(staged.device_conv), cupy.asnumpy(plain.device_conv))
+
+
+def test_grouped_prepare_split_over_value_heads_equals_one_block_per_key_head(monkeypatch):
+    """A step too small to fill the GPU runs the grouped prepare with a block per value head (grid
+    z); a big one with a block per key head: the same outputs and states bit for bit."""
+    from openinfer_qwen35 import cuda_ops
+
+    if not cupy.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv(cuda_ops.KERNELS_ENV, raising=False)
+    monkeypatch.setenv(cuda_ops.PREFILL_ENV, "grouped_out")
+    rng = np.random.default_rng(31)
+    layers = {split: Layer(np.random.default_rng(32), fast_decay=True) for split in (False, True)}
+    for lengths, slots, fresh in (([200, 1, 64, 9], [3, 1, 4, 2], True), ([130, 1, 70, 1, 65], [3, 1, 4, 2, 6], False)):
+        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.asarray(slots, np.int64),
+                                                        np.full(len(slots), fresh)))
+        proj = device_bf16(rng.standard_normal((sum(lengths), layers[False].features)))
+        outs = []
+        for split, layer in layers.items():
+            monkeypatch.setattr(cuda_ops, "GROUPED_PREPARE_BLOCKS_PER_SM", 10**6 if split else 0)
+            outs.append(cupy.asnumpy(cuda_ops.delta_net(proj, layer.device_weights, layer.device_conv,
+                                                        layer.device_ssm, seqs, layer.config)))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(cupy.asnumpy(layers[True].device_ssm), cupy.asnumpy(layers[False].device_ssm))
 
 
 def test_register_walk_and_its_small_step_fallback_equal_blocked(monkeypatch):

@@ -39,7 +39,23 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       K / U loaded a chunk ahead; key head dims up to 128; steps
                                       too small to fill the SMs keep gdn_chunk_states);
                                       =fused: registers with the gated norm in the output kernel
-                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows)
+                                      (gdn_chunk_output_norm; one-token rows: gdn_gated_norm_rows);
+                                      =grouped: registers with gdn_chunk_prepare_grouped (a block
+                                      per chunk and key head for its group of value heads: q / k
+                                      normed and their scores once; T scaled into the A operands,
+                                      V and K as stored; key head dims 64 / 128; bf16 tolerance);
+                                      =grouped_mma: grouped with the triangular solve's block
+                                      products on tensor cores (hi / lo bf16 splits: ~16 bits);
+                                      =grouped_conv: grouped_mma with the conv1d + SiLU inside
+                                      the prepare (gdn_chunk_prepare_grouped_conv reads the
+                                      projection and the old conv windows; gdn_conv_state after
+                                      it; one-token rows by gdn_conv1d_vec_rows): no conv_out
+                                      round trip for the chunked rows; =grouped_out: that with
+                                      gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
+                                      at once, V' as the row-major B operand: gdn_chunk_output's
+                                      bits); all four with
+                                      gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
+                                      the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -70,13 +86,16 @@ from openinfer_qwen35.state import StepSequences
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv_state", "gdn_delta_rule", "gdn_delta_rule_rows",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_delta_rule",
+                                 "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
-                                 "gdn_gated_norm_warp", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
+                                 "gdn_gated_norm_warp", "gdn_gated_norm_vec", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
+                              "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
+                              "gdn_chunk_prepare_grouped_conv",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
-                              "gdn_chunk_output", "gdn_chunk_output_norm"),
+                              "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -123,7 +142,21 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    "registers": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True,
                                                "gdn_gated_norm_warp", True, "gdn_chunk_states_registers"),
                    "fused": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_blocked", True, "gdn_gated_norm_warp",
-                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm")}
+                                           True, "gdn_chunk_states_registers", "gdn_chunk_output_norm"),
+                   "grouped": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped", True, "gdn_gated_norm_vec",
+                                             True, "gdn_chunk_states_registers"),
+                   "grouped_mma": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
+                   "grouped_conv": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
+                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
+                   "grouped_out": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                 "gdn_chunk_output_staged")}
+VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
+CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
+GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
+                           CONV_PREPARE_KERNEL)  # grid (chunks, key heads)
+GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
 STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked")  # the staged shared-memory carve
@@ -254,11 +287,17 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
     kernels = PREFILL_KERNELS[choice]
     if config.conv_dim % 8 or proj_stride % 8:
         kernels = kernels._replace(conv=plain.conv)
+    if kernels.prepare in GROUPED_PREPARE_KERNELS and config.linear_key_head_dim not in GROUPED_PREPARE_KEY_HEAD_DIMS:
+        kernels = kernels._replace(prepare=PREFILL_KERNELS["registers"].prepare)
     if config.linear_value_head_dim > config.linear_key_head_dim:
         kernels = kernels._replace(prepare=plain.prepare)
+    if kernels.norm == "gdn_gated_norm_vec" and (config.linear_value_head_dim not in VEC_NORM_VALUE_HEAD_DIMS
+                                                 or config.conv_dim % 8 or proj_stride % 8):
+        kernels = kernels._replace(norm="gdn_gated_norm_warp")
     if config.linear_value_head_dim % 32 or config.linear_value_head_dim > 256:
         kernels = kernels._replace(norm=plain.norm)
-    if kernels.norm != "gdn_gated_norm_warp" or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM:
+    if kernels.output == "gdn_chunk_output_norm" and (kernels.norm != "gdn_gated_norm_warp"
+                                                      or config.linear_value_head_dim > OUTPUT_NORM_MAX_VALUE_HEAD_DIM):
         kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
@@ -277,6 +316,15 @@ def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
     middle = max(2 * tri, tb + kt) if staged else kt + 2 * tri + tb
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(dv * row_c * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
             + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
+
+
+def chunk_prepare_grouped_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_prepare_grouped's dynamic shared memory (its carve, in order): q then V, k, A, T, c,
+    beta, beta exp(c)."""
+    row_k, row_v, row_f = dk + 8, dv + 8, CHUNK_SIZE + 4
+    return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(CHUNK_SIZE * row_v * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
+            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4)
+            + CHUNK_SIZE * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -308,6 +356,17 @@ def register_walk_fills_gpu(dv: int, heads: int) -> bool:
     return heads * (dv // (16 * register_states_warps(dv))) >= _multiprocessors()
 
 
+GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 69 KiB of shared memory and 168 registers a thread
+
+
+def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> int:
+    """Blocks a grouped prepare spreads each key head's value heads over: 1 (the group shares its
+    q / k work) when the step's chunks x key heads fill every SM's block slots, else ``ratio`` (a
+    block per value head, as the other prepare kernels: a lone 1k prompt's 16 chunks x 16 key heads
+    would leave most of the H200's 396 slots empty)."""
+    return 1 if num_chunks * num_key_heads >= GROUPED_PREPARE_BLOCKS_PER_SM * _multiprocessors() else ratio
+
+
 @functools.cache
 def _multiprocessors() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
@@ -317,6 +376,13 @@ def chunk_states_registers_shared_bytes(dk: int, dv: int) -> int:
     """gdn_chunk_states_registers' dynamic shared memory: two buffers of W, K, U and c."""
     row_k, row_u = dk + 8, 16 * register_states_warps(dv) + 8
     return 2 * (2 * _round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_u * 2) + CHUNK_SIZE * 4)
+
+
+def chunk_output_staged_shared_bytes(dk: int, dv: int) -> int:
+    """gdn_chunk_output_staged's dynamic shared memory (its carve, in order): Q, P, S^T, V', c."""
+    row_k, row_c, row_v = dk + 8, CHUNK_SIZE + 8, dv + 8
+    return (_round_128(CHUNK_SIZE * row_k * 2) + _round_128(CHUNK_SIZE * row_c * 2) + _round_128(dv * row_k * 2)
+            + _round_128(CHUNK_SIZE * row_v * 2) + CHUNK_SIZE * 4)
 
 
 def chunk_output_shared_bytes(dk: int) -> int:
@@ -487,19 +553,38 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     prefill = prefill_kernels(config, proj.shape[1])
     if prefill.conv == "gdn_conv1d_vec" and not _aligned(proj, conv_state, w.conv_weight):
         prefill = prefill._replace(conv=PREFILL_KERNELS["plain"].conv)  # its 16-byte loads need aligned rows
-    if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
-        conv_kernel = kernel(prefill.conv, dk, 0, width)
-        conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
-    else:
-        conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
-    _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
-            (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
-             device["token_seq"], conv_out, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
-    _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
-            (_blocks(num_seqs * conv_dim),), (256,),
-            (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
-             np.int32(conv_dim), np.int32(width)))
     host_query_start = seqs.query_start
+    chunked_step = (not recurrent and host_query_start is not None and chunked_supported(config)
+                    and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS)
+    if prefill.prepare == CONV_PREPARE_KERNEL and (not chunked_step or prefill.conv != "gdn_conv1d_vec"):
+        prefill = prefill._replace(prepare=PREFILL_KERNELS["grouped_mma"].prepare)  # the conv's 16-byte loads
+    conv_args = (proj, stride, w.conv_weight, conv_state, device["query_start"], device["slots"], device["fresh"],
+                 device["token_seq"], conv_out)
+    lengths = np.diff(host_query_start) if chunked_step else None
+    single, chunked, ids = (_one_token_rows(seqs) if chunked_step and prefill.rows_apart
+                            else (np.zeros(0, np.int64), None, None))
+
+    def update_conv_windows() -> None:
+        _launch("gdn_conv_state", kernel("gdn_conv_state", dk),
+                (_blocks(num_seqs * conv_dim),), (256,),
+                (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
+                 np.int32(conv_dim), np.int32(width)))
+
+    conv_in_prepare = prefill.prepare == CONV_PREPARE_KERNEL
+    if conv_in_prepare:  # only the one-token rows here; the prepare convolves the chunked rows
+        if len(single):
+            _launch("gdn_conv1d_vec_rows", kernel("gdn_conv1d_vec_rows", dk, 0, width),
+                    (-(-len(single) // CONV_TOKENS), -(-conv_dim // 1024)), (128,),
+                    (*conv_args, np.int32(len(single)), np.int32(conv_dim), np.int32(width), ids[len(lengths) :]))
+    else:
+        if prefill.conv == "gdn_conv1d_vec":  # the conv width compiled in; CONV_TOKENS tokens a thread
+            conv_kernel = kernel(prefill.conv, dk, 0, width)
+            conv_grid, conv_block = (-(-num_tokens // CONV_TOKENS), -(-conv_dim // 1024)), (128,)
+        else:
+            conv_kernel, conv_grid, conv_block = kernel(prefill.conv, dk), (_blocks(num_tokens * conv_dim),), (256,)
+        _launch(prefill.conv, conv_kernel, conv_grid, conv_block,
+                (*conv_args, np.int32(num_tokens), np.int32(conv_dim), np.int32(width)))
+        update_conv_windows()
     tile_dv = min(dv, TILE_DV)
     delta_rule_grid, delta_rule_block = (nv, -(-dv // tile_dv)), (-(-tile_dv * SPLIT // 32) * 32,)
     delta_rule_args = (proj, stride, conv_out, ssm_state, w.neg_decay_rate, w.dt_bias, device["query_start"],
@@ -507,30 +592,33 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                        np.int32(tile_dv))
     norm_args = (proj, stride, w.norm, out, np.int32(conv_dim), np.int32(value_dim), np.int32(nv), np.int32(dv),
                  np.float32(config.rms_norm_eps))
-    if (not recurrent and host_query_start is not None and chunked_supported(config)
-            and int(np.diff(host_query_start).max()) >= CHUNKED_MIN_TOKENS):
-        lengths = np.diff(host_query_start)
+    if chunked_step:
         fused_norm = prefill.output == "gdn_chunk_output_norm"
         chunk_out = out if fused_norm else core  # the output kernel norms the chunked rows itself
-        if prefill.rows_apart and (lengths == 1).any():
-            single, chunked = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
-            ids = cupy.asarray(np.concatenate([single, chunked, host_query_start[single]]).astype(np.int32))
+        # the fused conv reads the old windows: gdn_conv_state runs after the prepare
+        conv = (conv_state, width, update_conv_windows) if conv_in_prepare else None
+        if len(single):
             _launch("gdn_delta_rule_rows", kernel("gdn_delta_rule_rows", dk), (len(single), *delta_rule_grid),
                     delta_rule_block, (*delta_rule_args, ids[: len(single)]))
             _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill,
-                                (chunked, ids[len(single) : len(lengths)]))
+                                (chunked, ids[len(single) : len(lengths)]), conv)
             if fused_norm:  # the one-token rows' norm
                 _launch("gdn_gated_norm_rows", kernel("gdn_gated_norm_rows", dk), (len(single), -(-nv // 4)), (128,),
                         (core, *norm_args, ids[len(lengths) :]))
                 return out
         else:
-            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill)
+            _chunked_delta_rule(proj, conv_out, w, ssm_state, seqs, config, chunk_out, prefill, conv=conv)
             if fused_norm:
                 return out
     else:
         _launch("gdn_delta_rule", kernel("gdn_delta_rule", dk), (num_seqs, *delta_rule_grid), delta_rule_block,
                 delta_rule_args)
-    if prefill.norm == "gdn_gated_norm_warp":
+    if prefill.norm == "gdn_gated_norm_vec" and not _aligned(core, proj, out, w.norm):
+        prefill = prefill._replace(norm="gdn_gated_norm_warp")  # its 16-byte accesses need aligned rows
+    if prefill.norm == "gdn_gated_norm_vec":
+        _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-(nv * dv // 8) // 128)), (128,),
+                (core, *norm_args))
+    elif prefill.norm == "gdn_gated_norm_warp":
         _launch(prefill.norm, kernel(prefill.norm, dk), (num_tokens, -(-nv // 4)), (128,), (core, *norm_args))
     else:
         _launch("gdn_gated_norm", kernel("gdn_gated_norm", dk),
@@ -540,27 +628,61 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     return out
 
 
+def _step_cached(seqs: StepSequences, key: str, make: Any) -> Any:
+    """``make()`` once per step: kept in the step's ``seqs.device`` dict (built per step, shared by
+    its layers), so the chunk layout and row ids are computed and uploaded once a step, not once
+    a layer (24 host → device copies from pageable memory fewer a mixed step of the 4B shape)."""
+    cache = seqs.device
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _one_token_rows(seqs: StepSequences) -> tuple[np.ndarray, np.ndarray | None, cupy.ndarray | None]:
+    """A chunked step's one-token rows (host sequence ids), its other sequences, and one device array
+    of the one-token rows' sequences, the chunked sequences and the one-token rows' token rows (or
+    empty, None, None when there are no one-token rows)."""
+
+    def make():
+        lengths = np.diff(seqs.query_start)
+        single = np.flatnonzero(lengths == 1)
+        if not len(single):
+            return single, None, None
+        chunked = np.flatnonzero(lengths > 1)
+        ids = cupy.asarray(np.concatenate([single, chunked, seqs.query_start[single]]).astype(np.int32))
+        return single, chunked, ids
+
+    return _step_cached(seqs, "qwen35_one_token_rows", make)
+
+
 def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetWeights, ssm_state: cupy.ndarray,
                         seqs: StepSequences, config: Qwen35Config, core: cupy.ndarray, prefill: PrefillKernels,
-                        subset: tuple[np.ndarray, cupy.ndarray] | None = None) -> None:
+                        subset: tuple[np.ndarray, cupy.ndarray] | None = None,
+                        conv: tuple[cupy.ndarray, int, Any] | None = None) -> None:
     """The delta rule of a prefill step on tensor cores (gdn_chunked.cu): every sequence (or the
     ``subset``'s: host and device sequence ids) cut into chunks of 64 from its first row;
     ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
-    the slots the new state."""
+    the slots the new state. ``conv`` (the conv state slots, the conv width and a launch of
+    gdn_conv_state) when ``prefill.prepare`` convolves the rows itself: the windows are updated
+    right after it."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
     slots, fresh = seqs.device["slots"], seqs.device["fresh"]
     if subset is None:
         num_seqs = len(seqs.slots)
-        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start)
     else:
         host_ids, device_ids = subset
         num_seqs = len(host_ids)
-        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=host_ids)
         slots, fresh = slots[device_ids], fresh[device_ids]
-    num_chunks = len(chunk_start)
-    layout = cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+
+    def make_layout() -> tuple[int, cupy.ndarray]:
+        chunk_start, chunk_len, seq_chunks = (chunk_layout(seqs.query_start) if subset is None
+                                              else chunk_layout(seqs.query_start, seq_ids=subset[0]))
+        return len(chunk_start), cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+
+    # the same every layer of the step (the subset is always the step's chunked sequences)
+    num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
     qn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
     kn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
@@ -569,15 +691,30 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
-    prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
-    _launch(prepare, kernel(prepare, dk, prepare_bytes),
-            (num_chunks, nv), (128,),
-            (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn, kn, w_chunks,
-             u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+    if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head (or per value head: small steps)
+        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv)
+        prepare_grid = (num_chunks, nk, grouped_prepare_split(num_chunks, nk, nv // nk))
+    else:
+        prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
+        prepare_grid = (num_chunks, nv)
+    outputs = (starts, lengths, qn, kn, w_chunks, u_chunks, p_chunks, cum, np.int32(nk), np.int32(nv), np.int32(dv))
+    if prepare == CONV_PREPARE_KERNEL:
+        conv_state, width, update_conv_windows = conv
+        device = seqs.device
+        _launch(prepare, kernel(prepare, dk, prepare_bytes, width), prepare_grid, (128,),
+                (proj, np.int32(proj.shape[1]), w.conv_weight, conv_state, device["query_start"], device["slots"],
+                 device["fresh"], device["token_seq"], np.int32(width), w.neg_decay_rate, w.dt_bias, *outputs),
+                shared_mem=prepare_bytes)
+        update_conv_windows()
+    else:
+        _launch(prepare, kernel(prepare, dk, prepare_bytes), prepare_grid, (128,),
+                (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, *outputs),
+                shared_mem=prepare_bytes)
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
         states = cupy.empty((num_chunks, nv, dv, dk), dtype=cupy.uint16)  # S^T entering each chunk
         v_new = cupy.empty((num_tokens, nv, dv), dtype=cupy.uint16)
-        output_bytes = chunk_output_shared_bytes(dk)
+        output_bytes = (chunk_output_staged_shared_bytes(dk, dv) if prefill.output == "gdn_chunk_output_staged"
+                        else chunk_output_shared_bytes(dk))
         if prefill.states == "gdn_chunk_states_registers" and not register_walk_fills_gpu(dv, num_seqs * nv):
             prefill = prefill._replace(states=PrefillKernels._field_defaults["states"])
         if prefill.states == "gdn_chunk_states_registers":

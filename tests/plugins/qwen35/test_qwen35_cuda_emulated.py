@@ -181,11 +181,45 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
         got = read_array(tmp_path, f"blocked_{name}", np.uint16, (num_tokens, nv, width))
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * max(1.0, float(np.abs(want).max())))
         assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean()))
+    # the grouped prepare (a block per chunk and key head; q / k normed by 16-byte rows, T scaled into
+    # the A operands): blocked's arrays within a bf16 rounding or two (c to fp64 rounding)
+    num_chunks = len(chunk_start)
+    for name, dtype, shape in (("qn", np.uint16, (num_tokens, nk, FAST_KEY_DIM)),
+                               ("kn", np.uint16, (num_tokens, nk, FAST_KEY_DIM)),
+                               ("w", np.uint16, (num_tokens, nv, FAST_KEY_DIM)),
+                               ("u", np.uint16, (num_tokens, nv, FAST_VALUE_DIM)),
+                               ("p", np.uint16, (num_chunks, nv, 64, 64)), ("cum", np.float32, (num_tokens, nv))):
+        want = read_array(tmp_path, f"blocked_{name}", dtype, shape)
+        got = read_array(tmp_path, f"grouped_{name}", dtype, shape)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3 * scale, err_msg=name)
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
+    # the grouped prepare with the solve's block products on tensor cores (hi / lo bf16 splits): the
+    # scalar solve's qn, kn, P and c bit for bit, W and U within a bf16 rounding of them
+    assert read_array(tmp_path, "grouped_mma_same", np.int32, (1,))[0] == 1
+    # a key head's value heads split over blocks (a step too small to fill the GPU): the same bits
+    assert read_array(tmp_path, "grouped_split_same", np.int32, (1,))[0] == 1
+    for name, width in (("w", FAST_KEY_DIM), ("u", FAST_VALUE_DIM)):
+        want = read_array(tmp_path, f"grouped_{name}", np.uint16, (num_tokens, nv, width))
+        got = read_array(tmp_path, f"grouped_mma_{name}", np.uint16, (num_tokens, nv, width))
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * scale, err_msg=name)
+        assert np.abs(got - want).mean() <= 1e-3 * max(1.0, float(np.abs(want).mean())), name
+    # the conv fused into the grouped prepare (projection rows + the old windows): grouped_mma's arrays
+    # bit for bit; the one-token rows convolved alone: conv_out's rows bit for bit
+    assert read_array(tmp_path, "grouped_conv_same", np.int32, (1,))[0] == 1
+    assert read_array(tmp_path, "conv_rows_same", np.int32, (1,))[0] == 1
     # the scan split in a state walk and an all-chunks output kernel: the scan's O and states bit for bit
     assert read_array(tmp_path, "split_scan_same", np.int32, (1,))[0] == 1
     # the walk with the state in mma accumulator registers (transposed products, the same operands
     # in the same k order): the split walk's S^T per chunk, V', O and final states bit for bit
     assert read_array(tmp_path, "registers_states_same", np.int32, (1,))[0] == 1
+    # the 8-channel gated norm (16-byte accesses, the sum of squares in another order): within a bf16 rounding
+    vec_norm = read_array(tmp_path, "vec_norm_out", np.uint16, expected.shape)
+    np.testing.assert_allclose(vec_norm, read_array(tmp_path, "prefill_out", np.uint16, expected.shape),
+                               rtol=8e-3, atol=1e-5)
+    # the output kernel with a block's operands loaded at once (V' as the row-major B operand): its bits
+    assert read_array(tmp_path, "output_staged_same", np.int32, (1,))[0] == 1
     # the output kernel with the gated norm fused in: the separate norm's rows (the RMS summed in another
     # order: within a bf16 rounding)
     fused = read_array(tmp_path, "fused_out", np.uint16, expected.shape)

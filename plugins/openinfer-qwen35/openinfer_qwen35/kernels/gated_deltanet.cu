@@ -51,11 +51,15 @@ extern "C" __global__ void gdn_conv1d(const bf16* __restrict__ proj, int proj_st
 // 8 x 1k tokens; removed.)
 #define CONV_TOKENS 16
 #define CONV_MAX_WIDTH 9
-extern "C" __global__ void __launch_bounds__(128)
-gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
-               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
-               const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
-               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
+// ROWS (gdn_conv1d_vec_rows): only the listed token rows, rows[0 .. num_tokens) (a step whose chunked
+// rows are convolved inside gdn_chunk_prepare_grouped_conv: its one-token rows)
+template <bool ROWS>
+__device__ __forceinline__ void conv1d_vec(const bf16* __restrict__ proj, int proj_stride,
+                                           const bf16* __restrict__ weight, const bf16* __restrict__ conv_state,
+                                           const int* __restrict__ query_start, const int* __restrict__ slots,
+                                           const int* __restrict__ fresh, const int* __restrict__ token_seq,
+                                           bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width,
+                                           const int* __restrict__ rows) {
 #ifdef CONV_WIDTH
     constexpr int width = CONV_WIDTH;
 #else
@@ -80,7 +84,8 @@ gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __res
         }
     }
     const int t_end = min(num_tokens, (int)(blockIdx.x + 1) * CONV_TOKENS);
-    for (int t = blockIdx.x * CONV_TOKENS; t < t_end; ++t) {
+    for (int k = blockIdx.x * CONV_TOKENS; k < t_end; ++k) {
+        const int t = ROWS ? rows[k] : k;
         const int s = token_seq[t], first = query_start[s], pos = t - first;
         const bool is_fresh = fresh[s] != 0;
         const bf16* window = conv_state + (size_t)slots[s] * (width - 1) * conv_dim;
@@ -106,6 +111,26 @@ gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __res
         for (int e = 0; e < 8; ++e) y[e] = __float2bfloat16_rn(silu_f(round_bf16(acc[e])));
         *reinterpret_cast<uint4*>(conv_out + (size_t)t * conv_dim + c0) = yv;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_vec(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
+               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+               const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
+               bf16* __restrict__ conv_out, int num_tokens, int conv_dim, int conv_width) {
+    conv1d_vec<false>(proj, proj_stride, weight, conv_state, query_start, slots, fresh, token_seq, conv_out, num_tokens,
+                      conv_dim, conv_width, nullptr);
+}
+
+// gdn_conv1d_vec over the listed token rows (grid (ceil(num_rows / CONV_TOKENS), ceil(conv_dim / 1024)))
+extern "C" __global__ void __launch_bounds__(128)
+gdn_conv1d_vec_rows(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ weight,
+                    const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                    const int* __restrict__ slots, const int* __restrict__ fresh, const int* __restrict__ token_seq,
+                    bf16* __restrict__ conv_out, int num_rows, int conv_dim, int conv_width,
+                    const int* __restrict__ rows) {
+    conv1d_vec<true>(proj, proj_stride, weight, conv_state, query_start, slots, fresh, token_seq, conv_out, num_rows,
+                     conv_dim, conv_width, rows);
 }
 
 // After gdn_conv1d: each sequence's slot keeps the last K-1 conv inputs. One thread per
@@ -274,6 +299,43 @@ gdn_gated_norm_warp(const bf16* __restrict__ core, const bf16* __restrict__ proj
                     int num_value_heads, int dv, float eps) {
     gated_norm_warp(blockIdx.x, core, proj, proj_stride, norm_weight, out, conv_dim, value_dim, num_value_heads, dv,
                     eps);
+}
+
+// gdn_gated_norm_warp with 8 adjacent channels a thread (OPENINFER_QWEN35_GDN_PREFILL=grouped |
+// grouped_mma): o, z and the weight by 16-byte loads, the output by one 16-byte store; a head's dv / 8
+// lanes meet their sums of squares by shuffles. grid (T, ceil(nv dv / 1024)), 128 threads (1024
+// channels a block); dv / 8 a power of two up to 32 (the launcher checks). The norm's sum in another
+// order than gdn_gated_norm_warp's (fp32 rounding apart), the same arithmetic per element.
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm_vec(const bf16* __restrict__ core, const bf16* __restrict__ proj, int proj_stride,
+                   const bf16* __restrict__ norm_weight, bf16* __restrict__ out, int conv_dim, int value_dim,
+                   int num_value_heads, int dv, float eps) {
+    const int t = blockIdx.x, c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    const int head_lanes = dv / 8;
+    // whole heads per warp (head_lanes divides 32): a warp's lanes past value_dim skip the loads only
+    const bool active = c0 < value_dim;
+    uint4 ov = make_uint4(0, 0, 0, 0), zv = ov, wv = ov;
+    if (active) {
+        ov = *reinterpret_cast<const uint4*>(core + (size_t)t * value_dim + c0);
+        zv = *reinterpret_cast<const uint4*>(proj + (size_t)t * proj_stride + conv_dim + c0);
+        wv = *reinterpret_cast<const uint4*>(norm_weight + c0 % dv);
+    }
+    const bf16* o = reinterpret_cast<const bf16*>(&ov);
+    const bf16* z = reinterpret_cast<const bf16*>(&zv);
+    const bf16* w = reinterpret_cast<const bf16*>(&wv);
+    float sq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq += to_f(o[e]) * to_f(o[e]);
+    for (int offset = 1; offset < head_lanes; offset <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+    const float inv_rms = rsqrtf(sq / (float)dv + eps);
+    uint4 yv;
+    bf16* y = reinterpret_cast<bf16*>(&yv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float normed = round_bf16(to_f(o[e]) * inv_rms);
+        y[e] = __float2bfloat16_rn(round_bf16(to_f(w[e]) * normed) * silu_f(to_f(z[e])));
+    }
+    if (active) *reinterpret_cast<uint4*>(out + (size_t)t * value_dim + c0) = yv;
 }
 
 // gdn_gated_norm_warp over the listed token rows only (grid (len(rows), ceil(nv / 4))): a fused-norm

@@ -1267,3 +1267,591 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
         state[(size_t)(i + 1) * dv + g + 8] = st[nt][3];
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// gdn_chunk_prepare_grouped (OPENINFER_QWEN35_GDN_PREFILL=grouped): gdn_chunk_prepare_blocked's
+// outputs (qn, kn, W, U, P, c) from one block per chunk and KEY head, for every value head of its
+// group (nv / nk of them: 2 in the 4B shape) in turn — grid (N, nk), 128 threads (warp w: rows
+// 16w..16w+15). What the group shares is done once: q and k are read, l2-normed and written once
+// (16-byte accesses, a row's sum of squares met over the DK / 8 lanes holding it), and the raw
+// scores Q K^T and K K^T stay in mma accumulators across the group's heads (a step too small to
+// fill the GPU splits the group over gridDim.z blocks instead: grid (N, nk, ratio)); per value head only
+// the gates, the decays D, the triangular solve and U / W remain. The solve's result scales into
+// the A operands instead of the B operands:
+//   U = (T diag(beta)) V,   W = (T diag(beta exp(c))) K
+// so T's A fragments come straight from the fp32 solve (scaled, packed to bf16) and V and the
+// normed K are the B operands as stored, row-major (ldmatrix.trans): no bf16 copy of T, no
+// transposed (beta V)^T / (beta exp(c) K)^T tiles. The cumulative decay is a warp scan in fp64
+// (two rows a lane). bf16 tolerance of blocked (products rounded at other points), not its bits.
+// Shared memory: qs -> V [64][max(LDK, dv + PAD)] bf16, ks [64][LDK], A and T [64][LDF] fp32,
+// c [64] fp64, beta and beta exp(c) [64] fp32.
+#define GROUPED_PREPARE_OK (DK <= 128 && 32 % (DK / 8) == 0)  // a row's 16-byte vectors within a warp
+
+__device__ __forceinline__ double shfl_up_double(double x, unsigned delta) {
+#ifdef MMA_HOST_STANDIN
+    long long bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const int lo = __shfl_up_sync(0xffffffffu, (int)(bits & 0xffffffffll), delta);
+    const int hi = __shfl_up_sync(0xffffffffu, (int)(bits >> 32), delta);
+    bits = ((long long)hi << 32) | (long long)(unsigned)lo;
+    std::memcpy(&x, &bits, sizeof bits);
+    return x;
+#else
+    return __shfl_up_sync(0xffffffffu, x, delta);
+#endif
+}
+
+// x0, x1 as bf16 pairs hi + lo (hi = x rounded, lo = the rest rounded): an mma over such splits,
+// hi hi' + hi lo' + lo hi', keeps ~16 bits of each product instead of bf16's 8.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    const float h0 = round_bf16(x0), h1 = round_bf16(x1);
+    hi = pack_bf16x2(h0, h1);
+    lo = pack_bf16x2(x0 - h0, x1 - h1);
+}
+
+// acc += A B for one 16 x 8 tile from split fragments (the lo x lo term dropped)
+__device__ __forceinline__ void mma_split(float* acc, const unsigned* a_hi, const unsigned* a_lo, const unsigned* b_hi,
+                                          const unsigned* b_lo) {
+    mma_bf16_16816(acc, a_hi, b_hi[0], b_hi[1]);
+    mma_bf16_16816(acc, a_hi, b_lo[0], b_lo[1]);
+    mma_bf16_16816(acc, a_lo, b_hi[0], b_hi[1]);
+}
+
+// A fragment (16 x 16 at row0, col0) of an fp32 matrix in shared memory (leading dim ld), split
+__device__ __forceinline__ void load_a_split(unsigned* hi, unsigned* lo, const float* m, int ld, int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // rows g, g + 8; columns 2q, then 2q + 8
+        const float2 x = *reinterpret_cast<const float2*>(m + (row0 + g + 8 * (e & 1)) * ld + col0 + 2 * q + 8 * (e >> 1));
+        split_bf16x2(x.x, x.y, hi[e], lo[e]);
+    }
+}
+
+// B fragment (16(k) x 8(n) at row0, col0) of a row-major fp32 matrix in shared memory, split
+__device__ __forceinline__ void load_b_split(unsigned* hi, unsigned* lo, const float* m, int ld, int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // rows 2q, 2q + 1, then 2q + 8, 2q + 9; column g
+        const float* at = m + (row0 + 2 * q + 8 * e) * ld + col0 + g;
+        split_bf16x2(at[0], at[ld], hi[e], lo[e]);
+    }
+}
+
+// solve_blocked with its block products on tensor cores: (a) the diagonal blocks' inverses T_bb by
+// forward substitution, a column in registers (fp32 sums in another order); (b) block row i = 1..3,
+// warp j < i:
+//   M_ij = sum_{j<=k<i} A_ik T_kj  (mma over hi / lo bf16 splits of the fp32 operands, fp32 sums;
+//                                   M kept in A's unused upper triangle, block (j, i))
+//   T_ij = -T_ii M_ij              (the same)
+// Each product keeps ~16 bits of its fp32 operands (the dropped lo x lo term ~2^-16 of it): T
+// within fp32-ish rounding of solve_blocked's, far inside the bf16 its users round it to.
+__device__ __forceinline__ void solve_blocked_mma(float* amat, float* tinv) {
+    constexpr int B = 16, NB = CHUNK / B;
+    if (threadIdx.x < CHUNK) {
+        // column jl of diagonal block `base` in registers, every thread through the same unrolled
+        // loop: t[i] = -sum_{m < i} A[i][m] t[m] below the diagonal (t[m] = 0 above it, 1 on it
+        // make the sum start at the diagonal), so A's loads (broadcast within the block's 16
+        // lanes) do not wait on t and each row adds its newest term last
+        const int base = (threadIdx.x / B) * B, jl = threadIdx.x % B, j = threadIdx.x;
+        float t[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int m = 0; m < i; ++m) {
+                const float a = amat[(base + i) * LDF + base + m];
+                if (m & 1) acc1 -= a * t[m];
+                else acc0 -= a * t[m];
+            }
+            t[i] = i > jl ? acc0 + acc1 : (i == jl ? 1.f : 0.f);
+        }
+        for (int i = 0; i < base; ++i) tinv[i * LDF + j] = 0.f;  // above the diagonal block
+#pragma unroll
+        for (int i = 0; i < B; ++i) tinv[(base + i) * LDF + j] = t[i];
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll 1
+    for (int ib = 1; ib < NB; ++ib) {
+        if (warp < ib) {
+            const int jb = warp;
+            float m_acc[2][4] = {};
+            for (int kb = jb; kb < ib; ++kb) {
+                unsigned a_hi[4], a_lo[4];
+                load_a_split(a_hi, a_lo, amat, LDF, ib * B, kb * B);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    unsigned b_hi[2], b_lo[2];
+                    load_b_split(b_hi, b_lo, tinv, LDF, kb * B, jb * B + 8 * nt);
+                    mma_split(m_acc[nt], a_hi, a_lo, b_hi, b_lo);
+                }
+            }
+            float* m_tile = amat + (jb * B) * LDF + ib * B;  // A's upper triangle: free
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    *reinterpret_cast<float2*>(m_tile + (g + 8 * half) * LDF + 8 * nt + 2 * q) =
+                        make_float2(m_acc[nt][2 * half], m_acc[nt][2 * half + 1]);
+                }
+            __syncwarp();
+            unsigned t_hi[4], t_lo[4];
+            load_a_split(t_hi, t_lo, tinv, LDF, ib * B, ib * B);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                unsigned b_hi[2], b_lo[2];
+                load_b_split(b_hi, b_lo, m_tile, LDF, 0, 8 * nt);
+                float t_acc[4] = {};
+                mma_split(t_acc, t_hi, t_lo, b_hi, b_lo);
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<float2*>(tinv + (ib * B + g + 8 * half) * LDF + jb * B + 8 * nt + 2 * q) =
+                        make_float2(-t_acc[2 * half], -t_acc[2 * half + 1]);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The varlen causal conv1d + SiLU (gated_deltanet.cu's gdn_conv1d_vec, the same sums in the same
+// order) fused into the grouped prepare (CONV): its inputs. With it the prepare reads the projection
+// rows (q | k | v columns, proj_stride apart) where it read conv_out, and a chunk's first rows reach
+// back into the sequence's earlier rows of the step or its slot's conv window — which gdn_conv_state
+// must update only after the prepare ran.
+#define GDN_CONV_MAX_WIDTH 9
+struct GroupedConv {
+    const bf16* weight;  // [conv_dim][width]
+    const bf16* state;   // [slots][width - 1][conv_dim]
+    const int *query_start, *slots, *fresh, *token_seq;
+    int width;
+};
+
+template <bool MMA_SOLVE, bool CONV = false>
+__device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS, GroupedConv conv = {}) {
+    if constexpr (GROUPED_PREPARE_OK) {
+        const int c = blockIdx.x, key_head = blockIdx.y;
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        const int ratio = num_value_heads / num_key_heads;
+        const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv;
+        const int conv_dim = 2 * key_dim + value_dim;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+        const int r0 = 16 * warp, ldv = dv + PAD;
+        // conv_out rows (conv_dim apart), or with CONV the projection's (proj_stride apart) to convolve
+        const int in_stride = CONV ? proj_stride : conv_dim;
+        GDN_PHASES_BEGIN();
+#ifdef CONV_WIDTH
+        constexpr int width = CONV_WIDTH;
+#else
+        const int width = conv.width;
+#endif
+        int first = 0;  // CONV: the chunk's sequence's first row in this step, and its slot's window
+        bool is_fresh = true;
+        const bf16* window = nullptr;
+        if (CONV) {
+            const int s = conv.token_seq[t0];
+            first = conv.query_start[s];
+            is_fresh = conv.fresh[s] != 0;
+            window = conv.state + (size_t)conv.slots[s] * (width - 1) * conv_dim;
+        }
+        // CONV: channels c0 .. c0 + 7's taps, w[e][j] = weight[c0 + e][j] (8 width contiguous bf16)
+        auto load_taps = [&](int c0, float (&w)[8][GDN_CONV_MAX_WIDTH]) {
+            const uint4* src = reinterpret_cast<const uint4*>(conv.weight + (size_t)c0 * width);
+#pragma unroll
+            for (int v = 0; v < GDN_CONV_MAX_WIDTH; ++v) {
+                if (v < width) {
+                    const uint4 raw = src[v];
+                    const bf16* x = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) w[(8 * v + k) / width][(8 * v + k) % width] = to_f(x[k]);
+                }
+            }
+        };
+        // row r (< n) of the chunk at channels c0 .. c0 + 7: conv_out's 16 bytes, or with CONV the conv
+        // over the sequence's rows (the window's before its first, zeros if fresh), SiLU, bf16
+        // (w: the taps as floats, w(e, j) = weight[c0 + e][j])
+        auto input_row = [&](int r, int c0, auto w) -> uint4 {
+            if (!CONV) return *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * in_stride + c0);
+            const int pos = t0 + r - first;
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+            for (int j = 0; j < GDN_CONV_MAX_WIDTH; ++j) {
+                if (j < width) {
+                    const int m = pos - (width - 1) + j;
+                    uint4 xv = make_uint4(0, 0, 0, 0);
+                    if (m >= 0) xv = *reinterpret_cast<const uint4*>(conv_out + (size_t)(first + m) * in_stride + c0);
+                    else if (!is_fresh)
+                        xv = *reinterpret_cast<const uint4*>(window + (size_t)(width - 1 + m) * conv_dim + c0);
+                    const bf16* x = reinterpret_cast<const bf16*>(&xv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] += w(e, j) * to_f(x[e]);
+                }
+            }
+            uint4 yv;
+            unsigned* y = reinterpret_cast<unsigned*>(&yv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                y[e] = pack_bf16x2(silu_f(round_bf16(acc[2 * e])), silu_f(round_bf16(acc[2 * e + 1])));
+            return yv;
+        };
+
+        unsigned char* at = smem;
+        const size_t region0 = round_up_128((size_t)CHUNK * LDK * 2) > round_up_128((size_t)CHUNK * ldv * 2)
+                                   ? round_up_128((size_t)CHUNK * LDK * 2) : round_up_128((size_t)CHUNK * ldv * 2);
+        bf16* qs = reinterpret_cast<bf16*>(at);  // [64][LDK] normed q; once the scores are done, V [64][ldv]
+        bf16* vs = qs;
+        at += region0;
+        bf16* ks = reinterpret_cast<bf16*>(at);  // [64][LDK] normed k
+        at += round_up_128((size_t)CHUNK * LDK * 2);
+        float* amat = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        float* tinv = reinterpret_cast<float*>(at);  // [64][LDF]
+        at += round_up_128((size_t)CHUNK * LDF * 4);
+        double* cum = reinterpret_cast<double*>(at);  // [64]
+        at += round_up_128(CHUNK * 8);
+        float* beta = reinterpret_cast<float*>(at);  // [64]
+        at += round_up_128(CHUNK * 4);
+        float* beta_decay = reinterpret_cast<float*>(at);  // [64] beta exp(c)
+
+        // 1. q, then k rows: 16-byte loads (ROW_VECS lanes a row, rows r, r + 128 / ROW_VECS, ...; with
+        //    CONV convolved first), the row's sum of squares over its lanes, normed (q also x DK^-1/2)
+        //    into qs / ks and qn / kn
+        constexpr int ROW_VECS = DK / 8, ROWS_A_PASS = 128 / ROW_VECS, PASSES = CHUNK / ROWS_A_PASS;
+        {
+            const int row_in_pass = threadIdx.x / ROW_VECS, i = (threadIdx.x % ROW_VECS) * 8;
+#pragma unroll 1
+            for (int tensor = 0; tensor < 2; ++tensor) {  // q, k
+                const int c0 = tensor * key_dim + key_head * DK + i;
+                float taps[8][GDN_CONV_MAX_WIDTH];
+                if (CONV) load_taps(c0, taps);
+                uint4 raw[PASSES];
+#pragma unroll
+                for (int it = 0; it < PASSES; ++it) {
+                    const int r = row_in_pass + ROWS_A_PASS * it;
+                    raw[it] = make_uint4(0, 0, 0, 0);
+                    if (r < n) raw[it] = input_row(r, c0, [&](int e, int j) { return taps[e][j]; });
+                }
+                const float scale = tensor == 0 ? rsqrtf((float)DK) : 1.f;
+                bf16* tile = tensor == 0 ? qs : ks;
+                bf16* normed_rows = tensor == 0 ? qn : kn;
+#pragma unroll
+                for (int it = 0; it < PASSES; ++it) {
+                    const int r = row_in_pass + ROWS_A_PASS * it;
+                    const bf16* xh = reinterpret_cast<const bf16*>(&raw[it]);
+                    float xf[8], sq = 0.f;
+#pragma unroll
+                    for (int m = 0; m < 8; ++m) {
+                        xf[m] = to_f(xh[m]);
+                        sq += xf[m] * xf[m];
+                    }
+#pragma unroll
+                    for (int offset = 1; offset < ROW_VECS; offset <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+                    const float norm = rsqrtf(sq + L2_NORM_EPS) * scale;
+                    uint4 xo;
+                    unsigned* xw = reinterpret_cast<unsigned*>(&xo);
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) xw[m] = pack_bf16x2(xf[2 * m] * norm, xf[2 * m + 1] * norm);
+                    *reinterpret_cast<uint4*>(tile + r * LDK + i) = xo;
+                    if (r < n && blockIdx.z == 0)  // one block of the group writes the key head's rows
+                        *reinterpret_cast<uint4*>(normed_rows + ((size_t)(t0 + r) * num_key_heads + key_head) * DK + i) =
+                            xo;
+                }
+            }
+        }
+        __syncthreads();
+        GDN_PHASE(1);  // q / k loaded and normed
+
+        // 2. raw scores Q K^T and K K^T, warp w rows 16w..: kept for every value head of the group
+        float scores[2][CHUNK / 8][4] = {};
+        warp_strip_mma<DK, CHUNK / 8, 2>(
+            scores, [&](int x, int k0, unsigned* a) { load_a(a, (x == 0 ? qs : ks) + r0 * LDK + k0, LDK); }, ks, LDK);
+        __syncthreads();  // qs is dead: V goes there
+        GDN_PHASE(2);  // scores (tensor cores)
+
+        const int v_vecs = dv / 8;
+        auto load_v = [&](int h) {  // head h's V rows [64][dv] into vs (zeros past the chunk's end)
+            if (CONV) {  // convolved here: registers, then shared memory; the taps kept as bf16 (the
+                         // scores hold 64 registers here), reloaded per channel group
+                uint4 taps[GDN_CONV_MAX_WIDTH];  // weight[c0 ..][..]: 8 width contiguous bf16
+                int tap_channel = -1;
+                for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                    const int r = e / v_vecs, c0 = 2 * key_dim + h * dv + (e % v_vecs) * 8;
+                    if (c0 != tap_channel) {
+                        const uint4* src = reinterpret_cast<const uint4*>(conv.weight + (size_t)c0 * width);
+#pragma unroll
+                        for (int v = 0; v < GDN_CONV_MAX_WIDTH; ++v)
+                            if (v < width) taps[v] = src[v];
+                        tap_channel = c0;
+                    }
+                    uint4 xv = make_uint4(0, 0, 0, 0);
+                    if (r < n)
+                        xv = input_row(r, c0, [&](int tap_e, int j) {
+                            const int flat = tap_e * width + j;
+                            return to_f(reinterpret_cast<const bf16*>(&taps[flat / 8])[flat % 8]);
+                        });
+                    *reinterpret_cast<uint4*>(vs + r * ldv + (e % v_vecs) * 8) = xv;
+                }
+            } else {
+                for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                    const int r = e / v_vecs, jv = (e % v_vecs) * 8;
+                    gdn_copy16(vs + r * ldv + jv,
+                               conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + 2 * key_dim + h * dv + jv, r < n);
+                }
+                gdn_commit_copies();
+            }
+        };
+        // the group's value heads this block takes: all of them, or (gridDim.z > 1: a step too small
+        // to fill the GPU, the launcher's choice) 1 / gridDim.z of them, the q / k work repeated
+        const int heads_per_block = ratio / gridDim.z;
+        const int h_begin = key_head * ratio + blockIdx.z * heads_per_block, h_end = h_begin + heads_per_block;
+        load_v(h_begin);
+        for (int h = h_begin; h < h_end; ++h) {
+            // 3. gates and the cumulative decay c (fp64: c_t reaches -1000 within a chunk for
+            //    fast-forgetting heads), warp 0: rows 2 lane, 2 lane + 1
+            if (warp == 0) {
+                float b[2], lg[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * lane + e;
+                    b[e] = lg[e] = 0.f;
+                    if (r < n) {
+                        const bf16* row = proj + (size_t)(t0 + r) * proj_stride;
+                        b[e] = gdn_beta(to_f(row[conv_dim + value_dim + h]));
+                        lg[e] = gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]), neg_decay_rate[h],
+                                              dt_bias[h]);
+                    }
+                }
+                const double pair = (double)lg[0] + (double)lg[1];
+                double inclusive = pair;
+#pragma unroll
+                for (unsigned offset = 1; offset < 32; offset <<= 1) {
+                    const double below = shfl_up_double(inclusive, offset);
+                    if (lane >= (int)offset) inclusive += below;
+                }
+                double before = shfl_up_double(inclusive, 1);
+                if (lane == 0) before = 0.0;
+                const double sums[2] = {before + (double)lg[0], inclusive};
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * lane + e;
+                    cum[r] = sums[e];
+                    beta[r] = b[e];
+                    beta_decay[r] = b[e] * __expf((float)sums[e]);
+                    if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)sums[e];
+                }
+            }
+            __syncthreads();
+            GDN_PHASE(3);  // gates, cumulative decay
+
+            // 4. P = lower(Q K^T * D) to global, A = strict_lower(beta K K^T * D) to shared
+            {
+                bf16* p = p_out + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+                // the rows' c and beta once (the compiler cannot keep them across the stores to A)
+                const double cum_row[2] = {cum[r0 + g], cum[r0 + g + 8]};
+                const float beta_row[2] = {beta[r0 + g], beta[r0 + g + 8]};
+#pragma unroll
+                for (int nt = 0; nt < CHUNK / 8; ++nt) {
+                    const double cum_col[2] = {cum[nt * 8 + 2 * q4], cum[nt * 8 + 2 * q4 + 1]};
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int i = r0 + g + 8 * half, j = nt * 8 + 2 * q4;
+                        float pv[2], av[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int jj = j + e;
+                            const float d = jj <= i ? __expf((float)(cum_row[half] - cum_col[e])) : 0.f;
+                            pv[e] = scores[0][nt][2 * half + e] * d;
+                            av[e] = jj < i ? beta_row[half] * scores[1][nt][2 * half + e] * d : 0.f;
+                        }
+                        store_pair(p + i * CHUNK + j, pv[0], pv[1]);
+                        *reinterpret_cast<float2*>(amat + i * LDF + j) = make_float2(av[0], av[1]);
+                    }
+                }
+            }
+            __syncthreads();
+            GDN_PHASE(4);  // P and A
+
+            // 5. T = (I + A)^-1 by 16 x 16 blocks (ends at a barrier)
+            if (MMA_SOLVE) {
+                solve_blocked_mma(amat, tinv);
+            } else {
+                solve_blocked(amat, tinv);
+            }
+            GDN_PHASE(5);  // T
+
+            // 6. W = (T diag(beta exp(c))) K, then U = (T diag(beta)) V: warp w rows 16w.., 16 columns
+            //    an mma pair; T's A fragments scaled from the fp32 solve
+            auto scaled_t = [&](const float* scale, unsigned (*t_frag)[4]) {  // T diag(scale), A fragments
+#pragma unroll
+                for (int kk = 0; kk < CHUNK / 16; ++kk)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {  // columns 16 kk + 2 q4 (+1), then + 8
+                        const int j = 16 * kk + 2 * q4 + 8 * half;
+                        const float2 t_lo = *reinterpret_cast<const float2*>(tinv + (r0 + g) * LDF + j);
+                        const float2 t_hi = *reinterpret_cast<const float2*>(tinv + (r0 + g + 8) * LDF + j);
+                        const float2 s = *reinterpret_cast<const float2*>(scale + j);
+                        t_frag[kk][2 * half] = pack_bf16x2(t_lo.x * s.x, t_lo.y * s.y);
+                        t_frag[kk][2 * half + 1] = pack_bf16x2(t_hi.x * s.x, t_hi.y * s.y);
+                    }
+            };
+            auto product = [&](const unsigned (*t_frag)[4], const bf16* rows, int ld, int width, bf16* dst) {
+                const size_t row_stride = (size_t)num_value_heads * width;
+                for (int np = 0; np < width / 16; ++np) {
+                    float acc[2][4] = {};
+#pragma unroll
+                    for (int kk = 0; kk < CHUNK / 16; ++kk) {
+                        unsigned b[4];
+                        load_b_row_major_pair(b, rows + 16 * kk * ld + 16 * np, ld);
+                        mma_bf16_16816(acc[0], t_frag[kk], b[0], b[1]);
+                        mma_bf16_16816(acc[1], t_frag[kk], b[2], b[3]);
+                    }
+#pragma unroll
+                    for (int t = 0; t < 2; ++t) {
+                        const int j = 16 * np + 8 * t + 2 * q4;
+                        if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[t][0], acc[t][1]);
+                        if (r0 + g + 8 < n)
+                            store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[t][2], acc[t][3]);
+                    }
+                }
+            };
+            unsigned t_frag[CHUNK / 16][4];
+            scaled_t(beta_decay, t_frag);
+            product(t_frag, ks, LDK, DK, w_out + (size_t)h * DK);
+            scaled_t(beta, t_frag);
+            gdn_wait_copies<0>();
+            __syncthreads();  // head h's V is in
+            product(t_frag, vs, ldv, dv, u_out + (size_t)h * dv);
+            __syncthreads();  // V, T, c, beta are free for the next head
+            if (h + 1 < h_end) load_v(h + 1);
+            GDN_PHASE(6);  // W and U (tensor cores) stored
+        }
+        GDN_PHASES_DONE();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<false>(smem, PREPARE_ARGS);
+}
+
+// gdn_chunk_prepare_grouped_mma (OPENINFER_QWEN35_GDN_PREFILL=grouped_mma): the grouped kernel with
+// the triangular solve's block products on tensor cores (solve_blocked_mma)
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped_mma(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<true>(smem, PREPARE_ARGS);
+}
+
+// gdn_chunk_prepare_grouped_conv (OPENINFER_QWEN35_GDN_PREFILL=grouped_conv): grouped_mma with the
+// conv1d + SiLU fused in (GroupedConv): reads the projection rows and the slots' conv windows instead
+// of conv_out, so a step's chunked rows need no gdn_conv1d_vec pass (no conv_out written and read
+// back); the launcher runs gdn_conv_state after it. conv_out's bits (the same sums in the same order).
+extern "C" __global__ void __launch_bounds__(128, 3)
+gdn_chunk_prepare_grouped_conv(const bf16* __restrict__ proj, int proj_stride, const bf16* __restrict__ conv_weight,
+                               const bf16* __restrict__ conv_state, const int* __restrict__ query_start,
+                               const int* __restrict__ slots, const int* __restrict__ fresh,
+                               const int* __restrict__ token_seq, int conv_width,
+                               const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
+                               const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                               bf16* __restrict__ qn, bf16* __restrict__ kn, bf16* __restrict__ w_out,
+                               bf16* __restrict__ u_out, bf16* __restrict__ p_out, float* __restrict__ cum_out,
+                               int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const GroupedConv conv{conv_weight, conv_state, query_start, slots, fresh, token_seq, conv_width};
+    chunk_prepare_grouped<true, true>(smem, proj, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len,
+                                      qn, kn, w_out, u_out, p_out, cum_out, num_key_heads, num_value_heads, dv, conv);
+}
+
+// gdn_chunk_output_staged (OPENINFER_QWEN35_GDN_PREFILL=grouped_out): gdn_chunk_output with every
+// operand of the block — Q, P, the head's whole S^T [dv][DK] and V' [64][dv] — in flight at once
+// (cp.async, one wait) instead of a 32-channel tile of S^T / V' at a time behind two barriers, and
+// V' as the row-major B operand of P V' (ldmatrix.trans) instead of a transposed copy made by
+// scalar shared-memory stores. The same products in the same k order: gdn_chunk_output's bits.
+// grid (N, nv), 128 threads; shared: Q [64][LDK], P [64][LDC], S^T [dv][LDK], V' [64][dv + PAD]
+// bf16, c [64] fp32 (79 KiB at 128 / 128: 2 blocks an SM).
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 2)
+gdn_chunk_output_staged(const bf16* __restrict__ qn, const bf16* __restrict__ p_in, const float* __restrict__ cum_in,
+                        const bf16* __restrict__ states, const bf16* __restrict__ v_new,
+                        const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                        bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int value_dim = num_value_heads * dv, ldv = dv + PAD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const int t0 = chunk_start[c], n = chunk_len[c];
+
+    unsigned char* at = smem;
+    bf16* qs = reinterpret_cast<bf16*>(at);  // Q [64][LDK]
+    at += round_up_128((size_t)CHUNK * LDK * 2);
+    bf16* ps = reinterpret_cast<bf16*>(at);  // P [64][LDC]
+    at += round_up_128((size_t)CHUNK * LDC * 2);
+    bf16* sbt = reinterpret_cast<bf16*>(at);  // S^T [dv][LDK]
+    at += round_up_128((size_t)dv * LDK * 2);
+    bf16* vs = reinterpret_cast<bf16*>(at);  // V' [64][ldv]
+    at += round_up_128((size_t)CHUNK * ldv * 2);
+    float* cum = reinterpret_cast<float*>(at);  // [64]
+
+    constexpr int ROW_VECS = DK / 8;
+    for (int e = threadIdx.x; e < CHUNK * ROW_VECS; e += SCAN_THREADS) {
+        const int r = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+        gdn_copy16(qs + r * LDK + i, qn + ((size_t)(t0 + (r < n ? r : 0)) * num_key_heads + key_head) * DK + i, r < n);
+    }
+    const bf16* p = p_in + ((size_t)c * num_value_heads + h) * CHUNK * CHUNK;
+    for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += SCAN_THREADS)
+        gdn_copy16(ps + (e / (CHUNK / 8)) * LDC + (e % (CHUNK / 8)) * 8, p + e * 8, true);
+    const bf16* state_in = states + ((size_t)c * num_value_heads + h) * dv * DK;
+    for (int e = threadIdx.x; e < dv * ROW_VECS; e += SCAN_THREADS) {
+        const int j = e / ROW_VECS, i = (e % ROW_VECS) * 8;
+        gdn_copy16(sbt + j * LDK + i, state_in + (size_t)j * DK + i, true);
+    }
+    const int v_vecs = dv / 8;
+    for (int e = threadIdx.x; e < CHUNK * v_vecs; e += SCAN_THREADS) {
+        const int r = e / v_vecs, j = (e % v_vecs) * 8;
+        gdn_copy16(vs + r * ldv + j, v_new + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j, r < n);
+    }
+    gdn_commit_copies();
+    if (threadIdx.x < CHUNK) {  // padding rows: the last row's c, as gdn_chunk_output
+        const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+        cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+    }
+    gdn_wait_copies<0>();
+    __syncthreads();
+
+    const int r0 = 16 * warp;
+    const float row_decay[2] = {__expf(cum[r0 + g]), __expf(cum[r0 + g + 8])};
+    for (int j0 = 0; j0 < dv; j0 += SCAN_TILE) {
+        float acc_o[1][SCAN_TILE / 8][4] = {};
+        warp_strip_mma<DK, SCAN_TILE / 8, 1>(
+            acc_o, [&](int, int k0, unsigned* a) { load_a(a, qs + r0 * LDK + k0, LDK); }, sbt + j0 * LDK, LDK);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < SCAN_TILE / 8; ++nt) {
+                acc_o[0][nt][2 * half] *= row_decay[half];
+                acc_o[0][nt][2 * half + 1] *= row_decay[half];
+            }
+#pragma unroll
+        for (int k0 = 0; k0 < CHUNK; k0 += 16) {  // + P V', V' rows as the B operand (k = chunk row)
+            unsigned a[4];
+            load_a(a, ps + r0 * LDC + k0, LDC);
+#pragma unroll
+            for (int np = 0; np < SCAN_TILE / 16; ++np) {
+                unsigned b[4];
+                load_b_row_major_pair(b, vs + k0 * ldv + j0 + 16 * np, ldv);
+                mma_bf16_16816(acc_o[0][2 * np], a, b[0], b[1]);
+                mma_bf16_16816(acc_o[0][2 * np + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r0 + g + 8 * half;
+            if (r < n) {
+                bf16* o = core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0;
+#pragma unroll
+                for (int nt = 0; nt < SCAN_TILE / 8; ++nt)
+                    store_pair(o + nt * 8 + 2 * q4, acc_o[0][nt][2 * half], acc_o[0][nt][2 * half + 1]);
+            }
+        }
+    }
+}

@@ -14,12 +14,16 @@ inline void __threadfence() {}
 struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
     float x, y, z, w;
 };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked.cu"
 #include "gdn_decode.cu"
 
 #include "harness.h"
+
+void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 #include <cstring>
 
@@ -109,6 +113,13 @@ int main(int argc, char** argv) {
         });
         std::vector<int> staged_same{same && bits_equal(vec_conv_out, conv_out) && bits_equal(warp_out, out) ? 1 : 0};
         save(dir, "staged_prepare_same.bin", staged_same);
+        // the 8-channel gated norm (gdn_gated_norm_vec) on the same O: for the test to compare
+        std::vector<bf16> vec_norm_out(out.size());
+        launch(static_cast<unsigned>(num_tokens), static_cast<unsigned>((value_dim / 8 + 127) / 128), 1, 128, [&] {
+            gdn_gated_norm_vec(core.data(), proj.data(), proj_stride, norm.data(), vec_norm_out.data(), conv_dim,
+                               value_dim, nv, dv, eps);
+        });
+        save(dir, "vec_norm_out.bin", vec_norm_out);
 
         // the blocked triangular solve (gdn_chunk_prepare_blocked) on the same conv output: qn, kn,
         // P and c bit for bit (the solve comes after them), W and U (from T) for the test to compare
@@ -126,6 +137,89 @@ int main(int argc, char** argv) {
         save(dir, "prepare_u.bin", u);
         save(dir, "blocked_w.bin", b_w);
         save(dir, "blocked_u.bin", b_u);
+
+        // the grouped prepare (a block per chunk and key head, gdn_chunk_prepare_grouped) on the same
+        // conv output: every array for the test to compare with blocked's
+        std::vector<bf16> g_qn(qn.size()), g_kn(kn.size()), g_w(w.size()), g_u(u.size()), g_p(p.size());
+        std::vector<float> g_cum(cum.size());
+        launch(num_chunks, nk, 1, 128, [&] {
+            gdn_chunk_prepare_grouped(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                      chunk_start.data(), chunk_len.data(), g_qn.data(), g_kn.data(), g_w.data(),
+                                      g_u.data(), g_p.data(), g_cum.data(), nk, nv, dv);
+        });
+        save(dir, "blocked_qn.bin", b_qn);
+        save(dir, "blocked_kn.bin", b_kn);
+        save(dir, "blocked_p.bin", b_p);
+        save(dir, "blocked_cum.bin", b_cum);
+        save(dir, "grouped_qn.bin", g_qn);
+        save(dir, "grouped_kn.bin", g_kn);
+        save(dir, "grouped_w.bin", g_w);
+        save(dir, "grouped_u.bin", g_u);
+        save(dir, "grouped_p.bin", g_p);
+        save(dir, "grouped_cum.bin", g_cum);
+        // the same with the solve's block products on tensor cores (gdn_chunk_prepare_grouped_mma)
+        std::vector<bf16> m_qn(qn.size()), m_kn(kn.size()), m_w(w.size()), m_u(u.size()), m_p(p.size());
+        std::vector<float> m_cum(cum.size());
+        launch(num_chunks, nk, 1, 128, [&] {
+            gdn_chunk_prepare_grouped_mma(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                          chunk_start.data(), chunk_len.data(), m_qn.data(), m_kn.data(), m_w.data(),
+                                          m_u.data(), m_p.data(), m_cum.data(), nk, nv, dv);
+        });
+        std::vector<int> grouped_mma_same{bits_equal(m_qn, g_qn) && bits_equal(m_kn, g_kn) && bits_equal(m_p, g_p) &&
+                                          bits_equal(m_cum, g_cum) ? 1 : 0};
+        save(dir, "grouped_mma_same.bin", grouped_mma_same);
+        // the same with each key head's value heads split over blocks (grid z: a small step): its bits
+        {
+            std::vector<bf16> z_qn(qn.size()), z_kn(kn.size()), z_w(w.size()), z_u(u.size()), z_p(p.size());
+            std::vector<float> z_cum(cum.size());
+            launch(num_chunks, nk, nv / nk, 128, [&] {
+                gdn_chunk_prepare_grouped_mma(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                              chunk_start.data(), chunk_len.data(), z_qn.data(), z_kn.data(),
+                                              z_w.data(), z_u.data(), z_p.data(), z_cum.data(), nk, nv, dv);
+            });
+            std::vector<int> split_same{bits_equal(z_qn, m_qn) && bits_equal(z_kn, m_kn) && bits_equal(z_w, m_w) &&
+                                        bits_equal(z_u, m_u) && bits_equal(z_p, m_p) && bits_equal(z_cum, m_cum)
+                                        ? 1 : 0};
+            save(dir, "grouped_split_same.bin", split_same);
+        }
+        // the conv fused in (gdn_chunk_prepare_grouped_conv) on the projection and the windows as they were
+        // before gdn_conv_state: grouped_mma's arrays bit for bit; the one-token rows' conv alone
+        // (gdn_conv1d_vec_rows) gives conv_out's rows
+        {
+            auto old_conv_state = load<bf16>(dir, "conv_state.bin");
+            std::vector<bf16> f_qn(qn.size()), f_kn(kn.size()), f_w(w.size()), f_u(u.size()), f_p(p.size());
+            std::vector<float> f_cum(cum.size());
+            launch(num_chunks, nk, 1, 128, [&] {
+                gdn_chunk_prepare_grouped_conv(proj.data(), proj_stride, weight.data(), old_conv_state.data(),
+                                               query_start.data(), slots.data(), fresh.data(), token_seq.data(), width,
+                                               rate.data(), bias.data(), chunk_start.data(), chunk_len.data(),
+                                               f_qn.data(), f_kn.data(), f_w.data(), f_u.data(), f_p.data(),
+                                               f_cum.data(), nk, nv, dv);
+            });
+            std::vector<int> one_token_rows;
+            for (int s = 0; s < num_seqs; ++s)
+                if (query_start[s + 1] - query_start[s] == 1) one_token_rows.push_back(query_start[s]);
+            std::vector<bf16> rows_conv_out(conv_out.size());
+            const int num_rows = static_cast<int>(one_token_rows.size());
+            launch(static_cast<unsigned>((num_rows + CONV_TOKENS - 1) / CONV_TOKENS),
+                   static_cast<unsigned>((conv_dim + 1023) / 1024), 1, 128, [&] {
+                gdn_conv1d_vec_rows(proj.data(), proj_stride, weight.data(), old_conv_state.data(), query_start.data(),
+                                    slots.data(), fresh.data(), token_seq.data(), rows_conv_out.data(), num_rows,
+                                    conv_dim, width, one_token_rows.data());
+            });
+            bool rows_same = num_rows > 0;
+            for (int t : one_token_rows)
+                rows_same = rows_same && std::memcmp(rows_conv_out.data() + (size_t)t * conv_dim,
+                                                     conv_out.data() + (size_t)t * conv_dim, conv_dim * sizeof(bf16)) == 0;
+            std::vector<int> grouped_conv_same{bits_equal(f_qn, m_qn) && bits_equal(f_kn, m_kn) && bits_equal(f_w, m_w) &&
+                                               bits_equal(f_u, m_u) && bits_equal(f_p, m_p) && bits_equal(f_cum, m_cum)
+                                               ? 1 : 0};
+            std::vector<int> conv_rows_same{rows_same ? 1 : 0};
+            save(dir, "grouped_conv_same.bin", grouped_conv_same);
+            save(dir, "conv_rows_same.bin", conv_rows_same);
+        }
+        save(dir, "grouped_mma_w.bin", m_w);
+        save(dir, "grouped_mma_u.bin", m_u);
 
         // the split scan (gdn_chunk_states, then gdn_chunk_output) from the same slots: the scan's
         // core output and final states
@@ -160,6 +254,14 @@ int main(int argc, char** argv) {
             gdn_chunk_output(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
                              chunk_start.data(), chunk_len.data(), reg_core.data(), nk, nv, dv);
         });
+        // the output kernel with all of a block's operands loaded at once (gdn_chunk_output_staged)
+        std::vector<bf16> staged_core(core.size());
+        launch(num_chunks, nv, 1, 128, [&] {
+            gdn_chunk_output_staged(s_qn.data(), s_p.data(), s_cum.data(), reg_states.data(), reg_v_new.data(),
+                                    chunk_start.data(), chunk_len.data(), staged_core.data(), nk, nv, dv);
+        });
+        std::vector<int> output_staged_same{bits_equal(staged_core, reg_core) ? 1 : 0};
+        save(dir, "output_staged_same.bin", output_staged_same);
         std::vector<int> registers_same{bits_equal(reg_states, states) && bits_equal(reg_v_new, v_new) &&
                                         bits_equal(reg_core, core) && bits_equal(reg_ssm, ssm) ? 1 : 0};
         save(dir, "registers_states_same.bin", registers_same);
