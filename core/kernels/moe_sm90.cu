@@ -27,10 +27,16 @@
 //
 //   smem: [stage s: A 128 x 128 B | B 256 x 128 B] x SM90_STAGES, [full, empty mbarriers] (1024-aligned)
 //
+// Small steps (a few slots per expert: every tile mostly padding, the weight stream all that counts):
+// SM90_TILE_M=64 keeps one consumer warpgroup (256 threads, no register rebalancing; the A stage
+// halves, so 5 stages fit) and SM90_TILE_N=128 halves the weight rows per tile (two 64-row boxes,
+// wgmma m64n128k16), doubling the work units so the last wave of a persistent launch idles fewer SMs.
+//
 // Needs K % 8 == 0, 16-byte aligned rows of A, N even (fused: N = 2 I, I even); at most
 // SM90_MAX_EXPERTS experts.
 #include "mma.cuh"  // pack_bf16x2, round_bf16
 #include "sm90.cuh"
+#include "wgmma.cuh"  // wgmma_ss_n128
 
 #ifndef SM90_STAGES
 #define SM90_STAGES 4
@@ -41,11 +47,23 @@
 #ifndef SM90_MULTICAST
 #define SM90_MULTICAST 0
 #endif
+#ifndef SM90_SKIP_EMPTY
+#define SM90_SKIP_EMPTY 0  // 1: a consumer warpgroup whose 64 rows hold no slot issues no wgmma (waits, releases)
+#endif
+#ifndef SM90_TILE_M
+#define SM90_TILE_M 128   // slots per tile: 64 per consumer warpgroup
+#endif
+#ifndef SM90_TILE_N
+#define SM90_TILE_N 256   // weight rows per tile: two TMA boxes (fused: gate box, up box)
+#endif
+#if (SM90_TILE_M != 64 && SM90_TILE_M != 128) || (SM90_TILE_N != 128 && SM90_TILE_N != 256)
+#error "SM90_TILE_M must be 64 or 128 and SM90_TILE_N 128 or 256"
+#endif
 #define SM90_CLUSTER (SM90_MULTICAST ? 2 : 1)
-#define SM90_THREADS 384
-#define SM90_TILE_M 128
-#define SM90_TILE_N 256   // weight rows per tile: two TMA boxes
-#define SM90_BOX_ROWS 128
+#define SM90_CONSUMERS (SM90_TILE_M / 64)  // consumer warpgroups
+#define SM90_THREADS (128 * (1 + SM90_CONSUMERS))
+#define SM90_BOX_ROWS (SM90_TILE_N / 2)
+#define SM90_ACC (SM90_TILE_N / 2)  // accumulator floats per consumer thread: 64 rows x TILE_N / 128 threads
 #define SM90_TILE_K 64    // one 128-byte swizzle row of bf16
 #define SM90_UNIT_M (SM90_TILE_M * SM90_CLUSTER)  // slots of one expert per work unit (a CTA or a pair)
 #define SM90_A_BYTES (SM90_TILE_M * 128)
@@ -56,7 +74,7 @@
 #define SM90_SHARED_BYTES (SM90_BARRIER_OFFSET + 16 * SM90_STAGES + 1024)
 #define SM90_MAX_EXPERTS 512
 #define SM90_PRODUCER_REGS 72
-#define SM90_CONSUMER_REGS 216  // 128 * 72 + 256 * 216 <= 65536
+#define SM90_CONSUMER_REGS 216  // two consumer warpgroups: 128 * 72 + 256 * 216 <= 65536
 #if SM90_FUSE_SILU
 #define SM90_OUT_TILE_N (SM90_TILE_N / 2)  // output columns per tile
 #else
@@ -121,7 +139,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
     if (threadIdx.x == 0) {
         for (int s = 0; s < SM90_STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128 + 1);  // every producer thread's copies + thread 0's TMA bytes
-            mbar_init(bar_empty + 8 * s, 8 * SM90_CLUSTER);  // one arrival per consumer warp (of the pair)
+            mbar_init(bar_empty + 8 * s, 4 * SM90_CONSUMERS * SM90_CLUSTER);  // one arrival per consumer warp (of the pair)
         }
         mbar_init_fence();
     }
@@ -162,7 +180,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 
     if (warpgroup == 0) {
         // ---------------- producer ----------------
+#if SM90_CONSUMERS == 2  // one consumer warpgroup: 256 threads get all the registers they can use anyway
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SM90_PRODUCER_REGS));
+#endif
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
         int step = 0;  // k-tiles produced so far (ring position)
@@ -207,31 +227,48 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         cp_async_wait_all();
     } else {
         // ---------------- consumers ----------------
+#if SM90_CONSUMERS == 2
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SM90_CONSUMER_REGS));
+#endif
         const int wg = warpgroup - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, q = (lane & 3) * 2;
-        float acc[128];
+        float acc[SM90_ACC];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        for (int i = 0; i < SM90_ACC; ++i) acc[i] = 0.f;
         int step = 0;
         for (int tile = unit0; tile < num_tiles; tile += units_stride) {
             const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            // warpgroup-uniform: its rows 64 wg .. 64 wg + 63 all past the expert's slots (a small step's
+            // second warpgroup) would only multiply padding, sharing the tensor cores with the first
+            const bool idle = SM90_SKIP_EMPTY && 64 * wg >= w.rows;
             for (int kt = 0; kt < k_tiles; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 mbar_wait(bar_full + 8 * stage, (step / SM90_STAGES) & 1);
+                if (idle) {
+                    release_stage(bar_empty + 8 * stage, lane);
+                    continue;
+                }
                 fence_proxy_async_shared();  // the gathered A rows came by cp.async (generic proxy)
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES + wg * 64 * 128, b_smem = base + stage * SM90_STAGE_BYTES + SM90_A_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < SM90_TILE_K / 16; ++kk)  // 16-wide k steps: 32 bytes along the swizzled rows
+                for (int kk = 0; kk < SM90_TILE_K / 16; ++kk) {  // 16-wide k steps: 32 bytes along the swizzled rows
+#if SM90_TILE_N == 256
                     wgmma_ss_n256(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
                                   kt > 0 || kk > 0);
+#else
+                    wgmma_ss_n128(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
+                                  kt > 0 || kk > 0);
+#endif
+                }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas retired: release it
                 if (kt > 0) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
             }
-            wgmma_wait<0>();
-            release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            if (!idle) {
+                wgmma_wait<0>();
+                release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            }
             // lane (g, q) of warp `warp` holds rows 16 warp + g (+ 8), columns 8 j + q (+ 1) in acc[4 j + 2 half (+ 1)]
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -240,13 +277,13 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 bf16* out_row = out + (size_t)(w.row_begin + r) * out_features;
 #if SM90_FUSE_SILU
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {  // gate column block j, its up block j + 16
+                for (int j = 0; j < SM90_TILE_N / 16; ++j) {  // gate column block j, its up block j + TILE_N / 16
                     const int c = w.column + 8 * j + q;
                     float o[2];
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
                         const float gate = round_bf16(acc[4 * j + 2 * half + v]);
-                        const float up = round_bf16(acc[4 * (j + 16) + 2 * half + v]);
+                        const float up = round_bf16(acc[4 * (j + SM90_TILE_N / 16) + 2 * half + v]);
                         o[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
                     }
                     if (c + 1 < out_features) *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(o[0], o[1]);
@@ -254,7 +291,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 }
 #else
 #pragma unroll
-                for (int j = 0; j < 32; ++j) {
+                for (int j = 0; j < SM90_TILE_N / 8; ++j) {
                     const int c = w.column + 8 * j + q;
                     if (c + 1 < out_features)
                         *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);

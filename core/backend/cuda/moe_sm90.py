@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import cupy
@@ -44,6 +45,7 @@ SM90_TILE_M, SM90_TILE_N, SM90_BOX_ROWS, SM90_TILE_K = 128, 256, 128, 64
 SM90_THREADS = 384
 SM90_STAGES = 4
 SM90_MAX_EXPERTS = 512
+SM90_MAX_SHARED_BYTES = 227 * 1024 - 2 * 513 * 4  # an H100's opt-in limit less the kernel's static arrays
 # Down to 1.5 slots per expert (16 tokens x top-6 of 64) measured ahead in E2 (H200, CUDA graphs; vs what
 # ran before: 239 vs 257 us at 16 tokens (moe_gemv_wide), 276 vs 307 at 32, 285 vs 316 at 48, 287 vs 318
 # at 64); below, unmeasured: the decode GEMVs keep those steps.
@@ -54,6 +56,44 @@ SM90_ABOVE_ROWS_PER_EXPERT = 1.4
 # second CTA idle). Off (infinite): E1 (H200) measured the pairs behind single CTAs at every step,
 # 2709 vs 1517 us at 8192 tokens, 794 vs 340 at 1024, 764 vs 313 at 256.
 SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
+
+
+@dataclass(frozen=True)
+class Sm90Shape:
+    """One build of moe_sm90.cu: slots x weight rows per tile, ring stages, and whether a consumer
+    warpgroup with no slot in its 64 rows skips its wgmmas (SM90_SKIP_EMPTY; same bits)."""
+
+    tile_m: int = SM90_TILE_M
+    tile_n: int = SM90_TILE_N
+    stages: int = SM90_STAGES
+    skip_empty: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.tile_m // 64)
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
+        return self.stages * (self.tile_m + self.tile_n) * 128 + 16 * self.stages + 1024
+
+
+# Shapes for small steps (opt-in until measured; OPENINFER_MOE_SM90_SHAPE=<name> forces one wherever the
+# Hopper kernel runs): a decode step of 16-256 tokens has 1.5-24 slots per expert, so a 128-slot tile is
+# mostly padding and the weight stream is the whole cost. "skip": the second warpgroup's padding rows
+# leave the tensor cores alone; "m64": one consumer warpgroup (a smaller A stage: 5 stages fit);
+# "n128": 128 weight rows per tile, twice the work units (a shorter last wave). sm_90a ptxas, fused
+# gate_up: 168 / 160 / 91-160 registers, no spills.
+SM90_SHAPE_ENV = "OPENINFER_MOE_SM90_SHAPE"
+SM90_SHAPES: dict[str, Sm90Shape] = {
+    "base": Sm90Shape(),
+    "skip": Sm90Shape(skip_empty=True),
+    "m64": Sm90Shape(tile_m=64),
+    "m64_s5": Sm90Shape(tile_m=64, stages=5),
+    "m64_n128_s8": Sm90Shape(tile_m=64, tile_n=128, stages=8),
+    "n128_s6": Sm90Shape(tile_n=128, stages=6, skip_empty=True),
+}
+# The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
+SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
 
 
 def sm90_enabled() -> bool:
@@ -93,14 +133,26 @@ def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -
 
 
 def sm90_shared_bytes(stages: int = SM90_STAGES) -> int:
-    """moe_sm90.cu's dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
-    return stages * (SM90_TILE_M + SM90_TILE_N) * 128 + 16 * stages + 1024
+    """moe_sm90.cu's dynamic shared memory (the default tile shape): the stages' A and B tiles, the
+    mbarriers, 1024 of alignment."""
+    return Sm90Shape(stages=stages).shared_bytes()
 
 
-def weight_box_layout(weight: ExpertLinear) -> PageBoxLayout:
-    """The tensor-map layout of ``weight.data`` ``[E, N, K]``: rows of K elements, 64 x 128-row boxes."""
+def sm90_shape(slots_per_expert: float, name: str | None = None) -> Sm90Shape:
+    """The tile shape: ``name``, else $OPENINFER_MOE_SM90_SHAPE, else SM90_SHAPE_CHOICE by slots per
+    expert; an unknown name is a clear error."""
+    name = name or os.environ.get(SM90_SHAPE_ENV) or next(
+        shape for most, shape in SM90_SHAPE_CHOICE if slots_per_expert <= most)
+    if name not in SM90_SHAPES:
+        raise ValueError(f"unknown {SM90_SHAPE_ENV} {name!r}; one of {', '.join(SM90_SHAPES)}")
+    return SM90_SHAPES[name]
+
+
+def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> PageBoxLayout:
+    """The tensor-map layout of ``weight.data`` ``[E, N, K]``: rows of K elements, 64 x ``box_rows`` boxes
+    (half a tile's weight rows)."""
     rows, k = weight.num_experts * weight.out_features, weight.in_features
-    return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, SM90_BOX_ROWS))
+    return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
 class WeightMaps:
@@ -110,8 +162,8 @@ class WeightMaps:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
-    def get(self, weight: ExpertLinear) -> np.ndarray:
-        key = (weight.data.data.ptr, weight_box_layout(weight))
+    def get(self, weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> np.ndarray:
+        key = (weight.data.data.ptr, weight_box_layout(weight, box_rows))
         found = self._maps.get(key)
         if found is None:
             found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
@@ -122,24 +174,31 @@ class WeightMaps:
 weight_maps = WeightMaps()
 
 
-def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False) -> int:
+def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False,
+              shape: Sm90Shape = SM90_SHAPES["base"]) -> int:
     """Persistent CTAs: one per SM (``multicast``: pairs), fewer when the step has fewer work units
-    (bounded on the host: each active expert wastes at most one partial unit of 128, or 256, slots)."""
+    (bounded on the host: each active expert wastes at most one partial unit of tile_m, or 2 tile_m,
+    slots)."""
     cluster = 2 if multicast else 1
-    columns = SM90_TILE_N // 2 if fuse_silu else SM90_TILE_N
+    columns = shape.tile_n // 2 if fuse_silu else shape.tile_n
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
-    m_units = -(-num_slots // (SM90_TILE_M * cluster)) + min(weight.num_experts, num_slots)
+    m_units = -(-num_slots // (shape.tile_m * cluster)) + min(weight.num_experts, num_slots)
     units = m_units * -(-out_features // columns)
     return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
 
 
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                      fuse_silu: bool = False, stages: int = SM90_STAGES, multicast: bool | None = None) -> cupy.ndarray:
+                      fuse_silu: bool = False, stages: int | None = None, multicast: bool | None = None,
+                      shape: str | None = None) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
     ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
-    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. The caller checks ``sm90_ready``."""
+    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. ``shape``: the tile shape (SM90_SHAPES;
+    default ``sm90_shape``), ``stages`` overriding its ring depth. The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
+    tiles = sm90_shape(num_slots / weight.num_experts, shape)
+    if stages is not None:
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
@@ -147,11 +206,17 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
-    shared = sm90_shared_bytes(stages)
-    fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=stages,
-                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast))
-    fn((sm90_grid(num_slots, weight, fuse_silu, multicast),), (SM90_THREADS,), (
-        a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_maps.get(weight),
+    shared = tiles.shared_bytes()
+    if shared > SM90_MAX_SHARED_BYTES:
+        raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
+    # the default build keeps its define set (and CuPy's cached binary) as before the shapes existed
+    extra = {} if tiles == SM90_SHAPES["base"] else {
+        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty)}
+    fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=tiles.stages,
+                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
+    fn((sm90_grid(num_slots, weight, fuse_silu, multicast, tiles),), (tiles.threads,), (
+        a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
+        weight_maps.get(weight, tiles.tile_n // 2),
         grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
         np.int32(weight.in_features)), shared_mem=shared)
     return out
