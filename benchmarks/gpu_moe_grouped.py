@@ -32,7 +32,13 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-from gpu_kimi import copy_bandwidth, device_name, device_random_bf16, graph_call_seconds  # noqa: E402
+from gpu_kimi import (  # noqa: E402
+    copy_bandwidth,
+    device_name,
+    device_random_bf16,
+    graph_call_seconds,
+    switched_env,
+)
 
 SHAPE = {"experts": 64, "top_k": 6, "hidden": 2048, "inter": 1408}
 EXPERT_TOKENS = "16,64,256"
@@ -137,7 +143,9 @@ ROUTING_VARIANTS = {
     "logits_mma": "moe_router_logits_mma (64 x 64 tiles, 4 stages): the default from 1024 tokens",
     "logits_mma_s8": "moe_router_logits_mma with 8 stages in flight",
     "select_narrow": "moe_route in blocks of a thread per expert on the logits: the default",
+    "select_warps": "moe_route_warps, a warp per token (OPENINFER_MOE_ROUTE_WARPS=1)",
     "group_blocks": "moe_expert_counts + moe_place_slots: the default from 4096 slots",
+    "group_chunks": "moe_chunk_counts + moe_chunk_scan + moe_chunk_place (OPENINFER_MOE_GROUP_CHUNKS=1)",
     "group_single_block": "moe_sort_parallel",
     "combine": "moe_combine (a block per 256 columns of a token)",
 }
@@ -160,6 +168,10 @@ def run_routing(args) -> dict:
     report = {"benchmark": "moe_routing", "device": device_name(), "shape": c, "variants": ROUTING_VARIANTS,
               "points": []}
 
+    def select_warps(x, logits):
+        with switched_env({cuda_moe.ROUTE_WARPS_ENV: "1"}):
+            return cuda_moe.select_experts(x, gate, router, bias, logits)
+
     def logits_with(stages: int, x):
         before, cuda_moe.ROUTER_STAGES = cuda_moe.ROUTER_STAGES, stages
         try:
@@ -177,7 +189,9 @@ def run_routing(args) -> dict:
             "logits_mma": partial(logits_with, 4, x),
             "logits_mma_s8": partial(logits_with, 8, x),
             "select_narrow": partial(cuda_moe.select_experts, x, gate, router, bias, logits, narrow=True),
-            "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], per_expert_blocks=True),
+            "select_warps": partial(select_warps, x, logits),
+            "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="blocks"),
+            "group_chunks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="chunks"),
             "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
                                           per_expert_blocks=False),
             "combine": partial(cuda_moe.combine, y, grouping, None, c["hidden"]),
@@ -185,9 +199,17 @@ def run_routing(args) -> dict:
         point = {"tokens": tokens}
         reference_logits = logits.get()
         point["logits_mma_s8_equal"] = bool(np.array_equal(logits_with(8, x).get(), reference_logits))
+        warp_ids, warp_weights = select_warps(x, logits)
+        point["select_warps_equal"] = bool(np.array_equal(warp_ids.get(), ids.get())
+                                           and np.array_equal(warp_weights.get(), weights.get()))
+        chunked = cuda_moe.group_by_expert(ids, weights, c["experts"], method="chunks")
+        point["group_chunks_equal"] = bool(np.array_equal(chunked.sorted_slots.get(), grouping.sorted_slots.get()))
         for name, call in calls.items():
             point[f"{name}_us"] = 1e6 * gpu_seconds(call, repeats=10, warmup=2)
         point["routing_default_us"] = point["logits_mma_us"] + point["select_narrow_us"] + point["group_blocks_us"]
+        point["routing_best_us"] = (min(point["logits_mma_us"], point["logits_mma_s8_us"])
+                                    + min(point["select_narrow_us"], point["select_warps_us"])
+                                    + min(point["group_blocks_us"], point["group_chunks_us"]))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
         report["points"].append(point)
     return report

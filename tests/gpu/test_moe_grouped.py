@@ -84,3 +84,78 @@ def test_sm90_shape_switch(cuda_backend, monkeypatch):
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m32")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_SHAPE"):
         moe_sm90.sm90_shape(6.0)
+
+
+@pytest.mark.parametrize("spec,tokens", [
+    (("sigmoid", 64, 6, 2.446, True), 77), (("sigmoid", 64, 6, 2.446, True), 1500),
+    (("sigmoid", 384, 8, 2.827, True), 300), (("softmax", 60, 4, 1.0, False), 129),
+    (("sqrtsoftplus", 48, 6, 1.5, True), 64), (("sigmoid", 512, 16, 1.0, True), 33),
+], ids=["moonlight-77", "moonlight-1500", "kimi-300", "softmax-60", "sqrtsoftplus-48", "512x16"])
+def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, tokens):
+    """moe_route_warps (OPENINFER_MOE_ROUTE_WARPS=1, a warp per token) against moe_route on the same
+    logits: the same ids in the same order, the same weights (softmax: within fp32 rounding, its sum
+    taken in another order), and NumPy's experts; expert counts off 32, up to 16 per lane, k up to 16."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec, route
+
+    scoring, experts, top_k, scaling, norm = spec
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=norm, routed_scaling_factor=scaling)
+    hidden = 256
+    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.1)
+    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
+    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
+    bias_device = None if bias is None else cupy.asarray(bias)
+    logits = moe.router_logits(x_device, gate_device, router, mma=False)
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "0")
+    ids, weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert moe.route_warps_wanted(router)
+    warp_ids, warp_weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
+    assert np.array_equal(warp_ids.get(), ids.get())
+    if scoring == "softmax":
+        assert np.allclose(warp_weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
+    else:
+        assert np.array_equal(warp_weights.get(), weights.get())
+    ref_ids = route(logits.get(), router, bias)[1]
+    assert np.array_equal(np.sort(warp_ids.get(), 1), np.sort(ref_ids, 1))
+
+
+def test_route_warps_not_for_expert_groups(monkeypatch):
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert not moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=4))
+    assert moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=8))
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "maybe")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_WARPS"):
+        moe.route_warps_wanted(RouterSpec(64, 6, "sigmoid"))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (8192, 64, 6), (9000, 384, 8),
+                                                  (3001, 7, 3), (5000, 512, 16)])
+def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, experts, top_k):
+    """moe_chunk_counts / moe_chunk_scan / moe_chunk_place ("chunks") against the per-expert blocks: the
+    same offsets, tile list, sorted slots (both stable: an expert's slots in slot order) and slot
+    positions; an expert with no slot, one with every token (many 64-row tiles), chunks of 1024 slots
+    and, where chunks x experts would overflow the scan's shared memory, longer ones (72000 slots x 384
+    experts: 31 chunks of 2323); the switch takes them from GROUP_BLOCKS_MIN_SLOTS slots."""
+    from openinfer.backend.cuda import moe
+
+    ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if tokens >= 700:
+        ids[:, 0] = experts - 1
+    weights = cupy.ones(ids.shape, cupy.float32)
+    chunks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="chunks")
+    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="blocks")
+    count = int(blocks.num_tiles.get()[0])
+    assert int(chunks.num_tiles.get()[0]) == count
+    for name in ("offsets", "sorted_slots", "slot_pos"):
+        assert np.array_equal(getattr(chunks, name).get(), getattr(blocks, name).get()), name
+    assert np.array_equal(chunks.tile_expert.get()[:count], blocks.tile_expert.get()[:count])
+    assert np.array_equal(chunks.tile_row.get()[:count], blocks.tile_row.get()[:count])
+    assert chunks.offsets.get()[1] == 0
+    monkeypatch.setenv(moe.GROUP_CHUNKS_ENV, "1")
+    assert moe.grouping_method(ids.size) == ("chunks" if ids.size >= moe.GROUP_BLOCKS_MIN_SLOTS else "single")
+    with pytest.raises(ValueError, match="grouping method"):
+        moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
