@@ -93,11 +93,16 @@ def run_experts(args) -> dict:
     downs = [ExpertLinear("bf16", device_random_bf16((c["experts"], c["hidden"], c["inter"])), None,
                           c["hidden"], c["inter"]) for _ in range(COPIES)]
     expert_bytes = {"gate_up": 2 * 2 * c["inter"] * c["hidden"], "down": 2 * c["hidden"] * c["inter"]}
-    expert_bytes["both"] = expert_bytes["gate_up"] + expert_bytes["down"]
+    expert_bytes["both"] = expert_bytes["pdl"] = expert_bytes["gate_up"] + expert_bytes["down"]
     report = {"benchmark": "moe_grouped_experts", "device": device_name(), "copy_bandwidth_gbs": copy_bw / 1e9,
               "read_bandwidth_gbs": read_bw / 1e9, "shape": c,
               "shapes": {name: vars(moe_sm90.SM90_SHAPES[name]) for name in shapes}, "points": []}
     print(f"copy {copy_bw / 1e9:.0f} GB/s, read {read_bw / 1e9:.0f} GB/s", flush=True)
+    def pdl_both(x, gate_up, down, grouping, shape: str):
+        with switched_env({moe_sm90.SM90_PDL_ENV: "1"}):
+            activated = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, shape=shape)
+            return moe_sm90.grouped_gemm_sm90(activated, down, grouping, False, shape=shape, overlap_previous=True)
+
     for tokens in [int(t) for t in args.tokens.split(",")]:
         groupings, active = [], []
         for _ in range(ROUTINGS):
@@ -117,11 +122,13 @@ def run_experts(args) -> dict:
                 "down": lambda w, d, g, shape=shape, a=activated: moe_sm90.grouped_gemm_sm90(a, d, g, False, shape=shape),
                 "both": lambda w, d, g, shape=shape, x=x: moe_sm90.grouped_gemm_sm90(
                     moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, shape=shape), d, g, False, shape=shape),
+                # down launched to overlap gate_up's last wave (OPENINFER_MOE_SM90_PDL)
+                "pdl": lambda w, d, g, shape=shape, x=x: pdl_both(x, w, d, g, shape),
             }
             for projection, run in projections.items():
                 calls = [partial(run, gate_ups[i % COPIES], downs[i % COPIES], g) for i, g in enumerate(groupings)]
                 out = backend.to_host(calls[0]())
-                reference.setdefault(projection, out)
+                reference.setdefault("both" if projection == "pdl" else projection, out)
                 seconds, error = graph_call_seconds(calls)
                 key = f"{shape}_{projection}"
                 if error:
@@ -130,9 +137,11 @@ def run_experts(args) -> dict:
                 point[f"{key}_us"] = 1e6 * seconds
                 point[f"{key}_fraction_of_copy"] = nbytes / seconds / copy_bw
                 point[f"{key}_fraction_of_read"] = nbytes / seconds / read_bw
-                point[f"{key}_bit_equal_base"] = bool(np.array_equal(out, reference[projection]))
+                point[f"{key}_bit_equal_base"] = bool(np.array_equal(
+                    out, reference["both" if projection == "pdl" else projection]))
         for shape in shapes:
             point[f"{shape}_speedup_vs_{shapes[0]}"] = point[f"{shapes[0]}_both_us"] / point[f"{shape}_both_us"]
+            point[f"{shape}_pdl_speedup"] = point[f"{shape}_both_us"] / point[f"{shape}_pdl_us"]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
         report["points"].append(point)
     return report
@@ -224,11 +233,11 @@ def plot(report: dict, path: Path) -> None:
     points = report["points"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if report["benchmark"] == "moe_grouped_experts":
-        names = list(report["shapes"])
+        names = [f"{shape}_{run}" for shape in report["shapes"] for run in ("both", "pdl")]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            ax.bar(np.arange(len(points)) + i * width, [100 * p[f"{name}_both_fraction_of_copy"] for p in points],
-                   width, label=name)
+            ax.bar(np.arange(len(points)) + i * width, [100 * p[f"{name}_fraction_of_copy"] for p in points],
+                   width, label=name.replace("_both", "").replace("_pdl", " + PDL"))
         ax.axhline(80, color="k", lw=0.8, ls="--", label="80 % of copy bandwidth")
         ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2,
                       [f"{p['tokens']} tokens\n{p['slots_per_expert']:.1f} / expert" for p in points])

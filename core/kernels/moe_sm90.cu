@@ -47,6 +47,19 @@
 #ifndef SM90_MULTICAST
 #define SM90_MULTICAST 0
 #endif
+// SM90_PDL=1: programmatic dependent launch. Every CTA lets the next kernel of the stream launch at once
+// (griddepcontrol.launch_dependents): a launch made with the programmatic-serialization attribute (the
+// down projection after gate_up) then takes each SM this one leaves during its last wave. The producer
+// issues its first tile's weight boxes (up to SM90_STAGES k-tiles: weights and the routing's offsets,
+// which the kernel before the previous one wrote, never the previous kernel's output) before
+// griddepcontrol.wait, and every read of A or write of `out` comes after it. Launched plainly, the wait
+// returns at once.
+#ifndef SM90_PDL
+#define SM90_PDL 0
+#endif
+#if SM90_PDL && SM90_MULTICAST
+#error "SM90_PDL is built for single CTAs only"
+#endif
 #ifndef SM90_SKIP_EMPTY
 #define SM90_SKIP_EMPTY 0  // 1: a consumer warpgroup whose 64 rows hold no slot issues no wgmma (waits, releases)
 #endif
@@ -150,6 +163,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
     __syncthreads();
     const int rank = 0;
 #endif
+#if SM90_PDL
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     const int unit0 = blockIdx.x / SM90_CLUSTER, units_stride = gridDim.x / SM90_CLUSTER;
     if (threadIdx.x < 32) {  // tile_start: exclusive scan of the experts' m-tile counts, 32 experts a pass
         const int lane = threadIdx.x;
@@ -186,6 +202,27 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
         int step = 0;  // k-tiles produced so far (ring position)
+        int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
+#if SM90_PDL
+        if (unit0 < num_tiles) {
+            const ExpertTile w = expert_tile(unit0, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            const int first_row = w.expert * N + w.column;
+#if SM90_FUSE_SILU
+            const int second_row = first_row + N / 2;
+#else
+            const int second_row = first_row + SM90_BOX_ROWS;
+#endif
+            prefetched = min(k_tiles, SM90_STAGES);
+            if (t == 0)
+                for (int kt = 0; kt < prefetched; ++kt) {  // stages 0 .. prefetched - 1: free at the start
+                    const u32 b_smem = base + kt * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * kt;
+                    mbar_arrive_expect_bytes(full, SM90_B_BYTES);
+                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
+                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+                }
+        }
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the previous kernel (A's writer) completed
+#endif
         for (int tile = unit0; tile < num_tiles; tile += units_stride) {
             const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
             int source[SM90_TILE_M / 16];  // A row of each of this thread's tile rows, -1: past the expert
@@ -212,7 +249,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     cp_async16(a_smem + swizzled(row0 + 16 * i, chunk), valid ? a + (size_t)source[i] * K + k : a, valid);
                 }
                 mbar_arrive_on_copies(full);
-                if (t == 0) {
+                if (t == 0 && step >= prefetched) {
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
 #if SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,

@@ -1,5 +1,6 @@
-"""moe_sm90.cu's small-step tile shapes (moe_sm90.SM90_SHAPES) build for sm_90a without spills, and
-each shape's shared memory fits the kernel's limit (CPU: nvcc only)."""
+"""moe_sm90.cu's small-step tile shapes (moe_sm90.SM90_SHAPES) and its programmatic-dependent-launch
+build (SM90_PDL) build for sm_90a without spills, and each shape's shared memory fits the kernel's
+limit (CPU: nvcc only)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ SHAPE_BUILDS = [
     {"SM90_FUSE_SILU": 1, "SM90_TILE_M": 64, "SM90_STAGES": 5, "SM90_SKIP_EMPTY": 0},
     {"SM90_FUSE_SILU": 1, "SM90_TILE_M": 64, "SM90_TILE_N": 128, "SM90_STAGES": 8, "SM90_SKIP_EMPTY": 0},
     {"SM90_FUSE_SILU": 0, "SM90_TILE_N": 128, "SM90_STAGES": 6, "SM90_SKIP_EMPTY": 1},
+    {"SM90_FUSE_SILU": 1, "SM90_PDL": 1},
+    {"SM90_FUSE_SILU": 0, "SM90_PDL": 1, "SM90_TILE_M": 64, "SM90_STAGES": 5},
 ]
 
 

@@ -159,3 +159,42 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
     assert moe.grouping_method(ids.size) == ("chunks" if ids.size >= moe.GROUP_BLOCKS_MIN_SLOTS else "single")
     with pytest.raises(ValueError, match="grouping method"):
         moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
+
+
+@pytest.mark.parametrize("shape", ["base", "m64_s5", "n128_s6"])
+def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
+    """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
+    (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
+    and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
+    few slots per expert) and one where most experts are empty; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe, moe_sm90
+
+    if not moe_sm90.sm90_supported():
+        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    num_experts, top_k, hidden, inter = 16, 6, 512, 704
+    gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
+    for tokens, choices in ((64, num_experts), (40, 7)):
+        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+        ids = np.stack([rng.choice(choices, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+        assert moe_sm90.sm90_experts(x, gate_up, ids.size, True)
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "0")
+        plain = moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get()
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "1")
+        assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            moe.routed_experts(cuda_backend, x, gate_up, down, grouping)
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            graph_out = moe.routed_experts(cuda_backend, x, gate_up, down, grouping)
+            graph = stream.end_capture()
+            graph_out[...] = 0
+            graph.launch()
+            stream.synchronize()
+        assert np.array_equal(graph_out.get(), plain)
+    monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_PDL"):
+        moe_sm90.sm90_pdl()

@@ -653,7 +653,8 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
-                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None) -> cupy.ndarray:
+                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None,
+                 overlap_previous: bool = False) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -666,14 +667,14 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
     None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
     SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
-    ``gemv_kernel``, ``pipelined``) or a GEMV is forced."""
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
     if sm90 is None:
         sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
                 and sm90_experts(a, weight, num_slots))
     if sm90:
-        return grouped_gemm_sm90(a, weight, grouping, gather)
+        return grouped_gemm_sm90(a, weight, grouping, gather, overlap_previous=overlap_previous)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
@@ -863,10 +864,13 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
                    grouping: ExpertGroupingDevice) -> cupy.ndarray:
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
     each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
-    if forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True):
+    sm90_gate_up = forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
+    if sm90_gate_up:
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
         activated = fused_gate_up_silu(x, gate_up, grouping)
     else:
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas)
+    # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
+    # (OPENINFER_MOE_SM90_PDL)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)

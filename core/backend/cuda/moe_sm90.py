@@ -23,6 +23,7 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -94,6 +95,68 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
 }
 # The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
 SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
+
+
+# Opt-in until measured: OPENINFER_MOE_SM90_PDL=1 builds the kernel with SM90_PDL (each CTA lets the next
+# launch go at once; the producer sends its first weight boxes before griddepcontrol.wait) and launches the
+# down projection (``overlap_previous``) with programmatic stream serialization, so down's CTAs take the
+# SMs gate_up leaves in its last wave and stream their first weights while gate_up finishes.
+SM90_PDL_ENV = "OPENINFER_MOE_SM90_PDL"
+
+
+def sm90_pdl() -> bool:
+    """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: off)."""
+    value = os.environ.get(SM90_PDL_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{SM90_PDL_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.cache
+def _launch_kernel_ex():
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                         ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _kernel_argument(value) -> np.ndarray:
+    """The bytes a kernel parameter points to: a device array's address, a numpy scalar or the tensor
+    map (a host array) as themselves."""
+    if isinstance(value, cupy.ndarray):
+        return np.array([value.data.ptr], dtype=np.uint64)
+    return np.ascontiguousarray(np.asarray(value).reshape(-1))
+
+
+def launch_overlapping_previous(fn, grid: int, block: int, args: tuple, shared: int) -> None:
+    """``fn((grid,), (block,), args, shared_mem=shared)`` through cuLaunchKernelEx with programmatic
+    stream serialization: it may start before the stream's previous kernel ends (its
+    griddepcontrol.wait holds whatever depends on that kernel). Under ``discover_kernels`` nothing runs."""
+    if not isinstance(fn, cupy.cuda.function.Function):
+        fn((grid,), (block,), args, shared_mem=shared)
+        return
+    held = [_kernel_argument(value) for value in args]  # alive until the launch returns (it copies them)
+    pointers = (ctypes.c_void_p * len(held))(*[value.ctypes.data for value in held])
+    attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1  # programmaticStreamSerializationAllowed (an int)
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, cupy.cuda.get_current_stream().ptr,
+                           ctypes.pointer(attribute), 1)
+    status = _launch_kernel_ex()(ctypes.byref(config), fn.ptr, pointers, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching moe_grouped_gemm_sm90")
 
 
 def sm90_enabled() -> bool:
@@ -189,12 +252,15 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
 
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                       fuse_silu: bool = False, stages: int | None = None, multicast: bool | None = None,
-                      shape: str | None = None) -> cupy.ndarray:
+                      shape: str | None = None, overlap_previous: bool = False) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
     ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
     SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. ``shape``: the tile shape (SM90_SHAPES;
-    default ``sm90_shape``), ``stages`` overriding its ring depth. The caller checks ``sm90_ready``."""
+    default ``sm90_shape``), ``stages`` overriding its ring depth. With $OPENINFER_MOE_SM90_PDL the
+    build lets the next launch start early, and ``overlap_previous`` launches this one so (the caller
+    vouches that the previous kernel on the stream started after this step's routing and grouping
+    completed: gate_up before down). The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
     tiles = sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
@@ -212,13 +278,19 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     # the default build keeps its define set (and CuPy's cached binary) as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty)}
+    pdl = sm90_pdl() and not multicast
+    if pdl:
+        extra["SM90_PDL"] = 1
     fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=tiles.stages,
                      SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
-    fn((sm90_grid(num_slots, weight, fuse_silu, multicast, tiles),), (tiles.threads,), (
-        a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
-        weight_maps.get(weight, tiles.tile_n // 2),
-        grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
-        np.int32(weight.in_features)), shared_mem=shared)
+    grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
+    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
+            weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
+            np.int32(weight.out_features), np.int32(weight.in_features))
+    if pdl and overlap_previous:
+        launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
+    else:
+        fn((grid,), (tiles.threads,), args, shared_mem=shared)
     return out
 
 
