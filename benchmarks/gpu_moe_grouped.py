@@ -98,6 +98,7 @@ def run_experts(args) -> dict:
               "read_bandwidth_gbs": read_bw / 1e9, "shape": c,
               "shapes": {name: vars(moe_sm90.SM90_SHAPES[name]) for name in shapes}, "points": []}
     print(f"copy {copy_bw / 1e9:.0f} GB/s, read {read_bw / 1e9:.0f} GB/s", flush=True)
+
     def pdl_both(x, gate_up, down, grouping, shape: str):
         with switched_env({moe_sm90.SM90_PDL_ENV: "1"}):
             activated = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True, shape=shape)
