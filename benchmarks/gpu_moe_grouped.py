@@ -158,6 +158,7 @@ ROUTING_VARIANTS = {
     "group_chunks": "moe_chunk_counts + moe_chunk_scan + moe_chunk_place (OPENINFER_MOE_GROUP_CHUNKS=1)",
     "group_single_block": "moe_sort_parallel",
     "combine": "moe_combine (a block per 256 columns of a token)",
+    "combine_vec": "moe_combine_vec8 (8 columns per thread, 16-byte loads; OPENINFER_MOE_COMBINE_VEC=1)",
 }
 
 
@@ -204,7 +205,8 @@ def run_routing(args) -> dict:
             "group_chunks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="chunks"),
             "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
                                           per_expert_blocks=False),
-            "combine": partial(cuda_moe.combine, y, grouping, None, c["hidden"]),
+            "combine": partial(cuda_moe.combine, y, grouping, None, c["hidden"], vectorized=False),
+            "combine_vec": partial(cuda_moe.combine, y, grouping, None, c["hidden"], vectorized=True),
         }
         point = {"tokens": tokens}
         reference_logits = logits.get()
@@ -213,6 +215,9 @@ def run_routing(args) -> dict:
         point["select_warps_equal"] = bool(np.array_equal(warp_ids.get(), ids.get())
                                            and np.array_equal(warp_weights.get(), weights.get()))
         chunked = cuda_moe.group_by_expert(ids, weights, c["experts"], method="chunks")
+        point["combine_vec_equal"] = bool(np.array_equal(
+            cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=True).get(),
+            cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=False).get()))
         point["group_chunks_equal"] = bool(np.array_equal(chunked.sorted_slots.get(), grouping.sorted_slots.get()))
         for name, call in calls.items():
             point[f"{name}_us"] = 1e6 * gpu_seconds(call, repeats=10, warmup=2)

@@ -398,4 +398,42 @@ moe_chunk_place(const int* __restrict__ ids, int num_slots, int num_experts, int
         __syncwarp();
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// moe_combine_vec8: moe_combine (out[t] = sum_j weights[t, j] y[slot_pos[t k + j]] (+ shared[t])) with
+// 8 columns per thread: 16-byte loads of all k expert rows in flight before the sums (moe_combine: a
+// 2-byte load per column and slot). The same sums in the same order: the same bits. Grid (T,
+// ceil(hidden / 8 / blockDim)); needs hidden % 8 == 0 and 16-byte aligned y, shared and out.
+// ---------------------------------------------------------------------------------------------
+#define COMBINE_MAX_TOPK 16
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine_vec8(const bf16* __restrict__ y, const int* __restrict__ slot_pos, const float* __restrict__ weights,
+                 const bf16* __restrict__ shared, int top_k, int hidden, bf16* __restrict__ out) {
+    const int t = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= hidden) return;
+    uint4 rows[COMBINE_MAX_TOPK];
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_TOPK; ++j)
+        if (j < top_k) rows[j] = *reinterpret_cast<const uint4*>(y + (long long)slot_pos[t * top_k + j] * hidden + c);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_TOPK; ++j) {
+        if (j >= top_k) break;
+        const float w = weights[t * top_k + j];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&rows[j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 v = __bfloat1622float2(h[i]);
+            sum[2 * i] += w * v.x;
+            sum[2 * i + 1] += w * v.y;
+        }
+    }
+    if (shared) {
+        float s[8];
+        load8(shared + (long long)t * hidden + c, s);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] = round_bf16(sum[i]) + s[i];
+    }
+    store8(out + (long long)t * hidden + c, sum);
+}
 #endif

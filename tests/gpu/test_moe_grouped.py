@@ -198,3 +198,24 @@ def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
     monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_PDL"):
         moe_sm90.sm90_pdl()
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 6, True), (77, 2048, 6, False),
+                                                              (300, 7168, 8, True), (33, 264, 16, True),
+                                                              (5, 260, 6, True)])
+def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidden, top_k, with_shared):
+    """moe_combine_vec8 (OPENINFER_MOE_COMBINE_VEC=1) against moe_combine: the same bits, with and
+    without the shared experts' rows, k up to 16, a width not whole 256-thread passes (7168 = 3.5 x
+    2048); hidden 260 (not whole 16-byte pieces) falls back to moe_combine."""
+    from openinfer.backend.cuda import moe
+
+    experts = 32
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    y = cuda_backend.upload(bf16_random(rng, tokens * top_k, hidden))
+    shared = cuda_backend.upload(bf16_random(rng, tokens, hidden)) if with_shared else None
+    plain = moe.combine(y, grouping, shared, hidden, vectorized=False)
+    assert moe.combine_vec_ready(y, shared, hidden, top_k) is (hidden % 8 == 0)
+    monkeypatch.setenv(moe.COMBINE_VEC_ENV, "1")
+    assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())

@@ -275,6 +275,9 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
+# Opt-in until measured: OPENINFER_MOE_COMBINE_VEC=1 combines with moe_routing.cu's moe_combine_vec8 (8 columns
+# per thread, every slot's 16 bytes in flight; the same sums in the same order) where the rows allow it.
+COMBINE_VEC_ENV, COMBINE_VEC_THREADS = "OPENINFER_MOE_COMBINE_VEC", 256
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -747,9 +750,26 @@ def dequantize(weight: ExpertLinear) -> cupy.ndarray:
     return out
 
 
-def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int) -> cupy.ndarray:
+def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int, top_k: int) -> bool:
+    """moe_combine_vec8's needs: whole 16-byte pieces of the rows, 16-byte aligned y and shared, k <= 16."""
+    return (hidden % 8 == 0 and y.data.ptr % 16 == 0 and (shared is None or shared.data.ptr % 16 == 0)
+            and top_k <= MAX_TOPK and y.flags.c_contiguous and (shared is None or shared.flags.c_contiguous))
+
+
+def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int,
+            vectorized: bool | None = None) -> cupy.ndarray:
+    """``out[t] = Σ_j weights[t, j] · y[slot_pos[t·k + j]] (+ shared[t])``, bf16 ``[T, hidden]``:
+    moe_combine, or with ``vectorized`` (default $OPENINFER_MOE_COMBINE_VEC, off) moe_combine_vec8."""
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+    if vectorized is None:
+        vectorized = _switch(COMBINE_VEC_ENV)
+    if num_tokens and vectorized and combine_vec_ready(y, shared, hidden, grouping.top_k):
+        column_blocks = -(-hidden // (8 * COMBINE_VEC_THREADS))
+        kernel("moe_routing.cu", "moe_combine_vec8")((num_tokens, column_blocks), (COMBINE_VEC_THREADS,), (
+            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
+            np.int32(hidden), out))
+        return out
     if num_tokens:
         # one column per thread (a lone block walks a 7168-wide row in 28 dependent rounds of 8
         # slot loads: 42 us at batch 1 on an H200)
