@@ -185,8 +185,8 @@ def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
         monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "1")
         assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
         stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            moe.routed_experts(cuda_backend, x, gate_up, down, grouping)
+        with stream:  # a stream of its own: cuLaunchKernelEx with the attribute (eager, then captured)
+            assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
             mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
             stream.begin_capture() if mode is None else stream.begin_capture(mode)
             graph_out = moe.routed_experts(cuda_backend, x, gate_up, down, grouping)

@@ -144,16 +144,17 @@ def _kernel_argument(value) -> np.ndarray:
 def launch_overlapping_previous(fn, grid: int, block: int, args: tuple, shared: int) -> None:
     """``fn((grid,), (block,), args, shared_mem=shared)`` through cuLaunchKernelEx with programmatic
     stream serialization: it may start before the stream's previous kernel ends (its
-    griddepcontrol.wait holds whatever depends on that kernel). Under ``discover_kernels`` nothing runs."""
-    if not isinstance(fn, cupy.cuda.function.Function):
+    griddepcontrol.wait holds whatever depends on that kernel); on the legacy default stream a plain
+    launch. Under ``discover_kernels`` nothing runs."""
+    stream = cupy.cuda.get_current_stream().ptr
+    if not isinstance(fn, cupy.cuda.function.Function) or not stream:  # dry run, or the legacy default stream
         fn((grid,), (block,), args, shared_mem=shared)
         return
     held = [_kernel_argument(value) for value in args]  # alive until the launch returns (it copies them)
     pointers = (ctypes.c_void_p * len(held))(*[value.ctypes.data for value in held])
     attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attribute.value[0] = 1  # programmaticStreamSerializationAllowed (an int)
-    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, cupy.cuda.get_current_stream().ptr,
-                           ctypes.pointer(attribute), 1)
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, stream, ctypes.pointer(attribute), 1)
     status = _launch_kernel_ex()(ctypes.byref(config), fn.ptr, pointers, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching moe_grouped_gemm_sm90")
