@@ -78,12 +78,13 @@ def run_experts(args) -> dict:
 
     from openinfer.backend.cuda import CudaBackend, moe_sm90
     from openinfer.backend.cuda import moe as cuda_moe
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
     from openinfer.backend.cuda.moe import ExpertLinear
 
     backend = CudaBackend()
     rng = np.random.default_rng(0)
-    shapes = args.shapes.split(",")
-    unknown = set(shapes) - set(moe_sm90.SM90_SHAPES)
+    shapes, pdl_shapes = args.shapes.split(","), set(args.pdl_shapes.split(",")) - {""}
+    unknown = (set(shapes) | pdl_shapes) - set(moe_sm90.SM90_SHAPES)
     if unknown:
         raise SystemExit(f"--shapes: unknown {sorted(unknown)}; choose from {', '.join(moe_sm90.SM90_SHAPES)}")
     c = SHAPE
@@ -96,7 +97,8 @@ def run_experts(args) -> dict:
     expert_bytes["both"] = expert_bytes["pdl"] = expert_bytes["gate_up"] + expert_bytes["down"]
     report = {"benchmark": "moe_grouped_experts", "device": device_name(), "copy_bandwidth_gbs": copy_bw / 1e9,
               "read_bandwidth_gbs": read_bw / 1e9, "shape": c,
-              "shapes": {name: vars(moe_sm90.SM90_SHAPES[name]) for name in shapes}, "points": []}
+              "shapes": {name: vars(moe_sm90.SM90_SHAPES[name]) for name in shapes}, "pdl_shapes": sorted(pdl_shapes),
+              "points": []}
     print(f"copy {copy_bw / 1e9:.0f} GB/s, read {read_bw / 1e9:.0f} GB/s", flush=True)
 
     def pdl_both(x, gate_up, down, grouping, shape: str):
@@ -123,9 +125,20 @@ def run_experts(args) -> dict:
                 "down": lambda w, d, g, shape=shape, a=activated: moe_sm90.grouped_gemm_sm90(a, d, g, False, shape=shape),
                 "both": lambda w, d, g, shape=shape, x=x: moe_sm90.grouped_gemm_sm90(
                     moe_sm90.grouped_gemm_sm90(x, w, g, True, fuse_silu=True, shape=shape), d, g, False, shape=shape),
-                # down launched to overlap gate_up's last wave (OPENINFER_MOE_SM90_PDL)
-                "pdl": lambda w, d, g, shape=shape, x=x: pdl_both(x, w, d, g, shape),
             }
+            if shape in pdl_shapes:  # down launched to overlap gate_up's last wave (OPENINFER_MOE_SM90_PDL)
+                projections["pdl"] = lambda w, d, g, shape=shape, x=x: pdl_both(x, w, d, g, shape)
+            if not point.get("compiled"):  # every build of this point's shapes at once, in parallel NVRTC threads
+                with discover_kernels() as found:
+                    for name in shapes:
+                        moe_sm90.grouped_gemm_sm90(x, gate_ups[0], groupings[0], True, fuse_silu=True, shape=name)
+                        moe_sm90.grouped_gemm_sm90(activated, downs[0], groupings[0], False, shape=name)
+                        if name in pdl_shapes:
+                            pdl_both(x, gate_ups[0], downs[0], groupings[0], name)
+                started = time.perf_counter()
+                built = compile_kernels(found, cupy.cuda.Device().id, threads=16)
+                print(f"compiled {built} modules in {time.perf_counter() - started:.1f} s", flush=True)
+                point["compiled"] = True
             for projection, run in projections.items():
                 calls = [partial(run, gate_ups[i % COPIES], downs[i % COPIES], g) for i, g in enumerate(groupings)]
                 out = backend.to_host(calls[0]())
@@ -140,9 +153,11 @@ def run_experts(args) -> dict:
                 point[f"{key}_fraction_of_read"] = nbytes / seconds / read_bw
                 point[f"{key}_bit_equal_base"] = bool(np.array_equal(
                     out, reference["both" if projection == "pdl" else projection]))
+        point.pop("compiled", None)
         for shape in shapes:
             point[f"{shape}_speedup_vs_{shapes[0]}"] = point[f"{shapes[0]}_both_us"] / point[f"{shape}_both_us"]
-            point[f"{shape}_pdl_speedup"] = point[f"{shape}_both_us"] / point[f"{shape}_pdl_us"]
+            if shape in pdl_shapes:
+                point[f"{shape}_pdl_speedup"] = point[f"{shape}_both_us"] / point[f"{shape}_pdl_us"]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
         report["points"].append(point)
     return report
@@ -239,7 +254,8 @@ def plot(report: dict, path: Path) -> None:
     points = report["points"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if report["benchmark"] == "moe_grouped_experts":
-        names = [f"{shape}_{run}" for shape in report["shapes"] for run in ("both", "pdl")]
+        names = [f"{shape}_{run}" for shape in report["shapes"] for run in ("both", "pdl")
+                 if run == "both" or shape in report["pdl_shapes"]]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             ax.bar(np.arange(len(points)) + i * width, [100 * p[f"{name}_fraction_of_copy"] for p in points],
@@ -271,6 +287,8 @@ def main() -> None:
     experts.add_argument("--tokens", default=EXPERT_TOKENS, help="comma list of token counts")
     experts.add_argument("--shapes", default=",".join(moe_sm90.SM90_SHAPES),
                          help="comma list of moe_sm90.SM90_SHAPES (the first the reference)")
+    experts.add_argument("--pdl-shapes", default="base,sk",
+                         help="shapes also timed with down overlapping gate_up (OPENINFER_MOE_SM90_PDL)")
     experts.add_argument("--name", default="moe_grouped_experts", help="results file name (JSON + PNG)")
     routing = sub.add_parser("routing", help="routing parts at prefill sizes by kernel")
     routing.add_argument("--tokens", default=ROUTING_TOKENS, help="comma list of token counts")

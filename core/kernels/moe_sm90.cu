@@ -60,6 +60,19 @@
 #if SM90_PDL && SM90_MULTICAST
 #error "SM90_PDL is built for single CTAs only"
 #endif
+// SM90_STREAM_K=1: the CTAs split the launch's units x k-tiles evenly (CTA b: iterations b W .. b W + W - 1,
+// W = ceil(units x k_tiles / CTAs)) instead of taking whole units round-robin, so no last wave leaves
+// SMs idle. A unit cut by a CTA boundary is finished by the CTA holding its first k-tile (the "owner",
+// which reaches it last: at the end of its range); each later part is written by its CTA (at the start
+// of that CTA's range) to partials[CTA] in fp32, fragment order, and flagged (flags[CTA] = 1, release);
+// the owner waits for the flags (acquire), adds the parts in CTA order and runs the epilogue.
+// Deterministic; the sum order differs from whole units (within fp32 rounding). flags: zeros per launch.
+#ifndef SM90_STREAM_K
+#define SM90_STREAM_K 0
+#endif
+#if SM90_STREAM_K && SM90_MULTICAST
+#error "SM90_STREAM_K is built for single CTAs only"
+#endif
 #ifndef SM90_SKIP_EMPTY
 #define SM90_SKIP_EMPTY 0  // 1: a consumer warpgroup whose 64 rows hold no slot issues no wgmma (waits, releases)
 #endif
@@ -140,7 +153,11 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1) SM90_CLUSTER_ATTRIBUTE
 moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                       const __grid_constant__ TensorMap weight_map, const int* __restrict__ offsets, int num_experts,
-                      bf16* __restrict__ out, int N, int K) {
+                      bf16* __restrict__ out, int N, int K
+#if SM90_STREAM_K
+                      , float* __restrict__ partials, int* __restrict__ flags /* [gridDim.x], zeros */
+#endif
+                      ) {
     extern __shared__ uint4 smem_raw[];
     __shared__ int expert_offsets[SM90_MAX_EXPERTS + 1];
     __shared__ int tile_start[SM90_MAX_EXPERTS + 1];
@@ -193,6 +210,29 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
     const int num_tiles = tile_start[num_experts] * n_tiles;
     const int k_tiles = (K + SM90_TILE_K - 1) / SM90_TILE_K;
     const int warpgroup = threadIdx.x / 128;
+#if SM90_STREAM_K
+    // This CTA's work as segments: k-tiles k_begin .. k_end - 1 of unit `unit`; segment 0 starts at
+    // first_iteration, later ones at whole units (without stream-K: whole units unit0, unit0 + stride, ...)
+    const long long total_iterations = (long long)num_tiles * k_tiles;
+    const long long per_cta = (total_iterations + gridDim.x - 1) / gridDim.x;
+    const long long first_iteration = min(total_iterations, (long long)blockIdx.x * per_cta);
+    const long long end_iteration = min(total_iterations, first_iteration + per_cta);
+    auto segment = [&](int index, int& unit, int& k_begin, int& k_end) -> bool {
+        const long long start = index == 0 ? first_iteration : (first_iteration / k_tiles + index) * k_tiles;
+        if (start >= end_iteration) return false;
+        unit = (int)(start / k_tiles);
+        k_begin = (int)(start % k_tiles);
+        k_end = (int)min((long long)k_tiles, end_iteration - (long long)unit * k_tiles);
+        return true;
+    };
+#define SM90_FOR_EACH_SEGMENT \
+    int unit, k_begin, k_end; \
+    for (int index = 0; segment(index, unit, k_begin, k_end); ++index)
+#else
+#define SM90_FOR_EACH_SEGMENT \
+    const int k_begin = 0, k_end = k_tiles; \
+    for (int unit = unit0; unit < num_tiles; unit += units_stride)
+#endif
 
     if (warpgroup == 0) {
         // ---------------- producer ----------------
@@ -202,29 +242,38 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
         int step = 0;  // k-tiles produced so far (ring position)
-        int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
 #if SM90_PDL
+        int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
+        {  // the first segment's weights
+#if SM90_STREAM_K
+        int unit, k_begin, k_end;
+        if (segment(0, unit, k_begin, k_end)) {
+#else
         if (unit0 < num_tiles) {
-            const ExpertTile w = expert_tile(unit0, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            const int unit = unit0, k_begin = 0, k_end = k_tiles;
+#endif
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
             const int first_row = w.expert * N + w.column;
 #if SM90_FUSE_SILU
             const int second_row = first_row + N / 2;
 #else
             const int second_row = first_row + SM90_BOX_ROWS;
 #endif
-            prefetched = min(k_tiles, SM90_STAGES);
+            prefetched = min(k_end - k_begin, SM90_STAGES);
             if (t == 0)
-                for (int kt = 0; kt < prefetched; ++kt) {  // stages 0 .. prefetched - 1: free at the start
-                    const u32 b_smem = base + kt * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * kt;
+                for (int s = 0; s < prefetched; ++s) {  // stages 0 .. prefetched - 1: free at the start
+                    const int kt = k_begin + s;
+                    const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
                     tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
                     tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
                 }
         }
+        }
         asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the previous kernel (A's writer) completed
 #endif
-        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
-            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+        SM90_FOR_EACH_SEGMENT {
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
             int source[SM90_TILE_M / 16];  // A row of each of this thread's tile rows, -1: past the expert
 #pragma unroll
             for (int i = 0; i < SM90_TILE_M / 16; ++i) {
@@ -237,7 +286,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #else
             const int second_row = first_row + SM90_BOX_ROWS;
 #endif
-            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
@@ -249,7 +298,11 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     cp_async16(a_smem + swizzled(row0 + 16 * i, chunk), valid ? a + (size_t)source[i] * K + k : a, valid);
                 }
                 mbar_arrive_on_copies(full);
+#if SM90_PDL
                 if (t == 0 && step >= prefetched) {
+#else
+                if (t == 0) {
+#endif
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
 #if SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
@@ -273,12 +326,12 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #pragma unroll
         for (int i = 0; i < SM90_ACC; ++i) acc[i] = 0.f;
         int step = 0;
-        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
-            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+        SM90_FOR_EACH_SEGMENT {
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
             // warpgroup-uniform: its rows 64 wg .. 64 wg + 63 all past the expert's slots (a small step's
             // second warpgroup) would only multiply padding, sharing the tensor cores with the first
             const bool idle = SM90_SKIP_EMPTY && 64 * wg >= w.rows;
-            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 mbar_wait(bar_full + 8 * stage, (step / SM90_STAGES) & 1);
                 if (idle) {
@@ -292,20 +345,48 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 for (int kk = 0; kk < SM90_TILE_K / 16; ++kk) {  // 16-wide k steps: 32 bytes along the swizzled rows
 #if SM90_TILE_N == 256
                     wgmma_ss_n256(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
-                                  kt > 0 || kk > 0);
+                                  kt > k_begin || kk > 0);
 #else
                     wgmma_ss_n128(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
-                                  kt > 0 || kk > 0);
+                                  kt > k_begin || kk > 0);
 #endif
                 }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas retired: release it
-                if (kt > 0) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+                if (kt > k_begin) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
             }
             if (!idle) {
                 wgmma_wait<0>();
                 release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
             }
+#if SM90_STREAM_K
+            // fragment i of consumer thread c of warpgroup wg at partials[((CTA * CONSUMERS + wg) * ACC + i) * 128 + c]
+            const int consumer = threadIdx.x & 127;
+            if (k_begin > 0) {  // a later part of a unit cut by this CTA's start: to its owner
+                if (!idle) {
+                    float* part = partials + (size_t)(blockIdx.x * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
+#pragma unroll
+                    for (int i = 0; i < SM90_ACC; ++i) part[i * 128] = acc[i];
+                    __threadfence();
+                }
+                asm volatile("bar.sync 1, %0;\n" ::"n"(128 * SM90_CONSUMERS) : "memory");  // every part written
+                if (threadIdx.x == 128)
+                    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(1) : "memory");
+                continue;
+            }
+            if (k_end < k_tiles && !idle) {  // the owner of a cut unit: add the later CTAs' parts in CTA order
+                const long long last_iteration = (long long)unit * k_tiles + k_tiles - 1;
+                for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) {
+                    int ready = 0;
+                    do {
+                        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(flags + cta) : "memory");
+                    } while (!ready);
+                    const float* part = partials + (size_t)(cta * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
+#pragma unroll
+                    for (int i = 0; i < SM90_ACC; ++i) acc[i] += __ldcg(part + i * 128);
+                }
+            }
+#endif
             // lane (g, q) of warp `warp` holds rows 16 warp + g (+ 8), columns 8 j + q (+ 1) in acc[4 j + 2 half (+ 1)]
 #pragma unroll
             for (int half = 0; half < 2; ++half) {

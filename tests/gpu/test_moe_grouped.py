@@ -27,7 +27,7 @@ def _max_error(ours, reference) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-@pytest.mark.parametrize("shape", ["base", "skip", "m64", "m64_s5", "m64_n128_s8", "n128_s6"])
+@pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk"])
 def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
     tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial k-tile), N = 304 / I = 152
@@ -79,8 +79,8 @@ def test_sm90_shape_switch(cuda_backend, monkeypatch):
     _, moe_sm90 = _sm90()
     monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
     assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES[moe_sm90.SM90_SHAPE_CHOICE[-1][1]]
-    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64")
-    assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64"]
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64_s5")
+    assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64_s5"]
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m32")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_SHAPE"):
         moe_sm90.sm90_shape(6.0)
@@ -161,7 +161,38 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
         moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
 
 
-@pytest.mark.parametrize("shape", ["base", "m64_s5", "n128_s6"])
+@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk"])
+def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
+    """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
+    parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
+    NumPy fp32 per expert and within bf16 rounding of the whole-unit kernel; deterministic (twice the
+    same bits)."""
+    moe, moe_sm90 = _sm90()
+    num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
+    tiles = moe_sm90.SM90_SHAPES[shape]
+    units = np.count_nonzero(np.diff(offsets)) * -(-inter // (tiles.tile_n // 2))
+    assert units > cupy.cuda.Device().attributes["MultiProcessorCount"]  # cut units
+    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, shape=shape)
+    h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
+    assert _max_error(cuda_backend.to_host(h), h_ref) < 1e-2
+    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape)
+    assert np.array_equal(fused.get(), moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True,
+                                                                  shape=shape).get())
+    base = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape="base")
+    assert _max_error(cuda_backend.to_host(fused), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
+    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
+    y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
+    assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])
 def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
     """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
     (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly

@@ -61,13 +61,15 @@ SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
 
 @dataclass(frozen=True)
 class Sm90Shape:
-    """One build of moe_sm90.cu: slots x weight rows per tile, ring stages, and whether a consumer
-    warpgroup with no slot in its 64 rows skips its wgmmas (SM90_SKIP_EMPTY; same bits)."""
+    """One build of moe_sm90.cu: slots x weight rows per tile, ring stages, whether a consumer
+    warpgroup with no slot in its 64 rows skips its wgmmas (SM90_SKIP_EMPTY; same bits), and whether
+    the CTAs split units x k-tiles evenly (SM90_STREAM_K; cut units summed through an fp32 workspace)."""
 
     tile_m: int = SM90_TILE_M
     tile_n: int = SM90_TILE_N
     stages: int = SM90_STAGES
     skip_empty: bool = False
+    stream_k: bool = False
 
     @property
     def threads(self) -> int:
@@ -81,17 +83,20 @@ class Sm90Shape:
 # Shapes for small steps (opt-in until measured; OPENINFER_MOE_SM90_SHAPE=<name> forces one wherever the
 # Hopper kernel runs): a decode step of 16-256 tokens has 1.5-24 slots per expert, so a 128-slot tile is
 # mostly padding and the weight stream is the whole cost. "skip": the second warpgroup's padding rows
-# leave the tensor cores alone; "m64": one consumer warpgroup (a smaller A stage: 5 stages fit);
+# leave the tensor cores alone; "m64_s5": one consumer warpgroup (a smaller A stage: 5 stages fit);
 # "n128": 128 weight rows per tile, twice the work units (a shorter last wave). sm_90a ptxas, fused
 # gate_up: 168 / 160 / 91-160 registers, no spills.
 SM90_SHAPE_ENV = "OPENINFER_MOE_SM90_SHAPE"
 SM90_SHAPES: dict[str, Sm90Shape] = {
     "base": Sm90Shape(),
     "skip": Sm90Shape(skip_empty=True),
-    "m64": Sm90Shape(tile_m=64),
     "m64_s5": Sm90Shape(tile_m=64, stages=5),
     "m64_n128_s8": Sm90Shape(tile_m=64, tile_n=128, stages=8),
     "n128_s6": Sm90Shape(tile_n=128, stages=6, skip_empty=True),
+    # stream-K: every CTA the same share of the launch's units x k-tiles (no idle SMs in a last wave)
+    "sk": Sm90Shape(skip_empty=True, stream_k=True),
+    "m64_s5_sk": Sm90Shape(tile_m=64, stages=5, stream_k=True),
+    "n128_s6_sk": Sm90Shape(tile_n=128, stages=6, skip_empty=True, stream_k=True),
 }
 # The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
 SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
@@ -265,7 +270,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     num_slots = int(grouping.sorted_slots.size)
     tiles = sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty)
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
@@ -278,7 +283,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     # the default build keeps its define set (and CuPy's cached binary) as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
-        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty)}
+        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
+        "SM90_STREAM_K": int(tiles.stream_k)}
+    if tiles.stream_k and multicast:
+        raise ValueError("moe_sm90's stream-K shapes run single CTAs: no multicast")
     pdl = sm90_pdl() and not multicast
     if pdl:
         extra["SM90_PDL"] = 1
@@ -288,6 +296,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
             np.int32(weight.out_features), np.int32(weight.in_features))
+    if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
+        args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), cupy.zeros(grid, dtype=cupy.int32))
     if pdl and overlap_previous:
         launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
     else:
