@@ -91,9 +91,20 @@
 #define SM90_BOX_ROWS (SM90_TILE_N / 2)
 #define SM90_ACC (SM90_TILE_N / 2)  // accumulator floats per consumer thread: 64 rows x TILE_N / 128 threads
 #define SM90_TILE_K 64    // one 128-byte swizzle row of bf16
+// SM90_K_SUB=2: a stage holds two 64-wide k sub-tiles side by side (each operand's rows 256 contiguous
+// bytes per stage, where one sub-tile reads 128 bytes of each weight row; DRAM sees longer runs per row)
+#ifndef SM90_K_SUB
+#define SM90_K_SUB 1
+#endif
+#if SM90_K_SUB > 1 && SM90_MULTICAST
+#error "SM90_K_SUB > 1 is built for single CTAs only"
+#endif
+#define SM90_STAGE_K (SM90_TILE_K * SM90_K_SUB)
+#define SM90_A_SUB_BYTES (SM90_TILE_M * 128)
+#define SM90_B_SUB_BYTES (SM90_TILE_N * 128)
 #define SM90_UNIT_M (SM90_TILE_M * SM90_CLUSTER)  // slots of one expert per work unit (a CTA or a pair)
-#define SM90_A_BYTES (SM90_TILE_M * 128)
-#define SM90_B_BYTES (SM90_TILE_N * 128)
+#define SM90_A_BYTES (SM90_K_SUB * SM90_A_SUB_BYTES)
+#define SM90_B_BYTES (SM90_K_SUB * SM90_B_SUB_BYTES)
 #define SM90_STAGE_BYTES (SM90_A_BYTES + SM90_B_BYTES)
 #define SM90_BARRIER_OFFSET (SM90_STAGES * SM90_STAGE_BYTES)
 // + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
@@ -208,7 +219,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #endif
     const int n_tiles = (out_features + SM90_OUT_TILE_N - 1) / SM90_OUT_TILE_N;
     const int num_tiles = tile_start[num_experts] * n_tiles;
-    const int k_tiles = (K + SM90_TILE_K - 1) / SM90_TILE_K;
+    const int k_tiles = (K + SM90_STAGE_K - 1) / SM90_STAGE_K;
     const int warpgroup = threadIdx.x / 128;
 #if SM90_STREAM_K
     // This CTA's work as segments: k-tiles k_begin .. k_end - 1 of unit `unit`; segment 0 starts at
@@ -265,8 +276,12 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     const int kt = k_begin + s;
                     const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);
-                    tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
-                    tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+#pragma unroll
+                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                    }
                 }
         }
         }
@@ -291,12 +306,25 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
                 const u32 full = bar_full + 8 * stage;
+#if SM90_K_SUB == 1
                 const int k = kt * SM90_TILE_K + chunk * 8;
 #pragma unroll
                 for (int i = 0; i < SM90_TILE_M / 16; ++i) {
                     const bool valid = source[i] >= 0 && k < K;
                     cp_async16(a_smem + swizzled(row0 + 16 * i, chunk), valid ? a + (size_t)source[i] * K + k : a, valid);
                 }
+#else
+#pragma unroll
+                for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                    const int k = kt * SM90_STAGE_K + sub * SM90_TILE_K + chunk * 8;
+#pragma unroll
+                    for (int i = 0; i < SM90_TILE_M / 16; ++i) {
+                        const bool valid = source[i] >= 0 && k < K;
+                        cp_async16(a_smem + sub * SM90_A_SUB_BYTES + swizzled(row0 + 16 * i, chunk),
+                                   valid ? a + (size_t)source[i] * K + k : a, valid);
+                    }
+                }
+#endif
                 mbar_arrive_on_copies(full);
 #if SM90_PDL
                 if (t == 0 && step >= prefetched) {
@@ -307,9 +335,16 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #if SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);
-#else
+#elif SM90_K_SUB == 1
                     tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
                     tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+#else
+#pragma unroll
+                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                    }
 #endif
                 }
             }
@@ -341,6 +376,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 fence_proxy_async_shared();  // the gathered A rows came by cp.async (generic proxy)
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES + wg * 64 * 128, b_smem = base + stage * SM90_STAGE_BYTES + SM90_A_BYTES;
                 wgmma_fence();
+#if SM90_K_SUB == 1
 #pragma unroll
                 for (int kk = 0; kk < SM90_TILE_K / 16; ++kk) {  // 16-wide k steps: 32 bytes along the swizzled rows
 #if SM90_TILE_N == 256
@@ -351,6 +387,18 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                                   kt > k_begin || kk > 0);
 #endif
                 }
+#else
+#pragma unroll
+                for (int kk = 0; kk < SM90_STAGE_K / 16; ++kk) {  // sub-tile kk / 4, its 16-wide k step kk % 4
+                    const u32 a_at = a_smem + (kk / 4) * SM90_A_SUB_BYTES + (kk % 4) * 32;
+                    const u32 b_at = b_smem + (kk / 4) * SM90_B_SUB_BYTES + (kk % 4) * 32;
+#if SM90_TILE_N == 256
+                    wgmma_ss_n256(acc, smem_desc(a_at, 16, 1024), smem_desc(b_at, 16, 1024), kt > k_begin || kk > 0);
+#else
+                    wgmma_ss_n128(acc, smem_desc(a_at, 16, 1024), smem_desc(b_at, 16, 1024), kt > k_begin || kk > 0);
+#endif
+                }
+#endif
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas retired: release it
                 if (kt > k_begin) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);

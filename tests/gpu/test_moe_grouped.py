@@ -27,10 +27,12 @@ def _max_error(ours, reference) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-@pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk"])
+@pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
+                                   "m64_n128_k2"])
 def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
-    tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial k-tile), N = 304 / I = 152
+    tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
+    a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152
     (partial 128- and 256-row tiles, the next expert's rows in the box, never stored): gate_up
     (gathered rows), the fused SiLU·mul equal to silu_mul of its own gate_up, and down against NumPy
     fp32 per expert; the same as the default shape within bf16 rounding; a graph replay equals the
@@ -161,7 +163,7 @@ def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, exper
         moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
 
 
-@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk"])
+@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk"])
 def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
     """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
     parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against

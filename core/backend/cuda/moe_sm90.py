@@ -63,13 +63,16 @@ SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
 class Sm90Shape:
     """One build of moe_sm90.cu: slots x weight rows per tile, ring stages, whether a consumer
     warpgroup with no slot in its 64 rows skips its wgmmas (SM90_SKIP_EMPTY; same bits), and whether
-    the CTAs split units x k-tiles evenly (SM90_STREAM_K; cut units summed through an fp32 workspace)."""
+    the CTAs split units x k-tiles evenly (SM90_STREAM_K; cut units summed through an fp32 workspace), and
+    how many 64-wide k sub-tiles a stage holds (SM90_K_SUB: 2 reads 256 contiguous bytes of each weight row
+    per stage)."""
 
     tile_m: int = SM90_TILE_M
     tile_n: int = SM90_TILE_N
     stages: int = SM90_STAGES
     skip_empty: bool = False
     stream_k: bool = False
+    k_sub: int = 1
 
     @property
     def threads(self) -> int:
@@ -77,7 +80,7 @@ class Sm90Shape:
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
-        return self.stages * (self.tile_m + self.tile_n) * 128 + 16 * self.stages + 1024
+        return self.stages * (self.tile_m + self.tile_n) * 128 * self.k_sub + 16 * self.stages + 1024
 
 
 # Shapes for small steps (opt-in until measured; OPENINFER_MOE_SM90_SHAPE=<name> forces one wherever the
@@ -97,6 +100,10 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "sk": Sm90Shape(skip_empty=True, stream_k=True),
     "m64_s5_sk": Sm90Shape(tile_m=64, stages=5, stream_k=True),
     "n128_s6_sk": Sm90Shape(tile_n=128, stages=6, skip_empty=True, stream_k=True),
+    # 128-wide k stages (two 64-wide sub-tiles): 256-byte runs of each weight row per request (one consumer
+    # warpgroup only: two leave the producer 72 registers, and it spills)
+    "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
+    "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
 }
 # The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
 SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
@@ -270,7 +277,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     num_slots = int(grouping.sorted_slots.size)
     tiles = sm90_shape(num_slots / weight.num_experts, shape)
     if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k)
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
@@ -284,9 +291,9 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     # the default build keeps its define set (and CuPy's cached binary) as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
-        "SM90_STREAM_K": int(tiles.stream_k)}
-    if tiles.stream_k and multicast:
-        raise ValueError("moe_sm90's stream-K shapes run single CTAs: no multicast")
+        "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
+    if (tiles.stream_k or tiles.k_sub > 1) and multicast:
+        raise ValueError("moe_sm90's stream-K and wide-k shapes run single CTAs: no multicast")
     pdl = sm90_pdl() and not multicast
     if pdl:
         extra["SM90_PDL"] = 1
