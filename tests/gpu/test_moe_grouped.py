@@ -13,6 +13,27 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _sm90_builds():
+    """Every moe_sm90 build these tests launch, compiled at once in parallel NVRTC threads."""
+    from openinfer.backend import cuda_available
+
+    if not cuda_available():
+        return
+    from openinfer.backend.cuda import moe_sm90
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    if not moe_sm90.sm90_supported():
+        return
+    with discover_kernels() as found:
+        for name, tiles in moe_sm90.SM90_SHAPES.items():
+            for fuse_silu in (False, True):
+                moe_sm90.sm90_kernel(tiles, fuse_silu)
+                if name in ("base", "n128_s6_sk"):
+                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=True)
+    compile_kernels(found, cupy.cuda.Device().id, threads=16)
+
+
 def _sm90():
     from openinfer.backend.cuda import moe, moe_sm90
 

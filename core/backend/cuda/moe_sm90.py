@@ -263,6 +263,20 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
     return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
 
 
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False):
+    """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
+    # the default build keeps its define set as before the shapes existed
+    extra = {} if tiles == SM90_SHAPES["base"] else {
+        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
+        "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
+    if (tiles.stream_k or tiles.k_sub > 1 or pdl) and multicast:
+        raise ValueError("moe_sm90's stream-K, wide-k and PDL builds run single CTAs: no multicast")
+    if pdl:
+        extra["SM90_PDL"] = 1
+    return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
+                       SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
+
+
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                       fuse_silu: bool = False, stages: int | None = None, multicast: bool | None = None,
                       shape: str | None = None, overlap_previous: bool = False) -> cupy.ndarray:
@@ -288,17 +302,8 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     shared = tiles.shared_bytes()
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
-    # the default build keeps its define set (and CuPy's cached binary) as before the shapes existed
-    extra = {} if tiles == SM90_SHAPES["base"] else {
-        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
-        "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
-    if (tiles.stream_k or tiles.k_sub > 1) and multicast:
-        raise ValueError("moe_sm90's stream-K and wide-k shapes run single CTAs: no multicast")
     pdl = sm90_pdl() and not multicast
-    if pdl:
-        extra["SM90_PDL"] = 1
-    fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=tiles.stages,
-                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
+    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl)
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
