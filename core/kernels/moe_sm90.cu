@@ -65,8 +65,10 @@
 // SMs idle. A unit cut by a CTA boundary is finished by the CTA holding its first k-tile (the "owner",
 // which reaches it last: at the end of its range); each later part is written by its CTA (at the start
 // of that CTA's range) to partials[CTA] in fp32, fragment order, and flagged (flags[CTA] = 1, release);
-// the owner waits for the flags (acquire), adds the parts in CTA order and runs the epilogue.
-// Deterministic; the sum order differs from whole units (within fp32 rounding). flags: zeros per launch.
+// the owner waits for the flags (acquire), adds the parts in CTA order, sets the flags back to 0 (each
+// is awaited by one owner: the buffer is all zeros again after every launch, so one buffer serves every
+// launch and graph replay) and runs the epilogue. Deterministic; the sum order differs from whole
+// units (within fp32 rounding).
 #ifndef SM90_STREAM_K
 #define SM90_STREAM_K 0
 #endif
@@ -166,7 +168,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                       const __grid_constant__ TensorMap weight_map, const int* __restrict__ offsets, int num_experts,
                       bf16* __restrict__ out, int N, int K
 #if SM90_STREAM_K
-                      , float* __restrict__ partials, int* __restrict__ flags /* [gridDim.x], zeros */
+                      , float* __restrict__ partials, int* __restrict__ flags /* [gridDim.x], zeros; left zeros */
 #endif
                       ) {
     extern __shared__ uint4 smem_raw[];
@@ -422,17 +424,21 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(1) : "memory");
                 continue;
             }
-            if (k_end < k_tiles && !idle) {  // the owner of a cut unit: add the later CTAs' parts in CTA order
+            if (k_end < k_tiles) {  // the owner of a cut unit: add the later CTAs' parts in CTA order
                 const long long last_iteration = (long long)unit * k_tiles + k_tiles - 1;
-                for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) {
-                    int ready = 0;
-                    do {
-                        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(flags + cta) : "memory");
-                    } while (!ready);
-                    const float* part = partials + (size_t)(cta * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
+                if (!idle)
+                    for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) {
+                        int ready = 0;
+                        do {
+                            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(flags + cta) : "memory");
+                        } while (!ready);
+                        const float* part = partials + (size_t)(cta * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
 #pragma unroll
-                    for (int i = 0; i < SM90_ACC; ++i) acc[i] += __ldcg(part + i * 128);
-                }
+                        for (int i = 0; i < SM90_ACC; ++i) acc[i] += __ldcg(part + i * 128);
+                    }
+                asm volatile("bar.sync 1, %0;\n" ::"n"(128 * SM90_CONSUMERS) : "memory");  // every wait is over
+                if (threadIdx.x == 128)
+                    for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) flags[cta] = 0;
             }
 #endif
             // lane (g, q) of warp `warp` holds rows 16 warp + g (+ 8), columns 8 j + q (+ 1) in acc[4 j + 2 half (+ 1)]

@@ -189,7 +189,7 @@ def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
     """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
     parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
     NumPy fp32 per expert and within bf16 rounding of the whole-unit kernel; deterministic (twice the
-    same bits)."""
+    same bits); the flags left zeros."""
     moe, moe_sm90 = _sm90()
     num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
     gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
@@ -213,6 +213,8 @@ def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
     y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
     y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
     assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
+    # every flag awaited was set back to zero: the next launch (or graph replay) waits for its own parts
+    assert moe_sm90._flag_buffers and all(not flags.any() for flags in moe_sm90._flag_buffers.values())
 
 
 @pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])

@@ -263,6 +263,22 @@ def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: 
     return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
 
 
+_flag_buffers: dict[tuple[int, int, bool, bool], cupy.ndarray] = {}
+
+
+def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
+    """The stream-K flags of launches like this one (device, stream, projection): zeros, and left zeros by
+    every launch (moe_sm90.cu), so no memset sits between gate_up and down (which PDL overlaps). None
+    while a graph is being captured and the buffer does not exist yet (it cannot be zeroed then)."""
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr, fuse_silu, gather)
+    if key not in _flag_buffers:
+        if stream.is_capturing():
+            return None
+        _flag_buffers[key] = cupy.zeros(_device_traits(key[0])[1], dtype=cupy.int32)
+    return _flag_buffers[key]
+
+
 def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
     # the default build keeps its define set as before the shapes existed
@@ -309,7 +325,10 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
             np.int32(weight.out_features), np.int32(weight.in_features))
     if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
-        args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), cupy.zeros(grid, dtype=cupy.int32))
+        flags = _stream_k_flags(fuse_silu, gather)
+        if flags is None:  # first met inside a graph capture: zeros of its own (a memset node before the kernel)
+            flags, overlap_previous = cupy.zeros(grid, dtype=cupy.int32), False
+        args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), flags)
     if pdl and overlap_previous:
         launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
     else:
