@@ -44,6 +44,7 @@ SHAPE = {"experts": 64, "top_k": 6, "hidden": 2048, "inter": 1408}
 EXPERT_TOKENS = "16,64,256"
 ROUTING_TOKENS = "1024,4096,8192"
 ROUTINGS = 16  # routings (graph calls) per timed graph
+ROUTING_GRAPH_MAX_TOKENS = 1024  # routing parts of steps up to this size timed as graph replays
 COPIES = 2  # weight copies: 2 x 1.1 GB, far past the 50 MB L2
 
 READ_KERNEL = r"""
@@ -165,10 +166,15 @@ def run_experts(args) -> dict:
 
 # routing parts at prefill sizes: name -> what runs
 ROUTING_VARIANTS = {
+    "route_default": "router logits + scores and top-k as core chooses them (route())",
+    "route_warps": "route() with OPENINFER_MOE_ROUTE_WARPS=1 (top-k by moe_route_warps)",
+    "logits_warps": "moe_router_logits (a warp per token and expert): the default below 1024 tokens",
     "logits_mma": "moe_router_logits_mma (64 x 64 tiles, 4 stages): the default from 1024 tokens",
     "logits_mma_s8": "moe_router_logits_mma with 8 stages in flight",
-    "select_narrow": "moe_route in blocks of a thread per expert on the logits: the default",
+    "select_narrow": "moe_route in blocks of a thread per expert on the logits: the default from 1024 tokens",
+    "select_wide": "moe_route in 256-thread blocks on the logits: the default below 1024 tokens",
     "select_warps": "moe_route_warps, a warp per token (OPENINFER_MOE_ROUTE_WARPS=1)",
+    "group_default": "group_by_expert as core chooses (moe_sort_parallel below 4096 slots, then the blocks)",
     "group_blocks": "moe_expert_counts + moe_place_slots: the default from 4096 slots",
     "group_chunks": "moe_chunk_counts + moe_chunk_scan + moe_chunk_place (OPENINFER_MOE_GROUP_CHUNKS=1)",
     "group_single_block": "moe_sort_parallel",
@@ -198,6 +204,10 @@ def run_routing(args) -> dict:
         with switched_env({cuda_moe.ROUTE_WARPS_ENV: "1"}):
             return cuda_moe.select_experts(x, gate, router, bias, logits)
 
+    def route_warps(x):
+        with switched_env({cuda_moe.ROUTE_WARPS_ENV: "1"}):
+            return cuda_moe.route(x, gate, router, bias)
+
     def logits_with(stages: int, x):
         before, cuda_moe.ROUTER_STAGES = cuda_moe.ROUTER_STAGES, stages
         try:
@@ -209,13 +219,19 @@ def run_routing(args) -> dict:
         x = backend.upload(rng.standard_normal((tokens, c["hidden"])).astype(np.float32))
         logits = cuda_moe.router_logits(x, gate, router, mma=True)
         ids, weights = cuda_moe.select_experts(x, gate, router, bias, logits, narrow=True)
+        x = cupy.ascontiguousarray(x)
         grouping = cuda_moe.group_by_expert(ids, weights, c["experts"])
         y = device_random_bf16((tokens * c["top_k"], c["hidden"]))
         calls = {
+            "route_default": partial(cuda_moe.route, x, gate, router, bias),
+            "route_warps": partial(route_warps, x),
+            "logits_warps": partial(cuda_moe.router_logits, x, gate, router, mma=False),
             "logits_mma": partial(logits_with, 4, x),
             "logits_mma_s8": partial(logits_with, 8, x),
             "select_narrow": partial(cuda_moe.select_experts, x, gate, router, bias, logits, narrow=True),
+            "select_wide": partial(cuda_moe.select_experts, x, gate, router, bias, logits, narrow=False),
             "select_warps": partial(select_warps, x, logits),
+            "group_default": partial(cuda_moe.group_by_expert, ids, weights, c["experts"]),
             "group_blocks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="blocks"),
             "group_chunks": partial(cuda_moe.group_by_expert, ids, weights, c["experts"], method="chunks"),
             "group_single_block": partial(cuda_moe.group_by_expert, ids, weights, c["experts"],
@@ -234,12 +250,16 @@ def run_routing(args) -> dict:
             cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=True).get(),
             cuda_moe.combine(y, grouping, None, c["hidden"], vectorized=False).get()))
         point["group_chunks_equal"] = bool(np.array_equal(chunked.sorted_slots.get(), grouping.sorted_slots.get()))
+        point["graph"] = tokens <= ROUTING_GRAPH_MAX_TOKENS  # decode sizes: replays (launch gaps as in a step)
         for name, call in calls.items():
-            point[f"{name}_us"] = 1e6 * gpu_seconds(call, repeats=10, warmup=2)
-        point["routing_default_us"] = point["logits_mma_us"] + point["select_narrow_us"] + point["group_blocks_us"]
-        point["routing_best_us"] = (min(point["logits_mma_us"], point["logits_mma_s8_us"])
-                                    + min(point["select_narrow_us"], point["select_warps_us"])
-                                    + min(point["group_blocks_us"], point["group_chunks_us"]))
+            if point["graph"]:
+                point[f"{name}_us"] = 1e6 * graph_call_seconds([call] * 8)[0]
+            else:
+                point[f"{name}_us"] = 1e6 * gpu_seconds(call, repeats=10, warmup=2)
+        point["routing_default_us"] = point["route_default_us"] + point["group_default_us"] + point["combine_us"]
+        point["routing_best_us"] = (min(point["route_default_us"], point["route_warps_us"])
+                                    + min(point["group_default_us"], point["group_chunks_us"])
+                                    + min(point["combine_us"], point["combine_vec_us"]))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in point.items()}), flush=True)
         report["points"].append(point)
     return report
