@@ -194,3 +194,246 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
         if (placed == first_row + rows) break;  // block-uniform: every slot of e placed
     }
 }
+
+#ifndef MMA_HOST_STANDIN  // warp intrinsics beyond the host emulation's: GPU only
+// ---------------------------------------------------------------------------------------------
+// moe_route_warps: moe_route's scores and top-k for prefill-sized steps without expert groups
+// (n_group 1: Moonlight, Kimi-K2), a warp per token over router_logits' output (moe_route: a block
+// per token, shared memory and block barriers for a 64-expert row). Lane l holds experts l + 32 i in
+// registers; top-k by repeated warp argmax, lowest index on ties, the picks' scores summed in pick
+// order: the same ids and (sigmoid, sqrt-softplus) the same weights as moe_route.
+// ---------------------------------------------------------------------------------------------
+#define ROUTE_WARPS 8
+#define ROUTE_PER_LANE (GROUP_MAX_EXPERTS / 32)
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
+                int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= num_tokens) return;  // warp-uniform
+    const float* row = logits + (long long)t * num_experts;
+    float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
+    float logit_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        score[i] = e < num_experts ? row[e] : -INFINITY;
+        logit_max = fmaxf(logit_max, score[i]);
+    }
+    if (scoring == 0) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) logit_max = fmaxf(logit_max, __shfl_xor_sync(0xffffffffu, logit_max, o));
+    }
+    float local_sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= num_experts) continue;
+        const float l = score[i];
+        float s;
+        if (scoring == 0) {
+            s = __expf(l - logit_max);
+            local_sum += s;
+        } else if (scoring == 1) {
+            s = 1.f / (1.f + __expf(-l));
+        } else {
+            s = sqrtf(l > 20.f ? l : log1pf(__expf(l)));
+        }
+        score[i] = s;
+    }
+    if (scoring == 0) {
+        const float total = warp_sum(local_sum);
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) score[i] /= total;
+    }
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        choice[i] = e < num_experts ? score[i] + (bias ? bias[e] : 0.f) : -INFINITY;
+    }
+    unsigned taken = 0u;  // bit i: this lane's expert lane + 32 i is picked
+    int my_id = 0;        // lane j < top_k: pick j
+    float my_score = 0.f, total = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        int arg = -1;
+        float best = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < num_experts && !((taken >> i) & 1u) && (arg < 0 || choice[i] > best)) {
+                best = choice[i];
+                arg = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float other_best = __shfl_xor_sync(0xffffffffu, best, o);
+            const int other_arg = __shfl_xor_sync(0xffffffffu, arg, o);
+            if (other_arg >= 0 && (arg < 0 || other_best > best || (other_best == best && other_arg < arg))) {
+                best = other_best;
+                arg = other_arg;
+            }
+        }
+        float picked = 0.f;  // the owner lane's score of `arg` (a register picked by a compare, not an index)
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i)
+            if ((arg >> 5) == i) picked = score[i];
+        picked = __shfl_sync(0xffffffffu, picked, arg & 31);
+        if ((arg & 31) == lane) taken |= 1u << (arg >> 5);
+        total += picked;  // in pick order, as moe_route's thread 0
+        if (lane == j) {
+            my_id = arg;
+            my_score = picked;
+        }
+    }
+    const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    if (lane < top_k) {
+        ids[t * top_k + lane] = my_id;
+        weights[t * top_k + lane] = my_score * norm * scaling;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouping for prefill-sized steps in three small launches, deterministic and stable (each expert's
+// slots in slot order), where moe_expert_counts + moe_place_slots have every one of E blocks read
+// all T·k ids twice:
+//   moe_chunk_counts  grid (C): chunk c's (`chunk` slots) count per expert, shared-memory atomics
+//                     -> chunk_counts [C, E]
+//   moe_chunk_scan    one block: each expert's rows before chunk c (chunk_counts in shared memory,
+//                     a thread per expert walks the chunks) plus the experts' offsets -> chunk_base
+//                     [C, E] (in place), offsets [E+1], the 64-row tile list, num_tiles
+//   moe_chunk_place   grid (C): a warp per 1/8 of the chunk; per 32-slot step __match_any_sync groups
+//                     the lanes of one expert, each lane's rank among them the earlier lanes of its
+//                     group; the warps' bases from their counts -> sorted_slots, slot_pos
+// Needs E <= GROUP_MAX_EXPERTS and C x E <= CHUNK_SCAN_ENTRIES (the caller sizes `chunk`).
+// ---------------------------------------------------------------------------------------------
+#define CHUNK_THREADS 256
+#define CHUNK_WARPS (CHUNK_THREADS / 32)
+#define CHUNK_SCAN_ENTRIES 12000  // 48 KB of static shared memory
+
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+moe_chunk_counts(const int* __restrict__ ids, int num_slots, int num_experts, int chunk, int* __restrict__ chunk_counts) {
+    __shared__ int count[GROUP_MAX_EXPERTS];
+    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) count[e] = 0;
+    __syncthreads();
+    const int first = blockIdx.x * chunk, last = min(num_slots, first + chunk);
+    for (int s = first + threadIdx.x; s < last; s += CHUNK_THREADS) atomicAdd(&count[ids[s]], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) chunk_counts[(long long)blockIdx.x * num_experts + e] = count[e];
+}
+
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+moe_chunk_scan(int* __restrict__ chunk_base /* [C, E]: counts in, rows before the chunk out */, int num_chunks,
+               int num_experts, int* __restrict__ offsets /* [E+1] */, int* __restrict__ tile_expert,
+               int* __restrict__ tile_row, int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ int counts[CHUNK_SCAN_ENTRIES];
+    __shared__ int scratch[32];
+    const int tid = threadIdx.x, entries = num_chunks * num_experts;
+    for (int i = tid; i < entries; i += blockDim.x) counts[i] = chunk_base[i];
+    __syncthreads();
+    int rows = 0;  // thread e: expert e's rows, and its rows before each chunk (in place)
+    if (tid < num_experts)
+        for (int c = 0; c < num_chunks; ++c) {
+            const int n = counts[c * num_experts + tid];
+            counts[c * num_experts + tid] = rows;
+            rows += n;
+        }
+    int rows_total, tiles_total;
+    const int row_before = block_exclusive_scan(rows, scratch, &rows_total);
+    const int tile_before = block_exclusive_scan((rows + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS, scratch, &tiles_total);
+    if (tid < num_experts) {
+        offsets[tid] = row_before;
+        for (int r = 0, tile = tile_before; r < rows && tile < max_tiles; r += GROUP_TILE_ROWS, ++tile) {
+            tile_expert[tile] = tid;
+            tile_row[tile] = row_before + r;
+        }
+        for (int c = 0; c < num_chunks; ++c) counts[c * num_experts + tid] += row_before;
+    }
+    if (tid == 0) {
+        offsets[num_experts] = rows_total;
+        *num_tiles = min(tiles_total, max_tiles);
+    }
+    __syncthreads();
+    for (int i = tid; i < entries; i += blockDim.x) chunk_base[i] = counts[i];
+}
+
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+moe_chunk_place(const int* __restrict__ ids, int num_slots, int num_experts, int chunk,
+                const int* __restrict__ chunk_base, int* __restrict__ sorted_slots, int* __restrict__ slot_pos) {
+    __shared__ int base[CHUNK_WARPS][GROUP_MAX_EXPERTS];  // per warp: its slots' counts, then its next rows
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < CHUNK_WARPS * num_experts; i += CHUNK_THREADS) base[i / num_experts][i % num_experts] = 0;
+    __syncthreads();
+    const int first = blockIdx.x * chunk, last = min(num_slots, first + chunk);
+    const int per_warp = (chunk + CHUNK_WARPS - 1) / CHUNK_WARPS;
+    const int warp_first = min(last, first + warp * per_warp), warp_last = min(last, warp_first + per_warp);
+    const unsigned lanes_below = (1u << lane) - 1u;
+    for (int s0 = warp_first; s0 < warp_last; s0 += 32) {  // count: a group's lowest lane adds its size
+        const int s = s0 + lane;
+        const int e = s < warp_last ? ids[s] : -1 - lane;
+        const unsigned group = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && (group & lanes_below) == 0) base[warp][e] += __popc(group);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += CHUNK_THREADS) {  // counts -> each warp's first row
+        int row = chunk_base[(long long)blockIdx.x * num_experts + e];
+        for (int w = 0; w < CHUNK_WARPS; ++w) {
+            const int n = base[w][e];
+            base[w][e] = row;
+            row += n;
+        }
+    }
+    __syncthreads();
+    for (int s0 = warp_first; s0 < warp_last; s0 += 32) {
+        const int s = s0 + lane;
+        const int e = s < warp_last ? ids[s] : -1 - lane;
+        const unsigned group = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int p = base[warp][e] + __popc(group & lanes_below);
+            sorted_slots[p] = s;
+            slot_pos[s] = p;
+        }
+        __syncwarp();
+        if (e >= 0 && (group & lanes_below) == 0) base[warp][e] += __popc(group);
+        __syncwarp();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_combine_vec8: moe_combine (out[t] = sum_j weights[t, j] y[slot_pos[t k + j]] (+ shared[t])) with
+// 8 columns per thread: 16-byte loads of all k expert rows in flight before the sums (moe_combine: a
+// 2-byte load per column and slot). The same sums in the same order: the same bits. Grid (T,
+// ceil(hidden / 8 / blockDim)); needs hidden % 8 == 0 and 16-byte aligned y, shared and out.
+// ---------------------------------------------------------------------------------------------
+#define COMBINE_MAX_TOPK 16
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine_vec8(const bf16* __restrict__ y, const int* __restrict__ slot_pos, const float* __restrict__ weights,
+                 const bf16* __restrict__ shared, int top_k, int hidden, bf16* __restrict__ out) {
+    const int t = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= hidden) return;
+    uint4 rows[COMBINE_MAX_TOPK];
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_TOPK; ++j)
+        if (j < top_k) rows[j] = *reinterpret_cast<const uint4*>(y + (long long)slot_pos[t * top_k + j] * hidden + c);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_TOPK; ++j) {
+        if (j >= top_k) break;
+        const float w = weights[t * top_k + j];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&rows[j]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 v = __bfloat1622float2(h[i]);
+            sum[2 * i] += w * v.x;
+            sum[2 * i + 1] += w * v.y;
+        }
+    }
+    if (shared) {
+        float s[8];
+        load8(shared + (long long)t * hidden + c, s);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] = round_bf16(sum[i]) + s[i];
+    }
+    store8(out + (long long)t * hidden + c, sum);
+}
+#endif

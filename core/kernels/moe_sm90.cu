@@ -27,10 +27,16 @@
 //
 //   smem: [stage s: A 128 x 128 B | B 256 x 128 B] x SM90_STAGES, [full, empty mbarriers] (1024-aligned)
 //
+// Small steps (a few slots per expert: every tile mostly padding, the weight stream all that counts):
+// SM90_TILE_M=64 keeps one consumer warpgroup (256 threads, no register rebalancing; the A stage
+// halves, so 5 stages fit) and SM90_TILE_N=128 halves the weight rows per tile (two 64-row boxes,
+// wgmma m64n128k16), doubling the work units so the last wave of a persistent launch idles fewer SMs.
+//
 // Needs K % 8 == 0, 16-byte aligned rows of A, N even (fused: N = 2 I, I even); at most
 // SM90_MAX_EXPERTS experts.
 #include "mma.cuh"  // pack_bf16x2, round_bf16
 #include "sm90.cuh"
+#include "wgmma.cuh"  // wgmma_ss_n128
 
 #ifndef SM90_STAGES
 #define SM90_STAGES 4
@@ -41,22 +47,73 @@
 #ifndef SM90_MULTICAST
 #define SM90_MULTICAST 0
 #endif
+// SM90_PDL=1: programmatic dependent launch. Every CTA lets the next kernel of the stream launch at once
+// (griddepcontrol.launch_dependents): a launch made with the programmatic-serialization attribute (the
+// down projection after gate_up) then takes each SM this one leaves during its last wave. The producer
+// issues its first tile's weight boxes (up to SM90_STAGES k-tiles: weights and the routing's offsets,
+// which the kernel before the previous one wrote, never the previous kernel's output) before
+// griddepcontrol.wait, and every read of A or write of `out` comes after it. Launched plainly, the wait
+// returns at once.
+#ifndef SM90_PDL
+#define SM90_PDL 0
+#endif
+#if SM90_PDL && SM90_MULTICAST
+#error "SM90_PDL is built for single CTAs only"
+#endif
+// SM90_STREAM_K=1: the CTAs split the launch's units x k-tiles evenly (CTA b: iterations b W .. b W + W - 1,
+// W = ceil(units x k_tiles / CTAs)) instead of taking whole units round-robin, so no last wave leaves
+// SMs idle. A unit cut by a CTA boundary is finished by the CTA holding its first k-tile (the "owner",
+// which reaches it last: at the end of its range); each later part is written by its CTA (at the start
+// of that CTA's range) to partials[CTA] in fp32, fragment order, and flagged (flags[CTA] = 1, release);
+// the owner waits for the flags (acquire), adds the parts in CTA order, sets the flags back to 0 (each
+// is awaited by one owner: the buffer is all zeros again after every launch, so one buffer serves every
+// launch and graph replay) and runs the epilogue. Deterministic; the sum order differs from whole
+// units (within fp32 rounding).
+#ifndef SM90_STREAM_K
+#define SM90_STREAM_K 0
+#endif
+#if SM90_STREAM_K && SM90_MULTICAST
+#error "SM90_STREAM_K is built for single CTAs only"
+#endif
+#ifndef SM90_SKIP_EMPTY
+#define SM90_SKIP_EMPTY 0  // 1: a consumer warpgroup whose 64 rows hold no slot issues no wgmma (waits, releases)
+#endif
+#ifndef SM90_TILE_M
+#define SM90_TILE_M 128   // slots per tile: 64 per consumer warpgroup
+#endif
+#ifndef SM90_TILE_N
+#define SM90_TILE_N 256   // weight rows per tile: two TMA boxes (fused: gate box, up box)
+#endif
+#if (SM90_TILE_M != 64 && SM90_TILE_M != 128) || (SM90_TILE_N != 128 && SM90_TILE_N != 256)
+#error "SM90_TILE_M must be 64 or 128 and SM90_TILE_N 128 or 256"
+#endif
 #define SM90_CLUSTER (SM90_MULTICAST ? 2 : 1)
-#define SM90_THREADS 384
-#define SM90_TILE_M 128
-#define SM90_TILE_N 256   // weight rows per tile: two TMA boxes
-#define SM90_BOX_ROWS 128
+#define SM90_CONSUMERS (SM90_TILE_M / 64)  // consumer warpgroups
+#define SM90_THREADS (128 * (1 + SM90_CONSUMERS))
+#define SM90_BOX_ROWS (SM90_TILE_N / 2)
+#define SM90_ACC (SM90_TILE_N / 2)  // accumulator floats per consumer thread: 64 rows x TILE_N / 128 threads
 #define SM90_TILE_K 64    // one 128-byte swizzle row of bf16
+// SM90_K_SUB=2: a stage holds two 64-wide k sub-tiles side by side (each operand's rows 256 contiguous
+// bytes per stage, where one sub-tile reads 128 bytes of each weight row; DRAM sees longer runs per row)
+#ifndef SM90_K_SUB
+#define SM90_K_SUB 1
+#endif
+#if SM90_K_SUB > 1 && SM90_MULTICAST
+#error "SM90_K_SUB > 1 is built for single CTAs only"
+#endif
+#define SM90_STAGE_K (SM90_TILE_K * SM90_K_SUB)
+#define SM90_A_SUB_BYTES (SM90_TILE_M * 128)
+#define SM90_B_SUB_BYTES (SM90_TILE_N * 128)
 #define SM90_UNIT_M (SM90_TILE_M * SM90_CLUSTER)  // slots of one expert per work unit (a CTA or a pair)
-#define SM90_A_BYTES (SM90_TILE_M * 128)
-#define SM90_B_BYTES (SM90_TILE_N * 128)
+#define SM90_A_BYTES (SM90_K_SUB * SM90_A_SUB_BYTES)
+#define SM90_B_BYTES (SM90_K_SUB * SM90_B_SUB_BYTES)
 #define SM90_STAGE_BYTES (SM90_A_BYTES + SM90_B_BYTES)
 #define SM90_BARRIER_OFFSET (SM90_STAGES * SM90_STAGE_BYTES)
 // + 1024 so the tiles can start on a 1024-byte boundary (the swizzle atom)
 #define SM90_SHARED_BYTES (SM90_BARRIER_OFFSET + 16 * SM90_STAGES + 1024)
 #define SM90_MAX_EXPERTS 512
 #define SM90_PRODUCER_REGS 72
-#define SM90_CONSUMER_REGS 216  // 128 * 72 + 256 * 216 <= 65536
+#define SM90_CONSUMER_REGS 216  // two consumer warpgroups: 128 * 72 + 256 * 216 <= 65536
 #if SM90_FUSE_SILU
 #define SM90_OUT_TILE_N (SM90_TILE_N / 2)  // output columns per tile
 #else
@@ -109,7 +166,11 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane) {
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1) SM90_CLUSTER_ATTRIBUTE
 moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                       const __grid_constant__ TensorMap weight_map, const int* __restrict__ offsets, int num_experts,
-                      bf16* __restrict__ out, int N, int K) {
+                      bf16* __restrict__ out, int N, int K
+#if SM90_STREAM_K
+                      , float* __restrict__ partials, int* __restrict__ flags /* [gridDim.x], zeros; left zeros */
+#endif
+                      ) {
     extern __shared__ uint4 smem_raw[];
     __shared__ int expert_offsets[SM90_MAX_EXPERTS + 1];
     __shared__ int tile_start[SM90_MAX_EXPERTS + 1];
@@ -121,7 +182,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
     if (threadIdx.x == 0) {
         for (int s = 0; s < SM90_STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128 + 1);  // every producer thread's copies + thread 0's TMA bytes
-            mbar_init(bar_empty + 8 * s, 8 * SM90_CLUSTER);  // one arrival per consumer warp (of the pair)
+            mbar_init(bar_empty + 8 * s, 4 * SM90_CONSUMERS * SM90_CLUSTER);  // one arrival per consumer warp (of the pair)
         }
         mbar_init_fence();
     }
@@ -131,6 +192,9 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #else
     __syncthreads();
     const int rank = 0;
+#endif
+#if SM90_PDL
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     const int unit0 = blockIdx.x / SM90_CLUSTER, units_stride = gridDim.x / SM90_CLUSTER;
     if (threadIdx.x < 32) {  // tile_start: exclusive scan of the experts' m-tile counts, 32 experts a pass
@@ -157,17 +221,76 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #endif
     const int n_tiles = (out_features + SM90_OUT_TILE_N - 1) / SM90_OUT_TILE_N;
     const int num_tiles = tile_start[num_experts] * n_tiles;
-    const int k_tiles = (K + SM90_TILE_K - 1) / SM90_TILE_K;
+    const int k_tiles = (K + SM90_STAGE_K - 1) / SM90_STAGE_K;
     const int warpgroup = threadIdx.x / 128;
+#if SM90_STREAM_K
+    // This CTA's work as segments: k-tiles k_begin .. k_end - 1 of unit `unit`; segment 0 starts at
+    // first_iteration, later ones at whole units (without stream-K: whole units unit0, unit0 + stride, ...)
+    const long long total_iterations = (long long)num_tiles * k_tiles;
+    const long long per_cta = (total_iterations + gridDim.x - 1) / gridDim.x;
+    const long long first_iteration = min(total_iterations, (long long)blockIdx.x * per_cta);
+    const long long end_iteration = min(total_iterations, first_iteration + per_cta);
+    auto segment = [&](int index, int& unit, int& k_begin, int& k_end) -> bool {
+        const long long start = index == 0 ? first_iteration : (first_iteration / k_tiles + index) * k_tiles;
+        if (start >= end_iteration) return false;
+        unit = (int)(start / k_tiles);
+        k_begin = (int)(start % k_tiles);
+        k_end = (int)min((long long)k_tiles, end_iteration - (long long)unit * k_tiles);
+        return true;
+    };
+#define SM90_FOR_EACH_SEGMENT \
+    int unit, k_begin, k_end; \
+    for (int index = 0; segment(index, unit, k_begin, k_end); ++index)
+#else
+#define SM90_FOR_EACH_SEGMENT \
+    const int k_begin = 0, k_end = k_tiles; \
+    for (int unit = unit0; unit < num_tiles; unit += units_stride)
+#endif
 
     if (warpgroup == 0) {
         // ---------------- producer ----------------
+#if SM90_CONSUMERS == 2  // one consumer warpgroup: 256 threads get all the registers they can use anyway
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SM90_PRODUCER_REGS));
+#endif
         const int t = threadIdx.x, chunk = t & 7, row0 = t >> 3;  // rows row0 + 16 i, 16-byte chunk `chunk`
         if (t == 0) prefetch_tensor_map(&weight_map);
         int step = 0;  // k-tiles produced so far (ring position)
-        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
-            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
+#if SM90_PDL
+        int prefetched = 0;  // of them, k-tiles whose weight boxes went out before griddepcontrol.wait
+        {  // the first segment's weights
+#if SM90_STREAM_K
+        int unit, k_begin, k_end;
+        if (segment(0, unit, k_begin, k_end)) {
+#else
+        if (unit0 < num_tiles) {
+            const int unit = unit0, k_begin = 0, k_end = k_tiles;
+#endif
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            const int first_row = w.expert * N + w.column;
+#if SM90_FUSE_SILU
+            const int second_row = first_row + N / 2;
+#else
+            const int second_row = first_row + SM90_BOX_ROWS;
+#endif
+            prefetched = min(k_end - k_begin, SM90_STAGES);
+            if (t == 0)
+                for (int s = 0; s < prefetched; ++s) {  // stages 0 .. prefetched - 1: free at the start
+                    const int kt = k_begin + s;
+                    const u32 b_smem = base + s * SM90_STAGE_BYTES + SM90_A_BYTES, full = bar_full + 8 * s;
+                    mbar_arrive_expect_bytes(full, SM90_B_BYTES);
+#pragma unroll
+                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                    }
+                }
+        }
+        }
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the previous kernel (A's writer) completed
+#endif
+        SM90_FOR_EACH_SEGMENT {
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
             int source[SM90_TILE_M / 16];  // A row of each of this thread's tile rows, -1: past the expert
 #pragma unroll
             for (int i = 0; i < SM90_TILE_M / 16; ++i) {
@@ -180,26 +303,50 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
 #else
             const int second_row = first_row + SM90_BOX_ROWS;
 #endif
-            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 if (step >= SM90_STAGES) mbar_wait(bar_empty + 8 * stage, ((step / SM90_STAGES) - 1) & 1);
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES, b_smem = a_smem + SM90_A_BYTES;
                 const u32 full = bar_full + 8 * stage;
+#if SM90_K_SUB == 1
                 const int k = kt * SM90_TILE_K + chunk * 8;
 #pragma unroll
                 for (int i = 0; i < SM90_TILE_M / 16; ++i) {
                     const bool valid = source[i] >= 0 && k < K;
                     cp_async16(a_smem + swizzled(row0 + 16 * i, chunk), valid ? a + (size_t)source[i] * K + k : a, valid);
                 }
+#else
+#pragma unroll
+                for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                    const int k = kt * SM90_STAGE_K + sub * SM90_TILE_K + chunk * 8;
+#pragma unroll
+                    for (int i = 0; i < SM90_TILE_M / 16; ++i) {
+                        const bool valid = source[i] >= 0 && k < K;
+                        cp_async16(a_smem + sub * SM90_A_SUB_BYTES + swizzled(row0 + 16 * i, chunk),
+                                   valid ? a + (size_t)source[i] * K + k : a, valid);
+                    }
+                }
+#endif
                 mbar_arrive_on_copies(full);
+#if SM90_PDL
+                if (t == 0 && step >= prefetched) {
+#else
                 if (t == 0) {
+#endif
                     mbar_arrive_expect_bytes(full, SM90_B_BYTES);  // both boxes land here (SM90_MULTICAST: one from each CTA)
 #if SM90_MULTICAST
                     tma_load_3d_multicast(b_smem + rank * SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0,
                                           rank ? second_row : first_row, full, 3);
-#else
+#elif SM90_K_SUB == 1
                     tma_load_3d(b_smem, &weight_map, kt * SM90_TILE_K, 0, first_row, full);
                     tma_load_3d(b_smem + SM90_BOX_ROWS * 128, &weight_map, kt * SM90_TILE_K, 0, second_row, full);
+#else
+#pragma unroll
+                    for (int sub = 0; sub < SM90_K_SUB; ++sub) {
+                        const int k0 = kt * SM90_STAGE_K + sub * SM90_TILE_K;
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES, &weight_map, k0, 0, first_row, full);
+                        tma_load_3d(b_smem + sub * SM90_B_SUB_BYTES + SM90_BOX_ROWS * 128, &weight_map, k0, 0, second_row, full);
+                    }
 #endif
                 }
             }
@@ -207,31 +354,93 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         cp_async_wait_all();
     } else {
         // ---------------- consumers ----------------
+#if SM90_CONSUMERS == 2
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SM90_CONSUMER_REGS));
+#endif
         const int wg = warpgroup - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, q = (lane & 3) * 2;
-        float acc[128];
+        float acc[SM90_ACC];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        for (int i = 0; i < SM90_ACC; ++i) acc[i] = 0.f;
         int step = 0;
-        for (int tile = unit0; tile < num_tiles; tile += units_stride) {
-            const ExpertTile w = expert_tile(tile, n_tiles, tile_start, expert_offsets, num_experts, rank);
-            for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+        SM90_FOR_EACH_SEGMENT {
+            const ExpertTile w = expert_tile(unit, n_tiles, tile_start, expert_offsets, num_experts, rank);
+            // warpgroup-uniform: its rows 64 wg .. 64 wg + 63 all past the expert's slots (a small step's
+            // second warpgroup) would only multiply padding, sharing the tensor cores with the first
+            const bool idle = SM90_SKIP_EMPTY && 64 * wg >= w.rows;
+            for (int kt = k_begin; kt < k_end; ++kt, ++step) {
                 const int stage = step % SM90_STAGES;
                 mbar_wait(bar_full + 8 * stage, (step / SM90_STAGES) & 1);
+                if (idle) {
+                    release_stage(bar_empty + 8 * stage, lane);
+                    continue;
+                }
                 fence_proxy_async_shared();  // the gathered A rows came by cp.async (generic proxy)
                 const u32 a_smem = base + stage * SM90_STAGE_BYTES + wg * 64 * 128, b_smem = base + stage * SM90_STAGE_BYTES + SM90_A_BYTES;
                 wgmma_fence();
+#if SM90_K_SUB == 1
 #pragma unroll
-                for (int kk = 0; kk < SM90_TILE_K / 16; ++kk)  // 16-wide k steps: 32 bytes along the swizzled rows
+                for (int kk = 0; kk < SM90_TILE_K / 16; ++kk) {  // 16-wide k steps: 32 bytes along the swizzled rows
+#if SM90_TILE_N == 256
                     wgmma_ss_n256(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
-                                  kt > 0 || kk > 0);
+                                  kt > k_begin || kk > 0);
+#else
+                    wgmma_ss_n128(acc, smem_desc(a_smem + kk * 32, 16, 1024), smem_desc(b_smem + kk * 32, 16, 1024),
+                                  kt > k_begin || kk > 0);
+#endif
+                }
+#else
+#pragma unroll
+                for (int kk = 0; kk < SM90_STAGE_K / 16; ++kk) {  // sub-tile kk / 4, its 16-wide k step kk % 4
+                    const u32 a_at = a_smem + (kk / 4) * SM90_A_SUB_BYTES + (kk % 4) * 32;
+                    const u32 b_at = b_smem + (kk / 4) * SM90_B_SUB_BYTES + (kk % 4) * 32;
+#if SM90_TILE_N == 256
+                    wgmma_ss_n256(acc, smem_desc(a_at, 16, 1024), smem_desc(b_at, 16, 1024), kt > k_begin || kk > 0);
+#else
+                    wgmma_ss_n128(acc, smem_desc(a_at, 16, 1024), smem_desc(b_at, 16, 1024), kt > k_begin || kk > 0);
+#endif
+                }
+#endif
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas retired: release it
-                if (kt > 0) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+                if (kt > k_begin) release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
             }
-            wgmma_wait<0>();
-            release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            if (!idle) {
+                wgmma_wait<0>();
+                release_stage(bar_empty + 8 * ((step - 1) % SM90_STAGES), lane);
+            }
+#if SM90_STREAM_K
+            // fragment i of consumer thread c of warpgroup wg at partials[((CTA * CONSUMERS + wg) * ACC + i) * 128 + c]
+            const int consumer = threadIdx.x & 127;
+            if (k_begin > 0) {  // a later part of a unit cut by this CTA's start: to its owner
+                if (!idle) {
+                    float* part = partials + (size_t)(blockIdx.x * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
+#pragma unroll
+                    for (int i = 0; i < SM90_ACC; ++i) part[i * 128] = acc[i];
+                    __threadfence();
+                }
+                asm volatile("bar.sync 1, %0;\n" ::"n"(128 * SM90_CONSUMERS) : "memory");  // every part written
+                if (threadIdx.x == 128)
+                    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(1) : "memory");
+                continue;
+            }
+            if (k_end < k_tiles) {  // the owner of a cut unit: add the later CTAs' parts in CTA order
+                const long long last_iteration = (long long)unit * k_tiles + k_tiles - 1;
+                if (!idle)
+                    for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) {
+                        int ready = 0;
+                        do {
+                            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(flags + cta) : "memory");
+                        } while (!ready);
+                        const float* part = partials + (size_t)(cta * SM90_CONSUMERS + wg) * SM90_ACC * 128 + consumer;
+#pragma unroll
+                        for (int i = 0; i < SM90_ACC; ++i) acc[i] += __ldcg(part + i * 128);
+                    }
+                asm volatile("bar.sync 1, %0;\n" ::"n"(128 * SM90_CONSUMERS) : "memory");  // every wait is over
+                if (threadIdx.x == 128)
+                    for (int cta = blockIdx.x + 1; (long long)cta * per_cta <= last_iteration; ++cta) flags[cta] = 0;
+            }
+#endif
             // lane (g, q) of warp `warp` holds rows 16 warp + g (+ 8), columns 8 j + q (+ 1) in acc[4 j + 2 half (+ 1)]
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -240,13 +449,13 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 bf16* out_row = out + (size_t)(w.row_begin + r) * out_features;
 #if SM90_FUSE_SILU
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {  // gate column block j, its up block j + 16
+                for (int j = 0; j < SM90_TILE_N / 16; ++j) {  // gate column block j, its up block j + TILE_N / 16
                     const int c = w.column + 8 * j + q;
                     float o[2];
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
                         const float gate = round_bf16(acc[4 * j + 2 * half + v]);
-                        const float up = round_bf16(acc[4 * (j + 16) + 2 * half + v]);
+                        const float up = round_bf16(acc[4 * (j + SM90_TILE_N / 16) + 2 * half + v]);
                         o[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
                     }
                     if (c + 1 < out_features) *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(o[0], o[1]);
@@ -254,7 +463,7 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
                 }
 #else
 #pragma unroll
-                for (int j = 0; j < 32; ++j) {
+                for (int j = 0; j < SM90_TILE_N / 8; ++j) {
                     const int c = w.column + 8 * j + q;
                     if (c + 1 < out_features)
                         *reinterpret_cast<unsigned*>(out_row + c) = pack_bf16x2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);

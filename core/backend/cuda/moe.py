@@ -264,6 +264,20 @@ FAST_ROUTING_ENV = "OPENINFER_MOE_FAST_ROUTING"
 ROUTER_MMA_ENV, ROUTER_MMA_MIN_TOKENS, ROUTER_STAGES = "OPENINFER_MOE_ROUTER_MMA", 1024, 4
 GROUP_BLOCKS_ENV, GROUP_BLOCKS_MIN_SLOTS = "OPENINFER_MOE_GROUP_BLOCKS", 4096
 ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
+# Opt-in until measured (moe_routing.cu): OPENINFER_MOE_ROUTE_WARPS=1 runs the scores and top-k of routers
+# without expert groups (n_group 1) as moe_route_warps, a warp per token with the row in registers, wherever
+# the logits come from router_logits (moe_route: a block per token; 49 us at 8192 tokens x 64 experts in
+# narrow blocks, E2 of 2026-11-24). OPENINFER_MOE_GROUP_CHUNKS=1 groups steps of at least
+# GROUP_BLOCKS_MIN_SLOTS slots by moe_chunk_counts / moe_chunk_scan / moe_chunk_place (chunks of the slots,
+# the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
+# tokens x top-6).
+ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
+GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
+CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
+GROUPING_METHODS = ("single", "blocks", "chunks")
+# Opt-in until measured: OPENINFER_MOE_COMBINE_VEC=1 combines with moe_routing.cu's moe_combine_vec8 (8 columns
+# per thread, every slot's 16 bytes in flight; the same sums in the same order) where the rows allow it.
+COMBINE_VEC_ENV, COMBINE_VEC_THREADS = "OPENINFER_MOE_COMBINE_VEC", 256
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -387,6 +401,23 @@ def router_mma_wanted(num_tokens: int) -> bool:
     return num_tokens >= ROUTER_MMA_MIN_TOKENS and _switch(ROUTER_MMA_ENV, default=True)
 
 
+def route_warps_wanted(spec: RouterSpec) -> bool:
+    """Whether ``select_experts`` takes moe_route_warps on router_logits' output: $OPENINFER_MOE_ROUTE_WARPS
+    (default off) and a router without expert groups."""
+    return _switch(ROUTE_WARPS_ENV) and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+
+
+def grouping_method(num_slots: int, per_expert_blocks: bool | None = None) -> str:
+    """How ``group_by_expert`` groups ``num_slots`` slots (GROUPING_METHODS): ``per_expert_blocks`` True /
+    False picks "blocks" / "single"; else from GROUP_BLOCKS_MIN_SLOTS slots "chunks" with
+    $OPENINFER_MOE_GROUP_CHUNKS, "blocks" with $OPENINFER_MOE_GROUP_BLOCKS (default), below "single"."""
+    if per_expert_blocks is not None:
+        return "blocks" if per_expert_blocks else "single"
+    if num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_CHUNKS_ENV):
+        return "chunks"
+    return "blocks" if group_blocks_wanted(num_slots) else "single"
+
+
 def group_blocks_wanted(num_slots: int) -> bool:
     """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
     (default on) and at least GROUP_BLOCKS_MIN_SLOTS slots."""
@@ -445,6 +476,12 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
     weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
     if narrow is None:
         narrow = logits is not None and router_mma_wanted(num_tokens)
+    if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
+        kernel("moe_routing.cu", "moe_route_warps")((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
+            logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
+            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), ids, weights))
+        return ids, weights
     threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
         kernel("moe.cu", "moe_route")(
@@ -458,10 +495,11 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
 
 
 def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
-                    per_expert_blocks: bool | None = None) -> ExpertGroupingDevice:
+                    per_expert_blocks: bool | None = None, method: str | None = None) -> ExpertGroupingDevice:
     """Slots grouped by expert and the GEMM tile list (``ExpertGroupingDevice``): moe_sort_parallel
-    (one block), or with ``per_expert_blocks`` (default ``group_blocks_wanted``) moe_routing.cu's
-    block per expert (slots of an expert in slot order)."""
+    (one block, "single"), moe_routing.cu's block per expert ("blocks") or its chunk kernels ("chunks";
+    both: slots of an expert in slot order). ``method`` (GROUPING_METHODS) forces one, else
+    ``grouping_method``."""
     num_slots = int(ids.size)
     tiles = max_tiles(num_slots, num_experts)
     grouping = ExpertGroupingDevice(
@@ -470,7 +508,26 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
         cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
     layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
               grouping.num_tiles, np.int32(tiles))
-    if (group_blocks_wanted(num_slots) if per_expert_blocks is None else per_expert_blocks) and num_slots:
+    method = method or grouping_method(num_slots, per_expert_blocks)
+    if method not in GROUPING_METHODS:
+        raise ValueError(f"unknown grouping method {method!r}; one of {', '.join(GROUPING_METHODS)}")
+    if method == "chunks" and num_slots:
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_chunk_counts keeps at most {MAX_EXPERTS} experts' counts, got {num_experts}")
+        # chunks of at least CHUNK_SLOTS slots, few enough that chunks x experts fit moe_chunk_scan's shared memory
+        max_chunks = CHUNK_SCAN_ENTRIES // num_experts
+        chunk = max(CHUNK_SLOTS, -(-num_slots // max_chunks))
+        chunks = -(-num_slots // chunk)
+        chunk_base = cupy.empty((chunks, num_experts), dtype=cupy.int32)
+        kernel("moe_routing.cu", "moe_chunk_counts")((chunks,), (CHUNK_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base))
+        kernel("moe_routing.cu", "moe_chunk_scan")((1,), (GROUP_THREADS,), (
+            chunk_base, np.int32(chunks), np.int32(num_experts), grouping.offsets, grouping.tile_expert,
+            grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+        kernel("moe_routing.cu", "moe_chunk_place")((chunks,), (CHUNK_THREADS,), (
+            ids, np.int32(num_slots), np.int32(num_experts), np.int32(chunk), chunk_base, grouping.sorted_slots,
+            grouping.slot_pos))
+    elif method == "blocks" and num_slots:
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"moe_place_slots scans at most {MAX_EXPERTS} experts' counts, got {num_experts}")
         counts = cupy.empty(num_experts, dtype=cupy.int32)
@@ -599,7 +656,8 @@ def _grouped_by_blas(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrou
 
 def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
                  gemv: bool | None = None, *, gemv_kernel: str | None = None, blas=None,
-                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None) -> cupy.ndarray:
+                 pipelined: str | None = None, pipe_shape: str | None = None, sm90: bool | None = None,
+                 overlap_previous: bool = False) -> cupy.ndarray:
     """Rows in expert order: ``out[p] = A[row(p)] · W_e(p)^T`` with ``row(p)`` the token of slot p
     (``gather``) or p itself. ``out`` is ``[T·k, N]`` bf16. ``gemv``: force (True) or forbid
     (False) the decode GEMV; None lets ``choose_gemv`` decide by the slots per expert.
@@ -612,14 +670,14 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     ``sm90``: force (True; the caller checks ``sm90_ready``) or forbid the Hopper kernel (moe_sm90.py);
     None takes it where ``sm90_experts`` says (OPENINFER_MOE_SM90, bf16 experts above
     SM90_ABOVE_ROWS_PER_EXPERT slots per expert) unless the caller picked a path (``gemv``,
-    ``gemv_kernel``, ``pipelined``) or a GEMV is forced."""
+    ``gemv_kernel``, ``pipelined``) or a GEMV is forced; ``overlap_previous``: see ``grouped_gemm_sm90``."""
     num_slots = int(grouping.sorted_slots.size)
     a = cupy.ascontiguousarray(a)
     if sm90 is None:
         sm90 = (gemv is None and gemv_kernel is None and pipelined is None and forced_gemv_kernel() is None
                 and sm90_experts(a, weight, num_slots))
     if sm90:
-        return grouped_gemm_sm90(a, weight, grouping, gather)
+        return grouped_gemm_sm90(a, weight, grouping, gather, overlap_previous=overlap_previous)
     out = cupy.empty((num_slots, weight.out_features), dtype=cupy.uint16)
     if num_slots == 0:
         return out
@@ -692,9 +750,26 @@ def dequantize(weight: ExpertLinear) -> cupy.ndarray:
     return out
 
 
-def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int) -> cupy.ndarray:
+def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int, top_k: int) -> bool:
+    """moe_combine_vec8's needs: whole 16-byte pieces of the rows, 16-byte aligned y and shared, k <= 16."""
+    return (hidden % 8 == 0 and y.data.ptr % 16 == 0 and (shared is None or shared.data.ptr % 16 == 0)
+            and top_k <= MAX_TOPK and y.flags.c_contiguous and (shared is None or shared.flags.c_contiguous))
+
+
+def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int,
+            vectorized: bool | None = None) -> cupy.ndarray:
+    """``out[t] = Σ_j weights[t, j] · y[slot_pos[t·k + j]] (+ shared[t])``, bf16 ``[T, hidden]``:
+    moe_combine, or with ``vectorized`` (default $OPENINFER_MOE_COMBINE_VEC, off) moe_combine_vec8."""
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
+    if vectorized is None:
+        vectorized = _switch(COMBINE_VEC_ENV)
+    if num_tokens and vectorized and combine_vec_ready(y, shared, hidden, grouping.top_k):
+        column_blocks = -(-hidden // (8 * COMBINE_VEC_THREADS))
+        kernel("moe_routing.cu", "moe_combine_vec8")((num_tokens, column_blocks), (COMBINE_VEC_THREADS,), (
+            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
+            np.int32(hidden), out))
+        return out
     if num_tokens:
         # one column per thread (a lone block walks a 7168-wide row in 28 dependent rounds of 8
         # slot loads: 42 us at batch 1 on an H200)
@@ -809,10 +884,13 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
                    grouping: ExpertGroupingDevice) -> cupy.ndarray:
     """The experts' rows in expert order, ``[T·k, H]``: gate_up (gathering token rows), SwiGLU, down,
     each by the kernel the step's slots per expert and the switches choose (``moe_forward``'s middle)."""
-    if forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True):
+    sm90_gate_up = forced_gemv_kernel() is None and sm90_experts(x, gate_up, int(grouping.sorted_slots.size), True)
+    if sm90_gate_up:
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
         activated = fused_gate_up_silu(x, gate_up, grouping)
     else:
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
-    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas)
+    # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave
+    # (OPENINFER_MOE_SM90_PDL)
+    return grouped_gemm(activated, down, grouping, gather=False, blas=backend.blas, overlap_previous=sm90_gate_up)

@@ -23,8 +23,10 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import cupy
@@ -44,6 +46,7 @@ SM90_TILE_M, SM90_TILE_N, SM90_BOX_ROWS, SM90_TILE_K = 128, 256, 128, 64
 SM90_THREADS = 384
 SM90_STAGES = 4
 SM90_MAX_EXPERTS = 512
+SM90_MAX_SHARED_BYTES = 227 * 1024 - 2 * 513 * 4  # an H100's opt-in limit less the kernel's static arrays
 # Down to 1.5 slots per expert (16 tokens x top-6 of 64) measured ahead in E2 (H200, CUDA graphs; vs what
 # ran before: 239 vs 257 us at 16 tokens (moe_gemv_wide), 276 vs 307 at 32, 285 vs 316 at 48, 287 vs 318
 # at 64); below, unmeasured: the decode GEMVs keep those steps.
@@ -54,6 +57,119 @@ SM90_ABOVE_ROWS_PER_EXPERT = 1.4
 # second CTA idle). Off (infinite): E1 (H200) measured the pairs behind single CTAs at every step,
 # 2709 vs 1517 us at 8192 tokens, 794 vs 340 at 1024, 764 vs 313 at 256.
 SM90_MULTICAST_MIN_ROWS_PER_EXPERT = float("inf")
+
+
+@dataclass(frozen=True)
+class Sm90Shape:
+    """One build of moe_sm90.cu: slots x weight rows per tile, ring stages, whether a consumer
+    warpgroup with no slot in its 64 rows skips its wgmmas (SM90_SKIP_EMPTY; same bits), and whether
+    the CTAs split units x k-tiles evenly (SM90_STREAM_K; cut units summed through an fp32 workspace), and
+    how many 64-wide k sub-tiles a stage holds (SM90_K_SUB: 2 reads 256 contiguous bytes of each weight row
+    per stage)."""
+
+    tile_m: int = SM90_TILE_M
+    tile_n: int = SM90_TILE_N
+    stages: int = SM90_STAGES
+    skip_empty: bool = False
+    stream_k: bool = False
+    k_sub: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.tile_m // 64)
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
+        return self.stages * (self.tile_m + self.tile_n) * 128 * self.k_sub + 16 * self.stages + 1024
+
+
+# Shapes for small steps (opt-in until measured; OPENINFER_MOE_SM90_SHAPE=<name> forces one wherever the
+# Hopper kernel runs): a decode step of 16-256 tokens has 1.5-24 slots per expert, so a 128-slot tile is
+# mostly padding and the weight stream is the whole cost. "skip": the second warpgroup's padding rows
+# leave the tensor cores alone; "m64_s5": one consumer warpgroup (a smaller A stage: 5 stages fit);
+# "n128": 128 weight rows per tile, twice the work units (a shorter last wave). sm_90a ptxas, fused
+# gate_up: 168 / 160 / 91-160 registers, no spills.
+SM90_SHAPE_ENV = "OPENINFER_MOE_SM90_SHAPE"
+SM90_SHAPES: dict[str, Sm90Shape] = {
+    "base": Sm90Shape(),
+    "skip": Sm90Shape(skip_empty=True),
+    "m64_s5": Sm90Shape(tile_m=64, stages=5),
+    "m64_n128_s8": Sm90Shape(tile_m=64, tile_n=128, stages=8),
+    "n128_s6": Sm90Shape(tile_n=128, stages=6, skip_empty=True),
+    # stream-K: every CTA the same share of the launch's units x k-tiles (no idle SMs in a last wave)
+    "sk": Sm90Shape(skip_empty=True, stream_k=True),
+    "m64_s5_sk": Sm90Shape(tile_m=64, stages=5, stream_k=True),
+    "n128_s6_sk": Sm90Shape(tile_n=128, stages=6, skip_empty=True, stream_k=True),
+    # 128-wide k stages (two 64-wide sub-tiles): 256-byte runs of each weight row per request (one consumer
+    # warpgroup only: two leave the producer 72 registers, and it spills)
+    "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
+    "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
+}
+# The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
+SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
+
+
+# Opt-in until measured: OPENINFER_MOE_SM90_PDL=1 builds the kernel with SM90_PDL (each CTA lets the next
+# launch go at once; the producer sends its first weight boxes before griddepcontrol.wait) and launches the
+# down projection (``overlap_previous``) with programmatic stream serialization, so down's CTAs take the
+# SMs gate_up leaves in its last wave and stream their first weights while gate_up finishes.
+SM90_PDL_ENV = "OPENINFER_MOE_SM90_PDL"
+
+
+def sm90_pdl() -> bool:
+    """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: off)."""
+    value = os.environ.get(SM90_PDL_ENV, "").lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{SM90_PDL_ENV} must be 1 or 0 (on / off), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.cache
+def _launch_kernel_ex():
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                         ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _kernel_argument(value) -> np.ndarray:
+    """The bytes a kernel parameter points to: a device array's address, a numpy scalar or the tensor
+    map (a host array) as themselves."""
+    if isinstance(value, cupy.ndarray):
+        return np.array([value.data.ptr], dtype=np.uint64)
+    return np.ascontiguousarray(np.asarray(value).reshape(-1))
+
+
+def launch_overlapping_previous(fn, grid: int, block: int, args: tuple, shared: int) -> None:
+    """``fn((grid,), (block,), args, shared_mem=shared)`` through cuLaunchKernelEx with programmatic
+    stream serialization: it may start before the stream's previous kernel ends (its
+    griddepcontrol.wait holds whatever depends on that kernel); on the legacy default stream a plain
+    launch. Under ``discover_kernels`` nothing runs."""
+    stream = cupy.cuda.get_current_stream().ptr
+    if not isinstance(fn, cupy.cuda.function.Function) or not stream:  # dry run, or the legacy default stream
+        fn((grid,), (block,), args, shared_mem=shared)
+        return
+    held = [_kernel_argument(value) for value in args]  # alive until the launch returns (it copies them)
+    pointers = (ctypes.c_void_p * len(held))(*[value.ctypes.data for value in held])
+    attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1  # programmaticStreamSerializationAllowed (an int)
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, stream, ctypes.pointer(attribute), 1)
+    status = _launch_kernel_ex()(ctypes.byref(config), fn.ptr, pointers, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching moe_grouped_gemm_sm90")
 
 
 def sm90_enabled() -> bool:
@@ -93,14 +209,26 @@ def sm90_ready(a: cupy.ndarray, weight: ExpertLinear, fuse_silu: bool = False) -
 
 
 def sm90_shared_bytes(stages: int = SM90_STAGES) -> int:
-    """moe_sm90.cu's dynamic shared memory: the stages' A and B tiles, the mbarriers, 1024 of alignment."""
-    return stages * (SM90_TILE_M + SM90_TILE_N) * 128 + 16 * stages + 1024
+    """moe_sm90.cu's dynamic shared memory (the default tile shape): the stages' A and B tiles, the
+    mbarriers, 1024 of alignment."""
+    return Sm90Shape(stages=stages).shared_bytes()
 
 
-def weight_box_layout(weight: ExpertLinear) -> PageBoxLayout:
-    """The tensor-map layout of ``weight.data`` ``[E, N, K]``: rows of K elements, 64 x 128-row boxes."""
+def sm90_shape(slots_per_expert: float, name: str | None = None) -> Sm90Shape:
+    """The tile shape: ``name``, else $OPENINFER_MOE_SM90_SHAPE, else SM90_SHAPE_CHOICE by slots per
+    expert; an unknown name is a clear error."""
+    name = name or os.environ.get(SM90_SHAPE_ENV) or next(
+        shape for most, shape in SM90_SHAPE_CHOICE if slots_per_expert <= most)
+    if name not in SM90_SHAPES:
+        raise ValueError(f"unknown {SM90_SHAPE_ENV} {name!r}; one of {', '.join(SM90_SHAPES)}")
+    return SM90_SHAPES[name]
+
+
+def weight_box_layout(weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> PageBoxLayout:
+    """The tensor-map layout of ``weight.data`` ``[E, N, K]``: rows of K elements, 64 x ``box_rows`` boxes
+    (half a tile's weight rows)."""
     rows, k = weight.num_experts * weight.out_features, weight.in_features
-    return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, SM90_BOX_ROWS))
+    return PageBoxLayout(dims=(k, 1, rows), strides=(2 * k, 2 * k), box=(SM90_TILE_K, 1, box_rows))
 
 
 class WeightMaps:
@@ -110,8 +238,8 @@ class WeightMaps:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 
-    def get(self, weight: ExpertLinear) -> np.ndarray:
-        key = (weight.data.data.ptr, weight_box_layout(weight))
+    def get(self, weight: ExpertLinear, box_rows: int = SM90_BOX_ROWS) -> np.ndarray:
+        key = (weight.data.data.ptr, weight_box_layout(weight, box_rows))
         found = self._maps.get(key)
         if found is None:
             found = encode_page_map(*key).view(TENSOR_MAP_PARAM)
@@ -122,24 +250,64 @@ class WeightMaps:
 weight_maps = WeightMaps()
 
 
-def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False) -> int:
+def sm90_grid(num_slots: int, weight: ExpertLinear, fuse_silu: bool, multicast: bool = False,
+              shape: Sm90Shape = SM90_SHAPES["base"]) -> int:
     """Persistent CTAs: one per SM (``multicast``: pairs), fewer when the step has fewer work units
-    (bounded on the host: each active expert wastes at most one partial unit of 128, or 256, slots)."""
+    (bounded on the host: each active expert wastes at most one partial unit of tile_m, or 2 tile_m,
+    slots)."""
     cluster = 2 if multicast else 1
-    columns = SM90_TILE_N // 2 if fuse_silu else SM90_TILE_N
+    columns = shape.tile_n // 2 if fuse_silu else shape.tile_n
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
-    m_units = -(-num_slots // (SM90_TILE_M * cluster)) + min(weight.num_experts, num_slots)
+    m_units = -(-num_slots // (shape.tile_m * cluster)) + min(weight.num_experts, num_slots)
     units = m_units * -(-out_features // columns)
     return cluster * max(1, min(_device_traits(cupy.cuda.Device().id)[1] // cluster, units))
 
 
+_flag_buffers: dict[tuple[int, int, bool, bool], cupy.ndarray] = {}
+
+
+def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
+    """The stream-K flags of launches like this one (device, stream, projection): zeros, and left zeros by
+    every launch (moe_sm90.cu), so no memset sits between gate_up and down (which PDL overlaps). None
+    while a graph is being captured and the buffer does not exist yet (it cannot be zeroed then)."""
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr, fuse_silu, gather)
+    if key not in _flag_buffers:
+        if stream.is_capturing():
+            return None
+        _flag_buffers[key] = cupy.zeros(_device_traits(key[0])[1], dtype=cupy.int32)
+    return _flag_buffers[key]
+
+
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False):
+    """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
+    # the default build keeps its define set as before the shapes existed
+    extra = {} if tiles == SM90_SHAPES["base"] else {
+        "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
+        "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
+    if (tiles.stream_k or tiles.k_sub > 1 or pdl) and multicast:
+        raise ValueError("moe_sm90's stream-K, wide-k and PDL builds run single CTAs: no multicast")
+    if pdl:
+        extra["SM90_PDL"] = 1
+    return arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", tiles.shared_bytes(), SM90_STAGES=tiles.stages,
+                       SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast), **extra)
+
+
 def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGroupingDevice, gather: bool,
-                      fuse_silu: bool = False, stages: int = SM90_STAGES, multicast: bool | None = None) -> cupy.ndarray:
+                      fuse_silu: bool = False, stages: int | None = None, multicast: bool | None = None,
+                      shape: str | None = None, overlap_previous: bool = False) -> cupy.ndarray:
     """``out[p] = A[row(p)] · W_e(p)^T`` (``row(p)``: slot p's token when ``gather``, else p) for
     every slot in expert order, ``[T·k, N]`` bf16; ``fuse_silu`` (gate_up): ``silu(gate)·up``,
     ``[T·k, N/2]``. ``multicast``: CTA pairs share each weight tile (TMA multicast); default from
-    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. The caller checks ``sm90_ready``."""
+    SM90_MULTICAST_MIN_ROWS_PER_EXPERT slots per expert. ``shape``: the tile shape (SM90_SHAPES;
+    default ``sm90_shape``), ``stages`` overriding its ring depth. With $OPENINFER_MOE_SM90_PDL the
+    build lets the next launch start early, and ``overlap_previous`` launches this one so (the caller
+    vouches that the previous kernel on the stream started after this step's routing and grouping
+    completed: gate_up before down). The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
+    tiles = sm90_shape(num_slots / weight.num_experts, shape)
+    if stages is not None:
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
@@ -147,13 +315,24 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if num_slots == 0:
         return out
     a = cupy.ascontiguousarray(a)
-    shared = sm90_shared_bytes(stages)
-    fn = arch_kernel("moe_sm90.cu", "moe_grouped_gemm_sm90", "sm_90a", shared, SM90_STAGES=stages,
-                     SM90_FUSE_SILU=int(fuse_silu), SM90_MULTICAST=int(multicast))
-    fn((sm90_grid(num_slots, weight, fuse_silu, multicast),), (SM90_THREADS,), (
-        a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k), weight_maps.get(weight),
-        grouping.offsets, np.int32(weight.num_experts), out, np.int32(weight.out_features),
-        np.int32(weight.in_features)), shared_mem=shared)
+    shared = tiles.shared_bytes()
+    if shared > SM90_MAX_SHARED_BYTES:
+        raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
+    pdl = sm90_pdl() and not multicast
+    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl)
+    grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
+    args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
+            weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
+            np.int32(weight.out_features), np.int32(weight.in_features))
+    if tiles.stream_k:  # each CTA's part of a unit cut at its start (fp32, fragment order), and its flag
+        flags = _stream_k_flags(fuse_silu, gather)
+        if flags is None:  # first met inside a graph capture: zeros of its own (a memset node before the kernel)
+            flags, overlap_previous = cupy.zeros(grid, dtype=cupy.int32), False
+        args += (cupy.empty(grid * tiles.tile_m * tiles.tile_n, dtype=cupy.float32), flags)
+    if pdl and overlap_previous:
+        launch_overlapping_previous(fn, grid, tiles.threads, args, shared)
+    else:
+        fn((grid,), (tiles.threads,), args, shared_mem=shared)
     return out
 
 

@@ -1,0 +1,277 @@
+"""moe13's grouped-expert kernels against NumPy: moe_sm90.cu's tile shapes (SM90_SHAPES) and the
+prefill routing kernels of moe_routing.cu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu.conftest import bf16_random
+from tests.gpu.test_kimi_ops import _expert_rows_reference, _expert_weights
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sm90_builds():
+    """Every moe_sm90 build these tests launch, compiled at once in parallel NVRTC threads."""
+    from openinfer.backend import cuda_available
+
+    if not cuda_available():
+        return
+    from openinfer.backend.cuda import moe_sm90
+    from openinfer.backend.cuda.loader import compile_kernels, discover_kernels
+
+    if not moe_sm90.sm90_supported():
+        return
+    with discover_kernels() as found:
+        for name, tiles in moe_sm90.SM90_SHAPES.items():
+            for fuse_silu in (False, True):
+                moe_sm90.sm90_kernel(tiles, fuse_silu)
+                if name in ("base", "n128_s6_sk"):
+                    moe_sm90.sm90_kernel(tiles, fuse_silu, pdl=True)
+    compile_kernels(found, cupy.cuda.Device().id, threads=16)
+
+
+def _sm90():
+    from openinfer.backend.cuda import moe, moe_sm90
+
+    if not moe_sm90.sm90_supported():
+        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    return moe, moe_sm90
+
+
+def _max_error(ours, reference) -> float:
+    ours = np.asarray(ours, np.float64)
+    assert np.isfinite(ours).all()
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+@pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
+                                   "m64_n128_k2"])
+def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
+    """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
+    tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
+    a whole 64-wide sub-tile past K for k_sub 2), N = 304 / I = 152
+    (partial 128- and 256-row tiles, the next expert's rows in the box, never stored): gate_up
+    (gathered rows), the fused SiLU·mul equal to silu_mul of its own gate_up, and down against NumPy
+    fp32 per expert; the same as the default shape within bf16 rounding; a graph replay equals the
+    eager run."""
+    moe, moe_sm90 = _sm90()
+    num_experts, top_k, hidden, inter, tokens = 8, 3, 200, 152, 300
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = np.stack([rng.choice([0, 2, 3, 5, 6], top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[:260, 0] = 1  # expert 1: 260 slots (five 64-slot tiles, three 128-slot tiles)
+    ids[:5, 2] = 7  # expert 7: 5 slots; expert 4: none
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
+    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, shape=shape)
+    h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
+    assert _max_error(cuda_backend.to_host(h), h_ref) < 1e-2
+    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape)
+    assert np.array_equal(fused.get(), cuda_backend.silu_mul(h).get())
+    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
+    y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
+    assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
+    base = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape="base")
+    assert _max_error(cuda_backend.to_host(y), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
+
+    def experts():
+        return moe_sm90.grouped_gemm_sm90(moe_sm90.grouped_gemm_sm90(
+            x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape), down, grouping, gather=False, shape=shape)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        experts()
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture() if mode is None else stream.begin_capture(mode)
+        graph_out = experts()
+        graph = stream.end_capture()
+        graph_out[...] = 0
+        graph.launch()
+        stream.synchronize()
+    assert np.array_equal(graph_out.get(), y.get())
+
+
+def test_sm90_shape_switch(cuda_backend, monkeypatch):
+    """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides; a bad name is a clear error."""
+    _, moe_sm90 = _sm90()
+    monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
+    assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES[moe_sm90.SM90_SHAPE_CHOICE[-1][1]]
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64_s5")
+    assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64_s5"]
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m32")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_SHAPE"):
+        moe_sm90.sm90_shape(6.0)
+
+
+@pytest.mark.parametrize("spec,tokens", [
+    (("sigmoid", 64, 6, 2.446, True), 77), (("sigmoid", 64, 6, 2.446, True), 1500),
+    (("sigmoid", 384, 8, 2.827, True), 300), (("softmax", 60, 4, 1.0, False), 129),
+    (("sqrtsoftplus", 48, 6, 1.5, True), 64), (("sigmoid", 512, 16, 1.0, True), 33),
+], ids=["moonlight-77", "moonlight-1500", "kimi-300", "softmax-60", "sqrtsoftplus-48", "512x16"])
+def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, tokens):
+    """moe_route_warps (OPENINFER_MOE_ROUTE_WARPS=1, a warp per token) against moe_route on the same
+    logits: the same ids in the same order, the same weights (softmax: within fp32 rounding, its sum
+    taken in another order), and NumPy's experts; expert counts off 32, up to 16 per lane, k up to 16."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec, route
+
+    scoring, experts, top_k, scaling, norm = spec
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=norm, routed_scaling_factor=scaling)
+    hidden = 256
+    x, gate = bf16_random(rng, tokens, hidden), bf16_random(rng, experts, hidden, scale=0.1)
+    bias = None if scoring == "softmax" else (0.3 * rng.standard_normal(experts)).astype(np.float32)
+    x_device, gate_device = cuda_backend.upload(x), cuda_backend.weight(gate)
+    bias_device = None if bias is None else cupy.asarray(bias)
+    logits = moe.router_logits(x_device, gate_device, router, mma=False)
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "0")
+    ids, weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert moe.route_warps_wanted(router)
+    warp_ids, warp_weights = moe.select_experts(x_device, gate_device, router, bias_device, logits)
+    assert np.array_equal(warp_ids.get(), ids.get())
+    if scoring == "softmax":
+        assert np.allclose(warp_weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
+    else:
+        assert np.array_equal(warp_weights.get(), weights.get())
+    ref_ids = route(logits.get(), router, bias)[1]
+    assert np.array_equal(np.sort(warp_ids.get(), 1), np.sort(ref_ids, 1))
+
+
+def test_route_warps_not_for_expert_groups(monkeypatch):
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import RouterSpec
+
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert not moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=4))
+    assert moe.route_warps_wanted(RouterSpec(256, 8, "sigmoid", num_groups=8, topk_groups=8))
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "maybe")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_WARPS"):
+        moe.route_warps_wanted(RouterSpec(64, 6, "sigmoid"))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (700, 64, 6), (8192, 64, 6), (9000, 384, 8),
+                                                  (3001, 7, 3), (5000, 512, 16)])
+def test_group_chunks_equal_blocks(cuda_backend, rng, monkeypatch, tokens, experts, top_k):
+    """moe_chunk_counts / moe_chunk_scan / moe_chunk_place ("chunks") against the per-expert blocks: the
+    same offsets, tile list, sorted slots (both stable: an expert's slots in slot order) and slot
+    positions; an expert with no slot, one with every token (many 64-row tiles), chunks of 1024 slots
+    and, where chunks x experts would overflow the scan's shared memory, longer ones (72000 slots x 384
+    experts: 31 chunks of 2323); the switch takes them from GROUP_BLOCKS_MIN_SLOTS slots."""
+    from openinfer.backend.cuda import moe
+
+    ids = np.stack([rng.choice(np.arange(1, experts), top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if tokens >= 700:
+        ids[:, 0] = experts - 1
+    weights = cupy.ones(ids.shape, cupy.float32)
+    chunks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="chunks")
+    blocks = moe.group_by_expert(cupy.asarray(ids), weights, experts, method="blocks")
+    count = int(blocks.num_tiles.get()[0])
+    assert int(chunks.num_tiles.get()[0]) == count
+    for name in ("offsets", "sorted_slots", "slot_pos"):
+        assert np.array_equal(getattr(chunks, name).get(), getattr(blocks, name).get()), name
+    assert np.array_equal(chunks.tile_expert.get()[:count], blocks.tile_expert.get()[:count])
+    assert np.array_equal(chunks.tile_row.get()[:count], blocks.tile_row.get()[:count])
+    assert chunks.offsets.get()[1] == 0
+    monkeypatch.setenv(moe.GROUP_CHUNKS_ENV, "1")
+    assert moe.grouping_method(ids.size) == ("chunks" if ids.size >= moe.GROUP_BLOCKS_MIN_SLOTS else "single")
+    with pytest.raises(ValueError, match="grouping method"):
+        moe.group_by_expert(cupy.asarray(ids), weights, experts, method="sorted")
+
+
+@pytest.mark.parametrize("shape", ["sk", "m64_s5_sk", "n128_s6_sk", "m64_n128_k2_sk"])
+def test_sm90_stream_k_matches_numpy(cuda_backend, rng, shape):
+    """Stream-K shapes where the launch has more units than SMs (units cut between CTAs, their later
+    parts summed through the fp32 workspace by the owner): gate_up (fused SiLU·mul) and down against
+    NumPy fp32 per expert and within bf16 rounding of the whole-unit kernel; deterministic (twice the
+    same bits); the flags left zeros."""
+    moe, moe_sm90 = _sm90()
+    num_experts, top_k, hidden, inter, tokens = 24, 6, 1024, 704, 64
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    offsets, sorted_slots = grouping.offsets.get(), grouping.sorted_slots.get()
+    tiles = moe_sm90.SM90_SHAPES[shape]
+    units = np.count_nonzero(np.diff(offsets)) * -(-inter // (tiles.tile_n // 2))
+    assert units > cupy.cuda.Device().attributes["MultiProcessorCount"]  # cut units
+    h = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, shape=shape)
+    h_ref = _expert_rows_reference(x_host, gate_up_ref, sorted_slots, offsets, top_k, gather=True)
+    assert _max_error(cuda_backend.to_host(h), h_ref) < 1e-2
+    fused = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape=shape)
+    assert np.array_equal(fused.get(), moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True,
+                                                                  shape=shape).get())
+    base = moe_sm90.grouped_gemm_sm90(x, gate_up, grouping, gather=True, fuse_silu=True, shape="base")
+    assert _max_error(cuda_backend.to_host(fused), cuda_backend.to_host(base).astype(np.float64)) < 1e-2
+    y = moe_sm90.grouped_gemm_sm90(fused, down, grouping, gather=False, shape=shape)
+    y_ref = _expert_rows_reference(cuda_backend.to_host(fused), down_ref, sorted_slots, offsets, top_k, gather=False)
+    assert _max_error(cuda_backend.to_host(y), y_ref) < 1e-2
+    # every flag awaited was set back to zero: the next launch (or graph replay) waits for its own parts
+    assert moe_sm90._flag_buffers and all(not flags.any() for flags in moe_sm90._flag_buffers.values())
+
+
+@pytest.mark.parametrize("shape", ["base", "n128_s6_sk"])
+def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
+    """OPENINFER_MOE_SM90_PDL=1: gate_up built to let down launch early, down launched to overlap it
+    (cuLaunchKernelEx, programmatic stream serialization): the same bits as plain launches, eagerly
+    and as a CUDA graph replay, over a step where gate_up has several waves (Moonlight-like widths,
+    few slots per expert) and one where most experts are empty; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe, moe_sm90
+
+    if not moe_sm90.sm90_supported():
+        pytest.skip("moe_grouped_gemm_sm90 needs a compute capability 9.0 GPU")
+    num_experts, top_k, hidden, inter = 16, 6, 512, 704
+    gate_up, _ = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
+    for tokens, choices in ((64, num_experts), (40, 7)):
+        x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+        ids = np.stack([rng.choice(choices, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+        assert moe_sm90.sm90_experts(x, gate_up, ids.size, True)
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "0")
+        plain = moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get()
+        monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "1")
+        assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:  # a stream of its own: cuLaunchKernelEx with the attribute (eager, then captured)
+            assert np.array_equal(moe.routed_experts(cuda_backend, x, gate_up, down, grouping).get(), plain)
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            graph_out = moe.routed_experts(cuda_backend, x, gate_up, down, grouping)
+            graph = stream.end_capture()
+            graph_out[...] = 0
+            graph.launch()
+            stream.synchronize()
+        assert np.array_equal(graph_out.get(), plain)
+    monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_PDL"):
+        moe_sm90.sm90_pdl()
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 6, True), (77, 2048, 6, False),
+                                                              (300, 7168, 8, True), (33, 264, 16, True),
+                                                              (5, 260, 6, True)])
+def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidden, top_k, with_shared):
+    """moe_combine_vec8 (OPENINFER_MOE_COMBINE_VEC=1) against moe_combine: the same bits, with and
+    without the shared experts' rows, k up to 16, a width not whole 256-thread passes (7168 = 3.5 x
+    2048); hidden 260 (not whole 16-byte pieces) falls back to moe_combine."""
+    from openinfer.backend.cuda import moe
+
+    experts = 32
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    y = cuda_backend.upload(bf16_random(rng, tokens * top_k, hidden))
+    shared = cuda_backend.upload(bf16_random(rng, tokens, hidden)) if with_shared else None
+    plain = moe.combine(y, grouping, shared, hidden, vectorized=False)
+    assert moe.combine_vec_ready(y, shared, hidden, top_k) is (hidden % 8 == 0)
+    monkeypatch.setenv(moe.COMBINE_VEC_ENV, "1")
+    assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
