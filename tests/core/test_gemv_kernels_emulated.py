@@ -31,7 +31,7 @@ def harness(tmp_path_factory) -> Path:
     return compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp("gemv") / "harness")
 
 
-@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61)])
+@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61), (2824, 24)])  # 2824: a whole pass, then a partial one
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_gemvs_equal_unfused_bits_at_every_grid(harness, tmp_path, k, n, with_residual):
     rng = np.random.default_rng(k + n + with_residual)
