@@ -1,7 +1,7 @@
 """gemv.cu's bf16 decode GEMVs (one row: ``gemv_m1`` and the fused ``gemv_m1_add_rms_norm`` /
 ``gemv_m1_silu_mul``) at the dense projections of Kimi-K2, Moonlight-16B-A3B and Qwen3-4B, by
 compile-time variant of gemv.cu (``GEMV_BATCHED_TAIL`` 1: the last partial pass issues all its
-loads first, the default; 0: one load at a time, before). Each call is timed inside a CUDA graph
+loads first; 0: one load at a time, the default until measured). Each call is timed inside a CUDA graph
 of calls on rotating weight copies (at least 256 MB of them, so L2 never holds a weight), against
 the bytes it must read over the measured copy bandwidth. JSON + PNG into benchmarks/results/ and $OUT.
 

@@ -9,7 +9,7 @@
 
 #define WARPS_PER_BLOCK 8
 #ifndef GEMV_BATCHED_TAIL
-#define GEMV_BATCHED_TAIL 1  // 0: the last partial pass one load at a time (before; for A/B only)
+#define GEMV_BATCHED_TAIL 0  // 1: the last partial pass issues all its loads first (opt-in until measured)
 #endif
 
 // 8 bf16 values of a 16-byte word -> 8 floats (load8's conversion, for words loaded earlier).
