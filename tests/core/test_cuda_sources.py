@@ -74,6 +74,7 @@ VARIANTS = {
                                   {"HEAD_DIM": 128, "HEAD_PAIRS": 1, "INTRA_WG_OVERLAP": 0}],
 }
 # moe13's Hopper grouped expert GEMM: plain and with gate_up's SiLU·mul fused, 4 and 3 stages
+VARIANTS["gemv.cu"] = [{}, {"GEMV_BATCHED_TAIL": 1}]  # kimi13: the last partial pass's loads first
 VARIANTS["moe_sm90.cu"] = [{"SM90_FUSE_SILU": 0}, {"SM90_FUSE_SILU": 1}, {"SM90_FUSE_SILU": 1, "SM90_STAGES": 3},
                            {"SM90_FUSE_SILU": 0, "SM90_MULTICAST": 1}, {"SM90_FUSE_SILU": 1, "SM90_MULTICAST": 1}]
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90

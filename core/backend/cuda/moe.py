@@ -132,8 +132,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
-# kernels read that layout a word at a time.
-TILED_GEMV = "tiled"
+# kernels read that layout a word at a time. tiled1_nc_rot: the fastest tiled kernel at 1 and 16 tokens in
+# E2 (H200, results/kimi_gemv_e2_h200.json: gate_up 57.8 / 654 us vs tiled_nc 80.9 / 1015, down 36.4 / 337
+# vs 48.5 / 657; the checkpoint layout's mma_staged 74.8 / 818 and 43.5 / 447).
+TILED_GEMV = "tiled1_nc_rot"
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -788,17 +790,71 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
     return shared, joined
 
 
+# Opt-in until measured (OPENINFER_MOE_DECODE_ROUTE=1): a decode step of at most DECODE_ROUTE_MAX_TOKENS tokens
+# routes in one launch, moe_decode.cu's moe_route_decode (router logits spread over a block per expert, then
+# the last block's top-k and grouping), where moe_forward runs moe_router_logits, moe_route and
+# moe_sort_parallel one after the other: at batch 1 each of those is mostly its own launch and ramp (Kimi-K2
+# layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
+DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
+DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
+DECODE_ROUTE_THREADS = 256
+_arrival_counters: dict[int, cupy.ndarray] = {}
+
+
+def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
+    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE (default off),
+    1..DECODE_ROUTE_MAX_TOKENS tokens, no hash routing, 16-byte rows; and, while a CUDA graph is being
+    captured, an arrival counter made before (an eager step makes it: a capture records its zeroing
+    instead of running it)."""
+    num_tokens, hidden = x.shape
+    return (_switch(DECODE_ROUTE_ENV) and 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS and tid2eid is None
+            and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
+            and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
+
+
+def route_decode(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
+                 correction_bias: cupy.ndarray | None) -> ExpertGroupingDevice:
+    """``group_by_expert(*route(x, gate, spec, correction_bias), E)`` in one launch (moe_decode.cu
+    ``moe_route_decode``) for a few tokens (``decode_route_wanted``)."""
+    check_router(spec)
+    num_tokens, hidden = x.shape
+    if not 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS:
+        raise ValueError(f"route_decode takes 1 to {DECODE_ROUTE_MAX_TOKENS} tokens, got {num_tokens}")
+    device = cupy.cuda.Device().id
+    if device not in _arrival_counters:
+        _arrival_counters[device] = cupy.zeros(1, cupy.uint32)
+    num_slots = num_tokens * spec.top_k
+    tiles = max_tiles(num_slots, spec.num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, spec.top_k), cupy.int32), cupy.empty((num_tokens, spec.top_k), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(spec.num_experts + 1, cupy.int32),
+        cupy.empty(tiles, cupy.int32), cupy.empty(tiles, cupy.int32), cupy.empty(1, cupy.int32), tiles, spec.top_k)
+    logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
+    kernel("moe_decode.cu", "moe_route_decode")((spec.num_experts,), (DECODE_ROUTE_THREADS,), (
+        cupy.ascontiguousarray(x), gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts),
+        NULL if correction_bias is None else correction_bias, np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+        np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
+        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), logits, _arrival_counters[device],
+        grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots, grouping.slot_pos,
+        grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+    return grouping
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
                 token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
-    the Hopper kernel where it runs (``sm90_experts``)."""
+    the Hopper kernel where it runs (``sm90_experts``); OPENINFER_MOE_DECODE_ROUTE=1: routing and
+    grouping of a few tokens in one launch (``route_decode``)."""
     x = cupy.ascontiguousarray(x)
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    if decode_route_wanted(x, layer.gate, layer.router, layer.tid2eid):
+        grouping = route_decode(x, layer.gate, layer.router, layer.correction_bias)
+    else:
+        ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
+        grouping = group_by_expert(ids, weights, layer.router.num_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
