@@ -128,6 +128,9 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # checkpoint layout's, maybe lockstep warps reading addresses a row block's stride apart)
     "tiled1_nc_rot": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
     "tiled_s6_rot": {"TILED_NTILES": 2, "TILED_STAGES": 6, "TILED_ROTATE": 1},
+    # tiled1_nc_rot with 6 chunks in flight per warp (sm_90a ptxas: 126 registers, no spills; 4 blocks per SM:
+    # a batch-1 gate_up's 512 blocks still in one wave), opt-in until measured
+    "tiled1_nc_rot_d6": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
