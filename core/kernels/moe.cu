@@ -1189,6 +1189,12 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_STAGES
 #define TILED_STAGES 0  // > 0: the ring of chunks in shared memory, filled by cp.async (TILED_DEPTH unused)
 #endif
+#ifndef TILED_ROW_BLOCKS
+#define TILED_ROW_BLOCKS 1  // 16-row blocks per warp, walked as one chunk stream (register ring only)
+#endif
+#if TILED_STAGES && TILED_ROW_BLOCKS != 1
+#error "TILED_ROW_BLOCKS needs the register ring (TILED_STAGES 0)"
+#endif
 // A lane's share of a chunk in a shared-memory stage: the 16 bytes of row g, of row g + 8 and its
 // scales, each copied by the lane itself (so only its own cp.async groups need waiting for).
 #define TILED_STAGE_BYTES (3 * 32 * 16)
@@ -1276,15 +1282,18 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                     const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                     bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.x * TILED_WARPS + warp) * 16;
-    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+    const int n_first = (blockIdx.x * TILED_WARPS + warp) * 16 * TILED_ROW_BLOCKS;
+    if (n_first >= N) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int chunks = K / 128;
-    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
-    // the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE: warps in lockstep would
-    // otherwise read addresses a row block's stride apart)
-    const int start = TILED_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
+    // this warp's chunks, contiguous: row blocks n_first / 16 .. + row_blocks, each `chunks` long
+    const int row_blocks = min(TILED_ROW_BLOCKS, (N - n_first) / 16);
+    const long long first = ((long long)expert * (N / 16) + n_first / 16) * chunks;
+    // within a row block, the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE:
+    // warps in lockstep would otherwise read addresses a row block's stride apart)
+    const auto start_of = [&](int block) { return TILED_ROTATE ? (int)((n_first / 16 + block) * 37LL % chunks) : 0; };
+    const int start = start_of(0);
     const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
     const unsigned* words = (const unsigned*)weight;
     const bf16* scales = (const bf16*)scale;
@@ -1301,6 +1310,18 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
         staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + at * 64) + g * 16);
     };
 #endif
+    // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+    const auto store = [&](const float (&acc)[TILED_NTILES][4], int pass, int rows, int ntiles, int n0) {
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    };
     for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
         const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
         const bf16* b_row[TILED_NTILES];
@@ -1329,7 +1350,9 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             chunk.scales = *reinterpret_cast<const uint4*>(stage + 1024);
             tiled_chunk(acc, chunk, b_row, ntiles, chunk_at(c) * 128, t);
         }
+        store(acc, pass, rows, ntiles, n_first);
 #else
+#if TILED_ROW_BLOCKS == 1  // (the kernel as measured before row blocks existed)
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < TILED_DEPTH; ++d)
@@ -1343,17 +1366,44 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, chunk_at(c0 + d) * 128, t);
             }
         }
-#endif
-        // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+        store(acc, pass, rows, ntiles, n_first);
+#else
+        // stream chunk c: row block c / chunks, its chunk (c % chunks) in the block's walking order
+        const int stream = row_blocks * chunks;
+        const auto stream_chunk = [&](int c) {
+            const int block = c / chunks, in_block = c - block * chunks, at = in_block + start_of(block);
+            return at < chunks ? at : at - chunks;
+        };
+        // the chunk's place in the weights: its row block's first chunk + its place in the block
+        const auto stream_at = [&](int c) {
+            return first + (c / chunks) * chunks + stream_chunk(c);
+        };
+        TiledChunk ring[TILED_DEPTH];
 #pragma unroll
-        for (int j = 0; j < TILED_NTILES; ++j) {
-            if (j >= ntiles) break;
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < stream) ring[d] = tiled_load(words, scales, stream_at(d), lane, g);
+        for (int c0 = 0; c0 < stream; c0 += TILED_DEPTH) {  // warp-uniform
 #pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < stream)
+                    ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, stream_at(ahead), lane, g);
+                const int c = c0 + d;
+                if (c < stream) {
+                    tiled_chunk(acc, ring[d], b_row, ntiles, stream_chunk(c) * 128, t);
+                    if ((c + 1) % chunks == 0 && c + 1 < stream) {  // a row block done
+                        store(acc, pass, rows, ntiles, n_first + 16 * (c / chunks));
+#pragma unroll
+                        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+                            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+                    }
+                }
             }
         }
+        store(acc, pass, rows, ntiles, n_first + 16 * (row_blocks - 1));
+#endif
+#endif
     }
 }
 #endif

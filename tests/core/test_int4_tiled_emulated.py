@@ -52,8 +52,10 @@ def test_tile_int4_refuses_shapes_it_cannot_hold():
 # moe.cu defines per case: moe_gemv_mma as shipped, with a ring of 3 chunks, with K split over two
 # warps (N = 48: the second block's last two warps lie past N); moe_gemv_int4_tiled (K = 384: three
 # chunks) with one n-tile and a register ring of 4 (never full), two n-tiles and a ring of 2 (wraps),
-# and its shared-memory ring of 2 stages (wraps); the first and last with each warp's stream rotated
+# and its shared-memory ring of 2 stages (wraps); the first and last with each warp's stream rotated;
+# "rows2": each warp two row blocks as one stream (N = 48: the second warp a lone last block), a ring of 5
 CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1},
+         "rows2": {"TILED_NTILES": 1, "TILED_DEPTH": 5, "TILED_ROTATE": 1, "TILED_ROW_BLOCKS": 2},
          "mma-depth3": {"MMA_GEMV_DEPTH": 3, "TILED_NTILES": 2, "TILED_DEPTH": 2},
          "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_STAGES": 2, "TILED_ROTATE": 1}}
 

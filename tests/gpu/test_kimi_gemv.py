@@ -40,7 +40,7 @@ def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, la
 GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_staged_nc", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                    "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged", "tiled", "tiled_depth6", "tiled1",
                    "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6", "tiled1_nc_rot", "tiled_s6_rot",
-                   "tiled1_nc_rot_d6"]
+                   "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2"]
 
 
 @pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])

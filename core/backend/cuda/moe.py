@@ -131,6 +131,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # tiled1_nc_rot with 6 chunks in flight per warp (sm_90a ptxas: 126 registers, no spills; 4 blocks per SM:
     # a batch-1 gate_up's 512 blocks still in one wave), opt-in until measured
     "tiled1_nc_rot_d6": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
+    # ... each warp walking 2 row blocks (32 rows) as one chunk stream (TILED_ROW_BLOCKS): half the warps, each
+    # twice as long (a batch-1 down projection's 896 blocks of 16-row warps took two waves), opt-in until
+    # measured. sm_90a ptxas: 126 registers, no spills
+    "tiled1_nc_rot_d6_rb2": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1,
+                             "TILED_ROW_BLOCKS": 2},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -548,7 +553,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     defines = GEMV_KERNELS[name]
     if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
-            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu TILED_WARPS x 16
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS * defines.get("TILED_ROW_BLOCKS", 1)  # TILED_WARPS x 16 x ..
             weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                               (MMA_GEMV_WARPS * 32,), args)
             return
