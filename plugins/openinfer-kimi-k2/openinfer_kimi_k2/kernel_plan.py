@@ -63,7 +63,8 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        slots average few per expert (INT4: ``moe_gemv_mma_staged`` to
                        11, or with group-32 weights repacked at upload into the GEMV's
                        tiled layout, ``OPENINFER_INT4_LAYOUT=tiled``: ``moe_gemv_int4_
-                       tiled``, 1 n-tile, streaming loads, rotated walks; bf16: ``moe_gemv_wide_nc`` to 1.5; FP8: ``moe_gemv`` to 3),
+                       tiled``, 1 n-tile, streaming loads, rotated walks; bf16:
+                       ``moe_gemv_wide_nc`` to 1.5; FP8: ``moe_gemv`` to 3),
                        else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent wgmma,
                        TMA weight tiles, gate_up with SiLU·mul fused;
                        ``OPENINFER_MOE_SM90=0``: off), elsewhere
