@@ -1093,8 +1093,10 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
             ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
             ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
             ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts))]),
-        ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
-        ("experts_silu", partial(backend.silu_mul, gate_up)),
+        *([("experts_gate_up+silu", partial(cuda_moe.gate_up_silu_gemv, h, moe.gate_up, grouping, silu_gemv))]
+          if (silu_gemv := cuda_moe.gemv_silu_kernel(h, moe.gate_up, grouping)) is not None else [
+            ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
+            ("experts_silu", partial(backend.silu_mul, gate_up))]),
         ("experts_down", partial(cuda_moe.grouped_gemm, activated, moe.down, grouping, False, blas=backend.blas)),
         ("combine", partial(cuda_moe.combine, y, grouping, shared_out, c["hidden"])),
     ]
@@ -1133,6 +1135,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
     "decode_route": "router logits, top-k and grouping of a decode step in one launch (moe_decode.cu, "
                     "$OPENINFER_MOE_DECODE_ROUTE=1)",
+    "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1189,7 +1192,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
-                "decode_route": (cuda_moe.DECODE_ROUTE_ENV, "1")}
+                "decode_route": (cuda_moe.DECODE_ROUTE_ENV, "1"), "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1340,7 +1343,10 @@ MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 # routing and grouping of the step in one launch (moe_decode.cu)
                 "overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1"}, False),
                 "tiled_overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1",
-                                                "OPENINFER_MOE_DECODE_ROUTE": "1"}, True)}
+                                                "OPENINFER_MOE_DECODE_ROUTE": "1"}, True),
+                # ... and SiLU·mul inside the tiled gate_up GEMV (moe.cu TILED_FUSE_SILU)
+                "tiled_overlap_decode_route_silu": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1",
+                                                     "OPENINFER_MOE_GEMV_SILU": "1"}, True)}
 
 
 def run_moe(args) -> dict:

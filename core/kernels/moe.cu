@@ -1192,8 +1192,11 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_ROW_BLOCKS
 #define TILED_ROW_BLOCKS 1  // 16-row blocks per warp, walked as one chunk stream (register ring only)
 #endif
-#if TILED_STAGES && TILED_ROW_BLOCKS != 1
-#error "TILED_ROW_BLOCKS needs the register ring (TILED_STAGES 0)"
+#ifndef TILED_FUSE_SILU
+#define TILED_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused: out [rows, N / 2] (each warp: its gate rows, then up)
+#endif
+#if TILED_STAGES && (TILED_ROW_BLOCKS != 1 || TILED_FUSE_SILU)
+#error "TILED_ROW_BLOCKS / TILED_FUSE_SILU need the register ring (TILED_STAGES 0)"
 #endif
 // A lane's share of a chunk in a shared-memory stage: the 16 bytes of row g, of row g + 8 and its
 // scales, each copied by the lane itself (so only its own cp.async groups need waiting for).
@@ -1282,17 +1285,25 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                     const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                     bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if TILED_FUSE_SILU  // output column n: silu(row n) * row (N / 2 + n); a warp's gate rows, then its up rows
+    const int out_columns = N / 2, block_stride = N / 32;
+    const int n_first = (blockIdx.x * TILED_WARPS + warp) * 16;
+#else
+    const int out_columns = N, block_stride = 1;
     const int n_first = (blockIdx.x * TILED_WARPS + warp) * 16 * TILED_ROW_BLOCKS;
-    if (n_first >= N) return;  // whole warps only: the mma is warp-collective
+#endif
+    if (n_first >= out_columns) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int chunks = K / 128;
-    // this warp's chunks, contiguous: row blocks n_first / 16 .. + row_blocks, each `chunks` long
-    const int row_blocks = min(TILED_ROW_BLOCKS, (N - n_first) / 16);
+    // this warp's chunks: row blocks n_first / 16 + b * block_stride for b < row_blocks, each `chunks` long
+    const int row_blocks = TILED_FUSE_SILU ? 2 : min(TILED_ROW_BLOCKS, (N - n_first) / 16);
     const long long first = ((long long)expert * (N / 16) + n_first / 16) * chunks;
     // within a row block, the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE:
     // warps in lockstep would otherwise read addresses a row block's stride apart)
-    const auto start_of = [&](int block) { return TILED_ROTATE ? (int)((n_first / 16 + block) * 37LL % chunks) : 0; };
+    const auto start_of = [&](int block) {
+        return TILED_ROTATE ? (int)((n_first / 16 + block * block_stride) * 37LL % chunks) : 0;
+    };
     const int start = start_of(0);
     const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
     const unsigned* words = (const unsigned*)weight;
@@ -1318,10 +1329,26 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+                if (r < rows) out[(long long)(pass + r) * out_columns + n] = __float2bfloat16_rn(acc[j][v]);
             }
         }
     };
+#if TILED_FUSE_SILU
+    // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+    const auto store_silu = [&](const float (&gate)[TILED_NTILES][4], const float (&up)[TILED_NTILES][4], int pass,
+                                int rows, int ntiles, int n0) {
+        float fused[TILED_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const float g = round_bf16(gate[j][v]), u = round_bf16(up[j][v]);
+                fused[j][v] = round_bf16(g / (1.f + __expf(-g))) * u;
+            }
+        store(fused, pass, rows, ntiles, n0);
+    };
+    float gate_acc[TILED_NTILES][4];
+#endif
     for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
         const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
         const bf16* b_row[TILED_NTILES];
@@ -1352,7 +1379,7 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
         }
         store(acc, pass, rows, ntiles, n_first);
 #else
-#if TILED_ROW_BLOCKS == 1  // (the kernel as measured before row blocks existed)
+#if TILED_ROW_BLOCKS == 1 && !TILED_FUSE_SILU  // (the kernel as measured before row blocks existed)
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < TILED_DEPTH; ++d)
@@ -1376,7 +1403,7 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
         };
         // the chunk's place in the weights: its row block's first chunk + its place in the block
         const auto stream_at = [&](int c) {
-            return first + (c / chunks) * chunks + stream_chunk(c);
+            return first + (long long)(c / chunks) * block_stride * chunks + stream_chunk(c);
         };
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
@@ -1392,7 +1419,14 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 if (c < stream) {
                     tiled_chunk(acc, ring[d], b_row, ntiles, stream_chunk(c) * 128, t);
                     if ((c + 1) % chunks == 0 && c + 1 < stream) {  // a row block done
+#if TILED_FUSE_SILU
+#pragma unroll
+                        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+                            for (int v = 0; v < 4; ++v) gate_acc[j][v] = acc[j][v];
+#else
                         store(acc, pass, rows, ntiles, n_first + 16 * (c / chunks));
+#endif
 #pragma unroll
                         for (int j = 0; j < TILED_NTILES; ++j)
 #pragma unroll
@@ -1401,7 +1435,11 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 }
             }
         }
+#if TILED_FUSE_SILU
+        store_silu(gate_acc, acc, pass, rows, ntiles, n_first);
+#else
         store(acc, pass, rows, ntiles, n_first + 16 * (row_blocks - 1));
+#endif
 #endif
 #endif
     }

@@ -174,3 +174,31 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(cuda_backend.to_host(out), inline)  # both as float (to_host converts bf16)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+    """OPENINFER_MOE_GEMV_SILU=1: the tiled decode GEMV with SiLU·mul fused (each warp its 16 gate rows, then
+    the 16 up rows) gives the bits of the same GEMV then elementwise silu_mul; I = 48 (three 16-row blocks
+    per half: a block's last warp past I), K = 1152 (nine chunks: the ring wraps across the gate/up seam);
+    routed_experts takes it where the switch is on and the step's GEMV is a register-ring tiled one."""
+    moe = _moe_cuda()
+    num_experts, top_k, inter, hidden = 8, 2, 48, 1152
+    gate_up = moe.tiled_int4(_int4_experts(rng, num_experts, 2 * inter, hidden)[0])
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
+                                                     gemv_kernel=gemv_kernel))
+    fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
+    assert fused.shape == (tokens * top_k, inter)
+    assert np.array_equal(cupy.asnumpy(fused), cupy.asnumpy(unfused))
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # the switch is off
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "tiled_s6")  # the shared-memory ring: no fused form
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
