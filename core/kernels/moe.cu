@@ -603,6 +603,12 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
 #define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32)
 #endif
 #define WIDE_PIECES (WEIGHT_CHUNK / 8)  // 8-weight pieces per 16-byte load: bf16 1, FP8 2, INT4 4
+#ifndef WIDE_FUSE_SILU
+#define WIDE_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused: out [rows, N / 2]; a warp's columns half gate, half up
+#endif
+#if WIDE_FUSE_SILU && WIDE_COLUMNS % 2
+#error "WIDE_FUSE_SILU pairs a warp's columns: WIDE_COLUMNS must be even"
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
 #define WIDE_SCALES WIDE_PIECES  // INT4 groups smaller than a chunk: one scale per piece
 #else
@@ -669,13 +675,22 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
               const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
               bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * WIDE_COLUMNS;
-    if (n0 >= N) return;  // whole warps only: the shuffles below stay warp-wide
+#if WIDE_FUSE_SILU  // output n0 + c: silu(row n0 + c) * row (N / 2 + n0 + c), c < WIDE_COLUMNS / 2
+    constexpr int OUT_COLUMNS = WIDE_COLUMNS / 2;
+    const int out_width = N / 2;
+#else
+    constexpr int OUT_COLUMNS = WIDE_COLUMNS;
+    const int out_width = N;
+#endif
+    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * OUT_COLUMNS;
+    if (n0 >= out_width) return;  // whole warps only: the shuffles below stay warp-wide
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
-    int column[WIDE_COLUMNS];  // past N: a valid row is read, the result dropped
+    int column[WIDE_COLUMNS];  // past the output: a valid row is read, the result dropped
 #pragma unroll
-    for (int c = 0; c < WIDE_COLUMNS; ++c) column[c] = min(n0 + c, N - 1);
+    for (int c = 0; c < WIDE_COLUMNS; ++c)
+        column[c] = WIDE_FUSE_SILU ? (c < OUT_COLUMNS ? 0 : out_width) + min(n0 + c % OUT_COLUMNS, out_width - 1)
+                                   : min(n0 + c, N - 1);
     constexpr int STEP = 32 * WEIGHT_CHUNK;
     for (int chunk = row_begin; chunk < row_end; chunk += WIDE_ROWS) {
         uint4 raw[WIDE_COLUMNS];
@@ -754,11 +769,24 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #pragma unroll
         for (int r = 0; r < WIDE_ROWS; ++r) {
             if (r >= rows) break;  // warp-uniform
+#if WIDE_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+            float total[WIDE_COLUMNS];
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) total[c] = warp_sum(acc[r][c]);
+#pragma unroll
+            for (int c = 0; c < OUT_COLUMNS; ++c) {
+                const float g = round_bf16(total[c]), u = round_bf16(total[c + OUT_COLUMNS]);
+                const float silu_mul = round_bf16(g / (1.f + __expf(-g))) * u;
+                if (lane == 0 && n0 + c < out_width)
+                    out[(long long)(chunk + r) * out_width + n0 + c] = __float2bfloat16_rn(silu_mul);
+            }
+#else
 #pragma unroll
             for (int c = 0; c < WIDE_COLUMNS; ++c) {
                 const float total = warp_sum(acc[r][c]);
                 if (lane == 0 && n0 + c < N) out[(long long)(chunk + r) * N + n0 + c] = __float2bfloat16_rn(total);
             }
+#endif
         }
     }
 }

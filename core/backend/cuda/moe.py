@@ -869,41 +869,50 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     return combine(y, grouping, shared, int(x.shape[1]))
 
 
-# Opt-in until measured (OPENINFER_MOE_GEMV_SILU=1): where a decode step's gate_up runs a tiled INT4 decode
-# GEMV (register ring), that GEMV also applies SiLU·mul (moe.cu TILED_FUSE_SILU: each warp walks its 16 gate
-# rows, then the matching 16 up rows, and writes silu(gate)·up): one launch and one [slots, 2I] round trip
-# fewer (Kimi-K2 layer at batch 1, E2: the silu_mul launch 3.1 us). elementwise.cu's silu_mul formula on the
-# bf16-rounded gate and up: the unfused pair's bits.
+# Opt-in until measured (OPENINFER_MOE_GEMV_SILU=1): where a decode step's gate_up runs a tiled INT4 decode GEMV
+# (register ring) or moe_gemv_wide (bf16 experts: Moonlight), that GEMV also applies SiLU·mul: the tiled one
+# (moe.cu TILED_FUSE_SILU) walks each warp's 16 gate rows, then the matching 16 up rows; the wide one
+# (WIDE_FUSE_SILU) gives each warp half gate, half up columns. One launch and one [slots, 2I] round trip fewer
+# (Kimi-K2 layer at batch 1, E2: the silu_mul launch 3.1 us; Moonlight: one per layer). elementwise.cu's
+# silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits.
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 
 
 def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> str | None:
-    """The tiled decode GEMV that would run ``gate_up`` for this step, when $OPENINFER_MOE_GEMV_SILU is on and
-    it can fuse SiLU·mul (register ring, I a multiple of 16, aligned rows); else None."""
-    if not _switch(GEMV_SILU_ENV) or gate_up.layout != "tiled" or gate_up.out_features % 32 \
-            or not gate_up.gemv_ready(x):
+    """The decode GEMV that would run ``gate_up`` for this step, when $OPENINFER_MOE_GEMV_SILU is on and it
+    can fuse SiLU·mul (tiled INT4 with a register ring and I a multiple of 16, or moe_gemv_wide; aligned
+    rows); else None."""
+    if not _switch(GEMV_SILU_ENV) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
-    if name not in TILED_GEMVS or "TILED_STAGES" in GEMV_KERNELS[name]:
-        return None
-    return name
+    defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
+    if name in TILED_GEMVS and gate_up.layout == "tiled":
+        return name if "TILED_STAGES" not in defines and gate_up.out_features % 32 == 0 else None
+    return name if "WIDE_COLUMNS" in defines and defines["WIDE_COLUMNS"] % 2 == 0 else None
 
 
 def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice,
                       name: str) -> cupy.ndarray:
-    """``silu_mul(grouped_gemm(x, gate_up, grouping, gather=True))`` as one tiled decode GEMV ``name``
+    """``silu_mul(grouped_gemm(x, gate_up, grouping, gather=True))`` as one decode GEMV ``name``
     (``gemv_silu_kernel``'s): ``[T·k, I]`` in expert order."""
     num_slots, inter = int(grouping.sorted_slots.size), gate_up.out_features // 2
     out = cupy.empty((num_slots, inter), dtype=cupy.uint16)
-    if num_slots:
-        defines = {**GEMV_KERNELS[name], "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1}
+    if not num_slots:
+        return out
+    args = (cupy.ascontiguousarray(x), grouping.sorted_slots, np.int32(grouping.top_k), gate_up.data,
+            NULL if gate_up.scale is None else gate_up.scale, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(gate_up.out_features),
+            np.int32(gate_up.in_features))
+    defines = GEMV_KERNELS[name]
+    if name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
-        gate_up._kernel("moe_gemv_int4_tiled", **defines)((-(-inter // columns), grouping.max_tiles),
-                                                          (MMA_GEMV_WARPS * 32,), (
-            cupy.ascontiguousarray(x), grouping.sorted_slots, np.int32(grouping.top_k), gate_up.data, gate_up.scale,
-            grouping.tile_expert, grouping.tile_row, grouping.num_tiles, grouping.offsets, np.int32(0), out,
-            np.int32(gate_up.out_features), np.int32(gate_up.in_features)))
+        gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
+            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+    else:
+        columns = WIDE_WARPS * defines["WIDE_COLUMNS"] // 2
+        gate_up._kernel("moe_gemv_wide", **defines, WIDE_FUSE_SILU=1)(
+            (-(-inter // columns), grouping.max_tiles), (WIDE_WARPS * 32,), args)
     return out
 
 
