@@ -204,7 +204,7 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide_nc", "wide2"])
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide_nc", "wide2", "wide8_r1_nc"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 on bf16 experts (Moonlight's decode GEMV, moe_gemv_wide): each warp's columns

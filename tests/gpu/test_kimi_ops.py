@@ -522,7 +522,7 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "wide8_r1_nc", "wide4_r1_nc", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                                          "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged",
                                          "mma_staged2x3"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])

@@ -108,6 +108,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_nc": {"MMA_GEMV_NTILES": 2, "GEMV_STREAM_LOADS": 1},
     "mma_staged_nc": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2, "GEMV_STREAM_LOADS": 1},
     "wide_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3, "GEMV_STREAM_LOADS": 1},
+    # one token row per pass (WIDE_ROWS 1: fewer registers, more resident blocks) and 8 or 4 columns per warp,
+    # streaming loads, opt-in until measured: a batch-1 step has ~0.1 slots per expert, and wide_nc's 108
+    # registers (4 rows) leave 4 blocks per SM, so Moonlight's gate_up (1056 blocks) and down (768) ran in
+    # 2 and 1.5 waves. sm_90a ptxas, bf16: 99 / 84 registers (5 / 6 blocks per SM; gate_up 528 / 1056 blocks)
+    "wide8_r1_nc": {"WIDE_COLUMNS": 8, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
+    "wide4_r1_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
     # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
     # one contiguous stream, the group scales applied after the mma (a shift and a lop3 per weight pair,
     # where moe_gemv_mma spends four); TILED_DEPTH chunks of 1 KB in flight per warp. Checkpoint-layout
@@ -179,6 +185,7 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
+    "wide8_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide4_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
