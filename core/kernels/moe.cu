@@ -1472,6 +1472,122 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #endif
     }
 }
+
+// moe_gemv_int4_tiled_pair: each warp two 16-row blocks side by side over one walk of K (rows n0 .. n0 + 31;
+// with TILED_FUSE_SILU, gate rows n0 .. + 15 and up rows N / 2 + n0 .. + 15, written as silu(gate) · up):
+// per chunk step the activation fragments, and the −136·Σx mma (the same for every row), are built once
+// for both blocks, where moe_gemv_int4_tiled builds them per block. A ring of TILED_DEPTH chunk pairs.
+// The sums differ from moe_gemv_int4_tiled's by fp32 rounding (the −136 terms are added first).
+__device__ __forceinline__ void tiled_pair_step(float (&acc_a)[4], float (&acc_b)[4], const TiledChunk& ca,
+                                                const TiledChunk& cb, const bf16* b_row, int k_chunk, int t) {
+    const unsigned lo_a[4] = {ca.lo.x, ca.lo.y, ca.lo.z, ca.lo.w}, hi_a[4] = {ca.hi.x, ca.hi.y, ca.hi.z, ca.hi.w};
+    const unsigned lo_b[4] = {cb.lo.x, cb.lo.y, cb.lo.z, cb.lo.w}, hi_b[4] = {cb.hi.x, cb.hi.y, cb.hi.z, cb.hi.w};
+    const unsigned sw_a[4] = {ca.scales.x, ca.scales.y, ca.scales.z, ca.scales.w};
+    const unsigned sw_b[4] = {cb.scales.x, cb.scales.y, cb.scales.z, cb.scales.w};
+    const unsigned neg136[4] = {TILED_NEG136, TILED_NEG136, TILED_NEG136, TILED_NEG136};
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(b_row + k_chunk + 32 * group + 8 * t);
+        const unsigned x[4] = {xv.x, xv.y, xv.z, xv.w};
+        unsigned b[2][2];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            b[p][0] = (x[p] & 0xFFFFu) | (x[p + 2] << 16);
+            b[p][1] = (x[p] >> 16) | (x[p + 2] & 0xFFFF0000u);
+        }
+        float neg[4] = {0.f, 0.f, 0.f, 0.f};  // −136·Σx over the group's k, per token column
+        mma_bf16_16816(neg, neg136, b[0][0], b[0][1]);
+        mma_bf16_16816(neg, neg136, b[1][0], b[1][1]);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const unsigned* lo = half ? lo_b : lo_a;
+            const unsigned* hi = half ? hi_b : hi_a;
+            const unsigned* sw = half ? sw_b : sw_a;
+            float* acc = half ? acc_b : acc_a;
+            float sum[4] = {neg[0], neg[1], neg[2], neg[3]};
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const unsigned a[4] = {tiled_pair(lo[group], 2 * p), tiled_pair(hi[group], 2 * p),
+                                       tiled_pair(lo[group], 2 * p + 1), tiled_pair(hi[group], 2 * p + 1)};
+                mma_bf16_16816(sum, a, b[p][0], b[p][1]);
+            }
+            const float s_lo = (group & 1) ? bf16_high(sw[group >> 1]) : bf16_low(sw[group >> 1]);
+            const float s_hi = (group & 1) ? bf16_high(sw[2 + (group >> 1)]) : bf16_low(sw[2 + (group >> 1)]);
+            acc[0] += s_lo * sum[0];
+            acc[1] += s_lo * sum[1];
+            acc[2] += s_hi * sum[2];
+            acc[3] += s_hi * sum[3];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_WARPS * 32)
+moe_gemv_int4_tiled_pair(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                         const void* __restrict__ weight, const void* __restrict__ scale,
+                         const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                         const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                         bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp_index = blockIdx.x * TILED_WARPS + warp;
+#if TILED_FUSE_SILU
+    const int out_columns = N / 2, n0 = warp_index * 16, second = N / 32;  // block B: the up rows
+#else
+    const int out_columns = N, n0 = warp_index * 32, second = 1;  // block B: the next 16 rows
+#endif
+    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+    const int chunks = K / 128;
+    // a lone last row block (N / 16 odd) walks block A twice and drops B
+    const bool has_b = TILED_FUSE_SILU || n0 + 16 < N;
+    const long long first_a = ((long long)expert * (N / 16) + n0 / 16) * chunks;
+    const long long first_b = has_b ? first_a + (long long)second * chunks : first_a;
+    const int start = TILED_ROTATE ? (int)(warp_index * 37LL % chunks) : 0;  // one walk: both blocks alike
+    const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
+    const unsigned* words = (const unsigned*)weight;
+    const bf16* scales = (const bf16*)scale;
+    const auto put = [&](const float (&acc)[4], int pass, int rows, int column0) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = 2 * t + (v & 1), n = column0 + g + 8 * (v >> 1);
+            if (r < rows) out[(long long)(pass + r) * out_columns + n] = __float2bfloat16_rn(acc[v]);
+        }
+    };
+    for (int pass = row_begin; pass < row_end; pass += 8) {
+        const int rows = min(8, row_end - pass);  // warp-uniform
+        const bf16* b_row = gemv_activation_row(a, sorted_slots, top_k, pass + min(g, rows - 1), K);
+        float acc_a[4] = {0.f, 0.f, 0.f, 0.f}, acc_b[4] = {0.f, 0.f, 0.f, 0.f};
+        TiledChunk ring_a[TILED_DEPTH], ring_b[TILED_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < chunks) {
+                ring_a[d] = tiled_load(words, scales, first_a + chunk_at(d), lane, g);
+                ring_b[d] = tiled_load(words, scales, first_b + chunk_at(d), lane, g);
+            }
+        for (int c0 = 0; c0 < chunks; c0 += TILED_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < chunks) {
+                    ring_a[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first_a + chunk_at(ahead), lane, g);
+                    ring_b[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first_b + chunk_at(ahead), lane, g);
+                }
+                if (c0 + d < chunks) tiled_pair_step(acc_a, acc_b, ring_a[d], ring_b[d], b_row, chunk_at(c0 + d) * 128, t);
+            }
+        }
+#if TILED_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused formula
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const float gate = round_bf16(acc_a[v]), up = round_bf16(acc_b[v]);
+            acc_a[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
+        }
+        put(acc_a, pass, rows, n0);
+#else
+        put(acc_a, pass, rows, n0);
+        if (has_b) put(acc_b, pass, rows, n0 + 16);
+#endif
+    }
+}
 #endif
 
 // Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one

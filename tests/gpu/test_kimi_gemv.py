@@ -40,7 +40,7 @@ def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, la
 GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_staged_nc", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                    "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged", "tiled", "tiled_depth6", "tiled1",
                    "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6", "tiled1_nc_rot", "tiled_s6_rot",
-                   "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2"]
+                   "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2", "tiled2_nc_rot"]
 
 
 @pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
@@ -176,7 +176,7 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
         assert np.array_equal(cuda_backend.to_host(out), inline)  # both as float (to_host converts bf16)
 
 
-@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled"])
+@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled", "tiled2_nc_rot"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1: the tiled decode GEMV with SiLU·mul fused (each warp its 16 gate rows, then

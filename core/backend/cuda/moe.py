@@ -142,6 +142,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # measured. sm_90a ptxas: 126 registers, no spills
     "tiled1_nc_rot_d6_rb2": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1,
                              "TILED_ROW_BLOCKS": 2},
+    # moe_gemv_int4_tiled_pair (TILED_PAIR): two 16-row blocks per warp side by side over one walk of K, the
+    # activation fragments and the -136 mma built once for both (fewer instructions per weight byte: the
+    # batch-1 tiled GEMV issues ~275 per 1 KB chunk), a ring of 3 chunk pairs. Opt-in until measured.
+    # sm_90a ptxas: 173 registers, no spills
+    "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
+                      "TILED_ROTATE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -560,8 +566,9 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     defines = GEMV_KERNELS[name]
     if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
-            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS * defines.get("TILED_ROW_BLOCKS", 1)  # TILED_WARPS x 16 x ..
-            weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+            rows_per_warp = 2 if defines.get("TILED_PAIR") else defines.get("TILED_ROW_BLOCKS", 1)
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS * rows_per_warp  # moe.cu TILED_WARPS x 16 x ...
+            weight._kernel("moe_gemv_int4_tiled_pair" if defines.get("TILED_PAIR") else "moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                               (MMA_GEMV_WARPS * 32,), args)
             return
         defines = {"MMA_GEMV_NTILES": defines["TILED_NTILES"]}  # checkpoint layout: moe_gemv_mma
@@ -914,7 +921,8 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
     defines = GEMV_KERNELS[name]
     if name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
-        gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
+        kernel_name = "moe_gemv_int4_tiled_pair" if defines.get("TILED_PAIR") else "moe_gemv_int4_tiled"
+        gate_up._kernel(kernel_name, **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
             (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
     else:
         columns = WIDE_WARPS * defines["WIDE_COLUMNS"] // 2
