@@ -1136,6 +1136,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "decode_route": "router logits, top-k and grouping of a decode step in one launch (moe_decode.cu, "
                     "$OPENINFER_MOE_DECODE_ROUTE=1)",
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
+    "no_decode_route": "routing and grouping in three launches ($OPENINFER_MOE_DECODE_ROUTE=0)",
+    "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1192,7 +1194,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
-                "decode_route": (cuda_moe.DECODE_ROUTE_ENV, "1"), "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1")}
+                "decode_route": (cuda_moe.DECODE_ROUTE_ENV, "1"), "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"),
+                "no_decode_route": (cuda_moe.DECODE_ROUTE_ENV, "0"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
