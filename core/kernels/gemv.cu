@@ -2,11 +2,26 @@
 // One warp owns COLS consecutive output columns: per 16-byte step it loads each weight row's
 // chunk once and each x row's chunk once, and reuses every x chunk for COLS columns (x is read
 // through L1; every warp of the block reads the same x). UNROLL steps of loads are in flight
-// before their FMAs. Each output is summed in the same order whatever M is, so a row's result
-// does not depend on the other rows of the batch. K must be a multiple of 8.
+// before their FMAs (in the last, partial pass all of its steps). Each output is summed in the same
+// order whatever M is, so a row's result does not depend on the other rows of the batch. K must be
+// a multiple of 8.
 #include "common.cuh"
 
 #define WARPS_PER_BLOCK 8
+#ifndef GEMV_BATCHED_TAIL
+#define GEMV_BATCHED_TAIL 0  // 1: the last partial pass issues all its loads first (opt-in until measured)
+#endif
+
+// 8 bf16 values of a 16-byte word -> 8 floats (load8's conversion, for words loaded earlier).
+__device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 t = __bfloat1622float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
 template <int ROWS, int COLS, int UNROLL>
@@ -47,6 +62,37 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
             }
         }
     }
+#if GEMV_BATCHED_TAIL
+    if (k < K) {  // the last, partial pass (at most UNROLL - 1 steps): its loads too all in flight first
+        // (one step at a time left short rows latency-bound: a q_b projection's K = 1536 is less than
+        // one pass, 6 loads in turn). Raw 16-byte words, unpacked at use: few registers. Each lane still
+        // sums its k in increasing order, so the bits do not change.
+        uint4 raw[UNROLL > 1 ? UNROLL - 1 : 1][COLS];
+#pragma unroll
+        for (int u = 0; u + 1 < UNROLL; ++u)
+            if (k + u * STEP < K)
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+#pragma unroll
+        for (int u = 0; u < (UNROLL > 1 ? UNROLL - 1 : 1); ++u) {
+            if (k + u * STEP >= K) break;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < M) {
+                    float xf[8];
+                    load8(x + (size_t)r * K + k + u * STEP, xf);
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) {
+                        float wf[8];
+                        words_to_floats8(raw[u][c], wf);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
+                    }
+                }
+            }
+        }
+    }
+#else
     for (; k < K; k += STEP) {
         float wf[COLS][8];
 #pragma unroll
@@ -63,6 +109,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
             }
         }
     }
+#endif
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll

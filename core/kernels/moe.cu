@@ -21,6 +21,7 @@
 // (bf16 in, fp32 accumulate: mma.sync m16n8k16); USE_MMA=0 gives a plain-FMA kernel with the same
 // indexing (and no inline PTX, so the source also runs under a host emulation).
 #include "mma.cuh"
+#include "moe_route.cuh"
 
 #ifndef WEIGHT_FORMAT
 #define WEIGHT_FORMAT 0
@@ -84,11 +85,8 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
                                      int norm_topk, float scaling, const int* __restrict__ token_ids,
                                      const long long* __restrict__ tid2eid /* [vocab, k] or null */,
                                      int* __restrict__ ids, float* __restrict__ weights) {
-    __shared__ float score[MAX_EXPERTS];
-    __shared__ float choice[MAX_EXPERTS];
-    __shared__ float scratch[32];
-    __shared__ float group_value[64];
-    __shared__ int chosen[MAX_TOPK];
+    __shared__ RouteShared shared;
+    float* score = shared.score;
     const int t = blockIdx.x;
     const bf16* row = x + (long long)t * hidden;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
@@ -104,97 +102,9 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
         }
     }
     __syncthreads();
-    float local_max = -INFINITY;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) local_max = fmaxf(local_max, score[e]);
-    const float logit_max = block_max(local_max, scratch);
-    float local_sum = 0.f;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        const float l = score[e];
-        float s;
-        if (scoring == 0) {
-            s = __expf(l - logit_max);
-            local_sum += s;
-        } else if (scoring == 1) {
-            s = 1.f / (1.f + __expf(-l));
-        } else {
-            s = sqrtf(l > 20.f ? l : log1pf(__expf(l)));
-        }
-        score[e] = s;
-    }
-    if (scoring == 0) {
-        const float total = block_sum(local_sum, scratch);
-        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) score[e] /= total;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) choice[e] = score[e] + (bias ? bias[e] : 0.f);
-    __syncthreads();
-    if (num_groups > 1) {
-        const int per_group = num_experts / num_groups;
-        if (threadIdx.x < num_groups) {
-            float best = -INFINITY, second = -INFINITY;
-            for (int i = 0; i < per_group; ++i) {
-                const float v = choice[threadIdx.x * per_group + i];
-                if (v > best) { second = best; best = v; } else if (v > second) { second = v; }
-            }
-            group_value[threadIdx.x] = group_score_max ? best : best + second;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {  // keep the topk_groups best groups: mark the rest with -inf
-            for (int kept = 0; kept < topk_groups; ++kept) {
-                int arg = -1;
-                float best = -INFINITY;
-                for (int g = 0; g < num_groups; ++g)
-                    if (group_value[g] != INFINITY && (arg < 0 || group_value[g] > best)) { best = group_value[g]; arg = g; }
-                group_value[arg] = INFINITY;  // taken
-            }
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
-            if (group_value[e / per_group] != INFINITY) choice[e] = -INFINITY;
-        __syncthreads();
-    }
-    if (warp == 0) {  // top-k by repeated argmax over the warp (k ≤ 16), or the hash table's experts
-        // bit m: this lane's expert lane + 32·m is taken (MAX_EXPERTS / 32 bits; a register, where a
-        // list of the picks, scanned per expert, lived in local memory)
-        unsigned taken = 0u;
-        for (int j = 0; j < top_k; ++j) {
-            int arg = -1;
-            if (tid2eid) {
-                arg = (int)tid2eid[(long long)token_ids[t] * top_k + j];
-            } else {
-                // each lane's best untaken expert (lowest index on ties), then the warp's
-                float best = -INFINITY;
-                for (int e = lane, m = 0; e < num_experts; e += 32, ++m) {
-                    if (!((taken >> m) & 1u) && (arg < 0 || choice[e] > best)) {
-                        best = choice[e];
-                        arg = e;
-                    }
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    const float other_best = __shfl_xor_sync(0xffffffffu, best, o);
-                    const int other_arg = (int)__shfl_xor_sync(0xffffffffu, (float)arg, o);  // exact below 2^24
-                    if (other_arg >= 0 && (arg < 0 || other_best > best || (other_best == best && other_arg < arg))) {
-                        best = other_best;
-                        arg = other_arg;
-                    }
-                }
-            }
-            // every lane ends each round with the same pick: no warp sync needed
-            if (arg >= 0 && (arg & 31) == lane) taken |= 1u << (arg >> 5);
-            if (lane == 0) chosen[j] = arg;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j) total += score[chosen[j]];
-        const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
-        for (int j = 0; j < top_k; ++j) {
-            ids[t * top_k + j] = chosen[j];
-            weights[t * top_k + j] = score[chosen[j]] * norm * scaling;
-        }
-    }
+    route_token(shared, bias, num_experts, top_k, scoring, num_groups, topk_groups, group_score_max, norm_topk,
+                scaling, tid2eid ? tid2eid + (long long)token_ids[t] * top_k : nullptr, ids + t * top_k,
+                weights + t * top_k);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -693,6 +603,12 @@ moe_gemv(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int t
 #define WIDE_LAUNCH_BOUNDS __launch_bounds__(WIDE_WARPS * 32)
 #endif
 #define WIDE_PIECES (WEIGHT_CHUNK / 8)  // 8-weight pieces per 16-byte load: bf16 1, FP8 2, INT4 4
+#ifndef WIDE_FUSE_SILU
+#define WIDE_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused: out [rows, N / 2]; a warp's columns half gate, half up
+#endif
+#if WIDE_FUSE_SILU && WIDE_COLUMNS % 2
+#error "WIDE_FUSE_SILU pairs a warp's columns: WIDE_COLUMNS must be even"
+#endif
 #if WEIGHT_FORMAT == 1 && GROUP % 32 != 0
 #define WIDE_SCALES WIDE_PIECES  // INT4 groups smaller than a chunk: one scale per piece
 #else
@@ -759,13 +675,22 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
               const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
               bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * WIDE_COLUMNS;
-    if (n0 >= N) return;  // whole warps only: the shuffles below stay warp-wide
+#if WIDE_FUSE_SILU  // output n0 + c: silu(row n0 + c) * row (N / 2 + n0 + c), c < WIDE_COLUMNS / 2
+    constexpr int OUT_COLUMNS = WIDE_COLUMNS / 2;
+    const int out_width = N / 2;
+#else
+    constexpr int OUT_COLUMNS = WIDE_COLUMNS;
+    const int out_width = N;
+#endif
+    const int n0 = (blockIdx.x * WIDE_WARPS + warp) * OUT_COLUMNS;
+    if (n0 >= out_width) return;  // whole warps only: the shuffles below stay warp-wide
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
-    int column[WIDE_COLUMNS];  // past N: a valid row is read, the result dropped
+    int column[WIDE_COLUMNS];  // past the output: a valid row is read, the result dropped
 #pragma unroll
-    for (int c = 0; c < WIDE_COLUMNS; ++c) column[c] = min(n0 + c, N - 1);
+    for (int c = 0; c < WIDE_COLUMNS; ++c)
+        column[c] = WIDE_FUSE_SILU ? (c < OUT_COLUMNS ? 0 : out_width) + min(n0 + c % OUT_COLUMNS, out_width - 1)
+                                   : min(n0 + c, N - 1);
     constexpr int STEP = 32 * WEIGHT_CHUNK;
     for (int chunk = row_begin; chunk < row_end; chunk += WIDE_ROWS) {
         uint4 raw[WIDE_COLUMNS];
@@ -844,11 +769,24 @@ moe_gemv_wide(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #pragma unroll
         for (int r = 0; r < WIDE_ROWS; ++r) {
             if (r >= rows) break;  // warp-uniform
+#if WIDE_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+            float total[WIDE_COLUMNS];
+#pragma unroll
+            for (int c = 0; c < WIDE_COLUMNS; ++c) total[c] = warp_sum(acc[r][c]);
+#pragma unroll
+            for (int c = 0; c < OUT_COLUMNS; ++c) {
+                const float g = round_bf16(total[c]), u = round_bf16(total[c + OUT_COLUMNS]);
+                const float silu_mul = round_bf16(g / (1.f + __expf(-g))) * u;
+                if (lane == 0 && n0 + c < out_width)
+                    out[(long long)(chunk + r) * out_width + n0 + c] = __float2bfloat16_rn(silu_mul);
+            }
+#else
 #pragma unroll
             for (int c = 0; c < WIDE_COLUMNS; ++c) {
                 const float total = warp_sum(acc[r][c]);
                 if (lane == 0 && n0 + c < N) out[(long long)(chunk + r) * N + n0 + c] = __float2bfloat16_rn(total);
             }
+#endif
         }
     }
 }
@@ -1279,6 +1217,15 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 #ifndef TILED_STAGES
 #define TILED_STAGES 0  // > 0: the ring of chunks in shared memory, filled by cp.async (TILED_DEPTH unused)
 #endif
+#ifndef TILED_ROW_BLOCKS
+#define TILED_ROW_BLOCKS 1  // 16-row blocks per warp, walked as one chunk stream (register ring only)
+#endif
+#ifndef TILED_FUSE_SILU
+#define TILED_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused: out [rows, N / 2] (each warp: its gate rows, then up)
+#endif
+#if TILED_STAGES && (TILED_ROW_BLOCKS != 1 || TILED_FUSE_SILU)
+#error "TILED_ROW_BLOCKS / TILED_FUSE_SILU need the register ring (TILED_STAGES 0)"
+#endif
 // A lane's share of a chunk in a shared-memory stage: the 16 bytes of row g, of row g + 8 and its
 // scales, each copied by the lane itself (so only its own cp.async groups need waiting for).
 #define TILED_STAGE_BYTES (3 * 32 * 16)
@@ -1366,15 +1313,26 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                     const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                     bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.x * TILED_WARPS + warp) * 16;
-    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+#if TILED_FUSE_SILU  // output column n: silu(row n) * row (N / 2 + n); a warp's gate rows, then its up rows
+    const int out_columns = N / 2, block_stride = N / 32;
+    const int n_first = (blockIdx.x * TILED_WARPS + warp) * 16;
+#else
+    const int out_columns = N, block_stride = 1;
+    const int n_first = (blockIdx.x * TILED_WARPS + warp) * 16 * TILED_ROW_BLOCKS;
+#endif
+    if (n_first >= out_columns) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int chunks = K / 128;
-    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // this warp's chunks: contiguous
-    // the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE: warps in lockstep would
-    // otherwise read addresses a row block's stride apart)
-    const int start = TILED_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
+    // this warp's chunks: row blocks n_first / 16 + b * block_stride for b < row_blocks, each `chunks` long
+    const int row_blocks = TILED_FUSE_SILU ? 2 : min(TILED_ROW_BLOCKS, (N - n_first) / 16);
+    const long long first = ((long long)expert * (N / 16) + n_first / 16) * chunks;
+    // within a row block, the order a warp walks its chunks in: from `start` on, wrapping (TILED_ROTATE:
+    // warps in lockstep would otherwise read addresses a row block's stride apart)
+    const auto start_of = [&](int block) {
+        return TILED_ROTATE ? (int)((n_first / 16 + block * block_stride) * 37LL % chunks) : 0;
+    };
+    const int start = start_of(0);
     const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
     const unsigned* words = (const unsigned*)weight;
     const bf16* scales = (const bf16*)scale;
@@ -1390,6 +1348,34 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
         staged_copy16(stage + 512, w + 512);
         staged_copy16(stage + 1024, reinterpret_cast<const unsigned char*>(scales + at * 64) + g * 16);
     };
+#endif
+    // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
+    const auto store = [&](const float (&acc)[TILED_NTILES][4], int pass, int rows, int ntiles, int n0) {
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j) {
+            if (j >= ntiles) break;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+                if (r < rows) out[(long long)(pass + r) * out_columns + n] = __float2bfloat16_rn(acc[j][v]);
+            }
+        }
+    };
+#if TILED_FUSE_SILU
+    // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+    const auto store_silu = [&](const float (&gate)[TILED_NTILES][4], const float (&up)[TILED_NTILES][4], int pass,
+                                int rows, int ntiles, int n0) {
+        float fused[TILED_NTILES][4];
+#pragma unroll
+        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const float g = round_bf16(gate[j][v]), u = round_bf16(up[j][v]);
+                fused[j][v] = round_bf16(g / (1.f + __expf(-g))) * u;
+            }
+        store(fused, pass, rows, ntiles, n0);
+    };
+    float gate_acc[TILED_NTILES][4];
 #endif
     for (int pass = row_begin; pass < row_end; pass += 8 * TILED_NTILES) {
         const int rows = min(8 * TILED_NTILES, row_end - pass), ntiles = (rows + 7) / 8;  // warp-uniform
@@ -1419,7 +1405,9 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
             chunk.scales = *reinterpret_cast<const uint4*>(stage + 1024);
             tiled_chunk(acc, chunk, b_row, ntiles, chunk_at(c) * 128, t);
         }
+        store(acc, pass, rows, ntiles, n_first);
 #else
+#if TILED_ROW_BLOCKS == 1 && !TILED_FUSE_SILU  // (the kernel as measured before row blocks existed)
         TiledChunk ring[TILED_DEPTH];
 #pragma unroll
         for (int d = 0; d + 1 < TILED_DEPTH; ++d)
@@ -1433,17 +1421,171 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
                 if (c0 + d < chunks) tiled_chunk(acc, ring[d], b_row, ntiles, chunk_at(c0 + d) * 128, t);
             }
         }
+        store(acc, pass, rows, ntiles, n_first);
+#else
+        // stream chunk c: row block c / chunks, its chunk (c % chunks) in the block's walking order
+        const int stream = row_blocks * chunks;
+        const auto stream_chunk = [&](int c) {
+            const int block = c / chunks, in_block = c - block * chunks, at = in_block + start_of(block);
+            return at < chunks ? at : at - chunks;
+        };
+        // the chunk's place in the weights: its row block's first chunk + its place in the block
+        const auto stream_at = [&](int c) {
+            return first + (long long)(c / chunks) * block_stride * chunks + stream_chunk(c);
+        };
+        TiledChunk ring[TILED_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < stream) ring[d] = tiled_load(words, scales, stream_at(d), lane, g);
+        for (int c0 = 0; c0 < stream; c0 += TILED_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < stream)
+                    ring[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, stream_at(ahead), lane, g);
+                const int c = c0 + d;
+                if (c < stream) {
+                    tiled_chunk(acc, ring[d], b_row, ntiles, stream_chunk(c) * 128, t);
+                    if ((c + 1) % chunks == 0 && c + 1 < stream) {  // a row block done
+#if TILED_FUSE_SILU
+#pragma unroll
+                        for (int j = 0; j < TILED_NTILES; ++j)
+#pragma unroll
+                            for (int v = 0; v < 4; ++v) gate_acc[j][v] = acc[j][v];
+#else
+                        store(acc, pass, rows, ntiles, n_first + 16 * (c / chunks));
 #endif
-        // C of n-tile j: lane (g, t) holds columns n0+g (v 0, 1) and n0+g+8 (v 2, 3) of rows 8j+2t (+1)
 #pragma unroll
-        for (int j = 0; j < TILED_NTILES; ++j) {
-            if (j >= ntiles) break;
+                        for (int j = 0; j < TILED_NTILES; ++j)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int r = 8 * j + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-                if (r < rows) out[(long long)(pass + r) * N + n] = __float2bfloat16_rn(acc[j][v]);
+                            for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+                    }
+                }
             }
         }
+#if TILED_FUSE_SILU
+        store_silu(gate_acc, acc, pass, rows, ntiles, n_first);
+#else
+        store(acc, pass, rows, ntiles, n_first + 16 * (row_blocks - 1));
+#endif
+#endif
+#endif
+    }
+}
+
+// moe_gemv_int4_tiled_pair: each warp two 16-row blocks side by side over one walk of K (rows n0 .. n0 + 31;
+// with TILED_FUSE_SILU, gate rows n0 .. + 15 and up rows N / 2 + n0 .. + 15, written as silu(gate) · up):
+// per chunk step the activation fragments, and the −136·Σx mma (the same for every row), are built once
+// for both blocks, where moe_gemv_int4_tiled builds them per block. A ring of TILED_DEPTH chunk pairs.
+// The sums differ from moe_gemv_int4_tiled's by fp32 rounding (the −136 terms are added first).
+__device__ __forceinline__ void tiled_pair_step(float (&acc_a)[4], float (&acc_b)[4], const TiledChunk& ca,
+                                                const TiledChunk& cb, const bf16* b_row, int k_chunk, int t) {
+    const unsigned lo_a[4] = {ca.lo.x, ca.lo.y, ca.lo.z, ca.lo.w}, hi_a[4] = {ca.hi.x, ca.hi.y, ca.hi.z, ca.hi.w};
+    const unsigned lo_b[4] = {cb.lo.x, cb.lo.y, cb.lo.z, cb.lo.w}, hi_b[4] = {cb.hi.x, cb.hi.y, cb.hi.z, cb.hi.w};
+    const unsigned sw_a[4] = {ca.scales.x, ca.scales.y, ca.scales.z, ca.scales.w};
+    const unsigned sw_b[4] = {cb.scales.x, cb.scales.y, cb.scales.z, cb.scales.w};
+    const unsigned neg136[4] = {TILED_NEG136, TILED_NEG136, TILED_NEG136, TILED_NEG136};
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(b_row + k_chunk + 32 * group + 8 * t);
+        const unsigned x[4] = {xv.x, xv.y, xv.z, xv.w};
+        unsigned b[2][2];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            b[p][0] = (x[p] & 0xFFFFu) | (x[p + 2] << 16);
+            b[p][1] = (x[p] >> 16) | (x[p + 2] & 0xFFFF0000u);
+        }
+        float neg[4] = {0.f, 0.f, 0.f, 0.f};  // −136·Σx over the group's k, per token column
+        mma_bf16_16816(neg, neg136, b[0][0], b[0][1]);
+        mma_bf16_16816(neg, neg136, b[1][0], b[1][1]);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const unsigned* lo = half ? lo_b : lo_a;
+            const unsigned* hi = half ? hi_b : hi_a;
+            const unsigned* sw = half ? sw_b : sw_a;
+            float* acc = half ? acc_b : acc_a;
+            float sum[4] = {neg[0], neg[1], neg[2], neg[3]};
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const unsigned a[4] = {tiled_pair(lo[group], 2 * p), tiled_pair(hi[group], 2 * p),
+                                       tiled_pair(lo[group], 2 * p + 1), tiled_pair(hi[group], 2 * p + 1)};
+                mma_bf16_16816(sum, a, b[p][0], b[p][1]);
+            }
+            const float s_lo = (group & 1) ? bf16_high(sw[group >> 1]) : bf16_low(sw[group >> 1]);
+            const float s_hi = (group & 1) ? bf16_high(sw[2 + (group >> 1)]) : bf16_low(sw[2 + (group >> 1)]);
+            acc[0] += s_lo * sum[0];
+            acc[1] += s_lo * sum[1];
+            acc[2] += s_hi * sum[2];
+            acc[3] += s_hi * sum[3];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TILED_WARPS * 32)
+moe_gemv_int4_tiled_pair(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                         const void* __restrict__ weight, const void* __restrict__ scale,
+                         const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                         const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                         bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp_index = blockIdx.x * TILED_WARPS + warp;
+#if TILED_FUSE_SILU
+    const int out_columns = N / 2, n0 = warp_index * 16, second = N / 32;  // block B: the up rows
+#else
+    const int out_columns = N, n0 = warp_index * 32, second = 1;  // block B: the next 16 rows
+#endif
+    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
+    const int chunks = K / 128;
+    // a lone last row block (N / 16 odd) walks block A twice and drops B
+    const bool has_b = TILED_FUSE_SILU || n0 + 16 < N;
+    const long long first_a = ((long long)expert * (N / 16) + n0 / 16) * chunks;
+    const long long first_b = has_b ? first_a + (long long)second * chunks : first_a;
+    const int start = TILED_ROTATE ? (int)(warp_index * 37LL % chunks) : 0;  // one walk: both blocks alike
+    const auto chunk_at = [&](int c) { return c + start < chunks ? c + start : c + start - chunks; };
+    const unsigned* words = (const unsigned*)weight;
+    const bf16* scales = (const bf16*)scale;
+    const auto put = [&](const float (&acc)[4], int pass, int rows, int column0) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = 2 * t + (v & 1), n = column0 + g + 8 * (v >> 1);
+            if (r < rows) out[(long long)(pass + r) * out_columns + n] = __float2bfloat16_rn(acc[v]);
+        }
+    };
+    for (int pass = row_begin; pass < row_end; pass += 8) {
+        const int rows = min(8, row_end - pass);  // warp-uniform
+        const bf16* b_row = gemv_activation_row(a, sorted_slots, top_k, pass + min(g, rows - 1), K);
+        float acc_a[4] = {0.f, 0.f, 0.f, 0.f}, acc_b[4] = {0.f, 0.f, 0.f, 0.f};
+        TiledChunk ring_a[TILED_DEPTH], ring_b[TILED_DEPTH];
+#pragma unroll
+        for (int d = 0; d + 1 < TILED_DEPTH; ++d)
+            if (d < chunks) {
+                ring_a[d] = tiled_load(words, scales, first_a + chunk_at(d), lane, g);
+                ring_b[d] = tiled_load(words, scales, first_b + chunk_at(d), lane, g);
+            }
+        for (int c0 = 0; c0 < chunks; c0 += TILED_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < TILED_DEPTH; ++d) {
+                const int ahead = c0 + d + TILED_DEPTH - 1;  // refills the slot used last
+                if (ahead < chunks) {
+                    ring_a[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first_a + chunk_at(ahead), lane, g);
+                    ring_b[(d + TILED_DEPTH - 1) % TILED_DEPTH] = tiled_load(words, scales, first_b + chunk_at(ahead), lane, g);
+                }
+                if (c0 + d < chunks) tiled_pair_step(acc_a, acc_b, ring_a[d], ring_b[d], b_row, chunk_at(c0 + d) * 128, t);
+            }
+        }
+#if TILED_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused formula
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const float gate = round_bf16(acc_a[v]), up = round_bf16(acc_b[v]);
+            acc_a[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
+        }
+        put(acc_a, pass, rows, n0);
+#else
+        put(acc_a, pass, rows, n0);
+        if (has_b) put(acc_b, pass, rows, n0 + 16);
+#endif
     }
 }
 #endif

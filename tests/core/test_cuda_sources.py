@@ -33,7 +33,13 @@ VARIANTS = {
                 "TILED_STREAM_LOADS": 1},
                {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 2, "TILED_STAGES": 8, "TILED_ROTATE": 1},
                # the decode GEMVs' streaming weight loads (ld.global.nc / cp.async with L2::256B)
-               {"WEIGHT_FORMAT": 1, "GROUP": 32, "GEMV_STREAM_LOADS": 1, "MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4}],
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "GEMV_STREAM_LOADS": 1, "MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4},
+               # kimi13: SiLU·mul fused into the gate_up decode GEMVs (bf16 wide; tiled INT4), row-block streams
+               {"WEIGHT_FORMAT": 0, "WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3, "WIDE_FUSE_SILU": 1},
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 1, "TILED_DEPTH": 6,
+                "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1, "TILED_FUSE_SILU": 1},
+               {"WEIGHT_FORMAT": 1, "GROUP": 32, "INT4_TILED": 1, "TILED_NTILES": 1, "TILED_DEPTH": 6,
+                "TILED_ROW_BLOCKS": 2}],
     "mla.cu": [{"KV_LORA": 512, "ROPE_DIM": 64}, {"KV_LORA": 512, "ROPE_DIM": 64, "MLA_ASYNC_TILES": 1}],
     # Qwen3.5's fused decode: the conv width compiled in (as its cuda_ops builds it) and the runtime-width build
     "gdn_decode.cu": [{}, {"CONV_WIDTH": 4}],
@@ -74,6 +80,7 @@ VARIANTS = {
                                   {"HEAD_DIM": 128, "HEAD_PAIRS": 1, "INTRA_WG_OVERLAP": 0}],
 }
 # moe13's Hopper grouped expert GEMM: plain and with gate_up's SiLU·mul fused, 4 and 3 stages
+VARIANTS["gemv.cu"] = [{}, {"GEMV_BATCHED_TAIL": 1}]  # kimi13: the last partial pass's loads first
 VARIANTS["moe_sm90.cu"] = [{"SM90_FUSE_SILU": 0}, {"SM90_FUSE_SILU": 1}, {"SM90_FUSE_SILU": 1, "SM90_STAGES": 3},
                            {"SM90_FUSE_SILU": 0, "SM90_MULTICAST": 1}, {"SM90_FUSE_SILU": 1, "SM90_MULTICAST": 1}]
 # sources that use sm_90a-only instructions (wgmma, setmaxnreg); the rest build for plain sm_90

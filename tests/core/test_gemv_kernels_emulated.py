@@ -26,12 +26,14 @@ def norm_threads(features: int) -> int:
     return min(1024, max(32, -(-features // 32) * 32 // 2))
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory) -> Path:
-    return compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp("gemv") / "harness")
+@pytest.fixture(scope="module", params=[0, 1], ids=["serial_tail", "batched_tail"])
+def harness(request, tmp_path_factory) -> Path:
+    """The harness with gemv.cu's last partial pass one load at a time (0) or all loads first (1)."""
+    return compile_harness(HARNESS, REPO / "core" / "kernels", tmp_path_factory.mktemp("gemv") / "harness",
+                           {"GEMV_BATCHED_TAIL": request.param})
 
 
-@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61)])
+@pytest.mark.parametrize("k,n", [(256, 200), (1000, 61), (2824, 24)])  # 2824: a whole pass, then a partial one
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_gemvs_equal_unfused_bits_at_every_grid(harness, tmp_path, k, n, with_residual):
     rng = np.random.default_rng(k + n + with_residual)

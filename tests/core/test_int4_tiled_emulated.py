@@ -52,8 +52,15 @@ def test_tile_int4_refuses_shapes_it_cannot_hold():
 # moe.cu defines per case: moe_gemv_mma as shipped, with a ring of 3 chunks, with K split over two
 # warps (N = 48: the second block's last two warps lie past N); moe_gemv_int4_tiled (K = 384: three
 # chunks) with one n-tile and a register ring of 4 (never full), two n-tiles and a ring of 2 (wraps),
-# and its shared-memory ring of 2 stages (wraps); the first and last with each warp's stream rotated
+# and its shared-memory ring of 2 stages (wraps); the first and last with each warp's stream rotated;
+# "rows2": each warp two row blocks as one stream (N = 48: the second warp a lone last block), a ring of 5
 CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1},
+         # gate_up with SiLU·mul fused (N = 48: I = 24 is not whole 16-row blocks, so N = 64 here)
+         "silu": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1, "TILED_FUSE_SILU": 1},
+         "rows2": {"TILED_NTILES": 1, "TILED_DEPTH": 5, "TILED_ROTATE": 1, "TILED_ROW_BLOCKS": 2},
+         # moe_gemv_int4_tiled_pair: two row blocks per warp side by side (N = 48: a lone last block), and fused
+         "pair": {"TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_ROTATE": 1, "TILED_PAIR": 1},
+         "pair-silu": {"TILED_NTILES": 1, "TILED_DEPTH": 2, "TILED_ROTATE": 1, "TILED_PAIR": 1, "TILED_FUSE_SILU": 1},
          "mma-depth3": {"MMA_GEMV_DEPTH": 3, "TILED_NTILES": 2, "TILED_DEPTH": 2},
          "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_STAGES": 2, "TILED_ROTATE": 1}}
 
@@ -61,7 +68,8 @@ CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1},
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_kernels_read_the_tiled_layout(tmp_path, case):
     rng = np.random.default_rng(len(case))
-    experts, top_k, tokens, n, k = 3, 2, 12, 48, 384
+    silu = bool(CASES[case].get("TILED_FUSE_SILU"))
+    experts, top_k, tokens, n, k = 3, 2, 12, 64 if silu else 48, 384
     dense = [bf16(0.08 * rng.standard_normal((n, k))) for _ in range(experts)]
     packed = [quantize_int4_group(w, 32) for w in dense]
     words = np.stack([p for p, _ in packed])
@@ -81,18 +89,26 @@ def test_int4_kernels_read_the_tiled_layout(tmp_path, case):
                     x=float32_to_bf16(x), ids=ids, w=w, s=s)
         outputs[tiled] = {name: read_array(folder, name, np.uint16, (-1, n)) for name in OUTPUTS}
         outputs[tiled]["w0"] = read_array(folder, "w0", np.uint16, (n, k))
-        if tiled:
+        if tiled and silu:
+            outputs[tiled]["tiled_silu"] = read_array(folder, "tiled_silu", np.uint16, (-1, n // 2))
+        elif tiled:
             outputs[tiled]["tiled"] = read_array(folder, "tiled", np.uint16, (-1, n))
             outputs[tiled]["dense_tiled"] = read_array(folder, "dense_tiled", np.uint16, (-1, n))
         # grouped rows back in slot order (the order inside an expert's segment is the atomics')
         by_slot = np.empty(tokens * top_k, np.int64)
         by_slot[read_array(folder, "sorted", np.int32, -1)] = np.arange(tokens * top_k)
-        for name in ("tiles", "gemv", "wide", "mma", "tiled")[:4 + tiled]:
+        for name in ("tiles", "gemv", "wide", "mma", "tiled_silu" if silu else "tiled")[:4 + tiled]:
             outputs[tiled][name] = outputs[tiled][name][by_slot]
     for name in (*OUTPUTS, "w0"):  # the same values in the same order: the same bits
         assert np.array_equal(outputs[1][name], outputs[0][name]), name
     assert np.array_equal(outputs[1]["w0"], bf16(reference_weights[0]))
     grouped = np.stack([x[slot // top_k] @ reference_weights[e].T for slot, e in enumerate(ids.reshape(-1))])
+    if silu:  # elementwise silu_mul of the rows layout's GEMV: fp32 rounding apart (scales after the mma)
+        gate, up = outputs[1]["mma"][:, :n // 2], outputs[1]["mma"][:, n // 2:]
+        want = bf16(bf16(gate / (1 + np.exp(-gate))) * up)
+        got = outputs[1]["tiled_silu"]
+        assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2
+        return
     for name in ("tiles", "gemv", "wide", "mma", "tiled"):
         got = outputs[1][name]
         assert float(np.linalg.norm(got - grouped) / np.linalg.norm(grouped)) < 1e-2, name

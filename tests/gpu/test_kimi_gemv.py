@@ -39,7 +39,8 @@ def _int4_experts(rng, num_experts: int, out_features: int, in_features: int, la
 
 GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_staged_nc", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                    "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged", "tiled", "tiled_depth6", "tiled1",
-                   "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6", "tiled1_nc_rot", "tiled_s6_rot"]
+                   "tiled1_depth6", "tiled_nc", "tiled_s6", "tiled_s8", "tiled1_s6", "tiled1_nc_rot", "tiled_s6_rot",
+                   "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2", "tiled2_nc_rot"]
 
 
 @pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
@@ -173,3 +174,58 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(cuda_backend.to_host(out), inline)  # both as float (to_host converts bf16)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled", "tiled2_nc_rot"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+    """OPENINFER_MOE_GEMV_SILU=1: the tiled decode GEMV with SiLU·mul fused (each warp its 16 gate rows, then
+    the 16 up rows) gives the bits of the same GEMV then elementwise silu_mul; I = 48 (three 16-row blocks
+    per half: a block's last warp past I), K = 1152 (nine chunks: the ring wraps across the gate/up seam);
+    routed_experts takes it where the switch is on and the step's GEMV is a register-ring tiled one."""
+    moe = _moe_cuda()
+    num_experts, top_k, inter, hidden = 8, 2, 48, 1152
+    gate_up = moe.tiled_int4(_int4_experts(rng, num_experts, 2 * inter, hidden)[0])
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
+                                                     gemv_kernel=gemv_kernel))
+    fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
+    assert fused.shape == (tokens * top_k, inter)
+    assert np.array_equal(cupy.asnumpy(fused), cupy.asnumpy(unfused))
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # the switch is off
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "tiled_s6")  # the shared-memory ring: no fused form
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
+
+
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide_nc", "wide2", "wide8_r1_nc"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+    """OPENINFER_MOE_GEMV_SILU=1 on bf16 experts (Moonlight's decode GEMV, moe_gemv_wide): each warp's columns
+    half gate, half up, SiLU·mul in its epilogue; the bits of the same GEMV then silu_mul. I = 42 (a warp
+    past I), H = 264 (a partial last pass); gemv_silu_kernel names the step's wide GEMV (unset: the table's)."""
+    moe = _moe_cuda()
+    num_experts, top_k, inter, hidden = 8, 2, 42, 264
+    gate_up = moe.upload_expert_linear("bf16", float32_to_bf16(bf16_random(rng, num_experts, 2 * inter, hidden,
+                                                                           scale=0.05)), None, (2 * inter, hidden))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
+                                                     gemv_kernel=gemv_kernel))
+    fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
+    assert fused.shape == (tokens * top_k, inter)
+    assert np.array_equal(cupy.asnumpy(fused), cupy.asnumpy(unfused))
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    if tokens == 1:  # 0.25 slots per expert: the table's bf16 GEMV
+        assert moe.gemv_silu_kernel(x, gate_up, grouping) == moe.choose_gemv(0.25, True, "bf16")
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")  # no fused form
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None

@@ -143,6 +143,74 @@ def test_group_blocks_equal_sort_parallel(cuda_backend, rng, tokens, experts, to
     assert np.array_equal(slot_pos[sorted_slots], np.arange(flat.size))
 
 
+@pytest.mark.parametrize("tokens,spec,hidden", [
+    (1, RouterSpec(384, 8, "sigmoid", routed_scaling_factor=2.827), 7168),
+    (1, RouterSpec(64, 6, "sigmoid", routed_scaling_factor=2.446), 2048),
+    (4, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3, routed_scaling_factor=1.5), 2048),
+    (8, RouterSpec(60, 4, "softmax", norm_topk_prob=False), 264),
+    (3, RouterSpec(48, 6, "sqrtsoftplus", routed_scaling_factor=1.5), 1000),
+], ids=["kimi-1", "moonlight-1", "groups-4", "softmax-8", "sqrtsoftplus-3"])
+def test_route_decode_equals_route_and_group(cuda_backend, rng, tokens, spec, hidden):
+    """moe_decode.cu's one-launch routing (logits by a block per expert, the last block's top-k and
+    grouping) against moe_router_logits + moe_route + moe_sort_parallel: the same experts, weights to
+    fp32 rounding (the logits are summed in another order), the same offsets and tile list, each
+    expert's segment its slots in slot order; twice in a row (the arrival counter resets itself)."""
+    moe = _moe_cuda()
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    gate = cuda_backend.weight(bf16_random(rng, spec.num_experts, hidden, scale=0.05))
+    bias = cupy.asarray((0.3 * rng.standard_normal(spec.num_experts)).astype(np.float32)) \
+        if spec.scoring != "softmax" else None
+    ids, weights = moe.route(x, gate, spec, bias)
+    reference = moe.group_by_expert(ids, weights, spec.num_experts, per_expert_blocks=False)
+    for _ in range(2):
+        fused = moe.route_decode(x, gate, spec, bias)
+        assert np.array_equal(fused.ids.get(), ids.get())
+        assert np.allclose(fused.weights.get(), weights.get(), rtol=1e-5, atol=1e-6)
+        offsets = reference.offsets.get()
+        assert np.array_equal(fused.offsets.get(), offsets)
+        count = int(reference.num_tiles.get()[0])
+        assert int(fused.num_tiles.get()[0]) == count
+        assert np.array_equal(fused.tile_expert.get()[:count], reference.tile_expert.get()[:count])
+        assert np.array_equal(fused.tile_row.get()[:count], reference.tile_row.get()[:count])
+        sorted_slots, slot_pos, flat = fused.sorted_slots.get(), fused.slot_pos.get(), ids.get().reshape(-1)
+        for e in range(spec.num_experts):
+            assert np.array_equal(sorted_slots[offsets[e]:offsets[e + 1]], np.flatnonzero(flat == e))
+        assert np.array_equal(slot_pos[sorted_slots], np.arange(flat.size))
+
+
+def test_decode_route_switch_and_graph(cuda_backend, rng, monkeypatch):
+    """OPENINFER_MOE_DECODE_ROUTE=1: moe_forward routes a 1-token step through route_decode (the same
+    output as without), also replayed from a CUDA graph; 9 tokens (past DECODE_ROUTE_MAX_TOKENS) and
+    hash routing keep the three launches."""
+    moe = _moe_cuda()
+    spec = RouterSpec(64, 6, "sigmoid", routed_scaling_factor=2.446)
+    hidden, inter = 256, 128
+    gate = cuda_backend.weight(bf16_random(rng, 64, hidden, scale=0.05))
+    gate_up = moe.upload_expert_linear("bf16", float32_to_bf16(bf16_random(rng, 64 * 2 * inter, hidden, scale=0.05))
+                                       .reshape(64, 2 * inter, hidden), None, (2 * inter, hidden))
+    down = moe.upload_expert_linear("bf16", float32_to_bf16(bf16_random(rng, 64 * hidden, inter, scale=0.05))
+                                    .reshape(64, hidden, inter), None, (hidden, inter))
+    layer = moe.DeviceMoE(spec, gate, None, gate_up, down)
+    x = cuda_backend.upload(bf16_random(rng, 1, hidden))
+    assert not moe.decode_route_wanted(cuda_backend.upload(bf16_random(rng, 9, hidden)), gate, spec, None)
+    monkeypatch.setenv(moe.DECODE_ROUTE_ENV, "0")
+    expected = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
+    monkeypatch.setenv(moe.DECODE_ROUTE_ENV, "1")
+    assert moe.decode_route_wanted(x, gate, spec, None)
+    assert not moe.decode_route_wanted(cuda_backend.upload(bf16_random(rng, 9, hidden)), gate, spec, None)
+    assert not moe.decode_route_wanted(x, gate, spec, cupy.zeros((8, 6), cupy.int64))
+    assert np.array_equal(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer)), expected)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+        out = moe.moe_forward(cuda_backend, x, layer)
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch()
+        stream.synchronize()
+    assert np.array_equal(cuda_backend.to_host(out), expected)
+
+
 def test_moe_hash_routing(cuda_backend, rng):
     moe = _moe_cuda()
     spec = RouterSpec(16, 3, "sqrtsoftplus", routed_scaling_factor=1.5)
@@ -454,7 +522,7 @@ def test_quantized_linear_matches_dequantized(cuda_backend, rng, fmt, rows, meth
         assert relative_error(cuda_backend.to_host(moe.dequantize(weight)), reference[0]) < 5e-3
 
 
-@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
+@pytest.mark.parametrize("gemv_kernel", ["wide", "wide2", "wide8_r1_nc", "wide4_r1_nc", "mma", "mma_depth3", "mma_depth4", "mma_depth8", "mma_split2",
                                          "mma_split4", "mma_split4_depth3", "mma1_split4", "mma_staged",
                                          "mma_staged2x3"])
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 16), ("int4", 128), ("fp8", 0), ("bf16", 0)])

@@ -108,6 +108,12 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_nc": {"MMA_GEMV_NTILES": 2, "GEMV_STREAM_LOADS": 1},
     "mma_staged_nc": {"MMA_GEMV_NTILES": 2, "STAGED_CHUNKS": 4, "STAGED_STAGES": 2, "GEMV_STREAM_LOADS": 1},
     "wide_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 4, "WIDE_MIN_BLOCKS": 3, "GEMV_STREAM_LOADS": 1},
+    # one token row per pass (WIDE_ROWS 1: fewer registers, more resident blocks) and 8 or 4 columns per warp,
+    # streaming loads, opt-in until measured: a batch-1 step has ~0.1 slots per expert, and wide_nc's 108
+    # registers (4 rows) leave 4 blocks per SM, so Moonlight's gate_up (1056 blocks) and down (768) ran in
+    # 2 and 1.5 waves. sm_90a ptxas, bf16: 99 / 84 registers (5 / 6 blocks per SM; gate_up 528 / 1056 blocks)
+    "wide8_r1_nc": {"WIDE_COLUMNS": 8, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
+    "wide4_r1_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
     # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
     # one contiguous stream, the group scales applied after the mma (a shift and a lop3 per weight pair,
     # where moe_gemv_mma spends four); TILED_DEPTH chunks of 1 KB in flight per warp. Checkpoint-layout
@@ -128,12 +134,28 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # checkpoint layout's, maybe lockstep warps reading addresses a row block's stride apart)
     "tiled1_nc_rot": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
     "tiled_s6_rot": {"TILED_NTILES": 2, "TILED_STAGES": 6, "TILED_ROTATE": 1},
+    # tiled1_nc_rot with 6 chunks in flight per warp (sm_90a ptxas: 126 registers, no spills; 4 blocks per SM:
+    # a batch-1 gate_up's 512 blocks still in one wave), opt-in until measured
+    "tiled1_nc_rot_d6": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
+    # ... each warp walking 2 row blocks (32 rows) as one chunk stream (TILED_ROW_BLOCKS): half the warps, each
+    # twice as long (a batch-1 down projection's 896 blocks of 16-row warps took two waves), opt-in until
+    # measured. sm_90a ptxas: 126 registers, no spills
+    "tiled1_nc_rot_d6_rb2": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1,
+                             "TILED_ROW_BLOCKS": 2},
+    # moe_gemv_int4_tiled_pair (TILED_PAIR): two 16-row blocks per warp side by side over one walk of K, the
+    # activation fragments and the -136 mma built once for both (fewer instructions per weight byte: the
+    # batch-1 tiled GEMV issues ~275 per 1 KB chunk), a ring of 3 chunk pairs. Opt-in until measured.
+    # sm_90a ptxas: 173 registers, no spills
+    "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
+                      "TILED_ROTATE": 1},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
-# kernels read that layout a word at a time.
-TILED_GEMV = "tiled"
+# kernels read that layout a word at a time. tiled1_nc_rot: the fastest tiled kernel at 1 and 16 tokens in
+# E2 (H200, results/kimi_gemv_e2_h200.json: gate_up 57.8 / 654 us vs tiled_nc 80.9 / 1015, down 36.4 / 337
+# vs 48.5 / 657; the checkpoint layout's mma_staged 74.8 / 818 and 43.5 / 447).
+TILED_GEMV = "tiled1_nc_rot"
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -169,6 +191,7 @@ GROUPED_GEMV_CHOICE: dict[str, GemvChoice] = {
 # fragment among a pass's 16 rows.
 GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
+    "wide8_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide4_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
@@ -600,8 +623,9 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     defines = GEMV_KERNELS[name]
     if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
-            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe.cu TILED_WARPS x 16
-            weight._kernel("moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
+            rows_per_warp = 2 if defines.get("TILED_PAIR") else defines.get("TILED_ROW_BLOCKS", 1)
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS * rows_per_warp  # moe.cu TILED_WARPS x 16 x ...
+            weight._kernel("moe_gemv_int4_tiled_pair" if defines.get("TILED_PAIR") else "moe_gemv_int4_tiled", **defines)((-(-weight.out_features // columns), grid_rows or 1),
                                                               (MMA_GEMV_WARPS * 32,), args)
             return
         defines = {"MMA_GEMV_NTILES": defines["TILED_NTILES"]}  # checkpoint layout: moe_gemv_mma
@@ -863,21 +887,123 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
     return shared, joined
 
 
+# Opt-in until measured (OPENINFER_MOE_DECODE_ROUTE=1): a decode step of at most DECODE_ROUTE_MAX_TOKENS tokens
+# routes in one launch, moe_decode.cu's moe_route_decode (router logits spread over a block per expert, then
+# the last block's top-k and grouping), where moe_forward runs moe_router_logits, moe_route and
+# moe_sort_parallel one after the other: at batch 1 each of those is mostly its own launch and ramp (Kimi-K2
+# layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
+DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
+DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
+DECODE_ROUTE_THREADS = 256
+_arrival_counters: dict[int, cupy.ndarray] = {}
+
+
+def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
+    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE (default off),
+    1..DECODE_ROUTE_MAX_TOKENS tokens, no hash routing, 16-byte rows; and, while a CUDA graph is being
+    captured, an arrival counter made before (an eager step makes it: a capture records its zeroing
+    instead of running it)."""
+    num_tokens, hidden = x.shape
+    return (_switch(DECODE_ROUTE_ENV) and 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS and tid2eid is None
+            and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
+            and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
+
+
+def route_decode(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
+                 correction_bias: cupy.ndarray | None) -> ExpertGroupingDevice:
+    """``group_by_expert(*route(x, gate, spec, correction_bias), E)`` in one launch (moe_decode.cu
+    ``moe_route_decode``) for a few tokens (``decode_route_wanted``)."""
+    check_router(spec)
+    num_tokens, hidden = x.shape
+    if not 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS:
+        raise ValueError(f"route_decode takes 1 to {DECODE_ROUTE_MAX_TOKENS} tokens, got {num_tokens}")
+    device = cupy.cuda.Device().id
+    if device not in _arrival_counters:
+        _arrival_counters[device] = cupy.zeros(1, cupy.uint32)
+    num_slots = num_tokens * spec.top_k
+    tiles = max_tiles(num_slots, spec.num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, spec.top_k), cupy.int32), cupy.empty((num_tokens, spec.top_k), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(spec.num_experts + 1, cupy.int32),
+        cupy.empty(tiles, cupy.int32), cupy.empty(tiles, cupy.int32), cupy.empty(1, cupy.int32), tiles, spec.top_k)
+    logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
+    kernel("moe_decode.cu", "moe_route_decode")((spec.num_experts,), (DECODE_ROUTE_THREADS,), (
+        cupy.ascontiguousarray(x), gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts),
+        NULL if correction_bias is None else correction_bias, np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+        np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
+        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), logits, _arrival_counters[device],
+        grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots, grouping.slot_pos,
+        grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
+    return grouping
+
+
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
                 token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
-    the Hopper kernel where it runs (``sm90_experts``)."""
+    the Hopper kernel where it runs (``sm90_experts``); OPENINFER_MOE_DECODE_ROUTE=1: routing and
+    grouping of a few tokens in one launch (``route_decode``)."""
     x = cupy.ascontiguousarray(x)
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    if decode_route_wanted(x, layer.gate, layer.router, layer.tid2eid):
+        grouping = route_decode(x, layer.gate, layer.router, layer.correction_bias)
+    else:
+        ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
+        grouping = group_by_expert(ids, weights, layer.router.num_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
     return combine(y, grouping, shared, int(x.shape[1]))
+
+
+# Opt-in until measured (OPENINFER_MOE_GEMV_SILU=1): where a decode step's gate_up runs a tiled INT4 decode GEMV
+# (register ring) or moe_gemv_wide (bf16 experts: Moonlight), that GEMV also applies SiLU·mul: the tiled one
+# (moe.cu TILED_FUSE_SILU) walks each warp's 16 gate rows, then the matching 16 up rows; the wide one
+# (WIDE_FUSE_SILU) gives each warp half gate, half up columns. One launch and one [slots, 2I] round trip fewer
+# (Kimi-K2 layer at batch 1, E2: the silu_mul launch 3.1 us; Moonlight: one per layer). elementwise.cu's
+# silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits.
+GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
+
+
+def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> str | None:
+    """The decode GEMV that would run ``gate_up`` for this step, when $OPENINFER_MOE_GEMV_SILU is on and it
+    can fuse SiLU·mul (tiled INT4 with a register ring and I a multiple of 16, or moe_gemv_wide; aligned
+    rows); else None."""
+    if not _switch(GEMV_SILU_ENV) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
+        return None
+    per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
+    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
+    defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
+    if name in TILED_GEMVS and gate_up.layout == "tiled":
+        return name if "TILED_STAGES" not in defines and gate_up.out_features % 32 == 0 else None
+    return name if "WIDE_COLUMNS" in defines and defines["WIDE_COLUMNS"] % 2 == 0 else None
+
+
+def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice,
+                      name: str) -> cupy.ndarray:
+    """``silu_mul(grouped_gemm(x, gate_up, grouping, gather=True))`` as one decode GEMV ``name``
+    (``gemv_silu_kernel``'s): ``[T·k, I]`` in expert order."""
+    num_slots, inter = int(grouping.sorted_slots.size), gate_up.out_features // 2
+    out = cupy.empty((num_slots, inter), dtype=cupy.uint16)
+    if not num_slots:
+        return out
+    args = (cupy.ascontiguousarray(x), grouping.sorted_slots, np.int32(grouping.top_k), gate_up.data,
+            NULL if gate_up.scale is None else gate_up.scale, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(gate_up.out_features),
+            np.int32(gate_up.in_features))
+    defines = GEMV_KERNELS[name]
+    if name in TILED_GEMVS:
+        columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
+        kernel_name = "moe_gemv_int4_tiled_pair" if defines.get("TILED_PAIR") else "moe_gemv_int4_tiled"
+        gate_up._kernel(kernel_name, **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
+            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+    else:
+        columns = WIDE_WARPS * defines["WIDE_COLUMNS"] // 2
+        gate_up._kernel("moe_gemv_wide", **defines, WIDE_FUSE_SILU=1)(
+            (-(-inter // columns), grouping.max_tiles), (WIDE_WARPS * 32,), args)
+    return out
 
 
 def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: ExpertLinear,
@@ -889,6 +1015,8 @@ def routed_experts(backend, x: cupy.ndarray, gate_up: ExpertLinear, down: Expert
         activated = grouped_gemm_sm90(x, gate_up, grouping, True, fuse_silu=True)
     elif pipelined_gate_up(x, gate_up, grouping, backend.blas):
         activated = fused_gate_up_silu(x, gate_up, grouping)
+    elif (silu_gemv := gemv_silu_kernel(x, gate_up, grouping)) is not None:
+        activated = gate_up_silu_gemv(x, gate_up, grouping, silu_gemv)
     else:
         activated = backend.silu_mul(grouped_gemm(x, gate_up, grouping, gather=True, blas=backend.blas))
     # after the Hopper gate_up (launched once the grouping completed) down may overlap its last wave

@@ -58,16 +58,34 @@ int main(int argc, char** argv) {
                      dense_mma.data(), N, K);
     });
     launch(4, 1, 1, 64, [&] { moe_dequantize(w.data(), s.data(), N, K, w0.data()); });
-#if INT4_TILED  // the tiled layout's own GEMV, on the same tiles and in dense mode
+#if INT4_TILED && TILED_FUSE_SILU  // gate_up with SiLU·mul fused: N / 2 outputs per row (saved as tiled_silu)
+    std::vector<bf16> tiled_silu(size_t(slots) * N / 2);
+#ifdef TILED_PAIR
+#define TILED_SILU_KERNEL moe_gemv_int4_tiled_pair
+#else
+#define TILED_SILU_KERNEL moe_gemv_int4_tiled
+#endif
+    launch((N / 2 + TILED_WARPS * 16 - 1) / (TILED_WARPS * 16), max_tiles, 1, TILED_WARPS * 32, [&] {
+        TILED_SILU_KERNEL(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
+                            num_tiles.data(), offsets.data(), 0, tiled_silu.data(), N, K);
+    });
+    save(dir, "tiled_silu.bin", tiled_silu);
+#elif INT4_TILED  // the tiled layout's own GEMV, on the same tiles and in dense mode
     std::vector<bf16> tiled(size_t(slots) * N), dense_tiled(size_t(T) * N);
-    const unsigned tiled_columns = TILED_WARPS * 16;
+#ifdef TILED_PAIR  // moe_gemv_int4_tiled_pair: 32 rows per warp
+#define TILED_KERNEL moe_gemv_int4_tiled_pair
+    const unsigned tiled_columns = TILED_WARPS * 32;
+#else
+#define TILED_KERNEL moe_gemv_int4_tiled
+    const unsigned tiled_columns = TILED_WARPS * 16 * TILED_ROW_BLOCKS;
+#endif
     launch((N + tiled_columns - 1) / tiled_columns, max_tiles, 1, TILED_WARPS * 32, [&] {
-        moe_gemv_int4_tiled(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
-                            num_tiles.data(), offsets.data(), 0, tiled.data(), N, K);
+        TILED_KERNEL(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
+                     num_tiles.data(), offsets.data(), 0, tiled.data(), N, K);
     });
     launch((N + tiled_columns - 1) / tiled_columns, 1, 1, TILED_WARPS * 32, [&] {
-        moe_gemv_int4_tiled(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
-                            dense_tiled.data(), N, K);
+        TILED_KERNEL(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
+                     dense_tiled.data(), N, K);
     });
     save(dir, "tiled.bin", tiled);
     save(dir, "dense_tiled.bin", dense_tiled);

@@ -70,6 +70,13 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 using std::min;
 
 inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+    return std::atomic_ref<unsigned>(*address).fetch_add(value);
+}
+// moe_decode.cu's last-block pattern: a device fence, loads from L2 (one memory here)
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T>
+inline T __ldcg(const T* address) { return *address; }
 // the host-wait kernel's built-ins (logit_constraints.cu): a sleep, a full fence, the global timer
 inline void __nanosleep(unsigned ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
