@@ -20,8 +20,9 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]``: kernel ``auto`` (what ships)
-or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]``: kernel ``auto`` (what
+ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
+kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
 $OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
@@ -57,8 +58,9 @@ BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absor
 DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 # core's ABSORBED_KERNELS and SHARED_KEYS_CHOICES (openinfer.backend.cuda.mla needs CuPy: a dry run checks
 # names against these copies, a GPU run that they still match core's)
-KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
+KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared", "tma")
 SHARED_KEYS = (32, 64)
+TMA_KEYS = (16, 32, 64)  # core's mla_decode_sm90.TMA_KEY_CHOICES
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
 PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
@@ -66,17 +68,21 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]`` comma list → dicts; bad names exit 2
+    (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 6:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]")
-        kernel, keys, splits, policy, combine, q_regs = (fields + ["", "", "", "", ""])[:6]
+        if len(fields) > 7:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]")
+        kernel, keys, splits, policy, combine, q_regs, stages = (fields + ["", "", "", "", "", ""])[:7]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
-        if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
-            raise ValueError(f"variant {item!r}: keys is one of {SHARED_KEYS}")
+        key_choices = TMA_KEYS if kernel == "tma" else SHARED_KEYS
+        if keys and (not keys.isdigit() or int(keys) not in key_choices):
+            raise ValueError(f"variant {item!r}: keys is one of {key_choices}")
+        if stages and (kernel != "tma" or not stages.isdigit() or int(stages) < 1):
+            raise ValueError(f"variant {item!r}: stages (a positive integer) is the tma kernel's only")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
@@ -86,7 +92,7 @@ def parse_variants(text: str) -> list[dict]:
         if q_regs not in ("", "0", "1"):
             raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine, "q_regs": q_regs})
+                         "combine": combine, "q_regs": q_regs, "stages": stages})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -98,12 +104,21 @@ def variant_env(variant: dict):
     from gpu_kimi import switched_env
 
     from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
 
-    switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
+    switches = {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
+                mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
                 cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
     with switched_env(switches):
         yield
+
+
+def tma_tile_text(variant: dict) -> str:
+    """$OPENINFER_MLA_TMA_TILE for a tma variant that names its keys or stages (empty: core's default)."""
+    if variant["kernel"] != "tma" or not (variant["keys"] or variant["stages"]):
+        return ""
+    return f"{variant['keys'] or 32}x{variant['stages'] or 2}"
 
 
 def decode_bytes(batch: int, context: int) -> int:
@@ -184,6 +199,8 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
                          "breakdown_ms": breakdown["breakdown_ms"],
                          "attention_share_of_roofline": point["cache_roofline_ms"]
                          / max(breakdown["breakdown_ms"]["attention"], 1e-9)}
+                if variant["kernel"] == "tma":
+                    entry["tma_tile"] = tma_tile_text(variant) or "default"
                 if graph_error:
                     entry["graph_error"] = graph_error
                 if reference is None:
@@ -390,7 +407,7 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma list of kernel[:keys[:max_splits[:policy[:combine]]]]")
+                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")

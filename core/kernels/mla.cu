@@ -18,6 +18,7 @@
 //   (192 wide for DeepSeek-V3) and V (128), bf16 mma.sync m16n8k16, fp32 online softmax.
 #include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
 #include "mma.cuh"
+#include "mla_split.cuh"    // mla_split_context
 
 #ifndef KV_LORA
 #define KV_LORA 512
@@ -75,26 +76,6 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
 }
 
 // --- shared by mla_attention and mla_attention_mma ---------------------------------------------
-
-// The block table of step token `step_token`'s sequence (query_start[s] <= step_token <
-// query_start[s + 1], binary search) and this split's slice [begin, end) of its causal context
-// (positions[step_token] + 1 tokens), in whole TILE-key steps.
-template <int TILE>
-__device__ __forceinline__ const int* mla_split_context(const int* __restrict__ query_start, int num_seqs,
-                                                        const int* __restrict__ block_tables, int max_blocks_per_seq,
-                                                        const int* __restrict__ positions, int step_token,
-                                                        int num_splits, int split, int& begin, int& end) {
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
-    }
-    const int context = positions[step_token] + 1;
-    const int per_split = ((context + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
-    begin = split * per_split;
-    end = min(context, begin + per_split);
-    return block_tables + (long long)lo * max_blocks_per_seq;
-}
 
 __device__ __forceinline__ void mla_zero(bf16& v) { v = __float2bfloat16_rn(0.f); }
 __device__ __forceinline__ void mla_zero(uint4& v) { v = make_uint4(0u, 0u, 0u, 0u); }

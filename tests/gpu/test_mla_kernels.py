@@ -77,6 +77,88 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+def _poison_unused_slots(device_cache, batch) -> None:
+    """NaN bits in every cache slot past each sequence's context in its last block, and in the blocks no
+    sequence holds: the TMA kernel copies whole 16-row boxes, so these rows reach its shared memory."""
+    rows = device_cache.reshape(-1, device_cache.shape[-1])
+    used = np.zeros(device_cache.shape[0], bool)
+    for seq, context in enumerate(batch.context_lens):
+        blocks = batch.block_tables[seq, :-(-int(context) // BLOCK_SIZE)]
+        used[blocks] = True
+        rows[int(blocks[-1]) * BLOCK_SIZE + int(context) % BLOCK_SIZE:(int(blocks[-1]) + 1) * BLOCK_SIZE] = 0x7FC0
+    for block in np.flatnonzero(~used):
+        rows[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE] = 0x7FC0
+
+
+# keys per tile x ring stages: 2 blocks per SM (32x2, 16x4), one deep ring (32x5), 64-key tiles, a 1-stage ring
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1"])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", sorted(DECODES))
+@pytest.mark.parametrize("max_splits", ["1", ""])
+def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, decodes, max_splits):
+    """mla_attention_tma (Hopper) on a ragged batch of decodes whose caches hold NaN bits past every context
+    (rows a 16-row TMA box brings along): one split and the default split count; 20 heads: a partial block."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    spec = _spec(heads)
+    cached, new = DECODES[decodes]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    assert mla_decode_sm90.tma_decode_fits(spec, device_cache)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        "tma"))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
+    """mla_attention_tma on the absorbed rows of a mixed step (token_rows: decodes beside decompressed chunks)."""
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    spec = _spec(16)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, [0, 100, 57, 3, 40], [150, 70, 1, 1, 1])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = _forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope, "tma", min_query=16)
+    assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
+
+
+def test_tma_tile_choice(monkeypatch):
+    """$OPENINFER_MLA_TMA_TILE: KEYSxSTAGES, bad text refused; shared memory and blocks per SM of the choices."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    spec = _spec(16)
+    monkeypatch.delenv(mla_decode_sm90.TMA_TILE_ENV, raising=False)
+    assert mla_decode_sm90.tma_tile() == mla_decode_sm90.DEFAULT_TMA_TILE
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "16x4")
+    assert mla_decode_sm90.tma_tile() == (16, 4)
+    for text in ("48x2", "32x0", "32", "x2", "32x2x1"):
+        monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, text)
+        with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_TILE"):
+            mla_decode_sm90.tma_tile()
+    # 9 column blocks x 32 rows x 128 B per stage, 8 KB of partial scores, 1 KB of alignment
+    assert mla_decode_sm90.tma_decode_smem(spec, 32, 2) == 1024 + 2 * 36864 + 8192 + 16
+    assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 2)) == 2
+    assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 5)) == 1
+
+
+@pytest.mark.parametrize("tile", ["32x2", "16x4"])
+def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile):
+    """A decode step on the TMA kernel captured in a CUDA graph and replayed gives the eager step's bits."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    _graph_replay_equals_eager(cuda_backend, rng, "tma")
+
+
 # (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles of 64, the
 # last partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one 64-query tile
 # exactly, one past it, a 300-token chunk on 37 cached, and a decode that stays absorbed; for the wgmma
@@ -177,6 +259,10 @@ def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatc
 def test_absorbed_decode_graph_replay_equals_eager(cuda_backend, rng, kernel):
     """A decode step captured in a CUDA graph and replayed gives the eager step's bits (the kernel and
     split count depend on the row count only)."""
+    _graph_replay_equals_eager(cuda_backend, rng, kernel)
+
+
+def _graph_replay_equals_eager(cuda_backend, rng, kernel: str) -> None:
     from openinfer.backend.cuda.mla import mla_forward
 
     spec = _spec(16)

@@ -32,6 +32,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import ForwardBatch
+from openinfer.backend.cuda import mla_decode_sm90
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
@@ -44,11 +45,13 @@ MMA_DECODE_HEADS, MMA_DECODE_KEYS, MMA_DECODE_PARTS, MMA_DECODE_THREADS = 64, 32
 # The absorbed form's attention kernel: "cuda_cores" (mla_attention), "mma" (mla_attention_mma,
 # tensor cores, 64 heads per block, or 16 under $OPENINFER_MLA_HEADS16=1), "mma16" (mla_attention_mma
 # in blocks of 16 heads, a warp per output quarter) or "mma_shared" (mla_attention_mma_shared: 16-head
-# blocks scoring each key once, double-buffered tiles). Chosen in one place, ``choose_absorbed_kernel``:
+# blocks scoring each key once, double-buffered tiles) or "tma" (mla_attention_tma, mla_decode_sm90.cu: Hopper,
+# 16-head blocks fed by a TMA ring, the score dims split over the warps; opt-in, off Hopper mma_shared runs).
+# Chosen in one place, ``choose_absorbed_kernel``:
 # a kernel forced by the caller or by $OPENINFER_MLA_DECODE, else the first entry of
 # ABSORBED_KERNEL_CHOICE (most heads, most absorbed rows in the step, kernel) that holds, else
 # DEFAULT_ABSORBED_KERNEL.
-ABSORBED_KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
+ABSORBED_KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared", "tma")
 ABSORBED_KERNEL_ENV = "OPENINFER_MLA_DECODE"
 DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per GPU is not measured yet
 # H100, benchmarks/gpu_kimi.py, 2026-11-23 window W2 (whole mla_forward, context 1024 unless said):
@@ -457,6 +460,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     and the splits' partials to combine (None: one split)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
+    if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
+        name = "mma_shared"
     if name == "mma_shared" and not shared_decode_fits(spec):
         name = "mma"
     if name != "cuda_cores" and not mma_decode_fits(spec):
@@ -464,7 +469,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    if name == "mma_shared":
+    if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
         head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
@@ -473,6 +478,9 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
+    elif name == "tma":
+        tma_attention, tma_smem, blocks_per_sm = mla_decode_sm90.tma_decode_kernel(spec)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     partial_o = partial_ml = NULL
@@ -483,7 +491,9 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
-    if name == "mma_shared":
+    if name == "tma":
+        mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache)
+    elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
     elif name in ("mma", "mma16"):

@@ -1,0 +1,106 @@
+"""The absorbed MLA decode's TMA-fed attention kernel (``mla_attention_tma`` in
+``openinfer/kernels/mla_decode_sm90.cu``; Hopper): its tile choice, shared memory, the cache's tensor
+map and the launch. ``openinfer.backend.cuda.mla`` chooses it (``OPENINFER_MLA_DECODE=tma``) and runs
+the combine of its context splits.
+
+A tile is TMA_KEYS latents of the cache, copied as 16-row boxes of 64 columns (128-byte swizzle)::
+
+    cache [pages, block_size, (1,) lora + rope] bf16  ->  tensor map (64 columns, 1, page·block_size + slot)
+    stage s of the ring:  [column block 0: keys x 128 B][column block 1] ... [column block (lora+rope)/64 - 1]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
+from openinfer.mla import MLASpec
+
+TMA_HEADS, TMA_THREADS, TMA_WARPS = 16, 128, 4  # mla_decode_sm90.cu
+TMA_BOX_ROWS = 16  # rows per TMA box: the cache block size must be a multiple
+# "KEYSxSTAGES": keys per tile (16 / 32 / 64) and tiles in the ring; $OPENINFER_MLA_TMA_TILE. 32x2 holds 81 KB
+# of shared memory (2 blocks per SM, the registers' limit too); 32x5 190 KB (1 block per SM, 5 tiles in flight).
+TMA_TILE_ENV = "OPENINFER_MLA_TMA_TILE"
+DEFAULT_TMA_TILE = (32, 2)
+TMA_KEY_CHOICES = (16, 32, 64)
+SM_SHARED_BYTES = 228 * 1024  # one H100 / H200 SM; each resident block also reserves 1 KB
+BLOCK_SHARED_MAX = 227 * 1024
+REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile choice): 2 blocks fit 64K
+
+
+def tma_tile() -> tuple[int, int]:
+    """($OPENINFER_MLA_TMA_TILE or the default) keys per tile and ring stages; ValueError on a bad one."""
+    text = os.environ.get(TMA_TILE_ENV) or "{}x{}".format(*DEFAULT_TMA_TILE)
+    keys, _, stages = text.partition("x")
+    if not (keys.isdigit() and stages.isdigit() and int(keys) in TMA_KEY_CHOICES and int(stages) >= 1):
+        raise ValueError(f"{TMA_TILE_ENV} is KEYSxSTAGES with keys one of {TMA_KEY_CHOICES} and at least one "
+                         f"stage (e.g. 32x2); got {text!r}")
+    return int(keys), int(stages)
+
+
+def tma_decode_smem(spec: MLASpec, keys: int, stages: int) -> int:
+    """mla_decode_sm90.cu TMA_SMEM: 1 KB of alignment, the ring, the warps' partial scores, the barriers."""
+    tile = spec.latent_dim // BOX_ELEMENTS * keys * 128
+    return 1024 + stages * tile + TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
+
+
+def tma_blocks_per_sm(smem: int) -> int:
+    """Blocks of mla_attention_tma resident on one SM (shared memory and registers)."""
+    return max(1, min(REGISTER_BLOCKS_PER_SM, SM_SHARED_BYTES // (smem + 1024)))
+
+
+@functools.cache
+def _is_hopper(device_id: int) -> bool:
+    return cupy.cuda.Device(device_id).compute_capability == "90"
+
+
+def tma_decode_fits(spec: MLASpec, cache: cupy.ndarray) -> bool:
+    """mla_attention_tma's limits: Hopper; latent rows of whole 64-column boxes whose 16-dim score steps split
+    4 ways, output quarters of 16-dim steps; a contiguous cache of 16-token multiples per block; the tile
+    choice's shared memory within a block's."""
+    if cache.ndim < 3 or not cache.flags.c_contiguous or cache.dtype.itemsize != 2:
+        return False
+    keys, stages = tma_tile()
+    block_size, latent = int(cache.shape[1]), int(cache.shape[-1])
+    return (_is_hopper(cupy.cuda.Device().id) and latent == spec.latent_dim and latent % BOX_ELEMENTS == 0
+            and (latent // 16) % TMA_WARPS == 0 and spec.kv_lora_rank % (16 * TMA_WARPS) == 0
+            and block_size % TMA_BOX_ROWS == 0 and cache.size == cache.shape[0] * block_size * latent
+            and tma_decode_smem(spec, keys, stages) <= BLOCK_SHARED_MAX)
+
+
+_cache_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
+CACHE_MAPS_KEPT = 1024  # a map per layer's cache (address and layout): far fewer in any model
+
+
+def cache_map(cache: cupy.ndarray) -> np.ndarray:
+    """The tensor map of the latent cache as (column, 1, cache row), box 64 columns x 1 x 16 rows, as a kernel
+    argument; encoded once per (address, layout)."""
+    rows, latent = int(cache.shape[0]) * int(cache.shape[1]), int(cache.shape[-1])
+    layout = PageBoxLayout(dims=(latent, 1, rows), strides=(latent * 2, latent * 2),
+                           box=(BOX_ELEMENTS, 1, TMA_BOX_ROWS))
+    key = (int(cache.data.ptr), layout)
+    found = _cache_maps.get(key)
+    if found is None:
+        if len(_cache_maps) >= CACHE_MAPS_KEPT:
+            _cache_maps.clear()
+        found = _cache_maps[key] = encode_page_map(*key).view(TENSOR_MAP_PARAM)
+    return found
+
+
+def tma_decode_kernel(spec: MLASpec) -> tuple[object, int, int]:
+    """The compiled kernel for the current tile choice, its shared memory and resident blocks per SM."""
+    keys, stages = tma_tile()
+    smem = tma_decode_smem(spec, keys, stages)
+    attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
+                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages)
+    return attention, smem, tma_blocks_per_sm(smem)
+
+
+def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray) -> None:
+    """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args`` and the cache's map."""
+    attention(grid, (TMA_THREADS,), (*args, cache_map(cache)), shared_mem=smem)
