@@ -103,15 +103,19 @@ def variant_env(variant: dict):
     """Core's switches for one variant (restored after)."""
     from gpu_kimi import switched_env
 
+    with switched_env(variant_switches(variant)):
+        yield
+
+
+def variant_switches(variant: dict) -> dict[str, str]:
+    """Core's environment switches for one variant (empty: core's default)."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
 
-    switches = {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
+    return {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
                 mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
                 cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
-    with switched_env(switches):
-        yield
 
 
 def tma_tile_text(variant: dict) -> str:
@@ -321,10 +325,11 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     return points
 
 
-def warm(backend, rng) -> int:
+def warm(backend, rng, variants: list[dict] | None = None) -> int:
     """Compile every MLA kernel module the decode / prefill variants (and core's other switches:
     async tiles, combine) can launch, in parallel NVRTC threads into CuPy's disk cache: dry steps
-    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them."""
+    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them.
+    ``variants``: only what these decode variants launch (a decode-only run)."""
     import cupy
     from gpu_kimi import one_sequence_batch, switched_env
 
@@ -345,10 +350,14 @@ def warm(backend, rng) -> int:
                   cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma, cuda_mla.SM90_ORDERED_ENV: o}
                  for k in SM90_KEYS for pp in ("0", "1") for sk in ("0", "1")
                  for tma in ("0", "1") for o in ("0", "1")]  # the wgmma kernel's variants
+    kernels_of = {}  # setting index -> the absorbed kernels to run under it
+    if variants is not None:
+        settings = [variant_switches(v) for v in variants]
+        kernels_of = {i: [None if v["kernel"] == "auto" else v["kernel"]] for i, v in enumerate(variants)}
     with discover_kernels() as found:
-        for setting in settings:
+        for i, setting in enumerate(settings):
             with switched_env(setting):
-                for kernel in KERNELS:
+                for kernel in kernels_of.get(i, KERNELS):
                     for min_query in (16, 10**9):  # decompressed beside absorbed rows; all absorbed
                         cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                                              cos, sin, 1e-6, backend.num_sms, prefill_min_query=min_query,
@@ -455,7 +464,7 @@ def main() -> None:
         warm(backend, rng)
         return
     # every variant's kernels built up front in parallel threads (the sm_90a cubins have no disk cache)
-    report["warm_modules"] = warm(backend, rng)
+    report["warm_modules"] = warm(backend, rng, report["plan"]["variants"] if args.sections == ["decode"] else None)
     bandwidth = copy_bandwidth()
     variants = report["plan"]["variants"]
     report.update({"device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "num_sms": backend.num_sms})
