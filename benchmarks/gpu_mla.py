@@ -20,9 +20,10 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]``: kernel ``auto`` (what
-ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
-kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES); max_splits caps
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]``: kernel ``auto``
+(what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
+kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES), cluster its
+largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
 $OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
@@ -68,14 +69,14 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]`` comma list → dicts; bad names exit 2
-    (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]`` comma list → dicts; bad names
+    exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 7:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]")
-        kernel, keys, splits, policy, combine, q_regs, stages = (fields + ["", "", "", "", "", ""])[:7]
+        if len(fields) > 8:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]")
+        kernel, keys, splits, policy, combine, q_regs, stages, cluster = (fields + [""] * 7)[:8]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         key_choices = TMA_KEYS if kernel == "tma" else SHARED_KEYS
@@ -83,6 +84,8 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: keys is one of {key_choices}")
         if stages and (kernel != "tma" or not stages.isdigit() or int(stages) < 1):
             raise ValueError(f"variant {item!r}: stages (a positive integer) is the tma kernel's only")
+        if cluster and (kernel != "tma" or cluster not in ("0", "2", "4", "8")):
+            raise ValueError(f"variant {item!r}: cluster (0, 2, 4 or 8) is the tma kernel's only")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
@@ -92,7 +95,7 @@ def parse_variants(text: str) -> list[dict]:
         if q_regs not in ("", "0", "1"):
             raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine, "q_regs": q_regs, "stages": stages})
+                         "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -113,7 +116,8 @@ def variant_switches(variant: dict) -> dict[str, str]:
     from openinfer.backend.cuda import mla_decode_sm90
 
     return {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
-                mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
+                mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), mla_decode_sm90.TMA_CLUSTER_ENV: variant["cluster"],
+                cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
                 cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
 
@@ -416,7 +420,7 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages]]]]]]")
+                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")

@@ -23,6 +23,12 @@
 // O[:, quarter] += P · c_kv[keys, quarter] (V fragments by ldmatrix.trans). Two block barriers per tile:
 // after the partial scores are stored, and before the stage is handed back to TMA.
 //
+// TMA_CLUSTER = C > 1 (2, 4 or 8): the C context splits of a (token, 16 heads) form one thread-block cluster
+// and are combined on chip: each CTA leaves its normalised partial output and (max, sum) per head in its
+// own shared memory (the drained ring), and after a cluster barrier CTA rank r reads every CTA's slice r of
+// the output dims through distributed shared memory and writes o_latent itself (no partials in global
+// memory, no combine launch). Grid z is exactly C; the same weights and order as mla_combine_splits.
+//
 // Rows of a tile past the split's end are either not copied (whole 16-row boxes past it) or belong to
 // the sequence's last page; their scores are masked (a select: any bits there are dropped) and their
 // V fragment halves zeroed, so stale or uninitialised shared memory never reaches the output.
@@ -42,6 +48,9 @@
 #ifndef TMA_STAGES
 #define TMA_STAGES 2  // tiles in the ring
 #endif
+#ifndef TMA_CLUSTER
+#define TMA_CLUSTER 1  // > 1: the context splits of a (token, head block) combined in a cluster of this many CTAs
+#endif
 #define LATENT (KV_LORA + ROPE_DIM)
 #define TMA_HEADS 16
 #define TMA_WARPS 4
@@ -59,6 +68,24 @@ static_assert(LATENT % 64 == 0 && (LATENT / 16) % TMA_WARPS == 0, "latent rows o
 static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps");
 static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
 static_assert(TMA_STAGES >= 1, "a ring of at least one stage");
+#define CLUSTER_SLICE (KV_LORA / TMA_CLUSTER)  // output dims each cluster CTA combines
+static_assert(TMA_CLUSTER == 1 || ((TMA_CLUSTER == 2 || TMA_CLUSTER == 4 || TMA_CLUSTER == 8) &&
+                                   TMA_STAGES * TILE_BYTES >= TMA_HEADS * (KV_LORA + 2) * 4),
+              "clusters of 2, 4 or 8 splits; the ring holds a CTA's partial output and (max, sum)");
+#if TMA_CLUSTER > 1
+#define TMA_CLUSTER_ATTRIBUTE __cluster_dims__(1, 1, TMA_CLUSTER)
+#else
+#define TMA_CLUSTER_ATTRIBUTE
+#endif
+
+// A float of cluster CTA `cta`'s shared memory at the offset of this CTA's shared-window address `addr`.
+__device__ __forceinline__ float cluster_load(u32 addr, u32 cta) {
+    float value;
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\nld.shared::cluster.f32 %0, [remote];\n}\n"
+        : "=f"(value) : "r"(addr), "r"(cta) : "memory");
+    return value;
+}
 
 // Shared-window byte address of latent dim `dim` (a multiple of 8) of key row `row` in the tile at `tile`.
 __device__ __forceinline__ u32 latent_at(u32 tile, int row, int dim) {
@@ -108,7 +135,7 @@ __device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
 
 // grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
 // Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
-extern "C" __global__ void __launch_bounds__(TMA_THREADS)
+extern "C" __global__ void TMA_CLUSTER_ATTRIBUTE __launch_bounds__(TMA_THREADS)
 mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
                   const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
                   int block_size, const int* __restrict__ query_start, int num_seqs,
@@ -130,7 +157,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
-    if (begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
+    if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;
             partial_ml[(head * num_splits + split) * 2] = -INFINITY;
@@ -138,8 +165,8 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
         return;  // block-uniform
     }
-    const int num_tiles = (end - begin + TMA_KEYS - 1) / TMA_KEYS;
-    if (threadIdx.x == 0) {
+    const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty cluster split
+    if (threadIdx.x == 0 && num_tiles > 0) {
         prefetch_tensor_map(&cache_map);
         for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
         mbar_init_fence();
@@ -284,6 +311,52 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         __syncthreads();  // every warp is done with this stage and with the exchange
         if (refill) issue_tile(tile, bars + 8 * stage, next_rows, &cache_map);
     }
+#if TMA_CLUSTER > 1
+    // the ring is drained (the loop's last barrier): this CTA's normalised partial [16][KV_LORA] and (max, sum)
+    float* partial = reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4;
+    float* max_sum = partial + TMA_HEADS * KV_LORA;  // [16][2]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = group + 8 * r;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+#pragma unroll
+        for (int j = 0; j < OUT_DIMS / 8; ++j)
+            *reinterpret_cast<float2*>(partial + h * KV_LORA + warp * OUT_DIMS + 8 * j + pair) =
+                make_float2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+        if (warp == 0 && pair == 0) {
+            max_sum[2 * h] = row_max[r];
+            max_sum[2 * h + 1] = row_sum[r];
+        }
+    }
+    cluster_sync();
+    {
+        const u32 rank = cluster_cta_rank();
+        const u32 partial_at = (u32)__cvta_generic_to_shared(partial), max_sum_at = (u32)__cvta_generic_to_shared(max_sum);
+        for (int i = threadIdx.x; i < TMA_HEADS * CLUSTER_SLICE; i += TMA_THREADS) {
+            const int h = i / CLUSTER_SLICE, d = rank * CLUSTER_SLICE + i % CLUSTER_SLICE;
+            float split_max[TMA_CLUSTER], split_sum[TMA_CLUSTER];  // each split's (max, sum); sum 0: empty
+            float m = -INFINITY;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) {
+                split_max[z] = cluster_load(max_sum_at + 8 * h, z);
+                split_sum[z] = cluster_load(max_sum_at + 8 * h + 4, z);
+                if (split_sum[z] > 0.f) m = fmaxf(m, split_max[z]);
+            }
+            float total = 0.f, sum = 0.f;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) {
+                if (split_sum[z] <= 0.f) continue;
+                const float w = __expf(split_max[z] - m) * split_sum[z];
+                total += w;
+                sum += w * cluster_load(partial_at + 4 * (h * KV_LORA + d), z);
+            }
+            if (h < heads)
+                out[((long long)t * num_heads + head0 + h) * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+        }
+    }
+    cluster_sync();  // every CTA's shared memory stays until the cluster's reads are done
+    return;
+#endif
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int h = group + 8 * r;

@@ -1,7 +1,7 @@
 """CPU CI for mla_decode_sm90.cu: the TMA-fed absorbed decode kernel builds for sm_90a with the local nvcc at
-the tile choices core can launch (keys per tile x ring stages, DeepSeek-V3 / Kimi-K2 / Moonlight's latent of
-512 + 64), without spills or a stack frame (the query fragments of a warp's score dims and its output
-quarter live in registers for the whole kernel)."""
+the tile choices core can launch (keys per tile x ring stages, splits combined in a cluster or not;
+DeepSeek-V3 / Kimi-K2 / Moonlight's latent of 512 + 64), without spills or a stack frame (the query
+fragments of a warp's score dims and its output quarter live in registers for the whole kernel)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import pytest
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
 
 
-@pytest.mark.parametrize("keys,stages", [(32, 2), (16, 4), (32, 5), (64, 2), (16, 1)])
-def test_mla_decode_sm90_builds_without_spills(keys, stages, tmp_path):
+@pytest.mark.parametrize("keys,stages,cluster", [(32, 2, 1), (16, 4, 1), (32, 5, 1), (64, 2, 1), (16, 1, 1), (32, 2, 8),
+                                                (16, 4, 4), (32, 2, 2)])
+def test_mla_decode_sm90_builds_without_spills(keys, stages, cluster, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
     result = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}",
-                             "-DKV_LORA=512", "-DROPE_DIM=64", f"-DTMA_KEYS={keys}", f"-DTMA_STAGES={stages}",
+                             "-DKV_LORA=512", "-DROPE_DIM=64", f"-DTMA_KEYS={keys}", f"-DTMA_STAGES={stages}", f"-DTMA_CLUSTER={cluster}",
                              "-Xptxas", "-v", "-cubin", str(KERNEL_DIR / "mla_decode_sm90.cu"),
                              "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

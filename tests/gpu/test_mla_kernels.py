@@ -118,6 +118,34 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+@pytest.mark.parametrize("tile", ["32x2", "16x4"])
+@pytest.mark.parametrize("cluster", ["2", "4", "8"])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", sorted(DECODES))
+def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch, tile, cluster, heads, decodes):
+    """mla_attention_tma with a (token, head block)'s context splits combined in a cluster (2, 4 or 8 CTAs; empty
+    splits of short contexts included) on the NaN-poisoned ragged batch."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    spec = _spec(heads)
+    cached, new = DECODES[decodes]
+    assert mla_decode_sm90.tma_cluster(spec, 64) == int(cluster)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        "tma"))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
 def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
     """mla_attention_tma on the absorbed rows of a mixed step (token_rows: decodes beside decompressed chunks)."""
     if not _hopper():
@@ -146,16 +174,30 @@ def test_tma_tile_choice(monkeypatch):
     assert mla_decode_sm90.tma_decode_smem(spec, 32, 2) == 1024 + 2 * 36864 + 8192 + 16
     assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 2)) == 2
     assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 5)) == 1
+    # clusters: the largest of 8 / 4 / 2 within the switch and the split count; off by default; a ring too small
+    # for a CTA's fp32 partial (16x1: 18 KB) never clusters
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "32x2")
+    monkeypatch.delenv(mla_decode_sm90.TMA_CLUSTER_ENV, raising=False)
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "8")
+    assert [mla_decode_sm90.tma_cluster(spec, s) for s in (64, 8, 7, 4, 3, 2, 1)] == [8, 8, 4, 4, 2, 2, 1]
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "16x1")
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "16")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_CLUSTER"):
+        mla_decode_sm90.tma_cluster(spec, 64)
 
 
-@pytest.mark.parametrize("tile", ["32x2", "16x4"])
-def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile):
-    """A decode step on the TMA kernel captured in a CUDA graph and replayed gives the eager step's bits."""
+@pytest.mark.parametrize("tile,cluster", [("32x2", "0"), ("16x4", "0"), ("32x2", "8")])
+def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster):
+    """A decode step on the TMA kernel (splits combined by the combine kernel or in a cluster) captured in a
+    CUDA graph and replayed gives the eager step's bits."""
     from openinfer.backend.cuda import mla_decode_sm90
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")
 
 

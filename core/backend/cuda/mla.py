@@ -469,6 +469,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
+    cluster = 1  # the tma kernel's CTAs per cluster (tma_cluster)
     if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
@@ -479,12 +480,15 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     elif name == "tma":
-        tma_attention, tma_smem, blocks_per_sm = mla_decode_sm90.tma_decode_kernel(spec)
-        splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, mla_decode_sm90.tma_blocks_per_sm_of(spec))
+        cluster = mla_decode_sm90.tma_cluster(spec, splits)
+        splits = cluster if cluster > 1 else splits  # a cluster's splits combine on chip into o_latent
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
+    combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
-    if splits > 1:
+    if splits > 1 and not combined_on_chip:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
     args = (q_latent, q, np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), cache, batch.block_tables,
@@ -501,7 +505,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
         kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
-    return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 else None
+    return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 and not combined_on_chip else None
 
 
 def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec, out: cupy.ndarray) -> None:

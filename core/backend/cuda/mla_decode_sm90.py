@@ -31,6 +31,11 @@ TMA_KEY_CHOICES = (16, 32, 64)
 SM_SHARED_BYTES = 228 * 1024  # one H100 / H200 SM; each resident block also reserves 1 KB
 BLOCK_SHARED_MAX = 227 * 1024
 REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile choice): 2 blocks fit 64K
+# Opt-in: $OPENINFER_MLA_TMA_CLUSTER=C (2, 4 or 8; 0 / unset: off) combines a (token, head block)'s context splits
+# on chip, in a cluster of up to C CTAs (distributed shared memory; no partials, no combine launch): for steps
+# whose resident split count is at least 2, the largest of 8 / 4 / 2 within both C and that count.
+TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
+TMA_CLUSTER_CHOICES = (8, 4, 2)
 
 
 def tma_tile() -> tuple[int, int]:
@@ -41,6 +46,20 @@ def tma_tile() -> tuple[int, int]:
         raise ValueError(f"{TMA_TILE_ENV} is KEYSxSTAGES with keys one of {TMA_KEY_CHOICES} and at least one "
                          f"stage (e.g. 32x2); got {text!r}")
     return int(keys), int(stages)
+
+
+def tma_cluster(spec: MLASpec, splits: int) -> int:
+    """CTAs per cluster for a step whose resident split count is ``splits`` (1: no cluster, the partials go to
+    the combine kernel); the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
+    text = os.environ.get(TMA_CLUSTER_ENV) or "0"
+    if text not in ("0", "1", *map(str, TMA_CLUSTER_CHOICES)):
+        raise ValueError(f"{TMA_CLUSTER_ENV} is 0 (off) or the largest cluster, one of {TMA_CLUSTER_CHOICES}; "
+                         f"got {text!r}")
+    keys, stages = tma_tile()
+    ring = stages * spec.latent_dim // BOX_ELEMENTS * keys * 128
+    if ring < TMA_HEADS * (spec.kv_lora_rank + 2) * 4:
+        return 1
+    return next((c for c in TMA_CLUSTER_CHOICES if c <= min(int(text), splits)), 1)
 
 
 def tma_decode_smem(spec: MLASpec, keys: int, stages: int) -> int:
@@ -92,13 +111,18 @@ def cache_map(cache: cupy.ndarray) -> np.ndarray:
     return found
 
 
-def tma_decode_kernel(spec: MLASpec) -> tuple[object, int, int]:
-    """The compiled kernel for the current tile choice, its shared memory and resident blocks per SM."""
+def tma_blocks_per_sm_of(spec: MLASpec) -> int:
+    """Resident blocks per SM of the current tile choice."""
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile()))
+
+
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
+    """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory."""
     keys, stages = tma_tile()
     smem = tma_decode_smem(spec, keys, stages)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
-                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages)
-    return attention, smem, tma_blocks_per_sm(smem)
+                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster)
+    return attention, smem
 
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray) -> None:
