@@ -140,7 +140,8 @@ def prefill_flops(tokens: int, heads: int = HEADS) -> float:
 
 def plan(args) -> dict:
     variants = parse_variants(args.variants)
-    return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
+    return {"decode_heads": args.decode_heads,
+            "decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
             "prefill": [{"heads": h, "tokens": n, "attention_gflop": prefill_flops(n, h) / 1e9}
                         for h in args.prefill_heads for n in args.prefill]
@@ -167,13 +168,14 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
 
     from openinfer.backend.cuda import mla as cuda_mla
 
-    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    heads = args.decode_heads
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng, heads)
     points = []
     for batch_size in args.batches:
         for context in args.contexts:
             batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
             cache = device_random_bf16((num_blocks, BLOCK_SIZE, 1, spec.latent_dim))
-            q = backend.upload(rng.standard_normal((batch_size, HEADS * spec.qk_head_dim)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((batch_size, heads * spec.qk_head_dim)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, spec.latent_dim)).astype(np.float32))
             point = {"batch": batch_size, "context": context,
                      "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context) / bandwidth, "variants": {}}
@@ -199,9 +201,9 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
                     if partials is not None:
                         parts.append(("combine", partial(cuda_mla.combine_splits, partials, o_latent, spec)))
                     parts.append(("w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, w_uv, spec,
-                                                  cupy_empty_like_out(batch_size))))
+                                                  cupy_empty_like_out(batch_size, heads))))
                     breakdown = layer_breakdown(parts, forward, args.iters)
-                    ran = cuda_mla.choose_absorbed_kernel(HEADS, batch_size, kernel)
+                    ran = cuda_mla.choose_absorbed_kernel(heads, batch_size, kernel)
                     splits = partials.splits if partials is not None else 1
                 entry = {"forward_ms": 1e3 * seconds, "kernel_run": ran, "splits": splits,
                          "breakdown_ms": breakdown["breakdown_ms"],
@@ -393,7 +395,7 @@ def plot(report: dict, path: Path) -> None:
         ax.bar(x + len(names) * width, [p["cache_roofline_ms"] for p in decode], width, color="k",
                label="latent bytes / copy rate")
         ax.set(xticks=x + 0.4, yscale="log", ylabel="ms per layer",
-               title=f"MLA decode, 16 heads ({report.get('device', '')})")
+               title=f"MLA decode, {report['plan']['decode_heads']} heads ({report.get('device', '')})")
         ax.set_xticklabels([f"b{p['batch']} c{p['context']}" for p in decode], rotation=30)
         ax.legend(fontsize=7)
     if prefill:
@@ -422,6 +424,8 @@ def main() -> None:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--decode-heads", type=int, default=HEADS,
+                        help="decode's heads per GPU (16: Moonlight; 64: Kimi-K2 / DeepSeek-V3 on 2 GPUs)")
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
     parser.add_argument("--prefill-heads", default=",".join(map(str, PREFILL_HEADS)), help="head counts")
@@ -444,7 +448,8 @@ def main() -> None:
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
         args.prefill_heads = [int(v) for v in args.prefill_heads.split(",") if v]
         args.prefill_kernels = parse_prefill_kernels(args.prefill_kernels)
-        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters], default=1) < 1:
+        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters, args.decode_heads],
+               default=1) < 1:
             raise ValueError("batches, contexts, prompt lengths, head counts and --iters are positive")
         report = {"plan": plan(args)}
     except ValueError as error:
