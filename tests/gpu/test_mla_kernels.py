@@ -85,7 +85,8 @@ def _poison_unused_slots(device_cache, batch) -> None:
     for seq, context in enumerate(batch.context_lens):
         blocks = batch.block_tables[seq, :-(-int(context) // BLOCK_SIZE)]
         used[blocks] = True
-        rows[int(blocks[-1]) * BLOCK_SIZE + int(context) % BLOCK_SIZE:(int(blocks[-1]) + 1) * BLOCK_SIZE] = 0x7FC0
+        in_last = int(context) - (len(blocks) - 1) * BLOCK_SIZE  # 1 ..= BLOCK_SIZE tokens of the context
+        rows[int(blocks[-1]) * BLOCK_SIZE + in_last:(int(blocks[-1]) + 1) * BLOCK_SIZE] = 0x7FC0
     for block in np.flatnonzero(~used):
         rows[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE] = 0x7FC0
 
