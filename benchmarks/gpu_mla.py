@@ -20,10 +20,11 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]``: kernel ``auto``
+A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance]]]]]]]]``: kernel ``auto``
 (what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
 kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES), cluster its
-largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8); max_splits caps
+largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8), balance 1 its splits balanced
+over a ragged batch ($OPENINFER_MLA_TMA_BALANCE); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
 $OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
@@ -69,14 +70,15 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]`` comma list → dicts; bad names
-    exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance]]]]]]]]`` comma list → dicts;
+    bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 8:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]")
-        kernel, keys, splits, policy, combine, q_regs, stages, cluster = (fields + [""] * 7)[:8]
+        if len(fields) > 9:
+            raise ValueError(f"variant {item!r}: "
+                             "kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance]]]]]]]]")
+        kernel, keys, splits, policy, combine, q_regs, stages, cluster, balance = (fields + [""] * 8)[:9]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
         key_choices = TMA_KEYS if kernel == "tma" else SHARED_KEYS
@@ -86,6 +88,8 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: stages (a positive integer) is the tma kernel's only")
         if cluster and (kernel != "tma" or cluster not in ("0", "2", "4", "8")):
             raise ValueError(f"variant {item!r}: cluster (0, 2, 4 or 8) is the tma kernel's only")
+        if balance and (kernel != "tma" or balance not in ("0", "1")):
+            raise ValueError(f"variant {item!r}: balance (0 or 1) is the tma kernel's only")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
@@ -95,7 +99,8 @@ def parse_variants(text: str) -> list[dict]:
         if q_regs not in ("", "0", "1"):
             raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster})
+                         "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster,
+                         "balance": balance})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -117,6 +122,7 @@ def variant_switches(variant: dict) -> dict[str, str]:
 
     return {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
                 mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), mla_decode_sm90.TMA_CLUSTER_ENV: variant["cluster"],
+                mla_decode_sm90.TMA_BALANCE_ENV: variant["balance"],
                 cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
                 cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
                 cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
@@ -129,8 +135,38 @@ def tma_tile_text(variant: dict) -> str:
     return f"{variant['keys'] or 32}x{variant['stages'] or 2}"
 
 
-def decode_bytes(batch: int, context: int) -> int:
-    return batch * (context + 1) * LATENT_BYTES
+def decode_contexts(batch: int, context: int, ragged: bool) -> np.ndarray:
+    """Each request's cached context: ``context`` for all, or (ragged) spread evenly over [c/8, 2c - c/8]
+    (mean c; one request keeps c) in a fixed shuffled order."""
+    if not ragged or batch == 1:
+        return np.full(batch, context, np.int64)
+    spread = np.linspace(context / 8, 2 * context - context / 8, batch).round().astype(np.int64)
+    return np.random.default_rng(batch).permutation(spread)
+
+
+def decode_bytes(batch: int, context: int, ragged: bool = False) -> int:
+    """The latent bytes a decode step reads: every request's context and its new token."""
+    return int((decode_contexts(batch, context, ragged) + 1).sum()) * LATENT_BYTES
+
+
+def ragged_decode_batch(backend, contexts: np.ndarray, block_size: int):
+    """A decode step of one new token per request over its own cached context (gpu_kimi.decode_batch's layout:
+    each request's blocks in order after the previous one's), and the cache's block count."""
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-(contexts + 1) // block_size)
+    tables = np.zeros((len(contexts), int(blocks.max())), np.int32)
+    first = 1 + np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    for row, (start, count) in enumerate(zip(first, blocks, strict=True)):
+        tables[row, :count] = np.arange(start, start + count)
+    positions = contexts.astype(np.int32)
+    slots = tables[np.arange(len(contexts)), positions // block_size] * block_size + positions % block_size
+    host = ForwardBatch(token_ids=np.zeros(len(contexts), np.int32), positions=positions,
+                        query_start=np.arange(len(contexts) + 1, dtype=np.int32),
+                        context_lens=(positions + 1).astype(np.int32), block_tables=tables,
+                        slot_mapping=slots.astype(np.int32), logits_rows=np.arange(len(contexts), dtype=np.int32),
+                        max_query_len=1, max_context_len=int(positions.max()) + 1)
+    return backend.prepare_batch(host), int(blocks.sum()) + 1
 
 
 def prefill_flops(tokens: int, heads: int = HEADS) -> float:
@@ -140,8 +176,8 @@ def prefill_flops(tokens: int, heads: int = HEADS) -> float:
 
 def plan(args) -> dict:
     variants = parse_variants(args.variants)
-    return {"decode_heads": args.decode_heads,
-            "decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
+    return {"decode_heads": args.decode_heads, "ragged": args.ragged,
+            "decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c, args.ragged)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
             "prefill": [{"heads": h, "tokens": n, "attention_gflop": prefill_flops(n, h) / 1e9}
                         for h in args.prefill_heads for n in args.prefill]
@@ -173,12 +209,17 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
     points = []
     for batch_size in args.batches:
         for context in args.contexts:
-            batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
+            if args.ragged:
+                batch, num_blocks = ragged_decode_batch(backend, decode_contexts(batch_size, context, True),
+                                                        BLOCK_SIZE)
+            else:
+                batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
             cache = device_random_bf16((num_blocks, BLOCK_SIZE, 1, spec.latent_dim))
             q = backend.upload(rng.standard_normal((batch_size, heads * spec.qk_head_dim)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, spec.latent_dim)).astype(np.float32))
             point = {"batch": batch_size, "context": context,
-                     "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context) / bandwidth, "variants": {}}
+                     "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context, args.ragged) / bandwidth,
+                     "variants": {}}
             reference = None
             for variant in variants:
                 kernel = None if variant["kernel"] == "auto" else variant["kernel"]
@@ -422,8 +463,11 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster]]]]]]]")
+                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
+                             "[:balance]]]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--ragged", action="store_true",
+                        help="decode: contexts spread evenly over [c/8, 2c - c/8] (mean c) instead of all c")
     parser.add_argument("--decode-heads", type=int, default=HEADS,
                         help="decode's heads per GPU (16: Moonlight; 64: Kimi-K2 / DeepSeek-V3 on 2 GPUs)")
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))

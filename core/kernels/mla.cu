@@ -203,10 +203,12 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
 }
 
 // One block per (token, head): out = Σ_z w_z · o_z with w_z ∝ e^(m_z − m) · l_z (empty splits: l_z = 0).
+// Every combine skips a head whose split 0 says max = +inf: its attention kernel wrote it (no other does).
 extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_o, const float* __restrict__ partial_ml,
                                               int num_splits, bf16* __restrict__ out) {
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z)
         if (ml[2 * z + 1] > 0.f) m = fmaxf(m, ml[2 * z]);
@@ -233,6 +235,7 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
         for (int z = threadIdx.x; z < num_splits; z += 32)
@@ -272,6 +275,7 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
         for (int z = threadIdx.x; z < num_splits; z += 32)

@@ -29,6 +29,12 @@
 // the output dims through distributed shared memory and writes o_latent itself (no partials in global
 // memory, no combine launch). Grid z is exactly C; the same weights and order as mla_combine_splits.
 //
+// balance_slots > 0 (with num_splits > 1; not in clusters): splits balanced over a ragged batch. The launch's
+// total context C over its rows gives one split length L = C / balance_slots (the CTAs that run at once per
+// head block); a token of context c takes n = clamp(round(c / L), 1, num_splits) equal splits, so long contexts
+// spread over more CTAs and short ones stay whole. A token with n = 1 writes o_latent itself and marks its
+// split 0 (max = +inf), which the combine kernels skip.
+//
 // Rows of a tile past the split's end are either not copied (whole 16-row boxes past it) or belong to
 // the sequence's last page; their scores are masked (a select: any bits there are dropped) and their
 // V fragment halves zeroed, so stale or uninitialised shared memory never reaches the output.
@@ -141,7 +147,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                   int block_size, const int* __restrict__ query_start, int num_seqs,
                   const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
                   int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
-                  const int* __restrict__ token_list, const __grid_constant__ TensorMap cache_map) {
+                  const int* __restrict__ token_list, int balance_slots, const __grid_constant__ TensorMap cache_map) {
     extern __shared__ uint4 smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
     float4* exchange = reinterpret_cast<float4*>(reinterpret_cast<char*>(smem_raw) +
@@ -157,6 +163,28 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
                                                    step_token, num_splits, split, begin, end);
+#if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
+    bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
+    if (balance_slots > 0 && num_splits > 1) {
+        __shared__ int warp_totals[TMA_WARPS];
+        int total = 0;
+        for (int i = threadIdx.x; i < gridDim.x; i += TMA_THREADS) total += positions[token_list ? token_list[i] : i] + 1;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        if (lane == 0) warp_totals[warp] = total;
+        __syncthreads();
+        total = 0;
+#pragma unroll
+        for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
+        const int context = positions[step_token] + 1;
+        const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
+        const int n = min(num_splits, max(1, (context + length / 2) / length));
+        const int per_split = ((context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        begin = split * per_split;
+        end = min(context, begin + per_split);
+        whole = begin == 0 && end == context;
+    }
+#endif
     if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;
@@ -355,8 +383,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
     }
     cluster_sync();  // every CTA's shared memory stays until the cluster's reads are done
-    return;
-#endif
+#else
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int h = group + 8 * r;
@@ -366,7 +393,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
 #pragma unroll
         for (int j = 0; j < OUT_DIMS / 8; ++j) {
             const int dim = warp * OUT_DIMS + 8 * j + pair;
-            if (num_splits == 1) {
+            if (whole) {
                 *reinterpret_cast<unsigned*>(out + head * KV_LORA + dim) =
                     pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
             } else {
@@ -374,9 +401,10 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                     make_float2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
             }
         }
-        if (num_splits > 1 && warp == 0 && pair == 0) {
-            partial_ml[(head * num_splits + split) * 2] = row_max[r];
+        if (num_splits > 1 && warp == 0 && pair == 0) {  // a whole token's: +inf, the combine leaves it
+            partial_ml[(head * num_splits + split) * 2] = whole ? INFINITY : row_max[r];
             partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
         }
     }
+#endif
 }

@@ -147,6 +147,37 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+# 150 decodes of contexts 1 .. ~700 (past 132 rows: the resident split count is 1, so balancing runs 4 splits)
+MANY_DECODES = (list(np.random.default_rng(13).integers(0, 700, 150)), [1] * 150)
+
+
+@pytest.mark.parametrize("tile", ["32x2", "16x4"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "many"])
+def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, tile, decodes):
+    """mla_attention_tma with splits balanced over the batch ($OPENINFER_MLA_TMA_BALANCE=1): long contexts over
+    more splits, short ones whole (written by the attention kernel, skipped by the combine) on NaN-poisoned caches."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "1")
+    spec = _spec(16)
+    cached, new = MANY_DECODES if decodes == "many" else DECODES[decodes]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    for combine in ("wide", "shared", "loop"):  # every combine kernel leaves the tokens written whole
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                            "tma"))
+        assert relative_error(out, reference) < BF16_TOL, combine
+        for row in range(out.shape[0]):
+            assert relative_error(out[row], reference[row]) < BF16_TOL, (combine, row)
+
+
 def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
     """mla_attention_tma on the absorbed rows of a mixed step (token_rows: decodes beside decompressed chunks)."""
     if not _hopper():
@@ -187,18 +218,25 @@ def test_tma_tile_choice(monkeypatch):
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "16")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_CLUSTER"):
         mla_decode_sm90.tma_cluster(spec, 64)
+    monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
+    assert not mla_decode_sm90.tma_balance()
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BALANCE"):
+        mla_decode_sm90.tma_balance()
 
 
-@pytest.mark.parametrize("tile,cluster", [("32x2", "0"), ("16x4", "0"), ("32x2", "8")])
-def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster):
-    """A decode step on the TMA kernel (splits combined by the combine kernel or in a cluster) captured in a
-    CUDA graph and replayed gives the eager step's bits."""
+@pytest.mark.parametrize("tile,cluster,balance", [("32x2", "0", "0"), ("16x4", "0", "0"), ("32x2", "8", "0"),
+                                                  ("32x2", "0", "1")])
+def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster, balance):
+    """A decode step on the TMA kernel (splits combined by the combine kernel, in a cluster, or balanced over
+    the batch) captured in a CUDA graph and replayed gives the eager step's bits."""
     from openinfer.backend.cuda import mla_decode_sm90
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")
 
 

@@ -480,9 +480,15 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
     elif name == "tma":
-        splits = resident_splits(num_tokens, head_chunks, num_sms, mla_decode_sm90.tma_blocks_per_sm_of(spec))
+        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
         cluster = mla_decode_sm90.tma_cluster(spec, splits)
-        splits = cluster if cluster > 1 else splits  # a cluster's splits combine on chip into o_latent
+        balance_slots = 0
+        if cluster > 1:
+            splits = cluster  # a cluster's splits combine on chip into o_latent
+        elif mla_decode_sm90.tma_balance():
+            splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
+            balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
         tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
@@ -496,7 +502,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
     if name == "tma":
-        mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache)
+        mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
+                                          balance_slots)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)

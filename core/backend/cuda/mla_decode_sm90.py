@@ -36,6 +36,11 @@ REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile
 # whose resident split count is at least 2, the largest of 8 / 4 / 2 within both C and that count.
 TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
 TMA_CLUSTER_CHOICES = (8, 4, 2)
+# Opt-in: $OPENINFER_MLA_TMA_BALANCE=1 balances the splits over a ragged batch (mla_decode_sm90.cu's
+# balance_slots): every step runs at least BALANCE_MIN_SPLITS splits per token, and each token takes as many
+# of them as its share of the step's total context asks (one split: written whole, no combine for it).
+TMA_BALANCE_ENV = "OPENINFER_MLA_TMA_BALANCE"
+BALANCE_MIN_SPLITS = 4
 
 
 def tma_tile() -> tuple[int, int]:
@@ -60,6 +65,14 @@ def tma_cluster(spec: MLASpec, splits: int) -> int:
     if ring < TMA_HEADS * (spec.kv_lora_rank + 2) * 4:
         return 1
     return next((c for c in TMA_CLUSTER_CHOICES if c <= min(int(text), splits)), 1)
+
+
+def tma_balance() -> bool:
+    """Whether the splits are balanced over a ragged batch ($OPENINFER_MLA_TMA_BALANCE=1; default 0)."""
+    text = os.environ.get(TMA_BALANCE_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{TMA_BALANCE_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
 
 
 def tma_decode_smem(spec: MLASpec, keys: int, stages: int) -> int:
@@ -125,6 +138,8 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
     return attention, smem
 
 
-def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray) -> None:
-    """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args`` and the cache's map."""
-    attention(grid, (TMA_THREADS,), (*args, cache_map(cache)), shared_mem=smem)
+def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
+                      balance_slots: int = 0) -> None:
+    """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
+    token's context split evenly over grid z) and the cache's map."""
+    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache)), shared_mem=smem)
