@@ -54,6 +54,13 @@
 #ifndef TMA_STAGES
 #define TMA_STAGES 2  // tiles in the ring
 #endif
+// 1: one block barrier per tile, not two. The partial scores go to one of two exchange buffers by tile parity,
+// and thread 0 refills the stage of tile i - 1 right after tile i's barrier (every warp has then finished
+// tile i - 1's P V), instead of a second barrier at the end of each tile; a refill is then issued half a tile
+// later (a ring of at least 2 stages).
+#ifndef TMA_ONE_BARRIER
+#define TMA_ONE_BARRIER 0
+#endif
 #ifndef TMA_CLUSTER
 #define TMA_CLUSTER 1  // > 1: the context splits of a (token, head block) combined in a cluster of this many CTAs
 #endif
@@ -68,12 +75,13 @@
 #define KEY_TILES (TMA_KEYS / 8)                        // n8 tiles of scores per warp
 #define TILE_BYTES (LATENT_BLOCKS * TMA_KEYS * 128)
 #define BOX_BYTES (TMA_BOX_ROWS * 128)
-#define EXCHANGE_BYTES (TMA_WARPS * KEY_TILES * 32 * 16)  // each warp's partial scores, a float4 per lane and n8 tile
+#define EXCHANGE_FLOAT4S (TMA_WARPS * KEY_TILES * 32)  // each warp's partial scores, a float4 per lane and n8 tile
+#define EXCHANGE_BYTES ((1 + TMA_ONE_BARRIER) * EXCHANGE_FLOAT4S * 16)
 #define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES)
 static_assert(LATENT % 64 == 0 && (LATENT / 16) % TMA_WARPS == 0, "latent rows of whole 64-column blocks, split 4 ways");
 static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps");
 static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
-static_assert(TMA_STAGES >= 1, "a ring of at least one stage");
+static_assert(TMA_STAGES >= 1 + TMA_ONE_BARRIER, "a ring of at least one stage (two with one barrier per tile)");
 #define CLUSTER_SLICE (KV_LORA / TMA_CLUSTER)  // output dims each cluster CTA combines
 static_assert(TMA_CLUSTER == 1 || ((TMA_CLUSTER == 2 || TMA_CLUSTER == 4 || TMA_CLUSTER == 8) &&
                                    TMA_STAGES * TILE_BYTES >= TMA_HEADS * (KV_LORA + 2) * 4),
@@ -237,9 +245,16 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     for (int i = 0; i < num_tiles; ++i) {
         const int stage = i % TMA_STAGES, key0 = begin + i * TMA_KEYS;
         const u32 tile = base + stage * TILE_BYTES;
+#if TMA_ONE_BARRIER  // the stage of tile i - 1 takes tile i - 1 + STAGES after this tile's barrier
+        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles;
+        if (refill) tile_rows(next_rows, table, block_size, key0 + (TMA_STAGES - 1) * TMA_KEYS, end);
+        float4* tile_exchange = exchange + (i & 1) * EXCHANGE_FLOAT4S;
+#else
         const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles;
         if (refill)  // the page ids of the tile this stage takes next, loaded while this one is multiplied
             tile_rows(next_rows, table, block_size, key0 + TMA_STAGES * TMA_KEYS, end);
+        float4* tile_exchange = exchange;
+#endif
         mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
         float part[KEY_TILES][4];
 #pragma unroll
@@ -259,15 +274,22 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
 #pragma unroll
         for (int n = 0; n < KEY_TILES; ++n)
-            exchange[(warp * KEY_TILES + n) * 32 + lane] = make_float4(part[n][0], part[n][1], part[n][2], part[n][3]);
+            tile_exchange[(warp * KEY_TILES + n) * 32 + lane] =
+                make_float4(part[n][0], part[n][1], part[n][2], part[n][3]);
         __syncthreads();
+#if TMA_ONE_BARRIER
+        if (refill) {  // every warp is past tile i - 1
+            const int previous = (i - 1) % TMA_STAGES;
+            issue_tile(base + previous * TILE_BYTES, bars + 8 * previous, next_rows, &cache_map);
+        }
+#endif
         float s[KEY_TILES][4];
 #pragma unroll
         for (int n = 0; n < KEY_TILES; ++n) {
-            float4 sum = exchange[n * 32 + lane];
+            float4 sum = tile_exchange[n * 32 + lane];
 #pragma unroll
             for (int w = 1; w < TMA_WARPS; ++w) {  // warps in order: the same bits in every warp
-                const float4 other = exchange[(w * KEY_TILES + n) * 32 + lane];
+                const float4 other = tile_exchange[(w * KEY_TILES + n) * 32 + lane];
                 sum.x += other.x;
                 sum.y += other.y;
                 sum.z += other.z;
@@ -336,10 +358,15 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 mma_bf16_16816(acc[2 * j + 1], pf, vf[2] & mask_lo, vf[3] & mask_hi);
             }
         }
+#if !TMA_ONE_BARRIER
         __syncthreads();  // every warp is done with this stage and with the exchange
         if (refill) issue_tile(tile, bars + 8 * stage, next_rows, &cache_map);
+#endif
     }
 #if TMA_CLUSTER > 1
+#if TMA_ONE_BARRIER
+    __syncthreads();  // every warp is done with the last tile before the ring takes the partials
+#endif
     // the ring is drained (the loop's last barrier): this CTA's normalised partial [16][KV_LORA] and (max, sum)
     float* partial = reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4;
     float* max_sum = partial + TMA_HEADS * KV_LORA;  // [16][2]

@@ -91,8 +91,9 @@ def _poison_unused_slots(device_cache, batch) -> None:
         rows[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE] = 0x7FC0
 
 
-# keys per tile x ring stages: 2 blocks per SM (32x2, 16x4), one deep ring (32x5), 64-key tiles, a 1-stage ring
-@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1"])
+# keys per tile x ring stages [/ block barriers per tile]: 2 blocks per SM (32x2, 16x4), one deep ring (32x5),
+# 64-key tiles, a 1-stage ring; one barrier per tile (two exchange buffers, refills after the next tile's barrier)
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1", "32x2/1", "16x4/1"])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 @pytest.mark.parametrize("max_splits", ["1", ""])
@@ -105,7 +106,9 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    tile, _, barriers = tile.partition("/")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
@@ -119,7 +122,7 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
-@pytest.mark.parametrize("tile", ["32x2", "16x4"])
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1"])
 @pytest.mark.parametrize("cluster", ["2", "4", "8"])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
@@ -132,7 +135,9 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    tile, _, barriers = tile.partition("/")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
@@ -151,7 +156,7 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
 MANY_DECODES = (list(np.random.default_rng(13).integers(0, 700, 150)), [1] * 150)
 
 
-@pytest.mark.parametrize("tile", ["32x2", "16x4"])
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1"])
 @pytest.mark.parametrize("decodes", ["ragged", "one-long", "many"])
 def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, tile, decodes):
     """mla_attention_tma with splits balanced over the batch ($OPENINFER_MLA_TMA_BALANCE=1): long contexts over
@@ -162,7 +167,9 @@ def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    tile, _, barriers = tile.partition("/")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "1")
     spec = _spec(16)
     cached, new = MANY_DECODES if decodes == "many" else DECODES[decodes]
@@ -218,6 +225,12 @@ def test_tma_tile_choice(monkeypatch):
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "16")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_CLUSTER"):
         mla_decode_sm90.tma_cluster(spec, 64)
+    monkeypatch.delenv(mla_decode_sm90.TMA_BARRIERS_ENV, raising=False)
+    assert not mla_decode_sm90.tma_one_barrier()
+    assert mla_decode_sm90.tma_decode_smem(spec, 32, 2, True) == 1024 + 2 * 36864 + 2 * 8192 + 16
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, "3")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BARRIERS"):
+        mla_decode_sm90.tma_one_barrier()
     monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
     assert not mla_decode_sm90.tma_balance()
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
@@ -226,7 +239,7 @@ def test_tma_tile_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("tile,cluster,balance", [("32x2", "0", "0"), ("16x4", "0", "0"), ("32x2", "8", "0"),
-                                                  ("32x2", "0", "1")])
+                                                  ("32x2", "0", "1"), ("16x4/1", "8", "0"), ("16x4/1", "0", "1")])
 def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster, balance):
     """A decode step on the TMA kernel (splits combined by the combine kernel, in a cluster, or balanced over
     the batch) captured in a CUDA graph and replayed gives the eager step's bits."""
@@ -234,7 +247,9 @@ def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, ti
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    tile, _, barriers = tile.partition("/")
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")

@@ -41,6 +41,10 @@ TMA_CLUSTER_CHOICES = (8, 4, 2)
 # of them as its share of the step's total context asks (one split: written whole, no combine for it).
 TMA_BALANCE_ENV = "OPENINFER_MLA_TMA_BALANCE"
 BALANCE_MIN_SPLITS = 4
+# Block barriers per tile ($OPENINFER_MLA_TMA_BARRIERS): 2 (default; scores exchanged, then the stage handed
+# back) or 1 (two exchange buffers by tile parity, the stage of the previous tile refilled after this tile's
+# barrier: mla_decode_sm90.cu TMA_ONE_BARRIER; rings of at least 2 stages).
+TMA_BARRIERS_ENV = "OPENINFER_MLA_TMA_BARRIERS"
 
 
 def tma_tile() -> tuple[int, int]:
@@ -75,10 +79,19 @@ def tma_balance() -> bool:
     return text == "1"
 
 
-def tma_decode_smem(spec: MLASpec, keys: int, stages: int) -> int:
-    """mla_decode_sm90.cu TMA_SMEM: 1 KB of alignment, the ring, the warps' partial scores, the barriers."""
+def tma_one_barrier() -> bool:
+    """Whether each tile takes one block barrier ($OPENINFER_MLA_TMA_BARRIERS=1; 2 is the default)."""
+    text = os.environ.get(TMA_BARRIERS_ENV) or "2"
+    if text not in ("1", "2"):
+        raise ValueError(f"{TMA_BARRIERS_ENV} is 1 or 2; got {text!r}")
+    return text == "1"
+
+
+def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False) -> int:
+    """mla_decode_sm90.cu TMA_SMEM (+ 16 bytes of static balance sums): 1 KB of alignment, the ring, the warps'
+    partial scores (twice with one barrier per tile), the barriers."""
     tile = spec.latent_dim // BOX_ELEMENTS * keys * 128
-    return 1024 + stages * tile + TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
+    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
 
 
 def tma_blocks_per_sm(smem: int) -> int:
@@ -98,11 +111,13 @@ def tma_decode_fits(spec: MLASpec, cache: cupy.ndarray) -> bool:
     if cache.ndim < 3 or not cache.flags.c_contiguous or cache.dtype.itemsize != 2:
         return False
     keys, stages = tma_tile()
+    one_barrier = tma_one_barrier()
     block_size, latent = int(cache.shape[1]), int(cache.shape[-1])
     return (_is_hopper(cupy.cuda.Device().id) and latent == spec.latent_dim and latent % BOX_ELEMENTS == 0
             and (latent // 16) % TMA_WARPS == 0 and spec.kv_lora_rank % (16 * TMA_WARPS) == 0
             and block_size % TMA_BOX_ROWS == 0 and cache.size == cache.shape[0] * block_size * latent
-            and tma_decode_smem(spec, keys, stages) <= BLOCK_SHARED_MAX)
+            and tma_decode_smem(spec, keys, stages, one_barrier) <= BLOCK_SHARED_MAX
+            and stages >= 1 + one_barrier)
 
 
 _cache_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
@@ -126,15 +141,17 @@ def cache_map(cache: cupy.ndarray) -> np.ndarray:
 
 def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     """Resident blocks per SM of the current tile choice."""
-    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile()))
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
 
 
 def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
     """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory."""
     keys, stages = tma_tile()
-    smem = tma_decode_smem(spec, keys, stages)
+    one_barrier = tma_one_barrier()
+    smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
-                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster)
+                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
+                            TMA_ONE_BARRIER=int(one_barrier))
     return attention, smem
 
 
