@@ -24,7 +24,7 @@ A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[
 kernel ``auto``
 (what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
 kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES), cluster its
-largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8), balance 1 its splits balanced
+largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8 / 16), balance 1 its splits balanced
 over a ragged batch ($OPENINFER_MLA_TMA_BALANCE), barriers its block barriers per tile (1 / 2,
 $OPENINFER_MLA_TMA_BARRIERS); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
@@ -88,8 +88,8 @@ def parse_variants(text: str) -> list[dict]:
             raise ValueError(f"variant {item!r}: keys is one of {key_choices}")
         if stages and (kernel != "tma" or not stages.isdigit() or int(stages) < 1):
             raise ValueError(f"variant {item!r}: stages (a positive integer) is the tma kernel's only")
-        if cluster and (kernel != "tma" or cluster not in ("0", "2", "4", "8")):
-            raise ValueError(f"variant {item!r}: cluster (0, 2, 4 or 8) is the tma kernel's only")
+        if cluster and (kernel != "tma" or cluster not in ("0", "2", "4", "8", "16")):
+            raise ValueError(f"variant {item!r}: cluster (0, 2, 4, 8 or 16) is the tma kernel's only")
         if balance and (kernel != "tma" or balance not in ("0", "1")):
             raise ValueError(f"variant {item!r}: balance (0 or 1) is the tma kernel's only")
         if barriers and (kernel != "tma" or barriers not in ("1", "2")):

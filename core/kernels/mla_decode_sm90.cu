@@ -23,7 +23,7 @@
 // O[:, quarter] += P · c_kv[keys, quarter] (V fragments by ldmatrix.trans). Two block barriers per tile:
 // after the partial scores are stored, and before the stage is handed back to TMA.
 //
-// TMA_CLUSTER = C > 1 (2, 4 or 8): the C context splits of a (token, 16 heads) form one thread-block cluster
+// TMA_CLUSTER = C > 1 (2, 4, 8 or 16): the C context splits of a (token, 16 heads) form one thread-block cluster
 // and are combined on chip: each CTA leaves its normalised partial output and (max, sum) per head in its
 // own shared memory (the drained ring), and after a cluster barrier CTA rank r reads every CTA's slice r of
 // the output dims through distributed shared memory and writes o_latent itself (no partials in global
@@ -63,6 +63,7 @@
 #endif
 #ifndef TMA_CLUSTER
 #define TMA_CLUSTER 1  // > 1: the context splits of a (token, head block) combined in a cluster of this many CTAs
+                      // (16: a non-portable cluster size, allowed by the launcher)
 #endif
 #define LATENT (KV_LORA + ROPE_DIM)
 #define TMA_HEADS 16
@@ -83,9 +84,9 @@ static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps"
 static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
 static_assert(TMA_STAGES >= 1 + TMA_ONE_BARRIER, "a ring of at least one stage (two with one barrier per tile)");
 #define CLUSTER_SLICE (KV_LORA / TMA_CLUSTER)  // output dims each cluster CTA combines
-static_assert(TMA_CLUSTER == 1 || ((TMA_CLUSTER == 2 || TMA_CLUSTER == 4 || TMA_CLUSTER == 8) &&
+static_assert(TMA_CLUSTER == 1 || ((TMA_CLUSTER == 2 || TMA_CLUSTER == 4 || TMA_CLUSTER == 8 || TMA_CLUSTER == 16) &&
                                    TMA_STAGES * TILE_BYTES >= TMA_HEADS * (KV_LORA + 2) * 4),
-              "clusters of 2, 4 or 8 splits; the ring holds a CTA's partial output and (max, sum)");
+              "clusters of 2, 4, 8 or 16 splits; the ring holds a CTA's partial output and (max, sum)");
 #if TMA_CLUSTER > 1
 #define TMA_CLUSTER_ATTRIBUTE __cluster_dims__(1, 1, TMA_CLUSTER)
 #else

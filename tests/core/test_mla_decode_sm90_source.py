@@ -17,7 +17,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
 
 @pytest.mark.parametrize("keys,stages,cluster,one_barrier", [
     (32, 2, 1, 0), (16, 4, 1, 0), (32, 5, 1, 0), (64, 2, 1, 0), (16, 1, 1, 0), (32, 2, 8, 0), (16, 4, 4, 0), (32, 2, 2, 0),
-    (32, 2, 1, 1), (16, 4, 8, 1)])
+    (32, 2, 1, 1), (16, 4, 8, 1), (32, 2, 16, 0)])
 def test_mla_decode_sm90_builds_without_spills(keys, stages, cluster, one_barrier, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -123,11 +123,11 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
 
 
 @pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1"])
-@pytest.mark.parametrize("cluster", ["2", "4", "8"])
+@pytest.mark.parametrize("cluster", ["2", "4", "8", "16"])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch, tile, cluster, heads, decodes):
-    """mla_attention_tma with a (token, head block)'s context splits combined in a cluster (2, 4 or 8 CTAs; empty
+    """mla_attention_tma with a (token, head block)'s context splits combined in a cluster (2 - 16 CTAs; empty
     splits of short contexts included) on the NaN-poisoned ragged batch."""
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import mla_decode_sm90
@@ -142,6 +142,8 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     assert mla_decode_sm90.tma_cluster(spec, 64) == int(cluster)
+    if heads == 64 and cluster == "16":  # 9 tokens x 4 head blocks: at most 7 resident splits, a cluster of 4
+        assert mla_decode_sm90.tma_cluster(spec, 7) == 4
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
     device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
     _poison_unused_slots(device_cache, batch)
@@ -223,6 +225,10 @@ def test_tma_tile_choice(monkeypatch):
     monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "16x1")
     assert mla_decode_sm90.tma_cluster(spec, 64) == 1
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "16")
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1  # still the 16x1 ring
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "32x2")
+    assert [mla_decode_sm90.tma_cluster(spec, s) for s in (64, 16, 15)] == [16, 16, 8]
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "32")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_CLUSTER"):
         mla_decode_sm90.tma_cluster(spec, 64)
     monkeypatch.delenv(mla_decode_sm90.TMA_BARRIERS_ENV, raising=False)
@@ -239,7 +245,7 @@ def test_tma_tile_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("tile,cluster,balance", [("32x2", "0", "0"), ("16x4", "0", "0"), ("32x2", "8", "0"),
-                                                  ("32x2", "0", "1"), ("16x4/1", "8", "0"), ("16x4/1", "0", "1")])
+                                                  ("32x2", "0", "1"), ("16x4/1", "16", "0"), ("16x4/1", "0", "1")])
 def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster, balance):
     """A decode step on the TMA kernel (splits combined by the combine kernel, in a cluster, or balanced over
     the batch) captured in a CUDA graph and replayed gives the eager step's bits."""

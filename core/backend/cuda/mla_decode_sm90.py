@@ -31,11 +31,14 @@ TMA_KEY_CHOICES = (16, 32, 64)
 SM_SHARED_BYTES = 228 * 1024  # one H100 / H200 SM; each resident block also reserves 1 KB
 BLOCK_SHARED_MAX = 227 * 1024
 REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile choice): 2 blocks fit 64K
-# Opt-in: $OPENINFER_MLA_TMA_CLUSTER=C (2, 4 or 8; 0 / unset: off) combines a (token, head block)'s context splits
-# on chip, in a cluster of up to C CTAs (distributed shared memory; no partials, no combine launch): for steps
-# whose resident split count is at least 2, the largest of 8 / 4 / 2 within both C and that count.
+# Opt-in: $OPENINFER_MLA_TMA_CLUSTER=C (2, 4, 8 or 16; 0 / unset: off) combines a (token, head block)'s context
+# splits on chip, in a cluster of up to C CTAs (distributed shared memory; no partials, no combine launch): for
+# steps whose resident split count is at least 2, the largest of 16 / 8 / 4 / 2 within both C and that count
+# (16 is a non-portable cluster size: the kernel is allowed it at load).
 TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
-TMA_CLUSTER_CHOICES = (8, 4, 2)
+TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
+_non_portable_allowed: set[int] = set()
 # Opt-in: $OPENINFER_MLA_TMA_BALANCE=1 balances the splits over a ragged batch (mla_decode_sm90.cu's
 # balance_slots): every step runs at least BALANCE_MIN_SPLITS splits per token, and each token takes as many
 # of them as its share of the step's total context asks (one split: written whole, no combine for it).
@@ -152,6 +155,10 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
                             TMA_ONE_BARRIER=int(one_barrier))
+    ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
+    if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
+        cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        _non_portable_allowed.add(ptr)
     return attention, smem
 
 
