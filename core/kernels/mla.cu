@@ -32,6 +32,38 @@
 #define MLA_THREADS (HEADS_PER_BLOCK * TOKENS_PER_TILE)
 #define DIMS_PER_THREAD (KV_LORA / TOKENS_PER_TILE)
 
+// The latent row of one new token at its slot: RMS-normed c_kv (kv_a_layernorm) and rotated k_pe (block-wide:
+// every thread of the block calls it; slot < 0: a padding row of a captured batch, nothing stored).
+__device__ __forceinline__ void mla_store_latent_row(const bf16* __restrict__ row, const bf16* __restrict__ norm_weight,
+                                                     float eps, int slot, const float* cos_row, const float* sin_row,
+                                                     bf16* __restrict__ cache, float* scratch) {
+    const int half = ROPE_DIM / 2;
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
+        const float v = __bfloat162float(row[i]);
+        sum += v * v;
+    }
+    const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
+    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
+    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
+        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
+    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
+        const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
+        out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
+        out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
+    }
+}
+
+// One rotate-half pair d of head h's q_pe of row t, in place.
+__device__ __forceinline__ void mla_rotate_q_pe(bf16* __restrict__ q, int t, int h, int d, int num_heads, int q_stride,
+                                                int q_pe_offset, const float* cos_row, const float* sin_row) {
+    const int half = ROPE_DIM / 2;
+    bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
+    const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
+    pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
+    pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+}
+
 // Blocks (new token, part of its heads' q_pe): part 0 also writes the latent row; q [T, num_heads,
 // q_stride] with q_pe at q_pe_offset of each head.
 extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */, int kv_a_stride,
@@ -42,37 +74,79 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
                                             bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
-    const bf16* row = kv_a + (long long)t * kv_a_stride;
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
-    if (blockIdx.y == 0) {  // the latent row: block 0 of the token's gridDim.y (block-uniform)
-        float sum = 0.f;
-        for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-            const float v = __bfloat162float(row[i]);
-            sum += v * v;
-        }
-        const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-        const int slot = slot_mapping[t];  // -1: a padding row of a captured batch, nothing to store
-        bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
-        for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
-            out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) *
-                                         __bfloat162float(norm_weight[i]));
-        for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
-            const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
-            out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
-            out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
-        }
-    }
+    if (blockIdx.y == 0)  // the latent row: block 0 of the token's gridDim.y (block-uniform)
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t], cos_row, sin_row,
+                             cache, scratch);
     // every head's q_pe, shared by the token's gridDim.y blocks (in place, so one block's loop runs
     // its rounds one after another: gridDim.y > 1 spreads them)
-    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
-        const int h = i / half, d = i % half;
-        bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
-        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-        pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-        pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x)
+        mla_rotate_q_pe(q, t, i / half, i % half, num_heads, q_stride, q_pe_offset, cos_row, sin_row);
+}
+
+#ifndef NOPE_DIM
+#define NOPE_DIM 128
+#endif
+#define ABSORB_COLUMNS 64      // W_UK output columns per block of mla_write_absorb
+#define ABSORB_MAX_TOKENS 16   // core's WRITE_ABSORB_MAX_TOKENS
+#define ABSORB_THREADS 128     // 64 columns x 2 halves of the nope dims
+
+// mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
+// ABSORB_MAX_TOKENS rows (a small decode: one launch, not a latent write and a cuBLAS batched GEMM).
+// grid (num_heads, KV_LORA / 64), ABSORB_THREADS threads. Block (h, c): columns 64c .. 64c + 63 of head h's
+// q_latent for every row, W_UK[h] [NOPE_DIM, KV_LORA] read once (thread: a column and half the nope dims,
+// the halves summed through shared memory); then block (h, 0) rotates head h's q_pe of every row in place
+// (after its reads of q_nope: other dims), and the blocks of c >= 1 store the rows' latents, row t in block
+// (h + num_heads·(c − 1)) = t mod (num_heads·(gridDim.y − 1)).
+extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
+mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
+                 bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset, int num_tokens,
+                 const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent,
+                 const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                 const float* __restrict__ cos_table, const float* __restrict__ sin_table, bf16* __restrict__ cache) {
+    __shared__ float q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
+    __shared__ float upper_half[ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
+    for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
+        q_nope[i / NOPE_DIM][i % NOPE_DIM] =
+            __bfloat162float(q[((long long)(i / NOPE_DIM) * num_heads + h) * q_stride + i % NOPE_DIM]);
+    __syncthreads();
+    const int column = c * ABSORB_COLUMNS + (threadIdx.x % ABSORB_COLUMNS), part = threadIdx.x / ABSORB_COLUMNS;
+    const bf16* w = w_uk + ((long long)h * NOPE_DIM + part * (NOPE_DIM / 2)) * KV_LORA + column;
+    float acc[ABSORB_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) acc[t] = 0.f;
+#pragma unroll 8
+    for (int n = 0; n < NOPE_DIM / 2; ++n) {
+        const float weight = __bfloat162float(w[(long long)n * KV_LORA]);
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens) acc[t] += q_nope[t][part * (NOPE_DIM / 2) + n] * weight;
     }
+    if (part == 1)
+        for (int t = 0; t < num_tokens; ++t) upper_half[t][threadIdx.x % ABSORB_COLUMNS] = acc[t];
+    __syncthreads();
+    if (part == 0)
+        for (int t = 0; t < num_tokens; ++t)
+            q_latent[((long long)t * num_heads + h) * KV_LORA + column] =
+                __float2bfloat16_rn(acc[t] + upper_half[t][threadIdx.x]);
+    if (c == 0) {
+        for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
+            const int t = i / rope_half;
+            mla_rotate_q_pe(q, t, h, i % rope_half, num_heads, q_stride, q_pe_offset,
+                            cos_table + (long long)positions[t] * rope_half,
+                            sin_table + (long long)positions[t] * rope_half);
+        }
+        return;  // block-uniform
+    }
+    const int stride = num_heads * (gridDim.y - 1);
+    for (int t = h + num_heads * (c - 1); t < num_tokens; t += stride)  // block-uniform
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t],
+                             cos_table + (long long)positions[t] * rope_half,
+                             sin_table + (long long)positions[t] * rope_half, cache, scratch);
 }
 
 // --- shared by mla_attention and mla_attention_mma ---------------------------------------------

@@ -44,14 +44,15 @@ def test_prefill_plan_heads_and_kernel_variants():
 
 def test_ragged_plan_and_tma_fields():
     result = run("decode", "--dry-run", "--ragged", "--batches", "64", "--contexts", "1024", "--decode-heads", "64",
-                 "--variants", "auto,tma:16:::::4:8:0:1,tma::::::::1")
+                 "--variants", "auto,tma:16:::::4:8:0:1,tma::::::::1,mma_shared::::::::::1")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
     assert plan["ragged"] and plan["decode_heads"] == 64
     # contexts spread over [128, 1920] (mean 1024): the same bytes as 64 x 1024
     assert plan["decode"][0]["cache_bytes"] == 64 * 1025 * 576 * 2
     assert [(v["keys"], v["stages"], v["cluster"], v["balance"], v["barriers"]) for v in plan["variants"]] == [
-        ("", "", "", "", ""), ("16", "4", "8", "0", "1"), ("", "", "", "1", "")]
+        ("", "", "", "", ""), ("16", "4", "8", "0", "1"), ("", "", "", "1", ""), ("", "", "", "", "")]
+    assert plan["variants"][3]["write_absorb"] == "1"
 
 
 def test_device_cpu_is_a_dry_run():
@@ -71,6 +72,6 @@ def test_bad_arguments_exit_2():
                  ["--prefill-heads", "0"], ["--variants", "tma:48"], ["--variants", "mma_shared:32:::::2"],
                  ["--variants", "tma:::::::3"], ["--variants", "mma:::::::8"], ["--variants", "tma::::::::2"],
                  ["--variants", "tma:32:::::2:8:1:x"], ["--variants", "tma:32:::::2:8:1:3"],
-                 ["--variants", "mma:::::::::1"], ["--decode-heads", "0"]):
+                 ["--variants", "mma:::::::::1"], ["--variants", "auto::::::::::2"], ["--decode-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -187,6 +187,38 @@ def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, 
             assert relative_error(out[row], reference[row]) < BF16_TOL, (combine, row)
 
 
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen"])
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma"])
+def test_write_absorb_matches_numpy(cuda_backend, rng, monkeypatch, heads, decodes, kernel):
+    """mla_write_absorb ($OPENINFER_MLA_WRITE_ABSORB=1: the latent write and W_UK in one launch for decode steps of
+    at most 16 rows) gives the reference's output, and stores the reference's latent rows in the cache."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    spec = _spec(heads)
+    cached, new = ([int(c) for c in np.arange(16) * 37], [1] * 16) if decodes == "sixteen" else DECODES[decodes]
+    assert cuda_mla.write_absorb_fits(len(new), spec)
+    batch, cache, q, latent, norm, weights, rope, reference, ref_cache = ragged_mla_step(rng, spec, cached, new,
+                                                                                          BLOCK_SIZE)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        kernel))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    slots = batch.slot_mapping
+    stored = cuda_backend.to_host(device_cache.reshape(-1, spec.latent_dim)[cupy.asarray(slots)])
+    assert relative_error(stored, ref_cache.reshape(-1, spec.latent_dim)[slots]) < 1e-2
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "on")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_WRITE_ABSORB"):
+        cuda_mla.write_absorb_fits(1, spec)
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    assert not cuda_mla.write_absorb_fits(17, spec)
+
+
 def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
     """mla_attention_tma on the absorbed rows of a mixed step (token_rows: decodes beside decompressed chunks)."""
     if not _hopper():
@@ -362,6 +394,14 @@ def test_absorbed_decode_graph_replay_equals_eager(cuda_backend, rng, kernel):
     """A decode step captured in a CUDA graph and replayed gives the eager step's bits (the kernel and
     split count depend on the row count only)."""
     _graph_replay_equals_eager(cuda_backend, rng, kernel)
+
+
+def test_write_absorb_graph_replay_equals_eager(cuda_backend, rng, monkeypatch):
+    """A decode step with mla_write_absorb, captured in a CUDA graph and replayed, gives the eager step's bits."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    _graph_replay_equals_eager(cuda_backend, rng, "mma_shared")
 
 
 def _graph_replay_equals_eager(cuda_backend, rng, kernel: str) -> None:

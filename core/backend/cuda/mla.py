@@ -77,6 +77,11 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 # in 16 dependent in-place rounds): 12.3 -> 6.7 / 13.4 -> 6.9 / 13.4 -> 6.9 us at batch 1 / 64 / 256
 # (H200, D3). $OPENINFER_MLA_SPREAD_ROPE=0: one block per token.
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
+# Opt-in: $OPENINFER_MLA_WRITE_ABSORB=1 runs mla_write_latent and W_UK as one kernel (mla_write_absorb) in decode
+# steps of at most WRITE_ABSORB_MAX_TOKENS rows: one launch instead of the latent write and cuBLAS's batched GEMM.
+WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
+WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS
+WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -293,8 +298,13 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     if num_tokens == 0:
         return out
     q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     plan = _step_plan(batch, spec, prefill_min_query)
+    if plan is None and write_absorb_fits(num_tokens, spec):
+        q_latent = write_latent_absorb(q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
+        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
+        expand_values(blas, o_latent, w_uv, spec, out)
+        return out
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
@@ -320,6 +330,31 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
+
+
+def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether a decode step of ``num_tokens`` rows takes mla_write_absorb ($OPENINFER_MLA_WRITE_ABSORB=1, at most
+    WRITE_ABSORB_MAX_TOKENS rows, whole 64-column blocks of the latent, at least two of them). Row count only."""
+    text = os.environ.get(WRITE_ABSORB_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{WRITE_ABSORB_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
+            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 2 == 0)
+
+
+def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
+                        w_uk: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray,
+                        eps: float) -> cupy.ndarray:
+    """``mla_write_absorb``: ``write_latent`` and ``absorb_queries`` in one launch; returns ``q_latent [T, H, lora]``
+    (q's rope dims rotated in place, the latent rows stored)."""
+    num_tokens, heads = int(q.shape[0]), spec.num_heads
+    q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
+        (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
+        (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
+         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
+         batch.slot_mapping, cos, sin, cache))
+    return q_latent
 
 
 def mma_decode_fits(spec: MLASpec) -> bool:
