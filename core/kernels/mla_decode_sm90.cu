@@ -13,6 +13,7 @@
 //   ldmatrix rows of 8 neighbouring keys fall in 8 different bank groups.
 //
 //   smem: [stage s: column block b: TMA_KEYS x 128 B] ... [score exchange] [mbarriers]
+//   (TMA_ROW_BOXES: whole-row boxes of 16 x LATENT bf16, below)
 //
 // Per tile the four warps split the score work by latent dims, not keys: warp w computes S_w =
 // Q[:, dims_w] · K[keys, dims_w]^T for all TMA_KEYS keys (TMA_KEYS / 8 independent mma chains of
@@ -61,6 +62,12 @@
 #ifndef TMA_ONE_BARRIER
 #define TMA_ONE_BARRIER 0
 #endif
+// 1: whole-row boxes. The cache map is (64 columns, LATENT / 64 column blocks, cache row) and one box brings 16
+// whole latent rows (18 KB of contiguous cache, one TMA per 16 keys instead of LATENT / 64); the tile is then
+// rows of LATENT bf16, each 128-byte segment s of it swizzled by s % 8 (s = row · LATENT / 64 + column block).
+#ifndef TMA_ROW_BOXES
+#define TMA_ROW_BOXES 0
+#endif
 #ifndef TMA_CLUSTER
 #define TMA_CLUSTER 1  // > 1: the context splits of a (token, head block) combined in a cluster of this many CTAs
                       // (16: a non-portable cluster size, allowed by the launcher)
@@ -104,7 +111,12 @@ __device__ __forceinline__ float cluster_load(u32 addr, u32 cta) {
 
 // Shared-window byte address of latent dim `dim` (a multiple of 8) of key row `row` in the tile at `tile`.
 __device__ __forceinline__ u32 latent_at(u32 tile, int row, int dim) {
+#if TMA_ROW_BOXES
+    const int segment = row * LATENT_BLOCKS + (dim >> 6);
+    return tile + segment * 128 + ((((dim & 63) >> 3) ^ (segment & 7)) << 4);
+#else
     return tile + (dim >> 6) * (TMA_KEYS * 128) + swizzled(row, (dim & 63) >> 3);
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4_at(unsigned (&r)[4], u32 addr) {
@@ -137,9 +149,13 @@ __device__ __forceinline__ void issue_tile(u32 tile, u32 bar, const int (&rows)[
 #pragma unroll
     for (int b = 0; b < TMA_KEYS / TMA_BOX_ROWS; ++b) {
         if (rows[b] < 0) continue;
+#if TMA_ROW_BOXES
+        tma_load_3d(tile + b * LATENT_BLOCKS * BOX_BYTES, map, 0, 0, rows[b], bar);
+#else
 #pragma unroll
         for (int c = 0; c < LATENT_BLOCKS; ++c)
             tma_load_3d(tile + c * (TMA_KEYS * 128) + b * BOX_BYTES, map, 64 * c, 0, rows[b], bar);
+#endif
     }
 }
 

@@ -15,16 +15,17 @@ import pytest
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "core" / "kernels"
 
 
-@pytest.mark.parametrize("keys,stages,cluster,one_barrier", [
-    (32, 2, 1, 0), (16, 4, 1, 0), (32, 5, 1, 0), (64, 2, 1, 0), (16, 1, 1, 0), (32, 2, 8, 0), (16, 4, 4, 0), (32, 2, 2, 0),
-    (32, 2, 1, 1), (16, 4, 8, 1), (32, 2, 16, 0)])
-def test_mla_decode_sm90_builds_without_spills(keys, stages, cluster, one_barrier, tmp_path):
+@pytest.mark.parametrize("keys,stages,cluster,one_barrier,row_boxes", [
+    (32, 2, 1, 0, 0), (16, 4, 1, 0, 0), (32, 5, 1, 0, 0), (64, 2, 1, 0, 0), (16, 1, 1, 0, 0), (32, 2, 8, 0, 0),
+    (16, 4, 4, 0, 0), (32, 2, 2, 0, 0), (32, 2, 1, 1, 0), (16, 4, 8, 1, 0), (32, 2, 16, 0, 0), (32, 2, 1, 0, 1),
+    (16, 4, 16, 1, 1)])
+def test_mla_decode_sm90_builds_without_spills(keys, stages, cluster, one_barrier, row_boxes, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
     result = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}",
                              "-DKV_LORA=512", "-DROPE_DIM=64", f"-DTMA_KEYS={keys}", f"-DTMA_STAGES={stages}", f"-DTMA_CLUSTER={cluster}",
-                             f"-DTMA_ONE_BARRIER={one_barrier}",
+                             f"-DTMA_ONE_BARRIER={one_barrier}", f"-DTMA_ROW_BOXES={row_boxes}",
                              "-Xptxas", "-v", "-cubin", str(KERNEL_DIR / "mla_decode_sm90.cu"),
                              "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -77,6 +77,16 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+def _set_tma_tile(monkeypatch, text: str) -> None:
+    """A test's TMA kernel choice "KEYSxSTAGES[/barriers per tile[/rows]]" ("rows": whole-row boxes)."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    tile, barriers, boxes = (text.split("/") + ["", ""])[:3]
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "1" if boxes == "rows" else "0")
+
+
 def _poison_unused_slots(device_cache, batch) -> None:
     """NaN bits in every cache slot past each sequence's context in its last block, and in the blocks no
     sequence holds: the TMA kernel copies whole 16-row boxes, so these rows reach its shared memory."""
@@ -93,7 +103,8 @@ def _poison_unused_slots(device_cache, batch) -> None:
 
 # keys per tile x ring stages [/ block barriers per tile]: 2 blocks per SM (32x2, 16x4), one deep ring (32x5),
 # 64-key tiles, a 1-stage ring; one barrier per tile (two exchange buffers, refills after the next tile's barrier)
-@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1", "32x2/1", "16x4/1"])
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1", "32x2/1", "16x4/1", "32x2/2/rows",
+                                  "16x4/1/rows", "64x2/2/rows"])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
 @pytest.mark.parametrize("max_splits", ["1", ""])
@@ -106,9 +117,7 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
-    tile, _, barriers = tile.partition("/")
-    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
-    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    _set_tma_tile(monkeypatch, tile)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
     batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
@@ -122,7 +131,7 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
-@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1"])
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1", "32x2/2/rows"])
 @pytest.mark.parametrize("cluster", ["2", "4", "8", "16"])
 @pytest.mark.parametrize("heads", [16, 20, 64])
 @pytest.mark.parametrize("decodes", sorted(DECODES))
@@ -135,9 +144,7 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
-    tile, _, barriers = tile.partition("/")
-    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
-    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    _set_tma_tile(monkeypatch, tile)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
@@ -158,7 +165,7 @@ def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch
 MANY_DECODES = (list(np.random.default_rng(13).integers(0, 700, 150)), [1] * 150)
 
 
-@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1"])
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1", "16x4/1/rows"])
 @pytest.mark.parametrize("decodes", ["ragged", "one-long", "many"])
 def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, tile, decodes):
     """mla_attention_tma with splits balanced over the batch ($OPENINFER_MLA_TMA_BALANCE=1): long contexts over
@@ -169,9 +176,7 @@ def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
-    tile, _, barriers = tile.partition("/")
-    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
-    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    _set_tma_tile(monkeypatch, tile)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "1")
     spec = _spec(16)
     cached, new = MANY_DECODES if decodes == "many" else DECODES[decodes]
@@ -269,6 +274,11 @@ def test_tma_tile_choice(monkeypatch):
     monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, "3")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BARRIERS"):
         mla_decode_sm90.tma_one_barrier()
+    monkeypatch.delenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, raising=False)
+    assert not mla_decode_sm90.tma_row_boxes()
+    monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "rows")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_ROW_BOXES"):
+        mla_decode_sm90.tma_row_boxes()
     monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
     assert not mla_decode_sm90.tma_balance()
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
@@ -277,7 +287,8 @@ def test_tma_tile_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("tile,cluster,balance", [("32x2", "0", "0"), ("16x4", "0", "0"), ("32x2", "8", "0"),
-                                                  ("32x2", "0", "1"), ("16x4/1", "16", "0"), ("16x4/1", "0", "1")])
+                                                  ("32x2", "0", "1"), ("16x4/1", "16", "0"), ("16x4/1", "0", "1"),
+                                                  ("32x2/2/rows", "0", "0")])
 def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster, balance):
     """A decode step on the TMA kernel (splits combined by the combine kernel, in a cluster, or balanced over
     the batch) captured in a CUDA graph and replayed gives the eager step's bits."""
@@ -285,9 +296,7 @@ def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, ti
 
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
-    tile, _, barriers = tile.partition("/")
-    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
-    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    _set_tma_tile(monkeypatch, tile)
     monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
     _graph_replay_equals_eager(cuda_backend, rng, "tma")

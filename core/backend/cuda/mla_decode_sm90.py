@@ -48,6 +48,9 @@ BALANCE_MIN_SPLITS = 4
 # back) or 1 (two exchange buffers by tile parity, the stage of the previous tile refilled after this tile's
 # barrier: mla_decode_sm90.cu TMA_ONE_BARRIER; rings of at least 2 stages).
 TMA_BARRIERS_ENV = "OPENINFER_MLA_TMA_BARRIERS"
+# Opt-in: $OPENINFER_MLA_TMA_ROW_BOXES=1 copies 16 whole latent rows per TMA box (the map's 64-column blocks as its
+# middle dimension: one 18 KB contiguous copy per 16 keys, not (lora + rope) / 64 boxes of 16 x 128 bytes).
+TMA_ROW_BOXES_ENV = "OPENINFER_MLA_TMA_ROW_BOXES"
 
 
 def tma_tile() -> tuple[int, int]:
@@ -90,6 +93,14 @@ def tma_one_barrier() -> bool:
     return text == "1"
 
 
+def tma_row_boxes() -> bool:
+    """Whether a TMA box holds 16 whole latent rows ($OPENINFER_MLA_TMA_ROW_BOXES=1; default 0)."""
+    text = os.environ.get(TMA_ROW_BOXES_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{TMA_ROW_BOXES_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
 def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False) -> int:
     """mla_decode_sm90.cu TMA_SMEM (+ 16 bytes of static balance sums): 1 KB of alignment, the ring, the warps'
     partial scores (twice with one barrier per tile), the barriers."""
@@ -127,12 +138,18 @@ _cache_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
 CACHE_MAPS_KEPT = 1024  # a map per layer's cache (address and layout): far fewer in any model
 
 
-def cache_map(cache: cupy.ndarray) -> np.ndarray:
-    """The tensor map of the latent cache as (column, 1, cache row), box 64 columns x 1 x 16 rows, as a kernel
-    argument; encoded once per (address, layout)."""
+def cache_map(cache: cupy.ndarray, row_boxes: bool = False) -> np.ndarray:
+    """The tensor map of the latent cache as a kernel argument, encoded once per (address, layout): (column, 1,
+    cache row) with boxes of 64 columns x 16 rows, or (``row_boxes``) (column, 64-column block, cache row) with
+    boxes of 16 whole rows."""
     rows, latent = int(cache.shape[0]) * int(cache.shape[1]), int(cache.shape[-1])
-    layout = PageBoxLayout(dims=(latent, 1, rows), strides=(latent * 2, latent * 2),
-                           box=(BOX_ELEMENTS, 1, TMA_BOX_ROWS))
+    if row_boxes:
+        blocks = latent // BOX_ELEMENTS
+        layout = PageBoxLayout(dims=(BOX_ELEMENTS, blocks, rows), strides=(BOX_ELEMENTS * 2, latent * 2),
+                               box=(BOX_ELEMENTS, blocks, TMA_BOX_ROWS))
+    else:
+        layout = PageBoxLayout(dims=(latent, 1, rows), strides=(latent * 2, latent * 2),
+                               box=(BOX_ELEMENTS, 1, TMA_BOX_ROWS))
     key = (int(cache.data.ptr), layout)
     found = _cache_maps.get(key)
     if found is None:
@@ -154,7 +171,7 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
-                            TMA_ONE_BARRIER=int(one_barrier))
+                            TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
         cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
@@ -166,4 +183,5 @@ def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tu
                       balance_slots: int = 0) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
     token's context split evenly over grid z) and the cache's map."""
-    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache)), shared_mem=smem)
+    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache, tma_row_boxes())),
+              shared_mem=smem)
