@@ -90,7 +90,9 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
 #define NOPE_DIM 128
 #endif
 #define ABSORB_COLUMNS 64      // W_UK output columns per block of mla_write_absorb
-#define ABSORB_MAX_TOKENS 16   // core's WRITE_ABSORB_MAX_TOKENS
+#ifndef ABSORB_MAX_TOKENS
+#define ABSORB_MAX_TOKENS 16   // rows a launch takes (core builds 16 and 64: WRITE_ABSORB_BUILDS)
+#endif
 #define ABSORB_THREADS 128     // 64 columns x 2 halves of the nope dims
 
 // mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
@@ -106,13 +108,12 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
                  const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent,
                  const int* __restrict__ positions, const int* __restrict__ slot_mapping,
                  const float* __restrict__ cos_table, const float* __restrict__ sin_table, bf16* __restrict__ cache) {
-    __shared__ float q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
+    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];  // bf16 as in q (64 rows of fp32 would pass 48 KB)
     __shared__ float upper_half[ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
     __shared__ float scratch[32];
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
-        q_nope[i / NOPE_DIM][i % NOPE_DIM] =
-            __bfloat162float(q[((long long)(i / NOPE_DIM) * num_heads + h) * q_stride + i % NOPE_DIM]);
+        q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[((long long)(i / NOPE_DIM) * num_heads + h) * q_stride + i % NOPE_DIM];
     __syncthreads();
     const int column = c * ABSORB_COLUMNS + (threadIdx.x % ABSORB_COLUMNS), part = threadIdx.x / ABSORB_COLUMNS;
     const bf16* w = w_uk + ((long long)h * NOPE_DIM + part * (NOPE_DIM / 2)) * KV_LORA + column;
@@ -124,15 +125,22 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
         const float weight = __bfloat162float(w[(long long)n * KV_LORA]);
 #pragma unroll
         for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
-            if (t < num_tokens) acc[t] += q_nope[t][part * (NOPE_DIM / 2) + n] * weight;
+            if (t < num_tokens) acc[t] += __bfloat162float(q_nope[t][part * (NOPE_DIM / 2) + n]) * weight;
     }
-    if (part == 1)
-        for (int t = 0; t < num_tokens; ++t) upper_half[t][threadIdx.x % ABSORB_COLUMNS] = acc[t];
+    // (unrolled with a guard, not a loop to num_tokens: acc stays in registers)
+    if (part == 1) {
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens) upper_half[t][threadIdx.x % ABSORB_COLUMNS] = acc[t];
+    }
     __syncthreads();
-    if (part == 0)
-        for (int t = 0; t < num_tokens; ++t)
-            q_latent[((long long)t * num_heads + h) * KV_LORA + column] =
-                __float2bfloat16_rn(acc[t] + upper_half[t][threadIdx.x]);
+    if (part == 0) {
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens)
+                q_latent[((long long)t * num_heads + h) * KV_LORA + column] =
+                    __float2bfloat16_rn(acc[t] + upper_half[t][threadIdx.x]);
+    }
     if (c == 0) {
         for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
             const int t = i / rope_half;

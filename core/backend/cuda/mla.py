@@ -79,8 +79,10 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # Opt-in: $OPENINFER_MLA_WRITE_ABSORB=1 runs mla_write_latent and W_UK as one kernel (mla_write_absorb) in decode
 # steps of at most WRITE_ABSORB_MAX_TOKENS rows: one launch instead of the latent write and cuBLAS's batched GEMM.
+# Built for at most 16 or 64 rows (mla.cu ABSORB_MAX_TOKENS: each thread's accumulators; the smallest that holds).
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS
+WRITE_ABSORB_BUILDS = (16, 64)
+WRITE_ABSORB_MAX_TOKENS = WRITE_ABSORB_BUILDS[-1]
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
@@ -349,7 +351,8 @@ def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarr
     (q's rope dims rotated in place, the latent rows stored)."""
     num_tokens, heads = int(q.shape[0]), spec.num_heads
     q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
-    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
+    most_rows = next(rows for rows in WRITE_ABSORB_BUILDS if num_tokens <= rows)
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec), ABSORB_MAX_TOKENS=most_rows)(
         (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
         (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
          np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
