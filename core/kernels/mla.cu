@@ -157,6 +157,77 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
                              sin_table + (long long)positions[t] * rope_half, cache, scratch);
 }
 
+#ifndef V_DIM
+#define V_DIM 128
+#endif
+#define EXPAND_COLUMNS 16     // output columns (v dims) per block of mla_expand_small
+#define EXPAND_MAX_TOKENS 64  // core's EXPAND_SMALL_MAX_TOKENS
+#define EXPAND_WARPS 4        // each a quarter of the KV_LORA dims
+
+#ifndef MMA_HOST_STANDIN
+// W_UV for small steps on tensor cores (out[t, h·V_DIM + v] = Σ_j o_latent[t, h, j] · W_UV[h][v][j]), T <= 64:
+// grid (num_heads, V_DIM / 16), EXPAND_WARPS warps. Block (h, c): columns 16c .. 16c + 15 of head h for every
+// row; warp w multiplies dims [w · KV_LORA / 4, (w + 1) · KV_LORA / 4) (mma m16n8k16, fragments loaded straight
+// from global memory, rows past T zero), and the four partial tiles are summed through shared memory in warp
+// order. One launch with no split-K reduction pass where cuBLAS's batched GEMM runs a general kernel.
+extern "C" __global__ void __launch_bounds__(32 * EXPAND_WARPS)
+mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */,
+                 int num_tokens, int num_heads, bf16* __restrict__ out /* [T, H·V_DIM] */) {
+    __shared__ float partial[EXPAND_WARPS][EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
+    constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
+    float acc[EXPAND_MAX_TOKENS / 16][2][4];
+#pragma unroll
+    for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[m][n][v] = 0.f;
+    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
+#pragma unroll 2
+    for (int step = 0; step < STEPS; ++step) {
+        const int k0 = (warp * STEPS + step) * 16 + pair;
+        unsigned b[2][2];  // columns 8n + group, dims k0 (+1) and k0 + 8 (+9)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + k0;
+            b[n][0] = *reinterpret_cast<const unsigned*>(row);
+            b[n][1] = *reinterpret_cast<const unsigned*>(row + 8);
+        }
+#pragma unroll
+        for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m) {
+            if (16 * m >= num_tokens) break;  // warp-uniform
+            const int t_lo = 16 * m + group, t_hi = t_lo + 8;
+            const bf16* lo = o_latent + ((long long)t_lo * num_heads + h) * KV_LORA + k0;
+            const bf16* hi = o_latent + ((long long)t_hi * num_heads + h) * KV_LORA + k0;
+            unsigned a[4];
+            a[0] = t_lo < num_tokens ? *reinterpret_cast<const unsigned*>(lo) : 0u;
+            a[1] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi) : 0u;
+            a[2] = t_lo < num_tokens ? *reinterpret_cast<const unsigned*>(lo + 8) : 0u;
+            a[3] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi + 8) : 0u;
+            mma_bf16_16816(acc[m][0], a, b[0][0], b[0][1]);
+            mma_bf16_16816(acc[m][1], a, b[1][0], b[1][1]);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+                partial[warp][16 * m + group + 8 * (v >> 1)][8 * n + pair + (v & 1)] = acc[m][n][v];
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_tokens * EXPAND_COLUMNS; i += 32 * EXPAND_WARPS) {
+        const int t = i / EXPAND_COLUMNS, c = i % EXPAND_COLUMNS;
+        float sum = partial[0][t][c];
+#pragma unroll
+        for (int w = 1; w < EXPAND_WARPS; ++w) sum += partial[w][t][c];
+        out[((long long)t * num_heads + h) * V_DIM + column0 + c] = __float2bfloat16_rn(sum);
+    }
+}
+#endif  // MMA_HOST_STANDIN
+
 // --- shared by mla_attention and mla_attention_mma ---------------------------------------------
 
 __device__ __forceinline__ void mla_zero(bf16& v) { v = __float2bfloat16_rn(0.f); }

@@ -52,7 +52,7 @@ def test_ragged_plan_and_tma_fields():
     assert plan["decode"][0]["cache_bytes"] == 64 * 1025 * 576 * 2
     assert [(v["keys"], v["stages"], v["cluster"], v["balance"], v["barriers"]) for v in plan["variants"]] == [
         ("", "", "", "", ""), ("16", "4", "8", "0", "1"), ("", "", "", "1", ""), ("", "", "", "", "")]
-    assert plan["variants"][3]["write_absorb"] == "1"
+    assert plan["variants"][3]["write_absorb"] == "1" and plan["variants"][3]["expand"] == ""
 
 
 def test_device_cpu_is_a_dry_run():
@@ -73,6 +73,7 @@ def test_bad_arguments_exit_2():
                  ["--variants", "tma:::::::3"], ["--variants", "mma:::::::8"], ["--variants", "tma::::::::2"],
                  ["--variants", "tma:32:::::2:8:1:x"], ["--variants", "tma:32:::::2:8:1:3"],
                  ["--variants", "mma:::::::::1"], ["--variants", "auto::::::::::2"],
-                 ["--variants", "mma:::::::::::1"], ["--variants", "tma:::::::::::2"], ["--decode-heads", "0"]):
+                 ["--variants", "mma:::::::::::1"], ["--variants", "tma:::::::::::2"],
+                 ["--variants", "auto::::::::::::2"], ["--variants", "auto::::::::::::1:1"], ["--decode-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -406,11 +406,39 @@ def test_absorbed_decode_graph_replay_equals_eager(cuda_backend, rng, kernel):
     _graph_replay_equals_eager(cuda_backend, rng, kernel)
 
 
+@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 64])
+def test_expand_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows):
+    """mla_expand_small ($OPENINFER_MLA_EXPAND_SMALL=1, W_UV on tensor cores at <= 64 rows) against cuBLAS's
+    batched GEMM on the same o_latent: partial 16-row tiles, 20 heads."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from tests.gpu.conftest import bf16_random
+
+    spec = _spec(heads)
+    o_latent = cuda_backend.upload(bf16_random(rng, rows, heads, spec.kv_lora_rank))
+    w_uv = cuda_backend.weight(bf16_random(rng, heads, spec.v_head_dim, spec.kv_lora_rank, scale=0.05))
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, flag)
+        assert cuda_mla.expand_small_fits(rows, spec) == (flag == "1")
+        out = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
+        cuda_mla.expand_values(cuda_backend.blas, o_latent, w_uv, spec, out)
+        outs.append(cuda_backend.to_host(out))
+    assert relative_error(outs[1], outs[0]) < 1e-2
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
+    assert not cuda_mla.expand_small_fits(65, spec)
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_EXPAND_SMALL"):
+        cuda_mla.expand_small_fits(1, spec)
+
+
 def test_write_absorb_graph_replay_equals_eager(cuda_backend, rng, monkeypatch):
-    """A decode step with mla_write_absorb, captured in a CUDA graph and replayed, gives the eager step's bits."""
+    """A decode step with mla_write_absorb and mla_expand_small, captured in a CUDA graph and replayed, gives the
+    eager step's bits."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
     _graph_replay_equals_eager(cuda_backend, rng, "mma_shared")
 
 

@@ -84,6 +84,10 @@ WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
 WRITE_ABSORB_BUILDS = (16, 64)
 WRITE_ABSORB_MAX_TOKENS = WRITE_ABSORB_BUILDS[-1]
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
+# Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
+# from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
+EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
+EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -553,9 +557,23 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 and not combined_on_chip else None
 
 
+def expand_small_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether W_UV of ``num_tokens`` rows runs mla_expand_small ($OPENINFER_MLA_EXPAND_SMALL=1, at most
+    EXPAND_SMALL_MAX_TOKENS rows, v in 16-column blocks, the latent in 4 x 16-dim steps). Row count only."""
+    text = os.environ.get(EXPAND_SMALL_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{EXPAND_SMALL_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= EXPAND_SMALL_MAX_TOKENS and spec.v_head_dim % EXPAND_SMALL_COLUMNS == 0
+            and spec.kv_lora_rank % 64 == 0)
+
+
 def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec, out: cupy.ndarray) -> None:
-    """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM)."""
+    """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM, or mla_expand_small)."""
     num_tokens, heads, v, lora = int(o_latent.shape[0]), spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
+    if expand_small_fits(num_tokens, spec):
+        kernel("mla.cu", "mla_expand_small", **_defines(spec))((heads, v // EXPAND_SMALL_COLUMNS), (EXPAND_SMALL_THREADS,),
+                                                               (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out))
+        return
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)
