@@ -20,8 +20,16 @@ whole forward beside it where it is short (``--prefill-absorbed``).
     python benchmarks/gpu_mla.py decode --variants auto,mma,mma16,mma_shared,mma_shared:64
     python benchmarks/gpu_mla.py --dry-run                # the plan (points, variants, bytes, FLOPs); no GPU
 
-A decode variant is ``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]``: kernel ``auto`` (what ships)
-or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default); max_splits caps
+A decode variant is
+``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]``:
+kernel ``auto``
+(what ships) or one of core's ABSORBED_KERNELS; keys the mma_shared tile (32 / 64; empty: the default) or the tma
+kernel's (16 / 32 / 64), stages the tma kernel's ring depth ($OPENINFER_MLA_TMA_TILE=KEYSxSTAGES), cluster its
+largest cluster of splits combined on chip ($OPENINFER_MLA_TMA_CLUSTER: 2 / 4 / 8 / 16), balance 1 its splits balanced
+over a ragged batch ($OPENINFER_MLA_TMA_BALANCE), barriers its block barriers per tile (1 / 2,
+$OPENINFER_MLA_TMA_BARRIERS); write_absorb 1 the latent write and W_UK in one kernel for small steps (any
+kernel, $OPENINFER_MLA_WRITE_ABSORB), rows 1 the tma kernel's whole-row TMA boxes ($OPENINFER_MLA_TMA_ROW_BOXES),
+expand 1 W_UV by mla_expand_small at <= 64 rows (any kernel, $OPENINFER_MLA_EXPAND_SMALL); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
 $OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
@@ -57,8 +65,9 @@ BLOCK_SIZE = 16  # the engine's KV block (EngineOptions.block_size)  # the absor
 DEFAULT_VARIANTS = "auto,mma,mma16,mma_shared,mma_shared:64,mma_shared:32:16"
 # core's ABSORBED_KERNELS and SHARED_KEYS_CHOICES (openinfer.backend.cuda.mla needs CuPy: a dry run checks
 # names against these copies, a GPU run that they still match core's)
-KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
+KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared", "tma")
 SHARED_KEYS = (32, 64)
+TMA_KEYS = (16, 32, 64)  # core's mla_decode_sm90.TMA_KEY_CHOICES
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
 COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
 PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
@@ -66,17 +75,35 @@ SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
+    """``kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster[:balance[:barriers[:write_absorb[:rows[:expand
+    ]]]]]]]]]]]]`` comma list → dicts; bad names exit 2 (argparse)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) > 6:
-            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs]]]]]")
-        kernel, keys, splits, policy, combine, q_regs = (fields + ["", "", "", "", ""])[:6]
+        if len(fields) > 13:
+            raise ValueError(f"variant {item!r}: kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
+                             "[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]")
+        kernel, keys, splits, policy, combine, q_regs, stages, cluster, balance, barriers, write_absorb, rows, expand = (
+            fields + [""] * 12)[:13]
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"variant {item!r}: kernel is auto or one of {', '.join(KERNELS)}")
-        if keys and (not keys.isdigit() or int(keys) not in SHARED_KEYS):
-            raise ValueError(f"variant {item!r}: keys is one of {SHARED_KEYS}")
+        key_choices = TMA_KEYS if kernel == "tma" else SHARED_KEYS
+        if keys and (not keys.isdigit() or int(keys) not in key_choices):
+            raise ValueError(f"variant {item!r}: keys is one of {key_choices}")
+        if stages and (kernel != "tma" or not stages.isdigit() or int(stages) < 1):
+            raise ValueError(f"variant {item!r}: stages (a positive integer) is the tma kernel's only")
+        if cluster and (kernel != "tma" or cluster not in ("0", "2", "4", "8", "16")):
+            raise ValueError(f"variant {item!r}: cluster (0, 2, 4, 8 or 16) is the tma kernel's only")
+        if balance and (kernel != "tma" or balance not in ("0", "1")):
+            raise ValueError(f"variant {item!r}: balance (0 or 1) is the tma kernel's only")
+        if barriers and (kernel != "tma" or barriers not in ("1", "2")):
+            raise ValueError(f"variant {item!r}: barriers (1 or 2) is the tma kernel's only")
+        if write_absorb not in ("", "0", "1"):
+            raise ValueError(f"variant {item!r}: write_absorb is 0 or 1")
+        if rows and (kernel != "tma" or rows not in ("0", "1")):
+            raise ValueError(f"variant {item!r}: rows (0 or 1) is the tma kernel's only")
+        if expand not in ("", "0", "1"):
+            raise ValueError(f"variant {item!r}: expand is 0 or 1")
         if splits and (not splits.isdigit() or int(splits) < 1):
             raise ValueError(f"variant {item!r}: max_splits is a positive integer")
         if policy and policy not in SPLIT_POLICIES:
@@ -86,7 +113,9 @@ def parse_variants(text: str) -> list[dict]:
         if q_regs not in ("", "0", "1"):
             raise ValueError(f"variant {item!r}: q_regs is 0 or 1")
         variants.append({"name": item, "kernel": kernel, "keys": keys, "max_splits": splits, "policy": policy,
-                         "combine": combine, "q_regs": q_regs})
+                         "combine": combine, "q_regs": q_regs, "stages": stages, "cluster": cluster,
+                         "balance": balance, "barriers": barriers, "write_absorb": write_absorb,
+                         "rows": rows, "expand": expand})
     if not variants:
         raise ValueError("no variants")
     return variants
@@ -97,17 +126,64 @@ def variant_env(variant: dict):
     """Core's switches for one variant (restored after)."""
     from gpu_kimi import switched_env
 
-    from openinfer.backend.cuda import mla as cuda_mla
-
-    switches = {cuda_mla.SHARED_KEYS_ENV: variant["keys"], cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
-                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
-                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
-    with switched_env(switches):
+    with switched_env(variant_switches(variant)):
         yield
 
 
-def decode_bytes(batch: int, context: int) -> int:
-    return batch * (context + 1) * LATENT_BYTES
+def variant_switches(variant: dict) -> dict[str, str]:
+    """Core's environment switches for one variant (empty: core's default)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    return {cuda_mla.SHARED_KEYS_ENV: "" if variant["kernel"] == "tma" else variant["keys"],
+                mla_decode_sm90.TMA_TILE_ENV: tma_tile_text(variant), mla_decode_sm90.TMA_CLUSTER_ENV: variant["cluster"],
+                mla_decode_sm90.TMA_BALANCE_ENV: variant["balance"], mla_decode_sm90.TMA_BARRIERS_ENV: variant["barriers"],
+                cuda_mla.WRITE_ABSORB_ENV: variant["write_absorb"], mla_decode_sm90.TMA_ROW_BOXES_ENV: variant["rows"],
+                cuda_mla.EXPAND_SMALL_ENV: variant["expand"],
+                cuda_mla.MAX_SPLITS_ENV: variant["max_splits"],
+                cuda_mla.SHARED_SPLITS_ENV: variant["policy"], cuda_mla.COMBINE_ENV: variant["combine"],
+                cuda_mla.SHARED_Q_REGS_ENV: variant["q_regs"]}
+
+
+def tma_tile_text(variant: dict) -> str:
+    """$OPENINFER_MLA_TMA_TILE for a tma variant that names its keys or stages (empty: core's default)."""
+    if variant["kernel"] != "tma" or not (variant["keys"] or variant["stages"]):
+        return ""
+    return f"{variant['keys'] or 32}x{variant['stages'] or 2}"
+
+
+def decode_contexts(batch: int, context: int, ragged: bool) -> np.ndarray:
+    """Each request's cached context: ``context`` for all, or (ragged) spread evenly over [c/8, 2c - c/8]
+    (mean c; one request keeps c) in a fixed shuffled order."""
+    if not ragged or batch == 1:
+        return np.full(batch, context, np.int64)
+    spread = np.linspace(context / 8, 2 * context - context / 8, batch).round().astype(np.int64)
+    return np.random.default_rng(batch).permutation(spread)
+
+
+def decode_bytes(batch: int, context: int, ragged: bool = False) -> int:
+    """The latent bytes a decode step reads: every request's context and its new token."""
+    return int((decode_contexts(batch, context, ragged) + 1).sum()) * LATENT_BYTES
+
+
+def ragged_decode_batch(backend, contexts: np.ndarray, block_size: int):
+    """A decode step of one new token per request over its own cached context (gpu_kimi.decode_batch's layout:
+    each request's blocks in order after the previous one's), and the cache's block count."""
+    from openinfer.backend.base import ForwardBatch
+
+    blocks = -(-(contexts + 1) // block_size)
+    tables = np.zeros((len(contexts), int(blocks.max())), np.int32)
+    first = 1 + np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    for row, (start, count) in enumerate(zip(first, blocks, strict=True)):
+        tables[row, :count] = np.arange(start, start + count)
+    positions = contexts.astype(np.int32)
+    slots = tables[np.arange(len(contexts)), positions // block_size] * block_size + positions % block_size
+    host = ForwardBatch(token_ids=np.zeros(len(contexts), np.int32), positions=positions,
+                        query_start=np.arange(len(contexts) + 1, dtype=np.int32),
+                        context_lens=(positions + 1).astype(np.int32), block_tables=tables,
+                        slot_mapping=slots.astype(np.int32), logits_rows=np.arange(len(contexts), dtype=np.int32),
+                        max_query_len=1, max_context_len=int(positions.max()) + 1)
+    return backend.prepare_batch(host), int(blocks.sum()) + 1
 
 
 def prefill_flops(tokens: int, heads: int = HEADS) -> float:
@@ -117,7 +193,8 @@ def prefill_flops(tokens: int, heads: int = HEADS) -> float:
 
 def plan(args) -> dict:
     variants = parse_variants(args.variants)
-    return {"decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c)}
+    return {"decode_heads": args.decode_heads, "ragged": args.ragged,
+            "decode": [{"batch": b, "context": c, "cache_bytes": decode_bytes(b, c, args.ragged)}
                        for b in args.batches for c in args.contexts] if "decode" in args.sections else [],
             "prefill": [{"heads": h, "tokens": n, "attention_gflop": prefill_flops(n, h) / 1e9}
                         for h in args.prefill_heads for n in args.prefill]
@@ -144,16 +221,22 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
 
     from openinfer.backend.cuda import mla as cuda_mla
 
-    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng)
+    heads = args.decode_heads
+    spec, w_uk, w_uv, norm, cos, sin = mla_inputs(backend, rng, heads)
     points = []
     for batch_size in args.batches:
         for context in args.contexts:
-            batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
+            if args.ragged:
+                batch, num_blocks = ragged_decode_batch(backend, decode_contexts(batch_size, context, True),
+                                                        BLOCK_SIZE)
+            else:
+                batch, num_blocks = decode_batch(backend, batch_size, context, BLOCK_SIZE)
             cache = device_random_bf16((num_blocks, BLOCK_SIZE, 1, spec.latent_dim))
-            q = backend.upload(rng.standard_normal((batch_size, HEADS * spec.qk_head_dim)).astype(np.float32))
+            q = backend.upload(rng.standard_normal((batch_size, heads * spec.qk_head_dim)).astype(np.float32))
             latent = backend.upload(rng.standard_normal((batch_size, spec.latent_dim)).astype(np.float32))
             point = {"batch": batch_size, "context": context,
-                     "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context) / bandwidth, "variants": {}}
+                     "cache_roofline_ms": 1e3 * decode_bytes(batch_size, context, args.ragged) / bandwidth,
+                     "variants": {}}
             reference = None
             for variant in variants:
                 kernel = None if variant["kernel"] == "auto" else variant["kernel"]
@@ -168,22 +251,28 @@ def bench_decode(backend, rng, args, variants: list[dict], bandwidth: float) -> 
                     q_latent = cuda_mla.absorb_queries(backend.blas, q_rot, w_uk, spec)
                     o_latent, partials = cuda_mla.attend_splits(q_latent, q_rot, cache, spec, batch, None,
                                                                 backend.num_sms, kernel)
-                    parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm, spec,
-                                                          batch, cos, sin, 1e-6)),
-                             ("w_uk", partial(cuda_mla.absorb_queries, backend.blas, q_rot, w_uk, spec)),
-                             ("attention", partial(cuda_mla.attend_splits, q_latent, q_rot, cache, spec, batch, None,
+                    if cuda_mla.write_absorb_fits(batch_size, spec):  # one launch for both
+                        parts = [("mla_write_absorb", partial(cuda_mla.write_latent_absorb, q.copy(), latent, cache,
+                                                              norm, w_uk, spec, batch, cos, sin, 1e-6))]
+                    else:
+                        parts = [("mla_write_latent", partial(cuda_mla.write_latent, q.copy(), latent, cache, norm,
+                                                              spec, batch, cos, sin, 1e-6)),
+                                 ("w_uk", partial(cuda_mla.absorb_queries, backend.blas, q_rot, w_uk, spec))]
+                    parts += [("attention", partial(cuda_mla.attend_splits, q_latent, q_rot, cache, spec, batch, None,
                                                    backend.num_sms, kernel))]
                     if partials is not None:
                         parts.append(("combine", partial(cuda_mla.combine_splits, partials, o_latent, spec)))
                     parts.append(("w_uv", partial(cuda_mla.expand_values, backend.blas, o_latent, w_uv, spec,
-                                                  cupy_empty_like_out(batch_size))))
+                                                  cupy_empty_like_out(batch_size, heads))))
                     breakdown = layer_breakdown(parts, forward, args.iters)
-                    ran = cuda_mla.choose_absorbed_kernel(HEADS, batch_size, kernel)
+                    ran = cuda_mla.choose_absorbed_kernel(heads, batch_size, kernel)
                     splits = partials.splits if partials is not None else 1
                 entry = {"forward_ms": 1e3 * seconds, "kernel_run": ran, "splits": splits,
                          "breakdown_ms": breakdown["breakdown_ms"],
                          "attention_share_of_roofline": point["cache_roofline_ms"]
                          / max(breakdown["breakdown_ms"]["attention"], 1e-9)}
+                if variant["kernel"] == "tma":
+                    entry["tma_tile"] = tma_tile_text(variant) or "default"
                 if graph_error:
                     entry["graph_error"] = graph_error
                 if reference is None:
@@ -304,10 +393,11 @@ def bench_prefill(backend, rng, args, variants: list[dict]) -> list[dict]:
     return points
 
 
-def warm(backend, rng) -> int:
+def warm(backend, rng, variants: list[dict] | None = None) -> int:
     """Compile every MLA kernel module the decode / prefill variants (and core's other switches:
     async tiles, combine) can launch, in parallel NVRTC threads into CuPy's disk cache: dry steps
-    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them."""
+    (a 100-token chunk on 60 cached, decompressed and absorbed) under core's discover_kernels record them.
+    ``variants``: only what these decode variants launch (a decode-only run)."""
     import cupy
     from gpu_kimi import one_sequence_batch, switched_env
 
@@ -328,10 +418,14 @@ def warm(backend, rng) -> int:
                   cuda_mla.SM90_SPLIT_KV_ENV: sk, cuda_mla.SM90_TMA_ENV: tma, cuda_mla.SM90_ORDERED_ENV: o}
                  for k in SM90_KEYS for pp in ("0", "1") for sk in ("0", "1")
                  for tma in ("0", "1") for o in ("0", "1")]  # the wgmma kernel's variants
+    kernels_of = {}  # setting index -> the absorbed kernels to run under it
+    if variants is not None:
+        settings = [variant_switches(v) for v in variants]
+        kernels_of = {i: [None if v["kernel"] == "auto" else v["kernel"]] for i, v in enumerate(variants)}
     with discover_kernels() as found:
-        for setting in settings:
+        for i, setting in enumerate(settings):
             with switched_env(setting):
-                for kernel in KERNELS:
+                for kernel in kernels_of.get(i, KERNELS):
                     for min_query in (16, 10**9):  # decompressed beside absorbed rows; all absorbed
                         cuda_mla.mla_forward(backend.blas, q.copy(), latent, cache, w_uk, w_uv, norm, spec, batch,
                                              cos, sin, 1e-6, backend.num_sms, prefill_min_query=min_query,
@@ -363,7 +457,7 @@ def plot(report: dict, path: Path) -> None:
         ax.bar(x + len(names) * width, [p["cache_roofline_ms"] for p in decode], width, color="k",
                label="latent bytes / copy rate")
         ax.set(xticks=x + 0.4, yscale="log", ylabel="ms per layer",
-               title=f"MLA decode, 16 heads ({report.get('device', '')})")
+               title=f"MLA decode, {report['plan']['decode_heads']} heads ({report.get('device', '')})")
         ax.set_xticklabels([f"b{p['batch']} c{p['context']}" for p in decode], rotation=30)
         ax.legend(fontsize=7)
     if prefill:
@@ -390,8 +484,13 @@ def main() -> None:
     parser.add_argument("sections", nargs="*", default=["decode", "prefill"],
                         help="decode and/or prefill; warm: compile the MLA kernel modules only (CuPy's disk cache)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma list of kernel[:keys[:max_splits[:policy[:combine]]]]")
+                        help="comma list of kernel[:keys[:max_splits[:policy[:combine[:q_regs[:stages[:cluster"
+                             "[:balance[:barriers[:write_absorb[:rows[:expand]]]]]]]]]]]]")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--ragged", action="store_true",
+                        help="decode: contexts spread evenly over [c/8, 2c - c/8] (mean c) instead of all c")
+    parser.add_argument("--decode-heads", type=int, default=HEADS,
+                        help="decode's heads per GPU (16: Moonlight; 64: Kimi-K2 / DeepSeek-V3 on 2 GPUs)")
     parser.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_TOKENS)), help="prompt lengths")
     parser.add_argument("--prefill-heads", default=",".join(map(str, PREFILL_HEADS)), help="head counts")
@@ -414,7 +513,8 @@ def main() -> None:
         args.prefill = [int(v) for v in args.prefill.split(",") if v]
         args.prefill_heads = [int(v) for v in args.prefill_heads.split(",") if v]
         args.prefill_kernels = parse_prefill_kernels(args.prefill_kernels)
-        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters], default=1) < 1:
+        if min(args.batches + args.contexts + args.prefill + args.prefill_heads + [args.iters, args.decode_heads],
+               default=1) < 1:
             raise ValueError("batches, contexts, prompt lengths, head counts and --iters are positive")
         report = {"plan": plan(args)}
     except ValueError as error:
@@ -438,7 +538,7 @@ def main() -> None:
         warm(backend, rng)
         return
     # every variant's kernels built up front in parallel threads (the sm_90a cubins have no disk cache)
-    report["warm_modules"] = warm(backend, rng)
+    report["warm_modules"] = warm(backend, rng, report["plan"]["variants"] if args.sections == ["decode"] else None)
     bandwidth = copy_bandwidth()
     variants = report["plan"]["variants"]
     report.update({"device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "num_sms": backend.num_sms})

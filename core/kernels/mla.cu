@@ -18,6 +18,7 @@
 //   (192 wide for DeepSeek-V3) and V (128), bf16 mma.sync m16n8k16, fp32 online softmax.
 #include "mla_prefill.cuh"  // PREFILL_SEQ_FIELDS, MlaPrefillTile
 #include "mma.cuh"
+#include "mla_split.cuh"    // mla_split_context
 
 #ifndef KV_LORA
 #define KV_LORA 512
@@ -31,6 +32,38 @@
 #define MLA_THREADS (HEADS_PER_BLOCK * TOKENS_PER_TILE)
 #define DIMS_PER_THREAD (KV_LORA / TOKENS_PER_TILE)
 
+// The latent row of one new token at its slot: RMS-normed c_kv (kv_a_layernorm) and rotated k_pe (block-wide:
+// every thread of the block calls it; slot < 0: a padding row of a captured batch, nothing stored).
+__device__ __forceinline__ void mla_store_latent_row(const bf16* __restrict__ row, const bf16* __restrict__ norm_weight,
+                                                     float eps, int slot, const float* cos_row, const float* sin_row,
+                                                     bf16* __restrict__ cache, float* scratch) {
+    const int half = ROPE_DIM / 2;
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
+        const float v = __bfloat162float(row[i]);
+        sum += v * v;
+    }
+    const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
+    bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
+    for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
+        out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) * __bfloat162float(norm_weight[i]));
+    for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
+        const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
+        out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
+        out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
+    }
+}
+
+// One rotate-half pair d of head h's q_pe of row t, in place.
+__device__ __forceinline__ void mla_rotate_q_pe(bf16* __restrict__ q, int t, int h, int d, int num_heads, int q_stride,
+                                                int q_pe_offset, const float* cos_row, const float* sin_row) {
+    const int half = ROPE_DIM / 2;
+    bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
+    const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
+    pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
+    pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+}
+
 // Blocks (new token, part of its heads' q_pe): part 0 also writes the latent row; q [T, num_heads,
 // q_stride] with q_pe at q_pe_offset of each head.
 extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T, kv_a_stride] */, int kv_a_stride,
@@ -41,60 +74,161 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
                                             bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
-    const bf16* row = kv_a + (long long)t * kv_a_stride;
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
-    if (blockIdx.y == 0) {  // the latent row: block 0 of the token's gridDim.y (block-uniform)
-        float sum = 0.f;
-        for (int i = threadIdx.x; i < KV_LORA; i += blockDim.x) {
-            const float v = __bfloat162float(row[i]);
-            sum += v * v;
-        }
-        const float inv_rms = rsqrtf(block_sum(sum, scratch) / KV_LORA + eps);
-        const int slot = slot_mapping[t];  // -1: a padding row of a captured batch, nothing to store
-        bf16* out = cache + (long long)(slot < 0 ? 0 : slot) * LATENT;
-        for (int i = threadIdx.x; i < KV_LORA && slot >= 0; i += blockDim.x)
-            out[i] = __float2bfloat16_rn(round_bf16(__bfloat162float(row[i]) * inv_rms) *
-                                         __bfloat162float(norm_weight[i]));
-        for (int i = threadIdx.x; i < half && slot >= 0; i += blockDim.x) {
-            const float x1 = __bfloat162float(row[KV_LORA + i]), x2 = __bfloat162float(row[KV_LORA + half + i]);
-            out[KV_LORA + i] = __float2bfloat16_rn(x1 * cos_row[i] - x2 * sin_row[i]);
-            out[KV_LORA + half + i] = __float2bfloat16_rn(x2 * cos_row[i] + x1 * sin_row[i]);
-        }
-    }
+    if (blockIdx.y == 0)  // the latent row: block 0 of the token's gridDim.y (block-uniform)
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t], cos_row, sin_row,
+                             cache, scratch);
     // every head's q_pe, shared by the token's gridDim.y blocks (in place, so one block's loop runs
     // its rounds one after another: gridDim.y > 1 spreads them)
-    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x) {
-        const int h = i / half, d = i % half;
-        bf16* pe = q + ((long long)t * num_heads + h) * q_stride + q_pe_offset;
-        const float x1 = __bfloat162float(pe[d]), x2 = __bfloat162float(pe[half + d]);
-        pe[d] = __float2bfloat16_rn(x1 * cos_row[d] - x2 * sin_row[d]);
-        pe[half + d] = __float2bfloat16_rn(x2 * cos_row[d] + x1 * sin_row[d]);
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_heads * half; i += gridDim.y * blockDim.x)
+        mla_rotate_q_pe(q, t, i / half, i % half, num_heads, q_stride, q_pe_offset, cos_row, sin_row);
+}
+
+#ifndef NOPE_DIM
+#define NOPE_DIM 128
+#endif
+#define ABSORB_COLUMNS 64      // W_UK output columns per block of mla_write_absorb
+#ifndef ABSORB_MAX_TOKENS
+#define ABSORB_MAX_TOKENS 16   // rows a launch takes (core builds 16 and 64: WRITE_ABSORB_BUILDS)
+#endif
+#define ABSORB_THREADS 128     // 64 columns x 2 halves of the nope dims
+
+// mla_write_latent and W_UK (q_latent[t, h] = q_nope[t, h] · W_UK[h]) in one launch, for steps of at most
+// ABSORB_MAX_TOKENS rows (a small decode: one launch, not a latent write and a cuBLAS batched GEMM).
+// grid (num_heads, KV_LORA / 64), ABSORB_THREADS threads. Block (h, c): columns 64c .. 64c + 63 of head h's
+// q_latent for every row, W_UK[h] [NOPE_DIM, KV_LORA] read once (thread: a column and half the nope dims,
+// the halves summed through shared memory); then block (h, 0) rotates head h's q_pe of every row in place
+// (after its reads of q_nope: other dims), and the blocks of c >= 1 store the rows' latents, row t in block
+// (h + num_heads·(c − 1)) = t mod (num_heads·(gridDim.y − 1)).
+extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
+mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __restrict__ norm_weight, float eps,
+                 bf16* __restrict__ q, int num_heads, int q_stride, int q_pe_offset, int num_tokens,
+                 const bf16* __restrict__ w_uk /* [H, NOPE_DIM, KV_LORA] */, bf16* __restrict__ q_latent,
+                 const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                 const float* __restrict__ cos_table, const float* __restrict__ sin_table, bf16* __restrict__ cache) {
+    __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];  // bf16 as in q (64 rows of fp32 would pass 48 KB)
+    __shared__ float upper_half[ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
+    for (int i = threadIdx.x; i < num_tokens * NOPE_DIM; i += ABSORB_THREADS)
+        q_nope[i / NOPE_DIM][i % NOPE_DIM] = q[((long long)(i / NOPE_DIM) * num_heads + h) * q_stride + i % NOPE_DIM];
+    __syncthreads();
+    const int column = c * ABSORB_COLUMNS + (threadIdx.x % ABSORB_COLUMNS), part = threadIdx.x / ABSORB_COLUMNS;
+    const bf16* w = w_uk + ((long long)h * NOPE_DIM + part * (NOPE_DIM / 2)) * KV_LORA + column;
+    float acc[ABSORB_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < ABSORB_MAX_TOKENS; ++t) acc[t] = 0.f;
+#pragma unroll 8
+    for (int n = 0; n < NOPE_DIM / 2; ++n) {
+        const float weight = __bfloat162float(w[(long long)n * KV_LORA]);
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens) acc[t] += __bfloat162float(q_nope[t][part * (NOPE_DIM / 2) + n]) * weight;
+    }
+    // (unrolled with a guard, not a loop to num_tokens: acc stays in registers)
+    if (part == 1) {
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens) upper_half[t][threadIdx.x % ABSORB_COLUMNS] = acc[t];
+    }
+    __syncthreads();
+    if (part == 0) {
+#pragma unroll
+        for (int t = 0; t < ABSORB_MAX_TOKENS; ++t)
+            if (t < num_tokens)
+                q_latent[((long long)t * num_heads + h) * KV_LORA + column] =
+                    __float2bfloat16_rn(acc[t] + upper_half[t][threadIdx.x]);
+    }
+    if (c == 0) {
+        for (int i = threadIdx.x; i < num_tokens * rope_half; i += ABSORB_THREADS) {
+            const int t = i / rope_half;
+            mla_rotate_q_pe(q, t, h, i % rope_half, num_heads, q_stride, q_pe_offset,
+                            cos_table + (long long)positions[t] * rope_half,
+                            sin_table + (long long)positions[t] * rope_half);
+        }
+        return;  // block-uniform
+    }
+    const int stride = num_heads * (gridDim.y - 1);
+    for (int t = h + num_heads * (c - 1); t < num_tokens; t += stride)  // block-uniform
+        mla_store_latent_row(kv_a + (long long)t * kv_a_stride, norm_weight, eps, slot_mapping[t],
+                             cos_table + (long long)positions[t] * rope_half,
+                             sin_table + (long long)positions[t] * rope_half, cache, scratch);
+}
+
+#ifndef V_DIM
+#define V_DIM 128
+#endif
+#define EXPAND_COLUMNS 16     // output columns (v dims) per block of mla_expand_small
+#define EXPAND_MAX_TOKENS 64  // core's EXPAND_SMALL_MAX_TOKENS
+#define EXPAND_WARPS 4        // each a quarter of the KV_LORA dims
+
+#ifndef MMA_HOST_STANDIN
+// W_UV for small steps on tensor cores (out[t, h·V_DIM + v] = Σ_j o_latent[t, h, j] · W_UV[h][v][j]), T <= 64:
+// grid (num_heads, V_DIM / 16), EXPAND_WARPS warps. Block (h, c): columns 16c .. 16c + 15 of head h for every
+// row; warp w multiplies dims [w · KV_LORA / 4, (w + 1) · KV_LORA / 4) (mma m16n8k16, fragments loaded straight
+// from global memory, rows past T zero), and the four partial tiles are summed through shared memory in warp
+// order. One launch with no split-K reduction pass where cuBLAS's batched GEMM runs a general kernel.
+extern "C" __global__ void __launch_bounds__(32 * EXPAND_WARPS)
+mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */,
+                 int num_tokens, int num_heads, bf16* __restrict__ out /* [T, H·V_DIM] */) {
+    __shared__ float partial[EXPAND_WARPS][EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
+    constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
+    float acc[EXPAND_MAX_TOKENS / 16][2][4];
+#pragma unroll
+    for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[m][n][v] = 0.f;
+    const bf16* weights = w_uv + ((long long)h * V_DIM + column0) * KV_LORA;
+#pragma unroll 2
+    for (int step = 0; step < STEPS; ++step) {
+        const int k0 = (warp * STEPS + step) * 16 + pair;
+        unsigned b[2][2];  // columns 8n + group, dims k0 (+1) and k0 + 8 (+9)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const bf16* row = weights + (long long)(8 * n + group) * KV_LORA + k0;
+            b[n][0] = *reinterpret_cast<const unsigned*>(row);
+            b[n][1] = *reinterpret_cast<const unsigned*>(row + 8);
+        }
+#pragma unroll
+        for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m) {
+            if (16 * m >= num_tokens) break;  // warp-uniform
+            const int t_lo = 16 * m + group, t_hi = t_lo + 8;
+            const bf16* lo = o_latent + ((long long)t_lo * num_heads + h) * KV_LORA + k0;
+            const bf16* hi = o_latent + ((long long)t_hi * num_heads + h) * KV_LORA + k0;
+            unsigned a[4];
+            a[0] = t_lo < num_tokens ? *reinterpret_cast<const unsigned*>(lo) : 0u;
+            a[1] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi) : 0u;
+            a[2] = t_lo < num_tokens ? *reinterpret_cast<const unsigned*>(lo + 8) : 0u;
+            a[3] = t_hi < num_tokens ? *reinterpret_cast<const unsigned*>(hi + 8) : 0u;
+            mma_bf16_16816(acc[m][0], a, b[0][0], b[0][1]);
+            mma_bf16_16816(acc[m][1], a, b[1][0], b[1][1]);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < EXPAND_MAX_TOKENS / 16; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+                partial[warp][16 * m + group + 8 * (v >> 1)][8 * n + pair + (v & 1)] = acc[m][n][v];
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_tokens * EXPAND_COLUMNS; i += 32 * EXPAND_WARPS) {
+        const int t = i / EXPAND_COLUMNS, c = i % EXPAND_COLUMNS;
+        float sum = partial[0][t][c];
+#pragma unroll
+        for (int w = 1; w < EXPAND_WARPS; ++w) sum += partial[w][t][c];
+        out[((long long)t * num_heads + h) * V_DIM + column0 + c] = __float2bfloat16_rn(sum);
     }
 }
+#endif  // MMA_HOST_STANDIN
 
 // --- shared by mla_attention and mla_attention_mma ---------------------------------------------
-
-// The block table of step token `step_token`'s sequence (query_start[s] <= step_token <
-// query_start[s + 1], binary search) and this split's slice [begin, end) of its causal context
-// (positions[step_token] + 1 tokens), in whole TILE-key steps.
-template <int TILE>
-__device__ __forceinline__ const int* mla_split_context(const int* __restrict__ query_start, int num_seqs,
-                                                        const int* __restrict__ block_tables, int max_blocks_per_seq,
-                                                        const int* __restrict__ positions, int step_token,
-                                                        int num_splits, int split, int& begin, int& end) {
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (query_start[mid] <= step_token) lo = mid; else hi = mid - 1;
-    }
-    const int context = positions[step_token] + 1;
-    const int per_split = ((context + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
-    begin = split * per_split;
-    end = min(context, begin + per_split);
-    return block_tables + (long long)lo * max_blocks_per_seq;
-}
 
 __device__ __forceinline__ void mla_zero(bf16& v) { v = __float2bfloat16_rn(0.f); }
 __device__ __forceinline__ void mla_zero(uint4& v) { v = make_uint4(0u, 0u, 0u, 0u); }
@@ -222,10 +356,12 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
 }
 
 // One block per (token, head): out = Σ_z w_z · o_z with w_z ∝ e^(m_z − m) · l_z (empty splits: l_z = 0).
+// Every combine skips a head whose split 0 says max = +inf: its attention kernel wrote it (no other does).
 extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_o, const float* __restrict__ partial_ml,
                                               int num_splits, bf16* __restrict__ out) {
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z)
         if (ml[2 * z + 1] > 0.f) m = fmaxf(m, ml[2 * z]);
@@ -252,6 +388,7 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
         for (int z = threadIdx.x; z < num_splits; z += 32)
@@ -291,6 +428,7 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
         for (int z = threadIdx.x; z < num_splits; z += 32)

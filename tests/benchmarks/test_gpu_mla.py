@@ -42,6 +42,19 @@ def test_prefill_plan_heads_and_kernel_variants():
     assert plan["variants"][0]["q_regs"] == "1"
 
 
+def test_ragged_plan_and_tma_fields():
+    result = run("decode", "--dry-run", "--ragged", "--batches", "64", "--contexts", "1024", "--decode-heads", "64",
+                 "--variants", "auto,tma:16:::::4:8:0:1,tma::::::::1,mma_shared::::::::::1")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["ragged"] and plan["decode_heads"] == 64
+    # contexts spread over [128, 1920] (mean 1024): the same bytes as 64 x 1024
+    assert plan["decode"][0]["cache_bytes"] == 64 * 1025 * 576 * 2
+    assert [(v["keys"], v["stages"], v["cluster"], v["balance"], v["barriers"]) for v in plan["variants"]] == [
+        ("", "", "", "", ""), ("16", "4", "8", "0", "1"), ("", "", "", "1", ""), ("", "", "", "", "")]
+    assert plan["variants"][3]["write_absorb"] == "1" and plan["variants"][3]["expand"] == ""
+
+
 def test_device_cpu_is_a_dry_run():
     result = run("decode", "--device", "cpu", "--batches", "16")
     assert result.returncode == 0, result.stderr
@@ -56,6 +69,11 @@ def test_bad_arguments_exit_2():
                  ["--variants", "mma:32:4:waves:wide:y"], ["--variants", "mma_shared:32:4:waves:wide:2"],
                  ["--prefill-kernels", "wgmma:96"], ["--prefill-kernels", "wgmma:64:2"],
                  ["--prefill-kernels", "wgmma:64:1:1:1:1:1"], ["--prefill-kernels", "wgmma:64:1:1:1:x"],
-                 ["--prefill-heads", "0"]):
+                 ["--prefill-heads", "0"], ["--variants", "tma:48"], ["--variants", "mma_shared:32:::::2"],
+                 ["--variants", "tma:::::::3"], ["--variants", "mma:::::::8"], ["--variants", "tma::::::::2"],
+                 ["--variants", "tma:32:::::2:8:1:x"], ["--variants", "tma:32:::::2:8:1:3"],
+                 ["--variants", "mma:::::::::1"], ["--variants", "auto::::::::::2"],
+                 ["--variants", "mma:::::::::::1"], ["--variants", "tma:::::::::::2"],
+                 ["--variants", "auto::::::::::::2"], ["--variants", "auto::::::::::::1:1"], ["--decode-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -77,6 +77,232 @@ def test_absorbed_decode_matches_numpy(cuda_backend, rng, monkeypatch, kernel, k
         assert relative_error(out[row], reference[row]) < BF16_TOL, row
 
 
+def _set_tma_tile(monkeypatch, text: str) -> None:
+    """A test's TMA kernel choice "KEYSxSTAGES[/barriers per tile[/rows]]" ("rows": whole-row boxes)."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    tile, barriers, boxes = (text.split("/") + ["", ""])[:3]
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, barriers)
+    monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "1" if boxes == "rows" else "0")
+
+
+def _poison_unused_slots(device_cache, batch) -> None:
+    """NaN bits in every cache slot past each sequence's context in its last block, and in the blocks no
+    sequence holds: the TMA kernel copies whole 16-row boxes, so these rows reach its shared memory."""
+    rows = device_cache.reshape(-1, device_cache.shape[-1])
+    used = np.zeros(device_cache.shape[0], bool)
+    for seq, context in enumerate(batch.context_lens):
+        blocks = batch.block_tables[seq, :-(-int(context) // BLOCK_SIZE)]
+        used[blocks] = True
+        in_last = int(context) - (len(blocks) - 1) * BLOCK_SIZE  # 1 ..= BLOCK_SIZE tokens of the context
+        rows[int(blocks[-1]) * BLOCK_SIZE + in_last:(int(blocks[-1]) + 1) * BLOCK_SIZE] = 0x7FC0
+    for block in np.flatnonzero(~used):
+        rows[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE] = 0x7FC0
+
+
+# keys per tile x ring stages [/ block barriers per tile]: 2 blocks per SM (32x2, 16x4), one deep ring (32x5),
+# 64-key tiles, a 1-stage ring; one barrier per tile (two exchange buffers, refills after the next tile's barrier)
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "32x5", "64x2", "16x1", "32x2/1", "16x4/1", "32x2/2/rows",
+                                  "16x4/1/rows", "64x2/2/rows"])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", sorted(DECODES))
+@pytest.mark.parametrize("max_splits", ["1", ""])
+def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, decodes, max_splits):
+    """mla_attention_tma (Hopper) on a ragged batch of decodes whose caches hold NaN bits past every context
+    (rows a 16-row TMA box brings along): one split and the default split count; 20 heads: a partial block."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    _set_tma_tile(monkeypatch, tile)
+    spec = _spec(heads)
+    cached, new = DECODES[decodes]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    assert mla_decode_sm90.tma_decode_fits(spec, device_cache)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        "tma"))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1", "32x2/2/rows"])
+@pytest.mark.parametrize("cluster", ["2", "4", "8", "16"])
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", sorted(DECODES))
+def test_tma_decode_cluster_combine_matches_numpy(cuda_backend, rng, monkeypatch, tile, cluster, heads, decodes):
+    """mla_attention_tma with a (token, head block)'s context splits combined in a cluster (2 - 16 CTAs; empty
+    splits of short contexts included) on the NaN-poisoned ragged batch."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    _set_tma_tile(monkeypatch, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    spec = _spec(heads)
+    cached, new = DECODES[decodes]
+    assert mla_decode_sm90.tma_cluster(spec, 64) == int(cluster)
+    if heads == 64 and cluster == "16":  # 9 tokens x 4 head blocks: at most 7 resident splits, a cluster of 4
+        assert mla_decode_sm90.tma_cluster(spec, 7) == 4
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        "tma"))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+
+
+# 150 decodes of contexts 1 .. ~700 (past 132 rows: the resident split count is 1, so balancing runs 4 splits)
+MANY_DECODES = (list(np.random.default_rng(13).integers(0, 700, 150)), [1] * 150)
+
+
+@pytest.mark.parametrize("tile", ["32x2", "16x4", "16x4/1", "16x4/1/rows"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "many"])
+def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, tile, decodes):
+    """mla_attention_tma with splits balanced over the batch ($OPENINFER_MLA_TMA_BALANCE=1): long contexts over
+    more splits, short ones whole (written by the attention kernel, skipped by the combine) on NaN-poisoned caches."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    _set_tma_tile(monkeypatch, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "1")
+    spec = _spec(16)
+    cached, new = MANY_DECODES if decodes == "many" else DECODES[decodes]
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, cached, new)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    _poison_unused_slots(device_cache, batch)
+    for combine in ("wide", "shared", "loop"):  # every combine kernel leaves the tokens written whole
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                            "tma"))
+        assert relative_error(out, reference) < BF16_TOL, combine
+        for row in range(out.shape[0]):
+            assert relative_error(out[row], reference[row]) < BF16_TOL, (combine, row)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four"])
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma"])
+def test_write_absorb_matches_numpy(cuda_backend, rng, monkeypatch, heads, decodes, kernel):
+    """mla_write_absorb ($OPENINFER_MLA_WRITE_ABSORB=1: the latent write and W_UK in one launch for decode steps of
+    at most 64 rows; builds for 16 and 64) gives the reference's output, and stores the reference's latent rows."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    spec = _spec(heads)
+    rows = {"sixteen": 16, "sixty-four": 64}.get(decodes)
+    cached, new = ([int(c) for c in np.arange(rows) * 37], [1] * rows) if rows else DECODES[decodes]
+    assert cuda_mla.write_absorb_fits(len(new), spec)
+    batch, cache, q, latent, norm, weights, rope, reference, ref_cache = ragged_mla_step(rng, spec, cached, new,
+                                                                                          BLOCK_SIZE)
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope,
+                                        kernel))
+    assert relative_error(out, reference) < BF16_TOL
+    for row in range(out.shape[0]):
+        assert relative_error(out[row], reference[row]) < BF16_TOL, row
+    slots = batch.slot_mapping
+    stored = cuda_backend.to_host(device_cache.reshape(-1, spec.latent_dim)[cupy.asarray(slots)])
+    assert relative_error(stored, ref_cache.reshape(-1, spec.latent_dim)[slots]) < 1e-2
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "on")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_WRITE_ABSORB"):
+        cuda_mla.write_absorb_fits(1, spec)
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    assert not cuda_mla.write_absorb_fits(65, spec)
+
+
+def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
+    """mla_attention_tma on the absorbed rows of a mixed step (token_rows: decodes beside decompressed chunks)."""
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    spec = _spec(16)
+    batch, cache, q, latent, norm, weights, rope, reference = _step(rng, spec, [0, 100, 57, 3, 40], [150, 70, 1, 1, 1])
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    out = _forward(cuda_backend, spec, batch, device_cache, q, latent, norm, weights, rope, "tma", min_query=16)
+    assert relative_error(cuda_backend.to_host(out), reference) < BF16_TOL
+
+
+def test_tma_tile_choice(monkeypatch):
+    """$OPENINFER_MLA_TMA_TILE: KEYSxSTAGES, bad text refused; shared memory and blocks per SM of the choices."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    spec = _spec(16)
+    monkeypatch.delenv(mla_decode_sm90.TMA_TILE_ENV, raising=False)
+    assert mla_decode_sm90.tma_tile() == mla_decode_sm90.DEFAULT_TMA_TILE
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "16x4")
+    assert mla_decode_sm90.tma_tile() == (16, 4)
+    for text in ("48x2", "32x0", "32", "x2", "32x2x1"):
+        monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, text)
+        with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_TILE"):
+            mla_decode_sm90.tma_tile()
+    # 9 column blocks x 32 rows x 128 B per stage, 8 KB of partial scores, 1 KB of alignment
+    assert mla_decode_sm90.tma_decode_smem(spec, 32, 2) == 1024 + 2 * 36864 + 8192 + 16
+    assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 2)) == 2
+    assert mla_decode_sm90.tma_blocks_per_sm(mla_decode_sm90.tma_decode_smem(spec, 32, 5)) == 1
+    # clusters: the largest of 8 / 4 / 2 within the switch and the split count; off by default; a ring too small
+    # for a CTA's fp32 partial (16x1: 18 KB) never clusters
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "32x2")
+    monkeypatch.delenv(mla_decode_sm90.TMA_CLUSTER_ENV, raising=False)
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "8")
+    assert [mla_decode_sm90.tma_cluster(spec, s) for s in (64, 8, 7, 4, 3, 2, 1)] == [8, 8, 4, 4, 2, 2, 1]
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "16x1")
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "16")
+    assert mla_decode_sm90.tma_cluster(spec, 64) == 1  # still the 16x1 ring
+    monkeypatch.setenv(mla_decode_sm90.TMA_TILE_ENV, "32x2")
+    assert [mla_decode_sm90.tma_cluster(spec, s) for s in (64, 16, 15)] == [16, 16, 8]
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, "32")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_CLUSTER"):
+        mla_decode_sm90.tma_cluster(spec, 64)
+    monkeypatch.delenv(mla_decode_sm90.TMA_BARRIERS_ENV, raising=False)
+    assert not mla_decode_sm90.tma_one_barrier()
+    assert mla_decode_sm90.tma_decode_smem(spec, 32, 2, True) == 1024 + 2 * 36864 + 2 * 8192 + 16
+    monkeypatch.setenv(mla_decode_sm90.TMA_BARRIERS_ENV, "3")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BARRIERS"):
+        mla_decode_sm90.tma_one_barrier()
+    monkeypatch.delenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, raising=False)
+    assert not mla_decode_sm90.tma_row_boxes()
+    monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "rows")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_ROW_BOXES"):
+        mla_decode_sm90.tma_row_boxes()
+    monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
+    assert not mla_decode_sm90.tma_balance()
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BALANCE"):
+        mla_decode_sm90.tma_balance()
+
+
+@pytest.mark.parametrize("tile,cluster,balance", [("32x2", "0", "0"), ("16x4", "0", "0"), ("32x2", "8", "0"),
+                                                  ("32x2", "0", "1"), ("16x4/1", "16", "0"), ("16x4/1", "0", "1"),
+                                                  ("32x2/2/rows", "0", "0")])
+def test_tma_decode_graph_replay_equals_eager(cuda_backend, rng, monkeypatch, tile, cluster, balance):
+    """A decode step on the TMA kernel (splits combined by the combine kernel, in a cluster, or balanced over
+    the batch) captured in a CUDA graph and replayed gives the eager step's bits."""
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    _set_tma_tile(monkeypatch, tile)
+    monkeypatch.setenv(mla_decode_sm90.TMA_CLUSTER_ENV, cluster)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
+    _graph_replay_equals_eager(cuda_backend, rng, "tma")
+
+
 # (cached, new) per sequence for the decompressed prefill: a 150-token prompt (3 query tiles of 64, the
 # last partial), a 70-token chunk on 100 cached (key tiles not aligned to query tiles), one 64-query tile
 # exactly, one past it, a 300-token chunk on 37 cached, and a decode that stays absorbed; for the wgmma
@@ -177,6 +403,46 @@ def test_shared_decode_beside_decompressed_prefill(cuda_backend, rng, monkeypatc
 def test_absorbed_decode_graph_replay_equals_eager(cuda_backend, rng, kernel):
     """A decode step captured in a CUDA graph and replayed gives the eager step's bits (the kernel and
     split count depend on the row count only)."""
+    _graph_replay_equals_eager(cuda_backend, rng, kernel)
+
+
+@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 64])
+def test_expand_small_matches_cublas(cuda_backend, rng, monkeypatch, heads, rows):
+    """mla_expand_small ($OPENINFER_MLA_EXPAND_SMALL=1, W_UV on tensor cores at <= 64 rows) against cuBLAS's
+    batched GEMM on the same o_latent: partial 16-row tiles, 20 heads."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from tests.gpu.conftest import bf16_random
+
+    spec = _spec(heads)
+    o_latent = cuda_backend.upload(bf16_random(rng, rows, heads, spec.kv_lora_rank))
+    w_uv = cuda_backend.weight(bf16_random(rng, heads, spec.v_head_dim, spec.kv_lora_rank, scale=0.05))
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, flag)
+        assert cuda_mla.expand_small_fits(rows, spec) == (flag == "1")
+        out = cupy.empty((rows, heads * spec.v_head_dim), dtype=cupy.uint16)
+        cuda_mla.expand_values(cuda_backend.blas, o_latent, w_uv, spec, out)
+        outs.append(cuda_backend.to_host(out))
+    assert relative_error(outs[1], outs[0]) < 1e-2
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
+    assert not cuda_mla.expand_small_fits(65, spec)
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "yes")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_EXPAND_SMALL"):
+        cuda_mla.expand_small_fits(1, spec)
+
+
+def test_write_absorb_graph_replay_equals_eager(cuda_backend, rng, monkeypatch):
+    """A decode step with mla_write_absorb and mla_expand_small, captured in a CUDA graph and replayed, gives the
+    eager step's bits."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1")
+    _graph_replay_equals_eager(cuda_backend, rng, "mma_shared")
+
+
+def _graph_replay_equals_eager(cuda_backend, rng, kernel: str) -> None:
     from openinfer.backend.cuda.mla import mla_forward
 
     spec = _spec(16)

@@ -32,6 +32,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.base import ForwardBatch
+from openinfer.backend.cuda import mla_decode_sm90
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
@@ -44,11 +45,13 @@ MMA_DECODE_HEADS, MMA_DECODE_KEYS, MMA_DECODE_PARTS, MMA_DECODE_THREADS = 64, 32
 # The absorbed form's attention kernel: "cuda_cores" (mla_attention), "mma" (mla_attention_mma,
 # tensor cores, 64 heads per block, or 16 under $OPENINFER_MLA_HEADS16=1), "mma16" (mla_attention_mma
 # in blocks of 16 heads, a warp per output quarter) or "mma_shared" (mla_attention_mma_shared: 16-head
-# blocks scoring each key once, double-buffered tiles). Chosen in one place, ``choose_absorbed_kernel``:
+# blocks scoring each key once, double-buffered tiles) or "tma" (mla_attention_tma, mla_decode_sm90.cu: Hopper,
+# 16-head blocks fed by a TMA ring, the score dims split over the warps; opt-in, off Hopper mma_shared runs).
+# Chosen in one place, ``choose_absorbed_kernel``:
 # a kernel forced by the caller or by $OPENINFER_MLA_DECODE, else the first entry of
 # ABSORBED_KERNEL_CHOICE (most heads, most absorbed rows in the step, kernel) that holds, else
 # DEFAULT_ABSORBED_KERNEL.
-ABSORBED_KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared")
+ABSORBED_KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared", "tma")
 ABSORBED_KERNEL_ENV = "OPENINFER_MLA_DECODE"
 DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per GPU is not measured yet
 # H100, benchmarks/gpu_kimi.py, 2026-11-23 window W2 (whole mla_forward, context 1024 unless said):
@@ -74,6 +77,17 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 # in 16 dependent in-place rounds): 12.3 -> 6.7 / 13.4 -> 6.9 / 13.4 -> 6.9 us at batch 1 / 64 / 256
 # (H200, D3). $OPENINFER_MLA_SPREAD_ROPE=0: one block per token.
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
+# Opt-in: $OPENINFER_MLA_WRITE_ABSORB=1 runs mla_write_latent and W_UK as one kernel (mla_write_absorb) in decode
+# steps of at most WRITE_ABSORB_MAX_TOKENS rows: one launch instead of the latent write and cuBLAS's batched GEMM.
+# Built for at most 16 or 64 rows (mla.cu ABSORB_MAX_TOKENS: each thread's accumulators; the smallest that holds).
+WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
+WRITE_ABSORB_BUILDS = (16, 64)
+WRITE_ABSORB_MAX_TOKENS = WRITE_ABSORB_BUILDS[-1]
+WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
+# Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
+# from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
+EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
+EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -290,8 +304,13 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     if num_tokens == 0:
         return out
     q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
-    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     plan = _step_plan(batch, spec, prefill_min_query)
+    if plan is None and write_absorb_fits(num_tokens, spec):
+        q_latent = write_latent_absorb(q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
+        o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
+        expand_values(blas, o_latent, w_uv, spec, out)
+        return out
+    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
@@ -317,6 +336,32 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
+
+
+def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether a decode step of ``num_tokens`` rows takes mla_write_absorb ($OPENINFER_MLA_WRITE_ABSORB=1, at most
+    WRITE_ABSORB_MAX_TOKENS rows, whole 64-column blocks of the latent, at least two of them). Row count only."""
+    text = os.environ.get(WRITE_ABSORB_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{WRITE_ABSORB_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
+            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 2 == 0)
+
+
+def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
+                        w_uk: cupy.ndarray, spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray,
+                        eps: float) -> cupy.ndarray:
+    """``mla_write_absorb``: ``write_latent`` and ``absorb_queries`` in one launch; returns ``q_latent [T, H, lora]``
+    (q's rope dims rotated in place, the latent rows stored)."""
+    num_tokens, heads = int(q.shape[0]), spec.num_heads
+    q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
+    most_rows = next(rows for rows in WRITE_ABSORB_BUILDS if num_tokens <= rows)
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec), ABSORB_MAX_TOKENS=most_rows)(
+        (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
+        (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
+         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
+         batch.slot_mapping, cos, sin, cache))
+    return q_latent
 
 
 def mma_decode_fits(spec: MLASpec) -> bool:
@@ -457,6 +502,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     and the splits' partials to combine (None: one split)."""
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
+    if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
+        name = "mma_shared"
     if name == "mma_shared" and not shared_decode_fits(spec):
         name = "mma"
     if name != "cuda_cores" and not mma_decode_fits(spec):
@@ -464,7 +511,8 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     blocks_of_16 = name == "mma16" or (name == "mma" and heads16())
     heads, lora = spec.num_heads, spec.kv_lora_rank
     o_latent = cupy.empty((num_tokens, heads, lora), dtype=cupy.uint16)
-    if name == "mma_shared":
+    cluster = 1  # the tma kernel's CTAs per cluster (tma_cluster)
+    if name in ("mma_shared", "tma"):
         head_chunks = -(-heads // SHARED_HEADS)
     elif name in ("mma", "mma16"):
         head_chunks = mma_decode_head_chunks(heads, blocks_of_16)
@@ -473,17 +521,32 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     if name == "mma_shared":  # 93 KB of shared memory per block of 32 keys: 2 per SM; 168 KB of 64: 1
         keys = shared_keys(num_tokens)
         splits = resident_splits(num_tokens, head_chunks, num_sms, 2 if keys == 32 else 1)
+    elif name == "tma":
+        blocks_per_sm = mla_decode_sm90.tma_blocks_per_sm_of(spec)
+        splits = resident_splits(num_tokens, head_chunks, num_sms, blocks_per_sm)
+        cluster = mla_decode_sm90.tma_cluster(spec, splits)
+        balance_slots = 0
+        if cluster > 1:
+            splits = cluster  # a cluster's splits combine on chip into o_latent
+        elif mla_decode_sm90.tma_balance():
+            splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
+            balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
+    combined_on_chip = cluster > 1
     partial_o = partial_ml = NULL
-    if splits > 1:
+    if splits > 1 and not combined_on_chip:
         partial_o = cupy.empty((num_tokens, heads, splits, lora), dtype=cupy.float32)
         partial_ml = cupy.empty((num_tokens, heads, splits, 2), dtype=cupy.float32)
     args = (q_latent, q, np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), cache, batch.block_tables,
             np.int32(batch.block_tables.shape[1]), np.int32(cache.shape[1]), batch.query_start, np.int32(batch.num_seqs),
             batch.positions, np.int32(heads), np.float32(spec.scale), o_latent, np.int32(splits), partial_o,
             partial_ml, NULL if token_rows is None else token_rows)
-    if name == "mma_shared":
+    if name == "tma":
+        mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
+                                          balance_slots)
+    elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
         attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
     elif name in ("mma", "mma16"):
@@ -491,12 +554,26 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
     else:
         kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
-    return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 else None
+    return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 and not combined_on_chip else None
+
+
+def expand_small_fits(num_tokens: int, spec: MLASpec) -> bool:
+    """Whether W_UV of ``num_tokens`` rows runs mla_expand_small ($OPENINFER_MLA_EXPAND_SMALL=1, at most
+    EXPAND_SMALL_MAX_TOKENS rows, v in 16-column blocks, the latent in 4 x 16-dim steps). Row count only."""
+    text = os.environ.get(EXPAND_SMALL_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{EXPAND_SMALL_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and 0 < num_tokens <= EXPAND_SMALL_MAX_TOKENS and spec.v_head_dim % EXPAND_SMALL_COLUMNS == 0
+            and spec.kv_lora_rank % 64 == 0)
 
 
 def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec: MLASpec, out: cupy.ndarray) -> None:
-    """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM)."""
+    """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM, or mla_expand_small)."""
     num_tokens, heads, v, lora = int(o_latent.shape[0]), spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
+    if expand_small_fits(num_tokens, spec):
+        kernel("mla.cu", "mla_expand_small", **_defines(spec))((heads, v // EXPAND_SMALL_COLUMNS), (EXPAND_SMALL_THREADS,),
+                                                               (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out))
+        return
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,
                                 o_latent, heads * lora, lora, out, heads * v, v, heads)

@@ -1,0 +1,187 @@
+"""The absorbed MLA decode's TMA-fed attention kernel (``mla_attention_tma`` in
+``openinfer/kernels/mla_decode_sm90.cu``; Hopper): its tile choice, shared memory, the cache's tensor
+map and the launch. ``openinfer.backend.cuda.mla`` chooses it (``OPENINFER_MLA_DECODE=tma``) and runs
+the combine of its context splits.
+
+A tile is TMA_KEYS latents of the cache, copied as 16-row boxes of 64 columns (128-byte swizzle)::
+
+    cache [pages, block_size, (1,) lora + rope] bf16  ->  tensor map (64 columns, 1, page·block_size + slot)
+    stage s of the ring:  [column block 0: keys x 128 B][column block 1] ... [column block (lora+rope)/64 - 1]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import cupy
+import numpy as np
+
+from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
+from openinfer.mla import MLASpec
+
+TMA_HEADS, TMA_THREADS, TMA_WARPS = 16, 128, 4  # mla_decode_sm90.cu
+TMA_BOX_ROWS = 16  # rows per TMA box: the cache block size must be a multiple
+# "KEYSxSTAGES": keys per tile (16 / 32 / 64) and tiles in the ring; $OPENINFER_MLA_TMA_TILE. 32x2 holds 81 KB
+# of shared memory (2 blocks per SM, the registers' limit too); 32x5 190 KB (1 block per SM, 5 tiles in flight).
+TMA_TILE_ENV = "OPENINFER_MLA_TMA_TILE"
+DEFAULT_TMA_TILE = (32, 2)
+TMA_KEY_CHOICES = (16, 32, 64)
+SM_SHARED_BYTES = 228 * 1024  # one H100 / H200 SM; each resident block also reserves 1 KB
+BLOCK_SHARED_MAX = 227 * 1024
+REGISTER_BLOCKS_PER_SM = 2  # 157-198 registers x 128 threads (ptxas, every tile choice): 2 blocks fit 64K
+# Opt-in: $OPENINFER_MLA_TMA_CLUSTER=C (2, 4, 8 or 16; 0 / unset: off) combines a (token, head block)'s context
+# splits on chip, in a cluster of up to C CTAs (distributed shared memory; no partials, no combine launch): for
+# steps whose resident split count is at least 2, the largest of 16 / 8 / 4 / 2 within both C and that count
+# (16 is a non-portable cluster size: the kernel is allowed it at load).
+TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
+TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
+_non_portable_allowed: set[int] = set()
+# Opt-in: $OPENINFER_MLA_TMA_BALANCE=1 balances the splits over a ragged batch (mla_decode_sm90.cu's
+# balance_slots): every step runs at least BALANCE_MIN_SPLITS splits per token, and each token takes as many
+# of them as its share of the step's total context asks (one split: written whole, no combine for it).
+TMA_BALANCE_ENV = "OPENINFER_MLA_TMA_BALANCE"
+BALANCE_MIN_SPLITS = 4
+# Block barriers per tile ($OPENINFER_MLA_TMA_BARRIERS): 2 (default; scores exchanged, then the stage handed
+# back) or 1 (two exchange buffers by tile parity, the stage of the previous tile refilled after this tile's
+# barrier: mla_decode_sm90.cu TMA_ONE_BARRIER; rings of at least 2 stages).
+TMA_BARRIERS_ENV = "OPENINFER_MLA_TMA_BARRIERS"
+# Opt-in: $OPENINFER_MLA_TMA_ROW_BOXES=1 copies 16 whole latent rows per TMA box (the map's 64-column blocks as its
+# middle dimension: one 18 KB contiguous copy per 16 keys, not (lora + rope) / 64 boxes of 16 x 128 bytes).
+TMA_ROW_BOXES_ENV = "OPENINFER_MLA_TMA_ROW_BOXES"
+
+
+def tma_tile() -> tuple[int, int]:
+    """($OPENINFER_MLA_TMA_TILE or the default) keys per tile and ring stages; ValueError on a bad one."""
+    text = os.environ.get(TMA_TILE_ENV) or "{}x{}".format(*DEFAULT_TMA_TILE)
+    keys, _, stages = text.partition("x")
+    if not (keys.isdigit() and stages.isdigit() and int(keys) in TMA_KEY_CHOICES and int(stages) >= 1):
+        raise ValueError(f"{TMA_TILE_ENV} is KEYSxSTAGES with keys one of {TMA_KEY_CHOICES} and at least one "
+                         f"stage (e.g. 32x2); got {text!r}")
+    return int(keys), int(stages)
+
+
+def tma_cluster(spec: MLASpec, splits: int) -> int:
+    """CTAs per cluster for a step whose resident split count is ``splits`` (1: no cluster, the partials go to
+    the combine kernel); the ring must hold a CTA's fp32 partial output of 16 heads. Row count only (graph-safe)."""
+    text = os.environ.get(TMA_CLUSTER_ENV) or "0"
+    if text not in ("0", "1", *map(str, TMA_CLUSTER_CHOICES)):
+        raise ValueError(f"{TMA_CLUSTER_ENV} is 0 (off) or the largest cluster, one of {TMA_CLUSTER_CHOICES}; "
+                         f"got {text!r}")
+    keys, stages = tma_tile()
+    ring = stages * spec.latent_dim // BOX_ELEMENTS * keys * 128
+    if ring < TMA_HEADS * (spec.kv_lora_rank + 2) * 4:
+        return 1
+    return next((c for c in TMA_CLUSTER_CHOICES if c <= min(int(text), splits)), 1)
+
+
+def tma_balance() -> bool:
+    """Whether the splits are balanced over a ragged batch ($OPENINFER_MLA_TMA_BALANCE=1; default 0)."""
+    text = os.environ.get(TMA_BALANCE_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{TMA_BALANCE_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def tma_one_barrier() -> bool:
+    """Whether each tile takes one block barrier ($OPENINFER_MLA_TMA_BARRIERS=1; 2 is the default)."""
+    text = os.environ.get(TMA_BARRIERS_ENV) or "2"
+    if text not in ("1", "2"):
+        raise ValueError(f"{TMA_BARRIERS_ENV} is 1 or 2; got {text!r}")
+    return text == "1"
+
+
+def tma_row_boxes() -> bool:
+    """Whether a TMA box holds 16 whole latent rows ($OPENINFER_MLA_TMA_ROW_BOXES=1; default 0)."""
+    text = os.environ.get(TMA_ROW_BOXES_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{TMA_ROW_BOXES_ENV} is 0 or 1; got {text!r}")
+    return text == "1"
+
+
+def tma_decode_smem(spec: MLASpec, keys: int, stages: int, one_barrier: bool = False) -> int:
+    """mla_decode_sm90.cu TMA_SMEM (+ 16 bytes of static balance sums): 1 KB of alignment, the ring, the warps'
+    partial scores (twice with one barrier per tile), the barriers."""
+    tile = spec.latent_dim // BOX_ELEMENTS * keys * 128
+    return 1024 + stages * tile + (1 + one_barrier) * TMA_WARPS * (keys // 8) * 32 * 16 + 8 * stages
+
+
+def tma_blocks_per_sm(smem: int) -> int:
+    """Blocks of mla_attention_tma resident on one SM (shared memory and registers)."""
+    return max(1, min(REGISTER_BLOCKS_PER_SM, SM_SHARED_BYTES // (smem + 1024)))
+
+
+@functools.cache
+def _is_hopper(device_id: int) -> bool:
+    return cupy.cuda.Device(device_id).compute_capability == "90"
+
+
+def tma_decode_fits(spec: MLASpec, cache: cupy.ndarray) -> bool:
+    """mla_attention_tma's limits: Hopper; latent rows of whole 64-column boxes whose 16-dim score steps split
+    4 ways, output quarters of 16-dim steps; a contiguous cache of 16-token multiples per block; the tile
+    choice's shared memory within a block's."""
+    if cache.ndim < 3 or not cache.flags.c_contiguous or cache.dtype.itemsize != 2:
+        return False
+    keys, stages = tma_tile()
+    one_barrier = tma_one_barrier()
+    block_size, latent = int(cache.shape[1]), int(cache.shape[-1])
+    return (_is_hopper(cupy.cuda.Device().id) and latent == spec.latent_dim and latent % BOX_ELEMENTS == 0
+            and (latent // 16) % TMA_WARPS == 0 and spec.kv_lora_rank % (16 * TMA_WARPS) == 0
+            and block_size % TMA_BOX_ROWS == 0 and cache.size == cache.shape[0] * block_size * latent
+            and tma_decode_smem(spec, keys, stages, one_barrier) <= BLOCK_SHARED_MAX
+            and stages >= 1 + one_barrier)
+
+
+_cache_maps: dict[tuple[int, PageBoxLayout], np.ndarray] = {}
+CACHE_MAPS_KEPT = 1024  # a map per layer's cache (address and layout): far fewer in any model
+
+
+def cache_map(cache: cupy.ndarray, row_boxes: bool = False) -> np.ndarray:
+    """The tensor map of the latent cache as a kernel argument, encoded once per (address, layout): (column, 1,
+    cache row) with boxes of 64 columns x 16 rows, or (``row_boxes``) (column, 64-column block, cache row) with
+    boxes of 16 whole rows."""
+    rows, latent = int(cache.shape[0]) * int(cache.shape[1]), int(cache.shape[-1])
+    if row_boxes:
+        blocks = latent // BOX_ELEMENTS
+        layout = PageBoxLayout(dims=(BOX_ELEMENTS, blocks, rows), strides=(BOX_ELEMENTS * 2, latent * 2),
+                               box=(BOX_ELEMENTS, blocks, TMA_BOX_ROWS))
+    else:
+        layout = PageBoxLayout(dims=(latent, 1, rows), strides=(latent * 2, latent * 2),
+                               box=(BOX_ELEMENTS, 1, TMA_BOX_ROWS))
+    key = (int(cache.data.ptr), layout)
+    found = _cache_maps.get(key)
+    if found is None:
+        if len(_cache_maps) >= CACHE_MAPS_KEPT:
+            _cache_maps.clear()
+        found = _cache_maps[key] = encode_page_map(*key).view(TENSOR_MAP_PARAM)
+    return found
+
+
+def tma_blocks_per_sm_of(spec: MLASpec) -> int:
+    """Resident blocks per SM of the current tile choice."""
+    return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
+
+
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
+    """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory."""
+    keys, stages = tma_tile()
+    one_barrier = tma_one_barrier()
+    smem = tma_decode_smem(spec, keys, stages, one_barrier)
+    attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
+                            ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
+                            TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()))
+    ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
+    if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
+        cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        _non_portable_allowed.add(ptr)
+    return attention, smem
+
+
+def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
+                      balance_slots: int = 0) -> None:
+    """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
+    token's context split evenly over grid z) and the cache's map."""
+    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache, tma_row_boxes())),
+              shared_mem=smem)

@@ -1,0 +1,454 @@
+// MLA absorbed decode for Hopper (sm_90): mla.cu's mla_attention_mma_shared contract (per step token
+// and 16 heads, attention of the absorbed queries [q_latent | q_pe] over the token's cached latents,
+// output o_latent or a context split's partials for mla_combine_splits_*) with the latent tiles fed by
+// TMA into a ring of TMA_STAGES stages.
+//
+// One CTA = (step token, 16 heads, context split), 4 warps, no producer warp: thread 0 keeps the ring
+// full (each stage's boxes counted on its mbarrier; the block table's page ids of the tile it issues
+// next are loaded a tile ahead, so the issue never waits on them).
+//
+//   cache [pages, block_size, LATENT] bf16 as a 3-d tensor map (64 columns, 1, cache row), box
+//   64 columns x 16 rows, 128-byte swizzle: a tile of TMA_KEYS latents is LATENT / 64 column blocks of
+//   TMA_KEYS rows x 128 bytes, chunk c of row r at chunk c ^ (r % 8) (sm90.cuh `swizzled`), so the
+//   ldmatrix rows of 8 neighbouring keys fall in 8 different bank groups.
+//
+//   smem: [stage s: column block b: TMA_KEYS x 128 B] ... [score exchange] [mbarriers]
+//   (TMA_ROW_BOXES: whole-row boxes of 16 x LATENT bf16, below)
+//
+// Per tile the four warps split the score work by latent dims, not keys: warp w computes S_w =
+// Q[:, dims_w] · K[keys, dims_w]^T for all TMA_KEYS keys (TMA_KEYS / 8 independent mma chains of
+// LATENT / 64 steps; the query fragments of its dims live in registers the whole kernel), the four
+// partial score tiles are summed through shared memory in a fixed order (every warp gets the same bits),
+// and each warp then runs the online softmax for the 16 heads itself (no exchange of maxima or sums,
+// P stays in registers as the A operand) and accumulates its quarter of the output dims,
+// O[:, quarter] += P · c_kv[keys, quarter] (V fragments by ldmatrix.trans). Two block barriers per tile:
+// after the partial scores are stored, and before the stage is handed back to TMA.
+//
+// TMA_CLUSTER = C > 1 (2, 4, 8 or 16): the C context splits of a (token, 16 heads) form one thread-block cluster
+// and are combined on chip: each CTA leaves its normalised partial output and (max, sum) per head in its
+// own shared memory (the drained ring), and after a cluster barrier CTA rank r reads every CTA's slice r of
+// the output dims through distributed shared memory and writes o_latent itself (no partials in global
+// memory, no combine launch). Grid z is exactly C; the same weights and order as mla_combine_splits.
+//
+// balance_slots > 0 (with num_splits > 1; not in clusters): splits balanced over a ragged batch. The launch's
+// total context C over its rows gives one split length L = C / balance_slots (the CTAs that run at once per
+// head block); a token of context c takes n = clamp(round(c / L), 1, num_splits) equal splits, so long contexts
+// spread over more CTAs and short ones stay whole. A token with n = 1 writes o_latent itself and marks its
+// split 0 (max = +inf), which the combine kernels skip.
+//
+// Rows of a tile past the split's end are either not copied (whole 16-row boxes past it) or belong to
+// the sequence's last page; their scores are masked (a select: any bits there are dropped) and their
+// V fragment halves zeroed, so stale or uninitialised shared memory never reaches the output.
+#include "mma.cuh"        // mma_bf16_16816, ldmatrix, pack_bf16x2
+#include "sm90.cuh"       // mbarriers, TMA, TensorMap, swizzled
+#include "mla_split.cuh"  // mla_split_context
+
+#ifndef KV_LORA
+#define KV_LORA 512
+#endif
+#ifndef ROPE_DIM
+#define ROPE_DIM 64
+#endif
+#ifndef TMA_KEYS
+#define TMA_KEYS 32  // keys per tile: 16, 32 or 64
+#endif
+#ifndef TMA_STAGES
+#define TMA_STAGES 2  // tiles in the ring
+#endif
+// 1: one block barrier per tile, not two. The partial scores go to one of two exchange buffers by tile parity,
+// and thread 0 refills the stage of tile i - 1 right after tile i's barrier (every warp has then finished
+// tile i - 1's P V), instead of a second barrier at the end of each tile; a refill is then issued half a tile
+// later (a ring of at least 2 stages).
+#ifndef TMA_ONE_BARRIER
+#define TMA_ONE_BARRIER 0
+#endif
+// 1: whole-row boxes. The cache map is (64 columns, LATENT / 64 column blocks, cache row) and one box brings 16
+// whole latent rows (18 KB of contiguous cache, one TMA per 16 keys instead of LATENT / 64); the tile is then
+// rows of LATENT bf16, each 128-byte segment s of it swizzled by s % 8 (s = row · LATENT / 64 + column block).
+#ifndef TMA_ROW_BOXES
+#define TMA_ROW_BOXES 0
+#endif
+#ifndef TMA_CLUSTER
+#define TMA_CLUSTER 1  // > 1: the context splits of a (token, head block) combined in a cluster of this many CTAs
+                      // (16: a non-portable cluster size, allowed by the launcher)
+#endif
+#define LATENT (KV_LORA + ROPE_DIM)
+#define TMA_HEADS 16
+#define TMA_WARPS 4
+#define TMA_THREADS (32 * TMA_WARPS)
+#define TMA_BOX_ROWS 16                                 // rows per TMA box (the cache block size is a multiple)
+#define LATENT_BLOCKS (LATENT / 64)                     // 128-byte column blocks of a latent row
+#define SCORE_STEPS (LATENT / 16 / TMA_WARPS)           // each warp's 16-dim mma steps of the scores
+#define OUT_DIMS (KV_LORA / TMA_WARPS)                  // each warp's output dims
+#define KEY_TILES (TMA_KEYS / 8)                        // n8 tiles of scores per warp
+#define TILE_BYTES (LATENT_BLOCKS * TMA_KEYS * 128)
+#define BOX_BYTES (TMA_BOX_ROWS * 128)
+#define EXCHANGE_FLOAT4S (TMA_WARPS * KEY_TILES * 32)  // each warp's partial scores, a float4 per lane and n8 tile
+#define EXCHANGE_BYTES ((1 + TMA_ONE_BARRIER) * EXCHANGE_FLOAT4S * 16)
+#define TMA_SMEM (1024 + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES + 8 * TMA_STAGES)
+static_assert(LATENT % 64 == 0 && (LATENT / 16) % TMA_WARPS == 0, "latent rows of whole 64-column blocks, split 4 ways");
+static_assert(KV_LORA % (16 * TMA_WARPS) == 0, "output quarters of 16-dim steps");
+static_assert(TMA_KEYS == 16 || TMA_KEYS == 32 || TMA_KEYS == 64, "tiles of 16, 32 or 64 keys");
+static_assert(TMA_STAGES >= 1 + TMA_ONE_BARRIER, "a ring of at least one stage (two with one barrier per tile)");
+#define CLUSTER_SLICE (KV_LORA / TMA_CLUSTER)  // output dims each cluster CTA combines
+static_assert(TMA_CLUSTER == 1 || ((TMA_CLUSTER == 2 || TMA_CLUSTER == 4 || TMA_CLUSTER == 8 || TMA_CLUSTER == 16) &&
+                                   TMA_STAGES * TILE_BYTES >= TMA_HEADS * (KV_LORA + 2) * 4),
+              "clusters of 2, 4, 8 or 16 splits; the ring holds a CTA's partial output and (max, sum)");
+#if TMA_CLUSTER > 1
+#define TMA_CLUSTER_ATTRIBUTE __cluster_dims__(1, 1, TMA_CLUSTER)
+#else
+#define TMA_CLUSTER_ATTRIBUTE
+#endif
+
+// A float of cluster CTA `cta`'s shared memory at the offset of this CTA's shared-window address `addr`.
+__device__ __forceinline__ float cluster_load(u32 addr, u32 cta) {
+    float value;
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\nld.shared::cluster.f32 %0, [remote];\n}\n"
+        : "=f"(value) : "r"(addr), "r"(cta) : "memory");
+    return value;
+}
+
+// Shared-window byte address of latent dim `dim` (a multiple of 8) of key row `row` in the tile at `tile`.
+__device__ __forceinline__ u32 latent_at(u32 tile, int row, int dim) {
+#if TMA_ROW_BOXES
+    const int segment = row * LATENT_BLOCKS + (dim >> 6);
+    return tile + segment * 128 + ((((dim & 63) >> 3) ^ (segment & 7)) << 4);
+#else
+    return tile + (dim >> 6) * (TMA_KEYS * 128) + swizzled(row, (dim & 63) >> 3);
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_at(unsigned (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans_at(unsigned (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// The cache rows of the 16-row boxes of the tile starting at context position key0 (-1: past `end`, not copied).
+__device__ __forceinline__ void tile_rows(int (&rows)[TMA_KEYS / TMA_BOX_ROWS], const int* __restrict__ table,
+                                          int block_size, int key0, int end) {
+#pragma unroll
+    for (int b = 0; b < TMA_KEYS / TMA_BOX_ROWS; ++b) {
+        const int pos = key0 + b * TMA_BOX_ROWS;
+        rows[b] = pos < end ? table[pos / block_size] * block_size + pos % block_size : -1;
+    }
+}
+
+// The tile's boxes into `tile`, counted on `bar` (issued by one thread).
+__device__ __forceinline__ void issue_tile(u32 tile, u32 bar, const int (&rows)[TMA_KEYS / TMA_BOX_ROWS],
+                                           const TensorMap* map) {
+    int boxes = 0;
+#pragma unroll
+    for (int b = 0; b < TMA_KEYS / TMA_BOX_ROWS; ++b) boxes += rows[b] >= 0;
+    mbar_arrive_expect_bytes(bar, boxes * LATENT_BLOCKS * BOX_BYTES);
+#pragma unroll
+    for (int b = 0; b < TMA_KEYS / TMA_BOX_ROWS; ++b) {
+        if (rows[b] < 0) continue;
+#if TMA_ROW_BOXES
+        tma_load_3d(tile + b * LATENT_BLOCKS * BOX_BYTES, map, 0, 0, rows[b], bar);
+#else
+#pragma unroll
+        for (int c = 0; c < LATENT_BLOCKS; ++c)
+            tma_load_3d(tile + c * (TMA_KEYS * 128) + b * BOX_BYTES, map, 64 * c, 0, rows[b], bar);
+#endif
+    }
+}
+
+// Two bf16 of a register kept where their keys are valid (below `end`), zeroed else.
+__device__ __forceinline__ unsigned key_pair_mask(int key, int end) {
+    return (key < end ? 0x0000ffffu : 0u) | (key + 1 < end ? 0xffff0000u : 0u);
+}
+
+// grid (T, ceil(num_heads / 16), num_splits), TMA_THREADS threads, TMA_SMEM bytes of dynamic shared memory.
+// Arguments as mla_attention_mma_shared's, then the cache's tensor map (cache_map).
+extern "C" __global__ void TMA_CLUSTER_ATTRIBUTE __launch_bounds__(TMA_THREADS)
+mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int q_stride, int q_pe_offset,
+                  const bf16* __restrict__ cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
+                  int block_size, const int* __restrict__ query_start, int num_seqs,
+                  const int* __restrict__ positions, int num_heads, float scale, bf16* __restrict__ out,
+                  int num_splits, float* __restrict__ partial_o, float* __restrict__ partial_ml,
+                  const int* __restrict__ token_list, int balance_slots, const __grid_constant__ TensorMap cache_map) {
+    extern __shared__ uint4 smem_raw[];
+    const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
+    float4* exchange = reinterpret_cast<float4*>(reinterpret_cast<char*>(smem_raw) +
+                                                 (base - (u32)__cvta_generic_to_shared(smem_raw)) +
+                                                 TMA_STAGES * TILE_BYTES);  // [warp][n8 tile][lane]
+    const u32 bars = base + TMA_STAGES * TILE_BYTES + EXCHANGE_BYTES;        // [stage] full barriers
+    const int t = blockIdx.x;
+    const int step_token = token_list ? token_list[t] : t;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head0 = blockIdx.y * TMA_HEADS;
+    const int heads = min(TMA_HEADS, num_heads - head0);
+    const int split = blockIdx.z;
+    int begin, end;
+    const int* table = mla_split_context<TMA_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq, positions,
+                                                   step_token, num_splits, split, begin, end);
+#if TMA_CLUSTER == 1  // (clusters never balance: their splits always combine on chip)
+    bool whole = num_splits == 1;  // this split is the token's only one: o_latent written here
+    if (balance_slots > 0 && num_splits > 1) {
+        __shared__ int warp_totals[TMA_WARPS];
+        int total = 0;
+        for (int i = threadIdx.x; i < gridDim.x; i += TMA_THREADS) total += positions[token_list ? token_list[i] : i] + 1;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        if (lane == 0) warp_totals[warp] = total;
+        __syncthreads();
+        total = 0;
+#pragma unroll
+        for (int w = 0; w < TMA_WARPS; ++w) total += warp_totals[w];
+        const int context = positions[step_token] + 1;
+        const int length = max(TMA_KEYS, (total + balance_slots - 1) / balance_slots);
+        const int n = min(num_splits, max(1, (context + length / 2) / length));
+        const int per_split = ((context + n - 1) / n + TMA_KEYS - 1) / TMA_KEYS * TMA_KEYS;
+        begin = split * per_split;
+        end = min(context, begin + per_split);
+        whole = begin == 0 && end == context;
+    }
+#endif
+    if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
+        for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
+            const long long head = (long long)t * num_heads + head0 + h;
+            partial_ml[(head * num_splits + split) * 2] = -INFINITY;
+            partial_ml[(head * num_splits + split) * 2 + 1] = 0.f;
+        }
+        return;  // block-uniform
+    }
+    const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty cluster split
+    if (threadIdx.x == 0 && num_tiles > 0) {
+        prefetch_tensor_map(&cache_map);
+        for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_init_fence();
+        for (int i = 0; i < TMA_STAGES && i < num_tiles; ++i) {
+            int rows[TMA_KEYS / TMA_BOX_ROWS];
+            tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);
+            issue_tile(base + i * TILE_BYTES, bars + 8 * i, rows, &cache_map);
+        }
+    }
+    const int group = lane >> 2, pair = (lane & 3) * 2;
+    // this warp's query A fragments: heads group, group + 8; dims of its score steps (zeros past `heads`)
+    unsigned qf[SCORE_STEPS][4];
+    {
+        const long long head_lo = (long long)t * num_heads + head0 + group, head_hi = head_lo + 8;
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
+            const int dim = (warp * SCORE_STEPS + kk) * 16 + pair;
+#pragma unroll
+            for (int part = 0; part < 4; ++part) {
+                const int d = dim + 8 * (part >> 1);
+                const bool valid = (part & 1 ? group + 8 : group) < heads;
+                const long long head = part & 1 ? head_hi : head_lo;
+                const bf16* src = d < KV_LORA ? q_latent + head * KV_LORA + d
+                                              : q + head * q_stride + q_pe_offset + (d - KV_LORA);
+                qf[kk][part] = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
+            }
+        }
+    }
+    float acc[OUT_DIMS / 8][4];
+#pragma unroll
+    for (int j = 0; j < OUT_DIMS / 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // ldmatrix lanes: score B fragments (keys x 16 dims, two n8 tiles per x4), V fragments (16 keys x 16 dims)
+    const int score_key = (lane & 7) + 8 * (lane >> 4), score_dim = 8 * ((lane >> 3) & 1);
+    const int value_key = (lane & 7) + 8 * ((lane >> 3) & 1), value_dim = warp * OUT_DIMS + 8 * (lane >> 4);
+    int next_rows[TMA_KEYS / TMA_BOX_ROWS];
+    __syncthreads();  // the barriers' initialisation
+    for (int i = 0; i < num_tiles; ++i) {
+        const int stage = i % TMA_STAGES, key0 = begin + i * TMA_KEYS;
+        const u32 tile = base + stage * TILE_BYTES;
+#if TMA_ONE_BARRIER  // the stage of tile i - 1 takes tile i - 1 + STAGES after this tile's barrier
+        const bool refill = threadIdx.x == 0 && i >= 1 && i - 1 + TMA_STAGES < num_tiles;
+        if (refill) tile_rows(next_rows, table, block_size, key0 + (TMA_STAGES - 1) * TMA_KEYS, end);
+        float4* tile_exchange = exchange + (i & 1) * EXCHANGE_FLOAT4S;
+#else
+        const bool refill = threadIdx.x == 0 && i + TMA_STAGES < num_tiles;
+        if (refill)  // the page ids of the tile this stage takes next, loaded while this one is multiplied
+            tile_rows(next_rows, table, block_size, key0 + TMA_STAGES * TMA_KEYS, end);
+        float4* tile_exchange = exchange;
+#endif
+        mbar_wait(bars + 8 * stage, (i / TMA_STAGES) & 1);
+        float part[KEY_TILES][4];
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) part[n][v] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < SCORE_STEPS; ++kk) {
+            const int dim = (warp * SCORE_STEPS + kk) * 16 + score_dim;
+#pragma unroll
+            for (int np = 0; np < KEY_TILES / 2; ++np) {
+                unsigned kf[4];  // keys 16np .. 16np + 15, this step's 16 dims
+                ldmatrix_x4_at(kf, latent_at(tile, 16 * np + score_key, dim));
+                mma_bf16_16816(part[2 * np], qf[kk], kf[0], kf[1]);
+                mma_bf16_16816(part[2 * np + 1], qf[kk], kf[2], kf[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+            tile_exchange[(warp * KEY_TILES + n) * 32 + lane] =
+                make_float4(part[n][0], part[n][1], part[n][2], part[n][3]);
+        __syncthreads();
+#if TMA_ONE_BARRIER
+        if (refill) {  // every warp is past tile i - 1
+            const int previous = (i - 1) % TMA_STAGES;
+            issue_tile(base + previous * TILE_BYTES, bars + 8 * previous, next_rows, &cache_map);
+        }
+#endif
+        float s[KEY_TILES][4];
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n) {
+            float4 sum = tile_exchange[n * 32 + lane];
+#pragma unroll
+            for (int w = 1; w < TMA_WARPS; ++w) {  // warps in order: the same bits in every warp
+                const float4 other = tile_exchange[(w * KEY_TILES + n) * 32 + lane];
+                sum.x += other.x;
+                sum.y += other.y;
+                sum.z += other.z;
+                sum.w += other.w;
+            }
+            s[n][0] = sum.x;
+            s[n][1] = sum.y;
+            s[n][2] = sum.z;
+            s[n][3] = sum.w;
+        }
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int key = key0 + 8 * n + pair + (v & 1);
+                s[n][v] = key < end ? s[n][v] * scale : -INFINITY;
+                tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[n][v]);
+            }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
+            row_max[r] = new_max;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                s[n][v] = s[n][v] == -INFINITY ? 0.f : __expf(s[n][v] - row_max[v >> 1]);
+                tile_sum[v >> 1] += s[n][v];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+        }
+#pragma unroll
+        for (int j = 0; j < OUT_DIMS / 8; ++j) {
+            acc[j][0] *= correction[0];
+            acc[j][1] *= correction[0];
+            acc[j][2] *= correction[1];
+            acc[j][3] *= correction[1];
+        }
+        const bool last = key0 + TMA_KEYS > end;  // rows past `end` in this tile: their V halves zeroed
+#pragma unroll
+        for (int ks = 0; ks < TMA_KEYS / 16; ++ks) {
+            unsigned pf[4];
+            pf[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            const int key = key0 + 16 * ks + pair;
+            const unsigned mask_lo = last ? key_pair_mask(key, end) : 0xffffffffu;
+            const unsigned mask_hi = last ? key_pair_mask(key + 8, end) : 0xffffffffu;
+#pragma unroll
+            for (int j = 0; j < OUT_DIMS / 16; ++j) {
+                unsigned vf[4];  // keys 16ks .. 16ks + 15, dims 16j .. 16j + 15 of this warp's quarter
+                ldmatrix_x4_trans_at(vf, latent_at(tile, 16 * ks + value_key, value_dim + 16 * j));
+                mma_bf16_16816(acc[2 * j], pf, vf[0] & mask_lo, vf[1] & mask_hi);
+                mma_bf16_16816(acc[2 * j + 1], pf, vf[2] & mask_lo, vf[3] & mask_hi);
+            }
+        }
+#if !TMA_ONE_BARRIER
+        __syncthreads();  // every warp is done with this stage and with the exchange
+        if (refill) issue_tile(tile, bars + 8 * stage, next_rows, &cache_map);
+#endif
+    }
+#if TMA_CLUSTER > 1
+#if TMA_ONE_BARRIER
+    __syncthreads();  // every warp is done with the last tile before the ring takes the partials
+#endif
+    // the ring is drained (the loop's last barrier): this CTA's normalised partial [16][KV_LORA] and (max, sum)
+    float* partial = reinterpret_cast<float*>(exchange) - TMA_STAGES * TILE_BYTES / 4;
+    float* max_sum = partial + TMA_HEADS * KV_LORA;  // [16][2]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = group + 8 * r;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+#pragma unroll
+        for (int j = 0; j < OUT_DIMS / 8; ++j)
+            *reinterpret_cast<float2*>(partial + h * KV_LORA + warp * OUT_DIMS + 8 * j + pair) =
+                make_float2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+        if (warp == 0 && pair == 0) {
+            max_sum[2 * h] = row_max[r];
+            max_sum[2 * h + 1] = row_sum[r];
+        }
+    }
+    cluster_sync();
+    {
+        const u32 rank = cluster_cta_rank();
+        const u32 partial_at = (u32)__cvta_generic_to_shared(partial), max_sum_at = (u32)__cvta_generic_to_shared(max_sum);
+        for (int i = threadIdx.x; i < TMA_HEADS * CLUSTER_SLICE; i += TMA_THREADS) {
+            const int h = i / CLUSTER_SLICE, d = rank * CLUSTER_SLICE + i % CLUSTER_SLICE;
+            float split_max[TMA_CLUSTER], split_sum[TMA_CLUSTER];  // each split's (max, sum); sum 0: empty
+            float m = -INFINITY;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) {
+                split_max[z] = cluster_load(max_sum_at + 8 * h, z);
+                split_sum[z] = cluster_load(max_sum_at + 8 * h + 4, z);
+                if (split_sum[z] > 0.f) m = fmaxf(m, split_max[z]);
+            }
+            float total = 0.f, sum = 0.f;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) {
+                if (split_sum[z] <= 0.f) continue;
+                const float w = __expf(split_max[z] - m) * split_sum[z];
+                total += w;
+                sum += w * cluster_load(partial_at + 4 * (h * KV_LORA + d), z);
+            }
+            if (h < heads)
+                out[((long long)t * num_heads + head0 + h) * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+        }
+    }
+    cluster_sync();  // every CTA's shared memory stays until the cluster's reads are done
+#else
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = group + 8 * r;
+        if (h >= heads) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        const long long head = (long long)t * num_heads + head0 + h;
+#pragma unroll
+        for (int j = 0; j < OUT_DIMS / 8; ++j) {
+            const int dim = warp * OUT_DIMS + 8 * j + pair;
+            if (whole) {
+                *reinterpret_cast<unsigned*>(out + head * KV_LORA + dim) =
+                    pack_bf16x2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+            } else {
+                *reinterpret_cast<float2*>(partial_o + (head * num_splits + split) * KV_LORA + dim) =
+                    make_float2(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+            }
+        }
+        if (num_splits > 1 && warp == 0 && pair == 0) {  // a whole token's: +inf, the combine leaves it
+            partial_ml[(head * num_splits + split) * 2] = whole ? INFINITY : row_max[r];
+            partial_ml[(head * num_splits + split) * 2 + 1] = row_sum[r];
+        }
+    }
+#endif
+}
