@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_blocks = max(decode_batches, default=0) * -(-args.decode_context // BLOCK_SIZE)
     max_context = max(args.prompt_len, args.context, args.decode_context)
     max_seqs = max(len(new) for new, _ in shapes.values())
-    engine = create_engine(str(path), device=args.device, max_num_seqs=max(max_seqs, *decode_batches),
+    engine = create_engine(str(path), device=args.device, max_num_seqs=max([max_seqs, *decode_batches]),
                            max_model_len=max_context + BLOCK_SIZE, num_kv_blocks=max(mixed_blocks, decode_blocks) + 2,
                            enable_prefix_cache=False, load_format=args.load_format or ("dummy" if preset else "auto"))
     results = Path(args.results_dir)
