@@ -359,6 +359,8 @@ BS1_VARIANTS = (
     # captured; with --max-num-seqs 1 it is the only decode graph (its pool holds nothing else)
     ("prefill_graphs_off", {"OPENINFER_PREFILL_GRAPHS": "0"}, ""),
     ("only_bucket_1", {}, "--max-num-seqs 1"),
+    # opt-in: o_proj / down add into the residual (a batch-1 row keeps its GEMVs: expected unchanged)
+    ("residual_gemm_on", {"OPENINFER_RESIDUAL_GEMM": "1"}, ""),
 )
 
 
