@@ -123,13 +123,49 @@ def overlap_probe(call: Any, repeats: int) -> dict[str, float]:
     return result
 
 
+def held_forward(engine: Any, timer: Any, host: Any, repeats: int) -> dict[str, float]:
+    """The step's device time in one piece, with the host out of the picture: a spin kernel holds
+    the device while the host enqueues the whole forward, events around the forward only. Set
+    against the ops' sum (the same kernels replayed op by op) it says whether the measured step's
+    excess is on the device (kernels the ledger does not list, or slower back to back) or on the
+    host (preparing the batch, launching: the engine overlaps that with the previous step).
+    ``forward_ms``: the model's forward on a prepared batch; ``prepare_and_forward_ms``: the
+    batch's preparation (uploads, plans) inside the held window too."""
+    import cupy
+
+    backend, model = engine.model.backend, engine.model
+    device = backend.prepare_batch(host)
+    runs = {"forward_ms": lambda: model.forward(device, engine.kv_cache),
+            "prepare_and_forward_ms": lambda: model.forward(backend.prepare_batch(host), engine.kv_cache)}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
+        began = time.perf_counter()
+        fn()
+        enqueue_s = time.perf_counter() - began
+        cupy.cuda.get_current_stream().synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            timer.hold(2.0 * enqueue_s + 0.01)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        out[name] = float(sorted(times)[len(times) // 2])
+        out[name.replace("_ms", "_enqueue_ms")] = 1e3 * enqueue_s
+    return out
+
+
 def summarize(entry: dict[str, Any]) -> dict[str, Any]:
     kinds = breakdown(entry)
     total = entry["sum_device_s"]
     return {"phase": entry["phase"], "batch": entry["batch"], "tokens": entry["tokens"],
             "measured_ms": entry["measured_s"] * 1e3, "ops_sum_ms": total * 1e3,
             "gemm_ms": kinds.get(GEMM_KIND, 0.0) * 1e3, "non_gemm_ms": (total - kinds.get(GEMM_KIND, 0.0)) * 1e3,
-            "by_kind_ms": {k: v * 1e3 for k, v in kinds.items()}}
+            "by_kind_ms": {k: v * 1e3 for k, v in kinds.items()}, **({"held": entry["held"]} if "held" in entry else {})}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -138,10 +174,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s (measured in the same run). "
              f"Written by `{report['command']}`.", ""]
     for entry, summary in zip(report["entries"], report["summaries"], strict=True):
+        held = entry.get("held")
+        held_text = (f" Device held while the host enqueues (events around the forward only): forward "
+                     f"{held['forward_ms']:.3f} ms, with the batch's preparation {held['prepare_and_forward_ms']:.3f} ms "
+                     f"(host enqueue {held['forward_enqueue_ms']:.1f} / {held['prepare_and_forward_enqueue_ms']:.1f} ms)."
+                     if held else "")
         lines += [f"## {entry['title']}", "",
                   f"Measured step {summary['measured_ms']:.3f} ms ({entry['measured_how']}); ops sum "
-                  f"{summary['ops_sum_ms']:.3f} ms = GEMMs {summary['gemm_ms']:.3f} + other {summary['non_gemm_ms']:.3f} ms.",
-                  "", "| kind | ms | % of ops |", "|---|---:|---:|"]
+                  f"{summary['ops_sum_ms']:.3f} ms = GEMMs {summary['gemm_ms']:.3f} + other {summary['non_gemm_ms']:.3f} ms."
+                  + held_text, "", "| kind | ms | % of ops |", "|---|---:|---:|"]
         for kind, ms in summary["by_kind_ms"].items():
             lines.append(f"| {kind} | {ms:.3f} | {100 * ms / max(summary['ops_sum_ms'], 1e-12):.1f} |")
         lines += ["", "| op | kind | kernels | calls | ms | GB | GFLOP | % roofline | bound |",
@@ -221,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_blocks = max(decode_batches, default=0) * -(-args.decode_context // BLOCK_SIZE)
     max_context = max(args.prompt_len, args.context, args.decode_context)
     max_seqs = max(len(new) for new, _ in shapes.values())
-    engine = create_engine(str(path), device=args.device, max_num_seqs=max(max_seqs, *decode_batches),
+    engine = create_engine(str(path), device=args.device, max_num_seqs=max([max_seqs, *decode_batches]),
                            max_model_len=max_context + BLOCK_SIZE, num_kv_blocks=max(mixed_blocks, decode_blocks) + 2,
                            enable_prefix_cache=False, load_format=args.load_format or ("dummy" if preset else "auto"))
     results = Path(args.results_dir)
@@ -257,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         for title, phase, host in steps:
             entry = ledger.measure(phase, host)
             entry["title"] = title
+            if phase == "mixed" and args.device == "cuda":
+                entry["held"] = held_forward(engine, timer, host, max(3, args.repeats))
+                log(f"    device held: {entry['held']}")
             summary = summarize(entry)
             report["entries"].append(entry)
             report["summaries"].append(summary)

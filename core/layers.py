@@ -52,6 +52,11 @@ class DecoderLayer:
     Under tensor parallelism (``comm.world_size > 1``) each rank holds its heads' part of qkv,
     its rows of gate_up and the matching input columns of o_proj and down: the outputs of
     o_proj and down are partial sums, completed by one all-reduce each.
+
+    Where the backend adds a GEMM's product into the residual in place (``linear_residual``:
+    cuda, ``OPENINFER_RESIDUAL_GEMM=1``, one rank), o_proj and down write into the residual and
+    the next norm reads it alone: ``forward`` then returns ``(None, residual)`` and the next
+    layer's (or the stack's final) norm is a plain RMSNorm of the residual.
     """
 
     input_norm: Any
@@ -66,15 +71,32 @@ class DecoderLayer:
                 eps: float, comm: Communicator = SINGLE_RANK) -> tuple[Any, Any]:
         qkv, residual = norm_linear(ops, x, residual, self.input_norm, eps, self.qkv)
         attn = ops.attention(qkv, self.attention, kv, batch)
-        attn_out = comm.all_reduce(ops.linear(attn, self.o_proj))
+        if added_into_residual(ops, attn, self.o_proj, residual, comm):
+            attn_out = None
+        else:
+            attn_out = comm.all_reduce(ops.linear(attn, self.o_proj))
         gate_up, residual = norm_linear(ops, attn_out, residual, self.post_attention_norm, eps, self.gate_up)
+        if added_into_residual(ops, gate_up, self.down, residual, comm, silu_mul=True):
+            return None, residual
         return comm.all_reduce(silu_mul_linear(ops, gate_up, self.down)), residual
 
 
-def norm_linear(ops: Backend, x: Any, residual: Any | None, norm_weight: Any, eps: float,
+def added_into_residual(ops: Backend, x: Any, layer: Any, residual: Any | None, comm: Communicator,
+                        silu_mul: bool = False) -> bool:
+    """``residual += linear(x)`` (``silu_mul``: of ``silu_mul(x)``) in place, where the backend
+    does it in one GEMM (``linear_residual``) and the product is whole on this rank; False:
+    nothing was done."""
+    add = getattr(ops, "linear_residual", None)
+    return add is not None and residual is not None and comm.world_size == 1 and add(x, layer, residual, silu_mul)
+
+
+def norm_linear(ops: Backend, x: Any | None, residual: Any | None, norm_weight: Any, eps: float,
                 layer: Any) -> tuple[Any, Any]:
     """``(linear(rms_norm(x + residual)), x + residual)``, or with no residual yet
-    ``(linear(rms_norm(x)), x)``: one op where the backend fuses it (cuda decode rows)."""
+    ``(linear(rms_norm(x)), x)``: one op where the backend fuses it (cuda decode rows). ``x``
+    None: the residual already holds the sum (``added_into_residual``)."""
+    if x is None:
+        x, residual = residual, None
     fused = getattr(ops, "add_rms_norm_linear", None)
     if fused is not None:
         return fused(x, residual, norm_weight, eps, layer)
@@ -116,9 +138,11 @@ class DecoderStack:
         residual = None
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             x, residual = layer.forward(ops, x, residual, kv, batch, self.eps, comm)
-        x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
-        h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.eps)
+        if x is None:  # the last layer added its output into the residual
+            h = ops.rms_norm(residual, self.final_norm, self.eps)
+        else:
+            h, _ = ops.add_rms_norm(ops.gather_rows(x, batch.logits_rows), residual, self.final_norm, self.eps)
         if self.vocab is None:
             return ops.linear(h, self.lm_head)
         return vocab_parallel_logits(ops, h, self.lm_head, self.vocab_size, comm)

@@ -12,6 +12,12 @@ Columns of ``steps`` (``STEP_COLUMNS``): ``began`` (s, wall clock), ``host_ms`` 
 device batch and queueing the kernels), ``tokens``, ``seqs``, ``decodes``, ``max_query``,
 ``graph`` (0/1); with device times also ``device_start_ms`` (from the first step kept),
 ``busy_ms`` and ``gap_ms`` (idle before this step; NaN for the first).
+
+``decode_rows`` (where the batches carry request ids): per request, the positions in ``steps``
+of the launches it rode in as a one-token row (a decode), oldest first — the steps whose device
+time a streamed request's TPOT should be set against (``request_decode_steps``). A launch keeps a
+reference to its batch's ``request_ids`` tuple (no per-row work on the engine thread) and the
+inversion happens in ``write``.
 """
 
 from __future__ import annotations
@@ -34,11 +40,31 @@ class StepLog:
 
     def __init__(self, capacity: int = 4096):
         self.records: deque[tuple] = deque(maxlen=capacity)
+        # per kept launch: the request ids of its one-token rows (the batch's own tuple when
+        # every row is one), or () where the batch names no requests
+        self.decode_ids: deque[tuple[str, ...]] = deque(maxlen=capacity)
 
     def observe(self, batch: Any, graphed: bool, began: float, returned: float) -> None:
         lengths = np.diff(batch.query_start)
+        one_token = lengths == 1
+        decodes = int(np.count_nonzero(one_token))
         self.records.append((began, 1e3 * (returned - began), batch.num_tokens, batch.num_seqs,
-                             int(np.count_nonzero(lengths == 1)), int(batch.max_query_len), int(graphed)))
+                             decodes, int(batch.max_query_len), int(graphed)))
+        ids = getattr(batch, "request_ids", ()) or ()
+        if len(ids) != len(lengths):  # padded or anonymous rows: nothing to attribute
+            ids = ()
+        elif decodes != len(ids):
+            ids = tuple(ids[i] for i in np.flatnonzero(one_token))
+        self.decode_ids.append(ids)
+
+    def decode_rows(self) -> dict[str, list[int]]:
+        """Per request id, the positions (in ``rows()``) of the kept launches it rode in as a
+        one-token row, oldest first."""
+        out: dict[str, list[int]] = {}
+        for position, ids in enumerate(self.decode_ids):
+            for request_id in ids:
+                out.setdefault(request_id, []).append(position)
+        return out
 
     @classmethod
     def attach(cls, engine: Any) -> StepLog | None:
@@ -78,7 +104,8 @@ class StepLog:
         with open(temporary, "w") as handle:
             # NaN is not JSON: the first gap becomes null
             json.dump({"columns": columns, "steps": [[None if isinstance(v, float) and math.isnan(v) else v
-                                                      for v in row] for row in rows]}, handle)
+                                                      for v in row] for row in rows],
+                       "decode_rows": self.decode_rows()}, handle)
         os.replace(temporary, path)
 
 
@@ -128,4 +155,46 @@ def summarize_steps(log: dict, since: float, until: float) -> dict:
     last = rows[-1]
     device_ms = last[index["busy_ms"]] if "busy_ms" in index and last[index["busy_ms"]] is not None else 0.0
     out["last_step_end_estimate"] = float(last[index["began"]] + 1e-3 * (last[index["host_ms"]] + device_ms))
+    return out
+
+
+def request_decode_steps(log: dict, since: float, until: float) -> list[dict]:
+    """Per request whose first decode step began in ``[since, until]`` (wall clock), the steps it
+    rode in as a one-token row (``decode_rows`` of the log), oldest request first:
+
+    - ``steps``: how many; ``first`` / ``last``: their positions in ``log["steps"]``;
+    - ``device_ms``: the mean device time of those steps (``busy_ms``), what a decode token of
+      this request cost the GPU — mixed steps it rode in count at their full length;
+    - ``engine_ms``: its tokens' cadence on the device timeline, from the end of the step before
+      its first decode step (the one that sampled its first token) to the end of its last,
+      over ``steps`` — ``device_ms`` plus the device's idle gaps while the host prepared steps;
+    - ``launch_ms``: the same cadence on the host's wall clock, from the launch of the step
+      before its first decode step to the launch of its last (no device columns needed: the
+      NumPy backend and the stub engine have only this one)."""
+    index = {name: i for i, name in enumerate(log["columns"])}
+    steps = log["steps"]
+
+    def value(position: int, name: str) -> float | None:
+        # rows older than the step timer's window have no device columns
+        row = steps[position]
+        return row[index[name]] if name in index and index[name] < len(row) else None
+
+    out = []
+    for request_id, positions in (log.get("decode_rows") or {}).items():
+        if not positions or not since <= value(positions[0], "began") <= until:
+            continue
+        row: dict[str, Any] = {"request_id": request_id, "steps": len(positions), "first": positions[0],
+                               "last": positions[-1], "first_began": value(positions[0], "began"),
+                               "last_began": value(positions[-1], "began")}
+        if positions[0] > 0:
+            row["launch_ms"] = 1e3 * (row["last_began"] - value(positions[0] - 1, "began")) / len(positions)
+        busy = [value(p, "busy_ms") for p in positions]
+        if all(b is not None for b in busy):
+            row["device_ms"] = float(np.mean(busy))
+            end = value(positions[-1], "device_start_ms") + busy[-1]
+            if positions[0] > 0 and value(positions[0] - 1, "busy_ms") is not None:
+                start = value(positions[0] - 1, "device_start_ms") + value(positions[0] - 1, "busy_ms")
+                row["engine_ms"] = float((end - start) / len(positions))
+        out.append(row)
+    out.sort(key=lambda r: (r["first"], r["last"]))
     return out

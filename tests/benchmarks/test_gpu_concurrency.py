@@ -132,3 +132,31 @@ def test_a_stub_run_and_an_appended_peer_both_get_ttft_rows(tmp_path, capsys):
         assert not (tmp_path / "stub.png").exists()
     else:
         assert (tmp_path / "stub.png").stat().st_size > 0
+
+
+def test_per_request_tpot_pairs_streams_with_the_steps_their_requests_rode_in():
+    columns = ["began", "host_ms", "tokens", "seqs", "decodes", "max_query", "graph",
+               "device_start_ms", "busy_ms", "gap_ms"]
+    # step 0 prefills a and b, step 1 decodes them beside c's prompt (a long mixed step), steps 2-3
+    # decode all three, step 4 only c; each step begins 0.1 s after the previous (wall clock)
+    busy = [50.0, 100.0, 10.0, 10.0, 9.0]
+    starts = [0.0, 51.0, 152.0, 163.0, 175.0]
+    steps = [[100.0 + 0.1 * i, 1.0, 0, 0, 0, 1, 0, start, b, None if i == 0 else 1.0]
+             for i, (start, b) in enumerate(zip(starts, busy, strict=True))]
+    log = {"columns": columns, "steps": steps, "decode_rows": {"a": [1, 2, 3], "b": [1, 2, 3], "c": [2, 3, 4]}}
+    # a and b: first token after step 0, last after step 3, 4 tokens; c one step later
+    row = {"burst_began": 99.0, "burst_ended": 101.0,
+           "stream_times": [[100.06, 100.36, 4], [100.16, 100.46, 4], [100.05, 100.35, 4]]}
+    out = gpu_concurrency.per_request_tpot(row, log)
+    assert out["matched"] and out["num_streams"] == out["num_engine_requests"] == 3
+    assert out["decode_steps_per_token"] == 1.0
+    # a / b rode steps 1-3 (100 + 10 + 10 ms); c rode 2-4 (10 + 10 + 9)
+    device = sorted([120.0 / 3] * 2 + [29.0 / 3])
+    assert np.isclose(out["device_ms"]["p50"], np.percentile(device, 50))
+    tpot = [100.0, 100.0, 100.0]  # every stream: 0.3 s over 3 tokens after its first
+    assert np.isclose(out["tpot_over_device"]["p50"], np.percentile(np.divide(tpot, [40.0, 40.0, 29.0 / 3]), 50))
+    # cadence on the device timeline: a / b from the end of step 0 (50) to the end of step 3 (173),
+    # c from the end of step 1 (151) to the end of step 4 (184), over 3 steps each
+    assert np.isclose(out["engine_ms"]["p50"], 41.0) and np.isclose(out["engine_ms"]["mean"], (41 + 41 + 11) / 3)
+    one_short = dict(row, stream_times=row["stream_times"][:2])
+    assert not gpu_concurrency.per_request_tpot(one_short, log)["matched"]

@@ -69,3 +69,15 @@ def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu_mixed_step.main(["--device", "cpu", *argv])
     assert exit_info.value.code == 2
+
+
+def test_a_run_without_a_decode_step(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN3))
+    out = tmp_path / "results"
+    assert gpu_mixed_step.main(["--device", "cpu", "--model-path", str(model), "--load-format", "dummy",
+                                "--decodes", "3", "--budget", "40", "--prompt-len", "16", "--context", "40",
+                                "--decode-batch", "0", "--repeats", "1", "--results-dir", str(out)]) == 0
+    (mixed,) = json.loads((out / "mixed_step.json").read_text())["entries"]
+    assert (mixed["phase"], mixed["tokens"]) == ("mixed", 40)

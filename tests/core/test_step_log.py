@@ -9,18 +9,24 @@ import math
 import numpy as np
 
 from openinfer.backend.base import ForwardBatch
-from openinfer.engine_core.step_log import DEVICE_COLUMNS, STEP_COLUMNS, StepLog, summarize_steps
+from openinfer.engine_core.step_log import (
+    DEVICE_COLUMNS,
+    STEP_COLUMNS,
+    StepLog,
+    request_decode_steps,
+    summarize_steps,
+)
 from openinfer.graph import EagerRunner
 
 
-def batch(query_lens: list[int]) -> ForwardBatch:
+def batch(query_lens: list[int], request_ids: tuple[str, ...] = ()) -> ForwardBatch:
     count, tokens = len(query_lens), sum(query_lens)
     query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     return ForwardBatch(token_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
                         query_start=query_start, context_lens=np.asarray(query_lens, np.int32),
                         block_tables=np.zeros((count, 1), np.int32), slot_mapping=np.zeros(tokens, np.int32),
                         logits_rows=query_start[1:] - 1, max_query_len=max(query_lens),
-                        max_context_len=max(query_lens))
+                        max_context_len=max(query_lens), request_ids=request_ids)
 
 
 class CountingBackend:
@@ -121,3 +127,36 @@ def test_a_log_without_device_times_still_summarizes():
     summary = summarize_steps(written, 0.0, 2.0)
     assert summary["decode"]["tokens"] == 2 and "busy_ms_total" not in summary
     assert summary["last_step_end_estimate"] == 1.0 + 1e-3 * log.rows()[0][1]
+
+
+def test_each_request_gets_the_steps_it_rode_in_as_a_decode_row(tmp_path):
+    log = StepLog()
+    log.observe(batch([500, 300], ("a", "b")), False, 10.0, 10.001)        # both prefill
+    log.observe(batch([1, 1, 700], ("a", "b", "c")), False, 10.1, 10.101)  # a, b decode beside c's prompt
+    log.observe(batch([1, 1, 1], ("a", "b", "c")), True, 10.2, 10.201)
+    log.observe(batch([1, 1]), True, 10.3, 10.301)                         # no ids: attributed to nobody
+    log.observe(batch([1], ("c",)), True, 10.4, 10.401)
+    assert log.decode_rows() == {"a": [1, 2], "b": [1, 2], "c": [2, 4]}
+    #                     step 0      1            2           3           4
+    timer = FakeTimer([(0.0, 50.0), (51.0, 151.0), (152.0, 162.0), (170.0, 180.0), (181.0, 190.0)])
+    path = tmp_path / "steps.json"
+    log.write(str(path), timer)
+    written = json.loads(path.read_text())
+    assert written["decode_rows"] == {"a": [1, 2], "b": [1, 2], "c": [2, 4]}
+    rows = {r["request_id"]: r for r in request_decode_steps(written, 10.05, 10.5)}
+    assert rows["a"]["steps"] == 2 and rows["a"]["device_ms"] == (100.0 + 10.0) / 2
+    # from the end of step 0 (it sampled a's first token) to the end of step 2, over two tokens
+    assert rows["a"]["engine_ms"] == (162.0 - 50.0) / 2
+    # c: steps 2 and 4, 10 and 9 ms on the device; from the end of step 1 to the end of step 4
+    assert rows["c"]["device_ms"] == 9.5 and rows["c"]["engine_ms"] == (190.0 - 151.0) / 2
+    assert [r["request_id"] for r in request_decode_steps(written, 10.15, 10.5)] == ["c"]
+    assert request_decode_steps(written, 11.0, 12.0) == []
+
+
+def test_request_steps_without_device_times_have_counts_only():
+    log = StepLog()
+    log.observe(batch([1, 1], ("a", "b")), True, 1.0, 1.001)
+    written = {"columns": list(STEP_COLUMNS), "steps": log.rows(), "decode_rows": log.decode_rows()}
+    rows = request_decode_steps(written, 0.0, 2.0)
+    assert [(r["request_id"], r["steps"]) for r in rows] == [("a", 1), ("b", 1)]
+    assert all("device_ms" not in r for r in rows)

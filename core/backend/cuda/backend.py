@@ -26,10 +26,13 @@ from openinfer.backend.cuda.linear import (
     GEMV_MAX_ROWS,
     CudaLinear,
     FusedLaunch,
+    accumulates,
     fusable,
     fused_add_rms_norm_gemv,
     fused_silu_mul_gemv,
     linear,
+    linear_accumulate,
+    residual_gemm_wanted,
 )
 from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
@@ -348,6 +351,19 @@ class CudaBackend:
                 and fusable(gate_up[:, : layer.in_features], layer)):
             return fused_silu_mul_gemv(gate_up, layer, self.num_sms, self.fused_launch)
         return self.linear(self.silu_mul(gate_up), layer)
+
+    def linear_residual(self, x: cupy.ndarray, layer: CudaLinear, residual: cupy.ndarray,
+                        silu_mul: bool = False) -> bool:
+        """``residual += linear(x)`` (``silu_mul``: ``linear(silu_mul(x))``) in place, one GEMM with
+        beta = 1, under ``OPENINFER_RESIDUAL_GEMM=1`` where ``linear.accumulates``; False: nothing
+        done (the caller runs ``linear`` and ``add_rms_norm``)."""
+        rows = x.shape[0] if x.ndim == 2 else 0
+        if (not residual_gemm_wanted() or not isinstance(residual, cupy.ndarray) or residual.dtype != cupy.uint16
+                or not residual.flags.c_contiguous or residual.shape != (rows, layer.out_features)
+                or not accumulates(rows, layer, self.use_gemv, self.gemm_row_buckets)):
+            return False  # checked before any work: False means nothing was launched
+        x = self.silu_mul(x) if silu_mul else _bf16(x, "linear_residual input")
+        return linear_accumulate(x, layer, residual, self.blas, self.use_gemv, self.gemm_row_buckets)
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
         gate_up = _bf16(gate_up, "silu_mul input")

@@ -76,6 +76,7 @@ class Cublas:
         self._stream = -1
         self._alpha = ctypes.c_float(1.0)
         self._beta = ctypes.c_float(0.0)
+        self._beta_accumulate = ctypes.c_float(1.0)
         self._lock = threading.Lock()
         # cuBLASLt with timed algorithms for decode-sized GEMMs (None: off or unavailable)
         self.tuned: LtTunedGemm | None = None
@@ -93,19 +94,22 @@ class Cublas:
             self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
             self._stream = stream
 
-    def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray) -> None:
-        """``out[M, N] = x[M, K] @ weight[N, K]^T`` in bf16 with fp32 accumulation (row-major)."""
+    def matmul_nt(self, x: cupy.ndarray, weight: cupy.ndarray, out: cupy.ndarray, accumulate: bool = False) -> None:
+        """``out[M, N] = x[M, K] @ weight[N, K]^T`` in bf16 with fp32 accumulation (row-major);
+        ``accumulate``: ``out += x @ weight^T`` (beta = 1: ``out``'s bf16 values join the fp32 sum,
+        one rounding to bf16 at the end), always on gemmEx (the tuned path writes, never adds)."""
         m, k = x.shape
         n = weight.shape[0]
         with self._lock:
-            if self.tuned is not None and self.tuned.matmul_nt(x, weight, out):
+            if not accumulate and self.tuned is not None and self.tuned.matmul_nt(x, weight, out):
                 return
             self._bind_stream()
+            beta = self._beta_accumulate if accumulate else self._beta
             # column-major view: out^T[N, M] = weight[N, K] . x^T[K, M]  ->  gemm(T, N, N, M, K)
             self._check(self.lib.cublasGemmEx(
                 self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._alpha),
                 ctypes.c_void_p(weight.data.ptr), CUDA_R_16BF, k,
-                ctypes.c_void_p(x.data.ptr), CUDA_R_16BF, k, ctypes.byref(self._beta),
+                ctypes.c_void_p(x.data.ptr), CUDA_R_16BF, k, ctypes.byref(beta),
                 ctypes.c_void_p(out.data.ptr), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                 "cublasGemmEx")
 
