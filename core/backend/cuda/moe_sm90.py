@@ -19,6 +19,11 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 (benchmarks/gpu_kimi.py experts, results/kimi_experts_sm90_e1_h200.json), against what shipped:
 8192 tokens 3059 -> 1517 us (cuBLAS per expert, eager; 278 -> 561 TFLOP/s, gate_up alone 575, down
 524), 4096 2636 -> 837 us, 1024 820 -> 340 us (CUDA graph), 256 403 -> 313 us, 64 329 -> 290 us.
+
+Decode steps (up to 24 slots per expert) run a smaller build since E1 of 2026-11-24 (SM90_SHAPE_CHOICE):
+64-slot tiles on one consumer warpgroup, 128 weight rows per tile, stages of two 64-wide k sub-tiles
+(256 contiguous bytes of each weight row per stage): 87-90 % -> 92-93 % of the copy bandwidth. Opt-in
+builds: stream-K (SM90_STREAM_K) and programmatic dependent launch of down after gate_up (SM90_PDL).
 """
 
 from __future__ import annotations
