@@ -274,15 +274,19 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = report["points"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    colors = plt.get_cmap("tab20").colors
     if report["benchmark"] == "moe_grouped_experts":
         names = [f"{shape}_{run}" for shape in report["shapes"] for run in ("both", "pdl")
                  if run == "both" or shape in report["pdl_shapes"]]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             ax.bar(np.arange(len(points)) + i * width, [100 * p[f"{name}_fraction_of_copy"] for p in points],
-                   width, label=name.replace("_both", "").replace("_pdl", " + PDL"))
+                   width, label=name.replace("_both", "").replace("_pdl", " + PDL"), color=colors[i % len(colors)])
         ax.axhline(80, color="k", lw=0.8, ls="--", label="80 % of copy bandwidth")
+        ax.axhline(90, color="k", lw=0.8, ls=":", label="90 %")
+        lowest = min(100 * p[f"{name}_fraction_of_copy"] for p in points for name in names)
+        ax.set_ylim(max(0.0, min(60.0, lowest - 5)), 100)
         ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2,
                       [f"{p['tokens']} tokens\n{p['slots_per_expert']:.1f} / expert" for p in points])
         ax.set_ylabel("% of copy bandwidth (gate_up + down)")
@@ -291,11 +295,13 @@ def plot(report: dict, path: Path) -> None:
         names = list(report["variants"])
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_us"] for p in points], width, label=name)
+            ax.bar(np.arange(len(points)) + i * width, [p[f"{name}_us"] for p in points], width, label=name,
+                   color=colors[i % len(colors)])
+        ax.set_yscale("log")
         ax.set_xticks(np.arange(len(points)) + 0.4 - width / 2, [f"{p['tokens']} tokens" for p in points])
         ax.set_ylabel("us per layer")
         ax.set_title(f"Moonlight routing parts by kernel ({report['device']})")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
