@@ -298,9 +298,12 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
-# Opt-in until measured: OPENINFER_MOE_COMBINE_VEC=1 combines with moe_routing.cu's moe_combine_vec8 (8 columns
-# per thread, every slot's 16 bytes in flight; the same sums in the same order) where the rows allow it.
-COMBINE_VEC_ENV, COMBINE_VEC_THREADS = "OPENINFER_MOE_COMBINE_VEC", 256
+# moe_routing.cu's moe_combine_vec8 (8 columns per thread, every slot's 16 bytes in flight; the same sums in the
+# same order: the same bits) combines steps of at least COMBINE_VEC_MIN_TOKENS tokens where the rows allow it
+# (OPENINFER_MOE_COMBINE_VEC=1 / =0: at any size / never). E1 (H200, 2026-11-24, Moonlight 64 x top-6 x 2048,
+# results/moe_routing_e1_h200.json): 256 tokens 5.4 -> 3.4 us, 1024 15.5 -> 9.0 us (graphs), 4096 91.9 -> 65.9,
+# 8192 162.5 -> 108.8 us (eager); at 16 / 64 tokens moe_combine is ahead (2.5 vs 2.9, 2.8 vs 3.0 us).
+COMBINE_VEC_ENV, COMBINE_VEC_THREADS, COMBINE_VEC_MIN_TOKENS = "OPENINFER_MOE_COMBINE_VEC", 256, 256
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -774,6 +777,12 @@ def dequantize(weight: ExpertLinear) -> cupy.ndarray:
     return out
 
 
+def combine_vec_wanted(num_tokens: int) -> bool:
+    """$OPENINFER_MOE_COMBINE_VEC=1 / =0, unset: from COMBINE_VEC_MIN_TOKENS tokens (another value: a clear error)."""
+    value = os.environ.get(COMBINE_VEC_ENV, "")
+    return num_tokens >= COMBINE_VEC_MIN_TOKENS if value == "" else _switch(COMBINE_VEC_ENV)
+
+
 def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int, top_k: int) -> bool:
     """moe_combine_vec8's needs: whole 16-byte pieces of the rows, 16-byte aligned y and shared, k <= 16."""
     return (hidden % 8 == 0 and y.data.ptr % 16 == 0 and (shared is None or shared.data.ptr % 16 == 0)
@@ -783,11 +792,11 @@ def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int,
 def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None, hidden: int,
             vectorized: bool | None = None) -> cupy.ndarray:
     """``out[t] = Σ_j weights[t, j] · y[slot_pos[t·k + j]] (+ shared[t])``, bf16 ``[T, hidden]``:
-    moe_combine, or with ``vectorized`` (default $OPENINFER_MOE_COMBINE_VEC, off) moe_combine_vec8."""
+    moe_combine, or with ``vectorized`` (default ``combine_vec_wanted``) moe_combine_vec8 (the same bits)."""
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
     if vectorized is None:
-        vectorized = _switch(COMBINE_VEC_ENV)
+        vectorized = combine_vec_wanted(num_tokens)
     if num_tokens and vectorized and combine_vec_ready(y, shared, hidden, grouping.top_k):
         column_blocks = -(-hidden // (8 * COMBINE_VEC_THREADS))
         kernel("moe_routing.cu", "moe_combine_vec8")((num_tokens, column_blocks), (COMBINE_VEC_THREADS,), (

@@ -19,6 +19,11 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 (benchmarks/gpu_kimi.py experts, results/kimi_experts_sm90_e1_h200.json), against what shipped:
 8192 tokens 3059 -> 1517 us (cuBLAS per expert, eager; 278 -> 561 TFLOP/s, gate_up alone 575, down
 524), 4096 2636 -> 837 us, 1024 820 -> 340 us (CUDA graph), 256 403 -> 313 us, 64 329 -> 290 us.
+
+Decode steps (up to 24 slots per expert) run a smaller build since E1 of 2026-11-24 (SM90_SHAPE_CHOICE):
+64-slot tiles on one consumer warpgroup, 128 weight rows per tile, stages of two 64-wide k sub-tiles
+(256 contiguous bytes of each weight row per stage): 87-90 % -> 92-93 % of the copy bandwidth. Opt-in
+builds: stream-K (SM90_STREAM_K) and programmatic dependent launch of down after gate_up (SM90_PDL).
 """
 
 from __future__ import annotations
@@ -83,8 +88,8 @@ class Sm90Shape:
         return self.stages * (self.tile_m + self.tile_n) * 128 * self.k_sub + 16 * self.stages + 1024
 
 
-# Shapes for small steps (opt-in until measured; OPENINFER_MOE_SM90_SHAPE=<name> forces one wherever the
-# Hopper kernel runs): a decode step of 16-256 tokens has 1.5-24 slots per expert, so a 128-slot tile is
+# Shapes for small steps (SM90_SHAPE_CHOICE picks one by slots per expert; OPENINFER_MOE_SM90_SHAPE=<name>
+# forces one wherever the Hopper kernel runs): a decode step of 16-256 tokens has 1.5-24 slots per expert, so a 128-slot tile is
 # mostly padding and the weight stream is the whole cost. "skip": the second warpgroup's padding rows
 # leave the tensor cores alone; "m64_s5": one consumer warpgroup (a smaller A stage: 5 stages fit);
 # "n128": 128 weight rows per tile, twice the work units (a shorter last wave). sm_90a ptxas, fused
@@ -105,8 +110,14 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
     "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
 }
-# The shape by slots per expert (the first entry whose bound holds); "base" everywhere until measured.
-SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
+# The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
+# benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
+# per expert m64_n128_k2 (one consumer warpgroup, 128 weight rows x 128-wide k stages), the same bits as
+# "base". Moonlight's routed experts per layer, gate_up + down, graphs, copy bandwidth 4.25 TB/s: 16 tokens
+# 240 -> 227 us (87 -> 92 %), 64 tokens 289 -> 280 us (90 -> 93 %), 256 tokens 309 -> 284 us (84 -> 92 %);
+# m64_s5 229 / 279 / 292; stream-K (sk*) and 128-row tiles with two warpgroups (n128*) no faster than base.
+# Above 24 slots per expert (prefill) unmeasured: base.
+SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((24, "m64_n128_k2"), (float("inf"), "base"))
 
 
 # Opt-in until measured: OPENINFER_MOE_SM90_PDL=1 builds the kernel with SM90_PDL (each CTA lets the next
@@ -305,11 +316,12 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     vouches that the previous kernel on the stream started after this step's routing and grouping
     completed: gate_up before down). The caller checks ``sm90_ready``."""
     num_slots = int(grouping.sorted_slots.size)
-    tiles = sm90_shape(num_slots / weight.num_experts, shape)
-    if stages is not None:
-        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
     if multicast is None:
         multicast = num_slots >= SM90_MULTICAST_MIN_ROWS_PER_EXPERT * weight.num_experts
+    # CTA pairs run the base tiles (unless a shape is named: then sm90_kernel says what cannot pair)
+    tiles = SM90_SHAPES["base"] if multicast and shape is None else sm90_shape(num_slots / weight.num_experts, shape)
+    if stages is not None:
+        tiles = Sm90Shape(tiles.tile_m, tiles.tile_n, stages, tiles.skip_empty, tiles.stream_k, tiles.k_sub)
     out_features = weight.out_features // 2 if fuse_silu else weight.out_features
     out = cupy.empty((num_slots, out_features), dtype=cupy.uint16)
     if num_slots == 0:
