@@ -117,6 +117,7 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0")  # each context split evenly (balanced: below)
     _set_tma_tile(monkeypatch, tile)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
@@ -276,12 +277,12 @@ def test_tma_tile_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BARRIERS"):
         mla_decode_sm90.tma_one_barrier()
     monkeypatch.delenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, raising=False)
-    assert not mla_decode_sm90.tma_row_boxes()
+    assert mla_decode_sm90.tma_row_boxes()  # the default since s8 E1
     monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "rows")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_ROW_BOXES"):
         mla_decode_sm90.tma_row_boxes()
     monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
-    assert not mla_decode_sm90.tma_balance()
+    assert mla_decode_sm90.tma_balance()  # the default since s8 E1
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BALANCE"):
         mla_decode_sm90.tma_balance()

@@ -66,7 +66,13 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # (mma below 64 rows, mma16 from 64): batch 1 0.0303 vs 0.0303 / 0.0383 vs 0.0461, 16 0.0349 vs 0.0855 /
 # 0.0635 vs 0.2852, 64 0.0636 vs 0.0791 / 0.150 vs 0.212, 256 0.143 vs 0.190 / 0.480 vs 0.598 (the
 # attention kernel alone at 256: 55 % / 61 % of the latent bytes over the copy rate): mma_shared throughout.
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1 << 30, "mma_shared"), (64, 1 << 30, "mma"))
+# s8 E1 (H200, 2026-11-24, results/gpu_mla_s8_e1_h200.json; same table, graph-replayed mla_forward, us, 1k / 4k):
+# "tma" (mla_attention_tma with whole-row boxes, now its defaults) vs mma_shared: batch 1 23.9 vs 23.0 (behind) /
+# 27.6 vs 30.0, 16 31.7 vs 32.0 / 54.0 vs 57.6, 64 56.1 vs 61.6 / 117.9 vs 140.9, 256 109.8 vs 135.4 / 346.3 vs
+# 445.8 (attention kernel alone at 256 x 4k: 86 % of the latent bytes over the copy rate, was 66 %); ragged
+# contexts (results/gpu_mla_ragged_s8_e1_h200.json, balanced splits) 256 x 4k 533.9 vs 778.4: tma from 2 rows.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1, "mma_shared"), (16, 1 << 30, "tma"),
+                                                            (64, 1 << 30, "mma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
