@@ -85,10 +85,10 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # Opt-in: $OPENINFER_MLA_WRITE_ABSORB=1 runs mla_write_latent and W_UK as one kernel (mla_write_absorb) in decode
 # steps of at most WRITE_ABSORB_MAX_TOKENS rows: one launch instead of the latent write and cuBLAS's batched GEMM.
-# Built for at most 16 or 64 rows (mla.cu ABSORB_MAX_TOKENS: each thread's accumulators; the smallest that holds).
+# s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
+# 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-WRITE_ABSORB_BUILDS = (16, 64)
-WRITE_ABSORB_MAX_TOKENS = WRITE_ABSORB_BUILDS[-1]
+WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
@@ -351,7 +351,7 @@ def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{WRITE_ABSORB_ENV} is 0 or 1; got {text!r}")
     return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
-            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 2 == 0)
+            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 16 == 0)
 
 
 def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
@@ -361,8 +361,7 @@ def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarr
     (q's rope dims rotated in place, the latent rows stored)."""
     num_tokens, heads = int(q.shape[0]), spec.num_heads
     q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
-    most_rows = next(rows for rows in WRITE_ABSORB_BUILDS if num_tokens <= rows)
-    kernel("mla.cu", "mla_write_absorb", **_defines(spec), ABSORB_MAX_TOKENS=most_rows)(
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
         (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
         (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
          np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
