@@ -105,7 +105,7 @@ __device__ __forceinline__ float cluster_load(u32 addr, u32 cta) {
     float value;
     asm volatile(
         "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\nld.shared::cluster.f32 %0, [remote];\n}\n"
-        : "=f"(value) : "r"(addr), "r"(cta) : "memory");
+        : "=f"(value) : "r"(addr), "r"(cta));  // volatile: kept after the cluster barrier; no clobber: loads overlap
     return value;
 }
 
@@ -402,28 +402,51 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     }
     cluster_sync();
     {
+        // Remote loads are issued together and consumed after (one distributed-shared-memory round trip for the
+        // weights, one for the partials), not one load and its use at a time.
         const u32 rank = cluster_cta_rank();
         const u32 partial_at = (u32)__cvta_generic_to_shared(partial), max_sum_at = (u32)__cvta_generic_to_shared(max_sum);
-        for (int i = threadIdx.x; i < TMA_HEADS * CLUSTER_SLICE; i += TMA_THREADS) {
-            const int h = i / CLUSTER_SLICE, d = rank * CLUSTER_SLICE + i % CLUSTER_SLICE;
+        float* weight = reinterpret_cast<float*>(exchange);  // [16][TMA_CLUSTER]: each split's share of a head
+        if (threadIdx.x < TMA_HEADS) {
+            const int h = threadIdx.x;
             float split_max[TMA_CLUSTER], split_sum[TMA_CLUSTER];  // each split's (max, sum); sum 0: empty
-            float m = -INFINITY;
 #pragma unroll
             for (int z = 0; z < TMA_CLUSTER; ++z) {
                 split_max[z] = cluster_load(max_sum_at + 8 * h, z);
                 split_sum[z] = cluster_load(max_sum_at + 8 * h + 4, z);
-                if (split_sum[z] > 0.f) m = fmaxf(m, split_max[z]);
             }
-            float total = 0.f, sum = 0.f;
+            float m = -INFINITY, total = 0.f;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z)
+                if (split_sum[z] > 0.f) m = fmaxf(m, split_max[z]);
 #pragma unroll
             for (int z = 0; z < TMA_CLUSTER; ++z) {
-                if (split_sum[z] <= 0.f) continue;
-                const float w = __expf(split_max[z] - m) * split_sum[z];
-                total += w;
-                sum += w * cluster_load(partial_at + 4 * (h * KV_LORA + d), z);
+                split_max[z] = split_sum[z] > 0.f ? __expf(split_max[z] - m) * split_sum[z] : 0.f;  // the weight
+                total += split_max[z];
             }
-            if (h < heads)
-                out[((long long)t * num_heads + head0 + h) * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) weight[h * TMA_CLUSTER + z] = split_max[z] * inv;
+        }
+        __syncthreads();
+        constexpr int ITEMS = TMA_HEADS * CLUSTER_SLICE / TMA_THREADS;  // outputs per thread
+        static_assert(TMA_HEADS * CLUSTER_SLICE % TMA_THREADS == 0, "whole outputs per thread");
+        float value[ITEMS][TMA_CLUSTER];  // empty splits' partials are zeros (finite): weighted by 0
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+            const int i = threadIdx.x + k * TMA_THREADS;
+            const int h = i / CLUSTER_SLICE, d = rank * CLUSTER_SLICE + i % CLUSTER_SLICE;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) value[k][z] = cluster_load(partial_at + 4 * (h * KV_LORA + d), z);
+        }
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+            const int i = threadIdx.x + k * TMA_THREADS;
+            const int h = i / CLUSTER_SLICE, d = rank * CLUSTER_SLICE + i % CLUSTER_SLICE;
+            float sum = 0.f;
+#pragma unroll
+            for (int z = 0; z < TMA_CLUSTER; ++z) sum += weight[h * TMA_CLUSTER + z] * value[k][z];
+            if (h < heads) out[((long long)t * num_heads + head0 + h) * KV_LORA + d] = __float2bfloat16_rn(sum);
         }
     }
     cluster_sync();  // every CTA's shared memory stays until the cluster's reads are done

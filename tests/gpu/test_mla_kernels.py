@@ -117,6 +117,7 @@ def test_tma_decode_matches_numpy(cuda_backend, rng, monkeypatch, tile, heads, d
     if not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.MAX_SPLITS_ENV, max_splits)
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "0")  # each context split evenly (balanced: below)
     _set_tma_tile(monkeypatch, tile)
     spec = _spec(heads)
     cached, new = DECODES[decodes]
@@ -193,18 +194,18 @@ def test_tma_decode_balanced_splits_match_numpy(cuda_backend, rng, monkeypatch, 
 
 
 @pytest.mark.parametrize("heads", [16, 20, 64])
-@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen"])
 @pytest.mark.parametrize("kernel", ["mma_shared", "tma"])
 def test_write_absorb_matches_numpy(cuda_backend, rng, monkeypatch, heads, decodes, kernel):
     """mla_write_absorb ($OPENINFER_MLA_WRITE_ABSORB=1: the latent write and W_UK in one launch for decode steps of
-    at most 64 rows; builds for 16 and 64) gives the reference's output, and stores the reference's latent rows."""
+    at most 16 rows) gives the reference's output, and stores the reference's latent rows."""
     from openinfer.backend.cuda import mla as cuda_mla
 
     if kernel == "tma" and not _hopper():
         pytest.skip("the TMA decode kernel needs compute capability 9.0")
     monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
     spec = _spec(heads)
-    rows = {"sixteen": 16, "sixty-four": 64}.get(decodes)
+    rows = {"sixteen": 16}.get(decodes)
     cached, new = ([int(c) for c in np.arange(rows) * 37], [1] * rows) if rows else DECODES[decodes]
     assert cuda_mla.write_absorb_fits(len(new), spec)
     batch, cache, q, latent, norm, weights, rope, reference, ref_cache = ragged_mla_step(rng, spec, cached, new,
@@ -222,7 +223,7 @@ def test_write_absorb_matches_numpy(cuda_backend, rng, monkeypatch, heads, decod
     with pytest.raises(ValueError, match="OPENINFER_MLA_WRITE_ABSORB"):
         cuda_mla.write_absorb_fits(1, spec)
     monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1")
-    assert not cuda_mla.write_absorb_fits(65, spec)
+    assert not cuda_mla.write_absorb_fits(17, spec)
 
 
 def test_tma_decode_beside_decompressed_prefill(cuda_backend, rng):
@@ -276,12 +277,12 @@ def test_tma_tile_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BARRIERS"):
         mla_decode_sm90.tma_one_barrier()
     monkeypatch.delenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, raising=False)
-    assert not mla_decode_sm90.tma_row_boxes()
+    assert mla_decode_sm90.tma_row_boxes()  # the default since s8 E1
     monkeypatch.setenv(mla_decode_sm90.TMA_ROW_BOXES_ENV, "rows")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_ROW_BOXES"):
         mla_decode_sm90.tma_row_boxes()
     monkeypatch.delenv(mla_decode_sm90.TMA_BALANCE_ENV, raising=False)
-    assert not mla_decode_sm90.tma_balance()
+    assert mla_decode_sm90.tma_balance()  # the default since s8 E1
     monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENINFER_MLA_TMA_BALANCE"):
         mla_decode_sm90.tma_balance()

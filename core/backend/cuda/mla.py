@@ -66,7 +66,13 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # (mma below 64 rows, mma16 from 64): batch 1 0.0303 vs 0.0303 / 0.0383 vs 0.0461, 16 0.0349 vs 0.0855 /
 # 0.0635 vs 0.2852, 64 0.0636 vs 0.0791 / 0.150 vs 0.212, 256 0.143 vs 0.190 / 0.480 vs 0.598 (the
 # attention kernel alone at 256: 55 % / 61 % of the latent bytes over the copy rate): mma_shared throughout.
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1 << 30, "mma_shared"), (64, 1 << 30, "mma"))
+# s8 E1 (H200, 2026-11-24, results/gpu_mla_s8_e1_h200.json; same table, graph-replayed mla_forward, us, 1k / 4k):
+# "tma" (mla_attention_tma with whole-row boxes, now its defaults) vs mma_shared: batch 1 23.9 vs 23.0 (behind) /
+# 27.6 vs 30.0, 16 31.7 vs 32.0 / 54.0 vs 57.6, 64 56.1 vs 61.6 / 117.9 vs 140.9, 256 109.8 vs 135.4 / 346.3 vs
+# 445.8 (attention kernel alone at 256 x 4k: 86 % of the latent bytes over the copy rate, was 66 %); ragged
+# contexts (results/gpu_mla_ragged_s8_e1_h200.json, balanced splits) 256 x 4k 533.9 vs 778.4: tma from 2 rows.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1, "mma_shared"), (16, 1 << 30, "tma"),
+                                                            (64, 1 << 30, "mma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
@@ -79,10 +85,10 @@ MAX_SPLITS_ENV = "OPENINFER_MLA_MAX_SPLITS"
 SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # Opt-in: $OPENINFER_MLA_WRITE_ABSORB=1 runs mla_write_latent and W_UK as one kernel (mla_write_absorb) in decode
 # steps of at most WRITE_ABSORB_MAX_TOKENS rows: one launch instead of the latent write and cuBLAS's batched GEMM.
-# Built for at most 16 or 64 rows (mla.cu ABSORB_MAX_TOKENS: each thread's accumulators; the smallest that holds).
+# s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
+# 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
-WRITE_ABSORB_BUILDS = (16, 64)
-WRITE_ABSORB_MAX_TOKENS = WRITE_ABSORB_BUILDS[-1]
+WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
@@ -345,7 +351,7 @@ def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{WRITE_ABSORB_ENV} is 0 or 1; got {text!r}")
     return (text == "1" and 0 < num_tokens <= WRITE_ABSORB_MAX_TOKENS and spec.kv_lora_rank % WRITE_ABSORB_COLUMNS == 0
-            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 2 == 0)
+            and spec.kv_lora_rank >= 2 * WRITE_ABSORB_COLUMNS and spec.qk_nope_dim % 16 == 0)
 
 
 def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
@@ -355,8 +361,7 @@ def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarr
     (q's rope dims rotated in place, the latent rows stored)."""
     num_tokens, heads = int(q.shape[0]), spec.num_heads
     q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
-    most_rows = next(rows for rows in WRITE_ABSORB_BUILDS if num_tokens <= rows)
-    kernel("mla.cu", "mla_write_absorb", **_defines(spec), ABSORB_MAX_TOKENS=most_rows)(
+    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
         (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
         (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
          np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,

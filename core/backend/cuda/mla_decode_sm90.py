@@ -25,6 +25,9 @@ TMA_HEADS, TMA_THREADS, TMA_WARPS = 16, 128, 4  # mla_decode_sm90.cu
 TMA_BOX_ROWS = 16  # rows per TMA box: the cache block size must be a multiple
 # "KEYSxSTAGES": keys per tile (16 / 32 / 64) and tiles in the ring; $OPENINFER_MLA_TMA_TILE. 32x2 holds 81 KB
 # of shared memory (2 blocks per SM, the registers' limit too); 32x5 190 KB (1 block per SM, 5 tiles in flight).
+# s8 E1 (H200, graph-replayed mla_forward at the 8 points of gpu_mla.py decode): the others take 1.01-1.15x 32x2's
+# time with 16x4, 1.01-1.59x with 32x5 (1 block per SM), 1.00-1.10x with 16x4 and one barrier per tile
+# (OPENINFER_MLA_TMA_BARRIERS=1).
 TMA_TILE_ENV = "OPENINFER_MLA_TMA_TILE"
 DEFAULT_TMA_TILE = (32, 2)
 TMA_KEY_CHOICES = (16, 32, 64)
@@ -39,17 +42,23 @@ TMA_CLUSTER_ENV = "OPENINFER_MLA_TMA_CLUSTER"
 TMA_CLUSTER_CHOICES = (16, 8, 4, 2)
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
 _non_portable_allowed: set[int] = set()
-# Opt-in: $OPENINFER_MLA_TMA_BALANCE=1 balances the splits over a ragged batch (mla_decode_sm90.cu's
+# $OPENINFER_MLA_TMA_BALANCE=1 (default since s8 E1) balances the splits over a ragged batch (mla_decode_sm90.cu's
 # balance_slots): every step runs at least BALANCE_MIN_SPLITS splits per token, and each token takes as many
-# of them as its share of the step's total context asks (one split: written whole, no combine for it).
+# of them as its share of the step's total context asks (one split: written whole, no combine for it). H200 s8 E1,
+# contexts spread over [c/8, 2c - c/8] (results/gpu_mla_ragged_s8_e1_h200.json, graph-replayed mla_forward, us):
+# 256 x mean 4k 667.9 -> 533.9, 256 x 1k 191.5 -> 171.8, 64 x 4k 199.5 -> 193.7, 64 x 1k 75.9 -> 73.1; below 132
+# rows the split count is the resident one either way; =0: each context split evenly.
 TMA_BALANCE_ENV = "OPENINFER_MLA_TMA_BALANCE"
 BALANCE_MIN_SPLITS = 4
 # Block barriers per tile ($OPENINFER_MLA_TMA_BARRIERS): 2 (default; scores exchanged, then the stage handed
 # back) or 1 (two exchange buffers by tile parity, the stage of the previous tile refilled after this tile's
 # barrier: mla_decode_sm90.cu TMA_ONE_BARRIER; rings of at least 2 stages).
 TMA_BARRIERS_ENV = "OPENINFER_MLA_TMA_BARRIERS"
-# Opt-in: $OPENINFER_MLA_TMA_ROW_BOXES=1 copies 16 whole latent rows per TMA box (the map's 64-column blocks as its
-# middle dimension: one 18 KB contiguous copy per 16 keys, not (lora + rope) / 64 boxes of 16 x 128 bytes).
+# $OPENINFER_MLA_TMA_ROW_BOXES=1 (default since s8 E1) copies 16 whole latent rows per TMA box (the map's 64-column
+# blocks as its middle dimension: one 18 KB contiguous copy per 16 keys, not (lora + rope) / 64 boxes of 16 x 128
+# bytes). H200 s8 E1 (results/gpu_mla_s8_e1_h200.json, 32x2 tiles, graph-replayed mla_forward, us, 1k / 4k):
+# batch 64 59.6 -> 56.1 / 126.2 -> 117.9, 256 119.2 -> 109.8 / 386.5 -> 346.3 (attention 77 -> 86 % of roofline),
+# batch 1 / 16 within 1 us; =0: 64-column boxes.
 TMA_ROW_BOXES_ENV = "OPENINFER_MLA_TMA_ROW_BOXES"
 
 
@@ -78,8 +87,8 @@ def tma_cluster(spec: MLASpec, splits: int) -> int:
 
 
 def tma_balance() -> bool:
-    """Whether the splits are balanced over a ragged batch ($OPENINFER_MLA_TMA_BALANCE=1; default 0)."""
-    text = os.environ.get(TMA_BALANCE_ENV) or "0"
+    """Whether the splits are balanced over a ragged batch ($OPENINFER_MLA_TMA_BALANCE, default 1; 0: off)."""
+    text = os.environ.get(TMA_BALANCE_ENV) or "1"
     if text not in ("0", "1"):
         raise ValueError(f"{TMA_BALANCE_ENV} is 0 or 1; got {text!r}")
     return text == "1"
@@ -94,8 +103,8 @@ def tma_one_barrier() -> bool:
 
 
 def tma_row_boxes() -> bool:
-    """Whether a TMA box holds 16 whole latent rows ($OPENINFER_MLA_TMA_ROW_BOXES=1; default 0)."""
-    text = os.environ.get(TMA_ROW_BOXES_ENV) or "0"
+    """Whether a TMA box holds 16 whole latent rows ($OPENINFER_MLA_TMA_ROW_BOXES, default 1; 0: 64-column boxes)."""
+    text = os.environ.get(TMA_ROW_BOXES_ENV) or "1"
     if text not in ("0", "1"):
         raise ValueError(f"{TMA_ROW_BOXES_ENV} is 0 or 1; got {text!r}")
     return text == "1"
