@@ -819,17 +819,23 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
 # layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
 DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
 DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
+# With the switch unset: steps of up to this many tokens take it (0: none; =1 takes it up to
+# DECODE_ROUTE_MAX_TOKENS, =0 never)
+DECODE_ROUTE_DEFAULT_TOKENS = 0
 DECODE_ROUTE_THREADS = 256
 _arrival_counters: dict[int, cupy.ndarray] = {}
 
 
 def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
-    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE (default off),
-    1..DECODE_ROUTE_MAX_TOKENS tokens, no hash routing, 16-byte rows; and, while a CUDA graph is being
-    captured, an arrival counter made before (an eager step makes it: a capture records its zeroing
-    instead of running it)."""
+    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE=1 for
+    1..DECODE_ROUTE_MAX_TOKENS tokens (unset: up to DECODE_ROUTE_DEFAULT_TOKENS; =0 never), no hash
+    routing, 16-byte rows; and, while a CUDA graph is being captured, an arrival counter made before
+    (an eager step makes it: a capture records its zeroing instead of running it)."""
     num_tokens, hidden = x.shape
-    return (_switch(DECODE_ROUTE_ENV) and 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS and tid2eid is None
+    most = DECODE_ROUTE_MAX_TOKENS if _switch(DECODE_ROUTE_ENV, default=True) else 0
+    if os.environ.get(DECODE_ROUTE_ENV, "") == "":
+        most = DECODE_ROUTE_DEFAULT_TOKENS
+    return (1 <= num_tokens <= most and tid2eid is None
             and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
             and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
 
