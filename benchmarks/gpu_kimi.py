@@ -1347,6 +1347,10 @@ MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1"}, False),
                 "tiled_overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1",
                                                 "OPENINFER_MOE_DECODE_ROUTE": "1"}, True),
+                # the shared experts on the side stream, routing in three launches, SiLU·mul as its own launch
+                # (the defaults before E1 of 2026-11-24 with the checkpoint INT4 layout)
+                "overlap_before": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "0",
+                                    "OPENINFER_MOE_GEMV_SILU": "0"}, False),
                 # ... and SiLU·mul inside the tiled gate_up GEMV (moe.cu TILED_FUSE_SILU)
                 "tiled_overlap_decode_route_silu": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1",
                                                      "OPENINFER_MOE_GEMV_SILU": "1"}, True)}
