@@ -1347,6 +1347,12 @@ MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1"}, False),
                 "tiled_overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1",
                                                 "OPENINFER_MOE_DECODE_ROUTE": "1"}, True),
+                # the shared experts on the side stream, routing in three launches, SiLU·mul as its own launch
+                # (the defaults before E1 of 2026-11-24 with the checkpoint INT4 layout)
+                "overlap_before": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "0",
+                                    "OPENINFER_MOE_GEMV_SILU": "0"}, False),
+                # bf16 experts' GEMVs one token row per pass, 8 columns per warp (E1: the down projection 13.3 -> 11.5 us)
+                "overlap_wide8": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "wide8_r1_nc"}, False),
                 # ... and SiLU·mul inside the tiled gate_up GEMV (moe.cu TILED_FUSE_SILU)
                 "tiled_overlap_decode_route_silu": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1",
                                                      "OPENINFER_MOE_GEMV_SILU": "1"}, True)}

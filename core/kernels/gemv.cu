@@ -9,7 +9,13 @@
 
 #define WARPS_PER_BLOCK 8
 #ifndef GEMV_BATCHED_TAIL
-#define GEMV_BATCHED_TAIL 0  // 1: the last partial pass issues all its loads first (opt-in until measured)
+// 1 (default since E1 of 2026-11-24, H200, benchmarks/results/dense_gemv_s8e1.json; same bits): the last
+// partial pass issues all its loads first; 0: one load at a time, as before. Kimi-K2 qkv_a / q_b (fused
+// norm) / o_proj 10.8 -> 9.4 / 22.2 -> 20.8 / 32.9 -> 29.2 us, Moonlight o_proj 4.8 -> 4.1, Qwen3-4B qkv
+// (fused norm) / o_proj / gate_up 23.7 -> 22.1 / 8.1 -> 7.4 / 42.9 -> 41.6; slower: Moonlight shared gate_up
+// 7.6 -> 7.9, its dense silu+down 34.1 -> 35.1, Qwen3-4B silu+down 32.5 -> 32.7 (11 of 15 shapes faster; sm_90a
+// ptxas: gemv_m1 34 -> 48 registers, fused 44 / 50 -> 58).
+#define GEMV_BATCHED_TAIL 1
 #endif
 
 // 8 bf16 values of a 16-byte word -> 8 floats (load8's conversion, for words loaded earlier).

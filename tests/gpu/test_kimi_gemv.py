@@ -197,7 +197,7 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     assert fused.shape == (tokens * top_k, inter)
     assert np.array_equal(cupy.asnumpy(fused), cupy.asnumpy(unfused))
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
-    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # the switch is off
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # unset: the tiled form only when asked for
     monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "tiled_s6")  # the shared-memory ring: no fused form

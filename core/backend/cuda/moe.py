@@ -11,7 +11,7 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
 INT4 weights with group-32 scales may instead live in the decode GEMV's tiled layout
 (``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
 which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
-$OPENINFER_INT4_LAYOUT=tiled (opt-in until measured; default ``rows``, the checkpoint layout).
+$OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout).
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
@@ -111,7 +111,9 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # one token row per pass (WIDE_ROWS 1: fewer registers, more resident blocks) and 8 or 4 columns per warp,
     # streaming loads, opt-in until measured: a batch-1 step has ~0.1 slots per expert, and wide_nc's 108
     # registers (4 rows) leave 4 blocks per SM, so Moonlight's gate_up (1056 blocks) and down (768) ran in
-    # 2 and 1.5 waves. sm_90a ptxas, bf16: 99 / 84 registers (5 / 6 blocks per SM; gate_up 528 / 1056 blocks)
+    # 2 and 1.5 waves. sm_90a ptxas, bf16: 99 / 84 registers (5 / 6 blocks per SM; gate_up 528 / 1056 blocks).
+    # E1 (H200, results/kimi_gemv_tiled_s8e1.json, 1 token): gate_up 20.3 / 22.0 vs wide_nc 19.9 us, down 11.5 /
+    # 14.4 vs 13.3: wide8_r1_nc ahead on the down projection only (not in the table: one choice per format)
     "wide8_r1_nc": {"WIDE_COLUMNS": 8, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
     "wide4_r1_nc": {"WIDE_COLUMNS": 4, "WIDE_ROWS": 1, "WIDE_MIN_BLOCKS": 4, "GEMV_STREAM_LOADS": 1},
     # INT4 in the tiled layout (ExpertLinear.layout "tiled", opt-in): moe_gemv_int4_tiled, a warp's 16 rows
@@ -135,7 +137,8 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "tiled1_nc_rot": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
     "tiled_s6_rot": {"TILED_NTILES": 2, "TILED_STAGES": 6, "TILED_ROTATE": 1},
     # tiled1_nc_rot with 6 chunks in flight per warp (sm_90a ptxas: 126 registers, no spills; 4 blocks per SM:
-    # a batch-1 gate_up's 512 blocks still in one wave), opt-in until measured
+    # a batch-1 gate_up's 512 blocks still in one wave), opt-in: E1 (H200, results/kimi_gemv_tiled_s8e1.json, 1
+    # token) gate_up 66.8 vs 58.4 us, down 40.5 vs 36.3 (slower; so is _rb2: 142.2 / 53.7)
     "tiled1_nc_rot_d6": {"TILED_NTILES": 1, "TILED_DEPTH": 6, "TILED_STREAM_LOADS": 1, "TILED_ROTATE": 1},
     # ... each warp walking 2 row blocks (32 rows) as one chunk stream (TILED_ROW_BLOCKS): half the warps, each
     # twice as long (a batch-1 down projection's 896 blocks of 16-row warps took two waves), opt-in until
@@ -144,7 +147,8 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
                              "TILED_ROW_BLOCKS": 2},
     # moe_gemv_int4_tiled_pair (TILED_PAIR): two 16-row blocks per warp side by side over one walk of K, the
     # activation fragments and the -136 mma built once for both (fewer instructions per weight byte: the
-    # batch-1 tiled GEMV issues ~275 per 1 KB chunk), a ring of 3 chunk pairs. Opt-in until measured.
+    # batch-1 tiled GEMV issues ~275 per 1 KB chunk), a ring of 3 chunk pairs. Opt-in: E1 (H200, 1 token)
+    # gate_up 63.1 vs tiled1_nc_rot's 58.4 us, down 37.5 vs 36.3 (half the warps: slower).
     # sm_90a ptxas: 173 registers, no spills
     "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
                       "TILED_ROTATE": 1},
@@ -347,7 +351,11 @@ class ExpertLinear:
 
 INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
 INT4_LAYOUTS = ("rows", "tiled")
-DEFAULT_INT4_LAYOUT = "rows"
+# "tiled" by default since E1 of 2026-11-24 (H200, results/kimi_layer_s8e1.json, one Kimi-K2 layer, graph
+# replay; the same random weights repacked, TILED_GEMV): 252.8 -> 232.0 / 3640.9 -> 2965.5 / 5976.0 -> 5602.0
+# us at batch 1 / 64 / 256 (routed experts' gate_up 74.1 -> 59.5, down 44.4 -> 37.6 us at batch 1).
+# OPENINFER_INT4_LAYOUT=rows: before (the checkpoint layout, moe_gemv_mma_staged).
+DEFAULT_INT4_LAYOUT = "tiled"
 
 
 def int4_layout(layout: str | None = None) -> str:
@@ -896,24 +904,35 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
     return shared, joined
 
 
-# Opt-in until measured (OPENINFER_MOE_DECODE_ROUTE=1): a decode step of at most DECODE_ROUTE_MAX_TOKENS tokens
+# OPENINFER_MOE_DECODE_ROUTE=1: a decode step of at most DECODE_ROUTE_MAX_TOKENS tokens
 # routes in one launch, moe_decode.cu's moe_route_decode (router logits spread over a block per expert, then
 # the last block's top-k and grouping), where moe_forward runs moe_router_logits, moe_route and
 # moe_sort_parallel one after the other: at batch 1 each of those is mostly its own launch and ramp (Kimi-K2
 # layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
 DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
 DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
+# With the switch unset: steps of up to DECODE_ROUTE_DEFAULT_TOKENS tokens of layers of at most
+# DECODE_ROUTE_DEFAULT_EXPERTS experts take it (=1: any layer up to DECODE_ROUTE_MAX_TOKENS, =0 never). E1 of
+# 2026-11-24 (H200, one token, graph replay): Moonlight's MoE block (64 experts, results/kimi_moe_block_s8e1.json)
+# 61.1 -> 55.6 us; a Kimi-K2 layer (384 experts, kimi_layer_s8e1.json) 252.8 -> 257.1 us (its 384 router blocks
+# beside the shared expert's side stream), so not there. Only 1-token steps were measured.
+DECODE_ROUTE_DEFAULT_TOKENS = 1
+DECODE_ROUTE_DEFAULT_EXPERTS = 64
 DECODE_ROUTE_THREADS = 256
 _arrival_counters: dict[int, cupy.ndarray] = {}
 
 
 def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
-    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE (default off),
-    1..DECODE_ROUTE_MAX_TOKENS tokens, no hash routing, 16-byte rows; and, while a CUDA graph is being
-    captured, an arrival counter made before (an eager step makes it: a capture records its zeroing
-    instead of running it)."""
+    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE=1 for
+    1..DECODE_ROUTE_MAX_TOKENS tokens (unset: up to DECODE_ROUTE_DEFAULT_TOKENS where the layer has at
+    most DECODE_ROUTE_DEFAULT_EXPERTS experts; =0 never), no hash
+    routing, 16-byte rows; and, while a CUDA graph is being captured, an arrival counter made before
+    (an eager step makes it: a capture records its zeroing instead of running it)."""
     num_tokens, hidden = x.shape
-    return (_switch(DECODE_ROUTE_ENV) and 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS and tid2eid is None
+    most = DECODE_ROUTE_MAX_TOKENS if _switch(DECODE_ROUTE_ENV, default=True) else 0
+    if os.environ.get(DECODE_ROUTE_ENV, "") == "":
+        most = DECODE_ROUTE_DEFAULT_TOKENS if spec.num_experts <= DECODE_ROUTE_DEFAULT_EXPERTS else 0
+    return (1 <= num_tokens <= most and tid2eid is None
             and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
             and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
 
@@ -967,26 +986,31 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     return combine(y, grouping, shared, int(x.shape[1]))
 
 
-# Opt-in until measured (OPENINFER_MOE_GEMV_SILU=1): where a decode step's gate_up runs a tiled INT4 decode GEMV
+# OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode
+# step's gate_up runs moe_gemv_wide or (asked for) a tiled INT4 decode GEMV
 # (register ring) or moe_gemv_wide (bf16 experts: Moonlight), that GEMV also applies SiLU·mul: the tiled one
 # (moe.cu TILED_FUSE_SILU) walks each warp's 16 gate rows, then the matching 16 up rows; the wide one
 # (WIDE_FUSE_SILU) gives each warp half gate, half up columns. One launch and one [slots, 2I] round trip fewer
 # (Kimi-K2 layer at batch 1, E2: the silu_mul launch 3.1 us; Moonlight: one per layer). elementwise.cu's
-# silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits.
+# silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits. E1 of 2026-11-24 (H200, one
+# token): Moonlight's MoE block (results/kimi_moe_block_s8e1.json, with the one-launch routing) 55.6 -> 53.1 us;
+# the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
+# then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1.
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 
 
 def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice) -> str | None:
-    """The decode GEMV that would run ``gate_up`` for this step, when $OPENINFER_MOE_GEMV_SILU is on and it
-    can fuse SiLU·mul (tiled INT4 with a register ring and I a multiple of 16, or moe_gemv_wide; aligned
-    rows); else None."""
-    if not _switch(GEMV_SILU_ENV) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
+    """The decode GEMV that would run ``gate_up`` for this step where it fuses SiLU·mul: moe_gemv_wide
+    unless $OPENINFER_MOE_GEMV_SILU=0, a tiled INT4 GEMV with a register ring (I a multiple of 16) only with
+    =1; aligned rows; else None."""
+    explicit = os.environ.get(GEMV_SILU_ENV, "") != ""
+    if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
-    if name in TILED_GEMVS and gate_up.layout == "tiled":
-        return name if "TILED_STAGES" not in defines and gate_up.out_features % 32 == 0 else None
+    if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
+        return name if explicit and "TILED_STAGES" not in defines and gate_up.out_features % 32 == 0 else None
     return name if "WIDE_COLUMNS" in defines and defines["WIDE_COLUMNS"] % 2 == 0 else None
 
 

@@ -56,15 +56,17 @@ MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited t
                        from 1,024 tokens the logits on tensor cores, ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
                        block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``);
-                       opt-in ``OPENINFER_MOE_DECODE_ROUTE=1``: up to 8 tokens' logits,
-                       top-k and grouping in one launch (``moe_decode.cu``)
+                       1-token steps of layers of <= 64 experts: logits, top-k and
+                       grouping in one launch (``moe_decode.cu``; ``OPENINFER_MOE_
+                       DECODE_ROUTE=1``: up to 8 tokens, any layer; ``=0``: never)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
-                       slots average few per expert (INT4: ``moe_gemv_mma_staged`` to
-                       11, or with group-32 weights repacked at upload into the GEMV's
-                       tiled layout, ``OPENINFER_INT4_LAYOUT=tiled``: ``moe_gemv_int4_
-                       tiled``, 1 n-tile, streaming loads, rotated walks; bf16:
-                       ``moe_gemv_wide_nc`` to 1.5; FP8: ``moe_gemv`` to 3),
+                       slots average few per expert (INT4, group-32 weights repacked at
+                       upload into the GEMV's tiled layout: ``moe_gemv_int4_tiled``, 1
+                       n-tile, streaming loads, rotated walks, to 11;
+                       ``OPENINFER_INT4_LAYOUT=rows``: ``moe_gemv_mma_staged``; bf16:
+                       ``moe_gemv_wide_nc`` to 1.5, SiLU·mul in its epilogue; FP8:
+                       ``moe_gemv`` to 3),
                        else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent wgmma,
                        TMA weight tiles, gate_up with SiLU·mul fused;
                        ``OPENINFER_MOE_SM90=0``: off), elsewhere
