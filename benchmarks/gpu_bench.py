@@ -21,6 +21,13 @@ checkpoint (``--checkpoint``, default the random Qwen3-4B), one stream of ``--bs
 the step log's device time per step (``busy_ms``: graph replay + sampling between CUDA events) —
 once per switch in ``BS1_VARIANTS`` (each a fresh server), the default first and again last (the
 drift over the run), ``--rounds`` times. Writes bs1_switches.json and .png.
+
+E1 s8 (H200, results/bs1_switches_s8e1_h200.json): default 3.129 / 3.127 ms (first / last), GC freeze off
+3.128, bucket GEMM loads off 3.129, short-prefill graphs off 3.126, residual GEMM 3.131 — but
+OPENINFER_MIXED_OVERLAP=0 2.998 and --max-num-seqs 1 2.997 (-4.2 %): both keep the server from ever
+running a mixed step's decode rows on the side stream (the sweep's warm-up runs 4 streams), after which
+every batch-1 step is ~130 us slower on the device. That is the 3.04 (s7 E0, before the overlap was the
+default) -> 3.17 ms (s7 E2, after) of the last session.
 """
 
 from __future__ import annotations
