@@ -159,6 +159,55 @@ def held_forward(engine: Any, timer: Any, host: Any, repeats: int) -> dict[str, 
     return out
 
 
+NORM_ROW_VARIANTS = {"default": {}, "late_weight": {"RMS_NORM_ROWS_LATE_WEIGHT": 1}}
+
+
+def norm_rows_variants(rows_list: list[int], features: int, repeats: int) -> list[dict[str, Any]]:
+    """``rms_norm.cu``'s ``rms_norm_rows`` per variant (``NORM_ROW_VARIANTS``: the kernel's compile-time
+    switches) at each row count: device time, bandwidth (row read + written) against
+    ``add_rms_norm_rows`` on the same rows (two read, two written), and whether the bits equal the
+    default's. The residual GEMM (OPENINFER_RESIDUAL_GEMM=1) turns 72 add_rms_norm calls of a step
+    into rms_norm calls, so this kernel's bandwidth is what it saves."""
+    import cupy
+    import numpy as np
+
+    from openinfer.backend.cuda.backend import NORM_ROWS_PER_BLOCK, row_norm_vectors_per_lane
+    from openinfer.backend.cuda.loader import kernel
+
+    def time_launch(fn: Any, grid: tuple, block: tuple, arguments: tuple) -> float:
+        return gpu_seconds(lambda: fn(grid, block, arguments), repeats, warmup=3)
+
+    out_rows = []
+    rng = np.random.default_rng(0)
+    weight = cupy.asarray((rng.standard_normal(features).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    for rows in rows_list:
+        x = cupy.asarray((rng.standard_normal((rows, features)).astype(np.float32).view(np.uint32) >> 16)
+                         .astype(np.uint16))
+        residual = x[::-1].copy()
+        vectors = row_norm_vectors_per_lane(features, x, weight)
+        grid = (-(-rows // NORM_ROWS_PER_BLOCK),)
+        block = (32 * NORM_ROWS_PER_BLOCK,)
+        args = (np.int32(rows), np.int32(features), np.float32(1e-6))
+        outputs = {}
+        row: dict[str, Any] = {"rows": rows, "features": features}
+        for name, defines in NORM_ROW_VARIANTS.items():
+            fn = kernel("rms_norm.cu", "rms_norm_rows", VECS_PER_LANE=vectors, **defines)
+            out = cupy.empty_like(x)
+            seconds = time_launch(fn, grid, block, (x, weight, out, *args))
+            outputs[name] = out
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_tb_per_s"] = 2 * x.nbytes / seconds / 1e12
+            row[f"{name}_same_bits"] = bool(cupy.array_equal(out, outputs["default"]))
+        add = kernel("rms_norm.cu", "add_rms_norm_rows", VECS_PER_LANE=vectors)
+        out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+        seconds = time_launch(add, grid, block, (x, residual, weight, out, residual_out, *args))
+        row["add_rms_norm_rows_us"] = seconds * 1e6
+        row["add_rms_norm_rows_tb_per_s"] = 4 * x.nbytes / seconds / 1e12
+        log("rms_norm_rows " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        out_rows.append(row)
+    return out_rows
+
+
 def summarize(entry: dict[str, Any]) -> dict[str, Any]:
     kinds = breakdown(entry)
     total = entry["sum_device_s"]
@@ -233,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep norm + projection and silu·mul + projection as one ledger row each")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the output names (e.g. an opt-in measured)")
+    parser.add_argument("--norm-rows-only", default="",
+                        help="only time rms_norm_rows' variants at these row counts (e.g. 256,1024,8192,16384; "
+                             "2560 features); writes norm_rows[_TAG].json")
     args = parser.parse_args(argv)
     if min(args.budget, args.prompt_len, args.context, args.repeats, args.decode_context) < 1:
         parser.error("--budget, --prompt-len, --context, --repeats and --decode-context must be positive")
@@ -247,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
             print("this benchmark times kernels on an NVIDIA GPU: CuPy is not installed (--device cpu checks it)",
                   file=sys.stderr)
             return 2
+    if args.norm_rows_only:
+        if args.device != "cuda":
+            parser.error("--norm-rows-only times CUDA kernels")
+        results = Path(args.results_dir)
+        results.mkdir(parents=True, exist_ok=True)
+        rows = norm_rows_variants(_counts(args.norm_rows_only), 2560, max(20, args.repeats))
+        name = "norm_rows" + (f"_{args.tag}" if args.tag else "")
+        (results / f"{name}.json").write_text(json.dumps({"variants": NORM_ROW_VARIANTS, "rows": rows}, indent=1) + "\n")
+        log(f"wrote {results / name}.json")
+        return 0
 
     from openinfer import create_engine
 

@@ -123,3 +123,26 @@ def test_a_decoder_stack_gives_the_same_logits_with_the_residual_gemm(cuda_backe
     assert off_added == 0
     # o_proj and down of every layer add into the residual, but for a batch-1 row (its GEMVs)
     assert on_added == (0 if tokens == 1 else 2 * num_layers)
+
+
+@pytest.mark.parametrize("rows,features", [(1, 2560), (300, 2560), (1027, 1024), (4096, 3072)])
+def test_rms_norm_rows_late_weight_equals_the_default_bits(cuda_backend, rng, rows, features):
+    """rms_norm.cu's RMS_NORM_ROWS_LATE_WEIGHT=1 (the weight loaded where the normalization uses it:
+    100 registers instead of 177) computes what the default computes, bit for bit, and both match
+    the NumPy RMSNorm."""
+    from openinfer.backend.cuda.backend import NORM_ROWS_PER_BLOCK, row_norm_vectors_per_lane
+    from openinfer.backend.cuda.loader import kernel
+
+    x = bf16_random(rng, rows, features)
+    norm = round_to_bf16(1 + bf16_random(rng, features, scale=0.3))
+    dx, weight = cuda_backend.upload(x), cuda_backend.weight(norm)
+    vectors = row_norm_vectors_per_lane(features, dx, weight)
+    outs = []
+    for late in (0, 1):
+        out = cupy.empty_like(dx)
+        kernel("rms_norm.cu", "rms_norm_rows", VECS_PER_LANE=vectors, RMS_NORM_ROWS_LATE_WEIGHT=late)(
+            (-(-rows // NORM_ROWS_PER_BLOCK),), (32 * NORM_ROWS_PER_BLOCK,),
+            (dx, weight, out, np.int32(rows), np.int32(features), np.float32(1e-6)))
+        outs.append(out)
+    assert bool(cupy.array_equal(outs[0], outs[1]))
+    assert relative_error(cuda_backend.to_host(outs[1]), REF.rms_norm(x, norm, 1e-6)) < 1e-2

@@ -28,7 +28,11 @@ NULL = np.uint64(0)
 # beta = 1), and the next norm is a plain rms_norm of it instead of add_rms_norm(x, residual): the
 # GEMM writes no separate output and the norm reads one array instead of two (at 8k tokens, 2560
 # features: 42 MB less traffic per call, 72 calls a step). The sum is rounded to bf16 once instead
-# of twice (product, then sum), so the bits differ from the default's. Opt-in until measured.
+# of twice (product, then sum), so the bits differ from the default's. Opt-in: E1 s8 (H200,
+# benchmarks/results/mixed_step_s8e1*_h200, tpot_burst*_s8e1_h200) an 8k-token mixed step's ops 101.51 ->
+# 101.38 ms (norms 2.98 -> 2.11, but o_proj +0.16 and down +0.19 reading C, and rms_norm_rows runs at 69 %
+# of copy bandwidth); the 256 x 1k/128 burst's mixed steps 108.25 -> 107.82 ms on the device, decode p50
+# 14.168 -> 14.116 ms, busy 5,220 -> 5,198 ms (-0.4 %), 6,258 vs 6,236 tok/s (noise).
 RESIDUAL_GEMM_ENV = "OPENINFER_RESIDUAL_GEMM"
 
 
