@@ -21,7 +21,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       moved by one bulk copy each way through shared memory
                                       (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      registers) =plain: gdn_conv1d, gdn_conv_state,
+                                      grouped_staged) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -53,7 +53,8 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       round trip for the chunked rows; =grouped_out: that with
                                       gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
                                       at once, V' as the row-major B operand: gdn_chunk_output's
-                                      bits); all four with
+                                      bits); =grouped_staged (the default): grouped_mma with
+                                      gdn_chunk_output_staged; all five with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -151,7 +152,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                   "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
                    "grouped_out": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
-                                                 "gdn_chunk_output_staged")}
+                                                 "gdn_chunk_output_staged"),
+                   "grouped_staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
+                                                    "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                    "gdn_chunk_output_staged")}
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
 GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
@@ -175,7 +179,17 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # op ledger) 128.6 -> 125.2 ms (results/gpu_qwen35_gdn_prefill.json, gpu_qwen35_step_ledger.json);
 # blocked's bits (tests/gpu/test_qwen35_kernels.py). Steps too small to fill the SMs with its widest
 # blocks keep gdn_chunk_states (1 x 1k: 0.062 vs 0.075 ms). =blocked reverts.
-DEFAULT_PREFILL_KERNELS = "registers"
+# grouped_staged by measurement (H200, E1 2026-11-24 session 8, merged main, one GDN layer of the 4B shape,
+# CUDA events per kernel; .wt/RESULTS/E1/gdn17/gpu_qwen35_gdn_prefill.json): the grouped prepare with the
+# tensor-core solve (grouped_mma) 0.482 -> 0.238 ms at 8 x 1k (2.03x), the layer 1.132 -> 0.853 ms (1.33x),
+# 1.274 -> 0.982 ms with 48 decode rows (1.30x), 1 x 1k 1.20x; the 64-stream burst's mixed step (op ledger,
+# 8 x 1008 + 48 decodes) 126.7 -> 119.6 ms, its delta_net 30.6 -> 23.4 ms (gpu_qwen35_step_ledger.json);
+# gdn_chunk_output_staged 0.149 -> 0.115 ms at 8 x 1k (1.30x; gdn_chunk_output's bits). The conv inside
+# the prepare (grouped_conv: 0.440 ms for prepare + conv against 0.238 + 0.144) measured slower: opt-in.
+# bf16 tolerance of registers (W / U and the norm's sum rounded at other points): GPU kernel tests vs NumPy,
+# teacher-forced vs HF (grouped_out, grouped_mma's bits: mean 0.0173, p99 0.059 within 0.06 / 0.20).
+# =registers reverts.
+DEFAULT_PREFILL_KERNELS = "grouped_staged"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
