@@ -788,7 +788,7 @@ def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_
                                      f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
     prepare = module.get_function(name)
     grouped = name.startswith("gdn_chunk_prepare_grouped")
-    shared = (cuda_ops.chunk_prepare_grouped_shared_bytes(dk, dv) if grouped
+    shared = (cuda_ops.chunk_prepare_grouped_shared_bytes(dk, dv, nv // nk) if grouped
               else cuda_ops.chunk_prepare_shared_bytes(dk, dv, staged=True))
     prepare.max_dynamic_shared_size_bytes = shared
     tokens = prompts * length

@@ -332,13 +332,13 @@ def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
             + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
 
 
-def chunk_prepare_grouped_shared_bytes(dk: int, dv: int) -> int:
+def chunk_prepare_grouped_shared_bytes(dk: int, dv: int, ratio: int) -> int:
     """gdn_chunk_prepare_grouped's dynamic shared memory (its carve, in order): q then V, k, A, T, c,
-    beta, beta exp(c)."""
+    beta, beta exp(c), the group's (``ratio`` value heads') gate inputs and decay parameters."""
     row_k, row_v, row_f = dk + 8, dv + 8, CHUNK_SIZE + 4
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(CHUNK_SIZE * row_v * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
-            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4)
-            + CHUNK_SIZE * 4)
+            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + 2 * _round_128(CHUNK_SIZE * 4)
+            + _round_128(ratio * CHUNK_SIZE * 2 * 4) + ratio * 2 * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -370,7 +370,8 @@ def register_walk_fills_gpu(dv: int, heads: int) -> bool:
     return heads * (dv // (16 * register_states_warps(dv))) >= _multiprocessors()
 
 
-GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 69 KiB of shared memory and 168 registers a thread
+GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 70 KiB of shared memory and 168 registers a thread
+GROUPED_PREPARE_MAX_HEADS = 8  # value heads a grouped prepare block takes (its gate inputs: 4 entries a thread)
 
 
 def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> int:
@@ -378,6 +379,8 @@ def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> in
     q / k work) when the step's chunks x key heads fill every SM's block slots, else ``ratio`` (a
     block per value head, as the other prepare kernels: a lone 1k prompt's 16 chunks x 16 key heads
     would leave most of the H200's 396 slots empty)."""
+    if ratio > GROUPED_PREPARE_MAX_HEADS:
+        return ratio
     return 1 if num_chunks * num_key_heads >= GROUPED_PREPARE_BLOCKS_PER_SM * _multiprocessors() else ratio
 
 
@@ -706,7 +709,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
     if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head (or per value head: small steps)
-        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv)
+        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv, nv // nk)
         prepare_grid = (num_chunks, nk, grouped_prepare_split(num_chunks, nk, nv // nk))
     else:
         prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)
