@@ -180,10 +180,10 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # blocked's bits (tests/gpu/test_qwen35_kernels.py). Steps too small to fill the SMs with its widest
 # blocks keep gdn_chunk_states (1 x 1k: 0.062 vs 0.075 ms). =blocked reverts.
 # grouped_staged by measurement (H200, E1 2026-11-24 session 8, merged main, one GDN layer of the 4B shape,
-# CUDA events per kernel; .wt/RESULTS/E1/gdn17/gpu_qwen35_gdn_prefill.json): the grouped prepare with the
+# CUDA events per kernel; benchmarks/results/gpu_qwen35_gdn_prefill_s8e1_h200.json): the grouped prepare with the
 # tensor-core solve (grouped_mma) 0.482 -> 0.238 ms at 8 x 1k (2.03x), the layer 1.132 -> 0.853 ms (1.33x),
 # 1.274 -> 0.982 ms with 48 decode rows (1.30x), 1 x 1k 1.20x; the 64-stream burst's mixed step (op ledger,
-# 8 x 1008 + 48 decodes) 126.7 -> 119.6 ms, its delta_net 30.6 -> 23.4 ms (gpu_qwen35_step_ledger.json);
+# 8 x 1008 + 48 decodes) 126.7 -> 119.6 ms, its delta_net 30.6 -> 23.4 ms (gpu_qwen35_step_ledger_s8e1_h200.json);
 # gdn_chunk_output_staged 0.149 -> 0.115 ms at 8 x 1k (1.30x; gdn_chunk_output's bits). The conv inside
 # the prepare (grouped_conv: 0.440 ms for prepare + conv against 0.238 + 0.144) measured slower: opt-in.
 # bf16 tolerance of registers (W / U and the norm's sum rounded at other points): GPU kernel tests vs NumPy,
