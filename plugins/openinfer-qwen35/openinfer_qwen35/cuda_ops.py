@@ -54,7 +54,9 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
                                       at once, V' as the row-major B operand: gdn_chunk_output's
                                       bits); =grouped_staged (the default): grouped_mma with
-                                      gdn_chunk_output_staged; all five with
+                                      gdn_chunk_output_staged; =grouped_coalesced: that with W / U
+                                      staged through shared memory and stored as 16-byte row
+                                      pieces (its bits); all six with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -94,7 +96,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
-                              "gdn_chunk_prepare_grouped_conv",
+                              "gdn_chunk_prepare_grouped_conv", "gdn_chunk_prepare_grouped_coalesced",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
@@ -155,11 +157,14 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                  "gdn_chunk_output_staged"),
                    "grouped_staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
                                                     "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
-                                                    "gdn_chunk_output_staged")}
+                                                    "gdn_chunk_output_staged"),
+                   "grouped_coalesced": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_coalesced", True,
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                       "gdn_chunk_output_staged")}
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
-GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
-                           CONV_PREPARE_KERNEL)  # grid (chunks, key heads)
+GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma", CONV_PREPARE_KERNEL,
+                           "gdn_chunk_prepare_grouped_coalesced")  # grid (chunks, key heads)
 GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread

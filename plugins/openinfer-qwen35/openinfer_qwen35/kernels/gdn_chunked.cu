@@ -1427,7 +1427,9 @@ struct GroupedConv {
     int width;
 };
 
-template <bool MMA_SOLVE, bool CONV = false>
+// STAGED_STORES: W and U staged through A's dead shared tile and stored as 16-byte row pieces (a warp's
+// mma stores otherwise write 4 bytes to each of 8 rows per instruction); the same values.
+template <bool MMA_SOLVE, bool CONV = false, bool STAGED_STORES = false>
 __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS, GroupedConv conv = {}) {
     if constexpr (GROUPED_PREPARE_OK) {
         const int c = blockIdx.x, key_head = blockIdx.y;
@@ -1733,6 +1735,9 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
             };
             auto product = [&](const unsigned (*t_frag)[4], const bf16* rows, int ld, int width, bf16* dst) {
                 const size_t row_stride = (size_t)num_value_heads * width;
+                const int ldt = width + PAD;  // the staging tile's bf16 rows, in A's fp32 [64][LDF]
+                const bool stage = STAGED_STORES && ldt <= 2 * LDF;
+                bf16* tile = reinterpret_cast<bf16*>(amat);
                 for (int np = 0; np < width / 16; ++np) {
                     float acc[2][4] = {};
 #pragma unroll
@@ -1745,9 +1750,24 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 #pragma unroll
                     for (int t = 0; t < 2; ++t) {
                         const int j = 16 * np + 8 * t + 2 * q4;
+                        if (stage) {
+                            store_pair(tile + (r0 + g) * ldt + j, acc[t][0], acc[t][1]);
+                            store_pair(tile + (r0 + g + 8) * ldt + j, acc[t][2], acc[t][3]);
+                            continue;
+                        }
                         if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[t][0], acc[t][1]);
                         if (r0 + g + 8 < n)
                             store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[t][2], acc[t][3]);
+                    }
+                }
+                if (stage) {  // every warp's rows in the tile, then whole 16-byte row pieces out
+                    __syncthreads();
+                    const int vecs = width / 8;
+                    for (int e = threadIdx.x; e < CHUNK * vecs; e += blockDim.x) {
+                        const int r = e / vecs, j = (e % vecs) * 8;
+                        if (r < n)
+                            *reinterpret_cast<uint4*>(dst + (size_t)(t0 + r) * row_stride + j) =
+                                *reinterpret_cast<const uint4*>(tile + r * ldt + j);
                     }
                 }
             };
@@ -1890,4 +1910,11 @@ gdn_chunk_output_staged(const bf16* __restrict__ qn, const bf16* __restrict__ p_
             }
         }
     }
+}
+
+// gdn_chunk_prepare_grouped_coalesced (OPENINFER_QWEN35_GDN_PREFILL=grouped_coalesced): grouped_mma with
+// W and U staged through shared memory and stored as 16-byte row pieces (STAGED_STORES); its bits
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped_coalesced(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<true, false, true>(smem, PREPARE_ARGS);
 }
