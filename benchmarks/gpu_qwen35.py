@@ -764,10 +764,10 @@ PREPARE_PHASES = {"gdn_chunk_prepare_blocked": ("q / k / v staged", "q / k norme
                                                 "P and A (tensor cores)", "T = (I + A)^-1",
                                                 "T, (beta V)^T, (beta exp(c) K)^T to bf16",
                                                 "U and W (tensor cores) stored"),
-                  "gdn_chunk_prepare_grouped": ("q / k loaded and normed", "scores (tensor cores)",
-                                                "gates, cumulative decay", "P and A", "T = (I + A)^-1",
-                                                "W and U (tensor cores) stored")}
-PREPARE_PHASES["gdn_chunk_prepare_grouped_mma"] = PREPARE_PHASES["gdn_chunk_prepare_grouped"]
+                  "gdn_chunk_prepare_grouped_mma": ("q / k loaded and normed", "scores (tensor cores)",
+                                                    "gates, cumulative decay", "P and A", "T = (I + A)^-1",
+                                                    "W and U (tensor cores) stored")}
+PREPARE_PHASES["gdn_chunk_prepare_grouped_coalesced"] = PREPARE_PHASES["gdn_chunk_prepare_grouped_mma"]
 
 
 def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_chunk_prepare_blocked") -> dict:
