@@ -145,11 +145,13 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 # blocks), the default, registers (blocked with the chunk walk's state in mma registers) and fused (that
 # with the gated norm in the output kernel), grouped (registers with a prepare block per chunk and key
 # head), grouped_mma (that with the solve's block products on tensor cores), grouped_conv (that with the
-# conv1d inside the prepare), grouped_out (that with the staged output kernel); staged and split were
+# conv1d inside the prepare), grouped_out (that with the staged output kernel), grouped_staged (the
+# default since session 8's E1: grouped_mma with the staged output kernel), grouped_coalesced (that with
+# W / U stored as 16-byte row pieces); staged and split were
 # measured in E3 (2026-11-24)
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
-                                 "grouped_conv", "grouped_out")}
+                                 "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced")}
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -762,10 +764,10 @@ PREPARE_PHASES = {"gdn_chunk_prepare_blocked": ("q / k / v staged", "q / k norme
                                                 "P and A (tensor cores)", "T = (I + A)^-1",
                                                 "T, (beta V)^T, (beta exp(c) K)^T to bf16",
                                                 "U and W (tensor cores) stored"),
-                  "gdn_chunk_prepare_grouped": ("q / k loaded and normed", "scores (tensor cores)",
-                                                "gates, cumulative decay", "P and A", "T = (I + A)^-1",
-                                                "W and U (tensor cores) stored")}
-PREPARE_PHASES["gdn_chunk_prepare_grouped_mma"] = PREPARE_PHASES["gdn_chunk_prepare_grouped"]
+                  "gdn_chunk_prepare_grouped_mma": ("q / k loaded and normed", "scores (tensor cores)",
+                                                    "gates, cumulative decay", "P and A", "T = (I + A)^-1",
+                                                    "W and U (tensor cores) stored")}
+PREPARE_PHASES["gdn_chunk_prepare_grouped_coalesced"] = PREPARE_PHASES["gdn_chunk_prepare_grouped_mma"]
 
 
 def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_chunk_prepare_blocked") -> dict:
@@ -788,7 +790,7 @@ def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_
                                      f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
     prepare = module.get_function(name)
     grouped = name.startswith("gdn_chunk_prepare_grouped")
-    shared = (cuda_ops.chunk_prepare_grouped_shared_bytes(dk, dv) if grouped
+    shared = (cuda_ops.chunk_prepare_grouped_shared_bytes(dk, dv, nv // nk) if grouped
               else cuda_ops.chunk_prepare_shared_bytes(dk, dv, staged=True))
     prepare.max_dynamic_shared_size_bytes = shared
     tokens = prompts * length
@@ -959,7 +961,7 @@ def run_decode_tpot_only(args: argparse.Namespace) -> dict:
 # --step-ledger-only: a mixed step of the 64-stream burst (8 fresh ~1k prompts beside 48 decodes, as
 # the burst's steps 3-8 in the step logs) and a decode step of 64 streams at ~1.1k context
 LEDGER_PROMPTS, LEDGER_PROMPT_LEN, LEDGER_DECODES, LEDGER_DECODE_CONTEXT = 8, 1008, 48, 1100
-LEDGER_PREFILL_VARIANTS = ("registers", "grouped_out", "grouped_conv", "grouped_mma")
+LEDGER_PREFILL_VARIANTS = ("registers", "grouped_staged", "grouped_coalesced")
 
 
 def run_step_ledger_only(args: argparse.Namespace) -> dict:
@@ -1063,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-prefill-only", action="store_true",
                         help="one GDN layer's prefill kernels per --prefill-variants choice at 8 x 1k (+ 48 decode rows) "
                              "and 1 x 1k (results/gpu_qwen35_gdn_prefill.json; no checkpoint)")
-    parser.add_argument("--prefill-variants", default="registers,grouped,grouped_mma,grouped_conv,grouped_out",
+    parser.add_argument("--prefill-variants", default="registers,grouped_mma,grouped_staged,grouped_coalesced",
                         help="--gdn-prefill-only: comma list of OPENINFER_QWEN35_GDN_PREFILL choices (the first is the "
                              f"baseline; of {', '.join(PREFILL_VARIANTS)})")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),

@@ -94,7 +94,7 @@ def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
 
 
 FAST_PREFILL_CHOICES = ("split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma", "grouped_conv",
-                        "grouped_out")
+                        "grouped_out", "grouped_staged", "grouped_coalesced")
 
 
 @pytest.fixture(params=["chunked", "recurrent", *FAST_PREFILL_CHOICES])
@@ -106,7 +106,8 @@ def kernels(request, monkeypatch):
     state in mma accumulator registers where a step fills the SMs), on fused (registers with the gated norm
     in the output kernel; a step's one-token rows normed apart) and on grouped (registers with a prepare
     block per chunk and key head), grouped_mma (that with the solve's block products on tensor cores) and
-    grouped_conv (that with the conv1d inside the prepare) and grouped_out (that with the staged output kernel)."""
+    grouped_conv (that with the conv1d inside the prepare), grouped_out (that with the staged output kernel)
+    and the default, grouped_staged (grouped_mma with the staged output kernel)."""
     from openinfer_qwen35 import cuda_ops
 
     if not cupy.cuda.is_available():
@@ -324,7 +325,8 @@ def test_vec4_decode_step_matches_numpy_and_the_plain_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize(("variant", "reference"), [("staged", "plain"), ("split", "plain"), ("registers", "blocked"),
-                                                    ("grouped_conv", "grouped_mma"), ("grouped_out", "grouped_conv")])
+                                                    ("grouped_conv", "grouped_mma"), ("grouped_out", "grouped_conv"),
+                                                    ("grouped_staged", "grouped_mma"), ("grouped_coalesced", "grouped_staged")])
 def test_prefill_variants_equal_the_plain_kernels_bit_for_bit(monkeypatch, variant, reference):
     """OPENINFER_QWEN35_GDN_PREFILL=staged (gdn_chunk_prepare_staged: every global read of a chunk
     issued first) and =split (that, and the scan split in gdn_chunk_states + gdn_chunk_output)

@@ -21,7 +21,7 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       moved by one bulk copy each way through shared memory
                                       (vec4's bits)
     prefill, longest row >= 8 tokens  OPENINFER_QWEN35_GDN_PREFILL (DEFAULT_PREFILL_KERNELS:
-                                      registers) =plain: gdn_conv1d, gdn_conv_state,
+                                      grouped_staged) =plain: gdn_conv1d, gdn_conv_state,
                                       gdn_chunk_prepare, gdn_chunk_scan (tensor cores, chunks of
                                       64), gdn_gated_norm; =staged: gdn_conv1d_vec (8 channels
                                       and 16 tokens a thread), gdn_chunk_prepare_staged (every
@@ -53,7 +53,10 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       round trip for the chunked rows; =grouped_out: that with
                                       gdn_chunk_output_staged (a block's Q, P, S^T and V' loaded
                                       at once, V' as the row-major B operand: gdn_chunk_output's
-                                      bits); all four with
+                                      bits); =grouped_staged (the default): grouped_mma with
+                                      gdn_chunk_output_staged; =grouped_coalesced: that with W / U
+                                      staged through shared memory and stored as 16-byte row
+                                      pieces (its bits); all six with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -93,7 +96,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                                  "zero_centred_add_rms_norm", "zero_centred_add_rms_norm_vec"),
            "gdn_chunked.cu": ("gdn_chunk_prepare", "gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked",
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
-                              "gdn_chunk_prepare_grouped_conv",
+                              "gdn_chunk_prepare_grouped_conv", "gdn_chunk_prepare_grouped_coalesced",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
@@ -151,11 +154,17 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                   "gdn_gated_norm_vec", True, "gdn_chunk_states_registers"),
                    "grouped_out": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_conv", True,
                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
-                                                 "gdn_chunk_output_staged")}
+                                                 "gdn_chunk_output_staged"),
+                   "grouped_staged": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
+                                                    "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                    "gdn_chunk_output_staged"),
+                   "grouped_coalesced": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_coalesced", True,
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                       "gdn_chunk_output_staged")}
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
-GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
-                           CONV_PREPARE_KERNEL)  # grid (chunks, key heads)
+GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma", CONV_PREPARE_KERNEL,
+                           "gdn_chunk_prepare_grouped_coalesced")  # grid (chunks, key heads)
 GROUPED_PREPARE_KEY_HEAD_DIMS = (64, 128)  # their q / k rows' 16-byte vectors within a warp
 OUTPUT_NORM_MAX_VALUE_HEAD_DIM = 128  # gdn_chunk_output_norm keeps a row's O over dv / 32 tiles in registers
 REGISTER_STATES_MAX_KEY_HEAD_DIM = 128  # gdn_chunk_states_registers: DK / 2 state floats a thread
@@ -175,7 +184,17 @@ STAGED_PREPARE_KERNELS = ("gdn_chunk_prepare_staged", "gdn_chunk_prepare_blocked
 # op ledger) 128.6 -> 125.2 ms (results/gpu_qwen35_gdn_prefill.json, gpu_qwen35_step_ledger.json);
 # blocked's bits (tests/gpu/test_qwen35_kernels.py). Steps too small to fill the SMs with its widest
 # blocks keep gdn_chunk_states (1 x 1k: 0.062 vs 0.075 ms). =blocked reverts.
-DEFAULT_PREFILL_KERNELS = "registers"
+# grouped_staged by measurement (H200, E1 2026-11-24 session 8, merged main, one GDN layer of the 4B shape,
+# CUDA events per kernel; benchmarks/results/gpu_qwen35_gdn_prefill_s8e1_h200.json): the grouped prepare with the
+# tensor-core solve (grouped_mma) 0.482 -> 0.238 ms at 8 x 1k (2.03x), the layer 1.132 -> 0.853 ms (1.33x),
+# 1.274 -> 0.982 ms with 48 decode rows (1.30x), 1 x 1k 1.20x; the 64-stream burst's mixed step (op ledger,
+# 8 x 1008 + 48 decodes) 126.7 -> 119.6 ms, its delta_net 30.6 -> 23.4 ms (gpu_qwen35_step_ledger_s8e1_h200.json);
+# gdn_chunk_output_staged 0.149 -> 0.115 ms at 8 x 1k (1.30x; gdn_chunk_output's bits). The conv inside
+# the prepare (grouped_conv: 0.440 ms for prepare + conv against 0.238 + 0.144) measured slower: opt-in.
+# bf16 tolerance of registers (W / U and the norm's sum rounded at other points): GPU kernel tests vs NumPy,
+# teacher-forced vs HF (grouped_out, grouped_mma's bits: mean 0.0173, p99 0.059 within 0.06 / 0.20).
+# =registers reverts.
+DEFAULT_PREFILL_KERNELS = "grouped_staged"
 # early_loads by measurement (H200, D3 2026-11-23, one GDN layer, graph replay): 1.03-1.06x plain at
 # 1-256 rows (64 rows 133.0 -> 129.4 us), the same bits (tests/gpu/test_qwen35_kernels.py)
 # coalesced by measurement (H200, E3 2026-11-24, main e0c0aad, graph replay): 1.40 / 1.23 / 1.15x plain
@@ -318,13 +337,13 @@ def chunk_prepare_shared_bytes(dk: int, dv: int, staged: bool = False) -> int:
             + middle + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4) + CHUNK_SIZE * 4)
 
 
-def chunk_prepare_grouped_shared_bytes(dk: int, dv: int) -> int:
+def chunk_prepare_grouped_shared_bytes(dk: int, dv: int, ratio: int) -> int:
     """gdn_chunk_prepare_grouped's dynamic shared memory (its carve, in order): q then V, k, A, T, c,
-    beta, beta exp(c)."""
+    beta, beta exp(c), the group's (``ratio`` value heads') gate inputs and decay parameters."""
     row_k, row_v, row_f = dk + 8, dv + 8, CHUNK_SIZE + 4
     return (max(_round_128(CHUNK_SIZE * row_k * 2), _round_128(CHUNK_SIZE * row_v * 2)) + _round_128(CHUNK_SIZE * row_k * 2)
-            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + _round_128(CHUNK_SIZE * 4)
-            + CHUNK_SIZE * 4)
+            + 2 * _round_128(CHUNK_SIZE * row_f * 4) + _round_128(CHUNK_SIZE * 8) + 2 * _round_128(CHUNK_SIZE * 4)
+            + _round_128(ratio * CHUNK_SIZE * 2 * 4) + ratio * 2 * 4)
 
 
 def chunk_scan_shared_bytes(dk: int) -> int:
@@ -356,7 +375,8 @@ def register_walk_fills_gpu(dv: int, heads: int) -> bool:
     return heads * (dv // (16 * register_states_warps(dv))) >= _multiprocessors()
 
 
-GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 69 KiB of shared memory and 168 registers a thread
+GROUPED_PREPARE_BLOCKS_PER_SM = 3  # its 70 KiB of shared memory and 168 registers a thread
+GROUPED_PREPARE_MAX_HEADS = 8  # value heads a grouped prepare block takes (its gate inputs: 4 entries a thread)
 
 
 def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> int:
@@ -364,6 +384,8 @@ def grouped_prepare_split(num_chunks: int, num_key_heads: int, ratio: int) -> in
     q / k work) when the step's chunks x key heads fill every SM's block slots, else ``ratio`` (a
     block per value head, as the other prepare kernels: a lone 1k prompt's 16 chunks x 16 key heads
     would leave most of the H200's 396 slots empty)."""
+    if ratio > GROUPED_PREPARE_MAX_HEADS:
+        return ratio
     return 1 if num_chunks * num_key_heads >= GROUPED_PREPARE_BLOCKS_PER_SM * _multiprocessors() else ratio
 
 
@@ -692,7 +714,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
     if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head (or per value head: small steps)
-        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv)
+        prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv, nv // nk)
         prepare_grid = (num_chunks, nk, grouped_prepare_split(num_chunks, nk, nv // nk))
     else:
         prepare_bytes = chunk_prepare_shared_bytes(dk, dv, prepare in STAGED_PREPARE_KERNELS)

@@ -21,17 +21,18 @@ GDN layer core         ``delta_net``:                                           
                        sequence at a time
   cuda                 ``gdn_conv1d_vec`` (varlen) →   ``gdn_decode_step_vec4``:
                        ``gdn_conv_state`` →            conv, window, gates, l2 norm,
-                       ``gdn_chunk_prepare_blocked``   delta rule (fp32 state by
-                       (per chunk of 64: l2 norm,      16-byte accesses) and gated
-                       gates, P, T = (I + A)^-1 by     norm in one kernel per
-                       16 x 16 blocks, U, W) →         (sequence, value head),
+                       ``gdn_chunk_prepare_grouped_``  delta rule (fp32 state by
+                       ``mma`` (per chunk of 64 and    16-byte accesses) and gated
+                       key head: l2 norm, gates, P,    norm in one kernel per
+                       T = (I + A)^-1 by 16 x 16       (sequence, value head),
+                       blocks on tensor cores, U, W) →
                        ``gdn_chunk_states_registers``  captured in the decode graphs
                        (chunks in order: S, V'; S in
                        mma registers; small steps:
                        ``gdn_chunk_states``) →
-                       ``gdn_chunk_output`` (O, all
-                       chunks at once; tensor cores)
-                       → ``gdn_gated_norm_warp``; a
+                       ``gdn_chunk_output_staged`` (O,
+                       all chunks at once; tensor cores)
+                       → ``gdn_gated_norm_vec``; a
                        mixed step's one-token rows:
                        ``gdn_delta_rule_rows``; rows
                        shorter than 8: the token-by-
@@ -39,7 +40,7 @@ GDN layer core         ``delta_net``:                                           
 MLP                    core ``silu_mul``               same                            core
 =====================  ==============================  ==============================  =======
 
-The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=registers``, the default
+The cuda prefill column is ``OPENINFER_QWEN35_GDN_PREFILL=grouped_staged``, the default
 (``cuda_ops.PREFILL_KERNELS`` names each choice's kernels): ``plain`` is the earlier chunked path
 (``gdn_conv1d`` → ``gdn_conv_state`` → ``gdn_chunk_prepare`` → ``gdn_chunk_scan``, chunks in order
 with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows as one-row chunks);
@@ -47,7 +48,12 @@ with O computed on the way → ``gdn_gated_norm``; a mixed step's one-token rows
 them only in a mixed step's one-token rows (token by token, within bf16 tolerance); ``blocked`` is
 ``split_rows`` with the triangular solve by 16 x 16 blocks (within bf16 tolerance); ``registers``
 is ``blocked`` with the chunk walk's state in mma accumulator registers (blocked's bits); ``fused``
-that with the gated norm inside the output kernel (opt-in). The decode
+that with the gated norm inside the output kernel (opt-in); ``grouped_staged`` (the default since E1
+2026-11-24, session 8) is ``registers`` with ``gdn_chunk_prepare_grouped_mma`` (a prepare block per
+chunk and key head, the triangular solve's block products on tensor cores; bf16 tolerance),
+``gdn_chunk_output_staged`` (a block's operands loaded at once; gdn_chunk_output's bits) and
+``gdn_gated_norm_vec``; ``grouped``, ``grouped_mma``, ``grouped_conv``, ``grouped_out`` are its opt-in
+steps and variants. The decode
 column is ``OPENINFER_QWEN35_GDN_DECODE=vec4``, the default (``cuda_ops.DECODE_KERNELS``).
 
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed

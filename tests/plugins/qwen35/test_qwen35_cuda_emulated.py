@@ -199,6 +199,8 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     assert read_array(tmp_path, "grouped_mma_same", np.int32, (1,))[0] == 1
     # a key head's value heads split over blocks (a step too small to fill the GPU): the same bits
     assert read_array(tmp_path, "grouped_split_same", np.int32, (1,))[0] == 1
+    # W / U staged through shared memory and stored as 16-byte row pieces: the same bits
+    assert read_array(tmp_path, "grouped_coalesced_same", np.int32, (1,))[0] == 1
     for name, width in (("w", FAST_KEY_DIM), ("u", FAST_VALUE_DIM)):
         want = read_array(tmp_path, f"grouped_{name}", np.uint16, (num_tokens, nv, width))
         got = read_array(tmp_path, f"grouped_mma_{name}", np.uint16, (num_tokens, nv, width))

@@ -1284,7 +1284,8 @@ gdn_chunk_states_registers(const bf16* __restrict__ kn, const bf16* __restrict__
 // transposed (beta V)^T / (beta exp(c) K)^T tiles. The cumulative decay is a warp scan in fp64
 // (two rows a lane). bf16 tolerance of blocked (products rounded at other points), not its bits.
 // Shared memory: qs -> V [64][max(LDK, dv + PAD)] bf16, ks [64][LDK], A and T [64][LDF] fp32,
-// c [64] fp64, beta and beta exp(c) [64] fp32.
+// c [64] fp64, beta and beta exp(c) [64] fp32, the group's gate inputs [ratio][64][2] and decay
+// parameters [ratio][2] fp32 (read with q / k, not a global round trip per head).
 #define GROUPED_PREPARE_OK (DK <= 128 && 32 % (DK / 8) == 0)  // a row's 16-byte vectors within a warp
 
 __device__ __forceinline__ double shfl_up_double(double x, unsigned delta) {
@@ -1426,7 +1427,9 @@ struct GroupedConv {
     int width;
 };
 
-template <bool MMA_SOLVE, bool CONV = false>
+// STAGED_STORES: W and U staged through A's dead shared tile and stored as 16-byte row pieces (a warp's
+// mma stores otherwise write 4 bytes to each of 8 rows per instruction); the same values.
+template <bool MMA_SOLVE, bool CONV = false, bool STAGED_STORES = false>
 __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPARE_PARAMS, GroupedConv conv = {}) {
     if constexpr (GROUPED_PREPARE_OK) {
         const int c = blockIdx.x, key_head = blockIdx.y;
@@ -1513,6 +1516,34 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
         float* beta = reinterpret_cast<float*>(at);  // [64]
         at += round_up_128(CHUNK * 4);
         float* beta_decay = reinterpret_cast<float*>(at);  // [64] beta exp(c)
+        at += round_up_128(CHUNK * 4);
+        // the block's value heads' gate inputs, read at the start (their latency hidden under q / k's):
+        // gate_in [head][64][b, a], head_params [head][neg decay rate, dt bias]
+        float* gate_in = reinterpret_cast<float*>(at);
+        at += round_up_128((size_t)ratio * CHUNK * 2 * 4);
+        float* head_params = reinterpret_cast<float*>(at);
+
+        // the group's value heads this block takes: all of them, or (gridDim.z > 1: a step too small
+        // to fill the GPU, or a group of more than GATE_SLOTS * 128 / 64 heads; the launcher's choice)
+        // 1 / gridDim.z of them, the q / k work repeated
+        const int heads_per_block = ratio / gridDim.z;
+        const int h_begin = key_head * ratio + blockIdx.z * heads_per_block, h_end = h_begin + heads_per_block;
+        constexpr int GATE_SLOTS = 4;  // (head, row) entries a thread: 8 heads of 64 rows
+        float gate_b[GATE_SLOTS], gate_a[GATE_SLOTS], rate = 0.f, bias = 0.f;
+#pragma unroll
+        for (int k = 0; k < GATE_SLOTS; ++k) {
+            const int e = threadIdx.x + 128 * k, r = e % CHUNK;
+            gate_b[k] = gate_a[k] = 0.f;
+            if (e < heads_per_block * CHUNK && r < n) {
+                const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h_begin + e / CHUNK;
+                gate_b[k] = to_f(row[0]);
+                gate_a[k] = to_f(row[num_value_heads]);
+            }
+        }
+        if (threadIdx.x < heads_per_block) {
+            rate = neg_decay_rate[h_begin + threadIdx.x];
+            bias = dt_bias[h_begin + threadIdx.x];
+        }
 
         // 1. q, then k rows: 16-byte loads (ROW_VECS lanes a row, rows r, r + 128 / ROW_VECS, ...; with
         //    CONV convolved first), the row's sum of squares over its lanes, normed (q also x DK^-1/2)
@@ -1559,6 +1590,18 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                 }
             }
         }
+#pragma unroll
+        for (int k = 0; k < GATE_SLOTS; ++k) {
+            const int e = threadIdx.x + 128 * k;
+            if (e < heads_per_block * CHUNK) {
+                gate_in[2 * e] = gate_b[k];
+                gate_in[2 * e + 1] = gate_a[k];
+            }
+        }
+        if (threadIdx.x < heads_per_block) {
+            head_params[2 * threadIdx.x] = rate;
+            head_params[2 * threadIdx.x + 1] = bias;
+        }
         __syncthreads();
         GDN_PHASE(1);  // q / k loaded and normed
 
@@ -1601,10 +1644,6 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                 gdn_commit_copies();
             }
         };
-        // the group's value heads this block takes: all of them, or (gridDim.z > 1: a step too small
-        // to fill the GPU, the launcher's choice) 1 / gridDim.z of them, the q / k work repeated
-        const int heads_per_block = ratio / gridDim.z;
-        const int h_begin = key_head * ratio + blockIdx.z * heads_per_block, h_end = h_begin + heads_per_block;
         load_v(h_begin);
         for (int h = h_begin; h < h_end; ++h) {
             // 3. gates and the cumulative decay c (fp64: c_t reaches -1000 within a chunk for
@@ -1613,13 +1652,12 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                 float b[2], lg[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int r = 2 * lane + e;
+                    const int r = 2 * lane + e, at_head = (h - h_begin) * CHUNK + r;
                     b[e] = lg[e] = 0.f;
                     if (r < n) {
-                        const bf16* row = proj + (size_t)(t0 + r) * proj_stride;
-                        b[e] = gdn_beta(to_f(row[conv_dim + value_dim + h]));
-                        lg[e] = gdn_log_decay(to_f(row[conv_dim + value_dim + num_value_heads + h]), neg_decay_rate[h],
-                                              dt_bias[h]);
+                        b[e] = gdn_beta(gate_in[2 * at_head]);
+                        lg[e] = gdn_log_decay(gate_in[2 * at_head + 1], head_params[2 * (h - h_begin)],
+                                              head_params[2 * (h - h_begin) + 1]);
                     }
                 }
                 const double pair = (double)lg[0] + (double)lg[1];
@@ -1697,6 +1735,9 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
             };
             auto product = [&](const unsigned (*t_frag)[4], const bf16* rows, int ld, int width, bf16* dst) {
                 const size_t row_stride = (size_t)num_value_heads * width;
+                const int ldt = width + PAD;  // the staging tile's bf16 rows, in A's fp32 [64][LDF]
+                const bool stage = STAGED_STORES && ldt <= 2 * LDF;
+                bf16* tile = reinterpret_cast<bf16*>(amat);
                 for (int np = 0; np < width / 16; ++np) {
                     float acc[2][4] = {};
 #pragma unroll
@@ -1709,9 +1750,24 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
 #pragma unroll
                     for (int t = 0; t < 2; ++t) {
                         const int j = 16 * np + 8 * t + 2 * q4;
+                        if (stage) {
+                            store_pair(tile + (r0 + g) * ldt + j, acc[t][0], acc[t][1]);
+                            store_pair(tile + (r0 + g + 8) * ldt + j, acc[t][2], acc[t][3]);
+                            continue;
+                        }
                         if (r0 + g < n) store_pair(dst + (size_t)(t0 + r0 + g) * row_stride + j, acc[t][0], acc[t][1]);
                         if (r0 + g + 8 < n)
                             store_pair(dst + (size_t)(t0 + r0 + g + 8) * row_stride + j, acc[t][2], acc[t][3]);
+                    }
+                }
+                if (stage) {  // every warp's rows in the tile, then whole 16-byte row pieces out
+                    __syncthreads();
+                    const int vecs = width / 8;
+                    for (int e = threadIdx.x; e < CHUNK * vecs; e += blockDim.x) {
+                        const int r = e / vecs, j = (e % vecs) * 8;
+                        if (r < n)
+                            *reinterpret_cast<uint4*>(dst + (size_t)(t0 + r) * row_stride + j) =
+                                *reinterpret_cast<const uint4*>(tile + r * ldt + j);
                     }
                 }
             };
@@ -1854,4 +1910,11 @@ gdn_chunk_output_staged(const bf16* __restrict__ qn, const bf16* __restrict__ p_
             }
         }
     }
+}
+
+// gdn_chunk_prepare_grouped_coalesced (OPENINFER_QWEN35_GDN_PREFILL=grouped_coalesced): grouped_mma with
+// W and U staged through shared memory and stored as 16-byte row pieces (STAGED_STORES); its bits
+extern "C" __global__ void __launch_bounds__(128, 3) gdn_chunk_prepare_grouped_coalesced(PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_grouped<true, false, true>(smem, PREPARE_ARGS);
 }

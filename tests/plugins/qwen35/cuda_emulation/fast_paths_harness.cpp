@@ -182,6 +182,20 @@ int main(int argc, char** argv) {
                                         ? 1 : 0};
             save(dir, "grouped_split_same.bin", split_same);
         }
+        // W / U staged through shared memory, 16-byte row stores (gdn_chunk_prepare_grouped_coalesced): its bits
+        {
+            std::vector<bf16> c_qn(qn.size()), c_kn(kn.size()), c_w(w.size()), c_u(u.size()), c_p(p.size());
+            std::vector<float> c_cum(cum.size());
+            launch(num_chunks, nk, 1, 128, [&] {
+                gdn_chunk_prepare_grouped_coalesced(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                                    chunk_start.data(), chunk_len.data(), c_qn.data(), c_kn.data(),
+                                                    c_w.data(), c_u.data(), c_p.data(), c_cum.data(), nk, nv, dv);
+            });
+            std::vector<int> coalesced_same{bits_equal(c_qn, m_qn) && bits_equal(c_kn, m_kn) && bits_equal(c_w, m_w) &&
+                                            bits_equal(c_u, m_u) && bits_equal(c_p, m_p) && bits_equal(c_cum, m_cum)
+                                            ? 1 : 0};
+            save(dir, "grouped_coalesced_same.bin", coalesced_same);
+        }
         // the conv fused in (gdn_chunk_prepare_grouped_conv) on the projection and the windows as they were
         // before gdn_conv_state: grouped_mma's arrays bit for bit; the one-token rows' conv alone
         // (gdn_conv1d_vec_rows) gives conv_out's rows
