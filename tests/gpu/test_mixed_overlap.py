@@ -1,4 +1,4 @@
-"""OPENINFER_MIXED_OVERLAP (default "1"): a mixed step's decode rows attend on a second stream beside the
+"""OPENINFER_MIXED_OVERLAP (opt-in "1"; off by default): a mixed step's decode rows attend on a second stream beside the
 prompt chunks' prefill attention. The same kernels on the same inputs: the same bits as the
 one-stream mixed attention, through the backend's attention op as through the function."""
 

@@ -154,7 +154,11 @@ class CudaBackend:
         self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
         self.ropes = attention_ops.RopeTables()
-        overlap = os.environ.get(MIXED_OVERLAP_ENV, "1")
+        # off by default: once a side stream has run a mixed step's decode rows, every later batch-1
+        # graph step took ~130 us longer on the device (bs1 3.13 -> 3.00 ms with it off, E1 of
+        # 2026-11-24 08:15, benchmarks/results/bs1_switches_s8e1_h200.json), and 256-stream bursts
+        # measured no gain from it (6,192 on vs 6,232 off, s7 E2); "1" turns it on
+        overlap = os.environ.get(MIXED_OVERLAP_ENV, "0")
         if overlap not in ("0", "1"):
             raise ValueError(f"{MIXED_OVERLAP_ENV}={overlap!r}: expected '0' or '1'")
         self.mixed_overlap = overlap == "1"
