@@ -301,6 +301,10 @@ class BlockPool:
             raise MemoryError(f"asked for {num_blocks} KV blocks, {self.num_free_blocks} free")
         popitem, blocks = self.free_queue.popitem, self.blocks  # (locals: a cold 16k prompt takes 1,024)
         taken = [popitem(last=False)[0] for _ in range(num_blocks)]
+        # ascending: blocks freed together re-enter the queue tail-first, so this puts a run of
+        # consecutive ids in table order, which the sm90 prefill attention can load as one TMA box
+        # (OPENINFER_SM90_KV_RUNS); the same blocks are taken and evicted either way
+        taken.sort()
         for block_id in taken:
             block = blocks[block_id]
             if block.block_hash is not None:

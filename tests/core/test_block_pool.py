@@ -313,3 +313,16 @@ def test_prefix_lookups_reusing_the_last_one_find_what_a_fresh_lookup_finds(seed
             kv.free_request(f"r{i}")
         if len(live) > 3:
             kv.free_request(live.pop(0))
+
+
+def test_allocation_hands_out_a_freed_run_in_ascending_order():
+    """A request's blocks come back tail-first; the next allocation takes them ascending (one run
+    of consecutive ids, in table order), the same blocks either way."""
+    pool = BlockPool(num_blocks=9, block_size=4)
+    table = pool.allocate(8)
+    assert table == list(range(1, 9))
+    for block_id, tokens in zip(table, range(8), strict=True):
+        pool.cache_full_block(block_id, hash_block_tokens(None, [tokens] * 4), [tokens] * 4)
+    pool.free(list(reversed(table)))
+    assert list(pool.free_queue) == list(range(8, 0, -1))
+    assert pool.allocate(3) == [6, 7, 8]  # the least recently freed three, ascending
