@@ -58,6 +58,22 @@ from openinfer.v1 import engine_pb2 as pb
 logger = logging.getLogger("openinfer.engine_core")
 
 HEARTBEAT_S = 0.25
+# OPENINFER_CORE_SPIN_MS=N: for N ms after its last message in or out, the engine thread polls the
+# input socket without blocking instead of sleeping in poll: a request arriving then is read at
+# once, not after the wake-up of an idle thread and core (opt-in: it keeps a core busy meanwhile)
+CORE_SPIN_ENV = "OPENINFER_CORE_SPIN_MS"
+
+
+def spin_seconds() -> float:
+    """``OPENINFER_CORE_SPIN_MS`` in seconds (0: off, the default); anything else is an error."""
+    value = os.environ.get(CORE_SPIN_ENV, "0")
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not 0 <= milliseconds <= 10_000:
+        raise OpenInferError(f"{CORE_SPIN_ENV} must be a number of milliseconds in [0, 10000], got {value!r}")
+    return milliseconds / 1e3
 
 
 class CoreTransport:
@@ -80,6 +96,8 @@ class CoreTransport:
         self.local: collections.deque = collections.deque()
         self.last_sent = time.monotonic()
         self.num_step_messages = 0
+        self.spin_s = spin_seconds()
+        self.last_active = time.monotonic()  # the last message received or step delivered (spin window)
 
     # --- the engine's inbox protocol -------------------------------------------------------
 
@@ -94,6 +112,10 @@ class CoreTransport:
         return self.local.popleft()
 
     def get(self, timeout: float | None = None) -> Any:
+        if not self.local and self.spin_s:
+            end = self.last_active + self.spin_s
+            while not self.local and time.monotonic() < end:
+                self._receive(0)
         if not self.local:
             self._receive(HEARTBEAT_S if timeout is None else min(timeout, HEARTBEAT_S))
         if not self.local:
@@ -112,6 +134,7 @@ class CoreTransport:
                     break
                 client_id, commands = decoder.decode(frame.buffer)
                 self._handle(client_id, commands)
+                self.last_active = time.monotonic()
         for monitor in [m for m in events if m is not self.input]:
             self._on_monitor_event(monitor)
         if time.monotonic() - self.last_sent > HEARTBEAT_S:
@@ -199,7 +222,7 @@ class CoreTransport:
             if sock is not None:
                 sock.send(encoder.encode([STEP, items, load]), copy=False)
                 self.num_step_messages += 1
-        self.last_sent = time.monotonic()
+        self.last_sent = self.last_active = time.monotonic()
 
     def _heartbeat(self) -> None:
         health = self.engine.health()

@@ -271,3 +271,58 @@ def test_hits_are_those_of_hashing_every_block(seed):
             kv.free_request(f"r{i}")
         assert hits[0] == hits[1]
         assert sorted(pools[0].cached) == sorted(pools[1].cached)
+
+
+def _reference_lookup(pool: BlockPool, hashes: list[bytes], data: bytes) -> list[int]:
+    """``lookup_prefix`` from first principles: cached blocks, in order, holding the same tokens."""
+    stride = 4 * pool.block_size
+    found = []
+    for i, block_hash in enumerate(hashes):
+        block_id = pool.cached.get(block_hash)
+        if block_id is None or pool.blocks[block_id].token_bytes != data[i * stride : (i + 1) * stride]:
+            break
+        found.append(block_id)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefix_lookups_reusing_the_last_one_find_what_a_fresh_lookup_finds(seed):
+    """Requests on shared prefixes start, publish and free while a small pool evicts: every
+    lookup (reusing the previous one's leading blocks where it may) equals a fresh one."""
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(num_blocks=int(rng.integers(12, 40)), block_size=2)
+    kv = KVCacheManager(pool)
+    stems = [rng.integers(0, 9, int(rng.integers(2, 30))).tolist() for _ in range(3)]
+    live = []
+    for i in range(80):
+        stem = stems[int(rng.integers(len(stems)))]
+        tokens = stem[: int(rng.integers(1, len(stem) + 1))] + rng.integers(0, 9, int(rng.integers(0, 6))).tolist()
+        if len(tokens) < 2:
+            continue
+        prefix = kv.prefix_hashes("")
+        hashes = prefix.extend(tokens, (len(tokens) - 1) // 2)
+        data = prefix.token_bytes(0, len(hashes))
+        assert pool.lookup_prefix(hashes, data) == _reference_lookup(pool, hashes, data)
+        if rng.random() < 0.3 and live:  # a request ends
+            kv.free_request(live.pop(int(rng.integers(len(live)))))
+        kv.start_request(f"r{i}", tokens, prefix=prefix)
+        if kv.grow(f"r{i}", len(tokens)):
+            kv.publish_full_blocks(f"r{i}", tokens, len(tokens))
+            live.append(f"r{i}")
+        else:
+            kv.free_request(f"r{i}")
+        if len(live) > 3:
+            kv.free_request(live.pop(0))
+
+
+def test_allocation_hands_out_a_freed_run_in_ascending_order():
+    """A request's blocks come back tail-first; the next allocation takes them ascending (one run
+    of consecutive ids, in table order), the same blocks either way."""
+    pool = BlockPool(num_blocks=9, block_size=4)
+    table = pool.allocate(8)
+    assert table == list(range(1, 9))
+    for block_id, tokens in zip(table, range(8), strict=True):
+        pool.cache_full_block(block_id, hash_block_tokens(None, [tokens] * 4), [tokens] * 4)
+    pool.free(list(reversed(table)))
+    assert list(pool.free_queue) == list(range(8, 0, -1))
+    assert pool.allocate(3) == [6, 7, 8]  # the least recently freed three, ascending
