@@ -242,10 +242,11 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
         # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
         # define only when on, so the default build's kernel key is unchanged)
-        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128): Q K^T with Q from registers
+        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128, the overlapped loop): Q K^T with Q from registers
         runs = tma and wanted_sm90_kv_runs()
         extra = ({"KV_RUNS": 1} if runs else {}) | \
-            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and wanted_sm90_q_registers() else {})
+            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and variant.intra_wg_overlap and wanted_sm90_q_registers()
+             else {})
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
