@@ -219,7 +219,7 @@ def test_the_switch_and_row_groups_are_checked(monkeypatch):
         wanted_sm90_short_query()
     monkeypatch.delenv(SM90_SHORT_QUERY_ENV)
     wanted_sm90_short_query.cache_clear()
-    assert wanted_sm90_short_query() is False
+    assert wanted_sm90_short_query() is True  # the default since session 8's E1
     assert sm90_short_query_row_groups(16, 4) == 1  # Qwen3-4B: 16 tokens x 4 heads = one M=64 tile
     assert sm90_short_query_row_groups(16, 8) == 2
     assert sm90_short_query_row_groups(11, 16) == 3
