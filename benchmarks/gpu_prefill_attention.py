@@ -230,6 +230,10 @@ SM90_VARIANTS = {
     # attn16 session 8: a tile of consecutive KV blocks in one TMA box per column block (OPENINFER_SM90_KV_RUNS;
     # the cases' blocks are shuffled unless --contiguous-blocks, as a fresh block pool hands them out)
     "kv-runs": {"kv_runs": "1"},
+    # after E1 (session 8) runs and Q registers are the default: the loads before, and each alone
+    "session7-loads": {"kv_runs": "0", "q_registers": "0"},
+    "no-q-registers": {"q_registers": "0"},
+    "no-kv-runs": {"kv_runs": "0"},
     "kv-runs-persistent": {"kv_runs": "1", "schedule": "persistent"},
     "kv-runs-head-pairs": {"kv_runs": "1", "head_pairs": "1"},
     # CTA pairs (two query heads of a KV head) share each tile's run boxes: half the L2 -> SM K/V traffic

@@ -41,28 +41,23 @@ SM90 = "sm90"  # attention.short_query_attention_sm90: the Hopper wgmma kernel (
 STEP_VARIANTS = (*LAYOUTS, TILE_SOFTMAX, SM90)
 # the sm90 kernel's timed settings: (name, splits (None: its default), K/V stages of 32 KB, K/V runs: a
 # tile of consecutive blocks, as KVPool's tables are, in one TMA box per column block, splits per cluster)
-SM90_VARIANTS = ((SM90, None, 3, False, 1), ("sm90_runs", None, 3, True, 1), ("sm90_splits16", 16, 3, False, 1),
-                 ("sm90_splits8", 8, 3, False, 1), ("sm90_stages2", None, 2, False, 1),
-                 ("sm90_stages6_runs", None, 6, True, 1), ("sm90_runs_cluster2", None, 3, True, 2),
-                 ("sm90_runs_cluster4", None, 3, True, 4), ("sm90_runs_cluster8", None, 3, True, 8))
+SM90_VARIANTS = ((SM90, None, 3, True, 1), ("sm90_no_runs", None, 3, False, 1), ("sm90_splits32", 32, 3, True, 1),
+                 ("sm90_splits8", 8, 3, True, 1), ("sm90_stages6", None, 6, True, 1),
+                 ("sm90_splits32_cluster2", 32, 3, True, 2))
 
 
 def sm90_default_splits(batch: int, stages: int, num_sms: int) -> int:
     """The split count short_query_attention_sm90 picks for ``batch`` sequences of NEW_TOKENS."""
     from openinfer.backend.cuda.decode_attention_plan import shared_split_count
 
-    per_sm = 2 if stages <= 3 else 1
-    return shared_split_count(batch * QWEN3_4B["num_key_value_heads"] * (2 // per_sm), num_sms)
+    return shared_split_count(batch * QWEN3_4B["num_key_value_heads"] * 2, num_sms)
 
 
 def set_sm90(on: bool) -> None:
     """Sets OPENINFER_SM90_SHORT_QUERY (the engine reads it when a graph is captured)."""
     from openinfer.backend.cuda.attention_routing import SM90_SHORT_QUERY_ENV, wanted_sm90_short_query
 
-    if on:
-        os.environ[SM90_SHORT_QUERY_ENV] = "1"
-    else:
-        os.environ.pop(SM90_SHORT_QUERY_ENV, None)
+    os.environ[SM90_SHORT_QUERY_ENV] = "1" if on else "0"  # (on by default: the mma layouts need "0")
     wanted_sm90_short_query.cache_clear()
 
 
@@ -164,7 +159,7 @@ def bench_kernel(num_sms: int, bandwidth: float, batches, contexts) -> list[dict
             row["per_step_saving_ms_36_layers"] = 36 * (row["warp"]["us"] - row["shared"]["us"]) / 1e3
             if sm90:
                 ours = short_query_attention_sm90(queries[0], pool.k, pool.v, tables[0], lens, query_start, NEW_TOKENS,
-                                                  d**-0.5, num_sms, kv_runs=True)
+                                                  d**-0.5, num_sms)
                 row["sm90_max_abs_difference"] = float(cupy.abs(as_float(ours) - as_float(ref)).max())
                 row["sm90_vs_tile_softmax"] = row[TILE_SOFTMAX]["us"] / row[SM90]["us"]
                 others = ", ".join(f"{name[len(SM90) + 1:]} {row[name]['us']:.1f}" for name, *_ in SM90_VARIANTS[1:])

@@ -278,8 +278,8 @@ def test_kv_runs_match_numpy(cuda_backend, case, settings, broken, monkeypatch):
                                       {"kv_loads": "tma", "split_kv": "1"}], ids=lambda s: "-".join(s) or "default")
 @pytest.mark.parametrize("case", list(CASES))
 def test_q_registers_match_numpy(cuda_backend, rng, case, settings, monkeypatch):
-    """OPENINFER_SM90_Q_REGISTERS=1: Q K^T with Q as A fragments in registers (head_dim 128; the
-    head_dim 256 cases run the default build) over the variants that change the consumer loop."""
+    """OPENINFER_SM90_Q_REGISTERS=1: Q K^T with Q as A fragments in registers (head_dim 128 with the
+    overlapped loop; head_dim 256 and overlap=0 run without) over the variants that change the loop."""
     from openinfer.backend.cuda.attention import SM90_ENV, refresh_kernel_choices, sm90_prefill_supported
     from openinfer.backend.cuda.attention_routing import SM90_Q_REGISTERS_ENV, wanted_sm90_q_registers
 

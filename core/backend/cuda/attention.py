@@ -16,8 +16,9 @@ on the prefill kernel).
 ``OPENINFER_SM90_*`` variables pick variants of the sm90 kernel (``kernel_choices.py``: ``sm90_variant``,
 ``sm90_kv_loads``: TMA or cp.async K/V copies, ``sm90_schedule``: a CTA per work item or persistent CTAs;
 ``attention_routing.py``: ``OPENINFER_SM90_KV_RUNS``, a K/V tile of consecutive cache blocks in one TMA
-box per column block, and ``OPENINFER_SM90_Q_REGISTERS``, Q K^T with Q in registers at head_dim 128).
-``OPENINFER_SM90_SHORT_QUERY=1`` runs short steps on the Hopper short-query kernel
+box per column block, and ``OPENINFER_SM90_Q_REGISTERS``, Q K^T with Q in registers at head_dim 128;
+both on by default, "0" reverts). ``OPENINFER_SM90_SHORT_QUERY`` (default on; "0" reverts) runs short
+steps on the Hopper short-query kernel
 (prefill_attention_sm90_short.cu: 16 tokens x 4 heads of a KV head as one wgmma M tile, TMA K/V,
 split-KV) instead of decode_attention_mma.cu's, where it applies (head_dim 128, KV blocks of 8-64 tokens).
 
@@ -121,7 +122,11 @@ def _tma_kv_loads(head_dim: int, kv: KVLayer, batch: CudaBatch) -> bool:
     mode = sm90_kv_loads()
     if mode == "cp_async" or block_n % block_size or block_size % 8:
         return False
-    if mode == "auto" and (batch.host is None or batch.max_context_len < sm90_tma_min_context(head_dim)):
+    # with K/V runs (OPENINFER_SM90_KV_RUNS) "auto" takes TMA at every host-counted context: E1, head_dim
+    # 256, 8 x 1008 prompts on consecutive blocks, TMA runs 300.7 vs cp.async 270.4 TFLOP/s
+    short = batch.host is not None and batch.max_context_len < sm90_tma_min_context(head_dim) \
+        and not wanted_sm90_kv_runs()
+    if mode == "auto" and (batch.host is None or short):
         return False
     return bool(kv.k.flags.c_contiguous and kv.v.flags.c_contiguous)
 
@@ -242,10 +247,11 @@ def prefill_attention(q: cupy.ndarray, spec: AttentionSpec, kv: KVLayer, batch: 
                      and (spec.num_heads // spec.num_kv_heads) % 2 == 0 and not head_pairs)
         # OPENINFER_SM90_KV_RUNS=1: a tile of consecutive blocks in one box per column block (the
         # define only when on, so the default build's kernel key is unchanged)
-        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128): Q K^T with Q from registers
+        # OPENINFER_SM90_Q_REGISTERS=1 (head_dim 128, the overlapped loop): Q K^T with Q from registers
         runs = tma and wanted_sm90_kv_runs()
         extra = ({"KV_RUNS": 1} if runs else {}) | \
-            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and wanted_sm90_q_registers() else {})
+            ({"Q_REGISTERS": 1} if spec.head_dim == 128 and variant.intra_wg_overlap and wanted_sm90_q_registers()
+             else {})
         fn = arch_kernel("prefill_attention_sm90.cu", "prefill_attention_sm90", "sm_90a", shared,
                          **variant.defines(spec.head_dim, int(kv.k.shape[1])), TMA_KV_LOADS=int(tma),
                          PERSISTENT=int(scheduler is not None), KV_MULTICAST=int(multicast),
@@ -365,8 +371,8 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
                                out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``short_query_attention_mma``'s contract on the Hopper wgmma kernel (prefill_attention_sm90_short.cu):
     causal attention of at most SHORT_QUERY_MAX_TOKENS new tokens per sequence, ``q [T, nh, d]`` ->
-    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about one CTA per SM and 32 KB K/V
-    stage (two per SM up to 3 stages), a power of two, at most MAX_SPLITS), the splits merged by
+    ``[T, nh * d]`` bf16, split over the keys (``splits``: default about one CTA per SM, a power of two,
+    at most MAX_SPLITS), the splits merged by
     decode_attention_mma.cu's merge kernel. ``stages``: the K/V ring's depth, 2..6 (benchmarks);
     ``kv_runs``: tiles of consecutive KV blocks in one TMA box per column block (None:
     OPENINFER_SM90_KV_RUNS); ``cluster`` (1, 2, 4, 8): clusters of that many splits combine their
@@ -388,9 +394,10 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
     row_groups = sm90_short_query_row_groups(max_query_len, group)
     if not 2 <= stages <= 6:
         raise ValueError(f"stages must be 2..6 (32 KB each), got {stages}")
-    if splits is None:  # shared_split_count aims at two CTAs per SM; deeper rings fit one
-        ctas_per_sm = 2 if stages <= 3 else 1
-        splits = shared_split_count(num_seqs * num_kv_heads * row_groups * (2 // ctas_per_sm), num_sms)
+    if splits is None:
+        # about one CTA per SM (shared_split_count aims at two): E1, batch 1 at 16k, 16 splits 25.7 us vs
+        # 32 splits 29.0 (4k 12.8 vs 14.9, 1k 8.8 vs 11.3)
+        splits = shared_split_count(num_seqs * num_kv_heads * row_groups * 2, num_sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1..{MAX_SPLITS}, got {splits}")
     if cluster not in (1, 2, 4, 8):

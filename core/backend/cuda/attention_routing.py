@@ -7,11 +7,11 @@ counts only (no device reads, no CuPy), so CPU CI tests them and a step never wa
 * ``wants_short_query``: whether a short step (<= 16 new tokens per sequence) takes the split-KV
   short-query kernel; in "auto" mode only from a context length where it beats the prefill kernel.
 * ``wanted_sm90_short_query`` / ``sm90_short_query_row_groups``: whether such a step runs the Hopper
-  wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY=1``,
-  opt-in until measured faster), and its CTAs per (split, KV head, sequence).
+  wgmma version of that kernel (prefill_attention_sm90_short.cu; ``OPENINFER_SM90_SHORT_QUERY``,
+  default on since E1 of session 8), and its CTAs per (split, KV head, sequence).
 * ``wanted_sm90_kv_runs``: whether the sm90 prefill kernel copies runs of consecutive KV blocks in
-  one TMA box (``OPENINFER_SM90_KV_RUNS=1``, opt-in until measured faster); ``wanted_sm90_q_registers``:
-  whether its Q K^T takes Q from registers (``OPENINFER_SM90_Q_REGISTERS=1``, opt-in).
+  one TMA box (``OPENINFER_SM90_KV_RUNS``); ``wanted_sm90_q_registers``: whether its Q K^T takes Q
+  from registers (``OPENINFER_SM90_Q_REGISTERS``); both default on since E1 of session 8, "0" reverts.
 """
 
 from __future__ import annotations
@@ -100,18 +100,25 @@ def _env_flag(name: str, default: bool) -> bool:
 
 @functools.cache
 def wanted_sm90_short_query() -> bool:
-    """``OPENINFER_SM90_SHORT_QUERY``: "1" runs short steps on the Hopper wgmma short-query kernel
-    where it applies, "0" (the default) on decode_attention_mma.cu's. Read once per process;
+    """``OPENINFER_SM90_SHORT_QUERY``: "1" (the default) runs short steps on the Hopper wgmma
+    short-query kernel where it applies, "0" on decode_attention_mma.cu's. E1 (H200, 16 new tokens,
+    Qwen3-4B heads, per layer, gpu_short_query_attention_s8e1_h200.json) against the mma kernel's
+    default (shared tiles, tile softmax): batch 1 at 16 splits 8.8 / 12.8 / 25.7 vs 12.3 / 17.1 / 36.7 us
+    at 1k / 4k / 16k (1.40 / 1.34 / 1.43x); batch 4 (8 splits) 14.2 / 28.0 / 76.6 vs 16.9 / 36.7 / 112.9;
+    the Qwen3-4B warm-tail step at 16k (graph) 4.580 -> 4.295 ms at 32 splits. Read once per process;
     ``wanted_sm90_short_query.cache_clear()`` re-reads it."""
-    return _env_flag(SM90_SHORT_QUERY_ENV, False)
+    return _env_flag(SM90_SHORT_QUERY_ENV, True)
 
 
 @functools.cache
 def wanted_sm90_kv_runs() -> bool:
-    """``OPENINFER_SM90_KV_RUNS``: "1" lets the sm90 prefill kernel's TMA loads copy a K/V tile whose
-    pages are consecutive cache blocks as one box per column block (KV_RUNS), "0" (the default) page
-    by page. Read once per process; ``wanted_sm90_kv_runs.cache_clear()`` re-reads it."""
-    return _env_flag(SM90_KV_RUNS_ENV, False)
+    """``OPENINFER_SM90_KV_RUNS``: "1" (the default) lets the sm90 prefill kernel's TMA loads copy a K/V
+    tile whose pages are consecutive cache blocks as one box per column block (KV_RUNS), "0" page by
+    page. E1 (H200, consecutive blocks, gpu_prefill_attention_variants_contiguous.json): 1.101x geomean
+    over the six cases, 16k 613.4 -> 647.2 TFLOP/s, a 4k chunk on 12k 608.1 -> 692.3; head_dim 256 (with
+    TMA) 1.171x, 8 x 1008 270.4 -> 300.7, 16k 386.1 -> 469.2. Read once per process;
+    ``wanted_sm90_kv_runs.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_KV_RUNS_ENV, True)
 
 
 def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
@@ -126,8 +133,9 @@ def sm90_short_query_row_groups(max_query_len: int, group: int) -> int:
 
 @functools.cache
 def wanted_sm90_q_registers() -> bool:
-    """``OPENINFER_SM90_Q_REGISTERS``: "1" has the sm90 prefill kernel's consumers hold Q as wgmma A
-    fragments in registers at head_dim 128 (Q_REGISTERS: Q K^T reads only K from shared memory),
-    "0" (the default) both operands from shared memory. Read once per process;
-    ``wanted_sm90_q_registers.cache_clear()`` re-reads it."""
-    return _env_flag(SM90_Q_REGISTERS_ENV, False)
+    """``OPENINFER_SM90_Q_REGISTERS``: "1" (the default) has the sm90 prefill kernel's consumers hold Q
+    as wgmma A fragments in registers at head_dim 128 with the overlapped loop (Q_REGISTERS: Q K^T reads
+    only K from shared memory), "0" both operands from shared memory. E1 (H200, consecutive blocks):
+    with K/V runs 1.123x geomean over the default (runs alone 1.101x), 16k 681.7 TFLOP/s (cuDNN 645.1
+    in the same run). Read once per process; ``wanted_sm90_q_registers.cache_clear()`` re-reads it."""
+    return _env_flag(SM90_Q_REGISTERS_ENV, True)
