@@ -226,6 +226,8 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     if tokens == 1:  # 0.25 slots per expert: the table's bf16 GEMV
         assert moe.gemv_silu_kernel(x, gate_up, grouping) == moe.choose_gemv(0.25, True, "bf16")
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
-    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    # a forced GEMV runs only within its row limit (40 tokens: 10 slots per expert, past it: a GEMM)
+    within_limit = tokens * top_k / num_experts <= moe.GEMV_ROW_LIMITS[gemv_kernel][1]
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == (gemv_kernel if within_limit else None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")  # no fused form
     assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
