@@ -786,9 +786,11 @@ def dequantize(weight: ExpertLinear) -> cupy.ndarray:
 
 
 def combine_vec_wanted(num_tokens: int) -> bool:
-    """$OPENINFER_MOE_COMBINE_VEC=1 / =0, unset: from COMBINE_VEC_MIN_TOKENS tokens (another value: a clear error)."""
+    """$OPENINFER_MOE_COMBINE_VEC=1 / =0; unset: off (it was on from COMBINE_VEC_MIN_TOKENS tokens until s8 E2);
+    another value: a clear error."""
+    # opt-in since s8 E2 (the Moonlight burst's illegal address; see mla.py's ABSORBED_KERNEL_CHOICE)
     value = os.environ.get(COMBINE_VEC_ENV, "")
-    return num_tokens >= COMBINE_VEC_MIN_TOKENS if value == "" else _switch(COMBINE_VEC_ENV)
+    return False if value == "" else _switch(COMBINE_VEC_ENV)
 
 
 def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int, top_k: int) -> bool:
@@ -911,27 +913,23 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
 # layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
 DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
 DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
-# With the switch unset: steps of up to DECODE_ROUTE_DEFAULT_TOKENS tokens of layers of at most
-# DECODE_ROUTE_DEFAULT_EXPERTS experts take it (=1: any layer up to DECODE_ROUTE_MAX_TOKENS, =0 never). E1 of
-# 2026-11-24 (H200, one token, graph replay): Moonlight's MoE block (64 experts, results/kimi_moe_block_s8e1.json)
-# 61.1 -> 55.6 us; a Kimi-K2 layer (384 experts, kimi_layer_s8e1.json) 252.8 -> 257.1 us (its 384 router blocks
-# beside the shared expert's side stream), so not there. Only 1-token steps were measured.
-DECODE_ROUTE_DEFAULT_TOKENS = 1
-DECODE_ROUTE_DEFAULT_EXPERTS = 64
+# E1 of 2026-11-24 (H200, one token, graph replay): Moonlight's MoE block (64 experts,
+# results/kimi_moe_block_s8e1.json) 61.1 -> 55.6 us; a Kimi-K2 layer (384 experts, kimi_layer_s8e1.json) 252.8 ->
+# 257.1 us. It was the default for 1-token steps of <= 64-expert layers until s8 E2, whose Moonlight burst hit an
+# illegal address (first in a 1-request step) not yet traced to one change: opt-in until it is.
 DECODE_ROUTE_THREADS = 256
 _arrival_counters: dict[int, cupy.ndarray] = {}
 
 
 def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
     """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE=1 for
-    1..DECODE_ROUTE_MAX_TOKENS tokens (unset: up to DECODE_ROUTE_DEFAULT_TOKENS where the layer has at
-    most DECODE_ROUTE_DEFAULT_EXPERTS experts; =0 never), no hash
+    1..DECODE_ROUTE_MAX_TOKENS tokens (unset or =0: never, since s8 E2), no hash
     routing, 16-byte rows; and, while a CUDA graph is being captured, an arrival counter made before
     (an eager step makes it: a capture records its zeroing instead of running it)."""
     num_tokens, hidden = x.shape
-    most = DECODE_ROUTE_MAX_TOKENS if _switch(DECODE_ROUTE_ENV, default=True) else 0
-    if os.environ.get(DECODE_ROUTE_ENV, "") == "":
-        most = DECODE_ROUTE_DEFAULT_TOKENS if spec.num_experts <= DECODE_ROUTE_DEFAULT_EXPERTS else 0
+    # opt-in since s8 E2: the Moonlight burst's illegal address (a 1-request step was the first to fail; see
+    # mla.py's ABSORBED_KERNEL_CHOICE) is not yet traced to one change, and this one keeps a device counter
+    most = DECODE_ROUTE_MAX_TOKENS if _switch(DECODE_ROUTE_ENV, default=False) else 0
     return (1 <= num_tokens <= most and tid2eid is None
             and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
             and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
@@ -1004,7 +1002,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     unless $OPENINFER_MOE_GEMV_SILU=0, a tiled INT4 GEMV with a register ring (I a multiple of 16) only with
     =1; aligned rows; else None."""
     explicit = os.environ.get(GEMV_SILU_ENV, "") != ""
-    if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
+    if not _switch(GEMV_SILU_ENV, default=False) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)

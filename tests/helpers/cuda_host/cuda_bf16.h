@@ -27,7 +27,7 @@ extern EmulatedDim3 blockDim, gridDim;
 #define __restrict__
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct __nv_bfloat16 {
     uint16_t bits;

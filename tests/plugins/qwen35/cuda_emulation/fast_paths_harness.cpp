@@ -6,11 +6,8 @@
 // tiles they describe — so the fragment layouts the kernels assume are checked too.
 #define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
-inline void __threadfence() {}
-#include <cuda_bf16.h>
+#include <cuda_bf16.h>  // the host stand-ins (__threadfence, a variadic __launch_bounds__ among them)
 #include <cstring>  // gdn_decode_step_bulk's host stand-in copies
-#undef __launch_bounds__
-#define __launch_bounds__(...)  // gdn_decode_step names a minimum of blocks per SM too
 struct alignas(16) float4 {  // CUDA's vector type (gdn_decode_step_vec4's 16-byte state accesses)
     float x, y, z, w;
 };
