@@ -99,3 +99,24 @@ class PortInUseError(OpenInferError, OSError):
 
 class ParallelConfigError(OpenInferError, ValueError):
     """A tensor/expert-parallel layout the model or the machine cannot run (checked at start)."""
+
+
+# --- the device --------------------------------------------------------------------------------
+
+# CUDA errors that leave the context unusable ("sticky": every later call fails the same way), so the
+# process must exit and be started again; CuPy spells them as runtime (cudaError...) or driver (CUDA_ERROR_...)
+# codes in the message of CUDARuntimeError / CUDADriverError.
+STICKY_DEVICE_ERRORS = ("IllegalAddress", "ILLEGAL_ADDRESS", "LaunchFailure", "LAUNCH_FAILED", "IllegalInstruction",
+                        "ILLEGAL_INSTRUCTION", "MisalignedAddress", "MISALIGNED_ADDRESS", "HardwareStackError",
+                        "HARDWARE_STACK_ERROR", "InvalidPc", "INVALID_PC", "cudaErrorAssert", "CUDA_ERROR_ASSERT",
+                        "ECCUncorrectable", "ECC_UNCORRECTABLE")
+
+
+class DeviceFaultError(OpenInferError):
+    """The device hit an error that poisons its context (an illegal address, a failed launch): the
+    engine stops, so that its supervisor restarts the process, instead of failing every later step."""
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error after which the process's device context cannot be used again."""
+    return "cuda" in type(exc).__name__.lower() and any(code in str(exc) for code in STICKY_DEVICE_ERRORS)

@@ -26,7 +26,13 @@ import numpy as np
 
 from openinfer.backend.base import StateLayer
 from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
-from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.errors import (
+    DeviceFaultError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    is_device_fault,
+)
 from openinfer.graph import create_runner
 from openinfer.kv import BlockPool, KVCacheManager, KVCachePlan, StateSlots, group_specs, plan_kv_cache
 from openinfer.options import EngineOptions
@@ -610,6 +616,10 @@ class PagedEngine:
         for chunk in plan.chunks:
             if chunk.request.status is RequestStatus.RUNNING:
                 self._fail(chunk.request, f"model step failed: {failure!r}")
+        if is_device_fault(failure):
+            # every later step would fail the same way: stop the loop (health turns unhealthy, the
+            # engine-core process exits and its supervisor starts a fresh one)
+            raise DeviceFaultError(f"the device faulted ({failure!r}); the engine stops to be restarted") from failure
 
     def _may_sample_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a step may be sampled before the previous one is read back: none of its rows
