@@ -21,6 +21,14 @@ struct RouteShared {
     int chosen[MAX_TOPK];
 };
 
+// One expert's routing score from its logit: softmax's numerator exp(l - max) (the caller divides by the
+// sum), sigmoid, or sqrt(softplus) (SCORING 0 / 1 / 2). Shared by route_token and moe_routing.cu's warp router.
+__device__ __forceinline__ float route_score(float logit, float logit_max, int scoring) {
+    if (scoring == 0) return __expf(logit - logit_max);
+    if (scoring == 1) return 1.f / (1.f + __expf(-logit));
+    return sqrtf(logit > 20.f ? logit : log1pf(__expf(logit)));
+}
+
 // hash_experts: the token's row of a tid2eid table (its k experts), or null (top-k by choice).
 // Writes ids[0..k) and weights[0..k) (thread 0).
 __device__ __forceinline__ void route_token(RouteShared& shared, const float* __restrict__ bias, int num_experts,
@@ -39,16 +47,8 @@ __device__ __forceinline__ void route_token(RouteShared& shared, const float* __
     const float logit_max = block_max(local_max, scratch);
     float local_sum = 0.f;
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        const float l = score[e];
-        float s;
-        if (scoring == 0) {
-            s = __expf(l - logit_max);
-            local_sum += s;
-        } else if (scoring == 1) {
-            s = 1.f / (1.f + __expf(-l));
-        } else {
-            s = sqrtf(l > 20.f ? l : log1pf(__expf(l)));
-        }
+        const float s = route_score(score[e], logit_max, scoring);
+        if (scoring == 0) local_sum += s;
         score[e] = s;
     }
     if (scoring == 0) {

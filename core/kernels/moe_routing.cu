@@ -12,6 +12,7 @@
 //   order (a stable, deterministic placement), its offsets entry and its tiles.
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
+#include "moe_route.cuh"  // route_score
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -229,16 +230,8 @@ moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias
     for (int i = 0; i < ROUTE_PER_LANE; ++i) {
         const int e = lane + 32 * i;
         if (e >= num_experts) continue;
-        const float l = score[i];
-        float s;
-        if (scoring == 0) {
-            s = __expf(l - logit_max);
-            local_sum += s;
-        } else if (scoring == 1) {
-            s = 1.f / (1.f + __expf(-l));
-        } else {
-            s = sqrtf(l > 20.f ? l : log1pf(__expf(l)));
-        }
+        const float s = route_score(score[i], logit_max, scoring);
+        if (scoring == 0) local_sum += s;
         score[i] = s;
     }
     if (scoring == 0) {
