@@ -282,8 +282,8 @@ def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidd
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "1")
     assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
     monkeypatch.delenv(moe.COMBINE_VEC_ENV)
-    assert moe.combine_vec_wanted(tokens) is False  # opt-in since s8 E2
+    assert moe.combine_vec_wanted() is False  # opt-in since s8 E2
     assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_VEC"):
-        moe.combine_vec_wanted(tokens)
+        moe.combine_vec_wanted()
