@@ -1086,13 +1086,10 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("o_proj", partial(backend.linear, attn, attention["o_proj"])),
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
-        # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k), then the
-        # grouping; or all three in one launch (decode_route)
-        *([("route+group", partial(cuda_moe.route_decode, h, moe.gate, moe.router, moe.correction_bias))]
-          if cuda_moe.decode_route_wanted(h, moe.gate, moe.router, moe.tid2eid) else [
-            ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
-            ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
-            ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts))]),
+        # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k), then the grouping
+        ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
+        ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
+        ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts)),
         *([("experts_gate_up+silu", partial(cuda_moe.gate_up_silu_gemv, h, moe.gate_up, grouping, silu_gemv))]
           if (silu_gemv := cuda_moe.gemv_silu_kernel(h, moe.gate_up, grouping)) is not None else [
             ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
@@ -1133,10 +1130,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
                   "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
-    "decode_route": "router logits, top-k and grouping of a decode step in one launch (moe_decode.cu, "
-                    "$OPENINFER_MOE_DECODE_ROUTE=1)",
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
-    "no_decode_route": "routing and grouping in three launches ($OPENINFER_MOE_DECODE_ROUTE=0)",
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
@@ -1194,8 +1188,7 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
-                "decode_route": (cuda_moe.DECODE_ROUTE_ENV, "1"), "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"),
-                "no_decode_route": (cuda_moe.DECODE_ROUTE_ENV, "0"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0")}
+                "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1343,19 +1336,13 @@ MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "overlap_wide_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "wide_nc"}, False),
                 "overlap_mma_staged_nc": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "mma_staged_nc"},
                                           False),
-                # routing and grouping of the step in one launch (moe_decode.cu)
-                "overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1"}, False),
-                "tiled_overlap_decode_route": ({"OPENINFER_MOE_SHARED_OVERLAP": "1",
-                                                "OPENINFER_MOE_DECODE_ROUTE": "1"}, True),
                 # the shared experts on the side stream, routing in three launches, SiLU·mul as its own launch
                 # (the defaults before E1 of 2026-11-24 with the checkpoint INT4 layout)
-                "overlap_before": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "0",
-                                    "OPENINFER_MOE_GEMV_SILU": "0"}, False),
+                "overlap_before": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV_SILU": "0"}, False),
                 # bf16 experts' GEMVs one token row per pass, 8 columns per warp (E1: the down projection 13.3 -> 11.5 us)
                 "overlap_wide8": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV": "wide8_r1_nc"}, False),
                 # ... and SiLU·mul inside the tiled gate_up GEMV (moe.cu TILED_FUSE_SILU)
-                "tiled_overlap_decode_route_silu": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_DECODE_ROUTE": "1",
-                                                     "OPENINFER_MOE_GEMV_SILU": "1"}, True)}
+                "tiled_overlap_silu": ({"OPENINFER_MOE_SHARED_OVERLAP": "1", "OPENINFER_MOE_GEMV_SILU": "1"}, True)}
 
 
 def run_moe(args) -> dict:

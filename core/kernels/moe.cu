@@ -1473,8 +1473,9 @@ moe_gemv_int4_tiled(const bf16* __restrict__ a, const int* __restrict__ sorted_s
     }
 }
 
-// moe_gemv_int4_tiled_pair: each warp two 16-row blocks side by side over one walk of K (rows n0 .. n0 + 31;
-// with TILED_FUSE_SILU, gate rows n0 .. + 15 and up rows N / 2 + n0 .. + 15, written as silu(gate) · up):
+#if !TILED_FUSE_SILU  // the pair kernel has no fused SiLU·mul: its fused form was not bit-equal to the
+                      // unfused pair (s9 GPU suite, 40 tokens) and slower than tiled1_nc_rot anyway
+// moe_gemv_int4_tiled_pair: each warp two 16-row blocks side by side over one walk of K (rows n0 .. n0 + 31):
 // per chunk step the activation fragments, and the −136·Σx mma (the same for every row), are built once
 // for both blocks, where moe_gemv_int4_tiled builds them per block. A ring of TILED_DEPTH chunk pairs.
 // The sums differ from moe_gemv_int4_tiled's by fp32 rounding (the −136 terms are added first).
@@ -1529,17 +1530,13 @@ moe_gemv_int4_tiled_pair(const bf16* __restrict__ a, const int* __restrict__ sor
                          bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp_index = blockIdx.x * TILED_WARPS + warp;
-#if TILED_FUSE_SILU
-    const int out_columns = N / 2, n0 = warp_index * 16, second = N / 32;  // block B: the up rows
-#else
     const int out_columns = N, n0 = warp_index * 32, second = 1;  // block B: the next 16 rows
-#endif
     if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (!gemv_block_rows(tile_expert, tile_row, num_tiles, offsets, dense_rows, expert, row_begin, row_end)) return;
     const int chunks = K / 128;
     // a lone last row block (N / 16 odd) walks block A twice and drops B
-    const bool has_b = TILED_FUSE_SILU || n0 + 16 < N;
+    const bool has_b = n0 + 16 < N;
     const long long first_a = ((long long)expert * (N / 16) + n0 / 16) * chunks;
     const long long first_b = has_b ? first_a + (long long)second * chunks : first_a;
     const int start = TILED_ROTATE ? (int)(warp_index * 37LL % chunks) : 0;  // one walk: both blocks alike
@@ -1575,19 +1572,11 @@ moe_gemv_int4_tiled_pair(const bf16* __restrict__ a, const int* __restrict__ sor
                 if (c0 + d < chunks) tiled_pair_step(acc_a, acc_b, ring_a[d], ring_b[d], b_row, chunk_at(c0 + d) * 128, t);
             }
         }
-#if TILED_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused formula
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const float gate = round_bf16(acc_a[v]), up = round_bf16(acc_b[v]);
-            acc_a[v] = round_bf16(gate / (1.f + __expf(-gate))) * up;
-        }
-        put(acc_a, pass, rows, n0);
-#else
         put(acc_a, pass, rows, n0);
         if (has_b) put(acc_b, pass, rows, n0 + 16);
-#endif
     }
 }
+#endif  // !TILED_FUSE_SILU
 #endif
 
 // Dense weight (expert 0) → bf16 [N, K] for cuBLAS (prefill-sized FP8 / INT4 linears); one

@@ -1,5 +1,5 @@
-// One token's expert choice from its router logits, the body of moe.cu's moe_route shared with
-// moe_decode.cu's fused decode routing: scores (SCORING 0 softmax, 1 sigmoid, 2 sqrt(softplus));
+// One token's expert choice from its router logits, the body of moe.cu's moe_route (route_score is
+// shared with moe_routing.cu's warp router): scores (SCORING 0 softmax, 1 sigmoid, 2 sqrt(softplus));
 // choice = score + bias; group-limited top-k (group score: sum of the best two, or the best one
 // when group_score_max); weights = chosen scores, renormalised (norm_topk) and scaled. Every
 // thread of the block calls it; the caller has filled shared.score with the logits and synced.

@@ -58,9 +58,8 @@ CASES = {"mma": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1},
          # gate_up with SiLU·mul fused (N = 48: I = 24 is not whole 16-row blocks, so N = 64 here)
          "silu": {"TILED_NTILES": 1, "TILED_DEPTH": 4, "TILED_ROTATE": 1, "TILED_FUSE_SILU": 1},
          "rows2": {"TILED_NTILES": 1, "TILED_DEPTH": 5, "TILED_ROTATE": 1, "TILED_ROW_BLOCKS": 2},
-         # moe_gemv_int4_tiled_pair: two row blocks per warp side by side (N = 48: a lone last block), and fused
+         # moe_gemv_int4_tiled_pair: two row blocks per warp side by side (N = 48: a lone last block)
          "pair": {"TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_ROTATE": 1, "TILED_PAIR": 1},
-         "pair-silu": {"TILED_NTILES": 1, "TILED_DEPTH": 2, "TILED_ROTATE": 1, "TILED_PAIR": 1, "TILED_FUSE_SILU": 1},
          "mma-depth3": {"MMA_GEMV_DEPTH": 3, "TILED_NTILES": 2, "TILED_DEPTH": 2},
          "mma-split2": {"MMA_GEMV_KSPLIT": 2, "TILED_NTILES": 2, "TILED_STAGES": 2, "TILED_ROTATE": 1}}
 

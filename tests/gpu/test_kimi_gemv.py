@@ -176,7 +176,7 @@ def test_shared_overlap_equals_inline(cuda_backend, rng, monkeypatch, tokens):
         assert np.array_equal(cuda_backend.to_host(out), inline)  # both as float (to_host converts bf16)
 
 
-@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled", "tiled2_nc_rot"])
+@pytest.mark.parametrize("gemv_kernel", ["tiled1_nc_rot", "tiled1_nc_rot_d6", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1: the tiled decode GEMV with SiLU·mul fused (each warp its 16 gate rows, then
@@ -202,6 +202,10 @@ def test_gate_up_silu_gemv_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "tiled_s6")  # the shared-memory ring: no fused form
     assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "tiled2_nc_rot")  # the pair kernel: no fused form either
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
+    with pytest.raises(ValueError, match="no fused"):
+        moe.gate_up_silu_gemv(x, gate_up, grouping, "tiled2_nc_rot")
 
 
 @pytest.mark.parametrize("gemv_kernel", ["wide", "wide_nc", "wide2", "wide8_r1_nc"])

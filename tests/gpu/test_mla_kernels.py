@@ -524,8 +524,8 @@ def test_absorbed_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="OPENINFER_MLA_SM90_SPLIT_KV"):
         cuda_mla.sm90_prefill_variant()
     monkeypatch.setenv(cuda_mla.SM90_SPLIT_KV_ENV, "1")
-    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, "1")
-    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(64, True, True, True)
+    monkeypatch.setenv(cuda_mla.SM90_TMA_ENV, "1")  # the ordered softmax stays the default
+    assert cuda_mla.sm90_prefill_variant() == cuda_mla.Sm90PrefillVariant(64, True, True, True, True)
     # the ring fits one SM's 227 KB beside the 128-query tile at every keys choice (DeepSeek-V3's 192 + 128)
     assert max(cuda_mla.sm90_prefill_smem(_spec(16), k) for k in cuda_mla.SM90_PREFILL_STAGES) <= 227 * 1024
     # wgmma takes whole 64-wide K column blocks and v 128 on Hopper; else pipelined (or plain) runs

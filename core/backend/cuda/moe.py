@@ -904,78 +904,17 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
     return shared, joined
 
 
-# OPENINFER_MOE_DECODE_ROUTE=1: a decode step of at most DECODE_ROUTE_MAX_TOKENS tokens
-# routes in one launch, moe_decode.cu's moe_route_decode (router logits spread over a block per expert, then
-# the last block's top-k and grouping), where moe_forward runs moe_router_logits, moe_route and
-# moe_sort_parallel one after the other: at batch 1 each of those is mostly its own launch and ramp (Kimi-K2
-# layer, E2: 9.6 + 10.2 + 6.0 us). Same ids and weights up to the router logits' fp32 summation order.
-DECODE_ROUTE_ENV = "OPENINFER_MOE_DECODE_ROUTE"
-DECODE_ROUTE_MAX_TOKENS = 8  # moe_decode.cu
-# E1 of 2026-11-24 (H200, one token, graph replay): Moonlight's MoE block (64 experts,
-# results/kimi_moe_block_s8e1.json) 61.1 -> 55.6 us; a Kimi-K2 layer (384 experts, kimi_layer_s8e1.json) 252.8 ->
-# 257.1 us. It was the default for 1-token steps of <= 64-expert layers until s8 E2, whose Moonlight burst hit an
-# illegal address (first in a 1-request step) not yet traced to one change: opt-in until it is.
-DECODE_ROUTE_THREADS = 256
-_arrival_counters: dict[int, cupy.ndarray] = {}
-
-
-def decode_route_wanted(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, tid2eid: cupy.ndarray | None) -> bool:
-    """Whether ``moe_forward`` routes through ``route_decode``: $OPENINFER_MOE_DECODE_ROUTE=1 for
-    1..DECODE_ROUTE_MAX_TOKENS tokens (unset or =0: never, since s8 E2), no hash
-    routing, 16-byte rows; and, while a CUDA graph is being captured, an arrival counter made before
-    (an eager step makes it: a capture records its zeroing instead of running it)."""
-    num_tokens, hidden = x.shape
-    # opt-in since s8 E2: the Moonlight burst's illegal address (a 1-request step was the first to fail; see
-    # mla.py's ABSORBED_KERNEL_CHOICE) is not yet traced to one change, and this one keeps a device counter
-    most = DECODE_ROUTE_MAX_TOKENS if _switch(DECODE_ROUTE_ENV, default=False) else 0
-    return (1 <= num_tokens <= most and tid2eid is None
-            and hidden % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0
-            and (cupy.cuda.Device().id in _arrival_counters or not cupy.cuda.get_current_stream().is_capturing()))
-
-
-def route_decode(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
-                 correction_bias: cupy.ndarray | None) -> ExpertGroupingDevice:
-    """``group_by_expert(*route(x, gate, spec, correction_bias), E)`` in one launch (moe_decode.cu
-    ``moe_route_decode``) for a few tokens (``decode_route_wanted``)."""
-    check_router(spec)
-    num_tokens, hidden = x.shape
-    if not 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS:
-        raise ValueError(f"route_decode takes 1 to {DECODE_ROUTE_MAX_TOKENS} tokens, got {num_tokens}")
-    device = cupy.cuda.Device().id
-    if device not in _arrival_counters:
-        _arrival_counters[device] = cupy.zeros(1, cupy.uint32)
-    num_slots = num_tokens * spec.top_k
-    tiles = max_tiles(num_slots, spec.num_experts)
-    grouping = ExpertGroupingDevice(
-        cupy.empty((num_tokens, spec.top_k), cupy.int32), cupy.empty((num_tokens, spec.top_k), cupy.float32),
-        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(spec.num_experts + 1, cupy.int32),
-        cupy.empty(tiles, cupy.int32), cupy.empty(tiles, cupy.int32), cupy.empty(1, cupy.int32), tiles, spec.top_k)
-    logits = cupy.empty((num_tokens, spec.num_experts), cupy.float32)
-    kernel("moe_decode.cu", "moe_route_decode")((spec.num_experts,), (DECODE_ROUTE_THREADS,), (
-        cupy.ascontiguousarray(x), gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts),
-        NULL if correction_bias is None else correction_bias, np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
-        np.int32(spec.num_groups), np.int32(spec.topk_groups), np.int32(spec.group_score == "max"),
-        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), logits, _arrival_counters[device],
-        grouping.ids, grouping.weights, grouping.offsets, grouping.sorted_slots, grouping.slot_pos,
-        grouping.tile_expert, grouping.tile_row, grouping.num_tiles, np.int32(tiles)))
-    return grouping
-
-
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
                 token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
-    the Hopper kernel where it runs (``sm90_experts``); OPENINFER_MOE_DECODE_ROUTE=1: routing and
-    grouping of a few tokens in one launch (``route_decode``)."""
+    the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    if decode_route_wanted(x, layer.gate, layer.router, layer.tid2eid):
-        grouping = route_decode(x, layer.gate, layer.router, layer.correction_bias)
-    else:
-        ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
-        grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
+    grouping = group_by_expert(ids, weights, layer.router.num_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
@@ -1006,7 +945,8 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
-        return name if explicit and "TILED_STAGES" not in defines and gate_up.out_features % 32 == 0 else None
+        return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines
+                and gate_up.out_features % 32 == 0 else None)
     return name if "WIDE_COLUMNS" in defines and defines["WIDE_COLUMNS"] % 2 == 0 else None
 
 
@@ -1023,10 +963,12 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
             grouping.num_tiles, grouping.offsets, np.int32(0), out, np.int32(gate_up.out_features),
             np.int32(gate_up.in_features))
     defines = GEMV_KERNELS[name]
+    if defines.get("TILED_PAIR") or "TILED_STAGES" in defines:
+        raise ValueError(f"the decode GEMV {name!r} has no fused SiLU·mul form (the register-ring tiled ones and "
+                         "moe_gemv_wide do; see gemv_silu_kernel)")
     if name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
-        kernel_name = "moe_gemv_int4_tiled_pair" if defines.get("TILED_PAIR") else "moe_gemv_int4_tiled"
-        gate_up._kernel(kernel_name, **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
+        gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
             (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
     else:
         columns = WIDE_WARPS * defines["WIDE_COLUMNS"] // 2

@@ -55,10 +55,7 @@ MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs ove
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k;    core
                        from 1,024 tokens the logits on tensor cores, ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
-                       block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``);
-                       1-token steps of layers of <= 64 experts: logits, top-k and
-                       grouping in one launch (``moe_decode.cu``; ``OPENINFER_MOE_
-                       DECODE_ROUTE=1``: up to 8 tokens, any layer; ``=0``: never)
+                       block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4, group-32 weights repacked at

@@ -60,13 +60,8 @@ int main(int argc, char** argv) {
     launch(4, 1, 1, 64, [&] { moe_dequantize(w.data(), s.data(), N, K, w0.data()); });
 #if INT4_TILED && TILED_FUSE_SILU  // gate_up with SiLU·mul fused: N / 2 outputs per row (saved as tiled_silu)
     std::vector<bf16> tiled_silu(size_t(slots) * N / 2);
-#ifdef TILED_PAIR
-#define TILED_SILU_KERNEL moe_gemv_int4_tiled_pair
-#else
-#define TILED_SILU_KERNEL moe_gemv_int4_tiled
-#endif
     launch((N / 2 + TILED_WARPS * 16 - 1) / (TILED_WARPS * 16), max_tiles, 1, TILED_WARPS * 32, [&] {
-        TILED_SILU_KERNEL(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
+        moe_gemv_int4_tiled(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
                             num_tiles.data(), offsets.data(), 0, tiled_silu.data(), N, K);
     });
     save(dir, "tiled_silu.bin", tiled_silu);

@@ -73,7 +73,7 @@ inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*add
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
     return std::atomic_ref<unsigned>(*address).fetch_add(value);
 }
-// moe_decode.cu's last-block pattern: a device fence, loads from L2 (one memory here)
+// last-block patterns (moe_sm90.cu's split-K): a device fence, loads from L2 (one memory here)
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T>
 inline T __ldcg(const T* address) { return *address; }
