@@ -863,45 +863,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
                 mma_bf16_16816(s[j], qf, kf);
             }
         }
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int key = key0 + 8 * j + pair + (v & 1);
-                s[j][v] = key < end ? s[j][v] * scale : -INFINITY;
-                tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[j][v]);
-            }
-        float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
-            row_max[r] = new_max;
-        }
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < MMA_DECODE_KEYS / 8; ++j)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                s[j][v] = s[j][v] == -INFINITY ? 0.f : __expf(s[j][v] - row_max[v >> 1]);
-                tile_sum[v >> 1] += s[j][v];
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
-        }
-#pragma unroll
-        for (int j = 0; j < MMA_DECODE_PART / 8; ++j) {
-            acc[j][0] *= correction[0];
-            acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1];
-            acc[j][3] *= correction[1];
-        }
+        mla_online_softmax_tile(s, acc, row_max, row_sum, key0, pair, end, scale);
         // O += P · c_kv[keys, this quarter]: B fragment = two keys (rows) at one output dim
 #pragma unroll
         for (int ks = 0; ks < MMA_DECODE_KEYS / 16; ++ks) {

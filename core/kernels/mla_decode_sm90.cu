@@ -317,45 +317,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
             s[n][2] = sum.z;
             s[n][3] = sum.w;
         }
-        float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const int key = key0 + 8 * n + pair + (v & 1);
-                s[n][v] = key < end ? s[n][v] * scale : -INFINITY;
-                tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[n][v]);
-            }
-        float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            correction[r] = new_max == -INFINITY ? 1.f : __expf(row_max[r] - new_max);
-            row_max[r] = new_max;
-        }
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                s[n][v] = s[n][v] == -INFINITY ? 0.f : __expf(s[n][v] - row_max[v >> 1]);
-                tile_sum[v >> 1] += s[n][v];
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-            row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
-        }
-#pragma unroll
-        for (int j = 0; j < OUT_DIMS / 8; ++j) {
-            acc[j][0] *= correction[0];
-            acc[j][1] *= correction[0];
-            acc[j][2] *= correction[1];
-            acc[j][3] *= correction[1];
-        }
+        mla_online_softmax_tile(s, acc, row_max, row_sum, key0, pair, end, scale);
         const bool last = key0 + TMA_KEYS > end;  // rows past `end` in this tile: their V halves zeroed
 #pragma unroll
         for (int ks = 0; ks < TMA_KEYS / 16; ++ks) {
