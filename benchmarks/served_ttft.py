@@ -7,7 +7,12 @@ other on the same machine, ``--rounds`` times in alternating order (A B C, C B A
 server answering benchmarks/serve.py's ``ttft_rows`` (the lean client, one request at a time:
 a fresh prompt, then that prompt with its last token changed). The report keeps every
 request's TTFT per variant and context and prints, per context, each variant's median and
-p25 / min over all its rounds next to the first variant's.
+p25 / min over all its rounds next to the first variant's. ``--spans``: after the rounds, one
+more server of the first variant with benchmarks/warm_prefix_host.py's span probe in both of
+its processes: each warm request's timeline from the client's connect to its first token (HTTP
+parse, body decode, the hop to the engine core, admission, scheduling, the device step, the hop
+back, the SSE write), medians per context: where a served warm request's time goes on this
+machine, the device step included.
 
     python benchmarks/served_ttft.py --contexts 1024,4096,16384 --repeats 9 --rounds 2 \\
         --variant before: --variant spin:OPENINFER_CORE_SPIN_MS=20 --out $OUT/served_ttft.json
@@ -34,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from gpu_concurrency import STUB_FACTORY, free_port, stop, wait_ready, warm_page_cache  # noqa: E402
 from serve import ttft_rows  # noqa: E402
+from warm_prefix_host import span_probe_env, timeline_rows, warm_timelines  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -50,22 +56,31 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, switches
 
 
-def serve_once(args: argparse.Namespace, checkpoint: Path, switches: dict[str, str], vocab: int, seed: int) -> dict:
+def serve_once(args: argparse.Namespace, checkpoint: Path, switches: dict[str, str], vocab: int, seed: int,
+               span_work: Path | None = None) -> dict:
+    """One server with ``switches``: its TTFT rows, or with ``span_work`` (a directory for the
+    probe) the warm requests' timelines instead."""
     port = free_port()
     command = [sys.executable, "-m", "openinfer.cli", "serve", "--model-path", str(checkpoint), "--port", str(port),
                "--grpc-port", "0", "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     command += (["--engine-factory", STUB_FACTORY, "--device", "cpu", "--num-kv-blocks", "40000",
                  "--max-num-batched-tokens", "8192"] if args.stub else ["--device", "cuda"])
     command += shlex.split(args.serve_args)
-    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **switches})
+    probe_env, span_file = span_probe_env(span_work) if span_work is not None else ({}, None)
+    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **switches, **probe_env})
     url = f"http://127.0.0.1:{port}"
     try:
         ready_s = wait_ready(url, process, args.start_timeout)
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         httpx.post(url + "/v1/completions", json={"model": model, "prompt": [100, 101], "max_tokens": 2}, timeout=120)
-        rows = ttft_rows(url, model, args.contexts, args.repeats, vocab, seed=seed)
+        if span_file is None:
+            rows = ttft_rows(url, model, args.contexts, args.repeats, vocab, seed=seed)
+        else:
+            timelines = warm_timelines(port, model, vocab, args.contexts, args.repeats, seed=seed)
     finally:
         stop(process)
+    if span_file is not None:
+        return {"ready_s": ready_s, "ttft": [], "spans": timeline_rows(span_file, timelines)}
     return {"ready_s": ready_s, "ttft": rows}
 
 
@@ -102,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=20480)
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--spans", action="store_true", help="then the first variant's warm timelines (span probe)")
     parser.add_argument("--stub", action="store_true", help="the stub engine on the CPU (checks the script)")
     parser.add_argument("--out", default=str(HERE / "results" / "served_ttft.json"))
     args = parser.parse_args(argv)
@@ -135,7 +151,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"variant": variant["name"], "round": round_index,
                               **{k: v for k, v in run.items() if k != "ttft"}}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
-    report["summary"] = summary(report)
+    if args.spans:
+        first = report["variants"][0]
+        try:
+            report["spans"] = serve_once(args, checkpoint, first["switches"], vocab, seed=100,
+                                         span_work=Path(tempfile.mkdtemp(prefix="openinfer-spans-")))["spans"]
+        except Exception as exc:
+            report["spans_error"] = repr(exc)
+    report["summary"] = summary(report) + [
+        f"{first['name'] if args.spans else ''} warm timeline {row['context']} (medians of {row['requests']}, ms, probe on): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in row["segments_ms"].items()) for row in report.get("spans", [])]
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("\n".join(report["summary"]))
     return 0
