@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--spans", action="store_true", help="then the first variant's warm timelines (span probe)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no further server after this many seconds (the summary still prints)")
     parser.add_argument("--stub", action="store_true", help="the stub engine on the CPU (checks the script)")
     parser.add_argument("--out", default=str(HERE / "results" / "served_ttft.json"))
     args = parser.parse_args(argv)
@@ -140,9 +142,17 @@ def main(argv: list[str] | None = None) -> int:
               "variants": [{"name": name, "switches": switches, "runs": []} for name, switches in variants]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return args.budget_s is not None and time.perf_counter() - began > args.budget_s
+
     for round_index in range(args.rounds):
         order = report["variants"] if round_index % 2 == 0 else report["variants"][::-1]
         for variant in order:
+            if out_of_time():
+                report.setdefault("skipped", []).append(f"{variant['name']} round {round_index}: --budget-s")
+                continue
             try:
                 run = serve_once(args, checkpoint, variant["switches"], vocab, seed=1 + round_index)
             except Exception as exc:  # keep what was measured; say what failed
@@ -151,15 +161,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"variant": variant["name"], "round": round_index,
                               **{k: v for k, v in run.items() if k != "ttft"}}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.spans:
+    if args.spans and out_of_time():
+        report.setdefault("skipped", []).append("spans: --budget-s")
+    elif args.spans:
         first = report["variants"][0]
         try:
             report["spans"] = serve_once(args, checkpoint, first["switches"], vocab, seed=100,
                                          span_work=Path(tempfile.mkdtemp(prefix="openinfer-spans-")))["spans"]
         except Exception as exc:
             report["spans_error"] = repr(exc)
-    report["summary"] = summary(report) + [
-        f"{first['name'] if args.spans else ''} warm timeline {row['context']} (medians of {row['requests']}, ms, probe on): "
+    report["summary"] = summary(report) + [f"skipped: {s}" for s in report.get("skipped", [])] + [
+        f"{report['variants'][0]['name']} warm timeline {row['context']} (medians of {row['requests']}, ms, probe on): "
         + ", ".join(f"{k} {v:.3f}" for k, v in row["segments_ms"].items()) for row in report.get("spans", [])]
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("\n".join(report["summary"]))
