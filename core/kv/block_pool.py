@@ -33,6 +33,9 @@ import numpy as np
 
 NULL_BLOCK_ID = 0
 _ROOT_HASH = b"openinfer-prefix-cache-v1"
+# runs of cached blocks a pool remembers for lookups (``BlockPool._runs``): a 16k-token prompt's
+# run is ~0.1 MB (its hashes, block ids and token bytes)
+KNOWN_RUNS = 16
 
 
 # token ids hash and compare as little-endian int32 (ids are below the vocabulary size, < 2**31;
@@ -190,6 +193,11 @@ class PrefixHashes:
             self._data += data[: (len(self.hashes) - have) * stride]  # the hashed blocks' bytes only
         return self.hashes
 
+    @property
+    def num_known_blocks(self) -> int:
+        """Full blocks of the ``known_tokens`` given at construction (0 without them)."""
+        return 0 if self._known is None else len(self._known) // self.block_size
+
     def token_bytes(self, first_block: int, end_block: int) -> bytes:
         """The token bytes of hashed blocks ``[first_block, end_block)``."""
         stride = TOKEN_WIDTH * self.block_size
@@ -222,12 +230,14 @@ class BlockPool:
         # called with a block's hash when its cached content is evicted (the manager frees the
         # recurrent-state snapshot that belongs to it)
         self.on_evict: Callable[[bytes], None] | None = None
-        # the last ``lookup_prefix``: (its found hashes, their blocks, the token bytes compared, the
-        # ``_num_forgotten`` it saw). While no cached block is forgotten, every (hash -> block,
-        # tokens) pair it found still holds (publishing never changes an existing entry), so a
-        # lookup sharing those leading hashes and tokens (the next request on a warm prefix)
-        # takes them after two comparisons instead of a dict probe and a join per block
-        self._last_lookup: tuple[list[bytes], tuple[int, ...], bytes, int] | None = None
+        # known runs of cached blocks, by their first hash, least recently used first: (hashes,
+        # their blocks, their token bytes, the ``_num_forgotten`` then), from the last lookups and
+        # from requests whose prompt blocks were published (``remember_run``). While no cached
+        # block is forgotten, every (hash -> block, tokens) pair of a run still holds (publishing
+        # never changes an existing entry), so a lookup sharing a run's leading hashes and tokens
+        # (a request on a warm prefix, e.g. right after the request that computed it) takes them
+        # after two comparisons instead of a dict probe and a join per block
+        self._runs: OrderedDict[bytes, tuple[list[bytes], tuple[int, ...], bytes, int]] = OrderedDict()
         self._num_forgotten = 0
 
     # --- queries ------------------------------------------------------------------------------
@@ -251,21 +261,43 @@ class BlockPool:
     def lookup_prefix(self, hashes: Sequence[bytes], data: bytes) -> list[int]:
         """The cached blocks of the longest run of leading blocks found under ``hashes`` whose
         tokens equal ``data``'s (``token_bytes`` of at least those blocks): a dict probe per
-        block and one comparison of all their tokens (block by block only on a mismatch)."""
-        if not self.enable_prefix_cache:
+        block and one comparison of all their tokens (block by block only on a mismatch), but
+        for the leading blocks of a known run (``_runs``)."""
+        if not self.enable_prefix_cache or not hashes:
             return []
         stride = TOKEN_WIDTH * self.block_size
         known: list[int] = []
-        last = self._last_lookup
-        if last is not None and last[3] == self._num_forgotten and last[1] and len(hashes) >= len(last[1]):
-            last_hashes, last_found, last_data, _ = last
-            num = len(last_found)
-            if hashes[:num] == last_hashes and data[: num * stride] == last_data:
-                known = list(last_found)
+        run = self._runs.get(hashes[0])
+        if run is not None and run[3] == self._num_forgotten:
+            run_hashes, run_blocks, run_data, _ = run
+            num = min(len(run_blocks), len(hashes))
+            if hashes[:num] == run_hashes[:num] and data[: num * stride] == run_data[: num * stride]:
+                known = list(run_blocks[:num])
         found = known + self._lookup_run(hashes[len(known):], data[len(known) * stride :])
-        self._last_lookup = (list(hashes[: len(found)]), tuple(found), data[: len(found) * stride],
-                             self._num_forgotten)
+        if found and (run is None or len(found) > len(run[1]) or run[3] != self._num_forgotten):
+            self._remember(list(hashes[: len(found)]), tuple(found), data[: len(found) * stride])
         return found
+
+    def remember_run(self, hashes: Sequence[bytes], data: bytes) -> None:
+        """Note the cached blocks of the leading ``hashes`` (whose tokens are ``data``: whole
+        blocks) as a known run, so that a lookup of the same prefix skips its per-block probes
+        (the engine calls this once a request's prompt blocks are published). Blocks not
+        cached under these hashes end the run."""
+        if not self.enable_prefix_cache or not hashes:
+            return
+        found = list(map(self.cached.get, hashes))
+        if None in found:
+            del found[found.index(None):]
+        if found:
+            stride = TOKEN_WIDTH * self.block_size
+            self._remember(list(hashes[: len(found)]), tuple(found), data[: len(found) * stride])
+
+    def _remember(self, hashes: list[bytes], blocks: tuple[int, ...], data: bytes) -> None:
+        runs = self._runs
+        runs[hashes[0]] = (hashes, blocks, data, self._num_forgotten)
+        runs.move_to_end(hashes[0])
+        while len(runs) > KNOWN_RUNS:
+            runs.popitem(last=False)
 
     def _lookup_run(self, hashes: Sequence[bytes], data: bytes) -> list[int]:
         """``lookup_prefix`` without the last lookup's help."""

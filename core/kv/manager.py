@@ -52,6 +52,7 @@ class RequestBlocks:
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)  # (num_tokens, slot)
     generated_snapshot: bytes | None = None  # the request's latest snapshot past its prompt
     row: int = -1  # the request's row in the manager's ``BlockTableRows``
+    prompt_run_remembered: bool = False  # its prompt's published blocks noted as a known run
 
     @property
     def block_ids(self) -> list[int]:
@@ -372,6 +373,22 @@ class KVCacheManager:
                     self.pools[gid].cache_full_block(table[j], blocks.block_hashes[(j + 1) * ratio - 1], chunk)
             blocks.num_published[gid] = max(blocks.num_published[gid], done)
         self._publish_snapshots(blocks, num_full)
+        self._remember_prompt_run(blocks, num_full)
+
+    def _remember_prompt_run(self, blocks: RequestBlocks, num_full: int) -> None:
+        """Once a request's prompt blocks (those a prompt array names: ``prefix_hashes``'
+        ``known_tokens``) are all published, note them in each full-attention pool as a known
+        run: the next request on this prefix (a warm prefix) then finds them without a probe per
+        block. Once per request, so decode steps publishing a block now and then cost nothing."""
+        known = blocks.prefix.num_known_blocks
+        if blocks.prompt_run_remembered or not known or num_full < known:
+            return
+        blocks.prompt_run_remembered = True
+        hashes = blocks.block_hashes[:known]
+        data = blocks.prefix.token_bytes(0, known)
+        for group in self.groups.paged_groups:
+            if not isinstance(group.spec, CompressedSpec | SlidingWindowSpec):
+                self.pools[group.group_id].remember_run(hashes, data)
 
     def free_request(self, request_id: str) -> None:
         """Return every block (tail first so the shared head of a prefix is evicted last), the

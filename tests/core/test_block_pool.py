@@ -326,3 +326,69 @@ def test_allocation_hands_out_a_freed_run_in_ascending_order():
     pool.free(list(reversed(table)))
     assert list(pool.free_queue) == list(range(8, 0, -1))
     assert pool.allocate(3) == [6, 7, 8]  # the least recently freed three, ascending
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lookups_through_remembered_prompt_runs_find_what_a_fresh_lookup_finds(seed):
+    """Requests whose prompts arrive as arrays (their prompt blocks noted as known runs once
+    published) on shared prefixes start, publish and free while a small pool evicts; some are
+    cold prompts between warm ones: every lookup equals a fresh one, and so do the hits."""
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(num_blocks=int(rng.integers(12, 60)), block_size=2)
+    kv = KVCacheManager(pool)
+    stems = [rng.integers(0, 9, int(rng.integers(2, 40))).tolist() for _ in range(3)]
+    live = []
+    for i in range(120):
+        if rng.random() < 0.2:  # a cold prompt of its own
+            tokens = rng.integers(0, 9, int(rng.integers(2, 30))).tolist()
+        else:
+            stem = stems[int(rng.integers(len(stems)))]
+            tokens = stem[: int(rng.integers(1, len(stem) + 1))] + rng.integers(0, 9, int(rng.integers(0, 4))).tolist()
+        if len(tokens) < 2:
+            continue
+        prompt = np.array(tokens, np.int32)
+        probe = kv.prefix_hashes("", prompt)
+        hashes = probe.extend(tokens, (len(tokens) - 1) // 2)
+        data = probe.token_bytes(0, len(hashes))
+        assert pool.lookup_prefix(hashes, data) == _reference_lookup(pool, hashes, data)
+        if rng.random() < 0.3 and live:
+            kv.free_request(live.pop(int(rng.integers(len(live)))))
+        expected = len(_reference_lookup(pool, hashes, data)) * 2
+        assert kv.start_request(f"r{i}", tokens, prefix=kv.prefix_hashes("", prompt)) == expected
+        if kv.grow(f"r{i}", len(tokens)):
+            kv.publish_full_blocks(f"r{i}", tokens, len(tokens))
+            live.append(f"r{i}")
+        else:
+            kv.free_request(f"r{i}")
+        if len(live) > 3:
+            kv.free_request(live.pop(0))
+
+
+def test_a_published_prompt_is_a_known_run_for_the_next_request_on_it():
+    """After a prompt's blocks are published, the same prompt with its last token changed finds
+    every block before it from the known run (no per-block probe), the same blocks as a fresh lookup."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 140, dtype=np.int32)  # 10 full blocks
+    kv.start_request("cold", prompt.tolist(), prefix=kv.prefix_hashes("", prompt))
+    assert kv.grow("cold", 40)
+    kv.publish_full_blocks("cold", prompt.tolist(), 40)
+    assert [run[1] for run in pool._runs.values()] == [tuple(kv.block_ids("cold")[:10])]
+    kv.free_request("cold")
+    warm = prompt.copy()
+    warm[-1] += 1
+    probes = []
+    pool.cached = _CountingDict(pool.cached, probes)
+    assert kv.start_request("warm", warm.tolist(), prefix=kv.prefix_hashes("", warm)) == 36
+    assert probes == []  # all nine blocks from the run
+    assert kv.block_ids("warm")[:9] == list(list(pool._runs.values())[0][1][:9])
+
+
+class _CountingDict(dict):
+    def __init__(self, items, calls):
+        super().__init__(items)
+        self.calls = calls
+
+    def get(self, key, default=None):
+        self.calls.append(key)
+        return super().get(key, default)
