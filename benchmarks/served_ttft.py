@@ -7,8 +7,8 @@ other on the same machine, ``--rounds`` times in alternating order (A B C, C B A
 server answering benchmarks/serve.py's ``ttft_rows`` (the lean client, one request at a time:
 a fresh prompt, then that prompt with its last token changed). The report keeps every
 request's TTFT per variant and context and prints, per context, each variant's median and
-p25 / min over all its rounds next to the first variant's. ``--spans``: after the rounds, one
-more server of the first variant with benchmarks/warm_prefix_host.py's span probe in both of
+p25 / min over all its rounds next to the first variant's. ``--spans``: before the rounds, one
+server of the first variant with benchmarks/warm_prefix_host.py's span probe in both of
 its processes: each warm request's timeline from the client's connect to its first token (HTTP
 parse, body decode, the hop to the engine core, admission, scheduling, the device step, the hop
 back, the SSE write), medians per context: where a served warm request's time goes on this
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=20480)
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--start-timeout", type=float, default=300.0)
-    parser.add_argument("--spans", action="store_true", help="then the first variant's warm timelines (span probe)")
+    parser.add_argument("--spans", action="store_true", help="first, the first variant's warm timelines (span probe)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no further server after this many seconds (the summary still prints)")
     parser.add_argument("--stub", action="store_true", help="the stub engine on the CPU (checks the script)")
@@ -147,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     def out_of_time() -> bool:
         return args.budget_s is not None and time.perf_counter() - began > args.budget_s
 
+    if args.spans:  # first: the timeline is what a short budget should keep
+        try:
+            report["spans"] = serve_once(args, checkpoint, report["variants"][0]["switches"], vocab, seed=100,
+                                         span_work=Path(tempfile.mkdtemp(prefix="openinfer-spans-")))["spans"]
+        except Exception as exc:
+            report["spans_error"] = repr(exc)
+        out.write_text(json.dumps(report, indent=2) + "\n")
     for round_index in range(args.rounds):
         order = report["variants"] if round_index % 2 == 0 else report["variants"][::-1]
         for variant in order:
@@ -161,15 +168,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"variant": variant["name"], "round": round_index,
                               **{k: v for k, v in run.items() if k != "ttft"}}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.spans and out_of_time():
-        report.setdefault("skipped", []).append("spans: --budget-s")
-    elif args.spans:
-        first = report["variants"][0]
-        try:
-            report["spans"] = serve_once(args, checkpoint, first["switches"], vocab, seed=100,
-                                         span_work=Path(tempfile.mkdtemp(prefix="openinfer-spans-")))["spans"]
-        except Exception as exc:
-            report["spans_error"] = repr(exc)
     report["summary"] = summary(report) + [f"skipped: {s}" for s in report.get("skipped", [])] + [
         f"{report['variants'][0]['name']} warm timeline {row['context']} (medians of {row['requests']}, ms, probe on): "
         + ", ".join(f"{k} {v:.3f}" for k, v in row["segments_ms"].items()) for row in report.get("spans", [])]
