@@ -281,16 +281,35 @@ class BlockPool:
     def remember_run(self, hashes: Sequence[bytes], data: bytes) -> None:
         """Note the cached blocks of the leading ``hashes`` (whose tokens are ``data``: whole
         blocks) as a known run, so that a lookup of the same prefix skips its per-block probes
-        (the engine calls this once a request's prompt blocks are published). Blocks not
-        cached under these hashes end the run."""
+        (the engine notes each request's prompt once its blocks are published). Blocks not
+        cached under these hashes end the run. The leading blocks a known run under the same
+        first hash already holds are taken from it: only the rest are probed."""
         if not self.enable_prefix_cache or not hashes:
             return
-        found = list(map(self.cached.get, hashes))
-        if None in found:
-            del found[found.index(None):]
+        stride = TOKEN_WIDTH * self.block_size
+        shared: tuple[int, ...] = ()
+        run = self._runs.get(hashes[0])
+        if run is not None and run[3] == self._num_forgotten:
+            run_hashes, run_blocks, run_data, _ = run
+            # chained hashes: equal at block k means equal before it, so the shared length is the
+            # last k whose hashes are equal (a binary search); the tokens confirm it
+            low, high = 0, min(len(run_blocks), len(hashes))
+            while low < high:
+                middle = (low + high + 1) // 2
+                if hashes[middle - 1] == run_hashes[middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            if low and data[: low * stride] == run_data[: low * stride]:
+                if low == len(hashes) and len(run_blocks) >= low:
+                    return  # nothing the run does not hold already
+                shared = run_blocks[:low]
+        rest = list(map(self.cached.get, hashes[len(shared):]))
+        if None in rest:
+            del rest[rest.index(None):]
+        found = shared + tuple(rest)
         if found:
-            stride = TOKEN_WIDTH * self.block_size
-            self._remember(list(hashes[: len(found)]), tuple(found), data[: len(found) * stride])
+            self._remember(list(hashes[: len(found)]), found, data[: len(found) * stride])
 
     def _remember(self, hashes: list[bytes], blocks: tuple[int, ...], data: bytes) -> None:
         runs = self._runs

@@ -99,6 +99,7 @@ class KVCacheManager:
         # client) or first thing in any call that allocates or takes blocks
         self.defer_frees = False
         self._pending_frees: list[list[list[int]]] = []
+        self._pending_runs: list[tuple[PrefixHashes, int]] = []  # prompts to note as known runs
         self.table_rows = BlockTableRows(len(self.groups.groups))  # the tables as arrays, for batches
         # every group paged, one entry per token, no window (dense and MLA models): a request
         # needs ceil(tokens / block_size) blocks in each and never frees any early (``grow``'s fast path)
@@ -361,8 +362,12 @@ class KVCacheManager:
         """Publish every block whose KV is now fully computed into the prefix cache, and the
         state snapshots taken at those block boundaries."""
         blocks = self.requests[request_id]
-        num_full = min(num_computed_tokens // self.block_size,
-                       len(blocks.prefix.extend(token_ids, num_computed_tokens // self.block_size)))
+        num_computed_blocks = num_computed_tokens // self.block_size
+        # the whole prompt's blocks are hashed at the first publish (a chunked prompt's first chunk
+        # is read back while the device computes the next), not its last chunk's at the last one:
+        # that one is between the device's last step and the request's first token
+        num_hashed = len(blocks.prefix.extend(token_ids, max(num_computed_blocks, blocks.prefix.num_known_blocks)))
+        num_full = min(num_computed_blocks, num_hashed)
         for group in self.groups.paged_groups:
             gid, spec, table = group.group_id, group.spec, blocks.tables[group.group_id]
             ratio = spec.tokens_per_entry if isinstance(spec, CompressedSpec) else 1
@@ -384,11 +389,18 @@ class KVCacheManager:
         if blocks.prompt_run_remembered or not known or num_full < known:
             return
         blocks.prompt_run_remembered = True
-        hashes = blocks.block_hashes[:known]
-        data = blocks.prefix.token_bytes(0, known)
-        for group in self.groups.paged_groups:
-            if not isinstance(group.spec, CompressedSpec | SlidingWindowSpec):
-                self.pools[group.group_id].remember_run(hashes, data)
+        # noted at the next ``settle_frees`` (after the step's tokens are sent): not between a
+        # warm request's token and its client (its prefix's chain is append-only: still valid then)
+        self._pending_runs.append((blocks.prefix, known))
+
+    def _remember_runs(self) -> None:
+        pending, self._pending_runs = self._pending_runs, []
+        pools = [self.pools[g.group_id] for g in self.groups.paged_groups
+                 if not isinstance(g.spec, CompressedSpec | SlidingWindowSpec)]
+        for prefix, known in pending:
+            hashes, data = prefix.hashes[:known], prefix.token_bytes(0, known)
+            for pool in pools:
+                pool.remember_run(hashes, data)
 
     def free_request(self, request_id: str) -> None:
         """Return every block (tail first so the shared head of a prefix is evicted last), the
@@ -414,15 +426,18 @@ class KVCacheManager:
                 pool.free(table[::-1] if self._plain_groups else [b for b in reversed(table) if b != NULL_BLOCK_ID])
 
     def _settle(self) -> None:
-        if self._pending_frees:
+        if self._pending_frees or self._pending_runs:
             self.settle_frees()
 
     def settle_frees(self) -> None:
         """Return the blocks of every request freed since the last call (``defer_frees``), in
-        the order they were freed: the pools end as if each had been freed at once."""
+        the order they were freed: the pools end as if each had been freed at once. Then note
+        the prompts published since as known runs (``_remember_prompt_run``)."""
         pending, self._pending_frees = self._pending_frees, []
         for tables in pending:
             self._return_blocks(tables)
+        if self._pending_runs:
+            self._remember_runs()
 
     # --- state snapshots -------------------------------------------------------------------------
 

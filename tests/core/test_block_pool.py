@@ -373,6 +373,8 @@ def test_a_published_prompt_is_a_known_run_for_the_next_request_on_it():
     kv.start_request("cold", prompt.tolist(), prefix=kv.prefix_hashes("", prompt))
     assert kv.grow("cold", 40)
     kv.publish_full_blocks("cold", prompt.tolist(), 40)
+    assert not pool._runs  # noted once the step's tokens are sent (the engine settles then)
+    kv.settle_frees()
     assert [run[1] for run in pool._runs.values()] == [tuple(kv.block_ids("cold")[:10])]
     kv.free_request("cold")
     warm = prompt.copy()
@@ -392,3 +394,50 @@ class _CountingDict(dict):
     def get(self, key, default=None):
         self.calls.append(key)
         return super().get(key, default)
+
+
+def test_a_longer_prompt_on_a_known_run_probes_only_its_new_blocks():
+    """A turn that extends an earlier prompt (its blocks a known run) is noted with the run's
+    blocks and a probe per new block only; a prompt the run already holds changes nothing."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+
+    def serve(name: str, prompt: np.ndarray) -> None:
+        kv.start_request(name, prompt.tolist(), prefix=kv.prefix_hashes("", prompt))
+        assert kv.grow(name, len(prompt))
+        kv.publish_full_blocks(name, prompt.tolist(), len(prompt))
+        kv.free_request(name)
+
+    first = np.arange(100, 140, dtype=np.int32)  # 10 blocks
+    serve("turn1", first)
+    kv.settle_frees()
+    second = np.concatenate([first, np.arange(500, 524, dtype=np.int32)])  # 16 blocks
+    serve("turn2", second)
+    probes = []
+    pool.cached = _CountingDict(pool.cached, probes)
+    kv.settle_frees()
+    assert len(probes) == 6  # only the six new blocks
+    [run] = pool._runs.values()
+    assert len(run[1]) == 16 and run[1] == tuple(dict.get(pool.cached, h) for h in run[0])
+    probes.clear()
+    serve("again", first)  # the same first turn again: its blocks from the run, nothing noted anew
+    kv.settle_frees()
+    assert probes == [] and len(list(pool._runs.values())[0][1]) == 16
+
+
+def test_the_first_publish_of_a_chunked_prompt_hashes_the_whole_prompt():
+    """The first chunk's publish hashes every block of the prompt (the next chunk's device time
+    covers it) but publishes only the computed ones; the last chunk's publish hashes nothing."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 140, dtype=np.int32)  # 10 blocks
+    prefix = kv.prefix_hashes("", prompt)
+    kv.start_request("r", prompt.tolist(), prefix=prefix)
+    assert kv.grow("r", 40)
+    kv.publish_full_blocks("r", prompt.tolist(), 16)  # the first chunk: 4 blocks computed
+    assert len(prefix.hashes) == 10 and len(pool.cached) == 4
+    hashed = list(prefix.hashes)
+    kv.publish_full_blocks("r", prompt.tolist(), 40)
+    assert prefix.hashes == hashed and len(pool.cached) == 10
+    reference = KVCacheManager(BlockPool(num_blocks=64, block_size=4)).prefix_hashes("")
+    assert reference.extend(prompt.tolist(), 10) == hashed
