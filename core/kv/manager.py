@@ -53,6 +53,7 @@ class RequestBlocks:
     generated_snapshot: bytes | None = None  # the request's latest snapshot past its prompt
     row: int = -1  # the request's row in the manager's ``BlockTableRows``
     prompt_run_remembered: bool = False  # its prompt's published blocks noted as a known run
+    uses_cache: bool = False  # its blocks are looked up and published (hashing ahead pays off)
 
     @property
     def block_ids(self) -> list[int]:
@@ -285,7 +286,8 @@ class KVCacheManager:
             self.pools[group.group_id].touch(live)
             tables.append(table)
         blocks = RequestBlocks(prefix, tables, [len(t) for t in tables],
-                               [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
+                               [spec_first(g.spec, n * bs, bs) for g in self.groups.groups],
+                               uses_cache=use_cache and self.pool.enable_prefix_cache)
         if self.state_slots is not None:
             blocks.state_slot = self.state_slots.allocate(request_id)
             if n:
@@ -323,6 +325,12 @@ class KVCacheManager:
         can see are freed first (their table entries become the null block)."""
         self._settle()
         blocks = self.requests[request_id]
+        prefix = blocks.prefix
+        if num_computed_tokens and blocks.uses_cache and len(prefix.hashes) < prefix.num_known_blocks:
+            # a prompt's later chunk, planned while the device computes the earlier one (async
+            # scheduling): hash the rest of the prompt's blocks now, not between its last chunk's
+            # read-back and its first token (publishing a cold 16k prompt hashed ~1,000 blocks there)
+            prefix.extend_known()
         if self._plain_groups:
             needed = -(-num_total_tokens // self.block_size)
             if all(len(table) >= needed for table in blocks.tables):  # most steps: the last block has room
@@ -372,10 +380,11 @@ class KVCacheManager:
             gid, spec, table = group.group_id, group.spec, blocks.tables[group.group_id]
             ratio = spec.tokens_per_entry if isinstance(spec, CompressedSpec) else 1
             done = min(num_full // ratio, len(table))
-            for j in range(blocks.num_published[gid], done):
-                if table[j] != NULL_BLOCK_ID:
-                    chunk = blocks.prefix.token_bytes(j * ratio, (j + 1) * ratio)
-                    self.pools[gid].cache_full_block(table[j], blocks.block_hashes[(j + 1) * ratio - 1], chunk)
+            first = blocks.num_published[gid]
+            if done > first:
+                # one copy of the entries' tokens, sliced per entry (a cold 16k prompt publishes 1,024)
+                self.pools[gid].cache_full_blocks(table[first:done], blocks.block_hashes[first * ratio:done * ratio],
+                                                  blocks.prefix.token_bytes(first * ratio, done * ratio), ratio)
             blocks.num_published[gid] = max(blocks.num_published[gid], done)
         self._publish_snapshots(blocks, num_full)
         self._remember_prompt_run(blocks, num_full)

@@ -441,3 +441,48 @@ def test_the_first_publish_of_a_chunked_prompt_hashes_the_whole_prompt():
     assert prefix.hashes == hashed and len(pool.cached) == 10
     reference = KVCacheManager(BlockPool(num_blocks=64, block_size=4)).prefix_hashes("")
     assert reference.extend(prompt.tolist(), 10) == hashed
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_later_prompt_chunk_hashes_the_rest_of_the_prompt_when_planned(use_cache):
+    """Growing a request for a later prefill chunk (computed tokens > 0) hashes every block of its
+    prompt then (the device is busy with the earlier chunk); a first chunk, or a request that
+    does not use the cache, hashes nothing ahead."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 164, dtype=np.int32)  # 16 blocks
+    prefix = kv.prefix_hashes("", prompt)
+    kv.start_request("r", prompt.tolist(), use_cache, prefix=prefix)
+    before = len(prefix.hashes)
+    assert kv.grow("r", 24, 0) and len(prefix.hashes) == before
+    assert kv.grow("r", 48, 24)
+    assert len(prefix.hashes) == (16 if use_cache else before)
+    if use_cache:
+        reference = KVCacheManager(BlockPool(num_blocks=64, block_size=4)).prefix_hashes("")
+        assert prefix.hashes == reference.extend(prompt.tolist(), 16)
+
+
+def test_publishing_in_bulk_caches_as_one_block_at_a_time():
+    """``cache_full_blocks`` (null entries skipped, first writer wins, compressed entries under
+    their last block's hash) leaves the pool as ``cache_full_block`` per entry does."""
+    rng = np.random.default_rng(5)
+    pools = [BlockPool(num_blocks=32, block_size=2) for _ in range(2)]
+    for ratio in (1, 2):
+        tokens = rng.integers(0, 50, 24).tolist()
+        hashes = KVCacheManager(BlockPool(num_blocks=4, block_size=2)).prefix_hashes("").extend(tokens, 12)
+        data = token_bytes(tokens)
+        ids = pools[0].allocate(12 // ratio)
+        assert pools[1].allocate(12 // ratio) == ids
+        ids[1] = NULL_BLOCK_ID
+        taken = pools[0].allocate(1)
+        pools[0].cache_full_block(taken[0], hashes[ratio - 1], data[: 4 * 2 * ratio])  # first writer
+        pools[1].allocate(1)
+        pools[1].cache_full_block(taken[0], hashes[ratio - 1], data[: 4 * 2 * ratio])
+        stride = 4 * 2 * ratio
+        for i, block_id in enumerate(ids):
+            if block_id != NULL_BLOCK_ID:
+                pools[0].cache_full_block(block_id, hashes[(i + 1) * ratio - 1], data[i * stride:(i + 1) * stride])
+        pools[1].cache_full_blocks(ids, hashes, data, ratio)
+        assert pools[0].cached == pools[1].cached
+        assert [(b.block_hash, b.token_bytes) for b in pools[0].blocks] == \
+               [(b.block_hash, b.token_bytes) for b in pools[1].blocks]
