@@ -146,6 +146,15 @@ class _ChainMemo:
 _CHAINS = _ChainMemo(256)
 
 
+def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as ``TOKEN_DTYPE``, kept without a copy when they already are and cannot change
+    (a prompt read in place from the engine core's message); copied otherwise."""
+    ids = np.asarray(token_ids)
+    if ids.dtype == TOKEN_DTYPE and not ids.flags.writeable:
+        return ids
+    return np.array(ids, TOKEN_DTYPE)
+
+
 class PrefixHashes:
     """One token sequence's chained block hashes (and the token bytes they cover), computed once
     and extended as the sequence grows: a request keeps one, so every prefix lookup while it
@@ -159,7 +168,7 @@ class PrefixHashes:
         self.extra_key = extra_key
         self.hashes: list[bytes] = []
         self._data = bytearray()  # token_bytes of the hashed blocks
-        self._known = None if known_tokens is None else np.asarray(known_tokens, np.int64)
+        self._known = None if known_tokens is None else _token_array(known_tokens)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int, max_new_hashes: int | None = None) -> list[bytes]:
         """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
@@ -177,7 +186,7 @@ class PrefixHashes:
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]
-            data = tokens.astype(TOKEN_DTYPE).tobytes()
+            data = np.asarray(tokens, TOKEN_DTYPE).tobytes()
             stride, shared = TOKEN_WIDTH * bs, []
             if not have and len(data) >= stride:
                 first_key = self.extra_key.encode() + b"|" + data[:stride]

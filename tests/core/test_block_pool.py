@@ -486,3 +486,21 @@ def test_publishing_in_bulk_caches_as_one_block_at_a_time():
         assert pools[0].cached == pools[1].cached
         assert [(b.block_hash, b.token_bytes) for b in pools[0].blocks] == \
                [(b.block_hash, b.token_bytes) for b in pools[1].blocks]
+
+
+def test_known_tokens_are_read_in_place_only_when_they_cannot_change():
+    """A read-only int32 prompt (the engine core's message) is hashed from where it is; a
+    writeable one is copied, so changing it afterwards changes no hash."""
+    from openinfer.kv.block_pool import PrefixHashes
+
+    prompt = np.arange(100, 132, dtype=np.int32)
+    frozen = prompt.copy()
+    frozen.flags.writeable = False
+    assert PrefixHashes(4, "", frozen)._known is frozen
+    live = prompt.copy()
+    prefix = PrefixHashes(4, "", live)
+    live[:] = 7
+    reference = PrefixHashes(4, "")
+    assert prefix.extend([], 8) == reference.extend(prompt.tolist(), 8)
+    wide = PrefixHashes(4, "", prompt.astype(np.int64))
+    assert wide.extend([], 8) == reference.hashes
