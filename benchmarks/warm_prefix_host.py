@@ -475,12 +475,9 @@ MILESTONES = [
 ]
 
 
-def span_rows(args: argparse.Namespace, work: Path) -> list[dict]:
-    """Warm requests one at a time through a server with the span probe; per context, the
-    median time between consecutive milestones of each request (``MILESTONES``)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from sse_client import completion_body, stream_completion
-
+def span_probe_env(work: Path) -> tuple[dict[str, str], Path]:
+    """The environment that makes every Python process started with it install the span probe
+    (a ``sitecustomize`` on its path), and the file the probe appends to."""
     probe_dir = work / "span_probe"
     probe_dir.mkdir(exist_ok=True)
     (probe_dir / "sitecustomize.py").write_text(
@@ -491,26 +488,40 @@ def span_rows(args: argparse.Namespace, work: Path) -> list[dict]:
     span_file = work / "spans.txt"
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])),
            SPAN_FILE_ENV: str(span_file)}
-    rng = np.random.default_rng(2)
+    return env, span_file
+
+
+def warm_timelines(port: int, model: str, vocab: int, contexts: list[int], repeats: int, seed: int = 2
+                   ) -> dict[int, list[tuple[float, float]]]:
+    """Per context, ``repeats`` warm requests (each after its own cold one, with a pause after
+    each so the cold request's frees settle): (client start, first token) in perf_counter ms."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sse_client import completion_body, stream_completion
+
+    rng = np.random.default_rng(seed)
     timelines: dict[int, list[tuple[float, float]]] = {}
-    with stub_server(args, work, env) as (url, model, vocab):
-        port = int(url.rsplit(":", 1)[1])
 
-        def send(prompt: list[int]):
-            return asyncio.run(stream_completion(port, completion_body(model, prompt, 1)))
+    def send(prompt: list[int]):
+        return asyncio.run(stream_completion(port, completion_body(model, prompt, 1)))
 
-        for context in args.contexts:
-            send(rng.integers(100, vocab - 100, context).tolist())  # a length's first use
-            timelines[context] = []
-            for _ in range(args.repeats):
-                prompt = rng.integers(100, vocab - 100, context).tolist()
-                send(prompt)
-                time.sleep(0.05)  # the cold request's frees and stray messages settle
-                prompt[-1] = prompt[-1] + 1 if prompt[-1] + 1 < vocab - 100 else prompt[-1] - 1
-                record = send(prompt)
-                if record.ok:
-                    timelines[context].append((1e3 * record.start, 1e3 * record.first))
-                time.sleep(0.05)
+    for context in contexts:
+        send(rng.integers(100, vocab - 100, context).tolist())  # a length's first use
+        timelines[context] = []
+        for _ in range(repeats):
+            prompt = rng.integers(100, vocab - 100, context).tolist()
+            send(prompt)
+            time.sleep(0.05)  # the cold request's frees and stray messages settle
+            prompt[-1] = prompt[-1] + 1 if prompt[-1] + 1 < vocab - 100 else prompt[-1] - 1
+            record = send(prompt)
+            if record.ok:
+                timelines[context].append((1e3 * record.start, 1e3 * record.first))
+            time.sleep(0.05)
+    return timelines
+
+
+def timeline_rows(span_file: Path, timelines: dict[int, list[tuple[float, float]]]) -> list[dict]:
+    """Per context, the median time between consecutive milestones (``MILESTONES``) of each
+    warm request in ``timelines``, from the probe's ``span_file``."""
     spans = []
     for line in span_file.read_text().splitlines():
         _, name, began, ended = line.split()
@@ -534,6 +545,15 @@ def span_rows(args: argparse.Namespace, work: Path) -> list[dict]:
                      "ttft_ms_median": float(np.median([f - s for s, f in requests])) if requests else float("nan"),
                      "segments_ms": {k: float(np.nanmedian(v)) for k, v in segments.items()}})
     return rows
+
+
+def span_rows(args: argparse.Namespace, work: Path) -> list[dict]:
+    """Warm requests one at a time through a stub server with the span probe; per context, the
+    median time between consecutive milestones of each request (``MILESTONES``)."""
+    env, span_file = span_probe_env(work)
+    with stub_server(args, work, env) as (url, model, vocab):
+        timelines = warm_timelines(int(url.rsplit(":", 1)[1]), model, vocab, args.contexts, args.repeats)
+    return timeline_rows(span_file, timelines)
 
 
 def demo_or_generated_tokenizer(work: Path) -> Path:

@@ -40,12 +40,24 @@ from openinfer.engine_core.protocol import (
     load_message,
 )
 from openinfer.engine_core.slots import RequestSlot, dispatch
-from openinfer.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
 from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine_core.client")
 
 CORE_DIED = "the engine core process died while this request was in flight; it was lost — retry it"
+# OPENINFER_SUBMIT_AT_ONCE=1: a submission made while none waits to be sent goes to the core at once
+# instead of at the end of the event-loop turn (the core starts admitting it sooner; submissions
+# made after it in the same turn are still batched into one message). Opt-in until measured.
+SUBMIT_AT_ONCE_ENV = "OPENINFER_SUBMIT_AT_ONCE"
+
+
+def submit_at_once() -> bool:
+    """``OPENINFER_SUBMIT_AT_ONCE``: 1 on, 0 or unset off; anything else is an error."""
+    value = os.environ.get(SUBMIT_AT_ONCE_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise OpenInferError(f"{SUBMIT_AT_ONCE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class EngineCoreClient:
@@ -59,6 +71,7 @@ class EngineCoreClient:
         self._slots: dict[str, RequestSlot] = {}
         self._pending: list = []
         self._flush_scheduled = False
+        self._submit_at_once = submit_at_once()
         self._info: pb.ModelInfo | None = None
         self._ready = asyncio.Event()
         self._connected = False
@@ -142,6 +155,13 @@ class EngineCoreClient:
             return False
 
     def _queue(self, command: list) -> None:
+        if self._submit_at_once and not self._flush_scheduled and command[0] == ADD:
+            # nothing waits in this turn: this one goes now; later ones in the turn are batched
+            self._pending.append(command)
+            self._flush()
+            self._flush_scheduled = True  # (cleared by the flush at the end of the turn)
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
         self._pending.append(command)
         if not self._flush_scheduled:
             self._flush_scheduled = True

@@ -33,6 +33,9 @@ import numpy as np
 
 NULL_BLOCK_ID = 0
 _ROOT_HASH = b"openinfer-prefix-cache-v1"
+# runs of cached blocks a pool remembers for lookups (``BlockPool._runs``): a 16k-token prompt's
+# run is ~0.1 MB (its hashes, block ids and token bytes)
+KNOWN_RUNS = 16
 
 
 # token ids hash and compare as little-endian int32 (ids are below the vocabulary size, < 2**31;
@@ -143,6 +146,15 @@ class _ChainMemo:
 _CHAINS = _ChainMemo(256)
 
 
+def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as ``TOKEN_DTYPE``, kept without a copy when they already are and cannot change
+    (a prompt read in place from the engine core's message); copied otherwise."""
+    ids = np.asarray(token_ids)
+    if ids.dtype == TOKEN_DTYPE and not ids.flags.writeable:
+        return ids
+    return np.array(ids, TOKEN_DTYPE)
+
+
 class PrefixHashes:
     """One token sequence's chained block hashes (and the token bytes they cover), computed once
     and extended as the sequence grows: a request keeps one, so every prefix lookup while it
@@ -156,7 +168,7 @@ class PrefixHashes:
         self.extra_key = extra_key
         self.hashes: list[bytes] = []
         self._data = bytearray()  # token_bytes of the hashed blocks
-        self._known = None if known_tokens is None else np.asarray(known_tokens, np.int64)
+        self._known = None if known_tokens is None else _token_array(known_tokens)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int, max_new_hashes: int | None = None) -> list[bytes]:
         """The hashes of ``token_ids``' first ``num_blocks`` full blocks (or more, when computed
@@ -174,7 +186,7 @@ class PrefixHashes:
             placeholders = np.flatnonzero(tokens < 0)
             if placeholders.size:
                 tokens = tokens[: placeholders[0] // bs * bs]
-            data = tokens.astype(TOKEN_DTYPE).tobytes()
+            data = np.asarray(tokens, TOKEN_DTYPE).tobytes()
             stride, shared = TOKEN_WIDTH * bs, []
             if not have and len(data) >= stride:
                 first_key = self.extra_key.encode() + b"|" + data[:stride]
@@ -189,6 +201,15 @@ class PrefixHashes:
                 self.hashes.extend(chain_block_hashes(parent, rest, bs, self.extra_key))
             self._data += data[: (len(self.hashes) - have) * stride]  # the hashed blocks' bytes only
         return self.hashes
+
+    def extend_known(self) -> list[bytes]:
+        """``extend`` over every full block of the ``known_tokens``."""
+        return self.extend(self._known if self._known is not None else (), self.num_known_blocks)
+
+    @property
+    def num_known_blocks(self) -> int:
+        """Full blocks of the ``known_tokens`` given at construction (0 without them)."""
+        return 0 if self._known is None else len(self._known) // self.block_size
 
     def token_bytes(self, first_block: int, end_block: int) -> bytes:
         """The token bytes of hashed blocks ``[first_block, end_block)``."""
@@ -222,12 +243,14 @@ class BlockPool:
         # called with a block's hash when its cached content is evicted (the manager frees the
         # recurrent-state snapshot that belongs to it)
         self.on_evict: Callable[[bytes], None] | None = None
-        # the last ``lookup_prefix``: (its found hashes, their blocks, the token bytes compared, the
-        # ``_num_forgotten`` it saw). While no cached block is forgotten, every (hash -> block,
-        # tokens) pair it found still holds (publishing never changes an existing entry), so a
-        # lookup sharing those leading hashes and tokens (the next request on a warm prefix)
-        # takes them after two comparisons instead of a dict probe and a join per block
-        self._last_lookup: tuple[list[bytes], tuple[int, ...], bytes, int] | None = None
+        # known runs of cached blocks, by their first hash, least recently used first: (hashes,
+        # their blocks, their token bytes, the ``_num_forgotten`` then), from the last lookups and
+        # from requests whose prompt blocks were published (``remember_run``). While no cached
+        # block is forgotten, every (hash -> block, tokens) pair of a run still holds (publishing
+        # never changes an existing entry), so a lookup sharing a run's leading hashes and tokens
+        # (a request on a warm prefix, e.g. right after the request that computed it) takes them
+        # after two comparisons instead of a dict probe and a join per block
+        self._runs: OrderedDict[bytes, tuple[list[bytes], tuple[int, ...], bytes, int]] = OrderedDict()
         self._num_forgotten = 0
 
     # --- queries ------------------------------------------------------------------------------
@@ -251,21 +274,62 @@ class BlockPool:
     def lookup_prefix(self, hashes: Sequence[bytes], data: bytes) -> list[int]:
         """The cached blocks of the longest run of leading blocks found under ``hashes`` whose
         tokens equal ``data``'s (``token_bytes`` of at least those blocks): a dict probe per
-        block and one comparison of all their tokens (block by block only on a mismatch)."""
-        if not self.enable_prefix_cache:
+        block and one comparison of all their tokens (block by block only on a mismatch), but
+        for the leading blocks of a known run (``_runs``)."""
+        if not self.enable_prefix_cache or not hashes:
             return []
         stride = TOKEN_WIDTH * self.block_size
         known: list[int] = []
-        last = self._last_lookup
-        if last is not None and last[3] == self._num_forgotten and last[1] and len(hashes) >= len(last[1]):
-            last_hashes, last_found, last_data, _ = last
-            num = len(last_found)
-            if hashes[:num] == last_hashes and data[: num * stride] == last_data:
-                known = list(last_found)
+        run = self._runs.get(hashes[0])
+        if run is not None and run[3] == self._num_forgotten:
+            run_hashes, run_blocks, run_data, _ = run
+            num = min(len(run_blocks), len(hashes))
+            if hashes[:num] == run_hashes[:num] and data[: num * stride] == run_data[: num * stride]:
+                known = list(run_blocks[:num])
         found = known + self._lookup_run(hashes[len(known):], data[len(known) * stride :])
-        self._last_lookup = (list(hashes[: len(found)]), tuple(found), data[: len(found) * stride],
-                             self._num_forgotten)
+        if found and (run is None or len(found) > len(run[1]) or run[3] != self._num_forgotten):
+            self._remember(list(hashes[: len(found)]), tuple(found), data[: len(found) * stride])
         return found
+
+    def remember_run(self, hashes: Sequence[bytes], data: bytes) -> None:
+        """Note the cached blocks of the leading ``hashes`` (whose tokens are ``data``: whole
+        blocks) as a known run, so that a lookup of the same prefix skips its per-block probes
+        (the engine notes each request's prompt once its blocks are published). Blocks not
+        cached under these hashes end the run. The leading blocks a known run under the same
+        first hash already holds are taken from it: only the rest are probed."""
+        if not self.enable_prefix_cache or not hashes:
+            return
+        stride = TOKEN_WIDTH * self.block_size
+        shared: tuple[int, ...] = ()
+        run = self._runs.get(hashes[0])
+        if run is not None and run[3] == self._num_forgotten:
+            run_hashes, run_blocks, run_data, _ = run
+            # chained hashes: equal at block k means equal before it, so the shared length is the
+            # last k whose hashes are equal (a binary search); the tokens confirm it
+            low, high = 0, min(len(run_blocks), len(hashes))
+            while low < high:
+                middle = (low + high + 1) // 2
+                if hashes[middle - 1] == run_hashes[middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            if low and data[: low * stride] == run_data[: low * stride]:
+                if low == len(hashes) and len(run_blocks) >= low:
+                    return  # nothing the run does not hold already
+                shared = run_blocks[:low]
+        rest = list(map(self.cached.get, hashes[len(shared):]))
+        if None in rest:
+            del rest[rest.index(None):]
+        found = shared + tuple(rest)
+        if found:
+            self._remember(list(hashes[: len(found)]), found, data[: len(found) * stride])
+
+    def _remember(self, hashes: list[bytes], blocks: tuple[int, ...], data: bytes) -> None:
+        runs = self._runs
+        runs[hashes[0]] = (hashes, blocks, data, self._num_forgotten)
+        runs.move_to_end(hashes[0])
+        while len(runs) > KNOWN_RUNS:
+            runs.popitem(last=False)
 
     def _lookup_run(self, hashes: Sequence[bytes], data: bytes) -> list[int]:
         """``lookup_prefix`` without the last lookup's help."""
@@ -345,6 +409,25 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_bytes = token_bytes(token_ids)
         self.cached[block_hash] = block_id
+
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[bytes], data: bytes,
+                          blocks_per_entry: int = 1) -> None:
+        """``cache_full_block`` of each entry of ``block_ids`` (null entries skipped): entry i holds
+        token blocks ``[i * n, (i + 1) * n)`` (n = ``blocks_per_entry``: a compressed group's ratio)
+        of ``hashes`` and of ``data`` (their token bytes), published under the last one's hash."""
+        if not self.enable_prefix_cache:
+            return
+        stride = TOKEN_WIDTH * self.block_size * blocks_per_entry
+        blocks, cached = self.blocks, self.cached  # (locals: a cold 16k prompt publishes 1,024)
+        for index, block_id in enumerate(block_ids):
+            if block_id == NULL_BLOCK_ID:
+                continue
+            block, block_hash = blocks[block_id], hashes[(index + 1) * blocks_per_entry - 1]
+            if block.block_hash is not None or block_hash in cached:
+                continue  # first writer wins
+            block.block_hash = block_hash
+            block.token_bytes = data[index * stride : (index + 1) * stride]
+            cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks[1:]:

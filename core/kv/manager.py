@@ -52,6 +52,8 @@ class RequestBlocks:
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)  # (num_tokens, slot)
     generated_snapshot: bytes | None = None  # the request's latest snapshot past its prompt
     row: int = -1  # the request's row in the manager's ``BlockTableRows``
+    prompt_run_remembered: bool = False  # its prompt's published blocks noted as a known run
+    uses_cache: bool = False  # its blocks are looked up and published (hashing ahead pays off)
 
     @property
     def block_ids(self) -> list[int]:
@@ -98,6 +100,7 @@ class KVCacheManager:
         # client) or first thing in any call that allocates or takes blocks
         self.defer_frees = False
         self._pending_frees: list[list[list[int]]] = []
+        self._pending_runs: list[tuple[PrefixHashes, int]] = []  # prompts to note as known runs
         self.table_rows = BlockTableRows(len(self.groups.groups))  # the tables as arrays, for batches
         # every group paged, one entry per token, no window (dense and MLA models): a request
         # needs ceil(tokens / block_size) blocks in each and never frees any early (``grow``'s fast path)
@@ -283,7 +286,8 @@ class KVCacheManager:
             self.pools[group.group_id].touch(live)
             tables.append(table)
         blocks = RequestBlocks(prefix, tables, [len(t) for t in tables],
-                               [spec_first(g.spec, n * bs, bs) for g in self.groups.groups])
+                               [spec_first(g.spec, n * bs, bs) for g in self.groups.groups],
+                               uses_cache=use_cache and self.pool.enable_prefix_cache)
         if self.state_slots is not None:
             blocks.state_slot = self.state_slots.allocate(request_id)
             if n:
@@ -321,6 +325,12 @@ class KVCacheManager:
         can see are freed first (their table entries become the null block)."""
         self._settle()
         blocks = self.requests[request_id]
+        prefix = blocks.prefix
+        if num_computed_tokens and blocks.uses_cache and len(prefix.hashes) < prefix.num_known_blocks:
+            # a prompt's later chunk, planned while the device computes the earlier one (async
+            # scheduling): hash the rest of the prompt's blocks now, not between its last chunk's
+            # read-back and its first token (publishing a cold 16k prompt hashed ~1,000 blocks there)
+            prefix.extend_known()
         if self._plain_groups:
             needed = -(-num_total_tokens // self.block_size)
             if all(len(table) >= needed for table in blocks.tables):  # most steps: the last block has room
@@ -360,18 +370,46 @@ class KVCacheManager:
         """Publish every block whose KV is now fully computed into the prefix cache, and the
         state snapshots taken at those block boundaries."""
         blocks = self.requests[request_id]
-        num_full = min(num_computed_tokens // self.block_size,
-                       len(blocks.prefix.extend(token_ids, num_computed_tokens // self.block_size)))
+        num_computed_blocks = num_computed_tokens // self.block_size
+        # the whole prompt's blocks are hashed at the first publish (a chunked prompt's first chunk
+        # is read back while the device computes the next), not its last chunk's at the last one:
+        # that one is between the device's last step and the request's first token
+        num_hashed = len(blocks.prefix.extend(token_ids, max(num_computed_blocks, blocks.prefix.num_known_blocks)))
+        num_full = min(num_computed_blocks, num_hashed)
         for group in self.groups.paged_groups:
             gid, spec, table = group.group_id, group.spec, blocks.tables[group.group_id]
             ratio = spec.tokens_per_entry if isinstance(spec, CompressedSpec) else 1
             done = min(num_full // ratio, len(table))
-            for j in range(blocks.num_published[gid], done):
-                if table[j] != NULL_BLOCK_ID:
-                    chunk = blocks.prefix.token_bytes(j * ratio, (j + 1) * ratio)
-                    self.pools[gid].cache_full_block(table[j], blocks.block_hashes[(j + 1) * ratio - 1], chunk)
+            first = blocks.num_published[gid]
+            if done > first:
+                # one copy of the entries' tokens, sliced per entry (a cold 16k prompt publishes 1,024)
+                self.pools[gid].cache_full_blocks(table[first:done], blocks.block_hashes[first * ratio:done * ratio],
+                                                  blocks.prefix.token_bytes(first * ratio, done * ratio), ratio)
             blocks.num_published[gid] = max(blocks.num_published[gid], done)
         self._publish_snapshots(blocks, num_full)
+        self._remember_prompt_run(blocks, num_full)
+
+    def _remember_prompt_run(self, blocks: RequestBlocks, num_full: int) -> None:
+        """Once a request's prompt blocks (those a prompt array names: ``prefix_hashes``'
+        ``known_tokens``) are all published, note them in each full-attention pool as a known
+        run: the next request on this prefix (a warm prefix) then finds them without a probe per
+        block. Once per request, so decode steps publishing a block now and then cost nothing."""
+        known = blocks.prefix.num_known_blocks
+        if blocks.prompt_run_remembered or not known or num_full < known:
+            return
+        blocks.prompt_run_remembered = True
+        # noted at the next ``settle_frees`` (after the step's tokens are sent): not between a
+        # warm request's token and its client (its prefix's chain is append-only: still valid then)
+        self._pending_runs.append((blocks.prefix, known))
+
+    def _remember_runs(self) -> None:
+        pending, self._pending_runs = self._pending_runs, []
+        pools = [self.pools[g.group_id] for g in self.groups.paged_groups
+                 if not isinstance(g.spec, CompressedSpec | SlidingWindowSpec)]
+        for prefix, known in pending:
+            hashes, data = prefix.hashes[:known], prefix.token_bytes(0, known)
+            for pool in pools:
+                pool.remember_run(hashes, data)
 
     def free_request(self, request_id: str) -> None:
         """Return every block (tail first so the shared head of a prefix is evicted last), the
@@ -397,15 +435,18 @@ class KVCacheManager:
                 pool.free(table[::-1] if self._plain_groups else [b for b in reversed(table) if b != NULL_BLOCK_ID])
 
     def _settle(self) -> None:
-        if self._pending_frees:
+        if self._pending_frees or self._pending_runs:
             self.settle_frees()
 
     def settle_frees(self) -> None:
         """Return the blocks of every request freed since the last call (``defer_frees``), in
-        the order they were freed: the pools end as if each had been freed at once."""
+        the order they were freed: the pools end as if each had been freed at once. Then note
+        the prompts published since as known runs (``_remember_prompt_run``)."""
         pending, self._pending_frees = self._pending_frees, []
         for tables in pending:
             self._return_blocks(tables)
+        if self._pending_runs:
+            self._remember_runs()
 
     # --- state snapshots -------------------------------------------------------------------------
 

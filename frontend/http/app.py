@@ -20,6 +20,7 @@ from openinfer.frontend.http.chat import create_chat_completion, render_chat_pro
 from openinfer.frontend.http.completions import create_completion
 from openinfer.frontend.http.context import ServerContext, ServerLimits
 from openinfer.frontend.http.errors import error_response, install_error_handlers
+from openinfer.frontend.http.fast_lane import CompletionsFastLane, fast_lane_wanted
 from openinfer.frontend.http.metrics import FrontendMetrics, ProcessTable
 from openinfer.frontend.http.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, ServerErrorGuard
 from openinfer.frontend.http.openapi import (
@@ -136,6 +137,8 @@ def create_app(engine: EngineHandle, tokenizer: Tokenizer, served_model_name: st
                                   "invalid_value")
         return DetokenizeResponse(prompt=await ctx.run_text_work(tokenizer.decode, body.tokens))
 
+    if fast_lane_wanted():  # innermost: inside the size limit, the key check and the guard
+        app.add_middleware(CompletionsFastLane, fastapi_app=app, ctx=ctx)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

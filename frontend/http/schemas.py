@@ -88,6 +88,7 @@ def _pass_checked_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 _JSON_WHITESPACE = b" \t\n\r"
 _ID_LIST_BYTES = b"0123456789," + _JSON_WHITESPACE  # all a flat list of non-negative ints holds
+_COMMA = ord(",")
 
 
 def _fromstring_is_strict() -> bool:
@@ -130,7 +131,9 @@ def token_id_array(raw: bytes) -> np.ndarray | None:
     except ValueError:
         return None
     # an id too large for int64 saturates (caught by the limit), so the count and range decide
-    if len(ids) != inner.count(b",") + 1 or not 0 <= ids.min() or ids.max() >= INT32_LIMIT:
+    # (commas counted by NumPy: ``bytes.count`` took ~0.07 ms of a 16k-id body, this ~0.02)
+    num_commas = int(np.count_nonzero(np.frombuffer(inner, np.uint8) == _COMMA))
+    if len(ids) != num_commas + 1 or not 0 <= ids.min() or ids.max() >= INT32_LIMIT:
         return None
     ids = ids.astype(np.int32)
     ids.flags.writeable = False

@@ -326,3 +326,181 @@ def test_allocation_hands_out_a_freed_run_in_ascending_order():
     pool.free(list(reversed(table)))
     assert list(pool.free_queue) == list(range(8, 0, -1))
     assert pool.allocate(3) == [6, 7, 8]  # the least recently freed three, ascending
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lookups_through_remembered_prompt_runs_find_what_a_fresh_lookup_finds(seed):
+    """Requests whose prompts arrive as arrays (their prompt blocks noted as known runs once
+    published) on shared prefixes start, publish and free while a small pool evicts; some are
+    cold prompts between warm ones: every lookup equals a fresh one, and so do the hits."""
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(num_blocks=int(rng.integers(12, 60)), block_size=2)
+    kv = KVCacheManager(pool)
+    stems = [rng.integers(0, 9, int(rng.integers(2, 40))).tolist() for _ in range(3)]
+    live = []
+    for i in range(120):
+        if rng.random() < 0.2:  # a cold prompt of its own
+            tokens = rng.integers(0, 9, int(rng.integers(2, 30))).tolist()
+        else:
+            stem = stems[int(rng.integers(len(stems)))]
+            tokens = stem[: int(rng.integers(1, len(stem) + 1))] + rng.integers(0, 9, int(rng.integers(0, 4))).tolist()
+        if len(tokens) < 2:
+            continue
+        prompt = np.array(tokens, np.int32)
+        probe = kv.prefix_hashes("", prompt)
+        hashes = probe.extend(tokens, (len(tokens) - 1) // 2)
+        data = probe.token_bytes(0, len(hashes))
+        assert pool.lookup_prefix(hashes, data) == _reference_lookup(pool, hashes, data)
+        if rng.random() < 0.3 and live:
+            kv.free_request(live.pop(int(rng.integers(len(live)))))
+        expected = len(_reference_lookup(pool, hashes, data)) * 2
+        assert kv.start_request(f"r{i}", tokens, prefix=kv.prefix_hashes("", prompt)) == expected
+        if kv.grow(f"r{i}", len(tokens)):
+            kv.publish_full_blocks(f"r{i}", tokens, len(tokens))
+            live.append(f"r{i}")
+        else:
+            kv.free_request(f"r{i}")
+        if len(live) > 3:
+            kv.free_request(live.pop(0))
+
+
+def test_a_published_prompt_is_a_known_run_for_the_next_request_on_it():
+    """After a prompt's blocks are published, the same prompt with its last token changed finds
+    every block before it from the known run (no per-block probe), the same blocks as a fresh lookup."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 140, dtype=np.int32)  # 10 full blocks
+    kv.start_request("cold", prompt.tolist(), prefix=kv.prefix_hashes("", prompt))
+    assert kv.grow("cold", 40)
+    kv.publish_full_blocks("cold", prompt.tolist(), 40)
+    assert not pool._runs  # noted once the step's tokens are sent (the engine settles then)
+    kv.settle_frees()
+    assert [run[1] for run in pool._runs.values()] == [tuple(kv.block_ids("cold")[:10])]
+    kv.free_request("cold")
+    warm = prompt.copy()
+    warm[-1] += 1
+    probes = []
+    pool.cached = _CountingDict(pool.cached, probes)
+    assert kv.start_request("warm", warm.tolist(), prefix=kv.prefix_hashes("", warm)) == 36
+    assert probes == []  # all nine blocks from the run
+    assert kv.block_ids("warm")[:9] == list(list(pool._runs.values())[0][1][:9])
+
+
+class _CountingDict(dict):
+    def __init__(self, items, calls):
+        super().__init__(items)
+        self.calls = calls
+
+    def get(self, key, default=None):
+        self.calls.append(key)
+        return super().get(key, default)
+
+
+def test_a_longer_prompt_on_a_known_run_probes_only_its_new_blocks():
+    """A turn that extends an earlier prompt (its blocks a known run) is noted with the run's
+    blocks and a probe per new block only; a prompt the run already holds changes nothing."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+
+    def serve(name: str, prompt: np.ndarray) -> None:
+        kv.start_request(name, prompt.tolist(), prefix=kv.prefix_hashes("", prompt))
+        assert kv.grow(name, len(prompt))
+        kv.publish_full_blocks(name, prompt.tolist(), len(prompt))
+        kv.free_request(name)
+
+    first = np.arange(100, 140, dtype=np.int32)  # 10 blocks
+    serve("turn1", first)
+    kv.settle_frees()
+    second = np.concatenate([first, np.arange(500, 524, dtype=np.int32)])  # 16 blocks
+    serve("turn2", second)
+    probes = []
+    pool.cached = _CountingDict(pool.cached, probes)
+    kv.settle_frees()
+    assert len(probes) == 6  # only the six new blocks
+    [run] = pool._runs.values()
+    assert len(run[1]) == 16 and run[1] == tuple(dict.get(pool.cached, h) for h in run[0])
+    probes.clear()
+    serve("again", first)  # the same first turn again: its blocks from the run, nothing noted anew
+    kv.settle_frees()
+    assert probes == [] and len(list(pool._runs.values())[0][1]) == 16
+
+
+def test_the_first_publish_of_a_chunked_prompt_hashes_the_whole_prompt():
+    """The first chunk's publish hashes every block of the prompt (the next chunk's device time
+    covers it) but publishes only the computed ones; the last chunk's publish hashes nothing."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 140, dtype=np.int32)  # 10 blocks
+    prefix = kv.prefix_hashes("", prompt)
+    kv.start_request("r", prompt.tolist(), prefix=prefix)
+    assert kv.grow("r", 40)
+    kv.publish_full_blocks("r", prompt.tolist(), 16)  # the first chunk: 4 blocks computed
+    assert len(prefix.hashes) == 10 and len(pool.cached) == 4
+    hashed = list(prefix.hashes)
+    kv.publish_full_blocks("r", prompt.tolist(), 40)
+    assert prefix.hashes == hashed and len(pool.cached) == 10
+    reference = KVCacheManager(BlockPool(num_blocks=64, block_size=4)).prefix_hashes("")
+    assert reference.extend(prompt.tolist(), 10) == hashed
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_later_prompt_chunk_hashes_the_rest_of_the_prompt_when_planned(use_cache):
+    """Growing a request for a later prefill chunk (computed tokens > 0) hashes every block of its
+    prompt then (the device is busy with the earlier chunk); a first chunk, or a request that
+    does not use the cache, hashes nothing ahead."""
+    pool = BlockPool(num_blocks=64, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = np.arange(100, 164, dtype=np.int32)  # 16 blocks
+    prefix = kv.prefix_hashes("", prompt)
+    kv.start_request("r", prompt.tolist(), use_cache, prefix=prefix)
+    before = len(prefix.hashes)
+    assert kv.grow("r", 24, 0) and len(prefix.hashes) == before
+    assert kv.grow("r", 48, 24)
+    assert len(prefix.hashes) == (16 if use_cache else before)
+    if use_cache:
+        reference = KVCacheManager(BlockPool(num_blocks=64, block_size=4)).prefix_hashes("")
+        assert prefix.hashes == reference.extend(prompt.tolist(), 16)
+
+
+def test_publishing_in_bulk_caches_as_one_block_at_a_time():
+    """``cache_full_blocks`` (null entries skipped, first writer wins, compressed entries under
+    their last block's hash) leaves the pool as ``cache_full_block`` per entry does."""
+    rng = np.random.default_rng(5)
+    pools = [BlockPool(num_blocks=32, block_size=2) for _ in range(2)]
+    for ratio in (1, 2):
+        tokens = rng.integers(0, 50, 24).tolist()
+        hashes = KVCacheManager(BlockPool(num_blocks=4, block_size=2)).prefix_hashes("").extend(tokens, 12)
+        data = token_bytes(tokens)
+        ids = pools[0].allocate(12 // ratio)
+        assert pools[1].allocate(12 // ratio) == ids
+        ids[1] = NULL_BLOCK_ID
+        taken = pools[0].allocate(1)
+        pools[0].cache_full_block(taken[0], hashes[ratio - 1], data[: 4 * 2 * ratio])  # first writer
+        pools[1].allocate(1)
+        pools[1].cache_full_block(taken[0], hashes[ratio - 1], data[: 4 * 2 * ratio])
+        stride = 4 * 2 * ratio
+        for i, block_id in enumerate(ids):
+            if block_id != NULL_BLOCK_ID:
+                pools[0].cache_full_block(block_id, hashes[(i + 1) * ratio - 1], data[i * stride:(i + 1) * stride])
+        pools[1].cache_full_blocks(ids, hashes, data, ratio)
+        assert pools[0].cached == pools[1].cached
+        assert [(b.block_hash, b.token_bytes) for b in pools[0].blocks] == \
+               [(b.block_hash, b.token_bytes) for b in pools[1].blocks]
+
+
+def test_known_tokens_are_read_in_place_only_when_they_cannot_change():
+    """A read-only int32 prompt (the engine core's message) is hashed from where it is; a
+    writeable one is copied, so changing it afterwards changes no hash."""
+    from openinfer.kv.block_pool import PrefixHashes
+
+    prompt = np.arange(100, 132, dtype=np.int32)
+    frozen = prompt.copy()
+    frozen.flags.writeable = False
+    assert PrefixHashes(4, "", frozen)._known is frozen
+    live = prompt.copy()
+    prefix = PrefixHashes(4, "", live)
+    live[:] = 7
+    reference = PrefixHashes(4, "")
+    assert prefix.extend([], 8) == reference.extend(prompt.tolist(), 8)
+    wide = PrefixHashes(4, "", prompt.astype(np.int64))
+    assert wide.extend([], 8) == reference.hashes
