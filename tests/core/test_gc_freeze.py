@@ -30,3 +30,34 @@ def test_switch_off(unfrozen, monkeypatch):
     monkeypatch.setenv(GC_FREEZE_ENV, "0")
     assert freeze_startup_heap() == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
+    """OPENINFER_EARLY_CUDA=1: the engine-core process imports CuPy and makes the CUDA context in a
+    thread while it discovers plugins; only when the engine's one GPU is device 0, and a failure
+    there (no GPU) is left to the backend's start."""
+    import sys
+    import types
+
+    from openinfer.engine_core.startup import early_cuda_wanted, start_cuda_early
+
+    monkeypatch.delenv("OPENINFER_EARLY_CUDA", raising=False)
+    assert not early_cuda_wanted({"device": "cuda"})
+    monkeypatch.setenv("OPENINFER_EARLY_CUDA", "1")
+    assert early_cuda_wanted({}) and early_cuda_wanted({"device": "cuda", "tensor_parallel_size": 1})
+    assert not early_cuda_wanted({"device": "cpu"}) and not early_cuda_wanted({"device": "cuda:1"})
+    assert not early_cuda_wanted({"device": "cuda", "tensor_parallel_size": 2})
+    assert not early_cuda_wanted({"expert_parallel_size": 4})
+    freed: list[int] = []
+    runtime = types.SimpleNamespace(free=freed.append)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    start_cuda_early().join(5)
+    assert freed == [0]
+
+    def no_gpu(pointer: int) -> None:
+        raise RuntimeError("cudaErrorNoDevice")
+
+    runtime.free = no_gpu
+    thread = start_cuda_early()
+    thread.join(5)
+    assert not thread.is_alive()

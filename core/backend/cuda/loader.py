@@ -10,16 +10,22 @@ On a fresh machine (CuPy's disk cache empty) compiling is most of an engine's st
 0.3 s per module, one after the other as a forward first meets them). ``discover_kernels``
 records the kernels a dry forward would compile instead of compiling them (launching one then
 does nothing), and ``compile_kernels`` compiles the recorded modules in parallel threads: NVRTC
-releases the GIL.
+releases the GIL. The compile's wall time is at least its slowest module's, so the modules start
+slowest first (``compile_order``: source bytes with the headers it includes as the estimate; sm_90a
+modules count double), and each module's seconds are kept in ``module_compile_seconds``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import cupy
@@ -28,12 +34,18 @@ from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
 
 KERNEL_DIR = kernel_include_dir()
 COMPILE_THREADS = 8
+COMPILE_THREADS_ENV = "OPENINFER_COMPILE_THREADS"  # threads of compile_kernels (default COMPILE_THREADS)
+# "cost" (default): modules start slowest first (compile_order); "discovery": in the order met
+COMPILE_ORDER_ENV = "OPENINFER_COMPILE_ORDER"
 
 # (source, kernel name, sorted defines), and for ``arch_kernel`` also (arch, shared bytes)
 KernelKey = tuple[Any, ...]
 
 _compiled: set[KernelKey] = set()
 _discovery = threading.local()  # .found: the set a discover_kernels block records into
+# seconds each module took to build (NVRTC, or CuPy's disk cache), by ``module_label``
+module_compile_seconds: dict[str, float] = {}
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 @functools.cache
@@ -142,9 +154,60 @@ def discover_kernels() -> Iterator[set[KernelKey]]:
         _discovery.found = previous
 
 
-def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = COMPILE_THREADS) -> int:
-    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread;
-    returns how many modules were built."""
+def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
+    """``source[NAME=value,...]@arch``: one compiled module's name in logs and reports."""
+    label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
+    return label + (f"@{arch}" if arch else "")
+
+
+@functools.cache
+def source_cost(source: str, kernel_dir: str | None = None) -> int:
+    """Bytes NVRTC reads for ``source``: its text and that of the local headers it includes
+    (recursively, each once); 0 for a file that is not there. A rough estimate of its compile time."""
+    root = KERNEL_DIR if kernel_dir is None else Path(kernel_dir)
+    seen: set[str] = set()
+    pending, total = [source], 0
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = root / name
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        total += len(text)
+        pending.extend(_INCLUDE.findall(text))
+    return total
+
+
+def compile_order(modules: Iterable[tuple[Any, ...]], cost: Any = None) -> list[tuple[Any, ...]]:
+    """Modules ``(source, defines[, arch])`` slowest first by ``cost(source)`` (``source_cost``),
+    an architecture-specific (sm_90a) module counting double; ties keep their order. With as many
+    threads as modules the order does not matter; with fewer, the slowest starting last would
+    set the wall time alone."""
+    cost = source_cost if cost is None else cost
+    return sorted(modules, key=lambda module: -cost(module[0]) * (2 if len(module) > 2 else 1))
+
+
+def compile_threads(default: int = COMPILE_THREADS) -> int:
+    """``OPENINFER_COMPILE_THREADS`` when set (a positive integer), else ``default``."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not value:
+        return default
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: expected a positive integer") from None
+    if threads < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: expected a positive integer")
+    return threads
+
+
+def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | None = None) -> int:
+    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread,
+    slowest module first (``OPENINFER_COMPILE_ORDER=discovery``: in the order found); returns
+    how many modules were built. ``threads``: ``compile_threads()`` when None."""
     by_module: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     for key in keys:
         if key not in _compiled:
@@ -153,15 +216,22 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = CO
 
     if not by_module:
         return 0
+    order = os.environ.get(COMPILE_ORDER_ENV, "cost").strip().lower()
+    if order not in ("cost", "discovery"):
+        raise ValueError(f"{COMPILE_ORDER_ENV}={order!r}: expected 'cost' or 'discovery'")
+    modules = compile_order(by_module) if order == "cost" else list(by_module)
 
-    def build(item: tuple[tuple[Any, ...], list[tuple[Any, ...]]]) -> None:
-        for source, name, defines, *arch in item[1]:
+    def build(module: tuple[Any, ...]) -> None:
+        began = time.perf_counter()
+        for source, name, defines, *arch in by_module[module]:
             if arch:
                 _arch_kernel(source, name, arch[0], defines, arch[1])
             else:
                 _kernel(source, name, defines)
+        module_compile_seconds[module_label(*module)] = time.perf_counter() - began
 
-    with ThreadPoolExecutor(min(threads, len(by_module)), thread_name_prefix="openinfer-nvrtc",
+    threads = compile_threads() if threads is None else threads
+    with ThreadPoolExecutor(min(threads, len(modules)), thread_name_prefix="openinfer-nvrtc",
                             initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
-        list(pool.map(build, by_module.items()))
-    return len(by_module)
+        list(pool.map(build, modules))
+    return len(modules)
