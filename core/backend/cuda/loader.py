@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import threading
@@ -31,6 +32,8 @@ from typing import Any
 import cupy
 
 from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
+
+logger = logging.getLogger(__name__)
 
 KERNEL_DIR = kernel_include_dir()
 COMPILE_THREADS = 8
@@ -231,7 +234,13 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | No
         module_compile_seconds[module_label(*module)] = time.perf_counter() - began
 
     threads = compile_threads() if threads is None else threads
+    began = time.perf_counter()
     with ThreadPoolExecutor(min(threads, len(modules)), thread_name_prefix="openinfer-nvrtc",
                             initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
         list(pool.map(build, modules))
+    slowest = sorted(((module_compile_seconds.get(module_label(*m), 0.0), module_label(*m)) for m in modules),
+                     reverse=True)[:4]
+    logger.info("built %d kernel modules in %.2f s on %d threads; slowest: %s", len(modules),
+                time.perf_counter() - began, min(threads, len(modules)),
+                ", ".join(f"{label} {seconds:.2f} s" for seconds, label in slowest))
     return len(modules)
