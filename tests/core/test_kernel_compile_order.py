@@ -88,3 +88,26 @@ def test_compile_threads_switch(monkeypatch, loader) -> None:
         monkeypatch.setenv("OPENINFER_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match="OPENINFER_COMPILE_THREADS"):
             loader.compile_threads()
+
+
+def test_arch_cubin_cache_is_opt_in_keyed_by_everything_and_written_whole(tmp_path: Path, monkeypatch, loader) -> None:
+    """OPENINFER_ARCH_KERNEL_CACHE=1 keeps sm_90a cubins (which CuPy's cache never sees) in
+    CUPY_CACHE_DIR, one file per (source, options, arch, NVRTC version)."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPENINFER_ARCH_KERNEL_CACHE", raising=False)
+    assert loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.0") is None
+    monkeypatch.setenv("OPENINFER_ARCH_KERNEL_CACHE", "1")
+    path = loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.0")
+    assert path is not None and path.parent == tmp_path and path.name.startswith("openinfer_sm_90a_")
+    others = {loader.arch_cache_path("src2", ("-DX=1",), "sm_90a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=2",), "sm_90a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=1",), "sm_100a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.1")}
+    assert path not in others and len(others) == 4
+    assert loader._read_cached(path) is None
+    loader._write_cached(path, b"\x7fELF cubin")
+    assert loader._read_cached(path) == b"\x7fELF cubin"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    (tmp_path / "blocked").write_text("a file where a folder should be")
+    loader._write_cached(tmp_path / "blocked" / "x.cubin", b"cubin")  # cannot write: no error, no cache
+    assert loader._read_cached(tmp_path / "blocked" / "x.cubin") is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -94,6 +95,46 @@ def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 
 
+# "1": architecture-specific cubins are kept on disk beside CuPy's kernel cache (CuPy caches only
+# RawModule's builds; without this every sm_90a module compiles again at each start)
+ARCH_CACHE_ENV = "OPENINFER_ARCH_KERNEL_CACHE"
+
+
+def arch_cache_path(text: str, options: tuple[str, ...], arch: str, compiler: str) -> Path | None:
+    """Where an sm_XYa cubin of ``text`` built with ``options`` by NVRTC ``compiler`` (its
+    version) is kept: ``CUPY_CACHE_DIR`` (else ``~/.cupy/kernel_cache``), named by a digest of all
+    four and of the kernel headers (an edited header builds anew); None when the cache is off."""
+    if os.environ.get(ARCH_CACHE_ENV, "0").strip() != "1":
+        return None
+    from openinfer.backend.cuda import headers_digest
+
+    folder = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+    digest = hashlib.sha256("\0".join((text, *options, arch, compiler, headers_digest())).encode()).hexdigest()
+    return folder / f"openinfer_{arch}_{digest[:40]}.cubin"
+
+
+def _read_cached(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes() or None
+    except OSError:
+        return None
+
+
+def _write_cached(path: Path | None, cubin: bytes) -> None:
+    """Atomically (a temporary name, then a rename): a concurrent start reads all or nothing."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        partial.write_bytes(cubin)
+        os.replace(partial, path)
+    except OSError:  # a read-only or full disk: the next start compiles again
+        logger.debug("cannot keep %s", path, exc_info=True)
+
+
 @functools.cache
 def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> cupy.cuda.function.Module:
     from cupy._core.core import assemble_cupy_compiler_options
@@ -105,15 +146,22 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -
     options = assemble_cupy_compiler_options(
         ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture={arch}",
          *(f"-D{name}={value}" for name, value in defines)))
-    program = nvrtc.createProgram(path.read_text(), source, (), ())
-    try:
+    text = path.read_text()
+    cached = None
+    if os.environ.get(ARCH_CACHE_ENV, "0").strip() == "1":
+        cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
+    cubin = _read_cached(cached)
+    if cubin is None:
+        program = nvrtc.createProgram(text, source, (), ())
         try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as error:
-            raise RuntimeError(f"NVRTC could not build {source} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
-        cubin = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
+            try:
+                nvrtc.compileProgram(program, options)
+            except nvrtc.NVRTCError as error:
+                raise RuntimeError(f"NVRTC could not build {source} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
+            cubin = nvrtc.getCUBIN(program)
+        finally:
+            nvrtc.destroyProgram(program)
+        _write_cached(cached, cubin)
     module = cupy.cuda.function.Module()
     module.load(cubin)
     return module
