@@ -37,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
+STARTUP_LINES = ("kernel modules", "captured", "prefill warm-up", "start-up", "Traceback", "Error")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -139,12 +140,20 @@ def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, see
             later = timed_requests(port, model, args.prompt_len, args.repeats, seed + 1)
         finally:
             stop(process)
-    log_tail = log_path.read_text()[-3000:]
+    log = log_path.read_text()
     return {"ready_s": round(ready_s, 4), "startup": startup,
             "first_request_ms": round(1e3 * first[0], 2),
             "later_requests_ms": [round(1e3 * s, 2) for s in later],
             "later_median_ms": round(1e3 * statistics.median(later), 2) if later else None,
-            "server_log_tail": log_tail if args.keep_logs else None}
+            # the start-up lines of the server's log (kernel modules built, graphs, warm-up), and its end
+            "server_log_start_up": [line for line in log.splitlines() if any(key in line for key in STARTUP_LINES)],
+            "server_log_tail": log[-2000:] if args.keep_logs else None}
+
+
+def write(results: dict, args: argparse.Namespace) -> None:
+    for out in [Path(args.results_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.tag}.json").write_text(json.dumps(results, indent=2))
 
 
 def core_phases(start: dict) -> dict:
@@ -195,9 +204,7 @@ def main() -> None:
                     print(f"{name} {kind}: ready {run['ready_s']:.2f} s, first request {run['first_request_ms']:.1f} ms "
                           f"(later {run['later_median_ms']} ms); engine core {json.dumps(core_phases(run))}", flush=True)
             results["variants"][name] = runs
-    for out in [Path(args.results_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.tag}.json").write_text(json.dumps(results, indent=2))
+            write(results, args)  # after each variant: a run cut short keeps what it measured
     print("\nvariant      start  ready_s  first_ms  later_ms  kernel_compile  prefill_warmup  model_load")
     for name, runs in results["variants"].items():
         for kind in ("cold", "warm"):
