@@ -126,11 +126,41 @@ def early_cuda_wanted(options: dict) -> bool:
     return all(int(rank or 1) <= 1 for rank in ranks)
 
 
+_early_cuda: threading.Thread | None = None
+
+
+def early_cuda_from_argv(argv: list[str]) -> threading.Thread | None:
+    """``start_cuda_early`` when the engine-core command line's ``--options-json`` asks for what
+    ``early_cuda_wanted`` accepts: called before the process imports ZMQ, protobuf and the rest,
+    so CuPy's import and the context overlap those too. A malformed command line starts nothing
+    (the argument parser reports it)."""
+    options: dict = {}
+    for index, arg in enumerate(argv):
+        if arg == "--options-json" and index + 1 == len(argv):
+            return None
+        text = arg.partition("=")[2] if arg.startswith("--options-json=") else (
+            argv[index + 1] if arg == "--options-json" else None)
+        if text is not None:
+            try:
+                import json
+
+                options = json.loads(text)
+            except ValueError:
+                return None
+    if not isinstance(options, dict) or not early_cuda_wanted(options):
+        return None
+    return start_cuda_early()
+
+
 def start_cuda_early() -> threading.Thread:
     """Import CuPy and create device 0's CUDA context (the primary context, which the backend
     then finds made) in a daemon thread, beside the main thread's plugin discovery and imports:
     the two cost ~0.35 s and ~0.3 s of a start in a row otherwise. Failures are left to the
-    backend's own start, which reports them."""
+    backend's own start, which reports them. Once per process (a second call returns the first
+    thread)."""
+    global _early_cuda
+    if _early_cuda is not None:
+        return _early_cuda
 
     def init() -> None:
         try:
@@ -140,9 +170,9 @@ def start_cuda_early() -> threading.Thread:
         except Exception:  # noqa: BLE001 — no GPU or no CuPy: the engine's start says so itself
             pass
 
-    thread = threading.Thread(target=init, name="openinfer-cuda-init", daemon=True)
-    thread.start()
-    return thread
+    _early_cuda = threading.Thread(target=init, name="openinfer-cuda-init", daemon=True)
+    _early_cuda.start()
+    return _early_cuda
 
 
 GC_FREEZE_ENV = "OPENINFER_GC_FREEZE"

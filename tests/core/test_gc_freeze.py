@@ -39,7 +39,8 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
     import sys
     import types
 
-    from openinfer.engine_core.startup import early_cuda_wanted, start_cuda_early
+    from openinfer.engine_core import startup
+    from openinfer.engine_core.startup import early_cuda_from_argv, early_cuda_wanted, start_cuda_early
 
     monkeypatch.delenv("OPENINFER_EARLY_CUDA", raising=False)
     assert not early_cuda_wanted({"device": "cuda"})
@@ -51,8 +52,20 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
     freed: list[int] = []
     runtime = types.SimpleNamespace(free=freed.append)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
-    start_cuda_early().join(5)
-    assert freed == [0]
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    first = start_cuda_early()
+    first.join(5)
+    assert freed == [0] and start_cuda_early() is first  # once per process
+    assert early_cuda_from_argv(["--run-dir", "x", "--options-json", '{"device": "cuda"}']) is first
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    for argv in (["--options-json", '{"device": "cpu"}'], ["--options-json={not json"], ["--options-json", "[1]"],
+                 ["--options-json"]):
+        assert early_cuda_from_argv(argv) is None
+    thread = early_cuda_from_argv(["--run-dir", "x", "--options-json={}"])  # "auto": device 0 when there is one
+    assert thread is not None
+    thread.join(5)
+    assert freed == [0, 0]
+    monkeypatch.setattr(startup, "_early_cuda", None)
 
     def no_gpu(pointer: int) -> None:
         raise RuntimeError("cudaErrorNoDevice")
