@@ -115,6 +115,20 @@ def timed_requests(port: int, model: str, prompt_len: int, count: int, seed: int
     return seconds
 
 
+CHECK_PROMPT = [int(t) for t in range(1000, 1064)]  # the same in every start: greedy outputs must agree
+
+
+def greedy_check(port: int, model: str, max_tokens: int = 16) -> str:
+    """The greedy completion of a fixed prompt: every variant of one checkpoint must give the same
+    text (a start-up change that left a weight or a kernel wrong would not)."""
+    status, body = request(port, "POST", "/v1/completions",
+                           {"model": model, "prompt": CHECK_PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True}, timeout=120)
+    if status != 200:
+        return f"error {status}: {body[:200]!r}"
+    return json.loads(body)["choices"][0]["text"]
+
+
 def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, seed: int) -> dict:
     port = free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="openinfer-served-start-"))
@@ -138,6 +152,7 @@ def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, see
             startup = json.loads(report_path.read_text()) if report_path.exists() else None
             first = timed_requests(port, model, args.prompt_len, 1, seed)
             later = timed_requests(port, model, args.prompt_len, args.repeats, seed + 1)
+            check = greedy_check(port, model)
         finally:
             stop(process)
     log = log_path.read_text()
@@ -145,6 +160,7 @@ def one_start(args: argparse.Namespace, env: dict[str, str], cache_dir: str, see
             "first_request_ms": round(1e3 * first[0], 2),
             "later_requests_ms": [round(1e3 * s, 2) for s in later],
             "later_median_ms": round(1e3 * statistics.median(later), 2) if later else None,
+            "greedy_check": check,
             # the start-up lines of the server's log (kernel modules built, graphs, warm-up), and its end
             "server_log_start_up": [line for line in log.splitlines() if any(key in line for key in STARTUP_LINES)],
             "server_log_tail": log[-2000:] if args.keep_logs else None}
@@ -205,7 +221,12 @@ def main() -> None:
                           f"(later {run['later_median_ms']} ms); engine core {json.dumps(core_phases(run))}", flush=True)
             results["variants"][name] = runs
             write(results, args)  # after each variant: a run cut short keeps what it measured
-    print("\nvariant      start  ready_s  first_ms  later_ms  kernel_compile  prefill_warmup  model_load")
+    checks = {run.get("greedy_check") for runs in results["variants"].values() for kind, run in runs.items()
+              if kind in ("cold", "warm") and "error" not in run}
+    results["greedy_outputs_agree"] = len(checks) == 1
+    write(results, args)
+    print(f"\ngreedy outputs of every start agree: {len(checks) == 1} ({len(checks)} distinct)")
+    print("variant      start  ready_s  first_ms  later_ms  kernel_compile  prefill_warmup  model_load")
     for name, runs in results["variants"].items():
         for kind in ("cold", "warm"):
             run = runs.get(kind)
