@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openinfer.backend.base import ForwardBatch
+from openinfer.engine_core.startup import wait_for_deferred_weights
 
 logger = logging.getLogger("openinfer.graph")
 
@@ -216,6 +217,9 @@ class CudaGraphRunner:
             if precompile is not None:
                 self.num_precompiled_modules = precompile(lambda: self._dry_run(cupy, ends, outer))
             compiled = time.perf_counter()
+            # a deferred load's weight copies ran beside the compile; the warm-ups below read them
+            weights_waited = wait_for_deferred_weights()
+            compiled += weights_waited
             warm = _ends(self.buckets)  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
                 self.graphs[bucket] = self._capture_warmed(cupy, statics[bucket], warmed=bucket in warm,
@@ -231,7 +235,9 @@ class CudaGraphRunner:
         if set_buckets is not None:
             set_buckets([*self.buckets, *(short_prefill_tokens(b) for b in self.prefill_buckets)])
         self.capture_seconds = end - start
-        self.capture_phases = {"kernel_compile": compiled - start, "graph_capture": decode_done - compiled}
+        self.capture_phases = {"kernel_compile": compiled - weights_waited - start, "graph_capture": decode_done - compiled}
+        if weights_waited:
+            self.capture_phases["deferred_weights_wait"] = weights_waited
         if self.prefill_buckets:
             self.capture_phases["prefill_graph_capture"] = end - decode_done
         logger.info("captured %d CUDA graphs (%d of them short-prefill) in %.1f s (%s)",

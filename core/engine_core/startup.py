@@ -16,12 +16,15 @@ the first phase includes the interpreter start and the ``openinfer`` import.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 SPAWN_TIME_ENV = "OPENINFER_SPAWN_TIME"
 API_STARTUP_FILE = "startup-{role}.json"  # in the run directory: an API server's phases once it listens
@@ -114,11 +117,12 @@ def _malloc_trim() -> bool:
 EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"  # "1": CuPy's import and the CUDA context start in a thread
 
 
-def early_cuda_wanted(options: dict) -> bool:
+def early_cuda_wanted(options: dict, switch: str | None = EARLY_CUDA_ENV) -> bool:
     """Whether ``start_cuda_early`` should run for an engine built with these ``EngineOptions``
     fields: only where the engine's one GPU is device 0 (``device`` "cuda" or "auto", one rank),
-    so no context is made on a GPU the engine will not use."""
-    if os.environ.get(EARLY_CUDA_ENV, "0").strip() != "1":
+    so no context is made on a GPU the engine will not use; and ``switch`` (an environment
+    variable) is "1" (None: no switch asked)."""
+    if switch is not None and os.environ.get(switch, "0").strip() != "1":
         return False
     if str(options.get("device") or "auto") not in ("auto", "cuda"):
         return False
@@ -173,6 +177,41 @@ def start_cuda_early() -> threading.Thread:
     _early_cuda = threading.Thread(target=init, name="openinfer-cuda-init", daemon=True)
     _early_cuda.start()
     return _early_cuda
+
+
+DEFERRED_WEIGHTS_ENV = "OPENINFER_DEFERRED_WEIGHTS"  # "1": weights copied while kernels compile
+
+
+@contextlib.contextmanager
+def deferred_weights(options: Any) -> Iterator[Any]:
+    """With ``OPENINFER_DEFERRED_WEIGHTS=1`` and one CUDA rank (``EngineOptions``), the block's
+    model load allocates its bf16 weights and queues their copies (``weight_upload.
+    deferred_uploads``), yielding the queue; the caller starts it and the engine joins it after its
+    kernel discovery and compile (``wait_for_deferred_weights``). Else yields None."""
+    wanted = os.environ.get(DEFERRED_WEIGHTS_ENV, "0").strip() == "1" and early_cuda_wanted(
+        {"device": getattr(options, "device", "auto"), "tensor_parallel_size": getattr(options, "tensor_parallel_size", 1),
+         "expert_parallel_size": getattr(options, "expert_parallel_size", 1)}, switch=None)
+    if not wanted:
+        yield None
+        return
+    try:
+        from openinfer.backend.cuda.weight_upload import deferred_uploads
+    except ImportError:  # no CuPy: nothing to defer
+        yield None
+        return
+    with deferred_uploads() as copies:
+        yield copies
+
+
+def wait_for_deferred_weights() -> float:
+    """Join the weight copies a deferred load started (none: returns at once); seconds waited."""
+    upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
+    wait = getattr(upload, "wait_for_deferred_uploads", None)
+    if wait is None:
+        return 0.0
+    began = time.perf_counter()
+    wait()
+    return time.perf_counter() - began
 
 
 GC_FREEZE_ENV = "OPENINFER_GC_FREEZE"

@@ -26,6 +26,7 @@ import numpy as np
 
 from openinfer.backend.base import StateLayer
 from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
+from openinfer.engine_core.startup import wait_for_deferred_weights
 from openinfer.errors import (
     DeviceFaultError,
     EngineDeadError,
@@ -198,6 +199,10 @@ class PagedEngine:
         # a CudaGraphRunner splits it into kernel_compile, graph_capture and prefill_graph_capture
         phases = getattr(self.runner, "capture_phases", None)
         self.startup_phases.update(phases or {"graph_capture": getattr(self.runner, "capture_seconds", 0.0)})
+        # a deferred load's weight copies (joined by the graph runner; else here, before any real step)
+        waited = wait_for_deferred_weights()
+        if waited:
+            self.startup_phases["deferred_weights_wait"] = self.startup_phases.get("deferred_weights_wait", 0.0) + waited
         if warmup is not None:
             self._warm_up_prefill(model, warmup)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]

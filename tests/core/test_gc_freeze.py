@@ -74,3 +74,32 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
     thread = start_cuda_early()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None:
+    """OPENINFER_DEFERRED_WEIGHTS=1 defers a load's weight copies only for one CUDA rank; off, on
+    the CPU, for several ranks or without CuPy the block yields None, and waiting with nothing
+    pending returns at once."""
+    import sys
+    import types
+
+    from openinfer.engine_core.startup import deferred_weights, wait_for_deferred_weights
+
+    def options(**fields):
+        return types.SimpleNamespace(**{"device": "cuda", "tensor_parallel_size": 1, "expert_parallel_size": 1, **fields})
+
+    monkeypatch.delenv("OPENINFER_DEFERRED_WEIGHTS", raising=False)
+    with deferred_weights(options()) as copies:
+        assert copies is None
+    monkeypatch.setenv("OPENINFER_DEFERRED_WEIGHTS", "1")
+    for other in (options(device="cpu"), options(tensor_parallel_size=2), options(expert_parallel_size=2)):
+        with deferred_weights(other) as copies:
+            assert copies is None
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", None)  # as if CuPy were missing
+    with deferred_weights(options()) as copies:
+        assert copies is None
+    assert wait_for_deferred_weights() == 0.0
+    waited: list[bool] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    assert wait_for_deferred_weights() >= 0.0 and waited == [True]
