@@ -13,7 +13,8 @@ memory; the process then only reports it) in fresh processes:
 Each child reports its phases (imports, CUDA context, model load, KV planning and allocation,
 graph capture, first token) and its resident memory broken down
 (anonymous / file-backed, CuPy pools) after each. Results: benchmarks/results/gpu_cold_start.json
-(and $OUT when set). The served figures (cold start → HTTP ready, idle RSS of every process)
+(and $OUT when set; ``--tag`` names them), with each run's seconds per kernel module
+(``module_compile_seconds``, slowest first). The served figures (cold start → HTTP ready, idle RSS of every process)
 come from ``gpu_concurrency.py``.
 
     python benchmarks/gpu_cold_start.py [--checkpoint DIR]
@@ -70,7 +71,10 @@ mark("first_token")
 time.sleep(1.0)
 memory["idle"] = memory_breakdown()
 free, total = cupy.cuda.runtime.memGetInfo()
-report = {"phases": phases, "create_engine_phases": {k: round(v, 4) for k, v in inside.items()},
+from openinfer.backend.cuda import loader
+report = {"module_compile_seconds": {k: round(v, 3) for k, v in sorted(loader.module_compile_seconds.items(),
+                                                                       key=lambda item: -item[1])},
+          "phases": phases, "create_engine_phases": {k: round(v, 4) for k, v in inside.items()},
           "total_s": round(time.perf_counter() - began, 4), "memory": memory,
           "gpu_used_bytes_idle": total - free, "kv_blocks": engine.info().num_kv_blocks}
 if profile is not None:
@@ -123,6 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="/tmp/qwen3-4b-random")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--tag", default="gpu_cold_start", help="TAG.json and TAG_profile.txt")
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile'd cold start")
     args = parser.parse_args()
     path = Path(args.checkpoint)
     write_s = None
@@ -134,8 +140,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
         runs["cold"] = run_child(path, first, "plain")
         runs["warm"] = run_child(path, first, "plain")
-        runs["profiled"] = run_child(path, second, "profile")
-    profile = runs["profiled"].pop("profile")
+        if not args.no_profile:
+            runs["profiled"] = run_child(path, second, "profile")
+    profile = runs["profiled"].pop("profile") if "profiled" in runs else ""
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                             text=True).stdout.strip()
     result = {"device": device, "checkpoint_write_s": write_s, "runs": runs}
@@ -144,10 +151,15 @@ def main() -> None:
         print(f"{name}: {run['total_s']:.2f} s {run['phases']} engine {run['create_engine_phases']}; idle RSS "
               f"{idle.get('rss', 0) / 2**20:.0f} MiB (anon {idle.get('anon', 0) / 2**20:.0f}, "
               f"file {idle.get('file', 0) / 2**20:.0f})", flush=True)
+        modules = run.get("module_compile_seconds") or {}
+        if modules:
+            print(f"  {len(modules)} modules built; slowest: "
+                  f"{', '.join(f'{k} {v:.2f}' for k, v in list(modules.items())[:6])}", flush=True)
     for out in [Path(args.out)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_cold_start.json").write_text(json.dumps(result, indent=2))
-        (out / "gpu_cold_start_profile.txt").write_text(profile)
+        (out / f"{args.tag}.json").write_text(json.dumps(result, indent=2))
+        if profile:
+            (out / f"{args.tag}_profile.txt").write_text(profile)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openinfer.backend.base import ForwardBatch
+from openinfer.engine_core.startup import wait_for_deferred_weights
 
 logger = logging.getLogger("openinfer.graph")
 
@@ -158,9 +159,12 @@ class _Captured:
 class CudaGraphRunner:
     def __init__(self, backend: Any, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, num_groups: int = 1, with_state: bool = False,
-                 discover_kernels: bool = False, prefill_buckets: Sequence[int] = ()):
+                 discover_kernels: bool = False, prefill_buckets: Sequence[int] = (),
+                 extra_dry_run: Callable[[], Any] | None = None):
         """``prefill_buckets``: sequence counts of short-prefill graphs (none by default; only
-        with one KV cache group and no recurrent state, which their static batch holds)."""
+        with one KV cache group and no recurrent state, which their static batch holds).
+        ``extra_dry_run``: more dry forwards (e.g. the engine's prefill warm-up steps, on the
+        default memory pool) whose kernels join the capture's one parallel compile."""
         self.backend = backend
         self.forward = forward
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -179,6 +183,7 @@ class CudaGraphRunner:
         self.capture_phases: dict[str, float] = {}
         self.num_precompiled_modules = 0
         self.discover_kernels = discover_kernels  # the forward may run dry (see ``capture``)
+        self.extra_dry_run = extra_dry_run
         self.observer: LaunchObserver | None = None
 
     def capture(self) -> None:
@@ -193,6 +198,8 @@ class CudaGraphRunner:
         import cupy
 
         start = time.perf_counter()
+        # where the extra dry run allocates and runs: the caller's, as if it ran after the capture
+        outer = (cupy.cuda.get_current_stream(), cupy.cuda.get_allocator())
         self.pool = cupy.cuda.MemoryPool()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
@@ -208,8 +215,11 @@ class CudaGraphRunner:
             ends = [statics[b] for b in _ends(self.buckets)] + [prefill_statics[b] for b in _ends(self.prefill_buckets)]
             precompile = getattr(self.backend, "precompile_kernels", None) if self.discover_kernels else None
             if precompile is not None:
-                self.num_precompiled_modules = precompile(lambda: [self.forward(s.batch) for s in ends])
+                self.num_precompiled_modules = precompile(lambda: self._dry_run(cupy, ends, outer))
             compiled = time.perf_counter()
+            # a deferred load's weight copies ran beside the compile; the warm-ups below read them
+            weights_waited = wait_for_deferred_weights()
+            compiled += weights_waited
             warm = _ends(self.buckets)  # the others reuse their pool blocks and kernels
             for bucket in sorted(self.buckets, reverse=True):
                 self.graphs[bucket] = self._capture_warmed(cupy, statics[bucket], warmed=bucket in warm,
@@ -225,12 +235,25 @@ class CudaGraphRunner:
         if set_buckets is not None:
             set_buckets([*self.buckets, *(short_prefill_tokens(b) for b in self.prefill_buckets)])
         self.capture_seconds = end - start
-        self.capture_phases = {"kernel_compile": compiled - start, "graph_capture": decode_done - compiled}
+        self.capture_phases = {"kernel_compile": compiled - weights_waited - start, "graph_capture": decode_done - compiled}
+        if weights_waited:
+            self.capture_phases["deferred_weights_wait"] = weights_waited
         if self.prefill_buckets:
             self.capture_phases["prefill_graph_capture"] = end - decode_done
         logger.info("captured %d CUDA graphs (%d of them short-prefill) in %.1f s (%s)",
                     len(self.graphs) + len(self.prefill_graphs), len(self.prefill_graphs), self.capture_seconds,
                     ", ".join(f"{k} {v:.2f} s" for k, v in self.capture_phases.items()))
+
+    def _dry_run(self, cupy: Any, statics: list[Any], outer: tuple[Any, Any]) -> None:
+        """The discovery forwards: the end buckets' static batches (on the graphs' pool and
+        stream), then ``extra_dry_run`` on the caller's stream and allocator (``outer``): its
+        activations are not the graphs' pool's to keep, nor a side stream's to cache."""
+        for static in statics:
+            self.forward(static.batch)
+        if self.extra_dry_run is not None:
+            stream, allocator = outer
+            with stream, cupy.cuda.using_allocator(allocator):
+                self.extra_dry_run()
 
     def _capture_prefill(self, cupy: Any, statics: dict[int, Any]) -> None:
         """The short-prefill buckets, largest first; the largest and the smallest warmed up
@@ -315,16 +338,19 @@ class CudaGraphRunner:
 def create_runner(backend: Any, forward: Forward, *, cuda_graph: bool, max_num_seqs: int,
                   max_model_len: int, block_size: int, num_groups: int = 1,
                   with_state: bool = False, discover_kernels: bool = False,
-                  kv_specs: Sequence[Any] | None = None) -> EagerRunner | CudaGraphRunner:
+                  kv_specs: Sequence[Any] | None = None,
+                  extra_dry_run: Callable[[], Any] | None = None) -> EagerRunner | CudaGraphRunner:
     """Graphs on cuda when enabled (captured here), else the eager runner. ``num_groups`` /
     ``with_state``: the model's KV cache groups and whether it keeps recurrent state;
-    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel).
+    ``discover_kernels``: the forward may run dry to find its kernels (compiled in parallel);
+    ``extra_dry_run``: more dry forwards whose kernels join that compile (see ``CudaGraphRunner``).
     ``kv_specs``: the model's KV cache specs; with ``prefill_graphs_wanted(kv_specs)`` the runner
     also captures the short-prefill buckets (``DEFAULT_PREFILL_BUCKETS``)."""
     if not cuda_graph or getattr(backend, "name", "") != "cuda":
         return EagerRunner(backend, forward)
     runner = CudaGraphRunner(backend, forward, max_num_seqs, -(-max_model_len // block_size),
                              num_groups=num_groups, with_state=with_state, discover_kernels=discover_kernels,
-                             prefill_buckets=DEFAULT_PREFILL_BUCKETS if prefill_graphs_wanted(kv_specs) else ())
+                             prefill_buckets=DEFAULT_PREFILL_BUCKETS if prefill_graphs_wanted(kv_specs) else (),
+                             extra_dry_run=extra_dry_run if discover_kernels else None)
     runner.capture()
     return runner

@@ -51,14 +51,21 @@ def create_paged_engine(plugin: str, model_path: str, options: EngineOptions, lo
     ``functools.partial`` of a module-level function) builds each rank's model through
     ``create_parallel_model`` (``memory`` and ``max_model_len`` feed its memory-plan check on
     GPUs), and the default engine runs it under ``engine_options`` (``options`` when None)."""
-    model = create_parallel_model(load_rank, options, memory, max_model_len=max_model_len)
-    if getattr(model.backend, "name", "") == "cuda":
-        # the upload's pinned staging (CuPy caches every block) and the checkpoint's maps: GBs of
-        # host memory an idle engine would otherwise keep resident
-        from openinfer.engine_core.startup import release_host_memory
+    from openinfer.engine_core.startup import deferred_weights, release_host_memory
 
-        release_host_memory()
-    return PagedEngine(model, engine_options or options, model_path=model_path, plugin=plugin)
+    # OPENINFER_DEFERRED_WEIGHTS=1: the weights' copies run while the engine compiles its kernels
+    with deferred_weights(options) as copies:
+        model = create_parallel_model(load_rank, options, memory, max_model_len=max_model_len)
+    if copies is None:
+        if getattr(model.backend, "name", "") == "cuda":
+            # the upload's pinned staging (CuPy caches every block) and the checkpoint's maps: GBs of
+            # host memory an idle engine would otherwise keep resident
+            release_host_memory()
+        return PagedEngine(model, engine_options or options, model_path=model_path, plugin=plugin)
+    copies.start()
+    engine = PagedEngine(model, engine_options or options, model_path=model_path, plugin=plugin)  # waits for them
+    release_host_memory()
+    return engine
 
 
 @dataclass(frozen=True)

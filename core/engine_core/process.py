@@ -50,7 +50,13 @@ from openinfer.engine_core.protocol import (
 )
 from openinfer.engine_core.slots import REJECTED, TOKENS_PB
 from openinfer.engine_core.stack_sampler import STACK_SAMPLES_ENV, StackSampler
-from openinfer.engine_core.startup import StartupPhases, freeze_startup_heap, memory_breakdown
+from openinfer.engine_core.startup import (
+    StartupPhases,
+    early_cuda_wanted,
+    freeze_startup_heap,
+    memory_breakdown,
+    start_cuda_early,
+)
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
 from openinfer.v1 import engine_pb2 as pb
@@ -292,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        engine = build_engine(args.model_path, json.loads(args.options_json), args.engine_factory)
+        options = json.loads(args.options_json)
+        if early_cuda_wanted(options):
+            start_cuda_early()
+        engine = build_engine(args.model_path, options, args.engine_factory)
     except OpenInferError as exc:
         logger.error("%s", exc)
         _report(args.ready_fd, {"ok": False, "error": str(exc), "exit_code": 2})

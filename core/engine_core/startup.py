@@ -16,11 +16,15 @@ the first phase includes the interpreter start and the ``openinfer`` import.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 SPAWN_TIME_ENV = "OPENINFER_SPAWN_TIME"
 API_STARTUP_FILE = "startup-{role}.json"  # in the run directory: an API server's phases once it listens
@@ -108,6 +112,106 @@ def _malloc_trim() -> bool:
         return False
     trim = getattr(libc, "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
+
+
+EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"  # "1": CuPy's import and the CUDA context start in a thread
+
+
+def early_cuda_wanted(options: dict, switch: str | None = EARLY_CUDA_ENV) -> bool:
+    """Whether ``start_cuda_early`` should run for an engine built with these ``EngineOptions``
+    fields: only where the engine's one GPU is device 0 (``device`` "cuda" or "auto", one rank),
+    so no context is made on a GPU the engine will not use; and ``switch`` (an environment
+    variable) is "1" (None: no switch asked)."""
+    if switch is not None and os.environ.get(switch, "0").strip() != "1":
+        return False
+    if str(options.get("device") or "auto") not in ("auto", "cuda"):
+        return False
+    ranks = [options.get(name) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")]
+    return all(int(rank or 1) <= 1 for rank in ranks)
+
+
+_early_cuda: threading.Thread | None = None
+
+
+def early_cuda_from_argv(argv: list[str]) -> threading.Thread | None:
+    """``start_cuda_early`` when the engine-core command line's ``--options-json`` asks for what
+    ``early_cuda_wanted`` accepts: called before the process imports ZMQ, protobuf and the rest,
+    so CuPy's import and the context overlap those too. A malformed command line starts nothing
+    (the argument parser reports it)."""
+    options: dict = {}
+    for index, arg in enumerate(argv):
+        if arg == "--options-json" and index + 1 == len(argv):
+            return None
+        text = arg.partition("=")[2] if arg.startswith("--options-json=") else (
+            argv[index + 1] if arg == "--options-json" else None)
+        if text is not None:
+            try:
+                import json
+
+                options = json.loads(text)
+            except ValueError:
+                return None
+    if not isinstance(options, dict) or not early_cuda_wanted(options):
+        return None
+    return start_cuda_early()
+
+
+def start_cuda_early() -> threading.Thread:
+    """Import CuPy and create device 0's CUDA context (the primary context, which the backend
+    then finds made) in a daemon thread, beside the main thread's plugin discovery and imports:
+    the two cost ~0.35 s and ~0.3 s of a start in a row otherwise. Failures are left to the
+    backend's own start, which reports them. Once per process (a second call returns the first
+    thread)."""
+    global _early_cuda
+    if _early_cuda is not None:
+        return _early_cuda
+
+    def init() -> None:
+        try:
+            import cupy
+
+            cupy.cuda.runtime.free(0)  # cudaFree(0): the idiom that creates the context
+        except Exception:  # noqa: BLE001 — no GPU or no CuPy: the engine's start says so itself
+            pass
+
+    _early_cuda = threading.Thread(target=init, name="openinfer-cuda-init", daemon=True)
+    _early_cuda.start()
+    return _early_cuda
+
+
+DEFERRED_WEIGHTS_ENV = "OPENINFER_DEFERRED_WEIGHTS"  # "1": weights copied while kernels compile
+
+
+@contextlib.contextmanager
+def deferred_weights(options: Any) -> Iterator[Any]:
+    """With ``OPENINFER_DEFERRED_WEIGHTS=1`` and one CUDA rank (``EngineOptions``), the block's
+    model load allocates its bf16 weights and queues their copies (``weight_upload.
+    deferred_uploads``), yielding the queue; the caller starts it and the engine joins it after its
+    kernel discovery and compile (``wait_for_deferred_weights``). Else yields None."""
+    wanted = os.environ.get(DEFERRED_WEIGHTS_ENV, "0").strip() == "1" and early_cuda_wanted(
+        {"device": getattr(options, "device", "auto"), "tensor_parallel_size": getattr(options, "tensor_parallel_size", 1),
+         "expert_parallel_size": getattr(options, "expert_parallel_size", 1)}, switch=None)
+    if not wanted:
+        yield None
+        return
+    try:
+        from openinfer.backend.cuda.weight_upload import deferred_uploads
+    except ImportError:  # no CuPy: nothing to defer
+        yield None
+        return
+    with deferred_uploads() as copies:
+        yield copies
+
+
+def wait_for_deferred_weights() -> float:
+    """Join the weight copies a deferred load started (none: returns at once); seconds waited."""
+    upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
+    wait = getattr(upload, "wait_for_deferred_uploads", None)
+    if wait is None:
+        return 0.0
+    began = time.perf_counter()
+    wait()
+    return time.perf_counter() - began
 
 
 GC_FREEZE_ENV = "OPENINFER_GC_FREEZE"

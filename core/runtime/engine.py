@@ -26,6 +26,7 @@ import numpy as np
 
 from openinfer.backend.base import StateLayer
 from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
+from openinfer.engine_core.startup import wait_for_deferred_weights
 from openinfer.errors import (
     DeviceFaultError,
     EngineDeadError,
@@ -53,7 +54,13 @@ from openinfer.runtime.sampler import (
 from openinfer.runtime.step_timer import StepTimer
 from openinfer.runtime.synthetic_batches import StepLayout
 from openinfer.runtime.validation import prompt_ids, resolve_max_tokens, validate_request
-from openinfer.runtime.warmup import warm_up_prefill, warmup_enabled, warmup_steps
+from openinfer.runtime.warmup import (
+    PrefillWarmup,
+    one_compile_wave,
+    warm_up_prefill,
+    warmup_enabled,
+    warmup_steps,
+)
 from openinfer.sampling import SamplingState
 from openinfer.sched import Request, RequestStatus, Scheduler, SchedulerOutput
 from openinfer.sched.request import TokenIds
@@ -162,6 +169,7 @@ class PagedEngine:
         self.pool = self.kv.pool  # the first paged group's (a dense model's only) pool
         self.startup_phases["kv_planning"] = time.perf_counter() - began
         create_step_runner = getattr(model, "create_step_runner", None)
+        warmup = self._prefill_warmup(spec) if create_step_runner is None and not is_cpu and warmup_enabled() else None
         if create_step_runner is not None:  # a group of ranks: each allocates its KV and captures its graphs
             self.kv_cache, self.runner = create_step_runner(RunnerSetup(
                 num_blocks=num_blocks, num_state_slots=self.kv_plan.num_state_slots, block_size=self.block_size,
@@ -176,19 +184,27 @@ class PagedEngine:
                     s, self.kv_plan.group_blocks[gid] if s.paged else self.kv_plan.num_state_slots, self.block_size)
                 for s, gid in zip(self.kv_cache_specs, self.kv_groups.group_of_layer, strict=True)]
             self.startup_phases["kv_allocation"] = time.perf_counter() - allocating
+            # the prefill warm-up's kernels join the capture's compile (OPENINFER_ONE_COMPILE_WAVE=1)
+            extra_dry_run = None
+            if warmup is not None and one_compile_wave():
+                extra_dry_run = warmup.dry_run(model.backend, self._forward)
             # decode steps replay CUDA graphs on cuda (unless options.cuda_graph is off); else eager
             self.runner = create_runner(model.backend, self._forward, cuda_graph=self.options.cuda_graph,
                                         max_num_seqs=self.options.max_num_seqs, max_model_len=self.max_model_len,
                                         block_size=self.block_size, num_groups=len(self.kv_groups.groups),
                                         with_state=self.kv_groups.has_state,
                                         discover_kernels=bool(getattr(model, "dry_run_safe", False)),
-                                        kv_specs=self.kv_cache_specs)
+                                        kv_specs=self.kv_cache_specs, extra_dry_run=extra_dry_run)
         # graph capture includes compiling the kernels (in parallel when the model may run dry) and warm-ups;
         # a CudaGraphRunner splits it into kernel_compile, graph_capture and prefill_graph_capture
         phases = getattr(self.runner, "capture_phases", None)
         self.startup_phases.update(phases or {"graph_capture": getattr(self.runner, "capture_seconds", 0.0)})
-        if create_step_runner is None and not is_cpu and warmup_enabled():
-            self._warm_up_prefill(spec, model)
+        # a deferred load's weight copies (joined by the graph runner; else here, before any real step)
+        waited = wait_for_deferred_weights()
+        if waited:
+            self.startup_phases["deferred_weights_wait"] = self.startup_phases.get("deferred_weights_wait", 0.0) + waited
+        if warmup is not None:
+            self._warm_up_prefill(model, warmup)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,
@@ -853,18 +869,23 @@ class PagedEngine:
     def _forward(self, device_batch):
         return self.model.forward(device_batch, self.kv_cache)
 
-    def _warm_up_prefill(self, spec: Any, model: Any) -> None:
-        """Long-prompt and mixed steps once on synthetic tokens (``openinfer.runtime.warmup``), so
-        the first request builds no kernel; a start-up phase of its own."""
-        began = time.perf_counter()
+    def _prefill_warmup(self, spec: Any) -> PrefillWarmup:
+        """The prefill warm-up's steps that fit this engine's cache (``openinfer.runtime.warmup``)."""
         paged = [n for g, n in zip(self.kv_groups.groups, self.kv_plan.group_blocks, strict=True) if g.paged]
         steps = warmup_steps(self.max_model_len, min(paged) if paged else 0, self.kv_plan.num_state_slots,
                              self.kv_groups.has_state)
-        layout = StepLayout(int(spec.vocab_size), tuple(bool(g.paged) for g in self.kv_groups.groups),
-                            bool(self.kv_groups.has_state))
+        return PrefillWarmup(steps, StepLayout(int(spec.vocab_size), tuple(bool(g.paged) for g in self.kv_groups.groups),
+                                               bool(self.kv_groups.has_state)))
+
+    def _warm_up_prefill(self, model: Any, warmup: PrefillWarmup) -> None:
+        """Long-prompt and mixed steps once on synthetic tokens (``openinfer.runtime.warmup``), so
+        the first request builds no kernel; a start-up phase of its own (its kernels compiled
+        here, or with the graphs' when the capture's discovery went through its steps)."""
+        began = time.perf_counter()
         try:
-            ran = warm_up_prefill(model.backend, self.runner.run, self._forward, layout, steps,
-                                  dry_run_safe=bool(getattr(model, "dry_run_safe", False)))
+            ran = warm_up_prefill(model.backend, self.runner.run, self._forward, warmup.layout, warmup.steps,
+                                  dry_run_safe=bool(getattr(model, "dry_run_safe", False)),
+                                  discovered=warmup.discovered)
         except Exception:  # noqa: BLE001 — an optimisation only: the first long prompt builds what it needs
             logger.warning("prefill warm-up failed; kernels build at first use instead", exc_info=True)
             ran = 0

@@ -30,3 +30,76 @@ def test_switch_off(unfrozen, monkeypatch):
     monkeypatch.setenv(GC_FREEZE_ENV, "0")
     assert freeze_startup_heap() == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
+    """OPENINFER_EARLY_CUDA=1: the engine-core process imports CuPy and makes the CUDA context in a
+    thread while it discovers plugins; only when the engine's one GPU is device 0, and a failure
+    there (no GPU) is left to the backend's start."""
+    import sys
+    import types
+
+    from openinfer.engine_core import startup
+    from openinfer.engine_core.startup import early_cuda_from_argv, early_cuda_wanted, start_cuda_early
+
+    monkeypatch.delenv("OPENINFER_EARLY_CUDA", raising=False)
+    assert not early_cuda_wanted({"device": "cuda"})
+    monkeypatch.setenv("OPENINFER_EARLY_CUDA", "1")
+    assert early_cuda_wanted({}) and early_cuda_wanted({"device": "cuda", "tensor_parallel_size": 1})
+    assert not early_cuda_wanted({"device": "cpu"}) and not early_cuda_wanted({"device": "cuda:1"})
+    assert not early_cuda_wanted({"device": "cuda", "tensor_parallel_size": 2})
+    assert not early_cuda_wanted({"expert_parallel_size": 4})
+    freed: list[int] = []
+    runtime = types.SimpleNamespace(free=freed.append)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    first = start_cuda_early()
+    first.join(5)
+    assert freed == [0] and start_cuda_early() is first  # once per process
+    assert early_cuda_from_argv(["--run-dir", "x", "--options-json", '{"device": "cuda"}']) is first
+    monkeypatch.setattr(startup, "_early_cuda", None)
+    for argv in (["--options-json", '{"device": "cpu"}'], ["--options-json={not json"], ["--options-json", "[1]"],
+                 ["--options-json"]):
+        assert early_cuda_from_argv(argv) is None
+    thread = early_cuda_from_argv(["--run-dir", "x", "--options-json={}"])  # "auto": device 0 when there is one
+    assert thread is not None
+    thread.join(5)
+    assert freed == [0, 0]
+    monkeypatch.setattr(startup, "_early_cuda", None)
+
+    def no_gpu(pointer: int) -> None:
+        raise RuntimeError("cudaErrorNoDevice")
+
+    runtime.free = no_gpu
+    thread = start_cuda_early()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None:
+    """OPENINFER_DEFERRED_WEIGHTS=1 defers a load's weight copies only for one CUDA rank; off, on
+    the CPU, for several ranks or without CuPy the block yields None, and waiting with nothing
+    pending returns at once."""
+    import sys
+    import types
+
+    from openinfer.engine_core.startup import deferred_weights, wait_for_deferred_weights
+
+    def options(**fields):
+        return types.SimpleNamespace(**{"device": "cuda", "tensor_parallel_size": 1, "expert_parallel_size": 1, **fields})
+
+    monkeypatch.delenv("OPENINFER_DEFERRED_WEIGHTS", raising=False)
+    with deferred_weights(options()) as copies:
+        assert copies is None
+    monkeypatch.setenv("OPENINFER_DEFERRED_WEIGHTS", "1")
+    for other in (options(device="cpu"), options(tensor_parallel_size=2), options(expert_parallel_size=2)):
+        with deferred_weights(other) as copies:
+            assert copies is None
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", None)  # as if CuPy were missing
+    with deferred_weights(options()) as copies:
+        assert copies is None
+    assert wait_for_deferred_weights() == 0.0
+    waited: list[bool] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    assert wait_for_deferred_weights() >= 0.0 and waited == [True]

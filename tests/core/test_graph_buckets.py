@@ -224,9 +224,22 @@ class _StandInStream:
         return _Graph()
 
 
-def _stand_in_cupy() -> types.SimpleNamespace:
-    cuda = types.SimpleNamespace(MemoryPool=lambda: types.SimpleNamespace(malloc=None), Stream=_StandInStream,
-                                 using_allocator=lambda malloc: contextlib.nullcontext(),
+_CALLER_STREAM = _StandInStream()  # the stream and allocator current when capture() is called
+_CALLER_ALLOCATOR = "the caller's allocator"
+
+
+def _stand_in_cupy(allocators: list | None = None) -> types.SimpleNamespace:
+    """``allocators``: where each ``using_allocator`` block's allocator is recorded."""
+
+    @contextlib.contextmanager
+    def using_allocator(malloc):
+        if allocators is not None:
+            allocators.append(malloc)
+        yield
+
+    cuda = types.SimpleNamespace(MemoryPool=lambda: types.SimpleNamespace(malloc="the graphs' pool"),
+                                 Stream=_StandInStream, using_allocator=using_allocator,
+                                 get_current_stream=lambda: _CALLER_STREAM, get_allocator=lambda: _CALLER_ALLOCATOR,
                                  runtime=types.SimpleNamespace())
     return types.SimpleNamespace(cuda=cuda)
 
@@ -300,3 +313,33 @@ def test_capture_compiles_both_kinds_at_once_and_reports_each_phase(monkeypatch,
     assert sum(runner.capture_phases.values()) == pytest.approx(runner.capture_seconds, abs=1e-3)
     # eager GEMMs are padded to row counts the capture ran: every decode bucket, every short-prefill shape
     assert backend.gemm_row_buckets == sorted({*DECODE_BUCKETS, *(short_prefill_tokens(b) for b in prefill_buckets)})
+
+
+def test_extra_dry_run_joins_the_one_compile_on_the_callers_stream_and_allocator(monkeypatch):
+    """The engine's prefill warm-up steps (``extra_dry_run``) run dry inside the same discovery as
+    the end buckets, after them, with the allocator current when capture() was called (not the
+    graphs' pool); no other forward runs dry. A runner without discovery never calls it."""
+    allocators: list = []
+    monkeypatch.setitem(sys.modules, "cupy", _stand_in_cupy(allocators))
+    backend = _CapturingBackend()
+    events: list[str] = []
+
+    def forward(batch: tuple[str, int]) -> str:
+        events.append(("dry " if backend.dry else "") + f"{batch[0]} {batch[1]}")
+        return "logits"
+
+    def extra_dry_run() -> None:
+        events.append(f"extra dry={backend.dry} allocator={allocators[-1]}")
+
+    for discover in (True, False):
+        events.clear()
+        CudaGraphRunner(backend, forward, max_num_seqs=16, max_blocks_per_seq=MAX_BLOCKS, buckets=DECODE_BUCKETS,
+                        discover_kernels=discover, prefill_buckets=(1, 8), extra_dry_run=extra_dry_run).capture()
+        extra = [i for i, e in enumerate(events) if e.startswith("extra")]
+        if not discover:
+            assert not extra and not any(e.startswith("dry") for e in events)
+            continue
+        assert [events[i] for i in extra] == [f"extra dry=True allocator={_CALLER_ALLOCATOR}"]
+        assert sorted(events[:extra[0]]) == ["dry decode 1", "dry decode 16", "dry prefill 1", "dry prefill 8"]
+        assert not any(e.startswith("dry") for e in events[extra[0] + 1:])
+        assert allocators[:2] == ["the graphs' pool", _CALLER_ALLOCATOR]

@@ -64,3 +64,52 @@ def test_warm_up_discovers_kernels_then_runs_each_step(monkeypatch: pytest.Monke
     assert not warmup_enabled()
     monkeypatch.setenv("OPENINFER_PREFILL_WARMUP", "1")
     assert warmup_enabled() and np.all(np.diff(step_batch([3], [3]).positions) == 1)
+
+
+def test_steps_discovered_with_the_graphs_skip_their_own_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPENINFER_ONE_COMPILE_WAVE=1: the graph runner's discovery runs ``PrefillWarmup.dry_run``
+    (every step dry, prepared by the backend), after which the warm-up compiles nothing itself and
+    only runs the steps; a dry run that stopped part-way leaves ``discovered`` False, so the
+    warm-up discovers again."""
+    events: list[str] = []
+
+    class Backend:
+        def prepare_batch(self, batch):
+            events.append(f"prepare {batch.num_seqs}")
+            return batch
+
+        def precompile_kernels(self, dry_run):
+            events.append("discover")
+            dry_run()
+            return 1
+
+        def synchronize(self):
+            events.append("sync")
+
+    from openinfer.runtime.warmup import PrefillWarmup, one_compile_wave
+
+    warmup = PrefillWarmup(warmup_steps(2048, 10_000, 0, False), StepLayout())
+    assert not warmup.discovered
+    warmup.dry_run(Backend(), lambda batch: events.append(f"dry {batch.num_seqs}"))()
+    assert warmup.discovered
+    assert events == ["prepare 1", "dry 1", "prepare 4", "dry 4", f"prepare {MIXED_DECODES + 1}", f"dry {MIXED_DECODES + 1}"]
+    events.clear()
+    warm_up_prefill(Backend(), lambda batch: events.append(f"run {batch.num_seqs}"), lambda batch: events.append("dry"),
+                    warmup.layout, warmup.steps, dry_run_safe=True, discovered=warmup.discovered)
+    assert events == ["run 1", "run 4", f"run {MIXED_DECODES + 1}", "sync"]
+
+    def failing(batch):
+        raise RuntimeError("a dry forward stopped")
+
+    stopped = PrefillWarmup(warmup.steps, StepLayout())
+    with pytest.raises(RuntimeError):
+        stopped.dry_run(Backend(), failing)()
+    assert not stopped.discovered
+
+    monkeypatch.delenv("OPENINFER_ONE_COMPILE_WAVE", raising=False)
+    assert not one_compile_wave()
+    monkeypatch.setenv("OPENINFER_ONE_COMPILE_WAVE", "1")
+    assert one_compile_wave()
+    monkeypatch.setenv("OPENINFER_ONE_COMPILE_WAVE", "yes")
+    with pytest.raises(ValueError, match="OPENINFER_ONE_COMPILE_WAVE"):
+        one_compile_wave()

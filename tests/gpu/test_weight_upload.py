@@ -72,3 +72,30 @@ def test_discovered_kernels_are_the_ones_a_forward_compiles(cuda_backend, rng):
     assert wanted == {key}
     assert loader.compile_kernels(wanted, cuda_backend.device.id) == 1
     assert loader.compile_kernels(wanted, cuda_backend.device.id) == 0  # already built
+
+
+def test_deferred_uploads_land_the_same_bits_once_waited_for(cuda_backend, rng):
+    """OPENINFER_DEFERRED_WEIGHTS' load: under ``deferred_uploads`` bf16 weights (plain and fused
+    rows) are allocated and queued, fp32 ones narrowed at once as before; after ``start`` and
+    ``wait_for_deferred_uploads`` every array holds the bits a plain upload gives."""
+    from openinfer.backend.cuda.bf16 import float_to_bf16_bits
+    from openinfer.backend.cuda.weight_upload import deferred_uploads, wait_for_deferred_uploads
+    from openinfer.layers import fuse_rows, fused_linear_weight
+
+    plain = rng.integers(0, 2**16, size=(3001, 2561), dtype=np.uint16)
+    small = rng.integers(0, 2**16, size=(7, 5), dtype=np.uint16)
+    parts = [rng.integers(0, 2**16, size=(rows, 640), dtype=np.uint16) for rows in (1024, 256, 256)]
+    wide = rng.standard_normal((300, 400)).astype(np.float32)
+    with deferred_uploads() as copies:
+        on_device = [cuda_backend.weight(plain), cuda_backend.weight(small)]
+        fused = fused_linear_weight(cuda_backend, parts)
+        narrowed = cuda_backend.weight(wide)
+    assert len(copies.copies) == 2 + len(parts) and copies.nbytes == plain.nbytes + small.nbytes + sum(p.nbytes for p in parts)
+    np.testing.assert_array_equal(narrowed.get(), float_to_bf16_bits(wide))  # not deferred
+    copies.start()
+    wait_for_deferred_uploads()
+    assert not copies.copies  # host arrays dropped
+    np.testing.assert_array_equal(on_device[0].get(), plain)
+    np.testing.assert_array_equal(on_device[1].get(), small)
+    np.testing.assert_array_equal(fused.weight.get(), fuse_rows(*parts))
+    wait_for_deferred_uploads()  # nothing pending: returns at once

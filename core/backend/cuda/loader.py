@@ -10,30 +10,46 @@ On a fresh machine (CuPy's disk cache empty) compiling is most of an engine's st
 0.3 s per module, one after the other as a forward first meets them). ``discover_kernels``
 records the kernels a dry forward would compile instead of compiling them (launching one then
 does nothing), and ``compile_kernels`` compiles the recorded modules in parallel threads: NVRTC
-releases the GIL.
+releases the GIL. The compile's wall time is at least its slowest module's, so the modules start
+slowest first (``compile_order``: source bytes with the headers it includes as the estimate; sm_90a
+modules count double), and each module's seconds are kept in ``module_compile_seconds``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import logging
+import os
+import re
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import cupy
 
 from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
 
+logger = logging.getLogger(__name__)
+
 KERNEL_DIR = kernel_include_dir()
 COMPILE_THREADS = 8
+COMPILE_THREADS_ENV = "OPENINFER_COMPILE_THREADS"  # threads of compile_kernels (default COMPILE_THREADS)
+# "cost" (default): modules start slowest first (compile_order); "discovery": in the order met
+COMPILE_ORDER_ENV = "OPENINFER_COMPILE_ORDER"
 
 # (source, kernel name, sorted defines), and for ``arch_kernel`` also (arch, shared bytes)
 KernelKey = tuple[Any, ...]
 
 _compiled: set[KernelKey] = set()
 _discovery = threading.local()  # .found: the set a discover_kernels block records into
+# seconds each module took to build (NVRTC, or CuPy's disk cache), by ``module_label``
+module_compile_seconds: dict[str, float] = {}
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 @functools.cache
@@ -79,6 +95,46 @@ def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 
 
+# "1": architecture-specific cubins are kept on disk beside CuPy's kernel cache (CuPy caches only
+# RawModule's builds; without this every sm_90a module compiles again at each start)
+ARCH_CACHE_ENV = "OPENINFER_ARCH_KERNEL_CACHE"
+
+
+def arch_cache_path(text: str, options: tuple[str, ...], arch: str, compiler: str) -> Path | None:
+    """Where an sm_XYa cubin of ``text`` built with ``options`` by NVRTC ``compiler`` (its
+    version) is kept: ``CUPY_CACHE_DIR`` (else ``~/.cupy/kernel_cache``), named by a digest of all
+    four and of the kernel headers (an edited header builds anew); None when the cache is off."""
+    if os.environ.get(ARCH_CACHE_ENV, "0").strip() != "1":
+        return None
+    from openinfer.backend.cuda import headers_digest
+
+    folder = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+    digest = hashlib.sha256("\0".join((text, *options, arch, compiler, headers_digest())).encode()).hexdigest()
+    return folder / f"openinfer_{arch}_{digest[:40]}.cubin"
+
+
+def _read_cached(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes() or None
+    except OSError:
+        return None
+
+
+def _write_cached(path: Path | None, cubin: bytes) -> None:
+    """Atomically (a temporary name, then a rename): a concurrent start reads all or nothing."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        partial.write_bytes(cubin)
+        os.replace(partial, path)
+    except OSError:  # a read-only or full disk: the next start compiles again
+        logger.debug("cannot keep %s", path, exc_info=True)
+
+
 @functools.cache
 def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> cupy.cuda.function.Module:
     from cupy._core.core import assemble_cupy_compiler_options
@@ -90,15 +146,22 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -
     options = assemble_cupy_compiler_options(
         ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture={arch}",
          *(f"-D{name}={value}" for name, value in defines)))
-    program = nvrtc.createProgram(path.read_text(), source, (), ())
-    try:
+    text = path.read_text()
+    cached = None
+    if os.environ.get(ARCH_CACHE_ENV, "0").strip() == "1":
+        cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
+    cubin = _read_cached(cached)
+    if cubin is None:
+        program = nvrtc.createProgram(text, source, (), ())
         try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as error:
-            raise RuntimeError(f"NVRTC could not build {source} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
-        cubin = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
+            try:
+                nvrtc.compileProgram(program, options)
+            except nvrtc.NVRTCError as error:
+                raise RuntimeError(f"NVRTC could not build {source} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
+            cubin = nvrtc.getCUBIN(program)
+        finally:
+            nvrtc.destroyProgram(program)
+        _write_cached(cached, cubin)
     module = cupy.cuda.function.Module()
     module.load(cubin)
     return module
@@ -142,9 +205,60 @@ def discover_kernels() -> Iterator[set[KernelKey]]:
         _discovery.found = previous
 
 
-def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = COMPILE_THREADS) -> int:
-    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread;
-    returns how many modules were built."""
+def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
+    """``source[NAME=value,...]@arch``: one compiled module's name in logs and reports."""
+    label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
+    return label + (f"@{arch}" if arch else "")
+
+
+@functools.cache
+def source_cost(source: str, kernel_dir: str | None = None) -> int:
+    """Bytes NVRTC reads for ``source``: its text and that of the local headers it includes
+    (recursively, each once); 0 for a file that is not there. A rough estimate of its compile time."""
+    root = KERNEL_DIR if kernel_dir is None else Path(kernel_dir)
+    seen: set[str] = set()
+    pending, total = [source], 0
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = root / name
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        total += len(text)
+        pending.extend(_INCLUDE.findall(text))
+    return total
+
+
+def compile_order(modules: Iterable[tuple[Any, ...]], cost: Any = None) -> list[tuple[Any, ...]]:
+    """Modules ``(source, defines[, arch])`` slowest first by ``cost(source)`` (``source_cost``),
+    an architecture-specific (sm_90a) module counting double; ties keep their order. With as many
+    threads as modules the order does not matter; with fewer, the slowest starting last would
+    set the wall time alone."""
+    cost = source_cost if cost is None else cost
+    return sorted(modules, key=lambda module: -cost(module[0]) * (2 if len(module) > 2 else 1))
+
+
+def compile_threads(default: int = COMPILE_THREADS) -> int:
+    """``OPENINFER_COMPILE_THREADS`` when set (a positive integer), else ``default``."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not value:
+        return default
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: expected a positive integer") from None
+    if threads < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: expected a positive integer")
+    return threads
+
+
+def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | None = None) -> int:
+    """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread,
+    slowest module first (``OPENINFER_COMPILE_ORDER=discovery``: in the order found); returns
+    how many modules were built. ``threads``: ``compile_threads()`` when None."""
     by_module: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     for key in keys:
         if key not in _compiled:
@@ -153,15 +267,28 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int = CO
 
     if not by_module:
         return 0
+    order = os.environ.get(COMPILE_ORDER_ENV, "cost").strip().lower()
+    if order not in ("cost", "discovery"):
+        raise ValueError(f"{COMPILE_ORDER_ENV}={order!r}: expected 'cost' or 'discovery'")
+    modules = compile_order(by_module) if order == "cost" else list(by_module)
 
-    def build(item: tuple[tuple[Any, ...], list[tuple[Any, ...]]]) -> None:
-        for source, name, defines, *arch in item[1]:
+    def build(module: tuple[Any, ...]) -> None:
+        began = time.perf_counter()
+        for source, name, defines, *arch in by_module[module]:
             if arch:
                 _arch_kernel(source, name, arch[0], defines, arch[1])
             else:
                 _kernel(source, name, defines)
+        module_compile_seconds[module_label(*module)] = time.perf_counter() - began
 
-    with ThreadPoolExecutor(min(threads, len(by_module)), thread_name_prefix="openinfer-nvrtc",
+    threads = compile_threads() if threads is None else threads
+    began = time.perf_counter()
+    with ThreadPoolExecutor(min(threads, len(modules)), thread_name_prefix="openinfer-nvrtc",
                             initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
-        list(pool.map(build, by_module.items()))
-    return len(by_module)
+        list(pool.map(build, modules))
+    slowest = sorted(((module_compile_seconds.get(module_label(*m), 0.0), module_label(*m)) for m in modules),
+                     reverse=True)[:4]
+    logger.info("built %d kernel modules in %.2f s on %d threads; slowest: %s", len(modules),
+                time.perf_counter() - began, min(threads, len(modules)),
+                ", ".join(f"{label} {seconds:.2f} s" for seconds, label in slowest))
+    return len(modules)

@@ -17,12 +17,22 @@ each sent to the device on its thread's stream::
 ``upload`` returns once the tensor is on the device (callers may use it at once). The ring
 is allocated on first use and freed by ``release_staging()`` (``release_host_memory`` calls it
 once the engine is built), so an idle engine holds no staging memory.
+
+Under ``deferred_uploads()`` (``OPENINFER_DEFERRED_WEIGHTS=1``, start-up only) a 2-byte (bf16)
+tensor's device array is allocated and its copy queued instead: the load returns with every
+weight allocated and none copied, the queued copies run on a thread (``DeferredUploads.start``)
+while the engine discovers and compiles its kernels (dry forwards read no weight for real), and
+``wait_for_deferred_uploads()`` joins them before the first real forward. Only for loads that do
+no device arithmetic on bf16 weights after uploading them (a dense bf16 decoder's); fp32 tensors,
+which ``CudaBackend.weight`` narrows on the device, are always copied at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -65,7 +75,8 @@ class WeightUploader:
 
     def upload(self, host: np.ndarray, out: cupy.ndarray | None = None, offset_bytes: int = 0) -> cupy.ndarray:
         """Copy ``host`` into ``out`` starting ``offset_bytes`` into it (a new device array of
-        ``host``'s shape and dtype when ``out`` is None); returns ``out`` once the copy is done."""
+        ``host``'s shape and dtype when ``out`` is None); returns ``out`` once the copy is done
+        (under ``deferred_uploads``, a 2-byte tensor's copy is queued instead)."""
         host = np.ascontiguousarray(host)
         if out is None and cupy.cuda.get_current_stream().is_capturing():
             return cupy.asarray(host)  # a constant made inside a graph capture: CuPy's path, as before
@@ -74,6 +85,10 @@ class WeightUploader:
         if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
             raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a "
                              f"{'non-contiguous ' if not out.flags.c_contiguous else ''}device array of {out.nbytes}")
+        deferred = getattr(_deferring, "uploads", None)
+        if deferred is not None and host.dtype.itemsize == 2:
+            deferred.copies.append((self.device_id, host, out, offset_bytes))
+            return out
         source = host.reshape(-1).view(np.uint8)
         destination = out.data.ptr + offset_bytes
         if host.nbytes < SMALL_BYTES:
@@ -111,6 +126,80 @@ class WeightUploader:
 
 _uploaders: dict[int, WeightUploader] = {}
 _lock = threading.Lock()
+_deferring = threading.local()  # .uploads: the DeferredUploads a deferred_uploads() block queues into
+_started: list[DeferredUploads] = []  # started and not yet waited for
+
+
+class DeferredUploads:
+    """Copies queued under ``deferred_uploads()``: ``start()`` runs them in order on a thread,
+    ``wait()`` joins it (re-raising its error)."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, np.ndarray, cupy.ndarray, int]] = []  # (device, host, out, offset)
+        self.seconds = 0.0  # how long the thread took
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(host.nbytes for _, host, _, _ in self.copies)
+
+    def start(self) -> None:
+        if self._thread is not None or not self.copies:
+            return
+
+        def run() -> None:
+            import time
+
+            began = time.perf_counter()
+            try:
+                for device_id, host, out, offset in self.copies:
+                    with cupy.cuda.Device(device_id):
+                        uploader(device_id).upload(host, out, offset)
+                cupy.cuda.runtime.deviceSynchronize()
+            except BaseException as error:  # noqa: BLE001 — handed to wait()
+                self._error = error
+            self.seconds = time.perf_counter() - began
+
+        # everything queued so far (kernels on memory the pool then gave to a queued ``out``) ends
+        # before the thread writes; later work never touches the model's arrays
+        cupy.cuda.runtime.deviceSynchronize()
+        self._thread = threading.Thread(target=run, name="openinfer-deferred-weights", daemon=True)
+        with _lock:
+            _started.append(self)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Join the copies (run them here when never started); drops the host arrays."""
+        if self._thread is None:
+            self.start()
+        if self._thread is not None:
+            self._thread.join()
+        self.copies = []
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("copying the deferred weights to the GPU failed") from error
+
+
+@contextlib.contextmanager
+def deferred_uploads() -> Iterator[DeferredUploads]:
+    """Within the block (this thread only), a 2-byte tensor's upload allocates its device array
+    and queues the copy in the yielded ``DeferredUploads``."""
+    previous = getattr(_deferring, "uploads", None)
+    _deferring.uploads = uploads = DeferredUploads()
+    try:
+        yield uploads
+    finally:
+        _deferring.uploads = previous
+
+
+def wait_for_deferred_uploads() -> None:
+    """Join every started ``DeferredUploads`` (nothing when none is pending)."""
+    with _lock:
+        pending = list(_started)
+        _started.clear()
+    for uploads in pending:
+        uploads.wait()
 
 
 def uploader(device_id: int) -> WeightUploader:

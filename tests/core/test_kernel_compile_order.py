@@ -1,0 +1,113 @@
+"""The start-up kernel compile (``openinfer.backend.cuda.loader.compile_kernels``) on the CPU:
+modules start slowest first by their estimated cost, each module is built once with all its
+kernels, its seconds are recorded, and the thread count and order come from their switches.
+CuPy is a stand-in here (nothing compiles); the GPU start-up benchmark times the real thing."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+LOADER = "openinfer.backend.cuda.loader"
+
+
+@pytest.fixture
+def loader(monkeypatch: pytest.MonkeyPatch):
+    """The loader imported against a stand-in CuPy, removed again afterwards (other tests import
+    it against theirs)."""
+    device = types.SimpleNamespace(use=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: device)))
+    original = sys.modules.pop(LOADER, None)
+    try:
+        yield importlib.import_module(LOADER)
+    finally:
+        sys.modules.pop(LOADER, None)
+        if original is not None:
+            sys.modules[LOADER] = original
+
+
+def test_source_cost_counts_the_source_and_every_local_header_once(tmp_path: Path, loader) -> None:
+    (tmp_path / "common.cuh").write_text("x" * 100)
+    (tmp_path / "mma.cuh").write_text('#include "common.cuh"\n' + "y" * 50)
+    main = '#include "mma.cuh"\n  #  include "common.cuh"\n#include <cuda_bf16.h>\n' + "z" * 10
+    (tmp_path / "a.cu").write_text(main)
+    (tmp_path / "b.cu").write_text('#include "missing.cuh"\n')
+    assert loader.source_cost("a.cu", str(tmp_path)) == len(main) + 100 + len('#include "common.cuh"\n') + 50
+    assert loader.source_cost("b.cu", str(tmp_path)) == len('#include "missing.cuh"\n')
+    assert loader.source_cost("nothing.cu", str(tmp_path)) == 0
+    # the package's own sources: every one that exists has a cost
+    assert loader.source_cost("rms_norm.cu") > 0
+
+
+def test_compile_order_is_slowest_first_with_arch_modules_counting_double(loader) -> None:
+    costs = {"small.cu": 10, "big.cu": 100, "wgmma.cu": 60, "tie_a.cu": 10}
+    modules = [("small.cu", ()), ("tie_a.cu", (("N", 1),)), ("wgmma.cu", (), "sm_90a"), ("big.cu", ())]
+    ordered = loader.compile_order(modules, cost=costs.__getitem__)
+    assert ordered == [("wgmma.cu", (), "sm_90a"), ("big.cu", ()), ("small.cu", ()), ("tie_a.cu", (("N", 1),))]
+
+
+def test_compile_kernels_builds_each_module_once_slowest_first_and_times_it(monkeypatch, loader) -> None:
+    built: list[tuple] = []
+    monkeypatch.setattr(loader, "_kernel", lambda source, name, defines: built.append((source, name, defines)))
+    monkeypatch.setattr(loader, "_arch_kernel",
+                        lambda source, name, arch, defines, shared: built.append((source, name, defines, arch, shared)))
+    costs = {"elementwise.cu": 5, "prefill_attention_sm90.cu": 40, "decode_attention_mma.cu": 30}
+    monkeypatch.setattr(loader, "source_cost", costs.__getitem__)
+    loader.module_compile_seconds.clear()
+    keys = [("elementwise.cu", "silu_mul", ()), ("decode_attention_mma.cu", "decode", (("HEAD_DIM", 128),)),
+            ("elementwise.cu", "add", ()), ("prefill_attention_sm90.cu", "prefill", (), "sm_90a", 1024)]
+    assert loader.compile_kernels(keys, device_id=0, threads=1) == 3
+    # one thread: the order the modules start in is the order they were built in
+    assert [b[0] for b in built] == ["prefill_attention_sm90.cu", "decode_attention_mma.cu", "elementwise.cu",
+                                     "elementwise.cu"]
+    assert built[0] == ("prefill_attention_sm90.cu", "prefill", (), "sm_90a", 1024)
+    assert sorted(loader.module_compile_seconds) == ["decode_attention_mma.cu[HEAD_DIM=128]", "elementwise.cu",
+                                                     "prefill_attention_sm90.cu@sm_90a"]
+    assert all(seconds >= 0 for seconds in loader.module_compile_seconds.values())
+    built.clear()
+    monkeypatch.setenv("OPENINFER_COMPILE_ORDER", "discovery")
+    loader.compile_kernels(keys, device_id=0, threads=1)
+    assert [b[0] for b in built] == ["elementwise.cu", "elementwise.cu", "decode_attention_mma.cu",
+                                     "prefill_attention_sm90.cu"]
+    monkeypatch.setenv("OPENINFER_COMPILE_ORDER", "fastest")
+    with pytest.raises(ValueError, match="OPENINFER_COMPILE_ORDER"):
+        loader.compile_kernels(keys, device_id=0, threads=1)
+    assert loader.compile_kernels([], device_id=0) == 0
+
+
+def test_compile_threads_switch(monkeypatch, loader) -> None:
+    monkeypatch.delenv("OPENINFER_COMPILE_THREADS", raising=False)
+    assert loader.compile_threads() == loader.COMPILE_THREADS and loader.compile_threads(default=3) == 3
+    monkeypatch.setenv("OPENINFER_COMPILE_THREADS", "16")
+    assert loader.compile_threads() == 16
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("OPENINFER_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="OPENINFER_COMPILE_THREADS"):
+            loader.compile_threads()
+
+
+def test_arch_cubin_cache_is_opt_in_keyed_by_everything_and_written_whole(tmp_path: Path, monkeypatch, loader) -> None:
+    """OPENINFER_ARCH_KERNEL_CACHE=1 keeps sm_90a cubins (which CuPy's cache never sees) in
+    CUPY_CACHE_DIR, one file per (source, options, arch, NVRTC version)."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPENINFER_ARCH_KERNEL_CACHE", raising=False)
+    assert loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.0") is None
+    monkeypatch.setenv("OPENINFER_ARCH_KERNEL_CACHE", "1")
+    path = loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.0")
+    assert path is not None and path.parent == tmp_path and path.name.startswith("openinfer_sm_90a_")
+    others = {loader.arch_cache_path("src2", ("-DX=1",), "sm_90a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=2",), "sm_90a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=1",), "sm_100a", "13.0"),
+              loader.arch_cache_path("src", ("-DX=1",), "sm_90a", "13.1")}
+    assert path not in others and len(others) == 4
+    assert loader._read_cached(path) is None
+    loader._write_cached(path, b"\x7fELF cubin")
+    assert loader._read_cached(path) == b"\x7fELF cubin"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    (tmp_path / "blocked").write_text("a file where a folder should be")
+    loader._write_cached(tmp_path / "blocked" / "x.cubin", b"cubin")  # cannot write: no error, no cache
+    assert loader._read_cached(tmp_path / "blocked" / "x.cubin") is None
