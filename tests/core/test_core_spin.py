@@ -8,7 +8,7 @@ from openinfer.engine_core.process import CORE_SPIN_ENV, spin_seconds
 from openinfer.errors import OpenInferError
 
 
-@pytest.mark.parametrize(("value", "seconds"), [(None, 0.0), ("0", 0.0), ("20", 0.02), ("0.5", 0.0005)])
+@pytest.mark.parametrize(("value", "seconds"), [(None, 0.025), ("0", 0.0), ("20", 0.02), ("0.5", 0.0005)])
 def test_spin_window_in_seconds(monkeypatch, value, seconds):
     if value is None:
         monkeypatch.delenv(CORE_SPIN_ENV, raising=False)
