@@ -1,4 +1,6 @@
-"""An opt-in fast lane for streamed ``POST /v1/completions`` (``OPENINFER_HTTP_FAST_LANE=1``).
+"""A fast lane for streamed ``POST /v1/completions`` (``OPENINFER_HTTP_FAST_LANE``, default 1; 0
+turns it off). D1b (H200, served Qwen3-4B, benchmarks/served_ttft.py, 2 rounds x 7 prompts): warm
+TTFT median 0.934x / 1.021x / 0.965x at 1k / 4k / 16k against 0.
 
 A streamed completion is the latency path (TTFT): this ASGI middleware, inside the size limit,
 the API-key check and the error guard, reads its body, decodes it (``decode_json_token_ids``),
@@ -31,8 +33,8 @@ COMPLETIONS_PATH = "/v1/completions"
 
 
 def fast_lane_wanted() -> bool:
-    """``OPENINFER_HTTP_FAST_LANE``: 1 on, 0 or unset off; anything else is an error."""
-    value = os.environ.get(FAST_LANE_ENV, "0").strip()
+    """``OPENINFER_HTTP_FAST_LANE``: 1 or unset on, 0 off; anything else is an error."""
+    value = os.environ.get(FAST_LANE_ENV, "1").strip()
     if value not in ("0", "1"):
         raise OpenInferError(f"{FAST_LANE_ENV} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -1,4 +1,4 @@
-"""``OPENINFER_HTTP_FAST_LANE=1``: streamed completions skip FastAPI's routing, everything else
+"""``OPENINFER_HTTP_FAST_LANE`` (default on): streamed completions skip FastAPI's routing, everything else
 reaches the app unchanged. Each request below is answered the same with the lane on and off
 (status, headers that matter, body with its ids and timestamps masked), refusals included."""
 
@@ -96,7 +96,7 @@ def test_the_lane_serves_a_streamed_completion_itself(monkeypatch, engine, token
             response.raise_for_status()
 
 
-@pytest.mark.parametrize(("value", "on"), [(None, False), ("0", False), ("1", True)])
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("0", False), ("1", True)])
 def test_switch_values(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv(FAST_LANE_ENV, raising=False)
