@@ -111,3 +111,29 @@ def test_arch_cubin_cache_is_opt_in_keyed_by_everything_and_written_whole(tmp_pa
     (tmp_path / "blocked").write_text("a file where a folder should be")
     loader._write_cached(tmp_path / "blocked" / "x.cubin", b"cubin")  # cannot write: no error, no cache
     assert loader._read_cached(tmp_path / "blocked" / "x.cubin") is None
+
+
+def test_kernel_subset_drops_only_the_unasked_kernel_definitions(loader) -> None:
+    """OPENINFER_KERNEL_SUBSET=1: a module keeps the extern "C" kernels asked for; braces inside
+    comments and literals, launch bounds and declarations are handled; an unparsable file gives
+    None (compiled whole)."""
+    text = (
+        'template <int N> __device__ int helper() { return N; }\n'
+        'extern "C" __global__ void __launch_bounds__((WARPS) * 32) first(int* out) {\n'
+        '  out[0] = helper<1>(); // a } in a comment\n  const char* s = "}{"; char c = \'}\';\n}\n'
+        'extern "C" __global__ void second(int* out);\n'
+        'extern "C" __global__ void second(int* out) { if (out) { out[0] = helper<2>(); } }\n'
+        '/* extern "C" __global__ void ghost() { } */\n'
+        'extern "C" __global__ void third(int* out) { out[0] = 3; }\n')
+    only_second = loader.kernel_subset(text, ["second"])
+    assert "void second(int* out);" in only_second and "helper<2>" in only_second
+    assert " first(" not in only_second and "void third" not in only_second and "helper<1>" not in only_second
+    assert "template <int N>" in only_second
+    assert loader.kernel_subset(text, ["first", "second", "third"]) == text
+    both = loader.kernel_subset(text, ["first", "third"])
+    assert "helper<1>" in both and "out[0] = 3" in both and "helper<2>" not in both
+    assert loader.kernel_subset('extern "C" __global__ void broken(int* out) { {\n', ["x"]) is None
+    # the package's own decode-attention file: four kernels, each keepable alone
+    source = (loader.KERNEL_DIR / "decode_attention_mma.cu").read_text()
+    merge = loader.kernel_subset(source, ["decode_attention_merge"])
+    assert merge is not None and "void decode_attention_merge" in merge and "void short_query_attention_mma" not in merge

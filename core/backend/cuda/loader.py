@@ -52,18 +52,118 @@ module_compile_seconds: dict[str, float] = {}
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
+# "1": a module is built with only the ``extern "C"`` kernels asked of it (``kernel_subset``): NVRTC
+# compiles every kernel of a file, and the templates only unused kernels instantiate, each time
+KERNEL_SUBSET_ENV = "OPENINFER_KERNEL_SUBSET"
+_prebuilt: dict[KernelKey, Any] = {}  # functions compile_kernels built together, for _kernel to take
+
+
+def kernel_subset_enabled() -> bool:
+    return os.environ.get(KERNEL_SUBSET_ENV, "0").strip() == "1"
+
+
+def _skip_literal_or_comment(text: str, index: int) -> int:
+    """The index after the comment or string / char literal starting at ``index`` (else ``index``)."""
+    if text.startswith("//", index):
+        end = text.find("\n", index)
+        return len(text) if end < 0 else end
+    if text.startswith("/*", index):
+        end = text.find("*/", index + 2)
+        return len(text) if end < 0 else end + 2
+    quote = text[index]
+    if quote in "\"'":
+        at = index + 1
+        while at < len(text) and text[at] != quote:
+            at += 2 if text[at] == "\\" else 1
+        return at + 1
+    return index
+
+
+def _matching(text: str, index: int, opening: str, closing: str) -> int | None:
+    """The index of the bracket closing the one at ``index``, skipping comments and literals."""
+    depth, at = 0, index
+    while at < len(text):
+        skipped = _skip_literal_or_comment(text, at)
+        if skipped != at:
+            at = skipped
+            continue
+        if text[at] == opening:
+            depth += 1
+        elif text[at] == closing:
+            depth -= 1
+            if depth == 0:
+                return at
+        at += 1
+    return None
+
+
+_GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+')
+
+
+def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
+    """``text`` without the definitions of the ``extern "C" __global__ void`` kernels not named in
+    ``keep`` (declarations and everything else stay), or None when a kernel's extent cannot be
+    found (then the whole file is compiled)."""
+    keep = set(keep)
+    masked, at = list(text), 0  # comments blanked: no kernel is found inside one (``extern "C"`` is a literal)
+    while at < len(text):
+        skipped = _skip_literal_or_comment(text, at)
+        if skipped != at:
+            if text.startswith(("//", "/*"), at):
+                masked[at:skipped] = " " * (skipped - at)
+            at = skipped
+        else:
+            at += 1
+    parts, position = [], 0
+    for match in _GLOBAL.finditer("".join(masked)):
+        if match.start() < position:
+            continue
+        at = match.end()
+        bounds = re.match(r"__launch_bounds__\s*", text[at:])
+        if bounds:
+            close = _matching(text, at + bounds.end(), "(", ")")
+            if close is None:
+                return None
+            at = close + 1
+        name = re.match(r"\s*([A-Za-z_]\w*)\s*", text[at:])
+        if name is None or text[at + name.end():at + name.end() + 1] != "(":
+            return None
+        close = _matching(text, at + name.end(), "(", ")")
+        if close is None:
+            return None
+        body = re.match(r"\s*", text[close + 1:])
+        brace = close + 1 + body.end()
+        if text[brace:brace + 1] != "{":
+            continue  # a declaration
+        end = _matching(text, brace, "{", "}")
+        if end is None:
+            return None
+        if name.group(1) not in keep:
+            parts.append(text[position:match.start()])
+            position = end + 1
+    parts.append(text[position:])
+    return "".join(parts)
+
+
 @functools.cache
-def _module(source: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawModule:
+def _module(source: str, defines: tuple[tuple[str, int], ...],
+            kernels: tuple[str, ...] | None = None) -> cupy.RawModule:
+    """The module of ``source`` under ``defines``; with ``kernels``, holding only those kernels."""
     path = KERNEL_DIR / source
     if not path.is_file():
         raise FileNotFoundError(f"CUDA source {path} is missing; reinstall openinfer (package data *.cu)")
     options = ("-std=c++17", *kernel_include_options(), *(f"-D{name}={value}" for name, value in defines))
-    return cupy.RawModule(code=path.read_text(), options=options)
+    text = path.read_text()
+    if kernels is not None:
+        text = kernel_subset(text, kernels) or text
+    return cupy.RawModule(code=text, options=options)
 
 
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawKernel:
-    function = _module(source, defines).get_function(name)  # compiles and loads the module once
+    function = _prebuilt.pop((source, name, defines), None)
+    if function is None:  # compiles and loads the module once (one of its own with OPENINFER_KERNEL_SUBSET=1)
+        function = _module(source, defines, (name,) if kernel_subset_enabled() else None).get_function(name)
     _compiled.add((source, name, defines))
     return function
 
@@ -272,8 +372,16 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | No
         raise ValueError(f"{COMPILE_ORDER_ENV}={order!r}: expected 'cost' or 'discovery'")
     modules = compile_order(by_module) if order == "cost" else list(by_module)
 
+    subset = kernel_subset_enabled()
+
     def build(module: tuple[Any, ...]) -> None:
         began = time.perf_counter()
+        if subset and len(module) == 2:  # one module holding just the kernels found
+            source, defines = module
+            names = tuple(sorted({key[1] for key in by_module[module]}))
+            built = _module(source, defines, names)
+            for name in names:
+                _prebuilt[(source, name, defines)] = built.get_function(name)
         for source, name, defines, *arch in by_module[module]:
             if arch:
                 _arch_kernel(source, name, arch[0], defines, arch[1])
