@@ -102,11 +102,11 @@ def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
 
 
 def test_sm90_shape_switch(cuda_backend, monkeypatch):
-    """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (base at every size since
-    s8 E2; m64_n128_k2 opt-in); a bad name is a clear error."""
+    """OPENINFER_MOE_SM90_SHAPE forces a shape; unset, SM90_SHAPE_CHOICE decides (64-slot, 128-row tiles with
+    128-wide k stages up to 24 slots per expert, base above); a bad name is a clear error."""
     _, moe_sm90 = _sm90()
     monkeypatch.delenv(moe_sm90.SM90_SHAPE_ENV, raising=False)
-    assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["base"]
+    assert moe_sm90.sm90_shape(1.5) == moe_sm90.sm90_shape(24) == moe_sm90.SM90_SHAPES["m64_n128_k2"]
     assert moe_sm90.sm90_shape(96) == moe_sm90.SM90_SHAPES["base"]
     monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, "m64_s5")
     assert moe_sm90.sm90_shape(6.0) == moe_sm90.SM90_SHAPES["m64_s5"]
@@ -282,8 +282,8 @@ def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidd
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "1")
     assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
     monkeypatch.delenv(moe.COMBINE_VEC_ENV)
-    assert moe.combine_vec_wanted() is False  # opt-in since s8 E2
+    assert moe.combine_vec_wanted(tokens) is (tokens >= moe.COMBINE_VEC_MIN_TOKENS)
     assert np.array_equal(moe.combine(y, grouping, shared, hidden).get(), plain.get())
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_VEC"):
-        moe.combine_vec_wanted()
+        moe.combine_vec_wanted(16)

@@ -47,6 +47,7 @@ from openinfer.backend.cuda.batch import PREFILL_TILE, CudaBatch
 from openinfer.backend.cuda.decode_attention import (
     LOG2E,
     SHORT_QUERY_MAX_TOKENS,
+    merge_splits,
     mma_supports,
     output_rows,
     paged_decode_attention,
@@ -427,10 +428,8 @@ def short_query_attention_sm90(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: 
         np.int32(row_groups), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
         np.int32(splits), np.float32(scale * LOG2E), *maps),
        shared_mem=shared)
-    if parts > 1:  # decode_attention_mma.cu's merge: partials of token rows in place of sequences
-        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
-            (num_heads, num_tokens), (min(128, head_dim),),
-            (partial_out, partial_ml, out, np.int32(num_heads), np.int32(parts)))
+    # decode_attention_mma.cu's merge: partials of token rows in place of sequences
+    merge_splits(partial_out, partial_ml, out, num_heads, head_dim, group, parts)
     return out
 
 

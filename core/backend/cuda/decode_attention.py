@@ -93,7 +93,7 @@ def decode_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.n
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, out, partial_out,
         partial_ml, np.int32(num_kv_heads), np.int32(block_size), np.int32(splits), np.float32(scale * LOG2E)),
        shared_mem=shared)
-    _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
+    merge_splits(partial_out, partial_ml, out, num_heads, head_dim, group, splits, warps, stages)
     return out
 
 
@@ -121,11 +121,15 @@ def _partials(out: cupy.ndarray, num_heads: int, head_dim: int, splits: int) -> 
             cupy.empty((out.shape[0], num_heads, splits, 2), dtype=cupy.float32))
 
 
-def _merge(partial_out: cupy.ndarray, partial_ml: cupy.ndarray, out: cupy.ndarray, num_heads: int, head_dim: int,
-           group: int, splits: int) -> None:
-    """``out`` = the splits' partials merged (nothing to do with one split)."""
+def merge_splits(partial_out: cupy.ndarray, partial_ml: cupy.ndarray, out: cupy.ndarray, num_heads: int,
+                 head_dim: int, group: int, splits: int, warps: int = MMA_WARPS, stages: int | None = None) -> None:
+    """``out`` = the splits' partials merged (nothing to do with one split). The merge kernel takes the
+    defines of the decode kernel that wrote the partials (``warps``, ``stages``; it uses neither), so
+    decode_attention_mma.cu compiles once, not once more for the merge (a whole extra NVRTC build of the
+    file: 1.6-3.0 s of a fresh machine's start, s9 D1b)."""
     if splits > 1:
-        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group)(
+        kernel("decode_attention_mma.cu", "decode_attention_merge", HEAD_DIM=head_dim, GROUP=group,
+               DECODE_WARPS=warps, DECODE_STAGES=mma_stages(head_dim) if stages is None else stages)(
             (num_heads, out.shape[0]), (min(128, head_dim),),
             (partial_out, partial_ml, out, np.int32(num_heads), np.int32(splits)))
 
@@ -169,7 +173,7 @@ def short_query_attention_mma(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: c
        (q, k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]), context_lens, query_start,
         np.int32(plan.row_blocks_arg), out, partial_out, partial_ml, np.int32(num_kv_heads), np.int32(block_size),
         np.int32(splits), np.float32(scale * LOG2E)), shared_mem=plan.shared_bytes)
-    _merge(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
+    merge_splits(partial_out, partial_ml, out, num_heads, head_dim, group, splits)
     return out
 
 

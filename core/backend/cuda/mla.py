@@ -71,10 +71,11 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # 27.6 vs 30.0, 16 31.7 vs 32.0 / 54.0 vs 57.6, 64 56.1 vs 61.6 / 117.9 vs 140.9, 256 109.8 vs 135.4 / 346.3 vs
 # 445.8 (attention kernel alone at 256 x 4k: 86 % of the latent bytes over the copy rate, was 66 %); ragged
 # contexts (results/gpu_mla_ragged_s8_e1_h200.json, balanced splits) 256 x 4k 533.9 vs 778.4: tma from 2 rows.
-# Back to mma_shared for 16 heads after s8 E2: the Moonlight burst on the final code (tma from 2 rows, the MoE
-# decode routing and small-step shapes below all on) hit an illegal address at 64 / 256 streams, and no device
-# time was left to find which; OPENINFER_MLA_DECODE=tma takes it (with its row boxes and balanced splits).
-ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1 << 30, "mma_shared"), (64, 1 << 30, "mma"))
+# Opt-in for s8's last hours (E2's Moonlight fault), cleared by s9 D1's bisect (the fault was the MoE decode
+# routing, since deleted); Moonlight bursts with it (s9 D1b, results/moonlight_bisect_tma*_s9d1b_h200.json):
+# TPOT 2.97 / 8.80 / 12.69 ms and 7,027 tok/s at 1 / 16 / 64 / 256 streams vs 2.94 / 8.82 / 12.76 and 6,947.
+ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1, "mma_shared"), (16, 1 << 30, "tma"),
+                                                            (64, 1 << 30, "mma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /

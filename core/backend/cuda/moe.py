@@ -303,11 +303,12 @@ GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
 # moe_routing.cu's moe_combine_vec8 (8 columns per thread, every slot's 16 bytes in flight; the same sums in the
-# same order: the same bits) combines a step where the rows allow it and OPENINFER_MOE_COMBINE_VEC=1 (opt-in since
-# s8 E2; it was the default from 256 tokens). E1 (H200, 2026-11-24, Moonlight 64 x top-6 x 2048,
+# same order: the same bits) combines steps of at least COMBINE_VEC_MIN_TOKENS tokens where the rows allow it
+# (OPENINFER_MOE_COMBINE_VEC=1 / =0: at any size / never). E1 (H200, 2026-11-24, Moonlight 64 x top-6 x 2048,
 # results/moe_routing_e1_h200.json): 256 tokens 5.4 -> 3.4 us, 1024 15.5 -> 9.0 us (graphs), 4096 91.9 -> 65.9,
-# 8192 162.5 -> 108.8 us (eager); at 16 / 64 tokens moe_combine is ahead (2.5 vs 2.9, 2.8 vs 3.0 us).
-COMBINE_VEC_ENV, COMBINE_VEC_THREADS = "OPENINFER_MOE_COMBINE_VEC", 256
+# 8192 162.5 -> 108.8 us (eager); at 16 / 64 tokens moe_combine is ahead (2.5 vs 2.9, 2.8 vs 3.0 us). Opt-in
+# for s8's last hours (E2's Moonlight fault), cleared by s9 D1's bisect (the fault was the decode routing).
+COMBINE_VEC_ENV, COMBINE_VEC_THREADS, COMBINE_VEC_MIN_TOKENS = "OPENINFER_MOE_COMBINE_VEC", 256, 256
 SORT_THREADS = 1024  # moe.cu SORT_MAX_THREADS
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 MAX_TOPK = 16
@@ -785,10 +786,10 @@ def dequantize(weight: ExpertLinear) -> cupy.ndarray:
     return out
 
 
-def combine_vec_wanted() -> bool:
-    """$OPENINFER_MOE_COMBINE_VEC=1 / =0; unset: off (on from 256 tokens until s8 E2's Moonlight fault, see
-    mla.py's ABSORBED_KERNEL_CHOICE); another value: a clear error."""
-    return _switch(COMBINE_VEC_ENV)
+def combine_vec_wanted(num_tokens: int) -> bool:
+    """$OPENINFER_MOE_COMBINE_VEC=1 / =0, unset: from COMBINE_VEC_MIN_TOKENS tokens (another value: a clear error)."""
+    value = os.environ.get(COMBINE_VEC_ENV, "")
+    return num_tokens >= COMBINE_VEC_MIN_TOKENS if value == "" else _switch(COMBINE_VEC_ENV)
 
 
 def combine_vec_ready(y: cupy.ndarray, shared: cupy.ndarray | None, hidden: int, top_k: int) -> bool:
@@ -804,7 +805,7 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
     num_tokens = int(grouping.ids.shape[0])
     out = cupy.empty((num_tokens, hidden), dtype=cupy.uint16)
     if vectorized is None:
-        vectorized = combine_vec_wanted()
+        vectorized = combine_vec_wanted(num_tokens)
     if num_tokens and vectorized and combine_vec_ready(y, shared, hidden, grouping.top_k):
         column_blocks = -(-hidden // (8 * COMBINE_VEC_THREADS))
         kernel("moe_routing.cu", "moe_combine_vec8")((num_tokens, column_blocks), (COMBINE_VEC_THREADS,), (
@@ -939,7 +940,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     unless $OPENINFER_MOE_GEMV_SILU=0, a tiled INT4 GEMV with a register ring (I a multiple of 16) only with
     =1; aligned rows; else None."""
     explicit = os.environ.get(GEMV_SILU_ENV, "") != ""
-    if not _switch(GEMV_SILU_ENV, default=False) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
+    if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)

@@ -117,9 +117,11 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
 # 240 -> 227 us (87 -> 92 %), 64 tokens 289 -> 280 us (90 -> 93 %), 256 tokens 309 -> 284 us (84 -> 92 %);
 # m64_s5 229 / 279 / 292; stream-K (sk*) and 128-row tiles with two warpgroups (n128*) no faster than base.
 # Above 24 slots per expert (prefill) unmeasured: base.
-# Opt-in again after s8 E2 (the Moonlight burst's illegal address, see mla.py's ABSORBED_KERNEL_CHOICE; not
-# yet traced to one change): OPENINFER_MOE_SM90_SHAPE=m64_n128_k2 takes it.
-SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((float("inf"), "base"),)
+# Base-only for s8's last hours (E2's Moonlight fault), cleared by s9 D1's bisect (the fault was the MoE decode
+# routing). Forcing m64_n128_k2 at every size (prefill included) in a Moonlight burst (s9 D1b): TPOT 16 streams
+# 8.56 vs 8.88 ms, but TTFT p50 at 64 streams 606 vs 504 ms (prefill steps) and 256 streams 6,284 vs 7,095 tok/s:
+# it stays within 24 slots per expert.
+SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((24, "m64_n128_k2"), (float("inf"), "base"))
 
 
 # Opt-in until measured: OPENINFER_MOE_SM90_PDL=1 builds the kernel with SM90_PDL (each CTA lets the next
