@@ -77,7 +77,7 @@ def test_early_cuda_runs_only_for_one_gpu_at_device_zero(monkeypatch) -> None:
 
 
 def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None:
-    """OPENINFER_DEFERRED_WEIGHTS=1 defers a load's weight copies only for one CUDA rank; off, on
+    """OPENINFER_DEFERRED_WEIGHTS (default on) defers a load's weight copies only for one CUDA rank; =0, on
     the CPU, for several ranks or without CuPy the block yields None, and waiting with nothing
     pending returns at once."""
     import sys
@@ -88,10 +88,10 @@ def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None
     def options(**fields):
         return types.SimpleNamespace(**{"device": "cuda", "tensor_parallel_size": 1, "expert_parallel_size": 1, **fields})
 
-    monkeypatch.delenv("OPENINFER_DEFERRED_WEIGHTS", raising=False)
+    monkeypatch.setenv("OPENINFER_DEFERRED_WEIGHTS", "0")
     with deferred_weights(options()) as copies:
         assert copies is None
-    monkeypatch.setenv("OPENINFER_DEFERRED_WEIGHTS", "1")
+    monkeypatch.delenv("OPENINFER_DEFERRED_WEIGHTS", raising=False)  # the default: on
     for other in (options(device="cpu"), options(tensor_parallel_size=2), options(expert_parallel_size=2)):
         with deferred_weights(other) as copies:
             assert copies is None

@@ -18,7 +18,7 @@ each sent to the device on its thread's stream::
 is allocated on first use and freed by ``release_staging()`` (``release_host_memory`` calls it
 once the engine is built), so an idle engine holds no staging memory.
 
-Under ``deferred_uploads()`` (``OPENINFER_DEFERRED_WEIGHTS=1``, start-up only) a 2-byte (bf16)
+Under ``deferred_uploads()`` (start-up only; on unless ``OPENINFER_DEFERRED_WEIGHTS=0``) a 2-byte (bf16)
 tensor's device array is allocated and its copy queued instead: the load returns with every
 weight allocated and none copied, the queued copies run on a thread (``DeferredUploads.start``)
 while the engine discovers and compiles its kernels (dry forwards read no weight for real), and
