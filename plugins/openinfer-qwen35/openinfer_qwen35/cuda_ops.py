@@ -56,7 +56,11 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       bits); =grouped_staged (the default): grouped_mma with
                                       gdn_chunk_output_staged; =grouped_coalesced: that with W / U
                                       staged through shared memory and stored as 16-byte row
-                                      pieces (its bits); all six with
+                                      pieces (its bits); =grouped_f16: grouped_staged compiled
+                                      with fp16 instead of bf16 mma operands and intermediates
+                                      (q / k normed, W, U, P, S^T, V'; GDN_F16_OPERANDS): the
+                                      token-by-token path's error instead of ~2.5x it (issue
+                                      #17); all seven with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
