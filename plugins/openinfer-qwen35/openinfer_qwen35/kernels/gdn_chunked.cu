@@ -49,11 +49,52 @@ static_assert(DK % 64 == 0, "the chunked kernels take key head dims that are mul
 // smaller. Every such operand is bounded (l2-normed q / k, decays <= 1, beta <= 1, the state and
 // values the size of the layer's v), far inside fp16's 65504. The layer's input (conv_out) and output
 // (core) stay bf16: the prepare converts V as it loads it, the output kernels store O as bf16.
-#ifdef GDN_F16_OPERANDS
+#if defined(GDN_F16_OPERANDS) && defined(MMA_HOST_STANDIN)
+// the host emulation (tests/helpers/cuda_host): fp16 as the compiler's _Float16 (round to nearest
+// even), and the fp16 mma as four bf16 stand-in mmas over exact hi / lo bf16 splits of each operand
+// (fp16's 11 significant bits = bf16's 8 + a remainder of at most 3): every product exact, fp32 sums
+__device__ __forceinline__ float f16_bits_to_f(unsigned short bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
+__device__ __forceinline__ unsigned short f_to_f16_bits(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    unsigned short bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+__device__ __forceinline__ unsigned pack_op2(float lo, float hi) {
+    return static_cast<unsigned>(f_to_f16_bits(lo)) | (static_cast<unsigned>(f_to_f16_bits(hi)) << 16);
+}
+__device__ __forceinline__ float op_to_f(bf16 x) { return f16_bits_to_f(x.bits); }
+__device__ __forceinline__ bf16 op_from_f(float x) { return bf16{f_to_f16_bits(x)}; }
+__device__ __forceinline__ float round_op(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
+__device__ __forceinline__ void split_f16x2_to_bf16(unsigned packed, unsigned& hi, unsigned& lo) {
+    const float x0 = f16_bits_to_f(packed & 0xFFFFu), x1 = f16_bits_to_f(packed >> 16);
+    const float h0 = round_bf16(x0), h1 = round_bf16(x1);
+    hi = pack_bf16x2(h0, h1);
+    lo = pack_bf16x2(x0 - h0, x1 - h1);
+}
+__device__ __forceinline__ void mma_op_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+    for (int e = 0; e < 4; ++e) split_f16x2_to_bf16(a[e], a_hi[e], a_lo[e]);
+    split_f16x2_to_bf16(b0, b_hi[0], b_lo[0]);
+    split_f16x2_to_bf16(b1, b_hi[1], b_lo[1]);
+    mma_bf16_16816(d, a_hi, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_hi, b_lo[0], b_lo[1]);
+    mma_bf16_16816(d, a_lo, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_lo, b_lo[0], b_lo[1]);
+}
+__device__ __forceinline__ uint4 op_from_bf16x8(uint4 raw) {
+    const bf16* x = reinterpret_cast<const bf16*>(&raw);
+    uint4 out;
+    unsigned* o = reinterpret_cast<unsigned*>(&out);
+    for (int m = 0; m < 4; ++m) o[m] = pack_op2(to_f(x[2 * m]), to_f(x[2 * m + 1]));
+    return out;
+}
+#elif defined(GDN_F16_OPERANDS)
 #include <cuda_fp16.h>
-#ifdef MMA_HOST_STANDIN
-#error "GDN_F16_OPERANDS has no host stand-in mma"
-#endif
 __device__ __forceinline__ unsigned pack_op2(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
