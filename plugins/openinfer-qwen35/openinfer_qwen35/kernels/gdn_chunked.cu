@@ -1728,21 +1728,13 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
                             const int flat = tap_e * width + j;
                             return to_f(reinterpret_cast<const bf16*>(&taps[flat / 8])[flat % 8]);
                         });
-                    *reinterpret_cast<uint4*>(vs + r * ldv + (e % v_vecs) * 8) = op_from_bf16x8(xv);
+                    *reinterpret_cast<uint4*>(vs + r * ldv + (e % v_vecs) * 8) = xv;
                 }
             } else {
                 for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
                     const int r = e / v_vecs, jv = (e % v_vecs) * 8;
-#ifdef GDN_F16_OPERANDS  // converted on the way: a load through registers instead of cp.async
-                    uint4 xv = make_uint4(0, 0, 0, 0);
-                    if (r < n)
-                        xv = *reinterpret_cast<const uint4*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim +
-                                                             h * dv + jv);
-                    *reinterpret_cast<uint4*>(vs + r * ldv + jv) = op_from_bf16x8(xv);
-#else
                     gdn_copy16(vs + r * ldv + jv,
                                conv_out + (size_t)(t0 + (r < n ? r : 0)) * conv_dim + 2 * key_dim + h * dv + jv, r < n);
-#endif
                 }
                 gdn_commit_copies();
             }
@@ -1880,6 +1872,13 @@ __device__ __forceinline__ void chunk_prepare_grouped(unsigned char* smem, PREPA
             scaled_t(beta, t_frag);
             gdn_wait_copies<0>();
             __syncthreads();  // head h's V is in
+#ifdef GDN_F16_OPERANDS  // V (bf16, as loaded) to the operand format in place
+            for (int e = threadIdx.x; e < CHUNK * v_vecs; e += blockDim.x) {
+                uint4* at = reinterpret_cast<uint4*>(vs + (e / v_vecs) * ldv + (e % v_vecs) * 8);
+                *at = op_from_bf16x8(*at);
+            }
+            __syncthreads();
+#endif
             product(t_frag, vs, ldv, dv, u_out + (size_t)h * dv);
             __syncthreads();  // V, T, c, beta are free for the next head
             if (h + 1 < h_end) load_v(h + 1);
