@@ -56,7 +56,11 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       bits); =grouped_staged (the default): grouped_mma with
                                       gdn_chunk_output_staged; =grouped_coalesced: that with W / U
                                       staged through shared memory and stored as 16-byte row
-                                      pieces (its bits); all six with
+                                      pieces (its bits); =grouped_f16: grouped_staged compiled
+                                      with fp16 instead of bf16 mma operands and intermediates
+                                      (q / k normed, W, U, P, S^T, V'; GDN_F16_OPERANDS): the
+                                      token-by-token path's error instead of ~2.5x it (issue
+                                      #17); all seven with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
                                       the norm's sum in another order)
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
@@ -133,6 +137,9 @@ class PrefillKernels(NamedTuple):
     # the split scan's output: gdn_chunk_output_norm writes the gated-normed rows itself (then only a
     # step's one-token rows go through gdn_gated_norm_rows)
     output: str = "gdn_chunk_output"
+    # gdn_chunked.cu compiled with GDN_F16_OPERANDS: the intermediates and every mma in fp16 instead of
+    # bf16 (only with F16_OPERAND_KERNELS' prepare / output and either state walk; else bf16)
+    f16_operands: bool = False
 
 
 PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", False, "gdn_gated_norm"),
@@ -160,7 +167,13 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                     "gdn_chunk_output_staged"),
                    "grouped_coalesced": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_coalesced", True,
                                                        "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
-                                                       "gdn_chunk_output_staged")}
+                                                       "gdn_chunk_output_staged"),
+                   "grouped_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
+                                                 "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
+                                                 "gdn_chunk_output_staged", f16_operands=True)}
+# the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
+F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
+                                 "gdn_chunk_output_staged"})
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
 GROUPED_PREPARE_KERNELS = ("gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma", CONV_PREPARE_KERNEL,
@@ -209,19 +222,24 @@ DEFAULT_DECODE_KERNEL = "vec4"
 
 
 @functools.cache
-def _module(source: str, key_head_dim: int, conv_width: int = 0) -> cupy.RawModule:
+def _module(source: str, key_head_dim: int, conv_width: int = 0, f16_operands: bool = False) -> cupy.RawModule:
     code = (KERNEL_DIR / source).read_text()
     width = (f"-DCONV_WIDTH={conv_width}",) if conv_width else ()
+    f16 = ("-DGDN_F16_OPERANDS",) if f16_operands else ()
     return cupy.RawModule(code=code, options=("-std=c++17", *kernel_include_options(KERNEL_DIR),
-                                              f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}", *width))
+                                              f"-DDK={key_head_dim}", f"-DSPLIT={SPLIT}", *width, *f16))
 
 
 @functools.cache
-def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0, conv_width: int = 0) -> cupy.RawKernel:
+def kernel(name: str, key_head_dim: int = 128, shared_bytes: int = 0, conv_width: int = 0,
+           f16_operands: bool = False) -> cupy.RawKernel:
     """Kernel ``name`` compiled for ``key_head_dim`` (and ``conv_width`` when non-zero: a
-    compile-time conv width); ``shared_bytes`` above 48 KiB of dynamic shared memory is opted
+    compile-time conv width; ``f16_operands``: gdn_chunked.cu's intermediates in fp16, only
+    F16_OPERAND_KERNELS); ``shared_bytes`` above 48 KiB of dynamic shared memory is opted
     into once here."""
-    function = _module(SOURCE_OF[name], key_head_dim, conv_width).get_function(name)
+    if f16_operands and name not in F16_OPERAND_KERNELS:
+        raise ValueError(f"{name} takes bf16 operands only (fp16 ones: {sorted(F16_OPERAND_KERNELS)})")
+    function = _module(SOURCE_OF[name], key_head_dim, conv_width, f16_operands).get_function(name)
     if shared_bytes > 48 * 1024:
         function.max_dynamic_shared_size_bytes = shared_bytes
     return function
@@ -483,6 +501,9 @@ def warm_up(config: Qwen35Config) -> None:
                    chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
         kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
+        choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
+        if choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].f16_operands:  # its own module
+            _module(SOURCE_OF["gdn_chunk_states"], dk, 0, True)
     if fused_decode_supported(config):
         chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
@@ -713,6 +734,9 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     p_chunks = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.uint16)
     cum = cupy.empty((num_tokens, nv), dtype=cupy.float32)
     prepare = prefill.prepare
+    if prefill.f16_operands and not (prefill.split_scan and {prepare, prefill.output} <= F16_OPERAND_KERNELS):
+        prefill = prefill._replace(f16_operands=False)  # a fallback kernel of the chain takes bf16 operands
+    f16 = prefill.f16_operands
     if prepare in GROUPED_PREPARE_KERNELS:  # a block per chunk and key head (or per value head: small steps)
         prepare_bytes = chunk_prepare_grouped_shared_bytes(dk, dv, nv // nk)
         prepare_grid = (num_chunks, nk, grouped_prepare_split(num_chunks, nk, nv // nk))
@@ -729,7 +753,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                 shared_mem=prepare_bytes)
         update_conv_windows()
     else:
-        _launch(prepare, kernel(prepare, dk, prepare_bytes), prepare_grid, (128,),
+        _launch(prepare, kernel(prepare, dk, prepare_bytes, f16_operands=f16), prepare_grid, (128,),
                 (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, *outputs),
                 shared_mem=prepare_bytes)
     if prefill.split_scan:  # (`core` is the layer's output when prefill.output norms it)
@@ -742,11 +766,11 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         if prefill.states == "gdn_chunk_states_registers":
             warps = register_states_warps(dv)
             states_bytes = chunk_states_registers_shared_bytes(dk, dv)
-            states_kernel = kernel(prefill.states, dk, states_bytes)
+            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
         else:
             states_bytes = chunk_states_shared_bytes(dk)
-            states_kernel = kernel(prefill.states, dk, states_bytes)
+            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
         _launch(prefill.states, states_kernel, states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
@@ -756,7 +780,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         if prefill.output == "gdn_chunk_output_norm":
             output_args += (proj, np.int32(proj.shape[1]), np.int32(config.conv_dim), w.norm,
                             np.float32(config.rms_norm_eps))
-        _launch(prefill.output, kernel(prefill.output, dk, output_bytes), (num_chunks, nv), (128,), output_args,
+        _launch(prefill.output, kernel(prefill.output, dk, output_bytes, f16_operands=f16), (num_chunks, nv), (128,),
+                output_args,
                 shared_mem=output_bytes)
         return
     scan_bytes = chunk_scan_shared_bytes(dk)

@@ -263,3 +263,76 @@ def test_chunked_prefill_and_fused_decode_match_numpy(fast_harness, tmp_path):
     # the bulk kernel (state tile by bulk copies through shared memory): vec4's outputs, window and state bit for bit
     assert read_array(tmp_path, "bulk_same", np.int32, (1,))[0] == 1
     np.testing.assert_array_equal(read_array(tmp_path, "bulk_arrivals", np.int32, (6 * nk,)), 0)
+
+
+OPERAND_HARNESS = Path(__file__).parent / "cuda_emulation" / "operand_format_harness.cpp"
+
+
+def test_fp16_operands_cut_the_chunked_prefill_error(tmp_path_factory):
+    """Issue #17: the default chunked chain (grouped_mma prepare, either state walk, staged output, gated
+    norm) compiled with bf16 and with fp16 operands (GDN_F16_OPERANDS, OPENINFER_QWEN35_GDN_PREFILL=
+    grouped_f16), mma emulated lane by lane, against the NumPy reference: a 256-token prompt from
+    scratch and 130 tokens continuing a saved state. Both walks agree to fp32 sums in either format;
+    fp16 has well under the bf16 operands' error (the layer's output and the final states)."""
+    kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
+                                     "linear_value_head_dim": FAST_VALUE_DIM})
+    rng = np.random.default_rng(5)
+    nk, nv, width, conv_dim = (config.linear_num_key_heads, config.linear_num_value_heads,
+                               config.linear_conv_kernel_dim, config.conv_dim)
+    features = conv_dim + config.linear_value_dim + 2 * nv
+    conv_weight = bf16(0.4 * rng.standard_normal((conv_dim, width)))
+    neg_rate = -np.exp(rng.uniform(np.log(0.05), np.log(4.0), nv)).astype(np.float32)
+    dt_bias = bf16(0.5 * rng.standard_normal(nv))
+    norm = bf16(1 + 0.3 * rng.standard_normal(FAST_VALUE_DIM))
+    weights = DeltaNetWeights(None, conv_weight, neg_rate, dt_bias, norm, None)
+    lengths, slots, fresh = [256, 130], np.array([2, 0], np.int32), np.array([True, False])
+    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    proj = bf16(rng.standard_normal((query_start[-1], features)))
+    conv_state = bf16(rng.standard_normal((3, width - 1, conv_dim)))
+    ssm_state = (0.3 * rng.standard_normal((3, nv, FAST_KEY_DIM, FAST_VALUE_DIM))).astype(np.float32)
+    host_conv, host_ssm = conv_state.copy(), ssm_state.copy()
+    expected = gated_deltanet.delta_net(proj, weights, host_conv, host_ssm,
+                                        StepSequences(query_start.astype(np.int64), slots.astype(np.int64), fresh),
+                                        config)
+    chunk_start, chunk_len, seq_chunks = gated_deltanet.chunk_layout(query_start)
+    errors = {}
+    for fmt, defines in (("bf16", {}), ("fp16", {"GDN_F16_OPERANDS": 1})):
+        directory = tmp_path_factory.mktemp(f"gdn-{fmt}")
+        binary = compile_harness(OPERAND_HARNESS, kernels, directory / "harness", {"DK": FAST_KEY_DIM, **defines})
+        run_harness(binary, directory, nk, nv, FAST_VALUE_DIM, width, config.rms_norm_eps, timeout=600,
+                    proj=float32_to_bf16(proj), conv_weight=float32_to_bf16(conv_weight),
+                    conv_state=float32_to_bf16(conv_state), ssm_state=ssm_state, neg_decay_rate=neg_rate,
+                    dt_bias=dt_bias, norm=float32_to_bf16(norm), query_start=query_start, slots=slots,
+                    fresh=fresh.astype(np.int32),
+                    token_seq=np.repeat(np.arange(len(lengths), dtype=np.int32), lengths),
+                    chunk_start=chunk_start, chunk_len=chunk_len, seq_chunks=seq_chunks)
+        outs = {walk: read_array(directory, f"{walk}_out", np.uint16, expected.shape) for walk in ("shared", "registers")}
+        states = {walk: read_array(directory, f"{walk}_ssm_state", np.float32, ssm_state.shape)
+                  for walk in ("shared", "registers")}
+        # the two walks: the same products on the same operands, in another order of fp32 sums
+        mismatched = int((outs["registers"] != outs["shared"]).sum())
+        print(f"{fmt}: walks differ at {mismatched} of {outs['shared'].size} outputs")
+        assert mismatched <= 1e-3 * outs["shared"].size
+        np.testing.assert_allclose(outs["registers"], outs["shared"], rtol=1e-2, atol=1e-4)
+        np.testing.assert_allclose(states["registers"], states["shared"], rtol=1e-4, atol=1e-5)
+        # against the token-by-token kernel on the same conv_out (fp32 state, q / k normed in fp32): what
+        # the chunked path adds; and against the NumPy reference (no bf16 conv_out / beta / norm rounding)
+        base_out = read_array(directory, "recurrent_out", np.uint16, expected.shape)
+        base_core = read_array(directory, "recurrent_core", np.uint16, expected.shape)
+        base_state = read_array(directory, "recurrent_ssm_state", np.float32, ssm_state.shape)[slots]
+        core = read_array(directory, "shared_core", np.uint16, expected.shape)
+        out, state = outs["shared"], states["shared"][slots]
+        assert np.abs(out - expected).max() <= 0.05 * max(1.0, float(np.abs(expected).max()))
+
+        def relative(a, b):
+            return float(np.abs(a - b).mean() / np.abs(b).mean())
+
+        errors[fmt] = {"core vs token-by-token": relative(core, base_core),
+                       "state vs token-by-token": relative(state, base_state),
+                       "output vs NumPy": relative(out, expected)}
+        errors["token-by-token output vs NumPy"] = relative(base_out, expected)
+    print(f"relative mean |error|: {errors}")
+    for what in ("core vs token-by-token", "state vs token-by-token"):
+        assert errors["fp16"][what] < 0.3 * errors["bf16"][what], what
+    assert errors["fp16"]["output vs NumPy"] < errors["bf16"]["output vs NumPy"]
