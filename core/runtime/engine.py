@@ -629,13 +629,18 @@ class PagedEngine:
             self._resolve(launched)
 
     def _fail_plan(self, plan: SchedulerOutput, failure: Exception) -> None:
+        fault = None
+        if is_device_fault(failure):
+            # every later step would fail the same way: stop the loop (health turns unhealthy, the
+            # engine-core process exits and its supervisor starts a fresh one). Unhealthy before the
+            # step's requests hear of it, so a client that sees the error never sees "ok" after it.
+            fault = DeviceFaultError(f"the device faulted ({failure!r}); the engine stops to be restarted")
+            self._fatal = fault
         for chunk in plan.chunks:
             if chunk.request.status is RequestStatus.RUNNING:
                 self._fail(chunk.request, f"model step failed: {failure!r}")
-        if is_device_fault(failure):
-            # every later step would fail the same way: stop the loop (health turns unhealthy, the
-            # engine-core process exits and its supervisor starts a fresh one)
-            raise DeviceFaultError(f"the device faulted ({failure!r}); the engine stops to be restarted") from failure
+        if fault is not None:
+            raise fault from failure
 
     def _may_sample_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a step may be sampled before the previous one is read back: none of its rows
