@@ -48,10 +48,12 @@ MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into
                        K/V stages), elsewhere ``mla_prefill_attention_pipelined``
                        (mma.sync; ``OPENINFER_MLA_PREFILL=pipelined`` / ``=plain``)
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
-                       around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads),
-                       ``mla_attention_mma`` (17-64 heads) or ``mla_attention`` (CUDA
-                       cores, 16 heads per block) (core ``mla.choose_absorbed_kernel``;
-                       ``OPENINFER_MLA_DECODE`` forces one)
+                       around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads,
+                       1 row; from 2 rows on Hopper ``mla_attention_tma``: TMA latent
+                       rows, balanced splits), ``mla_attention_mma`` (17-64 heads) or
+                       ``mla_attention`` (CUDA cores, 16 heads per block) (core
+                       ``mla.choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE``
+                       forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k;    core
                        from 1,024 tokens the logits on tensor cores, ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
@@ -65,7 +67,8 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        ``moe_gemv_wide_nc`` to 1.5, SiLU·mul in its epilogue; FP8:
                        ``moe_gemv`` to 3),
                        else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent wgmma,
-                       TMA weight tiles, gate_up with SiLU·mul fused;
+                       TMA weight tiles, gate_up with SiLU·mul fused; 64-slot x 128-row
+                       tiles with 128-wide k stages up to 24 slots per expert;
                        ``OPENINFER_MOE_SM90=0``: off), elsewhere
                        ``moe_grouped_gemm_pipelined`` (SiLU·mul fused) and cuBLAS per
                        expert for eager steps from 512 slots per expert; INT4 / FP8:
@@ -74,7 +77,8 @@ shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forwa
                        for steps of up to 16 tokens on a side stream beside the routing
                        and the routed experts, joined before the combine (same bits;
                        ``OPENINFER_MOE_SHARED_OVERLAP=1`` / ``=0``: always / never)
-combine                ``moe_combine`` (fixed slot order, + shared experts)              core
+combine                ``moe_combine`` (fixed slot order, + shared experts); from 256    core
+                       tokens ``moe_combine_vec8`` (8 columns a thread, the same bits)
 =====================  ================================================================  =======
 
 On NumPy, quantized checkpoints are dequantized to fp32 at load (``openinfer.quant``).
