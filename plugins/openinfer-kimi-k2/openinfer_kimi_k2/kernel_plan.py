@@ -55,7 +55,8 @@ MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs ove
                        ``mla.choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE``
                        forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k;    core
-                       from 1,024 tokens the logits on tensor cores, ``moe_routing.cu``)
+                       from 1,024 tokens the logits on tensor cores,
+                       ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
                        block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
@@ -66,13 +67,14 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        ``OPENINFER_INT4_LAYOUT=rows``: ``moe_gemv_mma_staged``; bf16:
                        ``moe_gemv_wide_nc`` to 1.5, SiLU·mul in its epilogue; FP8:
                        ``moe_gemv`` to 3),
-                       else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent wgmma,
-                       TMA weight tiles, gate_up with SiLU·mul fused; 64-slot x 128-row
-                       tiles with 128-wide k stages up to 24 slots per expert;
+                       else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent
+                       wgmma, TMA weight tiles, gate_up with SiLU·mul fused; 64-slot x
+                       128-row tiles with 128-wide k stages up to 24 slots per expert;
                        ``OPENINFER_MOE_SM90=0``: off), elsewhere
                        ``moe_grouped_gemm_pipelined`` (SiLU·mul fused) and cuBLAS per
                        expert for eager steps from 512 slots per expert; INT4 / FP8:
-                       ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV`` forces a decode GEMV
+                       ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV`` forces a decode
+                       GEMV
 shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``:    core
                        for steps of up to 16 tokens on a side stream beside the routing
                        and the routed experts, joined before the combine (same bits;
