@@ -9,7 +9,8 @@ op                     prefill                         decode                   
 embedding              core ``embedding``              same                            core
 layer / final norms    numpy: core ``rms_norm``,       same                            core /
                        ``add_rms_norm``; cuda:                                         plugin
-                       ``zero_centred_(add_)rms_norm``
+                       ``zero_centred_rms_norm``,
+                       ``zero_centred_add_rms_norm``
                        (fp32 1 + w, one rounding)
 projections            core ``linear`` (BLAS/cuBLAS)   same                            core
 full attention         core ``attention`` (q/k norm    same, one query per sequence    core
@@ -25,13 +26,15 @@ GDN layer core         ``delta_net``:                                           
                        ``mma`` (per chunk of 64 and    16-byte accesses) and gated
                        key head: l2 norm, gates, P,    norm in one kernel per
                        T = (I + A)^-1 by 16 x 16       (sequence, value head),
-                       blocks on tensor cores, U, W) →
+                       blocks on tensor cores, U,
+                       W) →
                        ``gdn_chunk_states_registers``  captured in the decode graphs
                        (chunks in order: S, V'; S in
                        mma registers; small steps:
                        ``gdn_chunk_states``) →
-                       ``gdn_chunk_output_staged`` (O,
-                       all chunks at once; tensor cores)
+                       ``gdn_chunk_output_staged``
+                       (O, all chunks at once;
+                       tensor cores)
                        → ``gdn_gated_norm_vec``; a
                        mixed step's one-token rows:
                        ``gdn_delta_rule_rows``; rows
