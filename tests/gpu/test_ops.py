@@ -118,3 +118,48 @@ def test_silu_mul_kernels_give_the_same_bits(cuda_backend, rng, rows, half):
 def test_large_float32_weight_is_narrowed_on_the_gpu(cuda_backend, rng):
     w = rng.standard_normal((300, 301)).astype(np.float32)  # not bf16-representable: rounding matters
     assert np.array_equal(cuda_backend.to_host(cuda_backend.weight(w)), round_to_bf16(w))
+
+
+@pytest.mark.parametrize("shape", ["m64_n128_k2_sk", "m64_n128_k2"])
+@pytest.mark.parametrize("rows", [2, 5, 16, 33, 64])
+def test_skinny_sm90_linear_matches_numpy(cuda_backend, rng, monkeypatch, shape, rows):
+    """OPENINFER_SKINNY_SM90: a GEMM of 2..64 rows as one expert of moe_sm90.cu's grouped GEMM (Hopper)
+    equals the fp32 product within bf16 rounding, at a Moonlight q+kv_a width (not a multiple of the
+    128-row tile) and a K of many k-tiles; eager and graph replay give the same bits."""
+    from openinfer.backend.cuda.linear import SKINNY_SM90_ENV, linear, skinny_sm90
+    from openinfer.backend.cuda.moe_sm90 import sm90_supported
+
+    if not sm90_supported():
+        pytest.skip("moe_sm90.cu needs a compute capability 9.0 GPU")
+    x, w = bf16_random(rng, rows, 2048), bf16_random(rng, 3648 - 64, 2048, scale=0.05)
+    layer = cuda_backend.linear_weight(w)
+    x_dev = cuda_backend.upload(x)
+    out = skinny_sm90(x_dev, layer, shape)
+    assert out is not None and out.shape == (rows, w.shape[0])
+    assert relative_error(cuda_backend.to_host(out), x @ w.T) < BF16_TOL
+    monkeypatch.setenv(SKINNY_SM90_ENV, shape)
+    eager = linear(x_dev, layer, cuda_backend.blas)
+    assert np.array_equal(cuda_backend.to_host(eager), cuda_backend.to_host(out))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        captured = linear(x_dev, layer, cuda_backend.blas)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(cuda_backend.to_host(captured), cuda_backend.to_host(out))
+
+
+def test_skinny_sm90_declines_what_it_cannot_run(cuda_backend, rng, monkeypatch):
+    """One row (the GEMV's), more than 64 rows, a bias: None (cuBLAS runs); an unknown shape name is a clear error."""
+    from openinfer.backend.cuda.linear import SKINNY_SM90_ENV, skinny_sm90, skinny_sm90_shape
+
+    w = bf16_random(rng, 256, 128)
+    layer = cuda_backend.linear_weight(w)
+    for rows in (1, 65):
+        assert skinny_sm90(cuda_backend.upload(bf16_random(rng, rows, 128)), layer, "m64_n128_k2_sk") is None
+    with_bias = cuda_backend.linear_weight(w, bf16_random(rng, 256))
+    assert skinny_sm90(cuda_backend.upload(bf16_random(rng, 4, 128)), with_bias, "m64_n128_k2_sk") is None
+    monkeypatch.setenv(SKINNY_SM90_ENV, "m3_wide")
+    with pytest.raises(ValueError, match="OPENINFER_SKINNY_SM90"):
+        skinny_sm90_shape()
