@@ -251,6 +251,10 @@ def moe_cost(args: tuple) -> tuple[float, float]:
         _, shared_inner, shared_down = _linear_weight(layer.shared.down)
         moved += shared_up + shared_down
         flops += 2.0 * tokens * (shared_out * hidden + hidden * shared_inner)
+    else:  # fused shared experts (OPENINFER_MOE_SHARED_FUSED): the last S experts of the device stacks
+        fused = int(getattr(getattr(layer, "stacked", None), "shared_experts", 0) or 0)
+        moved += fused * (up_bytes + down_bytes)
+        flops += 2.0 * tokens * fused * (up_out * hidden + hidden * inner)
     return moved, flops
 
 
