@@ -26,8 +26,6 @@ import argparse
 import http.client
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +34,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gpu_concurrency import free_port, stop  # noqa: E402  (one way to start and stop a server process tree)
+
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
 STARTUP_LINES = ("kernel modules", "captured", "prefill warm-up", "start-up", "Traceback", "Error")
 
@@ -52,12 +54,6 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
             raise argparse.ArgumentTypeError(f"variant {text!r}: {item!r} is not ENV=VALUE")
         env[key] = value
     return name, env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def request(port: int, method: str, path: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -87,16 +83,6 @@ def wait_ready(port: int, process: subprocess.Popen, began: float, timeout: floa
             pass
         time.sleep(0.02)
     raise TimeoutError(f"not ready within {timeout:.0f} s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def timed_requests(port: int, model: str, prompt_len: int, count: int, seed: int) -> list[float]:
