@@ -45,75 +45,6 @@ def residual_gemm_wanted() -> bool:
     return value == "1"
 
 
-# "<shape>" (a moe_sm90 tile shape, e.g. "m64_n128_k2_sk"; "1" = that one) or "0" (default): a GEMM of
-# 2..SKINNY_SM90_MAX_ROWS rows runs as one expert of the Hopper grouped GEMM (moe_sm90.cu: TMA weight
-# stream, wgmma, stream-K so that a narrow weight still spreads over every SM) instead of cuBLAS, which
-# reads decode-sized weights at 25-40 % of the copy bandwidth (Moonlight's q+kv_a / o_proj at 16 rows,
-# results/ledger_moonlight_s10d1_h200.md). Opt-in until measured (benchmarks/gpu_skinny_gemm.py).
-SKINNY_SM90_ENV = "OPENINFER_SKINNY_SM90"
-SKINNY_SM90_DEFAULT_SHAPE = "m64_n128_k2_sk"
-SKINNY_SM90_MAX_ROWS = 64
-
-
-def skinny_sm90_shape() -> str | None:
-    """The tile shape ``OPENINFER_SKINNY_SM90`` names (None: off); an unknown name is a clear error."""
-    value = os.environ.get(SKINNY_SM90_ENV, "0").strip()
-    if value in ("", "0", "off"):
-        return None
-    shape = SKINNY_SM90_DEFAULT_SHAPE if value in ("1", "on") else value
-    from openinfer.backend.cuda.moe_sm90 import SM90_SHAPES
-
-    if shape not in SM90_SHAPES:
-        raise ValueError(f"{SKINNY_SM90_ENV}={value!r}: expected 0, 1 or a tile shape ({', '.join(SM90_SHAPES)})")
-    return shape
-
-
-class _DenseRows:
-    """A one-expert routing of ``rows`` rows in order, as ``grouped_gemm_sm90`` reads it with
-    ``gather=False``: the expert offsets ``[0, rows]`` and a slot array of ``rows`` entries (only its
-    size is read). Views of a per-device table made once outside any graph capture."""
-
-    __slots__ = ("offsets", "sorted_slots", "top_k")
-
-    def __init__(self, offsets: cupy.ndarray, sorted_slots: cupy.ndarray):
-        self.offsets, self.sorted_slots, self.top_k = offsets, sorted_slots, 1
-
-
-_dense_row_tables: dict[int, tuple[cupy.ndarray, cupy.ndarray]] = {}
-
-
-def _dense_rows(rows: int) -> _DenseRows | None:
-    device = cupy.cuda.Device().id
-    table = _dense_row_tables.get(device)
-    if table is None:
-        if cupy.cuda.get_current_stream().is_capturing():
-            return None  # no upload inside a capture: this call takes cuBLAS
-        counts = np.arange(SKINNY_SM90_MAX_ROWS + 1, dtype=np.int32)
-        table = _dense_row_tables[device] = (cupy.asarray(np.stack([np.zeros_like(counts), counts], axis=1)),
-                                             cupy.arange(SKINNY_SM90_MAX_ROWS, dtype=cupy.int32))
-    return _DenseRows(table[0][rows], table[1][:rows])
-
-
-def skinny_sm90(x: cupy.ndarray, layer: CudaLinear, shape: str) -> cupy.ndarray | None:
-    """``x @ W^T`` ``[M, out]`` bf16 by moe_sm90.cu's grouped GEMM with one expert (tile ``shape``),
-    or None where it cannot run (rows outside 2..SKINNY_SM90_MAX_ROWS, a bias, not a Hopper GPU, a
-    weight the kernel's tensor map cannot take, a first call inside a graph capture)."""
-    from openinfer.backend.cuda.moe import ExpertLinear
-    from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_ready
-
-    rows = x.shape[0]
-    if layer.bias is not None or not 2 <= rows <= SKINNY_SM90_MAX_ROWS:
-        return None
-    n, k = layer.out_features, layer.in_features
-    weight = ExpertLinear("bf16", layer.weight.reshape(1, n, k), None, n, k)
-    if not sm90_ready(x, weight):
-        return None
-    dense_rows = _dense_rows(rows)
-    if dense_rows is None:
-        return None
-    return grouped_gemm_sm90(x, weight, dense_rows, gather=False, shape=shape)  # type: ignore[arg-type]
-
-
 @dataclass
 class CudaLinear:
     weight: cupy.ndarray  # [out_features, in_features] bf16 (uint16)
@@ -228,11 +159,6 @@ def linear(x: cupy.ndarray, layer: CudaLinear, blas: Cublas, use_gemv: bool = Tr
         out = cupy.empty((m, layer.out_features), dtype=cupy.uint16)
         skinny_gemm(x, layer, out)
         return out
-    shape = skinny_sm90_shape() if m <= SKINNY_SM90_MAX_ROWS else None
-    if shape is not None:
-        out = skinny_sm90(x, layer, shape)
-        if out is not None:
-            return out
     rows = padded_rows(m, row_buckets)
     if rows != m:  # the extra rows' inputs are left as they are: rows of a GEMM do not mix
         padded = cupy.empty((rows, layer.in_features), dtype=cupy.uint16)
