@@ -74,6 +74,7 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
                                             bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
+    mla_pdl_enter();
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
@@ -111,6 +112,7 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
     __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
     __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
     __shared__ float scratch[32];
+    mla_pdl_enter();
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;  // 8 columns, ABSORB_ROWS nope rows
     uint4 w[ABSORB_ROWS];
@@ -196,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(32 * EXPAND_WARPS)
 mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */,
                  int num_tokens, int num_heads, bf16* __restrict__ out /* [T, H·V_DIM] */) {
     __shared__ float partial[EXPAND_WARPS][EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    mla_pdl_enter();
     const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
@@ -326,6 +329,7 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
     int begin, end;
     const int* table = mla_split_context<TOKENS_PER_TILE>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     mla_load_query_tile<bf16, HEADS_PER_BLOCK, LATENT, MLA_THREADS>(q_tile, q_latent, q, q_stride, q_pe_offset,
                                                                      t, num_heads, head0, heads);
     const int my_head = threadIdx.x / TOKENS_PER_TILE, my_token = threadIdx.x % TOKENS_PER_TILE;
@@ -383,6 +387,7 @@ extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_
                                               int num_splits, bf16* __restrict__ out) {
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z)
@@ -410,6 +415,7 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -450,6 +456,7 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -807,6 +814,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
 #if MLA_ASYNC_TILES
     if (begin >= end && num_splits > 1) {  // a split past a short context: no loads, its (max, sum) say empty
         if (part == 0)
@@ -971,6 +979,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     int begin, end;
     const int* table = mla_split_context<MLA_SHARED_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     if (begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += MLA_SHARED_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;
