@@ -33,7 +33,7 @@ expand 1 W_UV by mla_expand_small at <= 64 rows (any kernel, $OPENINFER_MLA_EXPA
 chained by programmatic dependent launch ($OPENINFER_MLA_PDL; the graph replay shows it, the per-kernel times
 cannot); max_splits caps
 the context splits ($OPENINFER_MLA_MAX_SPLITS); policy mma_shared's split count (resident / waves,
-$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide, $OPENINFER_MLA_COMBINE);
+$OPENINFER_MLA_SHARED_SPLITS); combine the split combine (shared / loop / wide / flat, $OPENINFER_MLA_COMBINE);
 q_regs 1: mma_shared's query fragments in registers ($OPENINFER_MLA_SHARED_Q_REGS).
 Each variant's output is compared to the first's.
 """
@@ -71,7 +71,7 @@ KERNELS = ("cuda_cores", "mma", "mma16", "mma_shared", "tma")
 SHARED_KEYS = (32, 64)
 TMA_KEYS = (16, 32, 64)  # core's mla_decode_sm90.TMA_KEY_CHOICES
 SPLIT_POLICIES = ("resident", "waves")  # core's resident_splits
-COMBINES = ("loop", "shared", "wide")  # core's COMBINE_KERNELS
+COMBINES = ("loop", "shared", "wide", "flat")  # core's COMBINE_KERNELS
 PREFILL_KERNELS = ("plain", "pipelined", "wgmma")  # core's PREFILL_KERNELS
 SM90_KEYS = ("128", "64")  # core's SM90_PREFILL_STAGES keys
 

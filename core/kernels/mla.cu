@@ -485,6 +485,63 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
 }
 
+// mla_combine_splits_wide's sums with no shared memory and no block barrier: one thread per 4 output dims of a
+// head (grid ceil(T·H·KV_LORA / 4 / 256) blocks of 256), every split's (max, sum) read by each thread, and the
+// partial rows of COMBINE_FLAT_CHUNK splits at a time loaded together before they are summed (one memory round
+// trip per chunk, not a weight pass, a barrier and then the loads). The same weights (a rounded product, as the
+// wide kernel stores them), the same total and the same fused multiply-adds in split order: bit-equal.
+#define COMBINE_FLAT_CHUNK 16
+#define COMBINE_FLAT_THREADS 256
+extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
+mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
+                        int num_rows /* T·H */, bf16* __restrict__ out) {
+    mla_pdl_enter();
+    const long long i = (long long)blockIdx.x * COMBINE_FLAT_THREADS + threadIdx.x;
+    if (i >= (long long)num_rows * (KV_LORA / 4)) return;
+    const long long head = i / (KV_LORA / 4);
+    const int d = (int)(i % (KV_LORA / 4)) * 4;
+    const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
+    if (ml[0].x == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
+    float m = -INFINITY;
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) m = fmaxf(m, split.x);
+    }
+    float total = 0.f;  // in split order, as mla_combine_splits sums
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
+    }
+    const float* column = partial_o + head * num_splits * KV_LORA + d;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
+        float weight[COMBINE_FLAT_CHUNK];  // < 0: an empty split (or past the last)
+        float4 o[COMBINE_FLAT_CHUNK];
+#pragma unroll
+        for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+            const int z = z0 + k;
+            const float2 split = z < num_splits ? ml[z] : make_float2(0.f, 0.f);
+            weight[k] = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+            o[k] = weight[k] >= 0.f ? *reinterpret_cast<const float4*>(column + (long long)z * KV_LORA)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+            if (weight[k] < 0.f) continue;
+            sum[0] = fmaf(weight[k], o[k].x, sum[0]);
+            sum[1] = fmaf(weight[k], o[k].y, sum[1]);
+            sum[2] = fmaf(weight[k], o[k].z, sum[2]);
+            sum[3] = fmaf(weight[k], o[k].w, sum[3]);
+        }
+    }
+    __nv_bfloat162 pairs[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+        pairs[e] = __floats2bfloat162_rn(total > 0.f ? sum[2 * e] / total : 0.f,
+                                         total > 0.f ? sum[2 * e + 1] / total : 0.f);
+    *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
 //

@@ -613,3 +613,35 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
     with pytest.raises(TypeError, match="NumPy"):
         kernel_argument(3)
     assert kernel_argument(np.int32(3)).tobytes() == np.int32(3).tobytes()
+
+
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma", "mma"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixty-four"])
+@pytest.mark.parametrize("heads", [20, 64])
+@pytest.mark.parametrize("balance", ["0", "1"])
+def test_flat_combine_equals_wide(cuda_backend, rng, monkeypatch, kernel, decodes, heads, balance):
+    """mla_combine_splits_flat ($OPENINFER_MLA_COMBINE=flat: a thread per 4 dims, 16 splits' rows loaded together)
+    gives the wide combine's bits: ragged batches split 1 to 64 ways (many splits empty, chunks of 16 splits
+    partly past the last), partial head blocks, tokens the balanced tma kernel wrote whole; with PDL too."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    if balance == "1" and kernel != "tma":
+        pytest.skip("balanced splits are the tma kernel's")
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    spec = _spec(heads)
+    step = ragged_mla_step(rng, spec, *_decode_rows(decodes), BLOCK_SIZE)
+    batch, cache, q, latent, norm, weights, rope, reference = step[:8]
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = {}
+    for combine in ("wide", "flat"):
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        outs[combine] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm,
+                                                      weights, rope, kernel))
+    assert np.array_equal(outs["flat"], outs["wide"])
+    assert relative_error(outs["flat"], reference) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), outs["wide"])

@@ -144,8 +144,12 @@ COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 # the non-empty splits (bit-equal, GPU-tested); 16 heads, graph-replayed mla_forward: batch 1 0.0295 -> 0.0233
 # ms at 1k context (combine 10.7 -> 5.3 us), 0.0378 -> 0.0301 at 4k; batch 16 0.0354 -> 0.0323 / 0.0630 ->
 # 0.0590; batch 64 equal; 256 runs one split (no combine). $OPENINFER_MLA_COMBINE=shared: the former.
+# Opt-in until measured: $OPENINFER_MLA_COMBINE=flat, mla_combine_splits_flat (a thread per 4 output dims, no shared
+# memory or barrier, 16 splits' partial rows loaded together; bit-equal to wide, GPU-tested). D1 (H200, 16 heads,
+# 1k): the wide combine 5.4 / 5.0 / 9.4 us at batch 1 / 16 / 64 for 0.1-8 MB of partials.
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared",
-                   "wide": "mla_combine_splits_wide"}
+                   "wide": "mla_combine_splits_wide", "flat": "mla_combine_splits_flat"}
+COMBINE_FLAT_THREADS = 256  # mla.cu
 COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
@@ -464,7 +468,7 @@ def _shared_decode_kernel(spec: MLASpec, keys: int):
 
 
 def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: wide, the default, shared or loop)."""
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: wide, the default, shared, loop or flat)."""
     name = os.environ.get(COMBINE_ENV) or "wide"
     if name not in COMBINE_KERNELS:
         raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
@@ -521,9 +525,14 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
     name = combine_kernel()
     if partials.splits > COMBINE_SHARED_MAX_SPLITS:
         name = COMBINE_KERNELS["loop"]
+    args = (partials.partial_o, partials.partial_ml, np.int32(partials.splits))
+    if name == COMBINE_KERNELS["flat"]:
+        grid = -(-rows * (spec.kv_lora_rank // 4) // COMBINE_FLAT_THREADS)
+        launch(kernel("mla.cu", name, **_decode_defines(spec)), (grid,), (COMBINE_FLAT_THREADS,),
+               (*args, np.int32(rows), o_latent), after_previous=pdl())
+        return
     grid = (rows, -(-spec.kv_lora_rank // COMBINE_WIDE_DIMS)) if name == COMBINE_KERNELS["wide"] else (rows,)
-    launch(kernel("mla.cu", name, **_decode_defines(spec)), grid, (128,),
-           (partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent), after_previous=pdl())
+    launch(kernel("mla.cu", name, **_decode_defines(spec)), grid, (128,), (*args, o_latent), after_previous=pdl())
 
 
 def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
