@@ -492,6 +492,7 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
 // wide kernel stores them), the same total and the same fused multiply-adds in split order: bit-equal.
 #define COMBINE_FLAT_CHUNK 16
 #define COMBINE_FLAT_THREADS 256
+#ifndef MMA_HOST_STANDIN  // vector types and intrinsics the host stand-in has not
 extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
 mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
                         int num_rows /* T·H */, bf16* __restrict__ out) {
@@ -541,6 +542,7 @@ mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __rest
                                          total > 0.f ? sum[2 * e + 1] / total : 0.f);
     *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
 }
+#endif  // MMA_HOST_STANDIN
 
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
