@@ -604,9 +604,9 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
     from openinfer.backend.cuda.mla_launch import kernel_argument
 
     monkeypatch.delenv(cuda_mla.PDL_ENV, raising=False)
-    assert not cuda_mla.pdl()
+    assert cuda_mla.pdl() == (cuda_mla.DEFAULT_PDL and _hopper())
     monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
-    assert cuda_mla.pdl()
+    assert cuda_mla.pdl() == _hopper()
     monkeypatch.setenv(cuda_mla.PDL_ENV, "on")
     with pytest.raises(ValueError, match="OPENINFER_MLA_PDL"):
         cuda_mla.pdl()

@@ -106,6 +106,7 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # cuBLAS's GEMMs launch as before; clusters of the tma kernel (OPENINFER_MLA_TMA_CLUSTER) are not PDL-launched.
 # The same kernels and sums: bit-equal (GPU-tested).
 PDL_ENV = "OPENINFER_MLA_PDL"
+DEFAULT_PDL = False
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -242,11 +243,17 @@ def _defines(spec: MLASpec) -> dict[str, int]:
 
 
 def pdl() -> bool:
-    """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL=1; default 0)."""
-    text = os.environ.get(PDL_ENV) or "0"
+    """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL, else DEFAULT_PDL;
+    compute capability 9.0 and later only: griddepcontrol is Hopper's)."""
+    text = os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL))
     if text not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} is 0 or 1; got {text!r}")
-    return text == "1"
+    return text == "1" and _has_pdl(cupy.cuda.Device().id)
+
+
+@functools.cache
+def _has_pdl(device_id: int) -> bool:
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 90
 
 
 def _decode_defines(spec: MLASpec) -> dict[str, int]:
