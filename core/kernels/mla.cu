@@ -74,6 +74,7 @@ extern "C" __global__ void mla_write_latent(const bf16* __restrict__ kv_a /* [T,
                                             bf16* __restrict__ cache) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
+    mla_pdl_enter();
     const int half = ROPE_DIM / 2;
     const float* cos_row = cos_table + (long long)positions[t] * half;
     const float* sin_row = sin_table + (long long)positions[t] * half;
@@ -111,6 +112,7 @@ mla_write_absorb(const bf16* __restrict__ kv_a, int kv_a_stride, const bf16* __r
     __shared__ bf16 q_nope[ABSORB_MAX_TOKENS][NOPE_DIM];
     __shared__ float warp_sums[ABSORB_THREADS / 32][ABSORB_MAX_TOKENS][ABSORB_COLUMNS];
     __shared__ float scratch[32];
+    mla_pdl_enter();
     const int h = blockIdx.x, c = blockIdx.y, rope_half = ROPE_DIM / 2;
     const int group = threadIdx.x & 7, row_group = threadIdx.x >> 3;  // 8 columns, ABSORB_ROWS nope rows
     uint4 w[ABSORB_ROWS];
@@ -196,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(32 * EXPAND_WARPS)
 mla_expand_small(const bf16* __restrict__ o_latent /* [T, H, KV_LORA] */, const bf16* __restrict__ w_uv /* [H, V_DIM, KV_LORA] */,
                  int num_tokens, int num_heads, bf16* __restrict__ out /* [T, H·V_DIM] */) {
     __shared__ float partial[EXPAND_WARPS][EXPAND_MAX_TOKENS][EXPAND_COLUMNS];
+    mla_pdl_enter();
     const int h = blockIdx.x, column0 = blockIdx.y * EXPAND_COLUMNS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, pair = (lane & 3) * 2;
     constexpr int STEPS = KV_LORA / EXPAND_WARPS / 16;
@@ -326,6 +329,7 @@ mla_attention(const bf16* __restrict__ q_latent, const bf16* __restrict__ q, int
     int begin, end;
     const int* table = mla_split_context<TOKENS_PER_TILE>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     mla_load_query_tile<bf16, HEADS_PER_BLOCK, LATENT, MLA_THREADS>(q_tile, q_latent, q, q_stride, q_pe_offset,
                                                                      t, num_heads, head0, heads);
     const int my_head = threadIdx.x / TOKENS_PER_TILE, my_token = threadIdx.x % TOKENS_PER_TILE;
@@ -383,6 +387,7 @@ extern "C" __global__ void mla_combine_splits(const float* __restrict__ partial_
                                               int num_splits, bf16* __restrict__ out) {
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     float m = -INFINITY;
     for (int z = 0; z < num_splits; ++z)
@@ -410,6 +415,7 @@ extern "C" __global__ void mla_combine_splits_shared(const float* __restrict__ p
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -450,6 +456,7 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
     __shared__ float total_of_head;
     const long long head = blockIdx.x;
     const float* ml = partial_ml + head * num_splits * 2;
+    mla_pdl_enter();
     if (ml[0] == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
     if (threadIdx.x < 32) {
         float m = -INFINITY;
@@ -477,6 +484,65 @@ extern "C" __global__ void mla_combine_splits_wide(const float* __restrict__ par
         if (weight[z] >= 0.f) sum += weight[z] * column[(long long)z * KV_LORA];
     out[head * KV_LORA + d] = __float2bfloat16_rn(total > 0.f ? sum / total : 0.f);
 }
+
+// mla_combine_splits_wide's sums with no shared memory and no block barrier: one thread per 4 output dims of a
+// head (grid ceil(T·H·KV_LORA / 4 / 256) blocks of 256), every split's (max, sum) read by each thread, and the
+// partial rows of COMBINE_FLAT_CHUNK splits at a time loaded together before they are summed (one memory round
+// trip per chunk, not a weight pass, a barrier and then the loads). The same weights (a rounded product, as the
+// wide kernel stores them), the same total and the same fused multiply-adds in split order: bit-equal.
+#define COMBINE_FLAT_CHUNK 16
+#define COMBINE_FLAT_THREADS 256
+#ifndef MMA_HOST_STANDIN  // vector types and intrinsics the host stand-in has not
+extern "C" __global__ void __launch_bounds__(COMBINE_FLAT_THREADS)
+mla_combine_splits_flat(const float* __restrict__ partial_o, const float* __restrict__ partial_ml, int num_splits,
+                        int num_rows /* T·H */, bf16* __restrict__ out) {
+    mla_pdl_enter();
+    const long long i = (long long)blockIdx.x * COMBINE_FLAT_THREADS + threadIdx.x;
+    if (i >= (long long)num_rows * (KV_LORA / 4)) return;
+    const long long head = i / (KV_LORA / 4);
+    const int d = (int)(i % (KV_LORA / 4)) * 4;
+    const float2* ml = reinterpret_cast<const float2*>(partial_ml + head * num_splits * 2);
+    if (ml[0].x == INFINITY) return;  // written whole by its one split (mla_attention_tma's balanced splits)
+    float m = -INFINITY;
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) m = fmaxf(m, split.x);
+    }
+    float total = 0.f;  // in split order, as mla_combine_splits sums
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 split = ml[z];
+        if (split.y > 0.f) total += __fmul_rn(__expf(split.x - m), split.y);
+    }
+    const float* column = partial_o + head * num_splits * KV_LORA + d;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int z0 = 0; z0 < num_splits; z0 += COMBINE_FLAT_CHUNK) {
+        float weight[COMBINE_FLAT_CHUNK];  // < 0: an empty split (or past the last)
+        float4 o[COMBINE_FLAT_CHUNK];
+#pragma unroll
+        for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+            const int z = z0 + k;
+            const float2 split = z < num_splits ? ml[z] : make_float2(0.f, 0.f);
+            weight[k] = split.y > 0.f ? __fmul_rn(__expf(split.x - m), split.y) : -1.f;
+            o[k] = weight[k] >= 0.f ? *reinterpret_cast<const float4*>(column + (long long)z * KV_LORA)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < COMBINE_FLAT_CHUNK; ++k) {
+            if (weight[k] < 0.f) continue;
+            sum[0] = fmaf(weight[k], o[k].x, sum[0]);
+            sum[1] = fmaf(weight[k], o[k].y, sum[1]);
+            sum[2] = fmaf(weight[k], o[k].z, sum[2]);
+            sum[3] = fmaf(weight[k], o[k].w, sum[3]);
+        }
+    }
+    __nv_bfloat162 pairs[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+        pairs[e] = __floats2bfloat162_rn(total > 0.f ? sum[2 * e] / total : 0.f,
+                                         total > 0.f ? sum[2 * e + 1] / total : 0.f);
+    *reinterpret_cast<uint2*>(out + head * KV_LORA + d) = *reinterpret_cast<const uint2*>(pairs);
+}
+#endif  // MMA_HOST_STANDIN
 
 // ---------------------------------------------------------------------------------------------
 // Decompressed prefill.
@@ -807,6 +873,7 @@ mla_attention_mma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
     int begin, end;
     const int* table = mla_split_context<MMA_DECODE_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
 #if MLA_ASYNC_TILES
     if (begin >= end && num_splits > 1) {  // a split past a short context: no loads, its (max, sum) say empty
         if (part == 0)
@@ -971,6 +1038,7 @@ mla_attention_mma_shared(const bf16* __restrict__ q_latent, const bf16* __restri
     int begin, end;
     const int* table = mla_split_context<MLA_SHARED_KEYS>(query_start, num_seqs, block_tables, max_blocks_per_seq,
                                                           positions, step_token, num_splits, split, begin, end);
+    mla_pdl_enter();  // q_latent, q_pe, the new latent rows and every write: after the previous kernel
     if (begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += MLA_SHARED_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;

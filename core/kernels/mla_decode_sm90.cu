@@ -210,6 +210,15 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         whole = begin == 0 && end == context;
     }
 #endif
+    const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty split
+    if (threadIdx.x == 0 && num_tiles > 0) {
+        prefetch_tensor_map(&cache_map);
+        for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_init_fence();
+    }
+    // MLA_PDL: the set-up above overlaps the previous kernel; the queries, the new latent rows (the first tiles'
+    // copies) and every global write come after it
+    mla_pdl_enter();
     if (TMA_CLUSTER == 1 && begin >= end) {  // a split past a short context (num_splits > 1): its (max, sum) say empty
         for (int h = threadIdx.x; h < heads; h += TMA_THREADS) {
             const long long head = (long long)t * num_heads + head0 + h;
@@ -218,11 +227,7 @@ mla_attention_tma(const bf16* __restrict__ q_latent, const bf16* __restrict__ q,
         }
         return;  // block-uniform
     }
-    const int num_tiles = begin < end ? (end - begin + TMA_KEYS - 1) / TMA_KEYS : 0;  // 0: an empty cluster split
     if (threadIdx.x == 0 && num_tiles > 0) {
-        prefetch_tensor_map(&cache_map);
-        for (int s = 0; s < TMA_STAGES; ++s) mbar_init(bars + 8 * s, 1);
-        mbar_init_fence();
         for (int i = 0; i < TMA_STAGES && i < num_tiles; ++i) {
             int rows[TMA_KEYS / TMA_BOX_ROWS];
             tile_rows(rows, table, block_size, begin + i * TMA_KEYS, end);

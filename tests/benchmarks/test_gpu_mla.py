@@ -74,6 +74,7 @@ def test_bad_arguments_exit_2():
                  ["--variants", "tma:32:::::2:8:1:x"], ["--variants", "tma:32:::::2:8:1:3"],
                  ["--variants", "mma:::::::::1"], ["--variants", "auto::::::::::2"],
                  ["--variants", "mma:::::::::::1"], ["--variants", "tma:::::::::::2"],
-                 ["--variants", "auto::::::::::::2"], ["--variants", "auto::::::::::::1:1"], ["--decode-heads", "0"]):
+                 ["--variants", "auto::::::::::::2"], ["--variants", "auto::::::::::::1:1:1"], ["--variants", "auto:::::::::::::2"],
+                 ["--decode-heads", "0"]):
         result = run("--dry-run", *args)
         assert result.returncode == 2 and "error" in result.stderr, args

@@ -48,3 +48,24 @@ def test_mla_write_absorb_keeps_its_accumulators_in_registers(tmp_path):
     found = re.search(r"Function properties for mla_write_absorb\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores",
                       result.stderr)
     assert found and found.groups() == ("0", "0"), result.stderr
+
+
+@pytest.mark.parametrize("source,arch", [("mla.cu", "sm_90"), ("mla_decode_sm90.cu", "sm_90a")])
+def test_mla_decode_kernels_build_with_pdl(source, arch, tmp_path):
+    """MLA_PDL=1 (core's $OPENINFER_MLA_PDL): the decode kernels build, each with one griddepcontrol.wait and one
+    launch_dependents (mla_split.cuh mla_pdl_enter), and without the define none."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    counts = []
+    for pdl in (0, 1):
+        ptx = tmp_path / f"out{pdl}.ptx"
+        result = subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", f"-I{KERNEL_DIR}", "-DKV_LORA=512", "-DROPE_DIM=64",
+                                 "-DTMA_ROW_BOXES=1", f"-DMLA_PDL={pdl}", "-ptx", str(KERNEL_DIR / source), "-o", str(ptx)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        text = ptx.read_text()
+        counts.append((text.count("griddepcontrol.wait"), text.count("griddepcontrol.launch_dependents")))
+    assert counts[0] == (0, 0)
+    # mla.cu: the latent write, write + W_UK, W_UV, the four combines and three attention kernels
+    assert counts[1] == ((10, 10) if source == "mla.cu" else (1, 1)), counts

@@ -534,3 +534,114 @@ def test_absorbed_kernel_choice(monkeypatch):
     assert cuda_mla.prefill_kernel(MLASpec(16, 64, 32, 128, 512, 0.1)) == "pipelined"
     assert cuda_mla.prefill_kernel(MLASpec(16, 128, 64, 64, 512, 0.1)) == "pipelined"
     assert cuda_mla.prefill_kernel(MLASpec(16, 64, 16, 64, 512, 0.1)) == "plain"
+
+
+def _decode_rows(name: str) -> tuple[list[int], list[int]]:
+    """(cached, new) of DECODES[name], or of "sixteen" / "sixty-four" decodes (contexts 37 apart)."""
+    rows = {"sixteen": 16, "sixty-four": 64}.get(name)
+    return ([int(c) for c in np.arange(rows) * 37], [1] * rows) if rows else DECODES[name]
+
+
+def _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph: bool):
+    """``mla_forward`` of ``step`` on a non-blocking stream (where the PDL launches apply), eager or captured in a
+    CUDA graph and replayed on fresh inputs; the output on the host."""
+    from openinfer.backend.cuda.mla import mla_forward
+
+    batch, _, q, latent, norm, weights, rope = step[:7]
+    args = (cuda_backend.weight(weights.w_uk), cuda_backend.weight(weights.w_uv), cuda_backend.weight(norm), spec,
+            cuda_backend.prepare_batch(batch), cupy.asarray(rope.cos), cupy.asarray(rope.sin), 1e-6)
+    q_dev, latent_dev = cuda_backend.upload(q), cuda_backend.upload(latent)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q_in = q_dev.copy()
+        out = mla_forward(cuda_backend.blas, q_in, latent_dev, device_cache, *args, absorbed_kernel=kernel)
+        if graph:
+            stream.synchronize()
+            mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture() if mode is None else stream.begin_capture(mode)
+            try:
+                out = mla_forward(cuda_backend.blas, q_in, latent_dev, device_cache, *args, absorbed_kernel=kernel)
+            finally:
+                captured = stream.end_capture()
+            q_in[...] = q_dev  # the step rotates q's rope dims in place: fresh inputs for the replay
+            out[...] = 0
+            captured.launch(stream)
+        stream.synchronize()
+    return cuda_backend.to_host(out)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixteen", "sixty-four"])
+@pytest.mark.parametrize("chain", ["cublas", "fused"])
+@pytest.mark.parametrize("kernel", [None, "tma"])
+def test_pdl_decode_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, heads, decodes, chain, kernel):
+    """$OPENINFER_MLA_PDL=1 (the decode kernels built with MLA_PDL, the attention, combine and mla_expand_small
+    launched with programmatic stream serialization): the plain launches' bits, eager on a stream and as a replayed
+    CUDA graph, with the latent write and W_UK as two launches (cuBLAS) or as mla_write_absorb + mla_expand_small
+    ("fused", up to their row limits); and the NumPy reference's output within bf16."""
+    from openinfer.backend.cuda import mla as cuda_mla
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    monkeypatch.setenv(cuda_mla.WRITE_ABSORB_ENV, "1" if chain == "fused" else "0")
+    monkeypatch.setenv(cuda_mla.EXPAND_SMALL_ENV, "1" if chain == "fused" else "0")
+    spec = _spec(heads)
+    cached, new = _decode_rows(decodes)
+    step = ragged_mla_step(rng, spec, cached, new, BLOCK_SIZE)
+    reference = step[7]
+    device_cache = cuda_backend.upload(step[1]).reshape(step[1].shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "0")
+    plain = _stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False)
+    assert relative_error(plain, reference) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=False), plain)
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), plain)
+
+
+def test_pdl_switch_and_launch_arguments(monkeypatch):
+    """$OPENINFER_MLA_PDL is 0 or 1 (a clear error else); the launcher refuses Python numbers (no width)."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda.mla_launch import kernel_argument
+
+    monkeypatch.delenv(cuda_mla.PDL_ENV, raising=False)
+    assert cuda_mla.pdl() == (cuda_mla.DEFAULT_PDL and _hopper())
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
+    assert cuda_mla.pdl() == _hopper()
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "on")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_PDL"):
+        cuda_mla.pdl()
+    with pytest.raises(TypeError, match="NumPy"):
+        kernel_argument(3)
+    assert kernel_argument(np.int32(3)).tobytes() == np.int32(3).tobytes()
+
+
+@pytest.mark.parametrize("kernel", ["mma_shared", "tma", "mma"])
+@pytest.mark.parametrize("decodes", ["ragged", "one-long", "sixty-four"])
+@pytest.mark.parametrize("heads", [20, 64])
+@pytest.mark.parametrize("balance", ["0", "1"])
+def test_flat_combine_equals_wide(cuda_backend, rng, monkeypatch, kernel, decodes, heads, balance):
+    """mla_combine_splits_flat ($OPENINFER_MLA_COMBINE=flat: a thread per 4 dims, 16 splits' rows loaded together)
+    gives the wide combine's bits: ragged batches split 1 to 64 ways (many splits empty, chunks of 16 splits
+    partly past the last), partial head blocks, tokens the balanced tma kernel wrote whole; with PDL too."""
+    from openinfer.backend.cuda import mla as cuda_mla
+    from openinfer.backend.cuda import mla_decode_sm90
+
+    if kernel == "tma" and not _hopper():
+        pytest.skip("the TMA decode kernel needs compute capability 9.0")
+    if balance == "1" and kernel != "tma":
+        pytest.skip("balanced splits are the tma kernel's")
+    monkeypatch.setenv(mla_decode_sm90.TMA_BALANCE_ENV, balance)
+    monkeypatch.delenv(cuda_mla.MAX_SPLITS_ENV, raising=False)
+    spec = _spec(heads)
+    step = ragged_mla_step(rng, spec, *_decode_rows(decodes), BLOCK_SIZE)
+    batch, cache, q, latent, norm, weights, rope, reference = step[:8]
+    device_cache = cuda_backend.upload(cache).reshape(cache.shape[0], BLOCK_SIZE, 1, spec.latent_dim)
+    outs = {}
+    for combine in ("wide", "flat"):
+        monkeypatch.setenv(cuda_mla.COMBINE_ENV, combine)
+        outs[combine] = cuda_backend.to_host(_forward(cuda_backend, spec, batch, device_cache, q, latent, norm,
+                                                      weights, rope, kernel))
+    assert np.array_equal(outs["flat"], outs["wide"])
+    assert relative_error(outs["flat"], reference) < BF16_TOL
+    monkeypatch.setenv(cuda_mla.PDL_ENV, "1")
+    assert np.array_equal(_stream_forward(cuda_backend, spec, step, device_cache, kernel, graph=True), outs["wide"])

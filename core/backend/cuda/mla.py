@@ -35,6 +35,7 @@ from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda import mla_decode_sm90
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
+from openinfer.backend.cuda.mla_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec, decompressed_prefill_layout
 
@@ -97,6 +98,15 @@ WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # from global memory) instead of cuBLAS's batched GEMM in steps of at most EXPAND_SMALL_MAX_TOKENS rows.
 EXPAND_SMALL_ENV = "OPENINFER_MLA_EXPAND_SMALL"
 EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 128  # mla.cu EXPAND_*
+# Opt-in until measured: $OPENINFER_MLA_PDL=1 builds the decode kernels with MLA_PDL (mla_split.cuh: each CTA lets
+# the next kernel launch at once, and waits for the previous kernel before its dependent reads and its writes) and
+# launches the attention kernel, the split combine and mla_expand_small with programmatic stream serialization
+# (mla_launch.py): each one's launch, CTA start and index set-up overlap the kernel before it, in eager steps and as
+# programmatic edges of a captured decode graph. The latent write / mla_write_absorb (after the projections) and
+# cuBLAS's GEMMs launch as before; clusters of the tma kernel (OPENINFER_MLA_TMA_CLUSTER) are not PDL-launched.
+# The same kernels and sums: bit-equal (GPU-tested).
+PDL_ENV = "OPENINFER_MLA_PDL"
+DEFAULT_PDL = False
 # Defaults since E3 (H200, 2026-11-24; both bit-equal to the kernels before, GPU-tested): mla_attention_mma
 # with its query and key tiles copied by cp.async (every 16-byte copy of a tile in flight at once) and
 # splits past a short context leaving at once (OPENINFER_MLA_ASYNC_TILES=0: the plain loads), and
@@ -135,8 +145,12 @@ COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 # the non-empty splits (bit-equal, GPU-tested); 16 heads, graph-replayed mla_forward: batch 1 0.0295 -> 0.0233
 # ms at 1k context (combine 10.7 -> 5.3 us), 0.0378 -> 0.0301 at 4k; batch 16 0.0354 -> 0.0323 / 0.0630 ->
 # 0.0590; batch 64 equal; 256 runs one split (no combine). $OPENINFER_MLA_COMBINE=shared: the former.
+# Opt-in until measured: $OPENINFER_MLA_COMBINE=flat, mla_combine_splits_flat (a thread per 4 output dims, no shared
+# memory or barrier, 16 splits' partial rows loaded together; bit-equal to wide, GPU-tested). D1 (H200, 16 heads,
+# 1k): the wide combine 5.4 / 5.0 / 9.4 us at batch 1 / 16 / 64 for 0.1-8 MB of partials.
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared",
-                   "wide": "mla_combine_splits_wide"}
+                   "wide": "mla_combine_splits_wide", "flat": "mla_combine_splits_flat"}
+COMBINE_FLAT_THREADS = 256  # mla.cu
 COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
@@ -226,6 +240,25 @@ def resident_splits(num_tokens: int, head_chunks: int, num_sms: int, blocks_per_
 def _defines(spec: MLASpec) -> dict[str, int]:
     return {"KV_LORA": spec.kv_lora_rank, "ROPE_DIM": spec.qk_rope_dim, "NOPE_DIM": spec.qk_nope_dim,
             "V_DIM": spec.v_head_dim}
+
+
+def pdl() -> bool:
+    """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL, else DEFAULT_PDL;
+    compute capability 9.0 and later only: griddepcontrol is Hopper's)."""
+    text = os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL))
+    if text not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} is 0 or 1; got {text!r}")
+    return text == "1" and _has_pdl(cupy.cuda.Device().id)
+
+
+@functools.cache
+def _has_pdl(device_id: int) -> bool:
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 90
+
+
+def _decode_defines(spec: MLASpec) -> dict[str, int]:
+    """``_defines`` of the absorbed decode's kernels, with MLA_PDL=1 under $OPENINFER_MLA_PDL (a build of its own)."""
+    return {**_defines(spec), **({"MLA_PDL": 1} if pdl() else {})}
 
 
 def check_spec(spec: MLASpec) -> None:
@@ -342,7 +375,7 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     # in 16 dependent in-place rounds)
     spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
     rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
-    kernel("mla.cu", "mla_write_latent", **_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
+    kernel("mla.cu", "mla_write_latent", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
 
@@ -364,7 +397,7 @@ def write_latent_absorb(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarr
     (q's rope dims rotated in place, the latent rows stored)."""
     num_tokens, heads = int(q.shape[0]), spec.num_heads
     q_latent = cupy.empty((num_tokens, heads, spec.kv_lora_rank), dtype=cupy.uint16)
-    kernel("mla.cu", "mla_write_absorb", **_defines(spec))(
+    kernel("mla.cu", "mla_write_absorb", **_decode_defines(spec))(
         (heads, spec.kv_lora_rank // WRITE_ABSORB_COLUMNS), (WRITE_ABSORB_THREADS,),
         (latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
          np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), np.int32(num_tokens), w_uk, q_latent, batch.positions,
@@ -434,7 +467,7 @@ def shared_q_regs(spec: MLASpec) -> bool:
 def _shared_decode_kernel(spec: MLASpec, keys: int):
     smem = shared_decode_smem(spec, keys)
     q_regs = {"MLA_SHARED_Q_REGS": 1} if shared_q_regs(spec) else {}
-    attention = kernel("mla.cu", "mla_attention_mma_shared", **_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
+    attention = kernel("mla.cu", "mla_attention_mma_shared", **_decode_defines(spec), MLA_SHARED_KEYS=keys, **q_regs)
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
         attention.max_dynamic_shared_size_bytes = smem
         _smem_set[id(attention)] = attention
@@ -442,7 +475,7 @@ def _shared_decode_kernel(spec: MLASpec, keys: int):
 
 
 def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: wide, the default, shared or loop)."""
+    """The split combine's kernel ($OPENINFER_MLA_COMBINE: wide, the default, shared, loop or flat)."""
     name = os.environ.get(COMBINE_ENV) or "wide"
     if name not in COMBINE_KERNELS:
         raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
@@ -452,7 +485,8 @@ def combine_kernel() -> str:
 def _mma_decode_kernel(spec: MLASpec, blocks_of_16: bool):
     """The compiled kernel, allowed its dynamic shared memory (Q tile + one key tile, > 48 KB)."""
     smem = ((16 if blocks_of_16 else MMA_DECODE_HEADS) + MMA_DECODE_KEYS) * (spec.latent_dim + 8) * 2
-    attention = kernel("mla.cu", "mla_attention_mma", **_defines(spec), **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
+    attention = kernel("mla.cu", "mla_attention_mma", **_decode_defines(spec),
+                       **({"MLA_ASYNC_TILES": 1} if async_tiles() else {}),
                        **({"MLA_HEADS16": 1} if blocks_of_16 else {}))
     # under discover_kernels `attention` is a stand-in that launches nothing: nothing to allow yet
     if isinstance(attention, cupy.RawKernel) and id(attention) not in _smem_set:
@@ -498,9 +532,14 @@ def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpe
     name = combine_kernel()
     if partials.splits > COMBINE_SHARED_MAX_SPLITS:
         name = COMBINE_KERNELS["loop"]
+    args = (partials.partial_o, partials.partial_ml, np.int32(partials.splits))
+    if name == COMBINE_KERNELS["flat"]:
+        grid = -(-rows * (spec.kv_lora_rank // 4) // COMBINE_FLAT_THREADS)
+        launch(kernel("mla.cu", name, **_decode_defines(spec)), (grid,), (COMBINE_FLAT_THREADS,),
+               (*args, np.int32(rows), o_latent), after_previous=pdl())
+        return
     grid = (rows, -(-spec.kv_lora_rank // COMBINE_WIDE_DIMS)) if name == COMBINE_KERNELS["wide"] else (rows,)
-    kernel("mla.cu", name, **_defines(spec))(grid, (128,), (
-        partials.partial_o, partials.partial_ml, np.int32(partials.splits), o_latent))
+    launch(kernel("mla.cu", name, **_decode_defines(spec)), grid, (128,), (*args, o_latent), after_previous=pdl())
 
 
 def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, spec: MLASpec, batch,
@@ -539,7 +578,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
         elif mla_decode_sm90.tma_balance():
             splits = max(splits, mla_decode_sm90.BALANCE_MIN_SPLITS)
             balance_slots = max(1, blocks_per_sm * num_sms // head_chunks)
-        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster)
+        tma_attention, tma_smem = mla_decode_sm90.tma_decode_kernel(spec, cluster, pdl() and cluster == 1)
     else:
         splits = num_splits(num_tokens, head_chunks, num_sms)
     combined_on_chip = cluster > 1
@@ -553,15 +592,16 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
             partial_ml, NULL if token_rows is None else token_rows)
     if name == "tma":
         mla_decode_sm90.launch_tma_decode(tma_attention, tma_smem, (num_tokens, head_chunks, splits), args, cache,
-                                          balance_slots)
+                                          balance_slots, after_previous=pdl() and cluster == 1)
     elif name == "mma_shared":
         attention, smem = _shared_decode_kernel(spec, keys)
-        attention((num_tokens, head_chunks, splits), (SHARED_THREADS,), args, shared_mem=smem)
+        launch(attention, (num_tokens, head_chunks, splits), (SHARED_THREADS,), args, smem, after_previous=pdl())
     elif name in ("mma", "mma16"):
         attention, smem = _mma_decode_kernel(spec, blocks_of_16)
-        attention((num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, shared_mem=smem)
+        launch(attention, (num_tokens, head_chunks, splits), (MMA_DECODE_THREADS,), args, smem, after_previous=pdl())
     else:
-        kernel("mla.cu", "mla_attention", **_defines(spec))((num_tokens, head_chunks, splits), (MLA_THREADS,), args)
+        launch(kernel("mla.cu", "mla_attention", **_decode_defines(spec)), (num_tokens, head_chunks, splits),
+               (MLA_THREADS,), args, after_previous=pdl())
     return o_latent, SplitPartials(partial_o, partial_ml, splits) if splits > 1 and not combined_on_chip else None
 
 
@@ -579,8 +619,9 @@ def expand_values(blas: Cublas, o_latent: cupy.ndarray, w_uv: cupy.ndarray, spec
     """W_UV: ``out [T, H·v]`` from ``o_latent [T, H, lora]`` (one strided-batched GEMM, or mla_expand_small)."""
     num_tokens, heads, v, lora = int(o_latent.shape[0]), spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
     if expand_small_fits(num_tokens, spec):
-        kernel("mla.cu", "mla_expand_small", **_defines(spec))((heads, v // EXPAND_SMALL_COLUMNS), (EXPAND_SMALL_THREADS,),
-                                                               (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out))
+        launch(kernel("mla.cu", "mla_expand_small", **_decode_defines(spec)), (heads, v // EXPAND_SMALL_COLUMNS),
+               (EXPAND_SMALL_THREADS,), (o_latent, w_uv, np.int32(num_tokens), np.int32(heads), out),
+               after_previous=pdl())
         return
     # o_h^T [v x T] = W_UV[h] [v x lora] . o_latent_h^T [lora x T]
     blas.matmul_strided_batched(True, False, v, num_tokens, lora, w_uv, lora, v * lora,

@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.mla_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec
 
@@ -173,14 +174,16 @@ def tma_blocks_per_sm_of(spec: MLASpec) -> int:
     return tma_blocks_per_sm(tma_decode_smem(spec, *tma_tile(), tma_one_barrier()))
 
 
-def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
-    """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory."""
+def tma_decode_kernel(spec: MLASpec, cluster: int = 1, pdl: bool = False) -> tuple[object, int]:
+    """The compiled kernel for the current tile choice and ``cluster`` (tma_cluster), and its shared memory;
+    ``pdl``: built with MLA_PDL (core's $OPENINFER_MLA_PDL, programmatic dependent launch)."""
     keys, stages = tma_tile()
     one_barrier = tma_one_barrier()
     smem = tma_decode_smem(spec, keys, stages, one_barrier)
     attention = arch_kernel("mla_decode_sm90.cu", "mla_attention_tma", "sm_90a", smem, KV_LORA=spec.kv_lora_rank,
                             ROPE_DIM=spec.qk_rope_dim, TMA_KEYS=keys, TMA_STAGES=stages, TMA_CLUSTER=cluster,
-                            TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()))
+                            TMA_ONE_BARRIER=int(one_barrier), TMA_ROW_BOXES=int(tma_row_boxes()),
+                            **({"MLA_PDL": 1} if pdl else {}))
     ptr = getattr(attention, "ptr", None)  # None: a discover_kernels stand-in
     if cluster > 8 and ptr is not None and ptr not in _non_portable_allowed:
         cupy.cuda.driver.funcSetAttribute(ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
@@ -189,8 +192,9 @@ def tma_decode_kernel(spec: MLASpec, cluster: int = 1) -> tuple[object, int]:
 
 
 def launch_tma_decode(attention, smem: int, grid: tuple[int, int, int], args: tuple, cache: cupy.ndarray,
-                      balance_slots: int = 0) -> None:
+                      balance_slots: int = 0, after_previous: bool = False) -> None:
     """``mla_attention_tma`` over ``grid`` with mla_attention_mma_shared's ``args``, ``balance_slots`` (0: each
-    token's context split evenly over grid z) and the cache's map."""
-    attention(grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache, tma_row_boxes())),
-              shared_mem=smem)
+    token's context split evenly over grid z) and the cache's map; ``after_previous``: a programmatic dependent
+    launch (a kernel built with MLA_PDL)."""
+    launch(attention, grid, (TMA_THREADS,), (*args, np.int32(balance_slots), cache_map(cache, tma_row_boxes())),
+           smem, after_previous=after_previous)
