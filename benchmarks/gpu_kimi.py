@@ -1327,8 +1327,12 @@ MOE_SHAPES = {
     "kimi": {"hidden": 7168, "inter": 2048, "experts": 384, "top_k": 8, "shared": 1, "format": "int4",
              "scaling": 2.827, "copies": 1},
 }
-# variant -> (environment switches, INT4 experts tiled); "inline": what ships
-MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+# variant -> (environment switches, INT4 experts tiled); "default": what ships; "inline": the shared experts
+# on the main stream; OPENINFER_MOE_SHARED_FUSED=1 in a variant's switches runs the layer with its shared
+# experts stacked after the routed ones (moe.fuse_shared_experts; bf16 experts only)
+MOE_VARIANTS = {"default": ({}, False),
+                "inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+                "shared_fused": ({"OPENINFER_MOE_SHARED_FUSED": "1"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
                 "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),
@@ -1384,7 +1388,10 @@ def run_moe(args) -> dict:
             tiled = dataclasses.replace(layer, gate_up=cuda_moe.tiled_int4(layer.gate_up),
                                         down=cuda_moe.tiled_int4(layer.down)) \
                 if any(MOE_VARIANTS[v][1] for v in variants) and c["format"] == "int4" else layer
-            blocks.append((layer, tiled, shared))
+            fused = cuda_moe.fuse_shared_experts(layer, shared[0].weight, shared[1].weight) \
+                if any(MOE_VARIANTS[v][0].get(cuda_moe.SHARED_FUSED_ENV) == "1" for v in variants) \
+                and cuda_moe.shared_fusion_fits(layer, shared[0].weight, shared[1].weight) else None
+            blocks.append((layer, tiled, shared, fused))
         per_expert = sum(w.data[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
                          for w in (blocks[0][0].gate_up, blocks[0][0].down))
         shared_bytes = sum(w.weight.nbytes for w in blocks[0][2]) + blocks[0][0].gate.nbytes
@@ -1397,8 +1404,15 @@ def run_moe(args) -> dict:
             outputs = {}
             for variant in variants:
                 switches, use_tiled = MOE_VARIANTS[variant]
-                calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
-                                 shared_experts=partial(shared_mlp, backend, shared)) for layer, tiled, shared in blocks]
+                if switches.get(cuda_moe.SHARED_FUSED_ENV) == "1":
+                    if blocks[0][3] is None:
+                        print(f"# {variant}: {shape}'s shared experts do not fuse (bf16 experts only); skipped")
+                        continue
+                    calls = [partial(cuda_moe.moe_forward, backend, x, fused) for *_, fused in blocks]
+                else:
+                    calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
+                                     shared_experts=partial(shared_mlp, backend, shared))
+                             for layer, tiled, shared, _ in blocks]
                 with switched_env(switches):
                     outputs[variant] = backend.to_host(calls[0]())
                     seconds, error = graph_call_seconds(calls)
@@ -1406,6 +1420,9 @@ def run_moe(args) -> dict:
                 point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes"] / seconds / bandwidth
                 point[f"{variant}_speedup"] = point[f"{variants[0]}_us"] / point[f"{variant}_us"]
                 point[f"{variant}_max_abs_difference"] = float(np.abs(outputs[variant] - outputs[variants[0]]).max())
+                point[f"{variant}_relative_difference"] = float(
+                    np.linalg.norm(outputs[variant] - outputs[variants[0]]) / max(np.linalg.norm(outputs[variants[0]]),
+                                                                                  1e-30))
                 if error:
                     point[f"{variant}_graph_error"] = error
             print(json.dumps(point), flush=True)

@@ -41,6 +41,7 @@ routing's counts back, where cuBLAS on each expert's rows is worth a sync per la
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -460,18 +461,22 @@ def group_blocks_wanted(num_slots: int) -> bool:
 
 
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
-          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
+          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None, shared_experts: int = 0
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
-    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32."""
-    check_router(spec)
-    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid)
+    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32;
+    with ``shared_experts`` S, ``[T, k + S]``: each row's last S entries experts E .. E+S-1, weight 1."""
+    check_router(spec, shared_experts)
+    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid,
+                          shared_experts=shared_experts)
 
 
-def check_router(spec: RouterSpec) -> None:
-    if spec.top_k > MAX_TOPK or spec.num_groups > 64 or spec.num_experts > MAX_EXPERTS:
-        raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK}, n_group <= 64 and at most {MAX_EXPERTS} "
-                         f"experts; got top_k={spec.top_k}, n_group={spec.num_groups}, {spec.num_experts} experts")
+def check_router(spec: RouterSpec, shared_experts: int = 0) -> None:
+    if (spec.top_k + shared_experts > MAX_TOPK or spec.num_groups > 64
+            or spec.num_experts + shared_experts > MAX_EXPERTS or shared_experts < 0):
+        raise ValueError(f"cuda routing supports top_k (+ fused shared experts) <= {MAX_TOPK}, n_group <= 64 and at "
+                         f"most {MAX_EXPERTS} experts; got top_k={spec.top_k}, {shared_experts} fused shared experts, "
+                         f"n_group={spec.num_groups}, {spec.num_experts} experts")
 
 
 def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
@@ -500,18 +505,21 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
 
 def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
                    logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
-                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None,
+                   shared_experts: int = 0) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
     group-limited top-k, weights (``route``'s second half). ``narrow`` (default: with ``logits``, where
     ``router_mma_wanted``): blocks of one thread per expert (at least 64: a thread per expert group)
-    instead of 256, as the block only reads the logits."""
+    instead of 256, as the block only reads the logits. ``shared_experts``: see ``route``."""
     num_tokens, hidden = x.shape
-    check_router(spec)
-    ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
-    weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
+    check_router(spec, shared_experts)
+    width = spec.top_k + shared_experts
+    ids = cupy.empty((num_tokens, width), dtype=cupy.int32)
+    weights = cupy.empty((num_tokens, width), dtype=cupy.float32)
     if narrow is None:
         narrow = logits is not None and router_mma_wanted(num_tokens)
-    if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
+    if (num_tokens and logits is not None and tid2eid is None and not shared_experts
+            and route_warps_wanted(spec)):
         kernel("moe_routing.cu", "moe_route_warps")((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
             logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
@@ -519,7 +527,8 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
         return ids, weights
     threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
-        kernel("moe.cu", "moe_route")(
+        defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
+        kernel("moe.cu", "moe_route", **defines)(
             (num_tokens,), (threads,),
             (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
              np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
@@ -832,6 +841,63 @@ class DeviceMoE:
     gate_up: ExpertLinear  # [E, 2I, H]
     down: ExpertLinear  # [E, H, I]
     tid2eid: cupy.ndarray | None = None  # [vocab, k] int64
+    # shared-experts fusion (``fuse_shared_experts``): the last ``shared_experts`` entries of the gate_up /
+    # down stacks are the layer's shared experts, routed every token with weight 1 (0: none stacked)
+    shared_experts: int = 0
+
+
+# Shared-experts fusion (opt-in until measured: OPENINFER_MOE_SHARED_FUSED=1, read when a model prepares its
+# weights): a shared SwiGLU MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
+# of I rows (its gate / up rows and down columns cut in S runs: the sum over the intermediate splits), stacked
+# after the routed experts; moe_route gives every token those S experts with weight 1 (ROUTE_SHARED_EXPERTS),
+# so their weights stream inside the routed experts' grouped GEMM / GEMV, and the two shared linears, their
+# SiLU·mul and the side stream disappear. Numbers: the shared part is summed in fp32 with the routed ones
+# (the unfused combine adds the shared MLP's bf16 output to the bf16-rounded routed sum), so results differ
+# by bf16 roundings. bf16 experts only (the stack's format), every routed expert held (no expert parallel).
+SHARED_FUSED_ENV = "OPENINFER_MOE_SHARED_FUSED"
+
+
+def shared_fusion_wanted() -> bool:
+    """$OPENINFER_MOE_SHARED_FUSED (1 / 0; unset: off; another value: a clear error)."""
+    return _switch(SHARED_FUSED_ENV)
+
+
+def shared_fusion_fits(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_down: cupy.ndarray) -> bool:
+    """Whether ``fuse_shared_experts`` can stack these shared weights (bf16 ``[2·S·I, H]`` and ``[H, S·I]``)
+    onto ``layer``'s bf16 experts (I their intermediate size, H hidden; S ≥ 1, within MAX_TOPK / MAX_EXPERTS)."""
+    gate_up, down = layer.gate_up, layer.down
+    if layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16":
+        return False
+    inter, hidden = gate_up.out_features // 2, gate_up.in_features
+    if (shared_gate_up.ndim != 2 or shared_down.ndim != 2 or shared_gate_up.dtype != cupy.uint16
+            or shared_down.dtype != cupy.uint16 or not inter or gate_up.out_features % 2):
+        return False
+    rows, count = shared_gate_up.shape[0], shared_gate_up.shape[0] // (2 * inter)
+    return (count >= 1 and rows == 2 * count * inter and shared_gate_up.shape[1] == hidden
+            and shared_down.shape == (hidden, count * inter) and down.out_features == hidden
+            and down.in_features == inter and layer.router.top_k + count <= MAX_TOPK
+            and gate_up.num_experts + count <= MAX_EXPERTS)
+
+
+def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_down: cupy.ndarray) -> DeviceMoE:
+    """``layer`` with its shared SwiGLU MLP (bf16 ``gate_up [2·S·I, H]`` = [gate; up] rows, ``down [H, S·I]``)
+    stacked as S more experts after the routed ones (see SHARED_FUSED_ENV); new stacks, so the caller drops
+    its references to the old ones (and to the shared weights) to free them. ``shared_fusion_fits`` first."""
+    if not shared_fusion_fits(layer, shared_gate_up, shared_down):
+        raise ValueError(f"cannot fuse shared experts gate_up {tuple(shared_gate_up.shape)} / down "
+                         f"{tuple(shared_down.shape)} into bf16 experts of gate_up {tuple(layer.gate_up.data.shape)} "
+                         f"({layer.gate_up.format}): want bf16 [2·S·I, H] and [H, S·I]")
+    experts, inter, hidden = layer.gate_up.num_experts, layer.gate_up.out_features // 2, layer.gate_up.in_features
+    count = shared_gate_up.shape[0] // (2 * inter)
+    gate_up = cupy.empty((experts + count, 2 * inter, hidden), dtype=cupy.uint16)
+    gate_up[:experts] = layer.gate_up.data
+    gate_up[experts:, :inter] = shared_gate_up[:count * inter].reshape(count, inter, hidden)
+    gate_up[experts:, inter:] = shared_gate_up[count * inter:].reshape(count, inter, hidden)
+    down = cupy.empty((experts + count, hidden, inter), dtype=cupy.uint16)
+    down[:experts] = layer.down.data
+    down[experts:] = shared_down.reshape(hidden, count, inter).transpose(1, 0, 2)
+    return dataclasses.replace(layer, gate_up=ExpertLinear("bf16", gate_up, None, 2 * inter, hidden),
+                               down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
 
 
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
@@ -913,9 +979,13 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
     the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
+    if layer.shared_experts and (shared is not None or shared_experts is not None):
+        raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
+                         "pass neither shared nor shared_experts")
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
+                         layer.shared_experts)
+    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
