@@ -206,6 +206,12 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 // ---------------------------------------------------------------------------------------------
 #define ROUTE_WARPS 8
 #define ROUTE_PER_LANE (GROUP_MAX_EXPERTS / 32)
+#ifndef ROUTE_SHARED_EXPERTS
+#define ROUTE_SHARED_EXPERTS 0  // as moe.cu's moe_route: rows of k + S, the last S the fused shared experts (weight 1)
+#endif
+#if ROUTE_SHARED_EXPERTS < 0 || ROUTE_SHARED_EXPERTS > 16
+#error "ROUTE_SHARED_EXPERTS must be in 0 .. 16"
+#endif
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
                 int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
@@ -280,9 +286,13 @@ moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias
         }
     }
     const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    const int row_width = top_k + ROUTE_SHARED_EXPERTS;
     if (lane < top_k) {
-        ids[t * top_k + lane] = my_id;
-        weights[t * top_k + lane] = my_score * norm * scaling;
+        ids[t * row_width + lane] = my_id;
+        weights[t * row_width + lane] = my_score * norm * scaling;
+    } else if (lane < row_width) {
+        ids[t * row_width + lane] = num_experts + lane - top_k;
+        weights[t * row_width + lane] = 1.f;
     }
 }
 

@@ -150,6 +150,32 @@ def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, token
     assert np.array_equal(np.sort(warp_ids.get(), 1), np.sort(ref_ids, 1))
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,shared", [(1, 64, 6, 2), (16, 64, 6, 2), (64, 64, 6, 2),
+                                                         (300, 384, 8, 1)])
+def test_route_with_shared_experts(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared):
+    """ROUTE_SHARED_EXPERTS (shared-experts fusion) in moe_route and moe_route_warps: rows of k + S, the
+    routed part the bits of a plain route, then experts E .. E+S-1 with weight 1; the two kernels agree."""
+    from openinfer.backend.cuda import moe
+
+    router = RouterSpec(experts, top_k, "sigmoid", routed_scaling_factor=2.446)
+    x = cuda_backend.upload(bf16_random(rng, tokens, 256))
+    gate = cuda_backend.weight(bf16_random(rng, experts, 256, scale=0.1))
+    bias = cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    logits = moe.router_logits(x, gate, router, mma=False)
+    results = {}
+    for warps in ("0", "1"):
+        monkeypatch.setenv(moe.ROUTE_WARPS_ENV, warps)
+        plain = moe.select_experts(x, gate, router, bias, logits)
+        ids, weights = moe.select_experts(x, gate, router, bias, logits, shared_experts=shared)
+        assert ids.shape == (tokens, top_k + shared)
+        assert np.array_equal(ids[:, :top_k].get(), plain[0].get())
+        assert np.array_equal(weights[:, :top_k].get(), plain[1].get())
+        assert np.array_equal(ids[:, top_k:].get(), np.broadcast_to(experts + np.arange(shared), (tokens, shared)))
+        assert np.all(weights[:, top_k:].get() == 1.0)
+        results[warps] = (ids.get(), weights.get())
+    assert np.array_equal(results["0"][0], results["1"][0]) and np.array_equal(results["0"][1], results["1"][1])
+
+
 def test_route_warps_not_for_expert_groups(monkeypatch):
     from openinfer.backend.cuda import moe
     from openinfer.moe import RouterSpec

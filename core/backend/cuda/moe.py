@@ -518,16 +518,15 @@ def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correc
     weights = cupy.empty((num_tokens, width), dtype=cupy.float32)
     if narrow is None:
         narrow = logits is not None and router_mma_wanted(num_tokens)
-    if (num_tokens and logits is not None and tid2eid is None and not shared_experts
-            and route_warps_wanted(spec)):
-        kernel("moe_routing.cu", "moe_route_warps")((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
+    defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
+    if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
+        kernel("moe_routing.cu", "moe_route_warps", **defines)((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
             logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
             np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), ids, weights))
         return ids, weights
     threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
-        defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
         kernel("moe.cu", "moe_route", **defines)(
             (num_tokens,), (threads,),
             (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
