@@ -1333,6 +1333,12 @@ MOE_SHAPES = {
 MOE_VARIANTS = {"default": ({}, False),
                 "inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "shared_fused": ({"OPENINFER_MOE_SHARED_FUSED": "1"}, False),
+                # down's Hopper grouped GEMM launched while gate_up's last wave runs (programmatic dependent launch)
+                "sm90_pdl": ({"OPENINFER_MOE_SM90_PDL": "1"}, False),
+                "shared_fused_pdl": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_SM90_PDL": "1"}, False),
+                # a warp per token picks its experts (moe_route_warps) instead of a block per token (moe_route)
+                "route_warps": ({"OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
+                "shared_fused_route_warps": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
                 "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),
