@@ -1339,6 +1339,11 @@ MOE_VARIANTS = {"default": ({}, False),
                 # a warp per token picks its experts (moe_route_warps) instead of a block per token (moe_route)
                 "route_warps": ({"OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
                 "shared_fused_route_warps": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
+                # top-k and grouping in one block (moe_route_sort) after the router logits
+                "route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1"}, False),
+                "shared_fused_route_sort": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_SORT": "1"}, False),
+                "shared_fused_route_sort_pdl": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_SORT": "1",
+                                                 "OPENINFER_MOE_SM90_PDL": "1"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
                 "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),

@@ -432,3 +432,80 @@ def test_shared_fusion_fits_and_switch(cuda_backend, rng, monkeypatch):
     monkeypatch.setenv(moe.SHARED_FUSED_ENV, "yes please")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         moe.shared_fusion_wanted()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,shared,scoring", [
+    (1, 64, 6, 0, "sigmoid"), (16, 64, 6, 2, "sigmoid"), (64, 64, 6, 2, "sigmoid"), (37, 60, 4, 0, "softmax"),
+    (64, 384, 8, 1, "sigmoid"), (3, 512, 16, 0, "sqrtsoftplus")])
+def test_route_sort_equals_route_then_sort(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared, scoring):
+    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route_warps' ids and weights (the fused
+    shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
+    segment holding exactly its slots, slot_pos its inverse; moe_forward gives the bits of the unswitched
+    path, eagerly and replayed from a CUDA graph."""
+    from openinfer.backend.cuda import moe
+
+    hidden, inter = 256, 64
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
+    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
+    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
+                          gate_up, down, shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert moe.route_sort_wanted(tokens, router, None, shared)
+    grouping = moe.route_and_group(x, layer)
+    ids, weights = moe.route(x, layer.gate, router, bias, shared_experts=shared)
+    assert np.array_equal(grouping.ids.get(), ids.get())
+    if scoring == "softmax":
+        assert np.allclose(grouping.weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
+    else:
+        assert np.array_equal(grouping.weights.get(), weights.get())
+    reference = moe.group_by_expert(ids, weights, experts + shared, method="single")
+    offsets = reference.offsets.get()
+    assert np.array_equal(grouping.offsets.get(), offsets)
+    tiles = int(reference.num_tiles.get()[0])
+    assert grouping.max_tiles == reference.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
+    assert np.array_equal(grouping.tile_expert.get()[:tiles], reference.tile_expert.get()[:tiles])
+    assert np.array_equal(grouping.tile_row.get()[:tiles], reference.tile_row.get()[:tiles])
+    sorted_slots, slot_pos, flat_ids = grouping.sorted_slots.get(), grouping.slot_pos.get(), ids.get().reshape(-1)
+    assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
+    for e in range(experts + shared):
+        segment = sorted_slots[offsets[e]:offsets[e + 1]]
+        assert np.array_equal(np.sort(segment), np.flatnonzero(flat_ids == e))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    assert np.array_equal(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer)), plain)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        moe.moe_forward(cuda_backend, x, layer)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, layer)
+        finally:
+            graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(cuda_backend.to_host(out), plain)
+
+
+def test_route_sort_switch_bounds(monkeypatch):
+    """moe_route_sort only where switched on and its shared arrays hold the step; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+
+    spec = RouterSpec(64, 6, "sigmoid")
+    monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
+    assert not moe.route_sort_wanted(16, spec)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
+    assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)
+    assert not moe.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
+    assert not moe.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
+    assert not moe.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_SORT"):
+        moe.route_sort_wanted(16, spec)

@@ -300,6 +300,13 @@ ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 # the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
 # tokens x top-6).
 ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
+# Opt-in until measured: OPENINFER_MOE_ROUTE_SORT=1 runs a decode step's top-k and grouping (routers without
+# expert groups, no hash routing, at most ROUTE_SORT_MAX_TOKENS tokens) as one block, moe_routing.cu's
+# moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
+# the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
+# moe_decode.cu counted arriving blocks in global memory).
+ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64
+ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -458,6 +465,45 @@ def group_blocks_wanted(num_slots: int) -> bool:
     """Whether ``group_by_expert`` takes moe_expert_counts + moe_place_slots: $OPENINFER_MOE_GROUP_BLOCKS
     (default on) and at least GROUP_BLOCKS_MIN_SLOTS slots."""
     return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV, default=True)
+
+
+def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray | None = None,
+                      shared_experts: int = 0) -> bool:
+    """Whether ``route_and_group`` runs (moe_route_sort): $OPENINFER_MOE_ROUTE_SORT (default off), 1 to
+    ROUTE_SORT_MAX_TOKENS tokens, a router without expert groups, no hash routing, the slots and experts
+    within the kernel's shared arrays."""
+    return (_switch(ROUTE_SORT_ENV) and 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS and tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+            and num_tokens * (spec.top_k + shared_experts) <= ROUTE_SORT_MAX_SLOTS
+            and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
+
+
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
+    """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
+    (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
+    slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    logits = router_logits(x, layer.gate, spec, layer.tid2eid)
+    if logits is None:
+        return None
+    num_tokens, width = int(x.shape[0]), spec.top_k + shared
+    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
+    tiles = max_tiles(num_slots, num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
+        tiles, width)
+    defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+    kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
+        logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
+        np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+        grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+        grouping.num_tiles, np.int32(tiles)))
+    return grouping
 
 
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
@@ -982,9 +1028,12 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
                          "pass neither shared nor shared_experts")
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
-                         layer.shared_experts)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
+    grouping = route_and_group(x, layer) if route_sort_wanted(
+        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
+    if grouping is None:
+        ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
+                             layer.shared_experts)
+        grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
