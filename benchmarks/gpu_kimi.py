@@ -1132,6 +1132,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
+    "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
+    "route_warps": "top-k by a warp per token, moe_route_warps ($OPENINFER_MOE_ROUTE_WARPS=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1188,7 +1190,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
-                "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0")}
+                "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0"),
+                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
