@@ -148,7 +148,7 @@ def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, s
 def prepare_weights(weights: Any, ops: Any) -> None:
     """Router tables on the device, next to the stacked experts (once, after loading); with
     $OPENINFER_MOE_SHARED_FUSED the shared experts stacked after the routed ones (``fuse_shared``)."""
-    fuse = cuda_moe.shared_fusion_wanted()
+    fuse, fused = cuda_moe.shared_fusion_wanted(), False
     for layer in weights.layers:
         mlp = layer.mlp
         if isinstance(mlp, MoEWeights) and not isinstance(mlp.stacked, DeviceMoE):
@@ -158,7 +158,9 @@ def prepare_weights(weights: Any, ops: Any) -> None:
                 None if mlp.correction_bias is None else cupy.asarray(mlp.correction_bias, dtype=cupy.float32),
                 gate_up, down, None if mlp.tid2eid is None else cupy.asarray(mlp.tid2eid, dtype=cupy.int64))
             if fuse:
-                fuse_shared(mlp)
+                fused = fuse_shared(mlp) or fused
+    if fused:  # the replaced stacks and shared weights back to the device before the KV cache is sized
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def fuse_shared(mlp: MoEWeights) -> bool:
