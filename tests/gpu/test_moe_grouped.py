@@ -426,6 +426,8 @@ def test_shared_fusion_fits_and_switch(cuda_backend, rng, monkeypatch):
     int4_layer = moe.DeviceMoE(layer.router, layer.gate, None, int4_up, int4_down)
     assert not moe.shared_fusion_fits(int4_layer, shared_gate_up.weight, shared_down.weight)
     monkeypatch.delenv(moe.SHARED_FUSED_ENV, raising=False)
+    assert moe.shared_fusion_wanted() == moe.DEFAULT_SHARED_FUSED
+    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "0")
     assert not moe.shared_fusion_wanted()
     monkeypatch.setenv(moe.SHARED_FUSED_ENV, "1")
     assert moe.shared_fusion_wanted()
@@ -499,6 +501,8 @@ def test_route_sort_switch_bounds(monkeypatch):
 
     spec = RouterSpec(64, 6, "sigmoid")
     monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
+    assert moe.route_sort_wanted(16, spec) == moe.DEFAULT_ROUTE_SORT
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
     assert not moe.route_sort_wanted(16, spec)
     monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
     assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)

@@ -305,7 +305,7 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 # moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
 # the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
 # moe_decode.cu counted arriving blocks in global memory).
-ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64
+ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, DEFAULT_ROUTE_SORT = "OPENINFER_MOE_ROUTE_SORT", 64, False
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
@@ -469,10 +469,10 @@ def group_blocks_wanted(num_slots: int) -> bool:
 
 def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray | None = None,
                       shared_experts: int = 0) -> bool:
-    """Whether ``route_and_group`` runs (moe_route_sort): $OPENINFER_MOE_ROUTE_SORT (default off), 1 to
+    """Whether ``route_and_group`` runs (moe_route_sort): $OPENINFER_MOE_ROUTE_SORT (unset: DEFAULT_ROUTE_SORT), 1 to
     ROUTE_SORT_MAX_TOKENS tokens, a router without expert groups, no hash routing, the slots and experts
     within the kernel's shared arrays."""
-    return (_switch(ROUTE_SORT_ENV) and 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS and tid2eid is None
+    return (_switch(ROUTE_SORT_ENV, default=DEFAULT_ROUTE_SORT) and 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS and tid2eid is None
             and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
             and num_tokens * (spec.top_k + shared_experts) <= ROUTE_SORT_MAX_SLOTS
             and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
@@ -900,11 +900,12 @@ class DeviceMoE:
 # (the unfused combine adds the shared MLP's bf16 output to the bf16-rounded routed sum), so results differ
 # by bf16 roundings. bf16 experts only (the stack's format), every routed expert held (no expert parallel).
 SHARED_FUSED_ENV = "OPENINFER_MOE_SHARED_FUSED"
+DEFAULT_SHARED_FUSED = False
 
 
 def shared_fusion_wanted() -> bool:
-    """$OPENINFER_MOE_SHARED_FUSED (1 / 0; unset: off; another value: a clear error)."""
-    return _switch(SHARED_FUSED_ENV)
+    """$OPENINFER_MOE_SHARED_FUSED (1 / 0; unset: DEFAULT_SHARED_FUSED; another value: a clear error)."""
+    return _switch(SHARED_FUSED_ENV, default=DEFAULT_SHARED_FUSED)
 
 
 def shared_fusion_fits(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_down: cupy.ndarray) -> bool:
