@@ -1132,6 +1132,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
+    "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
+    "route_warps": "top-k by a warp per token, moe_route_warps ($OPENINFER_MOE_ROUTE_WARPS=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1188,7 +1190,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "mla_combine_loop": (cuda_mla.COMBINE_ENV, "loop"), "mla_heads16": (cuda_mla.HEADS16_ENV, "1"),
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
-                "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0")}
+                "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0"),
+                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1327,8 +1330,23 @@ MOE_SHAPES = {
     "kimi": {"hidden": 7168, "inter": 2048, "experts": 384, "top_k": 8, "shared": 1, "format": "int4",
              "scaling": 2.827, "copies": 1},
 }
-# variant -> (environment switches, INT4 experts tiled); "inline": what ships
-MOE_VARIANTS = {"inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+# variant -> (environment switches, INT4 experts tiled); "default": what ships; "inline": the shared experts
+# on the main stream; OPENINFER_MOE_SHARED_FUSED=1 in a variant's switches runs the layer with its shared
+# experts stacked after the routed ones (moe.fuse_shared_experts; bf16 experts only)
+MOE_VARIANTS = {"default": ({}, False),
+                "inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
+                "shared_fused": ({"OPENINFER_MOE_SHARED_FUSED": "1"}, False),
+                # down's Hopper grouped GEMM launched while gate_up's last wave runs (programmatic dependent launch)
+                "sm90_pdl": ({"OPENINFER_MOE_SM90_PDL": "1"}, False),
+                "shared_fused_pdl": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_SM90_PDL": "1"}, False),
+                # a warp per token picks its experts (moe_route_warps) instead of a block per token (moe_route)
+                "route_warps": ({"OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
+                "shared_fused_route_warps": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_WARPS": "1"}, False),
+                # top-k and grouping in one block (moe_route_sort) after the router logits
+                "route_sort": ({"OPENINFER_MOE_ROUTE_SORT": "1"}, False),
+                "shared_fused_route_sort": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_SORT": "1"}, False),
+                "shared_fused_route_sort_pdl": ({"OPENINFER_MOE_SHARED_FUSED": "1", "OPENINFER_MOE_ROUTE_SORT": "1",
+                                                 "OPENINFER_MOE_SM90_PDL": "1"}, False),
                 "overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, False),
                 "tiled": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, True),
                 "tiled_overlap": ({"OPENINFER_MOE_SHARED_OVERLAP": "1"}, True),
@@ -1384,7 +1402,10 @@ def run_moe(args) -> dict:
             tiled = dataclasses.replace(layer, gate_up=cuda_moe.tiled_int4(layer.gate_up),
                                         down=cuda_moe.tiled_int4(layer.down)) \
                 if any(MOE_VARIANTS[v][1] for v in variants) and c["format"] == "int4" else layer
-            blocks.append((layer, tiled, shared))
+            fused = cuda_moe.fuse_shared_experts(layer, shared[0].weight, shared[1].weight) \
+                if any(MOE_VARIANTS[v][0].get(cuda_moe.SHARED_FUSED_ENV) == "1" for v in variants) \
+                and cuda_moe.shared_fusion_fits(layer, shared[0].weight, shared[1].weight) else None
+            blocks.append((layer, tiled, shared, fused))
         per_expert = sum(w.data[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
                          for w in (blocks[0][0].gate_up, blocks[0][0].down))
         shared_bytes = sum(w.weight.nbytes for w in blocks[0][2]) + blocks[0][0].gate.nbytes
@@ -1397,8 +1418,15 @@ def run_moe(args) -> dict:
             outputs = {}
             for variant in variants:
                 switches, use_tiled = MOE_VARIANTS[variant]
-                calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
-                                 shared_experts=partial(shared_mlp, backend, shared)) for layer, tiled, shared in blocks]
+                if switches.get(cuda_moe.SHARED_FUSED_ENV) == "1":
+                    if blocks[0][3] is None:
+                        print(f"# {variant}: {shape}'s shared experts do not fuse (bf16 experts only); skipped")
+                        continue
+                    calls = [partial(cuda_moe.moe_forward, backend, x, fused) for *_, fused in blocks]
+                else:
+                    calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,
+                                     shared_experts=partial(shared_mlp, backend, shared))
+                             for layer, tiled, shared, _ in blocks]
                 with switched_env(switches):
                     outputs[variant] = backend.to_host(calls[0]())
                     seconds, error = graph_call_seconds(calls)
@@ -1406,6 +1434,9 @@ def run_moe(args) -> dict:
                 point[f"{variant}_fraction_of_copy_bandwidth"] = point["bytes"] / seconds / bandwidth
                 point[f"{variant}_speedup"] = point[f"{variants[0]}_us"] / point[f"{variant}_us"]
                 point[f"{variant}_max_abs_difference"] = float(np.abs(outputs[variant] - outputs[variants[0]]).max())
+                point[f"{variant}_relative_difference"] = float(
+                    np.linalg.norm(outputs[variant] - outputs[variants[0]]) / max(np.linalg.norm(outputs[variants[0]]),
+                                                                                  1e-30))
                 if error:
                     point[f"{variant}_graph_error"] = error
             print(json.dumps(point), flush=True)

@@ -78,6 +78,15 @@ extern "C" __global__ void moe_router_logits(const bf16* __restrict__ x, const b
 }
 
 // logits [T, E] from moe_router_logits, or null: computed here (one block per token).
+// ROUTE_SHARED_EXPERTS S > 0 (shared-experts fusion, moe.py ``fuse_shared_experts``): the layer's shared
+// experts are experts E .. E+S-1 of the stacked weights, so every token's row of ids / weights is k + S wide,
+// its last S entries those experts with weight 1 (the grouped GEMMs stream them with the routed ones).
+#ifndef ROUTE_SHARED_EXPERTS
+#define ROUTE_SHARED_EXPERTS 0
+#endif
+#if ROUTE_SHARED_EXPERTS < 0 || ROUTE_SHARED_EXPERTS > MAX_TOPK
+#error "ROUTE_SHARED_EXPERTS must be in 0 .. MAX_TOPK"
+#endif
 extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __restrict__ gate,
                                      const float* __restrict__ logits,
                                      const float* __restrict__ bias /* [E] or null */, int hidden, int num_experts,
@@ -102,9 +111,16 @@ extern "C" __global__ void moe_route(const bf16* __restrict__ x, const bf16* __r
         }
     }
     __syncthreads();
+    const int row_width = top_k + ROUTE_SHARED_EXPERTS;
     route_token(shared, bias, num_experts, top_k, scoring, num_groups, topk_groups, group_score_max, norm_topk,
-                scaling, tid2eid ? tid2eid + (long long)token_ids[t] * top_k : nullptr, ids + t * top_k,
-                weights + t * top_k);
+                scaling, tid2eid ? tid2eid + (long long)token_ids[t] * top_k : nullptr, ids + t * row_width,
+                weights + t * row_width);
+#if ROUTE_SHARED_EXPERTS
+    if (threadIdx.x < ROUTE_SHARED_EXPERTS) {
+        ids[t * row_width + top_k + threadIdx.x] = num_experts + threadIdx.x;
+        weights[t * row_width + top_k + threadIdx.x] = 1.f;
+    }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -206,13 +206,18 @@ moe_place_slots(const int* __restrict__ ids, int num_slots, int num_experts, con
 // ---------------------------------------------------------------------------------------------
 #define ROUTE_WARPS 8
 #define ROUTE_PER_LANE (GROUP_MAX_EXPERTS / 32)
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
-                int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
-                float* __restrict__ weights) {
-    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
-    if (t >= num_tokens) return;  // warp-uniform
-    const float* row = logits + (long long)t * num_experts;
+#ifndef ROUTE_SHARED_EXPERTS
+#define ROUTE_SHARED_EXPERTS 0  // as moe.cu's moe_route: rows of k + S, the last S the fused shared experts (weight 1)
+#endif
+#if ROUTE_SHARED_EXPERTS < 0 || ROUTE_SHARED_EXPERTS > 16
+#error "ROUTE_SHARED_EXPERTS must be in 0 .. 16"
+#endif
+// One token's routing by the calling warp (the body of moe_route_warps and moe_route_sort): lane j < k + S
+// gets its row's entry j (*id, *weight; the last S the fused shared experts), other lanes *id = -1.
+__device__ __forceinline__ void warp_route_token(const float* __restrict__ row, const float* __restrict__ bias,
+                                                 int num_experts, int top_k, int scoring, int norm_topk,
+                                                 float scaling, int* id, float* weight) {
+    const int lane = threadIdx.x & 31;
     float score[ROUTE_PER_LANE], choice[ROUTE_PER_LANE];
     float logit_max = -INFINITY;
 #pragma unroll
@@ -280,9 +285,95 @@ moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias
         }
     }
     const float norm = norm_topk ? 1.f / (total + 1e-20f) : 1.f;
+    *id = -1;
     if (lane < top_k) {
-        ids[t * top_k + lane] = my_id;
-        weights[t * top_k + lane] = my_score * norm * scaling;
+        *id = my_id;
+        *weight = my_score * norm * scaling;
+    } else if (lane < top_k + ROUTE_SHARED_EXPERTS) {
+        *id = num_experts + lane - top_k;
+        *weight = 1.f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
+                int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= num_tokens) return;  // warp-uniform
+    int id;
+    float weight;
+    warp_route_token(logits + (long long)t * num_experts, bias, num_experts, top_k, scoring, norm_topk, scaling,
+                     &id, &weight);
+    const int row_width = top_k + ROUTE_SHARED_EXPERTS;
+    if (lane < row_width) {
+        ids[t * row_width + lane] = id;
+        weights[t * row_width + lane] = weight;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_route_sort: a decode step's top-k and grouping in one block (one launch where moe_route +
+// moe_sort_parallel take two), over router_logits' output, for routers without expert groups. Each
+// of ROUTE_SORT_WARPS warps routes tokens w, w + ROUTE_SORT_WARPS, ... (warp_route_token: the ids and
+// weights of moe_route_warps), keeping the step's ids in shared memory; then, after a block barrier,
+// moe_sort_parallel's layout (offsets [E'+1], the 64-row tile list, num_tiles, sorted_slots / slot_pos
+// by shared-memory atomics) over E' = E + S experts. Nothing crosses blocks: nothing to reset between
+// graph replays. At most ROUTE_SORT_MAX_SLOTS slots (T·(k+S)) and GROUP_MAX_EXPERTS experts (the caller checks).
+// ---------------------------------------------------------------------------------------------
+#define ROUTE_SORT_WARPS 16
+#define ROUTE_SORT_MAX_SLOTS 2048
+extern "C" __global__ void __launch_bounds__(ROUTE_SORT_WARPS * 32)
+moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias /* [E] or null */, int num_tokens,
+               int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+               float* __restrict__ weights, int* __restrict__ offsets /* [E'+1] */, int* __restrict__ sorted_slots,
+               int* __restrict__ slot_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+               int* __restrict__ num_tiles, int max_tiles) {
+    __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
+    __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
+    __shared__ int scratch[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row_width = top_k + ROUTE_SHARED_EXPERTS, grouped = num_experts + ROUTE_SHARED_EXPERTS;
+    const int num_slots = num_tokens * row_width;
+    for (int e = tid; e < grouped; e += blockDim.x) count[e] = 0;
+    for (int t = warp; t < num_tokens; t += ROUTE_SORT_WARPS) {  // warp-uniform
+        int id;
+        float weight;
+        warp_route_token(logits + (long long)t * num_experts, bias, num_experts, top_k, scoring, norm_topk, scaling,
+                         &id, &weight);
+        if (lane < row_width) {
+            ids[t * row_width + lane] = id;
+            weights[t * row_width + lane] = weight;
+            slot_expert[t * row_width + lane] = id;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < num_slots; i += blockDim.x) atomicAdd(&count[slot_expert[i]], 1);
+    __syncthreads();
+    // experts' first rows and first tiles: thread e holds expert e (E' <= GROUP_MAX_EXPERTS = the block)
+    const int rows = tid < grouped ? count[tid] : 0;
+    int rows_total, tiles_total;
+    const int row_before = block_exclusive_scan(rows, scratch, &rows_total);
+    const int tile_before = block_exclusive_scan((rows + GROUP_TILE_ROWS - 1) / GROUP_TILE_ROWS, scratch,
+                                                 &tiles_total);
+    if (tid < grouped) {
+        offsets[tid] = row_before;
+        for (int r = 0, tile = tile_before; r < rows; r += GROUP_TILE_ROWS, ++tile)
+            if (tile < max_tiles) {
+                tile_expert[tile] = tid;
+                tile_row[tile] = row_before + r;
+            }
+        count[tid] = row_before;
+    }
+    if (tid == 0) {
+        offsets[grouped] = rows_total;
+        *num_tiles = min(tiles_total, max_tiles);
+    }
+    __syncthreads();
+    for (int i = tid; i < num_slots; i += blockDim.x) {
+        const int p = atomicAdd(&count[slot_expert[i]], 1);
+        sorted_slots[p] = i;
+        slot_pos[i] = p;
     }
 }
 

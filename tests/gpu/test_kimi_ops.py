@@ -727,6 +727,24 @@ def test_model_on_cuda_matches_numpy_teacher_forced(cuda_available_backend, tiny
     _assert_within_hf_bf16_noise(diffs, tiny_hf_bf16_noise, 1.5, 2.0)
 
 
+def test_shared_fused_model_matches_numpy_teacher_forced(cuda_available_backend, tiny_dirs, tiny_hf_bf16_noise,
+                                                          monkeypatch):
+    """$OPENINFER_MOE_SHARED_FUSED=1: every MoE layer's shared expert stacked after its routed ones (the
+    layer's shared weights dropped), and the model still within HF bf16's noise of the NumPy fp32 model."""
+    from openinfer.backend.cuda import moe
+    from openinfer.moe import MoEWeights
+    from tests.helpers.engine_utils import prefill_logits
+
+    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "1")
+    path = tiny_dirs / "bf16"
+    reference, ours = _build(path, "cpu"), _build(path, "cuda")
+    layers = [layer.mlp for layer in ours.weights.layers if isinstance(layer.mlp, MoEWeights)]
+    assert layers and all(m.shared is None and m.stacked.shared_experts == 1 for m in layers)
+    diffs = np.concatenate([_top_token_deviation(prefill_logits(ours, p, chunk_sizes=[40, 1, 1, 48]),
+                                                 prefill_logits(reference, p)) for p in TINY_PROMPTS])
+    _assert_within_hf_bf16_noise(diffs, tiny_hf_bf16_noise, 1.5, 2.0)
+
+
 def test_cuda_graph_replay_equals_eager(cuda_available_backend, tiny_dirs):
     from tests.helpers.engine_utils import make_request, run_all
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import bf16_random
+from openinfer.moe import RouterSpec
+from tests.gpu.conftest import bf16_random, relative_error
 from tests.gpu.test_kimi_ops import _expert_rows_reference, _expert_weights
 
 cupy = pytest.importorskip("cupy")
@@ -149,6 +150,32 @@ def test_route_warps_equal_moe_route(cuda_backend, rng, monkeypatch, spec, token
     assert np.array_equal(np.sort(warp_ids.get(), 1), np.sort(ref_ids, 1))
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,shared", [(1, 64, 6, 2), (16, 64, 6, 2), (64, 64, 6, 2),
+                                                         (300, 384, 8, 1)])
+def test_route_with_shared_experts(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared):
+    """ROUTE_SHARED_EXPERTS (shared-experts fusion) in moe_route and moe_route_warps: rows of k + S, the
+    routed part the bits of a plain route, then experts E .. E+S-1 with weight 1; the two kernels agree."""
+    from openinfer.backend.cuda import moe
+
+    router = RouterSpec(experts, top_k, "sigmoid", routed_scaling_factor=2.446)
+    x = cuda_backend.upload(bf16_random(rng, tokens, 256))
+    gate = cuda_backend.weight(bf16_random(rng, experts, 256, scale=0.1))
+    bias = cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    logits = moe.router_logits(x, gate, router, mma=False)
+    results = {}
+    for warps in ("0", "1"):
+        monkeypatch.setenv(moe.ROUTE_WARPS_ENV, warps)
+        plain = moe.select_experts(x, gate, router, bias, logits)
+        ids, weights = moe.select_experts(x, gate, router, bias, logits, shared_experts=shared)
+        assert ids.shape == (tokens, top_k + shared)
+        assert np.array_equal(ids[:, :top_k].get(), plain[0].get())
+        assert np.array_equal(weights[:, :top_k].get(), plain[1].get())
+        assert np.array_equal(ids[:, top_k:].get(), np.broadcast_to(experts + np.arange(shared), (tokens, shared)))
+        assert np.all(weights[:, top_k:].get() == 1.0)
+        results[warps] = (ids.get(), weights.get())
+    assert np.array_equal(results["0"][0], results["1"][0]) and np.array_equal(results["0"][1], results["1"][1])
+
+
 def test_route_warps_not_for_expert_groups(monkeypatch):
     from openinfer.backend.cuda import moe
     from openinfer.moe import RouterSpec
@@ -287,3 +314,202 @@ def test_combine_vec_equals_combine(cuda_backend, rng, monkeypatch, tokens, hidd
     monkeypatch.setenv(moe.COMBINE_VEC_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_VEC"):
         moe.combine_vec_wanted(16)
+
+
+def _shared_fusion_case(cuda_backend, rng, num_experts, top_k, shared, hidden, inter, num_groups=1, topk_groups=1):
+    """A bf16 MoE layer with ``shared`` shared experts of ``inter`` rows each (one SwiGLU MLP of shared x
+    inter), its NumPy weights, and the fused layer (``fuse_shared_experts``)."""
+    from openinfer.backend.cuda import moe
+
+    gate_up, gate_up_ref = _expert_weights(rng, "bf16", num_experts, 2 * inter, hidden)
+    down, down_ref = _expert_weights(rng, "bf16", num_experts, hidden, inter)
+    spec = RouterSpec(num_experts, top_k, "sigmoid", num_groups=num_groups, topk_groups=topk_groups,
+                      routed_scaling_factor=2.446)
+    gate_host = bf16_random(rng, num_experts, hidden, scale=0.1)
+    bias = (0.3 * rng.standard_normal(num_experts)).astype(np.float32)
+    layer = moe.DeviceMoE(spec, cuda_backend.weight(gate_host), cupy.asarray(bias), gate_up, down)
+    shared_gate_up_ref = bf16_random(rng, 2 * shared * inter, hidden, scale=0.05)
+    shared_down_ref = bf16_random(rng, hidden, shared * inter, scale=0.05)
+    shared_gate_up = cuda_backend.linear_weight(shared_gate_up_ref)
+    shared_down = cuda_backend.linear_weight(shared_down_ref)
+    fused = moe.fuse_shared_experts(layer, shared_gate_up.weight, shared_down.weight)
+    host = (gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref)
+    return moe, layer, fused, (shared_gate_up, shared_down), host
+
+
+def _moe_reference(x, spec, host):
+    """NumPy fp32: routed experts (core's reference ops) + the shared SwiGLU MLP."""
+    from openinfer.backend.numpy_backend import NumpyBackend
+    from openinfer.moe import ExpertWeights, group_by_expert, route, run_experts
+
+    ref = NumpyBackend()
+    gate_host, bias, gate_up_ref, down_ref, shared_gate_up_ref, shared_down_ref = host
+    weights, ids = route(x @ gate_host.T, spec, bias)
+    experts = [ExpertWeights(ref.linear_weight(gate_up_ref[e]), ref.linear_weight(down_ref[e]))
+               for e in range(spec.num_experts)]
+    routed = run_experts(ref, x, weights, group_by_expert(ids, spec.num_experts), experts)
+    hidden = x @ shared_gate_up_ref.T
+    half = hidden.shape[1] // 2
+    return routed + (hidden[:, :half] / (1 + np.exp(-hidden[:, :half])) * hidden[:, half:]) @ shared_down_ref.T
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,shared,groups", [
+    (1, 64, 6, 2, (1, 1)), (5, 64, 6, 2, (1, 1)), (16, 64, 6, 2, (1, 1)), (64, 64, 6, 2, (1, 1)),
+    (33, 16, 4, 1, (4, 2)), (200, 64, 6, 2, (1, 1))])
+def test_shared_experts_fused_matches_unfused_and_numpy(cuda_backend, rng, tokens, num_experts, top_k, shared,
+                                                        groups):
+    """Shared-experts fusion (OPENINFER_MOE_SHARED_FUSED): the stacks hold the routed experts as they were,
+    then each shared expert's gate / up rows and down columns; moe_route (ROUTE_SHARED_EXPERTS) gives the same
+    routed ids and weights plus the shared experts with weight 1; moe_forward of the fused layer (decode GEMV
+    at 1 / 5 tokens, the Hopper grouped GEMM from 16, ragged loads: the shared experts take every token) equals
+    the unfused layer with its shared MLP and NumPy fp32 within bf16 rounding; a CUDA graph replay equals the
+    eager run."""
+    hidden, inter = 512, 128
+    moe, layer, fused, (shared_gate_up, shared_down), host = _shared_fusion_case(
+        cuda_backend, rng, num_experts, top_k, shared, hidden, inter, *groups)
+    assert fused.shared_experts == shared and fused.gate_up.num_experts == num_experts + shared
+    assert np.array_equal(fused.gate_up.data[:num_experts].get(), layer.gate_up.data.get())
+    assert np.array_equal(fused.gate_up.data[num_experts, :inter].get(), shared_gate_up.weight[:inter].get())
+    assert np.array_equal(fused.gate_up.data[-1, inter:].get(), shared_gate_up.weight[-inter:].get())
+    assert np.array_equal(fused.down.data[-1].get(), shared_down.weight[:, -inter:].get())
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids, weights = moe.route(x, layer.gate, layer.router, layer.correction_bias)
+    fused_ids, fused_weights = moe.route(x, fused.gate, fused.router, fused.correction_bias,
+                                         shared_experts=fused.shared_experts)
+    assert np.array_equal(fused_ids[:, :top_k].get(), ids.get())
+    assert np.array_equal(fused_weights[:, :top_k].get(), weights.get())
+    assert np.array_equal(fused_ids[:, top_k:].get(), np.broadcast_to(num_experts + np.arange(shared),
+                                                                      (tokens, shared)))
+    assert np.all(fused_weights[:, top_k:].get() == 1.0)
+
+    def shared_mlp(h):
+        return cuda_backend.silu_mul_linear(cuda_backend.linear(h, shared_gate_up), shared_down)
+
+    unfused = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer, shared_experts=shared_mlp))
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, fused)
+
+    eager = cuda_backend.to_host(step())
+    reference = _moe_reference(x_host, layer.router, host)
+    assert relative_error(eager, reference) < 2e-2
+    assert relative_error(eager, unfused) < 2e-2
+    with pytest.raises(ValueError, match="fused"):
+        moe.moe_forward(cuda_backend, x, fused, shared_experts=shared_mlp)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = step()
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), eager)
+
+
+def test_shared_fusion_fits_and_switch(cuda_backend, rng, monkeypatch):
+    """What fuse_shared_experts refuses (a shared intermediate not a whole number of experts, INT4 experts,
+    an already fused layer) with a clear error; $OPENINFER_MOE_SHARED_FUSED parses 1 / 0 and refuses others."""
+    moe, layer, fused, (shared_gate_up, shared_down), _ = _shared_fusion_case(cuda_backend, rng, 8, 2, 1, 256, 64)
+    assert not moe.shared_fusion_fits(fused, shared_gate_up.weight, shared_down.weight)
+    odd_up = cuda_backend.weight(bf16_random(rng, 2 * 96, 256))
+    odd_down = cuda_backend.weight(bf16_random(rng, 256, 96))
+    assert not moe.shared_fusion_fits(layer, odd_up, odd_down)
+    with pytest.raises(ValueError, match="cannot fuse shared experts"):
+        moe.fuse_shared_experts(layer, odd_up, odd_down)
+    int4_up, _ = _expert_weights(rng, "int4", 8, 128, 256)
+    int4_down, _ = _expert_weights(rng, "int4", 8, 256, 64)
+    int4_layer = moe.DeviceMoE(layer.router, layer.gate, None, int4_up, int4_down)
+    assert not moe.shared_fusion_fits(int4_layer, shared_gate_up.weight, shared_down.weight)
+    monkeypatch.delenv(moe.SHARED_FUSED_ENV, raising=False)
+    assert moe.shared_fusion_wanted() == moe.DEFAULT_SHARED_FUSED
+    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "0")
+    assert not moe.shared_fusion_wanted()
+    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "1")
+    assert moe.shared_fusion_wanted()
+    monkeypatch.setenv(moe.SHARED_FUSED_ENV, "yes please")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        moe.shared_fusion_wanted()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,shared,scoring", [
+    (1, 64, 6, 0, "sigmoid"), (16, 64, 6, 2, "sigmoid"), (64, 64, 6, 2, "sigmoid"), (37, 60, 4, 0, "softmax"),
+    (64, 384, 8, 1, "sigmoid"), (3, 512, 16, 0, "sqrtsoftplus")])
+def test_route_sort_equals_route_then_sort(cuda_backend, rng, monkeypatch, tokens, experts, top_k, shared, scoring):
+    """moe_route_sort (OPENINFER_MOE_ROUTE_SORT=1, one block): moe_route_warps' ids and weights (the fused
+    shared experts' columns too), moe_sort_parallel's offsets, tile list and tile count, every expert's
+    segment holding exactly its slots, slot_pos its inverse; moe_forward gives the bits of the unswitched
+    path, eagerly and replayed from a CUDA graph."""
+    from openinfer.backend.cuda import moe
+
+    hidden, inter = 256, 64
+    router = RouterSpec(experts, top_k, scoring, norm_topk_prob=scoring != "softmax", routed_scaling_factor=2.446)
+    gate_up, _ = _expert_weights(rng, "bf16", experts + shared, 2 * inter, hidden)
+    down, _ = _expert_weights(rng, "bf16", experts + shared, hidden, inter)
+    bias = None if scoring == "softmax" else cupy.asarray((0.3 * rng.standard_normal(experts)).astype(np.float32))
+    layer = moe.DeviceMoE(router, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)), bias,
+                          gate_up, down, shared_experts=shared)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    monkeypatch.setenv(moe.ROUTE_WARPS_ENV, "1")
+    assert moe.route_sort_wanted(tokens, router, None, shared)
+    grouping = moe.route_and_group(x, layer)
+    ids, weights = moe.route(x, layer.gate, router, bias, shared_experts=shared)
+    assert np.array_equal(grouping.ids.get(), ids.get())
+    if scoring == "softmax":
+        assert np.allclose(grouping.weights.get(), weights.get(), rtol=1e-6, atol=1e-7)
+    else:
+        assert np.array_equal(grouping.weights.get(), weights.get())
+    reference = moe.group_by_expert(ids, weights, experts + shared, method="single")
+    offsets = reference.offsets.get()
+    assert np.array_equal(grouping.offsets.get(), offsets)
+    tiles = int(reference.num_tiles.get()[0])
+    assert grouping.max_tiles == reference.max_tiles and int(grouping.num_tiles.get()[0]) == tiles
+    assert np.array_equal(grouping.tile_expert.get()[:tiles], reference.tile_expert.get()[:tiles])
+    assert np.array_equal(grouping.tile_row.get()[:tiles], reference.tile_row.get()[:tiles])
+    sorted_slots, slot_pos, flat_ids = grouping.sorted_slots.get(), grouping.slot_pos.get(), ids.get().reshape(-1)
+    assert np.array_equal(sorted_slots[slot_pos], np.arange(flat_ids.size))
+    for e in range(experts + shared):
+        segment = sorted_slots[offsets[e]:offsets[e + 1]]
+        assert np.array_equal(np.sort(segment), np.flatnonzero(flat_ids == e))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    assert np.array_equal(cuda_backend.to_host(moe.moe_forward(cuda_backend, x, layer)), plain)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        moe.moe_forward(cuda_backend, x, layer)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, layer)
+        finally:
+            graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(cuda_backend.to_host(out), plain)
+
+
+def test_route_sort_switch_bounds(monkeypatch):
+    """moe_route_sort only where switched on and its shared arrays hold the step; a bad value is a clear error."""
+    from openinfer.backend.cuda import moe
+
+    spec = RouterSpec(64, 6, "sigmoid")
+    monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
+    assert moe.route_sort_wanted(16, spec) == moe.DEFAULT_ROUTE_SORT
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
+    assert not moe.route_sort_wanted(16, spec)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
+    assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
+    assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)
+    assert not moe.route_sort_wanted(16, RouterSpec(64, 6, "sigmoid", num_groups=8, topk_groups=3))
+    assert not moe.route_sort_wanted(16, spec, object())  # hash routing (a tid2eid table)
+    assert not moe.route_sort_wanted(16, RouterSpec(512, 8, "sigmoid"), None, 1)
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_SORT"):
+        moe.route_sort_wanted(16, spec)

@@ -41,6 +41,7 @@ routing's counts back, where cuBLAS on each expert's rows is worth a sync per la
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -299,6 +300,13 @@ ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 # the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
 # tokens x top-6).
 ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
+# Opt-in until measured: OPENINFER_MOE_ROUTE_SORT=1 runs a decode step's top-k and grouping (routers without
+# expert groups, no hash routing, at most ROUTE_SORT_MAX_TOKENS tokens) as one block, moe_routing.cu's
+# moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
+# the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
+# moe_decode.cu counted arriving blocks in global memory).
+ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, DEFAULT_ROUTE_SORT = "OPENINFER_MOE_ROUTE_SORT", 64, False
+ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -459,19 +467,62 @@ def group_blocks_wanted(num_slots: int) -> bool:
     return num_slots >= GROUP_BLOCKS_MIN_SLOTS and _switch(GROUP_BLOCKS_ENV, default=True)
 
 
+def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray | None = None,
+                      shared_experts: int = 0) -> bool:
+    """Whether ``route_and_group`` runs (moe_route_sort): $OPENINFER_MOE_ROUTE_SORT (unset: DEFAULT_ROUTE_SORT), 1 to
+    ROUTE_SORT_MAX_TOKENS tokens, a router without expert groups, no hash routing, the slots and experts
+    within the kernel's shared arrays."""
+    return (_switch(ROUTE_SORT_ENV, default=DEFAULT_ROUTE_SORT) and 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS and tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
+            and num_tokens * (spec.top_k + shared_experts) <= ROUTE_SORT_MAX_SLOTS
+            and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
+
+
+def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
+    """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
+    (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
+    slots in the order atomics hand out, as there). None where the logits kernel does not run (unaligned
+    rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    logits = router_logits(x, layer.gate, spec, layer.tid2eid)
+    if logits is None:
+        return None
+    num_tokens, width = int(x.shape[0]), spec.top_k + shared
+    num_slots, num_experts = num_tokens * width, spec.num_experts + shared
+    tiles = max_tiles(num_slots, num_experts)
+    grouping = ExpertGroupingDevice(
+        cupy.empty((num_tokens, width), cupy.int32), cupy.empty((num_tokens, width), cupy.float32),
+        cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32), cupy.empty(num_experts + 1, cupy.int32),
+        cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
+        tiles, width)
+    defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+    kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
+        logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
+        np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+        np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+        grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+        grouping.num_tiles, np.int32(tiles)))
+    return grouping
+
+
 def route(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
-          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None
+          token_ids: cupy.ndarray | None = None, tid2eid: cupy.ndarray | None = None, shared_experts: int = 0
           ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route``: fp32 logits from bf16 ``x [T, H]`` and ``gate [E, H]``, scores, group-limited
-    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32."""
-    check_router(spec)
-    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid)
+    top-k (or ``tid2eid`` hash routing). Returns ids ``[T, k]`` int32 and weights ``[T, k]`` fp32;
+    with ``shared_experts`` S, ``[T, k + S]``: each row's last S entries experts E .. E+S-1, weight 1."""
+    check_router(spec, shared_experts)
+    return select_experts(x, gate, spec, correction_bias, router_logits(x, gate, spec, tid2eid), token_ids, tid2eid,
+                          shared_experts=shared_experts)
 
 
-def check_router(spec: RouterSpec) -> None:
-    if spec.top_k > MAX_TOPK or spec.num_groups > 64 or spec.num_experts > MAX_EXPERTS:
-        raise ValueError(f"cuda routing supports top_k <= {MAX_TOPK}, n_group <= 64 and at most {MAX_EXPERTS} "
-                         f"experts; got top_k={spec.top_k}, n_group={spec.num_groups}, {spec.num_experts} experts")
+def check_router(spec: RouterSpec, shared_experts: int = 0) -> None:
+    if (spec.top_k + shared_experts > MAX_TOPK or spec.num_groups > 64
+            or spec.num_experts + shared_experts > MAX_EXPERTS or shared_experts < 0):
+        raise ValueError(f"cuda routing supports top_k (+ fused shared experts) <= {MAX_TOPK}, n_group <= 64 and at "
+                         f"most {MAX_EXPERTS} experts; got top_k={spec.top_k}, {shared_experts} fused shared experts, "
+                         f"n_group={spec.num_groups}, {spec.num_experts} experts")
 
 
 def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
@@ -500,26 +551,29 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
 
 def select_experts(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec, correction_bias: cupy.ndarray | None,
                    logits: cupy.ndarray | None, token_ids: cupy.ndarray | None = None,
-                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+                   tid2eid: cupy.ndarray | None = None, narrow: bool | None = None,
+                   shared_experts: int = 0) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``moe_route`` on ``router_logits``' output (None: it computes the logits itself): scores,
     group-limited top-k, weights (``route``'s second half). ``narrow`` (default: with ``logits``, where
     ``router_mma_wanted``): blocks of one thread per expert (at least 64: a thread per expert group)
-    instead of 256, as the block only reads the logits."""
+    instead of 256, as the block only reads the logits. ``shared_experts``: see ``route``."""
     num_tokens, hidden = x.shape
-    check_router(spec)
-    ids = cupy.empty((num_tokens, spec.top_k), dtype=cupy.int32)
-    weights = cupy.empty((num_tokens, spec.top_k), dtype=cupy.float32)
+    check_router(spec, shared_experts)
+    width = spec.top_k + shared_experts
+    ids = cupy.empty((num_tokens, width), dtype=cupy.int32)
+    weights = cupy.empty((num_tokens, width), dtype=cupy.float32)
     if narrow is None:
         narrow = logits is not None and router_mma_wanted(num_tokens)
+    defines = {"ROUTE_SHARED_EXPERTS": shared_experts} if shared_experts else {}
     if num_tokens and logits is not None and tid2eid is None and route_warps_wanted(spec):
-        kernel("moe_routing.cu", "moe_route_warps")((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
+        kernel("moe_routing.cu", "moe_route_warps", **defines)((-(-num_tokens // ROUTE_WARPS),), (ROUTE_WARPS * 32,), (
             logits, NULL if correction_bias is None else correction_bias, np.int32(num_tokens),
             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
             np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), ids, weights))
         return ids, weights
     threads = max(64, min(256, -(-spec.num_experts // 32) * 32)) if narrow and logits is not None else 256
     if num_tokens:
-        kernel("moe.cu", "moe_route")(
+        kernel("moe.cu", "moe_route", **defines)(
             (num_tokens,), (threads,),
             (x, gate, NULL if logits is None else logits, NULL if correction_bias is None else correction_bias,
              np.int32(hidden), np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
@@ -832,6 +886,64 @@ class DeviceMoE:
     gate_up: ExpertLinear  # [E, 2I, H]
     down: ExpertLinear  # [E, H, I]
     tid2eid: cupy.ndarray | None = None  # [vocab, k] int64
+    # shared-experts fusion (``fuse_shared_experts``): the last ``shared_experts`` entries of the gate_up /
+    # down stacks are the layer's shared experts, routed every token with weight 1 (0: none stacked)
+    shared_experts: int = 0
+
+
+# Shared-experts fusion (opt-in until measured: OPENINFER_MOE_SHARED_FUSED=1, read when a model prepares its
+# weights): a shared SwiGLU MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
+# of I rows (its gate / up rows and down columns cut in S runs: the sum over the intermediate splits), stacked
+# after the routed experts; moe_route gives every token those S experts with weight 1 (ROUTE_SHARED_EXPERTS),
+# so their weights stream inside the routed experts' grouped GEMM / GEMV, and the two shared linears, their
+# SiLU·mul and the side stream disappear. Numbers: the shared part is summed in fp32 with the routed ones
+# (the unfused combine adds the shared MLP's bf16 output to the bf16-rounded routed sum), so results differ
+# by bf16 roundings. bf16 experts only (the stack's format), every routed expert held (no expert parallel).
+SHARED_FUSED_ENV = "OPENINFER_MOE_SHARED_FUSED"
+DEFAULT_SHARED_FUSED = False
+
+
+def shared_fusion_wanted() -> bool:
+    """$OPENINFER_MOE_SHARED_FUSED (1 / 0; unset: DEFAULT_SHARED_FUSED; another value: a clear error)."""
+    return _switch(SHARED_FUSED_ENV, default=DEFAULT_SHARED_FUSED)
+
+
+def shared_fusion_fits(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_down: cupy.ndarray) -> bool:
+    """Whether ``fuse_shared_experts`` can stack these shared weights (bf16 ``[2·S·I, H]`` and ``[H, S·I]``)
+    onto ``layer``'s bf16 experts (I their intermediate size, H hidden; S ≥ 1, within MAX_TOPK / MAX_EXPERTS)."""
+    gate_up, down = layer.gate_up, layer.down
+    if layer.shared_experts or gate_up.format != "bf16" or down.format != "bf16":
+        return False
+    inter, hidden = gate_up.out_features // 2, gate_up.in_features
+    if (shared_gate_up.ndim != 2 or shared_down.ndim != 2 or shared_gate_up.dtype != cupy.uint16
+            or shared_down.dtype != cupy.uint16 or not inter or gate_up.out_features % 2):
+        return False
+    rows, count = shared_gate_up.shape[0], shared_gate_up.shape[0] // (2 * inter)
+    return (count >= 1 and rows == 2 * count * inter and shared_gate_up.shape[1] == hidden
+            and shared_down.shape == (hidden, count * inter) and down.out_features == hidden
+            and down.in_features == inter and layer.router.top_k + count <= MAX_TOPK
+            and gate_up.num_experts + count <= MAX_EXPERTS)
+
+
+def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_down: cupy.ndarray) -> DeviceMoE:
+    """``layer`` with its shared SwiGLU MLP (bf16 ``gate_up [2·S·I, H]`` = [gate; up] rows, ``down [H, S·I]``)
+    stacked as S more experts after the routed ones (see SHARED_FUSED_ENV); new stacks, so the caller drops
+    its references to the old ones (and to the shared weights) to free them. ``shared_fusion_fits`` first."""
+    if not shared_fusion_fits(layer, shared_gate_up, shared_down):
+        raise ValueError(f"cannot fuse shared experts gate_up {tuple(shared_gate_up.shape)} / down "
+                         f"{tuple(shared_down.shape)} into bf16 experts of gate_up {tuple(layer.gate_up.data.shape)} "
+                         f"({layer.gate_up.format}): want bf16 [2·S·I, H] and [H, S·I]")
+    experts, inter, hidden = layer.gate_up.num_experts, layer.gate_up.out_features // 2, layer.gate_up.in_features
+    count = shared_gate_up.shape[0] // (2 * inter)
+    gate_up = cupy.empty((experts + count, 2 * inter, hidden), dtype=cupy.uint16)
+    gate_up[:experts] = layer.gate_up.data
+    gate_up[experts:, :inter] = shared_gate_up[:count * inter].reshape(count, inter, hidden)
+    gate_up[experts:, inter:] = shared_gate_up[count * inter:].reshape(count, inter, hidden)
+    down = cupy.empty((experts + count, hidden, inter), dtype=cupy.uint16)
+    down[:experts] = layer.down.data
+    down[experts:] = shared_down.reshape(hidden, count, inter).transpose(1, 0, 2)
+    return dataclasses.replace(layer, gate_up=ExpertLinear("bf16", gate_up, None, 2 * inter, hidden),
+                               down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
 
 
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
@@ -913,9 +1025,16 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
     the Hopper kernel where it runs (``sm90_experts``)."""
     x = cupy.ascontiguousarray(x)
+    if layer.shared_experts and (shared is not None or shared_experts is not None):
+        raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
+                         "pass neither shared nor shared_experts")
     shared, joined = start_shared_experts(x, shared_experts) if shared_experts is not None else (shared, None)
-    ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid)
-    grouping = group_by_expert(ids, weights, layer.router.num_experts)
+    grouping = route_and_group(x, layer) if route_sort_wanted(
+        int(x.shape[0]), layer.router, layer.tid2eid, layer.shared_experts) else None
+    if grouping is None:
+        ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
+                             layer.shared_experts)
+        grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)

@@ -146,7 +146,9 @@ def cuda_attention(ops: Any, qkv_a: cupy.ndarray, w: Any, kv: Any, batch: Any, s
 
 
 def prepare_weights(weights: Any, ops: Any) -> None:
-    """Router tables on the device, next to the stacked experts (once, after loading)."""
+    """Router tables on the device, next to the stacked experts (once, after loading); with
+    $OPENINFER_MOE_SHARED_FUSED the shared experts stacked after the routed ones (``fuse_shared``)."""
+    fuse, fused = cuda_moe.shared_fusion_wanted(), False
     for layer in weights.layers:
         mlp = layer.mlp
         if isinstance(mlp, MoEWeights) and not isinstance(mlp.stacked, DeviceMoE):
@@ -155,11 +157,33 @@ def prepare_weights(weights: Any, ops: Any) -> None:
                 mlp.router, ops.weight(mlp.gate),
                 None if mlp.correction_bias is None else cupy.asarray(mlp.correction_bias, dtype=cupy.float32),
                 gate_up, down, None if mlp.tid2eid is None else cupy.asarray(mlp.tid2eid, dtype=cupy.int64))
+            if fuse:
+                fused = fuse_shared(mlp) or fused
+    if fused:  # the replaced stacks and shared weights back to the device before the KV cache is sized
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def fuse_shared(mlp: MoEWeights) -> bool:
+    """Stack ``mlp``'s bf16 shared experts after its routed ones (``cuda_moe.fuse_shared_experts``) where
+    this rank holds every routed expert (expert parallel adds the shared experts on one rank only) and the
+    shapes fit; the experts' views then point into the new stacks and ``mlp.shared`` is None, so the old
+    stacks and the shared weights are freed. Whether it fused."""
+    shared = mlp.shared
+    if (shared is None or any(e is None for e in mlp.experts) or isinstance(shared.gate_up, ExpertLinear)
+            or isinstance(shared.down, ExpertLinear) or not hasattr(shared.gate_up, "weight")
+            or not hasattr(shared.down, "weight") or shared.gate_up.bias is not None or shared.down.bias is not None
+            or not cuda_moe.shared_fusion_fits(mlp.stacked, shared.gate_up.weight, shared.down.weight)):
+        return False
+    mlp.stacked = cuda_moe.fuse_shared_experts(mlp.stacked, shared.gate_up.weight, shared.down.weight)
+    gate_up, down = mlp.stacked.gate_up, mlp.stacked.down
+    mlp.experts = [ExpertWeights(gate_up.expert(e), down.expert(e)) for e in range(len(mlp.experts))]
+    mlp.shared = None
+    return True
 
 
 def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
     shared_experts = None
-    if layer.shared is not None:  # run by moe_forward (small steps: on a side stream beside the routed experts)
+    if layer.shared is not None:  # (None also where fuse_shared stacked them with the routed experts)  # run by moe_forward (small steps: on a side stream beside the routed experts)
         shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
