@@ -13,7 +13,10 @@ where the kernels hold it in 16 bits. The rounding points, by name (ROUNDING_POI
     Vd   diag(exp(c_C - c)) V', the state update's A operand
 
 (the triangular solve and every sum stay ~fp32 in the kernels: exact here; V is the layer's bf16 conv
-output, exact in either format). ``recurrent`` is the token-by-token rule in fp64 (the recurrent kernels
+output, exact in either format). ``qk`` exact stands for kernels that never round the normed rows: q / k
+are l2 norms times bf16 rows (the conv output), so their products can take the raw rows as exact bf16
+operands and apply the norms in fp32 (to the scores, to O's rows, folded into W's and the state update's
+other operand). ``recurrent`` is the token-by-token rule in fp64 (the recurrent kernels
 keep fp32 and norm q / k on the fly: fp64 stands for them).
 
 Rounding functions: ``bf16`` / ``fp16`` (one 16-bit operand: what grouped_staged / grouped_f16 do),

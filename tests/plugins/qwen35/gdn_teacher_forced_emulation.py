@@ -7,7 +7,8 @@ read without a GPU. ``python3 -m tests.plugins.qwen35.gdn_teacher_forced_emulati
 Prints, per choice, mean / p99 |Δlogprob| on HF's top token against HF itself (whose chunked rule runs in
 fp32) and against the fp64 token-by-token rule. Measured 2026-11-24 (4 prompts, 421 positions; the device's
 12-prompt figures in brackets): token-by-token 0.0055 [0.0074], bf16 operands 0.0173 [0.0173], fp16 operands
-0.0149 [0.0138], any single bf16 point ~0.016, 16-bit hi / lo splits 0.0092, fp16 hi + scaled lo 0.0056."""
+0.0149 [0.0138], any single bf16 point ~0.016, 16-bit hi / lo splits 0.0092, fp16 hi + scaled lo 0.0056;
+exact q / k with 16-bit splits elsewhere 0.0100, with 24-bit splits (16-bit W / Tbe) 0.0053."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ CHOICES = {
     "fp16 hi + scaled lo": model.everywhere(model.fp16_hi_scaled_lo),
     "fp16 hi + scaled lo, fp16 W / Tbe": model.everywhere(model.fp16_hi_scaled_lo, W=model.fp16, Tbe=model.fp16),
     "bf16 hi/mid/lo": model.everywhere(model.bf16_hi_mid_lo),
+    # the fix's design: q / k products on the raw bf16 rows (exact), 24-bit splits elsewhere, 16-bit W / Tbe
+    "exact q/k, hi/lo elsewhere": model.everywhere(model.bf16_hi_lo, qk=model.exact),
+    "exact q/k, hi/mid/lo, hi/lo W / Tbe": model.everywhere(model.bf16_hi_mid_lo, qk=model.exact,
+                                                            W=model.bf16_hi_lo, Tbe=model.bf16_hi_lo),
 }
 
 

@@ -71,3 +71,16 @@ def test_unknown_rounding_points_are_rejected():
         model.everywhere(model.bf16, Q=model.fp16)
     with pytest.raises(ValueError, match="unknown rounding points"):
         model.chunked(*layer_inputs(8, 4, 4), {"state": model.bf16})
+
+
+def test_exact_scores_and_24_bit_splits_reach_fp32_level(case):
+    """The design the issue's fix needs (issue #17): q / k never rounded once normed — the kernels' products
+    with them taken on the raw bf16 rows (exact operands) with the rows' l2 norms applied in fp32 to the
+    results or folded into the other operand — and three bf16 parts (~24 bits) for every other operand but
+    W and T diag(beta exp c), which keep two (~16 bits). Two parts everywhere (~16 bits) do not."""
+    inputs, reference = case
+    fp32_level = error(inputs, reference, model.everywhere(lambda x: model.exact(x).astype(np.float32)))
+    design = model.everywhere(model.bf16_hi_mid_lo, qk=model.exact, W=model.bf16_hi_lo, Tbe=model.bf16_hi_lo)
+    assert error(inputs, reference, design) < 4 * fp32_level
+    two_parts = model.everywhere(model.bf16_hi_lo, qk=model.exact)
+    assert error(inputs, reference, two_parts) > 10 * fp32_level
