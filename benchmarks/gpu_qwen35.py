@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -156,6 +157,32 @@ PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
+# timing only, its outputs wrong: grouped_staged with every mma of gdn_chunked.cu issued 3 times
+# (GDN_MMA_REPEAT): the least the tensor-core part of issue #17's fix (~3 mmas a product) costs
+MMA_REPEAT_VARIANTS = {"grouped_staged_mma_x3": 3}
+PREFILL_VARIANTS["grouped_staged_mma_x3"] = {PREFILL_ENV: "grouped_staged"}
+
+
+@contextlib.contextmanager
+def repeated_mmas(times: int):
+    """Within: the qwen35 kernels compiled anew with ``-DGDN_MMA_REPEAT=times`` (gdn_chunked.cu issues
+    each mma ``times`` times); the caches are cleared on the way in and out, so nothing else sees them."""
+    from openinfer_qwen35 import cuda_ops
+
+    original = cuda_ops.kernel_include_options
+
+    def with_repeat(directory):
+        return (*original(directory), f"-DGDN_MMA_REPEAT={times}")
+
+    cuda_ops._module.cache_clear()
+    cuda_ops.kernel.cache_clear()
+    cuda_ops.kernel_include_options = with_repeat
+    try:
+        yield
+    finally:
+        cuda_ops.kernel_include_options = original
+        cuda_ops._module.cache_clear()
+        cuda_ops.kernel.cache_clear()
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -618,33 +645,36 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=t
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
-        per_step = {}
-        for num_prompts, length, decodes in steps:
-            num_seqs = num_prompts + decodes
-            conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
-            ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
-            query_start = np.concatenate([np.arange(num_prompts + 1) * length,
-                                          num_prompts * length + np.arange(1, decodes + 1)])
-            fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
-            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
-            proj = bf16((int(query_start[-1]), features))
-            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
-            kernels: dict[str, list[float]] = {}
-            totals = []
-            for _ in range(repeats):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                with cuda_ops.kernel_timer() as times:
-                    start.record()
-                    cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
-                    stop.record()
-                stop.synchronize()
-                totals.append(cupy.cuda.get_elapsed_time(start, stop))
-                for name, ms in times.items():
-                    kernels.setdefault(name, []).append(ms)
-            step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
-            per_step[step] = {"total_ms": statistics.median(totals),
-                              "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
-            print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
+        repeats_context = (repeated_mmas(MMA_REPEAT_VARIANTS[variant]) if variant in MMA_REPEAT_VARIANTS
+                           else contextlib.nullcontext())
+        with repeats_context:
+            per_step = {}
+            for num_prompts, length, decodes in steps:
+                num_seqs = num_prompts + decodes
+                conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
+                ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
+                query_start = np.concatenate([np.arange(num_prompts + 1) * length,
+                                              num_prompts * length + np.arange(1, decodes + 1)])
+                fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
+                seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
+                proj = bf16((int(query_start[-1]), features))
+                cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
+                kernels: dict[str, list[float]] = {}
+                totals = []
+                for _ in range(repeats):
+                    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                    with cuda_ops.kernel_timer() as times:
+                        start.record()
+                        cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+                        stop.record()
+                    stop.synchronize()
+                    totals.append(cupy.cuda.get_elapsed_time(start, stop))
+                    for name, ms in times.items():
+                        kernels.setdefault(name, []).append(ms)
+                step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
+                per_step[step] = {"total_ms": statistics.median(totals),
+                                  "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
+                print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
         results[variant] = per_step
         for name in environment:
             os.environ.pop(name, None)

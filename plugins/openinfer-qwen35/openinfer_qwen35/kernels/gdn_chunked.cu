@@ -129,8 +129,14 @@ __device__ __forceinline__ unsigned pack_op2(float lo, float hi) { return pack_b
 __device__ __forceinline__ float op_to_f(bf16 x) { return to_f(x); }
 __device__ __forceinline__ bf16 op_from_f(float x) { return __float2bfloat16_rn(x); }
 __device__ __forceinline__ float round_op(float x) { return round_bf16(x); }
+// GDN_MMA_REPEAT (benchmarks/gpu_qwen35.py's timing-only grouped_staged_mma_x3: wrong outputs) issues every
+// mma that many times: what the tensor-core part of issue #17's fix (~3 mmas a product) costs at least
 __device__ __forceinline__ void mma_op_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    mma_bf16_16816(d, a, b0, b1);
+#ifdef GDN_MMA_REPEAT
+#pragma unroll
+    for (int repeat = 0; repeat < GDN_MMA_REPEAT; ++repeat)
+#endif
+        mma_bf16_16816(d, a, b0, b1);
 }
 __device__ __forceinline__ uint4 op_from_bf16x8(uint4 raw) { return raw; }
 #endif
