@@ -153,7 +153,7 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16")}
+                                 "grouped_f16", "chunked_fp32")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
