@@ -198,32 +198,60 @@ gdn_chunk_walk_fp32(const float* __restrict__ qn, const float* __restrict__ kn, 
             row_decay[threadIdx.x] = expf(cum[threadIdx.x]);
             tail_decay[threadIdx.x] = expf(cum[FP32_CHUNK - 1] - cum[threadIdx.x]);
         }
-        // V' = U - W S (in place of U; rows past the chunk stay 0)
-        for (int e = threadIdx.x; e < FP32_CHUNK * FP32_TILE; e += FP32_THREADS) {
-            const int r = e / FP32_TILE, j = e % FP32_TILE;
-            if (r >= n) continue;
-            float acc = 0.f;
-            for (int m = 0; m < DK; ++m) acc += ws[r * FP32_LD + m] * st[m * LDT + j];
-            us[r * LDT + j] -= acc;
+        // V' = U - W S (in place of U; rows past the chunk stay 0). A thread: channel `lane`, rows warp + 8 k
+        // (each S element loaded once for its 8 rows; sums over m in order)
+        constexpr int ROWS = FP32_CHUNK / (FP32_THREADS / 32);
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        {
+            float acc[ROWS] = {};
+            for (int m = 0; m < DK; ++m) {
+                const float sv = st[m * LDT + lane];
+#pragma unroll
+                for (int k = 0; k < ROWS; ++k) acc[k] += ws[(warp + 8 * k) * FP32_LD + m] * sv;
+            }
+#pragma unroll
+            for (int k = 0; k < ROWS; ++k)
+                if (warp + 8 * k < n) us[(warp + 8 * k) * LDT + lane] -= acc[k];
         }
         __syncthreads();
         // O = diag(exp(c)) Q S + P V'
-        for (int e = threadIdx.x; e < FP32_CHUNK * FP32_TILE; e += FP32_THREADS) {
-            const int r = e / FP32_TILE, j = e % FP32_TILE;
-            if (r >= n) continue;
-            float inter = 0.f, intra = 0.f;
-            for (int m = 0; m < DK; ++m) inter += qs[r * FP32_LD + m] * st[m * LDT + j];
-            for (int l = 0; l <= r; ++l) intra += ps[r * FP32_LDC + l] * us[l * LDT + j];
-            core[(size_t)(t0 + r) * value_dim + (size_t)h * dv + j0 + j] = __float2bfloat16_rn(row_decay[r] * inter + intra);
+        {
+            float inter[ROWS] = {}, intra[ROWS] = {};
+            for (int m = 0; m < DK; ++m) {
+                const float sv = st[m * LDT + lane];
+#pragma unroll
+                for (int k = 0; k < ROWS; ++k) inter[k] += qs[(warp + 8 * k) * FP32_LD + m] * sv;
+            }
+            for (int l = 0; l < n; ++l) {
+                const float v = us[l * LDT + lane];
+#pragma unroll
+                for (int k = 0; k < ROWS; ++k)
+                    if (l <= warp + 8 * k) intra[k] += ps[(warp + 8 * k) * FP32_LDC + l] * v;
+            }
+#pragma unroll
+            for (int k = 0; k < ROWS; ++k) {
+                const int r = warp + 8 * k;
+                if (r < n)
+                    core[(size_t)(t0 + r) * value_dim + (size_t)h * dv + j0 + lane] =
+                        __float2bfloat16_rn(row_decay[r] * inter[k] + intra[k]);
+            }
         }
         __syncthreads();  // S is read above before it is updated below
-        // S <- exp(c_C) S + K^T diag(exp(c_C - c)) V'
-        const float chunk_decay = expf(cum[FP32_CHUNK - 1]);
-        for (int e = threadIdx.x; e < DK * FP32_TILE; e += FP32_THREADS) {
-            const int m = e / FP32_TILE, j = e % FP32_TILE;
-            float acc = 0.f;
-            for (int r = 0; r < n; ++r) acc += ks[r * FP32_LD + m] * tail_decay[r] * us[r * LDT + j];
-            st[m * LDT + j] = chunk_decay * st[m * LDT + j] + acc;
+        // S <- exp(c_C) S + K^T diag(exp(c_C - c)) V': a thread: channel `lane`, state rows warp + 8 k
+        {
+            constexpr int STATE_ROWS = DK / (FP32_THREADS / 32);
+            const float chunk_decay = expf(cum[FP32_CHUNK - 1]);
+            float acc[STATE_ROWS] = {};
+            for (int r = 0; r < n; ++r) {
+                const float td = tail_decay[r], v = us[r * LDT + lane];
+#pragma unroll
+                for (int k = 0; k < STATE_ROWS; ++k) acc[k] += ks[r * FP32_LD + warp + 8 * k] * td * v;
+            }
+#pragma unroll
+            for (int k = 0; k < STATE_ROWS; ++k) {
+                float* at = st + (warp + 8 * k) * LDT + lane;
+                *at = chunk_decay * *at + acc[k];
+            }
         }
     }
     __syncthreads();
