@@ -114,18 +114,20 @@ gdn_chunk_prepare_fp32(const bf16* __restrict__ conv_out, const bf16* __restrict
         p[e] = pv;
     }
     __syncthreads();
-    // T = (I + A)^-1: column j by thread j, t[i] = -sum_{j <= m < i} A[i][m] t[m]
+    // T = (I + A)^-1: column j by thread j in registers, t[i] = -sum_{m < i} A[i][m] t[m] (t[m] = 0 above the
+    // diagonal, so the sum's terms before m = j add zeros; A's loads are broadcasts, independent of t)
     if (threadIdx.x < FP32_CHUNK) {
         const int j = threadIdx.x;
+        float t[FP32_CHUNK];
+#pragma unroll
         for (int i = 0; i < FP32_CHUNK; ++i) {
-            float t = 0.f;
-            if (i == j) {
-                t = 1.f;
-            } else if (i > j) {
-                for (int m = j; m < i; ++m) t -= amat[i * FP32_LDC + m] * tinv[m * FP32_LDC + j];
-            }
-            tinv[i * FP32_LDC + j] = t;
+            float acc = 0.f;
+#pragma unroll
+            for (int m = 0; m < i; ++m) acc -= amat[i * FP32_LDC + m] * t[m];
+            t[i] = i > j ? acc : (i == j ? 1.f : 0.f);
         }
+#pragma unroll
+        for (int i = 0; i < FP32_CHUNK; ++i) tinv[i * FP32_LDC + j] = t[i];
     }
     __syncthreads();
     // U = T diag(beta) V, W = T diag(beta exp(c)) K (rows < n)
