@@ -95,23 +95,36 @@ gdn_chunk_prepare_fp32(const bf16* __restrict__ conv_out, const bf16* __restrict
     }
     __syncthreads();
 
-    // A[i][j] = beta_i (k_i . k_j) exp(c_i - c_j) (j < i), P[i][j] = (q_i . k_j) exp(c_i - c_j) (j <= i)
+    // A[i][j] = beta_i (k_i . k_j) exp(c_i - c_j) (j < i), P[i][j] = (q_i . k_j) exp(c_i - c_j) (j <= i): a
+    // thread: column j = tid % 64, rows tid / 64 + 4 r (k_j loaded once for them; sums over m in order)
     float* p = p_out + ((size_t)c * num_value_heads + h) * FP32_CHUNK * FP32_CHUNK;
-    for (int e = threadIdx.x; e < FP32_CHUNK * FP32_CHUNK; e += FP32_THREADS) {
-        const int i = e / FP32_CHUNK, j = e % FP32_CHUNK;
-        float a = 0.f, pv = 0.f;
-        if (j <= i) {
-            float kk = 0.f, qk = 0.f;
-            for (int m = 0; m < DK; ++m) {
-                kk += ks[i * FP32_LD + m] * ks[j * FP32_LD + m];
-                qk += qs[i * FP32_LD + m] * ks[j * FP32_LD + m];
+    {
+        constexpr int GROUPS = FP32_THREADS / FP32_CHUNK, ROWS = FP32_CHUNK / GROUPS;
+        const int j = threadIdx.x % FP32_CHUNK, i0 = threadIdx.x / FP32_CHUNK;
+        float kk[ROWS] = {}, qk[ROWS] = {};
+        for (int m = 0; m < DK; ++m) {
+            const float kj = ks[j * FP32_LD + m];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const int i = i0 + GROUPS * r;
+                if (j <= i) {
+                    kk[r] += ks[i * FP32_LD + m] * kj;
+                    qk[r] += qs[i * FP32_LD + m] * kj;
+                }
             }
-            const float d = expf((float)(cum[i] - cum[j]));
-            pv = qk * d;
-            if (j < i) a = beta[i] * kk * d;
         }
-        amat[i * FP32_LDC + j] = a;
-        p[e] = pv;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int i = i0 + GROUPS * r;
+            float a = 0.f, pv = 0.f;
+            if (j <= i) {
+                const float d = expf((float)(cum[i] - cum[j]));
+                pv = qk[r] * d;
+                if (j < i) a = beta[i] * kk[r] * d;
+            }
+            amat[i * FP32_LDC + j] = a;
+            p[i * FP32_CHUNK + j] = pv;
+        }
     }
     __syncthreads();
     // T = (I + A)^-1: column j by thread j in registers, t[i] = -sum_{m < i} A[i][m] t[m] (t[m] = 0 above the
@@ -130,21 +143,28 @@ gdn_chunk_prepare_fp32(const bf16* __restrict__ conv_out, const bf16* __restrict
         for (int i = 0; i < FP32_CHUNK; ++i) tinv[i * FP32_LDC + j] = t[i];
     }
     __syncthreads();
-    // U = T diag(beta) V, W = T diag(beta exp(c)) K (rows < n)
-    for (int e = threadIdx.x; e < FP32_CHUNK * dv; e += FP32_THREADS) {
-        const int i = e / dv, j = e % dv;
-        if (i >= n) continue;
-        float acc = 0.f;
-        for (int m = 0; m <= i; ++m) acc += tinv[i * FP32_LDC + m] * beta[m] * vs[m * ldv + j];
-        u_out[((size_t)(t0 + i) * num_value_heads + h) * dv + j] = acc;
-    }
-    for (int e = threadIdx.x; e < FP32_CHUNK * DK; e += FP32_THREADS) {
-        const int i = e / DK, j = e % DK;
-        if (i >= n) continue;
-        float acc = 0.f;
-        for (int m = 0; m <= i; ++m) acc += tinv[i * FP32_LDC + m] * beta_decay[m] * ks[m * FP32_LD + j];
-        w_out[((size_t)(t0 + i) * num_value_heads + h) * DK + j] = acc;
-    }
+    // U = T diag(beta) V, W = T diag(beta exp(c)) K (rows < n): a thread: column tid % width, rows
+    // tid / width + (256 / width) r (V's / K's element loaded once for them; sums over m in order)
+    auto product = [&](const float* scale, const float* rows, int ld, int width, float* dst, size_t dst_stride) {
+        const int groups = FP32_THREADS / width, j = threadIdx.x % width, i0 = threadIdx.x / width;
+        const int count = FP32_CHUNK / groups;  // <= DK / 4 (width <= DK)
+        float acc[DK / 4] = {};
+        for (int m = 0; m < FP32_CHUNK; ++m) {
+            const float sm = scale[m], x = rows[m * ld + j];
+#pragma unroll
+            for (int r = 0; r < DK / 4; ++r) {
+                const int i = i0 + groups * r;
+                if (r < count && m <= i) acc[r] += tinv[i * FP32_LDC + m] * sm * x;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < DK / 4; ++r) {
+            const int i = i0 + groups * r;
+            if (r < count && i < n) dst[(size_t)(t0 + i) * dst_stride + j] = acc[r];
+        }
+    };
+    product(beta, vs, ldv, dv, u_out + (size_t)h * dv, (size_t)num_value_heads * dv);
+    product(beta_decay, ks, FP32_LD, DK, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
 }
 
 extern "C" __global__ void __launch_bounds__(FP32_THREADS)
