@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -151,7 +152,37 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 # measured in E3 (2026-11-24)
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
-                                 "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced")}
+                                 "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
+                                 "grouped_f16", "chunked_fp32")}
+# the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
+# prefill costs at its accuracy)
+PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
+# timing only, its outputs wrong: grouped_staged with every mma of gdn_chunked.cu issued 3 times
+# (GDN_MMA_REPEAT): the least the tensor-core part of issue #17's fix (~3 mmas a product) costs
+MMA_REPEAT_VARIANTS = {"grouped_staged_mma_x3": 3}
+PREFILL_VARIANTS["grouped_staged_mma_x3"] = {PREFILL_ENV: "grouped_staged"}
+
+
+@contextlib.contextmanager
+def repeated_mmas(times: int):
+    """Within: the qwen35 kernels compiled anew with ``-DGDN_MMA_REPEAT=times`` (gdn_chunked.cu issues
+    each mma ``times`` times); the caches are cleared on the way in and out, so nothing else sees them."""
+    from openinfer_qwen35 import cuda_ops
+
+    original = cuda_ops.kernel_include_options
+
+    def with_repeat(directory):
+        return (*original(directory), f"-DGDN_MMA_REPEAT={times}")
+
+    cuda_ops._module.cache_clear()
+    cuda_ops.kernel.cache_clear()
+    cuda_ops.kernel_include_options = with_repeat
+    try:
+        yield
+    finally:
+        cuda_ops.kernel_include_options = original
+        cuda_ops._module.cache_clear()
+        cuda_ops.kernel.cache_clear()
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -614,33 +645,36 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=t
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
-        per_step = {}
-        for num_prompts, length, decodes in steps:
-            num_seqs = num_prompts + decodes
-            conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
-            ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
-            query_start = np.concatenate([np.arange(num_prompts + 1) * length,
-                                          num_prompts * length + np.arange(1, decodes + 1)])
-            fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
-            seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
-            proj = bf16((int(query_start[-1]), features))
-            cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
-            kernels: dict[str, list[float]] = {}
-            totals = []
-            for _ in range(repeats):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                with cuda_ops.kernel_timer() as times:
-                    start.record()
-                    cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
-                    stop.record()
-                stop.synchronize()
-                totals.append(cupy.cuda.get_elapsed_time(start, stop))
-                for name, ms in times.items():
-                    kernels.setdefault(name, []).append(ms)
-            step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
-            per_step[step] = {"total_ms": statistics.median(totals),
-                              "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
-            print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
+        repeats_context = (repeated_mmas(MMA_REPEAT_VARIANTS[variant]) if variant in MMA_REPEAT_VARIANTS
+                           else contextlib.nullcontext())
+        with repeats_context:
+            per_step = {}
+            for num_prompts, length, decodes in steps:
+                num_seqs = num_prompts + decodes
+                conv_state = bf16((num_seqs + 1, width - 1, config.conv_dim))
+                ssm_state = cupy.zeros((num_seqs + 1, nv, dk, dv), dtype=cupy.float32)
+                query_start = np.concatenate([np.arange(num_prompts + 1) * length,
+                                              num_prompts * length + np.arange(1, decodes + 1)])
+                fresh = np.arange(num_seqs) < num_prompts  # the decode rows continue their slots
+                seqs = cuda_ops.prepare_sequences(StepSequences(query_start, np.arange(1, num_seqs + 1), fresh))
+                proj = bf16((int(query_start[-1]), features))
+                cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)  # compile, warm
+                kernels: dict[str, list[float]] = {}
+                totals = []
+                for _ in range(repeats):
+                    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                    with cuda_ops.kernel_timer() as times:
+                        start.record()
+                        cuda_ops.delta_net(proj, weights, conv_state, ssm_state, seqs, config)
+                        stop.record()
+                    stop.synchronize()
+                    totals.append(cupy.cuda.get_elapsed_time(start, stop))
+                    for name, ms in times.items():
+                        kernels.setdefault(name, []).append(ms)
+                step = f"{num_prompts}x{length}" + (f"+{decodes}dec" if decodes else "")
+                per_step[step] = {"total_ms": statistics.median(totals),
+                                  "kernel_ms": {k: statistics.median(v) for k, v in kernels.items()}}
+                print(f"prefill {variant} {step}: {per_step[step]}", flush=True)
         results[variant] = per_step
         for name in environment:
             os.environ.pop(name, None)
@@ -818,13 +852,27 @@ def prepare_phase_cycles(prompts: int = 8, length: int = 1024, name: str = "gdn_
             "total_us_per_block": sum(per_block.values()) / clock_mhz}
 
 
+def parse_prefill_step(text: str) -> tuple[int, int, int]:
+    """``PxL`` or ``PxL+D`` (P prompts of L tokens, D decode rows) as GDN_PREFILL_STEPS' (P, L, D)."""
+    try:
+        prompts_tokens, _, decodes = text.strip().partition("+")
+        prompts, tokens = prompts_tokens.split("x")
+        step = (int(prompts), int(tokens), int(decodes or 0))
+    except ValueError:
+        raise ValueError(f"--prefill-steps: {text!r} is not PxL or PxL+D (e.g. 8x1024+48)") from None
+    if step[0] < 1 or step[1] < 1 or step[2] < 0:
+        raise ValueError(f"--prefill-steps: {text!r}: prompts and tokens >= 1, decode rows >= 0")
+    return step
+
+
 def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
     """One GDN layer's prefill path at the 4B shape, kernel by kernel, for each ``--prefill-variants``
     choice (OPENINFER_QWEN35_GDN_PREFILL) at GDN_PREFILL_STEPS (results/gpu_qwen35_gdn_prefill.json)."""
     variants = tuple(args.prefill_variants.split(","))
     results: dict = {"shape": "Qwen3.5-4B GDN layer (16 key / 32 value heads of 128, fp32 128x128 state)",
                      "device": device_name("cuda"), "prefill_variants": {v: PREFILL_VARIANTS[v] for v in variants}}
-    results["prefill_kernels"] = prefill_kernel_timings(variants=variants)
+    steps = tuple(parse_prefill_step(step) for step in args.prefill_steps.split(","))
+    results["prefill_kernels"] = prefill_kernel_timings(steps=steps, variants=variants)
     base = variants[0]
     results["total_speedup_over"] = base
     results["total_speedup"] = {
@@ -1068,6 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-variants", default="registers,grouped_mma,grouped_staged,grouped_coalesced",
                         help="--gdn-prefill-only: comma list of OPENINFER_QWEN35_GDN_PREFILL choices (the first is the "
                              f"baseline; of {', '.join(PREFILL_VARIANTS)})")
+    parser.add_argument("--prefill-steps", default=",".join(f"{p}x{n}" + (f"+{d}" if d else "")
+                                                         for p, n, d in GDN_PREFILL_STEPS),
+                        help="--gdn-prefill-only: comma list of steps PxL[+D] (P prompts of L tokens, D decode rows)")
     parser.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS),
                         help="--decode-tpot-only: comma list of GDN decode kernels to compare (the first is the "
                              f"baseline; of {', '.join(GDN_DECODE_VARIANTS)})")
@@ -1085,6 +1136,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--decode-variants: a comma list of {', '.join(GDN_DECODE_VARIANTS)}")
     if not args.prefill_variants or any(v not in PREFILL_VARIANTS for v in args.prefill_variants.split(",")):
         parser.error(f"--prefill-variants: a comma list of {', '.join(PREFILL_VARIANTS)}")
+    try:
+        [parse_prefill_step(step) for step in args.prefill_steps.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
     if args.repeats < 1 or args.history < 64 or args.new_turn < 1:
         parser.error("--repeats and --new-turn must be >= 1, --history >= 64")
     if args.decode_kernels_only:

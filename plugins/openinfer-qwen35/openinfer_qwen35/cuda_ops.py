@@ -58,11 +58,19 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       staged through shared memory and stored as 16-byte row
                                       pieces (its bits); =grouped_f16: grouped_staged compiled
                                       with fp16 instead of bf16 mma operands and intermediates
-                                      (q / k normed, W, U, P, S^T, V'; GDN_F16_OPERANDS): the
-                                      token-by-token path's error instead of ~2.5x it (issue
-                                      #17); all seven with
+                                      (q / k normed, W, U, P, S^T, V'; GDN_F16_OPERANDS): 8x
+                                      less error in the layer's output, but the teacher-forced
+                                      test vs HF only 0.0173 -> 0.0138 (the token-by-token
+                                      kernels: 0.0074): that metric saturates, see issue #17 and
+                                      tests/plugins/qwen35/gdn_teacher_forced_emulation.py;
+                                      all seven with
                                       gdn_gated_norm_vec (8 channels a thread, 16-byte accesses;
-                                      the norm's sum in another order)
+                                      the norm's sum in another order); =chunked_fp32 (opt-in,
+                                      key head dims <= 128): gdn_conv1d_vec,
+                                      gdn_chunk_prepare_fp32 and gdn_chunk_walk_fp32 (the chunk
+                                      algorithm in fp32 on CUDA cores: no 16-bit operand, the
+                                      token-by-token kernels' bf16 output nearly everywhere),
+                                      gdn_gated_norm_vec
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -103,6 +111,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_prepare_grouped_conv", "gdn_chunk_prepare_grouped_coalesced",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
+           "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -170,7 +179,13 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                        "gdn_chunk_output_staged"),
                    "grouped_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_grouped_mma", True,
                                                  "gdn_gated_norm_vec", True, "gdn_chunk_states_registers",
-                                                 "gdn_chunk_output_staged", f16_operands=True)}
+                                                 "gdn_chunk_output_staged", f16_operands=True),
+                   "chunked_fp32": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_fp32", False,
+                                                  "gdn_gated_norm_vec")}
+FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
+FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
+FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
+FP32_THREADS = 256
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
                                  "gdn_chunk_output_staged"})
@@ -338,7 +353,17 @@ def prefill_kernels(config: Qwen35Config, proj_stride: int) -> PrefillKernels:
         kernels = kernels._replace(output=PrefillKernels._field_defaults["output"])
     if config.linear_key_head_dim > REGISTER_STATES_MAX_KEY_HEAD_DIM:
         kernels = kernels._replace(states=PrefillKernels._field_defaults["states"])
+    if kernels.prepare == FP32_PREPARE_KERNEL and config.linear_key_head_dim > FP32_CHUNKED_MAX_KEY_HEAD_DIM:
+        kernels = kernels._replace(prepare=plain.prepare)
     return kernels
+
+
+def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
+    """gdn_chunk_prepare_fp32's and gdn_chunk_walk_fp32's dynamic shared memory (their carves)."""
+    chunk, ld, ldc = CHUNK_SIZE, dk + 1, CHUNK_SIZE + 1
+    prepare = 4 * (2 * chunk * ld + chunk * (dv + 1) + 2 * chunk * ldc + 2 * chunk) + 8 * chunk
+    walk = 4 * (3 * chunk * ld + chunk * ldc + chunk * (FP32_WALK_TILE + 1) + dk * (FP32_WALK_TILE + 1) + 3 * chunk)
+    return prepare, walk
 
 
 def _round_128(size: int) -> int:
@@ -504,6 +529,11 @@ def warm_up(config: Qwen35Config) -> None:
         choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
         if choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].f16_operands:  # its own module
             _module(SOURCE_OF["gdn_chunk_states"], dk, 0, True)
+        if (choice in PREFILL_KERNELS and PREFILL_KERNELS[choice].prepare == FP32_PREPARE_KERNEL
+                and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM):  # its own source
+            prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, config.linear_value_head_dim)
+            kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes)
+            kernel("gdn_chunk_walk_fp32", dk, walk_bytes)
     if fused_decode_supported(config):
         chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
@@ -727,6 +757,20 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     # the same every layer of the step (the subset is always the step's chunked sequences)
     num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
+    if prefill.prepare == FP32_PREPARE_KERNEL:  # the fp32 chain: its prepare and walk, every array fp32
+        prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)
+        qn32, kn32 = (cupy.empty((num_tokens, nk, dk), dtype=cupy.float32) for _ in range(2))
+        w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
+        p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
+        cum32 = cupy.empty((num_tokens, nv), dtype=cupy.float32)
+        _launch(FP32_PREPARE_KERNEL, kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes), (num_chunks, nv), (FP32_THREADS,),
+                (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts, lengths, qn32, kn32, w32,
+                 u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=prepare_bytes)
+        _launch("gdn_chunk_walk_fp32", kernel("gdn_chunk_walk_fp32", dk, walk_bytes),
+                (num_seqs, nv, dv // FP32_WALK_TILE), (FP32_THREADS,),
+                (qn32, kn32, w32, u32, p32, cum32, starts, lengths, per_seq, slots, fresh, ssm_state, core, np.int32(nk),
+                 np.int32(nv), np.int32(dv)), shared_mem=walk_bytes)
+        return
     qn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
     kn = cupy.empty((num_tokens, nk, dk), dtype=cupy.uint16)
     w_chunks = cupy.empty((num_tokens, nv, dk), dtype=cupy.uint16)

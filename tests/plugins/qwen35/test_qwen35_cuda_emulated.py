@@ -336,3 +336,48 @@ def test_fp16_operands_cut_the_chunked_prefill_error(tmp_path_factory):
     for what in ("core vs token-by-token", "state vs token-by-token"):
         assert errors["fp16"][what] < 0.3 * errors["bf16"][what], what
     assert errors["fp16"]["output vs NumPy"] < errors["bf16"]["output vs NumPy"]
+
+
+FP32_HARNESS = Path(__file__).parent / "cuda_emulation" / "fp32_chunked_harness.cpp"
+
+
+def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(tmp_path_factory):
+    """Issue #17: the fp32 chunked prefill (gdn_chunked_fp32.cu, OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32)
+    against the token-by-token kernel on the same conv_out: a 150-token prompt from scratch and 70 tokens
+    continuing a saved state; its bf16 output equals the token-by-token kernel's nearly everywhere (fp32
+    sums in another order) and its final states agree to fp32 rounding."""
+    kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
+    config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
+                                     "linear_value_head_dim": FAST_VALUE_DIM})
+    rng = np.random.default_rng(7)
+    nk, nv, width, conv_dim = (config.linear_num_key_heads, config.linear_num_value_heads,
+                               config.linear_conv_kernel_dim, config.conv_dim)
+    features = conv_dim + config.linear_value_dim + 2 * nv
+    lengths, slots, fresh = [150, 70], np.array([2, 0], np.int32), np.array([True, False])
+    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ssm_state = (0.3 * rng.standard_normal((3, nv, FAST_KEY_DIM, FAST_VALUE_DIM))).astype(np.float32)
+    chunk_start, chunk_len, seq_chunks = gated_deltanet.chunk_layout(query_start)
+    directory = tmp_path_factory.mktemp("gdn-fp32")
+    binary = compile_harness(FP32_HARNESS, kernels, directory / "harness", {"DK": FAST_KEY_DIM})
+    run_harness(binary, directory, nk, nv, FAST_VALUE_DIM, width, timeout=600,
+                proj=float32_to_bf16(rng.standard_normal((query_start[-1], features)).astype(np.float32)),
+                conv_weight=float32_to_bf16((0.4 * rng.standard_normal((conv_dim, width))).astype(np.float32)),
+                conv_state=float32_to_bf16(rng.standard_normal((3, width - 1, conv_dim)).astype(np.float32)),
+                ssm_state=ssm_state,
+                neg_decay_rate=-np.exp(rng.uniform(np.log(0.05), np.log(4.0), nv)).astype(np.float32),
+                dt_bias=bf16(0.5 * rng.standard_normal(nv)), query_start=query_start, slots=slots,
+                fresh=fresh.astype(np.int32), token_seq=np.repeat(np.arange(len(lengths), dtype=np.int32), lengths),
+                chunk_start=chunk_start, chunk_len=chunk_len, seq_chunks=seq_chunks)
+    shape = (int(query_start[-1]), nv * FAST_VALUE_DIM)
+    ours, base = (read_array(directory, f"{name}_core", np.uint16, shape) for name in ("fp32", "recurrent"))
+    differs = float((ours != base).mean())
+    relative = float(np.abs(ours - base).mean() / np.abs(base).mean())
+    print(f"fp32 chunked vs token-by-token: {differs:.4f} of the bf16 outputs differ, relative mean |error| "
+          f"{relative:.2e}")
+    assert differs < 0.01
+    assert relative < 2e-5
+    states = {name: read_array(directory, f"{name}_ssm_state", np.float32, ssm_state.shape)[slots]
+              for name in ("fp32", "recurrent")}
+    np.testing.assert_allclose(states["fp32"], states["recurrent"], rtol=1e-4, atol=1e-5)
+    untouched = read_array(directory, "fp32_ssm_state", np.float32, ssm_state.shape)[1]
+    np.testing.assert_array_equal(untouched, ssm_state[1])

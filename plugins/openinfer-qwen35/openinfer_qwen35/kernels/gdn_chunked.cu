@@ -44,9 +44,11 @@ static_assert(DK % 64 == 0, "the chunked kernels take key head dims that are mul
 // The operand format of the intermediates between the kernels and of every mma in this module (q / k
 // normed, W, U, P, S^T, V' and the solve's splits): bf16, or with GDN_F16_OPERANDS (the launcher's
 // OPENINFER_QWEN35_GDN_PREFILL=grouped_f16) IEEE fp16 — the same 16 bits and tensor-core rate with 10
-// mantissa bits instead of 7: a bf16 rounding of each of those operands costs the chunked path ~2.3x
-// the token-by-token kernels' teacher-forced error against HF (issue #17); fp16's rounding is 8x
-// smaller. Every such operand is bounded (l2-normed q / k, decays <= 1, beta <= 1, the state and
+// mantissa bits instead of 7: 8x less error in the layer's output, yet the teacher-forced test vs HF
+// moves only from 0.0173 to 0.0138 (the token-by-token kernels: 0.0074; issue #17): that test's model
+// turns any bf16 flip of O into bf16-level noise downstream, so only ~fp32 products (exact q / k
+// scores from the raw bf16 rows, ~24-bit splits elsewhere: tests/plugins/qwen35/gdn_operand_model.py)
+// reach the token-by-token level. Every such operand is bounded (l2-normed q / k, decays <= 1, beta <= 1, the state and
 // values the size of the layer's v), far inside fp16's 65504. The layer's input (conv_out) and output
 // (core) stay bf16: the prepare converts V as it loads it, the output kernels store O as bf16.
 #if defined(GDN_F16_OPERANDS) && defined(MMA_HOST_STANDIN)
@@ -127,8 +129,14 @@ __device__ __forceinline__ unsigned pack_op2(float lo, float hi) { return pack_b
 __device__ __forceinline__ float op_to_f(bf16 x) { return to_f(x); }
 __device__ __forceinline__ bf16 op_from_f(float x) { return __float2bfloat16_rn(x); }
 __device__ __forceinline__ float round_op(float x) { return round_bf16(x); }
+// GDN_MMA_REPEAT (benchmarks/gpu_qwen35.py's timing-only grouped_staged_mma_x3: wrong outputs) issues every
+// mma that many times: what the tensor-core part of issue #17's fix (~3 mmas a product) costs at least
 __device__ __forceinline__ void mma_op_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    mma_bf16_16816(d, a, b0, b1);
+#ifdef GDN_MMA_REPEAT
+#pragma unroll
+    for (int repeat = 0; repeat < GDN_MMA_REPEAT; ++repeat)
+#endif
+        mma_bf16_16816(d, a, b0, b1);
 }
 __device__ __forceinline__ uint4 op_from_bf16x8(uint4 raw) { return raw; }
 #endif

@@ -1,0 +1,67 @@
+// Runs the fp32 chunked prefill (gdn_chunked_fp32.cu: gdn_conv1d -> gdn_chunk_prepare_fp32 ->
+// gdn_chunk_walk_fp32) on the CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token
+// kernel gdn_delta_rule (fp32: the accuracy reference), for test_qwen35_cuda_emulated.py; writes both
+// cores (bf16) and final states.
+#define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
+#include <cuda_bf16.h>
+#include <cstring>
+
+#include "gated_deltanet.cu"
+#include "gdn_chunked_fp32.cu"
+
+#include "harness.h"
+
+int main(int argc, char** argv) {
+    if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
+    const std::string dir = argv[1];
+    const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
+    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
+    const int proj_stride = conv_dim + value_dim + 2 * nv;
+    auto weight = load<bf16>(dir, "conv_weight.bin");
+    auto rate = load<float>(dir, "neg_decay_rate.bin");
+    auto bias = load<float>(dir, "dt_bias.bin");
+    auto proj = load<bf16>(dir, "proj.bin");
+    auto conv_state = load<bf16>(dir, "conv_state.bin");
+    auto query_start = load<int>(dir, "query_start.bin");
+    auto slots = load<int>(dir, "slots.bin");
+    auto fresh = load<int>(dir, "fresh.bin");
+    auto token_seq = load<int>(dir, "token_seq.bin");
+    auto chunk_start = load<int>(dir, "chunk_start.bin");
+    auto chunk_len = load<int>(dir, "chunk_len.bin");
+    auto seq_chunks = load<int>(dir, "seq_chunks.bin");
+    const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
+    const int num_chunks = static_cast<int>(chunk_start.size());
+    std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
+    launch(1, 1, 1, 1, [&] {
+        gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
+                   fresh.data(), token_seq.data(), conv_out.data(), num_tokens, conv_dim, width);
+    });
+    std::vector<float> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
+    std::vector<float> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
+    std::vector<float> p(static_cast<size_t>(num_chunks) * nv * FP32_CHUNK * FP32_CHUNK);
+    std::vector<float> cum(static_cast<size_t>(num_tokens) * nv);
+    launch(num_chunks, nv, 1, FP32_THREADS, [&] {
+        gdn_chunk_prepare_fp32(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(), chunk_start.data(),
+                               chunk_len.data(), qn.data(), kn.data(), w.data(), u.data(), p.data(), cum.data(), nk,
+                               nv, dv);
+    });
+    auto ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> core(static_cast<size_t>(num_tokens) * value_dim);
+    launch(num_seqs, nv, dv / FP32_TILE, FP32_THREADS, [&] {
+        gdn_chunk_walk_fp32(qn.data(), kn.data(), w.data(), u.data(), p.data(), cum.data(), chunk_start.data(),
+                            chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(), ssm.data(), core.data(), nk,
+                            nv, dv);
+    });
+    save(dir, "fp32_core.bin", core);
+    save(dir, "fp32_ssm_state.bin", ssm);
+    auto base_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> base_core(core.size());
+    const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
+    launch(num_seqs, nv, (dv + tile_dv - 1) / tile_dv, static_cast<unsigned>((tile_dv * SPLIT + 31) / 32 * 32), [&] {
+        gdn_delta_rule(proj.data(), proj_stride, conv_out.data(), base_ssm.data(), rate.data(), bias.data(),
+                       query_start.data(), slots.data(), fresh.data(), base_core.data(), nk, nv, dv, tile_dv);
+    });
+    save(dir, "recurrent_core.bin", base_core);
+    save(dir, "recurrent_ssm_state.bin", base_ssm);
+    return 0;
+}
