@@ -612,6 +612,15 @@ def test_pdl_switch_and_launch_arguments(monkeypatch):
         cuda_mla.pdl()
     with pytest.raises(TypeError, match="NumPy"):
         kernel_argument(3)
+    # the combine: flat up to 4 splits, wide past them, unless forced
+    monkeypatch.delenv(cuda_mla.COMBINE_ENV, raising=False)
+    assert [cuda_mla.combine_kernel(z) for z in (2, 4, 5, 64)] == ["mla_combine_splits_flat"] * 2 + [
+        "mla_combine_splits_wide"] * 2
+    monkeypatch.setenv(cuda_mla.COMBINE_ENV, "wide")
+    assert cuda_mla.combine_kernel(4) == "mla_combine_splits_wide"
+    monkeypatch.setenv(cuda_mla.COMBINE_ENV, "flatter")
+    with pytest.raises(ValueError, match="OPENINFER_MLA_COMBINE"):
+        cuda_mla.combine_kernel(4)
     assert kernel_argument(np.int32(3)).tobytes() == np.int32(3).tobytes()
 
 

@@ -75,8 +75,11 @@ DEFAULT_ABSORBED_KERNEL = "cuda_cores"  # past the table: more than 64 heads per
 # Opt-in for s8's last hours (E2's Moonlight fault), cleared by s9 D1's bisect (the fault was the MoE decode
 # routing, since deleted); Moonlight bursts with it (s9 D1b, results/moonlight_bisect_tma*_s9d1b_h200.json):
 # TPOT 2.97 / 8.80 / 12.69 ms and 7,027 tok/s at 1 / 16 / 64 / 256 streams vs 2.94 / 8.82 / 12.76 and 6,947.
+# s10 D2 (H200, results/mla13c_h64_s10d2.json, gpu_mla.py decode --decode-heads 64, graph-replayed mla_forward, 1k
+# context): tma vs mma at 64 heads 28.1 vs 30.5 us at batch 1, 56.4 vs 98.5 at 16, 120.5 vs 226.2 at 64 (1.08 /
+# 1.75 / 1.88x): tma for 17-64 heads too (off Hopper mma runs, as before).
 ABSORBED_KERNEL_CHOICE: tuple[tuple[int, int, str], ...] = ((16, 1, "mma_shared"), (16, 1 << 30, "tma"),
-                                                            (64, 1 << 30, "mma"))
+                                                            (64, 1 << 30, "tma"))
 # Context splits of the absorbed kernels at most (about two waves of blocks; a batch-1 step of 64 heads
 # at 1k context: 33 non-empty splits x 4 latent quarters = 132 blocks, at 16 it was 11 x 4). H200,
 # window D3 of 2026-11-23: attention 66.3 -> 61.6 us at batch 1 (with the spread rope below); 64 /
@@ -145,12 +148,15 @@ COMBINE_ENV = "OPENINFER_MLA_COMBINE"
 # the non-empty splits (bit-equal, GPU-tested); 16 heads, graph-replayed mla_forward: batch 1 0.0295 -> 0.0233
 # ms at 1k context (combine 10.7 -> 5.3 us), 0.0378 -> 0.0301 at 4k; batch 16 0.0354 -> 0.0323 / 0.0630 ->
 # 0.0590; batch 64 equal; 256 runs one split (no combine). $OPENINFER_MLA_COMBINE=shared: the former.
-# Opt-in until measured: $OPENINFER_MLA_COMBINE=flat, mla_combine_splits_flat (a thread per 4 output dims, no shared
-# memory or barrier, 16 splits' partial rows loaded together; bit-equal to wide, GPU-tested). D1 (H200, 16 heads,
-# 1k): the wide combine 5.4 / 5.0 / 9.4 us at batch 1 / 16 / 64 for 0.1-8 MB of partials.
+# mla_combine_splits_flat (a thread per 4 output dims, no shared memory or barrier, 16 splits' partial rows loaded
+# together; bit-equal to wide, GPU-tested): the default up to COMBINE_FLAT_MAX_SPLITS splits. s10 D2 (H200,
+# results/mla13c_h16_s10d2.json / _h64_, combine kernel alone, 1k context, us, wide -> flat): 4 splits 9.5 -> 7.0
+# (16 heads x 64 rows), 9.6 -> 7.2 (64 x 16), 12.5 -> 4.7 (64 x 64); 16 splits 5.0 -> 5.9, 64 splits 5.4 -> 9.1
+# (behind). $OPENINFER_MLA_COMBINE=wide / flat forces one.
 COMBINE_KERNELS = {"loop": "mla_combine_splits", "shared": "mla_combine_splits_shared",
                    "wide": "mla_combine_splits_wide", "flat": "mla_combine_splits_flat"}
 COMBINE_FLAT_THREADS = 256  # mla.cu
+COMBINE_FLAT_MAX_SPLITS = 4
 COMBINE_WIDE_DIMS = 128  # output dims per block of mla_combine_splits_wide
 COMBINE_SHARED_MAX_SPLITS = 64  # mla.cu COMBINE_MAX_SPLITS (more splits take the loop)
 NULL = np.uint64(0)
@@ -474,11 +480,14 @@ def _shared_decode_kernel(spec: MLASpec, keys: int):
     return attention, smem
 
 
-def combine_kernel() -> str:
-    """The split combine's kernel ($OPENINFER_MLA_COMBINE: wide, the default, shared, loop or flat)."""
-    name = os.environ.get(COMBINE_ENV) or "wide"
+def combine_kernel(splits: int = 1) -> str:
+    """The split combine's kernel for ``splits`` context splits ($OPENINFER_MLA_COMBINE: wide, shared, loop or flat;
+    unset or auto: flat up to COMBINE_FLAT_MAX_SPLITS splits, else wide). Split count only: graph-safe."""
+    name = os.environ.get(COMBINE_ENV) or "auto"
+    if name == "auto":
+        name = "flat" if splits <= COMBINE_FLAT_MAX_SPLITS else "wide"
     if name not in COMBINE_KERNELS:
-        raise ValueError(f"{COMBINE_ENV} is one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
+        raise ValueError(f"{COMBINE_ENV} is auto or one of {', '.join(COMBINE_KERNELS)}; got {name!r}")
     return COMBINE_KERNELS[name]
 
 
@@ -529,7 +538,7 @@ def absorbed_attention(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndar
 def combine_splits(partials: SplitPartials, o_latent: cupy.ndarray, spec: MLASpec) -> None:
     """``o_latent`` from the splits' partials (``combine_kernel``'s kernel)."""
     rows = int(partials.partial_ml.shape[0] * partials.partial_ml.shape[1])
-    name = combine_kernel()
+    name = combine_kernel(partials.splits)
     if partials.splits > COMBINE_SHARED_MAX_SPLITS:
         name = COMBINE_KERNELS["loop"]
     args = (partials.partial_o, partials.partial_ml, np.int32(partials.splits))
@@ -550,7 +559,7 @@ def attend_splits(q_latent: cupy.ndarray, q: cupy.ndarray, cache: cupy.ndarray, 
     num_tokens = int(q.shape[0])
     name = choose_absorbed_kernel(spec.num_heads, num_tokens, absorbed_kernel)
     if name == "tma" and not mla_decode_sm90.tma_decode_fits(spec, cache):
-        name = "mma_shared"
+        name = "mma_shared" if spec.num_heads <= SHARED_HEADS else "mma"  # each one's measured fallback
     if name == "mma_shared" and not shared_decode_fits(spec):
         name = "mma"
     if name != "cuda_cores" and not mma_decode_fits(spec):

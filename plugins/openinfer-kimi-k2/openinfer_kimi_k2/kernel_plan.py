@@ -50,8 +50,10 @@ MLA, long sequences    decompressed: ``mla_gather_context``, kv_b by cuBLAS into
 MLA, other tokens      absorbed: W_UK / W_UV by cuBLAS strided-batched GEMMs over heads  core
                        around ``mla_attention_mma_shared`` (tensor cores, <= 16 heads,
                        1 row; from 2 rows on Hopper ``mla_attention_tma``: TMA latent
-                       rows, balanced splits), ``mla_attention_mma`` (17-64 heads) or
-                       ``mla_attention`` (CUDA cores, 16 heads per block) (core
+                       rows, balanced splits; 17-64 heads too), off Hopper
+                       ``mla_attention_mma`` (17-64 heads) or ``mla_attention`` (CUDA
+                       cores, 16 heads per block); splits combined by
+                       ``mla_combine_splits_flat`` (<= 4) or ``_wide`` (core
                        ``mla.choose_absorbed_kernel``; ``OPENINFER_MLA_DECODE``
                        forces one)
 MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited top-k;    core
