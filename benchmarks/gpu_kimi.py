@@ -1334,6 +1334,10 @@ MOE_SHAPES = {
 # on the main stream; OPENINFER_MOE_SHARED_FUSED=1 in a variant's switches runs the layer with its shared
 # experts stacked after the routed ones (moe.fuse_shared_experts; bf16 experts only)
 MOE_VARIANTS = {"default": ({}, False),
+                # the MoE defaults before D2 of 2026-11-24 (shared MLP by cuBLAS, moe_route + moe_sort_parallel,
+                # plain launches of the Hopper grouped GEMM)
+                "before_d2": ({"OPENINFER_MOE_SHARED_FUSED": "0", "OPENINFER_MOE_ROUTE_SORT": "0",
+                               "OPENINFER_MOE_SM90_PDL": "0"}, False),
                 "inline": ({"OPENINFER_MOE_SHARED_OVERLAP": "0"}, False),
                 "shared_fused": ({"OPENINFER_MOE_SHARED_FUSED": "1"}, False),
                 # down's Hopper grouped GEMM launched while gate_up's last wave runs (programmatic dependent launch)
@@ -1403,8 +1407,7 @@ def run_moe(args) -> dict:
                                         down=cuda_moe.tiled_int4(layer.down)) \
                 if any(MOE_VARIANTS[v][1] for v in variants) and c["format"] == "int4" else layer
             fused = cuda_moe.fuse_shared_experts(layer, shared[0].weight, shared[1].weight) \
-                if any(MOE_VARIANTS[v][0].get(cuda_moe.SHARED_FUSED_ENV) == "1" for v in variants) \
-                and cuda_moe.shared_fusion_fits(layer, shared[0].weight, shared[1].weight) else None
+                if cuda_moe.shared_fusion_fits(layer, shared[0].weight, shared[1].weight) else None
             blocks.append((layer, tiled, shared, fused))
         per_expert = sum(w.data[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
                          for w in (blocks[0][0].gate_up, blocks[0][0].down))
@@ -1418,10 +1421,9 @@ def run_moe(args) -> dict:
             outputs = {}
             for variant in variants:
                 switches, use_tiled = MOE_VARIANTS[variant]
-                if switches.get(cuda_moe.SHARED_FUSED_ENV) == "1":
-                    if blocks[0][3] is None:
-                        print(f"# {variant}: {shape}'s shared experts do not fuse (bf16 experts only); skipped")
-                        continue
+                with switched_env(switches):  # as a model's prepare_weights would decide
+                    use_fused = cuda_moe.shared_fusion_wanted() and blocks[0][3] is not None
+                if use_fused:
                     calls = [partial(cuda_moe.moe_forward, backend, x, fused) for *_, fused in blocks]
                 else:
                     calls = [partial(cuda_moe.moe_forward, backend, x, tiled if use_tiled else layer,

@@ -287,6 +287,8 @@ def test_sm90_pdl_equals_plain_launches(cuda_backend, rng, monkeypatch, shape):
     monkeypatch.setenv(moe_sm90.SM90_PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_SM90_PDL"):
         moe_sm90.sm90_pdl()
+    monkeypatch.delenv(moe_sm90.SM90_PDL_ENV)
+    assert moe_sm90.sm90_pdl() == moe_sm90.DEFAULT_SM90_PDL
 
 
 @pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 6, True), (77, 2048, 6, False),
@@ -501,9 +503,10 @@ def test_route_sort_switch_bounds(monkeypatch):
 
     spec = RouterSpec(64, 6, "sigmoid")
     monkeypatch.delenv(moe.ROUTE_SORT_ENV, raising=False)
-    assert moe.route_sort_wanted(16, spec) == moe.DEFAULT_ROUTE_SORT
+    assert moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS, spec)
+    assert not moe.route_sort_wanted(moe.ROUTE_SORT_DEFAULT_MAX_TOKENS + 1, spec)
     monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")
-    assert not moe.route_sort_wanted(16, spec)
+    assert not moe.route_sort_wanted(1, spec) and not moe.route_sort_wanted(16, spec)
     monkeypatch.setenv(moe.ROUTE_SORT_ENV, "1")
     assert moe.route_sort_wanted(1, spec) and moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS, spec, None, 2)
     assert not moe.route_sort_wanted(0, spec) and not moe.route_sort_wanted(moe.ROUTE_SORT_MAX_TOKENS + 1, spec)

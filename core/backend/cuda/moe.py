@@ -300,12 +300,17 @@ ROUTER_TILE, GROUP_THREADS = 64, 1024  # moe_routing.cu
 # the same stable layout as the per-expert blocks, whose E blocks each read every id twice: 45.6 us at 8192
 # tokens x top-6).
 ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu ROUTE_WARPS: tokens per block
-# Opt-in until measured: OPENINFER_MOE_ROUTE_SORT=1 runs a decode step's top-k and grouping (routers without
+# OPENINFER_MOE_ROUTE_SORT runs a decode step's top-k and grouping (routers without
 # expert groups, no hash routing, at most ROUTE_SORT_MAX_TOKENS tokens) as one block, moe_routing.cu's
 # moe_route_sort (moe_route_warps' picks, then moe_sort_parallel's layout from shared memory): one launch and
 # the num_tiles memset fewer than moe_route + moe_sort_parallel. No cross-block state (the deleted one-launch
 # moe_decode.cu counted arriving blocks in global memory).
-ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, DEFAULT_ROUTE_SORT = "OPENINFER_MOE_ROUTE_SORT", 64, False
+# Unset: on for steps of at most ROUTE_SORT_DEFAULT_MAX_TOKENS tokens (D2 of 2026-11-24, H200,
+# results/moe_block_moe13c_d2.json / kimi_layer_moe13c_d2.json: Moonlight's MoE block at 1 token 57.6 -> 54.8 us
+# with the shared experts fused (58.7 -> 55.4 without), the Kimi-K2 layer at batch 1 231.9 -> 229.2 us; behind at
+# 16 tokens, 254.4 vs 256.8, and far behind at 64, 306.2 vs 331.8: its 16 warps route 4 tokens each in turn);
+# =1 up to ROUTE_SORT_MAX_TOKENS, =0 never.
+ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
@@ -469,10 +474,12 @@ def group_blocks_wanted(num_slots: int) -> bool:
 
 def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray | None = None,
                       shared_experts: int = 0) -> bool:
-    """Whether ``route_and_group`` runs (moe_route_sort): $OPENINFER_MOE_ROUTE_SORT (unset: DEFAULT_ROUTE_SORT), 1 to
-    ROUTE_SORT_MAX_TOKENS tokens, a router without expert groups, no hash routing, the slots and experts
-    within the kernel's shared arrays."""
-    return (_switch(ROUTE_SORT_ENV, default=DEFAULT_ROUTE_SORT) and 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS and tid2eid is None
+    """Whether ``route_and_group`` runs (moe_route_sort): 1 to ROUTE_SORT_MAX_TOKENS tokens with
+    $OPENINFER_MOE_ROUTE_SORT=1, to ROUTE_SORT_DEFAULT_MAX_TOKENS unset, never with =0; a router without expert
+    groups, no hash routing, the slots and experts within the kernel's shared arrays."""
+    unset = os.environ.get(ROUTE_SORT_ENV, "") == ""
+    most = ROUTE_SORT_DEFAULT_MAX_TOKENS if unset else ROUTE_SORT_MAX_TOKENS if _switch(ROUTE_SORT_ENV) else 0
+    return (0 < num_tokens <= most and tid2eid is None
             and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups)
             and num_tokens * (spec.top_k + shared_experts) <= ROUTE_SORT_MAX_SLOTS
             and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
@@ -891,16 +898,19 @@ class DeviceMoE:
     shared_experts: int = 0
 
 
-# Shared-experts fusion (opt-in until measured: OPENINFER_MOE_SHARED_FUSED=1, read when a model prepares its
-# weights): a shared SwiGLU MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
+# Shared-experts fusion (OPENINFER_MOE_SHARED_FUSED, read when a model prepares its weights): a shared SwiGLU MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
 # of I rows (its gate / up rows and down columns cut in S runs: the sum over the intermediate splits), stacked
 # after the routed experts; moe_route gives every token those S experts with weight 1 (ROUTE_SHARED_EXPERTS),
 # so their weights stream inside the routed experts' grouped GEMM / GEMV, and the two shared linears, their
 # SiLU·mul and the side stream disappear. Numbers: the shared part is summed in fp32 with the routed ones
 # (the unfused combine adds the shared MLP's bf16 output to the bf16-rounded routed sum), so results differ
 # by bf16 roundings. bf16 experts only (the stack's format), every routed expert held (no expert parallel).
+# On by default since D2 of 2026-11-24 (H200, benchmarks/results/moe_block_moe13c_d2.json, Moonlight's MoE block
+# 64 x top-6 + 2 shared, graphs; =0 reverts): 58.7 -> 57.6 / 258.1 -> 254.4 / 321.8 -> 306.2 us at 1 / 16 / 64
+# tokens (1.02 / 1.015 / 1.05x; with SM90_PDL 1.027 / 1.066x at 16 / 64), the unfused shared MLP's cuBLAS
+# GEMMs at these rows running at 33-65 % of the copy bandwidth.
 SHARED_FUSED_ENV = "OPENINFER_MOE_SHARED_FUSED"
-DEFAULT_SHARED_FUSED = False
+DEFAULT_SHARED_FUSED = True
 
 
 def shared_fusion_wanted() -> bool:

@@ -23,7 +23,8 @@ expert and the pipelined kernel. Moonlight's routed experts, one layer, gate_up 
 Decode steps (up to 24 slots per expert) run a smaller build since E1 of 2026-11-24 (SM90_SHAPE_CHOICE):
 64-slot tiles on one consumer warpgroup, 128 weight rows per tile, stages of two 64-wide k sub-tiles
 (256 contiguous bytes of each weight row per stage): 87-90 % -> 92-93 % of the copy bandwidth. Opt-in
-builds: stream-K (SM90_STREAM_K) and programmatic dependent launch of down after gate_up (SM90_PDL).
+builds: stream-K (SM90_STREAM_K); programmatic dependent launch of down after gate_up (SM90_PDL) is on by
+default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 """
 
 from __future__ import annotations
@@ -124,19 +125,23 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
 SM90_SHAPE_CHOICE: tuple[tuple[float, str], ...] = ((24, "m64_n128_k2"), (float("inf"), "base"))
 
 
-# Opt-in until measured: OPENINFER_MOE_SM90_PDL=1 builds the kernel with SM90_PDL (each CTA lets the next
-# launch go at once; the producer sends its first weight boxes before griddepcontrol.wait) and launches the
-# down projection (``overlap_previous``) with programmatic stream serialization, so down's CTAs take the
-# SMs gate_up leaves in its last wave and stream their first weights while gate_up finishes.
+# OPENINFER_MOE_SM90_PDL builds the kernel with SM90_PDL (each CTA lets the next launch go at once; the
+# producer sends its first weight boxes before griddepcontrol.wait) and launches the down projection
+# (``overlap_previous``) with programmatic stream serialization, so down's CTAs take the SMs gate_up leaves in
+# its last wave and stream their first weights while gate_up finishes. On by default since D2 of 2026-11-24
+# (H200, benchmarks/results/moe_block_moe13c_d2.json, Moonlight's MoE block, graphs; =0 reverts): alone 258.1 ->
+# 253.5 / 321.8 -> 319.1 us at 16 / 64 tokens (1.018 / 1.008x); with the shared experts fused 254.4 -> 251.4 /
+# 306.2 -> 301.8 us.
 SM90_PDL_ENV = "OPENINFER_MOE_SM90_PDL"
+DEFAULT_SM90_PDL = True
 
 
 def sm90_pdl() -> bool:
-    """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: off)."""
+    """$OPENINFER_MOE_SM90_PDL ("1"/"on" or "0"/"off"; unset: DEFAULT_SM90_PDL)."""
     value = os.environ.get(SM90_PDL_ENV, "").lower()
     if value not in ("", "0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{SM90_PDL_ENV} must be 1 or 0 (on / off), got {value!r}")
-    return value in ("1", "true", "on")
+    return DEFAULT_SM90_PDL if value == "" else value in ("1", "true", "on")
 
 
 class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, padding, a 64-byte value union
