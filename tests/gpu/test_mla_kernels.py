@@ -601,7 +601,7 @@ def test_pdl_decode_bit_equal_to_plain_launches(cuda_backend, rng, monkeypatch, 
 def test_pdl_switch_and_launch_arguments(monkeypatch):
     """$OPENINFER_MLA_PDL is 0 or 1 (a clear error else); the launcher refuses Python numbers (no width)."""
     from openinfer.backend.cuda import mla as cuda_mla
-    from openinfer.backend.cuda.mla_launch import kernel_argument
+    from openinfer.backend.cuda.pdl_launch import kernel_argument
 
     monkeypatch.delenv(cuda_mla.PDL_ENV, raising=False)
     assert cuda_mla.pdl() == (cuda_mla.DEFAULT_PDL and _hopper())

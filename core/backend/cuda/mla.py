@@ -35,7 +35,7 @@ from openinfer.backend.base import ForwardBatch
 from openinfer.backend.cuda import mla_decode_sm90
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import arch_kernel, kernel
-from openinfer.backend.cuda.mla_launch import launch
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec, decompressed_prefill_layout
 
@@ -104,7 +104,7 @@ EXPAND_SMALL_MAX_TOKENS, EXPAND_SMALL_COLUMNS, EXPAND_SMALL_THREADS = 64, 16, 12
 # Opt-in until measured: $OPENINFER_MLA_PDL=1 builds the decode kernels with MLA_PDL (mla_split.cuh: each CTA lets
 # the next kernel launch at once, and waits for the previous kernel before its dependent reads and its writes) and
 # launches the attention kernel, the split combine and mla_expand_small with programmatic stream serialization
-# (mla_launch.py): each one's launch, CTA start and index set-up overlap the kernel before it, in eager steps and as
+# (pdl_launch.py): each one's launch, CTA start and index set-up overlap the kernel before it, in eager steps and as
 # programmatic edges of a captured decode graph. The latent write / mla_write_absorb (after the projections) and
 # cuBLAS's GEMMs launch as before; clusters of the tma kernel (OPENINFER_MLA_TMA_CLUSTER) are not PDL-launched.
 # The same kernels and sums: bit-equal (GPU-tested).

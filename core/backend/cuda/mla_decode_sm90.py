@@ -18,7 +18,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import arch_kernel
-from openinfer.backend.cuda.mla_launch import launch
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.tensor_maps import BOX_ELEMENTS, TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 from openinfer.mla import MLASpec
 

@@ -29,7 +29,6 @@ default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import arch_kernel
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.tensor_maps import TENSOR_MAP_PARAM, PageBoxLayout, encode_page_map
 
 if TYPE_CHECKING:
@@ -144,52 +144,11 @@ def sm90_pdl() -> bool:
     return DEFAULT_SM90_PDL if value == "" else value in ("1", "true", "on")
 
 
-class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-@functools.cache
-def _launch_kernel_ex():
-    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                         ctypes.c_void_p]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _kernel_argument(value) -> np.ndarray:
-    """The bytes a kernel parameter points to: a device array's address, a numpy scalar or the tensor
-    map (a host array) as themselves."""
-    if isinstance(value, cupy.ndarray):
-        return np.array([value.data.ptr], dtype=np.uint64)
-    return np.ascontiguousarray(np.asarray(value).reshape(-1))
-
-
 def launch_overlapping_previous(fn, grid: int, block: int, args: tuple, shared: int) -> None:
-    """``fn((grid,), (block,), args, shared_mem=shared)`` through cuLaunchKernelEx with programmatic
-    stream serialization: it may start before the stream's previous kernel ends (its
-    griddepcontrol.wait holds whatever depends on that kernel); on the legacy default stream a plain
-    launch. Under ``discover_kernels`` nothing runs."""
-    stream = cupy.cuda.get_current_stream().ptr
-    if not isinstance(fn, cupy.cuda.function.Function) or not stream:  # dry run, or the legacy default stream
-        fn((grid,), (block,), args, shared_mem=shared)
-        return
-    held = [_kernel_argument(value) for value in args]  # alive until the launch returns (it copies them)
-    pointers = (ctypes.c_void_p * len(held))(*[value.ctypes.data for value in held])
-    attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-    attribute.value[0] = 1  # programmaticStreamSerializationAllowed (an int)
-    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, stream, ctypes.pointer(attribute), 1)
-    status = _launch_kernel_ex()(ctypes.byref(config), fn.ptr, pointers, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching moe_grouped_gemm_sm90")
+    """``fn((grid,), (block,), args, shared_mem=shared)`` with programmatic dependent launch (``pdl_launch``): it
+    may start before the stream's previous kernel ends (its griddepcontrol.wait holds whatever depends on that
+    kernel); on the legacy default stream, or under ``discover_kernels``, a plain launch."""
+    launch(fn, (grid,), (block,), args, shared_mem=shared, after_previous=True)
 
 
 def sm90_enabled() -> bool:

@@ -1,11 +1,10 @@
-"""Programmatic dependent launch (PDL) of the MLA decode kernels ($OPENINFER_MLA_PDL, ``openinfer.backend.cuda.mla``).
-
-A kernel launched here with ``after_previous`` goes through ``cuLaunchKernelEx`` with programmatic stream
-serialization: the driver may start its CTAs once every CTA of the stream's previous kernel has run
-``griddepcontrol.launch_dependents`` (kernels/mla_split.cuh ``mla_pdl_enter``), and the kernel's own
-``griddepcontrol.wait`` holds its dependent reads and all its writes until that kernel has finished. Under
-stream capture the launch becomes a programmatic edge of the graph. The same ctypes structures as
-``moe_sm90.launch_overlapping_previous`` (which takes 1-d grids only).
+"""Programmatic dependent launch (PDL): a kernel launched by ``launch(..., after_previous=True)`` goes through
+``cuLaunchKernelEx`` with programmatic stream serialization, so the driver may start its CTAs once every CTA
+of the stream's previous kernel has run ``griddepcontrol.launch_dependents``; the kernel's own
+``griddepcontrol.wait`` holds its dependent reads and its writes until that kernel has finished. Under
+stream capture the launch becomes a programmatic edge of the graph. Used by the MLA decode kernels
+($OPENINFER_MLA_PDL, kernels/mla_split.cuh ``mla_pdl_enter``) and the Hopper grouped expert GEMM
+($OPENINFER_MOE_SM90_PDL, down after gate_up); a kernel launched so must be built to wait.
 """
 
 from __future__ import annotations
@@ -70,4 +69,5 @@ def launch(fn, grid, block, args: tuple, shared_mem: int = 0, after_previous: bo
     config = _LaunchConfig(_dims(grid), _dims(block), int(shared_mem), stream, ctypes.pointer(attribute), 1)
     status = _launch_kernel_ex()(ctypes.byref(config), function.ptr, pointers, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching an MLA decode kernel with PDL")
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status}) launching a kernel with programmatic "
+                           "dependent launch")
