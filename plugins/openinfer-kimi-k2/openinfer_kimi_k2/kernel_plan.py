@@ -60,7 +60,10 @@ MoE router             ``moe_route`` (fp32 logits, scores, bias, group-limited t
                        from 1,024 tokens the logits on tensor cores,
                        ``moe_routing.cu``)
 token grouping         ``moe_sort_parallel`` (counts, segments, GEMM tile list; one      core
-                       block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``: ``moe_sort``)
+                       block-wide scan; ``OPENINFER_MOE_FAST_ROUTING=0``:
+                       ``moe_sort``), at 1-token steps ``moe_route_sort``: top-k and
+                       grouping in one block (``OPENINFER_MOE_ROUTE_SORT=0`` / ``=1``:
+                       never / up to 64 tokens)
 routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul``;      core
                        weights bf16 / INT4 / FP8 as stored: a decode GEMV while the
                        slots average few per expert (INT4, group-32 weights repacked at
@@ -72,14 +75,18 @@ routed experts         x2 (gate_up gathering token rows; down) + core ``silu_mul
                        else bf16 on Hopper: ``moe_grouped_gemm_sm90`` (persistent
                        wgmma, TMA weight tiles, gate_up with SiLU·mul fused; 64-slot x
                        128-row tiles with 128-wide k stages up to 24 slots per expert;
-                       ``OPENINFER_MOE_SM90=0``: off), elsewhere
+                       ``OPENINFER_MOE_SM90=0``: off; down starts in gate_up's last
+                       wave, ``OPENINFER_MOE_SM90_PDL=0``: off), elsewhere
                        ``moe_grouped_gemm_pipelined`` (SiLU·mul fused) and cuBLAS per
                        expert for eager steps from 512 slots per expert; INT4 / FP8:
                        ``moe_grouped_gemm``; ``OPENINFER_MOE_GEMV`` forces a decode
                        GEMV
-shared experts         core ``linear`` + ``silu_mul_linear``, run by ``moe_forward``:    core
-                       for steps of up to 16 tokens on a side stream beside the routing
-                       and the routed experts, joined before the combine (same bits;
+shared experts         bf16 experts all on one rank: S more experts of the routed        core
+                       stacks, every token routed to them with weight 1
+                       (``OPENINFER_MOE_SHARED_FUSED=0``: off); else core ``linear`` +
+                       ``silu_mul_linear``, run by ``moe_forward``: for steps of up to
+                       16 tokens on a side stream beside the routing and the routed
+                       experts, joined before the combine (same bits;
                        ``OPENINFER_MOE_SHARED_OVERLAP=1`` / ``=0``: always / never)
 combine                ``moe_combine`` (fixed slot order, + shared experts); from 256    core
                        tokens ``moe_combine_vec8`` (8 columns a thread, the same bits)
