@@ -898,7 +898,8 @@ class DeviceMoE:
     shared_experts: int = 0
 
 
-# Shared-experts fusion (OPENINFER_MOE_SHARED_FUSED, read when a model prepares its weights): a shared SwiGLU MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
+# Shared-experts fusion (OPENINFER_MOE_SHARED_FUSED, read when a model prepares its weights): a shared SwiGLU
+# MLP of S·I intermediate rows (S = shared intermediate / routed I) is S experts
 # of I rows (its gate / up rows and down columns cut in S runs: the sum over the intermediate splits), stacked
 # after the routed experts; moe_route gives every token those S experts with weight 1 (ROUTE_SHARED_EXPERTS),
 # so their weights stream inside the routed experts' grouped GEMM / GEMV, and the two shared linears, their

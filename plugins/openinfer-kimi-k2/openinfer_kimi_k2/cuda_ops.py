@@ -183,7 +183,9 @@ def fuse_shared(mlp: MoEWeights) -> bool:
 
 def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> cupy.ndarray:
     shared_experts = None
-    if layer.shared is not None:  # (None also where fuse_shared stacked them with the routed experts)  # run by moe_forward (small steps: on a side stream beside the routed experts)
+    # run by moe_forward (small steps: on a side stream beside the routed experts); None where fuse_shared
+    # stacked the shared experts with the routed ones
+    if layer.shared is not None:
         shared_experts = partial(cuda_swiglu_mlp, ops, gate_up=layer.shared.gate_up, down=layer.shared.down)
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
