@@ -142,6 +142,9 @@ class PagedEngine:
         # seconds of this constructor's start-up phases (the engine-core process reports them)
         self.startup_phases: dict[str, float] = {}
         self.model = model
+        mark_serving = getattr(model.backend, "mark_serving", None)  # kernels built from here on are expected
+        if mark_serving is not None:
+            mark_serving(False)
         self.options = options or EngineOptions()
         spec = model.spec
         self.kv_cache_specs = kv_cache_specs_of(model)
@@ -205,6 +208,8 @@ class PagedEngine:
             self.startup_phases["deferred_weights_wait"] = self.startup_phases.get("deferred_weights_wait", 0.0) + waited
         if warmup is not None:
             self._warm_up_prefill(model, warmup)
+        if mark_serving is not None:  # from here on, a kernel build is one the start-up missed
+            mark_serving(True)
         self._state_layers = [c for c in self.kv_cache if isinstance(c, StateLayer)]
         self.scheduler = Scheduler(self.kv, max_num_seqs=self.options.max_num_seqs,
                                    max_num_batched_tokens=batched, max_model_len=self.max_model_len,

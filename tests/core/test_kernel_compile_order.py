@@ -51,6 +51,8 @@ def test_compile_order_is_slowest_first_with_arch_modules_counting_double(loader
 
 
 def test_compile_kernels_builds_each_module_once_slowest_first_and_times_it(monkeypatch, loader) -> None:
+    """OPENINFER_KERNEL_MODULES=source: one module per file (and defines), with all its kernels."""
+    monkeypatch.setenv("OPENINFER_KERNEL_MODULES", "source")
     built: list[tuple] = []
     monkeypatch.setattr(loader, "_kernel", lambda source, name, defines: built.append((source, name, defines)))
     monkeypatch.setattr(loader, "_arch_kernel",
@@ -77,6 +79,73 @@ def test_compile_kernels_builds_each_module_once_slowest_first_and_times_it(monk
     with pytest.raises(ValueError, match="OPENINFER_COMPILE_ORDER"):
         loader.compile_kernels(keys, device_id=0, threads=1)
     assert loader.compile_kernels([], device_id=0) == 0
+
+
+def test_kernel_modules_build_each_kernel_alone_slowest_kernel_first(monkeypatch, loader) -> None:
+    """The default (OPENINFER_KERNEL_MODULES=kernel): every kernel is a module of its own, so a file's
+    kernels compile in parallel; they start slowest first by their own estimated cost."""
+    monkeypatch.delenv("OPENINFER_KERNEL_MODULES", raising=False)
+    assert loader.kernel_modules() == "kernel"
+    built: list[tuple] = []
+    monkeypatch.setattr(loader, "_kernel", lambda source, name, defines: built.append((source, name)))
+    monkeypatch.setattr(loader, "_arch_kernel", lambda source, name, arch, defines, shared: built.append((source, name)))
+    costs = {("elementwise.cu", "silu_mul"): 5, ("elementwise.cu", "add"): 50, ("prefill.cu", "prefill"): 20}
+    monkeypatch.setattr(loader, "kernel_cost", lambda source, name: costs[(source, name)])
+    loader.module_compile_seconds.clear()
+    keys = [("elementwise.cu", "silu_mul", ()), ("elementwise.cu", "add", ()), ("prefill.cu", "prefill", (), "sm_90a", 0)]
+    assert loader.compile_kernels(keys, device_id=0, threads=1) == 3
+    # sm_90a counts double: prefill (40) after add (50), before silu_mul (5)
+    assert built == [("elementwise.cu", "add"), ("prefill.cu", "prefill"), ("elementwise.cu", "silu_mul")]
+    assert sorted(loader.module_compile_seconds) == ["elementwise.cu:add", "elementwise.cu:silu_mul",
+                                                     "prefill.cu@sm_90a:prefill"]
+    monkeypatch.setenv("OPENINFER_KERNEL_MODULES", "each")
+    with pytest.raises(ValueError, match="OPENINFER_KERNEL_MODULES"):
+        loader.compile_kernels(keys, device_id=0, threads=1)
+
+
+def test_kernel_cost_is_the_file_cut_down_to_the_kernel(loader) -> None:
+    whole = loader.source_cost("gemv.cu")
+    alone = loader.kernel_cost("gemv.cu", "gemv_m1")
+    assert 0 < alone < whole
+    assert loader.kernel_cost("no_such_file.cu", "k") == 0
+
+
+def test_every_package_kernel_can_be_cut_out_of_its_file(loader) -> None:
+    """The one-kernel modules need kernel_subset to find every kernel's definition: a kernel made by
+    a macro (or a parse failure) would compile its whole file instead, and set the start-up's wall."""
+    import re
+
+    sources = sorted(loader.KERNEL_DIR.glob("*.cu"))
+    assert sources
+    for path in sources:
+        text = path.read_text()
+        names = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\(',
+                           text)
+        for name in set(names):
+            alone = loader.kernel_subset(text, (name,))
+            assert alone is not None, f"{path.name}: kernel_subset cannot parse it"
+            kept = set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\([^;{]*\)\s*\{',
+                                  alone))
+            assert kept <= {name}, f"{path.name}: cutting out {name} kept {kept}"
+        assert "#define" not in "".join(line for line in text.splitlines() if 'extern "C"' in line and line.rstrip().endswith("\\")), \
+            f"{path.name}: a kernel defined inside a macro cannot be compiled alone"
+
+
+def test_kernels_built_after_serving_starts_are_reported(monkeypatch, loader, caplog) -> None:
+    """A kernel the start-up discovery missed is built when first launched while serving: logged as a
+    warning and listed in late_compiles (the GPU test asserts the list stays empty)."""
+    loader.late_compiles.clear()
+    loader._note_build("before.cu")
+    assert loader.late_compiles == []
+    loader.mark_serving()
+    try:
+        with caplog.at_level("WARNING"):
+            loader._note_build("rms_norm.cu:rms_norm")
+        assert loader.late_compiles == ["rms_norm.cu:rms_norm"]
+        assert "compiled while serving" in caplog.text
+    finally:
+        loader._serving.clear()
+        loader.late_compiles.clear()
 
 
 def test_compile_threads_switch(monkeypatch, loader) -> None:

@@ -34,7 +34,7 @@ from openinfer.backend.cuda.linear import (
     linear_accumulate,
     residual_gemm_wanted,
 )
-from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel
+from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel, mark_serving
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 from openinfer.backend.cuda.weight_upload import uploader
 
@@ -174,6 +174,11 @@ class CudaBackend:
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                 logger.debug("the kernel-discovery forward stopped early", exc_info=True)
         return compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
+
+    def mark_serving(self, serving: bool = True) -> None:
+        """The engine's start-up is over (``True``) or begins (``False``): a kernel built while
+        serving is a start-up discovery miss, logged and listed in ``loader.late_compiles``."""
+        mark_serving(serving)
 
     # --- placing data ----------------------------------------------------------------------------
 

@@ -13,6 +13,12 @@ does nothing), and ``compile_kernels`` compiles the recorded modules in parallel
 releases the GIL. The compile's wall time is at least its slowest module's, so the modules start
 slowest first (``compile_order``: source bytes with the headers it includes as the estimate; sm_90a
 modules count double), and each module's seconds are kept in ``module_compile_seconds``.
+
+What a module holds (``OPENINFER_KERNEL_MODULES``): ``kernel`` (the default), one kernel cut out of its
+file (``kernel_subset``), so the start-up compile's wall is its slowest *kernel*, not its slowest file;
+``found``, the kernels the dry forward found in one file together; ``source``, the whole file. A kernel
+met only after the engine started serving (``mark_serving``) is a start-up discovery miss: it is built
+(alone, in the first two modes), logged as a warning and listed in ``late_compiles``.
 """
 
 from __future__ import annotations
@@ -52,14 +58,40 @@ module_compile_seconds: dict[str, float] = {}
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-# "1": a module is built with only the ``extern "C"`` kernels asked of it (``kernel_subset``): NVRTC
-# compiles every kernel of a file, and the templates only unused kernels instantiate, each time
-KERNEL_SUBSET_ENV = "OPENINFER_KERNEL_SUBSET"
+# what one compiled module holds: "kernel" (one kernel), "found" (the kernels found in one file), "source"
+# (the whole file). NVRTC compiles every kernel of a file and every template only unused kernels
+# instantiate; cut down, the files compile in parallel pieces
+KERNEL_MODULES_ENV = "OPENINFER_KERNEL_MODULES"
+KERNEL_MODULES = ("kernel", "found", "source")
+DEFAULT_KERNEL_MODULES = "kernel"
 _prebuilt: dict[KernelKey, Any] = {}  # functions compile_kernels built together, for _kernel to take
 
+_serving = threading.Event()  # set by mark_serving: from then on a build is a start-up discovery miss
+late_compiles: list[str] = []  # the kernels built after mark_serving, in order
 
-def kernel_subset_enabled() -> bool:
-    return os.environ.get(KERNEL_SUBSET_ENV, "0").strip() == "1"
+
+def kernel_modules() -> str:
+    """``OPENINFER_KERNEL_MODULES`` (``kernel``, ``found`` or ``source``), else the default."""
+    mode = os.environ.get(KERNEL_MODULES_ENV, "").strip().lower() or DEFAULT_KERNEL_MODULES
+    if mode not in KERNEL_MODULES:
+        raise ValueError(f"{KERNEL_MODULES_ENV}={mode!r}: expected one of {', '.join(KERNEL_MODULES)}")
+    return mode
+
+
+def mark_serving(serving: bool = True) -> None:
+    """``True``: the engine has started, kernels built from now on were missed by the start-up
+    discovery; ``False``: an engine is starting (its builds are expected)."""
+    if serving:
+        _serving.set()
+    else:
+        _serving.clear()
+
+
+def _note_build(label: str) -> None:
+    if _serving.is_set():
+        late_compiles.append(label)
+        logger.warning("kernel %s compiled while serving: the start-up discovery did not find it "
+                       "(a request waited for NVRTC); report it with the model and batch shape", label)
 
 
 def _skip_literal_or_comment(text: str, index: int) -> int:
@@ -79,11 +111,35 @@ def _skip_literal_or_comment(text: str, index: int) -> int:
     return index
 
 
+_CONDITIONAL = re.compile(r"^[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b", re.MULTILINE)
+
+
+def _skip_other_branches(text: str, index: int) -> int:
+    """At an ``#else`` / ``#elif`` line: the index of its ``#endif`` line (nested conditionals
+    skipped), else ``index``. Brackets are counted in a conditional's first branch only: the
+    branches of one ``#if`` each open what the code after ``#endif`` closes."""
+    line = _CONDITIONAL.match(text, index)
+    if line is None or line.group(1) not in ("elif", "else"):
+        return index
+    depth = 0
+    for found in _CONDITIONAL.finditer(text, line.end()):
+        if found.group(1).startswith("if"):
+            depth += 1
+        elif found.group(1) == "endif":
+            if depth == 0:
+                return found.start()
+            depth -= 1
+    return len(text)
+
+
 def _matching(text: str, index: int, opening: str, closing: str) -> int | None:
-    """The index of the bracket closing the one at ``index``, skipping comments and literals."""
+    """The index of the bracket closing the one at ``index``, skipping comments, literals and the
+    later branches of preprocessor conditionals."""
     depth, at = 0, index
     while at < len(text):
         skipped = _skip_literal_or_comment(text, at)
+        if skipped == at and (at == 0 or text[at - 1] == "\n"):
+            skipped = _skip_other_branches(text, at)
         if skipped != at:
             at = skipped
             continue
@@ -98,6 +154,7 @@ def _matching(text: str, index: int, opening: str, closing: str) -> int | None:
 
 
 _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+')
+_KERNEL_ATTRIBUTES = {"__launch_bounds__", "__cluster_dims__", "__maxnreg__"}
 
 
 def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
@@ -118,19 +175,22 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
     for match in _GLOBAL.finditer("".join(masked)):
         if match.start() < position:
             continue
-        at = match.end()
-        bounds = re.match(r"__launch_bounds__\s*", text[at:])
-        if bounds:
-            close = _matching(text, at + bounds.end(), "(", ")")
-            if close is None:
+        at, close = match.end(), None
+        while close is None:  # attributes (``__launch_bounds__(..)``, macros) up to the kernel's name
+            word = re.match(r"\s*([A-Za-z_]\w*)\s*", text[at:])
+            if word is None:
                 return None
-            at = close + 1
-        name = re.match(r"\s*([A-Za-z_]\w*)\s*", text[at:])
-        if name is None or text[at + name.end():at + name.end() + 1] != "(":
-            return None
-        close = _matching(text, at + name.end(), "(", ")")
-        if close is None:
-            return None
+            after = at + word.end()
+            if text[after:after + 1] != "(":
+                at = after  # an attribute macro, e.g. a cluster-dims one
+                continue
+            end = _matching(text, after, "(", ")")
+            if end is None:
+                return None
+            if word.group(1) in _KERNEL_ATTRIBUTES:
+                at = end + 1
+            else:
+                name, close = word, end
         body = re.match(r"\s*", text[close + 1:])
         brace = close + 1 + body.end()
         if text[brace:brace + 1] != "{":
@@ -156,14 +216,20 @@ def _module(source: str, defines: tuple[tuple[str, int], ...],
     text = path.read_text()
     if kernels is not None:
         text = kernel_subset(text, kernels) or text
+    _note_build(module_label(source, defines) + (f":{','.join(kernels)}" if kernels is not None else ""))
     return cupy.RawModule(code=text, options=options)
+
+
+def _alone(name: str) -> tuple[str, ...] | None:
+    """The kernels a module built for ``name`` alone holds: just it, unless whole files are wanted."""
+    return None if kernel_modules() == "source" else (name,)
 
 
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple[tuple[str, int], ...]) -> cupy.RawKernel:
     function = _prebuilt.pop((source, name, defines), None)
-    if function is None:  # compiles and loads the module once (one of its own with OPENINFER_KERNEL_SUBSET=1)
-        function = _module(source, defines, (name,) if kernel_subset_enabled() else None).get_function(name)
+    if function is None:  # compiles and loads the module once (one of its own unless whole files are wanted)
+        function = _module(source, defines, _alone(name)).get_function(name)
     _compiled.add((source, name, defines))
     return function
 
@@ -236,7 +302,9 @@ def _write_cached(path: Path | None, cubin: bytes) -> None:
 
 
 @functools.cache
-def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> cupy.cuda.function.Module:
+def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str,
+                 kernels: tuple[str, ...] | None = None) -> cupy.cuda.function.Module:
+    """The ``arch`` cubin of ``source`` under ``defines``; with ``kernels``, holding only those kernels."""
     from cupy._core.core import assemble_cupy_compiler_options
     from cupy_backends.cuda.libs import nvrtc
 
@@ -247,11 +315,14 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -
         ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture={arch}",
          *(f"-D{name}={value}" for name, value in defines)))
     text = path.read_text()
+    if kernels is not None:
+        text = kernel_subset(text, kernels) or text
     cached = None
     if os.environ.get(ARCH_CACHE_ENV, "0").strip() == "1":
         cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
     cubin = _read_cached(cached)
     if cubin is None:
+        _note_build(module_label(source, defines, arch) + (f":{','.join(kernels)}" if kernels is not None else ""))
         program = nvrtc.createProgram(text, source, (), ())
         try:
             try:
@@ -270,7 +341,9 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str) -
 @functools.cache
 def _arch_kernel(source: str, name: str, arch: str, defines: tuple[tuple[str, int], ...],
                  shared_bytes: int) -> cupy.cuda.function.Function:
-    function = _arch_module(source, defines, arch).get_function(name)
+    function = _prebuilt.pop((source, name, defines, arch), None)
+    if function is None:
+        function = _arch_module(source, defines, arch, _alone(name)).get_function(name)
     _compiled.add((source, name, defines, arch, shared_bytes))
     if shared_bytes > 48 * 1024:
         cupy.cuda.driver.funcSetAttribute(function.ptr, MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
@@ -332,13 +405,36 @@ def source_cost(source: str, kernel_dir: str | None = None) -> int:
     return total
 
 
-def compile_order(modules: Iterable[tuple[Any, ...]], cost: Any = None) -> list[tuple[Any, ...]]:
-    """Modules ``(source, defines[, arch])`` slowest first by ``cost(source)`` (``source_cost``),
+@functools.cache
+def kernel_cost(source: str, name: str) -> int:
+    """``source_cost`` of the file cut down to kernel ``name`` (``kernel_subset``): the estimate
+    of a one-kernel module's compile time."""
+    path = KERNEL_DIR / source
+    if not path.is_file():
+        return 0
+    text = path.read_text()
+    alone = kernel_subset(text, (name,)) or text
+    return source_cost(source) - len(text) + len(alone)
+
+
+def _module_cost(module: tuple[Any, ...], cost: Any, cost_of_kernel: Any) -> int:
+    """A module ``(source, defines[, arch][, (kernel,)])``'s estimated cost, sm_90a counting double."""
+    source, _, *rest = module
+    arch = bool(rest) and isinstance(rest[0], str)
+    alone = rest[-1] if rest and isinstance(rest[-1], tuple) else None
+    estimate = cost(source) if alone is None else cost_of_kernel(source, alone[0])
+    return estimate * (2 if arch else 1)
+
+
+def compile_order(modules: Iterable[tuple[Any, ...]], cost: Any = None, cost_of_kernel: Any = None) -> list[tuple[Any, ...]]:
+    """Modules ``(source, defines[, arch][, (kernel,)])`` slowest first by ``cost(source)``
+    (``source_cost``; a one-kernel module by ``cost_of_kernel(source, kernel)``, ``kernel_cost``),
     an architecture-specific (sm_90a) module counting double; ties keep their order. With as many
     threads as modules the order does not matter; with fewer, the slowest starting last would
     set the wall time alone."""
     cost = source_cost if cost is None else cost
-    return sorted(modules, key=lambda module: -cost(module[0]) * (2 if len(module) > 2 else 1))
+    cost_of_kernel = kernel_cost if cost_of_kernel is None else cost_of_kernel
+    return sorted(modules, key=lambda module: -_module_cost(module, cost, cost_of_kernel))
 
 
 def compile_threads(default: int = COMPILE_THREADS) -> int:
@@ -359,11 +455,14 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | No
     """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread,
     slowest module first (``OPENINFER_COMPILE_ORDER=discovery``: in the order found); returns
     how many modules were built. ``threads``: ``compile_threads()`` when None."""
+    mode = kernel_modules()
     by_module: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     for key in keys:
         if key not in _compiled:
-            source, _, defines, *arch = key
-            by_module.setdefault((source, defines, *arch[:1]), []).append(key)
+            source, name, defines, *arch = key
+            module = (source, defines, *arch[:1])
+            # one kernel a module: its name goes into the module's key (the label shows it)
+            by_module.setdefault(module + ((name,),) if mode == "kernel" else module, []).append(key)
 
     if not by_module:
         return 0
@@ -372,30 +471,33 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | No
         raise ValueError(f"{COMPILE_ORDER_ENV}={order!r}: expected 'cost' or 'discovery'")
     modules = compile_order(by_module) if order == "cost" else list(by_module)
 
-    subset = kernel_subset_enabled()
-
     def build(module: tuple[Any, ...]) -> None:
         began = time.perf_counter()
-        if subset and len(module) == 2:  # one module holding just the kernels found
-            source, defines = module
+        if mode == "found":  # one module holding just the kernels found in its file
+            source, defines, *arch = module
             names = tuple(sorted({key[1] for key in by_module[module]}))
-            built = _module(source, defines, names)
+            built = _arch_module(source, defines, arch[0], names) if arch else _module(source, defines, names)
             for name in names:
-                _prebuilt[(source, name, defines)] = built.get_function(name)
-        for source, name, defines, *arch in by_module[module]:
+                _prebuilt[(source, name, defines, *arch)] = built.get_function(name)
+        for source, name, defines, *arch in by_module[module]:  # "kernel": _kernel builds each alone
             if arch:
                 _arch_kernel(source, name, arch[0], defines, arch[1])
             else:
                 _kernel(source, name, defines)
-        module_compile_seconds[module_label(*module)] = time.perf_counter() - began
+        module_compile_seconds[label(module)] = time.perf_counter() - began
+
+    def label(module: tuple[Any, ...]) -> str:
+        if mode == "kernel":
+            *module, (name,) = module
+            return f"{module_label(*module)}:{name}"
+        return module_label(*module)
 
     threads = compile_threads() if threads is None else threads
     began = time.perf_counter()
     with ThreadPoolExecutor(min(threads, len(modules)), thread_name_prefix="openinfer-nvrtc",
                             initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
         list(pool.map(build, modules))
-    slowest = sorted(((module_compile_seconds.get(module_label(*m), 0.0), module_label(*m)) for m in modules),
-                     reverse=True)[:4]
+    slowest = sorted(((module_compile_seconds.get(label(m), 0.0), label(m)) for m in modules), reverse=True)[:4]
     logger.info("built %d kernel modules in %.2f s on %d threads; slowest: %s", len(modules),
                 time.perf_counter() - began, min(threads, len(modules)),
                 ", ".join(f"{label} {seconds:.2f} s" for seconds, label in slowest))

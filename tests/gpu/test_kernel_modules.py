@@ -1,0 +1,104 @@
+"""The start-up compile's one-kernel modules on the GPU (issue 12): every kernel of core's sources
+builds alone with NVRTC (``loader.kernel_subset`` cuts it out of its file), and an engine started
+with an empty kernel cache serves a mixed workload without building a single kernel after its
+start (``loader.late_compiles``: a kernel the start-up discovery missed would make a request wait
+for NVRTC)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.core.test_cuda_sources import ARCH_FLAGS, KERNEL_DIR, VARIANTS
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_NAME = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\('
+
+
+def one_kernel_cases() -> list[tuple[str, str, tuple]]:
+    import re
+
+    cases = []
+    for path in sorted(KERNEL_DIR.glob("*.cu")):
+        defines = tuple(sorted(VARIANTS.get(path.name, [{}])[0].items()))
+        for name in sorted(set(re.findall(KERNEL_NAME, path.read_text()))):
+            cases.append((path.name, name, defines))
+    return cases
+
+
+def test_every_core_kernel_builds_alone(cuda_backend, monkeypatch, tmp_path) -> None:
+    """Each kernel cut out of its file compiles and loads (the other kernels' definitions gone, the
+    helpers and declarations it uses still there), sm_90a sources for sm_90a."""
+    import cupy
+
+    from openinfer.backend.cuda import loader
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))  # NVRTC builds each one now
+    cases = one_kernel_cases()
+    assert len(cases) > 40
+
+    def build(case: tuple[str, str, tuple]) -> str | None:
+        source, name, defines = case
+        cupy.cuda.Device(cuda_backend.device.id).use()
+        try:
+            if source in ARCH_FLAGS:
+                loader._arch_module.__wrapped__(source, defines, "sm_90a", (name,)).get_function(name)
+            else:
+                loader._module.__wrapped__(source, defines, (name,)).get_function(name)
+        except Exception as error:  # noqa: BLE001 — collected and reported together below
+            return f"{source}:{name} {dict(defines)}: {str(error)[:400]}"
+        return None
+
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        failures = [f for f in pool.map(build, cases) if f is not None]
+    assert not failures, "\n".join(failures)
+
+
+SERVE_MIXED = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from openinfer import EngineOptions
+    from openinfer.backend.cuda import loader
+    from openinfer_qwen3 import plugin
+    from tests.helpers.engine_utils import make_request, run_all
+
+    path = sys.argv[1]
+    config = json.loads(open(path + "/config.json").read())
+    engine = plugin.openinfer_create_engine(path, config, EngineOptions(device="cuda", max_num_seqs=32))
+    rng = np.random.default_rng(0)
+    try:
+        for burst in (1, 3, 8, 20, 32):  # decode batches of every size class, prompts short to long
+            requests = []
+            for i in range(burst):
+                prompt = rng.integers(3, 300, size=int(rng.integers(1, 700))).tolist()
+                sampled = dict(temperature=0.8, top_p=0.9, seed=i) if i % 3 == 0 else {}
+                requests.append(make_request(f"b{burst}-{i}", prompt, max_tokens=int(rng.integers(1, 40)), **sampled))
+            run_all(engine, requests)
+    finally:
+        engine.close_sync()
+    print("LATE_COMPILES " + json.dumps(loader.late_compiles))
+""")
+
+
+def test_engine_builds_no_kernel_after_start(cuda_backend, tmp_path) -> None:
+    """A fresh process, an empty kernel cache: the start-up discovery finds every kernel that a
+    mixed workload (1–32 requests, prompts of 1–700 tokens, greedy and sampled) launches."""
+    from tests.helpers.tiny_qwen3 import write_tiny_qwen3
+
+    path = write_tiny_qwen3(tmp_path / "q", seed=7, dtype="bfloat16", head_dim=128, hidden_size=256,
+                            intermediate_size=512, max_position_embeddings=2048)
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", SERVE_MIXED, str(path)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("LATE_COMPILES "))
+    assert json.loads(line.split(" ", 1)[1]) == [], result.stderr[-4000:]
