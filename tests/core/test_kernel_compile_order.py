@@ -111,24 +111,25 @@ def test_kernel_cost_is_the_file_cut_down_to_the_kernel(loader) -> None:
 
 
 def test_every_package_kernel_can_be_cut_out_of_its_file(loader) -> None:
-    """The one-kernel modules need kernel_subset to find every kernel's definition: a kernel made by
-    a macro (or a parse failure) would compile its whole file instead, and set the start-up's wall."""
+    """The one-kernel modules need every kernel's definition found: a kernel made by a macro (or a
+    parse failure) would compile its whole file instead, and set the start-up's wall."""
     import re
 
     sources = sorted(loader.KERNEL_DIR.glob("*.cu"))
     assert sources
     for path in sources:
         text = path.read_text()
-        names = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\(',
-                           text)
-        for name in set(names):
+        definitions = loader.kernel_definitions(text)
+        assert definitions is not None, f"{path.name}: kernel_definitions cannot parse it"
+        names = [name for name, _, _ in definitions]
+        # every extern "C" kernel the file has (outside line comments) is one of them: none made by a macro
+        code = "\n".join(line.split("//")[0] for line in text.splitlines())
+        mentioned = len(re.findall(r'extern\s+"C"\s+__global__', code))
+        assert len(definitions) == mentioned, f"{path.name}: {mentioned} kernels, {names} found"
+        for name, start, end in definitions:
             alone = loader.kernel_subset(text, (name,))
-            assert alone is not None, f"{path.name}: kernel_subset cannot parse it"
-            kept = set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\([^;{]*\)\s*\{',
-                                  alone))
-            assert kept <= {name}, f"{path.name}: cutting out {name} kept {kept}"
-        assert "#define" not in "".join(line for line in text.splitlines() if 'extern "C"' in line and line.rstrip().endswith("\\")), \
-            f"{path.name}: a kernel defined inside a macro cannot be compiled alone"
+            assert text[start:end] in alone
+            assert [n for n, _, _ in loader.kernel_definitions(alone)] == [name], f"{path.name}: {name}"
 
 
 def test_kernels_built_after_serving_starts_are_reported(monkeypatch, loader, caplog) -> None:

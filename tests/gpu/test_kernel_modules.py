@@ -21,45 +21,51 @@ from tests.core.test_cuda_sources import ARCH_FLAGS, KERNEL_DIR, VARIANTS
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_NAME = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:\w+\s+)*?(\w+)\s*\('
-
-
-def one_kernel_cases() -> list[tuple[str, str, tuple]]:
-    import re
-
-    cases = []
-    for path in sorted(KERNEL_DIR.glob("*.cu")):
-        defines = tuple(sorted(VARIANTS.get(path.name, [{}])[0].items()))
-        for name in sorted(set(re.findall(KERNEL_NAME, path.read_text()))):
-            cases.append((path.name, name, defines))
-    return cases
-
-
 def test_every_core_kernel_builds_alone(cuda_backend, monkeypatch, tmp_path) -> None:
     """Each kernel cut out of its file compiles and loads (the other kernels' definitions gone, the
-    helpers and declarations it uses still there), sm_90a sources for sm_90a."""
+    helpers and declarations it uses still there), sm_90a sources for sm_90a, under the first of the
+    CPU source test's define sets that has it (a kernel inside ``#if`` exists under some only: where
+    a cut-out kernel is missing, the whole file under the same defines must lack it too)."""
     import cupy
 
     from openinfer.backend.cuda import loader
 
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))  # NVRTC builds each one now
-    cases = one_kernel_cases()
-    assert len(cases) > 40
+    device = cuda_backend.device.id
 
-    def build(case: tuple[str, str, tuple]) -> str | None:
-        source, name, defines = case
-        cupy.cuda.Device(cuda_backend.device.id).use()
+    def module(source: str, defines: tuple, kernels: tuple[str, ...] | None):
+        if source in ARCH_FLAGS:
+            return loader._arch_module.__wrapped__(source, defines, "sm_90a", kernels)
+        return loader._module.__wrapped__(source, defines, kernels)
+
+    def has(built, name: str) -> bool:
         try:
-            if source in ARCH_FLAGS:
-                loader._arch_module.__wrapped__(source, defines, "sm_90a", (name,)).get_function(name)
-            else:
-                loader._module.__wrapped__(source, defines, (name,)).get_function(name)
-        except Exception as error:  # noqa: BLE001 — collected and reported together below
-            return f"{source}:{name} {dict(defines)}: {str(error)[:400]}"
-        return None
+            built.get_function(name)
+        except Exception as error:  # noqa: BLE001 — CUDA_ERROR_NOT_FOUND: not defined under these defines
+            if "NOT_FOUND" not in str(error):
+                raise
+            return False
+        return True
 
+    def check(case: tuple[str, str]) -> str | None:
+        source, name = case
+        cupy.cuda.Device(device).use()
+        for variant in VARIANTS.get(source, [{}]):
+            defines = tuple(sorted(variant.items()))
+            try:
+                if has(module(source, defines, (name,)), name):
+                    return None
+                if has(module(source, defines, None), name):
+                    return f"{source}:{name} {variant}: in the whole file, missing once cut out"
+            except Exception as error:  # noqa: BLE001 — collected and reported together below
+                return f"{source}:{name} {variant}: {str(error)[:400]}"
+        return None  # defined under none of the define sets the CPU test knows
+
+    cases = [(path.name, name) for path in sorted(KERNEL_DIR.glob("*.cu"))
+             for name, _, _ in loader.kernel_definitions(path.read_text())]
+    assert len(cases) > 60
     with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        failures = [f for f in pool.map(build, cases) if f is not None]
+        failures = [f for f in pool.map(check, cases) if f is not None]
     assert not failures, "\n".join(failures)
 
 

@@ -157,11 +157,11 @@ _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+')
 _KERNEL_ATTRIBUTES = {"__launch_bounds__", "__cluster_dims__", "__maxnreg__"}
 
 
-def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
-    """``text`` without the definitions of the ``extern "C" __global__ void`` kernels not named in
-    ``keep`` (declarations and everything else stay), or None when a kernel's extent cannot be
-    found (then the whole file is compiled)."""
-    keep = set(keep)
+def kernel_definitions(text: str) -> list[tuple[str, int, int]] | None:
+    """Every ``extern "C" __global__ void`` kernel *defined* in ``text`` (declarations skipped):
+    ``(name, start, end)`` with ``text[start:end]`` its whole definition; None when one's extent
+    cannot be found. Attributes (``__launch_bounds__(..)``, attribute macros) may precede the
+    name; brackets count in each preprocessor conditional's first branch."""
     masked, at = list(text), 0  # comments blanked: no kernel is found inside one (``extern "C"`` is a literal)
     while at < len(text):
         skipped = _skip_literal_or_comment(text, at)
@@ -171,12 +171,13 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
             at = skipped
         else:
             at += 1
-    parts, position = [], 0
+    found: list[tuple[str, int, int]] = []
+    position = 0
     for match in _GLOBAL.finditer("".join(masked)):
         if match.start() < position:
             continue
         at, close = match.end(), None
-        while close is None:  # attributes (``__launch_bounds__(..)``, macros) up to the kernel's name
+        while close is None:  # attributes up to the kernel's name
             word = re.match(r"\s*([A-Za-z_]\w*)\s*", text[at:])
             if word is None:
                 return None
@@ -190,7 +191,7 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
             if word.group(1) in _KERNEL_ATTRIBUTES:
                 at = end + 1
             else:
-                name, close = word, end
+                name, close = word.group(1), end
         body = re.match(r"\s*", text[close + 1:])
         brace = close + 1 + body.end()
         if text[brace:brace + 1] != "{":
@@ -198,9 +199,24 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
         end = _matching(text, brace, "{", "}")
         if end is None:
             return None
-        if name.group(1) not in keep:
-            parts.append(text[position:match.start()])
-            position = end + 1
+        found.append((name, match.start(), end + 1))
+        position = end + 1
+    return found
+
+
+def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
+    """``text`` without the definitions of the ``extern "C" __global__ void`` kernels not named in
+    ``keep`` (declarations and everything else stay), or None when a kernel's extent cannot be
+    found (then the whole file is compiled)."""
+    keep = set(keep)
+    definitions = kernel_definitions(text)
+    if definitions is None:
+        return None
+    parts, position = [], 0
+    for name, start, end in definitions:
+        if name not in keep:
+            parts.append(text[position:start])
+            position = end
     parts.append(text[position:])
     return "".join(parts)
 
