@@ -21,6 +21,8 @@ from tests.core.test_cuda_sources import ARCH_FLAGS, KERNEL_DIR, VARIANTS
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 def test_every_core_kernel_builds_alone(cuda_backend, monkeypatch, tmp_path) -> None:
     """Each kernel cut out of its file compiles and loads (the other kernels' definitions gone, the
     helpers and declarations it uses still there), sm_90a sources for sm_90a, under the first of the
