@@ -104,7 +104,7 @@ def test_engine_builds_no_kernel_after_start(cuda_backend, tmp_path) -> None:
 
     path = write_tiny_qwen3(tmp_path / "q", seed=7, dtype="bfloat16", head_dim=128, hidden_size=256,
                             intermediate_size=512, max_position_embeddings=2048)
-    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, "-c", SERVE_MIXED, str(path)], capture_output=True, text=True,
                             env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
