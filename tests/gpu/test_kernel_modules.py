@@ -93,6 +93,7 @@ SERVE_MIXED = textwrap.dedent("""
             run_all(engine, requests)
     finally:
         engine.close_sync()
+    assert loader._serving.is_set(), "the engine never marked its start-up over"
     print("LATE_COMPILES " + json.dumps(loader.late_compiles))
 """)
 
