@@ -45,6 +45,7 @@ from openinfer.v1 import engine_pb2 as pb
 
 logger = logging.getLogger("openinfer.engine_core.client")
 
+CORE_RECONNECT_MS = 20  # how often an API server retries the engine core's input socket
 CORE_DIED = "the engine core process died while this request was in flight; it was lost — retry it"
 # OPENINFER_SUBMIT_AT_ONCE=1: a submission made while none waits to be sent goes to the core at once
 # instead of at the end of the event-loop turn (the core starts admitting it sooner; submissions
@@ -95,8 +96,11 @@ class EngineCoreClient:
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.setsockopt(zmq.IMMEDIATE, 1)  # nothing is queued for a core that is not there
-        self.push.setsockopt(zmq.RECONNECT_IVL, 50)
-        self.push.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        # retry the core's socket every 20 ms, never backing off: the core binds it only when its start-up
+        # is over, and a backoff grown to 500 ms (measured: API servers became ready on a 0.5 s grid)
+        # added up to half a second to every start and restart; an ipc connect attempt costs nothing
+        self.push.setsockopt(zmq.RECONNECT_IVL, CORE_RECONNECT_MS)
+        self.push.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         self.monitor = self.push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.push.connect(ipc_address(self.run_dir, CORE_INPUT_SOCKET))
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
