@@ -67,7 +67,7 @@ def test_warm_up_discovers_kernels_then_runs_each_step(monkeypatch: pytest.Monke
 
 
 def test_steps_discovered_with_the_graphs_skip_their_own_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPENINFER_ONE_COMPILE_WAVE=1: the graph runner's discovery runs ``PrefillWarmup.dry_run``
+    """OPENINFER_ONE_COMPILE_WAVE=1 (the default): the graph runner's discovery runs ``PrefillWarmup.dry_run``
     (every step dry, prepared by the backend), after which the warm-up compiles nothing itself and
     only runs the steps; a dry run that stopped part-way leaves ``discovered`` False, so the
     warm-up discovers again."""
@@ -107,9 +107,9 @@ def test_steps_discovered_with_the_graphs_skip_their_own_compile(monkeypatch: py
     assert not stopped.discovered
 
     monkeypatch.delenv("OPENINFER_ONE_COMPILE_WAVE", raising=False)
-    assert not one_compile_wave()
-    monkeypatch.setenv("OPENINFER_ONE_COMPILE_WAVE", "1")
     assert one_compile_wave()
+    monkeypatch.setenv("OPENINFER_ONE_COMPILE_WAVE", "0")
+    assert not one_compile_wave()
     monkeypatch.setenv("OPENINFER_ONE_COMPILE_WAVE", "yes")
     with pytest.raises(ValueError, match="OPENINFER_ONE_COMPILE_WAVE"):
         one_compile_wave()
