@@ -207,3 +207,45 @@ def test_kernel_subset_drops_only_the_unasked_kernel_definitions(loader) -> None
     source = (loader.KERNEL_DIR / "decode_attention_mma.cu").read_text()
     merge = loader.kernel_subset(source, ["decode_attention_merge"])
     assert merge is not None and "void decode_attention_merge" in merge and "void short_query_attention_mma" not in merge
+
+
+def test_kernels_found_by_the_discovery_start_building_at_once(monkeypatch, loader) -> None:
+    """discover_kernels(device_id): a kernel's build starts the moment the dry forward meets it (the
+    forward's Python overlaps NVRTC); compile_kernels then waits for those builds instead of building
+    them again, and a launch of a kernel still building waits for it."""
+    import threading
+
+    monkeypatch.delenv("OPENINFER_KERNEL_MODULES", raising=False)
+    release = threading.Event()
+    built: list[str] = []
+
+    def build(source, name, defines):
+        release.wait(5)
+        built.append(name)
+        loader._compiled.add((source, name, defines))
+        return f"fn:{name}"
+
+    monkeypatch.setattr(loader, "_kernel", build)
+    loader.module_compile_seconds.clear()
+    with loader.discover_kernels(device_id=0) as found:
+        loader.kernel("elementwise.cu", "add")
+        loader.kernel("elementwise.cu", "add")  # met twice, built once
+        loader.kernel("rms_norm.cu", "rms_norm", VECS=2)
+        assert set(loader._pending) == found and len(found) == 2  # both under way before the forward ends
+        assert built == []
+    release.set()
+    assert loader.compile_kernels([*found, ("sampling.cu", "sample_rows", ())], device_id=0) == 3
+    assert sorted(built) == ["add", "rms_norm", "sample_rows"] and not loader._pending
+    # a build started early and launched before compile_kernels: the launch waits, nothing is built twice
+    release.clear()
+    assert loader.start_compiling([("elementwise.cu", "silu_mul", ())], device_id=0) == 1
+    assert loader.start_compiling([("elementwise.cu", "silu_mul", ())], device_id=0) == 0
+    threading.Timer(0.05, release.set).start()
+    monkeypatch.setattr(loader, "_kernel", lambda source, name, defines: built.count(name))
+    assert loader.kernel("elementwise.cu", "silu_mul") == 1 and not loader._pending
+    monkeypatch.setenv("OPENINFER_COMPILE_EARLY", "0")
+    assert loader.start_compiling([("elementwise.cu", "gelu", ())], device_id=0) == 0
+    monkeypatch.delenv("OPENINFER_COMPILE_EARLY")
+    monkeypatch.setenv("OPENINFER_KERNEL_MODULES", "source")  # whole files: nothing starts early
+    assert loader.start_compiling([("elementwise.cu", "gelu", ())], device_id=0) == 0
+    loader._compiled.clear()

@@ -34,7 +34,13 @@ from openinfer.backend.cuda.linear import (
     linear_accumulate,
     residual_gemm_wanted,
 )
-from openinfer.backend.cuda.loader import compile_kernels, discover_kernels, kernel, mark_serving
+from openinfer.backend.cuda.loader import (
+    compile_kernels,
+    discover_kernels,
+    kernel,
+    mark_serving,
+    start_compiling,
+)
 from openinfer.backend.cuda.sampler import sample_rows, sample_rows_async
 from openinfer.backend.cuda.weight_upload import uploader
 
@@ -153,6 +159,8 @@ class CudaBackend:
         # rows, True always, False never (OPENINFER_SILU_MUL_ROWS)
         self.silu_mul_rows: bool | None = auto_switch(SILU_MUL_ROWS_ENV)
         self.uploader = BatchUploader()
+        # every step's kernels are known now: they compile while the weights load
+        start_compiling(STEP_KERNELS, self.device.id)
         self.ropes = attention_ops.RopeTables()
         # off by default: once a side stream has run a mixed step's decode rows, every later batch-1
         # graph step took ~130 us longer on the device (bs1 3.13 -> 3.00 ms with it off, E1 of
@@ -168,7 +176,7 @@ class CudaBackend:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
         that fails part-way (outputs are garbage while discovering) still compiles what it met."""
-        with discover_kernels() as wanted:
+        with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
             try:
                 dry_run()
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows

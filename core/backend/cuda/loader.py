@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,12 @@ from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = kernel_include_dir()
-COMPILE_THREADS = 8
+COMPILE_THREADS = min(16, os.cpu_count() or 8)  # one-kernel modules: ~20 of them at a start, up to ~1 s each
 COMPILE_THREADS_ENV = "OPENINFER_COMPILE_THREADS"  # threads of compile_kernels (default COMPILE_THREADS)
 # "cost" (default): modules start slowest first (compile_order); "discovery": in the order met
 COMPILE_ORDER_ENV = "OPENINFER_COMPILE_ORDER"
+# "0": kernels build only when compile_kernels is called (after the discovery), not as they are found
+COMPILE_EARLY_ENV = "OPENINFER_COMPILE_EARLY"
 
 # (source, kernel name, sorted defines), and for ``arch_kernel`` also (arch, shared bytes)
 KernelKey = tuple[Any, ...]
@@ -268,9 +270,10 @@ def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
     key = (source, name, tuple(sorted(defines.items())))
     found = getattr(_discovery, "found", None)
     if found is not None:  # no kernel runs on a dry forward's garbage, compiled or not
-        if key not in _compiled:
-            found.add(key)
+        _found(found, key)
         return _NotCompiled()
+    if _pending:
+        _await(key)
     return _kernel(*key)
 
 
@@ -374,24 +377,36 @@ def arch_kernel(source: str, name: str, arch: str, shared_bytes: int = 0, **defi
     key = (source, name, tuple(sorted(defines.items())), arch, shared_bytes)
     found = getattr(_discovery, "found", None)
     if found is not None:
-        if key not in _compiled:
-            found.add(key)
+        _found(found, key)
         return _NotCompiled()
+    if _pending:
+        _await(key)
     return _arch_kernel(*key[:2], arch, key[2], shared_bytes)
 
 
+def _found(found: set[KernelKey], key: KernelKey) -> None:
+    if key not in _compiled and key not in found:
+        found.add(key)
+        device_id = getattr(_discovery, "device_id", None)
+        if device_id is not None:  # its build starts now, while the dry forward goes on
+            start_compiling([key], device_id)
+
+
 @contextlib.contextmanager
-def discover_kernels() -> Iterator[set[KernelKey]]:
+def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
     """Within the block (this thread only), launching any kernel does nothing and a kernel not
     compiled yet is recorded in the yielded set: run a dry forward inside, then
     ``compile_kernels`` what it found. The forward's outputs are garbage, so only a forward
-    that computes no indices on the device may run dry (see ``DecoderOnlyLM.dry_run_safe``)."""
-    previous = getattr(_discovery, "found", None)
+    that computes no indices on the device may run dry (see ``DecoderOnlyLM.dry_run_safe``).
+    With ``device_id``, each kernel's build starts in the background as soon as it is found
+    (``start_compiling``): the dry forward's Python overlaps the compile."""
+    previous = getattr(_discovery, "found", None), getattr(_discovery, "device_id", None)
     _discovery.found = found = set()
+    _discovery.device_id = device_id
     try:
         yield found
     finally:
-        _discovery.found = previous
+        _discovery.found, _discovery.device_id = previous
 
 
 def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
@@ -467,18 +482,98 @@ def compile_threads(default: int = COMPILE_THREADS) -> int:
     return threads
 
 
+def _module_of(key: KernelKey, mode: str) -> tuple[Any, ...]:
+    """The module ``key``'s kernel is built in: ``(source, defines[, arch])``, and in ``kernel``
+    mode its name too (one kernel a module)."""
+    source, name, defines, *arch = key
+    module = (source, defines, *arch[:1])
+    return module + ((name,),) if mode == "kernel" else module
+
+
+def _label(module: tuple[Any, ...]) -> str:
+    if isinstance(module[-1], tuple) and len(module) > 2:  # a one-kernel module
+        *rest, (name,) = module
+        return f"{module_label(*rest)}:{name}"
+    return module_label(*module)
+
+
+def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
+    """Compile (or load from CuPy's disk cache) one module and take ``keys``' kernels from it."""
+    began = time.perf_counter()
+    if mode == "found":  # one module holding just the kernels found in its file
+        source, defines, *arch = module
+        names = tuple(sorted({key[1] for key in keys}))
+        built = _arch_module(source, defines, arch[0], names) if arch else _module(source, defines, names)
+        for name in names:
+            _prebuilt[(source, name, defines, *arch)] = built.get_function(name)
+    for source, name, defines, *arch in keys:  # "kernel": _kernel builds each alone
+        if arch:
+            _arch_kernel(source, name, arch[0], defines, arch[1])
+        else:
+            _kernel(source, name, defines)
+    module_compile_seconds[_label(module)] = time.perf_counter() - began
+
+
+# kernels whose builds started before anyone waited for them (start_compiling); one pool per device
+_pending: dict[KernelKey, Future | None] = {}
+_pending_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(device_id: int) -> ThreadPoolExecutor:
+    with _pending_lock:
+        pool = _pools.get(device_id)
+        if pool is None:
+            pool = _pools[device_id] = ThreadPoolExecutor(
+                compile_threads(), thread_name_prefix="openinfer-nvrtc",
+                initializer=lambda: cupy.cuda.Device(device_id).use())
+        return pool
+
+
+def start_compiling(keys: Iterable[KernelKey], device_id: int) -> int:
+    """Start building ``keys``' kernels in the background now (NVRTC releases the GIL) and return
+    how many builds started; ``compile_kernels``, or the kernel's first launch, waits for them.
+    One-kernel modules only (``OPENINFER_KERNEL_MODULES=kernel``): with whole files a module's
+    kernels are known only once the discovery is over."""
+    if kernel_modules() != "kernel" or os.environ.get(COMPILE_EARLY_ENV, "1").strip() == "0":
+        return 0
+    started = 0
+    for key in keys:
+        with _pending_lock:
+            if key in _compiled or key in _pending:
+                continue
+            _pending[key] = None  # claimed; its future follows
+        future = _pool(device_id).submit(_build, _module_of(key, "kernel"), [key], "kernel")
+        with _pending_lock:
+            _pending[key] = future
+        started += 1
+    return started
+
+
+def _await(key: KernelKey) -> None:
+    """Wait for ``key``'s background build, if one is under way (a kernel is never built twice)."""
+    if key not in _pending:
+        return
+    future = _pending.get(key)
+    while future is None and key in _pending:  # claimed a moment ago: its future comes next
+        time.sleep(0.0005)
+        future = _pending.get(key)
+    if future is not None:
+        future.result()
+        with _pending_lock:
+            _pending.pop(key, None)
+
+
 def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | None = None) -> int:
     """Compile (or load from CuPy's disk cache) every kernel in ``keys``, one module per thread,
-    slowest module first (``OPENINFER_COMPILE_ORDER=discovery``: in the order found); returns
-    how many modules were built. ``threads``: ``compile_threads()`` when None."""
+    slowest module first (``OPENINFER_COMPILE_ORDER=discovery``: in the order found); builds
+    ``start_compiling`` began are waited for. Returns how many modules were built (those begun
+    early included). ``threads``: ``compile_threads()`` when None."""
     mode = kernel_modules()
     by_module: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     for key in keys:
-        if key not in _compiled:
-            source, name, defines, *arch = key
-            module = (source, defines, *arch[:1])
-            # one kernel a module: its name goes into the module's key (the label shows it)
-            by_module.setdefault(module + ((name,),) if mode == "kernel" else module, []).append(key)
+        if key not in _compiled or key in _pending:
+            by_module.setdefault(_module_of(key, mode), []).append(key)
 
     if not by_module:
         return 0
@@ -486,35 +581,20 @@ def compile_kernels(keys: Iterable[KernelKey], device_id: int, threads: int | No
     if order not in ("cost", "discovery"):
         raise ValueError(f"{COMPILE_ORDER_ENV}={order!r}: expected 'cost' or 'discovery'")
     modules = compile_order(by_module) if order == "cost" else list(by_module)
-
-    def build(module: tuple[Any, ...]) -> None:
-        began = time.perf_counter()
-        if mode == "found":  # one module holding just the kernels found in its file
-            source, defines, *arch = module
-            names = tuple(sorted({key[1] for key in by_module[module]}))
-            built = _arch_module(source, defines, arch[0], names) if arch else _module(source, defines, names)
-            for name in names:
-                _prebuilt[(source, name, defines, *arch)] = built.get_function(name)
-        for source, name, defines, *arch in by_module[module]:  # "kernel": _kernel builds each alone
-            if arch:
-                _arch_kernel(source, name, arch[0], defines, arch[1])
-            else:
-                _kernel(source, name, defines)
-        module_compile_seconds[label(module)] = time.perf_counter() - began
-
-    def label(module: tuple[Any, ...]) -> str:
-        if mode == "kernel":
-            *module, (name,) = module
-            return f"{module_label(*module)}:{name}"
-        return module_label(*module)
+    early = [module for module in modules if any(key in _pending for key in by_module[module])]
+    late = [module for module in modules if module not in early]
 
     threads = compile_threads() if threads is None else threads
     began = time.perf_counter()
-    with ThreadPoolExecutor(min(threads, len(modules)), thread_name_prefix="openinfer-nvrtc",
-                            initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
-        list(pool.map(build, modules))
-    slowest = sorted(((module_compile_seconds.get(label(m), 0.0), label(m)) for m in modules), reverse=True)[:4]
-    logger.info("built %d kernel modules in %.2f s on %d threads; slowest: %s", len(modules),
-                time.perf_counter() - began, min(threads, len(modules)),
+    if late:
+        with ThreadPoolExecutor(min(threads, len(late)), thread_name_prefix="openinfer-nvrtc",
+                                initializer=lambda: cupy.cuda.Device(device_id).use()) as pool:
+            list(pool.map(lambda module: _build(module, by_module[module], mode), late))
+    for module in early:
+        for key in by_module[module]:
+            _await(key)
+    slowest = sorted(((module_compile_seconds.get(_label(m), 0.0), _label(m)) for m in modules), reverse=True)[:4]
+    logger.info("built %d kernel modules (%d begun during the discovery) in %.2f s more on %d threads; "
+                "slowest: %s", len(modules), len(early), time.perf_counter() - began, min(threads, len(modules)),
                 ", ".join(f"{label} {seconds:.2f} s" for seconds, label in slowest))
     return len(modules)
