@@ -15,7 +15,9 @@ slowest first (``compile_order``: source bytes with the headers it includes as t
 modules count double), and each module's seconds are kept in ``module_compile_seconds``.
 
 What a module holds (``OPENINFER_KERNEL_MODULES``): ``kernel`` (the default), one kernel cut out of its
-file (``kernel_subset``), so the start-up compile's wall is its slowest *kernel*, not its slowest file;
+file (``kernel_subset``), so the start-up compile's wall is its slowest *kernel*, not its slowest file,
+and each build starts the moment its kernel is known (``start_compiling``: the sampler's when the
+backend is made, beside the weight load; a model's as the dry forward meets them);
 ``found``, the kernels the dry forward found in one file together; ``source``, the whole file. A kernel
 met only after the engine started serving (``mark_serving``) is a start-up discovery miss: it is built
 (alone, in the first two modes), logged as a warning and listed in ``late_compiles``.
