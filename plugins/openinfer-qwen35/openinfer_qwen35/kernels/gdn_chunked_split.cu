@@ -1,0 +1,475 @@
+// The chunked gated delta rule on tensor cores with split operands (OPENINFER_QWEN35_GDN_PREFILL=chunked_split;
+// issue #17): gdn_chunked.cu's chunk algorithm (chunks of 64, the UT transform, the state carried between
+// chunks; see its header for the equations) with every product at ~fp32 accuracy on bf16 mma.sync:
+//   - the q / k products on the raw bf16 rows of conv_out (exact products, fp32 sums), their l2 norms kept in
+//     fp32 and applied as fp32 scales after the mma (q . k = rq rk (q_raw . k_raw));
+//   - every other operand fp32, split when its fragment is loaded into bf16 parts x = hi + mid + lo (8 bits
+//     each: the three hold an fp32 value to ~2^-24), each part an exact bf16 mma operand, fp32 accumulate.
+//     The products keep the terms down to ~2^-18 of the leading one (hi*hi, hi*mid, mid*hi, and hi*lo,
+//     lo*hi, mid*mid where both sides are split), dropping those the CPU emulation says do not matter
+//     (tests/plugins/qwen35/gdn_operand_model.py: 16-bit W and T diag(beta exp c) suffice);
+//   - intermediates between the kernels in fp32 (U, W, P; c; the norms).
+// The chain's 16-bit operands (grouped_staged: q / k normed, W, U, P, S^T, V' rounded to bf16) put the
+// teacher-forced test vs HF at 0.0173 / 0.059 (mean / p99 |dlogprob|); the fp32 chain (gdn_chunked_fp32.cu)
+// at the token-by-token kernels' 0.0071 / 0.030 but 11x slower on CUDA cores.
+//
+// gdn_chunk_prepare_split: grid (chunks, value heads), 128 threads (warp w: rows 16w .. 16w + 15): raw q / k
+// rows (and k^T, v^T) in shared memory, the norms, gates and c (fp64 sums), Q K^T and K K^T on tensor cores
+// (exact), A and P in fp32, T = (I + A)^-1 by forward substitution (fp32), U = (T diag(beta)) V_raw (3 mmas)
+// and W = (T diag(beta exp(c) rk)) K_raw (2 mmas: W to 16 bits); writes U, W, P, c and the key head's norms.
+// gdn_chunk_walk_split: grid (sequences, value heads, dv / 32), 128 threads: S^T's 32 columns in shared memory
+// (fp32), per chunk V' = U - W S (W 2 parts x S 3 parts: 4 mmas), O = diag(rq exp(c)) Q_raw S (3) + P V'
+// (3 x 3 parts: 6 mmas) to `core` (bf16), S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw (3).
+//
+// Layouts (T tokens, N chunks): conv_out / proj as gdn_chunked.cu; w [T, nv, DK], u [T, nv, dv] fp32;
+// p [N, nv, 64, 64] fp32; cum [T, nv] fp32; norms [T, nk, 2] fp32 (q's with DK^-1/2, k's); core [T, nv * dv] bf16.
+#include "gdn_common.cuh"
+#include "mma.cuh"
+
+#define SPLIT_CHUNK 64
+#define SPLIT_THREADS 128
+#define SPLIT_TILE 32           // value channels a walk block
+#define SPLIT_LDH (DK + 8)      // bf16 rows of DK (raw q / k): conflict-free 4-byte fragment loads
+#define SPLIT_LDCH (SPLIT_CHUNK + 8)  // bf16 rows of 64 (k^T, v^T)
+#define SPLIT_LDF (SPLIT_CHUNK + 8)   // fp32 rows of 64 (A, T, P, V'^T): 8-byte fragment loads, ld = 8 mod 32
+#define SPLIT_LDS (DK + 8)            // fp32 rows of DK (S^T, W)
+
+static_assert(DK % 64 == 0, "the split chunked kernels take key head dims that are multiples of 64");
+
+#ifndef GDN_DYNAMIC_SHARED
+#define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+// x0, x1 as three packed bf16 pairs hi + mid + lo (each part exact in bf16: the remainders are exact in fp32)
+__device__ __forceinline__ void split3_pair(float x0, float x1, unsigned& hi, unsigned& mid, unsigned& lo) {
+    const float h0 = round_bf16(x0), h1 = round_bf16(x1);
+    const float r0 = x0 - h0, r1 = x1 - h1;
+    const float m0 = round_bf16(r0), m1 = round_bf16(r1);
+    hi = pack_bf16x2(h0, h1);
+    mid = pack_bf16x2(m0, m1);
+    lo = pack_bf16x2(r0 - m0, r1 - m1);
+}
+__device__ __forceinline__ void split2_pair(float x0, float x1, unsigned& hi, unsigned& mid) {
+    const float h0 = round_bf16(x0), h1 = round_bf16(x1);
+    hi = pack_bf16x2(h0, h1);
+    mid = pack_bf16x2(x0 - h0, x1 - h1);
+}
+
+__device__ __forceinline__ float2 load_f2(const float* at) { return *reinterpret_cast<const float2*>(at); }
+
+// The fp32 values of an A fragment 16 x 16 at `base` (row-major, leading dim ld, even): rows g, g + 8,
+// columns 2q, 2q + 1 and 2q + 8, 2q + 9 (mma_bf16_16816's order), each column times scale[column] when given.
+__device__ __forceinline__ void load_a_f32(float2* f, const float* base, int ld, const float* col_scale) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    f[0] = load_f2(base + g * ld + 2 * q);
+    f[1] = load_f2(base + (g + 8) * ld + 2 * q);
+    f[2] = load_f2(base + g * ld + 2 * q + 8);
+    f[3] = load_f2(base + (g + 8) * ld + 2 * q + 8);
+    if (col_scale != nullptr) {
+        const float2 s0 = load_f2(col_scale + 2 * q), s1 = load_f2(col_scale + 2 * q + 8);
+        f[0].x *= s0.x, f[0].y *= s0.y, f[1].x *= s0.x, f[1].y *= s0.y;
+        f[2].x *= s1.x, f[2].y *= s1.y, f[3].x *= s1.x, f[3].y *= s1.y;
+    }
+}
+// The same from global rows `rows` + r stride (r = row0 + g, row0 + g + 8; rows from n on: zeros)
+__device__ __forceinline__ void load_a_rows_f32(float2* f, const float* rows, size_t stride, int row0, int n, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, r0 = row0 + g, r1 = row0 + g + 8;
+    const float2 zero = make_float2(0.f, 0.f);
+    f[0] = r0 < n ? load_f2(rows + r0 * stride + k0 + 2 * q) : zero;
+    f[1] = r1 < n ? load_f2(rows + r1 * stride + k0 + 2 * q) : zero;
+    f[2] = r0 < n ? load_f2(rows + r0 * stride + k0 + 2 * q + 8) : zero;
+    f[3] = r1 < n ? load_f2(rows + r1 * stride + k0 + 2 * q + 8) : zero;
+}
+// The fp32 values of a B fragment 16(k) x 8(n) from its transpose bt [n][k] (row-major, ld even).
+__device__ __forceinline__ void load_b_f32(float2* f, const float* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    f[0] = load_f2(base + g * ld + 2 * q);
+    f[1] = load_f2(base + g * ld + 2 * q + 8);
+}
+// Raw bf16 fragments (exact operands): gdn_chunked.cu's load_a / load_b.
+__device__ __forceinline__ void load_a_raw(unsigned* a, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    a[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
+    a[1] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q);
+    a[2] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
+    a[3] = *reinterpret_cast<const unsigned*>(base + (g + 8) * ld + 2 * q + 8);
+}
+__device__ __forceinline__ void load_b_raw(unsigned* b, const bf16* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q);
+    b[1] = *reinterpret_cast<const unsigned*>(base + g * ld + 2 * q + 8);
+}
+
+template <int N>
+__device__ __forceinline__ void split3_fragment(const float2* f, unsigned* hi, unsigned* mid, unsigned* lo) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) split3_pair(f[e].x, f[e].y, hi[e], mid[e], lo[e]);
+}
+
+// 8 bf16 of a 16-byte vector
+struct Bf16x8 {
+    bf16 x[8];
+};
+
+// A warp's accumulator element (nt, e) of a 16-row strip: row g (+ 8 for e >= 2), column 8 nt + 2q (+ 1 for odd e)
+__device__ __forceinline__ int acc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >= 2 ? 8 : 0); }
+__device__ __forceinline__ int acc_col(int nt, int e) { return 8 * nt + 2 * ((threadIdx.x & 31) & 3) + (e & 1); }
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
+                        const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
+                        const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
+                        float* __restrict__ norms, float* __restrict__ w_out, float* __restrict__ u_out,
+                        float* __restrict__ p_out, float* __restrict__ cum_out, int num_key_heads, int num_value_heads,
+                        int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int c = blockIdx.x, h = blockIdx.y, t0 = chunk_start[c], n = chunk_len[c];
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * warp;
+    bf16* qr = reinterpret_cast<bf16*>(smem);      // [64][SPLIT_LDH] raw q rows
+    bf16* kr = qr + SPLIT_CHUNK * SPLIT_LDH;       // [64][SPLIT_LDH] raw k rows
+    bf16* kt = kr + SPLIT_CHUNK * SPLIT_LDH;       // [DK][SPLIT_LDCH] raw k^T
+    bf16* vt = kt + DK * SPLIT_LDCH;               // [dv][SPLIT_LDCH] raw v^T
+    float* amat = reinterpret_cast<float*>(vt + (size_t)dv * SPLIT_LDCH);  // [64][SPLIT_LDF] A, strictly lower
+    float* tinv = amat + SPLIT_CHUNK * SPLIT_LDF;  // [64][SPLIT_LDF] T, lower
+    float* rq = tinv + SPLIT_CHUNK * SPLIT_LDF;    // [64] q's norm scale (x DK^-1/2)
+    float* rk = rq + SPLIT_CHUNK;                  // [64] k's
+    float* beta = rk + SPLIT_CHUNK;                // [64]
+    float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
+    double* cum = reinterpret_cast<double*>(beta_decay + SPLIT_CHUNK);  // [64]
+
+    // raw q, k rows (and k^T), v^T by 16-byte loads; rows past the chunk zeros
+    for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+        const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+        Bf16x8 q8{}, k8{};
+        if (r < n) {
+            const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;
+            q8 = *reinterpret_cast<const Bf16x8*>(row);
+            k8 = *reinterpret_cast<const Bf16x8*>(row + key_dim);
+        } else {
+            for (int m = 0; m < 8; ++m) q8.x[m] = k8.x[m] = __float2bfloat16_rn(0.f);
+        }
+        *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
+        *reinterpret_cast<Bf16x8*>(kr + r * SPLIT_LDH + i) = k8;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
+    }
+    for (int e = threadIdx.x; e < SPLIT_CHUNK * (dv / 8); e += SPLIT_THREADS) {
+        const int r = e / (dv / 8), j = 8 * (e % (dv / 8));
+        Bf16x8 v8{};
+        if (r < n) {
+            v8 = *reinterpret_cast<const Bf16x8*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + j);
+        } else {
+            for (int m = 0; m < 8; ++m) v8.x[m] = __float2bfloat16_rn(0.f);
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = v8.x[m];
+    }
+    if (threadIdx.x == 0) {  // gates and the cumulative log-decay (fp64: c reaches -1000 for fast heads)
+        double sum = 0.0;
+        for (int r = 0; r < SPLIT_CHUNK; ++r) {
+            float b = 0.f, lg = 0.f;
+            if (r < n) {
+                const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h;
+                b = gdn_beta(to_f(row[0]));
+                lg = gdn_log_decay(to_f(row[num_value_heads]), neg_decay_rate[h], dt_bias[h]);
+            }
+            sum += (double)lg;
+            cum[r] = sum;
+            beta[r] = b;
+            if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)sum;
+        }
+    }
+    __syncthreads();
+    // the l2 norms (fp32, of the raw rows): warp w, rows 16w .. 16w + 15
+    for (int r = row0; r < row0 + 16; ++r) {
+        float sq = 0.f, sk = 0.f;
+        for (int i = lane; i < DK; i += 32) {
+            const float x = to_f(qr[r * SPLIT_LDH + i]), y = to_f(kr[r * SPLIT_LDH + i]);
+            sq += x * x;
+            sk += y * y;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        if (lane == 0) {
+            rq[r] = rsqrtf(sq + L2_NORM_EPS) * rsqrtf((float)DK);
+            rk[r] = rsqrtf(sk + L2_NORM_EPS);
+            beta_decay[r] = beta[r] * expf((float)cum[r]) * rk[r];
+            if (r < n && h % ratio == 0) {
+                float* at = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
+                at[0] = rq[r];
+                at[1] = rk[r];
+            }
+        }
+    }
+    __syncthreads();
+
+    // Q K^T and K K^T on the raw rows (exact products), then A and P in fp32. Warp w: rows 16w.., columns
+    // j <= 16w + 15 (n-tiles below 2w + 2)
+    float* p = p_out + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
+    {
+        float qk[8][4] = {}, kk[8][4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            unsigned aq[4], ak[4];
+            load_a_raw(aq, qr + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+            load_a_raw(ak, kr + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                if (nt >= 2 * warp + 2) break;
+                unsigned b[2];
+                load_b_raw(b, kr + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
+                mma_bf16_16816(qk[nt], aq, b[0], b[1]);
+                mma_bf16_16816(kk[nt], ak, b[0], b[1]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = row0 + acc_row(e), j = acc_col(nt, e);
+                float a = 0.f, pv = 0.f;
+                if (j <= i) {
+                    const float d = expf((float)(cum[i] - cum[j]));
+                    pv = rq[i] * rk[j] * qk[nt][e] * d;
+                    if (j < i) a = beta[i] * rk[i] * rk[j] * kk[nt][e] * d;
+                }
+                amat[i * SPLIT_LDF + j] = a;
+                p[i * SPLIT_CHUNK + j] = pv;
+            }
+    }
+    __syncthreads();
+    // T = (I + A)^-1: column j by thread j in registers, t[i] = -sum_{m < i} A[i][m] t[m]
+    if (threadIdx.x < SPLIT_CHUNK) {
+        const int j = threadIdx.x;
+        float t[SPLIT_CHUNK];
+#pragma unroll
+        for (int i = 0; i < SPLIT_CHUNK; ++i) {
+            float acc = 0.f;
+#pragma unroll
+            for (int m = 0; m < i; ++m) acc -= amat[i * SPLIT_LDF + m] * t[m];
+            t[i] = i > j ? acc : (i == j ? 1.f : 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < SPLIT_CHUNK; ++i) tinv[i * SPLIT_LDF + j] = t[i];
+    }
+    __syncthreads();
+    // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
+    // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
+    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride) {
+        for (int n0 = 0; n0 < width; n0 += 64) {  // 8 n-tiles at a time (64 accumulators)
+            float acc[8][4] = {};
+            for (int k0 = 0; k0 <= row0; k0 += 16) {
+                float2 f[4];
+                load_a_f32(f, tinv + row0 * SPLIT_LDF + k0, SPLIT_LDF, scale + k0);
+                unsigned hi[4], mid[4], lo[4];
+                split3_fragment<4>(f, hi, mid, lo);
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) {
+                    if (n0 + nt * 8 >= width) break;
+                    unsigned b[2];
+                    load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                    mma_bf16_16816(acc[nt], hi, b[0], b[1]);
+                    mma_bf16_16816(acc[nt], mid, b[0], b[1]);
+                    if (parts == 3) mma_bf16_16816(acc[nt], lo, b[0], b[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const int i = row0 + acc_row(e);
+                    if (i < n && n0 + nt * 8 < width)
+                        *reinterpret_cast<float2*>(dst + (size_t)(t0 + i) * dst_stride + n0 + acc_col(nt, e)) =
+                            make_float2(acc[nt][e], acc[nt][e + 1]);
+                }
+        }
+    };
+    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim);
+    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
+}
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict__ norms,
+                     const float* __restrict__ w_in, const float* __restrict__ u_in, const float* __restrict__ p_in,
+                     const float* __restrict__ cum_in, const int* __restrict__ chunk_start,
+                     const int* __restrict__ chunk_len, const int* __restrict__ seq_chunks,
+                     const int* __restrict__ slots, const int* __restrict__ fresh, float* __restrict__ ssm_state,
+                     bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv) {
+    GDN_DYNAMIC_SHARED(smem);
+    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * SPLIT_TILE;
+    const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
+    const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
+    const int warp = threadIdx.x >> 5, row0 = 16 * warp;
+    float* st = reinterpret_cast<float*>(smem);            // [32][SPLIT_LDS] S^T (columns j0 .. j0 + 31 of S)
+    float* vt = st + SPLIT_TILE * SPLIT_LDS;               // [32][SPLIT_LDF] V'^T
+    float* row_scale = vt + SPLIT_TILE * SPLIT_LDF;        // [64] rq exp(c)
+    float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
+    float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
+    bf16* qr = reinterpret_cast<bf16*>(cum + SPLIT_CHUNK);  // [64][SPLIT_LDH] raw q rows
+    bf16* kt = qr + SPLIT_CHUNK * SPLIT_LDH;               // [DK][SPLIT_LDCH] raw k^T
+
+    float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
+    const bool is_fresh = fresh[s] != 0;
+    for (int e = threadIdx.x; e < DK * SPLIT_TILE; e += SPLIT_THREADS) {
+        const int m = e / SPLIT_TILE, j = e % SPLIT_TILE;
+        st[j * SPLIT_LDS + m] = is_fresh ? 0.f : state[(size_t)m * dv + j0 + j];
+    }
+    for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
+        const int t0 = chunk_start[c], n = chunk_len[c];
+        __syncthreads();  // the last chunk's readers are done
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+            const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+            Bf16x8 q8{}, k8{};
+            if (r < n) {
+                const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;
+                q8 = *reinterpret_cast<const Bf16x8*>(row);
+                k8 = *reinterpret_cast<const Bf16x8*>(row + key_dim);
+            } else {
+                for (int m = 0; m < 8; ++m) q8.x[m] = k8.x[m] = __float2bfloat16_rn(0.f);
+            }
+            *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
+        }
+        // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory
+        const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
+        const size_t w_stride = (size_t)num_value_heads * DK;
+        const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
+        if (threadIdx.x < SPLIT_CHUNK) {
+            const int r = threadIdx.x < n ? threadIdx.x : n - 1;
+            cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+        }
+        __syncthreads();
+        if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier); rows past the chunk: 0
+            const int r = threadIdx.x;
+            const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
+            row_scale[r] = r < n ? nq[0] * expf(cum[r]) : 0.f;
+            tail_scale[r] = r < n ? nq[1] * expf(cum[SPLIT_CHUNK - 1] - cum[r]) : 0.f;
+        }
+        // V' = U - W S: warp w rows 16w .., the tile's 32 channels; W in 2 parts, S in 3 (4 mmas)
+        {
+            float acc[4][4] = {};
+#pragma unroll 2
+            for (int k0 = 0; k0 < DK; k0 += 16) {
+                float2 f[4];
+                load_a_rows_f32(f, w_rows, w_stride, row0, n, k0);
+                unsigned whi[4], wmid[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split2_pair(f[e].x, f[e].y, whi[e], wmid[e]);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    float2 fb[2];
+                    load_b_f32(fb, st + nt * 8 * SPLIT_LDS + k0, SPLIT_LDS);
+                    unsigned bhi[2], bmid[2], blo[2];
+                    split3_fragment<2>(fb, bhi, bmid, blo);
+                    mma_bf16_16816(acc[nt], whi, bhi[0], bhi[1]);
+                    mma_bf16_16816(acc[nt], whi, bmid[0], bmid[1]);
+                    mma_bf16_16816(acc[nt], wmid, bhi[0], bhi[1]);
+                    mma_bf16_16816(acc[nt], whi, blo[0], blo[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = row0 + acc_row(e), j = acc_col(nt, e);
+                    const float u = r < n ? u_in[((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j] : 0.f;
+                    vt[j * SPLIT_LDF + r] = r < n ? u - acc[nt][e] : 0.f;
+                }
+        }
+        __syncthreads();
+        // O = diag(rq exp(c)) Q_raw S (3 mmas) + P V' (6: the terms to ~2^-18), rows 16w ..
+        {
+            float inter[4][4] = {}, intra[4][4] = {};
+#pragma unroll 2
+            for (int k0 = 0; k0 < DK; k0 += 16) {
+                unsigned a[4];
+                load_a_raw(a, qr + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    float2 fb[2];
+                    load_b_f32(fb, st + nt * 8 * SPLIT_LDS + k0, SPLIT_LDS);
+                    unsigned bhi[2], bmid[2], blo[2];
+                    split3_fragment<2>(fb, bhi, bmid, blo);
+                    mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
+                    mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
+                    mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
+                }
+            }
+            for (int k0 = 0; k0 <= row0; k0 += 16) {
+                float2 f[4];
+                load_a_f32(f, p + row0 * SPLIT_CHUNK + k0, SPLIT_CHUNK, nullptr);
+                unsigned ahi[4], amid[4], alo[4];
+                split3_fragment<4>(f, ahi, amid, alo);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    float2 fb[2];
+                    load_b_f32(fb, vt + nt * 8 * SPLIT_LDF + k0, SPLIT_LDF);
+                    unsigned bhi[2], bmid[2], blo[2];
+                    split3_fragment<2>(fb, bhi, bmid, blo);
+                    mma_bf16_16816(intra[nt], ahi, bhi[0], bhi[1]);
+                    mma_bf16_16816(intra[nt], ahi, bmid[0], bmid[1]);
+                    mma_bf16_16816(intra[nt], amid, bhi[0], bhi[1]);
+                    mma_bf16_16816(intra[nt], ahi, blo[0], blo[1]);
+                    mma_bf16_16816(intra[nt], alo, bhi[0], bhi[1]);
+                    mma_bf16_16816(intra[nt], amid, bmid[0], bmid[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    const int r = row0 + acc_row(e);
+                    if (r < n) {
+                        const float o0 = row_scale[r] * inter[nt][e] + intra[nt][e];
+                        const float o1 = row_scale[r] * inter[nt][e + 1] + intra[nt][e + 1];
+                        *reinterpret_cast<unsigned*>(core + (size_t)(t0 + r) * value_dim + (size_t)h * dv + j0 +
+                                                     acc_col(nt, e)) = pack_bf16x2(o0, o1);
+                    }
+                }
+        }
+        __syncthreads();  // S is read above before it is updated below
+        // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw: warp w: S^T rows 16 (w & 1) .., key
+        // columns (w >> 1) DK / 2 .. (V' side in 3 parts: 3 mmas)
+        {
+            constexpr int NT = DK / 16;
+            const int srow = 16 * (warp & 1), scol = (warp >> 1) * (DK / 2);
+            const float chunk_decay = expf(cum[SPLIT_CHUNK - 1]);
+            float acc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[nt][e] = chunk_decay * st[(srow + acc_row(e)) * SPLIT_LDS + scol + acc_col(nt, e)];
+            for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
+                if (k0 >= n) break;
+                float2 f[4];
+                load_a_f32(f, vt + srow * SPLIT_LDF + k0, SPLIT_LDF, tail_scale + k0);
+                unsigned hi[4], mid[4], lo[4];
+                split3_fragment<4>(f, hi, mid, lo);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    unsigned b[2];
+                    load_b_raw(b, kt + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                    mma_bf16_16816(acc[nt], hi, b[0], b[1]);
+                    mma_bf16_16816(acc[nt], mid, b[0], b[1]);
+                    mma_bf16_16816(acc[nt], lo, b[0], b[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    st[(srow + acc_row(e)) * SPLIT_LDS + scol + acc_col(nt, e)] = acc[nt][e];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DK * SPLIT_TILE; e += SPLIT_THREADS) {
+        const int m = e / SPLIT_TILE, j = e % SPLIT_TILE;
+        state[(size_t)m * dv + j0 + j] = st[j * SPLIT_LDS + m];
+    }
+}
