@@ -790,7 +790,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)
         _launch("gdn_chunk_walk_split", kernel("gdn_chunk_walk_split", dk, walk_bytes),
-                (num_seqs, nv, dv // SPLIT_WALK_TILE), (SPLIT_THREADS,),
+                (dv // SPLIT_WALK_TILE, num_seqs, nv), (SPLIT_THREADS,),
                 (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots, fresh, ssm_state, core,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=walk_bytes)
         return

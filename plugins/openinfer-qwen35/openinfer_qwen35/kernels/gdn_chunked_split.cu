@@ -15,9 +15,9 @@
 //
 // gdn_chunk_prepare_split: grid (chunks, value heads), 128 threads (warp w: rows 16w .. 16w + 15): raw q / k
 // rows (and k^T, v^T) in shared memory, the norms, gates and c (fp64 sums), Q K^T and K K^T on tensor cores
-// (exact), A and P in fp32, T = (I + A)^-1 by forward substitution (fp32), U = (T diag(beta)) V_raw (3 mmas)
+// (exact), A and P in fp32, T = (I + A)^-1 by 16 x 16 blocks (fp32), U = (T diag(beta)) V_raw (3 mmas)
 // and W = (T diag(beta exp(c) rk)) K_raw (2 mmas: W to 16 bits); writes U, W, P, c and the key head's norms.
-// gdn_chunk_walk_split: grid (sequences, value heads, dv / 32), 128 threads: S^T's 32 columns in shared memory
+// gdn_chunk_walk_split: grid (dv / 32, sequences, value heads), 128 threads: S^T's 32 columns in shared memory
 // (fp32), per chunk V' = U - W S (W 2 parts x S 3 parts: 4 mmas), O = diag(rq exp(c)) Q_raw S (3) + P V'
 // (3 x 3 parts: 6 mmas) to `core` (bf16), S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw (3).
 //
@@ -115,6 +115,44 @@ struct Bf16x8 {
 __device__ __forceinline__ int acc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int nt, int e) { return 8 * nt + 2 * ((threadIdx.x & 31) & 3) + (e & 1); }
 
+// T = (I + A)^-1 for the strictly lower 64 x 64 A (fp32, leading dim SPLIT_LDF) in 16 x 16 blocks, all 128
+// threads busy (gdn_chunked.cu's solve_blocked): (a) each diagonal block's inverse T_bb by forward
+// substitution, a thread per (block, column); (b) block row by block row, i = 1..3, every j < i at once:
+// M_ij = sum_{j<=k<i} A_ik T_kj (kept in A's unused upper triangle, block (j, i)), T_ij = -T_ii M_ij.
+// Writes every element of T (zeros above the diagonal).
+__device__ __forceinline__ void solve_blocked_split(float* amat, float* tinv) {
+    constexpr int B = 16, NB = SPLIT_CHUNK / B, LD = SPLIT_LDF;
+    if (threadIdx.x < SPLIT_CHUNK) {
+        const int base = (threadIdx.x / B) * B, j = threadIdx.x;
+        for (int i = 0; i <= j; ++i) tinv[i * LD + j] = i == j ? 1.f : 0.f;
+        for (int i = j + 1; i < base + B; ++i) {
+            float acc = -amat[i * LD + j];
+            for (int m = j + 1; m < i; ++m) acc -= amat[i * LD + m] * tinv[m * LD + j];
+            tinv[i * LD + j] = acc;
+        }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int ib = 1; ib < NB; ++ib) {
+        for (int e = threadIdx.x; e < ib * B * B; e += SPLIT_THREADS) {
+            const int jb = e / (B * B), r = (e / B) % B, c = e % B;
+            const float* a_row = amat + (ib * B + r) * LD;
+            float acc = 0.f;
+            for (int m = jb * B; m < ib * B; ++m) acc += a_row[m] * tinv[m * LD + jb * B + c];
+            amat[(jb * B + r) * LD + ib * B + c] = acc;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < ib * B * B; e += SPLIT_THREADS) {
+            const int jb = e / (B * B), r = (e / B) % B, c = e % B;
+            const float* t_row = tinv + (ib * B + r) * LD + ib * B;  // T_ii's row r: unit diagonal
+            float acc = amat[(jb * B + r) * LD + ib * B + c];
+            for (int m = 0; m < r; ++m) acc += t_row[m] * amat[(jb * B + m) * LD + ib * B + c];
+            tinv[(ib * B + r) * LD + jb * B + c] = -acc;
+        }
+        __syncthreads();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
@@ -140,9 +178,10 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
     double* cum = reinterpret_cast<double*>(beta_decay + SPLIT_CHUNK);  // [64]
 
-    // raw q, k rows (and k^T), v^T by 16-byte loads; rows past the chunk zeros
+    // raw q, k rows (and k^T), v^T by 16-byte loads; rows past the chunk zeros. The row index fastest: a
+    // warp's transposed stores fall in 16 distinct words (lanes 2l, 2l + 1 share one)
     for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
-        const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+        const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
         Bf16x8 q8{}, k8{};
         if (r < n) {
             const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;
@@ -157,7 +196,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
     }
     for (int e = threadIdx.x; e < SPLIT_CHUNK * (dv / 8); e += SPLIT_THREADS) {
-        const int r = e / (dv / 8), j = 8 * (e % (dv / 8));
+        const int r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
         Bf16x8 v8{};
         if (r < n) {
             v8 = *reinterpret_cast<const Bf16x8*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + j);
@@ -241,20 +280,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
             }
     }
     __syncthreads();
-    // T = (I + A)^-1: column j by thread j in registers, t[i] = -sum_{m < i} A[i][m] t[m]
-    if (threadIdx.x < SPLIT_CHUNK) {
-        const int j = threadIdx.x;
-        float t[SPLIT_CHUNK];
-#pragma unroll
-        for (int i = 0; i < SPLIT_CHUNK; ++i) {
-            float acc = 0.f;
-#pragma unroll
-            for (int m = 0; m < i; ++m) acc -= amat[i * SPLIT_LDF + m] * t[m];
-            t[i] = i > j ? acc : (i == j ? 1.f : 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < SPLIT_CHUNK; ++i) tinv[i * SPLIT_LDF + j] = t[i];
-    }
+    solve_blocked_split(amat, tinv);  // T = (I + A)^-1 in fp32
     __syncthreads();
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
@@ -300,7 +326,9 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                      const int* __restrict__ slots, const int* __restrict__ fresh, float* __restrict__ ssm_state,
                      bf16* __restrict__ core, int num_key_heads, int num_value_heads, int dv) {
     GDN_DYNAMIC_SHARED(smem);
-    const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * SPLIT_TILE;
+    // grid (dv / 32, sequences, value heads): a head's tiles adjacent in launch order, so they walk its chunks
+    // together and read each chunk's q / k / W / P from L2 after the first
+    const int j0 = blockIdx.x * SPLIT_TILE, s = blockIdx.y, h = blockIdx.z;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
@@ -321,8 +349,8 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         __syncthreads();  // the last chunk's readers are done
-        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
-            const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {  // (row index fastest)
+            const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
             Bf16x8 q8{}, k8{};
             if (r < n) {
                 const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;

@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
                                 chunk_len.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(), nk, nv, dv);
     });
     std::vector<bf16> split_core(core.size());
-    launch(num_seqs, nv, dv / SPLIT_TILE, SPLIT_THREADS, [&] {
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
         gdn_chunk_walk_split(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(), chunk_start.data(),
                              chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(), split_ssm.data(),
                              split_core.data(), nk, nv, dv);
