@@ -348,6 +348,19 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     }
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
+        // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory into
+        // registers, issued first (in flight while the shared tiles load)
+        const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
+        float2 wf[DK / 16][4], pf[SPLIT_CHUNK / 16][4];
+        {
+            const size_t w_stride = (size_t)num_value_heads * DK;
+            const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
+#pragma unroll
+            for (int kt16 = 0; kt16 < DK / 16; ++kt16) load_a_rows_f32(wf[kt16], w_rows, w_stride, row0, n, 16 * kt16);
+#pragma unroll
+            for (int kt16 = 0; kt16 < SPLIT_CHUNK / 16; ++kt16)
+                if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
+        }
         __syncthreads();  // the last chunk's readers are done
         for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {  // (row index fastest)
             const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
@@ -363,10 +376,6 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
 #pragma unroll
             for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
         }
-        // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory
-        const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
-        const size_t w_stride = (size_t)num_value_heads * DK;
-        const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
         if (threadIdx.x < SPLIT_CHUNK) {
             const int r = threadIdx.x < n ? threadIdx.x : n - 1;
             cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
@@ -381,10 +390,9 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
         // V' = U - W S: warp w rows 16w .., the tile's 32 channels; W in 2 parts, S in 3 (4 mmas)
         {
             float acc[4][4] = {};
-#pragma unroll 2
+#pragma unroll
             for (int k0 = 0; k0 < DK; k0 += 16) {
-                float2 f[4];
-                load_a_rows_f32(f, w_rows, w_stride, row0, n, k0);
+                const float2* f = wf[k0 / 16];
                 unsigned whi[4], wmid[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) split2_pair(f[e].x, f[e].y, whi[e], wmid[e]);
@@ -428,11 +436,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
                 }
             }
-            for (int k0 = 0; k0 <= row0; k0 += 16) {
-                float2 f[4];
-                load_a_f32(f, p + row0 * SPLIT_CHUNK + k0, SPLIT_CHUNK, nullptr);
+#pragma unroll
+            for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
+                if (k0 > row0) break;
                 unsigned ahi[4], amid[4], alo[4];
-                split3_fragment<4>(f, ahi, amid, alo);
+                split3_fragment<4>(pf[k0 / 16], ahi, amid, alo);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     float2 fb[2];
