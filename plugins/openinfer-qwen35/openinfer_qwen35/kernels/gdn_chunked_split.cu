@@ -206,44 +206,47 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
 #pragma unroll
         for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = v8.x[m];
     }
-    if (threadIdx.x == 0) {  // gates and the cumulative log-decay (fp64: c reaches -1000 for fast heads)
+    if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread (the loads in parallel)
+        const int r = threadIdx.x;
+        float b = 0.f, lg = 0.f;
+        if (r < n) {
+            const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h;
+            b = gdn_beta(to_f(row[0]));
+            lg = gdn_log_decay(to_f(row[num_value_heads]), neg_decay_rate[h], dt_bias[h]);
+        }
+        beta[r] = b;
+        cum[r] = (double)lg;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the cumulative log-decay, in order (fp64: c reaches -1000 for fast heads)
         double sum = 0.0;
         for (int r = 0; r < SPLIT_CHUNK; ++r) {
-            float b = 0.f, lg = 0.f;
-            if (r < n) {
-                const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h;
-                b = gdn_beta(to_f(row[0]));
-                lg = gdn_log_decay(to_f(row[num_value_heads]), neg_decay_rate[h], dt_bias[h]);
-            }
-            sum += (double)lg;
+            sum += cum[r];
             cum[r] = sum;
-            beta[r] = b;
-            if (r < n) cum_out[(size_t)(t0 + r) * num_value_heads + h] = (float)sum;
         }
     }
     __syncthreads();
-    // the l2 norms (fp32, of the raw rows): warp w, rows 16w .. 16w + 15
-    for (int r = row0; r < row0 + 16; ++r) {
-        float sq = 0.f, sk = 0.f;
-        for (int i = lane; i < DK; i += 32) {
-            const float x = to_f(qr[r * SPLIT_LDH + i]), y = to_f(kr[r * SPLIT_LDH + i]);
-            sq += x * x;
-            sk += y * y;
+    if (threadIdx.x < n) cum_out[(size_t)(t0 + threadIdx.x) * num_value_heads + h] = (float)cum[threadIdx.x];
+    // the l2 norms (fp32, of the raw rows): a thread a (row, q or k), its pairs from a rotated start (the
+    // warp's 32 rows in distinct banks)
+    {
+        const int r = threadIdx.x % SPLIT_CHUNK, tensor = threadIdx.x / SPLIT_CHUNK;
+        const bf16* row = (tensor == 0 ? qr : kr) + r * SPLIT_LDH;
+        float sq = 0.f;
+        for (int m = 0; m < DK / 2; ++m) {
+            const int pair = (m + r) % (DK / 2);
+            const float x = to_f(row[2 * pair]), y = to_f(row[2 * pair + 1]);
+            sq += x * x + y * y;
         }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        if (lane == 0) {
-            rq[r] = rsqrtf(sq + L2_NORM_EPS) * rsqrtf((float)DK);
-            rk[r] = rsqrtf(sk + L2_NORM_EPS);
-            beta_decay[r] = beta[r] * expf((float)cum[r]) * rk[r];
-            if (r < n && h % ratio == 0) {
-                float* at = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
-                at[0] = rq[r];
-                at[1] = rk[r];
-            }
-        }
+        const float scale = rsqrtf(sq + L2_NORM_EPS) * (tensor == 0 ? rsqrtf((float)DK) : 1.f);
+        (tensor == 0 ? rq : rk)[r] = scale;
+        if (r < n && h % ratio == 0) norms[((size_t)(t0 + r) * num_key_heads + key_head) * 2 + tensor] = scale;
     }
     __syncthreads();
+    if (threadIdx.x < SPLIT_CHUNK) {  // (read after the solve's barriers)
+        const int r = threadIdx.x;
+        beta_decay[r] = beta[r] * expf((float)cum[r]) * rk[r];
+    }
 
     // Q K^T and K K^T on the raw rows (exact products), then A and P in fp32. Warp w: rows 16w.., columns
     // j <= 16w + 15 (n-tiles below 2w + 2)
