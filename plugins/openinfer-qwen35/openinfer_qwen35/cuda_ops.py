@@ -380,7 +380,7 @@ def chunked_split_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
     """gdn_chunk_prepare_split's and gdn_chunk_walk_split's dynamic shared memory (their carves, in order)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     prepare = 2 * (2 * chunk * row_h + dk * row_c + dv * row_c) + 4 * (2 * chunk * row_c + 4 * chunk) + 8 * chunk
-    walk = 4 * (SPLIT_WALK_TILE * row_h + SPLIT_WALK_TILE * row_c + 3 * chunk) + 2 * (chunk * row_h + dk * row_c)
+    walk = 4 * (SPLIT_WALK_TILE * row_c + 3 * chunk) + 2 * (3 * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c)
     return prepare, walk
 
 

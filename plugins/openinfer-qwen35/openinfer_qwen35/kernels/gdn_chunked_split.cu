@@ -17,9 +17,11 @@
 // rows (and k^T, v^T) in shared memory, the norms, gates and c (fp64 sums), Q K^T and K K^T on tensor cores
 // (exact), A and P in fp32, T = (I + A)^-1 by 16 x 16 blocks (fp32), U = (T diag(beta)) V_raw (3 mmas)
 // and W = (T diag(beta exp(c) rk)) K_raw (2 mmas: W to 16 bits); writes U, W, P, c and the key head's norms.
-// gdn_chunk_walk_split: grid (dv / 32, sequences, value heads), 128 threads: S^T's 32 columns in shared memory
-// (fp32), per chunk V' = U - W S (W 2 parts x S 3 parts: 4 mmas), O = diag(rq exp(c)) Q_raw S (3) + P V'
-// (3 x 3 parts: 6 mmas) to `core` (bf16), S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw (3).
+// gdn_chunk_walk_split: grid (dv / 32, sequences, value heads), 128 threads: S^T's 32 rows (value channels) in
+// the warps' mma accumulators (fp32; each warp a 16 x DK/2 region for the whole sequence) and as bf16 hi / mid /
+// lo planes in shared memory (every warp's B operand), per chunk V' = U - W S (W 2 parts x S 3 parts: 4 mmas),
+// O = diag(rq exp(c)) Q_raw S (3) + P V' (3 x 3 parts: 6 mmas) to `core` (bf16), S^T <- exp(c_C) S^T +
+// (diag(rk exp(c_C - c)) V')^T K_raw (3).
 //
 // Layouts (T tokens, N chunks): conv_out / proj as gdn_chunked.cu; w [T, nv, DK], u [T, nv, dv] fp32;
 // p [N, nv, 64, 64] fp32; cum [T, nv] fp32; norms [T, nk, 2] fp32 (q's with DK^-1/2, k's); core [T, nv * dv] bf16.
@@ -321,6 +323,30 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
 }
 
 // ---------------------------------------------------------------------------------------------
+// The walk's state: warp w owns S^T's rows 16 (w & 1) .. + 15 (value channels of the tile) x key columns
+// (w >> 1) DK / 2 .. + DK / 2 - 1 in mma accumulator registers (fp32) for the whole sequence; after each
+// update it writes that region's bf16 parts hi / mid / lo to shared planes, the B operand every warp reads.
+#define STATE_NT (DK / 16)  // n-tiles of a warp's state region
+
+// this warp's state region's element (nt, e): S^T row, key column
+__device__ __forceinline__ int state_row(int e) { return 16 * ((threadIdx.x >> 5) & 1) + acc_row(e); }
+__device__ __forceinline__ int state_col(int nt, int e) { return ((threadIdx.x >> 5) >> 1) * (DK / 2) + acc_col(nt, e); }
+
+__device__ __forceinline__ void store_state_planes(const float (*acc)[4], bf16* planes) {
+    constexpr int PLANE = SPLIT_TILE * SPLIT_LDH;
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            unsigned hi, mid, lo;
+            split3_pair(acc[nt][e], acc[nt][e + 1], hi, mid, lo);
+            const int at = state_row(e) * SPLIT_LDH + state_col(nt, e);
+            *reinterpret_cast<unsigned*>(planes + at) = hi;
+            *reinterpret_cast<unsigned*>(planes + PLANE + at) = mid;
+            *reinterpret_cast<unsigned*>(planes + 2 * PLANE + at) = lo;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict__ norms,
                      const float* __restrict__ w_in, const float* __restrict__ u_in, const float* __restrict__ p_in,
@@ -335,20 +361,24 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
-    float* st = reinterpret_cast<float*>(smem);            // [32][SPLIT_LDS] S^T (columns j0 .. j0 + 31 of S)
-    float* vt = st + SPLIT_TILE * SPLIT_LDS;               // [32][SPLIT_LDF] V'^T
+    constexpr int PLANE = SPLIT_TILE * SPLIT_LDH;
+    float* vt = reinterpret_cast<float*>(smem);            // [32][SPLIT_LDF] V'^T
     float* row_scale = vt + SPLIT_TILE * SPLIT_LDF;        // [64] rq exp(c)
     float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
-    bf16* qr = reinterpret_cast<bf16*>(cum + SPLIT_CHUNK);  // [64][SPLIT_LDH] raw q rows
+    bf16* planes = reinterpret_cast<bf16*>(cum + SPLIT_CHUNK);  // 3 x [32][SPLIT_LDH] S^T as bf16 hi, mid, lo
+    bf16* qr = planes + 3 * PLANE;                         // [64][SPLIT_LDH] raw q rows
     bf16* kt = qr + SPLIT_CHUNK * SPLIT_LDH;               // [DK][SPLIT_LDCH] raw k^T
 
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
     const bool is_fresh = fresh[s] != 0;
-    for (int e = threadIdx.x; e < DK * SPLIT_TILE; e += SPLIT_THREADS) {
-        const int m = e / SPLIT_TILE, j = e % SPLIT_TILE;
-        st[j * SPLIT_LDS + m] = is_fresh ? 0.f : state[(size_t)m * dv + j0 + j];
-    }
+    float sacc[STATE_NT][4];  // this warp's region of S^T (fp32)
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
+    store_state_planes(sacc, planes);
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory into
@@ -364,7 +394,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
             for (int kt16 = 0; kt16 < SPLIT_CHUNK / 16; ++kt16)
                 if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         }
-        __syncthreads();  // the last chunk's readers are done
+        __syncthreads();  // the last chunk's readers are done, its state planes written
         for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {  // (row index fastest)
             const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
             Bf16x8 q8{}, k8{};
@@ -390,25 +420,31 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
             row_scale[r] = r < n ? nq[0] * expf(cum[r]) : 0.f;
             tail_scale[r] = r < n ? nq[1] * expf(cum[SPLIT_CHUNK - 1] - cum[r]) : 0.f;
         }
-        // V' = U - W S: warp w rows 16w .., the tile's 32 channels; W in 2 parts, S in 3 (4 mmas)
+        // V' = U - W S (W in 2 parts x S in 3: 4 mmas) and Q_raw S (3) in one pass over S's planes: warp w rows
+        // 16w .., the tile's 32 channels
+        float inter[4][4] = {};
         {
             float acc[4][4] = {};
 #pragma unroll
             for (int k0 = 0; k0 < DK; k0 += 16) {
                 const float2* f = wf[k0 / 16];
-                unsigned whi[4], wmid[4];
+                unsigned whi[4], wmid[4], a[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) split2_pair(f[e].x, f[e].y, whi[e], wmid[e]);
+                load_a_raw(a, qr + row0 * SPLIT_LDH + k0, SPLIT_LDH);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    float2 fb[2];
-                    load_b_f32(fb, st + nt * 8 * SPLIT_LDS + k0, SPLIT_LDS);
                     unsigned bhi[2], bmid[2], blo[2];
-                    split3_fragment<2>(fb, bhi, bmid, blo);
+                    load_b_raw(bhi, planes + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
+                    load_b_raw(bmid, planes + PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
+                    load_b_raw(blo, planes + 2 * PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
                     mma_bf16_16816(acc[nt], whi, bhi[0], bhi[1]);
                     mma_bf16_16816(acc[nt], whi, bmid[0], bmid[1]);
                     mma_bf16_16816(acc[nt], wmid, bhi[0], bhi[1]);
                     mma_bf16_16816(acc[nt], whi, blo[0], blo[1]);
+                    mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
+                    mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
+                    mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
                 }
             }
 #pragma unroll
@@ -421,24 +457,9 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                 }
         }
         __syncthreads();
-        // O = diag(rq exp(c)) Q_raw S (3 mmas) + P V' (6: the terms to ~2^-18), rows 16w ..
+        // O = diag(rq exp(c)) Q_raw S + P V' (P, V' in 3 parts, 6 mmas: the terms to ~2^-18), rows 16w ..
         {
-            float inter[4][4] = {}, intra[4][4] = {};
-#pragma unroll 2
-            for (int k0 = 0; k0 < DK; k0 += 16) {
-                unsigned a[4];
-                load_a_raw(a, qr + row0 * SPLIT_LDH + k0, SPLIT_LDH);
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    float2 fb[2];
-                    load_b_f32(fb, st + nt * 8 * SPLIT_LDS + k0, SPLIT_LDS);
-                    unsigned bhi[2], bmid[2], blo[2];
-                    split3_fragment<2>(fb, bhi, bmid, blo);
-                    mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
-                    mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
-                    mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
-                }
-            }
+            float intra[4][4] = {};
 #pragma unroll
             for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
                 if (k0 > row0) break;
@@ -471,19 +492,15 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     }
                 }
         }
-        __syncthreads();  // S is read above before it is updated below
-        // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw: warp w: S^T rows 16 (w & 1) .., key
-        // columns (w >> 1) DK / 2 .. (V' side in 3 parts: 3 mmas)
+        // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw on this warp's region (V' side in 3 parts:
+        // 3 mmas), then its planes rewritten
         {
-            constexpr int NT = DK / 16;
             const int srow = 16 * (warp & 1), scol = (warp >> 1) * (DK / 2);
             const float chunk_decay = expf(cum[SPLIT_CHUNK - 1]);
-            float acc[NT][4];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < STATE_NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc[nt][e] = chunk_decay * st[(srow + acc_row(e)) * SPLIT_LDS + scol + acc_col(nt, e)];
+                for (int e = 0; e < 4; ++e) sacc[nt][e] *= chunk_decay;
             for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
                 if (k0 >= n) break;
                 float2 f[4];
@@ -491,24 +508,19 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                 unsigned hi[4], mid[4], lo[4];
                 split3_fragment<4>(f, hi, mid, lo);
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
+                for (int nt = 0; nt < STATE_NT; ++nt) {
                     unsigned b[2];
                     load_b_raw(b, kt + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
-                    mma_bf16_16816(acc[nt], hi, b[0], b[1]);
-                    mma_bf16_16816(acc[nt], mid, b[0], b[1]);
-                    mma_bf16_16816(acc[nt], lo, b[0], b[1]);
+                    mma_bf16_16816(sacc[nt], hi, b[0], b[1]);
+                    mma_bf16_16816(sacc[nt], mid, b[0], b[1]);
+                    mma_bf16_16816(sacc[nt], lo, b[0], b[1]);
                 }
             }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    st[(srow + acc_row(e)) * SPLIT_LDS + scol + acc_col(nt, e)] = acc[nt][e];
+            store_state_planes(sacc, planes);  // (every warp read the planes before the barrier after V')
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < DK * SPLIT_TILE; e += SPLIT_THREADS) {
-        const int m = e / SPLIT_TILE, j = e % SPLIT_TILE;
-        state[(size_t)m * dv + j0 + j] = st[j * SPLIT_LDS + m];
-    }
+#pragma unroll
+    for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
 }
