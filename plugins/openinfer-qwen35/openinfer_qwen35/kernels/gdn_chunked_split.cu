@@ -5,9 +5,12 @@
 //     fp32 and applied as fp32 scales after the mma (q . k = rq rk (q_raw . k_raw));
 //   - every other operand fp32, split when its fragment is loaded into bf16 parts x = hi + mid + lo (8 bits
 //     each: the three hold an fp32 value to ~2^-24), each part an exact bf16 mma operand, fp32 accumulate.
-//     The products keep the terms down to ~2^-18 of the leading one (hi*hi, hi*mid, mid*hi, and hi*lo,
-//     lo*hi, mid*mid where both sides are split), dropping those the CPU emulation says do not matter
-//     (tests/plugins/qwen35/gdn_operand_model.py: 16-bit W and T diag(beta exp c) suffice);
+//     The products keep the terms down to ~2^-18 of the leading one (P V': hi*hi, hi*mid, mid*hi, hi*lo,
+//     lo*hi, mid*mid), but W S only hi*hi, hi*mid, mid*hi and T diag(beta exp c) 2 parts: the CPU emulation
+//     of the teacher-forced test (tests/plugins/qwen35/gdn_teacher_forced_emulation.py, 12 prompts, 1,516
+//     positions) gives 0.0060 / 0.0301 vs HF as built (token-by-token 0.0060 / 0.0304), and says what
+//     dropping more costs: P V' to 3 terms 0.0098, T diag(beta) to 2 parts 0.0077, S or
+//     diag(exp(c_C - c)) V' to 2 parts 0.0063;
 //   - intermediates between the kernels in fp32 (U, W, P; c; the norms).
 // The chain's 16-bit operands (grouped_staged: q / k normed, W, U, P, S^T, V' rounded to bf16) put the
 // teacher-forced test vs HF at 0.0173 / 0.059 (mean / p99 |dlogprob|); the fp32 chain (gdn_chunked_fp32.cu)
@@ -19,7 +22,7 @@
 // and W = (T diag(beta exp(c) rk)) K_raw (2 mmas: W to 16 bits); writes U, W, P, c and the key head's norms.
 // gdn_chunk_walk_split: grid (dv / 32, sequences, value heads), 128 threads: S^T's 32 rows (value channels) in
 // the warps' mma accumulators (fp32; each warp a 16 x DK/2 region for the whole sequence) and as bf16 hi / mid /
-// lo planes in shared memory (every warp's B operand), per chunk V' = U - W S (W 2 parts x S 3 parts: 4 mmas),
+// lo planes in shared memory (every warp's B operand), per chunk V' = U - W S (W 2 parts x S 2 parts less mid*mid: 3 mmas),
 // O = diag(rq exp(c)) Q_raw S (3) + P V' (3 x 3 parts: 6 mmas) to `core` (bf16), S^T <- exp(c_C) S^T +
 // (diag(rk exp(c_C - c)) V')^T K_raw (3).
 //
@@ -420,8 +423,8 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
             row_scale[r] = r < n ? nq[0] * expf(cum[r]) : 0.f;
             tail_scale[r] = r < n ? nq[1] * expf(cum[SPLIT_CHUNK - 1] - cum[r]) : 0.f;
         }
-        // V' = U - W S (W in 2 parts x S in 3: 4 mmas) and Q_raw S (3) in one pass over S's planes: warp w rows
-        // 16w .., the tile's 32 channels
+        // V' = U - W S (W in 2 parts x S's hi / mid: hi*hi, hi*mid, mid*hi, 3 mmas) and Q_raw S (S's three parts: 3)
+        // in one pass over S's planes: warp w rows 16w .., the tile's 32 channels
         float inter[4][4] = {};
         {
             float acc[4][4] = {};
@@ -441,7 +444,6 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     mma_bf16_16816(acc[nt], whi, bhi[0], bhi[1]);
                     mma_bf16_16816(acc[nt], whi, bmid[0], bmid[1]);
                     mma_bf16_16816(acc[nt], wmid, bhi[0], bhi[1]);
-                    mma_bf16_16816(acc[nt], whi, blo[0], blo[1]);
                     mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
                     mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
                     mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
