@@ -111,8 +111,8 @@ __device__ __forceinline__ void split3_fragment(const float2* f, unsigned* hi, u
     for (int e = 0; e < N; ++e) split3_pair(f[e].x, f[e].y, hi[e], mid[e], lo[e]);
 }
 
-// 8 bf16 of a 16-byte vector
-struct Bf16x8 {
+// 8 bf16 of a 16-byte vector (16-byte aligned: one vector load / store)
+struct alignas(16) Bf16x8 {
     bf16 x[8];
 };
 
@@ -170,7 +170,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     const int c = blockIdx.x, h = blockIdx.y, t0 = chunk_start[c], n = chunk_len[c];
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * warp;
+    const int warp = threadIdx.x >> 5, row0 = 16 * warp;
     bf16* qr = reinterpret_cast<bf16*>(smem);      // [64][SPLIT_LDH] raw q rows
     bf16* kr = qr + SPLIT_CHUNK * SPLIT_LDH;       // [64][SPLIT_LDH] raw k rows
     bf16* kt = kr + SPLIT_CHUNK * SPLIT_LDH;       // [DK][SPLIT_LDCH] raw k^T
