@@ -74,7 +74,12 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       token-by-token level (H200, D2 2026-11-24: 0.0071 / 0.0300
                                       vs recurrent 0.0074 / 0.0305, grouped_staged 0.0173 / 0.059)
                                       but 11x grouped_staged's layer time at 8 x 1k (8.61 vs
-                                      0.776 ms), 4.6x at 1 x 1k: an accuracy reference
+                                      0.776 ms), 4.6x at 1 x 1k: an accuracy reference;
+                                      =chunked_split (opt-in): gdn_conv1d_vec,
+                                      gdn_chunk_prepare_split and gdn_chunk_walk_split (the
+                                      same on tensor cores: q / k products on the raw bf16
+                                      rows, every other operand fp32 split into bf16 hi / mid /
+                                      lo parts; fp32 intermediates), gdn_gated_norm_vec
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
