@@ -79,7 +79,8 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       gdn_chunk_prepare_split and gdn_chunk_walk_split (the
                                       same on tensor cores: q / k products on the raw bf16
                                       rows, every other operand fp32 split into bf16 hi / mid /
-                                      lo parts; fp32 intermediates), gdn_gated_norm_vec
+                                      lo parts; fp32 intermediates; one-token rows by
+                                      gdn_delta_rule_rows), gdn_gated_norm_vec
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
@@ -192,8 +193,10 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                                                  "gdn_chunk_output_staged", f16_operands=True),
                    "chunked_fp32": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_fp32", False,
                                                   "gdn_gated_norm_vec"),
+                   # a mixed step's one-token rows token by token (gdn_delta_rule_rows: fp32 state, the
+                   # accuracy reference) instead of a one-row chunk each
                    "chunked_split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
-                                                   "gdn_gated_norm_vec")}
+                                                   "gdn_gated_norm_vec", True)}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
