@@ -14,27 +14,19 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 #include "gdn_chunked_split.cu"
 
 #include "harness.h"
+#include "chunked_prefill_inputs.h"
 
 int main(int argc, char** argv) {
     if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
     const std::string dir = argv[1];
     const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
-    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
-    const int proj_stride = conv_dim + value_dim + 2 * nv;
-    auto weight = load<bf16>(dir, "conv_weight.bin");
-    auto rate = load<float>(dir, "neg_decay_rate.bin");
-    auto bias = load<float>(dir, "dt_bias.bin");
-    auto proj = load<bf16>(dir, "proj.bin");
-    auto conv_state = load<bf16>(dir, "conv_state.bin");
-    auto query_start = load<int>(dir, "query_start.bin");
-    auto slots = load<int>(dir, "slots.bin");
-    auto fresh = load<int>(dir, "fresh.bin");
-    auto token_seq = load<int>(dir, "token_seq.bin");
-    auto chunk_start = load<int>(dir, "chunk_start.bin");
-    auto chunk_len = load<int>(dir, "chunk_len.bin");
-    auto seq_chunks = load<int>(dir, "seq_chunks.bin");
-    const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
-    const int num_chunks = static_cast<int>(chunk_start.size());
+    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
+    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
+    auto &weight = in.conv_weight, &proj = in.proj, &conv_state = in.conv_state;
+    auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
+    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh, &token_seq = in.token_seq;
+    auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
+    const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
     std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
     launch(1, 1, 1, 1, [&] {
         gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
