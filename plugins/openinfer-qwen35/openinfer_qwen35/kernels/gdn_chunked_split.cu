@@ -171,13 +171,17 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
+    // the raw q / k rows until the scores are taken, then A and T in the same bytes (3 blocks an SM at the 4B
+    // shape's 75 KB)
+    constexpr int ROWS_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDH * 2, SOLVE_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDF * 4;
+    constexpr int FIRST_BYTES = ROWS_BYTES > SOLVE_BYTES ? ROWS_BYTES : SOLVE_BYTES;
     bf16* qr = reinterpret_cast<bf16*>(smem);      // [64][SPLIT_LDH] raw q rows
     bf16* kr = qr + SPLIT_CHUNK * SPLIT_LDH;       // [64][SPLIT_LDH] raw k rows
-    bf16* kt = kr + SPLIT_CHUNK * SPLIT_LDH;       // [DK][SPLIT_LDCH] raw k^T
-    bf16* vt = kt + DK * SPLIT_LDCH;               // [dv][SPLIT_LDCH] raw v^T
-    float* amat = reinterpret_cast<float*>(vt + (size_t)dv * SPLIT_LDCH);  // [64][SPLIT_LDF] A, strictly lower
+    float* amat = reinterpret_cast<float*>(smem);  // [64][SPLIT_LDF] A, strictly lower (after the scores)
     float* tinv = amat + SPLIT_CHUNK * SPLIT_LDF;  // [64][SPLIT_LDF] T, lower
-    float* rq = tinv + SPLIT_CHUNK * SPLIT_LDF;    // [64] q's norm scale (x DK^-1/2)
+    bf16* kt = reinterpret_cast<bf16*>(smem + FIRST_BYTES);  // [DK][SPLIT_LDCH] raw k^T
+    bf16* vt = kt + DK * SPLIT_LDCH;               // [dv][SPLIT_LDCH] raw v^T
+    float* rq = reinterpret_cast<float*>(vt + (size_t)dv * SPLIT_LDCH);  // [64] q's norm scale (x DK^-1/2)
     float* rk = rq + SPLIT_CHUNK;                  // [64] k's
     float* beta = rk + SPLIT_CHUNK;                // [64]
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
@@ -272,6 +276,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                 mma_bf16_16816(kk[nt], ak, b[0], b[1]);
             }
         }
+        __syncthreads();  // every warp's reads of q / k are done: A overwrites them
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
