@@ -386,11 +386,12 @@ def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
 
 def chunked_split_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
     """gdn_chunk_prepare_split's and gdn_chunk_walk_split's dynamic shared memory (their carves, in order):
-    75 / 72 KB at the 4B shape (three blocks an SM)."""
+    75 / 82 KB at the 4B shape."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
-    walk = 4 * (SPLIT_WALK_TILE * row_c + 3 * chunk) + 2 * (3 * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c)
+    walk = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
+            + 2 * (3 * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
     return prepare, walk
 
 

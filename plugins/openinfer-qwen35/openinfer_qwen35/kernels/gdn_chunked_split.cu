@@ -37,7 +37,7 @@
 #define SPLIT_LDH (DK + 8)      // bf16 rows of DK (raw q / k): conflict-free 4-byte fragment loads
 #define SPLIT_LDCH (SPLIT_CHUNK + 8)  // bf16 rows of 64 (k^T, v^T)
 #define SPLIT_LDF (SPLIT_CHUNK + 8)   // fp32 rows of 64 (A, T, P, V'^T): 8-byte fragment loads, ld = 8 mod 32
-#define SPLIT_LDS (DK + 8)            // fp32 rows of DK (S^T, W)
+#define SPLIT_LDU (SPLIT_TILE + 8)    // fp32 rows of the walk's 32 channels (U): 8-byte loads, ld = 8 mod 32
 
 static_assert(DK % 64 == 0, "the split chunked kernels take key head dims that are multiples of 64");
 
@@ -371,7 +371,8 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
     constexpr int PLANE = SPLIT_TILE * SPLIT_LDH;
     float* vt = reinterpret_cast<float*>(smem);            // [32][SPLIT_LDF] V'^T
-    float* row_scale = vt + SPLIT_TILE * SPLIT_LDF;        // [64] rq exp(c)
+    float* us = vt + SPLIT_TILE * SPLIT_LDF;               // [64][SPLIT_LDU] the chunk's U, the tile's channels
+    float* row_scale = us + SPLIT_CHUNK * SPLIT_LDU;       // [64] rq exp(c)
     float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
     bf16* planes = reinterpret_cast<bf16*>(cum + SPLIT_CHUNK);  // 3 x [32][SPLIT_LDH] S^T as bf16 hi, mid, lo
@@ -417,16 +418,27 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
 #pragma unroll
             for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
         }
+        for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {  // U (rows past n: 0)
+            const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
+            float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < n) u4 = *reinterpret_cast<const float4*>(u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j);
+            *reinterpret_cast<float4*>(us + r * SPLIT_LDU + j) = u4;
+        }
+        float q_norm = 0.f, k_norm = 0.f;  // row threadIdx.x's (rows past the chunk: 0)
         if (threadIdx.x < SPLIT_CHUNK) {
             const int r = threadIdx.x < n ? threadIdx.x : n - 1;
             cum[threadIdx.x] = cum_in[(size_t)(t0 + r) * num_value_heads + h];
+            if (threadIdx.x < n) {
+                const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
+                q_norm = nq[0];
+                k_norm = nq[1];
+            }
         }
         __syncthreads();
-        if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier); rows past the chunk: 0
+        if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier)
             const int r = threadIdx.x;
-            const float* nq = norms + ((size_t)(t0 + r) * num_key_heads + key_head) * 2;
-            row_scale[r] = r < n ? nq[0] * expf(cum[r]) : 0.f;
-            tail_scale[r] = r < n ? nq[1] * expf(cum[SPLIT_CHUNK - 1] - cum[r]) : 0.f;
+            row_scale[r] = q_norm * expf(cum[r]);
+            tail_scale[r] = k_norm * expf(cum[SPLIT_CHUNK - 1] - cum[r]);
         }
         // V' = U - W S (W in 2 parts x S's hi / mid: hi*hi, hi*mid, mid*hi, 3 mmas) and Q_raw S (S's three parts: 3)
         // in one pass over S's planes: warp w rows 16w .., the tile's 32 channels
@@ -457,10 +469,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
+                for (int e = 0; e < 4; e += 2) {
                     const int r = row0 + acc_row(e), j = acc_col(nt, e);
-                    const float u = r < n ? u_in[((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j] : 0.f;
-                    vt[j * SPLIT_LDF + r] = r < n ? u - acc[nt][e] : 0.f;
+                    const float2 u = load_f2(us + r * SPLIT_LDU + j);
+                    vt[j * SPLIT_LDF + r] = r < n ? u.x - acc[nt][e] : 0.f;
+                    vt[(j + 1) * SPLIT_LDF + r] = r < n ? u.y - acc[nt][e + 1] : 0.f;
                 }
         }
         __syncthreads();

@@ -8,6 +8,10 @@
 #include <cuda_bf16.h>
 #include <cstring>
 inline float2 make_float2(float x, float y) { return {x, y}; }
+struct alignas(16) float4 {  // CUDA's vector type (gdn_chunk_walk_split's 16-byte U loads)
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked_fp32.cu"
