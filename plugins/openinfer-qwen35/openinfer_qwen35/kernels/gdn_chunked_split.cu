@@ -116,6 +116,39 @@ struct alignas(16) Bf16x8 {
     bf16 x[8];
 };
 
+__device__ __forceinline__ Bf16x8 zero_bf16x8() {
+    Bf16x8 v;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v.x[m] = __float2bfloat16_rn(0.f);
+    return v;
+}
+
+// A chunk's rows of q and k (row r at rows + r * stride and key_offset further; rows from n on: zeros) as
+// 8-element vectors, the row index fastest (a warp's transposed stores then fall in 16 distinct words): each
+// thread's loads all issued before its stores (store(r, i, q8, k8): columns i .. i + 7 of row r).
+template <class Store>
+__device__ __forceinline__ void load_qk_rows(const bf16* rows, size_t stride, int key_offset, int n, Store store) {
+    constexpr int PER_THREAD = SPLIT_CHUNK * (DK / 8) / SPLIT_THREADS;
+    static_assert(PER_THREAD * SPLIT_THREADS == SPLIT_CHUNK * (DK / 8), "a thread's share of the q / k vectors");
+    Bf16x8 q8[PER_THREAD], k8[PER_THREAD];
+#pragma unroll
+    for (int b = 0; b < PER_THREAD; ++b) {
+        const int e = threadIdx.x + b * SPLIT_THREADS, r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
+        if (r < n) {
+            const bf16* row = rows + (size_t)r * stride + i;
+            q8[b] = *reinterpret_cast<const Bf16x8*>(row);
+            k8[b] = *reinterpret_cast<const Bf16x8*>(row + key_offset);
+        } else {
+            q8[b] = k8[b] = zero_bf16x8();
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < PER_THREAD; ++b) {
+        const int e = threadIdx.x + b * SPLIT_THREADS;
+        store(e % SPLIT_CHUNK, 8 * (e / SPLIT_CHUNK), q8[b], k8[b]);
+    }
+}
+
 // A warp's accumulator element (nt, e) of a 16-row strip: row g (+ 8 for e >= 2), column 8 nt + 2q (+ 1 for odd e)
 __device__ __forceinline__ int acc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int nt, int e) { return 8 * nt + 2 * ((threadIdx.x & 31) & 3) + (e & 1); }
@@ -187,33 +220,42 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
     double* cum = reinterpret_cast<double*>(beta_decay + SPLIT_CHUNK);  // [64]
 
-    // raw q, k rows (and k^T), v^T by 16-byte loads; rows past the chunk zeros. The row index fastest: a
-    // warp's transposed stores fall in 16 distinct words (lanes 2l, 2l + 1 share one)
-    for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
-        const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
-        Bf16x8 q8{}, k8{};
-        if (r < n) {
-            const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;
-            q8 = *reinterpret_cast<const Bf16x8*>(row);
-            k8 = *reinterpret_cast<const Bf16x8*>(row + key_dim);
-        } else {
-            for (int m = 0; m < 8; ++m) q8.x[m] = k8.x[m] = __float2bfloat16_rn(0.f);
-        }
-        *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
-        *reinterpret_cast<Bf16x8*>(kr + r * SPLIT_LDH + i) = k8;
+    // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
+    {
+        constexpr int V_BATCH = 4;  // v vectors a thread issues together (dv / 16 in all)
+        Bf16x8 v8[V_BATCH];
+        const int v_total = SPLIT_CHUNK * (dv / 8);
+        const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
 #pragma unroll
-        for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
-    }
-    for (int e = threadIdx.x; e < SPLIT_CHUNK * (dv / 8); e += SPLIT_THREADS) {
-        const int r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
-        Bf16x8 v8{};
-        if (r < n) {
-            v8 = *reinterpret_cast<const Bf16x8*>(conv_out + (size_t)(t0 + r) * conv_dim + 2 * key_dim + h * dv + j);
-        } else {
-            for (int m = 0; m < 8; ++m) v8.x[m] = __float2bfloat16_rn(0.f);
+        for (int b = 0; b < V_BATCH; ++b) {  // the first batch of v ahead of q / k's stores
+            const int e = threadIdx.x + b * SPLIT_THREADS, r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
+            v8[b] = e < v_total && r < n ? *reinterpret_cast<const Bf16x8*>(v_rows + (size_t)r * conv_dim + j)
+                                         : zero_bf16x8();
         }
+        load_qk_rows(conv_out + (size_t)t0 * conv_dim + key_head * DK, conv_dim, key_dim, n,
+                     [&](int r, int i, const Bf16x8& q8, const Bf16x8& k8) {
+                         *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
+                         *reinterpret_cast<Bf16x8*>(kr + r * SPLIT_LDH + i) = k8;
 #pragma unroll
-        for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = v8.x[m];
+                         for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
+                     });
+        for (int base = threadIdx.x;; base += V_BATCH * SPLIT_THREADS) {
+#pragma unroll
+            for (int b = 0; b < V_BATCH; ++b) {
+                const int e = base + b * SPLIT_THREADS, r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
+                if (e < v_total) {
+#pragma unroll
+                    for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = v8[b].x[m];
+                }
+            }
+            if (base + V_BATCH * SPLIT_THREADS >= v_total) break;
+#pragma unroll
+            for (int b = 0; b < V_BATCH; ++b) {  // the next batch
+                const int e = base + (V_BATCH + b) * SPLIT_THREADS, r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
+                v8[b] = e < v_total && r < n ? *reinterpret_cast<const Bf16x8*>(v_rows + (size_t)r * conv_dim + j)
+                                             : zero_bf16x8();
+            }
+        }
     }
     if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread (the loads in parallel)
         const int r = threadIdx.x;
@@ -404,20 +446,12 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                 if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         }
         __syncthreads();  // the last chunk's readers are done, its state planes written
-        for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {  // (row index fastest)
-            const int r = e % SPLIT_CHUNK, i = 8 * (e / SPLIT_CHUNK);
-            Bf16x8 q8{}, k8{};
-            if (r < n) {
-                const bf16* row = conv_out + (size_t)(t0 + r) * conv_dim + key_head * DK + i;
-                q8 = *reinterpret_cast<const Bf16x8*>(row);
-                k8 = *reinterpret_cast<const Bf16x8*>(row + key_dim);
-            } else {
-                for (int m = 0; m < 8; ++m) q8.x[m] = k8.x[m] = __float2bfloat16_rn(0.f);
-            }
-            *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
+        load_qk_rows(conv_out + (size_t)t0 * conv_dim + key_head * DK, conv_dim, key_dim, n,
+                     [&](int r, int i, const Bf16x8& q8, const Bf16x8& k8) {
+                         *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
 #pragma unroll
-            for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
-        }
+                         for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
+                     });
         for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {  // U (rows past n: 0)
             const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
             float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
