@@ -149,11 +149,12 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 # conv1d inside the prepare), grouped_out (that with the staged output kernel), grouped_staged (the
 # default since session 8's E1: grouped_mma with the staged output kernel), grouped_coalesced (that with
 # W / U stored as 16-byte row pieces); staged and split were
-# measured in E3 (2026-11-24)
+# measured in E3 (2026-11-24); chunked_fp32 (the chunk algorithm in fp32 on CUDA cores) and chunked_split
+# (on tensor cores with split operands) are issue #17's accuracy-level chains
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16", "chunked_fp32")}
+                                 "grouped_f16", "chunked_fp32", "chunked_split")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}

@@ -38,6 +38,8 @@ ROUNDING_POINTS = ("qk", "Tb", "Tbe", "U", "W", "S", "P", "Vn", "Vd")
 LO_SCALE = 2.0**11  # fp16_hi_scaled_lo: the remainder of an fp16 rounding is below 2^-11 of the value
 
 Rounding = Callable[[np.ndarray], np.ndarray]
+Product = Callable[[np.ndarray, np.ndarray], np.ndarray]
+PRODUCTS = ("WS", "PV")  # the products of two fp32 operands that a split kernel may take in fewer part products
 
 
 def exact(x: np.ndarray) -> np.ndarray:
@@ -73,6 +75,25 @@ def bf16_hi_mid_lo(x: np.ndarray) -> np.ndarray:
     return hi + mid + bf16(exact(x) - hi - mid)
 
 
+def bf16_parts(x: np.ndarray, parts: int) -> list[np.ndarray]:
+    """x as ``parts`` bf16 parts hi, mid, lo, ... (each the bf16 rounding of what the earlier ones leave)."""
+    rest, out = exact(x), []
+    for _ in range(parts):
+        out.append(bf16(rest))
+        rest = rest - out[-1]
+    return out
+
+
+def split_product(a_parts: int, b_parts: int, terms: tuple[tuple[int, int], ...]) -> Product:
+    """A @ B as the kernels' split mmas take it (gdn_chunked_split.cu): A in ``a_parts`` bf16 parts, B in
+    ``b_parts``, the sum of part products (i, j) in ``terms`` (each exact, as the mma's fp32 accumulate
+    of exact bf16 products is to ~fp32)."""
+    def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        pa, pb = bf16_parts(a, a_parts), bf16_parts(b, b_parts)
+        return sum(pa[i] @ pb[j] for i, j in terms)
+    return product
+
+
 def everywhere(rounding: Rounding, **overrides: Rounding) -> dict[str, Rounding]:
     """``rounding`` at every point, ``overrides`` (point=function) where given."""
     unknown = set(overrides) - set(ROUNDING_POINTS)
@@ -100,8 +121,10 @@ def recurrent(qn: np.ndarray, kn: np.ndarray, v: np.ndarray, g: np.ndarray, beta
 def chunked(qn: np.ndarray, kn: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
             rounding: dict[str, Rounding] | None = None) -> np.ndarray:
     """The kernels' chunk algorithm for one head from a zero state, each point of ``rounding`` (name →
-    function; missing points exact) applied where the kernels hold that operand in 16 bits."""
-    rounding = rounding or {}
+    function; missing points exact) applied where the kernels hold that operand in 16 bits; the keys of
+    PRODUCTS in ``rounding`` (name → Product) replace those products (W S, P V') on their rounded operands."""
+    rounding = dict(rounding or {})
+    products = {name: rounding.pop(name, np.matmul) for name in PRODUCTS}
     unknown = set(rounding) - set(ROUNDING_POINTS)
     if unknown:
         raise ValueError(f"unknown rounding points {sorted(unknown)}; expected some of {ROUNDING_POINTS}")
@@ -123,9 +146,9 @@ def chunked(qn: np.ndarray, kn: np.ndarray, v: np.ndarray, g: np.ndarray, beta: 
         u = at("U", at("Tb", t_inv * bc[None, :]) @ vc)
         w = at("W", at("Tbe", t_inv * (bc * np.exp(cum))[None, :]) @ kc)
         entering = at("S", state)
-        v_new = u - w @ entering
+        v_new = u - products["WS"](w, entering)
         p = at("P", np.tril(qc @ kc.T * decay))
-        out[rows] = np.exp(cum)[:, None] * (qc @ entering) + p @ at("Vn", v_new)
+        out[rows] = np.exp(cum)[:, None] * (qc @ entering) + products["PV"](p, at("Vn", v_new))
         state = np.exp(cum[-1]) * state + kc.T @ at("Vd", np.exp(cum[-1] - cum)[:, None] * v_new)
     return out
 

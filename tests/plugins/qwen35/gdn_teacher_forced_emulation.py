@@ -1,8 +1,9 @@
 """Issue #17 on the CPU: the teacher-forced test (test_qwen35_cuda.test_teacher_forced_logprobs_match_hf_bf16)
 emulated with HF's Qwen3.5 in bf16 on the CPU, its chunked delta rule swapped for the NumPy operand model
 (gdn_operand_model.py) at each rounding choice, so the metric's response to each rounding point can be
-read without a GPU. ``python3 -m tests.plugins.qwen35.gdn_teacher_forced_emulation [PROMPTS] [OUT.json]``
-(the test's first PROMPTS prompts, default 4; about 3 s a choice).
+read without a GPU. ``python3 -m tests.plugins.qwen35.gdn_teacher_forced_emulation [PROMPTS] [OUT.json]
+[NAME,...]`` (the test's first PROMPTS prompts, default 4; about 3 s a choice; NAMES: only the choices whose
+names contain one of them).
 
 Prints, per choice, mean / p99 |Δlogprob| on HF's top token against HF itself (whose chunked rule runs in
 fp32) and against the fp64 token-by-token rule. Measured 2026-11-24 (4 prompts, 421 positions; the device's
@@ -37,6 +38,17 @@ CHOICES = {
     "exact q/k, hi/lo elsewhere": model.everywhere(model.bf16_hi_lo, qk=model.exact),
     "exact q/k, hi/mid/lo, hi/lo W / Tbe": model.everywhere(model.bf16_hi_mid_lo, qk=model.exact,
                                                             W=model.bf16_hi_lo, Tbe=model.bf16_hi_lo),
+    # gdn_chunked_split.cu (OPENINFER_QWEN35_GDN_PREFILL=chunked_split) as built: U, W, P, V' fp32 between
+    # the kernels; T diag(beta) in 3 parts and T diag(beta exp c) in 2 against exact bf16 V / K; S and
+    # diag(exp(c_C - c)) V' in 3 parts against exact q / k; W S as W 2 parts x S 3 parts keeping hi*hi, hi*mid,
+    # mid*hi; P V' 3 x 3 parts keeping hi*hi, hi*mid, mid*hi, hi*lo, lo*hi, mid*mid. 12 prompts: 0.0060 / 0.0301
+    # (with W S's hi*lo too 0.0058 / 0.0303; P V' as hi*hi, hi*mid, mid*hi 0.0098; T diag(beta) in 2 parts
+    # 0.0077; S or diag(exp(c_C - c)) V' in 2 parts 0.0063)
+    "chunked_split (the kernel's terms)": {
+        "qk": model.exact, "Tb": model.bf16_hi_mid_lo, "Tbe": model.bf16_hi_lo, "S": model.bf16_hi_mid_lo,
+        "Vd": model.bf16_hi_mid_lo,
+        "WS": model.split_product(2, 3, ((0, 0), (0, 1), (1, 0))),
+        "PV": model.split_product(3, 3, ((0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (1, 1)))},
 }
 
 
@@ -45,7 +57,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def main(num_prompts: int = 4, out_path: str | None = None) -> dict:
+def main(num_prompts: int = 4, out_path: str | None = None, only: tuple[str, ...] = ()) -> dict:
+    """``only``: the CHOICES whose names contain one of these (all when empty)."""
     import torch
     import transformers.models.qwen3_5.modeling_qwen3_5 as hf_module
 
@@ -91,6 +104,8 @@ def main(num_prompts: int = 4, out_path: str | None = None) -> dict:
         results = {"token-by-token": {"vs_hf": deltas(token_by_token, hf_logits)}}
         print(f"{'token-by-token (fp64)':36s} vs HF {results['token-by-token']['vs_hf']}", flush=True)
         for name, rounding in CHOICES.items():
+            if only and not any(part in name for part in only):
+                continue
             ours = logits(rounding)
             results[name] = {"vs_hf": deltas(ours, hf_logits), "vs_token_by_token": deltas(ours, token_by_token)}
             print(f"{name:36s} vs HF {results[name]['vs_hf']}  vs token-by-token "
@@ -103,4 +118,5 @@ def main(num_prompts: int = 4, out_path: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4, sys.argv[2] if len(sys.argv) > 2 else None)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4, sys.argv[2] if len(sys.argv) > 2 else None,
+         tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ())

@@ -341,11 +341,10 @@ def test_fp16_operands_cut_the_chunked_prefill_error(tmp_path_factory):
 FP32_HARNESS = Path(__file__).parent / "cuda_emulation" / "fp32_chunked_harness.cpp"
 
 
-def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(tmp_path_factory):
-    """Issue #17: the fp32 chunked prefill (gdn_chunked_fp32.cu, OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32)
-    against the token-by-token kernel on the same conv_out: a 150-token prompt from scratch and 70 tokens
-    continuing a saved state; its bf16 output equals the token-by-token kernel's nearly everywhere (fp32
-    sums in another order) and its final states agree to fp32 rounding."""
+@pytest.fixture(scope="module")
+def fp32_and_split_chains(tmp_path_factory):
+    """The harness run once: its directory (every chain's core and states), the step's shape, slots and
+    the states it started from."""
     kernels = Path(str(resources.files("openinfer_qwen35") / "kernels"))
     config = Qwen35Config.from_dict({**TINY_QWEN35, "linear_key_head_dim": FAST_KEY_DIM,
                                      "linear_value_head_dim": FAST_VALUE_DIM})
@@ -368,16 +367,26 @@ def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(tmp_path_factory
                 dt_bias=bf16(0.5 * rng.standard_normal(nv)), query_start=query_start, slots=slots,
                 fresh=fresh.astype(np.int32), token_seq=np.repeat(np.arange(len(lengths), dtype=np.int32), lengths),
                 chunk_start=chunk_start, chunk_len=chunk_len, seq_chunks=seq_chunks)
-    shape = (int(query_start[-1]), nv * FAST_VALUE_DIM)
-    ours, base = (read_array(directory, f"{name}_core", np.uint16, shape) for name in ("fp32", "recurrent"))
+    return directory, (int(query_start[-1]), nv * FAST_VALUE_DIM), slots, ssm_state
+
+
+@pytest.mark.parametrize("chain", ["fp32", "split"])
+def test_fp32_chunked_prefill_matches_the_token_by_token_kernel(fp32_and_split_chains, chain):
+    """Issue #17: the fp32 chunked prefill (gdn_chunked_fp32.cu, OPENINFER_QWEN35_GDN_PREFILL=chunked_fp32)
+    and the split-operand tensor-core one (gdn_chunked_split.cu, =chunked_split: exact q / k products,
+    ~24-bit splits elsewhere) against the token-by-token kernel on the same conv_out: a 150-token prompt
+    from scratch and 70 tokens continuing a saved state; the bf16 output equals the token-by-token
+    kernel's nearly everywhere (fp32 sums in another order) and the final states agree to fp32 rounding."""
+    directory, shape, slots, ssm_state = fp32_and_split_chains
+    ours, base = (read_array(directory, f"{name}_core", np.uint16, shape) for name in (chain, "recurrent"))
     differs = float((ours != base).mean())
     relative = float(np.abs(ours - base).mean() / np.abs(base).mean())
-    print(f"fp32 chunked vs token-by-token: {differs:.4f} of the bf16 outputs differ, relative mean |error| "
+    print(f"{chain} chunked vs token-by-token: {differs:.4f} of the bf16 outputs differ, relative mean |error| "
           f"{relative:.2e}")
     assert differs < 0.01
     assert relative < 2e-5
     states = {name: read_array(directory, f"{name}_ssm_state", np.float32, ssm_state.shape)[slots]
-              for name in ("fp32", "recurrent")}
-    np.testing.assert_allclose(states["fp32"], states["recurrent"], rtol=1e-4, atol=1e-5)
-    untouched = read_array(directory, "fp32_ssm_state", np.float32, ssm_state.shape)[1]
+              for name in (chain, "recurrent")}
+    np.testing.assert_allclose(states[chain], states["recurrent"], rtol=1e-4, atol=1e-5)
+    untouched = read_array(directory, f"{chain}_ssm_state", np.float32, ssm_state.shape)[1]
     np.testing.assert_array_equal(untouched, ssm_state[1])

@@ -1,36 +1,36 @@
 // Runs the fp32 chunked prefill (gdn_chunked_fp32.cu: gdn_conv1d -> gdn_chunk_prepare_fp32 ->
-// gdn_chunk_walk_fp32) on the CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token
-// kernel gdn_delta_rule (fp32: the accuracy reference), for test_qwen35_cuda_emulated.py; writes both
+// gdn_chunk_walk_fp32), the split-operand tensor-core one (gdn_chunked_split.cu: gdn_chunk_prepare_split ->
+// gdn_chunk_walk_split) on the CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token
+// kernel gdn_delta_rule (fp32: the accuracy reference), for test_qwen35_cuda_emulated.py; writes their
 // cores (bf16) and final states.
+#define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
 #include <cuda_bf16.h>
 #include <cstring>
+inline float2 make_float2(float x, float y) { return {x, y}; }
+struct alignas(16) float4 {  // CUDA's vector type (gdn_chunk_walk_split's 16-byte U loads)
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked_fp32.cu"
+#include "gdn_chunked_split.cu"
 
 #include "harness.h"
+#include "chunked_prefill_inputs.h"
 
 int main(int argc, char** argv) {
     if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
     const std::string dir = argv[1];
     const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
-    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
-    const int proj_stride = conv_dim + value_dim + 2 * nv;
-    auto weight = load<bf16>(dir, "conv_weight.bin");
-    auto rate = load<float>(dir, "neg_decay_rate.bin");
-    auto bias = load<float>(dir, "dt_bias.bin");
-    auto proj = load<bf16>(dir, "proj.bin");
-    auto conv_state = load<bf16>(dir, "conv_state.bin");
-    auto query_start = load<int>(dir, "query_start.bin");
-    auto slots = load<int>(dir, "slots.bin");
-    auto fresh = load<int>(dir, "fresh.bin");
-    auto token_seq = load<int>(dir, "token_seq.bin");
-    auto chunk_start = load<int>(dir, "chunk_start.bin");
-    auto chunk_len = load<int>(dir, "chunk_len.bin");
-    auto seq_chunks = load<int>(dir, "seq_chunks.bin");
-    const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
-    const int num_chunks = static_cast<int>(chunk_start.size());
+    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
+    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
+    auto &weight = in.conv_weight, &proj = in.proj, &conv_state = in.conv_state;
+    auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
+    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh, &token_seq = in.token_seq;
+    auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
+    const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
     std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
     launch(1, 1, 1, 1, [&] {
         gdn_conv1d(proj.data(), proj_stride, weight.data(), conv_state.data(), query_start.data(), slots.data(),
@@ -54,6 +54,20 @@ int main(int argc, char** argv) {
     });
     save(dir, "fp32_core.bin", core);
     save(dir, "fp32_ssm_state.bin", ssm);
+    auto split_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<float> norms(static_cast<size_t>(num_tokens) * nk * 2);
+    launch(num_chunks, nv, 1, SPLIT_THREADS, [&] {
+        gdn_chunk_prepare_split(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(), chunk_start.data(),
+                                chunk_len.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(), nk, nv, dv);
+    });
+    std::vector<bf16> split_core(core.size());
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(), chunk_start.data(),
+                             chunk_len.data(), seq_chunks.data(), slots.data(), fresh.data(), split_ssm.data(),
+                             split_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_core.bin", split_core);
+    save(dir, "split_ssm_state.bin", split_ssm);
     auto base_ssm = load<float>(dir, "ssm_state.bin");
     std::vector<bf16> base_core(core.size());
     const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV

@@ -15,6 +15,7 @@ void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meet
 #include "gdn_chunked.cu"
 
 #include "harness.h"
+#include "chunked_prefill_inputs.h"
 
 void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
@@ -23,23 +24,14 @@ int main(int argc, char** argv) {
     const std::string dir = argv[1];
     const int nk = std::atoi(argv[2]), nv = std::atoi(argv[3]), dv = std::atoi(argv[4]), width = std::atoi(argv[5]);
     const float eps = static_cast<float>(std::atof(argv[6]));
-    const int key_dim = nk * DK, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
-    const int proj_stride = conv_dim + value_dim + 2 * nv;
-    auto weight = load<bf16>(dir, "conv_weight.bin");
-    auto rate = load<float>(dir, "neg_decay_rate.bin");
-    auto bias = load<float>(dir, "dt_bias.bin");
+    ChunkedPrefillInputs in(dir, nk, nv, dv, width);
+    const int key_dim = in.key_dim, value_dim = in.value_dim, conv_dim = in.conv_dim, proj_stride = in.proj_stride;
+    auto &weight = in.conv_weight, &proj = in.proj, &conv_state = in.conv_state;
+    auto &rate = in.neg_decay_rate, &bias = in.dt_bias;
+    auto &query_start = in.query_start, &slots = in.slots, &fresh = in.fresh, &token_seq = in.token_seq;
+    auto &chunk_start = in.chunk_start, &chunk_len = in.chunk_len, &seq_chunks = in.seq_chunks;
+    const int num_tokens = in.num_tokens, num_seqs = in.num_seqs, num_chunks = in.num_chunks;
     auto norm = load<bf16>(dir, "norm.bin");
-    auto proj = load<bf16>(dir, "proj.bin");
-    auto conv_state = load<bf16>(dir, "conv_state.bin");
-    auto query_start = load<int>(dir, "query_start.bin");
-    auto slots = load<int>(dir, "slots.bin");
-    auto fresh = load<int>(dir, "fresh.bin");
-    auto token_seq = load<int>(dir, "token_seq.bin");
-    auto chunk_start = load<int>(dir, "chunk_start.bin");
-    auto chunk_len = load<int>(dir, "chunk_len.bin");
-    auto seq_chunks = load<int>(dir, "seq_chunks.bin");
-    const int num_tokens = static_cast<int>(token_seq.size()), num_seqs = static_cast<int>(slots.size());
-    const int num_chunks = static_cast<int>(chunk_start.size());
     std::vector<bf16> conv_out(static_cast<size_t>(num_tokens) * conv_dim);
     std::vector<bf16> qn(static_cast<size_t>(num_tokens) * key_dim), kn(qn.size());
     std::vector<bf16> w(static_cast<size_t>(num_tokens) * nv * DK), u(static_cast<size_t>(num_tokens) * value_dim);
