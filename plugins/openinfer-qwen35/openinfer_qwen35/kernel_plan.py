@@ -100,6 +100,8 @@ class KernelPlan:
     norm_weight: Callable[[np.ndarray], Any] | None = None
     # compile kernels / allocate fixed buffers for a config, before any CUDA graph capture
     warm_up: Callable[[Any], None] | None = None
+    # a step's host ``state.SnapshotSplit`` with its arrays on the device (None: host arrays serve)
+    prepare_split: Callable[[Any], Any] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

@@ -17,6 +17,9 @@ Lifecycle of a request's slot:
 - a request starting from a cached prefix at n tokens gets its slot filled by the engine from
   the snapshot taken at n tokens (a row copy of ``conv`` and ``ssm``) before its first chunk;
 - later chunks and decode steps read and update the same slot in place;
+- a prefix-cache snapshot at a block boundary inside a step's rows (``batch.state_snapshots``,
+  the spec's ``snapshot_within_step``): the GDN layers run the rows before the boundary, copy the
+  slot into the snapshot slot, then run the rest (``split_at_snapshots``) — in the one forward;
 - the engine frees the slot when it drops the request (finished, aborted, preempted).
 
 The full-attention layers keep their K/V in the paged block pool.
@@ -40,7 +43,7 @@ def state_spec(config: Qwen35Config, conv_dtype: str = "float32") -> RecurrentSt
         StateTensor("conv", (config.linear_conv_kernel_dim - 1, config.conv_dim), conv_dtype),
         StateTensor("ssm", (config.linear_num_value_heads, config.linear_key_head_dim,
                             config.linear_value_head_dim), "float32"),
-    ))
+    ), snapshot_within_step=True)
 
 
 def bytes_per_slot(config: Qwen35Config, conv_dtype: str = "float32") -> int:
@@ -58,6 +61,8 @@ class StepSequences:
     slots: Any  # [B] state slot of each sequence
     fresh: Any  # [B] bool: the sequence starts at position 0 (its initial state is zero)
     device: Any = None
+    # [S, 3] host (sequence, rows before the boundary, snapshot slot): see ``split_at_snapshots``
+    snapshots: np.ndarray | None = None
 
 
 def host_step_sequences(batch: Any) -> StepSequences:
@@ -69,4 +74,75 @@ def host_step_sequences(batch: Any) -> StepSequences:
         raise ValueError(f"Qwen3.5 keeps recurrent state: the batch must carry one state slot per sequence "
                          f"(batch.state_slots has {slots.shape[0]}, the batch {batch.num_seqs} sequences)")
     fresh = (np.asarray(batch.context_lens) - np.diff(query_start)) == 0
-    return StepSequences(query_start, slots, fresh)
+    return StepSequences(query_start, slots, fresh, snapshots=step_snapshots(batch))
+
+
+def step_snapshots(batch: Any) -> np.ndarray | None:
+    """``batch.state_snapshots`` (a host batch's, or a device batch's host copy), checked; None
+    when the step takes no snapshot inside a sequence."""
+    host = getattr(batch, "host", None)
+    snapshots = getattr(batch if host is None else host, "state_snapshots", None)
+    if snapshots is None or not len(snapshots):
+        return None
+    snapshots = np.asarray(snapshots, np.int64).reshape(-1, 3)
+    host_batch = batch if host is None else host
+    lengths = np.diff(np.asarray(host_batch.query_start, np.int64))
+    seq, rows = snapshots[:, 0], snapshots[:, 1]
+    if (seq < 0).any() or (seq >= len(lengths)).any() or len(np.unique(seq)) != len(seq):
+        raise ValueError(f"state_snapshots name sequences outside the batch or one twice: {snapshots[:, 0].tolist()}")
+    if (rows < 1).any() or (rows >= lengths[seq]).any():
+        raise ValueError("a state snapshot must fall strictly inside its sequence's rows of the step")
+    return snapshots
+
+
+@dataclass
+class SnapshotSplit:
+    """A step whose GDN layers snapshot a sequence's state after one of its rows: the rows before
+    each boundary (every sequence's rows, cut there: ``head``) run first, then each such slot is
+    copied into its snapshot slot, then the rows from the boundary on (``tail``, the snapshotted
+    sequences only, continuing their slots)::
+
+        step rows      [ a0 a1 a2 a3 | b0 b1 b2 ]     a: snapshot after 3 rows, b: none
+        head           [ a0 a1 a2 | b0 b1 b2 ]        every sequence, a cut at its boundary
+        copy           snapshot slot of a <- live slot of a (conv window and delta-rule state)
+        tail           [ a3 ]                          a again, from the boundary
+
+    ``order``: the step's rows as head rows then tail rows (None when they already are: one
+    sequence, or only the last one snapshotted); ``inverse`` puts the outputs back."""
+
+    head: StepSequences
+    tail: StepSequences
+    num_head_rows: int
+    order: Any  # [T] row ids, or None
+    inverse: Any  # [T] row ids, or None
+    live: Any  # [S] slots to copy from (after the head)
+    snapshot: Any  # [S] slots to copy to
+
+
+def split_at_snapshots(seqs: StepSequences) -> SnapshotSplit | None:
+    """The host ``SnapshotSplit`` of a step with snapshots inside sequences (None without)."""
+    snapshots = seqs.snapshots
+    if snapshots is None or not len(snapshots):
+        return None
+    query_start = np.asarray(seqs.query_start, np.int64)
+    lengths = np.diff(query_start)
+    slots = np.asarray(seqs.slots, np.int64)
+    seq, cut = snapshots[:, 0], snapshots[:, 1]
+    head_lengths = lengths.copy()
+    head_lengths[seq] = cut
+    tail_lengths = lengths[seq] - cut
+    head_start = np.concatenate([[0], np.cumsum(head_lengths)])
+    tail_start = np.concatenate([[0], np.cumsum(tail_lengths)])
+    num_head = int(head_start[-1])
+    head = StepSequences(head_start, slots, np.asarray(seqs.fresh, bool))
+    tail = StepSequences(tail_start, slots[seq], np.zeros(len(seq), bool))
+    in_order = len(seq) == 1 and int(seq[0]) == len(lengths) - 1
+    order = inverse = None
+    if not in_order:
+        head_rows = np.concatenate([np.arange(query_start[s], query_start[s] + head_lengths[s])
+                                    for s in range(len(lengths))])
+        tail_rows = np.concatenate([np.arange(query_start[s] + c, query_start[s + 1]) for s, c in zip(seq, cut, strict=True)])
+        order = np.concatenate([head_rows, tail_rows])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+    return SnapshotSplit(head, tail, num_head, order, inverse, slots[seq], snapshots[:, 2].astype(np.int64))
