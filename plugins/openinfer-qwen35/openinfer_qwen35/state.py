@@ -27,6 +27,7 @@ The full-attention layers keep their K/V in the paged block pool.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +36,30 @@ import numpy as np
 from openinfer import RecurrentStateSpec, StateTensor
 from openinfer_qwen35.config import Qwen35Config
 
+SNAPSHOT_IN_STEP_ENV = "OPENINFER_QWEN35_SNAPSHOT_IN_STEP"  # "1" / "0": snapshots inside a step on / off
+# off until a device measurement says the one-step prompt is faster (its CUDA launch glue is
+# checked on the GPU only); "1" turns it on: a prompt's last partial block then runs in the
+# prompt's step, around the snapshot (``split_at_snapshots``), not as a step of its own
+DEFAULT_SNAPSHOT_IN_STEP = False
 
-def state_spec(config: Qwen35Config, conv_dtype: str = "float32") -> RecurrentStateSpec:
+
+def snapshot_in_step() -> bool:
+    """``OPENINFER_QWEN35_SNAPSHOT_IN_STEP`` (read when the model is built), else the default."""
+    value = os.environ.get(SNAPSHOT_IN_STEP_ENV, "").strip().lower()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SNAPSHOT_IN_STEP_ENV}={value!r}: expected '1' or '0'")
+    return DEFAULT_SNAPSHOT_IN_STEP if not value else value == "1"
+
+
+def state_spec(config: Qwen35Config, conv_dtype: str = "float32", within_step: bool | None = None) -> RecurrentStateSpec:
     """One GDN layer's state: the conv window (``conv_dtype``: the backend's activation dtype)
-    and the fp32 delta-rule matrix of every value head."""
+    and the fp32 delta-rule matrix of every value head. ``within_step``: the model writes prefix-cache
+    snapshots inside a step (default: ``snapshot_in_step()``)."""
     return RecurrentStateSpec((
         StateTensor("conv", (config.linear_conv_kernel_dim - 1, config.conv_dim), conv_dtype),
         StateTensor("ssm", (config.linear_num_value_heads, config.linear_key_head_dim,
                             config.linear_value_head_dim), "float32"),
-    ), snapshot_within_step=True)
+    ), snapshot_within_step=snapshot_in_step() if within_step is None else within_step)
 
 
 def bytes_per_slot(config: Qwen35Config, conv_dtype: str = "float32") -> int:

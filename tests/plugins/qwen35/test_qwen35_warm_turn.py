@@ -4,10 +4,16 @@ its own for the last ``len % 16`` tokens — and cached runs equal uncached ones
 other prompts in the step."""
 
 import numpy as np
-from openinfer_qwen35.state import StepSequences, split_at_snapshots
+import pytest
+from openinfer_qwen35.state import SNAPSHOT_IN_STEP_ENV, StepSequences, split_at_snapshots
 
 from tests.helpers.engine_utils import assert_everything_returned, make_request, run_all, run_one
 from tests.plugins.qwen35.test_qwen35_engine import build_engine, prompts
+
+
+@pytest.fixture
+def in_step(monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_IN_STEP_ENV, "1")
 
 
 def spy_forwards(engine) -> list[list[int]]:
@@ -40,7 +46,7 @@ def test_split_at_snapshots_orders_head_rows_then_tail_rows():
     assert split_at_snapshots(StepSequences(np.array([0, 4]), np.array([1]), np.array([True]))) is None
 
 
-def test_a_prompt_runs_in_one_step_and_a_repeat_starts_from_its_boundary(tiny):
+def test_a_prompt_runs_in_one_step_and_a_repeat_starts_from_its_boundary(tiny, in_step):
     path, _ = tiny
     prompt = prompts(1, seed=7)[0]  # 70-99 tokens
     cold = build_engine(path, enable_prefix_cache=False)
@@ -65,7 +71,7 @@ def test_a_prompt_runs_in_one_step_and_a_repeat_starts_from_its_boundary(tiny):
         engine.close_sync()
 
 
-def test_warm_turns_of_a_batch_equal_cold_ones(tiny):
+def test_warm_turns_of_a_batch_equal_cold_ones(tiny, in_step):
     path, _ = tiny
     firsts = prompts(3, seed=11)
     cold = build_engine(path, enable_prefix_cache=False)
@@ -87,5 +93,20 @@ def test_warm_turns_of_a_batch_equal_cold_ones(tiny):
         assert [o.token_ids for o in again] == want_turns
         assert all(o.cached_tokens >= len(p) // 16 * 16 for o, p in zip(again, firsts, strict=True))
         assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
+def test_switched_off_the_prompt_stops_at_its_last_full_block(tiny, monkeypatch):
+    monkeypatch.setenv(SNAPSHOT_IN_STEP_ENV, "0")
+    path, _ = tiny
+    prompt = prompts(1, seed=7)[0]
+    assert len(prompt) % 16
+    engine = build_engine(path)
+    try:
+        steps = spy_forwards(engine)
+        run_one(engine, make_request("a", prompt, max_tokens=1))
+        boundary = (len(prompt) - 1) // 16 * 16
+        assert steps == [[boundary], [len(prompt) - boundary]]  # the tail step of the earlier design
     finally:
         engine.close_sync()
