@@ -183,6 +183,9 @@ def repeated_mmas(times: int):
         cuda_ops.kernel_include_options = original
         cuda_ops._module.cache_clear()
         cuda_ops.kernel.cache_clear()
+SHORT_PROMPTS = (50, 500)  # --multi-turn-only: lone cold prompts (TTFT), a few blocks and a partial one
+# the switches of the warm turn's path, recorded with --multi-turn-only's results
+MULTI_TURN_SWITCHES = ("OPENINFER_QWEN35_SNAPSHOT_IN_STEP", "OPENINFER_QWEN35_PINNED_UPLOADS")
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -315,13 +318,18 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
     conversations, each with its own random history. Counts the conversations whose warm and
     cold turns answered alike (greedy; bf16 chunk boundaries differ, so a near-tie may not)."""
     warm_ms, cold_ms, warm_cached, cold_cached, same, divergence = [], [], [], [], 0, []
+    forwards: list[dict] = []
+    spy = ForwardSpy(engine)
     for i in range(repeats):
         prompt = prompts.tokens(history - 32)
         # the second turn repeats the history token for token (prompt + what turn 1 generated)
         outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
         turn = prompt + outcome + prompts.tokens(new_turn)
+        spy.calls.clear()
         warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
+        warm_forwards = spy.before_first_token()
         cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
+        forwards.append({"warm": warm_forwards, "cold": spy.before_first_token()})
         same += warm[3] == cold[3]
         # where the answers part (None: alike) and both answers: random weights give near-flat logits,
         # so a near-tie at the first token is expected; tests/plugins/qwen35 checks hit == cold on a
@@ -336,8 +344,34 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
             "warm_ttft_ms": statistics.median(warm_ms), "warm_cached_tokens": min(warm_cached),
             "cold_ttft_ms": statistics.median(cold_ms), "cold_cached_tokens": max(cold_cached),
             "warm_ttft_ms_all": warm_ms, "cold_ttft_ms_all": cold_ms, "warm_equals_cold_answers": same,
-            "answers": divergence,
+            "answers": divergence, "forwards_before_first_token": forwards,
             "cold_over_warm": statistics.median(cold_ms) / statistics.median(warm_ms)}
+
+
+class ForwardSpy:
+    """Times each ``engine.model.forward`` call on the host (rows, ms): which forwards a turn runs
+    before its first token (a prompt's steps, then the first decode) and what each holds the host."""
+
+    def __init__(self, engine) -> None:
+        self.calls: list[tuple[int, float]] = []
+        model = getattr(engine, "model", None)
+        if model is None:  # an engine without an in-process model: nothing to time
+            return
+        forward = model.forward
+
+        def timed_forward(batch, kv_cache):
+            start = time.perf_counter()
+            out = forward(batch, kv_cache)
+            self.calls.append((int(batch.num_tokens), round(1000 * (time.perf_counter() - start), 2)))
+            return out
+
+        model.forward = timed_forward
+
+    def before_first_token(self) -> list[tuple[int, float]]:
+        """The calls since the last clear, up to the first decode step (one row a sequence); cleared."""
+        calls, self.calls = self.calls, []
+        prompt = [c for c in calls if c[0] > 1]
+        return calls[: len(prompt) + 1] if prompt else calls[:1]
 
 
 def set_kernels(variant: str) -> None:
@@ -572,7 +606,8 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
     import openinfer
     from openinfer.engine_core.startup import memory_breakdown
 
-    results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device)}
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device),
+                     "env": {k: os.environ.get(k, "") for k in MULTI_TURN_SWITCHES}}
     start = time.perf_counter()
     max_model_len = max(args.history + args.new_turn + 64, BS1_PROMPT + BS1_NEW_TOKENS + 64)
     engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
@@ -593,9 +628,15 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
         results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
+        # a lone cold prompt shorter than a few blocks: its steps (one, with in-step snapshots)
+        results["short_prompt_ttft_ms"] = {
+            length: prefill_ttft(engine, prompts, length, max(3, args.repeats), "short")
+            for length in SHORT_PROMPTS}
+        print(f"short cold prompts TTFT ms: {results['short_prompt_ttft_ms']}", flush=True)
     finally:
         engine.close_sync()
-    write_results(results, "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else ""), plot_multi_turn)
+    name = args.tag or "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else "")
+    write_results(results, name, plot_multi_turn)
     return results
 
 
@@ -1128,6 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tag", default="", help="--multi-turn-only: the results' name (default gpu_qwen35_multi_turn)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
         parser.error("--device cpu runs only with --multi-turn-only, --decode-tpot-only or --step-ledger-only "
