@@ -466,17 +466,20 @@ class KVCacheManager:
         self._state_copies.append(copy)
         return copy
 
-    def snapshot_within(self, request_id: str, start: int, end: int, num_prompt_tokens: int) -> tuple[int, int] | None:
+    def snapshot_within(self, request_id: str, start: int, end: int, num_prompt_tokens: int,
+                        ends_request: bool = False) -> tuple[int, int] | None:
         """For a step computing tokens ``start:end`` of the request on a model that snapshots
         inside a step (``KVCacheGroups.snapshots_within_step``): the last hit boundary strictly
         inside the chunk gets a snapshot slot, which the forward fills with the state after that
-        token (``ForwardBatch.state_snapshots``); published like ``snapshot_state``'s. Returns
-        ``(rows before the boundary, snapshot slot)``, or None: no boundary inside, the chunk
-        ends on one (``snapshot_state`` copies that after the step), or no slot."""
+        token (``ForwardBatch.state_snapshots``); published like ``snapshot_state``'s. A chunk
+        ending on a boundary needs none (``snapshot_state`` copies the state there after the
+        step) unless it ends the request's tokens (``ends_request``): a hit never covers the last
+        token, so a repeat of the whole prompt starts from the boundary before. Returns ``(rows
+        before the boundary, snapshot slot)``, or None: no boundary inside, or no slot."""
         granularity = self.hit_granularity
-        if end % granularity == 0 or end - start < 2:
+        if end - start < 2 or (end % granularity == 0 and not ends_request):
             return None
-        boundary = end // granularity * granularity
+        boundary = (end - 1) // granularity * granularity
         blocks = self.requests.get(request_id)
         if boundary <= start or blocks is None:
             return None

@@ -127,7 +127,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
     for i, chunk in enumerate(chunks):
         request, start, n = chunk.request, chunk.start, chunk.num_tokens
         if within and n > 1:
-            planned = kv.snapshot_within(request.request_id, start, start + n, request.num_prompt_tokens)
+            planned = kv.snapshot_within(request.request_id, start, start + n, request.num_prompt_tokens,
+                                         chunk.samples)
             if planned is not None:
                 state_snapshots.append((i, *planned))
         span = np.arange(start, start + n, dtype=np.int32)

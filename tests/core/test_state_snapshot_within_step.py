@@ -66,6 +66,22 @@ def test_a_prompt_runs_in_one_step_and_its_boundary_state_is_snapshotted_inside_
         engine.close_sync()
 
 
+def test_a_prompt_ending_on_a_boundary_keeps_the_boundary_before_for_a_repeat():
+    prompt = [3, 9, 4, 17, 8, 1, 30, 12, 5, 7, 22, 2]  # 12 tokens: a repeat's hit can cover 8 of them
+    model = ToySnapshotting()
+    engine = _engine(model)
+    try:
+        first = run_one(engine, make_request("a", prompt, 1))
+        assert model.steps == [[12]] and [w[:2] for w in model.snapshots_written] == [(0, 8)]
+        repeat = run_one(engine, make_request("b", prompt, 1))
+        assert repeat.token_ids == first.token_ids and repeat.cached_tokens == 8
+        longer = run_one(engine, make_request("c", prompt + [4, 4, 4], 1))  # from the snapshot after the step
+        assert longer.cached_tokens == 12
+        assert_everything_returned(engine)
+    finally:
+        engine.close_sync()
+
+
 def test_cached_and_uncached_outputs_equal_over_turns_and_a_batch():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 32, size=n).tolist() for n in (13, 10, 17)]
