@@ -46,7 +46,8 @@ def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch):  # n
         first = run_one(engine, make_request("first", prompt, max_tokens=24, logprobs=2))
         assert steps[0][0] == [150] and [r[:2] for r in steps[0][1]] == [(0, 144)]  # one step, split at 144
         hit = run_one(engine, make_request("hit", prompt, max_tokens=24, logprobs=2))
-        assert hit.cached_tokens == 144 and hit.token_ids == first.token_ids
+        # the hit's 6 rows run alone, the first run's beside 144 others (GEMM tiles may differ): near-ties aside
+        assert hit.cached_tokens == 144 and first_real_divergence(hit.token_ids, first) is None
         turn = prompt + first.token_ids[:20] + [5, 6, 7, 8]
         # the turn beside two fresh prompts in one step: snapshot rows of sequences not last
         together = run_all(engine, [make_request("turn", turn, max_tokens=16, logprobs=2)]
