@@ -631,7 +631,7 @@ def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
                          *orders)
     order, inverse = (None, None) if split.order is None else (views[10], views[11])
     return SnapshotSplit(_with_views(split.head, views[0:4]), _with_views(split.tail, views[4:8]), split.num_head_rows,
-                         order, inverse, views[8], views[9])
+                         order, inverse, views[8], views[9], split.pairs)
 
 
 def device_sequences(batch: Any) -> StepSequences:

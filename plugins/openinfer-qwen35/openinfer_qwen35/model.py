@@ -47,6 +47,8 @@ from openinfer_qwen35.kernel_plan import plan_for
 from openinfer_qwen35.state import SnapshotSplit, StepSequences, split_at_snapshots, state_spec
 from openinfer_qwen35.weights import DeltaNetWeights, FullAttentionWeights, Qwen35Weights
 
+FEW_SNAPSHOTS = 2  # snapshots in a step up to which each slot is copied by a plain row copy
+
 
 class Qwen35Model:
     """A ``openinfer.PagedModel`` whose GDN layers keep recurrent state in engine-owned slots."""
@@ -148,8 +150,13 @@ class Qwen35Model:
         xp, conv, ssm = self.backend.xp, state["conv"], state["ssm"]
         rows = proj if split.order is None else proj[split.order]
         head = self.plan.delta_net(rows[: split.num_head_rows], w, conv, ssm, split.head, self.config)
-        conv[split.snapshot] = conv[split.live]
-        ssm[split.snapshot] = ssm[split.live]
+        if len(split.pairs) <= FEW_SNAPSHOTS:  # a row copy each (one launch a tensor), no gather + scatter
+            for live, snapshot in split.pairs:
+                conv[snapshot] = conv[live]
+                ssm[snapshot] = ssm[live]
+        else:
+            conv[split.snapshot] = conv[split.live]
+            ssm[split.snapshot] = ssm[split.live]
         tail = self.plan.delta_net(rows[split.num_head_rows :], w, conv, ssm, split.tail, self.config)
         core = xp.concatenate([head, tail])
         return core if split.inverse is None else core[split.inverse]

@@ -133,6 +133,7 @@ class SnapshotSplit:
     inverse: Any  # [T] row ids, or None
     live: Any  # [S] slots to copy from (after the head)
     snapshot: Any  # [S] slots to copy to
+    pairs: tuple[tuple[int, int], ...] = ()  # the same (live, snapshot) pairs as host ints
 
 
 def split_at_snapshots(seqs: StepSequences) -> SnapshotSplit | None:
@@ -161,4 +162,6 @@ def split_at_snapshots(seqs: StepSequences) -> SnapshotSplit | None:
         order = np.concatenate([head_rows, tail_rows])
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-    return SnapshotSplit(head, tail, num_head, order, inverse, slots[seq], snapshots[:, 2].astype(np.int64))
+    live, snapshot = slots[seq], snapshots[:, 2].astype(np.int64)
+    pairs = tuple(zip(live.tolist(), snapshot.tolist(), strict=True))
+    return SnapshotSplit(head, tail, num_head, order, inverse, live, snapshot, pairs)

@@ -40,6 +40,7 @@ def test_split_at_snapshots_orders_head_rows_then_tail_rows():
     assert split.order.tolist() == [0, 1, 5, 6, 7, 8, 2, 3, 4, 9]
     assert (split.order[split.inverse] == np.arange(10)).all()
     assert split.live.tolist() == [3, 7] and split.snapshot.tolist() == [9, 11]
+    assert split.pairs == ((3, 9), (7, 11))
     last_only = split_at_snapshots(StepSequences(np.array([0, 4, 9]), np.array([1, 2]), np.array([True, True]),
                                                  snapshots=np.array([[1, 3, 5]])))
     assert last_only.order is None and last_only.num_head_rows == 7
