@@ -311,7 +311,19 @@ def tpot(engine, prompts: Prompts, streams: int, prompt_len: int, new_tokens: in
     return 1000 * statistics.mean(gaps)
 
 
-def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1) -> dict:
+def profile_lines(profile, rows: int) -> list[str]:
+    """The ``rows`` functions with the most own time (pstats' table, as lines)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(rows)
+    lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip()]
+    return lines[lines.index(next(x for x in lines if x.lstrip().startswith("ncalls"))):] if lines else []
+
+
+def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1,
+               profile_rows: int = 0) -> dict:
     """A second chat turn (``history`` tokens: turn 1's prompt and its 32 generated tokens, then
     ``new_turn`` fresh ones) served warm from the prefix cache (KV blocks + state snapshot) and
     cold (the same tokens under another cache salt: recomputed); medians over ``repeats``
@@ -340,6 +352,16 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
         cold_ms.append(1000 * cold[0])
         warm_cached.append(warm[2])
         cold_cached.append(cold[2])
+    if profile_rows:  # one more warm turn, its prompt forwards under cProfile (host time by function)
+        import cProfile
+
+        prompt = prompts.tokens(history - 32)
+        outcome = asyncio.run(timed(engine, make_request("turn1-profiled", prompt, 32)))[3]
+        spy.calls.clear()
+        spy.profile = cProfile.Profile()
+        asyncio.run(timed(engine, make_request("turn2-profiled", prompt + outcome + prompts.tokens(new_turn), 8)))
+        profile, spy.profile = spy.profile, None
+        forwards.append({"profiled_warm": spy.before_first_token(), "profile": profile_lines(profile, profile_rows)})
     return {"history_tokens": len(turn) - new_turn, "new_turn_tokens": new_turn, "repeats": repeats,
             "warm_ttft_ms": statistics.median(warm_ms), "warm_cached_tokens": min(warm_cached),
             "cold_ttft_ms": statistics.median(cold_ms), "cold_cached_tokens": max(cold_cached),
@@ -350,28 +372,39 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
 
 class ForwardSpy:
     """Times each ``engine.model.forward`` call on the host (rows, ms): which forwards a turn runs
-    before its first token (a prompt's steps, then the first decode) and what each holds the host."""
+    before its first token (a prompt's steps, then the first decode) and what each holds the host.
+    ``profile``: a ``cProfile.Profile`` enabled around every forward while set (on the engine's
+    thread, where the forwards run)."""
 
     def __init__(self, engine) -> None:
         self.calls: list[tuple[int, float]] = []
+        self.profile = None
         model = getattr(engine, "model", None)
         if model is None:  # an engine without an in-process model: nothing to time
             return
         forward = model.forward
 
         def timed_forward(batch, kv_cache):
+            profile = self.profile if batch.num_tokens > batch.num_seqs else None  # prompt steps only
             start = time.perf_counter()
-            out = forward(batch, kv_cache)
+            if profile is not None:
+                profile.enable()
+            try:
+                out = forward(batch, kv_cache)
+            finally:
+                if profile is not None:
+                    profile.disable()
             self.calls.append((int(batch.num_tokens), round(1000 * (time.perf_counter() - start), 2)))
             return out
 
         model.forward = timed_forward
 
     def before_first_token(self) -> list[tuple[int, float]]:
-        """The calls since the last clear, up to the first decode step (one row a sequence); cleared."""
+        """The calls since the last clear (one lone request's), its prompt steps and its first
+        decode step (one row); cleared."""
         calls, self.calls = self.calls, []
-        prompt = [c for c in calls if c[0] > 1]
-        return calls[: len(prompt) + 1] if prompt else calls[:1]
+        prompt = next((i for i, c in enumerate(calls) if c[0] == 1), len(calls))
+        return calls[: prompt + 1]
 
 
 def set_kernels(variant: str) -> None:
@@ -626,7 +659,8 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         # bs=1 decode in this process: beside gpu_concurrency's 1-stream row, the HTTP path's share
         results["decode_tpot_ms_bs1"] = tpot(engine, prompts, 1, BS1_PROMPT, BS1_NEW_TOKENS, "bs1")
         print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
-        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
+        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats,
+                                           args.profile_rows)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
         # a lone cold prompt shorter than a few blocks: its steps (one, with in-step snapshots)
         results["short_prompt_ttft_ms"] = {
@@ -1169,6 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-rows", type=int, default=0,
+                        help="--multi-turn-only: one more warm turn with its prompt forwards under cProfile (top N)")
     parser.add_argument("--tag", default="", help="--multi-turn-only: the results' name (default gpu_qwen35_multi_turn)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
