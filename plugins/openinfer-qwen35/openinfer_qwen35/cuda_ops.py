@@ -559,11 +559,12 @@ def _bf16(x: Any, what: str) -> cupy.ndarray:
 
 
 class PinnedUploads:
-    """Small int32 host → device copies of a step's metadata through pinned staging memory, on the
-    current stream: the copy is asynchronous, so the host goes on launching instead of waiting
-    for the device to drain (``cupy.asarray`` of a pageable array does, at every step of an eager
-    prefill: the sequence maps, the chunk layout). Each staging buffer is kept until its copy's
-    event has passed, then returned to CuPy's pinned pool."""
+    """Small int32 host → device copies of a step's metadata, several arrays packed into one pinned
+    staging buffer and sent by one asynchronous copy on the current stream (``cupy.asarray`` also
+    stages through CuPy's pinned pool asynchronously, but one array a call: a prefill step's row map
+    and ``fresh`` were an upload plus four elementwise kernels, a snapshot split would be ten
+    uploads). Each staging buffer is kept until its copy's event has passed, then returned to
+    CuPy's pinned pool."""
 
     def __init__(self) -> None:
         self._in_flight: collections.deque = collections.deque()  # (event, pinned memory) in copy order
@@ -594,12 +595,12 @@ class PinnedUploads:
 
 
 _uploads = PinnedUploads()
-PINNED_UPLOADS_ENV = "OPENINFER_QWEN35_PINNED_UPLOADS"  # "1" (default) / "0": cupy.asarray of pageable arrays
+PINNED_UPLOADS_ENV = "OPENINFER_QWEN35_PINNED_UPLOADS"  # "1" (default) / "0": one cupy.asarray of the sections
 
 
 def upload_int32(*sections: np.ndarray) -> list[cupy.ndarray]:
     """``sections`` as int32 device arrays, in one asynchronous copy (``PinnedUploads``);
-    ``OPENINFER_QWEN35_PINNED_UPLOADS=0``: one synchronous ``cupy.asarray`` (the earlier path)."""
+    ``OPENINFER_QWEN35_PINNED_UPLOADS=0``: one ``cupy.asarray`` of them concatenated (the A/B)."""
     if os.environ.get(PINNED_UPLOADS_ENV, "").strip() == "0":
         sizes = np.cumsum([0] + [int(np.size(section)) for section in sections])
         device = cupy.asarray(np.concatenate([np.asarray(x).reshape(-1) for x in sections]).astype(np.int32))
