@@ -338,10 +338,13 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
         outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
         turn = prompt + outcome + prompts.tokens(new_turn)
         spy.calls.clear()
+        began = time.perf_counter()
         warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
         warm_forwards = spy.before_first_token()
+        warm_timeline = spy.timeline(began)
         cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
-        forwards.append({"warm": warm_forwards, "cold": spy.before_first_token()})
+        forwards.append({"warm": warm_forwards, "cold": spy.before_first_token(), "warm_timeline": warm_timeline,
+                         "warm_ttft_ms": round(1000 * warm[0], 2)})
         same += warm[3] == cold[3]
         # where the answers part (None: alike) and both answers: random weights give near-flat logits,
         # so a near-tie at the first token is expected; tests/plugins/qwen35 checks hit == cold on a
@@ -398,6 +401,29 @@ class ForwardSpy:
             return out
 
         model.forward = timed_forward
+        self.phases: list[tuple[str, float, float]] = []  # (engine method, start s, ms) of the engine thread
+        for owner, name in ((engine, "_build_forward"), (engine, "_run_forward"), (engine, "_sample"),
+                            (engine, "_resolve"), (engine, "_copy_state_slots"),
+                            (getattr(engine, "scheduler", None), "schedule")):
+            method = getattr(owner, name, None)
+            if method is not None:
+                setattr(owner, name, self._timed_phase(name, method))
+
+    def _timed_phase(self, name: str, method):
+        def timed_method(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.phases.append((name, start, 1000 * (time.perf_counter() - start)))
+
+        return timed_method
+
+    def timeline(self, since: float, limit: int = 40) -> list[tuple[str, float, float]]:
+        """The engine methods timed since ``since`` (perf_counter s): (name, start ms after it, ms)."""
+        phases, self.phases = self.phases, []
+        return sorted(((n, round(1000 * (t - since), 2), round(d, 2)) for n, t, d in phases if t >= since),
+                      key=lambda phase: phase[1])[:limit]
 
     def before_first_token(self) -> list[tuple[int, float]]:
         """The calls since the last clear (one lone request's), its prompt steps and its first
