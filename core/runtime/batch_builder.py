@@ -121,7 +121,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
     logits_rows: list[int] = []
     token_sources: list[tuple[int, int]] = []
     # the prefix cache's state snapshots at a block boundary inside a chunk, written by the forward
-    within = kv.groups.snapshots_within_step and kv.num_snapshot_slots > 0
+    within = getattr(kv.groups, "snapshots_within_step", False) and getattr(kv, "num_snapshot_slots", 0) > 0
     state_snapshots: list[tuple[int, int, int]] = []
     offset = 0
     for i, chunk in enumerate(chunks):
