@@ -402,12 +402,21 @@ class ForwardSpy:
 
         model.forward = timed_forward
         self.phases: list[tuple[str, float, float]] = []  # (engine method, start s, ms) of the engine thread
+        gc.callbacks.append(self._gc_phase)  # garbage collections show in the timeline as gc<generation>
+        self._gc_start = 0.0
         for owner, name in ((engine, "_build_forward"), (engine, "_run_forward"), (engine, "_sample"),
                             (engine, "_resolve"), (engine, "_copy_state_slots"),
                             (getattr(engine, "scheduler", None), "schedule")):
             method = getattr(owner, name, None)
             if method is not None:
                 setattr(owner, name, self._timed_phase(name, method))
+
+    def _gc_phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.phases.append((f"gc{info.get('generation')}", self._gc_start,
+                                1000 * (time.perf_counter() - self._gc_start)))
 
     def _timed_phase(self, name: str, method):
         def timed_method(*args, **kwargs):
@@ -689,9 +698,16 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
                                            args.profile_rows)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
         # a lone cold prompt shorter than a few blocks: its steps (one, with in-step snapshots)
-        results["short_prompt_ttft_ms"] = {
-            length: prefill_ttft(engine, prompts, length, max(3, args.repeats), "short")
-            for length in SHORT_PROMPTS}
+        spy = ForwardSpy(engine)
+        results["short_prompt_ttft_ms"], results["short_prompt_last"] = {}, {}
+        for length in SHORT_PROMPTS:
+            results["short_prompt_ttft_ms"][length] = prefill_ttft(engine, prompts, length, max(3, args.repeats) - 1,
+                                                                   "short")
+            spy.calls.clear()
+            began = time.perf_counter()
+            ttft = 1000 * asyncio.run(timed(engine, make_request(f"short-last-{length}", prompts.tokens(length), 1)))[0]
+            results["short_prompt_last"][length] = {"ttft_ms": round(ttft, 2), "forwards": spy.before_first_token(),
+                                                    "timeline": spy.timeline(began)}
         print(f"short cold prompts TTFT ms: {results['short_prompt_ttft_ms']}", flush=True)
     finally:
         engine.close_sync()

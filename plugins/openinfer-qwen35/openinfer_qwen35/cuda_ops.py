@@ -624,6 +624,21 @@ def prepare_sequences(seqs: StepSequences) -> StepSequences:
     return _with_views(seqs, upload_int32(*_sequence_views(seqs)))
 
 
+def copy_state_rows(tensors: list[cupy.ndarray], pairs: tuple[tuple[int, int], ...]) -> None:
+    """``tensor[dst] = tensor[src]`` for each (src, dst) of ``pairs``, in every tensor (state slots:
+    contiguous rows), by one device-to-device copy each on the current stream: no kernel, a few
+    microseconds of the host where an indexed assignment costs a launch and its checks."""
+    stream = cupy.cuda.get_current_stream()
+    for tensor in tensors:
+        if not tensor.flags.c_contiguous:
+            for src, dst in pairs:
+                tensor[dst] = tensor[src]
+            continue
+        row = tensor.nbytes // tensor.shape[0]
+        for src, dst in pairs:
+            (tensor.data + dst * row).copy_from_device_async(tensor.data + src * row, row, stream)
+
+
 def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
     """A step's ``SnapshotSplit`` with its sequences, row order and slot pairs on the device (one
     upload a step; the model's layers share it)."""
@@ -664,8 +679,9 @@ def device_sequences(batch: Any) -> StepSequences:
 
 
 def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, ssm_state: cupy.ndarray,
-              seqs: StepSequences, config: Qwen35Config) -> cupy.ndarray:
-    """``[T, q|k|v|z|b|a]`` bf16 → gated-normed ``[T, nv·dv]`` bf16; updates the slots in place."""
+              seqs: StepSequences, config: Qwen35Config, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``[T, q|k|v|z|b|a]`` bf16 → gated-normed ``[T, nv·dv]`` bf16; updates the slots in place.
+    ``out``: a contiguous ``[T, nv·dv]`` bf16 array to write (rows of a larger one: the snapshot split's)."""
     proj = cupy.ascontiguousarray(_bf16(proj, "delta_net projection"))
     conv_dim, value_dim = config.conv_dim, config.linear_value_dim
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
@@ -682,7 +698,11 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     device = seqs.device
     num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
     stride = np.int32(proj.shape[1])
-    out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
+    if out is None:
+        out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
+    elif out.shape != (num_tokens, value_dim) or out.dtype != cupy.uint16 or not out.flags.c_contiguous:
+        raise ValueError(f"delta_net out must be a contiguous bf16 [{num_tokens}, {value_dim}] array, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if num_tokens == 0:
         return out
     recurrent = use_recurrent_kernels()
@@ -994,6 +1014,7 @@ CUDA_PLAN = KernelPlan(
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
     prepare_split=prepare_split,
+    copy_state_rows=copy_state_rows,
     warm_up=warm_up,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,

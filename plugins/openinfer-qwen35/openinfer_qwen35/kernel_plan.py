@@ -102,6 +102,8 @@ class KernelPlan:
     warm_up: Callable[[Any], None] | None = None
     # a step's host ``state.SnapshotSplit`` with its arrays on the device (None: host arrays serve)
     prepare_split: Callable[[Any], Any] | None = None
+    # (tensors, ((src, dst), ...)): state rows copied between slots; None: indexed assignment
+    copy_state_rows: Callable[[Any, Any], None] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

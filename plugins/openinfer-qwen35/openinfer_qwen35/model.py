@@ -146,17 +146,21 @@ class Qwen35Model:
 
     def _delta_net_snapshotting(self, proj: Any, w: DeltaNetWeights, state: StateLayer, split: SnapshotSplit) -> Any:
         """The layer core with snapshots inside sequences: the rows before each boundary, the
-        slots copied into the snapshot slots, the rows after (``SnapshotSplit``)."""
-        xp, conv, ssm = self.backend.xp, state["conv"], state["ssm"]
+        slots copied into the snapshot slots, the rows after (``SnapshotSplit``), each part
+        written into its rows of one output."""
+        xp, conv, ssm, config = self.backend.xp, state["conv"], state["ssm"], self.config
         rows = proj if split.order is None else proj[split.order]
-        head = self.plan.delta_net(rows[: split.num_head_rows], w, conv, ssm, split.head, self.config)
-        if len(split.pairs) <= FEW_SNAPSHOTS:  # a row copy each (one launch a tensor), no gather + scatter
+        core = xp.empty((rows.shape[0], config.linear_value_dim), dtype=proj.dtype)
+        head = split.num_head_rows
+        self.plan.delta_net(rows[:head], w, conv, ssm, split.head, config, out=core[:head])
+        if self.plan.copy_state_rows is not None and len(split.pairs) <= FEW_SNAPSHOTS:
+            self.plan.copy_state_rows([conv, ssm], split.pairs)
+        elif len(split.pairs) <= FEW_SNAPSHOTS:  # a row copy each, no gather + scatter
             for live, snapshot in split.pairs:
                 conv[snapshot] = conv[live]
                 ssm[snapshot] = ssm[live]
         else:
             conv[split.snapshot] = conv[split.live]
             ssm[split.snapshot] = ssm[split.live]
-        tail = self.plan.delta_net(rows[split.num_head_rows :], w, conv, ssm, split.tail, self.config)
-        core = xp.concatenate([head, tail])
+        self.plan.delta_net(rows[head:], w, conv, ssm, split.tail, config, out=core[head:])
         return core if split.inverse is None else core[split.inverse]
