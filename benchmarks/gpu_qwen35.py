@@ -681,6 +681,10 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
     engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
     results["engine_start_s"] = time.perf_counter() - start
     try:
+        if args.gc_freeze:  # as the serving engine-core process does after start-up
+            from openinfer.engine_core.startup import freeze_startup_heap
+
+            results["gc_frozen_objects"] = freeze_startup_heap()
         gc.collect()
         results["idle_rss_bytes"] = process_rss()
         results["memory_breakdown"] = memory_breakdown()
@@ -1247,6 +1251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile-rows", type=int, default=0,
                         help="--multi-turn-only: one more warm turn with its prompt forwards under cProfile (top N)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="--multi-turn-only: freeze the start-up heap (gc.freeze) as `openinfer serve`'s engine core does")
     parser.add_argument("--tag", default="", help="--multi-turn-only: the results' name (default gpu_qwen35_multi_turn)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
