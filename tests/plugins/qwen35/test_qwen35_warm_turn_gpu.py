@@ -68,3 +68,19 @@ def test_in_step_snapshot_hit_equals_cold_run(gpu_checkpoint, monkeypatch):  # n
     assert first_real_divergence(together[0].token_ids, cold_turn) is None
     for got, want in zip(together[1:], cold_others, strict=True):
         assert first_real_divergence(got.token_ids, want) is None
+
+
+def test_copy_state_rows_equals_indexed_assignment():
+    import cupy
+    from openinfer_qwen35 import cuda_ops
+
+    rng = np.random.default_rng(0)
+    conv = cupy.asarray(rng.integers(0, 2**16, size=(6, 3, 40), dtype=np.uint16))
+    ssm = cupy.asarray(rng.standard_normal((6, 2, 8, 8)).astype(np.float32))
+    want_conv, want_ssm = conv.copy(), ssm.copy()
+    pairs = ((1, 4), (2, 5))
+    for src, dst in pairs:
+        want_conv[dst] = want_conv[src]
+        want_ssm[dst] = want_ssm[src]
+    cuda_ops.copy_state_rows([conv, ssm], pairs)
+    assert cupy.array_equal(conv, want_conv) and cupy.array_equal(ssm, want_ssm)
