@@ -698,6 +698,9 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         # bs=1 decode in this process: beside gpu_concurrency's 1-stream row, the HTTP path's share
         results["decode_tpot_ms_bs1"] = tpot(engine, prompts, 1, BS1_PROMPT, BS1_NEW_TOKENS, "bs1")
         print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
+        import threading
+
+        results["threads"] = sorted(t.name for t in threading.enumerate())  # who shares the GIL with the engine
         results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats,
                                            args.profile_rows)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
