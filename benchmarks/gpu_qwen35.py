@@ -338,13 +338,15 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
         outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
         turn = prompt + outcome + prompts.tokens(new_turn)
         spy.calls.clear()
+        spy.layers.clear()
         began = time.perf_counter()
         warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
         warm_forwards = spy.before_first_token()
         warm_timeline = spy.timeline(began)
+        warm_layers, spy.layers = spy.layers[:64], []
         cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
         forwards.append({"warm": warm_forwards, "cold": spy.before_first_token(), "warm_timeline": warm_timeline,
-                         "warm_ttft_ms": round(1000 * warm[0], 2)})
+                         "warm_ttft_ms": round(1000 * warm[0], 2), "warm_layers_ms": warm_layers})
         same += warm[3] == cold[3]
         # where the answers part (None: alike) and both answers: random weights give near-flat logits,
         # so a near-tie at the first token is expected; tests/plugins/qwen35 checks hit == cold on a
@@ -401,6 +403,13 @@ class ForwardSpy:
             return out
 
         model.forward = timed_forward
+        # host ms of each layer's mixer call (GDN or attention) of the prompt forwards: a slow forward's
+        # extra time spread over every layer (contention) or in a few (a blocking call)
+        self.layers: list[tuple[str, float]] = []
+        for name in ("_delta_net", "_full_attention"):
+            mixer = getattr(model, name, None)
+            if mixer is not None:
+                setattr(model, name, self._timed_mixer(name, mixer))
         self.phases: list[tuple[str, float, float]] = []  # (engine method, start s, ms) of the engine thread
         gc.callbacks.append(self._gc_phase)  # garbage collections show in the timeline as gc<generation>
         self._gc_start = 0.0
@@ -410,6 +419,16 @@ class ForwardSpy:
             method = getattr(owner, name, None)
             if method is not None:
                 setattr(owner, name, self._timed_phase(name, method))
+
+    def _timed_mixer(self, name: str, mixer):
+        def timed_mixer(x, *args, **kwargs):
+            start = time.perf_counter()
+            out = mixer(x, *args, **kwargs)
+            if x.shape[0] > 1:
+                self.layers.append((name[1:4], round(1000 * (time.perf_counter() - start), 3)))
+            return out
+
+        return timed_mixer
 
     def _gc_phase(self, phase: str, info: dict) -> None:
         if phase == "start":
