@@ -184,6 +184,9 @@ def repeated_mmas(times: int):
         cuda_ops.kernel_include_options = original
         cuda_ops._module.cache_clear()
         cuda_ops.kernel.cache_clear()
+SHORT_PROMPTS = (50, 500)  # --multi-turn-only: lone cold prompts (TTFT), a few blocks and a partial one
+# the switches of the warm turn's path, recorded with --multi-turn-only's results
+MULTI_TURN_SWITCHES = ("OPENINFER_QWEN35_SNAPSHOT_IN_STEP", "OPENINFER_QWEN35_PINNED_UPLOADS")
 BS1_PROMPT, BS1_NEW_TOKENS = 1024, 128  # --multi-turn-only's bs=1 TPOT: the serving rows' 1k in / 128 out
 
 
@@ -309,20 +312,42 @@ def tpot(engine, prompts: Prompts, streams: int, prompt_len: int, new_tokens: in
     return 1000 * statistics.mean(gaps)
 
 
-def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1) -> dict:
+def profile_lines(profile, rows: int) -> list[str]:
+    """The ``rows`` functions with the most own time (pstats' table, as lines)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(rows)
+    lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip()]
+    return lines[lines.index(next(x for x in lines if x.lstrip().startswith("ncalls"))):] if lines else []
+
+
+def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1,
+               profile_rows: int = 0) -> dict:
     """A second chat turn (``history`` tokens: turn 1's prompt and its 32 generated tokens, then
     ``new_turn`` fresh ones) served warm from the prefix cache (KV blocks + state snapshot) and
     cold (the same tokens under another cache salt: recomputed); medians over ``repeats``
     conversations, each with its own random history. Counts the conversations whose warm and
     cold turns answered alike (greedy; bf16 chunk boundaries differ, so a near-tie may not)."""
     warm_ms, cold_ms, warm_cached, cold_cached, same, divergence = [], [], [], [], 0, []
+    forwards: list[dict] = []
+    spy = ForwardSpy(engine)
     for i in range(repeats):
         prompt = prompts.tokens(history - 32)
         # the second turn repeats the history token for token (prompt + what turn 1 generated)
         outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
         turn = prompt + outcome + prompts.tokens(new_turn)
+        spy.calls.clear()
+        spy.layers.clear()
+        began = time.perf_counter()
         warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
+        warm_forwards = spy.before_first_token()
+        warm_timeline = spy.timeline(began)
+        warm_layers, spy.layers = spy.layers[:64], []
         cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
+        forwards.append({"warm": warm_forwards, "cold": spy.before_first_token(), "warm_timeline": warm_timeline,
+                         "warm_ttft_ms": round(1000 * warm[0], 2), "warm_layers_ms": warm_layers})
         same += warm[3] == cold[3]
         # where the answers part (None: alike) and both answers: random weights give near-flat logits,
         # so a near-tie at the first token is expected; tests/plugins/qwen35 checks hit == cold on a
@@ -333,12 +358,108 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
         cold_ms.append(1000 * cold[0])
         warm_cached.append(warm[2])
         cold_cached.append(cold[2])
+    if profile_rows:  # one more warm turn, its prompt forwards under cProfile (host time by function)
+        import cProfile
+
+        prompt = prompts.tokens(history - 32)
+        outcome = asyncio.run(timed(engine, make_request("turn1-profiled", prompt, 32)))[3]
+        spy.calls.clear()
+        spy.profile = cProfile.Profile()
+        asyncio.run(timed(engine, make_request("turn2-profiled", prompt + outcome + prompts.tokens(new_turn), 8)))
+        profile, spy.profile = spy.profile, None
+        forwards.append({"profiled_warm": spy.before_first_token(), "profile": profile_lines(profile, profile_rows)})
     return {"history_tokens": len(turn) - new_turn, "new_turn_tokens": new_turn, "repeats": repeats,
             "warm_ttft_ms": statistics.median(warm_ms), "warm_cached_tokens": min(warm_cached),
             "cold_ttft_ms": statistics.median(cold_ms), "cold_cached_tokens": max(cold_cached),
             "warm_ttft_ms_all": warm_ms, "cold_ttft_ms_all": cold_ms, "warm_equals_cold_answers": same,
-            "answers": divergence,
+            "answers": divergence, "forwards_before_first_token": forwards,
             "cold_over_warm": statistics.median(cold_ms) / statistics.median(warm_ms)}
+
+
+class ForwardSpy:
+    """Times each ``engine.model.forward`` call on the host (rows, ms): which forwards a turn runs
+    before its first token (a prompt's steps, then the first decode) and what each holds the host.
+    ``profile``: a ``cProfile.Profile`` enabled around every forward while set (on the engine's
+    thread, where the forwards run)."""
+
+    def __init__(self, engine) -> None:
+        self.calls: list[tuple[int, float]] = []
+        self.profile = None
+        model = getattr(engine, "model", None)
+        if model is None:  # an engine without an in-process model: nothing to time
+            return
+        forward = model.forward
+
+        def timed_forward(batch, kv_cache):
+            profile = self.profile if batch.num_tokens > batch.num_seqs else None  # prompt steps only
+            start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            try:
+                out = forward(batch, kv_cache)
+            finally:
+                if profile is not None:
+                    profile.disable()
+            self.calls.append((int(batch.num_tokens), round(1000 * (time.perf_counter() - start), 2)))
+            return out
+
+        model.forward = timed_forward
+        # host ms of each layer's mixer call (GDN or attention) of the prompt forwards: a slow forward's
+        # extra time spread over every layer (contention) or in a few (a blocking call)
+        self.layers: list[tuple[str, float]] = []
+        for name in ("_delta_net", "_full_attention"):
+            mixer = getattr(model, name, None)
+            if mixer is not None:
+                setattr(model, name, self._timed_mixer(name, mixer))
+        self.phases: list[tuple[str, float, float]] = []  # (engine method, start s, ms) of the engine thread
+        gc.callbacks.append(self._gc_phase)  # garbage collections show in the timeline as gc<generation>
+        self._gc_start = 0.0
+        for owner, name in ((engine, "_build_forward"), (engine, "_run_forward"), (engine, "_sample"),
+                            (engine, "_resolve"), (engine, "_copy_state_slots"),
+                            (getattr(engine, "scheduler", None), "schedule")):
+            method = getattr(owner, name, None)
+            if method is not None:
+                setattr(owner, name, self._timed_phase(name, method))
+
+    def _timed_mixer(self, name: str, mixer):
+        def timed_mixer(x, *args, **kwargs):
+            start = time.perf_counter()
+            out = mixer(x, *args, **kwargs)
+            if x.shape[0] > 1:
+                self.layers.append((name[1:4], round(1000 * (time.perf_counter() - start), 3)))
+            return out
+
+        return timed_mixer
+
+    def _gc_phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.phases.append((f"gc{info.get('generation')}", self._gc_start,
+                                1000 * (time.perf_counter() - self._gc_start)))
+
+    def _timed_phase(self, name: str, method):
+        def timed_method(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.phases.append((name, start, 1000 * (time.perf_counter() - start)))
+
+        return timed_method
+
+    def timeline(self, since: float, limit: int = 40) -> list[tuple[str, float, float]]:
+        """The engine methods timed since ``since`` (perf_counter s): (name, start ms after it, ms)."""
+        phases, self.phases = self.phases, []
+        return sorted(((n, round(1000 * (t - since), 2), round(d, 2)) for n, t, d in phases if t >= since),
+                      key=lambda phase: phase[1])[:limit]
+
+    def before_first_token(self) -> list[tuple[int, float]]:
+        """The calls since the last clear (one lone request's), its prompt steps and its first
+        decode step (one row); cleared."""
+        calls, self.calls = self.calls, []
+        prompt = next((i for i, c in enumerate(calls) if c[0] == 1), len(calls))
+        return calls[: prompt + 1]
 
 
 def set_kernels(variant: str) -> None:
@@ -573,12 +694,17 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
     import openinfer
     from openinfer.engine_core.startup import memory_breakdown
 
-    results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device)}
+    results: dict = {"shape": f"Qwen3.5 {args.shape} (multimodal layout, random bf16)", "device": device_name(args.device),
+                     "env": {k: os.environ.get(k, "") for k in MULTI_TURN_SWITCHES}}
     start = time.perf_counter()
     max_model_len = max(args.history + args.new_turn + 64, BS1_PROMPT + BS1_NEW_TOKENS + 64)
     engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
     results["engine_start_s"] = time.perf_counter() - start
     try:
+        if args.gc_freeze:  # as the serving engine-core process does after start-up
+            from openinfer.engine_core.startup import freeze_startup_heap
+
+            results["gc_frozen_objects"] = freeze_startup_heap()
         gc.collect()
         results["idle_rss_bytes"] = process_rss()
         results["memory_breakdown"] = memory_breakdown()
@@ -592,11 +718,28 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         # bs=1 decode in this process: beside gpu_concurrency's 1-stream row, the HTTP path's share
         results["decode_tpot_ms_bs1"] = tpot(engine, prompts, 1, BS1_PROMPT, BS1_NEW_TOKENS, "bs1")
         print(f"bs=1 TPOT ({BS1_PROMPT}-token prompt): {results['decode_tpot_ms_bs1']:.2f} ms", flush=True)
-        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats)
+        import threading
+
+        results["threads"] = sorted(t.name for t in threading.enumerate())  # who shares the GIL with the engine
+        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats,
+                                           args.profile_rows)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
+        # a lone cold prompt shorter than a few blocks: its steps (one, with in-step snapshots)
+        spy = ForwardSpy(engine)
+        results["short_prompt_ttft_ms"], results["short_prompt_last"] = {}, {}
+        for length in SHORT_PROMPTS:
+            results["short_prompt_ttft_ms"][length] = prefill_ttft(engine, prompts, length, max(3, args.repeats) - 1,
+                                                                   "short")
+            spy.calls.clear()
+            began = time.perf_counter()
+            ttft = 1000 * asyncio.run(timed(engine, make_request(f"short-last-{length}", prompts.tokens(length), 1)))[0]
+            results["short_prompt_last"][length] = {"ttft_ms": round(ttft, 2), "forwards": spy.before_first_token(),
+                                                    "timeline": spy.timeline(began)}
+        print(f"short cold prompts TTFT ms: {results['short_prompt_ttft_ms']}", flush=True)
     finally:
         engine.close_sync()
-    write_results(results, "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else ""), plot_multi_turn)
+    name = args.tag or "gpu_qwen35_multi_turn" + ("_cpu_dry_run" if args.device == "cpu" else "")
+    write_results(results, name, plot_multi_turn)
     return results
 
 
@@ -1129,6 +1272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-rows", type=int, default=0,
+                        help="--multi-turn-only: one more warm turn with its prompt forwards under cProfile (top N)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="--multi-turn-only: freeze the start-up heap (gc.freeze) as `openinfer serve`'s engine core does")
+    parser.add_argument("--tag", default="", help="--multi-turn-only: the results' name (default gpu_qwen35_multi_turn)")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not (args.multi_turn_only or args.decode_tpot_only or args.step_ledger_only):
         parser.error("--device cpu runs only with --multi-turn-only, --decode-tpot-only or --step-ledger-only "

@@ -90,6 +90,10 @@ class ForwardBatch(BatchViews):
     kv_slot_mappings: tuple[np.ndarray, ...] = ()
     # [B] each sequence's state slot (0, the null slot, for padding); empty without state layers
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # [S, 3] (sequence, rows of it before the boundary, snapshot slot): after that many of the
+    # sequence's rows, copy its state into the snapshot slot, then go on (models whose
+    # ``RecurrentStateSpec.snapshot_within_step``; the prefix cache's snapshots inside a chunk)
+    state_snapshots: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))
 
     @classmethod
     def over_blocks(cls, block_tables: np.ndarray, cached: list[int], new: list[int], block_size: int,

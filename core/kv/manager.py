@@ -457,10 +457,42 @@ class KVCacheManager:
         or None when snapshots are off, ``num_tokens`` is not a multiple of ``hit_granularity``
         or no slot can be had."""
         blocks = self.requests.get(request_id)
-        if (blocks is None or self.state_slots is None or not self.num_snapshot_slots or num_tokens <= 0
-                or num_tokens % self.hit_granularity):
+        if blocks is None or num_tokens % max(1, self.hit_granularity):
             return None
-        if any(t == num_tokens for t, _ in blocks.pending_snapshots):
+        slot = self._snapshot_slot(blocks, num_tokens, in_prompt)
+        if slot is None:
+            return None
+        copy = (blocks.state_slot, slot)
+        self._state_copies.append(copy)
+        return copy
+
+    def snapshot_within(self, request_id: str, start: int, end: int, num_prompt_tokens: int,
+                        ends_request: bool = False) -> tuple[int, int] | None:
+        """For a step computing tokens ``start:end`` of the request on a model that snapshots
+        inside a step (``KVCacheGroups.snapshots_within_step``): the last hit boundary strictly
+        inside the chunk gets a snapshot slot, which the forward fills with the state after that
+        token (``ForwardBatch.state_snapshots``); published like ``snapshot_state``'s. A chunk
+        ending on a boundary needs none (``snapshot_state`` copies the state there after the
+        step) unless it ends the request's tokens (``ends_request``): a hit never covers the last
+        token, so a repeat of the whole prompt starts from the boundary before. Returns ``(rows
+        before the boundary, snapshot slot)``, or None: no boundary inside, or no slot."""
+        granularity = self.hit_granularity
+        if end - start < 2 or (end % granularity == 0 and not ends_request):
+            return None
+        boundary = (end - 1) // granularity * granularity
+        blocks = self.requests.get(request_id)
+        if boundary <= start or blocks is None:
+            return None
+        slot = self._snapshot_slot(blocks, boundary, boundary <= num_prompt_tokens)
+        return None if slot is None else (boundary - start, slot)
+
+    def _snapshot_slot(self, blocks: RequestBlocks, num_tokens: int, in_prompt: bool) -> int | None:
+        """A free slot for the request's snapshot at ``num_tokens`` (evicting the least recently
+        used snapshot when all are held), noted as pending; None when snapshots are off or one
+        at ``num_tokens`` is pending already."""
+        if self.state_slots is None or not self.num_snapshot_slots or num_tokens <= 0:
+            return None
+        if any(abs(t) == num_tokens for t, _ in blocks.pending_snapshots):
             return None
         held = len(self.snapshots) + sum(len(r.pending_snapshots) for r in self.requests.values())
         if held >= self.num_snapshot_slots:
@@ -471,9 +503,7 @@ class KVCacheManager:
         self._snapshot_ids += 1
         slot = self.state_slots.allocate(f"\x00snapshot-{self._snapshot_ids}")
         blocks.pending_snapshots.append((num_tokens if in_prompt else -num_tokens, slot))
-        copy = (blocks.state_slot, slot)
-        self._state_copies.append(copy)
-        return copy
+        return slot
 
     def _publish_snapshots(self, blocks: RequestBlocks, num_full: int) -> None:
         keep = []

@@ -225,9 +225,15 @@ class StateTensor:
 @dataclass(frozen=True)
 class RecurrentStateSpec(KVCacheSpec):
     """Fixed-size state per request, one row per state slot. ``allocate_kv(spec, num_slots)`` →
-    ``StateLayer({name: [num_slots, *shape]})``. Slot 0 is the null slot (padding rows)."""
+    ``StateLayer({name: [num_slots, *shape]})``. Slot 0 is the null slot (padding rows).
+
+    ``snapshot_within_step``: the model's forward can also write the state after a given row of
+    a sequence into another slot (``ForwardBatch.state_snapshots``), so a prefix-cache snapshot
+    at a block boundary inside a prompt chunk costs no step of its own; without it the scheduler
+    ends prompt chunks at block boundaries and the engine copies the state after the step."""
 
     tensors: tuple[StateTensor, ...]
+    snapshot_within_step: bool = False
     kind: ClassVar[str] = "recurrent_state"
     paged: ClassVar[bool] = False
 
@@ -274,6 +280,13 @@ class KVCacheGroups:
     @property
     def has_state(self) -> bool:
         return any(not g.paged for g in self.groups)
+
+    @property
+    def snapshots_within_step(self) -> bool:
+        """Every recurrent-state group's model writes snapshots inside a step (see
+        ``RecurrentStateSpec.snapshot_within_step``); False without state."""
+        state = [g.spec for g in self.groups if not g.paged]
+        return bool(state) and all(getattr(spec, "snapshot_within_step", False) for spec in state)
 
     def bytes_per_block(self, block_size: int) -> int:
         return sum(g.spec.page_bytes(block_size) * len(g.layer_ids) for g in self.groups)

@@ -194,7 +194,8 @@ class DataParallelAttention:
             request_ids=tuple(batch.request_ids[s] for s in mine) if batch.request_ids else (),
             kv_block_tables=(local_tables,) if batch.kv_block_tables else (),
             kv_slot_mappings=(local_slots,) if batch.kv_slot_mappings else (),
-            state_slots=batch.state_slots[mine] if batch.state_slots.size else batch.state_slots)
+            state_slots=batch.state_slots[mine] if batch.state_slots.size else batch.state_slots,
+            state_snapshots=_local_snapshots(batch.state_snapshots, mine))
         return LocalStep(local, mine, logits_owner, logits_index, counts)
 
     def gather_logits(self, step: LocalStep, logits: Any) -> Any:
@@ -206,3 +207,14 @@ class DataParallelAttention:
         padded[: logits.shape[0]] = logits
         everyone = self.comm.all_gather(padded)  # [ranks * width, vocab]
         return everyone[step.logits_owner.astype(np.int64) * width + step.logits_index]
+
+
+def _local_snapshots(snapshots: np.ndarray, mine: np.ndarray) -> np.ndarray:
+    """The rows of ``ForwardBatch.state_snapshots`` of this rank's sequences, renumbered."""
+    if not snapshots.size:
+        return snapshots
+    local_of = np.full(int(snapshots[:, 0].max()) + 1, -1, np.int64)
+    known = mine[mine < local_of.size]
+    local_of[known] = np.flatnonzero(mine < local_of.size)
+    kept = snapshots[local_of[snapshots[:, 0]] >= 0]
+    return np.column_stack([local_of[kept[:, 0]], kept[:, 1:]]).astype(np.int32).reshape(-1, 3)

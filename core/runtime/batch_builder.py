@@ -120,9 +120,17 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
     rows: list[LogitsRow] = []
     logits_rows: list[int] = []
     token_sources: list[tuple[int, int]] = []
+    # the prefix cache's state snapshots at a block boundary inside a chunk, written by the forward
+    within = getattr(kv.groups, "snapshots_within_step", False) and getattr(kv, "num_snapshot_slots", 0) > 0
+    state_snapshots: list[tuple[int, int, int]] = []
     offset = 0
     for i, chunk in enumerate(chunks):
         request, start, n = chunk.request, chunk.start, chunk.num_tokens
+        if within and n > 1:
+            planned = kv.snapshot_within(request.request_id, start, start + n, request.num_prompt_tokens,
+                                         chunk.samples)
+            if planned is not None:
+                state_snapshots.append((i, *planned))
         span = np.arange(start, start + n, dtype=np.int32)
         token_ids[offset : offset + n] = request.token_ids[start : start + n]
         if token_ids[offset + n - 1] == PLACEHOLDER_TOKEN:  # only ever the newest token
@@ -151,5 +159,6 @@ def build_forward_batch(chunks: list[ScheduledChunk], kv: KVCacheManager) -> tup
         kv_block_tables=group_tables if len(group_tables) > 1 else (),
         kv_slot_mappings=group_slots if len(group_slots) > 1 else (),
         state_slots=state_slots,
+        state_snapshots=np.asarray(state_snapshots, np.int32).reshape(-1, 3),
     )
     return batch, rows

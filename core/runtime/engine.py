@@ -924,8 +924,19 @@ class PagedEngine:
                 self._emit(payload.request_id, ERROR, [pb.ERROR_CODE_UNAVAILABLE, message], final=True)
 
 
+FEW_STATE_COPIES = 2  # copies up to which each is a plain row copy (no index upload, no gather + scatter)
+
+
 def copy_state_slots(backend, state_layers: list[StateLayer], copies: list[tuple[int, int]]) -> None:
-    """``state[dst] = state[src]`` for every (src, dst) in ``copies``, on every state layer."""
+    """``state[dst] = state[src]`` for every (src, dst) in ``copies``, on every state layer. A
+    few copies (a warm request's restore, a step's snapshot) go row by row: one launch a tensor,
+    where index arrays cost an upload (on cuda, one that waits for the device) and two launches."""
+    if len(copies) <= FEW_STATE_COPIES:
+        for layer in state_layers:
+            for tensor in layer.tensors.values():
+                for src, dst in copies:
+                    tensor[dst] = tensor[src]
+        return
     xp = backend.xp
     src = xp.asarray(np.asarray([c[0] for c in copies], np.int64))
     dst = xp.asarray(np.asarray([c[1] for c in copies], np.int64))

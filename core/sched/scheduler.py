@@ -29,10 +29,14 @@ Policies (``policy``, from ``EngineOptions.scheduler_policy`` / ``--scheduler-po
   (every stream ends in the same step; the frontend then closes 256 streams at once), so not the
   default.
 
-For models with recurrent state and the prefix cache on, prefill chunks end on block
-boundaries (``kv.hit_granularity``: whole compressed blocks too) where they can (a chunk cut by the budget is cut at a boundary; the last chunk of a
-prompt stops at its last full block first), so the state after each chunk can be snapshotted
-at a boundary a later request's prefix hit can start from.
+For models with recurrent state and the prefix cache on, the state at block boundaries
+(``kv.hit_granularity``: whole compressed blocks too) is snapshotted so a later request's prefix
+hit can start there. A model that writes snapshots inside a step
+(``KVCacheGroups.snapshots_within_step``: its forward copies the state after a given row,
+``ForwardBatch.state_snapshots``) gets its chunks uncut: a prompt runs in one step. For the
+others prefill chunks end on boundaries where they can (a chunk cut by the budget is cut at a
+boundary; the last chunk of a prompt stops at its last full block first, its last ``len % 16``
+tokens then a step of their own), so the state after each chunk is at a boundary.
 """
 
 from __future__ import annotations
@@ -88,8 +92,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_queue = max_queue
         self.enable_prefix_cache = enable_prefix_cache
-        # recurrent state is only snapshotted at block boundaries: end prefill chunks there
-        self.align_chunks = enable_prefix_cache and kv.groups.has_state
+        # recurrent state is only snapshotted at block boundaries: end prefill chunks there,
+        # unless the model snapshots inside a step (then a chunk crossing a boundary is not cut)
+        self.align_chunks = enable_prefix_cache and kv.groups.has_state and not kv.groups.snapshots_within_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

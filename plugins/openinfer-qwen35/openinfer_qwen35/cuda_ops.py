@@ -92,6 +92,7 @@ value head dim not a multiple of 32) use them too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -107,7 +108,7 @@ from openinfer.backend.cuda import kernel_include_options
 from openinfer_qwen35.config import Qwen35Config
 from openinfer_qwen35.gated_deltanet import CHUNK_SIZE, chunk_layout
 from openinfer_qwen35.kernel_plan import KernelPlan
-from openinfer_qwen35.state import StepSequences
+from openinfer_qwen35.state import SnapshotSplit, StepSequences, step_snapshots
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
@@ -586,16 +587,99 @@ def _bf16(x: Any, what: str) -> cupy.ndarray:
     return x
 
 
+class PinnedUploads:
+    """Small int32 host → device copies of a step's metadata, several arrays packed into one pinned
+    staging buffer and sent by one asynchronous copy on the current stream (``cupy.asarray`` also
+    stages through CuPy's pinned pool asynchronously, but one array a call: a prefill step's row map
+    and ``fresh`` were an upload plus four elementwise kernels, a snapshot split would be ten
+    uploads). Each staging buffer is kept until its copy's event has passed, then returned to
+    CuPy's pinned pool."""
+
+    def __init__(self) -> None:
+        self._in_flight: collections.deque = collections.deque()  # (event, pinned memory) in copy order
+
+    def upload(self, sections: list[np.ndarray]) -> list[cupy.ndarray]:
+        """One copy of ``sections`` (flattened, as int32); their device views, in order."""
+        while self._in_flight and self._in_flight[0][0].done:
+            self._in_flight.popleft()
+        sizes = [int(np.size(section)) for section in sections]
+        total = max(1, sum(sizes))
+        memory = cupy.cuda.alloc_pinned_memory(4 * total)
+        staging = np.frombuffer(memory, np.int32, total)
+        offset = 0
+        for section, size in zip(sections, sizes, strict=True):
+            staging[offset:offset + size] = np.asarray(section).reshape(-1)
+            offset += size
+        device = cupy.empty(total, dtype=cupy.int32)
+        stream = cupy.cuda.get_current_stream()
+        device.set(staging, stream=stream)
+        copied = cupy.cuda.Event(block=False, disable_timing=True)
+        copied.record(stream)
+        self._in_flight.append((copied, memory))
+        views, offset = [], 0
+        for size in sizes:
+            views.append(device[offset:offset + size])
+            offset += size
+        return views
+
+
+_uploads = PinnedUploads()
+# "1" (default) / "0": one cupy.asarray of the sections. By measurement (H200, D1 2026-11-24,
+# gpu_qwen35.py --multi-turn-only, medians of 5, RESULTS/D1/warm17d): the warm 4k + 50 turn's
+# forwards 21.6-22.5 + 17.1-18.3 -> 16.7-19.6 + 12.8-14.3 ms of host time, warm TTFT 46.4 -> 37.9 ms
+PINNED_UPLOADS_ENV = "OPENINFER_QWEN35_PINNED_UPLOADS"
+
+
+def upload_int32(*sections: np.ndarray) -> list[cupy.ndarray]:
+    """``sections`` as int32 device arrays, in one asynchronous copy (``PinnedUploads``);
+    ``OPENINFER_QWEN35_PINNED_UPLOADS=0``: one ``cupy.asarray`` of them concatenated (the A/B)."""
+    if os.environ.get(PINNED_UPLOADS_ENV, "").strip() == "0":
+        sizes = np.cumsum([0] + [int(np.size(section)) for section in sections])
+        device = cupy.asarray(np.concatenate([np.asarray(x).reshape(-1) for x in sections]).astype(np.int32))
+        return [device[sizes[i]:sizes[i + 1]] for i in range(len(sections))]
+    return _uploads.upload(list(sections))
+
+
+def _sequence_views(seqs: StepSequences) -> list[np.ndarray]:
+    query_start = np.asarray(seqs.query_start, np.int64)
+    token_seq = np.repeat(np.arange(len(seqs.slots)), np.diff(query_start))
+    return [query_start, np.asarray(seqs.slots), np.asarray(seqs.fresh), token_seq]
+
+
+def _with_views(seqs: StepSequences, views: list[cupy.ndarray]) -> StepSequences:
+    device = dict(zip(("query_start", "slots", "fresh", "token_seq"), views, strict=True))
+    return StepSequences(seqs.query_start, seqs.slots, seqs.fresh, device=device, snapshots=seqs.snapshots)
+
+
 def prepare_sequences(seqs: StepSequences) -> StepSequences:
-    """Device int32 copies of the step's sequence arrays (one small upload per step)."""
-    query_start = seqs.query_start.astype(np.int32)
-    token_seq = np.repeat(np.arange(len(seqs.slots), dtype=np.int32), np.diff(query_start))
-    packed = cupy.asarray(np.concatenate([query_start, seqs.slots.astype(np.int32),
-                                          seqs.fresh.astype(np.int32), token_seq]))
-    num_seqs = len(seqs.slots)
-    views = {"query_start": packed[: num_seqs + 1], "slots": packed[num_seqs + 1 : 2 * num_seqs + 1],
-             "fresh": packed[2 * num_seqs + 1 : 3 * num_seqs + 1], "token_seq": packed[3 * num_seqs + 1 :]}
-    return StepSequences(seqs.query_start, seqs.slots, seqs.fresh, device=views)
+    """Device int32 copies of the step's sequence arrays (one small asynchronous upload)."""
+    return _with_views(seqs, upload_int32(*_sequence_views(seqs)))
+
+
+def copy_state_rows(tensors: list[cupy.ndarray], pairs: tuple[tuple[int, int], ...]) -> None:
+    """``tensor[dst] = tensor[src]`` for each (src, dst) of ``pairs``, in every tensor (state slots:
+    contiguous rows), by one device-to-device copy each on the current stream: no kernel, a few
+    microseconds of the host where an indexed assignment costs a launch and its checks."""
+    stream = cupy.cuda.get_current_stream()
+    for tensor in tensors:
+        if not tensor.flags.c_contiguous:
+            for src, dst in pairs:
+                tensor[dst] = tensor[src]
+            continue
+        row = tensor.nbytes // tensor.shape[0]
+        for src, dst in pairs:
+            (tensor.data + dst * row).copy_from_device_async(tensor.data + src * row, row, stream)
+
+
+def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
+    """A step's ``SnapshotSplit`` with its sequences, row order and slot pairs on the device (one
+    upload a step; the model's layers share it)."""
+    orders = [] if split.order is None else [split.order, split.inverse]
+    views = upload_int32(*_sequence_views(split.head), *_sequence_views(split.tail), split.live, split.snapshot,
+                         *orders)
+    order, inverse = (None, None) if split.order is None else (views[10], views[11])
+    return SnapshotSplit(_with_views(split.head, views[0:4]), _with_views(split.tail, views[4:8]), split.num_head_rows,
+                         order, inverse, views[8], views[9], split.pairs)
 
 
 def device_sequences(batch: Any) -> StepSequences:
@@ -603,26 +687,33 @@ def device_sequences(batch: Any) -> StepSequences:
     ``batch.state_slots``, ``fresh`` where the context starts with this step (or is empty: a
     CUDA-graph padding row, which then reads zeros and writes the null slot). Decode steps
     touch no host memory, so they can be captured in a CUDA graph; prefill steps upload the
-    row → sequence map and keep the host ``query_start``."""
+    row → sequence map and ``fresh`` from the host batch (one asynchronous copy) and keep the
+    host ``query_start``."""
     if batch.state_slots is None:
         raise ValueError("Qwen3.5 keeps recurrent state: the device batch carries no state_slots "
                          "(the engine fills them from the model's RecurrentStateSpec)")
     num_seqs = batch.num_seqs
     query_start = batch.query_start
-    fresh = ((batch.context_lens - (query_start[1:] - query_start[:-1])) <= 0).astype(cupy.int32)
-    host = None
     if batch.num_tokens == num_seqs:  # one token per sequence (decode, graph replay)
-        token_seq = cupy.arange(num_seqs, dtype=cupy.int32)
-    else:  # prefill: the host row map also lays out the chunks of the chunked kernels
-        host = np.asarray(batch.host.query_start, np.int32)
-        token_seq = cupy.asarray(np.repeat(np.arange(num_seqs, dtype=np.int32), np.diff(host)))
+        fresh = ((batch.context_lens - (query_start[1:] - query_start[:-1])) <= 0).astype(cupy.int32)
+        views = {"query_start": query_start, "slots": batch.state_slots, "fresh": fresh,
+                 "token_seq": cupy.arange(num_seqs, dtype=cupy.int32)}
+        return StepSequences(None, batch.state_slots, fresh, device=views)
+    # prefill: the host row map also lays out the chunks of the chunked kernels; slots and fresh
+    # on the host too (a snapshot split is planned from them), on the device in the views
+    host_batch = batch.host
+    host = np.asarray(host_batch.query_start, np.int32)
+    host_fresh = (np.asarray(host_batch.context_lens) - np.diff(host)) <= 0
+    token_seq, fresh = upload_int32(np.repeat(np.arange(num_seqs, dtype=np.int32), np.diff(host)), host_fresh)
     views = {"query_start": query_start, "slots": batch.state_slots, "fresh": fresh, "token_seq": token_seq}
-    return StepSequences(host, batch.state_slots, fresh, device=views)
+    return StepSequences(host, np.asarray(host_batch.state_slots), host_fresh, device=views,
+                         snapshots=step_snapshots(batch))
 
 
 def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, ssm_state: cupy.ndarray,
-              seqs: StepSequences, config: Qwen35Config) -> cupy.ndarray:
-    """``[T, q|k|v|z|b|a]`` bf16 → gated-normed ``[T, nv·dv]`` bf16; updates the slots in place."""
+              seqs: StepSequences, config: Qwen35Config, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``[T, q|k|v|z|b|a]`` bf16 → gated-normed ``[T, nv·dv]`` bf16; updates the slots in place.
+    ``out``: a contiguous ``[T, nv·dv]`` bf16 array to write (rows of a larger one: the snapshot split's)."""
     proj = cupy.ascontiguousarray(_bf16(proj, "delta_net projection"))
     conv_dim, value_dim = config.conv_dim, config.linear_value_dim
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
@@ -639,7 +730,11 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
     device = seqs.device
     num_tokens, num_seqs = proj.shape[0], len(seqs.slots)
     stride = np.int32(proj.shape[1])
-    out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
+    if out is None:
+        out = cupy.empty((num_tokens, value_dim), dtype=cupy.uint16)
+    elif out.shape != (num_tokens, value_dim) or out.dtype != cupy.uint16 or not out.flags.c_contiguous:
+        raise ValueError(f"delta_net out must be a contiguous bf16 [{num_tokens}, {value_dim}] array, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if num_tokens == 0:
         return out
     recurrent = use_recurrent_kernels()
@@ -755,7 +850,7 @@ def _one_token_rows(seqs: StepSequences) -> tuple[np.ndarray, np.ndarray | None,
         if not len(single):
             return single, None, None
         chunked = np.flatnonzero(lengths > 1)
-        ids = cupy.asarray(np.concatenate([single, chunked, seqs.query_start[single]]).astype(np.int32))
+        (ids,) = upload_int32(np.concatenate([single, chunked, seqs.query_start[single]]))
         return single, chunked, ids
 
     return _step_cached(seqs, "qwen35_one_token_rows", make)
@@ -785,7 +880,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     def make_layout() -> tuple[int, cupy.ndarray]:
         chunk_start, chunk_len, seq_chunks = (chunk_layout(seqs.query_start) if subset is None
                                               else chunk_layout(seqs.query_start, seq_ids=subset[0]))
-        return len(chunk_start), cupy.asarray(np.concatenate([chunk_start, chunk_len, seq_chunks]))
+        return len(chunk_start), upload_int32(np.concatenate([chunk_start, chunk_len, seq_chunks]))[0]
 
     # the same every layer of the step (the subset is always the step's chunked sequences)
     num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
@@ -965,6 +1060,8 @@ CUDA_PLAN = KernelPlan(
     fp32_vector=_fp32_device,
     conv_state_dtype="bfloat16",
     step_sequences=device_sequences,
+    prepare_split=prepare_split,
+    copy_state_rows=copy_state_rows,
     warm_up=warm_up,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,

@@ -207,7 +207,7 @@ def split_heads(conv_out: np.ndarray, config: Qwen35Config) -> tuple[np.ndarray,
 
 
 def delta_net(proj: np.ndarray, w: DeltaNetWeights, conv_state: np.ndarray, ssm_state: np.ndarray,
-              seqs: StepSequences, config: Qwen35Config) -> np.ndarray:
+              seqs: StepSequences, config: Qwen35Config, out: np.ndarray | None = None) -> np.ndarray:
     """From the fused projection ``[T, q|k|v|z|b|a]`` to the gated-normed ``[T, nv·dv]`` that
     ``out_proj`` consumes, reading and updating each sequence's slot in ``conv_state`` /
     ``ssm_state``. Decoding sequences (one new token) run batched through the recurrent step,
@@ -242,4 +242,7 @@ def delta_net(proj: np.ndarray, w: DeltaNetWeights, conv_state: np.ndarray, ssm_
         core[start:end], ssm_state[slot] = chunk_gated_delta_rule(
             q, k, v, decay[start:end], beta[start:end], initial(ssm_state, seqs.slots[seq : seq + 1], fresh)[0])
     normed = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w.norm, config.rms_norm_eps)
-    return normed.reshape(-1, value_dim)
+    if out is None:
+        return normed.reshape(-1, value_dim)
+    out[...] = normed.reshape(-1, value_dim)  # ``out``: rows of a larger array (the snapshot split's)
+    return out

@@ -100,6 +100,10 @@ class KernelPlan:
     norm_weight: Callable[[np.ndarray], Any] | None = None
     # compile kernels / allocate fixed buffers for a config, before any CUDA graph capture
     warm_up: Callable[[Any], None] | None = None
+    # a step's host ``state.SnapshotSplit`` with its arrays on the device (None: host arrays serve)
+    prepare_split: Callable[[Any], Any] | None = None
+    # (tensors, ((src, dst), ...)): state rows copied between slots; None: indexed assignment
+    copy_state_rows: Callable[[Any, Any], None] | None = None
 
 
 NUMPY_PLAN = KernelPlan(

@@ -13,7 +13,10 @@ layer i's cache::
 
 A sequence whose context starts at position 0 begins a fresh state, any other continues its
 slot's state — so chunked prefill carries the state across chunks, and a prefix-cache hit
-continues from the snapshot the engine restored into the slot.
+continues from the snapshot the engine restored into the slot. A step that snapshots a
+sequence's state at a block boundary inside its rows (``batch.state_snapshots``) runs each GDN
+layer's core in two parts around the boundary (``state.split_at_snapshots``): the prompt needs
+no step of its own for its last partial block.
 
 Tensor parallel: ``config`` is the rank's (``Qwen35Config.for_rank``: its attention, KV, GDN
 key and value heads), the mixers' and the MLP's outputs are partial sums completed by one
@@ -41,8 +44,10 @@ from openinfer import (
 )
 from openinfer_qwen35.config import FULL_ATTENTION, Qwen35Config
 from openinfer_qwen35.kernel_plan import plan_for
-from openinfer_qwen35.state import StepSequences, state_spec
+from openinfer_qwen35.state import SnapshotSplit, StepSequences, split_at_snapshots, state_spec
 from openinfer_qwen35.weights import DeltaNetWeights, FullAttentionWeights, Qwen35Weights
+
+FEW_SNAPSHOTS = 2  # snapshots in a step up to which each slot is copied by a plain row copy
 
 
 class Qwen35Model:
@@ -95,6 +100,9 @@ class Qwen35Model:
     def forward(self, batch: ForwardBatch, kv_cache: list[KVLayer | StateLayer]) -> Any:
         ops, w = self.backend, self.weights
         seqs = self.plan.step_sequences(batch)
+        split = split_at_snapshots(seqs)
+        if split is not None and self.plan.prepare_split is not None:
+            split = self.plan.prepare_split(split)  # its arrays on the device, once a step
         comm = self.comm
         if w.vocab is None:
             hidden = ops.embedding(w.embed_tokens, batch.token_ids)
@@ -110,7 +118,7 @@ class Qwen35Model:
             if kind == "attn":
                 hidden = self._full_attention(x, layer.mixer, self.attention_specs[index], cache, batch)
             else:
-                hidden = self._delta_net(x, layer.mixer, cache, seqs)
+                hidden = self._delta_net(x, layer.mixer, cache, seqs, split)
             hidden = comm.all_reduce(hidden)
             x, residual = self.add_rms_norm(hidden, residual, layer.post_attention_norm, self.config.rms_norm_eps)
             hidden = comm.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down))
@@ -127,7 +135,32 @@ class Qwen35Model:
         context = self.backend.attention(qkv_gate[:, :qkv_size], spec, kv, batch)
         return self.backend.linear(self.plan.sigmoid_mul(context, qkv_gate[:, qkv_size:]), w.o_proj)
 
-    def _delta_net(self, x: Any, w: DeltaNetWeights, state: StateLayer, seqs: StepSequences) -> Any:
+    def _delta_net(self, x: Any, w: DeltaNetWeights, state: StateLayer, seqs: StepSequences,
+                   split: SnapshotSplit | None = None) -> Any:
         proj = self.backend.linear(x, w.in_proj)  # [q | k | v | z | b | a]
-        core = self.plan.delta_net(proj, w, state["conv"], state["ssm"], seqs, self.config)
+        if split is None:
+            core = self.plan.delta_net(proj, w, state["conv"], state["ssm"], seqs, self.config)
+        else:
+            core = self._delta_net_snapshotting(proj, w, state, split)
         return self.backend.linear(core, w.out_proj)
+
+    def _delta_net_snapshotting(self, proj: Any, w: DeltaNetWeights, state: StateLayer, split: SnapshotSplit) -> Any:
+        """The layer core with snapshots inside sequences: the rows before each boundary, the
+        slots copied into the snapshot slots, the rows after (``SnapshotSplit``), each part
+        written into its rows of one output."""
+        xp, conv, ssm, config = self.backend.xp, state["conv"], state["ssm"], self.config
+        rows = proj if split.order is None else proj[split.order]
+        core = xp.empty((rows.shape[0], config.linear_value_dim), dtype=proj.dtype)
+        head = split.num_head_rows
+        self.plan.delta_net(rows[:head], w, conv, ssm, split.head, config, out=core[:head])
+        if self.plan.copy_state_rows is not None and len(split.pairs) <= FEW_SNAPSHOTS:
+            self.plan.copy_state_rows([conv, ssm], split.pairs)
+        elif len(split.pairs) <= FEW_SNAPSHOTS:  # a row copy each, no gather + scatter
+            for live, snapshot in split.pairs:
+                conv[snapshot] = conv[live]
+                ssm[snapshot] = ssm[live]
+        else:
+            conv[split.snapshot] = conv[split.live]
+            ssm[split.snapshot] = ssm[split.live]
+        self.plan.delta_net(rows[head:], w, conv, ssm, split.tail, config, out=core[head:])
+        return core if split.inverse is None else core[split.inverse]
