@@ -11,7 +11,8 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
 INT4 weights with group-32 scales may instead live in the decode GEMV's tiled layout
 (``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
 which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
-$OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout).
+$OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout;
+``lane_groups``: the tiled layout with a lane's 16 bytes one whole group, for moe_int4.cu's GEMV, opt-in).
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
@@ -153,14 +154,32 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # sm_90a ptxas: 173 registers, no spills
     "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
                       "TILED_ROTATE": 1},
+    # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", opt-in): moe_int4.cu
+    # moe_gemv_int4_groups, the mma's N columns carrying a chunk's 4 groups (a lane's 16 bytes one whole
+    # group), so the group scales take 4 FMAs per lane per 1 KB chunk and no activation permutes but the
+    # B lanes'; ~151 instructions per KB in its sm_90a SASS at 1 token (tiled1_nc_rot: ~275). GROUPS_PAIRS
+    # token pairs per pass over the weights; weights in other layouts run moe_gemv_mma instead.
+    # sm_90a ptxas: 121 registers (groups), no spills
+    "groups": {"GROUPS_DEPTH": 4},
+    "groups_d2": {"GROUPS_DEPTH": 2},
+    "groups_d6": {"GROUPS_DEPTH": 6},
+    "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2},
+    "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
+GROUPS_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "GROUPS_DEPTH" in defines)
+# The decode GEMVs of each INT4 layout's own (the others read it a word at a time, or not at all)
+LAYOUT_GEMVS = {"tiled": TILED_GEMVS, "lane_groups": GROUPS_GEMVS}
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
 # kernels read that layout a word at a time. tiled1_nc_rot: the fastest tiled kernel at 1 and 16 tokens in
 # E2 (H200, results/kimi_gemv_e2_h200.json: gate_up 57.8 / 654 us vs tiled_nc 80.9 / 1015, down 36.4 / 337
 # vs 48.5 / 657; the checkpoint layout's mma_staged 74.8 / 818 and 43.5 / 447).
 TILED_GEMV = "tiled1_nc_rot"
+# What lane-groups INT4 weights run wherever the tables pick a decode GEMV, up to LANE_GROUPS_MAX_SLOTS
+# slots per expert (a pass takes 2 token rows: more rows per expert re-stream the weights); past it
+# moe_gemv_mma (reading the layout 16 bytes per lane). Unmeasured.
+LANE_GROUPS_GEMV, LANE_GROUPS_MAX_SLOTS = "groups", 0.5
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -198,7 +217,7 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide8_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide4_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
+    **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS + GROUPS_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 # moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
@@ -340,7 +359,7 @@ class ExpertLinear:
     in_features: int
     group: int = 32  # INT4 group size
     block: int = 128  # FP8 block size
-    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]) or "tiled" (tile_int4)
+    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]), "tiled" or "lane_groups" (tile_int4)
 
     @property
     def num_experts(self) -> int:
@@ -351,7 +370,7 @@ class ExpertLinear:
                             self.out_features, self.in_features, self.group, self.block, self.layout)
 
     def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
-        tiled = {"INT4_TILED": 1} if self.layout == "tiled" else {}
+        tiled = {"INT4_TILED": INT4_TILED_DEFINE[self.layout]} if self.layout in INT4_TILED_DEFINE else {}
         return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
                       **tiled, **defines)
 
@@ -364,7 +383,8 @@ class ExpertLinear:
 
 
 INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
-INT4_LAYOUTS = ("rows", "tiled")
+INT4_LAYOUTS = ("rows", "tiled", "lane_groups")
+INT4_TILED_DEFINE = {"tiled": 1, "lane_groups": 2}  # moe.cu INT4_TILED of each repacked layout
 # "tiled" by default since E1 of 2026-11-24 (H200, results/kimi_layer_s8e1.json, one Kimi-K2 layer, graph
 # replay; the same random weights repacked, TILED_GEMV): 252.8 -> 232.0 / 3640.9 -> 2965.5 / 5976.0 -> 5602.0
 # us at batch 1 / 64 / 256 (routed experts' gate_up 74.1 -> 59.5, down 44.4 -> 37.6 us at batch 1).
@@ -394,19 +414,21 @@ def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None
     weight = ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
                           None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
                           out_features, in_features, group, block)
-    return tiled_int4(weight) if format == "int4" and int4_layout(layout) == "tiled" else weight
+    return tiled_int4(weight, int4_layout(layout)) if format == "int4" else weight
 
 
-def tiled_int4(weight: ExpertLinear) -> ExpertLinear:
-    """``weight`` (INT4, checkpoint layout) repacked on the device into the tiled layout, where it fits
-    (``int4_tiling_fits``); otherwise (or already tiled) ``weight`` itself. Takes a second copy while
-    it runs."""
-    if (weight.format != "int4" or weight.layout != "rows" or weight.scale is None
+def tiled_int4(weight: ExpertLinear, layout: str = "tiled") -> ExpertLinear:
+    """``weight`` (INT4, checkpoint layout) repacked on the device into ``layout`` ("tiled" or
+    "lane_groups"; "rows": as is), where it fits (``int4_tiling_fits``); otherwise (or already repacked)
+    ``weight`` itself. Takes a second copy while it runs."""
+    if layout not in INT4_LAYOUTS:
+        raise ValueError(f"unknown INT4 layout {layout!r}; one of {', '.join(INT4_LAYOUTS)}")
+    if (layout == "rows" or weight.format != "int4" or weight.layout != "rows" or weight.scale is None
             or not int4_tiling_fits(weight.out_features, weight.in_features, weight.group)):
         return weight
-    words, scales = tile_int4(weight.data, weight.scale, xp=cupy)
+    words, scales = tile_int4(weight.data, weight.scale, xp=cupy, lane_groups=layout == "lane_groups")
     return ExpertLinear("int4", words, scales, weight.out_features, weight.in_features, weight.group, weight.block,
-                        "tiled")
+                        layout)
 
 
 @dataclass
@@ -677,12 +699,18 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
             or table[-1][1])
 
 
-def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None) -> str | None:
+def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
+                rows_per_weight: float = 0.0) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights (unless a kernel is forced, ``forced_gemv_kernel``), else ``name``."""
-    if name is None or weight.layout != "tiled" or forced_gemv_kernel(gemv_kernel) is not None:
+    weights, LANE_GROUPS_GEMV for lane-groups ones up to LANE_GROUPS_MAX_SLOTS ``rows_per_weight``
+    (moe_gemv_mma past it), unless a kernel is forced (``forced_gemv_kernel``); else ``name``."""
+    if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
-    return TILED_GEMV
+    if weight.layout == "tiled":
+        return TILED_GEMV
+    if weight.layout == "lane_groups":
+        return LANE_GROUPS_GEMV if rows_per_weight <= LANE_GROUPS_MAX_SLOTS else "mma"
+    return name
 
 
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
@@ -694,6 +722,14 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if "GROUPS_DEPTH" in defines:
+        if weight.layout == "lane_groups":
+            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
+            kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
+                (-(-weight.out_features // columns), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
+            return
+        defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
+        name = "mma"
     if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
             rows_per_warp = 2 if defines.get("TILED_PAIR") else defines.get("TILED_ROW_BLOCKS", 1)
@@ -786,7 +822,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
-    name = layout_gemv(weight, name, gemv_kernel)
+    name = layout_gemv(weight, name, gemv_kernel, per_expert)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -820,7 +856,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     x = cupy.ascontiguousarray(x)
     name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
         gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
-    name = layout_gemv(weight, name, gemv_kernel)
+    name = layout_gemv(weight, name, gemv_kernel, rows)
     if method is None:
         method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
@@ -1073,7 +1109,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
-    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
+    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
         return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines

@@ -1,0 +1,268 @@
+// moe_gemv_int4_groups: the decode GEMV for INT4 expert weights with group-32 scales in the
+// lane-groups layout (core/quant.py ``tile_int4(..., lane_groups=True)``; moe.cu INT4_TILED 2), for
+// steps of few token rows per expert (a batch-1 decode step: one). Same arguments, tile list and
+// output as moe.cu's decode GEMVs.
+//
+// Why another kernel: moe_gemv_int4_tiled issues ~275 instructions per KB of weights at one token, so
+// a batch-1 step is bound by issue, not by HBM (Kimi-K2 layer, s10: gate_up 59.6 us where the bytes
+// need ~28). Per KB this kernel issues about 2 weight loads, 2 scale loads, 4 activation loads, 56
+// conversions, 16 mma and 4 scale FMAs per lane (sm_90a SASS, tests/core/test_cuda_sources.py).
+//
+// The trick: the mma's 8 N columns, useless at one token, carry the groups. A warp owns 16 output rows;
+// per 128-k chunk (1 KB, contiguous) lane (g, t) holds one whole group — group t of the chunk — of row g
+// (16 bytes) and of row g + 8 (16 bytes). In every mma step it feeds its A slots (2t, 2t+1 | 2t+8, 2t+9)
+// from those two groups, so A column slots of quad position t always carry group t. The activations
+// go into B only on lane (g = t, t) (token A; lane (g = t + 4, t): token B), every other lane's B is
+// zero: so D column t sums only group t's products, column t + 4 token B's. After the chunk's 8 steps
+// each lane's accumulators are whole group sums — rows g, g + 8 × groups 2t', 2t' + 1 (t' = t & 1) of
+// token A (t < 2) or token B (t >= 2) — which take their group scale in one FMA each: 4 FMAs per lane
+// per chunk instead of 4 per group. Conversion as moe_gemv_int4_tiled: nibbles or-ed into bf16 128 + q
+// (a shift and a lop3 per pair, exact), a second mma with the constant A = -136 removes the bias
+// (Σ (128 + q)·x - 136·Σ x = Σ (q - 8)·x; products exact in the tensor cores, sums in fp32).
+//
+// Step 2w + h of a chunk (w: the lane's word, 8 weights k0 + 8w .. k0 + 8w + 7 of its group) takes
+// nibbles (2h, 2h + 4) into slots (2t, 2t + 1) and (2h + 1, 2h + 5) into (2t + 8, 2t + 9); the B lane
+// takes the matching activations by two byte permutes of one 16-byte load.
+// Needs N % 16 == 0, K % 128 == 0 (the layout's shapes; the caller checks) and 16-byte aligned rows.
+#include "mma.cuh"
+
+#ifndef GROUPS_DEPTH
+#define GROUPS_DEPTH 4  // chunks per lane in a ring of registers: one multiplied, the rest loading
+#endif
+#ifndef GROUPS_PAIRS
+#define GROUPS_PAIRS 1  // token pairs per pass over the weights (a pass streams every chunk once)
+#endif
+#ifndef GROUPS_STREAM_LOADS
+#define GROUPS_STREAM_LOADS 1  // weight loads past L1 (read once), L2 asked for 256-byte lines
+#endif
+#ifndef GROUPS_ROTATE
+#define GROUPS_ROTATE 1  // each warp starts its chunk stream at its own place (37 chunks per row block on)
+#endif
+#if GROUPS_DEPTH % 2
+#error "GROUPS_DEPTH must be even (the activations' double buffer is indexed by chunk parity)"
+#endif
+#define GROUPS_WARPS 4
+#define GROUPS_TILE_ROWS 64  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
+#define GROUPS_NEG136 0xC308C308u  // bf16 -136, twice
+
+struct GroupsChunk {
+    uint4 lo, hi;        // this lane's group of row g and of row g + 8 (4 words each)
+    unsigned s_lo, s_hi; // bf16 scales of groups 2t', 2t' + 1 of row g and of row g + 8
+};
+
+__device__ __forceinline__ uint4 groups_weight_load(const uint4* p) {
+#if GROUPS_STREAM_LOADS && !defined(MMA_HOST_STANDIN)
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+// Chunk `c` of the warp's row block: this lane's share. `w`: the block's first chunk's words from this
+// lane's 16 bytes on; `s`: its first chunk's scales from this lane's (row g, groups 2t', 2t' + 1) pair on
+// (bf16 at ((row % 8) * 2 + half) * 4 + group, as 32-bit pairs: row g at 4g + t', row g + 8 two further).
+__device__ __forceinline__ GroupsChunk groups_load(const uint4* __restrict__ w, const unsigned* __restrict__ s, int c) {
+    GroupsChunk chunk;
+    chunk.lo = groups_weight_load(w + 64 * c);
+    chunk.hi = groups_weight_load(w + 64 * c + 32);
+    chunk.s_lo = s[32 * c];
+    chunk.s_hi = s[32 * c + 2];
+    return chunk;
+}
+
+// Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}).
+__device__ __forceinline__ unsigned groups_pair(unsigned v, int s) {
+#ifdef MMA_HOST_STANDIN
+    return ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+#else
+    unsigned biased;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v >> (4 * s)), "n"(0x000F000F), "r"(0x43004300));
+    return biased;
+#endif
+}
+
+// (lo half of a, lo half of b) and (hi half of a, hi half of b): the B registers of one step.
+__device__ __forceinline__ unsigned groups_low_halves(unsigned a, unsigned b) {
+#ifdef MMA_HOST_STANDIN
+    return (a & 0xFFFFu) | (b << 16);
+#else
+    return __byte_perm(a, b, 0x5410);
+#endif
+}
+__device__ __forceinline__ unsigned groups_high_halves(unsigned a, unsigned b) {
+#ifdef MMA_HOST_STANDIN
+    return (a >> 16) | (b & 0xFFFF0000u);
+#else
+    return __byte_perm(a, b, 0x7632);
+#endif
+}
+
+__device__ __forceinline__ float groups_bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
+__device__ __forceinline__ float groups_bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
+
+// The activations this lane puts into B for the chunk at k0: group t of the chunk of its token rows.
+// A lane off the B columns (has_x[p] 0) loads nothing and keeps the zeros its registers started with.
+__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], const bf16* const (&x_row)[GROUPS_PAIRS],
+                                              const int (&has_x)[GROUPS_PAIRS], int k0) {
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p) {
+        const uint4* at = reinterpret_cast<const uint4*>(x_row[p] + k0);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#ifdef MMA_HOST_STANDIN
+            if (has_x[p]) xv[p][w] = at[w];
+#else
+            asm("{ .reg .pred p; setp.ne.b32 p, %5, 0; @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4]; }"
+                : "+r"(xv[p][w].x), "+r"(xv[p][w].y), "+r"(xv[p][w].z), "+r"(xv[p][w].w) : "l"(at + w), "r"(has_x[p]));
+#endif
+        }
+    }
+}
+
+// acc[p] += chunk c times token pair p's activations xv[p] (this lane's B, zeros off its column).
+__device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], const GroupsChunk& c,
+                                             const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4]) {
+    const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
+    float sum[GROUPS_PAIRS][4];
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) sum[p][v] = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            unsigned a[4];  // slots (2t, 2t+1): nibbles 2h, 2h+4; (2t+8, 2t+9): 2h+1, 2h+5; rows g (a0, a2), g+8 (a1, a3)
+            a[0] = groups_pair(lo[w], 2 * h);
+            a[1] = groups_pair(hi[w], 2 * h);
+            a[2] = groups_pair(lo[w], 2 * h + 1);
+            a[3] = groups_pair(hi[w], 2 * h + 1);
+#pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p) {
+                const unsigned x[4] = {xv[p][w].x, xv[p][w].y, xv[p][w].z, xv[p][w].w};
+                // x[8w + 2h], x[8w + 2h + 4] | x[8w + 2h + 1], x[8w + 2h + 5]
+                const unsigned b0 = groups_low_halves(x[h], x[h + 2]), b1 = groups_high_halves(x[h], x[h + 2]);
+                mma_bf16_16816(sum[p], neg136, b0, b1);
+                mma_bf16_16816(sum[p], a, b0, b1);
+            }
+        }
+    }
+    const float s0 = groups_bf16_low(c.s_lo), s1 = groups_bf16_high(c.s_lo);
+    const float s2 = groups_bf16_low(c.s_hi), s3 = groups_bf16_high(c.s_hi);
+#pragma unroll
+    for (int p = 0; p < GROUPS_PAIRS; ++p) {
+        acc[p][0] += s0 * sum[p][0];
+        acc[p][1] += s1 * sum[p][1];
+        acc[p][2] += s2 * sum[p][2];
+        acc[p][3] += s3 * sum[p][3];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GROUPS_WARPS * 32)
+moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                     const void* __restrict__ weight, const void* __restrict__ scale,
+                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                     const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
+                     bf16* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.x * GROUPS_WARPS + warp) * 16;
+    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+    int expert, row_begin, row_end;
+    if (tile_expert) {  // grouped: tile blockIdx.y's expert and slots (moe.cu gemv_block_rows)
+        if ((int)blockIdx.y >= *num_tiles) return;
+        expert = tile_expert[blockIdx.y];
+        row_begin = tile_row[blockIdx.y];
+        row_end = min(row_begin + GROUPS_TILE_ROWS, offsets[expert + 1]);
+    } else {  // dense: expert 0, every row (one block row loops over them: the weight read once per pass)
+        expert = 0;
+        row_begin = 0;
+        row_end = dense_rows;
+    }
+    const int chunks = K / 128;
+    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // the row block's first chunk
+    const uint4* w_lane = reinterpret_cast<const uint4*>(weight) + first * 64 + lane;
+    const unsigned* s_lane = reinterpret_cast<const unsigned*>(scale) + first * 32 + 4 * g + (t & 1);
+    // the warp walks its chunks from `start` on, wrapping (warps in lockstep would otherwise read addresses
+    // a row block's stride apart)
+    const int start = GROUPS_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
+    const auto next_chunk = [&](int c) { return c + 1 == chunks ? 0 : c + 1; };
+    // the -136 operand, opaque to the compiler (which would otherwise rebuild the constant before each mma)
+    unsigned neg136_reg;
+#ifdef MMA_HOST_STANDIN
+    neg136_reg = GROUPS_NEG136;
+#else
+    asm("mov.b32 %0, %1;" : "=r"(neg136_reg) : "n"(GROUPS_NEG136));
+#endif
+    const unsigned neg136[4] = {neg136_reg, neg136_reg, neg136_reg, neg136_reg};
+    // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
+    const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
+    for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
+        const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
+        const bf16* x_row[GROUPS_PAIRS];
+        int has_x[GROUPS_PAIRS];
+#pragma unroll
+        for (int p = 0; p < GROUPS_PAIRS; ++p) {
+            const int r = 2 * p + token_of_lane;
+            has_x[p] = token_of_lane >= 0 && r < rows;
+            const int slot = pass + (has_x[p] ? r : 0);  // lanes off the columns: a valid row, never read
+            x_row[p] = a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * t;  // group t
+        }
+        float acc[GROUPS_PAIRS][4];
+#pragma unroll
+        for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
+        GroupsChunk ring[GROUPS_DEPTH];
+        int load_chunk = start;  // the next chunk the ring loads
+#pragma unroll
+        for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
+            if (d < chunks) {
+                ring[d] = groups_load(w_lane, s_lane, load_chunk);
+                load_chunk = next_chunk(load_chunk);
+            }
+        // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
+        uint4 xv[2][GROUPS_PAIRS][4];
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+                for (int w = 0; w < 4; ++w) xv[b][p][w] = make_uint4(0u, 0u, 0u, 0u);
+        groups_x_load(xv[0], x_row, has_x, start * 128);
+        int x_chunk = next_chunk(start);  // the chunk whose activations load next
+        for (int c0 = 0; c0 < chunks; c0 += GROUPS_DEPTH) {  // warp-uniform
+#pragma unroll
+            for (int d = 0; d < GROUPS_DEPTH; ++d) {
+                const int c = c0 + d;
+                if (c + GROUPS_DEPTH - 1 < chunks) {  // refills the slot used last
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(w_lane, s_lane, load_chunk);
+                    load_chunk = next_chunk(load_chunk);
+                }
+                if (c < chunks) {
+                    if (c + 1 < chunks) {
+                        groups_x_load(xv[(d + 1) % 2], x_row, has_x, x_chunk * 128);
+                        x_chunk = next_chunk(x_chunk);
+                    }
+                    groups_chunk(acc, ring[d], xv[d % 2], neg136);
+                }
+            }
+        }
+        // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
+        // the two lanes t', t' ^ 1 of a token hold its four group parities
+#pragma unroll
+        for (int p = 0; p < GROUPS_PAIRS; ++p) {
+            float row_g = acc[p][0] + acc[p][1], row_g8 = acc[p][2] + acc[p][3];
+            row_g += __shfl_xor_sync(0xFFFFFFFFu, row_g, 1);
+            row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
+            const int r = 2 * p + (t >> 1);
+            if ((t & 1) == 0 && r < rows) {
+                bf16* o = out + (long long)(pass + r) * N + n0 + g;
+                o[0] = __float2bfloat16_rn(row_g);
+                o[8] = __float2bfloat16_rn(row_g8);
+            }
+        }
+    }
+}
