@@ -235,3 +235,120 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == (gemv_kernel if within_limit else None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")  # no fused form
     assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
+
+
+# --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
+
+LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
+                       "groups_d6", "groups_p2", "groups_norot"]
+
+
+@pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,
+                         ids=["tiles" if k is False else "auto" if k is None else k for k in LANE_GROUPS_KERNELS])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_lane_groups_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
+    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a
+    40-row tile at 40): lane-groups weights give the checkpoint layout's bits by the per-tile GEMM and every
+    GEMV that reads them a word or 16 bytes at a time (tiled and staged names run moe_gemv_mma there);
+    moe_gemv_int4_groups (its GEMVs, and what "auto" runs up to LANE_GROUPS_MAX_SLOTS) applies the scales
+    after the mma: fp32 rounding apart. N = 96 (a block's last two warps past N), K = 1152 (nine chunks: the
+    rings wrap); and the dequantized NumPy product."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
+    rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
+    groups = moe.tiled_int4(rows_weight, "lane_groups")
+    assert groups.layout == "lane_groups" and groups.data.shape == (num_experts, 6, 9, 256)
+    x = bf16_random(rng, tokens, in_features)
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    gemv = gemv_kernel is not False
+    kernel = gemv_kernel or None
+    outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
+                                                  gemv_kernel=kernel)) for weight in (rows_weight, groups)]
+    per_expert = tokens * top_k / num_experts
+    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(groups, moe.gemv_for(per_expert, True, "int4"), None,
+                                                          per_expert) if gemv else None
+    if ran in moe.GROUPS_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    assert relative_error(outs[1], expected) < BF16_TOL
+
+
+@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"),
+                                                ("dequantize", None), ("tiles", None), ("gemv", None), (None, None)])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_lane_groups_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
+    """A dense INT4 linear (E = 1) in the lane-groups layout: moe_gemv_int4_groups over every row (passes of
+    2 or 4, a lone last row at 9) within fp32 rounding of the checkpoint layout's moe_gemv_mma, the other
+    methods bit for bit; the dequantized product; moe_dequantize gives the same bf16 weight."""
+    moe = _moe_cuda()
+    weight, reference = _int4_experts(rng, 1, 256, 512)
+    groups = moe.tiled_int4(weight, "lane_groups")
+    x = cuda_backend.upload(bf16_random(rng, rows, 512))
+    outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
+            for w in (weight, groups)]
+    chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
+    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(groups, chosen, None, rows)
+    if ran in moe.GROUPS_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
+    assert np.array_equal(cupy.asnumpy(moe.dequantize(groups)), cupy.asnumpy(moe.dequantize(weight)))
+
+
+def test_lane_groups_layout_switch(rng, monkeypatch):
+    """$OPENINFER_INT4_LAYOUT=lane_groups repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest
+    stay as stored (K = 200: not whole 128-weight chunks); the device repack is tile_int4's (untile_int4
+    gives the checkpoint arrays back); a repacked weight is not repacked again."""
+    moe = _moe_cuda()
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "lane_groups")
+    fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
+    ragged, _ = _int4_experts(rng, 2, 64, 224, layout=None)
+    assert fits.layout == "lane_groups" and ragged.layout == "rows"
+    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
+    words, scales = untile_int4(cupy.asnumpy(fits.data), cupy.asnumpy(fits.scale), 64, 256, lane_groups=True)
+    assert words.shape == cupy.asnumpy(stored.data).shape and scales.shape == cupy.asnumpy(stored.scale).shape
+    assert moe.tiled_int4(fits, "lane_groups") is fits and moe.tiled_int4(stored, "rows") is stored
+    with pytest.raises(ValueError, match="unknown INT4 layout"):
+        moe.tiled_int4(stored, "columns")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64])
+def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
+    """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
+    within fp32 rounding of the checkpoint layout's block (1 and 2 tokens: moe_gemv_int4_groups; 3: past
+    LANE_GROUPS_MAX_SLOTS, moe_gemv_mma; 64: the per-tile GEMM), and a CUDA-graph replay gives the eager bits."""
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts = 256, 128, 16
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    gate = cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1))
+    spec = RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5)
+    rows = moe.DeviceMoE(spec, gate, cupy.zeros(experts, cupy.float32), gate_up, down)
+    groups = moe.DeviceMoE(spec, gate, cupy.zeros(experts, cupy.float32), moe.tiled_int4(gate_up, "lane_groups"),
+                           moe.tiled_int4(down, "lane_groups"))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    want = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, rows))
+    eager = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, groups))
+    assert relative_error(eager, want) < 5e-3
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        moe.moe_forward(cuda_backend, x, groups)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, groups)
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), eager)
