@@ -41,6 +41,9 @@
 #if GROUPS_DEPTH % 2
 #error "GROUPS_DEPTH must be even (the activations' double buffer is indexed by chunk parity)"
 #endif
+#ifndef GROUPS_MIN_BLOCKS
+#define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
+#endif
 #define GROUPS_WARPS 4
 #define GROUPS_TILE_ROWS 64  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
 #define GROUPS_NEG136 0xC308C308u  // bf16 -136, twice
@@ -64,22 +67,26 @@ __device__ __forceinline__ uint4 groups_weight_load(const uint4* p) {
 // Chunk `c` of the warp's row block: this lane's share. `w`: the block's first chunk's words from this
 // lane's 16 bytes on; `s`: its first chunk's scales from this lane's (row g, groups 2t', 2t' + 1) pair on
 // (bf16 at ((row % 8) * 2 + half) * 4 + group, as 32-bit pairs: row g at 4g + t', row g + 8 two further).
-__device__ __forceinline__ GroupsChunk groups_load(const uint4* __restrict__ w, const unsigned* __restrict__ s, int c) {
+// (Unsigned byte offsets: one wide multiply-add per address.)
+__device__ __forceinline__ GroupsChunk groups_load(const unsigned char* __restrict__ w, const unsigned char* __restrict__ s,
+                                                   int c) {
+    const uint4* wc = reinterpret_cast<const uint4*>(w + (unsigned long long)(unsigned)c * 1024u);
+    const unsigned* sc = reinterpret_cast<const unsigned*>(s + (unsigned long long)(unsigned)c * 128u);
     GroupsChunk chunk;
-    chunk.lo = groups_weight_load(w + 64 * c);
-    chunk.hi = groups_weight_load(w + 64 * c + 32);
-    chunk.s_lo = s[32 * c];
-    chunk.s_hi = s[32 * c + 2];
+    chunk.lo = groups_weight_load(wc);
+    chunk.hi = groups_weight_load(wc + 32);
+    chunk.s_lo = sc[0];
+    chunk.s_hi = sc[2];
     return chunk;
 }
 
-// Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}).
-__device__ __forceinline__ unsigned groups_pair(unsigned v, int s) {
+// Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}); `magic`: 0x43004300 (bf16 128, twice).
+__device__ __forceinline__ unsigned groups_pair(unsigned v, int s, unsigned magic) {
 #ifdef MMA_HOST_STANDIN
-    return ((v >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+    return ((v >> (4 * s)) & 0x000F000Fu) | magic;
 #else
     unsigned biased;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v >> (4 * s)), "n"(0x000F000F), "r"(0x43004300));
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(v >> (4 * s)), "n"(0x000F000F), "r"(magic));
     return biased;
 #endif
 }
@@ -103,20 +110,23 @@ __device__ __forceinline__ unsigned groups_high_halves(unsigned a, unsigned b) {
 __device__ __forceinline__ float groups_bf16_low(unsigned pair) { return __int_as_float((int)(pair << 16)); }
 __device__ __forceinline__ float groups_bf16_high(unsigned pair) { return __int_as_float((int)(pair & 0xFFFF0000u)); }
 
-// The activations this lane puts into B for the chunk at k0: group t of the chunk of its token rows.
-// A lane off the B columns (has_x[p] 0) loads nothing and keeps the zeros its registers started with.
-__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], const bf16* const (&x_row)[GROUPS_PAIRS],
-                                              const int (&has_x)[GROUPS_PAIRS], int k0) {
+// What the lanes off the B columns read as their activations: zeros (a load of its own address every
+// chunk, stride 0, so the activation loads need no predicate and no register copies).
+__device__ uint4 groups_zero_activations[4];
+
+// The activations this lane puts into B for chunk c: group t of the chunk of its token rows
+// (x_at[p] + c * x_stride[p]; zeros for a lane off the B columns, x_stride 0).
+__device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], const unsigned char* const (&x_at)[GROUPS_PAIRS],
+                                              const unsigned (&x_stride)[GROUPS_PAIRS], int c) {
 #pragma unroll
     for (int p = 0; p < GROUPS_PAIRS; ++p) {
-        const uint4* at = reinterpret_cast<const uint4*>(x_row[p] + k0);
+        const uint4* at = reinterpret_cast<const uint4*>(x_at[p] + (unsigned long long)(unsigned)c * x_stride[p]);
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
 #ifdef MMA_HOST_STANDIN
-            if (has_x[p]) xv[p][w] = at[w];
+            xv[p][w] = at[w];
 #else
-            asm("{ .reg .pred p; setp.ne.b32 p, %5, 0; @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4]; }"
-                : "+r"(xv[p][w].x), "+r"(xv[p][w].y), "+r"(xv[p][w].z), "+r"(xv[p][w].w) : "l"(at + w), "r"(has_x[p]));
+            xv[p][w] = __ldg(at + w);
 #endif
         }
     }
@@ -124,7 +134,8 @@ __device__ __forceinline__ void groups_x_load(uint4 (&xv)[GROUPS_PAIRS][4], cons
 
 // acc[p] += chunk c times token pair p's activations xv[p] (this lane's B, zeros off its column).
 __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], const GroupsChunk& c,
-                                             const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4]) {
+                                             const uint4 (&xv)[GROUPS_PAIRS][4], const unsigned (&neg136)[4],
+                                             unsigned magic) {
     const unsigned lo[4] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w}, hi[4] = {c.hi.x, c.hi.y, c.hi.z, c.hi.w};
     float sum[GROUPS_PAIRS][4];
 #pragma unroll
@@ -136,10 +147,10 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             unsigned a[4];  // slots (2t, 2t+1): nibbles 2h, 2h+4; (2t+8, 2t+9): 2h+1, 2h+5; rows g (a0, a2), g+8 (a1, a3)
-            a[0] = groups_pair(lo[w], 2 * h);
-            a[1] = groups_pair(hi[w], 2 * h);
-            a[2] = groups_pair(lo[w], 2 * h + 1);
-            a[3] = groups_pair(hi[w], 2 * h + 1);
+            a[0] = groups_pair(lo[w], 2 * h, magic);
+            a[1] = groups_pair(hi[w], 2 * h, magic);
+            a[2] = groups_pair(lo[w], 2 * h + 1, magic);
+            a[3] = groups_pair(hi[w], 2 * h + 1, magic);
 #pragma unroll
             for (int p = 0; p < GROUPS_PAIRS; ++p) {
                 const unsigned x[4] = {xv[p][w].x, xv[p][w].y, xv[p][w].z, xv[p][w].w};
@@ -161,7 +172,7 @@ __device__ __forceinline__ void groups_chunk(float (&acc)[GROUPS_PAIRS][4], cons
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GROUPS_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GROUPS_WARPS * 32, GROUPS_MIN_BLOCKS)
 moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                      const void* __restrict__ weight, const void* __restrict__ scale,
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -183,32 +194,40 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     }
     const int chunks = K / 128;
     const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // the row block's first chunk
-    const uint4* w_lane = reinterpret_cast<const uint4*>(weight) + first * 64 + lane;
-    const unsigned* s_lane = reinterpret_cast<const unsigned*>(scale) + first * 32 + 4 * g + (t & 1);
+    const unsigned char* w_lane = reinterpret_cast<const unsigned char*>(weight) + first * 1024 + 16 * lane;
+    const unsigned char* s_lane = reinterpret_cast<const unsigned char*>(scale) + first * 128 + 4 * (4 * g + (t & 1));
     // the warp walks its chunks from `start` on, wrapping (warps in lockstep would otherwise read addresses
     // a row block's stride apart)
     const int start = GROUPS_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
     const auto next_chunk = [&](int c) { return c + 1 == chunks ? 0 : c + 1; };
-    // the -136 operand, opaque to the compiler (which would otherwise rebuild the constant before each mma)
-    unsigned neg136_reg;
-#ifdef MMA_HOST_STANDIN
-    neg136_reg = GROUPS_NEG136;
-#else
-    asm("mov.b32 %0, %1;" : "=r"(neg136_reg) : "n"(GROUPS_NEG136));
+    // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
+    // constants before each use)
+    unsigned neg136[4], magic = 0x43004300u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) neg136[i] = GROUPS_NEG136;
+#ifndef MMA_HOST_STANDIN
+    asm volatile("mov.b32 %0, %4; mov.b32 %1, %4; mov.b32 %2, %4; mov.b32 %3, %4;"
+                 : "=r"(neg136[0]), "=r"(neg136[1]), "=r"(neg136[2]), "=r"(neg136[3]) : "n"(GROUPS_NEG136));
+    asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(0x43004300));
 #endif
-    const unsigned neg136[4] = {neg136_reg, neg136_reg, neg136_reg, neg136_reg};
     // this lane's B column: token 2p of the pass (g == t) or token 2p + 1 (g == t + 4); else zeros
     const int token_of_lane = g == t ? 0 : g == t + 4 ? 1 : -1;
     for (int pass = row_begin; pass < row_end; pass += 2 * GROUPS_PAIRS) {
         const int rows = min(2 * GROUPS_PAIRS, row_end - pass);  // warp-uniform
-        const bf16* x_row[GROUPS_PAIRS];
-        int has_x[GROUPS_PAIRS];
+        const unsigned char* x_at[GROUPS_PAIRS];
+        unsigned x_stride[GROUPS_PAIRS];
 #pragma unroll
         for (int p = 0; p < GROUPS_PAIRS; ++p) {
             const int r = 2 * p + token_of_lane;
-            has_x[p] = token_of_lane >= 0 && r < rows;
-            const int slot = pass + (has_x[p] ? r : 0);  // lanes off the columns: a valid row, never read
-            x_row[p] = a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * t;  // group t
+            if (token_of_lane >= 0 && r < rows) {  // group t of each 128-k chunk (256 bytes) of the token row
+                const int slot = pass + r;
+                x_at[p] = reinterpret_cast<const unsigned char*>(
+                    a + (long long)(sorted_slots ? sorted_slots[slot] / top_k : slot) * K + 32 * t);
+                x_stride[p] = 256;
+            } else {
+                x_at[p] = reinterpret_cast<const unsigned char*>(groups_zero_activations);
+                x_stride[p] = 0;
+            }
         }
         float acc[GROUPS_PAIRS][4];
 #pragma unroll
@@ -225,28 +244,33 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             }
         // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
         uint4 xv[2][GROUPS_PAIRS][4];
-#pragma unroll
-        for (int b = 0; b < 2; ++b)
-#pragma unroll
-            for (int p = 0; p < GROUPS_PAIRS; ++p)
-#pragma unroll
-                for (int w = 0; w < 4; ++w) xv[b][p][w] = make_uint4(0u, 0u, 0u, 0u);
-        groups_x_load(xv[0], x_row, has_x, start * 128);
+        groups_x_load(xv[0], x_at, x_stride, start);
         int x_chunk = next_chunk(start);  // the chunk whose activations load next
-        for (int c0 = 0; c0 < chunks; c0 += GROUPS_DEPTH) {  // warp-uniform
+        int c0 = 0;
+        for (; c0 + 2 * GROUPS_DEPTH - 1 <= chunks; c0 += GROUPS_DEPTH) {  // every load of the turn in range
+#pragma unroll
+            for (int d = 0; d < GROUPS_DEPTH; ++d) {
+                ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(w_lane, s_lane, load_chunk);  // the slot used last
+                load_chunk = next_chunk(load_chunk);
+                groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
+                x_chunk = next_chunk(x_chunk);
+                groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
+            }
+        }
+        for (; c0 < chunks; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
 #pragma unroll
             for (int d = 0; d < GROUPS_DEPTH; ++d) {
                 const int c = c0 + d;
-                if (c + GROUPS_DEPTH - 1 < chunks) {  // refills the slot used last
+                if (c + GROUPS_DEPTH - 1 < chunks) {
                     ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(w_lane, s_lane, load_chunk);
                     load_chunk = next_chunk(load_chunk);
                 }
                 if (c < chunks) {
                     if (c + 1 < chunks) {
-                        groups_x_load(xv[(d + 1) % 2], x_row, has_x, x_chunk * 128);
+                        groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                         x_chunk = next_chunk(x_chunk);
                     }
-                    groups_chunk(acc, ring[d], xv[d % 2], neg136);
+                    groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
                 }
             }
         }

@@ -21,6 +21,7 @@ HARNESS = Path(__file__).parent / "cuda_emulation" / "int4_groups_harness.cpp"
 # token pairs per pass, no rotation; (tokens, experts, top_k): a batch-1 step (one row per expert), a
 # few rows per expert (passes of 2 and a lone last row), ragged tiles
 CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2},
+         "d6": {"GROUPS_DEPTH": 6},
          "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0}}
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

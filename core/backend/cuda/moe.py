@@ -156,14 +156,15 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
                       "TILED_ROTATE": 1},
     # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", opt-in): moe_int4.cu
     # moe_gemv_int4_groups, the mma's N columns carrying a chunk's 4 groups (a lane's 16 bytes one whole
-    # group), so the group scales take 4 FMAs per lane per 1 KB chunk and no activation permutes but the
-    # B lanes'; ~151 instructions per KB in its sm_90a SASS at 1 token (tiled1_nc_rot: ~275). GROUPS_PAIRS
+    # group), so the group scales take 4 FMAs per lane per 1 KB chunk; ~135 instructions per KB in its
+    # sm_90a SASS at 1 token (tiled1_nc_rot: ~275, moe13c's count). GROUPS_PAIRS
     # token pairs per pass over the weights; weights in other layouts run moe_gemv_mma instead.
-    # sm_90a ptxas: 121 registers (groups), no spills
+    # sm_90a SASS of the steady loop: 135 / 137 instructions per KB (groups / groups_d2); ptxas: 128 registers
+    # (4 blocks per SM), no spills; d6 and p2 at 3 blocks per SM (168 registers for the ring of 6)
     "groups": {"GROUPS_DEPTH": 4},
     "groups_d2": {"GROUPS_DEPTH": 2},
-    "groups_d6": {"GROUPS_DEPTH": 6},
-    "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2},
+    "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
+    "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
