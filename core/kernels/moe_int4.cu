@@ -41,6 +41,9 @@
 #if GROUPS_DEPTH % 2
 #error "GROUPS_DEPTH must be even (the activations' double buffer is indexed by chunk parity)"
 #endif
+#ifndef GROUPS_FUSE_SILU
+#define GROUPS_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused (out [rows, N / 2]; see moe_gemv_int4_groups)
+#endif
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
@@ -51,6 +54,16 @@
 struct GroupsChunk {
     uint4 lo, hi;        // this lane's group of row g and of row g + 8 (4 words each)
     unsigned s_lo, s_hi; // bf16 scales of groups 2t', 2t' + 1 of row g and of row g + 8
+};
+
+// Where the warp's 8 "rows g" and 8 "rows g + 8" start: the first chunk's 512-byte half holding them,
+// from this lane's 16 bytes on (`w_*`), and that half's scale pair of this lane (`s_*`). Plain: the two
+// halves of one 16-row block; SiLU·mul fused: 8 gate rows and the 8 matching up rows (two blocks).
+struct GroupsRows {
+    const unsigned char *w_lo, *s_lo;
+#if GROUPS_FUSE_SILU  // the up rows' half: this many bytes further (within one expert: 32 bits)
+    unsigned w_hi, s_hi;
+#endif
 };
 
 __device__ __forceinline__ uint4 groups_weight_load(const uint4* p) {
@@ -68,15 +81,19 @@ __device__ __forceinline__ uint4 groups_weight_load(const uint4* p) {
 // lane's 16 bytes on; `s`: its first chunk's scales from this lane's (row g, groups 2t', 2t' + 1) pair on
 // (bf16 at ((row % 8) * 2 + half) * 4 + group, as 32-bit pairs: row g at 4g + t', row g + 8 two further).
 // (Unsigned byte offsets: one wide multiply-add per address.)
-__device__ __forceinline__ GroupsChunk groups_load(const unsigned char* __restrict__ w, const unsigned char* __restrict__ s,
-                                                   int c) {
-    const uint4* wc = reinterpret_cast<const uint4*>(w + (unsigned long long)(unsigned)c * 1024u);
-    const unsigned* sc = reinterpret_cast<const unsigned*>(s + (unsigned long long)(unsigned)c * 128u);
+__device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c) {
+    const unsigned long long w = (unsigned long long)(unsigned)c * 1024u, s = (unsigned long long)(unsigned)c * 128u;
     GroupsChunk chunk;
-    chunk.lo = groups_weight_load(wc);
-    chunk.hi = groups_weight_load(wc + 32);
-    chunk.s_lo = sc[0];
-    chunk.s_hi = sc[2];
+    const unsigned char *w_lo = rows.w_lo + w, *s_lo = rows.s_lo + s;
+#if GROUPS_FUSE_SILU
+    const unsigned char *w_hi = w_lo + rows.w_hi, *s_hi = s_lo + rows.s_hi;
+#else  // the block's other half: 512 bytes on, its scales 8 bytes on
+    const unsigned char *w_hi = w_lo + 512, *s_hi = s_lo + 8;
+#endif
+    chunk.lo = groups_weight_load(reinterpret_cast<const uint4*>(w_lo));
+    chunk.hi = groups_weight_load(reinterpret_cast<const uint4*>(w_hi));
+    chunk.s_lo = *reinterpret_cast<const unsigned*>(s_lo);
+    chunk.s_hi = *reinterpret_cast<const unsigned*>(s_hi);
     return chunk;
 }
 
@@ -179,8 +196,14 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.x * GROUPS_WARPS + warp) * 16;
-    if (n0 >= N) return;  // whole warps only: the mma is warp-collective
+#if GROUPS_FUSE_SILU  // output columns n0 .. n0 + 7: gate rows n0 + g ("rows g"), up rows N / 2 + n0 + g ("g + 8")
+    const int out_columns = N / 2, n0 = (blockIdx.x * GROUPS_WARPS + warp) * 8;
+    const int row_lo = n0, row_hi = out_columns + n0;
+#else  // rows n0 .. n0 + 15 of one 16-row block
+    const int out_columns = N, n0 = (blockIdx.x * GROUPS_WARPS + warp) * 16;
+    const int row_lo = n0, row_hi = n0 + 8;
+#endif
+    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (tile_expert) {  // grouped: tile blockIdx.y's expert and slots (moe.cu gemv_block_rows)
         if ((int)blockIdx.y >= *num_tiles) return;
@@ -193,12 +216,27 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         row_end = dense_rows;
     }
     const int chunks = K / 128;
-    const long long first = ((long long)expert * (N / 16) + n0 / 16) * chunks;  // the row block's first chunk
-    const unsigned char* w_lane = reinterpret_cast<const unsigned char*>(weight) + first * 1024 + 16 * lane;
-    const unsigned char* s_lane = reinterpret_cast<const unsigned char*>(scale) + first * 128 + 4 * (4 * g + (t & 1));
+    // the first chunk of the row block holding row n, and the offset of n's 8-row half in it (words; scales:
+    // this lane's pair, bf16 at ((row % 8) * 2 + half) * 4 + group)
+    const auto first_chunk = [&](int n) { return ((long long)expert * (N / 16) + n / 16) * chunks; };
+    const unsigned char* words = reinterpret_cast<const unsigned char*>(weight);
+    const unsigned char* scales = reinterpret_cast<const unsigned char*>(scale);
+    const int scale_pair = 4 * (4 * g + (t & 1));
+    const long long w_lo = first_chunk(row_lo) * 1024 + ((row_lo >> 3) & 1) * 512;
+    const long long s_lo = first_chunk(row_lo) * 128 + ((row_lo >> 3) & 1) * 8;
+    const GroupsRows rows_of_warp = {words + w_lo + 16 * lane, scales + s_lo + scale_pair
+#if GROUPS_FUSE_SILU
+                                     , (unsigned)(first_chunk(row_hi) * 1024 + ((row_hi >> 3) & 1) * 512 - w_lo),
+                                     (unsigned)(first_chunk(row_hi) * 128 + ((row_hi >> 3) & 1) * 8 - s_lo)
+#endif
+    };
+    (void)row_hi;
     // the warp walks its chunks from `start` on, wrapping (warps in lockstep would otherwise read addresses
     // a row block's stride apart)
-    const int start = GROUPS_ROTATE ? (int)((n0 / 16) * 37LL % chunks) : 0;
+    // (by the row block within its half of N where N is whole 32-row pairs: a gate row block and its up row
+    // block start alike, so the fused SiLU·mul form sums each row in the order the plain form does)
+    const int half_block = (N % 32 == 0 ? row_lo % (N / 2) : row_lo) / 16;
+    const int start = GROUPS_ROTATE ? (int)(half_block * 37LL % chunks) : 0;
     const auto next_chunk = [&](int c) { return c + 1 == chunks ? 0 : c + 1; };
     // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
     // constants before each use)
@@ -239,7 +277,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
 #pragma unroll
         for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
             if (d < chunks) {
-                ring[d] = groups_load(w_lane, s_lane, load_chunk);
+                ring[d] = groups_load(rows_of_warp, load_chunk);
                 load_chunk = next_chunk(load_chunk);
             }
         // the activations of the c-th chunk walked in xv[c % 2] (GROUPS_DEPTH even: a static index in the ring)
@@ -250,7 +288,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         for (; c0 + 2 * GROUPS_DEPTH - 1 <= chunks; c0 += GROUPS_DEPTH) {  // every load of the turn in range
 #pragma unroll
             for (int d = 0; d < GROUPS_DEPTH; ++d) {
-                ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(w_lane, s_lane, load_chunk);  // the slot used last
+                ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
                 load_chunk = next_chunk(load_chunk);
                 groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                 x_chunk = next_chunk(x_chunk);
@@ -262,7 +300,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             for (int d = 0; d < GROUPS_DEPTH; ++d) {
                 const int c = c0 + d;
                 if (c + GROUPS_DEPTH - 1 < chunks) {
-                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(w_lane, s_lane, load_chunk);
+                    ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);
                     load_chunk = next_chunk(load_chunk);
                 }
                 if (c < chunks) {
@@ -283,9 +321,14 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
             row_g8 += __shfl_xor_sync(0xFFFFFFFFu, row_g8, 1);
             const int r = 2 * p + (t >> 1);
             if ((t & 1) == 0 && r < rows) {
-                bf16* o = out + (long long)(pass + r) * N + n0 + g;
+                bf16* o = out + (long long)(pass + r) * out_columns + n0 + g;
+#if GROUPS_FUSE_SILU  // elementwise.cu's silu_mul on the bf16-rounded gate and up: the unfused pair's bits
+                const float gate = round_bf16(row_g), up = round_bf16(row_g8);
+                o[0] = __float2bfloat16_rn(round_bf16(gate / (1.f + __expf(-gate))) * up);
+#else
                 o[0] = __float2bfloat16_rn(row_g);
                 o[8] = __float2bfloat16_rn(row_g8);
+#endif
             }
         }
     }

@@ -22,6 +22,8 @@ HARNESS = Path(__file__).parent / "cuda_emulation" / "int4_groups_harness.cpp"
 # few rows per expert (passes of 2 and a lone last row), ragged tiles
 CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2},
          "d6": {"GROUPS_DEPTH": 6},
+         # gate_up with SiLU·mul fused (N = 48: I = 24, three warps of 8 gate + 8 up rows, rows across blocks)
+         "silu": {"GROUPS_DEPTH": 4, "GROUPS_FUSE_SILU": 1}, "silu_d2": {"GROUPS_DEPTH": 2, "GROUPS_FUSE_SILU": 1},
          "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0}}
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 
@@ -66,6 +68,16 @@ def test_groups_gemv_equals_numpy(tmp_path, case, route):
     out = {name: read_array(tmp_path, name, np.uint16, (-1, n)) for name in ("mma", "groups", "dense_mma",
                                                                           "dense_groups")}
     grouped = np.stack([x[slot // top_k] @ reference[e].T for slot, e in enumerate(ids.reshape(-1))])
+    if CASES[case].get("GROUPS_FUSE_SILU"):  # gate_up + SiLU·mul: [rows, N / 2] (held in the first N / 2 columns)
+        half = n // 2
+        for name, mma in (("groups", "mma"), ("dense_groups", "dense_mma")):
+            unfused = out[mma][by_slot] if name == "groups" else out[mma]
+            gate, up = unfused[:, :half], unfused[:, half:]
+            want = bf16(bf16(gate / (1 + np.exp(-gate))) * up)  # elementwise silu_mul of moe_gemv_mma's rows
+            got = read_array(tmp_path, name, np.uint16, -1)[:want.size].reshape(want.shape)
+            got = got[by_slot] if name == "groups" else got
+            assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2, name
+        return
     for name, want in (("groups", grouped), ("mma", grouped), ("dense_groups", x @ reference[0].T)):
         got = out[name][by_slot] if name in ("groups", "mma") else out[name]
         assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2, name

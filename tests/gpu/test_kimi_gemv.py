@@ -352,3 +352,38 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(cuda_backend.to_host(out), eager)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot"])
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+    """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
+    8 gate rows and their 8 up rows, one walk of K) against the same GEMV then elementwise silu_mul, and against
+    the NumPy composition; I = 40 (a block's last warp past I, gate and up rows in different 16-row blocks),
+    K = 1152 (nine chunks: the ring wraps). routed_experts takes it only where the switch says =1."""
+    moe = _moe_cuda()
+    num_experts, top_k, inter, hidden = 8, 2, 40, 1152
+    rows_weight, reference = _int4_experts(rng, num_experts, 2 * inter, hidden)
+    gate_up = moe.tiled_int4(rows_weight, "lane_groups")
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
+                                                     gemv_kernel=gemv_kernel))
+    fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
+    assert fused.shape == (tokens * top_k, inter)
+    got = cuda_backend.to_host(fused)
+    assert relative_error(got, cuda_backend.to_host(unfused)) < 5e-3
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    h = np.stack([x_host[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    gate, up = h[:, :inter], h[:, inter:]
+    assert relative_error(got, gate / (1 + np.exp(-gate)) * up) < BF16_TOL
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # unset: only when asked for
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    with pytest.raises(ValueError, match="lane-groups"):
+        moe.gate_up_silu_gemv(x, rows_weight, grouping, gemv_kernel)

@@ -1098,7 +1098,9 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
 # silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits. E1 of 2026-11-24 (H200, one
 # token): Moonlight's MoE block (results/kimi_moe_block_s8e1.json, with the one-launch routing) 55.6 -> 53.1 us;
 # the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
-# then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1.
+# then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1. Lane-groups INT4
+# (moe_int4.cu GROUPS_FUSE_SILU): each warp's "rows g" 8 gate rows and its "rows g + 8" the matching up rows,
+# one walk of K (as many warps as the plain form); unmeasured, so only with =1 too.
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 
 
@@ -1112,6 +1114,8 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
+    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # only when asked for: unmeasured
+        return name if explicit and gate_up.out_features % 16 == 0 else None
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
         return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines
                 and gate_up.out_features % 32 == 0 else None)
@@ -1134,7 +1138,14 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
     if defines.get("TILED_PAIR") or "TILED_STAGES" in defines:
         raise ValueError(f"the decode GEMV {name!r} has no fused SiLU·mul form (the register-ring tiled ones and "
                          "moe_gemv_wide do; see gemv_silu_kernel)")
-    if name in TILED_GEMVS:
+    if name in GROUPS_GEMVS:  # moe_int4.cu: each warp 8 gate rows and their 8 up rows, 8 output columns
+        if gate_up.layout != "lane_groups":
+            raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
+                             f"{gate_up.layout!r}")
+        columns = MMA_GEMV_WARPS * 8
+        kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, GROUPS_FUSE_SILU=1)(
+            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+    elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
             (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)

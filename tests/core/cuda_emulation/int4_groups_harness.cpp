@@ -34,11 +34,17 @@ int main(int argc, char** argv) {
         moe_gemv_mma(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
                      dense_mma.data(), N, K);
     });
-    launch((N + groups_columns - 1) / groups_columns, max_tiles, 1, GROUPS_WARPS * 32, [&] {
+#if GROUPS_FUSE_SILU  // gate_up with SiLU·mul: N / 2 output columns, 8 per warp (saved in the first N / 2 of each row)
+    const int out_columns = N / 2, warp_columns = GROUPS_WARPS * 8;
+#else
+    const int out_columns = N, warp_columns = GROUPS_WARPS * 16;
+#endif
+    (void)groups_columns;
+    launch((out_columns + warp_columns - 1) / warp_columns, max_tiles, 1, GROUPS_WARPS * 32, [&] {
         moe_gemv_int4_groups(x.data(), sorted.data(), k, w.data(), s.data(), tile_expert.data(), tile_row.data(),
                              num_tiles.data(), offsets.data(), 0, groups.data(), N, K);
     });
-    launch((N + groups_columns - 1) / groups_columns, 1, 1, GROUPS_WARPS * 32, [&] {
+    launch((out_columns + warp_columns - 1) / warp_columns, 1, 1, GROUPS_WARPS * 32, [&] {
         moe_gemv_int4_groups(x.data(), nullptr, 1, w.data(), s.data(), nullptr, nullptr, nullptr, nullptr, T,
                              dense_groups.data(), N, K);
     });
