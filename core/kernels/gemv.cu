@@ -255,3 +255,17 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     __syncthreads();
     gemv_m1_tiles(xs, w, bias, y, N, K, prefetch_bytes);
 }
+
+// gemv_m1_cols: gemv_m1 with GEMV_M1_COLS consecutive output columns per warp (one input row), for short
+// rows: a warp then has COLS rows' loads in flight at once, so a wide, short projection (Kimi-K2's q_b,
+// 12288 x 1536: a 3 KB row per warp, 1.45 waves of gemv_m1's warps) fits one wave of longer-lived warps.
+// Each column's sum runs in gemv_m1's order: the same bits. Opt-in until measured
+// (benchmarks/gpu_dense_gemv.py --variants ...,cols2,cols4).
+#ifndef GEMV_M1_COLS
+#define GEMV_M1_COLS 2
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+    gemv_m1_cols(const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,
+                 bf16* __restrict__ y, int M, int N, int K) {
+    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);
+}

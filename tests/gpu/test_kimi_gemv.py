@@ -387,3 +387,24 @@ def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch,
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
     with pytest.raises(ValueError, match="lane-groups"):
         moe.gate_up_silu_gemv(x, rows_weight, grouping, gemv_kernel)
+
+
+@pytest.mark.parametrize("columns", [2, 4])
+@pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168)])
+def test_gemv_m1_cols_equals_gemv_m1(rng, columns, n, k):
+    """gemv.cu gemv_m1_cols (GEMV_M1_COLS columns per warp, one row; opt-in): gemv_m1's bits, N not a whole
+    number of blocks (a warp's last columns past N), K with a partial last pass; and the NumPy product."""
+    from openinfer.backend.cuda.loader import kernel
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k)
+    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
+    null = np.uint64(0)
+    outs = []
+    for name, defines, per_warp in (("gemv_m1", {}, 1), ("gemv_m1_cols", {"GEMV_M1_COLS": columns}, columns)):
+        out = cupy.zeros((1, n), cupy.uint16)
+        kernel("gemv.cu", name, **defines)((-(-n // (8 * per_warp)),), (256,),
+                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+        outs.append(cupy.asnumpy(out))
+    assert np.array_equal(outs[1], outs[0])
+    assert relative_error((outs[1].astype(np.uint32) << 16).view(np.float32), x_host @ w_host.T) < BF16_TOL
