@@ -250,7 +250,7 @@ def test_lane_groups_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_ker
     """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a
     40-row tile at 40): lane-groups weights give the checkpoint layout's bits by the per-tile GEMM and every
     GEMV that reads them a word or 16 bytes at a time (tiled and staged names run moe_gemv_mma there);
-    moe_gemv_int4_groups (its GEMVs, and what "auto" runs up to LANE_GROUPS_MAX_SLOTS) applies the scales
+    moe_gemv_int4_groups (its GEMVs, and what "auto" runs within LANE_GROUPS_CHOICE) applies the scales
     after the mma: fp32 rounding apart. N = 96 (a block's last two warps past N), K = 1152 (nine chunks: the
     rings wrap); and the dequantized NumPy product."""
     moe = _moe_cuda()
@@ -322,8 +322,8 @@ def test_lane_groups_layout_switch(rng, monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
 def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
     """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
-    within fp32 rounding of the checkpoint layout's block (1 and 2 tokens: moe_gemv_int4_groups; 3: past
-    LANE_GROUPS_MAX_SLOTS, moe_gemv_mma; 64: the per-tile GEMM), and a CUDA-graph replay gives the eager bits."""
+    within bf16 rounding of the checkpoint layout's block (1-3 tokens: moe_gemv_int4_groups; 64: past
+    LANE_GROUPS_CHOICE, the table's kernel), and a CUDA-graph replay gives the eager bits."""
     from openinfer.moe import RouterSpec
 
     moe = _moe_cuda()
@@ -338,7 +338,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
     x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
     want = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, rows))
     eager = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, groups))
-    assert relative_error(eager, want) < 5e-3
+    assert relative_error(eager, want) < 1e-2  # two GEMVs' bf16 roundings apart, compounded by SiLU·mul
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(pool.malloc), stream:
         moe.moe_forward(cuda_backend, x, groups)

@@ -177,10 +177,14 @@ LAYOUT_GEMVS = {"tiled": TILED_GEMVS, "lane_groups": GROUPS_GEMVS}
 # E2 (H200, results/kimi_gemv_e2_h200.json: gate_up 57.8 / 654 us vs tiled_nc 80.9 / 1015, down 36.4 / 337
 # vs 48.5 / 657; the checkpoint layout's mma_staged 74.8 / 818 and 43.5 / 447).
 TILED_GEMV = "tiled1_nc_rot"
-# What lane-groups INT4 weights run wherever the tables pick a decode GEMV, up to LANE_GROUPS_MAX_SLOTS
-# slots per expert (a pass takes 2 token rows: more rows per expert re-stream the weights); past it
-# moe_gemv_mma (reading the layout 16 bytes per lane). Unmeasured.
-LANE_GROUPS_GEMV, LANE_GROUPS_MAX_SLOTS = "groups", 0.5
+# What lane-groups INT4 weights run wherever the tables pick a decode GEMV: the first entry whose bound holds
+# (slots per expert; dense: rows), past the last the table's own choice (a pass of moe_gemv_int4_groups takes 2
+# token rows: more rows per expert re-stream the weights; moe_gemv_mma reads the layout 16 bytes per lane).
+# D1 of 2026-11-24 (H200, RESULTS/D1/int4d/kimi_gemv_int4d_d2.json; Kimi-K2 gate_up / down, tiled layout's
+# tiled1_nc_rot first): 1 token 58.2 / 36.6 -> groups 44.1 / 26.8, groups_norot 42.0 / 26.1 us; 16 tokens
+# 652 / 337 -> 510 / 277, 485 / 266; 64 tokens 1776 / 860 -> 1632 / 850, 1852 / 836; 256 tokens 3260 / 1283 ->
+# 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590).
+LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -703,14 +707,14 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
 def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
                 rows_per_weight: float = 0.0) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights, LANE_GROUPS_GEMV for lane-groups ones up to LANE_GROUPS_MAX_SLOTS ``rows_per_weight``
-    (moe_gemv_mma past it), unless a kernel is forced (``forced_gemv_kernel``); else ``name``."""
+    weights, LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it ``name``), unless
+    a kernel is forced (``forced_gemv_kernel``); else ``name``."""
     if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
     if weight.layout == "tiled":
         return TILED_GEMV
     if weight.layout == "lane_groups":
-        return LANE_GROUPS_GEMV if rows_per_weight <= LANE_GROUPS_MAX_SLOTS else "mma"
+        return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
     return name
 
 
