@@ -41,14 +41,25 @@
 #if GROUPS_DEPTH % 2
 #error "GROUPS_DEPTH must be even (the activations' double buffer is indexed by chunk parity)"
 #endif
+// A stage of the shared-memory ring: the chunk's 1 KB of words as in HBM, then each lane's two scale pairs
+// (8 bytes at 1024 + 8 * lane); every lane copies and reads only its own bytes, so it waits only for its own
+// cp.async groups and the warp never synchronises.
+#define GROUPS_STAGE_BYTES 1280
+
 #ifndef GROUPS_FUSE_SILU
 #define GROUPS_FUSE_SILU 0  // 1: gate_up with SiLU·mul fused (out [rows, N / 2]; see moe_gemv_int4_groups)
 #endif
+#ifndef GROUPS_STAGES
+#define GROUPS_STAGES 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by cp.async
+#endif                   // (GROUPS_DEPTH unused): more bytes in flight per warp than registers hold
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
 #define GROUPS_WARPS 4
-#define GROUPS_TILE_ROWS 64  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
+#define GROUPS_TILE_ROWS 64
+#if GROUPS_STAGES
+static_assert(GROUPS_WARPS * GROUPS_STAGES * GROUPS_STAGE_BYTES <= 48 * 1024, "static shared memory");
+#endif  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
 #define GROUPS_NEG136 0xC308C308u  // bf16 -136, twice
 
 struct GroupsChunk {
@@ -96,6 +107,58 @@ __device__ __forceinline__ GroupsChunk groups_load(const GroupsRows& rows, int c
     chunk.s_hi = *reinterpret_cast<const unsigned*>(s_hi);
     return chunk;
 }
+
+#if GROUPS_STAGES
+// cp.async copies of `bytes` (16: L2 asked for 256-byte lines, past L1; 4: the scales) and their groups
+template <int BYTES>
+__device__ __forceinline__ void groups_copy(unsigned char* smem, const unsigned char* gmem) {
+#ifdef MMA_HOST_STANDIN
+    for (int i = 0; i < BYTES; ++i) smem[i] = gmem[i];
+#else
+    const unsigned at = (unsigned)__cvta_generic_to_shared(smem);
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(at), "l"(gmem));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(at), "l"(gmem), "n"(BYTES));
+#endif
+}
+__device__ __forceinline__ void groups_commit() {
+#ifndef MMA_HOST_STANDIN
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int PENDING>
+__device__ __forceinline__ void groups_wait() {
+#ifndef MMA_HOST_STANDIN
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+#endif
+}
+
+// Chunk `c` of the warp's rows into `stage` (this lane's 16 + 16 + 4 + 4 bytes).
+__device__ __forceinline__ void groups_issue(const GroupsRows& rows, int c, unsigned char* stage, int lane) {
+    const unsigned long long w = (unsigned long long)(unsigned)c * 1024u, s = (unsigned long long)(unsigned)c * 128u;
+    const unsigned char *w_lo = rows.w_lo + w, *s_lo = rows.s_lo + s;
+#if GROUPS_FUSE_SILU
+    const unsigned char *w_hi = w_lo + rows.w_hi, *s_hi = s_lo + rows.s_hi;
+#else
+    const unsigned char *w_hi = w_lo + 512, *s_hi = s_lo + 8;
+#endif
+    groups_copy<16>(stage + 16 * lane, w_lo);
+    groups_copy<16>(stage + 512 + 16 * lane, w_hi);
+    groups_copy<4>(stage + 1024 + 8 * lane, s_lo);
+    groups_copy<4>(stage + 1028 + 8 * lane, s_hi);
+}
+
+// This lane's share of the chunk in `stage`.
+__device__ __forceinline__ GroupsChunk groups_read(const unsigned char* stage, int lane) {
+    GroupsChunk c;
+    c.lo = *reinterpret_cast<const uint4*>(stage + 16 * lane);
+    c.hi = *reinterpret_cast<const uint4*>(stage + 512 + 16 * lane);
+    c.s_lo = *reinterpret_cast<const unsigned*>(stage + 1024 + 8 * lane);
+    c.s_hi = *reinterpret_cast<const unsigned*>(stage + 1028 + 8 * lane);
+    return c;
+}
+#endif
 
 // Nibbles s and s + 4 of v → the bf16 pair (128 + q_s, 128 + q_{s+4}); `magic`: 0x43004300 (bf16 128, twice).
 __device__ __forceinline__ unsigned groups_pair(unsigned v, int s, unsigned magic) {
@@ -272,6 +335,35 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         for (int p = 0; p < GROUPS_PAIRS; ++p)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[p][v] = 0.f;
+#if GROUPS_STAGES
+        __shared__ __align__(16) unsigned char groups_ring[GROUPS_WARPS][GROUPS_STAGES][GROUPS_STAGE_BYTES];
+        unsigned char(*ring)[GROUPS_STAGE_BYTES] = groups_ring[warp];
+        int load_chunk = start;  // the next chunk the ring loads
+#pragma unroll
+        for (int d = 0; d + 1 < GROUPS_STAGES; ++d) {  // every turn commits a group, empty or not
+            if (d < chunks) {
+                groups_issue(rows_of_warp, load_chunk, ring[d], lane);
+                load_chunk = next_chunk(load_chunk);
+            }
+            groups_commit();
+        }
+        int x_chunk = start;  // the chunk whose activations load next
+        int stage_read = 0, stage_fill = GROUPS_STAGES - 1;
+        for (int c = 0; c < chunks; ++c) {
+            if (c + GROUPS_STAGES - 1 < chunks) {  // into the stage read last turn
+                groups_issue(rows_of_warp, load_chunk, ring[stage_fill], lane);
+                load_chunk = next_chunk(load_chunk);
+            }
+            groups_commit();
+            uint4 xv[GROUPS_PAIRS][4];  // L1-resident: in before the chunk's bytes are
+            groups_x_load(xv, x_at, x_stride, x_chunk);
+            x_chunk = next_chunk(x_chunk);
+            groups_wait<GROUPS_STAGES - 1>();  // chunk c landed (this lane's copies)
+            groups_chunk(acc, groups_read(ring[stage_read], lane), xv, neg136, magic);
+            stage_read = stage_read + 1 == GROUPS_STAGES ? 0 : stage_read + 1;
+            stage_fill = stage_fill + 1 == GROUPS_STAGES ? 0 : stage_fill + 1;
+        }
+#else
         GroupsChunk ring[GROUPS_DEPTH];
         int load_chunk = start;  // the next chunk the ring loads
 #pragma unroll
@@ -312,6 +404,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 }
             }
         }
+#endif
         // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
         // the two lanes t', t' ^ 1 of a token hold its four group parities
 #pragma unroll

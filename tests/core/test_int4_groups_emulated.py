@@ -24,6 +24,8 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          "d6": {"GROUPS_DEPTH": 6},
          # gate_up with SiLU·mul fused (N = 48: I = 24, three warps of 8 gate + 8 up rows, rows across blocks)
          "silu": {"GROUPS_DEPTH": 4, "GROUPS_FUSE_SILU": 1}, "silu_d2": {"GROUPS_DEPTH": 2, "GROUPS_FUSE_SILU": 1},
+         # the ring in shared memory (cp.async on the GPU): deeper than K's three chunks, and one that wraps
+         "s8": {"GROUPS_STAGES": 8}, "s2": {"GROUPS_STAGES": 2}, "s2_silu": {"GROUPS_STAGES": 2, "GROUPS_FUSE_SILU": 1},
          "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0}}
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

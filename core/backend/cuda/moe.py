@@ -166,6 +166,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
     "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
+    # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
+    # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block
+    "groups_s8": {"GROUPS_STAGES": 8},
+    "groups_s8_norot": {"GROUPS_STAGES": 8, "GROUPS_ROTATE": 0},
+    "groups_s6": {"GROUPS_STAGES": 6},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
