@@ -52,11 +52,17 @@
 #ifndef GROUPS_STAGES
 #define GROUPS_STAGES 0  // > 0: the chunk ring in shared memory, this many chunks deep, filled by cp.async
 #endif                   // (GROUPS_DEPTH unused): more bytes in flight per warp than registers hold
+#ifndef GROUPS_KSPLIT
+#define GROUPS_KSPLIT 1  // warps of a block sharing one row block, each over a slice of K (shared-memory ring only)
+#endif
 #ifndef GROUPS_MIN_BLOCKS
 #define GROUPS_MIN_BLOCKS 4  // resident blocks per SM asked of ptxas (4: at most 128 registers, 16 warps per SM)
 #endif
 #define GROUPS_WARPS 4
 #define GROUPS_TILE_ROWS 64
+#if GROUPS_KSPLIT > 1 && (!GROUPS_STAGES || GROUPS_WARPS % GROUPS_KSPLIT)
+#error "GROUPS_KSPLIT needs the shared-memory ring and must divide GROUPS_WARPS"
+#endif
 #if GROUPS_STAGES
 static_assert(GROUPS_WARPS * GROUPS_STAGES * GROUPS_STAGE_BYTES <= 48 * 1024, "static shared memory");
 #endif  // rows of a grouped tile: moe.cu BM (moe.py TILE_M)
@@ -259,14 +265,26 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // split K: the block's warps in groups of GROUPS_KSPLIT share a row block, warp `slice` its slice of K
+    const int slice = warp % GROUPS_KSPLIT, column_warp = blockIdx.x * (GROUPS_WARPS / GROUPS_KSPLIT) + warp / GROUPS_KSPLIT;
 #if GROUPS_FUSE_SILU  // output columns n0 .. n0 + 7: gate rows n0 + g ("rows g"), up rows N / 2 + n0 + g ("g + 8")
-    const int out_columns = N / 2, n0 = (blockIdx.x * GROUPS_WARPS + warp) * 8;
-    const int row_lo = n0, row_hi = out_columns + n0;
+    const int out_columns = N / 2, warp_columns = 8;
 #else  // rows n0 .. n0 + 15 of one 16-row block
-    const int out_columns = N, n0 = (blockIdx.x * GROUPS_WARPS + warp) * 16;
+    const int out_columns = N, warp_columns = 16;
+#endif
+#if GROUPS_KSPLIT > 1  // a warp past the columns still meets the block's barriers (its rows clamped, its result dropped)
+    const bool past_columns = column_warp * warp_columns >= out_columns;
+    const int n0 = past_columns ? out_columns - warp_columns : column_warp * warp_columns;
+#else
+    const int n0 = column_warp * warp_columns;
+    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
+    (void)slice;
+#endif
+#if GROUPS_FUSE_SILU
+    const int row_lo = n0, row_hi = out_columns + n0;
+#else
     const int row_lo = n0, row_hi = n0 + 8;
 #endif
-    if (n0 >= out_columns) return;  // whole warps only: the mma is warp-collective
     int expert, row_begin, row_end;
     if (tile_expert) {  // grouped: tile blockIdx.y's expert and slots (moe.cu gemv_block_rows)
         if ((int)blockIdx.y >= *num_tiles) return;
@@ -299,8 +317,16 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
     // (by the row block within its half of N where N is whole 32-row pairs: a gate row block and its up row
     // block start alike, so the fused SiLU·mul form sums each row in the order the plain form does)
     const int half_block = (N % 32 == 0 ? row_lo % (N / 2) : row_lo) / 16;
-    const int start = GROUPS_ROTATE ? (int)(half_block * 37LL % chunks) : 0;
-    const auto next_chunk = [&](int c) { return c + 1 == chunks ? 0 : c + 1; };
+    // this warp's chunks: [c_begin, c_end) (its slice of K; whole K without the split), walked from `start`
+#if GROUPS_KSPLIT > 1
+    const int slice_chunks = (chunks + GROUPS_KSPLIT - 1) / GROUPS_KSPLIT;
+    const int c_begin = min(chunks, slice * slice_chunks), c_end = min(chunks, c_begin + slice_chunks);
+#else
+    const int c_begin = 0, c_end = chunks;
+#endif
+    const int count = c_end - c_begin;
+    const int start = c_begin + (GROUPS_ROTATE && count ? (int)(half_block * 37LL % count) : 0);
+    const auto next_chunk = [&](int c) { return c + 1 == c_end ? c_begin : c + 1; };
     // the -136 operand and the bf16 magic, opaque to the compiler (which would otherwise rebuild the
     // constants before each use)
     unsigned neg136[4], magic = 0x43004300u;
@@ -341,7 +367,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         int load_chunk = start;  // the next chunk the ring loads
 #pragma unroll
         for (int d = 0; d + 1 < GROUPS_STAGES; ++d) {  // every turn commits a group, empty or not
-            if (d < chunks) {
+            if (d < count) {
                 groups_issue(rows_of_warp, load_chunk, ring[d], lane);
                 load_chunk = next_chunk(load_chunk);
             }
@@ -349,8 +375,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         }
         int x_chunk = start;  // the chunk whose activations load next
         int stage_read = 0, stage_fill = GROUPS_STAGES - 1;
-        for (int c = 0; c < chunks; ++c) {
-            if (c + GROUPS_STAGES - 1 < chunks) {  // into the stage read last turn
+        for (int c = 0; c < count; ++c) {
+            if (c + GROUPS_STAGES - 1 < count) {  // into the stage read last turn
                 groups_issue(rows_of_warp, load_chunk, ring[stage_fill], lane);
                 load_chunk = next_chunk(load_chunk);
             }
@@ -368,7 +394,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         int load_chunk = start;  // the next chunk the ring loads
 #pragma unroll
         for (int d = 0; d + 1 < GROUPS_DEPTH; ++d)
-            if (d < chunks) {
+            if (d < count) {
                 ring[d] = groups_load(rows_of_warp, load_chunk);
                 load_chunk = next_chunk(load_chunk);
             }
@@ -377,7 +403,7 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
         groups_x_load(xv[0], x_at, x_stride, start);
         int x_chunk = next_chunk(start);  // the chunk whose activations load next
         int c0 = 0;
-        for (; c0 + 2 * GROUPS_DEPTH - 1 <= chunks; c0 += GROUPS_DEPTH) {  // every load of the turn in range
+        for (; c0 + 2 * GROUPS_DEPTH - 1 <= count; c0 += GROUPS_DEPTH) {  // every load of the turn in range
 #pragma unroll
             for (int d = 0; d < GROUPS_DEPTH; ++d) {
                 ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);  // the slot used last
@@ -387,16 +413,16 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 groups_chunk(acc, ring[d], xv[d % 2], neg136, magic);
             }
         }
-        for (; c0 < chunks; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
+        for (; c0 < count; c0 += GROUPS_DEPTH) {  // the last turns (warp-uniform branches)
 #pragma unroll
             for (int d = 0; d < GROUPS_DEPTH; ++d) {
                 const int c = c0 + d;
-                if (c + GROUPS_DEPTH - 1 < chunks) {
+                if (c + GROUPS_DEPTH - 1 < count) {
                     ring[(d + GROUPS_DEPTH - 1) % GROUPS_DEPTH] = groups_load(rows_of_warp, load_chunk);
                     load_chunk = next_chunk(load_chunk);
                 }
-                if (c < chunks) {
-                    if (c + 1 < chunks) {
+                if (c < count) {
+                    if (c + 1 < count) {
                         groups_x_load(xv[(d + 1) % 2], x_at, x_stride, x_chunk);
                         x_chunk = next_chunk(x_chunk);
                     }
@@ -404,6 +430,26 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                 }
             }
         }
+#endif
+#if GROUPS_KSPLIT > 1  // the slices' sums meet in shared memory; slice 0 adds them in slice order
+        __shared__ float groups_partial[GROUPS_WARPS][GROUPS_PAIRS][4][32];
+        if (slice) {
+#pragma unroll
+            for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) groups_partial[warp][p][v][lane] = acc[p][v];
+        }
+        __syncthreads();
+        if (slice == 0) {
+#pragma unroll
+            for (int other = 1; other < GROUPS_KSPLIT; ++other)
+#pragma unroll
+                for (int p = 0; p < GROUPS_PAIRS; ++p)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) acc[p][v] += groups_partial[warp + other][p][v][lane];
+        }
+        __syncthreads();  // read before the next pass writes
+        if (slice || past_columns) continue;
 #endif
         // lane (g, t): rows g (acc 0, 1: groups 2t', 2t'+1) and g + 8 (acc 2, 3) of token 2p + (t >= 2);
         // the two lanes t', t' ^ 1 of a token hold its four group parities

@@ -240,7 +240,8 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
 
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
-                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6"]
+                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
+                       "groups_s8_k2"]
 
 
 @pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,
@@ -354,7 +355,7 @@ def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
         assert np.array_equal(cuda_backend.to_host(out), eager)
 
 
-@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8"])
+@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2"])
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
     """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp

@@ -171,6 +171,9 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_s8": {"GROUPS_STAGES": 8},
     "groups_s8_norot": {"GROUPS_STAGES": 8, "GROUPS_ROTATE": 0},
     "groups_s6": {"GROUPS_STAGES": 6},
+    # ... with K split over the 2 warps sharing a row block (summed in shared memory): twice the warps, each half as
+    # long (a batch-1 down projection's 896 blocks of 4 row blocks took 1.4 waves)
+    "groups_s8_k2": {"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 2},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
@@ -734,7 +737,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     defines = GEMV_KERNELS[name]
     if "GROUPS_DEPTH" in defines:
         if weight.layout == "lane_groups":
-            columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
+            columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
             kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
                 (-(-weight.out_features // columns), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
             return
@@ -1151,7 +1154,7 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
         if gate_up.layout != "lane_groups":
             raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
                              f"{gate_up.layout!r}")
-        columns = MMA_GEMV_WARPS * 8
+        columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
         kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, GROUPS_FUSE_SILU=1)(
             (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
     elif name in TILED_GEMVS:

@@ -35,9 +35,9 @@ int main(int argc, char** argv) {
                      dense_mma.data(), N, K);
     });
 #if GROUPS_FUSE_SILU  // gate_up with SiLU·mul: N / 2 output columns, 8 per warp (saved in the first N / 2 of each row)
-    const int out_columns = N / 2, warp_columns = GROUPS_WARPS * 8;
+    const int out_columns = N / 2, warp_columns = GROUPS_WARPS / GROUPS_KSPLIT * 8;
 #else
-    const int out_columns = N, warp_columns = GROUPS_WARPS * 16;
+    const int out_columns = N, warp_columns = GROUPS_WARPS / GROUPS_KSPLIT * 16;
 #endif
     (void)groups_columns;
     launch((out_columns + warp_columns - 1) / warp_columns, max_tiles, 1, GROUPS_WARPS * 32, [&] {
