@@ -29,6 +29,7 @@ CASES = {"d4": {"GROUPS_DEPTH": 4}, "d2": {"GROUPS_DEPTH": 2}, "p2": {"GROUPS_DE
          # K split over 2 / 4 warps of a block (K = 384: 2 + 1 chunks, 1 + 1 + 1 + 0; N = 48: a warp pair past N)
          "s2_k2": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2}, "s8_k4": {"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 4},
          "s2_k2_silu": {"GROUPS_STAGES": 2, "GROUPS_KSPLIT": 2, "GROUPS_FUSE_SILU": 1},
+         "s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
          "norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0}}
 ROUTES = {"one_token": (1, 8, 4), "few": (5, 3, 2), "ragged": (12, 4, 3)}
 

@@ -241,7 +241,7 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 
 LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
                        "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2"]
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
 
 
 @pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,

@@ -174,6 +174,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # ... with K split over the 2 warps sharing a row block (summed in shared memory): twice the warps, each half as
     # long (a batch-1 down projection's 896 blocks of 4 row blocks took 1.4 waves)
     "groups_s8_k2": {"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 2},
+    # ... with 2 / 4 token pairs per pass over the weights (4 / 8 rows per expert tile without re-streaming it;
+    # for a few slots per expert): 244 / 365 instructions per KB, 102 / 128 registers
+    "groups_s8_p2": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 2},
+    "groups_s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
