@@ -156,11 +156,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
                       "TILED_ROTATE": 1},
     # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", opt-in): moe_int4.cu
     # moe_gemv_int4_groups, the mma's N columns carrying a chunk's 4 groups (a lane's 16 bytes one whole
-    # group), so the group scales take 4 FMAs per lane per 1 KB chunk; ~135 instructions per KB in its
-    # sm_90a SASS at 1 token (tiled1_nc_rot: ~275, moe13c's count). GROUPS_PAIRS
-    # token pairs per pass over the weights; weights in other layouts run moe_gemv_mma instead.
-    # sm_90a SASS of the steady loop: 135 / 137 instructions per KB (groups / groups_d2); ptxas: 128 registers
-    # (4 blocks per SM), no spills; d6 and p2 at 3 blocks per SM (168 registers for the ring of 6)
+    # group), so the group scales take 4 FMAs per lane per 1 KB chunk; GROUPS_PAIRS token pairs per pass over
+    # the weights, a ring of GROUPS_DEPTH chunks in registers; weights in other layouts run moe_gemv_mma instead.
+    # sm_90a SASS of the steady loop at 1 token: 135 / 137 instructions per KB (groups / groups_d2;
+    # tiled1_nc_rot: ~275, moe13c's count); ptxas: 128 registers (4 blocks per SM), no spills in the loop;
+    # d6 and p2 at 3 blocks per SM (168 registers for the ring of 6)
     "groups": {"GROUPS_DEPTH": 4},
     "groups_d2": {"GROUPS_DEPTH": 2},
     "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
@@ -181,7 +181,8 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
-GROUPS_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "GROUPS_DEPTH" in defines)
+GROUPS_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items()
+                     if any(define.startswith("GROUPS_") for define in defines))
 # The decode GEMVs of each INT4 layout's own (the others read it a word at a time, or not at all)
 LAYOUT_GEMVS = {"tiled": TILED_GEMVS, "lane_groups": GROUPS_GEMVS}
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
@@ -739,7 +740,7 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
-    if "GROUPS_DEPTH" in defines:
+    if name in GROUPS_GEMVS:
         if weight.layout == "lane_groups":
             columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
             kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
