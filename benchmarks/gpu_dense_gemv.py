@@ -1,7 +1,8 @@
 """gemv.cu's bf16 decode GEMVs (one row: ``gemv_m1`` and the fused ``gemv_m1_add_rms_norm`` /
 ``gemv_m1_silu_mul``) at the dense projections of Kimi-K2, Moonlight-16B-A3B and Qwen3-4B, by
 compile-time variant of gemv.cu (``GEMV_BATCHED_TAIL`` 1: the last partial pass issues all its
-loads first; 0: one load at a time; ``cols2`` / ``cols4``: ``gemv_m1_cols``, 2 / 4 columns per warp). Each call is timed inside a CUDA graph
+loads first; 0: one load at a time; ``cols2`` / ``cols4``: ``gemv_m1_cols``, 2 / 4 columns per warp;
+``ksplit2`` / ``4`` / ``8``: ``gemv_m1_ksplit``, each column's K over that many warps). Each call is timed inside a CUDA graph
 of calls on rotating weight copies (at least 256 MB of them, so L2 never holds a weight), against
 the bytes it must read over the measured copy bandwidth. JSON + PNG into benchmarks/results/ and $OUT.
 
@@ -40,7 +41,9 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
 }
 VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
             # gemv_m1_cols: 2 / 4 output columns per warp ("plain" shapes only; gemv_m1's bits)
-            "cols2": {"GEMV_M1_COLS": 2}, "cols4": {"GEMV_M1_COLS": 4}}
+            "cols2": {"GEMV_M1_COLS": 2}, "cols4": {"GEMV_M1_COLS": 4},
+            # gemv_m1_ksplit: each column's K over 2 / 4 / 8 warps ("plain" shapes only; fp32 rounding apart)
+            "ksplit2": {"GEMV_KSPLIT": 2}, "ksplit4": {"GEMV_KSPLIT": 4}, "ksplit8": {"GEMV_KSPLIT": 8}}
 DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20
@@ -56,6 +59,10 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
     null = np.uint64(0)
     threads = (GEMV_WARPS_PER_BLOCK * 32,)
     if kind == "plain":
+        if "GEMV_KSPLIT" in defines:
+            fn = kernel("gemv.cu", "gemv_m1_ksplit", **defines)
+            grid = (-(-n // (GEMV_WARPS_PER_BLOCK // defines["GEMV_KSPLIT"])),)
+            return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
         columns = defines.get("GEMV_M1_COLS", 1)
         fn = kernel("gemv.cu", "gemv_m1_cols" if "GEMV_M1_COLS" in defines else "gemv_m1", **defines)
         grid = (-(-n // (GEMV_WARPS_PER_BLOCK * columns)),)
@@ -96,7 +103,7 @@ def run(args) -> dict:
                      "weight_copies": copies}
             outputs = {}
             variants = {v: VARIANTS[v] for v in args.variants.split(",")
-                        if kind == "plain" or "GEMV_M1_COLS" not in VARIANTS[v]}
+                        if kind == "plain" or not {"GEMV_M1_COLS", "GEMV_KSPLIT"} & set(VARIANTS[v])}
             for variant, defines in variants.items():
                 launch = launcher(kind, n, k, defines, num_sms)
                 outs = [cupy.empty((1, n), cupy.uint16) for _ in range(CALLS)]
@@ -111,6 +118,7 @@ def run(args) -> dict:
             first = next(iter(variants))
             for variant in list(variants)[1:]:
                 point[f"{variant}_speedup"] = point[f"{first}_us"] / point[f"{variant}_us"]
+                point[f"{variant}_bits_equal"] = bool(np.array_equal(outputs[first], outputs[variant]))
             point["bits_equal"] = bool(all(np.array_equal(outputs[first], o) for o in outputs.values()))
             print(json.dumps(point), flush=True)
             points.append(point)

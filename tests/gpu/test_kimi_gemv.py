@@ -409,3 +409,25 @@ def test_gemv_m1_cols_equals_gemv_m1(rng, columns, n, k):
         outs.append(cupy.asnumpy(out))
     assert np.array_equal(outs[1], outs[0])
     assert relative_error((outs[1].astype(np.uint32) << 16).view(np.float32), x_host @ w_host.T) < BF16_TOL
+
+
+@pytest.mark.parametrize("ksplit", [2, 4, 8])
+@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 1536), (100, 264)])
+def test_gemv_m1_ksplit_equals_numpy(rng, ksplit, n, k):
+    """gemv.cu gemv_m1_ksplit (each column's K over GEMV_KSPLIT warps, summed in shared memory; opt-in): the
+    NumPy product within bf16 rounding and gemv_m1 within fp32 rounding, N not a whole number of blocks (warps
+    past N meet the barrier), K not whole 256-element steps and fewer steps than slices (K = 264)."""
+    from openinfer.backend.cuda.loader import kernel
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k)
+    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
+    null = np.uint64(0)
+    outs = []
+    for name, defines, per_block in (("gemv_m1", {}, 8), ("gemv_m1_ksplit", {"GEMV_KSPLIT": ksplit}, 8 // ksplit)):
+        out = cupy.zeros((1, n), cupy.uint16)
+        kernel("gemv.cu", name, **defines)((-(-n // per_block),), (256,),
+                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+        outs.append((cupy.asnumpy(out).astype(np.uint32) << 16).view(np.float32))
+    assert relative_error(outs[1], outs[0]) < 5e-3
+    assert relative_error(outs[1], x_host @ w_host.T) < BF16_TOL
