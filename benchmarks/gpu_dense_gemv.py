@@ -1,11 +1,12 @@
 """gemv.cu's bf16 decode GEMVs (one row: ``gemv_m1`` and the fused ``gemv_m1_add_rms_norm`` /
 ``gemv_m1_silu_mul``) at the dense projections of Kimi-K2, Moonlight-16B-A3B and Qwen3-4B, by
 compile-time variant of gemv.cu (``GEMV_BATCHED_TAIL`` 1: the last partial pass issues all its
-loads first; 0: one load at a time, the default until measured). Each call is timed inside a CUDA graph
+loads first; 0: one load at a time; ``cols2`` / ``cols4``: ``gemv_m1_cols``, 2 / 4 columns per warp;
+``ksplit2`` / ``4`` / ``8``: ``gemv_m1_ksplit``, each column's K over that many warps). Each call is timed inside a CUDA graph
 of calls on rotating weight copies (at least 256 MB of them, so L2 never holds a weight), against
 the bytes it must read over the measured copy bandwidth. JSON + PNG into benchmarks/results/ and $OUT.
 
-    python benchmarks/gpu_dense_gemv.py [--shapes kimi,moonlight,qwen3] [--name dense_gemv]
+    python benchmarks/gpu_dense_gemv.py [--shapes kimi,moonlight,qwen3] [--variants batched_tail,cols2] [--name ...]
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.insert(0, str(HERE.parent))
 # (name, out_features N, in_features K, kernel): kernel "plain" gemv_m1, "norm" the RMSNorm-fused
 # one (as add_rms_norm_linear runs q_a_norm + q_b), "silu" the SiLU·mul-fused one (K = I, input 2I)
 SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
-    "kimi": [("qkv_a", 2112, 7168, "plain"), ("q_a_norm+q_b", 12288, 1536, "norm"), ("o_proj", 7168, 8192, "plain"),
+    "kimi": [("qkv_a", 2112, 7168, "plain"), ("q_b", 12288, 1536, "plain"), ("q_a_norm+q_b", 12288, 1536, "norm"),
+             ("o_proj", 7168, 8192, "plain"),
              ("shared gate_up", 4096, 7168, "plain"), ("shared silu+down", 7168, 2048, "silu")],
     "moonlight": [("q+kv_a", 3648, 2048, "plain"), ("o_proj", 2048, 2048, "plain"),
                   ("shared gate_up", 5632, 2048, "plain"), ("shared silu+down", 2048, 2816, "silu"),
@@ -37,7 +39,12 @@ SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "qwen3": [("qkv", 6144, 2560, "norm"), ("o_proj", 2560, 4096, "plain"), ("gate_up", 19456, 2560, "norm"),
               ("silu+down", 2560, 9728, "silu")],
 }
-VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0}}
+VARIANTS = {"batched_tail": {"GEMV_BATCHED_TAIL": 1}, "serial_tail": {"GEMV_BATCHED_TAIL": 0},
+            # gemv_m1_cols: 2 / 4 output columns per warp ("plain" shapes only; gemv_m1's bits)
+            "cols2": {"GEMV_M1_COLS": 2}, "cols4": {"GEMV_M1_COLS": 4},
+            # gemv_m1_ksplit: each column's K over 2 / 4 / 8 warps ("plain" shapes only; fp32 rounding apart)
+            "ksplit2": {"GEMV_KSPLIT": 2}, "ksplit4": {"GEMV_KSPLIT": 4}, "ksplit8": {"GEMV_KSPLIT": 8}}
+DEFAULT_VARIANTS = "batched_tail,serial_tail"
 CALLS = 16  # calls per timed graph
 MIN_ROTATION_BYTES = 256 << 20
 
@@ -52,8 +59,13 @@ def launcher(kind: str, n: int, k: int, defines: dict[str, int], num_sms: int):
     null = np.uint64(0)
     threads = (GEMV_WARPS_PER_BLOCK * 32,)
     if kind == "plain":
-        fn = kernel("gemv.cu", "gemv_m1", **defines)
-        grid = (-(-n // GEMV_WARPS_PER_BLOCK),)
+        if "GEMV_KSPLIT" in defines:
+            fn = kernel("gemv.cu", "gemv_m1_ksplit", **defines)
+            grid = (-(-n // (GEMV_WARPS_PER_BLOCK // defines["GEMV_KSPLIT"])),)
+            return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+        columns = defines.get("GEMV_M1_COLS", 1)
+        fn = kernel("gemv.cu", "gemv_m1_cols" if "GEMV_M1_COLS" in defines else "gemv_m1", **defines)
+        grid = (-(-n // (GEMV_WARPS_PER_BLOCK * columns)),)
         return lambda x, w, out: fn(grid, threads, (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
     grid = (fused_grid(n, num_sms, FUSED_LAUNCH.blocks_per_sm),)
     prefetch = np.int32(FUSED_LAUNCH.prefetch_bytes)
@@ -90,7 +102,9 @@ def run(args) -> dict:
             point = {"model": model, "op": name, "kernel": kind, "N": n, "K": k, "bytes": weight_bytes,
                      "weight_copies": copies}
             outputs = {}
-            for variant, defines in VARIANTS.items():
+            variants = {v: VARIANTS[v] for v in args.variants.split(",")
+                        if kind == "plain" or not {"GEMV_M1_COLS", "GEMV_KSPLIT"} & set(VARIANTS[v])}
+            for variant, defines in variants.items():
                 launch = launcher(kind, n, k, defines, num_sms)
                 outs = [cupy.empty((1, n), cupy.uint16) for _ in range(CALLS)]
                 calls = [partial(launch, x, weights[i % copies], outs[i]) for i in range(CALLS)]
@@ -101,15 +115,17 @@ def run(args) -> dict:
                 point[f"{variant}_fraction_of_copy_bandwidth"] = weight_bytes / seconds / bandwidth
                 if error:
                     point[f"{variant}_graph_error"] = error
-            first = next(iter(VARIANTS))
-            point["speedup"] = point[f"{list(VARIANTS)[1]}_us"] / point[f"{first}_us"]
+            first = next(iter(variants))
+            for variant in list(variants)[1:]:
+                point[f"{variant}_speedup"] = point[f"{first}_us"] / point[f"{variant}_us"]
+                point[f"{variant}_bits_equal"] = bool(np.array_equal(outputs[first], outputs[variant]))
             point["bits_equal"] = bool(all(np.array_equal(outputs[first], o) for o in outputs.values()))
             print(json.dumps(point), flush=True)
             points.append(point)
             del weights
             cupy.get_default_memory_pool().free_all_blocks()
     return {"benchmark": "dense_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
-            "variants": VARIANTS, "points": points}
+            "variants": {v: VARIANTS[v] for v in args.variants.split(",")}, "points": points}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -125,7 +141,8 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(points)), 4.5))
     width = 0.8 / len(report["variants"])
     for i, variant in enumerate(report["variants"]):
-        ax.bar(np.arange(len(points)) + i * width, [100 * p[f"{variant}_fraction_of_copy_bandwidth"] for p in points],
+        ax.bar(np.arange(len(points)) + i * width, [100 * p.get(f"{variant}_fraction_of_copy_bandwidth", 0.0)
+                                                     for p in points],
                width, label=variant)
     ax.set_xticks(np.arange(len(points)) + width * (len(report["variants"]) - 1) / 2, labels, fontsize=7)
     ax.set_ylabel("% of copy bandwidth")
@@ -140,7 +157,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--name", default="dense_gemv", help="results file name (JSON + PNG)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma list of {', '.join(VARIANTS)} (the first the reference)")
     args = parser.parse_args()
+    if not args.variants or set(args.variants.split(",")) - set(VARIANTS):
+        raise SystemExit(f"--variants {args.variants!r}: want a comma list of {', '.join(VARIANTS)}")
     RESULTS.mkdir(exist_ok=True)
     report = run(args)
     report["time"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

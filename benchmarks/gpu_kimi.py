@@ -515,7 +515,8 @@ def run_gemv(args) -> dict:
     unknown = set(kernels) - set(cuda_moe.GEMV_KERNELS)
     if unknown:
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(cuda_moe.GEMV_KERNELS)}")
-    tensor_core = [name for name in kernels if name in cuda_moe.TENSOR_CORE_GEMVS + cuda_moe.TILED_GEMVS] \
+    tensor_core = [name for name in kernels
+                   if name in cuda_moe.TENSOR_CORE_GEMVS + cuda_moe.TILED_GEMVS + cuda_moe.GROUPS_GEMVS] \
         or TENSOR_CORE_GEMVS
     report = {"benchmark": "kimi_gemv", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
               "kernels": {name: cuda_moe.GEMV_KERNELS[name] for name in kernels},
@@ -599,8 +600,8 @@ def run_gemv(args) -> dict:
             continue
         weight = random_int4(backend, experts, n, k) if fmt == "int4" else \
             ExpertLinear("bf16", device_random_bf16((experts, n, k)), None, n, k)
-        if layout == "tiled":  # the same random words, repacked for the decode GEMV
-            weight = cuda_moe.tiled_int4(weight)
+        if layout != "rows":  # the same random words, repacked for the decode GEMV
+            weight = cuda_moe.tiled_int4(weight, layout)
         per_expert = (weight.data.nbytes + (0 if weight.scale is None else weight.scale.nbytes)) / experts
         for tokens in tokens_list:
             groupings, active = [], []
@@ -616,7 +617,8 @@ def run_gemv(args) -> dict:
                      "active_experts_mean": float(np.mean(active)), "bytes_mean": float(np.mean(active)) * per_expert}
             names = kernels if point["slots_per_expert"] <= CUDA_CORE_GEMV_MAX_SLOTS_PER_EXPERT else tensor_core
             # each layout's own kernels (the tiled ones run moe_gemv_mma on checkpoint rows)
-            names = [name for name in names if (name in cuda_moe.TILED_GEMVS) == (layout == "tiled")] or names
+            names = [name for name in names if all((name in own) == (layout == owner)
+                                                   for owner, own in cuda_moe.LAYOUT_GEMVS.items())] or names
             measure(point, lambda name, x=x, weight=weight, groupings=groupings, gather=gather: [
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, True, gemv_kernel=name) if name in kernels else
                 partial(cuda_moe.grouped_gemm, x, weight, g, gather, False) for g in groupings],
@@ -1130,6 +1132,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_tiled": "routed INT4 experts in the decode GEMV's tiled layout (tiled_int4 of the same weights, as "
                   "$OPENINFER_INT4_LAYOUT=tiled uploads them)",
     "int4_rows": "routed INT4 experts in the checkpoint layout ($OPENINFER_INT4_LAYOUT=rows)",
+    "int4_groups": "routed INT4 experts in the lane-groups layout, moe_int4.cu's GEMV at few slots per expert "
+                   "($OPENINFER_INT4_LAYOUT=lane_groups)",
     "gemv_silu": "SiLU·mul inside the tiled INT4 gate_up decode GEMV ($OPENINFER_MOE_GEMV_SILU=1; with int4_tiled)",
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
     "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
@@ -1171,7 +1175,8 @@ def variant_layout(options: tuple[str, ...]) -> str:
     ``upload_expert_linear`` gives ($OPENINFER_INT4_LAYOUT, else core's default)."""
     from openinfer.backend.cuda import moe as cuda_moe
 
-    return "tiled" if "int4_tiled" in options else "rows" if "int4_rows" in options else cuda_moe.int4_layout()
+    return ("tiled" if "int4_tiled" in options else "rows" if "int4_rows" in options
+            else "lane_groups" if "int4_groups" in options else cuda_moe.int4_layout())
 
 
 def variant_label(absorbed_kernel: str, gemv_kernel: str, options: tuple[str, ...]) -> str:
@@ -1244,9 +1249,9 @@ def run_layer(args) -> dict:
     # the same random words, repacked
     layouts = {variant_layout(options) for _, _, options in variants}
     moes = {"rows": moe}
-    if "tiled" in layouts:
-        moes["tiled"] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up),
-                                            down=cuda_moe.tiled_int4(moe.down))
+    for layout in layouts - {"rows"}:
+        moes[layout] = dataclasses.replace(moe, gate_up=cuda_moe.tiled_int4(moe.gate_up, layout),
+                                           down=cuda_moe.tiled_int4(moe.down, layout))
     c = KIMI_LAYER
     spec = MLASpec(c["heads"], c["nope"], c["rope"], c["v"], c["kv_lora"], (c["nope"] + c["rope"]) ** -0.5)
     rope = RotaryEmbedding.create(c["rope"], RopeParameters(50000.0), args.context + 8)
@@ -1892,7 +1897,8 @@ def main() -> None:
     gemv.add_argument("--grouped-formats", default="int4,bf16", help="grouped shapes of these formats (GEMV_GROUPED)")
     gemv.add_argument("--tokens", default=",".join(map(str, GEMV_GROUPED_TOKENS)), help="grouped token counts")
     gemv.add_argument("--int4-layouts", default="rows",
-                      help="INT4 experts' layouts to time, comma list of rows (checkpoint), tiled (tile_int4)")
+                      help="INT4 experts' layouts to time, comma list of rows (checkpoint), tiled, lane_groups "
+                           "(tile_int4)")
     gemv.add_argument("--kernels", default="", help="comma list of GEMV_KERNELS to time, the first the reference "
                                                     "(default: all)")
     gemv.add_argument("--name", default="", help="results file name (default: kimi_gemv[_SECTIONS])")

@@ -155,13 +155,15 @@ def int4_tiling_fits(out_features: int, in_features: int, group: int) -> bool:
     return group == INT4_TILE_GROUP and out_features % INT4_TILE_ROWS == 0 and in_features % INT4_TILE_K == 0
 
 
-def tile_int4(words, scales, xp=np):
+def tile_int4(words, scales, xp=np, lane_groups: bool = False):
     """Stacked checkpoint-layout INT4 ``words [E, N, K/8]`` int32 and group-32 ``scales [E, N, K/32]``
     (any 2-byte dtype) → the tiled layout: words ``[E, N/16, K/128, 256]``, scales
     ``[E, N/16, K/128, 64]``. Inside a chunk the word of row n, weights k .. k+7 sits at
     ((n/8)%2, n%8, (k/8)%4, (k/32)%4) — a GEMV lane's 16 bytes hold 8 weights of each of the
     chunk's 4 groups — and the scale of (n, k/32) at (n%8, (n/8)%2, (k/32)%4), which is where
-    moe.cu's int4_word_index / int4_scale_index look. ``xp``: numpy or cupy (a device repack)."""
+    moe.cu's int4_word_index / int4_scale_index look. ``lane_groups``: the last two word indices
+    swapped, ((n/8)%2, n%8, (k/32)%4, (k/8)%4) — a lane's 16 bytes hold one whole group (moe.cu
+    INT4_TILED 2, moe_int4.cu's GEMV); scales as in the tiled layout. ``xp``: numpy or cupy (a device repack)."""
     experts, out_features, packed = words.shape
     in_features = packed * 8
     if not int4_tiling_fits(out_features, in_features, in_features // scales.shape[2]) \
@@ -171,17 +173,17 @@ def tile_int4(words, scales, xp=np):
                          f"in_features % {INT4_TILE_K} == 0")
     blocks, kblocks = out_features // INT4_TILE_ROWS, in_features // INT4_TILE_K
     # n = (block, half, row); word k/8 = (kblock, group, lane quarter); group k/32 = (kblock, group)
-    w = words.reshape(experts, blocks, 2, 8, kblocks, 4, 4).transpose(0, 1, 4, 2, 3, 6, 5)
+    w = words.reshape(experts, blocks, 2, 8, kblocks, 4, 4).transpose(0, 1, 4, 2, 3, *((5, 6) if lane_groups else (6, 5)))
     s = scales.reshape(experts, blocks, 2, 8, kblocks, 4).transpose(0, 1, 4, 3, 2, 5)
     return (xp.ascontiguousarray(w).reshape(experts, blocks, kblocks, 256),
             xp.ascontiguousarray(s).reshape(experts, blocks, kblocks, 64))
 
 
-def untile_int4(words, scales, out_features: int, in_features: int, xp=np):
+def untile_int4(words, scales, out_features: int, in_features: int, xp=np, lane_groups: bool = False):
     """``tile_int4``'s inverse: the checkpoint layout ``[E, N, K/8]`` words, ``[E, N, K/32]`` scales."""
     experts = words.shape[0]
     blocks, kblocks = out_features // INT4_TILE_ROWS, in_features // INT4_TILE_K
-    w = words.reshape(experts, blocks, kblocks, 2, 8, 4, 4).transpose(0, 1, 3, 4, 2, 6, 5)
+    w = words.reshape(experts, blocks, kblocks, 2, 8, 4, 4).transpose(0, 1, 3, 4, 2, *((5, 6) if lane_groups else (6, 5)))
     s = scales.reshape(experts, blocks, kblocks, 8, 2, 4).transpose(0, 1, 4, 3, 2, 5)
     return (xp.ascontiguousarray(w).reshape(experts, out_features, in_features // 8),
             xp.ascontiguousarray(s).reshape(experts, out_features, in_features // INT4_TILE_GROUP))

@@ -265,3 +265,71 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
     __syncthreads();
     gemv_m1_tiles(xs, w, bias, y, N, K, prefetch_bytes);
 }
+
+// gemv_m1_cols: gemv_m1 with GEMV_M1_COLS consecutive output columns per warp (one input row), for short
+// rows: a warp then has COLS rows' loads in flight at once, so a wide, short projection (Kimi-K2's q_b,
+// 12288 x 1536: a 3 KB row per warp, 1.45 waves of gemv_m1's warps) fits one wave of longer-lived warps.
+// Each column's sum runs in gemv_m1's order: the same bits. Opt-in until measured
+// (benchmarks/gpu_dense_gemv.py --variants ...,cols2,cols4).
+#ifndef GEMV_M1_COLS
+#define GEMV_M1_COLS 2
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+    gemv_m1_cols(const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,
+                 bf16* __restrict__ y, int M, int N, int K) {
+    gemv_tile<1, GEMV_M1_COLS, GEMV_M1_UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);
+}
+
+// gemv_m1_ksplit: one row, each output column's K split over GEMV_KSPLIT warps of a block (8 / GEMV_KSPLIT
+// columns per block), their sums added in shared memory in slice order. For long rows and few columns
+// (Kimi-K2's qkv_a, 2112 x 7168: gemv_m1's 2112 warps, 16 per SM, walk 14 KB each in 3.5 serial passes):
+// KSPLIT times the warps, each with its whole share of K in flight at once (up to GEMV_KSPLIT_STEPS 16-byte
+// loads per lane). Other summation order than gemv_m1 (fp32 rounding apart). Opt-in until measured
+// (benchmarks/gpu_dense_gemv.py --variants ...,ksplit4,ksplit8).
+#ifndef GEMV_KSPLIT
+#define GEMV_KSPLIT 8
+#endif
+#ifndef GEMV_KSPLIT_STEPS
+#define GEMV_KSPLIT_STEPS 4  // 256-element steps of K per warp with their loads in flight together
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+    gemv_m1_ksplit(const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,
+                   bf16* __restrict__ y, int M, int N, int K) {
+    static_assert(WARPS_PER_BLOCK % GEMV_KSPLIT == 0, "GEMV_KSPLIT must divide the block's warps");
+    __shared__ float slice_sums[WARPS_PER_BLOCK];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % GEMV_KSPLIT;
+    const int column = blockIdx.x * (WARPS_PER_BLOCK / GEMV_KSPLIT) + warp / GEMV_KSPLIT;
+    const bf16* row = w + (size_t)min(column, N - 1) * K;  // past N: a valid row, result dropped
+    (void)M;
+    constexpr int STEP = 32 * 8;
+    const int steps = (K + STEP - 1) / STEP;  // slice s takes steps s, s + KSPLIT, ...
+    float acc = 0.f;
+    for (int first = slice; first < steps; first += GEMV_KSPLIT * GEMV_KSPLIT_STEPS) {
+        uint4 raw[GEMV_KSPLIT_STEPS];
+#pragma unroll
+        for (int u = 0; u < GEMV_KSPLIT_STEPS; ++u) {
+            const int k = (first + u * GEMV_KSPLIT) * STEP + lane * 8;
+            raw[u] = k < K ? *reinterpret_cast<const uint4*>(row + k) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_KSPLIT_STEPS; ++u) {
+            const int k = (first + u * GEMV_KSPLIT) * STEP + lane * 8;
+            if (k < K) {
+                float xf[8], wf[8];
+                load8(x + k, xf);
+                words_to_floats8(raw[u], wf);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc += xf[i] * wf[i];
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) slice_sums[warp] = acc;
+    __syncthreads();
+    if (slice == 0 && lane == 0 && column < N) {
+        float total = 0.f;
+#pragma unroll
+        for (int s = 0; s < GEMV_KSPLIT; ++s) total += slice_sums[warp + s];
+        y[column] = __float2bfloat16_rn(total + (bias != nullptr ? __bfloat162float(bias[column]) : 0.f));
+    }
+}

@@ -36,8 +36,8 @@
 #define FP8_BLOCK 128
 #endif
 #ifndef INT4_TILED
-#define INT4_TILED 0  // INT4 words and scales in the GEMV-tiled layout (int4_word_index), not [N, K/8]
-#endif
+#define INT4_TILED 0  // INT4 words and scales in the GEMV-tiled layout (int4_word_index), not [N, K/8];
+#endif            // 2: its lane-groups variant (moe_int4.cu moe_gemv_int4_groups)
 #if INT4_TILED && (WEIGHT_FORMAT != 1 || GROUP != 32)
 #error "the tiled INT4 layout holds group-32 INT4 weights only"
 #endif
@@ -246,7 +246,10 @@ __device__ __forceinline__ long long int4_chunk_index(long long e, int n, int k,
 
 // Index of the int32 word holding weights k .. k+7 of row n (k % 8 == 0).
 __device__ __forceinline__ long long int4_word_index(long long e, int n, int k, int N, int K) {
-#if INT4_TILED
+#if INT4_TILED == 2  // lane-groups layout: a lane's 16 bytes hold the 4 words of one group (word (k/8)%4)
+    return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 5) & 3) * 4 +
+           ((k >> 3) & 3);
+#elif INT4_TILED
     return ((int4_chunk_index(e, n, k, N, K) * 2 + ((n >> 3) & 1)) * 8 + (n & 7)) * 16 + ((k >> 3) & 3) * 4 +
            ((k >> 5) & 3);
 #else
@@ -455,7 +458,9 @@ __device__ __forceinline__ uint4 weight_raw(const void* __restrict__ weight, lon
 #if WEIGHT_FORMAT == 0
     return weight_load16((const bf16*)weight + (e * N + n) * (long long)K + k);
 #elif WEIGHT_FORMAT == 1
-#if INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
+#if INT4_TILED == 2  // lane-groups layout: a group's 4 words are 16 contiguous bytes (k % 32 == 0 here)
+    return weight_load16((const unsigned*)weight + int4_word_index(e, n, k, N, K));
+#elif INT4_TILED  // the 4 words lie 16 bytes apart (moe_gemv_int4_tiled reads this layout whole)
     const unsigned* words = (const unsigned*)weight;
     return make_uint4(words[int4_word_index(e, n, k, N, K)], words[int4_word_index(e, n, k + 8, N, K)],
                       words[int4_word_index(e, n, k + 16, N, K)], words[int4_word_index(e, n, k + 24, N, K)]);
@@ -1217,7 +1222,7 @@ moe_gemv_mma_staged(const bf16* __restrict__ a, const int* __restrict__ sorted_s
 // each dequantised weight to bf16) by fp32 rounding only.
 // Needs INT4_TILED's shapes (N % 16 == 0, K % 128 == 0; the caller checks).
 // ---------------------------------------------------------------------------------------------
-#if INT4_TILED
+#if INT4_TILED == 1  // (the lane-groups layout, INT4_TILED 2, has moe_int4.cu's GEMV)
 #ifndef TILED_NTILES
 #define TILED_NTILES 1  // 8-row n-tiles per pass over the weights
 #endif

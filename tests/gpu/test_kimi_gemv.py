@@ -235,3 +235,199 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
     assert moe.gemv_silu_kernel(x, gate_up, grouping) == (gemv_kernel if within_limit else None)
     monkeypatch.setenv(moe.GEMV_KERNEL_ENV, "mma")  # no fused form
     assert moe.gemv_silu_kernel(x, gate_up, grouping) is None
+
+
+# --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
+
+LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
+                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
+
+
+@pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,
+                         ids=["tiles" if k is False else "auto" if k is None else k for k in LANE_GROUPS_KERNELS])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_lane_groups_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
+    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a
+    40-row tile at 40): lane-groups weights give the checkpoint layout's bits by the per-tile GEMM and every
+    GEMV that reads them a word or 16 bytes at a time (tiled and staged names run moe_gemv_mma there);
+    moe_gemv_int4_groups (its GEMVs, and what "auto" runs within LANE_GROUPS_CHOICE) applies the scales
+    after the mma: fp32 rounding apart. N = 96 (a block's last two warps past N), K = 1152 (nine chunks: the
+    rings wrap); and the dequantized NumPy product."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
+    rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
+    groups = moe.tiled_int4(rows_weight, "lane_groups")
+    assert groups.layout == "lane_groups" and groups.data.shape == (num_experts, 6, 9, 256)
+    x = bf16_random(rng, tokens, in_features)
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    gemv = gemv_kernel is not False
+    kernel = gemv_kernel or None
+    outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
+                                                  gemv_kernel=kernel)) for weight in (rows_weight, groups)]
+    per_expert = tokens * top_k / num_experts
+    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(groups, moe.gemv_for(per_expert, True, "int4"), None,
+                                                          per_expert) if gemv else None
+    if ran in moe.GROUPS_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    assert relative_error(outs[1], expected) < BF16_TOL
+
+
+@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"),
+                                                ("dequantize", None), ("tiles", None), ("gemv", None), (None, None)])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_lane_groups_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
+    """A dense INT4 linear (E = 1) in the lane-groups layout: moe_gemv_int4_groups over every row (passes of
+    2 or 4, a lone last row at 9) within fp32 rounding of the checkpoint layout's moe_gemv_mma, the other
+    methods bit for bit; the dequantized product; moe_dequantize gives the same bf16 weight."""
+    moe = _moe_cuda()
+    weight, reference = _int4_experts(rng, 1, 256, 512)
+    groups = moe.tiled_int4(weight, "lane_groups")
+    x = cuda_backend.upload(bf16_random(rng, rows, 512))
+    outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
+            for w in (weight, groups)]
+    chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
+    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(groups, chosen, None, rows)
+    if ran in moe.GROUPS_GEMVS:
+        assert relative_error(outs[1], outs[0]) < 5e-3
+    else:
+        assert np.array_equal(outs[1], outs[0])
+    assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
+    assert np.array_equal(cupy.asnumpy(moe.dequantize(groups)), cupy.asnumpy(moe.dequantize(weight)))
+
+
+def test_lane_groups_layout_switch(rng, monkeypatch):
+    """$OPENINFER_INT4_LAYOUT=lane_groups repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest
+    stay as stored (K = 200: not whole 128-weight chunks); the device repack is tile_int4's (untile_int4
+    gives the checkpoint arrays back); a repacked weight is not repacked again."""
+    moe = _moe_cuda()
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "lane_groups")
+    fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
+    ragged, _ = _int4_experts(rng, 2, 64, 224, layout=None)
+    assert fits.layout == "lane_groups" and ragged.layout == "rows"
+    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
+    words, scales = untile_int4(cupy.asnumpy(fits.data), cupy.asnumpy(fits.scale), 64, 256, lane_groups=True)
+    assert words.shape == cupy.asnumpy(stored.data).shape and scales.shape == cupy.asnumpy(stored.scale).shape
+    assert moe.tiled_int4(fits, "lane_groups") is fits and moe.tiled_int4(stored, "rows") is stored
+    with pytest.raises(ValueError, match="unknown INT4 layout"):
+        moe.tiled_int4(stored, "columns")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64])
+def test_lane_groups_moe_forward_equals_rows(cuda_backend, rng, tokens):
+    """moe_forward (routing, gate_up GEMV, SiLU·mul, down GEMV, weighted combine) with lane-groups experts:
+    within bf16 rounding of the checkpoint layout's block (1-3 tokens: moe_gemv_int4_groups; 64: past
+    LANE_GROUPS_CHOICE, the table's kernel), and a CUDA-graph replay gives the eager bits."""
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts = 256, 128, 16
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    gate = cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1))
+    spec = RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5)
+    rows = moe.DeviceMoE(spec, gate, cupy.zeros(experts, cupy.float32), gate_up, down)
+    groups = moe.DeviceMoE(spec, gate, cupy.zeros(experts, cupy.float32), moe.tiled_int4(gate_up, "lane_groups"),
+                           moe.tiled_int4(down, "lane_groups"))
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    want = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, rows))
+    eager = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, groups))
+    assert relative_error(eager, want) < 1e-2  # two GEMVs' bf16 roundings apart, compounded by SiLU·mul
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        moe.moe_forward(cuda_backend, x, groups)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, groups)
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), eager)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["groups", "groups_d2", "groups_d6", "groups_norot", "groups_s8", "groups_s8_k2"])
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_lane_groups_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_kernel, tokens):
+    """OPENINFER_MOE_GEMV_SILU=1 with lane-groups gate_up: moe_gemv_int4_groups with SiLU·mul fused (each warp
+    8 gate rows and their 8 up rows, one walk of K) against the same GEMV then elementwise silu_mul, and against
+    the NumPy composition; I = 40 (a block's last warp past I, gate and up rows in different 16-row blocks),
+    K = 1152 (nine chunks: the ring wraps). routed_experts takes it only where the switch says =1."""
+    moe = _moe_cuda()
+    num_experts, top_k, inter, hidden = 8, 2, 40, 1152
+    rows_weight, reference = _int4_experts(rng, num_experts, 2 * inter, hidden)
+    gate_up = moe.tiled_int4(rows_weight, "lane_groups")
+    x_host = bf16_random(rng, tokens, hidden)
+    x = cuda_backend.upload(x_host)
+    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)
+    if tokens == 40:
+        ids[:, 0] = 2
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    unfused = cuda_backend.silu_mul(moe.grouped_gemm(x, gate_up, grouping, gather=True, gemv=True,
+                                                     gemv_kernel=gemv_kernel))
+    fused = moe.gate_up_silu_gemv(x, gate_up, grouping, gemv_kernel)
+    assert fused.shape == (tokens * top_k, inter)
+    got = cuda_backend.to_host(fused)
+    assert relative_error(got, cuda_backend.to_host(unfused)) < 5e-3
+    slots = cupy.asnumpy(grouping.sorted_slots)
+    h = np.stack([x_host[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
+    gate, up = h[:, :inter], h[:, inter:]
+    assert relative_error(got, gate / (1 + np.exp(-gate)) * up) < BF16_TOL
+    monkeypatch.setenv(moe.GEMV_KERNEL_ENV, gemv_kernel)
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) is None  # unset: only when asked for
+    monkeypatch.setenv(moe.GEMV_SILU_ENV, "1")
+    assert moe.gemv_silu_kernel(x, gate_up, grouping) == gemv_kernel
+    with pytest.raises(ValueError, match="lane-groups"):
+        moe.gate_up_silu_gemv(x, rows_weight, grouping, gemv_kernel)
+
+
+@pytest.mark.parametrize("columns", [2, 4])
+@pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168)])
+def test_gemv_m1_cols_equals_gemv_m1(rng, columns, n, k):
+    """gemv.cu gemv_m1_cols (GEMV_M1_COLS columns per warp, one row; opt-in): gemv_m1's bits, N not a whole
+    number of blocks (a warp's last columns past N), K with a partial last pass; and the NumPy product."""
+    from openinfer.backend.cuda.loader import kernel
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k)
+    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
+    null = np.uint64(0)
+    outs = []
+    for name, defines, per_warp in (("gemv_m1", {}, 1), ("gemv_m1_cols", {"GEMV_M1_COLS": columns}, columns)):
+        out = cupy.zeros((1, n), cupy.uint16)
+        kernel("gemv.cu", name, **defines)((-(-n // (8 * per_warp)),), (256,),
+                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+        outs.append(cupy.asnumpy(out))
+    assert np.array_equal(outs[1], outs[0])
+    assert relative_error((outs[1].astype(np.uint32) << 16).view(np.float32), x_host @ w_host.T) < BF16_TOL
+
+
+@pytest.mark.parametrize("ksplit", [2, 4, 8])
+@pytest.mark.parametrize("n,k", [(2112, 7168), (37, 1536), (100, 264)])
+def test_gemv_m1_ksplit_equals_numpy(rng, ksplit, n, k):
+    """gemv.cu gemv_m1_ksplit (each column's K over GEMV_KSPLIT warps, summed in shared memory; opt-in): the
+    NumPy product within bf16 rounding and gemv_m1 within fp32 rounding, N not a whole number of blocks (warps
+    past N meet the barrier), K not whole 256-element steps and fewer steps than slices (K = 264)."""
+    from openinfer.backend.cuda.loader import kernel
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k)
+    w, x = cupy.asarray(float32_to_bf16(w_host)), cupy.asarray(float32_to_bf16(x_host))
+    null = np.uint64(0)
+    outs = []
+    for name, defines, per_block in (("gemv_m1", {}, 8), ("gemv_m1_ksplit", {"GEMV_KSPLIT": ksplit}, 8 // ksplit)):
+        out = cupy.zeros((1, n), cupy.uint16)
+        kernel("gemv.cu", name, **defines)((-(-n // per_block),), (256,),
+                                           (x, w, null, out, np.int32(1), np.int32(n), np.int32(k)))
+        outs.append((cupy.asnumpy(out).astype(np.uint32) << 16).view(np.float32))
+    assert relative_error(outs[1], outs[0]) < 5e-3
+    assert relative_error(outs[1], x_host @ w_host.T) < BF16_TOL

@@ -11,7 +11,8 @@ e4m3 (+ fp32 block ``scale_inv``) — and are dequantised tile by tile inside th
 INT4 weights with group-32 scales may instead live in the decode GEMV's tiled layout
 (``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
 which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
-$OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout).
+$OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout;
+``lane_groups``: the tiled layout with a lane's 16 bytes one whole group, for moe_int4.cu's GEMV, opt-in).
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
@@ -153,14 +154,50 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # sm_90a ptxas: 173 registers, no spills
     "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
                       "TILED_ROTATE": 1},
+    # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", opt-in): moe_int4.cu
+    # moe_gemv_int4_groups, the mma's N columns carrying a chunk's 4 groups (a lane's 16 bytes one whole
+    # group), so the group scales take 4 FMAs per lane per 1 KB chunk; GROUPS_PAIRS token pairs per pass over
+    # the weights, a ring of GROUPS_DEPTH chunks in registers; weights in other layouts run moe_gemv_mma instead.
+    # sm_90a SASS of the steady loop at 1 token: 135 / 137 instructions per KB (groups / groups_d2;
+    # tiled1_nc_rot: ~275, moe13c's count); ptxas: 128 registers (4 blocks per SM), no spills in the loop;
+    # d6 and p2 at 3 blocks per SM (168 registers for the ring of 6)
+    "groups": {"GROUPS_DEPTH": 4},
+    "groups_d2": {"GROUPS_DEPTH": 2},
+    "groups_d6": {"GROUPS_DEPTH": 6, "GROUPS_MIN_BLOCKS": 3},
+    "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
+    "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
+    # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
+    # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block
+    "groups_s8": {"GROUPS_STAGES": 8},
+    "groups_s8_norot": {"GROUPS_STAGES": 8, "GROUPS_ROTATE": 0},
+    "groups_s6": {"GROUPS_STAGES": 6},
+    # ... with K split over the 2 warps sharing a row block (summed in shared memory): twice the warps, each half as
+    # long (a batch-1 down projection's 896 blocks of 4 row blocks took 1.4 waves)
+    "groups_s8_k2": {"GROUPS_STAGES": 8, "GROUPS_KSPLIT": 2},
+    # ... with 2 / 4 token pairs per pass over the weights (4 / 8 rows per expert tile without re-streaming it;
+    # for a few slots per expert): 244 / 365 instructions per KB, 102 / 128 registers
+    "groups_s8_p2": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 2},
+    "groups_s8_p4": {"GROUPS_STAGES": 8, "GROUPS_PAIRS": 4},
 }
 TENSOR_CORE_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "MMA_GEMV_NTILES" in defines)
 TILED_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items() if "TILED_NTILES" in defines)
+GROUPS_GEMVS = tuple(name for name, defines in GEMV_KERNELS.items()
+                     if any(define.startswith("GROUPS_") for define in defines))
+# The decode GEMVs of each INT4 layout's own (the others read it a word at a time, or not at all)
+LAYOUT_GEMVS = {"tiled": TILED_GEMVS, "lane_groups": GROUPS_GEMVS}
 # What tiled INT4 weights run wherever the tables pick a decode GEMV (unless one is forced): the other
 # kernels read that layout a word at a time. tiled1_nc_rot: the fastest tiled kernel at 1 and 16 tokens in
 # E2 (H200, results/kimi_gemv_e2_h200.json: gate_up 57.8 / 654 us vs tiled_nc 80.9 / 1015, down 36.4 / 337
 # vs 48.5 / 657; the checkpoint layout's mma_staged 74.8 / 818 and 43.5 / 447).
 TILED_GEMV = "tiled1_nc_rot"
+# What lane-groups INT4 weights run wherever the tables pick a decode GEMV: the first entry whose bound holds
+# (slots per expert; dense: rows), past the last the table's own choice (a pass of moe_gemv_int4_groups takes 2
+# token rows: more rows per expert re-stream the weights; moe_gemv_mma reads the layout 16 bytes per lane).
+# D1 of 2026-11-24 (H200, RESULTS/D1/int4d/kimi_gemv_int4d_d2.json; Kimi-K2 gate_up / down, tiled layout's
+# tiled1_nc_rot first): 1 token 58.2 / 36.6 -> groups 44.1 / 26.8, groups_norot 42.0 / 26.1 us; 16 tokens
+# 652 / 337 -> 510 / 277, 485 / 266; 64 tokens 1776 / 860 -> 1632 / 850, 1852 / 836; 256 tokens 3260 / 1283 ->
+# 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590).
+LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -198,7 +235,7 @@ GEMV_ROW_LIMITS: dict[str, tuple[int, int]] = {
     "moe_gemv": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide8_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide4_r1_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
     "wide2": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT), "wide_nc": (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT),
-    **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS}}
+    **{name: (32, 32) for name in TENSOR_CORE_GEMVS + TILED_GEMVS + GROUPS_GEMVS}}
 WIDE_WARPS = 4  # moe.cu
 MMA_GEMV_WARPS, MMA_GEMV_COLUMNS = 4, 16  # moe.cu: warps per block, output columns per warp
 # moe_pipelined.cu's grouped GEMM for bf16 experts: moe_grouped_gemm loads a tile, waits, multiplies (one
@@ -340,7 +377,7 @@ class ExpertLinear:
     in_features: int
     group: int = 32  # INT4 group size
     block: int = 128  # FP8 block size
-    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]) or "tiled" (tile_int4)
+    layout: str = "rows"  # INT4: "rows" (checkpoint [E, N, K/8]), "tiled" or "lane_groups" (tile_int4)
 
     @property
     def num_experts(self) -> int:
@@ -351,7 +388,7 @@ class ExpertLinear:
                             self.out_features, self.in_features, self.group, self.block, self.layout)
 
     def _kernel(self, name: str = "moe_grouped_gemm", **defines: int) -> cupy.RawKernel:
-        tiled = {"INT4_TILED": 1} if self.layout == "tiled" else {}
+        tiled = {"INT4_TILED": INT4_TILED_DEFINE[self.layout]} if self.layout in INT4_TILED_DEFINE else {}
         return kernel("moe.cu", name, WEIGHT_FORMAT=FORMATS[self.format], GROUP=self.group, FP8_BLOCK=self.block,
                       **tiled, **defines)
 
@@ -364,7 +401,8 @@ class ExpertLinear:
 
 
 INT4_LAYOUT_ENV = "OPENINFER_INT4_LAYOUT"
-INT4_LAYOUTS = ("rows", "tiled")
+INT4_LAYOUTS = ("rows", "tiled", "lane_groups")
+INT4_TILED_DEFINE = {"tiled": 1, "lane_groups": 2}  # moe.cu INT4_TILED of each repacked layout
 # "tiled" by default since E1 of 2026-11-24 (H200, results/kimi_layer_s8e1.json, one Kimi-K2 layer, graph
 # replay; the same random weights repacked, TILED_GEMV): 252.8 -> 232.0 / 3640.9 -> 2965.5 / 5976.0 -> 5602.0
 # us at batch 1 / 64 / 256 (routed experts' gate_up 74.1 -> 59.5, down 44.4 -> 37.6 us at batch 1).
@@ -394,19 +432,21 @@ def upload_expert_linear(format: str, data: np.ndarray, scale: np.ndarray | None
     weight = ExpertLinear(format, cupy.asarray(np.ascontiguousarray(data)),
                           None if scale is None else cupy.asarray(np.ascontiguousarray(scale)),
                           out_features, in_features, group, block)
-    return tiled_int4(weight) if format == "int4" and int4_layout(layout) == "tiled" else weight
+    return tiled_int4(weight, int4_layout(layout)) if format == "int4" else weight
 
 
-def tiled_int4(weight: ExpertLinear) -> ExpertLinear:
-    """``weight`` (INT4, checkpoint layout) repacked on the device into the tiled layout, where it fits
-    (``int4_tiling_fits``); otherwise (or already tiled) ``weight`` itself. Takes a second copy while
-    it runs."""
-    if (weight.format != "int4" or weight.layout != "rows" or weight.scale is None
+def tiled_int4(weight: ExpertLinear, layout: str = "tiled") -> ExpertLinear:
+    """``weight`` (INT4, checkpoint layout) repacked on the device into ``layout`` ("tiled" or
+    "lane_groups"; "rows": as is), where it fits (``int4_tiling_fits``); otherwise (or already repacked)
+    ``weight`` itself. Takes a second copy while it runs."""
+    if layout not in INT4_LAYOUTS:
+        raise ValueError(f"unknown INT4 layout {layout!r}; one of {', '.join(INT4_LAYOUTS)}")
+    if (layout == "rows" or weight.format != "int4" or weight.layout != "rows" or weight.scale is None
             or not int4_tiling_fits(weight.out_features, weight.in_features, weight.group)):
         return weight
-    words, scales = tile_int4(weight.data, weight.scale, xp=cupy)
+    words, scales = tile_int4(weight.data, weight.scale, xp=cupy, lane_groups=layout == "lane_groups")
     return ExpertLinear("int4", words, scales, weight.out_features, weight.in_features, weight.group, weight.block,
-                        "tiled")
+                        layout)
 
 
 @dataclass
@@ -677,12 +717,18 @@ def gemv_for(rows_per_weight: float, grouped: bool, weight_format: str, gemv_ker
             or table[-1][1])
 
 
-def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None) -> str | None:
+def layout_gemv(weight: ExpertLinear, name: str | None, gemv_kernel: str | None = None,
+                rows_per_weight: float = 0.0) -> str | None:
     """The decode GEMV for ``weight`` where the tables chose ``name``: TILED_GEMV for tiled INT4
-    weights (unless a kernel is forced, ``forced_gemv_kernel``), else ``name``."""
-    if name is None or weight.layout != "tiled" or forced_gemv_kernel(gemv_kernel) is not None:
+    weights, LANE_GROUPS_CHOICE's by ``rows_per_weight`` for lane-groups ones (past it ``name``), unless
+    a kernel is forced (``forced_gemv_kernel``); else ``name``."""
+    if name is None or forced_gemv_kernel(gemv_kernel) is not None:
         return name
-    return TILED_GEMV
+    if weight.layout == "tiled":
+        return TILED_GEMV
+    if weight.layout == "lane_groups":
+        return next((kernel for most, kernel in LANE_GROUPS_CHOICE if rows_per_weight <= most), name)
+    return name
 
 
 def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: int, name: str) -> None:
@@ -694,6 +740,14 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
         weight._kernel("moe_gemv")((-(-weight.out_features // GEMV_WARPS), rows_grid), (GEMV_WARPS * 32,), args)
         return
     defines = GEMV_KERNELS[name]
+    if name in GROUPS_GEMVS:
+        if weight.layout == "lane_groups":
+            columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
+            kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
+                (-(-weight.out_features // columns), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
+            return
+        defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
+        name = "mma"
     if "TILED_NTILES" in defines:
         if weight.layout == "tiled":
             rows_per_warp = 2 if defines.get("TILED_PAIR") else defines.get("TILED_ROW_BLOCKS", 1)
@@ -786,7 +840,7 @@ def grouped_gemm(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGrouping
     per_expert = num_slots / weight.num_experts
     name = choose_gemv(per_expert, True, weight.format, gemv_kernel) if gemv is None else \
         gemv_for(per_expert, True, weight.format, gemv_kernel) if gemv else None
-    name = layout_gemv(weight, name, gemv_kernel)
+    name = layout_gemv(weight, name, gemv_kernel, per_expert)
     use_pipelined = (gemv is not True and pipelined_mode(pipelined) != "off" and pipelined_ready(a, weight)
                      and (name is None or (gemv is None and gemv_kernel is None and forced_gemv_kernel() is None
                                            and per_expert > PIPELINED_ABOVE_ROWS_PER_EXPERT)))
@@ -820,7 +874,7 @@ def quantized_linear(x: cupy.ndarray, weight: ExpertLinear, blas=None, method: s
     x = cupy.ascontiguousarray(x)
     name = choose_gemv(rows, False, weight.format, gemv_kernel) if method is None else \
         gemv_for(rows, False, weight.format, gemv_kernel) if method == "gemv" else None
-    name = layout_gemv(weight, name, gemv_kernel)
+    name = layout_gemv(weight, name, gemv_kernel, rows)
     if method is None:
         method = "gemv" if name is not None else "dequantize" if blas is not None else "tiles"
     dense = (NULL, NULL, NULL, NULL, np.int32(rows), out, np.int32(weight.out_features),
@@ -1061,7 +1115,9 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
 # silu_mul formula on the bf16-rounded gate and up: the unfused pair's bits. E1 of 2026-11-24 (H200, one
 # token): Moonlight's MoE block (results/kimi_moe_block_s8e1.json, with the one-launch routing) 55.6 -> 53.1 us;
 # the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
-# then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1.
+# then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1. Lane-groups INT4
+# (moe_int4.cu GROUPS_FUSE_SILU): each warp's "rows g" 8 gate rows and its "rows g + 8" the matching up rows,
+# one walk of K (as many warps as the plain form); unmeasured, so only with =1 too.
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 
 
@@ -1073,8 +1129,10 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     if not _switch(GEMV_SILU_ENV, default=True) or gate_up.out_features % 2 or not gate_up.gemv_ready(x):
         return None
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
-    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None)
+    name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
+    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # only when asked for: unmeasured
+        return name if explicit and gate_up.out_features % 16 == 0 else None
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
         return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines
                 and gate_up.out_features % 32 == 0 else None)
@@ -1097,7 +1155,14 @@ def gate_up_silu_gemv(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGr
     if defines.get("TILED_PAIR") or "TILED_STAGES" in defines:
         raise ValueError(f"the decode GEMV {name!r} has no fused SiLU·mul form (the register-ring tiled ones and "
                          "moe_gemv_wide do; see gemv_silu_kernel)")
-    if name in TILED_GEMVS:
+    if name in GROUPS_GEMVS:  # moe_int4.cu: each warp 8 gate rows and their 8 up rows, 8 output columns
+        if gate_up.layout != "lane_groups":
+            raise ValueError(f"the decode GEMV {name!r} reads lane-groups INT4 weights; this gate_up's layout is "
+                             f"{gate_up.layout!r}")
+        columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * 8
+        kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines, GROUPS_FUSE_SILU=1)(
+            (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
+    elif name in TILED_GEMVS:
         columns = MMA_GEMV_WARPS * MMA_GEMV_COLUMNS
         gate_up._kernel("moe_gemv_int4_tiled", **{**defines, "TILED_ROW_BLOCKS": 1, "TILED_FUSE_SILU": 1})(
             (-(-inter // columns), grouping.max_tiles), (MMA_GEMV_WARPS * 32,), args)
