@@ -520,4 +520,42 @@ moe_combine_vec8(const bf16* __restrict__ y, const int* __restrict__ slot_pos, c
     }
     store8(out + (long long)t * hidden + c, sum);
 }
+
+// ---------------------------------------------------------------------------------------------
+// moe_l2_prefetch: pull up to two byte ranges of weights (a MoE layer's shared experts, routed every
+// token) into L2 while the layer's attention runs (latency-bound: HBM mostly idle), so the expert GEMM
+// later finds them there. Nothing is written: a hint only, any outcome is correct. Hopper: TMA bulk
+// prefetches of PREFETCH_CHUNK bytes, one per thread and chunk; older GPUs: one prefetch per 128-byte
+// line. evict_last (L2 eviction priority "last") keeps the lines past the routed experts' stream, which
+// the GEMM reads before the shared experts (their slots come last in expert order). Grid-stride over
+// the chunks; needs 16-byte aligned ranges (a tail under 16 bytes is left out).
+// ---------------------------------------------------------------------------------------------
+#define PREFETCH_CHUNK 16384
+extern "C" __global__ void __launch_bounds__(128)
+moe_l2_prefetch(const char* __restrict__ first, long long first_bytes, const char* __restrict__ second,
+                long long second_bytes, int evict_last) {
+    const long long first_chunks = (first_bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    const long long chunks = first_chunks + (second_bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks;
+         i += (long long)gridDim.x * blockDim.x) {
+        const bool in_first = i < first_chunks;
+        const long long offset = (in_first ? i : i - first_chunks) * PREFETCH_CHUNK;
+        const char* p = (in_first ? first : second) + offset;
+        const long long left = (in_first ? first_bytes : second_bytes) - offset;
+        const unsigned size = (unsigned)(left < PREFETCH_CHUNK ? left : PREFETCH_CHUNK) & ~15u;
+        if (size == 0) continue;
+#if __CUDA_ARCH__ >= 900
+        unsigned long long policy;
+        if (evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+        else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n"
+                     ::"l"(p), "r"(size), "l"(policy) : "memory");
+#elif __CUDA_ARCH__ >= 800
+        for (unsigned b = 0; b < size; b += 128) {
+            if (evict_last) asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + b));
+            else asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + b));
+        }
+#endif
+    }
+}
 #endif

@@ -516,3 +516,56 @@ def test_route_sort_switch_bounds(monkeypatch):
     monkeypatch.setenv(moe.ROUTE_SORT_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_SORT"):
         moe.route_sort_wanted(16, spec)
+
+
+@pytest.mark.parametrize("mode", ["last", "normal"])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_l2_prefetch_leaves_moe_forward_unchanged(cuda_backend, rng, monkeypatch, mode, tokens):
+    """OPENINFER_MOE_L2_PREFETCH (moe_routing.cu moe_l2_prefetch on a side stream, joined after the layer):
+    moe_forward of a layer with fused shared experts gives the same bits with the prefetch started before it,
+    eagerly and as a CUDA graph replay (the side stream's fork and join captured); a byte cap below the shared
+    experts' size takes gate_up first, whole 16-byte pieces; without fused shared experts nothing starts; bad
+    values are clear errors."""
+    hidden, inter, num_experts, shared = 512, 128, 64, 2
+    moe, layer, fused, _, _ = _shared_fusion_case(cuda_backend, rng, num_experts, 6, shared, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    monkeypatch.setenv(moe.L2_PREFETCH_ENV, mode)
+    assert moe.start_l2_prefetch(layer) is None  # no fused shared experts: nothing to prefetch
+
+    def step():
+        joined = moe.start_l2_prefetch(fused)
+        assert joined is not None
+        out = moe.moe_forward(cuda_backend, x, fused)
+        moe.join_l2_prefetch(joined)
+        return out
+
+    assert np.array_equal(cuda_backend.to_host(step()), plain)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = step()
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), plain)
+    gate_up_bytes = shared * 2 * inter * hidden * 2
+    monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, str((gate_up_bytes + 1000) / 2**20))
+    views = moe.shared_expert_ranges(fused, moe.l2_prefetch_bytes())
+    assert [v.nbytes for v in views] == [gate_up_bytes, 992]
+    assert views[0].data.ptr == fused.gate_up.data[num_experts].data.ptr
+    assert views[1].data.ptr == fused.down.data[num_experts].data.ptr
+    assert np.array_equal(cuda_backend.to_host(step()), plain)
+    monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, "lots")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH_MB"):
+        moe.l2_prefetch_bytes()
+    monkeypatch.setenv(moe.L2_PREFETCH_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH"):
+        moe.l2_prefetch_mode()
+    monkeypatch.delenv(moe.L2_PREFETCH_ENV)
+    assert moe.l2_prefetch_mode() == moe.L2_PREFETCH_DEFAULT_MODE

@@ -957,6 +957,94 @@ def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_d
                                down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
 
 
+
+# OPENINFER_MOE_L2_PREFETCH (opt-in until measured): at the start of a MoE layer (``start_l2_prefetch``, called
+# before its attention) a side stream pulls the layer's fused shared experts' weights (every token's, so
+# known before routing; Moonlight: 2 x 17.3 MB) into L2 (moe_routing.cu moe_l2_prefetch) while the attention
+# block runs (latency-bound: HBM mostly idle there), so the expert GEMM later reads them from L2 instead of
+# HBM. The experts' GEMM is a weight stream near the copy bandwidth (moe_sm90.py: 92 %), so every byte taken
+# off it is time. "last" marks the lines evict-last: the GEMM reads the shared experts after the routed
+# ones (expert order), whose stream would otherwise flush them; "normal" for the A/B. At most
+# $OPENINFER_MOE_L2_PREFETCH_MB (default L2_PREFETCH_DEFAULT_MB; an H200 has 50 MB of L2) bytes, gate_up
+# first (read first). A hint: the numbers never change; the side stream joins after the layer's MoE.
+L2_PREFETCH_ENV, L2_PREFETCH_MB_ENV = "OPENINFER_MOE_L2_PREFETCH", "OPENINFER_MOE_L2_PREFETCH_MB"
+L2_PREFETCH_MODES = ("off", "last", "normal")
+L2_PREFETCH_DEFAULT_MODE, L2_PREFETCH_DEFAULT_MB = "off", 36
+L2_PREFETCH_BLOCKS, L2_PREFETCH_THREADS = 16, 128  # moe_l2_prefetch: 16 KB chunks, ~2k of them per layer
+_prefetch_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+
+def l2_prefetch_mode() -> str:
+    """$OPENINFER_MOE_L2_PREFETCH: "off" / "0", "last" / "1", "normal" (unset: L2_PREFETCH_DEFAULT_MODE);
+    another value is a clear error."""
+    value = os.environ.get(L2_PREFETCH_ENV, "").lower() or L2_PREFETCH_DEFAULT_MODE
+    value = {"0": "off", "false": "off", "1": "last", "true": "last", "on": "last"}.get(value, value)
+    if value not in L2_PREFETCH_MODES:
+        raise ValueError(f"{L2_PREFETCH_ENV} must be one of {', '.join(L2_PREFETCH_MODES)} (or 1 / 0), got {value!r}")
+    return value
+
+
+def l2_prefetch_bytes() -> int:
+    """$OPENINFER_MOE_L2_PREFETCH_MB in bytes (unset: L2_PREFETCH_DEFAULT_MB; not a number >= 0: a clear error)."""
+    value = os.environ.get(L2_PREFETCH_MB_ENV, "") or str(L2_PREFETCH_DEFAULT_MB)
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(f"{L2_PREFETCH_MB_ENV} must be a number of megabytes >= 0, got {value!r}")
+    return int(megabytes * 2**20)
+
+
+def shared_expert_ranges(layer: DeviceMoE, most_bytes: int) -> list[cupy.ndarray]:
+    """The fused shared experts' weights of ``layer`` as flat views, gate_up's then down's, together at most
+    ``most_bytes`` (16-byte multiples); empty without fused shared experts."""
+    if not layer.shared_experts:
+        return []
+    views, left = [], most_bytes
+    for weight in (layer.gate_up, layer.down):
+        if weight.format != "bf16" or not weight.data.flags.c_contiguous:
+            continue
+        flat = weight.data[weight.num_experts - layer.shared_experts:].reshape(-1)
+        take = min(flat.nbytes, left) // 16 * 16
+        if take:
+            views.append(flat[:take // flat.itemsize])
+            left -= take
+    return views
+
+
+def start_l2_prefetch(layer: DeviceMoE, mode: str | None = None) -> cupy.cuda.Event | None:
+    """Launch ``moe_l2_prefetch`` of ``layer``'s shared experts on this device's prefetch stream (forked from
+    the current stream) where ``mode`` (default ``l2_prefetch_mode``) is on; the event the current stream
+    must wait for before the layer ends (``join_l2_prefetch``; inside a CUDA-graph capture the fork must
+    join), else None."""
+    mode = mode or l2_prefetch_mode()
+    if mode == "off":
+        return None
+    views = shared_expert_ranges(layer, l2_prefetch_bytes())
+    if not views:
+        return None
+    device = cupy.cuda.Device().id
+    if device not in _prefetch_streams:
+        _prefetch_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                     cupy.cuda.Event(disable_timing=True))
+    side, forked, joined = _prefetch_streams[device]
+    forked.record(cupy.cuda.get_current_stream())
+    side.wait_event(forked)
+    first, second = views[0], views[1] if len(views) > 1 else None
+    with side:
+        kernel("moe_routing.cu", "moe_l2_prefetch")((L2_PREFETCH_BLOCKS,), (L2_PREFETCH_THREADS,), (
+            first, np.int64(first.nbytes), NULL if second is None else second,
+            np.int64(0 if second is None else second.nbytes), np.int32(mode == "last")))
+        joined.record(side)
+    return joined
+
+
+def join_l2_prefetch(joined: cupy.cuda.Event | None) -> None:
+    """The current stream waits for ``start_l2_prefetch``'s launch (None: nothing to wait for)."""
+    if joined is not None:
+        cupy.cuda.get_current_stream().wait_event(joined)
+
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
     """Whether ``moe_forward`` fuses gate_up and SwiGLU: OPENINFER_MOE_PIPELINED=fused, bf16 experts,
     no forced GEMV, more than PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""

@@ -190,5 +190,14 @@ def cuda_moe_layer(ops: Any, h: cupy.ndarray, layer: MoEWeights, batch: Any) -> 
     return cuda_moe.moe_forward(ops, h, layer.stacked, None, batch.token_ids, shared_experts=shared_experts)
 
 
+def cuda_start_prefetch(ops: Any, mlp: Any) -> cupy.cuda.Event | None:
+    """Before a MoE layer's attention: its fused shared experts into L2 on a side stream where
+    $OPENINFER_MOE_L2_PREFETCH asks (``cuda_moe.start_l2_prefetch``); the event to join, else None."""
+    if isinstance(mlp, MoEWeights) and isinstance(mlp.stacked, DeviceMoE):
+        return cuda_moe.start_l2_prefetch(mlp.stacked)
+    return None
+
+
 CUDA_PLAN = KernelPlan(backend="cuda", attention=cuda_attention, moe=cuda_moe_layer, linear=cuda_linear,
-                       builder=CudaLinearBuilder, prepare=prepare_weights)
+                       builder=CudaLinearBuilder, prepare=prepare_weights, start_prefetch=cuda_start_prefetch,
+                       join_prefetch=cuda_moe.join_l2_prefetch)

@@ -118,6 +118,10 @@ class KernelPlan:
     linear: Callable[..., Any]  # (ops, x, weight) -> x @ weight^T
     builder: Callable[..., Any] | None = None  # LinearBuilder subclass for load_weights; None: fp32 reference
     prepare: Callable[..., None] = lambda weights, ops: None  # once after loading (device-side tables)
+    # (ops, layer MLP weights) -> a handle for ``join_prefetch`` or None: started before a layer's attention
+    # (cuda: OPENINFER_MOE_L2_PREFETCH pulls the shared experts into L2 meanwhile); a hint, numbers unchanged
+    start_prefetch: Callable[..., Any] = lambda ops, mlp: None
+    join_prefetch: Callable[[Any], None] = lambda handle: None  # after the layer's MLP
 
 
 def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,

@@ -82,11 +82,13 @@ class KimiK2Model:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+            prefetch = plan.start_prefetch(ops, layer.mlp) if step is None and self.rank.expert.size == 1 else None
             w = layer.attention
             attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
                                   c.q_lora_rank, eps)
             h, residual = ops.add_rms_norm(plan.linear(ops, attn, w.o_proj), residual, layer.post_attention_norm, eps)
             x = self._mlp(h, layer, batch)
+            plan.join_prefetch(prefetch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
