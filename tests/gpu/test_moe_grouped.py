@@ -569,3 +569,74 @@ def test_l2_prefetch_leaves_moe_forward_unchanged(cuda_backend, rng, monkeypatch
         moe.l2_prefetch_mode()
     monkeypatch.delenv(moe.L2_PREFETCH_ENV)
     assert moe.l2_prefetch_mode() == moe.L2_PREFETCH_DEFAULT_MODE
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 8, False), (16, 2048, 8, False),
+                                                              (16, 2048, 6, True), (64, 7168, 9, False),
+                                                              (5, 260, 6, True), (128, 520, 4, False)])
+def test_combine_add_rms_norm_equals_unfused(cuda_backend, rng, tokens, hidden, top_k, with_shared):
+    """moe_combine_add_rms_norm (OPENINFER_MOE_COMBINE_NORM) against moe_combine then the backend's add_rms_norm:
+    the same bits (out and residual_out), with and without a shared row, widths not whole thread passes; and
+    against the NumPy fp32 composition (Σ w·y (+ shared) + residual, RMS-normalised, times the weight) within
+    bf16 rounding; a wrong residual shape is a clear error."""
+    from openinfer.backend.cuda import moe
+
+    experts, eps = 32, 1e-6
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    y_host = bf16_random(rng, tokens * top_k, hidden)
+    shared_host = bf16_random(rng, tokens, hidden) if with_shared else None
+    residual_host, norm_host = bf16_random(rng, tokens, hidden), bf16_random(rng, hidden, scale=0.5)
+    y = cuda_backend.upload(y_host)
+    shared = cuda_backend.upload(shared_host) if with_shared else None
+    residual, norm = cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
+    plain_out, plain_residual = cuda_backend.add_rms_norm(moe.combine(y, grouping, shared, hidden, vectorized=False),
+                                                          residual, norm, eps)
+    out, residual_out = moe.combine_add_rms_norm(y, grouping, shared, residual, norm, eps)
+    assert np.array_equal(out.get(), plain_out.get())
+    assert np.array_equal(residual_out.get(), plain_residual.get())
+    slot_pos = grouping.slot_pos.get().reshape(tokens, top_k)
+    combined = np.einsum("tk,tkh->th", weights, y_host[slot_pos])
+    summed = combined + (shared_host if with_shared else 0) + residual_host
+    reference = summed / np.sqrt((summed ** 2).mean(-1, keepdims=True) + eps) * norm_host
+    assert relative_error(cuda_backend.to_host(residual_out), summed) < 1e-2
+    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
+    with pytest.raises(ValueError, match="residual"):
+        moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 200])
+def test_moe_forward_add_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
+    """moe_forward(add_norm=...) = add_rms_norm(moe_forward(...)): with OPENINFER_MOE_COMBINE_NORM=1 fused up to
+    COMBINE_NORM_MAX_TOKENS tokens (200: the two ops), the same bits either way, also as a CUDA graph replay; a
+    bad value is a clear error."""
+    hidden, inter, eps = 512, 128, 1e-6
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    residual, norm = cuda_backend.upload(bf16_random(rng, tokens, hidden)), cuda_backend.weight(bf16_random(rng, hidden))
+    plain = [a.get() for a in cuda_backend.add_rms_norm(moe.moe_forward(cuda_backend, x, fused), residual, norm, eps)]
+    monkeypatch.setenv(moe.COMBINE_NORM_ENV, "1")
+    assert moe.combine_norm_wanted(tokens) is (tokens <= moe.COMBINE_NORM_MAX_TOKENS)
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, fused, add_norm=(residual, norm, eps))
+
+    assert all(np.array_equal(a.get(), b) for a, b in zip(step(), plain, strict=True))
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outs = step()
+        finally:
+            graph = stream.end_capture()
+        for a in outs:
+            a[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert all(np.array_equal(a.get(), b) for a, b in zip(outs, plain, strict=True))
+    monkeypatch.setenv(moe.COMBINE_NORM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_NORM"):
+        moe.combine_norm_wanted(16)

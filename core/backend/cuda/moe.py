@@ -883,6 +883,41 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
     return out
 
 
+
+# OPENINFER_MOE_COMBINE_NORM (opt-in until measured; =1 on): where a MoE layer's output goes straight into the next
+# layer's add_rms_norm (the kimi model's layers but the last), moe_forward ends in rms_norm.cu's
+# moe_combine_add_rms_norm instead of moe_combine + add_rms_norm: one launch a layer fewer (decode: each a few us
+# of a latency-bound chain). The same bits (the block add_rms_norm's sums; the backend takes the row-per-warp
+# add_rms_norm_rows from 256 rows, so only steps of at most COMBINE_NORM_MAX_TOKENS tokens fuse).
+COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
+COMBINE_NORM_MAX_TOKENS = 128
+
+
+def combine_norm_wanted(num_tokens: int) -> bool:
+    """$OPENINFER_MOE_COMBINE_NORM (1 / 0, unset: off; another value: a clear error) and 1..COMBINE_NORM_MAX_TOKENS
+    tokens."""
+    return _switch(COMBINE_NORM_ENV) and 0 < num_tokens <= COMBINE_NORM_MAX_TOKENS
+
+
+def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None,
+                         residual: cupy.ndarray, weight: cupy.ndarray, eps: float) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``add_rms_norm(combine(y, grouping, shared), residual, weight, eps)`` in one launch (moe_combine_add_rms_norm):
+    ``(out, residual_out)``, bf16 ``[T, hidden]`` each, the unfused pair's bits."""
+    num_tokens, hidden = int(residual.shape[0]), int(residual.shape[1])
+    if residual.dtype != cupy.uint16 or weight.dtype != cupy.uint16 or weight.shape != (hidden,):
+        raise ValueError(f"combine_add_rms_norm wants a bf16 residual [T, H] and norm weight [H]; got residual "
+                         f"{residual.dtype} {tuple(residual.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if int(grouping.ids.shape[0]) != num_tokens:
+        raise ValueError(f"combine_add_rms_norm: {int(grouping.ids.shape[0])} routed tokens, residual of {num_tokens}")
+    residual = cupy.ascontiguousarray(residual)
+    out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
+    if num_tokens:
+        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
+            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
+            residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
+    return out, residual_out
+
 @dataclass
 class DeviceMoE:
     """One MoE layer on the device."""
@@ -1117,12 +1152,14 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
 
 
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
-                token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
+                token_ids: cupy.ndarray | None = None, shared_experts=None, add_norm: tuple | None = None):
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
-    the Hopper kernel where it runs (``sm90_experts``)."""
+    the Hopper kernel where it runs (``sm90_experts``). ``add_norm`` = (residual, norm weight, eps): returns
+    ``add_rms_norm(out, residual, weight, eps)``'s pair instead, the combine fused into it where
+    ``combine_norm_wanted``."""
     x = cupy.ascontiguousarray(x)
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
@@ -1137,7 +1174,12 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
-    return combine(y, grouping, shared, int(x.shape[1]))
+    if add_norm is None:
+        return combine(y, grouping, shared, int(x.shape[1]))
+    residual, weight, eps = add_norm
+    if combine_norm_wanted(int(x.shape[0])):
+        return combine_add_rms_norm(y, grouping, shared, residual, weight, eps)
+    return backend.add_rms_norm(combine(y, grouping, shared, int(x.shape[1])), residual, weight, eps)
 
 
 # OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode

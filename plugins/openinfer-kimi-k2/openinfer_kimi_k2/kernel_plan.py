@@ -122,6 +122,9 @@ class KernelPlan:
     # (cuda: OPENINFER_MOE_L2_PREFETCH pulls the shared experts into L2 meanwhile); a hint, numbers unchanged
     start_prefetch: Callable[..., Any] = lambda ops, mlp: None
     join_prefetch: Callable[[Any], None] = lambda handle: None  # after the layer's MLP
+    # (ops, h, MoEWeights, batch, residual, next layer's input norm, eps) -> (h, residual) of that norm with the
+    # MoE's output, fused (cuda: OPENINFER_MOE_COMBINE_NORM), or None: run ``moe`` and the norm apart
+    moe_add_norm: Callable[..., Any] = lambda ops, h, layer, batch, residual, norm, eps: None
 
 
 def numpy_attention(ops: Any, qkv_a: np.ndarray, w: Any, kv: Any, batch: Any, spec: MLASpec, rope: Any,

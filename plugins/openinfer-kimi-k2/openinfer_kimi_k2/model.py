@@ -76,9 +76,12 @@ class KimiK2Model:
         if step is not None:
             batch = step.batch  # this rank's sequences, its own block ids
         x = ops.embedding(self.weights.embed_tokens, batch.token_ids)
-        residual = None
-        for layer, kv in zip(self.weights.layers, kv_cache, strict=True):
-            if residual is None:
+        residual, normed = None, None  # normed: this layer's (h, residual) when the last MoE fused its norm
+        layers = self.weights.layers
+        for index, (layer, kv) in enumerate(zip(layers, kv_cache, strict=True)):
+            if normed is not None:
+                (h, residual), normed = normed, None
+            elif residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
@@ -87,7 +90,11 @@ class KimiK2Model:
             attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
                                   c.q_lora_rank, eps)
             h, residual = ops.add_rms_norm(plan.linear(ops, attn, w.o_proj), residual, layer.post_attention_norm, eps)
-            x = self._mlp(h, layer, batch)
+            if (index + 1 < len(layers) and isinstance(layer.mlp, MoEWeights) and step is None
+                    and self.rank.expert.size == 1):
+                normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, layers[index + 1].input_norm, eps)
+            if normed is None:
+                x = self._mlp(h, layer, batch)
             plan.join_prefetch(prefetch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
