@@ -110,6 +110,10 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # warpgroup only: two leave the producer 72 registers, and it spills)
     "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
     "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
+    # longer runs of each weight row per stage (k2: 256 bytes took 87 -> 92 % of the copy bandwidth): 384 bytes in
+    # 3 stages, 512 in 2 (the same 96-128 KB of weights in flight per SM; unmeasured, for the A/B)
+    "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
+    "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
