@@ -601,7 +601,10 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
     grouping = ExpertGroupingDevice(
         ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
         cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
+        cupy.empty(max(tiles, 1), cupy.int32),
+        # every grouping kernel below writes num_tiles: a zeroed one (a memset node in a decode graph, each layer)
+        # only where none runs
+        cupy.empty(1, cupy.int32) if num_slots else cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
     layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
               grouping.num_tiles, np.int32(tiles))
     method = method or grouping_method(num_slots, per_expert_blocks)
