@@ -255,8 +255,13 @@ def _defines(spec: MLASpec) -> dict[str, int]:
 
 def pdl() -> bool:
     """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL, else DEFAULT_PDL;
-    compute capability 9.0 and later only: griddepcontrol is Hopper's)."""
-    text = os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL))
+    compute capability 9.0 and later only: griddepcontrol is Hopper's). Asked at every launch: the answer is kept
+    per value of the switch (``_pdl_for``), so a launch reads one environment entry."""
+    return _pdl_for(os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL)))
+
+
+@functools.cache
+def _pdl_for(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} is 0 or 1; got {text!r}")
     return text == "1" and _has_pdl(cupy.cuda.Device().id)
