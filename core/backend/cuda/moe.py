@@ -1010,6 +1010,21 @@ L2_PREFETCH_MODES = ("off", "last", "normal")
 L2_PREFETCH_DEFAULT_MODE, L2_PREFETCH_DEFAULT_MB = "off", 36
 L2_PREFETCH_BLOCKS, L2_PREFETCH_THREADS = 16, 128  # moe_l2_prefetch: 16 KB chunks, ~2k of them per layer
 _prefetch_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+# evict-last lines live in L2's set-aside for persisting accesses (0 bytes unless asked for: then "last" is
+# "normal"); "last" sets it aside once per device, at most the device's maximum (cudaDeviceSetLimit)
+PERSISTING_L2_LIMIT, MAX_PERSISTING_L2_ATTRIBUTE = 0x06, 108  # cudaLimitPersistingL2CacheSize, cudaDevAttr...
+_persisting_set: set[int] = set()
+
+
+def _set_aside_persisting_l2(device: int, nbytes: int) -> None:
+    """L2 set aside for evict-last lines: ``nbytes`` (at most the device's maximum), once per device; not while
+    the current stream captures a graph (a device limit cannot change then: the first eager step sets it)."""
+    if device in _persisting_set or cupy.cuda.get_current_stream().is_capturing():
+        return
+    _persisting_set.add(device)
+    most = cupy.cuda.runtime.deviceGetAttribute(MAX_PERSISTING_L2_ATTRIBUTE, device)
+    if most > 0:
+        cupy.cuda.runtime.deviceSetLimit(PERSISTING_L2_LIMIT, min(int(most), nbytes))
 
 
 def l2_prefetch_mode() -> str:
@@ -1063,6 +1078,8 @@ def start_l2_prefetch(layer: DeviceMoE, mode: str | None = None) -> cupy.cuda.Ev
     if not views:
         return None
     device = cupy.cuda.Device().id
+    if mode == "last":
+        _set_aside_persisting_l2(device, sum(v.nbytes for v in views))
     if device not in _prefetch_streams:
         _prefetch_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
                                      cupy.cuda.Event(disable_timing=True))
