@@ -313,6 +313,69 @@ moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias
 }
 
 // ---------------------------------------------------------------------------------------------
+// moe_add_rms_norm_route: a decode step's post-attention add_rms_norm, the router logits and the top-k in one
+// launch (one block per token; three launches apart: add_rms_norm, moe_router_logits, moe_route). The same
+// arithmetic as each: rms_norm.cu add_rms_norm's sums (the caller gives its block size), moe.cu
+// moe_router_logits' (a warp per expert, 8-wide lane strides, warp_sum) into shared memory, then
+// warp_route_token (moe_route_warps: the same ids and weights as moe_route). Routers without expert groups;
+// 16-byte aligned rows, features % 8 == 0, at most GROUP_MAX_EXPERTS experts (the caller checks).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024)
+moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                       const bf16* __restrict__ norm_weight, bf16* out, bf16* __restrict__ residual_out, int features,
+                       float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
+                       int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                       float* __restrict__ weights) {
+    __shared__ float scratch[32];
+    __shared__ float logits[GROUP_MAX_EXPERTS];
+    const size_t t = blockIdx.x;
+    const bf16* xr = x + t * features;
+    const bf16* rr = residual + t * features;
+    bf16* ro = residual_out + t * features;
+    bf16* o = out + t * features;
+    for (int c = threadIdx.x; c < features; c += blockDim.x)
+        ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
+    __syncthreads();
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        const float v = __bfloat162float(ro[c]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / features + eps);
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        const float v = round_bf16(__bfloat162float(ro[c]) * inv);
+        o[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
+    }
+    __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int e = warp; e < num_experts; e += warps) {
+        const bf16* w = gate + (long long)e * features;
+        float acc = 0.f;
+        for (int i = lane * 8; i < features; i += 32 * 8) {
+            float a[8], b[8];
+            load8(o + i, a);
+            load8(w + i, b);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) logits[e] = acc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int id;
+        float weight;
+        warp_route_token(logits, bias, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
+        const int row_width = top_k + ROUTE_SHARED_EXPERTS;
+        if (lane < row_width) {
+            ids[t * row_width + lane] = id;
+            weights[t * row_width + lane] = weight;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // moe_route_sort: a decode step's top-k and grouping in one block (one launch where moe_route +
 // moe_sort_parallel take two), over router_logits' output, for routers without expert groups. Each
 // of ROUTE_SORT_WARPS warps routes tokens w, w + ROUTE_SORT_WARPS, ... (warp_route_token: the ids and

@@ -1202,6 +1202,69 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
     return backend.add_rms_norm(combine(y, grouping, shared, int(x.shape[1])), residual, weight, eps)
 
 
+
+# OPENINFER_MOE_ROUTE_NORM (opt-in until measured; =1 on): a decode step's MoE block starts with the post-attention
+# add_rms_norm, the router logits and the top-k in one launch (moe_routing.cu moe_add_rms_norm_route, a block per
+# token) where they take three (add_rms_norm, moe_router_logits, moe_route): ``moe_block``. The same bits (each
+# part's arithmetic; moe_route_warps' ids and weights, equal to moe_route's). Steps of 1..ROUTE_NORM_MAX_TOKENS tokens,
+# routers without expert groups or hash routing, the layer's shared experts fused (or none).
+ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
+ROUTE_NORM_MAX_TOKENS = 128
+ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)
+
+
+def route_norm_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
+    """Whether ``moe_block`` fuses the norm and the routing for ``x`` [T, H]: $OPENINFER_MOE_ROUTE_NORM (1 / 0, unset:
+    off; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
+    spec, tokens, hidden = layer.router, int(x.shape[0]), int(x.shape[1])
+    return (_switch(ROUTE_NORM_ENV) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups) and hidden % 8 == 0
+            and layer.gate.data.ptr % 16 == 0 and spec.num_experts <= ROUTE_NORM_MAX_EXPERTS
+            and spec.top_k + layer.shared_experts <= 32)
+
+
+def add_rms_norm_route(x: cupy.ndarray, residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float,
+                       layer: DeviceMoE) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``h, residual_out = add_rms_norm(x, residual, norm_weight, eps)`` and ``route(h, ...)``'s ids and weights
+    (``[T, k + S]``) in one launch (moe_add_rms_norm_route); the caller checks ``route_norm_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
+    if x.shape != residual.shape or x.dtype != cupy.uint16 or residual.dtype != cupy.uint16:
+        raise ValueError(f"add_rms_norm_route wants bf16 x and residual of one shape; got {x.dtype} {tuple(x.shape)} "
+                         f"and {residual.dtype} {tuple(residual.shape)}")
+    tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+    width = spec.top_k + shared
+    ids, weights = cupy.empty((tokens, width), cupy.int32), cupy.empty((tokens, width), cupy.float32)
+    if tokens:
+        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
+        defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+        kernel("moe_routing.cu", "moe_add_rms_norm_route", **defines)((tokens,), (threads,), (
+            x, residual, norm_weight, out, residual_out, np.int32(hidden), np.float32(eps), layer.gate,
+            NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
+            np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
+            np.float32(spec.routed_scaling_factor), ids, weights))
+    return out, residual_out, ids, weights
+
+
+def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.ndarray, eps: float, layer: DeviceMoE,
+              next_norm: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """A decode step's MoE block from the attention's output ``x``: ``h, residual = add_rms_norm(x, residual,
+    post_norm)`` fused with the routing (``add_rms_norm_route``), the experts, then ``(moe(h), residual)``, or with
+    ``next_norm`` the next layer's ``add_rms_norm(moe(h), residual, next_norm)`` pair (the combine fused into it
+    where ``combine_norm_wanted``). The caller checks ``route_norm_wanted`` and that the layer's shared experts are
+    fused or absent."""
+    h, residual, ids, weights = add_rms_norm_route(x, residual, post_norm, eps, layer)
+    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
+    y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
+    hidden = int(x.shape[1])
+    if next_norm is None:
+        return combine(y, grouping, None, hidden), residual
+    if combine_norm_wanted(int(x.shape[0])):
+        return combine_add_rms_norm(y, grouping, None, residual, next_norm, eps)
+    return backend.add_rms_norm(combine(y, grouping, None, hidden), residual, next_norm, eps)
+
 # OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode
 # step's gate_up runs moe_gemv_wide or (asked for) a tiled INT4 decode GEMV
 # (register ring) or moe_gemv_wide (bf16 experts: Moonlight), that GEMV also applies SiLU·mul: the tiled one
