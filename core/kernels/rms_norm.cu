@@ -43,6 +43,7 @@ extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* 
 // j ascending from 0; shared: the routed sum rounded to bf16, then + shared), rounded to bf16; then
 // add_rms_norm(moe, residual): residual_out = bf16(moe + residual), out = rms_norm(residual_out) * weight.
 // The same bits as moe_combine followed by add_rms_norm (the block kernel above).
+#define COMBINE_NORM_MAX_TOPK 16  // k (+ fused shared experts) per token: core's MAX_TOPK
 extern "C" __global__ void moe_combine_add_rms_norm(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
                                                     const float* __restrict__ weights,
                                                     const bf16* __restrict__ shared, int top_k,
@@ -53,9 +54,14 @@ extern "C" __global__ void moe_combine_add_rms_norm(const bf16* __restrict__ y, 
     const bf16* rr = residual + t * features;
     bf16* ro = residual_out + t * features;
     for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        float rows[COMBINE_NORM_MAX_TOPK];  // every slot's value in flight before the sum (a lone block: latency)
+#pragma unroll
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) rows[j] = __bfloat162float(y[(long long)slot_pos[t * top_k + j] * features + c]);
         float sum = 0.f;
-        for (int j = 0; j < top_k; ++j)
-            sum += weights[t * top_k + j] * __bfloat162float(y[(long long)slot_pos[t * top_k + j] * features + c]);
+#pragma unroll
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) sum += weights[t * top_k + j] * rows[j];
         if (shared) sum = round_bf16(sum) + __bfloat162float(shared[t * features + c]);
         ro[c] = __float2bfloat16_rn(round_bf16(sum) + __bfloat162float(rr[c]));
     }

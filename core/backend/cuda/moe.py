@@ -910,8 +910,9 @@ def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared
     if residual.dtype != cupy.uint16 or weight.dtype != cupy.uint16 or weight.shape != (hidden,):
         raise ValueError(f"combine_add_rms_norm wants a bf16 residual [T, H] and norm weight [H]; got residual "
                          f"{residual.dtype} {tuple(residual.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    if int(grouping.ids.shape[0]) != num_tokens:
-        raise ValueError(f"combine_add_rms_norm: {int(grouping.ids.shape[0])} routed tokens, residual of {num_tokens}")
+    if int(grouping.ids.shape[0]) != num_tokens or grouping.top_k > MAX_TOPK:
+        raise ValueError(f"combine_add_rms_norm: {int(grouping.ids.shape[0])} routed tokens of {grouping.top_k} slots "
+                         f"(at most {MAX_TOPK}), residual of {num_tokens}")
     residual = cupy.ascontiguousarray(residual)
     out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
     if num_tokens:
