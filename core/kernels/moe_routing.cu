@@ -352,6 +352,7 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
     for (int e = warp; e < num_experts; e += warps) {
         const bf16* w = gate + (long long)e * features;
         float acc = 0.f;
+#pragma unroll 8  // the row's loads in flight together (a hidden of 2048: all 8 rounds); the sums in order
         for (int i = lane * 8; i < features; i += 32 * 8) {
             float a[8], b[8];
             load8(o + i, a);
