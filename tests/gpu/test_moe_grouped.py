@@ -690,3 +690,23 @@ def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tok
     monkeypatch.setenv(moe.ROUTE_NORM_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_NORM"):
         moe.route_norm_wanted(x, fused)
+
+
+@pytest.mark.parametrize("shape", ["m64_n128_k2", "m64_n128_k2_sk"])
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_sm90_rotated_units_equal(cuda_backend, rng, monkeypatch, shape, tokens):
+    """moe_sm90.rotated_units(S) (moe_sm90.cu SM90_ROTATE: the last S experts' units first, for the L2 prefetch of
+    fused shared experts): the same bits as expert order, gate_up with SiLU·mul and down, PDL on, stream-K too
+    (the decode shape, its builds compiled here)."""
+    moe, moe_sm90 = _sm90()
+    hidden, inter = 512, 128
+    _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+    assert moe_sm90.sm90_experts(x, fused.gate_up, int(grouping.sorted_slots.size), True)
+    plain = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
+    with moe_sm90.rotated_units(fused.shared_experts):
+        rotated = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
+    assert np.array_equal(rotated, plain)

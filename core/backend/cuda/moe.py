@@ -49,7 +49,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_experts
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts
 from openinfer.moe import RouterSpec
 from openinfer.quant import int4_tiling_fits, tile_int4
 
@@ -1192,7 +1192,8 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)
         grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
+    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
+        y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
     if add_norm is None:
@@ -1258,7 +1259,8 @@ def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.
     fused or absent."""
     h, residual, ids, weights = add_rms_norm_route(x, residual, post_norm, eps, layer)
     grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
+    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
+        y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
     hidden = int(x.shape[1])
     if next_norm is None:
         return combine(y, grouping, None, hidden), residual

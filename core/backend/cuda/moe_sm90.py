@@ -29,6 +29,7 @@ default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -262,12 +263,31 @@ def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
     return _flag_buffers[key]
 
 
-def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False):
+# The launches inside ``rotated_units(S)`` take the last S experts' units first (moe_sm90.cu SM90_ROTATE; the same
+# bits): a MoE layer whose fused shared experts were pulled into L2 (moe.py OPENINFER_MOE_L2_PREFETCH) reads them in
+# the first wave. 0: expert order.
+_rotate_units = 0
+
+
+@contextlib.contextmanager
+def rotated_units(last_experts: int):
+    """Within the block, moe_grouped_gemm_sm90 launches start with the last ``last_experts`` experts' units."""
+    global _rotate_units
+    before, _rotate_units = _rotate_units, int(last_experts)
+    try:
+        yield
+    finally:
+        _rotate_units = before
+
+
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False, rotate: int = 0):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
         "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
+    if rotate:
+        extra["SM90_ROTATE"] = rotate
     if (tiles.stream_k or tiles.k_sub > 1 or pdl) and multicast:
         raise ValueError("moe_sm90's stream-K, wide-k and PDL builds run single CTAs: no multicast")
     if pdl:
@@ -303,7 +323,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     pdl = sm90_pdl() and not multicast
-    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl)
+    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0)
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,
