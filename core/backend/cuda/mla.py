@@ -100,6 +100,7 @@ WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
 # rotated, in the latent write's launch, instead of a separate copy (cupy.ascontiguousarray) before it: one launch
 # a layer fewer in decode steps of 2+ rows. The same values.
 GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
+DEFAULT_GATHER_Q = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
@@ -401,9 +402,10 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
 
 
 def gather_q_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
-    """Whether ``mla_forward`` gathers ``q`` in the latent write (``write_latent_gather_q``): $OPENINFER_MLA_GATHER_Q=1
-    (0 or unset: off; another value: a clear error) and ``q`` a row view (not contiguous, unit column stride)."""
-    text = os.environ.get(GATHER_Q_ENV) or "0"
+    """Whether ``mla_forward`` gathers ``q`` in the latent write (``write_latent_gather_q``): $OPENINFER_MLA_GATHER_Q
+    1 / 0 (unset: DEFAULT_GATHER_Q; another value: a clear error) and ``q`` a row view (not contiguous, unit column
+    stride)."""
+    text = os.environ.get(GATHER_Q_ENV) or str(int(DEFAULT_GATHER_Q))
     if text not in ("0", "1"):
         raise ValueError(f"{GATHER_Q_ENV} is 0 or 1; got {text!r}")
     return (text == "1" and q.ndim == 2 and not q.flags.c_contiguous and q.strides[1] == q.itemsize

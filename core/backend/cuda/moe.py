@@ -894,12 +894,13 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # add_rms_norm_rows from 256 rows, so only steps of at most COMBINE_NORM_MAX_TOKENS tokens fuse).
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
+DEFAULT_COMBINE_NORM = False
 
 
 def combine_norm_wanted(num_tokens: int) -> bool:
-    """$OPENINFER_MOE_COMBINE_NORM (1 / 0, unset: off; another value: a clear error) and 1..COMBINE_NORM_MAX_TOKENS
-    tokens."""
-    return _switch(COMBINE_NORM_ENV) and 0 < num_tokens <= COMBINE_NORM_MAX_TOKENS
+    """$OPENINFER_MOE_COMBINE_NORM (1 / 0, unset: DEFAULT_COMBINE_NORM; another value: a clear error) and
+    1..COMBINE_NORM_MAX_TOKENS tokens."""
+    return _switch(COMBINE_NORM_ENV, default=DEFAULT_COMBINE_NORM) and 0 < num_tokens <= COMBINE_NORM_MAX_TOKENS
 
 
 def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None,
@@ -1213,13 +1214,14 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
 ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
 ROUTE_NORM_MAX_TOKENS = 128
 ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)
+DEFAULT_ROUTE_NORM = False
 
 
 def route_norm_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
     """Whether ``moe_block`` fuses the norm and the routing for ``x`` [T, H]: $OPENINFER_MOE_ROUTE_NORM (1 / 0, unset:
-    off; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
+    DEFAULT_ROUTE_NORM; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
     spec, tokens, hidden = layer.router, int(x.shape[0]), int(x.shape[1])
-    return (_switch(ROUTE_NORM_ENV) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
+    return (_switch(ROUTE_NORM_ENV, default=DEFAULT_ROUTE_NORM) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
             and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups) and hidden % 8 == 0
             and layer.gate.data.ptr % 16 == 0 and spec.num_experts <= ROUTE_NORM_MAX_EXPERTS
             and spec.top_k + layer.shared_experts <= 32)
