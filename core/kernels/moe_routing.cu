@@ -313,6 +313,70 @@ moe_route_warps(const float* __restrict__ logits, const float* __restrict__ bias
 }
 
 // ---------------------------------------------------------------------------------------------
+// moe_add_rms_norm_route: a decode step's post-attention add_rms_norm, the router logits and the top-k in one
+// launch (one block per token; three launches apart: add_rms_norm, moe_router_logits, moe_route). The same
+// arithmetic as each: rms_norm.cu add_rms_norm's sums (the caller gives its block size), moe.cu
+// moe_router_logits' (a warp per expert, 8-wide lane strides, warp_sum) into shared memory, then
+// warp_route_token (moe_route_warps: the same ids and weights as moe_route). Routers without expert groups;
+// 16-byte aligned rows, features % 8 == 0, at most GROUP_MAX_EXPERTS experts (the caller checks).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024)
+moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                       const bf16* __restrict__ norm_weight, bf16* out, bf16* __restrict__ residual_out, int features,
+                       float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
+                       int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
+                       float* __restrict__ weights) {
+    __shared__ float scratch[32];
+    __shared__ float logits[GROUP_MAX_EXPERTS];
+    const size_t t = blockIdx.x;
+    const bf16* xr = x + t * features;
+    const bf16* rr = residual + t * features;
+    bf16* ro = residual_out + t * features;
+    bf16* o = out + t * features;
+    for (int c = threadIdx.x; c < features; c += blockDim.x)
+        ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
+    __syncthreads();
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        const float v = __bfloat162float(ro[c]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / features + eps);
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        const float v = round_bf16(__bfloat162float(ro[c]) * inv);
+        o[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
+    }
+    __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int e = warp; e < num_experts; e += warps) {
+        const bf16* w = gate + (long long)e * features;
+        float acc = 0.f;
+#pragma unroll 8  // the row's loads in flight together (a hidden of 2048: all 8 rounds); the sums in order
+        for (int i = lane * 8; i < features; i += 32 * 8) {
+            float a[8], b[8];
+            load8(o + i, a);
+            load8(w + i, b);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc += a[j] * b[j];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) logits[e] = acc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int id;
+        float weight;
+        warp_route_token(logits, bias, num_experts, top_k, scoring, norm_topk, scaling, &id, &weight);
+        const int row_width = top_k + ROUTE_SHARED_EXPERTS;
+        if (lane < row_width) {
+            ids[t * row_width + lane] = id;
+            weights[t * row_width + lane] = weight;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // moe_route_sort: a decode step's top-k and grouping in one block (one launch where moe_route +
 // moe_sort_parallel take two), over router_logits' output, for routers without expert groups. Each
 // of ROUTE_SORT_WARPS warps routes tokens w, w + ROUTE_SORT_WARPS, ... (warp_route_token: the ids and
@@ -519,5 +583,43 @@ moe_combine_vec8(const bf16* __restrict__ y, const int* __restrict__ slot_pos, c
         for (int i = 0; i < 8; ++i) sum[i] = round_bf16(sum[i]) + s[i];
     }
     store8(out + (long long)t * hidden + c, sum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_l2_prefetch: pull up to two byte ranges of weights (a MoE layer's shared experts, routed every
+// token) into L2 while the layer's attention runs (latency-bound: HBM mostly idle), so the expert GEMM
+// later finds them there. Nothing is written: a hint only, any outcome is correct. Hopper: TMA bulk
+// prefetches of PREFETCH_CHUNK bytes, one per thread and chunk; older GPUs: one prefetch per 128-byte
+// line. evict_last (L2 eviction priority "last") keeps the lines past the routed experts' stream, which
+// the GEMM reads before the shared experts (their slots come last in expert order). Grid-stride over
+// the chunks; needs 16-byte aligned ranges (a tail under 16 bytes is left out).
+// ---------------------------------------------------------------------------------------------
+#define PREFETCH_CHUNK 16384
+extern "C" __global__ void __launch_bounds__(128)
+moe_l2_prefetch(const char* __restrict__ first, long long first_bytes, const char* __restrict__ second,
+                long long second_bytes, int evict_last) {
+    const long long first_chunks = (first_bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    const long long chunks = first_chunks + (second_bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks;
+         i += (long long)gridDim.x * blockDim.x) {
+        const bool in_first = i < first_chunks;
+        const long long offset = (in_first ? i : i - first_chunks) * PREFETCH_CHUNK;
+        const char* p = (in_first ? first : second) + offset;
+        const long long left = (in_first ? first_bytes : second_bytes) - offset;
+        const unsigned size = (unsigned)(left < PREFETCH_CHUNK ? left : PREFETCH_CHUNK) & ~15u;
+        if (size == 0) continue;
+#if __CUDA_ARCH__ >= 900
+        unsigned long long policy;
+        if (evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+        else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n"
+                     ::"l"(p), "r"(size), "l"(policy) : "memory");
+#elif __CUDA_ARCH__ >= 800
+        for (unsigned b = 0; b < size; b += 128) {
+            if (evict_last) asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + b));
+            else asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + b));
+        }
+#endif
+    }
 }
 #endif

@@ -120,6 +120,23 @@
 #define SM90_OUT_TILE_N SM90_TILE_N
 #endif
 
+// SM90_ROTATE=S: the work units take the last S experts (fused shared experts, every token's) first, then the rest
+// in order (each unit the same arithmetic: the same bits): their weights, pulled into L2 during the layer's attention
+// (OPENINFER_MOE_L2_PREFETCH), are read in the first wave, before the routed experts' stream can evict them.
+#ifndef SM90_ROTATE
+#define SM90_ROTATE 0
+#endif
+// The expert at place j of the launch's unit order.
+__device__ __forceinline__ int sm90_expert_at(int j, int num_experts) {
+#if SM90_ROTATE
+    const int shift = num_experts - SM90_ROTATE;
+    return j + shift < num_experts ? j + shift : j + shift - num_experts;
+#else
+    (void)num_experts;
+    return j;
+#endif
+}
+
 struct ExpertTile {
     int expert, row_begin, rows, column;  // rows: the CTA's slots (<= 0: none); column: first output column
 };
@@ -137,9 +154,9 @@ __device__ __forceinline__ ExpertTile expert_tile(int tile, int n_tiles, const i
         else hi = mid - 1;
     }
     ExpertTile w;
-    w.expert = lo;
-    w.row_begin = offsets[lo] + (m - tile_start[lo]) * SM90_UNIT_M + rank * SM90_TILE_M;
-    w.rows = min(SM90_TILE_M, offsets[lo + 1] - w.row_begin);
+    w.expert = sm90_expert_at(lo, num_experts);
+    w.row_begin = offsets[w.expert] + (m - tile_start[lo]) * SM90_UNIT_M + rank * SM90_TILE_M;
+    w.rows = min(SM90_TILE_M, offsets[w.expert + 1] - w.row_begin);
     w.column = (tile % n_tiles) * SM90_OUT_TILE_N;
     return w;
 }
@@ -203,7 +220,8 @@ moe_grouped_gemm_sm90(const bf16* __restrict__ a, const int* __restrict__ sorted
         if (lane == 0) tile_start[0] = 0;
         for (int first = 0; first < num_experts; first += 32) {
             const int e = first + lane;
-            int count = e < num_experts ? (expert_offsets[e + 1] - expert_offsets[e] + SM90_UNIT_M - 1) / SM90_UNIT_M : 0;
+            const int x = e < num_experts ? sm90_expert_at(e, num_experts) : 0;  // place e's expert
+            int count = e < num_experts ? (expert_offsets[x + 1] - expert_offsets[x] + SM90_UNIT_M - 1) / SM90_UNIT_M : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
                 const int below = __shfl_up_sync(0xffffffffu, count, d);

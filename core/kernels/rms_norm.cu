@@ -38,6 +38,37 @@ extern "C" __global__ void add_rms_norm(const bf16* __restrict__ x, const bf16* 
     normalize_row(ro, weight, out + row * features, features, eps);
 }
 
+// MoE combine + the next layer's add_rms_norm in one launch (decode steps: one block per token; the
+// combine's launch and its [T, hidden] round trip go). moe = moe.cu moe_combine's sum (the same fp32 order:
+// j ascending from 0; shared: the routed sum rounded to bf16, then + shared), rounded to bf16; then
+// add_rms_norm(moe, residual): residual_out = bf16(moe + residual), out = rms_norm(residual_out) * weight.
+// The same bits as moe_combine followed by add_rms_norm (the block kernel above).
+#define COMBINE_NORM_MAX_TOPK 16  // k (+ fused shared experts) per token: core's MAX_TOPK
+extern "C" __global__ void moe_combine_add_rms_norm(const bf16* __restrict__ y, const int* __restrict__ slot_pos,
+                                                    const float* __restrict__ weights,
+                                                    const bf16* __restrict__ shared, int top_k,
+                                                    const bf16* __restrict__ residual, const bf16* __restrict__ weight,
+                                                    bf16* __restrict__ out, bf16* __restrict__ residual_out,
+                                                    int features, float eps) {
+    const size_t t = blockIdx.x;
+    const bf16* rr = residual + t * features;
+    bf16* ro = residual_out + t * features;
+    for (int c = threadIdx.x; c < features; c += blockDim.x) {
+        float rows[COMBINE_NORM_MAX_TOPK];  // every slot's value in flight before the sum (a lone block: latency)
+#pragma unroll
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) rows[j] = __bfloat162float(y[(long long)slot_pos[t * top_k + j] * features + c]);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < COMBINE_NORM_MAX_TOPK; ++j)
+            if (j < top_k) sum += weights[t * top_k + j] * rows[j];
+        if (shared) sum = round_bf16(sum) + __bfloat162float(shared[t * features + c]);
+        ro[c] = __float2bfloat16_rn(round_bf16(sum) + __bfloat162float(rr[c]));
+    }
+    __syncthreads();
+    normalize_row(ro, weight, out + t * features, features, eps);
+}
+
 // --- Row-per-warp variants for many rows (prefill, mixed steps) ---------------------------------
 // One warp per row, NORM_ROWS_PER_BLOCK rows per block, 16-byte loads and stores, the row held in
 // registers (VECS_PER_LANE 16-byte vectors per lane, so features <= 256 * VECS_PER_LANE and a

@@ -50,7 +50,7 @@ def _max_error(ours, reference) -> float:
 
 
 @pytest.mark.parametrize("shape", ["base", "skip", "m64_s5", "m64_n128_s8", "n128_s6", "sk", "n128_s6_sk",
-                                   "m64_n128_k2"])
+                                   "m64_n128_k2", "m64_n128_k3", "m64_n128_k4"])
 def test_sm90_shapes_match_numpy(cuda_backend, rng, shape):
     """Every SM90_SHAPES build on ragged experts (an empty expert, one over several 64- and 128-slot
     tiles, tiles of 1-5 slots: a warpgroup all padding), K = 200 (a partial 64- and 128-wide k-stage:
@@ -516,3 +516,197 @@ def test_route_sort_switch_bounds(monkeypatch):
     monkeypatch.setenv(moe.ROUTE_SORT_ENV, "sometimes")
     with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_SORT"):
         moe.route_sort_wanted(16, spec)
+
+
+@pytest.mark.parametrize("mode", ["last", "normal"])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_l2_prefetch_leaves_moe_forward_unchanged(cuda_backend, rng, monkeypatch, mode, tokens):
+    """OPENINFER_MOE_L2_PREFETCH (moe_routing.cu moe_l2_prefetch on a side stream, joined after the layer):
+    moe_forward of a layer with fused shared experts gives the same bits with the prefetch started before it,
+    eagerly and as a CUDA graph replay (the side stream's fork and join captured); a byte cap below the shared
+    experts' size takes gate_up first, whole 16-byte pieces; without fused shared experts nothing starts; bad
+    values are clear errors."""
+    hidden, inter, num_experts, shared = 512, 128, 64, 2
+    moe, layer, fused, _, _ = _shared_fusion_case(cuda_backend, rng, num_experts, 6, shared, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    plain = cuda_backend.to_host(moe.moe_forward(cuda_backend, x, fused))
+    monkeypatch.setenv(moe.L2_PREFETCH_ENV, mode)
+    assert moe.start_l2_prefetch(layer) is None  # no fused shared experts: nothing to prefetch
+
+    def step():
+        joined = moe.start_l2_prefetch(fused)
+        assert joined is not None
+        out = moe.moe_forward(cuda_backend, x, fused)
+        moe.join_l2_prefetch(joined)
+        return out
+
+    assert np.array_equal(cuda_backend.to_host(step()), plain)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = step()
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(cuda_backend.to_host(out), plain)
+    gate_up_bytes = shared * 2 * inter * hidden * 2
+    monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, str((gate_up_bytes + 1000) / 2**20))
+    views = moe.shared_expert_ranges(fused, moe.l2_prefetch_bytes())
+    assert [v.nbytes for v in views] == [gate_up_bytes, 992]
+    assert views[0].data.ptr == fused.gate_up.data[num_experts].data.ptr
+    assert views[1].data.ptr == fused.down.data[num_experts].data.ptr
+    assert np.array_equal(cuda_backend.to_host(step()), plain)
+    monkeypatch.setenv(moe.L2_PREFETCH_MB_ENV, "lots")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH_MB"):
+        moe.l2_prefetch_bytes()
+    monkeypatch.setenv(moe.L2_PREFETCH_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_L2_PREFETCH"):
+        moe.l2_prefetch_mode()
+    monkeypatch.delenv(moe.L2_PREFETCH_ENV)
+    assert moe.l2_prefetch_mode() == moe.L2_PREFETCH_DEFAULT_MODE
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,with_shared", [(1, 2048, 8, False), (16, 2048, 8, False),
+                                                              (16, 2048, 6, True), (64, 7168, 9, False),
+                                                              (5, 260, 6, True), (128, 520, 4, False)])
+def test_combine_add_rms_norm_equals_unfused(cuda_backend, rng, tokens, hidden, top_k, with_shared):
+    """moe_combine_add_rms_norm (OPENINFER_MOE_COMBINE_NORM) against moe_combine then the backend's add_rms_norm:
+    the same bits (out and residual_out), with and without a shared row, widths not whole thread passes; and
+    against the NumPy fp32 composition (Σ w·y (+ shared) + residual, RMS-normalised, times the weight) within
+    bf16 rounding; a wrong residual shape is a clear error."""
+    from openinfer.backend.cuda import moe
+
+    experts, eps = 32, 1e-6
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.asarray(weights), experts)
+    y_host = bf16_random(rng, tokens * top_k, hidden)
+    shared_host = bf16_random(rng, tokens, hidden) if with_shared else None
+    residual_host, norm_host = bf16_random(rng, tokens, hidden), bf16_random(rng, hidden, scale=0.5)
+    y = cuda_backend.upload(y_host)
+    shared = cuda_backend.upload(shared_host) if with_shared else None
+    residual, norm = cuda_backend.upload(residual_host), cuda_backend.weight(norm_host)
+    plain_out, plain_residual = cuda_backend.add_rms_norm(moe.combine(y, grouping, shared, hidden, vectorized=False),
+                                                          residual, norm, eps)
+    out, residual_out = moe.combine_add_rms_norm(y, grouping, shared, residual, norm, eps)
+    assert np.array_equal(out.get(), plain_out.get())
+    assert np.array_equal(residual_out.get(), plain_residual.get())
+    slot_pos = grouping.slot_pos.get().reshape(tokens, top_k)
+    combined = np.einsum("tk,tkh->th", weights, y_host[slot_pos])
+    summed = combined + (shared_host if with_shared else 0) + residual_host
+    reference = summed / np.sqrt((summed ** 2).mean(-1, keepdims=True) + eps) * norm_host
+    assert relative_error(cuda_backend.to_host(residual_out), summed) < 1e-2
+    assert relative_error(cuda_backend.to_host(out), reference) < 1e-2
+    with pytest.raises(ValueError, match="residual"):
+        moe.combine_add_rms_norm(y, grouping, shared, residual[:, :-8], norm, eps)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 200])
+def test_moe_forward_add_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
+    """moe_forward(add_norm=...) = add_rms_norm(moe_forward(...)): with OPENINFER_MOE_COMBINE_NORM=1 fused up to
+    COMBINE_NORM_MAX_TOKENS tokens (200: the two ops), the same bits either way, also as a CUDA graph replay; a
+    bad value is a clear error."""
+    hidden, inter, eps = 512, 128, 1e-6
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    residual, norm = cuda_backend.upload(bf16_random(rng, tokens, hidden)), cuda_backend.weight(bf16_random(rng, hidden))
+    plain = [a.get() for a in cuda_backend.add_rms_norm(moe.moe_forward(cuda_backend, x, fused), residual, norm, eps)]
+    monkeypatch.setenv(moe.COMBINE_NORM_ENV, "1")
+    assert moe.combine_norm_wanted(tokens) is (tokens <= moe.COMBINE_NORM_MAX_TOKENS)
+
+    def step():
+        return moe.moe_forward(cuda_backend, x, fused, add_norm=(residual, norm, eps))
+
+    assert all(np.array_equal(a.get(), b) for a, b in zip(step(), plain, strict=True))
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outs = step()
+        finally:
+            graph = stream.end_capture()
+        for a in outs:
+            a[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert all(np.array_equal(a.get(), b) for a, b in zip(outs, plain, strict=True))
+    monkeypatch.setenv(moe.COMBINE_NORM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_NORM"):
+        moe.combine_norm_wanted(16)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 64])
+def test_moe_block_route_norm_equals_unfused(cuda_backend, rng, monkeypatch, tokens):
+    """OPENINFER_MOE_ROUTE_NORM: moe_add_rms_norm_route gives add_rms_norm's h and residual and route(h)'s ids and
+    weights bit for bit (fused shared experts appended); moe_block equals add_rms_norm -> moe_forward (-> the next
+    add_rms_norm), also with the combine fused into that norm, eagerly and as a CUDA graph replay; bad values are
+    clear errors."""
+    hidden, inter, eps = 512, 128, 1e-6
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    residual = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    post_norm, next_norm = (cuda_backend.weight(bf16_random(rng, hidden, scale=0.5)) for _ in range(2))
+    h_ref, residual_ref = cuda_backend.add_rms_norm(x, residual, post_norm, eps)
+    ids_ref, weights_ref = moe.route(h_ref, fused.gate, fused.router, fused.correction_bias,
+                                     shared_experts=fused.shared_experts)
+    monkeypatch.setenv(moe.ROUTE_NORM_ENV, "1")
+    assert moe.route_norm_wanted(x, fused)
+    h, residual_out, ids, weights = moe.add_rms_norm_route(x, residual, post_norm, eps, fused)
+    for ours, ref in ((h, h_ref), (residual_out, residual_ref), (ids, ids_ref), (weights, weights_ref)):
+        assert np.array_equal(ours.get(), ref.get())
+    moe_out = moe.moe_forward(cuda_backend, h_ref, fused)
+    plain = (moe_out.get(), residual_ref.get())
+    plain_next = [a.get() for a in cuda_backend.add_rms_norm(moe_out, residual_ref, next_norm, eps)]
+    assert all(np.array_equal(a.get(), b) for a, b in zip(
+        moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused), plain, strict=True))
+    for combine_norm in ("0", "1"):
+        monkeypatch.setenv(moe.COMBINE_NORM_ENV, combine_norm)
+
+        def step():
+            return moe.moe_block(cuda_backend, x, residual, post_norm, eps, fused, next_norm)
+
+        assert all(np.array_equal(a.get(), b) for a, b in zip(step(), plain_next, strict=True))
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            step()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                outs = step()
+            finally:
+                graph = stream.end_capture()
+            for a in outs:
+                a[...] = 0
+            graph.launch(stream)
+            stream.synchronize()
+            assert all(np.array_equal(a.get(), b) for a, b in zip(outs, plain_next, strict=True))
+    monkeypatch.setenv(moe.ROUTE_NORM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_ROUTE_NORM"):
+        moe.route_norm_wanted(x, fused)
+
+
+@pytest.mark.parametrize("shape", ["m64_n128_k2", "m64_n128_k2_sk"])
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_sm90_rotated_units_equal(cuda_backend, rng, monkeypatch, shape, tokens):
+    """moe_sm90.rotated_units(S) (moe_sm90.cu SM90_ROTATE: the last S experts' units first, for the L2 prefetch of
+    fused shared experts): the same bits as expert order, gate_up with SiLU·mul and down, PDL on, stream-K too
+    (the decode shape, its builds compiled here)."""
+    moe, moe_sm90 = _sm90()
+    hidden, inter = 512, 128
+    _, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    monkeypatch.setenv(moe_sm90.SM90_SHAPE_ENV, shape)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    grouping = moe.group_by_expert(ids, weights, fused.gate_up.num_experts)
+    assert moe_sm90.sm90_experts(x, fused.gate_up, int(grouping.sorted_slots.size), True)
+    plain = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
+    with moe_sm90.rotated_units(fused.shared_experts):
+        rotated = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
+    assert np.array_equal(rotated, plain)

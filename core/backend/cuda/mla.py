@@ -95,6 +95,12 @@ SPREAD_ROPE_ENV = "OPENINFER_MLA_SPREAD_ROPE"
 # s8 E1 (H200): its first form (scalar W_UK loads, 8 in flight) took 12.3 us at batch 1 where the two launches take
 # 7.7 (3.8 + 3.9): each thread now loads its W_UK rows as 16-byte vectors, all in flight at once.
 WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
+# Opt-in until measured: $OPENINFER_MLA_GATHER_Q=1: where q arrives as a row view of the fused q / kv_a projection
+# (several rows: not contiguous), mla_write_latent_gather_q copies it into a contiguous buffer with its rope dims
+# rotated, in the latent write's launch, instead of a separate copy (cupy.ascontiguousarray) before it: one launch
+# a layer fewer in decode steps of 2+ rows. The same values.
+GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
+DEFAULT_GATHER_Q = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)
 WRITE_ABSORB_COLUMNS, WRITE_ABSORB_THREADS = 64, 128
 # Opt-in: $OPENINFER_MLA_EXPAND_SMALL=1 runs W_UV as mla_expand_small (tensor cores, one launch, fragments straight
@@ -250,8 +256,13 @@ def _defines(spec: MLASpec) -> dict[str, int]:
 
 def pdl() -> bool:
     """Whether the decode kernels run with programmatic dependent launch ($OPENINFER_MLA_PDL, else DEFAULT_PDL;
-    compute capability 9.0 and later only: griddepcontrol is Hopper's)."""
-    text = os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL))
+    compute capability 9.0 and later only: griddepcontrol is Hopper's). Asked at every launch: the answer is kept
+    per value of the switch (``_pdl_for``), so a launch reads one environment entry."""
+    return _pdl_for(os.environ.get(PDL_ENV) or str(int(DEFAULT_PDL)))
+
+
+@functools.cache
+def _pdl_for(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} is 0 or 1; got {text!r}")
     return text == "1" and _has_pdl(cupy.cuda.Device().id)
@@ -351,14 +362,18 @@ def mla_forward(blas: Cublas, q: cupy.ndarray, latent: cupy.ndarray, cache: cupy
     out = cupy.empty((num_tokens, heads * spec.v_head_dim), dtype=cupy.uint16)
     if num_tokens == 0:
         return out
-    q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
     plan = _step_plan(batch, spec, prefill_min_query)
     if plan is None and write_absorb_fits(num_tokens, spec):
+        q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
         q_latent = write_latent_absorb(q, latent, cache, kv_a_norm, w_uk, spec, batch, cos, sin, eps)
         o_latent = absorbed_attention(q_latent, q, cache, spec, batch, None, num_sms, absorbed_kernel)
         expand_values(blas, o_latent, w_uv, spec, out)
         return out
-    write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+    if gather_q_fits(q, spec):
+        q = write_latent_gather_q(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
+    else:
+        q = cupy.ascontiguousarray(q)  # its rope dims are rotated in place: callers pass a buffer they own
+        write_latent(q, latent, cache, kv_a_norm, spec, batch, cos, sin, eps)
     if plan is None:
         _absorbed(blas, q, cache, w_uk, w_uv, spec, batch, out, None, num_sms, absorbed_kernel)
         return out
@@ -384,6 +399,32 @@ def write_latent(q: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_
     kernel("mla.cu", "mla_write_latent", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
         latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q, np.int32(heads),
         np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions, batch.slot_mapping, cos, sin, cache))
+
+
+def gather_q_fits(q: cupy.ndarray, spec: MLASpec) -> bool:
+    """Whether ``mla_forward`` gathers ``q`` in the latent write (``write_latent_gather_q``): $OPENINFER_MLA_GATHER_Q
+    1 / 0 (unset: DEFAULT_GATHER_Q; another value: a clear error) and ``q`` a row view (not contiguous, unit column
+    stride)."""
+    text = os.environ.get(GATHER_Q_ENV) or str(int(DEFAULT_GATHER_Q))
+    if text not in ("0", "1"):
+        raise ValueError(f"{GATHER_Q_ENV} is 0 or 1; got {text!r}")
+    return (text == "1" and q.ndim == 2 and not q.flags.c_contiguous and q.strides[1] == q.itemsize
+            and q.strides[0] % q.itemsize == 0 and q.shape[1] == spec.num_heads * spec.qk_head_dim)
+
+
+def write_latent_gather_q(q_rows: cupy.ndarray, latent: cupy.ndarray, cache: cupy.ndarray, kv_a_norm: cupy.ndarray,
+                          spec: MLASpec, batch, cos: cupy.ndarray, sin: cupy.ndarray, eps: float) -> cupy.ndarray:
+    """``write_latent`` of ``q_rows`` copied first (``q = ascontiguousarray(q_rows)``) in one launch
+    (mla_write_latent_gather_q): the latent rows stored, and the contiguous q with its rope dims rotated returned."""
+    heads = spec.num_heads
+    q = cupy.empty(q_rows.shape, dtype=cupy.uint16)
+    spread = os.environ.get(SPREAD_ROPE_ENV, "1") not in ("0", "false", "off")
+    rope_blocks = -(-heads * spec.qk_rope_dim // 2 // 128) if spread else 1
+    kernel("mla.cu", "mla_write_latent_gather_q", **_decode_defines(spec))((int(q.shape[0]), rope_blocks), (128,), (
+        latent, np.int32(latent.strides[0] // 2), kv_a_norm, np.float32(eps), q_rows, np.int32(q_rows.strides[0] // 2),
+        q, np.int32(heads), np.int32(spec.qk_head_dim), np.int32(spec.qk_nope_dim), batch.positions,
+        batch.slot_mapping, cos, sin, cache))
+    return q
 
 
 def write_absorb_fits(num_tokens: int, spec: MLASpec) -> bool:

@@ -50,7 +50,7 @@ import cupy
 import numpy as np
 
 from openinfer.backend.cuda.loader import kernel
-from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, sm90_experts
+from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts
 from openinfer.moe import RouterSpec
 from openinfer.quant import int4_tiling_fits, tile_int4
 
@@ -641,7 +641,10 @@ def group_by_expert(ids: cupy.ndarray, weights: cupy.ndarray, num_experts: int,
     grouping = ExpertGroupingDevice(
         ids, weights, cupy.empty(num_slots, cupy.int32), cupy.empty(num_slots, cupy.int32),
         cupy.empty(num_experts + 1, cupy.int32), cupy.empty(max(tiles, 1), cupy.int32),
-        cupy.empty(max(tiles, 1), cupy.int32), cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
+        cupy.empty(max(tiles, 1), cupy.int32),
+        # every grouping kernel below writes num_tiles: a zeroed one (a memset node in a decode graph, each layer)
+        # only where none runs
+        cupy.empty(1, cupy.int32) if num_slots else cupy.zeros(1, cupy.int32), tiles, int(ids.shape[1]))
     layout = (grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
               grouping.num_tiles, np.int32(tiles))
     method = method or grouping_method(num_slots, per_expert_blocks)
@@ -937,6 +940,43 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
     return out
 
 
+
+# OPENINFER_MOE_COMBINE_NORM (opt-in until measured; =1 on): where a MoE layer's output goes straight into the next
+# layer's add_rms_norm (the kimi model's layers but the last), moe_forward ends in rms_norm.cu's
+# moe_combine_add_rms_norm instead of moe_combine + add_rms_norm: one launch a layer fewer (decode: each a few us
+# of a latency-bound chain). The same bits (the block add_rms_norm's sums; the backend takes the row-per-warp
+# add_rms_norm_rows from 256 rows, so only steps of at most COMBINE_NORM_MAX_TOKENS tokens fuse).
+COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
+COMBINE_NORM_MAX_TOKENS = 128
+DEFAULT_COMBINE_NORM = False
+
+
+def combine_norm_wanted(num_tokens: int) -> bool:
+    """$OPENINFER_MOE_COMBINE_NORM (1 / 0, unset: DEFAULT_COMBINE_NORM; another value: a clear error) and
+    1..COMBINE_NORM_MAX_TOKENS tokens."""
+    return _switch(COMBINE_NORM_ENV, default=DEFAULT_COMBINE_NORM) and 0 < num_tokens <= COMBINE_NORM_MAX_TOKENS
+
+
+def combine_add_rms_norm(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarray | None,
+                         residual: cupy.ndarray, weight: cupy.ndarray, eps: float) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``add_rms_norm(combine(y, grouping, shared), residual, weight, eps)`` in one launch (moe_combine_add_rms_norm):
+    ``(out, residual_out)``, bf16 ``[T, hidden]`` each, the unfused pair's bits."""
+    num_tokens, hidden = int(residual.shape[0]), int(residual.shape[1])
+    if residual.dtype != cupy.uint16 or weight.dtype != cupy.uint16 or weight.shape != (hidden,):
+        raise ValueError(f"combine_add_rms_norm wants a bf16 residual [T, H] and norm weight [H]; got residual "
+                         f"{residual.dtype} {tuple(residual.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if int(grouping.ids.shape[0]) != num_tokens or grouping.top_k > MAX_TOPK:
+        raise ValueError(f"combine_add_rms_norm: {int(grouping.ids.shape[0])} routed tokens of {grouping.top_k} slots "
+                         f"(at most {MAX_TOPK}), residual of {num_tokens}")
+    residual = cupy.ascontiguousarray(residual)
+    out, residual_out = cupy.empty_like(residual), cupy.empty_like(residual)
+    if num_tokens:
+        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
+        kernel("rms_norm.cu", "moe_combine_add_rms_norm")((num_tokens,), (threads,), (
+            y, grouping.slot_pos, grouping.weights, NULL if shared is None else shared, np.int32(grouping.top_k),
+            residual, weight, out, residual_out, np.int32(hidden), np.float32(eps)))
+    return out, residual_out
+
 @dataclass
 class DeviceMoE:
     """One MoE layer on the device."""
@@ -1011,6 +1051,111 @@ def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_d
                                down=ExpertLinear("bf16", down, None, hidden, inter), shared_experts=count)
 
 
+
+# OPENINFER_MOE_L2_PREFETCH (opt-in until measured): at the start of a MoE layer (``start_l2_prefetch``, called
+# before its attention) a side stream pulls the layer's fused shared experts' weights (every token's, so
+# known before routing; Moonlight: 2 x 17.3 MB) into L2 (moe_routing.cu moe_l2_prefetch) while the attention
+# block runs (latency-bound: HBM mostly idle there), so the expert GEMM later reads them from L2 instead of
+# HBM. The experts' GEMM is a weight stream near the copy bandwidth (moe_sm90.py: 92 %), so every byte taken
+# off it is time. "last" marks the lines evict-last: the GEMM reads the shared experts after the routed
+# ones (expert order), whose stream would otherwise flush them; "normal" for the A/B. At most
+# $OPENINFER_MOE_L2_PREFETCH_MB (default L2_PREFETCH_DEFAULT_MB; an H200 has 50 MB of L2) bytes, gate_up
+# first (read first). A hint: the numbers never change; the side stream joins after the layer's MoE.
+L2_PREFETCH_ENV, L2_PREFETCH_MB_ENV = "OPENINFER_MOE_L2_PREFETCH", "OPENINFER_MOE_L2_PREFETCH_MB"
+L2_PREFETCH_MODES = ("off", "last", "normal")
+L2_PREFETCH_DEFAULT_MODE, L2_PREFETCH_DEFAULT_MB = "off", 36
+L2_PREFETCH_BLOCKS, L2_PREFETCH_THREADS = 16, 128  # moe_l2_prefetch: 16 KB chunks, ~2k of them per layer
+_prefetch_streams: dict[int, tuple[cupy.cuda.Stream, cupy.cuda.Event, cupy.cuda.Event]] = {}
+# evict-last lines live in L2's set-aside for persisting accesses (0 bytes unless asked for: then "last" is
+# "normal"); "last" sets it aside once per device, at most the device's maximum (cudaDeviceSetLimit)
+PERSISTING_L2_LIMIT, MAX_PERSISTING_L2_ATTRIBUTE = 0x06, 108  # cudaLimitPersistingL2CacheSize, cudaDevAttr...
+_persisting_set: set[int] = set()
+
+
+def _set_aside_persisting_l2(device: int, nbytes: int) -> None:
+    """L2 set aside for evict-last lines: ``nbytes`` (at most the device's maximum), once per device; not while
+    the current stream captures a graph (a device limit cannot change then: the first eager step sets it)."""
+    if device in _persisting_set or cupy.cuda.get_current_stream().is_capturing():
+        return
+    _persisting_set.add(device)
+    most = cupy.cuda.runtime.deviceGetAttribute(MAX_PERSISTING_L2_ATTRIBUTE, device)
+    if most > 0:
+        cupy.cuda.runtime.deviceSetLimit(PERSISTING_L2_LIMIT, min(int(most), nbytes))
+
+
+def l2_prefetch_mode() -> str:
+    """$OPENINFER_MOE_L2_PREFETCH: "off" / "0", "last" / "1", "normal" (unset: L2_PREFETCH_DEFAULT_MODE);
+    another value is a clear error."""
+    value = os.environ.get(L2_PREFETCH_ENV, "").lower() or L2_PREFETCH_DEFAULT_MODE
+    value = {"0": "off", "false": "off", "1": "last", "true": "last", "on": "last"}.get(value, value)
+    if value not in L2_PREFETCH_MODES:
+        raise ValueError(f"{L2_PREFETCH_ENV} must be one of {', '.join(L2_PREFETCH_MODES)} (or 1 / 0), got {value!r}")
+    return value
+
+
+def l2_prefetch_bytes() -> int:
+    """$OPENINFER_MOE_L2_PREFETCH_MB in bytes (unset: L2_PREFETCH_DEFAULT_MB; not a number >= 0: a clear error)."""
+    value = os.environ.get(L2_PREFETCH_MB_ENV, "") or str(L2_PREFETCH_DEFAULT_MB)
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(f"{L2_PREFETCH_MB_ENV} must be a number of megabytes >= 0, got {value!r}")
+    return int(megabytes * 2**20)
+
+
+def shared_expert_ranges(layer: DeviceMoE, most_bytes: int) -> list[cupy.ndarray]:
+    """The fused shared experts' weights of ``layer`` as flat views, gate_up's then down's, together at most
+    ``most_bytes`` (16-byte multiples); empty without fused shared experts."""
+    if not layer.shared_experts:
+        return []
+    views, left = [], most_bytes
+    for weight in (layer.gate_up, layer.down):
+        if weight.format != "bf16" or not weight.data.flags.c_contiguous:
+            continue
+        flat = weight.data[weight.num_experts - layer.shared_experts:].reshape(-1)
+        take = min(flat.nbytes, left) // 16 * 16
+        if take:
+            views.append(flat[:take // flat.itemsize])
+            left -= take
+    return views
+
+
+def start_l2_prefetch(layer: DeviceMoE, mode: str | None = None) -> cupy.cuda.Event | None:
+    """Launch ``moe_l2_prefetch`` of ``layer``'s shared experts on this device's prefetch stream (forked from
+    the current stream) where ``mode`` (default ``l2_prefetch_mode``) is on; the event the current stream
+    must wait for before the layer ends (``join_l2_prefetch``; inside a CUDA-graph capture the fork must
+    join), else None."""
+    mode = mode or l2_prefetch_mode()
+    if mode == "off":
+        return None
+    views = shared_expert_ranges(layer, l2_prefetch_bytes())
+    if not views:
+        return None
+    device = cupy.cuda.Device().id
+    if mode == "last":
+        _set_aside_persisting_l2(device, sum(v.nbytes for v in views))
+    if device not in _prefetch_streams:
+        _prefetch_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                     cupy.cuda.Event(disable_timing=True))
+    side, forked, joined = _prefetch_streams[device]
+    forked.record(cupy.cuda.get_current_stream())
+    side.wait_event(forked)
+    first, second = views[0], views[1] if len(views) > 1 else None
+    with side:
+        kernel("moe_routing.cu", "moe_l2_prefetch")((L2_PREFETCH_BLOCKS,), (L2_PREFETCH_THREADS,), (
+            first, np.int64(first.nbytes), NULL if second is None else second,
+            np.int64(0 if second is None else second.nbytes), np.int32(mode == "last")))
+        joined.record(side)
+    return joined
+
+
+def join_l2_prefetch(joined: cupy.cuda.Event | None) -> None:
+    """The current stream waits for ``start_l2_prefetch``'s launch (None: nothing to wait for)."""
+    if joined is not None:
+        cupy.cuda.get_current_stream().wait_event(joined)
+
 def pipelined_gate_up(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGroupingDevice, blas) -> bool:
     """Whether ``moe_forward`` fuses gate_up and SwiGLU: OPENINFER_MOE_PIPELINED=fused, bf16 experts,
     no forced GEMV, more than PIPELINED_ABOVE_ROWS_PER_EXPERT slots per expert and no cuBLAS step."""
@@ -1083,12 +1228,14 @@ def start_shared_experts(x: cupy.ndarray, shared_experts) -> tuple[cupy.ndarray,
 
 
 def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray | None = None,
-                token_ids: cupy.ndarray | None = None, shared_experts=None) -> cupy.ndarray:
+                token_ids: cupy.ndarray | None = None, shared_experts=None, add_norm: tuple | None = None):
     """Route → group → gate_up GEMM (gathering token rows) → SwiGLU → down GEMM → weighted combine
     (+ the shared experts' output: ``shared``, already computed, or ``shared_experts(x)``, a callable
     run here: ``start_shared_experts``). OPENINFER_MOE_PIPELINED=fused: the gate_up GEMM and SwiGLU
     as one launch where the step would run a GEMM (``pipelined_gate_up``); OPENINFER_MOE_SM90=1: in
-    the Hopper kernel where it runs (``sm90_experts``)."""
+    the Hopper kernel where it runs (``sm90_experts``). ``add_norm`` = (residual, norm weight, eps): returns
+    ``add_rms_norm(out, residual, weight, eps)``'s pair instead, the combine fused into it where
+    ``combine_norm_wanted``."""
     x = cupy.ascontiguousarray(x)
     if layer.shared_experts and (shared is not None or shared_experts is not None):
         raise ValueError("this MoE layer's shared experts are fused into its expert stacks (fuse_shared_experts): "
@@ -1100,11 +1247,82 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
         ids, weights = route(x, layer.gate, layer.router, layer.correction_bias, token_ids, layer.tid2eid,
                              layer.shared_experts)
         grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
-    y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
+    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
+        y = routed_experts(backend, x, layer.gate_up, layer.down, grouping)
     if joined is not None:  # the shared experts' side stream
         cupy.cuda.get_current_stream().wait_event(joined)
-    return combine(y, grouping, shared, int(x.shape[1]))
+    if add_norm is None:
+        return combine(y, grouping, shared, int(x.shape[1]))
+    residual, weight, eps = add_norm
+    if combine_norm_wanted(int(x.shape[0])):
+        return combine_add_rms_norm(y, grouping, shared, residual, weight, eps)
+    return backend.add_rms_norm(combine(y, grouping, shared, int(x.shape[1])), residual, weight, eps)
 
+
+
+# OPENINFER_MOE_ROUTE_NORM (opt-in until measured; =1 on): a decode step's MoE block starts with the post-attention
+# add_rms_norm, the router logits and the top-k in one launch (moe_routing.cu moe_add_rms_norm_route, a block per
+# token) where they take three (add_rms_norm, moe_router_logits, moe_route): ``moe_block``. The same bits (each
+# part's arithmetic; moe_route_warps' ids and weights, equal to moe_route's). Steps of 1..ROUTE_NORM_MAX_TOKENS tokens,
+# routers without expert groups or hash routing, the layer's shared experts fused (or none).
+ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
+ROUTE_NORM_MAX_TOKENS = 128
+ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)
+DEFAULT_ROUTE_NORM = False
+
+
+def route_norm_wanted(x: cupy.ndarray, layer: DeviceMoE) -> bool:
+    """Whether ``moe_block`` fuses the norm and the routing for ``x`` [T, H]: $OPENINFER_MOE_ROUTE_NORM (1 / 0, unset:
+    DEFAULT_ROUTE_NORM; another value: a clear error) and the kernel's needs (see ROUTE_NORM_ENV)."""
+    spec, tokens, hidden = layer.router, int(x.shape[0]), int(x.shape[1])
+    return (_switch(ROUTE_NORM_ENV, default=DEFAULT_ROUTE_NORM) and 0 < tokens <= ROUTE_NORM_MAX_TOKENS and layer.tid2eid is None
+            and (spec.num_groups <= 1 or spec.topk_groups >= spec.num_groups) and hidden % 8 == 0
+            and layer.gate.data.ptr % 16 == 0 and spec.num_experts <= ROUTE_NORM_MAX_EXPERTS
+            and spec.top_k + layer.shared_experts <= 32)
+
+
+def add_rms_norm_route(x: cupy.ndarray, residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float,
+                       layer: DeviceMoE) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``h, residual_out = add_rms_norm(x, residual, norm_weight, eps)`` and ``route(h, ...)``'s ids and weights
+    (``[T, k + S]``) in one launch (moe_add_rms_norm_route); the caller checks ``route_norm_wanted``."""
+    spec, shared = layer.router, layer.shared_experts
+    check_router(spec, shared)
+    x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
+    if x.shape != residual.shape or x.dtype != cupy.uint16 or residual.dtype != cupy.uint16:
+        raise ValueError(f"add_rms_norm_route wants bf16 x and residual of one shape; got {x.dtype} {tuple(x.shape)} "
+                         f"and {residual.dtype} {tuple(residual.shape)}")
+    tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    out, residual_out = cupy.empty_like(x), cupy.empty_like(x)
+    width = spec.top_k + shared
+    ids, weights = cupy.empty((tokens, width), cupy.int32), cupy.empty((tokens, width), cupy.float32)
+    if tokens:
+        threads = min(1024, max(32, -(-hidden // 64) * 32))  # the block add_rms_norm's (its sum order)
+        defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+        kernel("moe_routing.cu", "moe_add_rms_norm_route", **defines)((tokens,), (threads,), (
+            x, residual, norm_weight, out, residual_out, np.int32(hidden), np.float32(eps), layer.gate,
+            NULL if layer.correction_bias is None else layer.correction_bias, np.int32(spec.num_experts),
+            np.int32(spec.top_k), np.int32(SCORING[spec.scoring]), np.int32(spec.norm_topk_prob),
+            np.float32(spec.routed_scaling_factor), ids, weights))
+    return out, residual_out, ids, weights
+
+
+def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.ndarray, eps: float, layer: DeviceMoE,
+              next_norm: cupy.ndarray | None = None) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """A decode step's MoE block from the attention's output ``x``: ``h, residual = add_rms_norm(x, residual,
+    post_norm)`` fused with the routing (``add_rms_norm_route``), the experts, then ``(moe(h), residual)``, or with
+    ``next_norm`` the next layer's ``add_rms_norm(moe(h), residual, next_norm)`` pair (the combine fused into it
+    where ``combine_norm_wanted``). The caller checks ``route_norm_wanted`` and that the layer's shared experts are
+    fused or absent."""
+    h, residual, ids, weights = add_rms_norm_route(x, residual, post_norm, eps, layer)
+    grouping = group_by_expert(ids, weights, layer.router.num_experts + layer.shared_experts)
+    with rotated_units(layer.shared_experts if l2_prefetch_mode() != "off" else 0):
+        y = routed_experts(backend, h, layer.gate_up, layer.down, grouping)
+    hidden = int(x.shape[1])
+    if next_norm is None:
+        return combine(y, grouping, None, hidden), residual
+    if combine_norm_wanted(int(x.shape[0])):
+        return combine_add_rms_norm(y, grouping, None, residual, next_norm, eps)
+    return backend.add_rms_norm(combine(y, grouping, None, hidden), residual, next_norm, eps)
 
 # OPENINFER_MOE_GEMV_SILU (default on for moe_gemv_wide, =1 also the tiled INT4 GEMV, =0 off): where a decode
 # step's gate_up runs moe_gemv_wide or (asked for) a tiled INT4 decode GEMV

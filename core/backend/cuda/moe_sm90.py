@@ -29,6 +29,7 @@ default since D2 of 2026-11-24 (see SM90_PDL_ENV).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -110,6 +111,10 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     # warpgroup only: two leave the producer 72 registers, and it spills)
     "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
     "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
+    # longer runs of each weight row per stage (k2: 256 bytes took 87 -> 92 % of the copy bandwidth): 384 bytes in
+    # 3 stages, 512 in 2 (the same 96-128 KB of weights in flight per SM; unmeasured, for the A/B)
+    "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
+    "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
 }
 # The shape by slots per expert (the first entry whose bound holds). Default since E1 (H200, 2026-11-24,
 # benchmarks/results/moe_grouped_experts_e1_h200.json; OPENINFER_MOE_SM90_SHAPE=base reverts): up to 24 slots
@@ -258,12 +263,31 @@ def _stream_k_flags(fuse_silu: bool, gather: bool) -> cupy.ndarray | None:
     return _flag_buffers[key]
 
 
-def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False):
+# The launches inside ``rotated_units(S)`` take the last S experts' units first (moe_sm90.cu SM90_ROTATE; the same
+# bits): a MoE layer whose fused shared experts were pulled into L2 (moe.py OPENINFER_MOE_L2_PREFETCH) reads them in
+# the first wave. 0: expert order.
+_rotate_units = 0
+
+
+@contextlib.contextmanager
+def rotated_units(last_experts: int):
+    """Within the block, moe_grouped_gemm_sm90 launches start with the last ``last_experts`` experts' units."""
+    global _rotate_units
+    before, _rotate_units = _rotate_units, int(last_experts)
+    try:
+        yield
+    finally:
+        _rotate_units = before
+
+
+def sm90_kernel(tiles: Sm90Shape, fuse_silu: bool, multicast: bool = False, pdl: bool = False, rotate: int = 0):
     """The moe_grouped_gemm_sm90 build for ``tiles`` (arch_kernel: compiled once; a dry run records it)."""
     # the default build keeps its define set as before the shapes existed
     extra = {} if tiles == SM90_SHAPES["base"] else {
         "SM90_TILE_M": tiles.tile_m, "SM90_TILE_N": tiles.tile_n, "SM90_SKIP_EMPTY": int(tiles.skip_empty),
         "SM90_STREAM_K": int(tiles.stream_k), "SM90_K_SUB": tiles.k_sub}
+    if rotate:
+        extra["SM90_ROTATE"] = rotate
     if (tiles.stream_k or tiles.k_sub > 1 or pdl) and multicast:
         raise ValueError("moe_sm90's stream-K, wide-k and PDL builds run single CTAs: no multicast")
     if pdl:
@@ -299,7 +323,7 @@ def grouped_gemm_sm90(a: cupy.ndarray, weight: ExpertLinear, grouping: ExpertGro
     if shared > SM90_MAX_SHARED_BYTES:
         raise ValueError(f"moe_sm90 tiles {tiles} need {shared} bytes of shared memory (at most {SM90_MAX_SHARED_BYTES})")
     pdl = sm90_pdl() and not multicast
-    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl)
+    fn = sm90_kernel(tiles, fuse_silu, multicast, pdl, _rotate_units if _rotate_units < weight.num_experts else 0)
     grid = sm90_grid(num_slots, weight, fuse_silu, multicast, tiles)
     args = (a, grouping.sorted_slots if gather else np.uint64(0), np.int32(grouping.top_k),
             weight_maps.get(weight, tiles.tile_n // 2), grouping.offsets, np.int32(weight.num_experts), out,

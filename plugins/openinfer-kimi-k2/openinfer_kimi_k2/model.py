@@ -76,17 +76,36 @@ class KimiK2Model:
         if step is not None:
             batch = step.batch  # this rank's sequences, its own block ids
         x = ops.embedding(self.weights.embed_tokens, batch.token_ids)
-        residual = None
-        for layer, kv in zip(self.weights.layers, kv_cache, strict=True):
-            if residual is None:
+        residual, normed = None, None  # normed: this layer's (h, residual) when the last MoE fused its norm
+        layers = self.weights.layers
+        for index, (layer, kv) in enumerate(zip(layers, kv_cache, strict=True)):
+            if normed is not None:
+                (h, residual), normed = normed, None
+            elif residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+            prefetch = plan.start_prefetch(ops, layer.mlp) if step is None and self.rank.expert.size == 1 else None
             w = layer.attention
             attn = plan.attention(ops, plan.linear(ops, h, w.qkv_a), w, kv, batch, self.mla, self.rope,
                                   c.q_lora_rank, eps)
-            h, residual = ops.add_rms_norm(plan.linear(ops, attn, w.o_proj), residual, layer.post_attention_norm, eps)
-            x = self._mlp(h, layer, batch)
+            attn = plan.linear(ops, attn, w.o_proj)
+            local_moe = isinstance(layer.mlp, MoEWeights) and step is None and self.rank.expert.size == 1
+            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else None
+            block = (plan.moe_block(ops, attn, residual, layer.post_attention_norm, next_norm, layer.mlp, batch, eps)
+                     if local_moe else None)
+            if block is not None:  # the MoE block from the attention's output: norm and routing fused
+                if next_norm is None:
+                    x, residual = block
+                else:
+                    normed = block
+            else:
+                h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_norm, eps)
+                if local_moe and next_norm is not None:
+                    normed = plan.moe_add_norm(ops, h, layer.mlp, batch, residual, next_norm, eps)
+                if normed is None:
+                    x = self._mlp(h, layer, batch)
+            plan.join_prefetch(prefetch)
         x = ops.gather_rows(x, batch.logits_rows)
         residual = ops.gather_rows(residual, batch.logits_rows)
         h, _ = ops.add_rms_norm(x, residual, self.weights.final_norm, eps)
