@@ -98,7 +98,8 @@ WRITE_ABSORB_ENV = "OPENINFER_MLA_WRITE_ABSORB"
 # Opt-in until measured: $OPENINFER_MLA_GATHER_Q=1: where q arrives as a row view of the fused q / kv_a projection
 # (several rows: not contiguous), mla_write_latent_gather_q copies it into a contiguous buffer with its rope dims
 # rotated, in the latent write's launch, instead of a separate copy (cupy.ascontiguousarray) before it: one launch
-# a layer fewer in decode steps of 2+ rows. The same values.
+# a layer fewer in decode steps of 2+ rows. The same values. Off: with OPENINFER_MOE_COMBINE_NORM (H200, s11 D2)
+# the Moonlight decode steps were not faster (b16 8.079 vs 8.035 ms; the ledger's eager attention op 1.135 -> 1.096 ms).
 GATHER_Q_ENV = "OPENINFER_MLA_GATHER_Q"
 DEFAULT_GATHER_Q = False
 WRITE_ABSORB_MAX_TOKENS = 16  # mla.cu ABSORB_MAX_TOKENS (each thread's accumulators: 16 rows x 8 columns)

@@ -945,7 +945,10 @@ def combine(y: cupy.ndarray, grouping: ExpertGroupingDevice, shared: cupy.ndarra
 # layer's add_rms_norm (the kimi model's layers but the last), moe_forward ends in rms_norm.cu's
 # moe_combine_add_rms_norm instead of moe_combine + add_rms_norm: one launch a layer fewer (decode: each a few us
 # of a latency-bound chain). The same bits (the block add_rms_norm's sums; the backend takes the row-per-warp
-# add_rms_norm_rows from 256 rows, so only steps of at most COMBINE_NORM_MAX_TOKENS tokens fuse).
+# add_rms_norm_rows from 256 rows, so only steps of at most COMBINE_NORM_MAX_TOKENS tokens fuse). Not faster in CUDA
+# graphs, so off: Moonlight decode ledger (H200, s11 D2) b1 / b16 / b64 2.757 / 8.035 / 9.857 ms off vs 2.809 / 8.079 /
+# 9.891 with this and OPENINFER_MLA_GATHER_Q (a graph's launches are cheap; a block per token does the combine's
+# loads serially where moe_combine spreads them over more blocks).
 COMBINE_NORM_ENV = "OPENINFER_MOE_COMBINE_NORM"
 COMBINE_NORM_MAX_TOKENS = 128
 DEFAULT_COMBINE_NORM = False
@@ -1060,7 +1063,11 @@ def fuse_shared_experts(layer: DeviceMoE, shared_gate_up: cupy.ndarray, shared_d
 # off it is time. "last" marks the lines evict-last: the GEMM reads the shared experts after the routed
 # ones (expert order), whose stream would otherwise flush them; "normal" for the A/B. At most
 # $OPENINFER_MOE_L2_PREFETCH_MB (default L2_PREFETCH_DEFAULT_MB; an H200 has 50 MB of L2) bytes, gate_up
-# first (read first). A hint: the numbers never change; the side stream joins after the layer's MoE.
+# first (read first). A hint: the numbers never change; the side stream joins after the layer's MoE. The sm90 GEMM
+# then takes the shared experts' units first (moe_sm90.rotated_units). Measured slower, so off: Moonlight decode
+# ledger (H200, graphs; .wt RESULTS D1 / D2 of 2026-11-24 s11) b1 / b16 / b64 2.758 / 8.089 / 9.916 ms off vs
+# 2.919 / 8.894 / 10.820 with =last (its L2 set-aside slowed every op, norms and attention too), and 2.757 / 8.035 /
+# 9.857 off vs 2.843 / 8.226 / 9.967 with =normal at 22 MB (the gate_up rows only) and the rotated GEMM.
 L2_PREFETCH_ENV, L2_PREFETCH_MB_ENV = "OPENINFER_MOE_L2_PREFETCH", "OPENINFER_MOE_L2_PREFETCH_MB"
 L2_PREFETCH_MODES = ("off", "last", "normal")
 L2_PREFETCH_DEFAULT_MODE, L2_PREFETCH_DEFAULT_MB = "off", 36
@@ -1264,7 +1271,10 @@ def moe_forward(backend, x: cupy.ndarray, layer: DeviceMoE, shared: cupy.ndarray
 # add_rms_norm, the router logits and the top-k in one launch (moe_routing.cu moe_add_rms_norm_route, a block per
 # token) where they take three (add_rms_norm, moe_router_logits, moe_route): ``moe_block``. The same bits (each
 # part's arithmetic; moe_route_warps' ids and weights, equal to moe_route's). Steps of 1..ROUTE_NORM_MAX_TOKENS tokens,
-# routers without expert groups or hash routing, the layer's shared experts fused (or none).
+# routers without expert groups or hash routing, the layer's shared experts fused (or none). Not faster in CUDA graphs,
+# so off: with COMBINE_NORM and GATHER_Q (H200, s11 D2) b1 / b16 / b64 2.811 / 8.067 / 9.886 ms vs 2.757 / 8.035 /
+# 9.857 with all three off (the block per token computes its 64 router logits with 32 warps, where
+# moe_router_logits spreads them over 8 blocks a token).
 ROUTE_NORM_ENV = "OPENINFER_MOE_ROUTE_NORM"
 ROUTE_NORM_MAX_TOKENS = 128
 ROUTE_NORM_MAX_EXPERTS = 512  # moe_routing.cu GROUP_MAX_EXPERTS (the logits row in shared memory)

@@ -112,7 +112,9 @@ SM90_SHAPES: dict[str, Sm90Shape] = {
     "m64_n128_k2": Sm90Shape(tile_m=64, tile_n=128, k_sub=2),
     "m64_n128_k2_sk": Sm90Shape(tile_m=64, tile_n=128, k_sub=2, stream_k=True),
     # longer runs of each weight row per stage (k2: 256 bytes took 87 -> 92 % of the copy bandwidth): 384 bytes in
-    # 3 stages, 512 in 2 (the same 96-128 KB of weights in flight per SM; unmeasured, for the A/B)
+    # 3 stages, 512 in 2. H200 s11 (benchmarks/gpu_moe_grouped.py experts, Moonlight's routed experts, graphs): 16
+    # tokens k2 / k3 / k4 228.1 / 225.4 / 251.8 us (D1); D2 with PDL 222.0 / 223.6 at 16 tokens, 273.5 / 273.2 at
+    # 64; the Moonlight decode ledger unchanged (b16 8.067 vs 8.066 ms): not chosen
     "m64_n128_k3": Sm90Shape(tile_m=64, tile_n=128, k_sub=3, stages=3),
     "m64_n128_k4": Sm90Shape(tile_m=64, tile_n=128, k_sub=4, stages=2),
 }
