@@ -80,7 +80,14 @@ A GDN layer's core (``delta_net``) takes one of three paths per step::
                                       same on tensor cores: q / k products on the raw bf16
                                       rows, every other operand fp32 split into bf16 hi / mid /
                                       lo parts; fp32 intermediates; one-token rows by
-                                      gdn_delta_rule_rows), gdn_gated_norm_vec
+                                      gdn_delta_rule_rows), gdn_gated_norm_vec — the
+                                      teacher-forced test at the token-by-token level (H200,
+                                      D2 2026-11-24 session 11: 0.0075 / 0.0308 vs
+                                      grouped_staged 0.0173 / 0.0590) at 1.85x grouped_staged's
+                                      layer time at 8 x 1k (1.545 vs 0.833 ms: prepare 0.472,
+                                      walk 0.704), 1.04x at 1 x 1k (0.367 vs 0.353), 0.61x at
+                                      1 x 128 (0.198 vs 0.323): opt-in until the 8 x 1k cost
+                                      is within 1.3x
     otherwise                         gdn_conv1d, gdn_conv_state, gdn_delta_rule (token by
                                       token), gdn_gated_norm
 
