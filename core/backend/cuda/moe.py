@@ -169,7 +169,7 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
     # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
     # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block.
-    # Opt-in, slower: D2 (H200, kimi_gemv_int4d_d2.json) gate_up / down at 1 token 49.6 / 32.8 (s8), 52.9 / 33.6
+    # Opt-in, slower: D2 (H200, results/kimi_gemv_int4d_d2_h200.json) gate_up / down at 1 token 49.6 / 32.8 (s8), 52.9 / 33.6
     # (s8_norot), 57.7 / 29.7 (s6) vs groups_norot 42.4 / 26.2 us; s8_k2 55.2 / 34.4; s8_p2 / s8_p4 at 256 tokens
     # 5242 / 4871 and 2355 / 2437 vs the tiled layout's tiled1_nc_rot 3231 / 1323
     "groups_s8": {"GROUPS_STAGES": 8},
@@ -197,7 +197,7 @@ TILED_GEMV = "tiled1_nc_rot"
 # What lane-groups INT4 weights run wherever the tables pick a decode GEMV: the first entry whose bound holds
 # (slots per expert; dense: rows), past the last the table's own choice (a pass of moe_gemv_int4_groups takes 2
 # token rows: more rows per expert re-stream the weights; moe_gemv_mma reads the layout 16 bytes per lane).
-# D1 of 2026-11-24 (H200, RESULTS/D1/int4d/kimi_gemv_int4d_d2.json; Kimi-K2 gate_up / down, tiled layout's
+# D1 of 2026-11-24 (H200, results/kimi_gemv_int4d_d1_h200.json; Kimi-K2 gate_up / down, tiled layout's
 # tiled1_nc_rot first): 1 token 58.2 / 36.6 -> groups 44.1 / 26.8, groups_norot 42.0 / 26.1 us; 16 tokens
 # 652 / 337 -> 510 / 277, 485 / 266; 64 tokens 1776 / 860 -> 1632 / 850, 1852 / 836; 256 tokens 3260 / 1283 ->
 # 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590). D2 (same sweep): 1 token 58.4 / 36.4 -> 44.6 / 26.3,
@@ -412,7 +412,7 @@ INT4_TILED_DEFINE = {"tiled": 1, "lane_groups": 2}  # moe.cu INT4_TILED of each 
 # replay; the same random weights repacked, TILED_GEMV): 252.8 -> 232.0 / 3640.9 -> 2965.5 / 5976.0 -> 5602.0
 # us at batch 1 / 64 / 256 (routed experts' gate_up 74.1 -> 59.5, down 44.4 -> 37.6 us at batch 1).
 # OPENINFER_INT4_LAYOUT=rows: before (the checkpoint layout, moe_gemv_mma_staged).
-# "lane_groups" by default since D2 of 2026-11-24 (H200, RESULTS/D2/int4d/kimi_layer_int4d_d2.json, one Kimi-K2
+# "lane_groups" by default since D2 of 2026-11-24 (H200, results/kimi_layer_int4d_d2_h200.json, one Kimi-K2
 # layer, graph replay, the same random weights repacked; moe_int4.cu's GEMV by LANE_GROUPS_CHOICE): 226.7 -> 200.0
 # / 2850.7 -> 2609.5 / 5223.9 -> 5368.6 us at batch 1 / 64 / 256 (51.0 -> 57.8 % of the HBM roofline at batch 1;
 # routed experts' gate_up 59.0 -> 43.7, down 37.6 -> 26.6 us; batch 256, 5.3 slots per expert, runs moe_gemv_mma
