@@ -269,8 +269,9 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
 // gemv_m1_cols: gemv_m1 with GEMV_M1_COLS consecutive output columns per warp (one input row), for short
 // rows: a warp then has COLS rows' loads in flight at once, so a wide, short projection (Kimi-K2's q_b,
 // 12288 x 1536: a 3 KB row per warp, 1.45 waves of gemv_m1's warps) fits one wave of longer-lived warps.
-// Each column's sum runs in gemv_m1's order: the same bits. Opt-in until measured
-// (benchmarks/gpu_dense_gemv.py --variants ...,cols2,cols4).
+// Each column's sum runs in gemv_m1's order: the same bits. Opt-in (not wired), not faster: D2 of 2026-11-24
+// (H200, results/dense_gemv_int4d_d2_h200.json) Kimi q_b 12.2 -> 12.7 / 13.9 us (cols2 / cols4), qkv_a 9.6 ->
+// 9.9 / 11.3, o_proj 31.2 -> 32.7 / 32.0.
 #ifndef GEMV_M1_COLS
 #define GEMV_M1_COLS 2
 #endif
@@ -284,8 +285,9 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
 // columns per block), their sums added in shared memory in slice order. For long rows and few columns
 // (Kimi-K2's qkv_a, 2112 x 7168: gemv_m1's 2112 warps, 16 per SM, walk 14 KB each in 3.5 serial passes):
 // KSPLIT times the warps, each with its whole share of K in flight at once (up to GEMV_KSPLIT_STEPS 16-byte
-// loads per lane). Other summation order than gemv_m1 (fp32 rounding apart). Opt-in until measured
-// (benchmarks/gpu_dense_gemv.py --variants ...,ksplit4,ksplit8).
+// loads per lane). Other summation order than gemv_m1 (fp32 rounding apart). Opt-in (not wired): D2 of
+// 2026-11-24 (H200, results/dense_gemv_int4d_d2_h200.json) Kimi qkv_a 9.6 -> 10.9 / 11.7 / 10.3 us (ksplit 2 / 4 / 8), q_b
+// 12.2 -> 11.8 / 14.7 / 21.1, o_proj 31.2 -> 36.4 / 31.4 / 30.1, shared gate_up 16.1 -> 21.4 / 18.6 / 17.5.
 #ifndef GEMV_KSPLIT
 #define GEMV_KSPLIT 8
 #endif

@@ -5,8 +5,10 @@
 //
 // Why another kernel: moe_gemv_int4_tiled issues ~275 instructions per KB of weights at one token, so
 // a batch-1 step is bound by issue, not by HBM (Kimi-K2 layer, s10: gate_up 59.6 us where the bytes
-// need ~28). Per KB this kernel issues about 2 weight loads, 2 scale loads, 4 activation loads, 56
-// conversions, 16 mma and 4 scale FMAs per lane (sm_90a SASS, tests/core/test_cuda_sources.py).
+// need ~31). This one's steady loop (sm_90a SASS, nvcc 13, register ring of 4) issues 135 per KB: per
+// lane 2 weight and 2 scale loads, 4 activation loads, 56 conversions (lop3, and a shift, per bf16 pair), 16
+// byte permutes, 16 mma (8 with the -136 operand), 4 scale FMAs, ~35 address, scale unpacking and loop. D2 (H200,
+// benchmarks/results/kimi_gemv_int4d_d2_h200.json, 1 token): gate_up / down 58.4 / 36.4 -> 42.4 / 26.2 us.
 //
 // The trick: the mma's 8 N columns, useless at one token, carry the groups. A warp owns 16 output rows;
 // per 128-k chunk (1 KB, contiguous) lane (g, t) holds one whole group — group t of the chunk — of row g

@@ -12,7 +12,8 @@ INT4 weights with group-32 scales may instead live in the decode GEMV's tiled la
 (``layout="tiled"``, core/quant.py ``tile_int4``: 16 rows x 128 weights per contiguous 1 KB chunk),
 which every kernel here reads (moe.cu INT4_TILED); ``upload_expert_linear`` tiles them when
 $OPENINFER_INT4_LAYOUT (default ``tiled`` since E1 of 2026-11-24; ``rows``: the checkpoint layout;
-``lane_groups``: the tiled layout with a lane's 16 bytes one whole group, for moe_int4.cu's GEMV, opt-in).
+``lane_groups``, the default since D2 of 2026-11-24: the tiled layout with a lane's 16 bytes one whole group,
+for moe_int4.cu's GEMV).
 
 A dense quantized linear (FP8 attention projections, say) is an ``ExpertLinear`` with E = 1.
 Which kernel multiplies depends on the weight format and how many rows share each weight
@@ -154,7 +155,7 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     # sm_90a ptxas: 173 registers, no spills
     "tiled2_nc_rot": {"TILED_PAIR": 1, "TILED_NTILES": 1, "TILED_DEPTH": 3, "TILED_STREAM_LOADS": 1,
                       "TILED_ROTATE": 1},
-    # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", opt-in): moe_int4.cu
+    # INT4 in the lane-groups layout (ExpertLinear.layout "lane_groups", the default layout): moe_int4.cu
     # moe_gemv_int4_groups, the mma's N columns carrying a chunk's 4 groups (a lane's 16 bytes one whole
     # group), so the group scales take 4 FMAs per lane per 1 KB chunk; GROUPS_PAIRS token pairs per pass over
     # the weights, a ring of GROUPS_DEPTH chunks in registers; weights in other layouts run moe_gemv_mma instead.
@@ -167,7 +168,10 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "groups_p2": {"GROUPS_DEPTH": 2, "GROUPS_PAIRS": 2, "GROUPS_MIN_BLOCKS": 3},
     "groups_norot": {"GROUPS_DEPTH": 4, "GROUPS_ROTATE": 0},
     # the chunk ring in shared memory, GROUPS_STAGES deep (cp.async; D1: the register ring's 3 chunks in flight
-    # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block
+    # per warp left the batch-1 GEMVs at 59-74 % of HBM): 161 instructions per KB, 86 registers, 40 KB per block.
+    # Opt-in, slower: D2 (H200, results/kimi_gemv_int4d_d2_h200.json) gate_up / down at 1 token 49.6 / 32.8 (s8), 52.9 / 33.6
+    # (s8_norot), 57.7 / 29.7 (s6) vs groups_norot 42.4 / 26.2 us; s8_k2 55.2 / 34.4; s8_p2 / s8_p4 at 256 tokens
+    # 5242 / 4871 and 2355 / 2437 vs the tiled layout's tiled1_nc_rot 3231 / 1323
     "groups_s8": {"GROUPS_STAGES": 8},
     "groups_s8_norot": {"GROUPS_STAGES": 8, "GROUPS_ROTATE": 0},
     "groups_s6": {"GROUPS_STAGES": 6},
@@ -193,10 +197,11 @@ TILED_GEMV = "tiled1_nc_rot"
 # What lane-groups INT4 weights run wherever the tables pick a decode GEMV: the first entry whose bound holds
 # (slots per expert; dense: rows), past the last the table's own choice (a pass of moe_gemv_int4_groups takes 2
 # token rows: more rows per expert re-stream the weights; moe_gemv_mma reads the layout 16 bytes per lane).
-# D1 of 2026-11-24 (H200, RESULTS/D1/int4d/kimi_gemv_int4d_d2.json; Kimi-K2 gate_up / down, tiled layout's
+# D1 of 2026-11-24 (H200, results/kimi_gemv_int4d_d1_h200.json; Kimi-K2 gate_up / down, tiled layout's
 # tiled1_nc_rot first): 1 token 58.2 / 36.6 -> groups 44.1 / 26.8, groups_norot 42.0 / 26.1 us; 16 tokens
 # 652 / 337 -> 510 / 277, 485 / 266; 64 tokens 1776 / 860 -> 1632 / 850, 1852 / 836; 256 tokens 3260 / 1283 ->
-# 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590).
+# 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590). D2 (same sweep): 1 token 58.4 / 36.4 -> 44.6 / 26.3,
+# 42.4 / 26.2; 16 tokens 653 / 334 -> 508 / 275, 516 / 267; 64 tokens 1785 / 853 -> 1693 / 878, 1650 / 867.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
@@ -407,7 +412,12 @@ INT4_TILED_DEFINE = {"tiled": 1, "lane_groups": 2}  # moe.cu INT4_TILED of each 
 # replay; the same random weights repacked, TILED_GEMV): 252.8 -> 232.0 / 3640.9 -> 2965.5 / 5976.0 -> 5602.0
 # us at batch 1 / 64 / 256 (routed experts' gate_up 74.1 -> 59.5, down 44.4 -> 37.6 us at batch 1).
 # OPENINFER_INT4_LAYOUT=rows: before (the checkpoint layout, moe_gemv_mma_staged).
-DEFAULT_INT4_LAYOUT = "tiled"
+# "lane_groups" by default since D2 of 2026-11-24 (H200, results/kimi_layer_int4d_d2_h200.json, one Kimi-K2
+# layer, graph replay, the same random weights repacked; moe_int4.cu's GEMV by LANE_GROUPS_CHOICE): 226.7 -> 200.0
+# / 2850.7 -> 2609.5 / 5223.9 -> 5368.6 us at batch 1 / 64 / 256 (51.0 -> 57.8 % of the HBM roofline at batch 1;
+# routed experts' gate_up 59.0 -> 43.7, down 37.6 -> 26.6 us; batch 256, 5.3 slots per expert, runs moe_gemv_mma
+# on this layout: 0.97x). OPENINFER_INT4_LAYOUT=tiled: before.
+DEFAULT_INT4_LAYOUT = "lane_groups"
 
 
 def int4_layout(layout: str | None = None) -> str:
@@ -1345,7 +1355,8 @@ def moe_block(backend, x: cupy.ndarray, residual: cupy.ndarray, post_norm: cupy.
 # the tiled INT4 one was far slower (Kimi-K2 layer gate_up + silu 59.5 + 3.2 -> 142.0 us: its warps walk gate
 # then up rows, as TILED_ROW_BLOCKS, which E1 also found slow), so it only runs when =1. Lane-groups INT4
 # (moe_int4.cu GROUPS_FUSE_SILU): each warp's "rows g" 8 gate rows and its "rows g + 8" the matching up rows,
-# one walk of K (as many warps as the plain form); unmeasured, so only with =1 too.
+# one walk of K (as many warps as the plain form); only with =1 too: D2 (H200, Kimi-K2 layer) 200.0 -> 200.3 /
+# 2609.5 -> 2652.7 us at batch 1 / 64 (gate_up + silu 43.7 + 2.9 -> 44.4 us at batch 1).
 GEMV_SILU_ENV = "OPENINFER_MOE_GEMV_SILU"
 
 
@@ -1359,7 +1370,7 @@ def gemv_silu_kernel(x: cupy.ndarray, gate_up: ExpertLinear, grouping: ExpertGro
     per_expert = int(grouping.sorted_slots.size) / gate_up.num_experts
     name = layout_gemv(gate_up, choose_gemv(per_expert, True, gate_up.format), None, per_expert)
     defines = GEMV_KERNELS.get(name, {}) if name is not None else {}
-    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # only when asked for: unmeasured
+    if name in GROUPS_GEMVS and gate_up.layout == "lane_groups":  # only when asked for: not faster (D2)
         return name if explicit and gate_up.out_features % 16 == 0 else None
     if name in TILED_GEMVS and gate_up.layout == "tiled":  # only when asked for: slower (see GEMV_SILU_ENV)
         return (name if explicit and "TILED_STAGES" not in defines and "TILED_PAIR" not in defines
