@@ -216,10 +216,11 @@ def test_kernels_found_by_the_discovery_start_building_at_once(monkeypatch, load
     import threading
 
     monkeypatch.delenv("OPENINFER_KERNEL_MODULES", raising=False)
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     built: list[str] = []
 
     def build(source, name, defines):
+        entered.set()
         release.wait(5)
         built.append(name)
         loader._compiled.add((source, name, defines))
@@ -238,8 +239,10 @@ def test_kernels_found_by_the_discovery_start_building_at_once(monkeypatch, load
     assert sorted(built) == ["add", "rms_norm", "sample_rows"] and not loader._pending
     # a build started early and launched before compile_kernels: the launch waits, nothing is built twice
     release.clear()
+    entered.clear()
     assert loader.start_compiling([("elementwise.cu", "silu_mul", ())], device_id=0) == 1
     assert loader.start_compiling([("elementwise.cu", "silu_mul", ())], device_id=0) == 0
+    assert entered.wait(5)  # the build is under way (in the stand-in) before _kernel is swapped below
     threading.Timer(0.05, release.set).start()
     monkeypatch.setattr(loader, "_kernel", lambda source, name, defines: built.count(name))
     assert loader.kernel("elementwise.cu", "silu_mul") == 1 and not loader._pending
