@@ -119,7 +119,8 @@ from openinfer_qwen35.state import SnapshotSplit, StepSequences, step_snapshots
 from openinfer_qwen35.weights import DeltaNetWeights
 
 KERNEL_DIR = Path(str(resources.files("openinfer_qwen35") / "kernels"))
-SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_delta_rule",
+SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec_rows", "gdn_conv_state", "gdn_conv_snapshot",
+                                 "gdn_delta_rule",
                                  "gdn_delta_rule_rows",
                                  "gdn_gated_norm",
                                  "gdn_gated_norm_warp", "gdn_gated_norm_vec", "gdn_gated_norm_rows", "sigmoid_mul", "sigmoid_mul_vec", "zero_centred_rms_norm",
@@ -128,6 +129,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_prepare_grouped", "gdn_chunk_prepare_grouped_mma",
                               "gdn_chunk_prepare_grouped_conv", "gdn_chunk_prepare_grouped_coalesced",
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
+                              "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split"),
@@ -214,6 +216,7 @@ SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
+                                 "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                                  "gdn_chunk_output_staged"})
 VEC_NORM_VALUE_HEAD_DIMS = (64, 128, 256)  # gdn_gated_norm_vec: a head's dv / 8 lanes within a warp, a power of two
 CONV_PREPARE_KERNEL = "gdn_chunk_prepare_grouped_conv"  # convolves its rows itself (conv width compiled in)
@@ -557,10 +560,11 @@ def warm_up(config: Qwen35Config) -> None:
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
                                                         name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
-        kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
-        if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
-            kernel("gdn_chunk_states_registers", dk,
-                   chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
+        for suffix in ("", SNAPSHOT_WALK_SUFFIX):
+            kernel("gdn_chunk_states" + suffix, dk, chunk_states_shared_bytes(dk))
+            if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
+                kernel("gdn_chunk_states_registers" + suffix, dk,
+                       chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
         kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
         choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
@@ -689,6 +693,72 @@ def prepare_split(split: SnapshotSplit) -> SnapshotSplit:
                          order, inverse, views[8], views[9], split.pairs)
 
 
+SNAPSHOT_EMIT_ENV = "OPENINFER_QWEN35_SNAPSHOT_EMIT"  # "1" / "0": the state walk writes in-step snapshots / a split
+SNAPSHOT_WALK_SUFFIX = "_snapshot"  # gdn_chunk_states{,_registers}_snapshot: the walks that store a boundary's state
+# the switch's default: the measurement decides (see benchmarks/GPU.md, #17, the session of 22:43 UTC)
+DEFAULT_SNAPSHOT_EMIT = False
+
+
+def snapshot_emit() -> bool:
+    """``OPENINFER_QWEN35_SNAPSHOT_EMIT`` (read each step), else ``DEFAULT_SNAPSHOT_EMIT``."""
+    value = os.environ.get(SNAPSHOT_EMIT_ENV, "").strip().lower()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SNAPSHOT_EMIT_ENV}={value!r}: expected '1' or '0'")
+    return DEFAULT_SNAPSHOT_EMIT if not value else value == "1"
+
+
+def writes_snapshots(seqs: StepSequences, config: Qwen35Config) -> bool:
+    """Whether ``delta_net`` writes this step's in-step snapshots (``seqs.snapshots``) itself, in
+    the layer's one run: the chunked path with a state walk that stores the state at a boundary
+    (``gdn_chunk_states{,_registers}_snapshot``: the chunk layout cut there, the fp32 S entering
+    that chunk into the snapshot slot) and ``gdn_conv_snapshot`` for the conv window. Otherwise
+    (switched off, the token-by-token path, a prefill variant whose walk does not store it: the
+    plain scan, chunked_fp32, chunked_split) the model runs each GDN layer in two parts around the
+    boundary (``state.split_at_snapshots``). A variant can emit once its walk takes the two
+    arrays of the *_snapshot walks (``snapshot_chunk``, ``snapshot_slot``: see gdn_chunked.cu)."""
+    if seqs.snapshots is None or seqs.query_start is None or not snapshot_emit():
+        return False
+    if use_recurrent_kernels() or not chunked_supported(config):
+        return False
+    if int(np.diff(np.asarray(seqs.query_start)).max()) < CHUNKED_MIN_TOKENS:
+        return False  # the token-by-token path
+    nv = config.linear_num_value_heads
+    return _walk_stores_snapshots(prefill_kernels(config, config.conv_dim + config.linear_value_dim + 2 * nv))
+
+
+def _walk_stores_snapshots(prefill: PrefillKernels) -> bool:
+    """Whether ``prefill``'s chunk walk has a *_snapshot entry point (the split scan's walks)."""
+    return prefill.split_scan and prefill.prepare not in (FP32_PREPARE_KERNEL, SPLIT_PREPARE_KERNEL)
+
+
+def _snapshot_walk_arrays(seqs: StepSequences, walk_seq_ids: np.ndarray | None,
+                          seq_chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence of the walk (``walk_seq_ids``: the step's sequence of each; None: all): the chunk
+    entering which the walk stores the state (-1 none) and the snapshot slot (0 none)."""
+    num = len(seq_chunks) - 1
+    chunk, slot = np.full(num, -1, np.int64), np.zeros(num, np.int64)
+    position = (np.arange(num) if walk_seq_ids is None
+                else np.full(len(seqs.slots), -1, np.int64))
+    if walk_seq_ids is not None:
+        position[np.asarray(walk_seq_ids, np.int64)] = np.arange(num)
+    for seq, cut, snapshot in np.asarray(seqs.snapshots, np.int64).reshape(-1, 3):
+        k = int(position[seq])
+        if k < 0:
+            raise ValueError(f"a state snapshot in sequence {seq}, which the chunked walk does not run")
+        chunk[k] = int(seq_chunks[k]) + -(-int(cut) // CHUNK_SIZE)
+        slot[k] = snapshot
+    return chunk, slot
+
+
+def _snapshot_cuts(seqs: StepSequences, walk_seq_ids: np.ndarray | None) -> np.ndarray:
+    """Per sequence of the walk: rows before its snapshot's boundary (0: none), for ``chunk_layout``."""
+    ids = np.arange(len(seqs.slots)) if walk_seq_ids is None else np.asarray(walk_seq_ids, np.int64)
+    cut_of = np.zeros(len(seqs.slots), np.int64)
+    snapshots = np.asarray(seqs.snapshots, np.int64).reshape(-1, 3)
+    cut_of[snapshots[:, 0]] = snapshots[:, 1]
+    return cut_of[ids]
+
+
 def device_sequences(batch: Any) -> StepSequences:
     """The step's sequences straight from a ``CudaBatch``'s device arrays: slots from
     ``batch.state_slots``, ``fresh`` where the context starts with this step (or is empty: a
@@ -777,6 +847,17 @@ def delta_net(proj: cupy.ndarray, w: DeltaNetWeights, conv_state: cupy.ndarray, 
                 (_blocks(num_seqs * conv_dim),), (256,),
                 (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], np.int32(num_seqs),
                  np.int32(conv_dim), np.int32(width)))
+
+    snapshots = seqs.snapshots  # in-step snapshots written in this one run (``writes_snapshots``)
+    if snapshots is not None:
+        if not (chunked_step and _walk_stores_snapshots(prefill)):
+            raise ValueError("delta_net got state snapshots inside the step but its kernels cannot write them "
+                             "(writes_snapshots is False): split the step (state.split_at_snapshots)")
+        rows = _step_cached(seqs, "qwen35_snapshot_rows", lambda: upload_int32(snapshots)[0])
+        # the conv windows at the boundaries, read before gdn_conv_state rewrites the live ones
+        _launch("gdn_conv_snapshot", kernel("gdn_conv_snapshot", dk), (_blocks(len(snapshots) * conv_dim),), (256,),
+                (proj, stride, conv_state, device["query_start"], device["slots"], device["fresh"], rows,
+                 np.int32(len(snapshots)), np.int32(conv_dim), np.int32(width)))
 
     conv_in_prepare = prefill.prepare == CONV_PREPARE_KERNEL
     if conv_in_prepare:  # only the one-token rows here; the prepare convolves the chunked rows
@@ -872,7 +953,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     ``core`` gets the output O (the layer's gated-normed output when ``prefill.output`` norms it),
     the slots the new state. ``conv`` (the conv state slots, the conv width and a launch of
     gdn_conv_state) when ``prefill.prepare`` convolves the rows itself: the windows are updated
-    right after it."""
+    right after it. ``seqs.snapshots`` (in-step snapshots, ``writes_snapshots``): the layout cut at
+    each boundary and the state walk's *_snapshot entry point stores the state there."""
     nk, nv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                       config.linear_value_head_dim)
     num_tokens = proj.shape[0]
@@ -884,14 +966,24 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         num_seqs = len(host_ids)
         slots, fresh = slots[device_ids], fresh[device_ids]
 
+    snapshots, walk_ids = seqs.snapshots, None if subset is None else subset[0]
+
     def make_layout() -> tuple[int, cupy.ndarray]:
-        chunk_start, chunk_len, seq_chunks = (chunk_layout(seqs.query_start) if subset is None
-                                              else chunk_layout(seqs.query_start, seq_ids=subset[0]))
-        return len(chunk_start), upload_int32(np.concatenate([chunk_start, chunk_len, seq_chunks]))[0]
+        cuts = None if snapshots is None else _snapshot_cuts(seqs, walk_ids)
+        chunk_start, chunk_len, seq_chunks = chunk_layout(seqs.query_start, seq_ids=walk_ids, cuts=cuts)
+        sections = [chunk_start, chunk_len, seq_chunks]
+        if snapshots is not None:  # each walk sequence's snapshot chunk (-1 none) and slot
+            sections += _snapshot_walk_arrays(seqs, walk_ids, seq_chunks)
+        return len(chunk_start), upload_int32(np.concatenate(sections))[0]
 
     # the same every layer of the step (the subset is always the step's chunked sequences)
     num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
-    starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
+    starts, lengths = layout[:num_chunks], layout[num_chunks : 2 * num_chunks]
+    per_seq = layout[2 * num_chunks : 2 * num_chunks + num_seqs + 1]
+    snapshot_args = () if snapshots is None else (layout[2 * num_chunks + num_seqs + 1 : 2 * num_chunks + 2 * num_seqs + 1],
+                                                  layout[2 * num_chunks + 2 * num_seqs + 1 :])
+    if snapshots is not None and not _walk_stores_snapshots(prefill):
+        raise ValueError(f"the {prefill.prepare} chain's walk does not store in-step snapshots")
     if prefill.prepare == SPLIT_PREPARE_KERNEL:  # the split-operand chain: its prepare and walk, fp32 arrays
         prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
@@ -957,18 +1049,19 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                         else chunk_output_shared_bytes(dk))
         if prefill.states == "gdn_chunk_states_registers" and not register_walk_fills_gpu(dv, num_seqs * nv):
             prefill = prefill._replace(states=PrefillKernels._field_defaults["states"])
+        states_name = prefill.states + (SNAPSHOT_WALK_SUFFIX if snapshot_args else "")
         if prefill.states == "gdn_chunk_states_registers":
             warps = register_states_warps(dv)
             states_bytes = chunk_states_registers_shared_bytes(dk, dv)
-            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
+            states_kernel = kernel(states_name, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // (16 * warps)), (32 * warps,)
         else:
             states_bytes = chunk_states_shared_bytes(dk)
-            states_kernel = kernel(prefill.states, dk, states_bytes, f16_operands=f16)
+            states_kernel = kernel(states_name, dk, states_bytes, f16_operands=f16)
             states_grid, states_block = (num_seqs, nv, dv // SCAN_TILE), (128,)
-        _launch(prefill.states, states_kernel, states_grid, states_block,
+        _launch(states_name, states_kernel, states_grid, states_block,
                 (kn, w_chunks, u_chunks, cum, starts, lengths, per_seq, slots, fresh, ssm_state, states, v_new,
-                 np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=states_bytes)
+                 np.int32(nk), np.int32(nv), np.int32(dv), *snapshot_args), shared_mem=states_bytes)
         output_args = (qn, p_chunks, cum, states, v_new, starts, lengths, core, np.int32(nk), np.int32(nv),
                        np.int32(dv))
         if prefill.output == "gdn_chunk_output_norm":
@@ -1069,6 +1162,7 @@ CUDA_PLAN = KernelPlan(
     step_sequences=device_sequences,
     prepare_split=prepare_split,
     copy_state_rows=copy_state_rows,
+    writes_snapshots=writes_snapshots,
     warm_up=warm_up,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,

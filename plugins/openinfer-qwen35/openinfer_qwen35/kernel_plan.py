@@ -104,6 +104,10 @@ class KernelPlan:
     prepare_split: Callable[[Any], Any] | None = None
     # (tensors, ((src, dst), ...)): state rows copied between slots; None: indexed assignment
     copy_state_rows: Callable[[Any, Any], None] | None = None
+    # (StepSequences, config) -> whether ``delta_net`` writes the step's in-step snapshots
+    # (``seqs.snapshots``) itself in the layer's one run; None / False: the model splits the layer's
+    # core around each boundary (``state.split_at_snapshots``)
+    writes_snapshots: Callable[[Any, Any], bool] | None = None
 
 
 NUMPY_PLAN = KernelPlan(
