@@ -45,6 +45,38 @@ static_assert(DK % 64 == 0, "the split chunked kernels take key head dims that a
 #define GDN_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// Diagnostic builds of benchmarks/gpu_qwen35.py --gdn-prefill-only (never the plugin's):
+// GDN_PHASE_CLOCKS: lane 0 of the last warp (the longest strip's products) of every block adds each phase's SM
+// clock cycles to gdn_split_phase_cycles[phase] (phases 1.. as marked below, a walk's summed over its chunks;
+// [0] counts blocks) — where a block's time goes. GDN_SPLIT_ONE_PART (timing only, wrong outputs): every product
+// as its hi * hi mma alone (the parts' splits dead with it) — what the extra mmas cost.
+#ifdef GDN_PHASE_CLOCKS
+extern "C" {
+__device__ unsigned long long gdn_split_phase_cycles[16];
+}
+#define SPLIT_PHASE_THREAD (SPLIT_THREADS - 32)
+#define SPLIT_PHASES_BEGIN() long long phase_clock = clock64()
+#define SPLIT_PHASE(k)                                                                        \
+    do {                                                                                      \
+        if (threadIdx.x == SPLIT_PHASE_THREAD) {                                              \
+            const long long now = clock64();                                                  \
+            atomicAdd(gdn_split_phase_cycles + (k), (unsigned long long)(now - phase_clock)); \
+            phase_clock = now;                                                                \
+        }                                                                                     \
+    } while (0)
+#define SPLIT_PHASES_DONE() \
+    if (threadIdx.x == SPLIT_PHASE_THREAD) atomicAdd(gdn_split_phase_cycles, 1ull)
+#else
+#define SPLIT_PHASES_BEGIN()
+#define SPLIT_PHASE(k)
+#define SPLIT_PHASES_DONE()
+#endif
+#ifdef GDN_SPLIT_ONE_PART
+#define MMA_PART(acc, a, b0, b1)
+#else
+#define MMA_PART(acc, a, b0, b1) mma_bf16_16816(acc, a, b0, b1)
+#endif
+
 // x0, x1 as three packed bf16 pairs hi + mid + lo (each part exact in bf16: the remainders are exact in fp32)
 __device__ __forceinline__ void split3_pair(float x0, float x1, unsigned& hi, unsigned& mid, unsigned& lo) {
     const float h0 = round_bf16(x0), h1 = round_bf16(x1);
@@ -204,6 +236,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
     const int warp = threadIdx.x >> 5, row0 = 16 * warp;
+    SPLIT_PHASES_BEGIN();
     // the raw q / k rows until the scores are taken, then A and T in the same bytes (3 blocks an SM at the 4B
     // shape's 75 KB)
     constexpr int ROWS_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDH * 2, SOLVE_BYTES = 2 * SPLIT_CHUNK * SPLIT_LDF * 4;
@@ -269,6 +302,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         cum[r] = (double)lg;
     }
     __syncthreads();
+    SPLIT_PHASE(1);  // raw q / k / v staged, gates
     if (threadIdx.x == 0) {  // the cumulative log-decay, in order (fp64: c reaches -1000 for fast heads)
         double sum = 0.0;
         for (int r = 0; r < SPLIT_CHUNK; ++r) {
@@ -277,6 +311,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         }
     }
     __syncthreads();
+    SPLIT_PHASE(2);  // cumulative decay
     if (threadIdx.x < n) cum_out[(size_t)(t0 + threadIdx.x) * num_value_heads + h] = (float)cum[threadIdx.x];
     // the l2 norms (fp32, of the raw rows): a thread a (row, q or k), its pairs from a rotated start (the
     // warp's 32 rows in distinct banks)
@@ -294,6 +329,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         if (r < n && h % ratio == 0) norms[((size_t)(t0 + r) * num_key_heads + key_head) * 2 + tensor] = scale;
     }
     __syncthreads();
+    SPLIT_PHASE(3);  // the l2 norms
     if (threadIdx.x < SPLIT_CHUNK) {  // (read after the solve's barriers)
         const int r = threadIdx.x;
         beta_decay[r] = beta[r] * expf((float)cum[r]) * rk[r];
@@ -335,8 +371,10 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
             }
     }
     __syncthreads();
+    SPLIT_PHASE(4);  // scores (tensor cores), A and P stored
     solve_blocked_split(amat, tinv);  // T = (I + A)^-1 in fp32
     __syncthreads();
+    SPLIT_PHASE(5);  // T = (I + A)^-1
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
     auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride) {
@@ -353,8 +391,8 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                     unsigned b[2];
                     load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
                     mma_bf16_16816(acc[nt], hi, b[0], b[1]);
-                    mma_bf16_16816(acc[nt], mid, b[0], b[1]);
-                    if (parts == 3) mma_bf16_16816(acc[nt], lo, b[0], b[1]);
+                    MMA_PART(acc[nt], mid, b[0], b[1]);
+                    if (parts == 3) MMA_PART(acc[nt], lo, b[0], b[1]);
                 }
             }
 #pragma unroll
@@ -369,7 +407,10 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
         }
     };
     product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim);
+    SPLIT_PHASE(6);  // U (tensor cores) stored
     product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
+    SPLIT_PHASE(7);  // W (tensor cores) stored
+    SPLIT_PHASES_DONE();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -421,6 +462,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
     bf16* qr = planes + 3 * PLANE;                         // [64][SPLIT_LDH] raw q rows
     bf16* kt = qr + SPLIT_CHUNK * SPLIT_LDH;               // [DK][SPLIT_LDCH] raw k^T
 
+    SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
     const bool is_fresh = fresh[s] != 0;
     float sacc[STATE_NT][4];  // this warp's region of S^T (fp32)
@@ -430,6 +472,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
         for (int e = 0; e < 4; ++e)
             sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
     store_state_planes(sacc, planes);
+    SPLIT_PHASE(1);  // the state loaded, its planes
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
         const int t0 = chunk_start[c], n = chunk_len[c];
         // W's and P's rows 16w .. are read by warp w alone: their fragments straight from global memory into
@@ -474,6 +517,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
             row_scale[r] = q_norm * expf(cum[r]);
             tail_scale[r] = k_norm * expf(cum[SPLIT_CHUNK - 1] - cum[r]);
         }
+        SPLIT_PHASE(2);  // the chunk's W / P fragments, q / k^T / U tiles, scales
         // V' = U - W S (W in 2 parts x S's hi / mid: hi*hi, hi*mid, mid*hi, 3 mmas) and Q_raw S (S's three parts: 3)
         // in one pass over S's planes: warp w rows 16w .., the tile's 32 channels
         float inter[4][4] = {};
@@ -493,11 +537,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     load_b_raw(bmid, planes + PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
                     load_b_raw(blo, planes + 2 * PLANE + nt * 8 * SPLIT_LDH + k0, SPLIT_LDH);
                     mma_bf16_16816(acc[nt], whi, bhi[0], bhi[1]);
-                    mma_bf16_16816(acc[nt], whi, bmid[0], bmid[1]);
-                    mma_bf16_16816(acc[nt], wmid, bhi[0], bhi[1]);
+                    MMA_PART(acc[nt], whi, bmid[0], bmid[1]);
+                    MMA_PART(acc[nt], wmid, bhi[0], bhi[1]);
                     mma_bf16_16816(inter[nt], a, bhi[0], bhi[1]);
-                    mma_bf16_16816(inter[nt], a, bmid[0], bmid[1]);
-                    mma_bf16_16816(inter[nt], a, blo[0], blo[1]);
+                    MMA_PART(inter[nt], a, bmid[0], bmid[1]);
+                    MMA_PART(inter[nt], a, blo[0], blo[1]);
                 }
             }
 #pragma unroll
@@ -511,6 +555,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                 }
         }
         __syncthreads();
+        SPLIT_PHASE(3);  // V' = U - W S and Q S (tensor cores)
         // O = diag(rq exp(c)) Q_raw S + P V' (P, V' in 3 parts, 6 mmas: the terms to ~2^-18), rows 16w ..
         {
             float intra[4][4] = {};
@@ -526,11 +571,11 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     unsigned bhi[2], bmid[2], blo[2];
                     split3_fragment<2>(fb, bhi, bmid, blo);
                     mma_bf16_16816(intra[nt], ahi, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], ahi, bmid[0], bmid[1]);
-                    mma_bf16_16816(intra[nt], amid, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], ahi, blo[0], blo[1]);
-                    mma_bf16_16816(intra[nt], alo, bhi[0], bhi[1]);
-                    mma_bf16_16816(intra[nt], amid, bmid[0], bmid[1]);
+                    MMA_PART(intra[nt], ahi, bmid[0], bmid[1]);
+                    MMA_PART(intra[nt], amid, bhi[0], bhi[1]);
+                    MMA_PART(intra[nt], ahi, blo[0], blo[1]);
+                    MMA_PART(intra[nt], alo, bhi[0], bhi[1]);
+                    MMA_PART(intra[nt], amid, bmid[0], bmid[1]);
                 }
             }
 #pragma unroll
@@ -546,6 +591,7 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     }
                 }
         }
+        SPLIT_PHASE(4);  // P V' (tensor cores), O stored
         // S^T <- exp(c_C) S^T + (diag(rk exp(c_C - c)) V')^T K_raw on this warp's region (V' side in 3 parts:
         // 3 mmas), then its planes rewritten
         {
@@ -566,15 +612,18 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
                     unsigned b[2];
                     load_b_raw(b, kt + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
                     mma_bf16_16816(sacc[nt], hi, b[0], b[1]);
-                    mma_bf16_16816(sacc[nt], mid, b[0], b[1]);
-                    mma_bf16_16816(sacc[nt], lo, b[0], b[1]);
+                    MMA_PART(sacc[nt], mid, b[0], b[1]);
+                    MMA_PART(sacc[nt], lo, b[0], b[1]);
                 }
             }
             store_state_planes(sacc, planes);  // (every warp read the planes before the barrier after V')
         }
+        SPLIT_PHASE(5);  // the state update (tensor cores), its planes
     }
 #pragma unroll
     for (int nt = 0; nt < STATE_NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    SPLIT_PHASE(6);  // the state stored
+    SPLIT_PHASES_DONE();
 }
