@@ -154,7 +154,7 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16", "chunked_fp32", "chunked_split")}
+                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
@@ -1008,10 +1008,12 @@ SPLIT_PHASES = {"gdn_chunk_prepare_split": ("raw q / k / v staged, gates", "cumu
                 "gdn_chunk_walk_split": ("state loaded, planes", "chunk operands staged (W / P fragments, q / k^T / U)",
                                          "V' = U - W S and Q S (tensor cores)", "P V' (tensor cores), O stored",
                                          "state update (tensor cores), planes", "state stored")}
+SPLIT_PHASES["gdn_chunk_walk_split_f16"] = SPLIT_PHASES["gdn_chunk_walk_split"]
+SPLIT_PHASE_WALKS = {"chunked_split": "gdn_chunk_walk_split", "chunked_split_f16": "gdn_chunk_walk_split_f16"}
 
 
-def split_phase_cycles(prompts: int = 8, length: int = 1024) -> dict:
-    """Where a block of the split-operand chain (gdn_chunked_split.cu, chunked_split) spends its time,
+def split_phase_cycles(prompts: int = 8, length: int = 1024, walk_name: str = "gdn_chunk_walk_split") -> dict:
+    """Where a block of the split-operand chain (gdn_chunked_split.cu: its prepare and ``walk_name``) spends its time,
     ``prompts`` x ``length`` fresh tokens at the 4B shape: both kernels built with GDN_PHASE_CLOCKS (lane 0 of
     each block's last warp adds each phase's SM clock cycles to a device counter; a walk's phases summed over
     its chunks), each launched once on random inputs after a warm launch; mean cycles a block per phase, and µs
@@ -1029,8 +1031,8 @@ def split_phase_cycles(prompts: int = 8, length: int = 1024) -> dict:
     module = cupy.RawModule(code=(cuda_ops.KERNEL_DIR / "gdn_chunked_split.cu").read_text(),
                             options=("-std=c++17", *kernel_include_options(cuda_ops.KERNEL_DIR), f"-DDK={dk}",
                                      f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
-    prepare_bytes, walk_bytes = cuda_ops.chunked_split_shared_bytes(dk, dv)
-    prepare, walk = module.get_function("gdn_chunk_prepare_split"), module.get_function("gdn_chunk_walk_split")
+    prepare_bytes, walk_bytes = cuda_ops.chunked_split_shared_bytes(dk, dv, walk_name)
+    prepare, walk = module.get_function("gdn_chunk_prepare_split"), module.get_function(walk_name)
     prepare.max_dynamic_shared_size_bytes, walk.max_dynamic_shared_size_bytes = prepare_bytes, walk_bytes
     tokens = prompts * length
     starts, lengths, per_seq = (cupy.asarray(a.astype(np.int32)) for a in chunk_layout(np.arange(prompts + 1) * length))
@@ -1046,7 +1048,7 @@ def split_phase_cycles(prompts: int = 8, length: int = 1024) -> dict:
                                             (conv_out, proj, np.int32(proj.shape[1]), weights.neg_decay_rate,
                                              weights.dt_bias, starts, lengths, norms, w32, u32, p32, cum32,
                                              np.int32(nk), np.int32(nv), np.int32(dv))),
-                "gdn_chunk_walk_split": (walk, (dv // cuda_ops.SPLIT_WALK_TILE, prompts, nv), walk_bytes,
+                walk_name: (walk, (dv // cuda_ops.SPLIT_WALK_TILE, prompts, nv), walk_bytes,
                                          (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots,
                                           fresh, ssm_state, core, np.int32(nk), np.int32(nv), np.int32(dv)))}
     counters = cupy.ndarray((16,), cupy.uint64, module.get_global("gdn_split_phase_cycles"))
@@ -1093,11 +1095,13 @@ def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
         for v, steps in results["prefill_kernels"].items()}
     print(json.dumps(results["total_speedup"]), flush=True)
     write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)
-    if "chunked_split" in variants:
+    for variant in variants:
+        if variant not in SPLIT_PHASE_WALKS:
+            continue
         for prompts, length in ((8, 1024), (1, 1024)):
-            phases = split_phase_cycles(prompts, length)
-            results.setdefault("split_phases", {})[f"{prompts}x{length}"] = phases
-            print(f"split phases {prompts}x{length}: {json.dumps(phases)}", flush=True)
+            phases = split_phase_cycles(prompts, length, SPLIT_PHASE_WALKS[variant])
+            results.setdefault("split_phases", {}).setdefault(variant, {})[f"{prompts}x{length}"] = phases
+            print(f"split phases {variant} {prompts}x{length}: {json.dumps(phases)}", flush=True)
         write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)
     if args.skip_prepare_phases:
         return results
