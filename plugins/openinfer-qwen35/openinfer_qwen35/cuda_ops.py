@@ -132,7 +132,7 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
-           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split"),
+           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_walk_split_f16"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -206,13 +206,18 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # a mixed step's one-token rows token by token (gdn_delta_rule_rows: fp32 state, the
                    # accuracy reference) instead of a one-row chunk each
                    "chunked_split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
-                                                   "gdn_gated_norm_vec", True)}
+                                                   "gdn_gated_norm_vec", True, "gdn_chunk_walk_split"),
+                   # chunked_split with the walk's operands as fp16 hi / lo (lo scaled by 2^11) parts
+                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
 FP32_THREADS = 256
 SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its own walk (gdn_chunk_walk_split)
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
+# the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
@@ -395,15 +400,16 @@ def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
     return prepare, walk
 
 
-def chunked_split_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
-    """gdn_chunk_prepare_split's and gdn_chunk_walk_split's dynamic shared memory (their carves, in order):
-    75 / 82 KB at the 4B shape."""
+def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_split") -> tuple[int, int]:
+    """gdn_chunk_prepare_split's and ``walk``'s (of SPLIT_WALK_KERNELS) dynamic shared memory (their carves, in
+    order): 75 / 82 KB at the 4B shape (the fp16 walk's two state planes instead of three: 73 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
-    walk = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
-            + 2 * (3 * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
-    return prepare, walk
+    planes = 2 if walk == "gdn_chunk_walk_split_f16" else 3
+    walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
+                  + 2 * (planes * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
+    return prepare, walk_bytes
 
 
 def _round_128(size: int) -> int:
@@ -985,7 +991,8 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     if snapshots is not None and not _walk_stores_snapshots(prefill):
         raise ValueError(f"the {prefill.prepare} chain's walk does not store in-step snapshots")
     if prefill.prepare == SPLIT_PREPARE_KERNEL:  # the split-operand chain: its prepare and walk, fp32 arrays
-        prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv)
+        walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
+        prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
         w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
         p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
@@ -994,7 +1001,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                 (SPLIT_THREADS,), (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts,
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)
-        _launch("gdn_chunk_walk_split", kernel("gdn_chunk_walk_split", dk, walk_bytes),
+        _launch(walk, kernel(walk, dk, walk_bytes),
                 (dv // SPLIT_WALK_TILE, num_seqs, nv), (SPLIT_THREADS,),
                 (conv_out, norms, w32, u32, p32, cum32, starts, lengths, per_seq, slots, fresh, ssm_state, core,
                  np.int32(nk), np.int32(nv), np.int32(dv)), shared_mem=walk_bytes)
