@@ -55,7 +55,9 @@ from openinfer.engine_core.startup import (
     early_cuda_wanted,
     freeze_startup_heap,
     memory_breakdown,
+    note_event,
     start_cuda_early,
+    startup_events,
 )
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
 from openinfer.errors import EngineDeadError, InvalidRequestError, OpenInferError, QueueFullError
@@ -301,6 +303,7 @@ def _report(fd: int | None, payload: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     phases = StartupPhases()
     phases.mark("spawn_and_imports")  # interpreter start, openinfer, ZMQ, msgspec
+    note_event("imports_done")
     parser = argparse.ArgumentParser(prog="python -m openinfer.engine_core", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--model-path", default="")
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         options = json.loads(args.options_json)
         if early_cuda_wanted(options):
             start_cuda_early()
+        note_event("engine_build_started")
         engine = build_engine(args.model_path, options, args.engine_factory)
     except OpenInferError as exc:
         logger.error("%s", exc)
@@ -342,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     phases.mark("transport")
     frozen = freeze_startup_heap()
     phases.mark("gc_freeze")
-    _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory})
+    note_event("ready")
+    _report(args.ready_fd, {"ok": True, "pid": os.getpid(), "phases": phases.as_dict(), "memory": memory,
+                            "events": startup_events(phases.started)})
     logger.info("engine core serving (pid %d); start-up %s; host memory %s; %d start-up objects frozen for the GC",
                 os.getpid(), json.dumps(phases.as_dict()), json.dumps(memory), frozen)
     code = 0

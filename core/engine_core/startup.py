@@ -80,6 +80,25 @@ class StartupPhases:
         return {**{k: round(v, 4) for k, v in self.phases.items()}, "total": round(self.total, 4)}
 
 
+# wall-clock times of start-up events (``note_event``), for a timeline across threads and processes
+_events: dict[str, float] = {}
+
+
+def note_event(name: str, last: bool = False) -> None:
+    """Record when start-up event ``name`` happened (wall clock): its first occurrence, or with
+    ``last`` its latest. Any thread; costs a dict write."""
+    if last:
+        _events[name] = time.time()
+    else:
+        _events.setdefault(name, time.time())
+
+
+def startup_events(since: float) -> dict[str, float]:
+    """Every noted event as seconds after ``since`` (a process's ``StartupPhases.started``), in
+    the order they happened."""
+    return {name: round(at - since, 4) for name, at in sorted(_events.items(), key=lambda item: item[1])}
+
+
 def memory_breakdown() -> dict[str, int]:
     """This process's resident memory in bytes: ``rss`` and its ``anon`` / ``file`` / ``shmem``
     parts (Linux ``/proc/self/status``), plus CuPy's pinned-pool bytes when CuPy is loaded."""

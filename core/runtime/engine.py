@@ -26,7 +26,7 @@ import numpy as np
 
 from openinfer.backend.base import StateLayer
 from openinfer.engine_core.slots import ERROR, FINISHED, SCHEDULED, TOKEN, TOKENS_PB, RequestSlot, drain
-from openinfer.engine_core.startup import wait_for_deferred_weights
+from openinfer.engine_core.startup import note_event, wait_for_deferred_weights
 from openinfer.errors import (
     DeviceFaultError,
     EngineDeadError,
@@ -139,6 +139,7 @@ class PagedEngine:
     def __init__(self, model: PagedModel, options: EngineOptions | None = None, *, model_path: str = "",
                  plugin: str = "", tokenizer_path: str | None = None):
         began = time.perf_counter()
+        note_event("paged_engine_started")  # the model is loaded (its weights' copies may still run)
         # seconds of this constructor's start-up phases (the engine-core process reports them)
         self.startup_phases: dict[str, float] = {}
         self.model = model
@@ -206,6 +207,7 @@ class PagedEngine:
         waited = wait_for_deferred_weights()
         if waited:
             self.startup_phases["deferred_weights_wait"] = self.startup_phases.get("deferred_weights_wait", 0.0) + waited
+        note_event("graphs_captured")
         if warmup is not None:
             self._warm_up_prefill(model, warmup)
         if mark_serving is not None:  # from here on, a kernel build is one the start-up missed

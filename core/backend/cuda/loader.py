@@ -41,6 +41,7 @@ from typing import Any
 import cupy
 
 from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
+from openinfer.engine_core.startup import note_event
 
 logger = logging.getLogger(__name__)
 
@@ -501,6 +502,7 @@ def _label(module: tuple[Any, ...]) -> str:
 
 def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
     """Compile (or load from CuPy's disk cache) one module and take ``keys``' kernels from it."""
+    note_event("first_kernel_build_started")
     began = time.perf_counter()
     if mode == "found":  # one module holding just the kernels found in its file
         source, defines, *arch = module
@@ -514,6 +516,7 @@ def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
         else:
             _kernel(source, name, defines)
     module_compile_seconds[_label(module)] = time.perf_counter() - began
+    note_event("last_kernel_build_done", last=True)
 
 
 # kernels whose builds started before anyone waited for them (start_compiling); one pool per device
