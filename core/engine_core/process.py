@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stack_samples_path = os.environ.get(STACK_SAMPLES_ENV)  # sampled from here: the start-up included
+    sampler = StackSampler().start() if stack_samples_path else None
     try:
         options = json.loads(args.options_json)
         if early_cuda_wanted(options):
@@ -339,8 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_breakdown()
     step_log_path = os.environ.get(STEP_LOG_ENV)
     step_log = StepLog.attach(engine) if step_log_path else None
-    stack_samples_path = os.environ.get(STACK_SAMPLES_ENV)
-    sampler = StackSampler().start() if stack_samples_path else None
     transport = CoreTransport(engine, args.run_dir)
     engine.attach_transport(transport, transport.deliver)
     phases.mark("transport")
