@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from openinfer.errors import OpenInferError
+
 SPAWN_TIME_ENV = "OPENINFER_SPAWN_TIME"
 API_STARTUP_FILE = "startup-{role}.json"  # in the run directory: an API server's phases once it listens
 
@@ -133,16 +135,31 @@ def _malloc_trim() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"  # "1": CuPy's import and the CUDA context start in a thread
+# "1": CuPy's import and the CUDA context start in a thread; "driver": the context alone, made in a thread
+# through the driver API by ctypes, which lets go of the GIL (CuPy's import holds it: the main thread's
+# imports wait meanwhile); "0": the backend makes the context
+EARLY_CUDA_ENV = "OPENINFER_EARLY_CUDA"
+EARLY_CUDA_MODES = ("0", "1", "driver")
+
+
+def early_cuda_mode() -> str:
+    """``OPENINFER_EARLY_CUDA`` ("0" when unset); anything but ``EARLY_CUDA_MODES`` is an error
+    (the engine core reports it and exits 2, as for a bad option)."""
+    mode = os.environ.get(EARLY_CUDA_ENV, "0").strip().lower() or "0"
+    if mode not in EARLY_CUDA_MODES:
+        raise OpenInferError(f"{EARLY_CUDA_ENV}={mode!r}: expected one of {', '.join(EARLY_CUDA_MODES)}")
+    return mode
 
 
 def early_cuda_wanted(options: dict, switch: str | None = EARLY_CUDA_ENV) -> bool:
     """Whether ``start_cuda_early`` should run for an engine built with these ``EngineOptions``
     fields: only where the engine's one GPU is device 0 (``device`` "cuda" or "auto", one rank),
     so no context is made on a GPU the engine will not use; and ``switch`` (an environment
-    variable) is "1" (None: no switch asked)."""
-    if switch is not None and os.environ.get(switch, "0").strip() != "1":
-        return False
+    variable) is not "0" (None: no switch asked)."""
+    if switch is not None:
+        value = early_cuda_mode() if switch == EARLY_CUDA_ENV else os.environ.get(switch, "0").strip()
+        if value == "0":
+            return False
     if str(options.get("device") or "auto") not in ("auto", "cuda"):
         return False
     ranks = [options.get(name) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")]
@@ -170,26 +187,50 @@ def early_cuda_from_argv(argv: list[str]) -> threading.Thread | None:
                 options = json.loads(text)
             except ValueError:
                 return None
-    if not isinstance(options, dict) or not early_cuda_wanted(options):
+    try:
+        if not isinstance(options, dict) or not early_cuda_wanted(options):
+            return None
+    except OpenInferError:  # a bad switch: the engine core's start reports it
         return None
     return start_cuda_early()
 
 
+def retain_primary_context(ordinal: int = 0) -> bool:
+    """Create (or take) device ``ordinal``'s primary CUDA context through the driver API by
+    ctypes: the CUDA runtime (CuPy) then finds it made. ctypes releases the GIL for each call, so
+    the ~0.3-0.5 s the driver takes overlap Python work in other threads. False when there is no
+    driver or device (the backend's own start reports that)."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    return (driver.cuInit(0) == 0 and driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+            and driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0)
+
+
 def start_cuda_early() -> threading.Thread:
-    """Import CuPy and create device 0's CUDA context (the primary context, which the backend
-    then finds made) in a daemon thread, beside the main thread's plugin discovery and imports:
-    the two cost ~0.35 s and ~0.3 s of a start in a row otherwise. Failures are left to the
-    backend's own start, which reports them. Once per process (a second call returns the first
-    thread)."""
+    """Create device 0's CUDA context (the primary context, which the backend then finds made) in
+    a daemon thread, beside the main thread's plugin discovery and imports: with
+    ``OPENINFER_EARLY_CUDA=driver`` through the driver API (``retain_primary_context``), else by
+    importing CuPy and calling ``cudaFree(0)``. Failures are left to the backend's own start,
+    which reports them. Once per process (a second call returns the first thread)."""
     global _early_cuda
     if _early_cuda is not None:
         return _early_cuda
+    by_driver = os.environ.get(EARLY_CUDA_ENV, "").strip().lower() == "driver"
 
     def init() -> None:
         try:
-            import cupy
+            if by_driver:
+                retain_primary_context(0)
+            else:
+                import cupy
 
-            cupy.cuda.runtime.free(0)  # cudaFree(0): the idiom that creates the context
+                cupy.cuda.runtime.free(0)  # cudaFree(0): the idiom that creates the context
+            note_event("early_cuda_context")
         except Exception:  # noqa: BLE001 — no GPU or no CuPy: the engine's start says so itself
             pass
 
