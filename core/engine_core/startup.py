@@ -266,8 +266,42 @@ def deferred_weights(options: Any) -> Iterator[Any]:
         yield copies
 
 
+# when the engine joins a deferred load's weight copies: "compile" (default, as since s9 D2) after the kernel
+# compile, before the graphs' warm-up forwards; "serve" just before it serves: the graph capture and the
+# prefill warm-up (whose outputs are thrown away; they read the weights only as garbage) run beside the
+# copies, in a relaxed-mode capture that other threads' copies do not disturb
+WEIGHTS_JOIN_ENV = "OPENINFER_WEIGHTS_JOIN"
+WEIGHTS_JOIN_POINTS = ("compile", "serve")
+_joining_later = threading.Event()
+
+
+def weights_join_point() -> str:
+    """``OPENINFER_WEIGHTS_JOIN`` ("compile" when unset); anything else is a clear start-up error."""
+    point = os.environ.get(WEIGHTS_JOIN_ENV, "compile").strip().lower() or "compile"
+    if point not in WEIGHTS_JOIN_POINTS:
+        raise OpenInferError(f"{WEIGHTS_JOIN_ENV}={point!r}: expected one of {', '.join(WEIGHTS_JOIN_POINTS)}")
+    return point
+
+
+@contextlib.contextmanager
+def weights_joined_later(later: bool = True) -> Iterator[None]:
+    """Within the block (with ``later``), ``wait_for_deferred_weights`` returns at once: the
+    caller joins the copies after it, before the first forward whose results are kept."""
+    if not later:
+        yield
+        return
+    _joining_later.set()
+    try:
+        yield
+    finally:
+        _joining_later.clear()
+
+
 def wait_for_deferred_weights() -> float:
-    """Join the weight copies a deferred load started (none: returns at once); seconds waited."""
+    """Join the weight copies a deferred load started (none, or inside ``weights_joined_later``:
+    returns at once); seconds waited."""
+    if _joining_later.is_set():
+        return 0.0
     upload = sys.modules.get("openinfer.backend.cuda.weight_upload")
     wait = getattr(upload, "wait_for_deferred_uploads", None)
     if wait is None:

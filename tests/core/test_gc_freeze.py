@@ -141,3 +141,37 @@ def test_deferred_weights_only_when_asked_for_one_cuda_rank(monkeypatch) -> None
     module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
     monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
     assert wait_for_deferred_weights() >= 0.0 and waited == [True]
+
+
+def test_weights_joined_later_hold_the_wait_until_the_block_ends(monkeypatch) -> None:
+    """OPENINFER_WEIGHTS_JOIN=serve: inside ``weights_joined_later`` (the graph capture, the
+    prefill warm-up) waiting for the deferred copies returns at once; after it, it waits."""
+    import sys
+    import types
+
+    import pytest
+
+    from openinfer.engine_core.startup import (
+        wait_for_deferred_weights,
+        weights_join_point,
+        weights_joined_later,
+    )
+    from openinfer.errors import OpenInferError
+
+    waited: list[bool] = []
+    module = types.SimpleNamespace(wait_for_deferred_uploads=lambda: waited.append(True))
+    monkeypatch.setitem(sys.modules, "openinfer.backend.cuda.weight_upload", module)
+    with weights_joined_later():
+        assert wait_for_deferred_weights() == 0.0 and waited == []
+    with weights_joined_later(False):  # as today: the capture joins them
+        wait_for_deferred_weights()
+    assert waited == [True]
+    wait_for_deferred_weights()
+    assert waited == [True, True]
+    monkeypatch.delenv("OPENINFER_WEIGHTS_JOIN", raising=False)
+    assert weights_join_point() == "compile"
+    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "serve")
+    assert weights_join_point() == "serve"
+    monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "never")
+    with pytest.raises(OpenInferError, match="OPENINFER_WEIGHTS_JOIN"):
+        weights_join_point()

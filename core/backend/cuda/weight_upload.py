@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from openinfer.engine_core.startup import note_event
+from openinfer.engine_core.startup import note_event, weights_join_point
 from openinfer.weights import mapped_file_region
 
 CHUNK_BYTES = 8 << 20
@@ -216,12 +216,20 @@ class DeferredUploads:
                 for device_id, host, out, offset in self.copies:
                     with cupy.cuda.Device(device_id):
                         uploader(device_id).upload(host, out, offset)
-                cupy.cuda.runtime.deviceSynchronize()
+                if beside_captures:  # a device-wide sync is no call to make while another thread captures
+                    for device_id in {copy[0] for copy in self.copies}:
+                        with cupy.cuda.Device(device_id):
+                            # large copies were waited for by upload(); small ones ran on the legacy stream
+                            cupy.cuda.Stream.null.synchronize()
+                else:
+                    cupy.cuda.runtime.deviceSynchronize()
             except BaseException as error:  # noqa: BLE001 — handed to wait()
                 self._error = error
             self.seconds = time.perf_counter() - began
             note_event("weight_copies_done")
 
+        # OPENINFER_WEIGHTS_JOIN=serve: graph captures may run while the copies do
+        beside_captures = weights_join_point() == "serve"
         # everything queued so far (kernels on memory the pool then gave to a queued ``out``) ends
         # before the thread writes; later work never touches the model's arrays
         cupy.cuda.runtime.deviceSynchronize()
