@@ -237,7 +237,7 @@ def _module(source: str, defines: tuple[tuple[str, int], ...],
     text = path.read_text()
     if kernels is not None:
         text = kernel_subset(text, kernels) or text
-    _note_build(module_label(source, defines) + (f":{','.join(kernels)}" if kernels is not None else ""))
+    _note_build(module_label(source, defines, kernels=kernels))
     return cupy.RawModule(code=text, options=options)
 
 
@@ -344,7 +344,7 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str,
         cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
     cubin = _read_cached(cached)
     if cubin is None:
-        _note_build(module_label(source, defines, arch) + (f":{','.join(kernels)}" if kernels is not None else ""))
+        _note_build(module_label(source, defines, arch, kernels))
         program = nvrtc.createProgram(text, source, (), ())
         try:
             try:
@@ -412,10 +412,12 @@ def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
         _discovery.found, _discovery.device_id = previous
 
 
-def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
-    """``source[NAME=value,...]@arch``: one compiled module's name in logs and reports."""
+def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None,
+                 kernels: tuple[str, ...] | None = None) -> str:
+    """``source[NAME=value,...]@arch:kernel,...``: one compiled module's name in logs and reports
+    (``kernels``: the ones it holds when not the whole file)."""
     label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
-    return label + (f"@{arch}" if arch else "")
+    return label + (f"@{arch}" if arch else "") + (f":{','.join(kernels)}" if kernels is not None else "")
 
 
 @functools.cache
@@ -494,10 +496,10 @@ def _module_of(key: KernelKey, mode: str) -> tuple[Any, ...]:
 
 
 def _label(module: tuple[Any, ...]) -> str:
-    if isinstance(module[-1], tuple) and len(module) > 2:  # a one-kernel module
-        *rest, (name,) = module
-        return f"{module_label(*rest)}:{name}"
-    return module_label(*module)
+    """``module_label`` of a module ``(source, defines[, arch][, (kernel,)])``."""
+    source, defines, *rest = module
+    kernels = rest.pop() if rest and isinstance(rest[-1], tuple) else None
+    return module_label(source, defines, *rest, kernels=kernels)
 
 
 def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
