@@ -93,9 +93,10 @@ t0 = time.perf_counter()
 with weight_upload.deferred_uploads() as copies:
     model = plugin.load_rank_model(path, config, 4096, backend, RankContext())
 t1 = time.perf_counter()
+gigabytes = copies.nbytes / 1e9
 copies.start(); copies.wait()
 t2 = time.perf_counter()
-print({"structure": t1 - t0, "copies": t2 - t1, "gb": copies.nbytes / 1e9 if copies.copies else 0.0})
+print({"structure": t1 - t0, "copies": t2 - t1, "gb": gigabytes, "gb_per_s": gigabytes / (t2 - t1)})
 """
 
 
