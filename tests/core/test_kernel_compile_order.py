@@ -252,3 +252,18 @@ def test_kernels_found_by_the_discovery_start_building_at_once(monkeypatch, load
     monkeypatch.setenv("OPENINFER_KERNEL_MODULES", "source")  # whole files: nothing starts early
     assert loader.start_compiling([("elementwise.cu", "gelu", ())], device_id=0) == 0
     loader._compiled.clear()
+
+
+def test_one_module_label_names_every_kind_of_module(loader) -> None:
+    """``module_label`` is the one place a module's name is built: the whole file, with defines,
+    for an architecture, cut down to some kernels; a compile-plan module tuple gives the same."""
+    defines = (("GROUP", 4), ("HEAD_DIM", 128))
+    assert loader.module_label("a.cu", ()) == "a.cu"
+    assert loader.module_label("a.cu", defines) == "a.cu[GROUP=4,HEAD_DIM=128]"
+    assert loader.module_label("a.cu", defines, "sm_90a") == "a.cu[GROUP=4,HEAD_DIM=128]@sm_90a"
+    assert loader.module_label("a.cu", (), kernels=("k1", "k2")) == "a.cu:k1,k2"
+    assert loader.module_label("a.cu", defines, "sm_90a", ("k",)) == "a.cu[GROUP=4,HEAD_DIM=128]@sm_90a:k"
+    assert loader._label(("a.cu", defines)) == loader.module_label("a.cu", defines)
+    assert loader._label(("a.cu", defines, ("k",))) == loader.module_label("a.cu", defines, kernels=("k",))
+    assert loader._label(("a.cu", defines, "sm_90a", ("k",))) == loader.module_label("a.cu", defines, "sm_90a", ("k",))
+    assert loader._label(("a.cu", defines, "sm_90a")) == loader.module_label("a.cu", defines, "sm_90a")

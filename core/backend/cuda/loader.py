@@ -41,6 +41,7 @@ from typing import Any
 import cupy
 
 from openinfer.backend.cuda import kernel_include_dir, kernel_include_options
+from openinfer.engine_core.startup import note_event
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ def _module(source: str, defines: tuple[tuple[str, int], ...],
     text = path.read_text()
     if kernels is not None:
         text = kernel_subset(text, kernels) or text
-    _note_build(module_label(source, defines) + (f":{','.join(kernels)}" if kernels is not None else ""))
+    _note_build(module_label(source, defines, kernels=kernels))
     return cupy.RawModule(code=text, options=options)
 
 
@@ -343,7 +344,7 @@ def _arch_module(source: str, defines: tuple[tuple[str, int], ...], arch: str,
         cached = arch_cache_path(text, tuple(options), arch, ".".join(map(str, nvrtc.getVersion())))
     cubin = _read_cached(cached)
     if cubin is None:
-        _note_build(module_label(source, defines, arch) + (f":{','.join(kernels)}" if kernels is not None else ""))
+        _note_build(module_label(source, defines, arch, kernels))
         program = nvrtc.createProgram(text, source, (), ())
         try:
             try:
@@ -411,10 +412,12 @@ def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
         _discovery.found, _discovery.device_id = previous
 
 
-def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None) -> str:
-    """``source[NAME=value,...]@arch``: one compiled module's name in logs and reports."""
+def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None,
+                 kernels: tuple[str, ...] | None = None) -> str:
+    """``source[NAME=value,...]@arch:kernel,...``: one compiled module's name in logs and reports
+    (``kernels``: the ones it holds when not the whole file)."""
     label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
-    return label + (f"@{arch}" if arch else "")
+    return label + (f"@{arch}" if arch else "") + (f":{','.join(kernels)}" if kernels is not None else "")
 
 
 @functools.cache
@@ -493,14 +496,15 @@ def _module_of(key: KernelKey, mode: str) -> tuple[Any, ...]:
 
 
 def _label(module: tuple[Any, ...]) -> str:
-    if isinstance(module[-1], tuple) and len(module) > 2:  # a one-kernel module
-        *rest, (name,) = module
-        return f"{module_label(*rest)}:{name}"
-    return module_label(*module)
+    """``module_label`` of a module ``(source, defines[, arch][, (kernel,)])``."""
+    source, defines, *rest = module
+    kernels = rest.pop() if rest and isinstance(rest[-1], tuple) else None
+    return module_label(source, defines, *rest, kernels=kernels)
 
 
 def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
     """Compile (or load from CuPy's disk cache) one module and take ``keys``' kernels from it."""
+    note_event("first_kernel_build_started")
     began = time.perf_counter()
     if mode == "found":  # one module holding just the kernels found in its file
         source, defines, *arch = module
@@ -514,6 +518,7 @@ def _build(module: tuple[Any, ...], keys: list[KernelKey], mode: str) -> None:
         else:
             _kernel(source, name, defines)
     module_compile_seconds[_label(module)] = time.perf_counter() - began
+    note_event("last_kernel_build_done", last=True)
 
 
 # kernels whose builds started before anyone waited for them (start_compiling); one pool per device
