@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -143,6 +144,10 @@ def summarise(replay: list[dict[str, Any]]) -> dict[str, Any]:
             "sequence": sequence}
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random", default="moonlight", help="a ledger preset (openinfer.tools.ledger PRESETS)")
@@ -159,6 +164,8 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     variants = args.variant or [("base", {})]
 
+    # a timeout's SIGTERM still writes what was measured (the finally below)
+    signal.signal(signal.SIGTERM, _interrupt)
     import cupy
 
     from openinfer import create_engine
@@ -198,6 +205,7 @@ def main() -> int:
                     median = statistics.median(times)
                     report["steps"].setdefault(name, {}).setdefault(str(b), []).append(
                         {"median_s": median, "min_s": min(times), "round": round_index})
+                    Path(args.out).write_text(json.dumps(report, indent=1))
                     print(f"round {round_index} {name:14s} b{b}: step {median * 1e3:.3f} ms (min {min(times) * 1e3:.3f})",
                           flush=True)
                     if round_index == 0 and name == variants[0][0] and args.trace_replays:
@@ -217,6 +225,8 @@ def main() -> int:
                                 print(f"   {kname:64s} x{row['count']:4d} {row['dur_us']:8.1f} us  gaps "
                                       f"{row['gap_before_us']:7.1f} us", flush=True)
                             Path(args.out).write_text(json.dumps(report, indent=1))
+    except KeyboardInterrupt as exc:
+        print(f"stopped: {exc}", flush=True)
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None)
