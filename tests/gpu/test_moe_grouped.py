@@ -710,3 +710,42 @@ def test_sm90_rotated_units_equal(cuda_backend, rng, monkeypatch, shape, tokens)
     with moe_sm90.rotated_units(fused.shared_experts):
         rotated = moe.routed_experts(cuda_backend, x, fused.gate_up, fused.down, grouping).get()
     assert np.array_equal(rotated, plain)
+
+
+@pytest.mark.parametrize("gemv_kernel", ["mma", "mma_split4", "mma_split4_depth4", "mma_split4_depth8"])
+@pytest.mark.parametrize("rows", [2, 16, 32])
+def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kernel, rows):
+    """OPENINFER_KIMI_DENSE_GEMV: the kimi plugin's bf16 dense projections of decode-sized steps as a tensor-core
+    decode GEMV (the weight as one expert) equal NumPy's product within bf16 rounding, eagerly and as a CUDA graph
+    replay (the same bits); outside its bounds (1 row, an LM-head-sized weight, a bias) cuBLAS runs; a bad name is a
+    clear error."""
+    from openinfer_kimi_k2 import cuda_ops
+
+    from openinfer.backend.cuda.linear import CudaLinear
+
+    out_features, in_features = 200, 520  # a partial 64-column block; K not a multiple of 64
+    w = bf16_random(rng, out_features, in_features, scale=0.05)
+    x = bf16_random(rng, rows, in_features)
+    layer = CudaLinear(cuda_backend.upload(w), None)
+    x_dev = cuda_backend.upload(x)
+    monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, gemv_kernel)
+    assert cuda_ops.dense_gemv_kernel(x_dev, layer) == gemv_kernel
+    eager = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
+    reference = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert relative_error(cuda_backend.to_host(eager), reference) < 1e-2
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        graph_out = cuda_ops.cuda_linear(cuda_backend, x_dev, layer)
+        graph = stream.end_capture()
+        graph_out[...] = 0
+        graph.launch()
+        stream.synchronize()
+    assert np.array_equal(graph_out.get(), eager.get())
+    assert cuda_ops.dense_gemv_kernel(x_dev[:1], layer) is None
+    assert cuda_ops.dense_gemv_kernel(x_dev, CudaLinear(layer.weight, cuda_backend.upload(w[:, 0]))) is None
+    big = CudaLinear(cupy.zeros((cuda_ops.DENSE_GEMV_MAX_OUT + 64, in_features), cupy.uint16), None)
+    assert cuda_ops.dense_gemv_kernel(x_dev, big) is None
+    monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, "wide")
+    with pytest.raises(ValueError, match="OPENINFER_KIMI_DENSE_GEMV"):
+        cuda_ops.dense_gemv_kernel(x_dev, layer)

@@ -98,6 +98,11 @@ GEMV_KERNELS: dict[str, dict[str, int]] = {
     "mma_split4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4},
     "mma_split4_depth3": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 3},
     "mma1_split4": {"MMA_GEMV_NTILES": 1, "MMA_GEMV_KSPLIT": 4},
+    # split K with deeper rings, for bf16 dense projections of 2-32 rows (the kimi plugin's OPENINFER_KIMI_DENSE_GEMV,
+    # opt-in until measured): a 16-row pass over Moonlight's q / kv_a (3648 x 2048) runs 228 blocks of 4 warps, each
+    # warp 1 KB of weights per chunk, so 4-8 chunks in flight per warp keep ~4-7 MB of reads in flight
+    "mma_split4_depth4": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 4},
+    "mma_split4_depth8": {"MMA_GEMV_NTILES": 2, "MMA_GEMV_KSPLIT": 4, "MMA_GEMV_DEPTH": 8},
     # INT4 with group-32 scales (Kimi's experts), opt-in until measured: moe_gemv_mma_staged, each
     # warp's weights copied to shared memory by cp.async in runs of STAGED_CHUNKS x 64 contiguous
     # bytes per row (moe_gemv_mma's lanes read 64 bytes of a row per load; the H100's INT4 and bf16
