@@ -30,6 +30,81 @@ from typing import Any
 SEGMENT_END = ("moe_combine", "moe_combine_vec8", "moe_combine_add_rms_norm")  # a MoE layer's last kernel
 
 
+_READ_KERNELS = r"""
+// Read-only HBM streams (results XOR-folded so nothing is dropped). read_linear: the whole grid walks the buffer
+// in consecutive 16-byte pieces, 8 loads in flight per thread. read_rows: the expert GEMM's pattern, a block per
+// tile of 128 rows x 4096 bytes (a [N, 2048] bf16 weight's 128-row block), ``run`` contiguous bytes of every row
+// per stage, stages in k order.
+extern "C" __global__ void read_linear(const uint4* __restrict__ p, long long n, unsigned* out) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (; i + 7 * stride < n; i += 8 * stride) {
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __ldcs(p + i + j * stride);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
+    for (; i < n; i += stride) { const uint4 v = __ldcs(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+extern "C" __global__ void read_rows(const uint4* __restrict__ p, long long tiles, int run, unsigned* out) {
+    unsigned acc = 0;
+    const int per_row = run / 16, rows_per_pass = blockDim.x / per_row;  // 16-byte pieces of a row's run
+    const int r0 = threadIdx.x / per_row, piece = threadIdx.x % per_row;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const uint4* tile = p + t * 128 * 256;  // 128 rows of 4096 bytes
+        for (int k = 0; k < 4096 / run; ++k) {
+            for (int rb = 0; rb < 128; rb += 8 * rows_per_pass) {
+                uint4 v[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int r = rb + r0 + j * rows_per_pass;
+                    v[j] = r < 128 ? __ldcs(tile + r * 256 + k * per_row + piece) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+            }
+        }
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def read_ceilings(gigabytes: float = 2.0, repeats: int = 10) -> dict[str, float]:
+    """Read-only HBM bandwidth (bytes read per second) of a few access patterns, and cupy's copy rate (read +
+    written): what a weight-streaming GEMM could reach, and whether its row-strided pattern costs any."""
+    import cupy
+
+    from openinfer.tools.ledger import gpu_seconds
+
+    module = cupy.RawModule(code=_READ_KERNELS)
+    pieces = int(gigabytes * 2**30) // 16 // (128 * 256) * (128 * 256)
+    buffer = cupy.ones(pieces * 4, dtype=cupy.uint32)
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    nbytes = pieces * 16
+    found: dict[str, float] = {}
+    linear = module.get_function("read_linear")
+    for blocks_per_sm, threads in ((4, 512), (8, 256), (16, 256)):
+        seconds = gpu_seconds(lambda b=blocks_per_sm, t=threads: linear((sms * b,), (t,), (buffer, cupy.int64(pieces),
+                                                                                            sink)), repeats)
+        found[f"linear_{blocks_per_sm}x{threads}"] = nbytes / seconds
+    rows = module.get_function("read_rows")
+    tiles = pieces // (128 * 256)
+    for run in (128, 256, 512):
+        for blocks_per_sm in (1, 2, 4):
+            seconds = gpu_seconds(lambda r=run, b=blocks_per_sm: rows((sms * b,), (256,), (
+                buffer, cupy.int64(tiles), cupy.int32(r), sink)), repeats)
+            found[f"rows{run}_{blocks_per_sm}x256"] = nbytes / seconds
+    half = buffer[: buffer.size // 2]
+    copy_to = cupy.empty_like(half)
+    found["copy_read_plus_written"] = 2 * half.nbytes / gpu_seconds(lambda: copy_to.__setitem__(Ellipsis, half), repeats)
+    return found
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """``name=ENV=VALUE,ENV=VALUE`` (or ``name=``) -> (name, {ENV: VALUE})."""
     name, _, rest = text.partition("=")
@@ -159,6 +234,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the variants (A/B/A/B...)")
     parser.add_argument("--trace-replays", type=int, default=3)
+    parser.add_argument("--read-ceilings", action="store_true",
+                        help="first measure read-only HBM bandwidth by access pattern (read_ceilings)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -171,6 +248,11 @@ def main() -> int:
     from openinfer import create_engine
     from openinfer.tools.ledger import BLOCK_SIZE, StepLayout, decode_batch, write_preset_config
 
+    if args.read_ceilings:
+        ceilings = read_ceilings()
+        cupy.get_default_memory_pool().free_all_blocks()  # the 2 GB buffer, before the engine sizes its KV pool
+        for name, rate in ceilings.items():
+            print(f"read ceiling {name:24s} {rate / 1e12:.3f} TB/s", flush=True)
     path = write_preset_config(args.random, Path(args.checkpoint_dir) / args.random)
     blocks = max(batches) * -(-args.context // BLOCK_SIZE) + 2
     t0 = time.perf_counter()
@@ -179,7 +261,8 @@ def main() -> int:
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     report: dict[str, Any] = {"preset": args.random, "context": args.context, "batches": batches,
                               "device": getattr(engine.model.backend, "device_name", "?"),
-                              "variants": {name: env for name, env in variants}, "steps": {}, "traces": {}}
+                              "variants": {name: env for name, env in variants}, "steps": {}, "traces": {},
+                              "read_ceilings_bytes_per_s": ceilings if args.read_ceilings else None}
     layout = StepLayout.of(engine)
     hosts = {b: decode_batch(b, args.context, layout) for b in batches}
     saved = {key: os.environ.get(key) for _, env in variants for key in env}
