@@ -738,3 +738,41 @@ def test_kimi_dense_gemv_matches_numpy(cuda_backend, rng, monkeypatch, gemv_kern
     monkeypatch.setenv(cuda_ops.DENSE_GEMV_ENV, "wide")
     with pytest.raises(ValueError, match="OPENINFER_KIMI_DENSE_GEMV"):
         cuda_ops.dense_gemv_kernel(x_dev, layer)
+
+
+@pytest.mark.parametrize("gate_up_pdl,combine_pdl", [("1", "0"), ("0", "1"), ("1", "1")])
+@pytest.mark.parametrize("tokens", [16, 64, 200])
+def test_gate_up_and_combine_pdl_equal_plain(cuda_backend, sm90_moe, rng, monkeypatch, gate_up_pdl, combine_pdl,
+                                             tokens):
+    """OPENINFER_MOE_GATE_UP_PDL (gate_up launched to overlap the grouping kernel, built to wait for it first:
+    SM90_PDL=2) and OPENINFER_MOE_COMBINE_PDL (moe_combine launched to overlap the down projection, waiting in
+    griddepcontrol.wait): moe_forward gives the plain launches' bits, on a stream of its own eagerly and as a CUDA
+    graph replay (the programmatic edges captured), for steps on the Hopper kernel with the shared experts fused; bad
+    values are clear errors."""
+    hidden, inter = 512, 128
+    moe, _, fused, _, _ = _shared_fusion_case(cuda_backend, rng, 64, 6, 2, hidden, inter)
+    x = cuda_backend.upload(bf16_random(rng, tokens, hidden))
+    monkeypatch.setenv(moe.ROUTE_SORT_ENV, "0")  # the grouping by moe_sort_parallel: a kernel of its own before gate_up
+    plain = moe.moe_forward(cuda_backend, x, fused).get()
+    ids, weights = moe.route(x, fused.gate, fused.router, fused.correction_bias, shared_experts=fused.shared_experts)
+    assert moe.sm90_routed(x, fused.gate_up, moe.group_by_expert(ids, weights, fused.gate_up.num_experts))
+    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, gate_up_pdl)
+    monkeypatch.setenv(moe.COMBINE_PDL_ENV, combine_pdl)
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:  # cuLaunchKernelEx needs a stream other than the legacy one
+        assert np.array_equal(moe.moe_forward(cuda_backend, x, fused).get(), plain)
+        stream.begin_capture()
+        try:
+            out = moe.moe_forward(cuda_backend, x, fused)
+        finally:
+            graph = stream.end_capture()
+        out[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(out.get(), plain)
+    monkeypatch.setenv(sm90_moe.GATE_UP_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_GATE_UP_PDL"):
+        sm90_moe.gate_up_pdl()
+    monkeypatch.setenv(moe.COMBINE_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OPENINFER_MOE_COMBINE_PDL"):
+        moe.combine_pdl_wanted()
