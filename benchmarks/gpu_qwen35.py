@@ -163,31 +163,16 @@ PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
 PREFILL_VARIANTS["grouped_staged_mma_x3"] = {PREFILL_ENV: "grouped_staged"}
 # timing only, its outputs wrong: chunked_split with every product as its hi * hi mma alone
 # (GDN_SPLIT_ONE_PART): what the split operands' extra mmas (and their splits) cost
-DIAGNOSTIC_BUILDS = {"grouped_staged_mma_x3": ("-DGDN_MMA_REPEAT=3",),
-                     "chunked_split_one_part": ("-DGDN_SPLIT_ONE_PART",)}
+DIAGNOSTIC_BUILDS = {"grouped_staged_mma_x3": {"GDN_MMA_REPEAT": 3},
+                     "chunked_split_one_part": {"GDN_SPLIT_ONE_PART": 1}}
 PREFILL_VARIANTS["chunked_split_one_part"] = {PREFILL_ENV: "chunked_split"}
 
 
-@contextlib.contextmanager
-def compiled_with(*options: str):
-    """Within: the qwen35 kernels compiled anew with the extra nvcc ``options`` (a diagnostic build);
-    the caches are cleared on the way in and out, so nothing else sees them."""
+def compiled_with(**defines: int):
+    """Within: the qwen35 kernels built anew with the extra ``defines`` (a diagnostic build)."""
     from openinfer_qwen35 import cuda_ops
 
-    original = cuda_ops.kernel_include_options
-
-    def with_options(directory):
-        return (*original(directory), *options)
-
-    cuda_ops._module.cache_clear()
-    cuda_ops.kernel.cache_clear()
-    cuda_ops.kernel_include_options = with_options
-    try:
-        yield
-    finally:
-        cuda_ops.kernel_include_options = original
-        cuda_ops._module.cache_clear()
-        cuda_ops.kernel.cache_clear()
+    return cuda_ops.defines_added(**defines)
 
 
 SHORT_PROMPTS = (50, 500)  # --multi-turn-only: lone cold prompts (TTFT), a few blocks and a partial one
@@ -795,7 +780,7 @@ def prefill_kernel_timings(steps=GDN_PREFILL_STEPS, repeats: int = 5, variants=t
         for name in environment:
             os.environ.pop(name, None)
         os.environ.update(environment)
-        repeats_context = (compiled_with(*DIAGNOSTIC_BUILDS[variant]) if variant in DIAGNOSTIC_BUILDS
+        repeats_context = (compiled_with(**DIAGNOSTIC_BUILDS[variant]) if variant in DIAGNOSTIC_BUILDS
                            else contextlib.nullcontext())
         with repeats_context:
             per_step = {}

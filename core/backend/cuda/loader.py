@@ -230,10 +230,11 @@ def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
 def _module(source: str, defines: tuple[tuple[str, int], ...],
             kernels: tuple[str, ...] | None = None) -> cupy.RawModule:
     """The module of ``source`` under ``defines``; with ``kernels``, holding only those kernels."""
-    path = KERNEL_DIR / source
+    path = KERNEL_DIR / source  # a plugin's kernel file is an absolute path
     if not path.is_file():
-        raise FileNotFoundError(f"CUDA source {path} is missing; reinstall openinfer (package data *.cu)")
-    options = ("-std=c++17", *kernel_include_options(), *(f"-D{name}={value}" for name, value in defines))
+        raise FileNotFoundError(f"CUDA source {path} is missing; reinstall the package that ships it (package data *.cu)")
+    folders = () if path.parent == KERNEL_DIR else (path.parent,)  # a plugin's headers beside its file
+    options = ("-std=c++17", *kernel_include_options(*folders), *(f"-D{name}={value}" for name, value in defines))
     text = path.read_text()
     if kernels is not None:
         text = kernel_subset(text, kernels) or text
@@ -268,9 +269,17 @@ class _NotCompiled:
         return None
 
 
-def kernel(source: str, name: str, **defines: int) -> cupy.RawKernel:
-    """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define."""
-    key = (source, name, tuple(sorted(defines.items())))
+def kernel_key(source: str | Path, name: str, **defines: int) -> KernelKey:
+    """The key of ``kernel(source, name, **defines)``, for ``start_compiling`` ahead of its first launch."""
+    return (str(source), name, tuple(sorted(defines.items())))
+
+
+def kernel(source: str | Path, name: str, **defines: int) -> cupy.RawKernel:
+    """The compiled kernel ``name`` of ``source`` with ``-DNAME=value`` for each define. ``source`` is
+    a file of core's kernel folder, or a plugin's kernel file by its absolute path (its folder is
+    then on the include path too): either way one kernel a module, built in the background when
+    ``start_compiling`` or a start-up discovery met it first, and counted in ``late_compiles``."""
+    key = kernel_key(source, name, **defines)
     found = getattr(_discovery, "found", None)
     if found is not None:  # no kernel runs on a dry forward's garbage, compiled or not
         _found(found, key)
@@ -415,7 +424,10 @@ def discover_kernels(device_id: int | None = None) -> Iterator[set[KernelKey]]:
 def module_label(source: str, defines: tuple[tuple[str, int], ...], arch: str | None = None,
                  kernels: tuple[str, ...] | None = None) -> str:
     """``source[NAME=value,...]@arch:kernel,...``: one compiled module's name in logs and reports
-    (``kernels``: the ones it holds when not the whole file)."""
+    (``kernels``: the ones it holds when not the whole file; a plugin's file as ``package/file.cu``)."""
+    path = Path(source)
+    if path.is_absolute():
+        source = f"{path.parent.parent.name}/{path.name}"
     label = source + (f"[{','.join(f'{k}={v}' for k, v in defines)}]" if defines else "")
     return label + (f"@{arch}" if arch else "") + (f":{','.join(kernels)}" if kernels is not None else "")
 
@@ -425,19 +437,20 @@ def source_cost(source: str, kernel_dir: str | None = None) -> int:
     """Bytes NVRTC reads for ``source``: its text and that of the local headers it includes
     (recursively, each once); 0 for a file that is not there. A rough estimate of its compile time."""
     root = KERNEL_DIR if kernel_dir is None else Path(kernel_dir)
-    seen: set[str] = set()
-    pending, total = [source], 0
+    seen: set[Path] = set()
+    pending, total = [root / source], 0
     while pending:
-        name = pending.pop()
-        if name in seen:
+        path = pending.pop()
+        if path in seen:
             continue
-        seen.add(name)
-        path = root / name
+        seen.add(path)
         if not path.is_file():
             continue
         text = path.read_text()
         total += len(text)
-        pending.extend(_INCLUDE.findall(text))
+        for name in _INCLUDE.findall(text):  # beside the including file (a plugin's headers), else core's
+            beside = path.parent / name
+            pending.append(beside if beside.is_file() else KERNEL_DIR / name)
     return total
 
 
