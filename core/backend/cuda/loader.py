@@ -166,7 +166,15 @@ def kernel_definitions(text: str) -> list[tuple[str, int, int]] | None:
     """Every ``extern "C" __global__ void`` kernel *defined* in ``text`` (declarations skipped):
     ``(name, start, end)`` with ``text[start:end]`` its whole definition; None when one's extent
     cannot be found. Attributes (``__launch_bounds__(..)``, attribute macros) may precede the
-    name; brackets count in each preprocessor conditional's first branch."""
+    name; brackets count in each preprocessor conditional's first branch. Each file's text is
+    parsed once (a start cuts ~50 kernels out of a few files, and the parse is pure Python that
+    would hold the GIL against the weight load)."""
+    found = _parsed_definitions(text)
+    return None if found is None else list(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_definitions(text: str) -> tuple[tuple[str, int, int], ...] | None:
     masked, at = list(text), 0  # comments blanked: no kernel is found inside one (``extern "C"`` is a literal)
     while at < len(text):
         skipped = _skip_literal_or_comment(text, at)
@@ -206,7 +214,7 @@ def kernel_definitions(text: str) -> list[tuple[str, int, int]] | None:
             return None
         found.append((name, match.start(), end + 1))
         position = end + 1
-    return found
+    return tuple(found)
 
 
 def kernel_subset(text: str, keep: Iterable[str]) -> str | None:
