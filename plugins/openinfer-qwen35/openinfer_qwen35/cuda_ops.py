@@ -586,10 +586,11 @@ def start_up_kernels(config: Qwen35Config) -> list[tuple[str, int, int, bool]]:
                                                      "gdn_chunk_states", "gdn_chunk_output", "gdn_chunk_output_norm")]
         if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
             found.append(("gdn_chunk_states_registers", dk, 0, False))
-        found += [(name + SNAPSHOT_WALK_SUFFIX, dk, 0, False) for name in ("gdn_chunk_states", "gdn_chunk_states_registers")
-                  if name == "gdn_chunk_states" or dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM]  # the walks storing snapshots
         chosen = prefill_kernels(config, 8)  # a row stride in eights: the in_proj widths that serve
         f16 = chosen.f16_operands
+        found += [(walk, dk, 0, f16 and walk in F16_OPERAND_KERNELS)  # the walks storing snapshots
+                  for walk in ("gdn_chunk_states" + SNAPSHOT_WALK_SUFFIX, "gdn_chunk_states_registers" + SNAPSHOT_WALK_SUFFIX)
+                  if walk.startswith("gdn_chunk_states_snapshot") or dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM]
         for name in (chosen.conv, chosen.norm, chosen.prepare, chosen.states, chosen.output):
             conv_width = width if name == CONV_PREPARE_KERNEL else 0
             found.append((name, dk, conv_width, f16 and name in F16_OPERAND_KERNELS))
