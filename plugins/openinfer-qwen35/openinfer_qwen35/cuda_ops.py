@@ -560,11 +560,10 @@ def warm_up(config: Qwen35Config) -> None:
             kernel(name, dk, chunk_prepare_shared_bytes(dk, config.linear_value_head_dim,
                                                         name in STAGED_PREPARE_KERNELS))
         kernel("gdn_chunk_scan", dk, chunk_scan_shared_bytes(dk))
-        for suffix in ("", SNAPSHOT_WALK_SUFFIX):
-            kernel("gdn_chunk_states" + suffix, dk, chunk_states_shared_bytes(dk))
-            if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
-                kernel("gdn_chunk_states_registers" + suffix, dk,
-                       chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
+        kernel("gdn_chunk_states", dk, chunk_states_shared_bytes(dk))
+        if dk <= REGISTER_STATES_MAX_KEY_HEAD_DIM:
+            kernel("gdn_chunk_states_registers", dk,
+                   chunk_states_registers_shared_bytes(dk, config.linear_value_head_dim))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
         kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
         choice = os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_PREFILL_KERNELS
