@@ -1089,9 +1089,12 @@ def layer_parts(backend, attention, moe, shared, spec, cache, batch, cos, sin, x
         ("shared_gate_up", partial(backend.linear, h, shared[0])),
         ("shared_silu+down", partial(backend.silu_mul_linear, shared_hidden, shared[1])),
         # route = moe_router_logits (the [E, H] product over blocks) + moe_route (scores, top-k), then the grouping
-        ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
-        ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
-        ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts)),
+        # (or, where moe_forward takes it, router logits + moe_route_sort: route_and_group)
+        *([("route_logits+sort", partial(cuda_moe.route_and_group, h, moe))]
+          if cuda_moe.route_sort_wanted(int(h.shape[0]), moe.router, moe.tid2eid, moe.shared_experts) else [
+            ("route_logits", partial(cuda_moe.router_logits, h, moe.gate, moe.router)),
+            ("route_select", partial(cuda_moe.select_experts, h, moe.gate, moe.router, moe.correction_bias, logits)),
+            ("group", partial(cuda_moe.group_by_expert, ids, weights, moe.router.num_experts))]),
         *([("experts_gate_up+silu", partial(cuda_moe.gate_up_silu_gemv, h, moe.gate_up, grouping, silu_gemv))]
           if (silu_gemv := cuda_moe.gemv_silu_kernel(h, moe.gate_up, grouping)) is not None else [
             ("experts_gate_up", partial(cuda_moe.grouped_gemm, h, moe.gate_up, grouping, True, blas=backend.blas)),
@@ -1141,6 +1144,51 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
+
+
+def graph_timeline(launch, replays: int = 8) -> dict:
+    """Each kernel (and memset / copy) of a captured step as the device ran it: ``launch`` (a graph's
+    launch) replayed ``replays`` times under torch's profiler (CUPTI records every kernel of the process,
+    CuPy's graph launches included), the replays apart (a sync between them). Per node in launch order:
+    name, stream, start and duration in µs from the step's first node (medians over replays), and the
+    step's span; ``error`` where torch or its CUDA profiler is missing (the rest of the JSON stands)."""
+    import cupy
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception as exc:  # noqa: BLE001 - the timeline is extra; report why it is missing
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    launch()
+    cupy.cuda.Device().synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                launch()
+                cupy.cuda.Device().synchronize()
+                time.sleep(0.002)  # a clear gap between replays
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text()).get("traceEvents", [])
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    nodes = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                   key=lambda e: float(e["ts"]))
+    if not nodes or len(nodes) % replays:
+        return {"error": f"{len(nodes)} device nodes recorded over {replays} replays", "names": sorted(
+            {e.get("name", "")[:60] for e in nodes})}
+    per = len(nodes) // replays
+    runs = [nodes[i * per:(i + 1) * per] for i in range(replays)]
+    spans = [float(r[-1]["ts"]) + float(r[-1]["dur"]) - float(r[0]["ts"]) for r in runs]
+    table = []
+    for i in range(per):
+        name = runs[0][i].get("name", "")
+        table.append({"name": name[:80], "stream": runs[0][i].get("args", {}).get("stream"),
+                      "start_us": float(np.median([float(r[i]["ts"]) - float(r[0]["ts"]) for r in runs])),
+                      "dur_us": float(np.median([float(r[i]["dur"]) for r in runs])),
+                      "same_name": all(r[i].get("name", "") == name for r in runs)})
+    busy = sum(n["dur_us"] for n in table)
+    return {"replays": replays, "span_us": float(np.median(spans)), "kernel_sum_us": busy, "nodes": table}
 
 
 def layer_variants(text: str, absorbed_kernel: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -1290,7 +1338,7 @@ def run_layer(args) -> dict:
             breakdown = layer_breakdown(layer_parts(ops, attention, moe, shared, spec, cache, device_batch, cos, sin,
                                                     x, absorbed_kernel), step, args.iters)
             eager = gpu_seconds(step, repeats=args.iters, warmup=2)
-            graph_seconds, graph_error = None, None
+            graph_seconds, graph_error, timeline = None, None, None
             pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
             try:  # the engine replays decode steps as CUDA graphs: time the layer the same way
                 with cupy.cuda.using_allocator(pool.malloc), stream:
@@ -1306,6 +1354,7 @@ def run_layer(args) -> dict:
                     finally:
                         graph = stream.end_capture()
                     graph_seconds = gpu_seconds(graph.launch, repeats=args.iters, warmup=2)
+                    timeline = graph_timeline(graph.launch) if args.timeline else None
             except Exception as exc:  # noqa: BLE001 - reported in the JSON, eager timing stands
                 graph_error = f"{type(exc).__name__}: {exc}"
             seconds = graph_seconds or eager
@@ -1319,7 +1368,8 @@ def run_layer(args) -> dict:
                            "graph_ms": None if graph_seconds is None else 1e3 * graph_seconds,
                            "graph_error": graph_error, "roofline_ms": 1e3 * roofline,
                            "fraction_of_roofline": roofline / seconds, "active_experts": active, "bytes": needed,
-                           "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown})
+                           "breakdown_sum_ms": sum(breakdown["breakdown_ms"].values()), **breakdown,
+                           **({"timeline": timeline} if timeline is not None else {})})
             print(json.dumps(points[-1]), flush=True)
     return {"benchmark": "kimi_k2_layer", "device": device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
             "context": args.context, "variants": [variant_label(*v) for v in variants], "layer": KIMI_LAYER,
@@ -1913,6 +1963,8 @@ def main() -> None:
     layer.add_argument("--iters", type=int, default=20)
     layer.add_argument("--batches", default="1,64,256", help="comma list of decode batch sizes")
     layer.add_argument("--name", default="kimi_layer", help="results file name (JSON + PNG)")
+    layer.add_argument("--timeline", action="store_true",
+                       help="also each kernel of the graph-replayed step as the device ran it (torch's profiler)")
     layer.add_argument("--absorbed-kernel", default="", choices=["", "auto", "cuda_cores", "mma"],
                        help="MLA decode kernel (default: $OPENINFER_MLA_DECODE, else core's choice by batch)")
     layer.add_argument("--variants", default="",
