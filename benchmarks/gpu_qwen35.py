@@ -88,6 +88,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -303,42 +304,31 @@ def tpot(engine, prompts: Prompts, streams: int, prompt_len: int, new_tokens: in
     return 1000 * statistics.mean(gaps)
 
 
-def profile_lines(profile, rows: int) -> list[str]:
-    """The ``rows`` functions with the most own time (pstats' table, as lines)."""
-    import io
-    import pstats
-
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(rows)
-    lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip()]
-    return lines[lines.index(next(x for x in lines if x.lstrip().startswith("ncalls"))):] if lines else []
-
-
 def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: int = 1,
-               profile_rows: int = 0) -> dict:
+               trace_dir: Path | None = None) -> dict:
     """A second chat turn (``history`` tokens: turn 1's prompt and its 32 generated tokens, then
     ``new_turn`` fresh ones) served warm from the prefix cache (KV blocks + state snapshot) and
     cold (the same tokens under another cache salt: recomputed); medians over ``repeats``
     conversations, each with its own random history. Counts the conversations whose warm and
-    cold turns answered alike (greedy; bf16 chunk boundaries differ, so a near-tie may not)."""
+    cold turns answered alike (greedy; bf16 chunk boundaries differ, so a near-tie may not).
+    ``trace_dir``: the engine's trace folder (``EngineOptions.trace_dir``): each warm turn's
+    engine-side timeline (queue, prefill chunks, decode steps) is read back from its trace."""
     warm_ms, cold_ms, warm_cached, cold_cached, same, divergence = [], [], [], [], 0, []
     forwards: list[dict] = []
-    spy = ForwardSpy(engine)
+    spy = StepSpy(engine, trace_dir)
     for i in range(repeats):
         prompt = prompts.tokens(history - 32)
         # the second turn repeats the history token for token (prompt + what turn 1 generated)
         outcome = asyncio.run(timed(engine, make_request(f"turn1-{i}", prompt, 32)))[3]
         turn = prompt + outcome + prompts.tokens(new_turn)
         spy.calls.clear()
-        spy.layers.clear()
-        began = time.perf_counter()
+        began = time.time()
         warm = asyncio.run(timed(engine, make_request(f"turn2-{i}", turn, 8)))
         warm_forwards = spy.before_first_token()
-        warm_timeline = spy.timeline(began)
-        warm_layers, spy.layers = spy.layers[:64], []
+        warm_timeline = spy.timeline(f"turn2-{i}", began)
         cold = asyncio.run(timed(engine, make_request(f"turn2-cold-{i}", turn, 8, cache_salt=f"cold-{i}")))
         forwards.append({"warm": warm_forwards, "cold": spy.before_first_token(), "warm_timeline": warm_timeline,
-                         "warm_ttft_ms": round(1000 * warm[0], 2), "warm_layers_ms": warm_layers})
+                         "warm_ttft_ms": round(1000 * warm[0], 2)})
         same += warm[3] == cold[3]
         # where the answers part (None: alike) and both answers: random weights give near-flat logits,
         # so a near-tie at the first token is expected; tests/plugins/qwen35 checks hit == cold on a
@@ -349,16 +339,7 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
         cold_ms.append(1000 * cold[0])
         warm_cached.append(warm[2])
         cold_cached.append(cold[2])
-    if profile_rows:  # one more warm turn, its prompt forwards under cProfile (host time by function)
-        import cProfile
-
-        prompt = prompts.tokens(history - 32)
-        outcome = asyncio.run(timed(engine, make_request("turn1-profiled", prompt, 32)))[3]
-        spy.calls.clear()
-        spy.profile = cProfile.Profile()
-        asyncio.run(timed(engine, make_request("turn2-profiled", prompt + outcome + prompts.tokens(new_turn), 8)))
-        profile, spy.profile = spy.profile, None
-        forwards.append({"profiled_warm": spy.before_first_token(), "profile": profile_lines(profile, profile_rows)})
+    spy.close()
     return {"history_tokens": len(turn) - new_turn, "new_turn_tokens": new_turn, "repeats": repeats,
             "warm_ttft_ms": statistics.median(warm_ms), "warm_cached_tokens": min(warm_cached),
             "cold_ttft_ms": statistics.median(cold_ms), "cold_cached_tokens": max(cold_cached),
@@ -367,83 +348,59 @@ def multi_turn(engine, prompts: Prompts, history: int, new_turn: int, repeats: i
             "cold_over_warm": statistics.median(cold_ms) / statistics.median(warm_ms)}
 
 
-class ForwardSpy:
-    """Times each ``engine.model.forward`` call on the host (rows, ms): which forwards a turn runs
-    before its first token (a prompt's steps, then the first decode) and what each holds the host.
-    ``profile``: a ``cProfile.Profile`` enabled around every forward while set (on the engine's
-    thread, where the forwards run)."""
+class StepSpy:
+    """What the engine ran for a request, from its public hooks only: each forward launch (rows,
+    host ms of the launch) through the runner's launch observer (``runner.observer``, what
+    ``openinfer.engine_core.step_log.StepLog`` attaches to), a request's engine-side spans (queue,
+    prefill chunks, decode steps) from its trace when the engine traces (``trace_dir``), and the
+    process's garbage collections (``gc.callbacks``)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, trace_dir: Path | None = None) -> None:
         self.calls: list[tuple[int, float]] = []
-        self.profile = None
-        model = getattr(engine, "model", None)
-        if model is None:  # an engine without an in-process model: nothing to time
-            return
-        forward = model.forward
-
-        def timed_forward(batch, kv_cache):
-            profile = self.profile if batch.num_tokens > batch.num_seqs else None  # prompt steps only
-            start = time.perf_counter()
-            if profile is not None:
-                profile.enable()
-            try:
-                out = forward(batch, kv_cache)
-            finally:
-                if profile is not None:
-                    profile.disable()
-            self.calls.append((int(batch.num_tokens), round(1000 * (time.perf_counter() - start), 2)))
-            return out
-
-        model.forward = timed_forward
-        # host ms of each layer's mixer call (GDN or attention) of the prompt forwards: a slow forward's
-        # extra time spread over every layer (contention) or in a few (a blocking call)
-        self.layers: list[tuple[str, float]] = []
-        for name in ("_delta_net", "_full_attention"):
-            mixer = getattr(model, name, None)
-            if mixer is not None:
-                setattr(model, name, self._timed_mixer(name, mixer))
-        self.phases: list[tuple[str, float, float]] = []  # (engine method, start s, ms) of the engine thread
-        gc.callbacks.append(self._gc_phase)  # garbage collections show in the timeline as gc<generation>
+        self.trace_dir = trace_dir
+        self.collections: list[tuple[str, float, float]] = []  # (gc<generation>, start s, ms), wall clock
         self._gc_start = 0.0
-        for owner, name in ((engine, "_build_forward"), (engine, "_run_forward"), (engine, "_sample"),
-                            (engine, "_resolve"), (engine, "_copy_state_slots"),
-                            (getattr(engine, "scheduler", None), "schedule")):
-            method = getattr(owner, name, None)
-            if method is not None:
-                setattr(owner, name, self._timed_phase(name, method))
+        self.runner = getattr(engine, "runner", None)  # an in-process engine's (none: nothing to observe)
+        self._previous = getattr(self.runner, "observer", None)
+        if self.runner is not None and hasattr(self.runner, "observer"):
+            self.runner.observer = self._observe
+        gc.callbacks.append(self._gc_phase)
 
-    def _timed_mixer(self, name: str, mixer):
-        def timed_mixer(x, *args, **kwargs):
-            start = time.perf_counter()
-            out = mixer(x, *args, **kwargs)
-            if x.shape[0] > 1:
-                self.layers.append((name[1:4], round(1000 * (time.perf_counter() - start), 3)))
-            return out
-
-        return timed_mixer
+    def _observe(self, batch, graphed: bool, began: float, returned: float) -> None:
+        self.calls.append((int(batch.num_tokens), round(1000 * (returned - began), 2)))
+        if self._previous is not None:
+            self._previous(batch, graphed, began, returned)
 
     def _gc_phase(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_start = time.perf_counter()
+            self._gc_start = time.time()
         else:
-            self.phases.append((f"gc{info.get('generation')}", self._gc_start,
-                                1000 * (time.perf_counter() - self._gc_start)))
+            self.collections.append((f"gc{info.get('generation')}", self._gc_start,
+                                     1000 * (time.time() - self._gc_start)))
 
-    def _timed_phase(self, name: str, method):
-        def timed_method(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.phases.append((name, start, 1000 * (time.perf_counter() - start)))
+    def close(self) -> None:
+        """Give the runner back its observer and stop watching collections."""
+        if self.runner is not None and hasattr(self.runner, "observer"):
+            self.runner.observer = self._previous
+        if self._gc_phase in gc.callbacks:
+            gc.callbacks.remove(self._gc_phase)
 
-        return timed_method
+    def timeline(self, request_id: str, since: float, wait_s: float = 2.0) -> list[tuple[str, float, float]]:
+        """The request's engine spans (from its trace, when the engine traces) and the collections
+        since ``since`` (wall-clock s): (name, start ms after it, ms), in start order."""
+        spans = [(name, start, ms) for name, start, ms in self.collections if start >= since]
+        self.collections = []
+        if self.trace_dir is not None:
+            from openinfer.tracing import safe_file_stem
 
-    def timeline(self, since: float, limit: int = 40) -> list[tuple[str, float, float]]:
-        """The engine methods timed since ``since`` (perf_counter s): (name, start ms after it, ms)."""
-        phases, self.phases = self.phases, []
-        return sorted(((n, round(1000 * (t - since), 2), round(d, 2)) for n, t, d in phases if t >= since),
-                      key=lambda phase: phase[1])[:limit]
+            path = self.trace_dir / f"{safe_file_stem(request_id)}.engine.json"
+            deadline = time.time() + wait_s  # written by the tracer's background thread
+            while not path.exists() and time.time() < deadline:
+                time.sleep(0.01)
+            if path.exists():
+                events = json.loads(path.read_text())["traceEvents"]
+                spans += [(e["name"], e["ts"] / 1e6, e["dur"] / 1e3) for e in events if e.get("ph") == "X"]
+        return sorted(((n, round(1000 * (t - since), 2), round(d, 2)) for n, t, d in spans), key=lambda s: s[1])
 
     def before_first_token(self) -> list[tuple[int, float]]:
         """The calls since the last clear (one lone request's), its prompt steps and its first
@@ -689,7 +646,9 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
                      "env": {k: os.environ.get(k, "") for k in MULTI_TURN_SWITCHES}}
     start = time.perf_counter()
     max_model_len = max(args.history + args.new_turn + 64, BS1_PROMPT + BS1_NEW_TOKENS + 64)
-    engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64)
+    trace_dir = Path(tempfile.mkdtemp(prefix="gpu-qwen35-trace-")) if args.timeline else None
+    engine = openinfer.create_engine(path, device=args.device, max_model_len=max_model_len, max_num_seqs=64,
+                                     **({"trace_dir": str(trace_dir)} if trace_dir else {}))
     results["engine_start_s"] = time.perf_counter() - start
     try:
         if args.gc_freeze:  # as the serving engine-core process does after start-up
@@ -712,20 +671,20 @@ def run_multi_turn_only(path: Path, args: argparse.Namespace) -> dict:
         import threading
 
         results["threads"] = sorted(t.name for t in threading.enumerate())  # who shares the GIL with the engine
-        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats,
-                                           args.profile_rows)
+        results["multi_turn"] = multi_turn(engine, prompts, args.history, args.new_turn, args.repeats, trace_dir)
         print(f"multi-turn: {results['multi_turn']}", flush=True)
         # a lone cold prompt shorter than a few blocks: its steps (one, with in-step snapshots)
-        spy = ForwardSpy(engine)
+        spy = StepSpy(engine, trace_dir)
         results["short_prompt_ttft_ms"], results["short_prompt_last"] = {}, {}
         for length in SHORT_PROMPTS:
             results["short_prompt_ttft_ms"][length] = prefill_ttft(engine, prompts, length, max(3, args.repeats) - 1,
                                                                    "short")
             spy.calls.clear()
-            began = time.perf_counter()
+            began = time.time()
             ttft = 1000 * asyncio.run(timed(engine, make_request(f"short-last-{length}", prompts.tokens(length), 1)))[0]
             results["short_prompt_last"][length] = {"ttft_ms": round(ttft, 2), "forwards": spy.before_first_token(),
-                                                    "timeline": spy.timeline(began)}
+                                                    "timeline": spy.timeline(f"short-last-{length}", began)}
+        spy.close()
         print(f"short cold prompts TTFT ms: {results['short_prompt_ttft_ms']}", flush=True)
     finally:
         engine.close_sync()
@@ -1340,8 +1299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-turn", type=int, default=50, help="--multi-turn-only: new tokens of the turn")
     parser.add_argument("--quick", action="store_true", help="1k/4k prefill, 1/16 streams, 32 new tokens")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile-rows", type=int, default=0,
-                        help="--multi-turn-only: one more warm turn with its prompt forwards under cProfile (top N)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="--multi-turn-only: the engine traces (a temporary trace_dir) and each warm turn's engine "
+                             "spans (queue, prefill chunks, decode steps) go into the results")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="--multi-turn-only: freeze the start-up heap (gc.freeze) as `openinfer serve`'s engine core does")
     parser.add_argument("--tag", default="", help="--multi-turn-only: the results' name (default gpu_qwen35_multi_turn)")

@@ -59,6 +59,13 @@ chunk and key head, the triangular solve's block products on tensor cores; bf16 
 steps and variants. The decode
 column is ``OPENINFER_QWEN35_GDN_DECODE=vec4``, the default (``cuda_ops.DECODE_KERNELS``).
 
+A prefill step that snapshots a sequence's state at a block boundary inside its rows (the prefix
+cache, ``batch.state_snapshots``): with ``OPENINFER_QWEN35_SNAPSHOT_EMIT=1`` (opt-in) the cuda
+chunked path cuts that sequence's chunks at the boundary, ``gdn_chunk_states{,_registers}_snapshot``
+store the fp32 state entering the chunk there into the snapshot slot and ``gdn_conv_snapshot`` the
+conv window (``KernelPlan.writes_snapshots``); otherwise (and on numpy) the model runs each GDN
+layer in two parts around the boundary (``state.split_at_snapshots``).
+
 ``delta_net`` takes the fused projection ``[T, q|k|v|z|b|a]`` and returns the gated-normed
 ``[T, nv·dv]`` for ``out_proj``; NumPy lives in ``gated_deltanet``, CUDA in ``cuda_ops``
 (kernels in ``kernels/*.cu``). ``OPENINFER_QWEN35_GDN_KERNELS=recurrent`` runs the earlier

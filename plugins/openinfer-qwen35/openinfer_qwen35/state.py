@@ -18,8 +18,11 @@ Lifecycle of a request's slot:
   the snapshot taken at n tokens (a row copy of ``conv`` and ``ssm``) before its first chunk;
 - later chunks and decode steps read and update the same slot in place;
 - a prefix-cache snapshot at a block boundary inside a step's rows (``batch.state_snapshots``,
-  the spec's ``snapshot_within_step``): the GDN layers run the rows before the boundary, copy the
-  slot into the snapshot slot, then run the rest (``split_at_snapshots``) — in the one forward;
+  the spec's ``snapshot_within_step``; where: ``KVCacheManager.snapshot_within``'s policy): where
+  the plan's kernels can (``KernelPlan.writes_snapshots``: cuda, the chunked walk with
+  ``OPENINFER_QWEN35_SNAPSHOT_EMIT=1``) each GDN layer writes the state at the boundary into the
+  snapshot slot in its one run; otherwise it runs the rows before the boundary, copies the slot
+  into the snapshot slot, then runs the rest (``split_at_snapshots``) — in the one forward;
 - the engine frees the slot when it drops the request (finished, aborted, preempted).
 
 The full-attention layers keep their K/V in the paged block pool.
