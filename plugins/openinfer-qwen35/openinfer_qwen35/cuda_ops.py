@@ -130,7 +130,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_scan", "gdn_chunk_states", "gdn_chunk_states_registers",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
-           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_walk_split_f16"),
+           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
+                                    "gdn_chunk_walk_split_f16"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -205,14 +206,16 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # accuracy reference) instead of a one-row chunk each
                    "chunked_split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
                                                    "gdn_gated_norm_vec", True, "gdn_chunk_walk_split"),
-                   # chunked_split with the walk's operands as fp16 hi / lo (lo scaled by 2^11) parts
-                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
+                   # chunked_split with fp16 hi / lo operand parts (lo scaled by 2^11) instead of bf16 hi / mid / lo
+                   # and the solve's block products on tensor cores
+                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
                                                        "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
 FP32_THREADS = 256
 SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its own walk (gdn_chunk_walk_split)
+SPLIT_PREPARE_KERNELS = (SPLIT_PREPARE_KERNEL, "gdn_chunk_prepare_split_f16")  # bf16 / fp16 operand parts
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 # the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
 SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
@@ -898,14 +901,14 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
     # the same every layer of the step (the subset is always the step's chunked sequences)
     num_chunks, layout = _step_cached(seqs, "qwen35_chunk_layout" + ("" if subset is None else "_subset"), make_layout)
     starts, lengths, per_seq = layout[:num_chunks], layout[num_chunks : 2 * num_chunks], layout[2 * num_chunks :]
-    if prefill.prepare == SPLIT_PREPARE_KERNEL:  # the split-operand chain: its prepare and walk, fp32 arrays
+    if prefill.prepare in SPLIT_PREPARE_KERNELS:  # the split-operand chain: its prepare and walk, fp32 arrays
         walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
         prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
         w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
         p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
         cum32 = cupy.empty((num_tokens, nv), dtype=cupy.float32)
-        _launch(SPLIT_PREPARE_KERNEL, kernel(SPLIT_PREPARE_KERNEL, dk, prepare_bytes), (num_chunks, nv),
+        _launch(prefill.prepare, kernel(prefill.prepare, dk, prepare_bytes), (num_chunks, nv),
                 (SPLIT_THREADS,), (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts,
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)
