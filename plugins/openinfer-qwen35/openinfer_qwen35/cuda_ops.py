@@ -905,6 +905,7 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
         walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
         prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
+        # (the fp16-part prepare stores W and P pre-split: each float pair's 8 bytes hold its fp16 hi / lo pairs)
         w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
         p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
         cum32 = cupy.empty((num_tokens, nv), dtype=cupy.float32)

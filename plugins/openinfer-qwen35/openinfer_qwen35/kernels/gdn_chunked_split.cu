@@ -308,6 +308,13 @@ __device__ __forceinline__ void split_f16_pair(float x0, float x1, unsigned& hi,
     const float2 h = unpack_f16x2(hi);
     lo = pack_f16x2((x0 - h.x) * F16_LO_SCALE, (x1 - h.y) * F16_LO_SCALE);
 }
+// x0, x1's fp16 parts (hi, lo) in a float2's 8 bytes (bit patterns, not values): the prepare stores W and P so,
+// and the walk's blocks load them as split fragments
+__device__ __forceinline__ float2 f16_parts_as_float2(float x0, float x1) {
+    unsigned hi, lo;
+    split_f16_pair(x0, x1, hi, lo);
+    return make_float2(__int_as_float((int)hi), __int_as_float((int)lo));
+}
 
 // an A (16 x 16) by B (16 x 8) product of fp32 fragments on fp16 parts: hi*hi into acc, hi*lo + lo*hi into acc_lo
 __device__ __forceinline__ void mma_f16_split(float* acc, float* acc_lo, const float2* fa, const float2* fb) {
@@ -545,16 +552,23 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = row0 + acc_row(e), j = acc_col(nt, e);
-                float a = 0.f, pv = 0.f;
-                if (j <= i) {
-                    const float d = expf((float)(cum[i] - cum[j]));
-                    pv = rq[i] * rk[j] * qk[nt][e] * d;
-                    if (j < i) a = beta[i] * rk[i] * rk[j] * kk[nt][e] * d;
+            for (int e = 0; e < 4; e += 2) {
+                float pv[2];
+#pragma unroll
+                for (int odd = 0; odd < 2; ++odd) {
+                    const int i = row0 + acc_row(e), j = acc_col(nt, e + odd);
+                    float a = 0.f;
+                    pv[odd] = 0.f;
+                    if (j <= i) {
+                        const float d = expf((float)(cum[i] - cum[j]));
+                        pv[odd] = rq[i] * rk[j] * qk[nt][e + odd] * d;
+                        if (j < i) a = beta[i] * rk[i] * rk[j] * kk[nt][e + odd] * d;
+                    }
+                    amat[i * SPLIT_LDF + j] = a;
                 }
-                amat[i * SPLIT_LDF + j] = a;
-                p[i * SPLIT_CHUNK + j] = pv;
+                // F16: P's pair as its fp16 parts (hi, lo) in the pair's 8 bytes, split once for the walk's tiles
+                *reinterpret_cast<float2*>(p + (row0 + acc_row(e)) * SPLIT_CHUNK + acc_col(nt, e)) =
+                    F16 ? f16_parts_as_float2(pv[0], pv[1]) : make_float2(pv[0], pv[1]);
             }
     }
     __syncthreads();
@@ -565,7 +579,9 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     SPLIT_PHASE(5);  // T = (I + A)^-1
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
-    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride) {
+    // (presplit, F16 only: each pair of dst as its fp16 parts, f16_parts_as_float2)
+    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride,
+                       bool presplit) {
         for (int n0 = 0; n0 < width; n0 += 64) {  // 8 n-tiles at a time (64 accumulators)
             float acc[8][4] = {}, acc_lo[8][4] = {};  // (acc_lo: F16's lo products)
             for (int k0 = 0; k0 <= row0; k0 += 16) {
@@ -604,14 +620,16 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
                     const int i = row0 + acc_row(e);
                     if (i < n && n0 + nt * 8 < width)
                         *reinterpret_cast<float2*>(dst + (size_t)(t0 + i) * dst_stride + n0 + acc_col(nt, e)) =
-                            make_float2(acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e],
-                                        acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1]);
+                            presplit ? f16_parts_as_float2(acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e],
+                                                           acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1])
+                                     : make_float2(acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e],
+                                                   acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1]);
                 }
         }
     };
-    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim);
+    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
     SPLIT_PHASE(6);  // U (tensor cores) stored
-    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
+    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK, F16);
     SPLIT_PHASE(7);  // W (tensor cores) stored
     SPLIT_PHASES_DONE();
 }
@@ -954,10 +972,10 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
             float acc[4][4] = {}, acc_lo[4][4] = {}, inter_lo[4][4] = {};
 #pragma unroll
             for (int k0 = 0; k0 < DK; k0 += 16) {
-                const float2* f = wf[k0 / 16];
+                const float2* f = wf[k0 / 16];  // split by the prepare: (hi, lo) bits
                 unsigned whi[4], wlo[4], a[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) split_f16_pair(f[e].x, f[e].y, whi[e], wlo[e]);
+                for (int e = 0; e < 4; ++e) whi[e] = __float_as_uint(f[e].x), wlo[e] = __float_as_uint(f[e].y);
                 load_a_raw(a, qh + row0 * SPLIT_LDH + k0, SPLIT_LDH);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
@@ -995,7 +1013,8 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
                 if (k0 > row0) break;
                 unsigned ahi[4], alo[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) split_f16_pair(pf[k0 / 16][e].x, pf[k0 / 16][e].y, ahi[e], alo[e]);
+                for (int e = 0; e < 4; ++e)  // split by the prepare
+                    ahi[e] = __float_as_uint(pf[k0 / 16][e].x), alo[e] = __float_as_uint(pf[k0 / 16][e].y);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     float2 fb[2];
