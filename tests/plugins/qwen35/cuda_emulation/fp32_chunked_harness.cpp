@@ -85,6 +85,15 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_f16_core.bin", split_f16_core);
     save(dir, "split_f16_ssm_state.bin", split_f16_ssm);
+    auto split_f16_x3_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> split_f16_x3_core(core.size());
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16_x3(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                    chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
+                                    fresh.data(), split_f16_x3_ssm.data(), split_f16_x3_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_f16_x3_core.bin", split_f16_x3_core);
+    save(dir, "split_f16_x3_ssm_state.bin", split_f16_x3_ssm);
     auto base_ssm = load<float>(dir, "ssm_state.bin");
     std::vector<bf16> base_core(core.size());
     const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
