@@ -405,13 +405,14 @@ def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
 
 def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_split") -> tuple[int, int]:
     """gdn_chunk_prepare_split's and ``walk``'s (of SPLIT_WALK_KERNELS) dynamic shared memory (their carves, in
-    order): 75 / 82 KB at the 4B shape (the fp16 walk's two state planes instead of three: 73 KB)."""
+    order): 75 / 82 KB at the 4B shape (the fp16 walks': 71 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
-    planes = 2 if walk.startswith("gdn_chunk_walk_split_f16") else 3
+    fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
-                  + 2 * (planes * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
+                  + 2 * ((2 if fp16_parts else 3) * SPLIT_WALK_TILE * row_h + chunk * row_h
+                         + (chunk * row_h if fp16_parts else dk * row_c)))
     return prepare, walk_bytes
 
 

@@ -308,6 +308,42 @@ __device__ __forceinline__ void split_f16_pair(float x0, float x1, unsigned& hi,
     const float2 h = unpack_f16x2(hi);
     lo = pack_f16x2((x0 - h.x) * F16_LO_SCALE, (x1 - h.y) * F16_LO_SCALE);
 }
+// a packed bf16 pair as a packed fp16 pair (exact within fp16's range)
+__device__ __forceinline__ unsigned f16x2_from_bf16x2(unsigned packed) {
+    return pack_f16x2(__int_as_float((int)(packed << 16)), __int_as_float((int)(packed & 0xFFFF0000u)));
+}
+// An A fragment of raw bf16 rows (load_a_raw) as fp16 operands
+__device__ __forceinline__ void load_a_raw_as_f16(unsigned* a, const bf16* base, int ld) {
+    load_a_raw(a, base, ld);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = f16x2_from_bf16x2(a[e]);
+}
+// The B fragment 16(k) x 8(n) of row-major [k][n] raw bf16 rows (16-byte aligned rows) as fp16 operands
+__device__ __forceinline__ void load_b_rows_as_f16(unsigned* b, const bf16* base, int ld) {
+#ifdef MMA_HOST_STANDIN
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = pack_f16x2(to_f(base[(2 * q) * ld + g]), to_f(base[(2 * q + 1) * ld + g]));
+    b[1] = pack_f16x2(to_f(base[(2 * q + 8) * ld + g]), to_f(base[(2 * q + 9) * ld + g]));
+#else
+    ldmatrix_x2_trans(b[0], b[1], base + (threadIdx.x & 15) * ld);
+    b[0] = f16x2_from_bf16x2(b[0]);
+    b[1] = f16x2_from_bf16x2(b[1]);
+#endif
+}
+// 16 bytes global -> shared without registers (zeros when !valid), and the wait for a thread's copies
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 16);
+    else std::memset(smem, 0, 16);
+}
+__device__ __forceinline__ void copies16_wait() {}
+#else
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    cp_async16(reinterpret_cast<bf16*>(smem), reinterpret_cast<const bf16*>(gmem), valid);
+}
+__device__ __forceinline__ void copies16_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#endif
+
 // x0, x1's fp16 parts (hi, lo) in a float2's 8 bytes (bit patterns, not values): the prepare stores W and P so,
 // and the walk's blocks load them as split fragments
 __device__ __forceinline__ float2 f16_parts_as_float2(float x0, float x1) {
@@ -883,7 +919,10 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
 }
 
 // gdn_chunk_walk_split's grid, block, arguments and phases; shared memory: V'^T, U, the scales and c as there,
-// then 2 x [32][SPLIT_LDH] S^T as fp16 hi, lo, [64][SPLIT_LDH] q rows and [DK][SPLIT_LDCH] k^T as fp16.
+// then 2 x [32][SPLIT_LDH] S^T as fp16 hi, lo and the raw bf16 q and k rows ([64][SPLIT_LDH] each). A chunk's
+// global reads go out at once (q / k rows and U by cp.async, c and the norms by the first 64 threads): one round
+// trip (its staging was ~half the walk's time with three; H200, D1 2026-11-24); q / k become fp16 operands as
+// their fragments load (the update's k^T fragments by ldmatrix.trans from the rows).
 // LATE_LOADS (gdn_chunk_walk_split_f16_x3): W's and P's fragments loaded where they are used, not ahead of the
 // chunk's shared tiles (64 + 32 registers fewer): 3 blocks an SM (168 registers) instead of 2.
 #define SPLIT_WALK_PARAMS                                                                                           \
@@ -908,8 +947,8 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
     float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
     unsigned short* planes = reinterpret_cast<unsigned short*>(cum + SPLIT_CHUNK);  // 2 x [32][SPLIT_LDH]
-    unsigned short* qh = planes + 2 * PLANE;               // [64][SPLIT_LDH] q rows (fp16)
-    unsigned short* kth = qh + SPLIT_CHUNK * SPLIT_LDH;    // [DK][SPLIT_LDCH] k^T (fp16)
+    bf16* qraw = reinterpret_cast<bf16*>(planes + 2 * PLANE);  // [64][SPLIT_LDH] raw q rows
+    bf16* kraw = qraw + SPLIT_CHUNK * SPLIT_LDH;           // [64][SPLIT_LDH] raw k rows
 
     SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
@@ -936,21 +975,19 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         }
         __syncthreads();  // the last chunk's readers are done, its state planes written
-        load_qk_rows(conv_out + (size_t)t0 * conv_dim + key_head * DK, conv_dim, key_dim, n,
-                     [&](int r, int i, const Bf16x8& q8, const Bf16x8& k8) {
-                         F16x8 q16;
-#pragma unroll
-                         for (int m = 0; m < 8; ++m) {
-                             q16.x[m] = f16_from_bf16(q8.x[m]);
-                             kth[(i + m) * SPLIT_LDCH + r] = f16_from_bf16(k8.x[m]);
-                         }
-                         *reinterpret_cast<F16x8*>(qh + r * SPLIT_LDH + i) = q16;
-                     });
-        for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {  // U (rows past n: 0)
-            const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
-            float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < n) u4 = *reinterpret_cast<const float4*>(u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j);
-            *reinterpret_cast<float4*>(us + r * SPLIT_LDU + j) = u4;
+        {  // q / k rows and U (rows past n: zeros) by cp.async, all issued before any wait
+            const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
+            for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+                const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+                const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
+                copy16_async(qraw + r * SPLIT_LDH + i, row, r < n);
+                copy16_async(kraw + r * SPLIT_LDH + i, row + key_dim, r < n);
+            }
+            for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {
+                const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
+                copy16_async(us + r * SPLIT_LDU + j,
+                             u_in + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j0 + j, r < n);
+            }
         }
         float q_norm = 0.f, k_norm = 0.f;  // row threadIdx.x's (rows past the chunk: 0)
         if (threadIdx.x < SPLIT_CHUNK) {
@@ -962,6 +999,7 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 k_norm = nq[1];
             }
         }
+        copies16_wait();
         __syncthreads();
         if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier)
             const int r = threadIdx.x;
@@ -982,7 +1020,7 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
                 unsigned whi[4], wlo[4], a[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) whi[e] = __float_as_uint(f[e].x), wlo[e] = __float_as_uint(f[e].y);
-                load_a_raw(a, qh + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+                load_a_raw_as_f16(a, qraw + row0 * SPLIT_LDH + k0, SPLIT_LDH);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     unsigned bhi[2], blo[2];
@@ -1071,7 +1109,7 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
 #pragma unroll
                 for (int nt = 0; nt < STATE_NT; ++nt) {
                     unsigned b[2];
-                    load_b_raw(b, kth + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                    load_b_rows_as_f16(b, kraw + k0 * SPLIT_LDH + scol + nt * 8, SPLIT_LDH);
                     mma_f16_16816(sacc[nt], hi, b[0], b[1]);
                     MMA_F16_PART(update_lo[nt], lo, b[0], b[1]);
                 }
