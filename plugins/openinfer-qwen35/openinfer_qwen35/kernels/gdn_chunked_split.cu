@@ -483,9 +483,18 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
     double* cum = reinterpret_cast<double*>(beta_decay + SPLIT_CHUNK);  // [64]
 
+    // the gates' inputs (a row a thread) loaded first: in flight with the rows'
+    const bool gate_row = threadIdx.x < SPLIT_CHUNK && (int)threadIdx.x < n;
+    bf16 gate_b = __float2bfloat16_rn(0.f), gate_a = gate_b;
+    if (gate_row) {
+        const bf16* row = proj + (size_t)(t0 + threadIdx.x) * proj_stride + conv_dim + value_dim + h;
+        gate_b = row[0];
+        gate_a = row[num_value_heads];
+    }
     // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
     {
-        constexpr int V_BATCH = 4;  // v vectors a thread issues together (dv / 16 in all)
+        // v vectors a thread issues together (dv / 16 in all; F16: dv / 8, one batch up to dv = 128)
+        constexpr int V_BATCH = F16 ? 8 : 4;
         Bf16x8 v8[V_BATCH];
         const int v_total = SPLIT_CHUNK * (dv / 8);
         const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
@@ -520,13 +529,12 @@ __device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_P
             }
         }
     }
-    if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread (the loads in parallel)
+    if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread
         const int r = threadIdx.x;
         float b = 0.f, lg = 0.f;
-        if (r < n) {
-            const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h;
-            b = gdn_beta(to_f(row[0]));
-            lg = gdn_log_decay(to_f(row[num_value_heads]), neg_decay_rate[h], dt_bias[h]);
+        if (gate_row) {
+            b = gdn_beta(to_f(gate_b));
+            lg = gdn_log_decay(to_f(gate_a), neg_decay_rate[h], dt_bias[h]);
         }
         beta[r] = b;
         cum[r] = (double)lg;
