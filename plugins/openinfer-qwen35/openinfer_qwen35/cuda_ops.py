@@ -131,7 +131,8 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
            "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
-                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3"),
+                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
+                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}

@@ -942,8 +942,12 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
 #define SPLIT_WALK_ARGS                                                                                            \
     conv_out, norms, w_in, u_in, p_in, cum_in, chunk_start, chunk_len, seq_chunks, slots, fresh, ssm_state, core, \
         num_key_heads, num_value_heads, dv
-template <bool LATE_LOADS>
-__device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_WALK_PARAMS) {
+// SNAPSHOT (the _snapshot entries, for an in-step prefix snapshot): S entering layout chunk snapshot_chunk[s]
+// (-1: none; the sequence's end: its final state) also stored into slot snapshot_slot[s] (fp32, the slot layout).
+template <bool LATE_LOADS, bool SNAPSHOT>
+__device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_WALK_PARAMS,
+                                                     const int* __restrict__ snapshot_chunk,
+                                                     const int* __restrict__ snapshot_slot) {
     const int j0 = blockIdx.x * SPLIT_TILE, s = blockIdx.y, h = blockIdx.z;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
@@ -969,7 +973,16 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
             sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
     store_state_planes_f16(sacc, planes);
     SPLIT_PHASE(1);  // the state loaded, its planes
+    const int snapshot_at = SNAPSHOT ? snapshot_chunk[s] : -1;
+    auto store_state = [&](float* to) {
+#pragma unroll
+        for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) to[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    };
+    auto store_snapshot = [&]() { store_state(ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv); };
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
+        if (SNAPSHOT && c == snapshot_at) store_snapshot();
         const int t0 = chunk_start[c], n = chunk_len[c];
         const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
         const size_t w_stride = (size_t)num_value_heads * DK;
@@ -1130,20 +1143,32 @@ __device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_
         }
         SPLIT_PHASE(5);  // the state update (tensor cores), its planes
     }
-#pragma unroll
-    for (int nt = 0; nt < STATE_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    if (SNAPSHOT && snapshot_at == seq_chunks[s + 1]) store_snapshot();
+    store_state(state);
     SPLIT_PHASE(6);  // the state stored
     SPLIT_PHASES_DONE();
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split_f16(SPLIT_WALK_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<false>(smem, SPLIT_WALK_ARGS);
+    chunk_walk_split_f16<false, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3) gdn_chunk_walk_split_f16_x3(SPLIT_WALK_PARAMS) {
     GDN_DYNAMIC_SHARED(smem);
-    chunk_walk_split_f16<true>(smem, SPLIT_WALK_ARGS);
+    chunk_walk_split_f16<true, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_walk_split_f16_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
+                                  const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<false, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3)
+gdn_chunk_walk_split_f16_x3_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
+                                     const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<true, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
 }

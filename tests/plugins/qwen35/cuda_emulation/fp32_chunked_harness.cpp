@@ -94,6 +94,29 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_f16_x3_core.bin", split_f16_x3_core);
     save(dir, "split_f16_x3_ssm_state.bin", split_f16_x3_ssm);
+    // the snapshot entry: S entering sequence 0's third chunk also into slot 1 (else untouched); then sequence 0's
+    // first two chunks walked alone into slot 1 of another copy: the same state
+    auto snapshot_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> snapshot_core(core.size());
+    std::vector<int> snapshot_chunk = {seq_chunks[0] + 2, -1}, snapshot_slot = {1, 0};
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16_snapshot(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                          chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
+                                          fresh.data(), snapshot_ssm.data(), snapshot_core.data(), nk, nv, dv,
+                                          snapshot_chunk.data(), snapshot_slot.data());
+    });
+    save(dir, "split_f16_snapshot_core.bin", snapshot_core);
+    save(dir, "split_f16_snapshot_ssm_state.bin", snapshot_ssm);
+    auto prefix_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> prefix_core(core.size());
+    std::vector<int> prefix_seq_chunks = {seq_chunks[0], seq_chunks[0] + 2}, prefix_slots = {1},
+                     prefix_fresh = {fresh[0]};
+    launch(dv / SPLIT_TILE, 1, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                 chunk_start.data(), chunk_len.data(), prefix_seq_chunks.data(), prefix_slots.data(),
+                                 prefix_fresh.data(), prefix_ssm.data(), prefix_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_f16_prefix_ssm_state.bin", prefix_ssm);
     auto base_ssm = load<float>(dir, "ssm_state.bin");
     std::vector<bf16> base_core(core.size());
     const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
