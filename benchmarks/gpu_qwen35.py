@@ -155,7 +155,8 @@ PREFILL_ENV = "OPENINFER_QWEN35_GDN_PREFILL"  # openinfer_qwen35.cuda_ops: the c
 PREFILL_VARIANTS = {name: {PREFILL_ENV: name}
                     for name in ("plain", "split_rows", "blocked", "registers", "fused", "grouped", "grouped_mma",
                                  "grouped_conv", "grouped_out", "grouped_staged", "grouped_coalesced",
-                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16")}
+                                 "grouped_f16", "chunked_fp32", "chunked_split", "chunked_split_f16",
+                                 "chunked_split_f16_x3")}
 # the token-by-token kernels for every step (issue #17: the accuracy reference of the chunked prefill; what
 # prefill costs at its accuracy)
 PREFILL_VARIANTS["recurrent"] = {KERNELS_ENV: "recurrent"}
@@ -952,12 +953,16 @@ SPLIT_PHASES = {"gdn_chunk_prepare_split": ("raw q / k / v staged, gates", "cumu
                 "gdn_chunk_walk_split": ("state loaded, planes", "chunk operands staged (W / P fragments, q / k^T / U)",
                                          "V' = U - W S and Q S (tensor cores)", "P V' (tensor cores), O stored",
                                          "state update (tensor cores), planes", "state stored")}
+SPLIT_PHASES["gdn_chunk_prepare_split_f16"] = SPLIT_PHASES["gdn_chunk_prepare_split"]
 SPLIT_PHASES["gdn_chunk_walk_split_f16"] = SPLIT_PHASES["gdn_chunk_walk_split"]
-SPLIT_PHASE_WALKS = {"chunked_split": "gdn_chunk_walk_split", "chunked_split_f16": "gdn_chunk_walk_split_f16"}
+SPLIT_PHASES["gdn_chunk_walk_split_f16_x3"] = SPLIT_PHASES["gdn_chunk_walk_split"]
+SPLIT_CHAINS = {"chunked_split": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split"),  # (prepare, walk)
+                "chunked_split_f16": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16"),
+                "chunked_split_f16_x3": ("gdn_chunk_prepare_split_f16", "gdn_chunk_walk_split_f16_x3")}
 
 
-def split_phase_cycles(prompts: int = 8, length: int = 1024, walk_name: str = "gdn_chunk_walk_split") -> dict:
-    """Where a block of the split-operand chain (gdn_chunked_split.cu: its prepare and ``walk_name``) spends its time,
+def split_phase_cycles(prompts: int = 8, length: int = 1024, chain: str = "chunked_split") -> dict:
+    """Where a block of a split-operand chain (gdn_chunked_split.cu: SPLIT_CHAINS[chain]) spends its time,
     ``prompts`` x ``length`` fresh tokens at the 4B shape: both kernels built with GDN_PHASE_CLOCKS (lane 0 of
     each block's last warp adds each phase's SM clock cycles to a device counter; a walk's phases summed over
     its chunks), each launched once on random inputs after a warm launch; mean cycles a block per phase, and µs
@@ -975,8 +980,9 @@ def split_phase_cycles(prompts: int = 8, length: int = 1024, walk_name: str = "g
     module = cupy.RawModule(code=(cuda_ops.KERNEL_DIR / "gdn_chunked_split.cu").read_text(),
                             options=("-std=c++17", *kernel_include_options(cuda_ops.KERNEL_DIR), f"-DDK={dk}",
                                      f"-DSPLIT={cuda_ops.SPLIT}", "-DGDN_PHASE_CLOCKS"))
+    prepare_name, walk_name = SPLIT_CHAINS[chain]
     prepare_bytes, walk_bytes = cuda_ops.chunked_split_shared_bytes(dk, dv, walk_name)
-    prepare, walk = module.get_function("gdn_chunk_prepare_split"), module.get_function(walk_name)
+    prepare, walk = module.get_function(prepare_name), module.get_function(walk_name)
     prepare.max_dynamic_shared_size_bytes, walk.max_dynamic_shared_size_bytes = prepare_bytes, walk_bytes
     tokens = prompts * length
     starts, lengths, per_seq = (cupy.asarray(a.astype(np.int32)) for a in chunk_layout(np.arange(prompts + 1) * length))
@@ -988,7 +994,7 @@ def split_phase_cycles(prompts: int = 8, length: int = 1024, walk_name: str = "g
     slots, fresh = cupy.arange(prompts, dtype=cupy.int32), cupy.ones(prompts, dtype=cupy.int32)
     ssm_state = cupy.zeros((prompts, nv, dk, dv), cupy.float32)
     core = cupy.empty((tokens, nv * dv), cupy.uint16)
-    launches = {"gdn_chunk_prepare_split": (prepare, (num_chunks, nv), prepare_bytes,
+    launches = {prepare_name: (prepare, (num_chunks, nv), prepare_bytes,
                                             (conv_out, proj, np.int32(proj.shape[1]), weights.neg_decay_rate,
                                              weights.dt_bias, starts, lengths, norms, w32, u32, p32, cum32,
                                              np.int32(nk), np.int32(nv), np.int32(dv))),
@@ -1040,10 +1046,10 @@ def run_gdn_prefill_only(args: argparse.Namespace) -> dict:
     print(json.dumps(results["total_speedup"]), flush=True)
     write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)
     for variant in variants:
-        if variant not in SPLIT_PHASE_WALKS:
+        if variant not in SPLIT_CHAINS:
             continue
         for prompts, length in ((8, 1024), (1, 1024)):
-            phases = split_phase_cycles(prompts, length, SPLIT_PHASE_WALKS[variant])
+            phases = split_phase_cycles(prompts, length, variant)
             results.setdefault("split_phases", {}).setdefault(variant, {})[f"{prompts}x{length}"] = phases
             print(f"split phases {variant} {prompts}x{length}: {json.dumps(phases)}", flush=True)
         write_results(results, "gpu_qwen35_gdn_prefill", plot_gdn_prefill)

@@ -132,7 +132,9 @@ SOURCES = {"gated_deltanet.cu": ("gdn_conv1d", "gdn_conv1d_vec", "gdn_conv1d_vec
                               "gdn_chunk_states_snapshot", "gdn_chunk_states_registers_snapshot",
                               "gdn_chunk_output", "gdn_chunk_output_norm", "gdn_chunk_output_staged"),
            "gdn_chunked_fp32.cu": ("gdn_chunk_prepare_fp32", "gdn_chunk_walk_fp32"),
-           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_walk_split_f16"),
+           "gdn_chunked_split.cu": ("gdn_chunk_prepare_split", "gdn_chunk_walk_split", "gdn_chunk_prepare_split_f16",
+                                    "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3",
+                                    "gdn_chunk_walk_split_f16_snapshot", "gdn_chunk_walk_split_f16_x3_snapshot"),
            "gdn_decode.cu": ("gdn_decode_step", "gdn_decode_step_early_loads", "gdn_decode_step_coalesced",
                              "gdn_decode_step_vec4", "gdn_decode_step_bulk")}
 SOURCE_OF = {name: source for source, names in SOURCES.items() for name in names}
@@ -207,17 +209,22 @@ PREFILL_KERNELS = {"plain": PrefillKernels("gdn_conv1d", "gdn_chunk_prepare", Fa
                    # accuracy reference) instead of a one-row chunk each
                    "chunked_split": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
                                                    "gdn_gated_norm_vec", True, "gdn_chunk_walk_split"),
-                   # chunked_split with the walk's operands as fp16 hi / lo (lo scaled by 2^11) parts
-                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split", False,
-                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16")}
+                   # chunked_split with fp16 hi / lo operand parts (lo scaled by 2^11) instead of bf16 hi / mid / lo
+                   # and the solve's block products on tensor cores
+                   "chunked_split_f16": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
+                                                       "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16"),
+                   # chunked_split_f16 with W's and P's fragments loaded in the walk where used: 3 blocks an SM
+                   "chunked_split_f16_x3": PrefillKernels("gdn_conv1d_vec", "gdn_chunk_prepare_split_f16", False,
+                                                          "gdn_gated_norm_vec", True, "gdn_chunk_walk_split_f16_x3")}
 FP32_PREPARE_KERNEL = "gdn_chunk_prepare_fp32"  # gdn_chunked_fp32.cu: its own walk (gdn_chunk_walk_fp32)
 FP32_CHUNKED_MAX_KEY_HEAD_DIM = 128  # its walk's shared q / k / W tiles [64][DK + 1] fp32 (and S, P, U) fit 227 KiB
 FP32_WALK_TILE = 32  # value channels a gdn_chunk_walk_fp32 block
 FP32_THREADS = 256
 SPLIT_PREPARE_KERNEL = "gdn_chunk_prepare_split"  # gdn_chunked_split.cu: its own walk (gdn_chunk_walk_split)
+SPLIT_PREPARE_KERNELS = (SPLIT_PREPARE_KERNEL, "gdn_chunk_prepare_split_f16")  # bf16 / fp16 operand parts
 SPLIT_WALK_TILE = 32  # value channels a gdn_chunk_walk_split block
 # the split chain's walks (PrefillKernels.states): bf16 hi / mid / lo operand parts, or fp16 hi / lo
-SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16")
+SPLIT_WALK_KERNELS = ("gdn_chunk_walk_split", "gdn_chunk_walk_split_f16", "gdn_chunk_walk_split_f16_x3")
 SPLIT_THREADS = 128
 # the kernels of gdn_chunked.cu whose operands follow GDN_F16_OPERANDS (the others assume bf16 ones)
 F16_OPERAND_KERNELS = frozenset({"gdn_chunk_prepare_grouped_mma", "gdn_chunk_states", "gdn_chunk_states_registers",
@@ -423,13 +430,14 @@ def chunked_fp32_shared_bytes(dk: int, dv: int) -> tuple[int, int]:
 
 def chunked_split_shared_bytes(dk: int, dv: int, walk: str = "gdn_chunk_walk_split") -> tuple[int, int]:
     """gdn_chunk_prepare_split's and ``walk``'s (of SPLIT_WALK_KERNELS) dynamic shared memory (their carves, in
-    order): 75 / 82 KB at the 4B shape (the fp16 walk's two state planes instead of three: 73 KB)."""
+    order): 75 / 82 KB at the 4B shape (the fp16 walks': 71 KB)."""
     chunk, row_h, row_c = CHUNK_SIZE, dk + 8, CHUNK_SIZE + 8
     rows_then_solve = max(2 * 2 * chunk * row_h, 4 * 2 * chunk * row_c)  # q / k rows, then A and T in their place
     prepare = rows_then_solve + 2 * (dk * row_c + dv * row_c) + 4 * 4 * chunk + 8 * chunk
-    planes = 2 if walk == "gdn_chunk_walk_split_f16" else 3
+    fp16_parts = walk.startswith("gdn_chunk_walk_split_f16")  # two state planes; q and k as rows
     walk_bytes = (4 * (SPLIT_WALK_TILE * row_c + chunk * (SPLIT_WALK_TILE + 8) + 3 * chunk)
-                  + 2 * (planes * SPLIT_WALK_TILE * row_h + chunk * row_h + dk * row_c))
+                  + 2 * ((2 if fp16_parts else 3) * SPLIT_WALK_TILE * row_h + chunk * row_h
+                         + (chunk * row_h if fp16_parts else dk * row_c)))
     return prepare, walk_bytes
 
 
@@ -596,8 +604,8 @@ def start_up_kernels(config: Qwen35Config) -> list[tuple[str, int, int, bool]]:
             found.append((name, dk, conv_width, f16 and name in F16_OPERAND_KERNELS))
         if chosen.prepare == FP32_PREPARE_KERNEL:  # their own sources
             found.append(("gdn_chunk_walk_fp32", dk, 0, False))
-        if chosen.prepare == SPLIT_PREPARE_KERNEL:
-            found.append(("gdn_chunk_walk_split", dk, 0, False))
+        if chosen.prepare in SPLIT_PREPARE_KERNELS and chosen.states not in SPLIT_WALK_KERNELS:
+            found.append((SPLIT_WALK_KERNELS[0], dk, 0, False))
     if fused_decode_supported(config):
         chosen_decode = decode_kernel(config)
         found += [(name, dk, width, False) for name in DECODE_KERNELS.values()
@@ -630,15 +638,17 @@ def warm_up(config: Qwen35Config) -> None:
                 kernel("gdn_chunk_states_registers" + suffix, dk, chunk_states_registers_shared_bytes(dk, dv))
         kernel("gdn_chunk_output", dk, chunk_output_shared_bytes(dk))
         kernel("gdn_chunk_output_norm", dk, chunk_output_shared_bytes(dk))
-        prepare = prefill_kernels(config, 8).prepare
+        chosen_prefill = prefill_kernels(config, 8)
+        prepare = chosen_prefill.prepare
         if prepare == FP32_PREPARE_KERNEL and dk <= FP32_CHUNKED_MAX_KEY_HEAD_DIM:
             prepare_bytes, walk_bytes = chunked_fp32_shared_bytes(dk, dv)
             kernel(FP32_PREPARE_KERNEL, dk, prepare_bytes)
             kernel("gdn_chunk_walk_fp32", dk, walk_bytes)
-        if prepare == SPLIT_PREPARE_KERNEL:
-            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv)
-            kernel(SPLIT_PREPARE_KERNEL, dk, prepare_bytes)
-            kernel("gdn_chunk_walk_split", dk, walk_bytes)
+        if prepare in SPLIT_PREPARE_KERNELS:
+            walk = chosen_prefill.states if chosen_prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
+            prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
+            kernel(prepare, dk, prepare_bytes)
+            kernel(walk, dk, walk_bytes)
     if fused_decode_supported(config):
         chosen = decode_kernel(config)
         for name in DECODE_KERNELS.values():
@@ -788,7 +798,7 @@ def writes_snapshots(seqs: StepSequences, config: Qwen35Config) -> bool:
 
 def _walk_stores_snapshots(prefill: PrefillKernels) -> bool:
     """Whether ``prefill``'s chunk walk has a *_snapshot entry point (the split scan's walks)."""
-    return prefill.split_scan and prefill.prepare not in (FP32_PREPARE_KERNEL, SPLIT_PREPARE_KERNEL)
+    return prefill.split_scan and prefill.prepare not in (FP32_PREPARE_KERNEL, *SPLIT_PREPARE_KERNELS)
 
 
 def _snapshot_walk_arrays(seqs: StepSequences, walk_seq_ids: np.ndarray | None,
@@ -1044,14 +1054,15 @@ def _chunked_delta_rule(proj: cupy.ndarray, conv_out: cupy.ndarray, w: DeltaNetW
                                                   layout[2 * num_chunks + 2 * num_seqs + 1 :])
     if snapshots is not None and not _walk_stores_snapshots(prefill):
         raise ValueError(f"the {prefill.prepare} chain's walk does not store in-step snapshots")
-    if prefill.prepare == SPLIT_PREPARE_KERNEL:  # the split-operand chain: its prepare and walk, fp32 arrays
+    if prefill.prepare in SPLIT_PREPARE_KERNELS:  # the split-operand chain: its prepare and walk, fp32 arrays
         walk = prefill.states if prefill.states in SPLIT_WALK_KERNELS else SPLIT_WALK_KERNELS[0]
         prepare_bytes, walk_bytes = chunked_split_shared_bytes(dk, dv, walk)
         norms = cupy.empty((num_tokens, nk, 2), dtype=cupy.float32)
+        # (the fp16-part prepare stores W and P pre-split: each float pair's 8 bytes hold its fp16 hi / lo pairs)
         w32, u32 = cupy.empty((num_tokens, nv, dk), dtype=cupy.float32), cupy.empty((num_tokens, nv, dv), cupy.float32)
         p32 = cupy.empty((num_chunks, nv, CHUNK_SIZE, CHUNK_SIZE), dtype=cupy.float32)
         cum32 = cupy.empty((num_tokens, nv), dtype=cupy.float32)
-        _launch(SPLIT_PREPARE_KERNEL, kernel(SPLIT_PREPARE_KERNEL, dk, prepare_bytes), (num_chunks, nv),
+        _launch(prefill.prepare, kernel(prefill.prepare, dk, prepare_bytes), (num_chunks, nv),
                 (SPLIT_THREADS,), (conv_out, proj, np.int32(proj.shape[1]), w.neg_decay_rate, w.dt_bias, starts,
                                    lengths, norms, w32, u32, p32, cum32, np.int32(nk), np.int32(nv), np.int32(dv)),
                 shared_mem=prepare_bytes)

@@ -94,6 +94,21 @@ def split_product(a_parts: int, b_parts: int, terms: tuple[tuple[int, int], ...]
     return product
 
 
+def fp16_scaled_parts(x: np.ndarray) -> list[np.ndarray]:
+    """x as fp16 hi + lo, lo the remainder x 2^11 rounded to fp16 and scaled back (gdn_chunked_split.cu's fp16 parts)."""
+    hi = fp16(x)
+    return [hi, fp16((exact(x) - hi) * LO_SCALE) / LO_SCALE]
+
+
+def fp16_split_product(terms: tuple[tuple[int, int], ...] = ((0, 0), (0, 1), (1, 0))) -> Product:
+    """A @ B on fp16 parts (fp16_scaled_parts), the sum of part products (i, j) in ``terms`` (by default
+    hi*hi, hi*lo, lo*hi: the 3 mmas of chunked_split_f16's split x split products)."""
+    def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        pa, pb = fp16_scaled_parts(a), fp16_scaled_parts(b)
+        return sum(pa[i] @ pb[j] for i, j in terms)
+    return product
+
+
 def everywhere(rounding: Rounding, **overrides: Rounding) -> dict[str, Rounding]:
     """``rounding`` at every point, ``overrides`` (point=function) where given."""
     unknown = set(overrides) - set(ROUNDING_POINTS)

@@ -49,6 +49,13 @@ CHOICES = {
         "Vd": model.bf16_hi_mid_lo,
         "WS": model.split_product(2, 3, ((0, 0), (0, 1), (1, 0))),
         "PV": model.split_product(3, 3, ((0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (1, 1)))},
+    # chunked_split_f16 (gdn_chunk_prepare_split_f16 / gdn_chunk_walk_split_f16): every operand as fp16 hi + lo x
+    # 2^-11 against exact q / k / v, W S and P V' as hi*hi + hi*lo + lo*hi. 12 prompts: 0.0058 / 0.0297 (dropping
+    # any one part costs: W S's W to hi 0.0071, to hi*hi 0.0075; P or V' to hi 0.013-0.014; diag(exp(c_C - c)) V',
+    # S or T diag(beta exp c) to one fp16 part ~0.0077; T = (I + A)^-1 rounded to 22 bits 0.0059, to 16 bits 0.0073)
+    "chunked_split_f16 (the kernel's terms)": {
+        **model.everywhere(model.fp16_hi_scaled_lo, qk=model.exact),
+        "WS": model.fp16_split_product(), "PV": model.fp16_split_product()},
 }
 
 

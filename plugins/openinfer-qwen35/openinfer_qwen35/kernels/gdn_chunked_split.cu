@@ -225,15 +225,243 @@ __device__ __forceinline__ void solve_blocked_split(float* amat, float* tinv) {
     }
 }
 
+// fp16 operand parts (the _f16 kernels; OPENINFER_QWEN35_GDN_PREFILL=chunked_split_f16): x = hi + 2^-11 lo with
+// hi = fp16(x) and lo = fp16((x - hi) 2^11) (the remainder scaled back into fp16's normal range): ~22 bits in two
+// parts where bf16 needs three, so a product of two split operands takes 3 mmas (hi*hi into one accumulator,
+// hi*lo + lo*hi into another, summed times 2^-11 after the k loop) instead of 6, and a split operand against
+// the raw q / k / v rows (bf16 values: exact in fp16 within its range) 2 instead of 3. The teacher-forced CPU
+// emulation with every operand in this form (tests/plugins/qwen35/gdn_teacher_forced_emulation.py, "fp16 hi +
+// scaled lo" products, 12 prompts): 0.0059 / 0.0297 vs HF, the token-by-token rule 0.0060 / 0.0304, the bf16
+// parts as built 0.0060 / 0.0301; T = (I + A)^-1 rounded to 22 bits 0.0059 (to 16: 0.0073). Range: the parts
+// are fp16, so |S|, |V'|, |W|, |U|, T and the raw q / k / v below 65504 (the state and V' are the size of the
+// layer's v: the delta rule's update is a contraction; grouped_f16 assumes the same).
+#define F16_LO_SCALE 2048.f  // 2^11: an fp16 rounding's remainder back to the value's scale
+#define F16_LO_UNSCALE (1.f / 2048.f)
+
+#ifdef MMA_HOST_STANDIN
+// the host emulation (tests/helpers/cuda_host): fp16 as the compiler's _Float16, the fp16 mma as four bf16
+// stand-in mmas over exact bf16 hi / lo parts of each fp16 operand (11 significant bits = 8 + 3)
+__device__ __forceinline__ unsigned short f16_bits(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    unsigned short bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+__device__ __forceinline__ float f16_value(unsigned short bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+}
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    return static_cast<unsigned>(f16_bits(lo)) | (static_cast<unsigned>(f16_bits(hi)) << 16);
+}
+__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
+    return make_float2(f16_value(packed & 0xFFFFu), f16_value(packed >> 16));
+}
+__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) { return f16_bits(to_f(x)); }
+__device__ __forceinline__ void f16_pair_as_bf16(unsigned packed, unsigned& hi, unsigned& lo) {
+    const float2 x = unpack_f16x2(packed);
+    const float h0 = round_bf16(x.x), h1 = round_bf16(x.y);
+    hi = pack_bf16x2(h0, h1);
+    lo = pack_bf16x2(x.x - h0, x.y - h1);
+}
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+    for (int e = 0; e < 4; ++e) f16_pair_as_bf16(a[e], a_hi[e], a_lo[e]);
+    f16_pair_as_bf16(b0, b_hi[0], b_lo[0]);
+    f16_pair_as_bf16(b1, b_hi[1], b_lo[1]);
+    mma_bf16_16816(d, a_hi, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_hi, b_lo[0], b_lo[1]);
+    mma_bf16_16816(d, a_lo, b_hi[0], b_hi[1]);
+    mma_bf16_16816(d, a_lo, b_lo[0], b_lo[1]);
+}
+#else
+#include <cuda_fp16.h>
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+}
+__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) {
+    return __half_as_ushort(__float2half_rn(__bfloat162float(x)));
+}
+// D = A·B + D for one m16n8k16 fp16 tile (fp32 accumulate), mma_bf16_16816's fragment layout
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+#ifdef GDN_SPLIT_ONE_PART
+#define MMA_F16_PART(acc, a, b0, b1)
+#else
+#define MMA_F16_PART(acc, a, b0, b1) mma_f16_16816(acc, a, b0, b1)
+#endif
+
+// x0, x1 as packed fp16 pairs hi and lo = (x - hi) 2^11
+__device__ __forceinline__ void split_f16_pair(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_f16x2(x0, x1);
+    const float2 h = unpack_f16x2(hi);
+    lo = pack_f16x2((x0 - h.x) * F16_LO_SCALE, (x1 - h.y) * F16_LO_SCALE);
+}
+// a packed bf16 pair as a packed fp16 pair (exact within fp16's range)
+__device__ __forceinline__ unsigned f16x2_from_bf16x2(unsigned packed) {
+    return pack_f16x2(__int_as_float((int)(packed << 16)), __int_as_float((int)(packed & 0xFFFF0000u)));
+}
+// An A fragment of raw bf16 rows (load_a_raw) as fp16 operands
+__device__ __forceinline__ void load_a_raw_as_f16(unsigned* a, const bf16* base, int ld) {
+    load_a_raw(a, base, ld);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = f16x2_from_bf16x2(a[e]);
+}
+// The B fragment 16(k) x 8(n) of row-major [k][n] raw bf16 rows (16-byte aligned rows) as fp16 operands
+__device__ __forceinline__ void load_b_rows_as_f16(unsigned* b, const bf16* base, int ld) {
+#ifdef MMA_HOST_STANDIN
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = pack_f16x2(to_f(base[(2 * q) * ld + g]), to_f(base[(2 * q + 1) * ld + g]));
+    b[1] = pack_f16x2(to_f(base[(2 * q + 8) * ld + g]), to_f(base[(2 * q + 9) * ld + g]));
+#else
+    ldmatrix_x2_trans(b[0], b[1], base + (threadIdx.x & 15) * ld);
+    b[0] = f16x2_from_bf16x2(b[0]);
+    b[1] = f16x2_from_bf16x2(b[1]);
+#endif
+}
+// 16 bytes global -> shared without registers (zeros when !valid), and the wait for a thread's copies
+#ifdef MMA_HOST_STANDIN
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 16);
+    else std::memset(smem, 0, 16);
+}
+__device__ __forceinline__ void copies16_wait() {}
+#else
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    cp_async16(reinterpret_cast<bf16*>(smem), reinterpret_cast<const bf16*>(gmem), valid);
+}
+__device__ __forceinline__ void copies16_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#endif
+
+// x0, x1's fp16 parts (hi, lo) in a float2's 8 bytes (bit patterns, not values): the prepare stores W and P so,
+// and the walk's blocks load them as split fragments
+__device__ __forceinline__ float2 f16_parts_as_float2(float x0, float x1) {
+    unsigned hi, lo;
+    split_f16_pair(x0, x1, hi, lo);
+    return make_float2(__int_as_float((int)hi), __int_as_float((int)lo));
+}
+
+// an A (16 x 16) by B (16 x 8) product of fp32 fragments on fp16 parts: hi*hi into acc, hi*lo + lo*hi into acc_lo
+__device__ __forceinline__ void mma_f16_split(float* acc, float* acc_lo, const float2* fa, const float2* fb) {
+    unsigned ahi[4], alo[4], bhi[2], blo[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_f16_pair(fa[e].x, fa[e].y, ahi[e], alo[e]);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) split_f16_pair(fb[e].x, fb[e].y, bhi[e], blo[e]);
+    mma_f16_16816(acc, ahi, bhi[0], bhi[1]);
+    MMA_F16_PART(acc_lo, ahi, blo[0], blo[1]);
+    MMA_F16_PART(acc_lo, alo, bhi[0], bhi[1]);
+}
+
+// The fp32 values of a B fragment 16(k) x 8(n) from a row-major [k][n] tile (leading dim ld)
+__device__ __forceinline__ void load_b_f32_rows(float2* f, const float* base, int ld) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    f[0] = make_float2(base[(2 * q) * ld + g], base[(2 * q + 1) * ld + g]);
+    f[1] = make_float2(base[(2 * q + 8) * ld + g], base[(2 * q + 9) * ld + g]);
+}
+
+// solve_blocked_split with its block products on tensor cores (fp16 parts, ~22 bits: T to 22 bits costs
+// nothing in the teacher-forced emulation) and the diagonal blocks' columns in registers (gdn_chunked.cu's
+// solve_blocked_mma): (a) T_bb by forward substitution, a thread per (block, column), the column in registers
+// (A's loads broadcast within the block's 16 lanes); (b) block row i = 1..3, warp j < i: M_ij = sum_{j<=k<i}
+// A_ik T_kj (kept in A's unused upper triangle, block (j, i)), T_ij = -T_ii M_ij. Writes every element of T.
+__device__ __forceinline__ void solve_blocked_split_f16(float* amat, float* tinv) {
+    constexpr int B = 16, NB = SPLIT_CHUNK / B, LD = SPLIT_LDF;
+    if (threadIdx.x < SPLIT_CHUNK) {
+        const int base = (threadIdx.x / B) * B, jl = threadIdx.x % B, j = threadIdx.x;
+        float t[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int m = 0; m < i; ++m) {
+                const float a = amat[(base + i) * LD + base + m];
+                if (m & 1) acc1 -= a * t[m];
+                else acc0 -= a * t[m];
+            }
+            t[i] = i > jl ? acc0 + acc1 : (i == jl ? 1.f : 0.f);
+        }
+        for (int i = 0; i < base; ++i) tinv[i * LD + j] = 0.f;  // above the diagonal block
+#pragma unroll
+        for (int i = 0; i < B; ++i) tinv[(base + i) * LD + j] = t[i];
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+#pragma unroll 1
+    for (int ib = 1; ib < NB; ++ib) {
+        if (warp < ib) {
+            const int jb = warp;
+            float m_acc[2][4] = {}, m_lo[2][4] = {};
+            for (int kb = jb; kb < ib; ++kb) {
+                float2 fa[4];
+                load_a_f32(fa, amat + (ib * B) * LD + kb * B, LD, nullptr);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    float2 fb[2];
+                    load_b_f32_rows(fb, tinv + (kb * B) * LD + jb * B + 8 * nt, LD);
+                    mma_f16_split(m_acc[nt], m_lo[nt], fa, fb);
+                }
+            }
+            float* m_tile = amat + (jb * B) * LD + ib * B;  // A's upper triangle: free
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<float2*>(m_tile + (g + 8 * half) * LD + 8 * nt + 2 * q) =
+                        make_float2(m_acc[nt][2 * half] + F16_LO_UNSCALE * m_lo[nt][2 * half],
+                                    m_acc[nt][2 * half + 1] + F16_LO_UNSCALE * m_lo[nt][2 * half + 1]);
+            __syncwarp();
+            float2 ft[4];
+            load_a_f32(ft, tinv + (ib * B) * LD + ib * B, LD, nullptr);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                float2 fb[2];
+                load_b_f32_rows(fb, m_tile + 8 * nt, LD);
+                float t_acc[4] = {}, t_lo[4] = {};
+                mma_f16_split(t_acc, t_lo, ft, fb);
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<float2*>(tinv + (ib * B + g + 8 * half) * LD + jb * B + 8 * nt + 2 * q) =
+                        make_float2(-(t_acc[2 * half] + F16_LO_UNSCALE * t_lo[2 * half]),
+                                    -(t_acc[2 * half + 1] + F16_LO_UNSCALE * t_lo[2 * half + 1]));
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// x as a 16-bit operand: the raw bf16 value, or (F16) its fp16 value (exact within fp16's range)
+template <bool F16>
+__device__ __forceinline__ bf16 raw_operand(bf16 x) {
+    if constexpr (F16) return __ushort_as_bfloat16(f16_from_bf16(x));
+    else return x;
+}
+
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restrict__ proj, int proj_stride,
-                        const float* __restrict__ neg_decay_rate, const float* __restrict__ dt_bias,
-                        const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
-                        float* __restrict__ norms, float* __restrict__ w_out, float* __restrict__ u_out,
-                        float* __restrict__ p_out, float* __restrict__ cum_out, int num_key_heads, int num_value_heads,
-                        int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+// F16 (gdn_chunk_prepare_split_f16): T solved by solve_blocked_split_f16, U and W as fp16-part products
+// (T diag(beta) and T diag(beta exp(c) rk) in hi / lo against V and K as fp16: 2 mmas each, ~22 bits)
+#define SPLIT_PREPARE_PARAMS                                                                                        \
+    const bf16 *__restrict__ conv_out, const bf16 *__restrict__ proj, int proj_stride,                             \
+        const float *__restrict__ neg_decay_rate, const float *__restrict__ dt_bias,                               \
+        const int *__restrict__ chunk_start, const int *__restrict__ chunk_len, float *__restrict__ norms,         \
+        float *__restrict__ w_out, float *__restrict__ u_out, float *__restrict__ p_out, float *__restrict__ cum_out, \
+        int num_key_heads, int num_value_heads, int dv
+#define SPLIT_PREPARE_ARGS \
+    conv_out, proj, proj_stride, neg_decay_rate, dt_bias, chunk_start, chunk_len, norms, w_out, u_out, p_out, \
+        cum_out, num_key_heads, num_value_heads, dv
+template <bool F16>
+__device__ __forceinline__ void chunk_prepare_split(unsigned char* smem, SPLIT_PREPARE_PARAMS) {
     const int c = blockIdx.x, h = blockIdx.y, t0 = chunk_start[c], n = chunk_len[c];
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
@@ -255,9 +483,18 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
     float* beta_decay = beta + SPLIT_CHUNK;        // [64] beta exp(c) rk
     double* cum = reinterpret_cast<double*>(beta_decay + SPLIT_CHUNK);  // [64]
 
+    // the gates' inputs (a row a thread) loaded first: in flight with the rows'
+    const bool gate_row = threadIdx.x < SPLIT_CHUNK && (int)threadIdx.x < n;
+    bf16 gate_b = __float2bfloat16_rn(0.f), gate_a = gate_b;
+    if (gate_row) {
+        const bf16* row = proj + (size_t)(t0 + threadIdx.x) * proj_stride + conv_dim + value_dim + h;
+        gate_b = row[0];
+        gate_a = row[num_value_heads];
+    }
     // raw q, k rows (and k^T), v^T by 16-byte loads (a thread's issued together); rows past the chunk zeros
     {
-        constexpr int V_BATCH = 4;  // v vectors a thread issues together (dv / 16 in all)
+        // v vectors a thread issues together (dv / 16 in all; F16: dv / 8, one batch up to dv = 128)
+        constexpr int V_BATCH = F16 ? 8 : 4;
         Bf16x8 v8[V_BATCH];
         const int v_total = SPLIT_CHUNK * (dv / 8);
         const bf16* v_rows = conv_out + (size_t)t0 * conv_dim + 2 * key_dim + h * dv;
@@ -272,7 +509,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                          *reinterpret_cast<Bf16x8*>(qr + r * SPLIT_LDH + i) = q8;
                          *reinterpret_cast<Bf16x8*>(kr + r * SPLIT_LDH + i) = k8;
 #pragma unroll
-                         for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = k8.x[m];
+                         for (int m = 0; m < 8; ++m) kt[(i + m) * SPLIT_LDCH + r] = raw_operand<F16>(k8.x[m]);
                      });
         for (int base = threadIdx.x;; base += V_BATCH * SPLIT_THREADS) {
 #pragma unroll
@@ -280,7 +517,7 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                 const int e = base + b * SPLIT_THREADS, r = e % SPLIT_CHUNK, j = 8 * (e / SPLIT_CHUNK);
                 if (e < v_total) {
 #pragma unroll
-                    for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = v8[b].x[m];
+                    for (int m = 0; m < 8; ++m) vt[(j + m) * SPLIT_LDCH + r] = raw_operand<F16>(v8[b].x[m]);
                 }
             }
             if (base + V_BATCH * SPLIT_THREADS >= v_total) break;
@@ -292,13 +529,12 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
             }
         }
     }
-    if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread (the loads in parallel)
+    if (threadIdx.x < SPLIT_CHUNK) {  // the gates, a row a thread
         const int r = threadIdx.x;
         float b = 0.f, lg = 0.f;
-        if (r < n) {
-            const bf16* row = proj + (size_t)(t0 + r) * proj_stride + conv_dim + value_dim + h;
-            b = gdn_beta(to_f(row[0]));
-            lg = gdn_log_decay(to_f(row[num_value_heads]), neg_decay_rate[h], dt_bias[h]);
+        if (gate_row) {
+            b = gdn_beta(to_f(gate_b));
+            lg = gdn_log_decay(to_f(gate_a), neg_decay_rate[h], dt_bias[h]);
         }
         beta[r] = b;
         cum[r] = (double)lg;
@@ -360,41 +596,65 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = row0 + acc_row(e), j = acc_col(nt, e);
-                float a = 0.f, pv = 0.f;
-                if (j <= i) {
-                    const float d = expf((float)(cum[i] - cum[j]));
-                    pv = rq[i] * rk[j] * qk[nt][e] * d;
-                    if (j < i) a = beta[i] * rk[i] * rk[j] * kk[nt][e] * d;
+            for (int e = 0; e < 4; e += 2) {
+                float pv[2];
+#pragma unroll
+                for (int odd = 0; odd < 2; ++odd) {
+                    const int i = row0 + acc_row(e), j = acc_col(nt, e + odd);
+                    float a = 0.f;
+                    pv[odd] = 0.f;
+                    if (j <= i) {
+                        const float d = expf((float)(cum[i] - cum[j]));
+                        pv[odd] = rq[i] * rk[j] * qk[nt][e + odd] * d;
+                        if (j < i) a = beta[i] * rk[i] * rk[j] * kk[nt][e + odd] * d;
+                    }
+                    amat[i * SPLIT_LDF + j] = a;
                 }
-                amat[i * SPLIT_LDF + j] = a;
-                p[i * SPLIT_CHUNK + j] = pv;
+                // F16: P's pair as its fp16 parts (hi, lo) in the pair's 8 bytes, split once for the walk's tiles
+                *reinterpret_cast<float2*>(p + (row0 + acc_row(e)) * SPLIT_CHUNK + acc_col(nt, e)) =
+                    F16 ? f16_parts_as_float2(pv[0], pv[1]) : make_float2(pv[0], pv[1]);
             }
     }
     __syncthreads();
     SPLIT_PHASE(4);  // scores (tensor cores), A and P stored
-    solve_blocked_split(amat, tinv);  // T = (I + A)^-1 in fp32
+    if constexpr (F16) solve_blocked_split_f16(amat, tinv);  // T = (I + A)^-1, ~fp32
+    else solve_blocked_split(amat, tinv);
     __syncthreads();
     SPLIT_PHASE(5);  // T = (I + A)^-1
     // U = (T diag(beta)) V_raw (T's side in 3 parts) and W = (T diag(beta exp(c) rk)) K_raw (2 parts), rows
     // 16w .. 16w + 15; T lower: the k tiles up to the strip's own
-    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride) {
+    // (presplit, F16 only: each pair of dst as its fp16 parts, f16_parts_as_float2)
+    auto product = [&](const float* scale, const bf16* bt, int width, int parts, float* dst, size_t dst_stride,
+                       bool presplit) {
         for (int n0 = 0; n0 < width; n0 += 64) {  // 8 n-tiles at a time (64 accumulators)
-            float acc[8][4] = {};
+            float acc[8][4] = {}, acc_lo[8][4] = {};  // (acc_lo: F16's lo products)
             for (int k0 = 0; k0 <= row0; k0 += 16) {
                 float2 f[4];
                 load_a_f32(f, tinv + row0 * SPLIT_LDF + k0, SPLIT_LDF, scale + k0);
-                unsigned hi[4], mid[4], lo[4];
-                split3_fragment<4>(f, hi, mid, lo);
+                if constexpr (F16) {
+                    unsigned hi[4], lo[4];
 #pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-                    if (n0 + nt * 8 >= width) break;
-                    unsigned b[2];
-                    load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
-                    mma_bf16_16816(acc[nt], hi, b[0], b[1]);
-                    MMA_PART(acc[nt], mid, b[0], b[1]);
-                    if (parts == 3) MMA_PART(acc[nt], lo, b[0], b[1]);
+                    for (int e = 0; e < 4; ++e) split_f16_pair(f[e].x, f[e].y, hi[e], lo[e]);
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) {
+                        if (n0 + nt * 8 >= width) break;
+                        unsigned b[2];
+                        load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                        mma_f16_16816(acc[nt], hi, b[0], b[1]);
+                        MMA_F16_PART(acc_lo[nt], lo, b[0], b[1]);
+                    }
+                } else {
+                    unsigned hi[4], mid[4], lo[4];
+                    split3_fragment<4>(f, hi, mid, lo);
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt) {
+                        if (n0 + nt * 8 >= width) break;
+                        unsigned b[2];
+                        load_b_raw(b, bt + (n0 + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                        mma_bf16_16816(acc[nt], hi, b[0], b[1]);
+                        MMA_PART(acc[nt], mid, b[0], b[1]);
+                        if (parts == 3) MMA_PART(acc[nt], lo, b[0], b[1]);
+                    }
                 }
             }
 #pragma unroll
@@ -404,15 +664,29 @@ gdn_chunk_prepare_split(const bf16* __restrict__ conv_out, const bf16* __restric
                     const int i = row0 + acc_row(e);
                     if (i < n && n0 + nt * 8 < width)
                         *reinterpret_cast<float2*>(dst + (size_t)(t0 + i) * dst_stride + n0 + acc_col(nt, e)) =
-                            make_float2(acc[nt][e], acc[nt][e + 1]);
+                            presplit ? f16_parts_as_float2(acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e],
+                                                           acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1])
+                                     : make_float2(acc[nt][e] + F16_LO_UNSCALE * acc_lo[nt][e],
+                                                   acc[nt][e + 1] + F16_LO_UNSCALE * acc_lo[nt][e + 1]);
                 }
         }
     };
-    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim);
+    product(beta, vt, dv, 3, u_out + (size_t)h * dv, (size_t)value_dim, false);
     SPLIT_PHASE(6);  // U (tensor cores) stored
-    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK);
+    product(beta_decay, kt, DK, 2, w_out + (size_t)h * DK, (size_t)num_value_heads * DK, F16);
     SPLIT_PHASE(7);  // W (tensor cores) stored
     SPLIT_PHASES_DONE();
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_prepare_split(SPLIT_PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_split<false>(smem, SPLIT_PREPARE_ARGS);
+}
+
+// (3 blocks an SM, as its shared memory allows: up to 170 registers, no spills)
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3) gdn_chunk_prepare_split_f16(SPLIT_PREPARE_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_prepare_split<true>(smem, SPLIT_PREPARE_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -631,91 +905,8 @@ gdn_chunk_walk_split(const bf16* __restrict__ conv_out, const float* __restrict_
 }
 
 // ---------------------------------------------------------------------------------------------
-// gdn_chunk_walk_split_f16 (OPENINFER_QWEN35_GDN_PREFILL=chunked_split_f16): gdn_chunk_walk_split's walk with
-// fp16 operand parts instead of bf16 ones. x = hi + 2^-11 lo with hi = fp16(x) and lo = fp16((x - hi) 2^11)
-// (the remainder scaled back into fp16's normal range): ~22 bits in two parts where bf16 needs three, so a
-// product of two split operands takes 3 mmas (hi*hi into one accumulator, hi*lo + lo*hi into another, summed
-// times 2^-11 after the k loop) instead of 6, and a split operand against the raw q / k rows (bf16 values:
-// exact in fp16 within its range) 2 instead of 3. The teacher-forced CPU emulation with every operand in
-// this form (tests/plugins/qwen35/gdn_teacher_forced_emulation.py, "fp16 hi + scaled lo" products, 12
-// prompts): 0.0059 / 0.0297 vs HF, the token-by-token rule 0.0060 / 0.0304, gdn_chunk_walk_split 0.0060 /
-// 0.0301. Per warp and chunk 272 mmas instead of 384, two state planes instead of three. Range: the parts
-// are fp16, so |S|, |V'|, |W| and the raw q / k below 65504 (the state and V' are the size of the layer's v:
-// the delta rule's update is a contraction; as grouped_f16 assumes).
-#define F16_LO_SCALE 2048.f  // 2^11: an fp16 rounding's remainder back to the value's scale
-#define F16_LO_UNSCALE (1.f / 2048.f)
-
-#ifdef MMA_HOST_STANDIN
-// the host emulation (tests/helpers/cuda_host): fp16 as the compiler's _Float16, the fp16 mma as four bf16
-// stand-in mmas over exact bf16 hi / lo parts of each fp16 operand (11 significant bits = 8 + 3)
-__device__ __forceinline__ unsigned short f16_bits(float x) {
-    const _Float16 h = static_cast<_Float16>(x);
-    unsigned short bits;
-    std::memcpy(&bits, &h, 2);
-    return bits;
-}
-__device__ __forceinline__ float f16_value(unsigned short bits) {
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<float>(h);
-}
-__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-    return static_cast<unsigned>(f16_bits(lo)) | (static_cast<unsigned>(f16_bits(hi)) << 16);
-}
-__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
-    return make_float2(f16_value(packed & 0xFFFFu), f16_value(packed >> 16));
-}
-__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) { return f16_bits(to_f(x)); }
-__device__ __forceinline__ void f16_pair_as_bf16(unsigned packed, unsigned& hi, unsigned& lo) {
-    const float2 x = unpack_f16x2(packed);
-    const float h0 = round_bf16(x.x), h1 = round_bf16(x.y);
-    hi = pack_bf16x2(h0, h1);
-    lo = pack_bf16x2(x.x - h0, x.y - h1);
-}
-__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
-    for (int e = 0; e < 4; ++e) f16_pair_as_bf16(a[e], a_hi[e], a_lo[e]);
-    f16_pair_as_bf16(b0, b_hi[0], b_lo[0]);
-    f16_pair_as_bf16(b1, b_hi[1], b_lo[1]);
-    mma_bf16_16816(d, a_hi, b_hi[0], b_hi[1]);
-    mma_bf16_16816(d, a_hi, b_lo[0], b_lo[1]);
-    mma_bf16_16816(d, a_lo, b_hi[0], b_hi[1]);
-    mma_bf16_16816(d, a_lo, b_lo[0], b_lo[1]);
-}
-#else
-#include <cuda_fp16.h>
-__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const unsigned*>(&h);
-}
-__device__ __forceinline__ float2 unpack_f16x2(unsigned packed) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-}
-__device__ __forceinline__ unsigned short f16_from_bf16(bf16 x) {
-    return __half_as_ushort(__float2half_rn(__bfloat162float(x)));
-}
-// D = A·B + D for one m16n8k16 fp16 tile (fp32 accumulate), mma_bf16_16816's fragment layout
-__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-#endif
-#ifdef GDN_SPLIT_ONE_PART
-#define MMA_F16_PART(acc, a, b0, b1)
-#else
-#define MMA_F16_PART(acc, a, b0, b1) mma_f16_16816(acc, a, b0, b1)
-#endif
-
-// x0, x1 as packed fp16 pairs hi and lo = (x - hi) 2^11
-__device__ __forceinline__ void split_f16_pair(float x0, float x1, unsigned& hi, unsigned& lo) {
-    hi = pack_f16x2(x0, x1);
-    const float2 h = unpack_f16x2(hi);
-    lo = pack_f16x2((x0 - h.x) * F16_LO_SCALE, (x1 - h.y) * F16_LO_SCALE);
-}
-
+// gdn_chunk_walk_split_f16: gdn_chunk_walk_split's walk with fp16 operand parts instead of bf16 ones (see the
+// fp16 parts above): per warp and chunk 272 mmas instead of 384, two state planes instead of three.
 // 8 fp16 of a 16-byte vector
 struct alignas(16) F16x8 {
     unsigned short x[8];
@@ -736,16 +927,27 @@ __device__ __forceinline__ void store_state_planes_f16(const float (*acc)[4], un
 }
 
 // gdn_chunk_walk_split's grid, block, arguments and phases; shared memory: V'^T, U, the scales and c as there,
-// then 2 x [32][SPLIT_LDH] S^T as fp16 hi, lo, [64][SPLIT_LDH] q rows and [DK][SPLIT_LDCH] k^T as fp16.
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restrict__ norms,
-                         const float* __restrict__ w_in, const float* __restrict__ u_in,
-                         const float* __restrict__ p_in, const float* __restrict__ cum_in,
-                         const int* __restrict__ chunk_start, const int* __restrict__ chunk_len,
-                         const int* __restrict__ seq_chunks, const int* __restrict__ slots,
-                         const int* __restrict__ fresh, float* __restrict__ ssm_state, bf16* __restrict__ core,
-                         int num_key_heads, int num_value_heads, int dv) {
-    GDN_DYNAMIC_SHARED(smem);
+// then 2 x [32][SPLIT_LDH] S^T as fp16 hi, lo and the raw bf16 q and k rows ([64][SPLIT_LDH] each). A chunk's
+// global reads go out at once (q / k rows and U by cp.async, c and the norms by the first 64 threads): one round
+// trip (its staging was ~half the walk's time with three; H200, D1 2026-11-24); q / k become fp16 operands as
+// their fragments load (the update's k^T fragments by ldmatrix.trans from the rows).
+// LATE_LOADS (gdn_chunk_walk_split_f16_x3): W's and P's fragments loaded where they are used, not ahead of the
+// chunk's shared tiles (64 + 32 registers fewer): 3 blocks an SM (168 registers) instead of 2.
+#define SPLIT_WALK_PARAMS                                                                                           \
+    const bf16 *__restrict__ conv_out, const float *__restrict__ norms, const float *__restrict__ w_in,           \
+        const float *__restrict__ u_in, const float *__restrict__ p_in, const float *__restrict__ cum_in,          \
+        const int *__restrict__ chunk_start, const int *__restrict__ chunk_len, const int *__restrict__ seq_chunks, \
+        const int *__restrict__ slots, const int *__restrict__ fresh, float *__restrict__ ssm_state,               \
+        bf16 *__restrict__ core, int num_key_heads, int num_value_heads, int dv
+#define SPLIT_WALK_ARGS                                                                                            \
+    conv_out, norms, w_in, u_in, p_in, cum_in, chunk_start, chunk_len, seq_chunks, slots, fresh, ssm_state, core, \
+        num_key_heads, num_value_heads, dv
+// SNAPSHOT (the _snapshot entries, for an in-step prefix snapshot): S entering layout chunk snapshot_chunk[s]
+// (-1: none; the sequence's end: its final state) also stored into slot snapshot_slot[s] (fp32, the slot layout).
+template <bool LATE_LOADS, bool SNAPSHOT>
+__device__ __forceinline__ void chunk_walk_split_f16(unsigned char* smem, SPLIT_WALK_PARAMS,
+                                                     const int* __restrict__ snapshot_chunk,
+                                                     const int* __restrict__ snapshot_slot) {
     const int j0 = blockIdx.x * SPLIT_TILE, s = blockIdx.y, h = blockIdx.z;
     const int ratio = num_value_heads / num_key_heads, key_head = h / ratio;
     const int key_dim = num_key_heads * DK, value_dim = num_value_heads * dv, conv_dim = 2 * key_dim + value_dim;
@@ -757,8 +959,8 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
     float* tail_scale = row_scale + SPLIT_CHUNK;           // [64] rk exp(c_C - c)
     float* cum = tail_scale + SPLIT_CHUNK;                 // [64]
     unsigned short* planes = reinterpret_cast<unsigned short*>(cum + SPLIT_CHUNK);  // 2 x [32][SPLIT_LDH]
-    unsigned short* qh = planes + 2 * PLANE;               // [64][SPLIT_LDH] q rows (fp16)
-    unsigned short* kth = qh + SPLIT_CHUNK * SPLIT_LDH;    // [DK][SPLIT_LDCH] k^T (fp16)
+    bf16* qraw = reinterpret_cast<bf16*>(planes + 2 * PLANE);  // [64][SPLIT_LDH] raw q rows
+    bf16* kraw = qraw + SPLIT_CHUNK * SPLIT_LDH;           // [64][SPLIT_LDH] raw k rows
 
     SPLIT_PHASES_BEGIN();
     float* state = ssm_state + ((size_t)slots[s] * num_value_heads + h) * DK * dv;
@@ -771,13 +973,22 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
             sacc[nt][e] = is_fresh ? 0.f : state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)];
     store_state_planes_f16(sacc, planes);
     SPLIT_PHASE(1);  // the state loaded, its planes
+    const int snapshot_at = SNAPSHOT ? snapshot_chunk[s] : -1;
+    auto store_state = [&](float* to) {
+#pragma unroll
+        for (int nt = 0; nt < STATE_NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) to[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    };
+    auto store_snapshot = [&]() { store_state(ssm_state + ((size_t)snapshot_slot[s] * num_value_heads + h) * DK * dv); };
     for (int c = seq_chunks[s]; c < seq_chunks[s + 1]; ++c) {
+        if (SNAPSHOT && c == snapshot_at) store_snapshot();
         const int t0 = chunk_start[c], n = chunk_len[c];
         const float* p = p_in + ((size_t)c * num_value_heads + h) * SPLIT_CHUNK * SPLIT_CHUNK;
-        float2 wf[DK / 16][4], pf[SPLIT_CHUNK / 16][4];
-        {
-            const size_t w_stride = (size_t)num_value_heads * DK;
-            const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
+        const size_t w_stride = (size_t)num_value_heads * DK;
+        const float* w_rows = w_in + ((size_t)t0 * num_value_heads + h) * DK;
+        float2 wf[LATE_LOADS ? 1 : DK / 16][4], pf[LATE_LOADS ? 1 : SPLIT_CHUNK / 16][4];
+        if constexpr (!LATE_LOADS) {
 #pragma unroll
             for (int kt16 = 0; kt16 < DK / 16; ++kt16) load_a_rows_f32(wf[kt16], w_rows, w_stride, row0, n, 16 * kt16);
 #pragma unroll
@@ -785,21 +996,19 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
                 if (16 * kt16 <= row0) load_a_f32(pf[kt16], p + row0 * SPLIT_CHUNK + 16 * kt16, SPLIT_CHUNK, nullptr);
         }
         __syncthreads();  // the last chunk's readers are done, its state planes written
-        load_qk_rows(conv_out + (size_t)t0 * conv_dim + key_head * DK, conv_dim, key_dim, n,
-                     [&](int r, int i, const Bf16x8& q8, const Bf16x8& k8) {
-                         F16x8 q16;
-#pragma unroll
-                         for (int m = 0; m < 8; ++m) {
-                             q16.x[m] = f16_from_bf16(q8.x[m]);
-                             kth[(i + m) * SPLIT_LDCH + r] = f16_from_bf16(k8.x[m]);
-                         }
-                         *reinterpret_cast<F16x8*>(qh + r * SPLIT_LDH + i) = q16;
-                     });
-        for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {  // U (rows past n: 0)
-            const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
-            float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < n) u4 = *reinterpret_cast<const float4*>(u_in + ((size_t)(t0 + r) * num_value_heads + h) * dv + j0 + j);
-            *reinterpret_cast<float4*>(us + r * SPLIT_LDU + j) = u4;
+        {  // q / k rows and U (rows past n: zeros) by cp.async, all issued before any wait
+            const bf16* qk_rows = conv_out + (size_t)t0 * conv_dim + key_head * DK;
+            for (int e = threadIdx.x; e < SPLIT_CHUNK * (DK / 8); e += SPLIT_THREADS) {
+                const int r = e / (DK / 8), i = 8 * (e % (DK / 8));
+                const bf16* row = qk_rows + (size_t)(r < n ? r : 0) * conv_dim + i;
+                copy16_async(qraw + r * SPLIT_LDH + i, row, r < n);
+                copy16_async(kraw + r * SPLIT_LDH + i, row + key_dim, r < n);
+            }
+            for (int e = threadIdx.x; e < SPLIT_CHUNK * (SPLIT_TILE / 4); e += SPLIT_THREADS) {
+                const int r = e / (SPLIT_TILE / 4), j = 4 * (e % (SPLIT_TILE / 4));
+                copy16_async(us + r * SPLIT_LDU + j,
+                             u_in + ((size_t)(t0 + (r < n ? r : 0)) * num_value_heads + h) * dv + j0 + j, r < n);
+            }
         }
         float q_norm = 0.f, k_norm = 0.f;  // row threadIdx.x's (rows past the chunk: 0)
         if (threadIdx.x < SPLIT_CHUNK) {
@@ -811,6 +1020,7 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
                 k_norm = nq[1];
             }
         }
+        copies16_wait();
         __syncthreads();
         if (threadIdx.x < SPLIT_CHUNK) {  // (read after the next barrier)
             const int r = threadIdx.x;
@@ -825,11 +1035,13 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
             float acc[4][4] = {}, acc_lo[4][4] = {}, inter_lo[4][4] = {};
 #pragma unroll
             for (int k0 = 0; k0 < DK; k0 += 16) {
-                const float2* f = wf[k0 / 16];
+                float2 late[4];  // (LATE_LOADS)
+                if constexpr (LATE_LOADS) load_a_rows_f32(late, w_rows, w_stride, row0, n, k0);
+                const float2* f = LATE_LOADS ? late : wf[LATE_LOADS ? 0 : k0 / 16];  // split by the prepare: (hi, lo)
                 unsigned whi[4], wlo[4], a[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) split_f16_pair(f[e].x, f[e].y, whi[e], wlo[e]);
-                load_a_raw(a, qh + row0 * SPLIT_LDH + k0, SPLIT_LDH);
+                for (int e = 0; e < 4; ++e) whi[e] = __float_as_uint(f[e].x), wlo[e] = __float_as_uint(f[e].y);
+                load_a_raw_as_f16(a, qraw + row0 * SPLIT_LDH + k0, SPLIT_LDH);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     unsigned bhi[2], blo[2];
@@ -865,8 +1077,12 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
             for (int k0 = 0; k0 < SPLIT_CHUNK; k0 += 16) {
                 if (k0 > row0) break;
                 unsigned ahi[4], alo[4];
+                float2 late[4];  // (LATE_LOADS)
+                if constexpr (LATE_LOADS) load_a_f32(late, p + row0 * SPLIT_CHUNK + k0, SPLIT_CHUNK, nullptr);
+                const float2* f = LATE_LOADS ? late : pf[LATE_LOADS ? 0 : k0 / 16];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) split_f16_pair(pf[k0 / 16][e].x, pf[k0 / 16][e].y, ahi[e], alo[e]);
+                for (int e = 0; e < 4; ++e)  // split by the prepare
+                    ahi[e] = __float_as_uint(f[e].x), alo[e] = __float_as_uint(f[e].y);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     float2 fb[2];
@@ -914,7 +1130,7 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
 #pragma unroll
                 for (int nt = 0; nt < STATE_NT; ++nt) {
                     unsigned b[2];
-                    load_b_raw(b, kth + (scol + nt * 8) * SPLIT_LDCH + k0, SPLIT_LDCH);
+                    load_b_rows_as_f16(b, kraw + k0 * SPLIT_LDH + scol + nt * 8, SPLIT_LDH);
                     mma_f16_16816(sacc[nt], hi, b[0], b[1]);
                     MMA_F16_PART(update_lo[nt], lo, b[0], b[1]);
                 }
@@ -927,10 +1143,32 @@ gdn_chunk_walk_split_f16(const bf16* __restrict__ conv_out, const float* __restr
         }
         SPLIT_PHASE(5);  // the state update (tensor cores), its planes
     }
-#pragma unroll
-    for (int nt = 0; nt < STATE_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) state[(size_t)state_col(nt, e) * dv + j0 + state_row(e)] = sacc[nt][e];
+    if (SNAPSHOT && snapshot_at == seq_chunks[s + 1]) store_snapshot();
+    store_state(state);
     SPLIT_PHASE(6);  // the state stored
     SPLIT_PHASES_DONE();
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) gdn_chunk_walk_split_f16(SPLIT_WALK_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<false, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3) gdn_chunk_walk_split_f16_x3(SPLIT_WALK_PARAMS) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<true, false>(smem, SPLIT_WALK_ARGS, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+gdn_chunk_walk_split_f16_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
+                                  const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<false, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 3)
+gdn_chunk_walk_split_f16_x3_snapshot(SPLIT_WALK_PARAMS, const int* __restrict__ snapshot_chunk,
+                                     const int* __restrict__ snapshot_slot) {
+    GDN_DYNAMIC_SHARED(smem);
+    chunk_walk_split_f16<true, true>(smem, SPLIT_WALK_ARGS, snapshot_chunk, snapshot_slot);
 }

@@ -1,7 +1,7 @@
 // Runs the fp32 chunked prefill (gdn_chunked_fp32.cu: gdn_conv1d -> gdn_chunk_prepare_fp32 ->
 // gdn_chunk_walk_fp32), the split-operand tensor-core one (gdn_chunked_split.cu: gdn_chunk_prepare_split ->
-// gdn_chunk_walk_split, and its fp16-part walk gdn_chunk_walk_split_f16) on the CPU (tests/helpers/cuda_host)
-// and, on the same conv_out, the token-by-token kernel gdn_delta_rule (fp32: the accuracy reference), for
+// gdn_chunk_walk_split, and with fp16 parts: gdn_chunk_prepare_split_f16 -> gdn_chunk_walk_split_f16) on the
+// CPU (tests/helpers/cuda_host) and, on the same conv_out, the token-by-token kernel gdn_delta_rule (fp32: the accuracy reference), for
 // test_qwen35_cuda_emulated.py; writes their cores (bf16) and final states.
 #define MMA_HOST_STANDIN  // core's mma.cuh: no PTX; harness.h defines mma_bf16_16816
 #define GDN_DYNAMIC_SHARED(name) alignas(16) static unsigned char name[1 << 18]
@@ -12,6 +12,7 @@ struct alignas(16) float4 {  // CUDA's vector type (gdn_chunk_walk_split's 16-by
     float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+void __syncwarp(unsigned mask = 0xffffffffu);  // the calling thread's warp meets (defined after harness.h)
 
 #include "gated_deltanet.cu"
 #include "gdn_chunked_fp32.cu"
@@ -19,6 +20,8 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 
 #include "harness.h"
 #include "chunked_prefill_inputs.h"
+
+void __syncwarp(unsigned) { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 int main(int argc, char** argv) {
     if (argc != 6) { std::fprintf(stderr, "usage: harness DIR nk nv dv width\n"); return 1; }
@@ -69,6 +72,11 @@ int main(int argc, char** argv) {
     save(dir, "split_core.bin", split_core);
     save(dir, "split_ssm_state.bin", split_ssm);
     auto split_f16_ssm = load<float>(dir, "ssm_state.bin");
+    launch(num_chunks, nv, 1, SPLIT_THREADS, [&] {
+        gdn_chunk_prepare_split_f16(conv_out.data(), proj.data(), proj_stride, rate.data(), bias.data(),
+                                    chunk_start.data(), chunk_len.data(), norms.data(), w.data(), u.data(), p.data(),
+                                    cum.data(), nk, nv, dv);
+    });
     std::vector<bf16> split_f16_core(core.size());
     launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
         gdn_chunk_walk_split_f16(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
@@ -77,6 +85,38 @@ int main(int argc, char** argv) {
     });
     save(dir, "split_f16_core.bin", split_f16_core);
     save(dir, "split_f16_ssm_state.bin", split_f16_ssm);
+    auto split_f16_x3_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> split_f16_x3_core(core.size());
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16_x3(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                    chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
+                                    fresh.data(), split_f16_x3_ssm.data(), split_f16_x3_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_f16_x3_core.bin", split_f16_x3_core);
+    save(dir, "split_f16_x3_ssm_state.bin", split_f16_x3_ssm);
+    // the snapshot entry: S entering sequence 0's third chunk also into slot 1 (else untouched); then sequence 0's
+    // first two chunks walked alone into slot 1 of another copy: the same state
+    auto snapshot_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> snapshot_core(core.size());
+    std::vector<int> snapshot_chunk = {seq_chunks[0] + 2, -1}, snapshot_slot = {1, 0};
+    launch(dv / SPLIT_TILE, num_seqs, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16_snapshot(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                          chunk_start.data(), chunk_len.data(), seq_chunks.data(), slots.data(),
+                                          fresh.data(), snapshot_ssm.data(), snapshot_core.data(), nk, nv, dv,
+                                          snapshot_chunk.data(), snapshot_slot.data());
+    });
+    save(dir, "split_f16_snapshot_core.bin", snapshot_core);
+    save(dir, "split_f16_snapshot_ssm_state.bin", snapshot_ssm);
+    auto prefix_ssm = load<float>(dir, "ssm_state.bin");
+    std::vector<bf16> prefix_core(core.size());
+    std::vector<int> prefix_seq_chunks = {seq_chunks[0], seq_chunks[0] + 2}, prefix_slots = {1},
+                     prefix_fresh = {fresh[0]};
+    launch(dv / SPLIT_TILE, 1, nv, SPLIT_THREADS, [&] {
+        gdn_chunk_walk_split_f16(conv_out.data(), norms.data(), w.data(), u.data(), p.data(), cum.data(),
+                                 chunk_start.data(), chunk_len.data(), prefix_seq_chunks.data(), prefix_slots.data(),
+                                 prefix_fresh.data(), prefix_ssm.data(), prefix_core.data(), nk, nv, dv);
+    });
+    save(dir, "split_f16_prefix_ssm_state.bin", prefix_ssm);
     auto base_ssm = load<float>(dir, "ssm_state.bin");
     std::vector<bf16> base_core(core.size());
     const int tile_dv = dv < 32 ? dv : 32;  // as cuda_ops.TILE_DV
