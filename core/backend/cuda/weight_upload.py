@@ -48,18 +48,22 @@ NUM_THREADS = 4
 STAGING_BUFFERS = 2 * NUM_THREADS  # a thread fills one buffer while its previous copy runs
 SMALL_BYTES = 1 << 20  # below this a tensor is copied directly (one synchronous memcpy)
 UPLOAD_THREADS_ENV = "OPENINFER_UPLOAD_THREADS"  # copy threads (default NUM_THREADS)
+# MiB a chunk (default CHUNK_BYTES): each chunk's copy takes the GIL back a few times, and while the main
+# thread runs Python (the start-up's dry forwards, the graph capture) each take may wait out the 5 ms
+# switch interval: larger chunks take it fewer times
+UPLOAD_CHUNK_ENV = "OPENINFER_UPLOAD_CHUNK_MB"
 # how a chunk of a memory-mapped checkpoint reaches the staging buffer: "map" (default), a memcpy
 # out of the map (each first touch of a page is a page fault); "read", pread() from the file into the
 # staging buffer (the kernel copies out of the page cache: no faults, no page-table entries)
 UPLOAD_READS_ENV = "OPENINFER_UPLOAD_READS"
 
 
-def _env_threads() -> int:
-    value = os.environ.get(UPLOAD_THREADS_ENV, "").strip()
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
     if not value:
-        return NUM_THREADS
+        return default
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{UPLOAD_THREADS_ENV}={value!r}: expected a positive integer")
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
     return int(value)
 
 
@@ -81,12 +85,14 @@ class _Staging:
 class WeightUploader:
     """Copies host arrays into device arrays through a ring of pinned staging buffers."""
 
-    def __init__(self, device_id: int, num_threads: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+    def __init__(self, device_id: int, num_threads: int | None = None, chunk_bytes: int | None = None,
                  num_buffers: int | None = None, read_files: bool | None = None):
         """``num_threads`` copy threads (``OPENINFER_UPLOAD_THREADS``, else ``NUM_THREADS``) over
-        ``num_buffers`` staging buffers (twice the threads); ``read_files``: chunks of a
+        ``num_buffers`` staging buffers (twice the threads) of ``chunk_bytes`` each
+        (``OPENINFER_UPLOAD_CHUNK_MB``, else ``CHUNK_BYTES``); ``read_files``: chunks of a
         memory-mapped file are read from the file (``OPENINFER_UPLOAD_READS=read``)."""
-        num_threads = _env_threads() if num_threads is None else num_threads
+        num_threads = _env_int(UPLOAD_THREADS_ENV, NUM_THREADS) if num_threads is None else num_threads
+        chunk_bytes = _env_int(UPLOAD_CHUNK_ENV, CHUNK_BYTES >> 20) << 20 if chunk_bytes is None else chunk_bytes
         num_buffers = 2 * num_threads if num_buffers is None else num_buffers
         self.device_id = device_id
         self.chunk_bytes = chunk_bytes
