@@ -61,6 +61,11 @@ STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "ap
                 ("static_batch.cu", "scatter_int32", ()))
 
 
+# "1": the graphs' cuBLAS kernels (every capture row count x weight shape) are loaded while the start-up's
+# kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the captures
+GEMM_PRELOAD_ENV = "OPENINFER_GEMM_PRELOAD"
+
+
 def _norm_threads(features: int) -> int:
     """rms_norm.cu's block size for a row of ``features`` (the fused GEMV reproduces its sum order):
     about two elements per thread, whole warps (block_sum's shuffles take all 32 lanes; the former
@@ -140,6 +145,7 @@ class CudaBackend:
         self.gemm_row_buckets: tuple[int, ...] = ()  # set_gemm_row_buckets
         self._gemm_weights: dict[tuple[int, int], cupy.ndarray] = {}  # weight shape -> a weight of it
         self.gemm_warmups = 0  # bucket GEMMs set_gemm_row_buckets ran
+        self.gemm_preloads = 0  # GEMMs precompile_kernels ran to load the graphs' cuBLAS kernels early
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -177,10 +183,13 @@ class CudaBackend:
         self._side_stream: cupy.cuda.Stream | None = None  # made at the first overlapped mixed step
         note_event("backend_ready")
 
-    def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
+    def precompile_kernels(self, dry_run: Callable[[], Any], gemm_rows: Sequence[int] = ()) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
-        that fails part-way (outputs are garbage while discovering) still compiles what it met."""
+        that fails part-way (outputs are garbage while discovering) still compiles what it met.
+        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; with
+        ``OPENINFER_GEMM_PRELOAD=1`` their cuBLAS kernels (each with every weight shape the dry run
+        met) are loaded while the kernels build, not at their first capture."""
         note_event("discovery_started")
         with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
             try:
@@ -188,6 +197,11 @@ class CudaBackend:
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                 logger.debug("the kernel-discovery forward stopped early", exc_info=True)
         note_event("discovery_done", last=True)
+        if gemm_rows and os.environ.get(GEMM_PRELOAD_ENV, "0").strip() == "1":
+            # a cuBLAS kernel loads at its first use and then waits for the whole device: the graphs'
+            # captures met ~100 of them one after the other; here they load while NVRTC runs
+            self.gemm_preloads = self._load_gemms(gemm_rows)
+            note_event("gemms_preloaded", last=True)
         built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
         note_event("kernels_compiled", last=True)
         return built
@@ -341,9 +355,14 @@ class CudaBackend:
     def _load_bucket_gemms(self) -> int:
         """One GEMM per (bucket past the GEMV rows, weight shape seen), on zero inputs (loads each
         pair's cuBLAS kernel now, on an idle device); returns how many ran."""
+        return self._load_gemms(self.gemm_row_buckets)
+
+    def _load_gemms(self, row_counts: Sequence[int]) -> int:
+        """One GEMM per (row count past the GEMV rows, weight shape seen), on zero inputs (loads
+        each pair's cuBLAS kernel now); returns how many ran."""
         count = 0
         for (out_features, in_features), weight in self._gemm_weights.items():
-            for rows in self.gemm_row_buckets:
+            for rows in sorted(set(int(r) for r in row_counts)):
                 if rows <= GEMV_MAX_ROWS:
                     continue
                 x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
