@@ -58,7 +58,7 @@ NORM_ROWS_PER_BLOCK = 4  # rms_norm.cu's row kernels: one warp per row, 4 rows p
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 # what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
 STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()),
-                ("static_batch.cu", "scatter_int32", ()))
+                ("static_batch.cu", "scatter_int32", ()), ("static_batch.cu", "copy_token_sources", ()))
 
 
 # "1": the graphs' cuBLAS kernels (every capture row count x weight shape) are loaded while the start-up's
@@ -472,10 +472,16 @@ class CudaBackend:
         return cupy.asarray(np.asarray(ids, np.int32))
 
     def fill_token_sources(self, batch: CudaBatch, previous_token_ids: cupy.ndarray, sources: np.ndarray) -> None:
-        """Inputs sampled by the previous step, still on the device: ``token_ids[dest] = previous[src]``."""
-        dest = cupy.asarray(sources[:, 0])
-        src = cupy.asarray(sources[:, 1])
-        batch.token_ids[dest] = cupy.asarray(previous_token_ids, dtype=cupy.int32)[src]
+        """Inputs sampled by the previous step, still on the device: ``token_ids[dest] = previous[src]``
+        (``sources``: [n, 2] rows of (dest, src)), one kernel of ``STEP_KERNELS`` (built at start)."""
+        count = int(sources.shape[0])
+        if count == 0:
+            return
+        pairs = cupy.asarray(np.ascontiguousarray(sources, dtype=np.int32))
+        previous = previous_token_ids if previous_token_ids.dtype == cupy.int32 else previous_token_ids.astype(cupy.int32)
+        previous = cupy.ascontiguousarray(previous)
+        kernel("static_batch.cu", "copy_token_sources")(
+            (min(_blocks(count), 64),), (256,), (batch.token_ids, previous, pairs, np.int32(count)))
 
     def kv_memory_budget(self, options: Any) -> int:
         """Bytes for the KV pool: ``gpu_memory_utilization`` of the card, less what is in use
