@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 from gpu_concurrency import free_port, stop  # noqa: E402  (one way to start and stop a server process tree)
 
 STUB_FACTORY = "openinfer.engine_core.stub:create_stub_engine"
-STARTUP_LINES = ("kernel modules", "captured", "prefill warm-up", "start-up", "Traceback", "Error")
+STARTUP_LINES = ("kernel modules", "captured", "prefill warm-up", "start-up", "compiled while serving", "Traceback", "Error")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -83,12 +84,13 @@ from openinfer.parallel.rank import RankContext
 from openinfer.backend.cuda import weight_upload
 from openinfer.plugin_glue import DecoderPlugin
 import openinfer_qwen3.plugin as plugin_module
-path, reads, threads = sys.argv[1], sys.argv[2] == "read", int(sys.argv[3])
+path, reads, threads, chunk_mb = sys.argv[1], sys.argv[2] == "read", int(sys.argv[3]), int(sys.argv[4])
 backend = create_backend("cuda")
 cupy.zeros(1).sum().item()
 config = json.load(open(f"{path}/config.json"))
 plugin = next(v for v in vars(plugin_module).values() if isinstance(v, DecoderPlugin))
-weight_upload._uploaders[0] = weight_upload.WeightUploader(0, num_threads=threads, read_files=reads)
+weight_upload._uploaders[0] = weight_upload.WeightUploader(0, num_threads=threads, read_files=reads,
+                                                           chunk_bytes=chunk_mb << 20)
 t0 = time.perf_counter()
 with weight_upload.deferred_uploads() as copies:
     model = plugin.load_rank_model(path, config, 4096, backend, RankContext())
@@ -100,13 +102,16 @@ print({"structure": t1 - t0, "copies": t2 - t1, "gb": gigabytes, "gb_per_s": gig
 """
 
 
-def copies_probe(checkpoint: str, variants: list[tuple[str, int]]) -> list[dict]:
+def copies_probe(checkpoint: str, variants: list[str]) -> list[dict]:
+    """Each variant ``READS:THREADS[:CHUNK_MB[:all]]`` (``all``: OPENINFER_UPLOAD_ALL=1) in a fresh process."""
     out = []
-    for reads, threads in variants:
+    for variant in variants:
+        reads, threads, chunk_mb, *rest = [*variant.split(":"), "8"][:3] + variant.split(":")[3:]
+        env = {**os.environ, "OPENINFER_UPLOAD_ALL": "1" if rest == ["all"] else "0"}
         began = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", COPIES, checkpoint, reads, str(threads)],
-                              capture_output=True, text=True, timeout=120)
-        entry: dict = {"reads": reads, "threads": threads, "process_wall": round(time.perf_counter() - began, 3)}
+        done = subprocess.run([sys.executable, "-c", COPIES, checkpoint, reads, threads, chunk_mb],
+                              capture_output=True, text=True, timeout=120, env=env)
+        entry: dict = {"variant": variant, "process_wall": round(time.perf_counter() - began, 3)}
         if done.returncode != 0:
             entry["error"] = done.stderr[-800:]
         else:
@@ -143,7 +148,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parts", default="imports,context,copies")
     parser.add_argument("--copies", default="map:4,read:4,map:8,read:8,read:16,map:4",
-                        help="READS:THREADS uploader variants, each on a fresh load")
+                        help="READS:THREADS[:CHUNK_MB[:all]] uploader variants, each on a fresh load")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     results: dict = {}
@@ -162,8 +167,7 @@ def main() -> None:
         for name, runs in results["context"].items():
             print(name, runs, flush=True)
     if "copies" in parts:
-        variants = [(v.split(":")[0], int(v.split(":")[1])) for v in args.copies.split(",")]
-        results["copies"] = copies_probe(args.checkpoint, variants)
+        results["copies"] = copies_probe(args.checkpoint, args.copies.split(","))
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=1)
 

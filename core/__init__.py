@@ -193,12 +193,14 @@ def create_engine(model_path: str | Path, **options: Any) -> EngineHandle:
 
     ``options`` are ``EngineOptions`` fields (device, max_model_len, num_kv_blocks, ...).
     """
+    from openinfer.engine_core.startup import note_event
     from openinfer.options import EngineOptions
     from openinfer.plugins import discover_plugins, read_model_config
 
     config = read_model_config(model_path)
     registry = discover_plugins()
     plugin_name = registry.select(config, str(Path(model_path) / "config.json"))
+    note_event("plugin_selected")  # a start-up event: plugins discovered (their entry points imported)
     return registry.create_engine(plugin_name, str(Path(model_path).resolve()), config,
                                   EngineOptions.from_kwargs(**options))
 

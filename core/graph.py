@@ -215,7 +215,8 @@ class CudaGraphRunner:
             ends = [statics[b] for b in _ends(self.buckets)] + [prefill_statics[b] for b in _ends(self.prefill_buckets)]
             precompile = getattr(self.backend, "precompile_kernels", None) if self.discover_kernels else None
             if precompile is not None:
-                self.num_precompiled_modules = precompile(lambda: self._dry_run(cupy, ends, outer))
+                gemm_rows = [*self.buckets, *(short_prefill_tokens(b) for b in self.prefill_buckets)]
+                self.num_precompiled_modules = precompile(lambda: self._dry_run(cupy, ends, outer), gemm_rows=gemm_rows)
             compiled = time.perf_counter()
             # a deferred load's weight copies ran beside the compile; the warm-ups below read them
             weights_waited = wait_for_deferred_weights()

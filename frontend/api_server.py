@@ -35,20 +35,13 @@ CORE_CONNECT_TIMEOUT_S = 3600.0
 
 
 async def _connect(args: argparse.Namespace, run_dir: str, api_key: str | None) -> EngineHandle:
-    if args.engine:
-        from openinfer.frontend.grpc import GrpcEngineClient
+    """The remote engine (``--engine grpc://``) once it answers."""
+    from openinfer.frontend.grpc import GrpcEngineClient
 
-        remote = GrpcEngineClient(args.engine, api_key)
-        logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
-        await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
-        return remote
-    from openinfer.engine_core.client import EngineCoreClient
-
-    client = EngineCoreClient(run_dir)
-    # the supervisor watches the core (a failed start stops the server); loading a large model
-    # may take long, so an API server waits for it as long as it takes within this bound
-    await client.connect(CORE_CONNECT_TIMEOUT_S)
-    return client
+    remote = GrpcEngineClient(args.engine, api_key)
+    logger.info("waiting up to %.0fs for the engine at %s", args.engine_timeout, args.engine)
+    await asyncio.to_thread(remote.wait_until_ready, args.engine_timeout)
+    return remote
 
 
 async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, index: int,
@@ -71,18 +64,27 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
     # directory unless a plugin says otherwise; then it is loaded again below)
     guessed = args.tokenizer or (args.model_path if not args.engine else None)
     preloading = asyncio.create_task(asyncio.to_thread(_timed_load, Tokenizer.from_dir, guessed)) if guessed else None
-    engine = await _connect(args, run_dir, api_key)
+    model_path = Path(args.model_path) if args.model_path else None
+    client, connecting = _start_connect(args, run_dir, api_key)
+    try:  # the app is built while the core loads, with the guessed tokenizer (checked once connected)
+        early = await _early_app(args, client, model_path, preloading, api_key, ProcessTable(run_dir))
+    except BaseException:
+        connecting.cancel()
+        raise
+    phases.mark("tokenizer_and_app")
+    engine = await connecting
     phases.mark("wait_for_engine")
     note_event("engine_connected")
-    model_path = Path(args.model_path) if args.model_path else None
     grpc_server = None
     try:
         tokenizer = await _preloaded_tokenizer(args, engine, model_path, guessed, preloading)
-        note_event("tokenizer_ready")
         name = _served_name(args, engine, model_path)
-        app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
-        note_event("app_built")
-        phases.mark("tokenizer_and_app")
+        if early is not None and tokenizer is early[0]:
+            app = early[1]
+        else:  # a tokenizer other than the guessed one (a plugin's), or a remote engine
+            app = build_app(args, engine, tokenizer, name, api_key, processes=ProcessTable(run_dir))
+            note_event("app_built")
+        phases.mark("app_checked")
         # one gRPC listener per host: the first API server answers gRPC (no SO_REUSEPORT, so a second
         # process could not share the port; a port in use is a start-up error, exit 3)
         if serves_grpc:
@@ -108,6 +110,43 @@ async def serve_api(args: argparse.Namespace, listen_fd: int, run_dir: str, inde
             await grpc_server.stop(args.shutdown_timeout)
         await engine.close()
     return 0
+
+
+def _start_connect(args: argparse.Namespace, run_dir: str, api_key: str | None
+                   ) -> tuple[EngineHandle | None, asyncio.Task]:
+    """The task connecting to the engine, and the local engine core's client it connects (None for
+    a remote engine: its client exists once it answers)."""
+    if args.engine:
+        return None, asyncio.create_task(_connect(args, run_dir, api_key))
+    from openinfer.engine_core.client import EngineCoreClient
+
+    client = EngineCoreClient(run_dir)
+
+    async def connected() -> EngineHandle:
+        # the supervisor watches the core (a failed start stops the server); loading a large model
+        # may take long, so an API server waits for it as long as it takes within this bound
+        await client.connect(CORE_CONNECT_TIMEOUT_S)
+        return client
+
+    return client, asyncio.create_task(connected())
+
+
+async def _early_app(args: argparse.Namespace, client: EngineHandle | None, model_path: Path | None,
+                     preloading: asyncio.Task | None, api_key: str | None, processes) -> tuple | None:
+    """``(tokenizer, app)`` built before the engine core answers — with the tokenizer preloaded
+    from the guessed directory — when the served name needs no answer from it; else None. Nothing
+    in building the app asks the engine anything (it is asked per request)."""
+    from openinfer.frontend.serve import _served_name, build_app
+
+    if client is None or preloading is None or not (args.served_model_name or model_path is not None):
+        return None
+    try:
+        tokenizer = await preloading
+    except Exception:  # e.g. the model directory has no tokenizer: the engine's answer decides
+        return None
+    app = build_app(args, client, tokenizer, _served_name(args, client, model_path), api_key, processes=processes)
+    note_event("app_built")
+    return tokenizer, app
 
 
 def _timed_load(load, directory: str):

@@ -57,6 +57,7 @@ from openinfer.engine_core.startup import (
     memory_breakdown,
     note_event,
     start_cuda_early,
+    start_switch_interval,
     startup_events,
 )
 from openinfer.engine_core.step_log import STEP_LOG_ENV, StepLog
@@ -324,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         if early_cuda_wanted(options):
             start_cuda_early()
         note_event("engine_build_started")
-        engine = build_engine(args.model_path, options, args.engine_factory)
+        with start_switch_interval():  # OPENINFER_START_SWITCH_INTERVAL_MS, while the engine is built
+            engine = build_engine(args.model_path, options, args.engine_factory)
     except OpenInferError as exc:
         logger.error("%s", exc)
         _report(args.ready_fd, {"ok": False, "error": str(exc), "exit_code": 2})

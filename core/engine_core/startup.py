@@ -311,6 +311,34 @@ def wait_for_deferred_weights() -> float:
     return time.perf_counter() - began
 
 
+# milliseconds of the GIL's switch interval while the engine core starts (unset: Python's 5 ms throughout).
+# While the main thread runs Python (dry forwards, graph capture), a weight-copy or kernel-build thread
+# back from a C call waits up to one interval for the GIL, several times a chunk or module
+START_SWITCH_INTERVAL_ENV = "OPENINFER_START_SWITCH_INTERVAL_MS"
+
+
+@contextlib.contextmanager
+def start_switch_interval() -> Iterator[float | None]:
+    """Within the block, the GIL switch interval ``OPENINFER_START_SWITCH_INTERVAL_MS`` (yielded in
+    seconds; None and unchanged when unset); restored after it."""
+    value = os.environ.get(START_SWITCH_INTERVAL_ENV, "").strip()
+    if not value:
+        yield None
+        return
+    try:
+        seconds = float(value) / 1e3
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 0.1:
+        raise OpenInferError(f"{START_SWITCH_INTERVAL_ENV}={value!r}: expected milliseconds in (0, 100]")
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield seconds
+    finally:
+        sys.setswitchinterval(previous)
+
+
 GC_FREEZE_ENV = "OPENINFER_GC_FREEZE"
 
 

@@ -7,3 +7,11 @@ extern "C" __global__ void scatter_int32(int* __restrict__ dst, const int* __res
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
         dst[index[i]] = values[i];
 }
+
+// dst[pairs[2i]] = src[pairs[2i + 1]]: a step's input tokens sampled by the step before, still on the device
+// (CuPy's fancy indexing did it with two kernels CuPy compiled at the first such step, mid-serving)
+extern "C" __global__ void copy_token_sources(int* __restrict__ dst, const int* __restrict__ src,
+                                              const int* __restrict__ pairs, int count) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
+        dst[pairs[2 * i]] = src[pairs[2 * i + 1]];
+}

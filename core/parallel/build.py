@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from openinfer.backend import create_backend, resolve_device
+from openinfer.engine_core.startup import note_event
 from openinfer.errors import ParallelConfigError
 from openinfer.parallel.layout import ParallelLayout, check_devices
 from openinfer.parallel.memory_plan import ModelMemory, plan_memory
@@ -58,6 +59,7 @@ def create_parallel_model(factory: RankModelFactory, options: Any, memory: Model
         check_devices(layout, gpu_count())
         if memory is not None:
             check_memory_plan(memory, layout, options, options.max_model_len or max_model_len)
+        note_event("memory_plan_checked")  # a start-up event: CuPy imported, the CUDA context made
     if layout.world_size == 1:
         return factory(create_backend(device), RankContext(load_format=load_format))
     if device == "cuda":

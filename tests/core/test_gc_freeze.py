@@ -175,3 +175,25 @@ def test_weights_joined_later_hold_the_wait_until_the_block_ends(monkeypatch) ->
     monkeypatch.setenv("OPENINFER_WEIGHTS_JOIN", "never")
     with pytest.raises(OpenInferError, match="OPENINFER_WEIGHTS_JOIN"):
         weights_join_point()
+
+
+def test_the_start_switch_interval_holds_only_inside_its_block(monkeypatch) -> None:
+    import sys
+
+    import pytest
+
+    from openinfer.engine_core.startup import start_switch_interval
+    from openinfer.errors import OpenInferError
+
+    before = sys.getswitchinterval()
+    monkeypatch.delenv("OPENINFER_START_SWITCH_INTERVAL_MS", raising=False)
+    with start_switch_interval() as seconds:
+        assert seconds is None and sys.getswitchinterval() == before
+    monkeypatch.setenv("OPENINFER_START_SWITCH_INTERVAL_MS", "0.5")
+    with start_switch_interval() as seconds:
+        assert seconds == pytest.approx(5e-4) and sys.getswitchinterval() == pytest.approx(5e-4)
+    assert sys.getswitchinterval() == before
+    for bad in ("0", "-1", "fast", "1000"):
+        monkeypatch.setenv("OPENINFER_START_SWITCH_INTERVAL_MS", bad)
+        with pytest.raises(OpenInferError, match="OPENINFER_START_SWITCH_INTERVAL_MS"), start_switch_interval():
+            pass

@@ -265,7 +265,8 @@ class _CapturingBackend(_Backend):
         self.prefill_shapes.append((num_seqs, num_tokens, max_blocks_per_seq, max_query_len))
         return types.SimpleNamespace(batch=("prefill", num_seqs))
 
-    def precompile_kernels(self, dry_run) -> int:
+    def precompile_kernels(self, dry_run, gemm_rows=()) -> int:
+        self.gemm_rows = list(gemm_rows)
         self.dry = True
         try:
             dry_run()
@@ -313,6 +314,8 @@ def test_capture_compiles_both_kinds_at_once_and_reports_each_phase(monkeypatch,
     assert sum(runner.capture_phases.values()) == pytest.approx(runner.capture_seconds, abs=1e-3)
     # eager GEMMs are padded to row counts the capture ran: every decode bucket, every short-prefill shape
     assert backend.gemm_row_buckets == sorted({*DECODE_BUCKETS, *(short_prefill_tokens(b) for b in prefill_buckets)})
+    # the same row counts were named to the compile (OPENINFER_GEMM_PRELOAD loads their cuBLAS kernels then)
+    assert sorted(set(backend.gemm_rows)) == backend.gemm_row_buckets
 
 
 def test_extra_dry_run_joins_the_one_compile_on_the_callers_stream_and_allocator(monkeypatch):

@@ -224,6 +224,8 @@ def test_the_startup_report_breaks_every_process_start_into_phases(stub_model, t
         name for name in events["engine-core"] if name in ("imports_done", "engine_build_started", "ready")]
     assert {"core_spawned"} <= set(events["supervisor"])
     assert {"imports_done", "engine_connected"} <= set(events["api-server-1"])
+    # the app is built (with the tokenizer of the model directory) while the core loads, not after
+    assert events["api-server-0"]["app_built"] < events["api-server-0"]["engine_connected"]
     for role, times in events.items():
         assert list(times.values()) == sorted(times.values()) and min(times.values()) >= 0, role
     assert {"spawn_and_imports", "model_load", "kv_planning", "transport"} <= set(

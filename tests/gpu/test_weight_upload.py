@@ -93,10 +93,14 @@ def test_discovered_kernels_are_the_ones_a_forward_compiles(cuda_backend, rng):
     assert loader.compile_kernels(wanted, cuda_backend.device.id) == 0  # already built
 
 
-def test_deferred_uploads_land_the_same_bits_once_waited_for(cuda_backend, rng):
+@pytest.mark.parametrize("switches", [{}, {"OPENINFER_UPLOAD_ALL": "1"}, {"OPENINFER_WEIGHTS_JOIN": "serve"}])
+def test_deferred_uploads_land_the_same_bits_once_waited_for(cuda_backend, rng, monkeypatch, switches):
     """OPENINFER_DEFERRED_WEIGHTS' load: under ``deferred_uploads`` bf16 weights (plain and fused
     rows) are allocated and queued, fp32 ones narrowed at once as before; after ``start`` and
-    ``wait_for_deferred_uploads`` every array holds the bits a plain upload gives."""
+    ``wait_for_deferred_uploads`` every array holds the bits a plain upload gives (also with every
+    chunk handed to the threads at once, and with the legacy-stream sync of OPENINFER_WEIGHTS_JOIN=serve)."""
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     from openinfer.backend.cuda.bf16 import float_to_bf16_bits
     from openinfer.backend.cuda.weight_upload import deferred_uploads, wait_for_deferred_uploads
     from openinfer.layers import fuse_rows, fused_linear_weight

@@ -58,7 +58,12 @@ NORM_ROWS_PER_BLOCK = 4  # rms_norm.cu's row kernels: one warp per row, 4 rows p
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations of a 2048-token step + graph pools
 # what every engine launches outside its forward (the sampler, graph-batch updates), whatever the model
 STEP_KERNELS = (("sampling.cu", "sample_rows", ()), ("logit_constraints.cu", "apply_logit_constraints", ()),
-                ("static_batch.cu", "scatter_int32", ()))
+                ("static_batch.cu", "scatter_int32", ()), ("static_batch.cu", "copy_token_sources", ()))
+
+
+# "1": the graphs' cuBLAS kernels (every capture row count x weight shape) are loaded while the start-up's
+# kernels build (``precompile_kernels(gemm_rows=...)``), not one by one in the captures
+GEMM_PRELOAD_ENV = "OPENINFER_GEMM_PRELOAD"
 
 
 def _norm_threads(features: int) -> int:
@@ -140,6 +145,7 @@ class CudaBackend:
         self.gemm_row_buckets: tuple[int, ...] = ()  # set_gemm_row_buckets
         self._gemm_weights: dict[tuple[int, int], cupy.ndarray] = {}  # weight shape -> a weight of it
         self.gemm_warmups = 0  # bucket GEMMs set_gemm_row_buckets ran
+        self.gemm_preloads = 0  # GEMMs precompile_kernels ran to load the graphs' cuBLAS kernels early
         # decode rows (M = 1): RMSNorm fused into the next projection's GEMV, SiLU·mul into
         # down-proj's (bit-identical results). Off unless OPENINFER_FUSED_DECODE=1: the first design
         # (one tile per block) took bs=1 decode from 3.29 to 4.26 ms on an H200 (benchmarks/GPU.md);
@@ -177,10 +183,13 @@ class CudaBackend:
         self._side_stream: cupy.cuda.Stream | None = None  # made at the first overlapped mixed step
         note_event("backend_ready")
 
-    def precompile_kernels(self, dry_run: Callable[[], Any]) -> int:
+    def precompile_kernels(self, dry_run: Callable[[], Any], gemm_rows: Sequence[int] = ()) -> int:
         """Compile, in parallel, every kernel ``dry_run`` (a forward whose outputs are thrown
         away) would launch, and those of ``STEP_KERNELS``; returns the number of modules built. A dry run
-        that fails part-way (outputs are garbage while discovering) still compiles what it met."""
+        that fails part-way (outputs are garbage while discovering) still compiles what it met.
+        ``gemm_rows``: the row counts the caller's graphs will run GEMMs at; with
+        ``OPENINFER_GEMM_PRELOAD=1`` their cuBLAS kernels (each with every weight shape the dry run
+        met) are loaded while the kernels build, not at their first capture."""
         note_event("discovery_started")
         with discover_kernels(self.device.id) as wanted:  # each kernel's build starts when it is found
             try:
@@ -188,6 +197,11 @@ class CudaBackend:
             except Exception:  # noqa: BLE001 — only discovery is lost; the real warm-up follows
                 logger.debug("the kernel-discovery forward stopped early", exc_info=True)
         note_event("discovery_done", last=True)
+        if gemm_rows and os.environ.get(GEMM_PRELOAD_ENV, "0").strip() == "1":
+            # a cuBLAS kernel loads at its first use and then waits for the whole device: the graphs'
+            # captures met ~100 of them one after the other; here they load while NVRTC runs
+            self.gemm_preloads = self._load_gemms(gemm_rows)
+            note_event("gemms_preloaded", last=True)
         built = compile_kernels([*wanted, *STEP_KERNELS], self.device.id)
         note_event("kernels_compiled", last=True)
         return built
@@ -341,9 +355,14 @@ class CudaBackend:
     def _load_bucket_gemms(self) -> int:
         """One GEMM per (bucket past the GEMV rows, weight shape seen), on zero inputs (loads each
         pair's cuBLAS kernel now, on an idle device); returns how many ran."""
+        return self._load_gemms(self.gemm_row_buckets)
+
+    def _load_gemms(self, row_counts: Sequence[int]) -> int:
+        """One GEMM per (row count past the GEMV rows, weight shape seen), on zero inputs (loads
+        each pair's cuBLAS kernel now); returns how many ran."""
         count = 0
         for (out_features, in_features), weight in self._gemm_weights.items():
-            for rows in self.gemm_row_buckets:
+            for rows in sorted(set(int(r) for r in row_counts)):
                 if rows <= GEMV_MAX_ROWS:
                     continue
                 x = cupy.zeros((rows, in_features), dtype=cupy.uint16)
@@ -453,10 +472,16 @@ class CudaBackend:
         return cupy.asarray(np.asarray(ids, np.int32))
 
     def fill_token_sources(self, batch: CudaBatch, previous_token_ids: cupy.ndarray, sources: np.ndarray) -> None:
-        """Inputs sampled by the previous step, still on the device: ``token_ids[dest] = previous[src]``."""
-        dest = cupy.asarray(sources[:, 0])
-        src = cupy.asarray(sources[:, 1])
-        batch.token_ids[dest] = cupy.asarray(previous_token_ids, dtype=cupy.int32)[src]
+        """Inputs sampled by the previous step, still on the device: ``token_ids[dest] = previous[src]``
+        (``sources``: [n, 2] rows of (dest, src)), one kernel of ``STEP_KERNELS`` (built at start)."""
+        count = int(sources.shape[0])
+        if count == 0:
+            return
+        pairs = cupy.asarray(np.ascontiguousarray(sources, dtype=np.int32))
+        previous = previous_token_ids if previous_token_ids.dtype == cupy.int32 else previous_token_ids.astype(cupy.int32)
+        previous = cupy.ascontiguousarray(previous)
+        kernel("static_batch.cu", "copy_token_sources")(
+            (min(_blocks(count), 64),), (256,), (batch.token_ids, previous, pairs, np.int32(count)))
 
     def kv_memory_budget(self, options: Any) -> int:
         """Bytes for the KV pool: ``gpu_memory_utilization`` of the card, less what is in use

@@ -48,18 +48,25 @@ NUM_THREADS = 4
 STAGING_BUFFERS = 2 * NUM_THREADS  # a thread fills one buffer while its previous copy runs
 SMALL_BYTES = 1 << 20  # below this a tensor is copied directly (one synchronous memcpy)
 UPLOAD_THREADS_ENV = "OPENINFER_UPLOAD_THREADS"  # copy threads (default NUM_THREADS)
+# MiB a chunk (default CHUNK_BYTES): each chunk's copy takes the GIL back a few times, and while the main
+# thread runs Python (the start-up's dry forwards, the graph capture) each take may wait out the 5 ms
+# switch interval: larger chunks take it fewer times
+UPLOAD_CHUNK_ENV = "OPENINFER_UPLOAD_CHUNK_MB"
+# "1": a deferred load's copies go to the threads all at once (``WeightUploader.upload_all``), not one tensor
+# after another with a barrier each (~400 barriers for Qwen3-4B, each a GIL round trip or more)
+UPLOAD_ALL_ENV = "OPENINFER_UPLOAD_ALL"
 # how a chunk of a memory-mapped checkpoint reaches the staging buffer: "map" (default), a memcpy
 # out of the map (each first touch of a page is a page fault); "read", pread() from the file into the
 # staging buffer (the kernel copies out of the page cache: no faults, no page-table entries)
 UPLOAD_READS_ENV = "OPENINFER_UPLOAD_READS"
 
 
-def _env_threads() -> int:
-    value = os.environ.get(UPLOAD_THREADS_ENV, "").strip()
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
     if not value:
-        return NUM_THREADS
+        return default
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{UPLOAD_THREADS_ENV}={value!r}: expected a positive integer")
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
     return int(value)
 
 
@@ -81,12 +88,14 @@ class _Staging:
 class WeightUploader:
     """Copies host arrays into device arrays through a ring of pinned staging buffers."""
 
-    def __init__(self, device_id: int, num_threads: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+    def __init__(self, device_id: int, num_threads: int | None = None, chunk_bytes: int | None = None,
                  num_buffers: int | None = None, read_files: bool | None = None):
         """``num_threads`` copy threads (``OPENINFER_UPLOAD_THREADS``, else ``NUM_THREADS``) over
-        ``num_buffers`` staging buffers (twice the threads); ``read_files``: chunks of a
+        ``num_buffers`` staging buffers (twice the threads) of ``chunk_bytes`` each
+        (``OPENINFER_UPLOAD_CHUNK_MB``, else ``CHUNK_BYTES``); ``read_files``: chunks of a
         memory-mapped file are read from the file (``OPENINFER_UPLOAD_READS=read``)."""
-        num_threads = _env_threads() if num_threads is None else num_threads
+        num_threads = _env_int(UPLOAD_THREADS_ENV, NUM_THREADS) if num_threads is None else num_threads
+        chunk_bytes = _env_int(UPLOAD_CHUNK_ENV, CHUNK_BYTES >> 20) << 20 if chunk_bytes is None else chunk_bytes
         num_buffers = 2 * num_threads if num_buffers is None else num_buffers
         self.device_id = device_id
         self.chunk_bytes = chunk_bytes
@@ -136,6 +145,26 @@ class WeightUploader:
         for staging in {id(s): s for s in used}.values():
             staging.copied.synchronize()
         return out
+
+    def upload_all(self, copies: list[tuple[np.ndarray, cupy.ndarray, int]]) -> None:
+        """Copy each ``(host, out, offset_bytes)`` like ``upload`` (the device arrays allocated and
+        the device idle beforehand), every chunk of every tensor handed to the threads at once:
+        no barrier per tensor, small tensors through the staging ring too. Returns once all landed."""
+        jobs = []
+        for host, out, offset_bytes in copies:
+            host = np.ascontiguousarray(host)
+            if not out.flags.c_contiguous or offset_bytes + host.nbytes > out.nbytes:
+                raise ValueError(f"cannot copy {host.nbytes} bytes at offset {offset_bytes} into a device array "
+                                 f"of {out.nbytes}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+            source = host.reshape(-1).view(np.uint8)
+            region = mapped_file_region(host) if self.read_files else None
+            where = None if region is None else (self._descriptor(region[0]), region[1])
+            destination = out.data.ptr + offset_bytes
+            jobs += [(source, destination, start, min(self.chunk_bytes, host.nbytes - start), where)
+                     for start in range(0, host.nbytes, self.chunk_bytes)]
+        used = list(self._pool.map(lambda job: self._copy(*job), jobs))
+        for staging in {id(s): s for s in used}.values():
+            staging.copied.synchronize()
 
     def _descriptor(self, path: str) -> int:
         with self._files_lock:
@@ -213,9 +242,14 @@ class DeferredUploads:
             began = time.perf_counter()
             note_event("weight_copies_started")
             try:
-                for device_id, host, out, offset in self.copies:
-                    with cupy.cuda.Device(device_id):
-                        uploader(device_id).upload(host, out, offset)
+                if all_at_once:
+                    for device_id in dict.fromkeys(copy[0] for copy in self.copies):
+                        with cupy.cuda.Device(device_id):
+                            uploader(device_id).upload_all([c[1:] for c in self.copies if c[0] == device_id])
+                else:
+                    for device_id, host, out, offset in self.copies:
+                        with cupy.cuda.Device(device_id):
+                            uploader(device_id).upload(host, out, offset)
                 if beside_captures:  # a device-wide sync is no call to make while another thread captures
                     for device_id in {copy[0] for copy in self.copies}:
                         with cupy.cuda.Device(device_id):
@@ -230,6 +264,7 @@ class DeferredUploads:
 
         # OPENINFER_WEIGHTS_JOIN=serve: graph captures may run while the copies do
         beside_captures = weights_join_point() == "serve"
+        all_at_once = os.environ.get(UPLOAD_ALL_ENV, "0").strip() == "1"
         # everything queued so far (kernels on memory the pool then gave to a queued ``out``) ends
         # before the thread writes; later work never touches the model's arrays
         cupy.cuda.runtime.deviceSynchronize()
