@@ -1141,6 +1141,12 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_gemv_silu": "SiLU·mul as its own launch after the gate_up GEMV ($OPENINFER_MOE_GEMV_SILU=0)",
     "route_sort": "a decode step's top-k and grouping in one block, moe_route_sort ($OPENINFER_MOE_ROUTE_SORT=1)",
     "route_warps": "top-k by a warp per token, moe_route_warps ($OPENINFER_MOE_ROUTE_WARPS=1)",
+    "router_blocks": "decode router logits with a block per expert, moe_router_logits_blocks "
+                     "($OPENINFER_MOE_ROUTER_BLOCKS=1)",
+    "router_fused": "a decode step's router logits, top-k and grouping in one launch, moe_router_route_sort "
+                    "($OPENINFER_MOE_ROUTER_FUSED=1)",
+    "no_router_blocks": "decode router logits by moe.cu's moe_router_logits ($OPENINFER_MOE_ROUTER_BLOCKS=0)",
+    "no_router_fused": "router logits and moe_route_sort as two launches ($OPENINFER_MOE_ROUTER_FUSED=0)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1244,7 +1250,10 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "1"),
                 "no_shared_overlap": (cuda_moe.SHARED_OVERLAP_ENV, "0"),
                 "gemv_silu": (cuda_moe.GEMV_SILU_ENV, "1"), "no_gemv_silu": (cuda_moe.GEMV_SILU_ENV, "0"),
-                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1")}
+                "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1"),
+                "router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "1"), "router_fused": (cuda_moe.ROUTER_FUSED_ENV, "1"),
+                "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
+                "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

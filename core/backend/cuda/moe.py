@@ -354,6 +354,17 @@ ROUTE_WARPS_ENV, ROUTE_WARPS = "OPENINFER_MOE_ROUTE_WARPS", 8  # moe_routing.cu 
 # =1 up to ROUTE_SORT_MAX_TOKENS, =0 never.
 ROUTE_SORT_ENV, ROUTE_SORT_MAX_TOKENS, ROUTE_SORT_DEFAULT_MAX_TOKENS = "OPENINFER_MOE_ROUTE_SORT", 64, 1
 ROUTE_SORT_THREADS, ROUTE_SORT_MAX_SLOTS = 512, 2048  # moe_routing.cu ROUTE_SORT_WARPS x 32, ROUTE_SORT_MAX_SLOTS
+# Decode steps of at most ROUTER_BLOCKS_MAX_TOKENS tokens (moe_routing.cu): OPENINFER_MOE_ROUTER_BLOCKS=1 computes
+# the router logits with a block per expert (moe_router_logits_blocks: the block's threads split the hidden row,
+# ~ROUTER_BLOCKS_CHUNKS 16-byte loads each), where moe_router_logits has a warp per token and expert walk the whole
+# row (Kimi-K2 at one token: 48 blocks, 28 serial loads a lane; 9.2 us for 5.5 MB, s11 D3).
+# OPENINFER_MOE_ROUTER_FUSED=1: ``route_and_group`` in one launch, moe_router_route_sort (those logits, then the
+# last block to finish runs moe_route_sort's body), its ticket counter zeroed per call (a memset node in a graph:
+# no state shared across streams or graphs; the deleted moe_decode.cu kept one counter per device).
+# Opt-in until measured on the device.
+ROUTER_BLOCKS_ENV, ROUTER_FUSED_ENV = "OPENINFER_MOE_ROUTER_BLOCKS", "OPENINFER_MOE_ROUTER_FUSED"
+ROUTER_BLOCKS_MAX_TOKENS, ROUTER_BLOCKS_CHUNKS = 4, 2  # moe_routing.cu ROUTER_BLOCKS_MAX_TOKENS
+DEFAULT_ROUTER_BLOCKS, DEFAULT_ROUTER_FUSED = False, False
 GROUP_CHUNKS_ENV = "OPENINFER_MOE_GROUP_CHUNKS"
 CHUNK_SLOTS, CHUNK_THREADS, CHUNK_SCAN_ENTRIES = 1024, 256, 12000  # moe_routing.cu: chunks x experts in one scan
 GROUPING_METHODS = ("single", "blocks", "chunks")
@@ -535,6 +546,26 @@ def route_sort_wanted(num_tokens: int, spec: RouterSpec, tid2eid: cupy.ndarray |
             and spec.num_experts + shared_experts <= ROUTE_SORT_THREADS and spec.top_k + shared_experts <= 32)
 
 
+def router_blocks_wanted(num_tokens: int) -> bool:
+    """Whether ``router_logits`` takes moe_router_logits_blocks (see ROUTER_BLOCKS_ENV)."""
+    return 0 < num_tokens <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_BLOCKS_ENV, default=DEFAULT_ROUTER_BLOCKS)
+
+
+def router_fused_wanted(x: cupy.ndarray, gate: cupy.ndarray) -> bool:
+    """Whether ``route_and_group`` runs as one launch, moe_router_route_sort (see ROUTER_BLOCKS_ENV): the switch,
+    at most ROUTER_BLOCKS_MAX_TOKENS tokens, rows the 16-byte loads can take."""
+    return (0 < int(x.shape[0]) <= ROUTER_BLOCKS_MAX_TOKENS and _switch(ROUTER_FUSED_ENV, default=DEFAULT_ROUTER_FUSED)
+            and int(x.shape[1]) % 8 == 0 and x.data.ptr % 16 == 0 and gate.data.ptr % 16 == 0)
+
+
+def router_blocks_threads(hidden: int, most: int = 1024) -> int:
+    """Threads of a moe_router_logits_blocks block: ~ROUTER_BLOCKS_CHUNKS 16-byte chunks of the row each, a
+    multiple of 32 within [32, most]."""
+    chunks = -(-hidden // 8)
+    threads = -(-chunks // ROUTER_BLOCKS_CHUNKS)
+    return max(32, min(most, -(-threads // 32) * 32))
+
+
 def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice | None:
     """``group_by_expert(*route(x, ...))`` of ``layer`` in two launches: router_logits, then moe_route_sort
     (the same ids and weights as moe_route_warps, moe_sort_parallel's offsets and tile list; each expert's
@@ -542,7 +573,9 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
     rows): the caller routes the usual way. The caller checks ``route_sort_wanted``."""
     spec, shared = layer.router, layer.shared_experts
     check_router(spec, shared)
-    logits = router_logits(x, layer.gate, spec, layer.tid2eid)
+    fused = router_fused_wanted(x, layer.gate) and layer.tid2eid is None
+    logits = (cupy.empty((int(x.shape[0]), spec.num_experts), cupy.float32) if fused
+              else router_logits(x, layer.gate, spec, layer.tid2eid))
     if logits is None:
         return None
     num_tokens, width = int(x.shape[0]), spec.top_k + shared
@@ -554,6 +587,15 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
         cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(max(tiles, 1), cupy.int32), cupy.empty(1, cupy.int32),
         tiles, width)
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
+    bias = NULL if layer.correction_bias is None else layer.correction_bias
+    if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
+        kernel("moe_routing.cu", "moe_router_route_sort", **defines)((spec.num_experts,), (ROUTE_SORT_THREADS,), (
+            x, layer.gate, np.int32(num_tokens), np.int32(x.shape[1]), logits, cupy.zeros(1, cupy.uint32), bias,
+            np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
+            np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
+            grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
+            grouping.num_tiles, np.int32(tiles)))
+        return grouping
     kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
@@ -599,6 +641,11 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
             fn.max_dynamic_shared_size_bytes = shared
         fn((-(-num_tokens // ROUTER_TILE), -(-spec.num_experts // ROUTER_TILE)), (128,),
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
+        return logits
+    if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
+        kernel("moe_routing.cu", "moe_router_logits_blocks")(
+            (spec.num_experts,), (router_blocks_threads(hidden),),
+            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
         return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
