@@ -13,6 +13,7 @@
 // Needs hidden % 8 == 0 and 16-byte aligned rows for the router (the caller checks).
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
+#include "rms_norm.cuh"   // normalize_row
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -325,7 +326,6 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
                        float eps, const bf16* __restrict__ gate, const float* __restrict__ bias /* [E] or null */,
                        int num_experts, int top_k, int scoring, int norm_topk, float scaling, int* __restrict__ ids,
                        float* __restrict__ weights) {
-    __shared__ float scratch[32];
     __shared__ float logits[GROUP_MAX_EXPERTS];
     const size_t t = blockIdx.x;
     const bf16* xr = x + t * features;
@@ -335,17 +335,7 @@ moe_add_rms_norm_route(const bf16* __restrict__ x, const bf16* __restrict__ resi
     for (int c = threadIdx.x; c < features; c += blockDim.x)
         ro[c] = __float2bfloat16_rn(__bfloat162float(xr[c]) + __bfloat162float(rr[c]));
     __syncthreads();
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = __bfloat162float(ro[c]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / features + eps);
-    for (int c = threadIdx.x; c < features; c += blockDim.x) {
-        const float v = round_bf16(__bfloat162float(ro[c]) * inv);
-        o[c] = __float2bfloat16_rn(v * __bfloat162float(norm_weight[c]));
-    }
+    normalize_row(ro, norm_weight, o, features, eps);  // rms_norm.cu add_rms_norm's bits
     __syncthreads();  // the normed row is whole (this block's global writes, seen by its threads after the barrier)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int e = warp; e < num_experts; e += warps) {
