@@ -1147,6 +1147,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
                     "($OPENINFER_MOE_ROUTER_FUSED=1)",
     "no_router_blocks": "decode router logits by moe.cu's moe_router_logits ($OPENINFER_MOE_ROUTER_BLOCKS=0)",
     "no_router_fused": "router logits and moe_route_sort as two launches ($OPENINFER_MOE_ROUTER_FUSED=0)",
+    "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
+                       "($OPENINFER_INT4_ROW_BLOCKS=auto)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1253,7 +1255,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "route_sort": (cuda_moe.ROUTE_SORT_ENV, "1"), "route_warps": (cuda_moe.ROUTE_WARPS_ENV, "1"),
                 "router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "1"), "router_fused": (cuda_moe.ROUTER_FUSED_ENV, "1"),
                 "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
-                "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0")}
+                "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
+                "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

@@ -431,3 +431,29 @@ def test_gemv_m1_ksplit_equals_numpy(rng, ksplit, n, k):
         outs.append((cupy.asnumpy(out).astype(np.uint32) << 16).view(np.float32))
     assert relative_error(outs[1], outs[0]) < 5e-3
     assert relative_error(outs[1], x_host @ w_host.T) < BF16_TOL
+
+
+@pytest.mark.parametrize("row_blocks", ["2", "3", "auto"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_lane_groups_row_blocks_equal_one(cuda_backend, rng, monkeypatch, row_blocks, tokens):
+    """OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS: each block several column blocks in turn, the
+    grid narrower): the bits of one column block per block (the same sums per row), N = 1040 (17 blocks of 64
+    columns, a last block past N); "auto" picks by waves: Kimi-K2's batch-1 down (112 x 9 blocks) twice, its
+    gate_up (64 x 9) and any prefill-sized grid once; a bad value is a clear error."""
+    moe = _moe_cuda()
+    num_experts, top_k, out_features, in_features = 8, 4, 1040, 256
+    weight = moe.tiled_int4(_int4_experts(rng, num_experts, out_features, in_features)[0], "lane_groups")
+    x = cuda_backend.upload(bf16_random(rng, tokens, in_features))
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
+    monkeypatch.delenv(moe.INT4_ROW_BLOCKS_ENV, raising=False)
+    one = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_norot"))
+    monkeypatch.setenv(moe.INT4_ROW_BLOCKS_ENV, row_blocks)
+    several = cupy.asnumpy(moe.grouped_gemm(x, weight, grouping, gather=True, gemv=True, gemv_kernel="groups_norot"))
+    assert np.array_equal(several, one)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert moe.int4_row_blocks(112, 9, 4, "auto") == (2 if sms == 132 else moe.int4_row_blocks(112, 9, 4, "auto"))
+    assert moe.int4_row_blocks(-(-sms * 4 // 9), 9, 4, "auto") == 1 and moe.int4_row_blocks(112, 392, 4, "auto") == 1
+    assert moe.int4_row_blocks(112, 9, 4, "1") == 1 and moe.int4_row_blocks(3, 9, 4, "8") == 3
+    with pytest.raises(ValueError, match="auto or a positive integer"):
+        moe.int4_row_blocks(112, 9, 4, "two")

@@ -44,6 +44,7 @@ routing's counts back, where cuBLAS on each expert's rows is worth a sync per la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -203,6 +204,34 @@ TILED_GEMV = "tiled1_nc_rot"
 # 5260 / 2667 (moe_gemv_mma there, in the layer: 3166 / 1590). D2 (same sweep): 1 token 58.4 / 36.4 -> 44.6 / 26.3,
 # 42.4 / 26.2; 16 tokens 653 / 334 -> 508 / 275, 516 / 267; 64 tokens 1785 / 853 -> 1693 / 878, 1650 / 867.
 LANE_GROUPS_CHOICE: tuple[tuple[float, str], ...] = ((0.5, "groups_norot"), (3, "groups"))
+# OPENINFER_INT4_ROW_BLOCKS (moe_int4.cu GROUPS_ROW_BLOCKS): each block of moe_gemv_int4_groups takes R column
+# blocks in turn (blockIdx.x, + gridDim.x, ...), the grid R times narrower. "auto": for decode-sized grids (at most
+# ROW_BLOCKS_MAX_TILES tile rows) that exceed one wave of resident blocks by a quarter or more, R = the waves
+# (at most ROW_BLOCKS_MOST): Kimi-K2's batch-1 down projection (112 column blocks x 9 tile rows = 1,008 blocks
+# where 132 SMs hold 528: 1.9 waves of 16-chunk walks) runs as one wave of 32-chunk walks; gate_up (576) stays.
+# An integer forces R; unset or 1: off. Opt-in until measured on the device.
+INT4_ROW_BLOCKS_ENV, ROW_BLOCKS_MAX_TILES, ROW_BLOCKS_MOST = "OPENINFER_INT4_ROW_BLOCKS", 16, 4
+DEFAULT_INT4_ROW_BLOCKS = "1"
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def int4_row_blocks(column_blocks: int, tile_rows: int, min_blocks: int, value: str | None = None) -> int:
+    """GROUPS_ROW_BLOCKS for a moe_gemv_int4_groups grid of ``column_blocks`` x ``tile_rows`` blocks of which an SM
+    holds ``min_blocks`` (see INT4_ROW_BLOCKS_ENV); a bad value is a clear error."""
+    value = (value if value is not None else os.environ.get(INT4_ROW_BLOCKS_ENV, "")).strip().lower() \
+        or DEFAULT_INT4_ROW_BLOCKS
+    if value == "auto":
+        if tile_rows > ROW_BLOCKS_MAX_TILES or column_blocks < 2:
+            return 1
+        waves = column_blocks * tile_rows / (_sm_count(cupy.cuda.Device().id) * min_blocks)
+        return max(1, min(ROW_BLOCKS_MOST, column_blocks, round(waves))) if waves >= 1.25 else 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{INT4_ROW_BLOCKS_ENV} must be auto or a positive integer, got {value!r}")
+    return min(int(value), column_blocks)
 # The one place the decode GEMV is chosen, per weight format: by rows per weight (dense: the linear's
 # rows; grouped: the step's slots averaged over the experts, T·k / E), the first entry whose bound
 # holds; past the last, no GEMV (dense: dequantize + cuBLAS, or the per-tile GEMM without a handle;
@@ -803,8 +832,12 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
     if name in GROUPS_GEMVS:
         if weight.layout == "lane_groups":
             columns = MMA_GEMV_WARPS // defines.get("GROUPS_KSPLIT", 1) * MMA_GEMV_COLUMNS  # moe_int4.cu GROUPS_WARPS x 16
+            column_blocks = -(-weight.out_features // columns)
+            row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
+            if row_blocks > 1:
+                defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
             kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
-                (-(-weight.out_features // columns), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
+                (-(-column_blocks // row_blocks), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
