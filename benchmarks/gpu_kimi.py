@@ -1149,6 +1149,7 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "no_router_fused": "router logits and moe_route_sort as two launches ($OPENINFER_MOE_ROUTER_FUSED=0)",
     "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
                        "($OPENINFER_INT4_ROW_BLOCKS=auto)",
+    "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1256,7 +1257,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "1"), "router_fused": (cuda_moe.ROUTER_FUSED_ENV, "1"),
                 "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
                 "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
-                "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto")}
+                "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
+                "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():

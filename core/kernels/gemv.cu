@@ -159,6 +159,49 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
     gemv_tile<8, 4, 1>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
+// gemv_m1_rms_scaled: y = rms_norm(x) @ w^T (+ bias) for one row with no normalised row in between (Kimi-K2's
+// q_a_norm + q_b: the norm a launch of its own before gemv_m1, ~5 us at batch 1 for a 3 KB row). A warp's
+// lanes walk the whole x row (16-byte chunks 8·lane + 256·j), so each warp sums x² itself, beside its column's
+// Σ x·g·w (fp32); the column's sum is scaled by rsqrt(Σx²/K + eps) at the end. The weight row's loads issue
+// first, as gemv_m1's (a pass of GEMV_M1_UNROLL, the partial last pass all at once). Not the bits of rms_norm
+// then gemv_m1 (that rounds the normalised row to bf16 twice): fp32 throughout, within bf16 rounding.
+extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
+                   const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (n >= N) return;
+    const bf16* wrow = w + (size_t)n * K;
+    constexpr int STEP = 32 * 8, UNROLL = GEMV_M1_UNROLL;
+    float acc = 0.f, ss = 0.f;
+    for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
+        uint4 raw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (k0 + u * STEP < K) raw[u] = *reinterpret_cast<const uint4*>(wrow + k0 + u * STEP);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * STEP;
+            if (k >= K) break;
+            float xf[8], gf[8], wf[8];
+            load8(x + k, xf);
+            load8(norm_weight + k, gf);
+            words_to_floats8(raw[u], wf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                ss += xf[i] * xf[i];
+                acc += xf[i] * gf[i] * wf[i];
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    ss = warp_sum(ss);
+    if (lane == 0) {
+        const float b = bias != nullptr ? __bfloat162float(bias[n]) : 0.f;
+        y[n] = __float2bfloat16_rn(acc * rsqrtf(ss / K + eps) + b);
+    }
+}
+
 // --- fused decode GEMVs (M = 1) ------------------------------------------------------------------
 // The block first builds the GEMV's input row in shared memory, bit-identical to what the unfused
 // kernels write to global memory, then runs the same gemv_tile over it: one launch instead of two,

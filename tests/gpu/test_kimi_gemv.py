@@ -457,3 +457,34 @@ def test_lane_groups_row_blocks_equal_one(cuda_backend, rng, monkeypatch, row_bl
     assert moe.int4_row_blocks(112, 9, 4, "1") == 1 and moe.int4_row_blocks(3, 9, 4, "8") == 3
     with pytest.raises(ValueError, match="auto or a positive integer"):
         moe.int4_row_blocks(112, 9, 4, "two")
+
+
+@pytest.mark.parametrize("n,k", [(12288, 1536), (100, 264), (37, 7168), (40, 2056)])
+def test_gemv_m1_rms_scaled_matches_numpy(cuda_backend, rng, monkeypatch, n, k):
+    """gemv.cu gemv_m1_rms_scaled (OPENINFER_RMS_SCALED_GEMV=1: add_rms_norm_linear without a residual as one
+    launch, the norm a scale on each column's sum): the NumPy rms_norm then product within bf16 rounding, the
+    two-launch path (rms_norm, gemv_m1) within a few bf16 ulps; Kimi-K2's q_b, a partial pass, a long row, K past
+    whole passes of 8; the input row handed back; rows other than one take the two launches; a bad value errors."""
+    from openinfer.backend.cuda import linear as cuda_linear
+
+    w_host = bf16_random(rng, n, k, scale=0.02)
+    x_host = bf16_random(rng, 1, k, scale=3.0)
+    norm_host = bf16_random(rng, k, scale=0.3) + np.float32(1.0)
+    layer = cuda_backend.linear_weight(w_host)
+    norm = cuda_backend.weight(norm_host)
+    x = cuda_backend.upload(x_host)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "0")
+    two, _ = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, layer)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
+    assert cuda_linear.rms_scaled_wanted(x, layer)
+    one, passed = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, layer)
+    assert passed is x and one.shape == (1, n)
+    normed = x_host / np.sqrt(np.mean(x_host.astype(np.float64) ** 2) + 1e-6) * norm_host
+    expected = normed @ w_host.T
+    assert relative_error(cuda_backend.to_host(one), expected) < BF16_TOL
+    assert relative_error(cuda_backend.to_host(one), cuda_backend.to_host(two)) < 1e-2
+    rows2 = cuda_backend.upload(bf16_random(rng, 2, k))
+    assert not cuda_linear.rms_scaled_wanted(rows2, layer)
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.rms_scaled_wanted(x, layer)

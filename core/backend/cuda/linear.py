@@ -136,6 +136,38 @@ def fused_silu_mul_gemv(gate_up: cupy.ndarray, layer: CudaLinear, num_sms: int,
     return out
 
 
+# OPENINFER_RMS_SCALED_GEMV=1 (opt-in until measured): ``rms_norm(x) @ W^T`` for one row as one launch,
+# gemv.cu ``gemv_m1_rms_scaled`` (each warp sums x² over the row it walks anyway and scales its column's
+# Σ x·g·w at the end: no normalised row, no norm launch; within bf16 rounding of the two launches, not
+# their bits). Where the CUDA backend's add_rms_norm_linear has no residual (Kimi-K2 / DeepSeek-V3's
+# q_a_norm + q_b at batch 1: rms_norm + gemv_m1 17.4 us in s11 D3's breakdown, gemv_m1 alone 12.2).
+RMS_SCALED_GEMV_ENV = "OPENINFER_RMS_SCALED_GEMV"
+DEFAULT_RMS_SCALED_GEMV = False
+
+
+def rms_scaled_wanted(x: cupy.ndarray, layer: CudaLinear) -> bool:
+    """Whether ``rms_norm_gemv`` runs ``rms_norm(x) @ W^T``: the switch (1 / 0, unset: the default; another
+    value: a clear error), one row, in_features % 8 == 0, 16-byte aligned rows."""
+    value = os.environ.get(RMS_SCALED_GEMV_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{RMS_SCALED_GEMV_ENV} must be 1 or 0, got {value!r}")
+    on = DEFAULT_RMS_SCALED_GEMV if value == "" else value in ("1", "true", "on")
+    return (on and x.ndim == 2 and x.shape[0] == 1 and x.shape[1] == layer.in_features
+            and layer.in_features % 8 == 0 and x.data.ptr % 16 == 0 and layer.weight.data.ptr % 16 == 0)
+
+
+def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer: CudaLinear) -> cupy.ndarray:
+    """``rms_norm(x, norm_weight, eps) @ W^T (+ bias)`` for one bf16 row in one launch (``gemv_m1_rms_scaled``);
+    the caller checks ``rms_scaled_wanted``."""
+    n, k = layer.out_features, layer.in_features
+    out = cupy.empty((1, n), dtype=cupy.uint16)
+    kernel("gemv.cu", "gemv_m1_rms_scaled")(
+        (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
+        (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
+         layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
+    return out
+
+
 def _add_bias(out: cupy.ndarray, bias: cupy.ndarray) -> None:
     rows, features = out.shape
     blocks = min(4096, (out.size + 255) // 256)
