@@ -1,6 +1,8 @@
-"""INT4 expert weights in the decode GEMV's tiled layout (core/quant.py ``tile_int4``, moe.cu
-INT4_TILED) on the GPU: every INT4 kernel gives the bits it gives on the checkpoint layout (the
-same products in the same order), and the dequantized NumPy product."""
+"""INT4 expert weights repacked for the decode GEMVs (core/quant.py ``tile_int4``: the tiled and the lane-groups
+layouts, moe.cu INT4_TILED 1 / 2) on the GPU, one parametrised set of tests per layout: every INT4 kernel gives
+the bits it gives on the checkpoint layout (the same products in the same order; the layout's own GEMVs within
+fp32 rounding), and the dequantized NumPy product; then the fused and decode-shaped forms (SiLU·mul, row
+blocks) and gemv.cu's opt-in one-row GEMVs."""
 
 from __future__ import annotations
 
@@ -43,20 +45,35 @@ GROUPED_KERNELS = [False, "moe_gemv", "wide", "wide_nc", "mma", "mma_nc", "mma_s
                    "tiled1_nc_rot_d6", "tiled1_nc_rot_d6_rb2", "tiled2_nc_rot"]
 
 
-@pytest.mark.parametrize("gemv_kernel", GROUPED_KERNELS, ids=["tiles" if k is False else k for k in GROUPED_KERNELS])
+LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
+                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
+                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
+
+
+def _kernel_id(kernel) -> str:
+    return "tiles" if kernel is False else "auto" if kernel is None else kernel
+
+
+# (layout, decode GEMV forced or False: the per-tile GEMM, None: what the tables pick) per repacked INT4 layout
+LAYOUT_EXPERT_KERNELS = [("tiled", k) for k in GROUPED_KERNELS] + [("lane_groups", k) for k in LANE_GROUPS_KERNELS]
+
+
+@pytest.mark.parametrize("layout,gemv_kernel", LAYOUT_EXPERT_KERNELS,
+                         ids=[f"{layout}-{_kernel_id(k)}" for layout, k in LAYOUT_EXPERT_KERNELS])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
-    """Grouped over moe_sort's tiles (gathered token rows, an idle expert, a 40-row tile at 40 tokens):
-    the tiled weight's output is the checkpoint layout's, bit for bit, for the per-tile GEMM and each
-    decode GEMV (moe_gemv_mma_staged, which reads checkpoint rows, runs moe_gemv_mma on tiled
-    weights); N = 96 (six 16-row blocks: split-K warps past N), K = 1152 (nine 128-weight chunks: the
-    rings wrap). The tiled layout's own GEMV (the "tiled" kernels; checkpoint-layout weights run
-    moe_gemv_mma there) applies the scales after the mma: fp32 rounding apart from moe_gemv_mma."""
+def test_repacked_experts_equal_checkpoint_layout(cuda_backend, rng, layout, gemv_kernel, tokens):
+    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a 40-row
+    tile at 40): weights repacked into ``layout`` (tiled, lane-groups) give the checkpoint layout's bits by the
+    per-tile GEMM and every GEMV that reads them a word or 16 bytes at a time (moe_gemv_mma_staged, which reads
+    checkpoint rows, and another layout's GEMVs run moe_gemv_mma there); the layout's own GEMVs
+    (LAYOUT_GEMVS: moe_gemv_int4_tiled, moe_gemv_int4_groups, and what "auto" runs within LANE_GROUPS_CHOICE)
+    apply the scales after the mma: fp32 rounding apart. N = 96 (six 16-row blocks: a block's last warps past
+    N), K = 1152 (nine 128-weight chunks: the rings wrap); and the dequantized NumPy product."""
     moe = _moe_cuda()
     num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
     rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
-    tiled = moe.tiled_int4(rows_weight)
-    assert tiled.layout == "tiled" and tiled.data.shape == (num_experts, 6, 9, 256)
+    repacked = moe.tiled_int4(rows_weight, layout)
+    assert repacked.layout == layout and repacked.data.shape == (num_experts, 6, 9, 256)
     x = bf16_random(rng, tokens, in_features)
     ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
     if tokens == 40:
@@ -65,8 +82,11 @@ def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, t
     gemv = gemv_kernel is not False
     kernel = gemv_kernel or None
     outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
-                                                  gemv_kernel=kernel)) for weight in (rows_weight, tiled)]
-    if gemv_kernel in moe.TILED_GEMVS:
+                                                  gemv_kernel=kernel)) for weight in (rows_weight, repacked)]
+    per_expert = tokens * top_k / num_experts
+    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(repacked, moe.gemv_for(per_expert, True, "int4"), None,
+                                                          per_expert) if gemv else None
+    if ran in moe.LAYOUT_GEMVS[layout]:
         assert relative_error(outs[1], outs[0]) < 5e-3
     else:
         assert np.array_equal(outs[1], outs[0])
@@ -75,50 +95,63 @@ def test_tiled_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, t
     assert relative_error(outs[1], expected) < BF16_TOL
 
 
-@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "moe_gemv"), ("gemv", "wide"), ("gemv", "mma"),
-                                                ("gemv", "mma_depth4"), ("dequantize", None), ("tiles", None),
-                                                ("gemv", "tiled"), ("gemv", None), (None, None)])
-@pytest.mark.parametrize("rows", [1, 9, 20])
-def test_tiled_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
-    """A dense INT4 linear (E = 1) in the tiled layout: the checkpoint layout's bits by every method
-    (moe_gemv_int4_tiled, what tiled weights run unless a GEMV is forced: within fp32 rounding of
-    moe_gemv_mma), and the dequantized product; moe_dequantize gives the same bf16 weight."""
+# (layout, method, GEMV) of the dense INT4 linear per repacked layout
+LAYOUT_DENSE_METHODS = [("tiled", m, k) for m, k in (
+    ("gemv", "moe_gemv"), ("gemv", "wide"), ("gemv", "mma"), ("gemv", "mma_depth4"), ("dequantize", None),
+    ("tiles", None), ("gemv", "tiled"), ("gemv", None), (None, None))] + [("lane_groups", m, k) for m, k in (
+    ("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"), ("dequantize", None), ("tiles", None),
+    ("gemv", None), (None, None))]
+
+
+@pytest.mark.parametrize("layout,method,gemv_kernel", LAYOUT_DENSE_METHODS,
+                         ids=[f"{layout}-{m}-{k}" for layout, m, k in LAYOUT_DENSE_METHODS])
+@pytest.mark.parametrize("rows", [1, 2, 9, 20])
+def test_repacked_dense_linear_equals_checkpoint_layout(cuda_backend, rng, layout, method, gemv_kernel, rows):
+    """A dense INT4 linear (E = 1) repacked into ``layout``: the checkpoint layout's bits by every method, the
+    layout's own GEMV (moe_gemv_int4_tiled / moe_gemv_int4_groups: passes of 2 or 4 rows, a lone last row at 9)
+    within fp32 rounding of moe_gemv_mma; the dequantized product; moe_dequantize gives the same bf16 weight."""
     moe = _moe_cuda()
     weight, reference = _int4_experts(rng, 1, 256, 512)
-    tiled = moe.tiled_int4(weight)
+    repacked = moe.tiled_int4(weight, layout)
     x = cuda_backend.upload(bf16_random(rng, rows, 512))
     outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
-            for w in (weight, tiled)]
+            for w in (weight, repacked)]
     chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
-    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(tiled, chosen)
-    if ran in moe.TILED_GEMVS:
+    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(repacked, chosen, None, rows)
+    if ran in moe.LAYOUT_GEMVS[layout]:
         assert relative_error(outs[1], outs[0]) < 5e-3
     else:
         assert np.array_equal(outs[1], outs[0])
     assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
-    assert np.array_equal(cupy.asnumpy(moe.dequantize(tiled)), cupy.asnumpy(moe.dequantize(weight)))
+    assert np.array_equal(cupy.asnumpy(moe.dequantize(repacked)), cupy.asnumpy(moe.dequantize(weight)))
 
 
-def test_int4_layout_switch(rng, monkeypatch):
-    """$OPENINFER_INT4_LAYOUT=tiled tiles INT4 uploads that fit (group 32, N % 16, K % 128) and leaves
-    the rest as stored; unset, uploads take DEFAULT_INT4_LAYOUT; the device repack is tile_int4's
-    (untile_int4 gives the checkpoint arrays back); an unknown layout is a clear error."""
+@pytest.mark.parametrize("layout", ["tiled", "lane_groups"])
+def test_int4_layout_switch(rng, monkeypatch, layout):
+    """$OPENINFER_INT4_LAYOUT=``layout`` repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest stay
+    as stored (N = 40, K = 224: not whole 16-row blocks / 128-weight chunks); unset, uploads take
+    DEFAULT_INT4_LAYOUT; the device repack is tile_int4's (untile_int4 gives the checkpoint arrays back); a
+    repacked weight is not repacked again; an unknown layout is a clear error."""
     moe = _moe_cuda()
-    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "tiled")
+    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, layout)
     fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
-    ragged, _ = _int4_experts(rng, 2, 40, 256, layout=None)
-    assert fits.layout == "tiled" and ragged.layout == "rows"
+    assert fits.layout == layout
+    assert _int4_experts(rng, 2, 40, 256, layout=None)[0].layout == "rows"
+    assert _int4_experts(rng, 2, 64, 224, layout=None)[0].layout == "rows"
     monkeypatch.delenv(moe.INT4_LAYOUT_ENV)
     assert _int4_experts(rng, 1, 64, 256, layout=None)[0].layout == moe.DEFAULT_INT4_LAYOUT
     stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
     assert stored.layout == "rows"
-    tiled = moe.tiled_int4(stored)
-    words, scales = untile_int4(cupy.asnumpy(tiled.data), cupy.asnumpy(tiled.scale), 64, 256)
+    repacked = moe.tiled_int4(stored, layout)
+    words, scales = untile_int4(cupy.asnumpy(repacked.data), cupy.asnumpy(repacked.scale), 64, 256,
+                                lane_groups=layout == "lane_groups")
     assert np.array_equal(words, cupy.asnumpy(stored.data)) and np.array_equal(scales, cupy.asnumpy(stored.scale))
-    assert moe.tiled_int4(tiled) is tiled
+    assert moe.tiled_int4(repacked, layout) is repacked and moe.tiled_int4(stored, "rows") is stored
     monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "columns")
     with pytest.raises(ValueError, match="unknown INT4 layout"):
         _int4_experts(rng, 1, 64, 256, layout=None)
+    with pytest.raises(ValueError, match="unknown INT4 layout"):
+        moe.tiled_int4(stored, "columns")
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64])
@@ -238,86 +271,6 @@ def test_wide_gate_up_silu_equals_unfused(cuda_backend, rng, monkeypatch, gemv_k
 
 
 # --- the lane-groups layout (tile_int4(lane_groups=True), moe.cu INT4_TILED 2) and moe_int4.cu's GEMV ---
-
-LANE_GROUPS_KERNELS = [False, None, "moe_gemv", "wide", "mma", "mma_staged", "tiled1_nc_rot", "groups", "groups_d2",
-                       "groups_d6", "groups_p2", "groups_norot", "groups_s8", "groups_s8_norot", "groups_s6",
-                       "groups_s8_k2", "groups_s8_p2", "groups_s8_p4"]
-
-
-@pytest.mark.parametrize("gemv_kernel", LANE_GROUPS_KERNELS,
-                         ids=["tiles" if k is False else "auto" if k is None else k for k in LANE_GROUPS_KERNELS])
-@pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_lane_groups_experts_equal_checkpoint_layout(cuda_backend, rng, gemv_kernel, tokens):
-    """Grouped over moe_sort's tiles (ragged: an idle expert, 1-2 rows per expert at 1 and 5 tokens, a
-    40-row tile at 40): lane-groups weights give the checkpoint layout's bits by the per-tile GEMM and every
-    GEMV that reads them a word or 16 bytes at a time (tiled and staged names run moe_gemv_mma there);
-    moe_gemv_int4_groups (its GEMVs, and what "auto" runs within LANE_GROUPS_CHOICE) applies the scales
-    after the mma: fp32 rounding apart. N = 96 (a block's last two warps past N), K = 1152 (nine chunks: the
-    rings wrap); and the dequantized NumPy product."""
-    moe = _moe_cuda()
-    num_experts, top_k, out_features, in_features = 8, 2, 96, 1152
-    rows_weight, reference = _int4_experts(rng, num_experts, out_features, in_features)
-    groups = moe.tiled_int4(rows_weight, "lane_groups")
-    assert groups.layout == "lane_groups" and groups.data.shape == (num_experts, 6, 9, 256)
-    x = bf16_random(rng, tokens, in_features)
-    ids = rng.choice([0, 2, 3, 4, 5, 6, 7], (tokens, top_k)).astype(np.int32)  # expert 1 idle
-    if tokens == 40:
-        ids[:, 0] = 2
-    grouping = moe.group_by_expert(cupy.asarray(ids), cupy.ones(ids.shape, cupy.float32), num_experts)
-    gemv = gemv_kernel is not False
-    kernel = gemv_kernel or None
-    outs = [cuda_backend.to_host(moe.grouped_gemm(cuda_backend.upload(x), weight, grouping, gather=True, gemv=gemv,
-                                                  gemv_kernel=kernel)) for weight in (rows_weight, groups)]
-    per_expert = tokens * top_k / num_experts
-    ran = gemv_kernel if gemv_kernel else moe.layout_gemv(groups, moe.gemv_for(per_expert, True, "int4"), None,
-                                                          per_expert) if gemv else None
-    if ran in moe.GROUPS_GEMVS:
-        assert relative_error(outs[1], outs[0]) < 5e-3
-    else:
-        assert np.array_equal(outs[1], outs[0])
-    slots = cupy.asnumpy(grouping.sorted_slots)
-    expected = np.stack([x[s // top_k] @ reference[ids.reshape(-1)[s]].T for s in slots])
-    assert relative_error(outs[1], expected) < BF16_TOL
-
-
-@pytest.mark.parametrize("method,gemv_kernel", [("gemv", "groups"), ("gemv", "groups_p2"), ("gemv", "mma"),
-                                                ("dequantize", None), ("tiles", None), ("gemv", None), (None, None)])
-@pytest.mark.parametrize("rows", [1, 2, 9])
-def test_lane_groups_dense_linear_equals_checkpoint_layout(cuda_backend, rng, method, gemv_kernel, rows):
-    """A dense INT4 linear (E = 1) in the lane-groups layout: moe_gemv_int4_groups over every row (passes of
-    2 or 4, a lone last row at 9) within fp32 rounding of the checkpoint layout's moe_gemv_mma, the other
-    methods bit for bit; the dequantized product; moe_dequantize gives the same bf16 weight."""
-    moe = _moe_cuda()
-    weight, reference = _int4_experts(rng, 1, 256, 512)
-    groups = moe.tiled_int4(weight, "lane_groups")
-    x = cuda_backend.upload(bf16_random(rng, rows, 512))
-    outs = [cuda_backend.to_host(moe.quantized_linear(x, w, cuda_backend.blas, method, gemv_kernel=gemv_kernel))
-            for w in (weight, groups)]
-    chosen = moe.choose_gemv(rows, False, "int4") if method is None else "moe_gemv" if method == "gemv" else None
-    ran = gemv_kernel if method == "gemv" and gemv_kernel else moe.layout_gemv(groups, chosen, None, rows)
-    if ran in moe.GROUPS_GEMVS:
-        assert relative_error(outs[1], outs[0]) < 5e-3
-    else:
-        assert np.array_equal(outs[1], outs[0])
-    assert relative_error(outs[1], cuda_backend.to_host(x) @ reference[0].T) < BF16_TOL
-    assert np.array_equal(cupy.asnumpy(moe.dequantize(groups)), cupy.asnumpy(moe.dequantize(weight)))
-
-
-def test_lane_groups_layout_switch(rng, monkeypatch):
-    """$OPENINFER_INT4_LAYOUT=lane_groups repacks INT4 uploads that fit (group 32, N % 16, K % 128), the rest
-    stay as stored (K = 200: not whole 128-weight chunks); the device repack is tile_int4's (untile_int4
-    gives the checkpoint arrays back); a repacked weight is not repacked again."""
-    moe = _moe_cuda()
-    monkeypatch.setenv(moe.INT4_LAYOUT_ENV, "lane_groups")
-    fits, _ = _int4_experts(rng, 2, 64, 256, layout=None)
-    ragged, _ = _int4_experts(rng, 2, 64, 224, layout=None)
-    assert fits.layout == "lane_groups" and ragged.layout == "rows"
-    stored, _ = _int4_experts(rng, 2, 64, 256, layout="rows")
-    words, scales = untile_int4(cupy.asnumpy(fits.data), cupy.asnumpy(fits.scale), 64, 256, lane_groups=True)
-    assert words.shape == cupy.asnumpy(stored.data).shape and scales.shape == cupy.asnumpy(stored.scale).shape
-    assert moe.tiled_int4(fits, "lane_groups") is fits and moe.tiled_int4(stored, "rows") is stored
-    with pytest.raises(ValueError, match="unknown INT4 layout"):
-        moe.tiled_int4(stored, "columns")
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
