@@ -1150,6 +1150,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "int4_row_blocks": "moe_gemv_int4_groups blocks taking several column blocks where a decode grid exceeds a wave "
                        "($OPENINFER_INT4_ROW_BLOCKS=auto)",
     "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
+    "oproj_prefetch": "batch 1: o_proj's last 32 MB pulled into L2 from a side stream during the MLA "
+                      "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1258,7 +1260,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_router_blocks": (cuda_moe.ROUTER_BLOCKS_ENV, "0"),
                 "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
                 "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
-                "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1")}
+                "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
+                "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
@@ -1268,9 +1271,11 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
 
 def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x, absorbed_kernel: str):
     """One decode step of the layer, as the plugin's CUDA plan runs it: returns (attention output
-    after o_proj, layer output)."""
+    after o_proj, layer output). (Option oproj_prefetch: o_proj's last rows pulled into L2 during the MLA
+    at batch 1, linear.start_weight_prefetch; not in the plugin yet.)"""
     import cupy
 
+    from openinfer.backend.cuda import linear as cuda_linear
     from openinfer.backend.cuda import mla as cuda_mla
     from openinfer.backend.cuda import moe as cuda_moe
 
@@ -1278,10 +1283,12 @@ def layer_step(backend, attention, moe, shared, spec, cache, batch, cos, sin, x,
     qkv_a = backend.linear(x, attention["qkv_a"])
     q = backend.add_rms_norm_linear(cupy.ascontiguousarray(qkv_a[:, :c["q_lora"]]), None, attention["q_a_norm"],
                                     1e-6, attention["q_b"])[0]
+    prefetch = cuda_linear.start_weight_prefetch(attention["o_proj"]) if x.shape[0] <= 1 else None
     attn = cuda_mla.mla_forward(backend.blas, q, qkv_a[:, c["q_lora"]:], cache, attention["w_uk"], attention["w_uv"],
                                 attention["kv_a_norm"], spec, batch, cos, sin, 1e-6, backend.num_sms,
                                 absorbed_kernel=absorbed_kernel)
     h = backend.linear(attn, attention["o_proj"])
+    cuda_linear.join_weight_prefetch(prefetch)
     shared_experts = partial(shared_mlp, backend, shared)  # by moe_forward, beside the routed ones with shared_overlap
     return h, cuda_moe.moe_forward(backend, h, moe, shared_experts=shared_experts)
 
