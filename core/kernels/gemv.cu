@@ -6,6 +6,7 @@
 // order whatever M is, so a row's result does not depend on the other rows of the batch. K must be
 // a multiple of 8.
 #include "common.cuh"
+#include "decode_pdl.cuh"  // DECODE_PDL: gemv_m1 / gemv_m1_rms_scaled
 
 #define WARPS_PER_BLOCK 8
 #ifndef GEMV_BATCHED_TAIL
@@ -30,7 +31,8 @@ __device__ __forceinline__ void words_to_floats8(const uint4& u, float* f) {
 }
 
 // Tile `tile` of the output: columns [tile * WARPS_PER_BLOCK * COLS, +WARPS_PER_BLOCK * COLS).
-template <int ROWS, int COLS, int UNROLL>
+// PDL (DECODE_PDL, gemv_m1): the first pass's weight loads issue before decode_pdl_wait (decode_pdl.cuh).
+template <int ROWS, int COLS, int UNROLL, bool PDL = false>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y, int M,
                                           int N, int K, int tile) {
@@ -47,6 +49,34 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.f;
     constexpr int STEP = 32 * 8;
     int k = lane * 8;
+    if constexpr (PDL) {  // the first pass's weights (raw words: few registers) in flight, then the wait, then x
+        uint4 raw[UNROLL][COLS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (k + u * STEP < K)
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) raw[u][c] = *reinterpret_cast<const uint4*>(wrow[c] + k + u * STEP);
+        decode_pdl_wait();
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (k + u * STEP >= K) break;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r < M) {
+                    float xf[8];
+                    load8(x + (size_t)r * K + k + u * STEP, xf);
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) {
+                        float wf[8];
+                        words_to_floats8(raw[u][c], wf);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[r][c] += xf[i] * wf[i];
+                    }
+                }
+            }
+        }
+        k += UNROLL * STEP;  // each lane's k still in increasing order: the bits of the plain kernel
+    }
     for (; k + (UNROLL - 1) * STEP < K; k += UNROLL * STEP) {
         float wf[UNROLL][COLS][8];
 #pragma unroll
@@ -144,7 +174,8 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ x, const bf16
         bf16 *__restrict__ y, int M, int N, int K
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m1(GEMV_ARGS) {
-    gemv_tile<1, 1, GEMV_M1_UNROLL>(x, w, bias, y, M, N, K, blockIdx.x);
+    decode_pdl_launch_dependents();
+    gemv_tile<1, 1, GEMV_M1_UNROLL, DECODE_PDL != 0>(x, w, bias, y, M, N, K, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m2(GEMV_ARGS) {
@@ -168,17 +199,23 @@ extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32) gemv_m8(GEMV_
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
 gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_weight, float eps,
                    const bf16* __restrict__ w, const bf16* __restrict__ bias, bf16* __restrict__ y, int N, int K) {
+    decode_pdl_launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * WARPS_PER_BLOCK + warp;
     if (n >= N) return;
     const bf16* wrow = w + (size_t)n * K;
     constexpr int STEP = 32 * 8, UNROLL = GEMV_M1_UNROLL;
     float acc = 0.f, ss = 0.f;
+    bool waited = !DECODE_PDL;  // the weights' first pass in flight before the wait for x (decode_pdl.cuh)
     for (int k0 = lane * 8; k0 < K; k0 += UNROLL * STEP) {
         uint4 raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
             if (k0 + u * STEP < K) raw[u] = *reinterpret_cast<const uint4*>(wrow + k0 + u * STEP);
+        if (!waited) {
+            decode_pdl_wait();
+            waited = true;
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int k = k0 + u * STEP;
@@ -194,6 +231,7 @@ gemv_m1_rms_scaled(const bf16* __restrict__ x, const bf16* __restrict__ norm_wei
             }
         }
     }
+    if (!waited) decode_pdl_wait();
     acc = warp_sum(acc);
     ss = warp_sum(ss);
     if (lane == 0) {

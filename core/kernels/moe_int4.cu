@@ -27,6 +27,7 @@
 // takes the matching activations by two byte permutes of one 16-byte load.
 // Needs N % 16 == 0, K % 128 == 0 (the layout's shapes; the caller checks) and 16-byte aligned rows.
 #include "mma.cuh"
+#include "decode_pdl.cuh"  // DECODE_PDL: launched after the previous kernel (it waits before any read)
 
 #ifndef GROUPS_DEPTH
 #define GROUPS_DEPTH 4  // chunks per lane in a ring of registers: one multiplied, the rest loading
@@ -269,6 +270,8 @@ moe_gemv_int4_groups(const bf16* __restrict__ a, const int* __restrict__ sorted_
                      const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                      const int* __restrict__ num_tiles, const int* __restrict__ offsets, int dense_rows,
                      bf16* __restrict__ out, int N, int K) {
+    decode_pdl_launch_dependents();  // DECODE_PDL: the next kernel launches once this grid's last CTA started;
+    decode_pdl_wait();               // the tile list and the activations come from the kernels before
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // GROUPS_ROW_BLOCKS column blocks in turn (a block-uniform loop: the KSPLIT barriers stay matched)
     for (int row_block = 0; row_block < GROUPS_ROW_BLOCKS; ++row_block) {

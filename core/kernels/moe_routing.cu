@@ -14,6 +14,7 @@
 #include "mma.cuh"
 #include "moe_route.cuh"  // route_score
 #include "rms_norm.cuh"   // normalize_row
+#include "decode_pdl.cuh"  // DECODE_PDL: the decode routers
 
 #ifndef ROUTER_STAGES
 #define ROUTER_STAGES 4
@@ -440,6 +441,8 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
     __shared__ int slot_expert[ROUTE_SORT_MAX_SLOTS];
     __shared__ int count[GROUP_MAX_EXPERTS];  // slots per expert, then each expert's next free row
     __shared__ int scratch[32];
+    decode_pdl_launch_dependents();
+    decode_pdl_wait();  // everything it reads came from the previous kernel
     route_sort_block(logits, bias, num_tokens, num_experts, top_k, scoring, norm_topk, scaling, ids, weights, offsets,
                      sorted_slots, slot_pos, tile_expert, tile_row, num_tiles, max_tiles, slot_expert, count, scratch);
 }
@@ -458,6 +461,7 @@ moe_route_sort(const float* __restrict__ logits, const float* __restrict__ bias 
 // (ROUTE_SORT_WARPS * 32 for the fused one) (the caller checks).
 // ---------------------------------------------------------------------------------------------
 #define ROUTER_BLOCKS_MAX_TOKENS 4
+#define ROUTER_PREFETCH 2  // 16-byte chunks a thread loads before waiting (the host gives it ~2 of the row)
 #define ROUTER_FUSED_MAX_SLOTS (ROUTER_BLOCKS_MAX_TOKENS * 32)
 // Expert blockIdx.x's logits of every token into logits[t, e]; `partial` [32][ROUTER_BLOCKS_MAX_TOKENS] floats
 // of shared memory. Ends with the block's writes issued (no barrier after).
@@ -469,10 +473,32 @@ __device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x,
     float acc[ROUTER_BLOCKS_MAX_TOKENS];
 #pragma unroll
     for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) acc[t] = 0.f;
+    // the thread's first ROUTER_PREFETCH chunks of the router row in flight before the wait for x (DECODE_PDL)
+    uint4 first[ROUTER_PREFETCH];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PREFETCH; ++j)
+        if (tid * 8 + j * (int)blockDim.x * 8 < hidden)
+            first[j] = *reinterpret_cast<const uint4*>(w + tid * 8 + j * blockDim.x * 8);
+    decode_pdl_wait();
+    int chunk = 0;
 #pragma unroll 2
-    for (int i = tid * 8; i < hidden; i += blockDim.x * 8) {
+    for (int i = tid * 8; i < hidden; i += blockDim.x * 8, ++chunk) {
         float b[8];
-        load8(w + i, b);
+        if (chunk < ROUTER_PREFETCH) {
+            uint4 u = first[0];
+#pragma unroll
+            for (int j = 1; j < ROUTER_PREFETCH; ++j)
+                if (chunk == j) u = first[j];
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                b[2 * j] = f.x;
+                b[2 * j + 1] = f.y;
+            }
+        } else {
+            load8(w + i, b);
+        }
 #pragma unroll
         for (int t = 0; t < ROUTER_BLOCKS_MAX_TOKENS; ++t) {
             if (t < num_tokens) {
@@ -499,6 +525,7 @@ __device__ __forceinline__ void router_expert_logits(const bf16* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(1024)
 moe_router_logits_blocks(const bf16* __restrict__ x, const bf16* __restrict__ gate, int num_tokens, int hidden,
                          int num_experts, float* __restrict__ logits) {
+    decode_pdl_launch_dependents();
     __shared__ float partial[32][ROUTER_BLOCKS_MAX_TOKENS];
     router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
 }
@@ -518,6 +545,7 @@ moe_router_route_sort(const bf16* __restrict__ x, const bf16* __restrict__ gate,
     __shared__ int count[GROUP_MAX_EXPERTS];
     __shared__ int scratch[32];
     __shared__ int last;
+    decode_pdl_launch_dependents();
     router_expert_logits(x, gate, num_tokens, hidden, num_experts, logits, partial);
     // the last block to get here routes the step: the others' logits are visible to it after their fences
     __threadfence();

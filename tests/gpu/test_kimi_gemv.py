@@ -477,3 +477,56 @@ def test_weight_prefetch_is_a_hint(cuda_backend, rng, monkeypatch):
     monkeypatch.setenv(cuda_linear.L2_WEIGHT_PREFETCH_ENV, "lots")
     with pytest.raises(ValueError, match="megabytes"):
         cuda_linear.weight_prefetch_bytes()
+
+
+@pytest.mark.parametrize("router", ["warps", "blocks", "fused"])
+def test_decode_pdl_same_bits(cuda_backend, rng, monkeypatch, router):
+    """OPENINFER_DECODE_PDL=1 (programmatic dependent launch of gemv_m1, gemv_m1_rms_scaled, the decode routers,
+    moe_route_sort and moe_gemv_int4_groups; weights loaded before the wait for the previous kernel): a batch-1
+    chain of them — q_a_norm + q_b (one launch), a dense GEMV, then the MoE block with lane-groups INT4 experts —
+    gives the bits of plain launches, on a stream of its own eagerly and replayed from a CUDA graph."""
+    from openinfer.backend.cuda import linear as cuda_linear
+    from openinfer.moe import RouterSpec
+
+    moe = _moe_cuda()
+    hidden, inter, experts, q_lora = 512, 128, 32, 256
+    q_b = cuda_backend.linear_weight(bf16_random(rng, hidden, q_lora, scale=0.05))
+    o_proj = cuda_backend.linear_weight(bf16_random(rng, hidden, hidden, scale=0.05))
+    norm = cuda_backend.weight(bf16_random(rng, q_lora, scale=0.2) + np.float32(1.0))
+    gate_up, _ = _int4_experts(rng, experts, 2 * inter, hidden)
+    down, _ = _int4_experts(rng, experts, hidden, inter)
+    spec = RouterSpec(experts, 4, "sigmoid", routed_scaling_factor=2.5)
+    layer = moe.DeviceMoE(spec, cuda_backend.weight(bf16_random(rng, experts, hidden, scale=0.1)),
+                          cupy.asarray((0.1 * rng.standard_normal(experts)).astype(np.float32)),
+                          moe.tiled_int4(gate_up, "lane_groups"), moe.tiled_int4(down, "lane_groups"))
+    x = cuda_backend.upload(bf16_random(rng, 1, q_lora))
+    monkeypatch.setenv(cuda_linear.RMS_SCALED_GEMV_ENV, "1")
+    monkeypatch.setenv(moe.ROUTER_BLOCKS_ENV, "1" if router == "blocks" else "0")
+    monkeypatch.setenv(moe.ROUTER_FUSED_ENV, "1" if router == "fused" else "0")
+
+    def step():
+        q, _ = cuda_backend.add_rms_norm_linear(x, None, norm, 1e-6, q_b)
+        h = cuda_backend.linear(q, o_proj)
+        return h, moe.moe_forward(cuda_backend, h, layer)
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, pdl)
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            eager = [cupy.asnumpy(a) for a in step()]
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                outs = step()
+            finally:
+                graph = stream.end_capture()
+            for _ in range(2):
+                graph.launch(stream)
+                stream.synchronize()
+                assert all(np.array_equal(cupy.asnumpy(a), b) for a, b in zip(outs, eager, strict=True))
+        results[pdl] = eager
+    assert all(np.array_equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
+    monkeypatch.setenv(cuda_linear.DECODE_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        cuda_linear.decode_pdl()

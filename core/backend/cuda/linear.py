@@ -18,6 +18,7 @@ import numpy as np
 
 from openinfer.backend.cuda.cublas import Cublas
 from openinfer.backend.cuda.loader import kernel
+from openinfer.backend.cuda.pdl_launch import launch
 from openinfer.backend.cuda.row_buckets import padded_rows
 
 GEMV_MAX_ROWS = 1  # measured on H200: gemv_m2..m8 lose to cuBLAS (bs 2-8 decode 4.3-10.7 ms vs 4.3)
@@ -59,6 +60,33 @@ class CudaLinear:
         return int(self.weight.shape[1])
 
 
+# OPENINFER_DECODE_PDL=1 (opt-in until measured): the one-row GEMVs (gemv_m1, gemv_m1_rms_scaled), the decode
+# routers and the lane-groups INT4 GEMV are built with DECODE_PDL (kernels/decode_pdl.cuh) and launched with
+# programmatic dependent launch (pdl_launch): each lets the next kernel launch once its last CTA started, and
+# issues its weight loads before waiting for the previous kernel, so a weight stream starts in the previous
+# kernel's tail. The same bits either way.
+DECODE_PDL_ENV = "OPENINFER_DECODE_PDL"
+DEFAULT_DECODE_PDL = False
+
+
+def decode_pdl() -> bool:
+    """$OPENINFER_DECODE_PDL: 1 / 0 (unset: DEFAULT_DECODE_PDL); another value is a clear error."""
+    value = os.environ.get(DECODE_PDL_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{DECODE_PDL_ENV} must be 1 or 0, got {value!r}")
+    return DEFAULT_DECODE_PDL if value == "" else value in ("1", "true", "on")
+
+
+def launch_decode(source: str, name: str, grid, block, args: tuple, shared_mem: int = 0, **defines: int) -> None:
+    """``kernel(source, name, **defines)`` launched plainly, or built with DECODE_PDL and launched after the
+    previous kernel by programmatic dependent launch where ``decode_pdl``."""
+    if decode_pdl():
+        launch(kernel(source, name, **defines, DECODE_PDL=1), grid, block, args, shared_mem=shared_mem,
+               after_previous=True)
+    else:
+        kernel(source, name, **defines)(grid, block, args, shared_mem=shared_mem)
+
+
 def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     """``out = x @ W^T (+ bias)`` through gemv.cu, for at most 8 rows and in_features % 8 == 0."""
     m, k = x.shape
@@ -67,8 +95,11 @@ def skinny_gemm(x: cupy.ndarray, layer: CudaLinear, out: cupy.ndarray) -> None:
     columns_per_block = GEMV_WARPS_PER_BLOCK * GEMV_COLUMNS_PER_WARP[rows]
     grid = (n + columns_per_block - 1) // columns_per_block
     bias = layer.bias if layer.bias is not None else NULL
-    kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,),
-                                       (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k)))
+    args = (x, layer.weight, bias, out, np.int32(m), np.int32(n), np.int32(k))
+    if rows == 1:
+        launch_decode("gemv.cu", "gemv_m1", (grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
+        return
+    kernel("gemv.cu", f"gemv_m{rows}")((grid,), (GEMV_WARPS_PER_BLOCK * 32,), args)
 
 
 FUSED_MAX_IN_FEATURES = 24576  # the fused GEMVs keep their bf16 input row in 48 KB of shared memory
@@ -161,10 +192,9 @@ def rms_norm_gemv(x: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, layer:
     the caller checks ``rms_scaled_wanted``."""
     n, k = layer.out_features, layer.in_features
     out = cupy.empty((1, n), dtype=cupy.uint16)
-    kernel("gemv.cu", "gemv_m1_rms_scaled")(
-        (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
-        (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
-         layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
+    launch_decode("gemv.cu", "gemv_m1_rms_scaled", (-(-n // GEMV_WARPS_PER_BLOCK),), (GEMV_WARPS_PER_BLOCK * 32,),
+                  (cupy.ascontiguousarray(x), norm_weight, np.float32(eps), layer.weight,
+                   layer.bias if layer.bias is not None else NULL, out, np.int32(n), np.int32(k)))
     return out
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from openinfer.backend.cuda.linear import launch_decode
 from openinfer.backend.cuda.loader import kernel
 from openinfer.backend.cuda.moe_sm90 import grouped_gemm_sm90, rotated_units, sm90_experts
 from openinfer.moe import RouterSpec
@@ -618,19 +619,19 @@ def route_and_group(x: cupy.ndarray, layer: DeviceMoE) -> ExpertGroupingDevice |
     defines = {"ROUTE_SHARED_EXPERTS": shared} if shared else {}
     bias = NULL if layer.correction_bias is None else layer.correction_bias
     if fused:  # logits, top-k and grouping in one launch; its ticket counter zeroed here
-        kernel("moe_routing.cu", "moe_router_route_sort", **defines)((spec.num_experts,), (ROUTE_SORT_THREADS,), (
+        launch_decode("moe_routing.cu", "moe_router_route_sort", (spec.num_experts,), (ROUTE_SORT_THREADS,), (
             x, layer.gate, np.int32(num_tokens), np.int32(x.shape[1]), logits, cupy.zeros(1, cupy.uint32), bias,
             np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
             np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
             grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
-            grouping.num_tiles, np.int32(tiles)))
+            grouping.num_tiles, np.int32(tiles)), **defines)
         return grouping
-    kernel("moe_routing.cu", "moe_route_sort", **defines)((1,), (ROUTE_SORT_THREADS,), (
+    launch_decode("moe_routing.cu", "moe_route_sort", (1,), (ROUTE_SORT_THREADS,), (
         logits, NULL if layer.correction_bias is None else layer.correction_bias, np.int32(num_tokens),
         np.int32(spec.num_experts), np.int32(spec.top_k), np.int32(SCORING[spec.scoring]),
         np.int32(spec.norm_topk_prob), np.float32(spec.routed_scaling_factor), grouping.ids, grouping.weights,
         grouping.offsets, grouping.sorted_slots, grouping.slot_pos, grouping.tile_expert, grouping.tile_row,
-        grouping.num_tiles, np.int32(tiles)))
+        grouping.num_tiles, np.int32(tiles)), **defines)
     return grouping
 
 
@@ -672,9 +673,8 @@ def router_logits(x: cupy.ndarray, gate: cupy.ndarray, spec: RouterSpec,
            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits), shared_mem=shared)
         return logits
     if mma is None and router_blocks_wanted(num_tokens):  # a block per expert (see ROUTER_BLOCKS_ENV)
-        kernel("moe_routing.cu", "moe_router_logits_blocks")(
-            (spec.num_experts,), (router_blocks_threads(hidden),),
-            (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
+        launch_decode("moe_routing.cu", "moe_router_logits_blocks", (spec.num_experts,), (router_blocks_threads(hidden),),
+                      (x, gate, np.int32(num_tokens), np.int32(hidden), np.int32(spec.num_experts), logits))
         return logits
     kernel("moe.cu", "moe_router_logits")(
         (num_tokens, -(-spec.num_experts // ROUTER_WARPS)), (ROUTER_WARPS * 32,),
@@ -836,8 +836,8 @@ def _launch_gemv(weight: ExpertLinear, args: tuple, grid_rows: int, dense_rows: 
             row_blocks = int4_row_blocks(column_blocks, grid_rows or 1, defines.get("GROUPS_MIN_BLOCKS", 4))
             if row_blocks > 1:
                 defines = {**defines, "GROUPS_ROW_BLOCKS": row_blocks}
-            kernel("moe_int4.cu", "moe_gemv_int4_groups", **defines)(
-                (-(-column_blocks // row_blocks), grid_rows or 1), (MMA_GEMV_WARPS * 32,), args)
+            launch_decode("moe_int4.cu", "moe_gemv_int4_groups", (-(-column_blocks // row_blocks), grid_rows or 1),
+                          (MMA_GEMV_WARPS * 32,), args, **defines)
             return
         defines = {"MMA_GEMV_NTILES": 2}  # other layouts: moe_gemv_mma
         name = "mma"
