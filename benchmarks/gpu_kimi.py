@@ -1152,6 +1152,8 @@ LAYER_OPTIONS = {  # --variants' third field ("+"-joined): what each option chan
     "rms_scaled": "q_a_norm + q_b at one row as one launch, gemv_m1_rms_scaled ($OPENINFER_RMS_SCALED_GEMV=1)",
     "oproj_prefetch": "batch 1: o_proj's last 32 MB pulled into L2 from a side stream during the MLA "
                       "($OPENINFER_L2_WEIGHT_PREFETCH_MB=32; the layer bench only)",
+    "decode_pdl": "programmatic dependent launch of the one-row GEMVs, decode routers and lane-groups INT4 GEMV "
+                  "($OPENINFER_DECODE_PDL=1)",
 }
 # Earlier spellings that name a default (kept so older commands still parse; they change nothing)
 LAYER_DEFAULT_OPTIONS = ("fast_routing", "spread_rope", "mla_splits64", "mla_async", "mla_combine_shared")
@@ -1261,7 +1263,8 @@ def use_variant(gemv_kernel: str, options: tuple[str, ...]) -> None:
                 "no_router_fused": (cuda_moe.ROUTER_FUSED_ENV, "0"),
                 "int4_row_blocks": (cuda_moe.INT4_ROW_BLOCKS_ENV, "auto"),
                 "rms_scaled": ("OPENINFER_RMS_SCALED_GEMV", "1"),
-                "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32")}
+                "oproj_prefetch": ("OPENINFER_L2_WEIGHT_PREFETCH_MB", "32"),
+                "decode_pdl": ("OPENINFER_DECODE_PDL", "1")}
     for env, _ in switches.values():  # first all unset (two options may set one variable), then the chosen
         os.environ.pop(env, None)
     for option, (env, value) in switches.items():
